@@ -1,0 +1,101 @@
+"""Checkpoints: named tensors in a self-describing binary format that is safe to load from an
+untrusted peer (no pickle, whitelisted dtypes, every size checked before any allocation)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Mapping
+
+import numpy as np
+
+MAGIC = b"FLCKPT1\n"
+_HEADER_LEN = struct.Struct("<I")
+_DIGEST_LEN = 32
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSORS = 4096
+ALLOWED_DTYPES = frozenset(
+    {"float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is malformed, truncated, tampered with or holds what it may not."""
+
+
+def encode_checkpoint(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """Serialize named tensors (little-endian, C order) with a SHA-256 over header and data."""
+    entries = []
+    blobs = []
+    offset = 0
+    for name, value in tensors.items():
+        arr = np.asarray(value)
+        dtype_name = arr.dtype.name
+        if dtype_name not in ALLOWED_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {dtype_name}, which checkpoints do not carry")
+        data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+        entries.append({"name": str(name), "dtype": dtype_name, "shape": list(arr.shape), "offset": offset, "nbytes": len(data)})
+        blobs.append(data)
+        offset += len(data)
+    header = json.dumps({"tensors": entries}, separators=(",", ":")).encode()
+    body = b"".join(blobs)
+    digest = hashlib.sha256(header + body).digest()
+    return b"".join([MAGIC, _HEADER_LEN.pack(len(header)), header, digest, body])
+
+
+def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """Parse and verify a checkpoint; returns read-only arrays that view ``data``."""
+    view = memoryview(data)
+    if max_bytes is not None and len(view) > max_bytes:
+        raise CheckpointError(f"checkpoint is {len(view)} bytes, more than the limit of {max_bytes}")
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise CheckpointError("not a checkpoint: the magic bytes are missing (was this file written by encode_checkpoint?)")
+    pos = len(MAGIC)
+    if len(view) < pos + _HEADER_LEN.size:
+        raise CheckpointError("checkpoint is truncated before its header length")
+    (header_len,) = _HEADER_LEN.unpack_from(view, pos)
+    pos += _HEADER_LEN.size
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(f"checkpoint header claims {header_len} bytes, more than {MAX_HEADER_BYTES}")
+    if len(view) < pos + header_len + _DIGEST_LEN:
+        raise CheckpointError("checkpoint is truncated inside its header")
+    header_bytes = bytes(view[pos : pos + header_len])
+    pos += header_len
+    digest = bytes(view[pos : pos + _DIGEST_LEN])
+    pos += _DIGEST_LEN
+    body = view[pos:]
+    if hashlib.sha256(header_bytes + body).digest() != digest:
+        raise CheckpointError("checkpoint checksum mismatch: the data is corrupt or was altered")
+    try:
+        header = json.loads(header_bytes)
+        entries = header["tensors"]
+        if not isinstance(entries, list):
+            raise TypeError("tensors is not a list")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint header is not valid: {exc}") from None
+    if len(entries) > MAX_TENSORS:
+        raise CheckpointError(f"checkpoint holds {len(entries)} tensors, more than {MAX_TENSORS}")
+    out: dict[str, np.ndarray] = {}
+    for entry in entries:
+        try:
+            name = entry["name"]
+            dtype_name = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            offset = int(entry["offset"])
+            nbytes = int(entry["nbytes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint header entry is malformed: {exc}") from None
+        if not isinstance(name, str) or name in out:
+            raise CheckpointError(f"checkpoint tensor name {name!r} is invalid or repeated")
+        if dtype_name not in ALLOWED_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {dtype_name!r}, which is not allowed")
+        if any(d < 0 for d in shape) or len(shape) > 32:
+            raise CheckpointError(f"tensor {name!r} has an invalid shape {shape}")
+        dtype = np.dtype(dtype_name).newbyteorder("<")
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > len(body):
+            raise CheckpointError(f"tensor {name!r} does not fit its declared shape, dtype and place in the data")
+        arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+        out[name] = arr.astype(dtype.newbyteorder("="), copy=False)
+    return out

@@ -1,0 +1,1 @@
+"""Secure Aggregation (sans-I/O). Implemented in its own issue."""
