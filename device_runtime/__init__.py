@@ -1,1 +1,52 @@
-"""device_runtime."""
+"""The device runtime (SDK): plans and their execution, checkpoints, and the FL runtime an app embeds."""
+
+from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from .errors import (
+    CorruptResource,
+    NoExamples,
+    ProtocolError,
+    RuntimeSdkError,
+    ServerUnreachable,
+    SessionRejected,
+)
+from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
+from .plan import PLAN_FORMAT_VERSION, DeviceConfig, Plan, PlanError, PlanMetadata, ServerPart, load_plan, serialize_plan
+from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regression_plan, initial_weights
+from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
+from .runtime import Event, FLRuntime, Outcome, SessionResult
+from .versions import version_tuple
+
+__all__ = [
+    "PLAN_FORMAT_VERSION",
+    "CheckinAccepted",
+    "CheckpointError",
+    "CorruptResource",
+    "DeviceConfig",
+    "DeviceResult",
+    "Event",
+    "FLRuntime",
+    "NoExamples",
+    "Outcome",
+    "Plan",
+    "PlanError",
+    "PlanExecutor",
+    "PlanMetadata",
+    "ProtocolClient",
+    "ProtocolError",
+    "RetryPolicy",
+    "RuntimeSdkError",
+    "ServerPart",
+    "ServerUnreachable",
+    "SessionRejected",
+    "SessionResult",
+    "TrainingInterrupted",
+    "build_eval_plan",
+    "build_mlp_plan",
+    "build_softmax_regression_plan",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "initial_weights",
+    "load_plan",
+    "serialize_plan",
+    "version_tuple",
+]

@@ -1,0 +1,126 @@
+"""Check-ins per second that one uvicorn worker answers on loopback to concurrent clients.
+
+The server runs in its own process; the load comes from this process over keep-alive
+connections. Baseline in the same run: the same server's trivial health endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from device_runtime import encode_checkpoint, initial_weights
+from server_stub import AdminClient, RoundConfig, free_port
+
+GOAL = 500
+
+
+def _emit(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def _load(port: int, method: str, path: str, body: bytes, connections: int, duration: float) -> tuple[int, int]:
+    """Closed-loop load: each connection sends a request as soon as the previous answer is in."""
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    done = 0
+    errors = 0
+    stop_at = time.perf_counter() + duration
+
+    async def worker() -> None:
+        nonlocal done, errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while time.perf_counter() < stop_at:
+                writer.write(head)
+                status_line = await reader.readline()
+                length = 0
+                while True:
+                    line = await reader.readline()
+                    if line in (b"\r\n", b""):
+                        break
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                if b" 200 " in status_line:
+                    done += 1
+                else:
+                    errors += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+    return done, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--connections", type=int, default=32)
+    args = parser.parse_args()
+    duration = 3.0 if args.quick else 10.0
+    from tests.support import digits_plan  # a small real plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server_stub", "--db", str(Path(tmp) / "bench.db"), "--port", str(port)],
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    httpx.get(url + "/v1/health", timeout=1)
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("server did not start")
+                    time.sleep(0.05)
+            plan = digits_plan()
+            with AdminClient(url) as admin:
+                admin.create_population("bench")
+                admin.deploy_task(
+                    "bench", "t", plan, encode_checkpoint(initial_weights(plan)),
+                    RoundConfig(goal_count=GOAL, over_selection=1.0, selection_timeout_s=3600, report_timeout_s=3600),
+                )
+            checkin_body = json.dumps({"runtime_version": "1.31.1", "eligibility": {}}).encode()
+            results = {}
+            for name, method, path, body in [
+                ("health", "GET", "/v1/health", b""),
+                ("checkin", "POST", "/v1/populations/bench/checkin", checkin_body),
+            ]:
+                asyncio.run(_load(port, method, path, body, args.connections, 0.5))  # warm-up
+                t0 = time.perf_counter()
+                done, errors = asyncio.run(_load(port, method, path, body, args.connections, duration))
+                elapsed = time.perf_counter() - t0
+                results[name] = done / elapsed
+                _emit({"case": name, "connections": args.connections, "requests": done, "errors": errors, "per_s": round(done / elapsed, 1)})
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    rate = results["checkin"]
+    _emit(
+        {
+            "benchmark": "server_checkin",
+            "summary": True,
+            "checkins_per_s": round(rate, 1),
+            "health_per_s": round(results["health"], 1),
+            "ratio_vs_health": round(rate / results["health"], 3),
+            "targets": {"checkins_per_s": {"value": round(rate, 1), "goal": 500, "met": rate >= 500}},
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The device side of the FL protocol over HTTP: check-in, resources, report, abort.
+
+Connection errors and 5xx answers are retried with exponential backoff and full jitter; 4xx
+answers are final and raised as ProtocolError with the server's stable error code."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import httpx
+
+from .errors import CorruptResource, ProtocolError, ServerUnreachable
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""
+        return rng.uniform(0.0, min(self.max_delay_s, self.base_delay_s * (2**attempt)))
+
+
+@dataclass(frozen=True)
+class CheckinAccepted:
+    session_id: str
+    token: str
+    task: str
+    round: int
+    plan_id: str
+    checkpoint_id: str
+    aggregation: str
+    report_deadline_s: float
+
+
+class ProtocolClient:
+    """One device's connection to one FL server."""
+
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        timeout_s: float = 10.0,
+        retry: RetryPolicy = RetryPolicy(),
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.server_url = server_url.rstrip("/")
+        self.retry = retry
+        self.rng = rng or random.Random()
+        self.sleep = sleep
+        self._owns_client = client is None
+        self.http = client or httpx.Client(timeout=httpx.Timeout(timeout_s))
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        url = self.server_url + path
+        last_error: Exception | None = None
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                self.sleep(self.retry.delay(attempt, self.rng))
+            try:
+                response = self.http.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                last_error = exc
+                continue
+            body = kwargs.get("content") or b""
+            self.bytes_sent += len(body) if isinstance(body, (bytes, bytearray)) else 0
+            self.bytes_received += len(response.content)
+            if response.status_code >= 500:
+                last_error = ProtocolError(f"server error {response.status_code}", status=response.status_code)
+                continue
+            return response
+        raise ServerUnreachable(
+            f"the FL server at {self.server_url} did not answer {method} {path} after {self.retry.attempts} attempts: {last_error}"
+        )
+
+    @staticmethod
+    def _raise_for_error(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        code, message = None, response.text[:200]
+        try:
+            err = response.json()["error"]
+            code, message = err["code"], err["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
+
+    def checkin(self, population: str, runtime_version: str, eligibility: dict | None = None) -> CheckinAccepted | dict:
+        """Returns CheckinAccepted, or the rejection dict with ``reason`` and ``retry_after_s``."""
+        response = self._request(
+            "POST",
+            f"/v1/populations/{population}/checkin",
+            json={"runtime_version": runtime_version, "eligibility": eligibility or {}},
+        )
+        self._raise_for_error(response)
+        data = response.json()
+        if data.get("status") == "accepted":
+            try:
+                return CheckinAccepted(
+                    session_id=data["session_id"],
+                    token=data["token"],
+                    task=data["task"],
+                    round=int(data["round"]),
+                    plan_id=data["plan_id"],
+                    checkpoint_id=data["checkpoint_id"],
+                    aggregation=data["aggregation"],
+                    report_deadline_s=float(data["report_deadline_s"]),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"the check-in answer is missing {exc}") from None
+        if data.get("status") == "rejected":
+            return data
+        raise ProtocolError(f"unexpected check-in answer: {data!r}")
+
+    def fetch_resource(self, resource_id: str) -> bytes:
+        """Download a content-addressed resource and check that it is what its id names."""
+        response = self._request("GET", f"/v1/resources/{resource_id}")
+        self._raise_for_error(response)
+        data = response.content
+        if hashlib.sha256(data).hexdigest() != resource_id:
+            raise CorruptResource(f"resource {resource_id} arrived corrupted (its SHA-256 does not match); it was discarded")
+        return data
+
+    def report(self, session: CheckinAccepted, update: bytes) -> dict:
+        response = self._request(
+            "POST",
+            f"/v1/sessions/{session.session_id}/report",
+            content=update,
+            headers={"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"},
+        )
+        self._raise_for_error(response)
+        return response.json()
+
+    def abort(self, session: CheckinAccepted, reason: str) -> None:
+        response = self._request(
+            "POST",
+            f"/v1/sessions/{session.session_id}/abort",
+            json={"reason": reason},
+            headers={"Authorization": f"Bearer {session.token}"},
+        )
+        self._raise_for_error(response)

@@ -1,0 +1,175 @@
+"""The main job: a fleet of emulated devices trains a digit classifier with the FL server
+over real HTTP, some devices dropping out or reporting late, and the held-out accuracy is shown
+after every round."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from device_runtime import PlanExecutor, build_eval_plan, build_mlp_plan, encode_checkpoint, initial_weights
+from example_store import ExampleSelector
+from server_stub import AdminClient, RoundConfig, ServerThread
+
+from .datasets import load_digits_dataset, partition_by_shards
+from .device import DeviceProfile, EmulatedDevice, Fleet
+
+POPULATION = "digits"
+COLLECTION = "app:/digits"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    devices: int = 100
+    rounds: int = 30
+    goal_count: int = 20
+    over_selection: float = 1.3
+    min_fraction: float = 0.8
+    hidden: tuple[int, ...] = (32,)
+    learning_rate: float = 0.1
+    batch_size: int = 8
+    epochs: int = 5
+    dropout_prob: float = 0.1
+    late_prob: float = 0.1
+    report_timeout_s: float = 2.0
+    selection_timeout_s: float = 10.0
+    seed: int = 0
+    time_limit_s: float = 600.0
+    workdir: str | None = None
+
+
+def _evaluate(executor: PlanExecutor, weights: dict, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    batches = [{"x": x[i : i + 256], "y": y[i : i + 256]} for i in range(0, len(y), 256)]
+    return executor.evaluate(weights, batches)
+
+
+def _row(cells: list[object], widths: list[int]) -> str:
+    return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
+
+
+def run_demo(config: DemoConfig = DemoConfig(), out: TextIO = sys.stdout) -> dict:
+    """Run the whole demo; returns (and prints as the last line) a JSON-able summary."""
+    started = time.monotonic()
+    rng = random.Random(config.seed)
+    data = load_digits_dataset(seed=config.seed)
+    parts = partition_by_shards(data.y_train, config.devices, seed=config.seed)
+    selector = ExampleSelector(COLLECTION)
+    plan = build_mlp_plan(
+        data.num_features,
+        config.hidden,
+        data.num_classes,
+        learning_rate=config.learning_rate,
+        batch_size=config.batch_size,
+        epochs=config.epochs,
+        selector=selector,
+        inputs={"x": "x", "y": "y"},
+        shuffle_seed=config.seed,
+        name="digits_mlp",
+    )
+    evaluator = PlanExecutor(build_eval_plan(plan))
+    weights0 = initial_weights(plan, seed=config.seed)
+    round_config = RoundConfig(
+        goal_count=config.goal_count,
+        over_selection=config.over_selection,
+        min_fraction=config.min_fraction,
+        selection_timeout_s=config.selection_timeout_s,
+        report_timeout_s=config.report_timeout_s,
+        retry_window_s=(0.2, 1.0),
+        max_rounds=config.rounds,
+    )
+    with tempfile.TemporaryDirectory(prefix="fl-demo-", dir=config.workdir) as tmp:
+        root = Path(tmp)
+        server = ServerThread(root / "server.db").start()
+        admin = AdminClient(server.url)
+        fleet: Fleet | None = None
+        try:
+            print(f"FL server on {server.url} (SQLite at {root / 'server.db'})", file=out)
+            admin.create_population(POPULATION)
+            admin.deploy_task(POPULATION, "digits-train", plan, encode_checkpoint(weights0), round_config)
+            profile = DeviceProfile(
+                dropout_prob=config.dropout_prob,
+                late_prob=config.late_prob,
+                late_delay_s=config.report_timeout_s + 0.5,
+                cooldown_s=(0.2, 1.5),
+            )
+            devices = []
+            for i in range(config.devices):
+                device = EmulatedDevice(
+                    f"device-{i:04d}", root / "devices" / f"{i:04d}", server.url, POPULATION,
+                    profile=profile, collection_uri=COLLECTION, seed=rng.randrange(2**31),
+                )
+                device.add_examples(data.x_train[parts[i]], data.y_train[parts[i]])
+                devices.append(device)
+            print(
+                f"{config.devices} devices with {len(data.y_train)} training examples (non-IID, about 2 classes each); "
+                f"{len(data.y_test)} held-out test examples; goal {config.goal_count} devices per round, "
+                f"{config.rounds} rounds",
+                file=out,
+            )
+            initial = _evaluate(evaluator, weights0, data.x_test, data.y_test)
+            print(f"initial test accuracy {initial['eval_accuracy']:.3f}", file=out)
+            widths = [5, 8, 8, 9, 7, 10, 8, 10]
+            print(_row(["round", "status", "selected", "reported", "late", "dropped", "loss", "test_acc"], widths), file=out)
+            out.flush()
+            fleet = Fleet(devices)
+            fleet.start()
+            shown = 0
+            committed = 0
+            accuracy = initial["eval_accuracy"]
+            history: list[dict] = []
+            # A row is printed once late reports for its round can no longer arrive.
+            settle_s = config.report_timeout_s + 1.0
+            while time.monotonic() - started < config.time_limit_s:
+                time.sleep(0.2)
+                rounds = admin.rounds(POPULATION)
+                server_done = fleet_done(rounds, config.rounds)
+                for record in rounds[shown:]:
+                    if time.time() < record["ended_at"] + settle_s:
+                        break
+                    shown += 1
+                    m = record["metrics"]
+                    acc = ""
+                    if record["status"] == "committed":
+                        committed += 1
+                        weights = admin.checkpoint(record["checkpoint_id"])
+                        accuracy = _evaluate(evaluator, weights, data.x_test, data.y_test)["eval_accuracy"]
+                        acc = f"{accuracy:.3f}"
+                    loss = f"{m['train_loss']:.4f}" if "train_loss" in m else ""
+                    cells = [record["round"], record["status"], m["selected"], m["reported"], m["rejected_late"], m["dropped"], loss, acc]
+                    print(_row(cells, widths), file=out)
+                    out.flush()
+                    history.append({**m, "round": record["round"], "status": record["status"], "test_accuracy": acc or None})
+                if server_done and shown == len(rounds):
+                    break
+        finally:
+            if fleet is not None:
+                fleet.stop()
+            admin.close()
+            server.stop()
+        summary = {
+            "rounds_committed": committed,
+            "rounds_abandoned": sum(1 for r in history if r["status"] == "abandoned"),
+            "final_test_accuracy": round(float(accuracy), 4),
+            "initial_test_accuracy": round(float(initial["eval_accuracy"]), 4),
+            "devices": config.devices,
+            "reports_rejected_late": sum(int(r["rejected_late"]) for r in history),
+            "session_outcomes": dict(sorted(fleet.outcomes().items())) if fleet else {},
+            "session_shapes": dict(fleet.shapes().most_common()) if fleet else {},
+            "elapsed_s": round(time.monotonic() - started, 1),
+            "config": asdict(config),
+        }
+        print(json.dumps(summary), file=out)
+        return summary
+
+
+
+def fleet_done(rounds: list[dict], target: int) -> bool:
+    return sum(1 for r in rounds if r["status"] == "committed") >= target

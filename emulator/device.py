@@ -1,0 +1,123 @@
+"""An emulated device: its own app database with an example store, the SDK's runtime, and a
+behaviour profile that makes some sessions drop out or report too late."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from device_runtime import FLRuntime, RetryPolicy, RuntimeSdkError, SessionRejected
+from example_store import SQLiteExampleStore
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """How often a device misbehaves in a session, and how long it waits between sessions."""
+
+    dropout_prob: float = 0.0
+    late_prob: float = 0.0
+    late_delay_s: float = 5.0
+    cooldown_s: tuple[float, float] = (0.5, 2.0)
+
+
+class EmulatedDevice:
+    def __init__(
+        self,
+        device_id: str,
+        root: Path,
+        server_url: str,
+        population: str,
+        *,
+        profile: DeviceProfile = DeviceProfile(),
+        collection_uri: str = "app:/examples",
+        seed: int = 0,
+        runtime_version: str | None = None,
+    ) -> None:
+        self.device_id = device_id
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.profile = profile
+        self.collection_uri = collection_uri
+        self.rng = random.Random(seed)
+        self.store = SQLiteExampleStore(self.root / "app.db")
+        kwargs = {"runtime_version": runtime_version} if runtime_version else {}
+        self.runtime = FLRuntime(
+            population,
+            server_url,
+            self.store,
+            cache_dir=self.root / "cache",
+            retry=RetryPolicy(attempts=3, base_delay_s=0.05, max_delay_s=0.5),
+            rng=random.Random(seed + 1),
+            **kwargs,
+        )
+        self.outcomes: Counter[str] = Counter()
+        self.shapes: Counter[str] = Counter()
+
+    def add_examples(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.store.add(self.collection_uri, ({"x": xi, "y": yi} for xi, yi in zip(x, y)))
+
+    def step(self) -> float:
+        """One attempt at a session; returns how long to wait before the next one."""
+        drop = self.rng.random() < self.profile.dropout_prob
+        late = not drop and self.rng.random() < self.profile.late_prob
+        try:
+            result = self.runtime.run_session(
+                should_abort=(lambda: True) if drop else None,
+                before_report=(lambda: threading.Event().wait(self.profile.late_delay_s)) if late else None,
+            )
+        except SessionRejected as rejected:
+            self.outcomes[f"rejected:{rejected.reason}"] += 1
+            return self.runtime.next_retry_delay()
+        except RuntimeSdkError as exc:
+            self.outcomes[f"error:{type(exc).__name__}"] += 1
+            return self.rng.uniform(*self.profile.cooldown_s)
+        self.outcomes[result.outcome.value] += 1
+        self.shapes[result.shape] += 1
+        return self.rng.uniform(*self.profile.cooldown_s)
+
+    def run(self, stop: threading.Event) -> None:
+        stop.wait(self.rng.uniform(0.0, 0.5))
+        while not stop.is_set():
+            delay = self.step()
+            stop.wait(delay)
+
+    def close(self) -> None:
+        self.runtime.close()
+        self.store.close()
+
+
+class Fleet:
+    """Runs every device's loop in its own thread until ``stop``."""
+
+    def __init__(self, devices: list[EmulatedDevice]) -> None:
+        self.devices = devices
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=d.run, args=(self._stop,), name=d.device_id, daemon=True) for d in devices]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)
+        for device in self.devices:
+            device.close()
+
+    def outcomes(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for device in self.devices:
+            total.update(device.outcomes)
+        return total
+
+    def shapes(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for device in self.devices:
+            total.update(device.shapes)
+        return total

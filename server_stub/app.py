@@ -1,0 +1,208 @@
+"""The HTTP shell: Starlette routes that parse and bound requests, then call FLService."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .errors import ApiError, BodyTooLarge, MalformedBody, Unauthorized
+from .persistence import ServerStore
+from .rounds import RoundConfig
+from .service import FLService
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_BYTES = 64 * 1024
+MAX_DEPLOY_BYTES = 512 * 1024 * 1024
+TICK_INTERVAL_S = 0.05
+CACHE_FOREVER = "public, max-age=31536000, immutable"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read at most ``limit`` bytes; a larger body is refused before it is all in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise BodyTooLarge(f"the body is {declared} bytes; the limit here is {limit}")
+        except ValueError:
+            raise MalformedBody("Content-Length is not a number") from None
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    raw = await read_body(request, limit)
+    try:
+        data = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedBody(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise MalformedBody("the body must be a JSON object")
+    return data
+
+
+def _field(data: dict, name: str, kind: type | tuple[type, ...], *, required: bool = True, default: Any = None) -> Any:
+    if name not in data:
+        if required:
+            raise MalformedBody(f"field {name!r} is required", code="MISSING_FIELD")
+        return default
+    value = data[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise MalformedBody(f"field {name!r} has the wrong type", code="BAD_FIELD")
+    return value
+
+
+def _b64(data: dict, name: str) -> bytes:
+    try:
+        return base64.b64decode(_field(data, name, str), validate=True)
+    except (binascii.Error, ValueError):
+        raise MalformedBody(f"field {name!r} is not valid base64", code="BAD_FIELD") from None
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("send the session token as 'Authorization: Bearer <token>'", code="MISSING_TOKEN")
+    return token.strip()
+
+
+def create_app(service: FLService) -> Starlette:
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def create_population(request: Request) -> Response:
+        data = await read_json(request)
+        created = service.create_population(_field(data, "name", str))
+        return JSONResponse({"name": data["name"], "created": created}, status_code=201 if created else 200)
+
+    async def population_status(request: Request) -> Response:
+        return JSONResponse(service.population_status(request.path_params["population"]))
+
+    async def deploy_task(request: Request) -> Response:
+        data = await read_json(request, MAX_DEPLOY_BYTES)
+        name = _field(data, "name", str)
+        plan = _b64(data, "plan")
+        checkpoint = _b64(data, "checkpoint")
+        try:
+            config = RoundConfig.from_dict(_field(data, "config", dict, required=False, default={}))
+        except (ValueError, TypeError) as exc:
+            raise MalformedBody(f"the round config is not valid: {exc}", code="BAD_CONFIG") from None
+        population = request.path_params["population"]
+        record = await run_in_threadpool(service.deploy_task, population, name, plan, checkpoint, config)
+        return JSONResponse(
+            {"task": record.name, "population": population, "plan_id": record.plan_id, "checkpoint_id": record.initial_checkpoint_id},
+            status_code=201,
+        )
+
+    async def checkin(request: Request) -> Response:
+        data = await read_json(request)
+        runtime_version = _field(data, "runtime_version", str)
+        _field(data, "eligibility", dict, required=False)
+        return JSONResponse(service.checkin(request.path_params["population"], runtime_version))
+
+    async def resource(request: Request) -> Response:
+        rid = request.path_params["rid"]
+        etag = f'"{rid}"'
+        if request.headers.get("if-none-match") == etag:
+            service.resource(rid)
+            return Response(status_code=304, headers={"ETag": etag, "Cache-Control": CACHE_FOREVER})
+        data = await run_in_threadpool(service.resource, rid)
+        return Response(data, media_type="application/octet-stream", headers={"ETag": etag, "Cache-Control": CACHE_FOREVER})
+
+    async def report(request: Request) -> Response:
+        sid = request.path_params["sid"]
+        token = _bearer(request)
+        limit = service.report_limit(sid)
+        body = await read_body(request, limit)
+        return JSONResponse(await run_in_threadpool(service.report, sid, token, body))
+
+    async def abort(request: Request) -> Response:
+        sid = request.path_params["sid"]
+        token = _bearer(request)
+        data = await read_json(request)
+        reason = _field(data, "reason", str, required=False, default="unspecified")
+        return JSONResponse(service.abort(sid, token, reason[:200]))
+
+    async def list_rounds(request: Request) -> Response:
+        rounds = await run_in_threadpool(service.rounds, request.path_params["population"])
+        return JSONResponse({"rounds": rounds})
+
+    async def model(request: Request) -> Response:
+        data, number, task = await run_in_threadpool(service.current_model, request.path_params["population"])
+        return Response(data, media_type="application/octet-stream", headers={"X-Round": str(number), "X-Task": task})
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return JSONResponse({"error": {"code": "INTERNAL", "message": "internal server error"}}, status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(TICK_INTERVAL_S)
+                try:
+                    await run_in_threadpool(service.tick)
+                except Exception:  # keep ticking: one bad tick must not stop rounds forever
+                    log.exception("round tick failed")
+
+        task = asyncio.create_task(ticker())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    routes = [
+        Route("/v1/health", health),
+        Route("/v1/populations", create_population, methods=["POST"]),
+        Route("/v1/populations/{population}", population_status),
+        Route("/v1/populations/{population}/tasks", deploy_task, methods=["POST"]),
+        Route("/v1/populations/{population}/checkin", checkin, methods=["POST"]),
+        Route("/v1/populations/{population}/rounds", list_rounds),
+        Route("/v1/populations/{population}/model", model),
+        Route("/v1/resources/{rid}", resource),
+        Route("/v1/sessions/{sid}/report", report, methods=["POST"]),
+        Route("/v1/sessions/{sid}/abort", abort, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+    )
+    app.state.service = service
+    return app
+
+
+def create_app_from_path(db_path: str) -> Starlette:
+    """An app over its own SQLite database file (what ``uvicorn --factory`` would call)."""
+    return create_app(FLService(ServerStore(db_path)))

@@ -1,0 +1,73 @@
+"""Typed API errors: each carries the HTTP status and a stable code that clients can branch on."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """An error the API reports as JSON ``{"error": {"code", "message"}}`` with a 4xx status."""
+
+    status: int = 400
+    code: str = "BAD_REQUEST"
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def to_json(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+class BadRequest(ApiError):
+    status, code = 400, "BAD_REQUEST"
+
+
+class MalformedBody(ApiError):
+    status, code = 400, "MALFORMED_BODY"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "UNAUTHORIZED"
+
+
+class NotFound(ApiError):
+    status, code = 404, "NOT_FOUND"
+
+
+class Conflict(ApiError):
+    status, code = 409, "CONFLICT"
+
+
+class ReportLate(ApiError):
+    status, code = 409, "REPORT_LATE"
+
+
+class DuplicateReport(ApiError):
+    status, code = 409, "DUPLICATE_REPORT"
+
+
+class SessionClosed(ApiError):
+    status, code = 409, "SESSION_CLOSED"
+
+
+class BodyTooLarge(ApiError):
+    status, code = 413, "BODY_TOO_LARGE"
+
+
+class UnsupportedMediaType(ApiError):
+    status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
+
+
+class InvalidUpdate(ApiError):
+    status, code = 422, "INVALID_UPDATE"
+
+
+class InvalidPlan(ApiError):
+    status, code = 422, "INVALID_PLAN"
+
+
+class InvalidCheckpoint(ApiError):
+    status, code = 422, "INVALID_CHECKPOINT"

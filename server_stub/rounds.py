@@ -1,0 +1,227 @@
+"""The round state machine of the paper's section 2.2 (selection, configuration, reporting) as a
+pure core: it takes the current time and session ids and returns verdicts; it does no I/O."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """How one task's rounds are run.
+
+    A round selects ``ceil(goal_count * over_selection)`` devices, commits as soon as
+    ``goal_count`` of them have reported, and otherwise, once every selected device has reported,
+    aborted or passed its deadline, commits if at least ``ceil(goal_count * min_fraction)`` reported
+    and is abandoned if not.
+    """
+
+    goal_count: int = 10
+    over_selection: float = 1.3
+    min_fraction: float = 0.8
+    selection_timeout_s: float = 30.0
+    report_timeout_s: float = 60.0
+    retry_window_s: tuple[float, float] = (5.0, 15.0)
+    max_rounds: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.goal_count < 1:
+            raise ValueError("goal_count must be at least 1")
+        if self.over_selection < 1.0:
+            raise ValueError("over_selection must be at least 1.0 (1.3 selects 30% more devices than the goal)")
+        if not 0.0 < self.min_fraction <= 1.0:
+            raise ValueError("min_fraction must be in (0, 1]")
+        if self.selection_timeout_s <= 0 or self.report_timeout_s <= 0:
+            raise ValueError("selection_timeout_s and report_timeout_s must be positive")
+        lo, hi = self.retry_window_s
+        if not 0 <= lo <= hi:
+            raise ValueError("retry_window_s must be (min, max) with 0 <= min <= max")
+        if self.max_rounds is not None and self.max_rounds < 1:
+            raise ValueError("max_rounds must be at least 1 when given")
+
+    @property
+    def selection_target(self) -> int:
+        return math.ceil(self.goal_count * self.over_selection - 1e-9)
+
+    @property
+    def min_reports(self) -> int:
+        return max(1, math.ceil(self.goal_count * self.min_fraction - 1e-9))
+
+    def to_dict(self) -> dict:
+        return {
+            "goal_count": self.goal_count,
+            "over_selection": self.over_selection,
+            "min_fraction": self.min_fraction,
+            "selection_timeout_s": self.selection_timeout_s,
+            "report_timeout_s": self.report_timeout_s,
+            "retry_window_s": list(self.retry_window_s),
+            "max_rounds": self.max_rounds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RoundConfig":
+        if not isinstance(data, dict):
+            raise ValueError("round config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown round config fields: {sorted(unknown)}")
+        kwargs = dict(data)
+        if "retry_window_s" in kwargs:
+            window = kwargs["retry_window_s"]
+            if not isinstance(window, (list, tuple)) or len(window) != 2:
+                raise ValueError("retry_window_s must be a pair [min, max]")
+            kwargs["retry_window_s"] = (float(window[0]), float(window[1]))
+        for name in ("goal_count", "max_rounds"):
+            if kwargs.get(name) is not None and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], int)):
+                raise ValueError(f"{name} must be an integer")
+        for name in ("over_selection", "min_fraction", "selection_timeout_s", "report_timeout_s"):
+            if name in kwargs and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], (int, float))):
+                raise ValueError(f"{name} must be a number")
+        return cls(**kwargs)
+
+
+class Phase(enum.Enum):
+    SELECTING = "selecting"
+    REPORTING = "reporting"
+    COMMITTED = "committed"
+    ABANDONED = "abandoned"
+
+
+class SessionState(enum.Enum):
+    SELECTED = "selected"
+    REPORTED = "reported"
+    ABORTED = "aborted"
+    LATE = "late"
+
+
+class ReportVerdict(enum.Enum):
+    ACCEPT = "accept"
+    LATE = "late"
+    DUPLICATE = "duplicate"
+    CLOSED = "closed"
+    UNKNOWN = "unknown"
+
+
+@dataclass
+class RoundCore:
+    """One round of one task. ``now`` is any monotonic clock reading in seconds."""
+
+    number: int
+    config: RoundConfig
+    started_at: float
+    phase: Phase = Phase.SELECTING
+    sessions: dict[str, SessionState] = field(default_factory=dict)
+    deadlines: dict[str, float] = field(default_factory=dict)
+    selection_ended_at: float | None = None
+    ended_at: float | None = None
+    late_reports: int = 0
+
+    @property
+    def open(self) -> bool:
+        return self.phase in (Phase.SELECTING, Phase.REPORTING)
+
+    def count(self, state: SessionState) -> int:
+        return sum(1 for s in self.sessions.values() if s is state)
+
+    @property
+    def reported(self) -> int:
+        return self.count(SessionState.REPORTED)
+
+    def try_select(self, session_id: str, now: float) -> bool:
+        """Admit a checking-in device if the round is still selecting and has room."""
+        self.advance(now)
+        if self.phase is not Phase.SELECTING:
+            return False
+        self.sessions[session_id] = SessionState.SELECTED
+        self.deadlines[session_id] = now + self.config.report_timeout_s
+        if len(self.sessions) >= self.config.selection_target:
+            self._end_selection(now)
+        return True
+
+    def report(self, session_id: str, now: float) -> ReportVerdict:
+        """Decide whether a report is taken; only ACCEPT means the update is aggregated."""
+        state = self.sessions.get(session_id)
+        if state is None:
+            return ReportVerdict.UNKNOWN
+        if state is SessionState.REPORTED:
+            return ReportVerdict.DUPLICATE
+        if state in (SessionState.ABORTED, SessionState.LATE):
+            return ReportVerdict.LATE if state is SessionState.LATE else ReportVerdict.CLOSED
+        if now > self.deadlines[session_id]:
+            self.sessions[session_id] = SessionState.LATE
+            self.late_reports += 1
+            self.advance(now)
+            return ReportVerdict.LATE
+        if not self.open:
+            self.sessions[session_id] = SessionState.LATE
+            self.late_reports += 1
+            return ReportVerdict.LATE
+        return ReportVerdict.ACCEPT
+
+    def confirm_report(self, session_id: str, now: float) -> None:
+        """Record an accepted report once its update has been aggregated."""
+        self.sessions[session_id] = SessionState.REPORTED
+        self.advance(now)
+
+    def abort(self, session_id: str, now: float) -> bool:
+        if self.sessions.get(session_id) is not SessionState.SELECTED:
+            return False
+        self.sessions[session_id] = SessionState.ABORTED
+        self.advance(now)
+        return True
+
+    def advance(self, now: float) -> Phase:
+        """Move the round forward in time: close selection, commit, or abandon."""
+        if not self.open:
+            return self.phase
+        cfg = self.config
+        if self.phase is Phase.SELECTING and now - self.started_at >= cfg.selection_timeout_s:
+            if self.count(SessionState.SELECTED) + self.reported < cfg.min_reports:
+                return self._finish(Phase.ABANDONED, now)
+            self._end_selection(now)
+        if self.reported >= cfg.goal_count:
+            return self._finish(Phase.COMMITTED, now)
+        if self.phase is Phase.REPORTING:
+            outstanding = [
+                sid for sid, s in self.sessions.items() if s is SessionState.SELECTED and self.deadlines[sid] >= now
+            ]
+            if not outstanding:
+                final = Phase.COMMITTED if self.reported >= cfg.min_reports else Phase.ABANDONED
+                return self._finish(final, now)
+            if self.reported + len(outstanding) < cfg.min_reports:
+                return self._finish(Phase.ABANDONED, now)
+        return self.phase
+
+    def next_event_at(self) -> float | None:
+        """When ``advance`` could next change something without any message arriving."""
+        if not self.open:
+            return None
+        if self.phase is Phase.SELECTING:
+            return self.started_at + self.config.selection_timeout_s
+        pending = [self.deadlines[s] for s, st in self.sessions.items() if st is SessionState.SELECTED]
+        return min(pending) if pending else None
+
+    def stats(self, now: float) -> dict:
+        """Outcome counts; ``dropped`` is aborted plus silent past their deadline."""
+        aborted = self.count(SessionState.ABORTED)
+        silent = sum(1 for s, st in self.sessions.items() if st is SessionState.SELECTED and self.deadlines[s] < now)
+        return {
+            "selected": len(self.sessions),
+            "reported": self.reported,
+            "rejected_late": self.late_reports,
+            "aborted": aborted,
+            "dropped": aborted + silent,
+        }
+
+    def _end_selection(self, now: float) -> None:
+        if self.phase is Phase.SELECTING:
+            self.phase = Phase.REPORTING
+            self.selection_ended_at = now
+
+    def _finish(self, phase: Phase, now: float) -> Phase:
+        self.phase = phase
+        self.ended_at = now
+        return phase

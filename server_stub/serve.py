@@ -1,0 +1,59 @@
+"""Run the FL server under uvicorn on a loopback port in a background thread (tests, demo)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import uvicorn
+
+from .app import create_app
+from .persistence import ServerStore
+from .service import FLService
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """A real uvicorn server in this process; ``url`` is valid once ``start`` returns."""
+
+    def __init__(self, db_path: str | os.PathLike, *, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning") -> None:
+        self.store = ServerStore(db_path)
+        self.service = FLService(self.store)
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(
+            create_app(self.service), host=host, port=self.port, log_level=log_level, access_log=False, lifespan="on"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="fl-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the FL server did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.store.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

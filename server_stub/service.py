@@ -1,0 +1,402 @@
+"""The FL server's logic between the HTTP shell and the pure round core: populations, tasks,
+sessions, aggregation of reports as they arrive, and committing rounds to the database."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from device_runtime.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from device_runtime.executor import PlanExecutor
+from device_runtime.plan import Plan, PlanError, load_plan
+from device_runtime.versions import version_tuple
+
+from .errors import (
+    BadRequest,
+    Conflict,
+    DuplicateReport,
+    InvalidCheckpoint,
+    InvalidPlan,
+    InvalidUpdate,
+    NotFound,
+    ReportLate,
+    SessionClosed,
+    Unauthorized,
+)
+from .persistence import RoundRecord, ServerStore, TaskRecord
+from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore
+
+log = logging.getLogger(__name__)
+
+#: How many closed rounds per task keep their session table, so a late report is told it was late.
+CLOSED_ROUNDS_KEPT = 4
+#: Header and framing allowance on top of the tensors a report must carry.
+REPORT_SLACK_BYTES = 64 * 1024
+#: Retry window for devices of a population that has nothing to train.
+IDLE_RETRY_WINDOW_S = (60.0, 180.0)
+
+
+def _hash_token(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+@dataclass
+class _Session:
+    session_id: str
+    token_hash: bytes
+    run: "_TaskRun"
+    core: RoundCore
+
+
+@dataclass
+class _ClosedRound:
+    core: RoundCore
+    record_id: int
+    metrics: dict
+
+
+@dataclass
+class _TaskRun:
+    """What the server holds in memory for the task being trained in a population."""
+
+    record: TaskRecord
+    plan: Plan
+    executor: PlanExecutor
+    config: RoundConfig
+    state: dict[str, np.ndarray]
+    broadcast_id: str
+    round_number: int
+    attempt: int
+    committed_rounds: int
+    report_limit: int
+    core: RoundCore | None = None
+    started_wall: float = 0.0
+    accumulator: dict[str, np.ndarray] | None = None
+    closed: list[_ClosedRound] = field(default_factory=list)
+
+
+class FLService:
+    """Thread-safe; every public method takes the lock for as short a time as it can."""
+
+    def __init__(
+        self,
+        store: ServerStore,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._lock = threading.RLock()
+        self._runs: dict[str, _TaskRun | None] = {}
+        self._sessions: dict[str, _Session] = {}
+        for name in store.population_names():
+            self._runs[name] = self._load_run(name)
+
+    # ----------------------------------------------------------------- admin
+    def create_population(self, name: str) -> bool:
+        _check_name(name, "population")
+        with self._lock:
+            created = self.store.create_population(name)
+            self._runs.setdefault(name, None)
+            return created
+
+    def deploy_task(self, population: str, name: str, plan_bytes: bytes, checkpoint_bytes: bytes, config: RoundConfig) -> TaskRecord:
+        """Validate and store a task; it starts training once no earlier task is active."""
+        _check_name(name, "task")
+        try:
+            plan = load_plan(plan_bytes)
+        except PlanError as exc:
+            raise InvalidPlan(f"the plan was refused: {exc}") from None
+        if plan.kind != "train":
+            raise InvalidPlan(f"only training plans can be deployed as tasks; this plan is of kind {plan.kind!r}")
+        try:
+            weights = decode_checkpoint(checkpoint_bytes)
+        except CheckpointError as exc:
+            raise InvalidCheckpoint(f"the initial checkpoint was refused: {exc}") from None
+        _check_weights(PlanExecutor(plan), weights)
+        with self._lock:
+            if self.store.population_id(population) is None:
+                raise NotFound(f"population {population!r} does not exist; create it first", code="UNKNOWN_POPULATION")
+            if any(t.name == name for t in self.store.tasks(population)):
+                raise Conflict(f"population {population!r} already has a task named {name!r}", code="TASK_EXISTS")
+            plan_id = self.store.put_resource(plan_bytes, "plan")
+            ckpt_id = self.store.put_resource(checkpoint_bytes, "checkpoint")
+            record = self.store.add_task(population, name, plan_id, ckpt_id, config.to_dict())
+            if self._runs.get(population) is None:
+                self._runs[population] = self._load_run(population)
+            return record
+
+    # ----------------------------------------------------------------- device protocol
+    def checkin(self, population: str, runtime_version: str) -> dict:
+        now = self.clock()
+        with self._lock:
+            if population not in self._runs:
+                raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+            run = self._runs[population]
+            if run is None:
+                return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
+            self._advance(run, now)
+            run = self._runs[population]
+            if run is None:
+                return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
+            meta = run.plan.metadata
+            try:
+                device_version = version_tuple(runtime_version)
+            except ValueError:
+                raise BadRequest(f"runtime_version {runtime_version!r} is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION") from None
+            if device_version < version_tuple(meta.min_runtime_version) or (
+                meta.max_runtime_version is not None and device_version > version_tuple(meta.max_runtime_version)
+            ):
+                return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
+            session_id = secrets.token_urlsafe(16)
+            if run.core is None or not run.core.try_select(session_id, now):
+                return _rejected(run.config.retry_window_s, "ROUND_FULL")
+            token = secrets.token_urlsafe(32)
+            self._sessions[session_id] = _Session(session_id, _hash_token(token), run, run.core)
+            return {
+                "status": "accepted",
+                "session_id": session_id,
+                "token": token,
+                "task": run.record.name,
+                "round": run.round_number,
+                "plan_id": run.record.plan_id,
+                "checkpoint_id": run.broadcast_id,
+                "aggregation": "secure_sum" if run.plan.server.secure_sum else "simple",
+                "report_deadline_s": run.config.report_timeout_s,
+                "max_report_bytes": run.report_limit,
+            }
+
+    def report_limit(self, session_id: str) -> int:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise NotFound("unknown session; check in again", code="UNKNOWN_SESSION")
+            return session.run.report_limit
+
+    def report(self, session_id: str, token: str, body: bytes) -> dict:
+        """Aggregate one device's update; nothing of it is kept apart from the running sum."""
+        session = self._authorize(session_id, token)
+        run = session.run
+        try:
+            update = decode_checkpoint(body, max_bytes=run.report_limit)
+        except CheckpointError as exc:
+            raise InvalidUpdate(f"the report is not a valid checkpoint: {exc}", code="MALFORMED_UPDATE") from None
+        try:
+            run.executor.validate_update(update)
+        except PlanError as exc:
+            raise InvalidUpdate(f"the report does not match the plan: {exc}") from None
+        now = self.clock()
+        with self._lock:
+            verdict = session.core.report(session_id, now)
+            if verdict is ReportVerdict.DUPLICATE:
+                raise DuplicateReport("this session has already reported")
+            if verdict is ReportVerdict.LATE:
+                self._note_late(run, session.core)
+                raise ReportLate("the reporting window of this session has closed; the update was discarded")
+            if verdict is not ReportVerdict.ACCEPT:
+                raise SessionClosed("this session was aborted or is no longer part of a round")
+            assert run.accumulator is not None
+            run.accumulator = run.executor.accumulate(run.accumulator, update)
+            session.core.confirm_report(session_id, now)
+            self._advance(run, now)
+            return {"status": "accepted", "round": session.core.number}
+
+    def abort(self, session_id: str, token: str, reason: str) -> dict:
+        session = self._authorize(session_id, token)
+        with self._lock:
+            aborted = session.core.abort(session_id, self.clock())
+            log.debug("session %s aborted (%s)", session_id, reason)
+            self._advance(session.run, self.clock())
+            return {"status": "aborted" if aborted else "ignored"}
+
+    def tick(self) -> None:
+        """Let time-based transitions happen even when no device is talking to the server."""
+        now = self.clock()
+        with self._lock:
+            for run in list(self._runs.values()):
+                if run is not None:
+                    self._advance(run, now)
+
+    # ----------------------------------------------------------------- queries
+    def resource(self, rid: str) -> bytes:
+        if len(rid) != 64 or any(c not in "0123456789abcdef" for c in rid):
+            raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+        data = self.store.get_resource(rid)
+        if data is None:
+            raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+        return data
+
+    def rounds(self, population: str) -> list[dict]:
+        if self.store.population_id(population) is None:
+            raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+        out = []
+        for task in self.store.tasks(population):
+            for record in self.store.rounds(task.id):
+                item = record.to_json()
+                item["task"] = task.name
+                out.append(item)
+        return out
+
+    def population_status(self, population: str) -> dict:
+        with self._lock:
+            if population not in self._runs:
+                raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+            run = self._runs[population]
+            tasks = [{"name": t.name, "status": t.status} for t in self.store.tasks(population)]
+            if run is None:
+                return {"population": population, "active_task": None, "tasks": tasks}
+            return {
+                "population": population,
+                "active_task": run.record.name,
+                "round": run.round_number,
+                "committed_rounds": run.committed_rounds,
+                "phase": run.core.phase.value if run.core else None,
+                "checkpoint_id": run.broadcast_id,
+                "tasks": tasks,
+            }
+
+    def current_model(self, population: str) -> tuple[bytes, int, str]:
+        """The newest global model of the population's latest task: bytes, round, task name."""
+        if self.store.population_id(population) is None:
+            raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+        tasks = self.store.tasks(population)
+        if not tasks:
+            raise NotFound(f"population {population!r} has no task yet", code="NO_TASK")
+        with self._lock:
+            run = self._runs.get(population)
+        task = run.record if run is not None else tasks[-1]
+        last = self.store.last_committed_round(task.id)
+        rid = last.checkpoint_id if last is not None and last.checkpoint_id else task.initial_checkpoint_id
+        return self.resource(rid), (last.number if last else 0), task.name
+
+    # ----------------------------------------------------------------- internals
+    def _authorize(self, session_id: str, token: str) -> _Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound("unknown session; the device must check in again", code="UNKNOWN_SESSION")
+        if not token or not hmac.compare_digest(_hash_token(token), session.token_hash):
+            raise Unauthorized("the bearer token does not belong to this session", code="BAD_SESSION_TOKEN")
+        return session
+
+    def _load_run(self, population: str) -> _TaskRun | None:
+        """Build the in-memory state of the first active task, continuing after its last committed round."""
+        for task in self.store.tasks(population):
+            if task.status != "active":
+                continue
+            plan = load_plan(self.store.get_resource(task.plan_id))
+            executor = PlanExecutor(plan)
+            config = RoundConfig.from_dict(task.config)
+            history = self.store.rounds(task.id)
+            committed = [r for r in history if r.status == "committed"]
+            last = committed[-1] if committed else None
+            ckpt = self.store.get_resource(last.checkpoint_id if last else task.initial_checkpoint_id)
+            state = {k: np.array(v) for k, v in decode_checkpoint(ckpt).items()}
+            number = (last.number + 1) if last else 1
+            attempt = 1 + sum(1 for r in history if r.number == number)
+            if config.max_rounds is not None and len(committed) >= config.max_rounds:
+                self.store.set_task_status(task.id, "completed")
+                continue
+            spec = executor.client_update_spec()
+            limit = REPORT_SLACK_BYTES + sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in spec.values())
+            run = _TaskRun(
+                record=task,
+                plan=plan,
+                executor=executor,
+                config=config,
+                state=state,
+                broadcast_id=self.store.put_resource(encode_checkpoint(executor.prepare(state)), "checkpoint"),
+                round_number=number,
+                attempt=attempt,
+                committed_rounds=len(committed),
+                report_limit=limit,
+            )
+            self._start_round(run, self.clock())
+            return run
+        return None
+
+    def _start_round(self, run: _TaskRun, now: float) -> None:
+        run.core = RoundCore(run.round_number, run.config, now)
+        run.accumulator = run.executor.zero()
+        run.started_wall = self.wall_clock()
+
+    def _advance(self, run: _TaskRun, now: float) -> None:
+        core = run.core
+        if core is None:
+            return
+        phase = core.advance(now)
+        if core.open:
+            return
+        self._finish_round(run, core, phase, now)
+
+    def _finish_round(self, run: _TaskRun, core: RoundCore, phase: Phase, now: float) -> None:
+        metrics = core.stats(now)
+        metrics["duration_s"] = round(now - core.started_at, 4)
+        checkpoint = None
+        if phase is Phase.COMMITTED:
+            aggregate = run.executor.report(run.accumulator)
+            new_state, update_metrics = run.executor.update(run.state, aggregate)
+            metrics.update({k: float(v) for k, v in update_metrics.items()})
+            run.state = {k: np.array(v) for k, v in new_state.items()}
+            checkpoint = encode_checkpoint(run.state)
+        record = self.store.record_round(
+            run.record.id, core.number, run.attempt, phase.value, metrics, run.started_wall, self.wall_clock(), checkpoint
+        )
+        run.accumulator = None
+        run.closed.append(_ClosedRound(core, record.id, metrics))
+        del run.closed[:-CLOSED_ROUNDS_KEPT]
+        live = {id(c.core) for c in run.closed}
+        self._sessions = {sid: s for sid, s in self._sessions.items() if s.run is not run or s.core is run.core or id(s.core) in live}
+        if phase is Phase.COMMITTED:
+            run.committed_rounds += 1
+            run.round_number += 1
+            run.attempt = 1
+            run.broadcast_id = self.store.put_resource(encode_checkpoint(run.executor.prepare(run.state)), "checkpoint")
+            log.info("task %s committed round %d: %s", run.record.name, core.number, metrics)
+        else:
+            run.attempt += 1
+            log.info("task %s abandoned round %d (attempt %d): %s", run.record.name, core.number, run.attempt - 1, metrics)
+        if run.config.max_rounds is not None and run.committed_rounds >= run.config.max_rounds:
+            self.store.set_task_status(run.record.id, "completed")
+            run.core = None
+            self._runs[run.record.population] = self._load_run(run.record.population)
+            return
+        self._start_round(run, now)
+
+    def _note_late(self, run: _TaskRun, core: RoundCore) -> None:
+        for closed in run.closed:
+            if closed.core is core:
+                closed.metrics["rejected_late"] = core.late_reports
+                self.store.update_round_metrics(closed.record_id, closed.metrics)
+
+
+def _rejected(window: tuple[float, float], reason: str) -> dict:
+    return {"status": "rejected", "reason": reason, "retry_after_s": [float(window[0]), float(window[1])]}
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not all(c.isalnum() or c in "-_." for c in name):
+        raise BadRequest(f"{what} name must be 1-128 characters of letters, digits, '-', '_' or '.'", code="BAD_NAME")
+
+
+def _check_weights(executor: PlanExecutor, weights: dict[str, np.ndarray]) -> None:
+    expected = {name: spec for name, spec in executor.client_update_spec().items() if name in executor.plan.weight_names}
+    if set(weights) != set(expected):
+        raise InvalidCheckpoint(
+            f"the checkpoint holds {sorted(weights)} but the plan's weights are {sorted(expected)}"
+        )
+    for name, (shape, dtype) in expected.items():
+        if tuple(weights[name].shape) != tuple(shape) or weights[name].dtype != np.dtype(dtype):
+            raise InvalidCheckpoint(
+                f"weight {name!r} is {weights[name].dtype}{list(weights[name].shape)}, the plan needs {np.dtype(dtype)}{list(shape)}"
+            )
