@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 
 import onnxruntime
 
-from example_store import ExampleStore
+from example_store import ExampleStore, UnknownCollectionError
 
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .errors import CorruptResource, NoExamples, ProtocolError, SessionRejected
@@ -145,8 +145,12 @@ class FLRuntime:
                 record("plan_downloaded", plan_id=session.plan_id)
                 executor = self._executors[session.plan_id]
                 store = self.store_for(plan.device.selector.collection_uri)
-                if store.count(plan.device.selector) == 0:
-                    raise NoExamples(f"the selector {plan.device.selector} matched no examples")
+                try:
+                    available = store.count(plan.device.selector)
+                except UnknownCollectionError:
+                    available = 0
+                if available == 0:
+                    raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
                 record("training_started")
                 result = executor.run_device(
                     weights,

@@ -31,7 +31,8 @@ from .errors import (
     SessionClosed,
     Unauthorized,
 )
-from .persistence import RoundRecord, ServerStore, TaskRecord
+from .pace import RoundPace
+from .persistence import ServerStore, TaskRecord
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class _TaskRun:
     committed_rounds: int
     report_limit: int
     core: RoundCore | None = None
+    pace: RoundPace = field(default_factory=RoundPace)
     started_wall: float = 0.0
     accumulator: dict[str, np.ndarray] | None = None
     closed: list[_ClosedRound] = field(default_factory=list)
@@ -160,7 +162,9 @@ class FLService:
                 return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
             session_id = secrets.token_urlsafe(16)
             if run.core is None or not run.core.try_select(session_id, now):
-                return _rejected(run.config.retry_window_s, "ROUND_FULL")
+                started = run.core.started_at if run.core is not None else now
+                cap = run.config.selection_timeout_s + run.config.report_timeout_s
+                return _rejected(run.pace.retry_window(now, started, run.config.retry_window_s, cap), "ROUND_FULL")
             token = secrets.token_urlsafe(32)
             self._sessions[session_id] = _Session(session_id, _hash_token(token), run, run.core)
             return {
@@ -342,13 +346,21 @@ class FLService:
     def _finish_round(self, run: _TaskRun, core: RoundCore, phase: Phase, now: float) -> None:
         metrics = core.stats(now)
         metrics["duration_s"] = round(now - core.started_at, 4)
+        run.pace.observe(now - core.started_at)
         checkpoint = None
         if phase is Phase.COMMITTED:
-            aggregate = run.executor.report(run.accumulator)
-            new_state, update_metrics = run.executor.update(run.state, aggregate)
-            metrics.update({k: float(v) for k, v in update_metrics.items()})
-            run.state = {k: np.array(v) for k, v in new_state.items()}
-            checkpoint = encode_checkpoint(run.state)
+            try:
+                aggregate = run.executor.report(run.accumulator)
+                new_state, update_metrics = run.executor.update(run.state, aggregate)
+                _check_finite(new_state)
+            except Exception as exc:  # a plan whose server part fails must not wedge the task
+                log.exception("task %s: the plan's server part failed; round %d is abandoned", run.record.name, core.number)
+                phase = Phase.ABANDONED
+                metrics["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            else:
+                metrics.update({k: float(v) for k, v in update_metrics.items()})
+                run.state = {k: np.array(v) for k, v in new_state.items()}
+                checkpoint = encode_checkpoint(run.state)
         record = self.store.record_round(
             run.record.id, core.number, run.attempt, phase.value, metrics, run.started_wall, self.wall_clock(), checkpoint
         )
@@ -378,6 +390,12 @@ class FLService:
             if closed.core is core:
                 closed.metrics["rejected_late"] = core.late_reports
                 self.store.update_round_metrics(closed.record_id, closed.metrics)
+
+
+def _check_finite(state: dict[str, np.ndarray]) -> None:
+    bad = [name for name, value in state.items() if not np.all(np.isfinite(value))]
+    if bad:
+        raise FloatingPointError(f"the new model has non-finite values in {bad}")
 
 
 def _rejected(window: tuple[float, float], reason: str) -> dict:

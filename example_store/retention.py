@@ -1,0 +1,35 @@
+"""How long examples live: a TTL and a byte cap per collection, so an app's database cannot grow
+without bound on a phone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """``ttl_seconds``: examples with ``clock() - timestamp > ttl_seconds`` are deleted.
+    ``max_bytes``: cap on a collection's total payload bytes; the oldest examples are evicted first.
+    ``None`` disables either rule."""
+
+    ttl_seconds: float | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        ttl = self.ttl_seconds
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl < 0:
+                raise InvalidArgumentError(
+                    f"RetentionPolicy.ttl_seconds must be a finite number >= 0 or None, got {ttl!r}"
+                )
+            object.__setattr__(self, "ttl_seconds", float(ttl))
+        cap = self.max_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise InvalidArgumentError(f"RetentionPolicy.max_bytes must be an int >= 0 or None, got {cap!r}")
+
+    @property
+    def is_noop(self) -> bool:
+        return self.ttl_seconds is None and self.max_bytes is None

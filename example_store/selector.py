@@ -1,0 +1,81 @@
+"""What a plan asks the store for: a collection, a time window, a limit and an order.
+
+It is a frozen value that travels inside plan files, so it validates itself on construction and
+round-trips through JSON-safe dicts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+ORDERS = ("oldest", "newest")
+_FIELDS = ("collection_uri", "start_time", "end_time", "limit", "order")
+
+
+def _check_time(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(
+            f"ExampleSelector.{name} must be a number of unix seconds or None, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"ExampleSelector.{name} must be finite, got {value!r}; use None for no bound")
+    return value
+
+
+@dataclass(frozen=True)
+class ExampleSelector:
+    """Selects examples of one collection: ``start_time <= timestamp < end_time``, ordered by
+    timestamp (ties broken by insertion order), at most ``limit`` of them.
+
+    Raises :class:`InvalidArgumentError` (a ``ValueError`` and an ``ExampleStoreError``) when a
+    field is malformed.
+    """
+
+    collection_uri: str
+    start_time: float | None = None
+    end_time: float | None = None
+    limit: int | None = None
+    order: str = "oldest"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collection_uri, str) or not self.collection_uri or "\x00" in self.collection_uri:
+            raise InvalidArgumentError(
+                f"ExampleSelector.collection_uri must be a non-empty string such as 'app:/digits', "
+                f"got {self.collection_uri!r}"
+            )
+        object.__setattr__(self, "start_time", _check_time("start_time", self.start_time))
+        object.__setattr__(self, "end_time", _check_time("end_time", self.end_time))
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0):
+            raise InvalidArgumentError(
+                f"ExampleSelector.limit must be a non-negative int or None, got {self.limit!r}"
+            )
+        if self.order not in ORDERS:
+            raise InvalidArgumentError(f"ExampleSelector.order must be one of {ORDERS}, got {self.order!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (plan files carry it); :meth:`from_dict` reads it back."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ExampleSelector:
+        """Parses and validates a dict written by :meth:`to_dict`; unknown keys are rejected so that
+        a typo in a plan is not silently ignored."""
+        if not isinstance(d, Mapping):
+            raise InvalidArgumentError(f"an example selector must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in _FIELDS)
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown example selector field(s) {unknown}; the allowed fields are {list(_FIELDS)}"
+            )
+        if "collection_uri" not in d:
+            raise InvalidArgumentError("an example selector needs a 'collection_uri' field, e.g. 'app:/digits'")
+        return cls(**{k: d[k] for k in _FIELDS if k in d})

@@ -1,0 +1,86 @@
+"""Property: a query returns exactly what a plain Python filter and sort of the inserted
+examples gives (ties in timestamp broken by insertion order)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from example_store import ExampleSelector, SQLiteExampleStore
+
+_uris = itertools.count()
+
+timestamps = st.integers(0, 20).map(float) | st.floats(0, 20, allow_nan=False, allow_infinity=False)
+bounds = st.none() | st.integers(-1, 21).map(float) | st.floats(-1, 21, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def scenarios(draw):
+    batches = draw(st.lists(st.lists(timestamps, max_size=12), min_size=1, max_size=3))
+    selector = dict(
+        start_time=draw(bounds),
+        end_time=draw(bounds),
+        limit=draw(st.none() | st.integers(0, 40)),
+        order=draw(st.sampled_from(["oldest", "newest"])),
+    )
+    batch_size = draw(st.integers(1, 7))
+    return batches, selector, batch_size, draw(st.integers(0, 2**32 - 1))
+
+
+def expected(inserted, sel):
+    keep = [
+        (ts, i)
+        for i, (ts, _) in enumerate(inserted)
+        if (sel["start_time"] is None or ts >= sel["start_time"]) and (sel["end_time"] is None or ts < sel["end_time"])
+    ]
+    keep.sort(reverse=sel["order"] == "newest")
+    return [i for _, i in keep][: sel["limit"]]
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory):
+    """One database for the whole property run (a fresh collection per example) keeps it fast."""
+    with SQLiteExampleStore(tmp_path_factory.mktemp("prop") / "app.db") as store:
+        yield store
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_query_matches_a_python_filter_and_sort(shared_store, scenario):
+    batches, sel, batch_size, seed = scenario
+    rng = np.random.default_rng(seed)
+    uri = f"app:/prop{next(_uris)}"
+    inserted = []  # (timestamp, example) in insertion order
+    store = shared_store
+    for ts_batch in batches:
+        examples = [
+            {"id": np.int64(len(inserted) + k), "x": rng.standard_normal((2, 3)).astype(np.float32),
+             "flag": rng.random(2) < 0.5}
+            for k in range(len(ts_batch))
+        ]
+        assert store.add(uri, examples, timestamps=ts_batch) == len(ts_batch)
+        inserted.extend(zip(ts_batch, examples))
+    if not inserted:
+        return
+    selector = ExampleSelector(uri, **sel)
+    want = expected(inserted, sel)
+
+    with store.query(selector) as it:
+        got = list(it)
+    assert [int(e["id"]) for e in got] == want
+    for e, i in zip(got, want):
+        np.testing.assert_array_equal(e["x"], inserted[i][1]["x"])
+        np.testing.assert_array_equal(e["flag"], inserted[i][1]["flag"])
+    assert store.count(selector) == len(want)
+
+    batches_out = list(store.query_batches(selector, batch_size))
+    assert all(len(b["id"]) == batch_size for b in batches_out[:-1])
+    ids = np.concatenate([b["id"] for b in batches_out]).tolist() if batches_out else []
+    assert ids == want
+    if want:
+        xs = np.concatenate([b["x"] for b in batches_out])
+        np.testing.assert_array_equal(xs, np.stack([inserted[i][1]["x"] for i in want]))
