@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from device_runtime import encode_checkpoint, initial_weights
+from device_runtime import build_softmax_regression_plan, encode_checkpoint, initial_weights
+from example_store import ExampleSelector
 from server_stub import AdminClient, RoundConfig, free_port
 
 GOAL = 500
@@ -69,8 +70,6 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=32)
     args = parser.parse_args()
     duration = 3.0 if args.quick else 10.0
-    from tests.support import digits_plan  # a small real plan
-
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         proc = subprocess.Popen(
@@ -87,7 +86,7 @@ def main() -> None:
                     if time.monotonic() > deadline:
                         raise RuntimeError("server did not start")
                     time.sleep(0.05)
-            plan = digits_plan()
+            plan = build_softmax_regression_plan(64, 10, selector=ExampleSelector("app:/digits"))
             with AdminClient(url) as admin:
                 admin.create_population("bench")
                 admin.deploy_task(

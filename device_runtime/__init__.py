@@ -9,8 +9,21 @@ from .errors import (
     ServerUnreachable,
     SessionRejected,
 )
-from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
-from .plan import PLAN_FORMAT_VERSION, DeviceConfig, Plan, PlanError, PlanMetadata, ServerPart, load_plan, serialize_plan
+from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, make_session
+from .plan import (
+    PLAN_FORMAT_VERSION,
+    DeviceConfig,
+    Plan,
+    PlanError,
+    PlanMetadata,
+    ServerPart,
+    UpdateMismatchError,
+    load_plan,
+    max_ir_version_for_runtime,
+    max_opset_for_runtime,
+    min_runtime_for_opset,
+    serialize_plan,
+)
 from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regression_plan, initial_weights
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .runtime import Event, FLRuntime, Outcome, SessionResult
@@ -40,6 +53,7 @@ __all__ = [
     "SessionRejected",
     "SessionResult",
     "TrainingInterrupted",
+    "UpdateMismatchError",
     "build_eval_plan",
     "build_mlp_plan",
     "build_softmax_regression_plan",
@@ -47,6 +61,10 @@ __all__ = [
     "encode_checkpoint",
     "initial_weights",
     "load_plan",
+    "make_session",
+    "max_ir_version_for_runtime",
+    "max_opset_for_runtime",
+    "min_runtime_for_opset",
     "serialize_plan",
     "version_tuple",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from typing import Mapping
 
@@ -29,7 +30,11 @@ def encode_checkpoint(tensors: Mapping[str, np.ndarray]) -> bytes:
     entries = []
     blobs = []
     offset = 0
+    seen: set[str] = set()
     for name, value in tensors.items():
+        if str(name) in seen:
+            raise CheckpointError(f"tensor name {str(name)!r} is repeated")
+        seen.add(str(name))
         arr = np.asarray(value)
         dtype_name = arr.dtype.name
         if dtype_name not in ALLOWED_DTYPES:
@@ -81,9 +86,9 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
         try:
             name = entry["name"]
             dtype_name = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            offset = int(entry["offset"])
-            nbytes = int(entry["nbytes"])
+            shape = tuple(_int(d) for d in entry["shape"])
+            offset = _int(entry["offset"])
+            nbytes = _int(entry["nbytes"])
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint header entry is malformed: {exc}") from None
         if not isinstance(name, str) or name in out:
@@ -93,9 +98,18 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
         if any(d < 0 for d in shape) or len(shape) > 32:
             raise CheckpointError(f"tensor {name!r} has an invalid shape {shape}")
         dtype = np.dtype(dtype_name).newbyteorder("<")
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)  # exact (Python ints): a huge shape cannot wrap around to match nbytes
         if count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > len(body):
             raise CheckpointError(f"tensor {name!r} does not fit its declared shape, dtype and place in the data")
         arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+        if dtype_name == "bool" and count and np.frombuffer(body, dtype=np.uint8, count=count, offset=offset).max() > 1:
+            raise CheckpointError(f"tensor {name!r} is bool but holds bytes other than 0 and 1")
         out[name] = arr.astype(dtype.newbyteorder("="), copy=False)
     return out
+
+
+def _int(value: object) -> int:
+    """A JSON integer (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value

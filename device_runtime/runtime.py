@@ -152,9 +152,10 @@ class FLRuntime:
                 if available == 0:
                     raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
                 record("training_started")
+                selector, batch_size = plan.device.selector, plan.device.batch_size
                 result = executor.run_device(
                     weights,
-                    lambda: store.query_batches(plan.device.selector, plan.device.batch_size),
+                    executor.batches_from_examples(lambda: store.query_batches(selector, batch_size)),
                     should_abort=should_abort,
                 )
                 record("training_completed", examples=result.num_examples)

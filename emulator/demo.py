@@ -55,8 +55,9 @@ def _row(cells: list[object], widths: list[int]) -> str:
     return "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
 
 
-def run_demo(config: DemoConfig = DemoConfig(), out: TextIO = sys.stdout) -> dict:
+def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> dict:
     """Run the whole demo; returns (and prints as the last line) a JSON-able summary."""
+    out = out or sys.stdout
     started = time.monotonic()
     rng = random.Random(config.seed)
     data = load_digits_dataset(seed=config.seed)

@@ -39,7 +39,8 @@ def test_late_report_is_refused_and_round_commits_with_min_fraction():
     core.advance(6.0)
     assert core.phase is Phase.COMMITTED
     stats = core.stats(6.0)
-    assert stats["reported"] == 2 and stats["rejected_late"] == 1 and stats["dropped"] == 2
+    assert stats["selected"] == 6  # ceil(4 * 1.3)
+    assert stats["reported"] == 2 and stats["rejected_late"] == 1 and stats["dropped"] == 3
 
 
 def test_abandoned_when_too_few_can_still_report():

@@ -1,0 +1,450 @@
+"""The plan executor on onnxruntime: the device side runs the plan's ``work`` graph over the
+device's batches; the server side runs its MapReduceForm part (``zero``, ``accumulate``,
+``merge``, ``report``, ``update``, ``prepare``). Callers only see dicts keyed by plain tensor names;
+the ``acc/``, ``upd/``, ``a/``, ``b/``, ``state/``, ``agg/`` prefixes of the server graphs stay in here.
+
+The client update of a training plan (what :meth:`PlanExecutor.run_device` returns and the server
+accumulates), all float32:
+
+* ``<weight>``: (w_final - w_initial) * n, where n is the number of examples per epoch;
+* ``<metric>`` (``loss_sum``, ``correct``, ``count``): the sum over all batches of all epochs,
+  divided by the number of epochs (so ``count == n``; the loss is that of the pre-step weights of
+  each batch, averaged over the epochs);
+* ``num_examples``: n.
+
+An evaluation plan's update holds only the metric sums and ``num_examples``.
+
+Performance: the training loop binds inputs and outputs with ``IOBinding`` and keeps the weights
+in two sets of OrtValues that swap roles each step (ping-pong), so a step copies nothing but the
+batch pointers and three scalars.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from .plan import Plan, PlanError, UpdateMismatchError
+
+NUM_EXAMPLES = "num_examples"
+_SERVER_GRAPHS = ("prepare", "zero", "accumulate", "merge", "report", "update")
+
+
+class TrainingInterrupted(Exception):
+    """``should_abort()`` returned True between batches; the partial result was discarded."""
+
+
+@dataclass(frozen=True)
+class DeviceResult:
+    update: dict[str, np.ndarray]
+    metrics: dict[str, float]
+    num_examples: int
+
+
+def make_session(model_bytes: bytes) -> ort.InferenceSession:
+    """One onnxruntime session on the CPU provider with one thread, no spinning, sequential."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def _io_specs(model_bytes: bytes) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(inputs, outputs) of a model: name -> (shape with None for symbolic dims, numpy dtype)."""
+    model = onnx.ModelProto.FromString(model_bytes)
+
+    def spec(values) -> dict[str, tuple]:
+        out = {}
+        for v in values:
+            tt = v.type.tensor_type
+            shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+            out[v.name] = (shape, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        return out
+
+    return spec(model.graph.input), spec(model.graph.output)
+
+
+def _f32(value: np.ndarray) -> np.ndarray:
+    # np.asarray(order="C") rather than np.ascontiguousarray, which turns scalars into shape (1,)
+    return np.asarray(value, dtype=np.float32, order="C")
+
+
+class PlanExecutor:
+    """Runs one plan. Sessions are created lazily (a device only ever creates ``work``); one
+    executor may be shared by threads (session creation is locked; onnxruntime's ``run`` is
+    thread-safe)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._sessions: dict[str, ort.InferenceSession] = {}
+        self._lock = threading.Lock()
+        self._work_io: tuple[dict, dict] | None = None
+        self._update_spec: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+
+    # ------------------------------------------------------------------ sessions and specs
+
+    def _session(self, which: str) -> ort.InferenceSession:
+        sess = self._sessions.get(which)
+        if sess is None:
+            with self._lock:
+                sess = self._sessions.get(which)
+                if sess is None:
+                    sess = make_session(self.plan.graphs()[which])
+                    self._sessions[which] = sess
+        return sess
+
+    def _work_specs(self) -> tuple[dict, dict]:
+        if self._work_io is None:
+            self._work_io = _io_specs(self.plan.work)
+        return self._work_io
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """The model's weights: name -> (shape, dtype), from the work graph's inputs."""
+        inputs, _ = self._work_specs()
+        return {w: (tuple(inputs[w][0]), np.dtype(inputs[w][1])) for w in self.plan.weight_names}
+
+    def client_update_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """What a valid client update holds: name -> (shape, dtype), read from the ``accumulate``
+        graph's ``upd/`` inputs (the contract the server part actually runs)."""
+        if self._update_spec is None:
+            inputs, _ = _io_specs(self.plan.server.accumulate)
+            spec = {}
+            for name, (shape, dtype) in inputs.items():
+                if name.startswith("upd/"):
+                    if any(d is None for d in shape):
+                        raise PlanError(f"the accumulate graph's input {name!r} has a dynamic shape; updates need static shapes")
+                    spec[name[4:]] = (tuple(shape), np.dtype(dtype))
+            self._update_spec = spec
+        return dict(self._update_spec)
+
+    # ------------------------------------------------------------------ device side
+
+    def _check_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        spec = self.weight_spec()
+        missing = sorted(set(spec) - set(weights))
+        if missing:
+            raise PlanError(f"weights {missing} are missing; the plan needs {sorted(spec)}")
+        out = {}
+        for name, (shape, _dtype) in spec.items():
+            arr = _f32(weights[name])
+            if arr.shape != shape:
+                raise PlanError(f"weight {name!r} has shape {arr.shape}, the plan needs {shape}")
+            out[name] = arr
+        return out
+
+    def _feeds(self, batch: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        feeds = {}
+        inputs, _ = self._work_specs()
+        n = None
+        for graph_name, example_name in self.plan.device.inputs.items():
+            if example_name not in batch:
+                raise PlanError(f"batch has no tensor {example_name!r} (keys {sorted(batch)}); the plan feeds it to {graph_name!r}")
+            dtype = inputs[graph_name][1]
+            arr = np.asarray(batch[example_name], dtype=dtype, order="C")
+            if n is None:
+                n = arr.shape[0] if arr.ndim else 0
+            elif arr.ndim == 0 or arr.shape[0] != n:
+                raise PlanError(f"batch tensors disagree on the batch size ({example_name!r} has shape {arr.shape})")
+            feeds[graph_name] = arr
+        if "y" in feeds and n:
+            y = feeds["y"]
+            num_classes = self._num_classes()
+            if y.ndim != 1 or y.min() < 0 or y.max() >= num_classes:
+                raise ValueError(f"labels must be class ids in [0, {num_classes}) of shape [N], got shape {y.shape}")
+        return feeds, n or 0
+
+    def _num_classes(self) -> int:
+        inputs, _ = self._work_specs()
+        last = self.plan.weight_names[-1]
+        return int(inputs[last][0][-1])
+
+    def run_device(
+        self,
+        weights: Mapping[str, np.ndarray],
+        open_batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
+        *,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> DeviceResult:
+        """Train (or evaluate) on the device's data: for each of ``plan.device.epochs`` epochs call
+        ``open_batches()`` (it must re-open the data; batches are dicts keyed by example tensor
+        names, see :meth:`batches_from_examples`), run the work step on each batch and feed the new
+        weights back. ``should_abort`` is checked before every batch; when it returns True,
+        :class:`TrainingInterrupted` is raised. Returns the client update (see the module doc)."""
+        plan = self.plan
+        initial = self._check_weights(weights)
+        sess = self._session("work")
+        metric_arrays = {m: np.zeros((), dtype=np.float32) for m in plan.metric_names}
+        sums = {m: 0.0 for m in plan.metric_names}
+        total = 0
+        train = plan.kind == "train"
+        if train:
+            # Ping-pong: step k reads weights from set k%2 and writes them to set (k+1)%2.
+            sets = [
+                {w: ort.OrtValue.ortvalue_from_numpy(initial[w].copy()) for w in plan.weight_names},
+                {w: ort.OrtValue.ortvalue_from_shape_and_type(initial[w].shape, np.float32) for w in plan.weight_names},
+            ]
+        else:
+            sets = [{w: ort.OrtValue.ortvalue_from_numpy(initial[w]) for w in plan.weight_names}]
+        metric_values = {m: ort.OrtValue.ortvalue_from_numpy(a) for m, a in metric_arrays.items()}
+        bindings = []
+        for k, src in enumerate(sets):
+            binding = sess.io_binding()
+            for w in plan.weight_names:
+                binding.bind_ortvalue_input(w, src[w])
+            if train:
+                dst = sets[1 - k]
+                for w, out in zip(plan.weight_names, plan.weight_outputs):
+                    binding.bind_ortvalue_output(out, dst[w])
+            for m in plan.metric_names:
+                binding.bind_ortvalue_output(m, metric_values[m])
+            bindings.append(binding)
+        input_map = list(plan.device.inputs.items())
+        step = 0
+        for _epoch in range(plan.device.epochs):
+            for batch in open_batches():
+                if should_abort is not None and should_abort():
+                    raise TrainingInterrupted("training was interrupted: the device's conditions stopped holding")
+                feeds, n = self._feeds(batch)
+                if n == 0:
+                    continue
+                binding = bindings[step % len(bindings)]
+                for graph_name, _ in input_map:
+                    binding.bind_cpu_input(graph_name, feeds[graph_name])
+                sess.run_with_iobinding(binding)
+                for m, arr in metric_arrays.items():
+                    sums[m] += float(arr)
+                total += n
+                step += 1
+        epochs = plan.device.epochs
+        n_per_epoch = total / epochs
+        update: dict[str, np.ndarray] = {}
+        if train:
+            final = sets[step % 2]
+            for w in plan.weight_names:
+                delta = final[w].numpy() - initial[w]
+                update[w] = (delta * np.float32(n_per_epoch)).astype(np.float32, copy=False)
+        for m in plan.metric_names:
+            update[m] = np.array(sums[m] / epochs, dtype=np.float32)
+        update[NUM_EXAMPLES] = np.array(n_per_epoch, dtype=np.float32)
+        metrics = {m: sums[m] / epochs for m in plan.metric_names}
+        count = sums.get("count", 0.0)
+        if "loss_sum" in sums and count > 0:
+            metrics["loss"] = sums["loss_sum"] / count
+        if "correct" in sums and count > 0:
+            metrics["accuracy"] = sums["correct"] / count
+        return DeviceResult(update=update, metrics=metrics, num_examples=int(round(n_per_epoch)))
+
+    def final_weights(self, initial: Mapping[str, np.ndarray], result: DeviceResult) -> dict[str, np.ndarray]:
+        """The device's trained weights, reconstructed from its update: w + delta*n / n."""
+        n = max(result.num_examples, 1)
+        return {w: (_f32(initial[w]) + result.update[w] / np.float32(n)).astype(np.float32) for w in self.plan.weight_names}
+
+    def batches_from_examples(
+        self,
+        open_examples: Callable[[], Iterable[Mapping[str, np.ndarray]]],
+        *,
+        batched: bool = True,
+    ) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
+        """Wrap a source of examples into the ``open_batches`` callable :meth:`run_device` takes.
+
+        ``open_examples()`` returns an iterable over chunks of examples: dicts keyed by example
+        tensor names whose arrays share a leading example axis (any chunk size; with
+        ``batched=False`` each item is a single example without that axis). Only the tensors the
+        plan feeds (``plan.device.inputs`` values) are kept.
+
+        Each call of the returned callable re-opens the source and yields dicts of exactly
+        ``plan.device.batch_size`` examples (the last one may be smaller), shuffled through a
+        bounded buffer of ``plan.device.shuffle_buffer`` examples: whenever the buffer holds more,
+        a uniformly random subset of the excess is emitted and the rest kept; at the end the
+        remainder is emitted in random order. Memory stays bounded by the buffer plus one chunk,
+        whatever the size of the collection. The order is a function of ``plan.device.shuffle_seed``,
+        the epoch (the number of times the callable was called) and the chunking of the source;
+        ``shuffle_seed=None`` draws a fresh seed from the OS; ``shuffle_buffer <= 1`` keeps order.
+        """
+        dev = self.plan.device
+        keys = list(dict.fromkeys(dev.inputs.values()))
+        epoch = [0]
+        seed = dev.shuffle_seed
+
+        def open_batches() -> Iterator[dict[str, np.ndarray]]:
+            rng = np.random.default_rng([seed, epoch[0]] if seed is not None else None)
+            epoch[0] += 1
+            chunks = _chunks(open_examples(), keys, batched)
+            if dev.shuffle_buffer > 1:
+                chunks = _shuffle(chunks, rng, dev.shuffle_buffer)
+            return _rebatch(chunks, keys, dev.batch_size)
+
+        return open_batches
+
+    def evaluate(self, weights: Mapping[str, np.ndarray], batches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
+        """Loss and accuracy of ``weights`` over ``batches`` (keyed by example tensor names) with
+        the work graph's forward pass: ``eval_loss``, ``eval_accuracy``, ``num_examples``.
+        Meant for evaluation plans; on a training plan the weights are not updated either."""
+        w = self._check_weights(weights)
+        sess = self._session("work")
+        outputs = list(self.plan.metric_names)
+        sums = dict.fromkeys(outputs, 0.0)
+        for batch in batches:
+            feeds, n = self._feeds(batch)
+            if n == 0:
+                continue
+            feeds.update(w)
+            for name, value in zip(outputs, sess.run(outputs, feeds)):
+                sums[name] += float(value)
+        count = sums.get("count", 0.0)
+        return {
+            "eval_loss": sums["loss_sum"] / count if count else float("nan"),
+            "eval_accuracy": sums["correct"] / count if count else float("nan"),
+            "num_examples": count,
+        }
+
+    # ------------------------------------------------------------------ server side
+
+    def _run(self, which: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sess = self._session(which)
+        names = [o.name for o in sess.get_outputs()]
+        return dict(zip(names, sess.run(names, feeds)))
+
+    def _prefixed(self, which: str, prefix: str, values: Mapping[str, np.ndarray], feeds: dict) -> None:
+        sess = self._session(which)
+        for i in sess.get_inputs():
+            if i.name.startswith(prefix):
+                plain = i.name[len(prefix):]
+                if plain not in values:
+                    raise PlanError(f"{which}: {prefix[:-1]} is missing tensor {plain!r}")
+                feeds[i.name] = _f32(values[plain])
+
+    def zero(self) -> dict[str, np.ndarray]:
+        """An empty accumulator (same names and shapes as a client update, all zeros)."""
+        return self._run("zero", {})
+
+    def accumulate(self, acc: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds: dict[str, np.ndarray] = {}
+        self._prefixed("accumulate", "acc/", acc, feeds)
+        self._prefixed("accumulate", "upd/", update, feeds)
+        return self._run("accumulate", feeds)
+
+    def merge(self, a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds: dict[str, np.ndarray] = {}
+        self._prefixed("merge", "a/", a, feeds)
+        self._prefixed("merge", "b/", b, feeds)
+        return self._run("merge", feeds)
+
+    def report(self, acc: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The aggregate: mean delta per weight and averaged metrics."""
+        feeds: dict[str, np.ndarray] = {}
+        self._prefixed("report", "acc/", acc, feeds)
+        return self._run("report", feeds)
+
+    def update(
+        self, state: Mapping[str, np.ndarray], aggregate: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """(new server state = global weights, metrics as floats)."""
+        feeds: dict[str, np.ndarray] = {}
+        self._prefixed("update", "state/", state, feeds)
+        self._prefixed("update", "agg/", aggregate, feeds)
+        out = self._run("update", feeds)
+        weights = {w: out[w] for w in self.plan.weight_names}
+        metrics = {k: float(v) for k, v in out.items() if k not in weights}
+        return weights, metrics
+
+    def prepare(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What is broadcast to devices for this state (the weights)."""
+        feeds: dict[str, np.ndarray] = {}
+        self._prefixed("prepare", "state/", state, feeds)
+        return self._run("prepare", feeds)
+
+    def validate_update(self, update: Mapping[str, np.ndarray]) -> None:
+        """Raise :class:`UpdateMismatchError` naming the offending tensor if ``update`` does not
+        hold exactly the client-update tensors with their shapes and dtype, with finite values and a
+        non-negative ``num_examples``."""
+        spec = self.client_update_spec()
+        missing = sorted(set(spec) - set(update))
+        extra = sorted(set(update) - set(spec))
+        if missing:
+            raise UpdateMismatchError(f"update is missing tensor(s) {missing}")
+        if extra:
+            raise UpdateMismatchError(f"update holds unexpected tensor(s) {extra}")
+        for name, (shape, dtype) in spec.items():
+            value = update[name]
+            if not isinstance(value, np.ndarray):
+                raise UpdateMismatchError(f"update tensor {name!r} is a {type(value).__name__}, not an array")
+            if value.dtype != dtype:
+                raise UpdateMismatchError(f"update tensor {name!r} has dtype {value.dtype}, the plan needs {dtype}")
+            if tuple(value.shape) != shape:
+                raise UpdateMismatchError(f"update tensor {name!r} has shape {tuple(value.shape)}, the plan needs {shape}")
+            if not np.isfinite(value).all():
+                raise UpdateMismatchError(f"update tensor {name!r} holds NaN or infinite values")
+        if NUM_EXAMPLES in spec and float(update[NUM_EXAMPLES]) < 0:
+            raise UpdateMismatchError(f"update tensor {NUM_EXAMPLES!r} is negative")
+
+
+# ---------------------------------------------------------------------- streaming data helpers
+
+
+def _chunks(source: Iterable[Mapping[str, np.ndarray]], keys: list[str], batched: bool) -> Iterator[dict[str, np.ndarray]]:
+    for item in source:
+        missing = [k for k in keys if k not in item]
+        if missing:
+            raise PlanError(f"examples have no tensor(s) {missing} (keys {sorted(item)})")
+        chunk = {k: np.asarray(item[k]) for k in keys}
+        if not batched:
+            chunk = {k: v[None, ...] for k, v in chunk.items()}
+        sizes = {v.shape[0] if v.ndim else -1 for v in chunk.values()}
+        if len(sizes) != 1 or -1 in sizes:
+            raise PlanError(f"example tensors disagree on the number of examples in a chunk: { {k: v.shape for k, v in chunk.items()} }")
+        if sizes.pop() > 0:
+            yield chunk
+
+
+def _take(chunk: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[idx] for k, v in chunk.items()}
+
+
+def _concat(a: dict[str, np.ndarray] | None, b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if a is None:
+        return b
+    return {k: np.concatenate([a[k], b[k]]) for k in b}
+
+
+def _size(chunk: dict[str, np.ndarray]) -> int:
+    return next(iter(chunk.values())).shape[0]
+
+
+def _shuffle(chunks: Iterator[dict], rng: np.random.Generator, capacity: int) -> Iterator[dict[str, np.ndarray]]:
+    pool: dict[str, np.ndarray] | None = None
+    for chunk in chunks:
+        pool = _concat(pool, chunk)
+        size = _size(pool)
+        if size > capacity:
+            perm = rng.permutation(size)
+            yield _take(pool, perm[: size - capacity])
+            pool = _take(pool, perm[size - capacity :])
+    if pool is not None and _size(pool):
+        yield _take(pool, rng.permutation(_size(pool)))
+
+
+def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    pending: dict[str, np.ndarray] | None = None
+    for chunk in chunks:
+        pending = _concat(pending, chunk)
+        size = _size(pending)
+        if size < batch_size:
+            continue
+        full = size - size % batch_size
+        for start in range(0, full, batch_size):
+            yield {k: v[start : start + batch_size] for k, v in pending.items()}
+        pending = {k: v[full:] for k, v in pending.items()} if full < size else None
+    if pending is not None and _size(pending):
+        yield pending
+

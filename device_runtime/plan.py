@@ -1,0 +1,471 @@
+"""The FL plan: one serialized artifact holding the device part (the ``work`` graph and how to feed
+it), the server part (MapReduceForm: ``prepare``, ``zero``, ``accumulate``, ``merge``, ``report``,
+``update``, all ONNX graphs) and metadata (opset, IR version, supported runtime versions, budgets).
+
+Container layout (all integers little-endian)::
+
+    MAGIC (8 bytes)  b"FLPLAN\\r\\n"
+    format_version   u16
+    header_length    u32
+    total_length     u64   length of the whole file, trailer included
+    header           JSON (UTF-8): every field of the plan, and for each graph blob its
+                     offset, length and sha256
+    blobs            the serialized ONNX models, back to back
+    trailer          sha256 over everything before it (32 bytes)
+
+No pickle anywhere: the header is JSON and the graphs are ONNX protobufs, each checked with
+``onnx.checker`` on load. :func:`load_plan` refuses a plan the given (or installed) onnxruntime
+cannot run, with a :class:`PlanError` that says what is wrong and what to do.
+
+Naming convention of the server graphs (the executor hides it; callers see plain names):
+
+* ``zero``:       no inputs -> ``<name>`` for each client-update tensor
+* ``accumulate``: ``acc/<name>``, ``upd/<name>`` -> ``<name>``
+* ``merge``:      ``a/<name>``, ``b/<name>`` -> ``<name>``
+* ``report``:     ``acc/<name>`` -> ``<aggregate name>``
+* ``update``:     ``state/<weight>``, ``agg/<aggregate name>`` -> ``<weight>`` and the metrics
+* ``prepare``:    ``state/<weight>`` -> ``<weight>`` (the broadcast)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .versions import version_tuple
+
+if TYPE_CHECKING:  # example_store is imported lazily at load time
+    from example_store import ExampleSelector
+
+PLAN_FORMAT_VERSION = 1
+MAGIC = b"FLPLAN\r\n"
+_PREFIX = struct.Struct("<8sHIQ")  # magic, format version, header length, total length
+_DIGEST_LEN = 32
+MAX_HEADER_BYTES = 1 << 20
+MAX_PLAN_BYTES = 1 << 31
+GRAPH_FIELDS = ("work", "prepare", "zero", "accumulate", "merge", "report", "update")
+PLAN_KINDS = ("train", "eval")
+
+# Opset and IR version supported by onnxruntime releases (inclusive ranges of minor versions of 1.x).
+# 1.24-1.25 are not measured here; they are assumed to support what 1.23 does (conservative).
+_ORT_SUPPORT: tuple[tuple[int, int, int, int], ...] = (
+    # (first minor, last minor, max opset, max IR version)
+    (15, 16, 19, 9),
+    (17, 17, 20, 9),
+    (18, 20, 21, 10),
+    (21, 22, 22, 10),
+    (23, 25, 23, 11),
+    (26, 31, 26, 13),
+)
+OLDEST_SUPPORTED_RUNTIME = "1.15.0"
+
+
+class PlanError(ValueError):
+    """A plan is corrupt, inconsistent or cannot run on this runtime; the message says what to do."""
+
+
+class UpdateMismatchError(PlanError):
+    """A client update does not match what the plan's server part expects."""
+
+
+def _ort_row(version: str) -> tuple[int, int, int, int]:
+    try:
+        major, minor, _ = version_tuple(version)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if major != 1 or minor < _ORT_SUPPORT[0][0]:
+        if major > 1:
+            return _ORT_SUPPORT[-1]
+        raise PlanError(
+            f"onnxruntime {version} is older than the oldest runtime plans support ({OLDEST_SUPPORTED_RUNTIME}); "
+            "update the runtime"
+        )
+    for row in _ORT_SUPPORT:
+        if row[0] <= minor <= row[1]:
+            return row
+    return _ORT_SUPPORT[-1]  # newer than the table: at least what the newest known release runs
+
+
+def max_opset_for_runtime(version: str) -> int:
+    """The highest ONNX (default-domain) opset onnxruntime ``version`` runs, e.g. '1.17.3' -> 20."""
+    return _ort_row(version)[2]
+
+
+def max_ir_version_for_runtime(version: str) -> int:
+    """The highest ONNX IR version onnxruntime ``version`` loads, e.g. '1.20.0' -> 10."""
+    return _ort_row(version)[3]
+
+
+def min_runtime_for_opset(opset: int) -> str:
+    """The oldest onnxruntime release (from the table) that runs ``opset``."""
+    for first, _last, max_opset, _ir in _ORT_SUPPORT:
+        if opset <= max_opset:
+            return f"1.{first}.0"
+    raise PlanError(f"no known onnxruntime release runs opset {opset}; the newest known supports {_ORT_SUPPORT[-1][2]}")
+
+
+def ir_version_for_opset(opset: int) -> int:
+    """The lowest IR version that carries ``opset`` (what plans are written with, for the widest reach)."""
+    if opset <= 14:
+        return 7
+    if opset <= 18:
+        return 8
+    if opset <= 20:
+        return 9
+    if opset <= 22:
+        return 10
+    if opset <= 23:
+        return 11
+    if opset <= 24:
+        return 12
+    return 13
+
+
+def installed_runtime_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """How a device feeds the work graph: which examples, in what batches, how many epochs."""
+
+    selector: ExampleSelector
+    batch_size: int
+    epochs: int
+    shuffle_seed: int | None
+    shuffle_buffer: int
+    inputs: dict[str, str]  # work-graph input name -> example tensor name
+
+
+@dataclass(frozen=True)
+class ServerPart:
+    """MapReduceForm of serialized ONNX models (see the module docstring for the naming convention)."""
+
+    prepare: bytes
+    zero: bytes
+    accumulate: bytes
+    merge: bytes
+    report: bytes
+    update: bytes
+    bitwidth: int | None = None
+    secure_sum: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanMetadata:
+    opset: int
+    ir_version: int
+    min_runtime_version: str
+    max_runtime_version: str | None
+    memory_budget_mb: int | None = None
+    time_budget_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    kind: str  # "train" | "eval"
+    format_version: int
+    device: DeviceConfig
+    work: bytes
+    weight_names: tuple[str, ...]
+    weight_outputs: tuple[str, ...]  # work outputs aligned with weight_names; empty for eval
+    metric_names: tuple[str, ...]  # work outputs that are per-batch sums
+    server: ServerPart
+    metadata: PlanMetadata
+
+    def graphs(self) -> dict[str, bytes]:
+        s = self.server
+        return {"work": self.work, "prepare": s.prepare, "zero": s.zero, "accumulate": s.accumulate,
+                "merge": s.merge, "report": s.report, "update": s.update}
+
+
+# ----------------------------------------------------------------------------- serialization
+
+
+def serialize_plan(plan: Plan) -> bytes:
+    """The plan as one artifact (see the module docstring); :func:`load_plan` reads it back."""
+    graphs = plan.graphs()
+    blobs = []
+    index = {}
+    offset = 0
+    for field in GRAPH_FIELDS:
+        blob = bytes(graphs[field])
+        index[field] = {"offset": offset, "length": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+        blobs.append(blob)
+        offset += len(blob)
+    dev = plan.device
+    meta = plan.metadata
+    header = {
+        "name": plan.name,
+        "kind": plan.kind,
+        "format_version": plan.format_version,
+        "device": {
+            "selector": dev.selector.to_dict(),
+            "batch_size": dev.batch_size,
+            "epochs": dev.epochs,
+            "shuffle_seed": dev.shuffle_seed,
+            "shuffle_buffer": dev.shuffle_buffer,
+            "inputs": dict(dev.inputs),
+        },
+        "weight_names": list(plan.weight_names),
+        "weight_outputs": list(plan.weight_outputs),
+        "metric_names": list(plan.metric_names),
+        "server": {"bitwidth": plan.server.bitwidth, "secure_sum": list(plan.server.secure_sum)},
+        "metadata": {
+            "opset": meta.opset,
+            "ir_version": meta.ir_version,
+            "min_runtime_version": meta.min_runtime_version,
+            "max_runtime_version": meta.max_runtime_version,
+            "memory_budget_mb": meta.memory_budget_mb,
+            "time_budget_s": meta.time_budget_s,
+        },
+        "graphs": index,
+    }
+    header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    body = b"".join(blobs)
+    total = _PREFIX.size + len(header_bytes) + len(body) + _DIGEST_LEN
+    head = _PREFIX.pack(MAGIC, plan.format_version, len(header_bytes), total)
+    content = head + header_bytes + body
+    return content + hashlib.sha256(content).digest()
+
+
+def _field(d: Any, key: str, types: type | tuple[type, ...], where: str, *, optional: bool = False) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise PlanError(f"plan header is missing {where}{key}; the plan was not written by serialize_plan")
+    value = d[key]
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise PlanError(f"plan header field {where}{key} has the wrong type (bool)")
+    if not isinstance(value, types):
+        raise PlanError(f"plan header field {where}{key} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _names(d: Any, key: str, where: str = "") -> tuple[str, ...]:
+    values = _field(d, key, list, where)
+    if not all(isinstance(v, str) and v for v in values) or len(set(values)) != len(values):
+        raise PlanError(f"plan header field {where}{key} must be a list of distinct non-empty names")
+    return tuple(values)
+
+
+def load_plan(data: bytes, *, runtime_version: str | None = None) -> Plan:
+    """Parse and verify a plan; refuses (PlanError) anything corrupt, inconsistent or that
+    onnxruntime ``runtime_version`` (default: the installed one) cannot run.
+
+    The [min, max] runtime range the plan claims is enforced only when ``runtime_version`` is
+    given (a server loads plans for devices of other versions)."""
+    view = memoryview(data)
+    if len(view) < len(MAGIC) or bytes(view[: len(MAGIC)]) != MAGIC:
+        raise PlanError("not a plan: the magic bytes are missing (was this written by serialize_plan?)")
+    if len(view) < _PREFIX.size + _DIGEST_LEN:
+        raise PlanError(f"plan is truncated: {len(view)} bytes is shorter than the fixed prefix; download it again")
+    _, format_version, header_len, total = _PREFIX.unpack_from(view, 0)
+    if format_version != PLAN_FORMAT_VERSION:
+        if format_version > PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"plan format version {format_version} is newer than this runtime reads ({PLAN_FORMAT_VERSION}); "
+                "update the runtime or publish the plan in format version 1"
+            )
+        raise PlanError(f"plan format version {format_version} is not supported (this runtime reads {PLAN_FORMAT_VERSION})")
+    if len(view) < total:
+        raise PlanError(f"plan is truncated: {len(view)} of {total} bytes; download it again")
+    if len(view) > total:
+        raise PlanError(f"plan has {len(view) - total} bytes of trailing data after its declared end; it is corrupt")
+    if total > MAX_PLAN_BYTES or header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len + _DIGEST_LEN > total:
+        raise PlanError("plan header length is out of range; the plan is corrupt")
+    content = view[: total - _DIGEST_LEN]
+    if hashlib.sha256(content).digest() != bytes(view[total - _DIGEST_LEN : total]):
+        raise PlanError("plan checksum mismatch: the data is corrupt or was altered; download it again")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
+    except ValueError as exc:
+        raise PlanError(f"plan header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise PlanError("plan header is not a JSON object")
+    body = view[_PREFIX.size + header_len : total - _DIGEST_LEN]
+    plan = _plan_from_header(header, body, format_version)
+    _check_plan(plan, runtime_version)
+    return plan
+
+
+def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Plan:
+    from example_store import ExampleSelector
+
+    if _field(header, "format_version", int, "") != format_version:
+        raise PlanError("plan header and prefix disagree on the format version; the plan is corrupt")
+    graphs_index = _field(header, "graphs", dict, "")
+    blobs: dict[str, bytes] = {}
+    end = 0
+    for field in GRAPH_FIELDS:
+        entry = _field(graphs_index, field, dict, "graphs.")
+        offset = _field(entry, "offset", int, f"graphs.{field}.")
+        length = _field(entry, "length", int, f"graphs.{field}.")
+        digest = _field(entry, "sha256", str, f"graphs.{field}.")
+        if offset < 0 or length < 0 or offset + length > len(body):
+            raise PlanError(f"graph {field!r} lies outside the plan's data; the plan is corrupt or truncated")
+        blob = bytes(body[offset : offset + length])
+        if hashlib.sha256(blob).hexdigest() != digest:
+            raise PlanError(f"graph {field!r} does not match its sha256; the plan is corrupt")
+        blobs[field] = blob
+        end = max(end, offset + length)
+    if end != len(body):
+        raise PlanError("plan data holds bytes that belong to no graph; the plan is corrupt")
+
+    dev = _field(header, "device", dict, "")
+    try:
+        selector = ExampleSelector.from_dict(_field(dev, "selector", dict, "device."))
+    except ValueError as exc:
+        raise PlanError(f"plan's example selector is invalid: {exc}") from None
+    inputs = _field(dev, "inputs", dict, "device.")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in inputs.items()):
+        raise PlanError("plan field device.inputs must map graph input names to example tensor names")
+    shuffle_seed = _field(dev, "shuffle_seed", int, "device.", optional=True)
+    device = DeviceConfig(
+        selector=selector,
+        batch_size=_field(dev, "batch_size", int, "device."),
+        epochs=_field(dev, "epochs", int, "device."),
+        shuffle_seed=shuffle_seed,
+        shuffle_buffer=_field(dev, "shuffle_buffer", int, "device."),
+        inputs=dict(inputs),
+    )
+    server = _field(header, "server", dict, "")
+    bitwidth = _field(server, "bitwidth", int, "server.", optional=True)
+    meta = _field(header, "metadata", dict, "")
+    time_budget = _field(meta, "time_budget_s", (int, float), "metadata.", optional=True)
+    metadata = PlanMetadata(
+        opset=_field(meta, "opset", int, "metadata."),
+        ir_version=_field(meta, "ir_version", int, "metadata."),
+        min_runtime_version=_field(meta, "min_runtime_version", str, "metadata."),
+        max_runtime_version=_field(meta, "max_runtime_version", str, "metadata.", optional=True),
+        memory_budget_mb=_field(meta, "memory_budget_mb", int, "metadata.", optional=True),
+        time_budget_s=None if time_budget is None else float(time_budget),
+    )
+    return Plan(
+        name=_field(header, "name", str, ""),
+        kind=_field(header, "kind", str, ""),
+        format_version=format_version,
+        device=device,
+        work=blobs["work"],
+        weight_names=_names(header, "weight_names"),
+        weight_outputs=_names(header, "weight_outputs"),
+        metric_names=_names(header, "metric_names"),
+        server=ServerPart(
+            prepare=blobs["prepare"], zero=blobs["zero"], accumulate=blobs["accumulate"], merge=blobs["merge"],
+            report=blobs["report"], update=blobs["update"], bitwidth=bitwidth,
+            secure_sum=_names(server, "secure_sum", "server."),
+        ),
+        metadata=metadata,
+    )
+
+
+def _check_plan(plan: Plan, runtime_version: str | None) -> None:
+    import onnx
+
+    if plan.kind not in PLAN_KINDS:
+        raise PlanError(f"plan kind {plan.kind!r} is unknown; it must be one of {PLAN_KINDS}")
+    dev = plan.device
+    if dev.batch_size < 1 or dev.epochs < 1 or dev.shuffle_buffer < 0:
+        raise PlanError("plan's batch_size and epochs must be >= 1 and shuffle_buffer >= 0")
+    if plan.kind == "train" and len(plan.weight_outputs) != len(plan.weight_names):
+        raise PlanError("a training plan needs one weight output per weight name")
+    if plan.kind == "eval" and plan.weight_outputs:
+        raise PlanError("an evaluation plan has no weight outputs")
+    meta = plan.metadata
+    if meta.time_budget_s is not None and not (math.isfinite(meta.time_budget_s) and meta.time_budget_s > 0):
+        raise PlanError("plan's time budget must be a positive number of seconds")
+    try:
+        low = version_tuple(meta.min_runtime_version)
+        high = None if meta.max_runtime_version is None else version_tuple(meta.max_runtime_version)
+    except ValueError as exc:
+        raise PlanError(f"plan's runtime version range is invalid: {exc}") from None
+    target = runtime_version if runtime_version is not None else installed_runtime_version()
+    if runtime_version is not None:
+        have = version_tuple(runtime_version) if _is_version(runtime_version) else None
+        if have is None:
+            raise PlanError(f"runtime version {runtime_version!r} is not a version like '1.31.1'")
+        if have < low or (high is not None and have > high):
+            raise PlanError(
+                f"plan {plan.name!r} supports runtimes {meta.min_runtime_version} to "
+                f"{meta.max_runtime_version or 'any newer'}, not {runtime_version}; "
+                "publish a plan version for this runtime or update the device"
+            )
+    max_opset = max_opset_for_runtime(target)
+    max_ir = max_ir_version_for_runtime(target)
+    if meta.opset > max_opset:
+        raise PlanError(
+            f"plan opset {meta.opset} is above what onnxruntime {target} runs (at most opset {max_opset}); "
+            f"rebuild the plan with opset <= {max_opset} or use onnxruntime >= {_safe_min_runtime(meta.opset)}"
+        )
+    if meta.ir_version > max_ir:
+        raise PlanError(
+            f"plan IR version {meta.ir_version} is above what onnxruntime {target} loads (at most IR {max_ir}); "
+            "rebuild the plan with an explicit lower ir_version"
+        )
+    for field, blob in plan.graphs().items():
+        try:
+            model = onnx.ModelProto.FromString(blob)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
+            raise PlanError(f"graph {field!r} is not an ONNX model ({exc}); the plan is corrupt") from None
+        try:
+            onnx.checker.check_model(model)
+        except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError and others
+            raise PlanError(f"graph {field!r} fails the ONNX checker: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+        if model.ir_version > max_ir or model.ir_version > meta.ir_version:
+            raise PlanError(
+                f"graph {field!r} has IR version {model.ir_version}, above the plan's {meta.ir_version} "
+                f"or what onnxruntime {target} loads ({max_ir})"
+            )
+        for opset in model.opset_import:
+            if opset.domain not in ("", "ai.onnx"):
+                raise PlanError(f"graph {field!r} uses operator domain {opset.domain!r}; plans may use only standard ONNX ops")
+            if opset.version > meta.opset or opset.version > max_opset:
+                raise PlanError(
+                    f"graph {field!r} imports opset {opset.version}, above the plan's opset {meta.opset} "
+                    f"or what onnxruntime {target} runs ({max_opset})"
+                )
+        _check_graph_names(plan, field, model)
+
+
+def _safe_min_runtime(opset: int) -> str:
+    try:
+        return min_runtime_for_opset(opset)
+    except PlanError:
+        return "a newer release"
+
+
+def _is_version(v: str) -> bool:
+    try:
+        version_tuple(v)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_graph_names(plan: Plan, field: str, model: Any) -> None:
+    inputs = {i.name for i in model.graph.input}
+    outputs = {o.name for o in model.graph.output}
+    if field == "work":
+        needed_in = set(plan.weight_names) | set(plan.device.inputs)
+        needed_out = set(plan.weight_outputs) | set(plan.metric_names)
+    elif field == "prepare":
+        needed_in = {f"state/{w}" for w in plan.weight_names}
+        needed_out = set(plan.weight_names)
+    elif field == "update":
+        needed_in = {f"state/{w}" for w in plan.weight_names}
+        needed_out = set(plan.weight_names)
+    else:
+        return
+    missing_in = sorted(needed_in - inputs)
+    missing_out = sorted(needed_out - outputs)
+    if missing_in or missing_out:
+        raise PlanError(
+            f"graph {field!r} does not match the plan: missing inputs {missing_in}, missing outputs {missing_out}"
+        )

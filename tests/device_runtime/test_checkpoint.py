@@ -1,0 +1,152 @@
+"""Checkpoints: round trips, and refusal of anything truncated, altered or not allowed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from device_runtime.checkpoint import MAGIC, CheckpointError, decode_checkpoint, encode_checkpoint
+
+
+def _sample() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w0": rng.standard_normal((3, 4)).astype(np.float32),
+        "b0": np.zeros(4, dtype=np.float32),
+        "num_examples": np.array(17.0, dtype=np.float32),
+        "ids": np.arange(5, dtype=np.int64),
+        "mask": np.array([True, False, True]),
+        "half": np.array([1.5, -2.0], dtype=np.float16),
+        "empty": np.zeros((0, 7), dtype=np.float64),
+        "big_endian": np.arange(6, dtype=">i4").reshape(2, 3),
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        x, y = np.asarray(a[name]), b[name]
+        assert y.shape == x.shape, name
+        assert y.dtype == x.dtype.newbyteorder("="), name
+        np.testing.assert_array_equal(y, x)
+
+
+def test_round_trip_keeps_names_order_dtypes_shapes_values():
+    tensors = _sample()
+    out = decode_checkpoint(encode_checkpoint(tensors))
+    _assert_same(tensors, out)
+    assert out["num_examples"].shape == ()
+    assert out["big_endian"].dtype == np.dtype("int32")
+
+
+def test_empty_checkpoint_round_trips():
+    assert decode_checkpoint(encode_checkpoint({})) == {}
+
+
+def test_every_truncation_is_refused():
+    data = encode_checkpoint(_sample())
+    for cut in range(len(data)):
+        with pytest.raises(CheckpointError):
+            decode_checkpoint(data[:cut])
+
+
+def test_every_single_bit_flip_is_refused():
+    data = bytearray(encode_checkpoint({"w": np.arange(6, dtype=np.float32), "n": np.array(3.0, dtype=np.float32)}))
+    for pos in range(len(data)):
+        for bit in (0, 7):
+            flipped = bytearray(data)
+            flipped[pos] ^= 1 << bit
+            with pytest.raises(CheckpointError):
+                decode_checkpoint(bytes(flipped))
+
+
+def test_bad_magic_and_size_limit():
+    data = encode_checkpoint(_sample())
+    with pytest.raises(CheckpointError, match="magic"):
+        decode_checkpoint(b"NOTACKPT" + data[8:])
+    with pytest.raises(CheckpointError, match="limit"):
+        decode_checkpoint(data, max_bytes=len(data) - 1)
+    decode_checkpoint(data, max_bytes=len(data))
+
+
+@pytest.mark.parametrize("value", [np.array([object(), 1], dtype=object), np.array(["a", "b"]), np.array([1 + 2j])])
+def test_disallowed_dtypes_are_refused_on_encode(value):
+    with pytest.raises(CheckpointError, match="dtype"):
+        encode_checkpoint({"bad": value})
+
+
+def _forge(entries: list, body: bytes) -> bytes:
+    """A checkpoint with a hand-written header and a valid checksum (an attacker can compute it)."""
+    header = json.dumps({"tensors": entries}).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + hashlib.sha256(header + body).digest() + body
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"name": "x", "dtype": "object", "shape": [1], "offset": 0, "nbytes": 8},
+        {"name": "x", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 8},  # does not fit its shape
+        {"name": "x", "dtype": "float32", "shape": [2], "offset": 4, "nbytes": 8},  # runs past the data
+        {"name": "x", "dtype": "float32", "shape": [-2], "offset": 0, "nbytes": 8},
+        {"name": "x", "dtype": "float32", "shape": [2**62, 2**62, 0, 2], "offset": 0, "nbytes": 8},
+        {"name": "x", "dtype": "float32", "shape": [2.0], "offset": 0, "nbytes": 8},
+        {"name": "x", "dtype": "float32", "shape": [2], "offset": "0", "nbytes": 8},
+        {"name": 5, "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8},
+        {"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8},
+        {"name": "x", "dtype": "bool", "shape": [8], "offset": 0, "nbytes": 8},  # bytes other than 0/1
+        "not an object",
+    ],
+)
+def test_forged_headers_with_valid_checksum_are_refused(entry):
+    body = np.array([1.0, 2.0], dtype=np.float32).tobytes()
+    with pytest.raises(CheckpointError):
+        decode_checkpoint(_forge([entry], body))
+
+
+def test_repeated_names_are_refused():
+    body = np.zeros(2, dtype=np.float32).tobytes()
+    entry = {"name": "x", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
+    with pytest.raises(CheckpointError, match="repeated"):
+        decode_checkpoint(_forge([entry, entry], body))
+    with pytest.raises(CheckpointError, match="repeated"):
+        encode_checkpoint({1: np.zeros(1), "1": np.zeros(1)})
+
+
+def test_non_json_header_is_refused():
+    header = b"\xff\xfe not json"
+    data = MAGIC + struct.pack("<I", len(header)) + header + hashlib.sha256(header).digest()
+    with pytest.raises(CheckpointError, match="header"):
+        decode_checkpoint(data)
+
+
+_dtypes = st.sampled_from(["float32", "float64", "float16", "int8", "int32", "int64", "uint8", "uint64", "bool"])
+_arrays = _dtypes.flatmap(lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=12), _arrays, max_size=5))
+def test_property_round_trip(tensors):
+    out = decode_checkpoint(encode_checkpoint(tensors))
+    assert list(out) == list(tensors)
+    for name, value in tensors.items():
+        assert out[name].dtype == value.dtype and out[name].shape == value.shape
+        np.testing.assert_array_equal(out[name], value)  # NaNs compare equal here
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300), st.integers(min_value=0))
+def test_property_garbage_never_escapes_as_another_error(garbage, seed):
+    data = encode_checkpoint({"a": np.arange(3, dtype=np.int32)})
+    pos = seed % (len(data) + 1)
+    for candidate in (garbage, MAGIC + garbage, data[:pos] + garbage):
+        try:
+            decode_checkpoint(candidate)
+        except CheckpointError:
+            pass

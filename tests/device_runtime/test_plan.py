@@ -1,0 +1,219 @@
+"""The plan format: round trip, and each refusal of load_plan with its own message."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+
+import numpy as np
+import onnx
+import pytest
+
+from device_runtime.executor import PlanExecutor, make_session
+from device_runtime.plan import (
+    _PREFIX,
+    MAGIC,
+    PLAN_FORMAT_VERSION,
+    PlanError,
+    load_plan,
+    max_ir_version_for_runtime,
+    max_opset_for_runtime,
+    min_runtime_for_opset,
+    serialize_plan,
+)
+from device_runtime.plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regression_plan, initial_weights
+from example_store import ExampleSelector
+
+SEL = ExampleSelector("app:/digits", start_time=10.0, limit=500, order="newest")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return build_mlp_plan(8, (5,), 3, learning_rate=0.3, batch_size=4, epochs=2, selector=SEL,
+                          inputs={"x": "pixels", "y": "label"}, shuffle_seed=7, name="tiny", time_budget_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def data(plan):
+    return serialize_plan(plan)
+
+
+def _reseal(content: bytes) -> bytes:
+    """Recompute the overall checksum, as someone who rewrites a plan on purpose would."""
+    body = content[:-32]
+    return body + hashlib.sha256(body).digest()
+
+
+def test_round_trip_is_identical(plan, data):
+    loaded = load_plan(data)
+    assert loaded == plan
+    assert serialize_plan(loaded) == data
+    assert loaded.device.selector == SEL
+    assert loaded.device.inputs == {"x": "pixels", "y": "label"}
+    eval_plan = build_eval_plan(plan)
+    assert load_plan(serialize_plan(eval_plan)) == eval_plan
+
+
+def test_plan_contains_no_pickle(data):
+    assert b"\x80\x04\x95" not in data and b"numpy" not in data
+
+
+def test_bad_magic(data):
+    with pytest.raises(PlanError, match="magic"):
+        load_plan(b"PK\x03\x04" + data[4:])
+    with pytest.raises(PlanError, match="magic"):
+        load_plan(b"")
+
+
+@pytest.mark.parametrize("where", ["header", "graph", "trailer"])
+def test_bit_flip_is_refused(data, where):
+    header_len = struct.unpack_from("<I", data, 10)[0]
+    pos = {"header": _PREFIX.size + 5, "graph": _PREFIX.size + header_len + 40, "trailer": len(data) - 3}[where]
+    flipped = bytearray(data)
+    flipped[pos] ^= 0x10
+    with pytest.raises(PlanError, match="checksum"):
+        load_plan(bytes(flipped))
+
+
+def test_every_single_byte_corruption_is_refused(data):
+    for pos in range(0, len(data), 7):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x01
+        with pytest.raises(PlanError):
+            load_plan(bytes(flipped))
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.001, 0.01, 0.3, 0.9, 0.9999])
+def test_truncated_is_refused(data, keep):
+    cut = data[: int(len(data) * keep)]
+    with pytest.raises(PlanError, match="truncated|magic"):
+        load_plan(cut)
+
+
+def test_truncated_says_so(data):
+    with pytest.raises(PlanError, match="truncated"):
+        load_plan(data[:-100])
+    with pytest.raises(PlanError, match="trailing"):
+        load_plan(data + b"\x00")
+
+
+def test_future_format_version_is_refused(data):
+    future = bytearray(data)
+    struct.pack_into("<H", future, len(MAGIC), PLAN_FORMAT_VERSION + 1)
+    with pytest.raises(PlanError, match="newer than this runtime reads"):
+        load_plan(_reseal(bytes(future)))
+
+
+def test_opset_too_high_for_the_given_runtime():
+    plan = build_softmax_regression_plan(4, 3, selector=SEL, opset=21)
+    data = serialize_plan(plan)
+    assert plan.metadata.min_runtime_version == "1.18.0"
+    load_plan(data, runtime_version="1.20.3")
+    with pytest.raises(PlanError, match="opset 21 is above what onnxruntime 1.16.0 runs"):
+        # lying about the supported range must not get a plan past the opset check
+        load_plan(serialize_plan(dataclasses.replace(
+            plan, metadata=dataclasses.replace(plan.metadata, min_runtime_version="1.15.0"))), runtime_version="1.16.0")
+    with pytest.raises(PlanError, match="supports runtimes 1.18.0"):
+        load_plan(data, runtime_version="1.16.0")
+
+
+def test_runtime_version_outside_the_claimed_range(plan):
+    ranged = dataclasses.replace(
+        plan, metadata=dataclasses.replace(plan.metadata, min_runtime_version="1.20.0", max_runtime_version="1.25.9")
+    )
+    data = serialize_plan(ranged)
+    assert load_plan(data, runtime_version="1.22.1").metadata.max_runtime_version == "1.25.9"
+    for version in ("1.19.2", "1.26.0", "1.31.1"):
+        with pytest.raises(PlanError, match="supports runtimes 1.20.0 to 1.25.9, not"):
+            load_plan(data, runtime_version=version)
+    with pytest.raises(PlanError, match="not a version"):
+        load_plan(data, runtime_version="latest")
+    load_plan(data)  # without a runtime version (the server) only what the installed ORT runs is checked
+
+
+def test_ir_version_above_what_the_runtime_loads(plan):
+    model = onnx.ModelProto.FromString(plan.work)
+    model.ir_version = 14
+    bumped = dataclasses.replace(plan, work=model.SerializeToString(),
+                                 metadata=dataclasses.replace(plan.metadata, ir_version=14))
+    with pytest.raises(PlanError, match="IR version 14"):
+        load_plan(serialize_plan(bumped))
+    # a graph whose IR version exceeds the plan's declared one is refused too
+    sneaky = dataclasses.replace(plan, work=model.SerializeToString())
+    with pytest.raises(PlanError, match="graph 'work' has IR version 14"):
+        load_plan(serialize_plan(sneaky))
+
+
+def test_non_onnx_blob_with_valid_checksums_is_refused(plan):
+    for blob in (b"this is not an onnx model at all" * 10, b"\x08\x07", b""):
+        bad = dataclasses.replace(plan, server=dataclasses.replace(plan.server, merge=blob))
+        with pytest.raises(PlanError, match="graph 'merge'"):
+            load_plan(serialize_plan(bad))
+
+
+def test_graph_failing_the_checker_is_refused(plan):
+    model = onnx.ModelProto.FromString(plan.server.report)
+    model.graph.node[0].op_type = "NoSuchOp"
+    bad = dataclasses.replace(plan, server=dataclasses.replace(plan.server, report=model.SerializeToString()))
+    with pytest.raises(PlanError, match="graph 'report' fails the ONNX checker"):
+        load_plan(serialize_plan(bad))
+
+
+def test_custom_domains_and_mismatched_names_are_refused(plan):
+    model = onnx.ModelProto.FromString(plan.work)
+    model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    bad = dataclasses.replace(plan, work=model.SerializeToString())
+    with pytest.raises(PlanError, match="domain 'com.microsoft'"):
+        load_plan(serialize_plan(bad))
+    renamed = dataclasses.replace(plan, weight_names=("w0", "b0", "w1", "bias1"))
+    with pytest.raises(PlanError, match="missing inputs"):
+        load_plan(serialize_plan(renamed))
+
+
+def test_bad_header_fields_are_refused(plan):
+    for bad in (
+        dataclasses.replace(plan, kind="distill"),
+        dataclasses.replace(plan, device=dataclasses.replace(plan.device, batch_size=0)),
+        dataclasses.replace(plan, weight_outputs=plan.weight_outputs[:-1]),
+        dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, min_runtime_version="one")),
+    ):
+        with pytest.raises(PlanError):
+            load_plan(serialize_plan(bad))
+
+
+def test_version_tables():
+    assert max_opset_for_runtime("1.15.0") == 19
+    assert max_opset_for_runtime("1.16.3") == 19
+    assert max_opset_for_runtime("1.17.1") == 20
+    assert max_opset_for_runtime("1.18.0") == 21
+    assert max_opset_for_runtime("1.20.2") == 21
+    assert max_opset_for_runtime("1.21.0") == 22
+    assert max_opset_for_runtime("1.22.1") == 22
+    assert max_opset_for_runtime("1.23.2") == 23
+    assert max_opset_for_runtime("1.26.0") == 26
+    assert max_opset_for_runtime("1.31.1") == 26
+    assert max_opset_for_runtime("1.40.0") == 26
+    assert max_ir_version_for_runtime("1.15.0") == 9
+    assert max_ir_version_for_runtime("1.31.1") == 13
+    assert min_runtime_for_opset(17) == "1.15.0"
+    assert min_runtime_for_opset(22) == "1.21.0"
+    with pytest.raises(PlanError, match="older than"):
+        max_opset_for_runtime("1.14.1")
+
+
+@pytest.mark.parametrize("opset", [13, 15, 17, 19, 20, 21, 22, 23, 26])
+def test_plans_emitted_at_each_opset_load_and_train_alike(opset):
+    plan = build_mlp_plan(6, (4,), 3, learning_rate=0.2, selector=SEL, opset=opset)
+    loaded = load_plan(serialize_plan(plan), runtime_version=plan.metadata.min_runtime_version)
+    model = onnx.ModelProto.FromString(loaded.work)
+    assert model.ir_version == loaded.metadata.ir_version <= max_ir_version_for_runtime(plan.metadata.min_runtime_version)
+    assert [o.version for o in model.opset_import] == [opset]
+    w = initial_weights(loaded, seed=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, 6)).astype(np.float32), rng.integers(0, 3, 5)
+    out = make_session(loaded.work).run(["w0_new", "loss_sum"], {**w, "x": x, "y": y})
+    ref = make_session(build_mlp_plan(6, (4,), 3, learning_rate=0.2, selector=SEL, opset=17).work).run(
+        ["w0_new", "loss_sum"], {**w, "x": x, "y": y})
+    np.testing.assert_allclose(out[0], ref[0], rtol=1e-6, atol=1e-7)
+    assert PlanExecutor(loaded).client_update_spec()["w0"] == ((6, 4), np.dtype(np.float32))

@@ -1,0 +1,29 @@
+"""The demo, small: a real server, a real fleet, its table and its closing JSON line."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from emulator import DemoConfig, run_demo
+from emulator.cli import main
+
+
+def test_small_demo_prints_table_and_json_summary(tmp_path):
+    out = io.StringIO()
+    config = DemoConfig(devices=30, rounds=3, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path))
+    summary = run_demo(config, out=out)
+    lines = out.getvalue().strip().splitlines()
+    assert json.loads(lines[-1]) == json.loads(json.dumps(summary))
+    assert summary["rounds_committed"] == 3
+    assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
+    assert any(line.split()[:2] == ["1", "committed"] for line in lines)
+    assert summary["session_outcomes"]["completed"] >= 3 * 7
+    assert list(tmp_path.iterdir()) == []  # the demo cleans up its temporary folder
+
+
+def test_cli_demo_exit_code(tmp_path, capsys):
+    code = main(["demo", "--devices", "20", "--rounds", "1", "--goal", "5", "--time-limit", "60"])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["rounds_committed"] == 1
