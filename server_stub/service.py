@@ -388,7 +388,8 @@ class FLService:
     def _note_late(self, run: _TaskRun, core: RoundCore) -> None:
         for closed in run.closed:
             if closed.core is core:
-                closed.metrics["rejected_late"] = core.late_reports
+                assert core.ended_at is not None
+                closed.metrics.update(core.stats(core.ended_at))
                 self.store.update_round_metrics(closed.record_id, closed.metrics)
 
 
