@@ -174,12 +174,15 @@ class PlanExecutor:
         open_batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
         *,
         should_abort: Callable[[], bool] | None = None,
+        run_options: ort.RunOptions | None = None,
     ) -> DeviceResult:
         """Train (or evaluate) on the device's data: for each of ``plan.device.epochs`` epochs call
         ``open_batches()`` (it must re-open the data; batches are dicts keyed by example tensor
         names, see :meth:`batches_from_examples`), run the work step on each batch and feed the new
         weights back. ``should_abort`` is checked before every batch; when it returns True,
-        :class:`TrainingInterrupted` is raised. Returns the client update (see the module doc)."""
+        :class:`TrainingInterrupted` is raised. Setting ``run_options.terminate`` from another thread
+        stops a step in flight (the forced stop), also as :class:`TrainingInterrupted`. Returns the
+        client update (see the module doc)."""
         plan = self.plan
         initial = self._check_weights(weights)
         sess = self._session("work")
@@ -220,7 +223,12 @@ class PlanExecutor:
                 binding = bindings[step % len(bindings)]
                 for graph_name, _ in input_map:
                     binding.bind_cpu_input(graph_name, feeds[graph_name])
-                sess.run_with_iobinding(binding)
+                try:
+                    sess.run_with_iobinding(binding, run_options)
+                except Exception as exc:
+                    if run_options is not None and run_options.terminate:
+                        raise TrainingInterrupted("training was stopped by force while a step was running") from exc
+                    raise
                 for m, arr in metric_arrays.items():
                     sums[m] += float(arr)
                 total += n

@@ -124,6 +124,7 @@ class FLRuntime:
         should_abort: Callable[[], bool] | None = None,
         before_report: Callable[[], None] | None = None,
         eligibility: dict | None = None,
+        run_options: onnxruntime.RunOptions | None = None,
     ) -> SessionResult:
         """Run one session; raises SessionRejected when not selected (see ``last_retry_window``)."""
         with self._lock:  # one training session at a time per runtime
@@ -157,6 +158,7 @@ class FLRuntime:
                     weights,
                     executor.batches_from_examples(lambda: store.query_batches(selector, batch_size)),
                     should_abort=should_abort,
+                    run_options=run_options,
                 )
                 record("training_completed", examples=result.num_examples)
             except TrainingInterrupted:

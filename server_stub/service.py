@@ -265,6 +265,7 @@ class FLService:
                 "round": run.round_number,
                 "committed_rounds": run.committed_rounds,
                 "phase": run.core.phase.value if run.core else None,
+                "current_round": run.core.stats(self.clock()) if run.core else None,
                 "checkpoint_id": run.broadcast_id,
                 "tasks": tasks,
             }

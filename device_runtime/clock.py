@@ -1,0 +1,57 @@
+"""One clock under scheduling, conditions and opstats, so the emulator can run a device's day in
+virtual time while an app on a real device uses the system clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Unix seconds."""
+
+    def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        """Wait ``seconds`` or until ``wake`` is set; True if woken."""
+
+
+class SystemClock:
+    def now(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        if wake is None:
+            time.sleep(max(0.0, seconds))
+            return False
+        return wake.wait(max(0.0, seconds))
+
+
+class VirtualClock:
+    """Time moves only when the driver says so; ``sleep`` advances it at once (single driver)."""
+
+    def __init__(self, start: float = 1_767_225_600.0) -> None:  # 2026-01-01T00:00:00Z
+        self._now = float(start)
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> float:
+        if seconds < 0:
+            raise ValueError("virtual time only moves forward")
+        with self._lock:
+            self._now += seconds
+            return self._now
+
+    def advance_to(self, when: float) -> float:
+        with self._lock:
+            self._now = max(self._now, float(when))
+            return self._now
+
+    def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        if wake is not None and wake.is_set():
+            return True
+        self.advance(max(0.0, seconds))
+        return False

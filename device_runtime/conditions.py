@@ -1,0 +1,76 @@
+"""Device conditions and the app's training constraints (Android's TrainingConstraints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+BATTERY_LOW_FRACTION = 0.15
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    idle: bool
+    charging: bool
+    battery_level: float
+    unmetered_network: bool
+    network_available: bool = True
+
+
+class DeviceConditions(Protocol):
+    """Where the runtime reads the device's state: the emulator's device, or the app."""
+
+    def current(self) -> DeviceState: ...
+
+
+@dataclass(frozen=True)
+class TrainingConstraints:
+    """What must hold for the runtime to train; the defaults are the paper's: idle, charging,
+    unmetered network. ``requires_battery_not_low`` is the alternative to charging."""
+
+    requires_idle: bool = True
+    requires_charging: bool = True
+    requires_battery_not_low: bool = False
+    requires_unmetered_network: bool = True
+
+    def unmet(self, state: DeviceState) -> list[str]:
+        """Names of the constraints that do not hold now (empty: training may run)."""
+        out = []
+        if not state.network_available:
+            out.append("network")
+        if self.requires_idle and not state.idle:
+            out.append("idle")
+        if self.requires_charging and not state.charging:
+            out.append("charging")
+        if self.requires_battery_not_low and not state.charging and state.battery_level < BATTERY_LOW_FRACTION:
+            out.append("battery_not_low")
+        if self.requires_unmetered_network and not state.unmetered_network:
+            out.append("unmetered_network")
+        return out
+
+    def satisfied(self, state: DeviceState) -> bool:
+        return not self.unmet(state)
+
+
+@dataclass(frozen=True)
+class TrainingInterval:
+    """One-time participation, or recurrent with at least ``min_interval_s`` between sessions."""
+
+    recurrent: bool = False
+    min_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.min_interval_s < 0:
+            raise ValueError("min_interval_s must not be negative")
+        if self.recurrent and self.min_interval_s <= 0:
+            raise ValueError("a recurrent interval needs min_interval_s > 0")
+
+
+@dataclass
+class StaticConditions:
+    """Conditions an app or a test sets by hand."""
+
+    state: DeviceState
+
+    def current(self) -> DeviceState:
+        return self.state

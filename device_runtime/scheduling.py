@@ -1,0 +1,348 @@
+"""Scheduling participation under device conditions (paper, section 3; Android's federated
+compute scheduling).
+
+Jobs live in APScheduler's persistent SQLAlchemy job store inside the app's SQLite database, so
+they survive an app restart. Due times are computed from the runtime's Clock rather than the wall
+clock, so the same code runs a real app and a device emulated in virtual time. All apps of one
+device share one WorkerQueue: never two training sessions at once, populations served in a fair
+(least recently run first) order."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import random
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable
+
+import onnxruntime as ort
+from apscheduler.job import Job
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.triggers.date import DateTrigger
+
+from .clock import Clock, SystemClock
+from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
+from .errors import RuntimeSdkError, SessionRejected
+from .runtime import FLRuntime, Outcome, SessionResult
+
+log = logging.getLogger(__name__)
+
+JOB_TABLE = "fl_participation_jobs"
+
+
+class RunOutcome(enum.Enum):
+    COMPLETED = "completed"
+    REPORT_REJECTED = "report_rejected"
+    INTERRUPTED = "interrupted"
+    NOT_SELECTED = "not_selected"
+    CONSTRAINTS_UNMET = "constraints_unmet"
+    NO_RUNTIME = "no_runtime"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What one due job did, and when it runs next (None: the job is done)."""
+
+    app: str
+    population: str
+    outcome: RunOutcome
+    started_at: float
+    ended_at: float
+    next_run_at: float | None
+    detail: str = ""
+    session: SessionResult | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledJob:
+    population: str
+    next_run_at: float | None
+    constraints: TrainingConstraints
+    interval: TrainingInterval
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """Timing of the checks. The abort bound is ``poll_s + grace_s`` plus one training step."""
+
+    poll_s: float = 0.25
+    grace_s: float = 1.0
+    recheck_s: float = 300.0
+    jitter: float = 0.2
+
+
+def run_participation(
+    population: str, constraints: dict, interval: dict, scheduler: "ParticipationScheduler | None" = None
+) -> JobRun:
+    """The function every stored job names: one participation attempt, run by the app's scheduler
+    (which reads the job's constraints and interval from the store)."""
+    if scheduler is None:
+        raise RuntimeError("participation jobs run through a ParticipationScheduler")
+    return scheduler.run_job(population)
+
+
+class _StoreHost:
+    """What APScheduler's job store expects of its scheduler: a time zone."""
+
+    timezone = timezone.utc
+
+
+def _to_dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, timezone.utc)
+
+
+class ParticipationScheduler:
+    """One per app: the populations it takes part in, their constraints and intervals."""
+
+    def __init__(
+        self,
+        database: str | os.PathLike,
+        conditions: DeviceConditions,
+        *,
+        app: str = "app",
+        clock: Clock | None = None,
+        queue: "WorkerQueue | None" = None,
+        settings: SchedulerSettings = SchedulerSettings(),
+        rng: random.Random | None = None,
+    ) -> None:
+        self.app = app
+        self.conditions = conditions
+        self.clock = clock or SystemClock()
+        self.settings = settings
+        self.rng = rng or random.Random()
+        self._runtimes: dict[str, FLRuntime] = {}
+        self._store = SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
+        self._store.start(_StoreHost(), app)
+        self._lock = threading.RLock()
+        self.queue = queue or WorkerQueue(self.clock)
+        self.queue.add(self)
+
+    def close(self) -> None:
+        self.queue.remove(self)
+        self._store.shutdown()
+
+    # ----------------------------------------------------------------- app API
+    def register_runtime(self, population: str, runtime: FLRuntime) -> None:
+        """Called at every app start: which runtime serves a population's stored job."""
+        self._runtimes[population] = runtime
+
+    def schedule(
+        self,
+        population: str,
+        constraints: TrainingConstraints = TrainingConstraints(),
+        interval: TrainingInterval = TrainingInterval(),
+        *,
+        start_at: float | None = None,
+    ) -> ScheduledJob:
+        """Take part in ``population``; replaces an earlier schedule of the same population."""
+        first = self.clock.now() if start_at is None else start_at
+        job = Job(
+            _StoreHost(),
+            id=population,
+            func=f"{__name__}:run_participation",
+            args=(population,),
+            kwargs={"constraints": dataclasses.asdict(constraints), "interval": dataclasses.asdict(interval)},
+            trigger=DateTrigger(_to_dt(first), timezone=timezone.utc),
+            executor="default",
+            name=f"{self.app}:{population}",
+            misfire_grace_time=None,
+            coalesce=True,
+            max_instances=1,
+            next_run_time=_to_dt(first),
+        )
+        with self._lock:
+            if self._store.lookup_job(population) is not None:
+                self._store.remove_job(population)
+            self._store.add_job(job)
+        self.queue.wake()
+        return self._view(job)
+
+    def cancel(self, population: str) -> bool:
+        with self._lock:
+            if self._store.lookup_job(population) is None:
+                return False
+            self._store.remove_job(population)
+            return True
+
+    def jobs(self) -> list[ScheduledJob]:
+        with self._lock:
+            return [self._view(j) for j in self._store.get_all_jobs()]
+
+    # ----------------------------------------------------------------- driven by the WorkerQueue
+    def due(self, now: float) -> list[tuple[float, str]]:
+        with self._lock:
+            return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
+
+    def next_run_at(self) -> float | None:
+        with self._lock:
+            nxt = self._store.get_next_run_time()
+        return nxt.timestamp() if nxt is not None else None
+
+    def run_job(self, population: str) -> JobRun:
+        """One attempt: check the constraints, run a session under a watchdog, reschedule."""
+        started = self.clock.now()
+        with self._lock:
+            job = self._store.lookup_job(population)
+        if job is None:
+            return JobRun(self.app, population, RunOutcome.ERROR, started, started, None, "job was cancelled")
+        constraints = TrainingConstraints(**job.kwargs["constraints"])
+        interval = TrainingInterval(**job.kwargs["interval"])
+        unmet = constraints.unmet(self.conditions.current())
+        runtime = self._runtimes.get(population)
+        session: SessionResult | None = None
+        detail = ""
+        if unmet:
+            outcome, delay, detail = RunOutcome.CONSTRAINTS_UNMET, self.settings.recheck_s, ",".join(unmet)
+        elif runtime is None:
+            outcome, delay, detail = RunOutcome.NO_RUNTIME, self.settings.recheck_s, "no runtime registered for it"
+        else:
+            try:
+                session = self._run_watched(runtime, constraints)
+            except SessionRejected as rejected:
+                outcome, delay, detail = RunOutcome.NOT_SELECTED, runtime.next_retry_delay(), rejected.reason
+            except RuntimeSdkError as exc:
+                outcome, delay, detail = RunOutcome.ERROR, self.settings.recheck_s, f"{type(exc).__name__}: {exc}"
+            else:
+                outcome = RunOutcome(session.outcome.value)
+                if outcome is RunOutcome.INTERRUPTED:
+                    delay = self.settings.recheck_s
+                else:
+                    delay = interval.min_interval_s if interval.recurrent else self.settings.recheck_s
+        ended = self.clock.now()
+        done = session is not None and session.outcome is Outcome.COMPLETED and not interval.recurrent
+        next_at = None if done else ended + delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter))
+        with self._lock:
+            if self._store.lookup_job(population) is not None:  # not cancelled meanwhile
+                if next_at is None:
+                    self._store.remove_job(population)
+                else:
+                    job._modify(next_run_time=_to_dt(next_at))
+                    self._store.update_job(job)
+        return JobRun(self.app, population, outcome, started, ended, next_at, detail, session)
+
+    def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints) -> SessionResult:
+        """Run a session while a watchdog polls the conditions: when they stop holding it asks the
+        session to stop (checked between steps) and, after the grace period, ends the running
+        step by force through onnxruntime's terminate flag."""
+        stop = threading.Event()
+        done = threading.Event()
+        run_options = ort.RunOptions()
+
+        def watchdog() -> None:
+            while not done.wait(self.settings.poll_s):
+                if not constraints.satisfied(self.conditions.current()):
+                    stop.set()
+                    if not done.wait(self.settings.grace_s):
+                        run_options.terminate = True
+                    return
+
+        def should_abort() -> bool:
+            return stop.is_set() or not constraints.satisfied(self.conditions.current())
+
+        thread = threading.Thread(target=watchdog, name="fl-watchdog", daemon=True)
+        thread.start()
+        try:
+            return runtime.run_session(should_abort=should_abort, run_options=run_options)
+        finally:
+            done.set()
+            thread.join()
+
+    def _view(self, job: Job) -> ScheduledJob:
+        return ScheduledJob(
+            job.id,
+            job.next_run_time.timestamp() if job.next_run_time else None,
+            TrainingConstraints(**job.kwargs["constraints"]),
+            TrainingInterval(**job.kwargs["interval"]),
+        )
+
+
+class WorkerQueue:
+    """The device's single training worker, shared by all its apps' schedulers."""
+
+    def __init__(self, clock: Clock | None = None, *, idle_poll_s: float = 60.0) -> None:
+        self.clock = clock or SystemClock()
+        self.idle_poll_s = idle_poll_s
+        self._schedulers: list[ParticipationScheduler] = []
+        self._last_run: dict[tuple[str, str], float] = {}
+        self._worker = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.history: list[JobRun] = []
+        self.on_run: Callable[[JobRun], None] | None = None
+
+    def add(self, scheduler: ParticipationScheduler) -> None:
+        self._schedulers.append(scheduler)
+        self.wake()
+
+    def remove(self, scheduler: ParticipationScheduler) -> None:
+        if scheduler in self._schedulers:
+            self._schedulers.remove(scheduler)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def next_wakeup(self) -> float | None:
+        times = [t for t in (s.next_run_at() for s in list(self._schedulers)) if t is not None]
+        return min(times) if times else None
+
+    def run_pending(self) -> list[JobRun]:
+        """Run every job due now, one at a time, least recently run population first."""
+        runs = []
+        with self._worker:
+            now = self.clock.now()
+            due = [(s, when, pop) for s in list(self._schedulers) for when, pop in s.due(now)]
+            due.sort(key=lambda item: (self._last_run.get((item[0].app, item[2]), float("-inf")), item[1]))
+            for scheduler, _, population in due:
+                run = scheduler.run_job(population)
+                self._last_run[(scheduler.app, population)] = run.ended_at
+                self.history.append(run)
+                if self.on_run is not None:
+                    self.on_run(run)
+                runs.append(run)
+        return runs
+
+    def run_until(self, end: float) -> list[JobRun]:
+        """Drive a VirtualClock: jump from one due time to the next until ``end``."""
+        advance_to = getattr(self.clock, "advance_to", None)
+        if advance_to is None:
+            raise TypeError("run_until needs a clock with advance_to (a VirtualClock)")
+        runs = []
+        while True:
+            nxt = self.next_wakeup()
+            if nxt is None or nxt > end:
+                advance_to(end)
+                return runs
+            advance_to(nxt)
+            runs.extend(self.run_pending())
+
+    def start(self) -> None:
+        """Run jobs in a background thread in real time."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="fl-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.run_pending()
+            except Exception:  # one failing job must not stop the device's worker
+                log.exception("participation job failed")
+            nxt = self.next_wakeup()
+            wait = self.idle_poll_s if nxt is None else max(0.0, min(self.idle_poll_s, nxt - self.clock.now()))
+            self.clock.sleep(wait, self._wake)
