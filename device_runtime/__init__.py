@@ -4,6 +4,7 @@ from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .errors import (
     CorruptResource,
     NoExamples,
+    OverBudget,
     ProtocolError,
     RuntimeSdkError,
     ServerUnreachable,
@@ -26,7 +27,8 @@ from .plan import (
 )
 from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regression_plan, initial_weights
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
-from .runtime import Event, FLRuntime, Outcome, SessionResult
+from .opstats import Event, OpStatsStore, SessionSummary, shape_of
+from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
 from .versions import version_tuple
 
 __all__ = [
@@ -34,11 +36,14 @@ __all__ = [
     "CheckinAccepted",
     "CheckpointError",
     "CorruptResource",
+    "DeviceClass",
     "DeviceConfig",
     "DeviceResult",
     "Event",
     "FLRuntime",
     "NoExamples",
+    "OpStatsStore",
+    "OverBudget",
     "Outcome",
     "Plan",
     "PlanError",
@@ -52,6 +57,7 @@ __all__ = [
     "ServerUnreachable",
     "SessionRejected",
     "SessionResult",
+    "SessionSummary",
     "TrainingInterrupted",
     "UpdateMismatchError",
     "build_eval_plan",
@@ -66,5 +72,6 @@ __all__ = [
     "max_opset_for_runtime",
     "min_runtime_for_opset",
     "serialize_plan",
+    "shape_of",
     "version_tuple",
 ]

@@ -35,3 +35,7 @@ class CorruptResource(RuntimeSdkError):
 
 class NoExamples(RuntimeSdkError):
     """The plan's example selector matched no examples in this app's stores."""
+
+
+class OverBudget(RuntimeSdkError):
+    """A plan declares, or reaches while running, more memory or time than this device gives."""

@@ -6,6 +6,7 @@ answers are final and raised as ProtocolError with the server's stable error cod
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import time
 from dataclasses import dataclass
@@ -14,6 +15,10 @@ from typing import Any, Callable
 import httpx
 
 from .errors import CorruptResource, ProtocolError, ServerUnreachable
+
+
+#: The header a report carries its session statistics in (shape so far, training time).
+STATS_HEADER = "X-FL-Session-Stats"
 
 
 @dataclass(frozen=True)
@@ -135,21 +140,19 @@ class ProtocolClient:
             raise CorruptResource(f"resource {resource_id} arrived corrupted (its SHA-256 does not match); it was discarded")
         return data
 
-    def report(self, session: CheckinAccepted, update: bytes) -> dict:
-        response = self._request(
-            "POST",
-            f"/v1/sessions/{session.session_id}/report",
-            content=update,
-            headers={"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"},
-        )
+    def report(self, session: CheckinAccepted, update: bytes, stats: dict | None = None) -> dict:
+        headers = {"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"}
+        if stats:
+            headers[STATS_HEADER] = json.dumps(stats, separators=(",", ":"))
+        response = self._request("POST", f"/v1/sessions/{session.session_id}/report", content=update, headers=headers)
         self._raise_for_error(response)
         return response.json()
 
-    def abort(self, session: CheckinAccepted, reason: str) -> None:
+    def abort(self, session: CheckinAccepted, reason: str, stats: dict | None = None) -> None:
         response = self._request(
             "POST",
             f"/v1/sessions/{session.session_id}/abort",
-            json={"reason": reason},
+            json={"reason": reason, "stats": stats or {}},
             headers={"Authorization": f"Bearer {session.token}"},
         )
         self._raise_for_error(response)

@@ -19,24 +19,11 @@ import onnxruntime
 from example_store import ExampleStore, UnknownCollectionError
 
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
-from .errors import CorruptResource, NoExamples, ProtocolError, SessionRejected
+from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import PlanExecutor, TrainingInterrupted
+from .opstats import Event, OpStatsStore, rss_mb, shape_of
 from .plan import Plan, PlanError, load_plan
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
-
-#: Event symbols of the paper's Table 1.
-SHAPE_SYMBOLS = {
-    "checkin": "-",
-    "plan_downloaded": "v",
-    "training_started": "[",
-    "training_completed": "]",
-    "upload_started": "+",
-    "upload_completed": "^",
-    "upload_rejected": "#",
-    "interrupted": "!",
-    "error": "*",
-}
-
 
 class Outcome(enum.Enum):
     COMPLETED = "completed"
@@ -45,10 +32,12 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Event:
-    kind: str
-    at: float
-    detail: dict = field(default_factory=dict)
+class DeviceClass:
+    """What a device can give a plan; a plan whose declared budget exceeds it is refused."""
+
+    name: str = "default"
+    memory_mb: float = 2048.0
+    max_training_s: float = 600.0
 
 
 @dataclass
@@ -63,7 +52,7 @@ class SessionResult:
 
     @property
     def shape(self) -> str:
-        return "".join(SHAPE_SYMBOLS[e.kind] for e in self.events)
+        return shape_of(self.events)
 
 
 class FLRuntime:
@@ -85,6 +74,8 @@ class FLRuntime:
         retry: RetryPolicy = RetryPolicy(),
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
+        opstats: OpStatsStore | None = None,
+        device_class: DeviceClass = DeviceClass(),
     ) -> None:
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
@@ -92,6 +83,8 @@ class FLRuntime:
         self.runtime_version = runtime_version
         self.rng = rng or random.Random()
         self.clock = clock
+        self.opstats = opstats
+        self.device_class = device_class
         self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng)
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
@@ -126,72 +119,92 @@ class FLRuntime:
         eligibility: dict | None = None,
         run_options: onnxruntime.RunOptions | None = None,
     ) -> SessionResult:
-        """Run one session; raises SessionRejected when not selected (see ``last_retry_window``)."""
+        """Run one session; raises SessionRejected when not selected (see ``last_retry_window``).
+
+        Every phase is recorded; the events go to ``opstats`` (if given) in one transaction when
+        the session ends, whatever the way it ends."""
         with self._lock:  # one training session at a time per runtime
-            events: list[Event] = []
-
-            def record(kind: str, **detail: object) -> None:
-                events.append(Event(kind, self.clock(), dict(detail)))
-
-            answer = self.client.checkin(self.population, self.runtime_version, eligibility)
-            if not isinstance(answer, CheckinAccepted):
-                window = tuple(float(x) for x in answer.get("retry_after_s", (60.0, 120.0)))[:2]
-                self.last_retry_window = (window[0], window[1])
-                raise SessionRejected(str(answer.get("reason", "unspecified")), self.last_retry_window)
-            session = answer
-            record("checkin", round=session.round)
+            rec = _Recorder(self)
             try:
-                plan = self._plan(session.plan_id)
-                weights = self._checkpoint(session.checkpoint_id)
-                record("plan_downloaded", plan_id=session.plan_id)
-                executor = self._executors[session.plan_id]
-                store = self.store_for(plan.device.selector.collection_uri)
-                try:
-                    available = store.count(plan.device.selector)
-                except UnknownCollectionError:
-                    available = 0
-                if available == 0:
-                    raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
-                record("training_started")
-                selector, batch_size = plan.device.selector, plan.device.batch_size
-                result = executor.run_device(
-                    weights,
-                    executor.batches_from_examples(lambda: store.query_batches(selector, batch_size)),
-                    should_abort=should_abort,
-                    run_options=run_options,
-                )
-                record("training_completed", examples=result.num_examples)
-            except TrainingInterrupted:
-                record("interrupted")
-                self._abort_quietly(session, "interrupted")
-                return SessionResult(Outcome.INTERRUPTED, session.task, session.round, events)
-            except BaseException as exc:
-                record("error", error=type(exc).__name__)
-                self._abort_quietly(session, f"error: {type(exc).__name__}")
-                raise
-            if before_report is not None:
-                before_report()
-            if should_abort is not None and should_abort():
-                record("interrupted")
-                self._abort_quietly(session, "interrupted")
-                return SessionResult(Outcome.INTERRUPTED, session.task, session.round, events)
-            payload = encode_checkpoint(result.update)
-            record("upload_started", bytes=len(payload))
-            try:
-                self.client.report(session, payload)
-            except ProtocolError as exc:
-                if exc.status is not None and 400 <= exc.status < 500:
-                    record("upload_rejected", code=exc.code)
-                    return SessionResult(
-                        Outcome.REPORT_REJECTED, session.task, session.round, events, result.metrics, result.num_examples, exc.code
-                    )
-                raise
-            record("upload_completed")
-            return SessionResult(Outcome.COMPLETED, session.task, session.round, events, result.metrics, result.num_examples)
+                return self._session(rec, should_abort, before_report, eligibility, run_options)
+            finally:
+                rec.flush()
 
-    def _abort_quietly(self, session: CheckinAccepted, reason: str) -> None:
+    def _session(
+        self,
+        rec: "_Recorder",
+        should_abort: Callable[[], bool] | None,
+        before_report: Callable[[], None] | None,
+        eligibility: dict | None,
+        run_options: onnxruntime.RunOptions | None,
+    ) -> SessionResult:
+        answer = self.client.checkin(self.population, self.runtime_version, eligibility)
+        if not isinstance(answer, CheckinAccepted):
+            window = tuple(float(x) for x in answer.get("retry_after_s", (60.0, 120.0)))[:2]
+            self.last_retry_window = (window[0], window[1])
+            raise SessionRejected(str(answer.get("reason", "unspecified")), self.last_retry_window)
+        session = rec.session = answer
+        rec.record("checkin", round=session.round)
         try:
-            self.client.abort(session, reason)
+            plan = self._plan(session.plan_id)
+            self._check_budget(plan)
+            weights = self._checkpoint(session.checkpoint_id)
+            rec.record("plan_downloaded", plan_id=session.plan_id)
+            executor = self._executors[session.plan_id]
+            store = self.store_for(plan.device.selector.collection_uri)
+            try:
+                available = store.count(plan.device.selector)
+            except UnknownCollectionError:
+                available = 0
+            if available == 0:
+                raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
+            rec.record("training_started", examples_available=available)
+            selector, batch_size = plan.device.selector, plan.device.batch_size
+            result = executor.run_device(
+                weights,
+                executor.batches_from_examples(lambda: store.query_batches(selector, batch_size)),
+                should_abort=rec.watch(plan, should_abort),
+                run_options=run_options,
+            )
+            rec.record("training_completed", examples=result.num_examples)
+        except TrainingInterrupted:
+            return rec.interrupted(rec.over_budget or "interrupted")
+        except BaseException as exc:
+            rec.record("error", error=type(exc).__name__)
+            self._abort_quietly(session, f"error: {type(exc).__name__}", rec.stats())
+            raise
+        if rec.over_budget:
+            return rec.interrupted(rec.over_budget)
+        if before_report is not None:
+            before_report()
+        if should_abort is not None and should_abort():
+            return rec.interrupted("interrupted")
+        payload = encode_checkpoint(result.update)
+        rec.record("upload_started", bytes=len(payload))
+        try:
+            self.client.report(session, payload, rec.stats())
+        except ProtocolError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                rec.record("upload_rejected", code=exc.code)
+                return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, exc.code)
+            raise
+        rec.record("upload_completed")
+        return rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
+
+    def _check_budget(self, plan: Plan) -> None:
+        meta, device = plan.metadata, self.device_class
+        if meta.memory_budget_mb is not None and meta.memory_budget_mb > device.memory_mb:
+            raise OverBudget(
+                f"plan {plan.name!r} asks for {meta.memory_budget_mb} MB; a {device.name} device gives {device.memory_mb} MB"
+            )
+        if meta.time_budget_s is not None and meta.time_budget_s > device.max_training_s:
+            raise OverBudget(
+                f"plan {plan.name!r} asks for {meta.time_budget_s} s of training; a {device.name} device gives {device.max_training_s} s"
+            )
+
+    def _abort_quietly(self, session: CheckinAccepted, reason: str, stats: dict | None = None) -> None:
+        try:
+            self.client.abort(session, reason, stats)
         except Exception:  # the server drops silent sessions at their deadline anyway
             pass
 
@@ -229,3 +242,80 @@ class FLRuntime:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class _Recorder:
+    """One session's events, its measured time and memory, and its budget watch."""
+
+    #: How often (in steps) the resident memory is sampled while training.
+    MEMORY_SAMPLE_EVERY = 8
+
+    def __init__(self, runtime: FLRuntime) -> None:
+        self.runtime = runtime
+        self.events: list[Event] = []
+        self.session: CheckinAccepted | None = None
+        self.local_id = os.urandom(8).hex()
+        self.base_memory_mb = rss_mb()
+        self.peak_memory_mb = self.base_memory_mb
+        self.over_budget: str | None = None
+        self.sent0 = runtime.client.bytes_sent
+        self.received0 = runtime.client.bytes_received
+
+    def record(self, kind: str, **detail: object) -> None:
+        self.peak_memory_mb = max(self.peak_memory_mb, rss_mb())
+        self.events.append(Event(kind, self.runtime.clock(), dict(detail)))
+
+    def watch(self, plan: Plan, should_abort: Callable[[], bool] | None) -> Callable[[], bool]:
+        """The per-step check: the app's should_abort, and the plan's budgets, measured."""
+        meta = plan.metadata
+        started = time.monotonic()
+        steps = 0
+
+        def check() -> bool:
+            nonlocal steps
+            steps += 1
+            if meta.time_budget_s is not None and time.monotonic() - started > meta.time_budget_s:
+                self.over_budget = f"over time budget ({meta.time_budget_s} s)"
+                return True
+            if steps % self.MEMORY_SAMPLE_EVERY == 0:
+                now = rss_mb()
+                self.peak_memory_mb = max(self.peak_memory_mb, now)
+                if meta.memory_budget_mb is not None and now - self.base_memory_mb > meta.memory_budget_mb:
+                    self.over_budget = f"over memory budget ({meta.memory_budget_mb} MB)"
+                    return True
+            return should_abort is not None and should_abort()
+
+        return check
+
+    def stats(self) -> dict:
+        """Non-identifying statistics the server may see: the shape so far and the costs."""
+        training = [e.at for e in self.events if e.kind in ("training_started", "training_completed")]
+        return {
+            "shape": shape_of(self.events),
+            "training_s": round(training[1] - training[0], 3) if len(training) == 2 else None,
+            "runtime_version": self.runtime.runtime_version,
+        }
+
+    def interrupted(self, reason: str) -> SessionResult:
+        self.record("interrupted", reason=reason)
+        assert self.session is not None
+        self.runtime._abort_quietly(self.session, reason, self.stats())
+        return self.result(Outcome.INTERRUPTED)
+
+    def result(self, outcome: Outcome, metrics: dict | None = None, examples: int = 0, code: str | None = None) -> SessionResult:
+        assert self.session is not None
+        return SessionResult(outcome, self.session.task, self.session.round, self.events, metrics or {}, examples, code)
+
+    def flush(self) -> None:
+        if self.events:
+            client = self.runtime.client
+            self.events[-1].detail.update(
+                bytes_sent=client.bytes_sent - self.sent0,
+                bytes_received=client.bytes_received - self.received0,
+                peak_memory_mb=round(self.peak_memory_mb, 1),
+                runtime_version=self.runtime.runtime_version,
+            )
+        if self.runtime.opstats is not None and self.events:
+            task = self.session.task if self.session else None
+            self.runtime.opstats.record_session(self.local_id, self.runtime.population, task, self.events)
+

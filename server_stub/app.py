@@ -17,6 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from device_runtime.opstats import SHAPE_ALPHABET
+from device_runtime.protocol import STATS_HEADER
+
 from .errors import ApiError, BodyTooLarge, MalformedBody, Unauthorized
 from .persistence import ServerStore
 from .rounds import RoundConfig
@@ -86,6 +89,31 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
+MAX_SHAPE = 16
+
+
+def session_shape(stats: object) -> str | None:
+    """The shape from a device's session statistics, if it is a plausible one; else None.
+
+    Statistics are advisory: malformed ones are ignored rather than failing a good report."""
+    if not isinstance(stats, dict):
+        return None
+    shape = stats.get("shape")
+    if isinstance(shape, str) and 0 < len(shape) <= MAX_SHAPE and set(shape) <= SHAPE_ALPHABET:
+        return shape
+    return None
+
+
+def _stats_header(request: Request) -> object:
+    raw = request.headers.get(STATS_HEADER.lower())
+    if raw is None or len(raw) > 2048:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
 def create_app(service: FLService) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -134,14 +162,16 @@ def create_app(service: FLService) -> Starlette:
         token = _bearer(request)
         limit = service.report_limit(sid)
         body = await read_body(request, limit)
-        return JSONResponse(await run_in_threadpool(service.report, sid, token, body))
+        shape = session_shape(_stats_header(request))
+        return JSONResponse(await run_in_threadpool(service.report, sid, token, body, shape))
 
     async def abort(request: Request) -> Response:
         sid = request.path_params["sid"]
         token = _bearer(request)
         data = await read_json(request)
         reason = _field(data, "reason", str, required=False, default="unspecified")
-        return JSONResponse(service.abort(sid, token, reason[:200]))
+        shape = session_shape(data.get("stats"))
+        return JSONResponse(service.abort(sid, token, reason[:200], shape))
 
     async def list_rounds(request: Request) -> Response:
         rounds = await run_in_threadpool(service.rounds, request.path_params["population"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -118,6 +119,7 @@ class RoundCore:
     selection_ended_at: float | None = None
     ended_at: float | None = None
     late_reports: int = 0
+    shapes: Counter = field(default_factory=Counter)
 
     @property
     def open(self) -> bool:
@@ -214,7 +216,13 @@ class RoundCore:
             "rejected_late": self.late_reports,
             "aborted": aborted,
             "dropped": aborted + silent,
+            "shapes": dict(self.shapes.most_common()),
         }
+
+    def note_shape(self, shape: str | None) -> None:
+        """Count a session shape the device reported (its statistics carry no identity)."""
+        if shape:
+            self.shapes[shape] += 1
 
     def _end_selection(self, now: float) -> None:
         if self.phase is Phase.SELECTING:

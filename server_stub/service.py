@@ -187,7 +187,7 @@ class FLService:
                 raise NotFound("unknown session; check in again", code="UNKNOWN_SESSION")
             return session.run.report_limit
 
-    def report(self, session_id: str, token: str, body: bytes) -> dict:
+    def report(self, session_id: str, token: str, body: bytes, shape: str | None = None) -> dict:
         """Aggregate one device's update; nothing of it is kept apart from the running sum."""
         session = self._authorize(session_id, token)
         run = session.run
@@ -205,20 +205,24 @@ class FLService:
             if verdict is ReportVerdict.DUPLICATE:
                 raise DuplicateReport("this session has already reported")
             if verdict is ReportVerdict.LATE:
+                session.core.note_shape(shape and shape + "#")
                 self._note_late(run, session.core)
                 raise ReportLate("the reporting window of this session has closed; the update was discarded")
             if verdict is not ReportVerdict.ACCEPT:
                 raise SessionClosed("this session was aborted or is no longer part of a round")
             assert run.accumulator is not None
             run.accumulator = run.executor.accumulate(run.accumulator, update)
+            session.core.note_shape(shape and shape + "^")
             session.core.confirm_report(session_id, now)
             self._advance(run, now)
             return {"status": "accepted", "round": session.core.number}
 
-    def abort(self, session_id: str, token: str, reason: str) -> dict:
+    def abort(self, session_id: str, token: str, reason: str, shape: str | None = None) -> dict:
         session = self._authorize(session_id, token)
         with self._lock:
             aborted = session.core.abort(session_id, self.clock())
+            if aborted:
+                session.core.note_shape(shape)
             log.debug("session %s aborted (%s)", session_id, reason)
             self._advance(session.run, self.clock())
             return {"status": "aborted" if aborted else "ignored"}

@@ -1,0 +1,65 @@
+"""Opstats: every phase of a session in the app's database, and shapes on both sides."""
+
+from __future__ import annotations
+
+from device_runtime import DeviceClass, FLRuntime, OpStatsStore, Outcome, OverBudget, RetryPolicy
+from example_store import SQLiteExampleStore
+from tests.support import COLLECTION, deploy, digits_plan
+
+FAST = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)
+
+
+def _runtime(tmp_path, server, digits, **kwargs):
+    store = SQLiteExampleStore(tmp_path / "app.db")
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:30], digits.y_train[:30])))
+    return FLRuntime("digits", server.url, store, retry=FAST, **kwargs)
+
+
+def test_sessions_are_logged_with_costs_and_shapes_reach_the_server(tmp_path, server, admin, digits):
+    deploy(admin, goal_count=2, over_selection=1.5, min_fraction=1.0)
+    opstats = OpStatsStore(tmp_path / "app.db")
+    runtime = _runtime(tmp_path, server, digits, opstats=opstats)
+    assert runtime.run_session(should_abort=lambda: True).outcome is Outcome.INTERRUPTED
+    assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert runtime.run_session().outcome is Outcome.COMPLETED
+
+    sessions = opstats.sessions("digits")
+    assert [s.shape for s in sessions] == ["-v[!", "-v[]+^", "-v[]+^"]
+    last = sessions[-1].events
+    assert [e.kind for e in last] == [
+        "checkin", "plan_downloaded", "training_started", "training_completed", "upload_started", "upload_completed",
+    ]
+    assert last[3].detail["examples"] == 30
+    assert last[4].detail["bytes"] > 0
+    assert last[-1].detail["bytes_sent"] > last[4].detail["bytes"] - 1
+    assert last[-1].detail["bytes_received"] > 0
+    assert last[-1].detail["peak_memory_mb"] > 10
+    assert last[-1].detail["runtime_version"] == runtime.runtime_version
+    assert opstats.shape_counts("digits") == {"-v[]+^": 2, "-v[!": 1}
+    assert opstats.last_participation("digits").session_id == sessions[-1].session_id
+
+    [round1] = admin.rounds("digits")
+    assert round1["metrics"]["shapes"] == {"-v[]+^": 2, "-v[!": 1}
+
+
+def test_a_plan_over_the_device_budget_is_refused(tmp_path, server, admin, digits):
+    plan = digits_plan(memory_budget_mb=4096)
+    deploy(admin, plan=plan, goal_count=5)
+    runtime = _runtime(tmp_path, server, digits, device_class=DeviceClass("low-end", memory_mb=1024))
+    try:
+        runtime.run_session()
+    except OverBudget as exc:
+        assert "4096" in str(exc) and "low-end" in str(exc)
+    else:
+        raise AssertionError("the plan should have been refused")
+    assert admin.status("digits")["current_round"]["aborted"] == 1
+
+
+def test_a_plan_that_runs_over_its_time_budget_is_stopped(tmp_path, server, admin, digits):
+    plan = digits_plan(epochs=100_000, time_budget_s=0.3)
+    deploy(admin, plan=plan, goal_count=5)
+    opstats = OpStatsStore(tmp_path / "ops.db")
+    result = _runtime(tmp_path, server, digits, opstats=opstats).run_session()
+    assert result.outcome is Outcome.INTERRUPTED
+    assert "time budget" in result.events[-1].detail["reason"]
+    assert opstats.shape_counts() == {"-v[!": 1}
