@@ -131,6 +131,11 @@ class ProtocolClient:
             return data
         raise ProtocolError(f"unexpected check-in answer: {data!r}")
 
+    def eligibility_info(self, population: str) -> dict:
+        response = self._request("GET", f"/v1/populations/{population}/eligibility")
+        self._raise_for_error(response)
+        return response.json()
+
     def fetch_resource(self, resource_id: str) -> bytes:
         """Download a content-addressed resource and check that it is what its id names."""
         response = self._request("GET", f"/v1/resources/{resource_id}")

@@ -16,9 +16,10 @@ from typing import Callable, Mapping
 
 import onnxruntime
 
-from example_store import ExampleStore, UnknownCollectionError
+from example_store import ExampleSelector, ExampleStore, ExampleStoreError, UnknownCollectionError
 
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import PlanExecutor, TrainingInterrupted
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
@@ -138,6 +139,8 @@ class FLRuntime:
         eligibility: dict | None,
         run_options: onnxruntime.RunOptions | None,
     ) -> SessionResult:
+        if eligibility is None:
+            eligibility = self.evaluate_eligibility()
         answer = self.client.checkin(self.population, self.runtime_version, eligibility)
         if not isinstance(answer, CheckinAccepted):
             window = tuple(float(x) for x in answer.get("retry_after_s", (60.0, 120.0)))[:2]
@@ -190,6 +193,34 @@ class FLRuntime:
             raise
         rec.record("upload_completed")
         return rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
+
+    def evaluate_eligibility(self) -> dict | None:
+        """Evaluate the active task's policies here, on the device; only the verdict is sent."""
+        info = self.client.eligibility_info(self.population)
+        task = info.get("task")
+        try:
+            policies = EligibilityPolicies.from_dict(info.get("policies") or {})
+        except ValueError as exc:
+            raise ProtocolError(f"the server sent eligibility policies this runtime does not understand: {exc}") from None
+        if task is None or policies.empty:
+            return None
+        available = 0
+        try:
+            selector = ExampleSelector.from_dict(info["selector"])
+            available = self.store_for(selector.collection_uri).count(selector)
+        except (UnknownCollectionError, NoExamples):
+            available = 0
+        except (KeyError, ExampleStoreError) as exc:
+            raise ProtocolError(f"the server sent an example selector this runtime cannot use: {exc}") from None
+        last = None
+        if self.opstats is not None:
+            summary = self.opstats.last_participation(self.population, task)
+            if summary is not None:
+                last = Participation(int(summary.events[0].detail.get("round", 0)), summary.started_at)
+        verdict = evaluate(
+            task, policies, examples_available=available, last=last, current_round=int(info.get("round", 0)), now=self.clock()
+        )
+        return verdict.to_json()
 
     def _check_budget(self, plan: Plan) -> None:
         meta, device = plan.metadata, self.device_class

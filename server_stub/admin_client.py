@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from device_runtime.checkpoint import decode_checkpoint
+from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan, serialize_plan
 
 from .rounds import RoundConfig
@@ -47,13 +48,22 @@ class AdminClient:
     def create_population(self, name: str) -> dict[str, Any]:
         return self._check(self.http.post("/v1/populations", json={"name": name})).json()
 
-    def deploy_task(self, population: str, name: str, plan: Plan | bytes, checkpoint: bytes, config: RoundConfig) -> dict[str, Any]:
+    def deploy_task(
+        self,
+        population: str,
+        name: str,
+        plan: Plan | bytes,
+        checkpoint: bytes,
+        config: RoundConfig,
+        eligibility: EligibilityPolicies | None = None,
+    ) -> dict[str, Any]:
         plan_bytes = plan if isinstance(plan, bytes) else serialize_plan(plan)
         body = {
             "name": name,
             "plan": base64.b64encode(plan_bytes).decode(),
             "checkpoint": base64.b64encode(checkpoint).decode(),
             "config": config.to_dict(),
+            "eligibility": (eligibility or EligibilityPolicies()).to_dict(),
         }
         return self._check(self.http.post(f"/v1/populations/{population}/tasks", json=body)).json()
 

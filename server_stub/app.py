@@ -20,6 +20,8 @@ from starlette.routing import Route
 from device_runtime.opstats import SHAPE_ALPHABET
 from device_runtime.protocol import STATS_HEADER
 
+from device_runtime.eligibility import EligibilityPolicies
+
 from .errors import ApiError, BodyTooLarge, MalformedBody, Unauthorized
 from .persistence import ServerStore
 from .rounds import RoundConfig
@@ -133,10 +135,11 @@ def create_app(service: FLService) -> Starlette:
         checkpoint = _b64(data, "checkpoint")
         try:
             config = RoundConfig.from_dict(_field(data, "config", dict, required=False, default={}))
+            eligibility = EligibilityPolicies.from_dict(_field(data, "eligibility", dict, required=False, default={}))
         except (ValueError, TypeError) as exc:
-            raise MalformedBody(f"the round config is not valid: {exc}", code="BAD_CONFIG") from None
+            raise MalformedBody(f"the task config is not valid: {exc}", code="BAD_CONFIG") from None
         population = request.path_params["population"]
-        record = await run_in_threadpool(service.deploy_task, population, name, plan, checkpoint, config)
+        record = await run_in_threadpool(service.deploy_task, population, name, plan, checkpoint, config, eligibility)
         return JSONResponse(
             {"task": record.name, "population": population, "plan_id": record.plan_id, "checkpoint_id": record.initial_checkpoint_id},
             status_code=201,
@@ -145,8 +148,17 @@ def create_app(service: FLService) -> Starlette:
     async def checkin(request: Request) -> Response:
         data = await read_json(request)
         runtime_version = _field(data, "runtime_version", str)
-        _field(data, "eligibility", dict, required=False)
-        return JSONResponse(service.checkin(request.path_params["population"], runtime_version))
+        eligibility = _field(data, "eligibility", dict, required=False)
+        if eligibility:
+            _field(eligibility, "task", str)
+            _field(eligibility, "eligible", bool)
+            failed = _field(eligibility, "failed", list, required=False, default=[])
+            if not all(isinstance(f, str) for f in failed):
+                raise MalformedBody("eligibility.failed must be a list of policy names", code="BAD_FIELD")
+        return JSONResponse(service.checkin(request.path_params["population"], runtime_version, eligibility))
+
+    async def eligibility_info(request: Request) -> Response:
+        return JSONResponse(service.eligibility_info(request.path_params["population"]))
 
     async def resource(request: Request) -> Response:
         rid = request.path_params["rid"]
@@ -218,6 +230,7 @@ def create_app(service: FLService) -> Starlette:
         Route("/v1/populations/{population}", population_status),
         Route("/v1/populations/{population}/tasks", deploy_task, methods=["POST"]),
         Route("/v1/populations/{population}/checkin", checkin, methods=["POST"]),
+        Route("/v1/populations/{population}/eligibility", eligibility_info),
         Route("/v1/populations/{population}/rounds", list_rounds),
         Route("/v1/populations/{population}/model", model),
         Route("/v1/resources/{rid}", resource),

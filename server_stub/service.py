@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from device_runtime.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, load_plan
 from device_runtime.versions import version_tuple
@@ -72,6 +73,7 @@ class _TaskRun:
     plan: Plan
     executor: PlanExecutor
     config: RoundConfig
+    eligibility: EligibilityPolicies
     state: dict[str, np.ndarray]
     broadcast_id: str
     round_number: int
@@ -112,7 +114,15 @@ class FLService:
             self._runs.setdefault(name, None)
             return created
 
-    def deploy_task(self, population: str, name: str, plan_bytes: bytes, checkpoint_bytes: bytes, config: RoundConfig) -> TaskRecord:
+    def deploy_task(
+        self,
+        population: str,
+        name: str,
+        plan_bytes: bytes,
+        checkpoint_bytes: bytes,
+        config: RoundConfig,
+        eligibility: EligibilityPolicies = EligibilityPolicies(),
+    ) -> TaskRecord:
         """Validate and store a task; it starts training once no earlier task is active."""
         _check_name(name, "task")
         try:
@@ -133,13 +143,29 @@ class FLService:
                 raise Conflict(f"population {population!r} already has a task named {name!r}", code="TASK_EXISTS")
             plan_id = self.store.put_resource(plan_bytes, "plan")
             ckpt_id = self.store.put_resource(checkpoint_bytes, "checkpoint")
-            record = self.store.add_task(population, name, plan_id, ckpt_id, config.to_dict())
+            stored = {"round": config.to_dict(), "eligibility": eligibility.to_dict()}
+            record = self.store.add_task(population, name, plan_id, ckpt_id, stored)
             if self._runs.get(population) is None:
                 self._runs[population] = self._load_run(population)
             return record
 
     # ----------------------------------------------------------------- device protocol
-    def checkin(self, population: str, runtime_version: str) -> dict:
+    def eligibility_info(self, population: str) -> dict:
+        """What a device needs to evaluate the active task's policies before it checks in."""
+        with self._lock:
+            if population not in self._runs:
+                raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+            run = self._runs[population]
+            if run is None:
+                return {"task": None}
+            return {
+                "task": run.record.name,
+                "round": run.round_number,
+                "policies": run.eligibility.to_dict(),
+                "selector": run.plan.device.selector.to_dict(),
+            }
+
+    def checkin(self, population: str, runtime_version: str, eligibility: dict | None = None) -> dict:
         now = self.clock()
         with self._lock:
             if population not in self._runs:
@@ -160,6 +186,12 @@ class FLService:
                 meta.max_runtime_version is not None and device_version > version_tuple(meta.max_runtime_version)
             ):
                 return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
+            if not run.eligibility.empty:
+                if not eligibility or eligibility.get("task") != run.record.name:
+                    return _rejected(run.config.retry_window_s, "ELIGIBILITY_REQUIRED")
+                if not eligibility.get("eligible"):
+                    failed = ",".join(str(f) for f in eligibility.get("failed", []))[:200]
+                    return _rejected(IDLE_RETRY_WINDOW_S, f"INELIGIBLE:{failed}" if failed else "INELIGIBLE")
             session_id = secrets.token_urlsafe(16)
             if run.core is None or not run.core.try_select(session_id, now):
                 started = run.core.started_at if run.core is not None else now
@@ -305,7 +337,8 @@ class FLService:
                 continue
             plan = load_plan(self.store.get_resource(task.plan_id))
             executor = PlanExecutor(plan)
-            config = RoundConfig.from_dict(task.config)
+            config = RoundConfig.from_dict(task.config["round"])
+            eligibility = EligibilityPolicies.from_dict(task.config["eligibility"])
             history = self.store.rounds(task.id)
             committed = [r for r in history if r.status == "committed"]
             last = committed[-1] if committed else None
@@ -323,6 +356,7 @@ class FLService:
                 plan=plan,
                 executor=executor,
                 config=config,
+                eligibility=eligibility,
                 state=state,
                 broadcast_id=self.store.put_resource(encode_checkpoint(executor.prepare(state)), "checkpoint"),
                 round_number=number,
