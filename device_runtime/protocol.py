@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import httpx
 
+from .attestation import AttestationError, decode_nonce
 from .errors import CorruptResource, ProtocolError, ServerUnreachable
 
 
@@ -104,13 +105,23 @@ class ProtocolClient:
             pass
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 
-    def checkin(self, population: str, runtime_version: str, eligibility: dict | None = None) -> CheckinAccepted | dict:
+    def attestation_nonce(self) -> bytes:
+        """A fresh challenge from the server, to be signed into this check-in's attestation."""
+        response = self._request("POST", "/v1/attestation/nonce", json={})
+        self._raise_for_error(response)
+        try:
+            return decode_nonce(response.json().get("nonce"))
+        except (AttestationError, ValueError, AttributeError) as exc:
+            raise ProtocolError(f"the server's attestation challenge is malformed: {exc}") from None
+
+    def checkin(
+        self, population: str, runtime_version: str, eligibility: dict | None = None, attestation: dict | None = None
+    ) -> CheckinAccepted | dict:
         """Returns CheckinAccepted, or the rejection dict with ``reason`` and ``retry_after_s``."""
-        response = self._request(
-            "POST",
-            f"/v1/populations/{population}/checkin",
-            json={"runtime_version": runtime_version, "eligibility": eligibility or {}},
-        )
+        body: dict = {"runtime_version": runtime_version, "eligibility": eligibility or {}}
+        if attestation is not None:
+            body["attestation"] = attestation
+        response = self._request("POST", f"/v1/populations/{population}/checkin", json=body)
         self._raise_for_error(response)
         data = response.json()
         if data.get("status") == "accepted":

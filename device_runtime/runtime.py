@@ -18,6 +18,7 @@ import onnxruntime
 
 from example_store import ExampleSelector, ExampleStore, ExampleStoreError, UnknownCollectionError
 
+from .attestation import DeviceAttestor
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
@@ -77,6 +78,7 @@ class FLRuntime:
         clock: Callable[[], float] = time.time,
         opstats: OpStatsStore | None = None,
         device_class: DeviceClass = DeviceClass(),
+        attestor: DeviceAttestor | None = None,
     ) -> None:
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
@@ -86,6 +88,7 @@ class FLRuntime:
         self.clock = clock
         self.opstats = opstats
         self.device_class = device_class
+        self.attestor = attestor
         self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng)
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
@@ -141,7 +144,10 @@ class FLRuntime:
     ) -> SessionResult:
         if eligibility is None:
             eligibility = self.evaluate_eligibility()
-        answer = self.client.checkin(self.population, self.runtime_version, eligibility)
+        attestation = None
+        if self.attestor is not None:
+            attestation = self.attestor.attest(self.client.attestation_nonce(), self.population, self.runtime_version)
+        answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
             window = tuple(float(x) for x in answer.get("retry_after_s", (60.0, 120.0)))[:2]
             self.last_retry_window = (window[0], window[1])

@@ -17,8 +17,9 @@ import numpy as np
 
 from device_runtime import PlanExecutor, build_eval_plan, build_mlp_plan, encode_checkpoint, initial_weights
 from example_store import ExampleSelector
-from server_stub import AdminClient, RoundConfig, ServerThread
+from server_stub import AdminClient, AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
 
+from .attestation_authority import AttestationAuthority
 from .datasets import load_digits_dataset, partition_by_shards
 from .device import DeviceProfile, EmulatedDevice, Fleet
 
@@ -88,11 +89,14 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
     )
     with tempfile.TemporaryDirectory(prefix="fl-demo-", dir=config.workdir) as tmp:
         root = Path(tmp)
-        server = ServerThread(root / "server.db").start()
+        authority = AttestationAuthority.generate()
+        # Demo devices come back every second or so; the limit still stops a device that floods.
+        verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+        server = ServerThread(root / "server.db", verifier=verifier).start()
         admin = AdminClient(server.url)
         fleet: Fleet | None = None
         try:
-            print(f"FL server on {server.url} (SQLite at {root / 'server.db'})", file=out)
+            print(f"FL server on {server.url} (SQLite at {root / 'server.db'}); only attested devices are admitted", file=out)
             admin.create_population(POPULATION)
             admin.deploy_task(POPULATION, "digits-train", plan, encode_checkpoint(weights0), round_config)
             profile = DeviceProfile(
@@ -106,6 +110,7 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
                 device = EmulatedDevice(
                     f"device-{i:04d}", root / "devices" / f"{i:04d}", server.url, POPULATION,
                     profile=profile, collection_uri=COLLECTION, seed=rng.randrange(2**31),
+                    attestor=authority.new_device_attestor("emulated-phone", time.time()),
                 )
                 device.add_examples(data.x_train[parts[i]], data.y_train[parts[i]])
                 devices.append(device)

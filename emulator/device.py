@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime import FLRuntime, RetryPolicy, RuntimeSdkError, SessionRejected
+from device_runtime import DeviceAttestor, FLRuntime, RetryPolicy, RuntimeSdkError, SessionRejected
 from example_store import SQLiteExampleStore
 
 
@@ -37,6 +37,7 @@ class EmulatedDevice:
         collection_uri: str = "app:/examples",
         seed: int = 0,
         runtime_version: str | None = None,
+        attestor: DeviceAttestor | None = None,
     ) -> None:
         self.device_id = device_id
         self.root = Path(root)
@@ -53,6 +54,7 @@ class EmulatedDevice:
             cache_dir=self.root / "cache",
             retry=RetryPolicy(attempts=3, base_delay_s=0.05, max_delay_s=0.5),
             rng=random.Random(seed + 1),
+            attestor=attestor,
             **kwargs,
         )
         self.outcomes: Counter[str] = Counter()

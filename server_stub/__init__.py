@@ -2,6 +2,7 @@
 
 from .admin_client import AdminClient, AdminError
 from .app import create_app, create_app_from_path
+from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
 from .errors import ApiError
 from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
@@ -12,8 +13,11 @@ __all__ = [
     "AdminClient",
     "AdminError",
     "ApiError",
+    "AttestationVerifier",
     "FLService",
+    "NonceRegistry",
     "Phase",
+    "RateLimiter",
     "ReportVerdict",
     "RoundConfig",
     "RoundCore",
@@ -22,6 +26,7 @@ __all__ = [
     "ServerThread",
     "SessionState",
     "TaskRecord",
+    "VerifiedDevice",
     "create_app",
     "create_app_from_path",
     "free_port",

@@ -22,7 +22,7 @@ from device_runtime.protocol import STATS_HEADER
 
 from device_runtime.eligibility import EligibilityPolicies
 
-from .errors import ApiError, BodyTooLarge, MalformedBody, Unauthorized
+from .errors import ApiError, BodyTooLarge, MalformedBody, TooManyRequests, Unauthorized
 from .persistence import ServerStore
 from .rounds import RoundConfig
 from .service import FLService
@@ -155,7 +155,12 @@ def create_app(service: FLService) -> Starlette:
             failed = _field(eligibility, "failed", list, required=False, default=[])
             if not all(isinstance(f, str) for f in failed):
                 raise MalformedBody("eligibility.failed must be a list of policy names", code="BAD_FIELD")
-        return JSONResponse(service.checkin(request.path_params["population"], runtime_version, eligibility))
+        attestation = data.get("attestation")
+        return JSONResponse(service.checkin(request.path_params["population"], runtime_version, eligibility, attestation))
+
+    async def attestation_nonce(request: Request) -> Response:
+        await read_body(request, MAX_JSON_BYTES)
+        return JSONResponse(service.attestation_challenge())
 
     async def eligibility_info(request: Request) -> Response:
         return JSONResponse(service.eligibility_info(request.path_params["population"]))
@@ -195,7 +200,8 @@ def create_app(service: FLService) -> Starlette:
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return JSONResponse(exc.to_json(), status_code=exc.status)
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, TooManyRequests) else None
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -230,6 +236,7 @@ def create_app(service: FLService) -> Starlette:
         Route("/v1/populations/{population}", population_status),
         Route("/v1/populations/{population}/tasks", deploy_task, methods=["POST"]),
         Route("/v1/populations/{population}/checkin", checkin, methods=["POST"]),
+        Route("/v1/attestation/nonce", attestation_nonce, methods=["POST"]),
         Route("/v1/populations/{population}/eligibility", eligibility_info),
         Route("/v1/populations/{population}/rounds", list_rounds),
         Route("/v1/populations/{population}/model", model),

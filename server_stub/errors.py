@@ -57,6 +57,14 @@ class BodyTooLarge(ApiError):
     status, code = 413, "BODY_TOO_LARGE"
 
 
+class TooManyRequests(ApiError):
+    status, code = 429, "RATE_LIMITED"
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: float = 60.0) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
 class UnsupportedMediaType(ApiError):
     status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
 

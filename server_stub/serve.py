@@ -10,6 +10,7 @@ import time
 import uvicorn
 
 from .app import create_app
+from .attestation import AttestationVerifier
 from .persistence import ServerStore
 from .service import FLService
 
@@ -23,9 +24,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerThread:
     """A real uvicorn server in this process; ``url`` is valid once ``start`` returns."""
 
-    def __init__(self, db_path: str | os.PathLike, *, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        db_path: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_level: str = "warning",
+        verifier: AttestationVerifier | None = None,
+    ) -> None:
         self.store = ServerStore(db_path)
-        self.service = FLService(self.store)
+        self.service = FLService(self.store, verifier=verifier)
         self.host = host
         self.port = port or free_port(host)
         config = uvicorn.Config(

@@ -14,13 +14,16 @@ from typing import Callable
 
 import numpy as np
 
+from device_runtime.attestation import AttestationError, RateLimited
 from device_runtime.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, load_plan
 from device_runtime.versions import version_tuple
 
+from .attestation import AttestationVerifier
 from .errors import (
+    ApiError,
     BadRequest,
     Conflict,
     DuplicateReport,
@@ -30,6 +33,7 @@ from .errors import (
     NotFound,
     ReportLate,
     SessionClosed,
+    TooManyRequests,
     Unauthorized,
 )
 from .pace import RoundPace
@@ -96,8 +100,10 @@ class FLService:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        verifier: AttestationVerifier | None = None,
     ) -> None:
         self.store = store
+        self.verifier = verifier
         self.clock = clock
         self.wall_clock = wall_clock
         self._lock = threading.RLock()
@@ -165,7 +171,23 @@ class FLService:
                 "selector": run.plan.device.selector.to_dict(),
             }
 
-    def checkin(self, population: str, runtime_version: str, eligibility: dict | None = None) -> dict:
+    def attestation_challenge(self) -> dict:
+        if self.verifier is None:
+            raise NotFound("this server does not ask for attestation", code="ATTESTATION_DISABLED")
+        return self.verifier.nonces.challenge(self.wall_clock())
+
+    def checkin(
+        self, population: str, runtime_version: str, eligibility: dict | None = None, attestation: object = None
+    ) -> dict:
+        if self.verifier is not None:
+            if attestation is None:
+                raise Unauthorized("this server only admits attested devices; send an attestation", code="ATTESTATION_REQUIRED")
+            try:
+                self.verifier.verify(attestation, population, runtime_version, self.wall_clock())
+            except RateLimited as exc:
+                raise TooManyRequests(exc.message, code=exc.code, retry_after_s=exc.retry_after_s) from None
+            except AttestationError as exc:
+                raise ApiError(exc.message, code=exc.code, status=exc.http_status) from None
         now = self.clock()
         with self._lock:
             if population not in self._runs:
