@@ -4,7 +4,9 @@ Insert: ``SQLiteExampleStore.add`` of N example dicts (64 float32 features + an 
 versus stdlib sqlite3 ``executemany`` of the already-encoded payload rows into an equivalent
 table (same DDL, WAL, synchronous=NORMAL), one transaction each. Read: streaming the whole
 collection through ``query_batches`` and through the per-example ``query`` iterator, versus
-raw sqlite3 fetching the same payload rows (no decoding) with ``fetchmany``.
+raw sqlite3 fetching the same payload rows (no decoding) with ``fetchmany``. The sealed cases
+do the same with the store opened with a key store (AES-256-GCM per payload, nonce and tag
+stored with it), still against the same raw sqlite3 baseline.
 
 Prints one JSON object per line; the last is the summary with the targets.
 """
@@ -24,13 +26,14 @@ import numpy as np
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from example_store import ExampleSelector, SQLiteExampleStore
+from example_store import ExampleSelector, InMemoryKeyStore, SQLiteExampleStore
 from example_store.sqlite_store import collections_table, examples_table
 
 COLLECTION = "app:/bench"
 FEATURES = 64
 INSERT_GOAL = 0.5
 READ_GOAL = 200_000
+SEALED_READ_GOAL = 200_000
 
 
 def _emit(obj: dict) -> None:
@@ -91,15 +94,15 @@ def bench_raw_read(path: Path, n: int) -> float:
     return elapsed
 
 
-def bench_insert(path: Path, examples: list[dict], timestamps: list[float]) -> float:
-    with SQLiteExampleStore(path) as store:
+def bench_insert(path: Path, examples: list[dict], timestamps: list[float], key_store: InMemoryKeyStore | None = None) -> float:
+    with SQLiteExampleStore(path, key_store=key_store) as store:
         t0 = time.perf_counter()
         store.add(COLLECTION, examples, timestamps=timestamps)
         return time.perf_counter() - t0
 
 
-def bench_read_batches(path: Path, n: int, batch_size: int) -> float:
-    with SQLiteExampleStore(path) as store:
+def bench_read_batches(path: Path, n: int, batch_size: int, key_store: InMemoryKeyStore | None = None) -> float:
+    with SQLiteExampleStore(path, key_store=key_store) as store:
         t0 = time.perf_counter()
         rows = 0
         with store.query_batches(ExampleSelector(COLLECTION), batch_size) as batches:
@@ -110,8 +113,8 @@ def bench_read_batches(path: Path, n: int, batch_size: int) -> float:
     return elapsed
 
 
-def bench_read_examples(path: Path, n: int) -> float:
-    with SQLiteExampleStore(path) as store:
+def bench_read_examples(path: Path, n: int, key_store: InMemoryKeyStore | None = None) -> float:
+    with SQLiteExampleStore(path, key_store=key_store) as store:
         t0 = time.perf_counter()
         rows = 0
         with store.query(ExampleSelector(COLLECTION)) as examples:
@@ -136,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
               "batch_size": args.batch_size, "python": sys.version.split()[0], "sqlite": sqlite3.sqlite_version}
     _emit({"benchmark": "example_store", "case": "config", **config})
 
-    results: dict[str, list[float]] = {k: [] for k in ("insert_ours", "insert_raw", "read_query_batches", "read_query_iterator", "read_raw")}
+    cases = ("insert_ours", "insert_raw", "read_query_batches", "read_query_iterator", "read_raw",
+             "insert_sealed", "read_sealed_query_batches", "read_sealed_query_iterator")
+    results: dict[str, list[float]] = {k: [] for k in cases}
+    key_store = InMemoryKeyStore()
     with tempfile.TemporaryDirectory(prefix="bench-example-store-") as tmp:
         for r in range(repeats):
             ours, raw = Path(tmp) / f"ours{r}.db", Path(tmp) / f"raw{r}.db"
@@ -145,12 +151,17 @@ def main(argv: list[str] | None = None) -> int:
             results["read_raw"].append(n / bench_raw_read(raw, n))
             results["read_query_batches"].append(n / bench_read_batches(ours, n, args.batch_size))
             results["read_query_iterator"].append(n / bench_read_examples(ours, n))
+            sealed = Path(tmp) / f"sealed{r}.db"
+            results["insert_sealed"].append(n / bench_insert(sealed, examples, timestamps, key_store))
+            results["read_sealed_query_batches"].append(n / bench_read_batches(sealed, n, args.batch_size, key_store))
+            results["read_sealed_query_iterator"].append(n / bench_read_examples(sealed, n, key_store))
             for case, values in results.items():
                 _emit({"benchmark": "example_store", "case": case, "repeat": r, "examples_per_s": round(values[-1])})
 
     best = {k: max(v) for k, v in results.items()}
     median = {k: statistics.median(v) for k, v in results.items()}
     insert_ratio = best["insert_ours"] / best["insert_raw"]
+    sealed_read = best["read_sealed_query_batches"]
     _emit(
         {
             "benchmark": "example_store",
@@ -161,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
             "insert_ratio_vs_raw": round(insert_ratio, 3),
             "read_batches_ratio_vs_raw": round(best["read_query_batches"] / best["read_raw"], 3),
             "read_examples_ratio_vs_raw": round(best["read_query_iterator"] / best["read_raw"], 3),
+            "sealed_insert_ratio_vs_raw": round(best["insert_sealed"] / best["insert_raw"], 3),
+            "sealed_read_batches_ratio_vs_raw": round(sealed_read / best["read_raw"], 3),
+            "sealed_read_examples_ratio_vs_raw": round(best["read_sealed_query_iterator"] / best["read_raw"], 3),
             "targets": {
                 "insert_ratio_vs_raw": {"value": round(insert_ratio, 3), "goal": INSERT_GOAL, "met": insert_ratio >= INSERT_GOAL},
                 "read_examples_per_s": {"value": round(best["read_query_batches"]), "goal": READ_GOAL, "met": best["read_query_batches"] >= READ_GOAL,
                                         "via": "query_batches"},
+                "sealed_read_examples_per_s": {"value": round(sealed_read), "goal": SEALED_READ_GOAL,
+                                               "met": sealed_read >= SEALED_READ_GOAL, "via": "query_batches, sealed"},
             },
         }
     )

@@ -21,3 +21,35 @@ class UnknownCollectionError(ExampleStoreError, LookupError):
 
 class SchemaMismatchError(ExampleStoreError):
     """Examples do not have the tensor names, dtypes or shapes the collection was created with."""
+
+
+class KeyStoreError(ExampleStoreError):
+    """The key store cannot give a usable key (unreadable file, too-open permissions, bad key)."""
+
+
+class SealingModeError(ExampleStoreError):
+    """A sealed database was opened without a key store, or an unsealed one with a key store."""
+
+
+class WrongKeyError(ExampleStoreError):
+    """The key store's key is missing or is not the key the database was sealed with."""
+
+
+class TamperedExampleError(ExampleStoreError):
+    """A sealed example failed authentication: its payload, nonce, timestamp, collection or the
+    collection's metadata was altered on disk. Nothing of the failing chunk is returned."""
+
+    def __init__(self, message: str, *, collection_uri: str, row_id: int | None) -> None:
+        super().__init__(message)
+        self.collection_uri = collection_uri
+        self.row_id = row_id
+
+
+class InvalidResumptionTokenError(InvalidArgumentError):
+    """A selector's ``resume_after`` token is forged, damaged, from another store, or was issued for
+    another collection or order."""
+
+
+class ResumptionNotSupportedError(ExampleStoreError, NotImplementedError):
+    """The store's iterators cannot issue resumption tokens (an app's store that does not implement
+    :meth:`ExampleIterator.resumption_token`)."""

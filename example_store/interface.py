@@ -14,7 +14,7 @@ from types import TracebackType
 import numpy as np
 
 from .codec import Example
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ResumptionNotSupportedError
 from .selector import ExampleSelector
 
 
@@ -32,6 +32,17 @@ class ExampleIterator(Iterator[Example], abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def resumption_token(self) -> str:
+        """An opaque token of the position after the last example (or batch) returned so far,
+        valid during and after iteration (also after ``close()``). Pass it as
+        ``ExampleSelector(..., resume_after=token)`` to continue strictly after that example, in the
+        same order, in a later session. Before anything was returned it resumes where this
+        iterator started. Stores that cannot resume raise :class:`ResumptionNotSupportedError`."""
+        raise ResumptionNotSupportedError(
+            f"{type(self).__name__} does not issue resumption tokens; implement resumption_token() in "
+            f"the app's example store (example_store.ResumptionTokens helps) or read without resume_after"
+        )
 
     def __enter__(self) -> ExampleIterator:
         return self
@@ -63,6 +74,10 @@ class _BatchingIterator(ExampleIterator):
     def close(self) -> None:
         self._examples.close()
 
+    def resumption_token(self) -> str:
+        # Batches are built from exactly the examples pulled, so the inner position is the batch's.
+        return self._examples.resumption_token()
+
 
 def check_batch_size(batch_size: int) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -75,7 +90,8 @@ class ExampleStore(abc.ABC):
 
     @abc.abstractmethod
     def query(self, selector: ExampleSelector) -> ExampleIterator:
-        """Streams the selected examples in the selector's order."""
+        """Streams the selected examples in the selector's order (strictly after
+        ``selector.resume_after`` when it is set)."""
 
     @abc.abstractmethod
     def count(self, selector: ExampleSelector) -> int:

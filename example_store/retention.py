@@ -33,3 +33,20 @@ class RetentionPolicy:
     @property
     def is_noop(self) -> bool:
         return self.ttl_seconds is None and self.max_bytes is None
+
+
+@dataclass(frozen=True)
+class CollectionStats:
+    """What :meth:`stats` reports about one collection (after expiring examples past their TTL).
+
+    ``payload_bytes`` counts the examples' tensor bytes (what ``max_bytes`` caps); ``stored_bytes``
+    is what the payloads take in the store (sealing adds a nonce and a tag per example).
+    ``oldest``/``newest`` are timestamps, ``None`` when the collection is empty."""
+
+    collection_uri: str
+    count: int
+    payload_bytes: int
+    stored_bytes: int
+    oldest: float | None
+    newest: float | None
+    retention: RetentionPolicy

@@ -6,6 +6,7 @@ round-trips through JSON-safe dicts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from typing import Any
 from .errors import InvalidArgumentError
 
 ORDERS = ("oldest", "newest")
-_FIELDS = ("collection_uri", "start_time", "end_time", "limit", "order")
+_FIELDS = ("collection_uri", "start_time", "end_time", "limit", "order", "resume_after")
+_MAX_TOKEN_CHARS = 4096
 
 
 def _check_time(name: str, value: Any) -> float | None:
@@ -36,6 +38,10 @@ class ExampleSelector:
     """Selects examples of one collection: ``start_time <= timestamp < end_time``, ordered by
     timestamp (ties broken by insertion order), at most ``limit`` of them.
 
+    ``resume_after`` is a resumption token from an earlier iterator of the same collection and
+    order (``iterator.resumption_token()``): the selection then starts strictly after the last
+    example that iterator returned. The store checks the token when it is queried.
+
     Raises :class:`InvalidArgumentError` (a ``ValueError`` and an ``ExampleStoreError``) when a
     field is malformed.
     """
@@ -45,6 +51,7 @@ class ExampleSelector:
     end_time: float | None = None
     limit: int | None = None
     order: str = "oldest"
+    resume_after: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.collection_uri, str) or not self.collection_uri or "\x00" in self.collection_uri:
@@ -60,10 +67,24 @@ class ExampleSelector:
             )
         if self.order not in ORDERS:
             raise InvalidArgumentError(f"ExampleSelector.order must be one of {ORDERS}, got {self.order!r}")
+        token = self.resume_after
+        if token is not None and (not isinstance(token, str) or not token or len(token) > _MAX_TOKEN_CHARS):
+            raise InvalidArgumentError(
+                f"ExampleSelector.resume_after must be a resumption token string from "
+                f"iterator.resumption_token(), or None, got {token!r:.80}"
+            )
+
+    def resuming(self, token: str | None) -> ExampleSelector:
+        """The same selector, resuming after ``token`` (``None``: from the start)."""
+        return dataclasses.replace(self, resume_after=token)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (plan files carry it); :meth:`from_dict` reads it back."""
-        return {name: getattr(self, name) for name in _FIELDS}
+        """A JSON-safe dict (plan files carry it); :meth:`from_dict` reads it back. ``resume_after``
+        appears only when set, so selectors without one read the same as before it existed."""
+        d = {name: getattr(self, name) for name in _FIELDS}
+        if d["resume_after"] is None:
+            del d["resume_after"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ExampleSelector:

@@ -1,10 +1,19 @@
 """The SQLite implementation of ExampleStore: one database file per app, via SQLAlchemy 2.
 
-Layout: a ``collections`` table (uri, schema recorded on first insert) and an ``examples`` table
+Layout: a ``collections`` table (uri, schema recorded on first insert), an ``examples`` table
 with one row per example (id, collection id, timestamp, payload BLOB) indexed on
-(collection, timestamp), so selectors become index range scans. DDL lives in SQLAlchemy Core;
-the hot paths (bulk insert, streaming select) use the raw DBAPI connection that SQLAlchemy
-hands out, because Core's per-row overhead would dominate for ~300-byte rows.
+(collection, timestamp), so selectors become index range scans, a ``retention_policies`` table
+(per-collection policies an app set) and ``store_meta`` (format, sealing mode, salts). DDL lives
+in SQLAlchemy Core; the hot paths (bulk insert, streaming select) use the raw DBAPI connection
+that SQLAlchemy hands out, because Core's per-row overhead would dominate for ~300-byte rows.
+
+Sealing at rest: a store opened with a :class:`KeyStore` seals every payload with AES-256-GCM
+under a key derived (HKDF) from the app's key and a random salt of the database. A sealed
+payload is ``nonce (12 random bytes) || ciphertext || tag (16)``; its associated data binds the
+row id, the timestamp, the collection id, URI and schema, so a flipped byte, a row moved to
+another collection, an edited timestamp or schema all fail authentication
+(:class:`TamperedExampleError`). What stays readable on disk: collection URIs, schemas,
+timestamps and counts. Deleting rows (or restoring deleted ones) is not detected.
 
 Concurrency: writes are serialized by a lock inside the process (SQLite has one writer anyway);
 reads take a pooled connection of their own and no lock, and WAL lets them run while an add()
@@ -14,8 +23,13 @@ a worker thread.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import os
+import secrets
 import sqlite3
+import struct
 import threading
 import time
 import weakref
@@ -23,11 +37,15 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice, repeat
-from operator import itemgetter
+from operator import itemgetter, length_hint
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import (
     Column,
     Float,
@@ -48,17 +66,36 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import QueuePool
 
+from ._util import check_policy, check_selector, check_timestamp, check_uri, take_timestamps
 from .codec import Example, Schema
-from .errors import ExampleStoreError, InvalidArgumentError, UnknownCollectionError
+from .errors import (
+    ExampleStoreError,
+    InvalidArgumentError,
+    KeyStoreError,
+    SealingModeError,
+    TamperedExampleError,
+    UnknownCollectionError,
+    WrongKeyError,
+)
 from .interface import ExampleIterator, ExampleStore, check_batch_size
-from .retention import RetentionPolicy
+from .keystore import KeyStore, check_alias, check_key
+from .resumption import Position, ResumptionTokens
+from .retention import CollectionStats, RetentionPolicy
 from .selector import ExampleSelector
 
-#: Written to ``PRAGMA user_version``; a file with another non-zero version is refused.
-FORMAT_VERSION = 1
+#: Written to ``PRAGMA user_version``. Version 1 files (no sealing, no persisted policies) are
+#: upgraded in place when opened; a file with another non-zero version is refused.
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (0, 1, FORMAT_VERSION)
 #: Examples per insert batch and rows per fetch while streaming.
 INSERT_CHUNK = 2048
 READ_CHUNK = 1024
+#: The sealing modes recorded in ``store_meta``.
+SEALING_NONE = "none"
+SEALING_AES_GCM = "aes-256-gcm"
+NONCE_BYTES = 12
+TAG_BYTES = 16
+DEFAULT_KEY_ALIAS = "example_store"
 
 metadata = MetaData()
 collections_table = Table(
@@ -80,9 +117,30 @@ examples_table = Table(
     Column("payload", LargeBinary, nullable=False),
     Index("ix_examples_collection_timestamp", "collection_id", "timestamp"),
 )
+retention_table = Table(
+    "retention_policies",
+    metadata,
+    Column("collection_uri", String, primary_key=True),
+    Column("ttl_seconds", Float, nullable=True),
+    Column("max_bytes", Integer, nullable=True),
+)
+meta_table = Table(
+    "store_meta",
+    metadata,
+    Column("key", String, primary_key=True),
+    Column("value", Text, nullable=False),
+)
 
 _INSERT_SQL = "INSERT INTO examples (collection_id, timestamp, payload) VALUES (?, ?, ?)"
-_first = itemgetter(0)
+_INSERT_WITH_ID_SQL = "INSERT INTO examples (id, collection_id, timestamp, payload) VALUES (?, ?, ?, ?)"
+# Reserving ids also takes SQLite's write lock, so no other writer can interleave.
+_RESERVE_IDS_SQL = (
+    "UPDATE store_meta SET value = CAST(value AS INTEGER) + ? WHERE key = 'next_row_id' "
+    "RETURNING CAST(value AS INTEGER)"
+)
+_payload_of = itemgetter(0)
+_ROW_AD = struct.Struct("<qd")  # row id, timestamp
+_AD_DOMAIN = b"fedfleet example_store v2 row\x00"
 
 
 def configure_connection(dbapi_connection: sqlite3.Connection) -> None:
@@ -101,13 +159,85 @@ class _Collection:
     id: int
     uri: str
     schema: Schema
+    ad_prefix: bytes  # associated data shared by the collection's sealed rows
+
+
+def _collection(coll_id: int, uri: str, schema_text: str) -> _Collection:
+    digest = hashlib.sha256(
+        _AD_DOMAIN + struct.pack("<q", coll_id) + uri.encode("utf-8") + b"\x00" + schema_text.encode("utf-8")
+    ).digest()
+    return _Collection(coll_id, uri, Schema.from_json(schema_text), digest)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _hkdf(key: bytes, salt: bytes, purpose: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"fedfleet example_store v2 " + purpose).derive(key)
+
+
+class _Sealer:
+    """AES-GCM sealing of payload rows under the database's data key."""
+
+    _CHECK_PLAINTEXT = b"fedfleet example store key check"
+
+    def __init__(self, app_key: bytes, salt: bytes) -> None:
+        self._aead = AESGCM(_hkdf(app_key, salt, b"payload sealing"))
+        self._check_ad = b"key-check\x00" + salt
+        self.token_key = _hkdf(app_key, salt, b"resumption tokens")
+
+    def key_check(self) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, self._CHECK_PLAINTEXT, self._check_ad)
+
+    def verify_key_check(self, blob: bytes) -> bool:
+        try:
+            return self._aead.decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], self._check_ad) == self._CHECK_PLAINTEXT
+        except (InvalidTag, ValueError):
+            return False
+
+    def seal(self, coll: _Collection, first_id: int, timestamps: list[float], payload: bytes) -> list[bytes]:
+        size = coll.schema.record_size
+        n = len(timestamps)
+        nonces = os.urandom(NONCE_BYTES * n)
+        encrypt, pack, prefix = self._aead.encrypt, _ROW_AD.pack, coll.ad_prefix
+        sealed = []
+        append = sealed.append
+        for i in range(n):
+            nonce = nonces[NONCE_BYTES * i : NONCE_BYTES * (i + 1)]
+            append(nonce + encrypt(nonce, payload[size * i : size * (i + 1)], prefix + pack(first_id + i, timestamps[i])))
+        return sealed
+
+    def open(self, coll: _Collection, rows: list[tuple[bytes, int, float]], path: str) -> bytes:
+        """The plaintext payloads of rows (sealed payload, id, timestamp), back to back."""
+        decrypt, pack, prefix = self._aead.decrypt, _ROW_AD.pack, coll.ad_prefix
+        out: list[bytes] = []
+        append = out.append
+        row_id = None
+        try:
+            for blob, row_id, ts in rows:
+                append(decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], prefix + pack(row_id, ts)))
+        except (InvalidTag, ValueError, TypeError, struct.error):
+            raise TamperedExampleError(
+                f"example {row_id} of collection {coll.uri!r} in {path} failed authentication: its payload, "
+                f"nonce, timestamp or collection (or the collection's schema) was altered on disk, or the row "
+                f"was moved from another collection. Nothing was returned from it; delete the collection "
+                f"(store.delete_collection({coll.uri!r})) or the file to start afresh",
+                collection_uri=coll.uri,
+                row_id=row_id,
+            ) from None
+        return b"".join(out)
 
 
 class SQLiteExampleStore(ExampleStore):
     """An app's example store in one SQLite file (created if missing).
 
     ``retention`` is the default policy of every collection (see :meth:`set_retention` for
-    per-collection ones); ``clock`` gives unix seconds, for default timestamps and TTLs.
+    per-collection ones, which are kept in the database); ``clock`` gives unix seconds, for
+    default timestamps and TTLs. With ``key_store``, payloads are sealed with AES-GCM under the
+    key ``key_alias`` of that key store; the mode is recorded when the database is created, and a
+    sealed database cannot be opened without its key (nor an unsealed one with a key store).
     """
 
     def __init__(
@@ -116,12 +246,18 @@ class SQLiteExampleStore(ExampleStore):
         *,
         retention: RetentionPolicy | None = None,
         clock: Callable[[], float] = time.time,
+        key_store: KeyStore | None = None,
+        key_alias: str = DEFAULT_KEY_ALIAS,
     ) -> None:
         self.path = Path(path)
         if str(path) == ":memory:" or str(path) == "":
             raise InvalidArgumentError("SQLiteExampleStore needs a file path (one database file per app), not ':memory:'")
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise InvalidArgumentError(f"retention must be a RetentionPolicy or None, got {type(retention).__name__}")
+        if key_store is not None and not isinstance(key_store, KeyStore):
+            raise InvalidArgumentError(f"key_store must be a KeyStore or None, got {type(key_store).__name__}")
+        check_alias(key_alias)
+        self.key_alias = key_alias
         self._default_policy = retention or RetentionPolicy()
         self._policies: dict[str, RetentionPolicy] = {}
         self._clock = clock
@@ -129,11 +265,13 @@ class SQLiteExampleStore(ExampleStore):
         self._collections: dict[str, _Collection] = {}
         self._iterators: weakref.WeakSet[_SQLiteIterator] = weakref.WeakSet()
         self._closed = False
-        self._engine = self._open_engine()
+        self._sealer: _Sealer | None = None
+        self._tokens: ResumptionTokens
+        self._engine = self._open_engine(key_store, key_alias)
 
     # -- setup -------------------------------------------------------------------------------
 
-    def _open_engine(self) -> Engine:
+    def _open_engine(self, key_store: KeyStore | None, key_alias: str) -> Engine:
         engine = create_engine(
             URL.create("sqlite", database=str(self.path)),
             connect_args={"check_same_thread": False, "timeout": 30.0},
@@ -145,15 +283,23 @@ class SQLiteExampleStore(ExampleStore):
         try:
             with engine.begin() as conn:
                 version = conn.exec_driver_sql("PRAGMA user_version").scalar()
-                if version not in (0, FORMAT_VERSION):
+                if version not in _READABLE_VERSIONS:
                     raise ExampleStoreError(
-                        f"{self.path} has format version {version}, but this example store reads version "
-                        f"{FORMAT_VERSION}: open it with the matching fedfleet version, or move it aside"
+                        f"{self.path} has format version {version}, but this example store reads versions "
+                        f"up to {FORMAT_VERSION}: open it with the matching fedfleet version, or move it aside"
                     )
                 metadata.create_all(conn)
                 self._check_tables(conn)
-                if version == 0:
+                meta = {k: v for k, v in conn.execute(select(meta_table.c.key, meta_table.c.value))}
+                if "sealing" not in meta:
+                    meta = self._init_meta(conn, key_store, key_alias)
+                if version != FORMAT_VERSION:
                     conn.exec_driver_sql(f"PRAGMA user_version = {FORMAT_VERSION}")
+                self._policies = {
+                    row.collection_uri: RetentionPolicy(row.ttl_seconds, row.max_bytes)
+                    for row in conn.execute(select(retention_table))
+                }
+            self._setup_sealing(meta, key_store, key_alias)
         except ExampleStoreError:
             engine.dispose()
             raise
@@ -165,11 +311,14 @@ class SQLiteExampleStore(ExampleStore):
                 f"store (or is damaged), move it aside or delete it to start a fresh one; if its directory "
                 f"does not exist, create it first."
             ) from exc
+        except BaseException:
+            engine.dispose()
+            raise
         return engine
 
     def _check_tables(self, conn: Connection) -> None:
         inspector = inspect(conn)
-        for table in (collections_table, examples_table):
+        for table in metadata.sorted_tables:
             found = {c["name"] for c in inspector.get_columns(table.name)}
             expected = {c.name for c in table.columns}
             if not expected <= found:
@@ -177,6 +326,88 @@ class SQLiteExampleStore(ExampleStore):
                     f"{self.path} has a table {table.name!r} with columns {sorted(found)}, not an example "
                     f"store's {sorted(expected)}: use another file for the example store"
                 )
+
+    def _init_meta(self, conn: Connection, key_store: KeyStore | None, key_alias: str) -> dict[str, str]:
+        """Records the sealing mode of a new (or version 1) database."""
+        if key_store is not None and conn.execute(select(collections_table.c.id).limit(1)).first() is not None:
+            raise SealingModeError(
+                f"{self.path} holds unsealed examples written by an older version; open it without a "
+                f"key_store, or start a new sealed store in another file and add the examples to it"
+            )
+        salt = secrets.token_bytes(16)
+        meta = {"salt": _b64(salt)}
+        if key_store is None:
+            meta.update(sealing=SEALING_NONE, token_key=_b64(secrets.token_bytes(32)))
+        else:
+            key = self._fetch_key(key_store, key_alias, create=True)
+            (max_id,) = conn.exec_driver_sql("SELECT COALESCE(MAX(id), 0) FROM examples").one()
+            meta.update(
+                sealing=SEALING_AES_GCM,
+                key_alias=key_alias,
+                key_check=_b64(_Sealer(key, salt).key_check()),
+                next_row_id=str(int(max_id) + 1),
+            )
+        conn.execute(meta_table.insert(), [{"key": k, "value": v} for k, v in meta.items()])
+        return meta
+
+    def _fetch_key(self, key_store: KeyStore, alias: str, *, create: bool) -> bytes | None:
+        try:
+            key = key_store.get_or_create_key(alias) if create else key_store.get_key(alias)
+        except ExampleStoreError:
+            raise
+        except Exception as exc:
+            raise KeyStoreError(f"the key store {key_store!r} failed to give the key {alias!r}: {exc}") from exc
+        return None if key is None else check_key(key, alias)
+
+    def _setup_sealing(self, meta: dict[str, str], key_store: KeyStore | None, key_alias: str) -> None:
+        mode = meta.get("sealing")
+        try:
+            salt = base64.b64decode(meta["salt"], validate=True)
+            if mode == SEALING_NONE:
+                if key_store is not None:
+                    raise SealingModeError(
+                        f"{self.path} was created unsealed, so its examples are plaintext on disk; open it "
+                        f"without key_store, or start a new sealed store in another file"
+                    )
+                self._tokens = ResumptionTokens(base64.b64decode(meta["token_key"], validate=True))
+                return
+            if mode != SEALING_AES_GCM:
+                raise ExampleStoreError(
+                    f"{self.path} is sealed with {mode!r}, which this version cannot read; open it with the "
+                    f"fedfleet version that wrote it"
+                )
+            sealed_alias = meta["key_alias"]
+            key_check = base64.b64decode(meta["key_check"], validate=True)
+        except (KeyError, ValueError, binascii.Error) as exc:
+            raise ExampleStoreError(
+                f"the store metadata of {self.path} is damaged ({exc!r}); move the file aside or delete it"
+            ) from exc
+        if key_store is None:
+            raise SealingModeError(
+                f"{self.path} is sealed (AES-GCM under key alias {sealed_alias!r}); open it with "
+                f"SQLiteExampleStore(path, key_store=..., key_alias={sealed_alias!r}) and the app's key store"
+            )
+        hint = "" if key_alias == sealed_alias else f" (it was sealed under alias {sealed_alias!r}, not {key_alias!r})"
+        key = self._fetch_key(key_store, key_alias, create=False)
+        if key is None:
+            raise WrongKeyError(
+                f"the key store {key_store!r} has no key {key_alias!r} for the sealed store {self.path}{hint}; "
+                f"without the key it was sealed with its examples cannot be read: restore the key store, or "
+                f"delete the file to start afresh"
+            )
+        sealer = _Sealer(key, salt)
+        if not sealer.verify_key_check(key_check):
+            raise WrongKeyError(
+                f"the key {key_alias!r} of {key_store!r} is not the key {self.path} was sealed with{hint}; "
+                f"open it with the key store that created it, or delete the file to start afresh"
+            )
+        self._sealer = sealer
+        self._tokens = ResumptionTokens(sealer.token_key)
+
+    @property
+    def sealed(self) -> bool:
+        """Whether payloads are sealed with AES-GCM at rest."""
+        return self._sealer is not None
 
     @property
     def journal_mode(self) -> str:
@@ -187,7 +418,7 @@ class SQLiteExampleStore(ExampleStore):
     # -- collections and policies ---------------------------------------------------------
 
     def collections(self) -> list[str]:
-        """URIs of every collection that has ever received an example, sorted."""
+        """URIs of every collection that holds (or held) examples and was not deleted, sorted."""
         self._check_open()
         with self._db_errors("list collections"), self._engine.connect() as conn:
             return list(conn.execute(select(collections_table.c.uri).order_by(collections_table.c.uri)).scalars())
@@ -197,25 +428,39 @@ class SQLiteExampleStore(ExampleStore):
         return self._require(collection_uri).schema.as_dict()
 
     def retention_for(self, collection_uri: str) -> RetentionPolicy:
+        """The collection's own policy if one was set, else the store's default."""
         return self._policies.get(collection_uri, self._default_policy)
 
     def set_retention(self, collection_uri: str, policy: RetentionPolicy) -> None:
-        """Overrides the store's default policy for one collection (kept in memory: apps set it at
-        start-up) and applies it at once if the collection exists."""
-        if not isinstance(policy, RetentionPolicy):
-            raise InvalidArgumentError(f"policy must be a RetentionPolicy, got {type(policy).__name__}")
-        _check_uri(collection_uri)
+        """Sets one collection's policy (over the store's default), saves it in the database so it
+        survives a restart, and applies it at once if the collection exists. The collection need
+        not exist yet."""
+        check_policy(policy)
+        check_uri(collection_uri)
         self._check_open()
-        with self._lock:
-            self._policies[collection_uri] = policy
-            coll = self._lookup(collection_uri)
+        with self._lock, self._db_errors("set a retention policy"), self._engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO retention_policies (collection_uri, ttl_seconds, max_bytes) VALUES (?, ?, ?) "
+                "ON CONFLICT (collection_uri) DO UPDATE SET ttl_seconds = excluded.ttl_seconds, "
+                "max_bytes = excluded.max_bytes",
+                (collection_uri, policy.ttl_seconds, policy.max_bytes),
+            )
+            coll = self._lookup(collection_uri, conn)
             if coll is not None and not policy.is_noop:
-                with self._db_errors("apply retention"), self._engine.begin() as conn:
-                    cursor = conn.connection.driver_connection.cursor()
-                    try:
-                        _apply_policy(cursor, coll, policy, self._clock())
-                    finally:
-                        cursor.close()
+                cursor = conn.connection.driver_connection.cursor()
+                try:
+                    _apply_policy(cursor, coll, policy, self._clock())
+                finally:
+                    cursor.close()
+        self._policies[collection_uri] = policy
+
+    def clear_retention(self, collection_uri: str) -> None:
+        """Forgets the collection's own policy: the store's default applies to it again."""
+        check_uri(collection_uri)
+        self._check_open()
+        with self._lock, self._db_errors("clear a retention policy"), self._engine.begin() as conn:
+            conn.execute(retention_table.delete().where(retention_table.c.collection_uri == collection_uri))
+        self._policies.pop(collection_uri, None)
 
     def _lookup(self, uri: str, conn: Connection | None = None) -> _Collection | None:
         coll = self._collections.get(uri)
@@ -229,13 +474,13 @@ class SQLiteExampleStore(ExampleStore):
             row = conn.execute(query).first()
         if row is None:
             return None
-        coll = _Collection(row.id, uri, Schema.from_json(row.schema))
+        coll = _collection(row.id, uri, row.schema)
         self._collections[uri] = coll
         return coll
 
     def _require(self, uri: str) -> _Collection:
         self._check_open()
-        _check_uri(uri)
+        check_uri(uri)
         coll = self._lookup(uri)
         if coll is None:
             known = self.collections()
@@ -260,10 +505,11 @@ class SQLiteExampleStore(ExampleStore):
         schema; later examples must match it (:class:`SchemaMismatchError`). Retention is applied
         to the collection in the same transaction."""
         self._check_open()
-        _check_uri(collection_uri)
+        check_uri(collection_uri)
         now = self._clock()
         example_iter = iter(examples)
         ts_iter = None if timestamps is None else iter(timestamps)
+        sealer = self._sealer
         total = 0
         created: _Collection | None = None
         with self._lock, self._db_errors("add examples"), self._engine.begin() as conn:
@@ -274,11 +520,20 @@ class SQLiteExampleStore(ExampleStore):
                     if coll is None:
                         coll = created = self._create_collection(conn, collection_uri, Schema.from_example(chunk[0]), now)
                     payload = coll.schema.encode(chunk, collection_uri)
-                    size = coll.schema.record_size
-                    rows = [payload[i : i + size] for i in range(0, len(payload), size)]
-                    ts = repeat(now) if ts_iter is None else _take_timestamps(ts_iter, len(chunk))
-                    cursor.executemany(_INSERT_SQL, zip(repeat(coll.id), ts, rows))
-                    total += len(chunk)
+                    n = len(chunk)
+                    if sealer is None:
+                        size = coll.schema.record_size
+                        rows = [payload[i : i + size] for i in range(0, len(payload), size)]
+                        ts = repeat(now) if ts_iter is None else take_timestamps(ts_iter, n)
+                        cursor.executemany(_INSERT_SQL, zip(repeat(coll.id), ts, rows))
+                    else:
+                        # + 0.0 turns -0.0 into 0.0, as SQLite reads it back: the timestamp is authenticated
+                        ts_list = [float(now) + 0.0] * n if ts_iter is None else [t + 0.0 for t in take_timestamps(ts_iter, n)]
+                        (end,) = cursor.execute(_RESERVE_IDS_SQL, (n,)).fetchall()[0]
+                        first = int(end) - n
+                        sealed = sealer.seal(coll, first, ts_list, payload)
+                        cursor.executemany(_INSERT_WITH_ID_SQL, zip(range(first, first + n), repeat(coll.id), ts_list, sealed))
+                    total += n
                 if ts_iter is not None and next(ts_iter, None) is not None:
                     raise InvalidArgumentError(f"more timestamps than examples ({total}) were given to add()")
                 if total:
@@ -290,18 +545,24 @@ class SQLiteExampleStore(ExampleStore):
         return total
 
     def _create_collection(self, conn: Connection, uri: str, schema: Schema, now: float) -> _Collection:
+        schema_text = schema.to_json()
         result = conn.execute(
-            collections_table.insert().values(
-                uri=uri, schema=schema.to_json(), record_size=schema.record_size, created_at=now
-            )
+            collections_table.insert().values(uri=uri, schema=schema_text, record_size=schema.record_size, created_at=now)
         )
-        return _Collection(int(result.inserted_primary_key[0]), uri, schema)
+        return _collection(int(result.inserted_primary_key[0]), uri, schema_text)
+
+    # -- retention and housekeeping ------------------------------------------------------------
 
     def apply_retention(self) -> int:
-        """Applies every collection's policy now; returns how many examples were deleted."""
+        """Applies every collection's policy now (re-reading the saved policies); returns how many
+        examples were deleted."""
         self._check_open()
         deleted = 0
         with self._lock, self._db_errors("apply retention"), self._engine.begin() as conn:
+            self._policies = {
+                row.collection_uri: RetentionPolicy(row.ttl_seconds, row.max_bytes)
+                for row in conn.execute(select(retention_table))
+            }
             uris = list(conn.execute(select(collections_table.c.uri)).scalars())
             cursor = conn.connection.driver_connection.cursor()
             try:
@@ -313,6 +574,57 @@ class SQLiteExampleStore(ExampleStore):
             finally:
                 cursor.close()
         return deleted
+
+    def delete_collection(self, collection_uri: str) -> int:
+        """Deletes the collection's examples and its schema (a later add may use a new schema);
+        returns how many examples were deleted, 0 for an unknown collection. Its saved retention
+        policy stays (see :meth:`clear_retention`)."""
+        self._check_open()
+        check_uri(collection_uri)
+        with self._lock, self._db_errors("delete a collection"), self._engine.begin() as conn:
+            coll = self._lookup(collection_uri, conn)
+            if coll is None:
+                return 0
+            deleted = conn.exec_driver_sql("DELETE FROM examples WHERE collection_id = ?", (coll.id,)).rowcount
+            conn.exec_driver_sql("DELETE FROM collections WHERE id = ?", (coll.id,))
+            self._collections.pop(collection_uri, None)
+        return int(deleted)
+
+    def delete_before(self, collection_uri: str, timestamp: float) -> int:
+        """Deletes the collection's examples with ``timestamp < timestamp``; returns how many
+        (0 for an unknown collection)."""
+        self._check_open()
+        check_uri(collection_uri)
+        cutoff = check_timestamp("timestamp", timestamp)
+        with self._lock, self._db_errors("delete examples"), self._engine.begin() as conn:
+            coll = self._lookup(collection_uri, conn)
+            if coll is None:
+                return 0
+            return int(
+                conn.exec_driver_sql(
+                    "DELETE FROM examples WHERE collection_id = ? AND timestamp < ?", (coll.id, cutoff)
+                ).rowcount
+            )
+
+    def stats(self, collection_uri: str) -> CollectionStats:
+        """Count, bytes and timestamp range of a collection (after expiring what its TTL drops)."""
+        coll = self._require(collection_uri)
+        self._expire(coll)
+        with self._db_errors("read collection statistics"), self._engine.connect() as conn:
+            n, oldest, newest, stored = conn.exec_driver_sql(
+                "SELECT COUNT(*), MIN(timestamp), MAX(timestamp), COALESCE(SUM(LENGTH(payload)), 0) "
+                "FROM examples WHERE collection_id = ?",
+                (coll.id,),
+            ).one()
+        return CollectionStats(
+            collection_uri=collection_uri,
+            count=int(n),
+            payload_bytes=int(n) * coll.schema.record_size,
+            stored_bytes=int(stored),
+            oldest=None if oldest is None else float(oldest),
+            newest=None if newest is None else float(newest),
+            retention=self.retention_for(collection_uri),
+        )
 
     def _expire(self, coll: _Collection) -> None:
         """The cheap part of retention that runs before reads: TTL only, and a write transaction
@@ -335,10 +647,16 @@ class SQLiteExampleStore(ExampleStore):
 
     # -- reading -----------------------------------------------------------------------------
 
+    def _resume_position(self, selector: ExampleSelector) -> Position | None:
+        if selector.resume_after is None:
+            return None
+        return self._tokens.verify(selector.resume_after, selector.collection_uri, selector.order)
+
     def count(self, selector: ExampleSelector) -> int:
-        coll = self._require(_check_selector(selector).collection_uri)
+        coll = self._require(check_selector(selector).collection_uri)
+        after = self._resume_position(selector)
         self._expire(coll)
-        where, params = _where(coll, selector)
+        where, params = _where(coll, selector, after)
         with self._db_errors("count examples"), self._engine.connect() as conn:
             n = int(conn.exec_driver_sql(f"SELECT COUNT(*) FROM examples WHERE {where}", tuple(params)).scalar())
         return n if selector.limit is None else min(n, selector.limit)
@@ -352,11 +670,12 @@ class SQLiteExampleStore(ExampleStore):
         return self._open_iterator(selector, check_batch_size(batch_size))
 
     def _open_iterator(self, selector: ExampleSelector, batch_size: int | None) -> _SQLiteIterator:
-        coll = self._require(_check_selector(selector).collection_uri)
+        coll = self._require(check_selector(selector).collection_uri)
+        after = self._resume_position(selector)
         self._expire(coll)
-        where, params = _where(coll, selector)
+        where, params = _where(coll, selector, after)
         direction = "ASC" if selector.order == "oldest" else "DESC"
-        sql = f"SELECT payload FROM examples WHERE {where} ORDER BY timestamp {direction}, id {direction}"
+        sql = f"SELECT payload, id, timestamp FROM examples WHERE {where} ORDER BY timestamp {direction}, id {direction}"
         if selector.limit is not None:
             sql += " LIMIT ?"
             params.append(selector.limit)
@@ -370,7 +689,9 @@ class SQLiteExampleStore(ExampleStore):
             except BaseException:
                 proxied.close()
                 raise
-        iterator = _SQLiteIterator(proxied, cursor, coll.schema, batch_size, str(self.path))
+        iterator = _SQLiteIterator(
+            proxied, cursor, coll, batch_size, str(self.path), self._sealer, self._tokens, selector.order, after
+        )
         self._iterators.add(iterator)
         return iterator
 
@@ -401,22 +722,41 @@ class SQLiteExampleStore(ExampleStore):
             ) from exc
 
     def __repr__(self) -> str:
-        return f"SQLiteExampleStore({str(self.path)!r})"
+        return f"SQLiteExampleStore({str(self.path)!r}{', sealed' if self.sealed else ''})"
 
 
 class _SQLiteIterator(ExampleIterator):
-    """Streams rows of one SELECT; decodes a chunk at a time. Holds a pooled connection (and so a
-    WAL read snapshot) until exhausted or closed, never a lock."""
+    """Streams rows of one SELECT; decodes (and unseals) a chunk at a time. Holds a pooled
+    connection (and so a WAL read snapshot) until exhausted or closed, never a lock."""
 
     def __init__(
-        self, proxied: Any, cursor: sqlite3.Cursor, schema: Schema, batch_size: int | None, path: str
+        self,
+        proxied: Any,
+        cursor: sqlite3.Cursor,
+        coll: _Collection,
+        batch_size: int | None,
+        path: str,
+        sealer: _Sealer | None,
+        tokens: ResumptionTokens,
+        order: str,
+        after: Position | None,
     ) -> None:
         self._proxied = proxied
         self._cursor: sqlite3.Cursor | None = cursor
-        self._schema = schema
+        self._coll = coll
+        self._schema = coll.schema
         self._batch_size = batch_size
         self._path = path
+        self._sealer = sealer
+        self._tokens = tokens
+        self._order = order
         self._pending: Iterator[dict[str, np.ndarray]] = iter(())
+        # Position tracking for resumption tokens, off the per-example path: the current chunk's
+        # rows, how many items (examples or batches) it was split into, and where the previous
+        # chunks ended. What was returned is derived from how much of _pending is left.
+        self._rows: list[tuple[bytes, int, float]] | None = None  # (payload, id, timestamp)
+        self._items = 0
+        self._before: Position | None = after
 
     def __next__(self) -> dict[str, np.ndarray]:
         item = next(self._pending, None)
@@ -424,11 +764,20 @@ class _SQLiteIterator(ExampleIterator):
             return item
         if self._cursor is None:
             raise StopIteration
+        if self._rows:  # every row of the chunk was returned
+            last = self._rows[-1]
+            self._before = (last[2], last[1])
+            self._rows = None
         try:
             rows = self._cursor.fetchmany()
             if not rows:
                 raise StopIteration
-            columns = self._schema.decode(b"".join(map(_first, rows)), len(rows))
+            n = len(rows)
+            if self._sealer is None:
+                payload = b"".join(map(_payload_of, rows))
+            else:
+                payload = self._sealer.open(self._coll, rows, self._path)
+            columns = self._schema.decode(payload, n)
         except StopIteration:
             self.close()
             raise
@@ -440,16 +789,33 @@ class _SQLiteIterator(ExampleIterator):
         except BaseException:
             self.close()
             raise
-        n = len(rows)
         if self._batch_size is None:
-            self._pending = iter(self._schema.split(columns, n))
+            items = self._schema.split(columns, n)
         else:
             bs = self._batch_size
-            self._pending = iter([{k: v[i : i + bs] for k, v in columns.items()} for i in range(0, n, bs)])
+            items = [{k: v[i : i + bs] for k, v in columns.items()} for i in range(0, n, bs)]
+        self._rows, self._items = rows, len(items)
+        self._pending = iter(items)
         return next(self._pending)
+
+    def _position(self) -> Position | None:
+        rows = self._rows
+        if not rows:
+            return self._before
+        returned = self._items - length_hint(self._pending)
+        if returned <= 0:
+            return self._before
+        per = 1 if self._batch_size is None else self._batch_size
+        row = rows[min(returned * per, len(rows)) - 1]
+        return (row[2], row[1])
+
+    def resumption_token(self) -> str:
+        return self._tokens.issue(self._coll.uri, self._order, self._position())
 
     def close(self) -> None:
         """Finalizes the statement (ending the read snapshot) and returns the connection to the pool."""
+        self._before = self._position()
+        self._rows = None
         cursor, proxied = self._cursor, self._proxied
         self._cursor = self._proxied = None
         self._pending = iter(())
@@ -471,21 +837,7 @@ class _SQLiteIterator(ExampleIterator):
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _check_uri(uri: Any) -> None:
-    if not isinstance(uri, str) or not uri or "\x00" in uri:
-        raise InvalidArgumentError(f"a collection URI must be a non-empty string such as 'app:/digits', got {uri!r}")
-
-
-def _check_selector(selector: Any) -> ExampleSelector:
-    if not isinstance(selector, ExampleSelector):
-        raise InvalidArgumentError(
-            f"expected an ExampleSelector, got {type(selector).__name__}; build one with "
-            f"ExampleSelector(collection_uri) or ExampleSelector.from_dict(d)"
-        )
-    return selector
-
-
-def _where(coll: _Collection, selector: ExampleSelector) -> tuple[str, list[Any]]:
+def _where(coll: _Collection, selector: ExampleSelector, after: Position | None) -> tuple[str, list[Any]]:
     clauses, params = ["collection_id = ?"], [coll.id]
     if selector.start_time is not None:
         clauses.append("timestamp >= ?")
@@ -493,20 +845,10 @@ def _where(coll: _Collection, selector: ExampleSelector) -> tuple[str, list[Any]
     if selector.end_time is not None:
         clauses.append("timestamp < ?")
         params.append(selector.end_time)
+    if after is not None:
+        clauses.append("(timestamp, id) > (?, ?)" if selector.order == "oldest" else "(timestamp, id) < (?, ?)")
+        params.extend(after)
     return " AND ".join(clauses), params
-
-
-def _take_timestamps(ts_iter: Iterator[float], n: int) -> list[float]:
-    chunk = list(islice(ts_iter, n))
-    if len(chunk) < n:
-        raise InvalidArgumentError("fewer timestamps than examples were given to add(); pass one per example")
-    try:
-        arr = np.asarray(chunk, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"timestamps must be numbers of unix seconds ({exc})") from exc
-    if arr.ndim != 1 or not np.isfinite(arr).all():
-        raise InvalidArgumentError("timestamps must be finite numbers of unix seconds, one per example")
-    return arr.tolist()
 
 
 def _apply_policy(cursor: sqlite3.Cursor, coll: _Collection, policy: RetentionPolicy, now: float) -> int:

@@ -68,3 +68,19 @@ def test_selector_is_frozen_and_hashable():
 def test_retention_policy_validates(kwargs):
     with pytest.raises(InvalidArgumentError):
         RetentionPolicy(**kwargs)
+
+
+def test_resume_after_round_trips_and_is_omitted_when_unset():
+    sel = ExampleSelector("app:/x", order="newest", resume_after="abc.def")
+    d = json.loads(json.dumps(sel.to_dict()))
+    assert d["resume_after"] == "abc.def"
+    assert ExampleSelector.from_dict(d) == sel
+    assert "resume_after" not in ExampleSelector("app:/x").to_dict()  # readable by older versions
+    assert ExampleSelector("app:/x").resuming("t.u") == ExampleSelector("app:/x", resume_after="t.u")
+    assert sel.resuming(None).resume_after is None
+
+
+@pytest.mark.parametrize("token", ["", 3, b"abc", "x" * 5000])
+def test_resume_after_must_be_a_token_string(token):
+    with pytest.raises(InvalidArgumentError, match="resume_after"):
+        ExampleSelector("app:/x", resume_after=token)

@@ -10,6 +10,7 @@ import pytest
 
 from example_store import (
     ExampleIterator,
+    InMemoryKeyStore,
     ExampleSelector,
     ExampleStore,
     ExampleStoreError,
@@ -39,9 +40,10 @@ def labels(examples) -> list[int]:
     return [int(e["y"]) for e in examples]
 
 
-@pytest.fixture
-def store(tmp_path):
-    with SQLiteExampleStore(tmp_path / "app.db") as s:
+@pytest.fixture(params=["plain", "sealed"])
+def store(request, tmp_path):
+    key_store = InMemoryKeyStore() if request.param == "sealed" else None
+    with SQLiteExampleStore(tmp_path / "app.db", key_store=key_store) as s:
         yield s
 
 
