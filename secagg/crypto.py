@@ -1,0 +1,120 @@
+"""Key agreement, key derivation and authenticated encryption for the share pairs.
+
+X25519 for both key pairs (c: encryption of shares, s: pairwise mask seeds), HKDF-SHA256
+(RFC 5869, computed with the stdlib's one-shot HMAC because it is ~3x cheaper per call than
+building a ``cryptography`` HKDF object and ShareKeys needs n(n-1) derivations), AES-256-GCM
+for the share pairs. Every derived key is bound to the session id and to the ordered pair of
+client ids, so a ciphertext replayed into another session or readdressed does not decrypt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Callable
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+KEY_BYTES = 32
+SIG_BYTES = 64
+GCM_TAG = 16
+_NONCE = bytes(12)  # every AES-GCM key is used for exactly one message (direction-bound key)
+_PAIR = struct.Struct("<II")
+
+
+def hkdf_sha256(ikm: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """RFC 5869 HKDF-SHA256 (extract then expand)."""
+    prk = hmac.digest(salt or bytes(32), ikm, "sha256")
+    out, block, counter = b"", b"", 1
+    while len(out) < length:
+        block = hmac.digest(prk, block + info + bytes([counter]), "sha256")
+        out += block
+        counter += 1
+    return out[:length]
+
+
+class KeyPair:
+    """An X25519 key pair built from injectable randomness."""
+
+    __slots__ = ("private", "public_bytes")
+
+    def __init__(self, random_bytes: Callable[[int], bytes]) -> None:
+        self.private = X25519PrivateKey.from_private_bytes(random_bytes(KEY_BYTES))
+        self.public_bytes = self.private.public_key().public_bytes_raw()
+
+    @property
+    def private_bytes(self) -> bytes:
+        return self.private.private_bytes_raw()
+
+
+def load_private(raw: bytes) -> X25519PrivateKey:
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
+def load_public(raw: bytes) -> X25519PublicKey:
+    return X25519PublicKey.from_public_bytes(raw)
+
+
+def agree(private: X25519PrivateKey, public: X25519PublicKey) -> bytes:
+    """X25519; raises ValueError for low-order public keys (all-zero shared secret)."""
+    return private.exchange(public)
+
+
+def share_key(shared: bytes, session_id: bytes, sender: int, receiver: int) -> bytes:
+    """AES-GCM key for the share pair sent from ``sender`` to ``receiver`` (one per direction)."""
+    return hkdf_sha256(shared, session_id, b"secagg/share" + _PAIR.pack(sender, receiver))
+
+
+def mask_seed(shared: bytes, session_id: bytes, a: int, b: int) -> bytes:
+    """Seed of the pairwise mask between ``a`` and ``b`` (symmetric in a, b)."""
+    lo, hi = (a, b) if a < b else (b, a)
+    return hkdf_sha256(shared, session_id, b"secagg/mask" + _PAIR.pack(lo, hi))
+
+
+def share_ad(session_id: bytes, sender: int, receiver: int) -> bytes:
+    return session_id + _PAIR.pack(sender, receiver)
+
+
+def encrypt_share(key: bytes, plaintext: bytes, ad: bytes) -> bytes:
+    return AESGCM(key).encrypt(_NONCE, plaintext, ad)
+
+
+def decrypt_share(key: bytes, ciphertext: bytes, ad: bytes) -> bytes | None:
+    """Plaintext, or None if the ciphertext does not authenticate."""
+    try:
+        return AESGCM(key).decrypt(_NONCE, ciphertext, ad)
+    except InvalidTag:
+        return None
+
+
+class SigningKey:
+    """Ed25519 key for the ConsistencyCheck round."""
+
+    __slots__ = ("private", "public_bytes")
+
+    def __init__(self, random_bytes: Callable[[int], bytes]) -> None:
+        self.private = Ed25519PrivateKey.from_private_bytes(random_bytes(KEY_BYTES))
+        self.public_bytes = self.private.public_key().public_bytes_raw()
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private.sign(data)
+
+
+def verify_signature(public: bytes, signature: bytes, data: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, data)
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+def sha256(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(struct.pack("<I", len(part)))
+        h.update(part)
+    return h.digest()

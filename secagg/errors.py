@@ -1,0 +1,71 @@
+"""Typed errors: every refusal and every bad message maps to one class, never a bare crash."""
+
+from __future__ import annotations
+
+
+class SecAggError(Exception):
+    """Base class of every error raised by the secagg package."""
+
+
+class ConfigError(SecAggError, ValueError):
+    """The protocol parameters are inconsistent (threshold, modulus, vector length...)."""
+
+
+class MessageFormatError(SecAggError, ValueError):
+    """Bytes that do not parse as a well-formed message of the expected kind."""
+
+
+class ProtocolViolation(SecAggError):
+    """A well-formed message that an honest party must refuse; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class WrongSession(ProtocolViolation):
+    """The message belongs to another session (label or configuration differ)."""
+
+
+class OutOfOrder(ProtocolViolation):
+    """A message for another round than the current one (replayed or reordered)."""
+
+
+class DuplicateMessage(ProtocolViolation):
+    """A second message from the same client in the same round (a replay)."""
+
+
+class UnexpectedClient(ProtocolViolation):
+    """A message from a client that is not expected in this round."""
+
+
+class InconsistentSurvivors(ProtocolViolation):
+    """A survivor list that is not a subset of the previous one, has duplicates or omits us."""
+
+
+class TooFewSurvivors(ProtocolViolation):
+    """Fewer than the threshold t of peers remain: continuing would leak or cannot finish."""
+
+
+class DecryptionFailed(ProtocolViolation):
+    """An encrypted share that does not authenticate (tampered, or addressed to someone else)."""
+
+
+class InvalidKeys(ProtocolViolation):
+    """Advertised keys that are malformed, repeated, or do not match our own."""
+
+
+class BadSignature(ProtocolViolation):
+    """A ConsistencyCheck signature that does not verify."""
+
+
+class RevealRefused(ProtocolViolation):
+    """The server asked for both the self-mask share and the key share of one peer."""
+
+
+class ProtocolAborted(SecAggError):
+    """Raised by ``result()`` when the protocol ended in Aborted; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,117 @@
+"""Who masks with whom: the complete graph (Bonawitz et al. 2017) or SecAgg+ (Bell et al. 2020).
+
+SecAgg+ replaces the complete graph by a random Harary graph H(n, k): the n clients are placed
+on a ring in a uniformly random order and each is joined to the k/2 nearest clients on either
+side (k even), so the graph is k-regular and connected. Masks and key shares are exchanged only
+between neighbours and the Shamir threshold t applies per neighbourhood (a client's shares are
+held by itself and its k neighbours).
+
+Parameter choice (``secagg_plus_parameters``), following the analysis of Bell et al. 2020
+(Sec. 3, Thm. 3.6 and the numerical parameter tables it derives), with the hypergeometric
+sampling of a neighbourhood approximated by a binomial and a union bound over the n clients:
+
+  security    : P[Bin(k, gamma) >= t]     <= 2^-sigma / n   (no neighbourhood holds t corrupt
+                                                             clients, so colluders never rebuild
+                                                             an honest secret)
+  correctness : P[Bin(k, 1 - delta) < t]  <= 2^-eta / n     (every neighbourhood keeps t
+                                                             survivors, so dropped clients can be
+                                                             unmasked)
+  majority    : 2t > k + 1                                 (a server cannot collect t shares of
+                                                             both b_u and s_u from two disjoint
+                                                             groups of honest neighbours)
+
+We take the smallest even k (and for it the smallest t) meeting all three; the tails shrink
+exponentially in k while the union bound grows with n, so k = O(log n). When that k is >= n - 1
+the complete graph is used with t = max(majority, smallest t meeting the same bounds over n - 1).
+Defaults: gamma = 1/3 corrupt, delta = 5% drop-out, sigma = 40, eta = 30.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _log_binom_pmf(k: int, i: int, p: float) -> float:
+    if p <= 0.0:
+        return 0.0 if i == 0 else -math.inf
+    if p >= 1.0:
+        return 0.0 if i == k else -math.inf
+    return math.lgamma(k + 1) - math.lgamma(i + 1) - math.lgamma(k - i + 1) + i * math.log(p) + (k - i) * math.log1p(-p)
+
+
+def binom_tail_ge(k: int, t: int, p: float) -> float:
+    """P[Bin(k, p) >= t]."""
+    if t <= 0:
+        return 1.0
+    return min(1.0, sum(math.exp(_log_binom_pmf(k, i, p)) for i in range(t, k + 1)))
+
+
+def _smallest_threshold(k: int, n: int, gamma: float, delta: float, sigma: int, eta: int) -> int | None:
+    sec_bound = 2.0 ** -sigma / n
+    cor_bound = 2.0 ** -eta / n
+    t_min = k // 2 + 1  # majority of the k + 1 holders (the client and its k neighbours)
+    for t in range(t_min, k + 2):
+        if binom_tail_ge(k, t, gamma) > sec_bound:
+            continue
+        # survivors among the k neighbours plus the client itself must reach t
+        if 1.0 - binom_tail_ge(k, t - 1, 1.0 - delta) > cor_bound:
+            return None  # larger t only makes correctness worse
+        return t
+    return None
+
+
+@dataclass(frozen=True)
+class GraphParameters:
+    """Degree k (k = n - 1 means the complete graph) and per-neighbourhood threshold t."""
+
+    n: int
+    degree: int
+    threshold: int
+
+    @property
+    def complete(self) -> bool:
+        return self.degree >= self.n - 1
+
+
+def complete_graph_threshold(n: int) -> int:
+    """Default t for the complete graph: more than 2n/3 (Bonawitz et al.: secure against an
+    actively malicious server colluding with up to n/3 clients), at least 2."""
+    return max(2, min(n, (2 * n) // 3 + 1))
+
+
+def secagg_plus_parameters(
+    n: int, corrupt_fraction: float = 1 / 3, dropout_rate: float = 0.05, sigma: int = 40, eta: int = 30
+) -> GraphParameters:
+    """Degree and threshold for a cohort of ``n`` (see the module docstring for the formula)."""
+    if n < 2:
+        raise ValueError("need at least 2 clients")
+    for k in range(2, n, 2):
+        t = _smallest_threshold(k, n, corrupt_fraction, dropout_rate, sigma, eta)
+        if t is not None:
+            return GraphParameters(n, k, t)
+    return GraphParameters(n, n - 1, complete_graph_threshold(n))
+
+
+def harary_neighbours(ids: Sequence[int], degree: int, random_bytes: Callable[[int], bytes]) -> dict[int, tuple[int, ...]]:
+    """Random H(n, k): ids on a ring in random order, each joined to k/2 on either side.
+
+    Returns id -> sorted neighbour ids (excluding itself). ``degree`` >= n - 1 gives the
+    complete graph.
+    """
+    ids = sorted(ids)
+    n = len(ids)
+    if degree >= n - 1:
+        return {u: tuple(v for v in ids if v != u) for u in ids}
+    if degree % 2 or degree < 2:
+        raise ValueError("degree must be even and >= 2")
+    keys = np.frombuffer(random_bytes(8 * n), dtype=np.uint64)
+    ring = np.asarray(ids, dtype=np.int64)[np.argsort(keys, kind="stable")]
+    half = degree // 2
+    offsets = np.concatenate([np.arange(-half, 0), np.arange(1, half + 1)])
+    idx = (np.arange(n)[:, None] + offsets[None, :]) % n
+    nbrs = np.sort(ring[idx], axis=1)
+    return {int(u): tuple(int(v) for v in row) for u, row in zip(ring, nbrs)}

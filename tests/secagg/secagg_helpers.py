@@ -1,0 +1,53 @@
+"""Shared helpers for the secagg tests: seeded randomness and a step-by-step driver."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from secagg import Round, SecAggClient, SecAggConfig, SecAggServer
+
+
+def seeded(seed: int):
+    """A deterministic ``random_bytes`` for the state machines."""
+    return random.Random(seed).randbytes
+
+
+def make_inputs(n: int, length: int, modulus: int, seed: int = 0, first_id: int = 1) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {u: rng.integers(0, modulus, length, dtype=np.uint64) for u in range(first_id, first_id + n)}
+
+
+class Harness:
+    """Server + clients advanced one round at a time, so tests can tamper in between."""
+
+    def __init__(self, config: SecAggConfig, inputs: dict[int, np.ndarray], seed: int = 0) -> None:
+        rb = seeded(seed)
+        self.config = config
+        self.inputs = inputs
+        self.server = SecAggServer(config, inputs, random_bytes=rb)
+        self.clients = {u: SecAggClient(u, config, x, random_bytes=rb) for u, x in inputs.items()}
+        self.outbox: dict[int, bytes] = {u: c.start() for u, c in self.clients.items()}
+        self.to_clients: dict[int, bytes] = {}
+
+    def server_step(self, silent: set[int] = frozenset()) -> dict[int, bytes]:
+        """Deliver the clients' pending messages (except ``silent``), close the round."""
+        for u, data in self.outbox.items():
+            if u not in silent and data is not None:
+                self.server.receive(u, data)
+        self.to_clients = self.server.close_round()
+        return self.to_clients
+
+    def client_step(self, messages: dict[int, bytes] | None = None) -> dict[int, bytes | None]:
+        messages = self.to_clients if messages is None else messages
+        self.outbox = {u: self.clients[u].handle(data) for u, data in messages.items()}
+        return self.outbox
+
+    def run_to(self, target: Round) -> None:
+        """Advance until the server is in ``target`` with the clients' messages for it pending
+        in ``to_clients`` (not yet handled by the clients)."""
+        self.server_step()
+        while self.server.round is not target:
+            self.client_step()
+            self.server_step()

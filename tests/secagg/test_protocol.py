@@ -1,0 +1,135 @@
+"""End-to-end protocol properties: exact sums under drop-outs, abort exactly below threshold."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from secagg import ProtocolAborted, Round, SecAggConfig, run_protocol
+
+from tests.secagg.secagg_helpers import make_inputs, seeded
+
+MODULI = st.one_of(st.sampled_from([2**8, 2**16, 2**32, 2**40, 2**62]), st.integers(2, 2**62))
+ROUNDS_PLAIN = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.MASKED_INPUT_COLLECTION, Round.UNMASKING]
+ROUNDS_CC = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.MASKED_INPUT_COLLECTION, Round.CONSISTENCY_CHECK,
+             Round.UNMASKING]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_complete_graph_sum_is_exact_or_aborts_below_threshold(data):
+    n = data.draw(st.integers(3, 12), label="n")
+    t = data.draw(st.integers(2, n), label="t")
+    length = data.draw(st.integers(1, 40), label="length")
+    modulus = data.draw(MODULI, label="R")
+    cc = data.draw(st.booleans(), label="consistency_check")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    cfg = SecAggConfig(length, modulus, t, session_label=b"prop", consistency_check=cc)
+    inputs = make_inputs(n, length, modulus, seed, first_id=data.draw(st.integers(1, 1000), label="first id"))
+    rounds = ROUNDS_CC if cc else ROUNDS_PLAIN
+    alive = set(inputs)
+    drops: dict[Round, set[int]] = {}
+    expect_abort_at = None
+    u3 = None
+    for r in rounds:
+        d = data.draw(st.sets(st.sampled_from(sorted(inputs))), label=f"drop at {r.value}") & alive
+        drops[r] = d
+        alive -= d
+        if r is Round.MASKED_INPUT_COLLECTION:
+            u3 = set(alive)
+        if expect_abort_at is None and len(alive) < t:
+            expect_abort_at = r
+    res = run_protocol(cfg, inputs, drops=drops, random_bytes=seeded(seed))
+    assert res.rejected == []
+    if expect_abort_at is None:
+        assert res.completed, res.abort_reason
+        assert res.server.summed_clients == u3
+        want = np.zeros(length, dtype=object)
+        for u in u3:
+            want = want + inputs[u].astype(object)
+        assert res.result.dtype == np.uint64
+        assert [int(v) for v in res.result] == [int(v) % modulus for v in want]
+        # every client that reached Unmasking completed; none aborted
+        assert all(not c.aborted for c in res.clients.values())
+    else:
+        assert not res.completed
+        assert res.server.round is Round.ABORTED
+        assert res.abort_reason.startswith(expect_abort_at.value)
+        assert "threshold" in res.abort_reason
+        with pytest.raises(ProtocolAborted):
+            res.server.result()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_secagg_plus_graph_sum_is_exact_whenever_it_completes(data):
+    n = data.draw(st.integers(6, 30), label="n")
+    k = data.draw(st.sampled_from([d for d in (2, 4, 6, 8) if d < n - 1]), label="degree")
+    t = data.draw(st.integers(2, k + 1), label="t")
+    length = data.draw(st.integers(1, 20), label="length")
+    modulus = data.draw(MODULI, label="R")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    cfg = SecAggConfig(length, modulus, t, session_label=b"plus", degree=k)
+    inputs = make_inputs(n, length, modulus, seed)
+    drops = {r: data.draw(st.sets(st.sampled_from(sorted(inputs)), max_size=2), label=r.value) for r in ROUNDS_PLAIN}
+    res = run_protocol(cfg, inputs, drops=drops, random_bytes=seeded(seed))
+    if res.completed:
+        u3 = res.server.summed_clients
+        assert u3 == set(inputs) - drops[Round.ADVERTISE_KEYS] - drops[Round.SHARE_KEYS] - drops[
+            Round.MASKED_INPUT_COLLECTION] - {c.id for c in res.clients.values() if c.aborted}
+        want = sum((inputs[u].astype(object) for u in u3), np.zeros(length, dtype=object))
+        assert [int(v) for v in res.result] == [int(v) % modulus for v in want]
+    else:
+        assert res.abort_reason
+    if not any(drops.values()):
+        assert res.completed
+
+
+def test_secagg_plus_masks_only_between_neighbours():
+    cfg = SecAggConfig(8, 2**20, 4, degree=4)
+    inputs = make_inputs(20, 8, 2**20, 1)
+    res = run_protocol(cfg, inputs, random_bytes=seeded(1))
+    assert res.completed
+    for u in inputs:
+        nb = res.server.neighbours(u)
+        assert len(nb) == 4
+        assert set(res.clients[u]._peers) == set(nb) | {u}
+
+
+def test_config_for_cohort_picks_graph_by_size():
+    assert SecAggConfig.for_cohort(100, 10).degree is None
+    big = SecAggConfig.for_cohort(10_000, 10)
+    assert big.degree is not None and big.degree < 200 and big.modulus >= 10_000 * 2**16
+
+
+def test_quantized_float_sum_end_to_end():
+    from secagg import Quantizer
+
+    q = Quantizer(12, 2.0)
+    n, length = 8, 30
+    cfg = SecAggConfig.for_cohort(n, length, bitwidth=12)
+    rng = np.random.default_rng(0)
+    xs = {u: rng.uniform(-2, 2, length) for u in range(1, n + 1)}
+    res = run_protocol(cfg, {u: q.quantize(x) for u, x in xs.items()}, drops={Round.MASKED_INPUT_COLLECTION: {3}})
+    got = q.dequantize_sum(res.result, len(res.server.summed_clients))
+    want = sum(x for u, x in xs.items() if u != 3)
+    assert np.allclose(got, want, atol=(n - 1) / q.scale)
+
+
+def test_input_can_be_set_after_key_exchange_and_is_required():
+    from secagg import OutOfOrder
+    from tests.secagg.secagg_helpers import Harness
+
+    cfg = SecAggConfig(5, 2**10, 2)
+    inputs = make_inputs(3, 5, 2**10, 4)
+    h = Harness(cfg, {u: None for u in inputs})
+    h.run_to(Round.MASKED_INPUT_COLLECTION)
+    h.clients[1].set_input(inputs[1])
+    h.clients[2].set_input(inputs[2])
+    h.client_step()
+    assert isinstance(h.clients[3].error, OutOfOrder) and "input" in h.clients[3].abort_reason
+    h.server_step()
+    h.client_step()
+    h.server_step()
+    assert [int(v) for v in h.server.result()] == [int(a + b) % 2**10 for a, b in zip(inputs[1], inputs[2])]
+    with pytest.raises(OutOfOrder):
+        h.clients[1].set_input(inputs[1])
