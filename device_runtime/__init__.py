@@ -47,9 +47,12 @@ from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regress
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .opstats import Event, OpStatsStore, SessionSummary, shape_of
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
+from .secure_client import SecureOutcome, SecureResult, run_secure_aggregation
+from .secure_sum import SecureSumCodec
 from .versions import version_tuple
 
 __all__ = [
+    "run_secure_aggregation",
     "ATTESTATION_ERROR_CODES",
     "PLAN_FORMAT_VERSION",
     "AttestationError",
@@ -74,6 +77,9 @@ __all__ = [
     "OverBudget",
     "ParsedAttestation",
     "Plan",
+    "SecureOutcome",
+    "SecureResult",
+    "SecureSumCodec",
     "PlanError",
     "PlanExecutor",
     "PlanMetadata",

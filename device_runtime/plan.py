@@ -155,6 +155,7 @@ class ServerPart:
     update: bytes
     bitwidth: int | None = None
     secure_sum: tuple[str, ...] = ()
+    clip_range: float | None = None  # secure sum: each entry is clipped to [-clip_range, clip_range]
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,11 @@ def serialize_plan(plan: Plan) -> bytes:
         "weight_names": list(plan.weight_names),
         "weight_outputs": list(plan.weight_outputs),
         "metric_names": list(plan.metric_names),
-        "server": {"bitwidth": plan.server.bitwidth, "secure_sum": list(plan.server.secure_sum)},
+        "server": {
+            "bitwidth": plan.server.bitwidth,
+            "secure_sum": list(plan.server.secure_sum),
+            "clip_range": plan.server.clip_range,
+        },
         "metadata": {
             "opset": meta.opset,
             "ir_version": meta.ir_version,
@@ -338,6 +343,7 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
     )
     server = _field(header, "server", dict, "")
     bitwidth = _field(server, "bitwidth", int, "server.", optional=True)
+    clip_range = _field(server, "clip_range", (int, float), "server.", optional=True)
     meta = _field(header, "metadata", dict, "")
     time_budget = _field(meta, "time_budget_s", (int, float), "metadata.", optional=True)
     metadata = PlanMetadata(
@@ -361,6 +367,7 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
             prepare=blobs["prepare"], zero=blobs["zero"], accumulate=blobs["accumulate"], merge=blobs["merge"],
             report=blobs["report"], update=blobs["update"], bitwidth=bitwidth,
             secure_sum=_names(server, "secure_sum", "server."),
+            clip_range=None if clip_range is None else float(clip_range),
         ),
         metadata=metadata,
     )
@@ -378,6 +385,12 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
         raise PlanError("a training plan needs one weight output per weight name")
     if plan.kind == "eval" and plan.weight_outputs:
         raise PlanError("an evaluation plan has no weight outputs")
+    server = plan.server
+    if server.secure_sum:
+        if server.bitwidth is None or not 1 <= server.bitwidth <= 52:
+            raise PlanError("a plan with secure-sum outputs needs a bitwidth in [1, 52]")
+        if server.clip_range is None or not (math.isfinite(server.clip_range) and server.clip_range > 0):
+            raise PlanError("a plan with secure-sum outputs needs a positive clip_range")
     meta = plan.metadata
     if meta.time_budget_s is not None and not (math.isfinite(meta.time_budget_s) and meta.time_budget_s > 0):
         raise PlanError("plan's time budget must be a positive number of seconds")

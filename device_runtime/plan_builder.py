@@ -15,6 +15,8 @@ divided by the number of epochs, ``num_examples`` = n (examples per epoch).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -249,9 +251,17 @@ def build_mlp_plan(
     max_runtime_version: str | None = None,
     memory_budget_mb: int | None = None,
     time_budget_s: float | None = None,
+    secure_aggregation: bool = False,
+    bitwidth: int = 24,
+    clip_range: float = 1024.0,
 ) -> Plan:
     """A training plan for an MLP with ReLU hidden layers and a softmax output (one SGD step per
-    batch, mean cross-entropy). ``hidden_sizes=()`` is softmax regression."""
+    batch, mean cross-entropy). ``hidden_sizes=()`` is softmax regression.
+
+    ``secure_aggregation`` sends the whole client update through Secure Aggregation: each entry
+    is clipped to [-clip_range, clip_range] and quantized to ``bitwidth`` bits. The entries are
+    example-weighted sums (delta * n, loss and count sums), so ``clip_range`` bounds n times the
+    largest weight change; the default leaves room for hundreds of examples per device."""
     _check_args(opset, learning_rate, batch_size, epochs, inputs)
     layers = _layer_shapes(num_features, hidden_sizes, num_classes)
     weights = _specs(layers)
@@ -274,7 +284,7 @@ def build_mlp_plan(
         weight_names=names,
         weight_outputs=tuple(f"{n}_new" for n in names),
         metric_names=TRAIN_METRICS,
-        server=_server_part(weights, "train", opset),
+        server=_secure(_server_part(weights, "train", opset), names, secure_aggregation, bitwidth, clip_range),
         metadata=PlanMetadata(
             opset=opset,
             ir_version=ir_version_for_opset(opset),
@@ -284,6 +294,13 @@ def build_mlp_plan(
             time_budget_s=time_budget_s,
         ),
     )
+
+
+def _secure(server: ServerPart, weights: Sequence[str], on: bool, bitwidth: int, clip_range: float) -> ServerPart:
+    if not on:
+        return server
+    names = (*weights, *TRAIN_METRICS, NUM_EXAMPLES)
+    return dataclasses.replace(server, bitwidth=int(bitwidth), clip_range=float(clip_range), secure_sum=names)
 
 
 def build_softmax_regression_plan(num_features: int, num_classes: int, *, name: str | None = None, **kwargs) -> Plan:

@@ -164,6 +164,29 @@ class ProtocolClient:
         self._raise_for_error(response)
         return response.json()
 
+    def secagg_poll(self, session: CheckinAccepted, *, after: int | None = None, wait_s: float = 0.0) -> dict:
+        """This session's Secure Aggregation state and the server's latest message for it. With
+        ``after`` (the last message seq seen) the server holds the answer up to ``wait_s`` seconds
+        until there is something new."""
+        params = {} if after is None else {"after": str(after), "wait": f"{max(0.0, wait_s):.3f}"}
+        response = self._request(
+            "GET",
+            f"/v1/sessions/{session.session_id}/secagg",
+            params=params,
+            headers={"Authorization": f"Bearer {session.token}"},
+        )
+        self._raise_for_error(response)
+        return response.json()
+
+    def secagg_send(self, session: CheckinAccepted, message: bytes) -> None:
+        response = self._request(
+            "POST",
+            f"/v1/sessions/{session.session_id}/secagg",
+            content=message,
+            headers={"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"},
+        )
+        self._raise_for_error(response)
+
     def abort(self, session: CheckinAccepted, reason: str, stats: dict | None = None) -> None:
         response = self._request(
             "POST",

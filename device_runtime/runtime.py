@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+import numpy as np
 import onnxruntime
 
 from example_store import ExampleSelector, ExampleStore, ExampleStoreError, UnknownCollectionError
@@ -22,10 +23,12 @@ from .attestation import DeviceAttestor
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
-from .executor import PlanExecutor, TrainingInterrupted
+from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
 from .plan import Plan, PlanError, load_plan
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
+from .secure_client import SecureAggregation, SecureOutcome, SecureResult
+from .secure_sum import SecureSumCodec
 
 class Outcome(enum.Enum):
     COMPLETED = "completed"
@@ -92,6 +95,7 @@ class FLRuntime:
         self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng)
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
+        self._codecs: dict[str, SecureSumCodec] = {}
         self._lock = threading.Lock()
         self.last_retry_window: tuple[float, float] | None = None
 
@@ -167,6 +171,11 @@ class FLRuntime:
                 available = 0
             if available == 0:
                 raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
+            secure = None
+            if session.aggregation == "secure_sum":
+                secure, prepared = self._secure_prepare(session, should_abort)
+                if prepared is not None:
+                    return self._secure_outcome(rec, prepared, {}, 0)
             rec.record("training_started", examples_available=available)
             selector, batch_size = plan.device.selector, plan.device.batch_size
             result = executor.run_device(
@@ -188,6 +197,8 @@ class FLRuntime:
             before_report()
         if should_abort is not None and should_abort():
             return rec.interrupted("interrupted")
+        if secure is not None:
+            return self._secure_report(rec, secure, session, plan, result)
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
         try:
@@ -227,6 +238,37 @@ class FLRuntime:
             task, policies, examples_available=available, last=last, current_round=int(info.get("round", 0)), now=self.clock()
         )
         return verdict.to_json()
+
+    def _secure_prepare(
+        self, session: CheckinAccepted, should_abort: Callable[[], bool] | None
+    ) -> tuple[SecureAggregation, SecureResult | None]:
+        """The key rounds, before training (see ``secure_client``)."""
+        secure = SecureAggregation(
+            self.client, session, deadline=time.monotonic() + session.report_deadline_s, should_abort=should_abort
+        )
+        return secure, secure.prepare()
+
+    def _secure_report(
+        self, rec: "_Recorder", secure: SecureAggregation, session: CheckinAccepted, plan: Plan, result: DeviceResult
+    ) -> SessionResult:
+        """Report through Secure Aggregation: the server sees only the group's sum."""
+        codec = self._codecs.get(session.plan_id)
+        if codec is None:
+            codec = self._codecs[session.plan_id] = SecureSumCodec(plan, self._executors[session.plan_id])
+        vector = codec.encode(result.update, np.random.default_rng(self.rng.getrandbits(64)))
+        rec.record("upload_started", bytes=int(vector.nbytes), secure=True)
+        return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
+
+    @staticmethod
+    def _secure_outcome(rec: "_Recorder", outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
+        if outcome.outcome is SecureOutcome.INTERRUPTED:
+            return rec.interrupted("interrupted")
+        if outcome.outcome is SecureOutcome.INCLUDED:
+            rec.record("upload_completed", secure=True)
+            return rec.result(Outcome.COMPLETED, metrics, examples)
+        code = f"SECAGG_{outcome.outcome.name}"
+        rec.record("upload_rejected", code=code, detail=outcome.detail)
+        return rec.result(Outcome.REPORT_REJECTED, metrics, examples, code)
 
     def _check_budget(self, plan: Plan) -> None:
         meta, device = plan.metadata, self.device_class

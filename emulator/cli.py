@@ -18,6 +18,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--goal", type=int, default=defaults.goal_count, dest="goal_count", help="devices that must report per round")
     p.add_argument("--dropout", type=float, default=defaults.dropout_prob, dest="dropout_prob", help="chance a session is interrupted")
     p.add_argument("--late", type=float, default=defaults.late_prob, dest="late_prob", help="chance a device reports after its deadline")
+    p.add_argument("--secure", action="store_true", help="report through Secure Aggregation (the server sees only sums)")
+    p.add_argument("--secagg-group", type=int, default=defaults.secagg_group_size, dest="secagg_group_size",
+                   help="smallest Secure Aggregation group (k)")
     p.add_argument("--epochs", type=int, default=defaults.epochs)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--time-limit", type=float, default=defaults.time_limit_s, dest="time_limit_s")

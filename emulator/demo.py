@@ -45,6 +45,9 @@ class DemoConfig:
     seed: int = 0
     time_limit_s: float = 600.0
     workdir: str | None = None
+    secure: bool = False  # report through Secure Aggregation: the server sees only group sums
+    secagg_group_size: int = 5
+    secagg_round_timeout_s: float = 0.5
 
 
 def _evaluate(executor: PlanExecutor, weights: dict, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -75,6 +78,7 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
         inputs={"x": "x", "y": "y"},
         shuffle_seed=config.seed,
         name="digits_mlp",
+        secure_aggregation=config.secure,
     )
     evaluator = PlanExecutor(build_eval_plan(plan))
     weights0 = initial_weights(plan, seed=config.seed)
@@ -86,6 +90,8 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
         report_timeout_s=config.report_timeout_s,
         retry_window_s=(0.2, 1.0),
         max_rounds=config.rounds,
+        secagg_min_group_size=config.secagg_group_size,
+        secagg_round_timeout_s=config.secagg_round_timeout_s,
     )
     with tempfile.TemporaryDirectory(prefix="fl-demo-", dir=config.workdir) as tmp:
         root = Path(tmp)
@@ -97,6 +103,8 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
         fleet: Fleet | None = None
         try:
             print(f"FL server on {server.url} (SQLite at {root / 'server.db'}); only attested devices are admitted", file=out)
+            if config.secure:
+                print(f"Secure Aggregation: groups of at least {config.secagg_group_size} devices; the server sees only each group's sum", file=out)
             admin.create_population(POPULATION)
             admin.deploy_task(POPULATION, "digits-train", plan, encode_checkpoint(weights0), round_config)
             profile = DeviceProfile(

@@ -3,8 +3,10 @@ behaviour profile that makes some sessions drop out or report too late."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +16,21 @@ import numpy as np
 from device_runtime import DeviceAttestor, FLRuntime, RetryPolicy, RuntimeSdkError, SessionRejected
 from example_store import SQLiteExampleStore
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """How often a device misbehaves in a session, and how long it waits between sessions."""
+    """How often a device misbehaves in a session, and how long it waits between sessions.
+
+    ``dropout_prob``: interrupted as soon as training starts; ``late_dropout_prob``: interrupted
+    at a random moment within ``late_dropout_within_s`` of starting to train (during training,
+    or later while it reports, e.g. between Secure Aggregation rounds); ``late_prob``: reports
+    after its deadline."""
 
     dropout_prob: float = 0.0
+    late_dropout_prob: float = 0.0
+    late_dropout_within_s: float = 0.5
     late_prob: float = 0.0
     late_delay_s: float = 5.0
     cooldown_s: tuple[float, float] = (0.5, 2.0)
@@ -66,16 +77,23 @@ class EmulatedDevice:
     def step(self) -> float:
         """One attempt at a session; returns how long to wait before the next one."""
         drop = self.rng.random() < self.profile.dropout_prob
-        late = not drop and self.rng.random() < self.profile.late_prob
+        late_drop = not drop and self.rng.random() < self.profile.late_dropout_prob
+        late = not drop and not late_drop and self.rng.random() < self.profile.late_prob
+        should_abort = None
+        if drop:
+            should_abort = lambda: True  # noqa: E731
+        elif late_drop:
+            should_abort = _after(self.rng.uniform(0.0, self.profile.late_dropout_within_s))
         try:
             result = self.runtime.run_session(
-                should_abort=(lambda: True) if drop else None,
+                should_abort=should_abort,
                 before_report=(lambda: threading.Event().wait(self.profile.late_delay_s)) if late else None,
             )
         except SessionRejected as rejected:
             self.outcomes[f"rejected:{rejected.reason}"] += 1
             return self.runtime.next_retry_delay()
         except RuntimeSdkError as exc:
+            log.info("device %s: session failed: %s", self.device_id, exc)
             self.outcomes[f"error:{type(exc).__name__}"] += 1
             return self.rng.uniform(*self.profile.cooldown_s)
         self.outcomes[result.outcome.value] += 1
@@ -91,6 +109,18 @@ class EmulatedDevice:
     def close(self) -> None:
         self.runtime.close()
         self.store.close()
+
+
+def _after(seconds: float):
+    """A should_abort that turns true ``seconds`` after its first call."""
+    start: list[float] = []
+
+    def check() -> bool:
+        if not start:
+            start.append(time.monotonic())
+        return time.monotonic() - start[0] >= seconds
+
+    return check
 
 
 class Fleet:

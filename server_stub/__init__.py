@@ -6,10 +6,14 @@ from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, Verifi
 from .errors import ApiError
 from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
+from .secure_rounds import SecureGroup, SecureRound, SecureSettings
 from .serve import ServerThread, free_port
 from .service import FLService
 
 __all__ = [
+    "SecureGroup",
+    "SecureRound",
+    "SecureSettings",
     "AdminClient",
     "AdminError",
     "ApiError",

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 64 * 1024
 MAX_DEPLOY_BYTES = 512 * 1024 * 1024
+MAX_SECAGG_BYTES = 64 * 1024 * 1024
+MAX_SECAGG_WAIT_S = 10.0
 TICK_INTERVAL_S = 0.05
 CACHE_FOREVER = "public, max-age=31536000, immutable"
 
@@ -116,6 +118,43 @@ def _stats_header(request: Request) -> object:
         return None
 
 
+class _Broadcast:
+    """Wakes every waiter at once; waiters take ``event()`` before checking their condition."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def event(self) -> asyncio.Event:
+        return self._event
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise MalformedBody(f"query parameter {name!r} must be an integer", code="BAD_QUERY") from None
+
+
+def _float_param(request: Request, name: str, default: float) -> float:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise MalformedBody(f"query parameter {name!r} must be a non-negative number", code="BAD_QUERY")
+    return value
+
+
 def create_app(service: FLService) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -190,6 +229,31 @@ def create_app(service: FLService) -> Starlette:
         shape = session_shape(data.get("stats"))
         return JSONResponse(service.abort(sid, token, reason[:200], shape))
 
+    secagg_signal = _Broadcast()
+
+    async def secagg_poll(request: Request) -> Response:
+        """With ``after`` (the last message seq the device has) and ``wait`` (seconds), a long
+        poll: it answers once the device's state moves on, or when ``wait`` runs out."""
+        sid, token = request.path_params["sid"], _bearer(request)
+        after, wait = _int_param(request, "after", -1), min(_float_param(request, "wait", 0.0), MAX_SECAGG_WAIT_S)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait
+        while True:
+            changed = secagg_signal.event()
+            state = await run_in_threadpool(service.secagg_status, sid, token)
+            settled = state["status"] == "waiting" or (state["status"] == "active" and int(state["seq"]) <= after)
+            remaining = until - loop.time()
+            if not settled or remaining <= 0:
+                return JSONResponse(state)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    async def secagg_send(request: Request) -> Response:
+        sid = request.path_params["sid"]
+        token = _bearer(request)
+        body = await read_body(request, MAX_SECAGG_BYTES)
+        return JSONResponse(await run_in_threadpool(service.secagg_message, sid, token, body))
+
     async def list_rounds(request: Request) -> Response:
         rounds = await run_in_threadpool(service.rounds, request.path_params["population"])
         return JSONResponse({"rounds": rounds})
@@ -214,6 +278,8 @@ def create_app(service: FLService) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        service.on_secagg_change = lambda: loop.call_soon_threadsafe(secagg_signal.fire)
         async def ticker() -> None:
             while True:
                 await asyncio.sleep(TICK_INTERVAL_S)
@@ -243,6 +309,8 @@ def create_app(service: FLService) -> Starlette:
         Route("/v1/resources/{rid}", resource),
         Route("/v1/sessions/{sid}/report", report, methods=["POST"]),
         Route("/v1/sessions/{sid}/abort", abort, methods=["POST"]),
+        Route("/v1/sessions/{sid}/secagg", secagg_poll, methods=["GET"]),
+        Route("/v1/sessions/{sid}/secagg", secagg_send, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

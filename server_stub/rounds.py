@@ -26,6 +26,8 @@ class RoundConfig:
     report_timeout_s: float = 60.0
     retry_window_s: tuple[float, float] = (5.0, 15.0)
     max_rounds: int | None = None
+    secagg_min_group_size: int = 5
+    secagg_round_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.goal_count < 1:
@@ -41,6 +43,8 @@ class RoundConfig:
             raise ValueError("retry_window_s must be (min, max) with 0 <= min <= max")
         if self.max_rounds is not None and self.max_rounds < 1:
             raise ValueError("max_rounds must be at least 1 when given")
+        if self.secagg_min_group_size < 2 or self.secagg_round_timeout_s <= 0:
+            raise ValueError("secagg_min_group_size must be at least 2 and secagg_round_timeout_s positive")
 
     @property
     def selection_target(self) -> int:
@@ -59,6 +63,8 @@ class RoundConfig:
             "report_timeout_s": self.report_timeout_s,
             "retry_window_s": list(self.retry_window_s),
             "max_rounds": self.max_rounds,
+            "secagg_min_group_size": self.secagg_min_group_size,
+            "secagg_round_timeout_s": self.secagg_round_timeout_s,
         }
 
     @classmethod
@@ -75,10 +81,10 @@ class RoundConfig:
             if not isinstance(window, (list, tuple)) or len(window) != 2:
                 raise ValueError("retry_window_s must be a pair [min, max]")
             kwargs["retry_window_s"] = (float(window[0]), float(window[1]))
-        for name in ("goal_count", "max_rounds"):
+        for name in ("goal_count", "max_rounds", "secagg_min_group_size"):
             if kwargs.get(name) is not None and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], int)):
                 raise ValueError(f"{name} must be an integer")
-        for name in ("over_selection", "min_fraction", "selection_timeout_s", "report_timeout_s"):
+        for name in ("over_selection", "min_fraction", "selection_timeout_s", "report_timeout_s", "secagg_round_timeout_s"):
             if name in kwargs and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], (int, float))):
                 raise ValueError(f"{name} must be a number")
         return cls(**kwargs)
@@ -120,6 +126,8 @@ class RoundCore:
     ended_at: float | None = None
     late_reports: int = 0
     shapes: Counter = field(default_factory=Counter)
+    # Secure Aggregation: devices start work only once their group forms, at selection's end.
+    deadlines_from_selection_end: bool = False
 
     @property
     def open(self) -> bool:
@@ -167,6 +175,18 @@ class RoundCore:
         """Record an accepted report once its update has been aggregated."""
         self.sessions[session_id] = SessionState.REPORTED
         self.advance(now)
+
+    def confirm_group(self, session_ids: list[str], now: float) -> bool:
+        """Record a Secure Aggregation group's devices as reported, all at once (their updates
+        arrive only as the group's sum). False, and nothing recorded, once the round is closed."""
+        self.advance(now)
+        if not self.open:
+            return False
+        for sid in session_ids:
+            if sid in self.sessions:
+                self.sessions[sid] = SessionState.REPORTED
+        self.advance(now)
+        return True
 
     def abort(self, session_id: str, now: float) -> bool:
         if self.sessions.get(session_id) is not SessionState.SELECTED:
@@ -228,6 +248,16 @@ class RoundCore:
         if self.phase is Phase.SELECTING:
             self.phase = Phase.REPORTING
             self.selection_ended_at = now
+            if self.deadlines_from_selection_end:
+                for sid, state in self.sessions.items():
+                    if state is SessionState.SELECTED:
+                        self.deadlines[sid] = now + self.config.report_timeout_s
+
+    def deadline_of(self, session_id: str) -> float:
+        """The session's report deadline; while selecting, the latest it can be."""
+        if self.phase is Phase.SELECTING and self.deadlines_from_selection_end:
+            return self.started_at + self.config.selection_timeout_s + self.config.report_timeout_s
+        return self.deadlines[session_id]
 
     def _finish(self, phase: Phase, now: float) -> Phase:
         self.phase = phase

@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -33,6 +34,7 @@ class ServerThread:
         log_level: str = "warning",
         verifier: AttestationVerifier | None = None,
     ) -> None:
+        self.db_path = Path(db_path)
         self.store = ServerStore(db_path)
         self.service = FLService(self.store, verifier=verifier)
         self.host = host

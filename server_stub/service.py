@@ -19,7 +19,9 @@ from device_runtime.checkpoint import CheckpointError, decode_checkpoint, encode
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, load_plan
+from device_runtime.secure_sum import SecureSumCodec
 from device_runtime.versions import version_tuple
+from secagg import OutOfOrder, Round, SecAggError, UnexpectedClient
 
 from .attestation import AttestationVerifier
 from .errors import (
@@ -38,7 +40,8 @@ from .errors import (
 )
 from .pace import RoundPace
 from .persistence import ServerStore, TaskRecord
-from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore
+from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
+from .secure_rounds import SecureRound, SecureSettings
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class _ClosedRound:
     core: RoundCore
     record_id: int
     metrics: dict
+    secure: SecureRound | None = None
 
 
 @dataclass
@@ -84,6 +88,8 @@ class _TaskRun:
     attempt: int
     committed_rounds: int
     report_limit: int
+    codec: SecureSumCodec | None = None
+    secure: SecureRound | None = None
     core: RoundCore | None = None
     pace: RoundPace = field(default_factory=RoundPace)
     started_wall: float = 0.0
@@ -107,6 +113,9 @@ class FLService:
         self.clock = clock
         self.wall_clock = wall_clock
         self._lock = threading.RLock()
+        # Called (from any thread) when some device's Secure Aggregation state may have changed:
+        # the HTTP layer wakes its long polls with it.
+        self.on_secagg_change: Callable[[], None] | None = None
         self._runs: dict[str, _TaskRun | None] = {}
         self._sessions: dict[str, _Session] = {}
         for name in store.population_names():
@@ -141,7 +150,19 @@ class FLService:
             weights = decode_checkpoint(checkpoint_bytes)
         except CheckpointError as exc:
             raise InvalidCheckpoint(f"the initial checkpoint was refused: {exc}") from None
-        _check_weights(PlanExecutor(plan), weights)
+        executor = PlanExecutor(plan)
+        _check_weights(executor, weights)
+        if plan.server.secure_sum:
+            try:
+                SecureSumCodec(plan, executor)
+            except PlanError as exc:
+                raise InvalidPlan(f"the plan's secure aggregation is not usable: {exc}") from None
+            if config.report_timeout_s <= 3 * config.secagg_round_timeout_s:
+                raise BadRequest(
+                    f"report_timeout_s ({config.report_timeout_s}) must exceed three secagg_round_timeout_s "
+                    f"({config.secagg_round_timeout_s}): the key rounds, training and Unmasking all fit in it",
+                    code="BAD_CONFIG",
+                )
         with self._lock:
             if self.store.population_id(population) is None:
                 raise NotFound(f"population {population!r} does not exist; create it first", code="UNKNOWN_POPULATION")
@@ -245,6 +266,8 @@ class FLService:
         """Aggregate one device's update; nothing of it is kept apart from the running sum."""
         session = self._authorize(session_id, token)
         run = session.run
+        if run.codec is not None:
+            raise Conflict("this task aggregates with Secure Aggregation; use the session's secagg endpoint", code="SECURE_AGGREGATION_REQUIRED")
         try:
             update = decode_checkpoint(body, max_bytes=run.report_limit)
         except CheckpointError as exc:
@@ -274,11 +297,14 @@ class FLService:
     def abort(self, session_id: str, token: str, reason: str, shape: str | None = None) -> dict:
         session = self._authorize(session_id, token)
         with self._lock:
-            aborted = session.core.abort(session_id, self.clock())
+            now = self.clock()
+            aborted = session.core.abort(session_id, now)
             if aborted:
                 session.core.note_shape(shape)
+            if session.core is session.run.core and session.run.secure is not None:
+                session.run.secure.leave(session_id, now)
             log.debug("session %s aborted (%s)", session_id, reason)
-            self._advance(session.run, self.clock())
+            self._advance(session.run, now)
             return {"status": "aborted" if aborted else "ignored"}
 
     def tick(self) -> None:
@@ -385,13 +411,18 @@ class FLService:
                 attempt=attempt,
                 committed_rounds=len(committed),
                 report_limit=limit,
+                codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,
             )
             self._start_round(run, self.clock())
             return run
         return None
 
     def _start_round(self, run: _TaskRun, now: float) -> None:
-        run.core = RoundCore(run.round_number, run.config, now)
+        run.core = RoundCore(run.round_number, run.config, now, deadlines_from_selection_end=run.codec is not None)
+        if run.codec is not None:
+            cfg = run.config
+            settings = SecureSettings(cfg.secagg_min_group_size, cfg.secagg_round_timeout_s)
+            run.secure = SecureRound(run.codec, settings, f"{run.record.name}/{run.round_number}/{run.attempt}")
         run.accumulator = run.executor.zero()
         run.started_wall = self.wall_clock()
 
@@ -399,14 +430,89 @@ class FLService:
         core = run.core
         if core is None:
             return
+        if run.secure is not None and core.open:
+            before = run.secure.version
+            self._advance_secure(run, core, run.secure, now)
+            if run.secure.version != before:
+                self._secagg_changed()
         phase = core.advance(now)
         if core.open:
             return
         self._finish_round(run, core, phase, now)
 
+    def _advance_secure(self, run: _TaskRun, core: RoundCore, secure: SecureRound, now: float) -> None:
+        """Form the groups once selection is over; add each finished group's sum (the Master
+        Aggregator), count its summed devices as reported and the rest of the group as dropped,
+        so that the round need not wait for their deadlines."""
+        core.advance(now)
+        if core.phase is Phase.REPORTING and not secure.formed:
+            selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
+            if not secure.form_groups(selected, now, core.deadlines):
+                log.info("task %s round %d: %d devices, fewer than a SecAgg group of %d", run.record.name,
+                         core.number, len(selected), secure.settings.min_group_size)
+                for sid in selected:
+                    core.abort(sid, now)
+        for group in secure.tick(now):
+            summed: list[str] = []
+            if group.server.round is Round.COMPLETED:
+                total, summed = secure.group_sum(group)
+                if core.confirm_group(summed, now):
+                    assert run.accumulator is not None
+                    run.accumulator = run.executor.accumulate(run.accumulator, total)
+            else:
+                log.info("task %s round %d: SecAgg group %d aborted: %s", run.record.name, core.number,
+                         group.index, group.server.abort_reason)
+            for sid in set(group.members) - set(summed):
+                core.abort(sid, now)
+
+    def _secagg_changed(self) -> None:
+        if self.on_secagg_change is not None:
+            self.on_secagg_change()
+
+    def secagg_status(self, session_id: str, token: str) -> dict:
+        """The device's view of its group; after the round closed, its group's final state."""
+        session = self._authorize(session_id, token)
+        with self._lock:
+            run = session.run
+            self._advance(run, self.clock())
+            if session.core is run.core and run.secure is not None:
+                now = self.clock()
+                state = run.secure.status(session_id)
+                state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session_id) - now), 3)
+                return state
+            for closed in run.closed:
+                if closed.core is session.core and closed.secure is not None:
+                    state = closed.secure.status(session_id)
+                    # a group still running when its round closed will never finish
+                    return state if state["status"] in ("completed", "aborted") else {"status": "closed"}
+            return {"status": "closed"}
+
+    def secagg_message(self, session_id: str, token: str, data: bytes) -> dict:
+        session = self._authorize(session_id, token)
+        with self._lock:
+            run = session.run
+            if run.secure is None or session.core is not run.core:
+                raise SessionClosed("this session's round is over")
+            if session_id not in run.secure.by_session:
+                raise Conflict("this session is in no Secure Aggregation group (yet)", code="NOT_IN_GROUP")
+            now = self.clock()
+            try:
+                before = run.secure.version
+                run.secure.receive(session_id, data, now)
+                if run.secure.version != before:
+                    self._secagg_changed()
+            except (OutOfOrder, UnexpectedClient) as exc:
+                raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
+            except SecAggError as exc:
+                raise BadRequest(f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED") from None
+            self._advance(run, now)
+            return {"status": "accepted"}
+
     def _finish_round(self, run: _TaskRun, core: RoundCore, phase: Phase, now: float) -> None:
         metrics = core.stats(now)
         metrics["duration_s"] = round(now - core.started_at, 4)
+        if run.secure is not None:
+            metrics["secagg"] = run.secure.stats()
         run.pace.observe(now - core.started_at)
         checkpoint = None
         if phase is Phase.COMMITTED:
@@ -426,7 +532,10 @@ class FLService:
             run.record.id, core.number, run.attempt, phase.value, metrics, run.started_wall, self.wall_clock(), checkpoint
         )
         run.accumulator = None
-        run.closed.append(_ClosedRound(core, record.id, metrics))
+        run.closed.append(_ClosedRound(core, record.id, metrics, run.secure))
+        if run.secure is not None:
+            run.secure = None
+            self._secagg_changed()
         del run.closed[:-CLOSED_ROUNDS_KEPT]
         live = {id(c.core) for c in run.closed}
         self._sessions = {sid: s for sid, s in self._sessions.items() if s.run is not run or s.core is run.core or id(s.core) in live}

@@ -27,3 +27,13 @@ def test_cli_demo_exit_code(tmp_path, capsys):
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["rounds_committed"] == 1
+
+
+def test_small_demo_with_secure_aggregation(tmp_path):
+    out = io.StringIO()
+    config = DemoConfig(devices=30, rounds=3, goal_count=10, late_prob=0.0, dropout_prob=0.05, secure=True, workdir=str(tmp_path))
+    summary = run_demo(config, out=out)
+    assert "Secure Aggregation" in out.getvalue()
+    assert summary["rounds_committed"] == 3
+    assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
+    assert summary["session_outcomes"]["completed"] >= 3 * 8
