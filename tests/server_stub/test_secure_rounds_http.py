@@ -23,6 +23,7 @@ from device_runtime import (
 )
 from emulator import DeviceProfile, EmulatedDevice, Fleet, partition_by_shards
 from secagg import Round
+from server_stub import AdminError
 from tests.support import COLLECTION, deploy, digits_plan
 
 VERSION = onnxruntime.__version__
@@ -178,3 +179,10 @@ def test_emulated_fleet_trains_through_secure_aggregation_with_late_dropouts(tmp
     model, _ = admin.model("digits")
     assert any(not np.allclose(model[k], w0[k]) for k in plan.weight_names)
     assert fleet.outcomes()["completed"] >= 20
+
+
+def test_secure_task_needs_a_report_window_that_fits_its_rounds(server, admin):
+    with pytest.raises(AdminError) as refused:
+        deploy(admin, plan=digits_plan("softmax", secure_aggregation=True), report_timeout_s=10, secagg_round_timeout_s=5)
+    assert refused.value.code == "BAD_CONFIG" and refused.value.status == 400
+    assert admin.status("digits").get("task") is None
