@@ -45,6 +45,7 @@ from .plan import (
 )
 from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regression_plan, initial_weights
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
+from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .opstats import Event, OpStatsStore, SessionSummary, shape_of
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
 from .secure_client import SecureOutcome, SecureResult, run_secure_aggregation
@@ -69,8 +70,10 @@ __all__ = [
     "DeviceConfig",
     "DeviceResult",
     "Event",
+    "ExampleReading",
     "FLRuntime",
     "MalformedAttestation",
+    "MemoryResumptionTokens",
     "NoExamples",
     "OpStatsStore",
     "Outcome",
@@ -87,6 +90,7 @@ __all__ = [
     "ProtocolError",
     "RateLimited",
     "ReplayedNonce",
+    "ResumptionTokenKeeper",
     "RetryPolicy",
     "RuntimeSdkError",
     "ServerPart",

@@ -1,5 +1,9 @@
 """Operational statistics: every phase of every session as an event in the app's SQLite
-database (paper, section 3: "OpStats"), and session shapes from them (paper, Table 1)."""
+database (paper, section 3: "OpStats"), and session shapes from them (paper, Table 1).
+
+The same database keeps the example resumption tokens of plans that resume reading (one per
+population, task and collection), so that they survive an app restart with the rest of the
+device's history."""
 
 from __future__ import annotations
 
@@ -7,10 +11,12 @@ import json
 import os
 import resource
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, create_engine, event, select
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, create_engine, delete, event, select
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 #: Event symbols of the paper's Table 1 ('*' is an error, as in the paper's text).
@@ -38,6 +44,16 @@ events_table = Table(
     Column("kind", String(32), nullable=False),
     Column("at", Float, nullable=False, index=True),
     Column("detail", Text, nullable=False),
+)
+# Where the last completed session of a resuming plan stopped reading (see device_runtime.reading).
+resumption_table = Table(
+    "fl_resumption_tokens",
+    _metadata,
+    Column("population", String(128), primary_key=True),
+    Column("task", String(128), primary_key=True),
+    Column("collection_uri", String(1024), primary_key=True),
+    Column("token", Text, nullable=False),
+    Column("saved_at", Float, nullable=False),
 )
 
 
@@ -120,6 +136,39 @@ class OpStatsStore:
             if s.shape.endswith("^") and (task is None or s.task == task)
         ]
         return done[-1] if done else None
+
+    # -- resumption tokens (device_runtime.reading.ResumptionTokenKeeper) -------------------------
+
+    def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None:
+        """The token saved by the last completed session of this task and collection, if any."""
+        t = resumption_table.c
+        query = select(t.token).where(t.population == population, t.task == task, t.collection_uri == collection_uri)
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar()
+
+    def save_resumption_token(
+        self, population: str, task: str, collection_uri: str, token: str, at: float | None = None
+    ) -> None:
+        """Replace the saved token (one row per population, task and collection)."""
+        at = time.time() if at is None else at
+        stmt = sqlite_insert(resumption_table).values(
+            population=population, task=task, collection_uri=collection_uri, token=token, saved_at=at
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["population", "task", "collection_uri"], set_={"token": token, "saved_at": at}
+        )
+        with self.engine.begin() as conn:
+            conn.execute(stmt)
+
+    def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
+        """Drop a saved token (the store refused it): the next session reads from the start."""
+        t = resumption_table.c
+        with self.engine.begin() as conn:
+            conn.execute(
+                delete(resumption_table).where(
+                    t.population == population, t.task == task, t.collection_uri == collection_uri
+                )
+            )
 
 
 def _wal(dbapi_connection, _record) -> None:

@@ -133,7 +133,11 @@ def installed_runtime_version() -> str:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """How a device feeds the work graph: which examples, in what batches, how many epochs."""
+    """How a device feeds the work graph: which examples, in what batches, how many epochs.
+
+    ``resume`` asks the runtime to continue reading where this device's last completed session of
+    the same task and collection stopped (a resumption token kept on the device), so that
+    successive sessions of a selector with a ``limit`` train on successive slices of the data."""
 
     selector: ExampleSelector
     batch_size: int
@@ -141,6 +145,7 @@ class DeviceConfig:
     shuffle_seed: int | None
     shuffle_buffer: int
     inputs: dict[str, str]  # work-graph input name -> example tensor name
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,8 @@ def serialize_plan(plan: Plan) -> bytes:
             "shuffle_seed": dev.shuffle_seed,
             "shuffle_buffer": dev.shuffle_buffer,
             "inputs": dict(dev.inputs),
+            # Written only when set, so that plans that do not resume keep their bytes (and ids).
+            **({"resume": True} if dev.resume else {}),
         },
         "weight_names": list(plan.weight_names),
         "weight_outputs": list(plan.weight_outputs),
@@ -333,6 +340,12 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in inputs.items()):
         raise PlanError("plan field device.inputs must map graph input names to example tensor names")
     shuffle_seed = _field(dev, "shuffle_seed", int, "device.", optional=True)
+    resume = dev.get("resume", False)  # absent in plans written before the field existed
+    if not isinstance(resume, bool):
+        raise PlanError(
+            f"plan header field device.resume must be true or false, got {resume!r:.60} ({type(resume).__name__}); "
+            "rebuild the plan with resume_examples=True or False"
+        )
     device = DeviceConfig(
         selector=selector,
         batch_size=_field(dev, "batch_size", int, "device."),
@@ -340,6 +353,7 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
         shuffle_seed=shuffle_seed,
         shuffle_buffer=_field(dev, "shuffle_buffer", int, "device."),
         inputs=dict(inputs),
+        resume=resume,
     )
     server = _field(header, "server", dict, "")
     bitwidth = _field(server, "bitwidth", int, "server.", optional=True)

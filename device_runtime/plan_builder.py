@@ -254,15 +254,22 @@ def build_mlp_plan(
     secure_aggregation: bool = False,
     bitwidth: int = 24,
     clip_range: float = 1024.0,
+    resume_examples: bool = False,
 ) -> Plan:
     """A training plan for an MLP with ReLU hidden layers and a softmax output (one SGD step per
     batch, mean cross-entropy). ``hidden_sizes=()`` is softmax regression.
+
+    ``resume_examples`` makes each device continue reading where its last completed session of
+    this task stopped (``DeviceConfig.resume``); with a selector ``limit`` successive sessions then
+    train on successive slices of the device's data instead of the same first ``limit`` examples.
 
     ``secure_aggregation`` sends the whole client update through Secure Aggregation: each entry
     is clipped to [-clip_range, clip_range] and quantized to ``bitwidth`` bits. The entries are
     example-weighted sums (delta * n, loss and count sums), so ``clip_range`` bounds n times the
     largest weight change; the default leaves room for hundreds of examples per device."""
     _check_args(opset, learning_rate, batch_size, epochs, inputs)
+    if not isinstance(resume_examples, bool):
+        raise TypeError(f"resume_examples must be True or False, got {resume_examples!r}")
     layers = _layer_shapes(num_features, hidden_sizes, num_classes)
     weights = _specs(layers)
     names = _weight_names(len(layers))
@@ -279,6 +286,7 @@ def build_mlp_plan(
             shuffle_seed=shuffle_seed,
             shuffle_buffer=int(shuffle_buffer),
             inputs=dict(inputs),
+            resume=resume_examples,
         ),
         work=_work_graph(layers, learning_rate=float(learning_rate), opset=opset),
         weight_names=names,
@@ -303,9 +311,14 @@ def _secure(server: ServerPart, weights: Sequence[str], on: bool, bitwidth: int,
     return dataclasses.replace(server, bitwidth=int(bitwidth), clip_range=float(clip_range), secure_sum=names)
 
 
-def build_softmax_regression_plan(num_features: int, num_classes: int, *, name: str | None = None, **kwargs) -> Plan:
+def build_softmax_regression_plan(
+    num_features: int, num_classes: int, *, name: str | None = None, resume_examples: bool = False, **kwargs
+) -> Plan:
     """A training plan for multinomial logistic regression (same keyword arguments as build_mlp_plan)."""
-    return build_mlp_plan(num_features, (), num_classes, name=name or f"softmax_{num_features}_{num_classes}", **kwargs)
+    return build_mlp_plan(
+        num_features, (), num_classes, name=name or f"softmax_{num_features}_{num_classes}",
+        resume_examples=resume_examples, **kwargs,
+    )
 
 
 def _layers_of(plan: Plan) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
 from .plan import Plan, PlanError, load_plan
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
+from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secure_client import SecureAggregation, SecureOutcome, SecureResult
 from .secure_sum import SecureSumCodec
 
@@ -65,6 +66,8 @@ class FLRuntime:
 
     ``example_stores`` maps a collection URI prefix (or "" for all) to the store that serves it.
     Plans are cached on disk by their content id, so a device downloads each plan once.
+    Plans that resume reading (``DeviceConfig.resume``) keep their resumption tokens in
+    ``opstats`` when given (they survive a restart), otherwise in memory (see ``reading``).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class FLRuntime:
         self.rng = rng or random.Random()
         self.clock = clock
         self.opstats = opstats
+        self.resumption_tokens: ResumptionTokenKeeper = opstats if opstats is not None else MemoryResumptionTokens()
         self.device_class = device_class
         self.attestor = attestor
         self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng)
@@ -134,8 +138,13 @@ class FLRuntime:
         with self._lock:  # one training session at a time per runtime
             rec = _Recorder(self)
             try:
-                return self._session(rec, should_abort, before_report, eligibility, run_options)
+                result = self._session(rec, should_abort, before_report, eligibility, run_options)
+                if result.outcome is Outcome.COMPLETED and rec.reading is not None:
+                    rec.reading.commit(self.clock())  # only a completed session moves the saved position
+                return result
             finally:
+                if rec.reading is not None:
+                    rec.reading.close()
                 rec.flush()
 
     def _session(
@@ -165,10 +174,10 @@ class FLRuntime:
             rec.record("plan_downloaded", plan_id=session.plan_id)
             executor = self._executors[session.plan_id]
             store = self.store_for(plan.device.selector.collection_uri)
-            try:
-                available = store.count(plan.device.selector)
-            except UnknownCollectionError:
-                available = 0
+            reading = rec.reading = ExampleReading.start(
+                store, plan.device, population=self.population, task=session.task, keeper=self.resumption_tokens
+            )
+            available = reading.available
             if available == 0:
                 raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
             secure = None
@@ -176,14 +185,15 @@ class FLRuntime:
                 secure, prepared = self._secure_prepare(session, should_abort)
                 if prepared is not None:
                     return self._secure_outcome(rec, prepared, {}, 0)
-            rec.record("training_started", examples_available=available)
-            selector, batch_size = plan.device.selector, plan.device.batch_size
+            resume = {"resume": reading.mode} if reading.resumes else {}
+            rec.record("training_started", examples_available=available, **resume)
             result = executor.run_device(
                 weights,
-                executor.batches_from_examples(lambda: store.query_batches(selector, batch_size)),
+                executor.batches_from_examples(reading.open_batches),
                 should_abort=rec.watch(plan, should_abort),
                 run_options=run_options,
             )
+            reading.training_completed()
             rec.record("training_completed", examples=result.num_examples)
         except TrainingInterrupted:
             return rec.interrupted(rec.over_budget or "interrupted")
@@ -337,6 +347,7 @@ class _Recorder:
         self.base_memory_mb = rss_mb()
         self.peak_memory_mb = self.base_memory_mb
         self.over_budget: str | None = None
+        self.reading: ExampleReading | None = None
         self.sent0 = runtime.client.bytes_sent
         self.received0 = runtime.client.bytes_received
 

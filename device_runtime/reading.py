@@ -1,0 +1,182 @@
+"""How a session reads its plan's examples, and where a resuming plan continues from.
+
+A plan whose device part sets ``resume`` (``DeviceConfig.resume``) does not start at the first
+selected example every time: the runtime keeps, per population, task and collection, the
+resumption token of the last *completed* session (``iterator.resumption_token()`` of the example
+store) and queries ``selector.resuming(token)`` next time. With a selector ``limit`` successive
+sessions thus train on successive slices of the device's data.
+
+Rules, chosen so that a device never loses data and never keeps partial state:
+
+* The token is saved only when the session completed (its update was accepted). An interrupted,
+  rejected or failed session leaves the saved token as it was, so the next session reads those
+  examples again.
+* Several epochs re-open the selection once each; the token kept is that of the last epoch's
+  iterator, which was opened last (so it saw every example added meanwhile) and, in a completed
+  session, was read to its end: it is the furthest position read.
+* Wrap-around: when resuming selects no examples at all (everything was read), the session reads
+  from the beginning (the plan's selector without a token) rather than failing with
+  ``NoExamples``. A partial last slice (fewer than ``limit`` examples left) is read as it is.
+* A token the store refuses (``InvalidResumptionTokenError``: the store was re-keyed or replaced,
+  the plan's order changed) is dropped with a logged warning and the session reads from the start.
+* A store whose iterators cannot issue tokens (``ResumptionNotSupportedError``) still trains; a
+  warning is logged and every session reads from the start.
+
+Tokens are kept by a :class:`ResumptionTokenKeeper`: the runtime's ``OpStatsStore`` (in the app's
+SQLite database, so they survive a restart) or, without one, :class:`MemoryResumptionTokens`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol, runtime_checkable
+
+from example_store import (
+    ExampleIterator,
+    ExampleSelector,
+    ExampleStore,
+    InvalidArgumentError,
+    ResumptionNotSupportedError,
+    UnknownCollectionError,
+)
+
+from .plan import DeviceConfig
+
+log = logging.getLogger(__name__)
+
+#: How a session chose its examples (the ``resume`` detail of its ``training_started`` event).
+READ_ALL = "all"  # the plan does not resume
+READ_CONTINUED = "continued"  # after the saved token
+READ_FROM_START = "from_start"  # no usable saved token yet
+READ_WRAPPED = "wrapped"  # everything after the saved token was read: from the beginning again
+
+
+@runtime_checkable
+class ResumptionTokenKeeper(Protocol):
+    """Where a runtime keeps the resumption tokens of resuming plans (``OpStatsStore`` is one)."""
+
+    def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None: ...
+
+    def save_resumption_token(
+        self, population: str, task: str, collection_uri: str, token: str, at: float | None = None
+    ) -> None: ...
+
+    def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None: ...
+
+
+class MemoryResumptionTokens:
+    """Tokens in memory, for a runtime without an opstats database: they last as long as the runtime."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[tuple[str, str, str], str] = {}
+
+    def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None:
+        return self._tokens.get((population, task, collection_uri))
+
+    def save_resumption_token(
+        self, population: str, task: str, collection_uri: str, token: str, at: float | None = None
+    ) -> None:
+        self._tokens[(population, task, collection_uri)] = token
+
+    def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
+        self._tokens.pop((population, task, collection_uri), None)
+
+
+def _count(store: ExampleStore, selector: ExampleSelector) -> int:
+    try:
+        return store.count(selector)
+    except UnknownCollectionError:
+        return 0
+
+
+class ExampleReading:
+    """One session's reading of its plan's examples: the selector it reads (resumed or not), the
+    iterators its epochs opened, and the token to save if, and only if, the session completes."""
+
+    def __init__(
+        self,
+        store: ExampleStore,
+        device: DeviceConfig,
+        selector: ExampleSelector,
+        available: int,
+        mode: str,
+        key: tuple[str, str, str] | None = None,
+        keeper: ResumptionTokenKeeper | None = None,
+    ) -> None:
+        self.store = store
+        self.device = device
+        self.selector = selector
+        self.available = available
+        self.mode = mode
+        self._key = key
+        self._keeper = keeper
+        self._opened: list[ExampleIterator] = []
+        self._stopped_at: str | None = None
+
+    @classmethod
+    def start(
+        cls,
+        store: ExampleStore,
+        device: DeviceConfig,
+        *,
+        population: str,
+        task: str,
+        keeper: ResumptionTokenKeeper,
+    ) -> ExampleReading:
+        """Choose what this session reads (see the module docstring for the rules)."""
+        base = device.selector
+        if not device.resume:
+            return cls(store, device, base, _count(store, base), READ_ALL)
+        key = (population, task, base.collection_uri)
+        mode = READ_FROM_START
+        token = keeper.resumption_token(*key)
+        if token is not None:
+            try:
+                resumed = base.resuming(token)
+                available = _count(store, resumed)
+            except (InvalidArgumentError, ResumptionNotSupportedError) as exc:
+                log.warning(
+                    "population %r, task %r: the example store refused the saved resumption token for %r (%s); "
+                    "it is dropped and this session reads from the start",
+                    population, task, base.collection_uri, exc,
+                )
+                keeper.forget_resumption_token(*key)
+            else:
+                if available > 0:
+                    return cls(store, device, resumed, available, READ_CONTINUED, key, keeper)
+                mode = READ_WRAPPED
+        return cls(store, device, base.resuming(None), _count(store, base), mode, key, keeper)
+
+    @property
+    def resumes(self) -> bool:
+        return self._key is not None
+
+    def open_batches(self) -> ExampleIterator:
+        """The ``open_examples`` callable of ``PlanExecutor.batches_from_examples``: called once
+        per epoch; the last iterator opened is the one whose position is kept."""
+        iterator = self.store.query_batches(self.selector, self.device.batch_size)
+        self._opened.append(iterator)
+        return iterator
+
+    def training_completed(self) -> None:
+        """Note where reading stopped (after every epoch ran to its end); nothing is saved yet."""
+        if not self.resumes or not self._opened:
+            return
+        try:
+            self._stopped_at = self._opened[-1].resumption_token()
+        except ResumptionNotSupportedError as exc:
+            log.warning(
+                "the plan asks to resume reading %r, but the example store cannot (%s); every session reads from the start",
+                self.selector.collection_uri, exc,
+            )
+
+    def commit(self, at: float | None = None) -> None:
+        """Save where this session stopped: call only once the session completed."""
+        if self._key is not None and self._keeper is not None and self._stopped_at is not None:
+            self._keeper.save_resumption_token(*self._key, self._stopped_at, at if at is not None else time.time())
+
+    def close(self) -> None:
+        """Give back every cursor at once (an interrupted session leaves its iterators open)."""
+        for iterator in self._opened:
+            iterator.close()
