@@ -15,9 +15,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, create_engine, delete, event, select
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
+
+from example_store import sqlite_engine
 
 #: Event symbols of the paper's Table 1 ('*' is an error, as in the paper's text).
 SHAPE_SYMBOLS = {
@@ -93,8 +95,7 @@ class OpStatsStore:
     """The event log in the app's database; a session's events are written in one transaction."""
 
     def __init__(self, database: str | os.PathLike) -> None:
-        self.engine: Engine = create_engine(f"sqlite:///{os.fspath(database)}", connect_args={"check_same_thread": False})
-        event.listen(self.engine, "connect", _wal)
+        self.engine: Engine = sqlite_engine(database)
         _metadata.create_all(self.engine)
 
     def close(self) -> None:
@@ -171,8 +172,3 @@ class OpStatsStore:
             )
 
 
-def _wal(dbapi_connection, _record) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()

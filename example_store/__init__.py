@@ -27,6 +27,7 @@ from .memory_store import InMemoryExampleStore
 from .resumption import ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
 from .selector import ExampleSelector
+from .sqlite_engine import sqlite_engine
 from .sqlite_store import SQLiteExampleStore
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "ResumptionTokens",
     "RetentionPolicy",
     "SQLiteExampleStore",
+    "sqlite_engine",
     "Schema",
     "SchemaMismatchError",
     "SealingModeError",

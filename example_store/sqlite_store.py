@@ -57,12 +57,10 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    create_engine,
-    event,
     inspect,
     select,
 )
-from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import QueuePool
 
@@ -82,6 +80,7 @@ from .keystore import KeyStore, check_alias, check_key
 from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
 from .selector import ExampleSelector
+from .sqlite_engine import sqlite_engine
 
 #: Written to ``PRAGMA user_version``. Version 1 files (no sealing, no persisted policies) are
 #: upgraded in place when opened; a file with another non-zero version is refused.
@@ -141,17 +140,6 @@ _RESERVE_IDS_SQL = (
 _payload_of = itemgetter(0)
 _ROW_AD = struct.Struct("<qd")  # row id, timestamp
 _AD_DOMAIN = b"fedfleet example_store v2 row\x00"
-
-
-def configure_connection(dbapi_connection: sqlite3.Connection) -> None:
-    """WAL so that readers and the writer do not block each other; synchronous=NORMAL because in
-    WAL mode it is still crash-safe (only the last commits may roll back on power loss)."""
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("PRAGMA journal_mode=WAL").fetchall()
-        cursor.execute("PRAGMA synchronous=NORMAL")
-    finally:
-        cursor.close()
 
 
 @dataclass(frozen=True)
@@ -272,14 +260,12 @@ class SQLiteExampleStore(ExampleStore):
     # -- setup -------------------------------------------------------------------------------
 
     def _open_engine(self, key_store: KeyStore | None, key_alias: str) -> Engine:
-        engine = create_engine(
-            URL.create("sqlite", database=str(self.path)),
-            connect_args={"check_same_thread": False, "timeout": 30.0},
+        engine = sqlite_engine(
+            self.path,
             poolclass=QueuePool,
             pool_size=4,
             max_overflow=-1,  # never block a reader waiting for a pooled connection
         )
-        event.listen(engine, "connect", lambda dbapi_connection, _record: configure_connection(dbapi_connection))
         try:
             with engine.begin() as conn:
                 version = conn.exec_driver_sql("PRAGMA user_version").scalar()

@@ -21,13 +21,13 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
-    create_engine,
-    event,
     select,
     update,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
+
+from example_store import sqlite_engine
 
 metadata = MetaData()
 
@@ -117,12 +117,6 @@ class RoundRecord:
         }
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()
 
 
 class ServerStore:
@@ -130,10 +124,7 @@ class ServerStore:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        self.engine: Engine = create_engine(
-            f"sqlite:///{self.path}", connect_args={"check_same_thread": False}
-        )
-        event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.engine: Engine = sqlite_engine(self.path, foreign_keys=True)
         metadata.create_all(self.engine)
 
     def close(self) -> None:

@@ -1,0 +1,34 @@
+"""One way to open an SQLite database for the project: the app's database (example store, opstats,
+scheduler jobs) and the server's. WAL so that readers and the writer do not block each other;
+synchronous=NORMAL because in WAL mode it is still crash-safe (only the last commits may roll back
+on power loss)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from typing import Any
+
+from sqlalchemy import URL, Engine, create_engine, event
+
+
+def configure_connection(dbapi_connection: sqlite3.Connection, *, foreign_keys: bool = False) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL").fetchall()
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        if foreign_keys:
+            cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+def sqlite_engine(path: str | os.PathLike, *, foreign_keys: bool = False, **engine_kwargs: Any) -> Engine:
+    """An engine over the SQLite file ``path``, shared across threads, every connection in WAL."""
+    engine = create_engine(
+        URL.create("sqlite", database=os.fspath(path)),
+        connect_args={"check_same_thread": False, "timeout": 30.0},
+        **engine_kwargs,
+    )
+    event.listen(engine, "connect", lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys))
+    return engine
