@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime import DeviceAttestor, FLRuntime, RetryPolicy, RuntimeSdkError, SessionRejected
-from example_store import SQLiteExampleStore
+from example_store import FileKeyStore, KeyStore, SQLiteExampleStore
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +49,18 @@ class EmulatedDevice:
         seed: int = 0,
         runtime_version: str | None = None,
         attestor: DeviceAttestor | None = None,
+        key_store: KeyStore | None = None,
     ) -> None:
+        """The app's examples are sealed under its key from ``key_store``, by default the
+        device's own keystore file (``root/keystore.json``)."""
         self.device_id = device_id
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.profile = profile
         self.collection_uri = collection_uri
         self.rng = random.Random(seed)
-        self.store = SQLiteExampleStore(self.root / "app.db")
+        self.key_store = key_store if key_store is not None else FileKeyStore(self.root / "keystore.json")
+        self.store = SQLiteExampleStore(self.root / "app.db", key_store=self.key_store, key_alias="emulated-app")
         kwargs = {"runtime_version": runtime_version} if runtime_version else {}
         self.runtime = FLRuntime(
             population,

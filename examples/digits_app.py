@@ -19,7 +19,7 @@ from device_runtime import FLRuntime, OpStatsStore
 from device_runtime.clock import Clock, SystemClock
 from device_runtime.conditions import DeviceConditions, DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.scheduling import ParticipationScheduler, WorkerQueue
-from example_store import RetentionPolicy, SQLiteExampleStore
+from example_store import FileKeyStore, KeyStore, RetentionPolicy, SQLiteExampleStore
 
 POPULATION = "digits"
 COLLECTION = "app:/digits"
@@ -36,12 +36,18 @@ class DigitsApp:
         *,
         clock: Clock | None = None,
         queue: WorkerQueue | None = None,
+        key_store: KeyStore | None = None,
     ) -> None:
+        """Examples are sealed at rest under this app's key from ``key_store`` (the device's
+        keystore; by default a key file beside the app's data)."""
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         db = self.data_dir / "app.db"
         clock = clock or SystemClock()
-        self.store = SQLiteExampleStore(db, retention=RetentionPolicy(ttl_seconds=30 * 86_400), clock=clock.now)
+        key_store = key_store if key_store is not None else FileKeyStore(self.data_dir / "keystore.json")
+        self.store = SQLiteExampleStore(
+            db, retention=RetentionPolicy(ttl_seconds=30 * 86_400), clock=clock.now, key_store=key_store, key_alias="digits-app"
+        )
         self.opstats = OpStatsStore(db)
         self.runtime = FLRuntime(
             POPULATION, server_url, self.store, cache_dir=self.data_dir / "fl-cache", opstats=self.opstats, clock=clock.now

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from device_runtime.conditions import DeviceState, StaticConditions
-from examples.digits_app import POPULATION, DigitsApp
+from example_store import ExampleSelector
+from examples.digits_app import COLLECTION, POPULATION, DigitsApp
 from tests.support import deploy
 
 READY = DeviceState(idle=True, charging=True, battery_level=1.0, unmetered_network=True)
@@ -26,10 +27,14 @@ def test_sample_app_trains_in_the_background_and_keeps_its_schedule(tmp_path, se
     assert app.opstats.shape_counts(POPULATION)["-v[]+^"] >= 2
     assert sum(r["status"] == "committed" for r in admin.rounds(POPULATION)) >= 2
     app.close()
+    # The app's examples are sealed under its key: no example's pixels are on disk in the clear.
+    disk = b"".join(p.read_bytes() for p in (tmp_path / "app").glob("app.db*"))
+    assert all(x.astype("float32").tobytes() not in disk for x in digits.x_train[:25])
 
     reopened = DigitsApp(tmp_path / "app", server.url, conditions)  # an app restart
     [job] = reopened.scheduler.jobs()
     assert job.population == POPULATION and job.interval.recurrent
+    assert reopened.store.sealed and reopened.store.count(ExampleSelector(COLLECTION)) == 25
     reopened.disable_federated_learning()
     assert reopened.scheduler.jobs() == []
     reopened.close()
