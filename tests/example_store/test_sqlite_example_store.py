@@ -18,26 +18,8 @@ from example_store import (
     RetentionPolicy,
     SchemaMismatchError,
     SQLiteExampleStore,
-    UnknownCollectionError,
 )
-
-URI = "app:/digits"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_examples(n: int, start: int = 0) -> list[dict]:
-    return [{"x": np.arange(3, dtype=np.float32) + i, "y": np.int64(i)} for i in range(start, start + n)]
-
-
-def labels(examples) -> list[int]:
-    return [int(e["y"]) for e in examples]
+from tests.example_store.store_helpers import URI, FakeClock, labels, make_examples
 
 
 @pytest.fixture(params=["plain", "sealed"])
@@ -47,46 +29,10 @@ def store(request, tmp_path):
         yield s
 
 
-def test_round_trip_keeps_names_dtypes_shapes_and_values(store):
-    examples = [
-        {"img": np.random.default_rng(i).random((2, 3)).astype(np.float16), "label": np.int32(i),
-         "mask": np.array([True, False, i % 2 == 0]), "w": np.float64(i) / 3}
-        for i in range(7)
-    ]
-    assert store.add(URI, examples) == 7
-    with store.query(ExampleSelector(URI)) as it:
-        got = list(it)
-    assert len(got) == 7
-    for want, have in zip(examples, got):
-        assert list(have) == list(want)
-        for name in want:
-            assert isinstance(have[name], np.ndarray)
-            assert have[name].dtype == np.asarray(want[name]).dtype
-            assert have[name].shape == np.shape(want[name])
-            np.testing.assert_array_equal(have[name], want[name])
-    assert store.collections() == [URI]
-    assert store.schema(URI)["img"] == (np.dtype("<f2"), (2, 3))
-
-
 def test_python_scalars_and_lists_are_accepted(store):
     store.add("app:/py", [{"x": [1.0, 2.0], "y": 3}, {"x": [4.0, 5.0], "y": 6}])
     got = list(store.query(ExampleSelector("app:/py")))
     assert got[1]["x"].tolist() == [4.0, 5.0] and got[1]["y"].dtype == np.int64
-
-
-def test_order_window_and_limit(store):
-    store.add(URI, make_examples(10), timestamps=[5, 1, 9, 3, 3, 7, 0, 8, 2, 6])
-    # ts by label: 0:5 1:1 2:9 3:3 4:3 5:7 6:0 7:8 8:2 9:6; ties (3, 4) keep insertion order
-    assert labels(store.query(ExampleSelector(URI))) == [6, 1, 8, 3, 4, 0, 9, 5, 7, 2]
-    assert labels(store.query(ExampleSelector(URI, order="newest"))) == [2, 7, 5, 9, 0, 4, 3, 8, 1, 6]
-    window = ExampleSelector(URI, start_time=2, end_time=7)  # start inclusive, end exclusive
-    assert labels(store.query(window)) == [8, 3, 4, 0, 9]
-    assert store.count(window) == 5
-    limited = ExampleSelector(URI, start_time=2, end_time=7, limit=2, order="newest")
-    assert labels(store.query(limited)) == [9, 0]
-    assert store.count(limited) == 2
-    assert labels(store.query(ExampleSelector(URI, limit=0))) == []
-    assert store.count(ExampleSelector(URI, start_time=100)) == 0
 
 
 def test_query_batches_shapes_and_contents(store):
@@ -185,14 +131,6 @@ def test_invalid_examples_and_timestamps(store):
         store.add(URI, make_examples(1), timestamps=[float("nan")])
     assert store.add(URI, []) == 0
     assert store.collections() == []  # failed adds rolled back, the empty one created nothing
-
-
-def test_unknown_collection(store):
-    store.add(URI, make_examples(1))
-    with pytest.raises(UnknownCollectionError, match=r"app:/other.*store.add"):
-        store.query(ExampleSelector("app:/other"))
-    with pytest.raises(UnknownCollectionError):
-        store.count(ExampleSelector("app:/other"))
 
 
 def test_ttl_eviction_with_injected_clock(tmp_path):
