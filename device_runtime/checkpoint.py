@@ -4,8 +4,10 @@ untrusted peer (no pickle, whitelisted dtypes, every size checked before any all
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
+import re
 import struct
 from typing import Mapping
 
@@ -16,6 +18,9 @@ _HEADER_LEN = struct.Struct("<I")
 _DIGEST_LEN = 32
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 4096
+#: Bracket nesting a header may have; encode_checkpoint writes _WRITTEN_DEPTH ({"tensors": [{"shape": [...]}]}).
+MAX_HEADER_DEPTH = 8
+_WRITTEN_DEPTH = 4
 ALLOWED_DTYPES = frozenset(
     {"float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
 )
@@ -72,12 +77,12 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
     body = view[pos:]
     if hashlib.sha256(header_bytes + body).digest() != digest:
         raise CheckpointError("checkpoint checksum mismatch: the data is corrupt or was altered")
+    header = _parse_header(header_bytes)
     try:
-        header = json.loads(header_bytes)
         entries = header["tensors"]
         if not isinstance(entries, list):
             raise TypeError("tensors is not a list")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint header is not valid: {exc}") from None
     if len(entries) > MAX_TENSORS:
         raise CheckpointError(f"checkpoint holds {len(entries)} tensors, more than {MAX_TENSORS}")
@@ -106,6 +111,65 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
             raise CheckpointError(f"tensor {name!r} is bool but holds bytes other than 0 and 1")
         out[name] = arr.astype(dtype.newbyteorder("="), copy=False)
     return out
+
+
+def _parse_header(header_bytes: bytes) -> dict:
+    """The header as a dict, parsed only once it is known to be shallow UTF-8 JSON with nothing
+    but integers for numbers.
+
+    ``json.loads`` recurses once per bracket: about a thousand nested ``[`` in a 1 MiB header
+    raise RecursionError (not a ValueError) deep inside the parser, so the nesting depth is
+    measured first, by a linear scan that skips string literals. A header written by
+    :func:`encode_checkpoint` is 4 deep and holds only strings and integers; NaN, Infinity,
+    floats (``1e999`` parses as infinity) and integers beyond 64 bits are refused."""
+    try:
+        text = header_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"checkpoint header is not UTF-8: {exc}") from None
+    depth = _nesting_depth(text)
+    if depth > MAX_HEADER_DEPTH:
+        raise CheckpointError(
+            f"checkpoint header nests more than {MAX_HEADER_DEPTH} levels of brackets; encode_checkpoint writes {_WRITTEN_DEPTH}"
+        )
+    try:
+        header = json.loads(text, parse_constant=_refuse_constant, parse_float=_refuse_float, parse_int=_bounded_int)
+    except ValueError as exc:  # json.JSONDecodeError and the refusals above
+        raise CheckpointError(f"checkpoint header is not valid: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("checkpoint header is not a JSON object")
+    return header
+
+
+# A string literal, escapes included (so an escaped quote does not end it); one left unclosed runs
+# to the end. The pattern always matches at a quote, so substituting it never backtracks.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest bracket nesting of JSON ``text`` outside string literals, in linear time. Where
+    the text stops being JSON (an unclosed string, a stray ``]``) the parser stops too, so the
+    count need be exact only up to there."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number a checkpoint header holds")
+
+
+def _refuse_float(text: str) -> object:
+    raise ValueError(f"{text[:40]!r}: checkpoint headers hold only integers")
+
+
+def _bounded_int(text: str) -> int:
+    # 21 characters hold any 64-bit integer with its sign; a longer one is refused before int()
+    # spends quadratic time converting it.
+    value = int(text) if len(text) <= 21 else None
+    if value is None or not -(2**63) <= value < 2**64:
+        raise ValueError(f"integer {text[:24]}{'...' if len(text) > 24 else ''} is out of range for a checkpoint header")
+    return value
 
 
 def _int(value: object) -> int:

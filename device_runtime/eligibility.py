@@ -4,24 +4,29 @@ either leaves the device: only the verdict travels with the check-in)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
+
+from pydantic import ConfigDict, Field, Strict, TypeAdapter
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 
-@dataclass(frozen=True)
+_SCHEMA = ConfigDict(extra="forbid", allow_inf_nan=False)
+_Count = Annotated[int, Strict(), Field(ge=0, le=1_000_000_000)]
+_Seconds = Annotated[float, Strict(), Field(ge=0.0, le=10 * 365 * 86400.0)]
+
+
+@pydantic_dataclass(frozen=True, config=_SCHEMA)
 class EligibilityPolicies:
     """A task's policies. ``min_examples``: data availability for the plan's selector;
     ``min_separation_rounds`` / ``min_separation_s``: not the same task more often than every K
     rounds or seconds; ``sampling_period_s``: at most once per period (sampling without
-    replacement within it)."""
+    replacement within it). Declared once as a schema: the server validates deploys with it and
+    publishes it in its OpenAPI document."""
 
-    min_examples: int = 0
-    min_separation_rounds: int = 0
-    min_separation_s: float = 0.0
-    sampling_period_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"eligibility policy {name} must be a non-negative number")
+    min_examples: _Count = 0
+    min_separation_rounds: _Count = 0
+    min_separation_s: _Seconds = 0.0
+    sampling_period_s: _Seconds = 0.0
 
     @property
     def empty(self) -> bool:
@@ -31,13 +36,12 @@ class EligibilityPolicies:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "EligibilityPolicies":
-        if not isinstance(data, dict):
-            raise ValueError("eligibility policies must be a JSON object")
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown eligibility policies: {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: object) -> "EligibilityPolicies":
+        """Raises ``ValueError`` (a pydantic ``ValidationError``) naming each bad field."""
+        return _POLICIES.validate_python(data)
+
+
+_POLICIES: TypeAdapter[EligibilityPolicies] = TypeAdapter(EligibilityPolicies)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx
@@ -33,6 +34,7 @@ from .plan import Plan, PlanError, UpdateMismatchError
 
 NUM_EXAMPLES = "num_examples"
 _SERVER_GRAPHS = ("prepare", "zero", "accumulate", "merge", "report", "update")
+_T = TypeVar("_T")
 
 
 class TrainingInterrupted(Exception):
@@ -72,6 +74,10 @@ def _io_specs(model_bytes: bytes) -> tuple[dict[str, tuple], dict[str, tuple]]:
         return out
 
     return spec(model.graph.input), spec(model.graph.output)
+
+
+def _f64(value: np.ndarray) -> np.ndarray:
+    return np.asarray(value, dtype=np.float64, order="C")
 
 
 def _f32(value: np.ndarray) -> np.ndarray:
@@ -330,7 +336,8 @@ class PlanExecutor:
                 plain = i.name[len(prefix):]
                 if plain not in values:
                     raise PlanError(f"{which}: {prefix[:-1]} is missing tensor {plain!r}")
-                feeds[i.name] = _f32(values[plain])
+                # server graphs may keep float64 accumulators; everything else is float32
+                feeds[i.name] = _f64(values[plain]) if i.type == "tensor(double)" else _f32(values[plain])
 
     def zero(self) -> dict[str, np.ndarray]:
         """An empty accumulator (same names and shapes as a client update, all zeros)."""
@@ -372,6 +379,77 @@ class PlanExecutor:
         self._prefixed("prepare", "state/", state, feeds)
         return self._run("prepare", feeds)
 
+    # ------------------------------------------------------------------ deploy-time check
+
+    def smoke_test(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Run the whole plan once on dummy data; raise :class:`PlanError` naming the first graph
+        that does not run or whose outputs break the contract.
+
+        ``load_plan`` only proves that the graphs parse and pass the ONNX checker; onnxruntime can
+        still refuse a graph when it builds the session or runs a node (a ``ConstantOfShape`` of
+        shape ``[-1]`` passes the checker). A server that finds out when its first round starts or
+        commits has already stored the task and fails on every restart, so it runs this at deploy.
+
+        The server part runs as in a round with one all-zero report (``zero``, ``accumulate`` of
+        it, ``merge``, ``report``, ``update(weights, report)``, ``prepare(weights)``); the ``work``
+        graph runs once on an all-zero batch of one example (every dynamic dimension is 1, so the
+        zeros are also valid class ids). Values are not checked, only names, shapes and dtypes:
+        ``zero``, ``accumulate`` and ``merge`` must give what ``accumulate`` takes as ``acc/``
+        (the client update's names and shapes; the dtype may be wider, e.g. float64 sums)."""
+        state = self._check_weights(weights)
+        weight_spec = self.weight_spec()
+        update_spec = self.client_update_spec()
+        acc_inputs, _ = _io_specs(self.plan.server.accumulate)
+        acc_spec = {n[4:]: (s, np.dtype(d)) for n, (s, d) in acc_inputs.items() if n.startswith("acc/")}
+        if {n: s for n, (s, _) in acc_spec.items()} != {n: s for n, (s, _) in update_spec.items()}:
+            raise PlanError("the plan's server graph 'accumulate' takes an accumulator (acc/) unlike the client update (upd/)")
+        zero = self._smoke("zero", self.zero)
+        _expect("zero", zero, acc_spec)
+        empty_update = {n: np.zeros(s, dtype=d) for n, (s, d) in update_spec.items()}
+        acc = self._smoke("accumulate", lambda: self.accumulate(zero, empty_update))
+        _expect("accumulate", acc, acc_spec)
+        merged = self._smoke("merge", lambda: self.merge(acc, acc))
+        _expect("merge", merged, acc_spec)
+        aggregate = self._smoke("report", lambda: self.report(merged))
+        _expect("report", aggregate, self._declared_outputs("report"))
+        feeds: dict[str, np.ndarray] = {}
+        self._smoke("update", lambda: self._prefixed("update", "state/", state, feeds))
+        self._smoke("update", lambda: self._prefixed("update", "agg/", aggregate, feeds))
+        new_state = self._smoke("update", lambda: self._run("update", feeds))
+        _expect("update", new_state, weight_spec, exact=False)
+        broadcast = self._smoke("prepare", lambda: self.prepare(state))
+        _expect("prepare", broadcast, weight_spec, exact=False)
+        self._smoke_work(state, weight_spec)
+
+    def _smoke_work(self, state: dict[str, np.ndarray], weight_spec: dict) -> None:
+        plan = self.plan
+        inputs, _ = self._work_specs()
+        feeds = dict(state)
+        for graph_name in plan.device.inputs:
+            shape, dtype = inputs[graph_name]
+            feeds[graph_name] = np.zeros(tuple(1 if d is None else d for d in shape), dtype=dtype)
+        names = [*plan.weight_outputs, *plan.metric_names]
+        sess = self._smoke("work", lambda: self._session("work"))
+        values = self._smoke("work", lambda: sess.run(names, feeds))
+        out = dict(zip(names, values))
+        promised = {o: weight_spec[w] for w, o in zip(plan.weight_names, plan.weight_outputs)}
+        promised.update({m: ((), np.dtype(np.float32)) for m in plan.metric_names})
+        _expect("work", out, promised)
+
+    def _declared_outputs(self, which: str) -> dict[str, tuple[tuple, np.dtype]]:
+        _, outputs = _io_specs(self.plan.graphs()[which])
+        return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in outputs.items()}
+
+    def _smoke(self, which: str, step: Callable[[], _T]) -> _T:
+        where = "device graph" if which == "work" else "server graph"
+        try:
+            return step()
+        except PlanError as exc:
+            raise PlanError(f"the plan's {where} {which!r} does not fit the plan: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own Fail, InvalidArgument, ...
+            message = " ".join(str(exc).split())[:500] or type(exc).__name__
+            raise PlanError(f"the plan's {where} {which!r} does not run on onnxruntime: {message}") from None
+
     def validate_update(self, update: Mapping[str, np.ndarray]) -> None:
         """Raise :class:`UpdateMismatchError` naming the offending tensor if ``update`` does not
         hold exactly the client-update tensors with their shapes and dtype, with finite values and a
@@ -395,6 +473,24 @@ class PlanExecutor:
                 raise UpdateMismatchError(f"update tensor {name!r} holds NaN or infinite values")
         if NUM_EXAMPLES in spec and float(update[NUM_EXAMPLES]) < 0:
             raise UpdateMismatchError(f"update tensor {NUM_EXAMPLES!r} is negative")
+
+
+def _expect(which: str, outputs: Mapping[str, np.ndarray], promised: Mapping[str, tuple], *, exact: bool = True) -> None:
+    """Refuse outputs that lack a promised tensor or give it another shape or dtype (a dynamic
+    dimension, None, matches any size); with ``exact``, also outputs that were not promised."""
+    where = "device graph" if which == "work" else "server graph"
+    missing = sorted(set(promised) - set(outputs))
+    extra = sorted(set(outputs) - set(promised)) if exact else []
+    if missing or extra:
+        raise PlanError(f"the plan's {where} {which!r} returns {sorted(outputs)}: missing {missing}, unexpected {extra}")
+    for name, (shape, dtype) in promised.items():
+        value = np.asarray(outputs[name])
+        fits = value.ndim == len(shape) and all(d is None or d == v for d, v in zip(shape, value.shape))
+        if not fits or value.dtype != np.dtype(dtype):
+            raise PlanError(
+                f"the plan's {where} {which!r} returns {name!r} as {value.dtype}{list(value.shape)}, "
+                f"the plan promises {np.dtype(dtype)}{list(shape)}"
+            )
 
 
 # ---------------------------------------------------------------------- streaming data helpers

@@ -36,6 +36,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic_core import from_json
+
 from .versions import version_tuple
 
 if TYPE_CHECKING:  # example_store is imported lazily at load time
@@ -297,7 +299,9 @@ def load_plan(data: bytes, *, runtime_version: str | None = None) -> Plan:
     if hashlib.sha256(content).digest() != bytes(view[total - _DIGEST_LEN : total]):
         raise PlanError("plan checksum mismatch: the data is corrupt or was altered; download it again")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
+        # pydantic-core's parser refuses deep nesting and NaN/Infinity with an error (json.loads
+        # recurses until RecursionError on ~1,000 nested brackets)
+        header = from_json(bytes(view[_PREFIX.size : _PREFIX.size + header_len]), allow_inf_nan=False)
     except ValueError as exc:
         raise PlanError(f"plan header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):

@@ -39,6 +39,7 @@ MAX_OPSET = 26
 TRAIN_METRICS = ("loss_sum", "correct", "count")
 NUM_EXAMPLES = "num_examples"
 _F32 = TensorProto.FLOAT
+_F64 = TensorProto.DOUBLE
 _I64 = TensorProto.INT64
 
 
@@ -156,7 +157,11 @@ def _specs(layers: list[tuple[int, int]]) -> dict[str, list[int]]:
 
 
 def _server_part(weights: dict[str, list[int]], kind: str, opset: int) -> ServerPart:
-    """MapReduceForm graphs for FedAvg (train) or metric averaging (eval); see plan.py for names."""
+    """MapReduceForm graphs for FedAvg (train) or metric averaging (eval); see plan.py for names.
+
+    Client updates arrive as float32; the accumulator, the aggregate and the metrics are float64,
+    so that no sum of finite reports can overflow (two float32 loss sums near 3e38 would), and the
+    new weights are cast back to float32."""
     update_spec: dict[str, list[int]] = dict(weights) if kind == "train" else {}
     update_spec.update({m: [] for m in TRAIN_METRICS})
     update_spec[NUM_EXAMPLES] = []
@@ -167,50 +172,53 @@ def _server_part(weights: dict[str, list[int]], kind: str, opset: int) -> Server
     g = _Graph()
     for name, shape in update_spec.items():
         g.op("ConstantOfShape", [g.const(np.array(shape, dtype=np.int64), "shape")], name,
-             value=numpy_helper.from_array(np.zeros(1, dtype=np.float32)))
-    zero = g.model("zero", [], [_vi(n, _F32, s) for n, s in update_spec.items()], opset)
+             value=numpy_helper.from_array(np.zeros(1, dtype=np.float64)))
+    zero = g.model("zero", [], [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
 
-    def pairwise(graph_name: str, a: str, b: str) -> bytes:
-        g = _Graph()
-        ins = []
-        for name, shape in update_spec.items():
-            ins += [_vi(f"{a}/{name}", _F32, shape), _vi(f"{b}/{name}", _F32, shape)]
-            g.op("Add", [f"{a}/{name}", f"{b}/{name}"], name)
-        return g.model(graph_name, ins, [_vi(n, _F32, s) for n, s in update_spec.items()], opset)
-
-    accumulate = pairwise("accumulate", "acc", "upd")
-    merge = pairwise("merge", "a", "b")
+    # accumulate: acc (float64) + upd (float32, widened); merge: a + b, both float64.
+    g = _Graph()
+    ins = []
+    for name, shape in update_spec.items():
+        ins += [_vi(f"acc/{name}", _F64, shape), _vi(f"upd/{name}", _F32, shape)]
+        g.op("Add", [f"acc/{name}", g.op("Cast", [f"upd/{name}"], to=_F64)], name)
+    accumulate = g.model("accumulate", ins, [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
+    g = _Graph()
+    ins = []
+    for name, shape in update_spec.items():
+        ins += [_vi(f"a/{name}", _F64, shape), _vi(f"b/{name}", _F64, shape)]
+        g.op("Add", [f"a/{name}", f"b/{name}"], name)
+    merge = g.model("merge", ins, [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
 
     # report: mean delta per weight = acc[w] / max(n, 1); metrics = sums / max(count, 1).
     g = _Graph()
-    one = g.const(np.array(1, dtype=np.float32), "one")
+    one = g.const(np.array(1, dtype=np.float64), "one")
     n = g.op("Max", [f"acc/{NUM_EXAMPLES}", one], "n_safe")
     count = g.op("Max", ["acc/count", one], "count_safe")
     report_out = []
     for name in weights if kind == "train" else ():
         g.op("Div", [f"acc/{name}", n], name)
-        report_out.append(_vi(name, _F32, weights[name]))
+        report_out.append(_vi(name, _F64, weights[name]))
     g.op("Div", ["acc/loss_sum", count], agg_metrics[0])
     g.op("Div", ["acc/correct", count], agg_metrics[1])
     g.op("Identity", [f"acc/{NUM_EXAMPLES}"], agg_metrics[2])
-    report_out += [_vi(m, _F32, []) for m in agg_metrics]
-    report = g.model("report", [_vi(f"acc/{n_}", _F32, s) for n_, s in update_spec.items()], report_out, opset)
+    report_out += [_vi(m, _F64, []) for m in agg_metrics]
+    report = g.model("report", [_vi(f"acc/{n_}", _F64, s) for n_, s in update_spec.items()], report_out, opset)
     aggregate_spec = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in report_out}
 
     # update: new state = state + mean delta (train) or state (eval); metrics passed through.
     g = _Graph()
     ins = [_vi(f"state/{w}", _F32, s) for w, s in weights.items()]
-    ins += [_vi(f"agg/{a}", _F32, s) for a, s in aggregate_spec.items()]
+    ins += [_vi(f"agg/{a}", _F64, s) for a, s in aggregate_spec.items()]
     outs = []
     for w, s in weights.items():
         if kind == "train":
-            g.op("Add", [f"state/{w}", f"agg/{w}"], w)
+            g.op("Add", [f"state/{w}", g.op("Cast", [f"agg/{w}"], to=_F32)], w)
         else:
             g.op("Identity", [f"state/{w}"], w)
         outs.append(_vi(w, _F32, s))
     for m in agg_metrics:
         g.op("Identity", [f"agg/{m}"], m)
-        outs.append(_vi(m, _F32, []))
+        outs.append(_vi(m, _F64, []))
     update = g.model("update", ins, outs, opset)
 
     g = _Graph()

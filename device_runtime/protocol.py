@@ -147,9 +147,10 @@ class ProtocolClient:
         self._raise_for_error(response)
         return response.json()
 
-    def fetch_resource(self, resource_id: str) -> bytes:
-        """Download a content-addressed resource and check that it is what its id names."""
-        response = self._request("GET", f"/v1/resources/{resource_id}")
+    def fetch_resource(self, resource_id: str, token: str) -> bytes:
+        """Download a content-addressed resource of the session whose bearer ``token`` is given
+        and check that it is what its id names."""
+        response = self._request("GET", f"/v1/resources/{resource_id}", headers={"Authorization": f"Bearer {token}"})
         self._raise_for_error(response)
         data = response.content
         if hashlib.sha256(data).hexdigest() != resource_id:

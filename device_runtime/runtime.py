@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import logging
 import random
 import tempfile
 import threading
@@ -30,6 +31,8 @@ from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secure_client import SecureAggregation, SecureOutcome, SecureResult
 from .secure_sum import SecureSumCodec
+
+log = logging.getLogger(__name__)
 
 class Outcome(enum.Enum):
     COMPLETED = "completed"
@@ -168,9 +171,9 @@ class FLRuntime:
         session = rec.session = answer
         rec.record("checkin", round=session.round)
         try:
-            plan = self._plan(session.plan_id)
+            plan = self._plan(session.plan_id, session.token)
             self._check_budget(plan)
-            weights = self._checkpoint(session.checkpoint_id)
+            weights = self._checkpoint(session.checkpoint_id, session.token)
             rec.record("plan_downloaded", plan_id=session.plan_id)
             executor = self._executors[session.plan_id]
             store = self.store_for(plan.device.selector.collection_uri)
@@ -297,7 +300,7 @@ class FLRuntime:
         except Exception:  # the server drops silent sessions at their deadline anyway
             pass
 
-    def _plan(self, plan_id: str) -> Plan:
+    def _plan(self, plan_id: str, token: str) -> Plan:
         if plan_id in self._plans:
             return self._plans[plan_id]
         path = self.cache_dir / "plans" / plan_id
@@ -307,22 +310,25 @@ class FLRuntime:
             if _sha256(cached) == plan_id:
                 data = cached
         if data is None:
-            data = self.client.fetch_resource(plan_id)
+            data = self.client.fetch_resource(plan_id, token)
         try:
             plan = load_plan(data, runtime_version=self.runtime_version)
         except PlanError as exc:
             raise CorruptResource(f"plan {plan_id} was refused: {exc}") from exc
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            except OSError as exc:  # a cache that cannot be written costs a download, not the session
+                log.warning("could not cache plan %s: %s", plan_id, exc)
         self._plans[plan_id] = plan
         self._executors[plan_id] = PlanExecutor(plan)
         return plan
 
-    def _checkpoint(self, checkpoint_id: str) -> dict:
-        data = self.client.fetch_resource(checkpoint_id)
+    def _checkpoint(self, checkpoint_id: str, token: str) -> dict:
+        data = self.client.fetch_resource(checkpoint_id, token)
         try:
             return decode_checkpoint(data)
         except CheckpointError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
+from server_stub.trust_anchor import write_trust_anchor
 from device_runtime.attestation import (
     DEVICE_CLASS_PATTERN,
     DeviceAttestor,
@@ -52,6 +53,10 @@ class AttestationAuthority:
     @property
     def key_id(self) -> bytes:
         return self._key_id
+
+    def save_trust_anchor(self, path: str | os.PathLike[str]) -> None:
+        """Write the public trust anchor a server loads with ``--attestation-trust``."""
+        write_trust_anchor(path, self.trust_anchor())
 
     def trust_anchor(self) -> dict[bytes, bytes]:
         """``{key_id: public_key}``, the shape ``AttestationVerifier`` takes for its trusted authorities."""

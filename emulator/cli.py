@@ -1,12 +1,18 @@
-"""The emulator's command line: ``fedfleet demo`` runs an emulated fleet against the embedded server."""
+"""The command line: ``fedfleet demo`` runs an emulated fleet against the embedded server,
+``fedfleet server`` runs the FL server, ``fedfleet authority`` makes an emulated attestation authority."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import logging
 import sys
 from dataclasses import fields
 
+from server_stub import RoundConfig
+from server_stub.cli import add_server_arguments, run_server
+
+from .attestation_authority import AttestationAuthority
 from .demo import DemoConfig, run_demo
 
 
@@ -26,15 +32,35 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=defaults.time_limit_s, dest="time_limit_s")
 
 
+def _authority_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("authority", help="create an emulated attestation authority and its trust anchor")
+    p.add_argument("--key", required=True, help="where to write the authority's private key (mode 0600)")
+    p.add_argument("--trust", required=True, help="where to write the trust anchor for `fedfleet server --attestation-trust`")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedfleet", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
+    add_server_arguments(sub.add_parser("server", help="run the FL server (HTTP, SQLite by default)"))
+    _authority_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "server":
+        return run_server(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "authority":
+        authority = AttestationAuthority.generate()
+        authority.save(args.key)
+        authority.save_trust_anchor(args.trust)
+        print(f"authority key: {args.key}\ntrust anchor:  {args.trust} (give it to `fedfleet server --attestation-trust`)")
+        return 0
     if args.command == "demo":
         names = {f.name for f in fields(DemoConfig)}
         config = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+        floor = RoundConfig().min_reports
+        if math.ceil(config.goal_count * config.min_fraction - 1e-9) < floor:
+            parser.error(f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, "
+                         f"so a published model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more")
         summary = run_demo(config)
         return 0 if summary["rounds_committed"] > 0 else 1
     parser.error(f"unknown command {args.command}")

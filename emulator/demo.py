@@ -99,7 +99,7 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
         # Demo devices come back every second or so; the limit still stops a device that floods.
         verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
         server = ServerThread(root / "server.db", verifier=verifier).start()
-        admin = AdminClient(server.url)
+        admin = server.admin()
         fleet: Fleet | None = None
         try:
             print(f"FL server on {server.url} (SQLite at {root / 'server.db'}); only attested devices are admitted", file=out)

@@ -23,11 +23,14 @@ def configure_connection(dbapi_connection: sqlite3.Connection, *, foreign_keys: 
         cursor.close()
 
 
-def sqlite_engine(path: str | os.PathLike, *, foreign_keys: bool = False, **engine_kwargs: Any) -> Engine:
-    """An engine over the SQLite file ``path``, shared across threads, every connection in WAL."""
+def sqlite_engine(
+    path: str | os.PathLike, *, foreign_keys: bool = False, busy_timeout_s: float = 30.0, **engine_kwargs: Any
+) -> Engine:
+    """An engine over the SQLite file ``path``, shared across threads, every connection in WAL.
+    A writer waits up to ``busy_timeout_s`` for another process's lock, then fails."""
     engine = create_engine(
         URL.create("sqlite", database=os.fspath(path)),
-        connect_args={"check_same_thread": False, "timeout": 30.0},
+        connect_args={"check_same_thread": False, "timeout": busy_timeout_s},
         **engine_kwargs,
     )
     event.listen(engine, "connect", lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys))

@@ -1,16 +1,37 @@
 """The minimal FL server: populations, tasks, selection, rounds, aggregation, persistence."""
 
-from .admin_client import AdminClient, AdminError
+from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
+from .admin_client import AdminClient, AdminError, task_body
 from .app import create_app, create_app_from_path
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
 from .errors import ApiError
+from .influence import Bounded, bound_update
+from .metrics import MetricSummary, RoundMetrics, device_metrics, rounds_frame
 from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .secure_rounds import SecureGroup, SecureRound, SecureSettings
 from .serve import ServerThread, free_port
-from .service import FLService
+from .service import FLService, TaskSpec
+from .task_choice import Strategy, choose_task
+from .trust_anchor import TrustAnchorError, read_trust_anchor, write_trust_anchor
 
 __all__ = [
+    "ADMIN_KEYS_ENV",
+    "AdminKeyError",
+    "AdminKeys",
+    "Bounded",
+    "MetricSummary",
+    "RoundMetrics",
+    "Strategy",
+    "TaskSpec",
+    "TrustAnchorError",
+    "bound_update",
+    "choose_task",
+    "device_metrics",
+    "read_trust_anchor",
+    "rounds_frame",
+    "task_body",
+    "write_trust_anchor",
     "SecureGroup",
     "SecureRound",
     "SecureSettings",

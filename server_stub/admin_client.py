@@ -11,7 +11,34 @@ from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan, serialize_plan
 
+from .metrics import rounds_frame
 from .rounds import RoundConfig
+
+
+def task_body(
+    name: str,
+    plan: Plan | bytes,
+    checkpoint: bytes | None,
+    config: RoundConfig | None = None,
+    eligibility: EligibilityPolicies | None = None,
+    *,
+    weight: float = 1.0,
+    evaluates: str | None = None,
+) -> dict[str, Any]:
+    """The JSON of one task to deploy (see ``TaskDeploy`` in the OpenAPI document)."""
+    plan_bytes = plan if isinstance(plan, bytes) else serialize_plan(plan)
+    body: dict[str, Any] = {
+        "name": name,
+        "plan": base64.b64encode(plan_bytes).decode(),
+        "config": (config or RoundConfig()).to_dict(),
+        "eligibility": (eligibility or EligibilityPolicies()).to_dict(),
+        "weight": weight,
+    }
+    if checkpoint is not None:
+        body["checkpoint"] = base64.b64encode(checkpoint).decode()
+    if evaluates is not None:
+        body["evaluates"] = evaluates
+    return body
 
 
 class AdminError(Exception):
@@ -24,8 +51,15 @@ class AdminError(Exception):
 
 
 class AdminClient:
-    def __init__(self, server_url: str, *, timeout_s: float = 30.0) -> None:
-        self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout_s)
+    """An operator's client: every request carries the admin key as a bearer token."""
+
+    def __init__(self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.http = httpx.Client(
+            base_url=server_url.rstrip("/"),
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {admin_key}"},
+            transport=transport,
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -48,35 +82,44 @@ class AdminClient:
     def create_population(self, name: str) -> dict[str, Any]:
         return self._check(self.http.post("/v1/populations", json={"name": name})).json()
 
+    def populations(self) -> list[str]:
+        return self._check(self.http.get("/v1/populations")).json()["populations"]
+
     def deploy_task(
         self,
         population: str,
         name: str,
         plan: Plan | bytes,
         checkpoint: bytes,
-        config: RoundConfig,
+        config: RoundConfig | None = None,
         eligibility: EligibilityPolicies | None = None,
     ) -> dict[str, Any]:
-        plan_bytes = plan if isinstance(plan, bytes) else serialize_plan(plan)
-        body = {
-            "name": name,
-            "plan": base64.b64encode(plan_bytes).decode(),
-            "checkpoint": base64.b64encode(checkpoint).decode(),
-            "config": config.to_dict(),
-            "eligibility": (eligibility or EligibilityPolicies()).to_dict(),
-        }
+        """Deploy one task; it trains once no earlier task of the population is active."""
+        body = task_body(name, plan, checkpoint, config, eligibility)
         return self._check(self.http.post(f"/v1/populations/{population}/tasks", json=body)).json()
+
+    def deploy_tasks(self, population: str, tasks: list[dict[str, Any]], strategy: str = "alternate") -> dict[str, Any]:
+        """Deploy tasks that share the population's rounds (``task_body`` makes each item);
+        ``strategy`` is ``alternate`` (take turns) or ``weighted`` (draw by each task's weight)."""
+        body = {"strategy": strategy, "tasks": tasks}
+        return self._check(self.http.post(f"/v1/populations/{population}/task-groups", json=body)).json()
 
     def status(self, population: str) -> dict[str, Any]:
         return self._check(self.http.get(f"/v1/populations/{population}")).json()
 
-    def rounds(self, population: str) -> list[dict[str, Any]]:
-        return self._check(self.http.get(f"/v1/populations/{population}/rounds")).json()["rounds"]
+    def rounds(self, population: str, task: str | None = None) -> list[dict[str, Any]]:
+        params = {"task": task} if task is not None else None
+        return self._check(self.http.get(f"/v1/populations/{population}/rounds", params=params)).json()["rounds"]
+
+    def rounds_frame(self, population: str, task: str | None = None):  # -> pandas.DataFrame
+        """The rounds as a pandas DataFrame, one row per round (needs ``fedfleet[analysis]``)."""
+        return rounds_frame(self.rounds(population, task))
 
     def checkpoint(self, resource_id: str) -> dict:
         """A checkpoint resource, e.g. the model a given round committed."""
         return decode_checkpoint(self._check(self.http.get(f"/v1/resources/{resource_id}")).content)
 
-    def model(self, population: str) -> tuple[dict, int]:
-        response = self._check(self.http.get(f"/v1/populations/{population}/model"))
+    def model(self, population: str, task: str | None = None) -> tuple[dict, int]:
+        params = {"task": task} if task is not None else None
+        response = self._check(self.http.get(f"/v1/populations/{population}/model", params=params))
         return decode_checkpoint(response.content), int(response.headers["X-Round"])

@@ -1,4 +1,9 @@
-"""The HTTP shell: Starlette routes that parse and bound requests, then call FLService."""
+"""The HTTP shell: FastAPI routes that authenticate, bound and parse requests, then call FLService.
+
+Every call into the service runs in the thread pool, so the event loop only moves bytes: a slow
+commit, a locked database or a large deploy never stalls the health check, check-ins or reports.
+Request bodies are read with a size limit before they are parsed, and parsed by the schemas in
+``schemas.py`` (in the thread pool for deploys, whose bodies can be large)."""
 
 from __future__ import annotations
 
@@ -6,26 +11,28 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import json
 import logging
-from typing import Any, AsyncIterator
+import urllib.parse
+from typing import Any, AsyncIterator, Callable, TypeVar
 
-from starlette.applications import Starlette
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from device_runtime.opstats import SHAPE_ALPHABET
 from device_runtime.protocol import STATS_HEADER
 
-from device_runtime.eligibility import EligibilityPolicies
-
+from .admin_auth import AdminKeys
 from .errors import ApiError, BodyTooLarge, MalformedBody, TooManyRequests, Unauthorized
 from .persistence import ServerStore
-from .rounds import RoundConfig
-from .service import FLService
+from .schemas import REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
+from .service import FLService, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +40,13 @@ MAX_JSON_BYTES = 64 * 1024
 MAX_DEPLOY_BYTES = 512 * 1024 * 1024
 MAX_SECAGG_BYTES = 64 * 1024 * 1024
 MAX_SECAGG_WAIT_S = 10.0
+MAX_STATS_HEADER = 2048
+MAX_SHAPE = 16
 TICK_INTERVAL_S = 0.05
-CACHE_FOREVER = "public, max-age=31536000, immutable"
+CACHE_FOREVER = "private, max-age=31536000, immutable"
+API_VERSION = "1"
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -42,10 +54,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
-            if int(declared) > limit:
-                raise BodyTooLarge(f"the body is {declared} bytes; the limit here is {limit}")
+            size = int(declared)
         except ValueError:
             raise MalformedBody("Content-Length is not a number") from None
+        if size > limit:
+            raise BodyTooLarge(f"the body is {declared} bytes; the limit here is {limit}")
     chunks = []
     size = 0
     async for chunk in request.stream():
@@ -56,44 +69,54 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_json(request: Request, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
-    raw = await read_body(request, limit)
+def parse(model: type[Model], raw: bytes) -> Model:
+    """Validate a JSON body against its schema; every refusal is a 400 with a stable code."""
     try:
-        data = json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedBody(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise MalformedBody("the body must be a JSON object")
-    return data
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _bad_input(exc.errors(include_url=False, include_input=False), deploy=model in (TaskDeploy, GroupDeploy)) from None
 
 
-def _field(data: dict, name: str, kind: type | tuple[type, ...], *, required: bool = True, default: Any = None) -> Any:
-    if name not in data:
-        if required:
-            raise MalformedBody(f"field {name!r} is required", code="MISSING_FIELD")
-        return default
-    value = data[name]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise MalformedBody(f"field {name!r} has the wrong type", code="BAD_FIELD")
-    return value
+def _bad_input(errors: list[Any], *, deploy: bool = False) -> ApiError:
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return MalformedBody(f"the body is not valid JSON: {first.get('msg')}")
+    if kind == "missing":
+        return MalformedBody(f"field {where!r} is required", code="MISSING_FIELD")
+    loc = first.get("loc", ())
+    if kind == "string_pattern_mismatch" and loc and loc[-1] in ("name", "evaluates"):
+        return MalformedBody(f"{where}: names are 1-128 ASCII letters, digits, '-', '_' or '.'", code="BAD_NAME")
+    if deploy and any(part in ("config", "eligibility") for part in loc):
+        return MalformedBody(f"the task config is not valid: {message}", code="BAD_CONFIG")
+    return MalformedBody(message, code="BAD_FIELD")
 
 
-def _b64(data: dict, name: str) -> bytes:
+def b64(value: str | None, name: str) -> bytes | None:
+    if value is None:
+        return None
     try:
-        return base64.b64decode(_field(data, name, str), validate=True)
+        return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise MalformedBody(f"field {name!r} is not valid base64", code="BAD_FIELD") from None
 
 
-def _bearer(request: Request) -> str:
+def bearer(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > 512:
+        return None
+    return token
+
+
+def session_token(request: Request) -> str:
+    token = bearer(request)
+    if token is None:
         raise Unauthorized("send the session token as 'Authorization: Bearer <token>'", code="MISSING_TOKEN")
-    return token.strip()
-
-
-MAX_SHAPE = 16
+    return token
 
 
 def session_shape(stats: object) -> str | None:
@@ -108,12 +131,26 @@ def session_shape(stats: object) -> str | None:
     return None
 
 
-def _stats_header(request: Request) -> object:
+def advisory_stats(stats: object) -> dict | None:
+    """Only the statistics the server uses, each checked: a plausible shape and a training time."""
+    if not isinstance(stats, dict):
+        return None
+    out: dict[str, Any] = {}
+    shape = session_shape(stats)
+    if shape is not None:
+        out["shape"] = shape
+    training = stats.get("training_s")
+    if isinstance(training, (int, float)) and not isinstance(training, bool):
+        out["training_s"] = training
+    return out
+
+
+def _stats_header(request: Request) -> dict | None:
     raw = request.headers.get(STATS_HEADER.lower())
-    if raw is None or len(raw) > 2048:
+    if raw is None or len(raw) > MAX_STATS_HEADER:
         return None
     try:
-        return json.loads(raw)
+        return advisory_stats(from_json(raw, allow_inf_nan=False))
     except ValueError:
         return None
 
@@ -132,115 +169,169 @@ class _Broadcast:
         self._event = asyncio.Event()
 
 
-def _int_param(request: Request, name: str, default: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise MalformedBody(f"query parameter {name!r} must be an integer", code="BAD_QUERY") from None
+def _json_body(model: type[BaseModel]) -> dict:
+    """OpenAPI for a JSON body the handler reads itself (to bound its size before parsing)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _float_param(request: Request, name: str, default: float) -> float:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 0 and value != float("inf")):
-        raise MalformedBody(f"query parameter {name!r} must be a non-negative number", code="BAD_QUERY")
-    return value
+def _binary_body() -> dict:
+    schema = {"type": "string", "format": "binary"}
+    return {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": schema}}}}
 
 
-def create_app(service: FLService) -> Starlette:
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+_ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+           for status, text in ((400, "malformed request"), (401, "missing or wrong credential"),
+                                (404, "unknown population, task, session or resource"), (409, "conflict with the current state"),
+                                (413, "body too large"), (422, "a plan, checkpoint or update that does not fit"),
+                                (429, "rate limited"))}
 
-    async def create_population(request: Request) -> Response:
-        data = await read_json(request)
-        created = service.create_population(_field(data, "name", str))
-        return JSONResponse({"name": data["name"], "created": created}, status_code=201 if created else 200)
 
-    async def population_status(request: Request) -> Response:
-        return JSONResponse(service.population_status(request.path_params["population"]))
-
-    async def deploy_task(request: Request) -> Response:
-        data = await read_json(request, MAX_DEPLOY_BYTES)
-        name = _field(data, "name", str)
-        plan = _b64(data, "plan")
-        checkpoint = _b64(data, "checkpoint")
-        try:
-            config = RoundConfig.from_dict(_field(data, "config", dict, required=False, default={}))
-            eligibility = EligibilityPolicies.from_dict(_field(data, "eligibility", dict, required=False, default={}))
-        except (ValueError, TypeError) as exc:
-            raise MalformedBody(f"the task config is not valid: {exc}", code="BAD_CONFIG") from None
-        population = request.path_params["population"]
-        record = await run_in_threadpool(service.deploy_task, population, name, plan, checkpoint, config, eligibility)
-        return JSONResponse(
-            {"task": record.name, "population": population, "plan_id": record.plan_id, "checkpoint_id": record.initial_checkpoint_id},
-            status_code=201,
-        )
-
-    async def checkin(request: Request) -> Response:
-        data = await read_json(request)
-        runtime_version = _field(data, "runtime_version", str)
-        eligibility = _field(data, "eligibility", dict, required=False)
-        if eligibility:
-            _field(eligibility, "task", str)
-            _field(eligibility, "eligible", bool)
-            failed = _field(eligibility, "failed", list, required=False, default=[])
-            if not all(isinstance(f, str) for f in failed):
-                raise MalformedBody("eligibility.failed must be a list of policy names", code="BAD_FIELD")
-        attestation = data.get("attestation")
-        return JSONResponse(service.checkin(request.path_params["population"], runtime_version, eligibility, attestation))
-
-    async def attestation_nonce(request: Request) -> Response:
-        await read_body(request, MAX_JSON_BYTES)
-        return JSONResponse(service.attestation_challenge())
-
-    async def eligibility_info(request: Request) -> Response:
-        return JSONResponse(service.eligibility_info(request.path_params["population"]))
-
-    async def resource(request: Request) -> Response:
-        rid = request.path_params["rid"]
-        etag = f'"{rid}"'
-        if request.headers.get("if-none-match") == etag:
-            service.resource(rid)
-            return Response(status_code=304, headers={"ETag": etag, "Cache-Control": CACHE_FOREVER})
-        data = await run_in_threadpool(service.resource, rid)
-        return Response(data, media_type="application/octet-stream", headers={"ETag": etag, "Cache-Control": CACHE_FOREVER})
-
-    async def report(request: Request) -> Response:
-        sid = request.path_params["sid"]
-        token = _bearer(request)
-        limit = service.report_limit(sid)
-        body = await read_body(request, limit)
-        shape = session_shape(_stats_header(request))
-        return JSONResponse(await run_in_threadpool(service.report, sid, token, body, shape))
-
-    async def abort(request: Request) -> Response:
-        sid = request.path_params["sid"]
-        token = _bearer(request)
-        data = await read_json(request)
-        reason = _field(data, "reason", str, required=False, default="unspecified")
-        shape = session_shape(data.get("stats"))
-        return JSONResponse(service.abort(sid, token, reason[:200], shape))
-
+def create_app(service: FLService, *, admin_keys: AdminKeys) -> FastAPI:
+    """The FL server's ASGI app. Operator endpoints need one of ``admin_keys`` as a bearer key;
+    device endpoints need attestation (when the service verifies it) and session tokens."""
+    app = FastAPI(
+        title="fedfleet FL server",
+        version=API_VERSION,
+        description="Populations, tasks, check-in, resources, reports and Secure Aggregation rounds.",
+        openapi_url="/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+        responses=_ERRORS,
+    )
+    app.state.service = service
     secagg_signal = _Broadcast()
 
-    async def secagg_poll(request: Request) -> Response:
+    def admin(request: Request) -> None:
+        key = bearer(request)
+        if key is None:
+            raise Unauthorized("operator endpoints need 'Authorization: Bearer <admin key>'", code="ADMIN_KEY_REQUIRED")
+        if not admin_keys.verify(key):
+            raise Unauthorized("the admin key is not one this server accepts", code="BAD_ADMIN_KEY")
+
+    async def call(fn: Callable[..., Any], *args: Any) -> Any:
+        return await run_in_threadpool(fn, *args)
+
+    @app.get("/v1/health", tags=["health"])
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    # ----------------------------------------------------------------- operators
+    @app.get("/v1/populations", tags=["operators"])
+    async def list_populations(request: Request) -> dict:
+        admin(request)
+        return {"populations": await call(service.populations)}
+
+    @app.post("/v1/populations", tags=["operators"], openapi_extra=_json_body(CreatePopulation), status_code=201)
+    async def create_population(request: Request) -> Response:
+        admin(request)
+        body = parse(CreatePopulation, await read_body(request, MAX_JSON_BYTES))
+        created = await call(service.create_population, body.name)
+        return JSONResponse({"name": body.name, "created": created}, status_code=201 if created else 200)
+
+    @app.get("/v1/populations/{population}", tags=["operators"])
+    async def population_status(population: str, request: Request) -> dict:
+        admin(request)
+        return await call(service.population_status, population)
+
+    def _spec(task: TaskDeploy) -> TaskSpec:
+        return TaskSpec(task.name, b64(task.plan, "plan") or b"", b64(task.checkpoint, "checkpoint"), task.config,
+                        task.eligibility, task.weight, task.evaluates)
+
+    def _deployed(population: str, records: list) -> list[dict]:
+        return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id}
+                for r in records]
+
+    @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201)
+    async def deploy_task(population: str, request: Request) -> Response:
+        admin(request)
+        raw = await read_body(request, MAX_DEPLOY_BYTES)
+        task = await call(parse, TaskDeploy, raw)
+        if task.evaluates is not None:
+            raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
+        spec = await call(_spec, task)
+        records = await call(service.deploy_tasks, population, [spec])
+        return JSONResponse(_deployed(population, records)[0], status_code=201)
+
+    @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201)
+    async def deploy_group(population: str, request: Request) -> Response:
+        admin(request)
+        raw = await read_body(request, MAX_DEPLOY_BYTES)
+        group = await call(parse, GroupDeploy, raw)
+        specs = [await call(_spec, t) for t in group.tasks]
+        records = await call(service.deploy_tasks, population, specs, group.strategy)
+        return JSONResponse({"strategy": group.strategy.value, "tasks": _deployed(population, records)}, status_code=201)
+
+    @app.get("/v1/populations/{population}/rounds", tags=["operators"])
+    async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
+        admin(request)
+        return {"rounds": await call(service.rounds, population, task)}
+
+    @app.get("/v1/populations/{population}/model", tags=["operators"],
+             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def model(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> Response:
+        admin(request)
+        data, number, name = await call(service.current_model, population, task)
+        headers = {"X-Round": str(number), "X-Task": urllib.parse.quote(name, safe="")}
+        return Response(data, media_type="application/octet-stream", headers=headers)
+
+    # ----------------------------------------------------------------- devices
+    @app.post("/v1/populations/{population}/checkin", tags=["devices"], openapi_extra=_json_body(Checkin))
+    async def checkin(population: str, request: Request) -> dict:
+        body = parse(Checkin, await read_body(request, MAX_JSON_BYTES))
+        eligibility = body.eligibility.model_dump() if body.eligibility is not None else None
+        return await call(service.checkin, population, body.runtime_version, eligibility, body.attestation)
+
+    @app.post("/v1/attestation/nonce", tags=["devices"])
+    async def attestation_nonce(request: Request) -> dict:
+        await read_body(request, MAX_JSON_BYTES)
+        return await call(service.attestation_challenge)
+
+    @app.get("/v1/populations/{population}/eligibility", tags=["devices"])
+    async def eligibility_info(population: str) -> dict:
+        return await call(service.eligibility_info, population)
+
+    @app.get("/v1/resources/{rid}", tags=["devices", "operators"],
+             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                        304: {"description": "not modified"}})
+    async def resource(rid: str, request: Request) -> Response:
+        token = bearer(request)
+        is_admin = token is not None and admin_keys.verify(token)
+        data = await call(lambda: service.resource(rid, token, admin=is_admin))
+        etag = f'"{rid}"'
+        headers = {"ETag": etag, "Cache-Control": CACHE_FOREVER}
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers=headers)
+        return Response(data, media_type="application/octet-stream", headers=headers)
+
+    @app.post("/v1/sessions/{sid}/report", tags=["devices"], openapi_extra=_binary_body())
+    async def report(sid: str, request: Request) -> dict:
+        token = session_token(request)
+        limit = await call(service.report_limit, sid)
+        body = await read_body(request, limit)
+        return await call(service.report, sid, token, body, _stats_header(request))
+
+    @app.post("/v1/sessions/{sid}/abort", tags=["devices"], openapi_extra=_json_body(Abort))
+    async def abort(sid: str, request: Request) -> dict:
+        token = session_token(request)
+        body = parse(Abort, await read_body(request, MAX_JSON_BYTES))
+        return await call(service.abort, sid, token, body.reason[:200], advisory_stats(body.stats))
+
+    @app.get("/v1/sessions/{sid}/secagg", tags=["devices"])
+    async def secagg_poll(
+        sid: str,
+        request: Request,
+        after: int = Query(-1, ge=-1, le=2**31),
+        wait: float = Query(0.0, ge=0.0, le=3600.0, allow_inf_nan=False),
+    ) -> Response:
         """With ``after`` (the last message seq the device has) and ``wait`` (seconds), a long
         poll: it answers once the device's state moves on, or when ``wait`` runs out."""
-        sid, token = request.path_params["sid"], _bearer(request)
-        after, wait = _int_param(request, "after", -1), min(_float_param(request, "wait", 0.0), MAX_SECAGG_WAIT_S)
+        token = session_token(request)
         loop = asyncio.get_running_loop()
-        until = loop.time() + wait
+        until = loop.time() + min(wait, MAX_SECAGG_WAIT_S)
         while True:
             changed = secagg_signal.event()
-            state = await run_in_threadpool(service.secagg_status, sid, token)
+            state = await call(service.secagg_status, sid, token)
             settled = state["status"] == "waiting" or (state["status"] == "active" and int(state["seq"]) <= after)
             remaining = until - loop.time()
             if not settled or remaining <= 0:
@@ -248,38 +339,69 @@ def create_app(service: FLService) -> Starlette:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
-    async def secagg_send(request: Request) -> Response:
-        sid = request.path_params["sid"]
-        token = _bearer(request)
+    @app.post("/v1/sessions/{sid}/secagg", tags=["devices"], openapi_extra=_binary_body())
+    async def secagg_send(sid: str, request: Request) -> dict:
+        token = session_token(request)
         body = await read_body(request, MAX_SECAGG_BYTES)
-        return JSONResponse(await run_in_threadpool(service.secagg_message, sid, token, body))
+        return await call(service.secagg_message, sid, token, body)
 
-    async def list_rounds(request: Request) -> Response:
-        rounds = await run_in_threadpool(service.rounds, request.path_params["population"])
-        return JSONResponse({"rounds": rounds})
-
-    async def model(request: Request) -> Response:
-        data, number, task = await run_in_threadpool(service.current_model, request.path_params["population"])
-        return Response(data, media_type="application/octet-stream", headers={"X-Round": str(number), "X-Task": task})
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
+    # ----------------------------------------------------------------- errors
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, TooManyRequests) else None
         return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
-        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code)
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        error = _bad_input(list(exc.errors()))
+        if error.code == "BAD_FIELD":
+            error = MalformedBody(error.message, code="BAD_QUERY")
+        return JSONResponse(error.to_json(), status_code=error.status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("internal error on %s %s", request.method, request.url.path)
         return JSONResponse({"error": {"code": "INTERNAL", "message": "internal server error"}}, status_code=500)
 
+    # ----------------------------------------------------------------- OpenAPI and lifespan
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            # The error responses reach every operation through FastAPI(responses=...) on the router.
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in REQUEST_SCHEMAS], ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            window = schema["components"]["schemas"]["RoundConfig"]["properties"]["retry_window_s"]
+            # The one RoundConfig rule JSON Schema cannot state; clients read it here.
+            window["description"] = "(min, max) seconds a device waits before it checks in again, with min <= max"
+            schema["components"]["securitySchemes"] = {
+                "adminKey": {"type": "http", "scheme": "bearer", "description": "an operator's admin key"},
+                "sessionToken": {"type": "http", "scheme": "bearer", "description": "the token a check-in returned"},
+            }
+            for path, item in schema["paths"].items():
+                for operation in item.values():
+                    tags = operation.get("tags", [])
+                    if "operators" in tags and "devices" in tags:
+                        operation["security"] = [{"adminKey": []}, {"sessionToken": []}]
+                    elif "operators" in tags:
+                        operation["security"] = [{"adminKey": []}]
+                    elif path.startswith("/v1/sessions/"):
+                        operation["security"] = [{"sessionToken": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         service.on_secagg_change = lambda: loop.call_soon_threadsafe(secagg_signal.fire)
+
         async def ticker() -> None:
             while True:
                 await asyncio.sleep(TICK_INTERVAL_S)
@@ -296,31 +418,10 @@ def create_app(service: FLService) -> Starlette:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    routes = [
-        Route("/v1/health", health),
-        Route("/v1/populations", create_population, methods=["POST"]),
-        Route("/v1/populations/{population}", population_status),
-        Route("/v1/populations/{population}/tasks", deploy_task, methods=["POST"]),
-        Route("/v1/populations/{population}/checkin", checkin, methods=["POST"]),
-        Route("/v1/attestation/nonce", attestation_nonce, methods=["POST"]),
-        Route("/v1/populations/{population}/eligibility", eligibility_info),
-        Route("/v1/populations/{population}/rounds", list_rounds),
-        Route("/v1/populations/{population}/model", model),
-        Route("/v1/resources/{rid}", resource),
-        Route("/v1/sessions/{sid}/report", report, methods=["POST"]),
-        Route("/v1/sessions/{sid}/abort", abort, methods=["POST"]),
-        Route("/v1/sessions/{sid}/secagg", secagg_poll, methods=["GET"]),
-        Route("/v1/sessions/{sid}/secagg", secagg_send, methods=["POST"]),
-    ]
-    app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
-    )
-    app.state.service = service
+    app.router.lifespan_context = lifespan
     return app
 
 
-def create_app_from_path(db_path: str) -> Starlette:
-    """An app over its own SQLite database file (what ``uvicorn --factory`` would call)."""
-    return create_app(FLService(ServerStore(db_path)))
+def create_app_from_path(db: str, *, admin_keys: AdminKeys) -> FastAPI:
+    """An app over its own database (a SQLite path or a SQLAlchemy URL)."""
+    return create_app(FLService(ServerStore(db)), admin_keys=admin_keys)

@@ -21,10 +21,11 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    create_engine,
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from example_store import sqlite_engine
@@ -77,6 +78,26 @@ rounds = Table(
 )
 
 
+def _json(value: object) -> str:
+    """Strict JSON: a NaN or infinity is a bug upstream, never something to store."""
+    return json.dumps(value, allow_nan=False, separators=(",", ":"))
+
+
+def _load_metrics(text: str) -> dict:
+    """Metrics as stored; a NaN or infinity written by an older server reads as null."""
+    return json.loads(text, parse_constant=lambda _constant: None)
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """A task to store: its name, plan and initial checkpoint bytes, and its config (JSON)."""
+
+    name: str
+    plan: bytes
+    checkpoint: bytes
+    config: dict
+
+
 def resource_id(data: bytes) -> str:
     """Resources are content-addressed, so an id names exactly one byte string and can be cached."""
     return hashlib.sha256(data).hexdigest()
@@ -122,9 +143,17 @@ class RoundRecord:
 class ServerStore:
     """The server's database. One instance per server process."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 5.0) -> None:
+        """``path``: a SQLite file, or a SQLAlchemy URL such as ``sqlite:///fl.db`` or
+        ``postgresql+psycopg://...`` (with its driver installed)."""
         self.path = os.fspath(path)
-        self.engine: Engine = sqlite_engine(self.path, foreign_keys=True)
+        if "://" in self.path:
+            self.engine: Engine = create_engine(self.path, pool_pre_ping=True)
+            if self.engine.dialect.name == "sqlite":
+                self.engine.dispose()
+                self.engine = sqlite_engine(self.engine.url.database or ":memory:", foreign_keys=True, busy_timeout_s=busy_timeout_s)
+        else:
+            self.engine = sqlite_engine(self.path, foreign_keys=True, busy_timeout_s=busy_timeout_s)
         metadata.create_all(self.engine)
 
     def close(self) -> None:
@@ -150,11 +179,14 @@ class ServerStore:
 
     # resources
     def put_resource(self, data: bytes, kind: str) -> str:
-        rid = resource_id(data)
         with self.engine.begin() as conn:
-            exists = conn.execute(select(resources.c.id).where(resources.c.id == rid)).scalar()
-            if exists is None:
-                conn.execute(resources.insert().values(id=rid, kind=kind, data=data, created_at=time.time()))
+            return self._put(conn, data, kind)
+
+    @staticmethod
+    def _put(conn: Connection, data: bytes, kind: str) -> str:
+        rid = resource_id(data)
+        if conn.execute(select(resources.c.id).where(resources.c.id == rid)).scalar() is None:
+            conn.execute(resources.insert().values(id=rid, kind=kind, data=data, created_at=time.time()))
         return rid
 
     def get_resource(self, rid: str) -> bytes | None:
@@ -162,23 +194,30 @@ class ServerStore:
             return conn.execute(select(resources.c.data).where(resources.c.id == rid)).scalar()
 
     # tasks
-    def add_task(self, population: str, name: str, plan_id: str, checkpoint_id: str, config: dict) -> TaskRecord:
+    def add_tasks(self, population: str, items: list["NewTask"]) -> list[TaskRecord]:
+        """Store tasks deployed together, with their plans and checkpoints, in one transaction:
+        a refused deploy (a name taken meanwhile, a full disk) leaves nothing behind."""
         pid = self.population_id(population)
         if pid is None:
             raise KeyError(population)
+        records = []
         with self.engine.begin() as conn:
-            tid = conn.execute(
-                tasks.insert().values(
-                    population_id=pid,
-                    name=name,
-                    plan_id=plan_id,
-                    initial_checkpoint_id=checkpoint_id,
-                    config=json.dumps(config),
-                    status="active",
-                    created_at=time.time(),
-                )
-            ).inserted_primary_key[0]
-        return TaskRecord(tid, population, name, plan_id, checkpoint_id, config, "active")
+            for item in items:
+                plan_id = self._put(conn, item.plan, "plan")
+                ckpt_id = self._put(conn, item.checkpoint, "checkpoint")
+                tid = conn.execute(
+                    tasks.insert().values(
+                        population_id=pid,
+                        name=item.name,
+                        plan_id=plan_id,
+                        initial_checkpoint_id=ckpt_id,
+                        config=_json(item.config),
+                        status="active",
+                        created_at=time.time(),
+                    )
+                ).inserted_primary_key[0]
+                records.append(TaskRecord(tid, population, item.name, plan_id, ckpt_id, item.config, "active"))
+        return records
 
     def tasks(self, population: str | None = None) -> list[TaskRecord]:
         query = select(tasks, populations.c.name.label("population")).join(populations).order_by(tasks.c.id)
@@ -206,16 +245,14 @@ class ServerStore:
         started_at: float,
         ended_at: float,
         checkpoint: bytes | None = None,
+        broadcast: bytes | None = None,
     ) -> RoundRecord:
-        """Store a finished round, with its new model for a committed one, in one transaction."""
+        """Store a finished round, with its new model (and what devices are sent of it) for a
+        committed one, in one transaction: either all of it is durable or none of it is."""
         with self.engine.begin() as conn:
-            checkpoint_id = None
-            if checkpoint is not None:
-                checkpoint_id = resource_id(checkpoint)
-                if conn.execute(select(resources.c.id).where(resources.c.id == checkpoint_id)).scalar() is None:
-                    conn.execute(
-                        resources.insert().values(id=checkpoint_id, kind="checkpoint", data=checkpoint, created_at=time.time())
-                    )
+            checkpoint_id = self._put(conn, checkpoint, "checkpoint") if checkpoint is not None else None
+            if broadcast is not None:
+                self._put(conn, broadcast, "checkpoint")
             rid = conn.execute(
                 rounds.insert().values(
                     task_id=task_id,
@@ -223,7 +260,7 @@ class ServerStore:
                     attempt=attempt,
                     status=status,
                     checkpoint_id=checkpoint_id,
-                    metrics=json.dumps(metrics),
+                    metrics=_json(metrics),
                     started_at=started_at,
                     ended_at=ended_at,
                 )
@@ -232,13 +269,13 @@ class ServerStore:
 
     def update_round_metrics(self, round_id: int, metrics: dict) -> None:
         with self.engine.begin() as conn:
-            conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=json.dumps(metrics)))
+            conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics)))
 
     def rounds(self, task_id: int) -> list[RoundRecord]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(rounds).where(rounds.c.task_id == task_id).order_by(rounds.c.id)).mappings().all()
         return [
-            RoundRecord(r["id"], r["task_id"], r["number"], r["attempt"], r["status"], r["checkpoint_id"], json.loads(r["metrics"]), r["started_at"], r["ended_at"])
+            RoundRecord(r["id"], r["task_id"], r["number"], r["attempt"], r["status"], r["checkpoint_id"], _load_metrics(r["metrics"]), r["started_at"], r["ended_at"])
             for r in rows
         ]
 

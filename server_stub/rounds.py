@@ -6,10 +6,23 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass as plain_dataclass, field
+from typing import Annotated
+
+from pydantic import ConfigDict, Field, Strict, TypeAdapter
+from pydantic.dataclasses import dataclass
+
+#: Upper bound of every timeout and window: a week, so that deadlines stay ordinary numbers.
+MAX_TIMEOUT_S = 7 * 86400.0
 
 
-@dataclass(frozen=True)
+#: Strict numbers: no bools, no numeric strings, no NaN or infinity, no unknown fields.
+SCHEMA_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+
+
+@dataclass(frozen=True, config=SCHEMA_CONFIG)
 class RoundConfig:
     """How one task's rounds are run.
 
@@ -17,77 +30,51 @@ class RoundConfig:
     ``goal_count`` of them have reported, and otherwise, once every selected device has reported,
     aborted or passed its deadline, commits if at least ``ceil(goal_count * min_fraction)`` reported
     and is abandoned if not.
+
+    One device's influence is bounded: a report counts for at most ``max_examples_per_report``
+    examples (its update is scaled down to that weight), and the norm of its mean update is clipped
+    to ``clip_update_norm``. A training task publishes a model, so its commit threshold must be at
+    least ``min_reports`` devices (refused at deploy otherwise): a round of one device would give
+    that device's update back to anyone who reads the model.
     """
 
-    goal_count: int = 10
-    over_selection: float = 1.3
-    min_fraction: float = 0.8
-    selection_timeout_s: float = 30.0
-    report_timeout_s: float = 60.0
-    retry_window_s: tuple[float, float] = (5.0, 15.0)
-    max_rounds: int | None = None
-    secagg_min_group_size: int = 5
-    secagg_round_timeout_s: float = 5.0
+    goal_count: Annotated[Int, Field(ge=1, le=1_000_000)] = 10
+    over_selection: Annotated[Float, Field(ge=1.0, le=100.0)] = 1.3
+    min_fraction: Annotated[Float, Field(gt=0.0, le=1.0)] = 0.8
+    selection_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 30.0
+    report_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 60.0
+    retry_window_s: tuple[Annotated[Float, Field(ge=0.0, le=MAX_TIMEOUT_S)], Annotated[Float, Field(ge=0.0, le=MAX_TIMEOUT_S)]] = (5.0, 15.0)
+    max_rounds: Annotated[Int, Field(ge=1)] | None = None
+    secagg_min_group_size: Annotated[Int, Field(ge=2, le=100_000)] = 5
+    secagg_round_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 5.0
+    min_reports: Annotated[Int, Field(ge=1, le=1_000_000)] = 5
+    max_examples_per_report: Annotated[Int, Field(ge=1)] = 1000
+    clip_update_norm: Annotated[Float, Field(gt=0.0)] | None = 10.0
 
     def __post_init__(self) -> None:
-        if self.goal_count < 1:
-            raise ValueError("goal_count must be at least 1")
-        if self.over_selection < 1.0:
-            raise ValueError("over_selection must be at least 1.0 (1.3 selects 30% more devices than the goal)")
-        if not 0.0 < self.min_fraction <= 1.0:
-            raise ValueError("min_fraction must be in (0, 1]")
-        if self.selection_timeout_s <= 0 or self.report_timeout_s <= 0:
-            raise ValueError("selection_timeout_s and report_timeout_s must be positive")
         lo, hi = self.retry_window_s
-        if not 0 <= lo <= hi:
+        if not lo <= hi:
             raise ValueError("retry_window_s must be (min, max) with 0 <= min <= max")
-        if self.max_rounds is not None and self.max_rounds < 1:
-            raise ValueError("max_rounds must be at least 1 when given")
-        if self.secagg_min_group_size < 2 or self.secagg_round_timeout_s <= 0:
-            raise ValueError("secagg_min_group_size must be at least 2 and secagg_round_timeout_s positive")
 
     @property
     def selection_target(self) -> int:
         return math.ceil(self.goal_count * self.over_selection - 1e-9)
 
     @property
-    def min_reports(self) -> int:
+    def commit_threshold(self) -> int:
+        """Reports a round needs to commit once it can no longer reach ``goal_count``."""
         return max(1, math.ceil(self.goal_count * self.min_fraction - 1e-9))
 
     def to_dict(self) -> dict:
-        return {
-            "goal_count": self.goal_count,
-            "over_selection": self.over_selection,
-            "min_fraction": self.min_fraction,
-            "selection_timeout_s": self.selection_timeout_s,
-            "report_timeout_s": self.report_timeout_s,
-            "retry_window_s": list(self.retry_window_s),
-            "max_rounds": self.max_rounds,
-            "secagg_min_group_size": self.secagg_min_group_size,
-            "secagg_round_timeout_s": self.secagg_round_timeout_s,
-        }
+        return _ROUND_CONFIG.dump_python(self, mode="json")
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RoundConfig":
-        if not isinstance(data, dict):
-            raise ValueError("round config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown round config fields: {sorted(unknown)}")
-        kwargs = dict(data)
-        if "retry_window_s" in kwargs:
-            window = kwargs["retry_window_s"]
-            if not isinstance(window, (list, tuple)) or len(window) != 2:
-                raise ValueError("retry_window_s must be a pair [min, max]")
-            kwargs["retry_window_s"] = (float(window[0]), float(window[1]))
-        for name in ("goal_count", "max_rounds", "secagg_min_group_size"):
-            if kwargs.get(name) is not None and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], int)):
-                raise ValueError(f"{name} must be an integer")
-        for name in ("over_selection", "min_fraction", "selection_timeout_s", "report_timeout_s", "secagg_round_timeout_s"):
-            if name in kwargs and (isinstance(kwargs[name], bool) or not isinstance(kwargs[name], (int, float))):
-                raise ValueError(f"{name} must be a number")
-        return cls(**kwargs)
+    def from_dict(cls, data: object) -> "RoundConfig":
+        """Raises ``ValueError`` (a pydantic ``ValidationError``) naming each bad field."""
+        return _ROUND_CONFIG.validate_python(data)
+
+
+_ROUND_CONFIG: TypeAdapter[RoundConfig] = TypeAdapter(RoundConfig)
 
 
 class Phase(enum.Enum):
@@ -112,7 +99,7 @@ class ReportVerdict(enum.Enum):
     UNKNOWN = "unknown"
 
 
-@dataclass
+@plain_dataclass
 class RoundCore:
     """One round of one task. ``now`` is any monotonic clock reading in seconds."""
 
@@ -201,7 +188,7 @@ class RoundCore:
             return self.phase
         cfg = self.config
         if self.phase is Phase.SELECTING and now - self.started_at >= cfg.selection_timeout_s:
-            if self.count(SessionState.SELECTED) + self.reported < cfg.min_reports:
+            if self.count(SessionState.SELECTED) + self.reported < cfg.commit_threshold:
                 return self._finish(Phase.ABANDONED, now)
             self._end_selection(now)
         if self.reported >= cfg.goal_count:
@@ -211,9 +198,9 @@ class RoundCore:
                 sid for sid, s in self.sessions.items() if s is SessionState.SELECTED and self.deadlines[sid] >= now
             ]
             if not outstanding:
-                final = Phase.COMMITTED if self.reported >= cfg.min_reports else Phase.ABANDONED
+                final = Phase.COMMITTED if self.reported >= cfg.commit_threshold else Phase.ABANDONED
                 return self._finish(final, now)
-            if self.reported + len(outstanding) < cfg.min_reports:
+            if self.reported + len(outstanding) < cfg.commit_threshold:
                 return self._finish(Phase.ABANDONED, now)
         return self.phase
 

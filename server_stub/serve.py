@@ -10,6 +10,8 @@ from pathlib import Path
 
 import uvicorn
 
+from .admin_auth import AdminKeys
+from .admin_client import AdminClient
 from .app import create_app
 from .attestation import AttestationVerifier
 from .persistence import ServerStore
@@ -33,14 +35,23 @@ class ServerThread:
         port: int | None = None,
         log_level: str = "warning",
         verifier: AttestationVerifier | None = None,
+        admin_key: str | None = None,
+        busy_timeout_s: float = 5.0,
     ) -> None:
+        """``admin_key``: the operator key the server accepts (a random one when not given;
+        ``admin_key`` then tells it to the test or demo that started the server)."""
         self.db_path = Path(db_path)
-        self.store = ServerStore(db_path)
+        self.store = ServerStore(db_path, busy_timeout_s=busy_timeout_s)
         self.service = FLService(self.store, verifier=verifier)
         self.host = host
         self.port = port or free_port(host)
+        if admin_key is None:
+            keys, admin_key = AdminKeys.generate()
+        else:
+            keys = AdminKeys([admin_key])
+        self.admin_key = admin_key
         config = uvicorn.Config(
-            create_app(self.service), host=host, port=self.port, log_level=log_level, access_log=False, lifespan="on"
+            create_app(self.service, admin_keys=keys), host=host, port=self.port, log_level=log_level, access_log=False, lifespan="on"
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="fl-server", daemon=True)
@@ -57,6 +68,10 @@ class ServerThread:
                 raise RuntimeError(f"the FL server did not start on {self.url}")
             time.sleep(0.01)
         return self
+
+    def admin(self, *, timeout_s: float = 30.0) -> AdminClient:
+        """An operator client of this server, holding its admin key."""
+        return AdminClient(self.url, admin_key=self.admin_key, timeout_s=timeout_s)
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -1,11 +1,20 @@
 """The FL server's logic between the HTTP shell and the pure round core: populations, tasks,
-sessions, aggregation of reports as they arrive, and committing rounds to the database."""
+sessions, aggregation of reports as they arrive, and committing rounds to the database.
+
+Concurrency rules, each from a failure seen under load:
+- the service lock guards memory only; no database write happens while it is held, so a slow or
+  locked database never freezes check-ins and reports;
+- a finished round becomes a pending commit: the server part of the plan runs and the round is
+  written outside the lock, and only once the write succeeded does the new model replace the old
+  one in memory. A failed write abandons the round: nothing is ever applied twice;
+- one population runs one round at a time; with several tasks, a strategy picks the next one."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+import random
 import secrets
 import threading
 import time
@@ -13,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from device_runtime.attestation import AttestationError, RateLimited
 from device_runtime.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
@@ -38,10 +48,13 @@ from .errors import (
     TooManyRequests,
     Unauthorized,
 )
+from .influence import bound_update
+from .metrics import RoundMetrics, device_metrics
 from .pace import RoundPace
-from .persistence import ServerStore, TaskRecord
+from .persistence import NewTask, ServerStore, TaskRecord
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .secure_rounds import SecureRound, SecureSettings
+from .task_choice import Strategy, choose_task
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +64,28 @@ CLOSED_ROUNDS_KEPT = 4
 REPORT_SLACK_BYTES = 64 * 1024
 #: Retry window for devices of a population that has nothing to train.
 IDLE_RETRY_WINDOW_S = (60.0, 180.0)
+#: Tasks one deploy may bring together.
+MAX_TASKS_PER_GROUP = 16
+#: What a name may be made of: it travels in URLs, headers and logs.
+NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
 def _hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of a deploy. ``evaluates`` names a training task of the same deploy whose
+    current model an evaluation task measures (it then needs no checkpoint of its own)."""
+
+    name: str
+    plan: bytes
+    checkpoint: bytes | None
+    config: RoundConfig = RoundConfig()
+    eligibility: EligibilityPolicies = EligibilityPolicies()
+    weight: float = 1.0
+    evaluates: str | None = None
 
 
 @dataclass
@@ -63,19 +94,20 @@ class _Session:
     token_hash: bytes
     run: "_TaskRun"
     core: RoundCore
+    resources: tuple[str, str]  # the plan and checkpoint this session may download
 
 
 @dataclass
 class _ClosedRound:
     core: RoundCore
-    record_id: int
+    record_id: int | None
     metrics: dict
     secure: SecureRound | None = None
 
 
 @dataclass
 class _TaskRun:
-    """What the server holds in memory for the task being trained in a population."""
+    """What the server holds in memory for one active task."""
 
     record: TaskRecord
     plan: Plan
@@ -88,17 +120,56 @@ class _TaskRun:
     attempt: int
     committed_rounds: int
     report_limit: int
+    weight: float = 1.0
+    evaluates: "_TaskRun | None" = None
     codec: SecureSumCodec | None = None
     secure: SecureRound | None = None
     core: RoundCore | None = None
     pace: RoundPace = field(default_factory=RoundPace)
     started_wall: float = 0.0
     accumulator: dict[str, np.ndarray] | None = None
+    device_metrics: RoundMetrics = field(default_factory=RoundMetrics)
+    bounded: dict[str, int] = field(default_factory=lambda: {"capped": 0, "clipped": 0})
     closed: list[_ClosedRound] = field(default_factory=list)
+
+    @property
+    def is_training(self) -> bool:
+        return self.plan.kind == "train"
+
+
+@dataclass
+class _Population:
+    """The active tasks of a population (those deployed together) and whose round is open."""
+
+    name: str
+    runs: list[_TaskRun] = field(default_factory=list)
+    strategy: Strategy = Strategy.ALTERNATE
+    current: _TaskRun | None = None
+    turn: int = 0
+    committing: bool = False
+
+    def find(self, task: str) -> _TaskRun | None:
+        return next((r for r in self.runs if r.record.name == task), None)
+
+
+@dataclass
+class _PendingCommit:
+    """A closed round waiting to be written, with what is needed to write it outside the lock."""
+
+    population: _Population
+    run: _TaskRun
+    core: RoundCore
+    phase: Phase
+    metrics: dict
+    accumulator: dict[str, np.ndarray] | None
+    secure: SecureRound | None
+    started_wall: float
+    ended_wall: float
 
 
 class FLService:
-    """Thread-safe; every public method takes the lock for as short a time as it can."""
+    """Thread-safe; every public method takes the lock for as short a time as it can and never
+    writes to the database while holding it."""
 
     def __init__(
         self,
@@ -107,82 +178,111 @@ class FLService:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         verifier: AttestationVerifier | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.store = store
         self.verifier = verifier
         self.clock = clock
         self.wall_clock = wall_clock
+        self.rng = rng or random.Random()
         self._lock = threading.RLock()
+        self._write_lock = threading.Lock()
         # Called (from any thread) when some device's Secure Aggregation state may have changed:
         # the HTTP layer wakes its long polls with it.
         self.on_secagg_change: Callable[[], None] | None = None
-        self._runs: dict[str, _TaskRun | None] = {}
+        self._populations: dict[str, _Population] = {}
         self._sessions: dict[str, _Session] = {}
+        self._by_token: dict[bytes, _Session] = {}
+        self._pending: list[_PendingCommit] = []
         for name in store.population_names():
-            self._runs[name] = self._load_run(name)
+            self._populations[name] = _Population(name)
+            self._activate(name)
 
     # ----------------------------------------------------------------- admin
     def create_population(self, name: str) -> bool:
         _check_name(name, "population")
+        created = self.store.create_population(name)
         with self._lock:
-            created = self.store.create_population(name)
-            self._runs.setdefault(name, None)
-            return created
+            self._populations.setdefault(name, _Population(name))
+        return created
+
+    def populations(self) -> list[str]:
+        return self.store.population_names()
 
     def deploy_task(
         self,
         population: str,
         name: str,
         plan_bytes: bytes,
-        checkpoint_bytes: bytes,
+        checkpoint_bytes: bytes | None,
         config: RoundConfig,
         eligibility: EligibilityPolicies = EligibilityPolicies(),
     ) -> TaskRecord:
-        """Validate and store a task; it starts training once no earlier task is active."""
-        _check_name(name, "task")
+        """Validate and store one task; it starts once no earlier task of the population is active."""
+        return self.deploy_tasks(population, [TaskSpec(name, plan_bytes, checkpoint_bytes, config, eligibility)])[0]
+
+    def deploy_tasks(
+        self, population: str, specs: list[TaskSpec], strategy: Strategy = Strategy.ALTERNATE
+    ) -> list[TaskRecord]:
+        """Validate and store tasks that share the population's rounds (chosen per round by
+        ``strategy``). Every plan is executed once here, so a plan that loads but does not run is
+        refused now, with nothing stored, instead of failing rounds later."""
+        if not specs or len(specs) > MAX_TASKS_PER_GROUP:
+            raise BadRequest(f"a deploy holds 1 to {MAX_TASKS_PER_GROUP} tasks", code="BAD_CONFIG")
+        names = [s.name for s in specs]
+        for spec in specs:
+            _check_name(spec.name, "task")
+        if len(set(names)) != len(names):
+            raise BadRequest("the tasks of one deploy need distinct names", code="BAD_CONFIG")
+        if self.store.population_id(population) is None:
+            raise NotFound(f"population {population!r} does not exist; create it first", code="UNKNOWN_POPULATION")
+        existing = {t.name for t in self.store.tasks(population)}
+        taken = sorted(existing & set(names))
+        if taken:
+            raise Conflict(f"population {population!r} already has a task named {taken[0]!r}", code="TASK_EXISTS")
+        checked: dict[str, tuple[Plan, bytes]] = {}
+        for spec in sorted(specs, key=lambda s: s.evaluates is not None):  # trained tasks first
+            trained = None
+            if spec.evaluates is not None:
+                if spec.evaluates not in checked or checked[spec.evaluates][0].kind != "train":
+                    raise BadRequest(
+                        f"task {spec.name!r} evaluates {spec.evaluates!r}, which is not a training task of this deploy",
+                        code="BAD_CONFIG",
+                    )
+                trained = checked[spec.evaluates][0]
+            checkpoint = spec.checkpoint if spec.checkpoint is not None else (
+                checked[spec.evaluates][1] if spec.evaluates is not None else None
+            )
+            if checkpoint is None:
+                raise BadRequest(f"task {spec.name!r} needs an initial checkpoint", code="MISSING_FIELD")
+            checked[spec.name] = (_validate_task(spec, checkpoint, trained), checkpoint)
+        stored = [
+            NewTask(
+                s.name,
+                s.plan,
+                checked[s.name][1],
+                {
+                    "round": s.config.to_dict(),
+                    "eligibility": s.eligibility.to_dict(),
+                    "group": {"strategy": strategy.value, "weight": s.weight, "evaluates": s.evaluates,
+                              "first": specs[0].name},
+                },
+            )
+            for s in specs
+        ]
         try:
-            plan = load_plan(plan_bytes)
-        except PlanError as exc:
-            raise InvalidPlan(f"the plan was refused: {exc}") from None
-        if plan.kind != "train":
-            raise InvalidPlan(f"only training plans can be deployed as tasks; this plan is of kind {plan.kind!r}")
-        try:
-            weights = decode_checkpoint(checkpoint_bytes)
-        except CheckpointError as exc:
-            raise InvalidCheckpoint(f"the initial checkpoint was refused: {exc}") from None
-        executor = PlanExecutor(plan)
-        _check_weights(executor, weights)
-        if plan.server.secure_sum:
-            try:
-                SecureSumCodec(plan, executor)
-            except PlanError as exc:
-                raise InvalidPlan(f"the plan's secure aggregation is not usable: {exc}") from None
-            if config.report_timeout_s <= 3 * config.secagg_round_timeout_s:
-                raise BadRequest(
-                    f"report_timeout_s ({config.report_timeout_s}) must exceed three secagg_round_timeout_s "
-                    f"({config.secagg_round_timeout_s}): the key rounds, training and Unmasking all fit in it",
-                    code="BAD_CONFIG",
-                )
-        with self._lock:
-            if self.store.population_id(population) is None:
-                raise NotFound(f"population {population!r} does not exist; create it first", code="UNKNOWN_POPULATION")
-            if any(t.name == name for t in self.store.tasks(population)):
-                raise Conflict(f"population {population!r} already has a task named {name!r}", code="TASK_EXISTS")
-            plan_id = self.store.put_resource(plan_bytes, "plan")
-            ckpt_id = self.store.put_resource(checkpoint_bytes, "checkpoint")
-            stored = {"round": config.to_dict(), "eligibility": eligibility.to_dict()}
-            record = self.store.add_task(population, name, plan_id, ckpt_id, stored)
-            if self._runs.get(population) is None:
-                self._runs[population] = self._load_run(population)
-            return record
+            records = self.store.add_tasks(population, stored)
+        except IntegrityError:
+            raise Conflict(f"population {population!r} already has a task with one of the names {names}", code="TASK_EXISTS") from None
+        self._activate(population)
+        return records
 
     # ----------------------------------------------------------------- device protocol
     def eligibility_info(self, population: str) -> dict:
         """What a device needs to evaluate the active task's policies before it checks in."""
         with self._lock:
-            if population not in self._runs:
-                raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
-            run = self._runs[population]
+            pop = self._population(population)
+            run = pop.current or (pop.runs[0] if pop.runs else None)
             if run is None:
                 return {"task": None}
             return {
@@ -200,6 +300,10 @@ class FLService:
     def checkin(
         self, population: str, runtime_version: str, eligibility: dict | None = None, attestation: object = None
     ) -> dict:
+        try:
+            device_version = version_tuple(runtime_version)
+        except ValueError:
+            raise BadRequest(f"runtime_version {runtime_version!r} is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION") from None
         if self.verifier is not None:
             if attestation is None:
                 raise Unauthorized("this server only admits attested devices; send an attestation", code="ATTESTATION_REQUIRED")
@@ -209,51 +313,51 @@ class FLService:
                 raise TooManyRequests(exc.message, code=exc.code, retry_after_s=exc.retry_after_s) from None
             except AttestationError as exc:
                 raise ApiError(exc.message, code=exc.code, status=exc.http_status) from None
-        now = self.clock()
-        with self._lock:
-            if population not in self._runs:
-                raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
-            run = self._runs[population]
-            if run is None:
-                return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
-            self._advance(run, now)
-            run = self._runs[population]
-            if run is None:
-                return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
-            meta = run.plan.metadata
-            try:
-                device_version = version_tuple(runtime_version)
-            except ValueError:
-                raise BadRequest(f"runtime_version {runtime_version!r} is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION") from None
-            if device_version < version_tuple(meta.min_runtime_version) or (
-                meta.max_runtime_version is not None and device_version > version_tuple(meta.max_runtime_version)
-            ):
-                return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
-            if not run.eligibility.empty:
-                if not eligibility or eligibility.get("task") != run.record.name:
-                    return _rejected(run.config.retry_window_s, "ELIGIBILITY_REQUIRED")
-                if not eligibility.get("eligible"):
-                    failed = ",".join(str(f) for f in eligibility.get("failed", []))[:200]
-                    return _rejected(IDLE_RETRY_WINDOW_S, f"INELIGIBLE:{failed}" if failed else "INELIGIBLE")
-            session_id = secrets.token_urlsafe(16)
-            if run.core is None or not run.core.try_select(session_id, now):
-                started = run.core.started_at if run.core is not None else now
-                cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                return _rejected(run.pace.retry_window(now, started, run.config.retry_window_s, cap), "ROUND_FULL")
-            token = secrets.token_urlsafe(32)
-            self._sessions[session_id] = _Session(session_id, _hash_token(token), run, run.core)
-            return {
-                "status": "accepted",
-                "session_id": session_id,
-                "token": token,
-                "task": run.record.name,
-                "round": run.round_number,
-                "plan_id": run.record.plan_id,
-                "checkpoint_id": run.broadcast_id,
-                "aggregation": "secure_sum" if run.plan.server.secure_sum else "simple",
-                "report_deadline_s": run.config.report_timeout_s,
-                "max_report_bytes": run.report_limit,
-            }
+        try:
+            now = self.clock()
+            with self._lock:
+                pop = self._population(population)
+                self._advance(pop, now)
+                run = pop.current
+                if run is None:
+                    if pop.runs:  # a round is being committed
+                        last = pop.runs[0]
+                        return _rejected(last.pace.retry_window(now, now, last.config.retry_window_s, last.config.report_timeout_s), "ROUND_FULL")
+                    return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
+                meta = run.plan.metadata
+                if device_version < version_tuple(meta.min_runtime_version) or (
+                    meta.max_runtime_version is not None and device_version > version_tuple(meta.max_runtime_version)
+                ):
+                    return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
+                if not run.eligibility.empty:
+                    if not eligibility or eligibility.get("task") != run.record.name:
+                        return _rejected(run.config.retry_window_s, "ELIGIBILITY_REQUIRED")
+                    if not eligibility.get("eligible"):
+                        failed = ",".join(str(f) for f in eligibility.get("failed", []))[:200]
+                        return _rejected(IDLE_RETRY_WINDOW_S, f"INELIGIBLE:{failed}" if failed else "INELIGIBLE")
+                session_id = secrets.token_urlsafe(16)
+                assert run.core is not None
+                if not run.core.try_select(session_id, now):
+                    cap = run.config.selection_timeout_s + run.config.report_timeout_s
+                    return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ROUND_FULL")
+                token = secrets.token_urlsafe(32)
+                session = _Session(session_id, _hash_token(token), run, run.core, (run.record.plan_id, run.broadcast_id))
+                self._sessions[session_id] = session
+                self._by_token[session.token_hash] = session
+                return {
+                    "status": "accepted",
+                    "session_id": session_id,
+                    "token": token,
+                    "task": run.record.name,
+                    "round": run.round_number,
+                    "plan_id": run.record.plan_id,
+                    "checkpoint_id": run.broadcast_id,
+                    "aggregation": "secure_sum" if run.plan.server.secure_sum else "simple",
+                    "report_deadline_s": run.config.report_timeout_s,
+                    "max_report_bytes": run.report_limit,
+                }
+        finally:
+            self._flush()
 
     def report_limit(self, session_id: str) -> int:
         with self._lock:
@@ -262,7 +366,7 @@ class FLService:
                 raise NotFound("unknown session; check in again", code="UNKNOWN_SESSION")
             return session.run.report_limit
 
-    def report(self, session_id: str, token: str, body: bytes, shape: str | None = None) -> dict:
+    def report(self, session_id: str, token: str, body: bytes, stats: dict | None = None) -> dict:
         """Aggregate one device's update; nothing of it is kept apart from the running sum."""
         session = self._authorize(session_id, token)
         run = session.run
@@ -276,99 +380,161 @@ class FLService:
             run.executor.validate_update(update)
         except PlanError as exc:
             raise InvalidUpdate(f"the report does not match the plan: {exc}") from None
-        now = self.clock()
-        with self._lock:
-            verdict = session.core.report(session_id, now)
-            if verdict is ReportVerdict.DUPLICATE:
-                raise DuplicateReport("this session has already reported")
-            if verdict is ReportVerdict.LATE:
-                session.core.note_shape(shape and shape + "#")
-                self._note_late(run, session.core)
-                raise ReportLate("the reporting window of this session has closed; the update was discarded")
-            if verdict is not ReportVerdict.ACCEPT:
-                raise SessionClosed("this session was aborted or is no longer part of a round")
-            assert run.accumulator is not None
-            run.accumulator = run.executor.accumulate(run.accumulator, update)
-            session.core.note_shape(shape and shape + "^")
-            session.core.confirm_report(session_id, now)
-            self._advance(run, now)
-            return {"status": "accepted", "round": session.core.number}
-
-    def abort(self, session_id: str, token: str, reason: str, shape: str | None = None) -> dict:
-        session = self._authorize(session_id, token)
-        with self._lock:
+        bounded = bound_update(
+            update, run.plan.weight_names if run.is_training else (),
+            max_examples=run.config.max_examples_per_report, clip_norm=run.config.clip_update_norm,
+        )
+        observed = device_metrics(bounded.update, run.plan.weight_names if run.is_training else ())
+        observed.update(_stats_metrics(stats))
+        shape = _stats_shape(stats)
+        late_note: tuple[int, dict] | None = None
+        try:
             now = self.clock()
-            aborted = session.core.abort(session_id, now)
-            if aborted:
-                session.core.note_shape(shape)
-            if session.core is session.run.core and session.run.secure is not None:
-                session.run.secure.leave(session_id, now)
-            log.debug("session %s aborted (%s)", session_id, reason)
-            self._advance(session.run, now)
-            return {"status": "aborted" if aborted else "ignored"}
+            with self._lock:
+                verdict = session.core.report(session_id, now)
+                if verdict is ReportVerdict.DUPLICATE:
+                    raise DuplicateReport("this session has already reported")
+                if verdict is ReportVerdict.LATE:
+                    session.core.note_shape(shape and shape + "#")
+                    late_note = self._late_metrics(run, session.core)
+                    raise ReportLate("the reporting window of this session has closed; the update was discarded")
+                if verdict is not ReportVerdict.ACCEPT:
+                    raise SessionClosed("this session was aborted or is no longer part of a round")
+                assert run.accumulator is not None
+                try:
+                    run.accumulator = run.executor.accumulate(run.accumulator, bounded.update)
+                except Exception as exc:  # the plan's own accumulate failed on this update
+                    raise InvalidUpdate(f"the plan could not aggregate this report: {type(exc).__name__}") from None
+                run.device_metrics.add(observed)
+                run.bounded["capped"] += bounded.capped
+                run.bounded["clipped"] += bounded.clipped
+                session.core.note_shape(shape and shape + "^")
+                session.core.confirm_report(session_id, now)
+                self._advance(self._populations[run.record.population], now)
+                return {"status": "accepted", "round": session.core.number}
+        finally:
+            if late_note is not None and late_note[0] is not None:
+                self._write_quietly(self.store.update_round_metrics, *late_note)
+            self._flush()
+
+    def abort(self, session_id: str, token: str, reason: str, stats: dict | None = None) -> dict:
+        session = self._authorize(session_id, token)
+        shape = _stats_shape(stats)
+        try:
+            with self._lock:
+                now = self.clock()
+                aborted = session.core.abort(session_id, now)
+                if aborted:
+                    session.core.note_shape(shape)
+                if session.core is session.run.core and session.run.secure is not None:
+                    session.run.secure.leave(session_id, now)
+                log.debug("session %s aborted (%s)", session_id, reason)
+                self._advance(self._populations[session.run.record.population], now)
+                return {"status": "aborted" if aborted else "ignored"}
+        finally:
+            self._flush()
 
     def tick(self) -> None:
         """Let time-based transitions happen even when no device is talking to the server."""
         now = self.clock()
         with self._lock:
-            for run in list(self._runs.values()):
-                if run is not None:
-                    self._advance(run, now)
+            for pop in list(self._populations.values()):
+                self._advance(pop, now)
+        self._flush()
 
     # ----------------------------------------------------------------- queries
-    def resource(self, rid: str) -> bytes:
+    def resource(self, rid: str, token: str | None = None, *, admin: bool = False) -> bytes:
+        """A plan or checkpoint by id: an operator may read any; a device only those of the
+        session its bearer token belongs to."""
         if len(rid) != 64 or any(c not in "0123456789abcdef" for c in rid):
             raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+        if not admin:
+            with self._lock:
+                session = self._by_token.get(_hash_token(token)) if token else None
+            if session is None:
+                raise Unauthorized("send the session token (or an admin key) as 'Authorization: Bearer <token>'",
+                                   code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN")
+            if rid not in session.resources:
+                raise NotFound(f"no resource with id {rid!r} for this session", code="UNKNOWN_RESOURCE")
         data = self.store.get_resource(rid)
         if data is None:
             raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
         return data
 
-    def rounds(self, population: str) -> list[dict]:
+    def rounds(self, population: str, task: str | None = None) -> list[dict]:
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
         out = []
-        for task in self.store.tasks(population):
-            for record in self.store.rounds(task.id):
-                item = record.to_json()
-                item["task"] = task.name
+        for record in self.store.tasks(population):
+            if task is not None and record.name != task:
+                continue
+            for r in self.store.rounds(record.id):
+                item = r.to_json()
+                item["task"] = record.name
                 out.append(item)
         return out
 
     def population_status(self, population: str) -> dict:
+        tasks = self.store.tasks(population)
         with self._lock:
-            if population not in self._runs:
-                raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
-            run = self._runs[population]
-            tasks = [{"name": t.name, "status": t.status} for t in self.store.tasks(population)]
-            if run is None:
-                return {"population": population, "active_task": None, "tasks": tasks}
-            return {
+            pop = self._population(population)
+            active = [
+                {
+                    "name": run.record.name,
+                    "kind": run.plan.kind,
+                    "round": run.round_number,
+                    "committed_rounds": run.committed_rounds,
+                    "checkpoint_id": run.broadcast_id,
+                }
+                for run in pop.runs
+            ]
+            run = pop.current
+            status = {
                 "population": population,
-                "active_task": run.record.name,
-                "round": run.round_number,
-                "committed_rounds": run.committed_rounds,
-                "phase": run.core.phase.value if run.core else None,
-                "current_round": run.core.stats(self.clock()) if run.core else None,
-                "checkpoint_id": run.broadcast_id,
-                "tasks": tasks,
+                "strategy": pop.strategy.value if pop.runs else None,
+                "active_task": run.record.name if run is not None else None,
+                "active_tasks": active,
+                "tasks": [{"name": t.name, "status": t.status} for t in tasks],
             }
+            if run is not None:
+                assert run.core is not None
+                status.update(
+                    round=run.round_number,
+                    committed_rounds=run.committed_rounds,
+                    phase=run.core.phase.value,
+                    current_round=run.core.stats(self.clock()),
+                    checkpoint_id=run.broadcast_id,
+                )
+            return status
 
-    def current_model(self, population: str) -> tuple[bytes, int, str]:
-        """The newest global model of the population's latest task: bytes, round, task name."""
+    def current_model(self, population: str, task: str | None = None) -> tuple[bytes, int, str]:
+        """The newest global model of a task (by default the population's current training
+        task, else its latest one): bytes, round, task name."""
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
         tasks = self.store.tasks(population)
         if not tasks:
             raise NotFound(f"population {population!r} has no task yet", code="NO_TASK")
-        with self._lock:
-            run = self._runs.get(population)
-        task = run.record if run is not None else tasks[-1]
-        last = self.store.last_committed_round(task.id)
-        rid = last.checkpoint_id if last is not None and last.checkpoint_id else task.initial_checkpoint_id
-        return self.resource(rid), (last.number if last else 0), task.name
+        if task is not None:
+            chosen = next((t for t in tasks if t.name == task), None)
+            if chosen is None:
+                raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
+        else:
+            with self._lock:
+                pop = self._populations.get(population)
+                training = [r.record for r in pop.runs if r.is_training] if pop is not None else []
+            chosen = training[0] if training else tasks[-1]
+        last = self.store.last_committed_round(chosen.id)
+        rid = last.checkpoint_id if last is not None and last.checkpoint_id else chosen.initial_checkpoint_id
+        return self.resource(rid, admin=True), (last.number if last else 0), chosen.name
 
     # ----------------------------------------------------------------- internals
+    def _population(self, name: str) -> _Population:
+        pop = self._populations.get(name)
+        if pop is None:
+            raise NotFound(f"population {name!r} does not exist", code="UNKNOWN_POPULATION")
+        return pop
+
     def _authorize(self, session_id: str, token: str) -> _Session:
         with self._lock:
             session = self._sessions.get(session_id)
@@ -378,58 +544,110 @@ class FLService:
             raise Unauthorized("the bearer token does not belong to this session", code="BAD_SESSION_TOKEN")
         return session
 
-    def _load_run(self, population: str) -> _TaskRun | None:
-        """Build the in-memory state of the first active task, continuing after its last committed round."""
+    def _activate(self, population: str) -> None:
+        """Load the population's first group of active tasks if it has none running. The
+        database is read (and written) outside the lock; the result is installed under it."""
+        with self._lock:
+            pop = self._populations.setdefault(population, _Population(population))
+            if pop.runs or pop.committing:
+                return
+        loaded = self._load_group(population)
+        with self._lock:
+            if pop.runs or pop.committing or loaded is None:
+                return
+            pop.runs, pop.strategy, pop.turn = loaded
+            self._start_next(pop, self.clock())
+
+    def _load_group(self, population: str) -> tuple[list[_TaskRun], Strategy, int] | None:
+        """The first deploy (group of tasks) with an active task, continuing after each task's
+        last committed round (and, for alternating tasks, with the turn after the last round
+        run); tasks that reached ``max_rounds`` are marked completed."""
+        groups: dict[str, list[TaskRecord]] = {}
         for task in self.store.tasks(population):
-            if task.status != "active":
-                continue
-            plan = load_plan(self.store.get_resource(task.plan_id))
-            executor = PlanExecutor(plan)
-            config = RoundConfig.from_dict(task.config["round"])
-            eligibility = EligibilityPolicies.from_dict(task.config["eligibility"])
-            history = self.store.rounds(task.id)
-            committed = [r for r in history if r.status == "committed"]
-            last = committed[-1] if committed else None
-            ckpt = self.store.get_resource(last.checkpoint_id if last else task.initial_checkpoint_id)
-            state = {k: np.array(v) for k, v in decode_checkpoint(ckpt).items()}
-            number = (last.number + 1) if last else 1
-            attempt = 1 + sum(1 for r in history if r.number == number)
-            if config.max_rounds is not None and len(committed) >= config.max_rounds:
-                self.store.set_task_status(task.id, "completed")
-                continue
-            spec = executor.client_update_spec()
-            limit = REPORT_SLACK_BYTES + sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in spec.values())
-            run = _TaskRun(
-                record=task,
-                plan=plan,
-                executor=executor,
-                config=config,
-                eligibility=eligibility,
-                state=state,
-                broadcast_id=self.store.put_resource(encode_checkpoint(executor.prepare(state)), "checkpoint"),
-                round_number=number,
-                attempt=attempt,
-                committed_rounds=len(committed),
-                report_limit=limit,
-                codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,
-            )
-            self._start_round(run, self.clock())
-            return run
+            group = task.config.get("group", {})
+            groups.setdefault(group.get("first", task.name), []).append(task)
+        for members in groups.values():
+            runs: dict[str, _TaskRun] = {}
+            for task in members:
+                if task.status != "active":
+                    continue
+                run = self._load_run(task)
+                if run is None:
+                    self.store.set_task_status(task.id, "completed")
+                    continue
+                runs[task.name] = run
+            for task in members:
+                evaluated = task.config.get("group", {}).get("evaluates")
+                if task.name in runs and evaluated is not None:
+                    if evaluated not in runs:  # its model is final: nothing more to evaluate
+                        self.store.set_task_status(task.id, "completed")
+                        del runs[task.name]
+                    else:
+                        runs[task.name].evaluates = runs[evaluated]
+            if runs:
+                strategy = Strategy(members[0].config.get("group", {}).get("strategy", Strategy.ALTERNATE.value))
+                turn = sum(len(self.store.rounds(task.id)) for task in members)
+                return list(runs.values()), strategy, turn
         return None
 
-    def _start_round(self, run: _TaskRun, now: float) -> None:
+    def _load_run(self, task: TaskRecord) -> _TaskRun | None:
+        plan = load_plan(self.store.get_resource(task.plan_id))
+        executor = PlanExecutor(plan)
+        config = RoundConfig.from_dict(task.config["round"])
+        eligibility = EligibilityPolicies.from_dict(task.config["eligibility"])
+        history = self.store.rounds(task.id)
+        committed = [r for r in history if r.status == "committed"]
+        if config.max_rounds is not None and len(committed) >= config.max_rounds:
+            return None
+        last = committed[-1] if committed else None
+        ckpt_id = last.checkpoint_id if last is not None and last.checkpoint_id else task.initial_checkpoint_id
+        state = {k: np.array(v) for k, v in decode_checkpoint(self.store.get_resource(ckpt_id)).items()}
+        number = (last.number + 1) if last else 1
+        attempt = 1 + sum(1 for r in history if r.number == number)
+        spec = executor.client_update_spec()
+        limit = REPORT_SLACK_BYTES + sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in spec.values())
+        return _TaskRun(
+            record=task,
+            plan=plan,
+            executor=executor,
+            config=config,
+            eligibility=eligibility,
+            state=state,
+            broadcast_id=self.store.put_resource(encode_checkpoint(executor.prepare(state)), "checkpoint"),
+            round_number=number,
+            attempt=attempt,
+            committed_rounds=len(committed),
+            report_limit=limit,
+            weight=float(task.config.get("group", {}).get("weight", 1.0)),
+            codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,
+        )
+
+    def _start_next(self, pop: _Population, now: float) -> None:
+        """Open the next round of the task the population's strategy picks."""
+        if not pop.runs:
+            pop.current = None
+            return
+        run = pop.runs[choose_task(pop.strategy, [r.weight for r in pop.runs], pop.turn, self.rng)]
+        pop.turn += 1
+        if run.evaluates is not None:  # measure the model its training task has now
+            run.state = run.evaluates.state
+            run.broadcast_id = run.evaluates.broadcast_id
         run.core = RoundCore(run.round_number, run.config, now, deadlines_from_selection_end=run.codec is not None)
         if run.codec is not None:
             cfg = run.config
             settings = SecureSettings(cfg.secagg_min_group_size, cfg.secagg_round_timeout_s)
             run.secure = SecureRound(run.codec, settings, f"{run.record.name}/{run.round_number}/{run.attempt}")
         run.accumulator = run.executor.zero()
+        run.device_metrics = RoundMetrics()
+        run.bounded = {"capped": 0, "clipped": 0}
         run.started_wall = self.wall_clock()
+        pop.current = run
 
-    def _advance(self, run: _TaskRun, now: float) -> None:
-        core = run.core
-        if core is None:
+    def _advance(self, pop: _Population, now: float) -> None:
+        run = pop.current
+        if run is None or run.core is None:
             return
+        core = run.core
         if run.secure is not None and core.open:
             before = run.secure.version
             self._advance_secure(run, core, run.secure, now)
@@ -438,7 +656,7 @@ class FLService:
         phase = core.advance(now)
         if core.open:
             return
-        self._finish_round(run, core, phase, now)
+        self._close_round(pop, run, core, phase, now)
 
     def _advance_secure(self, run: _TaskRun, core: RoundCore, secure: SecureRound, now: float) -> None:
         """Form the groups once selection is over; add each finished group's sum (the Master
@@ -472,95 +690,222 @@ class FLService:
     def secagg_status(self, session_id: str, token: str) -> dict:
         """The device's view of its group; after the round closed, its group's final state."""
         session = self._authorize(session_id, token)
-        with self._lock:
-            run = session.run
-            self._advance(run, self.clock())
-            if session.core is run.core and run.secure is not None:
-                now = self.clock()
-                state = run.secure.status(session_id)
-                state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session_id) - now), 3)
-                return state
-            for closed in run.closed:
-                if closed.core is session.core and closed.secure is not None:
-                    state = closed.secure.status(session_id)
-                    # a group still running when its round closed will never finish
-                    return state if state["status"] in ("completed", "aborted") else {"status": "closed"}
-            return {"status": "closed"}
+        try:
+            with self._lock:
+                run = session.run
+                self._advance(self._populations[run.record.population], self.clock())
+                if session.core is run.core and run.secure is not None:
+                    now = self.clock()
+                    state = run.secure.status(session_id)
+                    state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session_id) - now), 3)
+                    return state
+                for closed in run.closed:
+                    if closed.core is session.core and closed.secure is not None:
+                        state = closed.secure.status(session_id)
+                        # a group still running when its round closed will never finish
+                        return state if state["status"] in ("completed", "aborted") else {"status": "closed"}
+                return {"status": "closed"}
+        finally:
+            self._flush()
 
     def secagg_message(self, session_id: str, token: str, data: bytes) -> dict:
         session = self._authorize(session_id, token)
-        with self._lock:
-            run = session.run
-            if run.secure is None or session.core is not run.core:
-                raise SessionClosed("this session's round is over")
-            if session_id not in run.secure.by_session:
-                raise Conflict("this session is in no Secure Aggregation group (yet)", code="NOT_IN_GROUP")
-            now = self.clock()
-            try:
-                before = run.secure.version
-                run.secure.receive(session_id, data, now)
-                if run.secure.version != before:
-                    self._secagg_changed()
-            except (OutOfOrder, UnexpectedClient) as exc:
-                raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
-            except SecAggError as exc:
-                raise BadRequest(f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED") from None
-            self._advance(run, now)
-            return {"status": "accepted"}
+        try:
+            with self._lock:
+                run = session.run
+                if run.secure is None or session.core is not run.core:
+                    raise SessionClosed("this session's round is over")
+                if session_id not in run.secure.by_session:
+                    raise Conflict("this session is in no Secure Aggregation group (yet)", code="NOT_IN_GROUP")
+                now = self.clock()
+                try:
+                    before = run.secure.version
+                    run.secure.receive(session_id, data, now)
+                    if run.secure.version != before:
+                        self._secagg_changed()
+                except (OutOfOrder, UnexpectedClient) as exc:
+                    raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
+                except SecAggError as exc:
+                    raise BadRequest(f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED") from None
+                self._advance(self._populations[run.record.population], now)
+                return {"status": "accepted"}
+        finally:
+            self._flush()
 
-    def _finish_round(self, run: _TaskRun, core: RoundCore, phase: Phase, now: float) -> None:
+    def _close_round(self, pop: _Population, run: _TaskRun, core: RoundCore, phase: Phase, now: float) -> None:
+        """Turn a finished round into a pending commit; the population opens no round until it
+        is written (see ``_flush``)."""
         metrics = core.stats(now)
         metrics["duration_s"] = round(now - core.started_at, 4)
         if run.secure is not None:
             metrics["secagg"] = run.secure.stats()
+        metrics["device_metrics"] = run.device_metrics.to_json()
+        metrics["bounded_reports"] = dict(run.bounded)
         run.pace.observe(now - core.started_at)
-        checkpoint = None
-        if phase is Phase.COMMITTED:
-            try:
-                aggregate = run.executor.report(run.accumulator)
-                new_state, update_metrics = run.executor.update(run.state, aggregate)
-                _check_finite(new_state)
-            except Exception as exc:  # a plan whose server part fails must not wedge the task
-                log.exception("task %s: the plan's server part failed; round %d is abandoned", run.record.name, core.number)
-                phase = Phase.ABANDONED
-                metrics["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            else:
-                metrics.update({k: float(v) for k, v in update_metrics.items()})
-                run.state = {k: np.array(v) for k, v in new_state.items()}
-                checkpoint = encode_checkpoint(run.state)
-        record = self.store.record_round(
-            run.record.id, core.number, run.attempt, phase.value, metrics, run.started_wall, self.wall_clock(), checkpoint
+        self._pending.append(
+            _PendingCommit(pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock())
         )
+        run.closed.append(_ClosedRound(core, None, metrics, run.secure))
         run.accumulator = None
-        run.closed.append(_ClosedRound(core, record.id, metrics, run.secure))
+        run.core = None
         if run.secure is not None:
             run.secure = None
             self._secagg_changed()
-        del run.closed[:-CLOSED_ROUNDS_KEPT]
-        live = {id(c.core) for c in run.closed}
-        self._sessions = {sid: s for sid, s in self._sessions.items() if s.run is not run or s.core is run.core or id(s.core) in live}
-        if phase is Phase.COMMITTED:
-            run.committed_rounds += 1
-            run.round_number += 1
-            run.attempt = 1
-            run.broadcast_id = self.store.put_resource(encode_checkpoint(run.executor.prepare(run.state)), "checkpoint")
-            log.info("task %s committed round %d: %s", run.record.name, core.number, metrics)
-        else:
-            run.attempt += 1
-            log.info("task %s abandoned round %d (attempt %d): %s", run.record.name, core.number, run.attempt - 1, metrics)
-        if run.config.max_rounds is not None and run.committed_rounds >= run.config.max_rounds:
-            self.store.set_task_status(run.record.id, "completed")
-            run.core = None
-            self._runs[run.record.population] = self._load_run(run.record.population)
-            return
-        self._start_round(run, now)
+        pop.current = None
+        pop.committing = True
 
-    def _note_late(self, run: _TaskRun, core: RoundCore) -> None:
+    def _flush(self) -> None:
+        """Write pending commits, outside the service lock. One thread writes at a time; a thread
+        that finds another writing leaves the work to it (the ticker picks up any leftover)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+            if not self._write_lock.acquire(blocking=False):
+                return
+            try:
+                while True:
+                    with self._lock:
+                        if not self._pending:
+                            break
+                        pending = self._pending.pop(0)
+                    self._commit(pending)
+            finally:
+                self._write_lock.release()
+
+    def _commit(self, p: _PendingCommit) -> None:
+        run, phase, metrics = p.run, p.phase, p.metrics
+        new_state = checkpoint = broadcast = None
+        if phase is Phase.COMMITTED:
+            try:
+                assert p.accumulator is not None
+                aggregate = run.executor.report(p.accumulator)
+                new_state, update_metrics = run.executor.update(run.state, aggregate)
+                new_state = {k: np.asarray(v, dtype=np.float32) for k, v in new_state.items()}
+                _check_finite(new_state)
+            except Exception as exc:  # a plan whose server part fails must not wedge the task
+                log.exception("task %s: the plan's server part failed; round %d is abandoned", run.record.name, p.core.number)
+                phase = Phase.ABANDONED
+                metrics["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                new_state = None
+            else:
+                metrics.update(_finite_metrics(update_metrics))
+                if run.is_training:
+                    checkpoint = encode_checkpoint(new_state)
+                    broadcast = encode_checkpoint(run.executor.prepare(new_state))
+                else:
+                    metrics["evaluated_checkpoint_id"] = run.broadcast_id
+        record_id = None
+        try:
+            record_id = self.store.record_round(
+                run.record.id, p.core.number, run.attempt, phase.value, metrics, p.started_wall, p.ended_wall, checkpoint, broadcast
+            ).id
+        except (SQLAlchemyError, OSError) as exc:
+            log.error("task %s round %d: the database write failed (%s); the round is abandoned", run.record.name, p.core.number, exc)
+            phase = Phase.ABANDONED
+            metrics["error"] = f"database write failed: {type(exc).__name__}"
+            record_id = self._write_quietly(
+                lambda: self.store.record_round(run.record.id, p.core.number, run.attempt, phase.value, metrics, p.started_wall, p.ended_wall).id
+            )
+        completes = phase is Phase.COMMITTED and run.config.max_rounds is not None and run.committed_rounds + 1 >= run.config.max_rounds
+        finished = [run] + [r for r in p.population.runs if r.evaluates is run] if completes else []
+        for done in finished:
+            self._write_quietly(self.store.set_task_status, done.record.id, "completed")
+        with self._lock:
+            for closed in run.closed:
+                if closed.core is p.core:
+                    closed.record_id = record_id
+            del run.closed[:-CLOSED_ROUNDS_KEPT]
+            live = {id(c.core) for c in run.closed}
+            for sid, session in list(self._sessions.items()):
+                if session.run is run and id(session.core) not in live:
+                    del self._sessions[sid]
+                    self._by_token.pop(session.token_hash, None)
+            if phase is Phase.COMMITTED:
+                if run.is_training and new_state is not None and broadcast is not None:
+                    run.state = new_state
+                    run.broadcast_id = _resource_id(broadcast)
+                run.committed_rounds += 1
+                run.round_number += 1
+                run.attempt = 1
+                log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))
+            else:
+                run.attempt += 1
+                log.info("task %s abandoned round %d (attempt %d): %s", run.record.name, p.core.number, run.attempt - 1, _brief(metrics))
+            pop = p.population
+            pop.runs = [r for r in pop.runs if r not in finished]
+            pop.committing = False
+            if pop.runs:
+                self._start_next(pop, self.clock())
+        if not pop.runs:
+            self._activate(pop.name)
+
+    def _write_quietly(self, write: Callable, *args: object) -> object:
+        """A database write whose failure is logged, not raised (its caller has a fallback)."""
+        try:
+            return write(*args)
+        except (SQLAlchemyError, OSError) as exc:
+            log.error("a database write failed: %s", exc)
+            return None
+
+    def _late_metrics(self, run: _TaskRun, core: RoundCore) -> tuple[int, dict] | None:
+        """A closed round's metrics updated with a late report, to be written after the lock."""
         for closed in run.closed:
-            if closed.core is core:
+            if closed.core is core and closed.record_id is not None:
                 assert core.ended_at is not None
                 closed.metrics.update(core.stats(core.ended_at))
-                self.store.update_round_metrics(closed.record_id, closed.metrics)
+                return closed.record_id, dict(closed.metrics)
+        return None
+
+
+def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Plan:
+    """Everything a deploy checks before anything is stored; raises a 4xx ``ApiError``."""
+    try:
+        plan = load_plan(spec.plan)
+    except PlanError as exc:
+        raise InvalidPlan(f"task {spec.name!r}: the plan was refused: {exc}") from None
+    if plan.kind not in ("train", "eval"):
+        raise InvalidPlan(f"task {spec.name!r}: plans of kind {plan.kind!r} cannot be deployed")
+    try:
+        weights = decode_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        raise InvalidCheckpoint(f"task {spec.name!r}: the initial checkpoint was refused: {exc}") from None
+    executor = PlanExecutor(plan)
+    try:
+        executor.client_update_spec()
+        _check_weights(executor, weights)
+        if trained is not None and PlanExecutor(trained).weight_spec() != executor.weight_spec():
+            raise InvalidPlan(f"task {spec.name!r}: its model's weights differ from those of the task it evaluates")
+        executor.smoke_test(weights)
+    except PlanError as exc:
+        raise InvalidPlan(f"task {spec.name!r}: {exc}") from None
+    config = spec.config
+    if plan.kind == "train" and config.commit_threshold < config.min_reports:
+        raise BadRequest(
+            f"task {spec.name!r}: a round could commit with {config.commit_threshold} device(s) "
+            f"(goal_count {config.goal_count} x min_fraction {config.min_fraction}), fewer than min_reports "
+            f"({config.min_reports}); a published model would give back so few devices' updates. Raise goal_count, "
+            "or lower min_reports knowingly",
+            code="BAD_CONFIG",
+        )
+    if not (spec.weight > 0 and np.isfinite(spec.weight)):
+        raise BadRequest(f"task {spec.name!r}: weight must be a positive number", code="BAD_CONFIG")
+    if plan.server.secure_sum:
+        try:
+            SecureSumCodec(plan, executor)
+        except PlanError as exc:
+            raise InvalidPlan(f"task {spec.name!r}: the plan's secure aggregation is not usable: {exc}") from None
+        if config.report_timeout_s <= 3 * config.secagg_round_timeout_s:
+            raise BadRequest(
+                f"report_timeout_s ({config.report_timeout_s}) must exceed three secagg_round_timeout_s "
+                f"({config.secagg_round_timeout_s}): the key rounds, training and Unmasking all fit in it",
+                code="BAD_CONFIG",
+            )
+    return plan
+
+
+def _resource_id(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _check_finite(state: dict[str, np.ndarray]) -> None:
@@ -569,17 +914,44 @@ def _check_finite(state: dict[str, np.ndarray]) -> None:
         raise FloatingPointError(f"the new model has non-finite values in {bad}")
 
 
+def _finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Only finite metrics are stored: a NaN or infinity would poison every later read."""
+    return {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
+
+
+def _brief(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k not in ("device_metrics", "shapes")}
+
+
+def _stats_shape(stats: object) -> str | None:
+    if isinstance(stats, dict) and isinstance(stats.get("shape"), str):
+        return stats["shape"]
+    return None
+
+
+def _stats_metrics(stats: object) -> dict[str, float]:
+    """Advisory costs a device reported with its update (its training time), for the summaries."""
+    if not isinstance(stats, dict):
+        return {}
+    value = stats.get("training_s")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value) and value >= 0:
+        return {"training_s": float(value)}
+    return {}
+
+
 def _rejected(window: tuple[float, float], reason: str) -> dict:
     return {"status": "rejected", "reason": reason, "retry_after_s": [float(window[0]), float(window[1])]}
 
 
 def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not all(c.isalnum() or c in "-_." for c in name):
-        raise BadRequest(f"{what} name must be 1-128 characters of letters, digits, '-', '_' or '.'", code="BAD_NAME")
+    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not set(name) <= NAME_ALPHABET:
+        raise BadRequest(f"{what} name must be 1-128 ASCII letters, digits, '-', '_' or '.'", code="BAD_NAME")
 
 
 def _check_weights(executor: PlanExecutor, weights: dict[str, np.ndarray]) -> None:
     expected = {name: spec for name, spec in executor.client_update_spec().items() if name in executor.plan.weight_names}
+    if not expected:
+        expected = executor.weight_spec()
     if set(weights) != set(expected):
         raise InvalidCheckpoint(
             f"the checkpoint holds {sorted(weights)} but the plan's weights are {sorted(expected)}"

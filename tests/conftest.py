@@ -21,5 +21,5 @@ def server(tmp_path):
 
 @pytest.fixture
 def admin(server):
-    with AdminClient(server.url) as client:
+    with server.admin() as client:
         yield client

@@ -23,6 +23,7 @@ def deploy(admin: AdminClient, population: str = "digits", *, plan=None, **confi
     plan = plan or digits_plan()
     weights = initial_weights(plan, seed=0)
     admin.create_population(population)
+    config.setdefault("min_reports", 1)  # these tests run rounds of a few devices knowingly
     admin.deploy_task(population, "train", plan, encode_checkpoint(weights), RoundConfig(**config))
     return plan, weights
 

@@ -36,7 +36,7 @@ def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digit
     db = tmp_path / "server.db"
 
     server = ServerThread(db).start()
-    admin = AdminClient(server.url)
+    admin = server.admin()
     admin.create_population("digits")
     admin.deploy_task("digits", "train", plan, encode_checkpoint(weights0), config)
     profile = DeviceProfile(dropout_prob=0.1, late_prob=0.1, late_delay_s=3.5, cooldown_s=(0.05, 0.3))
@@ -57,15 +57,15 @@ def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digit
     committed = [r for r in rounds if r["status"] == "committed"]
     assert [r["round"] for r in committed] == list(range(1, len(committed) + 1))
     for r in committed:
-        assert r["metrics"]["reported"] >= config.min_reports
+        assert r["metrics"]["reported"] >= config.commit_threshold
         assert r["metrics"]["selected"] <= config.selection_target
     outcomes = fleet.outcomes()
-    assert outcomes["completed"] >= 6 * config.min_reports
+    assert outcomes["completed"] >= 6 * config.commit_threshold
     assert outcomes["interrupted"] > 0
     assert any(shape == "-v[]+^" for shape in fleet.shapes())
 
     # After a restart the server continues from the last committed round with its model.
-    with ServerThread(db) as restarted, AdminClient(restarted.url) as admin2:
+    with ServerThread(db) as restarted, restarted.admin() as admin2:
         status = admin2.status("digits")
         last = max(r["round"] for r in admin2.rounds("digits") if r["status"] == "committed")
         assert status["round"] == last + 1

@@ -150,3 +150,55 @@ def test_property_garbage_never_escapes_as_another_error(garbage, seed):
             decode_checkpoint(candidate)
         except CheckpointError:
             pass
+
+
+def _forge_header(header: bytes, body: bytes = b"") -> bytes:
+    """A checkpoint with raw header bytes and a valid checksum."""
+    return MAGIC + struct.pack("<I", len(header)) + header + hashlib.sha256(header + body).digest() + body
+
+
+@pytest.mark.parametrize("depth", [9, 1_000, 100_000, (1 << 20) - 20])
+@pytest.mark.parametrize("opener", ["[", "{\"a\":"])
+def test_deeply_nested_headers_are_refused_not_a_recursion_error(depth, opener):
+    closer = "]" if opener == "[" else "}"
+    nested = (opener * depth + closer * depth).encode()
+    for header in (nested, b'{"tensors":' + nested + b"}", opener.encode() * depth):
+        if len(header) > 1 << 20:
+            header = header[: 1 << 20]
+        with pytest.raises(CheckpointError, match="nests more than 8 levels"):
+            decode_checkpoint(_forge_header(header))
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    name = '[[[[[[[[[[{{{{{{{{ \\" ]]]]'  # with an escaped quote, which does not end the string
+    tensors = {name: np.arange(3, dtype=np.int32)}
+    out = decode_checkpoint(encode_checkpoint(tensors))
+    np.testing.assert_array_equal(out[name], tensors[name])
+
+
+@pytest.mark.parametrize(
+    "value", ["NaN", "Infinity", "-Infinity", "1e999", "2.0", "-0.0", "1" * 30, "-" + "9" * 5000, str(2**64)]
+)
+def test_header_numbers_other_than_64_bit_integers_are_refused(value):
+    for header in (
+        '{"tensors":[{"name":"x","dtype":"float32","shape":[%s],"offset":0,"nbytes":0}]}' % value,
+        '{"tensors":[],"extra":%s}' % value,  # even in a field the decoder does not read
+    ):
+        with pytest.raises(CheckpointError, match="header"):
+            decode_checkpoint(_forge_header(header.encode()))
+
+
+# Bytes of JSON's structure and of its literals, so that the fuzzer reaches the parser's paths.
+_json_ish = st.lists(
+    st.sampled_from(list(b'[]{}",:\\ 0123456789-+.eEtrufalsnNIy') + [0xFF, 0xC3, 0x00, 0x7F]), max_size=400
+).map(bytes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=400), _json_ish, _json_ish.map(lambda b: b'{"tensors":[' + b)), st.integers(1, 3000))
+def test_property_any_header_bytes_give_a_checkpoint_error_or_a_checkpoint(header, repeat):
+    for candidate in (header, header * repeat):
+        try:
+            decode_checkpoint(_forge_header(candidate))
+        except CheckpointError:
+            pass

@@ -21,6 +21,7 @@ FAST = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)
 def _deploy(admin, policies: EligibilityPolicies, **config):
     plan = digits_plan()
     admin.create_population("digits")
+    config.setdefault("min_reports", 1)  # rounds of a few devices, knowingly
     admin.deploy_task("digits", "train", plan, encode_checkpoint(initial_weights(plan)), RoundConfig(**config), policies)
 
 

@@ -217,3 +217,15 @@ def test_plans_emitted_at_each_opset_load_and_train_alike(opset):
         ["w0_new", "loss_sum"], {**w, "x": x, "y": y})
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-6, atol=1e-7)
     assert PlanExecutor(loaded).client_update_spec()["w0"] == ((6, 4), np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000 + b"]" * 100_000, b'{"a": NaN}', b"{" * 5000])
+def test_a_plan_header_that_nests_deeply_or_holds_nan_is_refused_as_a_plan_error(header):
+    import hashlib
+
+    from device_runtime.plan import MAGIC, PLAN_FORMAT_VERSION, _DIGEST_LEN, _PREFIX
+
+    total = _PREFIX.size + len(header) + _DIGEST_LEN
+    content = _PREFIX.pack(MAGIC, PLAN_FORMAT_VERSION, len(header), total) + header
+    with pytest.raises(PlanError, match="not valid JSON"):
+        load_plan(content + hashlib.sha256(content).digest())

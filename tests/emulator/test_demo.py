@@ -23,7 +23,7 @@ def test_small_demo_prints_table_and_json_summary(tmp_path):
 
 
 def test_cli_demo_exit_code(tmp_path, capsys):
-    code = main(["demo", "--devices", "20", "--rounds", "1", "--goal", "5", "--time-limit", "60"])
+    code = main(["demo", "--devices", "20", "--rounds", "1", "--goal", "7", "--time-limit", "60"])
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["rounds_committed"] == 1

@@ -25,7 +25,7 @@ def authority():
 @pytest.fixture
 def attested_server(tmp_path, authority):
     verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=3, rate_per_s=0.5))
-    with ServerThread(tmp_path / "server.db", verifier=verifier) as srv, AdminClient(srv.url) as admin:
+    with ServerThread(tmp_path / "server.db", verifier=verifier) as srv, srv.admin() as admin:
         deploy(admin, goal_count=50)
         yield srv
 

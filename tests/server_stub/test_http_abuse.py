@@ -75,12 +75,16 @@ def test_every_abuse_gets_its_4xx_and_the_round_commits(server, admin):
         r = http.post("/v1/populations/nope/checkin", json={"runtime_version": "1.31.1"})
         assert r.status_code == 404 and _code(r) == "UNKNOWN_POPULATION"
         r = http.get("/v1/resources/" + "0" * 64)
+        assert r.status_code == 401 and _code(r) == "MISSING_TOKEN"
+        r = http.get("/v1/resources/" + "0" * 64, headers={"Authorization": f"Bearer {a['token']}"})
         assert r.status_code == 404 and _code(r) == "UNKNOWN_RESOURCE"
         r = http.get("/v1/resources/../../etc/passwd")
         assert r.status_code == 404
         r = _report(http, {"session_id": "no-such-session", "token": "x"}, good)
         assert r.status_code == 404 and _code(r) == "UNKNOWN_SESSION"
         r = http.post("/v1/populations", content=b"x" * 100_000)
+        assert r.status_code == 401 and _code(r) == "ADMIN_KEY_REQUIRED"
+        r = admin.http.post("/v1/populations", content=b"x" * 100_000)
         assert r.status_code == 413
         r = http.delete("/v1/populations/digits")
         assert r.status_code == 405
@@ -137,11 +141,11 @@ def test_deploy_refuses_bad_plans_and_checkpoints(server, admin):
     with pytest.raises(AdminError) as err:
         admin.deploy_task("p", "t", plan, b"junk", RoundConfig())
     assert err.value.code == "INVALID_CHECKPOINT"
-    with httpx.Client(base_url=admin.http.base_url, timeout=10) as http:
-        r = http.post("/v1/populations/p/tasks", json={"name": "t", "plan": "%%%", "checkpoint": ""})
-        assert r.status_code == 400 and _code(r) == "BAD_FIELD"
-        body = {"name": "t", "plan": base64.b64encode(b"x").decode(), "checkpoint": "", "config": {"goal_count": -1}}
-        r = http.post("/v1/populations/p/tasks", json=body)
-        assert r.status_code == 400 and _code(r) == "BAD_CONFIG"
-        r = http.post("/v1/populations", json={"name": "bad name/with slash"})
-        assert r.status_code == 400 and _code(r) == "BAD_NAME"
+    http = admin.http
+    r = http.post("/v1/populations/p/tasks", json={"name": "t", "plan": "%%%", "checkpoint": ""})
+    assert r.status_code == 400 and _code(r) == "BAD_FIELD"
+    body = {"name": "t", "plan": base64.b64encode(b"x").decode(), "checkpoint": "", "config": {"goal_count": -1}}
+    r = http.post("/v1/populations/p/tasks", json=body)
+    assert r.status_code == 400 and _code(r) == "BAD_CONFIG"
+    r = http.post("/v1/populations", json={"name": "bad name/with slash"})
+    assert r.status_code == 400 and _code(r) == "BAD_NAME"

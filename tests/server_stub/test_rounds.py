@@ -119,7 +119,7 @@ def test_round_invariants(goal, over, min_fraction, script):
         assert len(core.sessions) <= cfg.selection_target
         assert core.reported == len(accepted) <= cfg.goal_count
         if core.phase is Phase.COMMITTED:
-            assert core.reported >= cfg.min_reports
+            assert core.reported >= cfg.commit_threshold
         if core.phase is Phase.ABANDONED:
             assert core.reported < cfg.goal_count
         if core.reported >= cfg.goal_count:

@@ -1,0 +1,82 @@
+"""Operator authentication: admin bearer keys from a file or the environment.
+
+Only SHA-256 digests of the keys are held, and a presented key is compared against each of them in
+constant time, so the time a refusal takes says nothing about how much of a key was right."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+from typing import Iterable
+
+#: The environment variable that may hold admin keys, separated by commas or whitespace.
+ADMIN_KEYS_ENV = "FEDFLEET_ADMIN_KEYS"
+#: Shorter keys are refused: an admin key must not be guessable.
+MIN_KEY_CHARS = 16
+
+
+class AdminKeyError(ValueError):
+    """An admin key file or variable that cannot be used; the message says how to fix it."""
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class AdminKeys:
+    """The operator keys a server accepts. ``verify`` is constant-time per key."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        digests = []
+        for key in keys:
+            key = key.strip()
+            if not key:
+                continue
+            if len(key) < MIN_KEY_CHARS or not key.isascii() or not key.isprintable() or " " in key:
+                raise AdminKeyError(
+                    f"admin keys must be at least {MIN_KEY_CHARS} printable ASCII characters without spaces; "
+                    "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+                )
+            digests.append(_digest(key))
+        if not digests:
+            raise AdminKeyError("no admin key was given: an empty key file or variable would lock every operator out")
+        self._digests = tuple(digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def verify(self, presented: str | None) -> bool:
+        if not presented:
+            return False
+        digest = _digest(presented)
+        ok = False
+        for known in self._digests:  # no early exit: every key is compared
+            ok |= hmac.compare_digest(digest, known)
+        return ok
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "AdminKeys":
+        """One key per line; blank lines and lines starting with ``#`` are skipped."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise AdminKeyError(f"cannot read the admin key file {os.fspath(path)!r}: {exc}") from None
+        lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        return cls(lines)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "AdminKeys | None":
+        """The keys in ``FEDFLEET_ADMIN_KEYS``, or None when it is not set."""
+        raw = (os.environ if environ is None else environ).get(ADMIN_KEYS_ENV)
+        if raw is None:
+            return None
+        return cls(raw.replace(",", " ").split())
+
+    @classmethod
+    def generate(cls) -> tuple["AdminKeys", str]:
+        """A fresh random key (for a test server or a first start): the keys and the key itself."""
+        key = secrets.token_urlsafe(32)
+        return cls([key]), key

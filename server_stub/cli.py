@@ -1,0 +1,72 @@
+"""``fedfleet server`` / ``python -m server_stub``: the FL server as a command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
+from .app import create_app
+from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
+from .persistence import ServerStore
+from .service import FLService
+from .trust_anchor import TrustAnchorError, read_trust_anchor
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default="fl_server.db", help="SQLite file (created if missing) or a SQLAlchemy URL")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV}; else a key is generated and printed)")
+    p.add_argument("--attestation-trust", metavar="FILE",
+                   help="trust anchor of the attestation authority (`fedfleet authority` writes one); admits only attested devices")
+    p.add_argument("--rate-burst", type=float, default=5.0, help="check-ins a device may make at once (with attestation)")
+    p.add_argument("--rate-per-hour", type=float, default=60.0, help="check-ins a device regains per hour (with attestation)")
+    p.add_argument("--nonce-ttl", type=float, default=120.0, help="seconds an attestation nonce stays valid")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
+    """Start the server from parsed arguments; prints where it listens, its database, whether
+    attestation is on and where the admin keys come from. Returns an exit status."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.admin_key_file:
+            keys, source = AdminKeys.from_file(args.admin_key_file), f"from {args.admin_key_file}"
+        elif (env := AdminKeys.from_env()) is not None:
+            keys, source = env, f"from ${ADMIN_KEYS_ENV}"
+        else:
+            keys, generated = AdminKeys.generate()
+            source = f"generated for this run: {generated}"
+        verifier = None
+        if args.attestation_trust:
+            if args.rate_burst < 1 or args.rate_per_hour <= 0 or args.nonce_ttl <= 0:
+                raise ValueError("--rate-burst must be >= 1, --rate-per-hour and --nonce-ttl positive")
+            anchor = read_trust_anchor(args.attestation_trust)
+            verifier = AttestationVerifier(anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0))
+        store = ServerStore(args.db)
+    except (AdminKeyError, TrustAnchorError, ValueError) as exc:
+        print(f"fedfleet server: {exc}", file=sys.stderr)
+        return 2
+    service = FLService(store, verifier=verifier)
+    attestation = f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
+    print(f"fedfleet server listening on http://{args.host}:{args.port}", file=out)
+    print(f"  database:    {args.db}", file=out)
+    print(f"  attestation: {attestation}", file=out)
+    print(f"  admin keys:  {source}", file=out)
+    print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
+    try:
+        uvicorn.run(create_app(service, admin_keys=keys), host=args.host, port=args.port,
+                    log_level="warning" if args.log_level == "info" else args.log_level, access_log=False)
+    finally:
+        store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m server_stub", description="Run the FL server.")
+    add_server_arguments(parser)
+    return run_server(parser.parse_args(argv))

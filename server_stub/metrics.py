@@ -1,0 +1,333 @@
+"""Per-round summaries of device-reported metrics (paper, section 7.4).
+
+The paper's FL server keeps, per round, moments and order statistics of what devices report
+(loss, accuracy, update norms, counts), because a mean alone hides the shape of a fleet: a few
+devices with a diverging loss or a huge update barely move the mean but show in the tails. This
+module is that bookkeeping as pure state: it does no I/O and reads no clock, so the service, the
+fleet simulator and the tests all feed it the same way, one device report at a time.
+
+Choices, and why:
+
+* Moments by Welford in float64, with a power-of-two scale on the second moment. Client updates
+  are float32 and a round may have millions of reports; a naive sum of squares loses the variance
+  to cancellation, and with values near 1e308 the squares overflow. The standard deviation of
+  finite values is always finite (at most half the range), so the output never needs inf or NaN.
+* Order statistics from an Apache DataSketches KLL sketch: bounded memory (a few KB for k=200)
+  whatever the number of devices, mergeable across aggregators, with a known rank error
+  (``kll_doubles_sketch.get_normalized_rank_error(k, False)``, about 1.3% at k=200).
+* Non-finite values are counted, not added: one device reporting NaN or inf would otherwise make
+  the round's mean and quantiles meaningless. The count still tells the operator it happened.
+* Metric names are validated and capped per round: the names come from devices, so a malicious
+  device could otherwise send a million distinct names and make the server keep a sketch each.
+
+Only plain (non-SecAgg) rounds can have per-device metrics: under Secure Aggregation the server
+never sees one device's update, which is the point of it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from datasketches import kll_doubles_sketch
+
+if TYPE_CHECKING:
+    import pandas
+
+__all__ = ["MetricSummary", "RoundMetrics", "device_metrics", "rounds_frame"]
+
+DEFAULT_K = 200
+DEFAULT_MAX_NAMES = 32
+QUANTILES: dict[str, float] = {"p05": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}
+DROPPED_NAMES_KEY = "_dropped_names"
+
+# A leading underscore is reserved for RoundMetrics' own keys (``_dropped_names``), so a device
+# cannot shadow them with a metric of the same name.
+_NAME = re.compile(r"[A-Za-z0-9.-][A-Za-z0-9_.-]{0,63}")
+# The per-term magnitude bound of the scaled second moment: a product of two factors below
+# 2**450 stays below 2**900, leaving 2**123 of headroom for the sum before float64 overflows.
+_FACTOR_EXP = 450
+_M2_RESCALE_ABOVE = 2.0**960
+
+
+class MetricSummary:
+    """Count, mean, variance, min, max and approximate quantiles of one named metric."""
+
+    __slots__ = ("count", "non_finite", "min", "max", "_mean", "_m2", "_exp", "_sketch")
+
+    def __init__(self, k: int = DEFAULT_K) -> None:
+        self.count = 0
+        self.non_finite = 0
+        self.min = math.inf
+        self.max = -math.inf
+        self._mean = 0.0
+        # The second moment M2 (sum of squared deviations) is kept as _m2 * 4**_exp: with
+        # values near 1e308, M2 itself is not a float64, but its square root always is.
+        self._m2 = 0.0
+        self._exp = 0
+        self._sketch = kll_doubles_sketch(k)
+
+    @property
+    def mean(self) -> float | None:
+        if not self.count:
+            return None
+        return min(max(self._mean, self.min), self.max)  # rounding must not leave [min, max]
+
+    @property
+    def std(self) -> float | None:
+        """Population standard deviation (divide by n): the spread of the devices seen, not an estimate."""
+        if not self.count:
+            return None
+        std = math.ldexp(math.sqrt(max(self._m2, 0.0) / self.count), self._exp)
+        # Popoviciu: std <= range/2. Also catches rounding at the very edge of float64.
+        return min(std, self.max / 2 - self.min / 2)
+
+    @property
+    def k(self) -> int:
+        return self._sketch.k
+
+    def add(self, value: float) -> None:
+        """Add one device's value; NaN and +-inf are counted in ``non_finite`` instead."""
+        x = float(value)
+        if not math.isfinite(x):
+            self.non_finite += 1
+            return
+        self._sketch.update(x)
+        self.count += 1
+        self.min = min(self.min, x)
+        self.max = max(self.max, x)
+        if self.count == 1:
+            self._mean = x
+            return
+        # Halves: x - mean can overflow for values of opposite sign near 1e308, x/2 - mean/2
+        # cannot, and for normal floats it is exactly (x - mean)/2.
+        half_before = x / 2 - self._mean / 2
+        self._mean += math.ldexp(half_before / self.count, 1)
+        half_after = x / 2 - self._mean / 2
+        self._add_m2(half_before, half_after, 1.0)
+
+    def merge(self, other: MetricSummary) -> None:
+        """Fold ``other`` in (Chan et al.'s parallel update); ``other`` is left unchanged."""
+        if other is self:
+            other = self.copy()
+        self.non_finite += other.non_finite
+        if not other.count:
+            return
+        self._sketch.merge(other._sketch)
+        if not self.count:
+            self.count, self.min, self.max = other.count, other.min, other.max
+            self._mean, self._m2, self._exp = other._mean, other._m2, other._exp
+            return
+        na, nb = self.count, other.count
+        n = na + nb
+        half_delta = other._mean / 2 - self._mean / 2
+        # The convex form cannot overflow, whatever the two means are.
+        self._mean = self._mean * (na / n) + other._mean * (nb / n)
+        self.count = n
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+        exp = max(self._exp, other._exp)
+        self._m2 = math.ldexp(self._m2, 2 * (self._exp - exp)) + math.ldexp(other._m2, 2 * (other._exp - exp))
+        self._exp = exp
+        self._add_m2(half_delta, half_delta, na * nb / n)
+
+    def _add_m2(self, half_a: float, half_b: float, weight: float) -> None:
+        """M2 += (2*half_a) * (2*half_b) * weight, in the scaled representation."""
+        biggest = max(abs(half_a), abs(half_b))
+        if biggest:
+            need = math.frexp(biggest)[1] + 1 - _FACTOR_EXP
+            if need > self._exp:
+                self._m2 = math.ldexp(self._m2, 2 * (self._exp - need))
+                self._exp = need
+        self._m2 += math.ldexp(half_a, 1 - self._exp) * math.ldexp(half_b, 1 - self._exp) * weight
+        if self._m2 > _M2_RESCALE_ABOVE:
+            self._m2 = math.ldexp(self._m2, -128)
+            self._exp += 64
+
+    def quantile(self, rank: float) -> float | None:
+        """The smallest value v seen (approximately) such that a fraction >= rank of values are <= v."""
+        if self._sketch.is_empty():
+            return None
+        return float(self._sketch.get_quantile(rank, True))
+
+    def copy(self) -> MetricSummary:
+        out = MetricSummary(self.k)
+        out.count, out.non_finite, out.min, out.max = self.count, self.non_finite, self.min, self.max
+        out._mean, out._m2, out._exp = self._mean, self._m2, self._exp
+        out._sketch = kll_doubles_sketch.deserialize(self._sketch.serialize())
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON numbers only (``json.dumps(..., allow_nan=False)`` accepts it); None when empty."""
+        empty = not self.count
+        return {
+            "count": self.count,
+            "mean": self.mean,
+            "std": self.std,
+            "min": None if empty else self.min,
+            "max": None if empty else self.max,
+            "non_finite": self.non_finite,
+            "quantiles": None if empty else {key: self.quantile(rank) for key, rank in QUANTILES.items()},
+        }
+
+    def __repr__(self) -> str:
+        return f"MetricSummary(count={self.count}, mean={self.mean}, std={self.std}, non_finite={self.non_finite})"
+
+
+def _as_float(value: object) -> float | None:
+    """A device value as float, or None if it is not a real number (bools and strings are not)."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    if isinstance(value, int | np.integer):
+        try:
+            return float(value)
+        except OverflowError:  # a Python int beyond float64: count it as non-finite
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, float | np.floating):
+        return float(value)
+    return None
+
+
+class RoundMetrics(Mapping[str, MetricSummary]):
+    """Metric name -> :class:`MetricSummary` for one round, with a cap on distinct names."""
+
+    def __init__(self, max_names: int = DEFAULT_MAX_NAMES, k: int = DEFAULT_K) -> None:
+        self.max_names = max_names
+        self.k = k
+        # Values dropped because the name cap was reached (counted per value: keeping the
+        # dropped names to count them would be the memory the cap exists to bound).
+        self.dropped_names = 0
+        self._summaries: dict[str, MetricSummary] = {}
+
+    def __getitem__(self, name: str) -> MetricSummary:
+        return self._summaries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._summaries)
+
+    def __len__(self) -> int:
+        return len(self._summaries)
+
+    def _slot(self, name: str) -> MetricSummary | None:
+        summary = self._summaries.get(name)
+        if summary is None and len(self._summaries) < self.max_names:
+            summary = self._summaries[name] = MetricSummary(self.k)
+        return summary
+
+    def add(self, values: Mapping[str, float]) -> None:
+        """Add one device's metrics; bad names and non-numbers are ignored, not errors."""
+        for name, value in values.items():
+            if not isinstance(name, str) or not _NAME.fullmatch(name):
+                continue
+            x = _as_float(value)
+            if x is None:
+                continue
+            summary = self._slot(name)
+            if summary is None:
+                self.dropped_names += 1
+            else:
+                summary.add(x)
+
+    def merge(self, other: RoundMetrics) -> None:
+        """Fold ``other`` in; names beyond this cap count their values in ``dropped_names``."""
+        self.dropped_names += other.dropped_names
+        for name, theirs in list(other.items()):
+            ours = self._slot(name)
+            if ours is None:
+                self.dropped_names += theirs.count + theirs.non_finite
+            else:
+                ours.merge(theirs)
+
+    def to_json(self) -> dict[str, dict]:
+        out: dict[str, Any] = {name: self._summaries[name].to_json() for name in sorted(self._summaries)}
+        if self.dropped_names > 0:
+            out[DROPPED_NAMES_KEY] = self.dropped_names
+        return out
+
+    def __repr__(self) -> str:
+        return f"RoundMetrics({sorted(self._summaries)}, dropped_names={self.dropped_names})"
+
+
+def device_metrics(update: Mapping[str, np.ndarray], weight_names: Iterable[str]) -> dict[str, float]:
+    """The per-device metrics of one client update as the server receives it.
+
+    Every scalar non-weight tensor (``loss_sum``, ``correct``, ``count``, ``num_examples``, ...)
+    under its own name; ``loss`` and ``accuracy`` per example when ``count`` > 0; and, when the
+    update carries weights, ``update_norm``: the L2 norm of the mean weight delta. The weights are
+    sent as delta * num_examples (see ``device_runtime.executor``), hence the division; a large
+    norm is the usual sign of a diverging or malicious device.
+    """
+    weights = set(weight_names)
+    out: dict[str, float] = {}
+    for name, tensor in update.items():
+        if name in weights:
+            continue
+        arr = np.asarray(tensor)
+        if arr.size == 1 and arr.dtype.kind in "fiu":
+            out[name] = float(arr.reshape(()).astype(np.float64))
+    count = out.get("count")
+    if count is not None and count > 0:
+        if "loss_sum" in out:
+            out["loss"] = out["loss_sum"] / count
+        if "correct" in out:
+            out["accuracy"] = out["correct"] / count
+    present = [w for w in weights if w in update]
+    if present:
+        # Per-tensor norms in float64, combined by hypot (which scales, so no overflow in between).
+        norms = [float(np.linalg.norm(np.asarray(update[w], dtype=np.float64).ravel())) for w in sorted(present)]
+        n = out.get("num_examples", 1.0)
+        out["update_norm"] = math.hypot(*norms) / (n if n > 1.0 else 1.0)
+    return out
+
+
+def _flatten(prefix: str, obj: Mapping[str, Any], row: dict[str, Any]) -> None:
+    for key, value in obj.items():
+        if isinstance(value, Mapping):
+            _flatten(f"{prefix}{key}.", value, row)
+        elif value is None or isinstance(value, str | int | float | bool):
+            row[f"{prefix}{key}"] = value
+
+
+def _round_row(item: Mapping[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for key, value in item.items():
+        if key != "metrics" and (value is None or isinstance(value, str | int | float | bool)):
+            row[key] = value
+    for key, value in (item.get("metrics") or {}).items():
+        if key == "shapes" and isinstance(value, Mapping):
+            for shape, n in value.items():
+                row[f"shape.{shape}"] = n
+        elif key == "device_metrics" and isinstance(value, Mapping):
+            for name, summary in value.items():
+                if not isinstance(summary, Mapping):  # _dropped_names
+                    row[f"device_metrics.{name}"] = summary
+                    continue
+                flat = {k: v for k, v in summary.items() if k != "quantiles"}
+                flat.update(summary.get("quantiles") or {})
+                _flatten(f"device_metrics.{name}.", flat, row)
+        elif isinstance(value, Mapping):
+            _flatten(f"{key}.", value, row)
+        elif value is None or isinstance(value, str | int | float | bool):
+            row[f"metrics.{key}" if key in row else key] = value
+    return row
+
+
+def rounds_frame(rounds: list[dict]) -> pandas.DataFrame:
+    """One row per round of ``GET /v1/populations/{p}/rounds``, for analysis in pandas.
+
+    Columns: the round's scalar fields, its scalar metrics (prefixed ``metrics.`` only if a
+    top-level field has the same name), ``device_metrics.<name>.<stat>`` with the quantiles as
+    ``device_metrics.<name>.p50`` etc., and ``shape.<shape>`` counts (0 where a round had none).
+    """
+    try:
+        import pandas as pd
+    except ImportError as exc:
+        raise ImportError("rounds_frame needs pandas: pip install 'fedfleet[analysis]'") from exc
+    frame = pd.DataFrame([_round_row(item) for item in rounds])
+    shape_columns = [c for c in frame.columns if c.startswith("shape.")]
+    if shape_columns:
+        frame[shape_columns] = frame[shape_columns].fillna(0).astype("int64")
+    return frame

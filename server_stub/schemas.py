@@ -1,0 +1,84 @@
+"""The request bodies of the HTTP API, declared once: validation, error messages and the OpenAPI
+document all come from these types. Numbers are strict and finite, strings and lists bounded,
+unknown fields refused; JSON nesting is bounded by the parser (pydantic-core refuses deep input
+with an error instead of recursing)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+from device_runtime.eligibility import EligibilityPolicies
+
+from .rounds import RoundConfig
+from .task_choice import Strategy
+
+#: Names travel in URLs, headers and logs: ASCII letters, digits, '-', '_' and '.'.
+NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+Name = Annotated[str, Strict(), Field(pattern=NAME_PATTERN, description="1-128 ASCII letters, digits, '-', '_' or '.'")]
+Base64 = Annotated[str, Strict(), Field(description="standard base64 (RFC 4648) with padding")]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class CreatePopulation(_Schema):
+    name: Name
+
+
+class TaskDeploy(_Schema):
+    """One task. An evaluation task that ``evaluates`` a training task of the same deploy is sent
+    that task's current model each round and needs no checkpoint of its own."""
+
+    name: Name
+    plan: Base64 = Field(description="the serialized plan (serialize_plan), base64")
+    checkpoint: Base64 | None = Field(None, description="the initial checkpoint (encode_checkpoint), base64")
+    config: RoundConfig = Field(default_factory=RoundConfig)
+    eligibility: EligibilityPolicies = Field(default_factory=EligibilityPolicies)
+    weight: Annotated[float, Strict(), Field(gt=0.0, le=1e6)] = 1.0
+    evaluates: Name | None = None
+
+
+class GroupDeploy(_Schema):
+    """Tasks that share a population's rounds; ``strategy`` picks the task of each round."""
+
+    strategy: Strategy = Strategy.ALTERNATE
+    tasks: Annotated[list[TaskDeploy], Field(min_length=1, max_length=16)]
+
+
+class EligibilityVerdict(_Schema):
+    """The device's own verdict on the active task's policies (its data never leaves it)."""
+
+    task: Annotated[str, Strict(), Field(max_length=128)]
+    eligible: Annotated[bool, Strict()]
+    failed: Annotated[list[Annotated[str, Strict(), Field(max_length=64)]], Field(max_length=16)] = []
+
+
+class Checkin(_Schema):
+    runtime_version: Annotated[str, Strict(), Field(min_length=1, max_length=32, description="e.g. '1.31.1'")]
+    eligibility: EligibilityVerdict | None = None
+    attestation: dict[str, Any] | None = Field(None, description="a signed attestation (see POST /v1/attestation/nonce)")
+
+    @field_validator("eligibility", mode="before")
+    @classmethod
+    def _no_verdict(cls, value: object) -> object:
+        return None if value == {} else value  # devices send {} for a task without policies
+
+
+class Abort(_Schema):
+    reason: Annotated[str, Strict(), Field(max_length=1000)] = "unspecified"
+    stats: dict[str, Any] | None = Field(None, description="advisory session statistics (shape, training_s)")
+
+
+class ErrorDetail(_Schema):
+    code: str
+    message: str
+
+
+class ErrorBody(_Schema):
+    error: ErrorDetail
+
+
+REQUEST_SCHEMAS: tuple[type[BaseModel], ...] = (CreatePopulation, TaskDeploy, GroupDeploy, Checkin, Abort, ErrorBody)
