@@ -1,13 +1,16 @@
 """Check-ins per second that one uvicorn worker answers on loopback to concurrent clients.
 
 The server runs in its own process; the load comes from this process over keep-alive
-connections. Baseline in the same run: the same server's trivial health endpoint."""
+connections. Baseline in the same run: the same server's trivial health endpoint. Only the
+operator setup (populations, deploys) needs the admin key; the measured requests are device
+check-ins and the health check, which take none, and no device downloads a resource."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -20,7 +23,7 @@ from device_runtime import build_softmax_regression_plan, encode_checkpoint, ini
 from example_store import ExampleSelector
 from server_stub import AdminClient, RoundConfig, free_port
 
-OPEN_GOAL = 10_000_000
+OPEN_GOAL = 1_000_000  # RoundConfig's largest goal_count; far more check-ins than a run makes
 
 
 def _emit(obj: dict) -> None:
@@ -72,8 +75,14 @@ def main() -> None:
     duration = 3.0 if args.quick else 10.0
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
+        admin_key = secrets.token_urlsafe(32)
+        key_file = Path(tmp) / "admin.key"
+        key_file.write_text(admin_key + "\n", encoding="utf-8")
+        key_file.chmod(0o600)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server_stub", "--db", str(Path(tmp) / "bench.db"), "--port", str(port)],
+            [sys.executable, "-m", "server_stub", "--db", str(Path(tmp) / "bench.db"), "--port", str(port),
+             "--admin-key-file", str(key_file), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL,
         )
         try:
             url = f"http://127.0.0.1:{port}"
@@ -88,12 +97,15 @@ def main() -> None:
                     time.sleep(0.05)
             plan = build_softmax_regression_plan(64, 10, selector=ExampleSelector("app:/digits"))
             long = dict(over_selection=1.0, selection_timeout_s=3600, report_timeout_s=3600)
-            with AdminClient(url) as admin:
+            with AdminClient(url, admin_key=admin_key) as admin:
                 # "open": every check-in is selected; "full": the one seat is taken, so every check-in is turned away.
+                # "full" lowers min_reports to its goal of 1: its round never commits, and the default (5) would
+                # refuse the deploy.
                 for population, goal in (("open", OPEN_GOAL), ("full", 1)):
                     admin.create_population(population)
                     admin.deploy_task(
-                        population, "t", plan, encode_checkpoint(initial_weights(plan)), RoundConfig(goal_count=goal, **long)
+                        population, "t", plan, encode_checkpoint(initial_weights(plan)),
+                        RoundConfig(goal_count=goal, min_reports=min(goal, 5), **long),
                     )
                 httpx.post(url + "/v1/populations/full/checkin", json={"runtime_version": "1.31.1"}).raise_for_status()
             checkin_body = json.dumps({"runtime_version": "1.31.1", "eligibility": {}}).encode()

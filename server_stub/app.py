@@ -87,6 +87,10 @@ def _bad_input(errors: list[Any], *, deploy: bool = False) -> ApiError:
     if kind == "missing":
         return MalformedBody(f"field {where!r} is required", code="MISSING_FIELD")
     loc = first.get("loc", ())
+    if kind == "string_pattern_mismatch" and loc and loc[-1] in ("plan", "checkpoint"):
+        return MalformedBody(f"field {where!r} is not valid base64", code="BAD_FIELD")
+    if kind == "string_pattern_mismatch" and tuple(loc) == ("runtime_version",):
+        return MalformedBody("runtime_version is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION")
     if kind == "string_pattern_mismatch" and loc and loc[-1] in ("name", "evaluates"):
         return MalformedBody(f"{where}: names are 1-128 ASCII letters, digits, '-', '_' or '.'", code="BAD_NAME")
     if deploy and any(part in ("config", "eligibility") for part in loc):

@@ -17,7 +17,11 @@ from .task_choice import Strategy
 #: Names travel in URLs, headers and logs: ASCII letters, digits, '-', '_' and '.'.
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 Name = Annotated[str, Strict(), Field(pattern=NAME_PATTERN, description="1-128 ASCII letters, digits, '-', '_' or '.'")]
-Base64 = Annotated[str, Strict(), Field(description="standard base64 (RFC 4648) with padding")]
+#: What ``version_tuple`` reads: up to three dot-separated numbers, then anything (e.g. '+cpu').
+VERSION_PATTERN = r"^\s*[0-9]"
+#: Exactly what ``base64.b64decode(..., validate=True)`` accepts (a linear-time match, ~0.1 s for 60 MB).
+BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+Base64 = Annotated[str, Strict(), Field(pattern=BASE64_PATTERN, description="standard base64 (RFC 4648) with padding")]
 
 
 class _Schema(BaseModel):
@@ -57,7 +61,8 @@ class EligibilityVerdict(_Schema):
 
 
 class Checkin(_Schema):
-    runtime_version: Annotated[str, Strict(), Field(min_length=1, max_length=32, description="e.g. '1.31.1'")]
+    runtime_version: Annotated[str, Strict(), Field(min_length=1, max_length=32, pattern=VERSION_PATTERN,
+                                                    description="e.g. '1.31.1'; a tag after the numbers is ignored")]
     eligibility: EligibilityVerdict | None = None
     attestation: dict[str, Any] | None = Field(None, description="a signed attestation (see POST /v1/attestation/nonce)")
 

@@ -131,6 +131,7 @@ class _TaskRun:
     device_metrics: RoundMetrics = field(default_factory=RoundMetrics)
     bounded: dict[str, int] = field(default_factory=lambda: {"capped": 0, "clipped": 0})
     closed: list[_ClosedRound] = field(default_factory=list)
+    seats: dict[int, set[bytes]] = field(default_factory=dict)  # attested devices of the open round
 
     @property
     def is_training(self) -> bool:
@@ -304,11 +305,12 @@ class FLService:
             device_version = version_tuple(runtime_version)
         except ValueError:
             raise BadRequest(f"runtime_version {runtime_version!r} is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION") from None
+        device: bytes | None = None
         if self.verifier is not None:
             if attestation is None:
                 raise Unauthorized("this server only admits attested devices; send an attestation", code="ATTESTATION_REQUIRED")
             try:
-                self.verifier.verify(attestation, population, runtime_version, self.wall_clock())
+                device = self.verifier.verify(attestation, population, runtime_version, self.wall_clock()).device_key_hash
             except RateLimited as exc:
                 raise TooManyRequests(exc.message, code=exc.code, retry_after_s=exc.retry_after_s) from None
             except AttestationError as exc:
@@ -335,11 +337,17 @@ class FLService:
                     if not eligibility.get("eligible"):
                         failed = ",".join(str(f) for f in eligibility.get("failed", []))[:200]
                         return _rejected(IDLE_RETRY_WINDOW_S, f"INELIGIBLE:{failed}" if failed else "INELIGIBLE")
-                session_id = secrets.token_urlsafe(16)
                 assert run.core is not None
+                if device is not None and device in run.seats.get(id(run.core), ()):
+                    # one seat per attested device and round: its reports count as one device's
+                    cap = run.config.selection_timeout_s + run.config.report_timeout_s
+                    return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ALREADY_SELECTED")
+                session_id = secrets.token_urlsafe(16)
                 if not run.core.try_select(session_id, now):
                     cap = run.config.selection_timeout_s + run.config.report_timeout_s
                     return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ROUND_FULL")
+                if device is not None:
+                    run.seats = {id(run.core): run.seats.get(id(run.core), set()) | {device}}
                 token = secrets.token_urlsafe(32)
                 session = _Session(session_id, _hash_token(token), run, run.core, (run.record.plan_id, run.broadcast_id))
                 self._sessions[session_id] = session

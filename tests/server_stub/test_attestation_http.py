@@ -3,6 +3,7 @@ attestations and a device that checks in too often are turned away with their co
 
 from __future__ import annotations
 
+import base64
 import time
 
 import httpx
@@ -96,3 +97,19 @@ def test_a_device_that_checks_in_too_often_is_rate_limited(tmp_path, attested_se
     assert statuses[:3] == [200, 200, 200]
     assert statuses[3:] == [429, 429]
     assert int(r.headers["Retry-After"]) >= 1 and _code(r) == "RATE_LIMITED"
+
+
+def test_an_attested_device_takes_one_seat_per_round(attested_server, authority):
+    device = authority.new_device_attestor("emulated-pixel", time.time())
+    other = authority.new_device_attestor("emulated-pixel", time.time())
+
+    def checkin(attestor) -> dict:
+        nonce = base64.b64decode(httpx.post(f"{attested_server.url}/v1/attestation/nonce").json()["nonce"])
+        r = _checkin(attested_server.url, {"runtime_version": "1.31.1", "attestation": attestor.attest(nonce, "digits", "1.31.1")})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert checkin(device)["status"] == "accepted"
+    again = checkin(device)  # the same device, a fresh nonce: it must not count twice in a round
+    assert again["status"] == "rejected" and again["reason"] == "ALREADY_SELECTED"
+    assert checkin(other)["status"] == "accepted"

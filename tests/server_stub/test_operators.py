@@ -1,0 +1,355 @@
+"""Operator authentication end to end over HTTP, and the server command.
+
+Every operator operation of the OpenAPI document refuses a request without the admin key (401
+ADMIN_KEY_REQUIRED) or with any other credential (401 BAD_ADMIN_KEY), and changes nothing;
+device operations need no admin key, and the admin key is no session token. A session token
+reads only its own session's plan and checkpoint, and stops working once its session is gone."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from device_runtime import PlanExecutor, encode_checkpoint, initial_weights
+from emulator import AttestationAuthority
+from server_stub import AdminClient, AdminKeyError, AdminKeys, RoundConfig, ServerThread, free_port, task_body
+from server_stub.admin_auth import ADMIN_KEYS_ENV, MIN_KEY_CHARS
+from server_stub.cli import add_server_arguments, run_server
+from tests.support import deploy, digits_plan
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "operator-key-" + "k" * 32
+
+
+def _code(response: httpx.Response) -> str:
+    return response.json()["error"]["code"]
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """A server with the population 'digits' (a softmax task) and 'other' (an MLP task)."""
+    with ServerThread(tmp_path / "server.db", admin_key=KEY) as server, server.admin() as admin:
+        deploy(admin, "digits", goal_count=1, min_fraction=1.0, over_selection=1.0)
+        deploy(admin, "other", plan=digits_plan("mlp"))
+        yield server, admin
+
+
+def _operator_requests(document: dict) -> list[tuple[str, str, dict | None]]:
+    """One well-formed request for every operator-only operation of the document."""
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    bodies = {"/v1/populations": {"name": "new-population"},
+              "/v1/populations/{population}/tasks": task_body("new-task", plan, checkpoint, RoundConfig(min_reports=1)),
+              "/v1/populations/{population}/task-groups": {
+                  "tasks": [task_body("new-group-task", plan, checkpoint, RoundConfig(min_reports=1))]}}
+    requests = []
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            if operation.get("security") == [{"adminKey": []}]:
+                body = bodies[path] if method == "post" else None
+                requests.append((method.upper(), path.replace("{population}", "digits"), body))
+    return requests
+
+
+def test_every_operator_operation_refuses_a_missing_or_wrong_key(fleet):
+    server, admin = fleet
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        session = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
+        requests = _operator_requests(http.get("/openapi.json").json())
+        assert {(m, p) for m, p, _ in requests} == {
+            ("GET", "/v1/populations"), ("POST", "/v1/populations"), ("GET", "/v1/populations/digits"),
+            ("POST", "/v1/populations/digits/tasks"), ("POST", "/v1/populations/digits/task-groups"),
+            ("GET", "/v1/populations/digits/rounds"), ("GET", "/v1/populations/digits/model"),
+        }
+        missing = [{}, {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY},
+                   {"Authorization": "Bearer " + "k" * 600}]
+        wrong = [{"Authorization": "Bearer " + "x" * len(KEY)}, {"Authorization": f"Bearer {KEY[:-1]}"},
+                 {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {session['token']}"}]
+        for method, path, body in requests:
+            for headers, code in [(h, "ADMIN_KEY_REQUIRED") for h in missing] + [(h, "BAD_ADMIN_KEY") for h in wrong]:
+                r = http.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401 and _code(r) == code, (method, path, headers, r.text)
+            r = http.request(method, path, json=body, headers={"Authorization": f"bearer {KEY}"})
+            assert r.status_code < 300, (method, path, r.text)  # the scheme is case-insensitive
+    # The refused requests changed nothing; the accepted ones did.
+    assert sorted(admin.populations()) == ["digits", "new-population", "other"]
+    assert [t["name"] for t in admin.status("digits")["tasks"]] == ["train", "new-task", "new-group-task"]
+
+
+def test_device_operations_need_no_admin_key_and_the_admin_key_is_no_session_token(fleet):
+    server, _ = fleet
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        assert http.get("/v1/health").status_code == 200
+        assert http.get("/v1/populations/digits/eligibility").json()["task"] == "train"
+        session = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
+        assert session["status"] == "accepted"
+        as_admin = {"Authorization": f"Bearer {KEY}"}
+        sid = session["session_id"]
+        for method, path, body in [("POST", f"/v1/sessions/{sid}/report", {"content": b"x"}),
+                                   ("POST", f"/v1/sessions/{sid}/abort", {"json": {"reason": "x"}}),
+                                   ("GET", f"/v1/sessions/{sid}/secagg", {}),
+                                   ("POST", f"/v1/sessions/{sid}/secagg", {"content": b"x"})]:
+            r = http.request(method, path, headers=as_admin, **body)
+            assert r.status_code == 401 and _code(r) == "BAD_SESSION_TOKEN", (method, path, r.text)
+        # The session is untouched by those attempts: its own token still aborts it.
+        r = http.post(f"/v1/sessions/{sid}/abort", json={"reason": "done"}, headers={"Authorization": f"Bearer {session['token']}"})
+        assert r.json() == {"status": "aborted"}
+
+
+def _update(plan, scale: float) -> bytes:
+    spec = PlanExecutor(plan).client_update_spec()
+    update = {name: np.full(shape, scale, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    update["num_examples"] = np.array(4, dtype=update["num_examples"].dtype)
+    return encode_checkpoint(update)
+
+
+def test_a_session_token_reads_only_its_own_sessions_resources(fleet):
+    server, admin = fleet
+    plan = digits_plan()
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        mine = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
+        theirs = http.post("/v1/populations/other/checkin", json={"runtime_version": "1.31.1"}).json()
+        assert mine["plan_id"] != theirs["plan_id"] and mine["checkpoint_id"] != theirs["checkpoint_id"]
+        token = {"Authorization": f"Bearer {mine['token']}"}
+        for rid in (mine["plan_id"], mine["checkpoint_id"]):
+            r = http.get(f"/v1/resources/{rid}", headers=token)
+            assert r.status_code == 200
+            assert r.content == admin.http.get(f"/v1/resources/{rid}").content
+        for rid in (theirs["plan_id"], theirs["checkpoint_id"], "0" * 64, "not-an-id"):
+            r = http.get(f"/v1/resources/{rid}", headers=token)
+            assert r.status_code == 404 and _code(r) == "UNKNOWN_RESOURCE", (rid, r.text)
+            assert admin.http.get(f"/v1/resources/{rid}").status_code == (200 if rid in theirs.values() else 404)
+        r = http.get(f"/v1/resources/{mine['plan_id']}")
+        assert r.status_code == 401 and _code(r) == "MISSING_TOKEN"
+        r = http.get(f"/v1/resources/{mine['plan_id']}", headers={"Authorization": "Bearer " + "u" * 43})
+        assert r.status_code == 401 and _code(r) == "BAD_SESSION_TOKEN"
+
+        # Rounds of one device each: once its round is five rounds old, the session is gone and
+        # its token reads nothing, not even the plan it once could.
+        assert http.post(f"/v1/sessions/{mine['session_id']}/report", content=_update(plan, 0.01), headers=token).status_code == 200
+        later = []
+        for n in range(2, 7):
+            s = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
+            assert s["round"] == n, s
+            later.append(s)
+            auth = {"Authorization": f"Bearer {s['token']}"}
+            assert http.post(f"/v1/sessions/{s['session_id']}/report", content=_update(plan, 0.01 * n), headers=auth).status_code == 200
+        r = http.get(f"/v1/resources/{mine['plan_id']}", headers=token)
+        assert r.status_code == 401 and _code(r) == "BAD_SESSION_TOKEN", r.text
+        # A newer session does not read an older round's checkpoint.
+        r = http.get(f"/v1/resources/{mine['checkpoint_id']}", headers={"Authorization": f"Bearer {later[-1]['token']}"})
+        assert r.status_code == 404 and _code(r) == "UNKNOWN_RESOURCE"
+    assert [r["status"] for r in admin.rounds("digits")] == ["committed"] * 6
+
+
+# ----------------------------------------------------------------------------- admin keys
+def test_admin_keys_from_file_skip_comments_and_blank_lines(tmp_path):
+    path = tmp_path / "keys"
+    second = "second-key-" + "s" * 20
+    path.write_text(f"# operators of the fleet\n\n  {KEY}  \n   # {second[:-1]} retired\n\t\n{second}\n", encoding="utf-8")
+    keys = AdminKeys.from_file(path)
+    assert len(keys) == 2
+    assert keys.verify(KEY) and keys.verify(second)
+    assert not keys.verify(second[:-1]) and not keys.verify("# operators of the fleet") and not keys.verify("")
+    assert not keys.verify(None)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("short\n", f"at least {MIN_KEY_CHARS}"),
+    (f"{KEY}\n{'x' * (MIN_KEY_CHARS - 1)}\n", f"at least {MIN_KEY_CHARS}"),
+    ("two words-" + "w" * 20 + "\n", "without spaces"),
+    ("# only a comment\n\n", "no admin key"),
+    ("", "no admin key"),
+])
+def test_admin_key_files_that_cannot_be_used_are_refused(tmp_path, text, message):
+    path = tmp_path / "keys"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(AdminKeyError, match=message):
+        AdminKeys.from_file(path)
+
+
+def test_unreadable_admin_key_files_are_refused(tmp_path):
+    with pytest.raises(AdminKeyError, match="cannot read"):
+        AdminKeys.from_file(tmp_path / "missing")
+    (tmp_path / "latin1").write_bytes(b"\xff" * 20)
+    with pytest.raises(AdminKeyError, match="cannot read"):
+        AdminKeys.from_file(tmp_path / "latin1")
+
+
+def test_admin_keys_from_env():
+    second = "second-key-" + "s" * 20
+    assert AdminKeys.from_env({}) is None
+    keys = AdminKeys.from_env({ADMIN_KEYS_ENV: f" {KEY}, {second}\n"})
+    assert keys is not None and len(keys) == 2 and keys.verify(KEY) and keys.verify(second)
+    with pytest.raises(AdminKeyError):
+        AdminKeys.from_env({ADMIN_KEYS_ENV: ""})
+    with pytest.raises(AdminKeyError):
+        AdminKeys.from_env({ADMIN_KEYS_ENV: f"{KEY},short"})
+
+
+# ----------------------------------------------------------------------------- the command
+class _Server:
+    """``python -m server_stub`` as a subprocess; its stdout is read by a thread, line by line."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(ADMIN_KEYS_ENV, None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "server_stub", *args], cwd=REPO, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def banner(self, timeout_s: float = 20.0) -> str:
+        """What it printed up to the line naming its OpenAPI document."""
+        deadline, seen = time.monotonic() + timeout_s, []
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            seen.append(line)
+            if "OpenAPI:" in line:
+                return "\n".join(seen)
+        self.stop()
+        raise AssertionError(f"the server printed no banner: {seen}; stderr: {self.proc.stderr.read() if self.proc.stderr else ''}")
+
+    def wait_healthy(self, url: str, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=1).json() == {"status": "ok"}:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"{url} never answered /v1/health")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "admin.keys"
+    path.write_text(f"# the operators' key\n\n{KEY}\n", encoding="utf-8")
+    return path
+
+
+def test_the_command_serves_with_the_key_from_its_file(tmp_path):
+    port, db = free_port(), tmp_path / "s.db"
+    server = _Server("--db", str(db), "--port", str(port), "--admin-key-file", str(_key_file(tmp_path)))
+    try:
+        banner = server.banner()
+        url = f"http://127.0.0.1:{port}"
+        assert f"listening on {url}" in banner
+        assert f"database:    {db}" in banner
+        assert "attestation: off" in banner
+        assert KEY not in banner  # a key from a file is never printed
+        server.wait_healthy(url)
+        r = httpx.post(f"{url}/v1/populations", json={"name": "digits"}, timeout=10)
+        assert r.status_code == 401 and _code(r) == "ADMIN_KEY_REQUIRED"
+        with AdminClient(url, admin_key=KEY, timeout_s=10) as admin:
+            assert admin.create_population("digits") == {"name": "digits", "created": True}
+            assert admin.populations() == ["digits"]
+    finally:
+        server.stop()
+    assert db.exists()
+
+
+def test_the_command_with_a_trust_anchor_admits_only_attested_devices(tmp_path):
+    trust = tmp_path / "trust.json"
+    AttestationAuthority.generate().save_trust_anchor(trust)
+    port = free_port()
+    server = _Server("--db", str(tmp_path / "s.db"), "--port", str(port), "--admin-key-file", str(_key_file(tmp_path)),
+                     "--attestation-trust", str(trust))
+    try:
+        banner = server.banner()
+        assert "attestation: on" in banner and str(trust) in banner
+        url = f"http://127.0.0.1:{port}"
+        server.wait_healthy(url)
+        with AdminClient(url, admin_key=KEY, timeout_s=10) as admin:
+            admin.create_population("digits")
+        r = httpx.post(f"{url}/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}, timeout=10)
+        assert r.status_code == 401 and _code(r) == "ATTESTATION_REQUIRED"
+        r = httpx.post(f"{url}/v1/attestation/nonce", timeout=10)
+        assert r.status_code == 200 and r.json()["nonce"]
+    finally:
+        server.stop()
+
+
+def _bad_trust_files(tmp_path: Path) -> dict[str, Path]:
+    files = {"not json": "{", "not a trust anchor": '{"format": "something-else", "authorities": []}',
+             "no authority": '{"format": "fedfleet-attestation-trust", "authorities": []}',
+             "bad key": '{"format": "fedfleet-attestation-trust", "authorities": [{"key_id": "AA==", "public_key": "%%"}]}'}
+    out = {}
+    for name, text in files.items():
+        out[name] = tmp_path / f"{name.replace(' ', '-')}.json"
+        out[name].write_text(text, encoding="utf-8")
+    return out
+
+
+@pytest.mark.parametrize("command, problem", [
+    (["-m", "server_stub"], "short key"),
+    (["-m", "server_stub"], "empty key file"),
+    (["-m", "server_stub"], "missing key file"),
+    (["-m", "server_stub"], "bad trust anchor"),
+    (["-m", "server_stub"], "missing trust anchor"),
+    (["-m", "emulator.cli", "server"], "short key"),  # `fedfleet server` is the same command
+])
+def test_the_command_refuses_unusable_files_with_status_2(tmp_path, command, problem):
+    keys = _key_file(tmp_path)
+    args = ["--db", str(tmp_path / "s.db"), "--port", str(free_port()), "--admin-key-file", str(keys)]
+    if problem == "short key":
+        keys.write_text("short\n", encoding="utf-8")
+    elif problem == "empty key file":
+        keys.write_text("# nothing yet\n", encoding="utf-8")
+    elif problem == "missing key file":
+        keys.unlink()
+    elif problem == "bad trust anchor":
+        args += ["--attestation-trust", str(_bad_trust_files(tmp_path)["not json"])]
+    else:
+        args += ["--attestation-trust", str(tmp_path / "nowhere.json")]
+    done = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.startswith("fedfleet server: "), done.stderr
+    assert "Traceback" not in done.stderr and "listening" not in done.stdout
+
+
+@pytest.mark.parametrize("name", ["not a trust anchor", "no authority", "bad key"])
+def test_unusable_trust_anchors_are_refused_before_the_server_starts(tmp_path, name):
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    path = _bad_trust_files(tmp_path)[name]
+    args = parser.parse_args(["--db", str(tmp_path / "s.db"), "--admin-key-file", str(_key_file(tmp_path)),
+                              "--attestation-trust", str(path)])
+    out = io.StringIO()
+    assert run_server(args, out=out) == 2
+    assert out.getvalue() == ""
