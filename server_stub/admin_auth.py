@@ -16,6 +16,8 @@ from typing import Iterable
 ADMIN_KEYS_ENV = "FEDFLEET_ADMIN_KEYS"
 #: Shorter keys are refused: an admin key must not be guessable.
 MIN_KEY_CHARS = 16
+#: Longer bearer tokens are refused by the HTTP layer before any comparison.
+MAX_KEY_CHARS = 512
 
 
 class AdminKeyError(ValueError):
@@ -35,9 +37,9 @@ class AdminKeys:
             key = key.strip()
             if not key:
                 continue
-            if len(key) < MIN_KEY_CHARS or not key.isascii() or not key.isprintable() or " " in key:
+            if not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable() or " " in key:
                 raise AdminKeyError(
-                    f"admin keys must be at least {MIN_KEY_CHARS} printable ASCII characters without spaces; "
+                    f"admin keys must be {MIN_KEY_CHARS}-{MAX_KEY_CHARS} printable ASCII characters without spaces; "
                     "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
                 )
             digests.append(_digest(key))

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from device_runtime.opstats import SHAPE_ALPHABET
 from device_runtime.protocol import STATS_HEADER
 
-from .admin_auth import AdminKeys
+from .admin_auth import MAX_KEY_CHARS, AdminKeys
 from .errors import ApiError, BodyTooLarge, MalformedBody, TooManyRequests, Unauthorized
 from .persistence import ServerStore
 from .schemas import REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
@@ -111,7 +111,7 @@ def bearer(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()
-    if scheme.lower() != "bearer" or not token or len(token) > 512:
+    if scheme.lower() != "bearer" or not token or len(token) > MAX_KEY_CHARS:
         return None
     return token
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+#: Messages echo parts of the request (names, ids); a hostile one must not come back whole.
+MAX_MESSAGE_CHARS = 500
+
+
 class ApiError(Exception):
     """An error the API reports as JSON ``{"error": {"code", "message"}}`` with a 4xx status."""
 
@@ -10,6 +14,8 @@ class ApiError(Exception):
     code: str = "BAD_REQUEST"
 
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[: MAX_MESSAGE_CHARS - 3] + "..."
         super().__init__(message)
         self.message = message
         if code is not None:

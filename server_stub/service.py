@@ -472,8 +472,11 @@ class FLService:
     def rounds(self, population: str, task: str | None = None) -> list[dict]:
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+        records = self.store.tasks(population)
+        if task is not None and all(r.name != task for r in records):
+            raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
         out = []
-        for record in self.store.tasks(population):
+        for record in records:
             if task is not None and record.name != task:
                 continue
             for r in self.store.rounds(record.id):

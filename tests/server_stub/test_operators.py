@@ -353,3 +353,21 @@ def test_unusable_trust_anchors_are_refused_before_the_server_starts(tmp_path, n
     out = io.StringIO()
     assert run_server(args, out=out) == 2
     assert out.getvalue() == ""
+
+
+def test_an_unknown_task_filter_and_an_oversized_name_get_short_404s(server, admin):
+    from tests.support import deploy
+
+    deploy(admin)
+    r = admin.http.get("/v1/populations/digits/rounds", params={"task": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "UNKNOWN_TASK"
+    r = admin.http.get("/v1/populations/" + "x" * 10_000)
+    assert r.status_code == 404 and len(r.json()["error"]["message"]) <= 500
+
+
+def test_an_admin_key_the_http_layer_would_drop_is_refused_when_loaded():
+    from server_stub import AdminKeyError, AdminKeys
+
+    with pytest.raises(AdminKeyError):
+        AdminKeys(["k" * 513])
+    assert AdminKeys(["k" * 512]).verify("k" * 512)
