@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+import httpx
 import numpy as np
 import onnxruntime
 
@@ -88,7 +89,10 @@ class FLRuntime:
         opstats: OpStatsStore | None = None,
         device_class: DeviceClass = DeviceClass(),
         attestor: DeviceAttestor | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
+        """``transport``: how the protocol's requests travel (real HTTP by default; an
+        in-process transport in a simulation or a test), see ``ProtocolClient``."""
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="fl-plan-cache-"))
@@ -99,7 +103,7 @@ class FLRuntime:
         self.resumption_tokens: ResumptionTokenKeeper = opstats if opstats is not None else MemoryResumptionTokens()
         self.device_class = device_class
         self.attestor = attestor
-        self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng)
+        self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng, transport=transport)
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
         self._codecs: dict[str, SecureSumCodec] = {}
@@ -160,9 +164,14 @@ class FLRuntime:
     ) -> SessionResult:
         if eligibility is None:
             eligibility = self.evaluate_eligibility()
-        attestation = None
+        attestation: Callable[[], dict] | None = None
         if self.attestor is not None:
-            attestation = self.attestor.attest(self.client.attestation_nonce(), self.population, self.runtime_version)
+            attestor = self.attestor
+
+            def attest() -> dict:  # a fresh nonce for every attempt of the check-in
+                return attestor.attest(self.client.attestation_nonce(), self.population, self.runtime_version)
+
+            attestation = attest
         answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
             window = tuple(float(x) for x in answer.get("retry_after_s", (60.0, 120.0)))[:2]

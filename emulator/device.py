@@ -100,6 +100,10 @@ class EmulatedDevice:
             log.info("device %s: session failed: %s", self.device_id, exc)
             self.outcomes[f"error:{type(exc).__name__}"] += 1
             return self.rng.uniform(*self.profile.cooldown_s)
+        except Exception as exc:  # a full disk, too many open files...: counted, and the device lives on
+            log.warning("device %s: session failed unexpectedly: %r", self.device_id, exc)
+            self.outcomes[f"error:{type(exc).__name__}"] += 1
+            return self.rng.uniform(*self.profile.cooldown_s)
         self.outcomes[result.outcome.value] += 1
         self.shapes[result.shape] += 1
         return self.rng.uniform(*self.profile.cooldown_s)

@@ -131,7 +131,7 @@ class _TaskRun:
     device_metrics: RoundMetrics = field(default_factory=RoundMetrics)
     bounded: dict[str, int] = field(default_factory=lambda: {"capped": 0, "clipped": 0})
     closed: list[_ClosedRound] = field(default_factory=list)
-    seats: dict[int, set[bytes]] = field(default_factory=dict)  # attested devices of the open round
+    seats: dict[int, dict[bytes, str]] = field(default_factory=dict)  # open round: attested device -> session
 
     @property
     def is_training(self) -> bool:
@@ -338,16 +338,23 @@ class FLService:
                         failed = ",".join(str(f) for f in eligibility.get("failed", []))[:200]
                         return _rejected(IDLE_RETRY_WINDOW_S, f"INELIGIBLE:{failed}" if failed else "INELIGIBLE")
                 assert run.core is not None
-                if device is not None and device in run.seats.get(id(run.core), ()):
-                    # one seat per attested device and round: its reports count as one device's
-                    cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                    return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ALREADY_SELECTED")
-                session_id = secrets.token_urlsafe(16)
-                if not run.core.try_select(session_id, now):
-                    cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                    return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ROUND_FULL")
-                if device is not None:
-                    run.seats = {id(run.core): run.seats.get(id(run.core), set()) | {device}}
+                seats = run.seats.setdefault(id(run.core), {}) if device is not None else {}
+                if device is not None and device in seats:
+                    # One seat per attested device and round, so its reports count as one device's.
+                    # A device whose answer was lost checks in again: it gets its seat back under a
+                    # new token (the old one stops working) while the seat is still open.
+                    session_id = seats[device]
+                    if run.core.sessions.get(session_id) is not SessionState.SELECTED:
+                        cap = run.config.selection_timeout_s + run.config.report_timeout_s
+                        return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ALREADY_SELECTED")
+                    self._by_token.pop(self._sessions[session_id].token_hash, None)
+                else:
+                    session_id = secrets.token_urlsafe(16)
+                    if not run.core.try_select(session_id, now):
+                        cap = run.config.selection_timeout_s + run.config.report_timeout_s
+                        return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ROUND_FULL")
+                    if device is not None:
+                        run.seats = {id(run.core): {**seats, device: session_id}}
                 token = secrets.token_urlsafe(32)
                 session = _Session(session_id, _hash_token(token), run, run.core, (run.record.plan_id, run.broadcast_id))
                 self._sessions[session_id] = session

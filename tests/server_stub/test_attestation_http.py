@@ -109,7 +109,20 @@ def test_an_attested_device_takes_one_seat_per_round(attested_server, authority)
         assert r.status_code == 200, r.text
         return r.json()
 
-    assert checkin(device)["status"] == "accepted"
-    again = checkin(device)  # the same device, a fresh nonce: it must not count twice in a round
-    assert again["status"] == "rejected" and again["reason"] == "ALREADY_SELECTED"
+    first = checkin(device)
+    assert first["status"] == "accepted"
+    # The same device again (its answer was lost, say): the same seat under a new token, not a second seat.
+    again = checkin(device)
+    assert again["status"] == "accepted" and again["session_id"] == first["session_id"] and again["token"] != first["token"]
+    old = httpx.post(f"{attested_server.url}/v1/sessions/{first['session_id']}/abort", json={},
+                     headers={"Authorization": f"Bearer {first['token']}"})
+    assert old.status_code == 401 and _code(old) == "BAD_SESSION_TOKEN"
+    status = attested_server.admin().status("digits")
+    assert status["current_round"]["selected"] == 1
+    # Once its seat is closed (here: aborted), the device gets no other seat in this round.
+    r = httpx.post(f"{attested_server.url}/v1/sessions/{again['session_id']}/abort", json={},
+                   headers={"Authorization": f"Bearer {again['token']}"})
+    assert r.status_code == 200
+    third = checkin(device)
+    assert third["status"] == "rejected" and third["reason"] == "ALREADY_SELECTED"
     assert checkin(other)["status"] == "accepted"

@@ -1,0 +1,65 @@
+"""The protocol client's transport is pluggable, and a retried attested check-in signs a fresh
+nonce: a check-in whose answer was lost (the server consumed the nonce) is not refused as a replay."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from device_runtime import FLRuntime, Outcome
+from device_runtime.protocol import RetryPolicy, shared_tls_context
+from emulator import AttestationAuthority
+from example_store import SQLiteExampleStore
+from server_stub import AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
+from tests.support import COLLECTION, deploy
+
+
+class LoseFirstCheckinAnswer(httpx.BaseTransport):
+    """Real HTTP, except that the first check-in's answer is lost after the server handled it."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.checkins: list[dict] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.url.path.endswith("/checkin"):
+            response.read()
+            self.checkins.append(response.json() if response.status_code < 500 else {})
+            if len(self.checkins) == 1:
+                raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_retried_attested_checkin_signs_a_fresh_nonce(tmp_path, digits):
+    authority = AttestationAuthority.generate()
+    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=10, rate_per_s=1))
+    with ServerThread(tmp_path / "server.db", verifier=verifier) as server, server.admin() as admin:
+        deploy(admin, goal_count=1, over_selection=3.0)
+        store = SQLiteExampleStore(tmp_path / "app.db")
+        store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:20], digits.y_train[:20])))
+        transport = LoseFirstCheckinAnswer()
+        runtime = FLRuntime("digits", server.url, store, transport=transport,
+                            retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.02),
+                            attestor=authority.new_device_attestor("emulated-pixel", time.time()))
+        result = runtime.run_session()
+        runtime.close()
+    # The lost attempt was accepted by the server; the retry was a new, accepted check-in, not a replay.
+    assert [c.get("status") for c in transport.checkins] == ["accepted", "accepted"]
+    assert result.outcome is Outcome.COMPLETED
+
+
+def test_every_client_shares_one_tls_context():
+    assert shared_tls_context() is shared_tls_context()
+    from device_runtime.protocol import ProtocolClient
+
+    a, b = ProtocolClient("http://127.0.0.1:1"), ProtocolClient("https://127.0.0.1:1")
+    try:
+        assert a.http._transport._pool._ssl_context is b.http._transport._pool._ssl_context is shared_tls_context()
+    finally:
+        a.close()
+        b.close()
