@@ -34,6 +34,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import from_json
@@ -52,18 +53,44 @@ MAX_PLAN_BYTES = 1 << 31
 GRAPH_FIELDS = ("work", "prepare", "zero", "accumulate", "merge", "report", "update")
 PLAN_KINDS = ("train", "eval")
 
-# Opset and IR version supported by onnxruntime releases (inclusive ranges of minor versions of 1.x).
-# 1.24-1.25 are not measured here; they are assumed to support what 1.23 does (conservative).
-_ORT_SUPPORT: tuple[tuple[int, int, int, int], ...] = (
-    # (first minor, last minor, max opset, max IR version)
-    (15, 16, 19, 9),
-    (17, 17, 20, 9),
-    (18, 20, 21, 10),
-    (21, 22, 22, 10),
-    (23, 25, 23, 11),
-    (26, 31, 26, 13),
-)
-OLDEST_SUPPORTED_RUNTIME = "1.15.0"
+# Opset and IR version each onnxruntime release loads and runs, as measured on the real wheels by
+# `python -m emulator.ort_support` (one row per minor release of 1.x: the latest patch, a probe
+# model at every opset and IR version) and shipped as package data in ort_support.json. Read, not
+# written here, so a re-measurement changes one file and the tests check the code against it.
+ORT_SUPPORT_RESOURCE = "ort_support.json"
+
+
+def _ort_support_rows(raw: list[dict[str, Any]]) -> tuple[tuple[int, int, int, int], ...]:
+    """The record as (first minor, last minor, max opset, max IR version) rows, oldest first.
+
+    Consecutive minors with equal support share a row; a minor with no measurement of its own (a gap
+    in the record) takes the row of the nearest older measured one, which by monotonicity is the
+    conservative answer. A malformed record fails the import: plans cannot be checked without it.
+    """
+    measured = sorted((int(r["minor"]), int(r["max_opset"]), int(r["max_ir"])) for r in raw)
+    if not measured or len({minor for minor, _, _ in measured}) != len(measured):
+        raise ValueError(f"{ORT_SUPPORT_RESOURCE}: expected one row per onnxruntime minor release, got {raw!r}")
+    rows: list[list[int]] = []
+    for minor, max_opset, max_ir in measured:
+        if rows and (max_opset < rows[-1][2] or max_ir < rows[-1][3]):
+            raise ValueError(f"{ORT_SUPPORT_RESOURCE}: onnxruntime 1.{minor} supports less than an older release")
+        if rows and (rows[-1][2], rows[-1][3]) == (max_opset, max_ir):
+            rows[-1][1] = minor
+        else:
+            if rows:
+                rows[-1][1] = minor - 1
+            rows.append([minor, minor, max_opset, max_ir])
+    return tuple((first, last, opset, ir) for first, last, opset, ir in rows)
+
+
+def load_ort_support_record() -> list[dict[str, Any]]:
+    """The measured record as shipped: one ``{"release", "minor", "max_opset", "max_ir", "measured_on"}``
+    per onnxruntime minor release."""
+    return json.loads(resources.files(__package__).joinpath(ORT_SUPPORT_RESOURCE).read_text(encoding="utf-8"))
+
+
+_ORT_SUPPORT: tuple[tuple[int, int, int, int], ...] = _ort_support_rows(load_ort_support_record())
+OLDEST_SUPPORTED_RUNTIME = f"1.{_ORT_SUPPORT[0][0]}.0"
 
 
 class PlanError(ValueError):

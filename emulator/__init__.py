@@ -1,9 +1,10 @@
-"""Emulated devices and fleets, datasets, and the demo."""
+"""Emulated devices and fleets, datasets, the demo, and environments of real onnxruntime releases."""
 
 from .attestation_authority import AttestationAuthority
 from .datasets import Dataset, load_digits_dataset, partition_by_shards
 from .demo import DemoConfig, run_demo
 from .device import DeviceProfile, EmulatedDevice, Fleet
+from .runtime_envs import RuntimeEnv, RuntimeEnvError, available_releases
 
 __all__ = [
     "AttestationAuthority",
@@ -12,6 +13,9 @@ __all__ = [
     "DeviceProfile",
     "EmulatedDevice",
     "Fleet",
+    "RuntimeEnv",
+    "RuntimeEnvError",
+    "available_releases",
     "load_digits_dataset",
     "partition_by_shards",
     "run_demo",

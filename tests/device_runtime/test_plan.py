@@ -16,6 +16,7 @@ from device_runtime.plan import (
     MAGIC,
     PLAN_FORMAT_VERSION,
     PlanError,
+    load_ort_support_record,
     load_plan,
     max_ir_version_for_runtime,
     max_opset_for_runtime,
@@ -182,22 +183,13 @@ def test_bad_header_fields_are_refused(plan):
             load_plan(serialize_plan(bad))
 
 
-def test_version_tables():
-    assert max_opset_for_runtime("1.15.0") == 19
-    assert max_opset_for_runtime("1.16.3") == 19
-    assert max_opset_for_runtime("1.17.1") == 20
-    assert max_opset_for_runtime("1.18.0") == 21
-    assert max_opset_for_runtime("1.20.2") == 21
-    assert max_opset_for_runtime("1.21.0") == 22
-    assert max_opset_for_runtime("1.22.1") == 22
-    assert max_opset_for_runtime("1.23.2") == 23
-    assert max_opset_for_runtime("1.26.0") == 26
-    assert max_opset_for_runtime("1.31.1") == 26
-    assert max_opset_for_runtime("1.40.0") == 26
-    assert max_ir_version_for_runtime("1.15.0") == 9
-    assert max_ir_version_for_runtime("1.31.1") == 13
-    assert min_runtime_for_opset(17) == "1.15.0"
-    assert min_runtime_for_opset(22) == "1.21.0"
+def test_version_tables_follow_the_measured_record():
+    # the values themselves are checked against ort_support.json in test_ort_support.py
+    for row in load_ort_support_record():
+        assert max_opset_for_runtime(row["release"]) == row["max_opset"]
+        assert max_ir_version_for_runtime(row["release"]) == row["max_ir"]
+        assert max_opset_for_runtime(min_runtime_for_opset(row["max_opset"])) == row["max_opset"]
+    assert max_opset_for_runtime("1.40.0") == max_opset_for_runtime("1.31.1")
     with pytest.raises(PlanError, match="older than"):
         max_opset_for_runtime("1.14.1")
 
