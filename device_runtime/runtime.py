@@ -35,6 +35,9 @@ from .secure_sum import SecureSumCodec
 
 log = logging.getLogger(__name__)
 
+#: Where a device waits before trying again when the server named no retry window.
+DEFAULT_RETRY_WINDOW_S = (60.0, 120.0)
+
 class Outcome(enum.Enum):
     COMPLETED = "completed"
     REPORT_REJECTED = "report_rejected"
@@ -120,8 +123,9 @@ class FLRuntime:
         self.close()
 
     def next_retry_delay(self) -> float:
-        """A delay inside the server's last retry window, jittered so devices do not come back together."""
-        lo, hi = self.last_retry_window or (0.0, 0.0)
+        """A delay inside the server's last retry window, jittered so devices do not come back
+        together; before the server named one (it was unreachable, say), inside the default window."""
+        lo, hi = self.last_retry_window or DEFAULT_RETRY_WINDOW_S
         return self.rng.uniform(lo, hi)
 
     def store_for(self, collection_uri: str) -> ExampleStore:
@@ -174,7 +178,7 @@ class FLRuntime:
             attestation = attest
         answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
-            window = tuple(float(x) for x in answer.get("retry_after_s", (60.0, 120.0)))[:2]
+            window = tuple(float(x) for x in answer.get("retry_after_s", DEFAULT_RETRY_WINDOW_S))[:2]
             self.last_retry_window = (window[0], window[1])
             raise SessionRejected(str(answer.get("reason", "unspecified")), self.last_retry_window)
         session = rec.session = answer

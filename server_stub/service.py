@@ -166,6 +166,7 @@ class _PendingCommit:
     secure: SecureRound | None
     started_wall: float
     ended_wall: float
+    written: threading.Event = field(default_factory=threading.Event)
 
 
 class FLService:
@@ -195,6 +196,7 @@ class FLService:
         self._sessions: dict[str, _Session] = {}
         self._by_token: dict[bytes, _Session] = {}
         self._pending: list[_PendingCommit] = []
+        self._closed_here = threading.local()  # commits the current thread's call created
         for name in store.population_names():
             self._populations[name] = _Population(name)
             self._activate(name)
@@ -760,9 +762,11 @@ class FLService:
         metrics["device_metrics"] = run.device_metrics.to_json()
         metrics["bounded_reports"] = dict(run.bounded)
         run.pace.observe(now - core.started_at)
-        self._pending.append(
-            _PendingCommit(pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock())
-        )
+        pending = _PendingCommit(pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock())
+        self._pending.append(pending)
+        if not hasattr(self._closed_here, "commits"):
+            self._closed_here.commits = []
+        self._closed_here.commits.append(pending)
         run.closed.append(_ClosedRound(core, None, metrics, run.secure))
         run.accumulator = None
         run.core = None
@@ -774,22 +778,32 @@ class FLService:
 
     def _flush(self) -> None:
         """Write pending commits, outside the service lock. One thread writes at a time; a thread
-        that finds another writing leaves the work to it (the ticker picks up any leftover)."""
+        that finds another writing leaves the work to it. A call that closed a round returns only
+        once that round is written (by whichever thread), so the device whose report completed a
+        round, or a test, sees it on record; calls that closed nothing never wait for a write."""
         while True:
             with self._lock:
                 if not self._pending:
-                    return
+                    break
             if not self._write_lock.acquire(blocking=False):
-                return
+                break
             try:
                 while True:
                     with self._lock:
                         if not self._pending:
                             break
                         pending = self._pending.pop(0)
-                    self._commit(pending)
+                    try:
+                        self._commit(pending)
+                    finally:
+                        pending.written.set()
             finally:
                 self._write_lock.release()
+        closed = getattr(self._closed_here, "commits", None)
+        if closed:
+            self._closed_here.commits = []
+            for pending in closed:
+                pending.written.wait()
 
     def _commit(self, p: _PendingCommit) -> None:
         run, phase, metrics = p.run, p.phase, p.metrics

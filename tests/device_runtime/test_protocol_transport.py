@@ -63,3 +63,15 @@ def test_every_client_shares_one_tls_context():
     finally:
         a.close()
         b.close()
+
+
+def test_before_any_rejection_the_retry_delay_is_jittered_inside_the_default_window(tmp_path):
+    import random
+
+    from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S
+
+    runtime = FLRuntime("p", "http://127.0.0.1:9", SQLiteExampleStore(tmp_path / "a.db"), rng=random.Random(1))
+    delays = [runtime.next_retry_delay() for _ in range(200)]
+    runtime.close()
+    lo, hi = DEFAULT_RETRY_WINDOW_S
+    assert all(lo <= d <= hi for d in delays) and max(delays) - min(delays) > (hi - lo) / 2
