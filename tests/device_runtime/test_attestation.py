@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import stat
@@ -19,6 +20,7 @@ from device_runtime.attestation import (
     ParsedAttestation,
     RateLimited,
     attestation_payload,
+    authority_key_id,
     b64encode,
     decode_nonce,
     device_key_hash,
@@ -241,4 +243,13 @@ def test_authority_issue_validates_and_persists(tmp_path):
     again = AttestationAuthority.load(path)
     assert again.key_id == AUTHORITY.key_id and again.trust_anchor() == AUTHORITY.trust_anchor()
     assert AttestationAuthority.generate(seeded(3)).key_id == AttestationAuthority.generate(seeded(3)).key_id
-    assert b64encode(AUTHORITY.public_key_bytes())  # 32 raw bytes, base64-able for configuration
+    # the base64 form an operator configures is the raw 32-byte Ed25519 key that verifies the
+    # authority's certificates and whose hash is the key id certificates name
+    configured = base64.b64decode(b64encode(AUTHORITY.public_key_bytes()), validate=True)
+    assert len(configured) == 32 and configured == AUTHORITY.public_key_bytes()
+    assert authority_key_id(configured) == AUTHORITY.key_id
+    assert AUTHORITY.trust_anchor() == {AUTHORITY.key_id: configured}
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    cert = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0).certificate
+    Ed25519PublicKey.from_public_bytes(configured).verify(cert.signature, cert.signed_payload())

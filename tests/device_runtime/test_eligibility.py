@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from device_runtime import FLRuntime, OpStatsStore, Outcome, RetryPolicy, SessionRejected, encode_checkpoint, initial_weights
@@ -73,19 +73,75 @@ def test_minimum_separation_in_time_and_sampling_period(tmp_path, server, admin,
     assert device.run_session().outcome is Outcome.COMPLETED
 
 
-@given(
-    available=st.integers(0, 100),
-    min_examples=st.integers(0, 100),
-    last_round=st.integers(0, 50),
-    gap=st.integers(0, 10),
-    k=st.integers(0, 5),
-)
-def test_verdict_is_eligible_exactly_when_nothing_failed(available, min_examples, last_round, gap, k):
-    policies = EligibilityPolicies(min_examples=min_examples, min_separation_rounds=k)
-    verdict = evaluate("t", policies, examples_available=available, last=Participation(last_round, 0.0), current_round=last_round + gap, now=1.0)
+def off_or(strategy):
+    """0 turns a policy off."""
+    return st.just(0) | strategy
+
+
+@st.composite
+def eligibility_cases(draw):
+    """Policies, data and a history whose times and rounds land on every side of each policy's
+    boundary: exactly K rounds or S seconds later, and the last second of a sampling period and
+    the first of the next. Times are whole seconds, so float arithmetic is exact."""
+    policies = EligibilityPolicies(
+        min_examples=draw(off_or(st.integers(1, 100))),
+        min_separation_rounds=draw(off_or(st.integers(1, 6))),
+        min_separation_s=float(draw(off_or(st.integers(1, 30 * 86400)))),
+        sampling_period_s=float(draw(off_or(st.integers(1, 30 * 86400)))),
+    )
+    available = draw(st.integers(0, 120))
+    last_round = draw(st.integers(0, 10_000))
+    current_round = last_round + draw(st.integers(0, 10))
+    at = draw(st.integers(0, 4_000_000_000))
+    gaps = [st.integers(0, 90 * 86400)]
+    s, period = int(policies.min_separation_s), int(policies.sampling_period_s)
+    if s:
+        gaps.append(st.sampled_from([s - 1, s, s + 1]))
+    if period:
+        to_next_period = period - at % period
+        gaps.append(st.sampled_from([to_next_period - 1, to_next_period, to_next_period + period - 1, to_next_period + period]))
+    now = at + draw(st.one_of(gaps))
+    last = draw(st.sampled_from([None, Participation(last_round, float(at))]))
+    return policies, available, last, current_round, float(now)
+
+
+def expected_failures(policies: EligibilityPolicies, available: int, last: Participation | None,
+                      current_round: int, now: float) -> tuple[str, ...]:
+    """The policies as the README states them, in whole numbers: at least ``min_examples``;
+    eligible again K rounds or S seconds after the last participation (not sooner); at most once
+    per sampling period, the periods being [k*T, (k+1)*T) since the epoch."""
+    failed = []
+    if available < policies.min_examples:
+        failed.append("min_examples")
+    if last is not None:
+        k, s, period = policies.min_separation_rounds, int(policies.min_separation_s), int(policies.sampling_period_s)
+        if k and not current_round >= last.round + k:
+            failed.append("min_separation_rounds")
+        if s and not int(now) >= int(last.at) + s:
+            failed.append("min_separation_s")
+        if period:
+            first_second_of_next_period = (int(last.at) // period + 1) * period
+            if int(now) < first_second_of_next_period:  # now >= last.at: still in the last one's period
+                failed.append("sampling_period_s")
+    return tuple(failed)
+
+
+@settings(max_examples=300)
+@given(case=eligibility_cases())
+@example(case=(EligibilityPolicies(min_separation_s=60.0), 0, Participation(3, 1000.0), 4, 1060.0))  # exactly S later
+@example(case=(EligibilityPolicies(min_separation_s=60.0), 0, Participation(3, 1000.0), 4, 1059.0))
+@example(case=(EligibilityPolicies(sampling_period_s=100.0), 0, Participation(3, 199.0), 4, 200.0))  # next period
+@example(case=(EligibilityPolicies(sampling_period_s=100.0), 0, Participation(3, 200.0), 4, 299.0))  # same period
+@example(case=(EligibilityPolicies(min_separation_rounds=2), 0, Participation(3, 0.0), 5, 1.0))  # exactly K later
+@example(case=(EligibilityPolicies(min_separation_rounds=2), 0, Participation(3, 0.0), 4, 1.0))
+@example(case=(EligibilityPolicies(min_examples=5), 5, None, 4, 1.0))
+def test_verdict_matches_the_policies_for_any_history(case):
+    policies, available, last, current_round, now = case
+    verdict = evaluate("t", policies, examples_available=available, last=last, current_round=current_round, now=now)
+    assert verdict.task == "t"
+    assert verdict.failed == expected_failures(policies, available, last, current_round, now)
     assert verdict.eligible == (not verdict.failed)
-    assert ("min_examples" in verdict.failed) == (available < min_examples)
-    assert ("min_separation_rounds" in verdict.failed) == (k > 0 and gap < k)
+    assert verdict.to_json() == {"task": "t", "eligible": not verdict.failed, "failed": list(verdict.failed)}
 
 
 def test_policies_validate():

@@ -5,17 +5,29 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_runtime import CorruptResource, FLRuntime, Outcome, RetryPolicy, ServerUnreachable, SessionRejected
-from example_store import SQLiteExampleStore
+from device_runtime import (
+    CorruptResource,
+    FLRuntime,
+    NoExamples,
+    Outcome,
+    ProtocolClient,
+    RetryPolicy,
+    ServerUnreachable,
+    SessionRejected,
+)
+from example_store import InMemoryExampleStore, SQLiteExampleStore
 from server_stub import free_port
 from tests.support import COLLECTION, deploy
 
@@ -91,7 +103,8 @@ def test_rejection_carries_the_retry_window(server, admin, store, tmp_path):
     with pytest.raises(SessionRejected) as rejected:
         runtime.run_session()
     assert rejected.value.retry_after_s == (7.0, 9.0)
-    assert all(7.0 <= runtime.next_retry_delay() <= 9.0 for _ in range(20))
+    assert runtime.last_retry_window == (7.0, 9.0)
+    assert_spread_over([runtime.next_retry_delay() for _ in range(1000)], 7.0, 9.0)
 
 
 def test_unreachable_server_raises_after_retries(store):
@@ -102,6 +115,59 @@ def test_unreachable_server_raises_after_retries(store):
         runtime.run_session()
     assert len(slept) == FAST_RETRY.attempts - 1
     assert all(0 <= s <= FAST_RETRY.max_delay_s for s in slept)
+
+
+def assert_spread_over(draws: list[float], lo: float, hi: float) -> None:
+    """``draws`` look uniform on [lo, hi]: inside it, reaching both ends, half of them in each
+    half. A constant (no jitter) or a draw from the wrong interval fails; with 1000 draws a
+    uniform one fails by chance with probability below 1e-9."""
+    width = hi - lo
+    assert all(lo <= d <= hi for d in draws), (min(draws), max(draws), lo, hi)
+    assert min(draws) < lo + 0.02 * width and max(draws) > hi - 0.02 * width
+    assert 0.4 < sum(d < lo + width / 2 for d in draws) / len(draws) < 0.6
+    assert len(set(draws)) > 0.9 * len(draws)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    base=st.floats(1e-3, 10.0),
+    max_delay=st.floats(1e-3, 100.0),
+    attempt=st.integers(0, 12),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_backoff_is_full_jitter_up_to_the_capped_exponential(base, max_delay, attempt, seed):
+    policy = RetryPolicy(attempts=4, base_delay_s=base, max_delay_s=max_delay)
+    rng = random.Random(seed)
+    cap = min(max_delay, base * 2**attempt)
+    assert_spread_over([policy.delay(attempt, rng) for _ in range(1000)], 0.0, cap)
+
+
+def test_the_client_sleeps_a_fresh_jittered_backoff_before_each_retry():
+    """The client's waits between attempts are draws of ``RetryPolicy.delay`` for that attempt,
+    from the client's random source: attempt k waits uniformly in [0, min(max, base * 2**k)]."""
+    policy = RetryPolicy(attempts=4, base_delay_s=0.1, max_delay_s=0.3)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    slept: list[float] = []
+    with httpx.Client(transport=httpx.MockTransport(refuse)) as http:
+        client = ProtocolClient("http://fl.invalid", retry=policy, rng=random.Random(5), sleep=slept.append, client=http)
+        for _ in range(500):
+            with pytest.raises(ServerUnreachable):
+                client.eligibility_info("digits")
+    assert len(slept) == 500 * (policy.attempts - 1)
+    for k in range(1, policy.attempts):  # attempt k follows k failed ones
+        assert_spread_over(slept[k - 1 :: policy.attempts - 1], 0.0, min(0.3, 0.1 * 2**k))
+
+
+@settings(max_examples=20, deadline=None)
+@given(lo=st.floats(0.0, 3600.0), width=st.floats(0.01, 3600.0), seed=st.integers(0, 2**32 - 1))
+def test_next_retry_delay_is_jittered_over_the_servers_window(lo, width, seed, tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "unused-cache"
+    with FLRuntime("digits", "http://fl.invalid", InMemoryExampleStore(), rng=random.Random(seed), cache_dir=cache) as runtime:
+        runtime.last_retry_window = (lo, lo + width)
+        assert_spread_over([runtime.next_retry_delay() for _ in range(1000)], lo, lo + width)
 
 
 def test_5xx_bursts_are_retried(server, admin, store):
@@ -119,6 +185,22 @@ def test_corrupted_download_is_refused_and_session_aborted(server, admin, store)
             runtime.run_session()
     status = admin.status("digits")
     assert status["round"] == 1
+    # the device told the server at once: its session counts as aborted, not as silent
+    current = status["current_round"]
+    assert (current["selected"], current["reported"], current["aborted"]) == (1, 0, 1)
+
+
+def test_no_matching_examples_raises_and_aborts_the_session(server, admin, tmp_path, digits):
+    """A store holding nothing the plan's selector matches (here: only another collection)."""
+    deploy(admin, goal_count=5)
+    with SQLiteExampleStore(tmp_path / "other.db") as other:
+        other.add("app:/other", ({"x": x, "y": y} for x, y in zip(digits.x_train[:10], digits.y_train[:10])))
+        runtime = FLRuntime("digits", server.url, other, retry=FAST_RETRY)
+        with pytest.raises(NoExamples):
+            runtime.run_session()
+    current = admin.status("digits")["current_round"]
+    assert (current["selected"], current["reported"], current["aborted"]) == (1, 0, 1)
+    assert admin.rounds("digits") == []
 
 
 def test_interrupted_session_sends_no_update(server, admin, store):
@@ -129,5 +211,15 @@ def test_interrupted_session_sends_no_update(server, admin, store):
     assert admin.rounds("digits") == []
     ok = FLRuntime("digits", server.url, store, retry=FAST_RETRY).run_session()
     assert ok.outcome is Outcome.COMPLETED
-    rounds = admin.rounds("digits")
+    rounds = closed_rounds(admin, "digits")
     assert rounds[0]["status"] == "committed" and rounds[0]["metrics"]["aborted"] == 1
+
+
+def closed_rounds(admin, population: str, timeout_s: float = 5.0) -> list[dict]:
+    """The population's closed rounds, once there is one. The commit is written outside the
+    server's lock, by whichever thread gets there first (the report's or the ticker's), so the
+    report's answer can arrive before the round is on record."""
+    deadline = time.monotonic() + timeout_s
+    while not (rounds := admin.rounds(population)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return rounds

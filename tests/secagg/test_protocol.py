@@ -1,5 +1,7 @@
 """End-to-end protocol properties: exact sums under drop-outs, abort exactly below threshold."""
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -29,6 +31,7 @@ def test_complete_graph_sum_is_exact_or_aborts_below_threshold(data):
     alive = set(inputs)
     drops: dict[Round, set[int]] = {}
     expect_abort_at = None
+    answered = 0
     u3 = None
     for r in rounds:
         d = data.draw(st.sets(st.sampled_from(sorted(inputs))), label=f"drop at {r.value}") & alive
@@ -37,7 +40,7 @@ def test_complete_graph_sum_is_exact_or_aborts_below_threshold(data):
         if r is Round.MASKED_INPUT_COLLECTION:
             u3 = set(alive)
         if expect_abort_at is None and len(alive) < t:
-            expect_abort_at = r
+            expect_abort_at, answered = r, len(alive)
     res = run_protocol(cfg, inputs, drops=drops, random_bytes=seeded(seed))
     assert res.rejected == []
     if expect_abort_at is None:
@@ -53,15 +56,15 @@ def test_complete_graph_sum_is_exact_or_aborts_below_threshold(data):
     else:
         assert not res.completed
         assert res.server.round is Round.ABORTED
-        assert res.abort_reason.startswith(expect_abort_at.value)
-        assert "threshold" in res.abort_reason
+        assert res.abort_reason == f"{expect_abort_at.value}: only {answered} clients answered, threshold is {t}"
+        assert all(not c.aborted for c in res.clients.values())  # the server stopped first
         with pytest.raises(ProtocolAborted):
             res.server.result()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_secagg_plus_graph_sum_is_exact_whenever_it_completes(data):
+def test_secagg_plus_sum_is_exact_or_aborts_for_the_reason_the_drop_outs_imply(data):
     n = data.draw(st.integers(6, 30), label="n")
     k = data.draw(st.sampled_from([d for d in (2, 4, 6, 8) if d < n - 1]), label="degree")
     t = data.draw(st.integers(2, k + 1), label="t")
@@ -72,16 +75,73 @@ def test_secagg_plus_graph_sum_is_exact_whenever_it_completes(data):
     inputs = make_inputs(n, length, modulus, seed)
     drops = {r: data.draw(st.sets(st.sampled_from(sorted(inputs)), max_size=2), label=r.value) for r in ROUNDS_PLAIN}
     res = run_protocol(cfg, inputs, drops=drops, random_bytes=seeded(seed))
-    if res.completed:
-        u3 = res.server.summed_clients
-        assert u3 == set(inputs) - drops[Round.ADVERTISE_KEYS] - drops[Round.SHARE_KEYS] - drops[
-            Round.MASKED_INPUT_COLLECTION] - {c.id for c in res.clients.values() if c.aborted}
-        want = sum((inputs[u].astype(object) for u in u3), np.zeros(length, dtype=object))
-        assert [int(v) for v in res.result] == [int(v) % modulus for v in want]
+    holders = {u: frozenset(res.server.neighbours(u)) | {u} for u in inputs}  # the server's random graph
+    want = secagg_plus_outcome(set(inputs), drops, t, k, holders)
+    assert res.abort_reason == want.server_reason
+    assert {u: c.abort_reason for u, c in res.clients.items() if c.aborted} == want.client_reasons
+    if want.server_reason is None:
+        assert res.completed and res.server.summed_clients == want.u3
+        total = sum((inputs[u].astype(object) for u in want.u3), np.zeros(length, dtype=object))
+        assert [int(v) for v in res.result] == [int(v) % modulus for v in total]
     else:
-        assert res.abort_reason
+        assert not res.completed and res.server.round is Round.ABORTED
+        with pytest.raises(ProtocolAborted) as aborted:
+            res.server.result()
+        assert aborted.value.reason == want.server_reason
     if not any(drops.values()):
         assert res.completed
+
+
+@dataclass
+class Expected:
+    u3: set[int]
+    server_reason: str | None
+    client_reasons: dict[int, str]
+
+
+def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, degree: int,
+                        holders: dict[int, frozenset[int]]) -> Expected:
+    """How an honest SecAgg+ run must end, from the drop-outs and the masking graph alone
+    (``holders[u]``: u and its neighbours, who hold u's shares). The server aborts the first
+    round fewer than t clients answer, or in Unmasking when fewer than t holders of some needed
+    secret answered (self-masks b of U3 first, then keys s_sk of dropped clients with a
+    neighbour in U3, each by client id). A client aborts when fewer than t of its neighbourhood
+    shared keys with it, or are on its survivor list; a client dropped in round r still handles
+    the message that opened round r (it goes silent when it should answer)."""
+    out = Expected(set(), None, {})
+
+    def threshold(r: Round, answered: set[int]) -> bool:
+        if len(answered) < t:
+            out.server_reason = f"{r.value}: only {len(answered)} clients answered, threshold is {t}"
+        return out.server_reason is None
+
+    u1 = ids - drops[Round.ADVERTISE_KEYS]
+    if not threshold(Round.ADVERTISE_KEYS, u1):
+        return out
+    u2 = u1 - drops[Round.SHARE_KEYS]  # every roster (a neighbourhood, >= t clients) is accepted
+    if not threshold(Round.SHARE_KEYS, u2):
+        return out
+    for u in u2:
+        if len(holders[u] & u2) < t:
+            out.client_reasons[u] = f"{len(holders[u] & u2)} clients shared keys < threshold {t}"
+    u3 = out.u3 = u2 - drops[Round.MASKED_INPUT_COLLECTION] - out.client_reasons.keys()
+    if not threshold(Round.MASKED_INPUT_COLLECTION, u3):
+        return out
+    complete = len(u1) <= degree + 1  # then everyone is told all of U3
+    for u in u3:
+        listed = u3 if complete else holders[u] & u3
+        if len(listed) < t:
+            out.client_reasons[u] = f"{len(listed)} survivors < threshold {t}"
+    u5 = u3 - drops[Round.UNMASKING] - out.client_reasons.keys()
+    if not threshold(Round.UNMASKING, u5):
+        return out
+    needed = [("self-mask b", u) for u in sorted(u3)]
+    needed += [("key s_sk", u) for u in sorted(u2 - u3) if holders[u] & u3]
+    for what, u in needed:
+        if len(holders[u] & u5) < t:
+            out.server_reason = f"Unmasking: only {len(holders[u] & u5)} shares of the {what} of client {u}, threshold is {t}"
+            return out
+    return out
 
 
 def test_secagg_plus_masks_only_between_neighbours():

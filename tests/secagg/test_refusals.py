@@ -37,7 +37,7 @@ def refused(h: Harness, u: int, data: bytes, error: type) -> None:
     assert client.handle(data) is None
     assert client.round is Round.ABORTED
     assert isinstance(client.error, error), (client.error, error)
-    assert client.abort_reason
+    assert client.abort_reason and client.abort_reason == client.error.reason  # the refusal's own reason
     assert client.handle(h.to_clients.get(u, data)) is None  # stays aborted, answers nothing
 
 
