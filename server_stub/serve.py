@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 
@@ -37,12 +38,16 @@ class ServerThread:
         verifier: AttestationVerifier | None = None,
         admin_key: str | None = None,
         busy_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``admin_key``: the operator key the server accepts (a random one when not given;
-        ``admin_key`` then tells it to the test or demo that started the server)."""
+        ``admin_key`` then tells it to the test or demo that started the server). ``clock`` and
+        ``wall_clock`` go to ``FLService``: a test that drives ``clock`` by hand decides when a
+        deadline passes, whatever the ticker and the machine's speed do."""
         self.db_path = Path(db_path)
         self.store = ServerStore(db_path, busy_timeout_s=busy_timeout_s)
-        self.service = FLService(self.store, verifier=verifier)
+        self.service = FLService(self.store, clock=clock, wall_clock=wall_clock, verifier=verifier)
         self.host = host
         self.port = port or free_port(host)
         if admin_key is None:

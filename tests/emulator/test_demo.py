@@ -5,35 +5,49 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from emulator import DemoConfig, run_demo
 from emulator.cli import main
 
+#: Each small demo takes under 10 s. Its loop stops at the task's last round or at this limit;
+#: a server that never completes the task (max_rounds ignored) then fails the rounds count
+#: within a minute instead of running rounds for the demo's default ten minutes.
+TIME_LIMIT_S = 40.0
 
+
+@pytest.mark.timeout(TIME_LIMIT_S + 30)
 def test_small_demo_prints_table_and_json_summary(tmp_path):
     out = io.StringIO()
-    config = DemoConfig(devices=30, rounds=3, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path))
+    config = DemoConfig(devices=30, rounds=3, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path),
+                        time_limit_s=TIME_LIMIT_S)
     summary = run_demo(config, out=out)
     lines = out.getvalue().strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(summary))
     assert summary["rounds_committed"] == 3
+    assert summary["elapsed_s"] < TIME_LIMIT_S  # it ended because the task completed
     assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
     assert any(line.split()[:2] == ["1", "committed"] for line in lines)
     assert summary["session_outcomes"]["completed"] >= 3 * 7
     assert list(tmp_path.iterdir()) == []  # the demo cleans up its temporary folder
 
 
+@pytest.mark.timeout(TIME_LIMIT_S + 30)
 def test_cli_demo_exit_code(tmp_path, capsys):
-    code = main(["demo", "--devices", "20", "--rounds", "1", "--goal", "7", "--time-limit", "60"])
+    code = main(["demo", "--devices", "20", "--rounds", "1", "--goal", "7", "--time-limit", str(TIME_LIMIT_S)])
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["rounds_committed"] == 1
 
 
+@pytest.mark.timeout(TIME_LIMIT_S + 30)
 def test_small_demo_with_secure_aggregation(tmp_path):
     out = io.StringIO()
-    config = DemoConfig(devices=30, rounds=3, goal_count=10, late_prob=0.0, dropout_prob=0.05, secure=True, workdir=str(tmp_path))
+    config = DemoConfig(devices=30, rounds=3, goal_count=10, late_prob=0.0, dropout_prob=0.05, secure=True, workdir=str(tmp_path),
+                        time_limit_s=TIME_LIMIT_S)
     summary = run_demo(config, out=out)
     assert "Secure Aggregation" in out.getvalue()
     assert summary["rounds_committed"] == 3
+    assert summary["elapsed_s"] < TIME_LIMIT_S
     assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
     assert summary["session_outcomes"]["completed"] >= 3 * 8

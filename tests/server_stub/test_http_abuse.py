@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from device_runtime import PlanExecutor, encode_checkpoint
+from device_runtime.clock import VirtualClock
+from server_stub import ServerThread
 from tests.support import deploy
 
 
@@ -102,26 +104,59 @@ def test_every_abuse_gets_its_4xx_and_the_round_commits(server, admin):
     assert rounds[0]["metrics"]["rejected_late"] == 1
 
 
-def test_report_after_deadline_is_rejected_and_round_goes_on(server, admin):
+@pytest.fixture
+def clock():
+    """The server's monotonic clock, moved by the test: a deadline passes when the test says so,
+    never because the machine was slow, and the ticker cannot close a round behind its back."""
+    return VirtualClock(start=1000.0)
+
+
+@pytest.fixture
+def clocked(tmp_path, clock):
+    with ServerThread(tmp_path / "server.db", clock=clock.now) as srv, srv.admin() as admin:
+        yield srv, admin
+
+
+def _wait_for_rounds(admin, count: int, timeout_s: float = 5.0) -> list[dict]:
+    """Rounds are written just after the request (or tick) that closed them; wait a bounded time."""
+    deadline = time.monotonic() + timeout_s
+    while len(rounds := admin.rounds("digits")) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(rounds) == count, rounds
+    return rounds
+
+
+def test_report_after_deadline_is_rejected_and_round_goes_on(clocked, clock):
+    server, admin = clocked
     plan, _ = deploy(admin, goal_count=1, over_selection=2.0, min_fraction=1.0, report_timeout_s=0.5, selection_timeout_s=60)
     good = encode_checkpoint(_valid_update(plan))
     with httpx.Client(base_url=server.url, timeout=10) as http:
-        slow, fast = _checkin(http), _checkin(http)
-        time.sleep(0.8)
+        # Every deadline passes: the round is abandoned and both reports are late.
+        first, second = _checkin(http), _checkin(http)
+        clock.advance(0.8)
+        r = _report(http, first, good)
+        assert r.status_code == 409 and _code(r) == "REPORT_LATE"
+        r = _report(http, second, good)
+        assert r.status_code == 409 and _code(r) == "REPORT_LATE"
+        assert [r["status"] for r in _wait_for_rounds(admin, 1)] == ["abandoned"]
+
+        # The next attempt at round 1: `slow` checks in 0.4 s before `fast`, so once slow's
+        # deadline has passed the round is still open, waiting for fast. Slow's report is late by
+        # its own deadline alone; fast's, on time, commits the round.
+        slow = _checkin(http)
+        assert slow["round"] == 1
+        clock.advance(0.4)
+        fast = _checkin(http)
+        clock.advance(0.2)  # slow: 0.1 s past its deadline; fast: 0.3 s before its own
         r = _report(http, slow, good)
         assert r.status_code == 409 and _code(r) == "REPORT_LATE"
-        r = _report(http, fast, good)
-        assert r.status_code == 409 and _code(r) == "REPORT_LATE"
-        deadline = time.monotonic() + 5
-        while admin.rounds("digits") == [] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert admin.rounds("digits")[0]["status"] == "abandoned"
-        # The next attempt at round 1 takes devices again and commits.
-        again = _checkin(http)
-        assert again["round"] == 1
-        assert _report(http, again, good).status_code == 200
-    statuses = [r["status"] for r in admin.rounds("digits")]
-    assert statuses == ["abandoned", "committed"]
+        status = admin.status("digits")
+        assert status["phase"] == "reporting" and status["round"] == 1
+        assert status["current_round"]["rejected_late"] == 1
+        assert _report(http, fast, good).status_code == 200
+    rounds = _wait_for_rounds(admin, 2)
+    assert [r["status"] for r in rounds] == ["abandoned", "committed"]
+    assert rounds[1]["metrics"]["reported"] == 1 and rounds[1]["metrics"]["rejected_late"] == 1
 
 
 def test_deploy_refuses_bad_plans_and_checkpoints(server, admin):

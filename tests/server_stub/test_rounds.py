@@ -76,9 +76,22 @@ def test_config_validation_and_round_trip():
         RoundConfig(over_selection=0.9)
 
 
+#: A report is sent at its device's deadline plus an offset (or, with None, at the current time):
+#: the exact boundary and a hair either side of it are where a wrong comparison hides.
+NEAR_DEADLINE = st.floats(-3.0, 3.0) | st.sampled_from([None, -1e-6, 0.0, 1e-6])
+
+#: (kind, who, argument, ticked). A report's ``who`` below 12 picks one of the devices that
+#: checked in (so most reports come from a selected device), 12 is a device that never did;
+#: ``ticked``: the server's ticker ran at the report's time before the report arrived.
 events = st.lists(
-    st.tuples(st.sampled_from(["checkin", "report", "abort", "wait"]), st.integers(0, 30), st.floats(0, 4)),
-    max_size=80,
+    st.one_of(
+        st.tuples(st.just("checkin"), st.integers(0, 15), st.none(), st.just(False)),
+        st.tuples(st.just("report"), st.integers(0, 12), NEAR_DEADLINE, st.booleans()),
+        st.tuples(st.just("abort"), st.integers(0, 15), st.none(), st.just(False)),
+        st.tuples(st.just("wait"), st.just(0), st.floats(0, 4), st.just(False)),
+    ),
+    min_size=20,
+    max_size=60,
 )
 
 
@@ -87,18 +100,34 @@ events = st.lists(
     goal=st.integers(1, 8),
     over=st.sampled_from([1.0, 1.3, 2.0]),
     min_fraction=st.sampled_from([0.5, 0.8, 1.0]),
+    selection_timeout=st.sampled_from([3.0, 20.0]),
+    report_timeout=st.sampled_from([2.0, 6.0]),
+    secure=st.booleans(),
     script=events,
 )
-def test_round_invariants(goal, over, min_fraction, script):
-    cfg = RoundConfig(goal_count=goal, over_selection=over, min_fraction=min_fraction, selection_timeout_s=20, report_timeout_s=6)
-    core = RoundCore(1, cfg, 0.0)
+def test_round_invariants_and_a_report_is_late_exactly_when_past_its_deadline(
+    goal, over, min_fraction, selection_timeout, report_timeout, secure, script
+):
+    """Devices check in at different times, so one device's deadline passes while others (or
+    selection) keep the round open; a report then is LATE exactly when ``now`` is past the
+    device's own deadline, whatever else is going on in the round."""
+    cfg = RoundConfig(goal_count=goal, over_selection=over, min_fraction=min_fraction,
+                      selection_timeout_s=selection_timeout, report_timeout_s=report_timeout)
+    core = RoundCore(1, cfg, 0.0, deadlines_from_selection_end=secure)
     now = 0.0
     accepted: set[str] = set()
-    for kind, who, dt in script:
+    for kind, who, arg, ticked in script:
         sid = f"s{who}"
+        if kind == "report":
+            checked_in = list(core.sessions)
+            sid = checked_in[who % len(checked_in)] if checked_in and who < 12 else "never-checked-in"
+            if arg is not None and sid in core.deadlines:
+                now = max(now, core.deadlines[sid] + arg)
+            if ticked:
+                core.advance(now)
         was_open = core.open
         if kind == "wait":
-            now += dt
+            now += arg
             core.advance(now)
         elif kind == "checkin":
             if sid in core.sessions:
@@ -106,7 +135,15 @@ def test_round_invariants(goal, over, min_fraction, script):
             ok = core.try_select(sid, now)
             assert ok == (was_open and core.sessions.get(sid) is SessionState.SELECTED)
         elif kind == "report":
+            state = core.sessions.get(sid)
+            deadline = core.deadlines.get(sid)
             verdict = core.report(sid, now)
+            if state is SessionState.SELECTED:
+                if was_open:
+                    assert verdict in (ReportVerdict.ACCEPT, ReportVerdict.LATE)
+                    assert (verdict is ReportVerdict.LATE) == (now > deadline), (now, deadline, verdict)
+                else:
+                    assert verdict is ReportVerdict.LATE
             if verdict is ReportVerdict.ACCEPT:
                 assert core.open and sid not in accepted
                 assert now <= core.deadlines[sid]
@@ -114,6 +151,8 @@ def test_round_invariants(goal, over, min_fraction, script):
                 core.confirm_report(sid, now)
             elif sid in accepted:
                 assert verdict is ReportVerdict.DUPLICATE
+            elif state is None:
+                assert verdict is ReportVerdict.UNKNOWN
         else:
             core.abort(sid, now)
         assert len(core.sessions) <= cfg.selection_target
@@ -124,6 +163,10 @@ def test_round_invariants(goal, over, min_fraction, script):
             assert core.reported < cfg.goal_count
         if core.reported >= cfg.goal_count:
             assert core.phase is Phase.COMMITTED
-    # Time alone always closes a round eventually.
-    core.advance(now + cfg.selection_timeout_s + cfg.report_timeout_s + 1)
+    # Time alone always closes a round eventually. With deadlines counted from selection's end,
+    # the advance that ends selection sets them, so a second one is needed to pass them.
+    now += cfg.selection_timeout_s + cfg.report_timeout_s + 1
+    core.advance(now)
+    if secure:
+        core.advance(now + cfg.report_timeout_s + 1)
     assert not core.open

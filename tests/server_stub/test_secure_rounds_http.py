@@ -185,4 +185,7 @@ def test_secure_task_needs_a_report_window_that_fits_its_rounds(server, admin):
     with pytest.raises(AdminError) as refused:
         deploy(admin, plan=digits_plan("softmax", secure_aggregation=True), report_timeout_s=10, secagg_round_timeout_s=5)
     assert refused.value.code == "BAD_CONFIG" and refused.value.status == 400
-    assert admin.status("digits").get("task") is None
+    # A refused deploy leaves nothing behind: no task stored, none active.
+    status = admin.status("digits")
+    assert status["tasks"] == [] and status["active_tasks"] == [] and status["active_task"] is None
+    assert admin.rounds("digits") == []
