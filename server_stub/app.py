@@ -159,6 +159,14 @@ def _stats_header(request: Request) -> dict | None:
         return None
 
 
+def _etag_matches(header: str | None, rid: str) -> bool:
+    """RFC 9110 If-None-Match: ``*``, or a list of (possibly weak) entity tags, one of them ours."""
+    if not header:
+        return False
+    tags = [t.strip() for t in header.split(",")]
+    return "*" in tags or any(t.removeprefix("W/") == f'"{rid}"' for t in tags)
+
+
 class _Broadcast:
     """Wakes every waiter at once; waiters take ``event()`` before checking their condition."""
 
@@ -304,7 +312,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys) -> FastAPI:
         data = await call(lambda: service.resource(rid, token, admin=is_admin))
         etag = f'"{rid}"'
         headers = {"ETag": etag, "Cache-Control": CACHE_FOREVER}
-        if request.headers.get("if-none-match") == etag:
+        if _etag_matches(request.headers.get("if-none-match"), rid):
             return Response(status_code=304, headers=headers)
         return Response(data, media_type="application/octet-stream", headers=headers)
 

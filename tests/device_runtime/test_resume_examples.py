@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -35,6 +34,8 @@ from example_store import (
     InMemoryExampleStore,
     SQLiteExampleStore,
 )
+from device_runtime.clock import VirtualClock
+from server_stub import ServerThread
 from tests.support import COLLECTION, deploy, digits_plan
 
 FAST = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)
@@ -230,9 +231,15 @@ def test_interrupted_and_rejected_sessions_leave_the_saved_token(server, admin, 
     opstats.close()
 
 
-def test_a_rejected_report_leaves_the_saved_token(server, admin, tmp_path, sqlite_store):
+def test_a_rejected_report_leaves_the_saved_token(tmp_path, sqlite_store):
+    clock = VirtualClock()
+    with ServerThread(tmp_path / "server.db", clock=clock.now) as server, server.admin() as admin:
+        _rejected_report_leaves_the_token(server, admin, sqlite_store, clock)
+
+
+def _rejected_report_leaves_the_token(server, admin, sqlite_store, clock) -> None:
     plan = digits_plan(selector=ExampleSelector(COLLECTION, limit=LIMIT), resume_examples=True, epochs=1)
-    deploy(admin, plan=plan, goal_count=1, over_selection=1.0, report_timeout_s=1.0)
+    deploy(admin, plan=plan, goal_count=1, over_selection=2.0, report_timeout_s=10.0, selection_timeout_s=600)
     store = RecordingStore(sqlite_store)
     runtime = FLRuntime("digits", server.url, store, retry=FAST)
     key = ("digits", "train", COLLECTION)
@@ -241,7 +248,7 @@ def test_a_rejected_report_leaves_the_saved_token(server, admin, tmp_path, sqlit
     assert result.outcome is Outcome.COMPLETED and ids == set(range(15))
     saved = runtime.resumption_tokens.resumption_token(*key)
 
-    result, ids = _session(runtime, store, before_report=lambda: time.sleep(1.2))  # past the report deadline
+    result, ids = _session(runtime, store, before_report=lambda: clock.advance(11.0))  # past the report deadline
     assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == "REPORT_LATE"
     assert ids == set(range(15, 30))
     assert runtime.resumption_tokens.resumption_token(*key) == saved

@@ -76,6 +76,8 @@ def test_resources_are_cacheable_by_etag(server, admin):
             assert cached.status_code == 304 and cached.content == b""
             assert cached.headers["ETag"] == etag and "Cache-Control" in cached.headers
 
+            for header in (f'"{"0" * 64}", W/{etag}', "*"):  # a list with a weak tag, and any tag
+                assert http.get(url, headers={**auth, "If-None-Match": header}).status_code == 304
             other = http.get(url, headers={**auth, "If-None-Match": '"' + "0" * 64 + '"'})
             assert other.status_code == 200 and other.content == r.content
 
