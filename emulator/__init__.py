@@ -4,6 +4,7 @@ from .attestation_authority import AttestationAuthority
 from .datasets import Dataset, load_digits_dataset, partition_by_shards
 from .demo import DemoConfig, run_demo
 from .device import DeviceProfile, EmulatedDevice, Fleet
+from .inprocess import InProcessTransport
 from .runtime_envs import RuntimeEnv, RuntimeEnvError, available_releases
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "DeviceProfile",
     "EmulatedDevice",
     "Fleet",
+    "InProcessTransport",
     "RuntimeEnv",
     "RuntimeEnvError",
     "available_releases",
