@@ -1,0 +1,183 @@
+"""The plan executor at its edges: how batches are split (size one, empty, none at all), one
+example, labels at the class count, a forced stop, the shuffle's epochs and buffer sizes, and
+the output contract the deploy-time smoke test checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from device_runtime.executor import PlanExecutor, TrainingInterrupted, _expect
+from device_runtime.plan import PlanError
+from device_runtime.plan_builder import build_eval_plan, initial_weights
+from tests.device_runtime.test_executor import C, F, _client_data, _examples, _ids, _plan
+from tests.device_runtime.test_plan_gradients import grad64
+
+PLAN = _plan(epochs=1)  # MLP F -> 5 -> C: its hidden layer is wider than the class count
+EXECUTOR = PlanExecutor(PLAN)
+EVAL_EXECUTOR = PlanExecutor(build_eval_plan(PLAN))
+WEIGHTS = initial_weights(PLAN, seed=1)
+X, Y = _client_data(12, 3)
+
+
+def split(cuts: list[int]) -> list[dict]:
+    bounds = [0, *sorted(cuts), len(Y)]
+    return [{"pixels": X[a:b], "label": Y[a:b]} for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(Y)), max_size=6))
+def test_evaluation_is_the_same_however_the_examples_are_batched(cuts):
+    """Batches of one, empty batches (repeated cuts) and a training plan's own work graph give
+    the metrics of one batch of everything."""
+    whole = EVAL_EXECUTOR.evaluate(WEIGHTS, split([]))
+    assert whole["num_examples"] == len(Y)
+    for executor in (EVAL_EXECUTOR, EXECUTOR):
+        got = executor.evaluate(WEIGHTS, split(cuts))
+        assert got["num_examples"] == len(Y)
+        assert got["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-5)
+        assert got["eval_accuracy"] == pytest.approx(whole["eval_accuracy"])
+
+
+def test_evaluating_no_examples_gives_nan_metrics_and_a_zero_count():
+    for batches in ([], [{"pixels": X[:0], "label": Y[:0]}]):
+        got = EVAL_EXECUTOR.evaluate(WEIGHTS, batches)
+        assert got["num_examples"] == 0
+        assert np.isnan(got["eval_loss"]) and np.isnan(got["eval_accuracy"])
+
+
+def test_empty_batches_between_batches_change_nothing_in_training():
+    plain = EXECUTOR.run_device(WEIGHTS, lambda: split([4, 8]))
+    gappy = EXECUTOR.run_device(WEIGHTS, lambda: split([4, 4, 8, 8]))
+    assert gappy.num_examples == plain.num_examples == len(Y)
+    for name in plain.update:
+        np.testing.assert_array_equal(gappy.update[name], plain.update[name])
+
+
+def test_one_example_trains_reports_its_loss_and_rebuilds_the_model():
+    plan = _plan(epochs=1, batch_size=1)
+    executor = PlanExecutor(plan)
+    result = executor.run_device(WEIGHTS, lambda: [{"pixels": X[:1], "label": Y[:1]}])
+    assert result.num_examples == 1
+    assert set(result.metrics) >= {"loss", "accuracy"}
+    assert result.metrics["loss"] == pytest.approx(float(result.update["loss_sum"]))
+    final = executor.final_weights(WEIGHTS, result)
+    g = grad64({k: v.astype(np.float64) for k, v in WEIGHTS.items()}, X[:1], Y[:1])
+    for k, w in WEIGHTS.items():
+        assert final[k].dtype == np.float32
+        np.testing.assert_allclose(final[k], w - 0.3 * g[k], rtol=1e-4, atol=1e-6)
+
+
+def test_labels_must_be_class_ids_below_the_class_count_in_one_dimension():
+    for bad in (np.full(4, C), np.full(4, 4), Y[:4].reshape(4, 1)):  # 4 < the hidden width 5
+        with pytest.raises(ValueError, match="class ids"):
+            EXECUTOR.run_device(WEIGHTS, lambda bad=bad: [{"pixels": X[:4], "label": bad}])
+    EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": X[:4], "label": np.full(4, C - 1)}])
+
+
+def test_batch_tensors_must_agree_on_the_batch_size_and_an_empty_batch_is_skipped():
+    with pytest.raises(PlanError, match="batch size"):
+        EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": X[:4], "label": Y[:3]}])
+    empty = EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": X[:0], "label": Y[:0]}])
+    assert empty.num_examples == 0
+
+
+def test_a_step_that_fails_raises_the_runtimes_error_and_a_forced_stop_is_an_interruption():
+    wrong_width = [{"pixels": np.zeros((4, F + 1), np.float32), "label": Y[:4]}]
+    with pytest.raises(RuntimeError) as failed:
+        EXECUTOR.run_device(WEIGHTS, lambda: wrong_width)
+    assert not isinstance(failed.value, (AttributeError, TrainingInterrupted))
+    stop = ort.RunOptions()
+    stop.terminate = True
+    with pytest.raises(TrainingInterrupted):
+        EXECUTOR.run_device(WEIGHTS, lambda: split([]), run_options=stop)
+
+
+def test_every_epoch_of_a_seeded_shuffle_has_its_own_order():
+    opener = PlanExecutor(_plan(batch_size=8, shuffle_seed=5, shuffle_buffer=32)).batches_from_examples(_examples(60, 7))
+    orders = [_ids(opener()) for _ in range(4)]
+    assert all(sorted(o) == list(range(60)) for o in orders)
+    assert len({tuple(o) for o in orders}) == 4
+
+
+def test_an_unseeded_shuffle_still_yields_every_example_once():
+    opener = PlanExecutor(_plan(batch_size=8, shuffle_seed=None, shuffle_buffer=32)).batches_from_examples(_examples(60, 7))
+    assert sorted(_ids(opener())) == list(range(60))
+
+
+def test_a_buffer_of_one_keeps_the_order_and_of_two_shuffles():
+    keep = PlanExecutor(_plan(batch_size=8, shuffle_seed=5, shuffle_buffer=1)).batches_from_examples(_examples(60, 7))
+    assert _ids(keep()) == list(range(60))
+    mixed = PlanExecutor(_plan(batch_size=8, shuffle_seed=5, shuffle_buffer=2)).batches_from_examples(_examples(60, 7))
+    order = _ids(mixed())
+    assert sorted(order) == list(range(60)) and order != list(range(60))
+
+
+def test_nothing_to_read_gives_no_batches_with_or_without_a_shuffle():
+    for buffer in (0, 32):
+        opener = PlanExecutor(_plan(shuffle_seed=1, shuffle_buffer=buffer)).batches_from_examples(lambda: iter(()))
+        assert list(opener()) == []
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"pixels": np.zeros((3, F), np.float32)},  # no labels
+        {"pixels": np.zeros((3, F), np.float32), "label": np.zeros(2, np.int64)},  # 3 examples or 2?
+        {"pixels": np.zeros(F, np.float32)[0], "label": np.int64(1)},  # scalars: no example axis
+    ],
+)
+def test_a_chunk_without_every_tensor_or_one_example_axis_is_refused(chunk):
+    opener = EXECUTOR.batches_from_examples(lambda: [chunk])
+    with pytest.raises(PlanError):
+        list(opener())
+
+
+@given(
+    dims=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dynamic=st.lists(st.booleans(), min_size=3, max_size=3),
+    data=st.data(),
+)
+def test_a_graph_output_fits_its_promise_exactly_when_names_rank_sizes_and_dtype_match(dims, dynamic, data):
+    promised_shape = tuple(None if dyn else d for d, dyn in zip(dims, dynamic))
+    promise = {"out": (promised_shape, np.float32)}
+    fitting = np.zeros(tuple(d + 1 if dyn else d for d, dyn in zip(dims, dynamic)), np.float32)
+    _expect("report", {"out": fitting}, promise)
+    with pytest.raises(PlanError):
+        _expect("report", {"out": fitting, "extra": fitting}, promise)
+    _expect("update", {"out": fitting, "extra": fitting}, promise, exact=False)
+    with pytest.raises(PlanError):
+        _expect("report", {"out": fitting[None]}, promise)  # one more dimension
+    with pytest.raises(PlanError):
+        _expect("report", {"out": fitting.astype(np.float64)}, promise)
+    fixed = [i for i, d in enumerate(promised_shape) if d is not None]
+    if fixed:
+        i = data.draw(st.sampled_from(fixed))
+        wrong = list(fitting.shape)
+        wrong[i] += 1
+        with pytest.raises(PlanError):
+            _expect("report", {"out": np.zeros(wrong, np.float32)}, promise)
+
+
+def test_examples_of_any_numeric_dtype_train_as_the_graphs_dtypes():
+    native = EXECUTOR.run_device(WEIGHTS, lambda: split([6]))
+    widened = EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": b["pixels"].astype(np.float64), "label": b["label"].astype(np.int32)}
+                                                    for b in split([6])])
+    for name in native.update:
+        np.testing.assert_array_equal(widened.update[name], native.update[name])
+
+
+def test_a_batch_whose_first_tensor_has_no_example_axis_is_refused():
+    with pytest.raises(PlanError, match="batch size"):
+        EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": np.float32(0.5), "label": Y[:1]}])
+
+
+def test_an_executor_builds_each_graphs_session_once():
+    executor = PlanExecutor(PLAN)
+    work = executor._session("work")
+    executor.run_device(WEIGHTS, lambda: split([]))
+    assert executor._session("work") is work
+    assert executor._session("zero") is executor._session("zero") is not work
