@@ -32,4 +32,5 @@ def choose_task(strategy: Strategy, weights: Sequence[float], turn: int, rng: ra
         pick -= weight
         if pick < 0:
             return index
-    return len(weights) - 1
+    # rounding can leave a sliver past the last step: the last task that may run at all takes it
+    return max(i for i, weight in enumerate(weights) if weight > 0)

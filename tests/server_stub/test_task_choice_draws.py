@@ -94,3 +94,16 @@ def test_a_weighted_choice_is_an_index_of_a_task(weights, seed):
 def test_no_task_is_an_error():
     with pytest.raises(ValueError):
         choose_task(Strategy.WEIGHTED, [], 0, random.Random(0))
+
+
+def test_a_task_of_weight_zero_is_never_drawn_even_by_the_largest_random_number():
+    import random as _random
+
+    from server_stub.task_choice import Strategy, choose_task
+
+    class Largest(_random.Random):
+        def random(self) -> float:
+            return 1.0 - 2.0**-53
+
+    weights = [0.2, 0.251, 0.869, 0.4, 0.1, 0.0]
+    assert choose_task(Strategy.WEIGHTED, weights, 0, Largest()) == 4
