@@ -136,6 +136,7 @@ class RoundCore:
         self.deadlines[session_id] = now + self.config.report_timeout_s
         if len(self.sessions) >= self.config.selection_target:
             self._end_selection(now)
+            self.advance(now)  # a full round whose aborts leave it short is abandoned at once
         return True
 
     def report(self, session_id: str, now: float) -> ReportVerdict:

@@ -170,3 +170,12 @@ def test_round_invariants_and_a_report_is_late_exactly_when_past_its_deadline(
     if secure:
         core.advance(now + cfg.report_timeout_s + 1)
     assert not core.open
+
+
+def test_the_checkin_that_fills_a_round_abandons_it_at_once_when_aborts_left_it_short():
+    cfg = RoundConfig(goal_count=2, over_selection=1.0, min_fraction=1.0, selection_timeout_s=60, report_timeout_s=60)
+    core = RoundCore(1, cfg, 0.0)
+    assert core.try_select("a", 1.0)
+    assert core.abort("a", 2.0)
+    assert core.try_select("b", 3.0)  # the last seat: selection ends, and two reports can no longer come
+    assert core.phase is Phase.ABANDONED and core.ended_at == 3.0
