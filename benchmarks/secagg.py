@@ -3,7 +3,9 @@
 For each configuration we time every client's handler per round (mean over clients) and the
 server's work per round (its ``receive`` calls plus ``close_round``), and compare with a floor
 measured in the same run: one AES-CTR mask of the vector plus its addition into an
-accumulator, and one X25519 exchange. Inputs are 16-bit quantized values; R is the next power
+accumulator, and one X25519 exchange. A client's ideal masked-input time is one mask per peer
+plus one for its self-mask, and one key exchange per peer (the client does its exchanges once,
+at ShareKeys, so its masked-input round is held to that ideal: goal <= 1.2x). Inputs are 16-bit quantized values; R is the next power
 of two >= n 2^16. Drop-outs in the n=500 target configuration happen after MaskedInput (the
 clients are in U3 but never answer Unmasking), as the target specifies; an extra configuration
 drops 10% *before* MaskedInput, the expensive case where the server rebuilds each dropped
@@ -106,7 +108,7 @@ def run_config(name: str, n: int, length: int, *, degree: int | None, threshold:
                 outbox[u] = reply
     expected %= np.uint64(modulus)
     ok = server.round is Round.COMPLETED and np.array_equal(server.result(), expected)
-    rounds = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.MASKED_INPUT_COLLECTION, Round.UNMASKING]
+    rounds = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.SHARE_CHECK, Round.MASKED_INPUT_COLLECTION, Round.UNMASKING]
     client_mean = {r.value: client_time[r] / max(1, client_count[r]) for r in rounds}
     server_s = {r.value: server_time[r] for r in rounds}
     total = sum(client_time[r] for r in rounds) + sum(server_time[r] for r in rounds)
@@ -165,6 +167,9 @@ def main() -> None:
                                        "met": r500["correct"] and r500["client_s_per_round_mean"]["MaskedInputCollection"] <= 0.1},
         "n500_server_unmasking_s": {"value": r500["server_s_per_round"]["Unmasking"], "goal": 4.0,
                                     "met": r500["correct"] and r500["server_s_per_round"]["Unmasking"] <= 4.0},
+        "n500_client_masked_input_over_ideal": {
+            "value": r500["ratios"]["client_masked_input_over_ideal"], "goal": 1.2,
+            "met": r500["correct"] and r500["ratios"]["client_masked_input_over_ideal"] <= 1.2},
     }
     extra = {k: {"total_s": v["total_s"], "server_unmasking_s": v["server_s_per_round"]["Unmasking"],
                  "client_masked_input_s": v["client_s_per_round_mean"]["MaskedInputCollection"], "correct": v["correct"]}

@@ -48,7 +48,11 @@ from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .opstats import Event, OpStatsStore, SessionSummary, shape_of
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
-from .secure_client import SecureOutcome, SecureResult, run_secure_aggregation
+from .attestation import AttestedSigner, PeerCertificateVerifier
+from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
+from .secure_client import NEEDS_ATTESTATION as SECAGG_NEEDS_ATTESTATION
+from .secure_client import REFUSED as SECAGG_REFUSED
+from .secure_client import SecureAggregation, SecureOutcome, SecureResult, run_secure_aggregation, session_member_key
 from .secure_sum import SecureSumCodec
 from .versions import version_tuple
 
@@ -80,9 +84,17 @@ __all__ = [
     "OverBudget",
     "ParsedAttestation",
     "Plan",
+    "AttestedSigner",
+    "DEFAULT_SECAGG_POLICY",
+    "PeerCertificateVerifier",
+    "SecAggPolicy",
+    "SECAGG_NEEDS_ATTESTATION",
+    "SECAGG_REFUSED",
+    "SecureAggregation",
     "SecureOutcome",
     "SecureResult",
     "SecureSumCodec",
+    "session_member_key",
     "PlanError",
     "PlanExecutor",
     "PlanMetadata",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
@@ -422,6 +423,11 @@ class DeviceAttestor:
     def device_class(self) -> str:
         return self._certificate.device_class
 
+    def secagg_signer(self) -> "AttestedSigner":
+        """This device's key as a Secure Aggregation signer: its peers check the certificate
+        and the key signs the device's advertised keys and protocol messages."""
+        return AttestedSigner(self._key, self._certificate)
+
     def with_certificate(self, certificate: DeviceCertificate) -> DeviceAttestor:
         """Same key, renewed certificate (the rate-limit pseudonym stays the same)."""
         return DeviceAttestor(self._key, certificate)
@@ -480,3 +486,56 @@ class DeviceAttestor:
             return cls(key, certificate)
         except ValueError as exc:
             raise MalformedAttestation(f"{path}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------ Secure Aggregation
+
+
+class AttestedSigner:
+    """A ``secagg.Signer`` backed by the attested device key; the credential is the certificate.
+    Secure Aggregation signs only payloads behind its own domain tag (``secagg.crypto.sign``),
+    so these signatures can never pass for a check-in attestation."""
+
+    __slots__ = ("_key", "public_key", "credential")
+
+    def __init__(self, private_key: Ed25519PrivateKey, certificate: DeviceCertificate) -> None:
+        self._key = private_key
+        self.public_key = certificate.device_public_key
+        self.credential = certificate.to_bytes()
+
+    def sign(self, data: bytes) -> bytes:
+        return self._key.sign(data)
+
+
+class PeerCertificateVerifier:
+    """A ``secagg.PeerVerifier``: is this peer key certified by an authority of the trust anchor
+    (``{key_id: public_key}``, as ``AttestationAuthority.trust_anchor()`` gives it) and valid now?
+
+    Every device checks its peers itself, so a server can add members of its own to a group only
+    with certified devices, whose number attestation and its rate limits bound."""
+
+    def __init__(self, trust_anchor: Mapping[bytes, bytes], clock: Callable[[], float], *, clock_skew_s: float = 300.0) -> None:
+        self._authorities: dict[bytes, Ed25519PublicKey] = {}
+        for key_id, public in trust_anchor.items():
+            if authority_key_id(bytes(public)) != bytes(key_id):
+                raise ValueError("a trust anchor key id does not match its public key")
+            self._authorities[bytes(key_id)] = Ed25519PublicKey.from_public_bytes(bytes(public))
+        if not self._authorities:
+            raise ValueError("the trust anchor names no authority")
+        self._clock = clock
+        self._skew = clock_skew_s
+
+    def __call__(self, public_key: bytes, credential: bytes) -> bool:
+        try:
+            cert = DeviceCertificate.from_bytes(credential)
+        except AttestationError:
+            return False
+        authority = self._authorities.get(cert.authority_key_id)
+        if authority is None or cert.device_public_key != bytes(public_key):
+            return False
+        try:
+            authority.verify(cert.signature, cert.signed_payload())
+        except InvalidSignature:
+            return False
+        now = self._clock()
+        return cert.issued_at - self._skew <= now < cert.expires_at + self._skew

@@ -33,6 +33,11 @@ import onnxruntime as ort
 from .plan import Plan, PlanError, UpdateMismatchError
 
 NUM_EXAMPLES = "num_examples"
+# Server optimizer state (FedAvgM's momentum, FedAdam's moments): tensors the ``update`` graph
+# reads as ``state/server_state/...`` and writes as ``server_state/...``. They live in the server's
+# checkpoint beside the weights, start at zero when absent (an initial checkpoint holds only the
+# weights) and are never broadcast (``prepare`` does not take them).
+SERVER_STATE_PREFIX = "server_state/"
 _SERVER_GRAPHS = ("prepare", "zero", "accumulate", "merge", "report", "update")
 _T = TypeVar("_T")
 
@@ -239,24 +244,8 @@ class PlanExecutor:
                     sums[m] += float(arr)
                 total += n
                 step += 1
-        epochs = plan.device.epochs
-        n_per_epoch = total / epochs
-        update: dict[str, np.ndarray] = {}
-        if train:
-            final = sets[step % 2]
-            for w in plan.weight_names:
-                delta = final[w].numpy() - initial[w]
-                update[w] = (delta * np.float32(n_per_epoch)).astype(np.float32, copy=False)
-        for m in plan.metric_names:
-            update[m] = np.array(sums[m] / epochs, dtype=np.float32)
-        update[NUM_EXAMPLES] = np.array(n_per_epoch, dtype=np.float32)
-        metrics = {m: sums[m] / epochs for m in plan.metric_names}
-        count = sums.get("count", 0.0)
-        if "loss_sum" in sums and count > 0:
-            metrics["loss"] = sums["loss_sum"] / count
-        if "correct" in sums and count > 0:
-            metrics["accuracy"] = sums["correct"] / count
-        return DeviceResult(update=update, metrics=metrics, num_examples=int(round(n_per_epoch)))
+        final = {w: sets[step % 2][w].numpy() for w in plan.weight_names} if train else {}
+        return device_result(plan, initial, final, sums, total)
 
     def final_weights(self, initial: Mapping[str, np.ndarray], result: DeviceResult) -> dict[str, np.ndarray]:
         """The device's trained weights, reconstructed from its update: w + delta*n / n."""
@@ -302,8 +291,9 @@ class PlanExecutor:
 
     def evaluate(self, weights: Mapping[str, np.ndarray], batches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
         """Loss and accuracy of ``weights`` over ``batches`` (keyed by example tensor names) with
-        the work graph's forward pass: ``eval_loss``, ``eval_accuracy``, ``num_examples``.
-        Meant for evaluation plans; on a training plan the weights are not updated either."""
+        the work graph's forward pass: ``eval_loss``, ``num_examples`` and, when the plan counts
+        ``correct`` predictions (classification), ``eval_accuracy``; a regression plan (mse) has
+        no accuracy. Meant for evaluation plans; on a training plan the weights are not updated either."""
         w = self._check_weights(weights)
         sess = self._session("work")
         outputs = list(self.plan.metric_names)
@@ -316,11 +306,10 @@ class PlanExecutor:
             for name, value in zip(outputs, sess.run(outputs, feeds)):
                 sums[name] += float(value)
         count = sums.get("count", 0.0)
-        return {
-            "eval_loss": sums["loss_sum"] / count if count else float("nan"),
-            "eval_accuracy": sums["correct"] / count if count else float("nan"),
-            "num_examples": count,
-        }
+        out = {"eval_loss": sums["loss_sum"] / count if count else float("nan"), "num_examples": count}
+        if "correct" in sums:
+            out["eval_accuracy"] = sums["correct"] / count if count else float("nan")
+        return out
 
     # ------------------------------------------------------------------ server side
 
@@ -334,6 +323,11 @@ class PlanExecutor:
         for i in sess.get_inputs():
             if i.name.startswith(prefix):
                 plain = i.name[len(prefix):]
+                if plain not in values and prefix == "state/" and plain.startswith(SERVER_STATE_PREFIX):
+                    if not all(isinstance(d, int) for d in i.shape):
+                        raise PlanError(f"{which}: server state {plain!r} needs a static shape, not {i.shape}")
+                    feeds[i.name] = np.zeros(i.shape, dtype=np.float64 if i.type == "tensor(double)" else np.float32)
+                    continue
                 if plain not in values:
                     raise PlanError(f"{which}: {prefix[:-1]} is missing tensor {plain!r}")
                 # server graphs may keep float64 accumulators; everything else is float32
@@ -364,17 +358,20 @@ class PlanExecutor:
     def update(
         self, state: Mapping[str, np.ndarray], aggregate: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """(new server state = global weights, metrics as floats)."""
+        """(new server state = global weights and any server optimizer state, metrics as floats)."""
         feeds: dict[str, np.ndarray] = {}
         self._prefixed("update", "state/", state, feeds)
         self._prefixed("update", "agg/", aggregate, feeds)
         out = self._run("update", feeds)
         weights = {w: out[w] for w in self.plan.weight_names}
+        weights.update({k: v for k, v in out.items() if k.startswith(SERVER_STATE_PREFIX)})
         metrics = {k: float(v) for k, v in out.items() if k not in weights}
         return weights, metrics
 
     def prepare(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """What is broadcast to devices for this state (the weights)."""
+        if not self.plan.weight_names:  # e.g. federated analytics: an empty graph onnxruntime will not load
+            return {}
         feeds: dict[str, np.ndarray] = {}
         self._prefixed("prepare", "state/", state, feeds)
         return self._run("prepare", feeds)
@@ -552,3 +549,27 @@ def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterat
     if pending is not None and _size(pending):
         yield pending
 
+
+def device_result(
+    plan: Plan, initial: Mapping[str, np.ndarray], final: Mapping[str, np.ndarray], sums: Mapping[str, float], total: int
+) -> DeviceResult:
+    """The client update of a device that trained from ``initial`` to ``final`` over ``total``
+    examples (see the module doc: weight deltas times n, metric sums per epoch, the example count);
+    every executor, in process or in a release's worker, reports through this one definition."""
+    epochs = plan.device.epochs
+    n_per_epoch = total / epochs
+    update: dict[str, np.ndarray] = {}
+    if plan.kind == "train":
+        for w in plan.weight_names:
+            delta = np.asarray(final[w], dtype=np.float32) - np.asarray(initial[w], dtype=np.float32)
+            update[w] = (delta * np.float32(n_per_epoch)).astype(np.float32, copy=False)
+    for m in plan.metric_names:
+        update[m] = np.array(sums[m] / epochs, dtype=np.float32)
+    update[NUM_EXAMPLES] = np.array(n_per_epoch, dtype=np.float32)
+    metrics = {m: sums[m] / epochs for m in plan.metric_names}
+    count = sums.get("count", 0.0)
+    if "loss_sum" in sums and count > 0:
+        metrics["loss"] = sums["loss_sum"] / count
+    if "correct" in sums and count > 0:
+        metrics["accuracy"] = sums["correct"] / count
+    return DeviceResult(update=update, metrics=metrics, num_examples=int(round(n_per_epoch)))

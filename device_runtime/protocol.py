@@ -52,6 +52,7 @@ class CheckinAccepted:
     checkpoint_id: str
     aggregation: str
     report_deadline_s: float
+    secagg_commitment: str | None = None  # H(seed) of the round's Secure Aggregation groups
 
 
 class ProtocolClient:
@@ -163,6 +164,7 @@ class ProtocolClient:
                     checkpoint_id=data["checkpoint_id"],
                     aggregation=data["aggregation"],
                     report_deadline_s=float(data["report_deadline_s"]),
+                    secagg_commitment=data.get("secagg_commitment") if isinstance(data.get("secagg_commitment"), str) else None,
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError(f"the check-in answer is missing {exc}") from None

@@ -4,7 +4,6 @@ report) and records its events, whose symbols give the session's shape (paper, T
 from __future__ import annotations
 
 import enum
-import hashlib
 import os
 import logging
 import random
@@ -13,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Protocol
 
 import httpx
 import numpy as np
@@ -21,16 +20,18 @@ import onnxruntime
 
 from example_store import ExampleSelector, ExampleStore, ExampleStoreError, UnknownCollectionError
 
-from .attestation import DeviceAttestor
+from .attestation import DeviceAttestor, PeerCertificateVerifier
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
-from .plan import Plan, PlanError, load_plan
+from .plan import Plan
+from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
-from .secure_client import SecureAggregation, SecureOutcome, SecureResult
+from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
+from .secure_client import NEEDS_ATTESTATION, REFUSED, SecureAggregation, SecureOutcome, SecureResult
 from .secure_sum import SecureSumCodec
 
 log = logging.getLogger(__name__)
@@ -92,13 +93,31 @@ class FLRuntime:
         opstats: OpStatsStore | None = None,
         device_class: DeviceClass = DeviceClass(),
         attestor: DeviceAttestor | None = None,
+        trust_anchor: Mapping[bytes, bytes] | None = None,
+        secagg_policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
         transport: httpx.BaseTransport | None = None,
+        http_client: httpx.Client | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        plan_cache: PlanCache | None = None,
+        loaded_plans: LoadedPlans | None = None,
+        work_meter: WorkMeter | None = None,
+        memory_probe: Callable[[], float] = rss_mb,
     ) -> None:
         """``transport``: how the protocol's requests travel (real HTTP by default; an
-        in-process transport in a simulation or a test), see ``ProtocolClient``."""
+        in-process transport in a simulation or a test), see ``ProtocolClient``; ``http_client``:
+        an httpx client to send through instead (the runtime does not close it). ``clock``,
+        ``sleep``, ``work_meter`` and ``memory_probe`` are where the session reads and spends
+        time and memory: the system's on a device, a model's in a simulation on virtual time.
+        ``plan_cache``: downloaded plans (by default files in ``cache_dir``); ``loaded_plans``:
+        parsed plans, which devices emulated in one process share. ``attestor`` (this device's
+        attested key) and ``trust_anchor`` (the attestation authority's) are what Secure
+        Aggregation needs under the default ``secagg_policy``, which accepts attested peers only:
+        without them secure tasks are refused with ``SECAGG_NEEDS_ATTESTATION``."""
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="fl-plan-cache-"))
+        if cache_dir is None and plan_cache is None:
+            cache_dir = tempfile.mkdtemp(prefix="fl-plan-cache-")
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.runtime_version = runtime_version
         self.rng = rng or random.Random()
         self.clock = clock
@@ -106,12 +125,22 @@ class FLRuntime:
         self.resumption_tokens: ResumptionTokenKeeper = opstats if opstats is not None else MemoryResumptionTokens()
         self.device_class = device_class
         self.attestor = attestor
-        self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng, transport=transport)
+        # Secure Aggregation: the privacy floor this device holds (never the server), and the
+        # attestation authorities whose certified devices it accepts as peers.
+        self.secagg_policy = secagg_policy
+        self.peer_verifier = PeerCertificateVerifier(trust_anchor, clock) if trust_anchor is not None else None
+        self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng, sleep=sleep,
+                                     client=http_client, transport=transport)
+        self.plan_cache: PlanCache = plan_cache if plan_cache is not None else DirectoryPlanCache(cache_dir)
+        self.loaded_plans = loaded_plans if loaded_plans is not None else LoadedPlans()
+        self.work_meter = work_meter
+        self.memory_probe = memory_probe
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
         self._codecs: dict[str, SecureSumCodec] = {}
         self._lock = threading.Lock()
         self.last_retry_window: tuple[float, float] | None = None
+        self._verdict_needed = True  # until a task without eligibility policies is seen
 
     def close(self) -> None:
         self.client.close()
@@ -166,7 +195,11 @@ class FLRuntime:
         eligibility: dict | None,
         run_options: onnxruntime.RunOptions | None,
     ) -> SessionResult:
-        if eligibility is None:
+        # The task's policies are fetched only while the last ones seen were not empty: a task
+        # without policies needs no verdict, and most check-ins are rejected (pace steering), so
+        # this halves their requests. A server that needs a verdict says so and is answered at once.
+        skipped = eligibility is None and not self._verdict_needed
+        if eligibility is None and not skipped:
             eligibility = self.evaluate_eligibility()
         attestation: Callable[[], dict] | None = None
         if self.attestor is not None:
@@ -177,6 +210,9 @@ class FLRuntime:
 
             attestation = attest
         answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
+        if skipped and not isinstance(answer, CheckinAccepted) and answer.get("reason") == "ELIGIBILITY_REQUIRED":
+            eligibility = self.evaluate_eligibility()
+            answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
             window = tuple(float(x) for x in answer.get("retry_after_s", DEFAULT_RETRY_WINDOW_S))[:2]
             self.last_retry_window = (window[0], window[1])
@@ -203,9 +239,12 @@ class FLRuntime:
                     return self._secure_outcome(rec, prepared, {}, 0)
             resume = {"resume": reading.mode} if reading.resumes else {}
             rec.record("training_started", examples_available=available, **resume)
+            batches = executor.batches_from_examples(reading.open_batches)
+            if self.work_meter is not None:
+                batches = _metered(batches, plan, self.work_meter)
             result = executor.run_device(
                 weights,
-                executor.batches_from_examples(reading.open_batches),
+                batches,
                 should_abort=rec.watch(plan, should_abort),
                 run_options=run_options,
             )
@@ -233,6 +272,10 @@ class FLRuntime:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
                 return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, exc.code)
+            rec.record("error", error=type(exc).__name__)
+            raise
+        except Exception as exc:  # the server unreachable at upload: the session's shape ends in an error
+            rec.record("error", error=type(exc).__name__)
             raise
         rec.record("upload_completed")
         return rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
@@ -245,6 +288,7 @@ class FLRuntime:
             policies = EligibilityPolicies.from_dict(info.get("policies") or {})
         except ValueError as exc:
             raise ProtocolError(f"the server sent eligibility policies this runtime does not understand: {exc}") from None
+        self._verdict_needed = task is None or not policies.empty
         if task is None or policies.empty:
             return None
         available = 0
@@ -270,7 +314,9 @@ class FLRuntime:
     ) -> tuple[SecureAggregation, SecureResult | None]:
         """The key rounds, before training (see ``secure_client``)."""
         secure = SecureAggregation(
-            self.client, session, deadline=time.monotonic() + session.report_deadline_s, should_abort=should_abort
+            self.client, session, deadline=time.monotonic() + session.report_deadline_s, should_abort=should_abort,
+            policy=self.secagg_policy, signer=self.attestor.secagg_signer() if self.attestor is not None else None,
+            verify_peer=self.peer_verifier,
         )
         return secure, secure.prepare()
 
@@ -285,10 +331,17 @@ class FLRuntime:
         rec.record("upload_started", bytes=int(vector.nbytes), secure=True)
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
-    @staticmethod
-    def _secure_outcome(rec: "_Recorder", outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
+    def _secure_outcome(self, rec: "_Recorder", outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
         if outcome.outcome is SecureOutcome.INTERRUPTED:
             return rec.interrupted("interrupted")
+        if outcome.refused:  # below this device's privacy floor, a check failed, or no attested cohort: say why
+            code = outcome.code or REFUSED
+            if code == NEEDS_ATTESTATION:  # this app's configuration, not the server, must change
+                log.warning("population %s: %s", self.population, outcome.detail)
+            rec.record("upload_rejected", code=code, reason=outcome.detail)
+            assert rec.session is not None
+            self._abort_quietly(rec.session, outcome.detail[:500], rec.stats())
+            return rec.result(Outcome.REPORT_REJECTED, metrics, examples, code)
         if outcome.outcome is SecureOutcome.INCLUDED:
             rec.record("upload_completed", secure=True)
             return rec.result(Outcome.COMPLETED, metrics, examples)
@@ -316,28 +369,15 @@ class FLRuntime:
     def _plan(self, plan_id: str, token: str) -> Plan:
         if plan_id in self._plans:
             return self._plans[plan_id]
-        path = self.cache_dir / "plans" / plan_id
-        data = None
-        if path.exists():
-            cached = path.read_bytes()
-            if _sha256(cached) == plan_id:
-                data = cached
+        data = self.plan_cache.get(plan_id)
+        cached = data is not None
         if data is None:
             data = self.client.fetch_resource(plan_id, token)
-        try:
-            plan = load_plan(data, runtime_version=self.runtime_version)
-        except PlanError as exc:
-            raise CorruptResource(f"plan {plan_id} was refused: {exc}") from exc
-        if not path.exists():
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-            except OSError as exc:  # a cache that cannot be written costs a download, not the session
-                log.warning("could not cache plan %s: %s", plan_id, exc)
+        plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version)
+        if not cached:
+            self.plan_cache.put(plan_id, data)
         self._plans[plan_id] = plan
-        self._executors[plan_id] = PlanExecutor(plan)
+        self._executors[plan_id] = executor
         return plan
 
     def _checkpoint(self, checkpoint_id: str, token: str) -> dict:
@@ -348,8 +388,25 @@ class FLRuntime:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+class WorkMeter(Protocol):
+    """Hears of every batch the plan trained on, once it is done: where a simulation charges
+    the device's compute time to its virtual clock (a device's real training takes its own time)."""
+
+    def trained(self, plan: Plan, examples: int) -> None: ...
+
+
+def _metered(
+    open_batches: Callable[[], Iterable[Mapping[str, np.ndarray]]], plan: Plan, meter: WorkMeter
+) -> Callable[[], Iterator[Mapping[str, np.ndarray]]]:
+    """The executor asks for the next batch once it has run the last one: that is when its
+    work is reported, so the next ``should_abort`` check sees the time it took."""
+
+    def open_metered() -> Iterator[Mapping[str, np.ndarray]]:
+        for batch in open_batches():
+            yield batch
+            meter.trained(plan, len(next(iter(batch.values()))) if batch else 0)
+
+    return open_metered
 
 
 class _Recorder:
@@ -362,8 +419,8 @@ class _Recorder:
         self.runtime = runtime
         self.events: list[Event] = []
         self.session: CheckinAccepted | None = None
-        self.local_id = os.urandom(8).hex()
-        self.base_memory_mb = rss_mb()
+        self.local_id = f"{runtime.rng.getrandbits(64):016x}"  # from the device's own random stream: a seeded run repeats
+        self.base_memory_mb = runtime.memory_probe()
         self.peak_memory_mb = self.base_memory_mb
         self.over_budget: str | None = None
         self.reading: ExampleReading | None = None
@@ -371,23 +428,24 @@ class _Recorder:
         self.received0 = runtime.client.bytes_received
 
     def record(self, kind: str, **detail: object) -> None:
-        self.peak_memory_mb = max(self.peak_memory_mb, rss_mb())
+        self.peak_memory_mb = max(self.peak_memory_mb, self.runtime.memory_probe())
         self.events.append(Event(kind, self.runtime.clock(), dict(detail)))
 
     def watch(self, plan: Plan, should_abort: Callable[[], bool] | None) -> Callable[[], bool]:
         """The per-step check: the app's should_abort, and the plan's budgets, measured."""
         meta = plan.metadata
-        started = time.monotonic()
+        clock, probe = self.runtime.clock, self.runtime.memory_probe
+        started = clock()
         steps = 0
 
         def check() -> bool:
             nonlocal steps
             steps += 1
-            if meta.time_budget_s is not None and time.monotonic() - started > meta.time_budget_s:
+            if meta.time_budget_s is not None and clock() - started > meta.time_budget_s:
                 self.over_budget = f"over time budget ({meta.time_budget_s} s)"
                 return True
             if steps % self.MEMORY_SAMPLE_EVERY == 0:
-                now = rss_mb()
+                now = probe()
                 self.peak_memory_mb = max(self.peak_memory_mb, now)
                 if meta.memory_budget_mb is not None and now - self.base_memory_mb > meta.memory_budget_mb:
                     self.over_budget = f"over memory budget ({meta.memory_budget_mb} MB)"

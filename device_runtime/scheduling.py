@@ -15,12 +15,15 @@ import logging
 import os
 import random
 import threading
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
 import onnxruntime as ort
 from apscheduler.job import Job
+from apscheduler.jobstores.base import BaseJobStore
+from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 
@@ -68,12 +71,17 @@ class ScheduledJob:
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """Timing of the checks. The abort bound is ``poll_s + grace_s`` plus one training step."""
+    """Timing of the checks. The abort bound is ``poll_s + grace_s`` plus one training step.
+
+    ``watchdog``: a thread polls the conditions while a session runs, and can stop a training
+    step in flight. Where one driver owns a virtual clock (a simulation) there is no other thread
+    to poll: the conditions are checked between steps and between protocol phases only."""
 
     poll_s: float = 0.25
     grace_s: float = 1.0
     recheck_s: float = 300.0
     jitter: float = 0.2
+    watchdog: bool = True
 
 
 def run_participation(
@@ -97,11 +105,18 @@ def _to_dt(ts: float) -> datetime:
 
 
 class ParticipationScheduler:
-    """One per app: the populations it takes part in, their constraints and intervals."""
+    """One per app: the populations it takes part in, their constraints and intervals.
+
+    ``database``: the app's SQLite file, where jobs survive a restart; None keeps them in memory
+    (an emulated device in a simulation, where a job store's five transactions per run were most
+    of the scheduler's cost). Conditions that can tell when they next change
+    (``next_change(now) -> float | None``, times on the scheduler's clock) wake a job
+    whose constraints are unmet at that moment, as Android's JobScheduler does, instead of
+    re-checking every ``recheck_s``."""
 
     def __init__(
         self,
-        database: str | os.PathLike,
+        database: str | os.PathLike | None,
         conditions: DeviceConditions,
         *,
         app: str = "app",
@@ -116,7 +131,9 @@ class ParticipationScheduler:
         self.settings = settings
         self.rng = rng or random.Random()
         self._runtimes: dict[str, FLRuntime] = {}
-        self._store = SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
+        self._store: BaseJobStore = (
+            MemoryJobStore() if database is None else SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
+        )
         self._store.start(_StoreHost(), app)
         self._lock = threading.RLock()
         self.queue = queue or WorkerQueue(self.clock)
@@ -216,6 +233,8 @@ class ParticipationScheduler:
         ended = self.clock.now()
         done = session is not None and session.outcome is Outcome.COMPLETED and not interval.recurrent
         next_at = None if done else ended + delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter))
+        if next_at is not None and unmet:
+            next_at = self._when_conditions_change(ended, next_at)
         with self._lock:
             if self._store.lookup_job(population) is not None:  # not cancelled meanwhile
                 if next_at is None:
@@ -225,10 +244,20 @@ class ParticipationScheduler:
                     self._store.update_job(job)
         return JobRun(self.app, population, outcome, started, ended, next_at, detail, session)
 
+    def _when_conditions_change(self, now: float, fallback: float) -> float:
+        """The next moment the device's conditions change, if they can tell; else ``fallback``."""
+        next_change = getattr(self.conditions, "next_change", None)
+        if next_change is None:
+            return fallback
+        when = next_change(now)
+        return fallback if when is None else max(now, float(when))
+
     def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints) -> SessionResult:
         """Run a session while a watchdog polls the conditions: when they stop holding it asks the
         session to stop (checked between steps) and, after the grace period, ends the running
         step by force through onnxruntime's terminate flag."""
+        if not self.settings.watchdog:
+            return runtime.run_session(should_abort=lambda: not constraints.satisfied(self.conditions.current()))
         stop = threading.Event()
         done = threading.Event()
         run_options = ort.RunOptions()
@@ -264,7 +293,9 @@ class ParticipationScheduler:
 class WorkerQueue:
     """The device's single training worker, shared by all its apps' schedulers."""
 
-    def __init__(self, clock: Clock | None = None, *, idle_poll_s: float = 60.0) -> None:
+    def __init__(self, clock: Clock | None = None, *, idle_poll_s: float = 60.0, history: int | None = None) -> None:
+        """``history``: how many past job runs ``history`` keeps (all by default; a simulated
+        device that runs for days keeps none)."""
         self.clock = clock or SystemClock()
         self.idle_poll_s = idle_poll_s
         self._schedulers: list[ParticipationScheduler] = []
@@ -273,7 +304,7 @@ class WorkerQueue:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.history: list[JobRun] = []
+        self.history: deque[JobRun] = deque(maxlen=history)
         self.on_run: Callable[[JobRun], None] | None = None
 
     def add(self, scheduler: ParticipationScheduler) -> None:

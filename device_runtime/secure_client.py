@@ -1,30 +1,51 @@
 """The device's side of Secure Aggregation over HTTP: it polls its session's mailbox, feeds the
 server's messages to its SecAggClient state machine and posts the replies.
 
-As in the paper (section 6), the key rounds (AdvertiseKeys, ShareKeys) are a Prepare phase that
-runs before training, so that the server's deadlines for them cover network round trips only; the
-masked input (Commit) and Unmasking (Finalization) follow once the update exists."""
+As in the paper (section 6), the key rounds (AdvertiseKeys, ShareKeys, and ShareCheck, where the
+device opens the share pairs it holds) are a Prepare phase that runs before training, so that the
+server's deadlines for them cover network round trips only; the masked input (Commit) and
+Unmasking (Finalization) follow once the update exists.
+
+Before it advertises a key the device checks what the server asks of it: the configuration
+against its privacy floor (``SecAggPolicy``), and its group against the seed the server committed
+to while the device waited (the group is recomputed from the revealed seed and the member list;
+the group's graph seed must be the one derived from it). With an attested key and a trust anchor
+it signs its keys with the device key and accepts only certified peers, each device once, from
+its own group. Any refusal ends the device's part with ``refused`` set, the reason, and its code:
+``SECAGG_REFUSED`` when the server's request failed a check, ``SECAGG_NEEDS_ATTESTATION`` when
+the policy asks for an attested cohort and the device has no attested key or trust anchor (it
+then refuses before it polls, so it never joins a cohort it cannot check)."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from secagg import Round, SecAggClient
+from secagg import PeerVerifier, Round, SecAggClient, Signer, assign_groups, group_seed, seed_commitment
 
+from .attestation import device_key_hash
 from .errors import ProtocolError
 from .protocol import CheckinAccepted, ProtocolClient
+from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_sum import config_from_json
 
 
 MAX_DEADLINE_S = 3600.0
 LONG_POLL_S = 0.5  # also bounds how long a should_abort can go unheard
 DEADLINE_GRACE_S = 1.0
+
+#: ``SecureResult.code`` of a refusal: the server's request fell below the floor or failed a check
+REFUSED = "SECAGG_REFUSED"
+#: ``SecureResult.code`` of a refusal: the policy requires an attested cohort that this device
+#: cannot check (no attested key or no trust anchor); the app's configuration must change
+NEEDS_ATTESTATION = "SECAGG_NEEDS_ATTESTATION"
 
 
 class SecureOutcome(enum.Enum):
@@ -37,8 +58,24 @@ class SecureOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class SecureResult:
+    """``refused``: this device ended its part because the server's request fell below its
+    privacy floor or failed a check, or because it cannot meet its own policy; ``detail`` says
+    why (it goes to opstats and the server) and ``code`` which of the two (``REFUSED``,
+    ``NEEDS_ATTESTATION``)."""
+
     outcome: SecureOutcome
     detail: str = ""
+    refused: bool = False
+    code: str = ""
+
+
+def session_member_key(session_id: str) -> bytes:
+    """A device's key in the group assignment when it has no attested key."""
+    return hashlib.sha256(b"fedfleet/secagg-member\x00" + session_id.encode()).digest()
+
+
+class _Refusal(Exception):
+    """The server's request is below this device's floor or fails a check."""
 
 
 class SecureAggregation:
@@ -59,7 +96,20 @@ class SecureAggregation:
         on_round: Callable[[str], None] | None = None,
         poll_s: float = 0.02,
         sleep: Callable[[float], None] = time.sleep,
+        policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
+        signer: Signer | None = None,
+        verify_peer: PeerVerifier | None = None,
     ) -> None:
+        """``signer``: the attested device key (``DeviceAttestor.secagg_signer()``);
+        ``verify_peer``: checks peers' certificates (``PeerCertificateVerifier``)."""
+        self.policy = policy
+        self.signer = signer
+        self.verify_peer = verify_peer
+        # how the server names this device in the group assignment: by its attested key when the
+        # server attests devices, else by its session
+        self.member_keys = ([device_key_hash(signer.public_key)] if signer is not None else []) + [
+            session_member_key(session.session_id)]
+        self._commitment: bytes | None = _b64(session.secagg_commitment)  # from the check-in answer
         self.client = client
         self.session = session
         self.deadline = deadline
@@ -91,8 +141,27 @@ class SecureAggregation:
             self.on_round(round_name)
         return self.should_abort is not None and self.should_abort()
 
+    def identity_problem(self) -> str | None:
+        """Why this device cannot meet its policy's attested cohort, or None."""
+        if not self.policy.require_attested_cohort:
+            return None
+        missing = [what for what, have in (
+            ("no attested device key (FLRuntime(attestor=...))", self.signer),
+            ("no trust anchor of the attestation authority (FLRuntime(trust_anchor=...))", self.verify_peer),
+        ) if have is None]
+        if not missing:
+            return None
+        return ("its policy requires an attested cohort, but it has " + " and ".join(missing)
+                + "; pass them, or choose SecAggPolicy(require_attested_cohort=False) explicitly to accept "
+                "peers it cannot check")
+
     def _run(self, *, until_input: bool) -> SecureResult | None:
         client, session = self.client, self.session
+        if self._secagg is None:
+            problem = self.identity_problem()
+            if problem is not None:
+                return SecureResult(SecureOutcome.ABORTED, f"this device cannot take part in Secure Aggregation: {problem}",
+                                    refused=True, code=NEEDS_ATTESTATION)
         while time.monotonic() < self.deadline:
             if self.should_abort is not None and self.should_abort():
                 return SecureResult(SecureOutcome.INTERRUPTED)
@@ -105,6 +174,10 @@ class SecureAggregation:
                 # the server moves the deadline when its group forms later than the device thought
                 self.deadline = time.monotonic() + min(float(remaining), MAX_DEADLINE_S) + DEADLINE_GRACE_S
             if status == "waiting":
+                seen = _b64(state.get("commitment"))
+                if self._commitment is not None and seen != self._commitment:
+                    return self._refused("the server changed its committed seed while this device waited")
+                self._commitment = self._commitment or seen
                 self.sleep(self.poll_s)
                 continue
             if status in ("excluded", "closed"):
@@ -113,10 +186,9 @@ class SecureAggregation:
                 if state.get("round") != Round.ADVERTISE_KEYS.value:
                     return SecureResult(SecureOutcome.EXCLUDED, "the group started without this device")
                 try:
-                    config = config_from_json(state["config"])
-                    self._secagg = SecAggClient(int(state["client_id"]), config, self._vector)
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise ProtocolError(f"the server's Secure Aggregation setup is malformed: {exc}") from None
+                    self._secagg = self._join(state)
+                except _Refusal as exc:
+                    return self._refused(str(exc))
                 if self._entering(Round.ADVERTISE_KEYS.value):
                     return SecureResult(SecureOutcome.INTERRUPTED)
                 if not _send(client, session, self._secagg.start()):
@@ -138,12 +210,79 @@ class SecureAggregation:
                     return SecureResult(SecureOutcome.INTERRUPTED)
                 reply = self._secagg.handle(base64.b64decode(message))
                 if self._secagg.aborted:
-                    return SecureResult(SecureOutcome.ABORTED, f"this device refused the server: {self._secagg.abort_reason}")
+                    return self._refused(str(self._secagg.abort_reason))
                 if reply is not None and not _send(client, session, reply):
                     return SecureResult(SecureOutcome.EXCLUDED, "the group moved on without this device")
                 continue
             self.sleep(self.poll_s)
         return SecureResult(SecureOutcome.TIMED_OUT)
+
+    def _refused(self, reason: str) -> SecureResult:
+        return SecureResult(SecureOutcome.ABORTED, f"this device refused the server: {reason}", refused=True, code=REFUSED)
+
+    def _join(self, state: dict) -> SecAggClient:
+        """Check the server's configuration and this device's group, then make the client."""
+        try:
+            config = config_from_json(state["config"])
+            client_id = int(state["client_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"the server's Secure Aggregation setup is malformed: {exc}") from None
+        assignment = state.get("assignment")
+        is_member = None
+        if isinstance(assignment, dict):
+            group, attested, expected_commitment = self._check_assignment(assignment, client_id)
+            if config.graph_commitment != expected_commitment:
+                raise _Refusal("the group's graph seed is not the one the revealed seed gives (a forged graph)")
+            n = len(group)
+            if self.policy.require_attested_cohort and not attested:
+                raise _Refusal("the group assignment does not name this device by its attested key")
+            if attested:  # the members are named by their device keys: the roster must hold them only
+                members = frozenset(group)
+                is_member = lambda public_key: device_key_hash(public_key) in members  # noqa: E731
+        elif self.policy.require_graph_commitment:
+            raise _Refusal("the server revealed no seed for the group assignment")
+        else:
+            n = int(state.get("group_size", 0))
+        problem = self.policy.violation(config, n)
+        if problem is not None:
+            raise _Refusal(f"below this device's privacy floor: {problem}")
+        try:
+            return SecAggClient(client_id, dataclasses.replace(config, allow_unsafe=False), self._vector,
+                                signer=self.signer, verify_peer=self.verify_peer, is_member=is_member)
+        except ValueError as exc:
+            raise _Refusal(str(exc)) from None
+
+    def _check_assignment(self, assignment: dict, client_id: int) -> tuple[list[bytes], bool, bytes]:
+        """This device's group as the revealed seed gives it, whether its members are named by
+        their attested keys, and the commitment of the group's graph seed."""
+        try:
+            seed = base64.b64decode(assignment["seed"], validate=True)
+            members = [base64.b64decode(m, validate=True) for m in assignment["members"]]
+            k, index = int(assignment["min_group_size"]), int(assignment["group"])
+            groups = assign_groups(seed, members, k, int(assignment.get("spare", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"the server's group assignment is malformed: {exc}") from None
+        if self._commitment is None and self.policy.require_graph_commitment:
+            raise _Refusal("the server showed no commitment to its seed before selection ended")
+        if self._commitment is not None and seed_commitment(seed) != self._commitment:
+            raise _Refusal("the revealed seed does not open the commitment the server showed before selection")
+        if k < self.policy.min_group_size:
+            raise _Refusal(f"groups of at least {k}, below this device's minimum of {self.policy.min_group_size}")
+        placed = [(i, key) for key in self.member_keys for i, g in enumerate(groups) if key in g]
+        if not placed:
+            raise _Refusal("the revealed assignment puts this device in no group")
+        mine, key = placed[0]
+        if mine != index or groups[mine].index(key) + 1 != client_id:
+            raise _Refusal("the server placed this device in another group or seat than the revealed seed gives (a forged group)")
+        attested = self.signer is not None and key == self.member_keys[0]
+        return groups[mine], attested, seed_commitment(group_seed(seed, mine))
+
+
+def _b64(value: object) -> bytes | None:
+    try:
+        return base64.b64decode(str(value), validate=True) if value is not None else None
+    except ValueError:
+        return None
 
 
 def run_secure_aggregation(
@@ -155,9 +294,13 @@ def run_secure_aggregation(
     should_abort: Callable[[], bool] | None = None,
     on_round: Callable[[str], None] | None = None,
     poll_s: float = 0.02,
+    policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
+    signer: Signer | None = None,
+    verify_peer: PeerVerifier | None = None,
 ) -> SecureResult:
-    """All four rounds for an update that already exists."""
-    secure = SecureAggregation(client, session, deadline=deadline, should_abort=should_abort, on_round=on_round, poll_s=poll_s)
+    """All the rounds for an update that already exists."""
+    secure = SecureAggregation(client, session, deadline=deadline, should_abort=should_abort, on_round=on_round,
+                               poll_s=poll_s, policy=policy, signer=signer, verify_peer=verify_peer)
     return secure.finish(vector)
 
 

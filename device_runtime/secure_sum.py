@@ -61,11 +61,16 @@ def config_to_json(config: SecAggConfig) -> dict:
         "session_label": base64.b64encode(config.session_label).decode(),
         "degree": config.degree,
         "consistency_check": config.consistency_check,
+        "min_summed": config.min_summed,
+        "graph_commitment": base64.b64encode(config.graph_commitment).decode(),
     }
 
 
 def config_from_json(data: dict) -> SecAggConfig:
-    """Parse the server's SecAgg parameters; malformed ones raise ValueError (or ConfigError)."""
+    """Parse the server's SecAgg parameters; malformed ones raise ValueError (or ConfigError).
+
+    Parsed as the server sent them (``allow_unsafe``): whether they are safe enough is the
+    device's privacy floor's call (``SecAggPolicy``), which refuses them with a reason."""
     if not isinstance(data, dict):
         raise ValueError("SecAgg config must be an object")
     ints = {k: data.get(k) for k in ("vector_length", "modulus", "threshold")}
@@ -74,11 +79,17 @@ def config_from_json(data: dict) -> SecAggConfig:
     degree = data.get("degree")
     if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)):
         raise ValueError("SecAgg degree must be an integer or null")
+    min_summed = data.get("min_summed", 0)
+    if isinstance(min_summed, bool) or not isinstance(min_summed, int):
+        raise ValueError("SecAgg min_summed must be an integer")
     return SecAggConfig(
         vector_length=ints["vector_length"],
         modulus=ints["modulus"],
         threshold=ints["threshold"],
         session_label=base64.b64decode(str(data.get("session_label", "")), validate=True),
         degree=degree,
-        consistency_check=bool(data.get("consistency_check", False)),
+        consistency_check=data.get("consistency_check") is True,
+        min_summed=min_summed,
+        graph_commitment=base64.b64decode(str(data.get("graph_commitment", "")), validate=True),
+        allow_unsafe=True,
     )

@@ -6,6 +6,7 @@ from .demo import DemoConfig, run_demo
 from .device import DeviceProfile, EmulatedDevice, Fleet
 from .inprocess import InProcessTransport
 from .runtime_envs import RuntimeEnv, RuntimeEnvError, available_releases
+from .runtime_worker import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
 
 __all__ = [
     "AttestationAuthority",
@@ -15,8 +16,14 @@ __all__ = [
     "EmulatedDevice",
     "Fleet",
     "InProcessTransport",
+    "ReleasePlans",
     "RuntimeEnv",
     "RuntimeEnvError",
+    "RuntimeWorker",
+    "WorkerError",
+    "WorkerExecutor",
+    "WorkerPool",
+    "assign_releases",
     "available_releases",
     "load_digits_dataset",
     "partition_by_shards",

@@ -14,6 +14,8 @@ from server_stub.cli import add_server_arguments, run_server
 
 from .attestation_authority import AttestationAuthority
 from .demo import DemoConfig, run_demo
+from .fleet.cli import add_simulate_parser, run_simulate
+from .toolchain.cli import add_toolchain_commands, run_toolchain_command
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,9 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     _demo_parser(sub)
     add_server_arguments(sub.add_parser("server", help="run the FL server (HTTP, SQLite by default)"))
     _authority_parser(sub)
+    add_simulate_parser(sub)
+    add_toolchain_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in ("plan", "deploy"):
+        return run_toolchain_command(args)
     if args.command == "server":
         return run_server(args)
+    if args.command == "simulate":
+        return run_simulate(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "authority":
         authority = AttestationAuthority.generate()

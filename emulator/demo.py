@@ -96,15 +96,17 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
     with tempfile.TemporaryDirectory(prefix="fl-demo-", dir=config.workdir) as tmp:
         root = Path(tmp)
         authority = AttestationAuthority.generate()
+        anchor = authority.trust_anchor()
         # Demo devices come back every second or so; the limit still stops a device that floods.
-        verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+        verifier = AttestationVerifier(anchor, NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
         server = ServerThread(root / "server.db", verifier=verifier).start()
         admin = server.admin()
         fleet: Fleet | None = None
         try:
             print(f"FL server on {server.url} (SQLite at {root / 'server.db'}); only attested devices are admitted", file=out)
             if config.secure:
-                print(f"Secure Aggregation: groups of at least {config.secagg_group_size} devices; the server sees only each group's sum", file=out)
+                print(f"Secure Aggregation: attested groups of at least {config.secagg_group_size} devices; "
+                      "the server sees only each group's sum", file=out)
             admin.create_population(POPULATION)
             admin.deploy_task(POPULATION, "digits-train", plan, encode_checkpoint(weights0), round_config)
             profile = DeviceProfile(
@@ -119,6 +121,7 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
                     f"device-{i:04d}", root / "devices" / f"{i:04d}", server.url, POPULATION,
                     profile=profile, collection_uri=COLLECTION, seed=rng.randrange(2**31),
                     attestor=authority.new_device_attestor("emulated-phone", time.time()),
+                    trust_anchor=anchor,  # Secure Aggregation peers must be this authority's devices
                 )
                 device.add_examples(data.x_train[parts[i]], data.y_train[parts[i]])
                 devices.append(device)

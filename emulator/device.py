@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -49,10 +50,13 @@ class EmulatedDevice:
         seed: int = 0,
         runtime_version: str | None = None,
         attestor: DeviceAttestor | None = None,
+        trust_anchor: Mapping[bytes, bytes] | None = None,
         key_store: KeyStore | None = None,
     ) -> None:
         """The app's examples are sealed under its key from ``key_store``, by default the
-        device's own keystore file (``root/keystore.json``)."""
+        device's own keystore file (``root/keystore.json``). ``attestor`` and the authority's
+        ``trust_anchor`` make its Secure Aggregation groups attested (the SDK's default policy
+        refuses secure tasks without them)."""
         self.device_id = device_id
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -70,6 +74,7 @@ class EmulatedDevice:
             retry=RetryPolicy(attempts=3, base_delay_s=0.05, max_delay_s=0.5),
             rng=random.Random(seed + 1),
             attestor=attestor,
+            trust_anchor=trust_anchor,
             **kwargs,
         )
         self.outcomes: Counter[str] = Counter()

@@ -46,6 +46,7 @@ __all__ = [
     "RuntimeEnvError",
     "available_releases",
     "cache_root",
+    "child_environ",
     "latest_patch_per_minor",
     "requirements_for",
 ]
@@ -160,7 +161,8 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _child_environ() -> dict[str, str]:
+def child_environ() -> dict[str, str]:
+    """The environment of a process run in an env: nothing that points the interpreter elsewhere."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env["PYTHONNOUSERSITE"] = "1"
     return env
@@ -264,7 +266,7 @@ class RuntimeEnv:
     def _run_checked(self, argv: list[str], what: str) -> subprocess.CompletedProcess[str]:
         try:
             completed = subprocess.run(
-                argv, capture_output=True, text=True, env=_child_environ(), timeout=_INSTALL_TIMEOUT
+                argv, capture_output=True, text=True, env=child_environ(), timeout=_INSTALL_TIMEOUT
             )
         except subprocess.TimeoutExpired:
             raise RuntimeEnvError(f"{what} for onnxruntime {self.version} timed out") from None
@@ -291,7 +293,7 @@ class RuntimeEnv:
                     input=request,
                     capture_output=True,
                     text=True,
-                    env=_child_environ(),
+                    env=child_environ(),
                     cwd=tmp,
                     timeout=timeout,
                 )

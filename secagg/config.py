@@ -6,7 +6,7 @@ import struct
 from dataclasses import dataclass
 
 from .crypto import sha256
-from .errors import ConfigError
+from .errors import ConfigError, UnsafeParameters
 from .graphs import complete_graph_threshold, secagg_plus_parameters
 from .prg import MAX_MODULUS
 from .quantize import modulus_for
@@ -23,7 +23,15 @@ class SecAggConfig:
     threshold: t (per neighbourhood under SecAgg+); degree: None for the complete graph, else
     the even degree k of the SecAgg+ Harary graph; session_label: bytes the driver supplies
     (e.g. task, round and aggregator ids) so messages of one instance are void in any other;
-    consistency_check: run the ConsistencyCheck round (complete graph only).
+    consistency_check: run the ConsistencyCheck round; min_summed: no sum of fewer inputs is
+    ever released (the group size floor k); graph_commitment: H(seed) of the server's graph
+    seed, published before the cohort was known (empty: the server's seed is taken on trust).
+
+    Unsafe parameters are refused (``UnsafeParameters``) unless ``allow_unsafe``: under SecAgg+
+    t must be a majority of a neighbourhood (2t > k + 1), and for the complete graph over n
+    clients t > 2n/3 (checked by ``check_cohort`` once n is known: Bonawitz et al. 2017, secure
+    against a malicious server colluding with fewer than n/3 clients). ``allow_unsafe`` is not
+    part of the session tag: it is each party's own choice.
     """
 
     vector_length: int
@@ -32,6 +40,9 @@ class SecAggConfig:
     session_label: bytes = b""
     degree: int | None = None
     consistency_check: bool = False
+    min_summed: int = 0
+    graph_commitment: bytes = b""
+    allow_unsafe: bool = False
 
     def __post_init__(self) -> None:
         if self.vector_length < 1:
@@ -40,13 +51,35 @@ class SecAggConfig:
             raise ConfigError("modulus must be in [2, 2^62]")
         if self.threshold < 2:
             raise ConfigError("threshold must be >= 2")
+        if self.min_summed < 0:
+            raise ConfigError("min_summed must be >= 0")
+        if len(self.graph_commitment) not in (0, 32):
+            raise ConfigError("graph_commitment must be empty or 32 bytes")
         if self.degree is not None:
             if self.degree < 2 or self.degree % 2:
                 raise ConfigError("degree must be even and >= 2")
             if self.threshold > self.degree + 1:
                 raise ConfigError("threshold exceeds neighbourhood size")
-            if self.consistency_check:
-                raise ConfigError("ConsistencyCheck is implemented for the complete graph only")
+            if not self.allow_unsafe and 2 * self.threshold <= self.degree + 1:
+                raise UnsafeParameters(
+                    f"threshold {self.threshold} is not a majority of a neighbourhood of {self.degree + 1}: "
+                    "use secagg_plus_parameters(n) or pass allow_unsafe=True"
+                )
+
+    def cohort_problem(self, n: int) -> str | None:
+        """Why t is unsafe for n clients sharing with everyone (complete graph), or None."""
+        if self.allow_unsafe or (self.degree is not None and self.degree < n - 1):
+            return None
+        if 3 * self.threshold <= 2 * n:
+            return (f"threshold {self.threshold} is not above 2n/3 for n = {n}: a server colluding with n/3 "
+                    f"clients could rebuild an input; use complete_graph_threshold({n}) = {complete_graph_threshold(n)}")
+        return None
+
+    def check_cohort(self, n: int) -> None:
+        """Raise ``UnsafeParameters`` if t is unsafe for a cohort of n (see ``cohort_problem``)."""
+        problem = self.cohort_problem(n)
+        if problem is not None:
+            raise UnsafeParameters(problem + " or pass allow_unsafe=True")
 
     @classmethod
     def for_cohort(
@@ -60,23 +93,27 @@ class SecAggConfig:
         corrupt_fraction: float = 1 / 3,
         dropout_rate: float = 0.05,
         consistency_check: bool = False,
+        min_summed: int = 0,
+        graph_commitment: bytes = b"",
     ) -> "SecAggConfig":
         """Sensible parameters for n clients: R from the bitwidth, t and the graph from n.
 
         ``secagg_plus=None`` picks SecAgg+ only when its degree is below (n - 1) / 2: for small
         cohorts a sparse graph saves little and the complete graph's single threshold is simpler
-        (with the defaults the switch happens between n = 150 and n = 200).
+        (with the defaults, which hold against a server that splits survivor lists, the switch
+        happens between n = 300 and n = 400).
         """
         modulus = modulus_for(n, bitwidth)
+        extra = dict(consistency_check=consistency_check, min_summed=min_summed, graph_commitment=graph_commitment)
         if secagg_plus is not False:
             g = secagg_plus_parameters(n, corrupt_fraction, dropout_rate)
             if not g.complete and (secagg_plus or 2 * g.degree < n - 1):
-                return cls(vector_length, modulus, g.threshold, session_label, g.degree, consistency_check)
-        return cls(vector_length, modulus, complete_graph_threshold(n), session_label, None, consistency_check)
+                return cls(vector_length, modulus, g.threshold, session_label, g.degree, **extra)
+        return cls(vector_length, modulus, complete_graph_threshold(n), session_label, None, **extra)
 
     @property
     def session_tag(self) -> bytes:
-        """16 bytes naming this instance (label + every parameter): on every message."""
-        enc = struct.pack("<QQQQ?", self.vector_length, self.modulus, self.threshold, self.degree or 0,
-                          self.consistency_check)
-        return sha256(b"secagg/session/v1", self.session_label, enc)[:16]
+        """16 bytes naming this instance (label + every shared parameter): on every message."""
+        enc = struct.pack("<QQQQ?Q", self.vector_length, self.modulus, self.threshold, self.degree or 0,
+                          self.consistency_check, self.min_summed)
+        return sha256(b"secagg/session/v2", self.session_label, enc, self.graph_commitment)[:16]

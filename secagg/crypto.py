@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .identity import Signer
+
 KEY_BYTES = 32
 SIG_BYTES = 64
 GCM_TAG = 16
@@ -64,6 +66,22 @@ def agree(private: X25519PrivateKey, public: X25519PublicKey) -> bytes:
     return private.exchange(public)
 
 
+# Any fixed scalar works: a low-order point gives the all-zero secret whatever the scalar.
+_PROBE = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"secagg/probe").digest())
+
+
+def usable_public_key(raw: bytes) -> bool:
+    """False for a key that is not 32 bytes or of low order (its agreements would be all-zero,
+    known to everyone): refused at AdvertiseKeys so that no peer ever uses it."""
+    if len(raw) != KEY_BYTES:
+        return False
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(raw))
+    except ValueError:
+        return False
+    return True
+
+
 def share_key(shared: bytes, session_id: bytes, sender: int, receiver: int) -> bytes:
     """AES-GCM key for the share pair sent from ``sender`` to ``receiver`` (one per direction)."""
     return hkdf_sha256(shared, session_id, b"secagg/share" + _PAIR.pack(sender, receiver))
@@ -92,21 +110,37 @@ def decrypt_share(key: bytes, ciphertext: bytes, ad: bytes) -> bytes | None:
 
 
 class SigningKey:
-    """Ed25519 key for the ConsistencyCheck round."""
+    """An Ed25519 key made for one instance: the default ``Signer`` when the client has no
+    attested device key (its signatures then bind messages to the sender, not to a device)."""
 
-    __slots__ = ("private", "public_bytes")
+    __slots__ = ("private", "public_bytes", "public_key", "credential")
 
     def __init__(self, random_bytes: Callable[[int], bytes]) -> None:
         self.private = Ed25519PrivateKey.from_private_bytes(random_bytes(KEY_BYTES))
-        self.public_bytes = self.private.public_key().public_bytes_raw()
+        self.public_bytes = self.public_key = self.private.public_key().public_bytes_raw()
+        self.credential = b""
 
     def sign(self, data: bytes) -> bytes:
         return self.private.sign(data)
 
 
+#: Prefix of everything a Secure Aggregation signer signs: the same key (a device's attested key)
+#: also signs check-in attestations, whose payloads start with another domain tag, so neither
+#: kind of signature can ever be taken for the other.
+SIGNING_DOMAIN = b"fedfleet.secagg.v2\x00"
+
+
+def sign(signer: "Signer", data: bytes) -> bytes:
+    """``signer``'s signature over ``data`` in the Secure Aggregation domain."""
+    return signer.sign(SIGNING_DOMAIN + data)
+
+
 def verify_signature(public: bytes, signature: bytes, data: bytes) -> bool:
+    """Whether ``signature`` is ``public``'s signature over ``data`` (made with ``sign``)."""
+    if len(public) != KEY_BYTES or len(signature) != SIG_BYTES:
+        return False
     try:
-        Ed25519PublicKey.from_public_bytes(public).verify(signature, data)
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, SIGNING_DOMAIN + data)
         return True
     except (InvalidSignature, ValueError):
         return False

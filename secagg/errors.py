@@ -11,6 +11,15 @@ class ConfigError(SecAggError, ValueError):
     """The protocol parameters are inconsistent (threshold, modulus, vector length...)."""
 
 
+class UnsafeParameters(ConfigError):
+    """Parameters that would let a malicious server (with its colluding clients) learn an
+    individual input; pass ``allow_unsafe=True`` only for a semi-honest experiment."""
+
+
+class InvalidInput(SecAggError, ValueError):
+    """An input vector of the wrong shape, type or range for the configuration."""
+
+
 class MessageFormatError(SecAggError, ValueError):
     """Bytes that do not parse as a well-formed message of the expected kind."""
 
@@ -47,12 +56,22 @@ class TooFewSurvivors(ProtocolViolation):
     """Fewer than the threshold t of peers remain: continuing would leak or cannot finish."""
 
 
-class DecryptionFailed(ProtocolViolation):
-    """An encrypted share that does not authenticate (tampered, or addressed to someone else)."""
-
-
 class InvalidKeys(ProtocolViolation):
-    """Advertised keys that are malformed, repeated, or do not match our own."""
+    """Advertised keys that are malformed, low-order, repeated, or do not match our own."""
+
+
+class UncertifiedPeer(ProtocolViolation):
+    """A roster entry whose signing key the peer verifier does not certify, whose key signature
+    does not verify, or a second entry of one device (a sybil roster)."""
+
+
+class ForgedGraph(ProtocolViolation):
+    """The roster does not match the neighbourhood (or group) that the revealed seed and the
+    advertised keys determine, or the seed does not open the commitment."""
+
+
+class UnsafeConfiguration(ProtocolViolation):
+    """The server's parameters (or the roster it sent) fall below what the client accepts."""
 
 
 class BadSignature(ProtocolViolation):

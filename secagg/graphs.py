@@ -19,8 +19,17 @@ sampling of a neighbourhood approximated by a binomial and a union bound over th
   majority    : 2t > k + 1                                 (a server cannot collect t shares of
                                                              both b_u and s_u from two disjoint
                                                              groups of honest neighbours)
+  split       : P[Bin(k, gamma) >= 2t - (k+1)] <= 2^-sigma / n  (a malicious server that tells
+                                                             some of u's holders that u survived
+                                                             and others that it dropped gets t
+                                                             shares of both only if the holders
+                                                             answering both ways, all corrupt,
+                                                             number 2t - (k+1); ConsistencyCheck
+                                                             cannot stop this inside a sparse
+                                                             graph, so t must leave no room)
 
-We take the smallest even k (and for it the smallest t) meeting all three; the tails shrink
+We take the smallest even k (and for it the smallest t) meeting all four (the split bound only
+with ``malicious_server``, the default: Bell et al.'s semi-honest parameters omit it); the tails shrink
 exponentially in k while the union bound grows with n, so k = O(log n). When that k is >= n - 1
 the complete graph is used with t = max(majority, smallest t meeting the same bounds over n - 1).
 Defaults: gamma = 1/3 corrupt, delta = 5% drop-out, sigma = 40, eta = 30.
@@ -28,11 +37,13 @@ Defaults: gamma = 1/3 corrupt, delta = 5% drop-out, sigma = 40, eta = 30.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 
 def _log_binom_pmf(k: int, i: int, p: float) -> float:
@@ -50,12 +61,15 @@ def binom_tail_ge(k: int, t: int, p: float) -> float:
     return min(1.0, sum(math.exp(_log_binom_pmf(k, i, p)) for i in range(t, k + 1)))
 
 
-def _smallest_threshold(k: int, n: int, gamma: float, delta: float, sigma: int, eta: int) -> int | None:
+def _smallest_threshold(k: int, n: int, gamma: float, delta: float, sigma: int, eta: int,
+                        malicious_server: bool = True) -> int | None:
     sec_bound = 2.0 ** -sigma / n
     cor_bound = 2.0 ** -eta / n
     t_min = k // 2 + 1  # majority of the k + 1 holders (the client and its k neighbours)
     for t in range(t_min, k + 2):
         if binom_tail_ge(k, t, gamma) > sec_bound:
+            continue
+        if malicious_server and binom_tail_ge(k, 2 * t - (k + 1), gamma) > sec_bound:
             continue
         # survivors among the k neighbours plus the client itself must reach t
         if 1.0 - binom_tail_ge(k, t - 1, 1.0 - delta) > cor_bound:
@@ -84,13 +98,14 @@ def complete_graph_threshold(n: int) -> int:
 
 
 def secagg_plus_parameters(
-    n: int, corrupt_fraction: float = 1 / 3, dropout_rate: float = 0.05, sigma: int = 40, eta: int = 30
+    n: int, corrupt_fraction: float = 1 / 3, dropout_rate: float = 0.05, sigma: int = 40, eta: int = 30,
+    *, malicious_server: bool = True,
 ) -> GraphParameters:
     """Degree and threshold for a cohort of ``n`` (see the module docstring for the formula)."""
     if n < 2:
         raise ValueError("need at least 2 clients")
     for k in range(2, n, 2):
-        t = _smallest_threshold(k, n, corrupt_fraction, dropout_rate, sigma, eta)
+        t = _smallest_threshold(k, n, corrupt_fraction, dropout_rate, sigma, eta, malicious_server)
         if t is not None:
             return GraphParameters(n, k, t)
     return GraphParameters(n, n - 1, complete_graph_threshold(n))
@@ -110,8 +125,75 @@ def harary_neighbours(ids: Sequence[int], degree: int, random_bytes: Callable[[i
         raise ValueError("degree must be even and >= 2")
     keys = np.frombuffer(random_bytes(8 * n), dtype=np.uint64)
     ring = np.asarray(ids, dtype=np.int64)[np.argsort(keys, kind="stable")]
+    return _ring_neighbours(ring, degree)
+
+
+def keyed_ring(ids: Sequence[int], key: bytes) -> np.ndarray:
+    """The ids in ring order: sorted by AES-256_key(id), a pseudorandom order nobody can steer
+    without changing ``key`` (which the driver derives from a committed seed and every
+    advertised key, so any change to the roster reshuffles the whole ring)."""
+    ids = np.asarray(sorted(ids), dtype=np.int64)
+    blocks = np.zeros((len(ids), 2), dtype="<u8")
+    blocks[:, 0] = ids
+    enc = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    out = np.frombuffer(enc.update(blocks.tobytes()) + enc.finalize(), dtype="<u8").reshape(-1, 2)
+    return ids[np.lexsort((out[:, 1], out[:, 0]))]
+
+
+def seeded_harary(ids: Sequence[int], degree: int, key: bytes) -> dict[int, tuple[int, ...]]:
+    """H(n, k) on the ring ``keyed_ring(ids, key)``: every client can recompute it from the key
+    and the ids, so a server cannot hand-pick anyone's neighbours (Bell et al. 2020 assume the
+    graph is sampled honestly; this makes that checkable)."""
+    n = len(ids)
+    if degree >= n - 1:
+        return {u: tuple(v for v in sorted(ids) if v != u) for u in ids}
+    if degree % 2 or degree < 2:
+        raise ValueError("degree must be even and >= 2")
+    return _ring_neighbours(keyed_ring(ids, key), degree)
+
+
+def _ring_neighbours(ring: np.ndarray, degree: int) -> dict[int, tuple[int, ...]]:
+    n = len(ring)
     half = degree // 2
     offsets = np.concatenate([np.arange(-half, 0), np.arange(1, half + 1)])
     idx = (np.arange(n)[:, None] + offsets[None, :]) % n
     nbrs = np.sort(ring[idx], axis=1)
     return {int(u): tuple(int(v) for v in row) for u, row in zip(ring, nbrs)}
+
+
+def group_key(seed: bytes, members: Sequence[bytes]) -> bytes:
+    """The key that orders a round's devices into groups: the revealed seed mixed with every
+    member's key, so a change to any member reshuffles every group."""
+    h = hashlib.sha256(b"secagg/groups\x00" + seed)
+    for m in sorted(members):
+        h.update(len(m).to_bytes(2, "little") + m)
+    return h.digest()
+
+
+def assign_groups(seed: bytes, members: Sequence[bytes], min_size: int, spare: int = 0) -> list[list[bytes]]:
+    """Split ``members`` (distinct keys) into as many groups of at least ``min_size + spare`` as
+    possible (one group when there are at least ``min_size`` but fewer than that), in the
+    pseudorandom order ``group_key`` gives: every device can recompute its group from the
+    revealed seed and the member list, and nobody picks who shares its group. ``spare``: members
+    a group can lose and still sum ``min_size``."""
+    if min_size < 1 or spare < 0:
+        raise ValueError("min_size must be >= 1 and spare >= 0")
+    if len(set(members)) != len(members):
+        raise ValueError("member keys must be distinct")
+    count = len(members) // (min_size + spare) or (1 if len(members) >= min_size else 0)
+    if count == 0:
+        return []
+    key = group_key(seed, members)
+    order = sorted(members, key=lambda m: hashlib.sha256(key + m).digest())
+    size, extra = divmod(len(order), count)
+    out, at = [], 0
+    for i in range(count):
+        end = at + size + (1 if i < extra else 0)
+        out.append(order[at:end])
+        at = end
+    return out
+
+
+def group_seed(seed: bytes, index: int) -> bytes:
+    """The graph seed of group ``index``, derived from the round's revealed seed."""
+    return hashlib.sha256(b"secagg/group-seed\x00" + seed + index.to_bytes(4, "little")).digest()

@@ -20,14 +20,21 @@ from .crypto import GCM_TAG, KEY_BYTES, SIG_BYTES
 from .errors import MessageFormatError
 from .shamir import LIMBS
 
-VERSION = 1
+VERSION = 3
+MAX_CREDENTIAL = 1024  # a device certificate is ~220 bytes
 _HEADER = struct.Struct("<2sBB16s")
 _COUNT = struct.Struct("<I")
 SHARE_PLAINTEXT = 2 * LIMBS * 4  # s_sk share limbs then b share limbs, uint32 each
 SHARE_CIPHERTEXT = SHARE_PLAINTEXT + GCM_TAG
 
-KEY_ENTRY = np.dtype([("id", "<u4"), ("c_pk", "V32"), ("s_pk", "V32"), ("sig_pk", "V32")])
+KEY_ENTRY = np.dtype([("id", "<u4"), ("c_pk", "V32"), ("s_pk", "V32"), ("sig_pk", "V32"), ("key_sig", "V64"),
+                      ("cred_len", "<u2")])
+DIRECTORY = np.dtype([("id", "<u4"), ("digest", "V16")])  # every advertised entry of U1, by digest
+SHARE_DIGEST = np.dtype([("holder", "<u4"), ("s", "V16"), ("b", "V16")])
 ADDRESSED_CT = np.dtype([("peer", "<u4"), ("ct", "V%d" % SHARE_CIPHERTEXT)])
+#: a share pair as its holder receives it: sender, ciphertext, and the sender's digests of the two
+#: shares in it (so that the holder can tell a wrong share from a right one before anyone masks)
+ROUTED_CT = np.dtype([("peer", "<u4"), ("ct", "V%d" % SHARE_CIPHERTEXT), ("s", "V16"), ("b", "V16")])
 SIGNED = np.dtype([("id", "<u4"), ("sig", "V64")])
 SHARE_REVEAL = np.dtype([("peer", "<u4"), ("kind", "<u4"), ("limbs", "<u4", (LIMBS,))])
 KIND_B, KIND_S = 0, 1
@@ -74,45 +81,68 @@ class Message:
 
 @dataclass(eq=False)
 class AdvertiseKeys(Message):
-    """Round 0, client -> server: the two X25519 public keys (+ Ed25519 key, or zeros)."""
+    """Round 0, client -> server: the two X25519 public keys, the Ed25519 key that signs them
+    (the attested device key, or one made for this instance), that signature over
+    (session tag, client id, c_pk, s_pk), and the credential (certificate) of the signing key."""
 
     KIND: ClassVar[int] = 1
     c_pk: bytes = b""
     s_pk: bytes = b""
     sig_pk: bytes = bytes(KEY_BYTES)
+    key_sig: bytes = bytes(SIG_BYTES)
+    credential: bytes = b""
 
     def body(self) -> bytes:
-        return self.c_pk + self.s_pk + self.sig_pk
+        return self.c_pk + self.s_pk + self.sig_pk + self.key_sig + struct.pack("<H", len(self.credential)) + self.credential
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> "AdvertiseKeys":
-        if len(body) != 3 * KEY_BYTES:
+        fixed = 3 * KEY_BYTES + SIG_BYTES + 2
+        if len(body) < fixed:
             raise MessageFormatError("AdvertiseKeys: wrong length")
         b = bytes(body)
-        return cls(tag, b[:32], b[32:64], b[64:96])
+        (cred_len,) = struct.unpack_from("<H", b, fixed - 2)
+        if cred_len > MAX_CREDENTIAL or len(b) != fixed + cred_len:
+            raise MessageFormatError("AdvertiseKeys: wrong length")
+        return cls(tag, b[:32], b[32:64], b[64:96], b[96:160], b[fixed:])
 
 
 @dataclass(eq=False)
 class KeyRoster(Message):
-    """Start of ShareKeys, server -> client: the session id and the advertised keys of the
-    client's neighbours (all of U1 for the complete graph), the client's own entry included."""
+    """Start of ShareKeys, server -> client: the session id, the revealed graph seed, the
+    advertised keys of the client's neighbours (all of U1 for the complete graph), the client's
+    own entry included, their credentials (concatenated, ``cred_len`` each), and under SecAgg+
+    the directory of all of U1 (id, entry digest) from which the client recomputes the graph."""
 
     KIND: ClassVar[int] = 2
     session_id: bytes = b""
     entries: np.ndarray = field(default_factory=lambda: np.empty(0, KEY_ENTRY))
+    seed: bytes = bytes(32)
+    credentials: bytes = b""
+    directory: np.ndarray = field(default_factory=lambda: np.empty(0, DIRECTORY))
 
     def body(self) -> bytes:
-        return self.session_id + _pack_records(self.entries)
+        return (self.session_id + self.seed + _pack_records(self.entries) + _COUNT.pack(len(self.credentials))
+                + self.credentials + _pack_records(self.directory))
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> "KeyRoster":
-        if len(body) < 32:
+        if len(body) < 64:
             raise MessageFormatError("KeyRoster: truncated")
-        entries, end = _records(body, 32, KEY_ENTRY, "KeyRoster")
+        entries, end = _records(body, 64, KEY_ENTRY, "KeyRoster")
+        blob, end = _records(body, end, np.dtype("u1"), "KeyRoster credentials")
+        directory, end = _records(body, end, DIRECTORY, "KeyRoster directory")
         if end != len(body):
             raise MessageFormatError("KeyRoster: trailing bytes")
+        if int(entries["cred_len"].sum(dtype=np.int64)) != len(blob) or (entries.size and entries["cred_len"].max() > MAX_CREDENTIAL):
+            raise MessageFormatError("KeyRoster: credential lengths do not add up")
         _check_ids(entries["id"], "KeyRoster")
-        return cls(tag, bytes(body[:32]), entries)
+        _check_ids(directory["id"], "KeyRoster")
+        return cls(tag, bytes(body[:32]), entries, bytes(body[32:64]), blob.tobytes(), directory)
+
+    def credential_list(self) -> list[bytes]:
+        ends = np.cumsum(self.entries["cred_len"].astype(np.int64))
+        return [self.credentials[e - n : e] for e, n in zip(ends.tolist(), self.entries["cred_len"].tolist())]
 
 
 @dataclass(eq=False)
@@ -121,33 +151,37 @@ class EncryptedShares(Message):
 
     KIND: ClassVar[int] = 3
     shares: np.ndarray = field(default_factory=lambda: np.empty(0, ADDRESSED_CT))
+    digests: np.ndarray = field(default_factory=lambda: np.empty(0, SHARE_DIGEST))
 
     def body(self) -> bytes:
-        return _pack_records(self.shares)
+        return _pack_records(self.shares) + _pack_records(self.digests)
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> "EncryptedShares":
         shares, end = _records(body, 0, ADDRESSED_CT, "EncryptedShares")
+        digests, end = _records(body, end, SHARE_DIGEST, "EncryptedShares digests")
         if end != len(body):
             raise MessageFormatError("EncryptedShares: trailing bytes")
         _check_ids(shares["peer"], "EncryptedShares")
-        return cls(tag, shares)
+        _check_ids(digests["holder"], "EncryptedShares")
+        return cls(tag, shares, digests)
 
 
 @dataclass(eq=False)
 class SharesForYou(Message):
-    """Start of MaskedInputCollection, server -> client: the share pairs addressed to the
-    client (``peer`` = sender). Their senders are the client's view of U2."""
+    """Start of ShareCheck, server -> client: the share pairs addressed to the client
+    (``peer`` = sender), each with its sender's digests of the two shares. Their senders are
+    the client's view of U2."""
 
     KIND: ClassVar[int] = 4
-    shares: np.ndarray = field(default_factory=lambda: np.empty(0, ADDRESSED_CT))
+    shares: np.ndarray = field(default_factory=lambda: np.empty(0, ROUTED_CT))
 
     def body(self) -> bytes:
         return _pack_records(self.shares)
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> "SharesForYou":
-        shares, end = _records(body, 0, ADDRESSED_CT, "SharesForYou")
+        shares, end = _records(body, 0, ROUTED_CT, "SharesForYou")
         if end != len(body):
             raise MessageFormatError("SharesForYou: trailing bytes")
         _check_ids(shares["peer"], "SharesForYou")
@@ -156,18 +190,23 @@ class SharesForYou(Message):
 
 @dataclass(eq=False)
 class MaskedInput(Message):
-    """MaskedInputCollection, client -> server: y = x + PRG(b) + sum of +/- pairwise masks mod R.
-    ``words`` is uint32 (R <= 2^32) or uint64; the receiver checks the length and dtype."""
+    """MaskedInputCollection, client -> server: y = x + PRG(b) + sum of +/- pairwise masks mod R,
+    and the sender's signature over (session id, sender, y), so a masked input replayed from
+    another session or altered on the way is refused. ``words`` is uint32 (R <= 2^32) or
+    uint64; the receiver checks the length and dtype."""
 
     KIND: ClassVar[int] = 5
     words: bytes = b""
+    signature: bytes = bytes(SIG_BYTES)
 
     def body(self) -> bytes:
-        return self.words
+        return self.words + self.signature
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> "MaskedInput":
-        return cls(tag, bytes(body))
+        if len(body) < SIG_BYTES:
+            raise MessageFormatError("MaskedInput: truncated")
+        return cls(tag, bytes(body[:-SIG_BYTES]), bytes(body[-SIG_BYTES:]))
 
 
 @dataclass(eq=False)
@@ -232,29 +271,73 @@ class UnmaskRequest(Message):
 @dataclass(eq=False)
 class UnmaskResponse(Message):
     """Unmasking, client -> server: for each peer one share, of b (peer in U3) or of s_sk
-    (peer in U2 minus U3), never both."""
+    (peer in U2 minus U3), never both; signed by the sender over (session id, sender, reveals)."""
 
     KIND: ClassVar[int] = 9
     reveals: np.ndarray = field(default_factory=lambda: np.empty(0, SHARE_REVEAL))
+    signature: bytes = bytes(SIG_BYTES)
 
     def body(self) -> bytes:
-        return _pack_records(self.reveals)
+        return _pack_records(self.reveals) + self.signature
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> "UnmaskResponse":
         reveals, end = _records(body, 0, SHARE_REVEAL, "UnmaskResponse")
-        if end != len(body):
-            raise MessageFormatError("UnmaskResponse: trailing bytes")
+        if end + SIG_BYTES != len(body):
+            raise MessageFormatError("UnmaskResponse: wrong length")
         _check_ids(reveals["peer"], "UnmaskResponse")
         if reveals.size and (reveals["kind"].max() > 1 or reveals["limbs"].max() >= (1 << 31) - 1):
             raise MessageFormatError("UnmaskResponse: bad share kind or value")
-        return cls(tag, reveals)
+        return cls(tag, reveals, bytes(body[end:]))
+
+
+@dataclass(eq=False)
+class ShareCheck(Message):
+    """ShareCheck, client -> server: the senders whose share pair the client could not use (it
+    does not decrypt, holds a value outside the field, or differs from its sender's digest),
+    signed over (session id, sender, those ids). The server leaves out of the masking set every
+    sender that fewer than t holders could use, before anyone masks (``server``)."""
+
+    KIND: ClassVar[int] = 10
+    complaints: np.ndarray = field(default_factory=lambda: np.empty(0, "<u4"))
+    signature: bytes = bytes(SIG_BYTES)
+
+    def body(self) -> bytes:
+        return _pack_records(np.asarray(self.complaints, dtype="<u4")) + self.signature
+
+    @classmethod
+    def parse_body(cls, tag: bytes, body: memoryview) -> "ShareCheck":
+        ids, end = _records(body, 0, np.dtype("<u4"), "ShareCheck")
+        if end + SIG_BYTES != len(body):
+            raise MessageFormatError("ShareCheck: wrong length")
+        _check_ids(ids, "ShareCheck")
+        return cls(tag, ids, bytes(body[end:]))
+
+
+@dataclass(eq=False)
+class MaskRequest(Message):
+    """Start of MaskedInputCollection, server -> client: the senders left out of the masking set
+    (too few holders could use their shares); the client masks over the others only."""
+
+    KIND: ClassVar[int] = 11
+    excluded: np.ndarray = field(default_factory=lambda: np.empty(0, "<u4"))
+
+    def body(self) -> bytes:
+        return _pack_records(np.asarray(self.excluded, dtype="<u4"))
+
+    @classmethod
+    def parse_body(cls, tag: bytes, body: memoryview) -> "MaskRequest":
+        ids, end = _records(body, 0, np.dtype("<u4"), "MaskRequest")
+        if end != len(body):
+            raise MessageFormatError("MaskRequest: trailing bytes")
+        _check_ids(ids, "MaskRequest")
+        return cls(tag, ids)
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.KIND: cls
     for cls in (AdvertiseKeys, KeyRoster, EncryptedShares, SharesForYou, MaskedInput, ConsistencyRequest,
-                ConsistencySignature, UnmaskRequest, UnmaskResponse)
+                ConsistencySignature, UnmaskRequest, UnmaskResponse, ShareCheck, MaskRequest)
 }
 
 

@@ -8,6 +8,7 @@ from enum import Enum
 class Round(str, Enum):
     ADVERTISE_KEYS = "AdvertiseKeys"
     SHARE_KEYS = "ShareKeys"
+    SHARE_CHECK = "ShareCheck"
     MASKED_INPUT_COLLECTION = "MaskedInputCollection"
     CONSISTENCY_CHECK = "ConsistencyCheck"
     UNMASKING = "Unmasking"

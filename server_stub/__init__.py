@@ -8,6 +8,7 @@ from .errors import ApiError
 from .influence import Bounded, bound_update
 from .metrics import MetricSummary, RoundMetrics, device_metrics, rounds_frame
 from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
+from .release_gate import REPORT_FORMAT, ReleaseGateError, check_release_report
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .secure_rounds import SecureGroup, SecureRound, SecureSettings
 from .serve import ServerThread, free_port
@@ -56,4 +57,7 @@ __all__ = [
     "create_app_from_path",
     "free_port",
     "resource_id",
+    "REPORT_FORMAT",
+    "ReleaseGateError",
+    "check_release_report",
 ]

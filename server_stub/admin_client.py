@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -24,8 +25,12 @@ def task_body(
     *,
     weight: float = 1.0,
     evaluates: str | None = None,
+    versioned_plans: Mapping[str, Plan | bytes] | None = None,
+    release_report: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON of one task to deploy (see ``TaskDeploy`` in the OpenAPI document)."""
+    """The JSON of one task to deploy (see ``TaskDeploy`` in the OpenAPI document).
+    ``versioned_plans`` (release -> plan) and ``release_report`` go together: a server that
+    requires release reports accepts the task only with a report covering every claimed release."""
     plan_bytes = plan if isinstance(plan, bytes) else serialize_plan(plan)
     body: dict[str, Any] = {
         "name": name,
@@ -38,6 +43,13 @@ def task_body(
         body["checkpoint"] = base64.b64encode(checkpoint).decode()
     if evaluates is not None:
         body["evaluates"] = evaluates
+    if versioned_plans:
+        body["versioned_plans"] = {
+            release: base64.b64encode(p if isinstance(p, bytes) else serialize_plan(p)).decode()
+            for release, p in versioned_plans.items()
+        }
+    if release_report is not None:
+        body["release_report"] = dict(release_report)
     return body
 
 
@@ -93,9 +105,17 @@ class AdminClient:
         checkpoint: bytes,
         config: RoundConfig | None = None,
         eligibility: EligibilityPolicies | None = None,
+        *,
+        versioned_plans: Mapping[str, Plan | bytes] | None = None,
+        release_report: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Deploy one task; it trains once no earlier task of the population is active."""
-        body = task_body(name, plan, checkpoint, config, eligibility)
+        body = task_body(name, plan, checkpoint, config, eligibility,
+                         versioned_plans=versioned_plans, release_report=release_report)
+        return self._check(self.http.post(f"/v1/populations/{population}/tasks", json=body)).json()
+
+    def deploy_body(self, population: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Deploy one task given as its JSON (``task_body`` makes it)."""
         return self._check(self.http.post(f"/v1/populations/{population}/tasks", json=body)).json()
 
     def deploy_tasks(self, population: str, tasks: list[dict[str, Any]], strategy: str = "alternate") -> dict[str, Any]:

@@ -199,9 +199,11 @@ _ERRORS = {status: {"description": text, "content": {"application/json": {"schem
                                 (429, "rate limited"))}
 
 
-def create_app(service: FLService, *, admin_keys: AdminKeys) -> FastAPI:
+def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = True) -> FastAPI:
     """The FL server's ASGI app. Operator endpoints need one of ``admin_keys`` as a bearer key;
-    device endpoints need attestation (when the service verifies it) and session tokens."""
+    device endpoints need attestation (when the service verifies it) and session tokens.
+    ``offload=False`` calls the service on the event loop itself: for a caller that sends one
+    request at a time (a fleet simulation), where the thread pool's hand-offs were its largest cost."""
     app = FastAPI(
         title="fedfleet FL server",
         version=API_VERSION,
@@ -222,6 +224,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys) -> FastAPI:
             raise Unauthorized("the admin key is not one this server accepts", code="BAD_ADMIN_KEY")
 
     async def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if not offload:
+            return fn(*args)
         return await run_in_threadpool(fn, *args)
 
     @app.get("/v1/health", tags=["health"])
@@ -247,8 +251,10 @@ def create_app(service: FLService, *, admin_keys: AdminKeys) -> FastAPI:
         return await call(service.population_status, population)
 
     def _spec(task: TaskDeploy) -> TaskSpec:
+        versioned = {release: b64(data, f"versioned_plans.{release}") or b"" for release, data in task.versioned_plans.items()}
         return TaskSpec(task.name, b64(task.plan, "plan") or b"", b64(task.checkpoint, "checkpoint"), task.config,
-                        task.eligibility, task.weight, task.evaluates)
+                        task.eligibility, task.weight, task.evaluates,
+                        versioned_plans=versioned, release_report=task.release_report)
 
     def _deployed(population: str, records: list) -> list[dict]:
         return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id}

@@ -26,6 +26,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-burst", type=float, default=5.0, help="check-ins a device may make at once (with attestation)")
     p.add_argument("--rate-per-hour", type=float, default=60.0, help="check-ins a device regains per hour (with attestation)")
     p.add_argument("--nonce-ttl", type=float, default=120.0, help="seconds an attestation nonce stays valid")
+    p.add_argument("--allow-untested-plans", action="store_true",
+                   help="accept tasks without a release report (`fedfleet plan test`) covering every runtime they claim")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -51,11 +53,12 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
     except (AdminKeyError, TrustAnchorError, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
         return 2
-    service = FLService(store, verifier=verifier)
+    service = FLService(store, verifier=verifier, require_release_reports=not args.allow_untested_plans)
     attestation = f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
     print(f"fedfleet server listening on http://{args.host}:{args.port}", file=out)
     print(f"  database:    {args.db}", file=out)
     print(f"  attestation: {attestation}", file=out)
+    print(f"  deploys:     {'any plan (--allow-untested-plans)' if args.allow_untested_plans else 'only with a passed release report'}", file=out)
     print(f"  admin keys:  {source}", file=out)
     print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
     try:

@@ -47,6 +47,7 @@ class RoundConfig:
     max_rounds: Annotated[Int, Field(ge=1)] | None = None
     secagg_min_group_size: Annotated[Int, Field(ge=2, le=100_000)] = 5
     secagg_round_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 5.0
+    secagg_consistency_check: Annotated[bool, Strict()] = True  # the devices' floor requires it by default
     min_reports: Annotated[Int, Field(ge=1, le=1_000_000)] = 5
     max_examples_per_report: Annotated[Int, Field(ge=1)] = 1000
     clip_update_norm: Annotated[Float, Field(gt=0.0)] | None = 10.0

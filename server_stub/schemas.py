@@ -22,6 +22,8 @@ VERSION_PATTERN = r"^\s*[0-9]"
 #: Exactly what ``base64.b64decode(..., validate=True)`` accepts (a linear-time match, ~0.1 s for 60 MB).
 BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 Base64 = Annotated[str, Strict(), Field(pattern=BASE64_PATTERN, description="standard base64 (RFC 4648) with padding")]
+#: An onnxruntime release a task claims, as pip names it.
+Release = Annotated[str, Strict(), Field(pattern=r"^[0-9]{1,4}\.[0-9]{1,4}\.[0-9]{1,6}$", description="e.g. '1.17.3'")]
 
 
 class _Schema(BaseModel):
@@ -43,6 +45,12 @@ class TaskDeploy(_Schema):
     eligibility: EligibilityPolicies = Field(default_factory=EligibilityPolicies)
     weight: Annotated[float, Strict(), Field(gt=0.0, le=1e6)] = 1.0
     evaluates: Name | None = None
+    versioned_plans: Annotated[dict[Release, Base64], Field(max_length=64)] = Field(
+        default_factory=dict, description="one plan per claimed onnxruntime release (e.g. '1.17.3'), base64"
+    )
+    release_report: dict[str, Any] | None = Field(
+        None, description="the release report `fedfleet plan test` wrote, covering every claimed release"
+    )
 
 
 class GroupDeploy(_Schema):

@@ -2,7 +2,19 @@
 server instance (Aggregator) per group, mailboxes the devices poll over HTTP, per-round
 deadlines; the Master Aggregator adds the groups' sums. Driven with ``now``; no I/O here.
 
-The server only ever holds masked inputs and each group's sum: never one device's update."""
+The server only ever holds masked inputs and each group's sum: never one device's update.
+
+Nobody picks a group alone: when the round opens the server draws a seed and shows every waiting
+device its commitment H(seed); when selection ends it reveals the seed, and the groups follow
+from it mixed with every selected device's key (its attested device key's hash, or its session's
+when the server does not attest), by ``secagg.assign_groups``. Each group's SecAgg+ graph seed is
+derived from the round's seed, and every group's configuration asks for ConsistencyCheck (a
+task setting, on by default) and for at least k inputs in any sum it releases.
+
+What this does not stop: the server knows its seed before the devices advertise keys, so with
+devices of its own it can try rosters (each try reshuffles every group and graph) until one suits
+it; each try succeeds only with the probability the parameters bound (2^-sigma per neighbourhood
+for SecAgg+), so m tries cost log2(m) bits of that margin."""
 
 from __future__ import annotations
 
@@ -13,8 +25,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from device_runtime.secure_client import session_member_key
 from device_runtime.secure_sum import SecureSumCodec, config_to_json
-from secagg import Round, SecAggConfig, SecAggError, SecAggServer
+from secagg import Round, SecAggConfig, SecAggServer, assign_groups, group_seed, seed_commitment
 
 
 @dataclass
@@ -38,6 +51,7 @@ class SecureGroup:
     closes: int = 0
     gone: set[int] = field(default_factory=set)
     by_client: dict[int, str] = field(default_factory=dict)
+    assignment: dict = field(default_factory=dict)  # what a device needs to recompute its group
 
     def __post_init__(self) -> None:
         self.by_client = {m.client_id: sid for sid, m in self.members.items()}
@@ -91,6 +105,9 @@ class SecureGroup:
             "seq": member.seq,
             "message": base64.b64encode(member.message).decode() if member.message else None,
         }
+        if self.server.round is Round.ADVERTISE_KEYS:
+            out["assignment"] = self.assignment
+            out["group_size"] = len(self.members)
         if self.server.round is Round.COMPLETED:
             out["status"] = "completed"
             out["included"] = member.client_id in self.server.summed_clients
@@ -110,6 +127,8 @@ class SecureSettings:
     min_group_size: int = 5
     round_timeout_s: float = 5.0
     secagg_plus: bool | None = None
+    consistency_check: bool = True
+    spare: int = 1  # groups are formed of k + spare when there are enough devices: one may drop
 
 
 class SecureRound:
@@ -130,29 +149,49 @@ class SecureRound:
         self.groups: list[SecureGroup] = []
         self.by_session: dict[str, SecureGroup] = {}
         self.formed = False
+        self.seed = random_bytes(32)
+        self.commitment = seed_commitment(self.seed)
 
-    def form_groups(self, session_ids: list[str], now: float, report_deadlines: Mapping[str, float]) -> list[list[str]]:
+    def form_groups(
+        self,
+        session_ids: list[str],
+        now: float,
+        report_deadlines: Mapping[str, float],
+        member_keys: Mapping[str, bytes] | None = None,
+    ) -> list[list[str]]:
         """Split the devices into as many groups of at least k as possible; returns the groups.
         With fewer than k devices no group forms (and the round cannot commit securely).
 
-        The devices train while their group waits for masked inputs: that round lasts until one
-        round timeout before the earliest member's report deadline, leaving time for Unmasking."""
+        ``member_keys``: each session's device key hash (attested devices); others use
+        ``session_member_key``. The devices train while their group waits for masked inputs:
+        that round lasts until one round timeout before the earliest member's report deadline,
+        leaving time for Unmasking."""
         self.formed = True
         k = self.settings.min_group_size
-        count = len(session_ids) // k
-        if count == 0:
-            return []
-        parts = [list(p) for p in np.array_split(np.array(session_ids, dtype=object), count)]
+        keys = {sid: (member_keys or {}).get(sid) or session_member_key(sid) for sid in session_ids}
+        by_key = {key: sid for sid, key in keys.items()}
+        ordered = sorted(by_key)
+        parts = [[by_key[key] for key in group] for group in self._partition(ordered)]
+        reveal = {
+            "seed": base64.b64encode(self.seed).decode(),
+            "members": [base64.b64encode(key).decode() for key in ordered],
+            "min_group_size": k,
+            "spare": self.settings.spare,
+        }
         for index, members in enumerate(parts):
             n = len(members)
+            graph_seed = group_seed(self.seed, index)
             config = SecAggConfig.for_cohort(
                 n,
                 self.codec.vector_length,
                 bitwidth=self.codec.bitwidth,
                 session_label=f"{self.label}/group-{index}".encode(),
                 secagg_plus=self.settings.secagg_plus,
+                consistency_check=self.settings.consistency_check,
+                min_summed=k,
+                graph_commitment=seed_commitment(graph_seed),
             )
-            server = SecAggServer(config, range(1, n + 1), random_bytes=self.random_bytes)
+            server = self._aggregator(config, n, graph_seed)
             group = SecureGroup(
                 index,
                 server,
@@ -160,11 +199,23 @@ class SecureRound:
                 self.settings.round_timeout_s,
                 now,
                 min(report_deadlines[sid] for sid in members) - self.settings.round_timeout_s,
+                assignment={**reveal, "group": index},
             )
             self.groups.append(group)
             for sid in members:
                 self.by_session[sid] = group
         return parts
+
+    @property
+    def commitment_b64(self) -> str:
+        return base64.b64encode(self.commitment).decode()
+
+    def _partition(self, ordered_keys: list[bytes]) -> list[list[bytes]]:
+        """The groups, as every device recomputes them from the revealed seed."""
+        return assign_groups(self.seed, ordered_keys, self.settings.min_group_size, self.settings.spare)
+
+    def _aggregator(self, config: SecAggConfig, n: int, graph_seed: bytes) -> SecAggServer:
+        return SecAggServer(config, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
 
     @property
     def version(self) -> int:
@@ -174,7 +225,9 @@ class SecureRound:
     def status(self, session_id: str) -> dict:
         group = self.by_session.get(session_id)
         if group is None:
-            return {"status": "waiting" if not self.formed else "excluded"}
+            if not self.formed:
+                return {"status": "waiting", "commitment": self.commitment_b64}
+            return {"status": "excluded"}
         return group.status(session_id)
 
     def receive(self, session_id: str, data: bytes, now: float) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import random
 import secrets
@@ -50,8 +51,9 @@ from .errors import (
 )
 from .influence import bound_update
 from .metrics import RoundMetrics, device_metrics
-from .pace import RoundPace
+from .pace import CheckinPace, RoundPace
 from .persistence import NewTask, ServerStore, TaskRecord
+from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .secure_rounds import SecureRound, SecureSettings
 from .task_choice import Strategy, choose_task
@@ -64,6 +66,8 @@ CLOSED_ROUNDS_KEPT = 4
 REPORT_SLACK_BYTES = 64 * 1024
 #: Retry window for devices of a population that has nothing to train.
 IDLE_RETRY_WINDOW_S = (60.0, 180.0)
+#: Resources kept in memory after they were read (the active tasks' plans and checkpoints).
+RECENT_RESOURCES = 8
 #: Tasks one deploy may bring together.
 MAX_TASKS_PER_GROUP = 16
 #: What a name may be made of: it travels in URLs, headers and logs.
@@ -77,7 +81,9 @@ def _hash_token(token: str) -> bytes:
 @dataclass(frozen=True)
 class TaskSpec:
     """One task of a deploy. ``evaluates`` names a training task of the same deploy whose
-    current model an evaluation task measures (it then needs no checkpoint of its own)."""
+    current model an evaluation task measures (it then needs no checkpoint of its own).
+    ``versioned_plans`` (onnxruntime release -> plan bytes) and ``release_report`` (the JSON
+    ``fedfleet plan test`` wrote) come together: devices are then served the plan of their release."""
 
     name: str
     plan: bytes
@@ -86,6 +92,8 @@ class TaskSpec:
     eligibility: EligibilityPolicies = EligibilityPolicies()
     weight: float = 1.0
     evaluates: str | None = None
+    versioned_plans: dict[str, bytes] = field(default_factory=dict)
+    release_report: dict | None = None
 
 
 @dataclass
@@ -122,6 +130,7 @@ class _TaskRun:
     report_limit: int
     weight: float = 1.0
     evaluates: "_TaskRun | None" = None
+    versions: dict[str, str] = field(default_factory=dict)  # minor release ('1.17') -> its plan's id
     codec: SecureSumCodec | None = None
     secure: SecureRound | None = None
     core: RoundCore | None = None
@@ -148,6 +157,7 @@ class _Population:
     current: _TaskRun | None = None
     turn: int = 0
     committing: bool = False
+    checkins: CheckinPace = field(default_factory=CheckinPace)  # pace steering across its tasks
 
     def find(self, task: str) -> _TaskRun | None:
         return next((r for r in self.runs if r.record.name == task), None)
@@ -181,8 +191,12 @@ class FLService:
         wall_clock: Callable[[], float] = time.time,
         verifier: AttestationVerifier | None = None,
         rng: random.Random | None = None,
+        require_release_reports: bool = False,
     ) -> None:
+        """``require_release_reports``: accept only tasks whose release report covers every runtime
+        they claim (see ``release_gate``); a task deployed with a report is checked either way."""
         self.store = store
+        self.require_release_reports = require_release_reports
         self.verifier = verifier
         self.clock = clock
         self.wall_clock = wall_clock
@@ -197,6 +211,9 @@ class FLService:
         self._by_token: dict[bytes, _Session] = {}
         self._pending: list[_PendingCommit] = []
         self._closed_here = threading.local()  # commits the current thread's call created
+        # The last resources read: every selected device downloads the same plan and checkpoint,
+        # and resources are content-addressed, so a copy can never go stale.
+        self._recent: dict[str, bytes] = {}
         for name in store.population_names():
             self._populations[name] = _Population(name)
             self._activate(name)
@@ -259,6 +276,9 @@ class FLService:
             if checkpoint is None:
                 raise BadRequest(f"task {spec.name!r} needs an initial checkpoint", code="MISSING_FIELD")
             checked[spec.name] = (_validate_task(spec, checkpoint, trained), checkpoint)
+        by_name = {s.name: s for s in specs}
+        releases = {s.name: _check_release(s, checked[s.name][0], self.require_release_reports,
+                                           by_name[s.evaluates] if s.evaluates is not None else None) for s in specs}
         stored = [
             NewTask(
                 s.name,
@@ -269,6 +289,7 @@ class FLService:
                     "eligibility": s.eligibility.to_dict(),
                     "group": {"strategy": strategy.value, "weight": s.weight, "evaluates": s.evaluates,
                               "first": specs[0].name},
+                    **self._store_release(s, releases[s.name]),
                 },
             )
             for s in specs
@@ -279,6 +300,17 @@ class FLService:
             raise Conflict(f"population {population!r} already has a task with one of the names {names}", code="TASK_EXISTS") from None
         self._activate(population)
         return records
+
+    def _store_release(self, spec: TaskSpec, versions: dict[str, tuple[str, bytes]]) -> dict:
+        """The versioned plans and the report as resources; the task's config keeps their ids."""
+        if spec.release_report is None:
+            return {}
+        report = json.dumps(spec.release_report, sort_keys=True, separators=(",", ":")).encode()
+        return {
+            "versions": {key: self.store.put_resource(data, "plan") for key, (_, data) in versions.items()},
+            "release": {"report_id": self.store.put_resource(report, "release_report"),
+                        "claimed": sorted(release for release, _ in versions.values())},
+        }
 
     # ----------------------------------------------------------------- device protocol
     def eligibility_info(self, population: str) -> dict:
@@ -322,14 +354,20 @@ class FLService:
             with self._lock:
                 pop = self._population(population)
                 self._advance(pop, now)
+                pop.checkins.observe_checkin(now)
                 run = pop.current
                 if run is None:
                     if pop.runs:  # a round is being committed
                         last = pop.runs[0]
-                        return _rejected(last.pace.retry_window(now, now, last.config.retry_window_s, last.config.report_timeout_s), "ROUND_FULL")
+                        return _rejected(last.pace.retry_window(now, now, _paced(pop, last, now), last.config.report_timeout_s), "ROUND_FULL")
                     return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
                 meta = run.plan.metadata
-                if device_version < version_tuple(meta.min_runtime_version) or (
+                plan_id = run.record.plan_id
+                if run.versions:  # served per minor release: only the releases the report covers
+                    plan_id = run.versions.get(f"{device_version[0]}.{device_version[1]}", "")
+                    if not plan_id:
+                        return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_NOT_CLAIMED")
+                elif device_version < version_tuple(meta.min_runtime_version) or (
                     meta.max_runtime_version is not None and device_version > version_tuple(meta.max_runtime_version)
                 ):
                     return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
@@ -348,17 +386,17 @@ class FLService:
                     session_id = seats[device]
                     if run.core.sessions.get(session_id) is not SessionState.SELECTED:
                         cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                        return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ALREADY_SELECTED")
+                        return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ALREADY_SELECTED")
                     self._by_token.pop(self._sessions[session_id].token_hash, None)
                 else:
                     session_id = secrets.token_urlsafe(16)
                     if not run.core.try_select(session_id, now):
                         cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                        return _rejected(run.pace.retry_window(now, run.core.started_at, run.config.retry_window_s, cap), "ROUND_FULL")
+                        return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ROUND_FULL")
                     if device is not None:
                         run.seats = {id(run.core): {**seats, device: session_id}}
                 token = secrets.token_urlsafe(32)
-                session = _Session(session_id, _hash_token(token), run, run.core, (run.record.plan_id, run.broadcast_id))
+                session = _Session(session_id, _hash_token(token), run, run.core, (plan_id, run.broadcast_id))
                 self._sessions[session_id] = session
                 self._by_token[session.token_hash] = session
                 return {
@@ -367,11 +405,13 @@ class FLService:
                     "token": token,
                     "task": run.record.name,
                     "round": run.round_number,
-                    "plan_id": run.record.plan_id,
+                    "plan_id": plan_id,
                     "checkpoint_id": run.broadcast_id,
                     "aggregation": "secure_sum" if run.plan.server.secure_sum else "simple",
                     "report_deadline_s": run.config.report_timeout_s,
                     "max_report_bytes": run.report_limit,
+                    # H(seed) of the round's Secure Aggregation groups, shown before selection ends
+                    **({"secagg_commitment": run.secure.commitment_b64} if run.secure is not None else {}),
                 }
         finally:
             self._flush()
@@ -473,9 +513,15 @@ class FLService:
                                    code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN")
             if rid not in session.resources:
                 raise NotFound(f"no resource with id {rid!r} for this session", code="UNKNOWN_RESOURCE")
-        data = self.store.get_resource(rid)
+        data = self._recent.get(rid)
         if data is None:
-            raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+            data = self.store.get_resource(rid)
+            if data is None:
+                raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+            with self._lock:
+                if len(self._recent) >= RECENT_RESOURCES:
+                    self._recent.pop(next(iter(self._recent)))
+                self._recent[rid] = data
         return data
 
     def rounds(self, population: str, task: str | None = None) -> list[dict]:
@@ -505,6 +551,7 @@ class FLService:
                     "round": run.round_number,
                     "committed_rounds": run.committed_rounds,
                     "checkpoint_id": run.broadcast_id,
+                    **({"runtimes": run.record.config["release"]["claimed"]} if run.versions else {}),
                 }
                 for run in pop.runs
             ]
@@ -640,6 +687,7 @@ class FLService:
             report_limit=limit,
             weight=float(task.config.get("group", {}).get("weight", 1.0)),
             codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,
+            versions=dict(task.config.get("versions", {})),
         )
 
     def _start_next(self, pop: _Population, now: float) -> None:
@@ -655,7 +703,8 @@ class FLService:
         run.core = RoundCore(run.round_number, run.config, now, deadlines_from_selection_end=run.codec is not None)
         if run.codec is not None:
             cfg = run.config
-            settings = SecureSettings(cfg.secagg_min_group_size, cfg.secagg_round_timeout_s)
+            settings = SecureSettings(cfg.secagg_min_group_size, cfg.secagg_round_timeout_s,
+                                      consistency_check=cfg.secagg_consistency_check)
             run.secure = SecureRound(run.codec, settings, f"{run.record.name}/{run.round_number}/{run.attempt}")
         run.accumulator = run.executor.zero()
         run.device_metrics = RoundMetrics()
@@ -685,7 +734,8 @@ class FLService:
         core.advance(now)
         if core.phase is Phase.REPORTING and not secure.formed:
             selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
-            if not secure.form_groups(selected, now, core.deadlines):
+            devices = {sid: device for device, sid in run.seats.get(id(core), {}).items()}  # attested key hashes
+            if not secure.form_groups(selected, now, core.deadlines, devices):
                 log.info("task %s round %d: %d devices, fewer than a SecAgg group of %d", run.record.name,
                          core.number, len(selected), secure.settings.min_group_size)
                 for sid in selected:
@@ -761,7 +811,7 @@ class FLService:
             metrics["secagg"] = run.secure.stats()
         metrics["device_metrics"] = run.device_metrics.to_json()
         metrics["bounded_reports"] = dict(run.bounded)
-        run.pace.observe(now - core.started_at)
+        run.pace.observe(now - core.started_at, now - (core.selection_ended_at if core.selection_ended_at is not None else core.started_at))
         pending = _PendingCommit(pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock())
         self._pending.append(pending)
         if not hasattr(self._closed_here, "commits"):
@@ -936,6 +986,42 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
     return plan
 
 
+def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec | None = None) -> dict[str, tuple[str, bytes]]:
+    """The versioned plans by minor release, once the release report lets the task through (an
+    evaluation's report also has to match ``trained``, the training task it measures)."""
+    if spec.release_report is None:
+        if spec.versioned_plans or required:
+            raise ApiError(
+                f"task {spec.name!r}: this server deploys only tasks whose release report covers every runtime they "
+                "claim; run `fedfleet plan test` and deploy with `fedfleet deploy`" if required else
+                f"task {spec.name!r}: versioned plans come with the release report that tested them",
+                code="RELEASE_REPORT_REQUIRED", status=422,
+            )
+        return {}
+    hashes = {release: _resource_id(data) for release, data in spec.versioned_plans.items()}
+    try:
+        trained_claimed = (trained.release_report or {}).get("claimed") if trained is not None else None
+        claimed = check_release_report(
+            spec.release_report, _resource_id(spec.plan), hashes,
+            evaluates_plan_sha256=_resource_id(trained.plan) if trained is not None else None,
+            evaluates_runtimes=trained_claimed if isinstance(trained_claimed, list) else None,
+        )
+    except ReleaseGateError as exc:
+        raise ApiError(f"task {spec.name!r}: {exc.message}", code=exc.code, status=422) from None
+    executor = PlanExecutor(plan)
+    versions = {}
+    for release in claimed:
+        try:
+            vplan = load_plan(spec.versioned_plans[release], runtime_version=release)
+            same = (vplan.kind, vplan.weight_names, vplan.metric_names) == (plan.kind, plan.weight_names, plan.metric_names)
+            if not same or PlanExecutor(vplan).weight_spec() != executor.weight_spec():
+                raise PlanError("its model, weights or metrics differ from the unversioned plan's")
+        except PlanError as exc:
+            raise InvalidPlan(f"task {spec.name!r}: the plan for onnxruntime {release} was refused: {exc}") from None
+        versions[minor_key(release)] = (release, spec.versioned_plans[release])
+    return versions
+
+
 def _resource_id(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -969,6 +1055,13 @@ def _stats_metrics(stats: object) -> dict[str, float]:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value) and value >= 0:
         return {"training_s": float(value)}
     return {}
+
+
+def _paced(pop: _Population, run: _TaskRun, now: float) -> tuple[float, float]:
+    """The task's retry window stretched to the population checking in (``CheckinPace``)."""
+    cfg = run.config
+    round_s = run.pace.mean_reporting_s or cfg.report_timeout_s
+    return pop.checkins.window(now, cfg.retry_window_s, cfg.selection_target, round_s)
 
 
 def _rejected(window: tuple[float, float], reason: str) -> dict:

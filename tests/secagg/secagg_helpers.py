@@ -7,6 +7,9 @@ import random
 import numpy as np
 
 from secagg import Round, SecAggClient, SecAggConfig, SecAggServer
+from secagg import crypto
+from secagg.crypto import SigningKey
+from secagg.transcript import masked_input_payload, share_check_payload, unmask_payload
 
 
 def seeded(seed: int):
@@ -27,7 +30,8 @@ class Harness:
         self.config = config
         self.inputs = inputs
         self.server = SecAggServer(config, inputs, random_bytes=rb)
-        self.clients = {u: SecAggClient(u, config, x, random_bytes=rb) for u, x in inputs.items()}
+        self.signers = {u: SigningKey(rb) for u in inputs}
+        self.clients = {u: SecAggClient(u, config, x, random_bytes=rb, signer=self.signers[u]) for u, x in inputs.items()}
         self.outbox: dict[int, bytes] = {u: c.start() for u, c in self.clients.items()}
         self.to_clients: dict[int, bytes] = {}
 
@@ -51,3 +55,14 @@ class Harness:
         while self.server.round is not target:
             self.client_step()
             self.server_step()
+
+    def sign_masked(self, u: int, words: bytes) -> bytes:
+        """Client u's signature over a masked input (for tests that forge its content)."""
+        return crypto.sign(self.signers[u], masked_input_payload(self.server.session_id, u, words))
+
+    def sign_check(self, u: int, complaints) -> bytes:
+        """Client u's signature over a share check naming ``complaints``."""
+        return crypto.sign(self.signers[u], share_check_payload(self.server.session_id, u, np.asarray(complaints, "<u4")))
+
+    def sign_reveals(self, u: int, reveals) -> bytes:
+        return crypto.sign(self.signers[u], unmask_payload(self.server.session_id, u, reveals))

@@ -20,7 +20,7 @@ def _byte_chi2(raw: bytes) -> float:
 @pytest.mark.parametrize("modulus", [2**32, 2**64 // 4])
 def test_masked_input_is_not_the_input_and_looks_uniform(modulus):
     n, length = 5, 20_000
-    cfg = SecAggConfig(length, modulus, 3, session_label=b"priv")
+    cfg = SecAggConfig(length, modulus, 3, session_label=b"priv", allow_unsafe=True)
     inputs = {u: np.full(length, 7, dtype=np.uint64) for u in range(1, n + 1)}  # very non-uniform inputs
     h = Harness(cfg, inputs, seed=11)
     h.run_to(Round.MASKED_INPUT_COLLECTION)
@@ -38,7 +38,7 @@ def test_masked_input_is_not_the_input_and_looks_uniform(modulus):
 
 def test_masked_values_uniform_mod_non_power_of_two():
     modulus, length = 1_000_003, 40_000
-    cfg = SecAggConfig(length, modulus, 2, session_label=b"priv2")
+    cfg = SecAggConfig(length, modulus, 2, session_label=b"priv2", allow_unsafe=True)
     inputs = {u: np.zeros(length, dtype=np.uint64) for u in (1, 2, 3)}
     h = Harness(cfg, inputs, seed=5)
     h.run_to(Round.MASKED_INPUT_COLLECTION)
@@ -85,7 +85,7 @@ def _contains(haystack: np.ndarray, needle: bytes) -> bool:
 
 def test_server_state_holds_no_individual_input_or_masked_input():
     n, length, modulus = 7, 64, 2**24
-    cfg = SecAggConfig(length, modulus, 4, session_label=b"mem")
+    cfg = SecAggConfig(length, modulus, 4, session_label=b"mem", allow_unsafe=True)
     inputs = make_inputs(n, length, modulus, 21)
     h = Harness(cfg, inputs, seed=2)
     h.run_to(Round.MASKED_INPUT_COLLECTION)

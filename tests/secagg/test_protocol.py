@@ -11,9 +11,10 @@ from secagg import ProtocolAborted, Round, SecAggConfig, run_protocol
 from tests.secagg.secagg_helpers import make_inputs, seeded
 
 MODULI = st.one_of(st.sampled_from([2**8, 2**16, 2**32, 2**40, 2**62]), st.integers(2, 2**62))
-ROUNDS_PLAIN = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.MASKED_INPUT_COLLECTION, Round.UNMASKING]
-ROUNDS_CC = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.MASKED_INPUT_COLLECTION, Round.CONSISTENCY_CHECK,
-             Round.UNMASKING]
+ROUNDS_PLAIN = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.SHARE_CHECK, Round.MASKED_INPUT_COLLECTION,
+                Round.UNMASKING]
+ROUNDS_CC = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.SHARE_CHECK, Round.MASKED_INPUT_COLLECTION,
+             Round.CONSISTENCY_CHECK, Round.UNMASKING]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,7 +26,7 @@ def test_complete_graph_sum_is_exact_or_aborts_below_threshold(data):
     modulus = data.draw(MODULI, label="R")
     cc = data.draw(st.booleans(), label="consistency_check")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    cfg = SecAggConfig(length, modulus, t, session_label=b"prop", consistency_check=cc)
+    cfg = SecAggConfig(length, modulus, t, session_label=b"prop", consistency_check=cc, allow_unsafe=True)
     inputs = make_inputs(n, length, modulus, seed, first_id=data.draw(st.integers(1, 1000), label="first id"))
     rounds = ROUNDS_CC if cc else ROUNDS_PLAIN
     alive = set(inputs)
@@ -71,7 +72,7 @@ def test_secagg_plus_sum_is_exact_or_aborts_for_the_reason_the_drop_outs_imply(d
     length = data.draw(st.integers(1, 20), label="length")
     modulus = data.draw(MODULI, label="R")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    cfg = SecAggConfig(length, modulus, t, session_label=b"plus", degree=k)
+    cfg = SecAggConfig(length, modulus, t, session_label=b"plus", degree=k, allow_unsafe=True)
     inputs = make_inputs(n, length, modulus, seed)
     drops = {r: data.draw(st.sets(st.sampled_from(sorted(inputs)), max_size=2), label=r.value) for r in ROUNDS_PLAIN}
     res = run_protocol(cfg, inputs, drops=drops, random_bytes=seeded(seed))
@@ -103,11 +104,13 @@ def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, deg
                         holders: dict[int, frozenset[int]]) -> Expected:
     """How an honest SecAgg+ run must end, from the drop-outs and the masking graph alone
     (``holders[u]``: u and its neighbours, who hold u's shares). The server aborts the first
-    round fewer than t clients answer, or in Unmasking when fewer than t holders of some needed
-    secret answered (self-masks b of U3 first, then keys s_sk of dropped clients with a
-    neighbour in U3, each by client id). A client aborts when fewer than t of its neighbourhood
-    shared keys with it, or are on its survivor list; a client dropped in round r still handles
-    the message that opened round r (it goes silent when it should answer)."""
+    round fewer than t clients answer, at ShareCheck when fewer than t clients are left to mask
+    after it left out every sender with fewer than t answering holders (repeated until none is
+    left), or in Unmasking when fewer than t holders of some needed secret answered (self-masks b
+    of U3 first, then keys s_sk of dropped clients with a neighbour in U3, each by client id). A
+    client aborts when fewer than t of its neighbourhood shared keys with it, are in its masking
+    set, or are on its survivor list; a client dropped in round r still handles the message that
+    opened round r (it goes silent when it should answer)."""
     out = Expected(set(), None, {})
 
     def threshold(r: Round, answered: set[int]) -> bool:
@@ -124,7 +127,22 @@ def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, deg
     for u in u2:
         if len(holders[u] & u2) < t:
             out.client_reasons[u] = f"{len(holders[u] & u2)} clients shared keys < threshold {t}"
-    u3 = out.u3 = u2 - drops[Round.MASKED_INPUT_COLLECTION] - out.client_reasons.keys()
+    checked = u2 - out.client_reasons.keys() - drops[Round.SHARE_CHECK]
+    if not threshold(Round.SHARE_CHECK, checked):
+        return out
+    excluded: set[int] = set()
+    while more := {v for v in u2 - excluded if len(holders[v] & (checked - excluded)) < t}:
+        excluded |= more
+    maskers = checked - excluded
+    if len(maskers) < t:
+        out.server_reason = (f"ShareCheck: only {len(maskers)} clients left to mask after leaving out "
+                             f"{sorted(excluded)}, threshold is {t}")
+        return out
+    u2 = u2 - excluded
+    for u in maskers:
+        if len(holders[u] & u2) < t:
+            out.client_reasons[u] = f"{len(holders[u] & u2)} clients in the masking set < threshold {t}"
+    u3 = out.u3 = maskers - drops[Round.MASKED_INPUT_COLLECTION] - out.client_reasons.keys()
     if not threshold(Round.MASKED_INPUT_COLLECTION, u3):
         return out
     complete = len(u1) <= degree + 1  # then everyone is told all of U3
@@ -139,13 +157,13 @@ def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, deg
     needed += [("key s_sk", u) for u in sorted(u2 - u3) if holders[u] & u3]
     for what, u in needed:
         if len(holders[u] & u5) < t:
-            out.server_reason = f"Unmasking: only {len(holders[u] & u5)} shares of the {what} of client {u}, threshold is {t}"
+            out.server_reason = f"Unmasking: only {len(holders[u] & u5)} good shares of the {what} of client {u}, threshold is {t}"
             return out
     return out
 
 
 def test_secagg_plus_masks_only_between_neighbours():
-    cfg = SecAggConfig(8, 2**20, 4, degree=4)
+    cfg = SecAggConfig(8, 2**20, 4, degree=4, allow_unsafe=True)
     inputs = make_inputs(20, 8, 2**20, 1)
     res = run_protocol(cfg, inputs, random_bytes=seeded(1))
     assert res.completed
@@ -158,7 +176,7 @@ def test_secagg_plus_masks_only_between_neighbours():
 def test_config_for_cohort_picks_graph_by_size():
     assert SecAggConfig.for_cohort(100, 10).degree is None
     big = SecAggConfig.for_cohort(10_000, 10)
-    assert big.degree is not None and big.degree < 200 and big.modulus >= 10_000 * 2**16
+    assert big.degree is not None and big.degree < 250 and big.modulus >= 10_000 * 2**16
 
 
 def test_quantized_float_sum_end_to_end():
@@ -179,7 +197,7 @@ def test_input_can_be_set_after_key_exchange_and_is_required():
     from secagg import OutOfOrder
     from tests.secagg.secagg_helpers import Harness
 
-    cfg = SecAggConfig(5, 2**10, 2)
+    cfg = SecAggConfig(5, 2**10, 2, allow_unsafe=True)
     inputs = make_inputs(3, 5, 2**10, 4)
     h = Harness(cfg, {u: None for u in inputs})
     h.run_to(Round.MASKED_INPUT_COLLECTION)

@@ -6,7 +6,6 @@ from hypothesis import given, settings, strategies as st
 
 from secagg import (
     BadSignature,
-    DecryptionFailed,
     DuplicateMessage,
     InconsistentSurvivors,
     InvalidKeys,
@@ -20,7 +19,7 @@ from secagg import (
     WrongSession,
     parse_message,
 )
-from secagg.messages import ConsistencyRequest, KeyRoster, SharesForYou, UnmaskRequest
+from secagg.messages import ConsistencyRequest, KeyRoster, MaskRequest, SharesForYou, UnmaskRequest
 
 from tests.secagg.secagg_helpers import Harness, make_inputs
 
@@ -28,7 +27,7 @@ N, L, R, T = 6, 16, 2**16, 4
 
 
 def harness(cc: bool = False, label: bytes = b"s1", degree=None, t: int = T, n: int = N) -> Harness:
-    cfg = SecAggConfig(L, R, t, session_label=label, consistency_check=cc, degree=degree)
+    cfg = SecAggConfig(L, R, t, session_label=label, consistency_check=cc, degree=degree, allow_unsafe=True)
     return Harness(cfg, make_inputs(n, L, R, 7), seed=3)
 
 
@@ -54,23 +53,26 @@ def test_roster_refusals():
     for entries, err in cases:
         h2 = harness()
         h2.run_to(Round.SHARE_KEYS)
-        refused(h2, 1, KeyRoster(good.session_tag, good.session_id, entries).to_bytes(), err)
+        refused(h2, 1, KeyRoster(good.session_tag, good.session_id, entries, good.seed).to_bytes(), err)
     # our own key replaced
     h3 = harness()
     h3.run_to(Round.SHARE_KEYS)
     e2 = e.copy()
     e2["c_pk"][0] = e2["c_pk"][1]
-    refused(h3, 1, KeyRoster(good.session_tag, good.session_id, e2).to_bytes(), InvalidKeys)
+    refused(h3, 1, KeyRoster(good.session_tag, good.session_id, e2, good.seed).to_bytes(), InvalidKeys)
     # another client's key swapped: the session id no longer matches the keys
     h4 = harness()
     h4.run_to(Round.SHARE_KEYS)
     e3 = e.copy()
     e3["s_pk"][2] = bytes(range(32))
-    refused(h4, 1, KeyRoster(good.session_tag, good.session_id, e3).to_bytes(), WrongSession)
-    # a session id for another roster
+    refused(h4, 1, KeyRoster(good.session_tag, good.session_id, e3, good.seed).to_bytes(), WrongSession)
+    # a session id for another roster, and another seed than the one the session id binds
     h5 = harness()
     h5.run_to(Round.SHARE_KEYS)
-    refused(h5, 1, KeyRoster(good.session_tag, bytes(32), e).to_bytes(), WrongSession)
+    refused(h5, 1, KeyRoster(good.session_tag, bytes(32), e, good.seed).to_bytes(), WrongSession)
+    h6 = harness()
+    h6.run_to(Round.SHARE_KEYS)
+    refused(h6, 1, KeyRoster(good.session_tag, good.session_id, e, bytes(32)).to_bytes(), WrongSession)
 
 
 def test_message_for_another_session_is_refused():
@@ -80,36 +82,59 @@ def test_message_for_another_session_is_refused():
     refused(h, 1, other.to_clients[1], WrongSession)
 
 
-def _at_masked_input() -> tuple[Harness, SharesForYou]:
+def _at_share_check() -> tuple[Harness, SharesForYou]:
     h = harness()
-    h.run_to(Round.MASKED_INPUT_COLLECTION)
+    h.run_to(Round.SHARE_CHECK)
     return h, parse_message(h.to_clients[1])
 
 
-def test_tampered_ciphertext_is_refused():
-    h, msg = _at_masked_input()
+def refused_when_opened(h: Harness, msg: SharesForYou, shares: np.ndarray) -> None:
+    """A share pair that does not authenticate is reported at ShareCheck, before anyone masks,
+    and never revealed; its sender keeps t holders, so nobody leaves it out of the masking set,
+    the instance goes on and the sum stays exact from the other holders' shares."""
+    h.client_step({**h.to_clients, 1: SharesForYou(msg.session_tag, shares).to_bytes()})
+    bad = {int(u) for u, a, b in zip(msg.shares["peer"], msg.shares["ct"], shares["ct"]) if a.tobytes() != b.tobytes()}
+    assert set(parse_message(h.outbox[1]).complaints.tolist()) == bad
+    h.server_step()
+    assert h.server.round is Round.MASKED_INPUT_COLLECTION and not h.server.excluded
+    h.client_step()
+    h.server_step()
+    assert h.server.round is Round.UNMASKING
+    reply = h.clients[1].handle(h.to_clients[1])
+    assert h.clients[1].completed and h.clients[1].unopened == bad
+    revealed = set(parse_message(reply).reveals["peer"].tolist())
+    assert revealed == set(range(1, N + 1)) - bad
+    h.outbox = {1: reply, **{u: h.clients[u].handle(d) for u, d in h.to_clients.items() if u != 1}}
+    h.server_step()
+    assert h.server.round is Round.COMPLETED
+    want = sum(x.astype(object) for x in h.inputs.values())
+    assert [int(v) for v in h.server.result()] == [int(v) % R for v in want]
+
+
+def test_a_tampered_ciphertext_is_never_revealed():
+    h, msg = _at_share_check()
     shares = msg.shares.copy()
     raw = bytearray(shares["ct"][0].tobytes())
     raw[5] ^= 1
     shares["ct"][0] = bytes(raw)
-    refused(h, 1, SharesForYou(msg.session_tag, shares).to_bytes(), DecryptionFailed)
+    refused_when_opened(h, msg, shares)
 
 
-def test_ciphertext_addressed_to_someone_else_is_refused():
-    h, msg = _at_masked_input()
+def test_a_ciphertext_addressed_to_someone_else_is_never_revealed():
+    h, msg = _at_share_check()
     for_two = parse_message(h.to_clients[2]).shares
     shares = msg.shares.copy()
     src = for_two[for_two["peer"] == 3][0]  # 3 -> 2, handed to 1 as if 3 -> 1
     shares["ct"][shares["peer"] == 3] = src["ct"]
-    refused(h, 1, SharesForYou(msg.session_tag, shares).to_bytes(), DecryptionFailed)
+    refused_when_opened(h, msg, shares)
 
 
-def test_ciphertext_with_relabelled_sender_is_refused():
-    h, msg = _at_masked_input()
+def test_a_ciphertext_with_a_relabelled_sender_is_never_revealed():
+    h, msg = _at_share_check()
     shares = msg.shares.copy()
     a, b = shares["ct"][0].copy(), shares["ct"][1].copy()
     shares["ct"][0], shares["ct"][1] = b, a
-    refused(h, 1, SharesForYou(msg.session_tag, shares).to_bytes(), DecryptionFailed)
+    refused_when_opened(h, msg, shares)
 
 
 @pytest.mark.parametrize("mutate,err", [
@@ -117,12 +142,12 @@ def test_ciphertext_with_relabelled_sender_is_refused():
     (lambda s: s[: T - 2], TooFewSurvivors),
 ])
 def test_share_list_refusals(mutate, err):
-    h, msg = _at_masked_input()
+    h, msg = _at_share_check()
     refused(h, 1, SharesForYou(msg.session_tag, mutate(msg.shares)).to_bytes(), err)
 
 
 def test_shares_from_outside_the_roster_are_refused():
-    h, msg = _at_masked_input()
+    h, msg = _at_share_check()
     shares = msg.shares.copy()
     shares["peer"][0] = 999
     refused(h, 1, SharesForYou(msg.session_tag, shares).to_bytes(), InconsistentSurvivors)
@@ -147,10 +172,23 @@ def test_survivor_list_refusals(survivors, err):
 
 def test_survivor_list_must_be_subset_of_the_shares_we_received():
     h = harness()
-    h.run_to(Round.MASKED_INPUT_COLLECTION)
+    h.run_to(Round.SHARE_CHECK)
     msg = parse_message(h.to_clients[1])
     h.client_step({1: SharesForYou(msg.session_tag, msg.shares[msg.shares["peer"] != 6]).to_bytes()})
     tag = msg.session_tag
+    h.client_step({1: MaskRequest(tag).to_bytes()})
+    refused(h, 1, UnmaskRequest(tag, np.arange(1, 7, dtype="<u4")).to_bytes(), InconsistentSurvivors)
+
+
+def test_a_sender_the_server_left_out_for_one_client_only_is_never_revealed_by_it():
+    """A server that names a sender as left out to one client but not to the others (to get that
+    client's share of it by another route) gains what dropping the sender for that client alone
+    would give: the client masks without it, and refuses a survivor list that names it."""
+    h = harness()
+    h.run_to(Round.MASKED_INPUT_COLLECTION)
+    tag = parse_message(h.to_clients[1]).session_tag
+    h.client_step({**h.to_clients, 1: MaskRequest(tag, np.array([6], "<u4")).to_bytes()})
+    assert 6 not in h.clients[1]._held and 6 not in h.clients[1]._u2
     refused(h, 1, UnmaskRequest(tag, np.arange(1, 7, dtype="<u4")).to_bytes(), InconsistentSurvivors)
 
 
@@ -241,6 +279,8 @@ def test_server_rejections_leave_state_unchanged():
     h.to_clients = h.server.close_round()
     with pytest.raises(OutOfOrder):
         h.server.receive(1, h.outbox[1])  # an AdvertiseKeys during ShareKeys
+    h.client_step()
+    h.server_step()
     h.client_step()
     h.server_step()
     h.client_step()

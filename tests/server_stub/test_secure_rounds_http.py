@@ -2,7 +2,8 @@
 
 Devices are driven at the protocol level so that each drops out at a chosen SecAgg round and
 carries an update we know; the committed model must equal exactly what the survivors' quantized
-updates give, and the server's database must hold none of them."""
+updates give, and the server's database must hold none of them. Devices that run secure rounds
+are attested and hold the authority's trust anchor, as the SDK's default policy requires."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import onnxruntime
 import pytest
 
 from device_runtime import (
+    PeerCertificateVerifier,
     ProtocolClient,
     ProtocolError,
     SecureOutcome,
@@ -21,14 +23,34 @@ from device_runtime import (
     encode_checkpoint,
     run_secure_aggregation,
 )
-from emulator import DeviceProfile, EmulatedDevice, Fleet, partition_by_shards
-from secagg import Round
-from server_stub import AdminError
+from emulator import AttestationAuthority, DeviceProfile, EmulatedDevice, Fleet, partition_by_shards
+from secagg import Round, parse_message
+from secagg.messages import EncryptedShares
+from server_stub import AdminError, AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
 from tests.support import COLLECTION, deploy, digits_plan
 
 VERSION = onnxruntime.__version__
-GROUP = 6  # complete-graph threshold for 6 clients is 5: each group survives one drop-out
+K = 5  # no sum of fewer than 5 devices; groups of k + 1 = 6, threshold 5: each survives one drop-out
+GROUP = 6
 DEVICES = 30
+
+
+@pytest.fixture(scope="module")
+def authority():
+    return AttestationAuthority.generate()
+
+
+@pytest.fixture
+def attested_server(tmp_path, authority):
+    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+    with ServerThread(tmp_path / "server.db", verifier=verifier) as srv:
+        yield srv
+
+
+@pytest.fixture
+def attested_admin(attested_server):
+    with attested_server.admin() as client:
+        yield client
 
 
 def _updates(codec: SecureSumCodec, count: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -43,34 +65,44 @@ def _updates(codec: SecureSumCodec, count: int, seed: int) -> list[dict[str, np.
     return out
 
 
-def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(server, admin):
+def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_server, attested_admin, authority):
+    server, admin = attested_server, attested_admin
     plan = digits_plan("softmax", secure_aggregation=True)
     _, w0 = deploy(
         admin, plan=plan, goal_count=DEVICES, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
-        report_timeout_s=5.0, secagg_min_group_size=GROUP, secagg_round_timeout_s=1.0,
+        report_timeout_s=5.0, secagg_min_group_size=K, secagg_round_timeout_s=1.0,
     )
     codec = SecureSumCodec(plan)
     updates = _updates(codec, DEVICES, seed=1)
     vectors = [codec.encode(u) for u in updates]
-    # Sessions are grouped in check-in order: device i is client i % 6 + 1 of group i // 6.
-    drop_at = {
-        0: Round.ADVERTISE_KEYS,  # group 0: left out of the sum
-        6: Round.SHARE_KEYS,  # group 1: left out
-        12: Round.MASKED_INPUT_COLLECTION,  # group 2: drops before masking, left out
-        18: Round.UNMASKING,  # group 3: drops after masking, recovered through its shares
-        24: Round.SHARE_KEYS,  # group 4: two drop, 4 < t = 5 survive, the group aborts
-        25: Round.SHARE_KEYS,
-    }
     clients = [ProtocolClient(server.url) for _ in range(DEVICES)]
-    sessions = [c.checkin("digits", VERSION) for c in clients]
+    attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in range(DEVICES)]
+    sessions = [c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
+                for c, a in zip(clients, attestors)]
+    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
     assert all(hasattr(s, "session_id") for s in sessions)
+    # The groups follow from the seed the server revealed when selection ended: 5 groups of 6.
+    states = [c.secagg_poll(s) for c, s in zip(clients, sessions)]
+    groups: dict[int, list[int]] = {}
+    for i, state in enumerate(states):
+        assert state["status"] == "active" and state["config"]["consistency_check"] is True
+        groups.setdefault(state["group"], []).append(i)
+    assert sorted(len(g) for g in groups.values()) == [GROUP] * (DEVICES // GROUP)
+    drop_at = {
+        groups[0][0]: Round.ADVERTISE_KEYS,  # group 0: left out of the sum
+        groups[1][0]: Round.SHARE_KEYS,  # group 1: left out
+        groups[2][0]: Round.MASKED_INPUT_COLLECTION,  # group 2: drops before masking, left out
+        groups[3][0]: Round.UNMASKING,  # group 3: drops after masking, recovered through its shares
+        groups[4][0]: Round.SHARE_KEYS,  # group 4: two drop, 4 < t = 5 survive, the group aborts
+        groups[4][1]: Round.SHARE_KEYS,
+    }
     outcomes: dict[int, SecureOutcome] = {}
 
     def device(i: int) -> None:
         entered: list[str] = []
         outcomes[i] = run_secure_aggregation(
             clients[i], sessions[i], vectors[i], deadline=time.monotonic() + 60,
-            on_round=entered.append,
+            on_round=entered.append, signer=attestors[i].secagg_signer(), verify_peer=verify_peer,
             should_abort=lambda: i in drop_at and bool(entered) and entered[-1] == drop_at[i].value,
         ).outcome
 
@@ -82,11 +114,11 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(server, admi
     for c in clients:
         c.close()
 
-    for i in (0, 6, 12, 18, 24, 25):
+    for i in drop_at:
         assert outcomes[i] is SecureOutcome.INTERRUPTED
-    assert {outcomes[i] for i in range(26, 30)} == {SecureOutcome.ABORTED}
-    included = [i for i in range(24) if i not in (0, 6, 12)]
-    assert all(outcomes[i] is SecureOutcome.INCLUDED for i in included if i != 18)
+    assert {outcomes[i] for i in groups[4][2:]} == {SecureOutcome.ABORTED}
+    included = sorted(i for g in range(4) for i in groups[g] if i not in drop_at or drop_at[i] is Round.UNMASKING)
+    assert all(outcomes[i] is SecureOutcome.INCLUDED for i in included if i not in drop_at)
 
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed"
@@ -107,6 +139,55 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(server, admi
     for i in range(DEVICES):
         assert vectors[i][:64].tobytes() not in disk
         assert encode_checkpoint(updates[i]) not in disk
+
+
+class GarbageDealer(ProtocolClient):
+    """A device that sends share pairs nobody can open (and otherwise follows the protocol)."""
+
+    def secagg_send(self, session, message: bytes):  # noqa: ANN001, ANN201 - ProtocolClient's own
+        msg = parse_message(message)
+        if isinstance(msg, EncryptedShares):
+            shares = msg.shares.copy()
+            shares["ct"] = [np.void(bytes(shares.dtype["ct"].itemsize)) for _ in range(len(shares))]
+            message = EncryptedShares(msg.session_tag, shares, msg.digests).to_bytes()
+        return super().secagg_send(session, message)
+
+
+def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attested_server, attested_admin, authority):
+    server, admin = attested_server, attested_admin
+    plan = digits_plan("softmax", secure_aggregation=True)
+    _, w0 = deploy(admin, plan=plan, goal_count=K + 1, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
+                   report_timeout_s=6.0, secagg_min_group_size=K, secagg_round_timeout_s=1.0)
+    codec = SecureSumCodec(plan)
+    updates = _updates(codec, K + 1, seed=2)
+    vectors = [codec.encode(u) for u in updates]
+    clients = [GarbageDealer(server.url)] + [ProtocolClient(server.url) for _ in range(K)]
+    attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in clients]
+    sessions = [c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
+                for c, a in zip(clients, attestors)]
+    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
+    outcomes: dict[int, SecureOutcome] = {}
+
+    def device(i: int) -> None:
+        outcomes[i] = run_secure_aggregation(clients[i], sessions[i], vectors[i], deadline=time.monotonic() + 30,
+                                             signer=attestors[i].secagg_signer(), verify_peer=verify_peer).outcome
+
+    threads = [threading.Thread(target=device, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for c in clients:
+        c.close()
+    assert outcomes == {0: SecureOutcome.EXCLUDED, **{i: SecureOutcome.INCLUDED for i in range(1, K + 1)}}
+    (record,) = admin.rounds("digits")
+    assert record["status"] == "committed"
+    assert record["metrics"]["secagg"] == {"groups": 1, "completed": 1, "aborted": 0, "summed_devices": K}
+    model, _ = admin.model("digits")
+    honest = range(1, K + 1)
+    total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in honest], axis=0), K)
+    for name in plan.weight_names:
+        np.testing.assert_allclose(model[name], w0[name] + total[name] / total["num_examples"], rtol=1e-5, atol=1e-6)
 
 
 def test_secure_task_refuses_plain_reports_and_bad_messages(server, admin):
@@ -148,7 +229,11 @@ def test_fewer_devices_than_a_group_abandon_the_round_at_once(server, admin):
         c.close()
 
 
-def test_emulated_fleet_trains_through_secure_aggregation_with_late_dropouts(tmp_path, server, admin, digits):
+def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dropouts(
+        tmp_path, attested_server, attested_admin, authority, digits):
+    """The demo's fleet: attested devices holding the trust anchor, under the SDK's default
+    policy (an attested cohort, ConsistencyCheck, committed groups), over real HTTP."""
+    server, admin = attested_server, attested_admin
     plan = digits_plan("mlp", secure_aggregation=True, epochs=2, learning_rate=0.3)
     _, w0 = deploy(
         admin, plan=plan, goal_count=10, report_timeout_s=15, retry_window_s=(0.1, 0.5), max_rounds=2,
@@ -158,7 +243,9 @@ def test_emulated_fleet_trains_through_secure_aggregation_with_late_dropouts(tmp
     devices = []
     for i, idx in enumerate(partition_by_shards(digits.y_train, 24, seed=0)):
         device = EmulatedDevice(f"d{i}", tmp_path / f"d{i}", server.url, "digits", profile=profile,
-                                collection_uri=COLLECTION, seed=i)
+                                collection_uri=COLLECTION, seed=i,
+                                attestor=authority.new_device_attestor("emulated-phone", time.time()),
+                                trust_anchor=authority.trust_anchor())
         device.add_examples(digits.x_train[idx], digits.y_train[idx])
         devices.append(device)
     fleet = Fleet(devices)
@@ -173,12 +260,14 @@ def test_emulated_fleet_trains_through_secure_aggregation_with_late_dropouts(tmp
         fleet.stop()
     committed = [r for r in admin.rounds("digits") if r["status"] == "committed"]
     assert len(committed) == 2
-    for r in committed:
-        assert r["metrics"]["secagg"]["completed"] >= 2
-        assert r["metrics"]["reported"] >= 10
+    for r in committed:  # 10 to 13 selected devices: one or two groups of at least k + 1 = 6
+        assert r["metrics"]["secagg"]["completed"] >= 1
+        assert r["metrics"]["reported"] == r["metrics"]["secagg"]["summed_devices"] >= 8  # ceil(10 * min_fraction)
     model, _ = admin.model("digits")
     assert any(not np.allclose(model[k], w0[k]) for k in plan.weight_names)
-    assert fleet.outcomes()["completed"] >= 20
+    assert fleet.outcomes()["completed"] >= 10  # (a device that drops after its masked input is summed, not completed)
+    # the default policy let them in only as an attested cohort: every peer certified, each device once
+    assert all(d.runtime.secagg_policy.require_attested_cohort and d.runtime.peer_verifier is not None for d in devices)
 
 
 def test_secure_task_needs_a_report_window_that_fits_its_rounds(server, admin):

@@ -1,0 +1,107 @@
+"""Where a device keeps the plans it downloaded, and where a process keeps the plans it loaded.
+
+A device downloads each plan once (plans are content-addressed, so a cached copy is checked
+against its id before use). On a phone the copy lives in the app's cache directory; an emulated
+fleet of thousands of devices in one process keeps each device's copies in memory instead, and
+loads each plan (parsing it and building its onnxruntime sessions, several MB) once per process
+rather than once per device."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from .errors import CorruptResource
+from .executor import PlanExecutor
+from .plan import Plan, PlanError, load_plan
+
+log = logging.getLogger(__name__)
+
+
+class PlanCache(Protocol):
+    """A device's downloaded plans by content id."""
+
+    def get(self, plan_id: str) -> bytes | None:
+        """The cached bytes of ``plan_id`` if they are intact, else None."""
+
+    def put(self, plan_id: str, data: bytes) -> None:
+        """Keep ``data``; a cache that cannot be written costs a later download, never a session."""
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class DirectoryPlanCache:
+    """Plans as files named by their id in ``root/plans`` (the app's cache directory)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def get(self, plan_id: str) -> bytes | None:
+        path = self.root / "plans" / plan_id
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        return data if _sha256(data) == plan_id else None
+
+    def put(self, plan_id: str, data: bytes) -> None:
+        path = self.root / "plans" / plan_id
+        if path.exists():
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not cache plan %s: %s", plan_id, exc)
+
+
+class MemoryPlanCache:
+    """One device's cache in memory. The bytes of a plan are held once in ``shared`` (a dict
+    that many devices' caches may share); each device remembers only which ids it downloaded,
+    so each still downloads a plan the first time it meets it."""
+
+    def __init__(self, shared: dict[str, bytes] | None = None) -> None:
+        self._shared = shared if shared is not None else {}
+        self._ids: set[str] = set()
+
+    def get(self, plan_id: str) -> bytes | None:
+        return self._shared.get(plan_id) if plan_id in self._ids else None
+
+    def put(self, plan_id: str, data: bytes) -> None:
+        if _sha256(data) != plan_id:
+            return
+        self._shared.setdefault(plan_id, data)
+        self._ids.add(plan_id)
+
+
+class LoadedPlans:
+    """Plans parsed and ready to run, keyed by content id and runtime version (a plan is
+    checked against the version that runs it). One per FLRuntime by default; a simulation shares
+    one among all its devices, which then share each plan's onnxruntime sessions."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple[str, str], tuple[Plan, PlanExecutor]] = {}
+        self._lock = threading.Lock()
+
+    def load(self, plan_id: str, data: bytes, runtime_version: str) -> tuple[Plan, PlanExecutor]:
+        """Raises CorruptResource when the plan is refused (malformed, or not for this version)."""
+        key = (plan_id, runtime_version)
+        with self._lock:
+            found = self._loaded.get(key)
+        if found is not None:
+            return found
+        try:
+            plan = load_plan(data, runtime_version=runtime_version)
+        except PlanError as exc:
+            raise CorruptResource(f"plan {plan_id} was refused: {exc}") from exc
+        loaded = (plan, PlanExecutor(plan))
+        with self._lock:
+            return self._loaded.setdefault(key, loaded)

@@ -1,0 +1,59 @@
+"""Fleet simulation: thousands of emulated devices on one virtual clock, and the report of a run."""
+
+from .availability import AVAILABLE, BATTERY_LOW, CHARGING, IDLE, UNMETERED, Availability, DeviceAvailability, count_available
+from .config import FleetConfig, FleetConfigError
+from .data import device_examples, fleet_dataset
+from .events import AppKilled, EventLoop, Fibers, SimulationError
+from .population import DeviceFaults, DeviceSpec, NetworkSpec, device_seed, generate_population
+from .ray_backend import FleetShard, RayBackendError, parse_sweep, run_many, simulate_sharded, sweep_configs
+from .report import FleetReportError, summarize, write_report
+from .sim_transport import AsgiCaller, SimTransport
+from .simulator import FleetSimulator, simulate
+from .tables import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow
+from .traces import TraceAvailability, TraceError, load_traces, write_traces
+
+__all__ = [
+    "AVAILABLE",
+    "Availability",
+    "BATTERY_LOW",
+    "CHARGING",
+    "DeviceAvailability",
+    "DeviceFaults",
+    "DeviceSpec",
+    "FleetConfig",
+    "FleetConfigError",
+    "IDLE",
+    "NetworkSpec",
+    "TraceAvailability",
+    "TraceError",
+    "UNMETERED",
+    "count_available",
+    "device_examples",
+    "device_seed",
+    "fleet_dataset",
+    "generate_population",
+    "load_traces",
+    "write_traces",
+    "FleetReportError",
+    "FleetRun",
+    "FleetTableError",
+    "RoundRow",
+    "SessionRow",
+    "TimelineRow",
+    "summarize",
+    "write_report",
+    "AppKilled",
+    "AsgiCaller",
+    "EventLoop",
+    "Fibers",
+    "FleetSimulator",
+    "SimTransport",
+    "SimulationError",
+    "simulate",
+    "FleetShard",
+    "RayBackendError",
+    "parse_sweep",
+    "run_many",
+    "simulate_sharded",
+    "sweep_configs",
+]

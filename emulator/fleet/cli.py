@@ -1,0 +1,130 @@
+"""``fedfleet simulate [FLEET.toml] --out DIR``: a fleet day in virtual time, its tables, plots
+and report in DIR, and its summary as the last line of the output (one JSON object).
+
+The progress bar (simulated hours, rounds committed, devices active) goes to stderr, so that
+stdout holds only the summary and can be piped into ``jq``.
+
+Past one process: ``--ray [ADDRESS]`` spreads the devices over ``--shards`` Ray actors (a local
+cluster without ADDRESS); the run equals the single-process one, digest for digest.
+``--seeds 0,1,2`` and ``--sweep KEY=V1,V2`` (repeatable; a key without a section is the task's,
+e.g. ``goal_count=8,16``) run every combination as independent runs, as Ray tasks with
+``--ray``: one summary line per run (with its parameters), then a line with all the digests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import FleetConfig, FleetConfigError
+from .events import SimulationError
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a fleet in virtual time (the paper-calibrated defaults without a file)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("fleet", nargs="?", help="a fleet config (TOML); see examples/fleets/default.toml")
+    p.add_argument("--out", help="where to write sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html")
+    p.add_argument("--devices", type=int, help="override the number of devices")
+    p.add_argument("--hours", type=float, help="override the simulated hours")
+    p.add_argument("--seed", type=int, help="override the seed (the same seed gives the same run)")
+    p.add_argument("--goal", type=int, help="override the round goal (reports a round needs; the default 100 needs thousands of devices)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--http", action="store_true",
+                   help="send the devices' requests over real loopback HTTP (uvicorn) instead of into the app in process")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run on Ray: a local cluster, or the one at ADDRESS (e.g. auto, ray://host:10001)")
+    p.add_argument("--shards", type=int,
+                   help="spread the devices over this many shards (Ray actors with --ray; default 2 with --ray)")
+    p.add_argument("--seeds", help="independent runs with these seeds, e.g. 0,1,2")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="independent runs over a grid of config values, e.g. goal_count=8,16 (repeatable)")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from .ray_backend import RayBackendError
+    from .simulator import ProgressBar, simulate
+
+    try:
+        config = FleetConfig.load(args.fleet) if args.fleet else FleetConfig.default()
+        config = config.replace(devices=args.devices, hours=args.hours, seed=args.seed, goal=args.goal)
+    except FleetConfigError as exc:
+        print(f"fedfleet simulate: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else None
+    if args.seeds or args.sweep:
+        return _run_sweep(args, config, out)
+    sharded = args.ray is not None or args.shards is not None
+    if sharded and args.http:
+        print("fedfleet simulate: --http runs the fleet in one process; leave out --ray/--shards (or --http)", file=sys.stderr)
+        return 2
+    progress = None if args.no_progress else ProgressBar(config.horizon_s)
+    try:
+        if sharded:
+            from .ray_backend import simulate_sharded
+
+            run = simulate_sharded(config, shards=args.shards or 2, out_dir=out, progress=progress or False,
+                                   ray=args.ray is not None, address=args.ray or None)
+        else:
+            run = simulate(config, out_dir=out, progress=progress or False, http=args.http)
+    except (SimulationError, RayBackendError) as exc:
+        print(f"fedfleet simulate: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if progress is not None:
+            progress.close()
+    summary = run.summary()
+    if out is not None and not (out / "summary.json").exists():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if summary.get("rounds") and not summary.get("rounds_committed"):
+        print(
+            f"fedfleet simulate: no round committed: each needs {config.task.goal_count} reports and at most "
+            f"{summary.get('available_peak') or 0:.0f} of {config.fleet.devices} devices were available at once; "
+            "simulate more --devices or a smaller --goal",
+            file=sys.stderr,
+        )
+    print(json.dumps(summary, separators=(",", ":")), flush=True)
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) -> int:
+    import time
+
+    from .ray_backend import RayBackendError, parse_sweep, run_many, sweep_configs
+
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    except ValueError:
+        print(f"fedfleet simulate: --seeds {args.seeds!r}: write whole numbers separated by commas, e.g. 0,1,2", file=sys.stderr)
+        return 2
+    try:
+        runs = sweep_configs(config, seeds=seeds, grid=parse_sweep(args.sweep))
+    except FleetConfigError as exc:
+        print(f"fedfleet simulate: {exc}", file=sys.stderr)
+        return 2
+    if args.http or args.shards:
+        print("fedfleet simulate: --seeds/--sweep run whole fleets side by side; leave out --http and --shards", file=sys.stderr)
+        return 2
+    dirs = [out / f"run-{i}" for i in range(len(runs))] if out is not None else None
+    started = time.perf_counter()
+    try:
+        summaries = run_many([c for _, c in runs], ray=args.ray is not None, address=args.ray or None, out_dirs=dirs)
+    except (SimulationError, RayBackendError) as exc:
+        print(f"fedfleet simulate: {exc}", file=sys.stderr)
+        return 2
+    for (params, _), summary in zip(runs, summaries):
+        print(json.dumps({"params": params, **summary}, separators=(",", ":")), flush=True)
+    last = {
+        "runs": len(summaries),
+        "params": [p for p, _ in runs],
+        "digests": [s.get("digest") for s in summaries],
+        "backend": "ray" if args.ray is not None else "local",
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    print(json.dumps(last, separators=(",", ":")), flush=True)
+    return 0

@@ -1,0 +1,474 @@
+"""What a simulated fleet is: one declared, validated config, read from TOML, whose defaults are
+calibrated to the paper (Bonawitz et al. 2019, "Towards Federated Learning at Scale").
+
+Every number a fleet simulation draws from lives here, so that a run is fully described by its
+config and seed. The defaults and where they come from:
+
+- Availability (sec. 3, sec. 9, Fig. 5-6): the runtime trains only when the phone is idle,
+  charging and on an unmetered network, which happens mostly at night in the device's own time
+  zone; the paper saw a 4x swing between the day's low and high for a US-centric population.
+  The defaults mix the four US time zones and add daytime top-up charges, so that the number of
+  available devices swings 3-5x between peak and trough (``tests/emulator/fleet`` checks it).
+- Device classes (sec. 11 "Bias"): only phones with at least 2 GB of memory take part.
+- Faults (sec. 9, Appendix A, Fig. 7, Table 1): 6-10% of participants drop out (computation
+  errors, network failures, changes in eligibility), and sessions end 75% ``-v[]+^``,
+  22% ``-v[]+#`` (reported after the window closed), 2% ``-v[!`` (interrupted).
+- The task (sec. 2.2, sec. 9): rounds of a few hundred devices at most; a goal of 100 with the
+  server selecting 130% of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from device_runtime.versions import version_tuple
+
+#: Shares of a mixture must sum to one within this tolerance (TOML users write 0.1 + 0.2 ...).
+SHARE_TOLERANCE = 1e-6
+
+#: Paper sec. 11: "at least 2 GB of memory".
+MIN_MEMORY_MB = 2048
+
+Share = Annotated[float, Field(gt=0.0, le=1.0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Hour = Annotated[float, Field(ge=0.0, le=24.0)]
+Rate = Annotated[float, Field(ge=0.0, le=1e6)]
+NonNegative = Annotated[float, Field(ge=0.0, le=1e9)]
+Positive = Annotated[float, Field(gt=0.0, le=1e9)]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.+-]+$")]
+
+
+class FleetConfigError(ValueError):
+    """A fleet config that cannot describe a fleet; the message names the field and the fix."""
+
+
+class _Section(BaseModel):
+    """Strict: no unknown keys (a typo is an error, not a silent default), no NaN or infinity,
+    no bools or strings for numbers, frozen so a run's config cannot change under it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+def _check_shares(items: list[Any], field: str) -> None:
+    total = math.fsum(item.share for item in items)
+    if abs(total - 1.0) > SHARE_TOLERANCE:
+        raise ValueError(f"the shares of {field} sum to {total:.6g}; make them sum to 1")
+    names = [getattr(item, "name", None) for item in items]
+    if None not in names and len(set(names)) != len(names):
+        raise ValueError(f"{field} names must be unique; got {names}")
+
+
+class FleetSection(_Section):
+    """Size, length and seed of the run. Simulated time 0 falls at ``start_utc_hour`` of a UTC day."""
+
+    devices: int = Field(10_000, ge=1, le=10_000_000)
+    hours: float = Field(24.0, gt=0.0, le=24.0 * 366)
+    seed: int = Field(0, ge=0, lt=2**63)
+    start_utc_hour: float = Field(0.0, ge=0.0, lt=24.0)
+    #: Paper sec. 11: the device code is deployed only to phones with at least 2 GB of memory.
+    min_memory_mb: int = Field(MIN_MEMORY_MB, ge=0, le=1_048_576)
+
+
+class TimeZone(_Section):
+    utc_offset_h: float = Field(ge=-12.0, le=14.0)
+    share: Share
+
+
+def _us_time_zones() -> list[TimeZone]:
+    # Paper Appendix A: "primarily from the same time zone"; sec. 9: "US-centric". Shares
+    # roughly follow the US population by zone (Eastern, Central, Mountain, Pacific).
+    return [
+        TimeZone(utc_offset_h=-5.0, share=0.47),
+        TimeZone(utc_offset_h=-6.0, share=0.29),
+        TimeZone(utc_offset_h=-7.0, share=0.07),
+        TimeZone(utc_offset_h=-8.0, share=0.17),
+    ]
+
+
+class NightWindow(_Section):
+    """The night: the phone lies idle on its charger, at home on Wi-Fi (paper sec. 3, Fig. 5).
+
+    A device has its habitual bedtime (``start_h`` plus a per-device offset drawn once with
+    ``start_device_sd_h``), and each night starts near it (``start_daily_sd_h``) and lasts
+    ``duration_h`` (``duration_sd_h``). With ``probability`` a night has such a window at all
+    (some nights the phone is not charged). Only ``home_wifi_share`` of devices have an
+    unmetered network at home; theirs is up from ``wifi_before_h`` before the night starts to
+    ``wifi_after_h`` after it ends."""
+
+    probability: Probability = 0.85
+    start_h: Hour = 23.0
+    start_device_sd_h: NonNegative = 1.5
+    start_daily_sd_h: NonNegative = 0.5
+    duration_h: Positive = 7.0
+    duration_sd_h: NonNegative = 1.0
+    min_duration_h: NonNegative = 1.0
+    home_wifi_share: Probability = 0.85
+    wifi_before_h: NonNegative = 3.0
+    wifi_after_h: NonNegative = 0.75
+
+
+class DayCharging(_Section):
+    """Top-up charges during the day (at a desk, in a car): a Poisson process of
+    ``sessions_per_day`` between ``from_h`` and ``to_h`` local time, each lasting an exponential
+    time of mean ``mean_duration_h``; a charge is on an unmetered network with
+    ``unmetered_prob`` and left idle with ``idle_prob``. They keep the day's trough at about a
+    quarter of the night's peak (paper sec. 9: a 4x swing) instead of none: with the defaults the
+    available devices of a day swing 4.1-4.2x (10,000 devices, seeds 0 and 1, sampled every
+    5 minutes), peaking at about 60% of the fleet in the US night."""
+
+    sessions_per_day: Rate = 3.5
+    from_h: Hour = 7.0
+    to_h: Hour = 22.0
+    mean_duration_h: Positive = 1.5
+    unmetered_prob: Probability = 0.75
+    idle_prob: Probability = 0.7
+
+    @model_validator(mode="after")
+    def _window(self) -> Self:
+        if self.from_h > self.to_h:
+            raise ValueError(f"from_h ({self.from_h}) must not be after to_h ({self.to_h})")
+        return self
+
+
+class ScreenOn(_Section):
+    """The user picks up an idle phone: a Poisson process of ``per_hour`` interruptions while
+    the phone would be idle, each lasting an exponential time of mean ``mean_minutes``. The
+    runtime must abort then (paper sec. 3): the source of ``-v[!`` sessions (Table 1)."""
+
+    per_hour: Rate = 0.2
+    mean_minutes: Positive = 3.0
+
+
+class Battery(_Section):
+    """Battery level: drawn uniformly in [``start_min``, ``start_max``] at time 0, rising while
+    charging, draining slowly while idle and faster while in use, never below ``floor``."""
+
+    start_min: Probability = 0.3
+    start_max: Probability = 1.0
+    charge_per_hour: Rate = 0.45
+    idle_drain_per_hour: Rate = 0.01
+    active_drain_per_hour: Rate = 0.07
+    floor: Probability = 0.02
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        if self.start_min > self.start_max:
+            raise ValueError(f"start_min ({self.start_min}) must not exceed start_max ({self.start_max})")
+        return self
+
+
+class AvailabilitySection(_Section):
+    """When each device is idle, charging and on an unmetered network. ``trace`` replaces the
+    model with a recorded CSV (format in ``emulator.fleet.traces``); a relative path is read
+    relative to the config file it came from."""
+
+    time_zones: list[TimeZone] = Field(default_factory=_us_time_zones, min_length=1)
+    night: NightWindow = NightWindow()
+    day: DayCharging = DayCharging()
+    screen_on: ScreenOn = ScreenOn()
+    battery: Battery = Battery()
+    trace: str | None = None
+
+    @model_validator(mode="after")
+    def _shares(self) -> Self:
+        _check_shares(self.time_zones, "availability.time_zones")
+        return self
+
+
+class DeviceClass(_Section):
+    """``speed`` multiplies compute time (> 1 is slower than the reference phone)."""
+
+    name: Name
+    share: Share
+    speed: float = Field(gt=0.0, le=1000.0)
+    memory_mb: int = Field(ge=1, le=1_048_576)
+
+
+def _device_classes() -> list[DeviceClass]:
+    # The "entry" class is below the paper's 2 GB floor (sec. 11) and never takes part.
+    return [
+        DeviceClass(name="entry", share=0.08, speed=2.5, memory_mb=1536),
+        DeviceClass(name="low", share=0.22, speed=1.8, memory_mb=2048),
+        DeviceClass(name="mid", share=0.40, speed=1.25, memory_mb=4096),
+        DeviceClass(name="high", share=0.22, speed=1.0, memory_mb=6144),
+        DeviceClass(name="flagship", share=0.08, speed=0.7, memory_mb=8192),
+    ]
+
+
+class NetworkClass(_Section):
+    """An unmetered network (training needs one, paper sec. 3): bandwidth in megabits per second,
+    one-way latency in milliseconds. Each device's bandwidth varies around its class's by a
+    log-normal factor of sigma ``jitter_sigma``."""
+
+    name: Name
+    share: Share
+    down_mbps: float = Field(gt=0.0, le=1e5)
+    up_mbps: float = Field(gt=0.0, le=1e5)
+    latency_ms: float = Field(ge=0.0, le=60_000.0)
+    jitter_sigma: float = Field(0.3, ge=0.0, le=3.0)
+
+
+def _network_classes() -> list[NetworkClass]:
+    # Home Wi-Fi upload is a fraction of download (paper Fig. 9's asymmetry is in the bytes).
+    return [
+        NetworkClass(name="wifi-slow", share=0.25, down_mbps=5.0, up_mbps=1.0, latency_ms=60.0),
+        NetworkClass(name="wifi", share=0.50, down_mbps=30.0, up_mbps=8.0, latency_ms=25.0),
+        NetworkClass(name="wifi-fast", share=0.25, down_mbps=150.0, up_mbps=40.0, latency_ms=10.0),
+    ]
+
+
+class RuntimeVersion(_Section):
+    version: str = Field(min_length=1, max_length=32)
+    share: Share
+
+    @model_validator(mode="after")
+    def _parse(self) -> Self:
+        version_tuple(self.version)  # raises ValueError naming the bad string
+        return self
+
+
+def _runtime_versions() -> list[RuntimeVersion]:
+    # A fleet runs old releases for months (paper sec. 7.3: versioned plans per runtime release).
+    return [
+        RuntimeVersion(version="1.31.1", share=0.40),
+        RuntimeVersion(version="1.28.0", share=0.20),
+        RuntimeVersion(version="1.23.2", share=0.15),
+        RuntimeVersion(version="1.22.1", share=0.10),
+        RuntimeVersion(version="1.20.1", share=0.10),
+        RuntimeVersion(version="1.17.3", share=0.05),
+    ]
+
+
+class FaultSection(_Section):
+    """Faults as hazards: rates per hour of session time (from check-in to the end of the
+    report), so a session of length T survives a hazard of rate r with probability exp(-r T).
+
+    - ``app_killed_per_h``: the OS kills the app; the device vanishes without a word (an
+      abandoned session, the server's deadline reclaims it);
+    - ``network_lost_per_h``: the connection drops; the request in flight fails;
+    - ``conditions_change_per_h``: the device stops being idle/charging/unmetered for a reason
+      the availability model does not draw; the runtime's abort path runs (``-v[!``);
+    - ``late_report_prob``: the session is a straggler; its report is held back by an extra
+      exponential delay of mean ``late_delay_s``, usually past the window (``-v[]+#``).
+
+    Each device scales all its hazards by its own factor, log-normal with sigma
+    ``device_sigma`` and mean 1 (some phones are flakier).
+
+    Defaults (paper sec. 9: 6-10% of participants drop out; Table 1: 75% ``-v[]+^``, 22%
+    ``-v[]+#``, 2% ``-v[!``): the hazards sum to 1.25/h, which over the couple of minutes a
+    session is exposed gives about 4% drop-out; screen-on interruptions and the end of a charge
+    (the availability model) add about 3%. Measured with the fleet simulator over a day:
+
+    - 5,000 devices, seed 0: drop-out 7.1%; shapes 78.5% ``-v[]+^``, 14.4% ``-v[]+#``,
+      4.6% ``-v[!``, 1.3% ``-v[`` (app killed);
+    - 3,000 devices, seed 3: drop-out 7.2%, 6.4% of sessions starting between 00:00 and 06:00
+      local time and 7.6-7.8% later, higher by day as in Appendix A (Fig. 7) because daytime
+      charges are short; only 81 of 258 rounds committed (too few devices for a goal of 100),
+      so 26% of sessions reported to a closed round (``#``).
+
+    ``#`` comes mostly from over-selection: a round selects 130% of its goal and rejects what
+    reports after the goal was met (Appendix A, Fig. 7), about 1 - drop-out - 1/1.3 = 16% of
+    sessions; stragglers and abandoned rounds add to it.
+    """
+
+    app_killed_per_h: Rate = 0.45
+    network_lost_per_h: Rate = 0.5
+    conditions_change_per_h: Rate = 0.3
+    late_report_prob: Probability = 0.08
+    late_delay_s: NonNegative = 600.0
+    device_sigma: float = Field(0.5, ge=0.0, le=3.0)
+
+
+class DataSection(_Section):
+    """Each device's examples: a non-IID sample of ``dataset``'s training split. A device's label
+    mix is drawn from a Dirichlet of concentration ``label_alpha`` over the classes (small:
+    a few classes per device, as in McMahan et al.'s shards); its example count is log-normal
+    with median ``examples_median`` and sigma ``examples_sigma``, clipped to
+    [``examples_min``, ``examples_max``]. Devices sample the split independently, so any number
+    of devices can be served by a small dataset."""
+
+    dataset: Literal["digits"] = "digits"
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    label_alpha: float = Field(0.3, gt=0.0, le=1e4)
+    examples_median: int = Field(40, ge=1, le=1_000_000)
+    examples_sigma: float = Field(0.6, ge=0.0, le=5.0)
+    examples_min: int = Field(8, ge=1, le=1_000_000)
+    examples_max: int = Field(400, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        if not self.examples_min <= self.examples_median <= self.examples_max:
+            raise ValueError(
+                f"need examples_min <= examples_median <= examples_max; got "
+                f"{self.examples_min}, {self.examples_median}, {self.examples_max}"
+            )
+        return self
+
+
+class TaskSection(_Section):
+    """The FL task the fleet runs (paper sec. 2.2 and 9): a round goal of 100 (a few hundred
+    devices at most are enough), 130% over-selection to absorb 6-10% drop-out and stragglers,
+    a selection timeout, and a reporting window that caps device participation time (Fig. 8).
+    Pace steering (sec. 2.3): a device that is not selected is told to come back at a random time
+    in [``retry_min_s``, ``retry_max_s``], which spreads check-ins instead of a thundering herd;
+    with 10,000 devices the defaults bring about 1-5 check-ins per second, trough to peak.
+
+    ``compute_s_per_example`` is the simulated compute time of one example for one epoch on a
+    reference phone (speed 1.0); it stands for the cost of the paper's production models so that
+    sessions last minutes as in Fig. 8, where this project's small digits model trains in
+    microseconds."""
+
+    population: Name = "digits"
+    goal_count: int = Field(100, ge=1, le=1_000_000)
+    over_selection: float = Field(1.3, ge=1.0, le=100.0)
+    min_fraction: float = Field(0.8, gt=0.0, le=1.0)
+    selection_timeout_s: Positive = 300.0
+    report_timeout_s: Positive = 300.0
+    retry_min_s: NonNegative = 600.0
+    retry_max_s: NonNegative = 1800.0
+    hidden: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [32], max_length=8)
+    learning_rate: Positive = 0.3
+    batch_size: int = Field(8, ge=1, le=100_000)
+    epochs: int = Field(2, ge=1, le=1000)
+    compute_s_per_example: NonNegative = 1.0
+    secure: bool = False
+    max_rounds: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _retry(self) -> Self:
+        if self.retry_min_s > self.retry_max_s:
+            raise ValueError(f"retry_min_s ({self.retry_min_s}) must not exceed retry_max_s ({self.retry_max_s})")
+        return self
+
+
+class FleetConfig(_Section):
+    """A whole fleet: ``FleetConfig.default()`` is the paper-calibrated fleet,
+    ``FleetConfig.load(path)`` reads one from TOML, ``config.replace(devices=..., hours=...,
+    seed=...)`` applies command-line overrides."""
+
+    fleet: FleetSection = FleetSection()
+    availability: AvailabilitySection = AvailabilitySection()
+    device_classes: list[DeviceClass] = Field(default_factory=_device_classes, min_length=1)
+    network_classes: list[NetworkClass] = Field(default_factory=_network_classes, min_length=1)
+    runtime_versions: list[RuntimeVersion] = Field(default_factory=_runtime_versions, min_length=1)
+    faults: FaultSection = FaultSection()
+    data: DataSection = DataSection()
+    task: TaskSection = TaskSection()
+
+    @model_validator(mode="after")
+    def _shares(self) -> Self:
+        _check_shares(self.device_classes, "device_classes")
+        _check_shares(self.network_classes, "network_classes")
+        _check_shares(self.runtime_versions, "runtime_versions")
+        versions = [v.version for v in self.runtime_versions]
+        if len(set(versions)) != len(versions):
+            raise ValueError(f"runtime_versions must be unique; got {versions}")
+        if not any(c.memory_mb >= self.fleet.min_memory_mb for c in self.device_classes):
+            raise ValueError(
+                f"no device class has fleet.min_memory_mb ({self.fleet.min_memory_mb}) of memory, so no device "
+                "would take part; add such a class or lower fleet.min_memory_mb"
+            )
+        return self
+
+    @classmethod
+    def default(cls) -> FleetConfig:
+        return cls()
+
+    @classmethod
+    def from_dict(cls, data: object, *, source: str = "fleet config") -> FleetConfig:
+        """Validate ``data``; errors become one :class:`FleetConfigError` naming every bad field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise FleetConfigError(_describe(exc, source)) from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> FleetConfig:
+        """Read a TOML file; a relative ``availability.trace`` is resolved against its folder."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FleetConfigError(f"no fleet config at {path}; pass an existing TOML file") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise FleetConfigError(f"{path} is not valid TOML ({exc}); fix the syntax") from None
+        trace = data.get("availability", {}).get("trace") if isinstance(data.get("availability"), dict) else None
+        if isinstance(trace, str) and not Path(trace).is_absolute():
+            data["availability"]["trace"] = str((path.parent / trace).resolve())
+        return cls.from_dict(data, source=str(path))
+
+    def replace(
+        self, *, devices: int | None = None, hours: float | None = None, seed: int | None = None, goal: int | None = None
+    ) -> FleetConfig:
+        """The same fleet with the command line's overrides (``None`` keeps the value)."""
+        fleet = self.fleet.model_dump()
+        for key, value in (("devices", devices), ("hours", hours), ("seed", seed)):
+            if value is not None:
+                fleet[key] = value
+        data = self.model_dump()
+        data["fleet"] = fleet
+        if goal is not None:
+            data["task"] = {**data["task"], "goal_count": goal}
+        return FleetConfig.from_dict(data, source="override")
+
+    def to_toml(self) -> str:
+        """TOML that :meth:`load` reads back to an equal config."""
+        return _to_toml(self.model_dump())
+
+    @property
+    def horizon_s(self) -> float:
+        return self.fleet.hours * 3600.0
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; check its spelling against FleetConfig's sections"
+        lines.append(f"{where}: {msg}")
+    return f"{source} is invalid: " + "; ".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        # JSON's string escapes are TOML's too; TOML also forbids a raw DEL, which JSON leaves alone
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007F")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _to_toml(data: dict, prefix: str = "") -> str:
+    scalars, tables, arrays = [], [], []
+    for key, value in data.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            arrays.append((key, value))
+        else:
+            scalars.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(scalars) + ("\n" if scalars else "")
+    for key, value in tables:
+        name = f"{prefix}{key}"
+        out += f"\n[{name}]\n" + _to_toml(value, f"{name}.")
+    for key, items in arrays:
+        name = f"{prefix}{key}"
+        for item in items:
+            out += f"\n[[{name}]]\n" + _to_toml(item, f"{name}.")
+    return out

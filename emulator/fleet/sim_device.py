@@ -1,0 +1,458 @@
+"""One simulated device: the SDK's own scheduler, worker queue and runtime, an in-memory example
+store with the device's examples, on the simulation's virtual clock.
+
+What the device runs is the code a phone runs: ``ParticipationScheduler`` decides when the
+participation job is due and whether its constraints hold, ``FLRuntime`` checks in, downloads
+(through its plan cache), trains with onnxruntime, reports or aborts, and records its events.
+What the simulation adds is only the world around it:
+
+- conditions: the device's availability (modelled or replayed), with faults laid over it;
+- time: training batches and network transfers cost virtual time (``WorkMeter``,
+  ``SimTransport``), the scheduler's waits are virtual sleeps, and the device is woken only when
+  its next job is due, which for unmet constraints is when its conditions next change;
+- faults, drawn per job run from the device's hazards: the app killed (its fiber is killed where
+  it waits, nothing more is sent), the network lost for a while, the conditions breaking (the
+  runtime's own abort path runs), and stragglers whose report is held back."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from device_runtime import FLRuntime, RetryPolicy
+from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
+from device_runtime.opstats import Event, SessionSummary, shape_of
+from device_runtime.plan import Plan
+from device_runtime.plan_cache import MemoryPlanCache
+from device_runtime.runtime import DeviceClass
+from device_runtime.scheduling import JobRun, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
+from example_store import InMemoryExampleStore
+
+from .events import AppKilled, Fiber, Timer
+from .sim_transport import LeanClient, SimTransport, checkin_answer
+from .tables import SessionRow
+
+if TYPE_CHECKING:
+    from .simulator import FleetSimulator
+
+#: How long a lost network or a broken condition (faults the availability model does not draw)
+#: lasts before the device is back to what its availability says.
+FAULT_OUTAGE_S = 900.0
+#: Faults are drawn over this much session time from the start of each job run.
+FAULT_HORIZON_S = 4 * 3600.0
+#: After the app was killed it starts again when the device's conditions next change, or after this.
+RESTART_AFTER_S = 900.0
+#: How often a recurrent participation job may run after a completed session.
+MIN_INTERVAL_S = 3600.0
+#: The least virtual time between two job runs of one device.
+MIN_JOB_GAP_S = 1.0
+#: The SDK's own retry of a failed request, in virtual time.
+DEVICE_RETRY = RetryPolicy(attempts=3, base_delay_s=1.0, max_delay_s=10.0)
+
+STATUS_IDLE = "idle"
+STATUS_CHECKING_IN = "checking_in"
+STATUS_PARTICIPATING = "participating"
+
+
+class DeviceClock:
+    """The device's Clock: unix seconds on the simulation's virtual time; sleeping suspends the
+    device's fiber (the ``wake`` event of a real scheduler loop is never needed: one driver)."""
+
+    def __init__(self, sim: "FleetSimulator") -> None:
+        self._sim = sim
+
+    def now(self) -> float:
+        return self._sim.epoch + self._sim.loop.now
+
+    def sleep(self, seconds: float, wake: Any = None) -> bool:
+        self._sim.fibers.sleep(max(0.0, seconds))
+        return False
+
+    def wait(self, seconds: float) -> None:
+        self._sim.fibers.sleep(max(0.0, seconds))
+
+
+class MemoryOpStats:
+    """The device's opstats kept in memory: the last session's events (which the simulator turns
+    into a row) and the last completed participation per task (for eligibility policies)."""
+
+    def __init__(self) -> None:
+        self.last_events: list[Event] = []
+        self.last_task: str | None = None
+        self._completed: dict[tuple[str, str | None], SessionSummary] = {}
+        self._tokens: dict[tuple[str, str, str], str] = {}
+        self.sessions_recorded = 0
+
+    def record_session(self, session_id: str, population: str, task: str | None, events: list[Event]) -> None:
+        self.last_events = list(events)
+        self.last_task = task
+        self.sessions_recorded += 1
+        shape = shape_of(events)
+        if events and shape.endswith("^"):
+            summary = SessionSummary(session_id, population, task, events[0].at, shape, list(events))
+            self._completed[(population, task)] = summary
+            self._completed[(population, None)] = summary
+
+    def last_participation(self, population: str, task: str | None = None) -> SessionSummary | None:
+        return self._completed.get((population, task))
+
+    def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None:
+        return self._tokens.get((population, task, collection_uri))
+
+    def save_resumption_token(self, population: str, task: str, collection_uri: str, token: str, at: float | None = None) -> None:
+        self._tokens[(population, task, collection_uri)] = token
+
+    def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
+        self._tokens.pop((population, task, collection_uri), None)
+
+
+class SimConditions:
+    """The device's DeviceConditions: its availability at the virtual now, with the fault that
+    is in effect laid over it. ``next_change`` lets the scheduler sleep until it matters."""
+
+    def __init__(self, device: "SimDevice") -> None:
+        self._device = device
+
+    def state_at(self, t: float) -> DeviceState:
+        d = self._device
+        state = d.spec.availability.state_at(t)
+        if d.broken_until > t >= d.broken_from:
+            state = DeviceState(False, state.charging, state.battery_level, state.unmetered_network, state.network_available)
+        if not d.network_up(t):
+            state = DeviceState(state.idle, state.charging, state.battery_level, state.unmetered_network, False)
+        return state
+
+    def current(self) -> DeviceState:
+        return self.state_at(self._device.sim.loop.now)
+
+    def next_change(self, now_unix: float) -> float | None:
+        d = self._device
+        # the device's clock reads epoch + loop time; going back through the epoch could land a
+        # hair before a change time and wake the device again at the same instant
+        t = d.sim.loop.now if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
+        times = [x for x in (d.broken_from, d.broken_until, d.net_down_from, d.net_down_until) if x > t]
+        nxt = d.spec.availability.next_change(t)
+        if nxt is not None:
+            times.append(nxt)
+        return d.sim.epoch + min(times) if times else None
+
+
+@dataclass
+class _JobStats:
+    """What the current job run cost, for its session row."""
+
+    started: float = 0.0
+    compute_s: float = 0.0
+    session_id: str = ""
+    task: str = ""
+    round: str = ""
+
+
+_Random = random.Random
+
+
+class StreamRandom:
+    """A seeded random stream of 8 bytes of state (splitmix64), with ``random.Random``'s methods.
+
+    A fleet's device holds three streams (its faults, its runtime, its scheduler); as
+    ``random.Random`` each carries the Mersenne Twister's 2.5 kB of state, 750 MB for 100,000
+    devices. The methods the SDK and the population model call are ``random.Random``'s own
+    (``uniform``, ``expovariate``, ``randrange``, ...), built on ``random`` and ``getrandbits``."""
+
+    __slots__ = ("_state",)
+    _MASK = (1 << 64) - 1
+
+    def __init__(self, seed: int) -> None:
+        self._state = seed & self._MASK
+
+    def _next64(self) -> int:
+        self._state = z = (self._state + 0x9E3779B97F4A7C15) & self._MASK
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self._MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self._MASK
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        return (self._next64() >> 11) * (1.0 / 9007199254740992.0)
+
+    def getrandbits(self, k: int) -> int:
+        if k < 0:
+            raise ValueError("number of bits must be non-negative")
+        bits, have = 0, 0
+        while have < k:
+            bits = (bits << 64) | self._next64()
+            have += 64
+        return bits >> (have - k)
+
+    uniform = _Random.uniform
+    expovariate = _Random.expovariate
+    randrange = _Random.randrange
+    randint = _Random.randint
+    choice = _Random.choice
+    shuffle = _Random.shuffle
+    normalvariate = _Random.normalvariate
+    _randbelow = _Random._randbelow_with_getrandbits  # type: ignore[attr-defined]
+
+
+class LazyExampleStore(InMemoryExampleStore):
+    """The device's examples, put into its store when the store is first read. Most devices of a
+    large fleet never train in a day (rounds need a few thousand of them), and a filled store
+    costs about 18 kB per device; the examples get the timestamp they would have had at start."""
+
+    def __init__(self, collection_uri: str, examples: Callable[[], tuple[np.ndarray, np.ndarray]], clock: Callable[[], float]) -> None:
+        self._pending: tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]], float] | None = None
+        super().__init__(clock=clock)
+        self._pending = (collection_uri, examples, clock())
+
+    @property  # type: ignore[override]
+    def _collections(self) -> dict:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            uri, examples, at = pending
+            x, y = examples()
+            self.add(uri, ({"x": xi, "y": yi} for xi, yi in zip(x, y)), timestamps=[at] * len(y))
+        return self.__dict__["_collections"]
+
+    @_collections.setter
+    def _collections(self, value: dict) -> None:
+        self.__dict__["_collections"] = value
+
+
+class SimDevice:
+    """One device of the fleet (``spec`` is its ``DeviceSpec``); ``examples`` gives its examples
+    (called when the device first reads its store)."""
+
+    def __init__(
+        self,
+        sim: "FleetSimulator",
+        spec: Any,
+        examples: tuple[np.ndarray, np.ndarray] | Callable[[], tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        self.sim = sim
+        self.spec = spec
+        self.rng = StreamRandom(spec.seed)
+        self.status = STATUS_IDLE
+        self.killed = False
+        self.net_down_from = self.net_down_until = -1.0
+        self.broken_from = self.broken_until = -1.0
+        self.late_s = 0.0
+        self.fiber: Fiber | None = None
+        self._kill_timer: Timer | None = None
+        self._job = _JobStats()
+        self.clock = DeviceClock(sim)
+        self.conditions = SimConditions(self)
+        self.opstats = MemoryOpStats()
+        self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now)
+        self.transport = SimTransport(sim.caller, self, spec.network, on_answer=self._on_answer, hold_report=self._hold_report)
+        seeds = StreamRandom(spec.seed ^ 0x5EED)
+        self.runtime = FLRuntime(
+            sim.population,
+            sim.server_url,
+            self.store,
+            runtime_version=spec.runtime_version,
+            retry=DEVICE_RETRY,
+            rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]  # random.Random's methods
+            clock=self.clock.now,
+            opstats=self.opstats,  # type: ignore[arg-type]  # the in-memory twin of OpStatsStore
+            device_class=DeviceClass(spec.device_class, memory_mb=float(spec.memory_mb), max_training_s=sim.max_training_s),
+            http_client=LeanClient(self.transport),  # type: ignore[arg-type]  # request() and close() of httpx.Client
+            sleep=self.clock.wait,
+            plan_cache=MemoryPlanCache(sim.plan_bytes),
+            loaded_plans=sim.loaded_plans,
+            work_meter=self,
+            memory_probe=_no_memory,
+        )
+        self.queue = WorkerQueue(self.clock, history=0)
+        self.scheduler = ParticipationScheduler(
+            None,
+            self.conditions,
+            app="sim",
+            clock=self.clock,
+            queue=self.queue,
+            settings=SchedulerSettings(watchdog=False),
+            rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]
+        )
+        self.scheduler.register_runtime(sim.population, self.runtime)
+
+    # ----------------------------------------------------------------- the world around the SDK
+    def network_up(self, t: float) -> bool:
+        return not (self.net_down_from <= t < self.net_down_until)
+
+    def now(self) -> float:
+        return self.sim.loop.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.killed:
+            raise AppKilled()
+        self.sim.fibers.sleep(seconds)
+
+    def trained(self, plan: Plan, examples: int) -> None:
+        """``WorkMeter``: a batch costs the device its compute time in virtual time."""
+        cost = examples * self.sim.compute_s_per_example * self.spec.speed
+        self._job.compute_s += cost
+        self.sleep(cost)
+
+    def _hold_report(self) -> float:
+        held, self.late_s = self.late_s, 0.0
+        return held
+
+    def _on_answer(self, path: str, status: int, content: bytes) -> None:
+        if status == 200 and path.endswith("/checkin"):
+            answer = checkin_answer(content)
+            if answer is not None:
+                self._job.session_id = str(answer.get("session_id", ""))
+                self._job.task = str(answer.get("task", ""))
+                self._job.round = f"{self._job.task}/{answer.get('round', '')}"
+                self.sim.set_status(self, STATUS_PARTICIPATING)
+
+    # ----------------------------------------------------------------- the fiber
+    def start(self, at: float) -> None:
+        self.scheduler.schedule(
+            self.sim.population,
+            TrainingConstraints(),
+            TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+            start_at=self.sim.epoch + at,
+        )
+        first = self.queue.next_wakeup()
+        assert first is not None
+        self.fiber = self.sim.fibers.spawn(self._main, at=first - self.sim.epoch, name=self.spec.device_id)
+
+    def _main(self) -> None:
+        sim = self.sim
+        last_job_at = -1.0
+        while True:
+            due = self.queue.next_wakeup()
+            if due is None:
+                return
+            wait = due - self.clock.now()
+            if sim.loop.now == last_job_at:  # never two job runs at one instant: time must move
+                wait = max(wait, MIN_JOB_GAP_S)
+            if wait > 0:
+                sim.fibers.sleep(wait)
+            last_job_at = sim.loop.now
+            if sim.loop.now >= sim.horizon_s:
+                return
+            self._begin_job()
+            try:
+                runs = self.queue.run_pending()
+            except AppKilled:
+                self._record_killed()
+                self._end_job(None)
+                restart = self.conditions.next_change(self.clock.now()) or (self.clock.now() + RESTART_AFTER_S)
+                self.scheduler.schedule(
+                    sim.population, TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+                    start_at=max(restart, self.clock.now() + 1.0),
+                )
+                continue
+            except Exception as exc:  # an error outside the SDK's own handling: counted, the device lives on
+                sim.count_error(type(exc).__name__)
+                self._record_row(JobRun("sim", sim.population, RunOutcome.ERROR, self._job.started, self.clock.now(), None,
+                                        f"{type(exc).__name__}: {exc}"), error=True)
+                self._end_job(None)
+                self.scheduler.schedule(
+                    sim.population, TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+                    start_at=self.clock.now() + RESTART_AFTER_S,
+                )
+                continue
+            last = None
+            for run in runs:
+                self._record_row(run)
+                last = run
+            self._end_job(last)
+
+    def _begin_job(self) -> None:
+        sim, now = self.sim, self.sim.loop.now
+        self._job = _JobStats(started=now)
+        self.transport.meter.reset()
+        self.opstats.last_events = []
+        self.killed = False
+        sim.set_status(self, STATUS_CHECKING_IN)
+        fault = self.spec.faults.first_fault(self.rng, FAULT_HORIZON_S)
+        self.late_s = self.spec.faults.late_delay(self.rng)
+        if fault is not None:
+            kind, after = fault
+            at = now + after
+            if kind == "app_killed":
+                self._kill_timer = sim.loop.call_at(at, self._kill, order=2)
+            elif kind == "network_lost":
+                self.net_down_from, self.net_down_until = at, at + FAULT_OUTAGE_S
+            else:
+                self.broken_from, self.broken_until = at, at + FAULT_OUTAGE_S
+
+    def _end_job(self, last: JobRun | None) -> None:
+        if self._kill_timer is not None:
+            self._kill_timer.cancel()
+            self._kill_timer = None
+        now = self.sim.loop.now
+        # a fault drawn for this job run ends with it, unless it is already under way
+        if self.net_down_from > now:
+            self.net_down_from = self.net_down_until = -1.0
+        if self.broken_from > now:
+            self.broken_from = self.broken_until = -1.0
+        self.late_s = 0.0
+        waiting = last is not None and last.outcome is RunOutcome.NOT_SELECTED
+        self.sim.set_status(self, STATUS_CHECKING_IN if waiting else STATUS_IDLE)
+
+    def _kill(self) -> None:
+        self._kill_timer = None
+        if self.fiber is None or self.fiber.dead:
+            return
+        self.killed = True
+        self.fiber.kill(AppKilled())
+
+    # ----------------------------------------------------------------- rows
+    def _row(self, start: float, end: float, shape: str, outcome: str, examples: int) -> SessionRow:
+        job, meter, spec = self._job, self.transport.meter, self.spec
+        return SessionRow(
+            device_id=spec.device_id,
+            session_id=job.session_id,
+            task=job.task,
+            round_id=job.round,
+            start_s=round(start, 6),
+            end_s=round(end, 6),
+            shape=shape,
+            outcome=outcome,
+            bytes_down=meter.bytes_down,
+            bytes_up=meter.bytes_up,
+            examples=examples,
+            compute_s=round(job.compute_s, 6),
+            network_s=round(meter.network_s, 6),
+            runtime_version=spec.runtime_version,
+            device_class=spec.device_class,
+            local_hour=round(spec.local_hour(start), 6),
+        )
+
+    def _record_row(self, run: JobRun, *, error: bool = False) -> None:
+        sim = self.sim
+        if run.outcome in (RunOutcome.CONSTRAINTS_UNMET, RunOutcome.NO_RUNTIME):
+            return
+        start, end = run.started_at - sim.epoch, run.ended_at - sim.epoch
+        if run.outcome is RunOutcome.NOT_SELECTED:
+            sim.add_session(self._row(start, end, "-", "rejected", 0))
+            return
+        events = self.opstats.last_events
+        shape = shape_of(events) if events else "*"
+        examples = run.session.num_examples if run.session is not None else 0
+        outcome = run.outcome.value
+        if run.outcome is RunOutcome.ERROR:
+            sim.count_error(run.detail.split(":", 1)[0] or "error")
+        sim.add_session(self._row(start, end, shape, outcome, examples))
+
+    def _record_killed(self) -> None:
+        """The app died mid-run: its last session is cut where it stood (the SDK's dying error
+        record is dropped: a killed app records nothing)."""
+        events = [e for e in self.opstats.last_events if e.kind != "error"]
+        now = self.sim.loop.now
+        if not events and not self._job.session_id:
+            return
+        shape = shape_of(events) if events else "-"
+        self.sim.add_session(self._row(self._job.started, now, shape, "app_killed", 0))
+
+
+def _no_memory() -> float:
+    """Memory is modelled by the device class (the plan's budget check), not measured: the
+    simulation's process holds thousands of devices."""
+    return 0.0
+

@@ -1,0 +1,277 @@
+"""The simulated network: each device's httpx transport into the server's ASGI app, with no
+socket, charging the device virtual time for the bytes it really moves.
+
+A request leaves the device, spends ``latency + request bytes / uplink`` in flight (virtual
+time, during which other devices run), reaches the server at that virtual instant, and its
+answer spends ``latency + response bytes / downlink`` coming back. While the device's network
+is down a request fails as a connection error, and an answer that would arrive while it is down
+is lost (the server did act on the request), which is what the SDK's retry and abort paths are
+for."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import greenlet
+import httpx
+
+#: Bytes of HTTP framing (request line or status line and headers) beyond what httpx counts.
+FRAMING_BYTES = 64
+
+
+class AsgiCaller:
+    """Calls an ASGI app synchronously from the simulation's thread, one request at a time.
+
+    The app's event loop runs in a greenlet of its own and never stops between requests: a
+    device's call switches to it with the request, and it switches back with the answer. Run
+    per request instead (``run_until_complete``), each request would be a new root task, and the
+    app's thread pool (anyio's, which the service's calls go through as under uvicorn) would
+    start and stop a worker thread for every request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._loop = asyncio.new_event_loop()
+        self._server = greenlet.greenlet(self._serve)
+        self._caller: greenlet.greenlet | None = None
+
+    def _serve(self, request: httpx.Request | None) -> None:
+        self._loop.run_until_complete(self._main(request))
+
+    async def _main(self, request: httpx.Request | None) -> None:
+        while request is not None:
+            try:
+                result: Any = await self._handle(request)
+            except Exception as exc:  # handed to the caller, raised there
+                result = exc
+            caller, self._caller = self._caller, None
+            assert caller is not None
+            request = caller.switch(result)
+
+    def call(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        if self._server.dead:
+            raise RuntimeError("the simulated server has been shut down")
+        self._caller = greenlet.getcurrent()
+        result = self._server.switch(request)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def _handle(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        body = request.read()
+        url = request.url
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": request.method,
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "scheme": url.scheme,
+            "path": url.path,
+            "raw_path": url.raw_path.split(b"?")[0],
+            "query_string": url.query,
+            "server": (url.host, url.port),
+            "client": ("127.0.0.1", 123),
+            "root_path": "",
+        }
+        sent = False
+        status = 500
+        headers: list[tuple[bytes, bytes]] = []
+        parts: list[bytes] = []
+
+        async def receive() -> dict:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict) -> None:
+            nonlocal status, headers
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+
+        await self.app(scope, receive, send)
+        return status, headers, b"".join(parts)
+
+    def close(self) -> None:
+        """Stop the app's loop (and its thread pool); call from the thread that made the caller."""
+        if self._server and not self._server.dead:
+            self._caller = greenlet.getcurrent()
+            self._server.switch(None)
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
+            self._loop.close()
+
+
+class HttpCaller:
+    """Sends each device's request over real HTTP to a server on ``base_url`` (loopback), through
+    one small shared connection pool: a fleet costs a handful of sockets, not one per device,
+    and no thread per device (requests go one at a time from the simulation's thread)."""
+
+    def __init__(self, base_url: str, *, connections: int = 4, timeout_s: float = 60.0) -> None:
+        self.base = httpx.URL(base_url)
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
+
+    def call(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        url = request.url.copy_with(scheme=self.base.scheme, host=self.base.host, port=self.base.port)
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
+        response = self.http.send(httpx.Request(request.method, url, headers=headers, content=request.read()))
+        content = response.read()
+        # the body arrives decoded; its encoding headers no longer describe it
+        raw = [(k, v) for k, v in response.headers.raw if k.lower() not in (b"content-encoding", b"transfer-encoding", b"content-length")]
+        return response.status_code, raw, content
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class Link(Protocol):
+    """What the transport needs of its device: its network, its clock, and a way to wait."""
+
+    def network_up(self, at: float) -> bool: ...
+
+    def now(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class Network(Protocol):
+    """A device's network: bits per second each way and one-way latency in seconds."""
+
+    down_bps: float
+    up_bps: float
+    latency_s: float
+
+
+@dataclass
+class TransferMeter:
+    """What one device moved and how long it spent moving it (reset per session)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    network_s: float = 0.0
+    requests: int = 0
+    failures: int = 0
+
+    def reset(self) -> None:
+        self.bytes_up = self.bytes_down = self.requests = self.failures = 0
+        self.network_s = 0.0
+
+
+class SimTransport(httpx.BaseTransport):
+    """One device's transport. ``on_answer(path, status, body)`` lets the simulator see what the
+    protocol saw (a check-in's session id, say) without touching the SDK; ``hold_report`` is
+    extra virtual time a straggler spends before its report leaves."""
+
+    def __init__(
+        self,
+        caller: AsgiCaller,
+        link: Link,
+        network: Network,
+        *,
+        on_answer: Callable[[str, int, bytes], None] | None = None,
+        hold_report: Callable[[], float] | None = None,
+    ) -> None:
+        self.caller = caller
+        self.link = link
+        self.network = network
+        self.meter = TransferMeter()
+        self.on_answer = on_answer
+        self.hold_report = hold_report
+
+    def _spend(self, seconds: float) -> None:
+        self.meter.network_s += seconds
+        self.link.sleep(seconds)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        link, meter = self.link, self.meter
+        meter.requests += 1
+        path = request.url.path
+        if self.hold_report is not None and request.method == "POST" and path.endswith("/report"):
+            held = self.hold_report()
+            if held > 0:
+                link.sleep(held)
+        if not link.network_up(link.now()):
+            meter.failures += 1
+            self._spend(self.network.latency_s)
+            raise httpx.ConnectError("the device has no network", request=request)
+        up = len(request.read()) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in request.headers.raw)
+        meter.bytes_up += up
+        self._spend(self.network.latency_s + 8.0 * up / self.network.up_bps)
+        if not link.network_up(link.now()):
+            meter.failures += 1
+            raise httpx.WriteError("the device lost its network while sending", request=request)
+        status, headers, content = self.caller.call(request)
+        down = len(content) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in headers)
+        self._spend(self.network.latency_s + 8.0 * down / self.network.down_bps)
+        if not link.network_up(link.now()):
+            meter.failures += 1
+            raise httpx.ReadError("the device lost its network before the answer arrived", request=request)
+        meter.bytes_down += down
+        if self.on_answer is not None:
+            self.on_answer(path, status, content)
+        return httpx.Response(status, headers=headers, content=content, request=request)
+
+
+class LeanClient:
+    """What ``ProtocolClient`` needs of an ``httpx.Client`` (``request`` and ``close``), handing
+    each request straight to the device's transport.
+
+    httpx's ``Client.send`` wraps the transport in cookies, auth, redirects and event hooks that
+    a device's protocol client never uses; in a simulation that wrapping cost as much as the
+    server's whole HTTP layer, and each ``httpx.Client`` holds a cookie jar, a connection-pool
+    transport and default headers per device. The requests are ``httpx.Request`` objects with
+    the default headers an ``httpx.Client`` sends, so the server sees (and the network model
+    charges) the same bytes."""
+
+    __slots__ = ("transport",)
+
+    def __init__(self, transport: httpx.BaseTransport) -> None:
+        self.transport = transport
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        content: bytes | None = None,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        merged = DEFAULT_HEADERS if not headers else DEFAULT_HEADERS + list(headers.items())
+        request = httpx.Request(method, url, content=content, json=json, params=params, headers=merged)
+        response = self.transport.handle_request(request)
+        response.request = request
+        response.read()
+        return response
+
+    def close(self) -> None:
+        """Nothing to release: the transport belongs to the device."""
+
+
+#: The headers an ``httpx.Client`` adds to every request.
+DEFAULT_HEADERS: list[tuple[str, str]] = [
+    ("Accept", "*/*"),
+    ("Accept-Encoding", "gzip, deflate"),
+    ("Connection", "keep-alive"),
+    ("User-Agent", f"python-httpx/{httpx.__version__}"),
+]
+
+
+def checkin_answer(content: bytes) -> dict | None:
+    """The accepted check-in's fields, if ``content`` is one."""
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("status") == "accepted" else None

@@ -1,0 +1,386 @@
+"""A fleet on one virtual clock: the real FL server (``FLService`` behind its ASGI app, with its
+SQLite store) and thousands of devices running the SDK's own code, driven by one discrete-event
+loop with no thread per device and no sleeping.
+
+The loop's events are: each device's fiber waking (its next job is due, or its conditions
+change), the server's tick (deadlines pass even when no device talks to it), and the timeline's
+samples. The server's clocks read the loop's time, so round deadlines, pace steering and the
+round records are all in simulated time; a run with the same config and seed repeats event for
+event, and its digest (the round history and every committed model's bytes) with it."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import greenlet
+import numpy as np
+
+from device_runtime import PlanExecutor, build_eval_plan, build_mlp_plan, encode_checkpoint, initial_weights
+from device_runtime.checkpoint import decode_checkpoint
+from device_runtime.plan import serialize_plan
+from device_runtime.plan_cache import LoadedPlans
+from example_store import ExampleSelector
+from server_stub.admin_auth import AdminKeys
+from server_stub.app import create_app
+from server_stub.errors import ApiError
+from server_stub.persistence import ServerStore
+from server_stub.rounds import RoundConfig
+from server_stub.serve import ServerThread
+from server_stub.service import FLService
+
+from .config import FleetConfig
+from .events import EventLoop, Fibers, SimulationError
+from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
+from .sim_transport import AsgiCaller, HttpCaller
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
+
+#: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
+EPOCH_DAY = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+#: The server's own ticker in simulated seconds (uvicorn's runs every 50 ms of real time).
+SERVER_TICK_S = 1.0
+#: Seconds between the timeline's samples.
+TIMELINE_STEP_S = 300.0
+#: Devices start their participation job spread over this many seconds after the start.
+START_SPREAD_S = 600.0
+#: The task's name on the server.
+TASK = "train"
+COLLECTION = "app:/examples"
+#: Event orders at one instant: the server's tick, then the timeline, then devices.
+ORDER_SERVER, ORDER_SAMPLE = -2, -1
+
+
+class FleetSimulator:
+    """One run: build with the fleet's devices (``specs``) and how to get each one's examples,
+    then ``run()``. ``progress(t_s, rounds_committed, devices_active)`` is called every
+    simulated few minutes."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        specs: Sequence[Any],
+        examples: Callable[[Any], tuple[np.ndarray, np.ndarray]],
+        test_set: tuple[np.ndarray, np.ndarray],
+        *,
+        workdir: str | Path,
+        progress: Callable[[float, int, int], None] | None = None,
+        http: bool = False,
+    ) -> None:
+        """``http``: devices reach the server over real loopback HTTP (uvicorn in a thread of
+        this process) instead of calling its ASGI app in process. The server's own ticker then
+        runs beside the loop, so such a run is not bit-identical from one time to the next."""
+        if config.task.secure:
+            raise SimulationError(
+                "task.secure: the simulator does not run Secure Aggregation yet (its device side waits on "
+                "the wall clock between rounds); set task.secure = false, or use `fedfleet demo --secure` in real time"
+            )
+        self.config = config
+        self.specs = list(specs)
+        self._examples = examples
+        self._test = test_set
+        self.progress = progress
+        self.loop = EventLoop()
+        self.fibers = Fibers(self.loop)
+        self.epoch = EPOCH_DAY + config.fleet.start_utc_hour * 3600.0
+        self.horizon_s = config.horizon_s
+        task = config.task
+        self.population = task.population
+        self.collection_uri = COLLECTION
+        self.server_url = "http://fl.sim"
+        self.compute_s_per_example = task.compute_s_per_example
+        self.max_training_s = max(600.0, task.report_timeout_s)
+        self.plan_bytes: dict[str, bytes] = {}
+        self.loaded_plans = LoadedPlans()
+        self.sessions: list[SessionRow] = []
+        self.errors: Counter[str] = Counter()
+        self.status_counts: Counter[str] = Counter()
+        self.timeline_rows: list[tuple[float, int, int, int]] = []
+        self.devices: list[SimDevice] = []
+
+        x_test, y_test = test_set
+        num_features, num_classes = int(x_test.shape[1]), int(max(y_test.max(), 9) + 1)
+        self.plan = build_mlp_plan(
+            num_features,
+            tuple(task.hidden),
+            num_classes,
+            learning_rate=task.learning_rate,
+            batch_size=task.batch_size,
+            epochs=task.epochs,
+            selector=ExampleSelector(COLLECTION),
+            inputs={"x": "x", "y": "y"},
+            shuffle_seed=config.fleet.seed,
+            name="fleet_mlp",
+            secure_aggregation=task.secure,
+        )
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.server_thread: ServerThread | None = None
+        self.caller: AsgiCaller | HttpCaller
+        if http:
+            self.server_thread = ServerThread(
+                self.workdir / "server.db", clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now
+            ).start()
+            self.store, self.service = self.server_thread.store, self.server_thread.service
+            self.caller = HttpCaller(self.server_thread.url)
+        else:
+            self.store = ServerStore(self.workdir / "server.db")
+            self.service = FLService(
+                self.store, clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now,
+                rng=random.Random(config.fleet.seed),
+            )
+            keys, _ = AdminKeys.generate()
+            self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False))
+        self.service.create_population(self.population)
+        round_config = RoundConfig(
+            goal_count=task.goal_count,
+            over_selection=task.over_selection,
+            min_fraction=task.min_fraction,
+            selection_timeout_s=task.selection_timeout_s,
+            report_timeout_s=task.report_timeout_s,
+            retry_window_s=(task.retry_min_s, task.retry_max_s),
+            max_rounds=task.max_rounds,
+        )
+        try:
+            self.service.deploy_task(
+                self.population, TASK, serialize_plan(self.plan),
+                encode_checkpoint(initial_weights(self.plan, seed=config.fleet.seed)), round_config,
+            )
+        except ApiError as exc:
+            raise SimulationError(f"the server refuses the fleet's [task]: {exc.message}") from None
+
+    # ----------------------------------------------------------------- bookkeeping from devices
+    def set_status(self, device: SimDevice, status: str) -> None:
+        if device.status != status:
+            self.status_counts[device.status] -= 1
+            self.status_counts[status] += 1
+            device.status = status
+
+    def add_session(self, row: SessionRow) -> None:
+        self.sessions.append(row)
+
+    def count_error(self, kind: str) -> None:
+        self.errors[kind] += 1
+
+    # ----------------------------------------------------------------- the run
+    def start_devices(self, owns: Callable[[int], bool] | None = None) -> None:
+        """Build and start the devices that take part; with ``owns`` only those whose position
+        in ``specs`` it accepts (a shard's), each starting when it would in the whole fleet."""
+        spread = random.Random(self.config.fleet.seed ^ 0x57A27)
+        for position, spec in enumerate(self.specs):
+            at = spread.uniform(0.0, min(START_SPREAD_S, self.horizon_s))
+            if not spec.takes_part or (owns is not None and not owns(position)):
+                continue
+            device = SimDevice(self, spec, functools.partial(self._examples, spec))  # read when it first trains
+            self.devices.append(device)
+            self.status_counts[STATUS_IDLE] += 1
+            device.start(at)
+
+    def run(self) -> FleetRun:
+        started = time.perf_counter()
+        if self.fibers.hub is not greenlet.getcurrent():
+            raise SimulationError("run() must be called from the thread and greenlet that built the simulator")
+        self.start_devices()
+        self.loop.call_at(0.0, self._tick, order=ORDER_SERVER)
+        self.loop.call_at(0.0, self._sample, order=ORDER_SAMPLE)
+        try:
+            self.loop.run_until(self.horizon_s)
+            self.service.tick()
+            if self.progress is not None:
+                status = self.service.population_status(self.population)
+                counts = self.status_counts
+                self.progress(self.horizon_s, int(status.get("committed_rounds", 0) or 0),
+                              counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
+        finally:
+            self.fibers.close()
+        wall = time.perf_counter() - started
+        try:
+            rounds, digest = self._rounds()
+        finally:
+            self.caller.close()
+            if self.server_thread is not None:
+                self.server_thread.stop()
+            else:
+                self.store.close()
+        return FleetRun(
+            sessions=self.sessions,
+            rounds=rounds,
+            timeline=self._timeline(),
+            digest=digest,
+            config=self.config,
+            wall_s=wall,
+            simulated_s=self.horizon_s,
+        )
+
+    def _tick(self) -> None:
+        self.service.tick()
+        nxt = self.loop.now + SERVER_TICK_S
+        if nxt <= self.horizon_s:
+            self.loop.call_at(nxt, self._tick, order=ORDER_SERVER)
+
+    def _sample(self) -> None:
+        now = self.loop.now
+        status = self.service.population_status(self.population)
+        current = status.get("current_round") or {}
+        active = max(0, int(current.get("selected", 0)) - int(current.get("reported", 0)) - int(current.get("dropped", 0)))
+        counts = self.status_counts
+        self.timeline_rows.append((now, counts[STATUS_CHECKING_IN], counts[STATUS_PARTICIPATING], active))
+        if self.progress is not None:
+            committed = int(status.get("committed_rounds", 0) or 0)
+            self.progress(now, committed, counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
+        nxt = now + TIMELINE_STEP_S
+        if nxt <= self.horizon_s:
+            self.loop.call_at(nxt, self._sample, order=ORDER_SAMPLE)
+
+    # ----------------------------------------------------------------- the tables
+    def _timeline(self) -> list[TimelineRow]:
+        times = [row[0] for row in self.timeline_rows]
+        available = _count_available([d.spec.availability for d in self.devices], times)
+        return [
+            TimelineRow(t_s=t, available=int(a), checking_in=c, participating=p, active_sessions=s)
+            for (t, c, p, s), a in zip(self.timeline_rows, available)
+        ]
+
+    def _rounds(self) -> tuple[list[RoundRow], str]:
+        """The round table, each committed model measured on the held-out test set, and the digest."""
+        records = self.service.rounds(self.population)
+        evaluator = PlanExecutor(build_eval_plan(self.plan))
+        x, y = self._test
+        batches = [{"x": x[i : i + 256], "y": y[i : i + 256]} for i in range(0, len(y), 256)]
+        digest = hashlib.sha256()
+        rows = []
+        for record in records:
+            m = record["metrics"]
+            digest.update(json.dumps(_digest_view(record), sort_keys=True, separators=(",", ":")).encode())
+            accuracy = loss = math.nan
+            if record["status"] == "committed" and record.get("checkpoint_id"):
+                model = self.store.get_resource(record["checkpoint_id"])
+                assert model is not None
+                digest.update(model)
+                measured = evaluator.evaluate(decode_checkpoint(model), batches)
+                accuracy, loss = float(measured["eval_accuracy"]), float(measured["eval_loss"])
+            reported = int(m.get("reported", 0))
+            rows.append(
+                RoundRow(
+                    round_id=f"{record['task']}/{record['round']}/{record['attempt']}",
+                    task=record["task"],
+                    start_s=round(record["started_at"] - self.epoch, 6),
+                    end_s=round(record["ended_at"] - self.epoch, 6),
+                    committed=record["status"] == "committed",
+                    selected=int(m.get("selected", 0)),
+                    reported=reported + int(m.get("rejected_late", 0)),
+                    accepted=reported,
+                    dropped=int(m.get("dropped", 0)),
+                    duration_s=float(m.get("duration_s", record["ended_at"] - record["started_at"])),
+                    accuracy=accuracy,
+                    loss=loss,
+                )
+            )
+        return rows, digest.hexdigest()
+
+
+def _digest_view(record: dict) -> dict:
+    """What the digest covers of a round record: all of it but the order-statistics sketches
+    (DataSketches' KLL compaction draws its own random bits once a round has hundreds of reports)."""
+    metrics = {k: v for k, v in record["metrics"].items() if k != "device_metrics"}
+    return {**record, "metrics": metrics}
+
+
+def _count_available(availabilities: list[Any], times: list[float]) -> list[int]:
+    """Devices whose availability (idle, charging, unmetered) holds at each time."""
+    if not times:
+        return []
+    try:
+        from .availability import count_available
+
+        return [int(v) for v in count_available(availabilities, times)]
+    except (AttributeError, TypeError):  # an availability without intervals (a replayed trace, say)
+        out = []
+        for t in times:
+            n = 0
+            for a in availabilities:
+                s = a.state_at(t)
+                n += s.idle and s.charging and s.unmetered_network
+            out.append(n)
+        return out
+
+
+def simulate(
+    config: FleetConfig | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool | Callable = True,
+    *,
+    http: bool = False,
+) -> FleetRun:
+    """Run the fleet ``config`` describes (the paper-calibrated defaults when None). With
+    ``out_dir`` the tables, summary, plots and report are written there. ``progress``: True for
+    a progress bar in simulated time, or a callable ``(t_s, rounds_committed, devices_active)``.
+    ``http``: the same fleet over real loopback HTTP (see ``FleetSimulator``)."""
+    from .data import device_examples, fleet_dataset
+    from .population import generate_population
+
+    config = config or FleetConfig.default()
+    specs = generate_population(config)
+    dataset = fleet_dataset(config)
+    bar = None
+    callback: Callable[[float, int, int], None] | None
+    if callable(progress):
+        callback = progress
+    elif progress:
+        bar = callback = ProgressBar(config.horizon_s)
+    else:
+        callback = None
+    with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
+        workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
+        for stale in workdir.glob("server.db*"):  # a run always starts from a fresh server
+            stale.unlink()
+        sim = FleetSimulator(
+            config, specs, lambda spec: device_examples(config, spec), (dataset.x_test, dataset.y_test),
+            workdir=workdir, progress=callback, http=http,
+        )
+        try:
+            run = sim.run()
+        finally:
+            if bar is not None:
+                bar.close()
+    if out_dir is not None:
+        from . import report
+
+        writer = getattr(report, "write_report", None)
+        if writer is not None:
+            writer(run, out_dir)
+        else:
+            run.write_tables(out_dir)
+    return run
+
+
+class ProgressBar:
+    """A rich progress bar on stderr in simulated hours, with rounds committed and devices
+    active; stdout stays free for the run's summary. Call it as ``simulate``'s ``progress``."""
+
+    def __init__(self, horizon_s: float) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("simulated {task.fields[hours]:>6.2f} h"),
+            BarColumn(),
+            TextColumn("rounds committed {task.fields[rounds]:>5d}  devices active {task.fields[active]:>6d}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        )
+        self._task = self._progress.add_task("simulate", total=horizon_s, hours=0.0, rounds=0, active=0)
+        self._progress.start()
+
+    def __call__(self, t_s: float, rounds: int, active: int) -> None:
+        self._progress.update(self._task, completed=t_s, hours=t_s / 3600.0, rounds=rounds, active=active)
+
+    def close(self) -> None:
+        self._progress.stop()

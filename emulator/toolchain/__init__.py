@@ -1,0 +1,71 @@
+"""The model engineer's toolchain: any ONNX inference model to a training plan whose backward pass
+is generated in standard ONNX ops (reverse-mode autodiff, one gradient rule per op), evaluation and
+federated analytics plans, client and server optimizers."""
+
+from .analytics import analytics_plan
+from .autodiff import UnsupportedOpError, vjp_model
+from .evaluation import evaluation_plan_from_onnx
+from .gradients import OP_COVERAGE, coverage_markdown
+from .losses import BUILTIN_LOSSES
+from .optimizers import SGD, Adam, Momentum
+from .server_optimizers import FedAdam, FedAvg, FedAvgM, FedYogi
+from .training import initial_weights_from_onnx, training_plan_from_onnx
+from .bundle import BuiltTask, build_bundle, deploy_bundle, read_bundle, release_test_bundle
+from .release import (
+    budget_checks, compare_outputs, max_abs_difference, release_table, release_test, report_passed, write_report,
+)
+from .tasks import (
+    Budget, Predicate, ProxyData, Task, TaskError, TaskGroup, Tolerance, Trial, accuracy_after_rounds, evaluation_of,
+    load_tasks, loss_after_rounds, loss_decreases, predicate,
+)
+from .versioning import VersioningError, convert_model, plan_sha256, versioned_plan
+
+__all__ = [
+    "BUILTIN_LOSSES",
+    "OP_COVERAGE",
+    "SGD",
+    "Adam",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedYogi",
+    "Momentum",
+    "UnsupportedOpError",
+    "analytics_plan",
+    "coverage_markdown",
+    "evaluation_plan_from_onnx",
+    "initial_weights_from_onnx",
+    "training_plan_from_onnx",
+    "vjp_model",
+    # tasks, versioned plans, release tests and bundles
+    "Budget",
+    "BuiltTask",
+    "Predicate",
+    "ProxyData",
+    "Task",
+    "TaskError",
+    "TaskGroup",
+    "Tolerance",
+    "Trial",
+    "VersioningError",
+    "accuracy_after_rounds",
+    "budget_checks",
+    "build_bundle",
+    "compare_outputs",
+    "convert_model",
+    "deploy_bundle",
+    "evaluation_of",
+    "load_tasks",
+    "loss_after_rounds",
+    "loss_decreases",
+    "max_abs_difference",
+    "plan_sha256",
+    "predicate",
+    "read_bundle",
+    "release_table",
+    "release_test",
+    "release_test_bundle",
+    "report_passed",
+    "versioned_plan",
+    "write_report",
+]

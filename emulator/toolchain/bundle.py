@@ -1,0 +1,193 @@
+"""A built task on disk: what ``fedfleet plan build`` writes, ``plan test`` tests and ``deploy`` sends.
+
+Layout of ``DIR`` (one sub-directory per task; a task group has several)::
+
+    DIR/task.py                      a copy of the task file (its predicates and proxy data)
+    DIR/source.json                  where the task file was (loaded from there while it exists)
+    DIR/<task>/manifest.json         names, sha256 ids, opsets and IR versions of everything below
+    DIR/<task>/plan.fedplan          the unversioned plan
+    DIR/<task>/versions/<release>.fedplan   one versioned plan per claimed onnxruntime release
+    DIR/<task>/initial.ckpt          the initial model (an evaluation's is its training task's)
+    DIR/<task>/release_report.json   written by ``plan test``
+
+The plans are tested and deployed as the exact bytes in the bundle, so the report's hashes are the
+ids the server computes for what it receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
+from device_runtime.plan import load_plan, serialize_plan
+from emulator.runtime_worker import WorkerPool
+from emulator.toolchain.release import release_test, write_report
+from emulator.toolchain.tasks import Task, TaskError, load_tasks
+from emulator.toolchain.versioning import plan_sha256, versioned_plan
+from server_stub.admin_client import AdminClient, task_body
+from server_stub.rounds import RoundConfig
+
+__all__ = ["BuiltTask", "build_bundle", "deploy_bundle", "read_bundle", "release_test_bundle"]
+
+MANIFEST = "manifest.json"
+REPORT = "release_report.json"
+TASK_FILE = "task.py"
+SOURCE = "source.json"
+
+
+@dataclass(frozen=True)
+class BuiltTask:
+    """One task of a bundle, read back: its plans as bytes and what the manifest says."""
+
+    task: Task
+    root: Path
+    plan: bytes
+    versions: dict[str, bytes]
+    checkpoint: bytes
+    manifest: dict[str, Any]
+
+    @property
+    def report_path(self) -> Path:
+        return self.root / REPORT
+
+    def report(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.report_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] | None = None,
+                 say: Callable[[str], None] = lambda _m: None) -> list[Path]:
+    """Build every task of ``task_file`` into ``out``; raises VersioningError naming the op and
+    the release when a claimed release cannot run the plan."""
+    out = Path(out)
+    tasks = load_tasks(task_file)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(task_file, out / TASK_FILE)
+    source = {"task_file": str(Path(task_file).resolve())}
+    (out / SOURCE).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
+    roots = []
+    for task in tasks:
+        if runtimes:
+            task = dataclasses.replace(task, runtimes=tuple(runtimes))
+        plan = task.build_plan()
+        root = out / task.name
+        if root.exists():
+            shutil.rmtree(root)
+        plan_bytes = serialize_plan(plan)
+        _write(root / "plan.fedplan", plan_bytes)
+        _write(root / "initial.ckpt", encode_checkpoint(task.weights(plan)))
+        versions = {}
+        for release in task.runtimes:
+            vplan = versioned_plan(plan, release)
+            data = serialize_plan(vplan)
+            _write(root / "versions" / f"{release}.fedplan", data)
+            versions[release] = {"file": f"versions/{release}.fedplan", "sha256": plan_sha256(data),
+                                 "opset": vplan.metadata.opset, "ir_version": vplan.metadata.ir_version}
+            say(f"{task.name}: onnxruntime {release}: opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}")
+        manifest = {
+            "task": task.name,
+            "plan": {"file": "plan.fedplan", "sha256": plan_sha256(plan_bytes), "opset": plan.metadata.opset,
+                     "ir_version": plan.metadata.ir_version},
+            "checkpoint": "initial.ckpt",
+            "versions": versions,
+            "runtimes": list(task.runtimes),
+            "round_config": task.rounds.to_dict(),
+            "kind": plan.kind,
+            "evaluates": task.evaluates.name if task.evaluates is not None else None,
+        }
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        say(f"{task.name}: unversioned plan opset {plan.metadata.opset}, {manifest['plan']['sha256'][:12]} -> {root}")
+        roots.append(root)
+    return roots
+
+
+def _task_file(directory: Path) -> Path:
+    """The task file to load: where it was built from while it is still there (a task file may
+    read files beside it), else the bundle's copy. The plans are checked against the manifest."""
+    try:
+        original = Path(json.loads((directory / SOURCE).read_text(encoding="utf-8"))["task_file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return directory / TASK_FILE
+    return original if original.is_file() else directory / TASK_FILE
+
+
+def read_bundle(directory: str | Path) -> list[BuiltTask]:
+    """The tasks of a bundle, with their plans checked against the manifest's ids."""
+    directory = Path(directory)
+    if not (directory / TASK_FILE).is_file():
+        raise TaskError(f"{directory} is not a built task (no {TASK_FILE}); run `fedfleet plan build TASK.py -o {directory}`")
+    by_name = {t.name: t for t in load_tasks(_task_file(directory))}
+    built = []
+    for manifest_path in sorted(directory.glob(f"*/{MANIFEST}")):
+        root = manifest_path.parent
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        task = by_name.get(manifest["task"])
+        if task is None:
+            raise TaskError(f"{directory / TASK_FILE} no longer defines task {manifest['task']!r}; build the bundle again")
+        task = dataclasses.replace(task, runtimes=tuple(manifest["runtimes"]))
+        plan = (root / manifest["plan"]["file"]).read_bytes()
+        versions = {r: (root / v["file"]).read_bytes() for r, v in manifest["versions"].items()}
+        for name, data, want in [("plan", plan, manifest["plan"]["sha256"]),
+                                 *((r, versions[r], v["sha256"]) for r, v in manifest["versions"].items())]:
+            if plan_sha256(data) != want:
+                raise TaskError(f"{root}: the {name} plan does not match its manifest id; build the bundle again")
+        built.append(BuiltTask(task, root, plan, versions, (root / manifest["checkpoint"]).read_bytes(), manifest))
+    if not built:
+        raise TaskError(f"{directory} holds no built task; run `fedfleet plan build`")
+    names = {b.task.name for b in built}
+    for b in built:
+        if b.task.evaluates is not None and b.task.evaluates.name not in names:
+            raise TaskError(f"{directory}: {b.task.name!r} evaluates {b.task.evaluates.name!r}, which is not built here; "
+                            "build the bundle again")
+    return built
+
+
+def release_test_bundle(directory: str | Path, pool: WorkerPool, *, say: Callable[[str], None] = lambda _m: None) -> list[BuiltTask]:
+    """Run the release tests of every task of a bundle on its exact plans; each report is written
+    next to its plans (``BuiltTask.report()`` reads it)."""
+    built_tasks = read_bundle(directory)
+    by_name = {b.task.name: b for b in built_tasks}
+    for built in built_tasks:
+        say(f"{built.task.name}: release tests on {', '.join(built.task.runtimes)}")
+        versioned = {r: load_plan(data, runtime_version=r) for r, data in built.versions.items()}
+        trained = None
+        if built.task.evaluates is not None:  # the models it measures come from its training task's plan
+            source = by_name[built.task.evaluates.name]
+            trained = (load_plan(source.plan), decode_checkpoint(source.checkpoint))
+        report = release_test(built.task, pool=pool, plan=load_plan(built.plan), versioned=versioned,
+                              weights=decode_checkpoint(built.checkpoint), progress=say, trained=trained)
+        write_report(report, built.report_path)
+    return built_tasks
+
+
+def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) -> dict[str, Any]:
+    """Send every task of a bundle with its versioned plans and release report (one task, or a
+    group that shares the population's rounds; an evaluation task goes without a checkpoint of
+    its own and takes the model of the training task it measures)."""
+    bodies = []
+    for built in read_bundle(directory):
+        report = built.report()
+        if report is None:
+            raise TaskError(f"{built.root} has no release report; run `fedfleet plan test {directory}` first")
+        config = RoundConfig.from_dict(built.manifest["round_config"])
+        evaluates = built.manifest.get("evaluates")  # an evaluation takes its training task's model
+        bodies.append(task_body(built.task.name, built.plan, None if evaluates else built.checkpoint, config,
+                                versioned_plans=built.versions, release_report=report, evaluates=evaluates))
+    if population not in admin.populations():
+        admin.create_population(population)
+    if len(bodies) == 1:
+        return admin.deploy_body(population, bodies[0])
+    return admin.deploy_tasks(population, bodies)

@@ -1,0 +1,138 @@
+"""``fedfleet plan build|test|from-onnx`` and ``fedfleet deploy``: the model engineer's commands.
+
+    fedfleet plan build TASK.py -o DIR          unversioned plan + one versioned plan per claimed runtime
+    fedfleet plan test TASK.py|DIR [-o DIR]     release tests on each claimed real onnxruntime; prints a
+                                                table per task (release, passed, max abs diff, ms/step,
+                                                peak MB), writes DIR/<task>/release_report.json; exit 1
+                                                unless all passed
+    fedfleet plan from-onnx MODEL.onnx --label y --loss cross_entropy --optimizer sgd --lr 0.1 -o PLAN
+    fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import TextIO
+
+from device_runtime.plan import PlanError, serialize_plan
+from example_store import ExampleSelector
+from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
+from server_stub.admin_client import AdminClient, AdminError
+
+from ..runtime_envs import RuntimeEnvError
+from ..runtime_worker import WorkerError, WorkerPool
+from .bundle import build_bundle, deploy_bundle, release_test_bundle
+from .release import release_table
+from .tasks import Task, TaskError
+
+__all__ = ["add_toolchain_commands", "run_toolchain_command"]
+
+
+def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``plan`` and ``deploy`` on the ``fedfleet`` command's subparsers."""
+    plan = sub.add_parser("plan", help="build, test and make FL plans (the model engineer's workflow)")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    build = plan_sub.add_parser("build", help="build a task file's plans: unversioned and one per claimed runtime")
+    build.add_argument("task_file", type=Path)
+    build.add_argument("-o", "--out", type=Path, required=True, help="directory to write the plans to")
+    build.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
+    test = plan_sub.add_parser("test", help="release tests on every claimed real onnxruntime; writes a release report")
+    test.add_argument("target", type=Path, help="a task file or a directory `plan build` wrote")
+    test.add_argument("-o", "--out", type=Path, help="where to build a task file first (default: build/<file stem>)")
+    test.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
+    onnx_cmd = plan_sub.add_parser("from-onnx", help="a training plan from an ONNX inference model")
+    onnx_cmd.add_argument("model", type=Path)
+    onnx_cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
+    onnx_cmd.add_argument("--loss", default="cross_entropy", help="cross_entropy, binary_cross_entropy or mse")
+    onnx_cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    onnx_cmd.add_argument("--lr", type=float, default=0.1)
+    onnx_cmd.add_argument("--batch-size", type=int, default=32)
+    onnx_cmd.add_argument("--epochs", type=int, default=1)
+    onnx_cmd.add_argument("--opset", type=int, default=21)
+    onnx_cmd.add_argument("--collection", default="app:/examples", help="the example store collection devices read")
+    onnx_cmd.add_argument("-o", "--out", type=Path, required=True, help="the plan file to write")
+    deploy = sub.add_parser("deploy", help="send a tested task's plans and release report to a server")
+    deploy.add_argument("directory", type=Path)
+    deploy.add_argument("--server", required=True, help="the server's URL")
+    deploy.add_argument("--population", required=True)
+    deploy.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
+
+
+def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run a parsed ``plan ...`` or ``deploy`` command; returns the exit status."""
+    say = lambda message: print(message, file=out or sys.stdout, flush=True)  # noqa: E731
+    try:
+        if args.command == "deploy":
+            return _deploy(args, say)
+        if args.plan_command == "build":
+            build_bundle(args.task_file, args.out, runtimes=args.runtimes, say=say)
+            return 0
+        if args.plan_command == "test":
+            return _test(args, say)
+        if args.plan_command == "from-onnx":
+            return _from_onnx(args, say)
+    except (TaskError, PlanError, AdminKeyError, OSError) as exc:
+        print(f"fedfleet: {exc}", file=sys.stderr)
+        return 2
+    except (WorkerError, RuntimeEnvError) as exc:
+        print(f"fedfleet: a runtime environment failed: {exc}", file=sys.stderr)
+        return 2
+    except AdminError as exc:
+        print(f"fedfleet deploy: the server refused: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _test(args: argparse.Namespace, say) -> int:
+    directory = args.target
+    if args.target.is_file():
+        directory = args.out or Path("build") / args.target.stem
+        build_bundle(args.target, directory, runtimes=args.runtimes, say=say)
+    elif args.runtimes:
+        raise TaskError("--runtimes applies when building; build the directory again with `plan build --runtimes ...`")
+    passed = True
+    with WorkerPool() as pool:
+        for built in release_test_bundle(directory, pool, say=say):
+            report = built.report()
+            assert report is not None
+            say(textwrap.indent(release_table(report), "  "))
+            say(f"{built.task.name}: {'passed' if report['passed'] else 'FAILED'}; report {built.report_path}")
+            passed = passed and report["passed"]
+    return 0 if passed else 1
+
+
+def _from_onnx(args: argparse.Namespace, say) -> int:
+    task = Task(name=args.model.stem, model=args.model, proxy=lambda: None, loss=args.loss,  # type: ignore[arg-type, return-value]
+                optimizer=args.optimizer, hyperparameters={"lr": args.lr}, label=args.label,
+                selector=ExampleSelector(args.collection), batch_size=args.batch_size, epochs=args.epochs, opset=args.opset)
+    plan = task.build_plan()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(serialize_plan(plan))
+    say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
+    return 0
+
+
+def _admin_key(args: argparse.Namespace) -> str:
+    """The first operator key of --admin-key-file or $FEDFLEET_ADMIN_KEYS (checked like the server does)."""
+    if args.admin_key_file:
+        AdminKeys.from_file(args.admin_key_file)
+        text = Path(args.admin_key_file).read_text(encoding="utf-8")
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    else:
+        raw = os.environ.get(ADMIN_KEYS_ENV)
+        if raw is None:
+            raise AdminKeyError(f"give an operator key with --admin-key-file or ${ADMIN_KEYS_ENV}")
+        AdminKeys.from_env()
+        lines = raw.replace(",", " ").split()
+    return lines[0]
+
+
+def _deploy(args: argparse.Namespace, say) -> int:
+    with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
+        result = deploy_bundle(args.directory, admin, args.population)
+    say(f"deployed to {args.server} population {args.population}: {result}")
+    return 0

@@ -1,0 +1,218 @@
+"""Losses of a training or evaluation plan and the per-batch metrics that come with them.
+
+Every loss gives ``loss_sum`` (the batch's summed per-example loss) and ``count`` (its number of
+examples); classification losses also give ``correct``. The step minimizes the batch's mean loss.
+The built-in losses write their gradient at the model's prediction in closed form (softmax minus
+one-hot for cross-entropy), which is both exact and cheaper than differentiating the loss graph;
+a user's loss graph is inlined and differentiated like the model.
+
+When the model ends in ``Softmax`` (cross-entropy) or ``Sigmoid`` (binary cross-entropy), as
+exported classifiers do, the loss reads the logits before it: the log-sum-exp form is stable where
+``log(softmax)`` underflows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .autodiff import DEFAULT_DOMAINS, Emitter
+
+BUILTIN_LOSSES = ("cross_entropy", "binary_cross_entropy", "mse")
+_F32 = TensorProto.FLOAT
+
+
+@dataclass
+class LossGraph:
+    loss_sum: str
+    metrics: dict[str, str]  # metric name -> scalar float32 tensor (loss_sum, count, correct, ...)
+    seeds: dict[str, str] = field(default_factory=dict)  # forward tensor -> d(scaled mean loss)/d tensor
+    nodes: list[onnx.NodeProto] = field(default_factory=list)  # a user's loss, to differentiate
+
+
+def label_type(loss: str | onnx.ModelProto | onnx.GraphProto) -> int:
+    """The element type the label input takes for ``loss``."""
+    if loss == "cross_entropy":
+        return TensorProto.INT64
+    if isinstance(loss, str):
+        return _F32
+    graph = loss.graph if isinstance(loss, onnx.ModelProto) else loss
+    return graph.input[1].type.tensor_type.elem_type
+
+
+def check_loss(loss) -> None:
+    if isinstance(loss, str):
+        if loss not in BUILTIN_LOSSES:
+            raise ValueError(f"loss {loss!r} is unknown; use one of {BUILTIN_LOSSES} or an ONNX graph (prediction, label) -> scalar")
+        return
+    if not isinstance(loss, (onnx.ModelProto, onnx.GraphProto)):
+        raise TypeError(f"loss must be a name from {BUILTIN_LOSSES} or an onnx ModelProto/GraphProto, got {type(loss).__name__}")
+    graph = loss.graph if isinstance(loss, onnx.ModelProto) else loss
+    if len(graph.input) != 2 or len(graph.output) != 1:
+        raise ValueError("a loss graph takes exactly two inputs (prediction, label) and returns one scalar (the batch's mean loss)")
+
+
+def emit_loss(
+    e: Emitter,
+    loss,
+    prediction: str,
+    label: str,
+    producers: dict[str, onnx.NodeProto],
+    *,
+    factor: float | None,
+) -> LossGraph:
+    """Emit ``loss`` of ``prediction`` against ``label``; with ``factor`` also the seeds of the
+    backward pass: the gradient of ``factor`` times the batch's mean loss (an SGD step folds its
+    learning rate in here; other optimizers take factor 1)."""
+    if loss == "cross_entropy":  # one label per example, or per position of a sequence
+        count = e.op("Cast", [e.op("Size", [label])], to=_F32, hint="count")
+    else:
+        count = e.op("Cast", [e.op("Gather", [e.op("Shape", [label]), e.ints([0])])], to=_F32)
+        count = e.op("ReduceSum", [count], keepdims=0, hint="count")  # [1] -> scalar
+    scale = None
+    if factor is not None:
+        scale = e.op("Div", [e.const(np.array(factor, dtype=np.float32), "factor"), count], hint="factor_over_n")
+        e.record(scale, _F32, ())
+    if loss == "cross_entropy":
+        out = _cross_entropy(e, prediction, label, producers, scale)
+    elif loss == "binary_cross_entropy":
+        out = _binary_cross_entropy(e, prediction, label, producers, scale)
+    elif loss == "mse":
+        out = _mse(e, prediction, label, count, scale)
+    else:
+        out = _custom(e, loss, prediction, label, count, factor)
+    out.metrics["count"] = count
+    out.metrics["loss_sum"] = out.loss_sum
+    return out
+
+
+def _before(e: Emitter, producers: dict[str, onnx.NodeProto], tensor: str, op_type: str, last_axis: bool = False) -> str | None:
+    """The input of the ``op_type`` node that makes ``tensor`` (through Identity nodes), if any;
+    with ``last_axis`` only when that node works on the last axis (Softmax's default)."""
+    node = producers.get(tensor)
+    while node is not None and node.op_type == "Identity" and node.domain in DEFAULT_DOMAINS:
+        node = producers.get(node.input[0])
+    if node is None or node.op_type != op_type or node.domain not in DEFAULT_DOMAINS:
+        return None
+    if last_axis:
+        axis = next((int(a.i) for a in node.attribute if a.name == "axis"), -1)
+        rank = e.rank(node.input[0])
+        if axis != -1 and (rank is None or axis != rank - 1):
+            return None
+    return node.input[0]
+
+
+def _as_f32(e: Emitter, t: str) -> str:
+    return t if e.elem_type(t) == _F32 else e.op("Cast", [t], to=_F32)
+
+
+def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: str | None) -> LossGraph:
+    """Classes on the last axis: [N, classes] with labels [N], or [N, ..., classes] with labels
+    [N, ...] (a next-word model scoring every position); the mean is over all labels."""
+    logits = _before(e, producers, prediction, "Softmax", last_axis=True) or \
+        _before(e, producers, prediction, "LogSoftmax", last_axis=True) or prediction
+    shape = e.shape(logits)
+    if shape is None or len(shape) < 2 or not isinstance(shape[-1], int):
+        raise ValueError(f"cross_entropy needs a prediction of shape [N, ..., classes] with a fixed number of classes, got {shape}")
+    logp = e.op("LogSoftmax", [logits], axis=-1, hint="logp")
+    classes = e.const(np.arange(shape[-1], dtype=np.int64), "classes")
+    onehot = e.op("Cast", [e.op("Equal", [e.unsqueeze(label, [-1]), classes])], to=e.elem_type(logits), hint="onehot")
+    loss_sum = _as_f32(e, e.op("Neg", [e.op("ReduceSum", [e.op("Mul", [onehot, logp])], keepdims=0)]))
+    pred = e.op("ArgMax", [logits], axis=-1, keepdims=0)
+    correct = e.op("ReduceSum", [e.op("Cast", [e.op("Equal", [pred, label])], to=_F32)], keepdims=0, hint="correct")
+    out = LossGraph(loss_sum, {"correct": correct})
+    if scale is not None:
+        out.seeds[logits] = e.op("Mul", [e.op("Sub", [e.op("Exp", [logp]), onehot]), scale], hint="d_logits")
+    return out
+
+
+def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: str | None) -> LossGraph:
+    logits = _before(e, producers, prediction, "Sigmoid")
+    target = e.op("Reshape", [_cast_like(e, label, prediction), e.shape_of(prediction)], hint="target")
+    zero = e.scalar(0.0, prediction)
+    one = e.scalar(1.0, prediction)
+    half = e.scalar(0.5, prediction)
+    out: LossGraph
+    if logits is not None:
+        # max(z, 0) - z*y + log(1 + exp(-|z|)), and its gradient sigmoid(z) - y
+        per = e.op("Add", [e.op("Sub", [e.op("Max", [logits, zero]), e.op("Mul", [logits, target])]),
+                           e.op("Softplus", [e.op("Neg", [e.op("Abs", [logits])])])])
+        positive = e.op("Greater", [logits, zero])
+        out = LossGraph(_as_f32(e, e.op("ReduceSum", [per], keepdims=0)), {})
+        if scale is not None:
+            out.seeds[logits] = e.op("Mul", [e.op("Sub", [prediction, target]), scale], hint="d_logits")
+    else:
+        # the prediction is a probability: clip it away from 0 and 1 so that the logs stay finite
+        eps = e.scalar(1e-7, prediction)
+        p = e.op("Clip", [prediction, eps, e.op("Sub", [one, eps])])
+        per = e.op("Neg", [e.op("Add", [e.op("Mul", [target, e.op("Log", [p])]),
+                                        e.op("Mul", [e.op("Sub", [one, target]), e.op("Log", [e.op("Sub", [one, p])])])])])
+        positive = e.op("Greater", [prediction, half])
+        out = LossGraph(_as_f32(e, e.op("ReduceSum", [per], keepdims=0)), {})
+        if scale is not None:
+            local = e.op("Div", [e.op("Sub", [p, target]), e.op("Mul", [p, e.op("Sub", [one, p])])])
+            out.seeds[prediction] = e.op("Mul", [local, scale], hint="d_prediction")
+    agree = e.op("Equal", [positive, e.op("Greater", [target, half])])
+    out.metrics["correct"] = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct")
+    return out
+
+
+def _cast_like(e: Emitter, t: str, like: str) -> str:
+    return t if e.elem_type(t) == e.elem_type(like) else e.op("Cast", [t], to=e.elem_type(like))
+
+
+def _per_example_size(e: Emitter, prediction: str, count: str) -> str:
+    shape = e.shape(prediction)
+    if shape is not None and all(isinstance(d, int) for d in shape[1:]):
+        return e.scalar(float(np.prod(shape[1:], dtype=np.int64)), prediction)
+    size = e.op("Cast", [e.op("Size", [prediction])], to=e.elem_type(prediction))
+    return e.op("Div", [size, _cast_like(e, count, prediction)])
+
+
+def _mse(e: Emitter, prediction: str, label: str, count: str, scale: str | None) -> LossGraph:
+    target = e.op("Reshape", [_cast_like(e, label, prediction), e.shape_of(prediction)], hint="target")
+    diff = e.op("Sub", [prediction, target])
+    per_example = _per_example_size(e, prediction, count)
+    loss_sum = _as_f32(e, e.op("Div", [e.op("ReduceSum", [e.op("Mul", [diff, diff])], keepdims=0), per_example]))
+    out = LossGraph(loss_sum, {})
+    if scale is not None:
+        factor = e.op("Div", [e.op("Mul", [_cast_like(e, scale, prediction), e.scalar(2.0, prediction)]), per_example])
+        out.seeds[prediction] = e.op("Mul", [diff, factor], hint="d_prediction")
+    return out
+
+
+def _custom(e: Emitter, loss, prediction: str, label: str, count: str, factor: float | None) -> LossGraph:
+    graph = loss.graph if isinstance(loss, onnx.ModelProto) else loss
+    rename = {graph.input[0].name: prediction, graph.input[1].name: label}
+    for init in graph.initializer:
+        rename[init.name] = e.const(numpy_helper.to_array(init), f"loss_{init.name}")
+    nodes = []
+    for node in graph.node:
+        for o in node.output:
+            if o and o not in rename:
+                rename[o] = e.fresh(f"loss_{o}")
+        copy = helper.make_node(node.op_type, [rename.get(i, i) if i else "" for i in node.input],
+                                [rename[o] if o else "" for o in node.output], name=e.fresh(f"loss_{node.name or node.op_type}"),
+                                domain=node.domain)
+        copy.attribute.extend(node.attribute)
+        nodes.append(copy)
+    e.nodes += nodes
+    mean = rename[graph.output[0].name]
+    loss_sum = e.op("Mul", [_as_f32(e, e.op("ReduceSum", [mean], keepdims=0)), count], hint="loss_sum")
+    out = LossGraph(loss_sum, {}, nodes=nodes)
+    if factor is not None:
+        # the user's scalar is already the batch mean: its seed is the factor itself
+        elem = graph.output[0].type.tensor_type.elem_type
+        out.seeds[mean] = e.const(np.array(factor, dtype=helper.tensor_dtype_to_np_dtype(elem)), "loss_seed")
+    return out
+
+
+def loss_metric_names(loss) -> tuple[str, ...]:
+    """The per-batch sums a plan with ``loss`` can report."""
+    if loss in ("cross_entropy", "binary_cross_entropy"):
+        return ("loss_sum", "correct", "count")
+    return ("loss_sum", "count")
+

@@ -1,0 +1,386 @@
+"""An ONNX inference model to a training plan: forward, loss, generated backward pass and the
+client optimizer's step in one ``work`` graph, and the server part with its server optimizer.
+
+The work graph keeps the conventions of :mod:`device_runtime.plan_builder`, so the existing
+executor and server run it unchanged: it takes the weights (float32) and the batch's tensors and
+returns ``<weight>_new`` for every weight and the per-batch sums ``loss_sum``, ``count`` (and
+``correct`` for classification). The plan's weights are the trainable initializers, the running
+statistics of ``BatchNormalization`` and the client optimizer's state (see :mod:`.optimizers`).
+
+The batch dimension of the model's inputs is made dynamic (the last batch of an epoch is short),
+and the graph is emitted at the requested opset with the IR version that carries it
+(:func:`device_runtime.plan.ir_version_for_opset`), with standard ONNX ops only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from device_runtime.executor import PlanExecutor
+from device_runtime.plan import (
+    PLAN_FORMAT_VERSION,
+    DeviceConfig,
+    Plan,
+    PlanError,
+    PlanMetadata,
+    ir_version_for_opset,
+    min_runtime_for_opset,
+)
+
+from .autodiff import (
+    DEFAULT_DOMAINS,
+    Emitter,
+    UnsupportedOpError,
+    backward,
+    constant_values,
+    needed_for,
+    tensor_infos,
+)
+from .forward import is_float, training_forward
+from .gradients import NO_GRADIENT, OP_COVERAGE
+from .losses import check_loss, emit_loss, label_type, loss_metric_names
+from .optimizers import SGD, Adam, Momentum, Optimizer
+from .server_optimizers import FedAvg, ServerOptimizer, server_part
+
+MIN_OPSET = 13
+MAX_OPSET = 26
+_F32 = TensorProto.FLOAT
+_NOT_TRAINABLE_INPUTS = {  # inputs that are hyperparameters or statistics, never trained by default
+    "Pow": (1,), "Clip": (1, 2), "Dropout": (1, 2), "BatchNormalization": (3, 4),
+}
+
+ModelLike = onnx.ModelProto | bytes | str | PathLike
+
+
+def load_model(model: ModelLike) -> onnx.ModelProto:
+    """``model`` as a ModelProto: a ModelProto (copied), serialized bytes, or a path to a file."""
+    if isinstance(model, onnx.ModelProto):
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        return out
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return onnx.ModelProto.FromString(bytes(model))
+    if isinstance(model, (str, PathLike)):
+        path = Path(model)
+        if not path.is_file():
+            raise FileNotFoundError(f"no ONNX model at {path}; pass a path to a .onnx file, its bytes, or a ModelProto")
+        return onnx.load(str(path))
+    raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
+
+
+def model_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in DEFAULT_DOMAINS:
+            return int(o.version)
+    raise ValueError("the model imports no default-domain (ai.onnx) opset")
+
+
+def at_opset(model: onnx.ModelProto, opset: int | None) -> tuple[onnx.ModelProto, int]:
+    """The model at the requested opset (its own when None), converted when they differ."""
+    own = model_opset(model)
+    target = own if opset is None else int(opset)
+    if target < MIN_OPSET and opset is None:
+        target = MIN_OPSET
+    if not MIN_OPSET <= target <= MAX_OPSET:
+        raise PlanError(f"opset {target} is not supported for generated plans; use {MIN_OPSET}..{MAX_OPSET}")
+    if target > own:
+        try:
+            model = onnx.version_converter.convert_version(model, target)
+        except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
+            raise PlanError(
+                f"the model (opset {own}) could not be converted to opset {target} ({str(exc).splitlines()[0][:200]}); "
+                f"export it at opset {target} or leave opset=None"
+            ) from None
+    elif target < own:
+        # onnx's converter cannot lower basic ops below opset 14-15: the plan versioning's own
+        # rewrites between opsets do it (they refuse, naming the op, what they cannot rewrite)
+        from .versioning import convert_model
+
+        model = onnx.ModelProto.FromString(convert_model(model.SerializeToString(), target))
+    return model, target
+
+
+@dataclass
+class ModelParts:
+    """A model read for plan generation: its graph with a dynamic batch dimension and what a plan
+    needs to know about it."""
+
+    model: onnx.ModelProto
+    opset: int
+    data_inputs: dict[str, str]  # graph input -> example tensor name
+    prediction: str
+    initializers: dict[str, onnx.TensorProto]
+
+
+def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
+    m, target = at_opset(load_model(model), opset)
+    graph = m.graph
+    inits = {i.name: i for i in graph.initializer}
+    data = [i for i in graph.input if i.name not in inits]
+    if not data:
+        raise ValueError("the model has no data inputs (every graph input is an initializer)")
+    for vi in data:  # the last batch of an epoch is short: the batch dimension must be dynamic
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_param = "N"
+    del graph.input[:]
+    graph.input.extend(data)
+    names = [i.name for i in data]
+    if inputs is None:
+        inputs = {n: n for n in names}
+    if set(inputs) != set(names):
+        raise ValueError(f"inputs must map each of the model's inputs {names} to an example tensor name, got {dict(inputs)}")
+    if output is None:
+        floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
+        if not floats:
+            raise ValueError("the model has no float output to compute the loss from; name one with output=")
+        output = floats[0]
+    produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
+    if output not in produced:
+        raise ValueError(f"output {output!r} is no tensor of the model")
+    return ModelParts(m, target, dict(inputs), output, inits)
+
+
+def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
+    """Refuse the first node whose op is outside :data:`OP_COVERAGE`, naming it."""
+    for node in nodes:
+        if node.domain not in DEFAULT_DOMAINS:
+            raise UnsupportedOpError(node.op_type, node.name, f"is in domain {node.domain!r}; plans use standard ONNX ops only")
+        if node.op_type not in OP_COVERAGE and node.op_type not in NO_GRADIENT:
+            raise UnsupportedOpError(node.op_type, node.name, "is not in the op-coverage table")
+
+
+def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> list[str]:
+    """Float32 initializers of rank >= 1 that some kept node reads as a differentiable input."""
+    chosen: list[str] = []
+    for node in nodes:
+        if node.op_type in NO_GRADIENT:
+            continue
+        skip = _NOT_TRAINABLE_INPUTS.get(node.op_type, ())
+        for k, name in enumerate(node.input):
+            init = inits.get(name)
+            if init is None or k in skip or name in chosen:
+                continue
+            if init.data_type == _F32 and len(init.dims) >= 1:
+                chosen.append(name)
+    order = list(inits)
+    return sorted(chosen, key=order.index)
+
+
+def _label_shape(loss, prediction_shape) -> list:
+    if loss == "cross_entropy":  # one class id per example, or per position: the prediction less its class axis
+        return ["N"] if prediction_shape is None else ["N", *prediction_shape[1:-1]]
+    if isinstance(loss, str):
+        if prediction_shape is None:
+            return ["N"]
+        return ["N", *prediction_shape[1:]]
+    graph = loss.graph if isinstance(loss, onnx.ModelProto) else loss
+    dims = graph.input[1].type.tensor_type.shape.dim
+    return ["N", *[d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims[1:]]]
+
+
+def _vi(name: str, elem: int, shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, None if shape is None else list(shape))
+
+
+def _live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.NodeProto]:
+    needed = needed_for(nodes, outputs)
+    return [n for n in nodes if any(o in needed for o in n.output if o)]
+
+
+def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes:
+    used = {i for n in nodes for i in n.input}
+    graph = helper.make_graph(list(nodes), name, inputs, outputs, initializer=[i for i in initializers if i.name in used])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="fedfleet.toolchain",
+                              ir_version=ir_version_for_opset(opset))
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def training_plan_from_onnx(
+    model: ModelLike,
+    *,
+    label: str,
+    loss,
+    optimizer: Optimizer,
+    trainable: Sequence[str] | None = None,
+    output: str | None = None,
+    metrics: Sequence[str] | None = None,
+    batch_size: int,
+    epochs: int = 1,
+    opset: int | None = None,
+    server_optimizer: ServerOptimizer = FedAvg(),
+    secure_aggregation: bool = False,
+    example_selector,
+    inputs: Mapping[str, str] | None = None,
+    name: str | None = None,
+    shuffle_seed: int | None = 0,
+    shuffle_buffer: int = 1024,
+    min_runtime_version: str | None = None,
+    max_runtime_version: str | None = None,
+    memory_budget_mb: int | None = None,
+    time_budget_s: float | None = None,
+    bitwidth: int = 24,
+    clip_range: float = 1024.0,
+    resume_examples: bool = False,
+    dropout_seed: int | None = 0,
+) -> Plan:
+    """A training plan for ``model`` (an ONNX inference model: ModelProto, bytes or path).
+
+    ``label`` names the example tensor holding the label; ``inputs`` maps the model's inputs to
+    example tensor names (default: the same names); ``output`` is the model tensor the loss reads
+    (default: its first float output). ``loss`` is ``"cross_entropy"`` (class ids), ``"binary_cross_entropy"``,
+    ``"mse"`` or an ONNX graph (prediction, label) -> the batch's mean loss. ``trainable`` names the
+    initializers to train (default: every float32 initializer of rank >= 1 on a differentiable
+    path); the others stay constants. ``metrics`` picks among the loss's per-batch sums (default all:
+    ``loss_sum``, ``count`` and, for classification, ``correct``).
+
+    Raises :class:`UnsupportedOpError` naming the op and node of the first node outside
+    :data:`OP_COVERAGE`, and ``ValueError``/``PlanError`` for arguments that cannot make a plan.
+
+    ``dropout_seed`` seeds active ``Dropout`` nodes so that a session is reproducible (every device
+    then draws the same sequence of masks); ``None`` leaves them to onnxruntime's randomness."""
+    check_loss(loss)
+    if not isinstance(optimizer, (SGD, Momentum, Adam)):
+        raise TypeError(f"optimizer must be SGD(lr), Momentum(lr, beta) or Adam(lr, ...), got {type(optimizer).__name__}")
+    if batch_size < 1 or epochs < 1:
+        raise ValueError("batch_size and epochs must be >= 1")
+    parts = read_model(model, opset=opset, output=output, inputs=inputs)
+    graph = parts.model.graph
+    chosen_metrics = _metrics(loss, metrics)
+
+    infos = tensor_infos(parts.model)
+    taken = {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
+    taken |= {"loss_sum", "count", "correct"}
+    e = Emitter(parts.opset, infos, constant_values(graph), taken)
+    fw = training_forward(e, list(graph.node), set(parts.initializers), dropout_seed)
+    nodes = _live_nodes(fw.nodes, [parts.prediction, *fw.state_updates.values()])
+    check_ops(nodes)
+    # shapes of the rewritten forward (the rules read them)
+    probe = helper.make_model(
+        helper.make_graph(nodes, "probe", list(graph.input), [_vi(parts.prediction, 0, None)],
+                          initializer=[*parts.initializers.values(), *e.initializers]),
+        opset_imports=[helper.make_opsetid("", parts.opset)], ir_version=ir_version_for_opset(parts.opset))
+    e.infos.update(tensor_infos(probe))
+
+    if trainable is not None:
+        weights = list(trainable)
+    else:
+        weights = [w for w in default_trainable(nodes, parts.initializers) if w not in fw.state_updates]
+    for w in weights:
+        init = parts.initializers.get(w)
+        if init is None:
+            raise ValueError(f"trainable {w!r} is not an initializer of the model; initializers: {sorted(parts.initializers)[:20]}")
+        if init.data_type != _F32:
+            raise ValueError(f"trainable {w!r} is {helper.tensor_dtype_to_np_dtype(init.data_type)}; plans train float32 weights")
+    if not weights:
+        raise ValueError("the model has nothing to train: no float32 initializer on the way to the output")
+    stats = [s for s in fw.state_updates if s not in weights]
+
+    label_input = e.reserve("label")
+    e.record(label_input, label_type(loss), tuple(_label_shape(loss, e.shape(parts.prediction))))
+    producers = {o: n for n in nodes for o in n.output}
+    factor = float(optimizer.lr) if optimizer.folds_lr else 1.0
+    lg = emit_loss(e, loss, parts.prediction, label_input, producers, factor=factor)
+    grads = backward(e, [*nodes, *lg.nodes], lg.seeds, weights)
+    missing = [w for w, g in grads.items() if g is None]
+    if missing:
+        raise ValueError(f"the loss does not depend on {missing}; leave them out of trainable")
+
+    slots = optimizer.slots(e, weights)
+    slot_values = {s.name: s.name for s in slots}
+    shared = {s.name: s.name for s in slots if s.weight is None}
+    if isinstance(optimizer, Adam):
+        shared = optimizer.shared_step(e, shared)
+    outputs_of: dict[str, str] = {}  # weight (incl. state) -> its new-value output name
+    new_values: dict[str, str] = {}
+    for w in weights:
+        out = e.reserve(f"{w}_new")
+        mine = {s.name: slot_values[s.name] for s in slots if s.weight == w}
+        new_values.update(optimizer.step(e, w, grads[w], mine, shared, out))
+        outputs_of[w] = out
+    for s in slots:
+        new_values.setdefault(s.name, shared.get(s.name, s.name))
+    for stat in stats:
+        new_values[stat] = fw.state_updates[stat]
+    for state_name, tensor in new_values.items():
+        outputs_of[state_name] = e.op("Identity", [tensor], out=e.reserve(f"{state_name}_new"))
+    for metric in chosen_metrics:
+        e.op("Identity", [lg.metrics[metric]], out=metric)
+
+    weight_names = [*weights, *stats, *[s.name for s in slots]]
+    shapes = {w: tuple(int(d) for d in parts.initializers[w].dims) for w in [*weights, *stats]}
+    shapes.update({s.name: shapes[s.weight] if s.weight is not None else () for s in slots})
+    work_inputs = [_vi(w, _F32, shapes[w]) for w in weight_names]
+    work_inputs += list(graph.input)
+    work_inputs.append(_vi(label_input, label_type(loss), e.shape(label_input)))
+    work_outputs = [_vi(outputs_of[w], _F32, shapes[w]) for w in weight_names]
+    work_outputs += [_vi(m, _F32, ()) for m in chosen_metrics]
+    all_nodes = _live_nodes([*nodes, *e.nodes], [o.name for o in work_outputs])
+    constants = [i for n, i in parts.initializers.items() if n not in weight_names] + e.initializers
+    work = _model("work", all_nodes, work_inputs, work_outputs, constants, parts.opset)
+
+    reset = [s.name for s in slots] if not optimizer.carry_state else []
+    server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
+                         reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,
+                         clip_range=clip_range)
+    return Plan(
+        name=name or (graph.name or "model"),
+        kind="train",
+        format_version=PLAN_FORMAT_VERSION,
+        device=DeviceConfig(
+            selector=example_selector,
+            batch_size=int(batch_size),
+            epochs=int(epochs),
+            shuffle_seed=shuffle_seed,
+            shuffle_buffer=int(shuffle_buffer),
+            inputs={**parts.data_inputs, label_input: label},
+            resume=bool(resume_examples),
+        ),
+        work=work,
+        weight_names=tuple(weight_names),
+        weight_outputs=tuple(outputs_of[w] for w in weight_names),
+        metric_names=tuple(chosen_metrics),
+        server=server,
+        metadata=PlanMetadata(
+            opset=parts.opset,
+            ir_version=ir_version_for_opset(parts.opset),
+            min_runtime_version=min_runtime_version or min_runtime_for_opset(parts.opset),
+            max_runtime_version=max_runtime_version,
+            memory_budget_mb=memory_budget_mb,
+            time_budget_s=time_budget_s,
+        ),
+    )
+
+
+def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:
+    available = loss_metric_names(loss)
+    if metrics is None:
+        return available
+    unknown = sorted(set(metrics) - set(available))
+    if unknown:
+        raise ValueError(f"metrics {unknown} are not computed for this loss; choose among {available}")
+    chosen = [m for m in available if m in metrics]
+    if "count" not in chosen:
+        chosen.append("count")  # the server divides the sums by it
+    return tuple(chosen)
+
+
+def initial_weights_from_onnx(model: ModelLike, plan: Plan) -> dict[str, np.ndarray]:
+    """The plan's starting checkpoint: the model's values for its trained initializers and
+    running statistics, zeros for the optimizer state."""
+    inits = {i.name: numpy_helper.to_array(i) for i in load_model(model).graph.initializer}
+    spec = PlanExecutor(plan).weight_spec()
+    out = {}
+    for w, (shape, _dtype) in spec.items():
+        value = inits.get(w)
+        out[w] = np.asarray(value, dtype=np.float32).reshape(shape) if value is not None else np.zeros(shape, dtype=np.float32)
+    return out

@@ -1,0 +1,77 @@
+"""The device's privacy floor: what it accepts from a server, whatever the server says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from device_runtime import DEFAULT_SECAGG_POLICY, SecAggPolicy
+from secagg import SecAggConfig, UnsafeParameters, complete_graph_threshold, secagg_plus_parameters, seed_commitment
+
+COMMIT = seed_commitment(bytes(32))
+
+
+def good(n: int, **kw) -> SecAggConfig:
+    return SecAggConfig.for_cohort(n, 10, consistency_check=True, min_summed=5, graph_commitment=COMMIT, **kw)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.one_of(st.integers(5, 400), st.sampled_from([1000, 3000])))
+def test_the_librarys_own_parameters_meet_the_default_floor(n):
+    assert DEFAULT_SECAGG_POLICY.violation(good(n), n) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(5, 200), data=st.data())
+def test_a_complete_graph_threshold_at_or_below_two_thirds_is_refused(n, data):
+    t = data.draw(st.integers(2, n))
+    cfg = dataclasses.replace(good(n, secagg_plus=False), threshold=t, allow_unsafe=True)
+    reason = DEFAULT_SECAGG_POLICY.violation(cfg, n)
+    assert (reason is None) == (3 * t > 2 * n)
+    if reason is not None:
+        assert f"threshold {t} is not above 2n/3" in reason and str(complete_graph_threshold(n)) in reason
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(consistency_check=False), "ConsistencyCheck is off"),
+    (dict(min_summed=2), "sums of 2 devices"),
+    (dict(graph_commitment=b""), "committed to no seed"),
+    (dict(threshold=2), "threshold 2 is not above 2n/3"),
+])
+def test_each_weakening_is_refused_with_its_reason(change, words):
+    cfg = dataclasses.replace(good(10), allow_unsafe=True, **change)
+    assert words in DEFAULT_SECAGG_POLICY.violation(cfg, 10)
+
+
+def test_a_group_below_the_minimum_is_refused():
+    assert "group of 4 devices" in DEFAULT_SECAGG_POLICY.violation(good(4), 4)
+    assert SecAggPolicy(min_group_size=3).violation(dataclasses.replace(good(4), min_summed=3), 4) is None
+
+
+def test_secagg_plus_degree_and_threshold_follow_bell_et_al():
+    n = 1000
+    cfg = good(n, secagg_plus=True)
+    floor = secagg_plus_parameters(n)
+    assert (cfg.degree, cfg.threshold) == (floor.degree, floor.threshold)
+    assert DEFAULT_SECAGG_POLICY.violation(cfg, n) is None
+    sparse = dataclasses.replace(cfg, degree=floor.degree - 10, threshold=(floor.degree - 10) // 2 + 2)
+    assert "degree" in DEFAULT_SECAGG_POLICY.violation(sparse, n)
+    majority = dataclasses.replace(cfg, threshold=cfg.degree // 2, allow_unsafe=True)
+    assert "not a majority" in DEFAULT_SECAGG_POLICY.violation(majority, n)
+    low = dataclasses.replace(cfg, threshold=cfg.degree // 2 + 1)
+    assert low.threshold < floor.threshold
+    assert "too low for degree" in DEFAULT_SECAGG_POLICY.violation(low, n)
+    # a server that assumes fewer colluders than the device does
+    assert DEFAULT_SECAGG_POLICY.violation(good(n, secagg_plus=True, corrupt_fraction=0.05), n) is not None
+
+
+def test_the_library_refuses_unsafe_parameters_unless_asked():
+    with pytest.raises(UnsafeParameters, match="majority"):
+        SecAggConfig(10, 2**16, 3, degree=6)
+    SecAggConfig(10, 2**16, 3, degree=6, allow_unsafe=True)
+    with pytest.raises(UnsafeParameters, match="allow_unsafe"):
+        SecAggConfig(10, 2**16, 6).check_cohort(9)
+    SecAggConfig(10, 2**16, 7).check_cohort(9)
+    SecAggConfig(10, 2**16, 6, allow_unsafe=True).check_cohort(9)

@@ -1,0 +1,151 @@
+"""What a simulation on virtual time needs of the SDK, against a real server: an in-memory job
+store, jobs woken when conditions change rather than re-checked, a work meter that hears every
+trained batch, plan caches that download each plan once per device, and no wall-clock reads
+in a session's events."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import httpx
+
+from device_runtime import FLRuntime, RetryPolicy
+from device_runtime.clock import VirtualClock
+from device_runtime.checkpoint import encode_checkpoint
+from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
+from device_runtime.eligibility import EligibilityPolicies
+from device_runtime.plan import Plan
+from device_runtime.plan_cache import DirectoryPlanCache, LoadedPlans, MemoryPlanCache
+from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
+from example_store import InMemoryExampleStore
+from server_stub import RoundConfig
+from tests.support import COLLECTION, deploy
+
+GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
+BUSY = DeviceState(idle=False, charging=True, battery_level=0.9, unmetered_network=True)
+FAST = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)
+
+
+class ChangingConditions:
+    """Busy until ``free_at`` (unix seconds on ``clock``), then good; tells when it changes."""
+
+    def __init__(self, clock: VirtualClock, free_at: float) -> None:
+        self.clock, self.free_at = clock, free_at
+        self.asked = 0
+
+    def current(self) -> DeviceState:
+        return GOOD if self.clock.now() >= self.free_at else BUSY
+
+    def next_change(self, now: float) -> float | None:
+        self.asked += 1
+        return self.free_at if now < self.free_at else None
+
+
+class CountingMeter:
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def trained(self, plan: Plan, examples: int) -> None:
+        self.batches.append(examples)
+
+
+def _store(digits, n: int, clock: VirtualClock) -> InMemoryExampleStore:
+    store = InMemoryExampleStore(clock=clock.now)
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:n], digits.y_train[:n])))
+    return store
+
+
+def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server, admin, digits):
+    deploy(admin, goal_count=5)
+    clock = VirtualClock()
+    conditions = ChangingConditions(clock, free_at=clock.now() + 5000.0)
+    queue = WorkerQueue(clock, history=1)
+    scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False))
+    meter = CountingMeter()
+    runtime = FLRuntime("digits", server.url, _store(digits, 37, clock), retry=FAST, clock=clock.now, work_meter=meter,
+                        plan_cache=MemoryPlanCache())
+    scheduler.register_runtime("digits", runtime)
+    scheduler.schedule("digits", TrainingConstraints(), TrainingInterval())
+    runs = queue.run_until(clock.now() + 10_000.0)
+    # one look at unmet constraints, then straight to the change: no re-check every 60 s
+    assert [r.outcome for r in runs] == [RunOutcome.CONSTRAINTS_UNMET, RunOutcome.COMPLETED]
+    assert runs[0].next_run_at == conditions.free_at
+    assert len(queue.history) == 1 and queue.history[0] is runs[-1]
+    plan = runtime._plans[next(iter(runtime._plans))]
+    batch, epochs = plan.device.batch_size, plan.device.epochs
+    assert sum(meter.batches) == 37 * epochs
+    assert max(meter.batches) == batch and len(meter.batches) == epochs * -(-37 // batch)
+    session = runs[-1].session
+    assert session is not None and all(abs(e.at - runs[-1].started_at) < 1e-6 for e in session.events)
+    assert scheduler.jobs() == []  # in memory, and done
+
+
+def test_devices_sharing_loaded_plans_still_each_download_the_plan_once(server, admin, digits):
+    deploy(admin, goal_count=5)
+    shared_bytes: dict[str, bytes] = {}
+    loaded = LoadedPlans()
+    clock = VirtualClock()
+    runtimes = [
+        FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, rng=random.Random(i), clock=clock.now,
+                  plan_cache=MemoryPlanCache(shared_bytes), loaded_plans=loaded)
+        for i in range(2)
+    ]
+    for runtime in runtimes:
+        received = runtime.client.bytes_received
+        runtime.run_session()
+        first = runtime.client.bytes_received - received
+        assert runtime.cache_dir is None
+        [plan_id] = list(runtime._plans)
+        assert len(shared_bytes[plan_id]) < first  # the plan came over the wire
+    assert runtimes[0]._executors[plan_id] is runtimes[1]._executors[plan_id]  # one onnxruntime session
+    assert MemoryPlanCache(shared_bytes).get(plan_id) is None  # a new device has not downloaded it
+
+
+def test_plan_caches_keep_only_intact_plans(tmp_path):
+    data = b"plan bytes"
+    pid = hashlib.sha256(data).hexdigest()
+    memory, directory = MemoryPlanCache(), DirectoryPlanCache(tmp_path)
+    for cache in (memory, directory):
+        assert cache.get(pid) is None
+        cache.put(pid, data)
+        assert cache.get(pid) == data
+    (tmp_path / "plans" / pid).write_bytes(b"tampered")
+    assert directory.get(pid) is None
+    memory.put("0" * 64, data)  # bytes that are not what the id names are not kept
+    assert memory.get("0" * 64) is None
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """Real HTTP, remembering each request's method and path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(f"{request.method} {request.url.path}")
+        return super().handle_request(request)
+
+
+def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(server, admin, digits):
+    """Most check-ins are rejected; for a task without eligibility policies each costs one
+    request, not two. When a task with policies follows, the server's ELIGIBILITY_REQUIRED makes
+    the device evaluate them and check in again within the same session."""
+    plan, weights = deploy(admin, goal_count=1, over_selection=1.0, max_rounds=1)
+    admin.deploy_task("digits", "with-policies", plan, encode_checkpoint(weights),
+                      RoundConfig(goal_count=1, over_selection=1.0, min_reports=1), EligibilityPolicies(min_examples=10))
+    clock = VirtualClock()
+    transport = CountingTransport()
+    runtime = FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, clock=clock.now, transport=transport)
+    first = runtime.run_session()
+    assert first.task == "train"
+    assert transport.paths[:2] == ["GET /v1/populations/digits/eligibility", "POST /v1/populations/digits/checkin"]
+    transport.paths.clear()
+    second = runtime.run_session()  # "train" is complete: "with-policies" needs a verdict
+    assert second.task == "with-policies" and second.outcome.value == "completed"
+    assert transport.paths[:3] == [
+        "POST /v1/populations/digits/checkin",
+        "GET /v1/populations/digits/eligibility",
+        "POST /v1/populations/digits/checkin",
+    ]

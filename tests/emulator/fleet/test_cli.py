@@ -1,0 +1,55 @@
+"""`fedfleet simulate`: the summary is stdout's last line and equals summary.json; bad configs
+are refused with a message that names the problem."""
+
+from __future__ import annotations
+
+import json
+
+from emulator.cli import main
+
+
+def test_simulate_prints_the_summary_last_and_writes_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 40\nhours = 2.0\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 8\n", encoding="utf-8")
+    code = main(["simulate", str(fleet), "--hours", "0.5", "--seed", "4", "--out", str(out), "--no-progress"])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    on_disk = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["digest"] == on_disk["digest"]
+    assert len(summary["digest"]) == 64
+    assert summary["devices"] == 40 and summary["seed"] == 4 and summary["simulated_s"] == 1800.0
+    for key in ("dropout_rate", "availability_swing", "shapes"):
+        assert key in summary
+    for name in ("sessions.csv", "rounds.csv", "timeline.csv"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_a_config_with_an_unknown_field_is_refused_by_name(tmp_path, capsys):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevicez = 40\n", encoding="utf-8")
+    assert main(["simulate", str(fleet), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "devicez" in err and "unknown field" in err
+
+
+def test_a_secure_aggregation_task_is_refused_with_what_to_do_instead(tmp_path, capsys):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 10\nhours = 0.1\n\n[task]\nsecure = true\n", encoding="utf-8")
+    assert main(["simulate", str(fleet), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "task.secure" in err and "fedfleet demo --secure" in err
+
+
+def test_a_goal_the_server_refuses_exits_with_its_reason(capsys):
+    assert main(["simulate", "--devices", "20", "--hours", "0.1", "--goal", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "refuses the fleet's [task]" in err and "min_reports" in err and "Traceback" not in err
+
+
+def test_a_fleet_too_small_for_its_goal_says_so(tmp_path, capsys):
+    assert main(["simulate", "--devices", "40", "--hours", "0.5", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["rounds_committed"] == 0
+    assert "no round committed: each needs 100 reports" in captured.err and "--goal" in captured.err

@@ -1,0 +1,125 @@
+"""The fleet config: paper-calibrated defaults, TOML in and out, overrides, and refusals that name
+the field to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from emulator.fleet import FleetConfig, FleetConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_shipped_default_toml_is_the_default_config():
+    assert FleetConfig.load(ROOT / "examples" / "fleets" / "default.toml") == FleetConfig.default()
+
+
+def test_defaults_follow_the_paper():
+    config = FleetConfig.default()
+    assert config.task.goal_count == 100 and config.task.over_selection == 1.3  # sec. 9
+    assert config.fleet.min_memory_mb == 2048  # sec. 11
+    assert any(c.memory_mb < 2048 for c in config.device_classes)  # some phones are left out
+
+
+def _weights(n: int):
+    return st.lists(st.integers(1, 100), min_size=n, max_size=n).map(lambda w: [x / sum(w) for x in w])
+
+
+@st.composite
+def configs(draw):
+    data = FleetConfig.default().model_dump()
+    data["fleet"].update(
+        devices=draw(st.integers(1, 10**6)),
+        hours=draw(st.floats(0.5, 240.0, allow_nan=False)),
+        seed=draw(st.integers(0, 2**63 - 1)),
+        start_utc_hour=draw(st.floats(0.0, 23.99)),
+    )
+    zones = draw(st.lists(st.integers(-12, 14), min_size=1, max_size=5))
+    data["availability"]["time_zones"] = [
+        {"utc_offset_h": float(z), "share": s} for z, s in zip(zones, draw(_weights(len(zones))))
+    ]
+    for item, share in zip(data["runtime_versions"], draw(_weights(len(data["runtime_versions"])))):
+        item["share"] = share
+    data["faults"]["late_report_prob"] = draw(st.floats(0.0, 1.0))
+    data["task"]["max_rounds"] = draw(st.none() | st.integers(1, 1000))
+    data["availability"]["trace"] = draw(st.none() | st.text(min_size=1).map(lambda name: "/data/" + name))
+    return FleetConfig.from_dict(data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(configs())
+def test_toml_round_trip_gives_an_equal_config(tmp_path_factory, config):
+    path = tmp_path_factory.mktemp("toml") / "fleet.toml"
+    path.write_text(config.to_toml(), encoding="utf-8")
+    assert FleetConfig.load(path) == config
+
+
+def test_replace_applies_overrides_and_validates_them():
+    config = FleetConfig.default()
+    changed = config.replace(devices=123, hours=2.5, seed=7)
+    assert (changed.fleet.devices, changed.fleet.hours, changed.fleet.seed) == (123, 2.5, 7)
+    assert changed.availability == config.availability and config.fleet.devices == 10_000
+    assert config.replace() == config
+    with pytest.raises(FleetConfigError, match=r"fleet\.devices"):
+        config.replace(devices=0)
+    smaller = config.replace(goal=12)
+    assert smaller.task.goal_count == 12 and smaller.fleet == config.fleet
+    with pytest.raises(FleetConfigError, match=r"task\.goal_count"):
+        config.replace(goal=0)
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("[fleet]\ndevices = 0", "fleet.devices"),
+        ("[fleet]\ndevices = 10.5", "fleet.devices"),
+        ('[fleet]\nseed = "7"', "fleet.seed"),
+        ("[fleet]\nhours = nan", "fleet.hours"),
+        ("[fleet]\nhours = inf", "fleet.hours"),
+        ("[fleet]\ndevice = 10", "fleet.device"),
+        ("[fleets]\ndevices = 10", "fleets"),
+        ("[task]\nsecure = 1", "task.secure"),
+        ("[task]\nover_selection = 0.9", "task.over_selection"),
+        ("[task]\nretry_min_s = 10.0\nretry_max_s = 5.0", "retry_min_s"),
+        ("[availability.night]\nprobability = 1.5", "availability.night.probability"),
+        ("[availability.day]\nfrom_h = 20.0\nto_h = 8.0", "from_h"),
+        ("[availability.battery]\nstart_min = 0.9\nstart_max = 0.2", "start_min"),
+        ("[[availability.time_zones]]\nutc_offset_h = -5.0\nshare = 0.5", "availability.time_zones"),
+        ("[[availability.time_zones]]\nutc_offset_h = 30.0\nshare = 1.0", "availability.time_zones.0.utc_offset_h"),
+        ("[[device_classes]]\nname = \"a\"\nshare = 1.0\nspeed = 1.0\nmemory_mb = 1024", "min_memory_mb"),
+        ("[[device_classes]]\nname = \"a\"\nshare = 0.0\nspeed = 1.0\nmemory_mb = 4096", "device_classes.0.share"),
+        ("[[runtime_versions]]\nversion = \"latest\"\nshare = 1.0", "runtime_versions"),
+        (
+            "[[network_classes]]\nname = \"x\"\nshare = 0.5\ndown_mbps = 1.0\nup_mbps = 1.0\nlatency_ms = 1.0\n"
+            "[[network_classes]]\nname = \"x\"\nshare = 0.5\ndown_mbps = 1.0\nup_mbps = 1.0\nlatency_ms = 1.0",
+            "network_classes",
+        ),
+        ("[data]\nexamples_min = 50\nexamples_median = 10", "examples_min"),
+        ('[data]\ndataset = "imagenet"', "data.dataset"),
+    ],
+)
+def test_an_invalid_config_is_refused_naming_the_field(tmp_path, toml, field):
+    path = tmp_path / "fleet.toml"
+    path.write_text(toml, encoding="utf-8")
+    with pytest.raises(FleetConfigError) as info:
+        FleetConfig.load(path)
+    assert field in str(info.value) and str(path) in str(info.value)
+
+
+def test_unreadable_files_are_refused_with_what_to_do(tmp_path):
+    with pytest.raises(FleetConfigError, match="no fleet config"):
+        FleetConfig.load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[fleet\ndevices = 3", encoding="utf-8")
+    with pytest.raises(FleetConfigError, match="not valid TOML"):
+        FleetConfig.load(bad)
+
+
+def test_a_relative_trace_path_is_read_next_to_the_config(tmp_path):
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "fleet.toml"
+    path.write_text('[availability]\ntrace = "traces/day.csv"\n', encoding="utf-8")
+    assert FleetConfig.load(path).availability.trace == str(tmp_path / "conf" / "traces" / "day.csv")

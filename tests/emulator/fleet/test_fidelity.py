@@ -1,0 +1,62 @@
+"""The default fleet reproduces the paper's profile (Bonawitz et al. 2019, sec. 2.3, 9, Table 1,
+Fig. 5-6) within the stated bounds, on a small fleet: 400 devices of the default population for a
+day, with the round goal scaled to the fleet (10 instead of 100, the same 130% over-selection,
+and a selection window long enough for a small fleet's trough).
+
+On session shapes: a round commits once ``goal`` of its ``1.3 goal`` devices reported, so every
+selected device that neither dropped out nor made the goal ends ``#``: the shares obey
+``# + drop-out = 1 - goal / selected`` (about 23%). With the paper's 6-10% drop-out, ``#`` is
+therefore 13-17%, not Table 1's 22% (whose population dropped out about 2%); the test checks the
+identity and the drop-out bound rather than both numbers at once."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from emulator.fleet import FleetConfig, simulate
+
+GOAL = 10
+
+
+@pytest.fixture(scope="module")
+def day():
+    data = FleetConfig.default().replace(devices=400, hours=24.0).model_dump()
+    data["task"].update(goal_count=GOAL, selection_timeout_s=600.0)
+    return simulate(FleetConfig.from_dict(data), progress=False)
+
+
+def _share(summary: dict, predicate) -> float:
+    return sum(v for k, v in summary["shape_shares"].items() if predicate(k))
+
+
+def test_dropout_is_six_to_ten_percent(day):
+    assert 0.06 <= day.summary()["dropout_rate"] <= 0.10
+
+
+def test_completed_and_interrupted_shapes_are_within_five_points_of_table_1(day):
+    summary = day.summary()
+    assert abs(_share(summary, lambda s: s == "-v[]+^") - 0.75) <= 0.05
+    assert abs(_share(summary, lambda s: s.endswith("!")) - 0.02) <= 0.05
+
+
+def test_rejected_uploads_are_the_over_selection_the_drop_outs_left(day):
+    summary = day.summary()
+    committed = [r for r in day.rounds if r.committed]
+    selected = statistics.mean(r.selected for r in committed)
+    rejected = _share(summary, lambda s: s.endswith("#"))
+    assert rejected >= 0.12
+    assert abs(rejected + summary["dropout_rate"] - (1 - GOAL / selected)) <= 0.03
+
+
+def test_available_devices_swing_three_to_five_times_over_the_day(day):
+    assert 3.0 <= day.summary()["availability_swing"] <= 5.0
+
+
+def test_rounds_commit_at_the_papers_over_selection(day):
+    committed = [r for r in day.rounds if r.committed]
+    assert len(committed) >= 0.9 * len(day.rounds)
+    full = sum(1 for r in committed if r.selected == 13)  # ceil(10 * 130%)
+    assert full >= 0.75 * len(committed)
+    assert all(r.accepted >= 8 for r in committed)  # min_fraction 0.8 of the goal

@@ -1,0 +1,189 @@
+"""The fleet past one process: devices over shards with the server in one process, equal to the
+single-process run bit for bit; independent runs fanned out, equal to the same runs alone.
+
+The shards' exchange is checked in this process first (shards as plain objects, any number of
+them), then on a real local Ray cluster of two workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from emulator.cli import main
+from emulator.fleet import EventLoop, FleetConfig, FleetConfigError, FleetRun, SimulationError, simulate
+from emulator.fleet.ray_backend import parse_sweep, run_many, simulate_sharded, sweep_configs
+
+from .test_simulator import small_config
+
+try:
+    import ray
+except ImportError:  # an optional extra; in CI its absence is a failure, not a skip
+    if os.environ.get("CI"):
+        raise
+    ray = None
+
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray is not installed: pip install -e '.[ray]'")
+
+
+def tiny_config(seed: int = 1, **task: object) -> FleetConfig:
+    data = small_config(seed, **task).model_dump(mode="json")
+    data["fleet"].update(devices=30, hours=0.5)
+    return FleetConfig.from_dict(data)
+
+
+def same_run(a: FleetRun, b: FleetRun) -> None:
+    """Equal in everything the run decides (the server's session ids are random bearer material)."""
+    assert a.digest == b.digest
+    assert a.rounds == b.rounds
+    assert a.timeline == b.timeline
+    strip = lambda run: [dataclasses.replace(s, session_id="x" if s.session_id else "") for s in run.sessions]  # noqa: E731
+    assert strip(a) == strip(b)
+
+
+_keyed = st.lists(st.tuples(st.sampled_from([0.0, 1.0, 2.5]), st.integers(-2, 2), st.integers(0, 5)), min_size=1, max_size=40)
+
+
+@given(_keyed, st.randoms(use_true_random=False))
+def test_ties_between_keys_do_not_depend_on_how_the_loop_interleaved_them(events, rnd):
+    """What lets shards repeat one loop's order: events of different keys (devices) at one
+    (time, order) run by key; only one key's own events keep their scheduling order."""
+
+    def ran(schedule: list[int]) -> list[int]:
+        loop, out = EventLoop(), []
+        for i in schedule:
+            at, order, key = events[i]
+            loop.call_at(at, out.append, i, order=order, key=key)
+        loop.run_until(10.0)
+        return out
+
+    # another interleaving: shuffle the keys' streams together, each key's own events in order
+    streams = {k: [i for i, e in enumerate(events) if e[2] == k] for k in {e[2] for e in events}}
+    other: list[int] = []
+    while streams:
+        k = rnd.choice(sorted(streams))
+        other.append(streams[k].pop(0))
+        if not streams[k]:
+            del streams[k]
+    assert ran(list(range(len(events)))) == ran(other)
+
+
+@pytest.fixture(scope="module")
+def one_process() -> FleetRun:
+    run = simulate(small_config(seed=1), progress=False)
+    assert sum(r.committed for r in run.rounds) >= 3  # a run where the server's order matters
+    return run
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shards=st.integers(1, 4))
+def test_any_number_of_shards_gives_the_single_process_run(one_process, shards):
+    stats: dict = {}
+    run = simulate_sharded(small_config(seed=1), shards=shards, ray=False, stats=stats)
+    same_run(run, one_process)
+    assert stats["shards"] == shards and stats["requests"] > 100
+
+
+def test_a_device_killed_while_its_request_is_at_the_server_dies_as_in_one_process():
+    """App kills every second or so: some land while the device's request waits for its
+    answer, which cuts the shard's window at the kill; the run still equals one process's."""
+    data = tiny_config(seed=3).model_dump(mode="json")
+    data["fleet"].update(devices=40, hours=1.0)
+    data["faults"]["app_killed_per_h"] = 3600.0
+    config = FleetConfig.from_dict(data)
+    stats: dict = {}
+    sharded = simulate_sharded(config, shards=3, ray=False, stats=stats)
+    alone = simulate(config, progress=False)
+    same_run(sharded, alone)
+    assert stats["held"] > 0
+    assert sum(s.outcome == "app_killed" for s in alone.sessions) > 20
+
+
+def test_a_shard_count_below_one_is_refused():
+    with pytest.raises(SimulationError, match="shards must be at least 1"):
+        simulate_sharded(tiny_config(), shards=0, ray=False)
+
+
+def test_a_sweep_is_the_grid_of_its_values_and_refuses_unknown_keys_by_name():
+    grid = parse_sweep(["goal_count=6,8", "fleet.devices=20,30,40"])
+    assert grid == {"task.goal_count": [6, 8], "fleet.devices": [20, 30, 40]}
+    runs = sweep_configs(tiny_config(), seeds=[1, 2], grid=grid)
+    assert len(runs) == 2 * 2 * 3
+    assert {(c.fleet.seed, c.task.goal_count, c.fleet.devices) for _, c in runs} == {
+        (s, g, d) for s in (1, 2) for g in (6, 8) for d in (20, 30, 40)
+    }
+    assert all(p["fleet.seed"] == c.fleet.seed and p["task.goal_count"] == c.task.goal_count for p, c in runs)
+    with pytest.raises(FleetConfigError, match="goal_cont"):
+        sweep_configs(tiny_config(), grid=parse_sweep(["goal_cont=6"]))
+    with pytest.raises(FleetConfigError, match="KEY=V1,V2"):
+        parse_sweep(["goal_count"])
+    with pytest.raises(FleetConfigError, match="goal_count"):
+        sweep_configs(tiny_config(), grid=parse_sweep(["goal_count=-3"]))
+
+
+def test_simulate_with_shards_prints_the_digest_of_the_single_process_run(tmp_path, capsys):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
+    assert main(["simulate", str(fleet), "--seed", "2", "--no-progress"]) == 0
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["simulate", str(fleet), "--seed", "2", "--shards", "2", "--no-progress"]) == 0
+    sharded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sharded["digest"] == alone["digest"]
+    assert main(["simulate", str(fleet), "--shards", "2", "--http", "--no-progress"]) == 2
+    assert "--http" in capsys.readouterr().err
+
+
+def test_simulate_with_seeds_prints_one_line_per_run_then_their_digests(tmp_path, capsys):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 20\nhours = 0.25\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
+    assert main(["simulate", str(fleet), "--seeds", "1,2", "--sweep", "goal_count=6,8", "--no-progress"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 5
+    *runs, last = lines
+    assert [r["params"] for r in runs] == last["params"] == [
+        {"fleet.seed": s, "task.goal_count": g} for s in (1, 2) for g in (6, 8)
+    ]
+    assert [r["digest"] for r in runs] == last["digests"]
+    assert last["digests"][0] != last["digests"][2]  # another seed, another run
+    assert main(["simulate", str(fleet), "--seeds", "one,two", "--no-progress"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert main(["simulate", str(fleet), "--sweep", "nosuch=1", "--no-progress"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ on a real local Ray cluster
+@pytest.fixture(scope="module")
+def cluster():
+    if ray is None:
+        pytest.skip("Ray is not installed: pip install -e '.[ray]'")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@needs_ray
+def test_the_sharded_run_on_two_ray_workers_equals_the_single_process_run(cluster, one_process):
+    stats: dict = {}
+    run = simulate_sharded(small_config(seed=1), shards=2, ray=True, stats=stats)
+    same_run(run, one_process)
+    assert stats["windows"] > 1
+
+
+@needs_ray
+def test_runs_fanned_out_as_ray_tasks_equal_the_same_runs_here(cluster, tmp_path, capsys):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
+    configs = [FleetConfig.load(fleet).replace(seed=s) for s in (1, 2)]
+    on_ray = run_many(configs, ray=True)
+    here = run_many(configs, ray=False)
+    assert [s["digest"] for s in on_ray] == [s["digest"] for s in here]
+    assert on_ray[0]["digest"] != on_ray[1]["digest"]
+    assert main(["simulate", str(fleet), "--seeds", "1,2", "--ray", "--no-progress"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["backend"] == "ray" and last["digests"] == [s["digest"] for s in here]

@@ -1,0 +1,382 @@
+"""The fleet report: its files exist, its images are real plots, its numbers are the run's."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import sys
+from collections import Counter
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emulator.fleet import FleetReportError, FleetRun, RoundRow, SessionRow, TimelineRow, simulate, summarize, write_report
+from emulator.fleet.config import FleetConfig
+from emulator.fleet.report import PLOTS, available_by_hour
+
+pytest.importorskip("matplotlib")
+
+# Shapes of the paper's Table 1 plus rarer failures, with the shares the synthetic fleet draws.
+_SHAPES = ("-v[]+^", "-v[]+#", "-v[!", "-v!", "-v[]+*", "-!")
+_SHAPE_P = (0.72, 0.2, 0.04, 0.02, 0.01, 0.01)
+
+
+def synthetic_run(*, seed: int = 0, hours: float = 24.0, devices: int = 300, rounds: int = 40) -> FleetRun:
+    """A run as the simulator would record it, drawn from a seeded generator (no simulator)."""
+    rng = np.random.default_rng(seed)
+    span = hours * 3600.0
+    timeline = []
+    for t in np.arange(0.0, span, 300.0):
+        day = 0.5 * (1 + math.cos(2 * math.pi * (t / 86400.0 - 0.1)))  # peak near 02:24 UTC
+        available = int(devices * (0.1 + 0.3 * day) + rng.integers(0, 5))
+        participating = int(rng.integers(0, max(1, available // 3)))
+        timeline.append(TimelineRow(float(t), available, int(rng.integers(0, available + 1)), participating, participating))
+    round_rows = []
+    sessions = []
+    for i in range(rounds):
+        start = float(rng.uniform(0, span - 900))
+        duration = float(rng.uniform(60, 600))
+        selected = int(rng.integers(5, 40))
+        dropped = int(rng.integers(0, selected // 4 + 1))
+        reported = selected - dropped
+        accepted = int(rng.integers(0, reported + 1))
+        committed = bool(rng.random() < 0.8)
+        accuracy = float(0.3 + 0.6 * i / rounds) if committed and i % 3 else float("nan")
+        loss = float(2.0 - 1.5 * i / rounds) if committed else float("nan")
+        round_id = f"r{i:03d}"
+        round_rows.append(
+            RoundRow(round_id, "train", start, start + duration, committed, selected, reported, accepted, dropped, duration, accuracy, loss)
+        )
+        for j in range(selected):
+            shape = str(rng.choice(_SHAPES, p=_SHAPE_P))
+            s_start = start + float(rng.uniform(0, 30))
+            s_end = s_start + float(rng.uniform(10, duration))
+            sessions.append(
+                SessionRow(
+                    device_id=f"d{int(rng.integers(devices)):05d}",
+                    session_id=f"{round_id}-s{j}",
+                    task="train",
+                    round_id=round_id,
+                    start_s=s_start,
+                    end_s=s_end,
+                    shape=shape,
+                    outcome="completed" if shape.endswith("^") else "other",
+                    bytes_down=int(rng.integers(10_000, 20_000)),
+                    bytes_up=int(rng.integers(2_000, 5_000)) if "+" in shape else 0,
+                    examples=int(rng.integers(0, 50)),
+                    compute_s=float(rng.uniform(0, 5)),
+                    network_s=float(rng.uniform(0, 5)),
+                    runtime_version=str(rng.choice(["1.17.3", "1.20.1", "1.31.0"])),
+                    device_class=str(rng.choice(["low", "mid", "high"])),
+                    local_hour=float(rng.uniform(0, 24)),
+                )
+            )
+    for k in range(devices):
+        t = float(rng.uniform(0, span))
+        sessions.append(SessionRow(f"d{k:05d}", "", "", "", t, t + 0.5, "-", "rejected", 300, 0, 0, 0.0, 0.5, "1.20.1", "mid", 12.0))
+    sessions.sort(key=lambda s: (s.start_s, s.device_id))
+    round_rows.sort(key=lambda r: r.start_s)
+    return FleetRun(sessions=sessions, rounds=round_rows, timeline=timeline, digest="ab" * 32, wall_s=12.5, simulated_s=span)
+
+
+# --- reading the report back ------------------------------------------------------------------
+
+
+class _ReportParser(HTMLParser):
+    """Collects the report's machine-readable parts: every ``data-value`` cell by table, the
+    summary cells by key, the embedded images and the embedded summary JSON."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[object]]] = {}
+        self.summary: dict[str, object] = {}
+        self.images: dict[str, bytes] = {}
+        self.json_text = ""
+        self._table: str | None = None
+        self._figure: str | None = None
+        self._in_json = False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table":
+            self._table = a.get("id")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self.tables[self._table].append([])
+        elif tag == "td" and "data-value" in a:
+            value = json.loads(a["data-value"])
+            self.tables[self._table][-1].append(value)
+            if "data-key" in a:
+                self.summary[a["data-key"]] = value
+        elif tag == "figure":
+            self._figure = a["id"]
+        elif tag == "img":
+            prefix = "data:image/png;base64,"
+            assert a["src"].startswith(prefix)
+            self.images[self._figure] = base64.b64decode(a["src"][len(prefix):])
+        elif tag == "script" and a.get("id") == "summary-json":
+            self._in_json = True
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._table = None
+        elif tag == "script":
+            self._in_json = False
+
+    def handle_data(self, data):
+        if self._in_json:
+            self.json_text += data
+
+
+def _parse_report(path) -> _ReportParser:
+    parser = _ReportParser()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return parser
+
+
+def _decode_png(data: bytes) -> np.ndarray:
+    from matplotlib.image import imread
+
+    return imread(io.BytesIO(data), format="png")
+
+
+def _has_colour(pixels: np.ndarray, hex_colour: str, *, at_least: int = 50) -> bool:
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
+    close = np.all(np.abs(pixels[..., :3] - rgb) < 2 / 255, axis=-1)
+    return int(close.sum()) >= at_least
+
+
+# --- values computed here from the tables, independently of emulator.fleet.report ---------------
+
+
+def _expected(run: FleetRun) -> dict[str, object]:
+    accepted = [s for s in run.sessions if s.session_id]
+    dropped = [s for s in accepted if s.shape[-1] not in "^#"]
+    hours = np.floor(np.array([r.t_s for r in run.timeline]) / 3600.0).astype(int) % 24
+    available = np.array([r.available for r in run.timeline], dtype=float)
+    hourly = [available[hours == h].mean() for h in np.unique(hours)]
+    committed = [r for r in run.rounds if r.committed]
+    return {
+        "sessions": len(run.sessions),
+        "sessions_accepted": len(accepted),
+        "checkins_rejected": len(run.sessions) - len(accepted),
+        "sessions_completed": sum(s.shape.endswith("^") for s in accepted),
+        "dropout_rate": len(dropped) / len(accepted),
+        "shapes": dict(Counter(s.shape for s in accepted)),
+        "bytes_down": int(sum(s.bytes_down for s in run.sessions)),
+        "bytes_up": int(sum(s.bytes_up for s in run.sessions)),
+        "rounds": len(run.rounds),
+        "rounds_committed": len(committed),
+        "rounds_abandoned": len(run.rounds) - len(committed),
+        "available_peak": max(hourly),
+        "available_trough": min(hourly),
+        "availability_swing": max(hourly) / max(min(hourly), 1.0),
+        "accuracy": [r.accuracy for r in committed if not math.isnan(r.accuracy)][-1],
+        "simulated_s": run.simulated_s,
+        "sim_s_per_wall_s": run.simulated_s / run.wall_s,
+        "completed_sessions_per_wall_s": sum(s.shape.endswith("^") for s in accepted) / run.wall_s,
+    }
+
+
+@pytest.fixture(scope="module")
+def run() -> FleetRun:
+    return synthetic_run(seed=7)
+
+
+@pytest.fixture(scope="module")
+def report_dir(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    write_report(run, out)
+    return out
+
+
+def _assert_matches(actual: dict, expected: dict) -> None:
+    for key, want in expected.items():
+        got = actual[key]
+        if isinstance(want, float):
+            assert got == pytest.approx(want, rel=1e-12), key
+        else:
+            assert got == want, key
+
+
+def test_the_report_writes_its_tables_summary_plots_and_page(report_dir):
+    names = {"sessions.csv", "rounds.csv", "timeline.csv", "summary.json", "report.html"}
+    names |= {f"{p.__name__.removeprefix('plot_')}.png" for p in PLOTS}
+    assert names <= {p.name for p in report_dir.iterdir()}
+    assert all((report_dir / n).stat().st_size > 0 for n in names)
+
+
+def test_the_images_are_real_plots_of_the_run(run, report_dir):
+    for plot in PLOTS:
+        pixels = _decode_png((report_dir / f"{plot.__name__.removeprefix('plot_')}.png").read_bytes())
+        height, width, _ = pixels.shape
+        assert width == 900 and height >= 400, plot.__name__
+        rgb = (pixels[..., :3] * 255).round().astype(np.uint32)
+        colours = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2])
+        assert len(colours) >= 20, plot.__name__  # lines, text and antialiasing, not a blank page
+        assert pixels[..., :3].std() > 0.02, plot.__name__
+    # The data is drawn, in the colours the figures give it.
+    devices = _decode_png((report_dir / "devices.png").read_bytes())
+    assert _has_colour(devices, "#2ca02c") and _has_colour(devices, "#8e44ad") and _has_colour(devices, "#1f77b4")
+    shapes = _decode_png((report_dir / "shapes.png").read_bytes())
+    assert _has_colour(shapes, "#2ca02c", at_least=2000)  # the -v[]+^ bar
+    assert _has_colour(shapes, "#ff7f0e", at_least=500)  # the -v[]+# bar
+
+
+def test_the_summary_json_holds_the_runs_numbers(run, report_dir):
+    summary = json.loads((report_dir / "summary.json").read_text())
+    _assert_matches(summary, _expected(run))
+    assert summary["digest"] == run.digest
+    assert summary == json.loads(json.dumps(summarize(run)))
+
+
+def test_the_html_page_holds_the_runs_numbers_plots_and_rounds(run, report_dir):
+    page = _parse_report(report_dir / "report.html")
+    expected = _expected(run)
+    _assert_matches(page.summary, {k: v for k, v in expected.items() if k != "shapes"})
+    assert json.loads(page.json_text) == json.loads((report_dir / "summary.json").read_text())
+    shape_rows = page.tables["shapes"][1:]
+    assert {shape: count for shape, count, _share in shape_rows} == expected["shapes"]
+    assert [count for _s, count, _share in shape_rows] == sorted(expected["shapes"].values(), reverse=True)
+    round_rows = page.tables["rounds"][1:]
+    assert len(round_rows) == len(run.rounds)
+    for cells, r in zip(round_rows, run.rounds):
+        assert cells[0] == r.round_id and cells[5] == r.committed and cells[6:10] == [r.selected, r.reported, r.accepted, r.dropped]
+        assert cells[4] == r.duration_s and (cells[10] == r.accuracy if not math.isnan(r.accuracy) else cells[10] is None)
+    for plot in PLOTS:
+        name = f"{plot.__name__.removeprefix('plot_')}.png"
+        assert page.images[name] == (report_dir / name).read_bytes()
+    text = (report_dir / "report.html").read_text()
+    assert "<link" not in text and "http" not in text and "src=\"data:image/png;base64," in text  # self-contained
+
+
+def test_the_same_run_writes_the_same_bytes(run, report_dir, tmp_path):
+    write_report(synthetic_run(seed=7), tmp_path)
+    for path in report_dir.iterdir():
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+# --- edge cases -------------------------------------------------------------------------------
+
+
+def _timeline(available_by_hour: list[int]) -> list[TimelineRow]:
+    """Twelve samples per hour, hour h holding ``available_by_hour[h]`` devices."""
+    return [TimelineRow(h * 3600.0 + k * 300.0, n, 0, 0, 0) for h, n in enumerate(available_by_hour) for k in range(12)]
+
+
+def test_an_empty_run_has_undefined_rates_and_still_writes_a_report(tmp_path):
+    empty = FleetRun(sessions=[], rounds=[], timeline=[], digest="cd" * 32)
+    summary = write_report(empty, tmp_path)
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
+    for key in ("dropout_rate", "availability_swing", "round_completion_rate", "round_duration_median_s",
+                "accuracy", "loss", "sim_s_per_wall_s", "sessions_per_wall_s"):
+        assert summary[key] is None, key
+    assert summary["shapes"] == {} and summary["rounds"] == summary["sessions"] == 0
+    page = _parse_report(tmp_path / "report.html")
+    assert page.summary["dropout_rate"] is None and page.tables["rounds"] == [[]] and len(page.images) == len(PLOTS)
+    for data in page.images.values():
+        pixels = _decode_png(data)
+        assert pixels.shape[1] == 900 and pixels[..., :3].std() > 0.01  # axes and "no ... in this run"
+
+
+def test_a_run_of_rejected_check_ins_has_no_shapes_and_no_dropout():
+    rejected = [SessionRow(f"d{i}", "", "", "", float(i), i + 0.5, "-", "rejected", 200, 0, 0, 0.0, 0.5, "1.31.1", "mid", 3.0) for i in range(5)]
+    summary = summarize(FleetRun(sessions=rejected, rounds=[], timeline=_timeline([3] * 24), digest="", wall_s=2.0))
+    assert summary["shapes"] == {} and summary["dropout_rate"] is None
+    assert summary["checkins_rejected"] == summary["sessions"] == 5 and summary["sessions_accepted"] == 0
+    assert summary["bytes_down"] == 1000 and summary["availability_swing"] == 1.0
+    assert summary["sessions_per_wall_s"] == 0.0
+
+
+def test_a_trough_of_zero_available_devices_reads_as_the_peak_count():
+    day = [40] * 24
+    day[13:16] = [0, 0, 0]
+    summary = summarize(FleetRun(sessions=[], rounds=[], timeline=_timeline(day), digest=""))
+    assert (summary["available_peak"], summary["available_trough"], summary["availability_swing"]) == (40.0, 0.0, 40.0)
+    never = summarize(FleetRun(sessions=[], rounds=[], timeline=_timeline([0] * 24), digest=""))
+    assert never["availability_swing"] == 1.0
+    json.dumps(summary, allow_nan=False)
+
+
+def test_hours_of_day_start_at_the_configs_start_hour():
+    config = FleetConfig.from_dict({"fleet": {"devices": 50, "seed": 3, "start_utc_hour": 6.0}})
+    timeline = _timeline([10, 20, 30])
+    assert list(available_by_hour(timeline, 6.0)) == [6, 7, 8]
+    summary = summarize(FleetRun(sessions=[], rounds=[], timeline=timeline, digest="", config=config))
+    assert (summary["devices"], summary["seed"], summary["availability_swing"]) == (50, 3, 3.0)
+    assert summary["simulated_s"] == config.horizon_s
+
+
+_shape = st.text(alphabet="-v[]+^#!*", min_size=1, max_size=7).map(lambda s: "-" + s)
+
+
+@st.composite
+def _runs(draw) -> FleetRun:
+    n = draw(st.integers(0, 30))
+    sessions = [
+        SessionRow(f"d{i}", draw(st.sampled_from(["", f"s{i}"])), "t", "", float(i), i + 1.0, draw(_shape), "", draw(st.integers(0, 10**6)),
+                   draw(st.integers(0, 10**6)), 0, 0.0, 0.0, "1.31.1", "mid", draw(st.floats(0, 23.99)))
+        for i in range(n)
+    ]
+    rounds = [
+        RoundRow(f"r{i}", "t", 0.0, 1.0, draw(st.booleans()), 3, 2, 1, 1, draw(st.floats(0, 1e4)),
+                 draw(st.floats(allow_nan=True, allow_infinity=False)), draw(st.floats(allow_nan=True, allow_infinity=False)))
+        for i in range(draw(st.integers(0, 10)))
+    ]
+    counts = draw(st.lists(st.integers(0, 10**4), max_size=30))
+    timeline = [TimelineRow(300.0 * i, c, 0, 0, 0) for i, c in enumerate(counts)]
+    return FleetRun(sessions, rounds, timeline, digest="", wall_s=draw(st.floats(0, 100)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_runs())
+def test_any_run_summarizes_to_strict_json_whose_counts_add_up(run):
+    summary = summarize(run)
+    json.dumps(summary, allow_nan=False)
+    assert sum(summary["shapes"].values()) == summary["sessions_accepted"]
+    assert summary["sessions_accepted"] + summary["checkins_rejected"] == summary["sessions"] == len(run.sessions)
+    assert summary["rounds_committed"] + summary["rounds_abandoned"] == summary["rounds"] == len(run.rounds)
+    assert summary["dropout_rate"] is None or 0.0 <= summary["dropout_rate"] <= 1.0
+    assert (summary["availability_swing"] is None) == (not run.timeline)
+    assert summary["availability_swing"] is None or summary["availability_swing"] >= 1.0
+    if summary["shapes"]:
+        assert sum(summary["shape_shares"].values()) == pytest.approx(1.0)
+
+
+# --- a real simulated run ---------------------------------------------------------------------
+
+
+def _same_rows(a: list, b: list) -> bool:
+    """Row lists equal value for value, NaN equal to NaN (dataclass == says NaN != NaN)."""
+    return [tuple(map(repr, vars(r).values())) for r in a] == [tuple(map(repr, vars(r).values())) for r in b]
+
+
+def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(tmp_path):
+    config = FleetConfig.from_dict({"fleet": {"devices": 60, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10}})
+    run = simulate(config, out_dir=tmp_path, progress=False)
+    assert run.sessions and run.rounds and run.timeline
+    assert _same_rows(SessionRow.from_csv(tmp_path / "sessions.csv"), run.sessions)
+    assert _same_rows(RoundRow.from_csv(tmp_path / "rounds.csv"), run.rounds)
+    assert _same_rows(TimelineRow.from_csv(tmp_path / "timeline.csv"), run.timeline)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    accepted = [s for s in run.sessions if s.session_id]
+    assert summary["digest"] == run.digest and summary["devices"] == 60 and summary["simulated_s"] == 7200.0
+    assert summary["shapes"] == dict(Counter(s.shape for s in accepted))
+    assert summary["dropout_rate"] == pytest.approx(sum(s.shape[-1] not in "^#" for s in accepted) / len(accepted))
+    assert summary["rounds_committed"] == sum(r.committed for r in run.rounds)
+    page = _parse_report(tmp_path / "report.html")
+    assert page.summary["digest"] == run.digest and len(page.tables["rounds"]) == len(run.rounds) + 1
+    for name, data in page.images.items():
+        assert (tmp_path / name).read_bytes() == data and _decode_png(data)[..., :3].std() > 0.02
+
+
+def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure now fails
+    with pytest.raises(FleetReportError, match=r"pip install 'fedfleet\[sim\]'"):
+        write_report(FleetRun([], [], [], digest=""), tmp_path)
+    assert summarize(FleetRun([], [], [], digest=""))["sessions"] == 0  # the summary needs no plots

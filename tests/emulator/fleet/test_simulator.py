@@ -1,0 +1,191 @@
+"""The fleet simulation: real devices (the SDK's scheduler and runtime, onnxruntime training on
+each device's own examples) against the real server's ASGI app on one virtual clock.
+
+A small fleet runs at a US night for two simulated hours with rounds of a goal of 8, so that
+rounds commit within seconds of wall time."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population, simulate
+from emulator.fleet.population import DeviceFaults
+from emulator.fleet.simulator import FleetSimulator
+
+SMALL = {"devices": 80, "hours": 2.0, "start_utc_hour": 6.0}
+
+
+def small_config(seed: int = 1, **task: object) -> FleetConfig:
+    data = FleetConfig.default().model_dump()
+    data["fleet"].update(SMALL, seed=seed)
+    data["task"].update({"goal_count": 8, "retry_min_s": 60.0, "retry_max_s": 300.0, "selection_timeout_s": 300.0, **task})
+    return FleetConfig.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, FleetRun]:
+    return {
+        "a": simulate(small_config(seed=1), progress=False),
+        "b": simulate(small_config(seed=1), progress=False),
+        "other": simulate(small_config(seed=2), progress=False),
+    }
+
+
+def _without_server_ids(run: FleetRun) -> list[tuple]:
+    # the server names sessions with `secrets` (unguessable bearer material), so ids differ per run
+    return [dataclasses.replace(s, session_id="x" if s.session_id else "") for s in run.sessions]
+
+
+def test_the_same_seed_gives_the_same_run(runs):
+    a, b = runs["a"], runs["b"]
+    assert a.digest == b.digest
+    assert a.rounds == b.rounds or all(
+        (x.round_id, x.committed, x.selected, x.accepted) == (y.round_id, y.committed, y.selected, y.accepted)
+        and (x.accuracy == y.accuracy or (math.isnan(x.accuracy) and math.isnan(y.accuracy)))
+        for x, y in zip(a.rounds, b.rounds, strict=True)
+    )
+    assert _without_server_ids(a) == _without_server_ids(b)
+    assert a.timeline == b.timeline
+
+
+def test_another_seed_gives_another_run(runs):
+    assert runs["other"].digest != runs["a"].digest
+    assert _without_server_ids(runs["other"]) != _without_server_ids(runs["a"])
+
+
+def test_rounds_commit_and_the_model_learns(runs):
+    run = runs["a"]
+    committed = [r for r in run.rounds if r.committed]
+    assert len(committed) >= 3
+    # ten digit classes: a model that learned nothing is right one time in ten
+    assert committed[-1].accuracy > 0.5
+    for r in committed:
+        assert r.accepted >= math.ceil(8 * 0.8)
+        assert r.selected <= math.ceil(8 * 1.3)
+
+
+def test_every_upload_the_devices_saw_accepted_is_in_the_servers_rounds(runs):
+    """The device side (opstats shapes) and the server side (round records) count the same
+    reports: every `^` session is an accepted report of its round and vice versa."""
+    run = runs["a"]
+    numbers = {r.round_id.rsplit("/", 1)[0] for r in run.rounds}
+    last = max(numbers, key=lambda n: int(n.split("/")[1]))
+    accepted_by_round = Counter()
+    for r in run.rounds:
+        accepted_by_round[r.round_id.rsplit("/", 1)[0]] += r.accepted
+    uploads = Counter(s.round_id for s in run.sessions if s.shape.endswith("^"))
+    closed = numbers - {last}
+    assert closed
+    assert {n: uploads[n] for n in closed} == {n: accepted_by_round[n] for n in closed}
+
+
+def test_sessions_cost_virtual_time_from_the_work_and_bytes_they_really_had(runs):
+    run = runs["a"]
+    config = run.config
+    specs = {s.device_id: s for s in generate_population(config)}
+    per_example = config.task.compute_s_per_example * config.task.epochs
+    completed = [s for s in run.sessions if s.shape.endswith("^")]
+    assert completed
+    for s in completed:
+        spec = specs[s.device_id]
+        assert s.compute_s == pytest.approx(s.examples * per_example * spec.speed, rel=1e-6)
+        assert s.examples == len(device_examples(config, spec)[1])
+        wire = 8.0 * s.bytes_up / spec.network.up_bps + 8.0 * s.bytes_down / spec.network.down_bps
+        assert s.network_s >= wire
+        assert s.end_s - s.start_s >= s.compute_s + s.network_s - 1e-5  # the table keeps microseconds
+        assert s.bytes_up > 0 and s.bytes_down > 0
+
+
+def test_the_timeline_samples_the_whole_run(runs):
+    run = runs["a"]
+    times = [row.t_s for row in run.timeline]
+    assert times == [300.0 * i for i in range(len(times))]
+    assert times[-1] == SMALL["hours"] * 3600.0
+    assert all(0 <= row.available <= SMALL["devices"] for row in run.timeline)
+    assert max(row.participating for row in run.timeline) > 0
+
+
+class _AvailableUntil:
+    """Idle, charging and unmetered from 0 until ``end``, never again."""
+
+    def __init__(self, end: float) -> None:
+        self.end = end
+
+    def state_at(self, t: float):
+        from device_runtime.conditions import DeviceState
+
+        on = t < self.end
+        return DeviceState(idle=on, charging=on, battery_level=0.9, unmetered_network=on)
+
+    def next_change(self, t: float) -> float | None:
+        return self.end if t < self.end else None
+
+
+def test_conditions_that_stop_holding_mid_training_interrupt_through_the_runtimes_abort(tmp_path):
+    """Every device stops being available while it trains (compute costs 5 s per example):
+    each session ends `-v[!` and the server counts it as an abort, not a silent drop-out."""
+    config = small_config(seed=3, compute_s_per_example=5.0, max_rounds=1)
+    no_faults = DeviceFaults(0.0, 0.0, 0.0, 0.0, 0.0)
+    specs = [
+        dataclasses.replace(s, availability=_AvailableUntil(200.0), faults=no_faults, takes_part=True)
+        for s in generate_population(config)[:12]
+    ]
+    data = fleet_dataset(config)
+    sim = FleetSimulator(
+        config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test), workdir=tmp_path
+    )
+    run = sim.run()
+    sessions = [s for s in run.sessions if s.accepted]
+    assert sessions
+    assert {s.shape for s in sessions} == {"-v[!"}
+    assert all(s.outcome == "interrupted" and s.end_s >= 200.0 for s in sessions)
+    first = run.rounds[0]
+    assert not first.committed and first.dropped == first.selected == len([s for s in sessions if s.round_id == "train/1"])
+
+
+def test_numbers_of_the_run_are_plain_and_finite(runs):
+    run = runs["a"]
+    for s in run.sessions:
+        assert np.isfinite([s.start_s, s.end_s, s.compute_s, s.network_s, s.local_hour]).all()
+        assert s.end_s >= s.start_s
+
+
+def test_the_same_fleet_runs_over_real_loopback_http_without_a_socket_or_thread_per_device():
+    """`http=True`: the devices' requests go to uvicorn on loopback through one small connection
+    pool, from the loop's thread; rounds still commit and every device error is a counted row."""
+    fds0, threads0 = len(os.listdir("/proc/self/fd")), threading.active_count()
+    seen = {"fds": 0, "threads": 0}
+
+    def sample(t_s: float, rounds: int, active: int) -> None:
+        seen["fds"] = max(seen["fds"], len(os.listdir("/proc/self/fd")))
+        seen["threads"] = max(seen["threads"], threading.active_count())
+
+    config = small_config(seed=5)
+    run = simulate(config, progress=sample, http=True)
+    assert any(r.committed for r in run.rounds)
+    assert sum(1 for s in run.sessions if s.shape.endswith("^")) >= 8
+    assert seen["fds"] - fds0 < 20 < config.fleet.devices
+    assert seen["threads"] - threads0 <= 8
+    assert all(s.outcome != "error" or s.shape.endswith("*") for s in run.sessions)
+
+
+def test_another_process_with_another_hash_seed_gives_the_same_digest(runs):
+    """Nothing in the run depends on the process: not set order (string hashing), not ids."""
+    code = (
+        "from tests.emulator.fleet.test_simulator import small_config\n"
+        "from emulator.fleet import simulate\n"
+        "print(simulate(small_config(seed=1), progress=False).digest)\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == runs["a"].digest

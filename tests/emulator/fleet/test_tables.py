@@ -1,0 +1,117 @@
+"""The run's tables: any rows survive a trip through CSV exactly, and the same rows write the
+same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from emulator.fleet import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow
+
+# Any text a CSV cell can hold: commas, quotes, line breaks, non-ASCII (not lone surrogates,
+# which UTF-8 cannot encode).
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
+_any_float = st.floats(allow_nan=True, allow_infinity=True)
+_int = st.integers(min_value=-(2**63), max_value=2**63)
+
+_STRATEGY = {str: _text, float: _any_float, int: _int, bool: st.booleans()}
+
+
+def rows_of(cls: type) -> st.SearchStrategy:
+    return st.builds(cls, **{name: _STRATEGY[kind] for name, kind in cls.columns()})
+
+
+def exact(row: object) -> tuple[str, ...]:
+    """A row's values with NaN, -0.0 and the types told apart (NaN != NaN defeats ==)."""
+    return tuple(f"{type(v).__name__}:{v!r}" for v in dataclasses.astuple(row))
+
+
+@pytest.mark.parametrize("cls", [SessionRow, RoundRow, TimelineRow])
+def test_any_rows_round_trip_through_csv_exactly(cls, tmp_path_factory):
+    path = tmp_path_factory.mktemp(cls.__name__) / "table.csv"
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(rows_of(cls), max_size=8))
+    def check(rows):
+        cls.to_csv(rows, path)
+        first = path.read_bytes()
+        back = cls.from_csv(path)
+        assert [exact(r) for r in back] == [exact(r) for r in rows]
+        cls.to_csv(back, path)
+        assert path.read_bytes() == first
+
+    check()
+
+
+def test_columns_follow_the_declared_fields_in_order(tmp_path):
+    TimelineRow.to_csv([TimelineRow(0.0, 5, 2, 1, 1)], tmp_path / "t.csv")
+    assert (tmp_path / "t.csv").read_text().splitlines() == [
+        "t_s,available,checking_in,participating,active_sessions",
+        "0.0,5,2,1,1",
+    ]
+
+
+def test_numpy_scalars_write_the_same_text_as_python_numbers(tmp_path):
+    plain = RoundRow("r1", "train", 0.5, 60.25, True, 130, 110, 100, 20, 59.75, 0.875, float("nan"))
+    numpy = RoundRow(
+        "r1", "train", np.float64(0.5), np.float32(60.25), np.bool_(True), np.int64(130), np.int32(110),
+        np.int64(100), np.int64(20), np.float64(59.75), np.float64(0.875), np.float64("nan"),
+    )
+    RoundRow.to_csv([plain], tmp_path / "a.csv")
+    RoundRow.to_csv([numpy], tmp_path / "b.csv")
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+    assert "0.5,60.25,true,130,110,100,20,59.75,0.875,nan" in (tmp_path / "a.csv").read_text()
+
+
+def test_a_table_of_another_kind_is_refused_with_the_fix(tmp_path):
+    RoundRow.to_csv([], tmp_path / "rounds.csv")
+    with pytest.raises(FleetTableError, match="not a SessionRow table.*SessionRow.to_csv"):
+        SessionRow.from_csv(tmp_path / "rounds.csv")
+    with pytest.raises(FleetTableError, match="pass RoundRow rows"):
+        RoundRow.to_csv([TimelineRow(0.0, 1, 1, 1, 1)], tmp_path / "x.csv")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan", "'committed' holds a bool, got 'yes'"),
+        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan", "'selected' holds a int"),
+        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan", "'start_s' holds a float"),
+        ("r1,train,0.0,1.0,true,1,1,1,0,1.0,nan", "line 2 has 11 values"),
+    ],
+)
+def test_a_bad_value_names_its_line_and_column(tmp_path, line, message):
+    path = tmp_path / "rounds.csv"
+    header = ",".join(name for name, _ in RoundRow.columns())
+    path.write_text(f"{header}\n{line}\n")
+    with pytest.raises(FleetTableError, match=message.replace("(", r"\(")):
+        RoundRow.from_csv(path)
+
+
+def test_a_run_writes_its_three_tables(tmp_path):
+    session = SessionRow("d1", "s1", "train", "r1", 1.0, 2.5, "-v[]+^", "completed", 900, 300, 40, 1.0, 0.5, "1.31.1", "mid", 23.5)
+    round_ = RoundRow("r1", "train", 0.0, 3.0, True, 1, 1, 1, 0, 3.0, 0.5, 1.25)
+    sample = TimelineRow(0.0, 10, 3, 1, 1)
+    run = FleetRun(sessions=[session], rounds=[round_], timeline=[sample], digest="00" * 32)
+    run.write_tables(tmp_path / "out")
+    assert SessionRow.from_csv(tmp_path / "out" / "sessions.csv") == [session]
+    assert RoundRow.from_csv(tmp_path / "out" / "rounds.csv") == [round_]
+    assert TimelineRow.from_csv(tmp_path / "out" / "timeline.csv") == [sample]
+
+
+def test_the_span_comes_from_the_run_then_its_config_then_its_tables():
+    from emulator.fleet.config import FleetConfig
+
+    session = SessionRow("d1", "", "", "", 10.0, 7200.5, "-", "rejected", 0, 0, 0, 0.0, 0.0, "1.31.1", "mid", 1.0)
+    run = FleetRun(sessions=[session], rounds=[], timeline=[TimelineRow(300.0, 1, 0, 0, 0)], digest="")
+    assert run.span_s == 7200.5
+    run.config = FleetConfig.default().replace(hours=3.0)
+    assert run.span_s == 3 * 3600.0
+    run.simulated_s = 42.0
+    assert run.span_s == 42.0
+    assert math.isfinite(FleetRun([], [], [], "").span_s) and FleetRun([], [], [], "").span_s == 0.0

@@ -1,0 +1,213 @@
+"""Emulated devices that run a real old onnxruntime: plan execution in a worker process inside the
+release's own env, a fleet with a version mix where each device trains the plan served for its
+version on that version, and interruptions that reach the worker: ``should_abort`` before every
+step, a forced stop inside a step in flight, and nothing of an interrupted run left behind."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from device_runtime import FLRuntime, Outcome, PlanExecutor, TrainingInterrupted, build_mlp_plan, encode_checkpoint, initial_weights
+from device_runtime.clock import VirtualClock
+from emulator.inprocess import InProcessTransport
+from emulator.runtime_worker import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
+from emulator.toolchain.bundle import build_bundle, release_test_bundle
+from emulator.toolchain.versioning import versioned_plan
+from example_store import ExampleSelector, SQLiteExampleStore
+from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
+from server_stub.admin_client import task_body
+
+TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
+OLD, NEW = "1.17.3", "1.31.1"
+URL = "http://fl.internal"
+
+
+@pytest.mark.timeout(1800)  # a cold cache installs the release first
+def test_a_release_worker_trains_like_the_in_process_executor(digits):
+    plan = build_mlp_plan(64, (16,), 10, opset=17, batch_size=8, epochs=2, selector=ExampleSelector("app:/digits"))
+    weights = initial_weights(plan, seed=3)
+    data = [{"x": digits.x_train[:40], "y": digits.y_train[:40]}]
+    local = PlanExecutor(plan)
+    want = local.run_device(weights, local.batches_from_examples(lambda: data))
+    with RuntimeWorker.for_release(OLD) as worker:
+        assert worker.reported_version == OLD
+        remote = WorkerExecutor(versioned_plan(plan, OLD), worker)
+        got = remote.run_device(weights, remote.batches_from_examples(lambda: data))
+    assert got.num_examples == want.num_examples == 40
+    for name, value in want.update.items():
+        np.testing.assert_allclose(got.update[name], value, rtol=1e-5, atol=1e-6)
+    assert got.metrics["loss"] == pytest.approx(want.metrics["loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(1800)
+def test_a_graph_the_release_cannot_run_fails_with_its_own_message():
+    plan = build_mlp_plan(64, (), 10, opset=21, selector=ExampleSelector("app:/digits"))
+    forced = versioned_plan(plan, "1.15.1", opset=19)  # Equal-19: in 1.15's opset, not in its kernels
+    with RuntimeWorker.for_release("1.15.1") as worker:
+        with pytest.raises(WorkerError, match="onnxruntime 1.15.1: .*NOT_IMPLEMENTED.*Equal"):
+            worker.load(forced.work)
+        worker.load(versioned_plan(plan, "1.15.1").work)  # the versioned plan avoids it
+
+
+@given(count=st.integers(0, 200), weights=st.lists(st.integers(0, 10), min_size=1, max_size=5).filter(any))
+def test_release_shares_give_each_release_its_proportion(count, weights):
+    shares = {f"1.{15 + i}.0": float(w) for i, w in enumerate(weights)}
+    releases = assign_releases(count, shares, random.Random(count))
+    counts = Counter(releases)
+    assert len(releases) == count
+    total = sum(shares.values())
+    for release, share in shares.items():
+        assert abs(counts[release] - count * share / total) < 1  # largest remainders: never a whole device off
+
+
+@pytest.mark.timeout(1800)
+def test_devices_on_two_real_releases_each_train_their_versioned_plan_and_report(tmp_path, digits):
+    bundle = tmp_path / "bundle"
+    build_bundle(TASK_FILE, bundle, runtimes=[OLD, NEW])
+    clock = VirtualClock()
+    service = FLService(ServerStore(tmp_path / "server.db"), clock=clock.now, wall_clock=clock.now, require_release_reports=True)
+    keys, key = AdminKeys.generate()
+    releases = assign_releases(4, {OLD: 0.5, NEW: 0.5}, random.Random(0))
+    with WorkerPool() as pool, InProcessTransport(create_app(service, admin_keys=keys)) as transport:
+        (built,) = release_test_bundle(bundle, pool)
+        with AdminClient(URL, admin_key=key, transport=transport) as admin:
+            admin.create_population("digits")
+            config = RoundConfig(goal_count=4, over_selection=1.0, min_fraction=1.0, min_reports=1)
+            admin.deploy_body("digits", task_body(built.task.name, built.plan, built.checkpoint, config,
+                                                  versioned_plans=built.versions, release_report=built.report()))
+            plans = ReleasePlans(pool)
+            outcomes, served = [], {}
+            for round_number in range(2):
+                for i, release in enumerate(releases):
+                    store = SQLiteExampleStore(tmp_path / f"d{i}.db")
+                    if round_number == 0:
+                        part = slice(50 * i, 50 * i + 50)
+                        store.add("app:/digits", ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
+                    with FLRuntime("digits", URL, store, transport=transport, clock=clock.now, runtime_version=release,
+                                   loaded_plans=plans) as runtime:
+                        outcomes.append((release, runtime.run_session().outcome))
+                        served.setdefault(release, set()).update(runtime._plans)
+                    store.close()
+            rounds = admin.rounds("digits")
+        workers = {release: pool.worker(release).reported_version for release in (OLD, NEW)}
+    assert Counter(releases) == {OLD: 2, NEW: 2}
+    assert outcomes == [(r, Outcome.COMPLETED) for r in releases] * 2  # both releases reported, both rounds
+    assert [(r["status"], r["metrics"]["reported"]) for r in rounds] == [("committed", 4)] * 2
+    assert served == {r: {built.manifest["versions"][r]["sha256"]} for r in (OLD, NEW)}  # each got its own plan
+    assert workers == {OLD: OLD, NEW: NEW}
+    service.store.close()
+
+
+HEAVY = build_mlp_plan(512, (1024,) * 4, 10, opset=17, batch_size=512, epochs=1, selector=ExampleSelector("app:/x"))
+
+
+@pytest.mark.timeout(1800)
+def test_a_forced_stop_ends_the_workers_step_in_flight_and_keeps_nothing_of_the_run():
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.standard_normal((512, 512)).astype(np.float32), "y": rng.integers(0, 10, 512)}]
+    weights = initial_weights(HEAVY, seed=0)
+    with RuntimeWorker.for_release(OLD) as worker:
+        executor = WorkerExecutor(versioned_plan(HEAVY, OLD), worker)
+        whole = executor.run_device(weights, executor.batches_from_examples(lambda: data))
+        step_s = worker.train(executor.plan, weights, [executor.feeds(data[0])]).step_s[0]  # the step alone, warm
+        run_options = ort.RunOptions()
+        stopped_at = []
+
+        def stop() -> None:
+            stopped_at.append(time.perf_counter())
+            run_options.terminate = True
+
+        def examples():  # the stop comes once the step is under way
+            threading.Timer(step_s / 4, stop).start()
+            yield from data
+
+        with pytest.raises(TrainingInterrupted, match="by force"):
+            executor.run_device(weights, executor.batches_from_examples(examples), run_options=run_options)
+        interrupted_after = time.perf_counter() - stopped_at[0]
+        assert worker.open_runs() == {}  # the interrupted run's weights are gone
+        again = executor.run_device(weights, executor.batches_from_examples(lambda: data))
+    assert interrupted_after < step_s / 2, (interrupted_after, step_s)  # not the rest of the step
+    for name, value in whole.update.items():  # the worker is as before the interrupted run
+        np.testing.assert_array_equal(again.update[name], value)
+
+
+@pytest.fixture(scope="module")
+def small_worker():
+    with RuntimeWorker.for_release(OLD) as worker:
+        yield worker
+
+
+SMALL = build_mlp_plan(64, (8,), 10, opset=17, batch_size=8, epochs=2, selector=ExampleSelector("app:/digits"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(abort_at=st.integers(1, 10))
+def test_should_abort_is_checked_before_every_step_in_the_worker(small_worker, digits, abort_at):
+    executor = WorkerExecutor(versioned_plan(SMALL, OLD), small_worker)
+    data = [{"x": digits.x_train[:40], "y": digits.y_train[:40]}]  # 5 batches, 2 epochs: 10 steps
+    checks = []
+
+    def should_abort() -> bool:  # note how many steps the worker's run had taken at each check
+        checks.append(sum(small_worker.open_runs().values()))
+        return len(checks) == abort_at
+
+    with pytest.raises(TrainingInterrupted):
+        executor.run_device(initial_weights(SMALL), executor.batches_from_examples(lambda: data), should_abort=should_abort)
+    assert checks == list(range(abort_at))  # one check before each step, with the steps before it done
+    assert small_worker.open_runs() == {}
+
+
+@pytest.mark.timeout(1800)
+def test_a_device_session_stopped_by_force_on_an_old_release_ends_interrupted(tmp_path):
+    clock = VirtualClock()
+    service = FLService(ServerStore(tmp_path / "server.db"), clock=clock.now, wall_clock=clock.now)
+    keys, key = AdminKeys.generate()
+    rng = np.random.default_rng(1)
+    run_options, stopped_at = ort.RunOptions(), []
+
+    def stop() -> None:
+        stopped_at.append(time.perf_counter())
+        run_options.terminate = True
+
+    def should_abort() -> bool:  # asked before the (only) step: stop it once it is under way
+        if not stopped_at:
+            threading.Timer(0.05, stop).start()
+        return False
+
+    with WorkerPool() as pool, InProcessTransport(create_app(service, admin_keys=keys)) as transport:
+        with AdminClient(URL, admin_key=key, transport=transport) as admin:
+            admin.create_population("heavy")
+            config = RoundConfig(goal_count=1, over_selection=1.0, min_fraction=1.0, min_reports=1)
+            admin.deploy_task("heavy", "train", HEAVY, encode_checkpoint(initial_weights(HEAVY)), config)
+        with SQLiteExampleStore(tmp_path / "device.db") as store:
+            x = rng.standard_normal((512, 512)).astype(np.float32)
+            store.add("app:/x", ({"x": xi, "y": int(yi)} for xi, yi in zip(x, rng.integers(0, 10, 512))))
+            with FLRuntime("heavy", URL, store, transport=transport, clock=clock.now, runtime_version=OLD,
+                           loaded_plans=ReleasePlans(pool)) as runtime:
+                result = runtime.run_session(should_abort=should_abort, run_options=run_options)
+        ended = time.perf_counter()
+        open_runs = pool.worker(OLD).open_runs()
+    assert result.outcome is Outcome.INTERRUPTED and [e.kind for e in result.events][-1] == "interrupted"
+    assert open_runs == {}
+    assert ended - stopped_at[0] < 1.0  # the session ended soon after the stop
+    service.store.close()
+
+
+def test_a_worker_that_dies_is_reported_with_the_tail_of_its_stderr():
+    plan = build_mlp_plan(64, (), 10, opset=17, selector=ExampleSelector("app:/digits"))
+    with RuntimeWorker.host() as worker:
+        worker.load(plan.work)
+        worker._proc.kill()
+        worker._proc.wait()
+        with pytest.raises(WorkerError, match=r"worker has exited \(-9\); stderr: "):
+            worker.load(build_mlp_plan(64, (8,), 10, opset=17, selector=ExampleSelector("app:/digits")).work)

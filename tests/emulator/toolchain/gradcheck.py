@@ -1,0 +1,58 @@
+"""Checks a model's generated vector-Jacobian product against central finite differences."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from device_runtime.executor import make_session
+from emulator.toolchain import vjp_model
+
+
+def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray], constants: Mapping[str, np.ndarray] | None = None,
+                    *, outputs: Sequence[str] = ("y",), opset: int = 17, **attrs) -> onnx.ModelProto:
+    """One node over graph inputs (the differentiated ones) and constant initializers (``""`` keeps an
+    optional input empty)."""
+    constants = dict(constants or {})
+    order = list(attrs.pop("order", [*inputs, *constants]))
+    node = helper.make_node(op_type, order, list(outputs), name=f"the_{op_type}", **attrs)
+    graph_inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
+                    for k, v in inputs.items()]
+    inits = [onnx.numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items() if k]
+    graph = helper.make_graph([node], "one_op", graph_inputs, [helper.make_tensor_value_info(o, 0, None) for o in outputs],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    return model
+
+
+def vjp_error(model: onnx.ModelProto, values: Mapping[str, np.ndarray], wrt: Sequence[str], *,
+              outputs: Sequence[str] | None = None, seed: int = 0, eps: float = 1e-6, directions: int = 2) -> float:
+    """Largest relative gap between <grad, v> and the central difference of <seed, f> along random
+    directions v (one pair of forward runs per direction)."""
+    outputs = list(outputs or [o.name for o in model.graph.output])
+    rng = np.random.default_rng(seed)
+    forward = make_session(model.SerializeToString())
+    base = dict(zip(outputs, forward.run(outputs, dict(values))))
+    seeds = {o: np.asarray(rng.standard_normal(np.shape(base[o])), dtype=base[o].dtype) for o in outputs}
+    grad_model = vjp_model(model, outputs=outputs, wrt=wrt)
+    feeds = dict(values)
+    feeds.update({f"seed/{o}": s for o, s in seeds.items()})
+    grads = dict(zip(wrt, make_session(grad_model.SerializeToString()).run([f"grad/{w}" for w in wrt], feeds)))
+    worst = 0.0
+    for _ in range(directions):
+        v = {w: np.asarray(rng.standard_normal(np.shape(values[w])), dtype=values[w].dtype) for w in wrt}
+        plus = dict(values)
+        minus = dict(values)
+        for w in wrt:
+            plus[w] = np.asarray(values[w] + eps * v[w], dtype=values[w].dtype)
+            minus[w] = np.asarray(values[w] - eps * v[w], dtype=values[w].dtype)
+        fp = forward.run(outputs, plus)
+        fm = forward.run(outputs, minus)
+        numeric = sum(float(np.sum(seeds[o] * (a - b))) for o, a, b in zip(outputs, fp, fm)) / (2 * eps)
+        analytic = sum(float(np.sum(grads[w] * v[w])) for w in wrt)
+        worst = max(worst, abs(numeric - analytic) / max(1.0, abs(numeric), abs(analytic)))
+    return worst

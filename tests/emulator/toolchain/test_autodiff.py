@@ -1,0 +1,64 @@
+"""The autodiff engine: gradients along several paths add up, tensors off the loss's path get
+none, ops without a rule are refused by name, and the documented op table is the code's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
+from emulator.toolchain.gradients import coverage_document
+from tests.emulator.toolchain.gradcheck import vjp_error
+from tests.emulator.toolchain.models import F, model
+
+
+def test_gradients_along_several_paths_add_up_and_unused_inputs_get_zeros():
+    # y = tanh(x @ w) * (x @ w) + x @ w: three paths from w to y; u reaches no output
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("Mul", ["t", "h"], ["p"]), helper.make_node("Add", ["p", "h"], ["y"]),
+             helper.make_node("Neg", ["u"], ["unused"])]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [3, 4]), helper.make_tensor_value_info("w", F, [4, 2]),
+                      helper.make_tensor_value_info("u", F, [2])], [helper.make_tensor_value_info("y", F, [3, 2])], {})
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 4)).astype(np.float32), "w": rng.standard_normal((4, 2)).astype(np.float32),
+              "u": np.ones(2, np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
+    grad_model = vjp_model(m, outputs=["y"], wrt=["u"])
+    from device_runtime.executor import make_session
+
+    (du,) = make_session(grad_model.SerializeToString()).run(["grad/u"], {**values, "seed/y": np.ones((3, 2), np.float32)})
+    assert np.array_equal(du, np.zeros(2, np.float32))
+
+
+def test_a_node_without_a_rule_on_the_way_is_refused_by_op_and_name():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Hardmax", ["h"], ["y"], name="pick")]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [3, 4]), helper.make_tensor_value_info("w", F, [4, 2])],
+              [helper.make_tensor_value_info("y", F, [3, 2])], {})
+    with pytest.raises(UnsupportedOpError, match="'Hardmax' \\(node 'pick'\\) has no gradient rule"):
+        vjp_model(m, outputs=["y"], wrt=["w"])
+
+
+def test_the_documented_op_table_is_the_codes():
+    doc = Path(__file__).parents[3] / "emulator" / "toolchain" / "OP_COVERAGE.md"
+    assert doc.read_text(encoding="utf-8") == coverage_document(), "regenerate: python -m emulator.toolchain.gradients"
+    for op in ("Conv", "MaxPool", "AveragePool", "GlobalAveragePool", "BatchNormalization", "Flatten", "LayerNormalization",
+               "MatMul", "Softmax", "Transpose", "Reshape", "Concat", "Slice", "Gather", "Dropout", "Gemm", "Relu"):
+        assert op in OP_COVERAGE
+
+
+def test_active_dropout_passes_the_gradient_of_kept_entries_scaled_and_drops_the_rest():
+    from device_runtime.executor import make_session
+
+    ratio = 0.3
+    nodes = [helper.make_node("Dropout", ["x", "ratio", "training"], ["y", "mask"])]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [200, 50])], [helper.make_tensor_value_info("y", F, [200, 50])],
+              {"ratio": np.array(ratio, np.float32), "training": np.array(True)})
+    seed = np.random.default_rng(1).uniform(1, 2, (200, 50)).astype(np.float32)
+    (grad,) = make_session(vjp_model(m, outputs=["y"], wrt=["x"]).SerializeToString()).run(
+        ["grad/x"], {"x": np.ones((200, 50), np.float32), "seed/y": seed})
+    kept = grad != 0
+    np.testing.assert_allclose(grad[kept], seed[kept] / (1 - ratio), rtol=1e-6)
+    assert abs((~kept).mean() - ratio) < 0.03  # 10,000 draws: the dropped share is the ratio

@@ -1,0 +1,389 @@
+"""Every gradient rule agrees with central finite differences, over random shapes and attributes.
+
+Each case draws an op's inputs (shapes, broadcasting, axes, strides, paddings ...) and checks the
+generated vector-Jacobian product against the finite difference along random directions. Ops
+onnxruntime runs in float64 are checked in float64 (tight); convolutions and pools in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from emulator.toolchain import OP_COVERAGE
+from emulator.toolchain.forward import DECOMPOSED
+from emulator.toolchain.gradients import NO_GRADIENT, RULES
+from tests.emulator.toolchain.gradcheck import single_op_model, vjp_error
+
+F64_TOL = 1e-6
+F32_TOL = 3e-3
+dims = st.integers(1, 4)
+
+
+def _arr(draw, shape, dtype=np.float64, low=-2.0, high=2.0, away_from_zero=False):
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(low, high, size=shape)
+    if away_from_zero:  # keep kinks (Relu, Abs, Max ...) out of the finite differences' reach
+        a = np.where(np.abs(a) < 0.1, a + np.sign(a + 1e-9) * 0.2, a)
+    return a.astype(dtype)
+
+
+def _distinct(draw, shape):
+    """float32 values at least 0.1 apart: no ties, and no finite-difference step changes an argmax."""
+    seed = draw(st.integers(0, 2**31))
+    size = int(np.prod(shape))
+    return (np.random.default_rng(seed).permutation(size).reshape(shape) * 0.1 - 0.05 * size).astype(np.float32)
+
+
+def _shape(draw, rank=None):
+    rank = draw(st.integers(1, 4)) if rank is None else rank
+    return tuple(draw(dims) for _ in range(rank))
+
+
+def _broadcast_partner(draw, shape):
+    """A shape that broadcasts against ``shape``: a suffix of it with some dimensions set to 1."""
+    k = draw(st.integers(0, len(shape)))
+    suffix = shape[len(shape) - k:]
+    return tuple(1 if draw(st.booleans()) else d for d in suffix)
+
+
+# Each case: draw -> (op, inputs to differentiate, constant inputs, attributes, opset, dtype tolerance)
+def case_binary(op):
+    def draw_case(draw):
+        shape = _shape(draw)
+        other = _broadcast_partner(draw, shape)
+        a, b = (shape, other) if draw(st.booleans()) else (other, shape)
+        xa = _arr(draw, a, away_from_zero=True)
+        xb = _arr(draw, b, away_from_zero=True)
+        if op == "Pow":
+            xa = np.asarray(np.abs(xa) + 0.5)
+        if op in ("Max", "Min"):  # distinct values, so that the chosen input is unambiguous
+            xb = np.asarray(xb + 0.05)
+        return op, {"a": xa, "b": xb}, {}, {}, 17, F64_TOL
+    return draw_case
+
+
+def case_unary(op, positive=False, dtype=np.float64, **attrs):
+    def draw_case(draw):
+        x = _arr(draw, _shape(draw), dtype, away_from_zero=True)
+        if positive:
+            x = np.asarray(np.abs(x) + dtype(0.3))
+        return op, {"x": x}, {}, dict(attrs), 17, F64_TOL if dtype == np.float64 else F32_TOL
+    return draw_case
+
+
+def case_pow_constant(draw):
+    x = np.asarray(np.abs(_arr(draw, _shape(draw))) + 0.5)
+    p = draw(st.sampled_from([2.0, 3.0, 0.5, -1.0]))
+    return "Pow", {"x": x}, {"p": np.array(p)}, {}, 17, F64_TOL
+
+
+def case_clip(draw):
+    x = _arr(draw, _shape(draw), away_from_zero=True)
+    return "Clip", {"x": x}, {"lo": np.array(-1.0), "hi": np.array(1.05)}, {}, 17, F64_TOL
+
+
+def case_where(draw):
+    shape = _shape(draw)
+    cond = _arr(draw, _broadcast_partner(draw, shape)) > 0
+    return "Where", {"a": _arr(draw, shape), "b": _arr(draw, _broadcast_partner(draw, shape))}, {"c": cond}, \
+        {"order": ["c", "a", "b"]}, 17, F64_TOL
+
+
+def case_sum(draw):
+    shape = _shape(draw)
+    return "Sum", {"a": _arr(draw, shape), "b": _arr(draw, _broadcast_partner(draw, shape)), "c": _arr(draw, shape)}, {}, {}, 17, F64_TOL
+
+
+def case_gemm(draw):
+    m, k, n = draw(dims), draw(dims), draw(dims)
+    ta, tb = draw(st.integers(0, 1)), draw(st.integers(0, 1))
+    a = _arr(draw, (k, m) if ta else (m, k))
+    b = _arr(draw, (n, k) if tb else (k, n))
+    c = _arr(draw, draw(st.sampled_from([(n,), (m, n), (1, n), (m, 1)])))
+    attrs = {"transA": ta, "transB": tb, "alpha": draw(st.sampled_from([1.0, 0.5])), "beta": draw(st.sampled_from([1.0, 2.0]))}
+    return "Gemm", {"a": a, "b": b, "c": c}, {}, attrs, 17, F64_TOL
+
+
+def case_matmul(draw):
+    batch = _shape(draw, draw(st.integers(0, 2)))
+    m, k, n = draw(dims), draw(dims), draw(dims)
+    kind = draw(st.sampled_from(["batched", "shared_weight", "vector_right", "vector_left", "broadcast"]))
+    if kind == "batched":
+        a, b = (*batch, m, k), (*batch, k, n)
+    elif kind == "shared_weight":
+        a, b = (*batch, m, k), (k, n)
+    elif kind == "vector_right":
+        a, b = (*batch, m, k), (k,)
+    elif kind == "vector_left":
+        a, b = (k,), (*batch, k, n)
+    else:
+        a, b = (*batch, m, k), (1, k, n) if batch else (k, n)
+    return "MatMul", {"a": _arr(draw, a), "b": _arr(draw, b)}, {}, {}, 17, F64_TOL
+
+
+def case_softmax(op):
+    def draw_case(draw):
+        shape = _shape(draw)
+        axis = draw(st.integers(-len(shape), len(shape) - 1))
+        return op, {"x": _arr(draw, shape)}, {}, {"axis": axis}, 17, F64_TOL
+    return draw_case
+
+
+def case_reduce(op):
+    def draw_case(draw):
+        shape = _shape(draw)
+        axes = sorted(draw(st.sets(st.integers(0, len(shape) - 1), min_size=0, max_size=len(shape))))
+        axes = [a - len(shape) if draw(st.booleans()) else a for a in axes]
+        keepdims = draw(st.integers(0, 1))
+        opset = draw(st.sampled_from([13, 18]))
+        x = _arr(draw, shape)
+        if op in ("ReduceMax", "ReduceMin"):
+            x = x + np.arange(x.size).reshape(shape) * 1e-2  # no ties
+        if op == "ReduceL2":
+            x = np.abs(x) + 0.3
+        constants: dict = {}
+        attrs: dict = {"keepdims": keepdims}
+        if not axes:
+            pass
+        elif op == "ReduceSum" or opset >= 18:
+            constants["axes"] = np.array(axes, dtype=np.int64)
+        else:
+            attrs["axes"] = axes
+        return op, {"x": x}, constants, attrs, opset, F64_TOL
+    return draw_case
+
+
+def case_reshape(draw):
+    shape = _shape(draw)
+    target = [int(np.prod(shape))] if draw(st.booleans()) else [-1, shape[-1]]
+    return "Reshape", {"x": _arr(draw, shape)}, {"shape": np.array(target, dtype=np.int64)}, {}, 17, F64_TOL
+
+
+def case_flatten(draw):
+    shape = _shape(draw, draw(st.integers(2, 4)))
+    return "Flatten", {"x": _arr(draw, shape)}, {}, {"axis": draw(st.integers(0, len(shape)))}, 17, F64_TOL
+
+
+def case_squeeze(op):
+    def draw_case(draw):
+        shape = _shape(draw)
+        if op == "Squeeze":
+            shape = (*shape, 1)
+            return op, {"x": _arr(draw, shape)}, {"axes": np.array([len(shape) - 1])}, {}, 17, F64_TOL
+        return op, {"x": _arr(draw, shape)}, {"axes": np.array([0, len(shape) + 1])}, {}, 17, F64_TOL
+    return draw_case
+
+
+def case_transpose(draw):
+    shape = _shape(draw)
+    perm = draw(st.permutations(list(range(len(shape)))))
+    return "Transpose", {"x": _arr(draw, shape)}, {}, {"perm": list(perm)}, 17, F64_TOL
+
+
+def case_concat(draw):
+    shape = list(_shape(draw))
+    axis = draw(st.integers(0, len(shape) - 1))
+    parts = {}
+    for name in ("a", "b", "c")[: draw(st.integers(1, 3))]:
+        s = list(shape)
+        s[axis] = draw(dims)
+        parts[name] = _arr(draw, tuple(s))
+    return "Concat", parts, {}, {"axis": axis - len(shape) if draw(st.booleans()) else axis}, 17, F64_TOL
+
+
+def case_split(draw):
+    shape = list(_shape(draw))
+    axis = draw(st.integers(0, len(shape) - 1))
+    sizes = [draw(dims), draw(dims)]
+    shape[axis] = sum(sizes)
+    return "Split", {"x": _arr(draw, tuple(shape))}, {"split": np.array(sizes, dtype=np.int64)}, \
+        {"axis": axis, "outputs": ["y", "z"]}, 17, F64_TOL
+
+
+def case_slice(draw):
+    shape = _shape(draw)
+    axis = draw(st.integers(0, len(shape) - 1))
+    dim = shape[axis]
+    start = draw(st.integers(-dim, dim - 1))
+    end = draw(st.integers(-dim, dim + 2))
+    s = start + dim if start < 0 else start
+    e = min(end + dim if end < 0 else end, dim)
+    if e <= s:
+        end = dim  # a non-empty slice
+    return "Slice", {"x": _arr(draw, shape)}, {
+        "starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis])}, {}, 17, F64_TOL
+
+
+def case_gather(draw):
+    shape = _shape(draw, draw(st.integers(1, 3)))
+    axis = draw(st.integers(0, len(shape) - 1))
+    size = shape[axis]
+    idx_shape = _shape(draw, draw(st.integers(0, 2)))
+    seed = draw(st.integers(0, 2**31))
+    idx = np.random.default_rng(seed).integers(-size, size, size=idx_shape).astype(np.int64)
+    attrs = {"axis": axis - len(shape) if draw(st.booleans()) else axis}
+    return "Gather", {"x": _arr(draw, shape)}, {"i": idx}, attrs, draw(st.sampled_from([13, 17])), F64_TOL
+
+
+def case_expand(draw):
+    shape = _shape(draw)
+    small = _broadcast_partner(draw, shape)
+    return "Expand", {"x": _arr(draw, small)}, {"shape": np.array(shape, dtype=np.int64)}, {}, 17, F64_TOL
+
+
+def case_cast(draw):
+    return "Cast", {"x": _arr(draw, _shape(draw))}, {}, {"to": 1}, 17, F32_TOL  # float64 -> float32
+
+
+def case_conv(draw):
+    group = draw(st.integers(1, 3))
+    n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
+    if group == 1 and draw(st.booleans()):
+        cin = 8  # the weight gradient then takes one Gemm per kernel offset
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    stride = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
+    dil = [draw(st.integers(1, 2)), 1]
+    pads = [draw(st.integers(0, 1)) for _ in range(4)]
+    h = draw(st.integers((kh - 1) * dil[0] + 1, 7))
+    w = draw(st.integers(kw, 7))
+    inputs = {"x": _arr(draw, (n, cin, h, w), np.float32), "w": _arr(draw, (cout, cin // group, kh, kw), np.float32)}
+    if draw(st.booleans()):
+        inputs["b"] = _arr(draw, (cout,), np.float32)
+    return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
+
+
+def case_pool(op):
+    def draw_case(draw):
+        n, c = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+        k = [draw(st.integers(1, 3)), draw(st.integers(1, 3))]
+        stride = [draw(st.integers(1, 3)), draw(st.integers(1, 3))]
+        pads = [draw(st.integers(0, k[0] - 1)), draw(st.integers(0, k[1] - 1)), 0, 0]
+        h, w = draw(st.integers(k[0], 7)), draw(st.integers(k[1], 7))
+        x = _distinct(draw, (n, c, h, w))
+        attrs = {"kernel_shape": k, "strides": stride, "pads": pads}
+        if op == "MaxPool":
+            attrs["outputs"] = ["y", "indices"]
+        else:
+            attrs["count_include_pad"] = draw(st.integers(0, 1))
+        return op, {"x": x}, {}, attrs, draw(st.sampled_from([16, 17])), F32_TOL
+    return draw_case
+
+
+def case_tiling_maxpool(draw):
+    """Windows that tile the input: the gradient finds each window's maximum without Indices."""
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        kw = kh  # square windows take the SpaceToDepth path
+    x = _distinct(draw, (draw(st.integers(1, 2)), draw(st.integers(1, 3)), kh * draw(st.integers(1, 3)), kw * draw(st.integers(1, 3))))
+    return "MaxPool", {"x": x}, {}, {"kernel_shape": [kh, kw], "strides": [kh, kw]}, draw(st.sampled_from([13, 17])), F32_TOL
+
+
+def case_global_pool(op):
+    def draw_case(draw):
+        x = _distinct(draw, (draw(st.integers(1, 2)), draw(dims), draw(dims), draw(dims)))
+        return op, {"x": x}, {}, {}, 17, F32_TOL
+    return draw_case
+
+
+def case_layer_norm(draw):
+    shape = _shape(draw, draw(st.integers(2, 4)))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    norm = shape[axis:] if axis >= 0 else shape[len(shape) + axis:]
+    return "LayerNormalization", {"x": _arr(draw, shape), "scale": _arr(draw, norm), "bias": _arr(draw, norm)}, {}, \
+        {"axis": axis, "epsilon": 1e-3}, 17, F64_TOL
+
+
+def case_recurrent(op):
+    """GRU / LSTM (written out and unrolled) against onnxruntime's own kernel, in float32."""
+    gates = 3 if op == "GRU" else 4
+
+    def draw_case(draw):
+        seq, batch, features, hidden = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(dims), draw(dims)
+        inputs = {"x": _arr(draw, (seq, batch, features), np.float32, -1, 1),
+                  "w": _arr(draw, (1, gates * hidden, features), np.float32, -1, 1),
+                  "r": _arr(draw, (1, gates * hidden, hidden), np.float32, -1, 1)}
+        order = ["x", "w", "r"]
+        if draw(st.booleans()):
+            inputs["b"] = _arr(draw, (1, 2 * gates * hidden), np.float32, -1, 1)
+            order.append("b")
+        states = ["h0"] if op == "GRU" else draw(st.sampled_from([[], ["h0"], ["h0", "c0"]]))
+        if states and draw(st.booleans()):
+            order += [""] * (5 - len(order))
+            for name in states:
+                inputs[name] = _arr(draw, (1, batch, hidden), np.float32, -1, 1)
+                order.append(name)
+        attrs = {"hidden_size": hidden, "order": order, "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"]}
+        if op == "GRU":
+            attrs["linear_before_reset"] = draw(st.integers(0, 1))
+        return op, inputs, {}, attrs, 17, F32_TOL
+    return draw_case
+
+
+def case_dropout_inference(draw):
+    return "Dropout", {"x": _arr(draw, _shape(draw))}, {}, {}, 17, F64_TOL
+
+
+CASES = {
+    **{op: case_binary(op) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min")},
+    **{op: case_unary(op) for op in ("Identity", "Neg", "Relu", "Sigmoid", "Tanh", "Exp", "Abs")},
+    # onnxruntime runs these in float32 only
+    **{op: case_unary(op, dtype=np.float32) for op in ("Erf", "Softplus")},
+    "LeakyRelu": case_unary("LeakyRelu", alpha=0.2),
+    "Log": case_unary("Log", positive=True),
+    "Sqrt": case_unary("Sqrt", positive=True),
+    "Reciprocal": case_unary("Reciprocal", positive=True),
+    "Pow(constant)": case_pow_constant,
+    "Clip": case_clip,
+    "Where": case_where,
+    "Sum": case_sum,
+    "Gemm": case_gemm,
+    "MatMul": case_matmul,
+    "Softmax": case_softmax("Softmax"),
+    "LogSoftmax": case_softmax("LogSoftmax"),
+    **{op: case_reduce(op) for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2",
+                                       "ReduceLogSumExp")},
+    "Reshape": case_reshape,
+    "Flatten": case_flatten,
+    "Squeeze": case_squeeze("Squeeze"),
+    "Unsqueeze": case_squeeze("Unsqueeze"),
+    "Transpose": case_transpose,
+    "Concat": case_concat,
+    "Split": case_split,
+    "Slice": case_slice,
+    "Gather": case_gather,
+    "Expand": case_expand,
+    "Cast": case_cast,
+    "Dropout": case_dropout_inference,
+    "LayerNormalization": case_layer_norm,
+    "GRU": case_recurrent("GRU"),
+    "LSTM": case_recurrent("LSTM"),
+    "Conv": case_conv,
+    "MaxPool": case_pool("MaxPool"),
+    "MaxPool(tiling)": case_tiling_maxpool,
+    "AveragePool": case_pool("AveragePool"),
+    "GlobalAveragePool": case_global_pool("GlobalAveragePool"),
+    "GlobalMaxPool": case_global_pool("GlobalMaxPool"),
+}
+
+
+def test_every_rule_has_a_finite_difference_case():
+    covered = {name.split("(")[0] for name in CASES}
+    assert set(RULES) | set(DECOMPOSED) <= covered, sorted(set(RULES) | set(DECOMPOSED) - covered)
+    assert set(RULES) | NO_GRADIENT <= set(OP_COVERAGE)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(data=st.data())
+def test_gradient_matches_finite_differences(case, data):
+    op, inputs, constants, attrs, opset, tol = data.draw(st.composite(lambda draw: CASES[case](draw))())
+    outputs = attrs.pop("outputs", ["y"])
+    model = single_op_model(op, inputs, constants, outputs=outputs, opset=opset, **attrs)
+    # float32: a step large enough for float32 rounding, small enough for the curvature of the
+    # unrolled recurrences (their error shrinks as eps^2: a truncation error, not a wrong rule)
+    eps = 1e-6 if tol == F64_TOL else (1e-3 if op in ("GRU", "LSTM") else 3e-3)
+    error = vjp_error(model, inputs, list(inputs), outputs=[outputs[0]] if op == "MaxPool" else outputs, eps=eps)
+    assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)

@@ -1,0 +1,43 @@
+"""The record of kernels a release lacks: the probe models are valid and run where the kernels
+exist, versioned plans step below a missing kernel, and (slow) the record matches a re-measurement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from device_runtime import build_mlp_plan
+from device_runtime.executor import make_session
+from emulator.toolchain.kernel_probe import FIRST_OPSET, PROBED_OPS, missing_kernels, probe_model
+from emulator.toolchain.versioning import MISSING_KERNELS, versioned_plan
+from example_store import ExampleSelector
+
+
+@pytest.mark.parametrize("op", sorted(PROBED_OPS))
+def test_every_probe_model_loads_on_this_interpreters_onnxruntime_at_every_opset(op):
+    for opset in range(FIRST_OPSET, 27):
+        make_session(probe_model(op, opset))  # what a release fails to load is then its own gap
+
+
+def test_a_quantize_at_opset_23_is_served_to_1_23_at_opset_22():
+    plan = build_mlp_plan(64, (), 10, opset=23, selector=ExampleSelector("app:/d"))
+    work = onnx.ModelProto.FromString(plan.work)
+    work.graph.initializer.append(numpy_helper.from_array(np.array(0.1, np.float32), "q_scale"))
+    work.graph.node.append(helper.make_node("QuantizeLinear", ["x", "q_scale"], ["x_q"], name="quantize"))
+    plan = dataclasses.replace(plan, work=work.SerializeToString())
+    assert versioned_plan(plan, "1.23.2").metadata.opset == 22
+    assert versioned_plan(plan, "1.24.4").metadata.opset == 23
+    assert MISSING_KERNELS[(1, 23)] == {"QuantizeLinear": 23}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("release", ["1.15.1", "1.16.3", "1.23.2", "1.31.1"])
+def test_the_record_matches_a_measurement_on_the_real_release(release):
+    major, minor, _ = (int(p) for p in release.split("."))
+    recorded = {op: v for op, v in MISSING_KERNELS.get((major, minor), {}).items() if op in PROBED_OPS}
+    assert missing_kernels(release) == recorded

@@ -1,0 +1,162 @@
+"""Tasks declared in Python: task files load into tasks, a group is the grid of its variants,
+predicates judge trials, and proxy data is dealt to devices without loss or overlap."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from device_runtime import PlanExecutor
+from emulator.toolchain.tasks import (
+    DEFAULT_RUNTIMES,
+    ProxyData,
+    Task,
+    TaskError,
+    TaskGroup,
+    Trial,
+    accuracy_after_rounds,
+    evaluation_of,
+    load_tasks,
+    loss_after_rounds,
+    loss_decreases,
+    predicate,
+)
+
+TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
+
+
+def trial(losses=(), accuracies=()) -> Trial:
+    return Trial("1.31.1", tuple(losses), tuple(accuracies), tuple(1.0 for _ in accuracies))
+
+
+def test_the_example_task_file_declares_a_task_that_builds_its_plan():
+    (task,) = load_tasks(TASK_FILE)
+    plan = task.build_plan()
+    assert task.name == plan.name == "digits_mlp"
+    assert plan.metadata.opset == 21 and plan.device.batch_size == task.batch_size
+    assert set(task.weights(plan)) == set(plan.weight_names)
+    assert task.runtimes == DEFAULT_RUNTIMES == ("1.15.1", "1.23.2", "1.31.1")
+    assert task.local_epochs == 3 and task.simulated_rounds == 4
+
+
+def test_a_task_group_is_every_combination_of_its_grid():
+    tasks = load_tasks(TASK_FILE.with_name("digits_lr_sweep.py"))
+    assert [t.name for t in tasks] == ["digits_mlp-lr0.1", "digits_mlp-lr0.2", "digits_mlp-lr0.3"]
+    assert [t.hyperparameters["lr"] for t in tasks] == [0.1, 0.2, 0.3]
+    graphs = {t.build_plan().work for t in tasks}
+    assert len(graphs) == 3  # the learning rate is a constant of each variant's graph
+    two_keys = TaskGroup(tasks[0], {"lr": [0.1, 0.2], "momentum": [0.5, 0.9]}).tasks()
+    assert sorted((t.hyperparameters["lr"], t.hyperparameters["momentum"]) for t in two_keys) == [
+        (0.1, 0.5), (0.1, 0.9), (0.2, 0.5), (0.2, 0.9)]
+
+
+def test_task_files_that_cannot_give_tasks_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(TaskError, match="does not exist"):
+        load_tasks(tmp_path / "missing.py")
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(TaskError, match="defines no `task`"):
+        load_tasks(empty)
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no data')\n")
+    with pytest.raises(TaskError, match="failed to run: RuntimeError: no data"):
+        load_tasks(broken)
+
+
+def test_a_task_claims_each_minor_release_once():
+    with pytest.raises(TaskError, match="two patches of one minor"):
+        Task(name="t", model=lambda hp: None, proxy=lambda: None, runtimes=("1.17.0", "1.17.3"))
+    with pytest.raises(TaskError, match="claims no runtime"):
+        Task(name="t", model=lambda hp: None, proxy=lambda: None, runtimes=())
+
+
+@given(st.lists(st.floats(0.01, 10), min_size=3, max_size=6))
+def test_loss_decreases_passes_exactly_when_each_epoch_improves(losses):
+    passed, detail = loss_decreases(epochs=3).check(trial(losses))
+    assert passed == (losses[1] < losses[0] and losses[2] < losses[1])
+    assert detail.startswith("losses ")
+
+
+def test_loss_decreases_fails_on_nan_or_too_few_epochs():
+    assert not loss_decreases(3).check(trial([2.0, 1.0, math.nan]))[0]
+    assert not loss_decreases(3).check(trial([2.0, 1.0]))[0]
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=6), st.integers(1, 5), st.floats(0, 1))
+def test_accuracy_after_rounds_reads_the_round_it_names(accuracies, rounds, threshold):
+    passed, _ = accuracy_after_rounds(rounds, threshold).check(trial(accuracies=accuracies))
+    assert passed == (len(accuracies) > rounds and accuracies[rounds] >= threshold)
+
+
+def test_a_custom_predicate_states_what_it_needs():
+    @predicate("first_loss_below_3", local_epochs=2)
+    def first_loss_below_3(t: Trial) -> bool:
+        return t.loss_by_epoch[0] < 3
+
+    assert first_loss_below_3.check(trial([2.5, 2.0])) == (True, "")
+    assert first_loss_below_3.check(trial([3.5, 2.0]))[0] is False
+    assert first_loss_below_3.local_epochs == 2
+
+
+@given(n=st.integers(8, 200), devices=st.integers(1, 6), seed=st.integers(0, 3))
+def test_proxy_data_deals_every_example_once(n, devices, seed):
+    examples = {"x": np.arange(n, dtype=np.float32)[:, None], "y": np.arange(n)}
+    if round(n * 0.75) < devices:
+        with pytest.raises(TaskError):
+            ProxyData.split(examples, devices=devices, seed=seed)
+        return
+    proxy = ProxyData.split(examples, devices=devices, seed=seed)
+    ids = np.concatenate([s["y"] for s in proxy.shards] + [proxy.holdout["y"]])
+    assert sorted(ids.tolist()) == list(range(n)) and len(proxy.shards) == devices
+    for part in [*proxy.shards, proxy.holdout]:
+        assert np.array_equal(part["x"][:, 0], part["y"])  # tensors of an example stay together
+
+
+def test_an_evaluation_task_measures_its_training_tasks_model_with_its_own_data():
+    train, evaluation = load_tasks(TASK_FILE.with_name("digits_eval_task.py"))
+    trained, plan = train.build_plan(), evaluation.build_plan()
+    assert (train.kind, evaluation.kind, plan.kind) == ("train", "eval", "eval")
+    assert evaluation.evaluates is train and plan.name == evaluation.name == "digits_mlp_eval"
+    assert PlanExecutor(plan).weight_spec() == PlanExecutor(trained).weight_spec()
+    assert plan.device.selector.collection_uri == "app:/digits_heldout" and plan.device.batch_size == 32
+    assert evaluation.runtimes == train.runtimes and evaluation.simulated_rounds == 4
+    start = evaluation.weights(plan)
+    assert all(np.array_equal(start[w], v) for w, v in train.weights(trained).items())
+
+
+def test_an_evaluation_is_refused_what_it_cannot_be_judged_on_or_stand_alone(tmp_path):
+    (train,) = load_tasks(TASK_FILE)
+    with pytest.raises(TaskError, match="does not train"):
+        evaluation_of(train, predicates=(loss_decreases(epochs=3),))
+    with pytest.raises(TaskError, match="itself an evaluation"):
+        evaluation_of(evaluation_of(train))
+    with pytest.raises(TaskError, match="name of its own"):
+        evaluation_of(train, name=train.name)
+    alone = tmp_path / "alone.py"
+    alone.write_text(f"""
+import runpy
+from emulator.toolchain.tasks import evaluation_of
+tasks = [evaluation_of(runpy.run_path({str(TASK_FILE)!r})["task"])]
+""")
+    with pytest.raises(TaskError, match="does not list in `tasks`"):
+        load_tasks(alone)
+    narrow = tmp_path / "narrow.py"
+    narrow.write_text(f"""
+import runpy
+from emulator.toolchain.tasks import evaluation_of
+task = runpy.run_path({str(TASK_FILE)!r})["task"]
+tasks = [task, evaluation_of(task, runtimes=("1.31.1",))]
+""")
+    with pytest.raises(TaskError, match="does not claim onnxruntime 1.15.1"):
+        load_tasks(narrow)
+
+
+@given(losses=st.lists(st.floats(0, 10), min_size=1, max_size=6), rounds=st.integers(1, 6), limit=st.floats(0, 10))
+def test_loss_after_rounds_reads_the_round_it_names(losses, rounds, limit):
+    passed, _ = loss_after_rounds(rounds, limit).check(Trial("1.31.1", (), tuple(0.5 for _ in losses), tuple(losses)))
+    assert passed == (len(losses) > rounds and losses[rounds] <= limit)

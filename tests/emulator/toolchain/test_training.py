@@ -1,0 +1,191 @@
+"""ONNX inference models become training plans that the existing executor and server run unchanged."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from device_runtime import PlanExecutor, build_mlp_plan, initial_weights, load_plan, serialize_plan
+from device_runtime.plan import ir_version_for_opset
+from emulator.toolchain import (
+    SGD,
+    Adam,
+    Momentum,
+    UnsupportedOpError,
+    initial_weights_from_onnx,
+    training_plan_from_onnx,
+)
+from example_store import ExampleSelector
+from tests.emulator.toolchain.models import F, cnn, mlp, model
+
+SELECTOR = ExampleSelector("app:/digits")
+EXPORTED_CNN = Path(__file__).with_name("data") / "cnn_torch.onnx"
+
+
+def _batches(x, y, size):
+    return lambda: [{"x": x[i : i + size], "y": y[i : i + size]} for i in range(0, len(y), size)]
+
+
+def _train(plan, weights, x, y, rounds):
+    """Local training for ``rounds`` sessions in a row; the mean loss of each session."""
+    executor = PlanExecutor(plan)
+    losses = []
+    for _ in range(rounds):
+        result = executor.run_device(weights, _batches(x, y, plan.device.batch_size))
+        losses.append(result.metrics["loss"])
+        weights = executor.final_weights(weights, result)
+    return losses, weights
+
+
+def test_a_regenerated_mlp_takes_exactly_the_hand_written_step():
+    reference = build_mlp_plan(64, (16,), 10, learning_rate=0.3, batch_size=8, selector=SELECTOR)
+    weights = initial_weights(reference, seed=1)
+    onnx_model = mlp(64, 16, 10)
+    for init in onnx_model.graph.initializer:
+        init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name], init.name))
+    plan = training_plan_from_onnx(onnx_model, label="y", loss="cross_entropy", optimizer=SGD(0.3), batch_size=8,
+                                   example_selector=SELECTOR)
+    assert plan.weight_names == reference.weight_names and plan.metric_names == reference.metric_names
+    rng = np.random.default_rng(0)
+    x, y = rng.random((40, 64), dtype=np.float32), rng.integers(0, 10, 40)
+    ours = PlanExecutor(plan).run_device(weights, _batches(x, y, 8))
+    theirs = PlanExecutor(reference).run_device(weights, _batches(x, y, 8))
+    for name, value in theirs.update.items():
+        np.testing.assert_array_equal(ours.update[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("opset", [13, 17, 21])
+@pytest.mark.parametrize("optimizer", [SGD(0.1), Momentum(0.1, 0.9), Adam(0.01)], ids=["sgd", "momentum", "adam"])
+def test_generated_plans_load_run_and_use_only_standard_ops_at_the_requested_opset(opset, optimizer):
+    source = cnn(dropout=0.2, opset=17)  # 17 -> 21 through onnx's version converter, 17 -> 13 through the versioning
+    plan = load_plan(serialize_plan(training_plan_from_onnx(
+        source, label="y", loss="cross_entropy", optimizer=optimizer, batch_size=4, opset=opset, example_selector=SELECTOR)))
+    work = onnx.ModelProto.FromString(plan.work)
+    assert [(o.domain, o.version) for o in work.opset_import] == [("", opset)]
+    assert work.ir_version == plan.metadata.ir_version == ir_version_for_opset(opset)
+    assert {n.domain for n in work.graph.node} <= {""}
+    weights = initial_weights_from_onnx(source, plan)
+    PlanExecutor(plan).smoke_test(weights)
+    assert {"bn_mean", "bn_var"} <= set(plan.weight_names) and "ratio" not in plan.weight_names
+
+
+def test_training_moves_running_statistics_and_reduces_the_loss(digits):
+    x = digits.x_train[:256].reshape(-1, 1, 8, 8).astype(np.float32)
+    y = digits.y_train[:256]
+    source = cnn(seed=3, dropout=0.1)
+    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=Adam(0.01), batch_size=16,
+                                   epochs=2, example_selector=SELECTOR)
+    start = initial_weights_from_onnx(source, plan)
+    losses, trained = _train(plan, start, x, y, 4)
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0], losses
+    assert not np.allclose(trained["bn_mean"], start["bn_mean"]) and np.isfinite(trained["bn_var"]).all()
+    # one step per batch, carried from session to session in the checkpoint
+    assert trained["adam_step"] == pytest.approx(4 * 2 * 256 / 16)
+
+
+def test_a_cnn_exported_by_torch_trains_through_a_generated_plan(digits):
+    x = digits.x_train.reshape(-1, 1, 8, 8).astype(np.float32)
+    plan = training_plan_from_onnx(EXPORTED_CNN, label="y", loss="cross_entropy", optimizer=Momentum(0.05, 0.9),
+                                   batch_size=16, epochs=2, example_selector=SELECTOR, inputs={"pixels": "x"})
+    start = initial_weights_from_onnx(EXPORTED_CNN, plan)
+    assert {"conv1.weight", "bn.weight", "bn.running_mean", "fc.bias"} <= set(plan.weight_names)
+    losses, trained = _train(plan, start, x, digits.y_train, 2)
+    evaluator = PlanExecutor(plan)
+    accuracy = evaluator.evaluate(trained, [{"x": digits.x_test.reshape(-1, 1, 8, 8), "y": digits.y_test}])["eval_accuracy"]
+    assert losses[1] < losses[0] and accuracy > 0.8, (losses, accuracy)
+
+
+def test_an_mlp_exported_by_skl2onnx_trains_through_a_generated_plan(digits):
+    skl2onnx = pytest.importorskip("skl2onnx")
+    from sklearn.neural_network import MLPClassifier
+
+    clf = MLPClassifier(hidden_layer_sizes=(16,), max_iter=2, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the deliberately unconverged fit
+        clf.fit(digits.x_train[:100], digits.y_train[:100])
+    exported = skl2onnx.to_onnx(clf, digits.x_train[:1].astype(np.float32), options={id(clf): {"zipmap": False}}, target_opset=17)
+    assert any(n.domain == "ai.onnx.ml" for n in exported.graph.node)  # the label branch, pruned by the plan
+    plan = training_plan_from_onnx(exported, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=16,
+                                   epochs=3, example_selector=SELECTOR, inputs={"X": "x"})
+    assert plan.weight_names == ("coefficient", "intercepts", "coefficient1", "intercepts1")
+    start = initial_weights_from_onnx(exported, plan)
+    losses, _ = _train(plan, start, digits.x_train.astype(np.float32), digits.y_train, 2)
+    assert losses[1] < 0.8 * losses[0], losses
+
+
+def test_an_op_outside_the_table_is_refused_with_its_name_and_node():
+    w = {"w": np.ones((4, 3), np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="dense"),
+             helper.make_node("Hardmax", ["h"], ["y"], name="the_hardmax_node")]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 3])], w)
+    with pytest.raises(UnsupportedOpError, match="Hardmax.*the_hardmax_node") as info:
+        training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+    assert info.value.op_type == "Hardmax" and info.value.node_name == "the_hardmax_node"
+
+
+def test_a_rule_that_cannot_handle_a_form_names_the_node():
+    w = {"table": np.ones((6, 3), np.float32), "starts": np.array([0], np.int64), "ends": np.array([6], np.int64),
+         "axes": np.array([0], np.int64), "steps": np.array([2], np.int64)}
+    nodes = [helper.make_node("Slice", ["table", "starts", "ends", "axes", "steps"], ["every_other"], name="strided_rows"),
+             helper.make_node("MatMul", ["x", "every_other"], ["y"])]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 3])], [helper.make_tensor_value_info("y", F, ["N", 3])], w)
+    with pytest.raises(UnsupportedOpError, match="'Slice' \\(node 'strided_rows'\\).*steps of 1"):
+        training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+
+
+def test_bad_arguments_are_refused_with_what_to_do():
+    m = mlp(4, 3, 2)
+    with pytest.raises(ValueError, match="is not an initializer"):
+        training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
+                                trainable=["nope"], example_selector=SELECTOR)
+    with pytest.raises(ValueError, match="loss 'hinge' is unknown"):
+        training_plan_from_onnx(m, label="y", loss="hinge", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+    with pytest.raises(ValueError, match="lr must be a positive"):
+        SGD(0.0)
+    with pytest.raises(ValueError, match="inputs must map"):
+        training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
+                                inputs={"pixels": "x"}, example_selector=SELECTOR)
+
+
+def test_frozen_weights_stay_constants_of_the_graph():
+    m = mlp(6, 5, 3)
+    plan = training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
+                                   trainable=["w1", "b1"], example_selector=SELECTOR)
+    assert plan.weight_names == ("w1", "b1")
+    assert {"w0", "b0"} <= {i.name for i in onnx.ModelProto.FromString(plan.work).graph.initializer}
+
+
+def test_a_secure_aggregation_plan_sends_its_whole_update_through_secure_sum():
+    from device_runtime import SecureSumCodec
+
+    plan = training_plan_from_onnx(mlp(6, 5, 3), label="y", loss="cross_entropy", optimizer=Momentum(0.1), batch_size=4,
+                                   secure_aggregation=True, bitwidth=20, clip_range=64.0, example_selector=SELECTOR)
+    executor = PlanExecutor(plan)
+    codec = SecureSumCodec(plan, executor)
+    assert set(codec.names) == set(executor.client_update_spec()) and plan.server.bitwidth == 20
+    rng = np.random.default_rng(0)
+    update = executor.run_device(initial_weights_from_onnx(mlp(6, 5, 3), plan),
+                                 lambda: [{"x": rng.standard_normal((8, 6)).astype(np.float32), "y": rng.integers(0, 3, 8)}]).update
+    decoded = codec.decode_sum(codec.encode(update), 1)
+    for name, value in update.items():
+        np.testing.assert_allclose(decoded[name], value, atol=2 * 64.0 / 2**20)
+
+
+def test_seeded_dropout_makes_a_session_reproducible_and_masks_change_from_step_to_step(digits):
+    x = digits.x_train[:64].reshape(-1, 1, 8, 8).astype(np.float32)
+    source = cnn(seed=5, dropout=0.5)
+
+    def session(seed):
+        plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=16,
+                                       dropout_seed=seed, example_selector=SELECTOR, shuffle_buffer=0)
+        executor = PlanExecutor(plan)
+        return executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, digits.y_train[:64], 16)).update
+
+    first, again, other = session(0), session(0), session(1)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    assert not np.array_equal(first["fc_w"], other["fc_w"])

@@ -1,0 +1,196 @@
+"""Versioned plans: every rewrite between opsets computes what the original computes (checked on
+real onnxruntime sessions), every versioned plan loads on its release, and a graph that has no
+form at the target opset is refused naming the op and the version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from device_runtime import build_mlp_plan, initial_weights
+from device_runtime.executor import make_session
+from device_runtime.plan import load_plan, max_ir_version_for_runtime, max_opset_for_runtime, serialize_plan
+from emulator.runtime_envs import KNOWN_RELEASES
+from emulator.toolchain.tasks import load_tasks
+from emulator.toolchain.versioning import VersioningError, convert_model, plan_sha256, versioned_plan
+from example_store import ExampleSelector
+
+F32 = TensorProto.FLOAT
+TARGETS = st.sampled_from([11, 12, 13, 15, 17, 19, 20])
+
+
+def model(nodes, inputs, outputs, opset, initializers=()) -> bytes:
+    """A model whose outputs given as bare names take the types shape inference finds."""
+    graph = helper.make_graph(nodes, "g", inputs, [], initializer=list(initializers))
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(m).graph.value_info}
+    m.graph.output.extend(inferred[o] if isinstance(o, str) else o for o in outputs)
+    onnx.checker.check_model(m, full_check=True)
+    return m.SerializeToString()
+
+
+def run(model_bytes: bytes, feeds: dict) -> list[np.ndarray]:
+    return make_session(model_bytes).run(None, feeds)
+
+
+def assert_same(original: bytes, target: int, feeds: dict) -> bytes:
+    converted = convert_model(original, target)
+    m = onnx.ModelProto.FromString(converted)
+    assert m.opset_import[0].version == min(target, onnx.ModelProto.FromString(original).opset_import[0].version)
+    for want, got in zip(run(original, feeds), run(converted, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    return converted
+
+
+shapes = st.lists(st.integers(1, 4), min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=shapes, data=st.data(), target=TARGETS,
+       op=st.sampled_from(["ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp"]))
+def test_reduce_with_constant_axes_input_keeps_its_values_at_any_target(shape, data, target, op):
+    rank = len(shape)
+    axes = data.draw(st.lists(st.integers(-rank, rank - 1), min_size=1, max_size=rank, unique_by=lambda a: a % rank))
+    keepdims = data.draw(st.integers(0, 1))
+    axes_init = numpy_helper.from_array(np.array(axes, dtype=np.int64), "axes")
+    node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)
+    m = model([node], [helper.make_tensor_value_info("x", F32, shape)], ["y"], 18, [axes_init])
+    x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    assert_same(m, target, {"x": x})
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=shapes, data=st.data(), target=TARGETS, op=st.sampled_from(["Softmax", "LogSoftmax", "Hardmax"]))
+def test_softmax_family_keeps_the_one_axis_meaning_below_13(shape, data, target, op):
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    node = helper.make_node(op, ["x"], ["y"], axis=axis)
+    m = model([node], [helper.make_tensor_value_info("x", F32, shape)], [helper.make_tensor_value_info("y", F32, shape)], 13)
+    x = np.random.default_rng(axis + 7).standard_normal(shape).astype(np.float32)
+    assert_same(m, target, {"x": x})
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=shapes, data=st.data(), target=TARGETS)
+def test_squeeze_and_unsqueeze_axes_move_to_attributes(shape, data, target):
+    rank = len(shape)
+    new_axis = data.draw(st.integers(-(rank + 1), rank))
+    nodes = [
+        helper.make_node("Unsqueeze", ["x", "ax"], ["u"]),
+        helper.make_node("Squeeze", ["u", "ax"], ["y"]),
+        helper.make_node("Relu", ["u"], ["z"]),
+    ]
+    ax = numpy_helper.from_array(np.array([new_axis], dtype=np.int64), "ax")
+    m = model(nodes, [helper.make_tensor_value_info("x", F32, shape)],
+              ["y", "z"], 21, [ax])
+    assert_same(m, target, {"x": np.arange(np.prod(shape), dtype=np.float32).reshape(shape)})
+
+
+@settings(max_examples=20, deadline=None)
+@given(dim=st.integers(2, 9), parts=st.integers(2, 4), target=TARGETS, explicit=st.booleans())
+def test_split_sizes_and_num_outputs_survive_lowering(dim, parts, target, explicit):
+    parts = min(parts, dim)
+    assume(-(-dim // parts) * (parts - 1) < dim)  # num_outputs leaves no part empty
+    outs = [f"y{i}" for i in range(parts)]
+    inits = []
+    if explicit:
+        sizes = [1] * (parts - 1) + [dim - parts + 1]
+        inits = [numpy_helper.from_array(np.array(sizes, dtype=np.int64), "sizes")]
+        node = helper.make_node("Split", ["x", "sizes"], outs, axis=1)
+    else:
+        node = helper.make_node("Split", ["x"], outs, axis=1, num_outputs=parts)
+    m = model([node], [helper.make_tensor_value_info("x", F32, [2, dim])],
+              [o for o in outs], 18, inits)
+    assert_same(m, target, {"x": np.arange(2 * dim, dtype=np.float32).reshape(2, dim)})
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4), data=st.data(), target=TARGETS, bias=st.booleans())
+def test_layer_normalization_is_decomposed_below_17(shape, data, target, bias):
+    rank = len(shape)
+    axis = data.draw(st.integers(-rank, rank - 1))
+    normalized = shape[axis % rank:]
+    rng = np.random.default_rng(rank)
+    inits = [numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "scale")]
+    inputs = ["x", "scale"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "bias"))
+        inputs.append("bias")
+    node = helper.make_node("LayerNormalization", inputs, ["y", "mean", "inv"], axis=axis, epsilon=1e-3)
+    m = model([node], [helper.make_tensor_value_info("x", F32, shape)],
+              [n for n in ("y", "mean", "inv")], 17, inits)
+    converted = assert_same(m, target, {"x": rng.standard_normal(shape).astype(np.float32)})
+    if target < 17:
+        assert "LayerNormalization" not in {n.op_type for n in onnx.ModelProto.FromString(converted).graph.node}
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_is_decomposed_below_20(approximate):
+    node = helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)
+    m = model([node], [helper.make_tensor_value_info("x", F32, [3, 5])], [helper.make_tensor_value_info("y", F32, [3, 5])], 20)
+    x = np.linspace(-4, 4, 15, dtype=np.float32).reshape(3, 5)
+    for target in (13, 19):
+        assert_same(m, target, {"x": x})
+
+
+def test_an_op_without_a_rewrite_is_refused_naming_op_node_and_version():
+    x = helper.make_tensor_value_info("x", F32, [1, 2, 3, 4])
+    node = helper.make_node("Attention", ["x", "x", "x"], ["y"], name="self_attention")
+    m = model([node], [x], [helper.make_tensor_value_info("y", F32, [1, 2, 3, 4])], 23)
+    with pytest.raises(VersioningError, match=r"op Attention \(node 'self_attention'\) cannot be expressed at opset 19.*opset 23"):
+        convert_model(m, 19)
+
+
+def test_computed_axes_have_no_attribute_form_and_are_refused():
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("ReduceMean", ["x", "s"], ["y"], name="mean")]
+    m = model(nodes, [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
+              [helper.make_tensor_value_info("y", TensorProto.INT64, ["n"])], 18)
+    with pytest.raises(VersioningError, match="ReduceMean.*opset 17.*computed"):
+        convert_model(m, 17)
+
+
+def test_a_node_whose_types_the_older_version_lacks_is_refused():
+    node = helper.make_node("Relu", ["x"], ["y"], name="relu_int")  # Relu takes integers from 14 on
+    m = model([node], [helper.make_tensor_value_info("x", TensorProto.INT32, [2])],
+              [helper.make_tensor_value_info("y", TensorProto.INT32, [2])], 14)
+    with pytest.raises(VersioningError, match="Relu.*opset 13.*tensor\\(int32\\)"):
+        convert_model(m, 13)
+
+
+def test_a_versioned_plan_per_release_loads_there_and_trains_like_the_unversioned_one(digits):
+    plan = build_mlp_plan(64, (16,), 10, opset=26, learning_rate=0.1, selector=ExampleSelector("app:/digits"))
+    weights = initial_weights(plan, seed=1)
+    feeds = {**weights, "x": digits.x_train[:16].astype(np.float32), "y": digits.y_train[:16].astype(np.int64)}
+    outputs = [*plan.weight_outputs, *plan.metric_names]
+    reference = make_session(plan.work).run(outputs, feeds)
+    hashes = set()
+    for release in KNOWN_RELEASES:
+        vplan = versioned_plan(plan, release)
+        assert vplan.metadata.opset <= min(26, max_opset_for_runtime(release))
+        assert vplan.metadata.opset == (18 if release.startswith("1.15.") else min(26, max_opset_for_runtime(release)))
+        assert vplan.metadata.ir_version <= max_ir_version_for_runtime(release)
+        loaded = load_plan(serialize_plan(vplan), runtime_version=release)  # the device's own check
+        assert loaded.metadata.min_runtime_version.startswith(release.rsplit(".", 1)[0] + ".")
+        for want, got in zip(reference, make_session(vplan.work).run(outputs, feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        hashes.add(plan_sha256(vplan))
+    assert len(hashes) == len(KNOWN_RELEASES)  # each claims its own release, so each has its own id
+
+
+@pytest.mark.parametrize("task_file", ["digits_task.py", "digits_cnn_task.py"])
+def test_generated_training_steps_compute_the_same_at_every_lower_opset(task_file):
+    (task,) = load_tasks(Path(__file__).resolve().parents[3] / "examples" / "tasks" / task_file)
+    plan = task.build_plan()
+    shard = task.proxy_data().shards[0]
+    feeds = {**task.weights(plan), **{graph: np.asarray(shard[name][:16]) for graph, name in plan.device.inputs.items()}}
+    outputs = [*plan.weight_outputs, *plan.metric_names]
+    reference = make_session(plan.work).run(outputs, feeds)
+    for target in range(11, plan.metadata.opset):
+        converted = make_session(convert_model(plan.work, target)).run(outputs, feeds)
+        for want, got in zip(reference, converted):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"opset {target}")

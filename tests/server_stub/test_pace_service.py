@@ -1,0 +1,49 @@
+"""Pace steering in the service: a crowd checking in far faster than its rounds need is told to
+wait longer than the task's retry window; a trickle keeps the task's window."""
+
+from __future__ import annotations
+
+from device_runtime import encode_checkpoint, initial_weights
+from device_runtime.plan import serialize_plan
+from server_stub.persistence import ServerStore
+from server_stub.rounds import RoundConfig
+from server_stub.service import FLService
+from tests.support import digits_plan
+
+BASE = (10.0, 30.0)
+
+
+def _rejections(tmp_path, gap_s: float, checkins: int) -> list[tuple[float, float]]:
+    """Windows handed to check-ins ``gap_s`` apart; rounds take two devices that never report,
+    so each lasts its report time-out (60 s) and needs 2 * 1.5 / 60 check-ins per second."""
+    now = [0.0]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = ServerStore(tmp_path / "server.db")
+    service = FLService(store, clock=lambda: now[0])
+    service.create_population("pop")
+    plan = digits_plan()
+    config = RoundConfig(goal_count=2, over_selection=1.0, selection_timeout_s=600.0, report_timeout_s=60.0,
+                         retry_window_s=BASE, min_reports=1)
+    service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
+    windows = []
+    try:
+        for _ in range(checkins):
+            answer = service.checkin("pop", "1.31.1")
+            if answer["status"] == "rejected":
+                assert answer["reason"] == "ROUND_FULL"
+                windows.append(tuple(answer["retry_after_s"]))
+            now[0] += gap_s
+    finally:
+        store.close()
+    return windows
+
+
+def test_a_crowd_is_spread_over_a_longer_wait_and_a_trickle_keeps_the_tasks_window(tmp_path):
+    crowd = _rejections(tmp_path / "crowd", gap_s=0.05, checkins=4000)  # 400 times what rounds need
+    trickle = _rejections(tmp_path / "trickle", gap_s=30.0, checkins=100)  # two thirds of it
+    width = BASE[1] - BASE[0]
+    # the trickle's windows are the task's own, shifted to the next round at most
+    assert trickle and all(abs((hi - lo) - width) < 1e-6 and lo >= BASE[0] for lo, hi in trickle)
+    assert all(hi - lo >= width - 1e-6 and lo >= BASE[0] for lo, hi in crowd)
+    lo, hi = crowd[-1]
+    assert hi - lo > 10 * width  # spread over a wait many times the task's own

@@ -1,0 +1,177 @@
+"""The deploy gate over HTTP, with plans and a report made by the real toolchain on real releases:
+a server that requires release reports refuses a task without a covering, passed report bound to
+the uploaded plans (a 4xx naming the release and the check), and serves each device the plan for
+its runtime, telling a device outside the claimed set to come back later."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from device_runtime.plan import load_plan, serialize_plan
+from emulator.runtime_worker import WorkerPool
+from emulator.toolchain.bundle import BuiltTask, build_bundle, release_test_bundle
+from emulator.toolchain.versioning import plan_sha256, versioned_plan
+from server_stub import AdminClient, AdminError, RoundConfig, ServerThread
+from server_stub.admin_client import task_body
+from server_stub import free_port
+
+TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
+CLAIMED = ["1.15.1", "1.31.1"]
+CONFIG = RoundConfig(goal_count=4, min_reports=1)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> BuiltTask:
+    out = tmp_path_factory.mktemp("bundle")
+    build_bundle(TASK_FILE, out, runtimes=CLAIMED)
+    with WorkerPool() as pool:
+        (task,) = release_test_bundle(out, pool)
+    assert task.report()["passed"]
+    return task
+
+
+@pytest.fixture
+def gated(tmp_path):
+    with ServerThread(tmp_path / "server.db") as server:
+        server.service.require_release_reports = True
+        with server.admin() as admin:
+            admin.create_population("digits")
+            yield server, admin
+
+
+def body(built: BuiltTask, *, report=None, versions=None) -> dict:
+    return task_body("train", built.plan, built.checkpoint, CONFIG,
+                     versioned_plans=built.versions if versions is None else versions,
+                     release_report=built.report() if report is None else report)
+
+
+def refused(admin, payload) -> AdminError:
+    with pytest.raises(AdminError) as err:
+        admin.deploy_body("digits", payload)
+    assert 400 <= err.value.status < 500
+    return err.value
+
+
+def checkin(server, version: str) -> dict:
+    return httpx.post(f"{server.url}/v1/populations/digits/checkin", json={"runtime_version": version}).json()
+
+
+@pytest.mark.timeout(1800)  # a cold cache installs the releases first
+def test_a_covering_report_lets_the_task_through_and_each_device_gets_its_plan(gated, built):
+    server, admin = gated
+    admin.deploy_body("digits", body(built))
+    served = {v: checkin(server, v) for v in ("1.15.0", "1.31.1", "1.20.1")}
+    assert served["1.15.0"]["plan_id"] == built.manifest["versions"]["1.15.1"]["sha256"]  # served per minor release
+    assert served["1.31.1"]["plan_id"] == built.manifest["versions"]["1.31.1"]["sha256"]
+    assert served["1.15.0"]["plan_id"] != served["1.31.1"]["plan_id"]
+    assert served["1.20.1"]["status"] == "rejected" and served["1.20.1"]["reason"] == "RUNTIME_VERSION_NOT_CLAIMED"
+    low, high = served["1.20.1"]["retry_after_s"]
+    assert 0 < low <= high
+
+
+@pytest.mark.timeout(1800)
+def test_a_deploy_without_a_report_is_refused(gated, built):
+    _, admin = gated
+    err = refused(admin, task_body("train", built.plan, built.checkpoint, CONFIG))
+    assert err.code == "RELEASE_REPORT_REQUIRED" and "fedfleet plan test" in str(err)
+
+
+@pytest.mark.timeout(1800)
+def test_a_failed_check_is_refused_naming_the_release_and_the_check(gated, built):
+    _, admin = gated
+    report = copy.deepcopy(built.report())
+    checks = report["results"]["1.31.1"]["checks"]
+    predicate = next(c for c in checks if c["name"].startswith("accuracy_after"))
+    predicate["passed"] = False
+    err = refused(admin, body(built, report=report))
+    assert err.code == "RELEASE_TEST_FAILED" and "1.31.1" in str(err) and predicate["name"] in str(err)
+
+
+@pytest.mark.timeout(1800)
+def test_a_report_that_does_not_cover_a_claimed_release_is_refused(gated, built):
+    _, admin = gated
+    report = copy.deepcopy(built.report())
+    del report["results"]["1.15.1"]
+    err = refused(admin, body(built, report=report))
+    assert err.code == "RELEASE_REPORT_INCOMPLETE" and "1.15.1" in str(err)
+
+
+@pytest.mark.timeout(1800)
+def test_plans_other_than_the_tested_ones_are_refused(gated, built):
+    _, admin = gated
+    plan = load_plan(built.plan)
+    other = serialize_plan(versioned_plan(plan, "1.31.1", opset=20))  # valid for 1.31, but not what was tested
+    assert plan_sha256(other) != built.manifest["versions"]["1.31.1"]["sha256"]
+    err = refused(admin, body(built, versions={**built.versions, "1.31.1": other}))
+    assert err.code == "RELEASE_REPORT_MISMATCH" and "1.31.1" in str(err)
+    err = refused(admin, body(built, versions={"1.15.1": built.versions["1.15.1"]}))
+    assert err.code == "RELEASE_REPORT_MISMATCH"
+
+
+@pytest.mark.timeout(1800)
+def test_malformed_reports_get_a_4xx_never_a_5xx(gated, built):
+    _, admin = gated
+    for report in ({}, {"format": "x"}, json.loads(json.dumps({"format": "fedfleet-release-report/1", "claimed": [1]}))):
+        assert refused(admin, body(built, report=report)).code == "RELEASE_REPORT_MALFORMED"
+
+
+@pytest.mark.timeout(1800)
+def test_without_the_gate_the_existing_deploy_path_is_unchanged(tmp_path, built):
+    with ServerThread(tmp_path / "server.db") as server, server.admin() as admin:
+        admin.create_population("digits")
+        admin.deploy_body("digits", task_body("train", built.plan, built.checkpoint, CONFIG))
+        answer = checkin(server, "1.31.1")
+    assert answer["status"] == "accepted" and answer["plan_id"] == built.manifest["plan"]["sha256"]
+
+
+@pytest.mark.timeout(1800)
+def test_the_server_command_requires_release_reports_unless_told_otherwise(tmp_path, built):
+    key = "operator-key-for-the-gate-test-0123456789"
+    (tmp_path / "admin.keys").write_text(key + "\n")
+    verdicts = {}
+    for flags in ([], ["--allow-untested-plans"]):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "server_stub", "--db", str(tmp_path / f"s{len(flags)}.db"),
+                                 "--port", str(port), "--admin-key-file", str(tmp_path / "admin.keys"), *flags],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(200):
+                try:
+                    if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+            with AdminClient(url, admin_key=key) as admin:
+                admin.create_population("digits")
+                try:
+                    admin.deploy_body("digits", task_body("train", built.plan, built.checkpoint, CONFIG))
+                    verdicts[tuple(flags)] = "accepted"
+                except AdminError as exc:
+                    verdicts[tuple(flags)] = exc.code
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    assert verdicts == {(): "RELEASE_REPORT_REQUIRED", ("--allow-untested-plans",): "accepted"}
+
+
+@pytest.mark.timeout(1800)
+def test_a_restarted_server_still_serves_each_release_its_plan(tmp_path, built):
+    db = tmp_path / "server.db"
+    with ServerThread(db) as server, server.admin() as admin:
+        server.service.require_release_reports = True
+        admin.create_population("digits")
+        admin.deploy_body("digits", body(built))
+    with ServerThread(db) as server:  # the versions come back from the database
+        answers = {v: checkin(server, v) for v in ("1.15.1", "1.31.1", "1.18.1")}
+    assert answers["1.15.1"]["plan_id"] == built.manifest["versions"]["1.15.1"]["sha256"]
+    assert answers["1.31.1"]["plan_id"] == built.manifest["versions"]["1.31.1"]["sha256"]
+    assert answers["1.18.1"]["reason"] == "RUNTIME_VERSION_NOT_CLAIMED"
