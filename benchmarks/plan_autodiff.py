@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run (about a minute)")
     args = parser.parse_args(argv)
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("plan_autodiff compares with torch: install the bench extra first (.venv/bin/pip install -e '.[bench]')") from None
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)

@@ -102,6 +102,7 @@ class FLRuntime:
         loaded_plans: LoadedPlans | None = None,
         work_meter: WorkMeter | None = None,
         memory_probe: Callable[[], float] = rss_mb,
+        secagg_poll_s: float | None = None,
     ) -> None:
         """``transport``: how the protocol's requests travel (real HTTP by default; an
         in-process transport in a simulation or a test), see ``ProtocolClient``; ``http_client``:
@@ -112,7 +113,11 @@ class FLRuntime:
         parsed plans, which devices emulated in one process share. ``attestor`` (this device's
         attested key) and ``trust_anchor`` (the attestation authority's) are what Secure
         Aggregation needs under the default ``secagg_policy``, which accepts attested peers only:
-        without them secure tasks are refused with ``SECAGG_NEEDS_ATTESTATION``."""
+        without them secure tasks are refused with ``SECAGG_NEEDS_ATTESTATION``.
+        ``secagg_poll_s``: None on a device, whose Secure Aggregation waits in long polls the server
+        holds; a runtime on a virtual clock sets it, and then polls without a held request and
+        spends ``secagg_poll_s`` between polls through ``sleep`` (a server cannot hold a request
+        for a time it does not share)."""
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
         if cache_dir is None and plan_cache is None:
@@ -135,6 +140,10 @@ class FLRuntime:
         self.loaded_plans = loaded_plans if loaded_plans is not None else LoadedPlans()
         self.work_meter = work_meter
         self.memory_probe = memory_probe
+        if secagg_poll_s is not None and not secagg_poll_s > 0:
+            raise ValueError("secagg_poll_s must be > 0 (or None for the server's long polls)")
+        self.sleep = sleep
+        self.secagg_poll_s = secagg_poll_s
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
         self._codecs: dict[str, SecureSumCodec] = {}
@@ -312,11 +321,14 @@ class FLRuntime:
     def _secure_prepare(
         self, session: CheckinAccepted, should_abort: Callable[[], bool] | None
     ) -> tuple[SecureAggregation, SecureResult | None]:
-        """The key rounds, before training (see ``secure_client``)."""
+        """The key rounds, before training (see ``secure_client``). Deadlines are measured on the
+        runtime's clock, or on the monotonic one when that is the system's (which can jump)."""
+        clock = time.monotonic if self.clock is time.time else self.clock
+        polling = {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
         secure = SecureAggregation(
-            self.client, session, deadline=time.monotonic() + session.report_deadline_s, should_abort=should_abort,
+            self.client, session, deadline=clock() + session.report_deadline_s, should_abort=should_abort,
             policy=self.secagg_policy, signer=self.attestor.secagg_signer() if self.attestor is not None else None,
-            verify_peer=self.peer_verifier,
+            verify_peer=self.peer_verifier, sleep=self.sleep, clock=clock, **polling,
         )
         return secure, secure.prepare()
 

@@ -81,10 +81,17 @@ class _Refusal(Exception):
 class SecureAggregation:
     """One device's part in its group's protocol for one session.
 
-    ``deadline`` is a ``time.monotonic()`` reading; each of the server's answers may move it
-    (within an hour), as the group's deadlines start when it forms. ``on_round`` hears the name of each protocol
-    round (``secagg.Round`` values) just before this device takes part in it, so an app can show
-    progress; ``should_abort`` is asked again right after."""
+    ``deadline`` is a reading of ``clock`` (``time.monotonic`` on a phone, the runtime's virtual
+    clock in a simulation); each of the server's answers may move it (within an hour), as the
+    group's deadlines start when it forms. ``on_round`` hears the name of each protocol round
+    (``secagg.Round`` values) just before this device takes part in it, so an app can show
+    progress; ``should_abort`` is asked again right after.
+
+    Between messages the device polls its mailbox: the server holds each poll up to
+    ``long_poll_s`` (answering as soon as the device's state moves), and the device waits
+    ``poll_s`` with ``sleep`` before the next. A device on a clock of its own sets
+    ``long_poll_s=0``: the server cannot hold a request for a time it does not share, so the
+    whole wait is spent through ``sleep``, on the device's clock."""
 
     def __init__(
         self,
@@ -96,6 +103,8 @@ class SecureAggregation:
         on_round: Callable[[str], None] | None = None,
         poll_s: float = 0.02,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        long_poll_s: float = LONG_POLL_S,
         policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
         signer: Signer | None = None,
         verify_peer: PeerVerifier | None = None,
@@ -115,8 +124,12 @@ class SecureAggregation:
         self.deadline = deadline
         self.should_abort = should_abort
         self.on_round = on_round
+        if poll_s < 0 or long_poll_s < 0:
+            raise ValueError("poll_s and long_poll_s must be >= 0")
         self.poll_s = poll_s
         self.sleep = sleep
+        self.clock = clock
+        self.long_poll_s = long_poll_s
         self._secagg: SecAggClient | None = None
         self._vector: np.ndarray | None = None
         self._seen_seq = 0
@@ -162,17 +175,17 @@ class SecureAggregation:
             if problem is not None:
                 return SecureResult(SecureOutcome.ABORTED, f"this device cannot take part in Secure Aggregation: {problem}",
                                     refused=True, code=NEEDS_ATTESTATION)
-        while time.monotonic() < self.deadline:
+        while self.clock() < self.deadline:
             if self.should_abort is not None and self.should_abort():
                 return SecureResult(SecureOutcome.INTERRUPTED)
-            wait = max(0.0, min(LONG_POLL_S, self.deadline - time.monotonic()))
+            wait = max(0.0, min(self.long_poll_s, self.deadline - self.clock()))
             after = self._seen_seq if self._secagg is not None else -1  # -1: AdvertiseKeys is due at once
             state = client.secagg_poll(session, after=after, wait_s=wait)
             status = state.get("status")
             remaining = state.get("deadline_in_s")
             if isinstance(remaining, (int, float)) and not isinstance(remaining, bool):
                 # the server moves the deadline when its group forms later than the device thought
-                self.deadline = time.monotonic() + min(float(remaining), MAX_DEADLINE_S) + DEADLINE_GRACE_S
+                self.deadline = self.clock() + min(float(remaining), MAX_DEADLINE_S) + DEADLINE_GRACE_S
             if status == "waiting":
                 seen = _b64(state.get("commitment"))
                 if self._commitment is not None and seen != self._commitment:
@@ -294,13 +307,17 @@ def run_secure_aggregation(
     should_abort: Callable[[], bool] | None = None,
     on_round: Callable[[str], None] | None = None,
     poll_s: float = 0.02,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    long_poll_s: float = LONG_POLL_S,
     policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
     signer: Signer | None = None,
     verify_peer: PeerVerifier | None = None,
 ) -> SecureResult:
     """All the rounds for an update that already exists."""
     secure = SecureAggregation(client, session, deadline=deadline, should_abort=should_abort, on_round=on_round,
-                               poll_s=poll_s, policy=policy, signer=signer, verify_peer=verify_peer)
+                               poll_s=poll_s, sleep=sleep, clock=clock, long_poll_s=long_poll_s, policy=policy,
+                               signer=signer, verify_peer=verify_peer)
     return secure.finish(vector)
 
 

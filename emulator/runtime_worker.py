@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -481,6 +482,9 @@ class WorkerPool:
         self._env_options = env_options
         self._workers: dict[str, RuntimeWorker] = {}
         self._lock = threading.Lock()
+        # A pool dropped without close() (a fleet shard that is simply discarded, say) still ends
+        # its worker processes, when it is collected or at the latest when this interpreter exits.
+        weakref.finalize(self, _close_workers, self._workers)
 
     def worker(self, version: str) -> RuntimeWorker:
         with self._lock:
@@ -494,7 +498,8 @@ class WorkerPool:
 
     def close(self) -> None:
         with self._lock:
-            workers, self._workers = list(self._workers.values()), {}
+            workers = list(self._workers.values())
+            self._workers.clear()
         for worker in workers:
             worker.close()
 
@@ -503,6 +508,12 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_workers(workers: dict[str, RuntimeWorker]) -> None:
+    for worker in list(workers.values()):
+        worker.close()
+    workers.clear()
 
 
 class ReleasePlans(LoadedPlans):
@@ -520,6 +531,11 @@ class ReleasePlans(LoadedPlans):
         if key not in self._executors:
             self._executors[key] = WorkerExecutor(plan, self.pool.worker(runtime_version))
         return plan, self._executors[key]
+
+    def executors(self) -> dict[tuple[str, str], WorkerExecutor]:
+        """The executors made so far, by (plan id, runtime version): which plan the devices of
+        each release were served, and the worker (``executor.worker.version``) that trained it."""
+        return dict(self._executors)
 
 
 def assign_releases(count: int, shares: Mapping[str, float], rng: random.Random) -> list[str]:

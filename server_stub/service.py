@@ -192,15 +192,19 @@ class FLService:
         verifier: AttestationVerifier | None = None,
         rng: random.Random | None = None,
         require_release_reports: bool = False,
+        secagg_random_bytes: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
         """``require_release_reports``: accept only tasks whose release report covers every runtime
-        they claim (see ``release_gate``); a task deployed with a report is checked either way."""
+        they claim (see ``release_gate``); a task deployed with a report is checked either way.
+        ``secagg_random_bytes``: where Secure Aggregation rounds draw their seeds (a seeded source
+        only in a simulation, whose run must repeat)."""
         self.store = store
         self.require_release_reports = require_release_reports
         self.verifier = verifier
         self.clock = clock
         self.wall_clock = wall_clock
         self.rng = rng or random.Random()
+        self.secagg_random_bytes = secagg_random_bytes
         self._lock = threading.RLock()
         self._write_lock = threading.Lock()
         # Called (from any thread) when some device's Secure Aggregation state may have changed:
@@ -705,7 +709,8 @@ class FLService:
             cfg = run.config
             settings = SecureSettings(cfg.secagg_min_group_size, cfg.secagg_round_timeout_s,
                                       consistency_check=cfg.secagg_consistency_check)
-            run.secure = SecureRound(run.codec, settings, f"{run.record.name}/{run.round_number}/{run.attempt}")
+            run.secure = SecureRound(run.codec, settings, f"{run.record.name}/{run.round_number}/{run.attempt}",
+                                     random_bytes=self.secagg_random_bytes)
         run.accumulator = run.executor.zero()
         run.device_metrics = RoundMetrics()
         run.bounded = {"capped": 0, "clipped": 0}

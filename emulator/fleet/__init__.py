@@ -6,6 +6,8 @@ from .data import device_examples, fleet_dataset
 from .events import AppKilled, EventLoop, Fibers, SimulationError
 from .population import DeviceFaults, DeviceSpec, NetworkSpec, device_seed, generate_population
 from .ray_backend import FleetShard, RayBackendError, parse_sweep, run_many, simulate_sharded, sweep_configs
+from .releases import ReleasedPlans, release_tested_plans
+from .secure_fleet import FleetAttestation
 from .report import FleetReportError, summarize, write_report
 from .sim_transport import AsgiCaller, SimTransport
 from .simulator import FleetSimulator, simulate
@@ -13,6 +15,7 @@ from .tables import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow
 from .traces import TraceAvailability, TraceError, load_traces, write_traces
 
 __all__ = [
+    "FleetAttestation",
     "AVAILABLE",
     "Availability",
     "BATTERY_LOW",
@@ -34,6 +37,8 @@ __all__ = [
     "generate_population",
     "load_traces",
     "write_traces",
+    "ReleasedPlans",
+    "release_tested_plans",
     "FleetReportError",
     "FleetRun",
     "FleetTableError",

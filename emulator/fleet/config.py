@@ -73,6 +73,10 @@ class FleetSection(_Section):
     start_utc_hour: float = Field(0.0, ge=0.0, lt=24.0)
     #: Paper sec. 11: the device code is deployed only to phones with at least 2 GB of memory.
     min_memory_mb: int = Field(MIN_MEMORY_MB, ge=0, le=1_048_576)
+    #: Paper sec. 7.3: each device trains its release's versioned plan on that real onnxruntime
+    #: release (one worker process per release, see ``emulator.fleet.releases``); off, every device
+    #: trains the one plan on this interpreter's onnxruntime.
+    real_runtimes: bool = False
 
 
 class TimeZone(_Section):
@@ -338,6 +342,10 @@ class TaskSection(_Section):
     epochs: int = Field(2, ge=1, le=1000)
     compute_s_per_example: NonNegative = 1.0
     secure: bool = False
+    #: With ``secure``: groups of at least this many attested devices (the devices' own floor is 5),
+    #: and how long each key round waits for a group's messages (covers a poll and a round trip).
+    secagg_group_size: int = Field(5, ge=2, le=100_000)
+    secagg_round_timeout_s: Positive = 10.0
     max_rounds: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -369,6 +377,12 @@ class FleetConfig(_Section):
         versions = [v.version for v in self.runtime_versions]
         if len(set(versions)) != len(versions):
             raise ValueError(f"runtime_versions must be unique; got {versions}")
+        minors = [version_tuple(v)[:2] for v in versions]
+        if self.fleet.real_runtimes and len(set(minors)) != len(minors):
+            raise ValueError(
+                f"with fleet.real_runtimes, runtime_versions needs one patch per minor release (the server serves "
+                f"versioned plans per minor release); got {versions}"
+            )
         if not any(c.memory_mb >= self.fleet.min_memory_mb for c in self.device_classes):
             raise ValueError(
                 f"no device class has fleet.min_memory_mb ({self.fleet.min_memory_mb}) of memory, so no device "

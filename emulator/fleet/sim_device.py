@@ -12,7 +12,9 @@ What the simulation adds is only the world around it:
   its next job is due, which for unmet constraints is when its conditions next change;
 - faults, drawn per job run from the device's hazards: the app killed (its fiber is killed where
   it waits, nothing more is sent), the network lost for a while, the conditions breaking (the
-  runtime's own abort path runs), and stragglers whose report is held back."""
+  runtime's own abort path runs), and stragglers whose report is held back;
+- for a secure task, the device's attested key (``secure_fleet``); its Secure Aggregation waits
+  for its group by polling every ``SECAGG_POLL_S`` of virtual time, never in a held request."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from device_runtime.scheduling import JobRun, ParticipationScheduler, RunOutcome
 from example_store import InMemoryExampleStore
 
 from .events import AppKilled, Fiber, Timer
+from .secure_fleet import SECAGG_POLL_S
 from .sim_transport import LeanClient, SimTransport, checkin_answer
 from .tables import SessionRow
 
@@ -247,6 +250,7 @@ class SimDevice:
         self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now)
         self.transport = SimTransport(sim.caller, self, spec.network, on_answer=self._on_answer, hold_report=self._hold_report)
         seeds = StreamRandom(spec.seed ^ 0x5EED)
+        attestation = sim.attestation  # a secure task: an attested device that accepts attested peers only
         self.runtime = FLRuntime(
             sim.population,
             sim.server_url,
@@ -263,6 +267,9 @@ class SimDevice:
             loaded_plans=sim.loaded_plans,
             work_meter=self,
             memory_probe=_no_memory,
+            attestor=attestation.attestor(spec, sim.epoch) if attestation is not None else None,
+            trust_anchor=attestation.trust_anchor if attestation is not None else None,
+            secagg_poll_s=SECAGG_POLL_S,
         )
         self.queue = WorkerQueue(self.clock, history=0)
         self.scheduler = ParticipationScheduler(

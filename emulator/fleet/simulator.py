@@ -35,10 +35,13 @@ from server_stub.errors import ApiError
 from server_stub.persistence import ServerStore
 from server_stub.rounds import RoundConfig
 from server_stub.serve import ServerThread
-from server_stub.service import FLService
+from server_stub.service import FLService, TaskSpec
 
+from ..runtime_worker import ReleasePlans, WorkerPool
 from .config import FleetConfig
 from .events import EventLoop, Fibers, SimulationError
+from .releases import ReleasedPlans, release_tested_plans
+from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
 from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
@@ -76,13 +79,13 @@ class FleetSimulator:
     ) -> None:
         """``http``: devices reach the server over real loopback HTTP (uvicorn in a thread of
         this process) instead of calling its ASGI app in process. The server's own ticker then
-        runs beside the loop, so such a run is not bit-identical from one time to the next."""
-        if config.task.secure:
-            raise SimulationError(
-                "task.secure: the simulator does not run Secure Aggregation yet (its device side waits on "
-                "the wall clock between rounds); set task.secure = false, or use `fedfleet demo --secure` in real time"
-            )
+        runs beside the loop, so such a run is not bit-identical from one time to the next.
+
+        With ``task.secure`` an attestation authority certifies every device, the server admits
+        attested devices only, and reports go through Secure Aggregation in attested groups: the
+        devices' default privacy floor, all on the virtual clock (see ``secure_fleet``)."""
         self.config = config
+        self.attestation: FleetAttestation | None = FleetAttestation(config.fleet.seed) if config.task.secure else None
         self.specs = list(specs)
         self._examples = examples
         self._test = test_set
@@ -98,7 +101,9 @@ class FleetSimulator:
         self.compute_s_per_example = task.compute_s_per_example
         self.max_training_s = max(600.0, task.report_timeout_s)
         self.plan_bytes: dict[str, bytes] = {}
-        self.loaded_plans = LoadedPlans()
+        # fleet.real_runtimes: one worker process per release, shared by its devices (see ``releases``)
+        self.runtime_pool: WorkerPool | None = WorkerPool() if config.fleet.real_runtimes else None
+        self.loaded_plans = LoadedPlans() if self.runtime_pool is None else ReleasePlans(self.runtime_pool)
         self.sessions: list[SessionRow] = []
         self.errors: Counter[str] = Counter()
         self.status_counts: Counter[str] = Counter()
@@ -122,11 +127,22 @@ class FleetSimulator:
         )
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.released: ReleasedPlans | None = None
+        if self.runtime_pool is not None:
+            try:
+                self.released = release_tested_plans(
+                    self.plan, initial_weights(self.plan, seed=config.fleet.seed),
+                    [v.version for v in config.runtime_versions], test_set, self.runtime_pool, seed=config.fleet.seed,
+                )
+            except BaseException:
+                self.runtime_pool.close()
+                raise
         self.server_thread: ServerThread | None = None
         self.caller: AsgiCaller | HttpCaller
         if http:
             self.server_thread = ServerThread(
-                self.workdir / "server.db", clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now
+                self.workdir / "server.db", clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now,
+                verifier=self.attestation.verifier() if self.attestation is not None else None,
             ).start()
             self.store, self.service = self.server_thread.store, self.server_thread.service
             self.caller = HttpCaller(self.server_thread.url)
@@ -135,6 +151,8 @@ class FleetSimulator:
             self.service = FLService(
                 self.store, clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now,
                 rng=random.Random(config.fleet.seed),
+                verifier=self.attestation.verifier() if self.attestation is not None else None,
+                secagg_random_bytes=random.Random(config.fleet.seed ^ 0x5EC466).randbytes,
             )
             keys, _ = AdminKeys.generate()
             self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False))
@@ -147,12 +165,20 @@ class FleetSimulator:
             report_timeout_s=task.report_timeout_s,
             retry_window_s=(task.retry_min_s, task.retry_max_s),
             max_rounds=task.max_rounds,
+            **({"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
+               if task.secure else {}),
         )
         try:
-            self.service.deploy_task(
-                self.population, TASK, serialize_plan(self.plan),
-                encode_checkpoint(initial_weights(self.plan, seed=config.fleet.seed)), round_config,
-            )
+            if self.released is not None:  # the report lets the versioned plans through the release gate
+                self.service.deploy_tasks(self.population, [TaskSpec(
+                    TASK, self.released.plan, encode_checkpoint(initial_weights(self.plan, seed=config.fleet.seed)),
+                    round_config, versioned_plans=self.released.versioned, release_report=self.released.report,
+                )])
+            else:
+                self.service.deploy_task(
+                    self.population, TASK, serialize_plan(self.plan),
+                    encode_checkpoint(initial_weights(self.plan, seed=config.fleet.seed)), round_config,
+                )
         except ApiError as exc:
             raise SimulationError(f"the server refuses the fleet's [task]: {exc.message}") from None
 
@@ -205,6 +231,8 @@ class FleetSimulator:
             rounds, digest = self._rounds()
         finally:
             self.caller.close()
+            if self.runtime_pool is not None:
+                self.runtime_pool.close()
             if self.server_thread is not None:
                 self.server_thread.stop()
             else:

@@ -34,12 +34,16 @@ def test_a_config_with_an_unknown_field_is_refused_by_name(tmp_path, capsys):
     assert "devicez" in err and "unknown field" in err
 
 
-def test_a_secure_aggregation_task_is_refused_with_what_to_do_instead(tmp_path, capsys):
+def test_a_secure_aggregation_task_commits_rounds_of_attested_groups(tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text("[fleet]\ndevices = 10\nhours = 0.1\n\n[task]\nsecure = true\n", encoding="utf-8")
-    assert main(["simulate", str(fleet), "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "task.secure" in err and "fedfleet demo --secure" in err
+    fleet.write_text(
+        "[fleet]\ndevices = 60\nhours = 1.0\nstart_utc_hour = 6.0\n\n[task]\nsecure = true\ngoal_count = 10\n"
+        "secagg_group_size = 5\ncompute_s_per_example = 0.2\nretry_min_s = 60.0\nretry_max_s = 300.0\n",
+        encoding="utf-8",
+    )
+    assert main(["simulate", str(fleet), "--seed", "3", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["rounds_committed"] >= 1
 
 
 def test_a_goal_the_server_refuses_exits_with_its_reason(capsys):

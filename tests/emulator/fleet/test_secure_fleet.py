@@ -1,0 +1,173 @@
+"""A secure task in the fleet simulation: attested devices (the SDK's default privacy floor) run
+Secure Aggregation in groups of five on the virtual clock, and the server commits only group sums.
+
+The committed models are checked against the oracle of plain aggregation: the server's own plan
+graphs applied to the float updates of the devices the groups summed (recorded where the device
+hands its update to Secure Aggregation), equal up to the quantization of the secure sum."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+import numpy as np
+import pytest
+
+from device_runtime import PlanExecutor, initial_weights
+from device_runtime.checkpoint import decode_checkpoint
+from device_runtime.protocol import ProtocolClient
+from device_runtime.runtime import FLRuntime
+from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population
+from emulator.fleet.simulator import FleetSimulator
+from secagg import Quantizer
+from server_stub.secure_rounds import SecureRound
+
+GROUP = 5
+GOAL = 10
+
+
+def secure_config(seed: int = 3) -> FleetConfig:
+    data = FleetConfig.default().model_dump()
+    data["fleet"].update({"devices": 60, "hours": 2.0, "start_utc_hour": 6.0, "seed": seed})
+    data["task"].update({
+        "goal_count": GOAL, "retry_min_s": 60.0, "retry_max_s": 300.0, "selection_timeout_s": 300.0,
+        "compute_s_per_example": 0.2, "secure": True, "secagg_group_size": GROUP,
+    })
+    return FleetConfig.from_dict(data)
+
+
+class _RecordingSimulator(FleetSimulator):
+    """Keeps the server's round records (with their Secure Aggregation statistics) and committed
+    models, read before the run closes its store."""
+
+    records: list[dict]
+    models: dict[str, dict]
+
+    def _rounds(self):  # type: ignore[override]
+        self.records = self.service.rounds(self.population)
+        self.models = {r["checkpoint_id"]: decode_checkpoint(self.store.get_resource(r["checkpoint_id"]))
+                       for r in self.records if r["status"] == "committed"}
+        return super()._rounds()
+
+
+def _run(config: FleetConfig, updates: dict[str, dict] | None = None, summed: dict[str, list[str]] | None = None,
+         polls: list[tuple[float, float]] | None = None) -> tuple[FleetRun, _RecordingSimulator]:
+    """``updates``: each secure session's float update, as the device hands it to Secure
+    Aggregation; ``summed``: the sessions each round's completed groups summed, by round label;
+    ``polls``: (virtual time, asked wait) of every Secure Aggregation poll."""
+    specs = generate_population(config)
+    dataset = fleet_dataset(config)
+    with tempfile.TemporaryDirectory(prefix="fedfleet-secure-") as tmp:
+        sim = _RecordingSimulator(config, specs, lambda spec: device_examples(config, spec),
+                                  (dataset.x_test, dataset.y_test), workdir=tmp)
+        if updates is None or summed is None or polls is None:
+            return sim.run(), sim
+        report, group_sum, poll = FLRuntime._secure_report, SecureRound.group_sum, ProtocolClient.secagg_poll
+
+        def recording_report(runtime, rec, secure, session, plan, result):
+            updates[session.session_id] = {k: np.array(v) for k, v in result.update.items()}
+            return report(runtime, rec, secure, session, plan, result)
+
+        def recording_group_sum(secure_round, group):
+            total, sessions = group_sum(secure_round, group)
+            summed.setdefault(secure_round.label, []).extend(sessions)
+            return total, sessions
+
+        def recording_poll(client, session, *, after=None, wait_s=0.0):
+            polls.append((sim.loop.now, wait_s))
+            return poll(client, session, after=after, wait_s=wait_s)
+
+        with pytest.MonkeyPatch.context() as patch:  # spies: the real methods run
+            patch.setattr(ProtocolClient, "secagg_poll", recording_poll)
+            patch.setattr(FLRuntime, "_secure_report", recording_report)
+            patch.setattr(SecureRound, "group_sum", recording_group_sum)
+            return sim.run(), sim
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    updates: dict[str, dict] = {}
+    summed: dict[str, list[str]] = {}
+    polls: list[tuple[float, float]] = []
+    a, sim = _run(secure_config(), updates, summed, polls)
+    b, _ = _run(secure_config())
+    return {"a": a, "b": b, "sim": sim, "updates": updates, "summed": summed, "polls": polls}
+
+
+def _label(record: dict) -> str:
+    return f"{record['task']}/{record['round']}/{record['attempt']}"
+
+
+def test_a_secure_fleet_repeats_with_its_seed(runs):
+    a, b = runs["a"], runs["b"]
+    assert a.digest == b.digest
+    assert [(r.round_id, r.committed, r.accepted) for r in a.rounds] == [(r.round_id, r.committed, r.accepted) for r in b.rounds]
+
+
+def test_devices_wait_for_their_groups_on_the_virtual_clock(runs):
+    """No poll asks the server to hold it (it would wait in real time, which the simulation does
+    not share): the waiting is the device's own sleep, so virtual time passes between polls."""
+    polls = runs["polls"]
+    assert len(polls) > 100
+    assert all(wait == 0.0 for _, wait in polls)
+    assert polls[-1][0] - polls[0][0] > 600.0
+    assert runs["a"].wall_s < runs["a"].simulated_s / 100
+
+
+def test_rounds_commit_from_completed_groups_of_attested_devices(runs):
+    """Under the devices' default floor only an attested cohort can commit anything; each
+    committed round's accepted reports are exactly the devices its completed groups summed, and
+    every device that saw its upload complete is one of them (a device that died after its masked
+    input went in is still summed: its peers' shares recover its mask)."""
+    sim, run, summed = runs["sim"], runs["a"], runs["summed"]
+    committed = [r for r in sim.records if r["status"] == "committed"]
+    assert len(committed) >= 2
+    for record in committed:
+        m = record["metrics"]
+        stats = m["secagg"]
+        assert stats["completed"] >= 1 and stats["groups"] == stats["completed"] + stats["aborted"]
+        assert stats["summed_devices"] == m["reported"] >= math.ceil(GOAL * 0.8)
+        assert stats["summed_devices"] >= GROUP * stats["completed"]
+        assert len(summed[_label(record)]) == len(set(summed[_label(record)])) == stats["summed_devices"]
+        uploaded = {s.session_id for s in run.sessions if s.round_id == f"{record['task']}/{record['round']}"
+                    and s.shape.endswith("^")}
+        assert uploaded and uploaded <= set(summed[_label(record)])
+    assert max(r.accuracy for r in run.rounds if r.committed) > 0.5  # ten classes: chance is 0.1
+
+
+def test_each_committed_model_is_the_plain_aggregate_of_the_summed_devices_updates(runs):
+    sim, updates, summed = runs["sim"], runs["updates"], runs["summed"]
+    plan = sim.plan
+    executor = PlanExecutor(plan)
+    quantizer = Quantizer(bitwidth=plan.server.bitwidth, clip=plan.server.clip_range)
+    state = initial_weights(plan, seed=sim.config.fleet.seed)
+    checked = 0
+    for record in sim.records:
+        if record["status"] != "committed":
+            continue
+        sessions = summed[_label(record)]
+        acc = executor.zero()
+        for sid in sessions:  # plain aggregation: one accumulate per device update
+            acc = executor.accumulate(acc, updates[sid])
+        expected, _ = executor.update(state, executor.report(acc))
+        model = sim.models[record["checkpoint_id"]]
+        # stochastic rounding moves each device's entry by less than one quantization step
+        step = 1.0 / quantizer.scale
+        for name, value in expected.items():
+            np.testing.assert_allclose(model[name], value, atol=step * len(sessions), rtol=1e-5)
+        moved = max(float(np.abs(model[n] - state[n]).max()) for n in expected)
+        assert moved > 10 * step  # the check compares real training, not two copies of the old model
+        state = model
+        checked += 1
+    assert checked >= 2
+
+
+@pytest.mark.slow
+def test_a_secure_fleet_sharded_over_ray_gives_the_digest_of_one_process(runs):
+    """Every shard derives the same authority and device keys from the seed, so the groups and
+    their sums are those of the single-process run."""
+    pytest.importorskip("ray")
+    from emulator.fleet.ray_backend import simulate_sharded
+
+    sharded = simulate_sharded(secure_config(), shards=2, progress=False)
+    assert sharded.digest == runs["a"].digest
