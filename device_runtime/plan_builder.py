@@ -156,18 +156,9 @@ def _specs(layers: list[tuple[int, int]]) -> dict[str, list[int]]:
     return spec
 
 
-def _server_part(weights: dict[str, list[int]], kind: str, opset: int) -> ServerPart:
-    """MapReduceForm graphs for FedAvg (train) or metric averaging (eval); see plan.py for names.
-
-    Client updates arrive as float32; the accumulator, the aggregate and the metrics are float64,
-    so that no sum of finite reports can overflow (two float32 loss sums near 3e38 would), and the
-    new weights are cast back to float32."""
-    update_spec: dict[str, list[int]] = dict(weights) if kind == "train" else {}
-    update_spec.update({m: [] for m in TRAIN_METRICS})
-    update_spec[NUM_EXAMPLES] = []
-    prefix = "train" if kind == "train" else "eval"
-    agg_metrics = (f"{prefix}_loss", f"{prefix}_accuracy", NUM_EXAMPLES)
-
+def summing_graphs(update_spec: Mapping[str, Sequence[int]], opset: int) -> tuple[bytes, bytes, bytes]:
+    """The server part's ``zero``, ``accumulate`` and ``merge`` graphs for an update of these
+    tensors: every plan sums its client updates the same way, in float64 (see ``_server_part``)."""
     # zero: ConstantOfShape keeps the graph small whatever the model size.
     g = _Graph()
     for name, shape in update_spec.items():
@@ -188,6 +179,22 @@ def _server_part(weights: dict[str, list[int]], kind: str, opset: int) -> Server
         ins += [_vi(f"a/{name}", _F64, shape), _vi(f"b/{name}", _F64, shape)]
         g.op("Add", [f"a/{name}", f"b/{name}"], name)
     merge = g.model("merge", ins, [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
+    return zero, accumulate, merge
+
+
+def _server_part(weights: dict[str, list[int]], kind: str, opset: int) -> ServerPart:
+    """MapReduceForm graphs for FedAvg (train) or metric averaging (eval); see plan.py for names.
+
+    Client updates arrive as float32; the accumulator, the aggregate and the metrics are float64,
+    so that no sum of finite reports can overflow (two float32 loss sums near 3e38 would), and the
+    new weights are cast back to float32."""
+    update_spec: dict[str, list[int]] = dict(weights) if kind == "train" else {}
+    update_spec.update({m: [] for m in TRAIN_METRICS})
+    update_spec[NUM_EXAMPLES] = []
+    prefix = "train" if kind == "train" else "eval"
+    agg_metrics = (f"{prefix}_loss", f"{prefix}_accuracy", NUM_EXAMPLES)
+
+    zero, accumulate, merge = summing_graphs(update_spec, opset)
 
     # report: mean delta per weight = acc[w] / max(n, 1); metrics = sums / max(count, 1).
     g = _Graph()

@@ -31,6 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime.executor import NUM_EXAMPLES, SERVER_STATE_PREFIX
 from device_runtime.plan import ServerPart, ir_version_for_opset
+from device_runtime.plan_builder import summing_graphs
 
 _F32, _F64 = TensorProto.FLOAT, TensorProto.DOUBLE
 
@@ -156,25 +157,7 @@ def server_part(
             agg_metrics[m] = m  # other sums (counts, histogram bins) are reported as totals
     agg_metrics[NUM_EXAMPLES] = NUM_EXAMPLES
 
-    g = _G()
-    for name, shape in update_spec.items():
-        g.op("ConstantOfShape", [g.const(np.array(shape, dtype=np.int64), np.int64)], name,
-             value=numpy_helper.from_array(np.zeros(1, dtype=np.float64)))
-    zero = g.model("zero", [], [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
-
-    g = _G()
-    ins = []
-    for name, shape in update_spec.items():
-        ins += [_vi(f"acc/{name}", _F64, shape), _vi(f"upd/{name}", _F32, shape)]
-        g.op("Add", [f"acc/{name}", g.op("Cast", [f"upd/{name}"], to=_F64)], name)
-    accumulate = g.model("accumulate", ins, [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
-
-    g = _G()
-    ins = []
-    for name, shape in update_spec.items():
-        ins += [_vi(f"a/{name}", _F64, shape), _vi(f"b/{name}", _F64, shape)]
-        g.op("Add", [f"a/{name}", f"b/{name}"], name)
-    merge = g.model("merge", ins, [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
+    zero, accumulate, merge = summing_graphs(update_spec, opset)
 
     # report: the mean delta per weight; loss and accuracy per example; other sums as they are
     g = _G()
