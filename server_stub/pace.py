@@ -52,6 +52,10 @@ SEATS_MARGIN = 1.5
 #: The longest mean wait a window is stretched to: a population far larger than its rounds
 #: need checks in about once a day, not more.
 MAX_WAIT_S = 86_400.0
+#: Below this many devices per seat the population is not stretched at all: the rounds need most
+#: of it, and spreading rejected devices while participants come straight back would select the
+#: same few devices round after round.
+MIN_DEVICES_PER_SEAT = 4.0
 
 
 @dataclass
@@ -113,8 +117,11 @@ class CheckinPace:
         ``population / needed`` seconds."""
         if seats <= 0 or round_s <= 0.0 or base_wait_s <= 0.0 or self.mean_wait_s is None:
             return 1.0
+        population = self.population()
+        if population < MIN_DEVICES_PER_SEAT * seats:
+            return 1.0
         needed = self.margin * seats / round_s
-        return max(1.0, min(self.max_wait_s, self.population() / needed) / base_wait_s)
+        return max(1.0, min(self.max_wait_s, population / needed) / base_wait_s)
 
     def window(self, now: float, base: tuple[float, float], seats: int, round_s: float) -> tuple[float, float]:
         """The window to hand a rejected device: ``base`` stretched to the population's size."""

@@ -31,7 +31,7 @@ def _wait_for_commits(admin: AdminClient, count: int, timeout: float) -> list[di
 def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digits):
     plan = digits_plan("mlp", epochs=3, learning_rate=0.3)
     weights0 = initial_weights(plan, seed=0)
-    config = RoundConfig(goal_count=8, report_timeout_s=3, selection_timeout_s=20, retry_window_s=(0.1, 0.5), max_rounds=8)
+    config = RoundConfig(goal_count=8, report_timeout_s=3, selection_timeout_s=20, retry_window_s=(0.1, 0.5), max_rounds=12)
     parts = partition_by_shards(digits.y_train, 24, seed=1)
     db = tmp_path / "server.db"
 
@@ -48,7 +48,7 @@ def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digit
     fleet = Fleet(devices)
     fleet.start()
     try:
-        rounds = _wait_for_commits(admin, 6, timeout=120)
+        rounds = _wait_for_commits(admin, 8, timeout=120)
     finally:
         fleet.stop()
         admin.close()

@@ -109,3 +109,20 @@ def test_a_large_population_checks_in_at_about_the_rate_its_rounds_need(devices,
     assert rate < 2 * needed < flat_rate / 4
     # and the rounds still fill: most of what a round can take is taken
     assert accepted > 0.5 * SEATS / ROUND_S
+
+
+@settings(max_examples=30, deadline=None)
+@given(per_seat=st.floats(0.1, 3.9), rate=st.floats(0.01, 100.0))
+def test_a_population_the_rounds_need_most_of_keeps_the_tasks_window(per_seat, rate):
+    # Stretching a population only a few times the seats would let participants, who come
+    # straight back, crowd out the rejected devices round after round.
+    pace = CheckinPace()
+    mean_wait = per_seat * SEATS / rate
+    t = 0.0
+    pace.observe_checkin(t)
+    pace.window(t, (mean_wait, mean_wait), SEATS, ROUND_S)
+    while t < 3 * pace.memory_s:
+        t += 1.0 / rate
+        pace.observe_checkin(t)
+    assert pace.population() < 4.0 * SEATS
+    assert pace.stretch(mean_wait, SEATS, 1e6) == 1.0  # rounds this long would otherwise stretch it
