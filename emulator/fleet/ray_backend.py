@@ -62,7 +62,7 @@ import httpx
 from .config import FleetConfig, FleetConfigError
 from .events import EventLoop, Fiber, Fibers, SimulationError
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING
-from .simulator import ORDER_SAMPLE, ORDER_SERVER, FleetSimulator, ProgressBar
+from .simulator import ORDER_SAMPLE, ORDER_SERVER, FleetSimulator, progress_reporter
 from .tables import FleetRun, SessionRow
 
 #: A shard with nothing waiting: every request it will ever send is already reported (compare
@@ -359,14 +359,7 @@ def simulate_sharded(
     specs = generate_population(config)
     dataset = fleet_dataset(config)
     parts = split_positions(specs, shards)
-    bar = None
-    callback: Callable[[float, int, int], None] | None
-    if callable(progress):
-        callback = progress
-    elif progress:
-        bar = callback = ProgressBar(config.horizon_s)
-    else:
-        callback = None
+    bar, callback = progress_reporter(progress, config.horizon_s)
     backend: _LocalShards | _RayShards
     if ray:
         backend = _RayShards(config, parts, ensure_ray(address), shard_cpus)

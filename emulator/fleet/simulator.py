@@ -357,14 +357,7 @@ def simulate(
     config = config or FleetConfig.default()
     specs = generate_population(config)
     dataset = fleet_dataset(config)
-    bar = None
-    callback: Callable[[float, int, int], None] | None
-    if callable(progress):
-        callback = progress
-    elif progress:
-        bar = callback = ProgressBar(config.horizon_s)
-    else:
-        callback = None
+    bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
         for stale in workdir.glob("server.db*"):  # a run always starts from a fresh server
@@ -387,6 +380,18 @@ def simulate(
         else:
             run.write_tables(out_dir)
     return run
+
+
+def progress_reporter(
+    progress: bool | Callable[[float, int, int], None], horizon_s: float
+) -> tuple[ProgressBar | None, Callable[[float, int, int], None] | None]:
+    """``simulate``'s ``progress`` argument as (the bar to close, if one was made; the callback)."""
+    if callable(progress):
+        return None, progress
+    if progress:
+        bar = ProgressBar(horizon_s)
+        return bar, bar
+    return None, None
 
 
 class ProgressBar:
