@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime.executor import PlanExecutor
@@ -65,13 +66,19 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
         out = onnx.ModelProto()
         out.CopyFrom(model)
         return out
-    if isinstance(model, (bytes, bytearray, memoryview)):
-        return onnx.ModelProto.FromString(bytes(model))
     if isinstance(model, (str, PathLike)):
         path = Path(model)
         if not path.is_file():
             raise FileNotFoundError(f"no ONNX model at {path}; pass a path to a .onnx file, its bytes, or a ModelProto")
-        return onnx.load(str(path))
+        try:
+            return onnx.load(str(path))  # with any external data beside it
+        except DecodeError:
+            raise PlanError(f"{path} is not an ONNX model (its protobuf does not parse); export the model again") from None
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        try:
+            return onnx.ModelProto.FromString(bytes(model))
+        except DecodeError:
+            raise PlanError("the model bytes are not an ONNX model (their protobuf does not parse); export the model again") from None
     raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
 
 

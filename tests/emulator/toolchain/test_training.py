@@ -189,3 +189,15 @@ def test_seeded_dropout_makes_a_session_reproducible_and_masks_change_from_step_
     first, again, other = session(0), session(0), session(1)
     assert all(np.array_equal(first[k], again[k]) for k in first)
     assert not np.array_equal(first["fc_w"], other["fc_w"])
+
+
+def test_bytes_that_are_not_an_onnx_model_are_refused_with_what_to_do(tmp_path):
+    from device_runtime.plan import PlanError
+    from emulator.toolchain.training import load_model
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(PlanError, match=r"bad\.onnx is not an ONNX model.*export the model again"):
+        load_model(bad)
+    with pytest.raises(PlanError, match="model bytes are not an ONNX model"):
+        load_model(b"garbage")
