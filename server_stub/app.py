@@ -232,68 +232,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     async def health() -> dict:
         return {"status": "ok"}
 
-    # ----------------------------------------------------------------- operators
-    @app.get("/v1/populations", tags=["operators"])
-    async def list_populations(request: Request) -> dict:
-        admin(request)
-        return {"populations": await call(service.populations)}
-
-    @app.post("/v1/populations", tags=["operators"], openapi_extra=_json_body(CreatePopulation), status_code=201)
-    async def create_population(request: Request) -> Response:
-        admin(request)
-        body = parse(CreatePopulation, await read_body(request, MAX_JSON_BYTES))
-        created = await call(service.create_population, body.name)
-        return JSONResponse({"name": body.name, "created": created}, status_code=201 if created else 200)
-
-    @app.get("/v1/populations/{population}", tags=["operators"])
-    async def population_status(population: str, request: Request) -> dict:
-        admin(request)
-        return await call(service.population_status, population)
-
-    def _spec(task: TaskDeploy) -> TaskSpec:
-        versioned = {release: b64(data, f"versioned_plans.{release}") or b"" for release, data in task.versioned_plans.items()}
-        return TaskSpec(task.name, b64(task.plan, "plan") or b"", b64(task.checkpoint, "checkpoint"), task.config,
-                        task.eligibility, task.weight, task.evaluates,
-                        versioned_plans=versioned, release_report=task.release_report)
-
-    def _deployed(population: str, records: list) -> list[dict]:
-        return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id}
-                for r in records]
-
-    @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201)
-    async def deploy_task(population: str, request: Request) -> Response:
-        admin(request)
-        raw = await read_body(request, MAX_DEPLOY_BYTES)
-        task = await call(parse, TaskDeploy, raw)
-        if task.evaluates is not None:
-            raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
-        spec = await call(_spec, task)
-        records = await call(service.deploy_tasks, population, [spec])
-        return JSONResponse(_deployed(population, records)[0], status_code=201)
-
-    @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201)
-    async def deploy_group(population: str, request: Request) -> Response:
-        admin(request)
-        raw = await read_body(request, MAX_DEPLOY_BYTES)
-        group = await call(parse, GroupDeploy, raw)
-        specs = [await call(_spec, t) for t in group.tasks]
-        records = await call(service.deploy_tasks, population, specs, group.strategy)
-        return JSONResponse({"strategy": group.strategy.value, "tasks": _deployed(population, records)}, status_code=201)
-
-    @app.get("/v1/populations/{population}/rounds", tags=["operators"])
-    async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
-        admin(request)
-        return {"rounds": await call(service.rounds, population, task)}
-
-    @app.get("/v1/populations/{population}/model", tags=["operators"],
-             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def model(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> Response:
-        admin(request)
-        data, number, name = await call(service.current_model, population, task)
-        headers = {"X-Round": str(number), "X-Task": urllib.parse.quote(name, safe="")}
-        return Response(data, media_type="application/octet-stream", headers=headers)
-
     # ----------------------------------------------------------------- devices
+    # (declared first: the router tries routes in order, and devices send nearly every request)
     @app.post("/v1/populations/{population}/checkin", tags=["devices"], openapi_extra=_json_body(Checkin))
     async def checkin(population: str, request: Request) -> dict:
         body = parse(Checkin, await read_body(request, MAX_JSON_BYTES))
@@ -362,6 +302,67 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         token = session_token(request)
         body = await read_body(request, MAX_SECAGG_BYTES)
         return await call(service.secagg_message, sid, token, body)
+
+    # ----------------------------------------------------------------- operators
+    @app.get("/v1/populations", tags=["operators"])
+    async def list_populations(request: Request) -> dict:
+        admin(request)
+        return {"populations": await call(service.populations)}
+
+    @app.post("/v1/populations", tags=["operators"], openapi_extra=_json_body(CreatePopulation), status_code=201)
+    async def create_population(request: Request) -> Response:
+        admin(request)
+        body = parse(CreatePopulation, await read_body(request, MAX_JSON_BYTES))
+        created = await call(service.create_population, body.name)
+        return JSONResponse({"name": body.name, "created": created}, status_code=201 if created else 200)
+
+    @app.get("/v1/populations/{population}", tags=["operators"])
+    async def population_status(population: str, request: Request) -> dict:
+        admin(request)
+        return await call(service.population_status, population)
+
+    def _spec(task: TaskDeploy) -> TaskSpec:
+        versioned = {release: b64(data, f"versioned_plans.{release}") or b"" for release, data in task.versioned_plans.items()}
+        return TaskSpec(task.name, b64(task.plan, "plan") or b"", b64(task.checkpoint, "checkpoint"), task.config,
+                        task.eligibility, task.weight, task.evaluates,
+                        versioned_plans=versioned, release_report=task.release_report)
+
+    def _deployed(population: str, records: list) -> list[dict]:
+        return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id}
+                for r in records]
+
+    @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201)
+    async def deploy_task(population: str, request: Request) -> Response:
+        admin(request)
+        raw = await read_body(request, MAX_DEPLOY_BYTES)
+        task = await call(parse, TaskDeploy, raw)
+        if task.evaluates is not None:
+            raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
+        spec = await call(_spec, task)
+        records = await call(service.deploy_tasks, population, [spec])
+        return JSONResponse(_deployed(population, records)[0], status_code=201)
+
+    @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201)
+    async def deploy_group(population: str, request: Request) -> Response:
+        admin(request)
+        raw = await read_body(request, MAX_DEPLOY_BYTES)
+        group = await call(parse, GroupDeploy, raw)
+        specs = [await call(_spec, t) for t in group.tasks]
+        records = await call(service.deploy_tasks, population, specs, group.strategy)
+        return JSONResponse({"strategy": group.strategy.value, "tasks": _deployed(population, records)}, status_code=201)
+
+    @app.get("/v1/populations/{population}/rounds", tags=["operators"])
+    async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
+        admin(request)
+        return {"rounds": await call(service.rounds, population, task)}
+
+    @app.get("/v1/populations/{population}/model", tags=["operators"],
+             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def model(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> Response:
+        admin(request)
+        data, number, name = await call(service.current_model, population, task)
+        headers = {"X-Round": str(number), "X-Task": urllib.parse.quote(name, safe="")}
+        return Response(data, media_type="application/octet-stream", headers=headers)
 
     # ----------------------------------------------------------------- errors
     @app.exception_handler(ApiError)

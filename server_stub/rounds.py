@@ -116,13 +116,42 @@ class RoundCore:
     shapes: Counter = field(default_factory=Counter)
     # Secure Aggregation: devices start work only once their group forms, at selection's end.
     deadlines_from_selection_end: bool = False
+    # Kept in step with ``sessions`` (a round of a few hundred devices is asked on every message):
+    # the sessions in each state, and what the last scan for expired deadlines found (below).
+    _counts: Counter = field(default_factory=Counter, repr=False, compare=False)
+    _expired: list[str] = field(default_factory=list, repr=False, compare=False)
+    _deadline_floor: float = field(default=-math.inf, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._counts = Counter(self.sessions.values())
 
     @property
     def open(self) -> bool:
         return self.phase in (Phase.SELECTING, Phase.REPORTING)
 
     def count(self, state: SessionState) -> int:
-        return sum(1 for s in self.sessions.values() if s is state)
+        return self._counts[state]
+
+    def _set(self, session_id: str, state: SessionState) -> None:
+        old = self.sessions.get(session_id)
+        if old is not None:
+            self._counts[old] -= 1
+        self.sessions[session_id] = state
+        self._counts[state] += 1
+
+    def _outstanding(self, now: float) -> int:
+        """Selected sessions whose deadline has not passed.
+
+        Deadlines only grow (each is set from a later ``now``, or moved later at selection's
+        end), so the least unexpired deadline found by a scan bounds every deadline of a session
+        that was unexpired then or selected since: until ``now`` passes it, only sessions the
+        scan found expired can be, and only those still selected count."""
+        selected = self._counts[SessionState.SELECTED]
+        if now > self._deadline_floor:
+            live = [(d, sid) for sid, st in self.sessions.items() if st is SessionState.SELECTED for d in (self.deadlines[sid],)]
+            self._expired = [sid for d, sid in live if d < now]
+            self._deadline_floor = min((d for d, _ in live if d >= now), default=math.inf)
+        return selected - sum(1 for sid in self._expired if self.sessions[sid] is SessionState.SELECTED)
 
     @property
     def reported(self) -> int:
@@ -133,7 +162,7 @@ class RoundCore:
         self.advance(now)
         if self.phase is not Phase.SELECTING:
             return False
-        self.sessions[session_id] = SessionState.SELECTED
+        self._set(session_id, SessionState.SELECTED)
         self.deadlines[session_id] = now + self.config.report_timeout_s
         if len(self.sessions) >= self.config.selection_target:
             self._end_selection(now)
@@ -150,19 +179,19 @@ class RoundCore:
         if state in (SessionState.ABORTED, SessionState.LATE):
             return ReportVerdict.LATE if state is SessionState.LATE else ReportVerdict.CLOSED
         if now > self.deadlines[session_id]:
-            self.sessions[session_id] = SessionState.LATE
+            self._set(session_id, SessionState.LATE)
             self.late_reports += 1
             self.advance(now)
             return ReportVerdict.LATE
         if not self.open:
-            self.sessions[session_id] = SessionState.LATE
+            self._set(session_id, SessionState.LATE)
             self.late_reports += 1
             return ReportVerdict.LATE
         return ReportVerdict.ACCEPT
 
     def confirm_report(self, session_id: str, now: float) -> None:
         """Record an accepted report once its update has been aggregated."""
-        self.sessions[session_id] = SessionState.REPORTED
+        self._set(session_id, SessionState.REPORTED)
         self.advance(now)
 
     def confirm_group(self, session_ids: list[str], now: float) -> bool:
@@ -173,14 +202,14 @@ class RoundCore:
             return False
         for sid in session_ids:
             if sid in self.sessions:
-                self.sessions[sid] = SessionState.REPORTED
+                self._set(sid, SessionState.REPORTED)
         self.advance(now)
         return True
 
     def abort(self, session_id: str, now: float) -> bool:
         if self.sessions.get(session_id) is not SessionState.SELECTED:
             return False
-        self.sessions[session_id] = SessionState.ABORTED
+        self._set(session_id, SessionState.ABORTED)
         self.advance(now)
         return True
 
@@ -196,13 +225,11 @@ class RoundCore:
         if self.reported >= cfg.goal_count:
             return self._finish(Phase.COMMITTED, now)
         if self.phase is Phase.REPORTING:
-            outstanding = [
-                sid for sid, s in self.sessions.items() if s is SessionState.SELECTED and self.deadlines[sid] >= now
-            ]
+            outstanding = self._outstanding(now)
             if not outstanding:
                 final = Phase.COMMITTED if self.reported >= cfg.commit_threshold else Phase.ABANDONED
                 return self._finish(final, now)
-            if self.reported + len(outstanding) < cfg.commit_threshold:
+            if self.reported + outstanding < cfg.commit_threshold:
                 return self._finish(Phase.ABANDONED, now)
         return self.phase
 

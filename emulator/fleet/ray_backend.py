@@ -439,7 +439,7 @@ def _drive(
     stats.update(windows=windows, requests=requests, held=sum(p["held"] for p in finished), shards=n)
     return FleetRun(
         sessions=driver.sessions, rounds=rounds, timeline=driver._timeline(), digest=digest,
-        config=driver.config, wall_s=wall, simulated_s=horizon,
+        config=driver.config, wall_s=wall, simulated_s=horizon, errors=dict(sorted(driver.errors.items())),
     )
 
 

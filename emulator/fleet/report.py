@@ -117,7 +117,8 @@ def summarize(run: FleetRun) -> dict[str, Any]:
     - ``rounds``, ``rounds_committed``, ``rounds_abandoned``, ``round_completion_rate``,
       ``round_duration_median_s`` (committed rounds);
     - ``sessions`` (every check-in), ``sessions_accepted``, ``sessions_completed`` (upload
-      completed), ``checkins_rejected``; ``bytes_down``, ``bytes_up``;
+      completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
+      ``bytes_down``, ``bytes_up``;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
     - ``simulated_s``, ``wall_s``, ``sim_s_per_wall_s``, ``sessions_per_wall_s`` (accepted
       sessions), ``completed_sessions_per_wall_s``.
@@ -154,6 +155,7 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "sessions_accepted": len(accepted),
         "sessions_completed": completed,
         "checkins_rejected": len(sessions) - len(accepted),
+        "errors": dict(run.errors),
         "bytes_down": sum(s.bytes_down for s in sessions),
         "bytes_up": sum(s.bytes_up for s in sessions),
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
@@ -456,6 +458,8 @@ def _fmt(value: Any) -> str:
         if not math.isfinite(value):
             return "n/a"
         return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) or "none"
     return str(value)
 
 
@@ -483,6 +487,7 @@ _SUMMARY_ROWS = (
     ("sessions_accepted", "accepted sessions"),
     ("sessions_completed", "completed sessions (upload completed)"),
     ("checkins_rejected", "rejected check-ins"),
+    ("errors", "sessions ended in an error, by kind"),
     ("sessions_per_wall_s", "accepted sessions per wall second"),
     ("completed_sessions_per_wall_s", "completed sessions per wall second"),
     ("dropout_rate", "drop-out rate"),

@@ -245,6 +245,7 @@ class FleetSimulator:
             config=self.config,
             wall_s=wall,
             simulated_s=self.horizon_s,
+            errors=dict(sorted(self.errors.items())),
         )
 
     def _tick(self) -> None:

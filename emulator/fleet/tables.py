@@ -15,7 +15,7 @@ import dataclasses
 import math
 import os
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Self
 
 if TYPE_CHECKING:  # the config module is the population model's; the tables only carry it
@@ -194,7 +194,9 @@ class FleetRun:
     ``digest`` is the hex SHA-256 over the round history and every committed model's bytes, in
     order: two runs with the same config and seed have the same digest. ``wall_s`` is the wall
     time the run took. ``simulated_s`` is the simulated span; when left out it is the config's
-    horizon, or without a config the latest time any table mentions.
+    horizon, or without a config the latest time any table mentions. ``errors`` counts, by kind,
+    the sessions that ended in an error (a device that lost its network mid-request ends in
+    ``ServerUnreachable``, say).
     """
 
     sessions: list[SessionRow]
@@ -204,6 +206,7 @@ class FleetRun:
     config: FleetConfig | None = None
     wall_s: float = 0.0
     simulated_s: float | None = None
+    errors: dict[str, int] = field(default_factory=dict)
 
     @property
     def span_s(self) -> float:

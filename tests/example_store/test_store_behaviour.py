@@ -292,7 +292,7 @@ def test_in_memory_store_serves_the_runtime_interface():
     store = InMemoryExampleStore()
     assert isinstance(store, ExampleStore)
     store.add(URI, make_examples(5), timestamps=range(5))
-    batches = store.query_batches(ExampleSelector(URI, order="newest"), 2)  # the interface's default
+    batches = store.query_batches(ExampleSelector(URI, order="newest"), 2)
     assert [b["y"].tolist() for b in batches] == [[4, 3], [2, 1], [0]]
     assert batches.resumption_token()
     store.close()

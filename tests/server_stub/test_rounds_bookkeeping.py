@@ -317,6 +317,24 @@ def test_a_late_device_stays_late_and_is_counted_once():
     assert core.stats(2.5)["rejected_late"] == 1
 
 
+def test_devices_whose_deadline_passed_and_then_reported_late_no_longer_count_against_the_round():
+    # a and b are past their deadline when the ticker runs; c and d still have time. Once a and b
+    # report late they are neither outstanding nor silent, and c and d can still commit the round.
+    core = RoundCore(1, RoundConfig(goal_count=2, over_selection=2.0, min_fraction=1.0, report_timeout_s=2.0), 0.0)
+    core.try_select("a", 0.0)
+    core.try_select("b", 0.0)
+    core.try_select("c", 1.0)
+    core.try_select("d", 1.0)
+    assert core.advance(2.5) is Phase.REPORTING
+    assert core.report("a", 2.5) is ReportVerdict.LATE and core.phase is Phase.REPORTING
+    assert core.report("b", 2.75) is ReportVerdict.LATE and core.phase is Phase.REPORTING
+    assert core.next_event_at() == 3.0
+    for sid in ("c", "d"):
+        assert core.report(sid, 2.75) is ReportVerdict.ACCEPT
+        core.confirm_report(sid, 2.75)
+    assert core.phase is Phase.COMMITTED and core.stats(2.75)["rejected_late"] == 2
+
+
 def test_an_aborted_device_is_closed_and_cannot_abort_again():
     core = RoundCore(1, RoundConfig(goal_count=3, over_selection=2.0), 0.0)
     core.try_select("a", 0.0)

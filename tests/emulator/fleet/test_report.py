@@ -369,10 +369,22 @@ def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(tmp_path):
     assert summary["shapes"] == dict(Counter(s.shape for s in accepted))
     assert summary["dropout_rate"] == pytest.approx(sum(s.shape[-1] not in "^#" for s in accepted) / len(accepted))
     assert summary["rounds_committed"] == sum(r.committed for r in run.rounds)
+    assert sum(summary["errors"].values()) == sum(s.outcome == "error" for s in run.sessions)
     page = _parse_report(tmp_path / "report.html")
     assert page.summary["digest"] == run.digest and len(page.tables["rounds"]) == len(run.rounds) + 1
     for name, data in page.images.items():
         assert (tmp_path / name).read_bytes() == data and _decode_png(data)[..., :3].std() > 0.02
+
+
+def test_sessions_that_end_in_errors_are_counted_by_kind(tmp_path):
+    # the network is lost so often that an upload runs out of retries: ServerUnreachable
+    config = FleetConfig.from_dict({"fleet": {"devices": 60, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10},
+                                    "faults": {"network_lost_per_h": 20.0}})
+    run = simulate(config, out_dir=tmp_path, progress=False)
+    errors = [s for s in run.sessions if s.outcome == "error"]
+    assert errors and run.errors == {"ServerUnreachable": len(errors)}
+    assert json.loads((tmp_path / "summary.json").read_text())["errors"] == run.errors
+    assert _parse_report(tmp_path / "report.html").summary["errors"] == run.errors
 
 
 def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatch):
