@@ -4,6 +4,7 @@ report) and records its events, whose symbols give the session's shape (paper, T
 from __future__ import annotations
 
 import enum
+import math
 import os
 import logging
 import random
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Where a device waits before trying again when the server named no retry window.
 DEFAULT_RETRY_WINDOW_S = (60.0, 120.0)
+#: The longest wait a server can ask for (a week): a longer one is cut to it.
+MAX_RETRY_WINDOW_S = 7 * 86_400.0
+
 
 class Outcome(enum.Enum):
     COMPLETED = "completed"
@@ -63,6 +67,8 @@ class SessionResult:
     metrics: dict[str, float] = field(default_factory=dict)
     num_examples: int = 0
     rejection_code: str | None = None
+    #: The window the server named for this device's next check-in, with its answer to the report.
+    retry_after_s: tuple[float, float] | None = None
 
     @property
     def shape(self) -> str:
@@ -166,6 +172,21 @@ class FLRuntime:
         lo, hi = self.last_retry_window or DEFAULT_RETRY_WINDOW_S
         return self.rng.uniform(lo, hi)
 
+    def _retry_window(self, answer: object) -> tuple[float, float] | None:
+        """The ``retry_after_s`` window of a server's answer, remembered for ``next_retry_delay``;
+        None when the answer names none or a malformed one (a server is not trusted to)."""
+        window = answer.get("retry_after_s") if isinstance(answer, dict) else None
+        if not isinstance(window, (list, tuple)) or len(window) < 2:
+            return None
+        try:
+            lo, hi = float(window[0]), float(window[1])
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if not (0.0 <= lo <= hi and math.isfinite(hi)):
+            return None
+        self.last_retry_window = (min(lo, MAX_RETRY_WINDOW_S), min(hi, MAX_RETRY_WINDOW_S))
+        return self.last_retry_window
+
     def store_for(self, collection_uri: str) -> ExampleStore:
         best = max((p for p in self.stores if collection_uri.startswith(p)), key=len, default=None)
         if best is None:
@@ -223,8 +244,7 @@ class FLRuntime:
             eligibility = self.evaluate_eligibility()
             answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
-            window = tuple(float(x) for x in answer.get("retry_after_s", DEFAULT_RETRY_WINDOW_S))[:2]
-            self.last_retry_window = (window[0], window[1])
+            self.last_retry_window = self._retry_window(answer) or DEFAULT_RETRY_WINDOW_S
             raise SessionRejected(str(answer.get("reason", "unspecified")), self.last_retry_window)
         session = rec.session = answer
         rec.record("checkin", round=session.round)
@@ -276,7 +296,7 @@ class FLRuntime:
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
         try:
-            self.client.report(session, payload, rec.stats())
+            answer = self.client.report(session, payload, rec.stats())
         except ProtocolError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
@@ -287,7 +307,9 @@ class FLRuntime:
             rec.record("error", error=type(exc).__name__)
             raise
         rec.record("upload_completed")
-        return rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
+        completed = rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
+        completed.retry_after_s = self._retry_window(answer)
+        return completed
 
     def evaluate_eligibility(self) -> dict | None:
         """Evaluate the active task's policies here, on the device; only the verdict is sent."""

@@ -230,6 +230,9 @@ class ParticipationScheduler:
                     delay = self.settings.recheck_s
                 else:
                     delay = interval.min_interval_s if interval.recurrent else self.settings.recheck_s
+                    if interval.recurrent and session.retry_after_s is not None:
+                        # the server's pace steering: never sooner than the app's own interval
+                        delay = max(delay, runtime.next_retry_delay())
         ended = self.clock.now()
         done = session is not None and session.outcome is Outcome.COMPLETED and not interval.recurrent
         next_at = None if done else ended + delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter))

@@ -471,8 +471,15 @@ class FLService:
                 run.bounded["clipped"] += bounded.clipped
                 session.core.note_shape(shape and shape + "^")
                 session.core.confirm_report(session_id, now)
-                self._advance(self._populations[run.record.population], now)
-                return {"status": "accepted", "round": session.core.number}
+                pop = self._populations[run.record.population]
+                self._advance(pop, now)
+                answer: dict = {"status": "accepted", "round": session.core.number}
+                # While pace steering spreads the population out, participants are spread too:
+                # told nothing, they would come back at their own cooldown and be turned away.
+                window = _paced(pop, run, now)
+                if window[1] > run.config.retry_window_s[1]:
+                    answer["retry_after_s"] = [float(window[0]), float(window[1])]
+                return answer
         finally:
             if late_note is not None and late_note[0] is not None:
                 self._write_quietly(self.store.update_round_metrics, *late_note)

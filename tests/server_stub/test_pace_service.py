@@ -1,5 +1,6 @@
 """Pace steering in the service: a crowd checking in far faster than its rounds need is told to
-wait longer than the task's retry window; a trickle keeps the task's window."""
+wait longer than the task's retry window, participants as well as those turned away; a trickle
+keeps the task's window, and its participants come back at their own pace."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from device_runtime.plan import serialize_plan
 from server_stub.persistence import ServerStore
 from server_stub.rounds import RoundConfig
 from server_stub.service import FLService
+from tests.server_stub.test_defects import update_of
 from tests.support import digits_plan
 
 BASE = (10.0, 30.0)
 
 
-def _rejections(tmp_path, gap_s: float, checkins: int) -> list[tuple[float, float]]:
+def _rejections(tmp_path, gap_s: float, checkins: int, *, reports: list | None = None) -> list[tuple[float, float]]:
     """Windows handed to check-ins ``gap_s`` apart; rounds take two devices that never report,
-    so each lasts its report time-out (60 s) and needs 2 * 1.5 / 60 check-ins per second."""
+    so each lasts its report time-out (60 s) and needs 2 * 1.5 / 60 check-ins per second.
+    ``reports``, if given, receives the answers of two devices that then check in and report."""
     now = [0.0]
     tmp_path.mkdir(parents=True, exist_ok=True)
     store = ServerStore(tmp_path / "server.db")
@@ -33,6 +36,15 @@ def _rejections(tmp_path, gap_s: float, checkins: int) -> list[tuple[float, floa
                 assert answer["reason"] == "ROUND_FULL"
                 windows.append(tuple(answer["retry_after_s"]))
             now[0] += gap_s
+        if reports is not None:
+            sessions: list[dict] = []  # two devices of one round, once the round under way times out
+            while len(sessions) < 2:
+                answer = service.checkin("pop", "1.31.1")
+                if answer["status"] == "accepted":
+                    sessions.append(answer)
+                else:
+                    sessions, now[0] = [], now[0] + 61.0
+            reports.extend(service.report(a["session_id"], a["token"], encode_checkpoint(update_of(plan))) for a in sessions)
     finally:
         store.close()
     return windows
@@ -47,3 +59,15 @@ def test_a_crowd_is_spread_over_a_longer_wait_and_a_trickle_keeps_the_tasks_wind
     assert all(hi - lo >= width - 1e-6 and lo >= BASE[0] for lo, hi in crowd)
     lo, hi = crowd[-1]
     assert hi - lo > 10 * width  # spread over a wait many times the task's own
+
+
+def test_participants_of_a_crowd_are_told_its_wait_and_those_of_a_trickle_nothing(tmp_path):
+    crowd: list[dict] = []
+    trickle: list[dict] = []
+    crowd_windows = _rejections(tmp_path / "crowd", gap_s=0.05, checkins=4000, reports=crowd)
+    _rejections(tmp_path / "trickle", gap_s=30.0, checkins=100, reports=trickle)
+    assert [a["status"] for a in crowd + trickle] == ["accepted"] * 4
+    assert all("retry_after_s" not in a for a in trickle)  # they come back at their own cooldown
+    for answer in crowd:
+        lo, hi = answer["retry_after_s"]
+        assert hi - lo > 10 * (BASE[1] - BASE[0]) and lo >= crowd_windows[-1][0] * 0.5

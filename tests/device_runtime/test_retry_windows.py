@@ -1,0 +1,116 @@
+"""A server's retry window is advice the device checks. Whatever a broken or hostile server names
+(text, negative or reversed bounds, NaN, infinity, a century), a turned-away session ends as
+rejected and the device waits inside a finite window of at most a week: never a crash, never a
+hot loop. A window that comes with a report's answer (pace steering of participants) moves the
+device's next session no sooner than its own interval."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from device_runtime import FLRuntime, SessionRejected
+from device_runtime.clock import VirtualClock
+from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
+from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S, MAX_RETRY_WINDOW_S
+from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings
+from example_store import InMemoryExampleStore, SQLiteExampleStore
+from tests.support import COLLECTION, deploy
+
+GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
+    max_leaves=6,
+)
+windows = json_values | st.lists(st.floats() | st.integers(-10**400, 10**400), min_size=0, max_size=3)
+
+
+def _hostile_server(window: object) -> httpx.MockTransport:
+    """A server that turns every device away with ``window`` as its retry window."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/eligibility"):
+            return httpx.Response(200, json={"task": "train", "policies": {}})
+        if request.url.path.endswith("/checkin"):
+            body = json.dumps({"status": "rejected", "reason": "ROUND_FULL", "retry_after_s": window})
+            return httpx.Response(200, content=body.encode(), headers={"content-type": "application/json"})
+        return httpx.Response(404, json={"error": {"code": "NOT_FOUND", "message": "nothing here"}})
+
+    return httpx.MockTransport(handle)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(window=windows, seed=st.integers(0, 2**32 - 1))
+def test_whatever_window_a_server_names_the_device_is_rejected_and_waits_a_sane_while(window, seed, tmp_path):
+    runtime = FLRuntime("p", "http://fl.test", InMemoryExampleStore(), transport=_hostile_server(window),
+                        rng=random.Random(seed), cache_dir=tmp_path / "cache")
+    with runtime, pytest.raises(SessionRejected):
+        runtime.run_session()
+    lo, hi = runtime.last_retry_window
+    assert 0.0 <= lo <= hi <= MAX_RETRY_WINDOW_S and math.isfinite(hi)
+    assert lo <= runtime.next_retry_delay() <= hi
+    bounds = _bounds(window)
+    if bounds is None:  # not two numbers: the default window
+        assert (lo, hi) == DEFAULT_RETRY_WINDOW_S
+    elif 0.0 <= bounds[0] <= bounds[1] < math.inf:  # a window that makes sense is followed, cut to a week
+        assert (lo, hi) == (min(bounds[0], MAX_RETRY_WINDOW_S), min(bounds[1], MAX_RETRY_WINDOW_S))
+    else:  # negative, reversed or not finite
+        assert (lo, hi) == DEFAULT_RETRY_WINDOW_S
+
+
+def _bounds(window: object) -> tuple[float, float] | None:
+    if not isinstance(window, list) or len(window) < 2:
+        return None
+    try:
+        return float(window[0]), float(window[1])
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+class PacedReports(httpx.BaseTransport):
+    """The real server, whose answers to reports also name ``window`` (as a server does while
+    pace steering spreads a large population out)."""
+
+    def __init__(self, window: list[float]) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.window = window
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if not request.url.path.endswith("/report") or response.status_code != 200:
+            return response
+        answer = json.loads(response.read())
+        return httpx.Response(200, json={**answer, "retry_after_s": self.window})
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("window, min_interval", [([7200.0, 7300.0], 3600.0), ([60.0, 90.0], 3600.0)])
+def test_a_report_answers_window_delays_the_next_session_no_sooner_than_the_interval(
+    tmp_path, server, admin, digits, window, min_interval
+):
+    deploy(admin, goal_count=1, over_selection=1.0)
+    clock = VirtualClock()
+    store = SQLiteExampleStore(tmp_path / "ex.db")
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:32], digits.y_train[:32])))
+    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock,
+                                       settings=SchedulerSettings(jitter=0.0))
+    runtime = FLRuntime("digits", server.url, store, transport=PacedReports(window), cache_dir=tmp_path / "cache")
+    scheduler.register_runtime("digits", runtime)
+    scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=min_interval))
+    [run] = scheduler.queue.run_pending()
+    assert run.outcome is RunOutcome.COMPLETED and run.session.retry_after_s == tuple(window)
+    wait = run.next_run_at - run.ended_at
+    assert max(min_interval, window[0]) <= wait <= max(min_interval, window[1])
+    scheduler.close()
+    runtime.close()
+    store.close()
