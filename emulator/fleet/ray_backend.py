@@ -175,7 +175,7 @@ class FleetShard:
         self._tmp = tempfile.TemporaryDirectory(prefix="fedfleet-shard-")
         sim = _ShardSimulator(
             config, specs, lambda spec: device_examples(config, spec), (dataset.x_test, dataset.y_test),
-            workdir=self._tmp.name,
+            workdir=self._tmp.name, serves=False,
         )
         sim.caller.close()  # the shard's own server is never called: requests go to the driver
         sim.store.close()

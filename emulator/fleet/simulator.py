@@ -76,10 +76,13 @@ class FleetSimulator:
         workdir: str | Path,
         progress: Callable[[float, int, int], None] | None = None,
         http: bool = False,
+        serves: bool = True,
     ) -> None:
         """``http``: devices reach the server over real loopback HTTP (uvicorn in a thread of
         this process) instead of calling its ASGI app in process. The server's own ticker then
         runs beside the loop, so such a run is not bit-identical from one time to the next.
+        ``serves=False``: another simulator's server answers these devices (a shard's), so the
+        plans of ``real_runtimes`` are not release-tested here; the devices' workers still run.
 
         With ``task.secure`` an attestation authority certifies every device, the server admits
         attested devices only, and reports go through Secure Aggregation in attested groups: the
@@ -128,7 +131,7 @@ class FleetSimulator:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.released: ReleasedPlans | None = None
-        if self.runtime_pool is not None:
+        if self.runtime_pool is not None and serves:
             try:
                 self.released = release_tested_plans(
                     self.plan, initial_weights(self.plan, seed=config.fleet.seed),

@@ -87,6 +87,19 @@ def test_the_same_seed_gives_the_same_digest_on_real_releases(fleet, tmp_path):
     assert strip(again) == strip(run)
 
 
+@pytest.mark.timeout(1800)
+def test_a_sharded_run_on_real_releases_equals_the_single_process_run_and_tests_the_releases_once(fleet, monkeypatch):
+    from emulator.fleet import simulator
+    from emulator.fleet.ray_backend import simulate_sharded
+
+    tested = []
+    real = simulator.release_tested_plans
+    monkeypatch.setattr(simulator, "release_tested_plans", lambda *a, **k: tested.append(a[3]) or real(*a, **k))
+    _sim, run = fleet
+    assert simulate_sharded(real_config(), shards=2, ray=False).digest == run.digest
+    assert len(tested) == 1  # by the driver, which serves the plans; the shards' devices only train
+
+
 def test_two_patches_of_one_minor_release_are_refused_with_real_runtimes():
     with pytest.raises(FleetConfigError, match="one patch per minor release"):
         real_config(releases=(("1.31.1", 0.5), ("1.31.0", 0.5)))
