@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .config import FleetConfig, FleetConfigError
 from .events import SimulationError
+from .traces import TraceError
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +58,19 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            print(f"fedfleet simulate: --out {args.out} is a file; name a directory for the run's tables and report", file=sys.stderr)
+            return 2
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"fedfleet simulate: cannot write the run to --out {args.out} ({exc.strerror or exc}); name a directory "
+                  "that can be created", file=sys.stderr)
+            return 2
+    if args.shards is not None and args.shards < 1:
+        print(f"fedfleet simulate: --shards {args.shards}: a run needs at least 1 shard", file=sys.stderr)
+        return 2
     if args.seeds or args.sweep:
         return _run_sweep(args, config, out)
     sharded = args.ray is not None or args.shards is not None
@@ -72,7 +86,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                    ray=args.ray is not None, address=args.ray or None)
         else:
             run = simulate(config, out_dir=out, progress=progress or False, http=args.http)
-    except (SimulationError, RayBackendError) as exc:
+    except (SimulationError, RayBackendError, TraceError) as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -114,7 +128,7 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
     started = time.perf_counter()
     try:
         summaries = run_many([c for _, c in runs], ray=args.ray is not None, address=args.ray or None, out_dirs=dirs)
-    except (SimulationError, RayBackendError) as exc:
+    except (SimulationError, RayBackendError, TraceError) as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     for (params, _), summary in zip(runs, summaries):

@@ -57,3 +57,28 @@ def test_a_fleet_too_small_for_its_goal_says_so(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["rounds_committed"] == 0
     assert "no round committed: each needs 100 reports" in captured.err and "--goal" in captured.err
+
+
+def test_an_out_that_is_a_file_or_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(taken), "--no-progress"]) == 2
+    assert "is a file" in capsys.readouterr().err and taken.read_text() == "keep me"
+    assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(taken / "under"), "--no-progress"]) == 2
+    assert "cannot write the run to --out" in capsys.readouterr().err
+
+
+def test_a_malformed_trace_is_refused_naming_its_file_and_line(tmp_path, capsys):
+    trace = tmp_path / "day.csv"
+    trace.write_text("device,start,end,state\nd000001,0,soon,idle+charging+unmetered\n")
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(f'[fleet]\ndevices = 20\nhours = 0.2\n[availability]\ntrace = "{trace}"\n')
+    for extra in ([], ["--seeds", "0,1"]):
+        assert main(["simulate", str(fleet), "--no-progress", *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{trace}:2" in err and "Traceback" not in err
+
+
+def test_no_shards_is_refused(capsys):
+    assert main(["simulate", "--devices", "20", "--hours", "0.1", "--shards", "0", "--no-progress"]) == 2
+    assert "at least 1 shard" in capsys.readouterr().err
