@@ -89,6 +89,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (SimulationError, RayBackendError, TraceError) as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = f"; {out} holds only the server's database of the rounds so far" if out is not None else ""
+        print(f"\nfedfleet simulate: interrupted, no tables or report written{where}", file=sys.stderr)
+        return 130
     finally:
         if progress is not None:
             progress.close()

@@ -371,7 +371,10 @@ def simulate_sharded(
             driver = _DriverSimulator(
                 config, [], lambda spec: None, (dataset.x_test, dataset.y_test), workdir=workdir, progress=callback,
             )
-            run = _drive(driver, backend, len(parts), specs, started, stats if stats is not None else {})
+            try:
+                run = _drive(driver, backend, len(parts), specs, started, stats if stats is not None else {})
+            finally:  # also when the run is interrupted (Ctrl-C)
+                driver.close()
     finally:
         backend.close()
         if bar is not None:
@@ -431,11 +434,7 @@ def _drive(
     if driver.progress is not None:
         status = driver.service.population_status(driver.population)
         driver.progress(horizon, int(status.get("committed_rounds", 0) or 0), 0)
-    try:
-        rounds, digest = driver._rounds()
-    finally:
-        driver.caller.close()
-        driver.store.close()
+    rounds, digest = driver._rounds()
     stats.update(windows=windows, requests=requests, held=sum(p["held"] for p in finished), shards=n)
     return FleetRun(
         sessions=driver.sessions, rounds=rounds, timeline=driver._timeline(), digest=digest,

@@ -220,26 +220,20 @@ class FleetSimulator:
         self.loop.call_at(0.0, self._tick, order=ORDER_SERVER)
         self.loop.call_at(0.0, self._sample, order=ORDER_SAMPLE)
         try:
-            self.loop.run_until(self.horizon_s)
-            self.service.tick()
-            if self.progress is not None:
-                status = self.service.population_status(self.population)
-                counts = self.status_counts
-                self.progress(self.horizon_s, int(status.get("committed_rounds", 0) or 0),
-                              counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
-        finally:
-            self.fibers.close()
-        wall = time.perf_counter() - started
-        try:
+            try:
+                self.loop.run_until(self.horizon_s)
+                self.service.tick()
+                if self.progress is not None:
+                    status = self.service.population_status(self.population)
+                    counts = self.status_counts
+                    self.progress(self.horizon_s, int(status.get("committed_rounds", 0) or 0),
+                                  counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
+            finally:
+                self.fibers.close()
+            wall = time.perf_counter() - started
             rounds, digest = self._rounds()
-        finally:
-            self.caller.close()
-            if self.runtime_pool is not None:
-                self.runtime_pool.close()
-            if self.server_thread is not None:
-                self.server_thread.stop()
-            else:
-                self.store.close()
+        finally:  # also when the run is interrupted (Ctrl-C)
+            self.close()
         return FleetRun(
             sessions=self.sessions,
             rounds=rounds,
@@ -250,6 +244,17 @@ class FleetSimulator:
             simulated_s=self.horizon_s,
             errors=dict(sorted(self.errors.items())),
         )
+
+    def close(self) -> None:
+        """Close the server's app loop, the release workers, the HTTP server and the database:
+        nothing of the run is left open (safe to call more than once)."""
+        self.caller.close()
+        if self.runtime_pool is not None:
+            self.runtime_pool.close()
+        if self.server_thread is not None:
+            self.server_thread.stop()
+        else:
+            self.store.close()
 
     def _tick(self) -> None:
         self.service.tick()

@@ -82,3 +82,21 @@ def test_a_malformed_trace_is_refused_naming_its_file_and_line(tmp_path, capsys)
 def test_no_shards_is_refused(capsys):
     assert main(["simulate", "--devices", "20", "--hours", "0.1", "--shards", "0", "--no-progress"]) == 2
     assert "at least 1 shard" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_the_run_with_a_line_and_exit_code_130(tmp_path, capsys, monkeypatch):
+    from emulator.fleet.simulator import FleetSimulator
+
+    real = FleetSimulator._sample
+
+    def sample_then_interrupt(self):
+        real(self)
+        if self.loop.now >= 600.0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FleetSimulator, "_sample", sample_then_interrupt)
+    out = tmp_path / "run"
+    assert main(["simulate", "--devices", "40", "--hours", "1", "--out", str(out), "--no-progress"]) == 130
+    captured = capsys.readouterr()
+    assert "interrupted" in captured.err and "Traceback" not in captured.err and captured.out == ""
+    assert not (out / "summary.json").exists() and not (out / "report.html").exists()

@@ -19,6 +19,7 @@ import pytest
 
 from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population, simulate
 from emulator.fleet.population import DeviceFaults
+from emulator.fleet.ray_backend import simulate_sharded
 from emulator.fleet.simulator import FleetSimulator
 
 SMALL = {"devices": 80, "hours": 2.0, "start_utc_hour": 6.0}
@@ -176,6 +177,26 @@ def test_the_same_fleet_runs_over_real_loopback_http_without_a_socket_or_thread_
     assert seen["fds"] - fds0 < 20 < config.fleet.devices
     assert seen["threads"] - threads0 <= 8
     assert all(s.outcome != "error" or s.shape.endswith("*") for s in run.sessions)
+
+
+@pytest.mark.parametrize("how", ["in process", "http", "shards"])
+def test_an_interrupted_run_leaves_no_thread_socket_or_database_open(tmp_path, how):
+    """Ctrl-C mid-run (here: from the progress callback, an hour in) ends the run at once, and the
+    app's loop, its thread pool, the uvicorn server and the SQLite store are all closed."""
+    fds0, threads0 = len(os.listdir("/proc/self/fd")), threading.active_count()
+
+    def interrupt(t_s: float, rounds: int, active: int) -> None:
+        if t_s >= 3600.0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        if how == "shards":
+            simulate_sharded(small_config(seed=5), shards=2, ray=False, out_dir=tmp_path, progress=interrupt)
+        else:
+            simulate(small_config(seed=5), out_dir=tmp_path, progress=interrupt, http=how == "http")
+    assert threading.active_count() == threads0
+    assert len(os.listdir("/proc/self/fd")) <= fds0
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_another_process_with_another_hash_seed_gives_the_same_digest(runs):
