@@ -2,7 +2,7 @@
 
 from .attestation_authority import AttestationAuthority
 from .datasets import Dataset, load_digits_dataset, partition_by_shards
-from .demo import DemoConfig, run_demo
+from .demo import DemoConfig, DemoConfigError, run_demo
 from .device import DeviceProfile, EmulatedDevice, Fleet
 from .inprocess import InProcessTransport
 from .runtime_envs import RuntimeEnv, RuntimeEnvError, available_releases
@@ -12,6 +12,7 @@ __all__ = [
     "AttestationAuthority",
     "Dataset",
     "DemoConfig",
+    "DemoConfigError",
     "DeviceProfile",
     "EmulatedDevice",
     "Fleet",

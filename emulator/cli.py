@@ -13,7 +13,7 @@ from server_stub import RoundConfig
 from server_stub.cli import add_server_arguments, run_server
 
 from .attestation_authority import AttestationAuthority
-from .demo import DemoConfig, run_demo
+from .demo import DemoConfig, DemoConfigError, run_demo
 from .fleet.cli import add_simulate_parser, run_simulate
 from .toolchain.cli import add_toolchain_commands, run_toolchain_command
 
@@ -64,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "demo":
         names = {f.name for f in fields(DemoConfig)}
-        config = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+        try:
+            config = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+        except DemoConfigError as exc:
+            parser.error(str(exc))
         floor = RoundConfig().min_reports
         if math.ceil(config.goal_count * config.min_fraction - 1e-9) < floor:
             parser.error(f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, "
                          f"so a published model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more")
-        summary = run_demo(config)
+        try:
+            summary = run_demo(config)
+        except DemoConfigError as exc:
+            parser.error(str(exc))
         return 0 if summary["rounds_committed"] > 0 else 1
     parser.error(f"unknown command {args.command}")
     return 2

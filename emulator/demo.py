@@ -27,6 +27,10 @@ POPULATION = "digits"
 COLLECTION = "app:/digits"
 
 
+class DemoConfigError(ValueError):
+    """A demo setting out of its range; the message names it and what to use instead."""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     devices: int = 100
@@ -49,6 +53,22 @@ class DemoConfig:
     secagg_group_size: int = 5
     secagg_round_timeout_s: float = 0.5
 
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise DemoConfigError(message)
+
+        need(self.devices >= 1, f"devices must be at least 1, got {self.devices}")
+        need(self.rounds >= 1, f"rounds must be at least 1, got {self.rounds}")
+        need(1 <= self.goal_count <= self.devices,
+             f"goal {self.goal_count} must be between 1 and the number of devices ({self.devices}): a round needs that many reports")
+        for name in ("dropout_prob", "late_prob"):
+            value = getattr(self, name)
+            need(0.0 <= value <= 1.0, f"{name.removesuffix('_prob')} is a chance between 0 and 1, got {value}")
+        need(self.epochs >= 1, f"epochs must be at least 1, got {self.epochs}")
+        need(self.time_limit_s > 0, f"time limit must be positive seconds, got {self.time_limit_s}")
+        need(self.secagg_group_size >= 2, f"a Secure Aggregation group needs at least 2 devices, got {self.secagg_group_size}")
+
 
 def _evaluate(executor: PlanExecutor, weights: dict, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     batches = [{"x": x[i : i + 256], "y": y[i : i + 256]} for i in range(0, len(y), 256)]
@@ -65,6 +85,12 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
     started = time.monotonic()
     rng = random.Random(config.seed)
     data = load_digits_dataset(seed=config.seed)
+    most = len(data.y_train) // 2  # two shards of the sorted digits each
+    if config.devices > most:
+        raise DemoConfigError(
+            f"the digits give at most {most} devices two classes' worth of examples each, not {config.devices}; "
+            f"for a larger fleet simulate one in virtual time: fedfleet simulate --devices {config.devices}"
+        )
     parts = partition_by_shards(data.y_train, config.devices, seed=config.seed)
     selector = ExampleSelector(COLLECTION)
     plan = build_mlp_plan(

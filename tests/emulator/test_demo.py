@@ -51,3 +51,25 @@ def test_small_demo_with_secure_aggregation(tmp_path):
     assert summary["elapsed_s"] < TIME_LIMIT_S
     assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
     assert summary["session_outcomes"]["completed"] >= 3 * 8
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--devices", "800"], "fedfleet simulate --devices 800"),  # more than the digits can be dealt to
+        (["--devices", "0"], "devices must be at least 1"),
+        (["--rounds", "0"], "rounds must be at least 1"),
+        (["--goal", "500"], "goal 500 must be between 1 and the number of devices"),
+        (["--dropout", "2"], "dropout is a chance between 0 and 1"),
+        (["--late", "nan"], "late is a chance between 0 and 1"),
+        (["--epochs", "0"], "epochs must be at least 1"),
+        (["--time-limit", "-5"], "time limit must be positive"),
+        (["--secure", "--secagg-group", "1"], "at least 2 devices"),
+    ],
+)
+def test_a_demo_setting_out_of_range_is_refused_with_what_to_use(args, says, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
