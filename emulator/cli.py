@@ -1,5 +1,7 @@
 """The command line: ``fedfleet demo`` runs an emulated fleet against the embedded server,
-``fedfleet server`` runs the FL server, ``fedfleet authority`` makes an emulated attestation authority."""
+``fedfleet server`` runs the FL server, ``fedfleet authority`` makes an emulated attestation
+authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet plan`` and ``fedfleet
+deploy`` build, test and ship FL plans."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from server_stub import RoundConfig
 from server_stub.cli import add_server_arguments, run_server
@@ -38,6 +41,7 @@ def _authority_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("authority", help="create an emulated attestation authority and its trust anchor")
     p.add_argument("--key", required=True, help="where to write the authority's private key (mode 0600)")
     p.add_argument("--trust", required=True, help="where to write the trust anchor for `fedfleet server --attestation-trust`")
+    p.add_argument("--force", action="store_true", help="replace an existing key file (its devices' certificates stop being trusted)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,9 +61,18 @@ def main(argv: list[str] | None = None) -> int:
         return run_simulate(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "authority":
+        if Path(args.key).exists() and not args.force:
+            print(f"fedfleet authority: {args.key} already exists; a server trusting that authority would stop "
+                  "trusting its devices: name a new file, or pass --force to replace it", file=sys.stderr)
+            return 2
         authority = AttestationAuthority.generate()
-        authority.save(args.key)
-        authority.save_trust_anchor(args.trust)
+        try:
+            authority.save_trust_anchor(args.trust)  # the public half first: a failure leaves no new key behind
+            authority.save(args.key)
+        except OSError as exc:
+            print(f"fedfleet authority: cannot write {exc.filename or args.key} ({exc.strerror or exc}); "
+                  "name files in a folder that exists and can be written", file=sys.stderr)
+            return 2
         print(f"authority key: {args.key}\ntrust anchor:  {args.trust} (give it to `fedfleet server --attestation-trust`)")
         return 0
     if args.command == "demo":

@@ -4,22 +4,35 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 import uvicorn
+from sqlalchemy.exc import SQLAlchemyError
 
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .persistence import ServerStore
+from .serve import free_port
 from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1-65535 (0 picks a free one)")
+    return port
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default="fl_server.db", help="SQLite file (created if missing) or a SQLAlchemy URL")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV}; else a key is generated and printed)")
     p.add_argument("--attestation-trust", metavar="FILE",
                    help="trust anchor of the attestation authority (`fedfleet authority` writes one); admits only attested devices")
@@ -52,6 +65,20 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
         store = ServerStore(args.db)
     except (AdminKeyError, TrustAnchorError, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
+        return 2
+    except (SQLAlchemyError, OSError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        print(f"fedfleet server: cannot open the database {args.db} ({reason}); give --db a file in a folder that "
+              "exists and can be written", file=sys.stderr)
+        return 2
+    if args.port == 0:
+        args.port = free_port(args.host)
+    try:  # say so now, not after printing where it listens
+        socket.create_server((args.host, args.port)).close()
+    except OSError as exc:
+        store.close()
+        print(f"fedfleet server: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another --port "
+              "(0 picks a free one) or --host", file=sys.stderr)
         return 2
     service = FLService(store, verifier=verifier, require_release_reports=not args.allow_untested_plans)
     attestation = f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"

@@ -323,6 +323,8 @@ def _bad_trust_files(tmp_path: Path) -> dict[str, Path]:
     (["-m", "server_stub"], "bad trust anchor"),
     (["-m", "server_stub"], "missing trust anchor"),
     (["-m", "emulator.cli", "server"], "short key"),  # `fedfleet server` is the same command
+    (["-m", "server_stub"], "database in no folder"),
+    (["-m", "server_stub"], "port out of range"),
 ])
 def test_the_command_refuses_unusable_files_with_status_2(tmp_path, command, problem):
     keys = _key_file(tmp_path)
@@ -333,14 +335,29 @@ def test_the_command_refuses_unusable_files_with_status_2(tmp_path, command, pro
         keys.write_text("# nothing yet\n", encoding="utf-8")
     elif problem == "missing key file":
         keys.unlink()
+    elif problem == "database in no folder":
+        args[1] = str(tmp_path / "missing" / "s.db")
+    elif problem == "port out of range":
+        args[3] = "70000"
     elif problem == "bad trust anchor":
         args += ["--attestation-trust", str(_bad_trust_files(tmp_path)["not json"])]
     else:
         args += ["--attestation-trust", str(tmp_path / "nowhere.json")]
     done = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.startswith("fedfleet server: "), done.stderr
+    assert done.stderr.startswith("fedfleet server: ") or "error: argument --port" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "listening" not in done.stdout
+
+
+def test_a_port_in_use_is_refused_before_the_server_says_it_listens(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        args = ["--db", str(tmp_path / "s.db"), "--port", str(port), "--admin-key-file", str(_key_file(tmp_path))]
+        done = subprocess.run([sys.executable, "-m", "server_stub", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"fedfleet server: cannot listen on 127.0.0.1:{port}") and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("name", ["not a trust anchor", "no authority", "bad key"])
