@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import random
+import re
 import ssl
 import time
 from dataclasses import dataclass
@@ -53,6 +55,46 @@ class CheckinAccepted:
     aggregation: str
     report_deadline_s: float
     secagg_commitment: str | None = None  # H(seed) of the round's Secure Aggregation groups
+
+
+#: What an accepted check-in's fields must look like before the device uses them: ids name
+#: files of the plan cache and path segments of later requests, the token goes into a header.
+_RESOURCE_ID = re.compile(r"[0-9a-f]{64}")
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_TOKEN = re.compile(r"[\x21-\x7e]{1,512}")
+AGGREGATIONS = ("simple", "secure_sum")
+
+
+def _accepted(data: dict) -> CheckinAccepted:
+    """The accepted check-in, every field checked: a broken or hostile server's answer is a
+    ``ProtocolError`` naming the field, never a value that reaches a path, a header or a clock."""
+
+    def field(name: str, ok: Callable[[object], bool], what: str) -> Any:
+        if name not in data:
+            raise ProtocolError(f"the check-in answer is missing {name!r}")
+        value = data[name]
+        if not ok(value):
+            raise ProtocolError(f"the check-in answer's {name!r} is not {what}: {str(value)[:80]!r}")
+        return value
+
+    def matches(pattern: re.Pattern) -> Callable[[object], bool]:
+        return lambda v: isinstance(v, str) and pattern.fullmatch(v) is not None
+
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    commitment = data.get("secagg_commitment")
+    return CheckinAccepted(
+        session_id=field("session_id", matches(_SESSION_ID), "a session id"),
+        token=field("token", matches(_TOKEN), "a token"),
+        task=field("task", lambda v: isinstance(v, str) and 0 < len(v) <= 128, "a task name"),
+        round=int(field("round", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a round number")),
+        plan_id=field("plan_id", matches(_RESOURCE_ID), "a resource id"),
+        checkpoint_id=field("checkpoint_id", matches(_RESOURCE_ID), "a resource id"),
+        aggregation=field("aggregation", lambda v: v in AGGREGATIONS, f"one of {AGGREGATIONS}"),
+        report_deadline_s=float(field("report_deadline_s", number, "a finite number of seconds")),
+        secagg_commitment=commitment if isinstance(commitment, str) else None,
+    )
 
 
 class ProtocolClient:
@@ -154,20 +196,7 @@ class ProtocolClient:
         self._raise_for_error(response)
         data = response.json()
         if data.get("status") == "accepted":
-            try:
-                return CheckinAccepted(
-                    session_id=data["session_id"],
-                    token=data["token"],
-                    task=data["task"],
-                    round=int(data["round"]),
-                    plan_id=data["plan_id"],
-                    checkpoint_id=data["checkpoint_id"],
-                    aggregation=data["aggregation"],
-                    report_deadline_s=float(data["report_deadline_s"]),
-                    secagg_commitment=data.get("secagg_commitment") if isinstance(data.get("secagg_commitment"), str) else None,
-                )
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(f"the check-in answer is missing {exc}") from None
+            return _accepted(data)
         if data.get("status") == "rejected":
             return data
         raise ProtocolError(f"unexpected check-in answer: {data!r}")

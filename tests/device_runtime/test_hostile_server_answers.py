@@ -1,8 +1,12 @@
-"""A server's retry window is advice the device checks. Whatever a broken or hostile server names
-(text, negative or reversed bounds, NaN, infinity, a century), a turned-away session ends as
-rejected and the device waits inside a finite window of at most a week: never a crash, never a
-hot loop. A window that comes with a report's answer (pace steering of participants) moves the
-device's next session no sooner than its own interval."""
+"""What a broken or hostile server answers is checked before the device uses it.
+
+- A retry window (text, negative or reversed bounds, NaN, infinity, a century): a turned-away
+  session ends as rejected and the device waits inside a finite window of at most a week; never
+  a crash, never a hot loop. A window that comes with a report's answer (pace steering of
+  participants) moves the device's next session no sooner than its own interval.
+- An accepted check-in whose fields are anything at all: the session ends in the SDK's own
+  ``ProtocolError`` naming the field; no id reaches the plan cache's paths or a request's URL
+  unless it is one the server could have issued."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, SessionRejected
+from device_runtime import FLRuntime, ProtocolError, SessionRejected
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S, MAX_RETRY_WINDOW_S
@@ -33,18 +37,45 @@ json_values = st.recursive(
 windows = json_values | st.lists(st.floats() | st.integers(-10**400, 10**400), min_size=0, max_size=3)
 
 
-def _hostile_server(window: object) -> httpx.MockTransport:
-    """A server that turns every device away with ``window`` as its retry window."""
+def _hostile_server(window: object = None, *, answer: dict | None = None, asked: list | None = None) -> httpx.MockTransport:
+    """A server that answers every check-in with ``answer`` (by default: turned away with
+    ``window`` as its retry window) and nothing else; ``asked`` collects the paths requested."""
+    checkin = answer if answer is not None else {"status": "rejected", "reason": "ROUND_FULL", "retry_after_s": window}
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if asked is not None:
+            asked.append(request.url.path)
         if request.url.path.endswith("/eligibility"):
             return httpx.Response(200, json={"task": "train", "policies": {}})
         if request.url.path.endswith("/checkin"):
-            body = json.dumps({"status": "rejected", "reason": "ROUND_FULL", "retry_after_s": window})
+            body = json.dumps(checkin)
             return httpx.Response(200, content=body.encode(), headers={"content-type": "application/json"})
         return httpx.Response(404, json={"error": {"code": "NOT_FOUND", "message": "nothing here"}})
 
     return httpx.MockTransport(handle)
+
+
+FIELDS = ("session_id", "token", "task", "round", "plan_id", "checkpoint_id", "aggregation", "report_deadline_s")
+GOOD_ANSWER = {"status": "accepted", "session_id": "s1", "token": "t0k3n", "task": "train", "round": 3, "plan_id": "a" * 64,
+               "checkpoint_id": "b" * 64, "aggregation": "simple", "report_deadline_s": 60.0}
+hostile_values = json_values | st.sampled_from(["../../../etc/passwd", "a" * 64 + "/../x", "A" * 64, "bad token\r\nX: 1", "", -1, 1e309])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(FIELDS), hostile_values, min_size=1), dropped=st.sets(st.sampled_from(FIELDS), max_size=2))
+def test_an_accepted_check_in_with_any_fields_ends_in_a_protocol_error_before_they_are_used(changes, dropped, tmp_path):
+    answer = {k: v for k, v in {**GOOD_ANSWER, **changes}.items() if k not in dropped}
+    asked: list[str] = []
+    store = InMemoryExampleStore()
+    store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}])
+    runtime = FLRuntime("p", "http://fl.test", store, transport=_hostile_server(answer=answer, asked=asked),
+                        cache_dir=tmp_path / "cache")
+    with runtime, pytest.raises(ProtocolError):
+        runtime.run_session()
+    cache = tmp_path / "cache"
+    assert not cache.exists() or all(p.resolve().is_relative_to(cache.resolve()) for p in cache.rglob("*"))
+    for path in asked:  # only the server's own endpoints, with ids it could have issued
+        assert path.startswith("/v1/") and ".." not in path
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
