@@ -65,6 +65,19 @@ _TOKEN = re.compile(r"[\x21-\x7e]{1,512}")
 AGGREGATIONS = ("simple", "secure_sum")
 
 
+def _json_object(response: httpx.Response, what: str) -> dict:
+    """The JSON object a successful answer must be; anything else is the server's ``ProtocolError``."""
+    if not 200 <= response.status_code < 300:
+        raise ProtocolError(f"the server's {what} came with HTTP {response.status_code}, not a success", status=response.status_code)
+    try:
+        data = response.json()
+    except ValueError:  # not JSON, or not UTF-8
+        raise ProtocolError(f"the server's {what} is not JSON: {response.content[:80]!r}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"the server's {what} is not a JSON object: {str(data)[:80]!r}")
+    return data
+
+
 def _accepted(data: dict) -> CheckinAccepted:
     """The accepted check-in, every field checked: a broken or hostile server's answer is a
     ``ProtocolError`` naming the field, never a value that reaches a path, a header or a clock."""
@@ -171,7 +184,7 @@ class ProtocolClient:
         response = self._request("POST", "/v1/attestation/nonce", json={})
         self._raise_for_error(response)
         try:
-            return decode_nonce(response.json().get("nonce"))
+            return decode_nonce(_json_object(response, "attestation challenge").get("nonce"))
         except (AttestationError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"the server's attestation challenge is malformed: {exc}") from None
 
@@ -194,7 +207,7 @@ class ProtocolClient:
 
         response = self._request("POST", f"/v1/populations/{population}/checkin", json_body=body)
         self._raise_for_error(response)
-        data = response.json()
+        data = _json_object(response, "check-in answer")
         if data.get("status") == "accepted":
             return _accepted(data)
         if data.get("status") == "rejected":
@@ -204,7 +217,7 @@ class ProtocolClient:
     def eligibility_info(self, population: str) -> dict:
         response = self._request("GET", f"/v1/populations/{population}/eligibility")
         self._raise_for_error(response)
-        return response.json()
+        return _json_object(response, "eligibility answer")
 
     def fetch_resource(self, resource_id: str, token: str) -> bytes:
         """Download a content-addressed resource of the session whose bearer ``token`` is given
@@ -222,7 +235,13 @@ class ProtocolClient:
             headers[STATS_HEADER] = json.dumps(stats, separators=(",", ":"))
         response = self._request("POST", f"/v1/sessions/{session.session_id}/report", content=update, headers=headers)
         self._raise_for_error(response)
-        return response.json()
+        if not 200 <= response.status_code < 300:
+            raise ProtocolError(f"the server answered the report with HTTP {response.status_code}, not a success",
+                                status=response.status_code)
+        try:  # the report was taken (2xx); what the answer adds is advice, and a broken one is none
+            return _json_object(response, "answer to the report")
+        except ProtocolError:
+            return {}
 
     def secagg_poll(self, session: CheckinAccepted, *, after: int | None = None, wait_s: float = 0.0) -> dict:
         """This session's Secure Aggregation state and the server's latest message for it. With
@@ -236,7 +255,7 @@ class ProtocolClient:
             headers={"Authorization": f"Bearer {session.token}"},
         )
         self._raise_for_error(response)
-        return response.json()
+        return _json_object(response, "Secure Aggregation state")
 
     def secagg_send(self, session: CheckinAccepted, message: bytes) -> None:
         response = self._request(

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, ProtocolError, SessionRejected
+from device_runtime import FLRuntime, ProtocolError, RetryPolicy, SessionRejected
+from device_runtime.errors import RuntimeSdkError
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S, MAX_RETRY_WINDOW_S
@@ -145,3 +146,27 @@ def test_a_report_answers_window_delays_the_next_session_no_sooner_than_the_inte
     scheduler.close()
     runtime.close()
     store.close()
+
+
+bodies = (json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=24)
+          | st.fixed_dictionaries({"task": json_values, "policies": json_values}).map(lambda v: json.dumps(v).encode()))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies, status=st.sampled_from([200, 201, 204, 301, 400, 404, 409, 429, 500]),
+       which=st.sampled_from(["/eligibility", "/checkin"]))
+def test_any_answer_to_eligibility_or_check_in_ends_in_the_sdks_own_errors(body, status, which, tmp_path):
+    """Not JSON, not UTF-8, not an object, an odd status: a session ends in a ``RuntimeSdkError``
+    (which the scheduler records) or a rejection, never in an exception it would not catch."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith(which):
+            return httpx.Response(status, content=body)
+        if request.url.path.endswith("/eligibility"):
+            return httpx.Response(200, json={"task": "train", "policies": {}})
+        return httpx.Response(404, json={"error": {"code": "NOT_FOUND", "message": "nothing here"}})
+
+    runtime = FLRuntime("p", "http://fl.test", InMemoryExampleStore(), transport=httpx.MockTransport(handle),
+                        retry=RetryPolicy(attempts=2, base_delay_s=0.0, max_delay_s=0.0), cache_dir=tmp_path / "cache")
+    with runtime, pytest.raises((RuntimeSdkError, SessionRejected)):
+        runtime.run_session()
