@@ -140,7 +140,9 @@ class PlanExecutor:
 
     # ------------------------------------------------------------------ device side
 
-    def _check_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def check_weights(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The plan's weights from ``weights`` as float32; raises PlanError naming a missing one or
+        a wrong shape (a checkpoint that is not this plan's)."""
         spec = self.weight_spec()
         missing = sorted(set(spec) - set(weights))
         if missing:
@@ -195,7 +197,7 @@ class PlanExecutor:
         stops a step in flight (the forced stop), also as :class:`TrainingInterrupted`. Returns the
         client update (see the module doc)."""
         plan = self.plan
-        initial = self._check_weights(weights)
+        initial = self.check_weights(weights)
         sess = self._session("work")
         metric_arrays = {m: np.zeros((), dtype=np.float32) for m in plan.metric_names}
         sums = {m: 0.0 for m in plan.metric_names}
@@ -294,7 +296,7 @@ class PlanExecutor:
         the work graph's forward pass: ``eval_loss``, ``num_examples`` and, when the plan counts
         ``correct`` predictions (classification), ``eval_accuracy``; a regression plan (mse) has
         no accuracy. Meant for evaluation plans; on a training plan the weights are not updated either."""
-        w = self._check_weights(weights)
+        w = self.check_weights(weights)
         sess = self._session("work")
         outputs = list(self.plan.metric_names)
         sums = dict.fromkeys(outputs, 0.0)
@@ -393,7 +395,7 @@ class PlanExecutor:
         zeros are also valid class ids). Values are not checked, only names, shapes and dtypes:
         ``zero``, ``accumulate`` and ``merge`` must give what ``accumulate`` takes as ``acc/``
         (the client update's names and shapes; the dtype may be wider, e.g. float64 sums)."""
-        state = self._check_weights(weights)
+        state = self.check_weights(weights)
         weight_spec = self.weight_spec()
         update_spec = self.client_update_spec()
         acc_inputs, _ = _io_specs(self.plan.server.accumulate)

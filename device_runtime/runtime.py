@@ -27,7 +27,7 @@ from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
-from .plan import Plan
+from .plan import Plan, PlanError
 from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
@@ -251,9 +251,9 @@ class FLRuntime:
         try:
             plan = self._plan(session.plan_id, session.token)
             self._check_budget(plan)
-            weights = self._checkpoint(session.checkpoint_id, session.token)
-            rec.record("plan_downloaded", plan_id=session.plan_id)
             executor = self._executors[session.plan_id]
+            weights = self._checkpoint(session.checkpoint_id, session.token, executor)
+            rec.record("plan_downloaded", plan_id=session.plan_id)
             store = self.store_for(plan.device.selector.collection_uri)
             reading = rec.reading = ExampleReading.start(
                 store, plan.device, population=self.population, task=session.task, keeper=self.resumption_tokens
@@ -414,12 +414,14 @@ class FLRuntime:
         self._executors[plan_id] = executor
         return plan
 
-    def _checkpoint(self, checkpoint_id: str, token: str) -> dict:
+    def _checkpoint(self, checkpoint_id: str, token: str, executor: PlanExecutor) -> dict:
         data = self.client.fetch_resource(checkpoint_id, token)
         try:
-            return decode_checkpoint(data)
-        except CheckpointError as exc:
+            weights = decode_checkpoint(data)
+            executor.check_weights(weights)
+        except (CheckpointError, PlanError) as exc:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
+        return weights
 
 
 class WorkMeter(Protocol):

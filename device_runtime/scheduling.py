@@ -222,7 +222,9 @@ class ParticipationScheduler:
                 session = self._run_watched(runtime, constraints)
             except SessionRejected as rejected:
                 outcome, delay, detail = RunOutcome.NOT_SELECTED, runtime.next_retry_delay(), rejected.reason
-            except RuntimeSdkError as exc:
+            except Exception as exc:  # an error ends the session, never the job: it is rescheduled
+                if not isinstance(exc, RuntimeSdkError):
+                    log.warning("the %s session failed unexpectedly", population, exc_info=True)
                 outcome, delay, detail = RunOutcome.ERROR, self.settings.recheck_s, f"{type(exc).__name__}: {exc}"
             else:
                 outcome = RunOutcome(session.outcome.value)

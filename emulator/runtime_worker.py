@@ -447,7 +447,7 @@ class WorkerExecutor(PlanExecutor):
         another thread ends a step in flight in the worker (a forced stop), both as
         :class:`TrainingInterrupted`. An interrupted run leaves nothing behind in the worker."""
         plan = self.plan
-        initial = self._check_weights(weights)
+        initial = self.check_weights(weights)
         forced = (lambda: bool(run_options.terminate)) if run_options is not None else None
         values: list[list[float]] = []
         total = 0

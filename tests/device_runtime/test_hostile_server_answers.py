@@ -170,3 +170,76 @@ def test_any_answer_to_eligibility_or_check_in_ends_in_the_sdks_own_errors(body,
                         retry=RetryPolicy(attempts=2, base_delay_s=0.0, max_delay_s=0.0), cache_dir=tmp_path / "cache")
     with runtime, pytest.raises((RuntimeSdkError, SessionRejected)):
         runtime.run_session()
+
+
+def _serving(plan_bytes: bytes, checkpoint_bytes: bytes) -> httpx.MockTransport:
+    """A server whose plan and checkpoint are whatever it likes, under ids that match them."""
+    import hashlib
+
+    pid, cid = hashlib.sha256(plan_bytes).hexdigest(), hashlib.sha256(checkpoint_bytes).hexdigest()
+    answer = {**GOOD_ANSWER, "plan_id": pid, "checkpoint_id": cid}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith("/eligibility"):
+            return httpx.Response(200, json={"task": "train", "policies": {}})
+        if path.endswith("/checkin"):
+            return httpx.Response(200, json=answer)
+        if path.endswith(pid):
+            return httpx.Response(200, content=plan_bytes)
+        if path.endswith(cid):
+            return httpx.Response(200, content=checkpoint_bytes)
+        return httpx.Response(200, json={"status": "accepted"})
+
+    return httpx.MockTransport(handle)
+
+
+def test_a_checkpoint_that_is_not_the_plans_or_not_a_checkpoint_is_refused_as_corrupt(tmp_path):
+    from device_runtime import CorruptResource, build_mlp_plan, encode_checkpoint, initial_weights
+    from example_store import ExampleSelector
+    from device_runtime.plan import serialize_plan
+
+    def mlp(hidden: int):
+        return build_mlp_plan(64, (hidden,), 10, selector=ExampleSelector("app:/digits"), inputs={"x": "x", "y": "y"})
+
+    plan, other = mlp(8), mlp(4)
+    store = InMemoryExampleStore()
+    store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}] * 8)
+    good = encode_checkpoint(initial_weights(plan, seed=0))
+    for checkpoint, says in [(encode_checkpoint(initial_weights(other, seed=0)), "has shape"), (good[:-5], "refused"),
+                             (b"\x00" * 40, "refused")]:
+        with FLRuntime("p", "http://fl.test", store, transport=_serving(serialize_plan(plan), checkpoint),
+                       cache_dir=tmp_path / "cache") as runtime:
+            with pytest.raises(CorruptResource, match=says):
+                runtime.run_session()
+    with FLRuntime("p", "http://fl.test", store, transport=_serving(serialize_plan(plan), good), cache_dir=tmp_path / "cache") as runtime:
+        assert runtime.run_session().outcome.value == "completed"  # the same server, honest: it trains
+
+
+class BrokenStore(InMemoryExampleStore):
+    """An app's store whose disk went away: its reads fail with an error that is not the SDK's."""
+
+    def query(self, selector):
+        raise RuntimeError("the app's storage is gone")
+
+    def query_batches(self, selector, batch_size):
+        raise RuntimeError("the app's storage is gone")
+
+
+def test_a_session_that_fails_with_an_error_not_the_sdks_is_an_error_run_and_the_job_comes_back(tmp_path, server, admin, digits):
+    deploy(admin, goal_count=2)
+    clock = VirtualClock()
+    store = BrokenStore()
+    store.add(COLLECTION, [{"x": x, "y": y} for x, y in zip(digits.x_train[:16], digits.y_train[:16])])
+    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock,
+                                       settings=SchedulerSettings(recheck_s=600, jitter=0.0))
+    runtime = FLRuntime("digits", server.url, store, cache_dir=tmp_path / "cache")
+    scheduler.register_runtime("digits", runtime)
+    scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600))
+    [run] = scheduler.queue.run_pending()
+    assert run.outcome is RunOutcome.ERROR and run.detail.startswith("RuntimeError")
+    assert run.next_run_at == pytest.approx(run.ended_at + 600)  # not due again at once: no hot loop
+    assert scheduler.queue.run_pending() == []
+    assert admin.status("digits")["current_round"]["selected"] == 1  # the server saw the session, and its abort
+    scheduler.close()
+    runtime.close()
