@@ -212,8 +212,9 @@ class SecureAggregation:
                 return SecureResult(SecureOutcome.INCLUDED if included else SecureOutcome.EXCLUDED)
             if status == "aborted":
                 return SecureResult(SecureOutcome.ABORTED, str(state.get("reason", "")))
-            seq = int(state.get("seq", 0))
-            message = state.get("message")
+            seq, message = state.get("seq", 0), state.get("message")
+            if not isinstance(seq, int) or isinstance(seq, bool) or not (message is None or isinstance(message, str)):
+                return self._refused(f"the server's Secure Aggregation state is malformed (seq {str(seq)[:20]!r})")
             if seq > self._seen_seq and message:
                 round_name = str(state.get("round", ""))
                 if until_input and round_name == Round.MASKED_INPUT_COLLECTION.value:
@@ -221,7 +222,11 @@ class SecureAggregation:
                 self._seen_seq = seq
                 if self._entering(round_name):
                     return SecureResult(SecureOutcome.INTERRUPTED)
-                reply = self._secagg.handle(base64.b64decode(message))
+                try:
+                    raw = base64.b64decode(message, validate=True)
+                except ValueError:
+                    return self._refused("the server's Secure Aggregation message is not base64")
+                reply = self._secagg.handle(raw)
                 if self._secagg.aborted:
                     return self._refused(str(self._secagg.abort_reason))
                 if reply is not None and not _send(client, session, reply):

@@ -328,3 +328,28 @@ def test_a_seed_that_does_not_open_the_commitment_is_refused(harness):
     reasons = refusals(h, results)
     assert len(reasons) == 5  # the commitment came with each device's check-in answer
     assert all("does not open the commitment the server showed before selection" in r for r in reasons)
+
+
+class GarbledState(Attack):
+    """Once a device is in its group, the server's answers to its polls are garbled."""
+
+    def __init__(self, garble: dict) -> None:
+        self.garble = garble
+
+    def overrides(self, secure):
+        original, garble = type(secure).status, self.garble
+
+        def status(self, session_id):
+            state = original(self, session_id)
+            return {**state, **garble} if state.get("message") else state
+
+        return {"status": status}
+
+
+@pytest.mark.parametrize("garble", [{"seq": "7"}, {"seq": 2.5}, {"message": 12345}, {"message": "not base64!"}])
+def test_garbled_secure_aggregation_state_is_refused_not_a_crash(harness, garble):
+    h = harness(GarbledState(garble), devices=5)
+    results = h.run()
+    assert all(r is not None for r in results)  # every session ended in a result: none raised
+    never_included(results)
+    assert len(refusals(h, results)) == 5
