@@ -22,10 +22,8 @@ Prints one JSON object per line; the last line is the summary with the targets.
 
 from __future__ import annotations
 
-import os
-
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
-    os.environ[_var] = "1"
+# first: plan_exec limits BLAS and OpenMP to one thread before numpy is imported
+from benchmarks.plan_exec import C, F, H, LR, _data, numpy_step, threadpool_limits
 
 import argparse  # noqa: E402
 import io  # noqa: E402
@@ -38,12 +36,6 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
-try:
-    from threadpoolctl import threadpool_limits  # noqa: E402
-except ImportError:  # pragma: no cover
-    threadpool_limits = None
-
-from benchmarks.plan_exec import C, F, H, LR, _data, numpy_step  # noqa: E402
 from device_runtime.executor import PlanExecutor  # noqa: E402
 from device_runtime.plan_builder import build_mlp_plan, initial_weights  # noqa: E402
 from emulator.toolchain import SGD, initial_weights_from_onnx, training_plan_from_onnx  # noqa: E402

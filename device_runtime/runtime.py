@@ -172,21 +172,6 @@ class FLRuntime:
         lo, hi = self.last_retry_window or DEFAULT_RETRY_WINDOW_S
         return self.rng.uniform(lo, hi)
 
-    def _retry_window(self, answer: object) -> tuple[float, float] | None:
-        """The ``retry_after_s`` window of a server's answer, remembered for ``next_retry_delay``;
-        None when the answer names none or a malformed one (a server is not trusted to)."""
-        window = answer.get("retry_after_s") if isinstance(answer, dict) else None
-        if not isinstance(window, (list, tuple)) or len(window) < 2:
-            return None
-        try:
-            lo, hi = float(window[0]), float(window[1])
-        except (TypeError, ValueError, OverflowError):
-            return None
-        if not (0.0 <= lo <= hi and math.isfinite(hi)):
-            return None
-        self.last_retry_window = (min(lo, MAX_RETRY_WINDOW_S), min(hi, MAX_RETRY_WINDOW_S))
-        return self.last_retry_window
-
     def store_for(self, collection_uri: str) -> ExampleStore:
         best = max((p for p in self.stores if collection_uri.startswith(p)), key=len, default=None)
         if best is None:
@@ -244,7 +229,7 @@ class FLRuntime:
             eligibility = self.evaluate_eligibility()
             answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
-            self.last_retry_window = self._retry_window(answer) or DEFAULT_RETRY_WINDOW_S
+            self.last_retry_window = retry_window(answer) or DEFAULT_RETRY_WINDOW_S
             raise SessionRejected(str(answer.get("reason", "unspecified")), self.last_retry_window)
         session = rec.session = answer
         rec.record("checkin", round=session.round)
@@ -308,7 +293,9 @@ class FLRuntime:
             raise
         rec.record("upload_completed")
         completed = rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
-        completed.retry_after_s = self._retry_window(answer)
+        completed.retry_after_s = retry_window(answer)
+        if completed.retry_after_s is not None:
+            self.last_retry_window = completed.retry_after_s
         return completed
 
     def evaluate_eligibility(self) -> dict | None:
@@ -422,6 +409,21 @@ class FLRuntime:
         except (CheckpointError, PlanError) as exc:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
         return weights
+
+
+def retry_window(answer: object) -> tuple[float, float] | None:
+    """The ``retry_after_s`` window a server's answer names, cut to a week; None when it names
+    none or a malformed one (a server is not trusted to)."""
+    window = answer.get("retry_after_s") if isinstance(answer, dict) else None
+    if not isinstance(window, (list, tuple)) or len(window) < 2:
+        return None
+    try:
+        lo, hi = float(window[0]), float(window[1])
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not (0.0 <= lo <= hi and math.isfinite(hi)):
+        return None
+    return (min(lo, MAX_RETRY_WINDOW_S), min(hi, MAX_RETRY_WINDOW_S))
 
 
 class WorkMeter(Protocol):

@@ -148,7 +148,7 @@ class RoundCore:
         scan found expired can be, and only those still selected count."""
         selected = self._counts[SessionState.SELECTED]
         if now > self._deadline_floor:
-            live = [(d, sid) for sid, st in self.sessions.items() if st is SessionState.SELECTED for d in (self.deadlines[sid],)]
+            live = [(self.deadlines[sid], sid) for sid, st in self.sessions.items() if st is SessionState.SELECTED]
             self._expired = [sid for d, sid in live if d < now]
             self._deadline_floor = min((d for d, _ in live if d >= now), default=math.inf)
         return selected - sum(1 for sid in self._expired if self.sessions[sid] is SessionState.SELECTED)

@@ -478,7 +478,7 @@ class FLService:
                 # told nothing, they would come back at their own cooldown and be turned away.
                 window = _paced(pop, run, now)
                 if window[1] > run.config.retry_window_s[1]:
-                    answer["retry_after_s"] = [float(window[0]), float(window[1])]
+                    answer["retry_after_s"] = _window(window)
                 return answer
         finally:
             if late_note is not None and late_note[0] is not None:
@@ -1076,8 +1076,13 @@ def _paced(pop: _Population, run: _TaskRun, now: float) -> tuple[float, float]:
     return pop.checkins.window(now, cfg.retry_window_s, cfg.selection_target, round_s)
 
 
+def _window(window: tuple[float, float]) -> list[float]:
+    """A retry window as answers carry it (``retry_after_s``)."""
+    return [float(window[0]), float(window[1])]
+
+
 def _rejected(window: tuple[float, float], reason: str) -> dict:
-    return {"status": "rejected", "reason": reason, "retry_after_s": [float(window[0]), float(window[1])]}
+    return {"status": "rejected", "reason": reason, "retry_after_s": _window(window)}
 
 
 def _check_name(name: str, what: str) -> None:
