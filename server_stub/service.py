@@ -214,6 +214,9 @@ class FLService:
         self._sessions: dict[str, _Session] = {}
         self._by_token: dict[bytes, _Session] = {}
         self._pending: list[_PendingCommit] = []
+        #: closed rounds' metrics changed by late reports, by round record id: written on the next
+        #: tick or read of the rounds, once per round however many late reports came meanwhile
+        self._late_due: dict[int, dict] = {}
         self._closed_here = threading.local()  # commits the current thread's call created
         # The last resources read: every selected device downloads the same plan and checkpoint,
         # and resources are content-addressed, so a copy can never go stale.
@@ -448,7 +451,6 @@ class FLService:
         observed = device_metrics(bounded.update, run.plan.weight_names if run.is_training else ())
         observed.update(_stats_metrics(stats))
         shape = _stats_shape(stats)
-        late_note: tuple[int, dict] | None = None
         try:
             now = self.clock()
             with self._lock:
@@ -457,7 +459,7 @@ class FLService:
                     raise DuplicateReport("this session has already reported")
                 if verdict is ReportVerdict.LATE:
                     session.core.note_shape(shape and shape + "#")
-                    late_note = self._late_metrics(run, session.core)
+                    self._note_late(run, session.core)
                     raise ReportLate("the reporting window of this session has closed; the update was discarded")
                 if verdict is not ReportVerdict.ACCEPT:
                     raise SessionClosed("this session was aborted or is no longer part of a round")
@@ -481,8 +483,6 @@ class FLService:
                     answer["retry_after_s"] = _window(window)
                 return answer
         finally:
-            if late_note is not None and late_note[0] is not None:
-                self._write_quietly(self.store.update_round_metrics, *late_note)
             self._flush()
 
     def abort(self, session_id: str, token: str, reason: str, stats: dict | None = None) -> dict:
@@ -509,6 +509,7 @@ class FLService:
             for pop in list(self._populations.values()):
                 self._advance(pop, now)
         self._flush()
+        self._write_late()
 
     # ----------------------------------------------------------------- queries
     def resource(self, rid: str, token: str | None = None, *, admin: bool = False) -> bytes:
@@ -536,6 +537,7 @@ class FLService:
         return data
 
     def rounds(self, population: str, task: str | None = None) -> list[dict]:
+        self._write_late()
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
         records = self.store.tasks(population)
@@ -942,14 +944,22 @@ class FLService:
             log.error("a database write failed: %s", exc)
             return None
 
-    def _late_metrics(self, run: _TaskRun, core: RoundCore) -> tuple[int, dict] | None:
-        """A closed round's metrics updated with a late report, to be written after the lock."""
+    def _note_late(self, run: _TaskRun, core: RoundCore) -> None:
+        """A closed round's metrics updated with a late report, due to be written (under the lock)."""
         for closed in run.closed:
             if closed.core is core and closed.record_id is not None:
                 assert core.ended_at is not None
                 closed.metrics.update(core.stats(core.ended_at))
-                return closed.record_id, dict(closed.metrics)
-        return None
+                self._late_due[closed.record_id] = dict(closed.metrics)
+                return
+
+    def _write_late(self) -> None:
+        """Write the metrics late reports changed (outside the lock): in a busy round's wake
+        hundreds of late reports came in a second, each a database write of the same row."""
+        with self._lock:
+            due, self._late_due = self._late_due, {}
+        for record_id, metrics in due.items():
+            self._write_quietly(self.store.update_round_metrics, record_id, metrics)
 
 
 def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Plan:
