@@ -57,11 +57,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import httpx
-
 from .config import FleetConfig, FleetConfigError
 from .events import EventLoop, Fiber, Fibers, SimulationError
+from .heap import long_lived_heap
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING
+from .sim_transport import WireRequest
 from .simulator import ORDER_SAMPLE, ORDER_SERVER, FleetSimulator, progress_reporter
 from .tables import FleetRun, SessionRow
 
@@ -129,7 +129,7 @@ class _ShardCaller:
     def __init__(self, shard: "FleetShard") -> None:
         self.shard = shard
 
-    def call(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    def call(self, request: WireRequest) -> Answer:
         result = self.shard._send(request)
         if isinstance(result, BaseException):
             raise result
@@ -199,7 +199,7 @@ class FleetShard:
     def devices(self) -> int:
         return len(self._devices)
 
-    def _send(self, request: httpx.Request) -> Answer:
+    def _send(self, request: WireRequest) -> Answer:
         sim = self.sim
         loop, fiber = sim.loop, sim.fibers.current
         if fiber is None:
@@ -208,7 +208,7 @@ class FleetShard:
         key = (loop.now, loop.order, loop.key, next(self._seq))
         rid = next(self._ids)
         bound = (loop.now + device.spec.network.latency_s, -math.inf)
-        self._outbox.append((key, rid, request.method, str(request.url), list(request.headers.raw), request.read()))
+        self._outbox.append((key, rid, request.method, request.target, request.headers, request.body))
         self._waiting[rid] = _Waiting(fiber, key, bound)
         self._waiting_keys.add(fiber.key)
         return sim.fibers.suspend()
@@ -277,10 +277,9 @@ class _DriverSimulator(FleetSimulator):
         super().__init__(*args, **kwargs)
         self.answers: dict[int, list[tuple[int, Answer]]] = {}
 
-    def handle(self, shard: int, rid: int, method: str, url: str, headers: list, body: bytes) -> None:
-        request = httpx.Request(method, url, headers=headers, content=body)
+    def handle(self, shard: int, rid: int, method: str, target: str, headers: list, body: bytes) -> None:
         try:
-            answer: Answer = self.caller.call(request)
+            answer: Answer = self.caller.call(WireRequest(method, target, headers, body))
         except Exception as exc:  # raised where the device made the request, as in one process
             answer = exc
         self.answers.setdefault(shard, []).append((rid, answer))
@@ -399,28 +398,29 @@ def _drive(
     calls: dict[int, list] = {i: [] for i in range(n)}
     windows = requests = 0
     try:
-        while calls:
-            windows += 1
-            for i, got in backend.advance(calls).items():
-                safe[i] = got["safe"]
-                requests += len(got["requests"])
-                for key, rid, method, url, headers, body in got["requests"]:
-                    loop.call_at(key[0], driver.handle, i, rid, method, url, headers, body, order=key[1], key=key[2])
-                for _, old, new in got["status"]:
-                    driver.status_counts[old] -= 1
-                    driver.status_counts[new] += 1
-                log.extend(got["status"])
-            limit = min(safe)
-            while (nxt := loop.peek()) is not None and nxt[0] <= horizon and (limit == DONE or nxt < limit):
-                loop.run_next()
-            calls, driver.answers = driver.answers, {}
-            if any(s != DONE for s in safe) and not calls:
-                raise SimulationError(
-                    "the sharded run stalled: no shard can advance, which the exchange should never allow; "
-                    "run this config in one process (without --ray/--shards) and keep the config to reproduce it"
-                )
-        loop.run_until(horizon)
-        driver.service.tick()
+        with long_lived_heap():
+            while calls:
+                windows += 1
+                for i, got in backend.advance(calls).items():
+                    safe[i] = got["safe"]
+                    requests += len(got["requests"])
+                    for key, rid, method, url, headers, body in got["requests"]:
+                        loop.call_at(key[0], driver.handle, i, rid, method, url, headers, body, order=key[1], key=key[2])
+                    for _, old, new in got["status"]:
+                        driver.status_counts[old] -= 1
+                        driver.status_counts[new] += 1
+                    log.extend(got["status"])
+                limit = min(safe)
+                while (nxt := loop.peek()) is not None and nxt[0] <= horizon and (limit == DONE or nxt < limit):
+                    loop.run_next()
+                calls, driver.answers = driver.answers, {}
+                if any(s != DONE for s in safe) and not calls:
+                    raise SimulationError(
+                        "the sharded run stalled: no shard can advance, which the exchange should never allow; "
+                        "run this config in one process (without --ray/--shards) and keep the config to reproduce it"
+                    )
+            loop.run_until(horizon)
+            driver.service.tick()
         finished = backend.finish()
     finally:
         driver.fibers.close()

@@ -11,7 +11,8 @@ for."""
 from __future__ import annotations
 
 import asyncio
-import json
+import json as _json
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -20,6 +21,74 @@ import httpx
 
 #: Bytes of HTTP framing (request line or status line and headers) beyond what httpx counts.
 FRAMING_BYTES = 64
+
+#: The server's address as the in-process app sees it.
+SERVER_ADDRESS = ("fl.sim", 80)
+#: What the simulated network carries back: status, raw headers, body.
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class WireRequest:
+    """A request as it crosses the simulated network: ``target`` is the path with its query,
+    ``headers`` the raw header lines an ``httpx.Client`` would send (its defaults, ``Host`` and
+    the content headers included), so the server and the network model see the same bytes."""
+
+    method: str
+    target: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    @classmethod
+    def from_httpx(cls, request: httpx.Request) -> "WireRequest":
+        url = request.url
+        target = url.raw_path.decode("ascii")
+        return cls(request.method, target, list(request.headers.raw), request.read())
+
+    @property
+    def path(self) -> str:
+        return urllib.parse.unquote(self.target.partition("?")[0])
+
+    @property
+    def query(self) -> bytes:
+        return self.target.partition("?")[2].encode("ascii")
+
+    def size(self) -> int:
+        """Bytes on the wire, framing included."""
+        return len(self.body) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in self.headers)
+
+
+def wire_request(
+    method: str,
+    url: str,
+    *,
+    content: bytes | None = None,
+    json: Any = None,
+    params: dict[str, str] | None = None,
+    headers: list[tuple[str, str]],
+) -> WireRequest:
+    """The request ``httpx.Request(method, url, content=, json=, params=, headers=)`` would
+    make, byte for byte, without building one (in a simulation that cost as much as the server's
+    routing): ``Host`` first, ``Content-Length: 0`` for an empty POST, the given headers, then the
+    content headers the body implies."""
+    scheme, netloc, path, query, _ = urllib.parse.urlsplit(url)
+    if params:
+        query = urllib.parse.urlencode(params)
+    target = (path or "/") + (f"?{query}" if query else "")
+    given = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    names = {k.lower() for k, _ in given}
+    if content is not None:
+        body, implied = content, [(b"Content-Length", str(len(content)).encode())] if content else []
+    elif json is not None:
+        body = _json.dumps(json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        implied = [(b"Content-Length", str(len(body)).encode()), (b"Content-Type", b"application/json")]
+    else:
+        body, implied = b"", []
+    auto = [(b"Host", netloc.encode("ascii"))]
+    if not implied and method in ("POST", "PUT", "PATCH") and b"content-length" not in names and b"transfer-encoding" not in names:
+        auto.append((b"Content-Length", b"0"))
+    out = auto + given + [(k, v) for k, v in implied if k.lower() not in names]
+    return WireRequest(method, target, out, body)
 
 
 class AsgiCaller:
@@ -37,10 +106,10 @@ class AsgiCaller:
         self._server = greenlet.greenlet(self._serve)
         self._caller: greenlet.greenlet | None = None
 
-    def _serve(self, request: httpx.Request | None) -> None:
+    def _serve(self, request: WireRequest | None) -> None:
         self._loop.run_until_complete(self._main(request))
 
-    async def _main(self, request: httpx.Request | None) -> None:
+    async def _main(self, request: WireRequest | None) -> None:
         while request is not None:
             try:
                 result: Any = await self._handle(request)
@@ -50,7 +119,7 @@ class AsgiCaller:
             assert caller is not None
             request = caller.switch(result)
 
-    def call(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    def call(self, request: WireRequest) -> Answer:
         if self._server.dead:
             raise RuntimeError("the simulated server has been shut down")
         self._caller = greenlet.getcurrent()
@@ -59,20 +128,20 @@ class AsgiCaller:
             raise result
         return result
 
-    async def _handle(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        body = request.read()
-        url = request.url
+    async def _handle(self, request: WireRequest) -> Answer:
+        body = request.body
+        raw_path, _, query = request.target.partition("?")
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
             "http_version": "1.1",
             "method": request.method,
-            "headers": [(k.lower(), v) for k, v in request.headers.raw],
-            "scheme": url.scheme,
-            "path": url.path,
-            "raw_path": url.raw_path.split(b"?")[0],
-            "query_string": url.query,
-            "server": (url.host, url.port),
+            "headers": [(k.lower(), v) for k, v in request.headers],
+            "scheme": "http",
+            "path": urllib.parse.unquote(raw_path),
+            "raw_path": raw_path.encode("ascii"),
+            "query_string": query.encode("ascii"),
+            "server": SERVER_ADDRESS,
             "client": ("127.0.0.1", 123),
             "root_path": "",
         }
@@ -121,10 +190,10 @@ class HttpCaller:
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
         )
 
-    def call(self, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        url = request.url.copy_with(scheme=self.base.scheme, host=self.base.host, port=self.base.port)
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
-        response = self.http.send(httpx.Request(request.method, url, headers=headers, content=request.read()))
+    def call(self, request: WireRequest) -> Answer:
+        url = self.base.join(request.target)
+        headers = [(k, v) for k, v in request.headers if k.lower() != b"host"]
+        response = self.http.send(httpx.Request(request.method, url, headers=headers, content=request.body))
         content = response.read()
         # the body arrives decoded; its encoding headers no longer describe it
         raw = [(k, v) for k, v in response.headers.raw if k.lower() not in (b"content-encoding", b"transfer-encoding", b"content-length")]
@@ -193,9 +262,18 @@ class SimTransport(httpx.BaseTransport):
         self.link.sleep(seconds)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            status, headers, content = self.exchange(WireRequest.from_httpx(request))
+        except _Lost as lost:
+            raise lost.error(str(lost), request=request) from None
+        return httpx.Response(status, headers=headers, content=content, request=request)
+
+    def exchange(self, request: WireRequest) -> Answer:
+        """Carry ``request`` to the server and its answer back, in the device's virtual time;
+        a network that is down raises ``_Lost`` naming the httpx error a socket would give."""
         link, meter = self.link, self.meter
         meter.requests += 1
-        path = request.url.path
+        path = request.path
         if self.hold_report is not None and request.method == "POST" and path.endswith("/report"):
             held = self.hold_report()
             if held > 0:
@@ -203,23 +281,31 @@ class SimTransport(httpx.BaseTransport):
         if not link.network_up(link.now()):
             meter.failures += 1
             self._spend(self.network.latency_s)
-            raise httpx.ConnectError("the device has no network", request=request)
-        up = len(request.read()) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in request.headers.raw)
+            raise _Lost(httpx.ConnectError, "the device has no network")
+        up = request.size()
         meter.bytes_up += up
         self._spend(self.network.latency_s + 8.0 * up / self.network.up_bps)
         if not link.network_up(link.now()):
             meter.failures += 1
-            raise httpx.WriteError("the device lost its network while sending", request=request)
+            raise _Lost(httpx.WriteError, "the device lost its network while sending")
         status, headers, content = self.caller.call(request)
         down = len(content) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in headers)
         self._spend(self.network.latency_s + 8.0 * down / self.network.down_bps)
         if not link.network_up(link.now()):
             meter.failures += 1
-            raise httpx.ReadError("the device lost its network before the answer arrived", request=request)
+            raise _Lost(httpx.ReadError, "the device lost its network before the answer arrived")
         meter.bytes_down += down
         if self.on_answer is not None:
             self.on_answer(path, status, content)
-        return httpx.Response(status, headers=headers, content=content, request=request)
+        return status, headers, content
+
+
+class _Lost(Exception):
+    """A request the simulated network lost, and the httpx error class a socket would raise."""
+
+    def __init__(self, error: type[httpx.TransportError], message: str) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class LeanClient:
@@ -229,13 +315,14 @@ class LeanClient:
     httpx's ``Client.send`` wraps the transport in cookies, auth, redirects and event hooks that
     a device's protocol client never uses; in a simulation that wrapping cost as much as the
     server's whole HTTP layer, and each ``httpx.Client`` holds a cookie jar, a connection-pool
-    transport and default headers per device. The requests are ``httpx.Request`` objects with
-    the default headers an ``httpx.Client`` sends, so the server sees (and the network model
-    charges) the same bytes."""
+    transport and default headers per device; building an ``httpx.Request`` and an
+    ``httpx.Response`` for each exchange cost about as much again. The requests carry the bytes
+    an ``httpx.Client`` would send (``wire_request``), so the server sees (and the network model
+    charges) the same; a lost request raises the httpx error a socket would."""
 
     __slots__ = ("transport",)
 
-    def __init__(self, transport: httpx.BaseTransport) -> None:
+    def __init__(self, transport: SimTransport) -> None:
         self.transport = transport
 
     def request(
@@ -247,16 +334,42 @@ class LeanClient:
         json: Any = None,
         params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
-    ) -> httpx.Response:
+    ) -> "LeanResponse":
         merged = DEFAULT_HEADERS if not headers else DEFAULT_HEADERS + list(headers.items())
-        request = httpx.Request(method, url, content=content, json=json, params=params, headers=merged)
-        response = self.transport.handle_request(request)
-        response.request = request
-        response.read()
-        return response
+        wire = wire_request(method, url, content=content, json=json, params=params, headers=merged)
+        try:
+            return LeanResponse(*self.transport.exchange(wire))
+        except _Lost as lost:
+            raise lost.error(str(lost), request=httpx.Request(method, url)) from None
 
     def close(self) -> None:
         """Nothing to release: the transport belongs to the device."""
+
+
+class LeanResponse:
+    """What ``ProtocolClient`` reads of an ``httpx.Response``: the status, the headers, the body
+    as bytes, text and JSON."""
+
+    __slots__ = ("status_code", "raw_headers", "content")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], content: bytes) -> None:
+        self.status_code = status_code
+        self.raw_headers = raw_headers
+        self.content = content
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return httpx.Headers(self.raw_headers)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return _json.loads(self.content)
+
+    def read(self) -> bytes:
+        return self.content
 
 
 #: The headers an ``httpx.Client`` adds to every request.
@@ -271,7 +384,7 @@ DEFAULT_HEADERS: list[tuple[str, str]] = [
 def checkin_answer(content: bytes) -> dict | None:
     """The accepted check-in's fields, if ``content`` is one."""
     try:
-        data = json.loads(content)
+        data = _json.loads(content)
     except ValueError:
         return None
     return data if isinstance(data, dict) and data.get("status") == "accepted" else None

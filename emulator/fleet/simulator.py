@@ -40,6 +40,7 @@ from server_stub.service import FLService, TaskSpec
 from ..runtime_worker import ReleasePlans, WorkerPool
 from .config import FleetConfig
 from .events import EventLoop, Fibers, SimulationError
+from .heap import long_lived_heap
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
@@ -221,7 +222,8 @@ class FleetSimulator:
         self.loop.call_at(0.0, self._sample, order=ORDER_SAMPLE)
         try:
             try:
-                self.loop.run_until(self.horizon_s)
+                with long_lived_heap():
+                    self.loop.run_until(self.horizon_s)
                 self.service.tick()
                 if self.progress is not None:
                     status = self.service.population_status(self.population)

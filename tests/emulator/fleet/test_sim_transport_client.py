@@ -8,10 +8,12 @@ import random
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_runtime import ProtocolError, ServerUnreachable
 from device_runtime.protocol import ProtocolClient, RetryPolicy
-from emulator.fleet.sim_transport import AsgiCaller, LeanClient, SimTransport
+from emulator.fleet.sim_transport import DEFAULT_HEADERS, AsgiCaller, LeanClient, SimTransport, WireRequest, wire_request
 from server_stub.admin_auth import AdminKeys
 from server_stub.app import create_app
 from server_stub.persistence import ServerStore
@@ -78,3 +80,30 @@ def test_errors_reach_the_protocol_client_as_from_httpx(caller):
     with pytest.raises(ProtocolError) as refused:
         answer.checkin("no-such-population", "1.20.0")
     assert (refused.value.status, refused.value.code) == (404, "UNKNOWN_POPULATION")
+
+
+_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    method=st.sampled_from(["GET", "POST"]),
+    path=st.lists(st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True), min_size=1, max_size=4),
+    body=st.one_of(st.none(), st.binary(max_size=64), _JSON.map(lambda j: ("json", j))),
+    params=st.one_of(st.none(), st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), st.from_regex(r"[0-9.-]{1,8}", fullmatch=True), max_size=3)),
+    headers=st.dictionaries(st.sampled_from(["Authorization", "Content-Type", "X-Stats"]), _TEXT, max_size=3),
+)
+def test_a_wire_request_is_the_request_httpx_would_build(method, path, body, params, headers):
+    url = "http://fl.sim/" + "/".join(path)
+    content = body if isinstance(body, bytes) else None
+    json = body[1] if isinstance(body, tuple) else None
+    merged = DEFAULT_HEADERS + list(headers.items())
+    ours = wire_request(method, url, content=content, json=json, params=params or None, headers=merged)
+    theirs = WireRequest.from_httpx(httpx.Request(method, url, content=content, json=json, params=params or None, headers=merged))
+    assert ours == theirs
+    assert ours.size() == theirs.size()

@@ -1,0 +1,32 @@
+"""The garbage collector during a simulated run.
+
+A fleet is a large heap that lives as long as the run: devices, their example stores, their
+schedulers and fibers (about a million objects for 10,000 devices). CPython's full collections
+walk all of it, and in a day of 10,000 devices they found a few dozen objects to free while
+taking about an eighth of the run's time. During a run the heap as it stands is frozen (never
+scanned again) and full collections wait until the run ends; young collections, which free the
+short-lived cycles of requests and sessions, go on as usual."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Iterator
+
+#: Collections of the middle generation between full ones while a run lasts: in effect none.
+RUN_FULL_COLLECTION_EVERY = 1_000_000
+
+
+@contextlib.contextmanager
+def long_lived_heap() -> Iterator[None]:
+    """Freeze the heap and defer full collections for the ``with`` block; both are undone on
+    leaving it (also on an exception), and the next full collection sees the whole heap again."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(thresholds[0], thresholds[1], RUN_FULL_COLLECTION_EVERY)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
