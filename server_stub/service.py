@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import logging
 import random
 import secrets
@@ -71,6 +72,10 @@ RECENT_RESOURCES = 8
 #: Tasks one deploy may bring together.
 MAX_TASKS_PER_GROUP = 16
 #: What a name may be made of: it travels in URLs, headers and logs.
+#: Seconds between writes of the metrics late reports change: stragglers trickle in for minutes
+#: after their round closed, and each write serializes the round's whole metrics. A crash loses
+#: at most this long of late-report counts; the round itself is on record already.
+LATE_METRICS_EVERY_S = 30.0
 NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -214,9 +219,10 @@ class FLService:
         self._sessions: dict[str, _Session] = {}
         self._by_token: dict[bytes, _Session] = {}
         self._pending: list[_PendingCommit] = []
-        #: closed rounds' metrics changed by late reports, by round record id: written on the next
-        #: tick or read of the rounds, once per round however many late reports came meanwhile
+        #: closed rounds' metrics changed by late reports, by round record id: written every
+        #: ``LATE_METRICS_EVERY_S`` and on a read of the rounds, once per round however many came
         self._late_due: dict[int, dict] = {}
+        self._late_written_at = -math.inf
         self._closed_here = threading.local()  # commits the current thread's call created
         # The last resources read: every selected device downloads the same plan and checkpoint,
         # and resources are content-addressed, so a copy can never go stale.
@@ -509,7 +515,9 @@ class FLService:
             for pop in list(self._populations.values()):
                 self._advance(pop, now)
         self._flush()
-        self._write_late()
+        if now - self._late_written_at >= LATE_METRICS_EVERY_S:
+            self._late_written_at = now
+            self.write_late_metrics()
 
     # ----------------------------------------------------------------- queries
     def resource(self, rid: str, token: str | None = None, *, admin: bool = False) -> bytes:
@@ -537,7 +545,7 @@ class FLService:
         return data
 
     def rounds(self, population: str, task: str | None = None) -> list[dict]:
-        self._write_late()
+        self.write_late_metrics()
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
         records = self.store.tasks(population)
@@ -953,9 +961,9 @@ class FLService:
                 self._late_due[closed.record_id] = dict(closed.metrics)
                 return
 
-    def _write_late(self) -> None:
-        """Write the metrics late reports changed (outside the lock): in a busy round's wake
-        hundreds of late reports came in a second, each a database write of the same row."""
+    def write_late_metrics(self) -> None:
+        """Write the metrics late reports changed since the last write (outside the lock); the
+        ticker does every ``LATE_METRICS_EVERY_S``, a server that stops does once more."""
         with self._lock:
             due, self._late_due = self._late_due, {}
         for record_id, metrics in due.items():
