@@ -9,6 +9,7 @@ idle bucket is full again) and evicting beyond the cap forgives the least recent
 
 from __future__ import annotations
 
+import heapq
 import os
 import threading
 from collections import OrderedDict
@@ -64,7 +65,10 @@ class NonceRegistry:
         self.max_remembered = max_remembered
         self._random_bytes = random_bytes
         self._outstanding: OrderedDict[bytes, float] = OrderedDict()  # nonce -> expires_at, issue order
-        self._consumed: OrderedDict[bytes, float] = OrderedDict()  # nonce -> original expires_at
+        # nonce -> original expires_at, and a heap of (expires_at, nonce): nonces are used up in
+        # any order, so only a heap keeps the first to expire at hand
+        self._consumed: dict[bytes, float] = {}
+        self._consumed_expiry: list[tuple[float, bytes]] = []
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -109,19 +113,24 @@ class NonceRegistry:
                 raise UnknownNonce("the nonce expired; request a fresh one")
             if self.max_remembered:
                 self._consumed[nonce] = expires_at
+                heapq.heappush(self._consumed_expiry, (expires_at, nonce))
                 while len(self._consumed) > self.max_remembered:
-                    self._consumed.popitem(last=False)
+                    del self._consumed[heapq.heappop(self._consumed_expiry)[1]]
             self._purge(now)
 
     def _purge(self, now: float) -> None:
-        # Both maps are in issue order and share one ttl, so expired entries sit at the front (unless
-        # ``now`` went backwards; then the caps still bound memory and ``consume`` re-checks expiry).
-        for entries in (self._outstanding, self._consumed):
-            while entries:
-                nonce, expires_at = next(iter(entries.items()))
-                if expires_at > now:
-                    break
-                del entries[nonce]
+        # Outstanding nonces are in issue order and share one ttl, so the expired ones sit at the
+        # front (unless ``now`` went backwards; then the caps still bound memory and ``consume``
+        # re-checks expiry); consumed ones come off their heap.
+        outstanding = self._outstanding
+        while outstanding:
+            nonce, expires_at = next(iter(outstanding.items()))
+            if expires_at > now:
+                break
+            del outstanding[nonce]
+        expiry = self._consumed_expiry
+        while expiry and expiry[0][0] <= now:
+            del self._consumed[heapq.heappop(expiry)[1]]
 
 
 class RateLimiter:
