@@ -29,6 +29,7 @@ from device_runtime.opstats import SHAPE_ALPHABET
 from device_runtime.protocol import STATS_HEADER
 
 from .admin_auth import MAX_KEY_CHARS, AdminKeys
+from .direct_routes import add_direct_routes
 from .errors import ApiError, BodyTooLarge, MalformedBody, TooManyRequests, Unauthorized
 from .persistence import ServerStore
 from .schemas import REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
@@ -439,6 +440,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             await run_in_threadpool(service.write_late_metrics)  # what the ticker had not written yet
 
     app.router.lifespan_context = lifespan
+    add_direct_routes(app, "devices")
     return app
 
 
