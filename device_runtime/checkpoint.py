@@ -3,6 +3,7 @@ untrusted peer (no pickle, whitelisted dtypes, every size checked before any all
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -32,9 +33,8 @@ class CheckpointError(ValueError):
 
 def encode_checkpoint(tensors: Mapping[str, np.ndarray]) -> bytes:
     """Serialize named tensors (little-endian, C order) with a SHA-256 over header and data."""
-    entries = []
+    layout = []
     blobs = []
-    offset = 0
     seen: set[str] = set()
     for name, value in tensors.items():
         if str(name) in seen:
@@ -45,13 +45,24 @@ def encode_checkpoint(tensors: Mapping[str, np.ndarray]) -> bytes:
         if dtype_name not in ALLOWED_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {dtype_name}, which checkpoints do not carry")
         data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
-        entries.append({"name": str(name), "dtype": dtype_name, "shape": list(arr.shape), "offset": offset, "nbytes": len(data)})
+        layout.append((str(name), dtype_name, arr.shape, len(data)))
         blobs.append(data)
-        offset += len(data)
-    header = json.dumps({"tensors": entries}, separators=(",", ":")).encode()
+    header = _header(tuple(layout))
     body = b"".join(blobs)
     digest = hashlib.sha256(header + body).digest()
     return b"".join([MAGIC, _HEADER_LEN.pack(len(header)), header, digest, body])
+
+
+@functools.lru_cache(maxsize=64)
+def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...]) -> bytes:
+    """The header of tensors laid out as (name, dtype name, shape, bytes), one after another:
+    the same for every update of a plan, so written once."""
+    entries = []
+    offset = 0
+    for name, dtype_name, shape, nbytes in layout:
+        entries.append({"name": name, "dtype": dtype_name, "shape": list(shape), "offset": offset, "nbytes": nbytes})
+        offset += nbytes
+    return json.dumps({"tensors": entries}, separators=(",", ":")).encode()
 
 
 def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
@@ -77,6 +88,32 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
     body = view[pos:]
     if hashlib.sha256(header_bytes + body).digest() != digest:
         raise CheckpointError("checkpoint checksum mismatch: the data is corrupt or was altered")
+    out: dict[str, np.ndarray] = {}
+    for name, dtype_name, dtype, shape, count, offset, nbytes in _layout(header_bytes):
+        if offset + nbytes > len(body):
+            raise CheckpointError(f"tensor {name!r} does not fit its declared shape, dtype and place in the data")
+        arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+        if dtype_name == "bool" and count and np.frombuffer(body, dtype=np.uint8, count=count, offset=offset).max() > 1:
+            raise CheckpointError(f"tensor {name!r} is bool but holds bytes other than 0 and 1")
+        out[name] = arr.astype(dtype.newbyteorder("="), copy=False)
+    return out
+
+
+#: (name, dtype name, dtype, shape, element count, offset, bytes) of each tensor a header declares.
+_Layout = tuple[tuple[str, str, np.dtype, tuple[int, ...], int, int, int], ...]
+#: Headers up to this size have their layout remembered: every update of a plan has the same
+#: header, and a server reads thousands; a hostile stream of large distinct ones costs no memory.
+_REMEMBERED_HEADER_BYTES = 4096
+
+
+def _layout(header_bytes: bytes) -> _Layout:
+    if len(header_bytes) <= _REMEMBERED_HEADER_BYTES:
+        return _remembered_layout(header_bytes)
+    return _read_layout(header_bytes)
+
+
+def _read_layout(header_bytes: bytes) -> _Layout:
+    """Everything a header declares, checked as far as it can be without the data."""
     header = _parse_header(header_bytes)
     try:
         entries = header["tensors"]
@@ -86,7 +123,8 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
         raise CheckpointError(f"checkpoint header is not valid: {exc}") from None
     if len(entries) > MAX_TENSORS:
         raise CheckpointError(f"checkpoint holds {len(entries)} tensors, more than {MAX_TENSORS}")
-    out: dict[str, np.ndarray] = {}
+    layout = []
+    names: set[str] = set()
     for entry in entries:
         try:
             name = entry["name"]
@@ -96,21 +134,22 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
             nbytes = _int(entry["nbytes"])
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint header entry is malformed: {exc}") from None
-        if not isinstance(name, str) or name in out:
+        if not isinstance(name, str) or name in names:
             raise CheckpointError(f"checkpoint tensor name {name!r} is invalid or repeated")
+        names.add(name)
         if dtype_name not in ALLOWED_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {dtype_name!r}, which is not allowed")
         if any(d < 0 for d in shape) or len(shape) > 32:
             raise CheckpointError(f"tensor {name!r} has an invalid shape {shape}")
         dtype = np.dtype(dtype_name).newbyteorder("<")
         count = math.prod(shape)  # exact (Python ints): a huge shape cannot wrap around to match nbytes
-        if count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > len(body):
+        if count * dtype.itemsize != nbytes or offset < 0:
             raise CheckpointError(f"tensor {name!r} does not fit its declared shape, dtype and place in the data")
-        arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
-        if dtype_name == "bool" and count and np.frombuffer(body, dtype=np.uint8, count=count, offset=offset).max() > 1:
-            raise CheckpointError(f"tensor {name!r} is bool but holds bytes other than 0 and 1")
-        out[name] = arr.astype(dtype.newbyteorder("="), copy=False)
-    return out
+        layout.append((name, dtype_name, dtype, shape, count, offset, nbytes))
+    return tuple(layout)
+
+
+_remembered_layout = functools.lru_cache(maxsize=64)(_read_layout)
 
 
 def _parse_header(header_bytes: bytes) -> dict:

@@ -202,3 +202,37 @@ def test_property_any_header_bytes_give_a_checkpoint_error_or_a_checkpoint(heade
             decode_checkpoint(_forge_header(candidate))
         except CheckpointError:
             pass
+
+
+def _resealed(header: bytes, body: bytes) -> bytes:
+    """A checkpoint of ``header`` and ``body`` with a valid checksum."""
+    return b"".join([MAGIC, struct.pack("<I", len(header)), header, hashlib.sha256(header + body).digest(), body])
+
+
+def test_a_remembered_header_still_has_its_data_checked():
+    data = encode_checkpoint(_sample())
+    _assert_same(_sample(), decode_checkpoint(data))  # the header's layout is now remembered
+    (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
+    header = data[len(MAGIC) + 4 : len(MAGIC) + 4 + header_len]
+    body = data[len(MAGIC) + 4 + header_len + 32 :]
+    with pytest.raises(CheckpointError, match="does not fit"):
+        decode_checkpoint(_resealed(header, body[:-1]))
+    mask = json.loads(header)["tensors"][4]
+    assert mask["name"] == "mask"
+    flipped = bytearray(body)
+    flipped[mask["offset"]] = 2  # a bool that is neither 0 nor 1
+    with pytest.raises(CheckpointError, match="bool"):
+        decode_checkpoint(_resealed(header, bytes(flipped)))
+    _assert_same(_sample(), decode_checkpoint(data))
+
+
+def test_equal_layouts_share_a_header_and_distinct_ones_do_not():
+    a = encode_checkpoint({"w": np.zeros((2, 3), np.float32)})
+    b = encode_checkpoint({"w": np.ones((2, 3), np.float32)})
+    c = encode_checkpoint({"w": np.zeros((3, 2), np.float32)})
+    def header(data: bytes) -> bytes:
+        (n,) = struct.unpack_from("<I", data, len(MAGIC))
+        return data[len(MAGIC) + 4 : len(MAGIC) + 4 + n]
+
+    assert header(a) == header(b) != header(c)
+    assert decode_checkpoint(c)["w"].shape == (3, 2)
