@@ -3,7 +3,7 @@ either leaves the device: only the verdict travels with the check-in)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated
 
 from pydantic import ConfigDict, Field, Strict, TypeAdapter
@@ -30,7 +30,7 @@ class EligibilityPolicies:
 
     @property
     def empty(self) -> bool:
-        return not any(asdict(self).values())
+        return not any(getattr(self, f.name) for f in fields(self))
 
     def to_dict(self) -> dict:
         return asdict(self)
