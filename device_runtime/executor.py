@@ -525,16 +525,26 @@ def _size(chunk: dict[str, np.ndarray]) -> int:
 
 
 def _shuffle(chunks: Iterator[dict], rng: np.random.Generator, capacity: int) -> Iterator[dict[str, np.ndarray]]:
-    pool: dict[str, np.ndarray] | None = None
+    # The pool is the chunks read since it last overflowed, joined only when it does (or at the
+    # end): joining each small chunk as it came copied the pool once per chunk.
+    parts: list[dict[str, np.ndarray]] = []
+    size = 0
     for chunk in chunks:
-        pool = _concat(pool, chunk)
-        size = _size(pool)
+        parts.append(chunk)
+        size += _size(chunk)
         if size > capacity:
+            pool = _join(parts)
             perm = rng.permutation(size)
             yield _take(pool, perm[: size - capacity])
-            pool = _take(pool, perm[size - capacity :])
-    if pool is not None and _size(pool):
-        yield _take(pool, rng.permutation(_size(pool)))
+            parts, size = [_take(pool, perm[size - capacity :])], capacity
+    if size:
+        yield _take(_join(parts), rng.permutation(size))
+
+
+def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    if len(parts) == 1:
+        return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterator[dict[str, np.ndarray]]:

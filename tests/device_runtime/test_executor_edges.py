@@ -181,3 +181,37 @@ def test_an_executor_builds_each_graphs_session_once():
     executor.run_device(WEIGHTS, lambda: split([]))
     assert executor._session("work") is work
     assert executor._session("zero") is executor._session("zero") is not work
+
+
+def _reference_shuffle(chunks, rng, capacity):
+    """The bounded shuffle as specified: the pool grows by each chunk in turn; whenever it holds
+    more than ``capacity``, a random subset of the excess leaves it; at the end the rest leaves
+    in random order."""
+    pool = None
+    for chunk in chunks:
+        pool = chunk if pool is None else {k: np.concatenate([pool[k], chunk[k]]) for k in chunk}
+        size = len(pool["x"])
+        if size > capacity:
+            perm = rng.permutation(size)
+            yield {k: v[perm[: size - capacity]] for k, v in pool.items()}
+            pool = {k: v[perm[size - capacity :]] for k, v in pool.items()}
+    if pool is not None and len(pool["x"]):
+        perm = rng.permutation(len(pool["x"]))
+        yield {k: v[perm] for k, v in pool.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), max_size=20), capacity=st.integers(2, 40), seed=st.integers(0, 2**32 - 1))
+def test_the_shuffle_takes_the_order_its_specification_gives(sizes, capacity, seed):
+    from device_runtime.executor import _shuffle
+
+    def chunks():
+        start = 0
+        for n in sizes:
+            ids = np.arange(start, start + n)
+            start += n
+            yield {"x": ids.astype(np.float32), "y": ids}
+
+    ours = [c["y"].tolist() for c in _shuffle(chunks(), np.random.default_rng(seed), capacity)]
+    spec = [c["y"].tolist() for c in _reference_shuffle(chunks(), np.random.default_rng(seed), capacity)]
+    assert ours == spec
