@@ -81,7 +81,8 @@ def main() -> None:
         key_file.chmod(0o600)
         proc = subprocess.Popen(
             [sys.executable, "-m", "server_stub", "--db", str(Path(tmp) / "bench.db"), "--port", str(port),
-             "--admin-key-file", str(key_file), "--log-level", "warning"],
+             "--admin-key-file", str(key_file), "--log-level", "warning",
+             "--allow-untested-plans"],  # the benchmark's plan is built here, not release-tested
             stdout=subprocess.DEVNULL,
         )
         try:

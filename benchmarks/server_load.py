@@ -109,6 +109,8 @@ def start_server(db_path: Path, port: int, admin_key_file: Path) -> subprocess.P
     cmd = [sys.executable, "-m", "server_stub", "--db", str(db_path), "--port", str(port)]
     if "--admin-key-file" in _server_help():
         cmd += ["--admin-key-file", str(admin_key_file)]
+    if "--allow-untested-plans" in _server_help():
+        cmd += ["--allow-untested-plans"]  # the load's plan is built here, not release-tested
     log = open(Path(db_path).parent / "server.log", "wb")
     try:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
