@@ -6,8 +6,10 @@ deploy`` build, test and ship FL plans."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import logging
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -35,6 +37,22 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=defaults.epochs)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--time-limit", type=float, default=defaults.time_limit_s, dest="time_limit_s")
+
+
+def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> None:
+    """Write the key and its trust anchor as a pair: both go to new files beside their places
+    first and are renamed into them only once both are written, so a failure leaves the old pair
+    (or nothing), never a new anchor beside an old key."""
+    key_new, trust_new = key.with_name(key.name + ".new"), trust.with_name(trust.name + ".new")
+    try:
+        authority.save(key_new)
+        authority.save_trust_anchor(trust_new)
+        os.replace(key_new, key)
+        os.replace(trust_new, trust)
+    finally:
+        for leftover in (key_new, trust_new):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
 
 
 def _authority_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedfleet authority: {args.key} already exists; a server trusting that authority would stop "
                   "trusting its devices: name a new file, or pass --force to replace it", file=sys.stderr)
             return 2
-        authority = AttestationAuthority.generate()
+        if Path(args.key).resolve() == Path(args.trust).resolve():
+            print("fedfleet authority: --key and --trust name the same file; the trust anchor would replace the key: "
+                  "name two files", file=sys.stderr)
+            return 2
         try:
-            authority.save_trust_anchor(args.trust)  # the public half first: a failure leaves no new key behind
-            authority.save(args.key)
+            _save_authority(AttestationAuthority.generate(), Path(args.key), Path(args.trust))
         except OSError as exc:
             print(f"fedfleet authority: cannot write {exc.filename or args.key} ({exc.strerror or exc}); "
                   "name files in a folder that exists and can be written", file=sys.stderr)

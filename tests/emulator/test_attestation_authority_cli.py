@@ -31,3 +31,22 @@ def test_a_trust_anchor_that_cannot_be_written_leaves_no_key(tmp_path, capsys):
     assert main(["authority", "--key", str(key), "--trust", str(tmp_path / "missing" / "trust.json")]) == 2
     err = capsys.readouterr().err
     assert "cannot write" in err and "Traceback" not in err and not key.exists()
+
+
+def test_a_forced_replacement_that_fails_leaves_the_old_pair_as_it_was(tmp_path, capsys):
+    key, trust = tmp_path / "a.key", tmp_path / "trust.json"
+    assert main(["authority", "--key", str(key), "--trust", str(trust)]) == 0
+    old_key, old_trust = key.read_bytes(), trust.read_bytes()
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    # the anchor could be written; the key cannot: the anchor must not change alone
+    assert main(["authority", "--key", str(blocker / "a.key"), "--trust", str(trust), "--force"]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert trust.read_bytes() == old_trust and key.read_bytes() == old_key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.key", "not-a-folder", "trust.json"]  # no leftovers
+
+
+def test_the_key_and_the_anchor_must_be_two_files(tmp_path, capsys):
+    same = tmp_path / "both.json"
+    assert main(["authority", "--key", str(same), "--trust", str(same)]) == 2
+    assert "same file" in capsys.readouterr().err and not same.exists()
