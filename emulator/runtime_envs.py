@@ -53,9 +53,9 @@ __all__ = [
 
 CACHE_ENV_VAR = "FEDFLEET_RUNTIME_CACHE"
 MARKER_NAME = "fedfleet-runtime-env.json"
-FIRST_MINOR, LAST_MINOR = 15, 31
+FIRST_MINOR, LAST_MINOR = 15, 32
 
-# The latest patch of each minor release 1.15-1.31 on PyPI, all of which have CPython 3.11 wheels
+# The latest patch of each minor release 1.15-1.32 on PyPI, all of which have CPython 3.11 wheels
 # (`pip index versions onnxruntime`, checked when this list was written). available_releases() can
 # ask the index instead, which also drops releases without a wheel for the running interpreter.
 KNOWN_RELEASES: tuple[str, ...] = (
@@ -76,6 +76,7 @@ KNOWN_RELEASES: tuple[str, ...] = (
     "1.29.0",
     "1.30.0",
     "1.31.1",
+    "1.32.0",
 )
 
 _RELEASE = re.compile(r"^1\.(\d+)\.(\d+)$")
@@ -137,7 +138,7 @@ def latest_patch_per_minor(
 
 
 def available_releases(*, query_index: bool = False, python: str | os.PathLike[str] | None = None) -> list[str]:
-    """The latest patch of each onnxruntime minor 1.15-1.31, oldest first.
+    """The latest patch of each onnxruntime minor 1.15-1.32, oldest first.
 
     By default the fixed :data:`KNOWN_RELEASES` (reproducible, no network). With ``query_index``,
     ``pip index versions onnxruntime`` run by ``python`` (default: this interpreter) decides, which

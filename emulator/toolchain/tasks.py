@@ -7,7 +7,7 @@ A task file is ordinary Python that defines ``task`` (a :class:`Task`) or ``task
         name="digits",
         model=lambda hp: build_mlp_plan(64, (32,), 10, learning_rate=hp["lr"], ...),  # or an ONNX model
         hyperparameters={"lr": 0.2},
-        runtimes=("1.15.1", "1.23.2", "1.31.1"),
+        runtimes=("1.15.1", "1.24.4", "1.32.0"),
         proxy=digits_proxy,
         predicates=(loss_decreases(epochs=3), accuracy_after_rounds(rounds=4, at_least=0.8)),
         budget=Budget(memory_mb=64, step_ms=5, session_s=30),

@@ -7,7 +7,7 @@ onnxruntime release, with predicates checked on proxy data before anything is de
 
 The plan is written at opset 21, so the 1.15 and 1.17 plans are derived at opsets 18 and 20
 (1.15 loads opset 19 but lacks opset-19 kernels of ops this plan uses).
-Set ``FEDFLEET_TASK_RUNTIMES`` (comma-separated releases) to claim others, e.g. all 1.15-1.31.
+Set ``FEDFLEET_TASK_RUNTIMES`` (comma-separated releases) to claim others, e.g. all 1.15-1.32.
 """
 
 import os

@@ -15,14 +15,17 @@ from device_runtime import PlanError, max_ir_version_for_runtime, max_opset_for_
 from device_runtime.plan import _ort_support_rows, load_ort_support_record
 from device_runtime.versions import version_tuple
 from emulator.ort_support import InstalledRuntime, check, measure
+from emulator.runtime_envs import FIRST_MINOR, KNOWN_RELEASES, LAST_MINOR
 
 RECORD = load_ort_support_record()
 BY_MINOR = {row["minor"]: row for row in RECORD}
 OLDEST, NEWEST = min(BY_MINOR), max(BY_MINOR)
 
 
-def test_record_is_one_measured_row_per_minor_15_to_31():
-    assert sorted(BY_MINOR) == list(range(15, 32)) and len(RECORD) == len(BY_MINOR)
+def test_record_is_one_measured_row_per_minor_the_envs_know():
+    assert sorted(BY_MINOR) == list(range(FIRST_MINOR, LAST_MINOR + 1)) and len(RECORD) == len(BY_MINOR)
+    assert [version_tuple(r)[1] for r in KNOWN_RELEASES] == sorted(BY_MINOR)
+    assert {row["release"] for row in RECORD} == set(KNOWN_RELEASES)
     for row in RECORD:
         assert set(row) == {"release", "minor", "max_opset", "max_ir", "measured_on"}
         assert version_tuple(row["release"])[:2] == (1, row["minor"])

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from emulator.runtime_envs import (
     CACHE_ENV_VAR,
+    FIRST_MINOR,
     KNOWN_RELEASES,
+    LAST_MINOR,
     MARKER_NAME,
     RuntimeEnv,
     RuntimeEnvError,
@@ -50,14 +52,14 @@ def test_requirements_pin_the_release_and_numpy_1_up_to_1_18():
 def test_latest_patch_per_minor_keeps_the_highest_final_patch_in_range(versions):
     strings = [f"1.{minor}.{patch}{tag}" for minor, patch, tag in versions]
     picked = latest_patch_per_minor(strings)
-    finals = [(minor, patch) for minor, patch, tag in versions if not tag and 15 <= minor <= 31]
+    finals = [(minor, patch) for minor, patch, tag in versions if not tag and FIRST_MINOR <= minor <= LAST_MINOR]
     expected = {minor: max(p for m, p in finals if m == minor) for minor, _ in finals}
     assert picked == [f"1.{minor}.{expected[minor]}" for minor in sorted(expected)]
 
 
-def test_known_releases_are_one_per_minor_15_to_31():
+def test_known_releases_are_one_per_minor_15_to_32():
     assert available_releases() == latest_patch_per_minor(KNOWN_RELEASES) == list(KNOWN_RELEASES)
-    assert [int(v.split(".")[1]) for v in KNOWN_RELEASES] == list(range(15, 32))
+    assert [int(v.split(".")[1]) for v in KNOWN_RELEASES] == list(range(15, 33))
 
 
 def test_cache_root_follows_the_environment_variable(monkeypatch, tmp_path):

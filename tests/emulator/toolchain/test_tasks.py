@@ -40,7 +40,7 @@ def test_the_example_task_file_declares_a_task_that_builds_its_plan():
     assert task.name == plan.name == "digits_mlp"
     assert plan.metadata.opset == 21 and plan.device.batch_size == task.batch_size
     assert set(task.weights(plan)) == set(plan.weight_names)
-    assert task.runtimes == DEFAULT_RUNTIMES == ("1.15.1", "1.23.2", "1.31.1")
+    assert task.runtimes == DEFAULT_RUNTIMES == ("1.15.1", "1.24.4", "1.32.0")
     assert task.local_epochs == 3 and task.simulated_rounds == 4
 
 
