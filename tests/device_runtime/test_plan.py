@@ -8,6 +8,7 @@ import struct
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 
 from device_runtime.executor import PlanExecutor, make_session
@@ -134,15 +135,18 @@ def test_runtime_version_outside_the_claimed_range(plan):
 
 
 def test_ir_version_above_what_the_runtime_loads(plan):
+    above = max_ir_version_for_runtime(onnxruntime.__version__) + 1  # one past the installed release's
     model = onnx.ModelProto.FromString(plan.work)
-    model.ir_version = 14
+    model.ir_version = above
     bumped = dataclasses.replace(plan, work=model.SerializeToString(),
-                                 metadata=dataclasses.replace(plan.metadata, ir_version=14))
-    with pytest.raises(PlanError, match="IR version 14"):
+                                 metadata=dataclasses.replace(plan.metadata, ir_version=above))
+    with pytest.raises(PlanError, match=f"IR version {above}"):
         load_plan(serialize_plan(bumped))
     # a graph whose IR version exceeds the plan's declared one is refused too
+    declared_plus_one = plan.metadata.ir_version + 1
+    model.ir_version = declared_plus_one
     sneaky = dataclasses.replace(plan, work=model.SerializeToString())
-    with pytest.raises(PlanError, match="graph 'work' has IR version 14"):
+    with pytest.raises(PlanError, match=f"graph 'work' has IR version {declared_plus_one}"):
         load_plan(serialize_plan(sneaky))
 
 
