@@ -514,12 +514,6 @@ def _take(chunk: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, np.ndarray
     return {k: v[idx] for k, v in chunk.items()}
 
 
-def _concat(a: dict[str, np.ndarray] | None, b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    if a is None:
-        return b
-    return {k: np.concatenate([a[k], b[k]]) for k in b}
-
-
 def _size(chunk: dict[str, np.ndarray]) -> int:
     return next(iter(chunk.values())).shape[0]
 
@@ -550,7 +544,7 @@ def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     pending: dict[str, np.ndarray] | None = None
     for chunk in chunks:
-        pending = _concat(pending, chunk)
+        pending = chunk if pending is None else _join([pending, chunk])
         size = _size(pending)
         if size < batch_size:
             continue

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import logging
+import math
 import random
 import secrets
 import threading
@@ -71,11 +71,11 @@ IDLE_RETRY_WINDOW_S = (60.0, 180.0)
 RECENT_RESOURCES = 8
 #: Tasks one deploy may bring together.
 MAX_TASKS_PER_GROUP = 16
-#: What a name may be made of: it travels in URLs, headers and logs.
 #: Seconds between writes of the metrics late reports change: stragglers trickle in for minutes
 #: after their round closed, and each write serializes the round's whole metrics. A crash loses
 #: at most this long of late-report counts; the round itself is on record already.
 LATE_METRICS_EVERY_S = 30.0
+#: What a name may be made of: it travels in URLs, headers and logs.
 NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

@@ -46,16 +46,25 @@ class WireRequest:
         return cls(request.method, target, list(request.headers.raw), request.read())
 
     @property
-    def path(self) -> str:
-        return urllib.parse.unquote(self.target.partition("?")[0])
+    def raw_path(self) -> str:
+        return self.target.partition("?")[0]
 
     @property
-    def query(self) -> bytes:
-        return self.target.partition("?")[2].encode("ascii")
+    def path(self) -> str:
+        return urllib.parse.unquote(self.raw_path)
+
+    @property
+    def query(self) -> str:
+        return self.target.partition("?")[2]
 
     def size(self) -> int:
         """Bytes on the wire, framing included."""
-        return len(self.body) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in self.headers)
+        return wire_size(self.headers, self.body)
+
+
+def wire_size(headers: list[tuple[bytes, bytes]], body: bytes) -> int:
+    """Bytes a request or an answer takes on the wire, framing included."""
+    return len(body) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in headers)
 
 
 def wire_request(
@@ -71,7 +80,7 @@ def wire_request(
     make, byte for byte, without building one (in a simulation that cost as much as the server's
     routing): ``Host`` first, ``Content-Length: 0`` for an empty POST, the given headers, then the
     content headers the body implies."""
-    scheme, netloc, path, query, _ = urllib.parse.urlsplit(url)
+    _, netloc, path, query, _ = urllib.parse.urlsplit(url)
     if params:
         query = urllib.parse.urlencode(params)
     target = (path or "/") + (f"?{query}" if query else "")
@@ -130,7 +139,6 @@ class AsgiCaller:
 
     async def _handle(self, request: WireRequest) -> Answer:
         body = request.body
-        raw_path, _, query = request.target.partition("?")
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -138,9 +146,9 @@ class AsgiCaller:
             "method": request.method,
             "headers": [(k.lower(), v) for k, v in request.headers],
             "scheme": "http",
-            "path": urllib.parse.unquote(raw_path),
-            "raw_path": raw_path.encode("ascii"),
-            "query_string": query.encode("ascii"),
+            "path": request.path,
+            "raw_path": request.raw_path.encode("ascii"),
+            "query_string": request.query.encode("ascii"),
             "server": SERVER_ADDRESS,
             "client": ("127.0.0.1", 123),
             "root_path": "",
@@ -289,7 +297,7 @@ class SimTransport(httpx.BaseTransport):
             meter.failures += 1
             raise _Lost(httpx.WriteError, "the device lost its network while sending")
         status, headers, content = self.caller.call(request)
-        down = len(content) + FRAMING_BYTES + sum(len(k) + len(v) for k, v in headers)
+        down = wire_size(headers, content)
         self._spend(self.network.latency_s + 8.0 * down / self.network.down_bps)
         if not link.network_up(link.now()):
             meter.failures += 1
