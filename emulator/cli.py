@@ -49,6 +49,9 @@ def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> 
         authority.save_trust_anchor(trust_new)
         os.replace(key_new, key)
         os.replace(trust_new, trust)
+    except OSError as exc:  # named by the file the user gave, not by its stand-in
+        named = {str(key_new): key, str(trust_new): trust}.get(str(exc.filename), exc.filename)
+        raise OSError(exc.errno, exc.strerror, str(named)) from exc
     finally:
         for leftover in (key_new, trust_new):
             with contextlib.suppress(OSError):
