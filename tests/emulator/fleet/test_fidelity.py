@@ -3,11 +3,11 @@ Fig. 5-6) within the stated bounds, on a small fleet: 400 devices of the default
 day, with the round goal scaled to the fleet (10 instead of 100, the same 130% over-selection,
 and a selection window long enough for a small fleet's trough).
 
-On session shapes: a round commits once ``goal`` of its ``1.3 goal`` devices reported, so every
-selected device that neither dropped out nor made the goal ends ``#``: the shares obey
-``# + drop-out = 1 - goal / selected`` (about 23%). With the paper's 6-10% drop-out, ``#`` is
-therefore 13-17%, not Table 1's 22% (whose population dropped out about 2%); the test checks the
-identity and the drop-out bound rather than both numbers at once."""
+On session shapes: every selected device that neither dropped out nor reported before its round
+closed ends ``#``, so ``^ + # + drop-out`` covers the sessions; a round that always made its goal
+would accept ``goal / selected`` (77%) of them and leave ``#`` at 23% minus the drop-out. The
+default reporting window closes some rounds on it, short of the goal, which is what brings the
+shares to Table 1's 75/22 with the paper's 6-10% drop-out."""
 
 from __future__ import annotations
 
@@ -35,19 +35,21 @@ def test_dropout_is_six_to_ten_percent(day):
     assert 0.06 <= day.summary()["dropout_rate"] <= 0.10
 
 
-def test_completed_and_interrupted_shapes_are_within_five_points_of_table_1(day):
+def test_session_shapes_are_within_five_points_of_table_1(day):
     summary = day.summary()
     assert abs(_share(summary, lambda s: s == "-v[]+^") - 0.75) <= 0.05
+    assert abs(_share(summary, lambda s: s == "-v[]+#") - 0.22) <= 0.05
     assert abs(_share(summary, lambda s: s.endswith("!")) - 0.02) <= 0.05
 
 
-def test_rejected_uploads_are_the_over_selection_the_drop_outs_left(day):
+def test_some_rounds_close_on_their_window_short_of_the_goal(day):
     summary = day.summary()
+    completed = _share(summary, lambda s: s.endswith("^"))
     committed = [r for r in day.rounds if r.committed]
     selected = statistics.mean(r.selected for r in committed)
-    rejected = _share(summary, lambda s: s.endswith("#"))
-    assert rejected >= 0.12
-    assert abs(rejected + summary["dropout_rate"] - (1 - GOAL / selected)) <= 0.03
+    assert any(r.accepted < GOAL for r in committed)
+    # so fewer sessions are accepted than a round's goal over its selection (1/1.3)
+    assert completed < GOAL / selected
 
 
 def test_available_devices_swing_three_to_five_times_over_the_day(day):
@@ -56,7 +58,7 @@ def test_available_devices_swing_three_to_five_times_over_the_day(day):
 
 def test_rounds_commit_at_the_papers_over_selection(day):
     committed = [r for r in day.rounds if r.committed]
-    assert len(committed) >= 0.9 * len(day.rounds)
+    assert len(committed) >= 0.85 * len(day.rounds)
     full = sum(1 for r in committed if r.selected == 13)  # ceil(10 * 130%)
     assert full >= 0.75 * len(committed)
     assert all(r.accepted >= 8 for r in committed)  # min_fraction 0.8 of the goal
