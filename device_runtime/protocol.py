@@ -25,6 +25,8 @@ from .errors import CorruptResource, ProtocolError, ServerUnreachable
 
 #: The header a report carries its session statistics in (shape so far, training time).
 STATS_HEADER = "X-FL-Session-Stats"
+#: The longest wait a server can ask for (a week): a longer one is cut to it.
+MAX_RETRY_WINDOW_S = 7 * 86_400.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -274,3 +276,18 @@ class ProtocolClient:
             headers={"Authorization": f"Bearer {session.token}"},
         )
         self._raise_for_error(response)
+
+
+def retry_window(answer: object) -> tuple[float, float] | None:
+    """The ``retry_after_s`` window a server's answer names, cut to a week; None when it names
+    none or a malformed one (a server is not trusted to)."""
+    window = answer.get("retry_after_s") if isinstance(answer, dict) else None
+    if not isinstance(window, (list, tuple)) or len(window) < 2:
+        return None
+    try:
+        lo, hi = float(window[0]), float(window[1])
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not (0.0 <= lo <= hi and math.isfinite(hi)):
+        return None
+    return (min(lo, MAX_RETRY_WINDOW_S), min(hi, MAX_RETRY_WINDOW_S))

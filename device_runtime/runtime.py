@@ -4,7 +4,6 @@ report) and records its events, whose symbols give the session's shape (paper, T
 from __future__ import annotations
 
 import enum
-import math
 import os
 import logging
 import random
@@ -29,7 +28,7 @@ from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
 from .plan import Plan, PlanError
 from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
-from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
+from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, retry_window
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_client import NEEDS_ATTESTATION, REFUSED, SecureAggregation, SecureOutcome, SecureResult
@@ -39,8 +38,6 @@ log = logging.getLogger(__name__)
 
 #: Where a device waits before trying again when the server named no retry window.
 DEFAULT_RETRY_WINDOW_S = (60.0, 120.0)
-#: The longest wait a server can ask for (a week): a longer one is cut to it.
-MAX_RETRY_WINDOW_S = 7 * 86_400.0
 
 
 class Outcome(enum.Enum):
@@ -292,10 +289,13 @@ class FLRuntime:
             rec.record("error", error=type(exc).__name__)
             raise
         rec.record("upload_completed")
-        completed = rec.result(Outcome.COMPLETED, result.metrics, result.num_examples)
-        completed.retry_after_s = retry_window(answer)
-        if completed.retry_after_s is not None:
-            self.last_retry_window = completed.retry_after_s
+        return self._paced(rec.result(Outcome.COMPLETED, result.metrics, result.num_examples), retry_window(answer))
+
+    def _paced(self, completed: SessionResult, window: tuple[float, float] | None) -> SessionResult:
+        """A completed session with the pace-steering window its server named, if it named one."""
+        completed.retry_after_s = window
+        if window is not None:
+            self.last_retry_window = window
         return completed
 
     def evaluate_eligibility(self) -> dict | None:
@@ -365,7 +365,7 @@ class FLRuntime:
             return rec.result(Outcome.REPORT_REJECTED, metrics, examples, code)
         if outcome.outcome is SecureOutcome.INCLUDED:
             rec.record("upload_completed", secure=True)
-            return rec.result(Outcome.COMPLETED, metrics, examples)
+            return self._paced(rec.result(Outcome.COMPLETED, metrics, examples), outcome.retry_after_s)
         code = f"SECAGG_{outcome.outcome.name}"
         rec.record("upload_rejected", code=code, detail=outcome.detail)
         return rec.result(Outcome.REPORT_REJECTED, metrics, examples, code)
@@ -409,21 +409,6 @@ class FLRuntime:
         except (CheckpointError, PlanError) as exc:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
         return weights
-
-
-def retry_window(answer: object) -> tuple[float, float] | None:
-    """The ``retry_after_s`` window a server's answer names, cut to a week; None when it names
-    none or a malformed one (a server is not trusted to)."""
-    window = answer.get("retry_after_s") if isinstance(answer, dict) else None
-    if not isinstance(window, (list, tuple)) or len(window) < 2:
-        return None
-    try:
-        lo, hi = float(window[0]), float(window[1])
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if not (0.0 <= lo <= hi and math.isfinite(hi)):
-        return None
-    return (min(lo, MAX_RETRY_WINDOW_S), min(hi, MAX_RETRY_WINDOW_S))
 
 
 class WorkMeter(Protocol):

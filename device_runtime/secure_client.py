@@ -32,7 +32,7 @@ from secagg import PeerVerifier, Round, SecAggClient, Signer, assign_groups, gro
 
 from .attestation import device_key_hash
 from .errors import ProtocolError
-from .protocol import CheckinAccepted, ProtocolClient
+from .protocol import CheckinAccepted, ProtocolClient, retry_window
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_sum import config_from_json
 
@@ -61,12 +61,14 @@ class SecureResult:
     """``refused``: this device ended its part because the server's request fell below its
     privacy floor or failed a check, or because it cannot meet its own policy; ``detail`` says
     why (it goes to opstats and the server) and ``code`` which of the two (``REFUSED``,
-    ``NEEDS_ATTESTATION``)."""
+    ``NEEDS_ATTESTATION``). ``retry_after_s``: the pace-steering window the server named with
+    this device's completed group, as a report's answer names it (see ``retry_window``)."""
 
     outcome: SecureOutcome
     detail: str = ""
     refused: bool = False
     code: str = ""
+    retry_after_s: tuple[float, float] | None = None
 
 
 def session_member_key(session_id: str) -> bytes:
@@ -208,8 +210,9 @@ class SecureAggregation:
                     return SecureResult(SecureOutcome.EXCLUDED, "the group moved on without this device")
                 continue
             if status == "completed":
-                included = bool(state.get("included"))
-                return SecureResult(SecureOutcome.INCLUDED if included else SecureOutcome.EXCLUDED)
+                if not state.get("included"):
+                    return SecureResult(SecureOutcome.EXCLUDED)
+                return SecureResult(SecureOutcome.INCLUDED, retry_after_s=retry_window(state))
             if status == "aborted":
                 return SecureResult(SecureOutcome.ABORTED, str(state.get("reason", "")))
             seq, message = state.get("seq", 0), state.get("message")

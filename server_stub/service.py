@@ -481,13 +481,7 @@ class FLService:
                 session.core.confirm_report(session_id, now)
                 pop = self._populations[run.record.population]
                 self._advance(pop, now)
-                answer: dict = {"status": "accepted", "round": session.core.number}
-                # While pace steering spreads the population out, participants are spread too:
-                # told nothing, they would come back at their own cooldown and be turned away.
-                window = _paced(pop, run, now)
-                if window[1] > run.config.retry_window_s[1]:
-                    answer["retry_after_s"] = _window(window)
-                return answer
+                return {"status": "accepted", "round": session.core.number, **_participant_window(pop, run, now)}
         finally:
             self._flush()
 
@@ -786,16 +780,17 @@ class FLService:
             with self._lock:
                 run = session.run
                 self._advance(self._populations[run.record.population], self.clock())
+                now = self.clock()
+                pop = self._populations[run.record.population]
                 if session.core is run.core and run.secure is not None:
-                    now = self.clock()
                     state = run.secure.status(session_id)
                     state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session_id) - now), 3)
-                    return state
+                    return _with_window(state, pop, run, now)
                 for closed in run.closed:
                     if closed.core is session.core and closed.secure is not None:
                         state = closed.secure.status(session_id)
                         # a group still running when its round closed will never finish
-                        return state if state["status"] in ("completed", "aborted") else {"status": "closed"}
+                        return _with_window(state, pop, run, now) if state["status"] in ("completed", "aborted") else {"status": "closed"}
                 return {"status": "closed"}
         finally:
             self._flush()
@@ -1092,6 +1087,21 @@ def _paced(pop: _Population, run: _TaskRun, now: float) -> tuple[float, float]:
     cfg = run.config
     round_s = run.pace.mean_reporting_s or cfg.report_timeout_s
     return pop.checkins.window(now, cfg.retry_window_s, cfg.selection_target, round_s)
+
+
+def _participant_window(pop: _Population, run: _TaskRun, now: float) -> dict:
+    """What a device whose update was taken is told: while pace steering spreads the population
+    out, participants are spread too (told nothing, they would come back at their own cooldown
+    and be turned away); otherwise nothing, and they keep their own pace."""
+    window = _paced(pop, run, now)
+    return {"retry_after_s": _window(window)} if window[1] > run.config.retry_window_s[1] else {}
+
+
+def _with_window(state: dict, pop: _Population, run: _TaskRun, now: float) -> dict:
+    """A Secure Aggregation state; a device its completed group summed gets its pace window."""
+    if state.get("status") == "completed" and state.get("included"):
+        state.update(_participant_window(pop, run, now))
+    return state
 
 
 def _window(window: tuple[float, float]) -> list[float]:

@@ -16,7 +16,8 @@ import pytest
 from device_runtime import PlanExecutor, initial_weights
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.protocol import ProtocolClient
-from device_runtime.runtime import FLRuntime
+from device_runtime.runtime import FLRuntime, Outcome
+from device_runtime.secure_client import SecureAggregation, SecureOutcome, SecureResult
 from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population
 from emulator.fleet.simulator import FleetSimulator
 from secagg import Quantizer
@@ -171,3 +172,39 @@ def test_a_secure_fleet_sharded_over_ray_gives_the_digest_of_one_process(runs):
 
     sharded = simulate_sharded(secure_config(), shards=2, progress=False)
     assert sharded.digest == runs["a"].digest
+
+
+def test_a_crowds_secure_participants_are_told_its_pace_as_plain_ones_are():
+    """A population checking in far faster than its rounds need is spread out by pace steering;
+    a device its group summed is told the stretched window with its group's completion, as a
+    plain report's answer tells it, and its session result carries it to the scheduler: told
+    nothing, it would come back at its own cooldown into a full round."""
+    data = secure_config().model_dump()
+    data["fleet"].update({"devices": 400, "hours": 1.5})
+    config = FleetConfig.from_dict(data)
+    told: dict[str, tuple[float, float] | None] = {}
+    carried: dict[str, tuple[float, float] | None] = {}
+    finish, outcome = SecureAggregation.finish, FLRuntime._secure_outcome
+
+    def recording_finish(secure, vector):
+        result = finish(secure, vector)
+        if result.outcome is SecureOutcome.INCLUDED:
+            told[secure.session.session_id] = result.retry_after_s
+        return result
+
+    def recording_outcome(runtime, rec, result, metrics, examples):
+        session = outcome(runtime, rec, result, metrics, examples)
+        if session.outcome is Outcome.COMPLETED:
+            carried[rec.session.session_id] = session.retry_after_s
+        return session
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SecureAggregation, "finish", recording_finish)
+        patch.setattr(FLRuntime, "_secure_outcome", recording_outcome)
+        _run(config)
+    assert carried == told and len(told) >= 50
+    windows = [w for w in told.values() if w is not None]
+    # the first rounds come before the server has seen a wait's worth of check-ins; after that,
+    # every summed device is told the population's stretched window
+    assert len(windows) >= len(told) / 2
+    assert all(w[1] > config.task.retry_max_s for w in windows)
