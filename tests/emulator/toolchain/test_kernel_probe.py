@@ -36,7 +36,7 @@ def test_a_quantize_at_opset_23_is_served_to_1_23_at_opset_22():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("release", ["1.15.1", "1.16.3", "1.23.2", "1.31.1"])
+@pytest.mark.parametrize("release", ["1.15.1", "1.16.3", "1.23.2", "1.31.1", "1.32.0"])
 def test_the_record_matches_a_measurement_on_the_real_release(release):
     major, minor, _ = (int(p) for p in release.split("."))
     recorded = {op: v for op, v in MISSING_KERNELS.get((major, minor), {}).items() if op in PROBED_OPS}
