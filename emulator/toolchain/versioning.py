@@ -81,6 +81,7 @@ MISSING_KERNELS: dict[tuple[int, int], dict[str, int]] = {
     (1, 15): {op: 19 for op in ("AveragePool", "Cast", "CastLike", "Equal", "Identity", "Pad", "QuantizeLinear",
                                 "Reshape", "Size")},
     (1, 23): {"QuantizeLinear": 23},
+    (1, 32): {"QuantizeLinear": 28},
 }
 
 
