@@ -779,9 +779,9 @@ class FLService:
         try:
             with self._lock:
                 run = session.run
-                self._advance(self._populations[run.record.population], self.clock())
                 now = self.clock()
                 pop = self._populations[run.record.population]
+                self._advance(pop, now)
                 if session.core is run.core and run.secure is not None:
                     state = run.secure.status(session_id)
                     state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session_id) - now), 3)
