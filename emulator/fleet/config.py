@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from device_runtime.versions import version_tuple
+from server_stub.rounds import MAX_TIMEOUT_S
 
 #: Shares of a mixture must sum to one within this tolerance (TOML users write 0.1 + 0.2 ...).
 SHARE_TOLERANCE = 1e-6
@@ -41,6 +42,9 @@ Hour = Annotated[float, Field(ge=0.0, le=24.0)]
 Rate = Annotated[float, Field(ge=0.0, le=1e6)]
 NonNegative = Annotated[float, Field(ge=0.0, le=1e9)]
 Positive = Annotated[float, Field(gt=0.0, le=1e9)]
+#: The server's timeouts and retry windows: at most a week (``server_stub.rounds.MAX_TIMEOUT_S``).
+Timeout = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S)]
+Wait = Annotated[float, Field(ge=0.0, le=MAX_TIMEOUT_S)]
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.+-]+$")]
 
 
@@ -339,10 +343,10 @@ class TaskSection(_Section):
     goal_count: int = Field(100, ge=1, le=1_000_000)
     over_selection: float = Field(1.3, ge=1.0, le=100.0)
     min_fraction: float = Field(0.8, gt=0.0, le=1.0)
-    selection_timeout_s: Positive = 300.0
-    report_timeout_s: Positive = 180.0
-    retry_min_s: NonNegative = 600.0
-    retry_max_s: NonNegative = 1800.0
+    selection_timeout_s: Timeout = 300.0
+    report_timeout_s: Timeout = 180.0
+    retry_min_s: Wait = 600.0
+    retry_max_s: Wait = 1800.0
     hidden: list[Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=lambda: [32], max_length=8)
     learning_rate: Positive = 0.3
     batch_size: int = Field(8, ge=1, le=100_000)
@@ -352,7 +356,7 @@ class TaskSection(_Section):
     #: With ``secure``: groups of at least this many attested devices (the devices' own floor is 5),
     #: and how long each key round waits for a group's messages (covers a poll and a round trip).
     secagg_group_size: int = Field(5, ge=2, le=100_000)
-    secagg_round_timeout_s: Positive = 10.0
+    secagg_round_timeout_s: Timeout = 10.0
     max_rounds: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")

@@ -38,7 +38,7 @@ from server_stub.serve import ServerThread
 from server_stub.service import FLService, TaskSpec
 
 from ..runtime_worker import ReleasePlans, WorkerPool
-from .config import FleetConfig
+from .config import FleetConfig, TaskSection
 from .events import EventLoop, Fibers, SimulationError
 from .heap import long_lived_heap
 from .releases import ReleasedPlans, release_tested_plans
@@ -60,6 +60,22 @@ TASK = "train"
 COLLECTION = "app:/examples"
 #: Event orders at one instant: the server's tick, then the timeline, then devices.
 ORDER_SERVER, ORDER_SAMPLE = -2, -1
+
+
+def task_round_config(task: TaskSection) -> RoundConfig:
+    """The server's round configuration of the fleet's ``[task]`` (every valid section gives one:
+    the section's bounds are the server's)."""
+    return RoundConfig(
+        goal_count=task.goal_count,
+        over_selection=task.over_selection,
+        min_fraction=task.min_fraction,
+        selection_timeout_s=task.selection_timeout_s,
+        report_timeout_s=task.report_timeout_s,
+        retry_window_s=(task.retry_min_s, task.retry_max_s),
+        max_rounds=task.max_rounds,
+        **({"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
+           if task.secure else {}),
+    )
 
 
 class FleetSimulator:
@@ -161,17 +177,7 @@ class FleetSimulator:
             keys, _ = AdminKeys.generate()
             self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False))
         self.service.create_population(self.population)
-        round_config = RoundConfig(
-            goal_count=task.goal_count,
-            over_selection=task.over_selection,
-            min_fraction=task.min_fraction,
-            selection_timeout_s=task.selection_timeout_s,
-            report_timeout_s=task.report_timeout_s,
-            retry_window_s=(task.retry_min_s, task.retry_max_s),
-            max_rounds=task.max_rounds,
-            **({"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
-               if task.secure else {}),
-        )
+        round_config = task_round_config(task)
         try:
             if self.released is not None:  # the report lets the versioned plans through the release gate
                 self.service.deploy_tasks(self.population, [TaskSpec(

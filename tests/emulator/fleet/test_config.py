@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from emulator.fleet import FleetConfig, FleetConfigError
+from emulator.fleet.simulator import task_round_config
+from server_stub.rounds import MAX_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -84,6 +86,10 @@ def test_replace_applies_overrides_and_validates_them():
         ("[task]\nsecure = 1", "task.secure"),
         ("[task]\nover_selection = 0.9", "task.over_selection"),
         ("[task]\nretry_min_s = 10.0\nretry_max_s = 5.0", "retry_min_s"),
+        ("[task]\nreport_timeout_s = 1e9", "task.report_timeout_s"),  # the server's timeouts stop at a week
+        ("[task]\nselection_timeout_s = 604801.0", "task.selection_timeout_s"),
+        ("[task]\nretry_max_s = 1e8", "task.retry_max_s"),
+        ("[task]\nsecagg_round_timeout_s = 1e7", "task.secagg_round_timeout_s"),
         ("[availability.night]\nprobability = 1.5", "availability.night.probability"),
         ("[availability.day]\nfrom_h = 20.0\nto_h = 8.0", "from_h"),
         ("[availability.battery]\nstart_min = 0.9\nstart_max = 0.2", "start_min"),
@@ -123,3 +129,25 @@ def test_a_relative_trace_path_is_read_next_to_the_config(tmp_path):
     path = tmp_path / "conf" / "fleet.toml"
     path.write_text('[availability]\ntrace = "traces/day.csv"\n', encoding="utf-8")
     assert FleetConfig.load(path).availability.trace == str(tmp_path / "conf" / "traces" / "day.csv")
+
+
+week = st.floats(0.001, MAX_TIMEOUT_S)
+
+
+@settings(max_examples=200, deadline=None)
+@given(selection=week, report=week, retry=st.tuples(st.floats(0.0, MAX_TIMEOUT_S), st.floats(0.0, MAX_TIMEOUT_S)),
+       secagg=week, goal=st.integers(1, 1_000_000), over=st.floats(1.0, 100.0), fraction=st.floats(0.001, 1.0),
+       group=st.integers(2, 100_000), secure=st.booleans(), max_rounds=st.none() | st.integers(1, 10**9))
+def test_every_valid_task_section_is_a_round_configuration_the_server_takes(
+    selection, report, retry, secagg, goal, over, fraction, group, secure, max_rounds
+):
+    """The section's bounds are the server's: a config that validates never fails later, when the
+    simulator builds the server's round configuration from it."""
+    data = FleetConfig.default().model_dump()
+    data["task"].update(selection_timeout_s=selection, report_timeout_s=report, retry_min_s=min(retry),
+                        retry_max_s=max(retry), secagg_round_timeout_s=secagg, goal_count=goal, over_selection=over,
+                        min_fraction=fraction, secagg_group_size=group, secure=secure, max_rounds=max_rounds)
+    task = FleetConfig.from_dict(data).task
+    config = task_round_config(task)
+    assert (config.selection_timeout_s, config.report_timeout_s, config.retry_window_s) == (
+        selection, report, (min(retry), max(retry)))
