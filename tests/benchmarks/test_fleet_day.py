@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_a_small_run_brackets_the_simulation_with_two_baselines():
     out = subprocess.run([sys.executable, "-m", "benchmarks.fleet_day", "--devices", "200", "--hours", "0.5",
-                          "--baseline-s", "3"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+                          "--baseline-s", "5"], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert [line.get("case") for line in lines[:3]] == ["baseline_realtime_fleet", "simulation", "baseline_realtime_fleet"]
