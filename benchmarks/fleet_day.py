@@ -140,10 +140,10 @@ def run_baseline_apart(seconds: float, seed: int, when: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1,000 devices for 2 simulated hours; a 10 s baseline")
+    ap.add_argument("--quick", action="store_true", help="1,000 devices for 2 simulated hours; 10 s baselines")
     ap.add_argument("--devices", type=int, help="devices to simulate (default 10,000; 1,000 with --quick)")
     ap.add_argument("--hours", type=float, help="simulated hours (default 24; 2 with --quick)")
-    ap.add_argument("--baseline-s", type=float, help="seconds the real-time baseline runs (default 30; 10 with --quick)")
+    ap.add_argument("--baseline-s", type=float, help="seconds each real-time baseline runs (default 30; 10 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the simulated run's tables, plots and report here")
     ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)  # one baseline, for run_baseline_apart

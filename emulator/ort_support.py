@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Protocol
 
-from .runtime_envs import RuntimeEnv, RuntimeEnvError, available_releases
+from .runtime_envs import FIRST_MINOR, LAST_MINOR, RuntimeEnv, RuntimeEnvError, available_releases
 
 __all__ = [
     "InstalledRuntime",
@@ -198,7 +198,7 @@ def _measure_release(release: str, cache: str | None, today: dt.date) -> dict[st
 
 def main(argv: Sequence[str] | None = None, *, today: dt.date | None = None, out: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(prog="python -m emulator.ort_support", description=__doc__.split("\n")[0])
-    parser.add_argument("--releases", nargs="+", help="onnxruntime releases (default: latest patch of 1.15-1.32)")
+    parser.add_argument("--releases", nargs="+", help=f"onnxruntime releases (default: latest patch of 1.{FIRST_MINOR}-1.{LAST_MINOR})")
     parser.add_argument("--query-index", action="store_true", help="ask `pip index versions` for the releases")
     parser.add_argument("--output", type=Path, default=None, help="record to merge into (default: the package's)")
     parser.add_argument("--cache", default=None, help="env cache (default: $FEDFLEET_RUNTIME_CACHE or ~/.cache)")

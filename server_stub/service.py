@@ -953,14 +953,15 @@ class FLService:
             if closed.core is core and closed.record_id is not None:
                 assert core.ended_at is not None
                 closed.metrics.update(core.stats(core.ended_at))
-                self._late_due[closed.record_id] = dict(closed.metrics)
+                self._late_due[closed.record_id] = closed.metrics  # copied once, when written
                 return
 
     def write_late_metrics(self) -> None:
         """Write the metrics late reports changed since the last write (outside the lock); the
         ticker does every ``LATE_METRICS_EVERY_S``, a server that stops does once more."""
         with self._lock:
-            due, self._late_due = self._late_due, {}
+            due = {record_id: dict(metrics) for record_id, metrics in self._late_due.items()}
+            self._late_due = {}
         for record_id, metrics in due.items():
             self._write_quietly(self.store.update_round_metrics, record_id, metrics)
 
