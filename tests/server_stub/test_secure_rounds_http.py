@@ -70,7 +70,7 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
     plan = digits_plan("softmax", secure_aggregation=True)
     _, w0 = deploy(
         admin, plan=plan, goal_count=DEVICES, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
-        report_timeout_s=5.0, secagg_min_group_size=K, secagg_round_timeout_s=1.0,
+        report_timeout_s=15.0, secagg_min_group_size=K, secagg_round_timeout_s=3.0,
     )
     codec = SecureSumCodec(plan)
     updates = _updates(codec, DEVICES, seed=1)
@@ -157,7 +157,7 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attes
     server, admin = attested_server, attested_admin
     plan = digits_plan("softmax", secure_aggregation=True)
     _, w0 = deploy(admin, plan=plan, goal_count=K + 1, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
-                   report_timeout_s=6.0, secagg_min_group_size=K, secagg_round_timeout_s=1.0)
+                   report_timeout_s=15.0, secagg_min_group_size=K, secagg_round_timeout_s=3.0)
     codec = SecureSumCodec(plan)
     updates = _updates(codec, K + 1, seed=2)
     vectors = [codec.encode(u) for u in updates]
