@@ -7,9 +7,11 @@ import enum
 import os
 import logging
 import random
+import shutil
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Protocol
@@ -123,8 +125,11 @@ class FLRuntime:
         for a time it does not share)."""
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
+        self._remove_own_cache: Callable[[], None] = lambda: None
         if cache_dir is None and plan_cache is None:
+            # a cache of its own lives as long as the runtime: nothing is left in the temp folder
             cache_dir = tempfile.mkdtemp(prefix="fl-plan-cache-")
+            self._remove_own_cache = weakref.finalize(self, shutil.rmtree, cache_dir, ignore_errors=True)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.runtime_version = runtime_version
         self.rng = rng or random.Random()
@@ -156,6 +161,7 @@ class FLRuntime:
 
     def close(self) -> None:
         self.client.close()
+        self._remove_own_cache()
 
     def __enter__(self) -> "FLRuntime":
         return self

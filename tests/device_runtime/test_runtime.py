@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -105,6 +106,27 @@ def test_rejection_carries_the_retry_window(server, admin, store, tmp_path):
     assert rejected.value.retry_after_s == (7.0, 9.0)
     assert runtime.last_retry_window == (7.0, 9.0)
     assert_spread_over([runtime.next_retry_delay() for _ in range(1000)], 7.0, 9.0)
+
+
+def test_a_runtime_without_a_cache_dir_leaves_no_folder_behind(server, admin, store):
+    """Its plan cache is a temporary folder of its own: gone on close, or when it is dropped."""
+    deploy(admin, goal_count=5)
+    runtime = FLRuntime("digits", server.url, store, retry=FAST_RETRY)
+    assert runtime.run_session().outcome is Outcome.COMPLETED
+    cache = runtime.cache_dir
+    assert list((cache / "plans").iterdir())
+    runtime.close()
+    assert not cache.exists()
+    dropped = FLRuntime("digits", server.url, store).cache_dir
+    gc.collect()
+    assert dropped.exists() is False
+
+
+def test_a_given_cache_dir_outlives_its_runtime(server, admin, store, tmp_path):
+    deploy(admin, goal_count=5)
+    with FLRuntime("digits", server.url, store, retry=FAST_RETRY, cache_dir=tmp_path / "cache") as runtime:
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert list((tmp_path / "cache" / "plans").iterdir())
 
 
 def test_unreachable_server_raises_after_retries(store):
