@@ -259,12 +259,16 @@ class FLRuntime:
             batches = executor.batches_from_examples(reading.open_batches)
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
-            result = executor.run_device(
-                weights,
-                batches,
-                should_abort=rec.watch(plan, should_abort),
-                run_options=run_options,
-            )
+            try:
+                result = executor.run_device(
+                    weights,
+                    batches,
+                    should_abort=rec.watch(plan, should_abort),
+                    run_options=run_options,
+                )
+            finally:
+                if self.work_meter is not None:
+                    self.work_meter.settle()
             reading.training_completed()
             rec.record("training_completed", examples=result.num_examples)
         except TrainingInterrupted:
@@ -419,9 +423,13 @@ class FLRuntime:
 
 class WorkMeter(Protocol):
     """Hears of every batch the plan trained on, once it is done: where a simulation charges
-    the device's compute time to its virtual clock (a device's real training takes its own time)."""
+    the device's compute time to its virtual clock (a device's real training takes its own time).
+    ``settle`` is called once training ends, however it ends, before the session does anything
+    else: a meter that kept the time to itself while the batches ran spends it then."""
 
     def trained(self, plan: Plan, examples: int) -> None: ...
+
+    def settle(self) -> None: ...
 
 
 def _metered(

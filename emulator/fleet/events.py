@@ -209,10 +209,14 @@ class Fibers:
 
     def sleep(self, seconds: float, order: int = 1) -> None:
         """Suspend the calling fiber for ``seconds`` of virtual time."""
+        self.sleep_until(self.loop.now + max(0.0, seconds), order)
+
+    def sleep_until(self, at: float, order: int = 1) -> None:
+        """Suspend the calling fiber until the virtual instant ``at`` (now, if that has passed)."""
         if self.closed:
             raise SimulationOver()
         fiber = self.current
         if fiber is None or greenlet.getcurrent() is self.hub:
             raise SimulationError("sleep() was called outside a fiber; only device code running on the loop may sleep")
-        fiber._wake = self.loop.call_after(seconds, fiber._resume, order=order, key=fiber.key)
+        fiber._wake = self.loop.call_at(at, fiber._resume, order=order, key=fiber.key)
         self.hub.switch()

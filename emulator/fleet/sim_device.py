@@ -54,6 +54,9 @@ MIN_INTERVAL_S = 3600.0
 MIN_JOB_GAP_S = 1.0
 #: The SDK's own retry of a failed request, in virtual time.
 DEVICE_RETRY = RetryPolicy(attempts=3, base_delay_s=1.0, max_delay_s=10.0)
+#: A training device runs ahead of the loop (see ``SimDevice.trained``); False sleeps on the
+#: loop after every batch, which gives the same run, more slowly (a test holds them equal).
+RUN_AHEAD = True
 
 STATUS_IDLE = "idle"
 STATUS_CHECKING_IN = "checking_in"
@@ -61,21 +64,22 @@ STATUS_PARTICIPATING = "participating"
 
 
 class DeviceClock:
-    """The device's Clock: unix seconds on the simulation's virtual time; sleeping suspends the
+    """The device's Clock: unix seconds on the device's virtual time; sleeping suspends the
     device's fiber (the ``wake`` event of a real scheduler loop is never needed: one driver)."""
 
-    def __init__(self, sim: "FleetSimulator") -> None:
-        self._sim = sim
+    def __init__(self, device: "SimDevice") -> None:
+        self._device = device
+        self._epoch = device.sim.epoch
 
     def now(self) -> float:
-        return self._sim.epoch + self._sim.loop.now
+        return self._epoch + self._device.now()
 
     def sleep(self, seconds: float, wake: Any = None) -> bool:
-        self._sim.fibers.sleep(max(0.0, seconds))
+        self._device.wait(seconds)
         return False
 
     def wait(self, seconds: float) -> None:
-        self._sim.fibers.sleep(max(0.0, seconds))
+        self._device.wait(seconds)
 
 
 class MemoryOpStats:
@@ -129,13 +133,13 @@ class SimConditions:
         return state
 
     def current(self) -> DeviceState:
-        return self.state_at(self._device.sim.loop.now)
+        return self.state_at(self._device.now())
 
     def next_change(self, now_unix: float) -> float | None:
         d = self._device
         # the device's clock reads epoch + loop time; going back through the epoch could land a
         # hair before a change time and wake the device again at the same instant
-        t = d.sim.loop.now if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
+        t = d.now() if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
         times = [x for x in (d.broken_from, d.broken_until, d.net_down_from, d.net_down_until) if x > t]
         nxt = d.spec.availability.next_change(t)
         if nxt is not None:
@@ -241,10 +245,11 @@ class SimDevice:
         self.net_down_from = self.net_down_until = -1.0
         self.broken_from = self.broken_until = -1.0
         self.late_s = 0.0
+        self.ahead: float | None = None  # the device's own time while it trains ahead of the loop
         self.fiber: Fiber | None = None
         self._kill_timer: Timer | None = None
         self._job = _JobStats()
-        self.clock = DeviceClock(sim)
+        self.clock = DeviceClock(self)
         self.conditions = SimConditions(self)
         self.opstats = MemoryOpStats()
         self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now)
@@ -288,18 +293,48 @@ class SimDevice:
         return not (self.net_down_from <= t < self.net_down_until)
 
     def now(self) -> float:
-        return self.sim.loop.now
+        ahead = self.ahead
+        return self.sim.loop.now if ahead is None else ahead
 
     def sleep(self, seconds: float) -> None:
         if self.killed:
             raise AppKilled()
-        self.sim.fibers.sleep(seconds)
+        self.wait(seconds)
+
+    def wait(self, seconds: float) -> None:
+        """Spend ``seconds`` of the device's time (from where its training got to, if ahead)."""
+        until = self.now() + max(0.0, seconds)
+        self.ahead = None
+        self.sim.fibers.sleep_until(until)
 
     def trained(self, plan: Plan, examples: int) -> None:
-        """``WorkMeter``: a batch costs the device its compute time in virtual time."""
+        """``WorkMeter``: a batch costs the device its compute time in virtual time.
+
+        Training touches nothing outside the device: no request, no shared state, and its
+        conditions are a function of its own time. So the batch's time is not slept on the loop
+        (a switch to it per batch, with every other device's events run in between, cost as much
+        as training itself); the device runs ahead on a clock of its own (``ahead``), which its
+        clock, conditions and network read, until the training ends (``settle``) or its next
+        batch would reach one of its own events (its app killed) or the run's end, where it
+        sleeps as it would have. Its instants are the same sums either way, so the run is the
+        same, bit for bit."""
         cost = examples * self.sim.compute_s_per_example * self.spec.speed
         self._job.compute_s += cost
-        self.sleep(cost)
+        if self.killed:
+            raise AppKilled()
+        until = self.now() + cost
+        kill = self._kill_timer
+        if RUN_AHEAD and until <= self.sim.horizon_s and (kill is None or until < kill.at):
+            self.ahead = until
+        else:
+            self.ahead = None
+            self.sim.fibers.sleep_until(until)
+
+    def settle(self) -> None:
+        """``WorkMeter``: training ended; a device ahead of the loop sleeps until its own time,
+        the instant its last batch's sleep would have woken it."""
+        if self.ahead is not None:
+            self.wait(0.0)
 
     def _hold_report(self) -> float:
         held, self.late_s = self.late_s, 0.0

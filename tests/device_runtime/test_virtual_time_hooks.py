@@ -45,9 +45,13 @@ class ChangingConditions:
 class CountingMeter:
     def __init__(self) -> None:
         self.batches: list[int] = []
+        self.settles: list[int] = []
 
     def trained(self, plan: Plan, examples: int) -> None:
         self.batches.append(examples)
+
+    def settle(self) -> None:
+        self.settles.append(len(self.batches))
 
 
 def _store(digits, n: int, clock: VirtualClock) -> InMemoryExampleStore:
@@ -76,6 +80,7 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
     batch, epochs = plan.device.batch_size, plan.device.epochs
     assert sum(meter.batches) == 37 * epochs
     assert max(meter.batches) == batch and len(meter.batches) == epochs * -(-37 // batch)
+    assert meter.settles == [len(meter.batches)]  # once, after the last batch
     session = runs[-1].session
     assert session is not None and all(abs(e.at - runs[-1].started_at) < 1e-6 for e in session.events)
     assert scheduler.jobs() == []  # in memory, and done

@@ -210,3 +210,36 @@ def test_another_process_with_another_hash_seed_gives_the_same_digest(runs):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == runs["a"].digest
+
+
+def _run_with_loop(config: FleetConfig, tmp_path, name: str) -> tuple[FleetRun, int]:
+    specs = generate_population(config)
+    data = fleet_dataset(config)
+    sim = FleetSimulator(config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test),
+                         workdir=tmp_path / name)
+    return sim.run(), sim.loop.events_run
+
+
+def test_devices_training_ahead_of_the_loop_give_the_run_of_a_sleep_per_batch(tmp_path, monkeypatch):
+    """A training device keeps its own time instead of sleeping on the loop after each batch.
+    With slow training and frequent faults (apps killed, conditions breaking and the network
+    lost mid-training), the run is the same, bit for bit, as
+    the run where every batch sleeps on the loop, with far fewer events."""
+    from emulator.fleet import sim_device
+
+    data = small_config(seed=4, compute_s_per_example=6.0).model_dump()
+    data["fleet"]["hours"] = 1.5
+    data["faults"].update(app_killed_per_h=4.0, conditions_change_per_h=4.0, network_lost_per_h=3.0)
+    config = FleetConfig.from_dict(data)
+    ahead, ahead_events = _run_with_loop(config, tmp_path, "ahead")
+    monkeypatch.setattr(sim_device, "RUN_AHEAD", False)
+    slept, slept_events = _run_with_loop(config, tmp_path, "slept")
+    assert ahead.digest == slept.digest
+    assert [(r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in ahead.rounds] == [
+        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in slept.rounds]
+    assert _without_server_ids(ahead) == _without_server_ids(slept)
+    assert ahead.timeline == slept.timeline
+    # the faults did strike mid-training
+    shapes = Counter((s.shape, s.outcome) for s in ahead.sessions)
+    assert shapes[("-v[", "app_killed")] > 0 and shapes[("-v[!", "interrupted")] > 0
+    assert ahead_events < slept_events
