@@ -9,7 +9,6 @@ device share one WorkerQueue: never two training sessions at once, populations s
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import os
@@ -163,7 +162,8 @@ class ParticipationScheduler:
             id=population,
             func=f"{__name__}:run_participation",
             args=(population,),
-            kwargs={"constraints": dataclasses.asdict(constraints), "interval": dataclasses.asdict(interval)},
+            # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
+            kwargs={"constraints": dict(vars(constraints)), "interval": dict(vars(interval))},
             trigger=DateTrigger(_to_dt(first), timezone=timezone.utc),
             executor="default",
             name=f"{self.app}:{population}",
