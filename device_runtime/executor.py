@@ -101,6 +101,7 @@ class PlanExecutor:
         self._lock = threading.Lock()
         self._work_io: tuple[dict, dict] | None = None
         self._update_spec: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self._free_workspaces: list[_Workspace] = []
 
     # ------------------------------------------------------------------ sessions and specs
 
@@ -199,55 +200,54 @@ class PlanExecutor:
         plan = self.plan
         initial = self.check_weights(weights)
         sess = self._session("work")
-        metric_arrays = {m: np.zeros((), dtype=np.float32) for m in plan.metric_names}
         sums = {m: 0.0 for m in plan.metric_names}
         total = 0
         train = plan.kind == "train"
-        if train:
-            # Ping-pong: step k reads weights from set k%2 and writes them to set (k+1)%2.
-            sets = [
-                {w: ort.OrtValue.ortvalue_from_numpy(initial[w].copy()) for w in plan.weight_names},
-                {w: ort.OrtValue.ortvalue_from_shape_and_type(initial[w].shape, np.float32) for w in plan.weight_names},
-            ]
-        else:
-            sets = [{w: ort.OrtValue.ortvalue_from_numpy(initial[w]) for w in plan.weight_names}]
-        metric_values = {m: ort.OrtValue.ortvalue_from_numpy(a) for m, a in metric_arrays.items()}
-        bindings = []
-        for k, src in enumerate(sets):
-            binding = sess.io_binding()
-            for w in plan.weight_names:
-                binding.bind_ortvalue_input(w, src[w])
-            if train:
-                dst = sets[1 - k]
-                for w, out in zip(plan.weight_names, plan.weight_outputs):
-                    binding.bind_ortvalue_output(out, dst[w])
-            for m in plan.metric_names:
-                binding.bind_ortvalue_output(m, metric_values[m])
-            bindings.append(binding)
-        input_map = list(plan.device.inputs.items())
-        step = 0
-        for _epoch in range(plan.device.epochs):
-            for batch in open_batches():
-                if should_abort is not None and should_abort():
-                    raise TrainingInterrupted("training was interrupted: the device's conditions stopped holding")
-                feeds, n = self._feeds(batch)
-                if n == 0:
-                    continue
-                binding = bindings[step % len(bindings)]
-                for graph_name, _ in input_map:
-                    binding.bind_cpu_input(graph_name, feeds[graph_name])
-                try:
-                    sess.run_with_iobinding(binding, run_options)
-                except Exception as exc:
-                    if run_options is not None and run_options.terminate:
-                        raise TrainingInterrupted("training was stopped by force while a step was running") from exc
-                    raise
-                for m, arr in metric_arrays.items():
-                    sums[m] += float(arr)
-                total += n
-                step += 1
-        final = {w: sets[step % 2][w].numpy() for w in plan.weight_names} if train else {}
-        return device_result(plan, initial, final, sums, total)
+        space = self._take_workspace(sess, initial)
+        try:
+            bindings, metric_arrays = space.bindings, space.metric_arrays
+            input_map = list(plan.device.inputs.items())
+            step = 0
+            for _epoch in range(plan.device.epochs):
+                for batch in open_batches():
+                    if should_abort is not None and should_abort():
+                        raise TrainingInterrupted("training was interrupted: the device's conditions stopped holding")
+                    feeds, n = self._feeds(batch)
+                    if n == 0:
+                        continue
+                    binding = bindings[step % len(bindings)]
+                    for graph_name, _ in input_map:
+                        binding.bind_cpu_input(graph_name, feeds[graph_name])
+                    try:
+                        sess.run_with_iobinding(binding, run_options)
+                    except Exception as exc:
+                        if run_options is not None and run_options.terminate:
+                            raise TrainingInterrupted("training was stopped by force while a step was running") from exc
+                        raise
+                    for m, arr in metric_arrays.items():
+                        sums[m] += float(arr)
+                    total += n
+                    step += 1
+            # views of the workspace's buffers: the result is made from them before it is given back
+            final = {w: space.sets[step % 2][w].numpy() for w in plan.weight_names} if train else {}
+            return device_result(plan, initial, final, sums, total)
+        finally:
+            self._give_back(space)
+
+    def _take_workspace(self, sess: ort.InferenceSession, initial: Mapping[str, np.ndarray]) -> "_Workspace":
+        """A workspace holding ``initial``: a free one refilled, or a new one (one per session
+        training at once; building its buffers and bindings cost as much as a short session's steps)."""
+        with self._lock:
+            space = self._free_workspaces.pop() if self._free_workspaces else None
+        if space is None:
+            return _Workspace(self.plan, sess, initial)
+        for w in self.plan.weight_names:
+            space.sets[0][w].update_inplace(initial[w])
+        return space
+
+    def _give_back(self, space: "_Workspace") -> None:
+        with self._lock:
+            self._free_workspaces.append(space)
 
     def final_weights(self, initial: Mapping[str, np.ndarray], result: DeviceResult) -> dict[str, np.ndarray]:
         """The device's trained weights, reconstructed from its update: w + delta*n / n."""
@@ -472,6 +472,33 @@ class PlanExecutor:
                 raise UpdateMismatchError(f"update tensor {name!r} holds NaN or infinite values")
         if NUM_EXAMPLES in spec and float(update[NUM_EXAMPLES]) < 0:
             raise UpdateMismatchError(f"update tensor {NUM_EXAMPLES!r} is negative")
+
+
+class _Workspace:
+    """The work graph's weight buffers and their bindings for one training session at a time.
+
+    Training ping-pongs: step k reads the weights from set k%2 and writes them to set (k+1)%2
+    (an evaluation plan reads its one set). The metric outputs land in ``metric_arrays``."""
+
+    def __init__(self, plan: Plan, sess: ort.InferenceSession, initial: Mapping[str, np.ndarray]) -> None:
+        train = plan.kind == "train"
+        self.sets = [{w: ort.OrtValue.ortvalue_from_numpy(initial[w].copy()) for w in plan.weight_names}]
+        if train:
+            self.sets.append({w: ort.OrtValue.ortvalue_from_shape_and_type(initial[w].shape, np.float32) for w in plan.weight_names})
+        self.metric_arrays = {m: np.zeros((), dtype=np.float32) for m in plan.metric_names}
+        metric_values = {m: ort.OrtValue.ortvalue_from_numpy(a) for m, a in self.metric_arrays.items()}
+        self.bindings = []
+        for k, src in enumerate(self.sets):
+            binding = sess.io_binding()
+            for w in plan.weight_names:
+                binding.bind_ortvalue_input(w, src[w])
+            if train:
+                dst = self.sets[1 - k]
+                for w, out in zip(plan.weight_names, plan.weight_outputs):
+                    binding.bind_ortvalue_output(out, dst[w])
+            for m in plan.metric_names:
+                binding.bind_ortvalue_output(m, metric_values[m])
+            self.bindings.append(binding)
 
 
 def _expect(which: str, outputs: Mapping[str, np.ndarray], promised: Mapping[str, tuple], *, exact: bool = True) -> None:

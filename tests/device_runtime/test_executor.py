@@ -260,3 +260,52 @@ def test_make_session_is_single_threaded():
     options = sess.get_session_options()
     assert options.intra_op_num_threads == 1 and options.inter_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_sessions_on_one_executor_do_not_see_each_other(kind):
+    """One executor serves session after session with the same buffers: each result equals a
+    fresh executor's, whatever ran before it (another device's weights, an interrupted session),
+    and a result stays what it was when later sessions run."""
+    plan = _plan() if kind == "train" else build_eval_plan(_plan())
+    shared = PlanExecutor(plan)
+    runs = [(initial_weights(plan, seed=s), *_client_data(6 + 3 * s, seed=s)) for s in range(4)]
+    earlier = []
+    for i, (w, x, y) in enumerate(runs):
+        if i == 2:  # an interrupted session in between
+            with pytest.raises(TrainingInterrupted):
+                shared.run_device(runs[0][0], _opener(x, y, 4), should_abort=iter([False, False, True]).__next__)
+        got = shared.run_device(w, _opener(x, y, 4))
+        fresh = PlanExecutor(plan).run_device(w, _opener(x, y, 4))
+        assert got.metrics == fresh.metrics and got.num_examples == fresh.num_examples
+        for name in fresh.update:
+            np.testing.assert_array_equal(got.update[name], fresh.update[name])
+        earlier.append((got, {k: v.copy() for k, v in got.update.items()}))
+    for got, kept in earlier:
+        for name, value in kept.items():
+            np.testing.assert_array_equal(got.update[name], value)
+
+
+def test_threads_sharing_an_executor_each_train_on_their_own_buffers():
+    import threading
+
+    plan = _plan(epochs=3)
+    shared = PlanExecutor(plan)
+    jobs = [(initial_weights(plan, seed=s), *_client_data(40, seed=s)) for s in range(6)]
+    want = [PlanExecutor(plan).run_device(w, _opener(x, y, 4)).update for w, x, y in jobs]
+    got: dict[int, list] = {}
+
+    def worker(i: int) -> None:
+        w, x, y = jobs[i]
+        got[i] = [shared.run_device(w, _opener(x, y, 4)).update for _ in range(5)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, updates in got.items():
+        for update in updates:
+            for name, value in want[i].items():
+                np.testing.assert_array_equal(update[name], value)
+    assert len(got) == len(jobs)
