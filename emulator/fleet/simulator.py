@@ -175,7 +175,7 @@ class FleetSimulator:
                 secagg_random_bytes=random.Random(config.fleet.seed ^ 0x5EC466).randbytes,
             )
             keys, _ = AdminKeys.generate()
-            self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False))
+            self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False, telemetry=False))
         self.service.create_population(self.population)
         round_config = task_round_config(task)
         try:
