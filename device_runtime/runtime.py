@@ -146,6 +146,8 @@ class FLRuntime:
                                      client=http_client, transport=transport)
         self.plan_cache: PlanCache = plan_cache if plan_cache is not None else DirectoryPlanCache(cache_dir)
         self.loaded_plans = loaded_plans if loaded_plans is not None else LoadedPlans()
+        if work_meter is not None and not all(callable(getattr(work_meter, m, None)) for m in ("trained", "settle")):
+            raise TypeError(f"work_meter {type(work_meter).__name__} needs trained(plan, examples) and settle() (see WorkMeter)")
         self.work_meter = work_meter
         self.memory_probe = memory_probe
         if secagg_poll_s is not None and not secagg_poll_s > 0:

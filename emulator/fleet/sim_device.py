@@ -137,8 +137,8 @@ class SimConditions:
 
     def next_change(self, now_unix: float) -> float | None:
         d = self._device
-        # the device's clock reads epoch + loop time; going back through the epoch could land a
-        # hair before a change time and wake the device again at the same instant
+        # the device's clock reads epoch + the device's time; going back through the epoch could
+        # land a hair before a change time and wake the device again at the same instant
         t = d.now() if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
         times = [x for x in (d.broken_from, d.broken_until, d.net_down_from, d.net_down_until) if x > t]
         nxt = d.spec.availability.next_change(t)

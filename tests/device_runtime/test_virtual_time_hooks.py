@@ -9,6 +9,7 @@ import hashlib
 import random
 
 import httpx
+import pytest
 
 from device_runtime import FLRuntime, RetryPolicy
 from device_runtime.clock import VirtualClock
@@ -84,6 +85,16 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
     session = runs[-1].session
     assert session is not None and all(abs(e.at - runs[-1].started_at) < 1e-6 for e in session.events)
     assert scheduler.jobs() == []  # in memory, and done
+
+
+def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits):
+    class OnlyTrained:
+        def trained(self, plan: Plan, examples: int) -> None:
+            pass
+
+    clock = VirtualClock()
+    with pytest.raises(TypeError, match="settle"):
+        FLRuntime("digits", "http://fl.test", _store(digits, 5, clock), work_meter=OnlyTrained(), plan_cache=MemoryPlanCache())
 
 
 def test_devices_sharing_loaded_plans_still_each_download_the_plan_once(server, admin, digits):
