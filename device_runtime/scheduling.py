@@ -111,7 +111,10 @@ class ParticipationScheduler:
     of the scheduler's cost). Conditions that can tell when they next change
     (``next_change(now) -> float | None``, times on the scheduler's clock) wake a job
     whose constraints are unmet at that moment, as Android's JobScheduler does, instead of
-    re-checking every ``recheck_s``."""
+    re-checking every ``recheck_s``. Conditions that know their future (a simulation, a replayed
+    trace) may also tell when given constraints next hold (``next_satisfied(constraints, now) ->
+    float | None``): the job then sleeps until that moment, past every change that leaves them
+    unmet, as JobScheduler runs a job only once all its constraints hold."""
 
     def __init__(
         self,
@@ -239,7 +242,7 @@ class ParticipationScheduler:
         done = session is not None and session.outcome is Outcome.COMPLETED and not interval.recurrent
         next_at = None if done else ended + delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter))
         if next_at is not None and unmet:
-            next_at = self._when_conditions_change(ended, next_at)
+            next_at = self._when_conditions_change(ended, next_at, constraints)
         with self._lock:
             if self._store.lookup_job(population) is not None:  # not cancelled meanwhile
                 if next_at is None:
@@ -249,12 +252,17 @@ class ParticipationScheduler:
                     self._store.update_job(job)
         return JobRun(self.app, population, outcome, started, ended, next_at, detail, session)
 
-    def _when_conditions_change(self, now: float, fallback: float) -> float:
-        """The next moment the device's conditions change, if they can tell; else ``fallback``."""
-        next_change = getattr(self.conditions, "next_change", None)
-        if next_change is None:
-            return fallback
-        when = next_change(now)
+    def _when_conditions_change(self, now: float, fallback: float, constraints: TrainingConstraints) -> float:
+        """The next moment ``constraints`` hold, or else the next moment the device's conditions
+        change, as far as the conditions can tell; ``fallback`` when they cannot."""
+        next_satisfied = getattr(self.conditions, "next_satisfied", None)
+        if next_satisfied is not None:
+            when = next_satisfied(constraints, now)
+        else:
+            next_change = getattr(self.conditions, "next_change", None)
+            if next_change is None:
+                return fallback
+            when = next_change(now)
         return fallback if when is None else max(now, float(when))
 
     def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints) -> SessionResult:

@@ -54,6 +54,9 @@ MIN_INTERVAL_S = 3600.0
 MIN_JOB_GAP_S = 1.0
 #: The SDK's own retry of a failed request, in virtual time.
 DEVICE_RETRY = RetryPolicy(attempts=3, base_delay_s=1.0, max_delay_s=10.0)
+#: How many changes of its conditions a device looks ahead for the next moment its constraints
+#: hold; past them it wakes there and looks again.
+MAX_CHANGES_SCANNED = 10_000
 #: A training device runs ahead of the loop (see ``SimDevice.trained``); False sleeps on the
 #: loop after every batch, which gives the same run, more slowly (a test holds them equal).
 RUN_AHEAD = True
@@ -118,17 +121,21 @@ class MemoryOpStats:
 
 class SimConditions:
     """The device's DeviceConditions: its availability at the virtual now, with the fault that
-    is in effect laid over it. ``next_change`` lets the scheduler sleep until it matters."""
+    is in effect laid over it. ``next_change`` and ``next_satisfied`` let the scheduler sleep
+    until it matters."""
 
     def __init__(self, device: "SimDevice") -> None:
         self._device = device
 
     def state_at(self, t: float) -> DeviceState:
         d = self._device
-        state = d.spec.availability.state_at(t)
-        if d.broken_until > t >= d.broken_from:
+        return self._state(t, (d.broken_from, d.broken_until), (d.net_down_from, d.net_down_until))
+
+    def _state(self, t: float, broken: tuple[float, float], net_down: tuple[float, float]) -> DeviceState:
+        state = self._device.spec.availability.state_at(t)
+        if broken[0] <= t < broken[1]:
             state = DeviceState(False, state.charging, state.battery_level, state.unmetered_network, state.network_available)
-        if not d.network_up(t):
+        if net_down[0] <= t < net_down[1]:
             state = DeviceState(state.idle, state.charging, state.battery_level, state.unmetered_network, False)
         return state
 
@@ -137,14 +144,42 @@ class SimConditions:
 
     def next_change(self, now_unix: float) -> float | None:
         d = self._device
+        t = self._since(now_unix)
+        nxt = self._change_after(t, (d.broken_from, d.broken_until), (d.net_down_from, d.net_down_until))
+        return None if nxt is None else d.sim.epoch + nxt
+
+    def next_satisfied(self, constraints: TrainingConstraints, now_unix: float) -> float | None:
+        """The first change after ``now_unix`` at which ``constraints`` hold; if none comes, the
+        last change (after which the conditions stay as they are); None if nothing changes.
+
+        Asked by the scheduler when a job run found them unmet: the faults drawn for that run
+        that are not under way yet end with it (``_end_job``), so only those under way count,
+        and the device wakes when it would have after waking at every change in between."""
+        d = self._device
+        t = start = self._since(now_unix)
+        broken = (d.broken_from, d.broken_until) if d.broken_from <= t else (-1.0, -1.0)
+        net_down = (d.net_down_from, d.net_down_until) if d.net_down_from <= t else (-1.0, -1.0)
+        for _ in range(MAX_CHANGES_SCANNED):
+            nxt = self._change_after(t, broken, net_down)
+            if nxt is None:
+                break
+            t = nxt
+            if constraints.satisfied(self._state(t, broken, net_down)):
+                break
+        return d.sim.epoch + t if t > start else None
+
+    def _since(self, now_unix: float) -> float:
+        d = self._device
         # the device's clock reads epoch + the device's time; going back through the epoch could
         # land a hair before a change time and wake the device again at the same instant
-        t = d.now() if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
-        times = [x for x in (d.broken_from, d.broken_until, d.net_down_from, d.net_down_until) if x > t]
-        nxt = d.spec.availability.next_change(t)
+        return d.now() if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
+
+    def _change_after(self, t: float, broken: tuple[float, float], net_down: tuple[float, float]) -> float | None:
+        times = [x for x in (*broken, *net_down) if x > t]
+        nxt = self._device.spec.availability.next_change(t)
         if nxt is not None:
             times.append(nxt)
-        return d.sim.epoch + min(times) if times else None
+        return min(times) if times else None
 
 
 @dataclass

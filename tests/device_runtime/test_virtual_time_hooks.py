@@ -87,6 +87,44 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
     assert scheduler.jobs() == []  # in memory, and done
 
 
+class FlickeringConditions:
+    """Busy, with a change every 100 s (the screen going on and off, say) until ``free_at``."""
+
+    def __init__(self, clock: VirtualClock, free_at: float) -> None:
+        self.clock, self.free_at = clock, free_at
+
+    def current(self) -> DeviceState:
+        return GOOD if self.clock.now() >= self.free_at else BUSY
+
+    def next_change(self, now: float) -> float | None:
+        return min(now + 100.0, self.free_at) if now < self.free_at else None
+
+
+class ForeseeingConditions(FlickeringConditions):
+    """The same, and able to tell when given constraints next hold."""
+
+    def next_satisfied(self, constraints: TrainingConstraints, now: float) -> float | None:
+        return self.free_at if now < self.free_at else None
+
+
+def test_conditions_that_know_when_constraints_hold_wake_the_job_only_then():
+    """Without ``next_satisfied`` the job wakes at every change and finds its constraints unmet;
+    with it, it sleeps from its first look straight to the moment they hold."""
+    outcomes = {}
+    for kind in (FlickeringConditions, ForeseeingConditions):
+        clock = VirtualClock()
+        conditions = kind(clock, free_at=clock.now() + 1000.0)
+        queue = WorkerQueue(clock, history=0)
+        scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue,
+                                           settings=SchedulerSettings(recheck_s=60, watchdog=False))
+        scheduler.schedule("digits", TrainingConstraints(), TrainingInterval())  # no runtime: NO_RUNTIME once they hold
+        runs = queue.run_until(conditions.free_at + 1.0)
+        assert runs[-1].outcome is RunOutcome.NO_RUNTIME and runs[-1].started_at == conditions.free_at
+        outcomes[kind] = [r.outcome for r in runs]
+    assert outcomes[FlickeringConditions] == [RunOutcome.CONSTRAINTS_UNMET] * 10 + [RunOutcome.NO_RUNTIME]
+    assert outcomes[ForeseeingConditions] == [RunOutcome.CONSTRAINTS_UNMET, RunOutcome.NO_RUNTIME]
+
+
 def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits):
     class OnlyTrained:
         def trained(self, plan: Plan, examples: int) -> None:

@@ -4,10 +4,11 @@ filled only when first read."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emulator.fleet.sim_device import LazyExampleStore, StreamRandom
+from device_runtime.conditions import TrainingConstraints
+from emulator.fleet.sim_device import LazyExampleStore, SimConditions, StreamRandom
 from example_store import ExampleSelector, InMemoryExampleStore
 
 seeds = st.integers(0, 2**64 - 1)
@@ -61,3 +62,70 @@ def test_the_lazy_store_answers_as_the_store_filled_at_start(n, seed, limit):
     want = [(e["x"].tobytes(), int(e["y"])) for e in eager.query(selector)]
     assert got == want
     assert lazy.collections() == ["app:/ex"] and loads == [1]
+
+
+_POPULATION = None
+
+
+def _specs():
+    global _POPULATION
+    if _POPULATION is None:
+        from emulator.fleet import FleetConfig, generate_population
+
+        _POPULATION = [s for s in generate_population(FleetConfig.default().replace(devices=60)) if s.takes_part]
+    return _POPULATION
+
+
+class _Device:
+    """What ``SimConditions`` reads of its device: its spec, its drawn faults and its time."""
+
+    def __init__(self, spec, now: float, broken: tuple[float, float], net_down: tuple[float, float]) -> None:
+        from types import SimpleNamespace
+
+        self.spec = spec
+        self.sim = SimpleNamespace(epoch=0.0)  # unix time is the run's time: no rounding through an epoch
+        self._now = now
+        self.broken_from, self.broken_until = broken
+        self.net_down_from, self.net_down_until = net_down
+        self.clock = SimpleNamespace(now=lambda: self.sim.epoch + self._now)
+
+    def now(self) -> float:
+        return self._now
+
+
+#: A fault's window as (start, length) from the job run's start, or none drawn.
+_window = st.one_of(st.none(), st.tuples(st.floats(-7_200, 7_200), st.floats(60, 3_600)))
+
+
+def _at(now: float, window: tuple[float, float] | None) -> tuple[float, float]:
+    return (-1.0, -1.0) if window is None else (now + window[0], now + window[0] + window[1])
+
+
+@settings(max_examples=300)
+@given(which=st.integers(0, 10_000), now=st.floats(0, 86_400), broken=_window, net_down=_window,
+       constraints=st.builds(TrainingConstraints, st.booleans(), st.booleans(), st.booleans(), st.booleans()))
+def test_the_next_moment_constraints_hold_is_where_waking_at_every_change_gets(which, now, broken, net_down, constraints):
+    """``next_satisfied``, asked during a job run that found the constraints unmet, names the
+    moment a device waking at every change of its conditions would first find them held (or
+    its last change, if they never hold again): the run's faults not yet under way end with it
+    (``_end_job``), so those do not count."""
+    spec = _specs()[which % len(_specs())]
+    device = _Device(spec, now, _at(now, broken), _at(now, net_down))
+    conditions = SimConditions(device)
+    assert device.clock.now() == device.sim.epoch + now
+    got = conditions.next_satisfied(constraints, device.clock.now())
+    # the job ends: faults not yet under way are dropped; then wake at every change
+    if device.broken_from > now:
+        device.broken_from = device.broken_until = -1.0
+    if device.net_down_from > now:
+        device.net_down_from = device.net_down_until = -1.0
+    t, want = now, None
+    for _ in range(10_000):
+        nxt = conditions.next_change(device.sim.epoch + t)
+        if nxt is None:
+            break  # the last change (or none): conditions stay as they are from there
+        t = want = nxt - device.sim.epoch
+        device._now = t
+        if constraints.satisfied(conditions.current()):
+            break
+    assert got == want
