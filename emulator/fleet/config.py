@@ -273,8 +273,8 @@ class FaultSection(_Section):
     session is exposed gives about 4% drop-out; screen-on interruptions and the end of a charge
     (the availability model) add about 3%. Measured with the fleet simulator over a day:
 
-    - 10,000 devices, seed 0: drop-out 7.3%; shapes 72.0% ``-v[]+^``, 20.6% ``-v[]+#``,
-      4.8% ``-v[!``; 276 of 279 rounds committed, 232 of them on their reporting window with
+    - 10,000 devices, seed 0: drop-out 7.3%; shapes 72.4% ``-v[]+^``, 20.4% ``-v[]+#``,
+      4.7% ``-v[!``; 276 of 277 rounds committed, 237 of them on their reporting window with
       fewer than 100 reports;
     - 3,000 devices, seed 3: drop-out 7.5%, 6.4% of sessions starting between 00:00 and 06:00
       local time, 8.9% between 06:00 and 18:00 and 7.2% in the evening: higher by day as in
