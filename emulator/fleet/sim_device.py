@@ -129,13 +129,15 @@ class SimConditions:
 
     def state_at(self, t: float) -> DeviceState:
         d = self._device
-        return self._state(t, (d.broken_from, d.broken_until), (d.net_down_from, d.net_down_until))
+        return self._state(t, d.broken_from, d.broken_until, d.net_down_from, d.net_down_until)
 
-    def _state(self, t: float, broken: tuple[float, float], net_down: tuple[float, float]) -> DeviceState:
+    def _state(self, t: float, broken_from: float, broken_until: float, down_from: float, down_until: float) -> DeviceState:
+        """The availability at ``t`` with the given faults laid over it (plain floats: every
+        training step asks for the current state)."""
         state = self._device.spec.availability.state_at(t)
-        if broken[0] <= t < broken[1]:
+        if broken_from <= t < broken_until:
             state = DeviceState(False, state.charging, state.battery_level, state.unmetered_network, state.network_available)
-        if net_down[0] <= t < net_down[1]:
+        if down_from <= t < down_until:
             state = DeviceState(state.idle, state.charging, state.battery_level, state.unmetered_network, False)
         return state
 
@@ -164,7 +166,7 @@ class SimConditions:
             if nxt is None:
                 break
             t = nxt
-            if constraints.satisfied(self._state(t, broken, net_down)):
+            if constraints.satisfied(self._state(t, *broken, *net_down)):
                 break
         return d.sim.epoch + t if t > start else None
 
@@ -338,7 +340,10 @@ class SimDevice:
 
     def wait(self, seconds: float) -> None:
         """Spend ``seconds`` of the device's time (from where its training got to, if ahead)."""
-        until = self.now() + max(0.0, seconds)
+        self._sleep_until(self.now() + max(0.0, seconds))
+
+    def _sleep_until(self, until: float) -> None:
+        """Catch the loop up with the device: sleep on it until the device's instant ``until``."""
         self.ahead = None
         self.sim.fibers.sleep_until(until)
 
@@ -362,8 +367,7 @@ class SimDevice:
         if RUN_AHEAD and until <= self.sim.horizon_s and (kill is None or until < kill.at):
             self.ahead = until
         else:
-            self.ahead = None
-            self.sim.fibers.sleep_until(until)
+            self._sleep_until(until)
 
     def settle(self) -> None:
         """``WorkMeter``: training ended; a device ahead of the loop sleeps until its own time,
