@@ -11,6 +11,7 @@ Concurrency rules, each from a failure seen under load:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -81,6 +82,11 @@ NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0
 
 def _hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+def _urlsafe(raw: bytes) -> str:
+    """``raw`` as ``secrets.token_urlsafe`` writes its bytes: URL-safe base64, unpadded."""
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -198,11 +204,16 @@ class FLService:
         rng: random.Random | None = None,
         require_release_reports: bool = False,
         secagg_random_bytes: Callable[[int], bytes] = secrets.token_bytes,
+        token_bytes: Callable[[int], bytes] = secrets.token_bytes,
+        late_metrics_every_s: float = LATE_METRICS_EVERY_S,
     ) -> None:
         """``require_release_reports``: accept only tasks whose release report covers every runtime
         they claim (see ``release_gate``); a task deployed with a report is checked either way.
-        ``secagg_random_bytes``: where Secure Aggregation rounds draw their seeds (a seeded source
-        only in a simulation, whose run must repeat)."""
+        ``secagg_random_bytes``: where Secure Aggregation rounds draw their seeds, and
+        ``token_bytes``: where session ids and tokens are drawn (seeded sources only in a
+        simulation, whose run must repeat and whose sessions are not secrets).
+        ``late_metrics_every_s``: how often, on ``clock``, ``tick`` writes what late reports
+        changed (a simulation, whose clock runs a day in a minute, writes far less often)."""
         self.store = store
         self.require_release_reports = require_release_reports
         self.verifier = verifier
@@ -210,6 +221,8 @@ class FLService:
         self.wall_clock = wall_clock
         self.rng = rng or random.Random()
         self.secagg_random_bytes = secagg_random_bytes
+        self.token_bytes = token_bytes
+        self.late_metrics_every_s = late_metrics_every_s
         self._lock = threading.RLock()
         self._write_lock = threading.Lock()
         # Called (from any thread) when some device's Secure Aggregation state may have changed:
@@ -220,7 +233,7 @@ class FLService:
         self._by_token: dict[bytes, _Session] = {}
         self._pending: list[_PendingCommit] = []
         #: closed rounds' metrics changed by late reports, by round record id: written every
-        #: ``LATE_METRICS_EVERY_S`` and on a read of the rounds, once per round however many came
+        #: ``late_metrics_every_s`` and on a read of the rounds, once per round however many came
         self._late_due: dict[int, dict] = {}
         self._late_written_at = -math.inf
         self._closed_here = threading.local()  # commits the current thread's call created
@@ -402,13 +415,13 @@ class FLService:
                         return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ALREADY_SELECTED")
                     self._by_token.pop(self._sessions[session_id].token_hash, None)
                 else:
-                    session_id = secrets.token_urlsafe(16)
+                    session_id = _urlsafe(self.token_bytes(16))
                     if not run.core.try_select(session_id, now):
                         cap = run.config.selection_timeout_s + run.config.report_timeout_s
                         return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ROUND_FULL")
                     if device is not None:
                         run.seats = {id(run.core): {**seats, device: session_id}}
-                token = secrets.token_urlsafe(32)
+                token = _urlsafe(self.token_bytes(32))
                 session = _Session(session_id, _hash_token(token), run, run.core, (plan_id, run.broadcast_id))
                 self._sessions[session_id] = session
                 self._by_token[session.token_hash] = session
@@ -509,7 +522,7 @@ class FLService:
             for pop in list(self._populations.values()):
                 self._advance(pop, now)
         self._flush()
-        if now - self._late_written_at >= LATE_METRICS_EVERY_S:
+        if now - self._late_written_at >= self.late_metrics_every_s:
             self._late_written_at = now
             self.write_late_metrics()
 
@@ -958,7 +971,7 @@ class FLService:
 
     def write_late_metrics(self) -> None:
         """Write the metrics late reports changed since the last write (outside the lock); the
-        ticker does every ``LATE_METRICS_EVERY_S``, a server that stops does once more."""
+        ticker does every ``late_metrics_every_s``, a server that stops does once more."""
         with self._lock:
             due = {record_id: dict(metrics) for record_id, metrics in self._late_due.items()}
             self._late_due = {}

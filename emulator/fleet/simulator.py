@@ -51,6 +51,9 @@ from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
 EPOCH_DAY = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 #: The server's own ticker in simulated seconds (uvicorn's runs every 50 ms of real time).
 SERVER_TICK_S = 1.0
+#: How often the ticker writes what late reports changed, in simulated seconds (a server writes
+#: every 30 s of its time against a crash; a run's rounds are read, and so written, at its end).
+SERVER_LATE_METRICS_EVERY_S = 3600.0
 #: Seconds between the timeline's samples.
 TIMELINE_STEP_S = 300.0
 #: Devices start their participation job spread over this many seconds after the start.
@@ -173,6 +176,8 @@ class FleetSimulator:
                 rng=random.Random(config.fleet.seed),
                 verifier=self.attestation.verifier() if self.attestation is not None else None,
                 secagg_random_bytes=random.Random(config.fleet.seed ^ 0x5EC466).randbytes,
+                token_bytes=random.Random(config.fleet.seed ^ 0x70CE45).randbytes,
+                late_metrics_every_s=SERVER_LATE_METRICS_EVERY_S,
             )
             keys, _ = AdminKeys.generate()
             self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False, telemetry=False))

@@ -1,6 +1,6 @@
 """Late reports after a round closed: each is refused and counted in the round's record, and the
-record is written once however many came: by the ticker every ``LATE_METRICS_EVERY_S``, or when
-the rounds are read."""
+record is written once however many came: by the ticker every ``late_metrics_every_s`` (by default
+``LATE_METRICS_EVERY_S``), or when the rounds are read."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ class CountingStore(ServerStore):
         return super().update_round_metrics(*args, **kwargs)
 
 
-@pytest.fixture
-def round_with_stragglers(tmp_path):
+@pytest.fixture(params=[LATE_METRICS_EVERY_S, 3600.0], ids=["default-period", "simulation-period"])
+def round_with_stragglers(tmp_path, request):
     """A round of six selected devices that commits at two reports; four sessions are left."""
     now = [0.0]
     store = CountingStore(tmp_path / "server.db")
-    service = FLService(store, clock=lambda: now[0])
+    service = FLService(store, clock=lambda: now[0], late_metrics_every_s=request.param)
     service.create_population("pop")
     plan = digits_plan()
     config = RoundConfig(goal_count=2, over_selection=3.0, selection_timeout_s=600.0, report_timeout_s=60.0, min_reports=2)
@@ -61,13 +61,13 @@ def test_the_ticker_writes_late_reports_once_per_interval(round_with_stragglers)
     service.tick()
     assert store.metric_writes == writes + 1
     late(stragglers[2])
-    now[0] += LATE_METRICS_EVERY_S / 2
+    now[0] += service.late_metrics_every_s / 2
     service.tick()
     assert store.metric_writes == writes + 1  # not due yet
-    now[0] += LATE_METRICS_EVERY_S / 2
+    now[0] += service.late_metrics_every_s / 2
     service.tick()
     assert store.metric_writes == writes + 2
-    (record,) = service.rounds("pop")
+    record = service.rounds("pop")[0]  # (the next round may have begun meanwhile)
     assert record["metrics"]["rejected_late"] == 3 and record["metrics"]["reported"] == 2
 
 
@@ -79,3 +79,31 @@ def test_reading_the_rounds_shows_every_late_report_at_once(round_with_straggler
     (record,) = service.rounds("pop")
     assert record["metrics"]["rejected_late"] == 4 and record["metrics"]["reported"] == 2
     assert store.metric_writes == writes + 1
+
+
+def test_session_ids_and_tokens_come_from_the_services_token_source(tmp_path):
+    """A simulation's seeded source gives the same sessions in every run; the default is the OS's."""
+    import random
+
+    def sessions(seed: int | None, name: str) -> list[tuple[str, str]]:
+        store = ServerStore(tmp_path / f"{name}.db")
+        kwargs = {} if seed is None else {"token_bytes": random.Random(seed).randbytes}
+        service = FLService(store, clock=lambda: 0.0, **kwargs)
+        service.create_population("pop")
+        plan = digits_plan()
+        config = RoundConfig(goal_count=2, over_selection=2.0, selection_timeout_s=600.0, report_timeout_s=60.0, min_reports=2)
+        service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
+        answers = [service.checkin("pop", "1.31.1") for _ in range(3)]
+        update = encode_checkpoint(update_of(plan))
+        service.report(answers[0]["session_id"], answers[0]["token"], update)  # a drawn token authorizes its report
+        with pytest.raises(ApiError):
+            service.report(answers[1]["session_id"], answers[0]["token"], update)  # and only its own
+        store.close()
+        return [(a["session_id"], a["token"]) for a in answers if a["status"] == "accepted"]
+
+    seeded = sessions(7, "a")
+    assert seeded == sessions(7, "b")
+    assert seeded != sessions(8, "c")
+    drawn = sessions(None, "d") + sessions(None, "e")
+    assert len({s for s, _ in drawn}) == len(drawn) == 6
+    assert all(len(s) == 22 and len(t) == 43 for s, t in seeded + drawn)  # 16 and 32 bytes, URL-safe base64
