@@ -2,7 +2,7 @@
 compute scheduling).
 
 Jobs live in APScheduler's persistent SQLAlchemy job store inside the app's SQLite database, so
-they survive an app restart. Due times are computed from the runtime's Clock rather than the wall
+they survive an app restart (an emulated device keeps them in memory, to the same microsecond). Due times are computed from the runtime's Clock rather than the wall
 clock, so the same code runs a real app and a device emulated in virtual time. All apps of one
 device share one WorkerQueue: never two training sessions at once, populations served in a fair
 (least recently run first) order."""
@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Callable
 
 import onnxruntime as ort
 from apscheduler.job import Job
-from apscheduler.jobstores.base import BaseJobStore
-from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 
@@ -103,6 +102,119 @@ def _to_dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, timezone.utc)
 
 
+def _to_microsecond(ts: float) -> float:
+    """``ts`` as a stored job keeps it: to the microsecond, rounded half to even (what
+    ``_to_dt(ts).timestamp()`` gives, without the datetime)."""
+    frac, whole = math.modf(ts)
+    return (int(whole) * 1_000_000 + round(frac * 1e6)) / 1_000_000
+
+
+class _StoredJobs:
+    """The app's jobs in APScheduler's SQLAlchemy job store, inside its SQLite database."""
+
+    def __init__(self, database: str | os.PathLike, app: str) -> None:
+        self._store = SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
+        self._store.start(_StoreHost(), app)
+        self._app = app
+
+    def close(self) -> None:
+        self._store.shutdown()
+
+    def put(self, job: ScheduledJob) -> None:
+        """Store ``job``, replacing the population's earlier one."""
+        assert job.next_run_at is not None
+        at = _to_dt(job.next_run_at)
+        stored = Job(
+            _StoreHost(),
+            id=job.population,
+            func=f"{__name__}:run_participation",
+            args=(job.population,),
+            # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
+            kwargs={"constraints": dict(vars(job.constraints)), "interval": dict(vars(job.interval))},
+            trigger=DateTrigger(at, timezone=timezone.utc),
+            executor="default",
+            name=f"{self._app}:{job.population}",
+            misfire_grace_time=None,
+            coalesce=True,
+            max_instances=1,
+            next_run_time=at,
+        )
+        if self._store.lookup_job(job.population) is not None:
+            self._store.remove_job(job.population)
+        self._store.add_job(stored)
+
+    def get(self, population: str) -> ScheduledJob | None:
+        stored = self._store.lookup_job(population)
+        return None if stored is None else self._view(stored)
+
+    def remove(self, population: str) -> bool:
+        if self._store.lookup_job(population) is None:
+            return False
+        self._store.remove_job(population)
+        return True
+
+    def reschedule(self, population: str, at: float) -> None:
+        stored = self._store.lookup_job(population)
+        if stored is not None:  # not cancelled meanwhile
+            stored._modify(next_run_time=_to_dt(at))
+            self._store.update_job(stored)
+
+    def due(self, now: float) -> list[tuple[float, str]]:
+        return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
+
+    def next_run_at(self) -> float | None:
+        nxt = self._store.get_next_run_time()
+        return nxt.timestamp() if nxt is not None else None
+
+    def all(self) -> list[ScheduledJob]:
+        return [self._view(j) for j in self._store.get_all_jobs()]
+
+    @staticmethod
+    def _view(job: Job) -> ScheduledJob:
+        return ScheduledJob(
+            job.id,
+            job.next_run_time.timestamp() if job.next_run_time else None,
+            TrainingConstraints(**job.kwargs["constraints"]),
+            TrainingInterval(**job.kwargs["interval"]),
+        )
+
+
+class _MemoryJobs:
+    """The app's jobs in memory, kept to the microsecond as the stored ones are, so a device runs
+    the same with either."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, ScheduledJob] = {}
+
+    def close(self) -> None:
+        self._jobs.clear()
+
+    def put(self, job: ScheduledJob) -> None:
+        assert job.next_run_at is not None
+        self._jobs[job.population] = replace(job, next_run_at=_to_microsecond(job.next_run_at))
+
+    def get(self, population: str) -> ScheduledJob | None:
+        return self._jobs.get(population)
+
+    def remove(self, population: str) -> bool:
+        return self._jobs.pop(population, None) is not None
+
+    def reschedule(self, population: str, at: float) -> None:
+        job = self._jobs.get(population)
+        if job is not None:
+            self._jobs[population] = ScheduledJob(population, _to_microsecond(at), job.constraints, job.interval)
+
+    def due(self, now: float) -> list[tuple[float, str]]:
+        now = _to_microsecond(now)
+        return sorted((j.next_run_at, j.population) for j in self._jobs.values() if j.next_run_at <= now)  # type: ignore[operator]
+
+    def next_run_at(self) -> float | None:
+        return min((j.next_run_at for j in self._jobs.values()), default=None)  # type: ignore[type-var]
+
+    def all(self) -> list[ScheduledJob]:
+        return sorted(self._jobs.values(), key=lambda j: (j.next_run_at, j.population))
+
+
 class ParticipationScheduler:
     """One per app: the populations it takes part in, their constraints and intervals.
 
@@ -133,17 +245,14 @@ class ParticipationScheduler:
         self.settings = settings
         self.rng = rng or random.Random()
         self._runtimes: dict[str, FLRuntime] = {}
-        self._store: BaseJobStore = (
-            MemoryJobStore() if database is None else SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
-        )
-        self._store.start(_StoreHost(), app)
+        self._jobs: _MemoryJobs | _StoredJobs = _MemoryJobs() if database is None else _StoredJobs(database, app)
         self._lock = threading.RLock()
         self.queue = queue or WorkerQueue(self.clock)
         self.queue.add(self)
 
     def close(self) -> None:
         self.queue.remove(self)
-        self._store.shutdown()
+        self._jobs.close()
 
     # ----------------------------------------------------------------- app API
     def register_runtime(self, population: str, runtime: FLRuntime) -> None:
@@ -160,58 +269,38 @@ class ParticipationScheduler:
     ) -> ScheduledJob:
         """Take part in ``population``; replaces an earlier schedule of the same population."""
         first = self.clock.now() if start_at is None else start_at
-        job = Job(
-            _StoreHost(),
-            id=population,
-            func=f"{__name__}:run_participation",
-            args=(population,),
-            # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
-            kwargs={"constraints": dict(vars(constraints)), "interval": dict(vars(interval))},
-            trigger=DateTrigger(_to_dt(first), timezone=timezone.utc),
-            executor="default",
-            name=f"{self.app}:{population}",
-            misfire_grace_time=None,
-            coalesce=True,
-            max_instances=1,
-            next_run_time=_to_dt(first),
-        )
         with self._lock:
-            if self._store.lookup_job(population) is not None:
-                self._store.remove_job(population)
-            self._store.add_job(job)
+            self._jobs.put(ScheduledJob(population, first, constraints, interval))
+            job = self._jobs.get(population)
         self.queue.wake()
-        return self._view(job)
+        assert job is not None
+        return job
 
     def cancel(self, population: str) -> bool:
         with self._lock:
-            if self._store.lookup_job(population) is None:
-                return False
-            self._store.remove_job(population)
-            return True
+            return self._jobs.remove(population)
 
     def jobs(self) -> list[ScheduledJob]:
         with self._lock:
-            return [self._view(j) for j in self._store.get_all_jobs()]
+            return self._jobs.all()
 
     # ----------------------------------------------------------------- driven by the WorkerQueue
     def due(self, now: float) -> list[tuple[float, str]]:
         with self._lock:
-            return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
+            return self._jobs.due(now)
 
     def next_run_at(self) -> float | None:
         with self._lock:
-            nxt = self._store.get_next_run_time()
-        return nxt.timestamp() if nxt is not None else None
+            return self._jobs.next_run_at()
 
     def run_job(self, population: str) -> JobRun:
         """One attempt: check the constraints, run a session under a watchdog, reschedule."""
         started = self.clock.now()
         with self._lock:
-            job = self._store.lookup_job(population)
+            job = self._jobs.get(population)
         if job is None:
             return JobRun(self.app, population, RunOutcome.ERROR, started, started, None, "job was cancelled")
-        constraints = TrainingConstraints(**job.kwargs["constraints"])
-        interval = TrainingInterval(**job.kwargs["interval"])
+        constraints, interval = job.constraints, job.interval
         unmet = constraints.unmet(self.conditions.current())
         runtime = self._runtimes.get(population)
         session: SessionResult | None = None
@@ -244,12 +333,10 @@ class ParticipationScheduler:
         if next_at is not None and unmet:
             next_at = self._when_conditions_change(ended, next_at, constraints)
         with self._lock:
-            if self._store.lookup_job(population) is not None:  # not cancelled meanwhile
-                if next_at is None:
-                    self._store.remove_job(population)
-                else:
-                    job._modify(next_run_time=_to_dt(next_at))
-                    self._store.update_job(job)
+            if next_at is None:
+                self._jobs.remove(population)
+            else:
+                self._jobs.reschedule(population, next_at)  # unless cancelled meanwhile
         return JobRun(self.app, population, outcome, started, ended, next_at, detail, session)
 
     def _when_conditions_change(self, now: float, fallback: float, constraints: TrainingConstraints) -> float:
@@ -293,15 +380,6 @@ class ParticipationScheduler:
         finally:
             done.set()
             thread.join()
-
-    def _view(self, job: Job) -> ScheduledJob:
-        return ScheduledJob(
-            job.id,
-            job.next_run_time.timestamp() if job.next_run_time else None,
-            TrainingConstraints(**job.kwargs["constraints"]),
-            TrainingInterval(**job.kwargs["interval"]),
-        )
-
 
 class WorkerQueue:
     """The device's single training worker, shared by all its apps' schedulers."""
