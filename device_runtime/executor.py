@@ -98,6 +98,7 @@ class PlanExecutor:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self._sessions: dict[str, ort.InferenceSession] = {}
+        self._io: dict[str, tuple[list[tuple[str, bool, list]], list[str]]] = {}
         self._lock = threading.Lock()
         self._work_io: tuple[dict, dict] | None = None
         self._update_spec: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
@@ -173,7 +174,7 @@ class PlanExecutor:
         if "y" in feeds and n:
             y = feeds["y"]
             num_classes = self._num_classes()
-            if y.ndim != 1 or y.min() < 0 or y.max() >= num_classes:
+            if y.ndim != 1 or not _labels_within(y, num_classes):
                 raise ValueError(f"labels must be class ids in [0, {num_classes}) of shape [N], got shape {y.shape}")
         return feeds, n or 0
 
@@ -317,23 +318,33 @@ class PlanExecutor:
 
     def _run(self, which: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         sess = self._session(which)
-        names = [o.name for o in sess.get_outputs()]
+        names = self._graph_io(which)[1]
         return dict(zip(names, sess.run(names, feeds)))
 
+    def _graph_io(self, which: str) -> tuple[list[tuple[str, bool, list]], list[str]]:
+        """A graph's inputs (name, whether float64, shape) and output names: read from its
+        session once (onnxruntime builds new objects on every ``get_inputs``; a server reads them
+        for every report it aggregates)."""
+        io = self._io.get(which)
+        if io is None:
+            sess = self._session(which)
+            io = ([(i.name, i.type == "tensor(double)", i.shape) for i in sess.get_inputs()], [o.name for o in sess.get_outputs()])
+            self._io[which] = io
+        return io
+
     def _prefixed(self, which: str, prefix: str, values: Mapping[str, np.ndarray], feeds: dict) -> None:
-        sess = self._session(which)
-        for i in sess.get_inputs():
-            if i.name.startswith(prefix):
-                plain = i.name[len(prefix):]
+        for name, double, shape in self._graph_io(which)[0]:
+            if name.startswith(prefix):
+                plain = name[len(prefix):]
                 if plain not in values and prefix == "state/" and plain.startswith(SERVER_STATE_PREFIX):
-                    if not all(isinstance(d, int) for d in i.shape):
-                        raise PlanError(f"{which}: server state {plain!r} needs a static shape, not {i.shape}")
-                    feeds[i.name] = np.zeros(i.shape, dtype=np.float64 if i.type == "tensor(double)" else np.float32)
+                    if not all(isinstance(d, int) for d in shape):
+                        raise PlanError(f"{which}: server state {plain!r} needs a static shape, not {shape}")
+                    feeds[name] = np.zeros(shape, dtype=np.float64 if double else np.float32)
                     continue
                 if plain not in values:
                     raise PlanError(f"{which}: {prefix[:-1]} is missing tensor {plain!r}")
                 # server graphs may keep float64 accumulators; everything else is float32
-                feeds[i.name] = _f64(values[plain]) if i.type == "tensor(double)" else _f32(values[plain])
+                feeds[name] = _f64(values[plain]) if double else _f32(values[plain])
 
     def zero(self) -> dict[str, np.ndarray]:
         """An empty accumulator (same names and shapes as a client update, all zeros)."""
@@ -472,6 +483,19 @@ class PlanExecutor:
                 raise UpdateMismatchError(f"update tensor {name!r} holds NaN or infinite values")
         if NUM_EXAMPLES in spec and float(update[NUM_EXAMPLES]) < 0:
             raise UpdateMismatchError(f"update tensor {NUM_EXAMPLES!r} is negative")
+
+
+#: Batches up to this size have their labels checked in Python: a device's batches are a few
+#: examples, for which numpy's min and max cost four times a list's (once per training step).
+_SMALL_BATCH = 64
+
+
+def _labels_within(y: np.ndarray, num_classes: int) -> bool:
+    """Whether every label of the 1-D ``y`` is a class id in [0, num_classes)."""
+    if y.size <= _SMALL_BATCH:
+        labels = y.tolist()
+        return min(labels) >= 0 and max(labels) < num_classes
+    return bool(y.min() >= 0 and y.max() < num_classes)
 
 
 class _Workspace:

@@ -57,5 +57,8 @@ def bound_update(
         factor = clip_norm / norm
         for w in weights:
             out[w] = out[w] * factor
+    if not capped and not clipped and all(np.asarray(v).dtype == np.float32 for v in update.values()):
+        # nothing was scaled, and float32 -> float64 -> float32 is exact: the update as it came
+        return Bounded({k: np.asarray(v) for k, v in update.items()}, False, False, norm)
     result = {k: v.astype(np.float32) for k, v in out.items()}
     return Bounded(result, capped, clipped, norm)

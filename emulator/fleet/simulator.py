@@ -215,14 +215,15 @@ class FleetSimulator:
         """Build and start the devices that take part; with ``owns`` only those whose position
         in ``specs`` it accepts (a shard's), each starting when it would in the whole fleet."""
         spread = random.Random(self.config.fleet.seed ^ 0x57A27)
-        for position, spec in enumerate(self.specs):
-            at = spread.uniform(0.0, min(START_SPREAD_S, self.horizon_s))
-            if not spec.takes_part or (owns is not None and not owns(position)):
-                continue
-            device = SimDevice(self, spec, functools.partial(self._examples, spec))  # read when it first trains
-            self.devices.append(device)
-            self.status_counts[STATUS_IDLE] += 1
-            device.start(at)
+        with long_lived_heap():  # the fleet is built to last: no full collections while it grows
+            for position, spec in enumerate(self.specs):
+                at = spread.uniform(0.0, min(START_SPREAD_S, self.horizon_s))
+                if not spec.takes_part or (owns is not None and not owns(position)):
+                    continue
+                device = SimDevice(self, spec, functools.partial(self._examples, spec))  # read when it first trains
+                self.devices.append(device)
+                self.status_counts[STATUS_IDLE] += 1
+                device.start(at)
 
     def run(self) -> FleetRun:
         started = time.perf_counter()

@@ -175,6 +175,20 @@ def test_bad_inputs_are_reported_clearly():
         executor.run_device({**initial_weights(plan), "w0": np.zeros((F, 4), np.float32)}, lambda: [])
 
 
+@pytest.mark.parametrize("n", [1, 8, 64, 65, 500])  # small batches are checked in Python, large ones in numpy
+def test_a_label_outside_the_classes_is_refused_in_any_batch(n):
+    plan = _plan(batch_size=n, epochs=1)
+    executor = PlanExecutor(plan)
+    x, y = _client_data(n, 1)
+    y[:] = 0
+    y[-1] = C - 1
+    executor.run_device(initial_weights(plan), lambda: [{"pixels": x, "label": y}])  # both ends are classes
+    for bad in (-1, C):
+        y[n // 2] = bad
+        with pytest.raises(ValueError, match="class ids"):
+            executor.run_device(initial_weights(plan), lambda: [{"pixels": x, "label": y}])
+
+
 def test_no_examples_gives_a_zero_update():
     plan = _plan()
     executor = PlanExecutor(plan)
