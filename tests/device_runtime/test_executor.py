@@ -235,6 +235,33 @@ def test_shuffle_is_deterministic_per_seed_and_differs_per_epoch():
         np.testing.assert_array_equal(b["label"], b["pixels"][:, 0].astype(np.int64) % C)
 
 
+def _reference_order(n: int, chunk: int, capacity: int, seed: int, epoch: int) -> list[int]:
+    """The documented shuffle, from ``default_rng([seed, epoch])``: whenever the buffer holds more
+    than ``capacity`` examples, a random subset of the excess leaves; the rest leaves at the end."""
+    rng = np.random.default_rng([seed, epoch])
+    pool: list[int] = []
+    out: list[int] = []
+    for start in range(0, n, chunk):
+        pool.extend(range(start, min(n, start + chunk)))
+        if len(pool) > capacity:
+            perm = rng.permutation(len(pool))
+            out.extend(pool[i] for i in perm[: len(pool) - capacity])
+            pool = [pool[i] for i in perm[len(pool) - capacity :]]
+    out.extend(pool[i] for i in rng.permutation(len(pool)))
+    return out
+
+
+def test_shuffles_are_those_of_the_seed_and_epoch_on_any_executor():
+    """Every runtime version shuffles a plan's examples alike: a fleet's devices must train on
+    the same order whichever executor, or how many sessions before, ran the plan."""
+    for seed in (0, 123, 2**40):
+        plan = _plan(batch_size=8, shuffle_seed=seed, shuffle_buffer=32)
+        executor = PlanExecutor(plan)
+        for _ in range(2):  # a later session of the same executor starts again at epoch 0
+            open_batches = executor.batches_from_examples(_examples(100, 7))
+            assert [_ids(open_batches()) for _ in range(3)] == [_reference_order(100, 7, 32, seed, e) for e in range(3)]
+
+
 def test_shuffle_streams_with_a_bounded_buffer():
     pulled: list[int] = []
     plan = _plan(batch_size=16, shuffle_seed=0, shuffle_buffer=64)
