@@ -226,7 +226,10 @@ class ParticipationScheduler:
     re-checking every ``recheck_s``. Conditions that know their future (a simulation, a replayed
     trace) may also tell when given constraints next hold (``next_satisfied(constraints, now) ->
     float | None``): the job then sleeps until that moment, past every change that leaves them
-    unmet, as JobScheduler runs a job only once all its constraints hold."""
+    unmet, as JobScheduler runs a job only once all its constraints hold. Conditions that can
+    tell it from a later moment on (``first_satisfied(constraints, at, now) -> float | None``)
+    also let a job that reschedules itself sleep past its due time until they hold, instead of
+    waking when due to find them unmet."""
 
     def __init__(
         self,
@@ -267,8 +270,11 @@ class ParticipationScheduler:
         *,
         start_at: float | None = None,
     ) -> ScheduledJob:
-        """Take part in ``population``; replaces an earlier schedule of the same population."""
-        first = self.clock.now() if start_at is None else start_at
+        """Take part in ``population``; replaces an earlier schedule of the same population. The
+        first run is at ``start_at`` (now by default), or once the constraints hold after it when
+        the conditions can tell (``first_satisfied``)."""
+        now = self.clock.now()
+        first = self._when_constraints_hold(now, now if start_at is None else start_at, constraints)
         with self._lock:
             self._jobs.put(ScheduledJob(population, first, constraints, interval))
             job = self._jobs.get(population)
@@ -330,8 +336,11 @@ class ParticipationScheduler:
         ended = self.clock.now()
         done = session is not None and session.outcome is Outcome.COMPLETED and not interval.recurrent
         next_at = None if done else ended + delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter))
-        if next_at is not None and unmet:
-            next_at = self._when_conditions_change(ended, next_at, constraints)
+        if next_at is not None:
+            if unmet:
+                next_at = self._when_conditions_change(ended, next_at, constraints)
+            else:
+                next_at = self._when_constraints_hold(ended, next_at, constraints)
         with self._lock:
             if next_at is None:
                 self._jobs.remove(population)
@@ -351,6 +360,16 @@ class ParticipationScheduler:
                 return fallback
             when = next_change(now)
         return fallback if when is None else max(now, float(when))
+
+    def _when_constraints_hold(self, now: float, at: float, constraints: TrainingConstraints) -> float:
+        """The first moment from ``at`` on at which ``constraints`` hold, for conditions that know
+        their future (``first_satisfied``); ``at`` itself for those that do not, or when the
+        constraints never hold again (the job then runs at ``at`` and finds them unmet)."""
+        first_satisfied = getattr(self.conditions, "first_satisfied", None)
+        if first_satisfied is None:
+            return at
+        when = first_satisfied(constraints, at, now)
+        return at if when is None else max(at, float(when))
 
     def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints) -> SessionResult:
         """Run a session while a watchdog polls the conditions: when they stop holding it asks the

@@ -57,6 +57,9 @@ DEVICE_RETRY = RetryPolicy(attempts=3, base_delay_s=1.0, max_delay_s=10.0)
 #: How many changes of its conditions a device looks ahead for the next moment its constraints
 #: hold; past them it wakes there and looks again.
 MAX_CHANGES_SCANNED = 10_000
+#: A job woken for a change of conditions wakes this long after it: its due time is kept to the
+#: microsecond and goes through the run's epoch, which could land it a hair before the change.
+WAKE_AFTER_CHANGE_S = 1e-3
 #: A training device runs ahead of the loop (see ``SimDevice.trained``); False sleeps on the
 #: loop after every batch, which gives the same run, more slowly (a test holds them equal).
 RUN_AHEAD = True
@@ -121,8 +124,8 @@ class MemoryOpStats:
 
 class SimConditions:
     """The device's DeviceConditions: its availability at the virtual now, with the fault that
-    is in effect laid over it. ``next_change`` and ``next_satisfied`` let the scheduler sleep
-    until it matters."""
+    is in effect laid over it. ``next_change``, ``next_satisfied`` and ``first_satisfied`` let the
+    scheduler sleep until it matters."""
 
     def __init__(self, device: "SimDevice") -> None:
         self._device = device
@@ -150,25 +153,47 @@ class SimConditions:
         nxt = self._change_after(t, (d.broken_from, d.broken_until), (d.net_down_from, d.net_down_until))
         return None if nxt is None else d.sim.epoch + nxt
 
-    def next_satisfied(self, constraints: TrainingConstraints, now_unix: float) -> float | None:
-        """The first change after ``now_unix`` at which ``constraints`` hold; if none comes, the
-        last change (after which the conditions stay as they are); None if nothing changes.
+    def next_satisfied(self, constraints: TrainingConstraints, now_unix: float) -> float:
+        """The first change after ``now_unix`` at which ``constraints`` hold, or a moment past the
+        run's end if they never hold again in it (the device has nothing left to do).
 
         Asked by the scheduler when a job run found them unmet: the faults drawn for that run
         that are not under way yet end with it (``_end_job``), so only those under way count,
         and the device wakes when it would have after waking at every change in between."""
+        t = self._since(now_unix)
+        return self._first_holding(constraints, t, self._under_way(t))
+
+    def first_satisfied(self, constraints: TrainingConstraints, at_unix: float, now_unix: float) -> float:
+        """The first moment at or after ``at_unix`` at which ``constraints`` hold, as the device
+        knows its future at ``now_unix`` (a job run rescheduling itself: as in ``next_satisfied``,
+        only the faults under way then count), or a moment past the run's end if they never hold
+        again in it.
+
+        The scheduler sleeps until then instead of running the job at ``at_unix`` to find them
+        unmet, as JobScheduler starts a job only once its constraints hold."""
+        faults = self._under_way(self._since(now_unix))
+        if constraints.satisfied(self._state(at_unix - self._device.sim.epoch, *faults[0], *faults[1])):
+            return at_unix
+        return self._first_holding(constraints, at_unix - self._device.sim.epoch, faults)
+
+    def _first_holding(self, constraints: TrainingConstraints, t: float, faults: tuple[tuple[float, float], tuple[float, float]]) -> float:
+        """The first change after ``t`` at which ``constraints`` hold under ``faults`` (unix time)."""
         d = self._device
-        t = start = self._since(now_unix)
+        for _ in range(MAX_CHANGES_SCANNED):
+            nxt = self._change_after(t, *faults)
+            if nxt is None:
+                return d.sim.epoch + d.sim.horizon_s + 1.0  # never again: past the run's end
+            t = nxt
+            if constraints.satisfied(self._state(t, *faults[0], *faults[1])):
+                return d.sim.epoch + t + WAKE_AFTER_CHANGE_S
+        return d.sim.epoch + t  # as far as the scan went: the job looks again from there
+
+    def _under_way(self, t: float) -> tuple[tuple[float, float], tuple[float, float]]:
+        """The device's faults (broken conditions, network down) that have begun by ``t``."""
+        d = self._device
         broken = (d.broken_from, d.broken_until) if d.broken_from <= t else (-1.0, -1.0)
         net_down = (d.net_down_from, d.net_down_until) if d.net_down_from <= t else (-1.0, -1.0)
-        for _ in range(MAX_CHANGES_SCANNED):
-            nxt = self._change_after(t, broken, net_down)
-            if nxt is None:
-                break
-            t = nxt
-            if constraints.satisfied(self._state(t, *broken, *net_down)):
-                break
-        return d.sim.epoch + t if t > start else None
+        return broken, net_down
 
     def _since(self, now_unix: float) -> float:
         d = self._device

@@ -125,6 +125,51 @@ def test_conditions_that_know_when_constraints_hold_wake_the_job_only_then():
     assert outcomes[ForeseeingConditions] == [RunOutcome.CONSTRAINTS_UNMET, RunOutcome.NO_RUNTIME]
 
 
+class BusyWindows:
+    """Good except while busy in one of ``windows`` ([start, end) pairs); tells when it changes."""
+
+    def __init__(self, clock: VirtualClock, windows: list[tuple[float, float]]) -> None:
+        self.clock, self.windows = clock, windows
+
+    def _busy_until(self, t: float) -> float | None:
+        return next((end for start, end in self.windows if start <= t < end), None)
+
+    def current(self) -> DeviceState:
+        return BUSY if self._busy_until(self.clock.now()) is not None else GOOD
+
+    def next_change(self, now: float) -> float | None:
+        return min((t for w in self.windows for t in w if t > now), default=None)
+
+
+class ForeseenBusyWindows(BusyWindows):
+    """The same, able to tell from any moment on when the constraints hold."""
+
+    def first_satisfied(self, constraints: TrainingConstraints, at: float, now: float) -> float | None:
+        return self._busy_until(at) or at
+
+
+def test_a_job_due_while_its_constraints_fail_sleeps_until_they_hold():
+    """With ``first_satisfied``, a job whose run (its first, or the next after a run) falls due
+    while its constraints fail sleeps until they hold, as JobScheduler would; without it, it
+    wakes when due and finds them unmet."""
+    outcomes = {}
+    for kind in (BusyWindows, ForeseenBusyWindows):
+        clock = VirtualClock()
+        t0 = clock.now()
+        conditions = kind(clock, [(t0 + 30.0, t0 + 500.0), (t0 + 530.0, t0 + 900.0)])
+        queue = WorkerQueue(clock, history=0)
+        scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue,
+                                           settings=SchedulerSettings(recheck_s=60, jitter=0.0, watchdog=False))
+        first = scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(), start_at=t0 + 100.0)
+        assert first.next_run_at == (t0 + 500.0 if kind is ForeseenBusyWindows else t0 + 100.0)
+        outcomes[kind] = [(r.outcome, r.started_at - t0) for r in queue.run_until(t0 + 1000.0)]
+    unmet, no_runtime = RunOutcome.CONSTRAINTS_UNMET, RunOutcome.NO_RUNTIME
+    # due at 100 (busy until 500); then every 60 s without a runtime: due at 560, busy until 900
+    assert outcomes[BusyWindows][:4] == [(unmet, 100.0), (no_runtime, 500.0), (unmet, 560.0), (no_runtime, 900.0)]
+    assert outcomes[ForeseenBusyWindows][:2] == [(no_runtime, 500.0), (no_runtime, 900.0)]
+    assert unmet not in {o for o, _ in outcomes[ForeseenBusyWindows]}
+
+
 def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits):
     class OnlyTrained:
         def trained(self, plan: Plan, examples: int) -> None:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_runtime.conditions import TrainingConstraints
-from emulator.fleet.sim_device import LazyExampleStore, SimConditions, StreamRandom
+from emulator.fleet.sim_device import WAKE_AFTER_CHANGE_S, LazyExampleStore, SimConditions, StreamRandom
 from example_store import ExampleSelector, InMemoryExampleStore
 
 seeds = st.integers(0, 2**64 - 1)
@@ -83,7 +83,7 @@ class _Device:
         from types import SimpleNamespace
 
         self.spec = spec
-        self.sim = SimpleNamespace(epoch=0.0)  # unix time is the run's time: no rounding through an epoch
+        self.sim = SimpleNamespace(epoch=0.0, horizon_s=86_400.0)  # unix time is the run's time: no rounding through an epoch
         self._now = now
         self.broken_from, self.broken_until = broken
         self.net_down_from, self.net_down_until = net_down
@@ -101,31 +101,62 @@ def _at(now: float, window: tuple[float, float] | None) -> tuple[float, float]:
     return (-1.0, -1.0) if window is None else (now + window[0], now + window[0] + window[1])
 
 
+def _end_job(device: "_Device", now: float) -> None:
+    """What ``SimDevice._end_job`` does to the faults: those not yet under way end with the run."""
+    if device.broken_from > now:
+        device.broken_from = device.broken_until = -1.0
+    if device.net_down_from > now:
+        device.net_down_from = device.net_down_until = -1.0
+
+
+def _waking_at_every_change(device: "_Device", conditions: SimConditions, constraints, t: float) -> float:
+    """Where a device that wakes at every change of its conditions after ``t`` first finds
+    ``constraints`` held (as unix time, a hair after the change), or past the run's end."""
+    for _ in range(10_000):
+        nxt = conditions.next_change(device.sim.epoch + t)
+        if nxt is None:
+            return device.sim.epoch + device.sim.horizon_s + 1.0  # they never hold again
+        t = device._now = nxt - device.sim.epoch
+        if constraints.satisfied(conditions.current()):
+            return device.sim.epoch + t + WAKE_AFTER_CHANGE_S
+    raise AssertionError("more changes than a day holds")
+
+
+_CONSTRAINTS = st.builds(TrainingConstraints, st.booleans(), st.booleans(), st.booleans(), st.booleans())
+
+
 @settings(max_examples=300)
-@given(which=st.integers(0, 10_000), now=st.floats(0, 86_400), broken=_window, net_down=_window,
-       constraints=st.builds(TrainingConstraints, st.booleans(), st.booleans(), st.booleans(), st.booleans()))
+@given(which=st.integers(0, 10_000), now=st.floats(0, 86_400), broken=_window, net_down=_window, constraints=_CONSTRAINTS)
 def test_the_next_moment_constraints_hold_is_where_waking_at_every_change_gets(which, now, broken, net_down, constraints):
     """``next_satisfied``, asked during a job run that found the constraints unmet, names the
-    moment a device waking at every change of its conditions would first find them held (or
-    its last change, if they never hold again): the run's faults not yet under way end with it
-    (``_end_job``), so those do not count."""
+    moment a device waking at every change of its conditions would first find them held, or a
+    moment past the run's end if they never hold again: the run's faults not yet under way end
+    with it (``_end_job``), so those do not count."""
     spec = _specs()[which % len(_specs())]
     device = _Device(spec, now, _at(now, broken), _at(now, net_down))
     conditions = SimConditions(device)
     assert device.clock.now() == device.sim.epoch + now
     got = conditions.next_satisfied(constraints, device.clock.now())
-    # the job ends: faults not yet under way are dropped; then wake at every change
-    if device.broken_from > now:
-        device.broken_from = device.broken_until = -1.0
-    if device.net_down_from > now:
-        device.net_down_from = device.net_down_until = -1.0
-    t, want = now, None
-    for _ in range(10_000):
-        nxt = conditions.next_change(device.sim.epoch + t)
-        if nxt is None:
-            break  # the last change (or none): conditions stay as they are from there
-        t = want = nxt - device.sim.epoch
-        device._now = t
-        if constraints.satisfied(conditions.current()):
-            break
-    assert got == want
+    _end_job(device, now)
+    assert got == _waking_at_every_change(device, conditions, constraints, now)
+
+
+@settings(max_examples=300)
+@given(which=st.integers(0, 10_000), now=st.floats(0, 86_400), later=st.floats(0, 30_000), broken=_window,
+       net_down=_window, constraints=_CONSTRAINTS)
+def test_a_job_due_later_wakes_when_its_constraints_first_hold_from_then_on(which, now, later, broken, net_down, constraints):
+    """``first_satisfied``, asked by a job run rescheduling itself ``later`` seconds on, names
+    that moment if the constraints hold then, and otherwise where a device that woke then and
+    at every change after it would first find them held (or past the run's end): the job never
+    wakes to find its constraints unmet."""
+    spec = _specs()[which % len(_specs())]
+    device = _Device(spec, now, _at(now, broken), _at(now, net_down))
+    conditions = SimConditions(device)
+    at = device.sim.epoch + now + later
+    got = conditions.first_satisfied(constraints, at, device.clock.now())
+    _end_job(device, now)
+    device._now = now + later
+    if constraints.satisfied(conditions.current()):
+        assert got == at
+    else:
+        assert got == _waking_at_every_change(device, conditions, constraints, now + later)
