@@ -5,29 +5,44 @@ schedulers and fibers (about a million objects for 10,000 devices). CPython's fu
 walk all of it, and in a day of 10,000 devices they found a few dozen objects to free while
 taking about an eighth of the run's time. During a run the heap as it stands is frozen (never
 scanned again) and full collections wait until the run ends; young collections, which free the
-short-lived cycles of requests and sessions, go on as usual. Building the fleet is such a block of
-its own: its growth from nothing to that heap set off nine full collections in the 10,000-device day."""
+short-lived cycles of requests and sessions, go on as usual. A run builds its fleet inside that
+block (and a shard that only builds devices has a block of its own): the fleet's growth from
+nothing set off nine full collections in the 10,000-device day."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from typing import Iterator
 
 #: Collections of the middle generation between full ones while a run lasts: in effect none.
 RUN_FULL_COLLECTION_EVERY = 1_000_000
 
 
+_lock = threading.Lock()
+_depth = 0  # blocks entered and not yet left, in any thread: the outermost one does the work
+_thresholds: tuple[int, int, int] = gc.get_threshold()
+
+
 @contextlib.contextmanager
 def long_lived_heap() -> Iterator[None]:
     """Freeze the heap and defer full collections for the ``with`` block; both are undone on
-    leaving it (also on an exception), and the next full collection sees the whole heap again."""
-    thresholds = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(thresholds[0], thresholds[1], RUN_FULL_COLLECTION_EVERY)
+    leaving it (also on an exception), and the next full collection sees the whole heap again.
+    A block inside another does nothing of its own (a run builds its fleet inside its own)."""
+    global _depth, _thresholds
+    with _lock:
+        _depth += 1
+        if _depth == 1:
+            _thresholds = gc.get_threshold()
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(_thresholds[0], _thresholds[1], RUN_FULL_COLLECTION_EVERY)
     try:
         yield
     finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                gc.set_threshold(*_thresholds)
+                gc.unfreeze()

@@ -229,12 +229,12 @@ class FleetSimulator:
         started = time.perf_counter()
         if self.fibers.hub is not greenlet.getcurrent():
             raise SimulationError("run() must be called from the thread and greenlet that built the simulator")
-        self.start_devices()
-        self.loop.call_at(0.0, self._tick, order=ORDER_SERVER)
-        self.loop.call_at(0.0, self._sample, order=ORDER_SAMPLE)
         try:
             try:
                 with long_lived_heap():
+                    self.start_devices()
+                    self.loop.call_at(0.0, self._tick, order=ORDER_SERVER)
+                    self.loop.call_at(0.0, self._sample, order=ORDER_SAMPLE)
                     self.loop.run_until(self.horizon_s)
                 self.service.tick()
                 if self.progress is not None:

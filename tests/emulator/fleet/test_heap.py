@@ -31,3 +31,15 @@ def test_young_cycles_are_still_collected_during_a_run():
         gc.collect(1)
         Cycle()
         assert gc.collect(1) >= 1  # a young collection still frees the cycle
+
+
+def test_a_block_inside_another_leaves_the_outer_one_in_force():
+    before = gc.get_threshold()
+    with long_lived_heap():
+        frozen = gc.get_freeze_count()
+        with long_lived_heap():  # building the fleet inside the run: no collection of its own
+            Cycle()
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen  # still frozen, still deferred
+        assert gc.get_threshold() == (before[0], before[1], RUN_FULL_COLLECTION_EVERY)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
