@@ -49,7 +49,14 @@ class TrainingConstraints:
         return out
 
     def satisfied(self, state: DeviceState) -> bool:
-        return not self.unmet(state)
+        """Whether nothing is ``unmet`` (asked between every two training steps, so without the list)."""
+        return bool(
+            state.network_available
+            and (state.idle or not self.requires_idle)
+            and (state.charging or not self.requires_charging)
+            and (state.charging or not self.requires_battery_not_low or state.battery_level >= BATTERY_LOW_FRACTION)
+            and (state.unmetered_network or not self.requires_unmetered_network)
+        )
 
 
 @dataclass(frozen=True)

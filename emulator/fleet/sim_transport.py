@@ -22,6 +22,9 @@ import httpx
 #: Bytes of HTTP framing (request line or status line and headers) beyond what httpx counts.
 FRAMING_BYTES = 64
 
+#: A JSON body as httpx encodes it (``json.dumps`` with these options), with one encoder for all.
+_encode_json = _json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
 #: The server's address as the in-process app sees it.
 SERVER_ADDRESS = ("fl.sim", 80)
 #: What the simulated network carries back: status, raw headers, body.
@@ -89,7 +92,7 @@ def wire_request(
     if content is not None:
         body, implied = content, [(b"Content-Length", str(len(content)).encode())] if content else []
     elif json is not None:
-        body = _json.dumps(json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        body = _encode_json(json).encode("utf-8")
         implied = [(b"Content-Length", str(len(body)).encode()), (b"Content-Type", b"application/json")]
     else:
         body, implied = b"", []
