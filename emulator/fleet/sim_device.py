@@ -18,6 +18,7 @@ What the simulation adds is only the world around it:
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -50,6 +51,8 @@ FAULT_HORIZON_S = 4 * 3600.0
 RESTART_AFTER_S = 900.0
 #: How often a recurrent participation job may run after a completed session.
 MIN_INTERVAL_S = 3600.0
+#: What a device's participation job needs: the paper's idle, charging and unmetered network.
+CONSTRAINTS = TrainingConstraints()
 #: The least virtual time between two job runs of one device.
 MIN_JOB_GAP_S = 1.0
 #: The SDK's own retry of a failed request, in virtual time.
@@ -188,6 +191,20 @@ class SimConditions:
                 return d.sim.epoch + t + WAKE_AFTER_CHANGE_S
         return d.sim.epoch + t  # as far as the scan went: the job looks again from there
 
+    def first_unsatisfied(self, constraints: TrainingConstraints, now_unix: float) -> float | None:
+        """The first change after ``now_unix`` at which ``constraints`` stop holding, with the
+        faults the device has now; None if they hold from then on (or as far as it looks)."""
+        t = self._since(now_unix)
+        faults = self._under_way(math.inf)
+        for _ in range(MAX_CHANGES_SCANNED):
+            nxt = self._change_after(t, *faults)
+            if nxt is None:
+                return None
+            t = nxt
+            if not constraints.satisfied(self._state(t, *faults[0], *faults[1])):
+                return self._device.sim.epoch + t
+        return None
+
     def _under_way(self, t: float) -> tuple[tuple[float, float], tuple[float, float]]:
         """The device's faults (broken conditions, network down) that have begun by ``t``."""
         d = self._device
@@ -310,6 +327,7 @@ class SimDevice:
         self.ahead: float | None = None  # the device's own time while it trains ahead of the loop
         self.fiber: Fiber | None = None
         self._kill_timer: Timer | None = None
+        self._idle_timer: Timer | None = None  # a device turned away stops waiting when it could no longer train
         self._job = _JobStats()
         self.clock = DeviceClock(self)
         self.conditions = SimConditions(self)
@@ -417,7 +435,7 @@ class SimDevice:
     def start(self, at: float) -> None:
         self.scheduler.schedule(
             self.sim.population,
-            TrainingConstraints(),
+            CONSTRAINTS,
             TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
             start_at=self.sim.epoch + at,
         )
@@ -448,7 +466,7 @@ class SimDevice:
                 self._end_job(None)
                 restart = self.conditions.next_change(self.clock.now()) or (self.clock.now() + RESTART_AFTER_S)
                 self.scheduler.schedule(
-                    sim.population, TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+                    sim.population, CONSTRAINTS, TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
                     start_at=max(restart, self.clock.now() + 1.0),
                 )
                 continue
@@ -458,7 +476,7 @@ class SimDevice:
                                         f"{type(exc).__name__}: {exc}"), error=True)
                 self._end_job(None)
                 self.scheduler.schedule(
-                    sim.population, TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+                    sim.population, CONSTRAINTS, TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
                     start_at=self.clock.now() + RESTART_AFTER_S,
                 )
                 continue
@@ -470,6 +488,9 @@ class SimDevice:
 
     def _begin_job(self) -> None:
         sim, now = self.sim, self.sim.loop.now
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._job = _JobStats(started=now)
         self.transport.meter.reset()
         self.opstats.last_events = []
@@ -500,6 +521,17 @@ class SimDevice:
         self.late_s = 0.0
         waiting = last is not None and last.outcome is RunOutcome.NOT_SELECTED
         self.sim.set_status(self, STATUS_CHECKING_IN if waiting else STATUS_IDLE)
+        if waiting:
+            # it waits to check in again only while it could train: its job sleeps on past its
+            # retry until the constraints hold, and it is idle from when they stop holding
+            stop = self.conditions.first_unsatisfied(CONSTRAINTS, self.clock.now())
+            due = self.queue.next_wakeup()
+            if stop is not None and (due is None or stop < due):
+                self._idle_timer = self.sim.loop.call_at(stop - self.sim.epoch, self._stop_waiting, order=2)
+
+    def _stop_waiting(self) -> None:
+        self._idle_timer = None
+        self.sim.set_status(self, STATUS_IDLE)
 
     def _kill(self) -> None:
         self._kill_timer = None
