@@ -284,7 +284,10 @@ class PlanExecutor:
         seed = dev.shuffle_seed
 
         def open_batches() -> Iterator[dict[str, np.ndarray]]:
-            rng = np.random.Generator(np.random.PCG64(_epoch_seeds(seed, epoch[0]))) if seed is not None else np.random.default_rng()
+            if seed is None:
+                rng = np.random.default_rng()
+            else:
+                rng = np.random.Generator(np.random.PCG64(_epoch_seeds(seed, epoch[0])))
             epoch[0] += 1
             chunks = _chunks(open_examples(), keys, batched)
             if dev.shuffle_buffer > 1:
@@ -329,7 +332,8 @@ class PlanExecutor:
         io = self._io.get(which)
         if io is None:
             sess = self._session(which)
-            io = ([(i.name, i.type == "tensor(double)", i.shape) for i in sess.get_inputs()], [o.name for o in sess.get_outputs()])
+            inputs = [(i.name, i.type == "tensor(double)", i.shape) for i in sess.get_inputs()]
+            io = (inputs, [o.name for o in sess.get_outputs()])
             self._io[which] = io
         return io
 

@@ -2,8 +2,9 @@
 compute scheduling).
 
 Jobs live in APScheduler's persistent SQLAlchemy job store inside the app's SQLite database, so
-they survive an app restart (an emulated device keeps them in memory, to the same microsecond). Due times are computed from the runtime's Clock rather than the wall
-clock, so the same code runs a real app and a device emulated in virtual time. All apps of one
+they survive an app restart (an emulated device keeps them in memory, to the same microsecond).
+Due times are computed from the runtime's Clock rather than the wall clock, so the same code runs
+a real app and a device emulated in virtual time. All apps of one
 device share one WorkerQueue: never two training sessions at once, populations served in a fair
 (least recently run first) order."""
 

@@ -164,7 +164,7 @@ class SimConditions:
         that are not under way yet end with it (``_end_job``), so only those under way count,
         and the device wakes when it would have after waking at every change in between."""
         t = self._since(now_unix)
-        return self._first_holding(constraints, t, self._under_way(t))
+        return self._waking(self._scan(constraints, t, self._under_way(t), holding=True))
 
     def first_satisfied(self, constraints: TrainingConstraints, at_unix: float, now_unix: float) -> float:
         """The first moment at or after ``at_unix`` at which ``constraints`` hold, as the device
@@ -175,35 +175,36 @@ class SimConditions:
         The scheduler sleeps until then instead of running the job at ``at_unix`` to find them
         unmet, as JobScheduler starts a job only once its constraints hold."""
         faults = self._under_way(self._since(now_unix))
-        if constraints.satisfied(self._state(at_unix - self._device.sim.epoch, *faults[0], *faults[1])):
+        at = at_unix - self._device.sim.epoch
+        if constraints.satisfied(self._state(at, *faults[0], *faults[1])):
             return at_unix
-        return self._first_holding(constraints, at_unix - self._device.sim.epoch, faults)
-
-    def _first_holding(self, constraints: TrainingConstraints, t: float, faults: tuple[tuple[float, float], tuple[float, float]]) -> float:
-        """The first change after ``t`` at which ``constraints`` hold under ``faults`` (unix time)."""
-        d = self._device
-        for _ in range(MAX_CHANGES_SCANNED):
-            nxt = self._change_after(t, *faults)
-            if nxt is None:
-                return d.sim.epoch + d.sim.horizon_s + 1.0  # never again: past the run's end
-            t = nxt
-            if constraints.satisfied(self._state(t, *faults[0], *faults[1])):
-                return d.sim.epoch + t + WAKE_AFTER_CHANGE_S
-        return d.sim.epoch + t  # as far as the scan went: the job looks again from there
+        return self._waking(self._scan(constraints, at, faults, holding=True))
 
     def first_unsatisfied(self, constraints: TrainingConstraints, now_unix: float) -> float | None:
         """The first change after ``now_unix`` at which ``constraints`` stop holding, with the
-        faults the device has now; None if they hold from then on (or as far as it looks)."""
-        t = self._since(now_unix)
-        faults = self._under_way(math.inf)
+        faults the device has now; None if they hold from then on."""
+        t = self._scan(constraints, self._since(now_unix), self._under_way(math.inf), holding=False)
+        return None if t is None else self._device.sim.epoch + t
+
+    def _scan(self, constraints: TrainingConstraints, t: float, faults: tuple[tuple[float, float], tuple[float, float]], *,
+              holding: bool) -> float | None:
+        """The first change after ``t`` (the run's time) at which ``constraints`` hold, or with
+        ``holding`` False stop holding, under ``faults``; None if none comes. Past
+        ``MAX_CHANGES_SCANNED`` changes, the last one looked at (the job looks again from there)."""
         for _ in range(MAX_CHANGES_SCANNED):
             nxt = self._change_after(t, *faults)
             if nxt is None:
                 return None
             t = nxt
-            if not constraints.satisfied(self._state(t, *faults[0], *faults[1])):
-                return self._device.sim.epoch + t
-        return None
+            if constraints.satisfied(self._state(t, *faults[0], *faults[1])) == holding:
+                return t
+        return t
+
+    def _waking(self, t: float | None) -> float:
+        """When a job waits for the change at ``t`` wakes (unix time): a hair after it, or past the
+        run's end if none comes (the device has nothing left to do)."""
+        d = self._device
+        return d.sim.epoch + (d.sim.horizon_s + 1.0 if t is None else t + WAKE_AFTER_CHANGE_S)
 
     def _under_way(self, t: float) -> tuple[tuple[float, float], tuple[float, float]]:
         """The device's faults (broken conditions, network down) that have begun by ``t``."""
