@@ -204,7 +204,9 @@ class SimConditions:
         """When a job waits for the change at ``t`` wakes (unix time): a hair after it, or past the
         run's end if none comes (the device has nothing left to do)."""
         d = self._device
-        return d.sim.epoch + (d.sim.horizon_s + 1.0 if t is None else t + WAKE_AFTER_CHANGE_S)
+        if t is None:
+            return d.sim.epoch + d.sim.horizon_s + 1.0
+        return d.sim.epoch + t + WAKE_AFTER_CHANGE_S  # (summed in this order: due times round to it)
 
     def _under_way(self, t: float) -> tuple[tuple[float, float], tuple[float, float]]:
         """The device's faults (broken conditions, network down) that have begun by ``t``."""
