@@ -100,3 +100,13 @@ def test_ctrl_c_ends_the_run_with_a_line_and_exit_code_130(tmp_path, capsys, mon
     captured = capsys.readouterr()
     assert "interrupted" in captured.err and "Traceback" not in captured.err and captured.out == ""
     assert not (out / "summary.json").exists() and not (out / "report.html").exists()
+
+
+def test_reports_that_all_come_too_late_are_named_as_the_reason(tmp_path, capsys):
+    fleet = tmp_path / "late.toml"
+    fleet.write_text('[task]\ngoal_count = 10\nreport_timeout_s = 1e-6\nselection_timeout_s = 600.0\n')
+    assert main(["simulate", str(fleet), "--devices", "400", "--hours", "2", "--seed", "1", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["rounds_committed"] == 0 and summary["available_peak"] >= 10
+    assert "reported after their round's window closed" in captured.err and "report_timeout_s = 1e-06 s" in captured.err
