@@ -17,7 +17,7 @@ import os
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -192,7 +192,7 @@ class _MemoryJobs:
 
     def put(self, job: ScheduledJob) -> None:
         assert job.next_run_at is not None
-        self._jobs[job.population] = replace(job, next_run_at=_to_microsecond(job.next_run_at))
+        self._jobs[job.population] = ScheduledJob(job.population, _to_microsecond(job.next_run_at), job.constraints, job.interval)
 
     def get(self, population: str) -> ScheduledJob | None:
         return self._jobs.get(population)

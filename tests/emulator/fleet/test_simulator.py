@@ -126,20 +126,25 @@ class _AvailableUntil:
         return self.end if t < self.end else None
 
 
-def test_conditions_that_stop_holding_mid_training_interrupt_through_the_runtimes_abort(tmp_path):
-    """Every device stops being available while it trains (compute costs 5 s per example):
-    each session ends `-v[!` and the server counts it as an abort, not a silent drop-out."""
-    config = small_config(seed=3, compute_s_per_example=5.0, max_rounds=1)
+def _run_available_until(tmp_path, config: FleetConfig, end: float, devices: int) -> FleetRun:
+    """The first ``devices`` of ``config``'s population, all taking part, without faults, each
+    available from the start until ``end`` and never again."""
     no_faults = DeviceFaults(0.0, 0.0, 0.0, 0.0, 0.0)
     specs = [
-        dataclasses.replace(s, availability=_AvailableUntil(200.0), faults=no_faults, takes_part=True)
-        for s in generate_population(config)[:12]
+        dataclasses.replace(s, availability=_AvailableUntil(end), faults=no_faults, takes_part=True)
+        for s in generate_population(config)[:devices]
     ]
     data = fleet_dataset(config)
     sim = FleetSimulator(
         config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test), workdir=tmp_path
     )
-    run = sim.run()
+    return sim.run()
+
+
+def test_conditions_that_stop_holding_mid_training_interrupt_through_the_runtimes_abort(tmp_path):
+    """Every device stops being available while it trains (compute costs 5 s per example):
+    each session ends `-v[!` and the server counts it as an abort, not a silent drop-out."""
+    run = _run_available_until(tmp_path, small_config(seed=3, compute_s_per_example=5.0, max_rounds=1), 200.0, 12)
     sessions = [s for s in run.sessions if s.accepted]
     assert sessions
     assert {s.shape for s in sessions} == {"-v[!"}
@@ -152,17 +157,7 @@ def test_devices_turned_away_wait_only_while_they_could_train(tmp_path):
     """A device told to come back later counts as checking in (waiting) until it does, or until
     its conditions stop holding: every device here stops being available at 1,000 s, and none
     is waiting after that, though their jobs sleep on (past the run's end)."""
-    config = small_config(seed=4, goal_count=8, retry_min_s=600.0, retry_max_s=900.0)
-    no_faults = DeviceFaults(0.0, 0.0, 0.0, 0.0, 0.0)
-    specs = [
-        dataclasses.replace(s, availability=_AvailableUntil(1000.0), faults=no_faults, takes_part=True)
-        for s in generate_population(config)[:30]
-    ]
-    data = fleet_dataset(config)
-    sim = FleetSimulator(
-        config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test), workdir=tmp_path
-    )
-    run = sim.run()
+    run = _run_available_until(tmp_path, small_config(seed=4, goal_count=8, retry_min_s=600.0, retry_max_s=900.0), 1000.0, 30)
     assert sum(1 for s in run.sessions if s.outcome == "rejected") > 0
     assert max(row.checking_in for row in run.timeline if row.t_s < 1000.0) > 0
     assert all(row.checking_in == 0 and row.available == 0 for row in run.timeline if row.t_s >= 1000.0)
