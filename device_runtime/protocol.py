@@ -57,6 +57,10 @@ class CheckinAccepted:
     aggregation: str
     report_deadline_s: float
     secagg_commitment: str | None = None  # H(seed) of the round's Secure Aggregation groups
+    # The round's bounds on one device's influence; under Secure Aggregation the device applies
+    # them to its own update before masking it (the server sees only its group's sum).
+    max_examples_per_report: int | None = None
+    clip_update_norm: float | None = None
 
 
 #: What an accepted check-in's fields must look like before the device uses them: ids name
@@ -98,7 +102,21 @@ def _accepted(data: dict) -> CheckinAccepted:
     def number(v: object) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
+    def positive_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    def positive_or_null(v: object) -> bool:
+        return v is None or (positive_int(v) and v < 2**1023) or (isinstance(v, float) and math.isfinite(v) and v > 0)
+
+    secure = data.get("aggregation") == "secure_sum"
+
+    def bound(name: str, ok: Callable[[object], bool], what: str) -> Any:
+        """One of the round's bounds, required under Secure Aggregation: nobody but the device can apply it."""
+        return field(name, ok, what) if secure or name in data else None
+
     commitment = data.get("secagg_commitment")
+    max_examples = bound("max_examples_per_report", positive_int, "a positive integer")
+    clip = bound("clip_update_norm", positive_or_null, "a positive number or null")
     return CheckinAccepted(
         session_id=field("session_id", matches(_SESSION_ID), "a session id"),
         token=field("token", matches(_TOKEN), "a token"),
@@ -109,6 +127,8 @@ def _accepted(data: dict) -> CheckinAccepted:
         aggregation=field("aggregation", lambda v: v in AGGREGATIONS, f"one of {AGGREGATIONS}"),
         report_deadline_s=float(field("report_deadline_s", number, "a finite number of seconds")),
         secagg_commitment=commitment if isinstance(commitment, str) else None,
+        max_examples_per_report=max_examples,
+        clip_update_norm=None if clip is None else float(clip),
     )
 
 

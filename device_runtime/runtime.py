@@ -27,6 +27,7 @@ from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
+from .influence import bound_update
 from .opstats import Event, OpStatsStore, rss_mb, shape_of
 from .plan import Plan, PlanError
 from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Where a device waits before trying again when the server named no retry window.
 DEFAULT_RETRY_WINDOW_S = (60.0, 120.0)
+#: ``SessionResult.rejection_code`` of a secure session whose own update was not valid (the code
+#: the server gives such a plain report): the device dropped out of its group instead of sending it.
+INVALID_UPDATE = "INVALID_UPDATE"
 
 
 class Outcome(enum.Enum):
@@ -356,12 +360,26 @@ class FLRuntime:
     def _secure_report(
         self, rec: "_Recorder", secure: SecureAggregation, session: CheckinAccepted, plan: Plan, result: DeviceResult
     ) -> SessionResult:
-        """Report through Secure Aggregation: the server sees only the group's sum."""
+        """Report through Secure Aggregation: the server sees only the group's sum, so this device
+        bounds its own update first, as the server bounds a plain report (``bound_update``, with
+        the round's bounds from the check-in; the count also within what one encoding carries).
+        An update that is not valid (training diverged to NaN, say) is not sent: the device drops
+        out of its group, which goes on without it, as the server refuses such a plain report."""
+        executor = self._executors[session.plan_id]
         codec = self._codecs.get(session.plan_id)
         if codec is None:
-            codec = self._codecs[session.plan_id] = SecureSumCodec(plan, self._executors[session.plan_id])
-        vector = codec.encode(result.update, np.random.default_rng(self.rng.getrandbits(64)))
-        rec.record("upload_started", bytes=int(vector.nbytes), secure=True)
+            codec = self._codecs[session.plan_id] = SecureSumCodec(plan, executor)
+        try:
+            executor.validate_update(result.update)
+        except PlanError as exc:
+            rec.record("upload_rejected", code=INVALID_UPDATE, reason=str(exc)[:500])
+            self._abort_quietly(session, f"the update is not valid: {exc}"[:500], rec.stats())
+            return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, INVALID_UPDATE)
+        cap = min(session.max_examples_per_report or codec.max_count, codec.max_count)
+        bounded = bound_update(result.update, plan.weight_names if plan.kind == "train" else (),
+                               max_examples=cap, clip_norm=session.clip_update_norm)
+        vector = codec.encode(bounded.update, np.random.default_rng(self.rng.getrandbits(64)))
+        rec.record("upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped)
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
     def _secure_outcome(self, rec: "_Recorder", outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:

@@ -38,6 +38,18 @@ class SecureSumCodec:
     def modulus(self, cohort: int) -> int:
         return modulus_for(cohort, self.bitwidth)
 
+    @property
+    def max_count(self) -> float:
+        """The largest example count one encoding carries whole (the clip range): a device caps
+        its count there too, or the count would be clipped while its weights were not."""
+        return self.quantizer.clip
+
+    def sum_error(self, count: int) -> float:
+        """The largest error of one entry of ``decode_sum`` over ``count`` encodings: under one
+        quantization step per encoding (stochastic rounding), plus the float32 rounding of a sum
+        of at most ``count * clip``."""
+        return count * (1.0 / self.quantizer.scale + self.quantizer.clip * 2.0**-23)
+
     def encode(self, update: Mapping[str, np.ndarray], rng: np.random.Generator | None = None) -> np.ndarray:
         """Flatten and quantize (stochastic rounding when ``rng`` is given: unbiased sums)."""
         flat = np.concatenate([np.asarray(update[n], dtype=np.float64).reshape(-1) for n in self.names])

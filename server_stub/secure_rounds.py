@@ -2,7 +2,9 @@
 server instance (Aggregator) per group, mailboxes the devices poll over HTTP, per-round
 deadlines; the Master Aggregator adds the groups' sums. Driven with ``now``; no I/O here.
 
-The server only ever holds masked inputs and each group's sum: never one device's update.
+The server only ever holds masked inputs and each group's sum: never one device's update. A sum
+outside the round's bounds (``influence.check_group_sum``) is dropped: its devices are told why,
+and the round's statistics list it.
 
 Nobody picks a group alone: when the round opens the server draws a seed and shows every waiting
 device its commitment H(seed); when selection ends it reveals the seed, and the groups follow
@@ -48,6 +50,7 @@ class SecureGroup:
     round_started_at: float
     masked_input_deadline: float
     harvested: bool = False
+    dropped: str | None = None  # why its completed sum was left out of the round (out of bounds)
     closes: int = 0
     gone: set[int] = field(default_factory=set)
     by_client: dict[int, str] = field(default_factory=dict)
@@ -108,7 +111,10 @@ class SecureGroup:
         if self.server.round is Round.ADVERTISE_KEYS:
             out["assignment"] = self.assignment
             out["group_size"] = len(self.members)
-        if self.server.round is Round.COMPLETED:
+        if self.dropped is not None:
+            out["status"] = "aborted"
+            out["reason"] = f"the server left the group's sum out of the round: {self.dropped}"
+        elif self.server.round is Round.COMPLETED:
             out["status"] = "completed"
             out["included"] = member.client_id in self.server.summed_clients
         elif self.server.round is Round.ABORTED:
@@ -220,7 +226,7 @@ class SecureRound:
     @property
     def version(self) -> int:
         """Changes whenever some device's view (``status``) may have changed."""
-        return int(self.formed) + sum(g.closes for g in self.groups)
+        return int(self.formed) + sum(g.closes + (g.dropped is not None) for g in self.groups)
 
     def status(self, session_id: str) -> dict:
         group = self.by_session.get(session_id)
@@ -250,14 +256,20 @@ class SecureRound:
         return done
 
     def stats(self) -> dict:
-        """Groups formed, completed and aborted (a group still running counts as neither)."""
-        rounds = [g.server.round for g in self.groups]
+        """Groups formed, completed (their sums used) and aborted (a group still running counts
+        as neither), and the groups whose sums were dropped, with why."""
+        used = [g for g in self.groups if g.server.round is Round.COMPLETED and g.dropped is None]
         return {
-            "groups": len(rounds),
-            "completed": sum(r is Round.COMPLETED for r in rounds),
-            "aborted": sum(r is Round.ABORTED for r in rounds),
-            "summed_devices": sum(len(g.server.summed_clients) for g in self.groups if g.server.round is Round.COMPLETED),
+            "groups": len(self.groups),
+            "completed": len(used),
+            "aborted": sum(g.server.round is Round.ABORTED for g in self.groups),
+            "summed_devices": sum(len(g.server.summed_clients) for g in used),
+            "dropped": [{"group": g.index, "reason": g.dropped} for g in self.groups if g.dropped is not None],
         }
+
+    def drop(self, group: SecureGroup, reason: str) -> None:
+        """Leave a completed group's sum out of the round; its devices are told why."""
+        group.dropped = reason
 
     def group_sum(self, group: SecureGroup) -> tuple[dict[str, np.ndarray], list[str]]:
         """The group's sum as float tensors, and the sessions it includes."""

@@ -51,7 +51,7 @@ from .errors import (
     TooManyRequests,
     Unauthorized,
 )
-from .influence import bound_update
+from .influence import bound_update, check_group_sum
 from .metrics import RoundMetrics, device_metrics
 from .pace import CheckinPace, RoundPace
 from .persistence import NewTask, ServerStore, TaskRecord
@@ -438,6 +438,9 @@ class FLService:
                     "max_report_bytes": run.report_limit,
                     # H(seed) of the round's Secure Aggregation groups, shown before selection ends
                     **({"secagg_commitment": run.secure.commitment_b64} if run.secure is not None else {}),
+                    # under Secure Aggregation the device bounds its own update: it must know the bounds
+                    **({"max_examples_per_report": run.config.max_examples_per_report,
+                        "clip_update_norm": run.config.clip_update_norm} if run.codec is not None else {}),
                 }
         finally:
             self._flush()
@@ -759,7 +762,9 @@ class FLService:
     def _advance_secure(self, run: _TaskRun, core: RoundCore, secure: SecureRound, now: float) -> None:
         """Form the groups once selection is over; add each finished group's sum (the Master
         Aggregator), count its summed devices as reported and the rest of the group as dropped,
-        so that the round need not wait for their deadlines."""
+        so that the round need not wait for their deadlines. A sum outside the bounds honest
+        devices keep (``check_group_sum``) is dropped, its devices with it, and the reason kept
+        for the round's metrics: one device's update is never seen, so its group answers for it."""
         core.advance(now)
         if core.phase is Phase.REPORTING and not secure.formed:
             selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
@@ -773,7 +778,17 @@ class FLService:
             summed: list[str] = []
             if group.server.round is Round.COMPLETED:
                 total, summed = secure.group_sum(group)
-                if core.confirm_group(summed, now):
+                refused = check_group_sum(
+                    total, run.plan.weight_names if run.is_training else (), members=len(summed),
+                    max_examples=run.config.max_examples_per_report, clip_norm=run.config.clip_update_norm,
+                    tolerance=secure.codec.sum_error(len(summed)),
+                )
+                if refused is not None:
+                    log.warning("task %s round %d: the sum of SecAgg group %d is dropped: %s", run.record.name,
+                                core.number, group.index, refused)
+                    secure.drop(group, refused)
+                    summed = []
+                elif core.confirm_group(summed, now):
                     assert run.accumulator is not None
                     run.accumulator = run.executor.accumulate(run.accumulator, total)
             else:
@@ -1016,6 +1031,13 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
             SecureSumCodec(plan, executor)
         except PlanError as exc:
             raise InvalidPlan(f"task {spec.name!r}: the plan's secure aggregation is not usable: {exc}") from None
+        if plan.kind == "train" and config.clip_update_norm is None:
+            raise BadRequest(
+                f"task {spec.name!r}: a Secure Aggregation training task needs clip_update_norm: the server sees "
+                "only each group's sum, and can bound one device's influence only through the norm its devices "
+                "clip to; set clip_update_norm (the default is 10.0)",
+                code="BAD_CONFIG",
+            )
         if config.report_timeout_s <= 3 * config.secagg_round_timeout_s:
             raise BadRequest(
                 f"report_timeout_s ({config.report_timeout_s}) must exceed three secagg_round_timeout_s "

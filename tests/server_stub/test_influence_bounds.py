@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -30,8 +31,10 @@ def updates(draw, *, with_count: bool | None = None):
 
 
 def mean_delta_norm(update, n):
-    per_example = max(n, 1.0)
-    return math.sqrt(sum(float(np.sum((np.asarray(update[w], np.float64) / per_example) ** 2)) for w in WEIGHTS))
+    """The norm of the weights over n; with n = 0 there is no mean: 0 for no change, else infinite."""
+    if n == 0:
+        return 0.0 if not any(np.any(update[w]) for w in WEIGHTS) else math.inf
+    return math.sqrt(sum(float(np.sum((np.asarray(update[w], np.float64) / n) ** 2)) for w in WEIGHTS))
 
 
 def declared(update) -> float:
@@ -46,7 +49,8 @@ def test_the_result_is_float32_with_the_same_tensors_and_reports_what_was_done(u
     n = declared(update)
     assert bounded.capped == (n > max_examples)
     expected_norm = mean_delta_norm(update, n)  # capping keeps the per-example means
-    assert math.isclose(bounded.mean_delta_norm, expected_norm, rel_tol=1e-9, abs_tol=1e-12)
+    assert bounded.mean_delta_norm == expected_norm or math.isclose(bounded.mean_delta_norm, expected_norm,
+                                                                    rel_tol=1e-9, abs_tol=1e-12)
     assert bounded.clipped == (clip is not None and bounded.mean_delta_norm > clip)
 
 
@@ -78,7 +82,9 @@ def test_clipping_scales_the_weights_to_the_clip_norm_and_leaves_the_rest(update
     bounded = bound_update(update, WEIGHTS, max_examples=10**7, clip_norm=clip)
     n = declared(update)
     after = mean_delta_norm(bounded.update, n)
-    if bounded.clipped:
+    if bounded.clipped and n == 0:  # a weight change carried by no examples: nothing of it is left
+        assert all(not np.any(bounded.update[w]) for w in WEIGHTS)
+    elif bounded.clipped:
         assert math.isclose(after, clip, rel_tol=1e-5)
         factor = clip / bounded.mean_delta_norm
         for w in WEIGHTS:
@@ -111,3 +117,33 @@ def test_an_update_without_weights_has_norm_zero_and_is_never_clipped():
     bounded = bound_update({"loss_sum": np.float32(5.0), NUM_EXAMPLES: np.float32(2.0)}, WEIGHTS, max_examples=10, clip_norm=1e-9)
     assert bounded.mean_delta_norm == 0.0
     assert not bounded.clipped and not bounded.capped
+
+
+@given(update=updates(), max_examples=st.integers(1, 10**6), clip=st.floats(1e-3, 1e4))
+def test_every_bounded_update_moves_its_weights_at_most_the_clip_times_its_count(update, max_examples, clip):
+    """The invariant a Secure Aggregation group's check adds up: ||delta * n|| <= clip * n, also
+    for n < 1 and n = 0 (no examples, so no weight change), up to the rounding to float32."""
+    bounded = bound_update(update, WEIGHTS, max_examples=max_examples, clip_norm=clip)
+    n = declared(bounded.update)
+    assert n <= max_examples
+    norm = math.sqrt(sum(float(np.sum(np.asarray(bounded.update[w], np.float64) ** 2)) for w in WEIGHTS))
+    assert norm <= clip * n * (1 + 1e-6)
+
+
+@given(update=updates(with_count=True), clip=st.floats(1e-3, 1e4))
+def test_an_update_within_both_bounds_comes_back_bit_for_bit(update, clip):
+    """What keeps an honest group's sum unchanged by the devices' own bounding."""
+    n = declared(update)
+    if mean_delta_norm(update, n) > clip:
+        update = {**update, **{w: np.zeros_like(update[w]) for w in WEIGHTS}}
+    bounded = bound_update(update, WEIGHTS, max_examples=max(math.ceil(n), 1), clip_norm=clip)
+    assert not bounded.capped and not bounded.clipped
+    for name, value in update.items():
+        assert bounded.update[name].tobytes() == np.asarray(value).tobytes()
+
+
+@pytest.mark.parametrize("count", [-1024.0, -1e-30, math.nan, math.inf])
+def test_a_negative_or_non_finite_count_is_refused_not_bounded(count):
+    """Only a validated update can be bounded; a device never sends one that is not (it drops out)."""
+    with pytest.raises(ValueError, match="validated"):
+        bound_update({"w": np.ones(3, np.float32), NUM_EXAMPLES: np.float32(count)}, WEIGHTS, max_examples=10, clip_norm=1.0)

@@ -123,7 +123,7 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed"
     assert record["metrics"]["reported"] == len(included) == 21
-    assert record["metrics"]["secagg"] == {"groups": 5, "completed": 4, "aborted": 1, "summed_devices": 21}
+    assert record["metrics"]["secagg"] == {"groups": 5, "completed": 4, "aborted": 1, "summed_devices": 21, "dropped": []}
 
     model, round_number = admin.model("digits")
     assert round_number == 1
@@ -182,7 +182,7 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attes
     assert outcomes == {0: SecureOutcome.EXCLUDED, **{i: SecureOutcome.INCLUDED for i in range(1, K + 1)}}
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed"
-    assert record["metrics"]["secagg"] == {"groups": 1, "completed": 1, "aborted": 0, "summed_devices": K}
+    assert record["metrics"]["secagg"] == {"groups": 1, "completed": 1, "aborted": 0, "summed_devices": K, "dropped": []}
     model, _ = admin.model("digits")
     honest = range(1, K + 1)
     total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in honest], axis=0), K)
