@@ -57,6 +57,7 @@ from .pace import CheckinPace, RoundPace
 from .persistence import NewTask, ServerStore, TaskRecord
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
+from .schemas import NAME_RULE
 from .secure_rounds import SecureRound, SecureSettings
 from .task_choice import Strategy, choose_task
 
@@ -76,7 +77,8 @@ MAX_TASKS_PER_GROUP = 16
 #: after their round closed, and each write serializes the round's whole metrics. A crash loses
 #: at most this long of late-report counts; the round itself is on record already.
 LATE_METRICS_EVERY_S = 30.0
-#: What a name may be made of: it travels in URLs, headers and logs.
+#: What a name may be made of: it travels in URLs, headers and logs (and is not only dots:
+#: ``NAME_RULE``).
 NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -1128,8 +1130,9 @@ def _rejected(window: tuple[float, float], reason: str) -> dict:
 
 
 def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not set(name) <= NAME_ALPHABET:
-        raise BadRequest(f"{what} name must be 1-128 ASCII letters, digits, '-', '_' or '.'", code="BAD_NAME")
+    """A name is safe in a URL path: a name of only dots would be the segment '.' or '..'."""
+    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not set(name) <= NAME_ALPHABET or not name.strip("."):
+        raise BadRequest(f"{what} name {str(name)[:130]!r} refused: {NAME_RULE}", code="BAD_NAME")
 
 
 def _check_weights(executor: PlanExecutor, weights: dict[str, np.ndarray]) -> None:
