@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from device_runtime.eligibility import EligibilityPolicies
 
+from .release_gate import MAX_REPORT_BYTES
 from .rounds import RoundConfig
 from .task_choice import Strategy
 
@@ -62,7 +63,8 @@ class TaskDeploy(_Schema):
         default_factory=dict, description="one plan per claimed onnxruntime release (e.g. '1.17.3'), base64"
     )
     release_report: dict[str, Any] | None = Field(
-        None, description="the release report `fedfleet plan test` wrote, covering every claimed release"
+        None, description="the release report `fedfleet plan test --signing-key` wrote and signed, covering every "
+        f"claimed release; at most {MAX_REPORT_BYTES} bytes as compact JSON (else 422 RELEASE_REPORT_TOO_LARGE)"
     )
 
 

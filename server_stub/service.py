@@ -205,12 +205,16 @@ class FLService:
         verifier: AttestationVerifier | None = None,
         rng: random.Random | None = None,
         require_release_reports: bool = False,
+        release_trust: frozenset[bytes] = frozenset(),
         secagg_random_bytes: Callable[[int], bytes] = secrets.token_bytes,
         token_bytes: Callable[[int], bytes] = secrets.token_bytes,
         late_metrics_every_s: float = LATE_METRICS_EVERY_S,
     ) -> None:
         """``require_release_reports``: accept only tasks whose release report covers every runtime
         they claim (see ``release_gate``); a task deployed with a report is checked either way.
+        ``release_trust``: the raw Ed25519 public keys whose signature on a release report the
+        server trusts (``--release-trust``); with none, a server that requires reports refuses
+        them all, and one that does not checks reports for consistency only.
         ``secagg_random_bytes``: where Secure Aggregation rounds draw their seeds, and
         ``token_bytes``: where session ids and tokens are drawn (seeded sources only in a
         simulation, whose run must repeat and whose sessions are not secrets).
@@ -218,6 +222,7 @@ class FLService:
         changed (a simulation, whose clock runs a day in a minute, writes far less often)."""
         self.store = store
         self.require_release_reports = require_release_reports
+        self.release_trust = frozenset(release_trust)
         self.verifier = verifier
         self.clock = clock
         self.wall_clock = wall_clock
@@ -306,7 +311,8 @@ class FLService:
             checked[spec.name] = (_validate_task(spec, checkpoint, trained), checkpoint)
         by_name = {s.name: s for s in specs}
         releases = {s.name: _check_release(s, checked[s.name][0], self.require_release_reports,
-                                           by_name[s.evaluates] if s.evaluates is not None else None) for s in specs}
+                                           by_name[s.evaluates] if s.evaluates is not None else None,
+                                           trusted=self.release_trust) for s in specs}
         stored = [
             NewTask(
                 s.name,
@@ -1027,9 +1033,12 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
     return plan
 
 
-def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec | None = None) -> dict[str, tuple[str, bytes]]:
+def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec | None = None, *,
+                   trusted: frozenset[bytes] = frozenset()) -> dict[str, tuple[str, bytes]]:
     """The versioned plans by minor release, once the release report lets the task through (an
-    evaluation's report also has to match ``trained``, the training task it measures)."""
+    evaluation's report also has to match ``trained``, the training task it measures). Its
+    signature is checked against ``trusted`` unless the server neither requires reports nor
+    trusts any signer (``--allow-untested-plans`` without ``--release-trust``)."""
     if spec.release_report is None:
         if spec.versioned_plans or required:
             raise ApiError(
@@ -1044,6 +1053,7 @@ def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec
         trained_claimed = (trained.release_report or {}).get("claimed") if trained is not None else None
         claimed = check_release_report(
             spec.release_report, _resource_id(spec.plan), hashes,
+            trusted_keys=trusted if trusted or required else None,
             evaluates_plan_sha256=_resource_id(trained.plan) if trained is not None else None,
             evaluates_runtimes=trained_claimed if isinstance(trained_claimed, list) else None,
         )
