@@ -9,6 +9,7 @@ from .influence import Bounded, bound_update
 from .metrics import MetricSummary, RoundMetrics, device_metrics, rounds_frame
 from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
 from .release_gate import REPORT_FORMAT, ReleaseGateError, check_release_report
+from .release_trust import ReleaseTrustError, read_release_trust
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .secure_rounds import SecureGroup, SecureRound, SecureSettings
 from .serve import ServerThread, free_port
@@ -60,4 +61,6 @@ __all__ = [
     "REPORT_FORMAT",
     "ReleaseGateError",
     "check_release_report",
+    "ReleaseTrustError",
+    "read_release_trust",
 ]

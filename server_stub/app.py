@@ -33,7 +33,7 @@ from .admin_auth import MAX_KEY_CHARS, AdminKeys
 from .direct_routes import add_direct_routes
 from .errors import ApiError, BodyTooLarge, MalformedBody, TooManyRequests, Unauthorized
 from .persistence import ServerStore
-from .schemas import REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
+from .schemas import NAME_RULE, REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
 from .service import FLService, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _bad_input(errors: list[Any], *, deploy: bool = False) -> ApiError:
     if kind == "string_pattern_mismatch" and tuple(loc) == ("runtime_version",):
         return MalformedBody("runtime_version is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION")
     if kind == "string_pattern_mismatch" and loc and loc[-1] in ("name", "evaluates"):
-        return MalformedBody(f"{where}: names are 1-128 ASCII letters, digits, '-', '_' or '.'", code="BAD_NAME")
+        return MalformedBody(f"{where}: {NAME_RULE}", code="BAD_NAME")
     if deploy and any(part in ("config", "eligibility") for part in loc):
         return MalformedBody(f"the task config is not valid: {message}", code="BAD_CONFIG")
     return MalformedBody(message, code="BAD_FIELD")

@@ -14,6 +14,7 @@ from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .persistence import ServerStore
+from .release_trust import ReleaseTrustError, read_release_trust
 from .serve import free_port
 from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
@@ -41,7 +42,20 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonce-ttl", type=float, default=120.0, help="seconds an attestation nonce stays valid")
     p.add_argument("--allow-untested-plans", action="store_true",
                    help="accept tasks without a release report (`fedfleet plan test`) covering every runtime they claim")
+    p.add_argument("--release-trust", metavar="FILE",
+                   help="public keys of the testers whose signed release reports are accepted, one "
+                        "'ed25519 <base64 key> [label]' per line (`fedfleet plan keygen` prints it)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> str:
+    """Whose release reports the server accepts, said at start: a gated server that trusts no
+    signer refuses every report, which the operator should learn now rather than at a deploy."""
+    if trusted:
+        return f"release reports signed by one of the {len(trusted)} key(s) of {args.release_trust}"
+    if args.allow_untested_plans:
+        return "none (a release report is checked for consistency only)"
+    return "none: every release report is refused; name the testers' keys with --release-trust FILE"
 
 
 def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
@@ -62,8 +76,9 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
                 raise ValueError("--rate-burst must be >= 1, --rate-per-hour and --nonce-ttl positive")
             anchor = read_trust_anchor(args.attestation_trust)
             verifier = AttestationVerifier(anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0))
+        release_trust = read_release_trust(args.release_trust) if args.release_trust else frozenset()
         store = ServerStore(args.db)
-    except (AdminKeyError, TrustAnchorError, ValueError) as exc:
+    except (AdminKeyError, TrustAnchorError, ReleaseTrustError, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
         return 2
     except (SQLAlchemyError, OSError) as exc:
@@ -80,12 +95,14 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
         print(f"fedfleet server: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another --port "
               "(0 picks a free one) or --host", file=sys.stderr)
         return 2
-    service = FLService(store, verifier=verifier, require_release_reports=not args.allow_untested_plans)
+    service = FLService(store, verifier=verifier, require_release_reports=not args.allow_untested_plans,
+                        release_trust=release_trust)
     attestation = f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
     print(f"fedfleet server listening on http://{args.host}:{args.port}", file=out)
     print(f"  database:    {args.db}", file=out)
     print(f"  attestation: {attestation}", file=out)
     print(f"  deploys:     {'any plan (--allow-untested-plans)' if args.allow_untested_plans else 'only with a passed release report'}", file=out)
+    print(f"  signers:     {_release_trust_line(args, release_trust)}", file=out)
     print(f"  admin keys:  {source}", file=out)
     print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
     try:

@@ -7,16 +7,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic_core import PydanticCustomError
 
 from device_runtime.eligibility import EligibilityPolicies
 
+from .release_gate import MAX_REPORT_BYTES
 from .rounds import RoundConfig
 from .task_choice import Strategy
 
-#: Names travel in URLs, headers and logs: ASCII letters, digits, '-', '_' and '.'.
+#: Names travel in URLs, headers and logs: ASCII letters, digits, '-', '_' and '.', but not only
+#: dots: '.' and '..' are path segments ('%2E%2E' in a URL names the parent of where it stands).
 NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
-Name = Annotated[str, Strict(), Field(pattern=NAME_PATTERN, description="1-128 ASCII letters, digits, '-', '_' or '.'")]
+NAME_RULE = "names are 1-128 ASCII letters, digits, '-', '_' or '.', and not only dots ('.' and '..' are path segments)"
+
+
+def _not_a_path_segment(name: str) -> str:
+    """The pattern's engine has no look-ahead, so 'not only dots' is checked here, with the
+    pattern's error type (the API answers both with BAD_NAME)."""
+    if not name.strip("."):
+        raise PydanticCustomError("string_pattern_mismatch", NAME_RULE)
+    return name
+
+
+Name = Annotated[str, Strict(), Field(pattern=NAME_PATTERN, description=NAME_RULE), AfterValidator(_not_a_path_segment)]
 #: What ``version_tuple`` reads: up to three dot-separated numbers, then anything (e.g. '+cpu').
 VERSION_PATTERN = r"^\s*[0-9]"
 #: Exactly what ``base64.b64decode(..., validate=True)`` accepts (a linear-time match, ~0.1 s for 60 MB).
@@ -49,7 +63,8 @@ class TaskDeploy(_Schema):
         default_factory=dict, description="one plan per claimed onnxruntime release (e.g. '1.17.3'), base64"
     )
     release_report: dict[str, Any] | None = Field(
-        None, description="the release report `fedfleet plan test` wrote, covering every claimed release"
+        None, description="the release report `fedfleet plan test --signing-key` wrote and signed, covering every "
+        f"claimed release; at most {MAX_REPORT_BYTES} bytes as compact JSON (else 422 RELEASE_REPORT_TOO_LARGE)"
     )
 
 

@@ -40,6 +40,7 @@ class ServerThread:
         busy_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        release_trust: frozenset[bytes] = frozenset(),
     ) -> None:
         """``admin_key``: the operator key the server accepts (a random one when not given;
         ``admin_key`` then tells it to the test or demo that started the server). ``clock`` and
@@ -47,7 +48,7 @@ class ServerThread:
         deadline passes, whatever the ticker and the machine's speed do."""
         self.db_path = Path(db_path)
         self.store = ServerStore(db_path, busy_timeout_s=busy_timeout_s)
-        self.service = FLService(self.store, clock=clock, wall_clock=wall_clock, verifier=verifier)
+        self.service = FLService(self.store, clock=clock, wall_clock=wall_clock, verifier=verifier, release_trust=release_trust)
         self.host = host
         self.port = port or free_port(host)
         if admin_key is None:

@@ -57,6 +57,7 @@ from .pace import CheckinPace, RoundPace
 from .persistence import NewTask, ServerStore, TaskRecord
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
+from .schemas import NAME_RULE
 from .secure_rounds import SecureRound, SecureSettings
 from .task_choice import Strategy, choose_task
 
@@ -76,7 +77,8 @@ MAX_TASKS_PER_GROUP = 16
 #: after their round closed, and each write serializes the round's whole metrics. A crash loses
 #: at most this long of late-report counts; the round itself is on record already.
 LATE_METRICS_EVERY_S = 30.0
-#: What a name may be made of: it travels in URLs, headers and logs.
+#: What a name may be made of: it travels in URLs, headers and logs (and is not only dots:
+#: ``NAME_RULE``).
 NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -203,12 +205,16 @@ class FLService:
         verifier: AttestationVerifier | None = None,
         rng: random.Random | None = None,
         require_release_reports: bool = False,
+        release_trust: frozenset[bytes] = frozenset(),
         secagg_random_bytes: Callable[[int], bytes] = secrets.token_bytes,
         token_bytes: Callable[[int], bytes] = secrets.token_bytes,
         late_metrics_every_s: float = LATE_METRICS_EVERY_S,
     ) -> None:
         """``require_release_reports``: accept only tasks whose release report covers every runtime
         they claim (see ``release_gate``); a task deployed with a report is checked either way.
+        ``release_trust``: the raw Ed25519 public keys whose signature on a release report the
+        server trusts (``--release-trust``); with none, a server that requires reports refuses
+        them all, and one that does not checks reports for consistency only.
         ``secagg_random_bytes``: where Secure Aggregation rounds draw their seeds, and
         ``token_bytes``: where session ids and tokens are drawn (seeded sources only in a
         simulation, whose run must repeat and whose sessions are not secrets).
@@ -216,6 +222,7 @@ class FLService:
         changed (a simulation, whose clock runs a day in a minute, writes far less often)."""
         self.store = store
         self.require_release_reports = require_release_reports
+        self.release_trust = frozenset(release_trust)
         self.verifier = verifier
         self.clock = clock
         self.wall_clock = wall_clock
@@ -304,7 +311,8 @@ class FLService:
             checked[spec.name] = (_validate_task(spec, checkpoint, trained), checkpoint)
         by_name = {s.name: s for s in specs}
         releases = {s.name: _check_release(s, checked[s.name][0], self.require_release_reports,
-                                           by_name[s.evaluates] if s.evaluates is not None else None) for s in specs}
+                                           by_name[s.evaluates] if s.evaluates is not None else None,
+                                           trusted=self.release_trust) for s in specs}
         stored = [
             NewTask(
                 s.name,
@@ -1047,9 +1055,12 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
     return plan
 
 
-def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec | None = None) -> dict[str, tuple[str, bytes]]:
+def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec | None = None, *,
+                   trusted: frozenset[bytes] = frozenset()) -> dict[str, tuple[str, bytes]]:
     """The versioned plans by minor release, once the release report lets the task through (an
-    evaluation's report also has to match ``trained``, the training task it measures)."""
+    evaluation's report also has to match ``trained``, the training task it measures). Its
+    signature is checked against ``trusted`` unless the server neither requires reports nor
+    trusts any signer (``--allow-untested-plans`` without ``--release-trust``)."""
     if spec.release_report is None:
         if spec.versioned_plans or required:
             raise ApiError(
@@ -1064,6 +1075,7 @@ def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec
         trained_claimed = (trained.release_report or {}).get("claimed") if trained is not None else None
         claimed = check_release_report(
             spec.release_report, _resource_id(spec.plan), hashes,
+            trusted_keys=trusted if trusted or required else None,
             evaluates_plan_sha256=_resource_id(trained.plan) if trained is not None else None,
             evaluates_runtimes=trained_claimed if isinstance(trained_claimed, list) else None,
         )
@@ -1150,8 +1162,9 @@ def _rejected(window: tuple[float, float], reason: str) -> dict:
 
 
 def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not set(name) <= NAME_ALPHABET:
-        raise BadRequest(f"{what} name must be 1-128 ASCII letters, digits, '-', '_' or '.'", code="BAD_NAME")
+    """A name is safe in a URL path: a name of only dots would be the segment '.' or '..'."""
+    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not set(name) <= NAME_ALPHABET or not name.strip("."):
+        raise BadRequest(f"{what} name {str(name)[:130]!r} refused: {NAME_RULE}", code="BAD_NAME")
 
 
 def _check_weights(executor: PlanExecutor, weights: dict[str, np.ndarray]) -> None:

@@ -14,6 +14,7 @@ from .bundle import BuiltTask, build_bundle, deploy_bundle, read_bundle, release
 from .release import (
     budget_checks, compare_outputs, max_abs_difference, release_table, release_test, report_passed, write_report,
 )
+from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, sign_report
 from .tasks import (
     Budget, Predicate, ProxyData, Task, TaskError, TaskGroup, Tolerance, Trial, accuracy_after_rounds, evaluation_of,
     load_tasks, loss_after_rounds, loss_decreases, predicate,
@@ -68,4 +69,9 @@ __all__ = [
     "report_passed",
     "versioned_plan",
     "write_report",
+    # signing release reports
+    "SigningKeyError",
+    "generate_signing_key",
+    "load_signing_key",
+    "sign_report",
 ]

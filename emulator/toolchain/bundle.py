@@ -8,7 +8,7 @@ Layout of ``DIR`` (one sub-directory per task; a task group has several)::
     DIR/<task>/plan.fedplan          the unversioned plan
     DIR/<task>/versions/<release>.fedplan   one versioned plan per claimed onnxruntime release
     DIR/<task>/initial.ckpt          the initial model (an evaluation's is its training task's)
-    DIR/<task>/release_report.json   written by ``plan test``
+    DIR/<task>/release_report.json   written (and signed, with ``--signing-key``) by ``plan test``
 
 The plans are tested and deployed as the exact bytes in the bundle, so the report's hashes are the
 ids the server computes for what it receives.
@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
 from device_runtime.plan import load_plan, serialize_plan
 from emulator.runtime_worker import WorkerPool
 from emulator.toolchain.release import release_test, write_report
+from emulator.toolchain.release_signing import sign_report
 from emulator.toolchain.tasks import Task, TaskError, load_tasks
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, task_body
@@ -155,9 +158,11 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
     return built
 
 
-def release_test_bundle(directory: str | Path, pool: WorkerPool, *, say: Callable[[str], None] = lambda _m: None) -> list[BuiltTask]:
-    """Run the release tests of every task of a bundle on its exact plans; each report is written
-    next to its plans (``BuiltTask.report()`` reads it)."""
+def release_test_bundle(directory: str | Path, pool: WorkerPool, *, say: Callable[[str], None] = lambda _m: None,
+                        signing_key: Ed25519PrivateKey | None = None) -> list[BuiltTask]:
+    """Run the release tests of every task of a bundle on its exact plans; each report, signed
+    with ``signing_key`` when given (a server that checks signatures refuses it otherwise), is
+    written next to its plans (``BuiltTask.report()`` reads it)."""
     built_tasks = read_bundle(directory)
     by_name = {b.task.name: b for b in built_tasks}
     for built in built_tasks:
@@ -169,7 +174,7 @@ def release_test_bundle(directory: str | Path, pool: WorkerPool, *, say: Callabl
             trained = (load_plan(source.plan), decode_checkpoint(source.checkpoint))
         report = release_test(built.task, pool=pool, plan=load_plan(built.plan), versioned=versioned,
                               weights=decode_checkpoint(built.checkpoint), progress=say, trained=trained)
-        write_report(report, built.report_path)
+        write_report(report if signing_key is None else sign_report(report, signing_key), built.report_path)
     return built_tasks
 
 

@@ -1,10 +1,13 @@
 """``fedfleet plan build|test|from-onnx`` and ``fedfleet deploy``: the model engineer's commands.
 
     fedfleet plan build TASK.py -o DIR          unversioned plan + one versioned plan per claimed runtime
-    fedfleet plan test TASK.py|DIR [-o DIR]     release tests on each claimed real onnxruntime; prints a
+    fedfleet plan keygen --key KEY              a signing key for release reports (KEY, mode 0600) and the
+                                                line a server's --release-trust file takes (KEY.pub)
+    fedfleet plan test TASK.py|DIR [-o DIR] --signing-key KEY
+                                                release tests on each claimed real onnxruntime; prints a
                                                 table per task (release, passed, max abs diff, ms/step,
-                                                peak MB), writes DIR/<task>/release_report.json; exit 1
-                                                unless all passed
+                                                peak MB), writes DIR/<task>/release_report.json signed
+                                                with KEY; exit 1 unless all passed
     fedfleet plan from-onnx MODEL.onnx --label y --loss cross_entropy --optimizer sgd --lr 0.1 -o PLAN
     fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server
 """
@@ -18,6 +21,8 @@ import textwrap
 from pathlib import Path
 from typing import TextIO
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from device_runtime.plan import PlanError, serialize_plan
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
@@ -27,9 +32,13 @@ from ..runtime_envs import RuntimeEnvError
 from ..runtime_worker import WorkerError, WorkerPool
 from .bundle import build_bundle, deploy_bundle, release_test_bundle
 from .release import release_table
+from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
 from .tasks import Task, TaskError
 
-__all__ = ["add_toolchain_commands", "run_toolchain_command"]
+__all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]
+
+#: Where ``plan test`` finds the signing key when ``--signing-key`` is not given.
+SIGNING_KEY_ENV = "FEDFLEET_SIGNING_KEY"
 
 
 def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +53,14 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     test.add_argument("target", type=Path, help="a task file or a directory `plan build` wrote")
     test.add_argument("-o", "--out", type=Path, help="where to build a task file first (default: build/<file stem>)")
     test.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
+    test.add_argument("--signing-key", type=Path, help=f"sign the reports with this key (`plan keygen` makes one; "
+                      f"else ${SIGNING_KEY_ENV}); a server accepts only reports signed by a key it trusts")
+    keygen = plan_sub.add_parser("keygen", help="make a key to sign release reports with, and its line for a server's "
+                                 "--release-trust file")
+    keygen.add_argument("--key", type=Path, required=True, help="where to write the private key (mode 0600); its trust "
+                        "line goes to KEY.pub")
+    keygen.add_argument("--label", default="", help="a name for the key in the trust line (who holds it)")
+    keygen.add_argument("--force", action="store_true", help="replace an existing key file")
     onnx_cmd = plan_sub.add_parser("from-onnx", help="a training plan from an ONNX inference model")
     onnx_cmd.add_argument("model", type=Path)
     onnx_cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
@@ -73,9 +90,11 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
             return 0
         if args.plan_command == "test":
             return _test(args, say)
+        if args.plan_command == "keygen":
+            return _keygen(args, say)
         if args.plan_command == "from-onnx":
             return _from_onnx(args, say)
-    except (TaskError, PlanError, AdminKeyError, OSError) as exc:
+    except (TaskError, PlanError, AdminKeyError, SigningKeyError, OSError) as exc:
         print(f"fedfleet: {exc}", file=sys.stderr)
         return 2
     except (WorkerError, RuntimeEnvError) as exc:
@@ -87,7 +106,28 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
     return 2
 
 
+def _keygen(args: argparse.Namespace, say) -> int:
+    generate_signing_key(args.key, label=args.label, force=args.force)
+    line = public_key_path(args.key).read_text(encoding="utf-8").strip()
+    say(f"signing key: {args.key} (keep it secret; sign with `fedfleet plan test --signing-key {args.key}`)")
+    say(f"trust line:  {public_key_path(args.key)}; a server accepts reports signed with this key once its "
+        f"--release-trust file holds the line\n  {line}")
+    return 0
+
+
+def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
+    """The key of --signing-key or $FEDFLEET_SIGNING_KEY, loaded before any test runs; None (said
+    out loud) when neither is given."""
+    path = args.signing_key or os.environ.get(SIGNING_KEY_ENV)
+    if not path:
+        say(f"note: the release reports will not be signed; a server that requires release reports refuses unsigned "
+            f"ones. Sign with --signing-key KEY (`fedfleet plan keygen --key KEY` makes a key) or ${SIGNING_KEY_ENV}")
+        return None
+    return load_signing_key(path)
+
+
 def _test(args: argparse.Namespace, say) -> int:
+    signing_key = _signing_key(args, say)
     directory = args.target
     if args.target.is_file():
         directory = args.out or Path("build") / args.target.stem
@@ -96,11 +136,12 @@ def _test(args: argparse.Namespace, say) -> int:
         raise TaskError("--runtimes applies when building; build the directory again with `plan build --runtimes ...`")
     passed = True
     with WorkerPool() as pool:
-        for built in release_test_bundle(directory, pool, say=say):
+        for built in release_test_bundle(directory, pool, say=say, signing_key=signing_key):
             report = built.report()
             assert report is not None
             say(textwrap.indent(release_table(report), "  "))
-            say(f"{built.task.name}: {'passed' if report['passed'] else 'FAILED'}; report {built.report_path}")
+            signed = " (signed)" if signing_key is not None else " (unsigned)"
+            say(f"{built.task.name}: {'passed' if report['passed'] else 'FAILED'}; report {built.report_path}{signed}")
             passed = passed and report["passed"]
     return 0 if passed else 1
 

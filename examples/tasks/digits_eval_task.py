@@ -3,7 +3,7 @@ on ``app:/digits`` and, in alternate rounds, evaluate the model just committed o
 ``app:/digits_heldout`` examples. Both are built, release-tested on every claimed release and
 deployed together (the server requires the evaluation to claim the training task's releases).
 
-    fedfleet plan test examples/tasks/digits_eval_task.py -o build/digits_eval
+    fedfleet plan test examples/tasks/digits_eval_task.py -o build/digits_eval --signing-key tester.key
     fedfleet deploy build/digits_eval --server http://127.0.0.1:8000 --population digits
 
 The evaluation's predicate reads what each release computed, through the evaluation plan, for the

@@ -2,7 +2,8 @@
 onnxruntime release, with predicates checked on proxy data before anything is deployed.
 
     fedfleet plan build examples/tasks/digits_task.py -o build/digits
-    fedfleet plan test build/digits
+    fedfleet plan keygen --key tester.key          # once; the server's --release-trust file holds tester.key.pub
+    fedfleet plan test build/digits --signing-key tester.key
     fedfleet deploy build/digits --server http://127.0.0.1:8000 --population digits
 
 The plan is written at opset 21, so the 1.15 and 1.17 plans are derived at opsets 18 and 20

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
 from emulator.runtime_worker import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
 from emulator.toolchain.bundle import build_bundle, release_test_bundle
+from emulator.toolchain.release_signing import public_key_bytes
 from emulator.toolchain.versioning import versioned_plan
 from example_store import ExampleSelector, SQLiteExampleStore
 from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
@@ -75,11 +77,13 @@ def test_devices_on_two_real_releases_each_train_their_versioned_plan_and_report
     bundle = tmp_path / "bundle"
     build_bundle(TASK_FILE, bundle, runtimes=[OLD, NEW])
     clock = VirtualClock()
-    service = FLService(ServerStore(tmp_path / "server.db"), clock=clock.now, wall_clock=clock.now, require_release_reports=True)
+    tester = Ed25519PrivateKey.generate()  # whoever ran the release tests signs the report; the server trusts them
+    service = FLService(ServerStore(tmp_path / "server.db"), clock=clock.now, wall_clock=clock.now,
+                        require_release_reports=True, release_trust=frozenset({public_key_bytes(tester)}))
     keys, key = AdminKeys.generate()
     releases = assign_releases(4, {OLD: 0.5, NEW: 0.5}, random.Random(0))
     with WorkerPool() as pool, InProcessTransport(create_app(service, admin_keys=keys)) as transport:
-        (built,) = release_test_bundle(bundle, pool)
+        (built,) = release_test_bundle(bundle, pool, signing_key=tester)
         with AdminClient(URL, admin_key=key, transport=transport) as admin:
             admin.create_population("digits")
             config = RoundConfig(goal_count=4, over_selection=1.0, min_fraction=1.0, min_reports=1)

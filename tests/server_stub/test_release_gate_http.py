@@ -1,10 +1,12 @@
 """The deploy gate over HTTP, with plans and a report made by the real toolchain on real releases:
 a server that requires release reports refuses a task without a covering, passed report bound to
-the uploaded plans (a 4xx naming the release and the check), and serves each device the plan for
-its runtime, telling a device outside the claimed set to come back later."""
+the uploaded plans and signed by a key it trusts (a 4xx naming the release and the check, or why
+the signature is not good enough), and serves each device the plan for its runtime, telling a
+device outside the claimed set to come back later."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import subprocess
@@ -14,18 +16,24 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_runtime.plan import load_plan, serialize_plan
 from emulator.runtime_worker import WorkerPool
 from emulator.toolchain.bundle import BuiltTask, build_bundle, release_test_bundle
+from emulator.toolchain.release_signing import public_key_bytes, sign_report
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub import AdminClient, AdminError, RoundConfig, ServerThread
 from server_stub.admin_client import task_body
-from server_stub import free_port
+from server_stub import free_port, resource_id
+from server_stub.release_gate import canonical_json
 
 TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
 CLAIMED = ["1.15.1", "1.31.1"]
 CONFIG = RoundConfig(goal_count=4, min_reports=1)
+#: The tester's key, made for this module (a server under test trusts it).
+TESTER = Ed25519PrivateKey.generate()
+TRUSTED = frozenset({public_key_bytes(TESTER)})
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,8 @@ def built(tmp_path_factory) -> BuiltTask:
     out = tmp_path_factory.mktemp("bundle")
     build_bundle(TASK_FILE, out, runtimes=CLAIMED)
     with WorkerPool() as pool:
-        (task,) = release_test_bundle(out, pool)
-    assert task.report()["passed"]
+        (task,) = release_test_bundle(out, pool, signing_key=TESTER)
+    assert task.report()["passed"] and "signature" in task.report()
     return task
 
 
@@ -42,9 +50,15 @@ def built(tmp_path_factory) -> BuiltTask:
 def gated(tmp_path):
     with ServerThread(tmp_path / "server.db") as server:
         server.service.require_release_reports = True
+        server.service.release_trust = TRUSTED
         with server.admin() as admin:
             admin.create_population("digits")
             yield server, admin
+
+
+def resigned(report: dict, key: Ed25519PrivateKey = TESTER) -> dict:
+    """``report`` as the holder of ``key`` would have signed it: a tester's honest report of what it says."""
+    return sign_report(report, key)
 
 
 def body(built: BuiltTask, *, report=None, versions=None) -> dict:
@@ -91,7 +105,7 @@ def test_a_failed_check_is_refused_naming_the_release_and_the_check(gated, built
     checks = report["results"]["1.31.1"]["checks"]
     predicate = next(c for c in checks if c["name"].startswith("accuracy_after"))
     predicate["passed"] = False
-    err = refused(admin, body(built, report=report))
+    err = refused(admin, body(built, report=resigned(report)))
     assert err.code == "RELEASE_TEST_FAILED" and "1.31.1" in str(err) and predicate["name"] in str(err)
 
 
@@ -100,7 +114,7 @@ def test_a_report_that_does_not_cover_a_claimed_release_is_refused(gated, built)
     _, admin = gated
     report = copy.deepcopy(built.report())
     del report["results"]["1.15.1"]
-    err = refused(admin, body(built, report=report))
+    err = refused(admin, body(built, report=resigned(report)))
     assert err.code == "RELEASE_REPORT_INCOMPLETE" and "1.15.1" in str(err)
 
 
@@ -119,7 +133,7 @@ def test_plans_other_than_the_tested_ones_are_refused(gated, built):
 @pytest.mark.timeout(1800)
 def test_malformed_reports_get_a_4xx_never_a_5xx(gated, built):
     _, admin = gated
-    for report in ({}, {"format": "x"}, json.loads(json.dumps({"format": "fedfleet-release-report/1", "claimed": [1]}))):
+    for report in ({}, {"format": "x"}, resigned({"format": "fedfleet-release-report/1", "claimed": [1]})):
         assert refused(admin, body(built, report=report)).code == "RELEASE_REPORT_MALFORMED"
 
 
@@ -166,7 +180,7 @@ def test_the_server_command_requires_release_reports_unless_told_otherwise(tmp_p
 @pytest.mark.timeout(1800)
 def test_a_restarted_server_still_serves_each_release_its_plan(tmp_path, built):
     db = tmp_path / "server.db"
-    with ServerThread(db) as server, server.admin() as admin:
+    with ServerThread(db, release_trust=TRUSTED) as server, server.admin() as admin:
         server.service.require_release_reports = True
         admin.create_population("digits")
         admin.deploy_body("digits", body(built))
@@ -175,3 +189,130 @@ def test_a_restarted_server_still_serves_each_release_its_plan(tmp_path, built):
     assert answers["1.15.1"]["plan_id"] == built.manifest["versions"]["1.15.1"]["sha256"]
     assert answers["1.31.1"]["plan_id"] == built.manifest["versions"]["1.31.1"]["sha256"]
     assert answers["1.18.1"]["reason"] == "RUNTIME_VERSION_NOT_CLAIMED"
+
+
+# -- issue 20, defect 7: the gate checks who vouches for a report, not only that it is consistent
+
+
+def refused_and_nothing_stored(server, admin, payload) -> AdminError:
+    err = refused(admin, payload)
+    assert admin.status("digits")["tasks"] == []
+    assert server.store.get_resource(resource_id(base64.b64decode(payload["plan"]))) is None  # not even the plan
+    return err
+
+
+@pytest.mark.timeout(1800)
+def test_a_signed_report_by_a_trusted_key_is_accepted_end_to_end(tmp_path, built):
+    with ServerThread(tmp_path / "server.db", release_trust=TRUSTED) as server, server.admin() as admin:
+        server.service.require_release_reports = True
+        admin.create_population("digits")
+        admin.deploy_body("digits", body(built))  # the report exactly as `plan test --signing-key` wrote it
+        stored = json.loads(server.store.get_resource(resource_id(canonical_json(built.report()))))
+        answer = checkin(server, "1.31.1")
+    assert stored["signature"] == built.report()["signature"]  # kept with the task, signature and all
+    assert answer["status"] == "accepted" and answer["plan_id"] == built.manifest["versions"]["1.31.1"]["sha256"]
+
+
+@pytest.mark.timeout(1800)
+def test_a_hand_written_passed_report_is_refused_as_unsigned(gated, built):
+    server, admin = gated
+    forged = copy.deepcopy(built.report())
+    del forged["signature"]  # every byte a real run wrote, but nobody vouches for it
+    err = refused_and_nothing_stored(server, admin, body(built, report=forged))
+    assert err.code == "RELEASE_REPORT_UNSIGNED" and "--signing-key" in str(err)
+
+
+@pytest.mark.timeout(1800)
+def test_a_failed_report_edited_to_passed_no_longer_matches_its_signature(gated, built):
+    server, admin = gated
+    failed = copy.deepcopy(built.report())
+    entry = failed["results"]["1.31.1"]
+    check = next(c for c in entry["checks"] if c["name"].startswith("accuracy_after"))
+    check["passed"] = entry["passed"] = failed["passed"] = False
+    failed = resigned(failed)  # what the tester's run signed
+    assert refused(admin, body(built, report=failed)).code == "RELEASE_TEST_FAILED"
+    edited = copy.deepcopy(failed)
+    edited["results"]["1.31.1"]["checks"][edited["results"]["1.31.1"]["checks"].index(check)]["passed"] = True
+    edited["results"]["1.31.1"]["passed"] = edited["passed"] = True
+    err = refused_and_nothing_stored(server, admin, body(built, report=edited))
+    assert err.code == "RELEASE_REPORT_BAD_SIGNATURE" and "changed after" in str(err)
+
+
+@pytest.mark.timeout(1800)
+def test_a_claim_of_a_release_that_does_not_exist_is_refused(gated, built):
+    server, admin = gated
+    report = copy.deepcopy(built.report())
+    report["claimed"].append("9.9.9")
+    # the unversioned plan claims no newest release, so it loads for 9.9.9 too
+    report["results"]["9.9.9"] = {**report["results"]["1.31.1"], "runtime": "9.9.9", "plan_sha256": plan_sha256(built.plan)}
+    versions = {**built.versions, "9.9.9": built.plan}
+    err = refused_and_nothing_stored(server, admin, body(built, report=resigned(report), versions=versions))
+    assert err.code == "RELEASE_UNKNOWN" and "9.9.9" in str(err)
+
+
+@pytest.mark.timeout(1800)
+def test_an_8_mb_report_is_refused_before_it_is_stored(gated, built):
+    server, admin = gated
+    junk = resigned({**built.report(), "notes": "x" * (8 << 20)})  # signed, passed, consistent: only too large
+    err = refused_and_nothing_stored(server, admin, body(built, report=junk))
+    assert err.code == "RELEASE_REPORT_TOO_LARGE" and err.status == 422
+
+
+@pytest.mark.timeout(1800)
+def test_a_report_signed_by_a_key_the_server_does_not_trust_is_refused(gated, built):
+    server, admin = gated
+    stranger = Ed25519PrivateKey.generate()
+    err = refused_and_nothing_stored(server, admin, body(built, report=resigned(built.report(), stranger)))
+    assert err.code == "RELEASE_REPORT_UNTRUSTED" and "--release-trust" in str(err)
+    server.service.release_trust = frozenset()  # a gated server that names no signer refuses every report
+    for report, code in ((built.report(), "RELEASE_REPORT_UNTRUSTED"),
+                         ({k: v for k, v in built.report().items() if k != "signature"}, "RELEASE_REPORT_UNSIGNED")):
+        err = refused_and_nothing_stored(server, admin, body(built, report=report))
+        assert err.code == code and "fedfleet server --release-trust FILE" in str(err)
+
+
+def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server_stub", "--db", str(tmp_path / db), "--port", str(port),
+                             "--admin-key-file", str(tmp_path / "admin.keys"), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    return proc, url
+
+
+@pytest.mark.timeout(1800)
+def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, built):
+    key = "operator-key-for-the-trust-test-0123456789"
+    (tmp_path / "admin.keys").write_text(key + "\n")
+    trust = tmp_path / "release-trust"
+    trust.write_text("# testers whose release reports we deploy\n\n"
+                     f"ed25519 {built.report()['signature']['public_key']} alice@model-team\n")
+    verdicts = {}
+    for flags in ([], ["--release-trust", str(trust)]):
+        proc, url = start_server(tmp_path, f"s{len(flags)}.db", *flags)
+        try:
+            with AdminClient(url, admin_key=key) as admin:
+                admin.create_population("digits")
+                try:
+                    admin.deploy_body("digits", body(built))
+                    verdicts[tuple(flags[:1])] = "accepted"
+                except AdminError as exc:
+                    verdicts[tuple(flags[:1])] = exc.code
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=10)
+        assert ("signed by one of the 1 key(s)" if flags else "--release-trust FILE") in out
+    assert verdicts == {(): "RELEASE_REPORT_UNTRUSTED", ("--release-trust",): "accepted"}
+    trust.write_text("ed25519 not-a-key\n")
+    proc = subprocess.run([sys.executable, "-m", "server_stub", "--db", str(tmp_path / "bad.db"), "--port", "0",
+                           "--admin-key-file", str(tmp_path / "admin.keys"), "--release-trust", str(trust)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "line 1" in proc.stderr and "fedfleet plan keygen" in proc.stderr

@@ -1,6 +1,7 @@
-"""The model engineer's commands end to end: ``fedfleet plan build``, ``plan test`` on real
-releases, ``plan from-onnx`` and ``fedfleet deploy`` to a server that requires release reports,
-including an evaluation task that devices on old releases then run."""
+"""The model engineer's commands end to end: ``fedfleet plan build``, ``plan keygen``, ``plan test``
+on real releases (signing its reports), ``plan from-onnx`` and ``fedfleet deploy`` to a server that
+requires release reports signed by a key it trusts, including an evaluation task that devices on
+old releases then run."""
 
 from __future__ import annotations
 
@@ -18,13 +19,23 @@ from device_runtime.plan import load_plan
 from emulator.cli import main
 from emulator.runtime_worker import ReleasePlans, WorkerPool
 from emulator.toolchain.bundle import read_bundle
+from emulator.toolchain.release_signing import load_signing_key, public_key_path, sign_report
 from emulator.toolchain.versioning import plan_sha256
 from example_store import SQLiteExampleStore
 from server_stub import AdminError, RoundConfig, ServerThread
 from server_stub.admin_client import task_body
+from server_stub.release_trust import read_release_trust
 
 TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
 ADMIN_KEY = "operator-key-for-the-cli-test-0123456789"
+
+
+@pytest.fixture
+def tester_key(tmp_path) -> Path:
+    """A tester's signing key made with `fedfleet plan keygen`; a server trusts its KEY.pub."""
+    key = tmp_path / "keys" / "tester.key"
+    assert main(["plan", "keygen", "--key", str(key), "--label", "cli-test"]) == 0
+    return key
 
 
 def logistic_regression(path: Path) -> Path:
@@ -41,7 +52,7 @@ def logistic_regression(path: Path) -> Path:
 
 
 @pytest.mark.timeout(1800)  # a cold cache installs the releases first
-def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsys, monkeypatch):
+def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsys, monkeypatch, tester_key):
     out = tmp_path / "digits"
     assert main(["plan", "build", str(TASK_FILE), "-o", str(out), "--runtimes", "1.15.1", "1.31.1"]) == 0
     manifest = json.loads((out / "digits_mlp" / "manifest.json").read_text())
@@ -49,13 +60,18 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
     for release, entry in manifest["versions"].items():
         data = (out / "digits_mlp" / entry["file"]).read_bytes()
         assert plan_sha256(data) == entry["sha256"] and load_plan(data, runtime_version=release)
-    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server:
+    trusted = read_release_trust(public_key_path(tester_key))  # the file an operator passes to --release-trust
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server:
         server.service.require_release_reports = True
         monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
         deploy = ["deploy", str(out), "--server", server.url, "--population", "digits"]
         assert main(deploy) == 2  # not tested yet: no report to send
         assert "no release report" in capsys.readouterr().err
-        assert main(["plan", "test", str(out)]) == 0
+        assert main(["plan", "test", str(out)]) == 0  # unsigned: nobody vouches for it
+        assert "will not be signed" in capsys.readouterr().out
+        assert main(deploy) == 1
+        assert "RELEASE_REPORT_UNSIGNED" in capsys.readouterr().err
+        assert main(["plan", "test", str(out), "--signing-key", str(tester_key)]) == 0
         printed = capsys.readouterr().out
         assert all(h in printed for h in ("release", "passed", "max abs diff", "ms/step", "peak MB"))  # the table's header
         rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if line.startswith("  1.")}
@@ -127,14 +143,17 @@ task = dataclasses.replace(base, name="digits_lr", model={str(model)!r}, hyperpa
 
 
 @pytest.mark.timeout(1800)
-def test_a_task_group_is_tested_per_variant_and_deployed_only_if_all_pass(tmp_path, capsys, monkeypatch):
+def test_a_task_group_is_tested_per_variant_and_deployed_only_if_all_pass(tmp_path, capsys, monkeypatch, tester_key):
     out = tmp_path / "sweep"
     sweep = TASK_FILE.with_name("digits_lr_sweep.py")
+    monkeypatch.setenv("FEDFLEET_SIGNING_KEY", str(tester_key))  # the key from the environment instead of --signing-key
     assert main(["plan", "test", str(sweep), "-o", str(out), "--runtimes", "1.31.1"]) == 1  # one variant fails
     reports = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/release_report.json")}
     assert {name: r["passed"] for name, r in reports.items()} == {
         "digits_mlp-lr0.1": False, "digits_mlp-lr0.2": True, "digits_mlp-lr0.3": True}  # too slow to reach 0.8
-    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server:
+    assert all("signature" in r for r in reports.values())  # failed or passed, each says who ran it
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY,
+                      release_trust=read_release_trust(public_key_path(tester_key))) as server:
         server.service.require_release_reports = True
         monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
         capsys.readouterr()
@@ -146,7 +165,8 @@ def test_a_task_group_is_tested_per_variant_and_deployed_only_if_all_pass(tmp_pa
 
 
 @pytest.mark.timeout(1800)
-def test_an_evaluation_task_is_tested_deployed_to_a_gated_server_and_evaluated_by_devices(tmp_path, capsys, monkeypatch, digits):
+def test_an_evaluation_task_is_tested_deployed_to_a_gated_server_and_evaluated_by_devices(
+        tmp_path, capsys, monkeypatch, digits, tester_key):
     task_file = tmp_path / "eval_task.py"
     task_file.write_text(f"""
 import dataclasses, runpy
@@ -160,15 +180,18 @@ evaluation = evaluation_of(task, selector=ExampleSelector("app:/digits_heldout")
 tasks = [task, evaluation]
 """)
     out, releases = tmp_path / "bundle", ["1.15.1", "1.31.1"]
-    assert main(["plan", "test", str(task_file), "-o", str(out), "--runtimes", *releases]) == 0, capsys.readouterr()
+    assert main(["plan", "test", str(task_file), "-o", str(out), "--runtimes", *releases,
+                 "--signing-key", str(tester_key)]) == 0, capsys.readouterr()
     report = json.loads((out / "digits_mlp_eval" / "release_report.json").read_text())
     assert report["passed"] and report["kind"] == "eval" and sorted(report["results"]) == releases
     manifest = json.loads((out / "digits_mlp_eval" / "manifest.json").read_text())
-    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, WorkerPool() as pool:
+    trusted = read_release_trust(public_key_path(tester_key))
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server, WorkerPool() as pool:
         server.service.require_release_reports = True
         train, evaluation = read_bundle(out)
         narrow = copy.deepcopy(evaluation.report())  # a passed report, but on fewer releases than the training task's
         narrow["claimed"], narrow["results"] = ["1.31.1"], {"1.31.1": narrow["results"]["1.31.1"]}
+        narrow = sign_report(narrow, load_signing_key(tester_key))  # as the tester's run on one release would sign it
         config = RoundConfig.from_dict(train.manifest["round_config"])
         bodies = [task_body(train.task.name, train.plan, train.checkpoint, config, versioned_plans=train.versions,
                             release_report=train.report()),

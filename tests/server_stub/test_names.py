@@ -1,0 +1,82 @@
+"""Population and task names travel in URL paths: a name made only of dots would be the segment
+'.' or '..' ('%2E%2E' reaches it), so the service and the HTTP schema refuse it (issue 20,
+defect 8), with the name rule in the error, and agree on every other name."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from device_runtime import encode_checkpoint, initial_weights, serialize_plan
+from server_stub import ApiError, FLService, RoundConfig, ServerStore
+from server_stub.admin_client import task_body
+from server_stub.schemas import NAME_RULE, CreatePopulation
+from tests.support import digits_plan
+
+DOTS = ["." * n for n in (1, 2, 3, 128)]
+CONFIG = RoundConfig(goal_count=4, min_reports=1)
+
+
+def follows_the_rule(name: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name) is not None and name.strip(".") != ""
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    store = ServerStore(tmp_path_factory.mktemp("names") / "server.db")
+    yield FLService(store)
+    store.close()
+
+
+@given(name=st.text(alphabet="a.Z9-_/ %", min_size=0, max_size=130) | st.sampled_from(DOTS))
+def test_the_service_and_the_schema_accept_exactly_the_names_that_follow_the_rule(service, name):
+    try:
+        CreatePopulation(name=name)
+        schema_accepts = True
+    except ValueError:
+        schema_accepts = False
+    try:
+        service.create_population(name)
+        service_accepts = True
+    except ApiError as exc:
+        assert exc.code == "BAD_NAME" and NAME_RULE in exc.message
+        service_accepts = False
+    assert schema_accepts == service_accepts == follows_the_rule(name)
+
+
+@pytest.mark.parametrize("name", DOTS)
+def test_a_task_named_only_dots_is_refused_and_nothing_is_stored(service, name):
+    plan = digits_plan()
+    service.create_population("digits-dots")
+    with pytest.raises(ApiError) as refused:
+        service.deploy_task("digits-dots", name, serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), CONFIG)
+    assert refused.value.code == "BAD_NAME" and "not only dots" in refused.value.message
+    assert service.store.tasks("digits-dots") == []
+
+
+def test_names_of_dots_are_refused_over_http_and_unreachable_as_path_segments(server, admin):
+    http = admin.http
+    for name in DOTS:
+        r = http.post("/v1/populations", json={"name": name})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_NAME"
+        assert NAME_RULE in r.json()["error"]["message"]
+    assert admin.populations() == []
+    for path in ("/v1/populations/%2E%2E", "/v1/populations/%2E", "/v1/populations/%2E%2E%2E/rounds"):
+        r = http.get(path)
+        assert r.status_code == 404, (path, r.status_code)
+    r = httpx.post(f"{server.url}/v1/populations/%2E%2E/checkin", json={"runtime_version": "1.31.1"})
+    assert r.status_code == 404
+    admin.create_population("digits")
+    plan = digits_plan()
+    body = task_body("..", plan, encode_checkpoint(initial_weights(plan, seed=0)), CONFIG)
+    r = http.post("/v1/populations/digits/tasks", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_NAME" and "not only dots" in r.json()["error"]["message"]
+    group = {"tasks": [{**body, "name": "train"}, {**body, "name": "eval", "evaluates": "..."}]}
+    r = http.post("/v1/populations/digits/task-groups", json=group)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_NAME"
+    assert admin.status("digits")["tasks"] == []
+    assert admin.populations() == ["digits"]
