@@ -243,8 +243,9 @@ class _HeadLimitedConnection(h11.Connection):
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a timer for whatever the connection waits on from its client
-    (a request head; the rest of an answered body), the connection cap, and lingering refusals.
-    ``server_config`` makes a subclass carrying the limits."""
+    (a request head; the rest of an answered body), lingering refusals, and its place among the
+    connections the cap may close (``idle_since``). ``GuardedServer`` makes a subclass carrying
+    its limits and admission."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     admission: ClassVar[_Admission]
