@@ -5,6 +5,7 @@ from .admin_client import AdminClient, AdminError, task_body
 from .app import create_app, create_app_from_path
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
 from .errors import ApiError
+from .http_guards import HttpLimits
 from .influence import Bounded, bound_update
 from .metrics import MetricSummary, RoundMetrics, device_metrics, rounds_frame
 from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
@@ -42,6 +43,7 @@ __all__ = [
     "ApiError",
     "AttestationVerifier",
     "FLService",
+    "HttpLimits",
     "NonceRegistry",
     "Phase",
     "RateLimiter",

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Iterable
+
+log = logging.getLogger(__name__)
 
 #: The environment variable that may hold admin keys, separated by commas or whitespace.
 ADMIN_KEYS_ENV = "FEDFLEET_ADMIN_KEYS"
@@ -61,13 +65,19 @@ class AdminKeys:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "AdminKeys":
-        """One key per line; blank lines and lines starting with ``#`` are skipped."""
+        """One key per line; blank lines and lines starting with ``#`` are skipped. A file other
+        users may read or write is used, with a warning (as ssh warns of a private key's)."""
         try:
             text = Path(path).read_text(encoding="utf-8")
+            mode = os.stat(path).st_mode
         except (OSError, UnicodeDecodeError) as exc:
             raise AdminKeyError(f"cannot read the admin key file {os.fspath(path)!r}: {exc}") from None
         lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-        return cls(lines)
+        keys = cls(lines)
+        if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("the admin key file %s is open to other users (mode %s): run chmod 600 %s",
+                        os.fspath(path), oct(stat.S_IMODE(mode)), os.fspath(path))
+        return keys
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "AdminKeys | None":

@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from device_runtime.opstats import SHAPE_ALPHABET
@@ -31,7 +32,7 @@ from device_runtime.protocol import STATS_HEADER
 
 from .admin_auth import MAX_KEY_CHARS, AdminKeys
 from .direct_routes import add_direct_routes
-from .errors import ApiError, BodyTooLarge, MalformedBody, TooManyRequests, Unauthorized
+from .errors import ApiError, BodyTooLarge, ClientDisconnected, MalformedBody, TooManyRequests, Unauthorized
 from .persistence import ServerStore
 from .schemas import NAME_RULE, REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
 from .service import FLService, TaskSpec
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 64 * 1024
 MAX_DEPLOY_BYTES = 512 * 1024 * 1024
-MAX_SECAGG_BYTES = 64 * 1024 * 1024
 MAX_SECAGG_WAIT_S = 10.0
 MAX_STATS_HEADER = 2048
 MAX_SHAPE = 16
@@ -196,9 +196,10 @@ def _binary_body() -> dict:
 
 _ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
            for status, text in ((400, "malformed request"), (401, "missing or wrong credential"),
-                                (404, "unknown population, task, session or resource"), (409, "conflict with the current state"),
-                                (413, "body too large"), (422, "a plan, checkpoint or update that does not fit"),
-                                (429, "rate limited"))}
+                                (404, "unknown population, task or resource"), (408, "the request stopped arriving"),
+                                (409, "conflict with the current state"), (413, "body too large"),
+                                (422, "a plan, checkpoint or update that does not fit"), (429, "rate limited"),
+                                (431, "request headers too large"))}
 
 
 def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = True, telemetry: bool = True) -> FastAPI:
@@ -269,10 +270,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             return Response(status_code=304, headers=headers)
         return Response(data, media_type="application/octet-stream", headers=headers)
 
+    # A session's uploads are authorized and bounded before a byte of the body is read.
     @app.post("/v1/sessions/{sid}/report", tags=["devices"], openapi_extra=_binary_body())
     async def report(sid: str, request: Request) -> dict:
         token = session_token(request)
-        limit = await call(service.report_limit, sid)
+        limit = await call(service.report_limit, sid, token)
         body = await read_body(request, limit)
         return await call(service.report, sid, token, body, _stats_header(request))
 
@@ -307,7 +309,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     @app.post("/v1/sessions/{sid}/secagg", tags=["devices"], openapi_extra=_binary_body())
     async def secagg_send(sid: str, request: Request) -> dict:
         token = session_token(request)
-        body = await read_body(request, MAX_SECAGG_BYTES)
+        limit = await call(service.secagg_limit, sid, token)
+        body = await read_body(request, limit)
         return await call(service.secagg_message, sid, token, body)
 
     # ----------------------------------------------------------------- operators
@@ -389,6 +392,13 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
         return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # Not the app's fault, and nobody reads the answer: one line, no traceback.
+        log.debug("the client of %s %s disconnected before its request body was in", request.method, request.url.path)
+        error = ClientDisconnected("the client disconnected before its request body was in")
+        return JSONResponse(error.to_json(), status_code=error.status)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:

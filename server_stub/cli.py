@@ -7,12 +7,12 @@ import logging
 import socket
 import sys
 
-import uvicorn
 from sqlalchemy.exc import SQLAlchemyError
 
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
+from .http_guards import GuardedServer, HttpLimits
 from .persistence import ServerStore
 from .release_trust import ReleaseTrustError, read_release_trust
 from .serve import free_port
@@ -45,6 +45,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--release-trust", metavar="FILE",
                    help="public keys of the testers whose signed release reports are accepted, one "
                         "'ed25519 <base64 key> [label]' per line (`fedfleet plan keygen` prints it)")
+    limits = HttpLimits()
+    p.add_argument("--header-timeout-s", type=float, default=limits.header_timeout_s,
+                   help="seconds a client has to send a request's head (from connecting, or from the last answer)")
+    p.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s,
+                   help="seconds the server waits for a request body in all, plus one per KiB received")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; one more replaces the longest idle (default: under the file-descriptor limit)")
+    p.add_argument("--max-header-bytes", type=int, default=limits.max_header_bytes,
+                   help="the largest request head (request line and headers); a larger one is answered 431")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -77,6 +86,7 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
             anchor = read_trust_anchor(args.attestation_trust)
             verifier = AttestationVerifier(anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0))
         release_trust = read_release_trust(args.release_trust) if args.release_trust else frozenset()
+        limits = HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections, args.max_header_bytes)
         store = ServerStore(args.db)
     except (AdminKeyError, TrustAnchorError, ReleaseTrustError, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
@@ -104,10 +114,13 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
     print(f"  deploys:     {'any plan (--allow-untested-plans)' if args.allow_untested_plans else 'only with a passed release report'}", file=out)
     print(f"  signers:     {_release_trust_line(args, release_trust)}", file=out)
     print(f"  admin keys:  {source}", file=out)
+    cap = "" if args.max_connections is not None else " (under the file-descriptor limit)"
+    print(f"  clients:     head within {limits.header_timeout_s:g} s, body within {limits.body_timeout_s:g} s (+1 s per KiB), "
+          f"{limits.connections} connections{cap}, headers up to {limits.max_header_bytes} bytes", file=out)
     print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
     try:
-        uvicorn.run(create_app(service, admin_keys=keys), host=args.host, port=args.port,
-                    log_level="warning" if args.log_level == "info" else args.log_level, access_log=False)
+        GuardedServer(create_app(service, admin_keys=keys), limits, host=args.host, port=args.port,
+                      log_level="warning" if args.log_level == "info" else args.log_level, access_log=False).run()
     finally:
         store.close()
     return 0

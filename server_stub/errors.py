@@ -8,7 +8,7 @@ MAX_MESSAGE_CHARS = 500
 
 
 class ApiError(Exception):
-    """An error the API reports as JSON ``{"error": {"code", "message"}}`` with a 4xx status."""
+    """An error the API reports as JSON ``{"error": {"code", "message"}}`` with a 4xx status (a full server: 503)."""
 
     status: int = 400
     code: str = "BAD_REQUEST"
@@ -85,3 +85,34 @@ class InvalidPlan(ApiError):
 
 class InvalidCheckpoint(ApiError):
     status, code = 422, "INVALID_CHECKPOINT"
+
+
+class BodyTimeout(ApiError):
+    """The client stopped sending its request body (``http_guards.SlowBodyGuard``)."""
+
+    status, code = 408, "BODY_TIMEOUT"
+
+
+class ClientDisconnected(ApiError):
+    """The client closed its connection before its request body was in: nobody reads the answer."""
+
+    status, code = 400, "CLIENT_DISCONNECTED"
+
+
+# Answers of the HTTP server itself (``http_guards``), written before any route sees the request.
+class MalformedRequest(ApiError):
+    status, code = 400, "MALFORMED_REQUEST"
+
+
+class HeaderTimeout(ApiError):
+    status, code = 408, "HEADER_TIMEOUT"
+
+
+class HeadersTooLarge(ApiError):
+    status, code = 431, "HEADERS_TOO_LARGE"
+
+
+class ServerBusy(ApiError):
+    """Every connection the server allows is busy with a request; clients retry 5xx later."""
+
+    status, code = 503, "SERVER_BUSY"

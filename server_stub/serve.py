@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import uvicorn
-
 from .admin_auth import AdminKeys
 from .admin_client import AdminClient
 from .app import create_app
 from .attestation import AttestationVerifier
+from .http_guards import GuardedServer, HttpLimits
 from .persistence import ServerStore
 from .service import FLService
 
@@ -41,11 +40,13 @@ class ServerThread:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         release_trust: frozenset[bytes] = frozenset(),
+        http_limits: HttpLimits = HttpLimits(),
     ) -> None:
         """``admin_key``: the operator key the server accepts (a random one when not given;
         ``admin_key`` then tells it to the test or demo that started the server). ``clock`` and
         ``wall_clock`` go to ``FLService``: a test that drives ``clock`` by hand decides when a
-        deadline passes, whatever the ticker and the machine's speed do."""
+        deadline passes, whatever the ticker and the machine's speed do. ``http_limits``: the
+        timeouts and caps of ``fedfleet server`` (``http_guards``), its defaults unless given."""
         self.db_path = Path(db_path)
         self.store = ServerStore(db_path, busy_timeout_s=busy_timeout_s)
         self.service = FLService(self.store, clock=clock, wall_clock=wall_clock, verifier=verifier, release_trust=release_trust)
@@ -56,10 +57,8 @@ class ServerThread:
         else:
             keys = AdminKeys([admin_key])
         self.admin_key = admin_key
-        config = uvicorn.Config(
-            create_app(self.service, admin_keys=keys), host=host, port=self.port, log_level=log_level, access_log=False, lifespan="on"
-        )
-        self._server = uvicorn.Server(config)
+        self._server = GuardedServer(create_app(self.service, admin_keys=keys), http_limits, host=host, port=self.port,
+                                     log_level=log_level, access_log=False, lifespan="on")
         self._thread = threading.Thread(target=self._server.run, name="fl-server", daemon=True)
 
     @property

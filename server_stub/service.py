@@ -58,6 +58,7 @@ from .persistence import NewTask, ServerStore, TaskRecord
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .schemas import NAME_RULE
+from .secagg_limits import SECAGG_SLACK_BYTES, secagg_upload_limit
 from .secure_rounds import SecureRound, SecureSettings
 from .task_choice import Strategy, choose_task
 
@@ -84,6 +85,11 @@ NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0
 
 def _hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+#: What a token is compared with when no session has the id it came with (so that the refusal
+#: takes the time a wrong token for a real session takes).
+_NO_SESSION = _hash_token("")
 
 
 def _urlsafe(raw: bytes) -> str:
@@ -116,6 +122,7 @@ class _Session:
     run: "_TaskRun"
     core: RoundCore
     resources: tuple[str, str]  # the plan and checkpoint this session may download
+    revoked: bool = False  # its device aborted it: its token opens nothing more
 
 
 @dataclass
@@ -348,10 +355,12 @@ class FLService:
 
     # ----------------------------------------------------------------- device protocol
     def eligibility_info(self, population: str) -> dict:
-        """What a device needs to evaluate the active task's policies before it checks in."""
+        """What a device needs to evaluate the active task's policies before it checks in. A
+        population that does not exist is answered as one with no task: devices cannot probe
+        which names exist (operators list them with ``populations``)."""
         with self._lock:
-            pop = self._population(population)
-            run = pop.current or (pop.runs[0] if pop.runs else None)
+            pop = self._populations.get(population)
+            run = None if pop is None else pop.current or (pop.runs[0] if pop.runs else None)
             if run is None:
                 return {"task": None}
             return {
@@ -386,7 +395,9 @@ class FLService:
         try:
             now = self.clock()
             with self._lock:
-                pop = self._population(population)
+                pop = self._populations.get(population)
+                if pop is None:  # as a population with no task (see eligibility_info)
+                    return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
                 self._advance(pop, now)
                 pop.checkins.observe_checkin(now)
                 run = pop.current
@@ -453,12 +464,23 @@ class FLService:
         finally:
             self._flush()
 
-    def report_limit(self, session_id: str) -> int:
+    def report_limit(self, session_id: str, token: str) -> int:
+        """The largest report body the session may send, once its token is checked: asked before
+        the body is read, so that a stranger's upload is refused unread."""
+        return self._authorize(session_id, token).run.report_limit
+
+    def secagg_limit(self, session_id: str, token: str) -> int:
+        """The largest Secure Aggregation message the session may send, once its token is checked:
+        the largest its group can need (``secagg_limits``); a session in no group of the open round
+        has nothing to send, and gets room for a refusal only."""
+        session = self._authorize(session_id, token)
         with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None:
-                raise NotFound("unknown session; check in again", code="UNKNOWN_SESSION")
-            return session.run.report_limit
+            run = session.run
+            group = run.secure.by_session.get(session_id) if run.secure is not None and session.core is run.core else None
+            if group is None:
+                return SECAGG_SLACK_BYTES
+            config = group.server.config
+            return secagg_upload_limit(len(group.members), config.vector_length, config.modulus)
 
     def report(self, session_id: str, token: str, body: bytes, stats: dict | None = None) -> dict:
         """Aggregate one device's update; nothing of it is kept apart from the running sum."""
@@ -510,10 +532,15 @@ class FLService:
             self._flush()
 
     def abort(self, session_id: str, token: str, reason: str, stats: dict | None = None) -> dict:
-        session = self._authorize(session_id, token)
+        """The device stopped: its session is closed and its token revoked (it downloads nothing
+        more); its bookkeeping (shape, drop-out) stays with the round. A repeated abort is ignored."""
+        session = self._authorize(session_id, token, revoked_ok=True)
         shape = _stats_shape(stats)
         try:
             with self._lock:
+                if session.revoked:
+                    return {"status": "ignored"}
+                session.revoked = True
                 now = self.clock()
                 aborted = session.core.abort(session_id, now)
                 if aborted:
@@ -546,8 +573,8 @@ class FLService:
         if not admin:
             with self._lock:
                 session = self._by_token.get(_hash_token(token)) if token else None
-            if session is None:
-                raise Unauthorized("send the session token (or an admin key) as 'Authorization: Bearer <token>'",
+            if session is None or session.revoked:
+                raise Unauthorized("send the token of an open session (or an admin key) as 'Authorization: Bearer <token>'",
                                    code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN")
             if rid not in session.resources:
                 raise NotFound(f"no resource with id {rid!r} for this session", code="UNKNOWN_RESOURCE")
@@ -641,13 +668,17 @@ class FLService:
             raise NotFound(f"population {name!r} does not exist", code="UNKNOWN_POPULATION")
         return pop
 
-    def _authorize(self, session_id: str, token: str) -> _Session:
+    def _authorize(self, session_id: str, token: str, *, revoked_ok: bool = False) -> _Session:
+        """The session ``token`` opens. An unknown id and a wrong token get one answer, and the
+        token is compared in constant time either way, so neither ids nor tokens can be probed.
+        A session its device aborted answers ``SESSION_CLOSED`` (unless ``revoked_ok``)."""
         with self._lock:
             session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound("unknown session; the device must check in again", code="UNKNOWN_SESSION")
-        if not token or not hmac.compare_digest(_hash_token(token), session.token_hash):
-            raise Unauthorized("the bearer token does not belong to this session", code="BAD_SESSION_TOKEN")
+        known = session.token_hash if session is not None else _NO_SESSION
+        if not hmac.compare_digest(_hash_token(token or ""), known) or session is None or not token:
+            raise Unauthorized("no session has this id and token; the device must check in again", code="BAD_SESSION_TOKEN")
+        if session.revoked and not revoked_ok:
+            raise SessionClosed("the device aborted this session; it must check in again")
         return session
 
     def _activate(self, population: str) -> None:

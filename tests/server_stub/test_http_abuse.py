@@ -74,16 +74,16 @@ def test_every_abuse_gets_its_4xx_and_the_round_commits(server, admin):
         assert r.status_code == 400 and _code(r) == "BAD_FIELD"
         r = http.post("/v1/populations/digits/checkin", json=[1, 2])
         assert r.status_code == 400
-        r = http.post("/v1/populations/nope/checkin", json={"runtime_version": "1.31.1"})
-        assert r.status_code == 404 and _code(r) == "UNKNOWN_POPULATION"
+        r = http.post("/v1/populations/nope/checkin", json={"runtime_version": "1.31.1"})  # as a population with no task
+        assert r.status_code == 200 and r.json()["status"] == "rejected" and r.json()["reason"] == "NO_TASK"
         r = http.get("/v1/resources/" + "0" * 64)
         assert r.status_code == 401 and _code(r) == "MISSING_TOKEN"
         r = http.get("/v1/resources/" + "0" * 64, headers={"Authorization": f"Bearer {a['token']}"})
         assert r.status_code == 404 and _code(r) == "UNKNOWN_RESOURCE"
         r = http.get("/v1/resources/../../etc/passwd")
         assert r.status_code == 404
-        r = _report(http, {"session_id": "no-such-session", "token": "x"}, good)
-        assert r.status_code == 404 and _code(r) == "UNKNOWN_SESSION"
+        r = _report(http, {"session_id": "no-such-session", "token": "x"}, good)  # as a known one with a wrong token
+        assert r.status_code == 401 and _code(r) == "BAD_SESSION_TOKEN"
         r = http.post("/v1/populations", content=b"x" * 100_000)
         assert r.status_code == 401 and _code(r) == "ADMIN_KEY_REQUIRED"
         r = admin.http.post("/v1/populations", content=b"x" * 100_000)

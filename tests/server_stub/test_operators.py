@@ -260,6 +260,7 @@ class _Server:
 def _key_file(tmp_path: Path) -> Path:
     path = tmp_path / "admin.keys"
     path.write_text(f"# the operators' key\n\n{KEY}\n", encoding="utf-8")
+    path.chmod(0o600)  # as an operator keeps it (a file others can read is warned of)
     return path
 
 

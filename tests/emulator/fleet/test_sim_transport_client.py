@@ -78,8 +78,8 @@ def test_errors_reach_the_protocol_client_as_from_httpx(caller):
     assert transport.meter.failures == 2
     answer = ProtocolClient("http://fl.sim", client=LeanClient(SimTransport(caller, Device(), Network())))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError) as refused:
-        answer.checkin("no-such-population", "1.20.0")
-    assert (refused.value.status, refused.value.code) == (404, "UNKNOWN_POPULATION")
+        answer.checkin("pop", "not-a-version")
+    assert (refused.value.status, refused.value.code) == (400, "BAD_RUNTIME_VERSION")
 
 
 _TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20)

@@ -1,0 +1,413 @@
+"""The HTTP server's guards against slow, crowding and oversized clients, under uvicorn.
+
+uvicorn (0.54, over h11) bounds none of these by itself:
+- it arms no timer before a connection's first answer, so a socket that sends its request head a
+  byte at a time, or nothing at all, keeps its file descriptor for ever (300 such sockets against
+  a server allowed 256 descriptors kept ``/v1/health`` unanswered for more than 30 s);
+- it waits for a request body as long as the client takes to send it;
+- its ``limit_concurrency`` counts only connections whose head is in, so it stops neither;
+- a head larger than h11's buffer is answered 400 and the socket closed with the client's data
+  unread, which the client sees as a reset instead of the answer; and a head that arrives in one
+  read is not bounded at all.
+
+Here ``GuardedServer`` (uvicorn's server on a listener that admits connections, with
+``GuardedH11Protocol``: uvicorn's h11 protocol with timers) and ``SlowBodyGuard`` (ASGI
+middleware) add, set by ``HttpLimits``:
+- a request head must be in within ``header_timeout_s`` of the connection opening or of the
+  previous answer; else 408 ``HEADER_TIMEOUT`` and the connection is closed;
+- a request body may keep the app waiting ``body_timeout_s`` in all, plus one second per
+  ``MIN_BODY_BYTES_PER_S`` bytes it brought: a slow but steady upload goes on, a stalled or
+  trickling one is answered 408 ``BODY_TIMEOUT``. What is left of a body the app answered without
+  reading it (a refused report, say) is read and dropped for at most ``body_timeout_s``;
+- at most ``max_connections`` connections are open: one more takes the place of the connection
+  idle longest (waiting for a head, or draining an answered body), or, when every one is busy with
+  a request, is answered 503 ``SERVER_BUSY`` and closed. The cap is kept where connections are
+  accepted: asyncio accepts a whole burst before any protocol runs, so a cap kept by the protocols
+  let 300 sockets at once exhaust 256 descriptors. By default it keeps descriptors to spare under
+  the process's limit, so ``accept`` never fails for want of one;
+- a head larger than ``max_header_bytes`` is answered 431 ``HEADERS_TOO_LARGE``.
+A refused request closes lingeringly: the server half-closes, reads and drops what the client
+still sends for ``LINGER_S``, then closes, so that the client reads the answer, not a reset."""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+import logging
+import math
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import ApiError, BodyTimeout, HeaderTimeout, HeadersTooLarge, MalformedRequest, ServerBusy
+
+log = logging.getLogger(__name__)
+
+#: The rate a request body must keep up, beyond ``body_timeout_s``, for the app to go on waiting.
+MIN_BODY_BYTES_PER_S = 1024
+#: Seconds a refused connection reads and drops what its client still sends before it closes.
+LINGER_S = 2.0
+#: Descriptors the default connection cap leaves to the database, logs and the process itself.
+RESERVED_FDS = 64
+#: The default cap never exceeds this, however many descriptors the process may open.
+MAX_DEFAULT_CONNECTIONS = 4096
+#: Connections closed to make room but not closed yet (asyncio closes a socket on its loop's next
+#: turn) beyond which the listener waits for that turn before it accepts more.
+EVICTIONS_IN_FLIGHT = 16
+#: Seconds between two warnings that new connections are refused.
+BUSY_WARNING_EVERY_S = 10.0
+
+
+def default_max_connections() -> int:
+    """The connection cap under the process's descriptor limit, ``RESERVED_FDS`` kept aside."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 1000
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_DEFAULT_CONNECTIONS
+    return max(1, min(MAX_DEFAULT_CONNECTIONS, soft - RESERVED_FDS))
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What the server allows one client (see the module docstring); ``max_connections=None``
+    is ``default_max_connections()``."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int | None = None
+    max_header_bytes: int = 16 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{_option(name)} must be a positive number of seconds, not {value!r}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"{_option('max_connections')} must be at least 1, not {self.max_connections}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"{_option('max_header_bytes')} must be at least 1024 (the device's own headers take about 600), "
+                             f"not {self.max_header_bytes}")
+
+    @property
+    def connections(self) -> int:
+        return self.max_connections if self.max_connections is not None else default_max_connections()
+
+
+def _option(name: str) -> str:
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server for ``app`` within ``limits``, on a listener of its own that keeps the
+    connection cap; ``options`` are uvicorn's (host, port, log level...)."""
+
+    def __init__(self, app: Any, limits: HttpLimits = HttpLimits(), **options: Any) -> None:
+        self.admission = _Admission(limits.connections)
+        protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "admission": self.admission})
+        super().__init__(uvicorn.Config(SlowBodyGuard(app, limits.body_timeout_s), http=protocol,
+                                        h11_max_incomplete_event_size=limits.max_header_bytes, **options))
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is not None:
+            raise ValueError("a GuardedServer listens on its own socket (it keeps the connection cap there)")
+        await super().serve([self._listen()])
+
+    def _listen(self) -> socket.socket:
+        host, port = self.config.host, self.config.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = _Listener(family, socket.SOCK_STREAM)
+        listener.admission = self.admission
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+        except OSError:
+            listener.close()
+            raise
+        return listener
+
+
+class _Admission:
+    """The connection cap: the sockets accepted and not closed yet, and the protocols that may
+    give way to a new one."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.protocols: set[GuardedH11Protocol] = set()
+        self._accepted: list[socket.socket] = []
+        self._warned_at = -math.inf
+
+    def open_sockets(self) -> int:
+        if len(self._accepted) >= self.cap:  # counted again only near the cap: amortized O(1)
+            self._accepted = [s for s in self._accepted if s.fileno() != -1]
+        return len(self._accepted)
+
+    def make_room(self) -> str:
+        """Before the next accept: ``"yes"`` when there is room (made, at the cap, by closing the
+        connection idle longest), ``"later"`` when connections closing or accepted but not yet
+        set up must be waited for (asyncio's next turn), ``"no"`` when every one is busy."""
+        open_now = self.open_sockets()
+        if open_now < self.cap:
+            return "yes"
+        if open_now >= self.cap + EVICTIONS_IN_FLIGHT:
+            return "later"
+        closing = [p for p in self.protocols if p.transport.is_closing()]
+        if open_now - len(closing) < self.cap:
+            return "yes"
+        idle = [p for p in self.protocols if p.idle_since is not None and not p.transport.is_closing()]
+        if idle:
+            oldest = min(idle, key=lambda p: p.idle_since or 0.0)
+            log.debug("connection cap %d reached: closing %s, idle for %.1f s", self.cap, oldest.client,
+                      oldest.loop.time() - (oldest.idle_since or 0.0))
+            oldest.transport.abort()
+            return "yes"
+        if open_now > len(self.protocols):
+            return "later"
+        now = time.monotonic()
+        if now - self._warned_at >= BUSY_WARNING_EVERY_S:
+            self._warned_at = now
+            log.warning("all %d connections are busy with requests: new ones are refused (503)", self.cap)
+        return "no"
+
+    def admitted(self, conn: socket.socket) -> None:
+        self._accepted.append(conn)
+
+
+class _Listener(socket.socket):
+    """A listening socket whose ``accept`` (what asyncio calls for every connection, a burst at a
+    time, before any of them reaches a protocol) keeps the connection cap."""
+
+    admission: _Admission
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        room = self.admission.make_room()
+        if room == "later":
+            raise BlockingIOError  # asyncio tries again on its next turn
+        conn, address = super().accept()
+        if room == "no":
+            try:
+                conn.setblocking(False)
+                conn.send(answer_bytes(ServerBusy("the server is busy; try again shortly")))
+            except OSError:
+                pass
+            conn.close()
+            raise ConnectionAbortedError  # asyncio skips it
+        self.admission.admitted(conn)
+        return conn, address
+
+
+def answer_bytes(error: ApiError) -> bytes:
+    """A whole HTTP/1.1 answer carrying ``error`` as the app would, for a connection no route
+    has seen; it closes the connection."""
+    body = json.dumps(error.to_json(), separators=(",", ":")).encode()
+    head = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}", "content-type: application/json",
+            f"content-length: {len(body)}", "connection: close"]
+    if isinstance(error, ServerBusy):
+        head.append("retry-after: 1")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
+
+
+def _head_bytes(request: h11.Request) -> int:
+    """The size of a request head as sent (request line, headers, line ends)."""
+    return len(request.method) + len(request.target) + 12 + sum(len(name) + len(value) + 4 for name, value in request.headers)
+
+
+class _HeadLimitedConnection(h11.Connection):
+    """h11's server side that also refuses a complete head over the limit (h11 bounds only an
+    incomplete one) and keeps the refusal, so that the answer can say why."""
+
+    def __init__(self, max_head_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+        self.refusal: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.refusal = exc
+            raise
+        if isinstance(event, h11.Request) and _head_bytes(event) > self.max_head_bytes:
+            self.refusal = h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            raise self.refusal
+        return event
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a timer for whatever the connection waits on from its client
+    (a request head; the rest of an answered body), lingering refusals, and its place among the
+    connections the cap may close (``idle_since``). ``GuardedServer`` makes a subclass carrying
+    its limits and admission."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+    admission: ClassVar[_Admission]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = _HeadLimitedConnection(self.limits.max_header_bytes)
+        #: since when the connection waits on its client with no request in the app (None: it does not)
+        self.idle_since: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_for: str | None = None  # "head", "drain" or "linger"
+
+    # ----------------------------------------------------------------- uvicorn's hooks
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.admission.protocols.add(self)
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        self.idle_since = None
+        self.admission.protocols.discard(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for == "linger":
+            return  # dropped: the connection was answered and is closing
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def send_400_response(self, msg: str) -> None:
+        """h11 refused what the client sent (uvicorn has logged it): 431 for a head over the
+        limit, else 400, closed lingeringly."""
+        refusal = self.conn.refusal
+        if refusal is not None and refusal.error_status_hint == 431:
+            error: ApiError = HeadersTooLarge(f"the request head is larger than {self.limits.max_header_bytes} bytes; "
+                                              "send shorter headers")
+        else:
+            error = MalformedRequest(f"not a valid HTTP/1.1 request: {refusal or msg}")
+        self.transport.write(answer_bytes(error))
+        self._linger()
+
+    def shutdown(self) -> None:
+        if self._waiting_for == "linger":
+            self._close()
+        else:
+            super().shutdown()
+
+    # ----------------------------------------------------------------- the guards
+    def _watch(self) -> None:
+        """Arm the timer the connection's state calls for: a request head to come, or the rest
+        of a body already answered to be drained; none while the app has the request."""
+        if self._waiting_for == "linger" or self.transport is None or self.transport.is_closing():
+            return
+        theirs, ours = self.conn.their_state, self.conn.our_state
+        if theirs is h11.IDLE:
+            waiting_for, timeout = "head", self.limits.header_timeout_s
+        elif theirs is h11.SEND_BODY and ours in (h11.DONE, h11.MUST_CLOSE):
+            waiting_for, timeout = "drain", self.limits.body_timeout_s
+        else:
+            waiting_for, timeout = None, 0.0
+        if waiting_for == self._waiting_for:
+            return
+        self._cancel_timer()
+        self._waiting_for = waiting_for
+        self.idle_since = self.loop.time() if waiting_for else None
+        if waiting_for:
+            self._timer = self.loop.call_later(timeout, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self._waiting_for == "head" and self.conn.trailing_data[0]:  # a head was begun, not finished
+            log.debug("%s: no request head within %g s; closing", self.client, self.limits.header_timeout_s)
+            self.transport.write(answer_bytes(HeaderTimeout(
+                f"the request head did not arrive within {self.limits.header_timeout_s:g} s")))
+        self._close()
+
+    def _linger(self) -> None:
+        """Half-close after an answer to a request that may still be arriving: what the client
+        sends is read and dropped for ``LINGER_S`` (a close with its data unread would reach it as a
+        reset, and the answer with it), then the connection closes."""
+        self._cancel_timer()
+        self._unset_keepalive_if_required()
+        self._waiting_for, self.idle_since = "linger", None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # the app's request is over: what it sends goes nowhere
+            self.cycle.message_event.set()
+        self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self._close)
+
+    def _close(self) -> None:
+        """Close once what was written is sent, or in ``LINGER_S`` all the same (a client that
+        does not read must not keep the connection)."""
+        self._cancel_timer()
+        self.idle_since = None
+        if not self.transport.is_closing():
+            self.transport.close()
+            self.loop.call_later(LINGER_S, self.transport.abort)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class SlowBodyGuard:
+    """ASGI middleware: the app waits for a request body ``timeout_s`` in all, plus a second per
+    ``min_bytes_per_s`` bytes received; past that, its read raises ``BodyTimeout`` (the app answers
+    408) and the answer closes the connection. Only waiting counts: a body the app reads late,
+    already buffered, costs nothing."""
+
+    def __init__(self, app: Any, timeout_s: float, min_bytes_per_s: float = MIN_BODY_BYTES_PER_S) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        allowance = self.timeout_s
+        complete = timed_out = False
+
+        async def guarded_receive() -> dict:
+            nonlocal allowance, complete, timed_out
+            if complete:
+                return await receive()
+            started = loop.time()
+            try:
+                async with asyncio.timeout(allowance):
+                    message = await receive()
+            except TimeoutError:
+                timed_out = complete = True
+                raise BodyTimeout(f"the request body stopped arriving (allowed: {self.timeout_s:g} s of waiting, "
+                                  f"plus 1 s per {self.min_bytes_per_s:g} bytes received)") from None
+            finally:
+                allowance -= loop.time() - started
+            if message["type"] == "http.request":
+                allowance += len(message.get("body", b"")) / self.min_bytes_per_s
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            if timed_out and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
+
+
+__all__ = ["GuardedH11Protocol", "GuardedServer", "HttpLimits", "SlowBodyGuard", "default_max_connections"]

@@ -1,0 +1,231 @@
+"""Slow, crowding, oversized and vanishing clients against a real uvicorn server on loopback, spoken
+to over raw sockets (an HTTP client library would not misbehave this way): each is cut off or
+answered, and the server keeps answering everyone else."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import resource
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+from server_stub import HttpLimits, ServerThread, free_port
+from server_stub.cli import add_server_arguments, run_server
+
+REPO = Path(__file__).resolve().parents[2]
+#: How long a test waits for the server to act before it calls the server stuck (never reached
+#: when the guards work: their timeouts here are a second or two).
+HANG_S = 15.0
+
+
+@pytest.fixture
+def guarded(tmp_path):
+    limits = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, max_connections=8)
+    with ServerThread(tmp_path / "server.db", http_limits=limits) as server:
+        yield server
+
+
+def _connect(server: ServerThread) -> socket.socket:
+    sock = socket.create_connection((server.host, server.port))
+    sock.settimeout(HANG_S)
+    return sock
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset counts as closed)."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the server still held the connection after {HANG_S} s (got {received[:100]!r})") from None
+    finally:
+        sock.close()
+    return received
+
+
+def _answer(raw: bytes) -> tuple[int, str]:
+    """Status and error code of a raw HTTP answer."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)["error"]["code"]
+
+
+def _head(method: str, path: str, *headers: str) -> bytes:
+    return "\r\n".join([f"{method} {path} HTTP/1.1", "Host: fl", *headers, "", ""]).encode()
+
+
+def test_a_request_head_that_does_not_arrive_in_time_is_cut_off(guarded):
+    silent = _connect(guarded)
+    partial = _connect(guarded)
+    partial.sendall(b"GET /v1/health HTTP/1.1\r\nHost: fl\r\n")
+    assert _until_closed(silent) == b""
+    assert _answer(_until_closed(partial)) == (408, "HEADER_TIMEOUT")
+    trickling = _connect(guarded)
+    trickling.sendall(b"GET /v1/health HTTP/1.1\r\nX-Slow: ")
+    for _ in range(int(HANG_S / 0.1)):  # a byte keeps coming, the head never ends: cut off all the same
+        if select.select([trickling], [], [], 0.1)[0]:
+            break  # answered (or closed)
+        try:
+            trickling.send(b"a")
+        except OSError:
+            break
+    else:
+        raise AssertionError(f"a head trickling in for {HANG_S} s was not cut off")
+    _until_closed(trickling)
+    assert httpx.get(f"{guarded.url}/v1/health", timeout=HANG_S).json() == {"status": "ok"}
+
+
+def test_a_request_body_that_stops_arriving_is_answered_408_and_cut_off(guarded):
+    stalled = _connect(guarded)
+    stalled.sendall(_head("POST", "/v1/populations/digits/checkin", "Content-Type: application/json", "Content-Length: 1000")
+                    + b'{"runtime_version"')
+    assert _answer(_until_closed(stalled)) == (408, "BODY_TIMEOUT")
+    # A body the app answered without reading it (a refusal) is not drained for ever either.
+    unread = _connect(guarded)
+    unread.sendall(_head("POST", "/v1/sessions/none/report", "Authorization: Bearer x", "Content-Length: 100000") + b"x" * 10)
+    assert _answer(_until_closed(unread)) == (401, "BAD_SESSION_TOKEN")
+
+
+def test_the_connection_cap_makes_room_by_closing_the_longest_idle(tmp_path):
+    limits = HttpLimits(header_timeout_s=60.0, max_connections=8)  # the timeout plays no part here
+    with ServerThread(tmp_path / "server.db", http_limits=limits) as server:
+        crowd = []
+        for _ in range(20):
+            sock = _connect(server)
+            sock.sendall(b"GET /v1/hea")
+            crowd.append(sock)
+        # The server holds 8 of them, yet a new client is answered: the longest idle gives way.
+        assert httpx.get(f"{server.url}/v1/health", timeout=HANG_S).json() == {"status": "ok"}
+        for sock in crowd[:12]:
+            _until_closed(sock)
+        for sock in crowd[12:]:
+            sock.close()
+
+
+def test_a_request_head_over_the_limit_is_answered_431(guarded):
+    huge = _connect(guarded)  # 100 KB in one piece: h11 alone would parse it whole
+    huge.sendall(_head("GET", "/v1/health", "Authorization: Bearer " + "a" * 100_000))
+    assert _answer(_until_closed(huge)) == (431, "HEADERS_TOO_LARGE")
+    piecemeal = _connect(guarded)  # over the limit before it is complete
+    piecemeal.sendall(_head("GET", "/v1/health")[:-2])
+    for _ in range(4):
+        piecemeal.sendall(b"X-Padding: " + b"p" * 5000 + b"\r\n")
+    assert _answer(_until_closed(piecemeal)) == (431, "HEADERS_TOO_LARGE")
+    with httpx.Client(base_url=guarded.url, timeout=HANG_S) as http:  # an answer, not a reset, for a real client too
+        r = http.get("/v1/health", headers={"Authorization": "Bearer " + "a" * 20_000})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "HEADERS_TOO_LARGE"
+        assert http.get("/v1/health").status_code == 200
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_client_that_disconnects_mid_body_is_one_debug_line_not_an_error(guarded):
+    records = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "server_stub")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(records)
+    logging.getLogger("server_stub").setLevel(logging.DEBUG)
+    try:
+        for path in ("/v1/populations/digits/checkin", "/v1/attestation/nonce"):
+            gone = _connect(guarded)
+            gone.sendall(_head("POST", path, "Content-Type: application/json", "Content-Length: 1000") + b"x" * 100)
+            gone.close()
+        deadline = time.monotonic() + HANG_S
+        while time.monotonic() < deadline and sum("disconnected" in r.getMessage() or r.levelno >= logging.ERROR
+                                                  for r in records.records) < 2:
+            time.sleep(0.02)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(records)
+            logger.setLevel(level)
+    errors = [r.getMessage() for r in records.records if r.levelno >= logging.WARNING]
+    assert errors == [], errors
+    lines = [r for r in records.records if "disconnected" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.DEBUG and r.exc_info is None for r in lines)
+
+
+@contextlib.contextmanager
+def _command(tmp_path: Path, *options: str, preexec_fn: Callable[[], None] | None = None) -> Iterator[tuple[int, list[str]]]:
+    """``python -m server_stub`` (``fedfleet server``) on a free port, once it answers health:
+    its port, and its output when it has stopped (in the list, then)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server_stub", "--db", str(tmp_path / "s.db"), "--port", str(port),
+                             "--log-level", "warning", *options], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=preexec_fn)
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.1)
+        yield port, output
+    finally:
+        proc.terminate()
+        output.extend(proc.communicate(timeout=30))
+
+
+def test_the_server_command_takes_its_limits_and_prints_them(tmp_path):
+    with _command(tmp_path, "--header-timeout-s", "7", "--body-timeout-s", "9", "--max-connections", "50",
+                  "--max-header-bytes", "2048") as (port, output):
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/health", headers={"X-Padding": "p" * 4000}, timeout=HANG_S)
+        assert r.status_code == 431 and r.json()["error"]["code"] == "HEADERS_TOO_LARGE"
+    assert "head within 7 s, body within 9 s (+1 s per KiB), 50 connections, headers up to 2048 bytes" in output[0]
+
+
+@pytest.mark.parametrize("option, value", [("--header-timeout-s", "0"), ("--body-timeout-s", "nan"),
+                                           ("--max-connections", "0"), ("--max-header-bytes", "10")])
+def test_the_server_command_refuses_limits_that_cannot_work(tmp_path, capsys, option, value):
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    args = parser.parse_args(["--db", str(tmp_path / "s.db"), "--port", str(free_port()), option, value])
+    assert run_server(args, out=io.StringIO()) == 2
+    assert capsys.readouterr().err.startswith(f"fedfleet server: {option[2:].replace('-', '_')} ({option})")
+
+
+def _few_descriptors() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def test_the_server_command_with_256_descriptors_answers_health_while_300_slow_clients_crowd_it(tmp_path):
+    """The tester's case, with the command's defaults: the cap stays under the descriptor limit
+    and the crowd's longest idle give way, so ``accept`` never fails and health is answered."""
+    crowd: list[socket.socket] = []
+    with _command(tmp_path, preexec_fn=_few_descriptors) as (port, output):
+        try:
+            for _ in range(300):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\n")
+                crowd.append(sock)
+            for _ in range(3):
+                assert httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=HANG_S).json() == {"status": "ok"}
+        finally:
+            for sock in crowd:
+                sock.close()
+    assert "Traceback" not in output[1] and "out of system resource" not in output[1], output[1][-2000:]
