@@ -22,6 +22,10 @@ Choices, and why:
 
 Only plain (non-SecAgg) rounds can have per-device metrics: under Secure Aggregation the server
 never sees one device's update, which is the point of it.
+
+Before a plain report is summed, its metric sums are held to what they mean (``check_metric_sums``,
+``cap_metric_weight``): a device that set ``correct`` to 4e27 made the round publish a
+``train_accuracy`` of 4e27, and one ``loss_sum`` of -4e27 a negative ``train_loss``.
 """
 
 from __future__ import annotations
@@ -37,12 +41,20 @@ from datasketches import kll_doubles_sketch
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["MetricSummary", "RoundMetrics", "device_metrics", "rounds_frame"]
+__all__ = [
+    "MetricSummary", "MetricsOutOfRange", "RoundMetrics", "cap_metric_weight", "check_metric_sums", "device_metrics",
+    "rounds_frame",
+]
 
 DEFAULT_K = 200
 DEFAULT_MAX_NAMES = 32
 QUANTILES: dict[str, float] = {"p05": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}
 DROPPED_NAMES_KEY = "_dropped_names"
+#: The metric sums whose meaning the server knows, as every plan the builders and the toolchain
+#: make sums them over a device's examples: losses, right predictions, and what was measured
+#: (examples, or the label positions of a sequence). A plan's server part turns them into
+#: ``<kind>_loss = sum(loss_sum) / sum(count)`` and ``<kind>_accuracy = sum(correct) / sum(count)``.
+LOSS_SUM, CORRECT, COUNT, NUM_EXAMPLES = "loss_sum", "correct", "count", "num_examples"
 
 # A leading underscore is reserved for RoundMetrics' own keys (``_dropped_names``), so a device
 # cannot shadow them with a metric of the same name.
@@ -281,6 +293,58 @@ def device_metrics(update: Mapping[str, np.ndarray], weight_names: Iterable[str]
         n = out.get("num_examples", 1.0)
         out["update_norm"] = math.hypot(*norms) / (n if n > 1.0 else 1.0)
     return out
+
+
+class MetricsOutOfRange(ValueError):
+    """A report's metric sums hold a value no device computing them honestly can send."""
+
+
+def _scalar(update: Mapping[str, np.ndarray], name: str) -> float | None:
+    value = update.get(name)
+    if value is None or np.size(value) != 1:
+        return None
+    return float(np.asarray(value, dtype=np.float64).reshape(()))
+
+
+def check_metric_sums(update: Mapping[str, np.ndarray]) -> None:
+    """Raise :class:`MetricsOutOfRange` unless the known metric sums mean what they say:
+    ``loss_sum``, ``correct`` and ``count`` are >= 0 (a loss is non-negative, as every built-in
+    one is), ``correct`` is at most ``count`` (``num_examples`` for a plan that sums no ``count``),
+    and with nothing counted there is no loss. Refused rather than clamped: no rounding gets an
+    honest device there, so a report that does is broken or forged, and its update is not taken
+    either. Other metric sums (a histogram's bins) are only finite, as every tensor of a report."""
+    values = {name: _scalar(update, name) for name in (LOSS_SUM, CORRECT, COUNT, NUM_EXAMPLES)}
+    for name in (LOSS_SUM, CORRECT, COUNT):
+        value = values[name]
+        if value is not None and not value >= 0.0:
+            raise MetricsOutOfRange(f"{name} is {value:g}, but it sums non-negative values")
+    counted = values[COUNT] if values[COUNT] is not None else values[NUM_EXAMPLES]
+    correct, loss = values[CORRECT], values[LOSS_SUM]
+    if counted is not None and correct is not None and correct > counted:
+        which = COUNT if values[COUNT] is not None else NUM_EXAMPLES
+        raise MetricsOutOfRange(f"{CORRECT} ({correct:g}) exceeds {which} ({counted:g}): more right answers than questions")
+    if counted == 0.0 and loss is not None and loss > 0.0:
+        raise MetricsOutOfRange(f"{LOSS_SUM} is {loss:g} over no counted example")
+
+
+def cap_metric_weight(update: Mapping[str, np.ndarray], max_count: int) -> tuple[dict[str, np.ndarray], bool]:
+    """``update`` with the weight of its loss and accuracy in the round capped like its model
+    update's: a ``count`` above ``max_count`` scales ``loss_sum``, ``correct`` and ``count`` by
+    ``max_count / count`` (in float64, rounded once to float32), which keeps the device's mean loss
+    and accuracy. ``bound_update`` caps ``num_examples``, but ``count`` is a separate tensor: one
+    report with ``count`` and ``correct`` of 1e30 was the whole round's accuracy. True if capped."""
+    count = _scalar(update, COUNT)
+    if count is None or count <= max_count:
+        return dict(update), False
+    scale = max_count / count
+    out = dict(update)
+    out[COUNT] = np.full(np.shape(update[COUNT]), max_count, dtype=np.float32)
+    for name in (LOSS_SUM, CORRECT):
+        if name in out:
+            out[name] = (np.asarray(out[name], dtype=np.float64) * scale).astype(np.float32)
+    if CORRECT in out:  # rounding to float32 must not lift it over the count it is a part of
+        out[CORRECT] = np.asarray(np.minimum(out[CORRECT], out[COUNT]), dtype=np.float32)
+    return out, True
 
 
 def _flatten(prefix: str, obj: Mapping[str, Any], row: dict[str, Any]) -> None:

@@ -138,6 +138,9 @@ class RoundRecord:
         }
 
 
+def _round_record(row: Any) -> RoundRecord:
+    return RoundRecord(row["id"], row["task_id"], row["number"], row["attempt"], row["status"], row["checkpoint_id"],
+                       _load_metrics(row["metrics"]), row["started_at"], row["ended_at"])
 
 
 class ServerStore:
@@ -246,13 +249,32 @@ class ServerStore:
         ended_at: float,
         checkpoint: bytes | None = None,
         broadcast: bytes | None = None,
+        *,
+        overwrite: bool = False,
     ) -> RoundRecord:
         """Store a finished round, with its new model (and what devices are sent of it) for a
-        committed one, in one transaction: either all of it is durable or none of it is."""
+        committed one, in one transaction: either all of it is durable or none of it is.
+
+        Idempotent: a round already on record under (task, number, attempt) is returned as it is,
+        not written again. A write whose error came after its transaction had committed, then
+        written again, must not leave the round twice. With ``overwrite`` the round on record is
+        made to say what is written now (status, metrics, model): the server has acted on this
+        outcome, e.g. abandoned a round whose commit it could not see go through."""
         with self.engine.begin() as conn:
+            existing = conn.execute(
+                select(rounds).where(rounds.c.task_id == task_id, rounds.c.number == number, rounds.c.attempt == attempt)
+                .order_by(rounds.c.id).limit(1)
+            ).mappings().first()
+            if existing is not None and not overwrite:
+                return _round_record(existing)
             checkpoint_id = self._put(conn, checkpoint, "checkpoint") if checkpoint is not None else None
             if broadcast is not None:
                 self._put(conn, broadcast, "checkpoint")
+            if existing is not None:
+                conn.execute(update(rounds).where(rounds.c.id == existing["id"])
+                             .values(status=status, checkpoint_id=checkpoint_id, metrics=_json(metrics)))
+                return RoundRecord(existing["id"], task_id, number, attempt, status, checkpoint_id, metrics,
+                                   existing["started_at"], existing["ended_at"])
             rid = conn.execute(
                 rounds.insert().values(
                     task_id=task_id,
@@ -274,10 +296,7 @@ class ServerStore:
     def rounds(self, task_id: int) -> list[RoundRecord]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(rounds).where(rounds.c.task_id == task_id).order_by(rounds.c.id)).mappings().all()
-        return [
-            RoundRecord(r["id"], r["task_id"], r["number"], r["attempt"], r["status"], r["checkpoint_id"], _load_metrics(r["metrics"]), r["started_at"], r["ended_at"])
-            for r in rows
-        ]
+        return [_round_record(r) for r in rows]
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:
         committed = [r for r in self.rounds(task_id) if r.status == "committed"]

@@ -32,12 +32,14 @@ class RoundConfig:
     and is abandoned if not.
 
     One device's influence is bounded: a report counts for at most ``max_examples_per_report``
-    examples (its update is scaled down to that weight), and the norm of its mean update is clipped
-    to ``clip_update_norm``; under Secure Aggregation each device applies both to its own update
-    and the server checks each group's sum against them, so a secure training task needs
-    ``clip_update_norm`` (refused at deploy otherwise). A training task publishes a model, so its
-    commit threshold must be at least ``min_reports`` devices (refused at deploy otherwise): a
-    round of one device would give that device's update back to anyone who reads the model.
+    examples (its update, and its loss and accuracy sums, are scaled down to that weight), and the
+    norm of its mean update is clipped to ``clip_update_norm``; under Secure Aggregation each device
+    applies both to its own update and the server checks each group's sum against them, so a secure
+    training task needs ``clip_update_norm`` (refused at deploy otherwise). Every task publishes
+    something (a training task a model, an evaluation its loss and accuracy, an analytics task its
+    totals), so its commit threshold must be at least ``min_reports`` devices (refused at deploy
+    otherwise, and a round with fewer is abandoned by the service): a round of one device would give
+    that device's own update or values back to anyone who reads what it published.
     """
 
     goal_count: Annotated[Int, Field(ge=1, le=1_000_000)] = 10

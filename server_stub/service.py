@@ -6,12 +6,16 @@ Concurrency rules, each from a failure seen under load:
   locked database never freezes check-ins and reports;
 - a finished round becomes a pending commit: the server part of the plan runs and the round is
   written outside the lock, and only once the write succeeded does the new model replace the old
-  one in memory. A failed write abandons the round: nothing is ever applied twice;
+  one in memory. A failed write abandons the round: nothing is ever applied twice. Should the
+  abandoned round's record fail to be written too (the database locked past its busy timeout),
+  it is kept in memory and written again, with backoff, until it is on record: a round is never
+  lost while the server runs, and the device whose report closed it is told what became of it;
 - one population runs one round at a time; with several tasks, a strategy picks the next one."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import json
@@ -22,7 +26,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -52,9 +56,9 @@ from .errors import (
     Unauthorized,
 )
 from .influence import bound_update, check_group_sum
-from .metrics import RoundMetrics, device_metrics
+from .metrics import MetricsOutOfRange, RoundMetrics, cap_metric_weight, check_metric_sums, device_metrics
 from .pace import CheckinPace, RoundPace
-from .persistence import NewTask, ServerStore, TaskRecord
+from .persistence import NewTask, RoundRecord, ServerStore, TaskRecord
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
 from .schemas import NAME_RULE
@@ -63,6 +67,7 @@ from .secure_rounds import SecureRound, SecureSettings
 from .task_choice import Strategy, choose_task
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: How many closed rounds per task keep their session table, so a late report is told it was late.
 CLOSED_ROUNDS_KEPT = 4
@@ -78,6 +83,10 @@ MAX_TASKS_PER_GROUP = 16
 #: after their round closed, and each write serializes the round's whole metrics. A crash loses
 #: at most this long of late-report counts; the round itself is on record already.
 LATE_METRICS_EVERY_S = 30.0
+#: Backoff, on the service's clock, between the writes of a round's record that failed: the
+#: ticker tries again after this long, then after twice the last wait, up to WRITE_RETRY_MAX_S.
+WRITE_RETRY_FIRST_S = 0.5
+WRITE_RETRY_MAX_S = 60.0
 #: What a name may be made of: it travels in URLs, headers and logs (and is not only dots:
 #: ``NAME_RULE``).
 NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
@@ -160,7 +169,13 @@ class _TaskRun:
     device_metrics: RoundMetrics = field(default_factory=RoundMetrics)
     bounded: dict[str, int] = field(default_factory=lambda: {"capped": 0, "clipped": 0})
     closed: list[_ClosedRound] = field(default_factory=list)
-    seats: dict[int, dict[bytes, str]] = field(default_factory=dict)  # open round: attested device -> session
+    seats: dict[tuple[int, int, int], dict[bytes, str]] = field(default_factory=dict)  # open round: attested device -> session
+
+    @property
+    def seat_key(self) -> tuple[int, int, int]:
+        """The open round's identity (task, round, attempt), under which its seats are held. Not
+        ``id()`` of the round's object: a later round's object can take a freed one's address."""
+        return (self.record.id, self.round_number, self.attempt)
 
     @property
     def is_training(self) -> bool:
@@ -197,6 +212,24 @@ class _PendingCommit:
     started_wall: float
     ended_wall: float
     written: threading.Event = field(default_factory=threading.Event)
+    outcome: Phase | None = None  # what the round became once its commit was tried
+
+
+@dataclass
+class _UnwrittenRound:
+    """A closed round whose record could not be written (the database locked or full): its
+    outcome is already applied in memory, and the ticker writes the record again until it is on
+    record. Writes are idempotent (``ServerStore.record_round``), so a retry never adds a second."""
+
+    run: _TaskRun
+    core: RoundCore
+    attempt: int
+    status: str
+    metrics: dict
+    started_wall: float
+    ended_wall: float
+    tries: int = 1
+    next_try_at: float = 0.0
 
 
 class FLService:
@@ -246,6 +279,7 @@ class FLService:
         self._sessions: dict[str, _Session] = {}
         self._by_token: dict[bytes, _Session] = {}
         self._pending: list[_PendingCommit] = []
+        self._unwritten: list[_UnwrittenRound] = []  # closed rounds not yet on record, oldest first
         #: closed rounds' metrics changed by late reports, by round record id: written every
         #: ``late_metrics_every_s`` and on a read of the rounds, once per round however many came
         self._late_due: dict[int, dict] = {}
@@ -423,7 +457,7 @@ class FLService:
                         failed = ",".join(str(f) for f in eligibility.get("failed", []))[:200]
                         return _rejected(IDLE_RETRY_WINDOW_S, f"INELIGIBLE:{failed}" if failed else "INELIGIBLE")
                 assert run.core is not None
-                seats = run.seats.setdefault(id(run.core), {}) if device is not None else {}
+                seats = run.seats.setdefault(run.seat_key, {}) if device is not None else {}
                 if device is not None and device in seats:
                     # One seat per attested device and round, so its reports count as one device's.
                     # A device whose answer was lost checks in again: it gets its seat back under a
@@ -439,7 +473,7 @@ class FLService:
                         cap = run.config.selection_timeout_s + run.config.report_timeout_s
                         return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ROUND_FULL")
                     if device is not None:
-                        run.seats = {id(run.core): {**seats, device: session_id}}
+                        run.seats = {run.seat_key: {**seats, device: session_id}}
                 token = _urlsafe(self.token_bytes(32))
                 session = _Session(session_id, _hash_token(token), run, run.core, (plan_id, run.broadcast_id))
                 self._sessions[session_id] = session
@@ -483,7 +517,11 @@ class FLService:
             return secagg_upload_limit(len(group.members), config.vector_length, config.modulus)
 
     def report(self, session_id: str, token: str, body: bytes, stats: dict | None = None) -> dict:
-        """Aggregate one device's update; nothing of it is kept apart from the running sum."""
+        """Aggregate one device's update; nothing of it is kept apart from the running sum. The
+        answer's ``round_status`` says what became of the round as the answer leaves: ``open``
+        (it goes on), or, for the report that closed it, ``committed`` (on record with the new
+        model) or ``abandoned`` (the update is discarded with the round, e.g. because the
+        commit could not be written: a plain "accepted" would have claimed a commit)."""
         session = self._authorize(session_id, token)
         run = session.run
         if run.codec is not None:
@@ -496,11 +534,17 @@ class FLService:
             run.executor.validate_update(update)
         except PlanError as exc:
             raise InvalidUpdate(f"the report does not match the plan: {exc}") from None
+        try:
+            check_metric_sums(update)
+        except MetricsOutOfRange as exc:
+            raise InvalidUpdate(f"the report's metrics are out of range: {exc}; the update was not taken",
+                                code="INVALID_METRICS") from None
         bounded = bound_update(
             update, run.plan.weight_names if run.is_training else (),
             max_examples=run.config.max_examples_per_report, clip_norm=run.config.clip_update_norm,
         )
-        observed = device_metrics(bounded.update, run.plan.weight_names if run.is_training else ())
+        summed, metrics_capped = cap_metric_weight(bounded.update, run.config.max_examples_per_report)
+        observed = device_metrics(summed, run.plan.weight_names if run.is_training else ())
         observed.update(_stats_metrics(stats))
         shape = _stats_shape(stats)
         try:
@@ -517,19 +561,26 @@ class FLService:
                     raise SessionClosed("this session was aborted or is no longer part of a round")
                 assert run.accumulator is not None
                 try:
-                    run.accumulator = run.executor.accumulate(run.accumulator, bounded.update)
+                    run.accumulator = run.executor.accumulate(run.accumulator, summed)
                 except Exception as exc:  # the plan's own accumulate failed on this update
                     raise InvalidUpdate(f"the plan could not aggregate this report: {type(exc).__name__}") from None
                 run.device_metrics.add(observed)
-                run.bounded["capped"] += bounded.capped
+                run.bounded["capped"] += bounded.capped or metrics_capped
                 run.bounded["clipped"] += bounded.clipped
                 session.core.note_shape(shape and shape + "^")
                 session.core.confirm_report(session_id, now)
                 pop = self._populations[run.record.population]
                 self._advance(pop, now)
-                return {"status": "accepted", "round": session.core.number, **_participant_window(pop, run, now)}
+                answer = {"status": "accepted", "round": session.core.number, "round_status": "open",
+                          **_participant_window(pop, run, now)}
+                closing = next((p for p in self._pending if p.core is session.core), None)  # this report closed it
         finally:
             self._flush()
+        if closing is not None:  # its commit has been tried: _flush waits for the rounds this call closed
+            with self._lock:
+                if closing.outcome is not None:
+                    answer["round_status"] = closing.outcome.value
+        return answer
 
     def abort(self, session_id: str, token: str, reason: str, stats: dict | None = None) -> dict:
         """The device stopped: its session is closed and its token revoked (it downloads nothing
@@ -559,7 +610,7 @@ class FLService:
         with self._lock:
             for pop in list(self._populations.values()):
                 self._advance(pop, now)
-        self._flush()
+        self._flush(retry=True)
         if now - self._late_written_at >= self.late_metrics_every_s:
             self._late_written_at = now
             self.write_late_metrics()
@@ -740,7 +791,9 @@ class FLService:
         ckpt_id = last.checkpoint_id if last is not None and last.checkpoint_id else task.initial_checkpoint_id
         state = {k: np.array(v) for k, v in decode_checkpoint(self.store.get_resource(ckpt_id)).items()}
         number = (last.number + 1) if last else 1
-        attempt = 1 + sum(1 for r in history if r.number == number)
+        # after the last attempt on record (not their count: one whose record a stopped server
+        # never wrote leaves a gap, and a round on record under (number, attempt) is not written again)
+        attempt = 1 + max((r.attempt for r in history if r.number == number), default=0)
         spec = executor.client_update_spec()
         limit = REPORT_SLACK_BYTES + sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in spec.values())
         return _TaskRun(
@@ -807,7 +860,7 @@ class FLService:
         core.advance(now)
         if core.phase is Phase.REPORTING and not secure.formed:
             selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
-            devices = {sid: device for device, sid in run.seats.get(id(core), {}).items()}  # attested key hashes
+            devices = {sid: device for device, sid in run.seats.get(run.seat_key, {}).items()}  # attested key hashes
             if not secure.form_groups(selected, now, core.deadlines, devices):
                 log.info("task %s round %d: %d devices, fewer than a SecAgg group of %d", run.record.name,
                          core.number, len(selected), secure.settings.min_group_size)
@@ -910,24 +963,32 @@ class FLService:
         pop.current = None
         pop.committing = True
 
-    def _flush(self) -> None:
+    def _flush(self, *, retry: bool = False) -> None:
         """Write pending commits, outside the service lock. One thread writes at a time; a thread
         that finds another writing leaves the work to it. A call that closed a round returns only
-        once that round is written (by whichever thread), so the device whose report completed a
-        round, or a test, sees it on record; calls that closed nothing never wait for a write."""
+        once that round's commit was tried (by whichever thread): the round is on record, or was
+        abandoned and its record waits for a retry; so the device whose report completed a round,
+        or a test, learns its outcome. Calls that closed nothing never wait for a write. With
+        ``retry`` (the ticker), records whose backoff is over are written again first."""
         while True:
             with self._lock:
-                if not self._pending:
+                if not self._pending and not (retry and self._due_unwritten()):
                     break
             if not self._write_lock.acquire(blocking=False):
                 break
             try:
+                if retry:
+                    with self._lock:
+                        due = self._due_unwritten()
+                    self._write_unwritten(due)
                 while True:
                     with self._lock:
                         if not self._pending:
                             break
                         pending = self._pending.pop(0)
+                        earlier = [u for u in self._unwritten if u.run is pending.run]
                     try:
+                        self._write_unwritten(earlier)  # a task's records go on record in the order they ended
                         self._commit(pending)
                     finally:
                         pending.written.set()
@@ -940,8 +1001,13 @@ class FLService:
                 pending.written.wait()
 
     def _commit(self, p: _PendingCommit) -> None:
-        run, phase, metrics = p.run, p.phase, p.metrics
+        run, phase, metrics, attempt = p.run, p.phase, p.metrics, p.run.attempt
         new_state = checkpoint = broadcast = None
+        if phase is Phase.COMMITTED and p.core.reported < run.config.min_reports:
+            # Refused at deploy; a task an older server stored may still have such a config.
+            phase = Phase.ABANDONED
+            metrics["error"] = (f"{p.core.reported} report(s), fewer than min_reports ({run.config.min_reports}): "
+                                "the round publishes nothing")
         if phase is Phase.COMMITTED:
             try:
                 assert p.accumulator is not None
@@ -961,28 +1027,42 @@ class FLService:
                     broadcast = encode_checkpoint(run.executor.prepare(new_state))
                 else:
                     metrics["evaluated_checkpoint_id"] = run.broadcast_id
-        record_id = None
+
+        def write(status: str, *resources: bytes | None) -> RoundRecord:
+            return self.store.record_round(run.record.id, p.core.number, attempt, status, metrics,
+                                           p.started_wall, p.ended_wall, *resources)
+
+        record: RoundRecord | None = None
         try:
-            record_id = self.store.record_round(
-                run.record.id, p.core.number, run.attempt, phase.value, metrics, p.started_wall, p.ended_wall, checkpoint, broadcast
-            ).id
+            record = write(phase.value, checkpoint, broadcast)
         except (SQLAlchemyError, OSError) as exc:
             log.error("task %s round %d: the database write failed (%s); the round is abandoned", run.record.name, p.core.number, exc)
+            was_commit = phase is Phase.COMMITTED
             phase = Phase.ABANDONED
             metrics["error"] = f"database write failed: {type(exc).__name__}"
-            record_id = self._write_quietly(
-                lambda: self.store.record_round(run.record.id, p.core.number, run.attempt, phase.value, metrics, p.started_wall, p.ended_wall).id
-            )
+            record = self._write_quietly(write, phase.value)
+            if was_commit and record is not None and record.status == Phase.COMMITTED.value:
+                # the failed write had gone through after all (the retry found it): the round committed
+                phase = Phase.COMMITTED
+                metrics.pop("error")
+            elif record is None:
+                with self._lock:
+                    self._unwritten.append(_UnwrittenRound(run, p.core, attempt, phase.value, metrics, p.started_wall,
+                                                           p.ended_wall, next_try_at=self.clock() + WRITE_RETRY_FIRST_S))
+                log.error("task %s round %d attempt %d: its record is kept in memory and written again until on record",
+                          run.record.name, p.core.number, attempt)
+        record_id = record.id if record is not None else None
         completes = phase is Phase.COMMITTED and run.config.max_rounds is not None and run.committed_rounds + 1 >= run.config.max_rounds
         finished = [run] + [r for r in p.population.runs if r.evaluates is run] if completes else []
         for done in finished:
             self._write_quietly(self.store.set_task_status, done.record.id, "completed")
         with self._lock:
+            p.outcome = phase
             for closed in run.closed:
                 if closed.core is p.core:
                     closed.record_id = record_id
             del run.closed[:-CLOSED_ROUNDS_KEPT]
-            live = {id(c.core) for c in run.closed}
+            live = {id(c.core) for c in run.closed}  # ids of live objects: no two are alike
             for sid, session in list(self._sessions.items()):
                 if session.run is run and id(session.core) not in live:
                     del self._sessions[sid]
@@ -1006,7 +1086,40 @@ class FLService:
         if not pop.runs:
             self._activate(pop.name)
 
-    def _write_quietly(self, write: Callable, *args: object) -> object:
+    def _due_unwritten(self) -> list[_UnwrittenRound]:
+        """Records whose backoff is over (under the lock)."""
+        if not self._unwritten:
+            return []
+        now = self.clock()
+        return [u for u in self._unwritten if u.next_try_at <= now]
+
+    def _write_unwritten(self, todo: list[_UnwrittenRound]) -> None:
+        """Write again records that failed to be written (outside the lock; the caller holds the
+        write lock). One still failing waits twice as long as last time before the next try."""
+        for u in todo:
+            with self._lock:
+                assert u.core.ended_at is not None
+                u.metrics.update(u.core.stats(u.core.ended_at))  # with the late reports counted so far
+                metrics = dict(u.metrics)
+            # Overwriting: the outcome in memory is what devices were told and the next round
+            # started from, even if a commit write that "failed" had gone through after all.
+            record = self._write_quietly(functools.partial(self.store.record_round, overwrite=True), u.run.record.id,
+                                         u.core.number, u.attempt, u.status, metrics, u.started_wall, u.ended_wall)
+            with self._lock:
+                if record is None:
+                    u.tries += 1
+                    u.next_try_at = self.clock() + min(WRITE_RETRY_MAX_S, WRITE_RETRY_FIRST_S * 2.0 ** (u.tries - 1))
+                    continue
+                self._unwritten.remove(u)
+                for closed in u.run.closed:
+                    if closed.core is u.core:
+                        closed.record_id = record.id
+                if u.core.late_reports:
+                    self._note_late(u.run, u.core)  # late reports that came after the copy above
+            log.info("task %s round %d attempt %d is on record after %d tries", u.run.record.name, u.core.number,
+                     u.attempt, u.tries + 1)
+
+    def _write_quietly(self, write: Callable[..., _T], *args: object) -> _T | None:
         """A database write whose failure is logged, not raised (its caller has a fallback)."""
         try:
             return write(*args)
@@ -1055,12 +1168,12 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
     except PlanError as exc:
         raise InvalidPlan(f"task {spec.name!r}: {exc}") from None
     config = spec.config
-    if plan.kind == "train" and config.commit_threshold < config.min_reports:
+    if config.commit_threshold < config.min_reports:  # every kind publishes: a model, or metrics and totals
         raise BadRequest(
             f"task {spec.name!r}: a round could commit with {config.commit_threshold} device(s) "
             f"(goal_count {config.goal_count} x min_fraction {config.min_fraction}), fewer than min_reports "
-            f"({config.min_reports}); a published model would give back so few devices' updates. Raise goal_count, "
-            "or lower min_reports knowingly",
+            f"({config.min_reports}); what a round publishes (a model, an evaluation's loss and accuracy, an "
+            "analytics total) would give back so few devices' own values. Raise goal_count, or lower min_reports knowingly",
             code="BAD_CONFIG",
         )
     if not (spec.weight > 0 and np.isfinite(spec.weight)):

@@ -79,7 +79,7 @@ def emit_loss(
     if loss == "cross_entropy":
         out = _cross_entropy(e, prediction, label, producers, scale)
     elif loss == "binary_cross_entropy":
-        out = _binary_cross_entropy(e, prediction, label, producers, scale)
+        out = _binary_cross_entropy(e, prediction, label, producers, count, scale)
     elif loss == "mse":
         out = _mse(e, prediction, label, count, scale)
     else:
@@ -129,7 +129,10 @@ def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: st
     return out
 
 
-def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: str | None) -> LossGraph:
+def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, count: str, scale: str | None) -> LossGraph:
+    """One or several independent labels per example. ``correct`` sums, per example, the fraction
+    of its labels predicted right, so that it is at most ``count`` (the server refuses a report
+    whose ``correct`` exceeds its ``count``) and the accuracy is per label."""
     logits = _before(e, producers, prediction, "Sigmoid")
     target = e.op("Reshape", [_cast_like(e, label, prediction), e.shape_of(prediction)], hint="target")
     zero = e.scalar(0.0, prediction)
@@ -156,7 +159,12 @@ def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, sc
             local = e.op("Div", [e.op("Sub", [p, target]), e.op("Mul", [p, e.op("Sub", [one, p])])])
             out.seeds[prediction] = e.op("Mul", [local, scale], hint="d_prediction")
     agree = e.op("Equal", [positive, e.op("Greater", [target, half])])
-    out.metrics["correct"] = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct")
+    shape = e.shape(prediction)
+    if shape is not None and all(isinstance(d, int) for d in shape[1:]) and int(np.prod(shape[1:], dtype=np.int64)) == 1:
+        out.metrics["correct"] = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct")
+    else:
+        hits = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0)
+        out.metrics["correct"] = e.op("Div", [hits, _as_f32(e, _per_example_size(e, prediction, count))], hint="correct")
     return out
 
 

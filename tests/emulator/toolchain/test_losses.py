@@ -86,6 +86,22 @@ def test_builtin_losses_give_the_autograd_gradient_and_sums(kind, n, seed):
         assert metrics["correct"] == float(np.sum((z > 0) == (y > 0.5)))
 
 
+@pytest.mark.parametrize("head", ["Sigmoid", None])
+def test_binary_cross_entropy_with_several_labels_counts_at_most_one_correct_per_example(head):
+    """Three independent labels per example: ``correct`` sums each example's fraction of labels
+    predicted right (the per-label accuracy times n), never more than ``count``, which the server
+    holds every report to (a sum over labels made the published accuracy up to 3)."""
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((9, 4)).astype(np.float32), rng.integers(0, 2, (9, 3)).astype(np.float32)
+    source = _linear(4, 3, 6, head)
+    _, weights, _, metrics = _one_step(source, "binary_cross_entropy", x, y)
+    z = x @ weights["w"].astype(np.float64) + weights["b"]
+    positive = z > 0 if head == "Sigmoid" else z > 0.5  # without a Sigmoid node the output is read as a probability
+    assert metrics["count"] == 9
+    assert metrics["correct"] == pytest.approx(float(np.sum(positive == (y > 0.5))) / 3, rel=1e-6)
+    assert metrics["correct"] <= metrics["count"]
+
+
 def test_cross_entropy_reads_the_logits_before_a_final_softmax():
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((6, 4)).astype(np.float32) * 30, rng.integers(0, 3, 6)  # saturating logits
