@@ -453,6 +453,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await run_in_threadpool(service.write_unwritten)  # round records still waiting for a retry
             await run_in_threadpool(service.write_late_metrics)  # what the ticker had not written yet
 
     app.router.lifespan_context = lifespan

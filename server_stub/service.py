@@ -1136,6 +1136,19 @@ class FLService:
                 self._late_due[closed.record_id] = closed.metrics  # copied once, when written
                 return
 
+    def write_unwritten(self) -> int:
+        """Try every record still waiting for a retry now, whatever its backoff (a server that
+        stops: what is not on record when the process ends is lost); how many are left unwritten."""
+        with self._write_lock:
+            with self._lock:
+                todo = list(self._unwritten)
+            self._write_unwritten(todo)
+            with self._lock:
+                left = len(self._unwritten)
+        if left:
+            log.error("%d round record(s) could not be written before the server stopped; they are lost", left)
+        return left
+
     def write_late_metrics(self) -> None:
         """Write the metrics late reports changed since the last write (outside the lock); the
         ticker does every ``late_metrics_every_s``, a server that stops does once more."""

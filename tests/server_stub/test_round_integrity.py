@@ -307,6 +307,27 @@ def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_an
         store.close()
 
 
+def test_a_record_waiting_for_its_retry_is_written_when_the_server_stops(tmp_path):
+    server = QuickToGiveUp(tmp_path / "s.db")
+    plan, start = server.deploy()
+    updates, _ = moving_updates(plan, start, seed=4)
+    sessions = server.checkin(5)
+    for session, update in zip(sessions[:4], updates[:4]):
+        server.report(session, update)
+    holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        assert server.report(sessions[4], updates[4])["round_status"] == "abandoned"
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert server.statuses() == []
+    assert server.service.write_unwritten() == 0  # its backoff is not over: written all the same
+    assert [(r["round"], r["attempt"], r["status"]) for r in server.service.rounds(POP)] == [(1, 1, "abandoned")]
+    for store in server.stores:
+        store.close()
+
+
 class RaiseAfterFirstWrite:
     """Wraps ServerStore.record_round: the first call writes the round, then raises as if it had
     not (an error reported after the transaction committed); every other call goes through."""

@@ -71,8 +71,8 @@ class Harness:
             time.sleep(0.01)
         self.admin = AdminClient(self.url, admin_key=self.admin_key)
         deploy(self.admin, plan=digits_plan("softmax", secure_aggregation=True), goal_count=devices, over_selection=1.0,
-               min_fraction=0.2, selection_timeout_s=60, report_timeout_s=12, secagg_min_group_size=min_group,
-               secagg_round_timeout_s=2.0)
+               min_fraction=0.2, selection_timeout_s=60, report_timeout_s=15, secagg_min_group_size=min_group,
+               secagg_round_timeout_s=4.0)
         self.opstats = [OpStatsStore(tmp_path / f"opstats{i}.db") for i in range(devices)]
         self.stores = []
         self.runtimes = []
