@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+import itertools
 import json
 import logging
 import math
@@ -62,6 +63,8 @@ MAX_DEFAULT_CONNECTIONS = 4096
 EVICTIONS_IN_FLIGHT = 16
 #: Seconds between two warnings that new connections are refused.
 BUSY_WARNING_EVERY_S = 10.0
+#: Orders connections that became idle at the same clock reading: the first gives way first.
+_idle_order = itertools.count()
 
 
 def default_max_connections() -> int:
@@ -164,7 +167,7 @@ class _Admission:
             return "yes"
         idle = [p for p in self.protocols if p.idle_since is not None and not p.transport.is_closing()]
         if idle:
-            oldest = min(idle, key=lambda p: p.idle_since or 0.0)
+            oldest = min(idle, key=lambda p: (p.idle_since or 0.0, p.idle_order))
             log.debug("connection cap %d reached: closing %s, idle for %.1f s", self.cap, oldest.client,
                       oldest.loop.time() - (oldest.idle_since or 0.0))
             oldest.transport.abort()
@@ -255,6 +258,7 @@ class GuardedH11Protocol(H11Protocol):
         self.conn = _HeadLimitedConnection(self.limits.max_header_bytes)
         #: since when the connection waits on its client with no request in the app (None: it does not)
         self.idle_since: float | None = None
+        self.idle_order = 0
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for: str | None = None  # "head", "drain" or "linger"
 
@@ -318,7 +322,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._cancel_timer()
         self._waiting_for = waiting_for
-        self.idle_since = self.loop.time() if waiting_for else None
+        self.idle_since, self.idle_order = (self.loop.time() if waiting_for else None), next(_idle_order)
         if waiting_for:
             self._timer = self.loop.call_later(timeout, self._timed_out)
 
