@@ -16,7 +16,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime import PlanExecutor
 from device_runtime.executor import make_session
-from emulator.toolchain import SGD, UnsupportedOpError, initial_weights_from_onnx, training_plan_from_onnx, vjp_model
+from emulator.toolchain import (
+    SGD,
+    UnsupportedOpError,
+    evaluation_plan_from_onnx,
+    initial_weights_from_onnx,
+    training_plan_from_onnx,
+    vjp_model,
+)
 from example_store import ExampleSelector
 from tests.emulator.toolchain.gradcheck import vjp_error
 from tests.emulator.toolchain.models import F, glorot, model
@@ -89,6 +96,10 @@ def test_ops_on_integer_boolean_shape_and_weightless_paths_need_no_rule_and_the_
         numeric = (_mse(source, plus, x, y) - _mse(source, minus, x, y)) / (2 * eps)
         analytic = sum(float(np.sum(step[w] * v[w])) for w in plan.weight_names)
         assert abs(numeric - analytic) <= 2e-3 * max(1.0, abs(numeric)), (k, numeric, analytic)
+    evaluation = evaluation_plan_from_onnx(source, label="y", loss="mse", batch_size=5, example_selector=SELECTOR,
+                                           training_plan=plan)
+    metrics = PlanExecutor(evaluation).run_device(weights, lambda: [{"x": x, "y": y}]).metrics
+    assert metrics["loss"] == pytest.approx(_mse(source, {}, x, y), rel=1e-5)
 
 
 def test_a_castlike_whose_target_type_is_on_the_differentiable_path_takes_no_gradient():
