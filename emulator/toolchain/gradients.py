@@ -794,7 +794,8 @@ def _gmp(e, node, dys, wants):
 
 _DECOMPOSED = {
     "BatchNormalization": "training: rewritten with batch statistics (mean/var over N and spatial axes); running statistics "
-                          "become state updated with momentum (the variance unbiased, n/(n-1), as torch); evaluation keeps the op",
+                          "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
+                          "evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
            "default activations, either linear_before_reset, no sequence_lens)",

@@ -254,7 +254,8 @@ def training_plan_from_onnx(
 
     Raises :class:`UnsupportedOpError` naming the op and node of a node without a gradient rule
     (:data:`OP_COVERAGE`) on a path along which a gradient flows from a trainable weight to the loss
-    (integer, boolean and shape paths and float paths no trainable weight reaches need none), and ``ValueError``/``PlanError`` for arguments that cannot make a plan.
+    (integer, boolean and shape paths and float paths no trainable weight reaches need none), and
+    ``ValueError``/``PlanError`` for arguments that cannot make a plan.
 
     ``dropout_seed`` seeds active ``Dropout`` nodes so that a session is reproducible (every device
     then draws the same sequence of masks); ``None`` leaves them to onnxruntime's randomness."""

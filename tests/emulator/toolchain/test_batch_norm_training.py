@@ -68,7 +68,8 @@ def test_running_variance_takes_the_unbiased_batch_variance_as_torch_does(batch,
     source = _bn_model(3, side)
     plan, start, result, new = _one_step(source, x, y)
     assert {"running_mean", "running_var"} <= set(plan.weight_names)
-    mean, var = _torch_running_stats(x, start["running_mean"].astype(np.float64), start["running_var"].astype(np.float64), 1 - MOMENTUM)
+    mean, var = _torch_running_stats(x, start["running_mean"].astype(np.float64), start["running_var"].astype(np.float64),
+                                     1 - MOMENTUM)
     np.testing.assert_allclose(new["running_mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new["running_var"], var, rtol=1e-5, atol=1e-6)
     # the step's loss was computed with the biased variance (torch's normalization in training mode)
