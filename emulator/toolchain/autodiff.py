@@ -294,6 +294,34 @@ def needed_for(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[s
     return needed
 
 
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+# inputs of an op that steer it but carry no gradient although they may be float: CastLike's target type
+NON_DIFFERENTIABLE_INPUTS: dict[str, tuple[int, ...]] = {"CastLike": (1,)}
+
+
+def differentiable(nodes: Sequence[onnx.NodeProto], sources: Iterable[str], infos: Mapping[str, TensorInfo]) -> set[str]:
+    """The tensors a gradient can reach from ``sources`` (themselves included), nodes in topological order.
+
+    Unlike :func:`depends_on` this follows float tensors only, through ops that carry a gradient:
+    integer, boolean and shape paths (``Shape`` and the arithmetic on it, a boolean mask, an index
+    buffer) and the outputs of ops without a gradient stop it, so that they need no rule. A tensor
+    whose type inference could not fix counts as float (the rule decides)."""
+    from .gradients import NO_GRADIENT
+
+    reached = set(sources)
+    for node in nodes:
+        if node.domain in DEFAULT_DOMAINS and node.op_type in NO_GRADIENT:
+            continue
+        skip = NON_DIFFERENTIABLE_INPUTS.get(node.op_type, ()) if node.domain in DEFAULT_DOMAINS else ()
+        if not any(i in reached for k, i in enumerate(node.input) if i and k not in skip):
+            continue
+        for o in node.output:
+            info = infos.get(o)
+            if o and (info is None or info.elem_type in FLOAT_TYPES or info.elem_type == TensorProto.UNDEFINED):
+                reached.add(o)
+    return reached
+
+
 def backward(
     emitter: Emitter,
     nodes: Sequence[onnx.NodeProto],
@@ -303,12 +331,13 @@ def backward(
     """Emit the gradients of the seeded tensors' sum with respect to each of ``wrt``.
 
     ``seeds`` maps a forward tensor to the tensor holding the gradient flowing into it (for a
-    scalar loss: a ones tensor, or 1/N for the mean). Returns ``wrt`` name -> gradient tensor, or
+    scalar loss: a ones tensor, or 1/N for the mean). Only nodes on a path from ``wrt`` to a seed
+    along which a gradient flows (:func:`differentiable`) are differentiated. Returns ``wrt`` name -> gradient tensor, or
     None where no seeded tensor depends on it (a zero gradient). Raises
     :class:`UnsupportedOpError` for the first node on the way that no rule covers."""
     from .gradients import NO_GRADIENT, RULES
 
-    live = depends_on(nodes, wrt)
+    live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
     grads: dict[str, str] = {}
     for name, seed in seeds.items():

@@ -5,7 +5,8 @@ Exporters write models for inference; a training step computes some ops differen
 * ``BatchNormalization`` normalizes with the batch's statistics (mean and population variance
   over the batch and spatial axes); its running mean and variance, when they are initializers,
   become state that the step updates with the op's momentum (the ONNX training-mode formula)
-  and that the server averages like a weight;
+  and that the server averages like a weight. The running variance takes the unbiased batch
+  variance (times n/(n-1), n the elements per channel), as torch's does;
 * ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs;
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
   (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
@@ -125,11 +126,23 @@ def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], update
     inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
     gain = e.op("Mul", [inv, e.op("Reshape", [scale, e.ints(cshape)])])
     e.op("Add", [e.op("Mul", [centred, gain]), e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
+    if var_in in initializers:
+        var = _unbiased(e, x, mean, var)
     for stat, batch in ((mean_in, mean), (var_in, var)):
         if stat in initializers:
             flat = e.op("Reshape", [batch, e.ints([-1])])
             kept = e.op("Mul", [stat, e.scalar(momentum, x)])
             updates[stat] = e.op("Add", [kept, e.op("Mul", [flat, e.scalar(1.0 - momentum, x)])], hint=f"{stat}_next")
+
+
+def _unbiased(e: Emitter, x: str, mean: str, var: str) -> str:
+    """The batch variance ``var`` times n/(n-1), n the elements per channel (read at run time: the
+    batch is dynamic), as torch updates the running variance; n = 1 keeps the (zero) variance
+    where torch refuses the batch, so that a device's one-example last batch cannot make it infinite."""
+    elem = e.elem_type(x)
+    n = e.op("Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [mean])], to=elem)], hint="bn_n")
+    less_one = e.op("Max", [e.op("Sub", [n, e.scalar(1.0, x)]), e.scalar(1.0, x)])
+    return e.op("Mul", [var, e.op("Div", [n, less_one])], hint="bn_var_unbiased")
 
 
 def _layer_norm(e: Emitter, node: onnx.NodeProto) -> None:

@@ -238,6 +238,33 @@ def _cast(e, node, dys, wants):
     return [e.op("Cast", [_dy(dys, e, node)], to=e.elem_type(x))]
 
 
+@rule("CastLike", note="dy cast back (float to float only; the target-type input takes none)")
+def _cast_like(e, node, dys, wants):
+    x = node.input[0]
+    floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    if not wants[0] or e.elem_type(x) not in floats or e.elem_type(node.input[1]) not in floats:
+        return [None, None]
+    return [e.op("CastLike", [_dy(dys, e, node), x]), None]
+
+
+@rule("HardSigmoid", note="dy*alpha where 0 < alpha*x+beta < 1")
+def _hard_sigmoid(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
+    inner = e.op("Add", [e.op("Mul", [x, e.scalar(alpha, x)]), e.scalar(beta, x)])
+    inside = e.op("And", [e.op("Greater", [inner, e.scalar(0.0, x)]), e.op("Less", [inner, e.scalar(1.0, x)])])
+    return [_where(e, inside, e.op("Mul", [dy, e.scalar(alpha, x)]), e.scalar(0.0, x))]
+
+
+@rule("HardSwish", note="0 for x < -3, dy*(x/3+1/2) for -3 <= x <= 3, dy for x > 3")
+def _hard_swish(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    ramp = e.op("Add", [e.op("Mul", [x, e.scalar(1.0 / 3.0, x)]), e.scalar(0.5, x)])
+    local = _where(e, e.op("Less", [x, e.scalar(-3.0, x)]), e.scalar(0.0, x),
+                   _where(e, e.op("Greater", [x, e.scalar(3.0, x)]), e.scalar(1.0, x), ramp))
+    return [e.op("Mul", [dy, local])]
+
+
 @rule("Dropout", note="dy*mask/(1-ratio) when training, dy at inference")
 def _dropout(e, node, dys, wants):
     dy = _dy(dys, e, node)
@@ -767,7 +794,8 @@ def _gmp(e, node, dys, wants):
 
 _DECOMPOSED = {
     "BatchNormalization": "training: rewritten with batch statistics (mean/var over N and spatial axes); running statistics "
-                          "become state updated with momentum; evaluation keeps the op",
+                          "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
+                          "evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
            "default activations, either linear_before_reset, no sequence_lens)",

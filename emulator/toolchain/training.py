@@ -45,7 +45,7 @@ from .autodiff import (
     tensor_infos,
 )
 from .forward import is_float, training_forward
-from .gradients import NO_GRADIENT, OP_COVERAGE
+from .gradients import NO_GRADIENT
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
 from .optimizers import SGD, Adam, Momentum, Optimizer
 from .server_optimizers import FedAvg, ServerOptimizer, server_part
@@ -157,12 +157,14 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
-    """Refuse the first node whose op is outside :data:`OP_COVERAGE`, naming it."""
+    """Refuse the first node outside the standard ONNX domains, naming it.
+
+    Any standard op runs forward (in onnxruntime); only the ops on a path along which a gradient
+    flows from a trainable weight to the loss need a rule, and :func:`.autodiff.backward` refuses
+    those without one by op and node."""
     for node in nodes:
         if node.domain not in DEFAULT_DOMAINS:
             raise UnsupportedOpError(node.op_type, node.name, f"is in domain {node.domain!r}; plans use standard ONNX ops only")
-        if node.op_type not in OP_COVERAGE and node.op_type not in NO_GRADIENT:
-            raise UnsupportedOpError(node.op_type, node.name, "is not in the op-coverage table")
 
 
 def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> list[str]:
@@ -250,8 +252,10 @@ def training_plan_from_onnx(
     path); the others stay constants. ``metrics`` picks among the loss's per-batch sums (default all:
     ``loss_sum``, ``count`` and, for classification, ``correct``).
 
-    Raises :class:`UnsupportedOpError` naming the op and node of the first node outside
-    :data:`OP_COVERAGE`, and ``ValueError``/``PlanError`` for arguments that cannot make a plan.
+    Raises :class:`UnsupportedOpError` naming the op and node of a node without a gradient rule
+    (:data:`OP_COVERAGE`) on a path along which a gradient flows from a trainable weight to the loss
+    (integer, boolean and shape paths and float paths no trainable weight reaches need none), and
+    ``ValueError``/``PlanError`` for arguments that cannot make a plan.
 
     ``dropout_seed`` seeds active ``Dropout`` nodes so that a session is reproducible (every device
     then draws the same sequence of masks); ``None`` leaves them to onnxruntime's randomness."""

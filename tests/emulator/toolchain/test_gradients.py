@@ -238,6 +238,30 @@ def case_cast(draw):
     return "Cast", {"x": _arr(draw, _shape(draw))}, {}, {"to": 1}, 17, F32_TOL  # float64 -> float32
 
 
+def case_cast_like(draw):
+    """float64 -> float32, the target type given by the second input (which takes no gradient)."""
+    return "CastLike", {"x": _arr(draw, _shape(draw))}, {"like": np.zeros(1, np.float32)}, {}, 17, F32_TOL
+
+
+def _away_from(x, kinks, gap=0.2):
+    """``x`` with every value within ``gap`` of a kink moved ``2*gap`` off it."""
+    for k in kinks:
+        near = np.abs(x - k) < gap
+        x = np.where(near, x + np.where(x >= k, 2 * gap, -2 * gap), x)
+    return x.astype(np.float32)
+
+
+def case_hard_sigmoid(draw):
+    alpha = draw(st.sampled_from([0.2, 1.0 / 6.0, 0.5]))
+    beta = draw(st.sampled_from([0.5, 0.3]))
+    x = _away_from(_arr(draw, _shape(draw), low=-6.0, high=6.0), [-beta / alpha, (1.0 - beta) / alpha])
+    return "HardSigmoid", {"x": x}, {}, {"alpha": alpha, "beta": beta}, 17, F32_TOL
+
+
+def case_hard_swish(draw):  # both flat parts and the quadratic ramp between -3 and 3
+    return "HardSwish", {"x": _away_from(_arr(draw, _shape(draw), low=-5.0, high=5.0), [-3.0, 3.0])}, {}, {}, 17, F32_TOL
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -356,6 +380,9 @@ CASES = {
     "Gather": case_gather,
     "Expand": case_expand,
     "Cast": case_cast,
+    "CastLike": case_cast_like,
+    "HardSigmoid": case_hard_sigmoid,
+    "HardSwish": case_hard_swish,
     "Dropout": case_dropout_inference,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),

@@ -1,0 +1,86 @@
+"""BatchNormalization in a training step keeps torch's semantics: it normalizes with the biased batch
+variance and updates the running variance with the unbiased one (var * n/(n-1), n the elements per
+channel), both running statistics with torch's momentum (ONNX's ``momentum`` is 1 - torch's).
+
+The reference is numpy written from torch's documentation of ``nn.BatchNorm2d``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from device_runtime import PlanExecutor
+from emulator.toolchain import SGD, initial_weights_from_onnx, training_plan_from_onnx
+from example_store import ExampleSelector
+from tests.emulator.toolchain.models import F, model
+
+MOMENTUM = 0.9  # ONNX's: torch's momentum=0.1 exports as 0.9
+
+
+def _bn_model(channels: int, side: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    inits = {"scale": rng.uniform(0.5, 1.5, channels).astype(np.float32), "bias": rng.normal(0, 0.1, channels).astype(np.float32),
+             "running_mean": rng.normal(0, 0.5, channels).astype(np.float32),
+             "running_var": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+             "fc": rng.standard_normal((channels * side * side, 2)).astype(np.float32)}
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "running_mean", "running_var"], ["bn"],
+                              epsilon=1e-5, momentum=MOMENTUM),
+             helper.make_node("Flatten", ["bn"], ["flat"]), helper.make_node("MatMul", ["flat", "fc"], ["y"])]
+    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", channels, side, side])],
+                 [helper.make_tensor_value_info("y", F, ["N", 2])], inits)
+
+
+def _torch_running_stats(x: np.ndarray, mean: np.ndarray, var: np.ndarray, torch_momentum: float):
+    """torch.nn.BatchNorm2d.train(): running = (1 - m) * running + m * batch statistic, the variance
+    unbiased (torch.var(unbiased=True) over N, H, W)."""
+    x64 = x.astype(np.float64)
+    batch_mean = x64.mean(axis=(0, 2, 3))
+    batch_var = x64.var(axis=(0, 2, 3), ddof=1)
+    return ((1 - torch_momentum) * mean + torch_momentum * batch_mean,
+            (1 - torch_momentum) * var + torch_momentum * batch_var)
+
+
+def _torch_forward(x: np.ndarray, scale, bias, fc) -> np.ndarray:
+    """The layer's output in training mode: normalized with the biased batch variance."""
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=(0, 2, 3), keepdims=True)
+    var = x64.var(axis=(0, 2, 3), keepdims=True)
+    c = (1, -1, 1, 1)
+    bn = (x64 - mean) / np.sqrt(var + 1e-5) * scale.reshape(c) + bias.reshape(c)
+    return bn.reshape(len(x), -1) @ fc
+
+
+def _one_step(source, x, y):
+    plan = training_plan_from_onnx(source, label="y", loss="mse", optimizer=SGD(1e-3), batch_size=len(x),
+                                   example_selector=ExampleSelector("app:/bn"))
+    start = initial_weights_from_onnx(source, plan)
+    executor = PlanExecutor(plan)
+    result = executor.run_device(start, lambda: [{"x": x, "y": y}])
+    return plan, start, result, executor.final_weights(start, result)
+
+
+@pytest.mark.parametrize(("batch", "side"), [(4, 3), (2, 1), (7, 2)])
+def test_running_variance_takes_the_unbiased_batch_variance_as_torch_does(batch, side):
+    rng = np.random.default_rng(batch * 10 + side)
+    x = (rng.standard_normal((batch, 3, side, side)) * rng.uniform(0.5, 2.0, (1, 3, 1, 1)) + 0.3).astype(np.float32)
+    y = rng.standard_normal((batch, 2)).astype(np.float32)
+    source = _bn_model(3, side)
+    plan, start, result, new = _one_step(source, x, y)
+    assert {"running_mean", "running_var"} <= set(plan.weight_names)
+    mean, var = _torch_running_stats(x, start["running_mean"].astype(np.float64), start["running_var"].astype(np.float64),
+                                     1 - MOMENTUM)
+    np.testing.assert_allclose(new["running_mean"], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["running_var"], var, rtol=1e-5, atol=1e-6)
+    # the step's loss was computed with the biased variance (torch's normalization in training mode)
+    pred = _torch_forward(x, start["scale"], start["bias"], start["fc"])
+    assert result.metrics["loss"] == pytest.approx(float(np.mean((pred - y) ** 2)), rel=1e-4)
+
+
+def test_one_value_per_channel_keeps_the_running_variance_finite():
+    # torch refuses such a batch; a device's last batch can be one example of a 1x1 map
+    x = np.array([[[[0.5]], [[-1.0]]]], np.float32)
+    source = _bn_model(2, 1)
+    _, start, _, new = _one_step(source, x, np.zeros((1, 2), np.float32))
+    assert np.isfinite(new["running_var"]).all()
+    np.testing.assert_allclose(new["running_var"], MOMENTUM * start["running_var"], rtol=1e-6)
