@@ -260,12 +260,19 @@ class Task:
             if not isinstance(plan, Plan):
                 raise TaskError(f"task {self.name!r}: its model function returned {type(plan).__name__}, not a Plan")
             return dataclasses.replace(plan, name=self.name)
-        return dataclasses.replace(plan_from_onnx(self._model_bytes(), self), name=self.name)
+        return dataclasses.replace(plan_from_onnx(self._model_source(), self), name=self.name)
 
-    def _model_bytes(self) -> bytes:
+    def _model_source(self) -> Any:
+        """The ONNX model as bytes or a loaded ModelProto: a path is loaded with its external data
+        read from the model's folder (raw bytes would resolve it against the working directory)."""
         if isinstance(self.model, bytes):
             return self.model
-        return Path(self.model).read_bytes()
+        from emulator.toolchain.training import load_model
+
+        try:
+            return load_model(self.model)
+        except (ValueError, OSError) as exc:  # PlanError is a ValueError
+            raise TaskError(f"task {self.name!r}: {exc}") from None
 
     def _evaluation_plan(self) -> Plan:
         assert self.evaluates is not None
@@ -287,7 +294,7 @@ class Task:
         from emulator.toolchain import evaluation_plan_from_onnx
 
         try:
-            return evaluation_plan_from_onnx(self._model_bytes(), label=self.label, loss=self.loss, training_plan=trained,
+            return evaluation_plan_from_onnx(self._model_source(), label=self.label, loss=self.loss, training_plan=trained,
                                              example_selector=self.selector, batch_size=self.batch_size, name=self.name)
         except (TypeError, ValueError) as exc:
             raise TaskError(f"task {self.name!r}: no evaluation plan from its ONNX model: {exc}") from None
@@ -307,7 +314,7 @@ class Task:
             return initial_weights(plan, seed=self.seed)
         from emulator.toolchain import initial_weights_from_onnx
 
-        return initial_weights_from_onnx(self._model_bytes(), plan)
+        return initial_weights_from_onnx(self._model_source(), plan)
 
     def proxy_data(self) -> ProxyData:
         return self.proxy() if callable(self.proxy) else self.proxy
@@ -321,7 +328,7 @@ class Task:
         return max([0, *(p.rounds for p in self.predicates)])
 
 
-def plan_from_onnx(model: bytes, task: Task) -> Plan:
+def plan_from_onnx(model: Any, task: Task) -> Plan:
     """A training plan from an ONNX inference model through the toolchain's autodiff."""
     from emulator.toolchain import SGD, Adam, Momentum, training_plan_from_onnx
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import (
@@ -61,25 +61,76 @@ ModelLike = onnx.ModelProto | bytes | str | PathLike
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
-    """``model`` as a ModelProto: a ModelProto (copied), serialized bytes, or a path to a file."""
+    """``model`` as a ModelProto: a ModelProto (copied), serialized bytes, or a path to a file.
+
+    A file's external data (the dynamo exporter's ``model.onnx.data``) is read from the model's
+    own folder, whatever the working directory; a missing data file, a file that is not ONNX and
+    bytes that point at external data are refused in one line that says what to do."""
     if isinstance(model, onnx.ModelProto):
         out = onnx.ModelProto()
         out.CopyFrom(model)
+        _check_is_model(out, "the ModelProto")
+        _refuse_unread_external_data(out, "the ModelProto")
         return out
     if isinstance(model, (str, PathLike)):
         path = Path(model)
         if not path.is_file():
             raise FileNotFoundError(f"no ONNX model at {path}; pass a path to a .onnx file, its bytes, or a ModelProto")
         try:
-            return onnx.load(str(path))  # with any external data beside it
+            out = onnx.load(str(path), load_external_data=False)
         except DecodeError:
-            raise PlanError(f"{path} is not an ONNX model (its protobuf does not parse); export the model again") from None
+            raise PlanError(f"{path} is not an ONNX model (its protobuf does not parse); {_EXPORT_HINT}") from None
+        _check_is_model(out, str(path))
+        _load_external_data(out, path)
+        return out
     if isinstance(model, (bytes, bytearray, memoryview)):
         try:
-            return onnx.ModelProto.FromString(bytes(model))
+            out = onnx.ModelProto.FromString(bytes(model))
         except DecodeError:
-            raise PlanError("the model bytes are not an ONNX model (their protobuf does not parse); export the model again") from None
+            raise PlanError(f"the model bytes are not an ONNX model (their protobuf does not parse); {_EXPORT_HINT}") from None
+        _check_is_model(out, "the model bytes")
+        _refuse_unread_external_data(out, "the model bytes")
+        return out
     raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
+
+
+_EXPORT_HINT = "export the model again, to ONNX (e.g. torch.onnx.export(module, example_inputs, 'model.onnx')) and pass that file"
+
+
+def _check_is_model(model: onnx.ModelProto, what: str) -> None:
+    """Refuse what parsed as protobuf but holds no ONNX graph (many byte strings parse)."""
+    if not model.HasField("graph") or not model.graph.node or not model.graph.output or not model.opset_import:
+        raise PlanError(f"{what} is not an ONNX model (no graph with nodes, outputs and an opset); {_EXPORT_HINT}")
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Read the tensors stored outside ``path`` from the files beside it (not the working directory)."""
+    tensors = _external_tensors(model)
+    if not tensors:
+        return
+    base = path.resolve().parent
+    for tensor in tensors:
+        location = external_data_helper.ExternalDataInfo(tensor).location
+        if not (base / location).is_file():
+            raise PlanError(f"{path} keeps its weights in {base / location}, which is missing; put the data file the "
+                            f"exporter wrote beside the model, or export without external data")
+    try:
+        external_data_helper.load_external_data_for_model(model, str(base))
+    except (onnx.checker.ValidationError, OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PlanError(f"{path}: its external data could not be read ({first}); export the model again") from None
+
+
+def _refuse_unread_external_data(model: onnx.ModelProto, what: str) -> None:
+    tensors = _external_tensors(model)
+    if tensors:
+        location = external_data_helper.ExternalDataInfo(tensors[0]).location
+        raise PlanError(f"{what} keep weights in an external data file ({location}) that bytes cannot carry; "
+                        "pass the model's path instead, so that the data file beside it is read")
 
 
 def model_opset(model: onnx.ModelProto) -> int:
@@ -132,7 +183,8 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]
     if not data:
-        raise ValueError("the model has no data inputs (every graph input is an initializer)")
+        raise ValueError("the model has no data inputs (every graph input is an initializer); export it with its example "
+                         "inputs as graph inputs (the tensors a device feeds it)")
     for vi in data:  # the last batch of an epoch is short: the batch dimension must be dynamic
         dims = vi.type.tensor_type.shape.dim
         if len(dims):
@@ -148,7 +200,9 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     if output is None:
         floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
         if not floats:
-            raise ValueError("the model has no float output to compute the loss from; name one with output=")
+            raise ValueError("the model has no float output to compute a loss from (outputs: "
+                             f"{', '.join(o.name for o in graph.output)}); export the model up to its float prediction "
+                             "(logits or scores, before ArgMax or a cast), or name a float tensor with output=")
         output = floats[0]
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
@@ -289,7 +343,9 @@ def training_plan_from_onnx(
         if init.data_type != _F32:
             raise ValueError(f"trainable {w!r} is {helper.tensor_dtype_to_np_dtype(init.data_type)}; plans train float32 weights")
     if not weights:
-        raise ValueError("the model has nothing to train: no float32 initializer on the way to the output")
+        raise ValueError("the model has nothing to train: no float32 initializer lies on a float path to the output; export "
+                         "the model with its weights as float32 initializers (torch.onnx.export's default "
+                         "export_params=True), or name the tensors to train with trainable=")
     stats = [s for s in fw.state_updates if s not in weights]
 
     label_input = e.reserve("label")
