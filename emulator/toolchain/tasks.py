@@ -224,6 +224,8 @@ class Task:
     seed: int = 0
     server_optimizer: Any = None  # ONNX models: FedAvg() when None, or FedAvgM / FedAdam / FedYogi
     secure_aggregation: bool = False  # ONNX models: the client update goes through Secure Aggregation
+    trainable: tuple[str, ...] | None = None  # ONNX models: initializer names or glob patterns to train (None: default)
+    frozen: tuple[str, ...] = ()  # ONNX models: names or glob patterns kept constant
     evaluates: Task | None = None  # set by evaluation_of: this task measures that training task's model
 
     def __post_init__(self) -> None:
@@ -330,7 +332,12 @@ class Task:
 
 def plan_from_onnx(model: Any, task: Task) -> Plan:
     """A training plan from an ONNX inference model through the toolchain's autodiff."""
-    from emulator.toolchain import SGD, Adam, Momentum, training_plan_from_onnx
+    return onnx_import(model, task).plan
+
+
+def onnx_import(model: Any, task: Task) -> Any:
+    """The task's :class:`~emulator.toolchain.OnnxTrainingPlan`: the plan and the tensors it trains."""
+    from emulator.toolchain import SGD, Adam, Momentum, onnx_training_plan
 
     hp = dict(task.hyperparameters)
     optimizers = {
@@ -342,8 +349,9 @@ def plan_from_onnx(model: Any, task: Task) -> Plan:
         raise TaskError(f"task {task.name!r}: optimizer {task.optimizer!r} is not one of {sorted(optimizers)}")
     server = {} if task.server_optimizer is None else {"server_optimizer": task.server_optimizer}
     try:
-        return training_plan_from_onnx(
-            model, label=task.label, loss=task.loss, optimizer=optimizers[task.optimizer](),
+        return onnx_training_plan(
+            model, trainable=None if task.trainable is None else list(task.trainable), frozen=list(task.frozen),
+            label=task.label, loss=task.loss, optimizer=optimizers[task.optimizer](),
             batch_size=task.batch_size, epochs=task.epochs, opset=task.opset, example_selector=task.selector,
             secure_aggregation=task.secure_aggregation, **server,
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from os import PathLike
 from pathlib import Path
 
@@ -38,12 +39,14 @@ from device_runtime.plan import (
 from .autodiff import (
     DEFAULT_DOMAINS,
     Emitter,
+    TensorInfo,
     UnsupportedOpError,
     backward,
     constant_values,
     needed_for,
     tensor_infos,
 )
+from . import onnx_import
 from .forward import is_float, training_forward
 from .gradients import NO_GRADIENT, OP_COVERAGE
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
@@ -53,9 +56,6 @@ from .server_optimizers import FedAvg, ServerOptimizer, server_part
 MIN_OPSET = 13
 MAX_OPSET = 26
 _F32 = TensorProto.FLOAT
-_NOT_TRAINABLE_INPUTS = {  # inputs that are hyperparameters or statistics, never trained by default
-    "Pow": (1,), "Clip": (1, 2), "Dropout": (1, 2), "BatchNormalization": (3, 4),
-}
 
 ModelLike = onnx.ModelProto | bytes | str | PathLike
 
@@ -219,21 +219,12 @@ def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
             raise UnsupportedOpError(node.op_type, node.name, "is not in the op-coverage table")
 
 
-def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> list[str]:
-    """Float32 initializers of rank >= 1 that some kept node reads as a differentiable input."""
-    chosen: list[str] = []
-    for node in nodes:
-        if node.op_type in NO_GRADIENT:
-            continue
-        skip = _NOT_TRAINABLE_INPUTS.get(node.op_type, ())
-        for k, name in enumerate(node.input):
-            init = inits.get(name)
-            if init is None or k in skip or name in chosen:
-                continue
-            if init.data_type == _F32 and len(init.dims) >= 1:
-                chosen.append(name)
-    order = list(inits)
-    return sorted(chosen, key=order.index)
+def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto], prediction: str,
+                      infos: Mapping[str, TensorInfo] | None = None) -> list[str]:
+    """Float32 initializers of rank >= 1 on a differentiable float path to ``prediction``, less
+    one-element scales (see :mod:`.onnx_import`)."""
+    reached = onnx_import.on_float_path(nodes, infos or {}, prediction)
+    return onnx_import.default_trainable(inits, reached, onnx_import.only_scales(nodes, inits))
 
 
 def _label_shape(loss, prediction_shape) -> list:
@@ -266,13 +257,27 @@ def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes
     return model.SerializeToString()
 
 
-def training_plan_from_onnx(
+@dataclass(frozen=True)
+class OnnxTrainingPlan:
+    """A generated training plan and what a person should see of it: the tensors it trains."""
+
+    plan: Plan
+    trainable: dict[str, tuple[int, ...]]  # trained initializer -> its shape, in the model's order
+
+
+def training_plan_from_onnx(model: ModelLike, **kwargs: Any) -> Plan:
+    """A training plan for ``model``; the arguments are :func:`onnx_training_plan`'s."""
+    return onnx_training_plan(model, **kwargs).plan
+
+
+def onnx_training_plan(
     model: ModelLike,
     *,
     label: str,
     loss,
     optimizer: Optimizer,
     trainable: Sequence[str] | None = None,
+    frozen: Sequence[str] = (),
     output: str | None = None,
     metrics: Sequence[str] | None = None,
     batch_size: int,
@@ -293,15 +298,17 @@ def training_plan_from_onnx(
     clip_range: float = 1024.0,
     resume_examples: bool = False,
     dropout_seed: int | None = 0,
-) -> Plan:
+) -> OnnxTrainingPlan:
     """A training plan for ``model`` (an ONNX inference model: ModelProto, bytes or path).
 
     ``label`` names the example tensor holding the label; ``inputs`` maps the model's inputs to
     example tensor names (default: the same names); ``output`` is the model tensor the loss reads
     (default: its first float output). ``loss`` is ``"cross_entropy"`` (class ids), ``"binary_cross_entropy"``,
     ``"mse"`` or an ONNX graph (prediction, label) -> the batch's mean loss. ``trainable`` names the
-    initializers to train (default: every float32 initializer of rank >= 1 on a differentiable
-    path); the others stay constants. ``metrics`` picks among the loss's per-batch sums (default all:
+    initializers to train, exactly or by glob pattern (default: every float32 initializer of rank >= 1
+    on a differentiable float path to the output: not a one-element tensor that only scales, such
+    as an attention scale, nor one that feeds only shape arithmetic); ``frozen`` patterns take tensors out of that
+    set; the others stay constants. A pattern that matches no initializer is refused. ``metrics`` picks among the loss's per-batch sums (default all:
     ``loss_sum``, ``count`` and, for classification, ``correct``).
 
     Raises :class:`UnsupportedOpError` naming the op and node of the first node outside
@@ -332,16 +339,9 @@ def training_plan_from_onnx(
         opset_imports=[helper.make_opsetid("", parts.opset)], ir_version=ir_version_for_opset(parts.opset))
     e.infos.update(tensor_infos(probe))
 
-    if trainable is not None:
-        weights = list(trainable)
-    else:
-        weights = [w for w in default_trainable(nodes, parts.initializers) if w not in fw.state_updates]
-    for w in weights:
-        init = parts.initializers.get(w)
-        if init is None:
-            raise ValueError(f"trainable {w!r} is not an initializer of the model; initializers: {sorted(parts.initializers)[:20]}")
-        if init.data_type != _F32:
-            raise ValueError(f"trainable {w!r} is {helper.tensor_dtype_to_np_dtype(init.data_type)}; plans train float32 weights")
+    reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction)
+    weights = onnx_import.select_trainable(parts.initializers, reached, trainable, frozen, statistics=set(fw.state_updates),
+                                           scales=onnx_import.only_scales(nodes, parts.initializers))
     if not weights:
         raise ValueError("the model has nothing to train: no float32 initializer lies on a float path to the output; export "
                          "the model with its weights as float32 initializers (torch.onnx.export's default "
@@ -395,7 +395,7 @@ def training_plan_from_onnx(
     server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
                          reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,
                          clip_range=clip_range)
-    return Plan(
+    plan = Plan(
         name=name or (graph.name or "model"),
         kind="train",
         format_version=PLAN_FORMAT_VERSION,
@@ -422,6 +422,7 @@ def training_plan_from_onnx(
             time_budget_s=time_budget_s,
         ),
     )
+    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights})
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:

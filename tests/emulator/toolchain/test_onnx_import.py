@@ -84,3 +84,75 @@ def test_model_bytes_that_point_at_external_data_are_refused_with_what_to_pass(t
     with pytest.raises(ValueError, match="pass the model's path"):
         training_plan_from_onnx(path.read_bytes(), label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
                                 example_selector=SELECTOR)
+
+
+def _scaled_model() -> onnx.ModelProto:
+    """A linear layer as the dynamo exporter writes attention: the product scaled by a float32
+    tensor of shape [1], and a float32 initializer that only becomes a Reshape's shape."""
+    rng = np.random.default_rng(0)
+    inits = {"enc.0.weight": rng.normal(size=(4, 6)).astype(np.float32), "enc.0.bias": np.zeros(6, np.float32),
+             "scale": np.array([0.125], np.float32), "shape_f": np.array([-1, 3], np.float32),
+             "head.weight": rng.normal(size=(3, 3)).astype(np.float32), "head.bias": np.zeros(3, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "enc.0.weight"], ["h0"]),
+             helper.make_node("Add", ["h0", "enc.0.bias"], ["h1"]),
+             helper.make_node("Mul", ["h1", "scale"], ["h2"]),
+             helper.make_node("Cast", ["shape_f"], ["shape"], to=onnx.TensorProto.INT64),
+             helper.make_node("Reshape", ["h2", "shape"], ["h3"]),
+             helper.make_node("MatMul", ["h3", "head.weight"], ["h4"]),
+             helper.make_node("Add", ["h4", "head.bias"], ["logits"])]
+    from .models import model
+
+    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
+                 [helper.make_tensor_value_info("logits", F, ["N", 3])], inits)
+
+
+def _weights(m, **kwargs) -> tuple[str, ...]:
+    return training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
+                                   example_selector=SELECTOR, **kwargs).weight_names
+
+
+def test_by_default_one_element_scales_and_shape_constants_do_not_train():
+    assert _weights(_scaled_model()) == ("enc.0.weight", "enc.0.bias", "head.weight", "head.bias")
+
+
+def test_trainable_and_frozen_glob_patterns_choose_the_trained_tensors():
+    m = _scaled_model()
+    assert _weights(m, trainable=["enc.*"]) == ("enc.0.weight", "enc.0.bias")
+    assert _weights(m, frozen=["*.bias"]) == ("enc.0.weight", "head.weight")
+    assert _weights(m, trainable=["*"], frozen=["head.*"]) == ("enc.0.weight", "enc.0.bias", "scale")  # asked for: trains
+    assert _weights(m, trainable=["scale", "head.weight"]) == ("scale", "head.weight")
+
+
+@pytest.mark.parametrize("kind", ["trainable", "frozen"])
+def test_a_pattern_that_matches_no_initializer_is_refused_naming_it(kind):
+    with pytest.raises(ValueError, match=rf"{kind} 'decoder\.\*' matches no tensor.*initializers: enc\.0\.weight"):
+        _weights(_scaled_model(), **{kind: ["decoder.*"]})
+
+
+def test_the_task_api_takes_trainable_and_frozen_patterns(tmp_path):
+    from emulator.toolchain.tasks import Task
+
+    onnx.save_model(_scaled_model(), str(tmp_path / "m.onnx"))
+    task = Task(name="scaled", model=tmp_path / "m.onnx", proxy=lambda: None,  # type: ignore[arg-type, return-value]
+                trainable=("*.weight", "scale"), frozen=("head.*",))
+    assert task.build_plan().weight_names == ("enc.0.weight", "scale")
+
+
+def test_from_onnx_prints_the_trained_tensors_and_refuses_a_pattern_that_matches_nothing(tmp_path, capsys):
+    onnx.save_model(_scaled_model(), str(tmp_path / "m.onnx"))
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "p.fedplan", "--frozen", "head.*") == 0
+    out = capsys.readouterr().out
+    assert "enc.0.weight  [4, 6]" in out and "enc.0.bias    [6]" in out and "head.weight" not in out.split("trains:")[1]
+    assert "2 trainable tensors, 30 parameters" in out
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "p.fedplan", "--trainable", "decoder.*") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'decoder.*' matches no tensor" in err and "head.weight" in err
+
+
+def test_a_one_element_bias_still_trains_by_default():
+    from .models import model
+
+    m = model([helper.make_node("Gemm", ["x", "W", "b"], ["pred"])], [helper.make_tensor_value_info("x", F, ["N", 4])],
+              [helper.make_tensor_value_info("pred", F, ["N", 1])], {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)})
+    plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+    assert plan.weight_names == ("W", "b")
