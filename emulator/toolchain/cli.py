@@ -168,6 +168,11 @@ def _from_onnx(args: argparse.Namespace, say) -> int:
     say("trains:")
     for line in trainable_table(made.trainable):
         say(line)
+    if made.split:
+        say(f"split {len(made.split)} parameters the exporter had merged into equal-valued initializers back into "
+            f"weights of their own: {', '.join(made.split)}")
+    for weight, readers in made.shared.items():
+        say(f"shared: {weight} is one weight read by {readers} nodes (the model ties it)")
     return 0
 
 

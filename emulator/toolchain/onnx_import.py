@@ -137,3 +137,48 @@ def trainable_table(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     count = sum(int(np.prod(s)) if s else 1 for s in shapes.values())
     lines.append(f"  {len(shapes)} trainable tensors, {count:,} parameters")
     return lines
+
+
+def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
+    """Give every parameter an exporter merged into another its own initializer again, in place;
+    returns each new initializer's name -> the initializer it was copied from.
+
+    Exporters keep one initializer for parameters of equal values (a fresh model's zero biases,
+    LayerNorm gains of one) and, like torch's classic exporter, read it for the others through
+    ``Identity`` nodes named after them. Trained as one weight, such parameters would all take the
+    sum of their gradients: each ``Identity`` of an initializer becomes an initializer of its own
+    (its output's name, the initializer's value). A weight that several nodes read directly, as
+    tied embeddings are, stays one."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    split: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        source = node.input[0] if node.op_type == "Identity" and node.input else ""
+        target = node.output[0] if node.output else ""
+        if source in inits and target and target not in outputs and target not in inits:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(inits[source])
+            copy.name = target
+            graph.initializer.append(copy)
+            inits[target] = copy
+            split[target] = source
+            continue
+        kept.append(node)
+    if split:
+        del graph.node[:]
+        graph.node.extend(kept)
+        for vi in list(graph.value_info):  # the aliases' inferred types would now shadow initializers
+            if vi.name in split:
+                graph.value_info.remove(vi)
+    return split
+
+
+def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> dict[str, int]:
+    """Trained weights that several nodes read (a model's own tying): weight -> how many nodes."""
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in set(node.input):
+            readers[name] = readers.get(name, 0) + 1
+    return {w: readers[w] for w in weights if readers.get(w, 0) > 1}

@@ -175,10 +175,13 @@ class ModelParts:
     data_inputs: dict[str, str]  # graph input -> example tensor name
     prediction: str
     initializers: dict[str, onnx.TensorProto]
+    split: dict[str, str]  # initializer split off an exporter's deduplicated one -> that one
 
 
 def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
-    m, target = at_opset(load_model(model), opset)
+    m = load_model(model)
+    split = onnx_import.split_deduplicated(m)
+    m, target = at_opset(m, opset)
     graph = m.graph
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]
@@ -207,7 +210,7 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
-    return ModelParts(m, target, dict(inputs), output, inits)
+    return ModelParts(m, target, dict(inputs), output, inits, split)
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
@@ -263,6 +266,8 @@ class OnnxTrainingPlan:
 
     plan: Plan
     trainable: dict[str, tuple[int, ...]]  # trained initializer -> its shape, in the model's order
+    split: dict[str, str]  # parameter given its own weight again -> the initializer an exporter merged it into
+    shared: dict[str, int]  # trained weight the model itself shares -> how many nodes read it
 
 
 def training_plan_from_onnx(model: ModelLike, **kwargs: Any) -> Plan:
@@ -422,7 +427,8 @@ def onnx_training_plan(
             time_budget_s=time_budget_s,
         ),
     )
-    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights})
+    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split),
+                            onnx_import.shared_weights(graph.node, weights))
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -441,7 +447,9 @@ def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:
 def initial_weights_from_onnx(model: ModelLike, plan: Plan) -> dict[str, np.ndarray]:
     """The plan's starting checkpoint: the model's values for its trained initializers and
     running statistics, zeros for the optimizer state."""
-    inits = {i.name: numpy_helper.to_array(i) for i in load_model(model).graph.initializer}
+    loaded = load_model(model)
+    onnx_import.split_deduplicated(loaded)  # the plan's names for parameters an exporter merged
+    inits = {i.name: numpy_helper.to_array(i) for i in loaded.graph.initializer}
     spec = PlanExecutor(plan).weight_spec()
     out = {}
     for w, (shape, _dtype) in spec.items():

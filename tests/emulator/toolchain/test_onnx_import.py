@@ -156,3 +156,61 @@ def test_a_one_element_bias_still_trains_by_default():
               [helper.make_tensor_value_info("pred", F, ["N", 1])], {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)})
     plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
     assert plan.weight_names == ("W", "b")
+
+
+def _two_layers(deduplicated: bool, tied: bool = False) -> onnx.ModelProto:
+    """Two linear layers with zero biases; ``deduplicated`` writes them as torch's classic exporter
+    does for a fresh model: one bias initializer, the second layer's bias an Identity of it."""
+    from .models import model
+
+    rng = np.random.default_rng(3)
+    inits = {"l0.weight": rng.normal(size=(4, 4)).astype(np.float32), "l0.bias": np.zeros(4, np.float32),
+             "l1.weight": rng.normal(size=(4, 3)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "l0.weight"], ["h0"]), helper.make_node("Add", ["h0", "l0.bias"], ["h1"]),
+             helper.make_node("Tanh", ["h1"], ["h2"]),
+             helper.make_node("MatMul", ["h2", "l0.weight" if tied else "l1.weight"], ["h3"])]
+    if tied:
+        nodes.append(helper.make_node("MatMul", ["h3", "l1.weight"], ["h4"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["h3"], ["h4"]))
+    if deduplicated:
+        nodes.insert(0, helper.make_node("Identity", ["l0.bias"], ["l1.bias"], name="/l1/Identity"))
+        inits["l0.bias"] = np.zeros(4, np.float32)
+    else:
+        inits["l1.bias"] = np.zeros(4, np.float32)
+    nodes.append(helper.make_node("Slice", ["h4", "zero", "three", "one"], ["h5"]))
+    inits.update({"zero": np.array([0]), "three": np.array([3]), "one": np.array([1])})
+    nodes.append(helper.make_node("Add", ["h5", "l1.bias_3"], ["logits"]))
+    nodes.insert(-1, helper.make_node("Slice", ["l1.bias", "zero", "three"], ["l1.bias_3"]))
+    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
+                 [helper.make_tensor_value_info("logits", F, ["N", 3])], inits)
+
+
+def _one_step(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+    from device_runtime import PlanExecutor
+    from emulator.toolchain import initial_weights_from_onnx
+
+    plan = training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8,
+                                   example_selector=SELECTOR)
+    weights = initial_weights_from_onnx(m, plan)
+    rng = np.random.default_rng(4)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 3, 8)}
+    executor = PlanExecutor(plan)
+    return executor.final_weights(weights, executor.run_device(weights, lambda: [batch]))
+
+
+def test_parameters_an_exporter_merged_take_the_step_of_the_model_exported_without_merging():
+    merged, separate = _one_step(_two_layers(deduplicated=True)), _one_step(_two_layers(deduplicated=False))
+    assert set(merged) == set(separate) == {"l0.weight", "l0.bias", "l1.weight", "l1.bias"}
+    for name in separate:
+        np.testing.assert_allclose(merged[name], separate[name], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(separate["l0.bias"], separate["l1.bias"])  # each bias took its own update
+
+
+def test_a_weight_the_model_itself_ties_stays_one_weight_and_from_onnx_names_it(tmp_path, capsys):
+    onnx.save_model(_two_layers(deduplicated=True, tied=True), str(tmp_path / "m.onnx"))
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "p.fedplan") == 0
+    out = capsys.readouterr().out
+    plan = load_plan((tmp_path / "p.fedplan").read_bytes())
+    assert plan.weight_names == ("l0.weight", "l0.bias", "l1.weight", "l1.bias")
+    assert "shared: l0.weight is one weight read by 2 nodes" in out and "back into weights of their own: l1.bias" in out
