@@ -214,3 +214,20 @@ def test_a_weight_the_model_itself_ties_stays_one_weight_and_from_onnx_names_it(
     plan = load_plan((tmp_path / "p.fedplan").read_bytes())
     assert plan.weight_names == ("l0.weight", "l0.bias", "l1.weight", "l1.bias")
     assert "shared: l0.weight is one weight read by 2 nodes" in out and "back into weights of their own: l1.bias" in out
+
+
+def test_running_statistics_that_arrive_through_identity_become_plan_state_of_their_own():
+    from .models import model
+
+    rng = np.random.default_rng(5)
+    inits = {"fc.weight": rng.normal(size=(4, 3)).astype(np.float32), "bn.weight": np.ones(3, np.float32),
+             "bn.bias": np.zeros(3, np.float32)}
+    nodes = [helper.make_node("Identity", ["bn.bias"], ["bn.running_mean"]),
+             helper.make_node("Identity", ["bn.weight"], ["bn.running_var"]),
+             helper.make_node("MatMul", ["x", "fc.weight"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
+                              ["logits"], epsilon=1e-5)]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("logits", F, ["N", 3])],
+              inits)
+    names = _weights(m)
+    assert set(names) == {"fc.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"}
