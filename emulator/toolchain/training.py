@@ -313,8 +313,10 @@ def onnx_training_plan(
     initializers to train, exactly or by glob pattern (default: every float32 initializer of rank >= 1
     on a differentiable float path to the output: not a one-element tensor that only scales, such
     as an attention scale, nor one that feeds only shape arithmetic); ``frozen`` patterns take tensors out of that
-    set; the others stay constants. A pattern that matches no initializer is refused. ``metrics`` picks among the loss's per-batch sums (default all:
-    ``loss_sum``, ``count`` and, for classification, ``correct``).
+    set; the others stay constants. A pattern that matches no initializer is refused. ``metrics``
+    picks among the loss's per-batch sums (default all: ``loss_sum``, ``count`` and, for
+    classification, ``correct``). Parameters an exporter merged into one initializer and reads
+    through ``Identity`` nodes get weights of their own (:func:`.onnx_import.split_deduplicated`).
 
     Raises :class:`UnsupportedOpError` naming the op and node of the first node outside
     :data:`OP_COVERAGE`, and ``ValueError``/``PlanError`` for arguments that cannot make a plan.

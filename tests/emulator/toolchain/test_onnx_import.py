@@ -153,7 +153,8 @@ def test_a_one_element_bias_still_trains_by_default():
     from .models import model
 
     m = model([helper.make_node("Gemm", ["x", "W", "b"], ["pred"])], [helper.make_tensor_value_info("x", F, ["N", 4])],
-              [helper.make_tensor_value_info("pred", F, ["N", 1])], {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)})
+              [helper.make_tensor_value_info("pred", F, ["N", 1])],
+              {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)})
     plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
     assert plan.weight_names == ("W", "b")
 
