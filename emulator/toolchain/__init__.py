@@ -9,7 +9,7 @@ from .gradients import OP_COVERAGE, coverage_markdown
 from .losses import BUILTIN_LOSSES
 from .optimizers import SGD, Adam, Momentum
 from .server_optimizers import FedAdam, FedAvg, FedAvgM, FedYogi
-from .training import initial_weights_from_onnx, training_plan_from_onnx
+from .training import OnnxTrainingPlan, initial_weights_from_onnx, onnx_training_plan, training_plan_from_onnx
 from .bundle import BuiltTask, build_bundle, deploy_bundle, read_bundle, release_test_bundle
 from .release import (
     budget_checks, compare_outputs, max_abs_difference, release_table, release_test, report_passed, write_report,
@@ -37,6 +37,8 @@ __all__ = [
     "evaluation_plan_from_onnx",
     "initial_weights_from_onnx",
     "training_plan_from_onnx",
+    "onnx_training_plan",
+    "OnnxTrainingPlan",
     "vjp_model",
     # tasks, versioned plans, release tests and bundles
     "Budget",

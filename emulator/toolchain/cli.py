@@ -9,12 +9,15 @@
                                                 peak MB), writes DIR/<task>/release_report.json signed
                                                 with KEY; exit 1 unless all passed
     fedfleet plan from-onnx MODEL.onnx --label y --loss cross_entropy --optimizer sgd --lr 0.1 -o PLAN
+                [--trainable PATTERN ...] [--frozen PATTERN ...]
+                                                prints the tensors it trains, their shapes and the count
     fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import textwrap
@@ -33,7 +36,8 @@ from ..runtime_worker import WorkerError, WorkerPool
 from .bundle import build_bundle, deploy_bundle, release_test_bundle
 from .release import release_table
 from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
-from .tasks import Task, TaskError
+from .onnx_import import trainable_table
+from .tasks import Task, TaskError, onnx_import
 
 __all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]
 
@@ -71,6 +75,11 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     onnx_cmd.add_argument("--epochs", type=int, default=1)
     onnx_cmd.add_argument("--opset", type=int, default=21)
     onnx_cmd.add_argument("--collection", default="app:/examples", help="the example store collection devices read")
+    onnx_cmd.add_argument("--trainable", nargs="+", metavar="PATTERN", help="train only the initializers these names "
+                          "or glob patterns match (default: float32 tensors of rank >= 1 on a float path to the output, "
+                          "less one-element scales)")
+    onnx_cmd.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
+                          help="keep the initializers these names or glob patterns match constant")
     onnx_cmd.add_argument("-o", "--out", type=Path, required=True, help="the plan file to write")
     deploy = sub.add_parser("deploy", help="send a tested task's plans and release report to a server")
     deploy.add_argument("directory", type=Path)
@@ -149,11 +158,21 @@ def _test(args: argparse.Namespace, say) -> int:
 def _from_onnx(args: argparse.Namespace, say) -> int:
     task = Task(name=args.model.stem, model=args.model, proxy=lambda: None, loss=args.loss,  # type: ignore[arg-type, return-value]
                 optimizer=args.optimizer, hyperparameters={"lr": args.lr}, label=args.label,
-                selector=ExampleSelector(args.collection), batch_size=args.batch_size, epochs=args.epochs, opset=args.opset)
-    plan = task.build_plan()
+                selector=ExampleSelector(args.collection), batch_size=args.batch_size, epochs=args.epochs, opset=args.opset,
+                trainable=None if args.trainable is None else tuple(args.trainable), frozen=tuple(args.frozen))
+    made = onnx_import(task._model_source(), task)
+    plan = dataclasses.replace(made.plan, name=task.name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(serialize_plan(plan))
     say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
+    say("trains:")
+    for line in trainable_table(made.trainable):
+        say(line)
+    if made.split:
+        say(f"split {len(made.split)} parameters the exporter had merged into equal-valued initializers back into "
+            f"weights of their own: {', '.join(made.split)}")
+    for weight, readers in made.shared.items():
+        say(f"shared: {weight} is one weight read by {readers} nodes (the model ties it)")
     return 0
 
 

@@ -66,7 +66,8 @@ def evaluation_plan_from_onnx(
         spec = PlanExecutor(training_plan).weight_spec()
         weights = {w: tuple(shape) for w, (shape, _dtype) in spec.items()}
     else:
-        names = list(trainable) if trainable is not None else default_trainable(nodes, parts.initializers)
+        names = list(trainable) if trainable is not None else default_trainable(nodes, parts.initializers, parts.prediction,
+                                                                                 tensor_infos(parts.model))
         for node in nodes:  # running statistics come from the checkpoint too
             if node.op_type == "BatchNormalization":
                 names += [s for s in node.input[3:5] if s in parts.initializers and s not in names]

@@ -224,6 +224,8 @@ class Task:
     seed: int = 0
     server_optimizer: Any = None  # ONNX models: FedAvg() when None, or FedAvgM / FedAdam / FedYogi
     secure_aggregation: bool = False  # ONNX models: the client update goes through Secure Aggregation
+    trainable: tuple[str, ...] | None = None  # ONNX models: initializer names or glob patterns to train (None: default)
+    frozen: tuple[str, ...] = ()  # ONNX models: names or glob patterns kept constant
     evaluates: Task | None = None  # set by evaluation_of: this task measures that training task's model
 
     def __post_init__(self) -> None:
@@ -260,12 +262,19 @@ class Task:
             if not isinstance(plan, Plan):
                 raise TaskError(f"task {self.name!r}: its model function returned {type(plan).__name__}, not a Plan")
             return dataclasses.replace(plan, name=self.name)
-        return dataclasses.replace(plan_from_onnx(self._model_bytes(), self), name=self.name)
+        return dataclasses.replace(plan_from_onnx(self._model_source(), self), name=self.name)
 
-    def _model_bytes(self) -> bytes:
+    def _model_source(self) -> Any:
+        """The ONNX model as bytes or a loaded ModelProto: a path is loaded with its external data
+        read from the model's folder (raw bytes would resolve it against the working directory)."""
         if isinstance(self.model, bytes):
             return self.model
-        return Path(self.model).read_bytes()
+        from emulator.toolchain.training import load_model
+
+        try:
+            return load_model(self.model)
+        except (ValueError, OSError) as exc:  # PlanError is a ValueError
+            raise TaskError(f"task {self.name!r}: {exc}") from None
 
     def _evaluation_plan(self) -> Plan:
         assert self.evaluates is not None
@@ -287,7 +296,7 @@ class Task:
         from emulator.toolchain import evaluation_plan_from_onnx
 
         try:
-            return evaluation_plan_from_onnx(self._model_bytes(), label=self.label, loss=self.loss, training_plan=trained,
+            return evaluation_plan_from_onnx(self._model_source(), label=self.label, loss=self.loss, training_plan=trained,
                                              example_selector=self.selector, batch_size=self.batch_size, name=self.name)
         except (TypeError, ValueError) as exc:
             raise TaskError(f"task {self.name!r}: no evaluation plan from its ONNX model: {exc}") from None
@@ -307,7 +316,7 @@ class Task:
             return initial_weights(plan, seed=self.seed)
         from emulator.toolchain import initial_weights_from_onnx
 
-        return initial_weights_from_onnx(self._model_bytes(), plan)
+        return initial_weights_from_onnx(self._model_source(), plan)
 
     def proxy_data(self) -> ProxyData:
         return self.proxy() if callable(self.proxy) else self.proxy
@@ -321,9 +330,14 @@ class Task:
         return max([0, *(p.rounds for p in self.predicates)])
 
 
-def plan_from_onnx(model: bytes, task: Task) -> Plan:
+def plan_from_onnx(model: Any, task: Task) -> Plan:
     """A training plan from an ONNX inference model through the toolchain's autodiff."""
-    from emulator.toolchain import SGD, Adam, Momentum, training_plan_from_onnx
+    return onnx_import(model, task).plan
+
+
+def onnx_import(model: Any, task: Task) -> Any:
+    """The task's :class:`~emulator.toolchain.OnnxTrainingPlan`: the plan and the tensors it trains."""
+    from emulator.toolchain import SGD, Adam, Momentum, onnx_training_plan
 
     hp = dict(task.hyperparameters)
     optimizers = {
@@ -335,8 +349,9 @@ def plan_from_onnx(model: bytes, task: Task) -> Plan:
         raise TaskError(f"task {task.name!r}: optimizer {task.optimizer!r} is not one of {sorted(optimizers)}")
     server = {} if task.server_optimizer is None else {"server_optimizer": task.server_optimizer}
     try:
-        return training_plan_from_onnx(
-            model, label=task.label, loss=task.loss, optimizer=optimizers[task.optimizer](),
+        return onnx_training_plan(
+            model, trainable=None if task.trainable is None else list(task.trainable), frozen=list(task.frozen),
+            label=task.label, loss=task.loss, optimizer=optimizers[task.optimizer](),
             batch_size=task.batch_size, epochs=task.epochs, opset=task.opset, example_selector=task.selector,
             secure_aggregation=task.secure_aggregation, **server,
         )

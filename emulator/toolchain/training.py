@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from os import PathLike
 from pathlib import Path
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import (
@@ -38,12 +39,14 @@ from device_runtime.plan import (
 from .autodiff import (
     DEFAULT_DOMAINS,
     Emitter,
+    TensorInfo,
     UnsupportedOpError,
     backward,
     constant_values,
     needed_for,
     tensor_infos,
 )
+from . import onnx_import
 from .forward import is_float, training_forward
 from .gradients import NO_GRADIENT
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
@@ -53,33 +56,81 @@ from .server_optimizers import FedAvg, ServerOptimizer, server_part
 MIN_OPSET = 13
 MAX_OPSET = 26
 _F32 = TensorProto.FLOAT
-_NOT_TRAINABLE_INPUTS = {  # inputs that are hyperparameters or statistics, never trained by default
-    "Pow": (1,), "Clip": (1, 2), "Dropout": (1, 2), "BatchNormalization": (3, 4),
-}
 
 ModelLike = onnx.ModelProto | bytes | str | PathLike
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
-    """``model`` as a ModelProto: a ModelProto (copied), serialized bytes, or a path to a file."""
+    """``model`` as a ModelProto: a ModelProto (copied), serialized bytes, or a path to a file.
+
+    A file's external data (the dynamo exporter's ``model.onnx.data``) is read from the model's
+    own folder, whatever the working directory; a missing data file, a file that is not ONNX and
+    bytes that point at external data are refused in one line that says what to do."""
     if isinstance(model, onnx.ModelProto):
         out = onnx.ModelProto()
         out.CopyFrom(model)
+        _check_is_model(out, "the ModelProto")
+        _refuse_unread_external_data(out, "the ModelProto")
         return out
     if isinstance(model, (str, PathLike)):
         path = Path(model)
         if not path.is_file():
             raise FileNotFoundError(f"no ONNX model at {path}; pass a path to a .onnx file, its bytes, or a ModelProto")
         try:
-            return onnx.load(str(path))  # with any external data beside it
+            out = onnx.load(str(path), load_external_data=False)
         except DecodeError:
-            raise PlanError(f"{path} is not an ONNX model (its protobuf does not parse); export the model again") from None
+            raise PlanError(f"{path} is not an ONNX model (its protobuf does not parse); {_EXPORT_HINT}") from None
+        _check_is_model(out, str(path))
+        _load_external_data(out, path)
+        return out
     if isinstance(model, (bytes, bytearray, memoryview)):
         try:
-            return onnx.ModelProto.FromString(bytes(model))
+            out = onnx.ModelProto.FromString(bytes(model))
         except DecodeError:
-            raise PlanError("the model bytes are not an ONNX model (their protobuf does not parse); export the model again") from None
+            raise PlanError(f"the model bytes are not an ONNX model (their protobuf does not parse); {_EXPORT_HINT}") from None
+        _check_is_model(out, "the model bytes")
+        _refuse_unread_external_data(out, "the model bytes")
+        return out
     raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
+
+
+_EXPORT_HINT = "export the model again, to ONNX (e.g. torch.onnx.export(module, example_inputs, 'model.onnx')) and pass that file"
+
+
+def _check_is_model(model: onnx.ModelProto, what: str) -> None:
+    """Refuse what parsed as protobuf but holds no ONNX graph (many byte strings parse)."""
+    if not model.HasField("graph") or not model.graph.node or not model.graph.output or not model.opset_import:
+        raise PlanError(f"{what} is not an ONNX model (no graph with nodes, outputs and an opset); {_EXPORT_HINT}")
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Read the tensors stored outside ``path`` from the files beside it (not the working directory)."""
+    tensors = _external_tensors(model)
+    if not tensors:
+        return
+    base = path.resolve().parent
+    for tensor in tensors:
+        location = external_data_helper.ExternalDataInfo(tensor).location
+        if not (base / location).is_file():
+            raise PlanError(f"{path} keeps its weights in {base / location}, which is missing; put the data file the "
+                            f"exporter wrote beside the model, or export without external data")
+    try:
+        external_data_helper.load_external_data_for_model(model, str(base))
+    except (onnx.checker.ValidationError, OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PlanError(f"{path}: its external data could not be read ({first}); export the model again") from None
+
+
+def _refuse_unread_external_data(model: onnx.ModelProto, what: str) -> None:
+    tensors = _external_tensors(model)
+    if tensors:
+        location = external_data_helper.ExternalDataInfo(tensors[0]).location
+        raise PlanError(f"{what} keep weights in an external data file ({location}) that bytes cannot carry; "
+                        "pass the model's path instead, so that the data file beside it is read")
 
 
 def model_opset(model: onnx.ModelProto) -> int:
@@ -124,15 +175,19 @@ class ModelParts:
     data_inputs: dict[str, str]  # graph input -> example tensor name
     prediction: str
     initializers: dict[str, onnx.TensorProto]
+    split: dict[str, str]  # initializer split off an exporter's deduplicated one -> that one
 
 
 def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
-    m, target = at_opset(load_model(model), opset)
+    m = load_model(model)
+    split = onnx_import.split_deduplicated(m)
+    m, target = at_opset(m, opset)
     graph = m.graph
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]
     if not data:
-        raise ValueError("the model has no data inputs (every graph input is an initializer)")
+        raise ValueError("the model has no data inputs (every graph input is an initializer); export it with its example "
+                         "inputs as graph inputs (the tensors a device feeds it)")
     for vi in data:  # the last batch of an epoch is short: the batch dimension must be dynamic
         dims = vi.type.tensor_type.shape.dim
         if len(dims):
@@ -148,12 +203,14 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     if output is None:
         floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
         if not floats:
-            raise ValueError("the model has no float output to compute the loss from; name one with output=")
+            raise ValueError("the model has no float output to compute a loss from (outputs: "
+                             f"{', '.join(o.name for o in graph.output)}); export the model up to its float prediction "
+                             "(logits or scores, before ArgMax or a cast), or name a float tensor with output=")
         output = floats[0]
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
-    return ModelParts(m, target, dict(inputs), output, inits)
+    return ModelParts(m, target, dict(inputs), output, inits, split)
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
@@ -167,21 +224,12 @@ def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
             raise UnsupportedOpError(node.op_type, node.name, f"is in domain {node.domain!r}; plans use standard ONNX ops only")
 
 
-def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> list[str]:
-    """Float32 initializers of rank >= 1 that some kept node reads as a differentiable input."""
-    chosen: list[str] = []
-    for node in nodes:
-        if node.op_type in NO_GRADIENT:
-            continue
-        skip = _NOT_TRAINABLE_INPUTS.get(node.op_type, ())
-        for k, name in enumerate(node.input):
-            init = inits.get(name)
-            if init is None or k in skip or name in chosen:
-                continue
-            if init.data_type == _F32 and len(init.dims) >= 1:
-                chosen.append(name)
-    order = list(inits)
-    return sorted(chosen, key=order.index)
+def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto], prediction: str,
+                      infos: Mapping[str, TensorInfo] | None = None) -> list[str]:
+    """Float32 initializers of rank >= 1 on a differentiable float path to ``prediction``, less
+    one-element scales (see :mod:`.onnx_import`)."""
+    reached = onnx_import.on_float_path(nodes, infos or {}, prediction)
+    return onnx_import.default_trainable(inits, reached, onnx_import.only_scales(nodes, inits))
 
 
 def _label_shape(loss, prediction_shape) -> list:
@@ -214,13 +262,29 @@ def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes
     return model.SerializeToString()
 
 
-def training_plan_from_onnx(
+@dataclass(frozen=True)
+class OnnxTrainingPlan:
+    """A generated training plan and what a person should see of it: the tensors it trains."""
+
+    plan: Plan
+    trainable: dict[str, tuple[int, ...]]  # trained initializer -> its shape, in the model's order
+    split: dict[str, str]  # parameter given its own weight again -> the initializer an exporter merged it into
+    shared: dict[str, int]  # trained weight the model itself shares -> how many nodes read it
+
+
+def training_plan_from_onnx(model: ModelLike, **kwargs: Any) -> Plan:
+    """A training plan for ``model``; the arguments are :func:`onnx_training_plan`'s."""
+    return onnx_training_plan(model, **kwargs).plan
+
+
+def onnx_training_plan(
     model: ModelLike,
     *,
     label: str,
     loss,
     optimizer: Optimizer,
     trainable: Sequence[str] | None = None,
+    frozen: Sequence[str] = (),
     output: str | None = None,
     metrics: Sequence[str] | None = None,
     batch_size: int,
@@ -241,16 +305,20 @@ def training_plan_from_onnx(
     clip_range: float = 1024.0,
     resume_examples: bool = False,
     dropout_seed: int | None = 0,
-) -> Plan:
+) -> OnnxTrainingPlan:
     """A training plan for ``model`` (an ONNX inference model: ModelProto, bytes or path).
 
     ``label`` names the example tensor holding the label; ``inputs`` maps the model's inputs to
     example tensor names (default: the same names); ``output`` is the model tensor the loss reads
     (default: its first float output). ``loss`` is ``"cross_entropy"`` (class ids), ``"binary_cross_entropy"``,
     ``"mse"`` or an ONNX graph (prediction, label) -> the batch's mean loss. ``trainable`` names the
-    initializers to train (default: every float32 initializer of rank >= 1 on a differentiable
-    path); the others stay constants. ``metrics`` picks among the loss's per-batch sums (default all:
-    ``loss_sum``, ``count`` and, for classification, ``correct``).
+    initializers to train, exactly or by glob pattern (default: every float32 initializer of rank >= 1
+    on a differentiable float path to the output: not a one-element tensor that only scales, such
+    as an attention scale, nor one that feeds only shape arithmetic); ``frozen`` patterns take tensors out of that
+    set; the others stay constants. A pattern that matches no initializer is refused. ``metrics``
+    picks among the loss's per-batch sums (default all: ``loss_sum``, ``count`` and, for
+    classification, ``correct``). Parameters an exporter merged into one initializer and reads
+    through ``Identity`` nodes get weights of their own (:func:`.onnx_import.split_deduplicated`).
 
     Raises :class:`UnsupportedOpError` naming the op and node of a node without a gradient rule
     (:data:`OP_COVERAGE`) on a path along which a gradient flows from a trainable weight to the loss
@@ -282,18 +350,13 @@ def training_plan_from_onnx(
         opset_imports=[helper.make_opsetid("", parts.opset)], ir_version=ir_version_for_opset(parts.opset))
     e.infos.update(tensor_infos(probe))
 
-    if trainable is not None:
-        weights = list(trainable)
-    else:
-        weights = [w for w in default_trainable(nodes, parts.initializers) if w not in fw.state_updates]
-    for w in weights:
-        init = parts.initializers.get(w)
-        if init is None:
-            raise ValueError(f"trainable {w!r} is not an initializer of the model; initializers: {sorted(parts.initializers)[:20]}")
-        if init.data_type != _F32:
-            raise ValueError(f"trainable {w!r} is {helper.tensor_dtype_to_np_dtype(init.data_type)}; plans train float32 weights")
+    reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction)
+    weights = onnx_import.select_trainable(parts.initializers, reached, trainable, frozen, statistics=set(fw.state_updates),
+                                           scales=onnx_import.only_scales(nodes, parts.initializers))
     if not weights:
-        raise ValueError("the model has nothing to train: no float32 initializer on the way to the output")
+        raise ValueError("the model has nothing to train: no float32 initializer lies on a float path to the output; export "
+                         "the model with its weights as float32 initializers (torch.onnx.export's default "
+                         "export_params=True), or name the tensors to train with trainable=")
     stats = [s for s in fw.state_updates if s not in weights]
 
     label_input = e.reserve("label")
@@ -343,7 +406,7 @@ def training_plan_from_onnx(
     server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
                          reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,
                          clip_range=clip_range)
-    return Plan(
+    plan = Plan(
         name=name or (graph.name or "model"),
         kind="train",
         format_version=PLAN_FORMAT_VERSION,
@@ -370,6 +433,8 @@ def training_plan_from_onnx(
             time_budget_s=time_budget_s,
         ),
     )
+    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split),
+                            onnx_import.shared_weights(graph.node, weights))
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -388,7 +453,9 @@ def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:
 def initial_weights_from_onnx(model: ModelLike, plan: Plan) -> dict[str, np.ndarray]:
     """The plan's starting checkpoint: the model's values for its trained initializers and
     running statistics, zeros for the optimizer state."""
-    inits = {i.name: numpy_helper.to_array(i) for i in load_model(model).graph.initializer}
+    loaded = load_model(model)
+    onnx_import.split_deduplicated(loaded)  # the plan's names for parameters an exporter merged
+    inits = {i.name: numpy_helper.to_array(i) for i in loaded.graph.initializer}
     spec = PlanExecutor(plan).weight_spec()
     out = {}
     for w, (shape, _dtype) in spec.items():

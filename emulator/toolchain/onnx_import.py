@@ -1,0 +1,184 @@
+"""Which of an exported model's initializers a training plan trains.
+
+Exporters store more than weights as float initializers: an attention scale of shape [1], the
+shape a ``Reshape`` takes, the exponent of a ``Pow``. By default a plan trains the float32
+initializers of rank >= 1 that reach the prediction along a differentiable path, except the
+one-element ones that only scale;
+``trainable`` and ``frozen`` glob patterns (:func:`fnmatch.fnmatchcase` on initializer names) say
+otherwise. Pure functions over the graph: nodes, initializers and tensor types in, names out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from fnmatch import fnmatchcase
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .autodiff import TensorInfo
+from .forward import is_float
+from .gradients import NO_GRADIENT
+
+_F32 = TensorProto.FLOAT
+_REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+           "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+#: Input slots that carry shapes, indices, axes, hyperparameters or statistics: no gradient reaches
+#: an initializer through them, so it does not train by default.
+NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
+    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Tile": frozenset({1}), "Slice": frozenset({1, 2, 3, 4}),
+    "Pad": frozenset({1, 3}), "Squeeze": frozenset({1}), "Unsqueeze": frozenset({1}), "Split": frozenset({1}),
+    "Resize": frozenset({1, 2, 3}), "Upsample": frozenset({1}), "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}), "GatherND": frozenset({1}), "ScatterND": frozenset({1}),
+    "ScatterElements": frozenset({1}), "TopK": frozenset({1}), "CumSum": frozenset({1}), "Trilu": frozenset({1}),
+    "Where": frozenset({0}), "Pow": frozenset({1}), "Clip": frozenset({1, 2}), "Dropout": frozenset({1, 2}),
+    "BatchNormalization": frozenset({3, 4}), "ConstantOfShape": frozenset({0}),
+    **{op: frozenset({1}) for op in _REDUCE},
+}
+
+
+class TrainableError(ValueError):
+    """A ``trainable`` or ``frozen`` pattern that selects nothing, or a tensor that cannot train."""
+
+
+def on_float_path(nodes: Sequence[onnx.NodeProto], infos: Mapping[str, TensorInfo], prediction: str) -> set[str]:
+    """The tensors from which ``prediction`` is reached through differentiable float inputs
+    (``nodes`` in topological order): a tensor outside it feeds only shape arithmetic, integer or
+    boolean paths, or branches the prediction does not read."""
+    reached = {prediction}
+    for node in reversed(nodes):
+        if node.op_type in NO_GRADIENT or not any(o in reached for o in node.output if o):
+            continue
+        skip = NON_DIFFERENTIABLE_INPUTS.get(node.op_type, frozenset())
+        for k, name in enumerate(node.input):
+            info = infos.get(name)
+            if name and k not in skip and (info is None or is_float(info.elem_type)):
+                reached.add(name)
+    return reached
+
+
+def _size(init: onnx.TensorProto) -> int:
+    return int(np.prod([int(d) for d in init.dims])) if len(init.dims) else 1
+
+
+def only_scales(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> set[str]:
+    """One-element initializers that every reader multiplies or divides by (an attention scale);
+    a one-element bias (a single-output regressor's) is a parameter and not among them."""
+    readers: dict[str, set[str]] = {}
+    for node in nodes:
+        for name in node.input:
+            if name in inits:
+                readers.setdefault(name, set()).add(node.op_type)
+    return {n for n, ops in readers.items() if _size(inits[n]) == 1 and ops <= {"Mul", "Div"}}
+
+
+def default_trainable(inits: Mapping[str, onnx.TensorProto], reached: Set[str], scales: Set[str] = frozenset()) -> list[str]:
+    """Float32 initializers of rank >= 1 on a float path to the prediction, less the one-element
+    ``scales`` (see :func:`only_scales`), which stay constants."""
+    return [n for n, i in inits.items() if n in reached and i.data_type == _F32 and len(i.dims) >= 1 and n not in scales]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return name == pattern or fnmatchcase(name, pattern)
+
+
+def _some(names: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def select_trainable(
+    inits: Mapping[str, onnx.TensorProto],
+    reached: Set[str],
+    trainable: Sequence[str] | None,
+    frozen: Sequence[str] = (),
+    *,
+    statistics: Set[str] = frozenset(),
+    scales: Set[str] = frozenset(),
+) -> list[str]:
+    """The initializers to train, in the model's order: ``trainable`` patterns (default: see
+    :func:`default_trainable`) less ``frozen`` ones and less running ``statistics``. A name given
+    exactly is taken as it is (any float32 initializer); a glob takes the float32 initializers it
+    matches that reach the prediction. A pattern that matches no initializer is refused, naming it."""
+    names = list(inits)
+    if isinstance(trainable, str) or isinstance(frozen, str):
+        raise TrainableError("trainable and frozen take a list of names or glob patterns, not one string")
+    for kind, patterns in (("trainable", trainable or ()), ("frozen", frozen)):
+        for p in patterns:
+            if not any(_matches(n, p) for n in names):
+                raise TrainableError(f"{kind} {p!r} matches no tensor: it is not an initializer of the model nor a glob "
+                                     f"pattern for one; initializers: {_some(names)}")
+    if trainable is None:
+        chosen = [n for n in default_trainable(inits, reached, scales) if n not in statistics]
+    else:
+        chosen = []
+        for p in trainable:
+            if p in inits:
+                if inits[p].data_type != _F32:
+                    dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[p].data_type)
+                    raise TrainableError(f"trainable {p!r} is {dtype}; plans train float32 weights")
+                picked = [p]
+            else:
+                matched = [n for n in names if _matches(n, p)]
+                picked = [n for n in matched if inits[n].data_type == _F32 and n in reached and n not in statistics]
+                if not picked:
+                    raise TrainableError(f"trainable {p!r} matches only tensors that cannot train (not float32, or on no "
+                                         f"float path to the output): {_some(matched)}")
+            chosen += [n for n in picked if n not in chosen]
+        chosen.sort(key=names.index)
+    return [n for n in chosen if not any(_matches(n, p) for p in frozen)]
+
+
+def trainable_table(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Lines for a person: each trained tensor and its shape, then the parameter count."""
+    width = max((len(n) for n in shapes), default=0)
+    lines = [f"  {n.ljust(width)}  {list(s)}" for n, s in shapes.items()]
+    count = sum(int(np.prod(s)) if s else 1 for s in shapes.values())
+    lines.append(f"  {len(shapes)} trainable tensors, {count:,} parameters")
+    return lines
+
+
+def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
+    """Give every parameter an exporter merged into another its own initializer again, in place;
+    returns each new initializer's name -> the initializer it was copied from.
+
+    Exporters keep one initializer for parameters of equal values (a fresh model's zero biases,
+    LayerNorm gains of one) and, like torch's classic exporter, read it for the others through
+    ``Identity`` nodes named after them. Trained as one weight, such parameters would all take the
+    sum of their gradients: each ``Identity`` of an initializer becomes an initializer of its own
+    (its output's name, the initializer's value). A weight that several nodes read directly, as
+    tied embeddings are, stays one."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    split: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        source = node.input[0] if node.op_type == "Identity" and node.input else ""
+        target = node.output[0] if node.output else ""
+        if source in inits and target and target not in outputs and target not in inits:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(inits[source])
+            copy.name = target
+            graph.initializer.append(copy)
+            inits[target] = copy
+            split[target] = source
+            continue
+        kept.append(node)
+    if split:
+        del graph.node[:]
+        graph.node.extend(kept)
+        for vi in list(graph.value_info):  # the aliases' inferred types would now shadow initializers
+            if vi.name in split:
+                graph.value_info.remove(vi)
+    return split
+
+
+def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> dict[str, int]:
+    """Trained weights that several nodes read (a model's own tying): weight -> how many nodes."""
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in set(node.input):
+            readers[name] = readers.get(name, 0) + 1
+    return {w: readers[w] for w in weights if readers.get(w, 0) > 1}

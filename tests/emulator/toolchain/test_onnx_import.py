@@ -1,0 +1,234 @@
+"""Reading real exporters' ONNX files for plan generation: external data beside the model, files that
+are not ONNX, which tensors train (``--trainable``/``--frozen``, no scalars or shape constants by
+default) and initializers an exporter deduplicated split back into one weight per parameter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from device_runtime.plan import load_plan
+from emulator.cli import main
+from emulator.toolchain import SGD, training_plan_from_onnx
+from example_store import ExampleSelector
+
+from .models import F, mlp
+
+SELECTOR = ExampleSelector("app:/m")
+
+
+def _save_with_external_data(m: onnx.ModelProto, folder: Path) -> Path:
+    """The dynamo exporter's layout: model.onnx and every tensor in model.onnx.data beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=0)
+    return path
+
+
+def _from_onnx(model: Path, out: Path, *extra: str) -> int:
+    return main(["plan", "from-onnx", str(model), "--label", "y", "--loss", "cross_entropy", "--batch-size", "4",
+                 "-o", str(out), *extra])
+
+
+def test_external_data_is_read_from_the_models_folder_whatever_the_working_directory(tmp_path, monkeypatch, capsys):
+    path = _save_with_external_data(mlp(6, 5, 3), tmp_path / "export")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert _from_onnx(path.resolve(), tmp_path / "plan.fedplan") == 0, capsys.readouterr().err
+    plan = load_plan((tmp_path / "plan.fedplan").read_bytes())
+    assert {"w0", "b0", "w1", "b1"} <= set(plan.weight_names)
+    from emulator.toolchain import initial_weights_from_onnx
+
+    weights = initial_weights_from_onnx(path, plan)
+    assert np.array_equal(weights["w0"], onnx.numpy_helper.to_array(mlp(6, 5, 3).graph.initializer[0]))
+
+
+def test_a_missing_external_data_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    path = _save_with_external_data(mlp(6, 5, 3), tmp_path / "export")
+    (path.parent / "model.onnx.data").unlink()
+    monkeypatch.chdir(tmp_path)
+    assert _from_onnx(path.resolve(), tmp_path / "plan.fedplan") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert str((path.parent / "model.onnx.data").resolve()) in err and "missing" in err
+
+
+@pytest.mark.parametrize("content", [b"not a model at all\n", b"PK\x03\x04 a torch checkpoint, zipped", b""])
+def test_a_file_that_is_not_onnx_is_one_line_saying_what_to_export(tmp_path, capsys, content):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(content)
+    assert _from_onnx(path, tmp_path / "plan.fedplan") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not an ONNX model" in err and "torch.onnx.export" in err
+
+
+def test_a_graph_with_no_float_output_is_one_line_saying_what_to_export(tmp_path, capsys):
+    m = mlp(6, 5, 3)
+    m.graph.node.append(helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0))
+    del m.graph.output[:]
+    m.graph.output.append(helper.make_tensor_value_info("label", onnx.TensorProto.INT64, ["N"]))
+    onnx.save_model(m, str(tmp_path / "model.onnx"))
+    assert _from_onnx(tmp_path / "model.onnx", tmp_path / "plan.fedplan") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no float output" in err and "before ArgMax" in err
+
+
+def test_model_bytes_that_point_at_external_data_are_refused_with_what_to_pass(tmp_path):
+    path = _save_with_external_data(mlp(6, 5, 3), tmp_path)
+    with pytest.raises(ValueError, match="pass the model's path"):
+        training_plan_from_onnx(path.read_bytes(), label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
+                                example_selector=SELECTOR)
+
+
+def _scaled_model() -> onnx.ModelProto:
+    """A linear layer as the dynamo exporter writes attention: the product scaled by a float32
+    tensor of shape [1], and a float32 initializer that only becomes a Reshape's shape."""
+    rng = np.random.default_rng(0)
+    inits = {"enc.0.weight": rng.normal(size=(4, 6)).astype(np.float32), "enc.0.bias": np.zeros(6, np.float32),
+             "scale": np.array([0.125], np.float32), "shape_f": np.array([-1, 3], np.float32),
+             "head.weight": rng.normal(size=(3, 3)).astype(np.float32), "head.bias": np.zeros(3, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "enc.0.weight"], ["h0"]),
+             helper.make_node("Add", ["h0", "enc.0.bias"], ["h1"]),
+             helper.make_node("Mul", ["h1", "scale"], ["h2"]),
+             helper.make_node("Cast", ["shape_f"], ["shape"], to=onnx.TensorProto.INT64),
+             helper.make_node("Reshape", ["h2", "shape"], ["h3"]),
+             helper.make_node("MatMul", ["h3", "head.weight"], ["h4"]),
+             helper.make_node("Add", ["h4", "head.bias"], ["logits"])]
+    from .models import model
+
+    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
+                 [helper.make_tensor_value_info("logits", F, ["N", 3])], inits)
+
+
+def _weights(m, **kwargs) -> tuple[str, ...]:
+    return training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
+                                   example_selector=SELECTOR, **kwargs).weight_names
+
+
+def test_by_default_one_element_scales_and_shape_constants_do_not_train():
+    assert _weights(_scaled_model()) == ("enc.0.weight", "enc.0.bias", "head.weight", "head.bias")
+
+
+def test_trainable_and_frozen_glob_patterns_choose_the_trained_tensors():
+    m = _scaled_model()
+    assert _weights(m, trainable=["enc.*"]) == ("enc.0.weight", "enc.0.bias")
+    assert _weights(m, frozen=["*.bias"]) == ("enc.0.weight", "head.weight")
+    assert _weights(m, trainable=["*"], frozen=["head.*"]) == ("enc.0.weight", "enc.0.bias", "scale")  # asked for: trains
+    assert _weights(m, trainable=["scale", "head.weight"]) == ("scale", "head.weight")
+
+
+@pytest.mark.parametrize("kind", ["trainable", "frozen"])
+def test_a_pattern_that_matches_no_initializer_is_refused_naming_it(kind):
+    with pytest.raises(ValueError, match=rf"{kind} 'decoder\.\*' matches no tensor.*initializers: enc\.0\.weight"):
+        _weights(_scaled_model(), **{kind: ["decoder.*"]})
+
+
+def test_the_task_api_takes_trainable_and_frozen_patterns(tmp_path):
+    from emulator.toolchain.tasks import Task
+
+    onnx.save_model(_scaled_model(), str(tmp_path / "m.onnx"))
+    task = Task(name="scaled", model=tmp_path / "m.onnx", proxy=lambda: None,  # type: ignore[arg-type, return-value]
+                trainable=("*.weight", "scale"), frozen=("head.*",))
+    assert task.build_plan().weight_names == ("enc.0.weight", "scale")
+
+
+def test_from_onnx_prints_the_trained_tensors_and_refuses_a_pattern_that_matches_nothing(tmp_path, capsys):
+    onnx.save_model(_scaled_model(), str(tmp_path / "m.onnx"))
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "p.fedplan", "--frozen", "head.*") == 0
+    out = capsys.readouterr().out
+    assert "enc.0.weight  [4, 6]" in out and "enc.0.bias    [6]" in out and "head.weight" not in out.split("trains:")[1]
+    assert "2 trainable tensors, 30 parameters" in out
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "p.fedplan", "--trainable", "decoder.*") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'decoder.*' matches no tensor" in err and "head.weight" in err
+
+
+def test_a_one_element_bias_still_trains_by_default():
+    from .models import model
+
+    m = model([helper.make_node("Gemm", ["x", "W", "b"], ["pred"])], [helper.make_tensor_value_info("x", F, ["N", 4])],
+              [helper.make_tensor_value_info("pred", F, ["N", 1])],
+              {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)})
+    plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+    assert plan.weight_names == ("W", "b")
+
+
+def _two_layers(deduplicated: bool, tied: bool = False) -> onnx.ModelProto:
+    """Two linear layers with zero biases; ``deduplicated`` writes them as torch's classic exporter
+    does for a fresh model: one bias initializer, the second layer's bias an Identity of it."""
+    from .models import model
+
+    rng = np.random.default_rng(3)
+    inits = {"l0.weight": rng.normal(size=(4, 4)).astype(np.float32), "l0.bias": np.zeros(4, np.float32),
+             "l1.weight": rng.normal(size=(4, 3)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "l0.weight"], ["h0"]), helper.make_node("Add", ["h0", "l0.bias"], ["h1"]),
+             helper.make_node("Tanh", ["h1"], ["h2"]),
+             helper.make_node("MatMul", ["h2", "l0.weight" if tied else "l1.weight"], ["h3"])]
+    if tied:
+        nodes.append(helper.make_node("MatMul", ["h3", "l1.weight"], ["h4"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["h3"], ["h4"]))
+    if deduplicated:
+        nodes.insert(0, helper.make_node("Identity", ["l0.bias"], ["l1.bias"], name="/l1/Identity"))
+        inits["l0.bias"] = np.zeros(4, np.float32)
+    else:
+        inits["l1.bias"] = np.zeros(4, np.float32)
+    nodes.append(helper.make_node("Slice", ["h4", "zero", "three", "one"], ["h5"]))
+    inits.update({"zero": np.array([0]), "three": np.array([3]), "one": np.array([1])})
+    nodes.append(helper.make_node("Add", ["h5", "l1.bias_3"], ["logits"]))
+    nodes.insert(-1, helper.make_node("Slice", ["l1.bias", "zero", "three"], ["l1.bias_3"]))
+    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
+                 [helper.make_tensor_value_info("logits", F, ["N", 3])], inits)
+
+
+def _one_step(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+    from device_runtime import PlanExecutor
+    from emulator.toolchain import initial_weights_from_onnx
+
+    plan = training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8,
+                                   example_selector=SELECTOR)
+    weights = initial_weights_from_onnx(m, plan)
+    rng = np.random.default_rng(4)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 3, 8)}
+    executor = PlanExecutor(plan)
+    return executor.final_weights(weights, executor.run_device(weights, lambda: [batch]))
+
+
+def test_parameters_an_exporter_merged_take_the_step_of_the_model_exported_without_merging():
+    merged, separate = _one_step(_two_layers(deduplicated=True)), _one_step(_two_layers(deduplicated=False))
+    assert set(merged) == set(separate) == {"l0.weight", "l0.bias", "l1.weight", "l1.bias"}
+    for name in separate:
+        np.testing.assert_allclose(merged[name], separate[name], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(separate["l0.bias"], separate["l1.bias"])  # each bias took its own update
+
+
+def test_a_weight_the_model_itself_ties_stays_one_weight_and_from_onnx_names_it(tmp_path, capsys):
+    onnx.save_model(_two_layers(deduplicated=True, tied=True), str(tmp_path / "m.onnx"))
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "p.fedplan") == 0
+    out = capsys.readouterr().out
+    plan = load_plan((tmp_path / "p.fedplan").read_bytes())
+    assert plan.weight_names == ("l0.weight", "l0.bias", "l1.weight", "l1.bias")
+    assert "shared: l0.weight is one weight read by 2 nodes" in out and "back into weights of their own: l1.bias" in out
+
+
+def test_running_statistics_that_arrive_through_identity_become_plan_state_of_their_own():
+    from .models import model
+
+    rng = np.random.default_rng(5)
+    inits = {"fc.weight": rng.normal(size=(4, 3)).astype(np.float32), "bn.weight": np.ones(3, np.float32),
+             "bn.bias": np.zeros(3, np.float32)}
+    nodes = [helper.make_node("Identity", ["bn.bias"], ["bn.running_mean"]),
+             helper.make_node("Identity", ["bn.weight"], ["bn.running_var"]),
+             helper.make_node("MatMul", ["x", "fc.weight"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
+                              ["logits"], epsilon=1e-5)]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("logits", F, ["N", 3])],
+              inits)
+    names = _weights(m)
+    assert set(names) == {"fc.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"}
