@@ -127,7 +127,9 @@ class GuardedServer(uvicorn.Server):
     def _listen(self) -> socket.socket:
         host, port = self.config.host, self.config.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = _Listener(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, as getaddrinfo names it for uvicorn's own listener: asyncio sets
+        # TCP_NODELAY only on sockets whose proto says TCP
+        listener = _Listener(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         listener.admission = self.admission
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -195,6 +197,9 @@ class _Listener(socket.socket):
         if room == "later":
             raise BlockingIOError  # asyncio tries again on its next turn
         conn, address = super().accept()
+        # An answer's head and body go out in two writes: with Nagle's algorithm the body waits for
+        # the client's delayed ACK, 40 ms a request.
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if room == "no":
             try:
                 conn.setblocking(False)

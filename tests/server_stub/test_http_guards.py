@@ -229,3 +229,22 @@ def test_the_server_command_with_256_descriptors_answers_health_while_300_slow_c
             for sock in crowd:
                 sock.close()
     assert "Traceback" not in output[1] and "out of system resource" not in output[1], output[1][-2000:]
+
+
+def test_accepted_connections_send_without_waiting_for_the_clients_ack():
+    """TCP_NODELAY on every accepted socket: an answer goes out as a head and a body, and with
+    Nagle's algorithm the body waits for the client's delayed ACK (40 ms a request)."""
+    from server_stub.http_guards import _Admission, _Listener
+
+    listener = _Listener(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    listener.admission = _Admission(4)
+    with listener, socket.create_connection(_bound(listener)):
+        conn, _ = listener.accept()
+        with conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+
+
+def _bound(listener: socket.socket) -> tuple[str, int]:
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener.getsockname()
