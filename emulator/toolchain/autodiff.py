@@ -276,15 +276,6 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     return values
 
 
-def depends_on(nodes: Sequence[onnx.NodeProto], sources: Iterable[str]) -> set[str]:
-    """Every tensor computed from ``sources`` (themselves included), nodes in topological order."""
-    reached = set(sources)
-    for node in nodes:
-        if any(i in reached for i in node.input if i):
-            reached.update(o for o in node.output if o)
-    return reached
-
-
 def needed_for(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
     """Every tensor ``targets`` are computed from (themselves included)."""
     needed = set(targets)
@@ -302,7 +293,7 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, tuple[int, ...]] = {"CastLike": (1,)}
 def differentiable(nodes: Sequence[onnx.NodeProto], sources: Iterable[str], infos: Mapping[str, TensorInfo]) -> set[str]:
     """The tensors a gradient can reach from ``sources`` (themselves included), nodes in topological order.
 
-    Unlike :func:`depends_on` this follows float tensors only, through ops that carry a gradient:
+    It follows float tensors only, through ops that carry a gradient (not every tensor computed from them):
     integer, boolean and shape paths (``Shape`` and the arithmetic on it, a boolean mask, an index
     buffer) and the outputs of ops without a gradient stop it, so that they need no rule. A tensor
     whose type inference could not fix counts as float (the rule decides)."""
