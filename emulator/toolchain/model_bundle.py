@@ -110,7 +110,9 @@ def _prediction_shape(model: onnx.ModelProto | str | Path, plan: Plan, features:
 
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)  # a path reads its data
-    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # an exporter's unused initializers are not the person's concern here
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     outputs = [o for o in proto.graph.output if is_float(o.type.tensor_type.elem_type)]
     examples = _two_examples(features)
     feeds = {g: examples[e] for g, e in plan.device.inputs.items() if e in examples}
