@@ -180,7 +180,7 @@ task = Task(
 '''
 
 
-def _prepare(out: Path, command: str) -> None:
+def _prepare(out: Path, command: str, keep: Path) -> None:
     """Make ``out`` ready: new, empty, or a bundle a from-command wrote (its own files are removed,
     so a task renamed since leaves nothing behind); anything else is refused."""
     if out.exists() and not out.is_dir():
@@ -194,8 +194,8 @@ def _prepare(out: Path, command: str) -> None:
         for child in out.iterdir():
             if child.is_dir() and (child / MANIFEST).is_file():
                 shutil.rmtree(child)
-            elif child.name in (TASK_FILE, SOURCE, MODEL_FILE, MODEL_DATA):
-                child.unlink()
+            elif child.name in (TASK_FILE, SOURCE, MODEL_FILE, MODEL_DATA) and child.resolve() != keep.resolve():
+                child.unlink()  # (not the model given, when it is the bundle's own: from-onnx DIR/model.onnx -o DIR)
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -247,7 +247,7 @@ def bundle_from_onnx(
     made = onnx_import(loaded, task)
     plan = dataclasses.replace(made.plan, name=name)
     features, failed = example_features(model, plan, label=label, loss=loss)
-    _prepare(out, command)
+    _prepare(out, command, keep=model)
     _copy_model(model, loaded, out)
     stub = task_stub(command=command, name=name, features=features, label=label, loss=loss, optimizer=optimizer,
                      hyperparameters=hyperparameters, collection=collection, batch_size=batch_size, epochs=epochs,
