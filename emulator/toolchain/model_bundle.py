@@ -84,7 +84,8 @@ def example_features(model: onnx.ModelProto | str | Path, plan: Plan, *, label: 
         vi = by_name[graph_input]
         shape = tuple(d if isinstance(d, int) and d > 0 else SYMBOLIC_DIM for d in _dims(vi)[1:])
         dtype = _np_dtype(vi.type.tensor_type.elem_type)
-        features[example] = (dtype, shape) if np.issubdtype(np.dtype(dtype), np.floating) or dtype == "bool" else (dtype, shape, 2)
+        whole = not np.issubdtype(np.dtype(dtype), np.floating) and dtype != "bool"
+        features[example] = (dtype, shape, 2) if whole else (dtype, shape)
     assert label_input is not None
     label_dtype = _np_dtype(label_input.type.tensor_type.elem_type)
     try:
@@ -239,7 +240,8 @@ def bundle_from_onnx(
     name = name or model.stem
     runtimes = tuple(runtimes or DEFAULT_RUNTIMES)
     hyperparameters = {"lr": lr}
-    task = Task(name=name, model=model, proxy=lambda: None, loss=loss, optimizer=optimizer,  # type: ignore[arg-type, return-value]
+    task = Task(name=name, model=model, proxy=lambda: None,  # type: ignore[arg-type, return-value]
+                loss=loss, optimizer=optimizer,
                 hyperparameters=hyperparameters, label=label, selector=ExampleSelector(collection), batch_size=batch_size,
                 epochs=epochs, opset=opset, trainable=None if trainable is None else tuple(trainable), frozen=tuple(frozen),
                 runtimes=runtimes)

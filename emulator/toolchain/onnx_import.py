@@ -196,7 +196,8 @@ def exported_for_inference(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, 
 
 EVAL_MODE_WARNING = ("the model looks exported in eval mode (convolutions, no BatchNormalization, no Dropout): exporters fold "
                      "BatchNorm into the convolutions and drop Dropout by default, so the plan trains a network without them; "
-                     "export the module in train mode keeping them (`fedfleet plan from-torch`, or torch.onnx.export(model.train(), "
+                     "export the module in train mode keeping them (`fedfleet plan from-torch`, or "
+                     "torch.onnx.export(model.train(), "
                      "..., dynamo=True, optimize=False)), or ignore this if it has neither")
 
 

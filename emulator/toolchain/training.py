@@ -94,7 +94,8 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
     raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
 
 
-_EXPORT_HINT = ("export the model again, to ONNX (torch.onnx.export(module, example_inputs, 'model.onnx'), or `fedfleet plan from-torch` "
+_EXPORT_HINT = ("export the model again, to ONNX (torch.onnx.export(module, example_inputs, 'model.onnx'), or "
+                "`fedfleet plan from-torch` "
                 "for a PyTorch module) and pass that file")
 
 

@@ -81,4 +81,5 @@ def test_a_train_mode_export_is_evaluated_as_the_inference_model(digits):
         weights = initial_weights_from_onnx(model, plan)
         return executor.run_device(weights, lambda: [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, 96, 32)]).metrics
 
-    assert metrics(_as_exported_in_train_mode(source)) == pytest.approx(metrics(source), rel=1e-6)  # no masks, no batch statistics
+    # no masks, no batch statistics
+    assert metrics(_as_exported_in_train_mode(source)) == pytest.approx(metrics(source), rel=1e-6)
