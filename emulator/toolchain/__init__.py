@@ -11,13 +11,15 @@ from .optimizers import SGD, Adam, Momentum
 from .server_optimizers import FedAdam, FedAvg, FedAvgM, FedYogi
 from .training import OnnxTrainingPlan, initial_weights_from_onnx, onnx_training_plan, training_plan_from_onnx
 from .bundle import BuiltTask, build_bundle, deploy_bundle, read_bundle, release_test_bundle
+from .model_bundle import ModelBundle, bundle_from_onnx
+from .torch_export import TorchInput, export_torch, from_torch
 from .release import (
     budget_checks, compare_outputs, max_abs_difference, release_table, release_test, report_passed, write_report,
 )
 from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, sign_report
 from .tasks import (
     Budget, Predicate, ProxyData, Task, TaskError, TaskGroup, Tolerance, Trial, accuracy_after_rounds, evaluation_of,
-    load_tasks, loss_after_rounds, loss_decreases, predicate,
+    load_tasks, loss_after_rounds, loss_decreases, loss_is_finite, predicate,
 )
 from .versioning import VersioningError, convert_model, plan_sha256, versioned_plan
 
@@ -43,6 +45,7 @@ __all__ = [
     # tasks, versioned plans, release tests and bundles
     "Budget",
     "BuiltTask",
+    "ModelBundle",
     "Predicate",
     "ProxyData",
     "Task",
@@ -54,6 +57,7 @@ __all__ = [
     "accuracy_after_rounds",
     "budget_checks",
     "build_bundle",
+    "bundle_from_onnx",
     "compare_outputs",
     "convert_model",
     "deploy_bundle",
@@ -61,6 +65,7 @@ __all__ = [
     "load_tasks",
     "loss_after_rounds",
     "loss_decreases",
+    "loss_is_finite",
     "max_abs_difference",
     "plan_sha256",
     "predicate",
@@ -71,6 +76,10 @@ __all__ = [
     "report_passed",
     "versioned_plan",
     "write_report",
+    # from an exported model or a PyTorch module to a bundle (torch only when exporting)
+    "TorchInput",
+    "export_torch",
+    "from_torch",
     # signing release reports
     "SigningKeyError",
     "generate_signing_key",

@@ -78,7 +78,8 @@ def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] 
     out = Path(out)
     tasks = load_tasks(task_file)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(task_file, out / TASK_FILE)
+    if Path(task_file).resolve() != (out / TASK_FILE).resolve():  # a stub plan from-onnx wrote is built in place
+        shutil.copyfile(task_file, out / TASK_FILE)
     source = {"task_file": str(Path(task_file).resolve())}
     (out / SOURCE).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
     roots = []
@@ -127,9 +128,18 @@ def _task_file(directory: Path) -> Path:
     return original if original.is_file() else directory / TASK_FILE
 
 
+def check_bundle_path(path: str | Path) -> None:
+    """Refuse a file where a bundle directory is wanted, saying how to make one (a newcomer's plan
+    file from ``plan from-onnx -o X.fedplan`` has no checkpoint nor task to test)."""
+    if Path(path).is_file():
+        raise TaskError(f"{path} is a file, not a bundle directory; `fedfleet plan from-onnx MODEL.onnx --label y -o DIR` "
+                        "writes one from a model (`plan build TASK.py -o DIR` from a task file), then `plan test DIR`")
+
+
 def read_bundle(directory: str | Path) -> list[BuiltTask]:
     """The tasks of a bundle, with their plans checked against the manifest's ids."""
     directory = Path(directory)
+    check_bundle_path(directory)
     if not (directory / TASK_FILE).is_file():
         raise TaskError(f"{directory} is not a built task (no {TASK_FILE}); run `fedfleet plan build TASK.py -o {directory}`")
     by_name = {t.name: t for t in load_tasks(_task_file(directory))}

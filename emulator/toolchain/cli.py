@@ -1,4 +1,4 @@
-"""``fedfleet plan build|test|from-onnx`` and ``fedfleet deploy``: the model engineer's commands.
+"""``fedfleet plan build|test|keygen|from-onnx|from-torch`` and ``fedfleet deploy``: the model engineer's commands.
 
     fedfleet plan build TASK.py -o DIR          unversioned plan + one versioned plan per claimed runtime
     fedfleet plan keygen --key KEY              a signing key for release reports (KEY, mode 0600) and the
@@ -8,9 +8,18 @@
                                                 table per task (release, passed, max abs diff, ms/step,
                                                 peak MB), writes DIR/<task>/release_report.json signed
                                                 with KEY; exit 1 unless all passed
-    fedfleet plan from-onnx MODEL.onnx --label y --loss cross_entropy --optimizer sgd --lr 0.1 -o PLAN
-                [--trainable PATTERN ...] [--frozen PATTERN ...]
-                                                prints the tensors it trains, their shapes and the count
+    fedfleet plan from-onnx MODEL.onnx --label y [--loss L --optimizer O --lr LR --batch-size B --epochs E
+                --opset N --collection C --trainable PATTERN ... --frozen PATTERN ... --runtimes R ... --name N] -o DIR
+                                                a bundle plan test and deploy take as it is: DIR/model.onnx,
+                                                a task file stub DIR/task.py (random proxy examples of the
+                                                model's shapes) and what `plan build DIR/task.py -o DIR`
+                                                writes; prints the inputs, the collection, the trained
+                                                tensors and the next two commands; warns of an eval-mode
+                                                export; -o PLAN.fedplan writes the training plan alone
+    fedfleet plan from-torch MODULE:FACTORY --input NAME:SHAPE[:DTYPE] ... --label y [same options] -o DIR
+                                                exports FACTORY()'s nn.Module so that it trains right
+                                                (dynamo, optimize=False, train mode, dynamic batch), then
+                                                as from-onnx; needs the torch extra
     fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server
 """
 
@@ -33,11 +42,13 @@ from server_stub.admin_client import AdminClient, AdminError
 
 from ..runtime_envs import RuntimeEnvError
 from ..runtime_worker import WorkerError, WorkerPool
-from .bundle import build_bundle, deploy_bundle, release_test_bundle
+from .bundle import build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
+from .model_bundle import ModelBundle, bundle_from_onnx
 from .release import release_table
 from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
 from .onnx_import import trainable_table
 from .tasks import Task, TaskError, onnx_import
+from .torch_export import from_torch, parse_input
 
 __all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]
 
@@ -65,27 +76,45 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
                         "line goes to KEY.pub")
     keygen.add_argument("--label", default="", help="a name for the key in the trust line (who holds it)")
     keygen.add_argument("--force", action="store_true", help="replace an existing key file")
-    onnx_cmd = plan_sub.add_parser("from-onnx", help="a training plan from an ONNX inference model")
+    onnx_cmd = plan_sub.add_parser("from-onnx", help="a deployable bundle (plans, initial checkpoint, task file) from an "
+                                   "ONNX inference model")
     onnx_cmd.add_argument("model", type=Path)
-    onnx_cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
-    onnx_cmd.add_argument("--loss", default="cross_entropy", help="cross_entropy, binary_cross_entropy or mse")
-    onnx_cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
-    onnx_cmd.add_argument("--lr", type=float, default=0.1)
-    onnx_cmd.add_argument("--batch-size", type=int, default=32)
-    onnx_cmd.add_argument("--epochs", type=int, default=1)
-    onnx_cmd.add_argument("--opset", type=int, default=21)
-    onnx_cmd.add_argument("--collection", default="app:/examples", help="the example store collection devices read")
-    onnx_cmd.add_argument("--trainable", nargs="+", metavar="PATTERN", help="train only the initializers these names "
-                          "or glob patterns match (default: float32 tensors of rank >= 1 on a float path to the output, "
-                          "less one-element scales)")
-    onnx_cmd.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
-                          help="keep the initializers these names or glob patterns match constant")
-    onnx_cmd.add_argument("-o", "--out", type=Path, required=True, help="the plan file to write")
+    _model_options(onnx_cmd)
+    torch_cmd = plan_sub.add_parser("from-torch", help="export a PyTorch module so that it trains right, then as from-onnx "
+                                    "(needs the torch extra)")
+    torch_cmd.add_argument("factory", metavar="MODULE:FACTORY", help="a module path or .py file and a function in it that "
+                           "returns the nn.Module (its weights are the initial model)")
+    torch_cmd.add_argument("--input", nargs="+", required=True, metavar="NAME:SHAPE[:DTYPE]", dest="inputs",
+                           help="each input of forward(), in order: one example's shape without the batch axis, dims "
+                           "joined by x (1x28x28; empty for a scalar), dtype float32 (default), int64, bool, ...")
+    _model_options(torch_cmd)
     deploy = sub.add_parser("deploy", help="send a tested task's plans and release report to a server")
     deploy.add_argument("directory", type=Path)
     deploy.add_argument("--server", required=True, help="the server's URL")
     deploy.add_argument("--population", required=True)
     deploy.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
+
+
+def _model_options(cmd: argparse.ArgumentParser) -> None:
+    """The options from-onnx and from-torch share: how the plan trains and where it goes."""
+    cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
+    cmd.add_argument("--loss", default="cross_entropy", help="cross_entropy, binary_cross_entropy or mse")
+    cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    cmd.add_argument("--lr", type=float, default=0.1)
+    cmd.add_argument("--batch-size", type=int, default=32)
+    cmd.add_argument("--epochs", type=int, default=1)
+    cmd.add_argument("--opset", type=int, default=21)
+    cmd.add_argument("--collection", default="app:/examples", help="the example store collection devices read")
+    cmd.add_argument("--trainable", nargs="+", metavar="PATTERN", help="train only the initializers these names "
+                     "or glob patterns match (default: float32 tensors of rank >= 1 on a float path to the output, "
+                     "less one-element scales)")
+    cmd.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
+                     help="keep the initializers these names or glob patterns match constant")
+    cmd.add_argument("--runtimes", nargs="+", help="the onnxruntime releases the task claims (default: the oldest, a "
+                     "middle and the newest known)")
+    cmd.add_argument("--name", help="the task's name (default: the model file's or the factory's name)")
+    cmd.add_argument("-o", "--out", type=Path, required=True, help="the bundle directory to write (a path ending in "
+                     ".fedplan writes the training plan alone)")
 
 
 def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -103,6 +132,8 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
             return _keygen(args, say)
         if args.plan_command == "from-onnx":
             return _from_onnx(args, say)
+        if args.plan_command == "from-torch":
+            return _from_torch(args, say)
     except (TaskError, PlanError, AdminKeyError, SigningKeyError, OSError) as exc:
         print(f"fedfleet: {exc}", file=sys.stderr)
         return 2
@@ -138,6 +169,8 @@ def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
 def _test(args: argparse.Namespace, say) -> int:
     signing_key = _signing_key(args, say)
     directory = args.target
+    if args.target.suffix == ".fedplan":
+        check_bundle_path(args.target)
     if args.target.is_file():
         directory = args.out or Path("build") / args.target.stem
         build_bundle(args.target, directory, runtimes=args.runtimes, say=say)
@@ -156,15 +189,29 @@ def _test(args: argparse.Namespace, say) -> int:
 
 
 def _from_onnx(args: argparse.Namespace, say) -> int:
-    task = Task(name=args.model.stem, model=args.model, proxy=lambda: None, loss=args.loss,  # type: ignore[arg-type, return-value]
-                optimizer=args.optimizer, hyperparameters={"lr": args.lr}, label=args.label,
-                selector=ExampleSelector(args.collection), batch_size=args.batch_size, epochs=args.epochs, opset=args.opset,
-                trainable=None if args.trainable is None else tuple(args.trainable), frozen=tuple(args.frozen))
-    made = onnx_import(task._model_source(), task)
-    plan = dataclasses.replace(made.plan, name=task.name)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(serialize_plan(plan))
-    say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
+    if args.out.suffix == ".fedplan":
+        return _plan_only(args, say)
+    made = bundle_from_onnx(args.model, args.out, **_bundle_options(args), say=say)
+    _say_bundle(made, say)
+    return 0
+
+
+def _from_torch(args: argparse.Namespace, say) -> int:
+    if args.out.suffix == ".fedplan":
+        raise TaskError("from-torch writes a bundle directory; give -o DIR")
+    made = from_torch(args.factory, [parse_input(spec) for spec in args.inputs], args.out, **_bundle_options(args),
+                      say=say)
+    _say_bundle(made, say)
+    return 0
+
+
+def _bundle_options(args: argparse.Namespace) -> dict:
+    return dict(label=args.label, loss=args.loss, optimizer=args.optimizer, lr=args.lr, batch_size=args.batch_size,
+                epochs=args.epochs, opset=args.opset, collection=args.collection, trainable=args.trainable,
+                frozen=args.frozen, runtimes=args.runtimes, name=args.name)
+
+
+def _say_trained(made, say) -> None:
     say("trains:")
     for line in trainable_table(made.trainable):
         say(line)
@@ -173,6 +220,36 @@ def _from_onnx(args: argparse.Namespace, say) -> int:
             f"weights of their own: {', '.join(made.split)}")
     for weight, readers in made.shared.items():
         say(f"shared: {weight} is one weight read by {readers} nodes (the model ties it)")
+    for warning in made.warnings:
+        print(f"fedfleet: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _say_bundle(made: ModelBundle, say) -> None:
+    say(f"wrote {made.directory}: {made.directory / 'task.py'} (a stub to edit), the model, task {made.task}'s plans and "
+        "initial checkpoint")
+    say("inputs: " + ", ".join(f"{n} {list(shape)} {dtype}" for n, (dtype, shape) in made.inputs.items())
+        + f"; label: {made.label}")
+    say(f"reads collection: {made.collection}")
+    _say_trained(made, say)
+    say("next:")
+    say(f"  fedfleet plan test {made.directory} --signing-key KEY")
+    say(f"  fedfleet deploy {made.directory} --server URL --population P")
+
+
+def _plan_only(args: argparse.Namespace, say) -> int:
+    """``-o PLAN.fedplan``: the training plan alone, as before bundles (no checkpoint, not deployable)."""
+    task = Task(name=args.name or args.model.stem, model=args.model, proxy=lambda: None, loss=args.loss,  # type: ignore[arg-type, return-value]
+                optimizer=args.optimizer, hyperparameters={"lr": args.lr}, label=args.label,
+                selector=ExampleSelector(args.collection), batch_size=args.batch_size, epochs=args.epochs, opset=args.opset,
+                trainable=None if args.trainable is None else tuple(args.trainable), frozen=tuple(args.frozen))
+    made = onnx_import(task._model_source(), task)
+    plan = dataclasses.replace(made.plan, name=task.name)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(serialize_plan(plan))
+    say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
+    _say_trained(made, say)
+    say(f"note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
+        f"checkpoint and a task file that `plan test DIR` and `deploy DIR` take")
     return 0
 
 
@@ -192,6 +269,7 @@ def _admin_key(args: argparse.Namespace) -> str:
 
 
 def _deploy(args: argparse.Namespace, say) -> int:
+    check_bundle_path(args.directory)  # before the operator key: the first thing a newcomer gets wrong
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
         result = deploy_bundle(args.directory, admin, args.population)
     say(f"deployed to {args.server} population {args.population}: {result}")

@@ -16,6 +16,7 @@ from onnx import TensorProto
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import PLAN_FORMAT_VERSION, DeviceConfig, Plan, PlanMetadata, ir_version_for_opset, min_runtime_for_opset
 
+from . import onnx_import
 from .autodiff import Emitter, constant_values, tensor_infos
 from .losses import check_loss, emit_loss, label_type
 from .server_optimizers import server_part
@@ -58,6 +59,7 @@ def evaluation_plan_from_onnx(
         raise ValueError("batch_size must be >= 1")
     parts = read_model(model, opset=opset if training_plan is None else training_plan.metadata.opset,
                        output=output, inputs=inputs)
+    onnx_import.inference_form(parts.model)  # a train-mode export's Dropout and BatchNorm, as evaluation runs them
     graph = parts.model.graph
     chosen = _metrics(loss, metrics)
     nodes = _live_nodes(list(graph.node), [parts.prediction])

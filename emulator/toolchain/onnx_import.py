@@ -182,3 +182,66 @@ def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> d
         for name in set(node.input):
             readers[name] = readers.get(name, 0) + 1
     return {w: readers[w] for w in weights if readers.get(w, 0) > 1}
+
+
+def exported_for_inference(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> bool:
+    """Whether the graph looks exported in eval mode: convolutions with weights, and no
+    ``BatchNormalization`` nor ``Dropout`` anywhere. Both torch exporters fold BatchNorm into the
+    convolutions' weights and biases and drop Dropout by default, so such a plan trains a network
+    without them; a model that never had them looks the same, which is why this only warns."""
+    ops = {n.op_type for n in nodes}
+    convolutions = any(n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1 and n.input[1] in inits for n in nodes)
+    return convolutions and not ops & {"BatchNormalization", "Dropout"}
+
+
+EVAL_MODE_WARNING = ("the model looks exported in eval mode (convolutions, no BatchNormalization, no Dropout): exporters fold "
+                     "BatchNorm into the convolutions and drop Dropout by default, so the plan trains a network without them; "
+                     "export the module in train mode keeping them (`fedfleet plan from-torch`, or "
+                     "torch.onnx.export(model.train(), "
+                     "..., dynamo=True, optimize=False)), or ignore this if it has neither")
+
+
+def nothing_to_train(nodes: Sequence[onnx.NodeProto], infos: Mapping[str, TensorInfo],
+                     inits: Mapping[str, onnx.TensorProto], prediction: str) -> str:
+    """Why no weight trains by default, for a person: the weights are not initializers at all, or
+    the float path from them to ``prediction`` is cut (an ArgMax, a comparison, a cast to integers)."""
+    from .autodiff import needed_for
+
+    needed = needed_for(nodes, [prediction])
+    weights = [n for n, i in inits.items() if n in needed and i.data_type == _F32 and len(i.dims) >= 1]
+    if not weights:
+        return ("the model has nothing to train: no float32 initializer computes the output; export the model with its "
+                "weights as float32 initializers (torch.onnx.export's default export_params=True, not as Constant nodes or "
+                "graph inputs), or name the tensors to train with trainable=")
+    cut = sorted({n.op_type for n in nodes if set(n.output) & needed and (
+        n.op_type in NO_GRADIENT or any(o in infos and not is_float(infos[o].elem_type) for o in n.output if o))})
+    return (f"no gradient reaches the output {prediction!r} from the model's weights ({_some(weights, 4)}): the path goes "
+            f"through ops without one ({', '.join(cut) or 'none found'}); export the model up to its float prediction "
+            "(logits or scores, before ArgMax, a comparison or a cast to integers)")
+
+
+def inference_form(model: onnx.ModelProto) -> None:
+    """Dropout and BatchNormalization in their inference form, in place: a train-mode export (what
+    keeps them at all) writes Dropout with training_mode=True and the classic exporter BatchNorm
+    with training_mode=1 and its statistics as outputs, which an evaluation would run as they are:
+    with random masks and the batch's statistics. A training plan rewrites both for training anyway."""
+    graph = model.graph
+    dropped: set[str] = set()
+    for node in graph.node:
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            dropped.update(node.input[2:])
+            del node.input[2:]
+        elif node.op_type == "BatchNormalization" and any(a.name == "training_mode" for a in node.attribute):
+            kept = [a for a in node.attribute if a.name != "training_mode"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.op_type in ("Dropout", "BatchNormalization"):
+            while len(node.output) > 1 and node.output[-1] not in read:
+                del node.output[-1]
+    orphans = dropped - read  # the True the training_mode inputs read
+    for init in [i for i in graph.initializer if i.name in orphans]:
+        graph.initializer.remove(init)
+    for node in [n for n in graph.node if n.op_type == "Constant" and set(n.output) <= orphans]:
+        graph.node.remove(node)

@@ -66,6 +66,7 @@ __all__ = [
     "load_tasks",
     "loss_after_rounds",
     "loss_decreases",
+    "loss_is_finite",
     "predicate",
 ]
 
@@ -116,6 +117,29 @@ class ProxyData:
         shards = tuple({k: np.asarray(v)[part] for k, v in examples.items()} for part in np.array_split(train, devices))
         return cls(shards, {k: np.asarray(v)[held] for k, v in examples.items()})
 
+    @classmethod
+    def random(cls, features: Mapping[str, tuple], *, examples: int = 64, devices: int = 2, seed: int = 0) -> ProxyData:
+        """Stand-in examples drawn at random (the task stub ``plan from-onnx`` writes uses them): each
+        feature is ``(dtype, shape)``, one example's shape without the batch axis, or ``(dtype,
+        shape, high)`` for whole numbers drawn from [0, high) (class ids, token ids, 0/1 targets);
+        floats without ``high`` are standard normal, booleans fair coins. Enough to show that a plan
+        loads, runs and agrees on every release, not that it learns: real examples show that."""
+        rng = np.random.default_rng(seed)
+        drawn: dict[str, np.ndarray] = {}
+        for name, spec in features.items():
+            if len(spec) not in (2, 3):
+                raise TaskError(f"proxy feature {name!r} is {spec!r}; give (dtype, shape) or (dtype, shape, high)")
+            dtype, shape = np.dtype(spec[0]), (examples, *(int(d) for d in spec[1]))
+            if len(spec) == 3:
+                drawn[name] = rng.integers(0, int(spec[2]), size=shape).astype(dtype)
+            elif dtype == np.bool_:
+                drawn[name] = rng.integers(0, 2, size=shape).astype(bool)
+            elif np.issubdtype(dtype, np.floating):
+                drawn[name] = rng.standard_normal(shape).astype(dtype)
+            else:
+                drawn[name] = np.zeros(shape, dtype)
+        return cls.split(drawn, devices=devices, seed=seed)
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -165,6 +189,20 @@ def loss_decreases(epochs: int = 3) -> Predicate:
         return ok, "losses " + ", ".join(f"{v:.4g}" for v in losses)
 
     return Predicate(f"loss_decreases_over_{epochs}_epochs", check, local_epochs=epochs)
+
+
+def loss_is_finite(epochs: int = 1) -> Predicate:
+    """Every local epoch's loss is a number (no NaN or infinity): what random proxy examples can
+    show (the stub ``plan from-onnx`` writes claims it); real examples show that the loss falls."""
+    if epochs < 1:
+        raise TaskError("loss_is_finite needs at least 1 epoch")
+
+    def check(trial: Trial) -> tuple[bool, str]:
+        losses = trial.loss_by_epoch[:epochs]
+        ok = len(losses) == epochs and all(map(math.isfinite, losses))
+        return ok, "losses " + ", ".join(f"{v:.4g}" for v in losses)
+
+    return Predicate(f"loss_is_finite_over_{epochs}_epochs", check, local_epochs=epochs)
 
 
 def accuracy_after_rounds(rounds: int, at_least: float) -> Predicate:

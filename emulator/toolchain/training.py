@@ -79,7 +79,7 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
         try:
             out = onnx.load(str(path), load_external_data=False)
         except DecodeError:
-            raise PlanError(f"{path} is not an ONNX model (its protobuf does not parse); {_EXPORT_HINT}") from None
+            raise PlanError(_not_onnx(path)) from None
         _check_is_model(out, str(path))
         _load_external_data(out, path)
         return out
@@ -94,7 +94,19 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
     raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
 
 
-_EXPORT_HINT = "export the model again, to ONNX (e.g. torch.onnx.export(module, example_inputs, 'model.onnx')) and pass that file"
+_EXPORT_HINT = ("export the model again, to ONNX (torch.onnx.export(module, example_inputs, 'model.onnx'), or "
+                "`fedfleet plan from-torch` "
+                "for a PyTorch module) and pass that file")
+
+
+def _not_onnx(path: Path) -> str:
+    """What a file that does not parse as ONNX is, when its first bytes say (torch.save writes a zip)."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04":
+        return (f"{path} is not an ONNX model: it is a zip archive, as torch.save writes a PyTorch checkpoint; a checkpoint "
+                f"holds weights, not the graph: {_EXPORT_HINT}")
+    return f"{path} is not an ONNX model (its protobuf does not parse); {_EXPORT_HINT}"
 
 
 def _check_is_model(model: onnx.ModelProto, what: str) -> None:
@@ -181,6 +193,7 @@ class ModelParts:
 def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
+    _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
     graph = m.graph
     inits = {i.name: i for i in graph.initializer}
@@ -210,7 +223,30 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
+    if not set(names) & needed_for(graph.node, [output]):
+        raise ValueError(f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
+                         "model with the example tensors it computes from as inputs that reach the output (an input the "
+                         "exporter traced as a constant is folded into the graph)")
     return ModelParts(m, target, dict(inputs), output, inits, split)
+
+
+def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
+    """Refuse, in one line that says what to export, a prediction computed by ops outside the
+    standard domains (skl2onnx's trees and linear models are ``ai.onnx.ml`` ops: no gradient, and
+    no plan may hold them); such ops on a branch the loss does not read are pruned later."""
+    graph = model.graph
+    if output is None:
+        floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
+        output = floats[0] if floats else None
+    if output is None:
+        return
+    needed = needed_for(graph.node, [output])
+    others = sorted({(n.domain, n.op_type) for n in graph.node if n.domain not in DEFAULT_DOMAINS and set(n.output) & needed})
+    if others:
+        ops = ", ".join(f"{d}.{op}" for d, op in others)
+        raise ValueError(f"the output {output!r} is computed by {ops}: ops outside the standard ONNX domains have no gradient "
+                         "and no place in a plan; export a differentiable model of standard ops (a neural network: "
+                         "torch.onnx.export or `fedfleet plan from-torch`; skl2onnx of an MLPClassifier or MLPRegressor)")
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
@@ -270,6 +306,7 @@ class OnnxTrainingPlan:
     trainable: dict[str, tuple[int, ...]]  # trained initializer -> its shape, in the model's order
     split: dict[str, str]  # parameter given its own weight again -> the initializer an exporter merged it into
     shared: dict[str, int]  # trained weight the model itself shares -> how many nodes read it
+    warnings: tuple[str, ...] = ()  # what a person should know before training it (an eval-mode export)
 
 
 def training_plan_from_onnx(model: ModelLike, **kwargs: Any) -> Plan:
@@ -354,9 +391,7 @@ def onnx_training_plan(
     weights = onnx_import.select_trainable(parts.initializers, reached, trainable, frozen, statistics=set(fw.state_updates),
                                            scales=onnx_import.only_scales(nodes, parts.initializers))
     if not weights:
-        raise ValueError("the model has nothing to train: no float32 initializer lies on a float path to the output; export "
-                         "the model with its weights as float32 initializers (torch.onnx.export's default "
-                         "export_params=True), or name the tensors to train with trainable=")
+        raise ValueError(onnx_import.nothing_to_train(nodes, e.infos, parts.initializers, parts.prediction))
     stats = [s for s in fw.state_updates if s not in weights]
 
     label_input = e.reserve("label")
@@ -433,8 +468,9 @@ def onnx_training_plan(
             time_budget_s=time_budget_s,
         ),
     )
+    warnings = (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
     return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split),
-                            onnx_import.shared_weights(graph.node, weights))
+                            onnx_import.shared_weights(graph.node, weights), warnings)
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:

@@ -50,3 +50,36 @@ def test_an_evaluation_plan_takes_its_training_plans_weights():
                                            example_selector=SELECTOR)
     assert PlanExecutor(evaluation).weight_spec() == PlanExecutor(train).weight_spec()
     PlanExecutor(evaluation).smoke_test(initial_weights_from_onnx(source, train))
+
+
+def _as_exported_in_train_mode(source):
+    """The CNN as a train-mode export writes it (what keeps BatchNorm and Dropout at all): Dropout
+    reads training_mode=True, BatchNorm has training_mode=1 and its running statistics as outputs."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(source)
+    m.graph.initializer.append(numpy_helper.from_array(np.array(True), "training"))
+    for node in m.graph.node:
+        if node.op_type == "Dropout":
+            node.input.append("training")
+        if node.op_type == "BatchNormalization":
+            node.attribute.append(helper.make_attribute("training_mode", 1))
+            node.output.extend(["bn_mean_out", "bn_var_out"])
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_a_train_mode_export_is_evaluated_as_the_inference_model(digits):
+    source = cnn(seed=1, dropout=0.5)
+    x, y = digits.x_test[:96].reshape(-1, 1, 8, 8).astype(np.float32), digits.y_test[:96]
+
+    def metrics(model):
+        plan = evaluation_plan_from_onnx(model, label="y", loss="cross_entropy", batch_size=32, example_selector=SELECTOR)
+        executor = PlanExecutor(plan)
+        weights = initial_weights_from_onnx(model, plan)
+        return executor.run_device(weights, lambda: [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, 96, 32)]).metrics
+
+    # no masks, no batch statistics
+    assert metrics(_as_exported_in_train_mode(source)) == pytest.approx(metrics(source), rel=1e-6)

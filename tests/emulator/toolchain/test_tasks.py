@@ -24,6 +24,7 @@ from emulator.toolchain.tasks import (
     load_tasks,
     loss_after_rounds,
     loss_decreases,
+    loss_is_finite,
     predicate,
 )
 
@@ -115,6 +116,34 @@ def test_proxy_data_deals_every_example_once(n, devices, seed):
     assert sorted(ids.tolist()) == list(range(n)) and len(proxy.shards) == devices
     for part in [*proxy.shards, proxy.holdout]:
         assert np.array_equal(part["x"][:, 0], part["y"])  # tensors of an example stay together
+
+
+_DTYPES = st.sampled_from(["float32", "int64", "int32", "bool"])
+_SHAPES = st.lists(st.integers(1, 4), max_size=3).map(tuple)
+
+
+@given(features=st.dictionaries(st.sampled_from(["x", "ids", "mask", "y"]),
+                                st.one_of(st.tuples(_DTYPES, _SHAPES), st.tuples(_DTYPES, _SHAPES, st.integers(1, 7))),
+                                min_size=1),
+       examples=st.integers(8, 40), devices=st.integers(1, 3))
+def test_random_proxy_examples_have_the_declared_dtype_shape_and_range(features, examples, devices):
+    proxy = ProxyData.random(features, examples=examples, devices=devices)
+    assert len(proxy.shards) == devices
+    parts = [*proxy.shards, proxy.holdout]
+    assert sum(len(p[next(iter(features))]) for p in parts) == examples
+    for name, spec in features.items():
+        for part in parts:
+            value = part[name]
+            assert value.dtype == np.dtype(spec[0]) and value.shape[1:] == spec[1]
+            if len(spec) == 3:
+                assert value.size == 0 or (value.min() >= 0 and value.max() < spec[2])
+
+
+def test_loss_is_finite_fails_on_nan_infinity_or_too_few_epochs():
+    assert loss_is_finite().check(trial([2.3]))[0] is True
+    assert loss_is_finite(2).check(trial([2.3, 2.4]))[0] is True  # random labels: finite is all it can show
+    assert [loss_is_finite().check(trial(v))[0] for v in ([math.nan], [math.inf], [])] == [False, False, False]
+    assert loss_is_finite(3).local_epochs == 3
 
 
 def test_an_evaluation_task_measures_its_training_tasks_model_with_its_own_data():

@@ -1,0 +1,187 @@
+"""``fedfleet plan from-onnx MODEL -o DIR``: an exported model becomes a bundle (the model, a task file
+stub, the plans and the initial checkpoint) that ``plan test`` and ``deploy`` take as it is; a model
+that cannot train is refused in one line that says what to export; an eval-mode export is warned of."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from device_runtime import FLRuntime, Outcome
+from device_runtime.checkpoint import decode_checkpoint
+from emulator.cli import main
+from emulator.runtime_worker import ReleasePlans, WorkerPool
+from emulator.toolchain.bundle import read_bundle
+from example_store import SQLiteExampleStore
+from server_stub import ServerThread
+from server_stub.release_trust import read_release_trust
+
+from .models import F, cnn, mlp, model
+
+CNN = Path(__file__).with_name("data") / "cnn_torch.onnx"  # torch.onnx.export's: pixels [N, 1, 8, 8] -> logits [N, 10]
+ADMIN_KEY = "operator-key-for-the-bundle-test-0123456789"
+RELEASES = ["1.15.1", "1.31.1"]
+
+
+def _from_onnx(path: Path, out: Path, *extra: str) -> int:
+    return main(["plan", "from-onnx", str(path), "--label", "y", "--batch-size", "16", "--runtimes", *RELEASES,
+                 "-o", str(out), *extra])
+
+
+def _manifest(bundle: Path, task: str) -> dict:
+    return json.loads((bundle / task / "manifest.json").read_text())
+
+
+@pytest.mark.timeout(1800)  # a cold cache installs the releases first
+def test_from_onnx_writes_a_bundle_that_plan_test_and_deploy_take_and_a_device_trains_with(
+        tmp_path, capsys, monkeypatch, digits):
+    out = tmp_path / "cnn"
+    assert _from_onnx(CNN, out, "--collection", "app:/digit_images", "--name", "cnn") == 0
+    printed = capsys.readouterr().out
+    assert "inputs: pixels ['N', 1, 8, 8] float32; label: y" in printed and "reads collection: app:/digit_images" in printed
+    assert "conv1.weight  [6, 1, 3, 3]" in printed  # the trained tensors' table
+    assert f"fedfleet plan test {out} --signing-key KEY" in printed
+    assert f"fedfleet deploy {out} --server URL --population P" in printed
+    checkpoint = decode_checkpoint((out / "cnn" / "initial.ckpt").read_bytes())
+    for init in onnx.load(str(CNN)).graph.initializer:  # the exported weights are the initial model
+        if init.name in checkpoint:
+            assert np.array_equal(checkpoint[init.name], numpy_helper.to_array(init)), init.name
+    key = tmp_path / "tester.key"
+    assert main(["plan", "keygen", "--key", str(key)]) == 0
+    assert main(["plan", "test", str(out), "--signing-key", str(key)]) == 0, capsys.readouterr()
+    assert "cnn: passed" in capsys.readouterr().out
+    trusted = read_release_trust(Path(f"{key}.pub"))
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server, WorkerPool() as pool:
+        server.service.require_release_reports = True
+        monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+        assert main(["deploy", str(out), "--server", server.url, "--population", "digits"]) == 0, capsys.readouterr()
+        with SQLiteExampleStore(tmp_path / "device.db") as store:
+            store.add("app:/digit_images", ({"pixels": x.reshape(1, 8, 8), "y": y}
+                                            for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
+            with FLRuntime("digits", server.url, store, runtime_version="1.31.1", loaded_plans=ReleasePlans(pool),
+                           cache_dir=tmp_path / "cache") as runtime:
+                result = runtime.run_session()
+    assert result.outcome == Outcome.COMPLETED and result.task == "cnn" and result.num_examples == 64
+
+
+def _external(folder: Path) -> Path:
+    """An MLP saved as the dynamo exporter saves, its weights in model.onnx.data beside it."""
+    folder.mkdir(parents=True)
+    path = folder / "mlp.onnx"
+    onnx.save_model(mlp(6, 5, 3), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="mlp.onnx.data", size_threshold=0)
+    return path
+
+
+def test_plan_build_of_the_stub_reproduces_the_bundle_and_a_moved_bundle_still_reads(tmp_path, monkeypatch, capsys):
+    path = _external(tmp_path / "export")
+    monkeypatch.chdir(tmp_path)
+    assert _from_onnx(path, Path("bundle")) == 0, capsys.readouterr().err
+    out = tmp_path / "bundle"
+    assert sorted(p.name for p in out.iterdir()) == ["mlp", "model.onnx", "model.onnx.data", "source.json", "task.py"]
+    assert main(["plan", "build", str(out / "task.py"), "-o", str(tmp_path / "again")]) == 0
+    assert _manifest(out, "mlp")["plan"] == _manifest(tmp_path / "again", "mlp")["plan"]
+    assert _manifest(out, "mlp")["versions"] == _manifest(tmp_path / "again", "mlp")["versions"]
+    moved = tmp_path / "elsewhere" / "bundle"
+    shutil.move(str(out), str(moved))  # its source.json names a task file that is gone: the copy inside is read
+    (built,) = read_bundle(moved)
+    assert built.task.name == "mlp" and built.task.runtimes == tuple(RELEASES)
+    assert built.task.proxy_data().shards[0]["x"].shape[1:] == (6,)
+
+
+def test_from_onnx_writes_over_its_own_bundle_only(tmp_path, capsys):
+    onnx.save_model(mlp(6, 5, 3), str(tmp_path / "mlp.onnx"))
+    assert _from_onnx(tmp_path / "mlp.onnx", tmp_path / "bundle") == 0
+    assert _from_onnx(tmp_path / "mlp.onnx", tmp_path / "bundle", "--name", "renamed") == 0
+    assert [b.task.name for b in read_bundle(tmp_path / "bundle")] == ["renamed"]  # nothing of the first left
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    capsys.readouterr()
+    assert _from_onnx(tmp_path / "mlp.onnx", foreign) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "did not write" in err and (foreign / "notes.txt").is_file()
+
+
+def test_a_plan_file_path_writes_the_plan_alone_and_deploy_of_it_says_how_to_make_a_bundle(tmp_path, capsys):
+    onnx.save_model(mlp(6, 5, 3), str(tmp_path / "mlp.onnx"))
+    assert _from_onnx(tmp_path / "mlp.onnx", tmp_path / "mlp.fedplan") == 0
+    assert "-o DIR (a directory) writes a bundle" in capsys.readouterr().out
+    assert main(["deploy", str(tmp_path / "mlp.fedplan"), "--server", "http://127.0.0.1:9", "--population", "p",
+                 "--admin-key-file", str(tmp_path / "mlp.fedplan")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "plan from-onnx" in err and "-o DIR" in err
+    assert main(["plan", "test", str(tmp_path / "mlp.fedplan")]) == 2  # not run as a task file
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a file, not a bundle directory" in err
+
+
+@pytest.mark.parametrize("graph, warned", [
+    (cnn(batch_norm=False), True),  # what torch.onnx.export writes by default: BatchNorm folded, Dropout gone
+    (cnn(batch_norm=True), False),
+    (cnn(batch_norm=False, dropout=0.5), False),
+    (mlp(6, 5, 3), False),  # no convolution: nothing says BatchNorm was folded
+], ids=["conv_alone", "conv_batch_norm", "conv_dropout", "mlp"])
+def test_from_onnx_warns_in_one_line_when_the_graph_looks_exported_in_eval_mode(tmp_path, capsys, graph, warned):
+    onnx.save_model(graph, str(tmp_path / "m.onnx"))
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "m.fedplan") == 0
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == ([err] if warned else [])
+    assert ("looks exported in eval mode" in err and "optimize=False" in err) == warned
+
+
+def _tree(path: Path) -> None:
+    from skl2onnx import to_onnx
+    from sklearn.tree import DecisionTreeClassifier
+
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    onnx.save_model(to_onnx(DecisionTreeClassifier().fit(x, x[:, 0] > 0), x[:1], options={"zipmap": False}), str(path))
+
+
+def _argmax(path: Path) -> None:
+    onnx.save_model(model([helper.make_node("Gemm", ["x", "W", "b"], ["z"]),
+                           helper.make_node("ArgMax", ["z"], ["k"], axis=1, keepdims=1),
+                           helper.make_node("Cast", ["k"], ["logits"], to=F)],
+                          [helper.make_tensor_value_info("x", F, ["N", 4])],
+                          [helper.make_tensor_value_info("logits", F, ["N", 1])],
+                          {"W": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}), str(path))
+
+
+def _constant_output(path: Path) -> None:
+    onnx.save_model(model([helper.make_node("Add", ["w", "b"], ["logits"]), helper.make_node("Identity", ["x"], ["seen"])],
+                          [helper.make_tensor_value_info("x", F, ["N", 4])],
+                          [helper.make_tensor_value_info("logits", F, ["N", 3])],
+                          {"w": np.ones((1, 3), np.float32), "b": np.zeros(3, np.float32)}), str(path))
+
+
+def _weights_as_constants(path: Path) -> None:
+    m = mlp(6, 5, 3)
+    nodes = [helper.make_node("Constant", [], [i.name], value=i) for i in m.graph.initializer] + list(m.graph.node)
+    del m.graph.initializer[:], m.graph.node[:]
+    m.graph.node.extend(nodes)
+    onnx.save_model(m, str(path))
+
+
+def _torch_checkpoint(path: Path) -> None:
+    path.write_bytes(b"PK\x03\x04" + bytes(60))  # torch.save writes a zip archive
+
+
+@pytest.mark.parametrize("make, says", [
+    (_tree, "ai.onnx.ml.TreeEnsembleClassifier"),
+    (_argmax, "through ops without one (ArgMax)"),
+    (_constant_output, "does not depend on the model's inputs (x)"),
+    (_weights_as_constants, "not as Constant nodes or graph inputs"),
+    (_torch_checkpoint, "as torch.save writes a PyTorch checkpoint"),
+], ids=["sklearn_tree", "argmax", "constant_output", "weights_as_constants", "torch_checkpoint"])
+def test_a_model_that_cannot_train_is_refused_in_one_line_saying_what_to_export(tmp_path, capsys, make, says):
+    make(tmp_path / "m.onnx")
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "bundle") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and says in err and "export" in err
+    assert not (tmp_path / "bundle").exists()  # nothing half-written

@@ -1,0 +1,125 @@
+"""``fedfleet plan from-torch`` and ``from_torch``: a PyTorch module exported so that it trains right,
+then written as ``plan from-onnx`` writes a bundle. torch is an optional extra: the default tests
+never import it (they check what a machine without it is told); the test of the real export is
+marked slow and runs only where torch is installed (``pip install 'fedfleet[torch]'``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from emulator.cli import main
+from emulator.toolchain.tasks import TaskError
+from emulator.toolchain.torch_export import TorchInput, parse_input
+
+FACTORY = '''
+import torch
+
+class Net(torch.nn.Module):
+    """Conv-BatchNorm twice, LayerNorm, Dropout and zero biases: what a default export loses or merges."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = torch.nn.Conv2d(4, 6, 3, padding=1), torch.nn.BatchNorm2d(6)
+        self.ln, self.drop, self.fc = torch.nn.LayerNorm(96), torch.nn.Dropout(0.25), torch.nn.Linear(96, 10)
+        with torch.no_grad():
+            for layer in (self.conv1, self.conv2, self.fc):
+                layer.bias.zero_()
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        x = self.ln(torch.flatten(torch.relu(self.bn2(self.conv2(x))), 1))
+        return self.fc(self.drop(x))
+
+
+def make_cnn():
+    torch.manual_seed(0)
+    return Net()
+'''
+
+
+@given(name=st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True), shape=st.lists(st.integers(1, 64), max_size=4),
+       dtype=st.sampled_from(["float32", "float16", "int64", "int32", "bool"]))
+def test_an_input_spec_reads_back_as_written(name, shape, dtype):
+    spec = f"{name}:{'x'.join(map(str, shape))}:{dtype}"
+    assert parse_input(spec) == TorchInput(name, tuple(shape), dtype)
+    assert parse_input(spec.rsplit(":", 1)[0]).dtype == "float32"  # the default
+
+
+@pytest.mark.parametrize("spec", ["x", "x:1,28,28", "x:0x3", "x:3:notadtype", ":3", "x:3:float32:extra"])
+def test_a_malformed_input_spec_is_refused_with_an_example(spec):
+    with pytest.raises(TaskError, match="--input"):
+        parse_input(spec)
+
+
+def test_from_torch_without_torch_says_in_one_line_to_install_the_torch_extra(tmp_path, monkeypatch, capsys):
+    (tmp_path / "models.py").write_text(FACTORY)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError, installed or not
+    args = ["plan", "from-torch", f"{tmp_path / 'models.py'}:make_cnn", "--input", "x:1x8x8", "--label", "y",
+            "-o", str(tmp_path / "bundle")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'fedfleet[torch]'" in err and "Traceback" not in err
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_from_torch_makes_a_bundle_whose_sgd_step_is_torch_autograds(tmp_path, monkeypatch, capsys):
+    """The step of the bundle's plan from its initial checkpoint, with the Dropout mask the plan drew,
+    against torch's SGD step of the module: every parameter and running statistic within float32 noise."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import onnx
+    import onnxruntime as ort
+
+    from device_runtime.checkpoint import decode_checkpoint
+    from device_runtime.plan import load_plan
+
+    (tmp_path / "models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "from-torch", "models:make_cnn", "--input", "x:1x8x8", "--label", "y", "--lr", "0.1",
+                 "--runtimes", "1.31.1", "-o", "bundle"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "looks exported in eval mode" not in printed.err and "inputs: x ['N', 1, 8, 8] float32" in printed.out
+    model = onnx.load(str(tmp_path / "bundle" / "model.onnx"))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("BatchNormalization") == 2 and [len(n.input) for n in model.graph.node if n.op_type == "Dropout"] == [2]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from models import make_cnn
+    finally:
+        sys.path.remove(str(tmp_path))
+    net = make_cnn()
+    plan = load_plan((tmp_path / "bundle" / "make_cnn" / "plan.fedplan").read_bytes())
+    start = decode_checkpoint((tmp_path / "bundle" / "make_cnn" / "initial.ckpt").read_bytes())
+    state = {k: v.numpy() for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert set(state) <= set(start) and all(np.array_equal(start[k], v) for k, v in state.items())  # its own weights
+
+    work = onnx.ModelProto.FromString(plan.work)
+    (mask,) = [n.output[1] for n in work.graph.node if n.op_type == "Dropout"]
+    work.graph.output.append(onnx.helper.make_tensor_value_info(mask, onnx.TensorProto.BOOL, None))
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.normal(size=(8, 1, 8, 8)).astype(np.float32), "y": rng.integers(0, 10, 8)}
+    feeds = {**{w: start[w] for w in plan.weight_names}, **{g: batch[e] for g, e in plan.device.inputs.items()}}
+    values = ort.InferenceSession(work.SerializeToString()).run([*plan.weight_outputs, mask], feeds)
+    stepped, drawn = dict(zip(plan.weight_names, values)), values[-1].astype(np.float32)
+
+    class Masked(torch.nn.Module):  # torch's Dropout with the plan's mask
+        def forward(self, x):
+            return x * torch.from_numpy(drawn) / 0.75
+
+    net.drop = Masked()
+    net.train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"])).backward()
+    optimizer.step()
+    for name, value in net.state_dict().items():
+        if not name.endswith("num_batches_tracked"):
+            np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
