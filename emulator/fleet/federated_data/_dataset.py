@@ -42,7 +42,7 @@ def _dtype_name(array: np.ndarray) -> str:
 
 
 def _as_feature(array: object, client: str, name: str, split: str) -> np.ndarray:
-    if isinstance(array, np.ndarray) and array.dtype.kind not in "US":
+    if isinstance(array, np.ndarray) and array.dtype.kind not in "OUS":
         return array
     try:
         out = np.asarray(array)
@@ -51,14 +51,14 @@ def _as_feature(array: object, client: str, name: str, split: str) -> np.ndarray
             f"{split} client {client!r}: feature {name!r} is ragged (examples of different shapes); "
             "pad or cut its examples to one shape"
         ) from exc
-    if out.dtype.kind in "US":
+    if out.dtype.kind == "S":
+        out = np.array([v.decode("utf-8") for v in out.ravel()], dtype=object).reshape(out.shape)
+    elif out.dtype.kind == "U":
         out = out.astype(object)
-        if out.dtype.kind == "U":
-            out = np.array([str(v) for v in out.ravel()], dtype=object).reshape(out.shape)
-    if out.dtype == object and out.ndim == 1 and len(out) and not isinstance(out[0], str):
+    if out.dtype == object and not all(isinstance(v, str) for v in out.ravel()):
         raise DataLayoutError(
-            f"{split} client {client!r}: feature {name!r} is ragged (examples of different shapes); "
-            "pad or cut its examples to one shape"
+            f"{split} client {client!r}: feature {name!r} is ragged or mixed (examples of different shapes, "
+            "or values that are neither numbers nor text); give every example one shape and type"
         )
     return out
 
@@ -102,7 +102,7 @@ def check_clients(clients: Mapping[str, Examples], split: str) -> tuple[dict[str
     return out, schema
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays have no single truth value: datasets compare by identity
 class FederatedDataset:
     """Client id -> examples for training (``train``) and evaluation (``test``), one schema for all.
 

@@ -42,3 +42,11 @@ def test_splits_keep_every_example_once_and_depend_only_on_the_seed(sizes: list[
     assert all(np.array_equal(train[c]["x"], split_examples(clients, fraction, seed)[0][c]["x"]) for c in clients)
     kept, held = split_clients(clients, fraction, seed)
     assert set(kept) | set(held) == set(clients) and not set(kept) & set(held) and kept and held
+
+
+def test_text_features_are_python_strings_whether_given_as_bytes_or_unicode() -> None:
+    data = FederatedDataset({"a": {"t": np.array([b"caf\xc3\xa9", b"x"]), "u": ["p", "q"]}})
+    assert data.features["t"].dtype == "str" == data.features["u"].dtype
+    assert list(data.examples("a")["t"]) == ["café", "x"] and data.examples("a")["u"].dtype == object
+    with pytest.raises(DataLayoutError, match="ragged or mixed"):
+        FederatedDataset({"a": {"t": np.array([None, "x"], dtype=object)}})
