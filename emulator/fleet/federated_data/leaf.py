@@ -1,0 +1,249 @@
+"""LEAF's JSON layout (Caldas et al. 2018, github.com/TalwalkarLab/leaf), read from local files.
+
+A LEAF file is one JSON object: ``users`` (the ids), ``num_samples`` (examples per user, in the same
+order) and ``user_data`` (user -> ``{"x": [...], "y": [...]}``), optionally ``hierarchies``
+(ignored). LEAF's ``split_data.py`` writes a dataset as ``train/`` and ``test/`` folders of such
+files (``--by_sample``: the same users in both; ``--by_user``: different users); a user's entries
+never span two files of one split. What ``x`` and ``y`` hold depends on the dataset, and each
+becomes the features ``x`` and ``y`` (``y`` is the label):
+
+- FEMNIST: ``x`` lists of 784 floats in [0, 1] (28x28 images), ``y`` class ids 0-61 ->
+  ``x`` float32 [784], ``y`` int64; LEAF's synthetic data the same with ``num_dim`` floats.
+- Shakespeare: ``x`` strings of 80 characters, ``y`` the next character -> both as ids in LEAF's
+  80-character set (``text.LEAF_CHARACTERS``): ``x`` int64 [80], ``y`` int64.
+- Sent140: ``x`` the tweet's CSV row without its polarity (id, date, query, user, text), ``y`` 0 or
+  1 -> ``x`` int64 [max_words] word ids of the text (the row's last field), ``y`` int64.
+
+``kind="auto"`` tells these apart by the first training example: a string ``y`` is the next
+character; a string ``x`` (or a row ending in one) with a numeric ``y`` is a text to classify; lists of
+numbers are vectors. LEAF's own reader keys users by ``user_data``; here ``users`` and
+``num_samples`` must agree with it (a user listed without data, or a count that differs, is an
+error), except that users with no examples, which LEAF's by-sample split leaves in ``user_data``,
+are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ._dataset import FederatedDataset, with_test_split
+from ._errors import DataLayoutError, DataSpecError
+from .text import (
+    DEFAULT_VOCAB_SIZE,
+    LEAF_CHARACTERS,
+    LEAF_MAX_WORDS,
+    build_vocabulary,
+    encode_characters,
+    encode_words,
+    read_vocabulary,
+)
+
+LeafKind = Literal["auto", "vectors", "characters", "words"]
+KINDS: tuple[str, ...] = ("auto", "vectors", "characters", "words")
+
+_Raw = dict[str, tuple[list[Any], list[Any], Path]]
+
+
+def _json_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise DataSpecError(f"leaf: {path} does not exist")
+    files = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
+    if not files:
+        raise DataLayoutError(
+            f"leaf: {path} holds no .json files; a LEAF dataset is a .json file, a folder of them, "
+            "or a folder with train/ and test/ folders of them (what LEAF's split_data.py writes)"
+        )
+    return files
+
+
+def leaf_files(path: Path, test: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """The training and test files a path names: a file, a folder of files, or train/ and test/."""
+    if path.is_dir() and (path / "train").is_dir():
+        train = _json_files(path / "train")
+        test_files = _json_files(path / "test") if (path / "test").is_dir() and test is None else []
+    else:
+        train = _json_files(path)
+        test_files = []
+    if test is not None:
+        test_files = _json_files(test)
+    return train, test_files
+
+
+def _read_file(path: Path) -> Mapping[str, Any]:
+    try:
+        with path.open("r", encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    except UnicodeDecodeError as exc:
+        raise DataLayoutError(f"{path}: not UTF-8 text; a LEAF file is JSON") from exc
+    if not isinstance(data, dict):
+        raise DataLayoutError(
+            f"{path}: a LEAF file is a JSON object with users, num_samples and user_data, not a {type(data).__name__}"
+        )
+    for key in ("users", "user_data"):
+        if key not in data:
+            raise DataLayoutError(
+                f"{path}: no {key!r} key (found: {', '.join(sorted(map(str, data))) or 'nothing'}); "
+                "a LEAF file holds users, num_samples and user_data"
+            )
+    return data
+
+
+def _read_split(files: Sequence[Path]) -> _Raw:
+    raw: _Raw = {}
+    for path in files:
+        data = _read_file(path)
+        users, user_data = data["users"], data["user_data"]
+        if not isinstance(users, list) or not all(isinstance(u, (str, int)) for u in users):
+            raise DataLayoutError(f"{path}: 'users' must be a list of user ids")
+        if not isinstance(user_data, dict):
+            raise DataLayoutError(f"{path}: 'user_data' must be an object from user id to its x and y")
+        counts = data.get("num_samples")
+        if counts is not None and (not isinstance(counts, list) or len(counts) != len(users)):
+            raise DataLayoutError(
+                f"{path}: 'num_samples' must list one count per user ({len(users)} users, "
+                f"{len(counts) if isinstance(counts, list) else 'not a list'})"
+            )
+        listed = {str(u) for u in users}
+        for i, user in enumerate(map(str, users)):
+            if user not in user_data:
+                raise DataLayoutError(f"{path}: user {user!r} is listed in 'users' but has no entry in 'user_data'")
+            entry = user_data[user]
+            if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
+                raise DataLayoutError(f"{path}: user_data[{user!r}] must be an object with 'x' and 'y' lists")
+            x, y = entry["x"], entry["y"]
+            if not isinstance(x, list) or not isinstance(y, list):
+                raise DataLayoutError(f"{path}: user_data[{user!r}]'s 'x' and 'y' must be lists")
+            if len(x) != len(y):
+                raise DataLayoutError(f"{path}: user {user!r} has {len(x)} x but {len(y)} y; each example needs one of each")
+            if counts is not None and counts[i] != len(y):
+                raise DataLayoutError(
+                    f"{path}: num_samples says user {user!r} has {counts[i]} examples but user_data holds {len(y)}; "
+                    "fix num_samples or the data"
+                )
+            if user in raw:
+                raise DataLayoutError(
+                    f"{path}: user {user!r} also appears in {raw[user][2]}; a user belongs to one file of a split"
+                )
+            if y:
+                raw[user] = (x, y, path)
+        for user, entry in user_data.items():
+            if user not in listed and isinstance(entry, dict) and (entry.get("y") or entry.get("x")):
+                raise DataLayoutError(f"{path}: user_data holds user {user!r} that 'users' does not list; add it to users")
+    return raw
+
+
+def _detect(raw: _Raw) -> str:
+    for x, y, path in raw.values():
+        x0, y0 = x[0], y[0]
+        if isinstance(y0, str):
+            return "characters"
+        if isinstance(x0, str) or (isinstance(x0, list) and x0 and isinstance(x0[-1], str)):
+            return "words"
+        if isinstance(x0, (list, numbers.Number)) and not isinstance(x0, bool):
+            return "vectors"
+        raise DataLayoutError(f"{path}: cannot tell what x holds ({type(x0).__name__}); give kind=vectors, characters or words")
+    raise DataLayoutError("no user has any example")
+
+
+def _text_of(item: Any, user: str, path: Path) -> str:
+    text = item if isinstance(item, str) else (item[-1] if isinstance(item, list) and item else None)
+    if not isinstance(text, str):
+        raise DataLayoutError(f"{path}: user {user!r} has an x that is neither a text nor a row ending in one")
+    return text
+
+
+def _labels(y: list[Any], user: str, path: Path) -> np.ndarray:
+    if not all(isinstance(v, numbers.Number) and not isinstance(v, bool) for v in y):
+        raise DataLayoutError(f"{path}: user {user!r} has a y that is not a number")
+    arr = np.asarray(y)
+    if arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and np.all(np.mod(arr, 1) == 0)):
+        return arr.astype(np.int64)
+    return arr.astype(np.float32)
+
+
+def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict[str, dict[str, np.ndarray]]:
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for user, (x, y, path) in raw.items():
+        if kind == "characters":
+            if not all(isinstance(s, str) for s in x) or not all(isinstance(c, str) and len(c) == 1 for c in y):
+                raise DataLayoutError(f"{path}: user {user!r}: next-character data needs x strings and y single characters")
+            lengths = {len(s) for s in x}
+            if len(lengths) != 1:
+                raise DataLayoutError(
+                    f"{path}: user {user!r} has x strings of lengths {sorted(lengths)[:2]}; "
+                    "next-character windows must all have one length (LEAF's Shakespeare: 80)"
+                )
+            xs = encode_characters("".join(x)).reshape(len(x), lengths.pop())
+            ys = encode_characters("".join(y))
+            out[user] = {"x": xs, "y": ys}
+        elif kind == "words":
+            out[user] = {"x": encode_words([_text_of(i, user, path) for i in x], vocab, max_words), "y": _labels(y, user, path)}
+        else:
+            try:
+                xs = np.asarray(x, dtype=np.float32)
+            except (ValueError, TypeError) as exc:
+                raise DataLayoutError(
+                    f"{path}: user {user!r} has x vectors of different lengths or non-numbers; every x needs the same length"
+                ) from exc
+            if xs.ndim == 1:
+                xs = xs[:, None]
+            out[user] = {"x": xs, "y": _labels(y, user, path)}
+    return out
+
+
+def load_leaf(
+    path: str | Path,
+    *,
+    test: str | Path | None = None,
+    kind: LeafKind = "auto",
+    vocab: str | Path | Sequence[str] | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    max_words: int = LEAF_MAX_WORDS,
+    test_split: Literal["examples", "clients"] = "examples",
+    test_fraction: float = 0.1,
+    seed: int = 0,
+) -> FederatedDataset:
+    """A LEAF dataset from a file, a folder of files, or a folder with ``train/`` and ``test/``.
+
+    Without test files, the test split is cut from the training data: a seeded share of each user's
+    examples (``test_split="examples"``, LEAF's default ``--by_sample`` at ``--frac 0.9``) or whole
+    users held out (``"clients"``, LEAF's ``--by_user``).
+    """
+    if kind not in KINDS:
+        raise DataSpecError(f"leaf: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    path = Path(path)
+    train_files, test_files = leaf_files(path, Path(test) if test is not None else None)
+    train_raw = _read_split(train_files)
+    test_raw = _read_split(test_files) if test_files else {}
+    if not train_raw:
+        raise DataLayoutError(f"leaf: {path} has no user with training examples")
+    kind = kind if kind != "auto" else _detect(train_raw)  # type: ignore[assignment]
+    words: Sequence[str] = ()
+    if kind == "words":
+        if vocab is None:
+            words = build_vocabulary((_text_of(i, u, p) for u, (x, _, p) in train_raw.items() for i in x), vocab_size)
+        elif isinstance(vocab, (str, Path)):
+            words = read_vocabulary(Path(vocab))
+        else:
+            words = tuple(vocab)
+    train = _convert(train_raw, kind, words, max_words)
+    source = f"leaf:{path} ({kind})"
+    vocabulary = LEAF_CHARACTERS if kind == "characters" else tuple(words)
+    if test_raw:
+        test_clients = _convert(test_raw, kind, words, max_words)
+        return FederatedDataset(
+            train, test_clients, label="y", test_split="files", source=source, vocabulary=tuple(vocabulary)
+        )
+    return with_test_split(
+        train, how=test_split, fraction=test_fraction, seed=seed, label="y", source=source, vocabulary=tuple(vocabulary)
+    )

@@ -1,0 +1,223 @@
+"""``FORMAT[:PATH][,KEY=VALUE...]``: the one-string data spec that ``fedfleet simulate --data`` takes.
+
+Formats and their options (paths are relative to ``base_dir``, the config file's folder, if given):
+
+- ``leaf:PATH`` (a .json file, a folder of them, or a folder with train/ and test/):
+  ``test=PATH``, ``kind=auto|vectors|characters|words``, ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
+- ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``;
+- ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder): ``test=PATH``,
+  ``label=NAME``, ``features=A+B+C``;
+- ``npz:PATH`` (arrays ``x`` and ``y``, and ``x_test``/``y_test`` if the file has them) and ``digits``
+  (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
+  pathological|quantity``, ``clients=N`` (100), ``alpha=A`` (0.5), ``shards=K`` (2), ``classes=K`` (2),
+  ``mode=random|deterministic|first-deterministic``, ``sigma=S`` (1.0), ``min_size=N`` (1).
+
+Every format also takes ``test_split=examples|clients|none`` (how to cut a test split when the files
+bring none; ``none`` only for npz and digits), ``test_fraction=F`` and ``seed=N``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from ._dataset import FederatedDataset
+from ._errors import DataLayoutError, DataSpecError
+from .leaf import load_leaf
+from .partition import SCHEMES, Partitioner, partition_arrays
+from .table import load_table
+from .tff_h5 import load_tff_h5
+
+_COMMON = frozenset({"test_split", "test_fraction", "seed"})
+_PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "mode", "sigma", "min_size"})
+OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
+    "tff-h5": _COMMON | {"test", "label"},
+    "table": _COMMON | {"client", "test", "label", "features"},
+    "npz": _COMMON | _PARTITION,
+    "digits": _COMMON | _PARTITION,
+})
+FORMATS: tuple[str, ...] = tuple(OPTIONS)
+_PATH_OPTIONS = ("test", "vocab")
+_INTS = ("vocab_size", "max_words", "clients", "shards", "classes", "min_size", "seed")
+_FLOATS = ("alpha", "sigma", "test_fraction")
+EXAMPLE = (
+    "leaf:data/femnist, tff-h5:fed_emnist_train.h5, table:data.parquet,client=user_id, "
+    "npz:data.npz,partition=dirichlet, digits"
+)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A parsed data spec: the format, its path (None for ``digits``) and its options as given."""
+
+    format: str
+    path: Path | None
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        head = self.format + (f":{self.path}" if self.path is not None else "")
+        return ",".join([head, *(f"{k}={v}" for k, v in self.options.items())])
+
+    def int_option(self, key: str, default: int) -> int:
+        return int(self.options.get(key, default))
+
+    def float_option(self, key: str, default: float) -> float:
+        return float(self.options.get(key, default))
+
+
+def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpec:
+    """Check a spec's format, path and options; the error names the first thing wrong."""
+    text = text.strip()
+    if not text:
+        raise DataSpecError(f"empty data spec; give FORMAT:PATH[,KEY=VALUE...], e.g. {EXAMPLE}")
+    head, *pairs = text.split(",")
+    fmt, sep, raw_path = head.partition(":")
+    fmt = fmt.strip().lower()
+    if fmt not in OPTIONS:
+        raise DataSpecError(f"unknown data format {fmt!r} in {text!r}; use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})")
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise DataSpecError(f"{fmt}: option {pair.strip()!r} is not KEY=VALUE; paths cannot contain commas")
+        if key not in OPTIONS[fmt]:
+            raise DataSpecError(f"{fmt}: unknown option {key!r}; {fmt} takes {', '.join(sorted(OPTIONS[fmt]))}")
+        if key in options:
+            raise DataSpecError(f"{fmt}: option {key!r} is given twice")
+        options[key] = value
+    base = Path(base_dir) if base_dir is not None else None
+
+    def resolve(p: str) -> Path:
+        path = Path(p).expanduser()
+        return base / path if base is not None and not path.is_absolute() else path
+
+    path: Path | None = None
+    if fmt == "digits":
+        if raw_path.strip():
+            raise DataSpecError(f"digits takes no path (it ships with scikit-learn); write 'digits' or 'digits,clients=100'")
+    else:
+        if not sep or not raw_path.strip():
+            raise DataSpecError(f"{fmt}: give a path, as {fmt}:PATH")
+        path = resolve(raw_path.strip())
+        if not path.exists():
+            raise DataSpecError(f"{fmt}: {path} does not exist")
+    for key in _PATH_OPTIONS:
+        if key in options:
+            resolved = resolve(options[key])
+            if not resolved.exists():
+                raise DataSpecError(f"{fmt}: {key}={resolved} does not exist")
+            options[key] = str(resolved)
+    for key in _INTS:
+        if key in options:
+            try:
+                int(options[key])
+            except ValueError:
+                raise DataSpecError(f"{fmt}: option {key}={options[key]!r} is not a whole number") from None
+    for key in _FLOATS:
+        if key in options:
+            try:
+                value = float(options[key])
+            except ValueError:
+                raise DataSpecError(f"{fmt}: option {key}={options[key]!r} is not a number") from None
+            if not np.isfinite(value):
+                raise DataSpecError(f"{fmt}: option {key}={options[key]!r} must be finite")
+    if fmt == "table" and "client" not in options:
+        raise DataSpecError(f"table: name the client-id column, e.g. table:{path},client=user_id")
+    if "partition" in options and options["partition"] not in SCHEMES:
+        raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
+    split = options.get("test_split")
+    allowed = ("examples", "clients", "none") if fmt in ("npz", "digits") else ("examples", "clients")
+    if split is not None and split not in allowed:
+        raise DataSpecError(f"{fmt}: test_split={split!r} is unknown; use one of {', '.join(allowed)}")
+    return DataSpec(fmt, path, MappingProxyType(options))
+
+
+def _partitioner(spec: DataSpec) -> Partitioner:
+    return Partitioner(
+        scheme=spec.options.get("partition", "iid"),  # type: ignore[arg-type]
+        num_clients=spec.int_option("clients", 100),
+        alpha=spec.float_option("alpha", 0.5),
+        shards_per_client=spec.int_option("shards", 2),
+        classes_per_client=spec.int_option("classes", 2),
+        mode=spec.options.get("mode", "first-deterministic"),  # type: ignore[arg-type]
+        sigma=spec.float_option("sigma", 1.0),
+        min_size=spec.int_option("min_size", 1),
+    )
+
+
+def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise DataLayoutError(f"npz: {path} is not a .npz file of arrays ({exc})") from exc
+    for key in ("x", "y"):
+        if key not in arrays:
+            found = ", ".join(sorted(arrays)) or "none"
+            raise DataLayoutError(f"npz: {path} has no array {key!r} (arrays: {found}); save x and y")
+    return arrays
+
+
+@lru_cache(maxsize=1)
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int64)
+    x.setflags(write=False)  # cached and shared between loads
+    y.setflags(write=False)
+    return x, y
+
+
+def _digits() -> dict[str, np.ndarray]:
+    """scikit-learn's 1,797 8x8 digits scaled to [0, 1], as ``emulator.datasets`` scales them."""
+    x, y = _digits_arrays()
+    return {"x": x, "y": y}
+
+
+def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | Path | None = None) -> FederatedDataset:
+    """The federated dataset a spec names; ``seed`` is used unless the spec sets its own."""
+    if isinstance(spec, str):
+        spec = parse_data_spec(spec, base_dir=base_dir)
+    opts = spec.options
+    run_seed = spec.int_option("seed", 0 if seed is None else seed)
+    split: Any = opts.get("test_split", "examples")
+    fraction = spec.float_option("test_fraction", 0.2 if spec.format in ("npz", "digits") else 0.1)
+    common: dict[str, Any] = {"test_split": split, "test_fraction": fraction, "seed": run_seed}
+    assert spec.path is not None or spec.format == "digits"
+    if spec.format == "leaf":
+        return load_leaf(
+            spec.path,  # type: ignore[arg-type]
+            test=opts.get("test"),
+            kind=opts.get("kind", "auto"),  # type: ignore[arg-type]
+            vocab=opts.get("vocab"),
+            vocab_size=spec.int_option("vocab_size", 10_000),
+            max_words=spec.int_option("max_words", 25),
+            **common,
+        )
+    if spec.format == "tff-h5":
+        return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), **common)  # type: ignore[arg-type]
+    if spec.format == "table":
+        features = opts["features"].split("+") if "features" in opts else None
+        assert spec.path is not None
+        return load_table(
+            spec.path, client=opts["client"], test=opts.get("test"), label=opts.get("label"), features=features, **common
+        )
+    if spec.format == "npz":
+        arrays = _read_npz(spec.path)  # type: ignore[arg-type]
+        test = {"x": arrays["x_test"], "y": arrays["y_test"]} if "x_test" in arrays and "y_test" in arrays else None
+        features, label = {"x": arrays["x"], "y": arrays["y"]}, "y"
+    else:
+        features, label, test = _digits(), "y", None
+    return partition_arrays(
+        features, _partitioner(spec), label=label, seed=run_seed,
+        test_split=split, test_fraction=fraction, test=test, source=str(spec),
+    )

@@ -1,0 +1,89 @@
+"""Text to token ids, with vocabularies that are written down.
+
+- Characters (LEAF's Shakespeare): LEAF's fixed set of 80 characters, ``LEAF_CHARACTERS`` (from
+  LEAF's ``models/utils/language_utils.py``); a character's id is its position in the set, and any
+  other character gets id 80 (``len(LEAF_CHARACTERS)``; LEAF itself would give -1, which no
+  embedding takes), so a model over these ids needs 81 rows.
+- Words (LEAF's Sent140, any text column): LEAF's tokenizer (``[\\w']+|[.,!?;]``, case kept), ids
+  from a vocabulary list (position = id); unknown words get ``len(vocab)``, and a text is cut or
+  padded to ``max_words`` ids with that same id, as LEAF's ``line_to_indices`` does. The vocabulary
+  is a file (LEAF's ``embs.json`` with its ``vocab`` list, a JSON list, or one word per line), or is
+  built from the training split: the ``vocab_size`` most frequent words, ties in alphabetical order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ._errors import DataLayoutError, DataSpecError
+
+#: LEAF's Shakespeare character set (``ALL_LETTERS``): 80 characters, id = position.
+LEAF_CHARACTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+#: The id of a character outside ``LEAF_CHARACTERS``.
+UNKNOWN_CHARACTER = len(LEAF_CHARACTERS)
+#: LEAF's Sent140 models read 25 words of a tweet.
+LEAF_MAX_WORDS = 25
+DEFAULT_VOCAB_SIZE = 10_000
+
+_CHAR_IDS = np.full(128, UNKNOWN_CHARACTER, dtype=np.int64)  # every LEAF character is ASCII
+for _i, _c in enumerate(LEAF_CHARACTERS):
+    _CHAR_IDS[ord(_c)] = _i
+_WORDS = re.compile(r"[\w']+|[.,!?;]")
+
+
+def encode_characters(text: str) -> np.ndarray:
+    """Ids of ``text``'s characters in LEAF's 80-character set (others: ``UNKNOWN_CHARACTER``)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+    out = np.full(len(codes), UNKNOWN_CHARACTER, dtype=np.int64)
+    ascii_ = codes < 128
+    out[ascii_] = _CHAR_IDS[codes[ascii_]]
+    return out
+
+
+def split_words(text: str) -> list[str]:
+    """LEAF's tokenizer: runs of word characters and apostrophes, and the marks . , ! ? ; alone."""
+    return _WORDS.findall(text)
+
+
+def build_vocabulary(texts: Iterable[str], size: int = DEFAULT_VOCAB_SIZE) -> tuple[str, ...]:
+    """The ``size`` most frequent words of ``texts``, most frequent first, ties alphabetical."""
+    if size < 1:
+        raise DataSpecError(f"vocab_size must be at least 1, got {size}")
+    counts = Counter(w for t in texts for w in split_words(t))
+    return tuple(w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size])
+
+
+def read_vocabulary(path: Path) -> tuple[str, ...]:
+    """A vocabulary file: LEAF's ``embs.json`` (its ``vocab`` list), a JSON list, or one word a line."""
+    if not path.is_file():
+        raise DataSpecError(f"vocabulary file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); give a word list") from exc
+        words = data.get("vocab") if isinstance(data, dict) else data
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise DataLayoutError(f"{path}: expected a JSON list of words or an object with a 'vocab' list (LEAF's embs.json)")
+        return tuple(words)
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def encode_words(texts: Sequence[str], vocab: Sequence[str], max_words: int = LEAF_MAX_WORDS) -> np.ndarray:
+    """``[len(texts), max_words]`` int64 ids; unknown words and padding are ``len(vocab)``."""
+    if max_words < 1:
+        raise DataSpecError(f"max_words must be at least 1, got {max_words}")
+    index = {w: i for i, w in enumerate(vocab)}
+    unknown = len(vocab)
+    out = np.full((len(texts), max_words), unknown, dtype=np.int64)
+    for row, text in enumerate(texts):
+        ids = [index.get(w, unknown) for w in split_words(text)[:max_words]]
+        out[row, : len(ids)] = ids
+    return out

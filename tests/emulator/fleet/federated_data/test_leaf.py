@@ -1,0 +1,150 @@
+"""LEAF's JSON layout: train/ and test/ folders, FEMNIST vectors, Shakespeare characters, Sent140 words,
+and the files LEAF's tools would never write (malformed JSON, counts that disagree, ragged x)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from emulator.fleet.federated_data import (
+    LEAF_CHARACTERS,
+    DataLayoutError,
+    DataSpecError,
+    load_leaf,
+)
+
+
+def write_leaf(path: Path, users: dict[str, tuple[list[Any], list[Any]]], **extra: Any) -> Path:
+    """One LEAF file as LEAF's scripts write it: users, num_samples and user_data."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "users": list(users),
+        "num_samples": [len(y) for _, y in users.values()],
+        "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()},
+        **extra,
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def femnist_users(rng: np.random.Generator, names: list[str], n: int = 3) -> dict[str, tuple[list[Any], list[Any]]]:
+    return {u: (rng.random((n, 784)).round(3).tolist(), rng.integers(0, 62, n).tolist()) for u in names}
+
+
+def test_femnist_train_and_test_folders_become_vectors_with_the_files_test_split(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    write_leaf(tmp_path / "train" / "all_data_0_train_9.json", femnist_users(rng, ["f0001", "f0002"]))
+    write_leaf(tmp_path / "train" / "all_data_1_train_9.json", femnist_users(rng, ["f0003"]))
+    write_leaf(tmp_path / "test" / "all_data_0_test_9.json", femnist_users(rng, ["f0001", "f0002", "f0003"], n=1))
+    data = load_leaf(tmp_path)
+    assert data.client_ids == ("f0001", "f0002", "f0003")
+    assert data.test_split == "files" and data.test_client_ids == data.client_ids
+    assert data.features["x"].dtype == "float32" and data.features["x"].shape == (784,)
+    assert data.features["y"].dtype == "int64" and data.features["y"].shape == ()
+    assert data.sizes() == {"f0001": 3, "f0002": 3, "f0003": 3} and data.num_examples("test") == 3
+    assert data.label == "y"
+
+
+def test_shakespeare_windows_become_ids_in_leafs_80_characters(tmp_path: Path) -> None:
+    text = "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer~"
+    windows = [text[i : i + 80] for i in range(5)]
+    nexts = [text[i + 80] for i in range(5)]
+    write_leaf(tmp_path / "shakespeare.json", {"THE_TRAGEDY_OF_HAMLET_HAMLET": (windows, nexts)}, hierarchies=["HAMLET"])
+    data = load_leaf(tmp_path / "shakespeare.json", test_fraction=0.4)
+    assert data.source.endswith("(characters)") and data.vocabulary == tuple(LEAF_CHARACTERS)
+    x = np.concatenate([data.examples("THE_TRAGEDY_OF_HAMLET_HAMLET")["x"], data.test["THE_TRAGEDY_OF_HAMLET_HAMLET"]["x"]])
+    assert x.shape == (5, 80) and x.dtype == np.int64
+    decoded = {"".join(LEAF_CHARACTERS[i] if i < 80 else "?" for i in row) for row in x}
+    assert decoded == {w.replace("~", "?") for w in windows}
+    assert len(LEAF_CHARACTERS) == 80
+
+
+def test_sent140_rows_become_word_ids_padded_with_the_unknown_id(tmp_path: Path) -> None:
+    rows = [
+        ["1467810369", "Mon Apr 06 22:19:45 PDT 2009", "NO_QUERY", "alice", "I love this, I love it!"],
+        ["1467810672", "Mon Apr 06 22:19:49 PDT 2009", "NO_QUERY", "alice", "sad day"],
+    ]
+    write_leaf(tmp_path / "train" / "a.json", {"alice": (rows, [1, 0])})
+    write_leaf(tmp_path / "test" / "a.json", {"alice": (rows[:1], [1])})
+    data = load_leaf(tmp_path, max_words=6)
+    vocab = data.vocabulary
+    assert vocab[:2] == ("I", "love")  # most frequent first, ties alphabetical
+    x = data.examples("alice")["x"]
+    unknown = len(vocab)
+    assert x.shape == (2, 6)
+    assert [vocab[i] for i in x[0]] == ["I", "love", "this", ",", "I", "love"]
+    assert list(x[1][2:]) == [unknown] * 4
+    assert list(data.examples("alice")["y"]) == [1, 0]
+
+
+def test_a_given_vocabulary_file_fixes_the_ids(tmp_path: Path) -> None:
+    write_leaf(tmp_path / "t.json", {"u": (["good movie", "bad"], [1, 0])})
+    (tmp_path / "embs.json").write_text(json.dumps({"vocab": ["bad", "good"], "emba": [[0.0], [1.0]]}))
+    data = load_leaf(tmp_path / "t.json", vocab=tmp_path / "embs.json", max_words=2, test_fraction=0.5)
+    x = np.concatenate([data.train["u"]["x"], data.test["u"]["x"]]) if data.test else data.train["u"]["x"]
+    assert sorted(map(tuple, x.tolist())) == [(0, 2), (1, 2)]
+
+
+def test_users_in_user_data_without_examples_are_skipped_as_leafs_by_sample_split_writes_them(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({
+        "users": ["a"], "num_samples": [2],
+        "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0, 1]}, "gone": {"x": [], "y": []}},
+    }))
+    assert load_leaf(path).client_ids == ("a",)
+
+
+def test_without_test_files_users_can_be_held_out_whole(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    write_leaf(tmp_path / "all.json", femnist_users(rng, [f"w{i}" for i in range(10)]))
+    data = load_leaf(tmp_path / "all.json", test_split="clients", test_fraction=0.3, seed=4)
+    assert data.test_split == "clients" and len(data.test) == 3 and len(data) == 7
+    assert not set(data.test) & set(data.train)
+    again = load_leaf(tmp_path / "all.json", test_split="clients", test_fraction=0.3, seed=4)
+    assert again.test_client_ids == data.test_client_ids
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{\"users\": [\"a\"], ", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        (json.dumps({"users": ["a"], "num_samples": [1]}), "no 'user_data' key"),
+        (json.dumps({"users": ["a"], "num_samples": [3], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}), "num_samples says"),
+        (json.dumps({"users": ["a"], "num_samples": [1, 2], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}), "one count per user"),
+        (json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0]}}}), "2 x but 1 y"),
+        (json.dumps({"users": ["a", "b"], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}), "'b' is listed"),
+        (json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0, 2.0], [3.0]], "y": [0, 1]}}}), "different lengths"),
+        (json.dumps({"users": [], "user_data": {"z": {"x": [[1.0]], "y": [0]}}}), "does not list"),
+    ],
+)
+def test_hostile_leaf_files_get_one_line_errors_that_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(DataLayoutError, match=message) as info:
+        load_leaf(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_clients_whose_vectors_differ_in_length_are_refused(tmp_path: Path) -> None:
+    write_leaf(tmp_path / "t.json", {"a": ([[1.0, 2.0]], [0]), "b": ([[1.0, 2.0, 3.0]], [1])})
+    with pytest.raises(DataLayoutError, match="feature 'x'"):
+        load_leaf(tmp_path / "t.json", test_fraction=0.5)
+
+
+def test_a_user_in_two_files_of_one_split_is_refused(tmp_path: Path) -> None:
+    write_leaf(tmp_path / "a.json", {"u": ([[1.0]], [0])})
+    write_leaf(tmp_path / "b.json", {"u": ([[2.0]], [1])})
+    with pytest.raises(DataLayoutError, match="also appears in"):
+        load_leaf(tmp_path)
+
+
+def test_a_missing_path_or_an_empty_folder_says_what_a_leaf_dataset_is(tmp_path: Path) -> None:
+    with pytest.raises(DataSpecError, match="does not exist"):
+        load_leaf(tmp_path / "nope")
+    with pytest.raises(DataLayoutError, match="train/ and test/"):
+        load_leaf(tmp_path)

@@ -1,0 +1,137 @@
+"""The partitioners' promises for any labels, client count and seed: the disjoint ones deal every
+example exactly once, a seed gives the same cut, label skew shrinks as alpha grows, pathological
+clients hold at most k classes, and shards hold at most k labels when shards do not straddle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emulator.fleet.federated_data import (
+    Partitioner,
+    PartitionError,
+    dirichlet,
+    iid,
+    partition_arrays,
+    pathological,
+    quantity_skew,
+    shards,
+)
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+@st.composite
+def labelled(draw: st.DrawFn) -> tuple[np.ndarray, int, int]:
+    classes = draw(st.integers(1, 8))
+    n = draw(st.integers(classes * 4, 300))
+    seed = draw(st.integers(0, 2**32 - 1))
+    labels = np.random.default_rng(seed).integers(0, classes, n)
+    labels[:classes] = np.arange(classes)  # every class present
+    clients = draw(st.integers(1, max(1, n // 4)))
+    return labels, clients, seed
+
+
+def _exactly_once(parts: list[np.ndarray], n: int) -> None:
+    joined = np.concatenate(parts)
+    assert len(joined) == n and np.array_equal(np.sort(joined), np.arange(n))
+
+
+@FAST
+@given(labelled(), st.sampled_from(["iid", "dirichlet", "shards", "quantity"]))
+def test_every_example_goes_to_exactly_one_client_and_the_seed_fixes_the_cut(
+    case: tuple[np.ndarray, int, int], scheme: str
+) -> None:
+    labels, clients, seed = case
+    k = 2 if len(labels) >= 2 * clients else 1
+    partitioner = Partitioner(scheme, clients, alpha=1.0, shards_per_client=k, min_size=0)  # type: ignore[arg-type]
+    parts = partitioner.assign(labels, seed)
+    assert len(parts) == clients
+    _exactly_once(parts, len(labels))
+    again = partitioner.assign(labels, seed)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+@FAST
+@given(labelled(), st.integers(1, 4))
+def test_pathological_clients_hold_at_most_k_classes_and_no_example_twice(case: tuple[np.ndarray, int, int], k: int) -> None:
+    labels, clients, seed = case
+    classes = len(np.unique(labels))
+    k = min(k, classes)
+    clients = min(clients, int(np.bincount(labels).min()))  # every class can reach every client
+    parts = pathological(labels, clients, seed, classes_per_client=k)
+    joined = np.concatenate(parts)
+    assert len(np.unique(joined)) == len(joined)  # disjoint
+    assert all(len(np.unique(labels[p])) <= k for p in parts)
+    if clients >= classes:  # first-deterministic uses every class, so every example is dealt
+        _exactly_once(parts, len(labels))
+
+
+@FAST
+@given(st.integers(1, 6), st.integers(1, 10), st.integers(1, 3), st.integers(0, 2**32 - 1))
+def test_shards_that_do_not_straddle_classes_give_each_client_at_most_k_labels(
+    classes: int, clients: int, k: int, seed: int
+) -> None:
+    shard = 5
+    shards_total = clients * k
+    per_class = np.full(classes, shards_total // classes)
+    per_class[: shards_total % classes] += 1
+    labels = np.repeat(np.arange(classes), per_class * shard)  # every class a multiple of the shard size
+    if len(labels) == 0 or np.any(per_class == 0):
+        return
+    parts = shards(labels, clients, seed, shards_per_client=k)
+    _exactly_once(parts, len(labels))
+    assert all(len(np.unique(labels[p])) <= k for p in parts)
+
+
+def _skew(parts: list[np.ndarray], labels: np.ndarray) -> float:
+    """Mean total-variation distance between a client's label mix and the global one."""
+    classes = np.unique(labels)
+    overall = np.array([(labels == c).mean() for c in classes])
+    dists = [0.5 * np.abs(np.array([(labels[p] == c).mean() for c in classes]) - overall).sum() for p in parts if len(p)]
+    return float(np.mean(dists))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_label_skew_decreases_as_alpha_grows(seed: int) -> None:
+    labels = np.repeat(np.arange(10), 200)
+    skews = [_skew(dirichlet(labels, 20, alpha, seed, min_size=0), labels) for alpha in (0.05, 1.0, 100.0)]
+    assert skews[0] > skews[1] > skews[2]
+
+
+@FAST
+@given(st.integers(20, 400), st.integers(1, 10), st.floats(0.0, 3.0), st.integers(0, 2**32 - 1))
+def test_quantity_skew_gives_every_client_at_least_min_size(n: int, clients: int, sigma: float, seed: int) -> None:
+    parts = quantity_skew(n, clients, sigma, seed, min_size=2)
+    assert min(len(p) for p in parts) >= 2
+    _exactly_once(parts, n)
+
+
+def test_iid_sizes_differ_by_at_most_one() -> None:
+    sizes = [len(p) for p in iid(103, 10, seed=3)]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_impossible_cuts_say_what_to_change() -> None:
+    with pytest.raises(PartitionError, match="use at most 5 clients"):
+        iid(5, 6, seed=0)
+    with pytest.raises(PartitionError, match="classes_per_client"):
+        pathological(np.array([0, 1, 0, 1]), 2, 0, classes_per_client=3)
+    with pytest.raises(PartitionError, match="raise alpha"):
+        dirichlet(np.repeat(np.arange(2), 10), 10, 0.01, 0, min_size=2)
+    with pytest.raises(PartitionError, match="alpha must be"):
+        dirichlet(np.zeros(4), 2, 0.0, 0)
+
+
+def test_partition_arrays_makes_a_dataset_with_per_client_test_examples() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.random((200, 3)).astype(np.float32), rng.integers(0, 4, 200)
+    data = partition_arrays({"x": x, "y": y}, Partitioner("dirichlet", 8, alpha=0.5), label="y", seed=1)
+    assert len(data) == 8 and data.test_split == "examples"
+    assert data.num_examples("train") + data.num_examples("test") == 200
+    assert set(data.test) <= set(data.train)
+    same = partition_arrays({"x": x, "y": y}, Partitioner("dirichlet", 8, alpha=0.5), label="y", seed=1)
+    assert all(np.array_equal(same.train[c]["x"], data.train[c]["x"]) for c in data.client_ids)

@@ -1,0 +1,61 @@
+"""``FORMAT:PATH[,options]``: what --data will take, and a one-line error for each way it can be wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emulator.fleet.federated_data import DataSpecError, load_data, parse_data_spec
+
+
+def test_a_spec_parses_to_its_format_path_and_options(tmp_path: Path) -> None:
+    (tmp_path / "data.parquet").write_bytes(b"")
+    spec = parse_data_spec("table:data.parquet,client=user_id,test_fraction=0.25", base_dir=tmp_path)
+    assert spec.format == "table" and spec.path == tmp_path / "data.parquet"
+    assert dict(spec.options) == {"client": "user_id", "test_fraction": "0.25"}
+    assert str(spec) == f"table:{tmp_path / 'data.parquet'},client=user_id,test_fraction=0.25"
+    assert parse_data_spec("digits").path is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty data spec"),
+        ("csv:data.csv", "unknown data format 'csv'"),
+        ("leaf:missing", "leaf: .*missing does not exist"),
+        ("leaf", "give a path"),
+        ("table:present.csv", "name the client-id column"),
+        ("leaf:present.csv,colour=red", "unknown option 'colour'; leaf takes"),
+        ("leaf:present.csv,vocab_size=big", "is not a whole number"),
+        ("digits,alpha=nan", "must be finite"),
+        ("digits,partition=zipf", "partition='zipf' is unknown"),
+        ("digits:somewhere", "digits takes no path"),
+        ("leaf:present.csv,test=gone", "test=.*gone does not exist"),
+        ("leaf:present.csv,seed", "is not KEY=VALUE"),
+        ("leaf:present.csv,test_split=none", "test_split='none' is unknown"),
+    ],
+)
+def test_bad_specs_get_one_line_errors_naming_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "present.csv").write_text("c,x\n1,2\n")
+    with pytest.raises(DataSpecError, match=message) as info:
+        parse_data_spec(text, base_dir=tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_digits_cut_by_a_partitioner_is_the_same_for_the_same_seed() -> None:
+    a = load_data("digits,partition=shards,clients=20,shards=2", seed=3)
+    b = load_data("digits,partition=shards,clients=20,shards=2", seed=3)
+    c = load_data("digits,partition=shards,clients=20,shards=2", seed=4)
+    assert len(a) == 20 and a.num_examples("train") + a.num_examples("test") == 1797
+    assert all(np.array_equal(a.train[k]["y"], b.train[k]["y"]) for k in a.client_ids)
+    assert any(not np.array_equal(a.train[k]["y"], c.train[k]["y"]) for k in a.client_ids)
+
+
+def test_an_npz_with_a_test_split_keeps_it_central(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.random((60, 2)), rng.integers(0, 3, 60)
+    np.savez(tmp_path / "d.npz", x=x, y=y, x_test=rng.random((9, 2)), y_test=np.zeros(9, int))
+    data = load_data(f"npz:{tmp_path / 'd.npz'},partition=dirichlet,alpha=1,clients=4,min_size=2")
+    assert data.test_client_ids == ("central",) and data.num_examples("test") == 9 and data.num_examples() == 60
