@@ -4,8 +4,9 @@ Stateless and probabilistic on the device side: the server names a window, the d
 return uniformly in it. Two parts: ``CheckinPace`` sizes the window to the population (a large
 population is spread out so that check-ins arrive at about the rate its rounds need, not as fast
 as the task's own retry window would bring them), and ``RoundPace`` shifts it to when the next
-round is expected to open, so that in a small population the devices turned away come back
-together."""
+round is expected to open. A population too small to fill a selection window of itself is
+gathered instead (``Rendezvous``): its next selection opens once enough devices are expected, and
+the devices turned away are told a window that starts as it opens, so that they come back together."""
 
 from __future__ import annotations
 
@@ -156,9 +157,11 @@ RENDEZVOUS_MARGIN = 1.25
 #: ``RATE_MEMORY_S``, so that a burst (a fleet starting, the night's first chargers) it no longer
 #: sees stops promising a selection the devices that fill it.
 NATURAL_MEMORY_S = 600.0
-#: The shortest and longest time a deferred selection waits for its devices to gather.
-MIN_GATHER_S = 60.0
-MAX_GATHER_S = 3600.0
+#: The shortest and longest time a deferred selection waits for its devices to gather, in
+#: selection windows (1 minute and 1 hour for the fleet's 5-minute window): a task of 10-second
+#: windows gathers in seconds.
+MIN_GATHER = 0.2
+MAX_GATHER = 12.0
 
 
 @dataclass
@@ -168,8 +171,8 @@ class Rendezvous:
     the server simultaneously").
 
     A population is small when the check-ins that come of themselves (``natural``: the devices'
-    own cadence, not those answering a rendezvous) would not fill a round's seats within its
-    selection window: a round opened on them times out with a few dozen devices and is abandoned,
+    own cadence, not those answering a rendezvous) would bring fewer than ``RENDEZVOUS_MARGIN``
+    times a round's seats within its selection window: a round opened on them times out with a few dozen devices and is abandoned,
     round after round, their training lost. Then the next selection opens only once enough
     devices are expected (``plan``), and every device turned away meanwhile is told to come back
     just as it opens (``tell``): the window starts at the opening and is sized to the arrivals
@@ -201,10 +204,10 @@ class Rendezvous:
 
     def small(self, now: float, seats: int, selection_s: float) -> bool:
         """Whether a round opened now would rely on luck: the check-ins that come of themselves in
-        its selection window fall short of its seats. Never before any check-in was seen (a fresh
+        its selection window fall short of ``RENDEZVOUS_MARGIN`` times its seats. Never before any check-in was seen (a fresh
         server opens its first round at once)."""
         self.natural._decay_to(now)
-        return self.natural._seen_for > 0.0 and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats
+        return self.natural._weight > 0.0 and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats
 
     def expected(self) -> float:
         """Devices expected at the opening those told so far are aimed at."""
@@ -225,7 +228,8 @@ class Rendezvous:
 
     def plan(self, now: float, seats: int, selection_s: float) -> float:
         """When the next selection opens, asked when a round closed or a deferred opening came:
-        ``now`` if the devices told to come now and those expected of themselves fill the seats;
+        ``now`` if the devices told to come now and those expected of themselves reach
+        ``RENDEZVOUS_MARGIN`` times the seats;
         otherwise once enough more are expected to have checked in (and been told to come then)."""
         needed = RENDEZVOUS_MARGIN * seats
         self.natural._decay_to(now)
@@ -233,7 +237,7 @@ class Rendezvous:
         self._close_aim()
         if expected >= needed:
             return now
-        return now + gather_s(needed - expected, self.natural.rate * self.show)
+        return now + gather_s(needed - expected, self.natural.rate * self.show, selection_s)
 
     def _close_aim(self) -> None:
         """The devices told so far go to the last rendezvous, whose window measures how many come."""
@@ -258,8 +262,10 @@ def rendezvous_window(now: float, opens_at: float, expected: float, seats: int, 
     return (wait, wait + RENDEZVOUS_SPREAD * selection_s * plenty)
 
 
-def gather_s(missing: float, rate: float) -> float:
-    """How long ``missing`` devices take to check in at ``rate`` per second (and come when told)."""
+def gather_s(missing: float, rate: float, selection_s: float) -> float:
+    """How long ``missing`` devices take to check in at ``rate`` per second (and come when told),
+    between ``MIN_GATHER`` and ``MAX_GATHER`` selection windows of ``selection_s``."""
+    longest = MAX_GATHER * selection_s
     if rate <= 0.0:
-        return MAX_GATHER_S
-    return min(MAX_GATHER_S, max(MIN_GATHER_S, missing / rate))
+        return longest
+    return min(longest, max(MIN_GATHER * selection_s, missing / rate))

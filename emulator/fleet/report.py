@@ -131,7 +131,7 @@ def completion_note(summary: dict[str, Any], rounds: list[Any], config: Any) -> 
         return None
     total, committed = len(rounds), sum(1 for r in rounds if r.committed)
     if committed == total:
-        return f"all {total} rounds committed"
+        return f"all {total} rounds committed" if total > 1 else "the one round committed"
     head = f"{total - committed} of {total} rounds were abandoned"
     if config is None:
         return f"{head}; see rounds.csv"

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from server_stub.pace import (
-    MAX_GATHER_S,
-    MIN_GATHER_S,
+    MAX_GATHER,
+    MIN_GATHER,
     RENDEZVOUS_MARGIN,
     RENDEZVOUS_SPREAD,
     Rendezvous,
@@ -43,11 +43,11 @@ def test_more_devices_expected_never_narrow_the_window(expected, more, seats, se
     assert wide[0] == narrow[0] and wide[1] >= narrow[1]
 
 
-@given(missing=st.floats(0.0, 1e6), rate=st.floats(0.0, 100.0))
-def test_gathering_takes_the_time_the_missing_devices_need_within_bounds(missing, rate):
-    wait = gather_s(missing, rate)
-    assert MIN_GATHER_S <= wait <= MAX_GATHER_S
-    if rate > 0 and MIN_GATHER_S < missing / rate < MAX_GATHER_S:
+@given(missing=st.floats(0.0, 1e6), rate=st.floats(0.0, 100.0), selection_s=selection)
+def test_gathering_takes_the_time_the_missing_devices_need_within_bounds(missing, rate, selection_s):
+    wait = gather_s(missing, rate, selection_s)
+    assert MIN_GATHER * selection_s <= wait <= MAX_GATHER * selection_s
+    if rate > 0 and MIN_GATHER * selection_s < missing / rate < MAX_GATHER * selection_s:
         assert abs(wait * rate - missing) <= 1e-6 * max(1.0, missing)
 
 
@@ -71,7 +71,7 @@ def test_a_selection_opens_at_once_only_when_its_seats_are_expected(rate, seats,
         assert opens_at == 3600.0 and not r.small(3600.0, seats, selection_s)
     else:
         assert r.small(3600.0, seats, selection_s)
-        assert 3600.0 + MIN_GATHER_S <= opens_at <= 3600.0 + MAX_GATHER_S
+        assert 3600.0 + MIN_GATHER * selection_s <= opens_at <= 3600.0 + MAX_GATHER * selection_s
 
 
 @given(rate=st.floats(0.02, 0.3), seed=st.integers(0, 2**16))
