@@ -158,10 +158,11 @@ RENDEZVOUS_MARGIN = 1.25
 #: sees stops promising a selection the devices that fill it.
 NATURAL_MEMORY_S = 600.0
 #: The shortest and longest time a deferred selection waits for its devices to gather, in
-#: selection windows (1 minute and 1 hour for the fleet's 5-minute window): a task of 10-second
-#: windows gathers in seconds.
+#: selection windows (1 and 10 minutes for the fleet's 5-minute window): a task of 10-second
+#: windows gathers in seconds. Past the longest, the opening is planned again (those told come
+#: and are told the next one), so that a rate misjudged low costs one wait, not an hour.
 MIN_GATHER = 0.2
-MAX_GATHER = 12.0
+MAX_GATHER = 2.0
 
 
 @dataclass
