@@ -205,10 +205,14 @@ class Rendezvous:
 
     def small(self, now: float, seats: int, selection_s: float) -> bool:
         """Whether a round opened now would rely on luck: the check-ins that come of themselves in
-        its selection window fall short of ``RENDEZVOUS_MARGIN`` times its seats. Never before any check-in was seen (a fresh
-        server opens its first round at once)."""
+        its selection window fall short of ``RENDEZVOUS_MARGIN`` times its seats. Never before a
+        whole selection window of check-ins was watched: a fresh server opens its rounds at once,
+        and a handful of check-ins in a few seconds says nothing yet about the population."""
         self.natural._decay_to(now)
-        return self.natural._weight > 0.0 and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats
+        first = self.natural._first
+        watched_s = now - first if first is not None else 0.0
+        return (watched_s >= selection_s and self.natural._weight > 0.0
+                and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats)
 
     def expected(self) -> float:
         """Devices expected at the opening those told so far are aimed at."""
