@@ -2,7 +2,7 @@
 
 ResNet-18, MobileNetV2 and MobileNetV3-small follow torchvision's definitions (module names,
 layer order, BatchNorm and Dropout placement, initialization), with a width that can be cut down
-so that a test fixture stays a few hundred KB; the vision transformer follows torchvision's
+so that a test fixture stays under 200 KB of weights (``small``: 10-150 KB each); the vision transformer follows torchvision's
 ``VisionTransformer`` (``nn.MultiheadAttention``, a class token, GELU MLPs). BERT, DistilBERT and
 ViT come from Hugging Face ``transformers`` with tiny configs. The recurrent and 1-D convolutional
 text models are the small classifiers a model engineer writes around ``nn.LSTM``, ``nn.GRU`` and
@@ -140,15 +140,15 @@ class MobileNetV2(nn.Module):
     """torchvision.models.MobileNetV2 (its inverted-residual table, ReLU6, Dropout 0.2, init)."""
 
     def __init__(self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2,
-                 last_channel: int | None = None) -> None:
+                 last_channel: int | None = None, round_nearest: int = 8) -> None:
         super().__init__()
         settings = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1]]
-        input_channel = _make_divisible(32 * width_mult)
+        input_channel = _make_divisible(32 * width_mult, round_nearest)
         # torchvision keeps 1280 at any width; ``last_channel`` cuts it for a small fixture
-        self.last_channel = last_channel or _make_divisible(1280 * max(1.0, width_mult))
+        self.last_channel = last_channel or _make_divisible(1280 * max(1.0, width_mult), round_nearest)
         features: list[nn.Module] = [Conv2dNormActivation(3, input_channel, stride=2)]
         for t, c, n, s in settings:
-            output_channel = _make_divisible(c * width_mult)
+            output_channel = _make_divisible(c * width_mult, round_nearest)
             for i in range(n):
                 features.append(InvertedResidual(input_channel, output_channel, s if i == 0 else 1, t))
                 input_channel = output_channel
@@ -207,7 +207,8 @@ class InvertedResidualV3(nn.Module):
 class MobileNetV3(nn.Module):
     """torchvision.models.mobilenet_v3_small: SE blocks with Hardsigmoid, Hardswish, Dropout 0.2."""
 
-    def __init__(self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2) -> None:
+    def __init__(self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2,
+                 last_channel: int | None = None) -> None:
         super().__init__()
         d = lambda c: _make_divisible(c * width_mult)  # noqa: E731
         # input channels, kernel, expanded, output channels, SE, hardswish, stride (torchvision's small table)
@@ -222,7 +223,8 @@ class MobileNetV3(nn.Module):
         layers.append(Conv2dNormActivation(d(96), last_conv, kernel_size=1, activation=nn.Hardswish))
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        last_channel = _make_divisible(1024 * width_mult)
+        # torchvision's MobileNetV3 takes last_channel (1024 for small, scaled by the width)
+        last_channel = last_channel or _make_divisible(1024 * width_mult)
         self.classifier = nn.Sequential(nn.Linear(last_conv, last_channel), nn.Hardswish(inplace=True),
                                         nn.Dropout(p=dropout, inplace=True), nn.Linear(last_channel, num_classes))
         for m in self.modules():
@@ -301,13 +303,17 @@ class LSTMClassifier(nn.Module):
 
 
 class GRUNextToken(nn.Module):
-    """The next token after the sequence (the last step's output over the vocabulary)."""
+    """The next token after the sequence (the last step's output over the vocabulary); with
+    ``tie_weights`` the decoder reads the embedding's weight, as PyTorch's word_language_model
+    example ties them (Press and Wolf, 2017; needs ``embed == hidden``)."""
 
-    def __init__(self, vocab: int = 200, embed: int = 16, hidden: int = 32) -> None:
+    def __init__(self, vocab: int = 200, embed: int = 16, hidden: int = 32, tie_weights: bool = False) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab, embed)
         self.gru = nn.GRU(embed, hidden, batch_first=True)
         self.decoder = nn.Linear(hidden, vocab)
+        if tie_weights:
+            self.decoder.weight = self.embedding.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out, _ = self.gru(self.embedding(tokens))
@@ -395,16 +401,18 @@ _TOKENS = (Input("tokens", (16,), "int64", 200),)
 _BERT = (Input("input_ids", (16,), "int64", 200), Input("attention_mask", (16,), "int64", 2))
 
 MODELS: dict[str, ModelSpec] = {
-    "resnet18": ModelSpec("torchvision", partial(resnet18, 10, 4), partial(resnet18, 10, 64), _IMAGE, 10),
-    "mobilenet_v2": ModelSpec("torchvision", partial(MobileNetV2, 10, 0.15, last_channel=128), partial(MobileNetV2, 10, 1.0), _IMAGE, 10),
-    "mobilenet_v3_small": ModelSpec("torchvision", partial(MobileNetV3, 10, 0.25), partial(MobileNetV3, 10, 1.0), _IMAGE, 10),
-    "vit": ModelSpec("torchvision", partial(VisionTransformer, dim=32, mlp_dim=64),
+    "resnet18": ModelSpec("torchvision", partial(resnet18, 10, 2), partial(resnet18, 10, 64), _IMAGE, 10),
+    "mobilenet_v2": ModelSpec("torchvision", partial(MobileNetV2, 10, 0.1, last_channel=32, round_nearest=4),
+                              partial(MobileNetV2, 10, 1.0), _IMAGE, 10),
+    "mobilenet_v3_small": ModelSpec("torchvision", partial(MobileNetV3, 10, 0.1, last_channel=32),
+                                    partial(MobileNetV3, 10, 1.0), _IMAGE, 10),
+    "vit": ModelSpec("torchvision", partial(VisionTransformer, dim=16, mlp_dim=32),
                      partial(VisionTransformer, patch_size=4, layers=4, heads=4, dim=128, mlp_dim=256), _IMAGE, 10),
-    "hf_vit": ModelSpec("transformers", hf_vit, partial(hf_vit, 128, 4, 4, 32, 4), _IMAGE, 10),
-    "bert": ModelSpec("transformers", bert, partial(bert, 128, 2, 2, 1000), _BERT, 4),
-    "distilbert": ModelSpec("transformers", distilbert, partial(distilbert, 128, 2, 2, 1000), _BERT, 4),
-    "lstm": ModelSpec("torch.nn", LSTMClassifier, partial(LSTMClassifier, 1000, 64, 128), _TOKENS, 4),
-    "gru_next_token": ModelSpec("torch.nn", GRUNextToken, partial(GRUNextToken, 200, 64, 128), _TOKENS, 200),
+    "hf_vit": ModelSpec("transformers", partial(hf_vit, 16), partial(hf_vit, 128, 4, 4, 32, 4), _IMAGE, 10),
+    "bert": ModelSpec("transformers", partial(bert, 16), partial(bert, 128, 2, 2, 1000), _BERT, 4),
+    "distilbert": ModelSpec("transformers", partial(distilbert, 16), partial(distilbert, 128, 2, 2, 1000), _BERT, 4),
+    "lstm": ModelSpec("torch.nn", partial(LSTMClassifier, 200, 16, 16), partial(LSTMClassifier, 1000, 64, 128), _TOKENS, 4),
+    "gru_next_token": ModelSpec("torch.nn", partial(GRUNextToken, 200, 16, 16), partial(GRUNextToken, 200, 64, 128), _TOKENS, 200),
     "conv1d_text": ModelSpec("torch.nn", Conv1dText, partial(Conv1dText, 1000, 64, 128), _TOKENS, 4),
 }
 

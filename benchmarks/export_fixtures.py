@@ -1,0 +1,293 @@
+"""Real exports of real architectures and torch's own training step for each: the fixtures of
+``tests/emulator/toolchain/test_exported_models.py``, which never imports torch.
+
+    PYTHONPATH=. python -m benchmarks.export_fixtures [--only FAMILY ...] [--out DIR]
+
+(needs the ``bench`` extra: torch, transformers, onnxscript). For each family of
+:data:`benchmarks.torch_models.MODELS` (its ``small`` module, in train mode) and each of two
+initial states,
+
+* ``fresh``: the module as it initializes (zero biases, unit LayerNorm and BatchNorm gains: the
+  equal-valued tensors exporters merge into one initializer),
+* ``perturbed``: the same with Gaussian noise on every parameter and running statistic (10% of the
+  tensor's spread, 0.1 where it has none), so that no two tensors are equal,
+
+(and a GRU language model whose decoder ties the embedding, ``gru_tied``: one weight the model
+really shares) it writes the module exported three ways, as a model engineer calls ``torch.onnx.export``:
+
+* ``classic``: ``dynamo=False, training=TrainingMode.PRESERVE, do_constant_folding=False,
+  opset_version=17`` (torch's own advice for a model that is to train: its warning asks for no
+  constant folding in a training-preserving export, which keeps BatchNorm and Dropout as they train),
+* ``dynamo``: ``dynamo=True`` with the exporter's default ``optimize=True`` (opset 20), what a user
+  gets by default: it merges equal-valued parameters without a trace, drops zero biases, folds a
+  BatchNorm into the Conv before it and folds weight transposes and gate reorders into new
+  constants (the plan warns of the parameters it cannot find),
+* ``dynamo_noopt``: ``dynamo=True, optimize=False`` (what the warning and ``plan from-torch`` ask for),
+
+all with the batch axis dynamic and the weights inside the file (``external_data=False``). The
+classic exporter's trace runs the train-mode module once, which moves BatchNorm's running
+statistics by the example batch, and writes the moved ones: they are set back to the module's. Of the
+dynamo exports' node metadata, ``pkg.torch.onnx.stack_trace`` (source paths and lines of the
+machine that exported, most of each file's size) and ``namespace`` (the module path and classes
+again, in one string) are dropped; the rest (``pkg.torch.onnx.name_scopes``, ``class_hierarchy``,
+``fx_node``, the optimizer's rule names) is as the exporter wrote it.
+
+Beside them, one reference per family and state (``<family>.<state>.npz``, shared by its three
+exports): the batch (``input/<name>``, ``label``), the loss and every parameter and running
+statistic after one SGD step of torch autograd with learning rate :data:`LR`
+(``after/<torch name>``). The step is computed in float64 from the exported float32 values, so
+that a comparison measures the plan's float32 error alone. Dropout draws its own masks in torch
+and in a plan, so the modules these steps start from have every dropout probability set to 0
+(checked: two forward passes agree); ``dropout.<exporter>.onnx`` is a separate model with
+``Dropout(0.5)`` the tests check statistically. ``manifest.json`` lists every file with the
+torch names, the tied parameters, the export call and the versions that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import platform
+import warnings
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+from benchmarks.torch_models import MODELS, GRUNextToken, ModelSpec
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain" / "exported"
+LR = 1.0
+BATCH = 4
+STATES = ("fresh", "perturbed")
+EXPORTERS = ("classic", "dynamo", "dynamo_noopt")
+CLASSIC_OPSET = 17
+DYNAMO_OPSET = 20
+DROPOUT_RATE = 0.5
+DROPOUT_FEATURES = 512
+#: The families, and a GRU language model whose decoder ties the embedding: a weight the model
+#: really shares, which must stay one weight.
+FAMILIES: dict[str, ModelSpec] = {
+    **MODELS,
+    "gru_tied": ModelSpec("torch.nn", partial(GRUNextToken, 200, 16, 16, tie_weights=True),
+                          partial(GRUNextToken, 200, 128, 128, tie_weights=True), MODELS["gru_next_token"].inputs, 200),
+}
+_DROPPED_METADATA = ("pkg.torch.onnx.stack_trace", "namespace")
+
+
+def _seed(family: str) -> int:
+    return sum(map(ord, family))
+
+
+def without_dropout(module: nn.Module) -> nn.Module:
+    """Every dropout probability of ``module`` set to 0, in place: ``nn.Dropout`` modules and the
+    float ``*dropout*`` attributes some attention classes read instead."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd):
+            sub.p = 0.0
+        for key, value in list(vars(sub).items()):
+            if "dropout" in key.lower() and isinstance(value, float):
+                setattr(sub, key, 0.0)
+    return module
+
+
+def perturb(module: nn.Module, generator: torch.Generator) -> None:
+    """Gaussian noise on every parameter (10% of its spread, 0.1 where it has none) and on the
+    running statistics (means shifted, variances scaled), in place."""
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            spread = float(p.std()) if p.numel() > 1 else 0.0
+            p.add_(torch.randn(p.shape, generator=generator) * (0.1 * spread if spread > 0 else 0.1))
+        for name, b in module.named_buffers():
+            if name.endswith("running_mean"):
+                b.add_(torch.randn(b.shape, generator=generator) * 0.1)
+            elif name.endswith("running_var"):
+                b.mul_(torch.exp(torch.randn(b.shape, generator=generator) * 0.1))
+
+
+def batch(spec: ModelSpec, generator: torch.Generator) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A batch of :data:`BATCH` examples for the family's inputs, and labels."""
+    inputs = []
+    for item in spec.inputs:
+        shape = (BATCH, *item.shape)
+        if item.dtype == "int64":
+            x = torch.randint(0, item.high, shape, generator=generator)
+            if item.name == "attention_mask":
+                x[:, 0] = 1  # every example attends to at least its first token
+        else:
+            x = torch.randn(shape, generator=generator)
+        inputs.append(x)
+    return inputs, torch.randint(0, spec.classes, (BATCH,), generator=generator)
+
+
+def _dynamic_shapes(module: nn.Module, count: int) -> tuple:
+    axis = torch.export.Dim("batch")
+    shapes = tuple({0: axis} for _ in range(count))
+    params = inspect.signature(module.forward).parameters.values()
+    return (shapes,) if any(p.kind == p.VAR_POSITIONAL for p in params) else shapes
+
+
+def export_call(exporter: str) -> str:
+    """The call, as the manifest and the README show it."""
+    if exporter == "classic":
+        return (f"torch.onnx.export(module.train(), args, path, dynamo=False, training=TrainingMode.PRESERVE, "
+                f"do_constant_folding=False, opset_version={CLASSIC_OPSET}, dynamic_axes=<batch>)")
+    optimize = "" if exporter == "dynamo" else ", optimize=False"
+    return (f"torch.onnx.export(module.train(), args, path, dynamo=True{optimize}, opset_version={DYNAMO_OPSET}, "
+            f"dynamic_shapes=<batch>, external_data=False)")
+
+
+def export(module: nn.Module, args: list[torch.Tensor], names: list[str], exporter: str, path: Path) -> None:
+    original, module = module, copy.deepcopy(module).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "classic":
+            axes = {n: {0: "batch"} for n in [*names, "logits"]}
+            torch.onnx.export(module, tuple(args), str(path), dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
+                              do_constant_folding=False, opset_version=CLASSIC_OPSET, input_names=names,
+                              output_names=["logits"], dynamic_axes=axes)
+        else:
+            torch.onnx.export(module, tuple(args), str(path), dynamo=True, optimize=exporter == "dynamo",
+                              opset_version=DYNAMO_OPSET, input_names=names, output_names=["logits"],
+                              dynamic_shapes=_dynamic_shapes(module, len(args)), external_data=False, verbose=False)
+    model = onnx.load(str(path))
+    # The classic exporter's trace runs the train-mode module on the example batch, which moves
+    # BatchNorm's running statistics, and writes the moved ones: set them back to the module's.
+    buffers = {n: b.detach().numpy() for n, b in original.named_buffers() if b.is_floating_point()}
+    for init in model.graph.initializer:
+        if init.name in buffers and not np.array_equal(numpy_helper.to_array(init), buffers[init.name]):
+            init.CopyFrom(numpy_helper.from_array(buffers[init.name], init.name))
+    for node in model.graph.node:
+        kept = [p for p in node.metadata_props if p.key not in _DROPPED_METADATA]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+    onnx.save_model(model, str(path))
+
+
+def reference_step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor) -> tuple[float, dict[str, np.ndarray]]:
+    """One SGD step (learning rate :data:`LR`, mean cross-entropy) of torch autograd in float64
+    from the module's float32 values: the loss and every parameter and float buffer after it."""
+    ref = copy.deepcopy(module).double().train()
+    loss = nn.functional.cross_entropy(ref(*[x.double() if x.is_floating_point() else x for x in inputs]), labels)
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= LR * p.grad
+    after = {f"after/{n}": p.detach().float().numpy() for n, p in ref.named_parameters()}
+    after |= {f"after/{n}": b.float().numpy() for n, b in ref.named_buffers() if b.is_floating_point()}
+    return loss.item(), after
+
+
+def _deterministic(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
+    outs = [copy.deepcopy(module).train()(*inputs) for _ in range(2)]
+    return bool(torch.equal(outs[0], outs[1]))
+
+
+def tied(module: nn.Module) -> list[list[str]]:
+    """Groups of torch names that are one parameter (the model's own tying)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def family_fixtures(family: str, out: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    spec = FAMILIES[family]
+    entries = []
+    for state in STATES:
+        torch.manual_seed(_seed(family))
+        module = without_dropout(spec.small()).train()
+        generator = torch.Generator().manual_seed(_seed(family) + 1)
+        if state == "perturbed":
+            perturb(module, generator)
+        inputs, labels = batch(spec, generator)
+        if not _deterministic(module, inputs):
+            raise SystemExit(f"{family}: two train-mode forward passes differ; some dropout is still active")
+        names = [i.name for i in spec.inputs]
+        loss, after = reference_step(module, inputs, labels)
+        reference = f"{family}.{state}.npz"
+        np.savez_compressed(out / reference, label=labels.numpy(), loss=np.float64(loss), lr=np.float64(LR),
+                            **{f"input/{n}": x.numpy() for n, x in zip(names, inputs)}, **after)
+        for exporter in EXPORTERS:
+            path = out / f"{family}.{state}.{exporter}.onnx"
+            export(module, inputs, names, exporter, path)
+            say(f"  {path.name}: {path.stat().st_size // 1024} KB")
+            entries.append({
+                "family": family, "state": state, "exporter": exporter, "model": path.name, "reference": reference,
+                "inputs": names, "classes": spec.classes, "loss": loss, "lr": LR, "export": export_call(exporter),
+                "parameters": [n for n, _ in module.named_parameters()],
+                "statistics": [n for n, b in module.named_buffers() if b.is_floating_point()],
+                "tied": tied(module),
+            })
+    return entries
+
+
+class Dropped(nn.Module):
+    """Dropout(0.5) on the input, then a linear layer without bias: one example's weight gradient
+    is zero in exactly the columns of the dropped inputs, and scaled by 1/(1-p) in the others."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(DROPOUT_RATE, inplace=inplace)
+        self.fc = nn.Linear(DROPOUT_FEATURES, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.dropout(x))
+
+
+def dropout_fixtures(out: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    entries = []
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        module = Dropped(inplace).train()
+        x = torch.randn(BATCH, DROPOUT_FEATURES)
+        for exporter in EXPORTERS:
+            path = out / f"dropout{'_inplace' if inplace else ''}.{exporter}.onnx"
+            export(module, [x], ["x"], exporter, path)
+            say(f"  {path.name}: {path.stat().st_size // 1024} KB")
+            entries.append({"family": "dropout", "inplace": inplace, "exporter": exporter, "model": path.name,
+                            "rate": DROPOUT_RATE, "inputs": ["x"], "classes": 4, "export": export_call(exporter)})
+    return entries
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=[*FAMILIES, "dropout"], help="these families only (the manifest "
+                        "keeps the others' entries)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest_path = args.out / "manifest.json"
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() and args.only else {"fixtures": []}
+    chosen = args.only or [*FAMILIES, "dropout"]
+    entries = [e for e in old["fixtures"] if e["family"] not in chosen]
+    for family in chosen:
+        print(family, flush=True)
+        say = lambda line: print(line, flush=True)  # noqa: E731
+        entries += dropout_fixtures(args.out, say) if family == "dropout" else family_fixtures(family, args.out, say)
+    import onnxscript
+    import transformers
+
+    order = [*FAMILIES, "dropout"]
+    entries.sort(key=lambda e: (order.index(e["family"]), e.get("state", ""), EXPORTERS.index(e["exporter"])))
+    manifest = {
+        "regenerate": "PYTHONPATH=. python -m benchmarks.export_fixtures  (needs the bench extra)",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "onnxscript": onnxscript.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
+        "batch": BATCH, "lr": LR, "fixtures": entries,
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    total = sum(p.stat().st_size for p in args.out.iterdir())
+    print(f"wrote {len(entries)} fixtures to {args.out} ({total // 1024} KB in all)")
+
+
+if __name__ == "__main__":
+    main()
