@@ -200,6 +200,9 @@ class PlanMetadata:
     max_runtime_version: str | None
     memory_budget_mb: int | None = None
     time_budget_s: float | None = None
+    # Weights the model itself ties (one tensor several of its modules read, such as tied input and
+    # output embeddings): each is one weight in the plan and takes the sum of its uses' gradients.
+    shared_weights: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,8 @@ def serialize_plan(plan: Plan) -> bytes:
             "max_runtime_version": meta.max_runtime_version,
             "memory_budget_mb": meta.memory_budget_mb,
             "time_budget_s": meta.time_budget_s,
+            # Written only when set, so that plans without tied weights keep their bytes (and ids).
+            **({"shared_weights": list(meta.shared_weights)} if meta.shared_weights else {}),
         },
         "graphs": index,
     }
@@ -398,6 +403,8 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
         max_runtime_version=_field(meta, "max_runtime_version", str, "metadata.", optional=True),
         memory_budget_mb=_field(meta, "memory_budget_mb", int, "metadata.", optional=True),
         time_budget_s=None if time_budget is None else float(time_budget),
+        # absent in plans written before the field existed, and in plans without tied weights
+        shared_weights=_names(meta, "shared_weights", "metadata.") if "shared_weights" in meta else (),
     )
     return Plan(
         name=_field(header, "name", str, ""),
@@ -430,6 +437,10 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
         raise PlanError("a training plan needs one weight output per weight name")
     if plan.kind == "eval" and plan.weight_outputs:
         raise PlanError("an evaluation plan has no weight outputs")
+    unknown = [w for w in plan.metadata.shared_weights if w not in plan.weight_names]
+    if unknown:
+        raise PlanError(f"plan's metadata.shared_weights names {unknown[0]!r}, which is not one of its weights; the plan is "
+                        "corrupt or was edited")
     server = plan.server
     if server.secure_sum:
         if server.bitwidth is None or not 1 <= server.bitwidth <= 52:

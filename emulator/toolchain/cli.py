@@ -219,7 +219,7 @@ def _say_trained(made, say) -> None:
         say(f"split {len(made.split)} parameters the exporter had merged into equal-valued initializers back into "
             f"weights of their own: {', '.join(made.split)}")
     for weight, readers in made.shared.items():
-        say(f"shared: {weight} is one weight read by {readers} nodes (the model ties it)")
+        say(f"shared: {weight} is one weight read in {readers} places (the model ties it; the plan's metadata lists it)")
     for warning in made.warnings:
         print(f"fedfleet: warning: {warning}", file=sys.stderr, flush=True)
 

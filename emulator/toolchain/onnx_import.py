@@ -10,6 +10,8 @@ otherwise. Pure functions over the graph: nodes, initializers and tensor types i
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Mapping, Sequence, Set
 from fnmatch import fnmatchcase
 
@@ -144,11 +146,12 @@ def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
     returns each new initializer's name -> the initializer it was copied from.
 
     Exporters keep one initializer for parameters of equal values (a fresh model's zero biases,
-    LayerNorm gains of one) and, like torch's classic exporter, read it for the others through
-    ``Identity`` nodes named after them. Trained as one weight, such parameters would all take the
-    sum of their gradients: each ``Identity`` of an initializer becomes an initializer of its own
-    (its output's name, the initializer's value). A weight that several nodes read directly, as
-    tied embeddings are, stays one."""
+    LayerNorm gains of one). Trained as one weight, such parameters would all take the sum of
+    their gradients. torch's classic exporter reads the merged ones through ``Identity`` nodes
+    named after them: each such ``Identity`` of an initializer becomes an initializer of its own
+    (its output's name, the initializer's value). The dynamo exporter's optimizer leaves no node
+    behind, but every node it writes names the FX node it came from (see
+    :func:`split_by_fx_origin`). A weight the model itself shares (tied embeddings) stays one."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     outputs = {o.name for o in graph.output}
@@ -158,11 +161,7 @@ def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
         source = node.input[0] if node.op_type == "Identity" and node.input else ""
         target = node.output[0] if node.output else ""
         if source in inits and target and target not in outputs and target not in inits:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(inits[source])
-            copy.name = target
-            graph.initializer.append(copy)
-            inits[target] = copy
+            inits[target] = _copy(inits[source], target, graph)
             split[target] = source
             continue
         kept.append(node)
@@ -172,16 +171,163 @@ def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
         for vi in list(graph.value_info):  # the aliases' inferred types would now shadow initializers
             if vi.name in split:
                 graph.value_info.remove(vi)
+    split.update(split_by_fx_origin(model))
     return split
 
 
+def _copy(init: onnx.TensorProto, name: str, graph: onnx.GraphProto) -> onnx.TensorProto:
+    copy = onnx.TensorProto()
+    copy.CopyFrom(init)
+    copy.name = name
+    graph.initializer.append(copy)
+    return copy
+
+
+# ---------------------------------------------------------------------------- the dynamo exporter's node metadata
+
+_FX_NODE = "pkg.torch.onnx.fx_node"
+_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+_REWRITTEN = "pkg.onnxscript.rewriter.rule_name"
+_PLACEHOLDER = re.compile(r"%([pb]_\w+)")
+#: Buffers that train as plan state (BatchNorm's running statistics); other buffers are index tables.
+_STATISTICS = ("running_mean", "running_var")
+
+
+def _placeholder(name: str, kind: str) -> str:
+    """torch.export's name for a lifted parameter (``p_``) or buffer (``b_``): dots as underscores."""
+    return f"{kind}_{name.replace('.', '_')}"
+
+
+def _metadata(node: onnx.NodeProto, key: str) -> str | None:
+    for prop in node.metadata_props:
+        if prop.key == key:
+            return prop.value
+    return None
+
+
+def fx_reads(node: onnx.NodeProto) -> frozenset[str] | None:
+    """The parameters and buffers (torch.export's placeholders ``p_<name>``, ``b_<name>``) the FX
+    node that became ``node`` took as arguments, from the dynamo exporter's ``pkg.torch.onnx.fx_node``
+    metadata (``%linear = call_function[...](args = (%x, %p_fc_weight, %p_fc_bias), ...)``); None
+    for a node without it (another exporter, or a graph rewritten by a tool that drops metadata)."""
+    text = _metadata(node, _FX_NODE)
+    if text is None:
+        return None
+    return frozenset(_PLACEHOLDER.findall(text.split(" = ", 1)[-1]))
+
+
+def node_module(node: onnx.NodeProto) -> str | None:
+    """The torch module whose forward made ``node`` (dotted, ``""`` for the root): the dynamo
+    exporter's ``pkg.torch.onnx.name_scopes`` (``['', 'layer1', 'layer1.0', 'layer1.0.conv1', 'conv2d']``),
+    else the classic exporter's node name (``/layer1/layer1.0/conv1/Conv``); None when neither says."""
+    scopes = _metadata(node, _NAME_SCOPES)
+    if scopes is not None:
+        try:
+            names = ast.literal_eval(scopes)
+        except (ValueError, SyntaxError):
+            return None
+        return str(names[-2]) if isinstance(names, list) and len(names) >= 2 else ""
+    if node.name.startswith("/"):
+        return node.name[1:].rsplit("/", 1)[0] if "/" in node.name[1:] else ""
+    return None
+
+
+def _merged_name(name: str, kind: str, module: str | None, reads: frozenset[str], taken: Set[str]) -> str | None:
+    """The parameter a node reads through ``name`` when its FX node read another one: the node's
+    module joined with the longest tail of ``name`` that makes a placeholder the FX node read and
+    that has no initializer of its own (``ln.weight`` read by ``ln2``'s node: ``ln2.weight``;
+    ``layers.0.attn.out_proj.bias`` read by ``layers.1.attn``'s: ``layers.1.attn.out_proj.bias``)."""
+    parts = name.split(".")
+    for start in range(len(parts)):
+        tail = ".".join(parts[start:])
+        candidate = f"{module}.{tail}" if module else tail
+        if candidate != name and candidate not in taken and _placeholder(candidate, kind) in reads:
+            return candidate
+    return None
+
+
+def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
+    """Split the parameters the dynamo exporter's optimizer merged by value, in place; returns each
+    new initializer's name -> the initializer it was merged into.
+
+    torch.export lifts every parameter (by identity: a tied weight once) as a placeholder, and the
+    exporter records on each ONNX node the FX node it came from, with the placeholders it read. The
+    optimizer then keeps one initializer for equal-valued tensors and has every reader read it, but
+    the readers' metadata still names the placeholder each read. A node whose FX node did not read
+    the initializer it reads now reads a merged parameter: it gets an initializer of its own,
+    named as torch names it (:func:`_merged_name`), with the merged value. A weight the model
+    ties is one placeholder that every reader's FX node names, so it stays one. Relies on the
+    ``pkg.torch.onnx.fx_node`` metadata torch's dynamo exporter writes (torch 2.5 and later); a
+    graph without it is left as it is."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    reads = {id(node): fx_reads(node) for node in graph.node}
+    lifted = frozenset().union(*(r for r in reads.values() if r))
+    original = set(inits)
+    split: dict[str, str] = {}
+    for node in graph.node:
+        own = reads[id(node)]
+        if not own or _metadata(node, _REWRITTEN) is not None:
+            continue  # a rewrite rule's node (a BatchNorm fused into a Conv) carries one of its sources' metadata
+        for k, name in enumerate(node.input):
+            if name not in original or not is_float(inits[name].data_type):
+                continue
+            kinds = [kind for kind in "pb" if _placeholder(name, kind) in lifted]
+            if not kinds or any(_placeholder(name, kind) in own for kind in kinds):
+                continue  # a constant of the exporter's own, or the node reads its own parameter
+            target = _merged_name(name, kinds[0], node_module(node), own, original)
+            if target is None:
+                continue
+            if target not in inits:
+                inits[target] = _copy(inits[name], target, graph)
+                split[target] = name
+            node.input[k] = target
+    return split
+
+
+def lost_parameters(model: onnx.ModelProto) -> list[str]:
+    """Parameters and running statistics the exported program read that have no initializer of
+    their own: the dynamo exporter's optimizer folded them into new constants (a transposed
+    weight, an LSTM's gates in ONNX order, a BatchNorm into the convolution before it) or dropped
+    them (a zero bias). Their names as torch spells them where the reading node's module says
+    (best effort: a name below that module keeps underscores for dots). Empty without the metadata."""
+    graph = model.graph
+    present = {_placeholder(i.name, kind) for i in graph.initializer for kind in "pb"}
+    lost: dict[str, str] = {}
+    for node in graph.node:
+        own = fx_reads(node)
+        if not own:
+            continue
+        module = node_module(node) or ""
+        prefix = _placeholder(module, "") if module else "_"
+        for placeholder in sorted(own - present):
+            if placeholder.startswith("b_") and not placeholder.endswith(_STATISTICS):
+                continue
+            rest = placeholder[1:]
+            name = f"{module}.{rest[len(prefix) + 1:]}" if module and rest.startswith(prefix + "_") else rest[1:]
+            lost.setdefault(placeholder, name)
+    return sorted(lost.values())
+
+
+def lost_parameters_warning(lost: Sequence[str]) -> str:
+    """One line for a person: what the exporter did and how to export instead."""
+    return (f"the exporter folded or dropped {len(lost)} of the module's parameters and running statistics "
+            f"({_some(list(lost), 6)}): the plan cannot train them as the module does (a BatchNorm folded into a "
+            "convolution is gone, a dropped zero bias stays zero, a folded weight trains under a new name); export "
+            "with torch.onnx.export(module.train(), ..., dynamo=True, optimize=False), or with `fedfleet plan from-torch`")
+
+
 def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> dict[str, int]:
-    """Trained weights that several nodes read (a model's own tying): weight -> how many nodes."""
-    readers: dict[str, int] = {}
+    """Trained weights the model itself shares (tied embeddings): weight -> how many modules read
+    it. A reader's module comes from the exporter (:func:`node_module`), so that a weight one
+    module reads through several nodes (an LSTM's gates sliced apart, attention's packed
+    projection) is not taken for a tie; where no exporter says, each reading node counts."""
+    readers: dict[str, set[object]] = {}
     for node in nodes:
+        module = node_module(node)
         for name in set(node.input):
-            readers[name] = readers.get(name, 0) + 1
-    return {w: readers[w] for w in weights if readers.get(w, 0) > 1}
+            readers.setdefault(name, set()).add(id(node) if module is None else module)
+    return {w: len(readers[w]) for w in weights if len(readers.get(w, ())) > 1}
 
 
 def exported_for_inference(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> bool:

@@ -15,7 +15,7 @@ and the graph is emitted at the requested opset with the IR version that carries
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from os import PathLike
 from pathlib import Path
@@ -188,11 +188,13 @@ class ModelParts:
     prediction: str
     initializers: dict[str, onnx.TensorProto]
     split: dict[str, str]  # initializer split off an exporter's deduplicated one -> that one
+    lost: list[str] = field(default_factory=list)  # parameters the exporter folded or dropped (onnx_import.lost_parameters)
 
 
 def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
+    lost = onnx_import.lost_parameters(m)
     _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
     graph = m.graph
@@ -227,7 +229,7 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
         raise ValueError(f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
                          "model with the example tensors it computes from as inputs that reach the output (an input the "
                          "exporter traced as a constant is folded into the graph)")
-    return ModelParts(m, target, dict(inputs), output, inits, split)
+    return ModelParts(m, target, dict(inputs), output, inits, split, lost)
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
@@ -305,8 +307,9 @@ class OnnxTrainingPlan:
     plan: Plan
     trainable: dict[str, tuple[int, ...]]  # trained initializer -> its shape, in the model's order
     split: dict[str, str]  # parameter given its own weight again -> the initializer an exporter merged it into
-    shared: dict[str, int]  # trained weight the model itself shares -> how many nodes read it
-    warnings: tuple[str, ...] = ()  # what a person should know before training it (an eval-mode export)
+    shared: dict[str, int]  # trained weight the model itself shares -> how many modules (or nodes) read it
+    warnings: tuple[str, ...] = ()  # what a person should know before training it (an eval-mode export, parameters the exporter lost; one line each)
+    lost: tuple[str, ...] = ()  # parameters the exporter folded or dropped, which the plan cannot train as the module does
 
 
 def training_plan_from_onnx(model: ModelLike, **kwargs: Any) -> Plan:
@@ -354,8 +357,11 @@ def onnx_training_plan(
     as an attention scale, nor one that feeds only shape arithmetic); ``frozen`` patterns take tensors out of that
     set; the others stay constants. A pattern that matches no initializer is refused. ``metrics``
     picks among the loss's per-batch sums (default all: ``loss_sum``, ``count`` and, for
-    classification, ``correct``). Parameters an exporter merged into one initializer and reads
-    through ``Identity`` nodes get weights of their own (:func:`.onnx_import.split_deduplicated`).
+    classification, ``correct``). Parameters an exporter merged into one initializer (read through
+    ``Identity`` nodes, or named in the dynamo exporter's node metadata) get weights of their own
+    (:func:`.onnx_import.split_deduplicated`); weights the model itself ties stay one and are listed
+    in the plan's metadata (``shared_weights``); parameters the exporter folded or dropped are
+    warned of (``OnnxTrainingPlan.warnings``).
 
     Raises :class:`UnsupportedOpError` naming the op and node of a node without a gradient rule
     (:data:`OP_COVERAGE`) on a path along which a gradient flows from a trainable weight to the loss
@@ -437,6 +443,7 @@ def onnx_training_plan(
     constants = [i for n, i in parts.initializers.items() if n not in weight_names] + e.initializers
     work = _model("work", all_nodes, work_inputs, work_outputs, constants, parts.opset)
 
+    shared_weights = onnx_import.shared_weights(graph.node, weights)
     reset = [s.name for s in slots] if not optimizer.carry_state else []
     server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
                          reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,
@@ -466,11 +473,14 @@ def onnx_training_plan(
             max_runtime_version=max_runtime_version,
             memory_budget_mb=memory_budget_mb,
             time_budget_s=time_budget_s,
+            shared_weights=tuple(shared_weights),
         ),
     )
     warnings = (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
-    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split),
-                            onnx_import.shared_weights(graph.node, weights), warnings)
+    if parts.lost:
+        warnings += (onnx_import.lost_parameters_warning(parts.lost),)
+    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split), shared_weights, warnings,
+                            tuple(parts.lost))
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:

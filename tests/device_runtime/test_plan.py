@@ -227,3 +227,18 @@ def test_a_plan_header_that_nests_deeply_or_holds_nan_is_refused_as_a_plan_error
     content = _PREFIX.pack(MAGIC, PLAN_FORMAT_VERSION, len(header), total) + header
     with pytest.raises(PlanError, match="not valid JSON"):
         load_plan(content + hashlib.sha256(content).digest())
+
+
+def test_shared_weights_round_trip_and_plans_without_them_keep_their_bytes(plan, data):
+    """The metadata's tied weights: written only when there are some, so that existing plans (and
+    their ids) do not change; a plan written before the field loads with none."""
+    assert b"shared_weights" not in data and load_plan(data).metadata.shared_weights == ()
+    tied = dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, shared_weights=(plan.weight_names[0],)))
+    written = serialize_plan(tied)
+    assert load_plan(written) == tied and serialize_plan(load_plan(written)) == written
+
+
+def test_shared_weights_that_are_not_weights_of_the_plan_are_refused(plan):
+    bad = dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, shared_weights=("not_a_weight",)))
+    with pytest.raises(PlanError, match="shared_weights names 'not_a_weight'"):
+        load_plan(serialize_plan(bad))

@@ -214,7 +214,8 @@ def test_a_weight_the_model_itself_ties_stays_one_weight_and_from_onnx_names_it(
     out = capsys.readouterr().out
     plan = load_plan((tmp_path / "p.fedplan").read_bytes())
     assert plan.weight_names == ("l0.weight", "l0.bias", "l1.weight", "l1.bias")
-    assert "shared: l0.weight is one weight read by 2 nodes" in out and "back into weights of their own: l1.bias" in out
+    assert "shared: l0.weight is one weight read in 2 places" in out
+    assert plan.metadata.shared_weights == ("l0.weight",) and "back into weights of their own: l1.bias" in out
 
 
 def test_running_statistics_that_arrive_through_identity_become_plan_state_of_their_own():
@@ -232,3 +233,117 @@ def test_running_statistics_that_arrive_through_identity_become_plan_state_of_th
               inits)
     names = _weights(m)
     assert set(names) == {"fc.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"}
+
+
+def _dynamo_node(op: str, inputs: list[str], outputs: list[str], module: str, reads: list[str], *,
+                 rule: str | None = None, **attrs) -> onnx.NodeProto:
+    """A node as torch's dynamo exporter writes it: the module it came from and the FX node, with
+    the parameters that node read (torch.export's placeholders, p_<name> with dots as underscores)."""
+    node = helper.make_node(op, inputs, outputs, **attrs)
+    scopes = ["", *[".".join(module.split(".")[: i + 1]) for i in range(len(module.split(".")))], op.lower()] if module else ["", op.lower()]
+    args = ", ".join(["%x", *(f"%p_{r.replace('.', '_')}" for r in reads)])
+    props = {"pkg.torch.onnx.name_scopes": repr(scopes),
+             "pkg.torch.onnx.fx_node": f"%{op.lower()} : [num_users=1] = call_function[target=torch.ops.aten.{op.lower()}.default]"
+                                       f"(args = ({args}), kwargs = {{}})"}
+    if rule:
+        props["pkg.onnxscript.rewriter.rule_name"] = rule
+    for key, value in props.items():
+        node.metadata_props.add(key=key, value=value)
+    return node
+
+
+def _two_layer_norms(merged: bool, *, metadata: bool = True) -> onnx.ModelProto:
+    """x -> LayerNorm ln -> LayerNorm ln2 -> Linear fc, fresh (unit gains, zero biases). ``merged``
+    writes it as the dynamo exporter's optimizer does: ln2's gain and bias and fc's bias read
+    ln's initializers, with no node in between; only the nodes' metadata names what each read."""
+    from .models import model
+
+    rng = np.random.default_rng(6)
+    inits = {"ln.weight": np.ones(4, np.float32), "ln.bias": np.zeros(4, np.float32),
+             "fc.weight": rng.normal(size=(4, 4)).astype(np.float32)}
+    if not merged:
+        inits.update({"ln2.weight": np.ones(4, np.float32), "ln2.bias": np.zeros(4, np.float32),
+                      "fc.bias": np.zeros(4, np.float32)})
+    own = (lambda n: n) if not merged else (lambda n: {"ln2.weight": "ln.weight", "ln2.bias": "ln.bias", "fc.bias": "ln.bias"}.get(n, n))
+    nodes = [_dynamo_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], "ln", ["ln.weight", "ln.bias"]),
+             _dynamo_node("LayerNormalization", ["h0", own("ln2.weight"), own("ln2.bias")], ["h1"], "ln2",
+                          ["ln2.weight", "ln2.bias"]),
+             _dynamo_node("MatMul", ["h1", "fc.weight"], ["h2"], "fc", ["fc.weight", "fc.bias"]),
+             _dynamo_node("Add", ["h2", own("fc.bias")], ["logits"], "fc", ["fc.weight", "fc.bias"])]
+    if not metadata:
+        for node in nodes:
+            del node.metadata_props[:]
+    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
+                 [helper.make_tensor_value_info("logits", F, ["N", 4])], inits, opset=18)
+
+
+def test_parameters_the_dynamo_exporter_merged_by_value_take_their_own_step_under_torchs_names():
+    merged, separate = _one_step(_two_layer_norms(merged=True)), _one_step(_two_layer_norms(merged=False))
+    assert set(merged) == set(separate) == {"ln.weight", "ln.bias", "ln2.weight", "ln2.bias", "fc.weight", "fc.bias"}
+    for name in separate:
+        np.testing.assert_array_equal(merged[name], separate[name])
+    assert not np.allclose(separate["ln.bias"], separate["fc.bias"])  # each took its own update
+
+
+def test_without_the_exporters_metadata_a_merged_initializer_stays_one_weight():
+    """Nothing says which parameter a node reads once the metadata is gone: no guess is made."""
+    assert set(_one_step(_two_layer_norms(merged=True, metadata=False))) == {"ln.weight", "ln.bias", "fc.weight"}
+
+
+def _tied_language_model(tie_value: float | None = None) -> onnx.ModelProto:
+    """Embedding and decoder that torch ties (one Parameter): torch.export lifts it once, so both
+    readers' FX nodes name p_emb_weight, whatever its values (all ones here when ``tie_value``)."""
+    from .models import model
+
+    rng = np.random.default_rng(7)
+    emb = rng.normal(size=(6, 4)).astype(np.float32) if tie_value is None else np.full((6, 4), tie_value, np.float32)
+    nodes = [_dynamo_node("Gather", ["emb.weight", "x"], ["e"], "emb", ["emb.weight"]),
+             _dynamo_node("ReduceMean", ["e", "axes"], ["h"], "", [], keepdims=0),
+             _dynamo_node("Gemm", ["h", "emb.weight", "decoder.bias"], ["logits"], "decoder", ["emb.weight", "decoder.bias"],
+                          transB=1)]
+    return model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
+                 [helper.make_tensor_value_info("logits", F, ["N", 6])],
+                 {"emb.weight": emb, "decoder.bias": np.zeros(6, np.float32), "axes": np.array([1], np.int64)}, opset=18)
+
+
+@pytest.mark.parametrize("tie_value", [None, 1.0])
+def test_a_weight_torch_ties_stays_one_weight_whatever_its_values_and_the_plan_lists_it(tmp_path, capsys, tie_value):
+    onnx.save_model(_tied_language_model(tie_value), str(tmp_path / "lm.onnx"))
+    assert _from_onnx(tmp_path / "lm.onnx", tmp_path / "lm.fedplan") == 0
+    out = capsys.readouterr().out
+    plan = load_plan((tmp_path / "lm.fedplan").read_bytes())
+    assert set(plan.weight_names) == {"emb.weight", "decoder.bias"}
+    assert plan.metadata.shared_weights == ("emb.weight",)
+    assert "shared: emb.weight is one weight read in 2 places" in out
+
+
+def test_a_weight_one_module_reads_through_several_nodes_is_not_taken_for_a_tie():
+    """An LSTM's gates sliced apart, attention's packed projection: several nodes, one module."""
+    from emulator.toolchain.onnx_import import shared_weights
+
+    nodes = [helper.make_node("Slice", ["lstm.weight_ih_l0", "s", "e"], [f"g{i}"], name=f"/lstm/Slice_{i}") for i in range(4)]
+    nodes.append(helper.make_node("Gather", ["emb.weight", "x"], ["y"], name="/emb/Gather"))
+    nodes.append(helper.make_node("MatMul", ["h", "emb.weight"], ["z"], name="/decoder/MatMul"))
+    assert shared_weights(nodes, ["lstm.weight_ih_l0", "emb.weight"]) == {"emb.weight": 2}
+
+
+def test_parameters_the_exporter_folded_or_dropped_are_warned_of_in_one_line_naming_them(tmp_path, capsys):
+    """The dynamo optimizer's BatchNorm fused into a Conv and a dropped zero bias: the nodes'
+    metadata still names the parameters they read, which have no initializer any more."""
+    from .models import model
+
+    rng = np.random.default_rng(8)
+    nodes = [_dynamo_node("Conv", ["x", "conv.weight"], ["c"], "bn", ["bn.weight", "bn.bias"], rule="FuseBatchNormIntoConv"),
+             _dynamo_node("Flatten", ["c"], ["f"], "", []),
+             _dynamo_node("Gemm", ["f", "fc.weight"], ["logits"], "fc", ["fc.weight", "fc.bias"], transB=1,
+                          rule="RemoveOptionalBiasFromGemm")]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 1, 2, 2])], [helper.make_tensor_value_info("logits", F, ["N", 3])],
+              {"conv.weight": rng.normal(size=(2, 1, 1, 1)).astype(np.float32),
+               "fc.weight": rng.normal(size=(3, 8)).astype(np.float32)}, opset=18)
+    onnx.save_model(m, str(tmp_path / "m.onnx"))
+    assert _from_onnx(tmp_path / "m.onnx", tmp_path / "m.fedplan") == 0
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "folded or dropped" in line]
+    assert err.startswith("fedfleet: warning:")
+    named = err.split("(", 1)[1].split(")", 1)[0]
+    assert set(named.split(", ")) == {"bn.weight", "bn.bias", "fc.bias"}
+    assert "optimize=False" in err and "from-torch" in err
