@@ -28,19 +28,19 @@ all with the batch axis dynamic and the weights inside the file (``external_data
 classic exporter's trace runs the train-mode module once, which moves BatchNorm's running
 statistics by the example batch, and writes the moved ones: they are set back to the module's. Of the
 dynamo exports' node metadata, ``pkg.torch.onnx.stack_trace`` (source paths and lines of the
-machine that exported, most of each file's size) and ``namespace`` (the module path and classes
-again, in one string) are dropped; the rest (``pkg.torch.onnx.name_scopes``, ``class_hierarchy``,
+machine that exported, most of each file's size), ``namespace`` and ``class_hierarchy`` (the
+module path and the classes along it) are dropped; the rest (``pkg.torch.onnx.name_scopes``,
 ``fx_node``, the optimizer's rule names) is as the exporter wrote it.
 
 Beside them, one reference per family and state (``<family>.<state>.npz``, shared by its three
-exports): the batch (``input/<name>``, ``label``), the loss and every parameter and running
-statistic after one SGD step of torch autograd with learning rate :data:`LR`
-(``after/<torch name>``). The step is computed in float64 from the exported float32 values, so
-that a comparison measures the plan's float32 error alone. Dropout draws its own masks in torch
+exports, see :func:`save_reference`): the batch, the loss and every parameter and running
+statistic after one SGD step of torch autograd with learning rate :data:`LR`, by torch name. The
+step is computed in float64 from the exported float32 values, so that a comparison measures the
+plan's float32 error alone; torch's own float32 step's error is saved too, as the noise to expect. Dropout draws its own masks in torch
 and in a plan, so the modules these steps start from have every dropout probability set to 0
 (checked: two forward passes agree); ``dropout.<exporter>.onnx`` is a separate model with
-``Dropout(0.5)`` the tests check statistically. ``manifest.json`` lists every file with the
-torch names, the tied parameters, the export call and the versions that made it.
+``Dropout(0.5)`` the tests check statistically. ``manifest.json`` lists every file, the export
+calls and the versions that made them.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ FAMILIES: dict[str, ModelSpec] = {
     "gru_tied": ModelSpec("torch.nn", partial(GRUNextToken, 200, 16, 16, tie_weights=True),
                           partial(GRUNextToken, 200, 128, 128, tie_weights=True), MODELS["gru_next_token"].inputs, 200),
 }
-_DROPPED_METADATA = ("pkg.torch.onnx.stack_trace", "namespace")
+_DROPPED_METADATA = ("pkg.torch.onnx.stack_trace", "namespace", "pkg.torch.onnx.class_hierarchy")
 
 
 def _seed(family: str) -> int:
@@ -165,25 +165,60 @@ def export(module: nn.Module, args: list[torch.Tensor], names: list[str], export
     for init in model.graph.initializer:
         if init.name in buffers and not np.array_equal(numpy_helper.to_array(init), buffers[init.name]):
             init.CopyFrom(numpy_helper.from_array(buffers[init.name], init.name))
+    strip_metadata(model)
+    onnx.save_model(model, str(path))
+
+
+def strip_metadata(model: onnx.ModelProto) -> None:
+    """Drop the node metadata the tests do not read (:data:`_DROPPED_METADATA`), in place."""
     for node in model.graph.node:
         kept = [p for p in node.metadata_props if p.key not in _DROPPED_METADATA]
         del node.metadata_props[:]
         node.metadata_props.extend(kept)
-    onnx.save_model(model, str(path))
 
 
-def reference_step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor) -> tuple[float, dict[str, np.ndarray]]:
-    """One SGD step (learning rate :data:`LR`, mean cross-entropy) of torch autograd in float64
-    from the module's float32 values: the loss and every parameter and float buffer after it."""
-    ref = copy.deepcopy(module).double().train()
-    loss = nn.functional.cross_entropy(ref(*[x.double() if x.is_floating_point() else x for x in inputs]), labels)
+def _step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor, dtype: torch.dtype) -> tuple[float, dict]:
+    model = copy.deepcopy(module).to(dtype).train()
+    loss = nn.functional.cross_entropy(model(*[x.to(dtype) if x.is_floating_point() else x for x in inputs]), labels)
     loss.backward()
     with torch.no_grad():
-        for p in ref.parameters():
+        for p in model.parameters():
             p -= LR * p.grad
-    after = {f"after/{n}": p.detach().float().numpy() for n, p in ref.named_parameters()}
-    after |= {f"after/{n}": b.float().numpy() for n, b in ref.named_buffers() if b.is_floating_point()}
-    return loss.item(), after
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if b.is_floating_point())]
+    return loss.item(), {n: t.detach().double().numpy() for n, t in tensors}
+
+
+def reference_step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor
+                   ) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
+    """One SGD step (learning rate :data:`LR`, mean cross-entropy) of torch autograd in float64
+    from the module's float32 values: the loss and every parameter and float buffer after it, and
+    how far torch's own float32 step lands from it per tensor (the largest difference beyond the
+    values' own float32 rounding): the noise a float32 implementation of this step shows on this
+    model and batch."""
+    loss, after = _step(module, inputs, labels, torch.float64)
+    _, after32 = _step(module, inputs, labels, torch.float32)
+    errors = {}
+    for n, v in after.items():
+        error = np.abs(after32[n] - v) - 4 * np.finfo(np.float32).eps * np.abs(v)
+        errors[n] = max(float(error.max(initial=0)), 0.0)
+    return loss, {n: v.astype(np.float32) for n, v in after.items()}, errors
+
+
+def save_reference(path: Path, module: nn.Module, spec: ModelSpec, inputs: list[torch.Tensor], labels: torch.Tensor) -> None:
+    """``path`` (npz): the batch, the loss, and the tensors after the step as one float32 array in
+    the order of ``index`` (a JSON text: each parameter's and running statistic's torch name and
+    shape, the tied parameters, the inputs, the classes), with torch float32's error per tensor."""
+    loss, after, errors = reference_step(module, inputs, labels)
+    parameters = [n for n, _ in module.named_parameters()]
+    statistics = [n for n, b in module.named_buffers() if b.is_floating_point()]
+    order = [*parameters, *statistics]
+    index = {"parameters": [[n, list(after[n].shape)] for n in parameters],
+             "statistics": [[n, list(after[n].shape)] for n in statistics],
+             "tied": tied(module), "inputs": [i.name for i in spec.inputs], "classes": spec.classes}
+    np.savez_compressed(path, index=np.array(json.dumps(index)), label=labels.numpy(), loss=np.float64(loss),
+                        lr=np.float64(LR), after=np.concatenate([after[n].ravel() for n in order]),
+                        float32_error=np.array([errors[n] for n in order]),
+                        **{f"input/{i.name}": x.numpy() for i, x in zip(spec.inputs, inputs)})
 
 
 def _deterministic(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
@@ -199,7 +234,7 @@ def tied(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def family_fixtures(family: str, out: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+def family_fixtures(family: str, out: Path, say: Callable[[str], None], references_only: bool = False) -> list[dict[str, Any]]:
     spec = FAMILIES[family]
     entries = []
     for state in STATES:
@@ -211,22 +246,15 @@ def family_fixtures(family: str, out: Path, say: Callable[[str], None]) -> list[
         inputs, labels = batch(spec, generator)
         if not _deterministic(module, inputs):
             raise SystemExit(f"{family}: two train-mode forward passes differ; some dropout is still active")
-        names = [i.name for i in spec.inputs]
-        loss, after = reference_step(module, inputs, labels)
         reference = f"{family}.{state}.npz"
-        np.savez_compressed(out / reference, label=labels.numpy(), loss=np.float64(loss), lr=np.float64(LR),
-                            **{f"input/{n}": x.numpy() for n, x in zip(names, inputs)}, **after)
+        save_reference(out / reference, module, spec, inputs, labels)
         for exporter in EXPORTERS:
             path = out / f"{family}.{state}.{exporter}.onnx"
-            export(module, inputs, names, exporter, path)
-            say(f"  {path.name}: {path.stat().st_size // 1024} KB")
-            entries.append({
-                "family": family, "state": state, "exporter": exporter, "model": path.name, "reference": reference,
-                "inputs": names, "classes": spec.classes, "loss": loss, "lr": LR, "export": export_call(exporter),
-                "parameters": [n for n, _ in module.named_parameters()],
-                "statistics": [n for n, b in module.named_buffers() if b.is_floating_point()],
-                "tied": tied(module),
-            })
+            if not references_only:
+                export(module, inputs, [i.name for i in spec.inputs], exporter, path)
+                say(f"  {path.name}: {path.stat().st_size // 1024} KB")
+            entries.append({"family": family, "state": state, "exporter": exporter, "model": path.name,
+                            "reference": reference})
     return entries
 
 
@@ -254,7 +282,7 @@ def dropout_fixtures(out: Path, say: Callable[[str], None]) -> list[dict[str, An
             export(module, [x], ["x"], exporter, path)
             say(f"  {path.name}: {path.stat().st_size // 1024} KB")
             entries.append({"family": "dropout", "inplace": inplace, "exporter": exporter, "model": path.name,
-                            "rate": DROPOUT_RATE, "inputs": ["x"], "classes": 4, "export": export_call(exporter)})
+                            "rate": DROPOUT_RATE})
     return entries
 
 
@@ -263,16 +291,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", choices=[*FAMILIES, "dropout"], help="these families only (the manifest "
                         "keeps the others' entries)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--references-only", action="store_true", help="write the torch steps again, not the exports "
+                        "(they start from the same seeded modules)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
-    old = json.loads(manifest_path.read_text()) if manifest_path.exists() and args.only else {"fixtures": []}
+    keep = args.only or args.references_only
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() and keep else {"fixtures": []}
     chosen = args.only or [*FAMILIES, "dropout"]
     entries = [e for e in old["fixtures"] if e["family"] not in chosen]
     for family in chosen:
         print(family, flush=True)
         say = lambda line: print(line, flush=True)  # noqa: E731
-        entries += dropout_fixtures(args.out, say) if family == "dropout" else family_fixtures(family, args.out, say)
+        if family == "dropout":
+            entries += [e for e in old["fixtures"] if e["family"] == "dropout"] if args.references_only else \
+                dropout_fixtures(args.out, say)
+        else:
+            entries += family_fixtures(family, args.out, say, args.references_only)
     import onnxscript
     import transformers
 
@@ -282,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         "regenerate": "PYTHONPATH=. python -m benchmarks.export_fixtures  (needs the bench extra)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "onnxscript": onnxscript.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
-        "batch": BATCH, "lr": LR, "fixtures": entries,
+        "exporters": {e: export_call(e) for e in EXPORTERS}, "batch": BATCH, "lr": LR, "fixtures": entries,
     }
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(p.stat().st_size for p in args.out.iterdir())
