@@ -194,8 +194,10 @@ _STATISTICS = ("running_mean", "running_var")
 
 
 def _placeholder(name: str, kind: str) -> str:
-    """torch.export's name for a lifted parameter (``p_``) or buffer (``b_``): dots as underscores."""
-    return f"{kind}_{name.replace('.', '_')}"
+    """torch.export's name for a lifted parameter (``p_``) or buffer (``b_``): the name in lower
+    case with every character but letters and digits an underscore (``placeholder_naming_pass``;
+    two names that collide so get a suffix there, which is not undone here)."""
+    return f"{kind}_{re.sub(r'[^a-zA-Z0-9]', '_', name).lower()}"
 
 
 def _metadata(node: onnx.NodeProto, key: str) -> str | None:
@@ -232,16 +234,49 @@ def node_module(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _merged_name(name: str, kind: str, module: str | None, reads: frozenset[str], taken: Set[str]) -> str | None:
+_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+_SIGNATURE_LINE = re.compile(r"^(\w+): (?:PARAMETER|BUFFER) target='([^']+)'", re.M)
+
+
+class _TorchNames:
+    """torch names and torch.export's placeholders for them, both ways: from the exported program's
+    signature the dynamo exporter writes in the graph's metadata (``p_ln_weight: PARAMETER
+    target='ln.weight'``), else by torch.export's own spelling rule (:func:`_placeholder`)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        text = next((p.value for p in model.graph.metadata_props if p.key == _SIGNATURE), "")
+        self.by_placeholder = dict(_SIGNATURE_LINE.findall(text))
+        self.placeholders = {name: p for p, name in self.by_placeholder.items()}
+
+    def placeholder(self, name: str, kind: str) -> str | None:
+        """``name``'s placeholder (``kind`` ``p`` or ``b``); None for a name the signature lacks."""
+        if self.by_placeholder:
+            found = self.placeholders.get(name)
+            return found if found is not None and found.startswith(kind + "_") else None
+        return _placeholder(name, kind)
+
+    def reads(self, name: str, own: frozenset[str]) -> bool:
+        return any(self.placeholder(name, kind) in own for kind in "pb")
+
+    def name(self, placeholder: str, module: str | None) -> str:
+        """The torch name of ``placeholder``, read where a node of ``module`` reads it; without the
+        signature a best guess (below ``module``, underscores for dots, in lower case)."""
+        if placeholder in self.by_placeholder:
+            return self.by_placeholder[placeholder]
+        rest, prefix = placeholder[1:], _placeholder(module, "") if module else ""
+        return f"{module}.{rest[len(prefix) + 1:]}" if module and rest.startswith(prefix + "_") else rest[1:]
+
+
+def _merged_name(name: str, module: str | None, own: frozenset[str], taken: Set[str], names: _TorchNames) -> str | None:
     """The parameter a node reads through ``name`` when its FX node read another one: the node's
-    module joined with the longest tail of ``name`` that makes a placeholder the FX node read and
+    module joined with the longest tail of ``name`` that names a parameter the FX node read and
     that has no initializer of its own (``ln.weight`` read by ``ln2``'s node: ``ln2.weight``;
     ``layers.0.attn.out_proj.bias`` read by ``layers.1.attn``'s: ``layers.1.attn.out_proj.bias``)."""
     parts = name.split(".")
     for start in range(len(parts)):
         tail = ".".join(parts[start:])
         candidate = f"{module}.{tail}" if module else tail
-        if candidate != name and candidate not in taken and _placeholder(candidate, kind) in reads:
+        if candidate != name and candidate not in taken and names.reads(candidate, own):
             return candidate
     return None
 
@@ -250,19 +285,20 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     """Split the parameters the dynamo exporter's optimizer merged by value, in place; returns each
     new initializer's name -> the initializer it was merged into.
 
-    torch.export lifts every parameter (by identity: a tied weight once) as a placeholder, and the
-    exporter records on each ONNX node the FX node it came from, with the placeholders it read. The
-    optimizer then keeps one initializer for equal-valued tensors and has every reader read it, but
-    the readers' metadata still names the placeholder each read. A node whose FX node did not read
-    the initializer it reads now reads a merged parameter: it gets an initializer of its own,
-    named as torch names it (:func:`_merged_name`), with the merged value. A weight the model
-    ties is one placeholder that every reader's FX node names, so it stays one. Relies on the
-    ``pkg.torch.onnx.fx_node`` metadata torch's dynamo exporter writes (torch 2.5 and later); a
-    graph without it is left as it is."""
+    torch.export lifts the parameters as placeholders (a weight the model ties: one placeholder
+    that every use reads), and the exporter records on each ONNX node the FX node it came from,
+    with the placeholders it read. The optimizer then keeps one initializer for equal-valued
+    tensors and has every reader read it, but the readers' metadata still names the placeholder
+    each read. A node whose FX node did not read the initializer it reads now reads a merged
+    parameter: it gets an initializer of its own, named as torch names it (:func:`_merged_name`),
+    with the merged value. A tied weight's readers all name its placeholder, so it stays one
+    weight, whatever its values. Relies on the ``pkg.torch.onnx.fx_node`` metadata torch's dynamo
+    exporter writes (torch 2.5 and later); a graph without it is left as it is."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
+    names = _TorchNames(model)
     reads = {id(node): fx_reads(node) for node in graph.node}
-    lifted = frozenset().union(*(r for r in reads.values() if r))
+    lifted = frozenset().union(*(r for r in reads.values() if r), names.by_placeholder)
     original = set(inits)
     split: dict[str, str] = {}
     for node in graph.node:
@@ -272,10 +308,9 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
         for k, name in enumerate(node.input):
             if name not in original or not is_float(inits[name].data_type):
                 continue
-            kinds = [kind for kind in "pb" if _placeholder(name, kind) in lifted]
-            if not kinds or any(_placeholder(name, kind) in own for kind in kinds):
+            if not names.reads(name, lifted) or names.reads(name, own):
                 continue  # a constant of the exporter's own, or the node reads its own parameter
-            target = _merged_name(name, kinds[0], node_module(node), own, original)
+            target = _merged_name(name, node_module(node), own, original, names)
             if target is None:
                 continue
             if target not in inits:
@@ -285,28 +320,43 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     return split
 
 
+def _trains(placeholder: str, name: str) -> bool:
+    return placeholder.startswith("p_") or name.endswith(_STATISTICS)
+
+
 def lost_parameters(model: onnx.ModelProto) -> list[str]:
-    """Parameters and running statistics the exported program read that have no initializer of
-    their own: the dynamo exporter's optimizer folded them into new constants (a transposed
-    weight, an LSTM's gates in ONNX order, a BatchNorm into the convolution before it) or dropped
-    them (a zero bias). Their names as torch spells them where the reading node's module says
-    (best effort: a name below that module keeps underscores for dots). Empty without the metadata."""
+    """Parameters and running statistics of the exported program with no initializer of their own
+    (after :func:`split_by_fx_origin`): the dynamo exporter's optimizer folded them into new
+    constants (a transposed weight, an LSTM's gates in ONNX order, a BatchNorm into the convolution
+    before it, an embedding looked up at constant positions) or dropped them (a zero bias). A node
+    still names those it read; one whose every reader was folded away is known from the program's
+    signature when the graph holds folded constants, unless it is the second name of a tied weight
+    (its module's nodes read another module's parameter). Empty without the dynamo exporter's metadata."""
     graph = model.graph
-    present = {_placeholder(i.name, kind) for i in graph.initializer for kind in "pb"}
-    lost: dict[str, str] = {}
+    names = _TorchNames(model)
+    present = {i.name for i in graph.initializer}
+    lost: set[str] = set()
+    read: set[str] = set()
+    borrowed: set[str] = set()  # modules whose nodes read another module's parameter (a tie)
     for node in graph.node:
         own = fx_reads(node)
         if not own:
             continue
-        module = node_module(node) or ""
-        prefix = _placeholder(module, "") if module else "_"
-        for placeholder in sorted(own - present):
-            if placeholder.startswith("b_") and not placeholder.endswith(_STATISTICS):
-                continue
-            rest = placeholder[1:]
-            name = f"{module}.{rest[len(prefix) + 1:]}" if module and rest.startswith(prefix + "_") else rest[1:]
-            lost.setdefault(placeholder, name)
-    return sorted(lost.values())
+        module = node_module(node)
+        read |= own
+        for placeholder in own:
+            name = names.name(placeholder, module)
+            if name not in present and _trains(placeholder, name):
+                lost.add(name)
+            if module is not None and name.rpartition(".")[0] != module:
+                borrowed.add(module)
+    folded = any(i.name not in names.placeholders and is_float(i.data_type) for i in graph.initializer)
+    if names.by_placeholder and folded:
+        for placeholder, name in names.by_placeholder.items():
+            if placeholder not in read and name not in present and _trains(placeholder, name) \
+                    and name.rpartition(".")[0] not in borrowed:
+                lost.add(name)
+    return sorted(lost)
 
 
 def lost_parameters_warning(lost: Sequence[str]) -> str:
@@ -324,6 +374,8 @@ def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> d
     projection) is not taken for a tie; where no exporter says, each reading node counts."""
     readers: dict[str, set[object]] = {}
     for node in nodes:
+        if node.op_type in ("Shape", "Size"):
+            continue  # reads the shape alone
         module = node_module(node)
         for name in set(node.input):
             readers.setdefault(name, set()).add(id(node) if module is None else module)

@@ -189,12 +189,16 @@ class ModelParts:
     initializers: dict[str, onnx.TensorProto]
     split: dict[str, str]  # initializer split off an exporter's deduplicated one -> that one
     lost: list[str] = field(default_factory=list)  # parameters the exporter folded or dropped (onnx_import.lost_parameters)
+    # initializer several modules read -> how many (onnx_import.shared_weights, read before an opset
+    # conversion, which drops the nodes' metadata)
+    shared: dict[str, int] = field(default_factory=dict)
 
 
 def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
     lost = onnx_import.lost_parameters(m)
+    shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
     graph = m.graph
@@ -229,7 +233,7 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
         raise ValueError(f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
                          "model with the example tensors it computes from as inputs that reach the output (an input the "
                          "exporter traced as a constant is folded into the graph)")
-    return ModelParts(m, target, dict(inputs), output, inits, split, lost)
+    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared)
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
@@ -308,7 +312,8 @@ class OnnxTrainingPlan:
     trainable: dict[str, tuple[int, ...]]  # trained initializer -> its shape, in the model's order
     split: dict[str, str]  # parameter given its own weight again -> the initializer an exporter merged it into
     shared: dict[str, int]  # trained weight the model itself shares -> how many modules (or nodes) read it
-    warnings: tuple[str, ...] = ()  # what a person should know before training it (an eval-mode export, parameters the exporter lost; one line each)
+    # what a person should know before training it, one line each (an eval-mode export, lost parameters)
+    warnings: tuple[str, ...] = ()
     lost: tuple[str, ...] = ()  # parameters the exporter folded or dropped, which the plan cannot train as the module does
 
 
@@ -443,7 +448,7 @@ def onnx_training_plan(
     constants = [i for n, i in parts.initializers.items() if n not in weight_names] + e.initializers
     work = _model("work", all_nodes, work_inputs, work_outputs, constants, parts.opset)
 
-    shared_weights = onnx_import.shared_weights(graph.node, weights)
+    shared_weights = {w: parts.shared[w] for w in weights if w in parts.shared}
     reset = [s.name for s in slots] if not optimizer.carry_state else []
     server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
                          reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,

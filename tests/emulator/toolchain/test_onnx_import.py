@@ -240,11 +240,12 @@ def _dynamo_node(op: str, inputs: list[str], outputs: list[str], module: str, re
     """A node as torch's dynamo exporter writes it: the module it came from and the FX node, with
     the parameters that node read (torch.export's placeholders, p_<name> with dots as underscores)."""
     node = helper.make_node(op, inputs, outputs, **attrs)
-    scopes = ["", *[".".join(module.split(".")[: i + 1]) for i in range(len(module.split(".")))], op.lower()] if module else ["", op.lower()]
-    args = ", ".join(["%x", *(f"%p_{r.replace('.', '_')}" for r in reads)])
+    parts = module.split(".") if module else []
+    scopes = ["", *[".".join(parts[: i + 1]) for i in range(len(parts))], op.lower()]
+    args = ", ".join(["%x", *(f"%p_{r.replace('.', '_').lower()}" for r in reads)])
+    call = f"call_function[target=torch.ops.aten.{op.lower()}.default]"
     props = {"pkg.torch.onnx.name_scopes": repr(scopes),
-             "pkg.torch.onnx.fx_node": f"%{op.lower()} : [num_users=1] = call_function[target=torch.ops.aten.{op.lower()}.default]"
-                                       f"(args = ({args}), kwargs = {{}})"}
+             "pkg.torch.onnx.fx_node": f"%{op.lower()} : [num_users=1] = {call}(args = ({args}), kwargs = {{}})"}
     if rule:
         props["pkg.onnxscript.rewriter.rule_name"] = rule
     for key, value in props.items():
@@ -253,21 +254,22 @@ def _dynamo_node(op: str, inputs: list[str], outputs: list[str], module: str, re
 
 
 def _two_layer_norms(merged: bool, *, metadata: bool = True) -> onnx.ModelProto:
-    """x -> LayerNorm ln -> LayerNorm ln2 -> Linear fc, fresh (unit gains, zero biases). ``merged``
-    writes it as the dynamo exporter's optimizer does: ln2's gain and bias and fc's bias read
-    ln's initializers, with no node in between; only the nodes' metadata names what each read."""
+    """x -> LayerNorm ln -> LayerNorm out.LayerNorm -> Linear fc, fresh (unit gains, zero biases).
+    ``merged`` writes it as the dynamo exporter's optimizer does: the second LayerNorm's gain and
+    bias (torch.export spells their placeholders in lower case) and fc's bias read ln's
+    initializers, with no node in between; only the nodes' metadata names what each read."""
     from .models import model
 
     rng = np.random.default_rng(6)
     inits = {"ln.weight": np.ones(4, np.float32), "ln.bias": np.zeros(4, np.float32),
              "fc.weight": rng.normal(size=(4, 4)).astype(np.float32)}
+    gain, bias = "out.LayerNorm.weight", "out.LayerNorm.bias"
     if not merged:
-        inits.update({"ln2.weight": np.ones(4, np.float32), "ln2.bias": np.zeros(4, np.float32),
-                      "fc.bias": np.zeros(4, np.float32)})
-    own = (lambda n: n) if not merged else (lambda n: {"ln2.weight": "ln.weight", "ln2.bias": "ln.bias", "fc.bias": "ln.bias"}.get(n, n))
+        inits.update({gain: np.ones(4, np.float32), bias: np.zeros(4, np.float32), "fc.bias": np.zeros(4, np.float32)})
+    merges = {gain: "ln.weight", bias: "ln.bias", "fc.bias": "ln.bias"} if merged else {}
+    own = lambda n: merges.get(n, n)  # noqa: E731
     nodes = [_dynamo_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], "ln", ["ln.weight", "ln.bias"]),
-             _dynamo_node("LayerNormalization", ["h0", own("ln2.weight"), own("ln2.bias")], ["h1"], "ln2",
-                          ["ln2.weight", "ln2.bias"]),
+             _dynamo_node("LayerNormalization", ["h0", own(gain), own(bias)], ["h1"], "out.LayerNorm", [gain, bias]),
              _dynamo_node("MatMul", ["h1", "fc.weight"], ["h2"], "fc", ["fc.weight", "fc.bias"]),
              _dynamo_node("Add", ["h2", own("fc.bias")], ["logits"], "fc", ["fc.weight", "fc.bias"])]
     if not metadata:
@@ -279,7 +281,8 @@ def _two_layer_norms(merged: bool, *, metadata: bool = True) -> onnx.ModelProto:
 
 def test_parameters_the_dynamo_exporter_merged_by_value_take_their_own_step_under_torchs_names():
     merged, separate = _one_step(_two_layer_norms(merged=True)), _one_step(_two_layer_norms(merged=False))
-    assert set(merged) == set(separate) == {"ln.weight", "ln.bias", "ln2.weight", "ln2.bias", "fc.weight", "fc.bias"}
+    assert set(merged) == set(separate) == {"ln.weight", "ln.bias", "out.LayerNorm.weight", "out.LayerNorm.bias", "fc.weight",
+                                            "fc.bias"}
     for name in separate:
         np.testing.assert_array_equal(merged[name], separate[name])
     assert not np.allclose(separate["ln.bias"], separate["fc.bias"])  # each took its own update
@@ -337,7 +340,8 @@ def test_parameters_the_exporter_folded_or_dropped_are_warned_of_in_one_line_nam
              _dynamo_node("Flatten", ["c"], ["f"], "", []),
              _dynamo_node("Gemm", ["f", "fc.weight"], ["logits"], "fc", ["fc.weight", "fc.bias"], transB=1,
                           rule="RemoveOptionalBiasFromGemm")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 1, 2, 2])], [helper.make_tensor_value_info("logits", F, ["N", 3])],
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 1, 2, 2])],
+              [helper.make_tensor_value_info("logits", F, ["N", 3])],
               {"conv.weight": rng.normal(size=(2, 1, 1, 1)).astype(np.float32),
                "fc.weight": rng.normal(size=(3, 8)).astype(np.float32)}, opset=18)
     onnx.save_model(m, str(tmp_path / "m.onnx"))
@@ -347,3 +351,34 @@ def test_parameters_the_exporter_folded_or_dropped_are_warned_of_in_one_line_nam
     named = err.split("(", 1)[1].split(")", 1)[0]
     assert set(named.split(", ")) == {"bn.weight", "bn.bias", "fc.bias"}
     assert "optimize=False" in err and "from-torch" in err
+
+
+def _with_signature(m: onnx.ModelProto, parameters: dict[str, str]) -> onnx.ModelProto:
+    """The exported program's signature as the dynamo exporter writes it in the graph's metadata."""
+    lines = [f"{p}: PARAMETER target='{name}'" for p, name in parameters.items()]
+    m.graph.metadata_props.add(key="pkg.torch.export.ExportedProgram.graph_signature",
+                               value="\n# inputs\n" + "\n".join(lines) + "\nx: USER_INPUT\n")
+    return m
+
+
+def test_a_parameter_folded_away_whole_is_named_from_the_programs_signature_but_a_tied_ones_second_name_is_not():
+    """Positions looked up at constant indices fold into a constant (``embedding_2``) and no node
+    names their table any more; the program's signature still lists it, with its exact spelling.
+    A tied weight's second name is listed too, read by no node: its module's node reads the other
+    name's placeholder, which tells the two apart."""
+    from emulator.toolchain.onnx_import import lost_parameters
+
+    from .models import model
+
+    rng = np.random.default_rng(9)
+    nodes = [_dynamo_node("Gather", ["decoder.weight", "x"], ["e"], "emb", ["decoder.weight"]),
+             _dynamo_node("Add", ["e", "embedding_2"], ["h"], "", []),
+             _dynamo_node("ReduceMean", ["h", "axes"], ["p"], "", [], keepdims=0),
+             _dynamo_node("Gemm", ["p", "decoder.weight"], ["logits"], "decoder", ["decoder.weight"], transB=1)]
+    m = model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
+              [helper.make_tensor_value_info("logits", F, ["N", 6])],
+              {"decoder.weight": rng.normal(size=(6, 4)).astype(np.float32),
+               "embedding_2": rng.normal(size=(3, 4)).astype(np.float32), "axes": np.array([1], np.int64)}, opset=18)
+    _with_signature(m, {"p_emb_weight": "emb.weight", "p_pos_table_weight": "pos.Table.weight",
+                        "p_decoder_weight": "decoder.weight"})
+    assert lost_parameters(m) == ["pos.Table.weight"]
