@@ -261,11 +261,18 @@ class Emitter:
         return self.op("Reshape", [summed, t_shape])
 
 
-def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Values of the graph's initializers and of its ``Constant`` nodes' outputs."""
+def constant_values(graph: onnx.GraphProto, opset: int | None = None) -> dict[str, np.ndarray]:
+    """Values of the graph's initializers and of its ``Constant`` nodes' outputs; given the graph's
+    ``opset``, also of the small shape arithmetic computed from constants alone (the dynamo
+    exporter's unoptimized graphs build a ``ReduceMean``'s axes or a ``Slice``'s starts with
+    ``Reshape``, ``Concat`` and ``Cast`` of ``Constant`` nodes), so that rules read them as constants."""
     values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    # tensors no trainable weight can feed: a folded value stays what it is while the model trains
+    fixed = {n for n, v in values.items() if not np.issubdtype(v.dtype, np.floating)}
     for node in graph.node:
-        if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
+        if node.domain not in DEFAULT_DOMAINS:
+            continue
+        if node.op_type == "Constant":
             a = node.attribute[0]
             if a.name == "value":
                 values[node.output[0]] = numpy_helper.to_array(a.t)
@@ -273,7 +280,40 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
                 values[node.output[0]] = np.array(helper.get_attribute_value(a))
             elif a.name in ("value_floats", "value_ints"):
                 values[node.output[0]] = np.array(helper.get_attribute_value(a))
+            else:
+                continue
+            fixed.add(node.output[0])
+        elif opset is not None and _foldable(node, values, fixed):
+            folded = _fold(node, values, opset)
+            if folded is not None:
+                values.update(folded)
+                fixed.update(folded)
     return values
+
+
+# ops that read no graph attribute and draw no random numbers, evaluated on constants when their inputs are small
+_FOLD_LIMIT = 4096
+_NOT_FOLDED = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                         "Bernoulli", "Loop", "If", "Scan", "SequenceMap"})
+
+
+def _foldable(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: set[str]) -> bool:
+    if node.op_type in _NOT_FOLDED or not node.input or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                                            for a in node.attribute):
+        return False
+    return all(not i or (i in fixed and values[i].size <= _FOLD_LIMIT) for i in node.input)
+
+
+def _fold(node: onnx.NodeProto, values: Mapping[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
+    """The node's outputs computed by onnx's reference implementation, or None where it cannot."""
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        run = ReferenceEvaluator(node, opsets={"": opset})
+        outs = run.run(None, {i: values[i] for i in node.input if i})
+    except Exception:  # noqa: BLE001 - an op the reference does not cover stays computed at run time
+        return None
+    return {o: np.asarray(v) for o, v in zip(node.output, outs) if o and v is not None and np.asarray(v).size <= _FOLD_LIMIT}
 
 
 def needed_for(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
@@ -382,7 +422,7 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
     infos = tensor_infos(model)
     taken = {t for n in graph.node for t in [*n.input, *n.output]} | {i.name for i in graph.input} | {
         i.name for i in graph.initializer}
-    e = Emitter(opset, infos, constant_values(graph), taken)
+    e = Emitter(opset, infos, constant_values(graph, opset), taken)
     nodes = decompose(e, list(graph.node))
     if len(nodes) != len(graph.node) or e.initializers:  # shapes of the written-out ops, for the rules
         probe = helper.make_model(helper.make_graph(nodes, "probe", list(graph.input), list(graph.output),
