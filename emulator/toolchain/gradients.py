@@ -284,6 +284,109 @@ def _dropout(e, node, dys, wants):
     return [e.op("Mul", [dy, scaled]), None, None][: len(node.input)]
 
 
+# ---------------------------------------------------------------------------- more activations
+
+
+def _local(e: Emitter, node: onnx.NodeProto, dys: list[str | None], local: str) -> list[str | None]:
+    """dy times the elementwise derivative ``local``, for a one-input op."""
+    return [e.op("Mul", [_dy(dys, e, node), local])]
+
+
+def _positive(e: Emitter, x: str, threshold: float = 0.0) -> str:
+    return e.op("Greater", [x, e.scalar(threshold, x)])
+
+
+@rule("Gelu", note="dy*(Phi(x) + x*phi(x)); tanh approximation: its own derivative")
+def _gelu(e, node, dys, wants):
+    x = node.input[0]
+    approximate = attr(node, "approximate", b"none")
+    approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+    half = e.scalar(0.5, x)
+    if approximate == "tanh":  # y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = e.op("Mul", [x, x])
+        u = e.op("Mul", [e.op("Mul", [x, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x2, e.scalar(k, x)])])]), e.scalar(c, x)])
+        t = e.op("Tanh", [u])
+        du = e.op("Add", [e.scalar(c, x), e.op("Mul", [x2, e.scalar(3.0 * k * c, x)])])
+        sech2 = e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [t, t])])
+        local = e.op("Mul", [half, e.op("Add", [e.op("Add", [e.scalar(1.0, x), t]), e.op("Mul", [e.op("Mul", [x, sech2]), du])])])
+        return _local(e, node, dys, local)
+    if approximate != "none":
+        raise UnsupportedOpError(node.op_type, node.name, f"has approximate={approximate!r}; 'none' and 'tanh' are covered")
+    cdf = e.op("Mul", [half, e.op("Add", [e.scalar(1.0, x), e.op("Erf", [e.op("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), x)])])])])
+    pdf = e.op("Mul", [e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), e.scalar(-0.5, x)])]), e.scalar(1.0 / math.sqrt(2.0 * math.pi), x)])
+    return _local(e, node, dys, e.op("Add", [cdf, e.op("Mul", [x, pdf])]))
+
+
+@rule("Mish", note="dy*(t + x*(1-t^2)*sigmoid(x)), t = tanh(softplus(x))")
+def _mish(e, node, dys, wants):
+    x = node.input[0]
+    t = e.op("Tanh", [e.op("Softplus", [x])])
+    sech2 = e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [t, t])])
+    return _local(e, node, dys, e.op("Add", [t, e.op("Mul", [e.op("Mul", [x, sech2]), e.op("Sigmoid", [x])])]))
+
+
+@rule("Elu", note="dy where x > 0, dy*(y+alpha) elsewhere")
+def _elu(e, node, dys, wants):
+    x, y = node.input[0], node.output[0]
+    alpha = float(attr(node, "alpha", 1.0))
+    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(1.0, x), e.op("Add", [y, e.scalar(alpha, x)])))
+
+
+@rule("Selu", note="dy*gamma where x > 0, dy*(y+alpha*gamma) elsewhere")
+def _selu(e, node, dys, wants):
+    x, y = node.input[0], node.output[0]
+    alpha, gamma = float(attr(node, "alpha", 1.67326319217681884765625)), float(attr(node, "gamma", 1.05070102214813232421875))
+    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(gamma, x), e.op("Add", [y, e.scalar(alpha * gamma, x)])))
+
+
+@rule("Celu", note="dy where x > 0, dy*exp(x/alpha) elsewhere")
+def _celu(e, node, dys, wants):
+    x = node.input[0]
+    alpha = float(attr(node, "alpha", 1.0))
+    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(1.0, x), e.op("Exp", [e.op("Div", [x, e.scalar(alpha, x)])])))
+
+
+@rule("ThresholdedRelu", note="dy where x > alpha")
+def _thresholded_relu(e, node, dys, wants):
+    x = node.input[0]
+    return [_where(e, _positive(e, x, float(attr(node, "alpha", 1.0))), _dy(dys, e, node), e.scalar(0.0, x))]
+
+
+@rule("Shrink", note="dy where abs(x) > lambd")
+def _shrink(e, node, dys, wants):
+    x = node.input[0]
+    lambd = float(attr(node, "lambd", 0.5))
+    outside = e.op("Or", [_positive(e, x, lambd), e.op("Less", [x, e.scalar(-lambd, x)])])
+    return [_where(e, outside, _dy(dys, e, node), e.scalar(0.0, x))]
+
+
+@rule("Softsign", note="dy/(1+abs(x))^2")
+def _softsign(e, node, dys, wants):
+    x = node.input[0]
+    d = e.op("Add", [e.scalar(1.0, x), e.op("Abs", [x])])
+    return [e.op("Div", [_dy(dys, e, node), e.op("Mul", [d, d])])]
+
+
+@rule("PRelu", note="dy where x > 0, slope*dy elsewhere; slope: dy*x where x <= 0, summed over broadcast axes")
+def _prelu(e, node, dys, wants):
+    (x, slope), y, dy = node.input, node.output[0], _dy(dys, e, node)
+    positive, zero = _positive(e, x), e.scalar(0.0, x)
+    dx = _where(e, positive, dy, e.op("Mul", [dy, slope])) if wants[0] else None
+    dslope = e.unbroadcast(_where(e, positive, zero, e.op("Mul", [dy, x])), y, slope) if wants[1] else None
+    return [dx, dslope]
+
+
+@rule("Sin", note="dy*cos(x)")
+def _sin(e, node, dys, wants):
+    return _local(e, node, dys, e.op("Cos", [node.input[0]]))
+
+
+@rule("Cos", note="-dy*sin(x)")
+def _cos(e, node, dys, wants):
+    return [e.op("Neg", [e.op("Mul", [_dy(dys, e, node), e.op("Sin", [node.input[0]])])])]
+
+
 # ---------------------------------------------------------------------------- matrices
 
 

@@ -262,6 +262,22 @@ def case_hard_swish(draw):  # both flat parts and the quadratic ramp between -3 
     return "HardSwish", {"x": _away_from(_arr(draw, _shape(draw), low=-5.0, high=5.0), [-3.0, 3.0])}, {}, {}, 17, F32_TOL
 
 
+def case_activation(op, kinks=lambda attrs: [0.0], opset=17, **choices):
+    """A one-input activation in float32 (onnxruntime's kernels for most of them), its attributes drawn
+    from ``choices`` and its inputs kept off its kinks."""
+    def draw_case(draw):
+        attrs = {k: draw(st.sampled_from(v)) for k, v in choices.items()}
+        x = _away_from(_arr(draw, _shape(draw), low=-3.0, high=3.0), kinks(attrs))
+        return op, {"x": x}, {}, attrs, opset, F32_TOL
+    return draw_case
+
+
+def case_prelu(draw):
+    shape = _shape(draw, draw(st.integers(1, 4)))
+    slope = _broadcast_partner(draw, shape)
+    return "PRelu", {"x": _away_from(_arr(draw, shape), [0.0]), "slope": _arr(draw, slope, np.float32)}, {}, {}, 17, F32_TOL
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -384,6 +400,17 @@ CASES = {
     "HardSigmoid": case_hard_sigmoid,
     "HardSwish": case_hard_swish,
     "Dropout": case_dropout_inference,
+    "Gelu": case_activation("Gelu", opset=20, approximate=["none", "tanh"]),
+    "Mish": case_activation("Mish", opset=18),
+    "Elu": case_activation("Elu", alpha=[1.0, 0.5]),
+    "Selu": case_activation("Selu"),
+    "Celu": case_activation("Celu", alpha=[1.0, 0.5]),
+    "ThresholdedRelu": case_activation("ThresholdedRelu", lambda a: [a["alpha"]], alpha=[1.0, 0.3]),
+    "Shrink": case_activation("Shrink", lambda a: [-a["lambd"], a["lambd"]], lambd=[0.5, 0.3], bias=[0.0, 0.3]),
+    "Softsign": case_activation("Softsign"),
+    "Sin": case_activation("Sin"),
+    "Cos": case_activation("Cos"),
+    "PRelu": case_prelu,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
