@@ -387,6 +387,169 @@ def _cos(e, node, dys, wants):
     return [e.op("Neg", [e.op("Mul", [_dy(dys, e, node), e.op("Sin", [node.input[0]])])])]
 
 
+# ---------------------------------------------------------------------------- more shapes and indexing
+
+
+def _constant_ints(e: Emitter, node: onnx.NodeProto, index: int, what: str) -> list[int] | None:
+    """The node's constant integer input ``index`` as a list (None when the input is absent)."""
+    if len(node.input) <= index or not node.input[index]:
+        return None
+    value = e.value(node.input[index])
+    if value is None:
+        raise UnsupportedOpError(node.op_type, node.name, f"needs constant {what}")
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _static_dim(e: Emitter, node: onnx.NodeProto, x: str, axis: int) -> int:
+    shape = e.shape(x)
+    if shape is None or not isinstance(shape[axis], int):
+        raise UnsupportedOpError(node.op_type, node.name, f"needs a static size of axis {axis}")
+    return int(shape[axis])
+
+
+def _slice1(e: Emitter, t: str, start: int, end: int, axis: int, step: int = 1) -> str:
+    return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([axis]), e.ints([step])])
+
+
+@rule("Tile", note="dy reshaped to (repeat, size) pairs and summed over the repeats")
+def _tile(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    repeats = _constant_ints(e, node, 1, "repeats")
+    rank = len(repeats)
+    pairs = [e.ints([r]) for r in repeats]
+    sizes = [e.op("Slice", [e.shape_of(x), e.ints([i]), e.ints([i + 1])]) for i in range(rank)]
+    shape = e.op("Concat", [t for pair in zip(pairs, sizes) for t in pair], axis=0)
+    summed = e.reduce("ReduceSum", e.op("Reshape", [dy, shape]), list(range(0, 2 * rank, 2)), keepdims=False)
+    return [summed, None]
+
+
+@rule("Pad", note="constant: dy cropped (Pad by the negated pads); reflect, edge, wrap: the border's dy added back "
+                  "where it was read")
+def _pad(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    mode = attr(node, "mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    rank = e.rank(x)
+    if rank is None:
+        raise UnsupportedOpError(node.op_type, node.name, "needs an input of known rank")
+    pads = _constant_ints(e, node, 1, "pads")
+    axes = _constant_ints(e, node, 3, "axes") or list(range(rank))
+    axes = [a + rank if a < 0 else a for a in axes]
+    k = len(axes)
+    grads: list[str | None] = [None] * len(node.input)
+    if mode == "constant":
+        grads[0] = e.op("Pad", [dy, e.ints([-p for p in pads]), "", e.ints(axes)]) if e.opset >= 18 else \
+            e.op("Pad", [dy, e.ints(_full_pads([-p for p in pads], axes, rank))])
+        return grads
+    if mode not in ("reflect", "edge", "wrap") or any(p < 0 for p in pads):
+        raise UnsupportedOpError(node.op_type, node.name, f"with mode={mode!r} and negative pads is not differentiated")
+    g = dy
+    for i, axis in enumerate(axes):
+        begin, end = int(pads[i]), int(pads[k + i])
+        if begin or end:
+            g = _unpad_axis(e, node, g, mode, axis, begin, end, _static_dim(e, node, x, axis))
+    grads[0] = g
+    return grads
+
+
+def _full_pads(pads: Sequence[int], axes: Sequence[int], rank: int) -> list[int]:
+    full = [0] * (2 * rank)
+    for i, a in enumerate(axes):
+        full[a], full[rank + a] = pads[i], pads[len(axes) + i]
+    return full
+
+
+def _unpad_axis(e: Emitter, node, g: str, mode: str, axis: int, begin: int, end: int, n: int) -> str:
+    """The gradient of padding one axis of length ``n`` by (begin, end) in a border mode: the middle,
+    plus each border's gradient added where it was read from."""
+    total = begin + n + end
+    parts = []  # (the border's gradient, where its first row lands in x, its length)
+    if begin:
+        head = _slice1(e, g, 0, begin, axis)
+        parts.append({"reflect": (_slice1(e, head, begin - 1, -total - 1, axis, -1), 1, begin),  # y[j] = x[begin-j]
+                      "edge": (e.reduce("ReduceSum", head, [axis], keepdims=True), 0, 1),
+                      "wrap": (head, n - begin, begin)}[mode])  # y[j] = x[n-begin+j]
+    if end:
+        tail = _slice1(e, g, begin + n, total, axis)
+        parts.append({"reflect": (_slice1(e, tail, end - 1, -total - 1, axis, -1), n - 1 - end, end),  # y[begin+n+k] = x[n-2-k]
+                      "edge": (e.reduce("ReduceSum", tail, [axis], keepdims=True), n - 1, 1),
+                      "wrap": (tail, 0, end)}[mode])  # y[begin+n+k] = x[k]
+    out = _slice1(e, g, begin, begin + n, axis)
+    rank = e.rank(node.input[0])
+    for block, at, size in parts:
+        if at < 0 or at + size > n:
+            raise UnsupportedOpError(node.op_type, node.name, f"pads more than the axis holds in mode {mode!r}")
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = at, n - at - size
+        out = e.op("Add", [out, e.op("Pad", [block, e.ints(pads)])])
+    return out
+
+
+@rule("GatherElements", note="dy scattered-added into zeros of x's shape at the indices")
+def _gather_elements(e, node, dys, wants):
+    data, idx = node.input
+    if e.opset < 16:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated at opset 16 or later (ScatterElements with add)")
+    axis = int(attr(node, "axis", 0))
+    return [e.op("ScatterElements", [e.zeros_like(data), idx, _dy(dys, e, node)], axis=axis, reduction="add"), None]
+
+
+@rule("GatherND", note="dy scattered-added into zeros of x's shape at the indices (batch_dims 0)")
+def _gather_nd(e, node, dys, wants):
+    data, idx = node.input
+    if int(attr(node, "batch_dims", 0)) or e.opset < 16:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with batch_dims=0 at opset 16 or later only")
+    return [e.op("ScatterND", [e.zeros_like(data), idx, _dy(dys, e, node)], reduction="add"), None]
+
+
+@rule("ScatterND", "ScatterElements", note="data: dy where nothing was written; updates: dy gathered at the indices "
+                                           "(reduction none or add)")
+def _scatter(e, node, dys, wants):
+    (data, idx, updates), dy = node.input, _dy(dys, e, node)
+    reduction = attr(node, "reduction", b"none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction not in ("none", "add"):
+        raise UnsupportedOpError(node.op_type, node.name, f"with reduction={reduction!r} is not differentiated")
+    extra = {"axis": int(attr(node, "axis", 0))} if node.op_type == "ScatterElements" else {}
+    ddata = dupdates = None
+    if wants[0]:
+        ddata = dy if reduction == "add" else e.op(node.op_type, [dy, idx, e.zeros_like(updates)], **extra)
+    if wants[2]:
+        dupdates = e.op("GatherElements" if extra else "GatherND", [dy, idx], **extra)
+    return [ddata, None, dupdates]
+
+
+@rule("CumSum", note="dy summed the other way along the axis")
+def _cumsum(e, node, dys, wants):
+    return [e.op("CumSum", [_dy(dys, e, node), node.input[1]], exclusive=int(attr(node, "exclusive", 0)),
+                 reverse=1 - int(attr(node, "reverse", 0))), None]
+
+
+@rule("Trilu", note="dy with the same triangle kept")
+def _trilu(e, node, dys, wants):
+    inputs = [_dy(dys, e, node), *node.input[1:]]
+    return [e.op("Trilu", inputs, upper=int(attr(node, "upper", 1))), None][: len(node.input)]
+
+
+@rule("DepthToSpace", "SpaceToDepth", note="dy moved back (SpaceToDepth and DepthToSpace in DCR order undo each "
+                                           "other; CRD through Reshape and Transpose)")
+def _depth_space(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    b = int(attr(node, "blocksize"))
+    mode = attr(node, "mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if node.op_type == "SpaceToDepth":
+        return [e.op("DepthToSpace", [dy], blocksize=b, mode="DCR")]
+    if mode == "DCR":
+        return [e.op("SpaceToDepth", [dy], blocksize=b)]
+    shape = e.shape(x)  # CRD: y[n, c, h*b+i, w*b+j] = x[n, c*b*b + i*b + j, h, w]
+    if shape is None or not all(isinstance(d, int) for d in shape[1:]):
+        raise UnsupportedOpError(node.op_type, node.name, "in CRD mode needs static channel and spatial sizes")
+    _, c, h, w = shape
+    six = e.op("Reshape", [dy, e.ints([-1, c // (b * b), h, b, w, b])])
+    return [e.op("Reshape", [e.op("Transpose", [six], perm=[0, 1, 3, 5, 2, 4]), e.ints([-1, c, h, w])])]
+
+
 # ---------------------------------------------------------------------------- matrices
 
 
@@ -618,7 +781,7 @@ def _split(e, node, dys, wants):
     return [e.op("Concat", parts, axis=axis)] + [None] * (len(node.input) - 1)
 
 
-@rule("Slice", note="dy padded back with zeros (steps of 1, static sliced dims)")
+@rule("Slice", note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims)")
 def _slice(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     shape = e.shape(x)
@@ -630,15 +793,47 @@ def _slice(e, node, dys, wants):
     steps = [int(v) for v in values[3].reshape(-1)] if len(values) > 3 and values[3] is not None else [1] * len(starts)
     rank = len(shape)
     pads = [0] * (2 * rank)
+    g = dy
     for s, t, a, step in zip(starts, ends, axes, steps):
         a = a + rank if a < 0 else a
         dim = shape[a]
-        if step != 1 or not isinstance(dim, int):
-            raise UnsupportedOpError(node.op_type, node.name, "is differentiated with steps of 1 on axes of static size only")
-        s = min(max(s + dim if s < 0 else s, 0), dim)
-        t = min(max(t + dim if t < 0 else t, 0), dim)
-        pads[a], pads[rank + a] = s, dim - max(t, s)
-    return [e.op("Pad", [dy, e.ints(pads)])] + [None] * (len(node.input) - 1)
+        if not isinstance(dim, int):
+            raise UnsupportedOpError(node.op_type, node.name, "is differentiated on axes of static size only")
+        first, count, stride = _slice_span(s, t, step, dim)
+        if count == 0:
+            return [e.zeros_like(x)] + [None] * (len(node.input) - 1)
+        if step < 0:  # the selected rows in ascending order
+            g = e.op("Slice", [g, e.ints([-1]), e.ints([-count - 1]), e.ints([a]), e.ints([-1])])
+        if stride > 1:
+            g = _unstride(e, g, a, count, stride, rank)
+        pads[a], pads[rank + a] = first, dim - first - count * stride
+    return [e.op("Pad", [g, e.ints(pads)])] + [None] * (len(node.input) - 1)
+
+
+def _slice_span(start: int, end: int, step: int, dim: int) -> tuple[int, int, int]:
+    """(the lowest index a Slice takes on an axis of ``dim``, how many it takes, their spacing), with
+    ONNX's clamping of starts and ends."""
+    if step > 0:
+        s = min(max(start + dim if start < 0 else start, 0), dim)
+        t = min(max(end + dim if end < 0 else end, 0), dim)
+        count = max(0, -(-(t - s) // step))
+        return s, count, step
+    s = min(max(start + dim if start < 0 else start, 0), dim - 1)
+    t = min(max(end + dim if end < 0 else end, -1), dim - 1)
+    count = max(0, -(-(s - t) // -step))
+    return s + (count - 1) * step, count, -step
+
+
+def _unstride(e: Emitter, g: str, axis: int, count: int, stride: int, rank: int) -> str:
+    """``g``'s ``count`` rows along ``axis`` spread ``stride`` apart with zeros between (and after the last)."""
+    padded = e.op("Pad", [e.unsqueeze(g, [axis + 1]), e.ints([0] * (rank + axis + 2) + [stride - 1] + [0] * (rank - axis - 1))])
+    shape = e.shape_of(g)
+    parts = [e.ints([count * stride])]
+    if axis:
+        parts.insert(0, e.op("Slice", [shape, e.ints([0]), e.ints([axis])]))
+    if axis < rank - 1:
+        parts.append(e.op("Slice", [shape, e.ints([axis + 1]), e.ints([rank])]))
+    return e.op("Reshape", [padded, e.op("Concat", parts, axis=0) if len(parts) > 1 else parts[0]])
 
 
 @rule("Gather", note="dy scattered-added into zeros of x's shape (any axis: moved to the front and back)")

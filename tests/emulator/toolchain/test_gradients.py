@@ -278,6 +278,112 @@ def case_prelu(draw):
     return "PRelu", {"x": _away_from(_arr(draw, shape), [0.0]), "slope": _arr(draw, slope, np.float32)}, {}, {}, 17, F32_TOL
 
 
+def case_tile(draw):
+    shape = _shape(draw)
+    repeats = [draw(st.integers(1, 3)) for _ in shape]
+    return "Tile", {"x": _arr(draw, shape)}, {"repeats": np.array(repeats, dtype=np.int64)}, {}, 17, F64_TOL
+
+
+def case_pad(draw):
+    """Pad in each mode, over all axes (opset 13) or some of them, negative ones too (opset 18's axes input)."""
+    mode = draw(st.sampled_from(["constant", "reflect", "edge", "wrap"]))
+    shape = tuple(draw(st.integers(2, 4)) for _ in range(draw(st.integers(1, 4))))
+    rank = len(shape)
+    opset = draw(st.sampled_from([13, 18, 19])) if mode != "wrap" else 19
+    axes = list(range(rank))
+    if opset >= 18 and draw(st.booleans()):
+        axes = sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1, max_size=rank)))
+    low = -1 if mode == "constant" else 0
+    pads = [draw(st.integers(low, shape[a] - 1)) for a in axes] + [draw(st.integers(low, shape[a] - 1)) for a in axes]
+    constants = {"pads": np.array(pads, dtype=np.int64)}
+    if len(axes) < rank:
+        constants[""] = None
+        constants["axes"] = np.array([a - rank if draw(st.booleans()) else a for a in axes], dtype=np.int64)
+    order = ["x", "pads", *([""] if "axes" in constants else []), *(["axes"] if "axes" in constants else [])]
+    constants.pop("", None)
+    return "Pad", {"x": _arr(draw, shape)}, constants, {"mode": mode, "order": order}, opset, F64_TOL
+
+
+def case_slice_strided(draw):
+    """Slices with steps other than 1, negative ones too (Swin's x[:, 0::2], a reversal)."""
+    shape = _shape(draw)
+    axis = draw(st.integers(0, len(shape) - 1))
+    dim = shape[axis]
+    step = draw(st.sampled_from([2, 3, -1, -2]))
+    start = draw(st.integers(-dim - 1, dim + 1))
+    end = draw(st.integers(-dim - 2, dim + 1))
+    if len(range(*slice(start, end, step).indices(dim))) == 0:
+        start, end = (0, dim) if step > 0 else (dim - 1, -dim - 1)
+    return "Slice", {"x": _arr(draw, shape)}, {
+        "starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis]), "steps": np.array([step])}, {}, 17, F64_TOL
+
+
+def case_gather_elements(draw):
+    shape = _shape(draw)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    ishape = list(shape)
+    ishape[axis] = draw(dims)
+    seed = draw(st.integers(0, 2**31))
+    size = shape[axis]
+    idx = np.random.default_rng(seed).integers(-size, size, size=ishape).astype(np.int64)
+    return "GatherElements", {"x": _arr(draw, shape, np.float32)}, {"i": idx}, {"axis": axis}, 17, F32_TOL
+
+
+def case_gather_nd(draw):
+    shape = _shape(draw, draw(st.integers(1, 3)))
+    depth = draw(st.integers(1, len(shape)))
+    lead = _shape(draw, draw(st.integers(1, 2)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    idx = np.stack([rng.integers(0, shape[k], size=lead) for k in range(depth)], -1).astype(np.int64)
+    return "GatherND", {"x": _arr(draw, shape, np.float32)}, {"i": idx}, {}, 17, F32_TOL
+
+
+def case_scatter(op):
+    def draw_case(draw):
+        shape = _shape(draw, draw(st.integers(1, 3)))
+        rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+        if op == "ScatterND":  # distinct rows, as an index_put of a slice writes them
+            rows = rng.permutation(shape[0])[: draw(st.integers(1, shape[0]))]
+            idx = rows.reshape(-1, 1).astype(np.int64)
+            updates = _arr(draw, (len(rows), *shape[1:]), np.float32)
+            attrs = {}
+        else:
+            axis = draw(st.integers(0, len(shape) - 1))
+            ishape = list(shape)
+            ishape[axis] = draw(st.integers(1, shape[axis]))
+            idx = np.argsort(rng.random(shape), axis=axis).take(range(ishape[axis]), axis=axis).astype(np.int64)
+            updates = _arr(draw, tuple(ishape), np.float32)
+            attrs = {"axis": axis}
+        reduction = draw(st.sampled_from(["none", "add"]))
+        attrs.update(reduction=reduction, order=["x", "i", "u"])
+        return op, {"x": _arr(draw, shape, np.float32), "u": updates}, {"i": idx}, attrs, 17, F32_TOL
+    return draw_case
+
+
+def case_cumsum(draw):
+    shape = _shape(draw)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    attrs = {"exclusive": draw(st.integers(0, 1)), "reverse": draw(st.integers(0, 1))}
+    return "CumSum", {"x": _arr(draw, shape)}, {"axis": np.array(axis, dtype=np.int64)}, attrs, 17, F64_TOL
+
+
+def case_trilu(draw):
+    shape = _shape(draw, draw(st.integers(2, 3)))
+    return "Trilu", {"x": _arr(draw, shape, np.float32)}, {"k": np.array(draw(st.integers(-2, 2)), dtype=np.int64)}, \
+        {"upper": draw(st.integers(0, 1))}, 17, F32_TOL
+
+
+def case_depth_space(op):
+    def draw_case(draw):
+        b = draw(st.integers(1, 3))
+        n, c, h, w = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        if op == "SpaceToDepth":
+            return op, {"x": _arr(draw, (n, c, h * b, w * b), np.float32)}, {}, {"blocksize": b}, 17, F32_TOL
+        mode = draw(st.sampled_from(["DCR", "CRD"]))
+        return op, {"x": _arr(draw, (n, c * b * b, h, w), np.float32)}, {}, {"blocksize": b, "mode": mode}, 17, F32_TOL
+    return draw_case
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -411,6 +517,17 @@ CASES = {
     "Sin": case_activation("Sin"),
     "Cos": case_activation("Cos"),
     "PRelu": case_prelu,
+    "Tile": case_tile,
+    "Pad": case_pad,
+    "Slice(strided)": case_slice_strided,
+    "GatherElements": case_gather_elements,
+    "GatherND": case_gather_nd,
+    "ScatterND": case_scatter("ScatterND"),
+    "ScatterElements": case_scatter("ScatterElements"),
+    "CumSum": case_cumsum,
+    "Trilu": case_trilu,
+    "DepthToSpace": case_depth_space("DepthToSpace"),
+    "SpaceToDepth": case_depth_space("SpaceToDepth"),
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
