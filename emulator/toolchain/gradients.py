@@ -550,6 +550,139 @@ def _depth_space(e, node, dys, wants):
     return [e.op("Reshape", [e.op("Transpose", [six], perm=[0, 1, 3, 5, 2, 4]), e.ints([-1, c, h, w])])]
 
 
+# ---------------------------------------------------------------------------- transposed convolution and resizing
+
+
+@rule("ConvTranspose", note="dx: Conv of dy with the same weight; dw: Conv of dy and x with batch and channels swapped "
+                            "(grouped: one Conv with the groups); db: sum")
+def _conv_transpose(e, node, dys, wants):
+    x, w = node.input[0], node.input[1]
+    y, dy = node.output[0], _dy(dys, e, node)
+    xshape, wshape, yshape = e.shape(x), e.shape(w), e.shape(y)
+    static = [s is not None and all(isinstance(d, int) for d in s[1:]) for s in (xshape, wshape, yshape)]
+    if not all(static) or not isinstance(wshape[0], int):
+        raise UnsupportedOpError(node.op_type, node.name, "needs static channel and spatial sizes and a weight of static shape")
+    auto = attr(node, "auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto not in ("NOTSET", "VALID") or attr(node, "output_shape") is not None:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with explicit pads only (no auto_pad or output_shape)")
+    kernel = [int(d) for d in wshape[2:]]
+    nd = len(kernel)
+    group = int(attr(node, "group", 1))
+    strides = list(attr(node, "strides", [1] * nd))
+    dil = list(attr(node, "dilations", [1] * nd))
+    pads = list(attr(node, "pads", [0] * (2 * nd))) if auto == "NOTSET" else [0] * (2 * nd)
+    in_dims = [int(d) for d in xshape[2:]]
+    c_in, c_out_group = int(wshape[0]), int(wshape[1])
+    grads: list[str | None] = [None] * len(node.input)
+    if wants[0]:  # ConvTranspose is the adjoint of Conv with the same attributes: dx = Conv(dy, w)
+        dx = e.op("Conv", [dy, w], strides=strides, pads=pads, dilations=dil, group=group)
+        grads[0] = _crop_to(e, dx, in_dims)
+    if wants[1]:
+        # dw[ci, co, k] = sum over n, i of x[n, ci, i] * dy[n, co, i*s + k*d - pad]: a Conv of dy (channels as the
+        # batch) with x (batch as the channels), the groups' blocks of dy's channels side by side
+        n_dims = list(range(2, 2 + nd))
+        dyg = e.op("Reshape", [dy, e.ints([0, group, c_out_group, *[int(d) for d in yshape[2:]]])])
+        dyt = e.op("Reshape", [e.op("Transpose", [dyg], perm=[2, 1, 0, *[d + 1 for d in n_dims]]),
+                               e.ints([c_out_group, -1, *[int(d) for d in yshape[2:]]])])  # [Cout/g, g*N, ...]
+        xt = e.op("Transpose", [x], perm=[1, 0, *n_dims])  # [Cin, N, ...]
+        full = e.op("Conv", [dyt, xt], strides=dil, dilations=strides, pads=pads, group=group)  # [Cout/g, Cin, k' ...]
+        trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(n_dims)])
+        grads[1] = e.op("Transpose", [trimmed], perm=[1, 0, *n_dims])
+    if len(node.input) > 2 and node.input[2] and wants[2]:
+        grads[2] = e.reduce("ReduceSum", dy, [0, *range(2, 2 + nd)], keepdims=False)
+    return grads
+
+
+def _crop_to(e: Emitter, t: str, dims: list[int]) -> str:
+    """``t`` [N, C, spatial...] cut to the spatial ``dims`` where it is longer (output_padding beyond the strides)."""
+    shape = e.shape(t)
+    if shape is not None and [d for d in shape[2:]] == dims:
+        return t
+    nd = len(dims)
+    return e.op("Slice", [t, e.ints([0] * nd), e.ints(dims), e.ints(list(range(2, 2 + nd)))])
+
+
+@rule("Resize", note="dy contracted with each resized axis's interpolation weights (any separable mode: nearest, "
+                     "linear, cubic; static sizes)")
+def _resize(e, node, dys, wants):
+    x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
+    xshape, yshape = e.shape(x), e.shape(y)
+    if xshape is None or yshape is None or len(xshape) != len(yshape):
+        raise UnsupportedOpError(node.op_type, node.name, "needs input and output of known rank")
+    rank = len(xshape)
+    transform = attr(node, "coordinate_transformation_mode", b"half_pixel")
+    transform = transform.decode() if isinstance(transform, bytes) else transform
+    policy = attr(node, "keep_aspect_ratio_policy", b"stretch")
+    policy = policy.decode() if isinstance(policy, bytes) else policy
+    if transform == "tf_crop_and_resize" or policy != "stretch":
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated without tf_crop_and_resize or a "
+                                 "keep_aspect_ratio_policy")
+    axes = [int(a) + rank if int(a) < 0 else int(a) for a in attr(node, "axes", list(range(rank)))]
+    scales = _constant_floats(e, node, 2) if e.opset >= 11 else None
+    g = dy
+    for k, axis in enumerate(axes):
+        n, m = xshape[axis], yshape[axis]
+        scale = scales[k] if scales else None
+        if n == m and scale in (None, 1.0):
+            continue
+        if not isinstance(n, int) or not isinstance(m, int):
+            raise UnsupportedOpError(node.op_type, node.name, f"needs static sizes of the resized axis {axis}")
+        weights = _resize_weights(node, e.opset, n, m, scale)  # [n, m]: x[i]'s share of y[j]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(e.elem_type(x))
+        if axis == rank - 2:
+            g = e.op("MatMul", [e.const(weights.astype(dtype), "resize_weights"), g])
+        else:
+            back = e.const(np.ascontiguousarray(weights.T).astype(dtype), "resize_weights")
+            if axis == rank - 1:
+                g = e.op("MatMul", [g, back])
+            else:
+                perm = [*range(axis), *range(axis + 1, rank), axis]
+                moved = e.op("MatMul", [e.op("Transpose", [g], perm=perm), back])
+                g = e.op("Transpose", [moved], perm=[*range(axis), rank - 1, *range(axis, rank - 1)])
+    return [g] + [None] * (len(node.input) - 1)
+
+
+def _constant_floats(e: Emitter, node: onnx.NodeProto, index: int) -> list[float] | None:
+    if len(node.input) <= index or not node.input[index]:
+        return None
+    value = e.value(node.input[index])
+    if value is None:
+        shape = e.shape(node.input[index])
+        if shape is not None and shape[:1] == (0,):
+            return None
+        raise UnsupportedOpError(node.op_type, node.name, "needs constant scales")
+    return [float(v) for v in np.asarray(value).reshape(-1)] or None
+
+
+def _resize_weights(node: onnx.NodeProto, opset: int, n: int, m: int, scale: float | None) -> np.ndarray:
+    """The [n, m] matrix of one resized axis: the node's own attributes applied by onnxruntime (the
+    runtime that trains the plan) to the identity along the last axis, so that every mode's rounding
+    is the kernel's (onnx's reference implementation differs from it for an output of length 1)."""
+    import onnxruntime as ort
+
+    kept = [a for a in node.attribute if a.name not in ("axes", "keep_aspect_ratio_policy")]
+    eye = np.eye(n, dtype=np.float32).reshape(1, 1, n, n)
+    if scale is not None:
+        extra = [onnx.numpy_helper.from_array(np.array([1.0, 1.0, 1.0, scale], dtype=np.float32), "scales")]
+        one = onnx.helper.make_node("Resize", ["x", "", "scales"], ["y"])
+    else:
+        extra = [onnx.numpy_helper.from_array(np.array([1, 1, n, m], dtype=np.int64), "sizes")]
+        one = onnx.helper.make_node("Resize", ["x", "", "", "sizes"], ["y"])
+    one.attribute.extend(kept)
+    graph = onnx.helper.make_graph([one], "resize_weights", [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, eye.shape)],
+                                   [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=extra)
+    opsets = [onnx.helper.make_opsetid("", max(opset, 13))]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=onnx.helper.find_min_ir_version_for(opsets))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    (weights,) = session.run(None, {"x": eye})
+    if weights.shape != (1, 1, n, m):
+        raise UnsupportedOpError(node.op_type, node.name, f"resizes an axis of {n} to {m}, which its scale does not give")
+    return np.asarray(weights[0, 0], dtype=np.float64)
+
+
 # ---------------------------------------------------------------------------- matrices
 
 

@@ -384,6 +384,45 @@ def case_depth_space(op):
     return draw_case
 
 
+def case_conv_transpose(draw):
+    """2-D (and 1-D) transposed convolutions: groups, strides, dilations, pads and output_padding."""
+    nd = draw(st.sampled_from([1, 2]))
+    group = draw(st.integers(1, 3))
+    n, cin, cout_g = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
+    strides = [draw(st.integers(1, 3)) for _ in range(nd)]
+    dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+    pads = [draw(st.integers(0, (k - 1) * d // 2)) for k, d in zip(kernel, dil) for _ in range(2)]
+    pads = pads[0::2] + pads[1::2]  # begins, then ends: the output keeps at least the strides' span
+    extra = [draw(st.integers(0, s - 1)) for s in strides]  # onnxruntime wants it below the stride
+    spatial = tuple(draw(st.integers(1, 4)) for _ in range(nd))
+    inputs = {"x": _arr(draw, (n, cin, *spatial), np.float32), "w": _arr(draw, (cin, cout_g, *kernel), np.float32)}
+    if draw(st.booleans()):
+        inputs["b"] = _arr(draw, (cout_g * group,), np.float32)
+    attrs = {"strides": strides, "dilations": dil, "pads": pads, "group": group, "output_padding": extra}
+    return "ConvTranspose", inputs, {}, attrs, 17, F32_TOL
+
+
+def case_resize(draw):
+    """Up- and downsampling in each mode and coordinate transformation, by scales or by sizes."""
+    mode = draw(st.sampled_from(["nearest", "linear", "cubic"]))
+    transform = draw(st.sampled_from(["half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"]))
+    n, c, h, w = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(2, 5)), draw(st.integers(2, 5))
+    attrs = {"mode": mode, "coordinate_transformation_mode": transform}
+    if mode == "nearest":
+        attrs["nearest_mode"] = draw(st.sampled_from(["round_prefer_floor", "floor", "ceil"]))
+    if mode == "cubic":
+        attrs["cubic_coeff_a"] = draw(st.sampled_from([-0.75, -0.5]))
+        attrs["exclude_outside"] = draw(st.integers(0, 1))
+    x = _arr(draw, (n, c, h, w), np.float32)
+    if draw(st.booleans()):
+        scales = np.array([1.0, 1.0, draw(st.sampled_from([2.0, 0.5, 1.5, 3.0])), draw(st.sampled_from([2.0, 1.0, 0.75]))], np.float32)
+        return "Resize", {"x": x}, {"roi": np.zeros(0, np.float32), "scales": scales}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
+    sizes = np.array([n, c, draw(st.integers(1, 7)), draw(st.integers(1, 7))], np.int64)
+    attrs["order"] = ["x", "", "", "sizes"]
+    return "Resize", {"x": x}, {"sizes": sizes}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -528,6 +567,8 @@ CASES = {
     "Trilu": case_trilu,
     "DepthToSpace": case_depth_space("DepthToSpace"),
     "SpaceToDepth": case_depth_space("SpaceToDepth"),
+    "ConvTranspose": case_conv_transpose,
+    "Resize": case_resize,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
