@@ -683,6 +683,59 @@ def _resize_weights(node: onnx.NodeProto, opset: int, n: int, m: int, scale: flo
     return np.asarray(weights[0, 0], dtype=np.float64)
 
 
+# ---------------------------------------------------------------------------- Einsum
+
+
+def _einsum_terms(e: Emitter, node: onnx.NodeProto) -> tuple[list[str], str]:
+    """The operands' subscripts and the output's, each as a string of letters with the ellipsis
+    written out in letters no term uses (the operands' ranks from shape inference)."""
+    equation = attr(node, "equation")
+    equation = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
+    lhs, _, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    free = [c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in equation]
+    widths = []
+    for term, x in zip(terms, node.input):
+        rank = e.rank(x)
+        if "..." in term and rank is None:
+            raise UnsupportedOpError(node.op_type, node.name, "needs operands of known rank for an ellipsis")
+        widths.append(rank - len(term.replace("...", "")) if "..." in term else 0)
+    width = max(widths, default=0)
+    ellipsis = "".join(free[:width])
+    if any(w not in (0, width) for w, t in zip(widths, terms) if "..." in t):
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with ellipses of one width only")
+    terms = [t.replace("...", ellipsis) for t in terms]
+    if "->" not in equation:  # implicit output: the letters seen once, in alphabetical order
+        letters = "".join(terms)
+        rhs = ellipsis + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ellipsis))
+    else:
+        rhs = rhs.replace("...", ellipsis)
+    return terms, rhs
+
+
+@rule("Einsum", note="each operand's gradient is the Einsum of dy with the other operands (letters of that operand "
+                     "alone broadcast back)")
+def _einsum(e, node, dys, wants):
+    terms, rhs = _einsum_terms(e, node)
+    dy = _dy(dys, e, node)
+    grads: list[str | None] = []
+    for k, (term, x) in enumerate(zip(terms, node.input)):
+        if not wants[k]:
+            grads.append(None)
+            continue
+        if len(set(term)) != len(term):
+            raise UnsupportedOpError(node.op_type, node.name, f"repeats a letter in {term!r} (a diagonal); not differentiated")
+        others = [(t, i) for j, (t, i) in enumerate(zip(terms, node.input)) if j != k]
+        seen = set(rhs).union(*[set(t) for t, _ in others])
+        kept = "".join(c for c in term if c in seen)
+        equation = ",".join([rhs, *[t for t, _ in others]]) + "->" + kept
+        g = e.op("Einsum", [dy, *[i for _, i in others]], equation=equation)
+        if kept != term:  # letters summed over in this operand alone: their gradient is dy broadcast along them
+            g = e.op("Expand", [e.unsqueeze(g, [p for p, c in enumerate(term) if c not in seen]), e.shape_of(x)])
+        grads.append(g)
+    return grads
+
+
 # ---------------------------------------------------------------------------- matrices
 
 

@@ -423,6 +423,22 @@ def case_resize(draw):
     return "Resize", {"x": x}, {"sizes": sizes}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
 
 
+def case_einsum(draw):
+    """Attention's and a bilinear layer's equations, with an ellipsis, an implicit output and a letter
+    summed in one operand alone."""
+    equation, shapes = draw(st.sampled_from([
+        ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+        ("bhqk,bkhd->bqhd", [(2, 2, 3, 5), (2, 5, 2, 4)]),
+        ("...ij,jk->...ik", [(2, 3, 4), (4, 5)]),
+        ("ij,jk", [(3, 4), (4, 2)]),
+        ("bi,bj,kij->bk", [(2, 3), (2, 4), (5, 3, 4)]),
+        ("ij->i", [(3, 4)]),
+        ("bij,k->bk", [(2, 3, 4), (5,)]),
+    ]))
+    inputs = {f"x{k}": _arr(draw, shape) for k, shape in enumerate(shapes)}
+    return "Einsum", inputs, {}, {"equation": equation}, 17, F64_TOL
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -569,6 +585,7 @@ CASES = {
     "SpaceToDepth": case_depth_space("SpaceToDepth"),
     "ConvTranspose": case_conv_transpose,
     "Resize": case_resize,
+    "Einsum": case_einsum,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
