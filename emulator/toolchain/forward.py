@@ -11,9 +11,9 @@ Exporters write models for inference; a training step computes some ops differen
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
   (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
   ten times slower than without, measured on a 28x28 CNN);
-* ``LayerNormalization``, ``GRU`` and ``LSTM`` are written out in elementary ops whose gradients
-  are known (:func:`decompose`; the same values, so the finite-difference checks of the ops run
-  through it too). The recurrent ops are unrolled over their (static) sequence length: one
+* ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``GRU`` and ``LSTM``
+  are written out in elementary ops whose gradients are known (:func:`decompose`; the same
+  values, so the finite-difference checks of the ops run through it too). The recurrent ops are unrolled over their (static) sequence length: one
   ``MatMul`` of the whole input sequence with the input weights, then per step a ``MatMul`` with
   the recurrent weights and the gate arithmetic.
 
@@ -72,8 +72,8 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
 
 
 def decompose(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
-    """``nodes`` with each ``LayerNormalization``, ``GRU`` and ``LSTM`` written out in elementary
-    ops computing the same values (others unchanged)."""
+    """``nodes`` with each op of :data:`DECOMPOSED` (the normalizations, ``GRU`` and ``LSTM``) written
+    out in elementary ops computing the same values (others unchanged)."""
     out: list[onnx.NodeProto] = []
     for node in nodes:
         emit = DECOMPOSED.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
@@ -163,6 +163,41 @@ def _layer_norm(e: Emitter, node: onnx.NodeProto) -> None:
         e.op("Mul", [normed, scale], out=node.output[0])
     else:
         e.op("Add", [e.op("Mul", [normed, scale]), bias], out=node.output[0])
+
+
+def _normalized(e: Emitter, x: str, axes: list[int], eps: float, hint: str) -> str:
+    """(x - mean) / sqrt(var + eps) over ``axes`` (the population variance)."""
+    mean = e.reduce("ReduceMean", x, axes, keepdims=True, hint=f"{hint}_mean")
+    centred = e.op("Sub", [x, mean], hint=f"{hint}_centred")
+    var = e.reduce("ReduceMean", e.op("Mul", [centred, centred]), axes, keepdims=True, hint=f"{hint}_var")
+    return e.op("Div", [centred, e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
+
+
+def _instance_norm(e: Emitter, node: onnx.NodeProto) -> None:
+    x, scale, bias = node.input[:3]
+    rank, cshape = _channel_shape(e, x)
+    normed = _normalized(e, x, list(range(2, rank)), float(attr(node, "epsilon", 1e-5)), "in")
+    scaled = e.op("Mul", [normed, e.op("Reshape", [scale, e.ints(cshape)])])
+    e.op("Add", [scaled, e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
+
+
+def _group_norm(e: Emitter, node: onnx.NodeProto) -> None:
+    """Statistics over each group of channels and the spatial axes; the scale and bias are per group
+    before opset 21 (the op's first, since deprecated, definition) and per channel from 21 on."""
+    x, scale, bias = node.input[:3]
+    rank, cshape = _channel_shape(e, x)
+    groups = int(attr(node, "num_groups"))
+    grouped = e.op("Reshape", [x, e.ints([0, groups, -1])])
+    normed = _normalized(e, grouped, [2], float(attr(node, "epsilon", 1e-5)), "gn")
+    if e.opset < 21:
+        per_group = [1, groups, 1]
+        normed = e.op("Add", [e.op("Mul", [normed, e.op("Reshape", [scale, e.ints(per_group)])]),
+                              e.op("Reshape", [bias, e.ints(per_group)])])
+        e.op("Reshape", [normed, e.shape_of(x)], out=node.output[0])
+        return
+    back = e.op("Reshape", [normed, e.shape_of(x)])
+    scaled = e.op("Mul", [back, e.op("Reshape", [scale, e.ints(cshape)])])
+    e.op("Add", [scaled, e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
 
 
 def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> tuple[int, int]:
@@ -280,7 +315,8 @@ def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
     _recurrent_outputs(e, node, hs, [h, c])
 
 
-DECOMPOSED = {"LayerNormalization": _layer_norm, "GRU": _gru, "LSTM": _lstm}
+DECOMPOSED = {"LayerNormalization": _layer_norm, "GRU": _gru, "LSTM": _lstm, "InstanceNormalization": _instance_norm,
+              "GroupNormalization": _group_norm}
 
 
 def is_float(elem_type: int) -> bool:

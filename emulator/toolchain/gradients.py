@@ -1281,6 +1281,9 @@ _DECOMPOSED = {
                           "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
                           "evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
+    "InstanceNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div over the spatial axes before differentiating",
+    "GroupNormalization": "rewritten into Reshape to the groups and ReduceMean/Sub/Mul/Sqrt/Div before differentiating "
+                          "(scale and bias per group before opset 21, per channel from 21)",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
            "default activations, either linear_before_reset, no sequence_lens)",
     "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
@@ -1317,9 +1320,10 @@ def coverage_document() -> str:
         "Generated from `emulator.toolchain.OP_COVERAGE` (`python -m emulator.toolchain.gradients`); a test keeps",
         "the two equal. An op outside this table is refused with `UnsupportedOpError`, naming the op and the",
         "node. Every gradient rule is checked against finite differences over random shapes",
-        "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`, `GRU`,",
-        "`LSTM`) against onnxruntime's own kernels for them. A recurrent model may also come unrolled by its",
-        "author (`Slice` and `Squeeze` per step, `MatMul`, `Sigmoid`, `Tanh`).",
+        "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`,",
+        "`InstanceNormalization`, `GroupNormalization`, `GRU`, `LSTM`) against onnxruntime's own kernels for",
+        "them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
+        "`Sigmoid`, `Tanh`).",
         "",
         coverage_markdown(),
         "",

@@ -439,6 +439,26 @@ def case_einsum(draw):
     return "Einsum", inputs, {}, {"equation": equation}, 17, F64_TOL
 
 
+def case_instance_norm(draw):
+    shape = (draw(st.integers(1, 2)), draw(dims), *_shape(draw, draw(st.integers(1, 2))))
+    if int(np.prod(shape[2:])) < 2:
+        shape = (*shape[:2], 3)
+    c = shape[1]  # onnxruntime runs it in float32 only
+    return "InstanceNormalization", {"x": _arr(draw, shape, np.float32), "scale": _arr(draw, (c,), np.float32),
+                                     "bias": _arr(draw, (c,), np.float32)}, {}, {"epsilon": 1e-2}, 17, F32_TOL
+
+
+def case_group_norm(draw):
+    """Opset 18's per-group scale and bias and opset 21's per-channel ones."""
+    groups = draw(st.integers(1, 3))
+    c = groups * draw(st.integers(1, 2))
+    shape = (draw(st.integers(1, 2)), c, *_shape(draw, draw(st.integers(1, 2))))
+    opset = draw(st.sampled_from([18, 21]))
+    affine = groups if opset < 21 else c
+    return "GroupNormalization", {"x": _arr(draw, shape, np.float32), "scale": _arr(draw, (affine,), np.float32),
+                                  "bias": _arr(draw, (affine,), np.float32)}, {}, {"num_groups": groups, "epsilon": 1e-2}, opset, F32_TOL
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -586,6 +606,8 @@ CASES = {
     "ConvTranspose": case_conv_transpose,
     "Resize": case_resize,
     "Einsum": case_einsum,
+    "InstanceNormalization": case_instance_norm,
+    "GroupNormalization": case_group_norm,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
