@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from emulator.toolchain import OP_COVERAGE
+from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
 from emulator.toolchain.forward import DECOMPOSED
 from emulator.toolchain.gradients import NO_GRADIENT, RULES
 from tests.emulator.toolchain.gradcheck import single_op_model, vjp_error
@@ -518,25 +518,29 @@ def case_layer_norm(draw):
 
 
 def case_recurrent(op):
-    """GRU / LSTM (written out and unrolled) against onnxruntime's own kernel, in float32."""
+    """GRU / LSTM (written out and unrolled) against onnxruntime's own kernel, in float32: forward,
+    reverse and bidirectional, initial states or none."""
     gates = 3 if op == "GRU" else 4
 
     def draw_case(draw):
         seq, batch, features, hidden = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(dims), draw(dims)
+        direction = draw(st.sampled_from(["forward", "reverse", "bidirectional"]))
+        d = 2 if direction == "bidirectional" else 1
         inputs = {"x": _arr(draw, (seq, batch, features), np.float32, -1, 1),
-                  "w": _arr(draw, (1, gates * hidden, features), np.float32, -1, 1),
-                  "r": _arr(draw, (1, gates * hidden, hidden), np.float32, -1, 1)}
+                  "w": _arr(draw, (d, gates * hidden, features), np.float32, -1, 1),
+                  "r": _arr(draw, (d, gates * hidden, hidden), np.float32, -1, 1)}
         order = ["x", "w", "r"]
         if draw(st.booleans()):
-            inputs["b"] = _arr(draw, (1, 2 * gates * hidden), np.float32, -1, 1)
+            inputs["b"] = _arr(draw, (d, 2 * gates * hidden), np.float32, -1, 1)
             order.append("b")
         states = ["h0"] if op == "GRU" else draw(st.sampled_from([[], ["h0"], ["h0", "c0"]]))
         if states and draw(st.booleans()):
             order += [""] * (5 - len(order))
             for name in states:
-                inputs[name] = _arr(draw, (1, batch, hidden), np.float32, -1, 1)
+                inputs[name] = _arr(draw, (d, batch, hidden), np.float32, -1, 1)
                 order.append(name)
-        attrs = {"hidden_size": hidden, "order": order, "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"]}
+        attrs = {"hidden_size": hidden, "order": order, "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"],
+                 "direction": direction}
         if op == "GRU":
             attrs["linear_before_reset"] = draw(st.integers(0, 1))
         return op, inputs, {}, attrs, 17, F32_TOL
@@ -638,3 +642,18 @@ def test_gradient_matches_finite_differences(case, data):
     eps = 1e-6 if tol == F64_TOL else (1e-3 if op in ("GRU", "LSTM") else 3e-3)
     error = vjp_error(model, inputs, list(inputs), outputs=[outputs[0]] if op == "MaxPool" else outputs, eps=eps)
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
+
+
+@pytest.mark.parametrize("form, words", [
+    ({"layout": 1}, "layout=0 only"),
+    ({"order": ["x", "w", "r", "", "lens"]}, "without sequence_lens"),
+    ({"clip": 1.0}, "without clip"),
+])
+def test_recurrent_ops_in_forms_not_unrolled_are_refused_naming_the_attribute(form, words):
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((3, 2, 4)).astype(np.float32), "w": rng.standard_normal((1, 8, 4)).astype(np.float32),
+              "r": rng.standard_normal((1, 8, 2)).astype(np.float32)}
+    constants = {"lens": np.array([3, 2], np.int32)} if "order" in form else {}
+    model = single_op_model("LSTM", inputs, constants, outputs=["y"], hidden_size=2, **form)
+    with pytest.raises(UnsupportedOpError, match=f"'LSTM' \\(node 'the_LSTM'\\) is unrolled .*{words}"):
+        vjp_model(model, outputs=["y"], wrt=["w"])
