@@ -51,8 +51,12 @@ class TensorInfo:
 
 
 def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Element type and shape of every tensor of ``model`` that shape inference can type."""
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    """Element type and shape of every tensor of ``model`` that shape inference can type.
+
+    Shape arithmetic computed from constants alone is folded first (:func:`constant_values`):
+    onnx's data propagation stops at ops such as ``Mod`` (torchvision's multi-head attention
+    slices a shape with starts computed so), and every shape downstream would lose its rank."""
+    inferred = onnx.shape_inference.infer_shapes(_with_constants_folded(model), data_prop=True)
     infos: dict[str, TensorInfo] = {}
     g = inferred.graph
     for vi in [*g.input, *g.value_info, *g.output]:
@@ -68,6 +72,30 @@ def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     for init in g.initializer:
         infos[init.name] = TensorInfo(init.data_type, tuple(int(d) for d in init.dims))
     return infos
+
+
+def _with_constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each node whose outputs :func:`constant_values` folds replaced by ``Constant``
+    nodes (the model itself when there are none)."""
+    opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), None)
+    graph = model.graph
+    values = constant_values(graph, opset)
+    inits = {i.name for i in graph.initializer}
+    nodes, changed = [], False
+    for node in graph.node:
+        outs = [o for o in node.output if o]
+        if node.op_type != "Constant" and outs and all(o in values and o not in inits for o in outs):
+            nodes += [helper.make_node("Constant", [], [o], value=numpy_helper.from_array(values[o], o)) for o in outs]
+            changed = True
+        else:
+            nodes.append(node)
+    if not changed:
+        return model
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    del folded.graph.node[:]
+    folded.graph.node.extend(nodes)
+    return folded
 
 
 def attr(node: onnx.NodeProto, name: str, default=None):

@@ -88,3 +88,25 @@ def test_values_computed_from_float_initializers_are_not_folded_into_constants()
     m = model(nodes, [], [helper.make_tensor_value_info("w2", F, [2])], {"w": np.ones(2, np.float32)})
     values = constant_values(m.graph, 17)
     assert float(values["four"]) == 4.0 and "w2" not in values
+
+
+def test_shapes_sliced_with_starts_computed_by_mod_keep_their_rank_for_the_rules():
+    """torchvision's multi-head attention (classic exporter) reshapes its projection with a shape
+    sliced at starts computed through Mod, where onnx's data propagation stops; folded first, the
+    reshaped tensor keeps its rank and the Gather after it is differentiated."""
+    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),  # [2, 3, 6]
+             helper.make_node("Shape", ["h"], ["shape"]),
+             const("minus_one", [-1]), const("three", [3]), const("three_again", [3]),
+             helper.make_node("Add", ["minus_one", "three"], ["two"]),
+             helper.make_node("Mod", ["two", "three_again"], ["start"]),  # 2
+             const("zero", [0]), helper.make_node("Slice", ["shape", "zero", "start"], ["lead"]),  # [2, 3]
+             const("split", [2, 3]), helper.make_node("Concat", ["lead", "split"], ["new_shape"], axis=0),
+             helper.make_node("Reshape", ["h", "new_shape"], ["r"]),  # [2, 3, 2, 3]
+             helper.make_node("Transpose", ["r"], ["t"], perm=[2, 0, 1, 3]),
+             const("first", 0), helper.make_node("Gather", ["t", "first"], ["y"], axis=0)]  # [2, 3, 3]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [2, 3, 4]), helper.make_tensor_value_info("w", F, [4, 6])],
+              [helper.make_tensor_value_info("y", F, [2, 3, 3])], {}, opset=17)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "w": rng.standard_normal((4, 6)).astype(np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
