@@ -967,7 +967,8 @@ def _split(e, node, dys, wants):
     return [e.op("Concat", parts, axis=axis)] + [None] * (len(node.input) - 1)
 
 
-@rule("Slice", note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims)")
+@rule("Slice", note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims, "
+                      "or from a start to the end)")
 def _slice(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     shape = e.shape(x)
@@ -984,7 +985,11 @@ def _slice(e, node, dys, wants):
         a = a + rank if a < 0 else a
         dim = shape[a]
         if not isinstance(dim, int):
-            raise UnsupportedOpError(node.op_type, node.name, "is differentiated on axes of static size only")
+            if step != 1 or s < 0 or t < _TO_THE_END:
+                raise UnsupportedOpError(node.op_type, node.name, "is differentiated on axes of static size only, or from a "
+                                         "start to the end (a batch axis)")
+            pads[a] = s  # x[s:] of an axis whose size is known at run time only (the dynamo exporter's x[:, 0] slices
+            continue     # the batch axis whole)
         first, count, stride = _slice_span(s, t, step, dim)
         if count == 0:
             return [e.zeros_like(x)] + [None] * (len(node.input) - 1)
@@ -994,6 +999,9 @@ def _slice(e, node, dys, wants):
             g = _unstride(e, g, a, count, stride, rank)
         pads[a], pads[rank + a] = first, dim - first - count * stride
     return [e.op("Pad", [g, e.ints(pads)])] + [None] * (len(node.input) - 1)
+
+
+_TO_THE_END = 2**31 - 1  # an end at least this large takes an axis to its end, as exporters write x[s:]
 
 
 def _slice_span(start: int, end: int, step: int, dim: int) -> tuple[int, int, int]:
@@ -1032,24 +1040,30 @@ def _gather(e, node, dys, wants):
     rank, irank = len(shape), len(ishape)
     axis = int(attr(node, "axis", 0))
     axis = axis + rank if axis < 0 else axis
-    if not isinstance(shape[axis], int):
-        raise UnsupportedOpError(node.op_type, node.name, "needs a static size of the gathered axis")
+    if isinstance(shape[axis], int):
+        size: int | str = int(shape[axis])
+    elif e.opset >= 16:  # read at run time (the dynamo exporter's unoptimized graphs leave sizes symbolic)
+        size = e.op("Reshape", [e.op("Slice", [e.op("Shape", [data]), e.ints([axis]), e.ints([axis + 1])]), e.ints([])])
+    else:
+        raise UnsupportedOpError(node.op_type, node.name, "needs a static size of the gathered axis below opset 16")
     if axis:  # dy is data[:axis] + idx + data[axis+1:]: bring the index dimensions to the front
         front = [*range(axis, axis + irank), *range(axis), *range(axis + irank, rank + irank - 1)]
         dy = e.op("Transpose", [dy], perm=front)
         moved = e.op("Transpose", [data], perm=[axis, *range(axis), *range(axis + 1, rank)])
         e.record(moved, e.elem_type(data), (shape[axis], *shape[:axis], *shape[axis + 1:]))
-        grad = _gather_rows(e, moved, idx, dy, int(shape[axis]))
+        grad = _gather_rows(e, moved, idx, dy, size)
         back = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
         return [e.op("Transpose", [grad], perm=back), None]
-    return [_gather_rows(e, data, idx, dy, int(shape[0])), None]
+    return [_gather_rows(e, data, idx, dy, size), None]
 
 
-def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int) -> str:
-    """The gradient of Gather(data, idx, axis=0): the rows of dy added into zeros at idx."""
+def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int | str) -> str:
+    """The gradient of Gather(data, idx, axis=0): the rows of dy added into zeros at idx (``rows``:
+    data's first dimension, or a tensor holding it)."""
     i64 = e.op("Cast", [idx], to=TensorProto.INT64)
     zero = e.const(np.array(0, dtype=np.int64), "zero")
-    fixed = _where(e, e.op("Less", [i64, zero]), e.op("Add", [i64, e.const(np.array(rows, dtype=np.int64), "rows")]), i64)
+    count = e.const(np.array(rows, dtype=np.int64), "rows") if isinstance(rows, int) else rows
+    fixed = _where(e, e.op("Less", [i64, zero]), e.op("Add", [i64, count]), i64)
     if e.opset >= 16:
         return e.op("ScatterND", [e.zeros_like(data), e.unsqueeze(fixed, [-1]), dy], reduction="add")
     # one-hot product: rows of dy summed per index

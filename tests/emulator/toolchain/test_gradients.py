@@ -7,9 +7,11 @@ onnxruntime runs in float64 are checked in float64 (tight); convolutions and poo
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
 
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
 from emulator.toolchain.forward import DECOMPOSED
@@ -657,3 +659,24 @@ def test_recurrent_ops_in_forms_not_unrolled_are_refused_naming_the_attribute(fo
     model = single_op_model("LSTM", inputs, constants, outputs=["y"], hidden_size=2, **form)
     with pytest.raises(UnsupportedOpError, match=f"'LSTM' \\(node 'the_LSTM'\\) is unrolled .*{words}"):
         vjp_model(model, outputs=["y"], wrt=["w"])
+
+
+@pytest.mark.parametrize("kind", ["slice_to_the_end", "gather_first", "gather_last_rows"])
+def test_slices_and_gathers_along_an_axis_of_run_time_size_are_differentiated(kind):
+    """The dynamo exporter's unoptimized graphs slice the batch axis whole (x[:, 0] becomes a Slice from
+    0 to 2**63-1 of the batch axis, then a Gather) and leave sizes symbolic."""
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 3])
+    if kind == "slice_to_the_end":
+        inits = {"s": np.array([1]), "e": np.array([2**63 - 1]), "a": np.array([0])}
+        last = helper.make_node("Slice", ["h", "s", "e", "a"], ["y"])
+    else:
+        inits = {"i": np.array(0) if kind == "gather_first" else np.array([-1, -2])}
+        last = helper.make_node("Gather", ["h", "i"], ["y"], axis=0)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), last], "g", [x, w],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(v.astype(np.int64), k) for k, v in inits.items()])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 5, 3)).astype(np.float32), "w": rng.standard_normal((3, 4)).astype(np.float32)}
+    assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
