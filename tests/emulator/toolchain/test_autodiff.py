@@ -110,3 +110,22 @@ def test_shapes_sliced_with_starts_computed_by_mod_keep_their_rank_for_the_rules
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "w": rng.standard_normal((4, 6)).astype(np.float32)}
     assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
+
+
+def test_slices_at_a_static_dimension_that_shape_reads_are_differentiated():
+    """Llama's rotate_half as the classic exporter writes it: the last axis halved at x.shape[-1] // 2
+    (Shape, Gather, Div, Unsqueeze) while the batch axis stays dynamic."""
+    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),  # [N, 3, 8]
+             helper.make_node("Shape", ["h"], ["shape"]), const("last", 2), helper.make_node("Gather", ["shape", "last"], ["size"]),
+             const("two", 2), helper.make_node("Div", ["size", "two"], ["half"]),
+             const("zero_axis", [0]), helper.make_node("Unsqueeze", ["half", "zero_axis"], ["half_1d"]),
+             const("start", [0]), const("end", [2**63 - 1]), const("axis", [-1]),
+             helper.make_node("Slice", ["h", "start", "half_1d", "axis"], ["x1"]),
+             helper.make_node("Slice", ["h", "half_1d", "end", "axis"], ["x2"]),
+             helper.make_node("Neg", ["x2"], ["minus_x2"]), helper.make_node("Concat", ["minus_x2", "x1"], ["y"], axis=-1)]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 3, 4]), helper.make_tensor_value_info("w", F, [4, 8])],
+              [helper.make_tensor_value_info("y", F, ["N", 3, 8])], {}, opset=17)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "w": rng.standard_normal((4, 8)).astype(np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
