@@ -51,7 +51,22 @@ class TensorInfo:
 
 
 def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Element type and shape of every tensor of ``model`` that shape inference can type."""
+    """Element type and shape of every tensor of ``model`` that shape inference can type.
+
+    Shape arithmetic computed from constants alone is folded first (:func:`constant_values`):
+    onnx's data propagation stops at ops such as ``Mod`` (torchvision's multi-head attention
+    slices a shape with starts computed so), and every shape downstream would lose its rank."""
+    folded = _with_constants_folded(model)
+    infos = _inferred(folded)
+    refolded = _with_constants_folded(model, infos)  # now with the static dimensions that Shape reads too
+    return infos if _constants(refolded) == _constants(folded) else _inferred(refolded)
+
+
+def _constants(model: onnx.ModelProto) -> int:
+    return sum(n.op_type == "Constant" for n in model.graph.node)
+
+
+def _inferred(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     infos: dict[str, TensorInfo] = {}
     g = inferred.graph
@@ -68,6 +83,30 @@ def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     for init in g.initializer:
         infos[init.name] = TensorInfo(init.data_type, tuple(int(d) for d in init.dims))
     return infos
+
+
+def _with_constants_folded(model: onnx.ModelProto, infos: Mapping[str, TensorInfo] | None = None) -> onnx.ModelProto:
+    """``model`` with each node whose outputs :func:`constant_values` folds replaced by ``Constant``
+    nodes (the model itself when there are none)."""
+    opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), None)
+    graph = model.graph
+    values = constant_values(graph, opset, infos)
+    inits = {i.name for i in graph.initializer}
+    nodes, changed = [], False
+    for node in graph.node:
+        outs = [o for o in node.output if o]
+        if node.op_type != "Constant" and outs and all(o in values and o not in inits for o in outs):
+            nodes += [helper.make_node("Constant", [], [o], value=numpy_helper.from_array(values[o], o)) for o in outs]
+            changed = True
+        else:
+            nodes.append(node)
+    if not changed:
+        return model
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    del folded.graph.node[:]
+    folded.graph.node.extend(nodes)
+    return folded
 
 
 def attr(node: onnx.NodeProto, name: str, default=None):
@@ -261,11 +300,22 @@ class Emitter:
         return self.op("Reshape", [summed, t_shape])
 
 
-def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Values of the graph's initializers and of its ``Constant`` nodes' outputs."""
+def constant_values(graph: onnx.GraphProto, opset: int | None = None,
+                    infos: Mapping[str, TensorInfo] | None = None) -> dict[str, np.ndarray]:
+    """Values of the graph's initializers and of its ``Constant`` nodes' outputs; given the graph's
+    ``opset``, also of the small shape arithmetic computed from constants alone (the dynamo
+    exporter's unoptimized graphs build a ``ReduceMean``'s axes or a ``Slice``'s starts with
+    ``Reshape``, ``Concat`` and ``Cast`` of ``Constant`` nodes), so that rules read them as constants.
+    Given the tensors' ``infos`` too, the static dimensions a ``Shape`` reads count as constants
+    (a rotary embedding halves its last axis at ``x.shape[-1] // 2`` while the batch stays dynamic)."""
     values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    # tensors no trainable weight can feed: a folded value stays what it is while the model trains
+    fixed = {n for n, v in values.items() if not np.issubdtype(v.dtype, np.floating)}
+    partial: dict[str, list[int | None]] = {}  # shape vectors with some dimensions known
     for node in graph.node:
-        if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
+        if node.domain not in DEFAULT_DOMAINS:
+            continue
+        if node.op_type == "Constant":
             a = node.attribute[0]
             if a.name == "value":
                 values[node.output[0]] = numpy_helper.to_array(a.t)
@@ -273,7 +323,86 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
                 values[node.output[0]] = np.array(helper.get_attribute_value(a))
             elif a.name in ("value_floats", "value_ints"):
                 values[node.output[0]] = np.array(helper.get_attribute_value(a))
+            else:
+                continue
+            fixed.add(node.output[0])
+        elif opset is not None and _foldable(node, values, fixed):
+            folded = _fold(node, values, opset)
+            if folded is not None:
+                values.update(folded)
+                fixed.update(folded)
+        elif infos is not None:
+            known = _known_dims(node, values, fixed, partial, infos)
+            if known is not None and all(d is not None for d in known):
+                scalar = node.op_type == "Gather" and values[node.input[1]].ndim == 0
+                values[node.output[0]] = np.array(known[0] if scalar else known, dtype=np.int64)
+                fixed.add(node.output[0])
+            elif known is not None:
+                partial[node.output[0]] = known
     return values
+
+
+def _known_dims(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: set[str],
+                partial: Mapping[str, list[int | None]], infos: Mapping[str, TensorInfo]) -> list[int | None] | None:
+    """The entries of a ``Shape`` (or a ``Gather``, ``Slice`` or ``Concat`` of shapes) that shape
+    inference fixed, None for the others; None when the node is none of these."""
+    def dims(name: str) -> list[int | None] | None:
+        if name in partial:
+            return partial[name]
+        if name in fixed and values[name].ndim <= 1 and np.issubdtype(values[name].dtype, np.integer):
+            return [int(v) for v in values[name].reshape(-1)]
+        return None
+
+    op = node.op_type
+    if op == "Shape":
+        info = infos.get(node.input[0])
+        if info is None or info.shape is None:
+            return None
+        shape = [d if isinstance(d, int) else None for d in info.shape]
+        start, end = attr(node, "start", 0), attr(node, "end")
+        return shape[start:end] if end is not None else shape[start:]
+    if op == "Gather" and int(attr(node, "axis", 0)) == 0:
+        data, idx = dims(node.input[0]), node.input[1]
+        if data is None or idx not in fixed or values[idx].ndim > 1:
+            return None
+        return [data[int(i)] for i in values[idx].reshape(-1)]
+    if op == "Slice" and len(node.input) >= 3:
+        data = dims(node.input[0])
+        bounds = [values[i].reshape(-1) if i in fixed else None for i in node.input[1:]]
+        if data is None or any(b is None for b, i in zip(bounds, node.input[1:]) if i) or \
+                (len(node.input) > 3 and node.input[3] and [int(a) for a in bounds[2]] not in ([0], [-1])):
+            return None
+        step = int(bounds[3][0]) if len(bounds) > 3 and bounds[3] is not None else 1
+        return data[int(bounds[0][0]):int(bounds[1][0]):step]
+    if op == "Concat":
+        parts = [dims(i) for i in node.input]
+        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+    return None
+
+
+# ops that read no graph attribute and draw no random numbers, evaluated on constants when their inputs are small
+_FOLD_LIMIT = 4096
+_NOT_FOLDED = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                         "Bernoulli", "Loop", "If", "Scan", "SequenceMap"})
+
+
+def _foldable(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: set[str]) -> bool:
+    if node.op_type in _NOT_FOLDED or not node.input or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                                            for a in node.attribute):
+        return False
+    return all(not i or (i in fixed and values[i].size <= _FOLD_LIMIT) for i in node.input)
+
+
+def _fold(node: onnx.NodeProto, values: Mapping[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
+    """The node's outputs computed by onnx's reference implementation, or None where it cannot."""
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        run = ReferenceEvaluator(node, opsets={"": opset})
+        outs = run.run(None, {i: values[i] for i in node.input if i})
+    except Exception:  # noqa: BLE001 - an op the reference does not cover stays computed at run time
+        return None
+    return {o: np.asarray(v) for o, v in zip(node.output, outs) if o and v is not None and np.asarray(v).size <= _FOLD_LIMIT}
 
 
 def needed_for(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
@@ -382,7 +511,7 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
     infos = tensor_infos(model)
     taken = {t for n in graph.node for t in [*n.input, *n.output]} | {i.name for i in graph.input} | {
         i.name for i in graph.initializer}
-    e = Emitter(opset, infos, constant_values(graph), taken)
+    e = Emitter(opset, infos, constant_values(graph, opset, infos), taken)
     nodes = decompose(e, list(graph.node))
     if len(nodes) != len(graph.node) or e.initializers:  # shapes of the written-out ops, for the rules
         probe = helper.make_model(helper.make_graph(nodes, "probe", list(graph.input), list(graph.output),

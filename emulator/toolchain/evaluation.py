@@ -76,7 +76,7 @@ def evaluation_plan_from_onnx(
         weights = {w: tuple(int(d) for d in parts.initializers[w].dims) for w in names}
     taken = {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
     taken |= {"loss_sum", "count", "correct"}
-    e = Emitter(parts.opset, tensor_infos(parts.model), constant_values(graph), taken)
+    e = Emitter(parts.opset, tensor_infos(parts.model), constant_values(graph, parts.opset), taken)
     label_input = e.reserve("label")
     e.record(label_input, label_type(loss), tuple(_label_shape(loss, e.shape(parts.prediction))))
     producers = {o: n for n in nodes for o in n.output}

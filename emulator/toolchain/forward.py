@@ -11,9 +11,9 @@ Exporters write models for inference; a training step computes some ops differen
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
   (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
   ten times slower than without, measured on a 28x28 CNN);
-* ``LayerNormalization``, ``GRU`` and ``LSTM`` are written out in elementary ops whose gradients
-  are known (:func:`decompose`; the same values, so the finite-difference checks of the ops run
-  through it too). The recurrent ops are unrolled over their (static) sequence length: one
+* ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``GRU`` and ``LSTM``
+  are written out in elementary ops whose gradients are known (:func:`decompose`; the same
+  values, so the finite-difference checks of the ops run through it too). The recurrent ops are unrolled over their (static) sequence length: one
   ``MatMul`` of the whole input sequence with the input weights, then per step a ``MatMul`` with
   the recurrent weights and the gate arithmetic.
 
@@ -72,8 +72,8 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
 
 
 def decompose(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
-    """``nodes`` with each ``LayerNormalization``, ``GRU`` and ``LSTM`` written out in elementary
-    ops computing the same values (others unchanged)."""
+    """``nodes`` with each op of :data:`DECOMPOSED` (the normalizations, ``GRU`` and ``LSTM``) written
+    out in elementary ops computing the same values (others unchanged)."""
     out: list[onnx.NodeProto] = []
     for node in nodes:
         emit = DECOMPOSED.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
@@ -165,18 +165,64 @@ def _layer_norm(e: Emitter, node: onnx.NodeProto) -> None:
         e.op("Add", [e.op("Mul", [normed, scale]), bias], out=node.output[0])
 
 
-def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> tuple[int, int]:
-    """(sequence length, hidden size) of a forward, layout-0 GRU/LSTM with default activations."""
+def _normalized(e: Emitter, x: str, axes: list[int], eps: float, hint: str) -> str:
+    """(x - mean) / sqrt(var + eps) over ``axes`` (the population variance)."""
+    mean = e.reduce("ReduceMean", x, axes, keepdims=True, hint=f"{hint}_mean")
+    centred = e.op("Sub", [x, mean], hint=f"{hint}_centred")
+    var = e.reduce("ReduceMean", e.op("Mul", [centred, centred]), axes, keepdims=True, hint=f"{hint}_var")
+    return e.op("Div", [centred, e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
+
+
+def _instance_norm(e: Emitter, node: onnx.NodeProto) -> None:
+    x, scale, bias = node.input[:3]
+    rank, cshape = _channel_shape(e, x)
+    normed = _normalized(e, x, list(range(2, rank)), float(attr(node, "epsilon", 1e-5)), "in")
+    scaled = e.op("Mul", [normed, e.op("Reshape", [scale, e.ints(cshape)])])
+    e.op("Add", [scaled, e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
+
+
+def _group_norm(e: Emitter, node: onnx.NodeProto) -> None:
+    """Statistics over each group of channels and the spatial axes; the scale and bias are per group
+    before opset 21 (the op's first, since deprecated, definition) and per channel from 21 on."""
+    x, scale, bias = node.input[:3]
+    rank, cshape = _channel_shape(e, x)
+    groups = int(attr(node, "num_groups"))
+    grouped = e.op("Reshape", [x, e.ints([0, groups, -1])])
+    normed = _normalized(e, grouped, [2], float(attr(node, "epsilon", 1e-5)), "gn")
+    if e.opset < 21:
+        per_group = [1, groups, 1]
+        normed = e.op("Add", [e.op("Mul", [normed, e.op("Reshape", [scale, e.ints(per_group)])]),
+                              e.op("Reshape", [bias, e.ints(per_group)])])
+        e.op("Reshape", [normed, e.shape_of(x)], out=node.output[0])
+        return
+    back = e.op("Reshape", [normed, e.shape_of(x)])
+    scaled = e.op("Mul", [back, e.op("Reshape", [scale, e.ints(cshape)])])
+    e.op("Add", [scaled, e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
+
+
+@dataclass(frozen=True)
+class _Recurrent:
+    """What unrolling a GRU/LSTM needs to know of it."""
+
+    seq: int
+    hidden: int
+    directions: tuple[str, ...]  # ("forward",), ("reverse",) or both
+
+
+def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurrent:
+    """How to unroll a GRU/LSTM with the default activations, either direction or both, in layout 0
+    (torch's exporters write batch_first with Transpose nodes around it; onnxruntime runs no other)."""
     def refuse(why: str) -> None:
         raise UnsupportedOpError(node.op_type, node.name, why)
 
     direction = attr(node, "direction", b"forward")
-    if (direction.decode() if isinstance(direction, bytes) else direction) != "forward":
-        refuse("is unrolled for direction='forward' only")
-    if int(attr(node, "layout", 0)) != 0 or attr(node, "clip") is not None or attr(node, "activations") is not None:
-        refuse("is unrolled with layout=0, no clip and the default activations only")
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    if int(attr(node, "layout", 0)) != 0:
+        refuse("is unrolled with layout=0 only (sequence first, as torch's exporters write it; onnxruntime runs no other)")
+    if attr(node, "clip") is not None or attr(node, "activations") is not None:
+        refuse("is unrolled without clip and with the default activations only")
     if len(node.input) > 4 and node.input[4]:
-        refuse("is unrolled without sequence_lens only (every sequence has the full length)")
+        refuse("is unrolled without sequence_lens only (every sequence has the full length; pad instead of packing)")
     if node.op_type == "LSTM" and ((len(node.input) > 7 and node.input[7]) or int(attr(node, "input_forget", 0))):
         refuse("is unrolled without peepholes or input_forget only")
     shape = e.shape(node.input[0])
@@ -188,34 +234,43 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> tuple[int
         hidden = wshape[1] // gates if wshape is not None and isinstance(wshape[1], int) else None
     if hidden is None:
         refuse("needs hidden_size")
-    return int(shape[0]), int(hidden)
+    directions = {"forward": ("forward",), "reverse": ("reverse",), "bidirectional": ("forward", "reverse")}[direction]
+    return _Recurrent(int(shape[0]), int(hidden), directions)
 
 
 def _cols(e: Emitter, t: str, start: int, end: int) -> str:
     return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([-1])])
 
 
-def _recurrent_setup(e: Emitter, node: onnx.NodeProto, hidden: int, gates: int, state_input: int) -> tuple[str, str, str | None, str]:
-    """(input sequence times the input weights plus the input bias [seq, batch, gates*H], the
-    recurrent weights transposed [H, gates*H], the recurrent bias or None, the initial state)."""
+def _direction(e: Emitter, t: str, d: int) -> str:
+    """Direction ``d``'s slice of a weight, bias or state stacked over the directions (axis 0)."""
+    return e.op("Squeeze", [e.op("Slice", [t, e.ints([d]), e.ints([d + 1]), e.ints([0])]), e.ints([0])])
+
+
+def _recurrent_setup(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, gates: int, d: int) -> tuple[str, str, str | None]:
+    """For direction ``d``: (the input sequence [seq, batch, in] times the input weights plus the
+    input bias [seq, batch, gates*H], the recurrent weights transposed [H, gates*H], the recurrent
+    bias or None)."""
     x, w, r = node.input[:3]
-    xw = e.op("MatMul", [x, e.op("Transpose", [e.op("Squeeze", [w, e.ints([0])])], perm=[1, 0])])
-    rt = e.op("Transpose", [e.op("Squeeze", [r, e.ints([0])])], perm=[1, 0])
+    hidden = rec.hidden
+    xw = e.op("MatMul", [x, e.op("Transpose", [_direction(e, w, d)], perm=[1, 0])])
+    rt = e.op("Transpose", [_direction(e, r, d)], perm=[1, 0])
     rb = None
     if len(node.input) > 3 and node.input[3]:
-        b = e.op("Squeeze", [node.input[3], e.ints([0])])
+        b = _direction(e, node.input[3], d)
         xw = e.op("Add", [xw, _cols(e, b, 0, gates * hidden)])
         rb = _cols(e, b, gates * hidden, 2 * gates * hidden)
-    return xw, rt, rb, _initial(e, node, state_input, hidden)
+    return xw, rt, rb
 
 
-def _initial(e: Emitter, node: onnx.NodeProto, index: int, hidden: int) -> str:
+def _initial(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, index: int, d: int) -> str:
+    """Direction ``d``'s initial state [batch, H]: the node's input (stacked over the directions) or zeros."""
     if len(node.input) > index and node.input[index]:
-        return e.op("Squeeze", [node.input[index], e.ints([0])])
+        return _direction(e, node.input[index], d)
     x = node.input[0]
     batch = e.op("Slice", [e.op("Shape", [x]), e.ints([1]), e.ints([2])])
     dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(x))
-    return e.op("ConstantOfShape", [e.op("Concat", [batch, e.ints([hidden])], axis=0)],
+    return e.op("ConstantOfShape", [e.op("Concat", [batch, e.ints([rec.hidden])], axis=0)],
                 value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)))
 
 
@@ -223,64 +278,84 @@ def _step_input(e: Emitter, xw: str, t: int) -> str:
     return e.op("Squeeze", [e.op("Slice", [xw, e.ints([t]), e.ints([t + 1]), e.ints([0])]), e.ints([0])])
 
 
-def _recurrent_outputs(e: Emitter, node: onnx.NodeProto, hs: list[str], finals: list[str]) -> None:
+def _steps(rec: _Recurrent, direction: str) -> list[int]:
+    return list(range(rec.seq)) if direction == "forward" else list(reversed(range(rec.seq)))
+
+
+def _recurrent_outputs(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, hs: list[dict[int, str]],
+                       finals: list[list[str]]) -> None:
+    """Y [seq, directions, batch, H] from each direction's states by time step ``hs``, and the final
+    states [directions, batch, H] from ``finals`` (per output, per direction)."""
     outs = list(node.output) + [""] * (3 - len(node.output))
     if outs[0]:
-        e.op("Concat", [e.unsqueeze(h, [0, 1]) for h in hs], axis=0, out=outs[0])
-    for out, final in zip(outs[1:], finals):
+        steps = [e.op("Concat", [e.unsqueeze(h[t], [0, 1]) for h in hs], axis=1) for t in range(rec.seq)]
+        e.op("Concat", steps, axis=0, out=outs[0])
+    for out, per_direction in zip(outs[1:], finals):
         if out:
-            e.op("Unsqueeze", [final, e.ints([0])], out=out)
+            e.op("Concat", [e.unsqueeze(f, [0]) for f in per_direction], axis=0, out=out)
 
 
 def _gru(e: Emitter, node: onnx.NodeProto) -> None:
-    seq, hdim = _recurrent_checks(e, node, 3)
-    xw, rt, rb, h = _recurrent_setup(e, node, hdim, 3, 5)
-    before_reset = int(attr(node, "linear_before_reset", 0))
-    r_zr, r_h = _cols(e, rt, 0, 2 * hdim), _cols(e, rt, 2 * hdim, 3 * hdim)
-    rb_zr = None if rb is None else _cols(e, rb, 0, 2 * hdim)
-    rb_h = None if rb is None else _cols(e, rb, 2 * hdim, 3 * hdim)
-    hs = []
-    for t in range(seq):
-        xt = _step_input(e, xw, t)
-        hzr = e.op("MatMul", [h, r_zr])
-        if rb_zr is not None:
-            hzr = e.op("Add", [hzr, rb_zr])
-        zr = e.op("Sigmoid", [e.op("Add", [_cols(e, xt, 0, 2 * hdim), hzr])])
-        z, r = _cols(e, zr, 0, hdim), _cols(e, zr, hdim, 2 * hdim)
-        if before_reset:
-            hh = e.op("MatMul", [h, r_h])
-            if rb_h is not None:
-                hh = e.op("Add", [hh, rb_h])
-            inner = e.op("Mul", [r, hh])
-        else:
-            inner = e.op("MatMul", [e.op("Mul", [r, h]), r_h])
-            if rb_h is not None:
-                inner = e.op("Add", [inner, rb_h])
-        n = e.op("Tanh", [e.op("Add", [_cols(e, xt, 2 * hdim, 3 * hdim), inner])])
-        h = e.op("Add", [n, e.op("Mul", [z, e.op("Sub", [h, n])])], hint="gru_h")  # (1-z)*n + z*h
-        hs.append(h)
-    _recurrent_outputs(e, node, hs, [h])
+    rec = _recurrent_checks(e, node, 3)
+    hdim, before_reset = rec.hidden, int(attr(node, "linear_before_reset", 0))
+    hs, finals = [], []
+    for d, direction in enumerate(rec.directions):
+        xw, rt, rb = _recurrent_setup(e, node, rec, 3, d)
+        h = _initial(e, node, rec, 5, d)
+        r_zr, r_h = _cols(e, rt, 0, 2 * hdim), _cols(e, rt, 2 * hdim, 3 * hdim)
+        rb_zr = None if rb is None else _cols(e, rb, 0, 2 * hdim)
+        rb_h = None if rb is None else _cols(e, rb, 2 * hdim, 3 * hdim)
+        states = {}
+        for t in _steps(rec, direction):
+            xt = _step_input(e, xw, t)
+            hzr = e.op("MatMul", [h, r_zr])
+            if rb_zr is not None:
+                hzr = e.op("Add", [hzr, rb_zr])
+            zr = e.op("Sigmoid", [e.op("Add", [_cols(e, xt, 0, 2 * hdim), hzr])])
+            z, r = _cols(e, zr, 0, hdim), _cols(e, zr, hdim, 2 * hdim)
+            if before_reset:
+                hh = e.op("MatMul", [h, r_h])
+                if rb_h is not None:
+                    hh = e.op("Add", [hh, rb_h])
+                inner = e.op("Mul", [r, hh])
+            else:
+                inner = e.op("MatMul", [e.op("Mul", [r, h]), r_h])
+                if rb_h is not None:
+                    inner = e.op("Add", [inner, rb_h])
+            n = e.op("Tanh", [e.op("Add", [_cols(e, xt, 2 * hdim, 3 * hdim), inner])])
+            h = e.op("Add", [n, e.op("Mul", [z, e.op("Sub", [h, n])])], hint="gru_h")  # (1-z)*n + z*h
+            states[t] = h
+        hs.append(states)
+        finals.append(h)
+    _recurrent_outputs(e, node, rec, hs, [finals])
 
 
 def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
-    seq, hdim = _recurrent_checks(e, node, 4)
-    xw, rt, rb, h = _recurrent_setup(e, node, hdim, 4, 5)
-    if rb is not None:  # both biases are added before the gates: fold them into the input product
-        xw = e.op("Add", [xw, rb])
-    c = _initial(e, node, 6, hdim)
-    hs = []
-    for t in range(seq):
-        g = e.op("Add", [_step_input(e, xw, t), e.op("MatMul", [h, rt])])
-        iof = e.op("Sigmoid", [_cols(e, g, 0, 3 * hdim)])  # gate order i, o, f, c
-        i, o, f = _cols(e, iof, 0, hdim), _cols(e, iof, hdim, 2 * hdim), _cols(e, iof, 2 * hdim, 3 * hdim)
-        cand = e.op("Tanh", [_cols(e, g, 3 * hdim, 4 * hdim)])
-        c = e.op("Add", [e.op("Mul", [f, c]), e.op("Mul", [i, cand])], hint="lstm_c")
-        h = e.op("Mul", [o, e.op("Tanh", [c])], hint="lstm_h")
-        hs.append(h)
-    _recurrent_outputs(e, node, hs, [h, c])
+    rec = _recurrent_checks(e, node, 4)
+    hdim = rec.hidden
+    hs, final_h, final_c = [], [], []
+    for d, direction in enumerate(rec.directions):
+        xw, rt, rb = _recurrent_setup(e, node, rec, 4, d)
+        if rb is not None:  # both biases are added before the gates: fold them into the input product
+            xw = e.op("Add", [xw, rb])
+        h, c = _initial(e, node, rec, 5, d), _initial(e, node, rec, 6, d)
+        states = {}
+        for t in _steps(rec, direction):
+            g = e.op("Add", [_step_input(e, xw, t), e.op("MatMul", [h, rt])])
+            iof = e.op("Sigmoid", [_cols(e, g, 0, 3 * hdim)])  # gate order i, o, f, c
+            i, o, f = _cols(e, iof, 0, hdim), _cols(e, iof, hdim, 2 * hdim), _cols(e, iof, 2 * hdim, 3 * hdim)
+            cand = e.op("Tanh", [_cols(e, g, 3 * hdim, 4 * hdim)])
+            c = e.op("Add", [e.op("Mul", [f, c]), e.op("Mul", [i, cand])], hint="lstm_c")
+            h = e.op("Mul", [o, e.op("Tanh", [c])], hint="lstm_h")
+            states[t] = h
+        hs.append(states)
+        final_h.append(h)
+        final_c.append(c)
+    _recurrent_outputs(e, node, rec, hs, [final_h, final_c])
 
 
-DECOMPOSED = {"LayerNormalization": _layer_norm, "GRU": _gru, "LSTM": _lstm}
+DECOMPOSED = {"LayerNormalization": _layer_norm, "GRU": _gru, "LSTM": _lstm, "InstanceNormalization": _instance_norm,
+              "GroupNormalization": _group_norm}
 
 
 def is_float(elem_type: int) -> bool:

@@ -284,6 +284,458 @@ def _dropout(e, node, dys, wants):
     return [e.op("Mul", [dy, scaled]), None, None][: len(node.input)]
 
 
+# ---------------------------------------------------------------------------- more activations
+
+
+def _local(e: Emitter, node: onnx.NodeProto, dys: list[str | None], local: str) -> list[str | None]:
+    """dy times the elementwise derivative ``local``, for a one-input op."""
+    return [e.op("Mul", [_dy(dys, e, node), local])]
+
+
+def _positive(e: Emitter, x: str, threshold: float = 0.0) -> str:
+    return e.op("Greater", [x, e.scalar(threshold, x)])
+
+
+@rule("Gelu", note="dy*(Phi(x) + x*phi(x)); tanh approximation: its own derivative")
+def _gelu(e, node, dys, wants):
+    x = node.input[0]
+    approximate = attr(node, "approximate", b"none")
+    approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+    half = e.scalar(0.5, x)
+    if approximate == "tanh":  # y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = e.op("Mul", [x, x])
+        u = e.op("Mul", [e.op("Mul", [x, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x2, e.scalar(k, x)])])]), e.scalar(c, x)])
+        t = e.op("Tanh", [u])
+        du = e.op("Add", [e.scalar(c, x), e.op("Mul", [x2, e.scalar(3.0 * k * c, x)])])
+        sech2 = e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [t, t])])
+        local = e.op("Mul", [half, e.op("Add", [e.op("Add", [e.scalar(1.0, x), t]), e.op("Mul", [e.op("Mul", [x, sech2]), du])])])
+        return _local(e, node, dys, local)
+    if approximate != "none":
+        raise UnsupportedOpError(node.op_type, node.name, f"has approximate={approximate!r}; 'none' and 'tanh' are covered")
+    cdf = e.op("Mul", [half, e.op("Add", [e.scalar(1.0, x), e.op("Erf", [e.op("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), x)])])])])
+    pdf = e.op("Mul", [e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), e.scalar(-0.5, x)])]), e.scalar(1.0 / math.sqrt(2.0 * math.pi), x)])
+    return _local(e, node, dys, e.op("Add", [cdf, e.op("Mul", [x, pdf])]))
+
+
+@rule("Mish", note="dy*(t + x*(1-t^2)*sigmoid(x)), t = tanh(softplus(x))")
+def _mish(e, node, dys, wants):
+    x = node.input[0]
+    t = e.op("Tanh", [e.op("Softplus", [x])])
+    sech2 = e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [t, t])])
+    return _local(e, node, dys, e.op("Add", [t, e.op("Mul", [e.op("Mul", [x, sech2]), e.op("Sigmoid", [x])])]))
+
+
+@rule("Elu", note="dy where x > 0, dy*(y+alpha) elsewhere")
+def _elu(e, node, dys, wants):
+    x, y = node.input[0], node.output[0]
+    alpha = float(attr(node, "alpha", 1.0))
+    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(1.0, x), e.op("Add", [y, e.scalar(alpha, x)])))
+
+
+@rule("Selu", note="dy*gamma where x > 0, dy*(y+alpha*gamma) elsewhere")
+def _selu(e, node, dys, wants):
+    x, y = node.input[0], node.output[0]
+    alpha, gamma = float(attr(node, "alpha", 1.67326319217681884765625)), float(attr(node, "gamma", 1.05070102214813232421875))
+    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(gamma, x), e.op("Add", [y, e.scalar(alpha * gamma, x)])))
+
+
+@rule("Celu", note="dy where x > 0, dy*exp(x/alpha) elsewhere")
+def _celu(e, node, dys, wants):
+    x = node.input[0]
+    alpha = float(attr(node, "alpha", 1.0))
+    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(1.0, x), e.op("Exp", [e.op("Div", [x, e.scalar(alpha, x)])])))
+
+
+@rule("ThresholdedRelu", note="dy where x > alpha")
+def _thresholded_relu(e, node, dys, wants):
+    x = node.input[0]
+    return [_where(e, _positive(e, x, float(attr(node, "alpha", 1.0))), _dy(dys, e, node), e.scalar(0.0, x))]
+
+
+@rule("Shrink", note="dy where abs(x) > lambd")
+def _shrink(e, node, dys, wants):
+    x = node.input[0]
+    lambd = float(attr(node, "lambd", 0.5))
+    outside = e.op("Or", [_positive(e, x, lambd), e.op("Less", [x, e.scalar(-lambd, x)])])
+    return [_where(e, outside, _dy(dys, e, node), e.scalar(0.0, x))]
+
+
+@rule("Softsign", note="dy/(1+abs(x))^2")
+def _softsign(e, node, dys, wants):
+    x = node.input[0]
+    d = e.op("Add", [e.scalar(1.0, x), e.op("Abs", [x])])
+    return [e.op("Div", [_dy(dys, e, node), e.op("Mul", [d, d])])]
+
+
+@rule("PRelu", note="dy where x > 0, slope*dy elsewhere; slope: dy*x where x <= 0, summed over broadcast axes")
+def _prelu(e, node, dys, wants):
+    (x, slope), y, dy = node.input, node.output[0], _dy(dys, e, node)
+    positive, zero = _positive(e, x), e.scalar(0.0, x)
+    dx = _where(e, positive, dy, e.op("Mul", [dy, slope])) if wants[0] else None
+    dslope = e.unbroadcast(_where(e, positive, zero, e.op("Mul", [dy, x])), y, slope) if wants[1] else None
+    return [dx, dslope]
+
+
+@rule("Sin", note="dy*cos(x)")
+def _sin(e, node, dys, wants):
+    return _local(e, node, dys, e.op("Cos", [node.input[0]]))
+
+
+@rule("Cos", note="-dy*sin(x)")
+def _cos(e, node, dys, wants):
+    return [e.op("Neg", [e.op("Mul", [_dy(dys, e, node), e.op("Sin", [node.input[0]])])])]
+
+
+# ---------------------------------------------------------------------------- more shapes and indexing
+
+
+def _constant_ints(e: Emitter, node: onnx.NodeProto, index: int, what: str) -> list[int] | None:
+    """The node's constant integer input ``index`` as a list (None when the input is absent)."""
+    if len(node.input) <= index or not node.input[index]:
+        return None
+    value = e.value(node.input[index])
+    if value is None:
+        raise UnsupportedOpError(node.op_type, node.name, f"needs constant {what}")
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def _static_dim(e: Emitter, node: onnx.NodeProto, x: str, axis: int) -> int:
+    shape = e.shape(x)
+    if shape is None or not isinstance(shape[axis], int):
+        raise UnsupportedOpError(node.op_type, node.name, f"needs a static size of axis {axis}")
+    return int(shape[axis])
+
+
+def _slice1(e: Emitter, t: str, start: int, end: int, axis: int, step: int = 1) -> str:
+    return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([axis]), e.ints([step])])
+
+
+@rule("Tile", note="dy reshaped to (repeat, size) pairs and summed over the repeats")
+def _tile(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    repeats = _constant_ints(e, node, 1, "repeats")
+    rank = len(repeats)
+    pairs = [e.ints([r]) for r in repeats]
+    sizes = [e.op("Slice", [e.shape_of(x), e.ints([i]), e.ints([i + 1])]) for i in range(rank)]
+    shape = e.op("Concat", [t for pair in zip(pairs, sizes) for t in pair], axis=0)
+    summed = e.reduce("ReduceSum", e.op("Reshape", [dy, shape]), list(range(0, 2 * rank, 2)), keepdims=False)
+    return [summed, None]
+
+
+@rule("Pad", note="constant: dy cropped (Pad by the negated pads); reflect, edge, wrap: the border's dy added back "
+                  "where it was read")
+def _pad(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    mode = attr(node, "mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    rank = e.rank(x)
+    if rank is None:
+        raise UnsupportedOpError(node.op_type, node.name, "needs an input of known rank")
+    pads = _constant_ints(e, node, 1, "pads")
+    axes = _constant_ints(e, node, 3, "axes") or list(range(rank))
+    axes = [a + rank if a < 0 else a for a in axes]
+    k = len(axes)
+    grads: list[str | None] = [None] * len(node.input)
+    if mode == "constant":
+        grads[0] = e.op("Pad", [dy, e.ints([-p for p in pads]), "", e.ints(axes)]) if e.opset >= 18 else \
+            e.op("Pad", [dy, e.ints(_full_pads([-p for p in pads], axes, rank))])
+        return grads
+    if mode not in ("reflect", "edge", "wrap") or any(p < 0 for p in pads):
+        raise UnsupportedOpError(node.op_type, node.name, f"with mode={mode!r} and negative pads is not differentiated")
+    g = dy
+    for i, axis in enumerate(axes):
+        begin, end = int(pads[i]), int(pads[k + i])
+        if begin or end:
+            g = _unpad_axis(e, node, g, mode, axis, begin, end, _static_dim(e, node, x, axis))
+    grads[0] = g
+    return grads
+
+
+def _full_pads(pads: Sequence[int], axes: Sequence[int], rank: int) -> list[int]:
+    full = [0] * (2 * rank)
+    for i, a in enumerate(axes):
+        full[a], full[rank + a] = pads[i], pads[len(axes) + i]
+    return full
+
+
+def _unpad_axis(e: Emitter, node, g: str, mode: str, axis: int, begin: int, end: int, n: int) -> str:
+    """The gradient of padding one axis of length ``n`` by (begin, end) in a border mode: the middle,
+    plus each border's gradient added where it was read from."""
+    total = begin + n + end
+    parts = []  # (the border's gradient, where its first row lands in x, its length)
+    if begin:
+        head = _slice1(e, g, 0, begin, axis)
+        parts.append({"reflect": (_slice1(e, head, begin - 1, -total - 1, axis, -1), 1, begin),  # y[j] = x[begin-j]
+                      "edge": (e.reduce("ReduceSum", head, [axis], keepdims=True), 0, 1),
+                      "wrap": (head, n - begin, begin)}[mode])  # y[j] = x[n-begin+j]
+    if end:
+        tail = _slice1(e, g, begin + n, total, axis)
+        parts.append({"reflect": (_slice1(e, tail, end - 1, -total - 1, axis, -1), n - 1 - end, end),  # y[begin+n+k] = x[n-2-k]
+                      "edge": (e.reduce("ReduceSum", tail, [axis], keepdims=True), n - 1, 1),
+                      "wrap": (tail, 0, end)}[mode])  # y[begin+n+k] = x[k]
+    out = _slice1(e, g, begin, begin + n, axis)
+    rank = e.rank(node.input[0])
+    for block, at, size in parts:
+        if at < 0 or at + size > n:
+            raise UnsupportedOpError(node.op_type, node.name, f"pads more than the axis holds in mode {mode!r}")
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = at, n - at - size
+        out = e.op("Add", [out, e.op("Pad", [block, e.ints(pads)])])
+    return out
+
+
+@rule("GatherElements", note="dy scattered-added into zeros of x's shape at the indices")
+def _gather_elements(e, node, dys, wants):
+    data, idx = node.input
+    if e.opset < 16:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated at opset 16 or later (ScatterElements with add)")
+    axis = int(attr(node, "axis", 0))
+    return [e.op("ScatterElements", [e.zeros_like(data), idx, _dy(dys, e, node)], axis=axis, reduction="add"), None]
+
+
+@rule("GatherND", note="dy scattered-added into zeros of x's shape at the indices (batch_dims 0)")
+def _gather_nd(e, node, dys, wants):
+    data, idx = node.input
+    if int(attr(node, "batch_dims", 0)) or e.opset < 16:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with batch_dims=0 at opset 16 or later only")
+    return [e.op("ScatterND", [e.zeros_like(data), idx, _dy(dys, e, node)], reduction="add"), None]
+
+
+@rule("ScatterND", "ScatterElements", note="data: dy where nothing was written; updates: dy gathered at the indices "
+                                           "(reduction none or add)")
+def _scatter(e, node, dys, wants):
+    (data, idx, updates), dy = node.input, _dy(dys, e, node)
+    reduction = attr(node, "reduction", b"none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction not in ("none", "add"):
+        raise UnsupportedOpError(node.op_type, node.name, f"with reduction={reduction!r} is not differentiated")
+    extra = {"axis": int(attr(node, "axis", 0))} if node.op_type == "ScatterElements" else {}
+    ddata = dupdates = None
+    if wants[0]:
+        ddata = dy if reduction == "add" else e.op(node.op_type, [dy, idx, e.zeros_like(updates)], **extra)
+    if wants[2]:
+        dupdates = e.op("GatherElements" if extra else "GatherND", [dy, idx], **extra)
+    return [ddata, None, dupdates]
+
+
+@rule("CumSum", note="dy summed the other way along the axis")
+def _cumsum(e, node, dys, wants):
+    return [e.op("CumSum", [_dy(dys, e, node), node.input[1]], exclusive=int(attr(node, "exclusive", 0)),
+                 reverse=1 - int(attr(node, "reverse", 0))), None]
+
+
+@rule("Trilu", note="dy with the same triangle kept")
+def _trilu(e, node, dys, wants):
+    inputs = [_dy(dys, e, node), *node.input[1:]]
+    return [e.op("Trilu", inputs, upper=int(attr(node, "upper", 1))), None][: len(node.input)]
+
+
+@rule("DepthToSpace", "SpaceToDepth", note="dy moved back (SpaceToDepth and DepthToSpace in DCR order undo each "
+                                           "other; CRD through Reshape and Transpose)")
+def _depth_space(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    b = int(attr(node, "blocksize"))
+    mode = attr(node, "mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if node.op_type == "SpaceToDepth":
+        return [e.op("DepthToSpace", [dy], blocksize=b, mode="DCR")]
+    if mode == "DCR":
+        return [e.op("SpaceToDepth", [dy], blocksize=b)]
+    shape = e.shape(x)  # CRD: y[n, c, h*b+i, w*b+j] = x[n, c*b*b + i*b + j, h, w]
+    if shape is None or not all(isinstance(d, int) for d in shape[1:]):
+        raise UnsupportedOpError(node.op_type, node.name, "in CRD mode needs static channel and spatial sizes")
+    _, c, h, w = shape
+    six = e.op("Reshape", [dy, e.ints([-1, c // (b * b), h, b, w, b])])
+    return [e.op("Reshape", [e.op("Transpose", [six], perm=[0, 1, 3, 5, 2, 4]), e.ints([-1, c, h, w])])]
+
+
+# ---------------------------------------------------------------------------- transposed convolution and resizing
+
+
+@rule("ConvTranspose", note="dx: Conv of dy with the same weight; dw: Conv of dy and x with batch and channels swapped "
+                            "(grouped: one Conv with the groups); db: sum")
+def _conv_transpose(e, node, dys, wants):
+    x, w = node.input[0], node.input[1]
+    y, dy = node.output[0], _dy(dys, e, node)
+    xshape, wshape, yshape = e.shape(x), e.shape(w), e.shape(y)
+    static = [s is not None and all(isinstance(d, int) for d in s[1:]) for s in (xshape, wshape, yshape)]
+    if not all(static) or not isinstance(wshape[0], int):
+        raise UnsupportedOpError(node.op_type, node.name, "needs static channel and spatial sizes and a weight of static shape")
+    auto = attr(node, "auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto not in ("NOTSET", "VALID") or attr(node, "output_shape") is not None:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with explicit pads only (no auto_pad or output_shape)")
+    kernel = [int(d) for d in wshape[2:]]
+    nd = len(kernel)
+    group = int(attr(node, "group", 1))
+    strides = list(attr(node, "strides", [1] * nd))
+    dil = list(attr(node, "dilations", [1] * nd))
+    pads = list(attr(node, "pads", [0] * (2 * nd))) if auto == "NOTSET" else [0] * (2 * nd)
+    in_dims = [int(d) for d in xshape[2:]]
+    c_in, c_out_group = int(wshape[0]), int(wshape[1])
+    grads: list[str | None] = [None] * len(node.input)
+    if wants[0]:  # ConvTranspose is the adjoint of Conv with the same attributes: dx = Conv(dy, w)
+        dx = e.op("Conv", [dy, w], strides=strides, pads=pads, dilations=dil, group=group)
+        grads[0] = _crop_to(e, dx, in_dims)
+    if wants[1]:
+        # dw[ci, co, k] = sum over n, i of x[n, ci, i] * dy[n, co, i*s + k*d - pad]: a Conv of dy (channels as the
+        # batch) with x (batch as the channels), the groups' blocks of dy's channels side by side
+        n_dims = list(range(2, 2 + nd))
+        dyg = e.op("Reshape", [dy, e.ints([0, group, c_out_group, *[int(d) for d in yshape[2:]]])])
+        dyt = e.op("Reshape", [e.op("Transpose", [dyg], perm=[2, 1, 0, *[d + 1 for d in n_dims]]),
+                               e.ints([c_out_group, -1, *[int(d) for d in yshape[2:]]])])  # [Cout/g, g*N, ...]
+        xt = e.op("Transpose", [x], perm=[1, 0, *n_dims])  # [Cin, N, ...]
+        full = e.op("Conv", [dyt, xt], strides=dil, dilations=strides, pads=pads, group=group)  # [Cout/g, Cin, k' ...]
+        trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(n_dims)])
+        grads[1] = e.op("Transpose", [trimmed], perm=[1, 0, *n_dims])
+    if len(node.input) > 2 and node.input[2] and wants[2]:
+        grads[2] = e.reduce("ReduceSum", dy, [0, *range(2, 2 + nd)], keepdims=False)
+    return grads
+
+
+def _crop_to(e: Emitter, t: str, dims: list[int]) -> str:
+    """``t`` [N, C, spatial...] cut to the spatial ``dims`` where it is longer (output_padding beyond the strides)."""
+    shape = e.shape(t)
+    if shape is not None and [d for d in shape[2:]] == dims:
+        return t
+    nd = len(dims)
+    return e.op("Slice", [t, e.ints([0] * nd), e.ints(dims), e.ints(list(range(2, 2 + nd)))])
+
+
+@rule("Resize", note="dy contracted with each resized axis's interpolation weights (any separable mode: nearest, "
+                     "linear, cubic; static sizes)")
+def _resize(e, node, dys, wants):
+    x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
+    xshape, yshape = e.shape(x), e.shape(y)
+    if xshape is None or yshape is None or len(xshape) != len(yshape):
+        raise UnsupportedOpError(node.op_type, node.name, "needs input and output of known rank")
+    rank = len(xshape)
+    transform = attr(node, "coordinate_transformation_mode", b"half_pixel")
+    transform = transform.decode() if isinstance(transform, bytes) else transform
+    policy = attr(node, "keep_aspect_ratio_policy", b"stretch")
+    policy = policy.decode() if isinstance(policy, bytes) else policy
+    if transform == "tf_crop_and_resize" or policy != "stretch":
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated without tf_crop_and_resize or a "
+                                 "keep_aspect_ratio_policy")
+    axes = [int(a) + rank if int(a) < 0 else int(a) for a in attr(node, "axes", list(range(rank)))]
+    scales = _constant_floats(e, node, 2) if e.opset >= 11 else None
+    g = dy
+    for k, axis in enumerate(axes):
+        n, m = xshape[axis], yshape[axis]
+        scale = scales[k] if scales else None
+        if n == m and scale in (None, 1.0):
+            continue
+        if not isinstance(n, int) or not isinstance(m, int):
+            raise UnsupportedOpError(node.op_type, node.name, f"needs static sizes of the resized axis {axis}")
+        weights = _resize_weights(node, e.opset, n, m, scale)  # [n, m]: x[i]'s share of y[j]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(e.elem_type(x))
+        if axis == rank - 2:
+            g = e.op("MatMul", [e.const(weights.astype(dtype), "resize_weights"), g])
+        else:
+            back = e.const(np.ascontiguousarray(weights.T).astype(dtype), "resize_weights")
+            if axis == rank - 1:
+                g = e.op("MatMul", [g, back])
+            else:
+                perm = [*range(axis), *range(axis + 1, rank), axis]
+                moved = e.op("MatMul", [e.op("Transpose", [g], perm=perm), back])
+                g = e.op("Transpose", [moved], perm=[*range(axis), rank - 1, *range(axis, rank - 1)])
+    return [g] + [None] * (len(node.input) - 1)
+
+
+def _constant_floats(e: Emitter, node: onnx.NodeProto, index: int) -> list[float] | None:
+    if len(node.input) <= index or not node.input[index]:
+        return None
+    value = e.value(node.input[index])
+    if value is None:
+        shape = e.shape(node.input[index])
+        if shape is not None and shape[:1] == (0,):
+            return None
+        raise UnsupportedOpError(node.op_type, node.name, "needs constant scales")
+    return [float(v) for v in np.asarray(value).reshape(-1)] or None
+
+
+def _resize_weights(node: onnx.NodeProto, opset: int, n: int, m: int, scale: float | None) -> np.ndarray:
+    """The [n, m] matrix of one resized axis: the node's own attributes applied by onnxruntime (the
+    runtime that trains the plan) to the identity along the last axis, so that every mode's rounding
+    is the kernel's (onnx's reference implementation differs from it for an output of length 1)."""
+    import onnxruntime as ort
+
+    kept = [a for a in node.attribute if a.name not in ("axes", "keep_aspect_ratio_policy")]
+    eye = np.eye(n, dtype=np.float32).reshape(1, 1, n, n)
+    if scale is not None:
+        extra = [onnx.numpy_helper.from_array(np.array([1.0, 1.0, 1.0, scale], dtype=np.float32), "scales")]
+        one = onnx.helper.make_node("Resize", ["x", "", "scales"], ["y"])
+    else:
+        extra = [onnx.numpy_helper.from_array(np.array([1, 1, n, m], dtype=np.int64), "sizes")]
+        one = onnx.helper.make_node("Resize", ["x", "", "", "sizes"], ["y"])
+    one.attribute.extend(kept)
+    graph = onnx.helper.make_graph([one], "resize_weights", [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, eye.shape)],
+                                   [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=extra)
+    opsets = [onnx.helper.make_opsetid("", max(opset, 13))]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=onnx.helper.find_min_ir_version_for(opsets))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    (weights,) = session.run(None, {"x": eye})
+    if weights.shape != (1, 1, n, m):
+        raise UnsupportedOpError(node.op_type, node.name, f"resizes an axis of {n} to {m}, which its scale does not give")
+    return np.asarray(weights[0, 0], dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------- Einsum
+
+
+def _einsum_terms(e: Emitter, node: onnx.NodeProto) -> tuple[list[str], str]:
+    """The operands' subscripts and the output's, each as a string of letters with the ellipsis
+    written out in letters no term uses (the operands' ranks from shape inference)."""
+    equation = attr(node, "equation")
+    equation = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
+    lhs, _, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    free = [c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in equation]
+    widths = []
+    for term, x in zip(terms, node.input):
+        rank = e.rank(x)
+        if "..." in term and rank is None:
+            raise UnsupportedOpError(node.op_type, node.name, "needs operands of known rank for an ellipsis")
+        widths.append(rank - len(term.replace("...", "")) if "..." in term else 0)
+    width = max(widths, default=0)
+    ellipsis = "".join(free[:width])
+    if any(w not in (0, width) for w, t in zip(widths, terms) if "..." in t):
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with ellipses of one width only")
+    terms = [t.replace("...", ellipsis) for t in terms]
+    if "->" not in equation:  # implicit output: the letters seen once, in alphabetical order
+        letters = "".join(terms)
+        rhs = ellipsis + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ellipsis))
+    else:
+        rhs = rhs.replace("...", ellipsis)
+    return terms, rhs
+
+
+@rule("Einsum", note="each operand's gradient is the Einsum of dy with the other operands (letters of that operand "
+                     "alone broadcast back)")
+def _einsum(e, node, dys, wants):
+    terms, rhs = _einsum_terms(e, node)
+    dy = _dy(dys, e, node)
+    grads: list[str | None] = []
+    for k, (term, x) in enumerate(zip(terms, node.input)):
+        if not wants[k]:
+            grads.append(None)
+            continue
+        if len(set(term)) != len(term):
+            raise UnsupportedOpError(node.op_type, node.name, f"repeats a letter in {term!r} (a diagonal); not differentiated")
+        others = [(t, i) for j, (t, i) in enumerate(zip(terms, node.input)) if j != k]
+        seen = set(rhs).union(*[set(t) for t, _ in others])
+        kept = "".join(c for c in term if c in seen)
+        equation = ",".join([rhs, *[t for t, _ in others]]) + "->" + kept
+        g = e.op("Einsum", [dy, *[i for _, i in others]], equation=equation)
+        if kept != term:  # letters summed over in this operand alone: their gradient is dy broadcast along them
+            g = e.op("Expand", [e.unsqueeze(g, [p for p, c in enumerate(term) if c not in seen]), e.shape_of(x)])
+        grads.append(g)
+    return grads
+
+
 # ---------------------------------------------------------------------------- matrices
 
 
@@ -515,7 +967,8 @@ def _split(e, node, dys, wants):
     return [e.op("Concat", parts, axis=axis)] + [None] * (len(node.input) - 1)
 
 
-@rule("Slice", note="dy padded back with zeros (steps of 1, static sliced dims)")
+@rule("Slice", note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims, "
+                      "or from a start to the end)")
 def _slice(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     shape = e.shape(x)
@@ -527,15 +980,54 @@ def _slice(e, node, dys, wants):
     steps = [int(v) for v in values[3].reshape(-1)] if len(values) > 3 and values[3] is not None else [1] * len(starts)
     rank = len(shape)
     pads = [0] * (2 * rank)
+    g = dy
     for s, t, a, step in zip(starts, ends, axes, steps):
         a = a + rank if a < 0 else a
         dim = shape[a]
-        if step != 1 or not isinstance(dim, int):
-            raise UnsupportedOpError(node.op_type, node.name, "is differentiated with steps of 1 on axes of static size only")
-        s = min(max(s + dim if s < 0 else s, 0), dim)
-        t = min(max(t + dim if t < 0 else t, 0), dim)
-        pads[a], pads[rank + a] = s, dim - max(t, s)
-    return [e.op("Pad", [dy, e.ints(pads)])] + [None] * (len(node.input) - 1)
+        if not isinstance(dim, int):
+            if step != 1 or s < 0 or t < _TO_THE_END:
+                raise UnsupportedOpError(node.op_type, node.name, "is differentiated on axes of static size only, or from a "
+                                         "start to the end (a batch axis)")
+            pads[a] = s  # x[s:] of an axis whose size is known at run time only (the dynamo exporter's x[:, 0] slices
+            continue     # the batch axis whole)
+        first, count, stride = _slice_span(s, t, step, dim)
+        if count == 0:
+            return [e.zeros_like(x)] + [None] * (len(node.input) - 1)
+        if step < 0:  # the selected rows in ascending order
+            g = e.op("Slice", [g, e.ints([-1]), e.ints([-count - 1]), e.ints([a]), e.ints([-1])])
+        if stride > 1:
+            g = _unstride(e, g, a, count, stride, rank)
+        pads[a], pads[rank + a] = first, dim - first - count * stride
+    return [e.op("Pad", [g, e.ints(pads)])] + [None] * (len(node.input) - 1)
+
+
+_TO_THE_END = 2**31 - 1  # an end at least this large takes an axis to its end, as exporters write x[s:]
+
+
+def _slice_span(start: int, end: int, step: int, dim: int) -> tuple[int, int, int]:
+    """(the lowest index a Slice takes on an axis of ``dim``, how many it takes, their spacing), with
+    ONNX's clamping of starts and ends."""
+    if step > 0:
+        s = min(max(start + dim if start < 0 else start, 0), dim)
+        t = min(max(end + dim if end < 0 else end, 0), dim)
+        count = max(0, -(-(t - s) // step))
+        return s, count, step
+    s = min(max(start + dim if start < 0 else start, 0), dim - 1)
+    t = min(max(end + dim if end < 0 else end, -1), dim - 1)
+    count = max(0, -(-(s - t) // -step))
+    return s + (count - 1) * step, count, -step
+
+
+def _unstride(e: Emitter, g: str, axis: int, count: int, stride: int, rank: int) -> str:
+    """``g``'s ``count`` rows along ``axis`` spread ``stride`` apart with zeros between (and after the last)."""
+    padded = e.op("Pad", [e.unsqueeze(g, [axis + 1]), e.ints([0] * (rank + axis + 2) + [stride - 1] + [0] * (rank - axis - 1))])
+    shape = e.shape_of(g)
+    parts = [e.ints([count * stride])]
+    if axis:
+        parts.insert(0, e.op("Slice", [shape, e.ints([0]), e.ints([axis])]))
+    if axis < rank - 1:
+        parts.append(e.op("Slice", [shape, e.ints([axis + 1]), e.ints([rank])]))
+    return e.op("Reshape", [padded, e.op("Concat", parts, axis=0) if len(parts) > 1 else parts[0]])
 
 
 @rule("Gather", note="dy scattered-added into zeros of x's shape (any axis: moved to the front and back)")
@@ -548,24 +1040,30 @@ def _gather(e, node, dys, wants):
     rank, irank = len(shape), len(ishape)
     axis = int(attr(node, "axis", 0))
     axis = axis + rank if axis < 0 else axis
-    if not isinstance(shape[axis], int):
-        raise UnsupportedOpError(node.op_type, node.name, "needs a static size of the gathered axis")
+    if isinstance(shape[axis], int):
+        size: int | str = int(shape[axis])
+    elif e.opset >= 16:  # read at run time (the dynamo exporter's unoptimized graphs leave sizes symbolic)
+        size = e.op("Reshape", [e.op("Slice", [e.op("Shape", [data]), e.ints([axis]), e.ints([axis + 1])]), e.ints([])])
+    else:
+        raise UnsupportedOpError(node.op_type, node.name, "needs a static size of the gathered axis below opset 16")
     if axis:  # dy is data[:axis] + idx + data[axis+1:]: bring the index dimensions to the front
         front = [*range(axis, axis + irank), *range(axis), *range(axis + irank, rank + irank - 1)]
         dy = e.op("Transpose", [dy], perm=front)
         moved = e.op("Transpose", [data], perm=[axis, *range(axis), *range(axis + 1, rank)])
         e.record(moved, e.elem_type(data), (shape[axis], *shape[:axis], *shape[axis + 1:]))
-        grad = _gather_rows(e, moved, idx, dy, int(shape[axis]))
+        grad = _gather_rows(e, moved, idx, dy, size)
         back = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
         return [e.op("Transpose", [grad], perm=back), None]
-    return [_gather_rows(e, data, idx, dy, int(shape[0])), None]
+    return [_gather_rows(e, data, idx, dy, size), None]
 
 
-def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int) -> str:
-    """The gradient of Gather(data, idx, axis=0): the rows of dy added into zeros at idx."""
+def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int | str) -> str:
+    """The gradient of Gather(data, idx, axis=0): the rows of dy added into zeros at idx (``rows``:
+    data's first dimension, or a tensor holding it)."""
     i64 = e.op("Cast", [idx], to=TensorProto.INT64)
     zero = e.const(np.array(0, dtype=np.int64), "zero")
-    fixed = _where(e, e.op("Less", [i64, zero]), e.op("Add", [i64, e.const(np.array(rows, dtype=np.int64), "rows")]), i64)
+    count = e.const(np.array(rows, dtype=np.int64), "rows") if isinstance(rows, int) else rows
+    fixed = _where(e, e.op("Less", [i64, zero]), e.op("Add", [i64, count]), i64)
     if e.opset >= 16:
         return e.op("ScatterND", [e.zeros_like(data), e.unsqueeze(fixed, [-1]), dy], reduction="add")
     # one-hot product: rows of dy summed per index
@@ -797,10 +1295,13 @@ _DECOMPOSED = {
                           "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
                           "evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
-    "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
-           "default activations, either linear_before_reset, no sequence_lens)",
-    "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
-            "default activations, no peepholes, no sequence_lens)",
+    "InstanceNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div over the spatial axes before differentiating",
+    "GroupNormalization": "rewritten into Reshape to the groups and ReduceMean/Sub/Mul/Sqrt/Div before differentiating "
+                          "(scale and bias per group before opset 21, per channel from 21)",
+    "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
+           "layout 0, default activations, either linear_before_reset, no sequence_lens)",
+    "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
+            "layout 0, default activations, no peepholes, no sequence_lens)",
 }
 
 
@@ -833,9 +1334,10 @@ def coverage_document() -> str:
         "Generated from `emulator.toolchain.OP_COVERAGE` (`python -m emulator.toolchain.gradients`); a test keeps",
         "the two equal. An op outside this table is refused with `UnsupportedOpError`, naming the op and the",
         "node. Every gradient rule is checked against finite differences over random shapes",
-        "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`, `GRU`,",
-        "`LSTM`) against onnxruntime's own kernels for them. A recurrent model may also come unrolled by its",
-        "author (`Slice` and `Squeeze` per step, `MatMul`, `Sigmoid`, `Tanh`).",
+        "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`,",
+        "`InstanceNormalization`, `GroupNormalization`, `GRU`, `LSTM`) against onnxruntime's own kernels for",
+        "them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
+        "`Sigmoid`, `Tanh`).",
         "",
         coverage_markdown(),
         "",

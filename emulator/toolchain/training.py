@@ -387,7 +387,7 @@ def onnx_training_plan(
     infos = tensor_infos(parts.model)
     taken = {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
     taken |= {"loss_sum", "count", "correct"}
-    e = Emitter(parts.opset, infos, constant_values(graph), taken)
+    e = Emitter(parts.opset, infos, constant_values(graph, parts.opset, infos), taken)
     fw = training_forward(e, list(graph.node), set(parts.initializers), dropout_seed)
     nodes = _live_nodes(fw.nodes, [parts.prediction, *fw.state_updates.values()])
     check_ops(nodes)

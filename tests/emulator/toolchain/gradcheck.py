@@ -26,6 +26,9 @@ def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray], constants: M
                               initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    for out in model.graph.output:  # an op onnx cannot infer (GroupNormalization): typed and shaped as its first input
+        if out.type.tensor_type.elem_type == 0:
+            out.type.CopyFrom(graph_inputs[0].type)
     return model
 
 

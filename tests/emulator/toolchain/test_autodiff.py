@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
+from emulator.toolchain.autodiff import constant_values
 from emulator.toolchain.gradients import coverage_document
 from tests.emulator.toolchain.gradcheck import vjp_error
 from tests.emulator.toolchain.models import F, model
@@ -62,3 +63,69 @@ def test_active_dropout_passes_the_gradient_of_kept_entries_scaled_and_drops_the
     kept = grad != 0
     np.testing.assert_allclose(grad[kept], seed[kept] / (1 - ratio), rtol=1e-6)
     assert abs((~kept).mean() - ratio) < 0.03  # 10,000 draws: the dropped share is the ratio
+
+
+def test_axes_computed_from_constants_alone_are_constants_for_the_rules():
+    """The dynamo exporter's unoptimized graphs (optimize=False) build a ReduceMean's axes and a Slice's
+    starts with Reshape and Concat of Constant nodes; the rules read them folded."""
+    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [const("raw_axes", [[-1, -2]]), const("flat", [-1]), helper.make_node("Reshape", ["raw_axes", "flat"], ["axes"]),
+             const("zero", [0]), const("one", [1]), helper.make_node("Concat", ["zero", "one"], ["starts"], axis=0),
+             const("big", [9, 9]), const("slice_axes", [2, 3]),
+             helper.make_node("Mul", ["x", "w"], ["h"]), helper.make_node("Slice", ["h", "starts", "big", "slice_axes"], ["s"]),
+             helper.make_node("ReduceMean", ["s", "axes"], ["y"], keepdims=1)]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [2, 3, 4, 5]), helper.make_tensor_value_info("w", F, [1, 3, 1, 1])],
+              [helper.make_tensor_value_info("y", F, [2, 3, 1, 1])], {}, opset=18)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((2, 3, 4, 5)).astype(np.float32), "w": rng.standard_normal((1, 3, 1, 1)).astype(np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
+
+
+def test_values_computed_from_float_initializers_are_not_folded_into_constants():
+    """A float initializer may be a trained weight: what is computed from it changes as it trains."""
+    nodes = [helper.make_node("Constant", [], ["two"], value=numpy_helper.from_array(np.array(2.0, np.float32))),
+             helper.make_node("Mul", ["two", "two"], ["four"]), helper.make_node("Mul", ["w", "two"], ["w2"])]
+    m = model(nodes, [], [helper.make_tensor_value_info("w2", F, [2])], {"w": np.ones(2, np.float32)})
+    values = constant_values(m.graph, 17)
+    assert float(values["four"]) == 4.0 and "w2" not in values
+
+
+def test_shapes_sliced_with_starts_computed_by_mod_keep_their_rank_for_the_rules():
+    """torchvision's multi-head attention (classic exporter) reshapes its projection with a shape
+    sliced at starts computed through Mod, where onnx's data propagation stops; folded first, the
+    reshaped tensor keeps its rank and the Gather after it is differentiated."""
+    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),  # [2, 3, 6]
+             helper.make_node("Shape", ["h"], ["shape"]),
+             const("minus_one", [-1]), const("three", [3]), const("three_again", [3]),
+             helper.make_node("Add", ["minus_one", "three"], ["two"]),
+             helper.make_node("Mod", ["two", "three_again"], ["start"]),  # 2
+             const("zero", [0]), helper.make_node("Slice", ["shape", "zero", "start"], ["lead"]),  # [2, 3]
+             const("split", [2, 3]), helper.make_node("Concat", ["lead", "split"], ["new_shape"], axis=0),
+             helper.make_node("Reshape", ["h", "new_shape"], ["r"]),  # [2, 3, 2, 3]
+             helper.make_node("Transpose", ["r"], ["t"], perm=[2, 0, 1, 3]),
+             const("first", 0), helper.make_node("Gather", ["t", "first"], ["y"], axis=0)]  # [2, 3, 3]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [2, 3, 4]), helper.make_tensor_value_info("w", F, [4, 6])],
+              [helper.make_tensor_value_info("y", F, [2, 3, 3])], {}, opset=17)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "w": rng.standard_normal((4, 6)).astype(np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
+
+
+def test_slices_at_a_static_dimension_that_shape_reads_are_differentiated():
+    """Llama's rotate_half as the classic exporter writes it: the last axis halved at x.shape[-1] // 2
+    (Shape, Gather, Div, Unsqueeze) while the batch axis stays dynamic."""
+    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),  # [N, 3, 8]
+             helper.make_node("Shape", ["h"], ["shape"]), const("last", 2), helper.make_node("Gather", ["shape", "last"], ["size"]),
+             const("two", 2), helper.make_node("Div", ["size", "two"], ["half"]),
+             const("zero_axis", [0]), helper.make_node("Unsqueeze", ["half", "zero_axis"], ["half_1d"]),
+             const("start", [0]), const("end", [2**63 - 1]), const("axis", [-1]),
+             helper.make_node("Slice", ["h", "start", "half_1d", "axis"], ["x1"]),
+             helper.make_node("Slice", ["h", "half_1d", "end", "axis"], ["x2"]),
+             helper.make_node("Neg", ["x2"], ["minus_x2"]), helper.make_node("Concat", ["minus_x2", "x1"], ["y"], axis=-1)]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 3, 4]), helper.make_tensor_value_info("w", F, [4, 8])],
+              [helper.make_tensor_value_info("y", F, ["N", 3, 8])], {}, opset=17)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "w": rng.standard_normal((4, 8)).astype(np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3

@@ -115,16 +115,41 @@ def test_a_castlike_whose_target_type_is_on_the_differentiable_path_takes_no_gra
 
 
 def test_an_op_without_a_rule_on_the_differentiable_path_is_still_refused_by_op_and_node():
-    # the same op the test above lets through on an index buffer, here gathering a trainable table
-    inits = {"table": np.ones((4, 3), np.float32), "picks": np.array([[0, 2, 1]] * 4, np.int64)}
-    nodes = [helper.make_node("GatherElements", ["table", "picks"], ["picked"], name="gather_weights", axis=1),
+    # an op with no rule (Hardmax) on a trainable table; the table read by GatherElements trains (test below)
+    inits = {"table": np.ones((4, 3), np.float32)}
+    nodes = [helper.make_node("Hardmax", ["table"], ["picked"], name="pick_weights", axis=1),
              helper.make_node("MatMul", ["x", "picked"], ["y"], name="dense")]
     m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 3])], inits)
-    with pytest.raises(UnsupportedOpError, match="'GatherElements' \\(node 'gather_weights'\\) has no gradient rule") as info:
+    with pytest.raises(UnsupportedOpError, match="'Hardmax' \\(node 'pick_weights'\\) has no gradient rule") as info:
         training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
-    assert (info.value.op_type, info.value.node_name) == ("GatherElements", "gather_weights")
-    with pytest.raises(UnsupportedOpError, match="'GatherElements' \\(node 'gather_weights'\\)"):
+    assert (info.value.op_type, info.value.node_name) == ("Hardmax", "pick_weights")
+    with pytest.raises(UnsupportedOpError, match="'Hardmax' \\(node 'pick_weights'\\)"):
         vjp_model(m, outputs=["y"], wrt=["table"])
+
+
+def test_a_table_gathered_on_the_differentiable_path_trains_by_its_rule():
+    """GatherElements of a trainable table (torch.gather of a bias table) is differentiated: one SGD step
+    with lr=1 is the gradient, against central differences of the model in onnxruntime."""
+    rng = np.random.default_rng(2)
+    inits = {"table": rng.standard_normal((4, 3)).astype(np.float32), "picks": np.array([[0, 2, 1, 1]] * 4, np.int64)}
+    nodes = [helper.make_node("GatherElements", ["table", "picks"], ["picked"], name="gather_weights", axis=1),
+             helper.make_node("MatMul", ["x", "picked"], ["y"], name="dense")]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 4])], inits)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = rng.standard_normal((5, 4)).astype(np.float32)
+    plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(1.0), batch_size=5, example_selector=SELECTOR)
+    start = initial_weights_from_onnx(m, plan)
+    result = PlanExecutor(plan).run_device(start, lambda: [{"x": x, "y": y}])
+    step = start["table"] - PlanExecutor(plan).final_weights(start, result)["table"]
+    eps, numeric = 1e-3, np.zeros_like(start["table"])
+    for i in np.ndindex(*start["table"].shape):
+        plus, minus = dict(start), dict(start)
+        plus["table"] = start["table"].copy()
+        minus["table"] = start["table"].copy()
+        plus["table"][i] += eps
+        minus["table"][i] -= eps
+        numeric[i] = (_mse(m, plus, x, y) - _mse(m, minus, x, y)) / (2 * eps)
+    assert np.allclose(step, numeric, atol=2e-3)
 
 
 def test_a_frozen_weight_takes_its_ops_off_the_differentiable_path():

@@ -7,11 +7,13 @@ onnxruntime runs in float64 are checked in float64 (tight); convolutions and poo
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
 
-from emulator.toolchain import OP_COVERAGE
+from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
 from emulator.toolchain.forward import DECOMPOSED
 from emulator.toolchain.gradients import NO_GRADIENT, RULES
 from tests.emulator.toolchain.gradcheck import single_op_model, vjp_error
@@ -262,6 +264,203 @@ def case_hard_swish(draw):  # both flat parts and the quadratic ramp between -3 
     return "HardSwish", {"x": _away_from(_arr(draw, _shape(draw), low=-5.0, high=5.0), [-3.0, 3.0])}, {}, {}, 17, F32_TOL
 
 
+def case_activation(op, kinks=lambda attrs: [0.0], opset=17, **choices):
+    """A one-input activation in float32 (onnxruntime's kernels for most of them), its attributes drawn
+    from ``choices`` and its inputs kept off its kinks."""
+    def draw_case(draw):
+        attrs = {k: draw(st.sampled_from(v)) for k, v in choices.items()}
+        x = _away_from(_arr(draw, _shape(draw), low=-3.0, high=3.0), kinks(attrs))
+        return op, {"x": x}, {}, attrs, opset, F32_TOL
+    return draw_case
+
+
+def case_prelu(draw):
+    shape = _shape(draw, draw(st.integers(1, 4)))
+    slope = _broadcast_partner(draw, shape)
+    return "PRelu", {"x": _away_from(_arr(draw, shape), [0.0]), "slope": _arr(draw, slope, np.float32)}, {}, {}, 17, F32_TOL
+
+
+def case_tile(draw):
+    shape = _shape(draw)
+    repeats = [draw(st.integers(1, 3)) for _ in shape]
+    return "Tile", {"x": _arr(draw, shape)}, {"repeats": np.array(repeats, dtype=np.int64)}, {}, 17, F64_TOL
+
+
+def case_pad(draw):
+    """Pad in each mode, over all axes (opset 13) or some of them, negative ones too (opset 18's axes input)."""
+    mode = draw(st.sampled_from(["constant", "reflect", "edge", "wrap"]))
+    shape = tuple(draw(st.integers(2, 4)) for _ in range(draw(st.integers(1, 4))))
+    rank = len(shape)
+    opset = draw(st.sampled_from([13, 18, 19])) if mode != "wrap" else 19
+    axes = list(range(rank))
+    if opset >= 18 and draw(st.booleans()):
+        axes = sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1, max_size=rank)))
+    low = -1 if mode == "constant" else 0
+    pads = [draw(st.integers(low, shape[a] - 1)) for a in axes] + [draw(st.integers(low, shape[a] - 1)) for a in axes]
+    constants = {"pads": np.array(pads, dtype=np.int64)}
+    if len(axes) < rank:
+        constants[""] = None
+        constants["axes"] = np.array([a - rank if draw(st.booleans()) else a for a in axes], dtype=np.int64)
+    order = ["x", "pads", *([""] if "axes" in constants else []), *(["axes"] if "axes" in constants else [])]
+    constants.pop("", None)
+    return "Pad", {"x": _arr(draw, shape)}, constants, {"mode": mode, "order": order}, opset, F64_TOL
+
+
+def case_slice_strided(draw):
+    """Slices with steps other than 1, negative ones too (Swin's x[:, 0::2], a reversal)."""
+    shape = _shape(draw)
+    axis = draw(st.integers(0, len(shape) - 1))
+    dim = shape[axis]
+    step = draw(st.sampled_from([2, 3, -1, -2]))
+    start = draw(st.integers(-dim - 1, dim + 1))
+    end = draw(st.integers(-dim - 2, dim + 1))
+    if len(range(*slice(start, end, step).indices(dim))) == 0:
+        start, end = (0, dim) if step > 0 else (dim - 1, -dim - 1)
+    return "Slice", {"x": _arr(draw, shape)}, {
+        "starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis]), "steps": np.array([step])}, {}, 17, F64_TOL
+
+
+def case_gather_elements(draw):
+    shape = _shape(draw)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    ishape = list(shape)
+    ishape[axis] = draw(dims)
+    seed = draw(st.integers(0, 2**31))
+    size = shape[axis]
+    idx = np.random.default_rng(seed).integers(-size, size, size=ishape).astype(np.int64)
+    return "GatherElements", {"x": _arr(draw, shape, np.float32)}, {"i": idx}, {"axis": axis}, 17, F32_TOL
+
+
+def case_gather_nd(draw):
+    shape = _shape(draw, draw(st.integers(1, 3)))
+    depth = draw(st.integers(1, len(shape)))
+    lead = _shape(draw, draw(st.integers(1, 2)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    idx = np.stack([rng.integers(0, shape[k], size=lead) for k in range(depth)], -1).astype(np.int64)
+    return "GatherND", {"x": _arr(draw, shape, np.float32)}, {"i": idx}, {}, 17, F32_TOL
+
+
+def case_scatter(op):
+    def draw_case(draw):
+        shape = _shape(draw, draw(st.integers(1, 3)))
+        rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+        if op == "ScatterND":  # distinct rows, as an index_put of a slice writes them
+            rows = rng.permutation(shape[0])[: draw(st.integers(1, shape[0]))]
+            idx = rows.reshape(-1, 1).astype(np.int64)
+            updates = _arr(draw, (len(rows), *shape[1:]), np.float32)
+            attrs = {}
+        else:
+            axis = draw(st.integers(0, len(shape) - 1))
+            ishape = list(shape)
+            ishape[axis] = draw(st.integers(1, shape[axis]))
+            idx = np.argsort(rng.random(shape), axis=axis).take(range(ishape[axis]), axis=axis).astype(np.int64)
+            updates = _arr(draw, tuple(ishape), np.float32)
+            attrs = {"axis": axis}
+        reduction = draw(st.sampled_from(["none", "add"]))
+        attrs.update(reduction=reduction, order=["x", "i", "u"])
+        return op, {"x": _arr(draw, shape, np.float32), "u": updates}, {"i": idx}, attrs, 17, F32_TOL
+    return draw_case
+
+
+def case_cumsum(draw):
+    shape = _shape(draw)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    attrs = {"exclusive": draw(st.integers(0, 1)), "reverse": draw(st.integers(0, 1))}
+    return "CumSum", {"x": _arr(draw, shape)}, {"axis": np.array(axis, dtype=np.int64)}, attrs, 17, F64_TOL
+
+
+def case_trilu(draw):
+    shape = _shape(draw, draw(st.integers(2, 3)))
+    return "Trilu", {"x": _arr(draw, shape, np.float32)}, {"k": np.array(draw(st.integers(-2, 2)), dtype=np.int64)}, \
+        {"upper": draw(st.integers(0, 1))}, 17, F32_TOL
+
+
+def case_depth_space(op):
+    def draw_case(draw):
+        b = draw(st.integers(1, 3))
+        n, c, h, w = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        if op == "SpaceToDepth":
+            return op, {"x": _arr(draw, (n, c, h * b, w * b), np.float32)}, {}, {"blocksize": b}, 17, F32_TOL
+        mode = draw(st.sampled_from(["DCR", "CRD"]))
+        return op, {"x": _arr(draw, (n, c * b * b, h, w), np.float32)}, {}, {"blocksize": b, "mode": mode}, 17, F32_TOL
+    return draw_case
+
+
+def case_conv_transpose(draw):
+    """2-D (and 1-D) transposed convolutions: groups, strides, dilations, pads and output_padding."""
+    nd = draw(st.sampled_from([1, 2]))
+    group = draw(st.integers(1, 3))
+    n, cin, cout_g = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
+    strides = [draw(st.integers(1, 3)) for _ in range(nd)]
+    dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+    pads = [draw(st.integers(0, (k - 1) * d // 2)) for k, d in zip(kernel, dil) for _ in range(2)]
+    pads = pads[0::2] + pads[1::2]  # begins, then ends: the output keeps at least the strides' span
+    extra = [draw(st.integers(0, s - 1)) for s in strides]  # onnxruntime wants it below the stride
+    spatial = tuple(draw(st.integers(1, 4)) for _ in range(nd))
+    inputs = {"x": _arr(draw, (n, cin, *spatial), np.float32), "w": _arr(draw, (cin, cout_g, *kernel), np.float32)}
+    if draw(st.booleans()):
+        inputs["b"] = _arr(draw, (cout_g * group,), np.float32)
+    attrs = {"strides": strides, "dilations": dil, "pads": pads, "group": group, "output_padding": extra}
+    return "ConvTranspose", inputs, {}, attrs, 17, F32_TOL
+
+
+def case_resize(draw):
+    """Up- and downsampling in each mode and coordinate transformation, by scales or by sizes."""
+    mode = draw(st.sampled_from(["nearest", "linear", "cubic"]))
+    transform = draw(st.sampled_from(["half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric"]))
+    n, c, h, w = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(2, 5)), draw(st.integers(2, 5))
+    attrs = {"mode": mode, "coordinate_transformation_mode": transform}
+    if mode == "nearest":
+        attrs["nearest_mode"] = draw(st.sampled_from(["round_prefer_floor", "floor", "ceil"]))
+    if mode == "cubic":
+        attrs["cubic_coeff_a"] = draw(st.sampled_from([-0.75, -0.5]))
+        attrs["exclude_outside"] = draw(st.integers(0, 1))
+    x = _arr(draw, (n, c, h, w), np.float32)
+    if draw(st.booleans()):
+        scales = np.array([1.0, 1.0, draw(st.sampled_from([2.0, 0.5, 1.5, 3.0])), draw(st.sampled_from([2.0, 1.0, 0.75]))], np.float32)
+        return "Resize", {"x": x}, {"roi": np.zeros(0, np.float32), "scales": scales}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
+    sizes = np.array([n, c, draw(st.integers(1, 7)), draw(st.integers(1, 7))], np.int64)
+    attrs["order"] = ["x", "", "", "sizes"]
+    return "Resize", {"x": x}, {"sizes": sizes}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
+
+
+def case_einsum(draw):
+    """Attention's and a bilinear layer's equations, with an ellipsis, an implicit output and a letter
+    summed in one operand alone."""
+    equation, shapes = draw(st.sampled_from([
+        ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+        ("bhqk,bkhd->bqhd", [(2, 2, 3, 5), (2, 5, 2, 4)]),
+        ("...ij,jk->...ik", [(2, 3, 4), (4, 5)]),
+        ("ij,jk", [(3, 4), (4, 2)]),
+        ("bi,bj,kij->bk", [(2, 3), (2, 4), (5, 3, 4)]),
+        ("ij->i", [(3, 4)]),
+        ("bij,k->bk", [(2, 3, 4), (5,)]),
+    ]))
+    inputs = {f"x{k}": _arr(draw, shape) for k, shape in enumerate(shapes)}
+    return "Einsum", inputs, {}, {"equation": equation}, 17, F64_TOL
+
+
+def case_instance_norm(draw):
+    shape = (draw(st.integers(1, 2)), draw(dims), *_shape(draw, draw(st.integers(1, 2))))
+    if int(np.prod(shape[2:])) < 2:
+        shape = (*shape[:2], 3)
+    c = shape[1]  # onnxruntime runs it in float32 only
+    return "InstanceNormalization", {"x": _arr(draw, shape, np.float32), "scale": _arr(draw, (c,), np.float32),
+                                     "bias": _arr(draw, (c,), np.float32)}, {}, {"epsilon": 1e-2}, 17, F32_TOL
+
+
+def case_group_norm(draw):
+    """Opset 18's per-group scale and bias and opset 21's per-channel ones."""
+    groups = draw(st.integers(1, 3))
+    c = groups * draw(st.integers(1, 2))
+    shape = (draw(st.integers(1, 2)), c, *_shape(draw, draw(st.integers(1, 2))))
+    opset = draw(st.sampled_from([18, 21]))
+    affine = groups if opset < 21 else c
+    return "GroupNormalization", {"x": _arr(draw, shape, np.float32), "scale": _arr(draw, (affine,), np.float32),
+                                  "bias": _arr(draw, (affine,), np.float32)}, {}, {"num_groups": groups, "epsilon": 1e-2}, opset, F32_TOL
+
+
 def case_conv(draw):
     group = draw(st.integers(1, 3))
     n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
@@ -321,25 +520,29 @@ def case_layer_norm(draw):
 
 
 def case_recurrent(op):
-    """GRU / LSTM (written out and unrolled) against onnxruntime's own kernel, in float32."""
+    """GRU / LSTM (written out and unrolled) against onnxruntime's own kernel, in float32: forward,
+    reverse and bidirectional, initial states or none."""
     gates = 3 if op == "GRU" else 4
 
     def draw_case(draw):
         seq, batch, features, hidden = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(dims), draw(dims)
+        direction = draw(st.sampled_from(["forward", "reverse", "bidirectional"]))
+        d = 2 if direction == "bidirectional" else 1
         inputs = {"x": _arr(draw, (seq, batch, features), np.float32, -1, 1),
-                  "w": _arr(draw, (1, gates * hidden, features), np.float32, -1, 1),
-                  "r": _arr(draw, (1, gates * hidden, hidden), np.float32, -1, 1)}
+                  "w": _arr(draw, (d, gates * hidden, features), np.float32, -1, 1),
+                  "r": _arr(draw, (d, gates * hidden, hidden), np.float32, -1, 1)}
         order = ["x", "w", "r"]
         if draw(st.booleans()):
-            inputs["b"] = _arr(draw, (1, 2 * gates * hidden), np.float32, -1, 1)
+            inputs["b"] = _arr(draw, (d, 2 * gates * hidden), np.float32, -1, 1)
             order.append("b")
         states = ["h0"] if op == "GRU" else draw(st.sampled_from([[], ["h0"], ["h0", "c0"]]))
         if states and draw(st.booleans()):
             order += [""] * (5 - len(order))
             for name in states:
-                inputs[name] = _arr(draw, (1, batch, hidden), np.float32, -1, 1)
+                inputs[name] = _arr(draw, (d, batch, hidden), np.float32, -1, 1)
                 order.append(name)
-        attrs = {"hidden_size": hidden, "order": order, "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"]}
+        attrs = {"hidden_size": hidden, "order": order, "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"],
+                 "direction": direction}
         if op == "GRU":
             attrs["linear_before_reset"] = draw(st.integers(0, 1))
         return op, inputs, {}, attrs, 17, F32_TOL
@@ -384,6 +587,33 @@ CASES = {
     "HardSigmoid": case_hard_sigmoid,
     "HardSwish": case_hard_swish,
     "Dropout": case_dropout_inference,
+    "Gelu": case_activation("Gelu", opset=20, approximate=["none", "tanh"]),
+    "Mish": case_activation("Mish", opset=18),
+    "Elu": case_activation("Elu", alpha=[1.0, 0.5]),
+    "Selu": case_activation("Selu"),
+    "Celu": case_activation("Celu", alpha=[1.0, 0.5]),
+    "ThresholdedRelu": case_activation("ThresholdedRelu", lambda a: [a["alpha"]], alpha=[1.0, 0.3]),
+    "Shrink": case_activation("Shrink", lambda a: [-a["lambd"], a["lambd"]], lambd=[0.5, 0.3], bias=[0.0, 0.3]),
+    "Softsign": case_activation("Softsign"),
+    "Sin": case_activation("Sin"),
+    "Cos": case_activation("Cos"),
+    "PRelu": case_prelu,
+    "Tile": case_tile,
+    "Pad": case_pad,
+    "Slice(strided)": case_slice_strided,
+    "GatherElements": case_gather_elements,
+    "GatherND": case_gather_nd,
+    "ScatterND": case_scatter("ScatterND"),
+    "ScatterElements": case_scatter("ScatterElements"),
+    "CumSum": case_cumsum,
+    "Trilu": case_trilu,
+    "DepthToSpace": case_depth_space("DepthToSpace"),
+    "SpaceToDepth": case_depth_space("SpaceToDepth"),
+    "ConvTranspose": case_conv_transpose,
+    "Resize": case_resize,
+    "Einsum": case_einsum,
+    "InstanceNormalization": case_instance_norm,
+    "GroupNormalization": case_group_norm,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
@@ -414,3 +644,39 @@ def test_gradient_matches_finite_differences(case, data):
     eps = 1e-6 if tol == F64_TOL else (1e-3 if op in ("GRU", "LSTM") else 3e-3)
     error = vjp_error(model, inputs, list(inputs), outputs=[outputs[0]] if op == "MaxPool" else outputs, eps=eps)
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
+
+
+@pytest.mark.parametrize("form, words", [
+    ({"layout": 1}, "layout=0 only"),
+    ({"order": ["x", "w", "r", "", "lens"]}, "without sequence_lens"),
+    ({"clip": 1.0}, "without clip"),
+])
+def test_recurrent_ops_in_forms_not_unrolled_are_refused_naming_the_attribute(form, words):
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((3, 2, 4)).astype(np.float32), "w": rng.standard_normal((1, 8, 4)).astype(np.float32),
+              "r": rng.standard_normal((1, 8, 2)).astype(np.float32)}
+    constants = {"lens": np.array([3, 2], np.int32)} if "order" in form else {}
+    model = single_op_model("LSTM", inputs, constants, outputs=["y"], hidden_size=2, **form)
+    with pytest.raises(UnsupportedOpError, match=f"'LSTM' \\(node 'the_LSTM'\\) is unrolled .*{words}"):
+        vjp_model(model, outputs=["y"], wrt=["w"])
+
+
+@pytest.mark.parametrize("kind", ["slice_to_the_end", "gather_first", "gather_last_rows"])
+def test_slices_and_gathers_along_an_axis_of_run_time_size_are_differentiated(kind):
+    """The dynamo exporter's unoptimized graphs slice the batch axis whole (x[:, 0] becomes a Slice from
+    0 to 2**63-1 of the batch axis, then a Gather) and leave sizes symbolic."""
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 3])
+    if kind == "slice_to_the_end":
+        inits = {"s": np.array([1]), "e": np.array([2**63 - 1]), "a": np.array([0])}
+        last = helper.make_node("Slice", ["h", "s", "e", "a"], ["y"])
+    else:
+        inits = {"i": np.array(0) if kind == "gather_first" else np.array([-1, -2])}
+        last = helper.make_node("Gather", ["h", "i"], ["y"], axis=0)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), last], "g", [x, w],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(v.astype(np.int64), k) for k, v in inits.items()])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 5, 3)).astype(np.float32), "w": rng.standard_normal((3, 4)).astype(np.float32)}
+    assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
