@@ -45,21 +45,6 @@ MATCHED = [e for e in STEPPED if not (e["exporter"] == "dynamo" and e["family"] 
 #: plan computes in float32, the reference in float64; the tester saw 1e-6..3e-5).
 TOLERANCE = 2e-4
 
-#: Fixtures that cannot build until an op gets its gradient rule (issue 21, item 3; rules are added
-#: in gradients.py): (family, exporter) -> the op. Strict: a fixture that passes must leave the table.
-_REDUCE_AXES = "ReduceMean (axes computed by Constant, Reshape and Concat nodes)"
-_SYMBOLIC_GATHER = "Gather (along an axis of symbolic size: x[:, 0], out[:, -1])"
-NEEDS_RULE: dict[tuple[str, str], str] = {
-    ("resnet18", "dynamo_noopt"): _REDUCE_AXES,
-    ("mobilenet_v2", "dynamo_noopt"): _REDUCE_AXES,
-    ("mobilenet_v3_small", "dynamo_noopt"): _REDUCE_AXES,
-    ("vit", "classic"): "Gather (after torchvision attention's Mod, where shape inference loses the rank)",
-    **{(family, "dynamo"): "Gelu" for family in ("vit", "hf_vit", "bert", "distilbert")},
-    **{(family, "dynamo_noopt"): _SYMBOLIC_GATHER for family in ("vit", "hf_vit", "bert", "distilbert")},
-    **{(family, "dynamo_noopt"): _SYMBOLIC_GATHER + " and Slice (likewise)"
-       for family in ("lstm", "gru_next_token", "gru_tied")},
-}
-
 #: The default run's twins: one export per family, the exporters and states taking turns (the
 #: others run with ``-m slow``).
 DEFAULT = {
@@ -74,9 +59,6 @@ def _params(entries: list[dict[str, Any]]) -> list[Any]:
     for e in entries:
         name = e["model"].removesuffix(".onnx.gz")
         marks = [] if name in DEFAULT else [pytest.mark.slow]
-        op = NEEDS_RULE.get((e["family"], e["exporter"]))
-        if op:
-            marks.append(pytest.mark.xfail(reason=f"needs the {op} rule", strict=True))
         out.append(pytest.param(e, id=name, marks=marks))
     return out
 
