@@ -538,6 +538,37 @@ def _slice(e, node, dys, wants):
     return [e.op("Pad", [dy, e.ints(pads)])] + [None] * (len(node.input) - 1)
 
 
+@rule("Pad", note="dy sliced back (constant mode, pads of zero or more)")
+def _pad(e, node, dys, wants):
+    x, dy = node.input[0], _dy(dys, e, node)
+    mode = attr(node, "mode", b"constant")
+    rank = e.rank(x)
+    if (mode.decode() if isinstance(mode, bytes) else mode) != "constant" or rank is None:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated in constant mode with an input of known rank only")
+    if e.opset < 11:
+        pads = [int(p) for p in attr(node, "pads")]
+    else:
+        value = e.value(node.input[1])
+        if value is None or (len(node.input) > 3 and node.input[3] and e.value(node.input[3]) is None):
+            raise UnsupportedOpError(node.op_type, node.name, "needs constant pads and axes")
+        pads = [int(p) for p in value.reshape(-1)]
+    axes = list(range(rank))
+    if len(node.input) > 3 and node.input[3]:
+        axes = [int(a) + rank if int(a) < 0 else int(a) for a in e.value(node.input[3]).reshape(-1)]
+    if any(p < 0 for p in pads) or (len(node.input) > 2 and node.input[2] and len(wants) > 2 and wants[2]):
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with pads >= 0 and a constant padding value only")
+    begins = dict(zip(axes, pads[: len(axes)]))
+    moved = [a for a in axes if pads[axes.index(a)] or pads[len(axes) + axes.index(a)]]
+    if not moved:
+        return [dy] + [None] * (len(node.input) - 1)
+    shape = e.shape(x)
+    if not all(isinstance(shape[a], int) for a in moved):
+        raise UnsupportedOpError(node.op_type, node.name, "needs static sizes of the padded axes")
+    starts = [begins[a] for a in moved]
+    ends = [begins[a] + int(shape[a]) for a in moved]
+    return [e.op("Slice", [dy, e.ints(starts), e.ints(ends), e.ints(moved)])] + [None] * (len(node.input) - 1)
+
+
 @rule("Gather", note="dy scattered-added into zeros of x's shape (any axis: moved to the front and back)")
 def _gather(e, node, dys, wants):
     data, idx = node.input
@@ -579,7 +610,7 @@ def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int) -> str:
 # ---------------------------------------------------------------------------- convolution and pooling
 
 
-def _spatial(e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+def conv_geometry(e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
     """(strides, pads [begin..., end...], dilations, input spatial dims) with auto_pad resolved."""
     shape = e.shape(x)
     nd = len(kernel)
@@ -615,7 +646,8 @@ def _output_padding(node, dims, out_dims, kernel, strides, pads, dil) -> list[in
     return extra
 
 
-@rule("Conv", note="dx: ConvTranspose of dy; dw: Conv of x and dy with batch and channels swapped; db: sum")
+@rule("Conv", note="dx: ConvTranspose of dy (grouped as the Conv); dw: Conv of x and dy with batch and channels swapped "
+                   "(per group), or per kernel offset a Gemm (dense) or a product summed over positions (depthwise); db: sum")
 def _conv(e, node, dys, wants):
     x, w = node.input[0], node.input[1]
     y, dy = node.output[0], _dy(dys, e, node)
@@ -625,28 +657,22 @@ def _conv(e, node, dys, wants):
     kernel = [int(d) for d in wshape[2:]]
     nd = len(kernel)
     group = int(attr(node, "group", 1))
-    strides, pads, dil, dims = _spatial(e, node, x, kernel)
+    strides, pads, dil, dims = conv_geometry(e, node, x, kernel)
     yshape = e.shape(y)
     out_dims = [int(d) for d in yshape[2:]] if yshape is not None and all(isinstance(d, int) for d in yshape[2:]) else None
     if out_dims is None:
         raise UnsupportedOpError(node.op_type, node.name, "needs an output of static spatial size")
+    c_out, c_in_group = int(wshape[0]), int(wshape[1])
     grads: list[str | None] = [None] * len(node.input)
     if wants[0]:
         grads[0] = e.op("ConvTranspose", [dy, w], strides=strides, pads=pads, dilations=dil, group=group,
                         output_padding=_output_padding(node, dims, out_dims, kernel, strides, pads, dil))
-    if wants[1] and group == 1 and nd == 2 and int(wshape[1]) >= 8 and len(e.shape(x) or ()) == 4:
-        grads[1] = _conv_weight_grad_per_offset(e, x, dy, kernel, strides, pads, dil, out_dims, int(wshape[0]), int(wshape[1]))
+    if wants[1] and group == 1 and nd == 2 and c_in_group >= 8 and len(e.shape(x) or ()) == 4:
+        grads[1] = _conv_weight_grad_per_offset(e, x, dy, kernel, strides, pads, dil, out_dims, c_out, c_in_group)
+    elif wants[1] and group > 1 and c_in_group == 1:
+        grads[1] = _depthwise_weight_grad(e, x, dy, kernel, strides, pads, dil, dims, out_dims, group, c_out)
     elif wants[1]:
-        swap = [1, 0, *range(2, 2 + nd)]
-        xt = e.op("Transpose", [x], perm=swap)
-        dyt = e.op("Transpose", [dy], perm=swap)
-        full = e.op("Conv", [xt, dyt], strides=dil, dilations=strides, pads=pads)
-        # the result can be larger than the kernel when the strides do not divide the input evenly
-        trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(list(range(2, 2 + nd)))])
-        if group == 1:
-            grads[1] = e.op("Transpose", [trimmed], perm=swap)
-        else:
-            grads[1] = _group_blocks(e, trimmed, group, int(wshape[0]), int(wshape[1]), kernel)
+        grads[1] = _swapped_weight_grad(e, x, dy, kernel, strides, pads, dil, dims, group, c_out, c_in_group)
     if len(node.input) > 2 and node.input[2] and wants[2]:
         grads[2] = e.reduce("ReduceSum", dy, [0, *range(2, 2 + nd)], keepdims=False)
     return grads
@@ -691,17 +717,53 @@ def _conv_weight_grad_per_offset(e: Emitter, x: str, dy: str, kernel, strides, p
     return e.op("Reshape", [e.op("Concat", columns, axis=2), e.ints([c_out, c_in, *kernel])])
 
 
-def _group_blocks(e: Emitter, pairs: str, group: int, c_out: int, c_in_group: int, kernel: list[int]) -> str:
-    """From the weight gradient of every (input channel, output channel) pair, [Cin, Cout, k...],
-    keep the pairs a grouped Conv connects: group g's inputs with group g's outputs. Computing all
-    pairs costs ``group`` times the work of one group, which keeps this to one Conv."""
+def _swapped_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, group: int, c_out: int,
+                         c_in_group: int) -> str:
+    """dW as a Conv whose batch is the input channel within a group and whose channels are the
+    examples: x as [Cin/g, g*N, spatial...] convolved, ``group`` groups, with dy as the kernel
+    [Cout, N, out spatial...] (strides and dilations trade places) gives [Cin/g, Cout, k...]. Each
+    group meets only its own outputs, so the work is that of the forward Conv; the all-pairs Conv
+    of x and dy masked to the diagonal blocks took ``group`` times as long (ResNeXt's 32-group 3x3
+    layers at batch 32: 4-10x slower, onnxruntime 1.32)."""
     nd = len(kernel)
-    blocks = e.op("Reshape", [pairs, e.ints([group, c_in_group, group, c_out // group, *kernel])])
-    eye = np.eye(group, dtype=helper_dtype(e, pairs)).reshape(group, 1, group, *([1] * (1 + nd)))
-    diagonal = e.reduce("ReduceSum", e.op("Mul", [blocks, e.const(eye, "group_eye")]), [0], keepdims=False)
-    # [Cin/g, g, Cout/g, k...] -> [g, Cout/g, Cin/g, k...] -> [Cout, Cin/g, k...]
-    ordered = e.op("Transpose", [diagonal], perm=[1, 2, 0, *range(3, 3 + nd)])
-    return e.op("Reshape", [ordered, e.ints([c_out, c_in_group, *kernel])])
+    rows = e.op("Reshape", [x, e.ints([0, group, c_in_group, *dims])])
+    rows = e.op("Transpose", [rows], perm=[2, 1, 0, *range(3, 3 + nd)])  # [Cin/g, g, N, spatial...]
+    rows = e.op("Reshape", [rows, e.ints([c_in_group, -1, *dims])])
+    kernels = e.op("Transpose", [dy], perm=[1, 0, *range(2, 2 + nd)])  # [Cout, N, out spatial...]
+    full = e.op("Conv", [rows, kernels], strides=dil, dilations=strides, pads=pads, group=group)
+    # the result can be larger than the kernel when the strides do not divide the input evenly
+    trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(list(range(2, 2 + nd)))])
+    return e.op("Transpose", [trimmed], perm=[1, 0, *range(2, 2 + nd)])
+
+
+def _depthwise_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, out_dims, channels: int,
+                           c_out: int) -> str:
+    """dW of a depthwise Conv (one input channel per group, Cout/Cin outputs each): per kernel
+    offset, (the input window at that offset) times dy summed over examples and positions, with
+    the channels last ([spatial..., N, C]) so that the windows are Slices of whole rows and the sum
+    runs over the leading axis. On MobileNetV2's layers (batch 32) 1.2-4.6 ms against 3.9-9.4 for
+    the swapped Conv with one input channel per group, whose strided im2col is slow."""
+    nd = len(kernel)
+    m = c_out // channels
+    xt = e.op("Transpose", [x], perm=[*range(2, 2 + nd), 0, 1])  # [spatial..., N, C]
+    if any(pads):
+        xt = e.op("Pad", [xt, e.ints([*pads[:nd], 0, 0, *pads[nd:], 0, 0])])
+    dyt = e.op("Transpose", [dy], perm=[*range(2, 2 + nd), 0, 1])
+    dyt = e.op("Reshape", [dyt, e.ints([-1, channels, m] if m > 1 else [-1, channels])])
+    rows = []
+    for offset in np.ndindex(*kernel):
+        firsts = [i * d for i, d in zip(offset, dil)]
+        if not all(any(pads[a] <= f + s * t < pads[a] + dims[a] for t in range(o))
+                   for a, (f, s, o) in enumerate(zip(firsts, strides, out_dims))):
+            rows.append(e.const(np.zeros((1, c_out), dtype=helper_dtype(e, dy)), "zero_tap"))  # the window is all padding
+            continue
+        ends = [f + s * (o - 1) + 1 for f, s, o in zip(firsts, strides, out_dims)]
+        window = e.op("Slice", [xt, e.ints(firsts), e.ints(ends), e.ints(list(range(nd))), e.ints(strides)])
+        window = e.op("Reshape", [window, e.ints([-1, channels, 1] if m > 1 else [-1, channels])])
+        summed = e.reduce("ReduceSum", e.op("Mul", [window, dyt]), [0], keepdims=True)
+        rows.append(e.op("Reshape", [summed, e.ints([1, c_out])]) if m > 1 else summed)
+    taps = e.op("Concat", rows, axis=0) if len(rows) > 1 else rows[0]  # [k..., Cout]
+    return e.op("Reshape", [e.op("Transpose", [taps], perm=[1, 0]), e.ints([c_out, 1, *kernel])])
 
 
 def helper_dtype(e: Emitter, t: str):
@@ -755,7 +817,7 @@ def _avgpool(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     kernel = [int(k) for k in attr(node, "kernel_shape")]
     nd = len(kernel)
-    strides, pads, dil, dims = _spatial(e, node, x, kernel)
+    strides, pads, dil, dims = conv_geometry(e, node, x, kernel)
     xshape, yshape = e.shape(x), e.shape(y)
     if yshape is None or not all(isinstance(d, int) for d in yshape[1:]) or not isinstance(xshape[1], int):
         raise UnsupportedOpError(node.op_type, node.name, "needs static channel and spatial sizes")

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from emulator.toolchain import OP_COVERAGE
-from emulator.toolchain.forward import DECOMPOSED
+from device_runtime.executor import make_session
+from emulator.toolchain import OP_COVERAGE, vjp_model
+from emulator.toolchain.autodiff import tensor_infos
+from emulator.toolchain.forward import DECOMPOSED, DEPTHWISE_TAPS_MAX_POSITIONS
 from emulator.toolchain.gradients import NO_GRADIENT, RULES
-from tests.emulator.toolchain.gradcheck import single_op_model, vjp_error
+from tests.emulator.toolchain.gradcheck import single_op_model, training_forward_model, vjp_error
 
 F64_TOL = 1e-6
 F32_TOL = 3e-3
@@ -262,21 +264,40 @@ def case_hard_swish(draw):  # both flat parts and the quadratic ramp between -3 
     return "HardSwish", {"x": _away_from(_arr(draw, _shape(draw), low=-5.0, high=5.0), [-3.0, 3.0])}, {}, {}, 17, F32_TOL
 
 
-def case_conv(draw):
-    group = draw(st.integers(1, 3))
-    n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
-    if group == 1 and draw(st.booleans()):
-        cin = 8  # the weight gradient then takes one Gemm per kernel offset
-    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    stride = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
-    dil = [draw(st.integers(1, 2)), 1]
-    pads = [draw(st.integers(0, 1)) for _ in range(4)]
-    h = draw(st.integers((kh - 1) * dil[0] + 1, 7))
-    w = draw(st.integers(kw, 7))
-    inputs = {"x": _arr(draw, (n, cin, h, w), np.float32), "w": _arr(draw, (cout, cin // group, kh, kw), np.float32)}
+def case_conv(kind):
+    """Dense, grouped (2 or 4 groups of several channels) and depthwise (one input channel per
+    group, with a channel multiplier of 1 or 2) Convs, 1-D and 2-D, with strides, padding and
+    dilation: each kind takes its own weight-gradient path."""
+    def draw_case(draw):
+        nd = draw(st.integers(1, 2))
+        if kind == "dense":
+            group, cin, cout = 1, draw(st.sampled_from([1, 2, 8])), draw(st.integers(1, 3))  # 8: one Gemm per offset
+        elif kind == "grouped":
+            group = draw(st.sampled_from([2, 4]))
+            cin, cout = group * draw(st.integers(2, 3)), group * draw(st.integers(1, 2))
+        else:
+            group = cin = draw(st.integers(2, 5))
+            cout = cin * draw(st.integers(1, 2))
+        kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
+        stride = [draw(st.integers(1, 2)) for _ in range(nd)]
+        dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+        pads = [draw(st.integers(0, 1)) for _ in range(2 * nd)]
+        spatial = [draw(st.integers((k - 1) * d + 1, 7)) for k, d in zip(kernel, dil)]
+        n = draw(st.integers(1, 2))
+        inputs = {"x": _arr(draw, (n, cin, *spatial), np.float32), "w": _arr(draw, (cout, cin // group, *kernel), np.float32)}
+        if draw(st.booleans()):
+            inputs["b"] = _arr(draw, (cout,), np.float32)
+        return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
+    return draw_case
+
+
+def case_pad(draw):
+    shape = _shape(draw)
+    pads = [draw(st.integers(0, 2)) for _ in range(2 * len(shape))]
+    constants = {"pads": np.array(pads, np.int64)}
     if draw(st.booleans()):
-        inputs["b"] = _arr(draw, (cout,), np.float32)
-    return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
+        constants["value"] = np.array(draw(st.sampled_from([0.0, 1.5])))
+    return "Pad", {"x": _arr(draw, shape)}, constants, {}, 17, F64_TOL
 
 
 def case_pool(op):
@@ -387,7 +408,10 @@ CASES = {
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
-    "Conv": case_conv,
+    "Conv": case_conv("dense"),
+    "Conv(grouped)": case_conv("grouped"),
+    "Conv(depthwise)": case_conv("depthwise"),
+    "Pad": case_pad,
     "MaxPool": case_pool("MaxPool"),
     "MaxPool(tiling)": case_tiling_maxpool,
     "AveragePool": case_pool("AveragePool"),
@@ -414,3 +438,49 @@ def test_gradient_matches_finite_differences(case, data):
     eps = 1e-6 if tol == F64_TOL else (1e-3 if op in ("GRU", "LSTM") else 3e-3)
     error = vjp_error(model, inputs, list(inputs), outputs=[outputs[0]] if op == "MaxPool" else outputs, eps=eps)
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(data=st.data())
+def test_small_depthwise_conv_as_taps_computes_the_conv_and_its_gradient(data):
+    """A training plan runs a depthwise Conv with few output positions as a sum over kernel offsets
+    (channels last); that rewrite computes the Conv's values, and differentiated node by node it
+    matches finite differences, for 1-D and 2-D, strides, padding, dilation and a channel multiplier."""
+    draw = data.draw
+    nd = draw(st.integers(1, 2))
+    channels, multiplier = draw(st.integers(2, 5)), draw(st.integers(1, 2))
+    kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
+    stride = [draw(st.integers(1, 3)) for _ in range(nd)]
+    dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+    pads = [draw(st.integers(0, 2)) for _ in range(2 * nd)]
+    spatial = [draw(st.integers(max(1, (k - 1) * d + 1 - pads[a] - pads[nd + a]), 5))
+               for a, (k, d) in enumerate(zip(kernel, dil))]
+    out = [(h + pads[a] + pads[nd + a] - (k - 1) * d - 1) // s + 1 for a, (h, k, d, s) in enumerate(zip(spatial, kernel, dil, stride))]
+    assume(int(np.prod(out)) <= DEPTHWISE_TAPS_MAX_POSITIONS)
+    inputs = {"x": _arr(draw, (draw(st.integers(1, 3)), channels, *spatial), np.float32),
+              "w": _arr(draw, (channels * multiplier, 1, *kernel), np.float32)}
+    if draw(st.booleans()):
+        inputs["b"] = _arr(draw, (channels * multiplier,), np.float32)
+    model = single_op_model("Conv", inputs, strides=stride, dilations=dil, pads=pads, group=channels)
+    taps = training_forward_model(model)
+    assert "Conv" not in {n.op_type for n in taps.graph.node}
+    want = make_session(model.SerializeToString()).run(None, inputs)[0]
+    got = make_session(taps.SerializeToString()).run(None, inputs)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert vjp_error(taps, inputs, list(inputs), eps=3e-3) < F32_TOL
+
+
+@pytest.mark.parametrize(("channels", "group"), [(96, 96), (128, 32)])
+def test_grouped_conv_gradient_never_pairs_every_input_with_every_output_channel(channels, group):
+    """The gradient of a grouped or depthwise Conv does the work of its groups only: no tensor of its
+    graph is larger than the kernel's offsets times the largest of x, y and w, whereas pairing every
+    input channel with every output channel (then masking) makes a [Cin, Cout, k, k] tensor, ``group``
+    times the work."""
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((2, channels, 6, 6)).astype(np.float32),
+              "w": rng.standard_normal((channels, channels // group, 3, 3)).astype(np.float32)}
+    model = single_op_model("Conv", inputs, strides=[2, 2], pads=[1, 1, 1, 1], group=group)
+    grad = vjp_model(model, outputs=["y"], wrt=["x", "w"])
+    sizes = {name: int(np.prod(info.static_shape)) for name, info in tensor_infos(grad).items() if info.static_shape is not None}
+    bound = 9 * max(sizes["x"], sizes["y"], sizes["w"])
+    assert max(sizes.values()) <= bound, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
