@@ -170,14 +170,7 @@ def _depthwise_as_taps(e: Emitter, node: onnx.NodeProto, g: DepthwiseLayout) -> 
         xt = e.op("Reshape", [xt, e.ints([*split_axes, -1, cout])])
     taps = int(np.prod(g.kernel))
     wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([cout, taps])])], perm=[1, 0])  # [taps, Cout]
-    if taps > 1:
-        outs = [e.fresh("tap_w") for _ in range(taps)]
-        if e.opset >= 13:
-            rows = e.op_multi("Split", [wt, e.ints([1] * taps)], outs, axis=0)
-        else:
-            rows = e.op_multi("Split", [wt], outs, axis=0, split=[1] * taps)
-    else:
-        rows = [wt]
+    rows = split(e, wt, [1] * taps, 0, "tap_w") if taps > 1 else [wt]
     windows = []
     for k, offset in enumerate(np.ndindex(*g.kernel)):
         starts, ends, axes = [], [], []
@@ -305,6 +298,17 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> tuple[int
     return int(shape[0]), int(hidden)
 
 
+def split(e: Emitter, x: str, sizes: Sequence[int], axis: int, hint: str = "part") -> list[str]:
+    """``x`` cut along ``axis`` into pieces of ``sizes``: one Split, whose gradient is one Concat.
+    A Slice per piece would take a Pad of x's whole size per piece in the backward pass (and as
+    many Adds): an LSTM unrolled over 16 steps spent a third of its step padding its step inputs
+    back to the whole sequence."""
+    outs = [e.fresh(hint) for _ in sizes]
+    if e.opset >= 13:
+        return e.op_multi("Split", [x, e.ints(list(sizes))], outs, axis=axis)
+    return e.op_multi("Split", [x], outs, axis=axis, split=list(sizes))
+
+
 def _cols(e: Emitter, t: str, start: int, end: int) -> str:
     return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([-1])])
 
@@ -333,8 +337,11 @@ def _initial(e: Emitter, node: onnx.NodeProto, index: int, hidden: int) -> str:
                 value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)))
 
 
-def _step_input(e: Emitter, xw: str, t: int) -> str:
-    return e.op("Squeeze", [e.op("Slice", [xw, e.ints([t]), e.ints([t + 1]), e.ints([0])]), e.ints([0])])
+def _step_inputs(e: Emitter, xw: str, seq: int) -> list[str]:
+    """Each step's rows of ``xw`` [seq, batch, ...], without the sequence axis."""
+    if seq == 1:
+        return [e.op("Squeeze", [xw, e.ints([0])])]
+    return [e.op("Squeeze", [part, e.ints([0])]) for part in split(e, xw, [1] * seq, 0, "step")]
 
 
 def _recurrent_outputs(e: Emitter, node: onnx.NodeProto, hs: list[str], finals: list[str]) -> None:
@@ -354,13 +361,13 @@ def _gru(e: Emitter, node: onnx.NodeProto) -> None:
     rb_zr = None if rb is None else _cols(e, rb, 0, 2 * hdim)
     rb_h = None if rb is None else _cols(e, rb, 2 * hdim, 3 * hdim)
     hs = []
-    for t in range(seq):
-        xt = _step_input(e, xw, t)
+    for xt in _step_inputs(e, xw, seq):
+        x_zr, x_h = split(e, xt, [2 * hdim, hdim], -1, "gru_x")
         hzr = e.op("MatMul", [h, r_zr])
         if rb_zr is not None:
             hzr = e.op("Add", [hzr, rb_zr])
-        zr = e.op("Sigmoid", [e.op("Add", [_cols(e, xt, 0, 2 * hdim), hzr])])
-        z, r = _cols(e, zr, 0, hdim), _cols(e, zr, hdim, 2 * hdim)
+        zr = e.op("Sigmoid", [e.op("Add", [x_zr, hzr])])
+        z, r = split(e, zr, [hdim, hdim], -1, "gru_gate")
         if before_reset:
             hh = e.op("MatMul", [h, r_h])
             if rb_h is not None:
@@ -370,7 +377,7 @@ def _gru(e: Emitter, node: onnx.NodeProto) -> None:
             inner = e.op("MatMul", [e.op("Mul", [r, h]), r_h])
             if rb_h is not None:
                 inner = e.op("Add", [inner, rb_h])
-        n = e.op("Tanh", [e.op("Add", [_cols(e, xt, 2 * hdim, 3 * hdim), inner])])
+        n = e.op("Tanh", [e.op("Add", [x_h, inner])])
         h = e.op("Add", [n, e.op("Mul", [z, e.op("Sub", [h, n])])], hint="gru_h")  # (1-z)*n + z*h
         hs.append(h)
     _recurrent_outputs(e, node, hs, [h])
@@ -383,11 +390,11 @@ def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
         xw = e.op("Add", [xw, rb])
     c = _initial(e, node, 6, hdim)
     hs = []
-    for t in range(seq):
-        g = e.op("Add", [_step_input(e, xw, t), e.op("MatMul", [h, rt])])
-        iof = e.op("Sigmoid", [_cols(e, g, 0, 3 * hdim)])  # gate order i, o, f, c
-        i, o, f = _cols(e, iof, 0, hdim), _cols(e, iof, hdim, 2 * hdim), _cols(e, iof, 2 * hdim, 3 * hdim)
-        cand = e.op("Tanh", [_cols(e, g, 3 * hdim, 4 * hdim)])
+    for xt in _step_inputs(e, xw, seq):
+        g = e.op("Add", [xt, e.op("MatMul", [h, rt])])
+        g_iof, g_c = split(e, g, [3 * hdim, hdim], -1, "lstm_pre")  # gate order i, o, f, c
+        i, o, f = split(e, e.op("Sigmoid", [g_iof]), [hdim, hdim, hdim], -1, "lstm_gate")
+        cand = e.op("Tanh", [g_c])
         c = e.op("Add", [e.op("Mul", [f, c]), e.op("Mul", [i, cand])], hint="lstm_c")
         h = e.op("Mul", [o, e.op("Tanh", [c])], hint="lstm_h")
         hs.append(h)

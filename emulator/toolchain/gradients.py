@@ -181,18 +181,14 @@ def _softplus(e, node, dys, wants):
     return [e.op("Mul", [_dy(dys, e, node), e.op("Sigmoid", [node.input[0]])])]
 
 
-@rule("Clip", note="dy where min <= x <= max")
+@rule("Clip", note="dy where min <= x <= max (where the output equals the input)")
 def _clip(e, node, dys, wants):
-    x, dy = node.input[0], _dy(dys, e, node)
-    inside = None
-    if len(node.input) > 1 and node.input[1]:
-        inside = e.op("GreaterOrEqual", [x, node.input[1]])
-    if len(node.input) > 2 and node.input[2]:
-        upper = e.op("LessOrEqual", [x, node.input[2]])
-        inside = upper if inside is None else e.op("And", [inside, upper])
-    if inside is None:
+    x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
+    if not any(len(node.input) > i and node.input[i] for i in (1, 2)):
         return [dy]
-    return [_where(e, inside, dy, e.scalar(0.0, x))]
+    # x inside [min, max] exactly where Clip returned it unchanged: one comparison instead of two
+    # and their And (a tenth of ReLU6-heavy MobileNetV2's step went to the four passes)
+    return [_where(e, e.op("Equal", [x, y]), dy, e.scalar(0.0, x))] + [None] * (len(node.input) - 1)
 
 
 @rule("Max", "Min", note="dy to the input that was chosen (the first on ties)")
@@ -859,9 +855,9 @@ _DECOMPOSED = {
                           "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
                           "evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
-    "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
+    "GRU": "unrolled over its static sequence length into MatMul/Split/Sigmoid/Tanh (forward direction, layout 0, "
            "default activations, either linear_before_reset, no sequence_lens)",
-    "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward direction, layout 0, "
+    "LSTM": "unrolled over its static sequence length into MatMul/Split/Sigmoid/Tanh (forward direction, layout 0, "
             "default activations, no peepholes, no sequence_lens)",
 }
 

@@ -82,9 +82,13 @@ def case_pow_constant(draw):
     return "Pow", {"x": x}, {"p": np.array(p)}, {}, 17, F64_TOL
 
 
-def case_clip(draw):
+def case_clip(draw):  # both bounds, the lower or the upper one only (ReLU6 is Clip(x, 0, 6))
     x = _arr(draw, _shape(draw), away_from_zero=True)
-    return "Clip", {"x": x}, {"lo": np.array(-1.0), "hi": np.array(1.05)}, {}, 17, F64_TOL
+    order = draw(st.sampled_from([["x", "lo", "hi"], ["x", "lo"], ["x", "", "hi"]]))
+    constants = {k: v for k, v in (("lo", np.array(-1.0)), ("hi", np.array(1.05))) if k in order}
+    if "" in order:
+        constants[""] = None
+    return "Clip", {"x": x}, constants, {"order": order}, 17, F64_TOL
 
 
 def case_where(draw):
@@ -484,3 +488,23 @@ def test_grouped_conv_gradient_never_pairs_every_input_with_every_output_channel
     sizes = {name: int(np.prod(info.static_shape)) for name, info in tensor_infos(grad).items() if info.static_shape is not None}
     bound = 9 * max(sizes["x"], sizes["y"], sizes["w"])
     assert max(sizes.values()) <= bound, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _gradient_graph_size(op: str, seq: int) -> int:
+    """The elements of every tensor the vector-Jacobian product of an unrolled ``op`` makes."""
+    gates = 3 if op == "GRU" else 4
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+              "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+              "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+    model = single_op_model(op, inputs, hidden_size=5, outputs=["y", "y_h"])
+    grad = vjp_model(model, outputs=["y", "y_h"], wrt=list(inputs))
+    return sum(int(np.prod(info.static_shape)) for info in tensor_infos(grad).values() if info.static_shape is not None)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_unrolled_recurrence_gradient_grows_linearly_with_the_sequence(op):
+    """Four times the steps, at most about four times the tensors: each step's slice of the
+    sequence gives its gradient back through one Concat, not a zero-padded copy of the whole
+    sequence per step (which grew with the square of its length)."""
+    assert _gradient_graph_size(op, 16) < 4.5 * _gradient_graph_size(op, 4)
