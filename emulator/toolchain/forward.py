@@ -11,10 +11,11 @@ Exporters write models for inference; a training step computes some ops differen
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
   (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
   ten times slower than without, measured on a 28x28 CNN);
-* a depthwise ``Conv`` with few output positions (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`) becomes
-  a sum over its kernel offsets with the channels last (:func:`depthwise_taps`): onnxruntime's
-  grouped Conv and ConvTranspose cost a fixed ~0.25 us per example and channel, most of a
-  MobileNet step on small images;
+* a depthwise or dense ``Conv`` with few output positions (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`,
+  :data:`DENSE_TAPS_MAX_POSITIONS`) becomes a sum over its kernel offsets with the channels last
+  (:func:`conv_taps`): onnxruntime's Conv and ConvTranspose work one example (and group) at a
+  time, a fixed ~0.25 us per example and channel of a depthwise Conv and a matrix-vector product
+  per example of a dense one on a small image: most of a MobileNet or ResNet step on 32x32 inputs;
 * ``LayerNormalization``, ``GRU`` and ``LSTM`` are written out in elementary ops whose gradients
   are known (:func:`decompose`; the same values, so the finite-difference checks of the ops run
   through it too). The recurrent ops are unrolled over their (static) sequence length: one
@@ -64,8 +65,8 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
         elif node.op_type == "Dropout":
             out.nodes.append(_dropout(e, node, None if dropout_seed is None else dropout_seed + dropouts))
             dropouts += 1
-        elif node.op_type == "Conv" and depthwise_taps(e, node) is not None:
-            out.nodes += _emitted(e, lambda: _depthwise_as_taps(e, node, depthwise_taps(e, node)))
+        elif node.op_type == "Conv" and conv_taps(e, node) is not None:
+            out.nodes += _emitted(e, lambda: _conv_as_taps(e, node, conv_taps(e, node)))
         elif node.op_type == "MaxPool" and (len(node.output) < 2 or not node.output[1]) and tiling_pool(e, node) is None:
             rewritten = onnx.NodeProto()
             rewritten.CopyFrom(node)
@@ -100,11 +101,13 @@ def _emitted(e: Emitter, emit) -> list[onnx.NodeProto]:
 
 
 @dataclass(frozen=True)
-class DepthwiseLayout:
-    """A depthwise Conv's geometry: one input channel per group, ``multiplier`` outputs per channel."""
+class ConvTaps:
+    """A Conv to run as a sum over its kernel offsets, channels last: ``depthwise`` (one input
+    channel per group, ``c_out / c_in`` outputs each) or dense (one group)."""
 
-    channels: int
-    multiplier: int
+    depthwise: bool
+    c_in: int
+    c_out: int
     kernel: list[int]
     strides: list[int]
     pads: list[int]
@@ -120,39 +123,52 @@ class DepthwiseLayout:
 #: (measured on MobileNetV2's layers, onnxruntime 1.32, one thread: 16x16 32 channels 2.0 ms against
 #: 7.0, 4x4 192 channels 1.9 against 1.0 forward).
 DEPTHWISE_TAPS_MAX_POSITIONS = 16
+#: Likewise for a dense Conv (one group): onnxruntime multiplies the weight with one example's
+#: columns at a time, a matrix-vector product when the image is small, whereas the taps make one
+#: Gemm per kernel offset over every example and position. Forward and backward at batch 32 on
+#: ResNet-18's layers: 512 channels 3x3 on 1x1 6.6 ms against 25, 256 on 2x2 12.6 against 26, 128 on
+#: 4x4 9.1 against 10.7; 64 on 8x8 15.3 against 12.9 (its own Conv wins from there on).
+DENSE_TAPS_MAX_POSITIONS = 16
 
 
-def depthwise_taps(e: Emitter, node: onnx.NodeProto) -> DepthwiseLayout | None:
-    """The layout of a depthwise Conv (``group`` = input channels > 1, static shapes) small enough
-    to run as taps (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`), else None."""
+def conv_taps(e: Emitter, node: onnx.NodeProto) -> ConvTaps | None:
+    """The layout of a depthwise (``group`` = input channels > 1) or dense Conv of static shapes
+    small enough to run as taps (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`,
+    :data:`DENSE_TAPS_MAX_POSITIONS`), else None."""
     group = int(attr(node, "group", 1))
     xshape, wshape, yshape = e.shape(node.input[0]), e.shape(node.input[1]), e.shape(node.output[0])
-    if group < 2 or xshape is None or wshape is None or yshape is None or len(xshape) < 3 or \
+    if xshape is None or wshape is None or yshape is None or len(xshape) < 3 or \
             not all(isinstance(d, int) for d in [*xshape[1:], *wshape, *yshape[1:]]):
         return None
-    if xshape[1] != group or wshape[1] != 1 or e.elem_type(node.input[0]) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+    if e.elem_type(node.input[0]) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        return None
+    depthwise = group > 1 and xshape[1] == group and wshape[1] == 1
+    if not depthwise and group != 1:
         return None
     out_dims = [int(d) for d in yshape[2:]]
-    if int(np.prod(out_dims)) > DEPTHWISE_TAPS_MAX_POSITIONS:
+    if int(np.prod(out_dims)) > (DEPTHWISE_TAPS_MAX_POSITIONS if depthwise else DENSE_TAPS_MAX_POSITIONS):
         return None
     kernel = [int(d) for d in wshape[2:]]
     strides, pads, dil, dims = conv_geometry(e, node, node.input[0], kernel)
-    return DepthwiseLayout(group, int(wshape[0]) // group, kernel, strides, pads, dil, dims, out_dims)
+    return ConvTaps(depthwise, int(xshape[1]), int(wshape[0]), kernel, strides, pads, dil, dims, out_dims)
 
 
-def _depthwise_as_taps(e: Emitter, node: onnx.NodeProto, g: DepthwiseLayout) -> None:
-    """The depthwise Conv as a sum over kernel offsets of (the input window at that offset) times
-    (that offset's weight per channel), with the channels last: [spatial..., N, C]. Every op then
-    runs over contiguous rows of N*C values, its Slices pick whole rows, and its gradient (Slice
-    -> Pad, Mul -> Mul and a sum over leading axes) is as cheap. Strides become a reshape of each
-    padded axis into (blocks, stride), so that every window is a stride-1 Slice. Offsets whose
-    window lies in the padding only add zeros and are left out."""
+def _conv_as_taps(e: Emitter, node: onnx.NodeProto, g: ConvTaps) -> None:
+    """The Conv as a sum over kernel offsets of (the input window at that offset) times (that
+    offset's weights), with the channels last: [spatial..., N, C]. A depthwise Conv multiplies each
+    window by the offset's weight per channel; a dense one multiplies it, as a matrix of all
+    examples' and positions' rows, by the offset's [Cin, Cout] weight: one Gemm. Every op runs over
+    contiguous rows, the Slices pick whole rows, and the gradient (Slice -> Pad, Mul or MatMul, a
+    sum over leading axes) is as cheap. Strides become a reshape of each padded axis into
+    (blocks, stride), so that every window is a stride-1 Slice. Offsets whose window lies in the
+    padding only add zeros and are left out."""
     x, w = node.input[0], node.input[1]
-    nd, c, m = len(g.kernel), g.channels, g.multiplier
-    cout = c * m
-    if m > 1:  # output channel c*m + j reads input channel c
-        x = e.op("Reshape", [x, e.ints([0, c, 1, *g.dims])])
-        x = e.op("Reshape", [e.op("Expand", [x, e.ints([1, c, m, *[1] * nd])]), e.ints([0, cout, *g.dims])])
+    nd = len(g.kernel)
+    if g.depthwise and g.c_out > g.c_in:  # output channel c*m + j reads input channel c
+        m = g.c_out // g.c_in
+        x = e.op("Reshape", [x, e.ints([0, g.c_in, 1, *g.dims])])
+        x = e.op("Reshape", [e.op("Expand", [x, e.ints([1, g.c_in, m, *[1] * nd])]), e.ints([0, g.c_out, *g.dims])])
+    channels = g.c_out if g.depthwise else g.c_in  # of the windows
     xt = e.op("Transpose", [x], perm=[*range(2, 2 + nd), 0, 1])  # [spatial..., N, C]
     lengths = []
     pad_end = []
@@ -167,10 +183,11 @@ def _depthwise_as_taps(e: Emitter, node: onnx.NodeProto, g: DepthwiseLayout) -> 
     phased = any(s > 1 for s in g.strides)
     if phased:  # axis a -> (blocks, stride): the window at offset i is blocks [i // s, +out) of phase i % s
         split_axes = [d for a in range(nd) for d in (lengths[a] // g.strides[a], g.strides[a])]
-        xt = e.op("Reshape", [xt, e.ints([*split_axes, -1, cout])])
+        xt = e.op("Reshape", [xt, e.ints([*split_axes, -1, channels])])
     taps = int(np.prod(g.kernel))
-    wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([cout, taps])])], perm=[1, 0])  # [taps, Cout]
-    rows = split(e, wt, [1] * taps, 0, "tap_w") if taps > 1 else [wt]
+    if g.depthwise:
+        wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([g.c_out, taps])])], perm=[1, 0])  # [taps, Cout]
+        weights = split(e, wt, [1] * taps, 0, "tap_w") if taps > 1 else [wt]
     windows = []
     for k, offset in enumerate(np.ndindex(*g.kernel)):
         starts, ends, axes = [], [], []
@@ -188,16 +205,41 @@ def _depthwise_as_taps(e: Emitter, node: onnx.NodeProto, g: DepthwiseLayout) -> 
                 starts.append(first)
                 ends.append(first + g.out_dims[a])
                 axes.append(a)
-        windows.append((k, starts, ends, axes, real))
-    if any(real for *_, real in windows):
-        windows = [window for window in windows if window[-1]]
-    products = [e.op("Mul", [e.op("Slice", [xt, e.ints(starts), e.ints(ends), e.ints(axes)]), rows[k]])
-                for k, starts, ends, axes, _ in windows]
+        whole = not phased and starts == [0] * nd and ends == lengths
+        windows.append((k, starts, ends, axes, real, whole))
+    if any(window[4] for window in windows):
+        windows = [window for window in windows if window[4]]
+    if not g.depthwise:
+        weights = _dense_tap_weights(e, w, g, taps, [window[0] for window in windows])
+    products = []
+    for k, starts, ends, axes, _, whole in windows:
+        window = xt if whole else e.op("Slice", [xt, e.ints(starts), e.ints(ends), e.ints(axes)])
+        if g.depthwise:
+            products.append(e.op("Mul", [window, weights[k]]))
+        else:  # [rows, Cin] x [Cout, Cin]^T
+            products.append(e.op("Gemm", [e.op("Reshape", [window, e.ints([-1, g.c_in])]), weights[k]], transB=1))
     total = products[0] if len(products) == 1 else e.op("Sum", products)
     if len(node.input) > 2 and node.input[2]:
         total = e.op("Add", [total, node.input[2]])
-    total = e.op("Reshape", [total, e.ints([*g.out_dims, -1, cout])])
+    total = e.op("Reshape", [total, e.ints([*g.out_dims, -1, g.c_out])])
     e.op("Transpose", [total], perm=[nd, nd + 1, *range(nd)], out=node.output[0])
+
+
+def _dense_tap_weights(e: Emitter, w: str, g: ConvTaps, taps: int, used: list[int]) -> dict[int, str]:
+    """Offset -> its [Cout, Cin] weights, for the offsets ``used``. The weight [Cout, Cin, k...] as
+    [Cout*Cin, taps] is transposed as a matrix (a 4-D transpose moving the kernel axes to the front
+    goes element by element: 23 ms for ResNet-18's 512x512x3x3), or, when only some offsets reach the
+    input (a 3x3 Conv on a 1x1 image: the centre), multiplied by their columns of the identity."""
+    flat = e.op("Reshape", [w, e.ints([g.c_out * g.c_in, taps])])
+    if taps == 1:
+        return {0: e.op("Reshape", [flat, e.ints([g.c_out, g.c_in])])}
+    if len(used) < taps:
+        dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(w))
+        flat = e.op("MatMul", [flat, e.const(np.eye(taps, dtype=dtype)[:, used], "tap_pick")])
+        if len(used) == 1:
+            return {used[0]: e.op("Reshape", [flat, e.ints([g.c_out, g.c_in])])}
+    rows = e.op("Reshape", [e.op("Transpose", [flat], perm=[1, 0]), e.ints([len(used), g.c_out, g.c_in])])
+    return {k: e.op("Squeeze", [part, e.ints([0])]) for k, part in zip(used, split(e, rows, [1] * len(used), 0, "tap_w"))}
 
 
 def _dropout(e: Emitter, node: onnx.NodeProto, seed: int | None) -> onnx.NodeProto:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from device_runtime.executor import make_session
 from emulator.toolchain import OP_COVERAGE, vjp_model
 from emulator.toolchain.autodiff import tensor_infos
-from emulator.toolchain.forward import DECOMPOSED, DEPTHWISE_TAPS_MAX_POSITIONS
+from emulator.toolchain.forward import DECOMPOSED, DENSE_TAPS_MAX_POSITIONS, DEPTHWISE_TAPS_MAX_POSITIONS
 from emulator.toolchain.gradients import NO_GRADIENT, RULES
 from tests.emulator.toolchain.gradcheck import single_op_model, training_forward_model, vjp_error
 
@@ -444,15 +444,18 @@ def test_gradient_matches_finite_differences(case, data):
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
 
 
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(data=st.data())
-def test_small_depthwise_conv_as_taps_computes_the_conv_and_its_gradient(data):
-    """A training plan runs a depthwise Conv with few output positions as a sum over kernel offsets
-    (channels last); that rewrite computes the Conv's values, and differentiated node by node it
-    matches finite differences, for 1-D and 2-D, strides, padding, dilation and a channel multiplier."""
+def test_small_conv_as_taps_computes_the_conv_and_its_gradient(kind, data):
+    """A training plan runs a dense or depthwise Conv with few output positions as a sum over its
+    kernel offsets (channels last); that rewrite computes the Conv's values, and differentiated
+    node by node it matches finite differences, for 1-D and 2-D, strides, padding, dilation,
+    offsets that read padding only, and a depthwise channel multiplier."""
     draw = data.draw
     nd = draw(st.integers(1, 2))
-    channels, multiplier = draw(st.integers(2, 5)), draw(st.integers(1, 2))
+    channels = draw(st.integers(2, 5))
+    c_out = channels * draw(st.integers(1, 2)) if kind == "depthwise" else draw(st.integers(1, 4))
     kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
     stride = [draw(st.integers(1, 3)) for _ in range(nd)]
     dil = [draw(st.integers(1, 2)) for _ in range(nd)]
@@ -460,12 +463,12 @@ def test_small_depthwise_conv_as_taps_computes_the_conv_and_its_gradient(data):
     spatial = [draw(st.integers(max(1, (k - 1) * d + 1 - pads[a] - pads[nd + a]), 5))
                for a, (k, d) in enumerate(zip(kernel, dil))]
     out = [(h + pads[a] + pads[nd + a] - (k - 1) * d - 1) // s + 1 for a, (h, k, d, s) in enumerate(zip(spatial, kernel, dil, stride))]
-    assume(int(np.prod(out)) <= DEPTHWISE_TAPS_MAX_POSITIONS)
+    assume(int(np.prod(out)) <= min(DEPTHWISE_TAPS_MAX_POSITIONS, DENSE_TAPS_MAX_POSITIONS))
     inputs = {"x": _arr(draw, (draw(st.integers(1, 3)), channels, *spatial), np.float32),
-              "w": _arr(draw, (channels * multiplier, 1, *kernel), np.float32)}
+              "w": _arr(draw, (c_out, 1 if kind == "depthwise" else channels, *kernel), np.float32)}
     if draw(st.booleans()):
-        inputs["b"] = _arr(draw, (channels * multiplier,), np.float32)
-    model = single_op_model("Conv", inputs, strides=stride, dilations=dil, pads=pads, group=channels)
+        inputs["b"] = _arr(draw, (c_out,), np.float32)
+    model = single_op_model("Conv", inputs, strides=stride, dilations=dil, pads=pads, group=channels if kind == "depthwise" else 1)
     taps = training_forward_model(model)
     assert "Conv" not in {n.op_type for n in taps.graph.node}
     want = make_session(model.SerializeToString()).run(None, inputs)[0]
