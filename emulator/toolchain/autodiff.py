@@ -93,6 +93,9 @@ class Emitter:
         self._n = 0
         self._ints: dict[tuple, str] = {}
         self._scalars: dict[tuple, str] = {}
+        # an Expand's output -> its smaller input: where the expanded gradient is added to another
+        # of the full shape, the Add broadcasts the small one instead (one pass over the tensor less)
+        self.broadcasts: dict[str, str] = {}
 
     # ------------------------------------------------------------------ names and nodes
 
@@ -209,6 +212,12 @@ class Emitter:
 
     def reshape_like(self, x: str, like: str) -> str:
         return self.op("Reshape", [x, self.shape_of(like)])
+
+    def broadcast_to(self, small: str, like: str) -> str:
+        """``small`` (which broadcasts to ``like``) expanded to ``like``'s shape, remembered as such."""
+        out = self.op("Expand", [small, self.shape_of(like)])
+        self.broadcasts[out] = small
+        return out
 
     def zeros_like(self, like: str) -> str:
         dtype = helper.tensor_dtype_to_np_dtype(self.elem_type(like))
@@ -360,7 +369,12 @@ def _accumulate(emitter: Emitter, grads: dict[str, str], name: str, grad: str) -
     if info is not None:  # a gradient has its tensor's type and shape
         emitter.infos.setdefault(grad, info)
     if name in grads:
-        total = emitter.op("Add", [grads[name], grad], hint=f"d_{name}")
+        first, second = grads[name], grad
+        if second in emitter.broadcasts and first not in emitter.broadcasts:
+            second = emitter.broadcasts[second]
+        elif first in emitter.broadcasts and second not in emitter.broadcasts:
+            first = emitter.broadcasts[first]
+        total = emitter.op("Add", [first, second], hint=f"d_{name}")
         if info is not None:
             emitter.infos[total] = info
         grads[name] = total

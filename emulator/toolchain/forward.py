@@ -271,6 +271,8 @@ def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], update
     axes = [0, *range(2, rank)]
     mean = e.reduce("ReduceMean", x, axes, keepdims=True, hint="bn_mean")
     centred = e.op("Sub", [x, mean], hint="bn_centred")
+    # ReduceMean of the square (its gradient one product, 2*centred*dvar/n); not ReduceSumSquare,
+    # whose sum onnxruntime rounds 7x worse over MobileNetV2's 8192 values per channel
     var = e.reduce("ReduceMean", e.op("Mul", [centred, centred]), axes, keepdims=True, hint="bn_var")
     inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
     gain = e.op("Mul", [inv, e.op("Reshape", [scale, e.ints(cshape)])])

@@ -54,6 +54,13 @@ def _where(e: Emitter, cond: str, a: str, b: str) -> str:
     return e.op("Where", [cond, a, b])
 
 
+def _masked(e: Emitter, cond: str, value: str) -> str:
+    """``value`` where ``cond`` holds, zero elsewhere: ``value`` times the condition as a number.
+    onnxruntime's Where with a scalar branch broadcasts element by element: 3-25x slower than the
+    Cast and Mul on MobileNetV2's ReLU6 gradients (1.3 ms against 0.05 for [32, 960, 1, 1])."""
+    return e.op("Mul", [value, e.op("Cast", [cond], to=e.elem_type(value))])
+
+
 # ---------------------------------------------------------------------------- elementwise
 
 
@@ -68,16 +75,20 @@ def _add(e, node, dys, wants):
     return [e.unbroadcast(dy, y, a) if wants[0] else None, e.unbroadcast(dy, y, b) if wants[1] else None]
 
 
-@rule("Sub", note="dy, -dy, summed over broadcast axes")
+@rule("Sub", note="dy, -dy, summed over broadcast axes (then negated)")
 def _sub(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
     return [e.unbroadcast(dy, y, a) if wants[0] else None,
-            e.unbroadcast(e.op("Neg", [dy]), y, b) if wants[1] else None]
+            e.op("Neg", [e.unbroadcast(dy, y, b)]) if wants[1] else None]
 
 
-@rule("Mul", note="dy*b, dy*a, summed over broadcast axes")
+@rule("Mul", note="dy*b, dy*a, summed over broadcast axes; x*x: dy*2x")
 def _mul(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
+    if a == b:  # a square: one product instead of two and their sum
+        if dy in e.broadcasts and e.shape(a) == e.shape(y):  # a mean's gradient: scale it before it meets a
+            return [e.op("Mul", [a, e.op("Mul", [e.broadcasts[dy], e.scalar(2.0, a)])]) if wants[0] else None, None]
+        return [e.unbroadcast(e.op("Mul", [dy, e.op("Mul", [a, e.scalar(2.0, a)])]), y, a) if wants[0] else None, None]
     return [e.unbroadcast(e.op("Mul", [dy, b]), y, a) if wants[0] else None,
             e.unbroadcast(e.op("Mul", [dy, a]), y, b) if wants[1] else None]
 
@@ -119,8 +130,7 @@ def _neg(e, node, dys, wants):
 @rule("Relu", note="dy where x > 0")
 def _relu(e, node, dys, wants):
     x = node.input[0]
-    zero = e.scalar(0.0, x)
-    return [_where(e, e.op("Greater", [x, zero]), _dy(dys, e, node), zero)]
+    return [_masked(e, e.op("Greater", [x, e.scalar(0.0, x)]), _dy(dys, e, node))]
 
 
 @rule("LeakyRelu", note="dy where x > 0, alpha*dy elsewhere")
@@ -188,7 +198,7 @@ def _clip(e, node, dys, wants):
         return [dy]
     # x inside [min, max] exactly where Clip returned it unchanged: one comparison instead of two
     # and their And (a tenth of ReLU6-heavy MobileNetV2's step went to the four passes)
-    return [_where(e, e.op("Equal", [x, y]), dy, e.scalar(0.0, x))] + [None] * (len(node.input) - 1)
+    return [_masked(e, e.op("Equal", [x, y]), dy)] + [None] * (len(node.input) - 1)
 
 
 @rule("Max", "Min", note="dy to the input that was chosen (the first on ties)")
@@ -200,9 +210,8 @@ def _max_min(e, node, dys, wants):
         raise UnsupportedOpError(node.op_type, node.name, "is differentiated with one or two inputs only")
     a, b = node.input
     chose_a = e.op("Equal", [a, y])
-    zero = e.scalar(0.0, y)
-    return [e.unbroadcast(_where(e, chose_a, dy, zero), y, a) if wants[0] else None,
-            e.unbroadcast(_where(e, chose_a, zero, dy), y, b) if wants[1] else None]
+    return [e.unbroadcast(_masked(e, chose_a, dy), y, a) if wants[0] else None,
+            e.unbroadcast(_masked(e, e.op("Not", [chose_a]), dy), y, b) if wants[1] else None]
 
 
 @rule("Sum", note="dy to every input")
@@ -214,10 +223,9 @@ def _sum(e, node, dys, wants):
 @rule("Where", note="dy where the condition holds to x, elsewhere to y")
 def _where_rule(e, node, dys, wants):
     dy, (c, a, b), y = _dy(dys, e, node), node.input, node.output[0]
-    zero = e.scalar(0.0, y)
     return [None,
-            e.unbroadcast(_where(e, c, dy, zero), y, a) if wants[1] else None,
-            e.unbroadcast(_where(e, c, zero, dy), y, b) if wants[2] else None]
+            e.unbroadcast(_masked(e, c, dy), y, a) if wants[1] else None,
+            e.unbroadcast(_masked(e, e.op("Not", [c]), dy), y, b) if wants[2] else None]
 
 
 @rule("Expand", note="dy summed over the expanded axes")
@@ -249,7 +257,7 @@ def _hard_sigmoid(e, node, dys, wants):
     alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
     inner = e.op("Add", [e.op("Mul", [x, e.scalar(alpha, x)]), e.scalar(beta, x)])
     inside = e.op("And", [e.op("Greater", [inner, e.scalar(0.0, x)]), e.op("Less", [inner, e.scalar(1.0, x)])])
-    return [_where(e, inside, e.op("Mul", [dy, e.scalar(alpha, x)]), e.scalar(0.0, x))]
+    return [_masked(e, inside, e.op("Mul", [dy, e.scalar(alpha, x)]))]
 
 
 @rule("HardSwish", note="0 for x < -3, dy*(x/3+1/2) for -3 <= x <= 3, dy for x > 3")
@@ -432,7 +440,7 @@ def _count(e: Emitter, x: str, y: str, axes: list[int] | None) -> str:
 
 
 @rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
-      note="dy broadcast back (mean: /count; max/min: to the arg-extrema, shared on ties)")
+      note="dy broadcast back (mean: /count; max/min: to the arg-extrema, shared on ties; sum of squares: 2x*dy)")
 def _reduce(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     axes = _reduce_axes(e, node)
@@ -451,13 +459,16 @@ def _reduce(e, node, dys, wants):
         mask = e.op("Cast", [e.op("Equal", [x, yk])], to=e.elem_type(x))
         ties = e.reduce("ReduceSum", mask, axes, keepdims=True)
         local = e.op("Mul", [mask, e.op("Div", [dyk, ties])])
-    elif op == "ReduceSumSquare":
-        local = e.op("Mul", [dyk, e.op("Mul", [x, e.scalar(2.0, x)])])
+    elif op == "ReduceSumSquare":  # the reduced factor first: one pass over x
+        local = e.op("Mul", [x, e.op("Mul", [dyk, e.scalar(2.0, x)])])
     elif op == "ReduceL2":
-        local = e.op("Mul", [dyk, e.op("Div", [x, yk])])
+        local = e.op("Mul", [x, e.op("Div", [dyk, yk])])
     else:  # ReduceLogSumExp
         local = e.op("Mul", [dyk, e.op("Exp", [e.op("Sub", [x, yk])])])
-    grads[0] = e.op("Expand", [local, e.shape_of(x)])
+    if op in ("ReduceSum", "ReduceMean"):  # the others' local gradient already has x's shape
+        grads[0] = e.broadcast_to(local, x)
+    else:
+        grads[0] = local
     return grads
 
 
@@ -836,7 +847,7 @@ def _avgpool(e, node, dys, wants):
 def _gap(e, node, dys, wants):
     x, y = node.input[0], node.output[0]
     scaled = e.op("Div", [_dy(dys, e, node), _count(e, x, y, list(range(2, e.rank(x) or 4)))])
-    return [e.op("Expand", [scaled, e.shape_of(x)])]
+    return [e.broadcast_to(scaled, x)]
 
 
 @rule("GlobalMaxPool", note="dy to each channel's maximum (shared on ties)")

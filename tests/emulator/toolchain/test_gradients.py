@@ -76,6 +76,10 @@ def case_unary(op, positive=False, dtype=np.float64, **attrs):
     return draw_case
 
 
+def case_square(draw):  # Mul of a tensor with itself: one gradient, 2*x*dy
+    return "Mul", {"x": _arr(draw, _shape(draw))}, {}, {"order": ["x", "x"]}, 17, F64_TOL
+
+
 def case_pow_constant(draw):
     x = np.asarray(np.abs(_arr(draw, _shape(draw))) + 0.5)
     p = draw(st.sampled_from([2.0, 3.0, 0.5, -1.0]))
@@ -385,6 +389,7 @@ CASES = {
     "Sqrt": case_unary("Sqrt", positive=True),
     "Reciprocal": case_unary("Reciprocal", positive=True),
     "Pow(constant)": case_pow_constant,
+    "Mul(square)": case_square,
     "Clip": case_clip,
     "Where": case_where,
     "Sum": case_sum,
