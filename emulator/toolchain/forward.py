@@ -7,7 +7,8 @@ Exporters write models for inference; a training step computes some ops differen
   become state that the step updates with the op's momentum (the ONNX training-mode formula)
   and that the server averages like a weight. The running variance takes the unbiased batch
   variance (times n/(n-1), n the elements per channel), as torch's does;
-* ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs;
+* ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs (one
+  of ratio 0 is the identity);
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
   (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
   ten times slower than without, measured on a 28x28 CNN);
@@ -62,6 +63,9 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
             out.nodes += _emitted(e, lambda: _batch_norm(e, node, initializers, out.state_updates))
         elif node.op_type in DECOMPOSED:
             out.nodes += decompose(e, [node])
+        elif node.op_type == "Dropout" and _drops_nothing(e, node):
+            out.nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            dropouts += 1
         elif node.op_type == "Dropout":
             out.nodes.append(_dropout(e, node, None if dropout_seed is None else dropout_seed + dropouts))
             dropouts += 1
@@ -240,6 +244,16 @@ def _dense_tap_weights(e: Emitter, w: str, g: ConvTaps, taps: int, used: list[in
             return {used[0]: e.op("Reshape", [flat, e.ints([g.c_out, g.c_in])])}
     rows = e.op("Reshape", [e.op("Transpose", [flat], perm=[1, 0]), e.ints([len(used), g.c_out, g.c_in])])
     return {k: e.op("Squeeze", [part, e.ints([0])]) for k, part in zip(used, split(e, rows, [1] * len(used), 0, "tap_w"))}
+
+
+def _drops_nothing(e: Emitter, node: onnx.NodeProto) -> bool:
+    """A Dropout of constant ratio 0 whose mask nobody reads: the identity, in training as well (as
+    torch's dropout with p=0 returns its input). transformers' configs export it so (ViT's hidden and
+    attention dropout default to 0); active, it drew a random mask and multiplied by it both ways."""
+    if len(node.output) > 1 and node.output[1] or len(node.input) < 2 or not node.input[1]:
+        return False
+    ratio = e.value(node.input[1])
+    return ratio is not None and ratio.size == 1 and float(ratio.reshape(())) == 0.0
 
 
 def _dropout(e: Emitter, node: onnx.NodeProto, seed: int | None) -> onnx.NodeProto:

@@ -93,11 +93,15 @@ def _mul(e, node, dys, wants):
             e.unbroadcast(e.op("Mul", [dy, a]), y, b) if wants[1] else None]
 
 
-@rule("Div", note="dy/b, -dy*y/b")
+@rule("Div", note="dy/b, -dy*y/b (a broadcast b: the sum of dy*y, then /b)")
 def _div(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
     da = e.unbroadcast(e.op("Div", [dy, b]), y, a) if wants[0] else None
-    db = e.unbroadcast(e.op("Neg", [e.op("Mul", [dy, e.op("Div", [y, b])])]), y, b) if wants[1] else None
+    db = None
+    if wants[1]:
+        # b is constant along the axes it is summed over: divide (and negate) after the sum, one
+        # pass over dy*y instead of three (LayerNormalization's divisor, a softmax's sum)
+        db = e.op("Neg", [e.op("Div", [e.unbroadcast(e.op("Mul", [dy, y]), y, b), b])])
     return [da, db]
 
 
@@ -182,7 +186,8 @@ def _abs(e, node, dys, wants):
 @rule("Erf", note="dy*2/sqrt(pi)*exp(-x^2)")
 def _erf(e, node, dys, wants):
     x = node.input[0]
-    local = e.op("Mul", [e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])]), e.scalar(2.0 / math.sqrt(math.pi), x)])
+    # exp(log(2/sqrt(pi)) - x^2): the constant inside the exponential, one pass less than its product
+    local = e.op("Exp", [e.op("Sub", [e.scalar(math.log(2.0 / math.sqrt(math.pi)), x), e.op("Mul", [x, x])])])
     return [e.op("Mul", [_dy(dys, e, node), local])]
 
 
