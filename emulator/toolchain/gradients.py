@@ -309,12 +309,20 @@ def _matmul(e, node, dys, wants):
         bt = e.op("Transpose", [b], perm=[*range(rb - 2), rb - 1, rb - 2])
         da = e.unbroadcast(e.op("MatMul", [dy, bt]), y, a)
     if wants[1]:
-        if rb == 2 and ra > 2:  # a shared weight: fold the batch dimensions into the rows
-            db = e.op("Gemm", [_rows(e, a), _rows(e, dy)], transA=1)
+        if rb == 2:  # a weight: the batch dimensions folded into the rows, one Gemm
+            db = _weight_product(e, a if ra == 2 else _rows(e, a), dy if ra == 2 else _rows(e, dy))
         else:
             at = e.op("Transpose", [a], perm=[*range(ra - 2), ra - 1, ra - 2])
             db = e.unbroadcast(e.op("MatMul", [at, dy]), y, b)
     return [da, db]
+
+
+def _weight_product(e: Emitter, left: str, right: str) -> str:
+    """left^T right, remembered as such: the uses of one weight then sum as one Gemm (see
+    :func:`.autodiff.backward`)."""
+    out = e.op("Gemm", [left, right], transA=1)
+    e.products[out] = (left, right)
+    return out
 
 
 def _rows(e: Emitter, t: str) -> str:
@@ -362,7 +370,9 @@ def _gemm(e, node, dys, wants):
         else:
             out[0] = e.op("Gemm", [b, dy], alpha=alpha, transA=tb, transB=1)
     if wants[1]:
-        if tb == 0:
+        if alpha == 1.0 and ta == 0:
+            out[1] = _weight_product(e, a, dy) if tb == 0 else _weight_product(e, dy, a)
+        elif tb == 0:
             out[1] = e.op("Gemm", [a, dy], alpha=alpha, transA=1 - ta)
         else:
             out[1] = e.op("Gemm", [dy, a], alpha=alpha, transA=1, transB=ta)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from device_runtime.executor import make_session
 from emulator.toolchain import OP_COVERAGE, vjp_model
-from emulator.toolchain.autodiff import tensor_infos
+from emulator.toolchain.autodiff import needed_for, tensor_infos
 from emulator.toolchain.forward import DECOMPOSED, DENSE_TAPS_MAX_POSITIONS, DEPTHWISE_TAPS_MAX_POSITIONS
 from emulator.toolchain.gradients import NO_GRADIENT, RULES
 from tests.emulator.toolchain.gradcheck import single_op_model, training_forward_model, vjp_error
@@ -516,3 +516,20 @@ def test_unrolled_recurrence_gradient_grows_linearly_with_the_sequence(op):
     sequence gives its gradient back through one Concat, not a zero-padded copy of the whole
     sequence per step (which grew with the square of its length)."""
     assert _gradient_graph_size(op, 16) < 4.5 * _gradient_graph_size(op, 4)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_a_weight_used_at_every_step_sums_its_gradient_in_one_gemm(op):
+    """The recurrent weights' gradient is one Gemm over every step's rows stacked, however long the
+    sequence: each step adds two matrix products (its forward one and its dh), not a third small
+    Gemm for the weight added up with the others (16 Gemms of 32 rows ran at a third of the speed)."""
+    def products(seq: int) -> int:
+        gates = 3 if op == "GRU" else 4
+        rng = np.random.default_rng(0)
+        inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+                  "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+                  "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+        grad = vjp_model(single_op_model(op, inputs, hidden_size=5, outputs=["y"]), outputs=["y"], wrt=["r"])
+        live = needed_for(grad.graph.node, ["grad/r"])
+        return sum(1 for n in grad.graph.node if n.op_type in ("Gemm", "MatMul") and n.output[0] in live)
+    assert products(16) - products(4) == (2 if op == "LSTM" else 2 * 2) * 12
