@@ -238,12 +238,14 @@ def _expand(e, node, dys, wants):
     return [e.unbroadcast(_dy(dys, e, node), node.output[0], node.input[0]), None]
 
 
-@rule("Cast", note="dy cast back (float to float only)")
+@rule("Cast", note="dy cast back (float to float only; to its own type: dy)")
 def _cast(e, node, dys, wants):
     x = node.input[0]
     floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
     if e.elem_type(x) not in floats or int(attr(node, "to")) not in floats:
         return [None]
+    if int(attr(node, "to")) == e.elem_type(x):  # a cast to its own type (transformers' softmax .to(dtype))
+        return [_dy(dys, e, node)]
     return [e.op("Cast", [_dy(dys, e, node)], to=e.elem_type(x))]
 
 

@@ -244,8 +244,9 @@ def case_expand(draw):
     return "Expand", {"x": _arr(draw, small)}, {"shape": np.array(shape, dtype=np.int64)}, {}, 17, F64_TOL
 
 
-def case_cast(draw):
-    return "Cast", {"x": _arr(draw, _shape(draw))}, {}, {"to": 1}, 17, F32_TOL  # float64 -> float32
+def case_cast(draw):  # float64 -> float32, or to its own type
+    to = draw(st.sampled_from([1, 11]))
+    return "Cast", {"x": _arr(draw, _shape(draw))}, {}, {"to": to}, 17, F32_TOL if to == 1 else F64_TOL
 
 
 def case_cast_like(draw):
