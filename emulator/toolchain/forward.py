@@ -386,29 +386,30 @@ def _recurrent_setup(e: Emitter, node: onnx.NodeProto, hidden: int, gates: int, 
 
 
 def _initial(e: Emitter, node: onnx.NodeProto, index: int, hidden: int) -> str:
+    """The initial state [1, batch, H] (the op's own layout, one direction): given, or zeros."""
     if len(node.input) > index and node.input[index]:
-        return e.op("Squeeze", [node.input[index], e.ints([0])])
+        return node.input[index]
     x = node.input[0]
     batch = e.op("Slice", [e.op("Shape", [x]), e.ints([1]), e.ints([2])])
     dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(x))
-    return e.op("ConstantOfShape", [e.op("Concat", [batch, e.ints([hidden])], axis=0)],
+    return e.op("ConstantOfShape", [e.op("Concat", [e.ints([1]), batch, e.ints([hidden])], axis=0)],
                 value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)))
 
 
 def _step_inputs(e: Emitter, xw: str, seq: int) -> list[str]:
-    """Each step's rows of ``xw`` [seq, batch, ...], without the sequence axis."""
-    if seq == 1:
-        return [e.op("Squeeze", [xw, e.ints([0])])]
-    return [e.op("Squeeze", [part, e.ints([0])]) for part in split(e, xw, [1] * seq, 0, "step")]
+    """Each step's rows of ``xw`` [seq, batch, ...] as [1, batch, ...]: the steps keep the leading
+    axis of one (the states too), so that no step squeezes or unsqueezes anything, nor its gradient
+    reads a shape to reshape back (a quarter of an unrolled LSTM's nodes were those)."""
+    return [xw] if seq == 1 else split(e, xw, [1] * seq, 0, "step")
 
 
 def _recurrent_outputs(e: Emitter, node: onnx.NodeProto, hs: list[str], finals: list[str]) -> None:
     outs = list(node.output) + [""] * (3 - len(node.output))
-    if outs[0]:
-        e.op("Concat", [e.unsqueeze(h, [0, 1]) for h in hs], axis=0, out=outs[0])
+    if outs[0]:  # [seq, 1 (direction), batch, H]
+        e.op("Unsqueeze", [hs[0] if len(hs) == 1 else e.op("Concat", hs, axis=0), e.ints([1])], out=outs[0])
     for out, final in zip(outs[1:], finals):
         if out:
-            e.op("Unsqueeze", [final, e.ints([0])], out=out)
+            e.op("Identity", [final], out=out)
 
 
 def _gru(e: Emitter, node: onnx.NodeProto) -> None:

@@ -492,9 +492,31 @@ def _reduce(e, node, dys, wants):
 # ---------------------------------------------------------------------------- shapes
 
 
-@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", note="dy reshaped to x")
+@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", note="dy reshaped to x (Squeeze/Unsqueeze: the inverse op on the same axes)")
 def _reshape(e, node, dys, wants):
-    return [e.reshape_like(_dy(dys, e, node), node.input[0])] + [None] * (len(node.input) - 1)
+    dy = _dy(dys, e, node)
+    axes = _squeezed_axes(e, node) if node.op_type in ("Squeeze", "Unsqueeze") else None
+    if axes is not None:  # no Shape to read at run time for a dynamic batch
+        back = e.op("Unsqueeze" if node.op_type == "Squeeze" else "Squeeze", [dy, e.ints(axes)])
+        return [back] + [None] * (len(node.input) - 1)
+    return [e.reshape_like(dy, node.input[0])] + [None] * (len(node.input) - 1)
+
+
+def _squeezed_axes(e: Emitter, node: onnx.NodeProto) -> list[int] | None:
+    """The axes a Squeeze removes (of its input) or an Unsqueeze inserts (of its output), normalized;
+    None when not known (no constant axes, an unknown rank) or below opset 13 (axes an attribute)."""
+    if e.opset < 13:
+        return None
+    rank = e.rank(node.input[0] if node.op_type == "Squeeze" else node.output[0])
+    if len(node.input) < 2 or not node.input[1]:
+        shape = e.shape(node.input[0])
+        if node.op_type != "Squeeze" or shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        return [a for a, d in enumerate(shape) if d == 1]
+    value = e.value(node.input[1])
+    if value is None or rank is None:
+        return None
+    return sorted(int(a) + rank if int(a) < 0 else int(a) for a in value.reshape(-1))
 
 
 @rule("Transpose", note="dy transposed back")

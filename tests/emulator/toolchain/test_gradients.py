@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -177,13 +178,15 @@ def case_flatten(draw):
     return "Flatten", {"x": _arr(draw, shape)}, {}, {"axis": draw(st.integers(0, len(shape)))}, 17, F64_TOL
 
 
-def case_squeeze(op):
+def case_squeeze(op):  # axes given (negative too) or, for Squeeze, every axis of size 1
     def draw_case(draw):
         shape = _shape(draw)
         if op == "Squeeze":
-            shape = (*shape, 1)
-            return op, {"x": _arr(draw, shape)}, {"axes": np.array([len(shape) - 1])}, {}, 17, F64_TOL
-        return op, {"x": _arr(draw, shape)}, {"axes": np.array([0, len(shape) + 1])}, {}, 17, F64_TOL
+            shape = (1, *shape, 1)
+            axes = draw(st.sampled_from([[len(shape) - 1], [-1, 0], None]))
+            return op, {"x": _arr(draw, shape)}, {} if axes is None else {"axes": np.array(axes)}, {}, 17, F64_TOL
+        axes = draw(st.sampled_from([[0, len(shape) + 1], [-1], [1, -1]]))
+        return op, {"x": _arr(draw, shape)}, {"axes": np.array(axes)}, {}, 17, F64_TOL
     return draw_case
 
 
@@ -534,3 +537,23 @@ def test_a_weight_used_at_every_step_sums_its_gradient_in_one_gemm(op):
         live = needed_for(grad.graph.node, ["grad/r"])
         return sum(1 for n in grad.graph.node if n.op_type in ("Gemm", "MatMul") and n.output[0] in live)
     assert products(16) - products(4) == (2 if op == "LSTM" else 2 * 2) * 12
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_unrolled_steps_read_no_shapes_with_a_dynamic_batch(op):
+    """With a dynamic batch, the unrolled steps and their gradients read no tensor's shape at run
+    time: the states keep the op's [1, batch, H] layout, and a Squeeze's or Unsqueeze's gradient is
+    the inverse op on its constant axes, not a Reshape to the shape read from its input."""
+    def shapes_read(seq: int) -> int:
+        gates = 3 if op == "GRU" else 4
+        rng = np.random.default_rng(0)
+        weights = {"w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+                   "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+        node = helper.make_node(op, ["x", "w", "r"], ["y", "y_h"], hidden_size=5)
+        graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, "N", 4])],
+                                  [helper.make_tensor_value_info("y_h", TensorProto.FLOAT, [1, "N", 5])],
+                                  initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        grad = vjp_model(model, outputs=["y_h"], wrt=["w", "r"])
+        return sum(1 for n in grad.graph.node if n.op_type == "Shape")
+    assert shapes_read(16) == shapes_read(4)
