@@ -132,6 +132,12 @@ class Emitter:
         self._n = 0
         self._ints: dict[tuple, str] = {}
         self._scalars: dict[tuple, str] = {}
+        # an Expand's output -> its smaller input: where the expanded gradient is added to another
+        # of the full shape, the Add broadcasts the small one instead (one pass over the tensor less)
+        self.broadcasts: dict[str, str] = {}
+        # a weight gradient Gemm(a, dy, transA=1)'s output -> (a, dy): a weight used several times (a
+        # recurrent one, every step) sums one Gemm over all uses' rows instead of a small one per use
+        self.products: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------------ names and nodes
 
@@ -248,6 +254,12 @@ class Emitter:
 
     def reshape_like(self, x: str, like: str) -> str:
         return self.op("Reshape", [x, self.shape_of(like)])
+
+    def broadcast_to(self, small: str, like: str) -> str:
+        """``small`` (which broadcasts to ``like``) expanded to ``like``'s shape, remembered as such."""
+        out = self.op("Expand", [small, self.shape_of(like)])
+        self.broadcasts[out] = small
+        return out
 
     def zeros_like(self, like: str) -> str:
         dtype = helper.tensor_dtype_to_np_dtype(self.elem_type(like))
@@ -459,12 +471,12 @@ def backward(
 
     live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
-    grads: dict[str, str] = {}
+    grads: dict[str, list[str]] = {}  # a tensor -> the gradients reaching it, summed when its producer needs them
     for name, seed in seeds.items():
         if name in live:
-            _accumulate(emitter, grads, name, seed)
+            grads.setdefault(name, []).append(seed)
     for node in reversed(nodes):
-        outs = [grads.get(o) if o else None for o in node.output]
+        outs = [_total(emitter, grads, o) if o else None for o in node.output]
         if all(g is None for g in outs):
             continue
         if not any(i in live for i in node.input if i) or not any(o in needed for o in node.output):
@@ -480,21 +492,35 @@ def backward(
         in_grads = rule(emitter, node, outs, wants)
         for name, grad, want in zip(node.input, in_grads, wants):
             if grad is not None and want:
-                _accumulate(emitter, grads, name, grad)
-    return {w: grads.get(w) for w in wrt}
+                grads.setdefault(name, []).append(grad)
+    return {w: _total(emitter, grads, w) for w in wrt}
 
 
-def _accumulate(emitter: Emitter, grads: dict[str, str], name: str, grad: str) -> None:
+def _total(emitter: Emitter, grads: dict[str, list[str]], name: str) -> str | None:
+    """The sum of the gradients reaching ``name`` (None when none does), emitted once: the weight
+    gradients of several uses as one Gemm over their rows stacked; the others in one Sum, where a
+    mean's expanded gradient is added in its small form (the Sum broadcasts it) when another is of
+    the full shape."""
+    parts = grads.get(name)
+    if not parts:
+        return None
     info = emitter.info(name)
+    if len(parts) > 1:
+        products = [p for p in parts if p in emitter.products]
+        if len(products) > 1:
+            rows = [emitter.products[p] for p in products]
+            left = emitter.op("Concat", [a for a, _ in rows], axis=0)
+            right = emitter.op("Concat", [d for _, d in rows], axis=0)
+            parts = [p for p in parts if p not in emitter.products] + [emitter.op("Gemm", [left, right], transA=1)]
+        if any(p not in emitter.broadcasts for p in parts):
+            parts = [emitter.broadcasts.get(p, p) for p in parts]
+        if len(parts) > 1:
+            parts = [emitter.op("Sum", parts, hint=f"d_{name}")]
+    total = parts[0]
     if info is not None:  # a gradient has its tensor's type and shape
-        emitter.infos.setdefault(grad, info)
-    if name in grads:
-        total = emitter.op("Add", [grads[name], grad], hint=f"d_{name}")
-        if info is not None:
-            emitter.infos[total] = info
-        grads[name] = total
-    else:
-        grads[name] = grad
+        emitter.infos.setdefault(total, info)
+    grads[name] = [total]
+    return total
 
 
 def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[str]) -> onnx.ModelProto:

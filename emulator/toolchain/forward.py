@@ -7,10 +7,16 @@ Exporters write models for inference; a training step computes some ops differen
   become state that the step updates with the op's momentum (the ONNX training-mode formula)
   and that the server averages like a weight. The running variance takes the unbiased batch
   variance (times n/(n-1), n the elements per channel), as torch's does;
-* ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs;
+* ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs (one
+  of ratio 0 is the identity);
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
   (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
   ten times slower than without, measured on a 28x28 CNN);
+* a depthwise or dense ``Conv`` with few output positions (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`,
+  :data:`DENSE_TAPS_MAX_POSITIONS`) becomes a sum over its kernel offsets with the channels last
+  (:func:`conv_taps`): onnxruntime's Conv and ConvTranspose work one example (and group) at a
+  time, a fixed ~0.25 us per example and channel of a depthwise Conv and a matrix-vector product
+  per example of a dense one on a small image: most of a MobileNet or ResNet step on 32x32 inputs;
 * ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``GRU`` and ``LSTM``
   are written out in elementary ops whose gradients are known (:func:`decompose`; the same
   values, so the finite-difference checks of the ops run through it too). The recurrent ops are unrolled over their (static) sequence length: one
@@ -30,7 +36,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .autodiff import DEFAULT_DOMAINS, Emitter, UnsupportedOpError, attr
-from .gradients import tiling_pool
+from .gradients import conv_geometry, tiling_pool
 
 
 @dataclass
@@ -57,9 +63,14 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
             out.nodes += _emitted(e, lambda: _batch_norm(e, node, initializers, out.state_updates))
         elif node.op_type in DECOMPOSED:
             out.nodes += decompose(e, [node])
+        elif node.op_type == "Dropout" and _drops_nothing(e, node):
+            out.nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+            dropouts += 1
         elif node.op_type == "Dropout":
             out.nodes.append(_dropout(e, node, None if dropout_seed is None else dropout_seed + dropouts))
             dropouts += 1
+        elif node.op_type == "Conv" and conv_taps(e, node) is not None:
+            out.nodes += _emitted(e, lambda: _conv_as_taps(e, node, conv_taps(e, node)))
         elif node.op_type == "MaxPool" and (len(node.output) < 2 or not node.output[1]) and tiling_pool(e, node) is None:
             rewritten = onnx.NodeProto()
             rewritten.CopyFrom(node)
@@ -93,6 +104,158 @@ def _emitted(e: Emitter, emit) -> list[onnx.NodeProto]:
         e.nodes = saved
 
 
+@dataclass(frozen=True)
+class ConvTaps:
+    """A Conv to run as a sum over its kernel offsets, channels last: ``depthwise`` (one input
+    channel per group, ``c_out / c_in`` outputs each) or dense (one group)."""
+
+    depthwise: bool
+    c_in: int
+    c_out: int
+    kernel: list[int]
+    strides: list[int]
+    pads: list[int]
+    dilations: list[int]
+    dims: list[int]
+    out_dims: list[int]
+
+
+#: A depthwise Conv with at most this many output positions per channel runs as taps. onnxruntime's
+#: grouped Conv (and ConvTranspose) loops over every example and channel with a small im2col and
+#: Gemm each, ~0.25 us a pair whatever the size: MobileNetV2's 960-channel 1x1 layers took 7 ms
+#: forward and 9 ms for dx at batch 32; as taps 0.13 ms. From 8x8 outputs up its own Conv wins
+#: (measured on MobileNetV2's layers, onnxruntime 1.32, one thread: 16x16 32 channels 2.0 ms against
+#: 7.0, 4x4 192 channels 1.9 against 1.0 forward).
+DEPTHWISE_TAPS_MAX_POSITIONS = 16
+#: Likewise for a dense Conv (one group): onnxruntime multiplies the weight with one example's
+#: columns at a time, a matrix-vector product when the image is small, whereas the taps make one
+#: Gemm per kernel offset over every example and position. Forward and backward at batch 32 on
+#: ResNet-18's layers: 512 channels 3x3 on 1x1 6.6 ms against 25, 256 on 2x2 12.6 against 26, 128 on
+#: 4x4 9.1 against 10.7; 64 on 8x8 15.3 against 12.9 (its own Conv wins from there on).
+DENSE_TAPS_MAX_POSITIONS = 16
+
+
+def conv_taps(e: Emitter, node: onnx.NodeProto) -> ConvTaps | None:
+    """The layout of a depthwise (``group`` = input channels > 1) or dense Conv of static shapes
+    small enough to run as taps (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`,
+    :data:`DENSE_TAPS_MAX_POSITIONS`), else None."""
+    group = int(attr(node, "group", 1))
+    xshape, wshape, yshape = e.shape(node.input[0]), e.shape(node.input[1]), e.shape(node.output[0])
+    if xshape is None or wshape is None or yshape is None or len(xshape) < 3 or \
+            not all(isinstance(d, int) for d in [*xshape[1:], *wshape, *yshape[1:]]):
+        return None
+    if e.elem_type(node.input[0]) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        return None
+    depthwise = group > 1 and xshape[1] == group and wshape[1] == 1
+    if not depthwise and group != 1:
+        return None
+    out_dims = [int(d) for d in yshape[2:]]
+    if int(np.prod(out_dims)) > (DEPTHWISE_TAPS_MAX_POSITIONS if depthwise else DENSE_TAPS_MAX_POSITIONS):
+        return None
+    kernel = [int(d) for d in wshape[2:]]
+    strides, pads, dil, dims = conv_geometry(e, node, node.input[0], kernel)
+    return ConvTaps(depthwise, int(xshape[1]), int(wshape[0]), kernel, strides, pads, dil, dims, out_dims)
+
+
+def _conv_as_taps(e: Emitter, node: onnx.NodeProto, g: ConvTaps) -> None:
+    """The Conv as a sum over kernel offsets of (the input window at that offset) times (that
+    offset's weights), with the channels last: [spatial..., N, C]. A depthwise Conv multiplies each
+    window by the offset's weight per channel; a dense one multiplies it, as a matrix of all
+    examples' and positions' rows, by the offset's [Cin, Cout] weight: one Gemm. Every op runs over
+    contiguous rows, the Slices pick whole rows, and the gradient (Slice -> Pad, Mul or MatMul, a
+    sum over leading axes) is as cheap. Strides become a reshape of each padded axis into
+    (blocks, stride), so that every window is a stride-1 Slice. Offsets whose window lies in the
+    padding only add zeros and are left out."""
+    x, w = node.input[0], node.input[1]
+    nd = len(g.kernel)
+    if g.depthwise and g.c_out > g.c_in:  # output channel c*m + j reads input channel c
+        m = g.c_out // g.c_in
+        x = e.op("Reshape", [x, e.ints([0, g.c_in, 1, *g.dims])])
+        x = e.op("Reshape", [e.op("Expand", [x, e.ints([1, g.c_in, m, *[1] * nd])]), e.ints([0, g.c_out, *g.dims])])
+    channels = g.c_out if g.depthwise else g.c_in  # of the windows
+    xt = e.op("Transpose", [x], perm=[*range(2, 2 + nd), 0, 1])  # [spatial..., N, C]
+    lengths = []
+    pad_end = []
+    for a in range(nd):
+        need = (g.kernel[a] - 1) * g.dilations[a] + g.strides[a] * (g.out_dims[a] - 1) + 1
+        length = max(need, g.dims[a] + g.pads[a])
+        length = -(-length // g.strides[a]) * g.strides[a]
+        lengths.append(length)
+        pad_end.append(length - g.dims[a] - g.pads[a])  # >= 0: zeros past the input, as far as the windows read
+    if any(g.pads[:nd]) or any(pad_end):
+        xt = e.op("Pad", [xt, e.ints([*g.pads[:nd], 0, 0, *pad_end, 0, 0])])
+    phased = any(s > 1 for s in g.strides)
+    if phased:  # axis a -> (blocks, stride): the window at offset i is blocks [i // s, +out) of phase i % s
+        split_axes = [d for a in range(nd) for d in (lengths[a] // g.strides[a], g.strides[a])]
+        xt = e.op("Reshape", [xt, e.ints([*split_axes, -1, channels])])
+    taps = int(np.prod(g.kernel))
+    if g.depthwise:
+        wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([g.c_out, taps])])], perm=[1, 0])  # [taps, Cout]
+        weights = split(e, wt, [1] * taps, 0, "tap_w") if taps > 1 else [wt]
+    windows = []
+    for k, offset in enumerate(np.ndindex(*g.kernel)):
+        starts, ends, axes = [], [], []
+        real = True
+        for a, i in enumerate(offset):
+            first = i * g.dilations[a]
+            positions = range(first, first + g.strides[a] * g.out_dims[a], g.strides[a])
+            real = real and any(g.pads[a] <= p < g.pads[a] + g.dims[a] for p in positions)
+            if phased:
+                block, phase = divmod(first, g.strides[a])
+                starts += [block, phase]
+                ends += [block + g.out_dims[a], phase + 1]
+                axes += [2 * a, 2 * a + 1]
+            else:
+                starts.append(first)
+                ends.append(first + g.out_dims[a])
+                axes.append(a)
+        whole = not phased and starts == [0] * nd and ends == lengths
+        windows.append((k, starts, ends, axes, real, whole))
+    if any(window[4] for window in windows):
+        windows = [window for window in windows if window[4]]
+    if not g.depthwise:
+        weights = _dense_tap_weights(e, w, g, taps, [window[0] for window in windows])
+    products = []
+    for k, starts, ends, axes, _, whole in windows:
+        window = xt if whole else e.op("Slice", [xt, e.ints(starts), e.ints(ends), e.ints(axes)])
+        if g.depthwise:
+            products.append(e.op("Mul", [window, weights[k]]))
+        else:  # [rows, Cin] x [Cout, Cin]^T
+            products.append(e.op("Gemm", [e.op("Reshape", [window, e.ints([-1, g.c_in])]), weights[k]], transB=1))
+    total = products[0] if len(products) == 1 else e.op("Sum", products)
+    if len(node.input) > 2 and node.input[2]:
+        total = e.op("Add", [total, node.input[2]])
+    total = e.op("Reshape", [total, e.ints([*g.out_dims, -1, g.c_out])])
+    e.op("Transpose", [total], perm=[nd, nd + 1, *range(nd)], out=node.output[0])
+
+
+def _dense_tap_weights(e: Emitter, w: str, g: ConvTaps, taps: int, used: list[int]) -> dict[int, str]:
+    """Offset -> its [Cout, Cin] weights, for the offsets ``used``. The weight [Cout, Cin, k...] as
+    [Cout*Cin, taps] is transposed as a matrix (a 4-D transpose moving the kernel axes to the front
+    goes element by element: 23 ms for ResNet-18's 512x512x3x3), or, when only some offsets reach the
+    input (a 3x3 Conv on a 1x1 image: the centre), multiplied by their columns of the identity."""
+    flat = e.op("Reshape", [w, e.ints([g.c_out * g.c_in, taps])])
+    if taps == 1:
+        return {0: e.op("Reshape", [flat, e.ints([g.c_out, g.c_in])])}
+    if len(used) < taps:
+        dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(w))
+        flat = e.op("MatMul", [flat, e.const(np.eye(taps, dtype=dtype)[:, used], "tap_pick")])
+        if len(used) == 1:
+            return {used[0]: e.op("Reshape", [flat, e.ints([g.c_out, g.c_in])])}
+    rows = e.op("Reshape", [e.op("Transpose", [flat], perm=[1, 0]), e.ints([len(used), g.c_out, g.c_in])])
+    return {k: e.op("Squeeze", [part, e.ints([0])]) for k, part in zip(used, split(e, rows, [1] * len(used), 0, "tap_w"))}
+
+
+def _drops_nothing(e: Emitter, node: onnx.NodeProto) -> bool:
+    """A Dropout of constant ratio 0 whose mask nobody reads: the identity, in training as well (as
+    torch's dropout with p=0 returns its input). transformers' configs export it so (ViT's hidden and
+    attention dropout default to 0); active, it drew a random mask and multiplied by it both ways."""
+    if len(node.output) > 1 and node.output[1] or len(node.input) < 2 or not node.input[1]:
+        return False
+    ratio = e.value(node.input[1])
+    return ratio is not None and ratio.size == 1 and float(ratio.reshape(())) == 0.0
+
+
 def _dropout(e: Emitter, node: onnx.NodeProto, seed: int | None) -> onnx.NodeProto:
     x = node.input[0]
     dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(x))
@@ -122,6 +285,8 @@ def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], update
     axes = [0, *range(2, rank)]
     mean = e.reduce("ReduceMean", x, axes, keepdims=True, hint="bn_mean")
     centred = e.op("Sub", [x, mean], hint="bn_centred")
+    # ReduceMean of the square (its gradient one product, 2*centred*dvar/n); not ReduceSumSquare,
+    # whose sum onnxruntime rounds 7x worse over MobileNetV2's 8192 values per channel
     var = e.reduce("ReduceMean", e.op("Mul", [centred, centred]), axes, keepdims=True, hint="bn_var")
     inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
     gain = e.op("Mul", [inv, e.op("Reshape", [scale, e.ints(cshape)])])
@@ -238,6 +403,17 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurren
     return _Recurrent(int(shape[0]), int(hidden), directions)
 
 
+def split(e: Emitter, x: str, sizes: Sequence[int], axis: int, hint: str = "part") -> list[str]:
+    """``x`` cut along ``axis`` into pieces of ``sizes``: one Split, whose gradient is one Concat.
+    A Slice per piece would take a Pad of x's whole size per piece in the backward pass (and as
+    many Adds): an LSTM unrolled over 16 steps spent a third of its step padding its step inputs
+    back to the whole sequence."""
+    outs = [e.fresh(hint) for _ in sizes]
+    if e.opset >= 13:
+        return e.op_multi("Split", [x, e.ints(list(sizes))], outs, axis=axis)
+    return e.op_multi("Split", [x], outs, axis=axis, split=list(sizes))
+
+
 def _cols(e: Emitter, t: str, start: int, end: int) -> str:
     return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([-1])])
 
@@ -274,8 +450,12 @@ def _initial(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, index: int, d: i
                 value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)))
 
 
-def _step_input(e: Emitter, xw: str, t: int) -> str:
-    return e.op("Squeeze", [e.op("Slice", [xw, e.ints([t]), e.ints([t + 1]), e.ints([0])]), e.ints([0])])
+def _step_inputs(e: Emitter, xw: str, seq: int) -> list[str]:
+    """Each step's rows of ``xw`` [seq, batch, ...] without the sequence axis, cut by one Split
+    (whose gradient is one Concat, where a Slice per step would pad its gradient back to the whole
+    sequence)."""
+    parts = [xw] if seq == 1 else split(e, xw, [1] * seq, 0, "step")
+    return [e.op("Squeeze", [p, e.ints([0])]) for p in parts]
 
 
 def _steps(rec: _Recurrent, direction: str) -> list[int]:
@@ -305,9 +485,9 @@ def _gru(e: Emitter, node: onnx.NodeProto) -> None:
         r_zr, r_h = _cols(e, rt, 0, 2 * hdim), _cols(e, rt, 2 * hdim, 3 * hdim)
         rb_zr = None if rb is None else _cols(e, rb, 0, 2 * hdim)
         rb_h = None if rb is None else _cols(e, rb, 2 * hdim, 3 * hdim)
-        states = {}
+        states, inputs = {}, _step_inputs(e, xw, rec.seq)
         for t in _steps(rec, direction):
-            xt = _step_input(e, xw, t)
+            xt = inputs[t]
             hzr = e.op("MatMul", [h, r_zr])
             if rb_zr is not None:
                 hzr = e.op("Add", [hzr, rb_zr])
@@ -339,9 +519,9 @@ def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
         if rb is not None:  # both biases are added before the gates: fold them into the input product
             xw = e.op("Add", [xw, rb])
         h, c = _initial(e, node, rec, 5, d), _initial(e, node, rec, 6, d)
-        states = {}
+        states, inputs = {}, _step_inputs(e, xw, rec.seq)
         for t in _steps(rec, direction):
-            g = e.op("Add", [_step_input(e, xw, t), e.op("MatMul", [h, rt])])
+            g = e.op("Add", [inputs[t], e.op("MatMul", [h, rt])])
             iof = e.op("Sigmoid", [_cols(e, g, 0, 3 * hdim)])  # gate order i, o, f, c
             i, o, f = _cols(e, iof, 0, hdim), _cols(e, iof, hdim, 2 * hdim), _cols(e, iof, 2 * hdim, 3 * hdim)
             cand = e.op("Tanh", [_cols(e, g, 3 * hdim, 4 * hdim)])

@@ -54,6 +54,13 @@ def _where(e: Emitter, cond: str, a: str, b: str) -> str:
     return e.op("Where", [cond, a, b])
 
 
+def _masked(e: Emitter, cond: str, value: str) -> str:
+    """``value`` where ``cond`` holds, zero elsewhere: ``value`` times the condition as a number.
+    onnxruntime's Where with a scalar branch broadcasts element by element: 3-25x slower than the
+    Cast and Mul on MobileNetV2's ReLU6 gradients (1.3 ms against 0.05 for [32, 960, 1, 1])."""
+    return e.op("Mul", [value, e.op("Cast", [cond], to=e.elem_type(value))])
+
+
 # ---------------------------------------------------------------------------- elementwise
 
 
@@ -68,25 +75,33 @@ def _add(e, node, dys, wants):
     return [e.unbroadcast(dy, y, a) if wants[0] else None, e.unbroadcast(dy, y, b) if wants[1] else None]
 
 
-@rule("Sub", note="dy, -dy, summed over broadcast axes")
+@rule("Sub", note="dy, -dy, summed over broadcast axes (then negated)")
 def _sub(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
     return [e.unbroadcast(dy, y, a) if wants[0] else None,
-            e.unbroadcast(e.op("Neg", [dy]), y, b) if wants[1] else None]
+            e.op("Neg", [e.unbroadcast(dy, y, b)]) if wants[1] else None]
 
 
-@rule("Mul", note="dy*b, dy*a, summed over broadcast axes")
+@rule("Mul", note="dy*b, dy*a, summed over broadcast axes; x*x: dy*2x")
 def _mul(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
+    if a == b:  # a square: one product instead of two and their sum
+        if dy in e.broadcasts and e.shape(a) == e.shape(y):  # a mean's gradient: scale it before it meets a
+            return [e.op("Mul", [a, e.op("Mul", [e.broadcasts[dy], e.scalar(2.0, a)])]) if wants[0] else None, None]
+        return [e.unbroadcast(e.op("Mul", [dy, e.op("Mul", [a, e.scalar(2.0, a)])]), y, a) if wants[0] else None, None]
     return [e.unbroadcast(e.op("Mul", [dy, b]), y, a) if wants[0] else None,
             e.unbroadcast(e.op("Mul", [dy, a]), y, b) if wants[1] else None]
 
 
-@rule("Div", note="dy/b, -dy*y/b")
+@rule("Div", note="dy/b, -dy*y/b (a broadcast b: the sum of dy*y, then /b)")
 def _div(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
     da = e.unbroadcast(e.op("Div", [dy, b]), y, a) if wants[0] else None
-    db = e.unbroadcast(e.op("Neg", [e.op("Mul", [dy, e.op("Div", [y, b])])]), y, b) if wants[1] else None
+    db = None
+    if wants[1]:
+        # b is constant along the axes it is summed over: divide (and negate) after the sum, one
+        # pass over dy*y instead of three (LayerNormalization's divisor, a softmax's sum)
+        db = e.op("Neg", [e.op("Div", [e.unbroadcast(e.op("Mul", [dy, y]), y, b), b])])
     return [da, db]
 
 
@@ -119,8 +134,7 @@ def _neg(e, node, dys, wants):
 @rule("Relu", note="dy where x > 0")
 def _relu(e, node, dys, wants):
     x = node.input[0]
-    zero = e.scalar(0.0, x)
-    return [_where(e, e.op("Greater", [x, zero]), _dy(dys, e, node), zero)]
+    return [_masked(e, e.op("Greater", [x, e.scalar(0.0, x)]), _dy(dys, e, node))]
 
 
 @rule("LeakyRelu", note="dy where x > 0, alpha*dy elsewhere")
@@ -172,7 +186,8 @@ def _abs(e, node, dys, wants):
 @rule("Erf", note="dy*2/sqrt(pi)*exp(-x^2)")
 def _erf(e, node, dys, wants):
     x = node.input[0]
-    local = e.op("Mul", [e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])]), e.scalar(2.0 / math.sqrt(math.pi), x)])
+    # exp(log(2/sqrt(pi)) - x^2): the constant inside the exponential, one pass less than its product
+    local = e.op("Exp", [e.op("Sub", [e.scalar(math.log(2.0 / math.sqrt(math.pi)), x), e.op("Mul", [x, x])])])
     return [e.op("Mul", [_dy(dys, e, node), local])]
 
 
@@ -181,18 +196,14 @@ def _softplus(e, node, dys, wants):
     return [e.op("Mul", [_dy(dys, e, node), e.op("Sigmoid", [node.input[0]])])]
 
 
-@rule("Clip", note="dy where min <= x <= max")
+@rule("Clip", note="dy where min <= x <= max (where the output equals the input)")
 def _clip(e, node, dys, wants):
-    x, dy = node.input[0], _dy(dys, e, node)
-    inside = None
-    if len(node.input) > 1 and node.input[1]:
-        inside = e.op("GreaterOrEqual", [x, node.input[1]])
-    if len(node.input) > 2 and node.input[2]:
-        upper = e.op("LessOrEqual", [x, node.input[2]])
-        inside = upper if inside is None else e.op("And", [inside, upper])
-    if inside is None:
+    x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
+    if not any(len(node.input) > i and node.input[i] for i in (1, 2)):
         return [dy]
-    return [_where(e, inside, dy, e.scalar(0.0, x))]
+    # x inside [min, max] exactly where Clip returned it unchanged: one comparison instead of two
+    # and their And (a tenth of ReLU6-heavy MobileNetV2's step went to the four passes)
+    return [_masked(e, e.op("Equal", [x, y]), dy)] + [None] * (len(node.input) - 1)
 
 
 @rule("Max", "Min", note="dy to the input that was chosen (the first on ties)")
@@ -204,9 +215,8 @@ def _max_min(e, node, dys, wants):
         raise UnsupportedOpError(node.op_type, node.name, "is differentiated with one or two inputs only")
     a, b = node.input
     chose_a = e.op("Equal", [a, y])
-    zero = e.scalar(0.0, y)
-    return [e.unbroadcast(_where(e, chose_a, dy, zero), y, a) if wants[0] else None,
-            e.unbroadcast(_where(e, chose_a, zero, dy), y, b) if wants[1] else None]
+    return [e.unbroadcast(_masked(e, chose_a, dy), y, a) if wants[0] else None,
+            e.unbroadcast(_masked(e, e.op("Not", [chose_a]), dy), y, b) if wants[1] else None]
 
 
 @rule("Sum", note="dy to every input")
@@ -218,10 +228,9 @@ def _sum(e, node, dys, wants):
 @rule("Where", note="dy where the condition holds to x, elsewhere to y")
 def _where_rule(e, node, dys, wants):
     dy, (c, a, b), y = _dy(dys, e, node), node.input, node.output[0]
-    zero = e.scalar(0.0, y)
     return [None,
-            e.unbroadcast(_where(e, c, dy, zero), y, a) if wants[1] else None,
-            e.unbroadcast(_where(e, c, zero, dy), y, b) if wants[2] else None]
+            e.unbroadcast(_masked(e, c, dy), y, a) if wants[1] else None,
+            e.unbroadcast(_masked(e, e.op("Not", [c]), dy), y, b) if wants[2] else None]
 
 
 @rule("Expand", note="dy summed over the expanded axes")
@@ -229,12 +238,14 @@ def _expand(e, node, dys, wants):
     return [e.unbroadcast(_dy(dys, e, node), node.output[0], node.input[0]), None]
 
 
-@rule("Cast", note="dy cast back (float to float only)")
+@rule("Cast", note="dy cast back (float to float only; to its own type: dy)")
 def _cast(e, node, dys, wants):
     x = node.input[0]
     floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
     if e.elem_type(x) not in floats or int(attr(node, "to")) not in floats:
         return [None]
+    if int(attr(node, "to")) == e.elem_type(x):  # a cast to its own type (transformers' softmax .to(dtype))
+        return [_dy(dys, e, node)]
     return [e.op("Cast", [_dy(dys, e, node)], to=e.elem_type(x))]
 
 
@@ -253,7 +264,7 @@ def _hard_sigmoid(e, node, dys, wants):
     alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
     inner = e.op("Add", [e.op("Mul", [x, e.scalar(alpha, x)]), e.scalar(beta, x)])
     inside = e.op("And", [e.op("Greater", [inner, e.scalar(0.0, x)]), e.op("Less", [inner, e.scalar(1.0, x)])])
-    return [_where(e, inside, e.op("Mul", [dy, e.scalar(alpha, x)]), e.scalar(0.0, x))]
+    return [_masked(e, inside, e.op("Mul", [dy, e.scalar(alpha, x)]))]
 
 
 @rule("HardSwish", note="0 for x < -3, dy*(x/3+1/2) for -3 <= x <= 3, dy for x > 3")
@@ -752,12 +763,20 @@ def _matmul(e, node, dys, wants):
         bt = e.op("Transpose", [b], perm=[*range(rb - 2), rb - 1, rb - 2])
         da = e.unbroadcast(e.op("MatMul", [dy, bt]), y, a)
     if wants[1]:
-        if rb == 2 and ra > 2:  # a shared weight: fold the batch dimensions into the rows
-            db = e.op("Gemm", [_rows(e, a), _rows(e, dy)], transA=1)
+        if rb == 2:  # a weight: the batch dimensions folded into the rows, one Gemm
+            db = _weight_product(e, a if ra == 2 else _rows(e, a), dy if ra == 2 else _rows(e, dy))
         else:
             at = e.op("Transpose", [a], perm=[*range(ra - 2), ra - 1, ra - 2])
             db = e.unbroadcast(e.op("MatMul", [at, dy]), y, b)
     return [da, db]
+
+
+def _weight_product(e: Emitter, left: str, right: str) -> str:
+    """left^T right, remembered as such: the uses of one weight then sum as one Gemm (see
+    :func:`.autodiff.backward`)."""
+    out = e.op("Gemm", [left, right], transA=1)
+    e.products[out] = (left, right)
+    return out
 
 
 def _rows(e: Emitter, t: str) -> str:
@@ -805,7 +824,9 @@ def _gemm(e, node, dys, wants):
         else:
             out[0] = e.op("Gemm", [b, dy], alpha=alpha, transA=tb, transB=1)
     if wants[1]:
-        if tb == 0:
+        if alpha == 1.0 and ta == 0:
+            out[1] = _weight_product(e, a, dy) if tb == 0 else _weight_product(e, dy, a)
+        elif tb == 0:
             out[1] = e.op("Gemm", [a, dy], alpha=alpha, transA=1 - ta)
         else:
             out[1] = e.op("Gemm", [dy, a], alpha=alpha, transA=1, transB=ta)
@@ -888,7 +909,7 @@ def _count(e: Emitter, x: str, y: str, axes: list[int] | None) -> str:
 
 
 @rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
-      note="dy broadcast back (mean: /count; max/min: to the arg-extrema, shared on ties)")
+      note="dy broadcast back (mean: /count; max/min: to the arg-extrema, shared on ties; sum of squares: 2x*dy)")
 def _reduce(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     axes = _reduce_axes(e, node)
@@ -907,22 +928,47 @@ def _reduce(e, node, dys, wants):
         mask = e.op("Cast", [e.op("Equal", [x, yk])], to=e.elem_type(x))
         ties = e.reduce("ReduceSum", mask, axes, keepdims=True)
         local = e.op("Mul", [mask, e.op("Div", [dyk, ties])])
-    elif op == "ReduceSumSquare":
-        local = e.op("Mul", [dyk, e.op("Mul", [x, e.scalar(2.0, x)])])
+    elif op == "ReduceSumSquare":  # the reduced factor first: one pass over x
+        local = e.op("Mul", [x, e.op("Mul", [dyk, e.scalar(2.0, x)])])
     elif op == "ReduceL2":
-        local = e.op("Mul", [dyk, e.op("Div", [x, yk])])
+        local = e.op("Mul", [x, e.op("Div", [dyk, yk])])
     else:  # ReduceLogSumExp
         local = e.op("Mul", [dyk, e.op("Exp", [e.op("Sub", [x, yk])])])
-    grads[0] = e.op("Expand", [local, e.shape_of(x)])
+    if op in ("ReduceSum", "ReduceMean"):  # the others' local gradient already has x's shape
+        grads[0] = e.broadcast_to(local, x)
+    else:
+        grads[0] = local
     return grads
 
 
 # ---------------------------------------------------------------------------- shapes
 
 
-@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", note="dy reshaped to x")
+@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", note="dy reshaped to x (Squeeze/Unsqueeze: the inverse op on the same axes)")
 def _reshape(e, node, dys, wants):
-    return [e.reshape_like(_dy(dys, e, node), node.input[0])] + [None] * (len(node.input) - 1)
+    dy = _dy(dys, e, node)
+    axes = _squeezed_axes(e, node) if node.op_type in ("Squeeze", "Unsqueeze") else None
+    if axes is not None:  # no Shape to read at run time for a dynamic batch
+        back = e.op("Unsqueeze" if node.op_type == "Squeeze" else "Squeeze", [dy, e.ints(axes)])
+        return [back] + [None] * (len(node.input) - 1)
+    return [e.reshape_like(dy, node.input[0])] + [None] * (len(node.input) - 1)
+
+
+def _squeezed_axes(e: Emitter, node: onnx.NodeProto) -> list[int] | None:
+    """The axes a Squeeze removes (of its input) or an Unsqueeze inserts (of its output), normalized;
+    None when not known (no constant axes, an unknown rank) or below opset 13 (axes an attribute)."""
+    if e.opset < 13:
+        return None
+    rank = e.rank(node.input[0] if node.op_type == "Squeeze" else node.output[0])
+    if len(node.input) < 2 or not node.input[1]:
+        shape = e.shape(node.input[0])
+        if node.op_type != "Squeeze" or shape is None or not all(isinstance(d, int) for d in shape):
+            return None
+        return [a for a, d in enumerate(shape) if d == 1]
+    value = e.value(node.input[1])
+    if value is None or rank is None:
+        return None
+    return sorted(int(a) + rank if int(a) < 0 else int(a) for a in value.reshape(-1))
 
 
 @rule("Transpose", note="dy transposed back")
@@ -1077,7 +1123,7 @@ def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int | str) -> s
 # ---------------------------------------------------------------------------- convolution and pooling
 
 
-def _spatial(e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+def conv_geometry(e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
     """(strides, pads [begin..., end...], dilations, input spatial dims) with auto_pad resolved."""
     shape = e.shape(x)
     nd = len(kernel)
@@ -1113,7 +1159,8 @@ def _output_padding(node, dims, out_dims, kernel, strides, pads, dil) -> list[in
     return extra
 
 
-@rule("Conv", note="dx: ConvTranspose of dy; dw: Conv of x and dy with batch and channels swapped; db: sum")
+@rule("Conv", note="dx: ConvTranspose of dy (grouped as the Conv); dw: Conv of x and dy with batch and channels swapped "
+                   "(per group), or per kernel offset a Gemm (dense) or a product summed over positions (depthwise); db: sum")
 def _conv(e, node, dys, wants):
     x, w = node.input[0], node.input[1]
     y, dy = node.output[0], _dy(dys, e, node)
@@ -1123,28 +1170,22 @@ def _conv(e, node, dys, wants):
     kernel = [int(d) for d in wshape[2:]]
     nd = len(kernel)
     group = int(attr(node, "group", 1))
-    strides, pads, dil, dims = _spatial(e, node, x, kernel)
+    strides, pads, dil, dims = conv_geometry(e, node, x, kernel)
     yshape = e.shape(y)
     out_dims = [int(d) for d in yshape[2:]] if yshape is not None and all(isinstance(d, int) for d in yshape[2:]) else None
     if out_dims is None:
         raise UnsupportedOpError(node.op_type, node.name, "needs an output of static spatial size")
+    c_out, c_in_group = int(wshape[0]), int(wshape[1])
     grads: list[str | None] = [None] * len(node.input)
     if wants[0]:
         grads[0] = e.op("ConvTranspose", [dy, w], strides=strides, pads=pads, dilations=dil, group=group,
                         output_padding=_output_padding(node, dims, out_dims, kernel, strides, pads, dil))
-    if wants[1] and group == 1 and nd == 2 and int(wshape[1]) >= 8 and len(e.shape(x) or ()) == 4:
-        grads[1] = _conv_weight_grad_per_offset(e, x, dy, kernel, strides, pads, dil, out_dims, int(wshape[0]), int(wshape[1]))
+    if wants[1] and group == 1 and nd == 2 and c_in_group >= 8 and len(e.shape(x) or ()) == 4:
+        grads[1] = _conv_weight_grad_per_offset(e, x, dy, kernel, strides, pads, dil, out_dims, c_out, c_in_group)
+    elif wants[1] and group > 1 and c_in_group == 1:
+        grads[1] = _depthwise_weight_grad(e, x, dy, kernel, strides, pads, dil, dims, out_dims, group, c_out)
     elif wants[1]:
-        swap = [1, 0, *range(2, 2 + nd)]
-        xt = e.op("Transpose", [x], perm=swap)
-        dyt = e.op("Transpose", [dy], perm=swap)
-        full = e.op("Conv", [xt, dyt], strides=dil, dilations=strides, pads=pads)
-        # the result can be larger than the kernel when the strides do not divide the input evenly
-        trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(list(range(2, 2 + nd)))])
-        if group == 1:
-            grads[1] = e.op("Transpose", [trimmed], perm=swap)
-        else:
-            grads[1] = _group_blocks(e, trimmed, group, int(wshape[0]), int(wshape[1]), kernel)
+        grads[1] = _swapped_weight_grad(e, x, dy, kernel, strides, pads, dil, dims, group, c_out, c_in_group)
     if len(node.input) > 2 and node.input[2] and wants[2]:
         grads[2] = e.reduce("ReduceSum", dy, [0, *range(2, 2 + nd)], keepdims=False)
     return grads
@@ -1189,17 +1230,53 @@ def _conv_weight_grad_per_offset(e: Emitter, x: str, dy: str, kernel, strides, p
     return e.op("Reshape", [e.op("Concat", columns, axis=2), e.ints([c_out, c_in, *kernel])])
 
 
-def _group_blocks(e: Emitter, pairs: str, group: int, c_out: int, c_in_group: int, kernel: list[int]) -> str:
-    """From the weight gradient of every (input channel, output channel) pair, [Cin, Cout, k...],
-    keep the pairs a grouped Conv connects: group g's inputs with group g's outputs. Computing all
-    pairs costs ``group`` times the work of one group, which keeps this to one Conv."""
+def _swapped_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, group: int, c_out: int,
+                         c_in_group: int) -> str:
+    """dW as a Conv whose batch is the input channel within a group and whose channels are the
+    examples: x as [Cin/g, g*N, spatial...] convolved, ``group`` groups, with dy as the kernel
+    [Cout, N, out spatial...] (strides and dilations trade places) gives [Cin/g, Cout, k...]. Each
+    group meets only its own outputs, so the work is that of the forward Conv; the all-pairs Conv
+    of x and dy masked to the diagonal blocks took ``group`` times as long (ResNeXt's 32-group 3x3
+    layers at batch 32: 4-10x slower, onnxruntime 1.32)."""
     nd = len(kernel)
-    blocks = e.op("Reshape", [pairs, e.ints([group, c_in_group, group, c_out // group, *kernel])])
-    eye = np.eye(group, dtype=helper_dtype(e, pairs)).reshape(group, 1, group, *([1] * (1 + nd)))
-    diagonal = e.reduce("ReduceSum", e.op("Mul", [blocks, e.const(eye, "group_eye")]), [0], keepdims=False)
-    # [Cin/g, g, Cout/g, k...] -> [g, Cout/g, Cin/g, k...] -> [Cout, Cin/g, k...]
-    ordered = e.op("Transpose", [diagonal], perm=[1, 2, 0, *range(3, 3 + nd)])
-    return e.op("Reshape", [ordered, e.ints([c_out, c_in_group, *kernel])])
+    rows = e.op("Reshape", [x, e.ints([0, group, c_in_group, *dims])])
+    rows = e.op("Transpose", [rows], perm=[2, 1, 0, *range(3, 3 + nd)])  # [Cin/g, g, N, spatial...]
+    rows = e.op("Reshape", [rows, e.ints([c_in_group, -1, *dims])])
+    kernels = e.op("Transpose", [dy], perm=[1, 0, *range(2, 2 + nd)])  # [Cout, N, out spatial...]
+    full = e.op("Conv", [rows, kernels], strides=dil, dilations=strides, pads=pads, group=group)
+    # the result can be larger than the kernel when the strides do not divide the input evenly
+    trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(list(range(2, 2 + nd)))])
+    return e.op("Transpose", [trimmed], perm=[1, 0, *range(2, 2 + nd)])
+
+
+def _depthwise_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, out_dims, channels: int,
+                           c_out: int) -> str:
+    """dW of a depthwise Conv (one input channel per group, Cout/Cin outputs each): per kernel
+    offset, (the input window at that offset) times dy summed over examples and positions, with
+    the channels last ([spatial..., N, C]) so that the windows are Slices of whole rows and the sum
+    runs over the leading axis. On MobileNetV2's layers (batch 32) 1.2-4.6 ms against 3.9-9.4 for
+    the swapped Conv with one input channel per group, whose strided im2col is slow."""
+    nd = len(kernel)
+    m = c_out // channels
+    xt = e.op("Transpose", [x], perm=[*range(2, 2 + nd), 0, 1])  # [spatial..., N, C]
+    if any(pads):
+        xt = e.op("Pad", [xt, e.ints([*pads[:nd], 0, 0, *pads[nd:], 0, 0])])
+    dyt = e.op("Transpose", [dy], perm=[*range(2, 2 + nd), 0, 1])
+    dyt = e.op("Reshape", [dyt, e.ints([-1, channels, m] if m > 1 else [-1, channels])])
+    rows = []
+    for offset in np.ndindex(*kernel):
+        firsts = [i * d for i, d in zip(offset, dil)]
+        if not all(any(pads[a] <= f + s * t < pads[a] + dims[a] for t in range(o))
+                   for a, (f, s, o) in enumerate(zip(firsts, strides, out_dims))):
+            rows.append(e.const(np.zeros((1, c_out), dtype=helper_dtype(e, dy)), "zero_tap"))  # the window is all padding
+            continue
+        ends = [f + s * (o - 1) + 1 for f, s, o in zip(firsts, strides, out_dims)]
+        window = e.op("Slice", [xt, e.ints(firsts), e.ints(ends), e.ints(list(range(nd))), e.ints(strides)])
+        window = e.op("Reshape", [window, e.ints([-1, channels, 1] if m > 1 else [-1, channels])])
+        summed = e.reduce("ReduceSum", e.op("Mul", [window, dyt]), [0], keepdims=True)
+        rows.append(e.op("Reshape", [summed, e.ints([1, c_out])]) if m > 1 else summed)
+    taps = e.op("Concat", rows, axis=0) if len(rows) > 1 else rows[0]  # [k..., Cout]
+    return e.op("Reshape", [e.op("Transpose", [taps], perm=[1, 0]), e.ints([c_out, 1, *kernel])])
 
 
 def helper_dtype(e: Emitter, t: str):
@@ -1253,7 +1330,7 @@ def _avgpool(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     kernel = [int(k) for k in attr(node, "kernel_shape")]
     nd = len(kernel)
-    strides, pads, dil, dims = _spatial(e, node, x, kernel)
+    strides, pads, dil, dims = conv_geometry(e, node, x, kernel)
     xshape, yshape = e.shape(x), e.shape(y)
     if yshape is None or not all(isinstance(d, int) for d in yshape[1:]) or not isinstance(xshape[1], int):
         raise UnsupportedOpError(node.op_type, node.name, "needs static channel and spatial sizes")
@@ -1276,7 +1353,7 @@ def _avgpool(e, node, dys, wants):
 def _gap(e, node, dys, wants):
     x, y = node.input[0], node.output[0]
     scaled = e.op("Div", [_dy(dys, e, node), _count(e, x, y, list(range(2, e.rank(x) or 4)))])
-    return [e.op("Expand", [scaled, e.shape_of(x)])]
+    return [e.broadcast_to(scaled, x)]
 
 
 @rule("GlobalMaxPool", note="dy to each channel's maximum (shared on ties)")

@@ -10,6 +10,8 @@ from onnx import helper
 
 from device_runtime.executor import make_session
 from emulator.toolchain import vjp_model
+from emulator.toolchain.autodiff import Emitter, constant_values, tensor_infos
+from emulator.toolchain.forward import training_forward
 
 
 def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray], constants: Mapping[str, np.ndarray] | None = None,
@@ -30,6 +32,21 @@ def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray], constants: M
         if out.type.tensor_type.elem_type == 0:
             out.type.CopyFrom(graph_inputs[0].type)
     return model
+
+
+def training_forward_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its nodes rewritten as a training plan runs them (:func:`training_forward`),
+    shapes inferred: the rewritten forward is then differentiated node by node like any model."""
+    g = model.graph
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    taken = {t for n in g.node for t in [*n.input, *n.output]} | {i.name for i in g.input} | {i.name for i in g.initializer}
+    e = Emitter(opset, tensor_infos(model), constant_values(g), taken)
+    nodes = training_forward(e, list(g.node), {i.name for i in g.initializer}).nodes
+    for node in nodes:  # apart from the names the differentiating emitter gives its nodes
+        node.name = f"forward/{node.name}"
+    graph = helper.make_graph(nodes, g.name, list(g.input), list(g.output), initializer=[*g.initializer, *e.initializers])
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    return onnx.shape_inference.infer_shapes(out, strict_mode=True)
 
 
 def vjp_error(model: onnx.ModelProto, values: Mapping[str, np.ndarray], wrt: Sequence[str], *,

@@ -11,8 +11,10 @@ import pytest
 from onnx import helper
 
 from device_runtime import PlanExecutor
-from emulator.toolchain import SGD, initial_weights_from_onnx, training_plan_from_onnx
+from emulator.toolchain import SGD, initial_weights_from_onnx, training_plan_from_onnx, vjp_model
+from emulator.toolchain.autodiff import needed_for, tensor_infos
 from example_store import ExampleSelector
+from tests.emulator.toolchain.gradcheck import training_forward_model
 from tests.emulator.toolchain.models import F, model
 
 MOMENTUM = 0.9  # ONNX's: torch's momentum=0.1 exports as 0.9
@@ -84,3 +86,22 @@ def test_one_value_per_channel_keeps_the_running_variance_finite():
     _, start, _, new = _one_step(source, x, np.zeros((1, 2), np.float32))
     assert np.isfinite(new["running_var"]).all()
     np.testing.assert_allclose(new["running_var"], MOMENTUM * start["running_var"], rtol=1e-6)
+
+
+def test_batch_norm_gradient_passes_over_the_activations_at_most_five_times():
+    """The backward pass of a training-mode BatchNormalization makes at most five tensors of the
+    activations' size (dy times the gain, dy times the centred input, the variance's term, two
+    sums): a mean's gradient is added where it broadcasts instead of expanded first, a square
+    takes one product, and a subtrahend's gradient is negated after its sum, not before."""
+    shape = [4, 3, 5, 5]
+    ones = {name: np.ones(3, np.float32) for name in ("s", "b", "m", "v")}
+    source = model([helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-5)],
+                   [helper.make_tensor_value_info("x", F, shape)], [helper.make_tensor_value_info("y", F, shape)], ones)
+    forward = training_forward_model(source)
+    grad = vjp_model(forward, outputs=["y"], wrt=["x", "s", "b"])
+    infos = tensor_infos(grad)
+    live = needed_for(grad.graph.node, [o.name for o in grad.graph.output])
+    made = {o for n in forward.graph.node for o in n.output}
+    full = [n.op_type for n in grad.graph.node if n.op_type != "Identity" and n.output[0] in live and n.output[0] not in made
+            and infos[n.output[0]].shape == tuple(shape)]
+    assert len(full) <= 5, full

@@ -9,14 +9,17 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from onnx import TensorProto, helper, numpy_helper
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from device_runtime.executor import make_session
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
-from emulator.toolchain.forward import DECOMPOSED
+from emulator.toolchain.autodiff import needed_for, tensor_infos
+from emulator.toolchain.forward import DECOMPOSED, DENSE_TAPS_MAX_POSITIONS, DEPTHWISE_TAPS_MAX_POSITIONS
 from emulator.toolchain.gradients import NO_GRADIENT, RULES
-from tests.emulator.toolchain.gradcheck import single_op_model, vjp_error
+from tests.emulator.toolchain.gradcheck import single_op_model, training_forward_model, vjp_error
 
 F64_TOL = 1e-6
 F32_TOL = 3e-3
@@ -76,15 +79,23 @@ def case_unary(op, positive=False, dtype=np.float64, **attrs):
     return draw_case
 
 
+def case_square(draw):  # Mul of a tensor with itself: one gradient, 2*x*dy
+    return "Mul", {"x": _arr(draw, _shape(draw))}, {}, {"order": ["x", "x"]}, 17, F64_TOL
+
+
 def case_pow_constant(draw):
     x = np.asarray(np.abs(_arr(draw, _shape(draw))) + 0.5)
     p = draw(st.sampled_from([2.0, 3.0, 0.5, -1.0]))
     return "Pow", {"x": x}, {"p": np.array(p)}, {}, 17, F64_TOL
 
 
-def case_clip(draw):
+def case_clip(draw):  # both bounds, the lower or the upper one only (ReLU6 is Clip(x, 0, 6))
     x = _arr(draw, _shape(draw), away_from_zero=True)
-    return "Clip", {"x": x}, {"lo": np.array(-1.0), "hi": np.array(1.05)}, {}, 17, F64_TOL
+    order = draw(st.sampled_from([["x", "lo", "hi"], ["x", "lo"], ["x", "", "hi"]]))
+    constants = {k: v for k, v in (("lo", np.array(-1.0)), ("hi", np.array(1.05))) if k in order}
+    if "" in order:
+        constants[""] = None
+    return "Clip", {"x": x}, constants, {"order": order}, 17, F64_TOL
 
 
 def case_where(draw):
@@ -169,13 +180,15 @@ def case_flatten(draw):
     return "Flatten", {"x": _arr(draw, shape)}, {}, {"axis": draw(st.integers(0, len(shape)))}, 17, F64_TOL
 
 
-def case_squeeze(op):
+def case_squeeze(op):  # axes given (negative too) or, for Squeeze, every axis of size 1
     def draw_case(draw):
         shape = _shape(draw)
         if op == "Squeeze":
-            shape = (*shape, 1)
-            return op, {"x": _arr(draw, shape)}, {"axes": np.array([len(shape) - 1])}, {}, 17, F64_TOL
-        return op, {"x": _arr(draw, shape)}, {"axes": np.array([0, len(shape) + 1])}, {}, 17, F64_TOL
+            shape = (1, *shape, 1)
+            axes = draw(st.sampled_from([[len(shape) - 1], [-1, 0], None]))
+            return op, {"x": _arr(draw, shape)}, {} if axes is None else {"axes": np.array(axes)}, {}, 17, F64_TOL
+        axes = draw(st.sampled_from([[0, len(shape) + 1], [-1], [1, -1]]))
+        return op, {"x": _arr(draw, shape)}, {"axes": np.array(axes)}, {}, 17, F64_TOL
     return draw_case
 
 
@@ -236,8 +249,9 @@ def case_expand(draw):
     return "Expand", {"x": _arr(draw, small)}, {"shape": np.array(shape, dtype=np.int64)}, {}, 17, F64_TOL
 
 
-def case_cast(draw):
-    return "Cast", {"x": _arr(draw, _shape(draw))}, {}, {"to": 1}, 17, F32_TOL  # float64 -> float32
+def case_cast(draw):  # float64 -> float32, or to its own type
+    to = draw(st.sampled_from([1, 11]))
+    return "Cast", {"x": _arr(draw, _shape(draw))}, {}, {"to": to}, 17, F32_TOL if to == 1 else F64_TOL
 
 
 def case_cast_like(draw):
@@ -473,9 +487,40 @@ def case_conv(draw):
     h = draw(st.integers((kh - 1) * dil[0] + 1, 7))
     w = draw(st.integers(kw, 7))
     inputs = {"x": _arr(draw, (n, cin, h, w), np.float32), "w": _arr(draw, (cout, cin // group, kh, kw), np.float32)}
+def case_conv(kind):
+    """Dense, grouped (2 or 4 groups of several channels) and depthwise (one input channel per
+    group, with a channel multiplier of 1 or 2) Convs, 1-D and 2-D, with strides, padding and
+    dilation: each kind takes its own weight-gradient path."""
+    def draw_case(draw):
+        nd = draw(st.integers(1, 2))
+        if kind == "dense":
+            group, cin, cout = 1, draw(st.sampled_from([1, 2, 8])), draw(st.integers(1, 3))  # 8: one Gemm per offset
+        elif kind == "grouped":
+            group = draw(st.sampled_from([2, 4]))
+            cin, cout = group * draw(st.integers(2, 3)), group * draw(st.integers(1, 2))
+        else:
+            group = cin = draw(st.integers(2, 5))
+            cout = cin * draw(st.integers(1, 2))
+        kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
+        stride = [draw(st.integers(1, 2)) for _ in range(nd)]
+        dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+        pads = [draw(st.integers(0, 1)) for _ in range(2 * nd)]
+        spatial = [draw(st.integers((k - 1) * d + 1, 7)) for k, d in zip(kernel, dil)]
+        n = draw(st.integers(1, 2))
+        inputs = {"x": _arr(draw, (n, cin, *spatial), np.float32), "w": _arr(draw, (cout, cin // group, *kernel), np.float32)}
+        if draw(st.booleans()):
+            inputs["b"] = _arr(draw, (cout,), np.float32)
+        return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
+    return draw_case
+
+
+def case_pad(draw):
+    shape = _shape(draw)
+    pads = [draw(st.integers(0, 2)) for _ in range(2 * len(shape))]
+    constants = {"pads": np.array(pads, np.int64)}
     if draw(st.booleans()):
-        inputs["b"] = _arr(draw, (cout,), np.float32)
-    return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
+        constants["value"] = np.array(draw(st.sampled_from([0.0, 1.5])))
+    return "Pad", {"x": _arr(draw, shape)}, constants, {}, 17, F64_TOL
 
 
 def case_pool(op):
@@ -563,6 +608,7 @@ CASES = {
     "Sqrt": case_unary("Sqrt", positive=True),
     "Reciprocal": case_unary("Reciprocal", positive=True),
     "Pow(constant)": case_pow_constant,
+    "Mul(square)": case_square,
     "Clip": case_clip,
     "Where": case_where,
     "Sum": case_sum,
@@ -617,7 +663,10 @@ CASES = {
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
-    "Conv": case_conv,
+    "Conv": case_conv("dense"),
+    "Conv(grouped)": case_conv("grouped"),
+    "Conv(depthwise)": case_conv("depthwise"),
+    "Pad": case_pad,
     "MaxPool": case_pool("MaxPool"),
     "MaxPool(tiling)": case_tiling_maxpool,
     "AveragePool": case_pool("AveragePool"),
@@ -680,3 +729,107 @@ def test_slices_and_gathers_along_an_axis_of_run_time_size_are_differentiated(ki
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 5, 3)).astype(np.float32), "w": rng.standard_normal((3, 4)).astype(np.float32)}
     assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(data=st.data())
+def test_small_conv_as_taps_computes_the_conv_and_its_gradient(kind, data):
+    """A training plan runs a dense or depthwise Conv with few output positions as a sum over its
+    kernel offsets (channels last); that rewrite computes the Conv's values, and differentiated
+    node by node it matches finite differences, for 1-D and 2-D, strides, padding, dilation,
+    offsets that read padding only, and a depthwise channel multiplier."""
+    draw = data.draw
+    nd = draw(st.integers(1, 2))
+    channels = draw(st.integers(2, 5))
+    c_out = channels * draw(st.integers(1, 2)) if kind == "depthwise" else draw(st.integers(1, 4))
+    kernel = [draw(st.integers(1, 3)) for _ in range(nd)]
+    stride = [draw(st.integers(1, 3)) for _ in range(nd)]
+    dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+    pads = [draw(st.integers(0, 2)) for _ in range(2 * nd)]
+    spatial = [draw(st.integers(max(1, (k - 1) * d + 1 - pads[a] - pads[nd + a]), 5))
+               for a, (k, d) in enumerate(zip(kernel, dil))]
+    out = [(h + pads[a] + pads[nd + a] - (k - 1) * d - 1) // s + 1 for a, (h, k, d, s) in enumerate(zip(spatial, kernel, dil, stride))]
+    assume(int(np.prod(out)) <= min(DEPTHWISE_TAPS_MAX_POSITIONS, DENSE_TAPS_MAX_POSITIONS))
+    inputs = {"x": _arr(draw, (draw(st.integers(1, 3)), channels, *spatial), np.float32),
+              "w": _arr(draw, (c_out, 1 if kind == "depthwise" else channels, *kernel), np.float32)}
+    if draw(st.booleans()):
+        inputs["b"] = _arr(draw, (c_out,), np.float32)
+    model = single_op_model("Conv", inputs, strides=stride, dilations=dil, pads=pads, group=channels if kind == "depthwise" else 1)
+    taps = training_forward_model(model)
+    assert "Conv" not in {n.op_type for n in taps.graph.node}
+    want = make_session(model.SerializeToString()).run(None, inputs)[0]
+    got = make_session(taps.SerializeToString()).run(None, inputs)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert vjp_error(taps, inputs, list(inputs), eps=3e-3) < F32_TOL
+
+
+@pytest.mark.parametrize(("channels", "group"), [(96, 96), (128, 32)])
+def test_grouped_conv_gradient_never_pairs_every_input_with_every_output_channel(channels, group):
+    """The gradient of a grouped or depthwise Conv does the work of its groups only: no tensor of its
+    graph is larger than the kernel's offsets times the largest of x, y and w, whereas pairing every
+    input channel with every output channel (then masking) makes a [Cin, Cout, k, k] tensor, ``group``
+    times the work."""
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((2, channels, 6, 6)).astype(np.float32),
+              "w": rng.standard_normal((channels, channels // group, 3, 3)).astype(np.float32)}
+    model = single_op_model("Conv", inputs, strides=[2, 2], pads=[1, 1, 1, 1], group=group)
+    grad = vjp_model(model, outputs=["y"], wrt=["x", "w"])
+    sizes = {name: int(np.prod(info.static_shape)) for name, info in tensor_infos(grad).items() if info.static_shape is not None}
+    bound = 9 * max(sizes["x"], sizes["y"], sizes["w"])
+    assert max(sizes.values()) <= bound, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _gradient_graph_size(op: str, seq: int) -> int:
+    """The elements of every tensor the vector-Jacobian product of an unrolled ``op`` makes."""
+    gates = 3 if op == "GRU" else 4
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+              "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+              "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+    model = single_op_model(op, inputs, hidden_size=5, outputs=["y", "y_h"])
+    grad = vjp_model(model, outputs=["y", "y_h"], wrt=list(inputs))
+    return sum(int(np.prod(info.static_shape)) for info in tensor_infos(grad).values() if info.static_shape is not None)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_unrolled_recurrence_gradient_grows_linearly_with_the_sequence(op):
+    """Four times the steps, at most about four times the tensors: each step's slice of the
+    sequence gives its gradient back through one Concat, not a zero-padded copy of the whole
+    sequence per step (which grew with the square of its length)."""
+    assert _gradient_graph_size(op, 16) < 4.5 * _gradient_graph_size(op, 4)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_a_weight_used_at_every_step_sums_its_gradient_in_one_gemm(op):
+    """The recurrent weights' gradient is one Gemm over every step's rows stacked, however long the
+    sequence: each step adds two matrix products (its forward one and its dh), not a third small
+    Gemm for the weight added up with the others (16 Gemms of 32 rows ran at a third of the speed)."""
+    def products(seq: int) -> int:
+        gates = 3 if op == "GRU" else 4
+        rng = np.random.default_rng(0)
+        inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+                  "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+                  "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+        grad = vjp_model(single_op_model(op, inputs, hidden_size=5, outputs=["y"]), outputs=["y"], wrt=["r"])
+        live = needed_for(grad.graph.node, ["grad/r"])
+        return sum(1 for n in grad.graph.node if n.op_type in ("Gemm", "MatMul") and n.output[0] in live)
+    assert products(16) - products(4) == (2 if op == "LSTM" else 2 * 2) * 12
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_unrolled_steps_read_no_shapes_with_a_dynamic_batch(op):
+    """With a dynamic batch, the unrolled steps and their gradients read no tensor's shape at run
+    time: the states keep the op's [1, batch, H] layout, and a Squeeze's or Unsqueeze's gradient is
+    the inverse op on its constant axes, not a Reshape to the shape read from its input."""
+    def shapes_read(seq: int) -> int:
+        gates = 3 if op == "GRU" else 4
+        rng = np.random.default_rng(0)
+        weights = {"w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+                   "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+        node = helper.make_node(op, ["x", "w", "r"], ["y", "y_h"], hidden_size=5)
+        graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, "N", 4])],
+                                  [helper.make_tensor_value_info("y_h", TensorProto.FLOAT, [1, "N", 5])],
+                                  initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        grad = vjp_model(model, outputs=["y_h"], wrt=["w", "r"])
+        return sum(1 for n in grad.graph.node if n.op_type == "Shape")
+    assert shapes_read(16) == shapes_read(4)

@@ -192,6 +192,22 @@ def test_seeded_dropout_makes_a_session_reproducible_and_masks_change_from_step_
     assert not np.array_equal(first["fc_w"], other["fc_w"])
 
 
+def test_dropout_of_ratio_zero_trains_as_the_identity(digits):
+    """torch exports Dropout(p=0) (transformers' ViT defaults) as an active Dropout of ratio 0: the
+    step runs no Dropout, draws no mask, and takes the step of the same model without it."""
+    x, y = digits.x_train[:32].reshape(-1, 1, 8, 8).astype(np.float32), digits.y_train[:32]
+    steps = {}
+    for ratio in (0.0, None):
+        source = cnn(seed=5, dropout=ratio)
+        plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=16,
+                                       example_selector=SELECTOR, shuffle_buffer=0)
+        if ratio is not None:
+            assert "Dropout" not in {n.op_type for n in onnx.ModelProto.FromString(plan.work).graph.node}
+        executor = PlanExecutor(plan)
+        steps[ratio] = executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 16)).update
+    assert all(np.array_equal(steps[0.0][k], steps[None][k]) for k in steps[None])
+
+
 def test_bytes_that_are_not_an_onnx_model_are_refused_with_what_to_do(tmp_path):
     from device_runtime.plan import PlanError
     from emulator.toolchain.training import load_model

@@ -8,6 +8,7 @@ batch's mean cross-entropy; the reference differentiates the same forward pass i
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -211,5 +212,76 @@ def test_gru_op_next_word_model_gradient_matches_autograd():
             cand = agnp.tanh(g[:, 2 * hidden :] + r * hr[:, 2 * hidden :])
             h = (1 - z) * cand + z * h
         return _cross_entropy(h @ q["out"] + q["out_b"], y)
+
+    _check(ours, autograd.grad(loss)(w), w)
+
+
+def _mobile_block(seed=0, channels=4, hidden=8, classes=3, side=6):
+    """MobileNetV2's inverted residual, twice: 1x1 expansion, BatchNormalization, Clip(0, 6) (ReLU6),
+    depthwise 3x3 (stride 1 on 6x6: the grouped Conv and its gradient rule; stride 2 down to 3x3:
+    few enough positions to train as taps), 1x1 projection, a residual Add."""
+    rng = np.random.default_rng(seed)
+    p = {"expand": glorot(rng, channels, hidden, (hidden, channels, 1, 1)),
+         "dw1": glorot(rng, 9, 9, (hidden, 1, 3, 3)), "dw2": glorot(rng, 9, 9, (hidden, 1, 3, 3)),
+         "dw2_b": rng.normal(0, 0.1, hidden).astype(np.float32),
+         "project": glorot(rng, hidden, channels, (channels, hidden, 1, 1)),
+         "fc": glorot(rng, channels, classes), "fc_b": np.zeros(classes, np.float32)}
+    for bn in ("bn0", "bn1"):
+        p[f"{bn}_s"], p[f"{bn}_b"] = rng.uniform(0.5, 1.5, hidden).astype(np.float32), rng.normal(0, 0.1, hidden).astype(np.float32)
+    stats = {f"{bn}_{k}": v for bn in ("bn0", "bn1") for k, v in (("mean", np.zeros(hidden, np.float32)),
+                                                                   ("var", np.ones(hidden, np.float32)))}
+    consts = {"lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)}
+    n = helper.make_node
+    nodes = [
+        n("Conv", ["x", "expand"], ["e"]),
+        n("BatchNormalization", ["e", "bn0_s", "bn0_b", "bn0_mean", "bn0_var"], ["e_bn"]),
+        n("Clip", ["e_bn", "lo", "hi"], ["e_r"]),
+        n("Conv", ["e_r", "dw1"], ["d1"], group=hidden, pads=[1, 1, 1, 1]),
+        n("BatchNormalization", ["d1", "bn1_s", "bn1_b", "bn1_mean", "bn1_var"], ["d1_bn"]),
+        n("Clip", ["d1_bn", "lo", "hi"], ["d1_r"]),
+        n("Conv", ["d1_r", "dw2", "dw2_b"], ["d2"], group=hidden, pads=[1, 1, 1, 1], strides=[2, 2]),
+        n("Conv", ["d2", "project"], ["pr"]),
+        n("AveragePool", ["x"], ["skip"], kernel_shape=[2, 2], strides=[2, 2]),
+        n("Add", ["pr", "skip"], ["res"]),
+        n("GlobalAveragePool", ["res"], ["g"]), n("Flatten", ["g"], ["f"]),
+        n("Gemm", ["f", "fc", "fc_b"], ["logits"]),
+    ]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", channels, side, side])],
+              [helper.make_tensor_value_info("logits", F, ["N", classes])], {**p, **stats, **consts}, name="mobile")
+    return m, p
+
+
+def _depthwise(x, w, stride):
+    """A depthwise 3x3 Conv with padding 1 in autograd's numpy."""
+    x = agnp.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)), mode="constant")
+    out = (x.shape[2] - 3) // stride + 1
+    span = stride * (out - 1) + 1
+    return sum(x[:, :, i : i + span : stride, j : j + span : stride] * w[None, :, 0, i, j, None, None]
+               for i in range(3) for j in range(3))
+
+
+def test_mobilenet_block_gradient_matches_autograd():
+    source, _ = _mobile_block()
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((5, 4, 6, 6)).astype(np.float32), rng.integers(0, 3, 5)
+    w, ours = _plan_gradient(source, x, y)
+    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(1.0), batch_size=5,
+                                   example_selector=ExampleSelector("app:/m"))
+    work = onnx.ModelProto.FromString(plan.work)
+    grouped = [node for node in work.graph.node if node.op_type == "Conv" and any(a.name == "group" and a.i > 1 for a in node.attribute)]
+    assert [node.output[0] for node in grouped] == ["d1"]  # the 3x3-output depthwise Conv runs as taps
+
+    def bn(c, s, b):
+        mean = agnp.mean(c, axis=(0, 2, 3), keepdims=True)
+        var = agnp.mean((c - mean) ** 2, axis=(0, 2, 3), keepdims=True)
+        return (c - mean) / agnp.sqrt(var + 1e-5) * s[None, :, None, None] + b[None, :, None, None]
+
+    def loss(p):
+        e = agnp.clip(bn(agnp.einsum("nchw,oc->nohw", x, p["expand"][:, :, 0, 0]), p["bn0_s"], p["bn0_b"]), 0, 6)
+        d1 = agnp.clip(bn(_depthwise(e, p["dw1"], 1), p["bn1_s"], p["bn1_b"]), 0, 6)
+        d2 = _depthwise(d1, p["dw2"], 2) + p["dw2_b"][None, :, None, None]
+        skip = agnp.mean(agnp.mean(x.reshape(5, 4, 3, 2, 3, 2), axis=5), axis=3)
+        res = agnp.einsum("nchw,oc->nohw", d2, p["project"][:, :, 0, 0]) + skip
+        return _cross_entropy(agnp.mean(res, axis=(2, 3)) @ p["fc"] + p["fc_b"], y)
 
     _check(ours, autograd.grad(loss)(w), w)
