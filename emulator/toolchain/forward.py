@@ -418,9 +418,11 @@ def _cols(e: Emitter, t: str, start: int, end: int) -> str:
     return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([-1])])
 
 
-def _direction(e: Emitter, t: str, d: int) -> str:
-    """Direction ``d``'s slice of a weight, bias or state stacked over the directions (axis 0)."""
-    return e.op("Squeeze", [e.op("Slice", [t, e.ints([d]), e.ints([d + 1]), e.ints([0])]), e.ints([0])])
+def _direction(e: Emitter, t: str, d: int, keep: bool = False) -> str:
+    """Direction ``d``'s slice of a weight, bias or state stacked over the directions (axis 0),
+    without that axis unless ``keep``."""
+    part = e.op("Slice", [t, e.ints([d]), e.ints([d + 1]), e.ints([0])])
+    return part if keep else e.op("Squeeze", [part, e.ints([0])])
 
 
 def _recurrent_setup(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, gates: int, d: int) -> tuple[str, str, str | None]:
@@ -440,22 +442,22 @@ def _recurrent_setup(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, gates: i
 
 
 def _initial(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, index: int, d: int) -> str:
-    """Direction ``d``'s initial state [batch, H]: the node's input (stacked over the directions) or zeros."""
+    """Direction ``d``'s initial state [1, batch, H]: the node's input (stacked over the directions) or zeros."""
     if len(node.input) > index and node.input[index]:
-        return _direction(e, node.input[index], d)
+        return node.input[index] if len(rec.directions) == 1 else _direction(e, node.input[index], d, keep=True)
     x = node.input[0]
     batch = e.op("Slice", [e.op("Shape", [x]), e.ints([1]), e.ints([2])])
     dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(x))
-    return e.op("ConstantOfShape", [e.op("Concat", [batch, e.ints([rec.hidden])], axis=0)],
+    return e.op("ConstantOfShape", [e.op("Concat", [e.ints([1]), batch, e.ints([rec.hidden])], axis=0)],
                 value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)))
 
 
 def _step_inputs(e: Emitter, xw: str, seq: int) -> list[str]:
-    """Each step's rows of ``xw`` [seq, batch, ...] without the sequence axis, cut by one Split
-    (whose gradient is one Concat, where a Slice per step would pad its gradient back to the whole
-    sequence)."""
-    parts = [xw] if seq == 1 else split(e, xw, [1] * seq, 0, "step")
-    return [e.op("Squeeze", [p, e.ints([0])]) for p in parts]
+    """Each step's rows of ``xw`` [seq, batch, ...] as [1, batch, ...], cut by one Split (whose
+    gradient is one Concat, where a Slice per step would pad its gradient back to the whole
+    sequence). The steps keep the leading axis of one, the states too, so that no step squeezes or
+    unsqueezes anything (a quarter of an unrolled LSTM's nodes were those and their gradients)."""
+    return [xw] if seq == 1 else split(e, xw, [1] * seq, 0, "step")
 
 
 def _steps(rec: _Recurrent, direction: str) -> list[int]:
@@ -467,12 +469,18 @@ def _recurrent_outputs(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, hs: li
     """Y [seq, directions, batch, H] from each direction's states by time step ``hs``, and the final
     states [directions, batch, H] from ``finals`` (per output, per direction)."""
     outs = list(node.output) + [""] * (3 - len(node.output))
-    if outs[0]:
-        steps = [e.op("Concat", [e.unsqueeze(h[t], [0, 1]) for h in hs], axis=1) for t in range(rec.seq)]
-        e.op("Concat", steps, axis=0, out=outs[0])
+    if outs[0]:  # the states are [1, batch, H]: per direction [seq, batch, H], then the direction axis
+        seqs = [h[0] if rec.seq == 1 else e.op("Concat", [h[t] for t in range(rec.seq)], axis=0) for h in hs]
+        if len(seqs) == 1:
+            e.op("Unsqueeze", [seqs[0], e.ints([1])], out=outs[0])
+        else:
+            e.op("Concat", [e.unsqueeze(y, [1]) for y in seqs], axis=1, out=outs[0])
     for out, per_direction in zip(outs[1:], finals):
         if out:
-            e.op("Concat", [e.unsqueeze(f, [0]) for f in per_direction], axis=0, out=out)
+            if len(per_direction) == 1:
+                e.op("Identity", per_direction, out=out)
+            else:
+                e.op("Concat", per_direction, axis=0, out=out)
 
 
 def _gru(e: Emitter, node: onnx.NodeProto) -> None:
@@ -491,8 +499,9 @@ def _gru(e: Emitter, node: onnx.NodeProto) -> None:
             hzr = e.op("MatMul", [h, r_zr])
             if rb_zr is not None:
                 hzr = e.op("Add", [hzr, rb_zr])
-            zr = e.op("Sigmoid", [e.op("Add", [_cols(e, xt, 0, 2 * hdim), hzr])])
-            z, r = _cols(e, zr, 0, hdim), _cols(e, zr, hdim, 2 * hdim)
+            x_zr, x_h = split(e, xt, [2 * hdim, hdim], -1, "gru_x")
+            zr = e.op("Sigmoid", [e.op("Add", [x_zr, hzr])])
+            z, r = split(e, zr, [hdim, hdim], -1, "gru_gate")
             if before_reset:
                 hh = e.op("MatMul", [h, r_h])
                 if rb_h is not None:
@@ -502,7 +511,7 @@ def _gru(e: Emitter, node: onnx.NodeProto) -> None:
                 inner = e.op("MatMul", [e.op("Mul", [r, h]), r_h])
                 if rb_h is not None:
                     inner = e.op("Add", [inner, rb_h])
-            n = e.op("Tanh", [e.op("Add", [_cols(e, xt, 2 * hdim, 3 * hdim), inner])])
+            n = e.op("Tanh", [e.op("Add", [x_h, inner])])
             h = e.op("Add", [n, e.op("Mul", [z, e.op("Sub", [h, n])])], hint="gru_h")  # (1-z)*n + z*h
             states[t] = h
         hs.append(states)
@@ -522,9 +531,9 @@ def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
         states, inputs = {}, _step_inputs(e, xw, rec.seq)
         for t in _steps(rec, direction):
             g = e.op("Add", [inputs[t], e.op("MatMul", [h, rt])])
-            iof = e.op("Sigmoid", [_cols(e, g, 0, 3 * hdim)])  # gate order i, o, f, c
-            i, o, f = _cols(e, iof, 0, hdim), _cols(e, iof, hdim, 2 * hdim), _cols(e, iof, 2 * hdim, 3 * hdim)
-            cand = e.op("Tanh", [_cols(e, g, 3 * hdim, 4 * hdim)])
+            g_iof, g_c = split(e, g, [3 * hdim, hdim], -1, "lstm_pre")  # gate order i, o, f, c
+            i, o, f = split(e, e.op("Sigmoid", [g_iof]), [hdim, hdim, hdim], -1, "lstm_gate")
+            cand = e.op("Tanh", [g_c])
             c = e.op("Add", [e.op("Mul", [f, c]), e.op("Mul", [i, cand])], hint="lstm_c")
             h = e.op("Mul", [o, e.op("Tanh", [c])], hint="lstm_h")
             states[t] = h

@@ -833,3 +833,21 @@ def test_unrolled_steps_read_no_shapes_with_a_dynamic_batch(op):
         grad = vjp_model(model, outputs=["y_h"], wrt=["w", "r"])
         return sum(1 for n in grad.graph.node if n.op_type == "Shape")
     assert shapes_read(16) == shapes_read(4)
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+def test_unrolled_gates_are_cut_by_one_split_whose_gradient_pads_nothing(op, direction):
+    """Each step cuts its gates with one Split (gradient: one Concat), not a Slice per gate whose
+    gradient pads it back to all gates' width: the gradient's Pads do not grow with the steps."""
+    def pads(seq: int) -> int:
+        gates, d = (3 if op == "GRU" else 4), (2 if direction == "bidirectional" else 1)
+        rng = np.random.default_rng(0)
+        inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+                  "w": rng.standard_normal((d, gates * 5, 4)).astype(np.float32),
+                  "r": rng.standard_normal((d, gates * 5, 5)).astype(np.float32),
+                  "b": rng.standard_normal((d, 2 * gates * 5)).astype(np.float32)}
+        model = single_op_model(op, inputs, hidden_size=5, direction=direction, outputs=["y", "y_h"])
+        grad = vjp_model(model, outputs=["y", "y_h"], wrt=list(inputs))
+        return sum(1 for n in grad.graph.node if n.op_type == "Pad")
+    assert pads(16) == pads(4)
