@@ -55,15 +55,78 @@ def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
 
     Shape arithmetic computed from constants alone is folded first (:func:`constant_values`):
     onnx's data propagation stops at ops such as ``Mod`` (torchvision's multi-head attention
-    slices a shape with starts computed so), and every shape downstream would lose its rank."""
+    slices a shape with starts computed so), and every shape downstream would lose its rank.
+    Where the inputs have symbolic dimensions (the batch), inference also runs twice with them set
+    to two sets of sizes, where data propagation goes through everything: a dimension equal in both
+    runs is static, one that follows an input's symbol is that symbol (a segmentation head's
+    ``Resize`` to the sizes ``Shape`` read keeps the batch ``N``)."""
     folded = _with_constants_folded(model)
     infos = _inferred(folded)
-    refolded = _with_constants_folded(model, infos)  # now with the static dimensions that Shape reads too
-    return infos if _constants(refolded) == _constants(folded) else _inferred(refolded)
+    symbols = sorted({d for i in folded.graph.input for d in _dims(i) if isinstance(d, str)})
+    if not symbols:
+        return infos
+    runs = []
+    for sizes in ({s: 3 + k for k, s in enumerate(symbols)}, {s: 13 + 2 * k for k, s in enumerate(symbols)}):
+        try:
+            runs.append(_inferred_to_fixpoint(_with_input_sizes(folded, sizes)))
+        except Exception:  # noqa: BLE001 - inference with concrete sizes is only a refinement
+            return infos
+    first, second = runs
+    for name, a in first.items():
+        b = second.get(name)
+        if b is None or a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+            continue
+        known = infos.get(name)
+        base = known.shape if known is not None and known.shape is not None and len(known.shape) == len(a.shape) else None
+        dims: list[Dim] = []
+        for k, (x, y) in enumerate(zip(a.shape, b.shape)):
+            if base is not None and isinstance(base[k], int):
+                dims.append(base[k])
+            elif isinstance(x, int) and x == y:
+                dims.append(x)
+            else:
+                match = [s for i, s in enumerate(symbols) if (x, y) == (3 + i, 13 + 2 * i)]
+                dims.append(match[0] if match else (base[k] if base is not None else None))
+        infos[name] = TensorInfo(known.elem_type if known is not None else a.elem_type, tuple(dims))
+    return infos
+
+
+def _inferred_to_fixpoint(model: onnx.ModelProto, rounds: int = 4) -> dict[str, TensorInfo]:
+    """Inference, then the sizes ``Shape`` reads folded into constants (with the float arithmetic
+    that data propagation skips: an interpolation's output size computed as ceil(h * scale)), and
+    again while that folds more."""
+    infos = _inferred(model)
+    for _ in range(rounds):
+        refolded = _with_constants_folded(model, infos)
+        if _constants(refolded) == _constants(model):
+            break
+        model = refolded
+        infos = _inferred(model)
+    return infos
 
 
 def _constants(model: onnx.ModelProto) -> int:
     return sum(n.op_type == "Constant" for n in model.graph.node)
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[Dim]:
+    tt = vi.type.tensor_type
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim] if tt.HasField("shape") else []
+
+
+def _with_input_sizes(model: onnx.ModelProto, sizes: Mapping[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose inputs' symbolic dimensions are the given sizes."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.value_info[:]
+    for vi in out.graph.input:
+        if vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                if not d.HasField("dim_value") and d.dim_param in sizes:
+                    size = sizes[d.dim_param]
+                    d.Clear()
+                    d.dim_value = size
+    return out
 
 
 def _inferred(model: onnx.ModelProto) -> dict[str, TensorInfo]:

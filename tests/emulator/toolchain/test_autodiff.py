@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
 from emulator.toolchain.autodiff import constant_values
@@ -128,4 +128,24 @@ def test_slices_at_a_static_dimension_that_shape_reads_are_differentiated():
               [helper.make_tensor_value_info("y", F, ["N", 3, 8])], {}, opset=17)
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "w": rng.standard_normal((4, 8)).astype(np.float32)}
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
+
+
+def test_dimensions_lost_in_symbolic_shape_arithmetic_are_recovered_for_the_rules():
+    """MobileViT (classic exporter) unfolds patches with Reshape to batch x channels rows, a product of
+    symbolic sizes where onnx's data propagation gives up, so the static axes after it lose their
+    sizes: inference with the batch set to two sizes tells the static axes from the batch's."""
+    ints = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [helper.make_node("Mul", ["x", "w"], ["h"]), helper.make_node("Shape", ["h"], ["shape"]),  # h [N, 2, 4]
+             ints("zero", 0), ints("one", 1), ints("axis0", [0]), ints("minus_one", [-1]),
+             helper.make_node("Gather", ["shape", "zero"], ["n"]), helper.make_node("Gather", ["shape", "one"], ["c"]),
+             helper.make_node("Mul", ["n", "c"], ["rows"]), helper.make_node("Unsqueeze", ["rows", "axis0"], ["rows_1d"]),
+             helper.make_node("Concat", ["rows_1d", "minus_one"], ["flat_shape"], axis=0),
+             helper.make_node("Reshape", ["h", "flat_shape"], ["flat"]),  # [2N, 4]
+             ints("start", [1]), ints("end", [3]), ints("axis1", [1]),
+             helper.make_node("Slice", ["flat", "start", "end", "axis1"], ["y"])]  # [2N, 2]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 2, 4]), helper.make_tensor_value_info("w", F, [1, 2, 1])],
+              [helper.make_tensor_value_info("y", F, ["M", 2])], {}, opset=17)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 2, 4)).astype(np.float32), "w": rng.standard_normal((1, 2, 1)).astype(np.float32)}
     assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
