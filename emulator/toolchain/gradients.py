@@ -1248,7 +1248,8 @@ def _maxpool(e, node, dys, wants):
     return [e.reshape_like(scattered, x)]
 
 
-@rule("AveragePool", note="dy spread over each window: ConvTranspose with a constant kernel")
+@rule("AveragePool", note="dy spread over each window: ConvTranspose with a constant kernel (ceil_mode's last windows "
+                          "too, their divisor as onnxruntime counts it)")
 def _avgpool(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     kernel = [int(k) for k in attr(node, "kernel_shape")]
@@ -1261,13 +1262,26 @@ def _avgpool(e, node, dys, wants):
     out_dims = [int(d) for d in yshape[2:]]
     dtype = onnx.helper.tensor_dtype_to_np_dtype(e.elem_type(x))
     ones = e.const(np.ones((channels, 1, *kernel), dtype=dtype), "pool_kernel")
-    if int(attr(node, "count_include_pad", 0)) or not any(pads):
+    k1 = e.const(np.ones((1, 1, *kernel), dtype=dtype), "k1")
+    # ceil_mode: the last windows run past the end padding; counted as more end padding, cropped by ConvTranspose
+    overhang = [max(0, (o - 1) * s + (k - 1) * d + 1 - (n + pads[i] + pads[nd + i]))
+                for i, (o, s, k, d, n) in enumerate(zip(out_dims, strides, kernel, dil, dims))]
+    ends = [pads[nd + i] + overhang[i] for i in range(nd)]
+    include_pad = int(attr(node, "count_include_pad", 0))
+    if include_pad and any(overhang):
+        # each window's divisor: the inputs and explicit pads it covers, not the overhang
+        padded = [n + pads[i] + pads[nd + i] for i, n in enumerate(dims)]
+        counts = e.op("Conv", [e.const(np.ones((1, 1, *padded), dtype=dtype), "ones"), k1], strides=strides,
+                      pads=[0] * nd + overhang, dilations=dil)
+        scaled = e.op("Div", [dy, counts])
+    elif include_pad or not any(pads[:nd] + ends):
         scaled = e.op("Div", [dy, e.scalar(float(np.prod(kernel)), y)])
     else:
         # each window's divisor: how many real (unpadded) inputs it covers
-        counts = e.op("Conv", [e.const(np.ones((1, 1, *dims), dtype=dtype), "ones"), e.const(np.ones((1, 1, *kernel), dtype=dtype), "k1")],
-                      strides=strides, pads=pads, dilations=dil)
+        counts = e.op("Conv", [e.const(np.ones((1, 1, *dims), dtype=dtype), "ones"), k1], strides=strides,
+                      pads=pads[:nd] + ends, dilations=dil)
         scaled = e.op("Div", [dy, counts])
+    pads = pads[:nd] + ends
     extra = _output_padding(node, dims, out_dims, kernel, strides, pads, dil)
     return [e.op("ConvTranspose", [scaled, ones], strides=strides, pads=pads, dilations=dil, group=channels, output_padding=extra)]
 
