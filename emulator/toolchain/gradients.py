@@ -411,14 +411,17 @@ def _slice1(e: Emitter, t: str, start: int, end: int, axis: int, step: int = 1) 
     return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([axis]), e.ints([step])])
 
 
-@rule("Tile", note="dy reshaped to (repeat, size) pairs and summed over the repeats")
+@rule("Tile", note="dy reshaped to (repeat, size) pairs and summed over the repeats (repeats read at run time too)")
 def _tile(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
-    repeats = _constant_ints(e, node, 1, "repeats")
-    rank = len(repeats)
-    pairs = [e.ints([r]) for r in repeats]
-    sizes = [e.op("Slice", [e.shape_of(x), e.ints([i]), e.ints([i + 1])]) for i in range(rank)]
-    shape = e.op("Concat", [t for pair in zip(pairs, sizes) for t in pair], axis=0)
+    rank = e.rank(x)
+    if rank is None:
+        raise UnsupportedOpError(node.op_type, node.name, "needs an input of known rank")
+    # [r0, d0, r1, d1, ...]: the repeats (x.repeat(batch, 1, 1) reads one from Shape) beside x's sizes
+    repeats = e.value(node.input[1])
+    repeats = e.ints([int(r) for r in repeats.reshape(-1)]) if repeats is not None else node.input[1]
+    pairs = e.op("Concat", [e.unsqueeze(repeats, [1]), e.unsqueeze(e.shape_of(x), [1])], axis=1)
+    shape = e.op("Reshape", [pairs, e.ints([-1])])
     summed = e.reduce("ReduceSum", e.op("Reshape", [dy, shape]), list(range(0, 2 * rank, 2)), keepdims=False)
     return [summed, None]
 

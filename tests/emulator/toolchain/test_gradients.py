@@ -690,3 +690,17 @@ def test_slices_and_gathers_along_an_axis_of_run_time_size_are_differentiated(ki
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 5, 3)).astype(np.float32), "w": rng.standard_normal((3, 4)).astype(np.float32)}
     assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
+
+
+def test_tile_by_repeats_read_at_run_time_is_differentiated():
+    """A class token repeated over the batch (token.repeat(x.shape[0], 2, 1)): the repeats come from Shape."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"], end=1), helper.make_node("Concat", ["shape", "rest"], ["repeats"], axis=0),
+             helper.make_node("Tile", ["token", "repeats"], ["tiled"]), helper.make_node("Mul", ["tiled", "x"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3]),
+                                           helper.make_tensor_value_info("token", TensorProto.FLOAT, [1, 1, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3])],
+                              initializer=[numpy_helper.from_array(np.array([2, 1], np.int64), "rest")])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 2, 3)), "token": rng.standard_normal((1, 1, 3))}
+    assert vjp_error(model, {k: v.astype(np.float32) for k, v in values.items()}, ["x", "token"], eps=1e-2) < F32_TOL
