@@ -182,6 +182,7 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
     m, target = at_opset(m, opset)
+    _check_valid(m, target)
     graph = m.graph
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]
@@ -211,6 +212,17 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
     return ModelParts(m, target, dict(inputs), output, inits, split)
+
+
+def _check_valid(model: onnx.ModelProto, opset: int) -> None:
+    """Refuse in one line a model that is not valid ONNX at its opset, before a plan is built on it:
+    torch's dynamo exporter asked for opset 17 writes opset 18's Split(num_outputs=...) into it."""
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlanError(f"the model is not valid ONNX at opset {opset} ({first}); export it again, at opset 18 or later "
+                        "with torch's dynamo exporter, or build the plan at a later opset (opset=21)") from None
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:

@@ -704,3 +704,28 @@ def test_tile_by_repeats_read_at_run_time_is_differentiated():
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 2, 3)), "token": rng.standard_normal((1, 1, 3))}
     assert vjp_error(model, {k: v.astype(np.float32) for k, v in values.items()}, ["x", "token"], eps=1e-2) < F32_TOL
+
+
+@pytest.mark.parametrize("split, keepdims", [([2, 3, 1], 1), (4, 1), (None, 0), (None, 1)])
+def test_sequence_at_of_a_split_to_sequence_is_differentiated_as_its_slice(split, keepdims):
+    """The dynamo exporter's unoptimized GPT-2 splits its fused query/key/value with SplitToSequence and
+    reads the parts with SequenceAt (here at a negative position too)."""
+    inits = [numpy_helper.from_array(np.array(p, np.int64), f"p{k}") for k, p in enumerate([0, -1, 1])]
+    inputs = ["h"]
+    if split is not None:
+        inits.append(numpy_helper.from_array(np.array(split, np.int64), "split"))
+        inputs.append("split")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["h"]),
+             helper.make_node("SplitToSequence", inputs, ["parts"], axis=1, keepdims=keepdims),
+             *[helper.make_node("SequenceAt", ["parts", f"p{k}"], [f"part{k}"]) for k in range(3)],
+             helper.make_node("Tanh", ["part0"], ["t0"]), helper.make_node("Sigmoid", ["part1"], ["t1"]),
+             helper.make_node("Concat", ["t0", "t1", "part2"], ["y"], axis=-1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [1, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    width = {"[2, 3, 1]": 2 + 1 + 3, "4": 4 + 2 + 2, "None": 3}[str(split)]  # parts 0, -1 and 1
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width] if keepdims else [None]))
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 6)).astype(np.float32), "w": rng.standard_normal((1, 6)).astype(np.float32)}
+    assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
