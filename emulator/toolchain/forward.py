@@ -55,7 +55,7 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
     seeded generator); ``None`` leaves the masks to onnxruntime's own randomness."""
     out = TrainingForward([])
     dropouts = 0
-    for node in nodes:
+    for node in sequences_as_slices(e, nodes):
         if node.domain not in DEFAULT_DOMAINS:
             out.nodes.append(node)
             continue
@@ -86,13 +86,59 @@ def decompose(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProt
     """``nodes`` with each op of :data:`DECOMPOSED` (the normalizations, ``GRU`` and ``LSTM``) written
     out in elementary ops computing the same values (others unchanged)."""
     out: list[onnx.NodeProto] = []
-    for node in nodes:
+    for node in sequences_as_slices(e, nodes):
         emit = DECOMPOSED.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
         if emit is None or (node.op_type == "LayerNormalization" and any(node.output[1:])):
             out.append(node)
         else:
             out += _emitted(e, lambda: emit(e, node))
     return out
+
+
+def sequences_as_slices(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` with each ``SequenceAt`` of a ``SplitToSequence`` at a constant position written as the
+    ``Slice`` (and ``Squeeze``) it reads: the dynamo exporter's unoptimized graphs split GPT-2's fused
+    query, key and value so, and a gradient flows through tensors, not sequences. A sequence read
+    otherwise is left as it is (and its reader refused on a differentiable path)."""
+    splits = {n.output[0]: n for n in nodes if n.op_type == "SplitToSequence" and n.domain in DEFAULT_DOMAINS}
+    if not splits:
+        return list(nodes)
+    out = []
+    for node in nodes:
+        source = splits.get(node.input[0]) if node.op_type == "SequenceAt" and node.domain in DEFAULT_DOMAINS else None
+        bounds = _split_bounds(e, source) if source is not None else None
+        position = e.value(node.input[1]) if source is not None else None
+        if bounds is None or position is None or not -len(bounds) <= int(position) < len(bounds):
+            out.append(node)
+            continue
+        start, end = bounds[int(position)]
+        axis = int(attr(source, "axis", 0))
+        squeeze = (len(source.input) < 2 or not source.input[1]) and not int(attr(source, "keepdims", 1))
+        sliced = e.fresh(f"{node.output[0]}_slice") if squeeze else node.output[0]
+        out.append(helper.make_node("Slice", [source.input[0], e.ints([start]), e.ints([end]), e.ints([axis])], [sliced],
+                                    name=node.name))
+        if squeeze:
+            out.append(helper.make_node("Squeeze", [sliced, e.ints([axis])], [node.output[0]], name=e.fresh(f"{node.name}_squeeze")))
+    return out
+
+
+def _split_bounds(e: Emitter, node: onnx.NodeProto) -> list[tuple[int, int]] | None:
+    """Each part's (start, end) along the axis of a SplitToSequence, or None when they are not static."""
+    shape = e.shape(node.input[0])
+    axis = int(attr(node, "axis", 0))
+    dim = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+    split = e.value(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    if len(node.input) > 1 and node.input[1] and split is None:
+        return None
+    if split is not None and np.ndim(split) == 1:
+        sizes = [int(v) for v in split]
+    elif not isinstance(dim, int):
+        return None
+    else:
+        step = int(split) if split is not None else 1  # a scalar: chunks of that size, the last one shorter
+        sizes = [min(step, dim - k) for k in range(0, dim, step)]
+    ends = np.cumsum(sizes).tolist()
+    return [(int(end - size), int(end)) for size, end in zip(sizes, ends)]
 
 
 def _emitted(e: Emitter, emit) -> list[onnx.NodeProto]:

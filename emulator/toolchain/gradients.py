@@ -422,14 +422,17 @@ def _slice1(e: Emitter, t: str, start: int, end: int, axis: int, step: int = 1) 
     return e.op("Slice", [t, e.ints([start]), e.ints([end]), e.ints([axis]), e.ints([step])])
 
 
-@rule("Tile", note="dy reshaped to (repeat, size) pairs and summed over the repeats")
+@rule("Tile", note="dy reshaped to (repeat, size) pairs and summed over the repeats (repeats read at run time too)")
 def _tile(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
-    repeats = _constant_ints(e, node, 1, "repeats")
-    rank = len(repeats)
-    pairs = [e.ints([r]) for r in repeats]
-    sizes = [e.op("Slice", [e.shape_of(x), e.ints([i]), e.ints([i + 1])]) for i in range(rank)]
-    shape = e.op("Concat", [t for pair in zip(pairs, sizes) for t in pair], axis=0)
+    rank = e.rank(x)
+    if rank is None:
+        raise UnsupportedOpError(node.op_type, node.name, "needs an input of known rank")
+    # [r0, d0, r1, d1, ...]: the repeats (x.repeat(batch, 1, 1) reads one from Shape) beside x's sizes
+    repeats = e.value(node.input[1])
+    repeats = e.ints([int(r) for r in repeats.reshape(-1)]) if repeats is not None else node.input[1]
+    pairs = e.op("Concat", [e.unsqueeze(repeats, [1]), e.unsqueeze(e.shape_of(x), [1])], axis=1)
+    shape = e.op("Reshape", [pairs, e.ints([-1])])
     summed = e.reduce("ReduceSum", e.op("Reshape", [dy, shape]), list(range(0, 2 * rank, 2)), keepdims=False)
     return [summed, None]
 
@@ -1325,7 +1328,8 @@ def _maxpool(e, node, dys, wants):
     return [e.reshape_like(scattered, x)]
 
 
-@rule("AveragePool", note="dy spread over each window: ConvTranspose with a constant kernel")
+@rule("AveragePool", note="dy spread over each window: ConvTranspose with a constant kernel (ceil_mode's last windows "
+                          "too, their divisor as onnxruntime counts it)")
 def _avgpool(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     kernel = [int(k) for k in attr(node, "kernel_shape")]
@@ -1338,13 +1342,26 @@ def _avgpool(e, node, dys, wants):
     out_dims = [int(d) for d in yshape[2:]]
     dtype = onnx.helper.tensor_dtype_to_np_dtype(e.elem_type(x))
     ones = e.const(np.ones((channels, 1, *kernel), dtype=dtype), "pool_kernel")
-    if int(attr(node, "count_include_pad", 0)) or not any(pads):
+    k1 = e.const(np.ones((1, 1, *kernel), dtype=dtype), "k1")
+    # ceil_mode: the last windows run past the end padding; counted as more end padding, cropped by ConvTranspose
+    overhang = [max(0, (o - 1) * s + (k - 1) * d + 1 - (n + pads[i] + pads[nd + i]))
+                for i, (o, s, k, d, n) in enumerate(zip(out_dims, strides, kernel, dil, dims))]
+    ends = [pads[nd + i] + overhang[i] for i in range(nd)]
+    include_pad = int(attr(node, "count_include_pad", 0))
+    if include_pad and any(overhang):
+        # each window's divisor: the inputs and explicit pads it covers, not the overhang
+        padded = [n + pads[i] + pads[nd + i] for i, n in enumerate(dims)]
+        counts = e.op("Conv", [e.const(np.ones((1, 1, *padded), dtype=dtype), "ones"), k1], strides=strides,
+                      pads=[0] * nd + overhang, dilations=dil)
+        scaled = e.op("Div", [dy, counts])
+    elif include_pad or not any(pads[:nd] + ends):
         scaled = e.op("Div", [dy, e.scalar(float(np.prod(kernel)), y)])
     else:
         # each window's divisor: how many real (unpadded) inputs it covers
-        counts = e.op("Conv", [e.const(np.ones((1, 1, *dims), dtype=dtype), "ones"), e.const(np.ones((1, 1, *kernel), dtype=dtype), "k1")],
-                      strides=strides, pads=pads, dilations=dil)
+        counts = e.op("Conv", [e.const(np.ones((1, 1, *dims), dtype=dtype), "ones"), k1], strides=strides,
+                      pads=pads[:nd] + ends, dilations=dil)
         scaled = e.op("Div", [dy, counts])
+    pads = pads[:nd] + ends
     extra = _output_padding(node, dims, out_dims, kernel, strides, pads, dil)
     return [e.op("ConvTranspose", [scaled, ones], strides=strides, pads=pads, dilations=dil, group=channels, output_padding=extra)]
 
@@ -1375,6 +1392,8 @@ _DECOMPOSED = {
     "InstanceNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div over the spatial axes before differentiating",
     "GroupNormalization": "rewritten into Reshape to the groups and ReduceMean/Sub/Mul/Sqrt/Div before differentiating "
                           "(scale and bias per group before opset 21, per channel from 21)",
+    "SequenceAt": "of a SplitToSequence at a constant position: rewritten as the Slice (and Squeeze) it reads before "
+                  "differentiating",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
            "layout 0, default activations, either linear_before_reset, no sequence_lens)",
     "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "

@@ -201,6 +201,7 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
+    _check_valid(m, target)
     graph = m.graph
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]
@@ -253,6 +254,17 @@ def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
         raise ValueError(f"the output {output!r} is computed by {ops}: ops outside the standard ONNX domains have no gradient "
                          "and no place in a plan; export a differentiable model of standard ops (a neural network: "
                          "torch.onnx.export or `fedfleet plan from-torch`; skl2onnx of an MLPClassifier or MLPRegressor)")
+
+
+def _check_valid(model: onnx.ModelProto, opset: int) -> None:
+    """Refuse in one line a model that is not valid ONNX at its opset, before a plan is built on it:
+    torch's dynamo exporter asked for opset 17 writes opset 18's Split(num_outputs=...) into it."""
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlanError(f"the model is not valid ONNX at opset {opset} ({first}); export it again, at opset 18 or later "
+                        "with torch's dynamo exporter, or build the plan at a later opset (opset=21)") from None
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:

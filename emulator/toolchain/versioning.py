@@ -428,12 +428,12 @@ def _known_types(model: onnx.ModelProto) -> dict[str, tuple[int, int | None, tup
     return types
 
 
-def _graph_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    return constants
+def _graph_constants(graph: onnx.GraphProto, opset: int) -> dict[str, np.ndarray]:
+    """Initializers, Constant nodes and what is computed from Constant nodes alone (the dynamo
+    exporter's unoptimized graphs build a reduction's axes with Reshape of Constants)."""
+    from .autodiff import constant_values
+
+    return constant_values(graph, opset)
 
 
 def _default_opset(model: onnx.ModelProto) -> int:
@@ -455,7 +455,7 @@ def convert_model(model_bytes: bytes, target_opset: int, *, ir_version: int | No
     source = _default_opset(model)
     target = min(source, target_opset)
     if target < source:
-        ctx = _Context(source, target, _known_types(model), _graph_constants(model.graph))
+        ctx = _Context(source, target, _known_types(model), _graph_constants(model.graph, source))
         ctx.used = {n for node in model.graph.node for n in (*node.input, *node.output)}
         ctx.used |= {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
         nodes = [out for node in model.graph.node for out in _convert_node(node, ctx)]

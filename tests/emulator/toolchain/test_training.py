@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from device_runtime import PlanExecutor, build_mlp_plan, initial_weights, load_plan, serialize_plan
-from device_runtime.plan import ir_version_for_opset
+from device_runtime.plan import PlanError, ir_version_for_opset
 from emulator.toolchain import (
     SGD,
     Adam,
@@ -218,3 +218,17 @@ def test_bytes_that_are_not_an_onnx_model_are_refused_with_what_to_do(tmp_path):
         load_model(bad)
     with pytest.raises(PlanError, match="model bytes are not an ONNX model"):
         load_model(b"garbage")
+
+
+def test_a_model_invalid_at_its_opset_is_refused_in_one_line_before_a_plan_is_built():
+    """torch's dynamo exporter asked for opset 17 writes Split's num_outputs (an opset-18 attribute) into it."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("Split", ["h"], ["a", "b"], axis=1, num_outputs=2, name="qkv_split"),
+             helper.make_node("Mul", ["a", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 3])],
+                              [helper.make_tensor_value_info("y", F, ["N", 2])],
+                              initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(PlanError, match="not valid ONNX at opset 17 .*num_outputs.*export it again") as info:
+        training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+    assert len(str(info.value).splitlines()) == 1

@@ -154,6 +154,17 @@ def test_computed_axes_have_no_attribute_form_and_are_refused():
         convert_model(m, 17)
 
 
+def test_axes_computed_from_constants_alone_move_to_attributes():
+    """The dynamo exporter's unoptimized graphs (opset 18 at the least) give a ReduceMean axes built by
+    Reshape of Constant nodes: lowered to 17, they become its attribute."""
+    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    nodes = [const("raw", [[-1, -2]]), const("flat", [-1]), helper.make_node("Reshape", ["raw", "flat"], ["axes"]),
+             helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1)]
+    m = model(nodes, [helper.make_tensor_value_info("x", F32, [2, 3, 4, 5])],
+              [helper.make_tensor_value_info("y", F32, [2, 3, 1, 1])], 18)
+    assert_same(m, 17, {"x": np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)})
+
+
 def test_a_node_whose_types_the_older_version_lacks_is_refused():
     node = helper.make_node("Relu", ["x"], ["y"], name="relu_int")  # Relu takes integers from 14 on
     m = model([node], [helper.make_tensor_value_info("x", TensorProto.INT32, [2])],
