@@ -163,6 +163,9 @@ NATURAL_MEMORY_S = 600.0
 #: and are told the next one), so that a rate misjudged low costs one wait, not an hour.
 MIN_GATHER = 0.2
 MAX_GATHER = 2.0
+#: How many times in a row a selection is planned again before it opens with the devices that
+#: came: a population that never gathers enough for its seats still trains, in rounds that may fail.
+MAX_DEFERRALS = 3
 
 
 @dataclass

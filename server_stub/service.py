@@ -57,7 +57,7 @@ from .errors import (
 )
 from .influence import bound_update, check_group_sum
 from .metrics import MetricsOutOfRange, RoundMetrics, cap_metric_weight, check_metric_sums, device_metrics
-from .pace import CheckinPace, Rendezvous, RoundPace
+from .pace import MAX_DEFERRALS, CheckinPace, Rendezvous, RoundPace
 from .persistence import NewTask, RoundRecord, ServerStore, TaskRecord
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
@@ -195,6 +195,7 @@ class _Population:
     checkins: CheckinPace = field(default_factory=CheckinPace)  # pace steering across its tasks
     rendezvous: Rendezvous = field(default_factory=Rendezvous)  # ... and for a small population
     opens_at: float | None = None  # the next selection, deferred until its devices gather
+    deferrals: int = 0  # how many times in a row that selection was put off
 
     def find(self, task: str) -> _TaskRun | None:
         return next((r for r in self.runs if r.record.name == task), None)
@@ -866,19 +867,23 @@ class FLService:
         cfg = run.config
         opens_at = pop.rendezvous.plan(now, cfg.selection_target, cfg.selection_timeout_s)
         if opens_at <= now:
-            pop.opens_at = None
+            pop.opens_at, pop.deferrals = None, 0
             self._start_next(pop, now)
         else:
-            pop.opens_at = opens_at
+            pop.opens_at, pop.deferrals = opens_at, pop.deferrals + 1
             log.info("population %s: the next selection opens in %.0f s, once its devices have gathered",
                      pop.name, opens_at - now)
 
     def _advance(self, pop: _Population, now: float) -> None:
         if pop.current is None and not pop.committing and pop.opens_at is not None and now >= pop.opens_at:
-            if pop.runs:
+            # A deferred selection is planned again when its time comes (a rate misjudged low costs
+            # one wait), but at most MAX_DEFERRALS times: then it opens with the devices that came, or
+            # a population that never gathers enough would never train.
+            if pop.runs and pop.deferrals < MAX_DEFERRALS:
                 self._open_next(pop, pop.runs[0], now)
             else:
-                pop.opens_at = None
+                pop.opens_at, pop.deferrals = None, 0
+                self._start_next(pop, now)
         run = pop.current
         if run is None or run.core is None:
             return

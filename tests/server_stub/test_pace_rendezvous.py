@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server_stub.pace import (
+    MAX_DEFERRALS,
     MAX_GATHER,
     MIN_GATHER,
     RENDEZVOUS_MARGIN,
@@ -118,3 +119,41 @@ def test_a_trickle_told_to_gather_fills_the_selection_it_was_aimed_at(rate, seed
     inside = sum(opens_at <= a <= opens_at + selection_s for a in arrivals)
     assert inside == len(arrivals)
     assert inside + rate * selection_s >= seats_  # with those of themselves, as the plan expected
+
+
+def test_a_population_that_never_gathers_its_seats_still_opens_rounds(tmp_path):
+    """Eight devices that come back when they are told, for rounds of 13 seats: the selection is
+    put off while devices gather, at most MAX_DEFERRALS times in a row, then opens with those who
+    came (it used to be put off for ever, and such a fleet never trained)."""
+    from device_runtime import encode_checkpoint, initial_weights, serialize_plan
+    from device_runtime.plan import installed_runtime_version
+    from server_stub import FLService, RoundConfig, ServerStore
+    from tests.support import digits_plan
+
+    clock = [0.0]
+    store = ServerStore(tmp_path / "s.db")
+    service = FLService(store, clock=lambda: clock[0], wall_clock=lambda: 1.7e9 + clock[0])
+    plan = digits_plan()
+    config = RoundConfig(goal_count=10, over_selection=1.3, min_fraction=0.8, selection_timeout_s=60.0, report_timeout_s=60.0)
+    service.create_population("p")
+    service.deploy_task("p", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
+    rng = random.Random(0)
+    due = [rng.uniform(0.0, 600.0) for _ in range(8)]  # each device's next check-in
+    opened, deferred = set(), 0
+    while clock[0] < 3 * 3600.0:
+        for k, at in enumerate(due):
+            if at > clock[0]:
+                continue
+            answer = service.checkin("p", installed_runtime_version())
+            deferred += answer.get("reason") == "ROUND_NOT_OPEN"
+            lo, hi = answer["retry_after_s"] if answer["status"] == "rejected" else (600.0, 900.0)
+            due[k] = clock[0] + rng.uniform(lo, hi)
+        current = service._populations["p"].current
+        if current is not None and current.core is not None:
+            opened.add(current.core.started_at)
+        clock[0] += 1.0
+        service.tick()
+    longest_s = (MAX_DEFERRALS + 1) * MAX_GATHER * config.selection_timeout_s + config.selection_timeout_s
+    assert deferred > 0  # it is a small population: selections were put off
+    assert len(opened) >= 3 * 3600.0 / (longest_s + config.report_timeout_s)
+    store.close()
