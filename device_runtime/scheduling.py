@@ -312,6 +312,7 @@ class ParticipationScheduler:
         runtime = self._runtimes.get(population)
         session: SessionResult | None = None
         detail = ""
+        server_delay = 0.0  # a delay drawn in the server's retry window, taken as it is
         if unmet:
             outcome, delay, detail = RunOutcome.CONSTRAINTS_UNMET, self.settings.recheck_s, ",".join(unmet)
         elif runtime is None:
@@ -320,7 +321,8 @@ class ParticipationScheduler:
             try:
                 session = self._run_watched(runtime, constraints)
             except SessionRejected as rejected:
-                outcome, delay, detail = RunOutcome.NOT_SELECTED, runtime.next_retry_delay(), rejected.reason
+                outcome, delay, detail = RunOutcome.NOT_SELECTED, 0.0, rejected.reason
+                server_delay = runtime.next_retry_delay()
             except Exception as exc:  # an error ends the session, never the job: it is rescheduled
                 if not isinstance(exc, RuntimeSdkError):
                     log.warning("the %s session failed unexpectedly", population, exc_info=True)
@@ -333,10 +335,13 @@ class ParticipationScheduler:
                     delay = interval.min_interval_s if interval.recurrent else self.settings.recheck_s
                     if interval.recurrent and session.retry_after_s is not None:
                         # the server's pace steering: never sooner than the app's own interval
-                        delay = max(delay, runtime.next_retry_delay())
+                        server_delay = runtime.next_retry_delay()
         ended = self.clock.now()
         done = session is not None and session.outcome is Outcome.COMPLETED and not interval.recurrent
-        next_at = None if done else ended + delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter))
+        # The scheduler jitters its own delays; a delay drawn in the server's retry window is
+        # already spread as the server wants it (pace steering aims a window at the next round's
+        # selection: stretched by a fifth, the devices it gathers would miss it), and is kept.
+        next_at = None if done else ended + max(delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter)), server_delay)
         if next_at is not None:
             if unmet:
                 next_at = self._when_conditions_change(ended, next_at, constraints)

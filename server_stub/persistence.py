@@ -294,8 +294,11 @@ class ServerStore:
             conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics)))
 
     def rounds(self, task_id: int) -> list[RoundRecord]:
+        """A task's rounds in the order they ran: a record kept in memory while the database was
+        locked is written after rounds that ran later."""
         with self.engine.connect() as conn:
-            rows = conn.execute(select(rounds).where(rounds.c.task_id == task_id).order_by(rounds.c.id)).mappings().all()
+            order = (rounds.c.number, rounds.c.attempt, rounds.c.id)
+            rows = conn.execute(select(rounds).where(rounds.c.task_id == task_id).order_by(*order)).mappings().all()
         return [_round_record(r) for r in rows]
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:

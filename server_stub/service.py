@@ -57,7 +57,7 @@ from .errors import (
 )
 from .influence import bound_update, check_group_sum
 from .metrics import MetricsOutOfRange, RoundMetrics, cap_metric_weight, check_metric_sums, device_metrics
-from .pace import CheckinPace, RoundPace
+from .pace import MAX_DEFERRALS, CheckinPace, Rendezvous, RoundPace
 from .persistence import NewTask, RoundRecord, ServerStore, TaskRecord
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
@@ -193,6 +193,9 @@ class _Population:
     turn: int = 0
     committing: bool = False
     checkins: CheckinPace = field(default_factory=CheckinPace)  # pace steering across its tasks
+    rendezvous: Rendezvous = field(default_factory=Rendezvous)  # ... and for a small population
+    opens_at: float | None = None  # the next selection, deferred until its devices gather
+    deferrals: int = 0  # how many times in a row that selection was put off
 
     def find(self, task: str) -> _TaskRun | None:
         return next((r for r in self.runs if r.record.name == task), None)
@@ -434,10 +437,15 @@ class FLService:
                     return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
                 self._advance(pop, now)
                 pop.checkins.observe_checkin(now)
+                pop.rendezvous.observe_checkin(now)
                 run = pop.current
                 if run is None:
+                    if pop.runs and pop.opens_at is not None:  # a small population gathers for the next selection
+                        return _rejected(_told(pop, pop.runs[0], now, pop.opens_at), "ROUND_NOT_OPEN")
                     if pop.runs:  # a round is being committed
                         last = pop.runs[0]
+                        if _small(pop, last, now):
+                            return _rejected(_told(pop, last, now, pop.rendezvous.aimed_at or now), "ROUND_FULL")
                         return _rejected(last.pace.retry_window(now, now, _paced(pop, last, now), last.config.report_timeout_s), "ROUND_FULL")
                     return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
                 meta = run.plan.metadata
@@ -464,14 +472,12 @@ class FLService:
                     # new token (the old one stops working) while the seat is still open.
                     session_id = seats[device]
                     if run.core.sessions.get(session_id) is not SessionState.SELECTED:
-                        cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                        return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ALREADY_SELECTED")
+                        return _rejected(self._turned_away(pop, run, now), "ALREADY_SELECTED")
                     self._by_token.pop(self._sessions[session_id].token_hash, None)
                 else:
                     session_id = _urlsafe(self.token_bytes(16))
                     if not run.core.try_select(session_id, now):
-                        cap = run.config.selection_timeout_s + run.config.report_timeout_s
-                        return _rejected(run.pace.retry_window(now, run.core.started_at, _paced(pop, run, now), cap), "ROUND_FULL")
+                        return _rejected(self._turned_away(pop, run, now), "ROUND_FULL")
                     if device is not None:
                         run.seats = {run.seat_key: {**seats, device: session_id}}
                 token = _urlsafe(self.token_bytes(32))
@@ -836,7 +842,48 @@ class FLService:
         run.started_wall = self.wall_clock()
         pop.current = run
 
+    def _turned_away(self, pop: _Population, run: _TaskRun, now: float) -> tuple[float, float]:
+        """The retry window of a device the open round has no seat for: in a small population, a
+        rendezvous at the next round's expected opening (``Rendezvous``); otherwise the task's
+        window stretched to the population and shifted to that opening (``CheckinPace``, ``RoundPace``)."""
+        core = run.core
+        assert core is not None
+        if _small(pop, run, now):
+            if core.selection_ended_at is not None:
+                opens_at = core.selection_ended_at + (run.pace.mean_reporting_s or run.config.report_timeout_s)
+            else:
+                opens_at = core.started_at + (run.pace.mean_duration_s or run.config.selection_timeout_s)
+            return _told(pop, run, now, opens_at)
+        cap = run.config.selection_timeout_s + run.config.report_timeout_s
+        return run.pace.retry_window(now, core.started_at, _paced(pop, run, now), cap)
+
+    def _open_next(self, pop: _Population, run: _TaskRun, now: float) -> None:
+        """Open the next round now, or, in a small population, once enough devices are expected
+        to come to its selection (``Rendezvous.plan``); the devices turned away meanwhile are told
+        when it opens."""
+        if pop.opens_at is None and not _small(pop, run, now):
+            self._start_next(pop, now)
+            return
+        cfg = run.config
+        opens_at = pop.rendezvous.plan(now, cfg.selection_target, cfg.selection_timeout_s)
+        if opens_at <= now:
+            pop.opens_at, pop.deferrals = None, 0
+            self._start_next(pop, now)
+        else:
+            pop.opens_at, pop.deferrals = opens_at, pop.deferrals + 1
+            log.info("population %s: the next selection opens in %.0f s, once its devices have gathered",
+                     pop.name, opens_at - now)
+
     def _advance(self, pop: _Population, now: float) -> None:
+        if pop.current is None and not pop.committing and pop.opens_at is not None and now >= pop.opens_at:
+            # A deferred selection is planned again when its time comes (a rate misjudged low costs
+            # one wait), but at most MAX_DEFERRALS times: then it opens with the devices that came, or
+            # a population that never gathers enough would never train.
+            if pop.runs and pop.deferrals < MAX_DEFERRALS:
+                self._open_next(pop, pop.runs[0], now)
+            else:
+                pop.opens_at, pop.deferrals = None, 0
+                self._start_next(pop, now)
         run = pop.current
         if run is None or run.core is None:
             return
@@ -1082,7 +1129,7 @@ class FLService:
             pop.runs = [r for r in pop.runs if r not in finished]
             pop.committing = False
             if pop.runs:
-                self._start_next(pop, self.clock())
+                self._open_next(pop, run if run in pop.runs else pop.runs[0], self.clock())
         if not pop.runs:
             self._activate(pop.name)
 
@@ -1292,6 +1339,16 @@ def _paced(pop: _Population, run: _TaskRun, now: float) -> tuple[float, float]:
     cfg = run.config
     round_s = run.pace.mean_reporting_s or cfg.report_timeout_s
     return pop.checkins.window(now, cfg.retry_window_s, cfg.selection_target, round_s)
+
+
+def _small(pop: _Population, run: _TaskRun, now: float) -> bool:
+    """Whether the population checks in too slowly of itself to fill ``run``'s rounds (``Rendezvous``)."""
+    return pop.rendezvous.small(now, run.config.selection_target, run.config.selection_timeout_s)
+
+
+def _told(pop: _Population, run: _TaskRun, now: float, opens_at: float) -> tuple[float, float]:
+    """The rendezvous window of a device turned away while the next selection opens at ``opens_at``."""
+    return pop.rendezvous.tell(now, opens_at, run.config.selection_target, run.config.selection_timeout_s)
 
 
 def _participant_window(pop: _Population, run: _TaskRun, now: float) -> dict:

@@ -85,7 +85,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             run = simulate_sharded(config, shards=args.shards or 2, out_dir=out, progress=progress or False,
                                    ray=args.ray is not None, address=args.ray or None)
         else:
-            run = simulate(config, out_dir=out, progress=progress or False, http=args.http)
+            run = simulate(config, out_dir=out, progress=progress or False, http=args.http,
+                           notice=lambda message: print(f"fedfleet simulate: {message}", file=sys.stderr))
     except (SimulationError, RayBackendError, TraceError) as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
@@ -100,26 +101,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     if out is not None and not (out / "summary.json").exists():
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     if summary.get("rounds") and not summary.get("rounds_committed"):
-        print(f"fedfleet simulate: no round committed: {_why_no_round(summary, config)}", file=sys.stderr)
+        print(f"fedfleet simulate: no round committed: {summary.get('round_completion_note')}", file=sys.stderr)
+    elif summary.get("cannot_fill"):
+        print(f"fedfleet simulate: {summary['cannot_fill']}", file=sys.stderr)
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0
-
-
-def _why_no_round(summary: dict, config: FleetConfig) -> str:
-    """Why a run committed no round, from its figures: too few devices available at once, or
-    sessions that trained but reported after their round's window closed."""
-    goal, peak = config.task.goal_count, summary.get("available_peak") or 0
-    if peak < goal:
-        return (f"each needs {goal} reports and at most {peak:.0f} of {config.fleet.devices} devices were "
-                "available at once; simulate more --devices or a smaller --goal")
-    trained = sum(n for shape, n in summary.get("shapes", {}).items() if shape.startswith("-v[]+"))
-    late = sum(n for shape, n in summary.get("shapes", {}).items() if shape.endswith("#"))
-    if trained and late >= trained / 2:
-        return (f"{late} of the {trained} sessions that trained reported after their round's window closed "
-                f"(task.report_timeout_s = {config.task.report_timeout_s:g} s from check-in); lengthen it, or "
-                "lower task.compute_s_per_example")
-    return (f"each needs {goal} reports; {summary.get('sessions_accepted', 0)} sessions were accepted and "
-            f"{summary.get('sessions_completed', 0)} reported in time; see rounds.csv and sessions.csv")
 
 
 def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) -> int:

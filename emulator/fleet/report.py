@@ -106,6 +106,61 @@ def shape_counts(sessions: list[SessionRow]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
+    """Why no round of ``task`` (a ``TaskSection``) can fill when at most ``peak_available`` of
+    ``devices`` are available at once, with the figures and the options to change; None when the
+    peak reaches a round's seats (``goal_count`` x ``over_selection`` devices selected)."""
+    seats = math.ceil(task.goal_count * task.over_selection - 1e-9)
+    if peak_available >= seats:
+        return None
+    peak = max(0, int(peak_available))
+    more = f"simulate about {math.ceil(devices * seats / peak):,} --devices" if peak else "simulate more --devices"
+    goal = math.floor(peak / task.over_selection + 1e-9)
+    fewer = f", or a --goal (task.goal_count) of at most {goal}" if goal >= 1 else ""
+    return (f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices (task.goal_count "
+            f"{task.goal_count} x task.over_selection {task.over_selection:g}) and at most {peak} of the {devices:,} devices "
+            f"are available at once; {more}{fewer}")
+
+
+def completion_note(summary: dict[str, Any], rounds: list[Any], config: Any) -> str | None:
+    """The round completion rate in a sentence: which rounds were abandoned, why, and the option
+    to change. Rounds whose selection closed with fewer devices than a commit needs lacked
+    check-ins (the fleet, the goal or the selection window); the others lost their reports to
+    drop-outs and to reports after the window (``task.report_timeout_s``). None without rounds."""
+    if not rounds:
+        return None
+    total, committed = len(rounds), sum(1 for r in rounds if r.committed)
+    if committed == total:
+        return f"all {total} rounds committed" if total > 1 else "the one round committed"
+    head = f"{total - committed} of {total} rounds were abandoned"
+    if config is None:
+        return f"{head}; see rounds.csv"
+    task = config.task
+    threshold = max(1, math.ceil(task.goal_count * task.min_fraction - 1e-9))
+    short = sum(1 for r in rounds if not r.committed and r.selected < threshold)
+    reasons = []
+    if summary.get("cannot_fill"):
+        reasons.append(summary["cannot_fill"])
+    elif short:
+        reasons.append(f"{short} closed their selection window (task.selection_timeout_s = {task.selection_timeout_s:g} s) "
+                       f"with fewer than the {threshold} devices a commit needs, for lack of check-ins; simulate more "
+                       "--devices, a smaller --goal, or a longer task.selection_timeout_s")
+    rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
+    if rest > 0:
+        shapes = summary.get("shapes", {})
+        trained = sum(n for shape, n in shapes.items() if shape.startswith("-v[]+"))
+        late = sum(n for shape, n in shapes.items() if shape.endswith("#"))
+        if trained and late >= trained / 4:
+            reasons.append(f"{rest} had too few reports in time: {late} of the {trained} sessions that trained reported after "
+                           f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
+                           "lengthen it, or lower task.compute_s_per_example")
+        else:
+            reasons.append(f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
+                           f"sessions were accepted and {summary.get('sessions_completed', 0)} reported in time); see rounds.csv "
+                           "and sessions.csv")
+    return f"{head}: " + "; ".join(reasons)
+
+
 def summarize(run: FleetRun) -> dict[str, Any]:
     """The run's headline figures, as JSON-ready values (``None`` where a figure is undefined).
 
@@ -115,7 +170,9 @@ def summarize(run: FleetRun) -> dict[str, Any]:
     - ``availability_swing``, ``available_peak``, ``available_trough``: see :func:`availability_swing`;
     - ``shapes`` and ``shape_shares``: training session shapes, counts and shares (Table 1);
     - ``rounds``, ``rounds_committed``, ``rounds_abandoned``, ``round_completion_rate``,
-      ``round_duration_median_s`` (committed rounds);
+      ``round_duration_median_s`` (committed rounds); ``round_completion_note``: the rate in a
+      sentence (see :func:`completion_note`); ``cannot_fill``: why no round can fill when at most
+      fewer devices than a round's seats were available at once (see :func:`cannot_fill`), else None;
     - ``sessions`` (every check-in), ``sessions_accepted``, ``sessions_completed`` (upload
       completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
@@ -136,7 +193,9 @@ def summarize(run: FleetRun) -> dict[str, Any]:
     wall_s = float(run.wall_s)
     span_s = float(run.span_s)
     fleet = run.config.fleet if run.config is not None else None
-    return {
+    most = max((r.available for r in run.timeline), default=0)
+    unfillable = cannot_fill(fleet.devices, most, run.config.task) if fleet is not None and run.timeline else None
+    summary = {
         "digest": run.digest,
         "devices": fleet.devices if fleet else None,
         "seed": fleet.seed if fleet else None,
@@ -150,6 +209,8 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "rounds_committed": len(committed),
         "rounds_abandoned": len(rounds) - len(committed),
         "round_completion_rate": _ratio(len(committed), len(rounds)),
+        "round_completion_note": None,
+        "cannot_fill": unfillable,
         "round_duration_median_s": _finite(statistics.median(r.duration_s for r in committed)) if committed else None,
         "sessions": len(sessions),
         "sessions_accepted": len(accepted),
@@ -166,6 +227,8 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "sessions_per_wall_s": _ratio(len(accepted), wall_s),
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
     }
+    summary["round_completion_note"] = completion_note(summary, rounds, run.config)
+    return summary
 
 
 # --- figures ---------------------------------------------------------------------------------
@@ -498,6 +561,8 @@ _SUMMARY_ROWS = (
     ("rounds_committed", "rounds committed"),
     ("rounds_abandoned", "rounds abandoned"),
     ("round_completion_rate", "round completion rate"),
+    ("round_completion_note", "why (round completion)"),
+    ("cannot_fill", "rounds that cannot fill"),
     ("round_duration_median_s", "median committed round duration (s)"),
     ("bytes_down", "bytes down"),
     ("bytes_up", "bytes up"),

@@ -344,6 +344,13 @@ def _digest_view(record: dict) -> dict:
     return {**record, "metrics": metrics}
 
 
+def peak_available(specs: Sequence[Any], horizon_s: float) -> int:
+    """The most devices of ``specs`` that take part available at once, at the timeline's samples
+    (the figure the run's summary reads from its timeline)."""
+    times = [k * TIMELINE_STEP_S for k in range(int(horizon_s // TIMELINE_STEP_S) + 1)]
+    return max(_count_available([s.availability for s in specs if s.takes_part], times), default=0)
+
+
 def _count_available(availabilities: list[Any], times: list[float]) -> list[int]:
     """Devices whose availability (idle, charging, unmetered) holds at each time."""
     if not times:
@@ -369,16 +376,23 @@ def simulate(
     progress: bool | Callable = True,
     *,
     http: bool = False,
+    notice: Callable[[str], None] | None = None,
 ) -> FleetRun:
     """Run the fleet ``config`` describes (the paper-calibrated defaults when None). With
     ``out_dir`` the tables, summary, plots and report are written there. ``progress``: True for
     a progress bar in simulated time, or a callable ``(t_s, rounds_committed, devices_active)``.
-    ``http``: the same fleet over real loopback HTTP (see ``FleetSimulator``)."""
+    ``http``: the same fleet over real loopback HTTP (see ``FleetSimulator``). ``notice`` is told,
+    before the run starts, when its fleet cannot fill a round at all (``report.cannot_fill``)."""
     from .data import device_examples, fleet_dataset
     from .population import generate_population
+    from .report import cannot_fill
 
     config = config or FleetConfig.default()
     specs = generate_population(config)
+    if notice is not None:
+        unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), config.task)
+        if unfillable is not None:
+            notice(unfillable)
     dataset = fleet_dataset(config)
     bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:

@@ -244,3 +244,44 @@ def test_a_session_that_fails_with_an_error_not_the_sdks_is_an_error_run_and_the
     assert admin.status("digits")["current_round"]["selected"] == 1  # the server saw the session, and its abort
     scheduler.close()
     runtime.close()
+
+
+class RendezvousCheckins(httpx.BaseTransport):
+    """The real server, whose check-ins are all turned away with ``window`` (as a server gathering
+    a small population's devices for its next selection answers)."""
+
+    def __init__(self, window: list[float]) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.window = window
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if not request.url.path.endswith("/checkin"):
+            return response
+        response.read()
+        return httpx.Response(200, json={"status": "rejected", "reason": "ROUND_NOT_OPEN", "retry_after_s": self.window})
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("window", [[1200.0, 1350.0], [30.0, 30.0], [0.0, 150.0]])
+def test_a_rejections_window_is_kept_as_the_server_named_it_not_jittered_past_it(tmp_path, server, admin, window):
+    """The scheduler jitters its own delays by up to a fifth (the default); a delay drawn in the
+    server's window is not stretched: aimed at a selection's opening, it would miss it."""
+    deploy(admin, goal_count=1, over_selection=1.0)
+    clock = VirtualClock()
+    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock)
+    runtime = FLRuntime("digits", server.url, SQLiteExampleStore(tmp_path / "ex.db"), transport=RendezvousCheckins(window),
+                        cache_dir=tmp_path / "cache")
+    scheduler.register_runtime("digits", runtime)
+    scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600.0))
+    waits = []
+    for _ in range(8):
+        [run] = scheduler.queue.run_pending()
+        assert run.outcome is RunOutcome.NOT_SELECTED
+        waits.append(run.next_run_at - run.ended_at)
+        clock.advance(waits[-1])
+    assert all(window[0] - 1e-6 <= w <= window[1] + 1e-6 for w in waits), waits
+    scheduler.close()
+    runtime.close()

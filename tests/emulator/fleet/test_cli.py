@@ -56,7 +56,7 @@ def test_a_fleet_too_small_for_its_goal_says_so(tmp_path, capsys):
     assert main(["simulate", "--devices", "40", "--hours", "0.5", "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["rounds_committed"] == 0
-    assert "no round committed: each needs 100 reports" in captured.err and "--goal" in captured.err
+    assert "no round can fill: each needs 100 reports" in captured.err and "--goal" in captured.err
 
 
 def test_an_out_that_is_a_file_or_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
@@ -110,3 +110,30 @@ def test_reports_that_all_come_too_late_are_named_as_the_reason(tmp_path, capsys
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["rounds_committed"] == 0 and summary["available_peak"] >= 10
     assert "reported after their round's window closed" in captured.err and "report_timeout_s = 1e-06 s" in captured.err
+
+
+def test_a_fleet_that_cannot_fill_a_round_says_so_before_the_run_and_in_its_summary(tmp_path, capsys):
+    from emulator.fleet import FleetConfig, simulate
+
+    config = FleetConfig.default().replace(devices=40, hours=0.5, goal=20)
+    said: list[str] = []
+    run = simulate(config, progress=lambda *_: said.append("progress"), notice=said.append)
+    first = said[0]  # before the first progress report
+    peak = max(r.available for r in run.timeline)
+    assert peak < 26
+    expected = (f"no round can fill: each needs 20 reports from 26 selected devices (task.goal_count 20 x "
+                f"task.over_selection 1.3) and at most {peak} of the 40 devices are available at once")
+    assert first.startswith(expected) and "--devices" in first and "--goal" in first
+    summary = run.summary()
+    assert summary["cannot_fill"] == first and first in summary["round_completion_note"]
+    # the command line says it before the run and again with the summary
+    assert main(["simulate", "--devices", "40", "--hours", "0.5", "--goal", "20", "--no-progress"]) == 0
+    assert capsys.readouterr().err.count(expected) == 2
+
+
+def test_a_fleet_that_can_fill_its_rounds_says_nothing_of_it(tmp_path):
+    from emulator.fleet import FleetConfig, simulate
+
+    said: list[str] = []
+    run = simulate(FleetConfig.default().replace(devices=60, hours=0.25, goal=8), progress=False, notice=said.append)
+    assert said == [] and run.summary()["cannot_fill"] is None

@@ -378,7 +378,7 @@ def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(tmp_path):
 
 def test_sessions_that_end_in_errors_are_counted_by_kind(tmp_path):
     # the network is lost so often that an upload runs out of retries: ServerUnreachable
-    config = FleetConfig.from_dict({"fleet": {"devices": 60, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10},
+    config = FleetConfig.from_dict({"fleet": {"devices": 120, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10},
                                     "faults": {"network_lost_per_h": 20.0}})
     run = simulate(config, out_dir=tmp_path, progress=False)
     errors = [s for s in run.sessions if s.outcome == "error"]
