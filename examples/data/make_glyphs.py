@@ -5,7 +5,7 @@
 
 No package ships handwriting with writer ids that this machine can fetch, so this is the derived
 fallback of notMNIST (Bulatov 2011: glyphs rendered from many fonts): the writers are the 165 font
-families of the 91 Debian (bookworm) font packages pinned in ``PACKAGES``, among them handwriting
+families of the 90 Debian (bookworm) font packages pinned in ``PACKAGES``, among them handwriting
 fonts (fonts-bwht, fonts-dkg-handwriting, fonts-sjfonts, fonts-femkeklaver, fonts-kristi...). A
 family's styles (regular, bold, italic...) are its writer's pens. Rendering needs Pillow and
 fontTools (both come with matplotlib, the ``sim`` extra); the .deb files are only unpacked into the

