@@ -59,8 +59,10 @@ def ngram_model(seed: int = 0) -> bytes:
         ints("context_start", [-CONTEXT]), ints("context_end", [WINDOW]), ints("context_axis", [1]),
         ints("flat_shape", [-1, features]),
         normal("embedding", [VOCABULARY, EMBEDDING], 1.0),
-        normal("hidden_w", [features, HIDDEN], np.sqrt(2.0 / features)), numpy_helper.from_array(np.zeros(HIDDEN, np.float32), "hidden_b"),
-        normal("out_w", [HIDDEN, VOCABULARY], np.sqrt(1.0 / HIDDEN)), numpy_helper.from_array(np.zeros(VOCABULARY, np.float32), "out_b"),
+        normal("hidden_w", [features, HIDDEN], np.sqrt(2.0 / features)),
+        numpy_helper.from_array(np.zeros(HIDDEN, np.float32), "hidden_b"),
+        normal("out_w", [HIDDEN, VOCABULARY], np.sqrt(1.0 / HIDDEN)),
+        numpy_helper.from_array(np.zeros(VOCABULARY, np.float32), "out_b"),
     ]
     nodes = [
         helper.make_node("Slice", ["x", "context_start", "context_end", "context_axis"], ["context"]),

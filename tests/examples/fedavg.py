@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from device_runtime.executor import PlanExecutor
 from emulator.fleet.federated_data import FederatedDataset
 from emulator.runtime_worker import RuntimeWorker, WorkerExecutor
 from emulator.toolchain.tasks import Task
-from device_runtime.executor import PlanExecutor
 
 
 def test_accuracy(executor: WorkerExecutor, model: Mapping[str, np.ndarray], data: FederatedDataset) -> float:
@@ -39,7 +39,8 @@ def fedavg(task: Task, data: FederatedDataset, *, rounds: int, clients_per_round
             acc = server.zero()
             for client in rng.choice(len(ids), size=clients_per_round, replace=False):
                 shard = data.train[ids[client]]
-                acc = server.accumulate(acc, executor.run_device(model, executor.batches_from_examples(lambda s=shard: [s])).update)
+                result = executor.run_device(model, executor.batches_from_examples(lambda s=shard: [s]))
+                acc = server.accumulate(acc, result.update)
             state, _ = server.update(state, server.report(acc))
             state = {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}
             model = {w: state[w] for w in plan.weight_names}
