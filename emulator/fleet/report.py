@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from device_runtime.opstats import SHAPE_SYMBOLS
 
-from .tables import FleetRun, SessionRow, TimelineRow
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
 
 #: Colours kept across figures: the paper's Fig. 6 draws participating devices blue, waiting purple.
 _AVAILABLE = "#2ca02c"
@@ -120,6 +120,10 @@ def summarize(run: FleetRun) -> dict[str, Any]:
       completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
+    - ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
+      ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
+      model), ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``: from the
+      simulator (``FleetRun.extra``; null when it did not measure them);
     - ``simulated_s``, ``wall_s``, ``sim_s_per_wall_s``, ``sessions_per_wall_s`` (accepted
       sessions), ``completed_sessions_per_wall_s``.
     """
@@ -160,12 +164,29 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "bytes_up": sum(s.bytes_up for s in sessions),
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
+        "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
+        **{key: run.extra.get(key) for key in ("client_accuracy_percentiles", "task_file", "tasks", "data", "data_clients",
+                                                 "devices_per_client")},
         "simulated_s": span_s,
         "wall_s": wall_s,
         "sim_s_per_wall_s": _ratio(span_s, wall_s),
         "sessions_per_wall_s": _ratio(len(accepted), wall_s),
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
     }
+
+
+def _target_accuracy(run: FleetRun) -> float | None:
+    task = run.config.task if run.config is not None else None
+    return getattr(task, "target_accuracy", None)
+
+
+def time_to_target_accuracy_s(rounds: list[RoundRow], target: float | None) -> float | None:
+    """Simulated seconds from the start to the end of the first committed round whose model's test
+    accuracy is at least ``target`` (rounds in the order they ended); None without a target or if none did."""
+    if target is None:
+        return None
+    reached = [r.end_s for r in rounds if r.committed and math.isfinite(r.accuracy) and r.accuracy >= target]
+    return _finite(min(reached)) if reached else None
 
 
 # --- figures ---------------------------------------------------------------------------------
