@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime.plan import Plan
+from device_runtime.plan import Plan, PlanError
 from server_stub.rounds import RoundConfig
 from server_stub.task_choice import Strategy
 
@@ -320,6 +320,10 @@ def _build_task(task: Any, path: Path, section: TaskSection | None, config: Flee
         raise
     except Exception as exc:  # noqa: BLE001 - the task file is user code: say where it failed, in one line
         first = str(exc).splitlines()[0] if str(exc) else ""
+        release = next((r for r in task.runtimes if r in first), None) if config.fleet.real_runtimes else None
+        if isinstance(exc, PlanError) and release is not None:  # VersioningError, or a release outside the table
+            raise WorkloadError(f"fleet.real_runtimes: no plan for onnxruntime {release} ({first}); remove it from "
+                                "runtime_versions") from None
         raise WorkloadError(f"task {task.name!r} of {path} does not build ({type(exc).__name__}: {first}); "
                             f"`fedfleet plan build {path} -o DIR` shows the same") from None
     rounds = task_round_config(config.task) if section is None else overridden_round_config(task.rounds, section)
