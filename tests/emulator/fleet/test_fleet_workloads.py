@@ -188,6 +188,59 @@ def test_the_built_in_digits_spec_runs_a_task_group(tmp_path, capsys):
     assert summary["rounds_committed"] >= 1 and summary["data_clients"] == 40
 
 
+SECURE_TASK = """
+from device_runtime import build_mlp_plan
+from emulator.toolchain.tasks import Task
+from example_store import ExampleSelector
+from server_stub import RoundConfig
+
+def mlp(hp):
+    return build_mlp_plan(64, (16,), 10, learning_rate=hp["lr"], batch_size=8, epochs=1,
+                          selector=ExampleSelector("app:/digits"), secure_aggregation=True)
+
+task = Task(name="secure_mlp", model=mlp, proxy=lambda: None, hyperparameters={"lr": 0.3},
+            rounds=RoundConfig(goal_count=10, secagg_min_group_size=5, secagg_round_timeout_s=10.0,
+                               selection_timeout_s=300.0, report_timeout_s=180.0, retry_window_s=(60.0, 300.0)))
+"""
+
+
+def secure_fleet(tmp_path: Path) -> tuple[Path, Path]:
+    task = tmp_path / "secure_task.py"
+    task.write_text(SECURE_TASK)
+    config = tmp_path / "fleet.toml"
+    config.write_text("[fleet]\ndevices = 60\nhours = 1.0\nstart_utc_hour = 6.0\n[task]\ncompute_s_per_example = 0.2\n")
+    return task, config
+
+
+def test_a_secure_task_file_turns_on_the_fleets_attested_secure_path(tmp_path):
+    task, config = secure_fleet(tmp_path)
+    workload = load_workload(FleetConfig.load(config).replace(task_file=task))
+    assert workload.secure and workload.tasks[0].rounds.goal_count == 10  # the task's RoundConfig: [task] sets no round key
+    assert not load_workload(FleetConfig.load(config)).secure
+
+
+@pytest.mark.slow
+def test_a_secure_task_file_commits_rounds_summed_in_attested_groups(tmp_path, capsys):
+    task, config = secure_fleet(tmp_path)
+    code = main(["simulate", str(config), "--task", str(task), "--seed", "3", "--no-progress",
+                 "--data", "digits,partition=iid,clients=20"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and summary["rounds_committed"] >= 1 and summary["errors"] == {}
+    assert summary["shapes"].get("-v[]+^", 0) >= 10  # reports summed in attested groups
+
+
+def test_a_sharded_run_of_a_task_file_on_a_dataset_equals_the_single_process_run():
+    from emulator.fleet import simulate, simulate_sharded
+    from emulator.fleet.federated_data import parse_data_spec
+
+    config = FleetConfig.load(ROOT / "examples" / "fleets" / "small.toml").replace(
+        devices=40, hours=1.0, task_file=TASKS / "digits_eval_task.py", data=parse_data_spec("digits,partition=dirichlet,clients=25"))
+    alone = simulate(config, progress=False)
+    sharded = simulate_sharded(config, shards=2, ray=False)
+    assert sharded.digest == alone.digest and alone.summary()["rounds_committed"] >= 1
+    assert sharded.summary()["client_accuracy_percentiles"] == alone.summary()["client_accuracy_percentiles"]
+
+
 def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_sets(tmp_path):
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(f'[task]\nfile = "{TASKS / "digits_task.py"}"\ngoal_count = 7\nretry_min_s = 20.0\n')
