@@ -13,6 +13,7 @@ from .sim_transport import AsgiCaller, SimTransport
 from .simulator import FleetSimulator, simulate
 from .tables import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow
 from .traces import TraceAvailability, TraceError, load_traces, write_traces
+from .workload import Workload, WorkloadError, load_workload
 
 __all__ = [
     "FleetAttestation",
@@ -61,4 +62,7 @@ __all__ = [
     "run_many",
     "simulate_sharded",
     "sweep_configs",
+    "Workload",
+    "WorkloadError",
+    "load_workload",
 ]

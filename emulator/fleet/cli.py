@@ -1,6 +1,10 @@
 """``fedfleet simulate [FLEET.toml] --out DIR``: a fleet day in virtual time, its tables, plots
 and report in DIR, and its summary as the last line of the output (one JSON object).
 
+``--task TASK.py`` runs a task file (training and evaluation tasks, task groups, secure tasks) as
+``fedfleet deploy`` would deploy it, ``--data FORMAT:PATH`` a federated dataset whose clients are the
+devices' examples, and ``--target-accuracy A`` reports the simulated time to a model that good.
+
 The progress bar (simulated hours, rounds committed, devices active) goes to stderr, so that
 stdout holds only the summary and can be piped into ``jq``.
 
@@ -35,6 +39,13 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hours", type=float, help="override the simulated hours")
     p.add_argument("--seed", type=int, help="override the seed (the same seed gives the same run)")
     p.add_argument("--goal", type=int, help="override the round goal (reports a round needs; the default 100 needs thousands of devices)")
+    p.add_argument("--task", metavar="TASK.py",
+                   help="run this task file (what `fedfleet plan build` takes) instead of the built-in digits MLP")
+    p.add_argument("--data", metavar="FORMAT:PATH[,K=V...]",
+                   help="a federated dataset, each client a device's examples: leaf:DIR, tff-h5:FILE, "
+                        "table:FILE,client=COLUMN, npz:FILE, digits,partition=dirichlet (default: the digits sampled per device)")
+    p.add_argument("--target-accuracy", type=float, metavar="A",
+                   help="report time_to_target_accuracy_s: simulated seconds to the first committed model with test accuracy >= A")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--http", action="store_true",
                    help="send the devices' requests over real loopback HTTP (uvicorn) instead of into the app in process")
@@ -51,12 +62,35 @@ def run_simulate(args: argparse.Namespace) -> int:
     from .ray_backend import RayBackendError
     from .simulator import ProgressBar, simulate
 
+    from .federated_data import FederatedDataError, parse_data_spec
+    from .workload import load_workload
+
+    if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
+        print(f"fedfleet simulate: --target-accuracy {args.target_accuracy}: give an accuracy between 0 and 1", file=sys.stderr)
+        return 2
+    if args.task is not None and not Path(args.task).is_file():
+        print(f"fedfleet simulate: --task {args.task}: no such file; give the path of a task file (as `fedfleet plan build` "
+              "takes)", file=sys.stderr)
+        return 2
     try:
         config = FleetConfig.load(args.fleet) if args.fleet else FleetConfig.default()
-        config = config.replace(devices=args.devices, hours=args.hours, seed=args.seed, goal=args.goal)
+        data = parse_data_spec(args.data) if args.data is not None else None
+        config = config.replace(devices=args.devices, hours=args.hours, seed=args.seed, goal=args.goal, task_file=args.task,
+                                target_accuracy=args.target_accuracy, data=data)
+    except FederatedDataError as exc:
+        print(f"fedfleet simulate: --data {args.data}: {exc}", file=sys.stderr)
+        return 2
     except FleetConfigError as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
+    try:
+        workload = load_workload(config)  # the task file built and the data read before anything runs
+    except SimulationError as exc:
+        print(f"fedfleet simulate: {exc}", file=sys.stderr)
+        return 2
+    line = workload.mapping_line()
+    if line is not None:
+        print(f"fedfleet simulate: {line}", file=sys.stderr)
     out = Path(args.out) if args.out else None
     if out is not None:
         if out.exists() and not out.is_dir():

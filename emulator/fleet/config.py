@@ -304,6 +304,16 @@ class DataSection(_Section):
     of devices can be served by a small dataset."""
 
     dataset: Literal["digits"] = "digits"
+    #: A federated dataset instead (``emulator.fleet.federated_data``): ``format`` is one of the data
+    #: spec's (``leaf``, ``tff-h5``, ``table``, ``npz``, ``digits``), ``path`` its file or folder
+    #: (relative to the config file's folder), ``options`` the spec's options (``client`` for a
+    #: table, ``partition``/``clients`` for npz and digits, ``test_split``, ...). Each client of its
+    #: training split is then a device's examples (see ``emulator.fleet.data``), and the keys below
+    #: but ``test_fraction`` apply only to the default sampling.
+    format: Literal["leaf", "tff-h5", "table", "npz", "digits"] | None = None
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    options: dict[Annotated[str, Field(min_length=1, max_length=64)], str | int | float] = Field(
+        default_factory=dict, max_length=32)
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     label_alpha: float = Field(0.3, gt=0.0, le=1e4)
     examples_median: int = Field(40, ge=1, le=1_000_000)
@@ -313,6 +323,10 @@ class DataSection(_Section):
 
     @model_validator(mode="after")
     def _bounds(self) -> Self:
+        if self.format is None and (self.path is not None or self.options):
+            raise ValueError("data.path and data.options need data.format (leaf, tff-h5, table, npz or digits)")
+        if self.format is not None and self.format != "digits" and self.path is None:
+            raise ValueError(f"data.format = {self.format!r} needs data.path, the file or folder to read")
         if not self.examples_min <= self.examples_median <= self.examples_max:
             raise ValueError(
                 f"need examples_min <= examples_median <= examples_max; got "
@@ -358,12 +372,42 @@ class TaskSection(_Section):
     secagg_group_size: int = Field(5, ge=2, le=100_000)
     secagg_round_timeout_s: Timeout = 10.0
     max_rounds: int | None = Field(None, ge=1)
+    #: A task file (``fedfleet plan build``'s input, relative to the config file's folder): the fleet
+    #: builds and deploys its tasks instead of the built-in digits MLP (``emulator/fleet/digits_task.py``).
+    #: See :data:`ROUND_KEYS` and :data:`BUILT_IN_KEYS` for what the keys above then mean.
+    file: str | None = Field(None, min_length=1, max_length=4096)
+    #: The summary's ``time_to_target_accuracy_s``: simulated seconds to the end of the first committed
+    #: round whose model's test accuracy is at least this.
+    target_accuracy: float | None = Field(None, ge=0.0, le=1.0)
+    #: How the tasks of a task file with several training tasks (a task group) share the rounds:
+    #: ``alternate`` (take turns, what ``fedfleet deploy`` asks for) or ``weighted``.
+    strategy: Literal["alternate", "weighted"] = "alternate"
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """The keys the fleet file, ``--goal`` or a ``--sweep`` set (not left at their defaults)."""
+        return frozenset(self.model_fields_set)
 
     @model_validator(mode="after")
     def _retry(self) -> Self:
         if self.retry_min_s > self.retry_max_s:
             raise ValueError(f"retry_min_s ({self.retry_min_s}) must not exceed retry_max_s ({self.retry_max_s})")
         return self
+
+
+#: With a task file, these ``[task]`` keys override every task's RoundConfig when the fleet config
+#: sets them (or ``--goal``/``--sweep`` does); left at their defaults, the task's RoundConfig holds.
+ROUND_KEYS: dict[str, str] = {
+    "goal_count": "goal_count", "over_selection": "over_selection", "min_fraction": "min_fraction",
+    "selection_timeout_s": "selection_timeout_s", "report_timeout_s": "report_timeout_s",
+    "max_rounds": "max_rounds", "secagg_group_size": "secagg_min_group_size",
+    "secagg_round_timeout_s": "secagg_round_timeout_s",
+}
+#: ``retry_min_s``/``retry_max_s`` override the RoundConfig's ``retry_window_s`` (either one set: both).
+RETRY_KEYS = ("retry_min_s", "retry_max_s")
+#: These keys shape the built-in digits MLP only; a task file's own model, hyperparameters and
+#: Secure Aggregation are what it deploys, so the fleet refuses them beside a task file.
+BUILT_IN_KEYS = ("hidden", "learning_rate", "batch_size", "epochs", "secure")
 
 
 class FleetConfig(_Section):
@@ -426,21 +470,45 @@ class FleetConfig(_Section):
         trace = data.get("availability", {}).get("trace") if isinstance(data.get("availability"), dict) else None
         if isinstance(trace, str) and not Path(trace).is_absolute():
             data["availability"]["trace"] = str((path.parent / trace).resolve())
+        _resolve(data, "task", "file", path.parent)
+        _resolve(data, "data", "path", path.parent)
+        options = data.get("data", {}).get("options") if isinstance(data.get("data"), dict) else None
+        if isinstance(options, dict):
+            for key in ("test", "vocab"):  # the data spec's options that name files
+                _resolve(data["data"], "options", key, path.parent)
         return cls.from_dict(data, source=str(path))
 
     def replace(
-        self, *, devices: int | None = None, hours: float | None = None, seed: int | None = None, goal: int | None = None
+        self, *, devices: int | None = None, hours: float | None = None, seed: int | None = None, goal: int | None = None,
+        task_file: str | Path | None = None, target_accuracy: float | None = None, data: Any = None,
     ) -> FleetConfig:
-        """The same fleet with the command line's overrides (``None`` keeps the value)."""
-        fleet = self.fleet.model_dump()
+        """The same fleet with the command line's overrides (``None`` keeps the value). Keys left at
+        their defaults stay unset (``TaskSection.explicit``). ``data`` is a parsed data spec
+        (``federated_data.DataSpec``) whose paths are already resolved."""
+        out = self.dump()
+        fleet = out.setdefault("fleet", {})
         for key, value in (("devices", devices), ("hours", hours), ("seed", seed)):
             if value is not None:
                 fleet[key] = value
-        data = self.model_dump()
-        data["fleet"] = fleet
+        task = out.setdefault("task", {})
         if goal is not None:
-            data["task"] = {**data["task"], "goal_count": goal}
-        return FleetConfig.from_dict(data, source="override")
+            task["goal_count"] = goal
+        if task_file is not None:
+            task["file"] = str(Path(task_file).resolve())
+        if target_accuracy is not None:
+            task["target_accuracy"] = target_accuracy
+        if data is not None:
+            section = out.setdefault("data", {})
+            section.update(format=data.format, options={k: str(v) for k, v in data.options.items()})
+            section.pop("path", None)
+            if data.path is not None:
+                section["path"] = str(Path(data.path).resolve())
+        return FleetConfig.from_dict(out, source="override")
+
+    def dump(self) -> dict[str, Any]:
+        """The config as plain data with only the keys that were set: ``from_dict`` of it is this
+        config, and which ``[task]`` keys were set survives (a task file's RoundConfig depends on it)."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
     def to_toml(self) -> str:
         """TOML that :meth:`load` reads back to an equal config."""
@@ -449,6 +517,14 @@ class FleetConfig(_Section):
     @property
     def horizon_s(self) -> float:
         return self.fleet.hours * 3600.0
+
+
+def _resolve(data: dict, section: str, key: str, folder: Path) -> None:
+    """A relative path of ``[section] key`` made absolute against the config file's folder."""
+    table = data.get(section)
+    value = table.get(key) if isinstance(table, dict) else None
+    if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+        table[key] = str((folder / Path(value).expanduser()).resolve())
 
 
 def _describe(exc: ValidationError, source: str) -> str:

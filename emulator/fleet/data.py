@@ -1,15 +1,29 @@
-"""Each device's examples: a non-IID sample of a dataset that ships with a package.
+"""Each device's examples: a non-IID sample of a dataset that ships with a package (the default),
+or one client of a federated dataset (``[data] format``/``path``, ``fedfleet simulate --data``).
 
-A device's label mix comes from a Dirichlet draw (Hsu et al. 2019's non-IID benchmark: small
+The default: a device's label mix comes from a Dirichlet draw (Hsu et al. 2019's non-IID benchmark: small
 concentration, a few dominant classes per device), its size from a log-normal (devices hold very
 different amounts of data). Devices sample the training split independently rather than cutting
 it into disjoint shards, so a dataset of 1,437 digits serves a fleet of 100,000 devices; the
-held-out test split is never sampled.
+held-out test split is never sampled for training. Its held-out examples (an evaluation task's
+collection) are drawn the same way from the test split, and 100 such draws are the test clients
+whose per-client accuracy the summary reports.
+
+A federated dataset (:class:`ClientData`): the fleet's devices are matched to the dataset's training
+clients through a seeded permutation of the sorted client ids: device ``i`` holds client
+``perm[i mod K]`` of ``K``. A fleet of more devices than clients reuses every client about
+``devices / K`` times (devices with the same client hold the same examples); one of fewer devices
+holds a seeded sample of distinct clients. A device's held-out examples are its client's test
+examples when the client has some (LEAF's by-sample split), else those of test client
+``test_perm[i mod K_test]`` (a by-user split: held-out clients). The model is measured on the whole
+test split, and per test client.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -54,3 +68,118 @@ def device_examples(config: FleetConfig, spec: DeviceSpec) -> tuple[np.ndarray, 
     index = np.concatenate(chosen)
     rng.shuffle(index)
     return dataset.x_train[index], dataset.y_train[index]
+
+
+#: Test clients drawn from the default dataset's test split for per-client accuracy.
+DEFAULT_TEST_CLIENTS = 100
+
+Examples = dict[str, np.ndarray]
+
+
+class DigitsSampling:
+    """The default data: each device's own Dirichlet sample of the digits (``device_examples``)."""
+
+    label = "y"
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.dataset = fleet_dataset(config)
+        from .federated_data import FeatureSpec
+
+        self.features = {"x": FeatureSpec("float32", (self.dataset.num_features,)), "y": FeatureSpec("int64", ())}
+        self.source = f"{config.data.dataset} (a Dirichlet label mix per device, alpha {config.data.label_alpha:g})"
+        self.clients: int | None = None
+
+    def train(self, spec: DeviceSpec) -> Examples:
+        x, y = device_examples(self.config, spec)
+        return {"x": x, "y": y}
+
+    def held_out(self, spec: DeviceSpec) -> Examples:
+        return self._draw(device_seed(self.config.fleet.seed, spec.index, "heldout"))
+
+    def central_test(self) -> Examples:
+        return {"x": self.dataset.x_test, "y": self.dataset.y_test}
+
+    def test_clients(self) -> dict[str, Examples]:
+        return {f"t{i:03d}": self._draw(device_seed(self.config.fleet.seed, i, "testclient")) for i in range(DEFAULT_TEST_CLIENTS)}
+
+    def labels(self) -> np.ndarray:
+        return np.concatenate([self.dataset.y_train, self.dataset.y_test])
+
+    def _draw(self, seed: int) -> Examples:
+        """A sample of the test split with a device's Dirichlet label mix and log-normal size."""
+        section, data = self.config.data, self.dataset
+        rng = np.random.default_rng(seed)
+        pools = [np.flatnonzero(data.y_test == label) for label in range(data.num_classes)]
+        n = example_count(section, rng)
+        counts = rng.multinomial(n, rng.dirichlet(np.full(len(pools), section.label_alpha)))
+        index = np.concatenate([rng.choice(pools[c], size=int(k), replace=True) for c, k in enumerate(counts) if k > 0 and len(pools[c])])
+        return {"x": data.x_test[index], "y": data.y_test[index]}
+
+
+class ClientData:
+    """A federated dataset's clients as the fleet's devices (see the module docstring)."""
+
+    def __init__(self, dataset: Any, devices: int, seed: int) -> None:
+        self.dataset = dataset
+        self.features = dict(dataset.features)
+        self.label = dataset.label
+        self.source = dataset.source
+        self.devices = devices
+        self._ids = dataset.client_ids
+        self._test_ids = dataset.test_client_ids
+        self._perm = np.random.default_rng([int(seed) & 0xFFFFFFFF, 0xDA7A]).permutation(len(self._ids))
+        self._test_perm = np.random.default_rng([int(seed) & 0xFFFFFFFF, 0x7E57]).permutation(len(self._test_ids))
+        self.clients: int | None = len(self._ids)
+
+    def client_of(self, index: int) -> str:
+        return self._ids[int(self._perm[index % len(self._ids)])]
+
+    def train(self, spec: DeviceSpec) -> Examples:
+        return dict(self.dataset.train[self.client_of(spec.index)])
+
+    def held_out(self, spec: DeviceSpec) -> Examples:
+        client = self.client_of(spec.index)
+        if client in self.dataset.test:
+            return dict(self.dataset.test[client])
+        if not self._test_ids:
+            return {}
+        return dict(self.dataset.test[self._test_ids[int(self._test_perm[spec.index % len(self._test_ids)])]])
+
+    def central_test(self) -> Examples:
+        return self.dataset.central_test()
+
+    def test_clients(self) -> dict[str, Examples]:
+        return {c: dict(e) for c, e in self.dataset.test.items()}
+
+    def labels(self) -> np.ndarray:
+        label = self.label or "y"
+        parts = [e[label] for e in self.dataset.train.values()] + [e[label] for e in self.dataset.test.values()]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def data_spec_text(section: DataSection) -> str:
+    """``[data] format``/``path``/``options`` as the one-string data spec ``load_data`` reads."""
+    head = section.format or "digits"
+    if section.path is not None:
+        head += f":{section.path}"
+    return ",".join([head, *(f"{k}={v}" for k, v in section.options.items())])
+
+
+def fleet_data(config: FleetConfig) -> DigitsSampling | ClientData:
+    """The fleet's data: the default sampling, or the federated dataset ``[data]`` names (raises
+    ``FederatedDataError`` with a one-line message when it cannot be read)."""
+    if config.data.format is None:
+        return DigitsSampling(config)
+    return ClientData(_federated(data_spec_text(config.data), config.fleet.seed), config.fleet.devices, config.fleet.seed)
+
+
+@lru_cache(maxsize=2)
+def _federated(spec: str, seed: int) -> Any:
+    from .federated_data import load_data
+
+    return load_data(spec, seed=seed)
+
+
+def devices_per_client(devices: int, clients: Mapping[str, Any] | int) -> float:
+    return round(devices / (clients if isinstance(clients, int) else len(clients)), 3)

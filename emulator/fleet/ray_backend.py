@@ -166,17 +166,12 @@ class FleetShard:
     in one process it runs as it is, which is how the exchange is tested without a cluster."""
 
     def __init__(self, config: FleetConfig | Mapping[str, Any], positions: Iterable[int]) -> None:
-        from .data import device_examples, fleet_dataset
         from .population import generate_population
 
         config = config if isinstance(config, FleetConfig) else FleetConfig.from_dict(config)
         specs = generate_population(config)
-        dataset = fleet_dataset(config)
         self._tmp = tempfile.TemporaryDirectory(prefix="fedfleet-shard-")
-        sim = _ShardSimulator(
-            config, specs, lambda spec: device_examples(config, spec), (dataset.x_test, dataset.y_test),
-            workdir=self._tmp.name, serves=False,
-        )
+        sim = _ShardSimulator(config, specs, workdir=self._tmp.name, serves=False)
         sim.caller.close()  # the shard's own server is never called: requests go to the driver
         sim.store.close()
         sim.caller = _ShardCaller(self)
@@ -308,7 +303,7 @@ class _RayShards:
     def __init__(self, config: FleetConfig, parts: list[list[int]], ray: Any, cpus: float) -> None:
         self.ray = ray
         actor = ray.remote(num_cpus=cpus, max_concurrency=1)(FleetShard)
-        data = config.model_dump(mode="json")
+        data = config.dump()  # only the keys that were set: a task file's RoundConfig depends on which
         self.shards = [actor.remote(data, part) for part in parts]
 
     def advance(self, calls: dict[int, list]) -> dict[int, dict]:
@@ -348,15 +343,15 @@ def simulate_sharded(
     ``stats``, if given, is filled with the exchange's figures: ``windows`` (exchanges),
     ``requests`` (that crossed to the server), ``held`` (windows cut short by an event of a
     device waiting for its answer) and ``shards``."""
-    from .data import fleet_dataset
     from .population import generate_population
+    from .workload import load_workload
 
     if shards < 1:
         raise SimulationError(f"shards must be at least 1, got {shards}")
     config = config or FleetConfig.default()
     started = time.perf_counter()
+    workload = load_workload(config)  # refuses a task file or data that cannot run before any shard starts
     specs = generate_population(config)
-    dataset = fleet_dataset(config)
     parts = split_positions(specs, shards)
     bar, callback = progress_reporter(progress, config.horizon_s)
     backend: _LocalShards | _RayShards
@@ -367,9 +362,7 @@ def simulate_sharded(
     try:
         with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
             workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
-            driver = _DriverSimulator(
-                config, [], lambda spec: None, (dataset.x_test, dataset.y_test), workdir=workdir, progress=callback,
-            )
+            driver = _DriverSimulator(config, [], workdir=workdir, progress=callback, workload=workload)
             try:
                 run = _drive(driver, backend, len(parts), specs, started, stats if stats is not None else {})
             finally:  # also when the run is interrupted (Ctrl-C)
@@ -439,6 +432,7 @@ def _drive(
     return FleetRun(
         sessions=driver.sessions, rounds=rounds, timeline=driver._timeline(), digest=digest,
         config=driver.config, wall_s=wall, simulated_s=horizon, errors=dict(sorted(driver.errors.items())),
+        extra=driver.extra,
     )
 
 
@@ -492,15 +486,16 @@ def sweep_configs(
     out = []
     for combo in itertools.product(*axes.values()):
         params = dict(zip(axes, combo))
-        data = base.model_dump(mode="json")
+        data = base.dump()  # only the keys that were set, so a swept [task] key is set and the others stay unset
+        full = base.model_dump(mode="json")
         for key, value in params.items():
             *path, last = key.split(".")
-            node = data
+            node, model = data, full
             for part in path:
-                if not isinstance(node, dict) or part not in node:
+                if not isinstance(model, dict) or part not in model or not isinstance(model[part], dict):
                     raise FleetConfigError(f"--sweep: the config has no section {part!r} (in {key!r})")
-                node = node[part]
-            if not isinstance(node, dict) or last not in node:
+                node, model = node.setdefault(part, {}), model[part]
+            if not isinstance(model, dict) or last not in model:
                 raise FleetConfigError(f"--sweep: the config has no field {key!r}; see examples/fleets/default.toml")
             node[last] = value
         out.append((params, FleetConfig.from_dict(data, source=f"--sweep {params}")))
@@ -525,7 +520,7 @@ def run_many(
     """Independent runs, one Ray task each (or one after another here with ``ray=False``); their
     summaries in the order of ``configs``. Each equals the same config run alone."""
     dirs = [None if d is None else str(d) for d in (out_dirs or [None] * len(configs))]
-    payload = [c.model_dump(mode="json") for c in configs]
+    payload = [c.dump() for c in configs]
     if not ray:
         return [_run_one(data, d) for data, d in zip(payload, dirs)]
     module = ensure_ray(address)

@@ -27,7 +27,7 @@ import numpy as np
 
 from device_runtime.plan import Plan, PlanError, serialize_plan
 from emulator.runtime_worker import WorkerPool
-from emulator.toolchain.tasks import Predicate, ProxyData, Task, Trial
+from emulator.toolchain.tasks import Predicate, ProxyData, Task, TaskError, Trial
 
 from .events import SimulationError
 
@@ -61,32 +61,46 @@ def release_tested_plans(
     plan: Plan,
     weights: Mapping[str, np.ndarray],
     releases: Sequence[str],
-    test_set: tuple[np.ndarray, np.ndarray],
+    test_set: tuple[np.ndarray, np.ndarray] | Mapping[str, np.ndarray] | None,
     pool: WorkerPool,
     *,
     seed: int = 0,
+    task: Task | None = None,
+    versioned: Mapping[str, Plan] | None = None,
+    trained: tuple[Plan, Mapping[str, np.ndarray]] | None = None,
 ) -> ReleasedPlans:
     """Version ``plan`` for each of ``releases`` and release-test it there; raises
-    :class:`SimulationError` naming the release and the check when one cannot run it."""
+    :class:`SimulationError` naming the release and the check when one cannot run it.
+
+    ``task`` (a task file's, claiming ``releases``) is tested as ``fedfleet plan test`` tests it:
+    its own proxy data and predicates, and for an evaluation ``trained`` (its training task's plan
+    and initial model). Without it, the plan is tested on shards of ``test_set`` for a finite loss."""
     from emulator.toolchain.release import release_table, release_test
     from emulator.toolchain.versioning import versioned_plan
 
-    versioned: dict[str, Plan] = {}
+    plans: dict[str, Plan] = dict(versioned or {})
     for release in releases:
+        if release in plans:
+            continue
         try:
-            versioned[release] = versioned_plan(plan, release)
+            plans[release] = versioned_plan(plan, release)
         except PlanError as exc:  # VersioningError, or a release outside the known support table
             raise SimulationError(
                 f"fleet.real_runtimes: no plan for onnxruntime {release} ({exc}); remove it from runtime_versions"
             ) from None
-    x, y = test_set
-    proxy = ProxyData.split({"x": np.asarray(x), "y": np.asarray(y)}, devices=PROXY_DEVICES, seed=seed)
-    task = Task(name=plan.name, model=lambda _hp: plan, proxy=proxy, runtimes=tuple(releases),
-                predicates=(_trains_to_a_finite_loss,))
-    report = release_test(task, pool=pool, plan=plan, versioned=versioned, weights=weights)
+    if task is None:
+        assert test_set is not None
+        examples = {"x": np.asarray(test_set[0]), "y": np.asarray(test_set[1])} if isinstance(test_set, tuple) else dict(test_set)
+        proxy = ProxyData.split(examples, devices=PROXY_DEVICES, seed=seed)
+        task = Task(name=plan.name, model=lambda _hp: plan, proxy=proxy, runtimes=tuple(releases),
+                    predicates=(_trains_to_a_finite_loss,))
+    try:
+        report = release_test(task, pool=pool, plan=plan, versioned=plans, weights=weights, trained=trained)
+    except (TaskError, ValueError) as exc:  # the task's proxy data or predicates cannot run
+        raise SimulationError(f"fleet.real_runtimes: task {task.name!r} cannot be release-tested: {exc}") from None
     if not report["passed"]:
         raise SimulationError(
-            "fleet.real_runtimes: the fleet's plan failed its release tests; remove the failing releases from "
+            f"fleet.real_runtimes: task {task.name!r} failed its release tests; remove the failing releases from "
             "runtime_versions or set fleet.real_runtimes = false:\n" + release_table(report)
         )
-    return ReleasedPlans(serialize_plan(plan), {r: serialize_plan(p) for r, p in versioned.items()}, report)
+    return ReleasedPlans(serialize_plan(plan), {r: serialize_plan(p) for r, p in plans.items()}, report)

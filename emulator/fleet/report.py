@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from device_runtime.opstats import SHAPE_SYMBOLS
 
-from .tables import FleetRun, SessionRow, TimelineRow
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
 
 #: Colours kept across figures: the paper's Fig. 6 draws participating devices blue, waiting purple.
 _AVAILABLE = "#2ca02c"
@@ -122,20 +122,20 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
             f"are available at once; {more}{fewer}")
 
 
-def completion_note(summary: dict[str, Any], rounds: list[Any], config: Any) -> str | None:
+def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> str | None:
     """The round completion rate in a sentence: which rounds were abandoned, why, and the option
     to change. Rounds whose selection closed with fewer devices than a commit needs lacked
     check-ins (the fleet, the goal or the selection window); the others lost their reports to
-    drop-outs and to reports after the window (``task.report_timeout_s``). None without rounds."""
+    drop-outs and to reports after the window (``task.report_timeout_s``). ``task``: the rounds'
+    configuration (a ``RoundConfig`` or the fleet's ``[task]``), None when unknown. None without rounds."""
     if not rounds:
         return None
     total, committed = len(rounds), sum(1 for r in rounds if r.committed)
     if committed == total:
         return f"all {total} rounds committed" if total > 1 else "the one round committed"
     head = f"{total - committed} of {total} rounds were abandoned"
-    if config is None:
+    if task is None:
         return f"{head}; see rounds.csv"
-    task = config.task
     threshold = max(1, math.ceil(task.goal_count * task.min_fraction - 1e-9))
     short = sum(1 for r in rounds if not r.committed and r.selected < threshold)
     reasons = []
@@ -177,6 +177,10 @@ def summarize(run: FleetRun) -> dict[str, Any]:
       completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
+    - ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
+      ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
+      model), ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``: from the
+      simulator (``FleetRun.extra``; null when it did not measure them);
     - ``simulated_s``, ``wall_s``, ``sim_s_per_wall_s``, ``sessions_per_wall_s`` (accepted
       sessions), ``completed_sessions_per_wall_s``.
     """
@@ -194,7 +198,8 @@ def summarize(run: FleetRun) -> dict[str, Any]:
     span_s = float(run.span_s)
     fleet = run.config.fleet if run.config is not None else None
     most = max((r.available for r in run.timeline), default=0)
-    unfillable = cannot_fill(fleet.devices, most, run.config.task) if fleet is not None and run.timeline else None
+    task = run.extra.get("round_config") or (run.config.task if run.config is not None else None)
+    unfillable = cannot_fill(fleet.devices, most, task) if fleet is not None and run.timeline else None
     summary = {
         "digest": run.digest,
         "devices": fleet.devices if fleet else None,
@@ -221,14 +226,31 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "bytes_up": sum(s.bytes_up for s in sessions),
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
+        "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
+        **{key: run.extra.get(key) for key in ("client_accuracy_percentiles", "task_file", "tasks", "data", "data_clients",
+                                                 "devices_per_client")},
         "simulated_s": span_s,
         "wall_s": wall_s,
         "sim_s_per_wall_s": _ratio(span_s, wall_s),
         "sessions_per_wall_s": _ratio(len(accepted), wall_s),
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
     }
-    summary["round_completion_note"] = completion_note(summary, rounds, run.config)
+    summary["round_completion_note"] = completion_note(summary, rounds, task)
     return summary
+
+
+def _target_accuracy(run: FleetRun) -> float | None:
+    task = run.config.task if run.config is not None else None
+    return getattr(task, "target_accuracy", None)
+
+
+def time_to_target_accuracy_s(rounds: list[RoundRow], target: float | None) -> float | None:
+    """Simulated seconds from the start to the end of the first committed round whose model's test
+    accuracy is at least ``target`` (rounds in the order they ended); None without a target or if none did."""
+    if target is None:
+        return None
+    reached = [r.end_s for r in rounds if r.committed and math.isfinite(r.accuracy) and r.accuracy >= target]
+    return _finite(min(reached)) if reached else None
 
 
 # --- figures ---------------------------------------------------------------------------------

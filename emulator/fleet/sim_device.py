@@ -288,9 +288,12 @@ class StreamRandom:
 class LazyExampleStore(InMemoryExampleStore):
     """The device's examples, put into its store when the store is first read. Most devices of a
     large fleet never train in a day (rounds need a few thousand of them), and a filled store
-    costs about 18 kB per device; the examples get the timestamp they would have had at start."""
+    costs about 18 kB per device; the examples get the timestamp they would have had at start.
 
-    def __init__(self, collection_uri: str, examples: Callable[[], tuple[np.ndarray, np.ndarray]], clock: Callable[[], float]) -> None:
+    ``examples()`` gives collection URI -> feature -> array (one entry per example along the first
+    axis), or ``(x, y)`` for ``collection_uri`` alone."""
+
+    def __init__(self, collection_uri: str, examples: Callable[[], Any], clock: Callable[[], float]) -> None:
         self._pending: tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]], float] | None = None
         super().__init__(clock=clock)
         self._pending = (collection_uri, examples, clock())
@@ -300,8 +303,13 @@ class LazyExampleStore(InMemoryExampleStore):
         pending, self._pending = self._pending, None
         if pending is not None:
             uri, examples, at = pending
-            x, y = examples()
-            self.add(uri, ({"x": xi, "y": yi} for xi, yi in zip(x, y)), timestamps=[at] * len(y))
+            given = examples()
+            collections = {uri: {"x": given[0], "y": given[1]}} if isinstance(given, tuple) else given
+            for collection, features in collections.items():
+                names = list(features)
+                n = len(features[names[0]]) if names else 0
+                arrays = [features[name] for name in names]
+                self.add(collection, ({name: a[i] for name, a in zip(names, arrays)} for i in range(n)), timestamps=[at] * n)
         return self.__dict__["_collections"]
 
     @_collections.setter
@@ -317,7 +325,7 @@ class SimDevice:
         self,
         sim: "FleetSimulator",
         spec: Any,
-        examples: tuple[np.ndarray, np.ndarray] | Callable[[], tuple[np.ndarray, np.ndarray]],
+        examples: Any,
     ) -> None:
         self.sim = sim
         self.spec = spec

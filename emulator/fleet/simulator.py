@@ -19,26 +19,24 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import greenlet
 import numpy as np
 
-from device_runtime import PlanExecutor, build_eval_plan, build_mlp_plan, encode_checkpoint, initial_weights
+from device_runtime import PlanExecutor
 from device_runtime.checkpoint import decode_checkpoint
-from device_runtime.plan import serialize_plan
 from device_runtime.plan_cache import LoadedPlans
-from example_store import ExampleSelector
 from server_stub.admin_auth import AdminKeys
 from server_stub.app import create_app
 from server_stub.errors import ApiError
 from server_stub.persistence import ServerStore
-from server_stub.rounds import RoundConfig
 from server_stub.serve import ServerThread
 from server_stub.service import FLService, TaskSpec
 
 from ..runtime_worker import ReleasePlans, WorkerPool
-from .config import FleetConfig, TaskSection
+from .config import FleetConfig
+from .federated_data import client_accuracy_percentiles
 from .events import EventLoop, Fibers, SimulationError
 from .heap import long_lived_heap
 from .releases import ReleasedPlans, release_tested_plans
@@ -46,6 +44,7 @@ from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
 from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
+from .workload import Workload, load_workload, task_round_config  # noqa: F401 - task_round_config: re-exported
 
 #: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
 EPOCH_DAY = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -58,27 +57,8 @@ SERVER_LATE_METRICS_EVERY_S = 3600.0
 TIMELINE_STEP_S = 300.0
 #: Devices start their participation job spread over this many seconds after the start.
 START_SPREAD_S = 600.0
-#: The task's name on the server.
-TASK = "train"
-COLLECTION = "app:/examples"
 #: Event orders at one instant: the server's tick, then the timeline, then devices.
 ORDER_SERVER, ORDER_SAMPLE = -2, -1
-
-
-def task_round_config(task: TaskSection) -> RoundConfig:
-    """The server's round configuration of the fleet's ``[task]`` (every valid section gives one:
-    the section's bounds are the server's)."""
-    return RoundConfig(
-        goal_count=task.goal_count,
-        over_selection=task.over_selection,
-        min_fraction=task.min_fraction,
-        selection_timeout_s=task.selection_timeout_s,
-        report_timeout_s=task.report_timeout_s,
-        retry_window_s=(task.retry_min_s, task.retry_max_s),
-        max_rounds=task.max_rounds,
-        **({"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
-           if task.secure else {}),
-    )
 
 
 class FleetSimulator:
@@ -90,28 +70,40 @@ class FleetSimulator:
         self,
         config: FleetConfig,
         specs: Sequence[Any],
-        examples: Callable[[Any], tuple[np.ndarray, np.ndarray]],
-        test_set: tuple[np.ndarray, np.ndarray],
+        examples: Callable[[Any], Any] | None = None,
+        test_set: tuple[np.ndarray, np.ndarray] | Mapping[str, np.ndarray] | None = None,
         *,
         workdir: str | Path,
         progress: Callable[[float, int, int], None] | None = None,
         http: bool = False,
         serves: bool = True,
+        workload: Workload | None = None,
     ) -> None:
-        """``http``: devices reach the server over real loopback HTTP (uvicorn in a thread of
+        """``workload``: the tasks and data (``load_workload(config)`` when None: the task file of
+        ``[task] file`` or the built-in digits MLP, on the data of ``[data]``). ``examples(spec)``
+        and ``test_set`` replace the workload's device examples and test split when given
+        (``examples`` may give ``(x, y)``, which go to the first training task's collection).
+
+        ``http``: devices reach the server over real loopback HTTP (uvicorn in a thread of
         this process) instead of calling its ASGI app in process. The server's own ticker then
         runs beside the loop, so such a run is not bit-identical from one time to the next.
         ``serves=False``: another simulator's server answers these devices (a shard's), so the
         plans of ``real_runtimes`` are not release-tested here; the devices' workers still run.
 
-        With ``task.secure`` an attestation authority certifies every device, the server admits
+        With a secure task an attestation authority certifies every device, the server admits
         attested devices only, and reports go through Secure Aggregation in attested groups: the
         devices' default privacy floor, all on the virtual clock (see ``secure_fleet``)."""
         self.config = config
-        self.attestation: FleetAttestation | None = FleetAttestation(config.fleet.seed) if config.task.secure else None
+        self.workload = workload = workload or load_workload(config)
+        self.attestation: FleetAttestation | None = FleetAttestation(config.fleet.seed) if workload.secure else None
         self.specs = list(specs)
-        self._examples = examples
-        self._test = test_set
+        self._examples = examples if examples is not None else workload.device_examples
+        if test_set is None:
+            self._test = workload.central_test()
+        elif isinstance(test_set, tuple):
+            self._test = {"x": test_set[0], "y": test_set[1]}
+        else:
+            self._test = dict(test_set)
         self.progress = progress
         self.loop = EventLoop()
         self.fibers = Fibers(self.loop)
@@ -119,10 +111,10 @@ class FleetSimulator:
         self.horizon_s = config.horizon_s
         task = config.task
         self.population = task.population
-        self.collection_uri = COLLECTION
+        self.collection_uri = workload.collection
         self.server_url = "http://fl.sim"
         self.compute_s_per_example = task.compute_s_per_example
-        self.max_training_s = max(600.0, task.report_timeout_s)
+        self.max_training_s = max(600.0, *(t.rounds.report_timeout_s for t in workload.tasks))
         self.plan_bytes: dict[str, bytes] = {}
         # fleet.real_runtimes: one worker process per release, shared by its devices (see ``releases``)
         self.runtime_pool: WorkerPool | None = WorkerPool() if config.fleet.real_runtimes else None
@@ -132,34 +124,20 @@ class FleetSimulator:
         self.status_counts: Counter[str] = Counter()
         self.timeline_rows: list[tuple[float, int, int, int]] = []
         self.devices: list[SimDevice] = []
+        self.extra: dict[str, Any] = {}
 
-        x_test, y_test = test_set
-        num_features, num_classes = int(x_test.shape[1]), int(max(y_test.max(), 9) + 1)
-        self.plan = build_mlp_plan(
-            num_features,
-            tuple(task.hidden),
-            num_classes,
-            learning_rate=task.learning_rate,
-            batch_size=task.batch_size,
-            epochs=task.epochs,
-            selector=ExampleSelector(COLLECTION),
-            inputs={"x": "x", "y": "y"},
-            shuffle_seed=config.fleet.seed,
-            name="fleet_mlp",
-            secure_aggregation=task.secure,
-        )
+        self.plan = workload.training[0].plan
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.released: ReleasedPlans | None = None
+        released: dict[str, ReleasedPlans] = {}
         if self.runtime_pool is not None and serves:
             try:
-                self.released = release_tested_plans(
-                    self.plan, initial_weights(self.plan, seed=config.fleet.seed),
-                    [v.version for v in config.runtime_versions], test_set, self.runtime_pool, seed=config.fleet.seed,
-                )
+                released = self._release_test(workload)
             except BaseException:
                 self.runtime_pool.close()
                 raise
+            self.released = released[workload.training[0].name]
         self.server_thread: ServerThread | None = None
         self.caller: AsgiCaller | HttpCaller
         if http:
@@ -182,20 +160,36 @@ class FleetSimulator:
             keys, _ = AdminKeys.generate()
             self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False, telemetry=False))
         self.service.create_population(self.population)
-        round_config = task_round_config(task)
+        specs_to_deploy = []
+        for fleet_task in workload.tasks:  # what `fedfleet deploy` sends for each task of the bundle
+            build, rel = fleet_task.build, released.get(fleet_task.name)
+            specs_to_deploy.append(TaskSpec(
+                fleet_task.name, rel.plan if rel is not None else build.plan_bytes,
+                None if fleet_task.evaluates else build.checkpoint, fleet_task.rounds, evaluates=fleet_task.evaluates,
+                versioned_plans=rel.versioned if rel is not None else {}, release_report=rel.report if rel is not None else None,
+            ))
         try:
-            if self.released is not None:  # the report lets the versioned plans through the release gate
-                self.service.deploy_tasks(self.population, [TaskSpec(
-                    TASK, self.released.plan, encode_checkpoint(initial_weights(self.plan, seed=config.fleet.seed)),
-                    round_config, versioned_plans=self.released.versioned, release_report=self.released.report,
-                )])
-            else:
-                self.service.deploy_task(
-                    self.population, TASK, serialize_plan(self.plan),
-                    encode_checkpoint(initial_weights(self.plan, seed=config.fleet.seed)), round_config,
-                )
+            self.service.deploy_tasks(self.population, specs_to_deploy, workload.strategy)
         except ApiError as exc:
             raise SimulationError(f"the server refuses the fleet's [task]: {exc.message}") from None
+
+    def _release_test(self, workload: Workload) -> dict[str, ReleasedPlans]:
+        """Each task release-tested on the fleet's releases, as ``fedfleet plan test`` tests it."""
+        assert self.runtime_pool is not None
+        releases = [v.version for v in self.config.runtime_versions]
+        out: dict[str, ReleasedPlans] = {}
+        by_name = {t.name: t for t in workload.tasks}
+        for fleet_task in workload.tasks:
+            build = fleet_task.build
+            trained = None
+            if fleet_task.evaluates is not None:
+                source = by_name[fleet_task.evaluates].build
+                trained = (source.plan, decode_checkpoint(source.checkpoint))
+            out[fleet_task.name] = release_tested_plans(
+                build.plan, decode_checkpoint(build.checkpoint), releases, self._test, self.runtime_pool,
+                seed=self.config.fleet.seed, task=build.task, versioned=build.versioned, trained=trained,
+            )
+        return out
 
     # ----------------------------------------------------------------- bookkeeping from devices
     def set_status(self, device: SimDevice, status: str) -> None:
@@ -257,6 +251,7 @@ class FleetSimulator:
             wall_s=wall,
             simulated_s=self.horizon_s,
             errors=dict(sorted(self.errors.items())),
+            extra=self.extra,
         )
 
     def close(self) -> None:
@@ -300,13 +295,17 @@ class FleetSimulator:
         ]
 
     def _rounds(self) -> tuple[list[RoundRow], str]:
-        """The round table, each committed model measured on the held-out test set, and the digest."""
+        """The round table, each committed model measured on the test split with its task's
+        evaluation plan, and the digest; ``extra`` gets the last measured model's per-client
+        accuracy on the test clients, and what ran (``Workload.info``)."""
         records = self.service.rounds(self.population)
-        evaluator = PlanExecutor(build_eval_plan(self.plan))
-        x, y = self._test
-        batches = [{"x": x[i : i + 256], "y": y[i : i + 256]} for i in range(0, len(y), 256)]
+        evaluators = {t.name: PlanExecutor(t.eval_plan) for t in self.workload.training if t.eval_plan is not None}
+        test = self._test
+        n = len(next(iter(test.values()))) if test else 0
+        batches = [{k: v[i : i + 256] for k, v in test.items()} for i in range(0, n, 256)]
         digest = hashlib.sha256()
         rows = []
+        last: tuple[PlanExecutor, dict[str, np.ndarray]] | None = None
         for record in records:
             m = record["metrics"]
             digest.update(json.dumps(_digest_view(record), sort_keys=True, separators=(",", ":")).encode())
@@ -315,8 +314,12 @@ class FleetSimulator:
                 model = self.store.get_resource(record["checkpoint_id"])
                 assert model is not None
                 digest.update(model)
-                measured = evaluator.evaluate(decode_checkpoint(model), batches)
-                accuracy, loss = float(measured["eval_accuracy"]), float(measured["eval_loss"])
+                evaluator = evaluators.get(record["task"])
+                if evaluator is not None and batches:
+                    weights = decode_checkpoint(model)
+                    measured = evaluator.evaluate(weights, batches)
+                    accuracy, loss = float(measured.get("eval_accuracy", math.nan)), float(measured["eval_loss"])
+                    last = (evaluator, weights)
             reported = int(m.get("reported", 0))
             rows.append(
                 RoundRow(
@@ -334,7 +337,27 @@ class FleetSimulator:
                     loss=loss,
                 )
             )
+        self.extra = {**self.workload.info(), "client_accuracy_percentiles": self._per_client(last),
+                      "round_config": self.workload.training[0].rounds}  # what the server ran, for the notes
         return rows, digest.hexdigest()
+
+    def _per_client(self, last: tuple[PlanExecutor, dict[str, np.ndarray]] | None) -> dict[str, Any] | None:
+        """p10/p50/p90 of the model's accuracy over the test clients (LEAF's and FedScale's figure)."""
+        if last is None:
+            return None
+        evaluator, weights = last
+        correct: dict[str, int] = {}
+        total: dict[str, int] = {}
+        for client, examples in self.workload.test_clients().items():
+            count = len(next(iter(examples.values())))
+            measured = evaluator.evaluate(weights, [{k: v[i : i + 256] for k, v in examples.items()} for i in range(0, count, 256)])
+            if "eval_accuracy" not in measured:
+                return None  # a regression task: no accuracy
+            total[client] = count
+            correct[client] = int(round(measured["eval_accuracy"] * count))
+        if not total:
+            return None
+        return client_accuracy_percentiles(correct, total).as_dict()
 
 
 def _digest_view(record: dict) -> dict:
@@ -383,26 +406,22 @@ def simulate(
     a progress bar in simulated time, or a callable ``(t_s, rounds_committed, devices_active)``.
     ``http``: the same fleet over real loopback HTTP (see ``FleetSimulator``). ``notice`` is told,
     before the run starts, when its fleet cannot fill a round at all (``report.cannot_fill``)."""
-    from .data import device_examples, fleet_dataset
     from .population import generate_population
     from .report import cannot_fill
 
     config = config or FleetConfig.default()
+    workload = load_workload(config)
     specs = generate_population(config)
     if notice is not None:
-        unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), config.task)
+        unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), workload.training[0].rounds)
         if unfillable is not None:
             notice(unfillable)
-    dataset = fleet_dataset(config)
     bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
         for stale in workdir.glob("server.db*"):  # a run always starts from a fresh server
             stale.unlink()
-        sim = FleetSimulator(
-            config, specs, lambda spec: device_examples(config, spec), (dataset.x_test, dataset.y_test),
-            workdir=workdir, progress=callback, http=http,
-        )
+        sim = FleetSimulator(config, specs, workdir=workdir, progress=callback, http=http, workload=workload)
         try:
             run = sim.run()
         finally:

@@ -207,6 +207,9 @@ class FleetRun:
     wall_s: float = 0.0
     simulated_s: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    #: What the simulator measured beyond the tables (the summary's ``client_accuracy_percentiles``,
+    #: ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def span_s(self) -> float:

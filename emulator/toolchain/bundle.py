@@ -27,7 +27,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
-from device_runtime.plan import load_plan, serialize_plan
+from device_runtime.plan import Plan, load_plan, serialize_plan
 from emulator.runtime_worker import WorkerPool
 from emulator.toolchain.release import release_test, write_report
 from emulator.toolchain.release_signing import sign_report
@@ -36,7 +36,7 @@ from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, task_body
 from server_stub.rounds import RoundConfig
 
-__all__ = ["BuiltTask", "build_bundle", "deploy_bundle", "read_bundle", "release_test_bundle"]
+__all__ = ["BuiltTask", "TaskBuild", "build_bundle", "build_task", "deploy_bundle", "read_bundle", "release_test_bundle"]
 
 MANIFEST = "manifest.json"
 REPORT = "release_report.json"
@@ -71,6 +71,50 @@ def _write(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
+@dataclass(frozen=True)
+class TaskBuild:
+    """One task built in memory, as ``plan build`` writes it: the unversioned plan, one versioned
+    plan per claimed release (the bytes a release report's hashes name), the initial model and
+    the manifest. ``build_bundle`` writes it to disk; the fleet simulator deploys it as it is."""
+
+    task: Task
+    plan: Plan
+    plan_bytes: bytes
+    versioned: dict[str, Plan]
+    versions: dict[str, bytes]
+    checkpoint: bytes
+    manifest: dict[str, Any]
+
+
+def build_task(task: Task, *, say: Callable[[str], None] = lambda _m: None) -> TaskBuild:
+    """Build one task: its plan, initial model and a versioned plan for each claimed runtime;
+    raises VersioningError naming the op and the release when a claimed release cannot run it."""
+    plan = task.build_plan()
+    plan_bytes = serialize_plan(plan)
+    versioned: dict[str, Plan] = {}
+    versions: dict[str, bytes] = {}
+    entries = {}
+    for release in task.runtimes:
+        vplan = versioned_plan(plan, release)
+        data = serialize_plan(vplan)
+        versioned[release], versions[release] = vplan, data
+        entries[release] = {"file": f"versions/{release}.fedplan", "sha256": plan_sha256(data),
+                            "opset": vplan.metadata.opset, "ir_version": vplan.metadata.ir_version}
+        say(f"{task.name}: onnxruntime {release}: opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}")
+    manifest = {
+        "task": task.name,
+        "plan": {"file": "plan.fedplan", "sha256": plan_sha256(plan_bytes), "opset": plan.metadata.opset,
+                 "ir_version": plan.metadata.ir_version},
+        "checkpoint": "initial.ckpt",
+        "versions": entries,
+        "runtimes": list(task.runtimes),
+        "round_config": task.rounds.to_dict(),
+        "kind": plan.kind,
+        "evaluates": task.evaluates.name if task.evaluates is not None else None,
+    }
+    return TaskBuild(task, plan, plan_bytes, versioned, versions, encode_checkpoint(task.weights(plan)), manifest)
+
+
 def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] | None = None,
                  say: Callable[[str], None] = lambda _m: None) -> list[Path]:
     """Build every task of ``task_file`` into ``out``; raises VersioningError naming the op and
@@ -86,34 +130,17 @@ def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] 
     for task in tasks:
         if runtimes:
             task = dataclasses.replace(task, runtimes=tuple(runtimes))
-        plan = task.build_plan()
+        built = build_task(task, say=say)
         root = out / task.name
         if root.exists():
             shutil.rmtree(root)
-        plan_bytes = serialize_plan(plan)
-        _write(root / "plan.fedplan", plan_bytes)
-        _write(root / "initial.ckpt", encode_checkpoint(task.weights(plan)))
-        versions = {}
-        for release in task.runtimes:
-            vplan = versioned_plan(plan, release)
-            data = serialize_plan(vplan)
+        _write(root / "plan.fedplan", built.plan_bytes)
+        _write(root / "initial.ckpt", built.checkpoint)
+        for release, data in built.versions.items():
             _write(root / "versions" / f"{release}.fedplan", data)
-            versions[release] = {"file": f"versions/{release}.fedplan", "sha256": plan_sha256(data),
-                                 "opset": vplan.metadata.opset, "ir_version": vplan.metadata.ir_version}
-            say(f"{task.name}: onnxruntime {release}: opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}")
-        manifest = {
-            "task": task.name,
-            "plan": {"file": "plan.fedplan", "sha256": plan_sha256(plan_bytes), "opset": plan.metadata.opset,
-                     "ir_version": plan.metadata.ir_version},
-            "checkpoint": "initial.ckpt",
-            "versions": versions,
-            "runtimes": list(task.runtimes),
-            "round_config": task.rounds.to_dict(),
-            "kind": plan.kind,
-            "evaluates": task.evaluates.name if task.evaluates is not None else None,
-        }
+        manifest = built.manifest
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        say(f"{task.name}: unversioned plan opset {plan.metadata.opset}, {manifest['plan']['sha256'][:12]} -> {root}")
+        say(f"{task.name}: unversioned plan opset {built.plan.metadata.opset}, {manifest['plan']['sha256'][:12]} -> {root}")
         roots.append(root)
     return roots
 

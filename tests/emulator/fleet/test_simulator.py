@@ -150,7 +150,7 @@ def test_conditions_that_stop_holding_mid_training_interrupt_through_the_runtime
     assert {s.shape for s in sessions} == {"-v[!"}
     assert all(s.outcome == "interrupted" and s.end_s >= 200.0 for s in sessions)
     first = run.rounds[0]
-    assert not first.committed and first.dropped == first.selected == len([s for s in sessions if s.round_id == "train/1"])
+    assert not first.committed and first.dropped == first.selected == len([s for s in sessions if s.round_id == f"{first.task}/1"])
 
 
 def test_devices_turned_away_wait_only_while_they_could_train(tmp_path):

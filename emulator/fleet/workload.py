@@ -1,0 +1,364 @@
+"""What a fleet runs: the tasks of a task file, built as ``fedfleet plan build`` builds them, and
+each device's examples in the collections those tasks' plans read.
+
+The tasks come from ``[task] file`` (``fedfleet simulate --task``), or from the built-in task file
+``digits_task.py`` (the digits MLP, sized to the data and set from ``[task]``). They are loaded with
+the toolchain's ``load_tasks`` and built with its ``build_task``, the code ``plan build`` runs:
+training and evaluation tasks, task groups, client and server optimizers, secure tasks.
+
+Which RoundConfig the simulated server runs: a task file's own (``Task.rounds``), except for the
+``[task]`` keys the fleet config sets (or ``--goal``/``--sweep``), which override it for every task
+of the file (``config.ROUND_KEYS``, ``RETRY_KEYS``); the built-in task runs the fleet's ``[task]``
+round keys, defaults included. The keys that shape the built-in model (``config.BUILT_IN_KEYS``) are
+refused beside a task file: its model, hyperparameters and Secure Aggregation are what it deploys.
+
+The data (``emulator.fleet.data``) must hold every feature the plans' inputs name, with their shape
+(or as many values per example: a 28x28 image feeds a 784-input) and a numeric dtype (cast to the
+plan's); a dataset that does not is refused with both lists of features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from device_runtime.plan import Plan, PlanError
+from server_stub.rounds import RoundConfig
+from server_stub.task_choice import Strategy
+
+from .config import BUILT_IN_KEYS, RETRY_KEYS, ROUND_KEYS, FleetConfig, TaskSection
+from .events import SimulationError
+
+__all__ = ["BUILT_IN_TASK", "FleetTask", "InputSpec", "Workload", "WorkloadError", "load_workload", "task_round_config"]
+
+#: The task a fleet runs when its config names no task file.
+BUILT_IN_TASK = Path(__file__).with_name("digits_task.py")
+
+
+class WorkloadError(SimulationError):
+    """A task file or dataset the fleet cannot run; one line that says what to do."""
+
+
+def task_round_config(task: TaskSection) -> RoundConfig:
+    """The server's round configuration of the fleet's ``[task]`` (every valid section gives one:
+    the section's bounds are the server's)."""
+    return RoundConfig(
+        goal_count=task.goal_count,
+        over_selection=task.over_selection,
+        min_fraction=task.min_fraction,
+        selection_timeout_s=task.selection_timeout_s,
+        report_timeout_s=task.report_timeout_s,
+        retry_window_s=(task.retry_min_s, task.retry_max_s),
+        max_rounds=task.max_rounds,
+        **({"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
+           if task.secure else {}),
+    )
+
+
+def overridden_round_config(rounds: RoundConfig, section: TaskSection) -> RoundConfig:
+    """A task file's RoundConfig with the ``[task]`` keys the fleet config set."""
+    explicit = section.explicit
+    update: dict[str, Any] = {ROUND_KEYS[k]: getattr(section, k) for k in ROUND_KEYS if k in explicit}
+    if explicit & set(RETRY_KEYS):
+        update["retry_window_s"] = [section.retry_min_s, section.retry_max_s]
+    if not update:
+        return rounds
+    try:
+        return RoundConfig.from_dict({**rounds.to_dict(), **update})
+    except ValueError as exc:
+        raise WorkloadError(f"the fleet's [task] {sorted(update)} do not fit the task's RoundConfig: {exc}") from None
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a plan's work graph reads of one example tensor: dtype and one example's shape (-1 for
+    a symbolic dimension)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.dtype}{[d if d >= 0 else '?' for d in self.shape]}"
+
+
+def plan_inputs(plan: Plan) -> dict[str, InputSpec]:
+    """Example tensor name -> what the plan's work graph reads of it."""
+    import onnx
+
+    work = onnx.ModelProto.FromString(plan.work)
+    by_name = {vi.name: vi for vi in work.graph.input}
+    out = {}
+    for graph_input, example in plan.device.inputs.items():
+        vi = by_name.get(graph_input)
+        if vi is None:
+            continue
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.shape.dim][1:]
+        out[example] = InputSpec(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name, tuple(dims))
+    return out
+
+
+@dataclass(frozen=True)
+class FleetTask:
+    """One task of the fleet's deploy: what ``plan build`` made of it and the RoundConfig it runs;
+    ``eval_plan`` (training tasks) measures its committed models on the test split."""
+
+    build: Any  # emulator.toolchain.bundle.TaskBuild
+    rounds: RoundConfig
+    eval_plan: Plan | None
+
+    @property
+    def name(self) -> str:
+        return self.build.task.name
+
+    @property
+    def plan(self) -> Plan:
+        return self.build.plan
+
+    @property
+    def evaluates(self) -> str | None:
+        return self.build.manifest["evaluates"]
+
+    @property
+    def collection(self) -> str:
+        return self.build.plan.device.selector.collection_uri
+
+
+class Workload:
+    """The fleet's tasks and data, checked against each other; ``device_examples(spec)`` gives a
+    device's examples per collection, adapted to what the plans read."""
+
+    def __init__(self, config: FleetConfig, source: str, tasks: list[FleetTask], data: Any, secure: bool) -> None:
+        self.config = config
+        self.source = source
+        self.tasks = tasks
+        self.data = data
+        self.secure = secure
+        self.strategy = Strategy(config.task.strategy)
+        self.training = [t for t in tasks if t.evaluates is None]
+        train_uris = {t.collection for t in self.training}
+        self.collections = {t.collection: ("train" if t.collection in train_uris else "eval") for t in tasks}
+        inputs: dict[str, InputSpec] = {}
+        for t in tasks:
+            for plan in (t.plan, t.eval_plan):
+                if plan is not None:
+                    for name, spec in plan_inputs(plan).items():
+                        inputs.setdefault(name, spec)
+        self.inputs = inputs
+        self._shapes = _check_features(inputs, data.features, data.source, source)
+
+    @property
+    def collection(self) -> str:
+        """The first training task's collection (where a plain ``(x, y)`` goes)."""
+        return self.training[0].collection
+
+    def adapt(self, examples: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The features the plans read, in their dtype and per-example shape."""
+        out = {}
+        for name, spec in self.inputs.items():
+            array = np.asarray(examples[name])
+            shape = self._shapes[name]
+            if array.shape[1:] != shape:
+                array = array.reshape((array.shape[0], *shape))
+            out[name] = array.astype(spec.dtype, copy=False)
+        return out
+
+    def device_examples(self, spec: Any) -> dict[str, dict[str, np.ndarray]]:
+        """Collection URI -> the device's examples: its client's training examples in the training
+        tasks' collections, its held-out ones in an evaluation task's own collection."""
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for uri, kind in self.collections.items():
+            raw = self.data.train(spec) if kind == "train" else self.data.held_out(spec)
+            if raw and len(next(iter(raw.values()))):
+                out[uri] = self.adapt(raw)
+        return out
+
+    def central_test(self) -> dict[str, np.ndarray]:
+        test = self.data.central_test()
+        return self.adapt(test) if test and len(next(iter(test.values()))) else {}
+
+    def test_clients(self) -> dict[str, dict[str, np.ndarray]]:
+        return {c: self.adapt(e) for c, e in self.data.test_clients().items() if e and len(next(iter(e.values())))}
+
+    def info(self) -> dict[str, Any]:
+        """The summary's keys about what ran: the task file, the data and how clients map to devices."""
+        clients = self.data.clients
+        devices = self.config.fleet.devices
+        return {
+            "task_file": self.source,
+            "tasks": [t.name for t in self.tasks],
+            "data": self.data.source,
+            "data_clients": clients,
+            "devices_per_client": round(devices / clients, 3) if clients else None,
+        }
+
+    def mapping_line(self) -> str | None:
+        """One line on how the dataset's clients map to the fleet's devices (None for the default data)."""
+        clients = self.data.clients
+        if not clients:
+            return None
+        devices = self.config.fleet.devices
+        if devices >= clients:
+            how = f"each client is reused by about {devices / clients:.3g} devices (devices_per_client)"
+        else:
+            how = f"{devices} of them, drawn with the seed, one per device"
+        return f"data {self.data.source}: {clients} training clients for {devices} devices: {how}"
+
+
+def _check_features(inputs: Mapping[str, InputSpec], features: Mapping[str, Any], data_source: str,
+                    task_source: str) -> dict[str, tuple[int, ...]]:
+    """Each input's per-example shape to feed; a WorkloadError naming both sides when the data lacks
+    a feature, holds text for a number, or has another number of values per example."""
+    described_inputs = ", ".join(f"{n} {s.describe()}" for n, s in sorted(inputs.items()))
+    described_data = ", ".join(f"{n} {f.dtype}{list(f.shape)}" for n, f in sorted(features.items()))
+    missing = sorted(set(inputs) - set(features))
+    if missing:
+        raise WorkloadError(
+            f"the task's plans read features {described_inputs} but the data {data_source} has {described_data} "
+            f"(missing: {', '.join(missing)}); use data with those features, or a task file whose plan inputs name "
+            "the data's features")
+    shapes = {}
+    for name, want in inputs.items():
+        have = features[name]
+        problem = None
+        if have.dtype == "str":
+            problem = "is text; the plan reads numbers (encode it, e.g. with federated_data.encode_words)"
+        elif len(have.shape) == len(want.shape) and all(w < 0 or w == h for w, h in zip(want.shape, have.shape)):
+            shapes[name] = tuple(have.shape)
+        elif all(w >= 0 for w in want.shape) and math.prod(want.shape) == math.prod(have.shape):
+            shapes[name] = tuple(want.shape)
+        else:
+            problem = f"has {list(have.shape)} values per example; the plan reads {want.describe()}"
+        if problem is not None:
+            raise WorkloadError(
+                f"feature {name!r} of the data {data_source} {problem} (the plans read {described_inputs}; the data has "
+                f"{described_data}); use data that fits the task ({task_source}) or a task that fits the data")
+    return shapes
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def load_workload(config: FleetConfig) -> Workload:
+    """The fleet's tasks (built) and data (read), checked against each other; the same config gives
+    the same object (a sharded run's driver and shards in one process build it once)."""
+    return _cached(json.dumps(config.dump(), sort_keys=True))
+
+
+@lru_cache(maxsize=2)
+def _cached(key: str) -> Workload:
+    return _build(FleetConfig.from_dict(json.loads(key)))
+
+
+def _build(config: FleetConfig) -> Workload:
+    from emulator.toolchain.tasks import TaskError, load_tasks
+
+    from .data import fleet_data
+    from .federated_data import FederatedDataError
+
+    try:
+        data = fleet_data(config)
+    except FederatedDataError as exc:
+        raise WorkloadError(f"the fleet's data cannot be read: {exc}") from None
+    section = config.task
+    built_in = section.file is None
+    path = BUILT_IN_TASK if built_in else Path(section.file)  # type: ignore[arg-type]
+    if not built_in:
+        if not path.is_file():
+            raise WorkloadError(f"no task file at {path}; give the path of a task file as `fedfleet plan build` takes "
+                                "(in a fleet config, relative to its folder)")
+        refused = [k for k in BUILT_IN_KEYS if k in section.explicit]
+        if refused:
+            raise WorkloadError(f"[task] {', '.join(refused)} shape the built-in digits MLP only; with a task file, set "
+                                f"them in {path} (its model, hyperparameters and secure_aggregation are what it deploys)")
+    try:
+        tasks = load_tasks(path)
+    except TaskError as exc:
+        raise WorkloadError(f"the task file does not load: {exc}") from None
+    if built_in:
+        tasks = [_built_in(task, config, data) for task in tasks]
+    releases = [v.version for v in config.runtime_versions]
+    fleet_tasks = []
+    for task in tasks:
+        if config.fleet.real_runtimes:  # versioned for the fleet's releases, as `plan build --runtimes` does
+            task = _with_runtimes(task, releases)
+        fleet_tasks.append(_build_task(task, path, section if not built_in else None, config))
+    if not any(t.evaluates is None for t in fleet_tasks):
+        raise WorkloadError(f"the task file {path} holds no training task; a fleet trains a model (list one in `tasks`)")
+    secure = section.secure if built_in else any(bool(t.plan.server.secure_sum) for t in fleet_tasks)
+    return Workload(config, "built-in" if built_in else str(path), fleet_tasks, data, secure)
+
+
+def _with_runtimes(task: Any, releases: list[str]) -> Any:
+    from emulator.toolchain.tasks import TaskError
+
+    try:
+        evaluates = task.evaluates
+        if evaluates is not None:
+            evaluates = dataclasses.replace(evaluates, runtimes=tuple(releases))
+        return dataclasses.replace(task, runtimes=tuple(releases), evaluates=evaluates)
+    except TaskError as exc:
+        raise WorkloadError(f"fleet.real_runtimes: {exc}") from None
+
+
+def _build_task(task: Any, path: Path, section: TaskSection | None, config: FleetConfig) -> FleetTask:
+    from emulator.toolchain.bundle import build_task
+    from emulator.toolchain.tasks import evaluation_of
+
+    try:
+        built = build_task(task)
+        eval_plan = evaluation_of(task).build_plan() if task.evaluates is None else None
+    except SimulationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the task file is user code: say where it failed, in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        release = next((r for r in task.runtimes if r in first), None) if config.fleet.real_runtimes else None
+        if isinstance(exc, PlanError) and release is not None:  # VersioningError, or a release outside the table
+            raise WorkloadError(f"fleet.real_runtimes: no plan for onnxruntime {release} ({first}); remove it from "
+                                "runtime_versions") from None
+        raise WorkloadError(f"task {task.name!r} of {path} does not build ({type(exc).__name__}: {first}); "
+                            f"`fedfleet plan build {path} -o DIR` shows the same") from None
+    rounds = task_round_config(config.task) if section is None else overridden_round_config(task.rounds, section)
+    return FleetTask(built, rounds, eval_plan)
+
+
+def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
+    """The built-in task sized to the data and set from the fleet's ``[task]`` and seed; its proxy
+    data for release tests is the data's test split."""
+    from emulator.toolchain.tasks import ProxyData, TaskError
+
+    from .releases import PROXY_DEVICES
+
+    label = data.label or "y"
+    numeric = [n for n, f in data.features.items() if n != label and f.dtype != "str"]
+    if label not in data.features or len(numeric) != 1:
+        raise WorkloadError(f"the built-in task reads one numeric feature and an integer label, but {data.source} has "
+                            f"{', '.join(f'{n} {f.dtype}{list(f.shape)}' for n, f in data.features.items())} (label "
+                            f"{data.label}); name a task file that reads them (--task or [task] file)")
+    feature = numeric[0]
+    labels = data.labels()
+    if labels.dtype.kind not in "iub":
+        raise WorkloadError(f"the built-in task classifies, but the label {label!r} of {data.source} is "
+                            f"{labels.dtype}; name a task file for it (--task or [task] file)")
+    t = config.task
+    hp = {"features": int(math.prod(data.features[feature].shape)), "classes": max(2, int(labels.max()) + 1),
+          "hidden": tuple(t.hidden), "lr": t.learning_rate, "batch_size": t.batch_size, "epochs": t.epochs,
+          "shuffle_seed": config.fleet.seed, "secure": t.secure, "x": feature, "y": label}
+    test = data.central_test()
+
+    def proxy() -> Any:
+        if not test or len(test[label]) < 2 * PROXY_DEVICES:
+            raise TaskError(f"the data {data.source} has too small a test split for release tests")
+        flat = {"x": np.asarray(test[feature], np.float32).reshape(len(test[label]), -1), "y": np.asarray(test[label], np.int64)}
+        named = {feature: flat["x"], label: flat["y"]}
+        return ProxyData.split(named, devices=PROXY_DEVICES, seed=config.fleet.seed)
+
+    return dataclasses.replace(task, hyperparameters=hp, seed=config.fleet.seed, proxy=proxy)

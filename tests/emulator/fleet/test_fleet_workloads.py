@@ -1,0 +1,284 @@
+"""`fedfleet simulate --task TASK.py --data FORMAT:PATH`: any task file the toolchain builds, on a
+federated dataset in each format the field uses (written here in tmp_path from scikit-learn's digits,
+cut into "writers"), through the CLI entry; the summary's new keys; the override rules of a task
+file's RoundConfig; and one line with exit code 2 for input the fleet cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from emulator.cli import main
+from emulator.fleet import FleetConfig
+from emulator.fleet.workload import load_workload
+
+ROOT = Path(__file__).resolve().parents[3]
+TASKS = ROOT / "examples" / "tasks"
+WRITERS = 24
+#: A small fleet whose rounds commit in two simulated hours: the task file's RoundConfig is made for
+#: a fast model on a real server; these [task] keys override it (and are the built-in task's).
+FLEET = """[fleet]
+devices = 60
+hours = 2.0
+start_utc_hour = 6.0
+
+[task]
+goal_count = 6
+report_timeout_s = 600.0
+selection_timeout_s = 300.0
+retry_min_s = 60.0
+retry_max_s = 300.0
+compute_s_per_example = 0.2
+"""
+SUMMARY_KEYS = ("time_to_target_accuracy_s", "client_accuracy_percentiles", "data_clients", "devices_per_client",
+                "task_file", "tasks", "data", "accuracy")
+
+
+def writers() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The digits dealt to WRITERS clients, each a few digits only (a natural non-IID split)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int64)
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    order = np.argsort(y, kind="stable")
+    for w, part in enumerate(np.array_split(order, WRITERS)):
+        out[f"w{w:03d}"] = (x[part], y[part])
+    return out
+
+
+def split(examples: tuple[np.ndarray, np.ndarray], test_every: int = 5) -> tuple[tuple, tuple]:
+    x, y = examples
+    test = np.arange(len(y)) % test_every == 0
+    return (x[~test], y[~test]), (x[test], y[test])
+
+
+def write_leaf(folder: Path) -> Path:
+    for which in ("train", "test"):
+        (folder / which).mkdir(parents=True)
+        users = {}
+        for cid, ex in writers().items():
+            x, y = split(ex)[0 if which == "train" else 1]
+            users[cid] = {"x": x.tolist(), "y": y.tolist()}
+        body = {"users": list(users), "num_samples": [len(u["y"]) for u in users.values()], "user_data": users}
+        (folder / which / f"digits_{which}.json").write_text(json.dumps(body))
+    return folder
+
+
+def write_tff(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for which in ("train", "test"):
+        with h5py.File(folder / f"digits_{which}.h5", "w") as f:
+            for cid, ex in writers().items():
+                x, y = split(ex)[0 if which == "train" else 1]
+                group = f.create_group(f"examples/{cid}")
+                group.create_dataset("pixels", data=x.reshape(-1, 8, 8))
+                group.create_dataset("label", data=y.astype(np.int32))
+    return folder
+
+
+def write_parquet(path: Path) -> Path:
+    clients, xs, ys = [], [], []
+    for cid, (x, y) in writers().items():
+        clients += [cid] * len(y)
+        xs += x.tolist()
+        ys += y.tolist()
+    pq.write_table(pa.table({"writer": clients, "x": xs, "y": ys}), path)
+    return path
+
+
+def write_csv(path: Path) -> Path:
+    """One scalar feature and a label it decides: what a CSV of numbers holds."""
+    rng = np.random.default_rng(0)
+    lines = ["client,x,y"]
+    for c in range(WRITERS):
+        for _ in range(30):
+            value = float(rng.normal(0.5 if c % 2 else -0.5, 1.0))
+            lines.append(f"c{c:02d},{value:.4f},{int(value > 0)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_npz(path: Path) -> Path:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(path, x=(digits.data / 16.0).astype(np.float32), y=digits.target.astype(np.int64))
+    return path
+
+
+def simulate(tmp_path: Path, capsys, *args: str, fleet: str = FLEET) -> tuple[int, dict | None, str]:
+    config = tmp_path / "fleet.toml"
+    config.write_text(fleet, encoding="utf-8")
+    code = main(["simulate", str(config), "--no-progress", "--seed", "1", *args])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return code, (json.loads(lines[-1]) if code == 0 and lines else None), captured.err
+
+
+def check_summary(summary: dict) -> None:
+    for key in SUMMARY_KEYS:
+        assert key in summary
+    assert summary["rounds_committed"] >= 1 and summary["accuracy"] is not None
+    percentiles = summary["client_accuracy_percentiles"]
+    assert percentiles is not None and 0.0 <= percentiles["p10"] <= percentiles["p50"] <= percentiles["p90"] <= 1.0
+
+
+def test_a_leaf_folder_with_a_task_file_runs_twice_to_one_digest_and_reaches_its_target(tmp_path, capsys):
+    data = write_leaf(tmp_path / "leaf")
+    args = ("--task", str(TASKS / "digits_task.py"), "--data", f"leaf:{data}", "--target-accuracy", "0.3")
+    code, first, err = simulate(tmp_path, capsys, *args)
+    assert code == 0, err
+    check_summary(first)
+    assert first["data_clients"] == WRITERS and first["devices_per_client"] == 2.5 and first["tasks"] == ["digits_mlp"]
+    assert f"{WRITERS} training clients for 60 devices" in err and "reused" in err
+    assert first["client_accuracy_percentiles"]["clients"] == WRITERS  # LEAF's test/ folder: every writer
+    assert first["time_to_target_accuracy_s"] is not None and 0 < first["time_to_target_accuracy_s"] <= 7200
+    code, second, _ = simulate(tmp_path, capsys, *args)
+    assert code == 0 and second["digest"] == first["digest"]
+
+
+def test_a_tff_h5_folder_runs_the_built_in_task_sized_to_its_images(tmp_path, capsys):
+    data = write_tff(tmp_path / "tff")
+    code, summary, err = simulate(tmp_path, capsys, "--data", f"tff-h5:{data}")
+    assert code == 0, err
+    check_summary(summary)
+    assert summary["task_file"] == "built-in" and summary["time_to_target_accuracy_s"] is None
+
+
+def test_a_parquet_table_trains_an_onnx_task(tmp_path, capsys):
+    data = write_parquet(tmp_path / "digits.parquet")
+    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_cnn_task.py"),
+                                  "--data", f"table:{data},client=writer,test_split=clients")
+    assert code == 0, err
+    check_summary(summary)
+    assert summary["tasks"] == ["digits_cnn"] and summary["data_clients"] < WRITERS  # some writers held out
+
+
+def test_a_csv_table_from_the_config_with_fewer_devices_than_clients(tmp_path, capsys):
+    write_csv(tmp_path / "people.csv")
+    fleet = FLEET.replace("devices = 60", "devices = 20") + (
+        '\n[data]\nformat = "table"\npath = "people.csv"\noptions = {client = "client", test_split = "clients"}\n')
+    code, summary, err = simulate(tmp_path, capsys, fleet=fleet)
+    assert code == 0, err
+    assert summary["data_clients"] > 20 and summary["devices_per_client"] < 1
+    assert "20 of them, drawn with the seed" in err
+
+
+def test_an_npz_cut_by_a_dirichlet_partitioner_runs_a_training_and_an_evaluation_task(tmp_path, capsys):
+    data = write_npz(tmp_path / "digits.npz")
+    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_eval_task.py"),
+                                  "--data", f"npz:{data},partition=dirichlet,alpha=0.5,clients=30")
+    assert code == 0, err
+    check_summary(summary)
+    assert summary["tasks"] == ["digits_mlp", "digits_mlp_eval"] and summary["data_clients"] == 30
+
+
+def test_the_built_in_digits_spec_runs_a_task_group(tmp_path, capsys):
+    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_lr_sweep.py"),
+                                  "--data", "digits,partition=shards,clients=40")
+    assert code == 0, err
+    assert summary["tasks"] == ["digits_mlp-lr0.1", "digits_mlp-lr0.2", "digits_mlp-lr0.3"]
+    assert summary["rounds_committed"] >= 1 and summary["data_clients"] == 40
+
+
+SECURE_TASK = """
+from device_runtime import build_mlp_plan
+from emulator.toolchain.tasks import Task
+from example_store import ExampleSelector
+from server_stub import RoundConfig
+
+def mlp(hp):
+    return build_mlp_plan(64, (16,), 10, learning_rate=hp["lr"], batch_size=8, epochs=1,
+                          selector=ExampleSelector("app:/digits"), secure_aggregation=True)
+
+task = Task(name="secure_mlp", model=mlp, proxy=lambda: None, hyperparameters={"lr": 0.3},
+            rounds=RoundConfig(goal_count=10, secagg_min_group_size=5, secagg_round_timeout_s=10.0,
+                               selection_timeout_s=300.0, report_timeout_s=180.0, retry_window_s=(60.0, 300.0)))
+"""
+
+
+def secure_fleet(tmp_path: Path) -> tuple[Path, Path]:
+    task = tmp_path / "secure_task.py"
+    task.write_text(SECURE_TASK)
+    config = tmp_path / "fleet.toml"
+    config.write_text("[fleet]\ndevices = 60\nhours = 1.0\nstart_utc_hour = 6.0\n[task]\ncompute_s_per_example = 0.2\n")
+    return task, config
+
+
+def test_a_secure_task_file_turns_on_the_fleets_attested_secure_path(tmp_path):
+    task, config = secure_fleet(tmp_path)
+    workload = load_workload(FleetConfig.load(config).replace(task_file=task))
+    assert workload.secure and workload.tasks[0].rounds.goal_count == 10  # the task's RoundConfig: [task] sets no round key
+    assert not load_workload(FleetConfig.load(config)).secure
+
+
+@pytest.mark.slow
+def test_a_secure_task_file_commits_rounds_summed_in_attested_groups(tmp_path, capsys):
+    task, config = secure_fleet(tmp_path)
+    code = main(["simulate", str(config), "--task", str(task), "--seed", "3", "--no-progress",
+                 "--data", "digits,partition=iid,clients=20"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and summary["rounds_committed"] >= 1 and summary["errors"] == {}
+    assert summary["shapes"].get("-v[]+^", 0) >= 10  # reports summed in attested groups
+
+
+def test_a_sharded_run_of_a_task_file_on_a_dataset_equals_the_single_process_run():
+    from emulator.fleet import simulate, simulate_sharded
+    from emulator.fleet.federated_data import parse_data_spec
+
+    config = FleetConfig.load(ROOT / "examples" / "fleets" / "small.toml").replace(
+        devices=40, hours=1.0, task_file=TASKS / "digits_eval_task.py", data=parse_data_spec("digits,partition=dirichlet,clients=25"))
+    alone = simulate(config, progress=False)
+    sharded = simulate_sharded(config, shards=2, ray=False)
+    assert sharded.digest == alone.digest and alone.summary()["rounds_committed"] >= 1
+    assert sharded.summary()["client_accuracy_percentiles"] == alone.summary()["client_accuracy_percentiles"]
+
+
+def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_sets(tmp_path):
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(f'[task]\nfile = "{TASKS / "digits_task.py"}"\ngoal_count = 7\nretry_min_s = 20.0\n')
+    config = FleetConfig.load(fleet)
+    (task,) = load_workload(config).tasks
+    assert task.rounds.goal_count == 7 and task.rounds.max_rounds == 20  # the fleet's key; the task's own
+    assert task.rounds.report_timeout_s == 60.0 and tuple(task.rounds.retry_window_s) == (20.0, 1800.0)  # both retry keys
+    assert load_workload(config.replace(goal=9)).tasks[0].rounds.goal_count == 9  # --goal
+    kept = load_workload(config.replace(devices=30)).tasks[0].rounds
+    assert kept.goal_count == 7 and kept.report_timeout_s == 60.0  # a command-line override sets nothing else
+    default = load_workload(FleetConfig.default()).tasks[0].rounds
+    assert default.goal_count == 100 and default.report_timeout_s == 180.0  # the built-in task runs [task]'s
+
+
+@pytest.mark.parametrize(
+    "args, fleet_extra, says",
+    [
+        (("--task", "no_such_task.py"), "", "no such file"),
+        ((), '[task]\nfile = "missing.py"\n', "no task file at"),
+        (("--task", "{broken}"), "", "does not load"),
+        (("--task", "{not_a_plan}"), "", "does not build"),
+        (("--data", "leaf:/no/such/folder"), "", "does not exist"),
+        (("--data", "parquet:x.parquet"), "", "unknown data format"),
+        (("--task", str(TASKS / "digits_task.py"), "--data", "tff-h5:{tff}"), "", "missing: x, y"),
+        (("--task", str(TASKS / "digits_task.py")), "[task]\nhidden = [16]\n", "shape the built-in digits MLP only"),
+        (("--target-accuracy", "1.5"), "", "between 0 and 1"),
+    ],
+)
+def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, capsys, args, fleet_extra, says):
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('the proxy data is not there')\n")
+    not_a_plan = tmp_path / "not_a_plan.py"
+    not_a_plan.write_text("from emulator.toolchain.tasks import ProxyData, Task\n"
+                          "task = Task(name='t', model=lambda hp: 42, proxy=lambda: None)\n")
+    tff = write_tff(tmp_path / "tff") if any("{tff}" in a for a in args) else None
+    args = tuple(a.format(broken=broken, not_a_plan=not_a_plan, tff=tff) for a in args)
+    fleet = "[fleet]\ndevices = 10\nhours = 0.1\n" + ("\n" + fleet_extra if fleet_extra else "")
+    code, _, err = simulate(tmp_path, capsys, *args, fleet=fleet)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
