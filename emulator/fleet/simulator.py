@@ -45,7 +45,7 @@ from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
-from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, with_round_bytes
 
 #: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
 EPOCH_DAY = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -334,7 +334,7 @@ class FleetSimulator:
                     loss=loss,
                 )
             )
-        return rows, digest.hexdigest()
+        return with_round_bytes(rows, self.sessions), digest.hexdigest()
 
 
 def _digest_view(record: dict) -> dict:
