@@ -962,16 +962,22 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
     return "\n".join(out) + "\n"
 
 
+def build_report(run: FleetRun) -> tuple[dict[str, Any], list[Figure], str]:
+    """The run's summary, figures and HTML page, in memory (:func:`write_report` writes them)."""
+    summary = summarize(run)
+    figures = report_figures(run, summary)
+    return summary, figures, render_html(summary, figures, run)
+
+
 def write_report(run: FleetRun, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Write the run's tables (``sessions.csv``, ``rounds.csv``, ``timeline.csv``),
     ``summary.json``, the PNG plots and ``report.html`` into ``out_dir``; return the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     run.write_tables(out)
-    summary = summarize(run)
+    summary, figures, page = build_report(run)
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    figures = report_figures(run, summary)
     for fig in figures:
         (out / fig.name).write_bytes(fig.png)
-    (out / REPORT_HTML).write_text(render_html(summary, figures, run), encoding="utf-8")
+    (out / REPORT_HTML).write_text(page, encoding="utf-8")
     return summary
