@@ -3,8 +3,14 @@
 
 The figures follow the paper's: devices available / checking in / participating over the day
 (Fig. 5-6), round completions and durations (Fig. 5, 6 and 8), how the devices of a round ended up
-(Fig. 7), drop-out by hour of day (Fig. 7's day/night contrast), traffic down and up (Fig. 9),
-session shapes (Table 1) and the model's accuracy over rounds.
+(Fig. 7; an abandoned round aggregated nothing and is drawn as a mark, not as outcome bars),
+drop-out by hour of day (Fig. 7's day/night contrast), traffic down and up per hour (Fig. 9) and
+per round, session shapes (Table 1), the model's accuracy and loss against simulated hours and
+against committed rounds, and per-client accuracy percentiles when the summary has them. Axes span
+the data (an hour-of-day axis only the hours the run reached, captions naming empty hours), counts
+of rounds and devices get whole-number ticks, and every rate in the summary table carries a
+sentence from the run's figures (:func:`explain_rates`): what it measures, and when it is low what
+to change.
 
 :func:`summarize` is pure; :func:`write_report` is the shell that writes files. Everything written
 is a function of the run alone (no dates, no host names, PNGs without a Software tag), so the same
