@@ -162,8 +162,8 @@ def compare_rounds(runs: list[RunFolder]) -> Figure:
     ax.set_ylim(bottom=0)
     _integer_ticks(ax.yaxis)
     _hours_axis(ax, max(r.span_s for r in runs))
-    return Figure("compare_rounds.png", "Rounds committed so far against simulated hours; the legend gives committed of all rounds.",
-                  _png(fig), fig)
+    caption = "Rounds committed so far against simulated hours; the legend gives committed of all rounds."
+    return Figure("compare_rounds.png", caption, _png(fig), fig)
 
 
 def compare_bytes(runs: list[RunFolder]) -> Figure:
@@ -246,7 +246,8 @@ def render_compare(runs: list[RunFolder], figures: list[Figure]) -> str:
         f"<title>Fleet runs compared: {html.escape(', '.join(r.label for r in runs))}</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>Fleet runs compared</h1>",
-        "<ul>" + "".join(f"<li><b>{html.escape(r.label)}</b>: <code>{html.escape(str(r.path))}</code></li>" for r in runs) + "</ul>",
+        "<ul>" + "".join(f"<li><b>{html.escape(r.label)}</b>: <code>{html.escape(str(r.path))}</code></li>"
+                         for r in runs) + "</ul>",
         '<h2>Summary</h2><div class="table-wrap"><table id="compare-summary"><tr><th>figure</th>',
     ]
     out.extend(f'<th data-run="{html.escape(r.label)}">{html.escape(r.label)}</th>' for r in runs)

@@ -303,7 +303,8 @@ def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
             for r in tl:
                 groups.setdefault(hour_of_day(r.t_s, start_h), []).append(getattr(r, name))
             hours = sorted(groups, key=position.__getitem__)
-            ax_h.plot([position[h] for h in hours], [statistics.fmean(groups[h]) for h in hours], marker="o", color=colour, label=label)
+            means = [statistics.fmean(groups[h]) for h in hours]
+            ax_h.plot([position[h] for h in hours], means, marker="o", color=colour, label=label)
         _hour_of_day_axis(ax_h, arc)
         _legend(ax_h)
         if len(arc) < 24:
@@ -813,7 +814,8 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow], config: An
     speed = summary.get("sim_s_per_wall_s")
     out["sim_s_per_wall_s"] = (
         f"Simulated seconds per second of wall time: {sim_s / 3600.0:g} simulated hours took {wall_s:.1f} s"
-        f" ({speed:,.0f}x real time)." if speed is not None else "Simulated seconds per second of wall time (no wall time measured)."
+        f" ({speed:,.0f}x real time)." if speed is not None
+        else "Simulated seconds per second of wall time (no wall time measured)."
     )
     if speed is not None and speed < 1.0:
         out["sim_s_per_wall_s"] += " The run was slower than real time: fewer devices, fewer hours or --ray shards run faster."
@@ -825,8 +827,9 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow], config: An
     if drop is None:
         out["dropout_rate"] = "Share of accepted sessions that never got their report to the server; no session was accepted."
     else:
-        out["dropout_rate"] = (f"{100.0 * drop:.1f}% of the {summary.get('sessions_accepted', 0):,} accepted sessions never got their"
-                               " report to the server (interrupted, app killed, network lost); the paper saw 6-10%.")
+        accepted = summary.get("sessions_accepted", 0)
+        out["dropout_rate"] = (f"{100.0 * drop:.1f}% of the {accepted:,} accepted sessions never got their report to the"
+                               " server (interrupted, app killed, network lost); the paper saw 6-10%.")
         if drop > 0.10:
             out["dropout_rate"] += (" Above that, the [faults] hazards of the config drive it; rounds absorb drop-out by"
                                     " selecting more devices than the goal (task.over_selection).")
@@ -865,7 +868,8 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow], config: An
                 f" half are below {marks['p50']:.3f}, nine in ten below {marks['p90']:.3f}; a wide spread means the model"
                 " serves some clients' data poorly.")
         else:
-            out["client_accuracy_percentiles"] = "Percentiles over clients of the last model's accuracy on each client's own test examples."
+            out["client_accuracy_percentiles"] = ("Percentiles over clients of the last model's accuracy on each client's"
+                                                  " own test examples.")
     return out
 
 
@@ -943,7 +947,8 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
             f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>"
         )
 
-    out.append('<h2>Session shapes</h2><div class="table-wrap"><table id="shapes"><tr><th>shape</th><th>sessions</th><th>share</th></tr>')
+    out.append('<h2>Session shapes</h2><div class="table-wrap"><table id="shapes">'
+               "<tr><th>shape</th><th>sessions</th><th>share</th></tr>")
     for shape, count in summary["shapes"].items():
         share = summary["shape_shares"][shape]
         out.append(f'<tr><td class="shape" data-value="{html.escape(_exact(shape))}">{html.escape(shape)}</td>'

@@ -95,7 +95,8 @@ class CsvTable:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            defaults = {fd.name for fd in dataclasses.fields(cls) if fd.default is not dataclasses.MISSING}  # type: ignore[arg-type]
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+            defaults = {fd.name for fd in fields if fd.default is not dataclasses.MISSING}
             older = header is not None and 0 < len(header) < len(expected) and header == expected[: len(header)]
             if older and set(expected[len(header):]) <= defaults:
                 columns = columns[: len(header)]  # a table written before its last columns were added

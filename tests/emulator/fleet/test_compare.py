@@ -29,7 +29,8 @@ def _run_folder(path, *, devices: int, goal: int) -> FleetRun:
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
-    runs = {"goal8": _run_folder(base / "goal8", devices=300, goal=8), "goal10": _run_folder(base / "goal10", devices=400, goal=10)}
+    runs = {"goal8": _run_folder(base / "goal8", devices=300, goal=8),
+            "goal10": _run_folder(base / "goal10", devices=400, goal=10)}
     assert all(any(r.committed for r in run.rounds) for run in runs.values())
     return base, runs
 
@@ -99,7 +100,8 @@ def test_client_accuracy_percentiles_are_drawn_for_the_runs_that_have_them(two_r
     measured = tmp_path / "measured"
     shutil.copytree(base / "goal8", measured)
     summary = json.loads((measured / "summary.json").read_text())
-    summary.update(time_to_target_accuracy_s=3000.0, client_accuracy_percentiles={"p10": 0.2, "p50": 0.6, "p90": 0.9, "clients": 30})
+    percentiles = {"p10": 0.2, "p50": 0.6, "p90": 0.9, "clients": 30}
+    summary.update(time_to_target_accuracy_s=3000.0, client_accuracy_percentiles=percentiles)
     (measured / "summary.json").write_text(json.dumps(summary))
     assert compare_client_accuracy(load_runs([str(base / "goal8"), str(base / "goal10")])) is None
     out = tmp_path / "c.html"
