@@ -1,7 +1,7 @@
 """The command line: ``fedfleet demo`` runs an emulated fleet against the embedded server,
 ``fedfleet server`` runs the FL server, ``fedfleet authority`` makes an emulated attestation
-authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet plan`` and ``fedfleet
-deploy`` build, test and ship FL plans."""
+authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet compare`` sets runs side by
+side, ``fedfleet plan`` and ``fedfleet deploy`` build, test and ship FL plans."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from server_stub.cli import add_server_arguments, run_server
 
 from .attestation_authority import AttestationAuthority
 from .demo import DemoConfig, DemoConfigError, run_demo
-from .fleet.cli import add_simulate_parser, run_simulate
+from .fleet.cli import add_compare_parser, add_simulate_parser, run_compare, run_simulate
 from .toolchain.cli import add_toolchain_commands, run_toolchain_command
 
 
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     add_server_arguments(sub.add_parser("server", help="run the FL server (HTTP, SQLite by default)"))
     _authority_parser(sub)
     add_simulate_parser(sub)
+    add_compare_parser(sub)
     add_toolchain_commands(sub)
     args = parser.parse_args(argv)
     if args.command in ("plan", "deploy"):
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_server(args)
     if args.command == "simulate":
         return run_simulate(args)
+    if args.command == "compare":
+        return run_compare(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "authority":
         if Path(args.key).exists() and not args.force:

@@ -9,6 +9,7 @@ from .ray_backend import FleetShard, RayBackendError, parse_sweep, run_many, sim
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .report import FleetReportError, summarize, write_report
+from .compare import FleetCompareError, write_compare
 from .sim_transport import AsgiCaller, SimTransport
 from .simulator import FleetSimulator, simulate
 from .tables import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow
@@ -41,6 +42,8 @@ __all__ = [
     "ReleasedPlans",
     "release_tested_plans",
     "FleetReportError",
+    "FleetCompareError",
+    "write_compare",
     "FleetRun",
     "FleetTableError",
     "RoundRow",

@@ -142,6 +142,37 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="two or more simulated runs side by side in one HTML page",
+        description="Two or more run folders (as `fedfleet simulate --out` writes them) side by side in one HTML page: "
+        "a summary table with a column per run, accuracy and loss against simulated hours and against rounds, rounds "
+        "committed over time, bytes per round and per-client accuracy percentiles (when measured).",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by fedfleet simulate --out")
+    p.add_argument("--out", default="compare.html", help="the page to write (default: compare.html)")
+    p.add_argument("--label", action="append", default=[],
+                   help="a run's name on the page, once per run in order (default: the folders' names)")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from .compare import FleetCompareError, write_compare
+    from .report import FleetReportError
+
+    try:
+        runs = write_compare(args.runs, args.out, args.label or None)
+    except (FleetCompareError, FleetReportError) as exc:
+        print(f"fedfleet compare: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"fedfleet compare: cannot write --out {args.out} ({exc.strerror or exc}); name a file in a folder that exists",
+              file=sys.stderr)
+        return 2
+    print(f"{args.out}: {len(runs)} runs ({', '.join(r.label for r in runs)})")
+    return 0
+
+
 def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) -> int:
     import time
 

@@ -3,8 +3,14 @@
 
 The figures follow the paper's: devices available / checking in / participating over the day
 (Fig. 5-6), round completions and durations (Fig. 5, 6 and 8), how the devices of a round ended up
-(Fig. 7), drop-out by hour of day (Fig. 7's day/night contrast), traffic down and up (Fig. 9),
-session shapes (Table 1) and the model's accuracy over rounds.
+(Fig. 7; an abandoned round aggregated nothing and is drawn as a mark, not as outcome bars),
+drop-out by hour of day (Fig. 7's day/night contrast), traffic down and up per hour (Fig. 9) and
+per round, session shapes (Table 1), the model's accuracy and loss against simulated hours and
+against committed rounds, and per-client accuracy percentiles when the summary has them. Axes span
+the data (an hour-of-day axis only the hours the run reached, captions naming empty hours), counts
+of rounds and devices get whole-number ticks, and every rate in the summary table carries a
+sentence from the run's figures (:func:`explain_rates`): what it measures, and when it is low what
+to change.
 
 :func:`summarize` is pure; :func:`write_report` is the shell that writes files. Everything written
 is a function of the run alone (no dates, no host names, PNGs without a Software tag), so the same
@@ -21,9 +27,9 @@ import math
 import os
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from device_runtime.opstats import SHAPE_SYMBOLS
 
@@ -38,6 +44,8 @@ _ABANDONED = "#d62728"
 _LATE = "#ff7f0e"
 _DOWN = "#1f77b4"
 _UP = "#ff7f0e"
+#: An abandoned round (nothing aggregated): a dark x, apart from the outcome colours.
+_ABANDONED_ROUND = "#444444"
 
 SUMMARY_JSON = "summary.json"
 REPORT_HTML = "report.html"
@@ -258,11 +266,13 @@ def time_to_target_accuracy_s(rounds: list[RoundRow], target: float | None) -> f
 
 @dataclass(frozen=True)
 class Figure:
-    """One plot of the report: its file name, caption, and PNG bytes."""
+    """One plot of the report: its file name, caption, and PNG bytes; ``drawn`` is the matplotlib
+    figure they were rendered from (its axes say what is drawn, for checks that read no pixels)."""
 
     name: str
     caption: str
     png: bytes
+    drawn: Any = field(default=None, compare=False, repr=False)
 
 
 def _new_figure(rows: int = 1, height: float = 4.0) -> tuple[Any, list[Any]]:
@@ -292,9 +302,57 @@ def _no_data(ax: Any, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} in this run", ha="center", va="center", transform=ax.transAxes, color="0.4")
 
 
-def _hours_axis(ax: Any) -> None:
+def _hours_axis(ax: Any, span_s: float | None = None) -> None:
+    """Simulated hours on x, from the start to the end of the run (no margin past the data)."""
     ax.set_xlabel("simulated time (hours since the start)")
     ax.grid(True, alpha=0.3)
+    if span_s is not None and span_s > 0:
+        ax.set_xlim(0.0, span_s / 3600.0)
+
+
+def _integer_ticks(axis: Any) -> None:
+    """Ticks only at whole numbers: rounds and devices come in ones (no round 1.25)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def hour_arc(hours: Iterable[int]) -> list[int]:
+    """The hours of day (0-23) an hour-of-day axis spans: the shortest run of consecutive hours,
+    wrapping past midnight, that holds every hour in ``hours`` (``[22, 23, 0, 1]`` for a run from
+    22:00 to 02:00); empty without hours. A run that covers every hour gets 0-23."""
+    present = sorted({int(h) % 24 for h in hours})
+    if not present:
+        return []
+    if len(present) == 24:
+        return list(range(24))
+    # the arc starts after the widest gap between hours with data (going round the clock)
+    gaps = [((present[(i + 1) % len(present)] - h) % 24 or 24, i) for i, h in enumerate(present)]
+    _, widest = max(gaps)
+    start = present[(widest + 1) % len(present)]
+    end = present[widest]
+    length = (end - start) % 24 + 1
+    return [(start + k) % 24 for k in range(length)]
+
+
+def _hour_of_day_axis(ax: Any, arc: list[int]) -> None:
+    """x positions 0..len(arc)-1 labelled with the hours of ``arc``, the axis no wider than it."""
+    step = 1 if len(arc) <= 12 else 2
+    ax.set_xticks(range(0, len(arc), step))
+    ax.set_xticklabels([str(arc[i]) for i in range(0, len(arc), step)])
+    ax.set_xlim(-0.5, len(arc) - 0.5)
+
+
+def _hour_list(hours: list[int]) -> str:
+    """``[3, 4, 5, 9]`` as "3-5 and 9"."""
+    spans: list[list[int]] = []
+    for h in hours:
+        if spans and h == spans[-1][-1] + 1:
+            spans[-1].append(h)
+        else:
+            spans.append([h])
+    parts = [f"{s[0]}" if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _per_hour(times_s: list[float], weights: list[float], span_s: float) -> tuple[list[float], list[float]]:
@@ -306,10 +364,11 @@ def _per_hour(times_s: list[float], weights: list[float], span_s: float) -> tupl
     return [float(i) for i in range(bins + 1)], sums
 
 
-def plot_devices(run: FleetRun) -> Figure:
+def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Devices available / checking in / participating over time and by hour of day (Fig. 5-6)."""
     fig, (ax_t, ax_h) = _new_figure(2)
     tl = run.timeline
+    caption = "Devices available, checking in and participating (paper, Fig. 5-6)."
     if tl:
         t = [r.t_s / 3600.0 for r in tl]
         ax_t.plot(t, [r.available for r in tl], color=_AVAILABLE, label="available")
@@ -317,33 +376,40 @@ def plot_devices(run: FleetRun) -> Figure:
         ax_t.plot(t, [r.participating for r in tl], color=_PARTICIPATING, label="participating")
         _legend(ax_t)
         start_h = _start_hour_utc(run)
-        for field, colour, label in (
+        arc = hour_arc(hour_of_day(r.t_s, start_h) for r in tl)
+        position = {h: i for i, h in enumerate(arc)}
+        for name, colour, label in (
             ("available", _AVAILABLE, "available"),
             ("checking_in", _CHECKING_IN, "checking in / waiting"),
             ("participating", _PARTICIPATING, "participating"),
         ):
             groups: dict[int, list[int]] = {}
             for r in tl:
-                groups.setdefault(hour_of_day(r.t_s, start_h), []).append(getattr(r, field))
-            hours = sorted(groups)
-            ax_h.plot(hours, [statistics.fmean(groups[h]) for h in hours], marker="o", color=colour, label=label)
-        ax_h.set_xlim(-0.5, 23.5)
-        ax_h.set_xticks(range(0, 24, 2))
+                groups.setdefault(hour_of_day(r.t_s, start_h), []).append(getattr(r, name))
+            hours = sorted(groups, key=position.__getitem__)
+            means = [statistics.fmean(groups[h]) for h in hours]
+            ax_h.plot([position[h] for h in hours], means, marker="o", color=colour, label=label)
+        _hour_of_day_axis(ax_h, arc)
         _legend(ax_h)
+        if len(arc) < 24:
+            caption += (f" The hour-of-day axis spans the UTC hours the run covers, {arc[0]}:00 to {arc[-1]}:59"
+                        f" ({len(arc)} of 24: the run is {run.span_s / 3600.0:g} simulated hours long).")
     else:
         _no_data(ax_t, "timeline")
         _no_data(ax_h, "timeline")
     ax_t.set_title("Devices over time")
     ax_t.set_ylabel("devices")
-    _hours_axis(ax_t)
+    _hours_axis(ax_t, run.span_s)
     ax_h.set_title("Devices by hour of day (mean over the run)")
     ax_h.set_xlabel("hour of day (UTC)")
     ax_h.set_ylabel("devices")
     ax_h.grid(True, alpha=0.3)
-    return Figure("devices.png", "Devices available, checking in and participating (paper, Fig. 5-6).", _png(fig))
+    for ax in (ax_t, ax_h):
+        _integer_ticks(ax.yaxis)
+    return Figure("devices.png", caption, _png(fig), fig)
 
 
-def plot_rounds(run: FleetRun) -> Figure:
+def plot_rounds(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Round completions per hour and round durations over time (Fig. 6 bottom, Fig. 8)."""
     fig, (ax_r, ax_d) = _new_figure(2)
     rounds = run.rounds
@@ -369,63 +435,97 @@ def plot_rounds(run: FleetRun) -> Figure:
         _no_data(ax_d, "rounds")
     ax_r.set_title("Rounds per hour")
     ax_r.set_ylabel("rounds")
-    _hours_axis(ax_r)
+    _integer_ticks(ax_r.yaxis)
+    _hours_axis(ax_r, run.span_s)
     ax_d.set_title("Round duration")
     ax_d.set_ylabel("minutes")
-    _hours_axis(ax_d)
-    return Figure("rounds.png", "Round completions per hour and round durations (paper, Fig. 5, 6 and 8).", _png(fig))
+    _hours_axis(ax_d, run.span_s)
+    return Figure("rounds.png", "Round completions per hour and round durations (paper, Fig. 5, 6 and 8).", _png(fig), fig)
 
 
-def plot_dropout(run: FleetRun) -> Figure:
+def round_outcomes(rounds: list[RoundRow]) -> dict[str, list[int]]:
+    """What each round's selected devices did, as the outcome chart stacks it: ``aggregated``,
+    ``rejected`` (reported after the window) and ``dropped`` per round, all zero for an abandoned
+    round, which aggregated nothing and is drawn as one mark at ``abandoned_selected`` instead
+    (its selected devices; 0 for a committed round)."""
+    out: dict[str, list[int]] = {"aggregated": [], "rejected": [], "dropped": [], "abandoned_selected": []}
+    for r in rounds:
+        out["aggregated"].append(r.accepted if r.committed else 0)
+        out["rejected"].append(max(0, r.reported - r.accepted) if r.committed else 0)
+        out["dropped"].append(r.dropped if r.committed else 0)
+        out["abandoned_selected"].append(0 if r.committed else r.selected)
+    return out
+
+
+def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """How each round's selected devices ended (Fig. 7) and drop-out by local hour of day."""
     fig, (ax_o, ax_h) = _new_figure(2)
     rounds = run.rounds
+    caption = ("Outcomes of each committed round's selected devices and drop-out by hour (paper, Fig. 7). "
+               "An abandoned round aggregated nothing: it is an x at the number of devices it selected.")
     if rounds:
-        accepted = [r.accepted for r in rounds]
-        late = [max(0, r.reported - r.accepted) for r in rounds]
-        dropped = [r.dropped for r in rounds]
+        outcomes = round_outcomes(rounds)
         # Stacked steps, not bars: three polygons whatever the number of rounds (a day of a large
         # fleet has thousands, and a bar each took matplotlib seconds).
         edges = [i + 0.5 for i in range(len(rounds) + 1)]  # round i spans [i - 0.5, i + 0.5]
         bottom = [0] * len(rounds)
-        for counts, colour, label in (
-            (accepted, _COMMITTED, "reported, aggregated"),
-            (late, _LATE, "reported, rejected"),
-            (dropped, _ABANDONED, "dropped out"),
+        for key, colour, label in (
+            ("aggregated", _COMMITTED, "reported, aggregated"),
+            ("rejected", _LATE, "reported, rejected (late)"),
+            ("dropped", _ABANDONED, "dropped out"),
         ):
-            top = [b + c for b, c in zip(bottom, counts)]
+            top = [b + c for b, c in zip(bottom, outcomes[key])]
             ax_o.fill_between(edges, bottom + bottom[-1:], top + top[-1:], step="post", color=colour, linewidth=0, label=label)
             bottom = top
+        abandoned = [(i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["abandoned_selected"]), start=1) if not r.committed]
+        if abandoned:
+            ax_o.scatter([i for i, _ in abandoned], [n for _, n in abandoned], marker="x", color=_ABANDONED_ROUND,
+                         linewidths=1.2, s=24, zorder=3, label="abandoned round: devices selected, nothing aggregated")
         ax_o.set_xlim(edges[0], edges[-1])
+        ax_o.set_ylim(bottom=0)
         _legend(ax_o)
     else:
         _no_data(ax_o, "rounds")
     ax_o.set_title("Selected devices per round, by outcome")
     ax_o.set_xlabel("round")
     ax_o.set_ylabel("devices")
+    _integer_ticks(ax_o.xaxis)
+    _integer_ticks(ax_o.yaxis)
     ax_o.grid(True, alpha=0.3)
     accepted_s = [s for s in run.sessions if s.accepted]
     if accepted_s:
         by_hour: dict[int, list[bool]] = {}
         for s in accepted_s:
             by_hour.setdefault(int(s.local_hour) % 24, []).append(is_dropout(s))
-        hours = sorted(by_hour)
-        ax_h.bar(hours, [100.0 * statistics.fmean(by_hour[h]) for h in hours], color=_ABANDONED)
+        arc = hour_arc(by_hour)
+        position = {h: i for i, h in enumerate(arc)}
+        hours = [h for h in arc if h in by_hour]
+        bars = ax_h.bar([position[h] for h in hours], [100.0 * statistics.fmean(by_hour[h]) for h in hours], color=_ABANDONED)
+        ax_h.bar_label(bars, labels=[f"{len(by_hour[h])}" for h in hours], fontsize=7, color="0.35", padding=2)
         overall = 100.0 * statistics.fmean(is_dropout(s) for s in accepted_s)
         ax_h.axhline(overall, color="0.3", linestyle="--", label=f"whole run {overall:.1f}%")
+        _hour_of_day_axis(ax_h, arc)
+        ax_h.margins(y=0.12)
         _legend(ax_h)
+        caption += (" Above each bar, the accepted sessions that started in that hour of the devices' own day"
+                    " (a bar of few sessions is noisy).")
+        if len(arc) < 24:
+            caption += (f" The axis spans local hours {arc[0]} to {arc[-1]}, the hours in which sessions started:"
+                        f" a run of {run.span_s / 3600.0:g} simulated hours reaches only those hours of the devices' days.")
+        empty = [h for h in arc if h not in by_hour]
+        if empty:
+            caption += f" No session started in local hour {_hour_list(empty)}, so there is no bar there."
     else:
         _no_data(ax_h, "sessions")
-    ax_h.set_xlim(-0.5, 23.5)
-    ax_h.set_xticks(range(0, 24, 2))
+        ax_h.set_xticks([])
     ax_h.set_title("Drop-out rate by the device's local hour of day")
     ax_h.set_xlabel("local hour of day")
     ax_h.set_ylabel("drop-out (% of accepted sessions)")
     ax_h.grid(True, alpha=0.3)
-    return Figure("dropout.png", "Outcomes of each round's selected devices and drop-out by hour (paper, Fig. 7).", _png(fig))
+    return Figure("dropout.png", caption, _png(fig), fig)
 
 
-def plot_shapes(run: FleetRun) -> Figure:
+def plot_shapes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Session shapes and their shares (Table 1)."""
     fig, (ax,) = _new_figure(1)
     shapes = shape_counts(run.sessions)
@@ -444,11 +544,12 @@ def plot_shapes(run: FleetRun) -> Figure:
         _no_data(ax, "training sessions")
     ax.set_title("Training session shapes")
     ax.set_xlabel("sessions")
+    _integer_ticks(ax.xaxis)
     ax.grid(True, axis="x", alpha=0.3)
-    return Figure("shapes.png", "Session shapes of accepted check-ins (paper, Table 1).", _png(fig))
+    return Figure("shapes.png", "Session shapes of accepted check-ins (paper, Table 1).", _png(fig), fig)
 
 
-def plot_traffic(run: FleetRun) -> Figure:
+def plot_traffic(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Bytes down and up per hour (Fig. 9: downloads dominate)."""
     fig, (ax,) = _new_figure(1)
     if run.sessions:
@@ -462,35 +563,144 @@ def plot_traffic(run: FleetRun) -> Figure:
         _no_data(ax, "sessions")
     ax.set_title("Traffic per hour")
     ax.set_ylabel("MB")
-    _hours_axis(ax)
-    return Figure("traffic.png", "Bytes down and up per hour (paper, Fig. 9).", _png(fig))
+    _hours_axis(ax, run.span_s)
+    return Figure("traffic.png", "Bytes down and up per hour (paper, Fig. 9).", _png(fig), fig)
 
 
-def plot_accuracy(run: FleetRun) -> Figure:
-    """The model's accuracy (and loss) over committed rounds."""
-    fig, (ax,) = _new_figure(1)
-    committed = [r for r in run.rounds if r.committed]
-    acc = [(i, r.accuracy) for i, r in enumerate(committed, start=1) if math.isfinite(r.accuracy)]
-    loss = [(i, r.loss) for i, r in enumerate(committed, start=1) if math.isfinite(r.loss)]
-    if acc or loss:
-        lines = []
-        if acc:
-            lines += ax.plot([i for i, _ in acc], [a for _, a in acc], marker=".", color=_PARTICIPATING, label="accuracy")
-            ax.set_ylabel("accuracy")
-        if loss:
-            ax_l = ax.twinx()  # loss on its own scale, to the right
-            lines += ax_l.plot([i for i, _ in loss], [v for _, v in loss], color=_LATE, label="loss")
-            ax_l.set_ylabel("loss")
+def accuracy_series(rounds: list[RoundRow]) -> dict[str, list[tuple[float, float]]]:
+    """The committed model's quality as the report draws it: ``accuracy`` and ``loss`` against
+    simulated hours (each committed round's end) and against committed rounds (1, 2, ...: the
+    model's version), for the rounds that measured them."""
+    committed = [r for r in rounds if r.committed]
+    out: dict[str, list[tuple[float, float]]] = {}
+    for metric in ("accuracy", "loss"):
+        measured = [(i, r) for i, r in enumerate(committed, start=1) if math.isfinite(getattr(r, metric))]
+        out[f"{metric}_by_hour"] = [(r.end_s / 3600.0, float(getattr(r, metric))) for _, r in measured]
+        out[f"{metric}_by_round"] = [(float(i), float(getattr(r, metric))) for i, r in measured]
+    return out
+
+
+def _quality_axes(ax: Any, series: dict[str, list[tuple[float, float]]], by: str) -> list[Any]:
+    """Accuracy on ``ax`` and loss on a twin axis to its right; the lines drawn."""
+    lines = []
+    acc, loss = series[f"accuracy_{by}"], series[f"loss_{by}"]
+    if acc:
+        lines += ax.plot([x for x, _ in acc], [a for _, a in acc], marker=".", color=_PARTICIPATING, label="accuracy")
+        ax.set_ylabel("accuracy")
+    if loss:
+        ax_l = ax.twinx()  # loss on its own scale, to the right
+        lines += ax_l.plot([x for x, _ in loss], [v for _, v in loss], color=_LATE, label="loss")
+        ax_l.set_ylabel("loss")
+    return lines
+
+
+def plot_accuracy(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
+    """The committed model's accuracy and loss against simulated hours and against rounds; with
+    the summary's ``time_to_target_accuracy_s``, where the target was first reached."""
+    fig, (ax_t, ax_r) = _new_figure(2)
+    series = accuracy_series(run.rounds)
+    caption = "Model accuracy and loss of each committed round's model, against simulated hours and against committed rounds."
+    if series["accuracy_by_round"] or series["loss_by_round"]:
+        lines = _quality_axes(ax_t, series, "by_hour")
+        _quality_axes(ax_r, series, "by_round")
+        reached = (summary or {}).get("time_to_target_accuracy_s")
+        target = (summary or {}).get("target_accuracy")
+        if isinstance(target, (int, float)) and series["accuracy_by_hour"]:
+            lines.append(ax_t.axhline(float(target), color="0.4", linestyle=":", label=f"target {target:g}"))
+        if isinstance(reached, (int, float)) and math.isfinite(reached):
+            lines.append(ax_t.axvline(reached / 3600.0, color=_COMMITTED, linestyle="--",
+                                      label=f"target reached at {reached / 3600.0:.2f} h"))
+            caption += f" The dashed line marks the first committed model at the target accuracy ({reached / 3600.0:.2f} h)."
+        elif summary is not None and "time_to_target_accuracy_s" in summary:
+            caption += " No committed model reached the target accuracy."
         fig.legend(handles=lines, loc="outside right upper", fontsize="small")
     else:
-        _no_data(ax, "measured rounds")
-    ax.set_title("Model quality over committed rounds")
-    ax.set_xlabel("committed round")
+        _no_data(ax_t, "measured rounds")
+        _no_data(ax_r, "measured rounds")
+    ax_t.set_title("Model quality over simulated time")
+    _hours_axis(ax_t, run.span_s)
+    ax_r.set_title("Model quality over committed rounds")
+    ax_r.set_xlabel("committed round")
+    _integer_ticks(ax_r.xaxis)
+    ax_r.grid(True, alpha=0.3)
+    return Figure("accuracy.png", caption, _png(fig), fig)
+
+
+def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
+    """Bytes down and up per round (from ``rounds.csv``'s byte columns: the sessions of each
+    round's selected devices), abandoned rounds marked."""
+    fig, (ax,) = _new_figure(1)
+    rounds = run.rounds
+    caption = "Bytes down and up per round: what the sessions of each round's selected devices received and sent."
+    if rounds:
+        x = list(range(1, len(rounds) + 1))
+        ax.plot(x, [r.bytes_down / 1e6 for r in rounds], drawstyle="steps-mid", color=_DOWN, label="down (server to devices)")
+        ax.plot(x, [r.bytes_up / 1e6 for r in rounds], drawstyle="steps-mid", color=_UP, label="up (devices to server)")
+        abandoned = [(i, r) for i, r in zip(x, rounds) if not r.committed]
+        if abandoned:
+            ax.scatter([i for i, _ in abandoned], [r.bytes_down / 1e6 for _, r in abandoned], marker="x", s=24,
+                       color=_ABANDONED_ROUND, zorder=3, label="abandoned round")
+        ax.set_xlim(0.5, len(rounds) + 0.5)
+        ax.set_ylim(bottom=0)
+        _legend(ax)
+        committed = [r for r in rounds if r.committed and r.selected]
+        if committed:
+            per_device_down = statistics.median(r.bytes_down / r.selected for r in committed)
+            per_device_up = statistics.median(r.bytes_up / r.selected for r in committed)
+            caption += (f" A committed round's selected device received {per_device_down / 1e3:,.1f} KB and sent"
+                        f" {per_device_up / 1e3:,.1f} KB (medians).")
+        unattributed = sum(s.bytes_down + s.bytes_up for s in run.sessions) - sum(r.bytes_down + r.bytes_up for r in rounds)
+        if unattributed > 0:
+            caption += f" Check-ins the server turned away carried {unattributed / 1e6:,.2f} MB that belong to no round."
+    else:
+        _no_data(ax, "rounds")
+    ax.set_title("Traffic per round")
+    ax.set_xlabel("round")
+    ax.set_ylabel("MB")
+    _integer_ticks(ax.xaxis)
     ax.grid(True, alpha=0.3)
-    return Figure("accuracy.png", "Model accuracy and loss over committed rounds.", _png(fig))
+    return Figure("bytes.png", caption, _png(fig), fig)
 
 
-def plot_durations(run: FleetRun) -> Figure:
+def _percentile_marks(percentiles: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """The ``pNN`` entries of a ``client_accuracy_percentiles`` mapping, by NN."""
+    marks = []
+    for key, value in percentiles.items():
+        if key[:1] == "p" and key[1:].replace(".", "", 1).isdigit() and isinstance(value, (int, float)) and math.isfinite(value):
+            marks.append((key, float(value)))
+    return sorted(marks, key=lambda kv: float(kv[0][1:]))
+
+
+def plot_client_accuracy(summary: Mapping[str, Any]) -> Figure | None:
+    """Per-client accuracy of the last evaluation, as percentile marks over clients (LEAF, FedScale);
+    ``None`` when the summary holds no ``client_accuracy_percentiles``."""
+    percentiles = summary.get("client_accuracy_percentiles")
+    marks = _percentile_marks(percentiles) if isinstance(percentiles, Mapping) else []
+    if not marks:
+        return None
+    fig, (ax,) = _new_figure(1, height=2.6)
+    ax.plot([v for _, v in marks], [0] * len(marks), color="0.6", linewidth=6, solid_capstyle="butt", zorder=1)
+    ax.scatter([v for _, v in marks], [0] * len(marks), color=_PARTICIPATING, s=60, zorder=2, label="percentiles over clients")
+    for key, value in marks:
+        ax.annotate(f"{key}\n{value:.3f}", (value, 0), textcoords="offset points", xytext=(0, 10), ha="center", fontsize=9)
+    weighted = percentiles.get("accuracy")
+    if isinstance(weighted, (int, float)) and math.isfinite(weighted):
+        ax.axvline(float(weighted), color=_COMMITTED, linestyle="--", label=f"all clients' examples {weighted:.3f}")
+    ax.set_xlim(0.0, 1.0)
+    ax.set_ylim(-1.0, 1.5)
+    ax.set_yticks([])
+    ax.set_xlabel("accuracy on the client's own test examples")
+    ax.set_title("Per-client accuracy of the last evaluation")
+    ax.grid(True, axis="x", alpha=0.3)
+    _legend(ax)
+    clients = percentiles.get("clients")
+    who = f" over {clients:,} clients" if isinstance(clients, int) else ""
+    caption = (f"Per-client accuracy{who}: the 10th percentile is the accuracy nine in ten clients beat; a wide"
+               " spread means the model serves some clients' data poorly.")
+    return Figure("client_accuracy.png", caption, _png(fig), fig)
+
+
+def plot_durations(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Round run time and device participation time (Fig. 8: participation is capped)."""
     fig, (ax,) = _new_figure(1)
     participation = [(s.end_s - s.start_s) / 60.0 for s in run.sessions if s.accepted]
@@ -514,18 +724,27 @@ def plot_durations(run: FleetRun) -> Figure:
     ax.set_xlabel("minutes")
     ax.set_ylabel("share")
     ax.grid(True, alpha=0.3)
-    return Figure("durations.png", "Round run time and device participation time (paper, Fig. 8).", _png(fig))
+    return Figure("durations.png", "Round run time and device participation time (paper, Fig. 8).", _png(fig), fig)
 
 
-PLOTS: tuple[Callable[[FleetRun], Figure], ...] = (
+PLOTS: tuple[Callable[..., Figure], ...] = (
     plot_devices,
     plot_rounds,
     plot_dropout,
     plot_shapes,
     plot_traffic,
     plot_accuracy,
+    plot_bytes,
     plot_durations,
 )
+
+
+def report_figures(run: FleetRun, summary: Mapping[str, Any]) -> list[Figure]:
+    """Every figure of the report: :data:`PLOTS`, then those the summary has data for."""
+    figures = [plot(run, summary) for plot in PLOTS]
+    extra = plot_client_accuracy(summary)
+    return figures + ([extra] if extra is not None else [])
+
 
 
 # --- HTML ------------------------------------------------------------------------------------
@@ -592,6 +811,125 @@ _SUMMARY_ROWS = (
     ("loss", "loss (last measured committed round)"),
 )
 
+#: Summary rows that are rates or ratios: each gets a sentence saying what it measures, from the run's figures.
+RATE_KEYS = (
+    "sim_s_per_wall_s",
+    "sessions_per_wall_s",
+    "completed_sessions_per_wall_s",
+    "dropout_rate",
+    "availability_swing",
+    "round_completion_rate",
+)
+
+#: Below this share of committed rounds the report says why rounds were abandoned and what to change.
+LOW_COMPLETION = 0.9
+
+#: Rows shown only when the summary holds them (other parts of the simulator add these keys).
+_OPTIONAL_ROWS = (
+    ("time_to_target_accuracy_s", "time to target accuracy (simulated s)"),
+    ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
+)
+
+
+def _completion_sentence(summary: Mapping[str, Any], rounds: list[RoundRow]) -> str:
+    """What the round completion rate measures and, when it is low, why rounds were abandoned and what
+    to change (the summary's ``round_completion_note``, see :func:`completion_note`)."""
+    n, committed = len(rounds), sum(1 for r in rounds if r.committed)
+    rate = committed / n
+    text = (f"{committed} of {n} rounds committed ({100.0 * rate:.1f}%): a round commits once enough of its selected devices"
+            " report in time (goal_count, or goal_count x min_fraction once no more can), and is abandoned otherwise.")
+    if rate >= LOW_COMPLETION:
+        return text
+    note = summary.get("round_completion_note")
+    if note:
+        return f"{text} {note[0].upper()}{note[1:]}."
+    return text + " See the rounds table for how many devices each selected and how many reported in time."
+
+
+def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[str, str]:
+    """One sentence (or a few) per rate of the summary: what it measures, with the run's figures, and
+    when it is low or off, what to change. Keys: :data:`RATE_KEYS` and the optional rows present."""
+    out: dict[str, str] = {}
+    sim_s, wall_s = float(summary.get("simulated_s") or 0.0), float(summary.get("wall_s") or 0.0)
+    speed = summary.get("sim_s_per_wall_s")
+    out["sim_s_per_wall_s"] = (
+        f"Simulated seconds per second of wall time: {sim_s / 3600.0:g} simulated hours took {wall_s:.1f} s"
+        f" ({speed:,.0f}x real time)." if speed is not None
+        else "Simulated seconds per second of wall time (no wall time measured)."
+    )
+    if speed is not None and speed < 1.0:
+        out["sim_s_per_wall_s"] += " The run was slower than real time: fewer devices, fewer hours or --ray shards run faster."
+    out["sessions_per_wall_s"] = ("Sessions the simulator ran for devices selected into a round, per second of wall time:"
+                                  " how fast the simulator runs, not a property of the fleet.")
+    out["completed_sessions_per_wall_s"] = ("Sessions whose upload completed per second of wall time: the simulator's"
+                                            " throughput, as the fleet_day benchmark reports it.")
+    drop = summary.get("dropout_rate")
+    if drop is None:
+        out["dropout_rate"] = "Share of accepted sessions that never got their report to the server; no session was accepted."
+    else:
+        accepted = summary.get("sessions_accepted", 0)
+        out["dropout_rate"] = (f"{100.0 * drop:.1f}% of the {accepted:,} accepted sessions never got their report to the"
+                               " server (interrupted, app killed, network lost); the paper saw 6-10%.")
+        if drop > 0.10:
+            out["dropout_rate"] += (" Above that, the [faults] hazards of the config drive it; rounds absorb drop-out by"
+                                    " selecting more devices than the goal (task.over_selection).")
+    swing = summary.get("availability_swing")
+    if swing is None:
+        out["availability_swing"] = "Busiest over quietest hour's available devices; the run has no timeline."
+    else:
+        out["availability_swing"] = (
+            f"Devices available to train (idle, charging, unmetered) ranged from {summary.get('available_trough', 0):,.0f} in the"
+            f" quietest hour to {summary.get('available_peak', 0):,.0f} in the busiest (hourly means), a {swing:.2g}x swing;"
+            " the paper saw about 4x over a day.")
+        if 0 < sim_s < 86400.0:
+            out["availability_swing"] += f" This run covers {sim_s / 3600.0:g} of a day's 24 hours, so it sees part of the swing."
+    if rounds:
+        out["round_completion_rate"] = _completion_sentence(summary, rounds)
+    else:
+        out["round_completion_rate"] = ("Share of rounds that committed a model; no round ran (a run needs a few simulated"
+                                        " minutes for its first round to close: simulate more --hours).")
+    if "time_to_target_accuracy_s" in summary:
+        reached = summary["time_to_target_accuracy_s"]
+        if isinstance(reached, (int, float)):
+            out["time_to_target_accuracy_s"] = (f"Simulated time to the first committed model at or above the target accuracy:"
+                                                f" {reached / 3600.0:.2f} hours into the run.")
+        else:
+            last = summary.get("accuracy")
+            came = f" (the last committed model's accuracy is {last:.3f})" if isinstance(last, float) else ""
+            out["time_to_target_accuracy_s"] = (f"No committed model reached the target accuracy in {sim_s / 3600.0:g} simulated"
+                                                f" hours{came}: simulate more --hours, or commit more rounds (see the round"
+                                                " completion rate).")
+    percentiles = summary.get("client_accuracy_percentiles")
+    if isinstance(percentiles, Mapping):
+        marks = dict(_percentile_marks(percentiles))
+        if {"p10", "p50", "p90"} <= set(marks):
+            out["client_accuracy_percentiles"] = (
+                f"Accuracy of the last model on each client's own test examples: one client in ten is below {marks['p10']:.3f},"
+                f" half are below {marks['p50']:.3f}, nine in ten below {marks['p90']:.3f}; a wide spread means the model"
+                " serves some clients' data poorly.")
+        else:
+            out["client_accuracy_percentiles"] = ("Percentiles over clients of the last model's accuracy on each client's"
+                                                  " own test examples.")
+    return out
+
+
+def _headline(summary: Mapping[str, Any]) -> str:
+    """Time-to-accuracy and per-client accuracy first, when the run measured them."""
+    parts = []
+    if "time_to_target_accuracy_s" in summary:
+        reached = summary["time_to_target_accuracy_s"]
+        parts.append(f"Target accuracy reached after {reached / 3600.0:.2f} simulated hours." if isinstance(reached, (int, float))
+                     else "Target accuracy not reached.")
+    percentiles = summary.get("client_accuracy_percentiles")
+    if isinstance(percentiles, Mapping):
+        marks = _percentile_marks(percentiles)
+        if marks:
+            parts.append("Per-client accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in marks) + ".")
+    if summary.get("accuracy") is not None:
+        parts.append(f"Last committed model's accuracy {summary['accuracy']:.3f}.")
+    return f'<p class="headline">{html.escape(" ".join(parts))}</p>' if parts else ""
+
+
 _ROUND_COLUMNS = (
     "round_id",
     "task",
@@ -605,18 +943,23 @@ _ROUND_COLUMNS = (
     "dropped",
     "accuracy",
     "loss",
+    "bytes_down",
+    "bytes_up",
 )
 
+#: Every table sits in a ``table-wrap`` box that scrolls sideways when the table is wider than the
+#: page, and no box caps a table's height: every row is on the page. Long values (the digest) wrap.
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
-th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}code,.shape{font-family:monospace}
-figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}
-.rounds{max-height:30em;overflow:auto;display:block}
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;padding:0 1em;color:#222}
+.table-wrap{overflow-x:auto;margin:1em 0}
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right;overflow-wrap:anywhere}
+th{background:#f3f3f3;position:sticky;top:0}td:first-child,th:first-child{text-align:left}code,.shape{font-family:monospace}
+td.why{text-align:left;color:#444;min-width:20em}
+figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}.headline{font-size:1.15em}
 """
 
 
-def render_html(summary: dict[str, Any], figures: list[Figure], run: FleetRun) -> str:
+def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun) -> str:
     """The self-contained report: summary, figures (PNG as base64), shapes and rounds tables."""
     out = [
         "<!DOCTYPE html>",
@@ -625,11 +968,16 @@ def render_html(summary: dict[str, Any], figures: list[Figure], run: FleetRun) -
         f"<style>{_CSS}</style></head><body>",
         "<h1>Fleet simulation report</h1>",
         f"<p>Run digest <code>{html.escape(str(summary['digest']))}</code>.</p>",
-        '<h2>Summary</h2><table id="summary">',
+        _headline(summary),
+        '<h2>Summary</h2><div class="table-wrap"><table id="summary">',
+        "<tr><th>figure</th><th>value</th><th>what it means</th></tr>",
     ]
-    for key, label in _SUMMARY_ROWS:
-        out.append(f"<tr><th>{html.escape(label)}</th>{_td(summary[key], key)}</tr>")
-    out.append("</table>")
+    why = explain_rates(summary, run.rounds)
+    rows = [*_SUMMARY_ROWS, *((k, label) for k, label in _OPTIONAL_ROWS if k in summary)]
+    for key, label in rows:
+        note = f'<td class="why" data-explains="{html.escape(key)}">{html.escape(why[key])}</td>' if key in why else "<td></td>"
+        out.append(f"<tr><th>{html.escape(label)}</th>{_td(summary[key], key)}{note}</tr>")
+    out.append("</table></div>")
 
     out.append("<h2>Figures</h2>")
     for fig in figures:
@@ -639,16 +987,19 @@ def render_html(summary: dict[str, Any], figures: list[Figure], run: FleetRun) -
             f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>"
         )
 
-    out.append('<h2>Session shapes</h2><table id="shapes"><tr><th>shape</th><th>sessions</th><th>share</th></tr>')
+    out.append('<h2>Session shapes</h2><div class="table-wrap"><table id="shapes">'
+               "<tr><th>shape</th><th>sessions</th><th>share</th></tr>")
     for shape, count in summary["shapes"].items():
         share = summary["shape_shares"][shape]
         out.append(f'<tr><td class="shape" data-value="{html.escape(_exact(shape))}">{html.escape(shape)}</td>'
                    f"{_td(count)}<td data-value=\"{_exact(share)}\">{100.0 * share:.1f}%</td></tr>")
-    out.append("</table>")
+    out.append("</table></div>")
     legend = ", ".join(f"<code>{html.escape(sym)}</code> {html.escape(kind.replace('_', ' '))}" for kind, sym in SHAPE_SYMBOLS.items())
     out.append(f"<p>Legend: {legend}.</p>")
 
-    out.append('<h2>Rounds</h2><div class="rounds"><table id="rounds"><tr>')
+    out.append(f"<h2>Rounds</h2><p>All {len(run.rounds):,} rounds, in the order they opened; bytes are those of the round's"
+               " selected devices' sessions.</p>")
+    out.append('<div class="table-wrap"><table id="rounds"><tr>')
     out.extend(f"<th>{c}</th>" for c in _ROUND_COLUMNS)
     out.append("</tr>")
     for r in run.rounds:
@@ -662,16 +1013,22 @@ def render_html(summary: dict[str, Any], figures: list[Figure], run: FleetRun) -
     return "\n".join(out) + "\n"
 
 
+def build_report(run: FleetRun) -> tuple[dict[str, Any], list[Figure], str]:
+    """The run's summary, figures and HTML page, in memory (:func:`write_report` writes them)."""
+    summary = summarize(run)
+    figures = report_figures(run, summary)
+    return summary, figures, render_html(summary, figures, run)
+
+
 def write_report(run: FleetRun, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Write the run's tables (``sessions.csv``, ``rounds.csv``, ``timeline.csv``),
     ``summary.json``, the PNG plots and ``report.html`` into ``out_dir``; return the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     run.write_tables(out)
-    summary = summarize(run)
+    summary, figures, page = build_report(run)
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    figures = [plot(run) for plot in PLOTS]
     for fig in figures:
         (out / fig.name).write_bytes(fig.png)
-    (out / REPORT_HTML).write_text(render_html(summary, figures, run), encoding="utf-8")
+    (out / REPORT_HTML).write_text(page, encoding="utf-8")
     return summary

@@ -43,7 +43,7 @@ from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
-from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, with_round_bytes
 from .workload import Workload, load_workload, task_round_config  # noqa: F401 - task_round_config: re-exported
 
 #: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
@@ -339,7 +339,7 @@ class FleetSimulator:
             )
         self.extra = {**self.workload.info(), "client_accuracy_percentiles": self._per_client(last),
                       "round_config": self.workload.training[0].rounds}  # what the server ran, for the notes
-        return rows, digest.hexdigest()
+        return with_round_bytes(rows, self.sessions), digest.hexdigest()
 
     def _per_client(self, last: tuple[PlanExecutor, dict[str, np.ndarray]] | None) -> dict[str, Any] | None:
         """p10/p50/p90 of the model's accuracy over the test clients (LEAF's and FedScale's figure)."""

@@ -95,7 +95,12 @@ class CsvTable:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            if header != expected:
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+            defaults = {fd.name for fd in fields if fd.default is not dataclasses.MISSING}
+            older = header is not None and 0 < len(header) < len(expected) and header == expected[: len(header)]
+            if older and set(expected[len(header):]) <= defaults:
+                columns = columns[: len(header)]  # a table written before its last columns were added
+            elif header != expected:
                 raise FleetTableError(
                     f"{os.fspath(path)} is not a {cls.__name__} table: expected the columns {expected}, "
                     f"found {header}; write it with {cls.__name__}.to_csv"
@@ -147,9 +152,11 @@ class RoundRow(CsvTable):
     """One round as the server ran it.
 
     ``selected`` devices were accepted at check-in; ``reported`` sent a report (in time or not);
-    ``accepted`` reports were aggregated; ``dropped`` selected devices never reported
-    (interrupted, killed, lost their network). ``accuracy`` and ``loss`` are NaN when the round
-    measured neither.
+    ``accepted`` reports were aggregated (none, in a round that was abandoned: it published
+    nothing); ``dropped`` selected devices never reported (interrupted, killed, lost their
+    network). ``accuracy`` and ``loss`` are NaN when the round measured neither. ``bytes_down`` and
+    ``bytes_up`` are what the sessions of the round's selected devices sent and received (see
+    :func:`with_round_bytes`); a rejected check-in's bytes belong to no round.
     """
 
     round_id: str
@@ -164,6 +171,36 @@ class RoundRow(CsvTable):
     duration_s: float
     accuracy: float
     loss: float
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+def with_round_bytes(rounds: list[RoundRow], sessions: list[SessionRow]) -> list[RoundRow]:
+    """``rounds`` with ``bytes_down`` and ``bytes_up`` summed from the sessions of each round's devices.
+
+    A session names its round without the attempt (``task/number``: the device is not told which
+    attempt selected it), while a round row is one attempt (``task/number/attempt``), and attempts
+    of one round follow each other in time. A session is counted in the last attempt of its round
+    that had started when the session did (the first attempt if none had).
+    """
+    attempts: dict[str, list[int]] = {}
+    for i, r in enumerate(rounds):
+        attempts.setdefault(r.round_id.rsplit("/", 1)[0], []).append(i)
+    for indices in attempts.values():
+        indices.sort(key=lambda i: rounds[i].start_s)
+    down = [0] * len(rounds)
+    up = [0] * len(rounds)
+    for s in sessions:
+        indices = attempts.get(s.round_id) if s.round_id else None
+        if not indices:
+            continue
+        chosen = indices[0]
+        for i in indices:
+            if rounds[i].start_s <= s.start_s:
+                chosen = i
+        down[chosen] += s.bytes_down
+        up[chosen] += s.bytes_up
+    return [dataclasses.replace(r, bytes_down=d, bytes_up=u) for r, d, u in zip(rounds, down, up)]
 
 
 @dataclass(frozen=True)

@@ -392,3 +392,221 @@ def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatc
     with pytest.raises(FleetReportError, match=r"pip install 'fedfleet\[sim\]'"):
         write_report(FleetRun([], [], [], digest=""), tmp_path)
     assert summarize(FleetRun([], [], [], digest=""))["sessions"] == 0  # the summary needs no plots
+
+
+# --- what the figures draw (read from the drawn axes, not from pixels) ---------------------------
+
+from emulator.fleet.report import (  # noqa: E402
+    RATE_KEYS,
+    accuracy_series,
+    build_report,
+    explain_rates,
+    hour_arc,
+    plot_client_accuracy,
+    plot_dropout,
+    render_html,
+    round_outcomes,
+)
+from emulator.fleet.tables import with_round_bytes  # noqa: E402
+
+
+def small_fleet(goal: int = 8, devices: int = 300, hours: float = 2.0) -> FleetRun:
+    """A real simulated fleet small enough for the default run: a few rounds commit, most are abandoned."""
+    config = FleetConfig.from_dict({"fleet": {"devices": devices, "hours": hours, "seed": 5}, "task": {"goal_count": goal}})
+    return simulate(config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def fleet_report(tmp_path_factory):
+    """(run, summary, figures, out dir) of a small real fleet's report."""
+    run = small_fleet()
+    assert any(r.committed for r in run.rounds) and any(not r.committed for r in run.rounds)
+    out = tmp_path_factory.mktemp("fleet-report")
+    summary, figures, page = build_report(run)  # what write_report writes, drawn once for the figures' axes
+    run.write_tables(out)
+    (out / "report.html").write_text(page, encoding="utf-8")
+    return run, summary, figures, out
+
+
+def _visible_ticks(axis, lo: float, hi: float) -> list[float]:
+    return [t for t in axis.get_majorticklocs() if min(lo, hi) - 1e-9 <= t <= max(lo, hi) + 1e-9]
+
+
+def _all_axes(figures):
+    for fig in figures:
+        for ax in fig.drawn.axes:
+            yield fig, ax
+
+
+def test_every_round_and_device_count_axis_has_whole_number_ticks(fleet_report):
+    _run, _summary, figures, _out = fleet_report
+    checked = 0
+    for fig, ax in _all_axes(figures):
+        for axis, label, lim in ((ax.xaxis, ax.get_xlabel(), ax.get_xlim()), (ax.yaxis, ax.get_ylabel(), ax.get_ylim())):
+            if label in ("round", "committed round", "rounds", "devices", "sessions"):
+                ticks = _visible_ticks(axis, *lim)
+                assert ticks, (fig.name, label)
+                assert all(float(t).is_integer() for t in ticks), (fig.name, label, ticks)
+                checked += 1
+    assert checked >= 7
+
+
+def test_time_axes_span_the_run_and_no_more(fleet_report):
+    run, _summary, figures, _out = fleet_report
+    span_h = run.span_s / 3600.0
+    checked = 0
+    for fig, ax in _all_axes(figures):
+        if ax.get_xlabel().startswith("simulated time"):
+            assert ax.get_xlim() == pytest.approx((0.0, span_h)), fig.name
+            checked += 1
+    assert checked >= 5  # devices, rounds (2), traffic, accuracy
+
+
+def test_hour_of_day_axes_span_only_the_hours_with_data(fleet_report):
+    run, _summary, figures, _out = fleet_report
+    by_name = {f.name: f for f in figures}
+    utc_hours = {int(t.t_s // 3600) % 24 for t in run.timeline}  # the config starts at 00:00 UTC
+    local_hours = {int(s.local_hour) % 24 for s in run.sessions if s.accepted}
+    for name, hours in (("devices.png", utc_hours), ("dropout.png", local_hours)):
+        ax = by_name[name].drawn.axes[-1] if name == "devices.png" else by_name[name].drawn.axes[1]
+        assert "hour of day" in ax.get_xlabel()
+        arc = hour_arc(hours)
+        assert len(arc) < 24 and set(hours) <= set(arc)
+        assert ax.get_xlim() == pytest.approx((-0.5, len(arc) - 0.5)), name
+        labels = [int(t.get_text()) for t in ax.get_xticklabels()]
+        assert set(labels) <= set(arc), name  # no hour of day past the data
+        assert f"{arc[0]}" in by_name[name].caption and f"{arc[-1]}" in by_name[name].caption
+
+
+def test_an_hour_without_sessions_inside_the_axis_is_named_in_the_caption():
+    def session(i: int, hour: float) -> SessionRow:
+        return SessionRow(f"d{i}", f"s{i}", "t", "t/1", 0.0, 1.0, "-v[]+^" if i % 3 else "-v[!", "completed", 10, 10, 1,
+                          0.0, 0.0, "1.31.1", "mid", hour)
+
+    sessions = [session(i, h) for i, h in enumerate([22.5, 23.1, 2.4, 22.0, 23.9, 2.0])]
+    fig = plot_dropout(FleetRun(sessions, [], [], digest=""))
+    ax = fig.drawn.axes[1]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["22", "23", "0", "1", "2"]
+    assert ax.get_xlim() == pytest.approx((-0.5, 4.5))
+    assert "No session started in local hour 0-1, so there is no bar there" in fig.caption
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 23), min_size=1))
+def test_the_hour_axis_is_the_shortest_run_of_hours_round_the_clock_holding_them_all(hours):
+    arc = hour_arc(hours)
+    assert set(hours) <= set(arc) and arc[0] in hours and arc[-1] in hours
+    assert all((b - a) % 24 == 1 for a, b in zip(arc, arc[1:])) and len(set(arc)) == len(arc)
+    shortest = min(next(n for n in range(1, 25) if all((h - start) % 24 < n for h in hours)) for start in range(24))
+    assert len(arc) == shortest
+
+
+_round_rows = st.builds(
+    lambda committed, selected, reported, accepted, dropped: RoundRow(
+        "t/1/1", "t", 0.0, 1.0, committed, selected, reported, min(accepted, reported), dropped, 1.0, math.nan, math.nan),
+    st.booleans(), st.integers(0, 200), st.integers(0, 200), st.integers(0, 200), st.integers(0, 200),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_round_rows, max_size=20))
+def test_an_abandoned_round_has_no_outcome_bars_only_its_mark(rounds):
+    out = round_outcomes(rounds)
+    for i, r in enumerate(rounds):
+        bars = (out["aggregated"][i], out["rejected"][i], out["dropped"][i])
+        if r.committed:
+            assert bars == (r.accepted, r.reported - r.accepted, r.dropped) and out["abandoned_selected"][i] == 0
+        else:
+            assert bars == (0, 0, 0) and out["abandoned_selected"][i] == r.selected
+
+
+def test_the_outcome_chart_marks_each_abandoned_round_and_stacks_nothing_there(fleet_report):
+    run, _summary, figures, _out = fleet_report
+    ax = next(f for f in figures if f.name == "dropout.png").drawn.axes[0]
+    abandoned = [(i, r.selected) for i, r in enumerate(run.rounds, start=1) if not r.committed]
+    (marks,) = [c for c in ax.collections if "abandoned" in c.get_label()]
+    assert [tuple(p) for p in marks.get_offsets()] == [(float(i), float(n)) for i, n in abandoned]
+    aggregated = next(c for c in ax.collections if c.get_label() == "reported, aggregated")
+    top = aggregated.get_paths()[0].vertices
+    for i, _n in abandoned:  # the polygon's height over round i (x in (i - 0.5, i + 0.5)) is zero
+        inside = top[(top[:, 0] > i - 0.5) & (top[:, 0] < i + 0.5)]
+        assert (inside[:, 1] == 0).all()
+
+
+def test_every_rate_in_the_summary_table_has_its_explanation(fleet_report):
+    run, summary, _figures, out = fleet_report
+    text = (out / "report.html").read_text()
+    why = dict(__import__("re").findall(r'<td class="why" data-explains="([a-z_]+)">([^<]+)</td>', text))
+    rates = [k for k in summary if k.endswith(("_rate", "_swing")) or "_per_" in k]
+    assert set(rates) <= set(RATE_KEYS) <= set(why)
+    assert all(len(why[k].split()) >= 8 for k in RATE_KEYS)
+    committed = sum(r.committed for r in run.rounds)
+    completion = why["round_completion_rate"]
+    assert summary["round_completion_rate"] < 0.9  # low: the sentence says why, with the run's figures, and what to change
+    assert f"{committed} of {len(run.rounds)} rounds committed" in completion
+    assert "--devices" in completion and "selection window" in completion
+    assert f"{100 * summary['dropout_rate']:.1f}%" in why["dropout_rate"]
+
+
+def test_a_run_without_config_or_rounds_still_explains_every_rate():
+    for run in (synthetic_run(seed=3), FleetRun([], [], [], digest="")):
+        why = explain_rates(summarize(run), run.rounds)
+        assert set(RATE_KEYS) <= set(why) and all(why[k] for k in RATE_KEYS)
+
+
+def test_every_table_scrolls_sideways_and_shows_all_its_rows(fleet_report):
+    run, _summary, _figures, out = fleet_report
+    text = (out / "report.html").read_text()
+    import re
+
+    css = re.search(r"<style>(.*?)</style>", text, re.S).group(1)
+    assert "max-height" not in css and re.search(r"\.table-wrap\{[^}]*overflow-x:auto", css)
+    assert text.count("<table") == text.count('<div class="table-wrap"><table') == 3
+    page = _parse_report(out / "report.html")
+    assert len(page.tables["rounds"]) == len(run.rounds) + 1
+
+
+def test_rounds_hold_their_sessions_bytes(fleet_report):
+    run, _summary, _figures, out = fleet_report
+    rows = RoundRow.from_csv(out / "rounds.csv")
+    expected = with_round_bytes(run.rounds, run.sessions)
+    assert [(r.bytes_down, r.bytes_up) for r in rows] == [(r.bytes_down, r.bytes_up) for r in expected]
+    selected = [s for s in run.sessions if s.round_id]
+    assert sum(r.bytes_down for r in rows) == sum(s.bytes_down for s in selected) > 0
+    assert sum(r.bytes_up for r in rows) == sum(s.bytes_up for s in selected) > 0
+
+
+def test_accuracy_and_loss_are_drawn_against_hours_and_rounds(fleet_report):
+    run, _summary, figures, _out = fleet_report
+    series = accuracy_series(run.rounds)
+    committed = [r for r in run.rounds if r.committed]
+    assert [a for _, a in series["accuracy_by_round"]] == [r.accuracy for r in committed]
+    fig = next(f for f in figures if f.name == "accuracy.png").drawn
+    lines = [(ax.get_title(), line.get_label(), line.get_xydata().tolist()) for ax in fig.axes for line in ax.get_lines()]
+    assert ("Model quality over simulated time", "accuracy", [list(p) for p in series["accuracy_by_hour"]]) in lines
+    assert ("Model quality over committed rounds", "accuracy", [list(p) for p in series["accuracy_by_round"]]) in lines
+    loss_lines = [xy for _title, label, xy in lines if label == "loss"]
+    assert [list(p) for p in series["loss_by_round"]] in loss_lines and [list(p) for p in series["loss_by_hour"]] in loss_lines
+    bytes_ax = next(f for f in figures if f.name == "bytes.png").drawn.axes[0]
+    down = next(line for line in bytes_ax.get_lines() if line.get_label().startswith("down"))
+    assert down.get_ydata().tolist() == [r.bytes_down / 1e6 for r in run.rounds]
+
+
+def test_per_client_accuracy_and_time_to_target_are_shown_when_the_summary_has_them(fleet_report, tmp_path):
+    run, summary, figures, out = fleet_report
+    assert plot_client_accuracy(summary) is None and "client_accuracy.png" not in {f.name for f in figures}
+    assert not (out / "client_accuracy.png").exists()
+    measured = {**summary, "time_to_target_accuracy_s": 4321.0,
+                "client_accuracy_percentiles": {"p10": 0.25, "p50": 0.5, "p90": 0.875, "accuracy": 0.55, "clients": 40}}
+    fig = plot_client_accuracy(measured)
+    (marks,) = [c for c in fig.drawn.axes[0].collections if c.get_label() == "percentiles over clients"]
+    assert marks.get_offsets()[:, 0].tolist() == [0.25, 0.5, 0.875]
+    page = render_html(measured, [*figures, fig], run)
+    (tmp_path / "report.html").write_text(page)
+    parsed = _parse_report(tmp_path / "report.html")
+    assert parsed.summary["time_to_target_accuracy_s"] == 4321.0
+    assert parsed.summary["client_accuracy_percentiles"]["p90"] == 0.875 and "client_accuracy.png" in parsed.images
+    assert 'data-explains="time_to_target_accuracy_s"' in page and 'data-explains="client_accuracy_percentiles"' in page
+    assert "Target accuracy reached after 1.20 simulated hours" in page
+    never = render_html({**summary, "time_to_target_accuracy_s": None}, figures, run)
+    assert "Target accuracy not reached" in never

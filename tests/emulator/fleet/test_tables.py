@@ -79,10 +79,10 @@ def test_a_table_of_another_kind_is_refused_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan", "'committed' holds a bool, got 'yes'"),
-        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan", "'selected' holds a int"),
-        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan", "'start_s' holds a float"),
-        ("r1,train,0.0,1.0,true,1,1,1,0,1.0,nan", "line 2 has 11 values"),
+        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan,0,0", "'committed' holds a bool, got 'yes'"),
+        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan,0,0", "'selected' holds a int"),
+        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan,0,0", "'start_s' holds a float"),
+        ("r1,train,0.0,1.0,true,1,1,1,0,1.0,nan,0,0", "line 2 has 13 values"),
     ],
 )
 def test_a_bad_value_names_its_line_and_column(tmp_path, line, message):
@@ -115,3 +115,42 @@ def test_the_span_comes_from_the_run_then_its_config_then_its_tables():
     run.simulated_s = 42.0
     assert run.span_s == 42.0
     assert math.isfinite(FleetRun([], [], [], "").span_s) and FleetRun([], [], [], "").span_s == 0.0
+
+
+def test_a_rounds_table_written_before_its_byte_columns_reads_back_with_zero_bytes(tmp_path):
+    path = tmp_path / "rounds.csv"
+    names = [name for name, _ in RoundRow.columns()]
+    assert names[-2:] == ["bytes_down", "bytes_up"]
+    path.write_text(",".join(names[:-2]) + "\r\nr1,train,0.0,1.0,true,1,1,1,0,1.0,0.5,nan\r\n")
+    (row,) = RoundRow.from_csv(path)
+    assert (row.round_id, row.accuracy, row.bytes_down, row.bytes_up) == ("r1", 0.5, 0, 0)
+    path.write_text(",".join(names[:-3]) + "\r\n")  # a column without a default is still required
+    with pytest.raises(FleetTableError, match="not a RoundRow table"):
+        RoundRow.from_csv(path)
+
+
+def _session(round_id: str, start: float, down: int, up: int) -> SessionRow:
+    return SessionRow("d", "s" if round_id else "", "t", round_id, start, start + 1.0, "-v[]+^", "completed",
+                      down, up, 0, 0.0, 0.0, "1.31.1", "mid", 0.0)
+
+
+def _round(round_id: str, start: float, end: float) -> RoundRow:
+    return RoundRow(round_id, "t", start, end, False, 1, 1, 1, 0, end - start, float("nan"), float("nan"))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["", "t/1", "t/2", "t/9"]), st.floats(0, 1000), st.integers(0, 10**6),
+                          st.integers(0, 10**6)), max_size=30))
+def test_every_byte_of_a_selected_session_lands_in_exactly_one_attempt_of_its_round(rows):
+    from emulator.fleet.tables import with_round_bytes
+
+    rounds = [_round("t/1/1", 0.0, 300.0), _round("t/1/2", 300.0, 600.0), _round("t/2/1", 600.0, 900.0)]
+    sessions = [_session(*r) for r in rows]
+    out = with_round_bytes(rounds, sessions)
+    assert [r.round_id for r in out] == [r.round_id for r in rounds]
+    known = [s for s in sessions if s.round_id in ("t/1", "t/2")]
+    assert sum(r.bytes_down for r in out) == sum(s.bytes_down for s in known)
+    assert sum(r.bytes_up for r in out) == sum(s.bytes_up for s in known)
+    # the second attempt of t/1 holds exactly the t/1 sessions that started once it had started
+    assert out[1].bytes_down == sum(s.bytes_down for s in known if s.round_id == "t/1" and s.start_s >= 300.0)
+    assert out[2].bytes_up == sum(s.bytes_up for s in known if s.round_id == "t/2")

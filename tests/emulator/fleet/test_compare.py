@@ -1,0 +1,166 @@
+"""``fedfleet compare``: runs side by side, a column and a series per run; a folder that is not a run is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+
+from emulator.cli import main
+from emulator.fleet import FleetRun, simulate, summarize
+from emulator.fleet.compare import FleetCompareError, compare_client_accuracy, compare_figures, load_runs, write_compare
+from emulator.fleet.config import FleetConfig
+from emulator.fleet.report import accuracy_series
+
+pytest.importorskip("matplotlib")
+
+
+def _run_folder(path, *, devices: int, goal: int) -> FleetRun:
+    """What ``fedfleet simulate --out`` leaves that compare reads: the tables and summary.json (no plots, to stay quick)."""
+    config = FleetConfig.from_dict({"fleet": {"devices": devices, "hours": 2.0, "seed": 5}, "task": {"goal_count": goal}})
+    run = simulate(config, progress=False)
+    run.write_tables(path)
+    (path / "summary.json").write_text(json.dumps(summarize(run), indent=2) + "\n")
+    return run
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    runs = {"goal8": _run_folder(base / "goal8", devices=300, goal=8),
+            "goal10": _run_folder(base / "goal10", devices=400, goal=10)}
+    assert all(any(r.committed for r in run.rounds) for run in runs.values())
+    return base, runs
+
+
+class _Page(HTMLParser):
+    """The summary table's column heads and cells by key, and the figures' ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.columns: list[str] = []
+        self.cells: dict[str, list[object]] = {}
+        self.figures: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "th" and "data-run" in a:
+            self.columns.append(a["data-run"])
+        elif tag == "td" and "data-key" in a:
+            self.cells.setdefault(a["data-key"], []).append(json.loads(a["data-value"]))
+        elif tag == "figure":
+            self.figures.append(a["id"])
+
+
+def _page(path) -> _Page:
+    page = _Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def test_the_page_has_one_column_per_run_holding_that_runs_summary(two_runs, tmp_path):
+    base, runs = two_runs
+    out = tmp_path / "compare.html"
+    assert main(["compare", str(base / "goal8"), str(base / "goal10"), "--out", str(out)]) == 0
+    page = _page(out)
+    assert page.columns == ["goal8", "goal10"]
+    summaries = [json.loads((base / name / "summary.json").read_text()) for name in page.columns]
+    for key in ("digest", "devices", "rounds", "rounds_committed", "round_completion_rate", "accuracy", "bytes_down"):
+        assert page.cells[key] == [s[key] for s in summaries], key
+    assert all(len(values) == 2 for values in page.cells.values())
+    assert {"compare_accuracy.png", "compare_loss.png", "compare_rounds.png", "compare_bytes.png"} <= set(page.figures)
+    assert "<link" not in out.read_text() and "http" not in out.read_text()  # self-contained
+
+
+def test_every_run_has_its_series_on_the_shared_axes(two_runs):
+    base, runs = two_runs
+    folders = load_runs([str(base / "goal8"), str(base / "goal10")], ["FedAvg", "other"])
+    figures = {f.name: f.drawn for f in compare_figures(folders)}
+    for folder, run in zip(folders, runs.values()):
+        series = accuracy_series(run.rounds)
+        lines = {(ax.get_title(), line.get_label()): line.get_xydata().tolist()
+                 for fig in figures.values() for ax in fig.axes for line in ax.get_lines()}
+        assert lines[("Accuracy over simulated time", folder.label)] == [list(p) for p in series["accuracy_by_hour"]]
+        assert lines[("Accuracy over committed rounds", folder.label)] == [list(p) for p in series["accuracy_by_round"]]
+        assert lines[("Loss over committed rounds", folder.label)] == [list(p) for p in series["loss_by_round"]]
+        committed = sum(r.committed for r in run.rounds)
+        steps = lines[("Rounds committed over time", f"{folder.label} ({committed} of {len(run.rounds)})")]
+        assert steps[-1][1] == committed
+        down = lines[("Traffic per round", f"{folder.label} down")]
+        assert [y for _, y in down] == [r.bytes_down / 1e6 for r in run.rounds]
+    span_h = max(f.span_s for f in folders) / 3600.0
+    for name in ("compare_accuracy.png", "compare_rounds.png"):
+        assert figures[name].axes[0].get_xlim() == pytest.approx((0.0, span_h))  # one time axis for all runs
+
+
+def test_client_accuracy_percentiles_are_drawn_for_the_runs_that_have_them(two_runs, tmp_path):
+    base, _runs = two_runs
+    measured = tmp_path / "measured"
+    shutil.copytree(base / "goal8", measured)
+    summary = json.loads((measured / "summary.json").read_text())
+    percentiles = {"p10": 0.2, "p50": 0.6, "p90": 0.9, "clients": 30}
+    summary.update(time_to_target_accuracy_s=3000.0, client_accuracy_percentiles=percentiles)
+    (measured / "summary.json").write_text(json.dumps(summary))
+    assert compare_client_accuracy(load_runs([str(base / "goal8"), str(base / "goal10")])) is None
+    out = tmp_path / "c.html"
+    write_compare([str(measured), str(base / "goal10")], out)
+    page = _page(out)
+    assert "compare_client_accuracy.png" in page.figures
+    assert page.cells["time_to_target_accuracy_s"] == [3000.0, None]
+    assert page.cells["client_accuracy_percentiles"][0]["p50"] == 0.6
+
+
+def test_folders_of_the_same_name_are_told_apart_and_labels_must_match_the_runs(two_runs, tmp_path):
+    base, _runs = two_runs
+    for parent in ("a", "b"):
+        shutil.copytree(base / "goal8", tmp_path / parent / "run")
+    runs = load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")])
+    assert [r.label for r in runs] == ["a/run", "b/run"]
+    with pytest.raises(FleetCompareError, match="give one --label per run"):
+        load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")], ["only one"])
+
+
+@pytest.mark.parametrize("make", ["empty", "missing", "file", "bad_json", "no_rounds", "one_run"])
+def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_runs, tmp_path, capsys, make):
+    base, _runs = two_runs
+    other = tmp_path / "other"
+    expected = {"empty": "no summary.json and no rounds.csv", "missing": "no such folder", "file": "a file, not a folder",
+                "bad_json": "not JSON", "no_rounds": "no rounds.csv", "one_run": "two or more run folders"}[make]
+    if make == "empty":
+        other.mkdir()
+    elif make == "file":
+        other.write_text("x")
+    elif make == "bad_json":
+        shutil.copytree(base / "goal8", other)
+        (other / "summary.json").write_text("{not json")
+    elif make == "no_rounds":
+        shutil.copytree(base / "goal8", other)
+        (other / "rounds.csv").unlink()
+    argv = ["compare", str(base / "goal8"), "--out", str(tmp_path / "c.html")]
+    if make != "one_run":
+        argv.insert(2, str(other))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedfleet compare: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert expected in err
+    assert not (tmp_path / "c.html").exists()
+
+
+def _readme_blocks() -> list[str]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    start = text.index("### The report, and runs side by side\n")
+    end = min([i for i in (text.find("\n## ", start), text.find("\n### ", start + 1)) if i != -1] or [len(text)])
+    return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S)
+
+
+def test_the_readmes_report_and_compare_example_runs(tmp_path, monkeypatch):
+    (block,) = _readme_blocks()
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md#the-report-and-runs-side-by-side", "exec"), {"__name__": "readme"})
+    page = _page(tmp_path / "runs" / "compare.html")
+    assert page.columns == ["goal8", "goal10"] and (tmp_path / "runs" / "goal8" / "report.html").exists()
