@@ -105,19 +105,28 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _per_example(summary: dict, config: FleetConfig) -> str:
+    cost = (summary.get("plan_cost") or {}).get("compute_s_per_example", config.task.compute_s_per_example)
+    return "?" if cost is None else f"{cost:.4g}"
+
+
 def _why_no_round(summary: dict, config: FleetConfig) -> str:
-    """Why a run committed no round, from its figures: too few devices available at once, or
-    sessions that trained but reported after their round's window closed."""
+    """Why a run committed no round, from its figures: too few devices available at once (or
+    able to hold the plan), or sessions that trained but reported after their round's window closed."""
     goal, peak = config.task.goal_count, summary.get("available_peak") or 0
     if peak < goal:
+        short = summary.get("devices_short_of_memory") or 0
+        memory = (f" ({short} devices took no part: their memory cannot hold the plan's "
+                  f"{(summary.get('plan_cost') or {}).get('memory_mb', 0):.4g} MB)") if short else ""
         return (f"each needs {goal} reports and at most {peak:.0f} of {config.fleet.devices} devices were "
-                "available at once; simulate more --devices or a smaller --goal")
+                f"available at once{memory}; simulate more --devices or a smaller --goal")
     trained = sum(n for shape, n in summary.get("shapes", {}).items() if shape.startswith("-v[]+"))
     late = sum(n for shape, n in summary.get("shapes", {}).items() if shape.endswith("#"))
     if trained and late >= trained / 2:
         return (f"{late} of the {trained} sessions that trained reported after their round's window closed "
                 f"(task.report_timeout_s = {config.task.report_timeout_s:g} s from check-in); lengthen it, or "
-                "lower task.compute_s_per_example")
+                f"make sessions shorter: the plan costs {_per_example(summary, config)} simulated s per example and epoch on "
+                "the reference phone (raise task.reference_flops_per_s or set task.compute_s_per_example)")
     return (f"each needs {goal} reports; {summary.get('sessions_accepted', 0)} sessions were accepted and "
             f"{summary.get('sessions_completed', 0)} reported in time; see rounds.csv and sessions.csv")
 

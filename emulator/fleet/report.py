@@ -119,6 +119,9 @@ def summarize(run: FleetRun) -> dict[str, Any]:
     - ``sessions`` (every check-in), ``sessions_accepted``, ``sessions_completed`` (upload
       completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
+    - ``devices_short_of_memory``: devices whose memory cannot hold the plan (they took no part);
+      ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
+      checkpoint and update bytes, and the simulated seconds per example on the reference phone;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
     - ``simulated_s``, ``wall_s``, ``sim_s_per_wall_s``, ``sessions_per_wall_s`` (accepted
       sessions), ``completed_sessions_per_wall_s``.
@@ -158,6 +161,8 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "errors": dict(run.errors),
         "bytes_down": sum(s.bytes_down for s in sessions),
         "bytes_up": sum(s.bytes_up for s in sessions),
+        "devices_short_of_memory": run.devices_short_of_memory,
+        "plan_cost": run.plan_cost,
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
         "simulated_s": span_s,
@@ -501,6 +506,8 @@ _SUMMARY_ROWS = (
     ("round_duration_median_s", "median committed round duration (s)"),
     ("bytes_down", "bytes down"),
     ("bytes_up", "bytes up"),
+    ("devices_short_of_memory", "devices short of the plan's memory (took no part)"),
+    ("plan_cost", "plan cost per device"),
     ("accuracy", "accuracy (last measured committed round)"),
     ("loss", "loss (last measured committed round)"),
 )

@@ -41,6 +41,7 @@ from ..runtime_worker import ReleasePlans, WorkerPool
 from .config import FleetConfig, TaskSection
 from .events import EventLoop, Fibers, SimulationError
 from .heap import long_lived_heap
+from .plan_cost import plan_cost
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
@@ -121,7 +122,6 @@ class FleetSimulator:
         self.population = task.population
         self.collection_uri = COLLECTION
         self.server_url = "http://fl.sim"
-        self.compute_s_per_example = task.compute_s_per_example
         self.max_training_s = max(600.0, task.report_timeout_s)
         self.plan_bytes: dict[str, bytes] = {}
         # fleet.real_runtimes: one worker process per release, shared by its devices (see ``releases``)
@@ -148,6 +148,7 @@ class FleetSimulator:
             name="fleet_mlp",
             secure_aggregation=task.secure,
         )
+        self._cost_plan()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.released: ReleasedPlans | None = None
@@ -197,6 +198,27 @@ class FleetSimulator:
         except ApiError as exc:
             raise SimulationError(f"the server refuses the fleet's [task]: {exc.message}") from None
 
+    def _cost_plan(self) -> None:
+        """What ``self.plan`` costs a device (whatever plan the simulator holds): its simulated
+        seconds per example and epoch on the reference phone (``[task] compute_s_per_example`` if
+        set, else the plan's FLOPs over ``reference_flops_per_s``), its peak memory, and the
+        devices that cannot hold it (they do not take part; the summary counts them)."""
+        task = self.config.task
+        self.cost = plan_cost(self.plan)
+        self.compute_s_per_example = (task.compute_s_per_example if task.compute_s_per_example is not None
+                                      else self.cost.compute_s_per_example(task.reference_flops_per_s))
+        self.devices_short_of_memory = sum(1 for spec in self.specs if spec.takes_part and not self.takes_part(spec))
+
+    def takes_part(self, spec: Any) -> bool:
+        """The device runs the FL runtime (above the fleet's memory floor) and its memory holds
+        the plan (the runtime would refuse a plan whose declared budget exceeds it, and one whose
+        peak exceeds it would not run)."""
+        return bool(spec.takes_part) and spec.memory_mb >= self.cost.memory_mb
+
+    def plan_summary(self) -> dict[str, Any]:
+        """The plan's cost as the run's summary shows it."""
+        return {**self.cost.summary(), "compute_s_per_example": self.compute_s_per_example}
+
     # ----------------------------------------------------------------- bookkeeping from devices
     def set_status(self, device: SimDevice, status: str) -> None:
         if device.status != status:
@@ -218,7 +240,7 @@ class FleetSimulator:
         with long_lived_heap():  # the fleet is built to last: no full collections while it grows
             for position, spec in enumerate(self.specs):
                 at = spread.uniform(0.0, min(START_SPREAD_S, self.horizon_s))
-                if not spec.takes_part or (owns is not None and not owns(position)):
+                if not self.takes_part(spec) or (owns is not None and not owns(position)):
                     continue
                 device = SimDevice(self, spec, functools.partial(self._examples, spec))  # read when it first trains
                 self.devices.append(device)
@@ -257,6 +279,8 @@ class FleetSimulator:
             wall_s=wall,
             simulated_s=self.horizon_s,
             errors=dict(sorted(self.errors.items())),
+            devices_short_of_memory=self.devices_short_of_memory,
+            plan_cost=self.plan_summary(),
         )
 
     def close(self) -> None:
