@@ -266,7 +266,7 @@ def _node_flops(node: onnx.NodeProto, ins: list[tuple[int, ...]], outs: list[tup
         steps, batch = (x[1], x[0]) if _attr(node, "layout", 0) else (x[0], x[1] if len(x) > 1 else 1)
         return 2 * steps * batch * (_size(ins[1]) + _size(ins[2]))
     if op == "Einsum":
-        return _einsum_flops(str(_attr(node, "equation", b"")), ins, out)
+        return _einsum_flops(_attr(node, "equation", b""), ins, out)
     return max([_size(s) for s in (*ins, *outs)] or [0])
 
 
