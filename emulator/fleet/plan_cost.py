@@ -27,8 +27,10 @@ examples, over every node of the work graph (forward, backward and the optimizer
 - ``If``: its larger branch; ``Loop`` and ``Scan``: their body once (a loop's trip count is data).
 
 Shapes come from ONNX shape inference with the example inputs' batch dimension set to the plan's
-``batch_size``. A dimension that inference leaves symbolic (a sequence length the graph does not
-fix, say) counts as 1, and the node is named in ``PlanCost.unresolved``: its count is a floor.
+``batch_size``; where it leaves a shape open (exporters' graphs compute many from data), from one
+run of the work graph on zeros in onnxruntime (shapes, not times: still a function of the plan).
+A dimension neither gives (a sequence length the graph does not fix, say) counts as 1, and the
+node is named in ``PlanCost.unresolved``: its count is a floor.
 
 Peak memory (``PlanCost.memory_mb``) is an upper bound: the model state (weights and optimizer
 state, every non-example input of the work graph) twice, since the executor keeps the old and the
@@ -65,6 +67,8 @@ DATA_MOVEMENT_OPS = frozenset({
 })
 #: Recurrent ops and their number of gates.
 RECURRENT_GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+#: Ops counted by their multiply-adds.
+HEAVY_OPS = frozenset({"MatMul", "MatMulInteger", "Gemm", "Conv", "ConvTranspose", *RECURRENT_GATES})
 
 MB = float(1 << 20)
 
@@ -114,6 +118,9 @@ def plan_cost(plan: Plan) -> PlanCost:
     examples = set(plan.device.inputs)
     shapes, dtypes = _inferred(model, examples, batch)
     flops, unresolved = graph_flops(model.graph, shapes)
+    if unresolved:  # inference left some shapes open: read them off one step on zeros
+        shapes.update(_run_shapes(plan.work, examples, batch, shapes))
+        flops, unresolved = graph_flops(model.graph, shapes)
     graph = model.graph
     inputs = {v.name for v in graph.input}
     state = sum(_nbytes(shapes.get(n), dtypes.get(n)) for n in inputs - examples)
@@ -182,6 +189,35 @@ def _inferred(model: onnx.ModelProto, examples: set[str], batch: int) -> tuple[d
     return shapes, dtypes
 
 
+def _run_shapes(work: bytes, examples: set[str], batch: int, known: Mapping[str, Shape]) -> dict[str, Shape]:
+    """The shapes of the main graph's values that inference left open, from one run of the work
+    graph in onnxruntime on zeros (a batch of ``batch`` examples, weights of zero): shapes do not
+    depend on the clock, so the count stays a function of the plan. An input dimension the graph
+    leaves symbolic beyond the batch is 1. Nothing if the run fails."""
+    from device_runtime.executor import make_session
+
+    model = onnx.ModelProto.FromString(work)
+    graph = model.graph
+    declared = {v.name for v in (*graph.input, *graph.output)}
+    wanted = [o for node in graph.node for o in node.output
+              if o and o not in declared and (known.get(o) is None or None in known[o])]
+    if not wanted:
+        return {}
+    graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in wanted)
+    feeds = {}
+    for value in graph.input:
+        tt = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (batch if i == 0 and value.name in examples else 1)
+                for i, d in enumerate(tt.shape.dim)]
+        feeds[value.name] = np.zeros(dims, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+    try:
+        session = make_session(model.SerializeToString())
+        values = session.run(wanted, feeds)
+    except Exception:  # noqa: BLE001 - the count falls back to what inference gave
+        return {}
+    return {name: tuple(int(d) for d in np.shape(v)) for name, v in zip(wanted, values)}
+
+
 def _graphs(graph: onnx.GraphProto):
     yield graph
     for node in graph.node:
@@ -217,8 +253,9 @@ def graph_flops(graph: onnx.GraphProto, shapes: Mapping[str, Shape]) -> tuple[Co
             continue
         ins = [shapes.get(n) if n else () for n in node.input]
         outs = [shapes.get(n) for n in node.output if n]
-        known = all(s is not None and None not in s for s in (*ins, *outs))
-        if not known:
+        # what the count reads: a heavy op's data, weight and output (its bias is its output's size)
+        read = (ins[:3] if op in RECURRENT_GATES else ins[:2] + outs[:1]) if op in HEAVY_OPS else (*ins, *outs)
+        if not all(s is not None and None not in s for s in read):
             unresolved.append(f"{op}:{node.name or (node.output[0] if node.output else '?')}")
         ins_ = [_dims(s) for s in ins]
         outs_ = [_dims(s) for s in outs]

@@ -65,6 +65,24 @@ def test_the_flops_of_a_conv_plan_are_its_hand_count():
     assert cost.unresolved == ()
 
 
+def test_every_export_of_one_model_counts_the_same_multiply_adds():
+    """A GRU next-token model as torch's classic exporter, the dynamo exporter and the dynamo
+    exporter without its optimizer write it: their graphs differ (the unoptimized one computes
+    hundreds of shapes from data, which ONNX shape inference leaves open and one run on zeros
+    settles), their training plans' multiply-adds do not."""
+    from emulator.toolchain.tasks import onnx_import
+    from tests.emulator.toolchain.test_exported_models import MANIFEST, task_for
+
+    heavy = {}
+    for exporter in ("classic", "dynamo", "dynamo_noopt"):
+        entry = next(e for e in MANIFEST["fixtures"] if e["model"] == f"gru_next_token.perturbed.{exporter}.onnx.gz")
+        task = task_for(entry)
+        cost = plan_cost(onnx_import(task._model_source(), task).plan)
+        assert cost.unresolved == ()
+        heavy[exporter] = sum(n for op, n in cost.flops_by_op.items() if op in ("MatMul", "Gemm"))
+    assert heavy["classic"] == heavy["dynamo"] == heavy["dynamo_noopt"] > 0
+
+
 def _one_node(op: str, inputs: dict[str, list[int]], output: list[int], **attrs: object) -> dict[str, int]:
     graph = helper.make_graph(
         [helper.make_node(op, list(inputs), ["out"], **attrs)], "g",
