@@ -208,6 +208,19 @@ class FleetSimulator:
         self.compute_s_per_example = (task.compute_s_per_example if task.compute_s_per_example is not None
                                       else self.cost.compute_s_per_example(task.reference_flops_per_s))
         self.devices_short_of_memory = sum(1 for spec in self.specs if spec.takes_part and not self.takes_part(spec))
+        self._seconds_per_example = {self.plan.name: self.compute_s_per_example}
+
+    def seconds_per_example(self, plan: Any) -> float:
+        """Simulated seconds of one example for one epoch of ``plan`` on the reference phone: the
+        simulator's plan's (its versions for older releases keep its name and cost), or another
+        plan's own count the first time a device trains it."""
+        seconds = self._seconds_per_example.get(plan.name)
+        if seconds is None:
+            task = self.config.task
+            seconds = (task.compute_s_per_example if task.compute_s_per_example is not None
+                       else plan_cost(plan).compute_s_per_example(task.reference_flops_per_s))
+            self._seconds_per_example[plan.name] = seconds
+        return seconds
 
     def takes_part(self, spec: Any) -> bool:
         """The device runs the FL runtime (above the fleet's memory floor) and its memory holds
