@@ -41,7 +41,7 @@ from ..runtime_worker import ReleasePlans, WorkerPool
 from .config import FleetConfig, TaskSection
 from .events import EventLoop, Fibers, SimulationError
 from .heap import long_lived_heap
-from .plan_cost import plan_cost
+from .plan_cost import PlanCost, plan_cost
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
@@ -200,27 +200,38 @@ class FleetSimulator:
 
     def _cost_plan(self) -> None:
         """What ``self.plan`` costs a device (whatever plan the simulator holds): its simulated
-        seconds per example and epoch on the reference phone (``[task] compute_s_per_example`` if
-        set, else the plan's FLOPs over ``reference_flops_per_s``), its peak memory, and the
-        devices that cannot hold it (they do not take part; the summary counts them)."""
-        task = self.config.task
+        seconds per example and epoch on the reference phone, its peak memory, and the devices
+        that cannot hold it (they do not take part; the summary counts them). A fleet none of
+        whose classes can hold it is refused before it starts."""
         self.cost = plan_cost(self.plan)
-        self.compute_s_per_example = (task.compute_s_per_example if task.compute_s_per_example is not None
-                                      else self.cost.compute_s_per_example(task.reference_flops_per_s))
+        self._seconds_per_example: dict[str, float] = {}
+        self.compute_s_per_example = self._per_example(self.plan.name, self.cost)
         self.devices_short_of_memory = sum(1 for spec in self.specs if spec.takes_part and not self.takes_part(spec))
-        self._seconds_per_example = {self.plan.name: self.compute_s_per_example}
+        floor = self.config.fleet.min_memory_mb
+        most = max((c.memory_mb for c in self.config.device_classes if c.memory_mb >= floor), default=0)
+        if most < self.cost.memory_mb:
+            if self.runtime_pool is not None:
+                self.runtime_pool.close()
+            raise SimulationError(
+                f"no device class can hold the plan: it needs {self.cost.memory_mb:.4g} MB and the classes above "
+                f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model smaller"
+            )
+
+    def _per_example(self, name: str, cost: PlanCost) -> float:
+        """``[task] compute_s_per_example`` if set, else the plan's FLOPs per example over
+        ``reference_flops_per_s``; kept by plan name."""
+        task = self.config.task
+        seconds = (task.compute_s_per_example if task.compute_s_per_example is not None
+                   else cost.compute_s_per_example(task.reference_flops_per_s))
+        self._seconds_per_example[name] = seconds
+        return seconds
 
     def seconds_per_example(self, plan: Any) -> float:
         """Simulated seconds of one example for one epoch of ``plan`` on the reference phone: the
         simulator's plan's (its versions for older releases keep its name and cost), or another
         plan's own count the first time a device trains it."""
         seconds = self._seconds_per_example.get(plan.name)
-        if seconds is None:
-            task = self.config.task
-            seconds = (task.compute_s_per_example if task.compute_s_per_example is not None
-                       else plan_cost(plan).compute_s_per_example(task.reference_flops_per_s))
-            self._seconds_per_example[plan.name] = seconds
-        return seconds
+        return seconds if seconds is not None else self._per_example(plan.name, plan_cost(plan))
 
     def takes_part(self, spec: Any) -> bool:
         """The device runs the FL runtime (above the fleet's memory floor) and its memory holds

@@ -243,3 +243,11 @@ def test_the_same_seed_gives_the_same_digest_with_the_plans_cost(by_hidden):
     again = simulate(fleet(hidden=[1024]), progress=False)
     assert again.digest == by_hidden[1024].digest
     assert again.sessions == by_hidden[1024].sessions
+
+
+def test_a_fleet_none_of_whose_classes_can_hold_the_plan_is_refused_before_it_starts():
+    from emulator.fleet.events import SimulationError
+
+    tiny = [{"name": "tiny", "share": 1.0, "speed": 1.0, "memory_mb": 1}]
+    with pytest.raises(SimulationError, match=r"no device class can hold the plan: it needs 1\.\d+ MB .* at most 1 MB"):
+        simulate(fleet(classes=tiny, fleet_extra={"min_memory_mb": 1}, hidden=[2048]), progress=False)
