@@ -36,6 +36,11 @@ SHARE_TOLERANCE = 1e-6
 #: Paper sec. 11: "at least 2 GB of memory".
 MIN_MEMORY_MB = 2048
 
+#: The reference phone's sustained training rate in simulated FLOP/s: the default digits MLP's
+#: work-graph FLOPs per example (64-32-10, batch 8: ``plan_cost``'s count), so that it costs
+#: exactly one simulated second per example and epoch, as ``compute_s_per_example = 1.0`` did.
+REFERENCE_FLOPS_PER_S = 10675.625
+
 Share = Annotated[float, Field(gt=0.0, le=1.0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Hour = Annotated[float, Field(ge=0.0, le=24.0)]
@@ -190,7 +195,11 @@ class AvailabilitySection(_Section):
 
 
 class DeviceClass(_Section):
-    """``speed`` multiplies compute time (> 1 is slower than the reference phone)."""
+    """``speed`` multiplies compute time (> 1 is slower than the reference phone). ``memory_mb``
+    is what the device gives a plan: a class below ``fleet.min_memory_mb`` never runs the FL
+    runtime, and one whose memory cannot hold the task's plan (its peak estimate, see
+    ``emulator.fleet.plan_cost``) does not take part in that run; the summary counts those
+    devices as ``devices_short_of_memory``."""
 
     name: Name
     share: Share
@@ -348,10 +357,18 @@ class TaskSection(_Section):
     which spreads check-ins instead of a thundering herd;
     with 10,000 devices the defaults bring about 1-5 check-ins per second, trough to peak.
 
-    ``compute_s_per_example`` is the simulated compute time of one example for one epoch on a
-    reference phone (speed 1.0); it stands for the cost of the paper's production models so that
-    sessions last minutes as in Fig. 8, where this project's small digits model trains in
-    microseconds."""
+    A session's compute time follows the plan (``emulator.fleet.plan_cost``): each example of
+    each epoch costs the work graph's FLOPs per example over ``reference_flops_per_s``, the
+    sustained training rate of the reference phone (speed 1.0), times the device class's
+    ``speed``. The default rate is the default digits MLP's FLOPs per example
+    (``REFERENCE_FLOPS_PER_S``), so that model trains one example per simulated second as it
+    always did here: it stands for the paper's production models, whose sessions last minutes
+    (Fig. 8), where the 2,410-parameter model itself trains in microseconds on a real phone. A
+    bigger model costs proportionally more (hidden ``[1024]``: 32x; a million parameters: about
+    630x, hours per session, far past the 3-minute window); to study a real model at a real
+    phone's pace, set ``reference_flops_per_s`` to one (a mid-range phone sustains about 1e9 to
+    1e10 FLOP/s of fp32 training on its CPU). ``compute_s_per_example``, when set, overrides the
+    plan's cost with that many simulated seconds per example and epoch, whatever the model."""
 
     population: Name = "digits"
     goal_count: int = Field(100, ge=1, le=1_000_000)
@@ -365,7 +382,8 @@ class TaskSection(_Section):
     learning_rate: Positive = 0.3
     batch_size: int = Field(8, ge=1, le=100_000)
     epochs: int = Field(2, ge=1, le=1000)
-    compute_s_per_example: NonNegative = 1.0
+    compute_s_per_example: NonNegative | None = None
+    reference_flops_per_s: Positive = REFERENCE_FLOPS_PER_S
     secure: bool = False
     #: With ``secure``: groups of at least this many attested devices (the devices' own floor is 5),
     #: and how long each key round waits for a group's messages (covers a poll and a round trip).

@@ -382,7 +382,7 @@ def _drive(
     driver: _DriverSimulator, backend: _LocalShards | _RayShards, n: int, specs: Sequence[Any], started: float, stats: dict[str, Any]
 ) -> FleetRun:
     loop, horizon = driver.loop, driver.horizon_s
-    driver.devices = [SimpleNamespace(spec=spec) for spec in specs if spec.takes_part]  # for the timeline's availability
+    driver.devices = [SimpleNamespace(spec=spec) for spec in specs if driver.takes_part(spec)]  # for the timeline's availability
     driver.status_counts[STATUS_IDLE] += len(driver.devices)
     log: list[tuple[float, str, str]] = []
     loop.call_at(0.0, driver._tick, order=ORDER_SERVER)
@@ -433,6 +433,8 @@ def _drive(
         sessions=driver.sessions, rounds=rounds, timeline=driver._timeline(), digest=digest,
         config=driver.config, wall_s=wall, simulated_s=horizon, errors=dict(sorted(driver.errors.items())),
         extra=driver.extra,
+        devices_short_of_memory=sum(1 for spec in specs if spec.takes_part and not driver.takes_part(spec)),
+        plan_cost=driver.plan_summary(),
     )
 
 

@@ -11,9 +11,9 @@ plan takes the model engineer's path to a deploy (paper, section 7.3) before the
 * devices train through :class:`~emulator.runtime_worker.ReleasePlans`: one worker process per
   release, shared by all of its devices.
 
-Compute still costs virtual time from the device model (``task.compute_s_per_example`` times the
-device's speed), never the worker's wall clock, so a run stays a function of its config and seed;
-what the releases change is the numbers the devices report.
+Compute still costs virtual time from the device model (the plan's cost per example, see
+``plan_cost``, times the device's speed), never the worker's wall clock, so a run stays a
+function of its config and seed; what the releases change is the numbers the devices report.
 """
 
 from __future__ import annotations

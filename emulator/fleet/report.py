@@ -161,7 +161,7 @@ def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> st
         if trained and late >= trained / 4:
             reasons.append(f"{rest} had too few reports in time: {late} of the {trained} sessions that trained reported after "
                            f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
-                           "lengthen it, or lower task.compute_s_per_example")
+                           "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)")
         else:
             reasons.append(f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
                            f"sessions were accepted and {summary.get('sessions_completed', 0)} reported in time); see rounds.csv "
@@ -184,6 +184,9 @@ def summarize(run: FleetRun) -> dict[str, Any]:
     - ``sessions`` (every check-in), ``sessions_accepted``, ``sessions_completed`` (upload
       completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
+    - ``devices_short_of_memory``: devices whose memory cannot hold the plan (they took no part);
+      ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
+      checkpoint and update bytes, and the simulated seconds per example on the reference phone;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
     - ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
       ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
@@ -232,6 +235,8 @@ def summarize(run: FleetRun) -> dict[str, Any]:
         "errors": dict(run.errors),
         "bytes_down": sum(s.bytes_down for s in sessions),
         "bytes_up": sum(s.bytes_up for s in sessions),
+        "devices_short_of_memory": run.devices_short_of_memory,
+        "plan_cost": run.plan_cost,
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
         "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
@@ -807,6 +812,8 @@ _SUMMARY_ROWS = (
     ("round_duration_median_s", "median committed round duration (s)"),
     ("bytes_down", "bytes down"),
     ("bytes_up", "bytes up"),
+    ("devices_short_of_memory", "devices short of the plan's memory (took no part)"),
+    ("plan_cost", "plan cost per device"),
     ("accuracy", "accuracy (last measured committed round)"),
     ("loss", "loss (last measured committed round)"),
 )

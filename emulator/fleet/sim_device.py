@@ -402,7 +402,9 @@ class SimDevice:
         self.sim.fibers.sleep_until(until)
 
     def trained(self, plan: Plan, examples: int) -> None:
-        """``WorkMeter``: a batch costs the device its compute time in virtual time.
+        """``WorkMeter``: a batch costs the device its compute time in virtual time: the plan's
+        seconds per example on the reference phone (``FleetSimulator.seconds_per_example``) times
+        the examples and the device's speed.
 
         Training touches nothing outside the device: no request, no shared state, and its
         conditions are a function of its own time. So the batch's time is not slept on the loop
@@ -412,7 +414,7 @@ class SimDevice:
         batch would reach one of its own events (its app killed) or the run's end, where it
         sleeps as it would have. Its instants are the same sums either way, so the run is the
         same, bit for bit."""
-        cost = examples * self.sim.compute_s_per_example * self.spec.speed
+        cost = examples * self.sim.seconds_per_example(plan) * self.spec.speed
         self._job.compute_s += cost
         if self.killed:
             raise AppKilled()

@@ -39,6 +39,7 @@ from .config import FleetConfig
 from .federated_data import client_accuracy_percentiles
 from .events import EventLoop, Fibers, SimulationError
 from .heap import long_lived_heap
+from .plan_cost import PlanCost, plan_cost
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
@@ -113,7 +114,6 @@ class FleetSimulator:
         self.population = task.population
         self.collection_uri = workload.collection
         self.server_url = "http://fl.sim"
-        self.compute_s_per_example = task.compute_s_per_example
         self.max_training_s = max(600.0, *(t.rounds.report_timeout_s for t in workload.tasks))
         self.plan_bytes: dict[str, bytes] = {}
         # fleet.real_runtimes: one worker process per release, shared by its devices (see ``releases``)
@@ -127,6 +127,7 @@ class FleetSimulator:
         self.extra: dict[str, Any] = {}
 
         self.plan = workload.training[0].plan
+        self._cost_plan()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.released: ReleasedPlans | None = None
@@ -191,6 +192,51 @@ class FleetSimulator:
             )
         return out
 
+    def _cost_plan(self) -> None:
+        """What ``self.plan`` costs a device (whatever plan the simulator holds): its simulated
+        seconds per example and epoch on the reference phone, its peak memory, and the devices
+        that cannot hold it (they do not take part; the summary counts them). A fleet none of
+        whose classes can hold it is refused before it starts."""
+        self.cost = plan_cost(self.plan)
+        self._seconds_per_example: dict[str, float] = {}
+        self.compute_s_per_example = self._per_example(self.plan.name, self.cost)
+        self.devices_short_of_memory = sum(1 for spec in self.specs if spec.takes_part and not self.takes_part(spec))
+        floor = self.config.fleet.min_memory_mb
+        most = max((c.memory_mb for c in self.config.device_classes if c.memory_mb >= floor), default=0)
+        if most < self.cost.memory_mb:
+            if self.runtime_pool is not None:
+                self.runtime_pool.close()
+            raise SimulationError(
+                f"no device class can hold the plan: it needs {self.cost.memory_mb:.4g} MB and the classes above "
+                f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model smaller"
+            )
+
+    def _per_example(self, name: str, cost: PlanCost) -> float:
+        """``[task] compute_s_per_example`` if set, else the plan's FLOPs per example over
+        ``reference_flops_per_s``; kept by plan name."""
+        task = self.config.task
+        seconds = (task.compute_s_per_example if task.compute_s_per_example is not None
+                   else cost.compute_s_per_example(task.reference_flops_per_s))
+        self._seconds_per_example[name] = seconds
+        return seconds
+
+    def seconds_per_example(self, plan: Any) -> float:
+        """Simulated seconds of one example for one epoch of ``plan`` on the reference phone: the
+        simulator's plan's (its versions for older releases keep its name and cost), or another
+        plan's own count the first time a device trains it."""
+        seconds = self._seconds_per_example.get(plan.name)
+        return seconds if seconds is not None else self._per_example(plan.name, plan_cost(plan))
+
+    def takes_part(self, spec: Any) -> bool:
+        """The device runs the FL runtime (above the fleet's memory floor) and its memory holds
+        the plan (the runtime would refuse a plan whose declared budget exceeds it, and one whose
+        peak exceeds it would not run)."""
+        return bool(spec.takes_part) and spec.memory_mb >= self.cost.memory_mb
+
+    def plan_summary(self) -> dict[str, Any]:
+        """The plan's cost as the run's summary shows it."""
+        return {**self.cost.summary(), "compute_s_per_example": self.compute_s_per_example}
+
     # ----------------------------------------------------------------- bookkeeping from devices
     def set_status(self, device: SimDevice, status: str) -> None:
         if device.status != status:
@@ -212,7 +258,7 @@ class FleetSimulator:
         with long_lived_heap():  # the fleet is built to last: no full collections while it grows
             for position, spec in enumerate(self.specs):
                 at = spread.uniform(0.0, min(START_SPREAD_S, self.horizon_s))
-                if not spec.takes_part or (owns is not None and not owns(position)):
+                if not self.takes_part(spec) or (owns is not None and not owns(position)):
                     continue
                 device = SimDevice(self, spec, functools.partial(self._examples, spec))  # read when it first trains
                 self.devices.append(device)
@@ -252,6 +298,8 @@ class FleetSimulator:
             simulated_s=self.horizon_s,
             errors=dict(sorted(self.errors.items())),
             extra=self.extra,
+            devices_short_of_memory=self.devices_short_of_memory,
+            plan_cost=self.plan_summary(),
         )
 
     def close(self) -> None:

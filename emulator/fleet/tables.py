@@ -233,7 +233,9 @@ class FleetRun:
     time the run took. ``simulated_s`` is the simulated span; when left out it is the config's
     horizon, or without a config the latest time any table mentions. ``errors`` counts, by kind,
     the sessions that ended in an error (a device that lost its network mid-request ends in
-    ``ServerUnreachable``, say).
+    ``ServerUnreachable``, say). ``devices_short_of_memory``: devices above the fleet's memory
+    floor whose memory cannot hold the plan, so they took no part (None when not recorded);
+    ``plan_cost``: what the plan costs a device (``FleetSimulator.plan_summary``).
     """
 
     sessions: list[SessionRow]
@@ -247,6 +249,8 @@ class FleetRun:
     #: What the simulator measured beyond the tables (the summary's ``client_accuracy_percentiles``,
     #: ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``).
     extra: dict[str, Any] = field(default_factory=dict)
+    devices_short_of_memory: int | None = None
+    plan_cost: dict[str, Any] | None = None
 
     @property
     def span_s(self) -> float:
