@@ -517,8 +517,11 @@ class SimDevice:
         self._wake = None
         self._build()
         first = self.queue.next_wakeup()
-        if first is None or first - self.sim.epoch != self.sim.loop.now:
-            raise SimulationError(f"device {self.spec.device_id} was built at {self.sim.loop.now!r} s but its job is due at {first!r}")
+        if first is None or max(first - self.sim.epoch, self._started_at) != self.sim.loop.now:  # (a timer is never set in the past)
+            raise SimulationError(
+                f"device {self.spec.device_id} was built at {self.sim.loop.now!r} s but its job is due at {first!r}: "
+                "the first wake-up set at its start no longer matches its scheduler's; set sim_device.MATERIALIZE_LAZILY = False"
+            )
         self.fiber = self.sim.fibers.spawn_now(self._main, name=self.spec.device_id, key=self.key)
 
     def _main(self) -> None:
