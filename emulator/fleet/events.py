@@ -188,6 +188,19 @@ class Fibers:
         self._fibers.append(fiber)
         return fiber
 
+    def key_for(self, name: str) -> int:
+        """The key the next fiber spawned would get (and that fiber then gets ``key=`` it): a
+        device whose fiber is spawned later, on its first wake-up, is keyed as at the start."""
+        return next(self._keys)
+
+    def spawn_now(self, run: Callable[[], None], *, name: str, key: int) -> Fiber:
+        """Spawn a fiber and run it at once, within the event being run (from an event callback,
+        not a fiber): it runs as a fiber spawned earlier to wake at this event would."""
+        fiber = Fiber(self, run, name, key)
+        self._fibers.append(fiber)
+        fiber._resume()
+        return fiber
+
     def close(self) -> None:
         """End every fiber where it waits; a fiber that tries to sleep again is ended as well."""
         self.closed = True

@@ -115,6 +115,9 @@ class _KeyedFibers(Fibers):
     def spawn(self, run: Callable[[], None], *, at: float, name: str = "fiber", order: int = 1, key: int | None = None) -> Fiber:
         return super().spawn(run, at=at, name=name, order=order, key=self._by_name[name] if key is None else key)
 
+    def key_for(self, name: str) -> int:
+        return self._by_name[name]
+
 
 @dataclasses.dataclass
 class _Waiting:
@@ -180,7 +183,7 @@ class FleetShard:
         sim.start_devices(owns=owned.__contains__)
         self.sim = sim
         self.horizon = sim.horizon_s
-        self._devices = {d.fiber.key: d for d in sim.devices if d.fiber is not None}
+        self._devices = {d.key: d for d in sim.devices}  # by their fibers' keys (a fiber is spawned when its device is built)
         self._waiting: dict[int, _Waiting] = {}
         self._waiting_keys: set[int] = set()
         self._outbox: list[Request] = []

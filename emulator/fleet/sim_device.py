@@ -18,6 +18,7 @@ What the simulation adds is only the world around it:
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -32,9 +33,10 @@ from device_runtime.plan import Plan
 from device_runtime.plan_cache import MemoryPlanCache
 from device_runtime.runtime import DeviceClass
 from device_runtime.scheduling import JobRun, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
+from device_runtime.scheduling import _to_microsecond
 from example_store import InMemoryExampleStore
 
-from .events import AppKilled, Fiber, Timer
+from .events import AppKilled, Fiber, SimulationError, Timer
 from .secure_fleet import SECAGG_POLL_S
 from .sim_transport import LeanClient, SimTransport, checkin_answer
 from .tables import SessionRow
@@ -66,6 +68,11 @@ WAKE_AFTER_CHANGE_S = 1e-3
 #: A training device runs ahead of the loop (see ``SimDevice.trained``); False sleeps on the
 #: loop after every batch, which gives the same run, more slowly (a test holds them equal).
 RUN_AHEAD = True
+#: A device's SDK (runtime, scheduler, example store, fiber) is built when its participation job
+#: first wakes, not at the start: until then an idle device is its spec, a few numbers and its
+#: wake-up on the loop (see ``SimDevice``). False builds every device at the start, which gives
+#: the same run with more memory (a test holds them equal).
+MATERIALIZE_LAZILY = True
 
 STATUS_IDLE = "idle"
 STATUS_CHECKING_IN = "checking_in"
@@ -219,7 +226,7 @@ class SimConditions:
         d = self._device
         # the device's clock reads epoch + the device's time; going back through the epoch could
         # land a hair before a change time and wake the device again at the same instant
-        return d.now() if abs(now_unix - d.clock.now()) < 1e-3 else now_unix - d.sim.epoch
+        return d.now() if abs(now_unix - (d.sim.epoch + d.now())) < 1e-3 else now_unix - d.sim.epoch
 
     def _change_after(self, t: float, broken: tuple[float, float], net_down: tuple[float, float]) -> float | None:
         times = [x for x in (*broken, *net_down) if x > t]
@@ -293,10 +300,13 @@ class LazyExampleStore(InMemoryExampleStore):
     ``examples()`` gives collection URI -> feature -> array (one entry per example along the first
     axis), or ``(x, y)`` for ``collection_uri`` alone."""
 
-    def __init__(self, collection_uri: str, examples: Callable[[], Any], clock: Callable[[], float]) -> None:
+    def __init__(self, collection_uri: str, examples: Callable[[], Any], clock: Callable[[], float],
+                 stocked_at: float | None = None) -> None:
+        """``stocked_at``: the examples' timestamp (unix seconds; ``clock()`` now when None): a
+        device built after the start stamps them as at the start."""
         self._pending: tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]], float] | None = None
         super().__init__(clock=clock)
-        self._pending = (collection_uri, examples, clock())
+        self._pending = (collection_uri, examples, clock() if stocked_at is None else stocked_at)
 
     @property  # type: ignore[override]
     def _collections(self) -> dict:
@@ -319,17 +329,29 @@ class LazyExampleStore(InMemoryExampleStore):
 
 class SimDevice:
     """One device of the fleet (``spec`` is its ``DeviceSpec``); ``examples`` gives its examples
-    (called when the device first reads its store)."""
+    (called when the device first reads its store; ``sim``'s examples of ``spec`` when None).
+
+    An idle device is cheap: until its participation job first wakes it holds its spec, its
+    faults and status as plain fields, and one timer on the loop (``start``). Its SDK (example
+    store, ``FLRuntime``, scheduler, worker queue, transport) and its fiber are built then
+    (``_materialize``), from its seed and the moment it started, so a device built late runs as
+    one built at the start, event for event (``MATERIALIZE_LAZILY``)."""
+
+    __slots__ = (
+        "sim", "spec", "key", "status", "killed", "net_down_from", "net_down_until", "broken_from", "broken_until",
+        "late_s", "ahead", "fiber", "_kill_timer", "_idle_timer", "_job", "_examples", "_started_at", "_start_at",
+        "_wake", "rng", "clock", "conditions", "opstats", "store", "transport", "runtime", "queue", "scheduler",
+    )
 
     def __init__(
         self,
         sim: "FleetSimulator",
         spec: Any,
-        examples: Any,
+        examples: Any = None,
     ) -> None:
         self.sim = sim
         self.spec = spec
-        self.rng = StreamRandom(spec.seed)
+        self.key = 0  # the device's tie-breaking key on the loop (its fiber's), given at start
         self.status = STATUS_IDLE
         self.killed = False
         self.net_down_from = self.net_down_until = -1.0
@@ -339,11 +361,29 @@ class SimDevice:
         self.fiber: Fiber | None = None
         self._kill_timer: Timer | None = None
         self._idle_timer: Timer | None = None  # a device turned away stops waiting when it could no longer train
+        self._wake: Timer | None = None  # the first wake-up of a device not built yet
+        self._examples = examples
+        self._started_at = sim.loop.now  # when it started: its examples' timestamp
+        self._start_at = 0.0
+        self.conditions = SimConditions(self)
+
+    @property
+    def materialized(self) -> bool:
+        """The device's SDK is built (its participation job has woken, or it was built eagerly)."""
+        return self.fiber is not None
+
+    def _build(self) -> None:
+        """The device's SDK, from its seed alone: the same whenever it is built."""
+        sim, spec = self.sim, self.spec
+        self.rng = StreamRandom(spec.seed)
         self._job = _JobStats()
         self.clock = DeviceClock(self)
-        self.conditions = SimConditions(self)
         self.opstats = MemoryOpStats()
-        self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now)
+        examples = self._examples
+        if examples is None:
+            examples = functools.partial(sim._examples, spec)
+        self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now,
+                                      stocked_at=sim.epoch + self._started_at)
         self.transport = SimTransport(sim.caller, self, spec.network, on_answer=self._on_answer, hold_report=self._hold_report)
         seeds = StreamRandom(spec.seed ^ 0x5EED)
         attestation = sim.attestation  # a secure task: an attested device that accepts attested peers only
@@ -378,6 +418,12 @@ class SimDevice:
             rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]
         )
         self.scheduler.register_runtime(sim.population, self.runtime)
+        self.scheduler.schedule(
+            sim.population,
+            CONSTRAINTS,
+            TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+            start_at=sim.epoch + self._start_at,
+        )
 
     # ----------------------------------------------------------------- the world around the SDK
     def network_up(self, t: float) -> bool:
@@ -446,15 +492,37 @@ class SimDevice:
 
     # ----------------------------------------------------------------- the fiber
     def start(self, at: float) -> None:
-        self.scheduler.schedule(
-            self.sim.population,
-            CONSTRAINTS,
-            TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
-            start_at=self.sim.epoch + at,
-        )
+        """Schedule the participation job to start at ``at`` (or once its constraints hold after
+        it): the device's fiber first runs then. Lazily (``MATERIALIZE_LAZILY``) only a timer is
+        set for that moment, which the scheduler would compute (the device has no faults before
+        its first job run), and the device is built when it fires."""
+        sim = self.sim
+        self.key = sim.fibers.key_for(self.spec.device_id)
+        self._started_at = sim.loop.now
+        self._start_at = at
+        if MATERIALIZE_LAZILY:
+            start_at = sim.epoch + at
+            when = self.conditions.first_satisfied(CONSTRAINTS, start_at, sim.epoch + sim.loop.now)
+            first = _to_microsecond(max(start_at, when))  # ParticipationScheduler.schedule's first run
+            self._wake = sim.loop.call_at(first - sim.epoch, self._materialize, order=1, key=self.key)
+            return
+        self._build()
         first = self.queue.next_wakeup()
         assert first is not None
-        self.fiber = self.sim.fibers.spawn(self._main, at=first - self.sim.epoch, name=self.spec.device_id)
+        self.fiber = sim.fibers.spawn(self._main, at=first - sim.epoch, name=self.spec.device_id, key=self.key)
+
+    def _materialize(self) -> None:
+        """The first wake-up of a device not built yet: build it and run its fiber now, as the
+        fiber built at the start would have run at this event."""
+        self._wake = None
+        self._build()
+        first = self.queue.next_wakeup()
+        if first is None or max(first - self.sim.epoch, self._started_at) != self.sim.loop.now:  # (a timer is never set in the past)
+            raise SimulationError(
+                f"device {self.spec.device_id} was built at {self.sim.loop.now!r} s but its job is due at {first!r}: "
+                "the first wake-up set at its start no longer matches its scheduler's; set sim_device.MATERIALIZE_LAZILY = False"
+            )
+        self.fiber = self.sim.fibers.spawn_now(self._main, name=self.spec.device_id, key=self.key)
 
     def _main(self) -> None:
         sim = self.sim

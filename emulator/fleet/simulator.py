@@ -10,7 +10,6 @@ event, and its digest (the round history and every committed model's bytes) with
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -260,7 +259,7 @@ class FleetSimulator:
                 at = spread.uniform(0.0, min(START_SPREAD_S, self.horizon_s))
                 if not self.takes_part(spec) or (owns is not None and not owns(position)):
                     continue
-                device = SimDevice(self, spec, functools.partial(self._examples, spec))  # read when it first trains
+                device = SimDevice(self, spec)  # its examples are read when it first trains
                 self.devices.append(device)
                 self.status_counts[STATUS_IDLE] += 1
                 device.start(at)
