@@ -103,7 +103,7 @@ def _to_dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, timezone.utc)
 
 
-def _to_microsecond(ts: float) -> float:
+def to_microsecond(ts: float) -> float:
     """``ts`` as a stored job keeps it: to the microsecond, rounded half to even (what
     ``_to_dt(ts).timestamp()`` gives, without the datetime)."""
     frac, whole = math.modf(ts)
@@ -192,7 +192,7 @@ class _MemoryJobs:
 
     def put(self, job: ScheduledJob) -> None:
         assert job.next_run_at is not None
-        self._jobs[job.population] = ScheduledJob(job.population, _to_microsecond(job.next_run_at), job.constraints, job.interval)
+        self._jobs[job.population] = ScheduledJob(job.population, to_microsecond(job.next_run_at), job.constraints, job.interval)
 
     def get(self, population: str) -> ScheduledJob | None:
         return self._jobs.get(population)
@@ -203,10 +203,10 @@ class _MemoryJobs:
     def reschedule(self, population: str, at: float) -> None:
         job = self._jobs.get(population)
         if job is not None:
-            self._jobs[population] = ScheduledJob(population, _to_microsecond(at), job.constraints, job.interval)
+            self._jobs[population] = ScheduledJob(population, to_microsecond(at), job.constraints, job.interval)
 
     def due(self, now: float) -> list[tuple[float, str]]:
-        now = _to_microsecond(now)
+        now = to_microsecond(now)
         return sorted((j.next_run_at, j.population) for j in self._jobs.values() if j.next_run_at <= now)  # type: ignore[operator]
 
     def next_run_at(self) -> float | None:

@@ -32,8 +32,7 @@ from device_runtime.opstats import Event, SessionSummary, shape_of
 from device_runtime.plan import Plan
 from device_runtime.plan_cache import MemoryPlanCache
 from device_runtime.runtime import DeviceClass
-from device_runtime.scheduling import JobRun, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
-from device_runtime.scheduling import _to_microsecond
+from device_runtime.scheduling import JobRun, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue, to_microsecond
 from example_store import InMemoryExampleStore
 
 from .events import AppKilled, Fiber, SimulationError, Timer
@@ -503,7 +502,7 @@ class SimDevice:
         if MATERIALIZE_LAZILY:
             start_at = sim.epoch + at
             when = self.conditions.first_satisfied(CONSTRAINTS, start_at, sim.epoch + sim.loop.now)
-            first = _to_microsecond(max(start_at, when))  # ParticipationScheduler.schedule's first run
+            first = to_microsecond(max(start_at, when))  # ParticipationScheduler.schedule's first run
             self._wake = sim.loop.call_at(first - sim.epoch, self._materialize, order=1, key=self.key)
             return
         self._build()

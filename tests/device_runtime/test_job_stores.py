@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
-from device_runtime.scheduling import ParticipationScheduler, _to_dt, _to_microsecond
+from device_runtime.scheduling import ParticipationScheduler, _to_dt, to_microsecond
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
 
@@ -29,12 +29,12 @@ TIMES = st.floats(min_value=1.0e9, max_value=4.0e9, allow_nan=False, allow_infin
 @given(TIMES)
 @settings(max_examples=2000, deadline=None)
 def test_memory_times_are_kept_to_the_microsecond_as_stored_ones(ts):
-    assert _to_microsecond(ts) == _to_dt(ts).timestamp()
+    assert to_microsecond(ts) == _to_dt(ts).timestamp()
 
 
 def test_memory_times_round_half_to_even_as_datetime_does():
     for ts in (1_767_225_600.0000005, 1_767_225_600.0000015, 1_767_225_600.9999996, 1_767_225_600.25):
-        assert _to_microsecond(ts) == _to_dt(ts).timestamp()
+        assert to_microsecond(ts) == _to_dt(ts).timestamp()
 
 
 POPULATIONS = st.sampled_from(["digits", "text", "speech"])
