@@ -163,7 +163,7 @@ class FLRuntime:
         self._codecs: dict[str, SecureSumCodec] = {}
         self._lock = threading.Lock()
         self.last_retry_window: tuple[float, float] | None = None
-        self._verdict_needed = True  # until a task without eligibility policies is seen
+        self._verdict_needed = False  # from when a task with eligibility policies is seen
 
     def close(self) -> None:
         self.client.close()
@@ -219,9 +219,11 @@ class FLRuntime:
         eligibility: dict | None,
         run_options: onnxruntime.RunOptions | None,
     ) -> SessionResult:
-        # The task's policies are fetched only while the last ones seen were not empty: a task
-        # without policies needs no verdict, and most check-ins are rejected (pace steering), so
-        # this halves their requests. A server that needs a verdict says so and is answered at once.
+        # The task's policies are fetched only while the last ones seen were not empty (a fresh
+        # runtime has seen none): a task without policies needs no verdict, and most check-ins
+        # are rejected (pace steering), so this halves their requests, the first check-in of a
+        # fleet's devices included. A server that needs a verdict says so (ELIGIBILITY_REQUIRED)
+        # and is answered at once.
         skipped = eligibility is None and not self._verdict_needed
         if eligibility is None and not skipped:
             eligibility = self.evaluate_eligibility()

@@ -177,7 +177,7 @@ class Fibers:
         self.hub = greenlet.getcurrent()
         self.current: Fiber | None = None
         self.closed = False
-        self._fibers: list[Fiber] = []
+        self._fibers: dict[int, Fiber] = {}  # by id: a device released between job runs forgets its fiber
         self._keys = itertools.count(1)
 
     def spawn(self, run: Callable[[], None], *, at: float, name: str = "fiber", order: int = 1, key: int | None = None) -> Fiber:
@@ -185,7 +185,7 @@ class Fibers:
         are keyed in the order they are spawned, from 1 (0 is the loop's own events')."""
         fiber = Fiber(self, run, name, next(self._keys) if key is None else key)
         fiber.start_at(at, order)
-        self._fibers.append(fiber)
+        self._fibers[id(fiber)] = fiber
         return fiber
 
     def key_for(self, name: str) -> int:
@@ -197,14 +197,18 @@ class Fibers:
         """Spawn a fiber and run it at once, within the event being run (from an event callback,
         not a fiber): it runs as a fiber spawned earlier to wake at this event would."""
         fiber = Fiber(self, run, name, key)
-        self._fibers.append(fiber)
+        self._fibers[id(fiber)] = fiber
         fiber._resume()
         return fiber
+
+    def forget(self, fiber: Fiber) -> None:
+        """Drop a fiber that is ending (``close`` has nothing left to end in it)."""
+        self._fibers.pop(id(fiber), None)
 
     def close(self) -> None:
         """End every fiber where it waits; a fiber that tries to sleep again is ended as well."""
         self.closed = True
-        for fiber in self._fibers:
+        for fiber in list(self._fibers.values()):
             try:
                 fiber.kill(SimulationOver())
             except SimulationOver:

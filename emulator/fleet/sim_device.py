@@ -72,6 +72,12 @@ RUN_AHEAD = True
 #: wake-up on the loop (see ``SimDevice``). False builds every device at the start, which gives
 #: the same run with more memory (a test holds them equal).
 MATERIALIZE_LAZILY = True
+#: A device whose job run has ended is released until its next one: its SDK and fiber are dropped
+#: and only what they carry from one job run to the next is kept (``Carried``, about 2.8 kB
+#: with its opstats); its next wake-up builds it again from its seed with that state, so it runs as a device
+#: kept built would, event for event. False keeps every device built once it has woken (the same
+#: run, with about 46 kB per device that has woken; a test holds them equal).
+RELEASE_AFTER_JOBS = True
 
 STATUS_IDLE = "idle"
 STATUS_CHECKING_IN = "checking_in"
@@ -114,7 +120,9 @@ class MemoryOpStats:
         self.sessions_recorded += 1
         shape = shape_of(events)
         if events and shape.endswith("^"):
-            summary = SessionSummary(session_id, population, task, events[0].at, shape, list(events))
+            # its first event only: what eligibility reads (the round it was told at check-in);
+            # a device keeps this between job runs, also while released
+            summary = SessionSummary(session_id, population, task, events[0].at, shape, [events[0]])
             self._completed[(population, task)] = summary
             self._completed[(population, None)] = summary
 
@@ -246,6 +254,25 @@ class _JobStats:
     round: str = ""
 
 
+@dataclass(slots=True)
+class Carried:
+    """What a released device's SDK carries from one job run to the next, and nothing else: its
+    three random streams, its scheduled job and when it last ran, its opstats (last completed
+    participation, resumption tokens), the server's last retry window, the plans it has
+    downloaded, and its example store's token key (a token issued before must still verify)."""
+
+    rng: int
+    runtime_rng: int
+    scheduler_rng: int
+    jobs: dict
+    last_run: dict
+    opstats: "MemoryOpStats"
+    retry_window: tuple[float, float] | None
+    verdict_needed: bool
+    plan_ids: set
+    tokens: Any
+
+
 _Random = random.Random
 
 
@@ -339,7 +366,7 @@ class SimDevice:
     __slots__ = (
         "sim", "spec", "key", "status", "killed", "net_down_from", "net_down_until", "broken_from", "broken_until",
         "late_s", "ahead", "fiber", "_kill_timer", "_idle_timer", "_job", "_examples", "_started_at", "_start_at",
-        "_wake", "rng", "clock", "conditions", "opstats", "store", "transport", "runtime", "queue", "scheduler",
+        "_wake", "_carried", "rng", "clock", "conditions", "opstats", "store", "transport", "runtime", "queue", "scheduler",
     )
 
     def __init__(
@@ -360,7 +387,8 @@ class SimDevice:
         self.fiber: Fiber | None = None
         self._kill_timer: Timer | None = None
         self._idle_timer: Timer | None = None  # a device turned away stops waiting when it could no longer train
-        self._wake: Timer | None = None  # the first wake-up of a device not built yet
+        self._wake: Timer | None = None  # the next wake-up of a device not built yet, or released
+        self._carried: Carried | None = None  # what a released device's SDK carries to its next job run
         self._examples = examples
         self._started_at = sim.loop.now  # when it started: its examples' timestamp
         self._start_at = 0.0
@@ -371,13 +399,19 @@ class SimDevice:
         """The device's SDK is built (its participation job has woken, or it was built eagerly)."""
         return self.fiber is not None
 
-    def _build(self) -> None:
-        """The device's SDK, from its seed alone: the same whenever it is built."""
+    @property
+    def woken(self) -> bool:
+        """The device has been built at least once: it is built now, or released between job runs."""
+        return self.fiber is not None or self._carried is not None
+
+    def _build(self, carried: Carried | None = None) -> None:
+        """The device's SDK, from its seed alone: the same whenever it is built; ``carried``: the
+        state a released device's SDK had at the end of its last job run, restored into it."""
         sim, spec = self.sim, self.spec
         self.rng = StreamRandom(spec.seed)
         self._job = _JobStats()
         self.clock = DeviceClock(self)
-        self.opstats = MemoryOpStats()
+        self.opstats = MemoryOpStats() if carried is None else carried.opstats
         examples = self._examples
         if examples is None:
             examples = functools.partial(sim._examples, spec)
@@ -417,12 +451,45 @@ class SimDevice:
             rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]
         )
         self.scheduler.register_runtime(sim.population, self.runtime)
+        if carried is not None:
+            self._restore(carried)
+            return
         self.scheduler.schedule(
             sim.population,
             CONSTRAINTS,
             TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
             start_at=sim.epoch + self._start_at,
         )
+
+    def _carry(self) -> Carried:
+        """What the SDK carries to the next job run (see ``Carried``): the fields of the device's
+        SDK objects that a job run changes; everything else is rebuilt from the seed as it was."""
+        runtime, opstats = self.runtime, self.opstats
+        opstats.last_events = []  # read only by the job run that recorded them
+        return Carried(
+            rng=self.rng._state,
+            runtime_rng=runtime.rng._state,  # type: ignore[attr-defined]  # a StreamRandom (see _build)
+            scheduler_rng=self.scheduler.rng._state,  # type: ignore[attr-defined]
+            jobs=self.scheduler._jobs._jobs,  # type: ignore[union-attr]  # in memory: database None
+            last_run=self.queue._last_run,
+            opstats=opstats,
+            retry_window=runtime.last_retry_window,
+            verdict_needed=runtime._verdict_needed,
+            plan_ids=runtime.plan_cache._ids,  # type: ignore[attr-defined]  # a MemoryPlanCache
+            tokens=self.store._tokens,
+        )
+
+    def _restore(self, carried: Carried) -> None:
+        runtime = self.runtime
+        self.rng._state = carried.rng
+        runtime.rng._state = carried.runtime_rng  # type: ignore[attr-defined]
+        self.scheduler.rng._state = carried.scheduler_rng  # type: ignore[attr-defined]
+        self.scheduler._jobs._jobs = carried.jobs  # type: ignore[union-attr]
+        self.queue._last_run = carried.last_run
+        runtime.last_retry_window = carried.retry_window
+        runtime._verdict_needed = carried.verdict_needed
+        runtime.plan_cache._ids = carried.plan_ids  # type: ignore[attr-defined]
+        self.store._tokens = carried.tokens
 
     # ----------------------------------------------------------------- the world around the SDK
     def network_up(self, t: float) -> bool:
@@ -521,20 +588,56 @@ class SimDevice:
                 f"device {self.spec.device_id} was built at {self.sim.loop.now!r} s but its job is due at {first!r}: "
                 "the first wake-up set at its start no longer matches its scheduler's; set sim_device.MATERIALIZE_LAZILY = False"
             )
-        self.fiber = self.sim.fibers.spawn_now(self._main, name=self.spec.device_id, key=self.key)
+        self._run_fiber(self._main)
 
-    def _main(self) -> None:
+    def _release(self, until: float) -> None:
+        """Between job runs (called by the fiber, which then ends): keep what the SDK carries
+        and drop the SDK; a timer at ``until``, where the fiber would have slept to, builds it
+        again. It is keyed and ordered as that sleep's wake-up, so the loop runs the same."""
+        sim = self.sim
+        self._carried = self._carry()
+        for name in ("rng", "clock", "opstats", "store", "transport", "runtime", "queue", "scheduler"):
+            delattr(self, name)
+        self.fiber = None
+        if sim.fibers.current is not None:
+            sim.fibers.forget(sim.fibers.current)
+        self._wake = sim.loop.call_at(until, self._rebuild, order=1, key=self.key)
+
+    def _rebuild(self) -> None:
+        """A released device's wake-up: its SDK built again with what it carried, and its fiber
+        run now, as its fiber kept alive would have woken at this event."""
+        carried, self._carried, self._wake = self._carried, None, None
+        assert carried is not None
+        self._build(carried)
+        self._run_fiber(functools.partial(self._main, woken=True))
+
+    def _run_fiber(self, main: Callable[[], None]) -> None:
+        """Spawn the device's fiber and run it now, until it first waits: ``fiber`` is it then,
+        unless it has already released the device."""
+        fiber = self.sim.fibers.spawn_now(main, name=self.spec.device_id, key=self.key)
+        if self._carried is None:
+            self.fiber = fiber
+
+    def _main(self, woken: bool = False) -> None:
+        """The device's job runs, one after another; ``woken``: the fiber of a released device,
+        built at its wake-up, whose first job run is due now."""
         sim = self.sim
         last_job_at = -1.0
         while True:
-            due = self.queue.next_wakeup()
-            if due is None:
-                return
-            wait = due - self.clock.now()
-            if sim.loop.now == last_job_at:  # never two job runs at one instant: time must move
-                wait = max(wait, MIN_JOB_GAP_S)
-            if wait > 0:
-                sim.fibers.sleep(wait)
+            if woken:
+                woken = False
+            else:
+                due = self.queue.next_wakeup()
+                if due is None:
+                    return
+                wait = due - self.clock.now()
+                if sim.loop.now == last_job_at:  # never two job runs at one instant: time must move
+                    wait = max(wait, MIN_JOB_GAP_S)
+                if wait > 0:
+                    if RELEASE_AFTER_JOBS and self.ahead is None:
+                        self._release(sim.loop.now + wait)
+                        return
+                    sim.fibers.sleep(wait)
             last_job_at = sim.loop.now
             if sim.loop.now >= sim.horizon_s:
                 return

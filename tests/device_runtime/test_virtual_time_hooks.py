@@ -229,8 +229,9 @@ class CountingTransport(httpx.HTTPTransport):
 
 def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(server, admin, digits):
     """Most check-ins are rejected; for a task without eligibility policies each costs one
-    request, not two. When a task with policies follows, the server's ELIGIBILITY_REQUIRED makes
-    the device evaluate them and check in again within the same session."""
+    request, not two, a fresh runtime's first included. When a task with policies follows, the
+    server's ELIGIBILITY_REQUIRED makes the device evaluate them and check in again within the
+    same session, and it then asks for the policies before each check-in."""
     plan, weights = deploy(admin, goal_count=1, over_selection=1.0, max_rounds=1)
     admin.deploy_task("digits", "with-policies", plan, encode_checkpoint(weights),
                       RoundConfig(goal_count=1, over_selection=1.0, min_reports=1), EligibilityPolicies(min_examples=10))
@@ -239,7 +240,8 @@ def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(se
     runtime = FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, clock=clock.now, transport=transport)
     first = runtime.run_session()
     assert first.task == "train"
-    assert transport.paths[:2] == ["GET /v1/populations/digits/eligibility", "POST /v1/populations/digits/checkin"]
+    assert transport.paths[0] == "POST /v1/populations/digits/checkin"
+    assert not any("eligibility" in p for p in transport.paths)
     transport.paths.clear()
     second = runtime.run_session()  # "train" is complete: "with-policies" needs a verdict
     assert second.task == "with-policies" and second.outcome.value == "completed"
@@ -248,3 +250,6 @@ def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(se
         "GET /v1/populations/digits/eligibility",
         "POST /v1/populations/digits/checkin",
     ]
+    transport.paths.clear()
+    runtime.run_session()  # the last policies seen were not empty: they are read first
+    assert transport.paths[:2] == ["GET /v1/populations/digits/eligibility", "POST /v1/populations/digits/checkin"]

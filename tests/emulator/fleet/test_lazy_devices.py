@@ -1,14 +1,19 @@
 """Idle devices are cheap: a device's SDK (example store, runtime, scheduler) and its fiber are
-built when its participation job first wakes, from its seed, and the run is the same, bit for
-bit, as the run whose devices are all built at the start."""
+built when its participation job first wakes, from its seed, and released when a job run ends
+until the next one (only what the SDK carries between runs is kept); the run is the same, bit
+for bit, as the run whose devices are all built at the start and kept built."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import tracemalloc
 
+from device_runtime.eligibility import EligibilityPolicies
+
 from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population
 from emulator.fleet.simulator import FleetSimulator
+from server_stub.service import TaskSpec
 from tests.emulator.fleet.test_simulator import small_config
 
 #: What one device that takes part may hold once the fleet has started and before it first wakes:
@@ -25,27 +30,55 @@ def _run(config: FleetConfig, tmp_path, name: str) -> tuple[FleetRun, FleetSimul
     return sim.run(), sim
 
 
-def test_devices_built_when_they_first_wake_give_the_run_of_devices_built_at_the_start(tmp_path, monkeypatch):
+def _same_run(a: FleetRun, b: FleetRun) -> None:
+    assert a.digest == b.digest
+    assert [(r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in a.rounds] == [
+        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in b.rounds]
+    assert a.sessions == b.sessions
+    assert a.timeline == b.timeline
+
+
+def _faulty(seed: int, **task: object) -> FleetConfig:
+    data = small_config(seed=seed, **task).model_dump()
+    data["faults"].update(app_killed_per_h=3.0, conditions_change_per_h=3.0, network_lost_per_h=2.0)
+    return FleetConfig.from_dict(data)
+
+
+def test_devices_built_when_they_first_wake_and_released_after_each_job_give_the_run_of_devices_kept_built(tmp_path, monkeypatch):
     """With faults striking mid-session (apps killed, conditions breaking, the network lost), a
-    fleet whose devices are built on their first wake-up gives the digest, rounds, sessions and
-    timeline of the fleet built whole at the start; and some of its devices were never built."""
+    fleet whose devices are built on their first wake-up and released after every job run gives
+    the digest, rounds, sessions and timeline of the fleet built whole at the start and kept
+    built; some of its devices were never built, and most that woke are released at the end."""
     from emulator.fleet import sim_device
 
-    data = small_config(seed=5).model_dump()
-    data["faults"].update(app_killed_per_h=3.0, conditions_change_per_h=3.0, network_lost_per_h=2.0)
-    config = FleetConfig.from_dict(data)
+    config = _faulty(5)
     lazy, lazy_sim = _run(config, tmp_path, "lazy")
     monkeypatch.setattr(sim_device, "MATERIALIZE_LAZILY", False)
+    monkeypatch.setattr(sim_device, "RELEASE_AFTER_JOBS", False)
     eager, eager_sim = _run(config, tmp_path, "eager")
-    assert lazy.digest == eager.digest
-    assert [(r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in lazy.rounds] == [
-        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in eager.rounds]
-    assert lazy.sessions == eager.sessions
-    assert lazy.timeline == eager.timeline
+    _same_run(lazy, eager)
     assert any(r.committed for r in lazy.rounds)
     assert all(d.materialized for d in eager_sim.devices)
-    built = sum(d.materialized for d in lazy_sim.devices)
-    assert 0 < built < len(lazy_sim.devices)  # devices whose conditions never held in the run were never built
+    woken = sum(d.woken for d in lazy_sim.devices)
+    assert 0 < woken < len(lazy_sim.devices)  # devices whose conditions never held in the run were never built
+    assert sum(d.materialized for d in lazy_sim.devices) < woken / 2  # the rest are released between job runs
+
+
+def test_releasing_devices_between_job_runs_changes_nothing_for_a_task_with_eligibility_and_rounds_that_repeat(tmp_path, monkeypatch):
+    """Released or kept, with devices that take part again and again (short retry windows) in a
+    task whose eligibility reads the device's store and its last participations: their random
+    streams, scheduled jobs, opstats and downloaded plans carry over."""
+    from emulator.fleet import sim_device, simulator
+
+    eligibility = EligibilityPolicies(min_examples=5, min_separation_rounds=2)
+    monkeypatch.setattr(simulator, "TaskSpec", functools.partial(TaskSpec, eligibility=eligibility))
+    config = _faulty(7, retry_min_s=30.0, retry_max_s=120.0)
+    released, _ = _run(config, tmp_path, "released")
+    monkeypatch.setattr(sim_device, "RELEASE_AFTER_JOBS", False)
+    kept, kept_sim = _run(config, tmp_path, "kept")
+    _same_run(released, kept)
+    completed = [r.device_id for r in kept.sessions if r.outcome == "completed"]
+    assert len(completed) > len(set(completed))  # some devices completed more than one session
 
 
 def test_an_idle_device_of_a_20k_fleet_costs_a_few_kilobytes(tmp_path):
