@@ -530,10 +530,11 @@ def backward(
     along which a gradient flows (:func:`differentiable`) are differentiated. Returns ``wrt`` name -> gradient tensor, or
     None where no seeded tensor depends on it (a zero gradient). Raises
     :class:`UnsupportedOpError` for the first node on the way that no rule covers."""
-    from .gradients import NO_GRADIENT, RULES
+    from .gradients import NO_GRADIENT, RULES, erf_gelu_gradient, erf_gelus
 
     live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
+    gelus = erf_gelus(nodes, emitter, live)
     grads: dict[str, list[str]] = {}  # a tensor -> the gradients reaching it, summed when its producer needs them
     for name, seed in seeds.items():
         if name in live:
@@ -547,6 +548,11 @@ def backward(
         if node.domain not in DEFAULT_DOMAINS:
             raise UnsupportedOpError(node.op_type, node.name, f"is in domain {node.domain!r}; only standard ONNX ops are covered")
         if node.op_type in NO_GRADIENT:
+            continue
+        gelu = gelus.get(node.output[0])
+        if gelu is not None and outs[0] is not None:  # the whole pattern at once: its inner tensors get no gradient
+            if gelu[0] in live:
+                grads.setdefault(gelu[0], []).append(erf_gelu_gradient(emitter, gelu, outs[0]))
             continue
         rule = RULES.get(node.op_type)
         if rule is None:

@@ -55,7 +55,9 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
     seeded generator); ``None`` leaves the masks to onnxruntime's own randomness."""
     out = TrainingForward([])
     dropouts = 0
-    for node in sequences_as_slices(e, nodes):
+    nodes = sequences_as_slices(e, nodes)
+    read = _read_tensors(nodes)
+    for node in nodes:
         if node.domain not in DEFAULT_DOMAINS:
             out.nodes.append(node)
             continue
@@ -63,7 +65,7 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
             out.nodes += _emitted(e, lambda: _batch_norm(e, node, initializers, out.state_updates))
         elif node.op_type in DECOMPOSED:
             out.nodes += decompose(e, [node])
-        elif node.op_type == "Dropout" and _drops_nothing(e, node):
+        elif node.op_type == "Dropout" and _drops_nothing(e, node, read):
             out.nodes.append(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
             dropouts += 1
         elif node.op_type == "Dropout":
@@ -292,14 +294,26 @@ def _dense_tap_weights(e: Emitter, w: str, g: ConvTaps, taps: int, used: list[in
     return {k: e.op("Squeeze", [part, e.ints([0])]) for k, part in zip(used, split(e, rows, [1] * len(used), 0, "tap_w"))}
 
 
-def _drops_nothing(e: Emitter, node: onnx.NodeProto) -> bool:
+def _drops_nothing(e: Emitter, node: onnx.NodeProto, read: set[str]) -> bool:
     """A Dropout of constant ratio 0 whose mask nobody reads: the identity, in training as well (as
     torch's dropout with p=0 returns its input). transformers' configs export it so (ViT's hidden and
-    attention dropout default to 0); active, it drew a random mask and multiplied by it both ways."""
-    if len(node.output) > 1 and node.output[1] or len(node.input) < 2 or not node.input[1]:
+    attention dropout default to 0), and a training-mode export names the mask output even though
+    nothing reads it; active, it drew a random mask and multiplied by it both ways."""
+    if len(node.output) > 1 and node.output[1] in read or len(node.input) < 2 or not node.input[1]:
         return False
     ratio = e.value(node.input[1])
     return ratio is not None and ratio.size == 1 and float(ratio.reshape(())) == 0.0
+
+
+def _read_tensors(nodes: Sequence[onnx.NodeProto]) -> set[str]:
+    """Every tensor a node of ``nodes`` reads, in its subgraphs too."""
+    read: set[str] = set()
+    for node in nodes:
+        read.update(i for i in node.input if i)
+        for a in node.attribute:
+            for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs if a.type == onnx.AttributeProto.GRAPHS else []:
+                read |= _read_tensors(g.node)
+    return read
 
 
 def _dropout(e: Emitter, node: onnx.NodeProto, seed: int | None) -> onnx.NodeProto:

@@ -46,7 +46,7 @@ from .autodiff import (
     needed_for,
     tensor_infos,
 )
-from . import onnx_import
+from . import onnx_import, peephole
 from .forward import is_float, training_forward
 from .gradients import NO_GRADIENT
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
@@ -308,10 +308,15 @@ def _live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> list
 
 
 def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes:
-    used = {i for n in nodes for i in n.input}
-    graph = helper.make_graph(list(nodes), name, inputs, outputs, initializer=[i for i in initializers if i.name in used])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="fedfleet.toolchain",
-                              ir_version=ir_version_for_opset(opset))
+    """The generated graph as a checked model, after the rewrites of :mod:`.peephole`."""
+    def make(nodes, initializers) -> onnx.ModelProto:
+        used = {i for n in nodes for i in n.input}
+        graph = helper.make_graph(list(nodes), name, inputs, outputs, initializer=[i for i in initializers if i.name in used])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="fedfleet.toolchain",
+                                 ir_version=ir_version_for_opset(opset))
+
+    model = make(nodes, initializers)
+    model = make(*peephole.rank_matched_constants(model.graph.node, model.graph.initializer, peephole.inferred_ranks(model)))
     onnx.checker.check_model(model)
     return model.SerializeToString()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 
 from device_runtime.executor import make_session
@@ -246,3 +247,15 @@ def test_the_plans_dropout_drops_at_its_rate_and_scales_what_it_keeps(entry):
     logits = w @ inputs
     g = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum() - np.eye(len(logits))[y[0]]
     np.testing.assert_allclose(delta, lr * np.outer(g, inputs), rtol=1e-4, atol=1e-6)
+
+
+def test_a_training_export_of_zero_dropouts_draws_no_mask():
+    """transformers' ViT keeps its hidden and attention dropout at 0; the classic exporter in training
+    mode writes each as an active ``Dropout`` of ratio 0 with a mask output that nothing reads: the
+    plan's step runs no Dropout (the same step as without it, drawing no random mask either way)."""
+    entry = next(e for e in STEPPED if e["model"] == "hf_vit.perturbed.classic.onnx.gz")
+    source = onnx.load_from_string(gzip.decompress((EXPORTED / entry["model"]).read_bytes()))
+    dropouts = [n for n in source.graph.node if n.op_type == "Dropout"]
+    assert dropouts and all(len(n.output) == 2 and n.output[1] for n in dropouts)
+    work = onnx.ModelProto.FromString(plan_step(entry["model"]).made.plan.work)
+    assert "Dropout" not in {n.op_type for n in work.graph.node}

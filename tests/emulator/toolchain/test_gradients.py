@@ -902,3 +902,36 @@ def test_sequence_at_of_a_split_to_sequence_is_differentiated_as_its_slice(split
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 6)).astype(np.float32), "w": rng.standard_normal((1, 6)).astype(np.float32)}
     assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
+
+
+def _erf_gelu(order: int, scale_op: str, shared: bool) -> onnx.ModelProto:
+    """``x * (erf(x / sqrt 2) + 1) * 0.5`` as the classic exporter writes GELU below opset 20 (its
+    scaling a ``Div`` or a ``Mul``, operands in either order); ``shared``: the ``erf + 1`` is an output
+    too, so that the ops are differentiated one by one."""
+    n = helper.make_node
+    c = np.array(np.sqrt(2.0) if scale_op == "Div" else 1 / np.sqrt(2.0), np.float32)
+    pair = (lambda a, b: [a, b]) if order == 0 else (lambda a, b: [b, a])
+    nodes = [n(scale_op, ["x", "c"], ["u"]), n("Erf", ["u"], ["e"]), n("Add", pair("e", "one"), ["a"]),
+             n("Mul", pair("x", "a"), ["m"]), n("Mul", pair("m", "half"), ["y"])]
+    outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [3, 5]) for o in (["y", "a"] if shared else ["y"])]
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])], outputs,
+                              initializer=[numpy_helper.from_array(c, "c"), numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+                                           numpy_helper.from_array(np.array(0.5, np.float32), "half")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("order", [0, 1])
+@pytest.mark.parametrize("scale_op", ["Div", "Mul"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_erf_gelu_is_differentiated_as_one_activation(order, scale_op, shared):
+    """The GELU's gradient is its local derivative h (a + x k 2/sqrt(pi) exp(-u^2)) from the forward's
+    own u = x k and a = erf(u) + 1: the constant and six passes over x's shape, not the nine of the
+    five ops' rules (dy*h, dy*a, dy*x, u*u, the exponent, exp, its product, /c, the sum); where an
+    inner tensor is read elsewhere, the ops' own rules. Both agree with finite differences."""
+    m = _erf_gelu(order, scale_op, shared)
+    x = np.random.default_rng(order).uniform(-3, 3, (3, 5)).astype(np.float32)
+    outputs = [o.name for o in m.graph.output]
+    assert vjp_error(m, {"x": x}, ["x"], outputs=outputs, eps=3e-3) < F32_TOL
+    backward = vjp_model(m, outputs=outputs, wrt=["x"]).graph.node[len(m.graph.node):]
+    passes = [b for b in backward if b.op_type not in ("Identity", "Constant")]
+    assert (len(passes) > 7) if shared else (len(passes) == 7), [b.op_type for b in passes]
