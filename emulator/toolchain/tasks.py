@@ -274,6 +274,10 @@ class Task:
         minors = [r.rsplit(".", 1)[0] for r in self.runtimes]
         if len(set(minors)) != len(minors):
             raise TaskError(f"task {self.name!r} claims two patches of one minor release {self.runtimes}; devices are served per minor")
+        unknown = [r for r in self.runtimes if r not in KNOWN_RELEASES]
+        if unknown:  # now, not as a traceback when plan test installs it
+            raise TaskError(f"task {self.name!r} claims {', '.join(unknown)}, not an onnxruntime release the release tests "
+                            f"know; claim some of {', '.join(KNOWN_RELEASES)}")
         if self.batch_size < 1 or self.epochs < 1:
             raise TaskError(f"task {self.name!r}: batch_size and epochs must be >= 1")
         if self.evaluates is not None:
