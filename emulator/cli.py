@@ -1,12 +1,14 @@
 """The command line: ``fedfleet demo`` runs an emulated fleet against the embedded server,
 ``fedfleet server`` runs the FL server, ``fedfleet authority`` makes an emulated attestation
 authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet compare`` sets runs side by
-side, ``fedfleet plan`` and ``fedfleet deploy`` build, test and ship FL plans."""
+side, ``fedfleet plan`` and ``fedfleet deploy`` build, test and ship FL plans, ``fedfleet status``
+and ``fedfleet rounds`` show what a server runs."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import math
 import logging
 import os
@@ -15,12 +17,28 @@ from dataclasses import fields
 from pathlib import Path
 
 from server_stub import RoundConfig
-from server_stub.cli import add_server_arguments, run_server
+from server_stub.cli import add_server_arguments, run_server, show_defaults
 
 from .attestation_authority import AttestationAuthority
 from .demo import DemoConfig, DemoConfigError, run_demo
 from .fleet.cli import add_compare_parser, add_simulate_parser, run_compare, run_simulate
 from .toolchain.cli import add_toolchain_commands, run_toolchain_command
+
+
+#: ``fedfleet --help``'s description: plain text (the module docstring's markup would print as it is).
+DESCRIPTION = ("Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
+               "authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
+               "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
+               "server runs.")
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's); "unknown" when run from a tree
+    that was never installed."""
+    try:
+        return importlib.metadata.version("fedfleet")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed; pip install -e . in the checkout)"
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,9 +52,10 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--secure", action="store_true", help="report through Secure Aggregation (the server sees only sums)")
     p.add_argument("--secagg-group", type=int, default=defaults.secagg_group_size, dest="secagg_group_size",
                    help="smallest Secure Aggregation group (k)")
-    p.add_argument("--epochs", type=int, default=defaults.epochs)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--time-limit", type=float, default=defaults.time_limit_s, dest="time_limit_s")
+    p.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over its examples a device makes per round")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same fleet")
+    p.add_argument("--time-limit", type=float, default=defaults.time_limit_s, dest="time_limit_s",
+                   help="seconds the demo may run before it stops")
 
 
 def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> None:
@@ -61,12 +80,13 @@ def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> 
 def _authority_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("authority", help="create an emulated attestation authority and its trust anchor")
     p.add_argument("--key", required=True, help="where to write the authority's private key (mode 0600)")
-    p.add_argument("--trust", required=True, help="where to write the trust anchor for `fedfleet server --attestation-trust`")
+    p.add_argument("--trust", required=True, help="where to write the trust anchor for fedfleet server --attestation-trust")
     p.add_argument("--force", action="store_true", help="replace an existing key file (its devices' certificates stop being trusted)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedfleet", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fedfleet", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     add_server_arguments(sub.add_parser("server", help="run the FL server (HTTP, SQLite by default)"))
@@ -74,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     add_simulate_parser(sub)
     add_compare_parser(sub)
     add_toolchain_commands(sub)
-    args = parser.parse_args(argv)
-    if args.command in ("plan", "deploy"):
+    args = show_defaults(parser).parse_args(argv)
+    if args.command in ("plan", "deploy", "status", "rounds"):
         return run_toolchain_command(args)
     if args.command == "server":
         return run_server(args)

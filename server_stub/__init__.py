@@ -1,7 +1,7 @@
 """The minimal FL server: populations, tasks, selection, rounds, aggregation, persistence."""
 
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
-from .admin_client import AdminClient, AdminError, task_body
+from .admin_client import AdminClient, AdminError, ServerUnreachable, task_body
 from .app import create_app, create_app_from_path
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
 from .errors import ApiError
@@ -40,6 +40,7 @@ __all__ = [
     "SecureSettings",
     "AdminClient",
     "AdminError",
+    "ServerUnreachable",
     "ApiError",
     "AttestationVerifier",
     "FLService",

@@ -62,12 +62,32 @@ class AdminError(Exception):
         self.code = code
 
 
+class ServerUnreachable(Exception):
+    """No answer from the server (nothing listens there, a wrong host, a URL that is not ``http(s)://``):
+    the message is one line saying what to check, for a command line to print as it is."""
+
+
+def check_server_url(url: str) -> str:
+    """``url`` without a trailing slash, once it names an ``http://`` or ``https://`` server; a bare
+    ``host:port`` is refused with the URL to give instead (httpx would say only "unsupported protocol")."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ServerUnreachable(f"{url!r} is not a server URL ({exc}); give one such as http://127.0.0.1:8000") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        bare = url.split("://", 1)[-1]
+        raise ServerUnreachable(f"{url!r} is not a server URL: it needs http:// or https:// and a host, "
+                                f"e.g. http://{bare or '127.0.0.1:8000'}")
+    return url.rstrip("/")
+
+
 class AdminClient:
     """An operator's client: every request carries the admin key as a bearer token."""
 
     def __init__(self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.url = check_server_url(server_url)
         self.http = httpx.Client(
-            base_url=server_url.rstrip("/"),
+            base_url=self.url,
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {admin_key}"},
             transport=transport,
@@ -82,6 +102,17 @@ class AdminClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Every request goes through here, so that a server that does not answer is one
+        ``ServerUnreachable`` whatever the call, and a refusal one ``AdminError``."""
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            reason = str(exc) or type(exc).__name__
+            raise ServerUnreachable(f"no answer from the server at {self.url} ({reason}); check that fedfleet server "
+                                    "runs there and the URL's host and port") from None
+        return self._check(response)
+
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 400:
             try:
@@ -92,10 +123,10 @@ class AdminClient:
         return response
 
     def create_population(self, name: str) -> dict[str, Any]:
-        return self._check(self.http.post("/v1/populations", json={"name": name})).json()
+        return self._send("POST", "/v1/populations", json={"name": name}).json()
 
     def populations(self) -> list[str]:
-        return self._check(self.http.get("/v1/populations")).json()["populations"]
+        return self._send("GET", "/v1/populations").json()["populations"]
 
     def deploy_task(
         self,
@@ -112,24 +143,24 @@ class AdminClient:
         """Deploy one task; it trains once no earlier task of the population is active."""
         body = task_body(name, plan, checkpoint, config, eligibility,
                          versioned_plans=versioned_plans, release_report=release_report)
-        return self._check(self.http.post(f"/v1/populations/{population}/tasks", json=body)).json()
+        return self._send("POST", f"/v1/populations/{population}/tasks", json=body).json()
 
     def deploy_body(self, population: str, body: dict[str, Any]) -> dict[str, Any]:
         """Deploy one task given as its JSON (``task_body`` makes it)."""
-        return self._check(self.http.post(f"/v1/populations/{population}/tasks", json=body)).json()
+        return self._send("POST", f"/v1/populations/{population}/tasks", json=body).json()
 
     def deploy_tasks(self, population: str, tasks: list[dict[str, Any]], strategy: str = "alternate") -> dict[str, Any]:
         """Deploy tasks that share the population's rounds (``task_body`` makes each item);
         ``strategy`` is ``alternate`` (take turns) or ``weighted`` (draw by each task's weight)."""
         body = {"strategy": strategy, "tasks": tasks}
-        return self._check(self.http.post(f"/v1/populations/{population}/task-groups", json=body)).json()
+        return self._send("POST", f"/v1/populations/{population}/task-groups", json=body).json()
 
     def status(self, population: str) -> dict[str, Any]:
-        return self._check(self.http.get(f"/v1/populations/{population}")).json()
+        return self._send("GET", f"/v1/populations/{population}").json()
 
     def rounds(self, population: str, task: str | None = None) -> list[dict[str, Any]]:
         params = {"task": task} if task is not None else None
-        return self._check(self.http.get(f"/v1/populations/{population}/rounds", params=params)).json()["rounds"]
+        return self._send("GET", f"/v1/populations/{population}/rounds", params=params).json()["rounds"]
 
     def rounds_frame(self, population: str, task: str | None = None):  # -> pandas.DataFrame
         """The rounds as a pandas DataFrame, one row per round (needs ``fedfleet[analysis]``)."""
@@ -137,9 +168,9 @@ class AdminClient:
 
     def checkpoint(self, resource_id: str) -> dict:
         """A checkpoint resource, e.g. the model a given round committed."""
-        return decode_checkpoint(self._check(self.http.get(f"/v1/resources/{resource_id}")).content)
+        return decode_checkpoint(self._send("GET", f"/v1/resources/{resource_id}").content)
 
     def model(self, population: str, task: str | None = None) -> tuple[dict, int]:
         params = {"task": task} if task is not None else None
-        response = self._check(self.http.get(f"/v1/populations/{population}/model", params=params))
+        response = self._send("GET", f"/v1/populations/{population}/model", params=params)
         return decode_checkpoint(response.content), int(response.headers["X-Round"])

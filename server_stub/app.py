@@ -338,8 +338,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
                         versioned_plans=versioned, release_report=task.release_report)
 
     def _deployed(population: str, records: list) -> list[dict]:
-        return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id}
-                for r in records]
+        """What a deploy made, with each task's state: ``queued`` (and behind which tasks) tells the
+        operator that it waits, rather than leaving them to wonder why no round opens."""
+        states = service.task_states(population)
+        return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id,
+                 **states.get(r.name, {"status": r.status})} for r in records]
 
     @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201)
     async def deploy_task(population: str, request: Request) -> Response:
@@ -350,7 +353,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
         spec = await call(_spec, task)
         records = await call(service.deploy_tasks, population, [spec])
-        return JSONResponse(_deployed(population, records)[0], status_code=201)
+        return JSONResponse((await call(_deployed, population, records))[0], status_code=201)
 
     @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201)
     async def deploy_group(population: str, request: Request) -> Response:
@@ -359,7 +362,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         group = await call(parse, GroupDeploy, raw)
         specs = [await call(_spec, t) for t in group.tasks]
         records = await call(service.deploy_tasks, population, specs, group.strategy)
-        return JSONResponse({"strategy": group.strategy.value, "tasks": _deployed(population, records)}, status_code=201)
+        return JSONResponse({"strategy": group.strategy.value, "tasks": await call(_deployed, population, records)},
+                            status_code=201)
 
     @app.get("/v1/populations/{population}/rounds", tags=["operators"])
     async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:

@@ -20,6 +20,47 @@ from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (argparse's ArgumentDefaultsHelpFormatter shows it
+    only for options that have help text, and shows None and False too)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not shows_default(action) or "%(default)" in text or "(default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class RawDescriptionDefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """As ``DefaultsHelpFormatter``, for a parser whose description is laid out by hand."""
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether an option's default is worth printing: a value, not None, an empty list or a flag's False."""
+    return (bool(action.option_strings) and action.default is not argparse.SUPPRESS
+            and action.default is not None and action.default is not False and action.default not in ([], ())
+            and action.help is not argparse.SUPPRESS)
+
+
+def parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every subcommand's parser below it, depth first."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases name one parser twice
+                found.extend(parsers(sub))
+    return found
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make every ``--help`` of the tree under ``parser`` show the defaults (subparsers do not
+    inherit their parent's formatter, so each is set here, in one place)."""
+    for p in parsers(parser):
+        raw = issubclass(p.formatter_class, argparse.RawDescriptionHelpFormatter)
+        p.formatter_class = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
+    return parser
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -32,19 +73,19 @@ def _port(text: str) -> int:
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default="fl_server.db", help="SQLite file (created if missing) or a SQLAlchemy URL")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: loopback only)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (0 picks a free one)")
     p.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV}; else a key is generated and printed)")
     p.add_argument("--attestation-trust", metavar="FILE",
-                   help="trust anchor of the attestation authority (`fedfleet authority` writes one); admits only attested devices")
+                   help="trust anchor of the attestation authority (fedfleet authority writes one); admits only attested devices")
     p.add_argument("--rate-burst", type=float, default=5.0, help="check-ins a device may make at once (with attestation)")
     p.add_argument("--rate-per-hour", type=float, default=60.0, help="check-ins a device regains per hour (with attestation)")
     p.add_argument("--nonce-ttl", type=float, default=120.0, help="seconds an attestation nonce stays valid")
     p.add_argument("--allow-untested-plans", action="store_true",
-                   help="accept tasks without a release report (`fedfleet plan test`) covering every runtime they claim")
+                   help="accept tasks without a release report (from fedfleet plan test) covering every runtime they claim")
     p.add_argument("--release-trust", metavar="FILE",
                    help="public keys of the testers whose signed release reports are accepted, one "
-                        "'ed25519 <base64 key> [label]' per line (`fedfleet plan keygen` prints it)")
+                        "'ed25519 <base64 key> [label]' per line (fedfleet plan keygen prints it)")
     limits = HttpLimits()
     p.add_argument("--header-timeout-s", type=float, default=limits.header_timeout_s,
                    help="seconds a client has to send a request's head (from connecting, or from the last answer)")
@@ -54,7 +95,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections at most; one more replaces the longest idle (default: under the file-descriptor limit)")
     p.add_argument("--max-header-bytes", type=int, default=limits.max_header_bytes,
                    help="the largest request head (request line and headers); a larger one is answered 431")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="how much the server logs")
 
 
 def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> str:
@@ -129,4 +171,5 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m server_stub", description="Run the FL server.")
     add_server_arguments(parser)
+    show_defaults(parser)
     return run_server(parser.parse_args(argv))

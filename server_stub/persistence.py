@@ -293,6 +293,14 @@ class ServerStore:
         with self.engine.begin() as conn:
             conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics)))
 
+    def extend_round(self, round_id: int, metrics: dict, ended_at: float) -> RoundRecord:
+        """Make a round on record end later and say ``metrics``: the selection timeouts of an idle
+        task are one record that grows, not a record each (see ``FLService._commit``)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics), ended_at=ended_at))
+            row = conn.execute(select(rounds).where(rounds.c.id == round_id)).mappings().one()
+        return _round_record(row)
+
     def rounds(self, task_id: int) -> list[RoundRecord]:
         """A task's rounds in the order they ran: a record kept in memory while the database was
         locked is written after rounds that ran later."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import heapq
 import hmac
 import json
 import logging
@@ -170,6 +171,7 @@ class _TaskRun:
     bounded: dict[str, int] = field(default_factory=lambda: {"capped": 0, "clipped": 0})
     closed: list[_ClosedRound] = field(default_factory=list)
     seats: dict[tuple[int, int, int], dict[bytes, str]] = field(default_factory=dict)  # open round: attested device -> session
+    idle_record: RoundRecord | None = None  # the task's last record, while it is a selection nobody came to
 
     @property
     def seat_key(self) -> tuple[int, int, int]:
@@ -653,15 +655,10 @@ class FLService:
         records = self.store.tasks(population)
         if task is not None and all(r.name != task for r in records):
             raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
-        out = []
-        for record in records:
-            if task is not None and record.name != task:
-                continue
-            for r in self.store.rounds(record.id):
-                item = r.to_json()
-                item["task"] = record.name
-                out.append(item)
-        return out
+        per_task = [[{**r.to_json(), "task": record.name} for r in self.store.rounds(record.id)]
+                    for record in records if task is None or record.name == task]
+        # oldest first across tasks (each task's own order kept): an operator reads a history
+        return list(heapq.merge(*per_task, key=lambda item: item["started_at"]))
 
     def population_status(self, population: str) -> dict:
         tasks = self.store.tasks(population)
@@ -679,12 +676,13 @@ class FLService:
                 for run in pop.runs
             ]
             run = pop.current
+            states = self._task_states(pop, tasks)
             status = {
                 "population": population,
                 "strategy": pop.strategy.value if pop.runs else None,
                 "active_task": run.record.name if run is not None else None,
                 "active_tasks": active,
-                "tasks": [{"name": t.name, "status": t.status} for t in tasks],
+                "tasks": [{"name": t.name, **states[t.name]} for t in tasks],
             }
             if run is not None:
                 assert run.core is not None
@@ -696,6 +694,24 @@ class FLService:
                     checkpoint_id=run.broadcast_id,
                 )
             return status
+
+    def task_states(self, population: str) -> dict[str, dict]:
+        """Each task's state as an operator sees it: ``active`` (its rounds run), ``queued`` with
+        ``queued_behind`` (the running tasks it waits for: a population runs one deploy at a time,
+        and a task without ``max_rounds`` never ends), or ``completed``."""
+        tasks = self.store.tasks(population)
+        with self._lock:
+            return self._task_states(self._population(population), tasks)
+
+    def _task_states(self, pop: _Population, tasks: list[TaskRecord]) -> dict[str, dict]:
+        running = [r.record.name for r in pop.runs]
+        states: dict[str, dict] = {}
+        for t in tasks:
+            if t.status != "active" or t.name in running or not running:
+                states[t.name] = {"status": t.status}
+            else:
+                states[t.name] = {"status": "queued", "queued_behind": running}
+        return states
 
     def current_model(self, population: str, task: str | None = None) -> tuple[bytes, int, str]:
         """The newest global model of a task (by default the population's current training
@@ -1079,9 +1095,20 @@ class FLService:
             return self.store.record_round(run.record.id, p.core.number, attempt, status, metrics,
                                            p.started_wall, p.ended_wall, *resources)
 
-        record: RoundRecord | None = None
+        # A selection nobody came to, after another: the record of the first grows (its end, its
+        # count of timeouts) instead of a new one per timeout, and no attempt is used up, so an idle
+        # population's history is one line per idle spell, not one per selection_timeout_s.
+        idle = phase is Phase.ABANDONED and not metrics.get("selected") and "error" not in metrics
+        extended = None
+        if idle and run.idle_record is not None:
+            first = run.idle_record
+            grown = {**first.metrics, "idle_timeouts": int(first.metrics.get("idle_timeouts", 1)) + 1,
+                     "duration_s": round(float(first.metrics.get("duration_s", 0.0)) + float(metrics["duration_s"]), 4)}
+            extended = self._write_quietly(self.store.extend_round, first.id, grown, p.ended_wall)
+        record: RoundRecord | None = extended
         try:
-            record = write(phase.value, checkpoint, broadcast)
+            if extended is None:
+                record = write(phase.value, checkpoint, broadcast)
         except (SQLAlchemyError, OSError) as exc:
             log.error("task %s round %d: the database write failed (%s); the round is abandoned", run.record.name, p.core.number, exc)
             was_commit = phase is Phase.COMMITTED
@@ -1122,9 +1149,13 @@ class FLService:
                 run.round_number += 1
                 run.attempt = 1
                 log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))
+            elif extended is not None:
+                log.info("task %s round %d attempt %d: nobody came again (%d selection timeouts in a row)",
+                         run.record.name, p.core.number, extended.attempt, extended.metrics["idle_timeouts"])
             else:
                 run.attempt += 1
                 log.info("task %s abandoned round %d (attempt %d): %s", run.record.name, p.core.number, run.attempt - 1, _brief(metrics))
+            run.idle_record = (extended or record) if idle else None
             pop = p.population
             pop.runs = [r for r in pop.runs if r not in finished]
             pop.committing = False

@@ -30,7 +30,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
         help="simulate a fleet in virtual time (the paper-calibrated defaults without a file)",
-        description=__doc__,
+        description=__doc__.replace("``", ""),  # the docstring is the page; --help prints it as plain text
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("fleet", nargs="?", help="a fleet config (TOML); see examples/fleets/default.toml")
@@ -40,7 +40,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="override the seed (the same seed gives the same run)")
     p.add_argument("--goal", type=int, help="override the round goal (reports a round needs; the default 100 needs thousands of devices)")
     p.add_argument("--task", metavar="TASK.py",
-                   help="run this task file (what `fedfleet plan build` takes) instead of the built-in digits MLP")
+                   help="run this task file (what fedfleet plan build takes) instead of the built-in digits MLP")
     p.add_argument("--data", metavar="FORMAT:PATH[,K=V...]",
                    help="a federated dataset, each client a device's examples: leaf:DIR, tff-h5:FILE, "
                         "table:FILE,client=COLUMN, npz:FILE, digits,partition=dirichlet (default: the digits sampled per device)")
@@ -146,7 +146,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare",
         help="two or more simulated runs side by side in one HTML page",
-        description="Two or more run folders (as `fedfleet simulate --out` writes them) side by side in one HTML page: "
+        description="Two or more run folders (as fedfleet simulate --out writes them) side by side in one HTML page: "
         "a summary table with a column per run, accuracy and loss against simulated hours and against rounds, rounds "
         "committed over time, bytes per round and per-client accuracy percentiles (when measured).",
     )

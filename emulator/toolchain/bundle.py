@@ -31,7 +31,7 @@ from device_runtime.plan import Plan, load_plan, serialize_plan
 from emulator.runtime_worker import WorkerPool
 from emulator.toolchain.release import release_test, write_report
 from emulator.toolchain.release_signing import sign_report
-from emulator.toolchain.tasks import Task, TaskError, load_tasks
+from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, task_body
 from server_stub.rounds import RoundConfig
@@ -120,7 +120,9 @@ def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] 
     """Build every task of ``task_file`` into ``out``; raises VersioningError naming the op and
     the release when a claimed release cannot run the plan."""
     out = Path(out)
-    tasks = load_tasks(task_file)
+    tasks = [dataclasses.replace(task, runtimes=tuple(runtimes)) if runtimes else task for task in load_tasks(task_file)]
+    for task in tasks:  # before anything is written
+        check_known_releases(task)
     out.mkdir(parents=True, exist_ok=True)
     if Path(task_file).resolve() != (out / TASK_FILE).resolve():  # a stub plan from-onnx wrote is built in place
         shutil.copyfile(task_file, out / TASK_FILE)
@@ -128,8 +130,6 @@ def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] 
     (out / SOURCE).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
     roots = []
     for task in tasks:
-        if runtimes:
-            task = dataclasses.replace(task, runtimes=tuple(runtimes))
         built = build_task(task, say=say)
         root = out / task.name
         if root.exists():
@@ -178,6 +178,7 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
         if task is None:
             raise TaskError(f"{directory / TASK_FILE} no longer defines task {manifest['task']!r}; build the bundle again")
         task = dataclasses.replace(task, runtimes=tuple(manifest["runtimes"]))
+        check_known_releases(task)
         plan = (root / manifest["plan"]["file"]).read_bytes()
         versions = {r: (root / v["file"]).read_bytes() for r, v in manifest["versions"].items()}
         for name, data, want in [("plan", plan, manifest["plan"]["sha256"]),

@@ -20,13 +20,17 @@
                                                 exports FACTORY()'s nn.Module so that it trains right
                                                 (dynamo, optimize=False, train mode, dynamic batch), then
                                                 as from-onnx; needs the torch extra
-    fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server
+    fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server; says
+                                                whether each task runs now or is queued behind another
+    fedfleet status --server URL --population P   the population's tasks (active, queued, completed)
+    fedfleet rounds --server URL --population P [--task T]   its rounds, oldest first
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import os
 import sys
 import textwrap
@@ -38,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from device_runtime.plan import PlanError, serialize_plan
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
-from server_stub.admin_client import AdminClient, AdminError
+from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
 
 from ..runtime_envs import RuntimeEnvError
 from ..runtime_worker import WorkerError, WorkerPool
@@ -57,18 +61,18 @@ SIGNING_KEY_ENV = "FEDFLEET_SIGNING_KEY"
 
 
 def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``plan`` and ``deploy`` on the ``fedfleet`` command's subparsers."""
+    """Register ``plan``, ``deploy``, ``status`` and ``rounds`` on the ``fedfleet`` command's subparsers."""
     plan = sub.add_parser("plan", help="build, test and make FL plans (the model engineer's workflow)")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     build = plan_sub.add_parser("build", help="build a task file's plans: unversioned and one per claimed runtime")
-    build.add_argument("task_file", type=Path)
+    build.add_argument("task_file", type=Path, help="a Python file defining the task(s), e.g. examples/tasks/digits_task.py")
     build.add_argument("-o", "--out", type=Path, required=True, help="directory to write the plans to")
     build.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
     test = plan_sub.add_parser("test", help="release tests on every claimed real onnxruntime; writes a release report")
-    test.add_argument("target", type=Path, help="a task file or a directory `plan build` wrote")
+    test.add_argument("target", type=Path, help="a task file or a directory plan build wrote")
     test.add_argument("-o", "--out", type=Path, help="where to build a task file first (default: build/<file stem>)")
     test.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
-    test.add_argument("--signing-key", type=Path, help=f"sign the reports with this key (`plan keygen` makes one; "
+    test.add_argument("--signing-key", type=Path, help=f"sign the reports with this key (plan keygen makes one; "
                       f"else ${SIGNING_KEY_ENV}); a server accepts only reports signed by a key it trusts")
     keygen = plan_sub.add_parser("keygen", help="make a key to sign release reports with, and its line for a server's "
                                  "--release-trust file")
@@ -78,7 +82,7 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     keygen.add_argument("--force", action="store_true", help="replace an existing key file")
     onnx_cmd = plan_sub.add_parser("from-onnx", help="a deployable bundle (plans, initial checkpoint, task file) from an "
                                    "ONNX inference model")
-    onnx_cmd.add_argument("model", type=Path)
+    onnx_cmd.add_argument("model", type=Path, help="the ONNX inference model")
     _model_options(onnx_cmd)
     torch_cmd = plan_sub.add_parser("from-torch", help="export a PyTorch module so that it trains right, then as from-onnx "
                                     "(needs the torch extra)")
@@ -89,21 +93,32 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
                            "joined by x (1x28x28; empty for a scalar), dtype float32 (default), int64, bool, ...")
     _model_options(torch_cmd)
     deploy = sub.add_parser("deploy", help="send a tested task's plans and release report to a server")
-    deploy.add_argument("directory", type=Path)
-    deploy.add_argument("--server", required=True, help="the server's URL")
-    deploy.add_argument("--population", required=True)
-    deploy.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
+    deploy.add_argument("directory", type=Path, help="a bundle directory that plan build and plan test wrote")
+    _server_options(deploy, "the population to deploy into (created if missing)")
+    status = sub.add_parser("status", help="a population's tasks on a server (active, queued behind which task, "
+                            "completed) and its open round")
+    _server_options(status, "the population to show")
+    rounds = sub.add_parser("rounds", help="a population's rounds on a server, oldest first, one line each")
+    _server_options(rounds, "the population whose rounds to list")
+    rounds.add_argument("--task", help="only this task's rounds (default: every task's)")
+
+
+def _server_options(cmd: argparse.ArgumentParser, population: str) -> None:
+    """The options of every command that talks to a server (deploy, status, rounds)."""
+    cmd.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
+    cmd.add_argument("--population", required=True, help=population)
+    cmd.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
 
 
 def _model_options(cmd: argparse.ArgumentParser) -> None:
     """The options from-onnx and from-torch share: how the plan trains and where it goes."""
     cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
     cmd.add_argument("--loss", default="cross_entropy", help="cross_entropy, binary_cross_entropy or mse")
-    cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
-    cmd.add_argument("--lr", type=float, default=0.1)
-    cmd.add_argument("--batch-size", type=int, default=32)
-    cmd.add_argument("--epochs", type=int, default=1)
-    cmd.add_argument("--opset", type=int, default=21)
+    cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"], help="the device's optimizer")
+    cmd.add_argument("--lr", type=float, default=0.1, help="the device optimizer's learning rate")
+    cmd.add_argument("--batch-size", type=int, default=32, help="examples per training step")
+    cmd.add_argument("--epochs", type=int, default=1, help="passes over a device's examples per round")
+    cmd.add_argument("--opset", type=int, default=21, help="the ONNX opset of the plans")
     cmd.add_argument("--collection", default="app:/examples", help="the example store collection devices read")
     cmd.add_argument("--trainable", nargs="+", metavar="PATTERN", help="train only the initializers these names "
                      "or glob patterns match (default: float32 tensors of rank >= 1 on a float path to the output, "
@@ -118,11 +133,16 @@ def _model_options(cmd: argparse.ArgumentParser) -> None:
 
 
 def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run a parsed ``plan ...`` or ``deploy`` command; returns the exit status."""
+    """Run a parsed ``plan ...``, ``deploy``, ``status`` or ``rounds`` command; returns the exit status.
+    A server that does not answer, or a URL without http://, is one line on stderr (exit 2)."""
     say = lambda message: print(message, file=out or sys.stdout, flush=True)  # noqa: E731
     try:
         if args.command == "deploy":
             return _deploy(args, say)
+        if args.command == "status":
+            return _status(args, say)
+        if args.command == "rounds":
+            return _rounds(args, say)
         if args.plan_command == "build":
             build_bundle(args.task_file, args.out, runtimes=args.runtimes, say=say)
             return 0
@@ -141,8 +161,11 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
         print(f"fedfleet: a runtime environment failed: {exc}", file=sys.stderr)
         return 2
     except AdminError as exc:
-        print(f"fedfleet deploy: the server refused: {exc}", file=sys.stderr)
+        print(f"fedfleet {args.command}: the server refused: {exc}", file=sys.stderr)
         return 1
+    except ServerUnreachable as exc:
+        print(f"fedfleet {args.command}: {exc}", file=sys.stderr)
+        return 2
     return 2
 
 
@@ -272,5 +295,45 @@ def _deploy(args: argparse.Namespace, say) -> int:
     check_bundle_path(args.directory)  # before the operator key: the first thing a newcomer gets wrong
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
         result = deploy_bundle(args.directory, admin, args.population)
-    say(f"deployed to {args.server} population {args.population}: {result}")
+    for task in result.get("tasks", [result]):
+        say(f"deployed to {args.server} population {args.population}: {deployed_line(task)}")
     return 0
+
+
+def _status(args: argparse.Namespace, say) -> int:
+    with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
+        status = admin.status(args.population)
+    say(f"population {status['population']}" + (f" (strategy {status['strategy']})" if status.get("strategy") else ""))
+    for task in status["tasks"]:
+        behind = f" behind {', '.join(task['queued_behind'])}" if task.get("queued_behind") else ""
+        say(f"  {task['name']}: {task['status']}{behind}")
+    if status.get("active_task"):
+        say(f"open round: {status['active_task']} round {status['round']} ({status['phase']}), "
+            f"{status['committed_rounds']} committed")
+    return 0
+
+
+def _rounds(args: argparse.Namespace, say) -> int:
+    with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
+        rounds = admin.rounds(args.population, args.task)
+    say("task                 round  attempt  status      selected  reported  started (UTC)")
+    for r in rounds:
+        m = r.get("metrics", {})
+        started = _utc(r["started_at"])
+        say(f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', 0):>9} "
+            f"{m.get('reported', 0):>9}  {started}")
+    return 0
+
+
+def _utc(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def deployed_line(task: dict) -> str:
+    """One deployed task as the operator needs it: whether it runs now, or waits behind which task
+    (a population runs one deploy at a time; a task without max_rounds never ends on its own)."""
+    line = f"task {task['task']} (plan {str(task.get('plan_id', ''))[:12]})"
+    if task.get("status") == "queued":
+        behind = ", ".join(task.get("queued_behind", []))
+        return f"{line} queued behind {behind}; it starts once {behind} completes"
+    return f"{line} {task.get('status', 'deployed')}"

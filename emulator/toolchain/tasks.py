@@ -74,6 +74,16 @@ __all__ = [
 DEFAULT_RUNTIMES: tuple[str, ...] = (KNOWN_RELEASES[0], KNOWN_RELEASES[len(KNOWN_RELEASES) // 2], KNOWN_RELEASES[-1])
 
 
+def check_known_releases(task: "Task") -> None:
+    """Refuse a claimed release the release tests cannot install (``plan build --runtimes 9.9.9``)
+    when the plans are built, not as a traceback when ``plan test`` tries to install it. The fleet
+    simulator takes other releases and says itself which ones no plan can be written for."""
+    unknown = [r for r in task.runtimes if r not in KNOWN_RELEASES]
+    if unknown:
+        raise TaskError(f"task {task.name!r} claims {', '.join(unknown)}, not an onnxruntime release the release tests "
+                        f"know; claim some of {', '.join(KNOWN_RELEASES)}")
+
+
 class TaskError(ValueError):
     """A task file or task declaration is unusable; the message says what to change."""
 

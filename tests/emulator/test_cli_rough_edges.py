@@ -1,0 +1,161 @@
+"""What a newcomer meets first on the command line: a server that does not answer or a URL without
+http:// is one line naming what to check (for every command that talks to a server), an unknown
+onnxruntime release is refused when the plan is built, a deploy that waits behind another task
+says so and the status shows it queued, ``--version`` answers, every ``--help`` shows its defaults
+in plain text, and ``./dev`` says what it installs before the long quiet install."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from device_runtime import encode_checkpoint, initial_weights
+from emulator import cli
+from emulator.toolchain.bundle import REPORT
+from emulator.toolchain.cli import deployed_line
+from server_stub import RoundConfig, ServerThread, ServerUnreachable
+from server_stub.admin_client import AdminClient, check_server_url
+from server_stub.cli import parsers, shows_default
+from server_stub.serve import free_port
+from tests.support import digits_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+TASK_FILE = ROOT / "examples" / "tasks" / "digits_task.py"
+ADMIN_KEY = "operator-key-for-the-rough-edges-0123456789"
+
+
+def _server_commands(directory: Path) -> list[list[str]]:
+    """Every command that talks to a server, without its --server."""
+    return [["deploy", str(directory), "--population", "p"], ["status", "--population", "p"],
+            ["rounds", "--population", "p"]]
+
+
+@pytest.fixture
+def bundle(tmp_path, monkeypatch) -> Path:
+    """A built bundle with a release report in place, so that deploy gets as far as the server."""
+    out = tmp_path / "bundle"
+    assert cli.main(["plan", "build", str(TASK_FILE), "-o", str(out), "--runtimes", "1.31.1"]) == 0
+    for task_dir in (p for p in out.iterdir() if (p / "manifest.json").is_file()):
+        (task_dir / REPORT).write_text("{}", encoding="utf-8")
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+    return out
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:{port}", "127.0.0.1:{port}", "localhost:{port}/"])
+def test_every_server_command_says_in_one_line_that_the_server_does_not_answer_or_the_url_lacks_a_scheme(
+        bundle, capsys, url):
+    port = free_port()  # nothing listens there
+    for command in _server_commands(bundle):
+        assert cli.main([*command, "--server", url.format(port=port)]) == 2, command
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"fedfleet {command[0]}: ")
+        if url.startswith("http://"):
+            assert "no answer from the server at http://127.0.0.1" in err
+        else:
+            assert "needs http:// or https://" in err and f"http://{url.format(port=port)}" in err
+
+
+@pytest.mark.parametrize("url", ["ftp://host", "http://", "", "127.0.0.1", "host:80"])
+def test_a_server_url_without_http_or_a_host_is_refused_before_any_request(url):
+    with pytest.raises(ServerUnreachable):
+        AdminClient(url, admin_key=ADMIN_KEY)
+    assert check_server_url("https://fl.example:8443/") == "https://fl.example:8443"
+
+
+def test_an_unknown_release_is_refused_when_the_plan_is_built_and_nothing_is_written(tmp_path, capsys):
+    out = tmp_path / "bundle"
+    assert cli.main(["plan", "build", str(TASK_FILE), "-o", str(out), "--runtimes", "9.9.9"]) == 2
+    err = capsys.readouterr().err
+    assert "9.9.9" in err and "1.31.1" in err and len(err.strip().splitlines()) == 1
+    assert not list(out.glob("*/manifest.json"))
+
+
+def test_a_deploy_behind_a_task_that_never_ends_is_said_queued_and_the_status_shows_it(tmp_path, capsys, monkeypatch):
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        first = admin.deploy_task("p", "forever", plan, checkpoint, RoundConfig())  # no max_rounds: it never ends
+        second = admin.deploy_task("p", "next", plan, checkpoint, RoundConfig())
+        assert first["status"] == "active" and "queued_behind" not in first
+        assert second["status"] == "queued" and second["queued_behind"] == ["forever"]
+        assert "queued behind forever" in deployed_line(second) and "active" in deployed_line(first)
+        status = admin.status("p")
+        assert {t["name"]: t["status"] for t in status["tasks"]} == {"forever": "active", "next": "queued"}
+        monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+        assert cli.main(["status", "--server", server.url, "--population", "p"]) == 0
+    printed = capsys.readouterr().out
+    assert "next: queued behind forever" in printed and "forever: active" in printed
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fedfleet {cli.version()}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The whole ``fedfleet`` parser tree, as main builds it."""
+    built: list[argparse.ArgumentParser] = []
+
+    def stop(self, *args, **kwargs):
+        built.append(self)
+        raise SystemExit(0)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = stop  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SystemExit):
+            cli.main([])
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    return built[0]
+
+
+def test_every_help_shows_each_default_in_plain_text():
+    tree = parsers(_parser())
+    assert len(tree) >= 14  # fedfleet, its commands and plan's subcommands
+    for parser in tree:
+        text = parser.format_help()
+        assert "`" not in text, f"{parser.prog} --help prints markup"
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if shows_default(action):
+                line = formatter._expand_help(action) if action.help is not None else ""
+                assert str(action.default) in line or "default" in line, (parser.prog, action.option_strings, line)
+
+
+def test_dev_says_what_it_installs_before_the_first_install(tmp_path):
+    """``./dev`` in a copy of the checkout whose Python is a stand-in that logs: the message comes
+    before pip runs, on stderr; the second use installs nothing and says nothing."""
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / "dev").write_bytes((ROOT / "dev").read_bytes())
+    (work / "dev").chmod(0o755)
+    (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "python3"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "python $*" >> {log}
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
+echo "python $*" >&2
+""", encoding="utf-8")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PYTHON": str(fake)}
+    first = subprocess.run(["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    lines = first.stderr.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("./dev: installing"))
+    pip = next(i for i, line in enumerate(lines) if "-m pip install" in line)
+    assert said < pip and first.stdout == ""
+    second = subprocess.run(["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert "installing" not in second.stderr and "pip" not in second.stderr
+
