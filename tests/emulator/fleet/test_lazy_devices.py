@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import tracemalloc
+import weakref
 
 from device_runtime.eligibility import EligibilityPolicies
 
@@ -111,3 +112,31 @@ def test_an_idle_device_of_a_20k_fleet_costs_a_few_kilobytes(tmp_path):
     per_device = (specs_bytes + started_bytes) / started
     assert per_device < IDLE_DEVICE_BYTES, f"{per_device:.0f} B per idle device (spec {specs_bytes / started:.0f} B)"
     assert not any(d.materialized for d in sim.devices)
+
+
+def test_a_released_devices_sdk_is_freed_at_once_without_the_collector(tmp_path, monkeypatch):
+    """A run defers full collections (``heap``), so an SDK dropped with a reference cycle in it
+    would stay in memory until the run ends: each released device's runtime and scheduler are
+    freed by their reference counts alone (a few that died in an exception, whose traceback
+    holds their frames, wait for the collector)."""
+    from emulator.fleet import sim_device
+
+    dropped: list[weakref.ref] = []
+    release = sim_device.SimDevice._release
+
+    def watched(device: sim_device.SimDevice, until: float) -> None:
+        dropped.extend((weakref.ref(device.runtime), weakref.ref(device.scheduler), weakref.ref(device.store)))
+        release(device, until)
+
+    monkeypatch.setattr(sim_device.SimDevice, "_release", watched)
+    config = FleetConfig.default().replace(devices=300, hours=3.0, seed=3)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _run(config, tmp_path, "freed")
+        alive = sum(ref() is not None for ref in dropped)
+    finally:
+        if enabled:
+            gc.enable()
+    assert len(dropped) > 300
+    assert alive < 0.05 * len(dropped), f"{alive} of {len(dropped)} dropped SDK objects are still alive"
