@@ -32,8 +32,8 @@ what their shipped runs reach after their 40 and 60 rounds: 0.78 and 0.38), comp
 rounds committed, the digest and the peak resident memory. Each task runs in a process of its own
 so that its peak memory is its own.
 
-``--quick``: 1,000 devices for 2 simulated hours per task (about a minute each), the goal judged
-as for the full run but marked ``quick``. Prints one JSON object per line; the last is the summary
+``--quick``: 1,000 devices for 2 simulated hours per task (about a minute each); only a day of
+10,000 devices is judged (``met`` is null otherwise). Prints one JSON object per line; the last is the summary
 with the targets.
 """
 
@@ -203,9 +203,10 @@ def main() -> None:
     for task in tasks:
         results[task] = run_task_apart(task, devices, hours, args.seed, args.sample)
         _emit(results[task])
+    full = devices >= 10_000 and hours >= 24.0  # only the day of 10,000 devices is judged: a small fleet's ratio differs
     targets = {
         f"{task}_cpu_per_completed_session_over_floor": {
-            "value": r["ratio_to_floor"], "goal": RATIO_GOAL, "met": r["ratio_to_floor"] <= RATIO_GOAL,
+            "value": r["ratio_to_floor"], "goal": RATIO_GOAL, "met": r["ratio_to_floor"] <= RATIO_GOAL if full else None,
         }
         for task, r in results.items()
     }

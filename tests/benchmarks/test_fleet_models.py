@@ -27,5 +27,5 @@ def test_a_small_run_replays_each_tasks_completed_sessions_and_judges_the_ratios
         assert t["ratio_to_floor"] == pytest.approx(t["fleet_cpu_ms_per_completed_session"] / t["floor_cpu_ms_per_session"],
                                                     abs=0.01)
         target = summary["targets"][f"{t['case']}_cpu_per_completed_session_over_floor"]
-        assert target == {"value": t["ratio_to_floor"], "goal": 1.25, "met": t["ratio_to_floor"] <= 1.25}
+        assert target == {"value": t["ratio_to_floor"], "goal": 1.25, "met": None}  # only a day of 10,000 devices is judged
     assert summary["summary"] is True and summary["quick"] is False
