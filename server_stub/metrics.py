@@ -288,8 +288,10 @@ def device_metrics(update: Mapping[str, np.ndarray], weight_names: Iterable[str]
             out["accuracy"] = out["correct"] / count
     present = [w for w in weights if w in update]
     if present:
-        # Per-tensor norms in float64, combined by hypot (which scales, so no overflow in between).
-        norms = [float(np.linalg.norm(np.asarray(update[w], dtype=np.float64).ravel())) for w in sorted(present)]
+        # Per-tensor norms in float64, combined by hypot (which scales, so no overflow in between). A sum of
+        # squares, not np.linalg.norm: that is BLAS's dot, which above 10,000 entries wakes OpenBLAS's worker
+        # threads, and they spin on the other cores after it (in a fleet simulation, as much CPU as the whole run).
+        norms = [math.sqrt(float(np.square(np.asarray(update[w], dtype=np.float64)).sum())) for w in sorted(present)]
         n = out.get("num_examples", 1.0)
         out["update_norm"] = math.hypot(*norms) / (n if n > 1.0 else 1.0)
     return out

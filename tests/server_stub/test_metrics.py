@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -263,3 +265,33 @@ def test_rounds_frame_names_the_extra_when_pandas_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(ImportError, match=r"fedfleet\[analysis\]"):
         rounds_frame([])
+
+
+def _thread_cpu_ticks() -> dict[str, int]:
+    """Each thread of this process: CPU ticks used so far (utime + stime of /proc/self/task/*/stat)."""
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        out[task] = int(fields[11]) + int(fields[12])
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="needs Linux and 2 cores")
+def test_update_norms_run_on_the_calling_thread_alone():
+    """A fleet simulation computes these for every report on its one thread; BLAS's dot (which
+    np.linalg.norm is) hands vectors above 10,000 entries to OpenBLAS's worker threads, which then
+    spin on the other cores: in a fleet of the glyphs CNN that doubled the process's CPU."""
+    update = {"w": np.random.default_rng(0).standard_normal(60_000).astype(np.float32), "num_examples": np.float32(3.0)}
+    main = str(threading.get_native_id())
+    before = _thread_cpu_ticks()
+    while _thread_cpu_ticks()[main] - before[main] < 30:  # 0.3 s of this thread's CPU at 100 ticks a second
+        for _ in range(50):
+            out = device_metrics(update, ["w"])
+    after = _thread_cpu_ticks()
+    others = sum(ticks - before.get(task, 0) for task, ticks in after.items() if task != main)
+    assert out["update_norm"] == pytest.approx(float(np.linalg.norm(update["w"].astype(np.float64))) / 3.0, rel=1e-12)
+    assert others <= 0.1 * (after[main] - before[main]), (others, after[main] - before[main])
