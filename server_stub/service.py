@@ -76,6 +76,11 @@ CLOSED_ROUNDS_KEPT = 4
 REPORT_SLACK_BYTES = 64 * 1024
 #: Retry window for devices of a population that has nothing to train.
 IDLE_RETRY_WINDOW_S = (60.0, 180.0)
+#: Retry window for a device whose onnxruntime release the task's plan does not serve: nothing
+#: changes for it until another task is deployed, so it comes back in half an hour to an hour
+#: (pace steering: as often as it may be needed, no more). A fleet in which a third of the
+#: devices run older releases otherwise sends most of its check-ins from them.
+VERSION_RETRY_WINDOW_S = (1800.0, 3600.0)
 #: Resources kept in memory after they were read (the active tasks' plans and checkpoints).
 RECENT_RESOURCES = 8
 #: Tasks one deploy may bring together.
@@ -455,11 +460,11 @@ class FLService:
                 if run.versions:  # served per minor release: only the releases the report covers
                     plan_id = run.versions.get(f"{device_version[0]}.{device_version[1]}", "")
                     if not plan_id:
-                        return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_NOT_CLAIMED")
+                        return _rejected(VERSION_RETRY_WINDOW_S, "RUNTIME_VERSION_NOT_CLAIMED")
                 elif device_version < version_tuple(meta.min_runtime_version) or (
                     meta.max_runtime_version is not None and device_version > version_tuple(meta.max_runtime_version)
                 ):
-                    return _rejected(IDLE_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
+                    return _rejected(VERSION_RETRY_WINDOW_S, "RUNTIME_VERSION_UNSUPPORTED")
                 if not run.eligibility.empty:
                     if not eligibility or eligibility.get("task") != run.record.name:
                         return _rejected(run.config.retry_window_s, "ELIGIBILITY_REQUIRED")
