@@ -22,7 +22,7 @@ import functools
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,9 +39,7 @@ from .events import AppKilled, Fiber, SimulationError, Timer
 from .secure_fleet import SECAGG_POLL_S
 from .sim_transport import LeanClient, SimTransport, checkin_answer
 from .tables import SessionRow
-
-if TYPE_CHECKING:
-    from .simulator import FleetSimulator
+from .world import DeviceWorld
 
 #: How long a lost network or a broken condition (faults the availability model does not draw)
 #: lasts before the device is back to what its availability says.
@@ -371,7 +369,7 @@ class SimDevice:
 
     def __init__(
         self,
-        sim: "FleetSimulator",
+        sim: DeviceWorld,
         spec: Any,
         examples: Any = None,
     ) -> None:
@@ -414,7 +412,7 @@ class SimDevice:
         self.opstats = MemoryOpStats() if carried is None else carried.opstats
         examples = self._examples
         if examples is None:
-            examples = functools.partial(sim._examples, spec)
+            examples = functools.partial(sim.examples, spec)
         self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now,
                                       stocked_at=sim.epoch + self._started_at)
         self.transport = SimTransport(sim.caller, self, spec.network, on_answer=self._on_answer, hold_report=self._hold_report)
@@ -573,9 +571,9 @@ class SimDevice:
             self._wake = sim.loop.call_at(first - sim.epoch, self._materialize, order=1, key=self.key)
             return
         self._build()
-        first = self.queue.next_wakeup()
-        assert first is not None
-        self.fiber = sim.fibers.spawn(self._main, at=first - sim.epoch, name=self.spec.device_id, key=self.key)
+        due = self.queue.next_wakeup()
+        assert due is not None
+        self.fiber = sim.fibers.spawn(self._main, at=due - sim.epoch, name=self.spec.device_id, key=self.key)
 
     def _materialize(self) -> None:
         """The first wake-up of a device not built yet: build it and run its fiber now, as the

@@ -254,7 +254,7 @@ class SimTransport(httpx.BaseTransport):
 
     def __init__(
         self,
-        caller: AsgiCaller,
+        caller: AsgiCaller | HttpCaller,
         link: Link,
         network: Network,
         *,

@@ -219,6 +219,10 @@ class FleetSimulator:
         self._seconds_per_example[name] = seconds
         return seconds
 
+    def examples(self, spec: Any) -> Any:
+        """The examples of the device ``spec`` (``Workload.device_examples`` unless given)."""
+        return self._examples(spec)
+
     def seconds_per_example(self, plan: Any) -> float:
         """Simulated seconds of one example for one epoch of ``plan`` on the reference phone: the
         simulator's plan's (its versions for older releases keep its name and cost), or another
