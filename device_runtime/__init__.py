@@ -47,6 +47,7 @@ from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regress
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .opstats import Event, OpStatsStore, SessionSummary, shape_of
+from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
 from .attestation import AttestedSigner, PeerCertificateVerifier
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
@@ -57,6 +58,9 @@ from .secure_sum import SecureSumCodec
 from .versions import version_tuple
 
 __all__ = [
+    "DEVICE_ENVIRONMENT",
+    "RuntimeEnvironment",
+    "WorkMeter",
     "run_secure_aggregation",
     "ATTESTATION_ERROR_CODES",
     "PLAN_FORMAT_VERSION",

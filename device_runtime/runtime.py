@@ -14,7 +14,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Protocol
+from typing import Callable, Iterable, Iterator, Mapping
 
 import httpx
 import numpy as np
@@ -28,7 +28,8 @@ from .eligibility import EligibilityPolicies, Participation, evaluate
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .influence import bound_update
-from .opstats import Event, OpStatsStore, rss_mb, shape_of
+from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
+from .opstats import Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError
 from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, retry_window
@@ -98,7 +99,6 @@ class FLRuntime:
         timeout_s: float = 10.0,
         retry: RetryPolicy = RetryPolicy(),
         rng: random.Random | None = None,
-        clock: Callable[[], float] = time.time,
         opstats: OpStatsStore | None = None,
         device_class: DeviceClass = DeviceClass(),
         attestor: DeviceAttestor | None = None,
@@ -106,27 +106,18 @@ class FLRuntime:
         secagg_policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
-        sleep: Callable[[float], None] = time.sleep,
         plan_cache: PlanCache | None = None,
-        loaded_plans: LoadedPlans | None = None,
-        work_meter: WorkMeter | None = None,
-        memory_probe: Callable[[], float] = rss_mb,
-        secagg_poll_s: float | None = None,
+        environment: RuntimeEnvironment = DEVICE_ENVIRONMENT,
     ) -> None:
         """``transport``: how the protocol's requests travel (real HTTP by default; an
         in-process transport in a simulation or a test), see ``ProtocolClient``; ``http_client``:
-        an httpx client to send through instead (the runtime does not close it). ``clock``,
-        ``sleep``, ``work_meter`` and ``memory_probe`` are where the session reads and spends
-        time and memory: the system's on a device, a model's in a simulation on virtual time.
-        ``plan_cache``: downloaded plans (by default files in ``cache_dir``); ``loaded_plans``:
-        parsed plans, which devices emulated in one process share. ``attestor`` (this device's
-        attested key) and ``trust_anchor`` (the attestation authority's) are what Secure
+        an httpx client to send through instead (the runtime does not close it).
+        ``plan_cache``: downloaded plans (by default files in ``cache_dir``). ``attestor`` (this
+        device's attested key) and ``trust_anchor`` (the attestation authority's) are what Secure
         Aggregation needs under the default ``secagg_policy``, which accepts attested peers only:
         without them secure tasks are refused with ``SECAGG_NEEDS_ATTESTATION``.
-        ``secagg_poll_s``: None on a device, whose Secure Aggregation waits in long polls the server
-        holds; a runtime on a virtual clock sets it, and then polls without a held request and
-        spends ``secagg_poll_s`` between polls through ``sleep`` (a server cannot hold a request
-        for a time it does not share)."""
+        ``environment``: where sessions read and spend time and memory (``RuntimeEnvironment``):
+        the system's on a device, a model's in a simulation on virtual time."""
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
         self._remove_own_cache: Callable[[], None] = lambda: None
@@ -137,7 +128,9 @@ class FLRuntime:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.runtime_version = runtime_version
         self.rng = rng or random.Random()
-        self.clock = clock
+        self.environment = environment
+        clock = self.clock = environment.clock
+        sleep = environment.sleep
         self.opstats = opstats
         self.resumption_tokens: ResumptionTokenKeeper = opstats if opstats is not None else MemoryResumptionTokens()
         self.device_class = device_class
@@ -149,15 +142,11 @@ class FLRuntime:
         self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng, sleep=sleep,
                                      client=http_client, transport=transport)
         self.plan_cache: PlanCache = plan_cache if plan_cache is not None else DirectoryPlanCache(cache_dir)
-        self.loaded_plans = loaded_plans if loaded_plans is not None else LoadedPlans()
-        if work_meter is not None and not all(callable(getattr(work_meter, m, None)) for m in ("trained", "settle")):
-            raise TypeError(f"work_meter {type(work_meter).__name__} needs trained(plan, examples) and settle() (see WorkMeter)")
-        self.work_meter = work_meter
-        self.memory_probe = memory_probe
-        if secagg_poll_s is not None and not secagg_poll_s > 0:
-            raise ValueError("secagg_poll_s must be > 0 (or None for the server's long polls)")
+        self.loaded_plans = environment.loaded_plans if environment.loaded_plans is not None else LoadedPlans()
+        self.work_meter = environment.work_meter
+        self.memory_probe = environment.memory_probe
         self.sleep = sleep
-        self.secagg_poll_s = secagg_poll_s
+        self.secagg_poll_s = environment.secagg_poll_s
         self._plans: dict[str, Plan] = {}
         self._executors: dict[str, PlanExecutor] = {}
         self._codecs: dict[str, SecureSumCodec] = {}
@@ -441,17 +430,6 @@ class FLRuntime:
         except (CheckpointError, PlanError) as exc:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
         return weights
-
-
-class WorkMeter(Protocol):
-    """Hears of every batch the plan trained on, once it is done: where a simulation charges
-    the device's compute time to its virtual clock (a device's real training takes its own time).
-    ``settle`` is called once training ends, however it ends, before the session does anything
-    else: a meter that kept the time to itself while the batches ran spends it then."""
-
-    def trained(self, plan: Plan, examples: int) -> None: ...
-
-    def settle(self) -> None: ...
 
 
 def _metered(

@@ -15,7 +15,8 @@ messages are frames of a JSON header and raw array bytes over its stdin/stdout (
   in flight through a control pipe, whose reader thread sets the worker's own terminate flag, and
   the interrupted run is dropped whole;
 * :class:`ReleasePlans` hands an ``FLRuntime`` such executors for its ``runtime_version``, so an
-  emulated device of version 1.17.3 trains on onnxruntime 1.17.3 (``FLRuntime(loaded_plans=...)``);
+  emulated device of version 1.17.3 trains on onnxruntime 1.17.3 (its ``FLRuntime``'s
+  ``RuntimeEnvironment(loaded_plans=...)``);
 * :class:`WorkerPool` keeps one worker per release, shared by the devices of that release;
 * :func:`assign_releases` gives a fleet its version mix from the shares a config names.
 
@@ -517,8 +518,9 @@ def _close_workers(workers: dict[str, RuntimeWorker]) -> None:
 
 
 class ReleasePlans(LoadedPlans):
-    """``FLRuntime(loaded_plans=ReleasePlans(pool), runtime_version="1.17.3")``: the device's
-    plans are checked against its version (as on a phone) and trained on that real release."""
+    """As ``RuntimeEnvironment(loaded_plans=ReleasePlans(pool))`` of ``FLRuntime(runtime_version="1.17.3")``:
+    the device's plans are checked against its version (as on a phone) and trained on that real
+    release."""
 
     def __init__(self, pool: WorkerPool) -> None:
         super().__init__()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime import FLRuntime, OpStatsStore
+from device_runtime import FLRuntime, RuntimeEnvironment, OpStatsStore
 from device_runtime.clock import Clock, SystemClock
 from device_runtime.conditions import DeviceConditions, DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.scheduling import ParticipationScheduler, WorkerQueue
@@ -50,7 +50,12 @@ class DigitsApp:
         )
         self.opstats = OpStatsStore(db)
         self.runtime = FLRuntime(
-            POPULATION, server_url, self.store, cache_dir=self.data_dir / "fl-cache", opstats=self.opstats, clock=clock.now
+            POPULATION,
+            server_url,
+            self.store,
+            cache_dir=self.data_dir / "fl-cache",
+            opstats=self.opstats,
+            environment=RuntimeEnvironment(clock=clock.now),
         )
         self.scheduler = ParticipationScheduler(db, conditions, app="digits-app", clock=clock, queue=queue)
         self.scheduler.register_runtime(POPULATION, self.runtime)

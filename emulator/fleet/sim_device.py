@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from device_runtime import FLRuntime, RetryPolicy
+from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import Event, SessionSummary, shape_of
 from device_runtime.plan import Plan
@@ -425,18 +425,16 @@ class SimDevice:
             runtime_version=spec.runtime_version,
             retry=DEVICE_RETRY,
             rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]  # random.Random's methods
-            clock=self.clock.now,
             opstats=self.opstats,  # type: ignore[arg-type]  # the in-memory twin of OpStatsStore
             device_class=DeviceClass(spec.device_class, memory_mb=float(spec.memory_mb), max_training_s=sim.max_training_s),
             http_client=LeanClient(self.transport),  # type: ignore[arg-type]  # request() and close() of httpx.Client
-            sleep=self.clock.wait,
             plan_cache=MemoryPlanCache(sim.plan_bytes),
-            loaded_plans=sim.loaded_plans,
-            work_meter=self,
-            memory_probe=_no_memory,
             attestor=attestation.attestor(spec, sim.epoch) if attestation is not None else None,
             trust_anchor=attestation.trust_anchor if attestation is not None else None,
-            secagg_poll_s=SECAGG_POLL_S,
+            environment=RuntimeEnvironment(
+                clock=self.clock.now, sleep=self.clock.wait, work_meter=self, memory_probe=_no_memory,
+                loaded_plans=sim.loaded_plans, secagg_poll_s=SECAGG_POLL_S,
+            ),
         )
         self.queue = WorkerQueue(self.clock, history=0)
         self.scheduler = ParticipationScheduler(

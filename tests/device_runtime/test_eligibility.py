@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, OpStatsStore, Outcome, RetryPolicy, SessionRejected, encode_checkpoint, initial_weights
+from device_runtime import RuntimeEnvironment, FLRuntime, OpStatsStore, Outcome, RetryPolicy, SessionRejected, encode_checkpoint, initial_weights
 from device_runtime.clock import VirtualClock
 from device_runtime.eligibility import EligibilityPolicies, Participation, evaluate
 from example_store import SQLiteExampleStore
@@ -59,7 +59,7 @@ def test_minimum_separation_in_rounds(tmp_path, server, admin, digits):
 def test_minimum_separation_in_time_and_sampling_period(tmp_path, server, admin, digits):
     _deploy(admin, EligibilityPolicies(min_separation_s=3600, sampling_period_s=86_400), goal_count=1, over_selection=1.0)
     clock = VirtualClock(start=1_767_225_600.0 + 3600)  # 01:00 UTC
-    device = _runtime(tmp_path, server, digits, 20, clock=clock.now)
+    device = _runtime(tmp_path, server, digits, 20, environment=RuntimeEnvironment(clock=clock.now))
     assert device.run_session().outcome is Outcome.COMPLETED
     clock.advance(600)
     with pytest.raises(SessionRejected) as rejected:

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from device_runtime import FLRuntime, PlanExecutor, RetryPolicy, TrainingInterrupted, build_mlp_plan, initial_weights
+from device_runtime import FLRuntime, RuntimeEnvironment, PlanExecutor, RetryPolicy, TrainingInterrupted, build_mlp_plan, initial_weights
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
@@ -143,7 +143,7 @@ def test_a_virtual_day_of_scheduling_runs_in_seconds(tmp_path, server, admin, di
     clock = VirtualClock(start=1_767_225_600.0)  # midnight UTC
     conditions = DiurnalConditions(clock, utc_offset_h=0, night_start_h=1, night_end_h=6, seed=4)
     scheduler = ParticipationScheduler(tmp_path / "app.db", conditions, clock=clock, settings=SchedulerSettings(recheck_s=1200))
-    scheduler.register_runtime("digits", FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST, clock=clock.now))
+    scheduler.register_runtime("digits", FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST, environment=RuntimeEnvironment(clock=clock.now)))
     scheduler.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=3 * 3600))
     started = time.monotonic()
     runs = scheduler.queue.run_until(clock.now() + 86_400)

@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from device_runtime import FLRuntime, RetryPolicy
+from device_runtime import FLRuntime, RuntimeEnvironment, RetryPolicy
 from device_runtime.clock import VirtualClock
 from device_runtime.checkpoint import encode_checkpoint
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
@@ -68,8 +68,14 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
     queue = WorkerQueue(clock, history=1)
     scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False))
     meter = CountingMeter()
-    runtime = FLRuntime("digits", server.url, _store(digits, 37, clock), retry=FAST, clock=clock.now, work_meter=meter,
-                        plan_cache=MemoryPlanCache())
+    runtime = FLRuntime(
+        "digits",
+        server.url,
+        _store(digits, 37, clock),
+        retry=FAST,
+        plan_cache=MemoryPlanCache(),
+        environment=RuntimeEnvironment(clock=clock.now, work_meter=meter),
+    )
     scheduler.register_runtime("digits", runtime)
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval())
     runs = queue.run_until(clock.now() + 10_000.0)
@@ -177,7 +183,7 @@ def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits)
 
     clock = VirtualClock()
     with pytest.raises(TypeError, match="settle"):
-        FLRuntime("digits", "http://fl.test", _store(digits, 5, clock), work_meter=OnlyTrained(), plan_cache=MemoryPlanCache())
+        FLRuntime("digits", "http://fl.test", _store(digits, 5, clock), plan_cache=MemoryPlanCache(), environment=RuntimeEnvironment(work_meter=OnlyTrained()))
 
 
 def test_devices_sharing_loaded_plans_still_each_download_the_plan_once(server, admin, digits):
@@ -186,8 +192,15 @@ def test_devices_sharing_loaded_plans_still_each_download_the_plan_once(server, 
     loaded = LoadedPlans()
     clock = VirtualClock()
     runtimes = [
-        FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, rng=random.Random(i), clock=clock.now,
-                  plan_cache=MemoryPlanCache(shared_bytes), loaded_plans=loaded)
+        FLRuntime(
+            "digits",
+            server.url,
+            _store(digits, 20, clock),
+            retry=FAST,
+            rng=random.Random(i),
+            plan_cache=MemoryPlanCache(shared_bytes),
+            environment=RuntimeEnvironment(clock=clock.now, loaded_plans=loaded),
+        )
         for i in range(2)
     ]
     for runtime in runtimes:
@@ -237,7 +250,7 @@ def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(se
                       RoundConfig(goal_count=1, over_selection=1.0, min_reports=1), EligibilityPolicies(min_examples=10))
     clock = VirtualClock()
     transport = CountingTransport()
-    runtime = FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, clock=clock.now, transport=transport)
+    runtime = FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, transport=transport, environment=RuntimeEnvironment(clock=clock.now))
     first = runtime.run_session()
     assert first.task == "train"
     assert transport.paths[0] == "POST /v1/populations/digits/checkin"

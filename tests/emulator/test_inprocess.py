@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from device_runtime import FLRuntime, Outcome, encode_checkpoint, initial_weights
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, encode_checkpoint, initial_weights
 from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
 from example_store import SQLiteExampleStore
@@ -30,7 +30,7 @@ def test_a_round_commits_through_the_in_process_transport(tmp_path, digits):
                 store = SQLiteExampleStore(tmp_path / f"d{i}.db")
                 part = slice(20 * i, 20 * i + 20)
                 store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
-                with FLRuntime("digits", URL, store, transport=transport, clock=clock.now) as runtime:
+                with FLRuntime("digits", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)) as runtime:
                     results.append(runtime.run_session())
                 store.close()
             rounds = admin.rounds("digits")

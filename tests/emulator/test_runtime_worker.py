@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, Outcome, PlanExecutor, TrainingInterrupted, build_mlp_plan, encode_checkpoint, initial_weights
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, TrainingInterrupted, build_mlp_plan, encode_checkpoint, initial_weights
 from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
 from emulator.runtime_worker import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
@@ -97,8 +97,14 @@ def test_devices_on_two_real_releases_each_train_their_versioned_plan_and_report
                     if round_number == 0:
                         part = slice(50 * i, 50 * i + 50)
                         store.add("app:/digits", ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
-                    with FLRuntime("digits", URL, store, transport=transport, clock=clock.now, runtime_version=release,
-                                   loaded_plans=plans) as runtime:
+                    with FLRuntime(
+                        "digits",
+                        URL,
+                        store,
+                        transport=transport,
+                        runtime_version=release,
+                        environment=RuntimeEnvironment(clock=clock.now, loaded_plans=plans),
+                    ) as runtime:
                         outcomes.append((release, runtime.run_session().outcome))
                         served.setdefault(release, set()).update(runtime._plans)
                     store.close()
@@ -196,8 +202,14 @@ def test_a_device_session_stopped_by_force_on_an_old_release_ends_interrupted(tm
         with SQLiteExampleStore(tmp_path / "device.db") as store:
             x = rng.standard_normal((512, 512)).astype(np.float32)
             store.add("app:/x", ({"x": xi, "y": int(yi)} for xi, yi in zip(x, rng.integers(0, 10, 512))))
-            with FLRuntime("heavy", URL, store, transport=transport, clock=clock.now, runtime_version=OLD,
-                           loaded_plans=ReleasePlans(pool)) as runtime:
+            with FLRuntime(
+                "heavy",
+                URL,
+                store,
+                transport=transport,
+                runtime_version=OLD,
+                environment=RuntimeEnvironment(clock=clock.now, loaded_plans=ReleasePlans(pool)),
+            ) as runtime:
                 result = runtime.run_session(should_abort=should_abort, run_options=run_options)
         ended = time.perf_counter()
         open_runs = pool.worker(OLD).open_runs()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, Outcome, PlanExecutor, SecureSumCodec, encode_checkpoint, load_plan, serialize_plan
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, SecureSumCodec, encode_checkpoint, load_plan, serialize_plan
 from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
 from emulator.toolchain import analytics_plan
@@ -67,7 +67,7 @@ def test_a_histogram_task_runs_through_the_server(tmp_path):
             for i, values in enumerate(data):
                 store = SQLiteExampleStore(tmp_path / f"d{i}.db")
                 store.add(COLLECTION, ({"minutes": np.float32(v)} for v in values))
-                with FLRuntime("usage", URL, store, transport=transport, clock=clock.now) as runtime:
+                with FLRuntime("usage", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)) as runtime:
                     assert runtime.run_session().outcome is Outcome.COMPLETED
                 store.close()
             (record,) = admin.rounds("usage")

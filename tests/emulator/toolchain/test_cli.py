@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from device_runtime import FLRuntime, Outcome, PlanExecutor
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor
 from device_runtime.plan import load_plan
 from emulator.cli import main
 from emulator.runtime_worker import ReleasePlans, WorkerPool
@@ -212,8 +212,14 @@ tasks = [task, evaluation]
                         part = slice(100 * i, 100 * i + 100)
                         store.add("app:/digits", ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
                         store.add("app:/digits_heldout", ({"x": x, "y": y} for x, y in zip(digits.x_test[:60], digits.y_test[:60])))
-                    with FLRuntime("digits", server.url, store, runtime_version=release, loaded_plans=plans,
-                                   cache_dir=tmp_path / f"cache{i}") as runtime:
+                    with FLRuntime(
+                        "digits",
+                        server.url,
+                        store,
+                        runtime_version=release,
+                        cache_dir=tmp_path / f"cache{i}",
+                        environment=RuntimeEnvironment(loaded_plans=plans),
+                    ) as runtime:
                         result = runtime.run_session()
                         outcomes.append((release, result.outcome))
                         served.setdefault(release, set()).update(runtime._plans)

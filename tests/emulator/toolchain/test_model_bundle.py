@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from device_runtime import FLRuntime, Outcome
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome
 from device_runtime.checkpoint import decode_checkpoint
 from emulator.cli import main
 from emulator.runtime_worker import ReleasePlans, WorkerPool
@@ -64,8 +64,14 @@ def test_from_onnx_writes_a_bundle_that_plan_test_and_deploy_take_and_a_device_t
         with SQLiteExampleStore(tmp_path / "device.db") as store:
             store.add("app:/digit_images", ({"pixels": x.reshape(1, 8, 8), "y": y}
                                             for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
-            with FLRuntime("digits", server.url, store, runtime_version="1.31.1", loaded_plans=ReleasePlans(pool),
-                           cache_dir=tmp_path / "cache") as runtime:
+            with FLRuntime(
+                "digits",
+                server.url,
+                store,
+                runtime_version="1.31.1",
+                cache_dir=tmp_path / "cache",
+                environment=RuntimeEnvironment(loaded_plans=ReleasePlans(pool)),
+            ) as runtime:
                 result = runtime.run_session()
     assert result.outcome == Outcome.COMPLETED and result.task == "cnn" and result.num_examples == 64
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, Outcome, PlanExecutor, encode_checkpoint
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, encode_checkpoint
 from device_runtime.clock import VirtualClock
 from device_runtime.executor import SERVER_STATE_PREFIX
 from emulator.inprocess import InProcessTransport
@@ -103,7 +103,7 @@ def test_fedadam_plan_trains_through_the_server_and_keeps_its_state_in_the_check
             for _round in range(3):
                 results = []
                 for store in stores:
-                    with FLRuntime("digits", URL, store, transport=transport, clock=clock.now) as runtime:
+                    with FLRuntime("digits", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)) as runtime:
                         results.append(runtime.run_session())
                 assert [r.outcome for r in results] == [Outcome.COMPLETED] * 4
                 losses.append(np.mean([r.metrics["loss"] for r in results]))
