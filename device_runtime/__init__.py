@@ -1,24 +1,24 @@
-"""The device runtime (SDK): plans and their execution, checkpoints, and the FL runtime an app embeds."""
+"""The device runtime (SDK): plans and their execution, checkpoints, and the FL runtime an app embeds.
 
-from .attestation import (
-    ATTESTATION_ERROR_CODES,
-    AttestationError,
-    BadCertificateSignature,
-    BadSignature,
-    CertificateExpired,
-    CertificateNotYetValid,
-    DeviceAttestor,
-    DeviceCertificate,
-    MalformedAttestation,
-    ParsedAttestation,
-    RateLimited,
-    ReplayedNonce,
-    UnknownAuthority,
-    UnknownNonce,
-    decode_nonce,
-    device_key_hash,
-)
+``__all__`` holds what the package's users call: an app that embeds the runtime (``FLRuntime``,
+its settings and environment, the participation scheduler and its conditions, the results and
+the errors it catches) and a task author who builds plans and checkpoints. What only another
+package of this project uses (the attestation verifier's errors, the protocol client, the Secure
+Aggregation client, example reading) is imported from its module, e.g.
+``device_runtime.attestation``."""
+
+from .attestation import DeviceAttestor
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from .clock import Clock, SystemClock, VirtualClock
+from .conditions import (
+    DeviceConditions,
+    DeviceState,
+    StaticConditions,
+    TrainingConstraints,
+    TrainingInterval,
+)
+from .eligibility import EligibilityPolicies
+from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
     CorruptResource,
     NoExamples,
@@ -28,7 +28,8 @@ from .errors import (
     ServerUnreachable,
     SessionRejected,
 )
-from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, make_session
+from .executor import PlanExecutor, TrainingInterrupted
+from .opstats import Event, OpStatsStore, SessionSummary, shape_of
 from .plan import (
     PLAN_FORMAT_VERSION,
     DeviceConfig,
@@ -36,102 +37,45 @@ from .plan import (
     PlanError,
     PlanMetadata,
     ServerPart,
-    UpdateMismatchError,
     load_plan,
     max_ir_version_for_runtime,
     max_opset_for_runtime,
     min_runtime_for_opset,
     serialize_plan,
 )
-from .plan_builder import build_eval_plan, build_mlp_plan, build_softmax_regression_plan, initial_weights
-from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy
-from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
-from .opstats import Event, OpStatsStore, SessionSummary, shape_of
-from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
+from .plan_builder import (
+    build_eval_plan,
+    build_mlp_plan,
+    build_softmax_regression_plan,
+    initial_weights,
+)
+from .protocol import RetryPolicy
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
-from .attestation import AttestedSigner, PeerCertificateVerifier
+from .scheduling import (
+    JobRun,
+    ParticipationScheduler,
+    RunOutcome,
+    SchedulerSettings,
+    WorkerQueue,
+)
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
-from .secure_client import NEEDS_ATTESTATION as SECAGG_NEEDS_ATTESTATION
-from .secure_client import REFUSED as SECAGG_REFUSED
-from .secure_client import SecureAggregation, SecureOutcome, SecureResult, run_secure_aggregation, session_member_key
-from .secure_sum import SecureSumCodec
 from .versions import version_tuple
 
 __all__ = [
-    "DEVICE_ENVIRONMENT",
-    "RuntimeEnvironment",
-    "WorkMeter",
-    "run_secure_aggregation",
-    "ATTESTATION_ERROR_CODES",
-    "PLAN_FORMAT_VERSION",
-    "AttestationError",
-    "BadCertificateSignature",
-    "BadSignature",
-    "CertificateExpired",
-    "CertificateNotYetValid",
-    "CheckinAccepted",
-    "CheckpointError",
-    "CorruptResource",
-    "DeviceAttestor",
-    "DeviceCertificate",
-    "DeviceClass",
-    "DeviceConfig",
-    "DeviceResult",
-    "Event",
-    "ExampleReading",
-    "FLRuntime",
-    "MalformedAttestation",
-    "MemoryResumptionTokens",
-    "NoExamples",
-    "OpStatsStore",
-    "Outcome",
-    "OverBudget",
-    "ParsedAttestation",
-    "Plan",
-    "AttestedSigner",
-    "DEFAULT_SECAGG_POLICY",
-    "PeerCertificateVerifier",
-    "SecAggPolicy",
-    "SECAGG_NEEDS_ATTESTATION",
-    "SECAGG_REFUSED",
-    "SecureAggregation",
-    "SecureOutcome",
-    "SecureResult",
-    "SecureSumCodec",
-    "session_member_key",
-    "PlanError",
-    "PlanExecutor",
-    "PlanMetadata",
-    "ProtocolClient",
-    "ProtocolError",
-    "RateLimited",
-    "ReplayedNonce",
-    "ResumptionTokenKeeper",
-    "RetryPolicy",
-    "RuntimeSdkError",
-    "ServerPart",
-    "ServerUnreachable",
-    "SessionRejected",
-    "SessionResult",
-    "SessionSummary",
-    "TrainingInterrupted",
-    "UnknownAuthority",
-    "UnknownNonce",
-    "UpdateMismatchError",
-    "build_eval_plan",
-    "build_mlp_plan",
-    "build_softmax_regression_plan",
-    "decode_checkpoint",
-    "decode_nonce",
-    "device_key_hash",
-    "encode_checkpoint",
-    "initial_weights",
-    "load_plan",
-    "make_session",
-    "max_ir_version_for_runtime",
-    "max_opset_for_runtime",
-    "min_runtime_for_opset",
-    "serialize_plan",
-    "shape_of",
-    "version_tuple",
+    # the app: the runtime, where it runs, and what it reports
+    "FLRuntime", "RuntimeEnvironment", "DEVICE_ENVIRONMENT", "WorkMeter", "RetryPolicy", "DeviceClass",
+    "SecAggPolicy", "DEFAULT_SECAGG_POLICY", "DeviceAttestor", "OpStatsStore",
+    "Outcome", "SessionResult", "SessionSummary", "Event", "shape_of",
+    # the app: when the runtime runs
+    "ParticipationScheduler", "WorkerQueue", "SchedulerSettings", "JobRun", "RunOutcome",
+    "TrainingConstraints", "TrainingInterval", "DeviceConditions", "DeviceState", "StaticConditions",
+    "Clock", "SystemClock", "VirtualClock", "EligibilityPolicies",
+    # the errors an app catches
+    "RuntimeSdkError", "SessionRejected", "ServerUnreachable", "ProtocolError", "NoExamples", "OverBudget",
+    "CorruptResource", "TrainingInterrupted",
+    # the task author: plans, checkpoints, running a plan
+    "Plan", "PlanMetadata", "DeviceConfig", "ServerPart", "PlanError", "PLAN_FORMAT_VERSION", "load_plan", "serialize_plan",
+    "build_mlp_plan", "build_softmax_regression_plan", "build_eval_plan", "initial_weights",
+    "encode_checkpoint", "decode_checkpoint", "CheckpointError", "PlanExecutor",
+    "min_runtime_for_opset", "max_opset_for_runtime", "max_ir_version_for_runtime", "version_tuple",
 ]

@@ -12,19 +12,8 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from device_runtime import (
-    FLRuntime,
-    MemoryResumptionTokens,
-    OpStatsStore,
-    Outcome,
-    PlanError,
-    ResumptionTokenKeeper,
-    RetryPolicy,
-    SessionResult,
-    build_softmax_regression_plan,
-    load_plan,
-    serialize_plan,
-)
+from device_runtime import FLRuntime, OpStatsStore, Outcome, PlanError, RetryPolicy, SessionResult, build_softmax_regression_plan, load_plan, serialize_plan
+from device_runtime.reading import MemoryResumptionTokens, ResumptionTokenKeeper
 from device_runtime.plan import _PREFIX, MAGIC
 from example_store import (
     Example,

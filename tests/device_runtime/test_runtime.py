@@ -18,16 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_runtime import (
-    CorruptResource,
-    FLRuntime,
-    NoExamples,
-    Outcome,
-    ProtocolClient,
-    RetryPolicy,
-    ServerUnreachable,
-    SessionRejected,
-)
+from device_runtime import CorruptResource, FLRuntime, NoExamples, Outcome, RetryPolicy, ServerUnreachable, SessionRejected
+from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from server_stub import free_port
 from tests.support import COLLECTION, deploy

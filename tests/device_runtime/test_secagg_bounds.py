@@ -13,7 +13,8 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from device_runtime import FLRuntime, OpStatsStore, Outcome, ProtocolClient, ProtocolError, RetryPolicy, SecAggPolicy
+from device_runtime import FLRuntime, OpStatsStore, Outcome, ProtocolError, RetryPolicy, SecAggPolicy
+from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, deploy, digits_plan
 

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import PlanExecutor, SecureSumCodec, initial_weights
+from device_runtime import PlanExecutor, initial_weights
+from device_runtime.secure_sum import SecureSumCodec
 from server_stub.influence import FLOAT32_SLACK, NUM_EXAMPLES, bound_update, check_group_sum
 from tests.support import digits_plan
 

@@ -16,7 +16,10 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from device_runtime import PeerCertificateVerifier, ProtocolClient, SecureOutcome, SecureSumCodec, run_secure_aggregation
+from device_runtime.attestation import PeerCertificateVerifier
+from device_runtime.protocol import ProtocolClient
+from device_runtime.secure_client import SecureOutcome, run_secure_aggregation
+from device_runtime.secure_sum import SecureSumCodec
 from emulator import AttestationAuthority
 from server_stub import AdminError, AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
 from tests.support import deploy, digits_plan

@@ -14,15 +14,11 @@ import numpy as np
 import onnxruntime
 import pytest
 
-from device_runtime import (
-    PeerCertificateVerifier,
-    ProtocolClient,
-    ProtocolError,
-    SecureOutcome,
-    SecureSumCodec,
-    encode_checkpoint,
-    run_secure_aggregation,
-)
+from device_runtime import ProtocolError, encode_checkpoint
+from device_runtime.attestation import PeerCertificateVerifier
+from device_runtime.protocol import ProtocolClient
+from device_runtime.secure_client import SecureOutcome, run_secure_aggregation
+from device_runtime.secure_sum import SecureSumCodec
 from emulator import AttestationAuthority, DeviceProfile, EmulatedDevice, Fleet, partition_by_shards
 from secagg import Round, parse_message
 from secagg.messages import EncryptedShares

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, SecureSumCodec, encode_checkpoint, load_plan, serialize_plan
+from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, encode_checkpoint, load_plan, serialize_plan
+from device_runtime.secure_sum import SecureSumCodec
 from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
 from emulator.toolchain import analytics_plan

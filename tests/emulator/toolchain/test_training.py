@@ -162,7 +162,7 @@ def test_frozen_weights_stay_constants_of_the_graph():
 
 
 def test_a_secure_aggregation_plan_sends_its_whole_update_through_secure_sum():
-    from device_runtime import SecureSumCodec
+    from device_runtime.secure_sum import SecureSumCodec
 
     plan = training_plan_from_onnx(mlp(6, 5, 3), label="y", loss="cross_entropy", optimizer=Momentum(0.1), batch_size=4,
                                    secure_aggregation=True, bitwidth=20, clip_range=64.0, example_selector=SELECTOR)
