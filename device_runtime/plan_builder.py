@@ -16,8 +16,8 @@ divided by the number of epochs, ``num_examples`` = n (examples per epoch).
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -33,6 +33,9 @@ from .plan import (
     ir_version_for_opset,
     min_runtime_for_opset,
 )
+
+if TYPE_CHECKING:  # example_store is imported lazily at load time (as in plan.py)
+    from example_store import ExampleSelector
 
 MIN_OPSET = 13
 MAX_OPSET = 26
@@ -248,6 +251,66 @@ def _check_args(opset: int, learning_rate: float, batch_size: int, epochs: int, 
         raise ValueError(f"inputs must map the work graph's inputs 'x' and 'y' to example tensor names, got {dict(inputs)}")
 
 
+def assemble_plan(
+    *,
+    name: str,
+    kind: str,
+    work: bytes,
+    weight_names: Sequence[str],
+    weight_outputs: Sequence[str],
+    metric_names: Sequence[str],
+    server: ServerPart,
+    selector: ExampleSelector,
+    inputs: Mapping[str, str],
+    batch_size: int,
+    opset: int,
+    epochs: int = 1,
+    shuffle_seed: int | None = None,
+    shuffle_buffer: int = 0,
+    resume: bool = False,
+    metadata: PlanMetadata | None = None,
+    min_runtime_version: str | None = None,
+    max_runtime_version: str | None = None,
+    memory_budget_mb: int | None = None,
+    time_budget_s: float | None = None,
+    shared_weights: Sequence[str] = (),
+) -> Plan:
+    """The one place a ``Plan`` is put together, for this module's builders and the toolchain's:
+    the device's feeding, the format version, and metadata derived from ``opset`` (its IR
+    version and, unless given, the first onnxruntime release that runs it). ``metadata`` replaces
+    the derived metadata whole (an evaluation plan keeps its training plan's)."""
+    if metadata is None:
+        metadata = PlanMetadata(
+            opset=opset,
+            ir_version=ir_version_for_opset(opset),
+            min_runtime_version=min_runtime_version or min_runtime_for_opset(opset),
+            max_runtime_version=max_runtime_version,
+            memory_budget_mb=memory_budget_mb,
+            time_budget_s=time_budget_s,
+            shared_weights=tuple(shared_weights),
+        )
+    return Plan(
+        name=name,
+        kind=kind,
+        format_version=PLAN_FORMAT_VERSION,
+        device=DeviceConfig(
+            selector=selector,
+            batch_size=int(batch_size),
+            epochs=int(epochs),
+            shuffle_seed=shuffle_seed,
+            shuffle_buffer=int(shuffle_buffer),
+            inputs=dict(inputs),
+            resume=bool(resume),
+        ),
+        work=work,
+        weight_names=tuple(weight_names),
+        weight_outputs=tuple(weight_outputs),
+        metric_names=tuple(metric_names),
+        server=server,
+        metadata=metadata,
+    )
+
+
 def build_mlp_plan(
     num_features: int,
     hidden_sizes: Sequence[int],
@@ -290,32 +353,26 @@ def build_mlp_plan(
     names = _weight_names(len(layers))
     if name is None:
         name = "mlp_" + "_".join(str(s) for s in [num_features, *hidden_sizes, num_classes])
-    return Plan(
+    return assemble_plan(
         name=name,
         kind="train",
-        format_version=PLAN_FORMAT_VERSION,
-        device=DeviceConfig(
-            selector=selector,
-            batch_size=int(batch_size),
-            epochs=int(epochs),
-            shuffle_seed=shuffle_seed,
-            shuffle_buffer=int(shuffle_buffer),
-            inputs=dict(inputs),
-            resume=resume_examples,
-        ),
         work=_work_graph(layers, learning_rate=float(learning_rate), opset=opset),
         weight_names=names,
-        weight_outputs=tuple(f"{n}_new" for n in names),
+        weight_outputs=[f"{n}_new" for n in names],
         metric_names=TRAIN_METRICS,
         server=_secure(_server_part(weights, "train", opset), names, secure_aggregation, bitwidth, clip_range),
-        metadata=PlanMetadata(
-            opset=opset,
-            ir_version=ir_version_for_opset(opset),
-            min_runtime_version=min_runtime_version or min_runtime_for_opset(opset),
-            max_runtime_version=max_runtime_version,
-            memory_budget_mb=memory_budget_mb,
-            time_budget_s=time_budget_s,
-        ),
+        selector=selector,
+        inputs=inputs,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle_seed=shuffle_seed,
+        shuffle_buffer=shuffle_buffer,
+        resume=resume_examples,
+        opset=opset,
+        min_runtime_version=min_runtime_version,
+        max_runtime_version=max_runtime_version,
+        memory_budget_mb=memory_budget_mb,
+        time_budget_s=time_budget_s,
     )
 
 
@@ -356,23 +413,18 @@ def build_eval_plan(train_plan: Plan) -> Plan:
     ``eval_accuracy`` and its update passes the weights through unchanged."""
     layers = _layers_of(train_plan)
     opset = train_plan.metadata.opset
-    return Plan(
+    return assemble_plan(
         name=f"{train_plan.name}_eval",
         kind="eval",
-        format_version=PLAN_FORMAT_VERSION,
-        device=DeviceConfig(
-            selector=train_plan.device.selector,
-            batch_size=train_plan.device.batch_size,
-            epochs=1,
-            shuffle_seed=None,
-            shuffle_buffer=0,
-            inputs=dict(train_plan.device.inputs),
-        ),
         work=_work_graph(layers, learning_rate=None, opset=opset),
         weight_names=train_plan.weight_names,
         weight_outputs=(),
         metric_names=TRAIN_METRICS,
         server=_server_part(_specs(layers), "eval", opset),
+        selector=train_plan.device.selector,
+        inputs=train_plan.device.inputs,
+        batch_size=train_plan.device.batch_size,
+        opset=opset,
         metadata=train_plan.metadata,
     )
 

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
-from device_runtime.plan import PLAN_FORMAT_VERSION, DeviceConfig, Plan, PlanMetadata, ir_version_for_opset, min_runtime_for_opset
+from device_runtime.plan_builder import assemble_plan
+from device_runtime.plan import Plan
 
 from .autodiff import Emitter
 from .server_optimizers import server_part
@@ -76,17 +77,16 @@ def analytics_plan(
                   e.initializers, opset)
     server = server_part({}, kind="eval", metrics=metrics, opset=opset, secure_sum=secure_aggregation,
                          bitwidth=bitwidth, clip_range=float(max_examples_per_device))
-    return Plan(
+    return assemble_plan(
         name=name or (f"histogram_{feature}" if bounds is not None else f"count_{feature}"),
         kind="eval",
-        format_version=PLAN_FORMAT_VERSION,
-        device=DeviceConfig(selector=example_selector, batch_size=int(batch_size), epochs=1, shuffle_seed=None,
-                            shuffle_buffer=0, inputs={VALUES: feature}),
         work=work,
         weight_names=(),
         weight_outputs=(),
-        metric_names=tuple(metrics),
+        metric_names=metrics,
         server=server,
-        metadata=PlanMetadata(opset=opset, ir_version=ir_version_for_opset(opset),
-                              min_runtime_version=min_runtime_for_opset(opset), max_runtime_version=None),
+        selector=example_selector,
+        inputs={VALUES: feature},
+        batch_size=batch_size,
+        opset=opset,
     )

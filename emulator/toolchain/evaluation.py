@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from onnx import TensorProto
 
 from device_runtime.executor import PlanExecutor
-from device_runtime.plan import PLAN_FORMAT_VERSION, DeviceConfig, Plan, PlanMetadata, ir_version_for_opset, min_runtime_for_opset
+from device_runtime.plan_builder import assemble_plan
+from device_runtime.plan import Plan
 
 from . import onnx_import
 from .autodiff import Emitter, constant_values, tensor_infos
@@ -89,19 +90,17 @@ def evaluation_plan_from_onnx(
     all_nodes = _live_nodes([*nodes, *e.nodes], list(chosen))
     constants = [i for n, i in parts.initializers.items() if n not in weights] + e.initializers
     work = _model("work", all_nodes, work_inputs, work_outputs, constants, parts.opset)
-    meta = training_plan.metadata if training_plan is not None else PlanMetadata(
-        opset=parts.opset, ir_version=ir_version_for_opset(parts.opset),
-        min_runtime_version=min_runtime_for_opset(parts.opset), max_runtime_version=None)
-    return Plan(
+    return assemble_plan(
         name=name or (f"{training_plan.name}_eval" if training_plan is not None else f"{graph.name or 'model'}_eval"),
         kind="eval",
-        format_version=PLAN_FORMAT_VERSION,
-        device=DeviceConfig(selector=example_selector, batch_size=int(batch_size), epochs=1, shuffle_seed=None,
-                            shuffle_buffer=0, inputs={**parts.data_inputs, label_input: label}),
         work=work,
-        weight_names=tuple(weights),
+        weight_names=list(weights),
         weight_outputs=(),
-        metric_names=tuple(chosen),
+        metric_names=chosen,
         server=server_part(weights, kind="eval", metrics=chosen, opset=parts.opset),
-        metadata=meta,
+        selector=example_selector,
+        inputs={**parts.data_inputs, label_input: label},
+        batch_size=batch_size,
+        opset=parts.opset,
+        metadata=training_plan.metadata if training_plan is not None else None,
     )

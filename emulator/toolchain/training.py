@@ -26,15 +26,8 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from device_runtime.executor import PlanExecutor
-from device_runtime.plan import (
-    PLAN_FORMAT_VERSION,
-    DeviceConfig,
-    Plan,
-    PlanError,
-    PlanMetadata,
-    ir_version_for_opset,
-    min_runtime_for_opset,
-)
+from device_runtime.plan import Plan, PlanError, ir_version_for_opset
+from device_runtime.plan_builder import assemble_plan
 
 from .autodiff import (
     DEFAULT_DOMAINS,
@@ -470,33 +463,27 @@ def onnx_training_plan(
     server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
                          reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,
                          clip_range=clip_range)
-    plan = Plan(
+    plan = assemble_plan(
         name=name or (graph.name or "model"),
         kind="train",
-        format_version=PLAN_FORMAT_VERSION,
-        device=DeviceConfig(
-            selector=example_selector,
-            batch_size=int(batch_size),
-            epochs=int(epochs),
-            shuffle_seed=shuffle_seed,
-            shuffle_buffer=int(shuffle_buffer),
-            inputs={**parts.data_inputs, label_input: label},
-            resume=bool(resume_examples),
-        ),
         work=work,
-        weight_names=tuple(weight_names),
-        weight_outputs=tuple(outputs_of[w] for w in weight_names),
-        metric_names=tuple(chosen_metrics),
+        weight_names=weight_names,
+        weight_outputs=[outputs_of[w] for w in weight_names],
+        metric_names=chosen_metrics,
         server=server,
-        metadata=PlanMetadata(
-            opset=parts.opset,
-            ir_version=ir_version_for_opset(parts.opset),
-            min_runtime_version=min_runtime_version or min_runtime_for_opset(parts.opset),
-            max_runtime_version=max_runtime_version,
-            memory_budget_mb=memory_budget_mb,
-            time_budget_s=time_budget_s,
-            shared_weights=tuple(shared_weights),
-        ),
+        selector=example_selector,
+        inputs={**parts.data_inputs, label_input: label},
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle_seed=shuffle_seed,
+        shuffle_buffer=shuffle_buffer,
+        resume=resume_examples,
+        opset=parts.opset,
+        min_runtime_version=min_runtime_version,
+        max_runtime_version=max_runtime_version,
+        memory_budget_mb=memory_budget_mb,
+        time_budget_s=time_budget_s,
+        shared_weights=list(shared_weights),
     )
     warnings = (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
     if parts.lost:
