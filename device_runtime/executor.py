@@ -1,7 +1,7 @@
 """The plan executor on onnxruntime: the device side runs the plan's ``work`` graph over the
-device's batches; the server side runs its MapReduceForm part (``zero``, ``accumulate``,
-``merge``, ``report``, ``update``, ``prepare``). Callers only see dicts keyed by plain tensor names;
-the ``acc/``, ``upd/``, ``a/``, ``b/``, ``state/``, ``agg/`` prefixes of the server graphs stay in here.
+device's batches (made by ``batching``); the server side runs its MapReduceForm part
+(``server_ops``: ``zero``, ``accumulate``, ``merge``, ``report``, ``update``, ``prepare``); a deploy
+runs the whole plan once (``smoke_test``).
 
 The client update of a training plan (what :meth:`PlanExecutor.run_device` returns and the server
 accumulates), all float32:
@@ -21,7 +21,6 @@ batch pointers and three scalars.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,14 +30,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .batching import batches_from_examples
 from .plan import Plan, PlanError, UpdateMismatchError
+from .server_ops import ServerOps, f32
 
 NUM_EXAMPLES = "num_examples"
-# Server optimizer state (FedAvgM's momentum, FedAdam's moments): tensors the ``update`` graph
-# reads as ``state/server_state/...`` and writes as ``server_state/...``. They live in the server's
-# checkpoint beside the weights, start at zero when absent (an initial checkpoint holds only the
-# weights) and are never broadcast (``prepare`` does not take them).
-SERVER_STATE_PREFIX = "server_state/"
 _SERVER_GRAPHS = ("prepare", "zero", "accumulate", "merge", "report", "update")
 _T = TypeVar("_T")
 
@@ -82,16 +78,7 @@ def _io_specs(model_bytes: bytes) -> tuple[dict[str, tuple], dict[str, tuple]]:
     return spec(model.graph.input), spec(model.graph.output)
 
 
-def _f64(value: np.ndarray) -> np.ndarray:
-    return np.asarray(value, dtype=np.float64, order="C")
-
-
-def _f32(value: np.ndarray) -> np.ndarray:
-    # np.asarray(order="C") rather than np.ascontiguousarray, which turns scalars into shape (1,)
-    return np.asarray(value, dtype=np.float32, order="C")
-
-
-class PlanExecutor:
+class PlanExecutor(ServerOps):
     """Runs one plan. Sessions are created lazily (a device only ever creates ``work``); one
     executor may be shared by threads (session creation is locked; onnxruntime's ``run`` is
     thread-safe)."""
@@ -152,7 +139,7 @@ class PlanExecutor:
             raise PlanError(f"weights {missing} are missing; the plan needs {sorted(spec)}")
         out = {}
         for name, (shape, _dtype) in spec.items():
-            arr = _f32(weights[name])
+            arr = f32(weights[name])
             if arr.shape != shape:
                 raise PlanError(f"weight {name!r} has shape {arr.shape}, the plan needs {shape}")
             out[name] = arr
@@ -254,7 +241,7 @@ class PlanExecutor:
     def final_weights(self, initial: Mapping[str, np.ndarray], result: DeviceResult) -> dict[str, np.ndarray]:
         """The device's trained weights, reconstructed from its update: w + delta*n / n."""
         n = max(result.num_examples, 1)
-        return {w: (_f32(initial[w]) + result.update[w] / np.float32(n)).astype(np.float32) for w in self.plan.weight_names}
+        return {w: (f32(initial[w]) + result.update[w] / np.float32(n)).astype(np.float32) for w in self.plan.weight_names}
 
     def batches_from_examples(
         self,
@@ -278,23 +265,7 @@ class PlanExecutor:
         the epoch (the number of times the callable was called) and the chunking of the source;
         ``shuffle_seed=None`` draws a fresh seed from the OS; ``shuffle_buffer <= 1`` keeps order.
         """
-        dev = self.plan.device
-        keys = list(dict.fromkeys(dev.inputs.values()))
-        epoch = [0]
-        seed = dev.shuffle_seed
-
-        def open_batches() -> Iterator[dict[str, np.ndarray]]:
-            if seed is None:
-                rng = np.random.default_rng()
-            else:
-                rng = np.random.Generator(np.random.PCG64(_epoch_seeds(seed, epoch[0])))
-            epoch[0] += 1
-            chunks = _chunks(open_examples(), keys, batched)
-            if dev.shuffle_buffer > 1:
-                chunks = _shuffle(chunks, rng, dev.shuffle_buffer)
-            return _rebatch(chunks, keys, dev.batch_size)
-
-        return open_batches
+        return batches_from_examples(self.plan.device, open_examples, batched=batched)
 
     def evaluate(self, weights: Mapping[str, np.ndarray], batches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
         """Loss and accuracy of ``weights`` over ``batches`` (keyed by example tensor names) with
@@ -317,82 +288,6 @@ class PlanExecutor:
         if "correct" in sums:
             out["eval_accuracy"] = sums["correct"] / count if count else float("nan")
         return out
-
-    # ------------------------------------------------------------------ server side
-
-    def _run(self, which: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        sess = self._session(which)
-        names = self._graph_io(which)[1]
-        return dict(zip(names, sess.run(names, feeds)))
-
-    def _graph_io(self, which: str) -> tuple[list[tuple[str, bool, list]], list[str]]:
-        """A graph's inputs (name, whether float64, shape) and output names: read from its
-        session once (onnxruntime builds new objects on every ``get_inputs``; a server reads them
-        for every report it aggregates)."""
-        io = self._io.get(which)
-        if io is None:
-            sess = self._session(which)
-            inputs = [(i.name, i.type == "tensor(double)", i.shape) for i in sess.get_inputs()]
-            io = (inputs, [o.name for o in sess.get_outputs()])
-            self._io[which] = io
-        return io
-
-    def _prefixed(self, which: str, prefix: str, values: Mapping[str, np.ndarray], feeds: dict) -> None:
-        for name, double, shape in self._graph_io(which)[0]:
-            if name.startswith(prefix):
-                plain = name[len(prefix):]
-                if plain not in values and prefix == "state/" and plain.startswith(SERVER_STATE_PREFIX):
-                    if not all(isinstance(d, int) for d in shape):
-                        raise PlanError(f"{which}: server state {plain!r} needs a static shape, not {shape}")
-                    feeds[name] = np.zeros(shape, dtype=np.float64 if double else np.float32)
-                    continue
-                if plain not in values:
-                    raise PlanError(f"{which}: {prefix[:-1]} is missing tensor {plain!r}")
-                # server graphs may keep float64 accumulators; everything else is float32
-                feeds[name] = _f64(values[plain]) if double else _f32(values[plain])
-
-    def zero(self) -> dict[str, np.ndarray]:
-        """An empty accumulator (same names and shapes as a client update, all zeros)."""
-        return self._run("zero", {})
-
-    def accumulate(self, acc: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds: dict[str, np.ndarray] = {}
-        self._prefixed("accumulate", "acc/", acc, feeds)
-        self._prefixed("accumulate", "upd/", update, feeds)
-        return self._run("accumulate", feeds)
-
-    def merge(self, a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds: dict[str, np.ndarray] = {}
-        self._prefixed("merge", "a/", a, feeds)
-        self._prefixed("merge", "b/", b, feeds)
-        return self._run("merge", feeds)
-
-    def report(self, acc: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The aggregate: mean delta per weight and averaged metrics."""
-        feeds: dict[str, np.ndarray] = {}
-        self._prefixed("report", "acc/", acc, feeds)
-        return self._run("report", feeds)
-
-    def update(
-        self, state: Mapping[str, np.ndarray], aggregate: Mapping[str, np.ndarray]
-    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """(new server state = global weights and any server optimizer state, metrics as floats)."""
-        feeds: dict[str, np.ndarray] = {}
-        self._prefixed("update", "state/", state, feeds)
-        self._prefixed("update", "agg/", aggregate, feeds)
-        out = self._run("update", feeds)
-        weights = {w: out[w] for w in self.plan.weight_names}
-        weights.update({k: v for k, v in out.items() if k.startswith(SERVER_STATE_PREFIX)})
-        metrics = {k: float(v) for k, v in out.items() if k not in weights}
-        return weights, metrics
-
-    def prepare(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """What is broadcast to devices for this state (the weights)."""
-        if not self.plan.weight_names:  # e.g. federated analytics: an empty graph onnxruntime will not load
-            return {}
-        feeds: dict[str, np.ndarray] = {}
-        self._prefixed("prepare", "state/", state, feeds)
-        return self._run("prepare", feeds)
 
     # ------------------------------------------------------------------ deploy-time check
 
@@ -546,78 +441,6 @@ def _expect(which: str, outputs: Mapping[str, np.ndarray], promised: Mapping[str
                 f"the plan's {where} {which!r} returns {name!r} as {value.dtype}{list(value.shape)}, "
                 f"the plan promises {np.dtype(dtype)}{list(shape)}"
             )
-
-
-# ---------------------------------------------------------------------- streaming data helpers
-
-
-@functools.lru_cache(maxsize=256)
-def _epoch_seeds(seed: int, epoch: int) -> np.random.SeedSequence:
-    """The seed sequence ``default_rng([seed, epoch])`` would hash, so shuffles stay those of
-    earlier runtimes: the same for every device of a plan, so hashed once (hashing it took a
-    quarter of the data pipeline's time in a simulated day of 10,000 devices)."""
-    return np.random.SeedSequence([seed, epoch])
-
-
-def _chunks(source: Iterable[Mapping[str, np.ndarray]], keys: list[str], batched: bool) -> Iterator[dict[str, np.ndarray]]:
-    for item in source:
-        missing = [k for k in keys if k not in item]
-        if missing:
-            raise PlanError(f"examples have no tensor(s) {missing} (keys {sorted(item)})")
-        chunk = {k: np.asarray(item[k]) for k in keys}
-        if not batched:
-            chunk = {k: v[None, ...] for k, v in chunk.items()}
-        sizes = {v.shape[0] if v.ndim else -1 for v in chunk.values()}
-        if len(sizes) != 1 or -1 in sizes:
-            raise PlanError(f"example tensors disagree on the number of examples in a chunk: { {k: v.shape for k, v in chunk.items()} }")
-        if sizes.pop() > 0:
-            yield chunk
-
-
-def _take(chunk: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, np.ndarray]:
-    return {k: v[idx] for k, v in chunk.items()}
-
-
-def _size(chunk: dict[str, np.ndarray]) -> int:
-    return next(iter(chunk.values())).shape[0]
-
-
-def _shuffle(chunks: Iterator[dict], rng: np.random.Generator, capacity: int) -> Iterator[dict[str, np.ndarray]]:
-    # The pool is the chunks read since it last overflowed, joined only when it does (or at the
-    # end): joining each small chunk as it came copied the pool once per chunk.
-    parts: list[dict[str, np.ndarray]] = []
-    size = 0
-    for chunk in chunks:
-        parts.append(chunk)
-        size += _size(chunk)
-        if size > capacity:
-            pool = _join(parts)
-            perm = rng.permutation(size)
-            yield _take(pool, perm[: size - capacity])
-            parts, size = [_take(pool, perm[size - capacity :])], capacity
-    if size:
-        yield _take(_join(parts), rng.permutation(size))
-
-
-def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    if len(parts) == 1:
-        return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
-def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    pending: dict[str, np.ndarray] | None = None
-    for chunk in chunks:
-        pending = chunk if pending is None else _join([pending, chunk])
-        size = _size(pending)
-        if size < batch_size:
-            continue
-        full = size - size % batch_size
-        for start in range(0, full, batch_size):
-            yield {k: v[start : start + batch_size] for k, v in pending.items()}
-        pending = {k: v[full:] for k, v in pending.items()} if full < size else None
-    if pending is not None and _size(pending):
-        yield pending
 
 
 def device_result(

@@ -29,7 +29,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from device_runtime.executor import NUM_EXAMPLES, SERVER_STATE_PREFIX
+from device_runtime.executor import NUM_EXAMPLES
+from device_runtime.server_ops import SERVER_STATE_PREFIX
 from device_runtime.plan import ServerPart, ir_version_for_opset
 from device_runtime.plan_builder import summing_graphs
 

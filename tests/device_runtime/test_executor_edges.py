@@ -203,7 +203,7 @@ def _reference_shuffle(chunks, rng, capacity):
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(1, 12), max_size=20), capacity=st.integers(2, 40), seed=st.integers(0, 2**32 - 1))
 def test_the_shuffle_takes_the_order_its_specification_gives(sizes, capacity, seed):
-    from device_runtime.executor import _shuffle
+    from device_runtime.batching import _shuffle
 
     def chunks():
         start = 0

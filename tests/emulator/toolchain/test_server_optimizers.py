@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, encode_checkpoint
 from device_runtime.clock import VirtualClock
-from device_runtime.executor import SERVER_STATE_PREFIX
+from device_runtime.server_ops import SERVER_STATE_PREFIX
 from emulator.inprocess import InProcessTransport
 from emulator.toolchain import FedAdam, FedAvg, FedAvgM, FedYogi, Momentum, SGD, initial_weights_from_onnx, training_plan_from_onnx
 from example_store import ExampleSelector, SQLiteExampleStore
