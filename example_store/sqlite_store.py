@@ -25,27 +25,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import os
 import secrets
 import sqlite3
-import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import islice, repeat
-from operator import itemgetter, length_hint
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import (
     Column,
     Float,
@@ -71,7 +62,6 @@ from .errors import (
     InvalidArgumentError,
     KeyStoreError,
     SealingModeError,
-    TamperedExampleError,
     UnknownCollectionError,
     WrongKeyError,
 )
@@ -80,20 +70,16 @@ from .keystore import KeyStore, check_alias, check_key
 from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
 from .selector import ExampleSelector
+from .sealing import SEALING_AES_GCM, SEALING_NONE, Collection, RowSealer, b64, collection_record
 from .sqlite_engine import sqlite_engine
+from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
 #: Written to ``PRAGMA user_version``. Version 1 files (no sealing, no persisted policies) are
 #: upgraded in place when opened; a file with another non-zero version is refused.
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (0, 1, FORMAT_VERSION)
-#: Examples per insert batch and rows per fetch while streaming.
+#: Examples per insert batch.
 INSERT_CHUNK = 2048
-READ_CHUNK = 1024
-#: The sealing modes recorded in ``store_meta``.
-SEALING_NONE = "none"
-SEALING_AES_GCM = "aes-256-gcm"
-NONCE_BYTES = 12
-TAG_BYTES = 16
 DEFAULT_KEY_ALIAS = "example_store"
 
 metadata = MetaData()
@@ -137,87 +123,6 @@ _RESERVE_IDS_SQL = (
     "UPDATE store_meta SET value = CAST(value AS INTEGER) + ? WHERE key = 'next_row_id' "
     "RETURNING CAST(value AS INTEGER)"
 )
-_payload_of = itemgetter(0)
-_ROW_AD = struct.Struct("<qd")  # row id, timestamp
-_AD_DOMAIN = b"fedfleet example_store v2 row\x00"
-
-
-@dataclass(frozen=True)
-class _Collection:
-    id: int
-    uri: str
-    schema: Schema
-    ad_prefix: bytes  # associated data shared by the collection's sealed rows
-
-
-def _collection(coll_id: int, uri: str, schema_text: str) -> _Collection:
-    digest = hashlib.sha256(
-        _AD_DOMAIN + struct.pack("<q", coll_id) + uri.encode("utf-8") + b"\x00" + schema_text.encode("utf-8")
-    ).digest()
-    return _Collection(coll_id, uri, Schema.from_json(schema_text), digest)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _hkdf(key: bytes, salt: bytes, purpose: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"fedfleet example_store v2 " + purpose).derive(key)
-
-
-class _Sealer:
-    """AES-GCM sealing of payload rows under the database's data key."""
-
-    _CHECK_PLAINTEXT = b"fedfleet example store key check"
-
-    def __init__(self, app_key: bytes, salt: bytes) -> None:
-        self._aead = AESGCM(_hkdf(app_key, salt, b"payload sealing"))
-        self._check_ad = b"key-check\x00" + salt
-        self.token_key = _hkdf(app_key, salt, b"resumption tokens")
-
-    def key_check(self) -> bytes:
-        nonce = os.urandom(NONCE_BYTES)
-        return nonce + self._aead.encrypt(nonce, self._CHECK_PLAINTEXT, self._check_ad)
-
-    def verify_key_check(self, blob: bytes) -> bool:
-        try:
-            return self._aead.decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], self._check_ad) == self._CHECK_PLAINTEXT
-        except (InvalidTag, ValueError):
-            return False
-
-    def seal(self, coll: _Collection, first_id: int, timestamps: list[float], payload: bytes) -> list[bytes]:
-        size = coll.schema.record_size
-        n = len(timestamps)
-        nonces = os.urandom(NONCE_BYTES * n)
-        encrypt, pack, prefix = self._aead.encrypt, _ROW_AD.pack, coll.ad_prefix
-        sealed = []
-        append = sealed.append
-        for i in range(n):
-            nonce = nonces[NONCE_BYTES * i : NONCE_BYTES * (i + 1)]
-            append(nonce + encrypt(nonce, payload[size * i : size * (i + 1)], prefix + pack(first_id + i, timestamps[i])))
-        return sealed
-
-    def open(self, coll: _Collection, rows: list[tuple[bytes, int, float]], path: str) -> bytes:
-        """The plaintext payloads of rows (sealed payload, id, timestamp), back to back."""
-        decrypt, pack, prefix = self._aead.decrypt, _ROW_AD.pack, coll.ad_prefix
-        out: list[bytes] = []
-        append = out.append
-        row_id = None
-        try:
-            for blob, row_id, ts in rows:
-                append(decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], prefix + pack(row_id, ts)))
-        except (InvalidTag, ValueError, TypeError, struct.error):
-            raise TamperedExampleError(
-                f"example {row_id} of collection {coll.uri!r} in {path} failed authentication: its payload, "
-                f"nonce, timestamp or collection (or the collection's schema) was altered on disk, or the row "
-                f"was moved from another collection. Nothing was returned from it; delete the collection "
-                f"(store.delete_collection({coll.uri!r})) or the file to start afresh",
-                collection_uri=coll.uri,
-                row_id=row_id,
-            ) from None
-        return b"".join(out)
-
-
 class SQLiteExampleStore(ExampleStore):
     """An app's example store in one SQLite file (created if missing).
 
@@ -250,10 +155,10 @@ class SQLiteExampleStore(ExampleStore):
         self._policies: dict[str, RetentionPolicy] = {}
         self._clock = clock
         self._lock = threading.RLock()
-        self._collections: dict[str, _Collection] = {}
-        self._iterators: weakref.WeakSet[_SQLiteIterator] = weakref.WeakSet()
+        self._collections: dict[str, Collection] = {}
+        self._iterators: weakref.WeakSet[SQLiteIterator] = weakref.WeakSet()
         self._closed = False
-        self._sealer: _Sealer | None = None
+        self._sealer: RowSealer | None = None
         self._tokens: ResumptionTokens
         self._engine = self._open_engine(key_store, key_alias)
 
@@ -321,16 +226,16 @@ class SQLiteExampleStore(ExampleStore):
                 f"key_store, or start a new sealed store in another file and add the examples to it"
             )
         salt = secrets.token_bytes(16)
-        meta = {"salt": _b64(salt)}
+        meta = {"salt": b64(salt)}
         if key_store is None:
-            meta.update(sealing=SEALING_NONE, token_key=_b64(secrets.token_bytes(32)))
+            meta.update(sealing=SEALING_NONE, token_key=b64(secrets.token_bytes(32)))
         else:
             key = self._fetch_key(key_store, key_alias, create=True)
             (max_id,) = conn.exec_driver_sql("SELECT COALESCE(MAX(id), 0) FROM examples").one()
             meta.update(
                 sealing=SEALING_AES_GCM,
                 key_alias=key_alias,
-                key_check=_b64(_Sealer(key, salt).key_check()),
+                key_check=b64(RowSealer(key, salt).key_check()),
                 next_row_id=str(int(max_id) + 1),
             )
         conn.execute(meta_table.insert(), [{"key": k, "value": v} for k, v in meta.items()])
@@ -381,7 +286,7 @@ class SQLiteExampleStore(ExampleStore):
                 f"without the key it was sealed with its examples cannot be read: restore the key store, or "
                 f"delete the file to start afresh"
             )
-        sealer = _Sealer(key, salt)
+        sealer = RowSealer(key, salt)
         if not sealer.verify_key_check(key_check):
             raise WrongKeyError(
                 f"the key {key_alias!r} of {key_store!r} is not the key {self.path} was sealed with{hint}; "
@@ -448,7 +353,7 @@ class SQLiteExampleStore(ExampleStore):
             conn.execute(retention_table.delete().where(retention_table.c.collection_uri == collection_uri))
         self._policies.pop(collection_uri, None)
 
-    def _lookup(self, uri: str, conn: Connection | None = None) -> _Collection | None:
+    def _lookup(self, uri: str, conn: Connection | None = None) -> Collection | None:
         coll = self._collections.get(uri)
         if coll is not None:
             return coll
@@ -460,11 +365,11 @@ class SQLiteExampleStore(ExampleStore):
             row = conn.execute(query).first()
         if row is None:
             return None
-        coll = _collection(row.id, uri, row.schema)
+        coll = collection_record(row.id, uri, row.schema)
         self._collections[uri] = coll
         return coll
 
-    def _require(self, uri: str) -> _Collection:
+    def _require(self, uri: str) -> Collection:
         self._check_open()
         check_uri(uri)
         coll = self._lookup(uri)
@@ -497,7 +402,7 @@ class SQLiteExampleStore(ExampleStore):
         ts_iter = None if timestamps is None else iter(timestamps)
         sealer = self._sealer
         total = 0
-        created: _Collection | None = None
+        created: Collection | None = None
         with self._lock, self._db_errors("add examples"), self._engine.begin() as conn:
             coll = self._lookup(collection_uri, conn)
             cursor = conn.connection.driver_connection.cursor()
@@ -530,12 +435,12 @@ class SQLiteExampleStore(ExampleStore):
             self._collections[collection_uri] = created
         return total
 
-    def _create_collection(self, conn: Connection, uri: str, schema: Schema, now: float) -> _Collection:
+    def _create_collection(self, conn: Connection, uri: str, schema: Schema, now: float) -> Collection:
         schema_text = schema.to_json()
         result = conn.execute(
             collections_table.insert().values(uri=uri, schema=schema_text, record_size=schema.record_size, created_at=now)
         )
-        return _collection(int(result.inserted_primary_key[0]), uri, schema_text)
+        return collection_record(int(result.inserted_primary_key[0]), uri, schema_text)
 
     # -- retention and housekeeping ------------------------------------------------------------
 
@@ -612,7 +517,7 @@ class SQLiteExampleStore(ExampleStore):
             retention=self.retention_for(collection_uri),
         )
 
-    def _expire(self, coll: _Collection) -> None:
+    def _expire(self, coll: Collection) -> None:
         """The cheap part of retention that runs before reads: TTL only, and a write transaction
         only when an index probe finds an expired example."""
         ttl = self.retention_for(coll.uri).ttl_seconds
@@ -642,7 +547,7 @@ class SQLiteExampleStore(ExampleStore):
         coll = self._require(check_selector(selector).collection_uri)
         after = self._resume_position(selector)
         self._expire(coll)
-        where, params = _where(coll, selector, after)
+        where, params = where_clause(coll, selector, after)
         with self._db_errors("count examples"), self._engine.connect() as conn:
             n = int(conn.exec_driver_sql(f"SELECT COUNT(*) FROM examples WHERE {where}", tuple(params)).scalar())
         return n if selector.limit is None else min(n, selector.limit)
@@ -655,11 +560,11 @@ class SQLiteExampleStore(ExampleStore):
         """Streams batches decoded a chunk at a time (the fast path the runtime trains on)."""
         return self._open_iterator(selector, check_batch_size(batch_size))
 
-    def _open_iterator(self, selector: ExampleSelector, batch_size: int | None) -> _SQLiteIterator:
+    def _open_iterator(self, selector: ExampleSelector, batch_size: int | None) -> SQLiteIterator:
         coll = self._require(check_selector(selector).collection_uri)
         after = self._resume_position(selector)
         self._expire(coll)
-        where, params = _where(coll, selector, after)
+        where, params = where_clause(coll, selector, after)
         direction = "ASC" if selector.order == "oldest" else "DESC"
         sql = f"SELECT payload, id, timestamp FROM examples WHERE {where} ORDER BY timestamp {direction}, id {direction}"
         if selector.limit is not None:
@@ -675,7 +580,7 @@ class SQLiteExampleStore(ExampleStore):
             except BaseException:
                 proxied.close()
                 raise
-        iterator = _SQLiteIterator(
+        iterator = SQLiteIterator(
             proxied, cursor, coll, batch_size, str(self.path), self._sealer, self._tokens, selector.order, after
         )
         self._iterators.add(iterator)
@@ -711,133 +616,7 @@ class SQLiteExampleStore(ExampleStore):
         return f"SQLiteExampleStore({str(self.path)!r}{', sealed' if self.sealed else ''})"
 
 
-class _SQLiteIterator(ExampleIterator):
-    """Streams rows of one SELECT; decodes (and unseals) a chunk at a time. Holds a pooled
-    connection (and so a WAL read snapshot) until exhausted or closed, never a lock."""
-
-    def __init__(
-        self,
-        proxied: Any,
-        cursor: sqlite3.Cursor,
-        coll: _Collection,
-        batch_size: int | None,
-        path: str,
-        sealer: _Sealer | None,
-        tokens: ResumptionTokens,
-        order: str,
-        after: Position | None,
-    ) -> None:
-        self._proxied = proxied
-        self._cursor: sqlite3.Cursor | None = cursor
-        self._coll = coll
-        self._schema = coll.schema
-        self._batch_size = batch_size
-        self._path = path
-        self._sealer = sealer
-        self._tokens = tokens
-        self._order = order
-        self._pending: Iterator[dict[str, np.ndarray]] = iter(())
-        # Position tracking for resumption tokens, off the per-example path: the current chunk's
-        # rows, how many items (examples or batches) it was split into, and where the previous
-        # chunks ended. What was returned is derived from how much of _pending is left.
-        self._rows: list[tuple[bytes, int, float]] | None = None  # (payload, id, timestamp)
-        self._items = 0
-        self._before: Position | None = after
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        item = next(self._pending, None)
-        if item is not None:
-            return item
-        if self._cursor is None:
-            raise StopIteration
-        if self._rows:  # every row of the chunk was returned
-            last = self._rows[-1]
-            self._before = (last[2], last[1])
-            self._rows = None
-        try:
-            rows = self._cursor.fetchmany()
-            if not rows:
-                raise StopIteration
-            n = len(rows)
-            if self._sealer is None:
-                payload = b"".join(map(_payload_of, rows))
-            else:
-                payload = self._sealer.open(self._coll, rows, self._path)
-            columns = self._schema.decode(payload, n)
-        except StopIteration:
-            self.close()
-            raise
-        except sqlite3.Error as exc:
-            self.close()
-            raise ExampleStoreError(
-                f"reading examples from {self._path} failed: {exc}; if the file is damaged, delete it"
-            ) from exc
-        except BaseException:
-            self.close()
-            raise
-        if self._batch_size is None:
-            items = self._schema.split(columns, n)
-        else:
-            bs = self._batch_size
-            items = [{k: v[i : i + bs] for k, v in columns.items()} for i in range(0, n, bs)]
-        self._rows, self._items = rows, len(items)
-        self._pending = iter(items)
-        return next(self._pending)
-
-    def _position(self) -> Position | None:
-        rows = self._rows
-        if not rows:
-            return self._before
-        returned = self._items - length_hint(self._pending)
-        if returned <= 0:
-            return self._before
-        per = 1 if self._batch_size is None else self._batch_size
-        row = rows[min(returned * per, len(rows)) - 1]
-        return (row[2], row[1])
-
-    def resumption_token(self) -> str:
-        return self._tokens.issue(self._coll.uri, self._order, self._position())
-
-    def close(self) -> None:
-        """Finalizes the statement (ending the read snapshot) and returns the connection to the pool."""
-        self._before = self._position()
-        self._rows = None
-        cursor, proxied = self._cursor, self._proxied
-        self._cursor = self._proxied = None
-        self._pending = iter(())
-        if cursor is not None:
-            try:
-                cursor.close()
-            except sqlite3.Error:
-                pass
-        if proxied is not None:
-            proxied.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown or a pool already disposed
-            pass
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-
-def _where(coll: _Collection, selector: ExampleSelector, after: Position | None) -> tuple[str, list[Any]]:
-    clauses, params = ["collection_id = ?"], [coll.id]
-    if selector.start_time is not None:
-        clauses.append("timestamp >= ?")
-        params.append(selector.start_time)
-    if selector.end_time is not None:
-        clauses.append("timestamp < ?")
-        params.append(selector.end_time)
-    if after is not None:
-        clauses.append("(timestamp, id) > (?, ?)" if selector.order == "oldest" else "(timestamp, id) < (?, ?)")
-        params.extend(after)
-    return " AND ".join(clauses), params
-
-
-def _apply_policy(cursor: sqlite3.Cursor, coll: _Collection, policy: RetentionPolicy, now: float) -> int:
+def _apply_policy(cursor: sqlite3.Cursor, coll: Collection, policy: RetentionPolicy, now: float) -> int:
     """Deletes what the policy no longer allows, inside the caller's transaction."""
     deleted = 0
     if policy.ttl_seconds is not None:
