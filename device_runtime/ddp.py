@@ -1,0 +1,650 @@
+"""Distributed differential privacy: the device's encoding and the server's decoding, pure numpy.
+
+The distributed discrete Gaussian mechanism of Kairouz, Liu and Steinke 2021 ("The Distributed
+Discrete Gaussian Mechanism for Federated Learning with Secure Aggregation"), as TFF's
+``ddp_secure_aggregator`` runs it. The server is not trusted with any one update, so each device
+adds its share of the noise before Secure Aggregation and the group's sum carries all of it:
+
+1. clip the flat update to L2 norm ``clip`` (its sensitivity);
+2. rotate it with a randomized Hadamard transform from a public per-round seed (random signs, then
+   a normalized Walsh-Hadamard transform, padded to a power of two), which spreads a spiky vector
+   evenly over the coordinates so that a few bits per coordinate hold it;
+3. scale by ``gamma`` and round each coordinate randomly to a neighbouring integer, retrying until
+   the rounded vector's norm is within the paper's bound (conditional randomized rounding): that
+   bound, not ``gamma * clip``, is the sensitivity in the integer domain that the noise covers;
+4. add integer noise (discrete Gaussian, Canonne, Kamath and Steinke 2020; or Skellam, Agarwal et
+   al. 2021) whose variance is the target's share for the fewest devices the sum may carry;
+5. reduce mod ``2^bitwidth`` for Secure Aggregation.
+
+The server maps the modular sum to signed integers, divides by ``gamma``, unrotates and truncates
+(``decode``). ``calibrate`` picks ``gamma`` and each device's noise from the target central noise
+multiplier and checks that the noisy sum of the largest group never wraps the modulus except with
+probability ``wrap_probability`` (a tail bound, stated on ``wrap_bound``).
+
+Values in, values out: randomness comes only from a ``numpy.random.Generator`` or a seed passed
+in; no clocks, no I/O. Wiring this into rounds (the device's noise floor beside ``SecAggPolicy``,
+the server's decode) is separate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+Mechanism = Literal["gaussian", "skellam"]
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+#: Kairouz et al.'s conditional rounding parameter: a rounding attempt exceeds the norm bound with
+#: probability at most beta (TFF's default, exp(-1/2)); the bound is then ``rounding_bound``.
+DEFAULT_BETA = math.exp(-0.5)
+#: The largest probability that some coordinate of the noisy sum wraps the modulus (2^-30).
+DEFAULT_WRAP_PROBABILITY = 2.0**-30
+#: Rounding attempts before ``encode`` gives up: each fails with probability <= beta (0.61^100 < 1e-21).
+DEFAULT_MAX_ROUNDING_TRIES = 100
+#: The widest modulus: int64 arithmetic on sums of two residues stays exact below 2^62 each.
+MAX_BITWIDTH = 62
+
+
+class DDPError(ValueError):
+    """Distributed DP parameters that cannot work; the message names what to change."""
+
+
+class ModulusTooSmall(DDPError):
+    """The noisy sum of the group could wrap the modulus: raise the bitwidth, or lower the clip,
+    the noise multiplier or the group size."""
+
+
+class RoundingFailed(DDPError):
+    """Conditional randomized rounding exceeded its norm bound on every try."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Clipping and the randomized Hadamard rotation
+
+
+def clip_l2(update: npt.ArrayLike, clip: float) -> FloatArray:
+    """``update`` as a flat float64 vector scaled down to L2 norm at most ``clip`` (unchanged if
+    already within it): the bound on one device's contribution that all DP here rests on."""
+    if not clip > 0 or not math.isfinite(clip):
+        raise DDPError(f"clip must be a positive finite number, got {clip!r}")
+    x = np.asarray(update, dtype=np.float64).reshape(-1)
+    if not np.isfinite(x).all():
+        raise DDPError(
+            "the update holds NaN or infinite values; a device must not send it"
+        )
+    norm = float(np.linalg.norm(x))
+    if norm > clip:
+        x = x * (clip / norm)
+    return x
+
+
+def padded_dimension(dim: int) -> int:
+    """The power of two the Hadamard transform works on (at least ``dim``, at least 1)."""
+    if dim < 1:
+        raise DDPError(f"dim must be >= 1, got {dim}")
+    return 1 << (dim - 1).bit_length()
+
+
+def rotation_signs(seed: int, padded_dim: int) -> FloatArray:
+    """The rotation's random signs from the round's public seed: devices and server derive the
+    same ones (PCG64 from the seed, so a 64-bit seed is used whole, not folded to 32 bits)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    bits = rng.integers(0, 2, size=padded_dim, dtype=np.int8)
+    return np.where(bits == 1, 1.0, -1.0)
+
+
+def fwht(x: npt.ArrayLike) -> FloatArray:
+    """The normalized fast Walsh-Hadamard transform along the last axis (length a power of two),
+    O(d log d); it is orthonormal and its own inverse."""
+    y = np.array(x, dtype=np.float64)
+    d = y.shape[-1]
+    if d & (d - 1) or d == 0:
+        raise DDPError(f"the Hadamard transform needs a power-of-two length, got {d}")
+    lead = y.shape[:-1]
+    h = 1
+    while h < d:  # butterflies in place: one temporary of half the vector per level
+        v = y.reshape(*lead, d // (2 * h), 2, h)
+        a = v[..., 0, :].copy()
+        v[..., 0, :] += v[..., 1, :]
+        np.subtract(a, v[..., 1, :], out=v[..., 1, :])
+        h *= 2
+    out: FloatArray = y / math.sqrt(d)
+    return out
+
+
+def rotate(x: npt.ArrayLike, seed: int) -> FloatArray:
+    """H D x: pad ``x`` (last axis) with zeros to a power of two, flip signs, transform."""
+    v = np.asarray(x, dtype=np.float64)
+    d = v.shape[-1]
+    pd = padded_dimension(d)
+    if pd != d:
+        pad = [(0, 0)] * (v.ndim - 1) + [(0, pd - d)]
+        v = np.pad(v, pad)
+    return fwht(v * rotation_signs(seed, pd))
+
+
+def unrotate(y: npt.ArrayLike, seed: int, dim: int) -> FloatArray:
+    """The inverse of ``rotate``: D H y, truncated to the first ``dim`` entries."""
+    v = np.asarray(y, dtype=np.float64)
+    pd = v.shape[-1]
+    if padded_dimension(dim) != pd:
+        raise DDPError(f"a rotated vector of length {pd} cannot hold dimension {dim}")
+    out: FloatArray = (fwht(v) * rotation_signs(seed, pd))[..., :dim]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditional randomized rounding
+
+
+def rounding_bound(
+    scaled_clip: float, padded_dim: int, beta: float = DEFAULT_BETA
+) -> float:
+    """The L2 norm a rounded vector may have (Kairouz et al. 2021, conditional rounding): for a
+    vector of norm at most ``scaled_clip`` (``gamma * clip``) in ``padded_dim`` coordinates,
+    min(c + sqrt(d), sqrt(c^2 + d/4 + sqrt(2 ln(1/beta)) (c + sqrt(d)/2))). A randomized
+    rounding exceeds it with probability at most ``beta``."""
+    if not 0 < beta < 1:
+        raise DDPError(f"beta must be in (0, 1), got {beta}")
+    c, d = scaled_clip, float(padded_dim)
+    loose = c + math.sqrt(d)
+    tight = math.sqrt(
+        c * c + d / 4 + math.sqrt(2 * math.log(1 / beta)) * (c + math.sqrt(d) / 2)
+    )
+    return min(loose, tight)
+
+
+def conditional_round(
+    y: FloatArray,
+    bound: float,
+    rng: np.random.Generator,
+    max_tries: int = DEFAULT_MAX_ROUNDING_TRIES,
+) -> IntArray:
+    """Round each entry of ``y`` to floor or ceil, up with probability its fractional part
+    (unbiased), and retry until the result's L2 norm is at most ``bound``."""
+    floor = np.floor(y)
+    frac = y - floor
+    for _ in range(max_tries):
+        rounded = floor + (rng.random(y.shape) < frac)
+        if float(np.dot(rounded, rounded)) <= bound * bound:
+            return rounded.astype(np.int64)
+    raise RoundingFailed(
+        f"randomized rounding exceeded the norm bound {bound:.6g} {max_tries} times; the input is not "
+        "clipped to the params' clip, or beta is too small"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Integer noise
+
+
+def sample_discrete_gaussian(
+    variance: float, size: int, rng: np.random.Generator
+) -> IntArray:
+    """``size`` draws from the discrete Gaussian N_Z(0, ``variance``), P(x) ~ exp(-x^2 / 2 variance).
+
+    Canonne, Kamath and Steinke 2020, Algorithm 3, vectorized: with t = floor(sigma) + 1, draw a
+    discrete Laplace Y (P ~ exp(-|y| / t): a geometric magnitude, floor(t E) for E ~ Exp(1), and a
+    random sign) and accept it with probability exp(-(|Y| - sigma^2/t)^2 / (2 sigma^2)). The
+    geometric and the acceptance test use float64 (as TFF's sampler does), so the law is exact up
+    to float64 rounding (``sample_discrete_gaussian_exact`` is the all-rational version, for
+    checks). Expected draws per sample are under 2."""
+    if size < 0:
+        raise DDPError(f"size must be >= 0, got {size}")
+    if not variance >= 0 or not math.isfinite(variance):
+        raise DDPError(f"variance must be a finite number >= 0, got {variance!r}")
+    if variance == 0 or size == 0:
+        return np.zeros(size, dtype=np.int64)
+    t = math.floor(math.sqrt(variance)) + 1
+    out = np.empty(size, dtype=np.int64)
+    filled = 0
+    while filled < size:
+        m = int((size - filled) * 1.7) + 64
+        # discrete Laplace: |Y| = floor(t E) with E ~ Exp(1) is geometric, P(|Y| >= k) = exp(-k/t);
+        # a random sign, rejecting "-0" so that 0 is not counted twice
+        magnitude = np.floor(rng.standard_exponential(m) * t)
+        negative = rng.integers(0, 2, size=m, dtype=np.int8) == 1
+        z = magnitude - variance / t
+        accept = (rng.random(m) < np.exp(-(z * z) / (2.0 * variance))) & ~(
+            negative & (magnitude == 0)
+        )
+        got = np.where(negative, -magnitude, magnitude)[accept][: size - filled]
+        out[filled : filled + got.size] = got
+        filled += got.size
+    return out
+
+
+def sample_skellam(variance: float, size: int, rng: np.random.Generator) -> IntArray:
+    """``size`` draws from the symmetric Skellam law of this variance: Poisson(v/2) - Poisson(v/2)
+    (Agarwal, Kairouz and Liu 2021). Sums of Skellam variables are Skellam, so n devices' shares
+    add to exactly the target's law (the discrete Gaussian's sum is only close to one)."""
+    if size < 0:
+        raise DDPError(f"size must be >= 0, got {size}")
+    if not variance >= 0 or not math.isfinite(variance):
+        raise DDPError(f"variance must be a finite number >= 0, got {variance!r}")
+    lam = variance / 2.0
+    out: IntArray = (rng.poisson(lam, size) - rng.poisson(lam, size)).astype(np.int64)
+    return out
+
+
+def _uniform_below(n: int, rng: np.random.Generator) -> int:
+    """A uniform integer in [0, n) for any positive Python int (rejection on whole bytes)."""
+    if n <= 1 << 62:
+        return int(rng.integers(0, n))
+    nbytes = (n.bit_length() + 7) // 8
+    limit = (1 << (8 * nbytes)) - ((1 << (8 * nbytes)) % n)
+    while True:
+        v = int.from_bytes(rng.bytes(nbytes), "big")
+        if v < limit:
+            return v % n
+
+
+def _bernoulli(p: Fraction, rng: np.random.Generator) -> bool:
+    return _uniform_below(p.denominator, rng) < p.numerator
+
+
+def _bernoulli_exp(gamma: Fraction, rng: np.random.Generator) -> bool:
+    """Bernoulli(exp(-gamma)) for rational gamma >= 0, exactly (CKS 2020, Algorithm 1)."""
+    while gamma > 1:
+        if not _bernoulli_exp(Fraction(1), rng):
+            return False
+        gamma -= 1
+    k = 1
+    while _bernoulli(gamma / k, rng):
+        k += 1
+    return k % 2 == 1
+
+
+def _discrete_laplace_exact(t: int, rng: np.random.Generator) -> int:
+    """P(y) ~ exp(-|y| / t) for integer t >= 1, exactly (CKS 2020, Algorithm 2 with s = 1)."""
+    while True:
+        u = _uniform_below(t, rng)
+        if not _bernoulli_exp(Fraction(u, t), rng):
+            continue
+        v = 0
+        while _bernoulli_exp(Fraction(1), rng):
+            v += 1
+        y = u + t * v
+        negative = _bernoulli(Fraction(1, 2), rng)
+        if negative and y == 0:
+            continue
+        return -y if negative else y
+
+
+def sample_discrete_gaussian_exact(
+    variance: Fraction | int, size: int, rng: np.random.Generator
+) -> IntArray:
+    """The discrete Gaussian in rational arithmetic throughout (CKS 2020, Algorithm 3): exact for
+    a rational variance, but pure Python (tens of microseconds a draw): the reference that
+    ``sample_discrete_gaussian`` is checked against, not the device's sampler."""
+    s2 = Fraction(variance)
+    if s2 < 0:
+        raise DDPError(f"variance must be >= 0, got {variance}")
+    if s2 == 0:
+        return np.zeros(size, dtype=np.int64)
+    t = math.isqrt(s2.numerator // s2.denominator) + 1  # floor(sqrt(s2)) + 1, exactly
+    out = np.empty(size, dtype=np.int64)
+    for i in range(size):
+        while True:
+            y = _discrete_laplace_exact(t, rng)
+            gamma = (abs(y) - s2 / t) ** 2 / (2 * s2)
+            if _bernoulli_exp(gamma, rng):
+                out[i] = y
+                break
+    return out
+
+
+def sample_noise(
+    mechanism: Mechanism, variance: float, size: int, rng: np.random.Generator
+) -> IntArray:
+    if mechanism == "gaussian":
+        return sample_discrete_gaussian(variance, size, rng)
+    if mechanism == "skellam":
+        return sample_skellam(variance, size, rng)
+    raise DDPError(f"mechanism must be 'gaussian' or 'skellam', got {mechanism!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, calibration and the wrap-around bound
+
+
+def wrap_bound(
+    *,
+    gamma: float,
+    clip: float,
+    padded_dim: int,
+    devices: int,
+    local_variance: float,
+    mechanism: Mechanism,
+    wrap_probability: float,
+) -> float:
+    """A bound B on every coordinate of the integer sum of ``devices`` honest encodings: all
+    |S_j| <= B except with probability ``wrap_probability``. The modulus must exceed 2B.
+
+    Three parts, the probability split evenly between the two random ones (union bound over the
+    ``padded_dim`` coordinates): the rotated signal, gamma (H D v)_j with ||v|| <= devices * clip,
+    is sub-Gaussian over the random signs with variance proxy gamma^2 ||v||^2 / d (Hoeffding;
+    it assumes updates chosen without knowing the signs, as an honest device's are); rounding
+    moves each device's coordinate by less than 1; the noise, a sum of ``devices`` shares, is
+    sub-Gaussian with proxy devices * variance for the discrete Gaussian (CKS 2020) and meets
+    Bernstein's bound with b = 1 for Skellam. A malicious device can make the sum wrap; that
+    costs accuracy, not privacy, and the server's check of the decoded sum drops such a round."""
+    d = float(padded_dim)
+    log_term = math.log(4.0 * d / wrap_probability)
+    signal = gamma * devices * clip * math.sqrt(2.0 * log_term / d)
+    rounding = float(devices)
+    total_var = devices * local_variance
+    if mechanism == "gaussian":
+        noise = math.sqrt(2.0 * total_var * log_term)
+    else:
+        noise = log_term / 3.0 + math.sqrt(
+            log_term * log_term / 9.0 + 2.0 * log_term * total_var
+        )
+    return signal + rounding + noise
+
+
+@dataclass(frozen=True)
+class DDPParams:
+    """What every device of a round and the server agree on (the round's plan sends it).
+
+    ``gamma``: integer units per float unit; ``local_variance``: each device's noise variance in
+    the integer domain, sized so that ``min_devices`` shares add to (``noise_multiplier`` x the
+    integer sensitivity)^2; the modulus is ``2^bitwidth``, checked against ``max_devices``."""
+
+    dim: int
+    clip: float
+    noise_multiplier: float
+    gamma: float
+    local_variance: float
+    bitwidth: int
+    min_devices: int
+    max_devices: int
+    mechanism: Mechanism = "gaussian"
+    beta: float = DEFAULT_BETA
+    wrap_probability: float = DEFAULT_WRAP_PROBABILITY
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise DDPError(f"dim must be >= 1, got {self.dim}")
+        if not (self.clip > 0 and math.isfinite(self.clip)):
+            raise DDPError(f"clip must be a positive finite number, got {self.clip!r}")
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise DDPError(
+                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}"
+            )
+        if not (self.gamma > 0 and math.isfinite(self.gamma)):
+            raise DDPError(
+                f"gamma must be a positive finite number, got {self.gamma!r}"
+            )
+        if not (self.local_variance >= 0 and math.isfinite(self.local_variance)):
+            raise DDPError(
+                f"local_variance must be a finite number >= 0, got {self.local_variance!r}"
+            )
+        if not 1 <= self.bitwidth <= MAX_BITWIDTH:
+            raise DDPError(
+                f"bitwidth must be in [1, {MAX_BITWIDTH}], got {self.bitwidth}"
+            )
+        if not 1 <= self.min_devices <= self.max_devices:
+            raise DDPError(
+                f"need 1 <= min_devices <= max_devices, got {self.min_devices}, {self.max_devices}"
+            )
+        if self.mechanism not in ("gaussian", "skellam"):
+            raise DDPError(
+                f"mechanism must be 'gaussian' or 'skellam', got {self.mechanism!r}"
+            )
+        if not 0 < self.beta < 1:
+            raise DDPError(f"beta must be in (0, 1), got {self.beta}")
+        if not 0 < self.wrap_probability < 1:
+            raise DDPError(
+                f"wrap_probability must be in (0, 1), got {self.wrap_probability}"
+            )
+
+    @property
+    def padded_dim(self) -> int:
+        return padded_dimension(self.dim)
+
+    @property
+    def modulus(self) -> int:
+        return 1 << self.bitwidth
+
+    @property
+    def sensitivity(self) -> float:
+        """One device's L2 sensitivity in the integer domain: the conditional rounding bound."""
+        return rounding_bound(self.gamma * self.clip, self.padded_dim, self.beta)
+
+    @property
+    def inflation(self) -> float:
+        """How much rounding widens the sensitivity (and so the noise) over ``gamma * clip``."""
+        return self.sensitivity / (self.gamma * self.clip)
+
+    def central_std(self, devices: int) -> float:
+        """The float-domain std of each coordinate of the decoded sum of ``devices`` devices."""
+        return math.sqrt(devices * self.local_variance) / self.gamma
+
+    def effective_noise_multiplier(self, devices: int) -> float:
+        """The noise the sum of ``devices`` devices carries, over the integer sensitivity: at least
+        ``noise_multiplier`` once ``devices >= min_devices`` (the accountant's z)."""
+        return math.sqrt(devices * self.local_variance) / self.sensitivity
+
+    def tau(self, devices: int) -> float:
+        """Kairouz et al.'s tau for ``devices`` discrete Gaussian shares: how far their sum is from
+        one discrete Gaussian, 10 sum_{k<n} exp(-2 pi^2 sigma^2 k / (k+1)). Their concentrated-DP
+        bound adds tau * padded_dim / 2 to epsilon^2; keep it negligible (local std >~ 2)."""
+        s2 = self.local_variance
+        return 10.0 * sum(
+            math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, devices)
+        )
+
+    def wrap_bound(self, devices: int | None = None) -> float:
+        return wrap_bound(
+            gamma=self.gamma,
+            clip=self.clip,
+            padded_dim=self.padded_dim,
+            devices=self.max_devices if devices is None else devices,
+            local_variance=self.local_variance,
+            mechanism=self.mechanism,
+            wrap_probability=self.wrap_probability,
+        )
+
+    def check_modulus(self, devices: int | None = None) -> None:
+        """Raise ``ModulusTooSmall`` if the noisy sum of ``devices`` (default ``max_devices``)
+        encodings could wrap ``2^bitwidth`` beyond ``wrap_probability``."""
+        n = self.max_devices if devices is None else devices
+        bound = self.wrap_bound(n)
+        if 2.0 * bound + 1.0 > self.modulus:
+            raise ModulusTooSmall(
+                f"the noisy sum of {n} devices reaches +-{bound:.6g} per coordinate (except with probability "
+                f"{self.wrap_probability:.3g}), which wraps the modulus 2^{self.bitwidth}: raise bitwidth to at "
+                f"least {math.ceil(math.log2(2.0 * bound + 1.0))}, or lower gamma, the clip, the noise multiplier "
+                "or the group size"
+            )
+
+
+def calibrate(
+    *,
+    noise_multiplier: float,
+    clip: float,
+    dim: int,
+    bitwidth: int,
+    min_devices: int,
+    max_devices: int | None = None,
+    mechanism: Mechanism = "gaussian",
+    beta: float = DEFAULT_BETA,
+    wrap_probability: float = DEFAULT_WRAP_PROBABILITY,
+    max_inflation: float = 2.0,
+) -> DDPParams:
+    """The parameters for a target central noise multiplier ``noise_multiplier`` (z).
+
+    ``min_devices``: the fewest devices whose noise the released sum carries (the group's minimum
+    size minus the drop-outs it may lose): each device's share is 1/``min_devices`` of the total
+    variance (z x sensitivity)^2, so any sum of at least that many carries the target.
+    ``max_devices``: the most devices a sum may hold (the group's size; default ``min_devices``):
+    the modulus must hold their noisy sum. The integer sensitivity is the conditional-rounding
+    bound, so the float-domain noise on the sum is at least z * clip (``inflation`` says how much
+    more). ``gamma`` is the largest that keeps the sum within the modulus (``wrap_bound``); a
+    modulus too small for any gamma, or one that leaves rounding inflating the noise more than
+    ``max_inflation`` times, raises ``ModulusTooSmall`` naming the bitwidth to use."""
+    n_max = min_devices if max_devices is None else max_devices
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise DDPError(
+            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}"
+        )
+    if not (clip > 0 and math.isfinite(clip)):
+        raise DDPError(f"clip must be a positive finite number, got {clip!r}")
+    if not 1 <= min_devices <= n_max:
+        raise DDPError(
+            f"need 1 <= min_devices <= max_devices, got {min_devices}, {n_max}"
+        )
+    if not 1 <= bitwidth <= MAX_BITWIDTH:
+        raise DDPError(f"bitwidth must be in [1, {MAX_BITWIDTH}], got {bitwidth}")
+    pd = padded_dimension(dim)
+
+    def params(gamma: float) -> DDPParams:
+        sens = rounding_bound(gamma * clip, pd, beta)
+        var = (noise_multiplier * sens) ** 2 / min_devices
+        return DDPParams(
+            dim=dim,
+            clip=clip,
+            noise_multiplier=noise_multiplier,
+            gamma=gamma,
+            local_variance=var,
+            bitwidth=bitwidth,
+            min_devices=min_devices,
+            max_devices=n_max,
+            mechanism=mechanism,
+            beta=beta,
+            wrap_probability=wrap_probability,
+        )
+
+    half = (1 << bitwidth) / 2.0
+
+    def fits(gamma: float) -> bool:
+        return 2.0 * params(gamma).wrap_bound() + 1.0 <= 2.0 * half
+
+    lo = 1e-12 / clip
+    if not fits(lo):
+        params(
+            lo
+        ).check_modulus()  # raises, naming the bitwidth the smallest gamma needs
+    hi = lo
+    while fits(hi * 2.0):
+        hi *= 2.0
+        if hi > 1e300:
+            break
+    hi *= 2.0
+    for _ in range(200):  # bisect in log space: the bound is increasing in gamma
+        mid = math.sqrt(lo * hi)
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1.0 + 1e-12:
+            break
+    chosen = params(lo)
+    if chosen.inflation > max_inflation:
+        need = bitwidth + math.ceil(math.log2(max(chosen.inflation, 2.0))) + 1
+        raise ModulusTooSmall(
+            f"with bitwidth {bitwidth} the rounding of {pd} coordinates widens the sensitivity "
+            f"{chosen.inflation:.3g}x over the clip (at most {max_inflation:g} allowed): raise bitwidth "
+            f"(to about {need}), or lower the dimension, the noise multiplier or the group size"
+        )
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode (device) and decode (server)
+
+
+def encode(
+    update: npt.ArrayLike,
+    params: DDPParams,
+    seed: int,
+    rng: np.random.Generator,
+    *,
+    noise: bool = True,
+    max_tries: int = DEFAULT_MAX_ROUNDING_TRIES,
+) -> IntArray:
+    """One device's contribution: clip, rotate with the round's ``seed``, scale by gamma, round
+    conditionally, add this device's noise share, reduce mod 2^bitwidth (int64 in [0, modulus)).
+
+    ``noise=False`` leaves the noise out (for tests of the rest; a device never does)."""
+    x = np.asarray(update, dtype=np.float64).reshape(-1)
+    if x.size != params.dim:
+        raise DDPError(
+            f"the update has {x.size} entries; the params are for {params.dim}"
+        )
+    y = rotate(clip_l2(x, params.clip), seed) * params.gamma
+    q = conditional_round(y, params.sensitivity, rng, max_tries)
+    if noise:
+        q = q + sample_noise(params.mechanism, params.local_variance, q.size, rng)
+    out: IntArray = np.mod(q, params.modulus).astype(np.int64)
+    return out
+
+
+def add_mod(total: npt.ArrayLike, encoding: npt.ArrayLike, modulus: int) -> IntArray:
+    """The modular sum Secure Aggregation computes, one encoding at a time (exact in int64)."""
+    out: IntArray = np.mod(
+        np.asarray(total, dtype=np.int64) + np.asarray(encoding, dtype=np.int64),
+        modulus,
+    )
+    return out
+
+
+def to_signed(sum_mod: npt.ArrayLike, modulus: int) -> IntArray:
+    """Residues in [0, modulus) to integers in [-modulus/2, modulus/2)."""
+    v = np.mod(np.asarray(sum_mod, dtype=np.int64), modulus)
+    out: IntArray = np.where(v >= modulus // 2, v - modulus, v)
+    return out
+
+
+def decode(sum_mod: npt.ArrayLike, params: DDPParams, seed: int, n: int) -> FloatArray:
+    """The float sum of ``n`` devices' clipped updates (plus the noise) from the modular sum of
+    their encodings: signed, divided by gamma, unrotated, truncated to ``params.dim``. The caller
+    divides by ``n`` for the mean. ``n`` above ``max_devices`` is refused: the modulus was not
+    sized for it, so a wrapped sum could not be told from a real one."""
+    if not 1 <= n <= params.max_devices:
+        raise DDPError(
+            f"the params were sized for 1 to {params.max_devices} devices, not {n}"
+        )
+    v = np.asarray(sum_mod, dtype=np.int64).reshape(-1)
+    if v.size != params.padded_dim:
+        raise DDPError(
+            f"the sum has {v.size} entries; the params encode {params.padded_dim}"
+        )
+    signed = to_signed(v, params.modulus).astype(np.float64) / params.gamma
+    return unrotate(signed, seed, params.dim)
+
+
+__all__ = [
+    "DEFAULT_BETA",
+    "DEFAULT_WRAP_PROBABILITY",
+    "DDPError",
+    "DDPParams",
+    "Mechanism",
+    "ModulusTooSmall",
+    "RoundingFailed",
+    "add_mod",
+    "calibrate",
+    "clip_l2",
+    "conditional_round",
+    "decode",
+    "encode",
+    "fwht",
+    "padded_dimension",
+    "rotate",
+    "rotation_signs",
+    "rounding_bound",
+    "sample_discrete_gaussian",
+    "sample_discrete_gaussian_exact",
+    "sample_noise",
+    "sample_skellam",
+    "to_signed",
+    "unrotate",
+    "wrap_bound",
+]

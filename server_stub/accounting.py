@@ -1,0 +1,284 @@
+"""The privacy accountant: epsilon at a task's delta after its committed rounds, over Google's
+``dp-accounting`` library.
+
+What it assumes, by default: each committed round is ONE Gaussian mechanism at noise multiplier z
+on the sum of the whole population's clipped updates (sensitivity: one device's clip, C, under
+add-or-remove-one-device neighbouring, so the guarantee is per device, over all of its data).
+Nothing is assumed about how devices were chosen, so there is no amplification by sampling: a
+device may have taken part in every round. k rounds at multipliers z_1..z_k then compose exactly
+to one Gaussian mechanism at z = (sum z_i^-2)^-1/2 (the privacy loss of a Gaussian mechanism is
+Gaussian, and Gaussians compose by adding their means and variances), whose epsilon
+``dp_accounting.get_epsilon_gaussian`` gives exactly (Balle and Wang 2018, the analytic Gaussian
+mechanism): that is the PLD answer without discretization, which ``PLDAccountant`` approaches from
+above, at a cost per round that does not grow with the rounds. ``method="rdp"`` uses
+``RdpAccountant`` instead (looser, for comparison with papers that report RDP).
+
+The opt-in ``sampling_probability`` q assumes that each device takes part in each round
+independently with probability q (Poisson sampling) and that nobody, the server included, can
+make a device's participation more likely than q: the eligibility policies and pace steering
+must enforce that bound for every device (a device that checks in more often, or a server that
+picks it, breaks the assumption and the epsilon is then wrong). Each round is then a
+``PoissonSampledDpEvent`` of the Gaussian, composed by ``PLDAccountant``'s privacy loss
+distributions (or RDP).
+
+Pure: values in, values out. ``PrivacyLedger`` is a frozen value a task keeps (its rounds per
+noise multiplier), so a server can persist it as its counts and rebuild it after a restart.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import dp_accounting
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+Method = Literal["pld", "rdp"]
+
+#: The PLD's grid of privacy-loss values for sampled rounds: dp-accounting's default.
+PLD_DISCRETIZATION = 1e-4
+
+
+class AccountingError(ValueError):
+    """An accounting parameter out of range; the message names it."""
+
+
+def _check_delta(delta: float) -> None:
+    if not (0.0 < delta < 1.0):
+        raise AccountingError(f"delta must be in (0, 1), got {delta!r}")
+
+
+def _check_noise(noise_multiplier: float) -> None:
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise AccountingError(
+            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}"
+        )
+
+
+def _check_sampling(q: float | None) -> None:
+    if q is not None and not (0.0 < q <= 1.0):
+        raise AccountingError(f"sampling_probability must be in (0, 1], got {q!r}")
+
+
+def _check_method(method: str) -> None:
+    if method not in ("pld", "rdp"):
+        raise AccountingError(f"method must be 'pld' or 'rdp', got {method!r}")
+
+
+def composed_noise_multiplier(rounds: dict[float, int]) -> float:
+    """The one Gaussian mechanism's multiplier that k unsampled rounds compose to:
+    (sum_i count_i / z_i^2)^-1/2; 0 if any round had no noise; inf for no rounds."""
+    total = 0.0
+    for z, count in rounds.items():
+        if count <= 0:
+            continue
+        if z == 0:
+            return 0.0
+        total += count / (z * z)
+    return math.inf if total == 0 else total**-0.5
+
+
+@functools.lru_cache(maxsize=32)
+def _sampled_round_pld(
+    noise_multiplier: float, q: float
+) -> pld_lib.PrivacyLossDistribution:
+    """One Poisson-sampled Gaussian round's PLD (a second or two to build, so built once)."""
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        sampling_prob=q,
+        value_discretization_interval=PLD_DISCRETIZATION,
+    )
+
+
+def _epsilon(
+    rounds: dict[float, int], delta: float, q: float | None, method: Method
+) -> float:
+    live = {z: c for z, c in rounds.items() if c > 0}
+    if not live:
+        return 0.0
+    if any(z == 0 for z in live):
+        return math.inf
+    if q is None or q == 1.0:
+        z_eff = composed_noise_multiplier(live)
+        if method == "pld":
+            return float(dp_accounting.get_epsilon_gaussian(z_eff, delta))
+        acc = rdp_lib.RdpAccountant()
+        acc.compose(dp_accounting.GaussianDpEvent(z_eff))
+        return float(acc.get_epsilon(delta))
+    if method == "rdp":
+        acc = rdp_lib.RdpAccountant()
+        for z, count in sorted(live.items()):
+            event = dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(z)
+            )
+            acc.compose(event, count)
+        return float(acc.get_epsilon(delta))
+    composed: pld_lib.PrivacyLossDistribution | None = None
+    for z, count in sorted(live.items()):
+        part = _sampled_round_pld(z, q).self_compose(count)
+        composed = part if composed is None else composed.compose(part)
+    assert composed is not None
+    return float(composed.get_epsilon_for_delta(delta))
+
+
+def epsilon(
+    noise_multiplier: float,
+    rounds: int,
+    delta: float,
+    *,
+    sampling_probability: float | None = None,
+    method: Method = "pld",
+) -> float:
+    """Epsilon at ``delta`` after ``rounds`` rounds of the Gaussian mechanism at
+    ``noise_multiplier`` (no amplification by sampling unless ``sampling_probability`` is given;
+    see the module docstring for what that assumes). A multiplier of 0 is no privacy: inf."""
+    _check_delta(delta)
+    _check_noise(noise_multiplier)
+    _check_sampling(sampling_probability)
+    _check_method(method)
+    if rounds < 0:
+        raise AccountingError(f"rounds must be >= 0, got {rounds}")
+    return _epsilon({noise_multiplier: rounds}, delta, sampling_probability, method)
+
+
+def rounds_within(
+    max_epsilon: float,
+    noise_multiplier: float,
+    delta: float,
+    *,
+    sampling_probability: float | None = None,
+    method: Method = "pld",
+    limit: int = 1_000_000,
+) -> int:
+    """The most rounds at ``noise_multiplier`` whose epsilon at ``delta`` stays within
+    ``max_epsilon`` (0 if not even one does; at most ``limit``). Without sampling and with PLD
+    this is closed-form: k rounds are one Gaussian at z / sqrt(k), so k = floor((z / s)^2) where
+    s is the multiplier one Gaussian needs for (max_epsilon, delta); otherwise a bisection."""
+    _check_delta(delta)
+    _check_noise(noise_multiplier)
+    _check_sampling(sampling_probability)
+    _check_method(method)
+    if not (max_epsilon > 0 and math.isfinite(max_epsilon)):
+        raise AccountingError(
+            f"max_epsilon must be a positive finite number, got {max_epsilon!r}"
+        )
+    if noise_multiplier == 0:
+        return 0
+
+    def within(k: int) -> bool:
+        return (
+            epsilon(
+                noise_multiplier,
+                k,
+                delta,
+                sampling_probability=sampling_probability,
+                method=method,
+            )
+            <= max_epsilon
+        )
+
+    lo, hi = 0, 1
+    if (
+        sampling_probability is None or sampling_probability == 1.0
+    ) and method == "pld":
+        s = float(dp_accounting.get_sigma_gaussian(max_epsilon, delta))
+        guess = min(limit, int(math.floor((noise_multiplier / s) ** 2)))
+        lo, hi = (
+            max(0, guess - 2),
+            min(limit, guess + 2),
+        )  # the float closed form, checked near its answer
+        while lo > 0 and not within(lo):
+            lo -= 1
+        while lo < hi and within(lo + 1):
+            lo += 1
+        return lo
+    while hi <= limit and within(
+        hi
+    ):  # bracket, then bisect: epsilon grows with the rounds
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if within(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class PrivacyLedger:
+    """A task's privacy spend: how many committed rounds ran at each noise multiplier.
+
+    ``add_round(z)`` returns the ledger with one more round; ``epsilon`` is read (and cached) per
+    ledger value. Without sampling a read costs one analytic-Gaussian solve whatever the number of
+    rounds; with ``sampling_probability`` it rebuilds the composition from the per-multiplier
+    counts (PLD: each multiplier's one-round distribution is built once per process and
+    self-composed by FFT)."""
+
+    delta: float
+    sampling_probability: float | None = None
+    method: Method = "pld"
+    max_epsilon: float | None = None
+    counts: tuple[tuple[float, int], ...] = ()
+    _cache: dict[str, float] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        _check_delta(self.delta)
+        _check_sampling(self.sampling_probability)
+        _check_method(self.method)
+        if self.max_epsilon is not None and not (
+            self.max_epsilon > 0 and math.isfinite(self.max_epsilon)
+        ):
+            raise AccountingError(
+                f"max_epsilon must be a positive finite number, got {self.max_epsilon!r}"
+            )
+        for z, c in self.counts:
+            _check_noise(z)
+            if c < 0:
+                raise AccountingError(f"a round count must be >= 0, got {c}")
+
+    @property
+    def rounds(self) -> int:
+        return sum(c for _, c in self.counts)
+
+    def add_round(self, noise_multiplier: float, count: int = 1) -> PrivacyLedger:
+        """The ledger after ``count`` more committed rounds at ``noise_multiplier``."""
+        _check_noise(noise_multiplier)
+        if count < 0:
+            raise AccountingError(f"count must be >= 0, got {count}")
+        merged = dict(self.counts)
+        merged[noise_multiplier] = merged.get(noise_multiplier, 0) + count
+        return replace(self, counts=tuple(sorted(merged.items())))
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon at ``delta`` for the rounds so far (0 before any; inf after a noiseless one)."""
+        if "epsilon" not in self._cache:
+            self._cache["epsilon"] = _epsilon(
+                dict(self.counts), self.delta, self.sampling_probability, self.method
+            )
+        return self._cache["epsilon"]
+
+    def allows(self, noise_multiplier: float) -> bool:
+        """Whether one more round at ``noise_multiplier`` stays within ``max_epsilon`` (always,
+        without a budget): the check a task makes before it starts a round, so it stops at its
+        budget instead of overshooting it."""
+        if self.max_epsilon is None:
+            return True
+        return self.add_round(noise_multiplier).epsilon <= self.max_epsilon
+
+
+__all__ = [
+    "AccountingError",
+    "Method",
+    "PrivacyLedger",
+    "composed_noise_multiplier",
+    "epsilon",
+    "rounds_within",
+]

@@ -1,0 +1,421 @@
+"""Distributed DP's pure core (device_runtime.ddp): rotation, rounding, noise, calibration, decoding."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from scipy import stats
+from scipy.linalg import hadamard
+
+from device_runtime import ddp
+
+finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def vectors(min_dim: int = 1, max_dim: int = 300) -> st.SearchStrategy[np.ndarray]:
+    return st.integers(min_dim, max_dim).flatmap(
+        lambda d: arrays(np.float64, d, elements=finite)
+    )
+
+
+# --- rotation ----------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(x=vectors(), seed=st.integers(0, 2**64 - 1))
+def test_rotation_is_orthonormal_and_its_inverse_exact(
+    x: np.ndarray, seed: int
+) -> None:
+    y = ddp.rotate(x, seed)
+    assert y.size == ddp.padded_dimension(x.size)
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x), rel=1e-12, abs=1e-9)
+    np.testing.assert_allclose(ddp.unrotate(y, seed, x.size), x, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 64])
+def test_fast_walsh_hadamard_equals_the_dense_normalized_matrix(d: int) -> None:
+    x = np.random.default_rng(d).normal(size=(3, d))
+    np.testing.assert_allclose(
+        ddp.fwht(x), x @ hadamard(d).T / math.sqrt(d), atol=1e-12
+    )
+
+
+def test_rotation_depends_on_the_public_seed() -> None:
+    x = np.random.default_rng(0).normal(size=100)
+    assert not np.allclose(ddp.rotate(x, 1), ddp.rotate(x, 2))
+    np.testing.assert_array_equal(ddp.rotate(x, 1), ddp.rotate(x, 1))
+
+
+def test_rotation_spreads_a_spike_over_every_coordinate() -> None:
+    x = np.zeros(1000)
+    x[3] = 5.0
+    y = ddp.rotate(x, 7)
+    np.testing.assert_allclose(np.abs(y), 5.0 / math.sqrt(1024))
+
+
+# --- clipping and rounding ---------------------------------------------------------------------
+
+
+@SETTINGS
+@given(x=vectors(), clip=st.floats(1e-3, 1e3))
+def test_clipping_bounds_the_norm_and_keeps_short_vectors(
+    x: np.ndarray, clip: float
+) -> None:
+    c = ddp.clip_l2(x, clip)
+    assert np.linalg.norm(c) <= clip * (1 + 1e-12)
+    if np.linalg.norm(x) <= clip:
+        np.testing.assert_array_equal(c, x)
+    else:
+        np.testing.assert_allclose(
+            c * np.linalg.norm(x) / clip, x, rtol=1e-9, atol=1e-9
+        )
+
+
+def test_clipping_refuses_non_finite_updates() -> None:
+    with pytest.raises(ddp.DDPError, match="NaN"):
+        ddp.clip_l2(np.array([1.0, np.nan]), 1.0)
+
+
+@SETTINGS
+@given(x=vectors(), scaled_clip=st.floats(0.1, 1e4), seed=st.integers(0, 2**32))
+def test_conditional_rounding_stays_within_the_bound_and_next_to_the_input(
+    x: np.ndarray, scaled_clip: float, seed: int
+) -> None:
+    y = ddp.clip_l2(x, scaled_clip)
+    bound = ddp.rounding_bound(scaled_clip, x.size)
+    q = ddp.conditional_round(y, bound, np.random.default_rng(seed))
+    assert float(np.linalg.norm(q)) <= bound
+    assert np.all(np.abs(q - y) < 1.0)
+
+
+def test_conditional_rounding_is_unbiased() -> None:
+    y = np.full(200_000, 0.3)
+    q = ddp.conditional_round(
+        y,
+        ddp.rounding_bound(float(np.linalg.norm(y)), y.size),
+        np.random.default_rng(0),
+    )
+    assert q.mean() == pytest.approx(0.3, abs=5 * math.sqrt(0.21 / y.size))
+
+
+def test_conditional_rounding_gives_up_with_a_clear_error_on_an_unclipped_input() -> (
+    None
+):
+    y = np.full(64, 10.5)
+    with pytest.raises(ddp.RoundingFailed, match="not clipped"):
+        ddp.conditional_round(y, bound=1.0, rng=np.random.default_rng(0), max_tries=5)
+
+
+# --- the discrete Gaussian sampler -------------------------------------------------------------
+
+
+def discrete_gaussian_pmf(variance: float, support: np.ndarray) -> np.ndarray:
+    w = np.exp(-(support.astype(np.float64) ** 2) / (2 * variance))
+    tail = (
+        int(max(abs(support.min()), support.max())) + int(40 * math.sqrt(variance)) + 40
+    )
+    whole = np.arange(-tail, tail + 1)
+    pmf: np.ndarray = (
+        w / np.exp(-(whole.astype(np.float64) ** 2) / (2 * variance)).sum()
+    )
+    return pmf
+
+
+def discrete_gaussian_variance(sigma2: float) -> float:
+    """The law's true variance: sigma^2 up to about exp(-2 pi^2 sigma^2), smaller for small sigma."""
+    x = np.arange(-int(40 * math.sqrt(sigma2)) - 40, int(40 * math.sqrt(sigma2)) + 41)
+    return float((discrete_gaussian_pmf(sigma2, x) * x.astype(np.float64) ** 2).sum())
+
+
+def looks_discrete_gaussian(samples: np.ndarray, sigma2: float) -> bool:
+    """N_Z(0, sigma2)'s mean, variance and whole pmf (chi-square over cells of >= 20 expected draws)."""
+    n = samples.size
+    var = discrete_gaussian_variance(sigma2)
+    if sigma2 >= 1:
+        assert var == pytest.approx(sigma2, rel=1e-6)
+    if abs(samples.mean()) > 5 * math.sqrt(var / n):
+        return False
+    if abs(samples.var() - var) > 5 * var * math.sqrt(2 / n):
+        return False
+    variance = sigma2
+    lo, hi = int(samples.min()), int(samples.max())
+    support = np.arange(lo - 1, hi + 2)
+    expected = discrete_gaussian_pmf(variance, support) * n
+    observed = np.bincount(samples - (lo - 1), minlength=support.size).astype(
+        np.float64
+    )
+    keep = expected >= 20
+    cells_o = np.append(observed[keep], observed[~keep].sum() + (n - observed.sum()))
+    cells_e = np.append(expected[keep], n - expected[keep].sum())
+    chi2 = float(((cells_o - cells_e) ** 2 / np.maximum(cells_e, 1e-300)).sum())
+    return bool(stats.chi2.sf(chi2, cells_o.size - 1) > 1e-4)
+
+
+Sampler = Callable[[float, int, np.random.Generator], np.ndarray]
+
+
+def rounded_gaussian(scale: float) -> Sampler:
+    return lambda v, n, rng: np.rint(rng.normal(0.0, scale * math.sqrt(v), n)).astype(
+        np.int64
+    )
+
+
+def discrete_laplace(v: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    b = math.sqrt(v / 2)  # a Laplace with the same variance, rounded
+    out: np.ndarray = np.rint(rng.laplace(0.0, b, n)).astype(np.int64)
+    return out
+
+
+@pytest.mark.parametrize("variance", [0.25, 2.0, 30.0, 1e4])
+def test_discrete_gaussian_sampler_matches_the_law(variance: float) -> None:
+    samples = ddp.sample_discrete_gaussian(variance, 200_000, np.random.default_rng(11))
+    assert samples.dtype == np.int64
+    assert looks_discrete_gaussian(samples, variance)
+
+
+@pytest.mark.parametrize(
+    ("name", "sampler", "variance"),
+    [
+        ("rounded Gaussian, 5% too wide", rounded_gaussian(1.05), 30.0),
+        ("rounded Gaussian, 5% too narrow", rounded_gaussian(0.95), 1e4),
+        ("rounded Gaussian at a small scale", rounded_gaussian(1.0), 0.25),
+        ("rounded Laplace of the same variance", discrete_laplace, 2.0),
+        ("rounded Laplace of the same variance", discrete_laplace, 1e4),
+    ],
+)
+def test_the_sampler_check_fails_for_a_broken_sampler(
+    name: str, sampler: Sampler, variance: float
+) -> None:
+    assert not looks_discrete_gaussian(
+        sampler(variance, 200_000, np.random.default_rng(11)), variance
+    ), name
+
+
+def test_exact_rational_sampler_matches_the_law() -> None:
+    samples = ddp.sample_discrete_gaussian_exact(
+        Fraction(3, 2), 3000, np.random.default_rng(5)
+    )
+    assert looks_discrete_gaussian(samples, 1.5)
+
+
+def test_skellam_noise_has_the_asked_variance() -> None:
+    s = ddp.sample_skellam(50.0, 200_000, np.random.default_rng(3))
+    assert abs(s.mean()) < 5 * math.sqrt(50 / s.size)
+    assert s.var() == pytest.approx(50.0, rel=5 * math.sqrt(2 / s.size))
+
+
+def test_zero_variance_is_no_noise() -> None:
+    rng = np.random.default_rng(0)
+    assert not ddp.sample_discrete_gaussian(0.0, 10, rng).any()
+    assert not ddp.sample_skellam(0.0, 10, rng).any()
+
+
+# --- calibration, encoding and decoding -------------------------------------------------------
+
+
+def sum_encodings(encodings: list[np.ndarray], modulus: int) -> np.ndarray:
+    total = np.zeros_like(encodings[0])
+    for e in encodings:
+        total = ddp.add_mod(total, e, modulus)
+    return total
+
+
+@SETTINGS
+@given(
+    x=vectors(max_dim=200),
+    clip=st.floats(0.01, 100),
+    bits=st.integers(12, 30),
+    seed=st.integers(0, 2**32),
+)
+def test_round_trip_without_noise_reproduces_the_clipped_vector_within_the_rounding_bound(
+    x: np.ndarray, clip: float, bits: int, seed: int
+) -> None:
+    p = ddp.calibrate(
+        noise_multiplier=1.0,
+        clip=clip,
+        dim=x.size,
+        bitwidth=bits,
+        min_devices=1,
+        max_inflation=1e9,
+    )
+    enc = ddp.encode(x, p, seed, np.random.default_rng(seed), noise=False)
+    assert enc.dtype == np.int64 and (enc >= 0).all() and (enc < p.modulus).all()
+    out = ddp.decode(enc, p, seed, 1)
+    assert np.linalg.norm(out - ddp.clip_l2(x, clip)) <= math.sqrt(
+        p.padded_dim
+    ) / p.gamma * (1 + 1e-9)
+
+
+@SETTINGS
+@given(
+    dim=st.integers(1, 128),
+    n=st.integers(2, 40),
+    bits=st.integers(10, 24),
+    aligned=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_the_modular_sum_of_many_encodings_decodes_to_the_sum_of_clipped_vectors(
+    dim: int, n: int, bits: int, aligned: bool, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    clip = 1.0
+    try:
+        p = ddp.calibrate(
+            noise_multiplier=0.5,
+            clip=clip,
+            dim=dim,
+            bitwidth=bits,
+            min_devices=n,
+            max_inflation=1e9,
+        )
+    except ddp.ModulusTooSmall:
+        return  # a bitwidth too small for n devices is refused, not used
+    base = rng.normal(size=dim)
+    updates = [
+        base * 10 if aligned else rng.normal(size=dim) * 10 for _ in range(n)
+    ]  # all clipped
+    encodings = [ddp.encode(u, p, seed, rng, noise=False) for u in updates]
+    out = ddp.decode(sum_encodings(encodings, p.modulus), p, seed, n)
+    expected = sum(ddp.clip_l2(u, clip) for u in updates)
+    assert np.linalg.norm(out - expected) <= n * math.sqrt(p.padded_dim) / p.gamma * (
+        1 + 1e-9
+    )
+
+
+def test_the_noisy_sum_of_the_largest_group_stays_inside_the_sized_modulus() -> None:
+    rng = np.random.default_rng(1)
+    p = ddp.calibrate(
+        noise_multiplier=1.0,
+        clip=1.0,
+        dim=4096,
+        bitwidth=16,
+        min_devices=20,
+        max_devices=25,
+    )
+    updates = [rng.normal(size=4096) for _ in range(25)]
+    signed = sum(ddp.to_signed(ddp.encode(u, p, 3, rng), p.modulus) for u in updates)
+    total = ddp.to_signed(
+        sum_encodings([ddp.encode(u, p, 3, rng) for u in updates], p.modulus), p.modulus
+    )
+    assert np.abs(np.asarray(signed)).max() <= p.wrap_bound() < p.modulus / 2
+    assert np.abs(total).max() <= p.wrap_bound()
+
+
+def test_a_modulus_one_bit_short_of_the_wrap_bound_is_refused_naming_the_bitwidth() -> (
+    None
+):
+    p = ddp.calibrate(
+        noise_multiplier=1.0, clip=1.0, dim=1000, bitwidth=20, min_devices=50
+    )
+    needed = math.ceil(math.log2(2 * p.wrap_bound() + 1))
+    ddp.DDPParams(**{**p.__dict__, "bitwidth": needed}).check_modulus()
+    short = ddp.DDPParams(**{**p.__dict__, "bitwidth": needed - 1})
+    with pytest.raises(
+        ddp.ModulusTooSmall, match=f"raise bitwidth to at least {needed}"
+    ):
+        short.check_modulus()
+    with pytest.raises(ddp.ModulusTooSmall, match="bitwidth"):
+        ddp.calibrate(
+            noise_multiplier=1.0, clip=1.0, dim=1000, bitwidth=6, min_devices=50
+        )
+
+
+def test_calibration_refuses_a_bitwidth_that_rounding_would_swamp() -> None:
+    p = ddp.calibrate(
+        noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=12, min_devices=10
+    )
+    assert (
+        1.05 < p.inflation <= 2.0
+    )  # 12 bits leave rounding a visible share of the noise
+    with pytest.raises(ddp.ModulusTooSmall, match="raise bitwidth"):
+        ddp.calibrate(
+            noise_multiplier=1.0,
+            clip=1.0,
+            dim=2**16,
+            bitwidth=12,
+            min_devices=10,
+            max_inflation=1.05,
+        )
+    with pytest.raises(ddp.ModulusTooSmall, match="raise bitwidth to at least"):
+        ddp.calibrate(
+            noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=10, min_devices=10
+        )
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "skellam"])
+def test_the_noise_of_the_fewest_devices_sums_to_the_target_std(
+    mechanism: ddp.Mechanism,
+) -> None:
+    z, clip, n, dim = 1.5, 0.5, 16, 8192
+    p = ddp.calibrate(
+        noise_multiplier=z,
+        clip=clip,
+        dim=dim,
+        bitwidth=24,
+        min_devices=n,
+        max_devices=20,
+        mechanism=mechanism,
+    )
+    rng = np.random.default_rng(2)
+    zeros = np.zeros(dim)
+    out = ddp.decode(
+        sum_encodings([ddp.encode(zeros, p, 9, rng) for _ in range(n)], p.modulus),
+        p,
+        9,
+        n,
+    )
+    target = (
+        z * p.sensitivity / p.gamma
+    )  # z times the integer sensitivity, in float units
+    assert p.central_std(n) == pytest.approx(target, rel=1e-12)
+    assert target >= z * clip
+    assert out.std() == pytest.approx(target, rel=5 * math.sqrt(2 / dim))
+    assert p.effective_noise_multiplier(n) == pytest.approx(z)
+    assert p.effective_noise_multiplier(20) > z  # a larger group only adds noise
+
+
+def test_decode_refuses_more_devices_than_the_modulus_was_sized_for() -> None:
+    p = ddp.calibrate(
+        noise_multiplier=1.0,
+        clip=1.0,
+        dim=10,
+        bitwidth=20,
+        min_devices=5,
+        max_devices=8,
+    )
+    with pytest.raises(ddp.DDPError, match="sized for 1 to 8"):
+        ddp.decode(np.zeros(16, dtype=np.int64), p, 0, 9)
+
+
+def test_params_refuse_out_of_range_values_naming_the_field() -> None:
+    with pytest.raises(ddp.DDPError, match="noise_multiplier"):
+        ddp.calibrate(
+            noise_multiplier=-1.0, clip=1.0, dim=10, bitwidth=20, min_devices=5
+        )
+    with pytest.raises(ddp.DDPError, match="clip"):
+        ddp.calibrate(
+            noise_multiplier=1.0, clip=0.0, dim=10, bitwidth=20, min_devices=5
+        )
+    with pytest.raises(ddp.DDPError, match="bitwidth"):
+        ddp.calibrate(
+            noise_multiplier=1.0, clip=1.0, dim=10, bitwidth=63, min_devices=5
+        )
+    with pytest.raises(ddp.DDPError, match="min_devices"):
+        ddp.calibrate(
+            noise_multiplier=1.0,
+            clip=1.0,
+            dim=10,
+            bitwidth=20,
+            min_devices=5,
+            max_devices=4,
+        )

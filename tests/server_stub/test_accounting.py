@@ -1,0 +1,180 @@
+"""The privacy accountant (server_stub.accounting) against dp-accounting and the analytic Gaussian."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import mpmath
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server_stub import accounting as acc
+
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+deltas = st.sampled_from([1e-3, 1e-5, 1e-7])
+
+
+@SETTINGS
+@given(
+    z=st.floats(0.3, 30),
+    k=st.integers(1, 5000),
+    more=st.integers(1, 5000),
+    delta=deltas,
+)
+def test_epsilon_grows_with_rounds(z: float, k: int, more: int, delta: float) -> None:
+    assert acc.epsilon(z, k + more, delta) > acc.epsilon(z, k, delta)
+
+
+@SETTINGS
+@given(
+    z=st.floats(0.3, 30),
+    factor=st.floats(1.01, 10),
+    k=st.integers(1, 5000),
+    delta=deltas,
+)
+def test_epsilon_falls_as_the_noise_multiplier_rises(
+    z: float, factor: float, k: int, delta: float
+) -> None:
+    assert acc.epsilon(z * factor, k, delta) < acc.epsilon(z, k, delta)
+
+
+@SETTINGS
+@given(z=st.floats(0.3, 30), k=st.integers(1, 5000), delta=deltas)
+def test_the_epsilon_solves_the_analytic_gaussian_equation(
+    z: float, k: int, delta: float
+) -> None:
+    """Balle and Wang 2018, Theorem 8: a Gaussian mechanism with multiplier s is (eps, delta)-DP iff
+    Phi(1/(2s) - eps s) - e^eps Phi(-1/(2s) - eps s) <= delta; k rounds are one at s = z / sqrt(k)."""
+    eps = acc.epsilon(z, k, delta)
+    with mpmath.workdps(
+        60
+    ):  # the difference cancels badly in floats: evaluate it in 60 digits
+        s = mpmath.mpf(z) / mpmath.sqrt(k)
+        e = mpmath.mpf(eps)
+        exact = mpmath.ncdf(1 / (2 * s) - e * s) - mpmath.exp(e) * mpmath.ncdf(
+            -1 / (2 * s) - e * s
+        )
+        assert float(exact) == pytest.approx(delta, rel=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.5, 0.9])
+def test_the_classic_gaussian_calibration_is_within_its_published_epsilon(
+    eps: float,
+) -> None:
+    """Dwork and Roth 2014, Theorem A.1: z = sqrt(2 ln(1.25 / delta)) / eps gives (eps, delta)-DP for
+    eps < 1; the exact accountant can only be tighter, and not absurdly so."""
+    delta = 1e-5
+    z = math.sqrt(2 * math.log(1.25 / delta)) / eps
+    assert 0.6 * eps < acc.epsilon(z, 1, delta) <= eps
+
+
+@pytest.mark.parametrize(("z", "k"), [(1.0, 1), (2.0, 10)])
+def test_epsilon_equals_dp_accountings_pld_accountant(z: float, k: int) -> None:
+    delta = 1e-5
+    pld = pld_privacy_accountant.PLDAccountant()
+    pld.compose(dp_accounting.GaussianDpEvent(z), k)
+    ours = acc.epsilon(z, k, delta)
+    assert ours == pytest.approx(pld.get_epsilon(delta), rel=1e-6)
+    assert ours <= pld.get_epsilon(delta)  # the discretized PLD is pessimistic
+
+
+@pytest.mark.parametrize(("z", "k"), [(0.8, 1), (1.0, 100), (5.0, 1000), (20.0, 50)])
+def test_rdp_is_a_slightly_looser_bound_on_the_same_mechanism(z: float, k: int) -> None:
+    pld, rdp = acc.epsilon(z, k, 1e-5), acc.epsilon(z, k, 1e-5, method="rdp")
+    assert pld <= rdp <= 1.3 * pld
+
+
+@SETTINGS
+@given(z=st.floats(0.3, 30), k=st.integers(0, 3000), delta=deltas)
+def test_no_amplification_unless_the_sampling_opt_in_is_given(
+    z: float, k: int, delta: float
+) -> None:
+    plain = acc.epsilon(z, k, delta)
+    assert acc.epsilon(z, k, delta, sampling_probability=None) == plain
+    assert acc.epsilon(z, k, delta, sampling_probability=1.0) == plain
+    assert acc.PrivacyLedger(delta=delta).add_round(z, k).epsilon == plain
+
+
+def test_the_sampling_opt_in_is_dp_accountings_poisson_sampled_gaussian() -> None:
+    z, q, k, delta = 2.0, 0.05, 20, 1e-5
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    reference = pld_privacy_accountant.PLDAccountant()
+    reference.compose(event, k)
+    sampled = acc.epsilon(z, k, delta, sampling_probability=q)
+    assert sampled == pytest.approx(reference.get_epsilon(delta), rel=1e-6)
+    assert sampled < acc.epsilon(z, k, delta)
+    rdp = acc.epsilon(z, k, delta, sampling_probability=q, method="rdp")
+    assert sampled <= rdp <= 2.0 * sampled
+
+
+def test_the_ledger_adds_rounds_one_by_one_to_the_same_epsilon() -> None:
+    ledger = acc.PrivacyLedger(delta=1e-6)
+    assert ledger.epsilon == 0.0 and ledger.rounds == 0
+    seen = []
+    for _ in range(200):
+        ledger = ledger.add_round(4.0)
+        seen.append(ledger.epsilon)
+    assert ledger.rounds == 200
+    assert seen == sorted(seen)
+    assert ledger.epsilon == acc.epsilon(4.0, 200, 1e-6)
+
+
+def test_rounds_at_different_multipliers_compose_to_one_gaussian() -> None:
+    ledger = (
+        acc.PrivacyLedger(delta=1e-5)
+        .add_round(2.0, 30)
+        .add_round(3.0, 45)
+        .add_round(2.0, 10)
+    )
+    assert dict(ledger.counts) == {2.0: 40, 3.0: 45}
+    z_eff = (40 / 4 + 45 / 9) ** -0.5
+    assert acc.composed_noise_multiplier(dict(ledger.counts)) == pytest.approx(z_eff)
+    assert ledger.epsilon == pytest.approx(acc.epsilon(z_eff, 1, 1e-5), rel=1e-9)
+
+
+def test_a_round_without_noise_spends_everything() -> None:
+    assert acc.epsilon(0.0, 1, 1e-5) == math.inf
+    assert (
+        acc.PrivacyLedger(delta=1e-5).add_round(1.0).add_round(0.0).epsilon == math.inf
+    )
+
+
+@pytest.mark.parametrize("q", [None, 0.02])
+def test_the_budget_allows_exactly_the_rounds_within_it(q: float | None) -> None:
+    z, delta, budget = 3.0, 1e-5, 4.0
+    k = acc.rounds_within(
+        budget, z, delta, sampling_probability=q, method="rdp" if q else "pld"
+    )
+    method: acc.Method = "rdp" if q else "pld"
+    assert k >= 1
+    assert acc.epsilon(z, k, delta, sampling_probability=q, method=method) <= budget
+    assert acc.epsilon(z, k + 1, delta, sampling_probability=q, method=method) > budget
+    ledger = acc.PrivacyLedger(
+        delta=delta, sampling_probability=q, method=method, max_epsilon=budget
+    )
+    assert ledger.add_round(z, k - 1).allows(z)
+    assert not ledger.add_round(z, k).allows(z)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"delta": 0.0}, "delta"),
+        ({"delta": 1.0}, "delta"),
+        ({"delta": 1e-5, "sampling_probability": 0.0}, "sampling_probability"),
+        ({"delta": 1e-5, "method": "moments"}, "method"),
+        ({"delta": 1e-5, "max_epsilon": -1.0}, "max_epsilon"),
+    ],
+)
+def test_out_of_range_parameters_are_refused_naming_the_field(
+    kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(acc.AccountingError, match=field):
+        acc.PrivacyLedger(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(acc.AccountingError, match="noise_multiplier"):
+        acc.epsilon(-1.0, 1, 1e-5)
