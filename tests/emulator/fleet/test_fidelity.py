@@ -36,11 +36,23 @@ def _share(summary: dict, predicate) -> float:
     return sum(v for k, v in summary["shape_shares"].items() if predicate(k))
 
 
+def _dropout_rate(*runs) -> float:
+    accepted = [s for run in runs for s in run.sessions if s.accepted]
+    return sum(1 for s in accepted if is_dropout(s)) / len(accepted)
+
+
+def test_dropout_is_six_to_ten_percent_of_a_day(day):
+    """The same bound on the one day the other tests read (seed 0: 6.45%, the same every run); the
+    slow twin below pools three days, as a single day's rate moves by about a point from seed to
+    seed (each day of 400 devices costs about 35 s of CPU)."""
+    assert 0.06 <= _dropout_rate(day) <= 0.10
+
+
+@pytest.mark.slow
 def test_dropout_is_six_to_ten_percent(day):
     """A fleet this small has a few hundred sessions: its rate moves by about a point from seed
     to seed (5.9% to 8.2% over seeds 0-7), so the bound holds for three days pooled."""
-    accepted = [s for run in (day, _day(1), _day(2)) for s in run.sessions if s.accepted]
-    assert 0.06 <= sum(1 for s in accepted if is_dropout(s)) / len(accepted) <= 0.10
+    assert 0.06 <= _dropout_rate(day, _day(1), _day(2)) <= 0.10
 
 
 def test_session_shapes_are_within_five_points_of_table_1(day):

@@ -158,16 +158,24 @@ def test_simulate_with_seeds_prints_one_line_per_run_then_their_digests(tmp_path
 # ------------------------------------------------------------------ on a real local Ray cluster
 @pytest.fixture(scope="module")
 def cluster():
+    """A cluster of this test process's own: ``address="local"`` never joins a cluster that another
+    run on the machine (another pytest worker, ``ray start``) left in /tmp/ray, where
+    ``num_cpus`` would be refused. Its tests share one xdist worker (``xdist_group``), so a run
+    starts one cluster."""
     if ray is None:
         pytest.skip("Ray is not installed: pip install -e '.[ray]'")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
 
+on_the_cluster = pytest.mark.xdist_group("ray")
+
+
 @needs_ray
+@on_the_cluster
 def test_the_sharded_run_on_two_ray_workers_equals_the_single_process_run(cluster, one_process):
     stats: dict = {}
     run = simulate_sharded(small_config(seed=1), shards=2, ray=True, stats=stats)
@@ -176,6 +184,7 @@ def test_the_sharded_run_on_two_ray_workers_equals_the_single_process_run(cluste
 
 
 @needs_ray
+@on_the_cluster
 def test_runs_fanned_out_as_ray_tasks_equal_the_same_runs_here(cluster, tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
     fleet.write_text("[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
