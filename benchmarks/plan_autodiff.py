@@ -30,7 +30,9 @@ Prints one JSON object per line; the last line is the summary with the targets.
 from __future__ import annotations
 
 # first: plan_exec limits BLAS and OpenMP to one thread before numpy is imported
-from benchmarks.plan_exec import C, F, H, LR, _data, numpy_step, threadpool_limits
+from benchmarks.plan_exec import LR, C, F, H, _data, numpy_step, threadpool_limits
+
+# isort: split
 
 import argparse  # noqa: E402
 import io  # noqa: E402
@@ -115,8 +117,6 @@ def torch_steps(module, x: np.ndarray, y: np.ndarray) -> float:
 
 
 def check_cnn_same_step(steps: int = 4) -> dict:
-    import torch
-
     module = torch_cnn()
     model = export(module)
     plan = cnn_plan(model)
@@ -278,7 +278,6 @@ def real_torch_steps(name: str, module, batches) -> list[float]:
     """SGD steps of torch eager over tensors made from ``batches``; returns each step's loss."""
     import torch
 
-    names = [inp.name for inp in _real_spec(name).inputs]
     opt = torch.optim.SGD(module.parameters(), lr=REAL_LR)
     loss_fn = torch.nn.CrossEntropyLoss()
     losses = []

@@ -94,7 +94,7 @@ def main() -> None:
                     break
                 except httpx.TransportError:
                     if time.monotonic() > deadline:
-                        raise RuntimeError("server did not start")
+                        raise RuntimeError("server did not start") from None
                     time.sleep(0.05)
             plan = build_softmax_regression_plan(64, 10, selector=ExampleSelector("app:/digits"))
             long = dict(over_selection=1.0, selection_timeout_s=3600, report_timeout_s=3600)

@@ -54,9 +54,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import numpy as np
@@ -88,7 +88,7 @@ def _emit(obj: dict) -> None:
 # ---------------------------------------------------------------------------- server process
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _server_help() -> str:
     out = subprocess.run([sys.executable, "-m", "server_stub", "--help"], capture_output=True, text=True, timeout=60)
     return out.stdout + out.stderr
@@ -167,7 +167,7 @@ def _cores(a: tuple, b: tuple, seconds: float) -> dict:
 # ---------------------------------------------------------------------------- task and update
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bench_plan():
     """The digits softmax plan of ``tests/support.py``."""
     return build_softmax_regression_plan(
@@ -220,7 +220,7 @@ class Tally:
         for k in range(math.ceil(duration_s / window_s)):
             lo, hi = self.load_started + k * window_s, self.load_started + (k + 1) * window_s
 
-            def inside(kind: str) -> np.ndarray:
+            def inside(kind: str, lo: float = lo, hi: float = hi) -> np.ndarray:  # this window's, bound now
                 t = np.asarray(self.starts.get(kind, []))
                 return np.asarray(self.latencies.get(kind, []))[(t >= lo) & (t < hi)] * 1000.0
 

@@ -423,7 +423,7 @@ class DeviceAttestor:
     def device_class(self) -> str:
         return self._certificate.device_class
 
-    def secagg_signer(self) -> "AttestedSigner":
+    def secagg_signer(self) -> AttestedSigner:
         """This device's key as a Secure Aggregation signer: its peers check the certificate
         and the key signs the device's advertised keys and protocol messages."""
         return AttestedSigner(self._key, self._certificate)

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

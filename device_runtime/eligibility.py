@@ -9,7 +9,6 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, Strict, TypeAdapter
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-
 _SCHEMA = ConfigDict(extra="forbid", allow_inf_nan=False)
 _Count = Annotated[int, Strict(), Field(ge=0, le=1_000_000_000)]
 _Seconds = Annotated[float, Strict(), Field(ge=0.0, le=10 * 365 * 86400.0)]
@@ -36,7 +35,7 @@ class EligibilityPolicies:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: object) -> "EligibilityPolicies":
+    def from_dict(cls, data: object) -> EligibilityPolicies:
         """Raises ``ValueError`` (a pydantic ``ValidationError``) naming each bad field."""
         return _POLICIES.validate_python(data)
 

@@ -24,8 +24,8 @@ Pure: arrays in, arrays out; the arithmetic is float64 and the result float32 li
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import numpy as np
 

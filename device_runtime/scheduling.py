@@ -17,9 +17,9 @@ import os
 import random
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
 import onnxruntime as ort
 from apscheduler.job import Job
@@ -84,7 +84,7 @@ class SchedulerSettings:
 
 
 def run_participation(
-    population: str, constraints: dict, interval: dict, scheduler: "ParticipationScheduler | None" = None
+    population: str, constraints: dict, interval: dict, scheduler: ParticipationScheduler | None = None
 ) -> JobRun:
     """The function every stored job names: one participation attempt, run by the app's scheduler
     (which reads the job's constraints and interval from the store)."""
@@ -96,11 +96,11 @@ def run_participation(
 class _StoreHost:
     """What APScheduler's job store expects of its scheduler: a time zone."""
 
-    timezone = timezone.utc
+    timezone = UTC
 
 
 def _to_dt(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, timezone.utc)
+    return datetime.fromtimestamp(ts, UTC)
 
 
 def to_microsecond(ts: float) -> float:
@@ -132,7 +132,7 @@ class _StoredJobs:
             args=(job.population,),
             # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
             kwargs={"constraints": dict(vars(job.constraints)), "interval": dict(vars(job.interval))},
-            trigger=DateTrigger(at, timezone=timezone.utc),
+            trigger=DateTrigger(at, timezone=UTC),
             executor="default",
             name=f"{self._app}:{job.population}",
             misfire_grace_time=None,
@@ -207,7 +207,7 @@ class _MemoryJobs:
 
     def due(self, now: float) -> list[tuple[float, str]]:
         now = to_microsecond(now)
-        return sorted((j.next_run_at, j.population) for j in self._jobs.values() if j.next_run_at <= now)  # type: ignore[operator]
+        return sorted((j.next_run_at, j.population) for j in self._jobs.values() if j.next_run_at is not None and j.next_run_at <= now)
 
     def next_run_at(self) -> float | None:
         return min((j.next_run_at for j in self._jobs.values()), default=None)  # type: ignore[type-var]
@@ -239,7 +239,7 @@ class ParticipationScheduler:
         *,
         app: str = "app",
         clock: Clock | None = None,
-        queue: "WorkerQueue | None" = None,
+        queue: WorkerQueue | None = None,
         settings: SchedulerSettings = SchedulerSettings(),
         rng: random.Random | None = None,
     ) -> None:
@@ -459,7 +459,7 @@ class WorkerQueue:
         advance_to = getattr(self.clock, "advance_to", None)
         if advance_to is None:
             raise TypeError("run_until needs a clock with advance_to (a VirtualClock)")
-        runs = []
+        runs: list[JobRun] = []
         while True:
             nxt = self.next_wakeup()
             if nxt is None or nxt > end:

@@ -23,8 +23,8 @@ import dataclasses
 import enum
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -35,7 +35,6 @@ from .errors import ProtocolError
 from .protocol import CheckinAccepted, ProtocolClient, retry_window
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_sum import config_from_json
-
 
 MAX_DEADLINE_S = 3600.0
 LONG_POLL_S = 0.5  # also bounds how long a should_abort can go unheard

@@ -7,7 +7,8 @@ plan's clip range and quantized to its bitwidth (``secagg.Quantizer``)."""
 from __future__ import annotations
 
 import base64
-from typing import Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ def config_from_json(data: dict) -> SecAggConfig:
     device's privacy floor's call (``SecAggPolicy``), which refuses them with a reason."""
     if not isinstance(data, dict):
         raise ValueError("SecAgg config must be an object")
-    ints = {k: data.get(k) for k in ("vector_length", "modulus", "threshold")}
+    ints: dict[str, Any] = {k: data.get(k) for k in ("vector_length", "modulus", "threshold")}
     if any(isinstance(v, bool) or not isinstance(v, int) for v in ints.values()):
         raise ValueError("SecAgg config needs integer vector_length, modulus and threshold")
     degree = data.get("degree")

@@ -15,19 +15,19 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from server_stub.trust_anchor import write_trust_anchor
 from device_runtime.attestation import (
     DEVICE_CLASS_PATTERN,
+    PUBLIC_KEY_BYTES,
     DeviceAttestor,
     DeviceCertificate,
     MalformedAttestation,
-    PUBLIC_KEY_BYTES,
     authority_key_id,
     b64decode_strict,
     b64encode,
     generate_device_key,
     raw_public_key,
 )
+from server_stub.trust_anchor import write_trust_anchor
 
 DEFAULT_VALIDITY_S = 365 * 24 * 3600.0
 """Certificates last a year by default, like a device attestation certificate chain would."""

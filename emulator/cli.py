@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import math
 import logging
+import math
 import os
 import sys
 from dataclasses import fields
@@ -23,7 +23,6 @@ from .attestation_authority import AttestationAuthority
 from .demo import DemoConfig, DemoConfigError, run_demo
 from .fleet.cli import add_compare_parser, add_simulate_parser, run_compare, run_simulate
 from .toolchain.cli import add_toolchain_commands, run_toolchain_command
-
 
 #: ``fedfleet --help``'s description: plain text (the module docstring's markup would print as it is).
 DESCRIPTION = ("Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "

@@ -31,7 +31,7 @@ def load_digits_dataset(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
     rng = np.random.default_rng(seed)
-    test_idx = []
+    test_idx: list[int] = []
     for label in np.unique(y):
         idx = np.flatnonzero(y == label)
         rng.shuffle(idx)

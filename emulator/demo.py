@@ -17,7 +17,7 @@ import numpy as np
 
 from device_runtime import PlanExecutor, build_eval_plan, build_mlp_plan, encode_checkpoint, initial_weights
 from example_store import ExampleSelector
-from server_stub import AdminClient, AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
+from server_stub import AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
 
 from .attestation_authority import AttestationAuthority
 from .datasets import load_digits_dataset, partition_by_shards

@@ -8,9 +8,10 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class EmulatedDevice:
         self.rng = random.Random(seed)
         self.key_store = key_store if key_store is not None else FileKeyStore(self.root / "keystore.json")
         self.store = SQLiteExampleStore(self.root / "app.db", key_store=self.key_store, key_alias="emulated-app")
-        kwargs = {"runtime_version": runtime_version} if runtime_version else {}
+        kwargs: dict[str, Any] = {"runtime_version": runtime_version} if runtime_version else {}
         self.runtime = FLRuntime(
             population,
             server_url,
@@ -83,6 +84,10 @@ class EmulatedDevice:
     def add_examples(self, x: np.ndarray, y: np.ndarray) -> None:
         self.store.add(self.collection_uri, ({"x": xi, "y": yi} for xi, yi in zip(x, y)))
 
+    def _report_late(self) -> None:
+        """Before reporting: wait past the deadline, as a device whose upload is slow would."""
+        threading.Event().wait(self.profile.late_delay_s)
+
     def step(self) -> float:
         """One attempt at a session; returns how long to wait before the next one."""
         drop = self.rng.random() < self.profile.dropout_prob
@@ -96,7 +101,7 @@ class EmulatedDevice:
         try:
             result = self.runtime.run_session(
                 should_abort=should_abort,
-                before_report=(lambda: threading.Event().wait(self.profile.late_delay_s)) if late else None,
+                before_report=self._report_late if late else None,
             )
         except SessionRejected as rejected:
             self.outcomes[f"rejected:{rejected.reason}"] += 1

@@ -58,7 +58,7 @@ class InProcessTransport(httpx.BaseTransport):
         if not self._loop.is_closed() and not self._loop.is_running():
             self._loop.close()
 
-    def __enter__(self) -> "InProcessTransport":
+    def __enter__(self) -> InProcessTransport:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -78,7 +78,8 @@ result = {
 
 
 class Runner(Protocol):
-    version: str
+    @property
+    def version(self) -> str: ...
 
     def run_json(self, code: str, payload: Any = None) -> Any: ...
 

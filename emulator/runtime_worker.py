@@ -452,7 +452,8 @@ class WorkerExecutor(PlanExecutor):
         forced = (lambda: bool(run_options.terminate)) if run_options is not None else None
         values: list[list[float]] = []
         total = 0
-        run: str | None = self.worker.begin(plan, initial)
+        begun = self.worker.begin(plan, initial)
+        run: str | None = begun  # None once finished: nothing to drop in the worker
         try:
             for _epoch in range(plan.device.epochs):
                 for batch in open_batches():
@@ -462,9 +463,9 @@ class WorkerExecutor(PlanExecutor):
                         raise TrainingInterrupted("training was stopped by force before a step began")
                     feeds, n = self._feeds(batch)
                     if n:
-                        values.append(self.worker.step(run, feeds, stop=forced))
+                        values.append(self.worker.step(begun, feeds, stop=forced))
                         total += n
-            final = self.worker.finish(run)
+            final = self.worker.finish(begun)
             run = None
         finally:
             if run is not None:

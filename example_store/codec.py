@@ -127,10 +127,11 @@ class Schema:
             except KeyError:
                 bad = next(ex for ex in examples if name not in ex)
                 self._mismatch(collection_uri, f"an example has tensors {sorted(map(str, bad))}")
-            dtypes = {getattr(v, "dtype", None) for v in col}
-            if None in dtypes:  # Python scalars or lists
+            found = {getattr(v, "dtype", None) for v in col}
+            if None in found:  # Python scalars or lists
                 col = [np.asarray(v) for v in col]
-                dtypes = {v.dtype for v in col}
+                found = {v.dtype for v in col}
+            dtypes: set[np.dtype] = {dt for dt in found if dt is not None}
             for dt in dtypes:
                 if canonical_dtype(dt) != spec.dtype:
                     self._mismatch(collection_uri, f"tensor {name!r} has dtype {np.dtype(dt).name}")

@@ -103,7 +103,7 @@ class ExampleStore(abc.ABC):
         whole batches faster than example by example."""
         return _BatchingIterator(self.query(selector), check_batch_size(batch_size))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op default, not abstract: most stores hold nothing to release
         """Releases the store's resources; the default has none."""
 
     def __enter__(self) -> ExampleStore:

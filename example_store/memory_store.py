@@ -118,6 +118,7 @@ class InMemoryExampleStore(ExampleStore):
             if not new_keys:
                 return 0
             if coll is None:
+                assert schema is not None  # made from the first chunk: new_keys is not empty
                 coll = self._collections[collection_uri] = _MemCollection(schema)
             if not coll.keys or min(new_keys) > coll.keys[-1]:  # the usual case: appending newer examples
                 order = sorted(range(len(new_keys)), key=new_keys.__getitem__)

@@ -17,7 +17,13 @@ import numpy as np
 
 from device_runtime import FLRuntime, RuntimeEnvironment, OpStatsStore
 from device_runtime.clock import Clock, SystemClock
-from device_runtime.conditions import DeviceConditions, DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
+from device_runtime.conditions import (
+    DeviceConditions,
+    DeviceState,
+    StaticConditions,
+    TrainingConstraints,
+    TrainingInterval,
+)
 from device_runtime.scheduling import ParticipationScheduler, WorkerQueue
 from example_store import FileKeyStore, KeyStore, RetentionPolicy, SQLiteExampleStore
 

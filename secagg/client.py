@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -99,6 +100,17 @@ def _unique_sorted(ids: np.ndarray, what: str) -> np.ndarray:
     if len(s) != len(ids):
         raise InconsistentSurvivors(f"duplicate client ids in {what}")
     return s
+
+
+T = TypeVar("T")
+
+
+def _held_since(value: T | None, what: str) -> T:
+    """A secret an earlier round made (the rounds' order guarantees it): an out-of-order error,
+    not an AttributeError, should it ever be missing."""
+    if value is None:
+        raise OutOfOrder(f"{what} is not held in this round")
+    return value
 
 
 def _wipe(buf: bytearray | None) -> None:
@@ -178,11 +190,10 @@ class SecAggClient:
         self._started = True
         self._c = crypto.KeyPair(self._random_bytes)
         self._s = crypto.KeyPair(self._random_bytes)
-        if self._signer is None:
-            self._signer = crypto.SigningKey(self._random_bytes)
+        signer = self._signer = self._signer if self._signer is not None else crypto.SigningKey(self._random_bytes)
         c_pk, s_pk = self._c.public_bytes, self._s.public_bytes
-        sig = crypto.sign(self._signer, key_signing_payload(self._tag, self.id, c_pk, s_pk))
-        return AdvertiseKeys(self._tag, c_pk, s_pk, self._signer.public_key, sig, self._signer.credential).to_bytes()
+        sig = crypto.sign(signer, key_signing_payload(self._tag, self.id, c_pk, s_pk))
+        return AdvertiseKeys(self._tag, c_pk, s_pk, signer.public_key, sig, signer.credential).to_bytes()
 
     def handle(self, data: bytes) -> bytes | None:
         """Process one server message; returns the reply to send, or None (done or aborted)."""
@@ -252,7 +263,9 @@ class SecAggClient:
             return self._masked_input(msg)
         if isinstance(msg, ConsistencyRequest):
             return self._consistency(msg)
-        return self._unmask(msg)
+        if isinstance(msg, UnmaskRequest):
+            return self._unmask(msg)
+        raise OutOfOrder(f"got {type(msg).__name__} during {self.round.value}")
 
     @property
     def _sparse(self) -> bool:
@@ -279,9 +292,11 @@ class SecAggClient:
             raise UncertifiedPeer("two roster entries carry one signing key (one device twice)")
         credentials = msg.credential_list()
         key_sigs = entries["key_sig"].tobytes()
+        own = (_held_since(self._c, "the key pair c").public_bytes, _held_since(self._s, "the key pair s").public_bytes,
+               _held_since(self._signer, "the signing key").public_key)
         for i, u in enumerate(entries["id"].tolist()):
             if u == self.id:
-                if (c_list[i], s_list[i], sig_list[i]) != (self._c.public_bytes, self._s.public_bytes, self._signer.public_key):
+                if (c_list[i], s_list[i], sig_list[i]) != own:
                     raise InvalidKeys("the roster does not carry our own public keys")
                 continue
             if self._verify_peer is not None:  # without a PKI anyone could sign with a fresh key
@@ -293,7 +308,7 @@ class SecAggClient:
             if self._is_member is not None and not self._is_member(sig_list[i]):
                 raise ForgedGraph(f"client {u} is not a member of the group the committed seed assigns us")
             self._peers[u] = (c_list[i], s_list[i], sig_list[i])
-        self._peers[self.id] = (self._c.public_bytes, self._s.public_bytes, self._signer.public_key)
+        self._peers[self.id] = own
         return ids, credentials
 
     def _check_graph(self, msg: KeyRoster, ids: np.ndarray, credentials: list[bytes]) -> None:
@@ -317,7 +332,7 @@ class SecAggClient:
         n = len(universe)
         if n < cfg.min_summed:
             raise UnsafeConfiguration(f"only {n} clients advertised keys, fewer than the minimum of {cfg.min_summed}")
-        if self._sparse:
+        if cfg.degree is not None and self._sparse:
             ring = keyed_ring(universe.tolist(), graph_key(sid))
             at = int(np.flatnonzero(ring == self.id)[0])
             half = cfg.degree // 2
@@ -336,9 +351,10 @@ class SecAggClient:
         ids, credentials = self._check_roster(msg)
         self._check_graph(msg, ids, credentials)
         holders = ids.tolist()
-        sid, c_sk, s_sk = self._session_id, self._c.private, self._s.private
+        c, s = _held_since(self._c, "the key pair c"), _held_since(self._s, "the key pair s")
+        sid, c_sk, s_sk = self._session_id, c.private, s.private
         self._b = bytearray(self._random_bytes(32))
-        shares = share_secrets([self._s.private_bytes, bytes(self._b)], holders, t, self._random_bytes).astype("<u4")
+        shares = share_secrets([s.private_bytes, bytes(self._b)], holders, t, self._random_bytes).astype("<u4")
         out = np.empty(len(holders) - 1, dtype=ADDRESSED_CT)
         digests = np.empty(len(holders), dtype=SHARE_DIGEST)
         cts = []
@@ -396,7 +412,7 @@ class SecAggClient:
         self._senders = senders
         self.round = Round.SHARE_CHECK
         complaints = np.asarray(sorted(self.unopened), dtype="<u4")
-        signature = crypto.sign(self._signer, share_check_payload(sid, me, complaints))
+        signature = crypto.sign(_held_since(self._signer, "the signing key"), share_check_payload(sid, me, complaints))
         return ShareCheck(self._tag, complaints, signature).to_bytes()
 
     def _masked_input(self, msg: MaskRequest) -> bytes:
@@ -417,7 +433,7 @@ class SecAggClient:
         self._u2 = np.union1d(senders, [self.id])
         acc = MaskAccumulator(self.config.vector_length, self.config.modulus)
         acc.add_vector(self._x)
-        acc.add_seed(bytes(self._b))
+        acc.add_seed(bytes(_held_since(self._b, "the self-mask seed b")))
         for v in senders.tolist():
             acc.add_seed(bytes(self._seeds[v]), 1 if self.id < v else -1)
         words = acc.value().astype(acc.dtype.newbyteorder("<")).tobytes()
@@ -429,7 +445,7 @@ class SecAggClient:
             _wipe(seed)
         self._seeds.clear()
         self.round = Round.MASKED_INPUT_COLLECTION
-        signature = crypto.sign(self._signer, masked_input_payload(sid, self.id, words))
+        signature = crypto.sign(_held_since(self._signer, "the signing key"), masked_input_payload(sid, self.id, words))
         return MaskedInput(self._tag, words, signature).to_bytes()
 
     def _check_u3(self, survivors: np.ndarray) -> np.ndarray:
@@ -455,7 +471,7 @@ class SecAggClient:
     def _consistency(self, msg: ConsistencyRequest) -> bytes:
         u3 = self._check_u3(msg.survivors)
         self._u3 = u3
-        sig = crypto.sign(self._signer, consistency_payload(self._session_id, u3))
+        sig = crypto.sign(_held_since(self._signer, "the signing key"), consistency_payload(self._session_id, u3))
         self.round = Round.CONSISTENCY_CHECK
         return ConsistencySignature(self._tag, sig).to_bytes()
 
@@ -490,5 +506,5 @@ class SecAggClient:
             reveals[i] = (u, kind, held[LIMBS:] if kind == KIND_B else held[:LIMBS])
         self._zeroize()
         self.round = Round.COMPLETED
-        signature = crypto.sign(self._signer, unmask_payload(self._session_id, self.id, reveals))
+        signature = crypto.sign(_held_since(self._signer, "the signing key"), unmask_payload(self._session_id, self.id, reveals))
         return UnmaskResponse(self._tag, reveals, signature).to_bytes()

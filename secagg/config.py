@@ -95,7 +95,7 @@ class SecAggConfig:
         consistency_check: bool = False,
         min_summed: int = 0,
         graph_commitment: bytes = b"",
-    ) -> "SecAggConfig":
+    ) -> SecAggConfig:
         """Sensible parameters for n clients: R from the bitwidth, t and the graph from n.
 
         ``secagg_plus=None`` picks SecAgg+ only when its degree is below (n - 1) / 2: for small
@@ -104,12 +104,13 @@ class SecAggConfig:
         happens between n = 300 and n = 400).
         """
         modulus = modulus_for(n, bitwidth)
-        extra = dict(consistency_check=consistency_check, min_summed=min_summed, graph_commitment=graph_commitment)
         if secagg_plus is not False:
             g = secagg_plus_parameters(n, corrupt_fraction, dropout_rate)
             if not g.complete and (secagg_plus or 2 * g.degree < n - 1):
-                return cls(vector_length, modulus, g.threshold, session_label, g.degree, **extra)
-        return cls(vector_length, modulus, complete_graph_threshold(n), session_label, None, **extra)
+                return cls(vector_length, modulus, g.threshold, session_label, g.degree, consistency_check=consistency_check,
+                           min_summed=min_summed, graph_commitment=graph_commitment)
+        return cls(vector_length, modulus, complete_graph_threshold(n), session_label, None,
+                   consistency_check=consistency_check, min_summed=min_summed, graph_commitment=graph_commitment)
 
     @property
     def session_tag(self) -> bytes:

@@ -130,7 +130,7 @@ class SigningKey:
 SIGNING_DOMAIN = b"fedfleet.secagg.v2\x00"
 
 
-def sign(signer: "Signer", data: bytes) -> bytes:
+def sign(signer: Signer, data: bytes) -> bytes:
     """``signer``'s signature over ``data`` in the Secure Aggregation domain."""
     return signer.sign(SIGNING_DOMAIN + data)
 

@@ -132,12 +132,13 @@ def keyed_ring(ids: Sequence[int], key: bytes) -> np.ndarray:
     """The ids in ring order: sorted by AES-256_key(id), a pseudorandom order nobody can steer
     without changing ``key`` (which the driver derives from a committed seed and every
     advertised key, so any change to the roster reshuffles the whole ring)."""
-    ids = np.asarray(sorted(ids), dtype=np.int64)
-    blocks = np.zeros((len(ids), 2), dtype="<u8")
-    blocks[:, 0] = ids
+    ordered = np.asarray(sorted(ids), dtype=np.int64)
+    blocks = np.zeros((len(ordered), 2), dtype="<u8")
+    blocks[:, 0] = ordered
     enc = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
     out = np.frombuffer(enc.update(blocks.tobytes()) + enc.finalize(), dtype="<u8").reshape(-1, 2)
-    return ids[np.lexsort((out[:, 1], out[:, 0]))]
+    ring: np.ndarray = ordered[np.lexsort((out[:, 1], out[:, 0]))]
+    return ring
 
 
 def seeded_harary(ids: Sequence[int], degree: int, key: bytes) -> dict[int, tuple[int, ...]]:

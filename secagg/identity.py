@@ -11,7 +11,8 @@ nothing stops a sybil roster.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class Signer(Protocol):

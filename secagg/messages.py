@@ -31,10 +31,10 @@ KEY_ENTRY = np.dtype([("id", "<u4"), ("c_pk", "V32"), ("s_pk", "V32"), ("sig_pk"
                       ("cred_len", "<u2")])
 DIRECTORY = np.dtype([("id", "<u4"), ("digest", "V16")])  # every advertised entry of U1, by digest
 SHARE_DIGEST = np.dtype([("holder", "<u4"), ("s", "V16"), ("b", "V16")])
-ADDRESSED_CT = np.dtype([("peer", "<u4"), ("ct", "V%d" % SHARE_CIPHERTEXT)])
+ADDRESSED_CT = np.dtype([("peer", "<u4"), ("ct", f"V{SHARE_CIPHERTEXT}")])
 #: a share pair as its holder receives it: sender, ciphertext, and the sender's digests of the two
 #: shares in it (so that the holder can tell a wrong share from a right one before anyone masks)
-ROUTED_CT = np.dtype([("peer", "<u4"), ("ct", "V%d" % SHARE_CIPHERTEXT), ("s", "V16"), ("b", "V16")])
+ROUTED_CT = np.dtype([("peer", "<u4"), ("ct", f"V{SHARE_CIPHERTEXT}"), ("s", "V16"), ("b", "V16")])
 SIGNED = np.dtype([("id", "<u4"), ("sig", "V64")])
 SHARE_REVEAL = np.dtype([("peer", "<u4"), ("kind", "<u4"), ("limbs", "<u4", (LIMBS,))])
 KIND_B, KIND_S = 0, 1
@@ -75,7 +75,7 @@ class Message:
         return _HEADER.pack(b"SA", VERSION, self.KIND, self.session_tag) + self.body()
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "Message":  # pragma: no cover
+    def parse_body(cls, tag: bytes, body: memoryview) -> Message:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -96,7 +96,7 @@ class AdvertiseKeys(Message):
         return self.c_pk + self.s_pk + self.sig_pk + self.key_sig + struct.pack("<H", len(self.credential)) + self.credential
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "AdvertiseKeys":
+    def parse_body(cls, tag: bytes, body: memoryview) -> AdvertiseKeys:
         fixed = 3 * KEY_BYTES + SIG_BYTES + 2
         if len(body) < fixed:
             raise MessageFormatError("AdvertiseKeys: wrong length")
@@ -126,7 +126,7 @@ class KeyRoster(Message):
                 + self.credentials + _pack_records(self.directory))
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "KeyRoster":
+    def parse_body(cls, tag: bytes, body: memoryview) -> KeyRoster:
         if len(body) < 64:
             raise MessageFormatError("KeyRoster: truncated")
         entries, end = _records(body, 64, KEY_ENTRY, "KeyRoster")
@@ -157,7 +157,7 @@ class EncryptedShares(Message):
         return _pack_records(self.shares) + _pack_records(self.digests)
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "EncryptedShares":
+    def parse_body(cls, tag: bytes, body: memoryview) -> EncryptedShares:
         shares, end = _records(body, 0, ADDRESSED_CT, "EncryptedShares")
         digests, end = _records(body, end, SHARE_DIGEST, "EncryptedShares digests")
         if end != len(body):
@@ -180,7 +180,7 @@ class SharesForYou(Message):
         return _pack_records(self.shares)
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "SharesForYou":
+    def parse_body(cls, tag: bytes, body: memoryview) -> SharesForYou:
         shares, end = _records(body, 0, ROUTED_CT, "SharesForYou")
         if end != len(body):
             raise MessageFormatError("SharesForYou: trailing bytes")
@@ -203,7 +203,7 @@ class MaskedInput(Message):
         return self.words + self.signature
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "MaskedInput":
+    def parse_body(cls, tag: bytes, body: memoryview) -> MaskedInput:
         if len(body) < SIG_BYTES:
             raise MessageFormatError("MaskedInput: truncated")
         return cls(tag, bytes(body[:-SIG_BYTES]), bytes(body[-SIG_BYTES:]))
@@ -220,7 +220,7 @@ class ConsistencyRequest(Message):
         return _pack_records(np.asarray(self.survivors, dtype="<u4"))
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "ConsistencyRequest":
+    def parse_body(cls, tag: bytes, body: memoryview) -> ConsistencyRequest:
         ids, end = _records(body, 0, np.dtype("<u4"), "ConsistencyRequest")
         if end != len(body):
             raise MessageFormatError("ConsistencyRequest: trailing bytes")
@@ -239,7 +239,7 @@ class ConsistencySignature(Message):
         return self.signature
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "ConsistencySignature":
+    def parse_body(cls, tag: bytes, body: memoryview) -> ConsistencySignature:
         if len(body) != SIG_BYTES:
             raise MessageFormatError("ConsistencySignature: wrong length")
         return cls(tag, bytes(body))
@@ -258,7 +258,7 @@ class UnmaskRequest(Message):
         return _pack_records(np.asarray(self.survivors, dtype="<u4")) + _pack_records(self.signatures)
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "UnmaskRequest":
+    def parse_body(cls, tag: bytes, body: memoryview) -> UnmaskRequest:
         ids, end = _records(body, 0, np.dtype("<u4"), "UnmaskRequest")
         sigs, end = _records(body, end, SIGNED, "UnmaskRequest")
         if end != len(body):
@@ -281,7 +281,7 @@ class UnmaskResponse(Message):
         return _pack_records(self.reveals) + self.signature
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "UnmaskResponse":
+    def parse_body(cls, tag: bytes, body: memoryview) -> UnmaskResponse:
         reveals, end = _records(body, 0, SHARE_REVEAL, "UnmaskResponse")
         if end + SIG_BYTES != len(body):
             raise MessageFormatError("UnmaskResponse: wrong length")
@@ -306,7 +306,7 @@ class ShareCheck(Message):
         return _pack_records(np.asarray(self.complaints, dtype="<u4")) + self.signature
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "ShareCheck":
+    def parse_body(cls, tag: bytes, body: memoryview) -> ShareCheck:
         ids, end = _records(body, 0, np.dtype("<u4"), "ShareCheck")
         if end + SIG_BYTES != len(body):
             raise MessageFormatError("ShareCheck: wrong length")
@@ -326,7 +326,7 @@ class MaskRequest(Message):
         return _pack_records(np.asarray(self.excluded, dtype="<u4"))
 
     @classmethod
-    def parse_body(cls, tag: bytes, body: memoryview) -> "MaskRequest":
+    def parse_body(cls, tag: bytes, body: memoryview) -> MaskRequest:
         ids, end = _records(body, 0, np.dtype("<u4"), "MaskRequest")
         if end != len(body):
             raise MessageFormatError("MaskRequest: trailing bytes")

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +73,7 @@ from .messages import (
     KEY_ENTRY,
     KIND_B,
     KIND_S,
+    ROUTED_CT,
     SIGNED,
     AdvertiseKeys,
     ConsistencyRequest,
@@ -80,7 +82,6 @@ from .messages import (
     KeyRoster,
     MaskedInput,
     MaskRequest,
-    ROUTED_CT,
     ShareCheck,
     SharesForYou,
     UnmaskRequest,
@@ -170,7 +171,8 @@ class SecAggServer:
         self._tag = config.session_tag
         self._verify_peer = verify_peer
         self._expected: frozenset[int] = self.cohort
-        self._responses: dict[int, object] = {}
+        # what this round's handler returned per client (the round's own type), read by its close
+        self._responses: dict[int, Any] = {}
         #: survivors of each round: U1 (advertised), U2 (shared keys), U3 (masked input),
         #: U4 (signed, with ConsistencyCheck), U5 (unmasked)
         self.survivors: dict[Round, frozenset[int]] = {}
@@ -221,15 +223,15 @@ class SecAggServer:
         expected = _EXPECTED_MESSAGE[self.round]
         if type(msg) is not expected:
             raise OutOfOrder(f"got {type(msg).__name__} during {self.round.value}")
-        handler = {
+        handlers: dict[Round, Callable[[int, Any], object]] = {
             Round.ADVERTISE_KEYS: self._receive_keys,
             Round.SHARE_KEYS: self._receive_shares,
             Round.SHARE_CHECK: self._receive_share_check,
             Round.MASKED_INPUT_COLLECTION: self._receive_masked,
             Round.CONSISTENCY_CHECK: self._receive_signature,
             Round.UNMASKING: self._receive_reveals,
-        }[self.round]
-        self._responses[client_id] = handler(client_id, msg)
+        }
+        self._responses[client_id] = handlers[self.round](client_id, msg)
 
     def close_round(self) -> Mapping[int, bytes]:
         """End the current round; returns the next round's message per client (or {})."""
@@ -427,6 +429,8 @@ class SecAggServer:
     # -- MaskedInputCollection ----------------------------------------------------------------
     def _receive_masked(self, client_id: int, msg: MaskedInput) -> bool:
         acc = self._sum
+        if acc is None:
+            raise OutOfOrder("no sum is open before MaskedInputCollection")
         if len(msg.words) != self.config.vector_length * acc.dtype.itemsize:
             raise MessageFormatError("masked input has the wrong length")
         y = np.frombuffer(msg.words, dtype=acc.dtype.newbyteorder("<"))
@@ -510,7 +514,8 @@ class SecAggServer:
                for i, (u, k) in enumerate(zip(peers.tolist(), rev["kind"].tolist()))]
         good = np.asarray(got, dtype="S16") == want if got else np.ones(0, dtype=bool)
         self.bad_shares.extend((client_id, int(u)) for u in peers[~good])
-        return rev[good]
+        kept: np.ndarray = rev[good]
+        return kept
 
     def _close_unmasking(self) -> dict[int, bytes]:
         t = self.threshold
@@ -546,6 +551,8 @@ class SecAggServer:
                 u = int(group_peer[bad[0]])
                 return self._abort(f"Unmasking: the shares client {u} dealt do not lie on one polynomial")
         acc = self._sum
+        if acc is None:
+            return self._abort("Unmasking: no masked inputs were summed")
         try:
             for kind, u, row in zip(group_kind.tolist(), group_peer.tolist(), limbs):
                 secret = limbs_to_secret(row)

@@ -80,7 +80,8 @@ def share_secrets(
 
 
 def _mulmod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b) % _P64
+    product: np.ndarray = (a * b) % _P64
+    return product
 
 
 def _prod_mod(a: np.ndarray) -> np.ndarray:

@@ -11,8 +11,8 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class AdminKeys:
         return ok
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> "AdminKeys":
+    def from_file(cls, path: str | os.PathLike[str]) -> AdminKeys:
         """One key per line; blank lines and lines starting with ``#`` are skipped. A file other
         users may read or write is used, with a warning (as ssh warns of a private key's)."""
         try:
@@ -80,7 +80,7 @@ class AdminKeys:
         return keys
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "AdminKeys | None":
+    def from_env(cls, environ: dict[str, str] | None = None) -> AdminKeys | None:
         """The keys in ``FEDFLEET_ADMIN_KEYS``, or None when it is not set."""
         raw = (os.environ if environ is None else environ).get(ADMIN_KEYS_ENV)
         if raw is None:
@@ -88,7 +88,7 @@ class AdminKeys:
         return cls(raw.replace(",", " ").split())
 
     @classmethod
-    def generate(cls) -> tuple["AdminKeys", str]:
+    def generate(cls) -> tuple[AdminKeys, str]:
         """A fresh random key (for a test server or a first start): the keys and the key itself."""
         key = secrets.token_urlsafe(32)
         return cls([key]), key

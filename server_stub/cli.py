@@ -56,7 +56,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make every ``--help`` of the tree under ``parser`` show the defaults (subparsers do not
     inherit their parent's formatter, so each is set here, in one place)."""
     for p in parsers(parser):
-        raw = issubclass(p.formatter_class, argparse.RawDescriptionHelpFormatter)
+        raw = isinstance(p.formatter_class, type) and issubclass(p.formatter_class, argparse.RawDescriptionHelpFormatter)
         p.formatter_class = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
     return parser
 

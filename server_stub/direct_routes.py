@@ -11,7 +11,8 @@ handlers apply to both alike, and the answer's bytes are FastAPI's (a test compa
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.datastructures import DefaultPlaceholder

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 #: Messages echo parts of the request (names, ids); a hostile one must not come back whole.
 MAX_MESSAGE_CHARS = 500
 

@@ -46,7 +46,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import ApiError, BodyTimeout, HeaderTimeout, HeadersTooLarge, MalformedRequest, ServerBusy
+from .errors import ApiError, BodyTimeout, HeadersTooLarge, HeaderTimeout, MalformedRequest, ServerBusy
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,7 @@ class GuardedH11Protocol(H11Protocol):
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     admission: ClassVar[_Admission]
+    conn: _HeadLimitedConnection  # uvicorn's h11.Connection, replaced in __init__
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

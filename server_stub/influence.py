@@ -11,7 +11,7 @@ Pure: values in, verdicts out."""
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 

@@ -25,7 +25,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, CursorResult, Engine
 from sqlalchemy.exc import IntegrityError
 
 from example_store import sqlite_engine
@@ -76,6 +76,13 @@ rounds = Table(
     Column("started_at", Float, nullable=False),
     Column("ended_at", Float, nullable=False),
 )
+
+
+def _inserted_id(result: CursorResult[Any]) -> int:
+    """The primary key of the one row an INSERT added."""
+    key = result.inserted_primary_key
+    assert key is not None  # an INSERT of one row into a table with a primary key
+    return int(key[0])
 
 
 def _json(value: object) -> str:
@@ -197,7 +204,7 @@ class ServerStore:
             return conn.execute(select(resources.c.data).where(resources.c.id == rid)).scalar()
 
     # tasks
-    def add_tasks(self, population: str, items: list["NewTask"]) -> list[TaskRecord]:
+    def add_tasks(self, population: str, items: list[NewTask]) -> list[TaskRecord]:
         """Store tasks deployed together, with their plans and checkpoints, in one transaction:
         a refused deploy (a name taken meanwhile, a full disk) leaves nothing behind."""
         pid = self.population_id(population)
@@ -208,7 +215,7 @@ class ServerStore:
             for item in items:
                 plan_id = self._put(conn, item.plan, "plan")
                 ckpt_id = self._put(conn, item.checkpoint, "checkpoint")
-                tid = conn.execute(
+                tid = _inserted_id(conn.execute(
                     tasks.insert().values(
                         population_id=pid,
                         name=item.name,
@@ -218,7 +225,7 @@ class ServerStore:
                         status="active",
                         created_at=time.time(),
                     )
-                ).inserted_primary_key[0]
+                ))
                 records.append(TaskRecord(tid, population, item.name, plan_id, ckpt_id, item.config, "active"))
         return records
 
@@ -275,7 +282,7 @@ class ServerStore:
                              .values(status=status, checkpoint_id=checkpoint_id, metrics=_json(metrics)))
                 return RoundRecord(existing["id"], task_id, number, attempt, status, checkpoint_id, metrics,
                                    existing["started_at"], existing["ended_at"])
-            rid = conn.execute(
+            rid = _inserted_id(conn.execute(
                 rounds.insert().values(
                     task_id=task_id,
                     number=number,
@@ -286,7 +293,7 @@ class ServerStore:
                     started_at=started_at,
                     ended_at=ended_at,
                 )
-            ).inserted_primary_key[0]
+            ))
         return RoundRecord(rid, task_id, number, attempt, status, checkpoint_id, metrics, started_at, ended_at)
 
     def update_round_metrics(self, round_id: int, metrics: dict) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from dataclasses import dataclass as plain_dataclass, field
-from typing import Annotated
+from dataclasses import dataclass as plain_dataclass
+from dataclasses import field
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, Strict, TypeAdapter
 from pydantic.dataclasses import dataclass
@@ -70,11 +71,12 @@ class RoundConfig:
         """Reports a round needs to commit once it can no longer reach ``goal_count``."""
         return max(1, math.ceil(self.goal_count * self.min_fraction - 1e-9))
 
-    def to_dict(self) -> dict:
-        return _ROUND_CONFIG.dump_python(self, mode="json")
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = _ROUND_CONFIG.dump_python(self, mode="json")
+        return out
 
     @classmethod
-    def from_dict(cls, data: object) -> "RoundConfig":
+    def from_dict(cls, data: object) -> RoundConfig:
         """Raises ``ValueError`` (a pydantic ``ValidationError``) naming each bad field."""
         return _ROUND_CONFIG.validate_python(data)
 
@@ -117,12 +119,12 @@ class RoundCore:
     selection_ended_at: float | None = None
     ended_at: float | None = None
     late_reports: int = 0
-    shapes: Counter = field(default_factory=Counter)
+    shapes: Counter[str] = field(default_factory=Counter)
     # Secure Aggregation: devices start work only once their group forms, at selection's end.
     deadlines_from_selection_end: bool = False
     # Kept in step with ``sessions`` (a round of a few hundred devices is asked on every message):
     # the sessions in each state, and what the last scan for expired deadlines found (below).
-    _counts: Counter = field(default_factory=Counter, repr=False, compare=False)
+    _counts: Counter[SessionState] = field(default_factory=Counter, repr=False, compare=False)
     _expired: list[str] = field(default_factory=list, repr=False, compare=False)
     _deadline_floor: float = field(default=-math.inf, repr=False, compare=False)
 
@@ -246,7 +248,7 @@ class RoundCore:
         pending = [self.deadlines[s] for s, st in self.sessions.items() if st is SessionState.SELECTED]
         return min(pending) if pending else None
 
-    def stats(self, now: float) -> dict:
+    def stats(self, now: float) -> dict[str, Any]:
         """Outcome counts; ``dropped`` is aborted plus silent past their deadline."""
         aborted = self.count(SessionState.ABORTED)
         silent = sum(1 for s, st in self.sessions.items() if st is SessionState.SELECTED and self.deadlines[s] < now)

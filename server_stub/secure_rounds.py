@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 

@@ -6,8 +6,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .admin_auth import AdminKeys
 from .admin_client import AdminClient
@@ -65,7 +65,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> "ServerThread":
+    def start(self, timeout: float = 15.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
@@ -83,7 +83,7 @@ class ServerThread:
         self._thread.join(timeout=10)
         self.store.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -5,8 +5,8 @@ hyper-parameters). Pure: it takes the candidates, the turn and a random source."
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from enum import Enum
-from typing import Sequence
 
 
 class Strategy(str, Enum):

@@ -7,8 +7,8 @@ import base64
 import binascii
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from device_runtime.attestation import PUBLIC_KEY_BYTES, authority_key_id
 

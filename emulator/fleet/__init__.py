@@ -1,15 +1,24 @@
 """Fleet simulation: thousands of emulated devices on one virtual clock, and the report of a run."""
 
-from .availability import AVAILABLE, BATTERY_LOW, CHARGING, IDLE, UNMETERED, Availability, DeviceAvailability, count_available
+from .availability import (
+    AVAILABLE,
+    BATTERY_LOW,
+    CHARGING,
+    IDLE,
+    UNMETERED,
+    Availability,
+    DeviceAvailability,
+    count_available,
+)
+from .compare import FleetCompareError, write_compare
 from .config import FleetConfig, FleetConfigError
 from .data import device_examples, fleet_dataset
 from .events import AppKilled, EventLoop, Fibers, SimulationError
 from .population import DeviceFaults, DeviceSpec, NetworkSpec, device_seed, generate_population
 from .ray_backend import FleetShard, RayBackendError, parse_sweep, run_many, simulate_sharded, sweep_configs
 from .releases import ReleasedPlans, release_tested_plans
-from .secure_fleet import FleetAttestation
 from .report import FleetReportError, summarize, write_report
-from .compare import FleetCompareError, write_compare
+from .secure_fleet import FleetAttestation
 from .sim_transport import AsgiCaller, SimTransport
 from .simulator import FleetSimulator, simulate
 from .tables import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow

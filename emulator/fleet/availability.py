@@ -23,7 +23,8 @@ import math
 import random
 from array import array
 from bisect import bisect_right
-from typing import Iterable, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 

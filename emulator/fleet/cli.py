@@ -59,10 +59,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from .federated_data import FederatedDataError, parse_data_spec
     from .ray_backend import RayBackendError
     from .simulator import ProgressBar, simulate
-
-    from .federated_data import FederatedDataError, parse_data_spec
     from .workload import load_workload
 
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:

@@ -24,6 +24,7 @@ from typing import Any
 from .report import (
     _OPTIONAL_ROWS,
     _SUMMARY_ROWS,
+    SUMMARY_JSON,
     Figure,
     _hours_axis,
     _integer_ticks,
@@ -33,7 +34,6 @@ from .report import (
     _percentile_marks,
     _png,
     _td,
-    SUMMARY_JSON,
     accuracy_series,
 )
 from .tables import ROUNDS_CSV, FleetTableError, RoundRow

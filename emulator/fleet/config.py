@@ -541,7 +541,7 @@ def _resolve(data: dict, section: str, key: str, folder: Path) -> None:
     """A relative path of ``[section] key`` made absolute against the config file's folder."""
     table = data.get(section)
     value = table.get(key) if isinstance(table, dict) else None
-    if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+    if isinstance(table, dict) and isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
         table[key] = str((folder / Path(value).expanduser()).resolve())
 
 

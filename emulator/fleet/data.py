@@ -160,7 +160,7 @@ class ClientData:
 
 def data_spec_text(section: DataSection) -> str:
     """``[data] format``/``path``/``options`` as the one-string data spec ``load_data`` reads."""
-    head = section.format or "digits"
+    head: str = section.format or "digits"
     if section.path is not None:
         head += f":{section.path}"
     return ",".join([head, *(f"{k}={v}" for k, v in section.options.items())])

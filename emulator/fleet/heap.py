@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 #: Collections of the middle generation between full ones while a run lasts: in effect none.
 RUN_FULL_COLLECTION_EVERY = 1_000_000

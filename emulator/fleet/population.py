@@ -12,12 +12,13 @@ import bisect
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
 
 from .availability import DeviceAvailability, model_availability
 from .config import FleetConfig
+from .trace_format import load_traces, never_available
 
 FAULT_KINDS = ("app_killed", "network_lost", "conditions_changed")
 
@@ -150,8 +151,6 @@ def generate_population(config: FleetConfig, *, indices: Sequence[int] | range |
     horizon_s = config.horizon_s
     traces = None
     if config.availability.trace is not None:
-        from .traces import load_traces, never_available
-
         traces = load_traces(config.availability.trace, devices=fleet.devices, battery=config.availability.battery)
     out: list[DeviceSpec] = []
     for index in indices:

@@ -53,9 +53,10 @@ import math
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from .config import FleetConfig, FleetConfigError
 from .events import EventLoop, Fiber, Fibers, SimulationError
@@ -129,7 +130,7 @@ class _Waiting:
 class _ShardCaller:
     """The server as seen from a shard: the request goes to the outbox, the device waits."""
 
-    def __init__(self, shard: "FleetShard") -> None:
+    def __init__(self, shard: FleetShard) -> None:
         self.shard = shard
 
     def call(self, request: WireRequest) -> Answer:
@@ -177,7 +178,8 @@ class FleetShard:
         sim = _ShardSimulator(config, specs, workdir=self._tmp.name, serves=False)
         sim.caller.close()  # the shard's own server is never called: requests go to the driver
         sim.store.close()
-        sim.caller = _ShardCaller(self)
+        # simulator.py types its caller as the two it makes; a shard's has the same call() and close()
+        sim.caller = _ShardCaller(self)  # type: ignore[assignment]
         sim.fibers = _KeyedFibers(sim.loop, {spec.device_id: i + 1 for i, spec in enumerate(specs)})
         owned = set(positions)
         sim.start_devices(owns=owned.__contains__)
@@ -385,7 +387,8 @@ def _drive(
     driver: _DriverSimulator, backend: _LocalShards | _RayShards, n: int, specs: Sequence[Any], started: float, stats: dict[str, Any]
 ) -> FleetRun:
     loop, horizon = driver.loop, driver.horizon_s
-    driver.devices = [SimpleNamespace(spec=spec) for spec in specs if driver.takes_part(spec)]  # for the timeline's availability
+    # for the timeline's availability, which reads a device's spec only
+    driver.devices = [SimpleNamespace(spec=spec) for spec in specs if driver.takes_part(spec)]  # type: ignore[misc]
     driver.status_counts[STATUS_IDLE] += len(driver.devices)
     log: list[tuple[float, str, str]] = []
     loop.call_at(0.0, driver._tick, order=ORDER_SERVER)

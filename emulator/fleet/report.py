@@ -26,14 +26,22 @@ import json
 import math
 import os
 import statistics
-from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from device_runtime.opstats import SHAPE_SYMBOLS
 
-from .tables import FleetRun, RoundRow, SessionRow, TimelineRow
+# the headline figures live in the leaf module .summary (FleetRun.summary() computes them); the
+# report draws them, and they stay importable from here
+from .summary import _start_hour_utc, hour_of_day, is_dropout, shape_counts, summarize
+from .summary import availability_swing as availability_swing
+from .summary import available_by_hour as available_by_hour
+from .summary import cannot_fill as cannot_fill
+from .summary import completion_note as completion_note
+from .summary import time_to_target_accuracy_s as time_to_target_accuracy_s
+from .tables import FleetRun, RoundRow
 
 #: Colours kept across figures: the paper's Fig. 6 draws participating devices blue, waiting purple.
 _AVAILABLE = "#2ca02c"
@@ -53,217 +61,6 @@ REPORT_HTML = "report.html"
 
 class FleetReportError(RuntimeError):
     """The report cannot be drawn here (its plotting library is missing)."""
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no NaN: an unmeasured value is null."""
-    return float(x) if math.isfinite(x) else None
-
-
-def _ratio(num: float, den: float) -> float | None:
-    """``num / den``, or ``None`` when that is undefined or overflows (a wall time of 1e-320 s)."""
-    return _finite(num / den) if den else None
-
-
-def _start_hour_utc(run: FleetRun) -> float:
-    """The UTC hour of day simulated time 0 falls at (0 when the run carries no config)."""
-    return 0.0 if run.config is None else float(run.config.fleet.start_utc_hour)
-
-
-def hour_of_day(t_s: float, start_hour_utc: float = 0.0) -> int:
-    """The UTC hour of day (0-23) of simulated time ``t_s``."""
-    return int(math.floor(start_hour_utc + t_s / 3600.0)) % 24
-
-
-def available_by_hour(timeline: list[TimelineRow], start_hour_utc: float = 0.0) -> dict[int, float]:
-    """Mean number of available devices in each UTC hour of day the timeline covers."""
-    sums: dict[int, list[float]] = {}
-    for row in timeline:
-        sums.setdefault(hour_of_day(row.t_s, start_hour_utc), []).append(row.available)
-    return {h: statistics.fmean(v) for h, v in sorted(sums.items())}
-
-
-def availability_swing(timeline: list[TimelineRow], start_hour_utc: float = 0.0) -> tuple[float | None, float, float]:
-    """(swing, peak, trough) of available devices over the day (paper, Fig. 5-6).
-
-    Peak and trough are hourly means (the samples of each UTC hour of day averaged over every day
-    the run covers), so one noisy sample does not make the swing. The swing is peak over trough
-    with both floored at one device: a trough of zero available devices reads as the peak count
-    itself instead of infinity (JSON has no infinity), a fleet that never had a device available
-    reads as 1 (no swing), and the swing is never below 1. It is ``None`` without a timeline.
-    """
-    hourly = available_by_hour(timeline, start_hour_utc)
-    if not hourly:
-        return None, 0.0, 0.0
-    peak, trough = max(hourly.values()), min(hourly.values())
-    return max(peak, 1.0) / max(trough, 1.0), peak, trough
-
-
-def is_dropout(session: SessionRow) -> bool:
-    """A selected device that never got its report to the server: no completed (``^``) or
-    rejected (``#``) upload (paper, section 9: drop-out from computation errors, network failures
-    or changes in eligibility). A late report that the server rejected is not a drop-out: the
-    device finished, the round had closed."""
-    return session.accepted and not session.shape.endswith(("^", "#"))
-
-
-def shape_counts(sessions: list[SessionRow]) -> dict[str, int]:
-    """Counts of the shapes of training sessions (accepted check-ins, as in the paper's Table 1),
-    most frequent first (ties by shape, so the order is stable)."""
-    counts = Counter(s.shape for s in sessions if s.accepted)
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
-    """Why no round of ``task`` (a ``TaskSection``) can fill when at most ``peak_available`` of
-    ``devices`` are available at once, with the figures and the options to change; None when the
-    peak reaches a round's seats (``goal_count`` x ``over_selection`` devices selected)."""
-    seats = math.ceil(task.goal_count * task.over_selection - 1e-9)
-    if peak_available >= seats:
-        return None
-    peak = max(0, int(peak_available))
-    more = f"simulate about {math.ceil(devices * seats / peak):,} --devices" if peak else "simulate more --devices"
-    goal = math.floor(peak / task.over_selection + 1e-9)
-    fewer = f", or a --goal (task.goal_count) of at most {goal}" if goal >= 1 else ""
-    return (f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices (task.goal_count "
-            f"{task.goal_count} x task.over_selection {task.over_selection:g}) and at most {peak} of the {devices:,} devices "
-            f"are available at once; {more}{fewer}")
-
-
-def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> str | None:
-    """The round completion rate in a sentence: which rounds were abandoned, why, and the option
-    to change. Rounds whose selection closed with fewer devices than a commit needs lacked
-    check-ins (the fleet, the goal or the selection window); the others lost their reports to
-    drop-outs and to reports after the window (``task.report_timeout_s``). ``task``: the rounds'
-    configuration (a ``RoundConfig`` or the fleet's ``[task]``), None when unknown. None without rounds."""
-    if not rounds:
-        return None
-    total, committed = len(rounds), sum(1 for r in rounds if r.committed)
-    if committed == total:
-        return f"all {total} rounds committed" if total > 1 else "the one round committed"
-    head = f"{total - committed} of {total} rounds were abandoned"
-    if task is None:
-        return f"{head}; see rounds.csv"
-    threshold = max(1, math.ceil(task.goal_count * task.min_fraction - 1e-9))
-    short = sum(1 for r in rounds if not r.committed and r.selected < threshold)
-    reasons = []
-    if summary.get("cannot_fill"):
-        reasons.append(summary["cannot_fill"])
-    elif short:
-        reasons.append(f"{short} closed their selection window (task.selection_timeout_s = {task.selection_timeout_s:g} s) "
-                       f"with fewer than the {threshold} devices a commit needs, for lack of check-ins; simulate more "
-                       "--devices, a smaller --goal, or a longer task.selection_timeout_s")
-    rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
-    if rest > 0:
-        shapes = summary.get("shapes", {})
-        trained = sum(n for shape, n in shapes.items() if shape.startswith("-v[]+"))
-        late = sum(n for shape, n in shapes.items() if shape.endswith("#"))
-        if trained and late >= trained / 4:
-            reasons.append(f"{rest} had too few reports in time: {late} of the {trained} sessions that trained reported after "
-                           f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
-                           "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)")
-        else:
-            reasons.append(f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
-                           f"sessions were accepted and {summary.get('sessions_completed', 0)} reported in time); see rounds.csv "
-                           "and sessions.csv")
-    return f"{head}: " + "; ".join(reasons)
-
-
-def summarize(run: FleetRun) -> dict[str, Any]:
-    """The run's headline figures, as JSON-ready values (``None`` where a figure is undefined).
-
-    - ``digest``: the run's digest (round history and committed models); ``devices`` and
-      ``seed`` from its config (``None`` without one);
-    - ``dropout_rate``: drop-outs (see :func:`is_dropout`) over accepted sessions;
-    - ``availability_swing``, ``available_peak``, ``available_trough``: see :func:`availability_swing`;
-    - ``shapes`` and ``shape_shares``: training session shapes, counts and shares (Table 1);
-    - ``rounds``, ``rounds_committed``, ``rounds_abandoned``, ``round_completion_rate``,
-      ``round_duration_median_s`` (committed rounds); ``round_completion_note``: the rate in a
-      sentence (see :func:`completion_note`); ``cannot_fill``: why no round can fill when at most
-      fewer devices than a round's seats were available at once (see :func:`cannot_fill`), else None;
-    - ``sessions`` (every check-in), ``sessions_accepted``, ``sessions_completed`` (upload
-      completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
-      ``bytes_down``, ``bytes_up``;
-    - ``devices_short_of_memory``: devices whose memory cannot hold the plan (they took no part);
-      ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
-      checkpoint and update bytes, and the simulated seconds per example on the reference phone;
-    - ``accuracy``, ``loss``: of the last committed round that measured them;
-    - ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
-      ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
-      model), ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``: from the
-      simulator (``FleetRun.extra``; null when it did not measure them);
-    - ``simulated_s``, ``wall_s``, ``sim_s_per_wall_s``, ``sessions_per_wall_s`` (accepted
-      sessions), ``completed_sessions_per_wall_s``.
-    """
-    sessions: list[SessionRow] = run.sessions
-    rounds = run.rounds
-    accepted = [s for s in sessions if s.accepted]
-    completed = sum(1 for s in accepted if s.shape.endswith("^"))
-    dropouts = sum(1 for s in accepted if is_dropout(s))
-    shapes = shape_counts(sessions)
-    committed = [r for r in rounds if r.committed]
-    swing, peak, trough = availability_swing(run.timeline, _start_hour_utc(run))
-    measured_acc = [r for r in committed if math.isfinite(r.accuracy)]
-    measured_loss = [r for r in committed if math.isfinite(r.loss)]
-    wall_s = float(run.wall_s)
-    span_s = float(run.span_s)
-    fleet = run.config.fleet if run.config is not None else None
-    most = max((r.available for r in run.timeline), default=0)
-    task = run.extra.get("round_config") or (run.config.task if run.config is not None else None)
-    unfillable = cannot_fill(fleet.devices, most, task) if fleet is not None and run.timeline else None
-    summary = {
-        "digest": run.digest,
-        "devices": fleet.devices if fleet else None,
-        "seed": fleet.seed if fleet else None,
-        "dropout_rate": _ratio(dropouts, len(accepted)),
-        "availability_swing": swing,
-        "available_peak": peak,
-        "available_trough": trough,
-        "shapes": shapes,
-        "shape_shares": {k: v / len(accepted) for k, v in shapes.items()},
-        "rounds": len(rounds),
-        "rounds_committed": len(committed),
-        "rounds_abandoned": len(rounds) - len(committed),
-        "round_completion_rate": _ratio(len(committed), len(rounds)),
-        "round_completion_note": None,
-        "cannot_fill": unfillable,
-        "round_duration_median_s": _finite(statistics.median(r.duration_s for r in committed)) if committed else None,
-        "sessions": len(sessions),
-        "sessions_accepted": len(accepted),
-        "sessions_completed": completed,
-        "checkins_rejected": len(sessions) - len(accepted),
-        "errors": dict(run.errors),
-        "bytes_down": sum(s.bytes_down for s in sessions),
-        "bytes_up": sum(s.bytes_up for s in sessions),
-        "devices_short_of_memory": run.devices_short_of_memory,
-        "plan_cost": run.plan_cost,
-        "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
-        "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
-        "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
-        **{key: run.extra.get(key) for key in ("client_accuracy_percentiles", "task_file", "tasks", "data", "data_clients",
-                                                 "devices_per_client")},
-        "simulated_s": span_s,
-        "wall_s": wall_s,
-        "sim_s_per_wall_s": _ratio(span_s, wall_s),
-        "sessions_per_wall_s": _ratio(len(accepted), wall_s),
-        "completed_sessions_per_wall_s": _ratio(completed, wall_s),
-    }
-    summary["round_completion_note"] = completion_note(summary, rounds, task)
-    return summary
-
-
-def _target_accuracy(run: FleetRun) -> float | None:
-    task = run.config.task if run.config is not None else None
-    return getattr(task, "target_accuracy", None)
-
-
-def time_to_target_accuracy_s(rounds: list[RoundRow], target: float | None) -> float | None:
-    """Simulated seconds from the start to the end of the first committed round whose model's test
-    accuracy is at least ``target`` (rounds in the order they ended); None without a target or if none did."""
-    if target is None:
-        return None
-    reached = [r.end_s for r in rounds if r.committed and math.isfinite(r.accuracy) and r.accuracy >= target]
-    return _finite(min(reached)) if reached else None
 
 
 # --- figures ---------------------------------------------------------------------------------
@@ -680,7 +477,9 @@ def plot_client_accuracy(summary: Mapping[str, Any]) -> Figure | None:
     """Per-client accuracy of the last evaluation, as percentile marks over clients (LEAF, FedScale);
     ``None`` when the summary holds no ``client_accuracy_percentiles``."""
     percentiles = summary.get("client_accuracy_percentiles")
-    marks = _percentile_marks(percentiles) if isinstance(percentiles, Mapping) else []
+    if not isinstance(percentiles, Mapping):
+        return None
+    marks = _percentile_marks(percentiles)
     if not marks:
         return None
     fig, (ax,) = _new_figure(1, height=2.6)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json as _json
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import greenlet
 import httpx
@@ -43,7 +44,7 @@ class WireRequest:
     body: bytes
 
     @classmethod
-    def from_httpx(cls, request: httpx.Request) -> "WireRequest":
+    def from_httpx(cls, request: httpx.Request) -> WireRequest:
         url = request.url
         target = url.raw_path.decode("ascii")
         return cls(request.method, target, list(request.headers.raw), request.read())
@@ -345,7 +346,7 @@ class LeanClient:
         json: Any = None,
         params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
-    ) -> "LeanResponse":
+    ) -> LeanResponse:
         merged = DEFAULT_HEADERS if not headers else DEFAULT_HEADERS + list(headers.items())
         wire = wire_request(method, url, content=content, json=json, params=params, headers=merged)
         try:

@@ -1,222 +1,29 @@
 """The tables a fleet simulation records: one row per device session, per round, per sample of
-the timeline, and the run that holds them.
+the timeline (their types and CSV format are :mod:`.rows`'), and the run that holds them.
 
 They are the interface between the simulator (which fills them) and the report (which reads
-them), and they are what a run leaves on disk. CSV is the format because a user opens it in
-anything; each table writes its columns in declaration order and every float as its shortest
-exact decimal (``repr``), so writing a table and reading it back gives the same values, and the
-same run writes the same bytes.
+them), and they are what a run leaves on disk.
 """
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import math
 import os
-import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Self
+from typing import TYPE_CHECKING, Any
+
+# the rows and their CSV format live in the leaf module .rows; re-exported here, where the
+# simulator, the report and users have always imported them
+from .rows import CsvTable, FleetTableError, RoundRow, SessionRow, TimelineRow, with_round_bytes
+from .summary import summarize
 
 if TYPE_CHECKING:  # the config module is the population model's; the tables only carry it
     from .config import FleetConfig
 
-
-class FleetTableError(ValueError):
-    """A table file that is not what the fleet simulator writes (wrong columns or values)."""
-
-
-def _format(value: Any, kind: type, column: str) -> str:
-    # Converted first so numpy scalars write the same text as Python's (repr(np.float64) differs).
-    if kind is bool:
-        if value not in (True, False):
-            raise FleetTableError(f"column {column!r} holds a bool, got {value!r}")
-        return "true" if value else "false"
-    if kind is int:
-        return str(int(value))
-    if kind is float:
-        return repr(float(value))
-    return str(value)
-
-
-def _parse(text: str, kind: type, column: str, where: str) -> Any:
-    try:
-        if kind is bool:
-            if text not in ("true", "false"):
-                raise ValueError(text)
-            return text == "true"
-        if kind is int:
-            return int(text)
-        if kind is float:
-            return float(text)
-    except ValueError:
-        raise FleetTableError(f"{where}: column {column!r} holds a {kind.__name__}, got {text!r}") from None
-    return text
-
-
-class CsvTable:
-    """CSV reading and writing for a row dataclass, driven by its field annotations.
-
-    Columns may be ``str``, ``int``, ``float`` (NaN and infinities allowed) or ``bool``.
-    """
-
-    _columns: ClassVar[tuple[tuple[str, type], ...]]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._columns = ()  # filled on first use: the dataclass decorator runs after this hook
-
-    @classmethod
-    def columns(cls) -> tuple[tuple[str, type], ...]:
-        """(name, type) of every column, in order."""
-        if not cls._columns:
-            hints = typing.get_type_hints(cls)
-            cls._columns = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))  # type: ignore[arg-type]
-        return cls._columns
-
-    @classmethod
-    def to_csv(cls, rows: Iterable[Self], path: str | os.PathLike) -> None:
-        """Write ``rows`` to ``path``: a header line, then one line per row (RFC 4180: CRLF line
-        ends, so a cell holding a lone ``\\r`` is quoted and reads back whole)."""
-        columns = cls.columns()
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f, lineterminator="\r\n")
-            writer.writerow([name for name, _ in columns])
-            for row in rows:
-                if not isinstance(row, cls):
-                    raise FleetTableError(f"{cls.__name__}.to_csv got a {type(row).__name__}; pass {cls.__name__} rows")
-                writer.writerow([_format(getattr(row, name), kind, name) for name, kind in columns])
-
-    @classmethod
-    def from_csv(cls, path: str | os.PathLike) -> list[Self]:
-        """Read a table written by :meth:`to_csv`."""
-        columns = cls.columns()
-        expected = [name for name, _ in columns]
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-            defaults = {fd.name for fd in fields if fd.default is not dataclasses.MISSING}
-            older = header is not None and 0 < len(header) < len(expected) and header == expected[: len(header)]
-            if older and set(expected[len(header):]) <= defaults:
-                columns = columns[: len(header)]  # a table written before its last columns were added
-            elif header != expected:
-                raise FleetTableError(
-                    f"{os.fspath(path)} is not a {cls.__name__} table: expected the columns {expected}, "
-                    f"found {header}; write it with {cls.__name__}.to_csv"
-                )
-            rows = []
-            for line_no, values in enumerate(reader, start=2):
-                where = f"{os.fspath(path)} line {line_no}"
-                if len(values) != len(columns):
-                    raise FleetTableError(f"{where} has {len(values)} values, the table has {len(columns)} columns")
-                parsed = {name: _parse(text, kind, name, where) for (name, kind), text in zip(columns, values)}
-                rows.append(cls(**parsed))
-            return rows
-
-
-@dataclass(frozen=True)
-class SessionRow(CsvTable):
-    """One check-in and what followed it, as the device saw it (paper, Table 1).
-
-    A rejected check-in is a session too (shape ``-``, empty ``session_id`` and ``round_id``), so
-    the table also counts how often devices came back. Times are simulated seconds since the run
-    started; ``local_hour`` is the device's local hour of day at ``start_s``.
-    """
-
-    device_id: str
-    session_id: str
-    task: str
-    round_id: str
-    start_s: float
-    end_s: float
-    shape: str
-    outcome: str
-    bytes_down: int
-    bytes_up: int
-    examples: int
-    compute_s: float
-    network_s: float
-    runtime_version: str
-    device_class: str
-    local_hour: float
-
-    @property
-    def accepted(self) -> bool:
-        """The server selected the device for a round (the check-in was not rejected)."""
-        return self.session_id != ""
-
-
-@dataclass(frozen=True)
-class RoundRow(CsvTable):
-    """One round as the server ran it.
-
-    ``selected`` devices were accepted at check-in; ``reported`` sent a report (in time or not);
-    ``accepted`` reports were aggregated (none, in a round that was abandoned: it published
-    nothing); ``dropped`` selected devices never reported (interrupted, killed, lost their
-    network). ``accuracy`` and ``loss`` are NaN when the round measured neither. ``bytes_down`` and
-    ``bytes_up`` are what the sessions of the round's selected devices sent and received (see
-    :func:`with_round_bytes`); a rejected check-in's bytes belong to no round.
-    """
-
-    round_id: str
-    task: str
-    start_s: float
-    end_s: float
-    committed: bool
-    selected: int
-    reported: int
-    accepted: int
-    dropped: int
-    duration_s: float
-    accuracy: float
-    loss: float
-    bytes_down: int = 0
-    bytes_up: int = 0
-
-
-def with_round_bytes(rounds: list[RoundRow], sessions: list[SessionRow]) -> list[RoundRow]:
-    """``rounds`` with ``bytes_down`` and ``bytes_up`` summed from the sessions of each round's devices.
-
-    A session names its round without the attempt (``task/number``: the device is not told which
-    attempt selected it), while a round row is one attempt (``task/number/attempt``), and attempts
-    of one round follow each other in time. A session is counted in the last attempt of its round
-    that had started when the session did (the first attempt if none had).
-    """
-    attempts: dict[str, list[int]] = {}
-    for i, r in enumerate(rounds):
-        attempts.setdefault(r.round_id.rsplit("/", 1)[0], []).append(i)
-    for indices in attempts.values():
-        indices.sort(key=lambda i: rounds[i].start_s)
-    down = [0] * len(rounds)
-    up = [0] * len(rounds)
-    for s in sessions:
-        indices = attempts.get(s.round_id) if s.round_id else None
-        if not indices:
-            continue
-        chosen = indices[0]
-        for i in indices:
-            if rounds[i].start_s <= s.start_s:
-                chosen = i
-        down[chosen] += s.bytes_down
-        up[chosen] += s.bytes_up
-    return [dataclasses.replace(r, bytes_down=d, bytes_up=u) for r, d, u in zip(rounds, down, up)]
-
-
-@dataclass(frozen=True)
-class TimelineRow(CsvTable):
-    """The fleet at one instant (sampled every few simulated minutes; paper, Fig. 5-6).
-
-    ``available``: devices whose training conditions hold; ``checking_in``: devices with a
-    check-in in flight or waiting to retry after a rejection; ``participating``: devices in a
-    round; ``active_sessions``: sessions open on the server.
-    """
-
-    t_s: float
-    available: int
-    checking_in: int
-    participating: int
-    active_sessions: int
+__all__ = [
+    "ROUNDS_CSV", "SESSIONS_CSV", "TIMELINE_CSV", "CsvTable", "FleetRun", "FleetTableError", "RoundRow", "SessionRow",
+    "TimelineRow", "with_round_bytes",
+]
 
 
 SESSIONS_CSV = "sessions.csv"
@@ -271,7 +78,5 @@ class FleetRun:
         TimelineRow.to_csv(self.timeline, os.path.join(out_dir, TIMELINE_CSV))
 
     def summary(self) -> dict[str, Any]:
-        """The run's headline figures (see :func:`emulator.fleet.report.summarize`)."""
-        from .report import summarize
-
+        """The run's headline figures (see :func:`emulator.fleet.summary.summarize`)."""
         return summarize(self)

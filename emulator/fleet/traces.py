@@ -23,116 +23,33 @@ model's spans in this format, so a trace it writes replays to the same condition
 from __future__ import annotations
 
 import csv
-import re
-from array import array
 from pathlib import Path
+from typing import cast
 
-from .availability import AVAILABLE, CHARGING, IDLE, UNMETERED, Availability, BatteryRates, build_availability
-from .config import Battery, FleetConfig
+from .availability import AVAILABLE, Availability
+from .config import FleetConfig
+from .population import generate_population
 
-HEADER = ("device", "start", "end", "state")
-_NAMES = {"idle": IDLE, "charging": CHARGING, "unmetered": UNMETERED}
-_DEVICE = re.compile(r"^d(\d{6,})$")
+# reading traces lives in the leaf module .trace_format (populations read them); re-exported here
+from .trace_format import (
+    HEADER,
+    TraceAvailability,
+    TraceError,
+    format_state,
+    load_traces,
+    never_available,
+    parse_state,
+)
 
-
-class TraceError(ValueError):
-    """A trace file that does not follow the documented format; the message says where."""
-
-
-class TraceAvailability(Availability):
-    """A device's conditions replayed from a trace, with the same interface as the model's."""
-
-    __slots__ = ()
-
-    @classmethod
-    def from_spans(cls, spans: list[tuple[float, float, int]], *, battery: Battery = Battery()) -> TraceAvailability:
-        """``spans`` are ``(start, end, flags)``, sorted and not overlapping."""
-        segments: list[tuple[float, int]] = [(0.0, 0)]
-        for start, end, flags in spans:
-            segments.append((start, flags))
-            segments.append((end, 0))
-        merged: list[tuple[float, int]] = []
-        for t, f in segments:
-            if merged and merged[-1][0] == t:
-                merged.pop()
-            if not merged or merged[-1][1] != f:
-                merged.append((t, f))
-        rates = BatteryRates(battery.charge_per_hour, battery.idle_drain_per_hour, battery.active_drain_per_hour, battery.floor)
-        base = build_availability(merged, battery_start=(battery.start_min + battery.start_max) / 2, battery_config=rates)
-        return cls(base.times, base.flags, base.battery, base.rate, base.floor)
-
-
-def never_available() -> Availability:
-    """A device that a trace does not mention: nothing ever holds."""
-    return Availability(array("d", [0.0]), bytes([0]), array("d", [0.5]), array("d", [0.0]), 0.0)
-
-
-def format_state(flags: int) -> str:
-    names = [name for name, bit in _NAMES.items() if flags & bit]
-    return "+".join(names) if names else "none"
-
-
-def parse_state(text: str) -> int:
-    text = text.strip()
-    if text == "none":
-        return 0
-    flags = 0
-    for part in text.split("+"):
-        bit = _NAMES.get(part.strip())
-        if bit is None:
-            raise ValueError(f"unknown condition {part!r}; use idle, charging, unmetered joined by '+', or none")
-        flags |= bit
-    return flags
-
-
-def load_traces(path: str | Path, *, devices: int | None = None, battery: Battery = Battery()) -> dict[str, TraceAvailability]:
-    """Read a trace file into each device's availability. With ``devices``, a row naming a device
-    outside a fleet of that size is an error (the trace was made for a bigger fleet)."""
-    path = Path(path)
-    spans: dict[str, list[tuple[float, float, int]]] = {}
-    try:
-        handle = path.open(newline="", encoding="utf-8")
-    except FileNotFoundError:
-        raise TraceError(f"no availability trace at {path}; fix availability.trace or write one with write_traces") from None
-    with handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or tuple(h.strip() for h in header) != HEADER:
-            raise TraceError(f"{path}: the first line must be the header {','.join(HEADER)}; got {header}")
-        for line, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) != 4:
-                raise TraceError(f"{path}:{line}: expected 4 columns {','.join(HEADER)}; got {len(row)}")
-            device, start_text, end_text, state = row
-            match = _DEVICE.match(device)
-            if match is None:
-                raise TraceError(f"{path}:{line}: device {device!r} is not an id such as d000042")
-            if devices is not None and int(match.group(1)) >= devices:
-                raise TraceError(f"{path}:{line}: device {device} is outside a fleet of {devices} devices; raise fleet.devices")
-            try:
-                start, end = float(start_text), float(end_text)
-                flags = parse_state(state)
-            except ValueError as exc:
-                raise TraceError(f"{path}:{line}: {exc}") from None
-            if not (0.0 <= start < end < float("inf")):
-                raise TraceError(f"{path}:{line}: need 0 <= start < end (finite seconds); got {start_text}, {end_text}")
-            spans.setdefault(device, []).append((start, end, flags))
-    out: dict[str, TraceAvailability] = {}
-    for device, rows in spans.items():
-        rows.sort()
-        for (s0, e0, _), (s1, _, _) in zip(rows, rows[1:]):
-            if s1 < e0:
-                raise TraceError(f"{path}: device {device} has overlapping spans at {s1} (before {e0}); merge them")
-        out[device] = TraceAvailability.from_spans(rows, battery=battery)
-    return out
+__all__ = [
+    "HEADER", "TraceAvailability", "TraceError", "format_state", "load_traces", "never_available", "parse_state",
+    "write_traces",
+]
 
 
 def write_traces(config: FleetConfig, path: str | Path) -> int:
     """Write the model's availability for every device of ``config`` over its run; returns the
     number of rows. Ignores ``availability.trace``: traces come from the model."""
-    from .population import generate_population
-
     model = config.model_copy(update={"availability": config.availability.model_copy(update={"trace": None})})
     horizon = config.horizon_s
     rows = 0
@@ -140,7 +57,7 @@ def write_traces(config: FleetConfig, path: str | Path) -> int:
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(HEADER)
         for spec in generate_population(model):
-            availability = spec.availability
+            availability = cast(Availability, spec.availability)  # the model's: traces are ignored here
             times, flags = availability.times, availability.flags
             n = len(times)
             i = 0

@@ -50,6 +50,10 @@ class WorkloadError(SimulationError):
 def task_round_config(task: TaskSection) -> RoundConfig:
     """The server's round configuration of the fleet's ``[task]`` (every valid section gives one:
     the section's bounds are the server's)."""
+    secure: dict[str, Any] = (
+        {"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
+        if task.secure else {}
+    )
     return RoundConfig(
         goal_count=task.goal_count,
         over_selection=task.over_selection,
@@ -58,8 +62,7 @@ def task_round_config(task: TaskSection) -> RoundConfig:
         report_timeout_s=task.report_timeout_s,
         retry_window_s=(task.retry_min_s, task.retry_max_s),
         max_rounds=task.max_rounds,
-        **({"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
-           if task.secure else {}),
+        **secure,
     )
 
 
@@ -357,8 +360,8 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
     def proxy() -> Any:
         if not test or len(test[label]) < 2 * PROXY_DEVICES:
             raise TaskError(f"the data {data.source} has too small a test split for release tests")
-        flat = {"x": np.asarray(test[feature], np.float32).reshape(len(test[label]), -1), "y": np.asarray(test[label], np.int64)}
-        named = {feature: flat["x"], label: flat["y"]}
+        flat: dict[str, np.ndarray] = {"x": np.asarray(test[feature], np.float32).reshape(len(test[label]), -1), "y": np.asarray(test[label], np.int64)}
+        named: dict[str, np.ndarray] = {feature: flat["x"], label: flat["y"]}
         return ProxyData.split(named, devices=PROXY_DEVICES, seed=config.fleet.seed)
 
     return dataclasses.replace(task, hyperparameters=hp, seed=config.fleet.seed, proxy=proxy)

@@ -4,23 +4,42 @@ federated analytics plans, client and server optimizers."""
 
 from .analytics import analytics_plan
 from .autodiff import UnsupportedOpError, vjp_model
+from .bundle import BuiltTask, build_bundle, deploy_bundle, read_bundle, release_test_bundle
 from .evaluation import evaluation_plan_from_onnx
 from .gradients import OP_COVERAGE, coverage_markdown
 from .losses import BUILTIN_LOSSES
-from .optimizers import SGD, Adam, Momentum
-from .server_optimizers import FedAdam, FedAvg, FedAvgM, FedYogi
-from .training import OnnxTrainingPlan, initial_weights_from_onnx, onnx_training_plan, training_plan_from_onnx
-from .bundle import BuiltTask, build_bundle, deploy_bundle, read_bundle, release_test_bundle
 from .model_bundle import ModelBundle, bundle_from_onnx
-from .torch_export import TorchInput, export_torch, from_torch
+from .optimizers import SGD, Adam, Momentum
 from .release import (
-    budget_checks, compare_outputs, max_abs_difference, release_table, release_test, report_passed, write_report,
+    budget_checks,
+    compare_outputs,
+    max_abs_difference,
+    release_table,
+    release_test,
+    report_passed,
+    write_report,
 )
 from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, sign_report
+from .server_optimizers import FedAdam, FedAvg, FedAvgM, FedYogi
 from .tasks import (
-    Budget, Predicate, ProxyData, Task, TaskError, TaskGroup, Tolerance, Trial, accuracy_after_rounds, evaluation_of,
-    load_tasks, loss_after_rounds, loss_decreases, loss_is_finite, predicate,
+    Budget,
+    Predicate,
+    ProxyData,
+    Task,
+    TaskError,
+    TaskGroup,
+    Tolerance,
+    Trial,
+    accuracy_after_rounds,
+    evaluation_of,
+    load_tasks,
+    loss_after_rounds,
+    loss_decreases,
+    loss_is_finite,
+    predicate,
 )
+from .torch_export import TorchInput, export_torch, from_torch
+from .training import OnnxTrainingPlan, initial_weights_from_onnx, onnx_training_plan, training_plan_from_onnx
 from .versioning import VersioningError, convert_model, plan_sha256, versioned_plan
 
 __all__ = [

@@ -14,40 +14,21 @@ Shapes come from ONNX shape inference; where a rule needs a shape that inference
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
-Dim = int | str | None
+# the names the rules and rewrites share live in the leaf module .emitter; re-exported here, where
+# the toolchain's modules and users have always imported them
+from .emitter import DEFAULT_DOMAINS, Dim, Emitter, TensorInfo, UnsupportedOpError, attr
+from .forward import decompose
+from .gradients import NO_GRADIENT, RULES, erf_gelu_gradient, erf_gelus
 
-
-class UnsupportedOpError(ValueError):
-    """A node whose op has no gradient rule (or that a rule cannot handle in this form)."""
-
-    def __init__(self, op_type: str, node_name: str, detail: str = "") -> None:
-        self.op_type = op_type
-        self.node_name = node_name
-        what = f"op {op_type!r} (node {node_name!r})"
-        reason = detail or "has no gradient rule"
-        super().__init__(
-            f"{what} {reason}; see emulator.toolchain.OP_COVERAGE for the ops a training plan can "
-            "differentiate, freeze the weights behind it (trainable=...), or rewrite the model with covered ops"
-        )
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    elem_type: int
-    shape: tuple[Dim, ...] | None  # None: rank unknown; a dim is an int, a symbol, or None
-
-    @property
-    def static_shape(self) -> tuple[int, ...] | None:
-        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
-            return None
-        return tuple(int(d) for d in self.shape)  # type: ignore[arg-type]
+__all__ = [
+    "DEFAULT_DOMAINS", "Dim", "Emitter", "TensorInfo", "UnsupportedOpError", "attr", "backward", "constant_values",
+    "differentiable", "needed_for", "tensor_infos", "vjp_model",
+]
 
 
 def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
@@ -172,208 +153,6 @@ def _with_constants_folded(model: onnx.ModelProto, infos: Mapping[str, TensorInf
     return folded
 
 
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-class Emitter:
-    """Emits new nodes and constants into a graph with unique names, opset-aware.
-
-    Knows the type and shape of every forward tensor (``infos``) and of the tensors it makes when
-    the caller records them, and the values of constants (initializers and ``Constant`` nodes)."""
-
-    def __init__(self, opset: int, infos: dict[str, TensorInfo], constants: Mapping[str, np.ndarray], taken: Iterable[str]):
-        self.opset = opset
-        self.infos = dict(infos)
-        self.constants = dict(constants)
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-        self._taken = set(taken)
-        self._n = 0
-        self._ints: dict[tuple, str] = {}
-        self._scalars: dict[tuple, str] = {}
-        # an Expand's output -> its smaller input: where the expanded gradient is added to another
-        # of the full shape, the Add broadcasts the small one instead (one pass over the tensor less)
-        self.broadcasts: dict[str, str] = {}
-        # a weight gradient Gemm(a, dy, transA=1)'s output -> (a, dy): a weight used several times (a
-        # recurrent one, every step) sums one Gemm over all uses' rows instead of a small one per use
-        self.products: dict[str, tuple[str, str]] = {}
-
-    # ------------------------------------------------------------------ names and nodes
-
-    def fresh(self, hint: str) -> str:
-        hint = hint.replace("/", "_")
-        while True:
-            self._n += 1
-            name = f"{hint}__{self._n}"
-            if name not in self._taken:
-                self._taken.add(name)
-                return name
-
-    def reserve(self, name: str) -> str:
-        """``name`` if nobody uses it yet, else a fresh variant of it."""
-        if name in self._taken:
-            return self.fresh(name)
-        self._taken.add(name)
-        return name
-
-    def op(self, op_type: str, inputs: Sequence[str], *, out: str | None = None, hint: str | None = None, **attrs) -> str:
-        out = out or self.fresh(hint or op_type.lower())
-        self._taken.add(out)
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.fresh(f"g_{op_type}"), **attrs))
-        return out
-
-    def op_multi(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs) -> list[str]:
-        outs = [self.reserve(o) for o in outputs]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.fresh(f"g_{op_type}"), **attrs))
-        return outs
-
-    def rename(self, old: str, new: str) -> None:
-        """Give the emitted tensor ``old`` the name ``new`` everywhere it is written or read."""
-        self._taken.add(new)
-        for node in self.nodes:
-            for i, name in enumerate(node.input):
-                if name == old:
-                    node.input[i] = new
-            for i, name in enumerate(node.output):
-                if name == old:
-                    node.output[i] = new
-        if old in self.infos:
-            self.infos[new] = self.infos[old]
-
-    def record(self, name: str, elem_type: int, shape: tuple[Dim, ...] | None) -> str:
-        self.infos[name] = TensorInfo(elem_type, shape)
-        return name
-
-    # ------------------------------------------------------------------ constants
-
-    def const(self, value: np.ndarray, hint: str = "c") -> str:
-        name = self.fresh(hint)
-        arr = np.asarray(value)
-        self.initializers.append(numpy_helper.from_array(arr, name))
-        self.constants[name] = arr
-        self.infos[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(arr.shape))
-        return name
-
-    def ints(self, values: Sequence[int]) -> str:
-        key = tuple(int(v) for v in values)
-        if key not in self._ints:
-            self._ints[key] = self.const(np.array(key, dtype=np.int64), "ints")
-        return self._ints[key]
-
-    def scalar(self, value: float, like: str) -> str:
-        """A rank-0 constant of the element type of tensor ``like``."""
-        elem = self.elem_type(like)
-        key = (float(value), elem)
-        if key not in self._scalars:
-            dtype = helper.tensor_dtype_to_np_dtype(elem)
-            self._scalars[key] = self.const(np.array(value, dtype=dtype), "k")
-        return self._scalars[key]
-
-    def value(self, name: str) -> np.ndarray | None:
-        """The value of a constant tensor, or None when it is computed at run time."""
-        return self.constants.get(name)
-
-    # ------------------------------------------------------------------ types and shapes
-
-    def info(self, name: str) -> TensorInfo | None:
-        return self.infos.get(name)
-
-    def elem_type(self, name: str) -> int:
-        info = self.infos.get(name)
-        return info.elem_type if info is not None else TensorProto.FLOAT
-
-    def shape(self, name: str) -> tuple[Dim, ...] | None:
-        info = self.infos.get(name)
-        return None if info is None else info.shape
-
-    def rank(self, name: str) -> int | None:
-        shape = self.shape(name)
-        return None if shape is None else len(shape)
-
-    def shape_of(self, name: str) -> str:
-        """A 1-D int64 tensor holding the shape of ``name``: a constant when inference fixed it."""
-        info = self.infos.get(name)
-        if info is not None and info.static_shape is not None:
-            return self.ints(info.static_shape)
-        return self.op("Shape", [name], hint="shape")
-
-    # ------------------------------------------------------------------ opset-aware helpers
-
-    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None, keepdims: bool, hint: str | None = None) -> str:
-        """Reduce over ``axes`` (None: all), with the axes as an input from the opset that wants it."""
-        input_axes = op_type == "ReduceSum" and self.opset >= 13 or self.opset >= 18
-        if axes is None:
-            return self.op(op_type, [x], keepdims=int(keepdims), hint=hint)
-        if input_axes:
-            return self.op(op_type, [x, self.ints(axes)], keepdims=int(keepdims), hint=hint)
-        return self.op(op_type, [x], axes=list(axes), keepdims=int(keepdims), hint=hint)
-
-    def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
-        return self.op("Unsqueeze", [x, self.ints(axes)])
-
-    def reshape_like(self, x: str, like: str) -> str:
-        return self.op("Reshape", [x, self.shape_of(like)])
-
-    def broadcast_to(self, small: str, like: str) -> str:
-        """``small`` (which broadcasts to ``like``) expanded to ``like``'s shape, remembered as such."""
-        out = self.op("Expand", [small, self.shape_of(like)])
-        self.broadcasts[out] = small
-        return out
-
-    def zeros_like(self, like: str) -> str:
-        dtype = helper.tensor_dtype_to_np_dtype(self.elem_type(like))
-        return self.op("ConstantOfShape", [self.shape_of(like)], value=numpy_helper.from_array(np.zeros(1, dtype=dtype)), hint="zeros")
-
-    def unbroadcast(self, grad: str, out: str, target: str) -> str:
-        """Sum ``grad`` (shaped like the broadcast result ``out``) down to the shape of ``target``."""
-        s_out, s_in = self.shape(out), self.shape(target)
-        if s_out is not None and s_in is not None:
-            if s_out == s_in and all(d is not None for d in s_in):
-                return grad
-            lead = len(s_out) - len(s_in)
-            axes = list(range(lead))
-            dynamic = False
-            for i, d_in in enumerate(s_in):
-                d_out = s_out[lead + i]
-                if d_in == d_out and d_in is not None:
-                    continue
-                if d_in == 1:
-                    axes.append(lead + i)
-                elif isinstance(d_in, int) and d_in > 1:
-                    continue
-                else:
-                    dynamic = True
-            if not dynamic:
-                if not axes:
-                    return grad
-                if all(a < lead for a in axes):  # only leading axes: drop them as they are summed
-                    return self.reduce("ReduceSum", grad, axes, keepdims=False)
-                summed = self.reduce("ReduceSum", grad, axes, keepdims=True)
-                if lead == 0:
-                    return summed
-                return self.reshape_like(summed, target)
-        return self._unbroadcast_dynamic(grad, target)
-
-    def _unbroadcast_dynamic(self, grad: str, target: str) -> str:
-        # axes where the target (left-padded with 1s) is 1 but the gradient is not, found at run time
-        g_shape = self.op("Shape", [grad])
-        t_shape = self.op("Shape", [target])
-        g_rank = self.op("Shape", [g_shape])
-        t_rank = self.op("Shape", [t_shape])
-        pad = self.op("Sub", [g_rank, t_rank])
-        ones = self.op("Expand", [self.ints([1]), pad])
-        padded = self.op("Concat", [ones, t_shape], axis=0)
-        one = self.ints([1])
-        is_one = self.op("Equal", [padded, one])
-        differs = self.op("Not", [self.op("Equal", [g_shape, one])])
-        axes = self.op("Reshape", [self.op("NonZero", [self.op("And", [is_one, differs])]), self.ints([-1])])
-        summed = self.op("ReduceSum", [grad, axes], keepdims=1, noop_with_empty_axes=1)
-        return self.op("Reshape", [summed, t_shape])
-
 
 def constant_values(graph: onnx.GraphProto, opset: int | None = None,
                     infos: Mapping[str, TensorInfo] | None = None) -> dict[str, np.ndarray]:
@@ -444,14 +223,19 @@ def _known_dims(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: s
     if op == "Slice" and len(node.input) >= 3:
         data = dims(node.input[0])
         bounds = [values[i].reshape(-1) if i in fixed else None for i in node.input[1:]]
-        if data is None or any(b is None for b, i in zip(bounds, node.input[1:]) if i) or \
-                (len(node.input) > 3 and node.input[3] and [int(a) for a in bounds[2]] not in ([0], [-1])):
+        if data is None or any(b is None for b, i in zip(bounds, node.input[1:]) if i):
             return None
-        step = int(bounds[3][0]) if len(bounds) > 3 and bounds[3] is not None else 1
-        return data[int(bounds[0][0]):int(bounds[1][0]):step]
+        starts, ends = bounds[0], bounds[1]
+        axes = bounds[2] if len(node.input) > 3 and node.input[3] else None
+        if starts is None or ends is None or (axes is not None and [int(a) for a in axes] not in ([0], [-1])):
+            return None
+        steps = bounds[3] if len(bounds) > 3 else None
+        step = int(steps[0]) if steps is not None else 1
+        return data[int(starts[0]):int(ends[0]):step]
     if op == "Concat":
         parts = [dims(i) for i in node.input]
-        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+        known = [p for p in parts if p is not None]
+        return [d for p in known for d in p] if len(known) == len(parts) else None
     return None
 
 
@@ -501,8 +285,6 @@ def differentiable(nodes: Sequence[onnx.NodeProto], sources: Iterable[str], info
     integer, boolean and shape paths (``Shape`` and the arithmetic on it, a boolean mask, an index
     buffer) and the outputs of ops without a gradient stop it, so that they need no rule. A tensor
     whose type inference could not fix counts as float (the rule decides)."""
-    from .gradients import NO_GRADIENT
-
     reached = set(sources)
     for node in nodes:
         if node.domain in DEFAULT_DOMAINS and node.op_type in NO_GRADIENT:
@@ -530,8 +312,6 @@ def backward(
     along which a gradient flows (:func:`differentiable`) are differentiated. Returns ``wrt`` name -> gradient tensor, or
     None where no seeded tensor depends on it (a zero gradient). Raises
     :class:`UnsupportedOpError` for the first node on the way that no rule covers."""
-    from .gradients import NO_GRADIENT, RULES, erf_gelu_gradient, erf_gelus
-
     live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
     gelus = erf_gelus(nodes, emitter, live)
@@ -599,8 +379,6 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
 
     Used to check every rule against finite differences and whole models against an
     independent autograd."""
-    from .forward import decompose
-
     graph = model.graph
     opset = next(o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS)
     infos = tensor_infos(model)
@@ -625,8 +403,8 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
     outs = []
     for w in wrt:
         name = f"grad/{w}"
-        g = grads[w] if grads[w] is not None else e.zeros_like(w)
-        e.op("Identity", [g], out=name)
+        grad = grads[w]
+        e.op("Identity", [grad if grad is not None else e.zeros_like(w)], out=name)
         outs.append(_value_info(name, infos[w]))
     new_graph = helper.make_graph(
         [*nodes, *e.nodes], graph.name, [*graph.input, *seed_inputs], outs,

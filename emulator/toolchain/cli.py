@@ -48,9 +48,9 @@ from ..runtime_envs import RuntimeEnvError
 from ..runtime_worker import WorkerError, WorkerPool
 from .bundle import build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
 from .model_bundle import ModelBundle, bundle_from_onnx
+from .onnx_import import trainable_table
 from .release import release_table
 from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
-from .onnx_import import trainable_table
 from .tasks import Task, TaskError, onnx_import
 from .torch_export import from_torch, parse_input
 
@@ -271,8 +271,8 @@ def _plan_only(args: argparse.Namespace, say) -> int:
     args.out.write_bytes(serialize_plan(plan))
     say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
     _say_trained(made, say)
-    say(f"note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
-        f"checkpoint and a task file that `plan test DIR` and `deploy DIR` take")
+    say("note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
+        "checkpoint and a task file that `plan test DIR` and `deploy DIR` take")
     return 0
 
 
@@ -326,7 +326,7 @@ def _rounds(args: argparse.Namespace, say) -> int:
 
 
 def _utc(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def deployed_line(task: dict) -> str:

@@ -28,15 +28,18 @@ Evaluation plans keep the original ops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn, ParamSpec
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .autodiff import DEFAULT_DOMAINS, Emitter, UnsupportedOpError, attr
+from .emitter import DEFAULT_DOMAINS, Dim, Emitter, UnsupportedOpError, attr
 from .gradients import conv_geometry, tiling_pool
+
+P = ParamSpec("P")
 
 
 @dataclass
@@ -62,7 +65,7 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
             out.nodes.append(node)
             continue
         if node.op_type == "BatchNormalization":
-            out.nodes += _emitted(e, lambda: _batch_norm(e, node, initializers, out.state_updates))
+            out.nodes += _emitted(e, _batch_norm, e, node, initializers, out.state_updates)
         elif node.op_type in DECOMPOSED:
             out.nodes += decompose(e, [node])
         elif node.op_type == "Dropout" and _drops_nothing(e, node, read):
@@ -71,8 +74,8 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
         elif node.op_type == "Dropout":
             out.nodes.append(_dropout(e, node, None if dropout_seed is None else dropout_seed + dropouts))
             dropouts += 1
-        elif node.op_type == "Conv" and conv_taps(e, node) is not None:
-            out.nodes += _emitted(e, lambda: _conv_as_taps(e, node, conv_taps(e, node)))
+        elif node.op_type == "Conv" and (taps := conv_taps(e, node)) is not None:
+            out.nodes += _emitted(e, _conv_as_taps, e, node, taps)
         elif node.op_type == "MaxPool" and (len(node.output) < 2 or not node.output[1]) and tiling_pool(e, node) is None:
             rewritten = onnx.NodeProto()
             rewritten.CopyFrom(node)
@@ -93,7 +96,7 @@ def decompose(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProt
         if emit is None or (node.op_type == "LayerNormalization" and any(node.output[1:])):
             out.append(node)
         else:
-            out += _emitted(e, lambda: emit(e, node))
+            out += _emitted(e, emit, e, node)
     return out
 
 
@@ -110,7 +113,7 @@ def sequences_as_slices(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onn
         source = splits.get(node.input[0]) if node.op_type == "SequenceAt" and node.domain in DEFAULT_DOMAINS else None
         bounds = _split_bounds(e, source) if source is not None else None
         position = e.value(node.input[1]) if source is not None else None
-        if bounds is None or position is None or not -len(bounds) <= int(position) < len(bounds):
+        if source is None or bounds is None or position is None or not -len(bounds) <= int(position) < len(bounds):
             out.append(node)
             continue
         start, end = bounds[int(position)]
@@ -143,10 +146,13 @@ def _split_bounds(e: Emitter, node: onnx.NodeProto) -> list[tuple[int, int]] | N
     return [(int(end - size), int(end)) for size, end in zip(sizes, ends)]
 
 
-def _emitted(e: Emitter, emit) -> list[onnx.NodeProto]:
+def _emitted(e: Emitter, emit: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> list[onnx.NodeProto]:
+    """The nodes ``emit(*args, **kwargs)`` writes through ``e``, apart from those ``e`` holds already.
+    The arguments are passed, not closed over: a closure over a loop's node would read whichever
+    node the loop holds when it runs."""
     saved, e.nodes = e.nodes, []
     try:
-        emit()
+        emit(*args, **kwargs)
         return e.nodes
     finally:
         e.nodes = saved
@@ -197,12 +203,18 @@ def conv_taps(e: Emitter, node: onnx.NodeProto) -> ConvTaps | None:
     depthwise = group > 1 and xshape[1] == group and wshape[1] == 1
     if not depthwise and group != 1:
         return None
-    out_dims = [int(d) for d in yshape[2:]]
+    out_dims = [_known(d) for d in yshape[2:]]
     if int(np.prod(out_dims)) > (DEPTHWISE_TAPS_MAX_POSITIONS if depthwise else DENSE_TAPS_MAX_POSITIONS):
         return None
-    kernel = [int(d) for d in wshape[2:]]
+    kernel = [_known(d) for d in wshape[2:]]
     strides, pads, dil, dims = conv_geometry(e, node, node.input[0], kernel)
-    return ConvTaps(depthwise, int(xshape[1]), int(wshape[0]), kernel, strides, pads, dil, dims, out_dims)
+    return ConvTaps(depthwise, _known(xshape[1]), _known(wshape[0]), kernel, strides, pads, dil, dims, out_dims)
+
+
+def _known(d: Dim) -> int:
+    """A dimension the caller checked is static."""
+    assert isinstance(d, int)
+    return d
 
 
 def _conv_as_taps(e: Emitter, node: onnx.NodeProto, g: ConvTaps) -> None:
@@ -239,7 +251,7 @@ def _conv_as_taps(e: Emitter, node: onnx.NodeProto, g: ConvTaps) -> None:
     taps = int(np.prod(g.kernel))
     if g.depthwise:
         wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([g.c_out, taps])])], perm=[1, 0])  # [taps, Cout]
-        weights = split(e, wt, [1] * taps, 0, "tap_w") if taps > 1 else [wt]
+        weights: list[str] | dict[int, str] = split(e, wt, [1] * taps, 0, "tap_w") if taps > 1 else [wt]
     windows = []
     for k, offset in enumerate(np.ndindex(*g.kernel)):
         starts, ends, axes = [], [], []
@@ -437,7 +449,7 @@ class _Recurrent:
 def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurrent:
     """How to unroll a GRU/LSTM with the default activations, either direction or both, in layout 0
     (torch's exporters write batch_first with Transpose nodes around it; onnxruntime runs no other)."""
-    def refuse(why: str) -> None:
+    def refuse(why: str) -> NoReturn:
         raise UnsupportedOpError(node.op_type, node.name, why)
 
     direction = attr(node, "direction", b"forward")

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .autodiff import Emitter, UnsupportedOpError, attr
+from .emitter import Emitter, UnsupportedOpError, attr
 
 Rule = Callable[[Emitter, onnx.NodeProto, list[str | None], list[bool]], list[str | None]]
 RULES: dict[str, Rule] = {}
@@ -322,15 +322,17 @@ def erf_gelus(nodes: Sequence[onnx.NodeProto], e: Emitter, live: set[str]) -> di
 
     def split(node: onnx.NodeProto) -> tuple[str, float] | None:  # (tensor, constant) of a product or sum with one
         for a, b in (node.input, reversed(node.input)):
-            if scalar(b) is not None and scalar(a) is None:
-                return a, scalar(b)
+            k = scalar(b)
+            if k is not None and scalar(a) is None:
+                return a, k
         return None
 
-    found = {}
+    found: dict[str, tuple[str, str, str, float, float]] = {}
     for node in nodes:
-        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or split(node) is None:
+        pair = split(node) if node.op_type == "Mul" and node.domain in ("", "ai.onnx") else None
+        if pair is None:
             continue
-        inner, h = split(node)
+        inner, h = pair
         prod = only(inner, "Mul")
         if prod is None:
             continue
@@ -339,10 +341,10 @@ def erf_gelus(nodes: Sequence[onnx.NodeProto], e: Emitter, live: set[str]) -> di
             one = split(add) if add is not None else None
             erf = only(one[0], "Erf") if one is not None and one[1] == 1.0 else None
             scaled = producers.get(erf.input[0]) if erf is not None else None
-            if scaled is None or readers.get(erf.input[0]) != 1 or scaled.op_type not in ("Div", "Mul") \
-                    or scaled.input[0] != x or scalar(scaled.input[1]) is None or not scalar(scaled.input[1]):
+            c = scalar(scaled.input[1]) if scaled is not None else None
+            if erf is None or scaled is None or readers.get(erf.input[0]) != 1 or scaled.op_type not in ("Div", "Mul") \
+                    or scaled.input[0] != x or not c:
                 continue
-            c = scalar(scaled.input[1])
             found[node.output[0]] = (x, erf.input[0], a, 1.0 / c if scaled.op_type == "Div" else c, h)
             break
     return found
@@ -478,9 +480,10 @@ def _constant_ints(e: Emitter, node: onnx.NodeProto, index: int, what: str) -> l
 
 def _static_dim(e: Emitter, node: onnx.NodeProto, x: str, axis: int) -> int:
     shape = e.shape(x)
-    if shape is None or not isinstance(shape[axis], int):
+    size = shape[axis] if shape is not None else None
+    if not isinstance(size, int):
         raise UnsupportedOpError(node.op_type, node.name, f"needs a static size of axis {axis}")
-    return int(shape[axis])
+    return size
 
 
 def _slice1(e: Emitter, t: str, start: int, end: int, axis: int, step: int = 1) -> str:
@@ -555,6 +558,8 @@ def _unpad_axis(e: Emitter, node, g: str, mode: str, axis: int, begin: int, end:
                       "wrap": (tail, 0, end)}[mode])  # y[begin+n+k] = x[k]
     out = _slice1(e, g, begin, begin + n, axis)
     rank = e.rank(node.input[0])
+    if rank is None:
+        raise UnsupportedOpError(node.op_type, node.name, "needs an input of known rank")
     for block, at, size in parts:
         if at < 0 or at + size > n:
             raise UnsupportedOpError(node.op_type, node.name, f"pads more than the axis holds in mode {mode!r}")
@@ -584,7 +589,7 @@ def _gather_nd(e, node, dys, wants):
 @rule("ScatterND", "ScatterElements", note="data: dy where nothing was written; updates: dy gathered at the indices "
                                            "(reduction none or add)")
 def _scatter(e, node, dys, wants):
-    (data, idx, updates), dy = node.input, _dy(dys, e, node)
+    (_, idx, updates), dy = node.input, _dy(dys, e, node)
     reduction = attr(node, "reduction", b"none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
     if reduction not in ("none", "add"):
@@ -652,7 +657,7 @@ def _conv_transpose(e, node, dys, wants):
     dil = list(attr(node, "dilations", [1] * nd))
     pads = list(attr(node, "pads", [0] * (2 * nd))) if auto == "NOTSET" else [0] * (2 * nd)
     in_dims = [int(d) for d in xshape[2:]]
-    c_in, c_out_group = int(wshape[0]), int(wshape[1])
+    c_out_group = int(wshape[1])
     grads: list[str | None] = [None] * len(node.input)
     if wants[0]:  # ConvTranspose is the adjoint of Conv with the same attributes: dx = Conv(dy, w)
         dx = e.op("Conv", [dy, w], strides=strides, pads=pads, dilations=dil, group=group)
@@ -778,7 +783,7 @@ def _einsum_terms(e: Emitter, node: onnx.NodeProto) -> tuple[list[str], str]:
         rank = e.rank(x)
         if "..." in term and rank is None:
             raise UnsupportedOpError(node.op_type, node.name, "needs operands of known rank for an ellipsis")
-        widths.append(rank - len(term.replace("...", "")) if "..." in term else 0)
+        widths.append(rank - len(term.replace("...", "")) if "..." in term and rank is not None else 0)
     width = max(widths, default=0)
     ellipsis = "".join(free[:width])
     if any(w not in (0, width) for w, t in zip(widths, terms) if "..." in t):
@@ -853,7 +858,8 @@ def _rows(e: Emitter, t: str) -> str:
     last = shape[-1] if shape else None
     if isinstance(last, int):
         return e.op("Reshape", [t, e.ints([-1, last])])
-    tail = e.op("Slice", [e.op("Shape", [t]), e.ints([-1]), e.ints([len(shape)])])
+    end = len(shape) if shape is not None else np.iinfo(np.int64).max  # an unknown rank: the Slice clamps
+    tail = e.op("Slice", [e.op("Shape", [t]), e.ints([-1]), e.ints([end])])
     return e.op("Reshape", [t, e.op("Concat", [e.ints([-1]), tail], axis=0)])
 
 
@@ -970,8 +976,9 @@ def _count(e: Emitter, x: str, y: str, axes: list[int] | None) -> str:
     shape = e.shape(x)
     if shape is not None:
         dims = [shape[a] for a in (axes if axes is not None else range(len(shape)))]
-        if all(isinstance(d, int) for d in dims):
-            return e.scalar(float(np.prod(dims)), x)
+        known = [d for d in dims if isinstance(d, int)]
+        if len(known) == len(dims):
+            return e.scalar(float(np.prod(known)), x)
     elem = e.elem_type(x)
     return e.op("Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [y])], to=elem)])
 
@@ -1180,10 +1187,12 @@ def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int | str) -> s
     fixed = _where(e, e.op("Less", [i64, zero]), e.op("Add", [i64, count]), i64)
     if e.opset >= 16:
         return e.op("ScatterND", [e.zeros_like(data), e.unsqueeze(fixed, [-1]), dy], reduction="add")
-    # one-hot product: rows of dy summed per index
+    # one-hot product: rows of dy summed per index (below opset 16 the rule refuses a dynamic size)
+    rank = e.rank(data)
+    assert isinstance(rows, int) and rank is not None, "Gather's rule checks the rank and the size below opset 16"
     flat = e.op("Reshape", [fixed, e.ints([-1, 1])])
     onehot = e.op("Cast", [e.op("Equal", [flat, e.ints(list(range(rows)))])], to=e.elem_type(data))
-    rest = e.op("Slice", [e.shape_of(data), e.ints([1]), e.ints([len(e.shape(data))])])
+    rest = e.op("Slice", [e.shape_of(data), e.ints([1]), e.ints([rank])])
     dy2 = e.op("Reshape", [dy, e.op("Concat", [e.ints([-1]), e.op("ReduceProd", [rest], keepdims=1)], axis=0)])
     return e.reshape_like(e.op("Gemm", [onehot, dy2], transA=1), data)
 
@@ -1195,9 +1204,9 @@ def conv_geometry(e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int
     """(strides, pads [begin..., end...], dilations, input spatial dims) with auto_pad resolved."""
     shape = e.shape(x)
     nd = len(kernel)
-    if shape is None or not all(isinstance(d, int) for d in shape[2:]):
+    dims = [d for d in shape[2:] if isinstance(d, int)] if shape is not None else []
+    if shape is None or len(dims) != len(shape) - 2:
         raise UnsupportedOpError(node.op_type, node.name, "needs static spatial dimensions to differentiate")
-    dims = [int(d) for d in shape[2:]]
     strides = list(attr(node, "strides", [1] * nd))
     dil = list(attr(node, "dilations", [1] * nd))
     pads = list(attr(node, "pads", [0] * (2 * nd)))

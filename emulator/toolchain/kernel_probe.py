@@ -89,7 +89,7 @@ def missing_kernels(release: str, env: RuntimeEnv | None = None) -> dict[str, in
     """The probed ops whose version at some opset in [18, the release's max] has no kernel in
     ``release``: op -> the first such version (the op's ``since_version`` at that opset)."""
     env = env or RuntimeEnv.for_release(release)
-    payload = {}
+    payload: dict[str, object] = {}
     for op in PROBED_OPS:
         for opset in range(FIRST_OPSET, max_opset_for_runtime(release) + 1):
             since = onnx.defs.get_schema(op, opset, "").since_version

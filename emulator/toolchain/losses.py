@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .autodiff import DEFAULT_DOMAINS, Emitter
+from .autodiff import DEFAULT_DOMAINS, Dim, Emitter
 
 BUILTIN_LOSSES = ("cross_entropy", "binary_cross_entropy", "mse")
 _F32 = TensorProto.FLOAT
@@ -160,7 +160,7 @@ def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, co
             out.seeds[prediction] = e.op("Mul", [local, scale], hint="d_prediction")
     agree = e.op("Equal", [positive, e.op("Greater", [target, half])])
     shape = e.shape(prediction)
-    if shape is not None and all(isinstance(d, int) for d in shape[1:]) and int(np.prod(shape[1:], dtype=np.int64)) == 1:
+    if _example_size(shape) == 1:
         out.metrics["correct"] = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct")
     else:
         hits = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0)
@@ -172,12 +172,21 @@ def _cast_like(e: Emitter, t: str, like: str) -> str:
     return t if e.elem_type(t) == e.elem_type(like) else e.op("Cast", [t], to=e.elem_type(like))
 
 
+def _example_size(shape: tuple[Dim, ...] | None) -> int | None:
+    """Elements per example (the dimensions after the batch) when inference fixed them all."""
+    if shape is None:
+        return None
+    dims = [d for d in shape[1:] if isinstance(d, int)]
+    return int(np.prod(dims, dtype=np.int64)) if len(dims) == len(shape) - 1 else None
+
+
 def _per_example_size(e: Emitter, prediction: str, count: str) -> str:
     shape = e.shape(prediction)
-    if shape is not None and all(isinstance(d, int) for d in shape[1:]):
-        return e.scalar(float(np.prod(shape[1:], dtype=np.int64)), prediction)
-    size = e.op("Cast", [e.op("Size", [prediction])], to=e.elem_type(prediction))
-    return e.op("Div", [size, _cast_like(e, count, prediction)])
+    size = _example_size(shape)
+    if size is not None:
+        return e.scalar(float(size), prediction)
+    elements = e.op("Cast", [e.op("Size", [prediction])], to=e.elem_type(prediction))
+    return e.op("Div", [elements, _cast_like(e, count, prediction)])
 
 
 def _mse(e: Emitter, prediction: str, label: str, count: str, scale: str | None) -> LossGraph:

@@ -118,6 +118,11 @@ def report_passed(report: Mapping[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- the shell
 
 
+def _only(shard: Mapping[str, np.ndarray]) -> Callable[[], list[Mapping[str, np.ndarray]]]:
+    """The examples of one shard, opened anew for each pass (bound now, not when called)."""
+    return lambda: [shard]
+
+
 def _batches(executor: WorkerExecutor, shard: Mapping[str, np.ndarray], epochs: int) -> list[list[dict[str, np.ndarray]]]:
     open_batches = executor.batches_from_examples(lambda: [shard])
     return [[executor.feeds(b) for b in open_batches()] for _ in range(epochs)]
@@ -160,7 +165,7 @@ def _simulated_rounds(plan: Plan, server: PlanExecutor, weights: Mapping[str, np
     for _ in range(rounds):
         acc = server.zero()
         for shard in proxy.shards:
-            result = executor.run_device(model, executor.batches_from_examples(lambda s=shard: [s]))
+            result = executor.run_device(model, executor.batches_from_examples(_only(shard)))
             acc = server.accumulate(acc, result.update)
         state, _metrics = server.update(state, server.report(acc))
         state = {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}

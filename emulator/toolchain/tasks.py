@@ -74,7 +74,7 @@ __all__ = [
 DEFAULT_RUNTIMES: tuple[str, ...] = (KNOWN_RELEASES[0], KNOWN_RELEASES[len(KNOWN_RELEASES) // 2], KNOWN_RELEASES[-1])
 
 
-def check_known_releases(task: "Task") -> None:
+def check_known_releases(task: Task) -> None:
     """Refuse a claimed release the release tests cannot install (``plan build --runtimes 9.9.9``)
     when the plans are built, not as a traceback when ``plan test`` tries to install it. The fleet
     simulator takes other releases and says itself which ones no plan can be written for."""
@@ -317,6 +317,8 @@ class Task:
         read from the model's folder (raw bytes would resolve it against the working directory)."""
         if isinstance(self.model, bytes):
             return self.model
+        if callable(self.model):
+            raise TaskError(f"task {self.name!r}: its model is a function that builds the plan, not an ONNX model")
         from emulator.toolchain.training import load_model
 
         try:
@@ -388,7 +390,7 @@ def onnx_import(model: Any, task: Task) -> Any:
     from emulator.toolchain import SGD, Adam, Momentum, onnx_training_plan
 
     hp = dict(task.hyperparameters)
-    optimizers = {
+    optimizers: dict[str, Callable[[], SGD | Momentum | Adam]] = {
         "sgd": lambda: SGD(hp.get("lr", 0.1)),
         "momentum": lambda: Momentum(hp.get("lr", 0.1), beta=hp.get("momentum", 0.9)),
         "adam": lambda: Adam(hp.get("lr", 0.001)),

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -29,6 +29,7 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, ir_version_for_opset
 from device_runtime.plan_builder import assemble_plan
 
+from . import onnx_import, peephole
 from .autodiff import (
     DEFAULT_DOMAINS,
     Emitter,
@@ -39,9 +40,7 @@ from .autodiff import (
     needed_for,
     tensor_infos,
 )
-from . import onnx_import, peephole
 from .forward import is_float, training_forward
-from .gradients import NO_GRADIENT
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
 from .optimizers import SGD, Adam, Momentum, Optimizer
 from .server_optimizers import FedAvg, ServerOptimizer, server_part
@@ -424,6 +423,7 @@ def onnx_training_plan(
     missing = [w for w, g in grads.items() if g is None]
     if missing:
         raise ValueError(f"the loss does not depend on {missing}; leave them out of trainable")
+    grad_of = {w: g for w, g in grads.items() if g is not None}
 
     slots = optimizer.slots(e, weights)
     slot_values = {s.name: s.name for s in slots}
@@ -435,7 +435,7 @@ def onnx_training_plan(
     for w in weights:
         out = e.reserve(f"{w}_new")
         mine = {s.name: slot_values[s.name] for s in slots if s.weight == w}
-        new_values.update(optimizer.step(e, w, grads[w], mine, shared, out))
+        new_values.update(optimizer.step(e, w, grad_of[w], mine, shared, out))
         outputs_of[w] = out
     for s in slots:
         new_values.setdefault(s.name, shared.get(s.name, s.name))
@@ -485,7 +485,7 @@ def onnx_training_plan(
         time_budget_s=time_budget_s,
         shared_weights=list(shared_weights),
     )
-    warnings = (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
+    warnings: tuple[str, ...] = (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
     if parts.lost:
         warnings += (onnx_import.lost_parameters_warning(parts.lost),)
     return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split), shared_weights, warnings,

@@ -28,6 +28,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -212,7 +213,7 @@ def _split_rule(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
             new = _copy(new, inputs=[node.input[0], ctx.const(np.array(sizes, dtype=np.int64), "split")])
     if ctx.source >= 13 > ctx.target:
         split = _constant_input(new, 1, ctx, "split")
-        extra = {"split": [int(s) for s in split.reshape(-1)]} if split is not None else {}
+        extra: dict[str, Any] = {"split": [int(s) for s in split.reshape(-1)]} if split is not None else {}
         new = _copy(new, inputs=new.input[:1], **extra)
     return [new]
 
@@ -336,8 +337,12 @@ def _gelu_rule(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     return nodes
 
 
+def _axes_rule_since(since: int) -> Callable[[onnx.NodeProto, _Context], list[onnx.NodeProto]]:
+    return lambda node, ctx: _axes_rule(node, ctx, since)
+
+
 _RULES: dict[str, Callable[[onnx.NodeProto, _Context], list[onnx.NodeProto]]] = {
-    **{op: (lambda n, c, s=since: _axes_rule(n, c, s)) for op, since in _AXES_INPUT_SINCE.items()},
+    **{op: _axes_rule_since(since) for op, since in _AXES_INPUT_SINCE.items()},
     "Split": _split_rule,
     **{op: _softmax_rule for op in _SOFTMAX_FAMILY},
     "LayerNormalization": _layer_norm_rule,
@@ -523,7 +528,7 @@ def versioned_plan(plan: Plan, runtime_version: str, *, opset: int | None = None
         plan,
         work=converted["work"],
         server=dataclasses.replace(
-            plan.server, **{name: converted[name] for name in GRAPH_FIELDS if name != "work"}
+            plan.server, **cast(dict[str, Any], {name: converted[name] for name in GRAPH_FIELDS if name != "work"})
         ),
         metadata=dataclasses.replace(
             plan.metadata, opset=target, ir_version=ir, min_runtime_version=low, max_runtime_version=high

@@ -150,8 +150,8 @@ def build(debs: Path, out: Path = OUT) -> dict[str, int]:
                 if image is not None and image.any():
                     examples.append((_pixels(image), label))
             test = set(rng.permutation(len(examples))[: round(len(examples) * TEST_SHARE)].tolist())
-            for split, keep in (("train", lambda i: i not in test), ("test", lambda i: i in test)):
-                chosen = [e for i, e in enumerate(examples) if keep(i)]
+            for split, held_out in (("train", False), ("test", True)):
+                chosen = [e for i, e in enumerate(examples) if (i in test) == held_out]
                 splits[split][user] = {"x": [x for x, _ in chosen], "y": [y for _, y in chosen]}
     return write_leaf(out, splits)
 

@@ -25,7 +25,14 @@ from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import installed_runtime_version
 from emulator import AttestationAuthority
 from server_stub import (
-    ApiError, AttestationVerifier, FLService, NonceRegistry, RateLimiter, RoundConfig, ServerStore, TaskSpec,
+    ApiError,
+    AttestationVerifier,
+    FLService,
+    NonceRegistry,
+    RateLimiter,
+    RoundConfig,
+    ServerStore,
+    TaskSpec,
 )
 from server_stub.metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums
 from server_stub.persistence import NewTask
@@ -79,6 +86,7 @@ def test_an_attested_device_gets_a_seat_in_a_round_whose_object_took_a_freed_rou
         return id(core), weakref.ref(core)
 
     seat: tuple[int, weakref.ref] | None = None
+    seated_at = 0  # the round number of the seat, once there is one
     for number in range(MAX_EMPTY_ROUNDS):
         address, this_round = open_round()
         if seat is not None and seat[1]() is None and address == seat[0]:

@@ -102,7 +102,7 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     path: Path | None = None
     if fmt == "digits":
         if raw_path.strip():
-            raise DataSpecError(f"digits takes no path (it ships with scikit-learn); write 'digits' or 'digits,clients=100'")
+            raise DataSpecError("digits takes no path (it ships with scikit-learn); write 'digits' or 'digits,clients=100'")
     else:
         if not sep or not raw_path.strip():
             raise DataSpecError(f"{fmt}: give a path, as {fmt}:PATH")
@@ -124,10 +124,10 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     for key in _FLOATS:
         if key in options:
             try:
-                value = float(options[key])
+                number = float(options[key])
             except ValueError:
                 raise DataSpecError(f"{fmt}: option {key}={options[key]!r} is not a number") from None
-            if not np.isfinite(value):
+            if not np.isfinite(number):
                 raise DataSpecError(f"{fmt}: option {key}={options[key]!r} must be finite")
     if fmt == "table" and "client" not in options:
         raise DataSpecError(f"table: name the client-id column, e.g. table:{path},client=user_id")
@@ -206,10 +206,10 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     if spec.format == "tff-h5":
         return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), **common)  # type: ignore[arg-type]
     if spec.format == "table":
-        features = opts["features"].split("+") if "features" in opts else None
+        columns = opts["features"].split("+") if "features" in opts else None
         assert spec.path is not None
         return load_table(
-            spec.path, client=opts["client"], test=opts.get("test"), label=opts.get("label"), features=features, **common
+            spec.path, client=opts["client"], test=opts.get("test"), label=opts.get("label"), features=columns, **common
         )
     if spec.format == "npz":
         arrays = _read_npz(spec.path)  # type: ignore[arg-type]

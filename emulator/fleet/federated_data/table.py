@@ -11,8 +11,9 @@ splits; otherwise ``test=`` names a second table, or the test split is cut as ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 

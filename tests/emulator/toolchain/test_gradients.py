@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -475,18 +474,6 @@ def case_group_norm(draw):
                                   "bias": _arr(draw, (affine,), np.float32)}, {}, {"num_groups": groups, "epsilon": 1e-2}, opset, F32_TOL
 
 
-def case_conv(draw):
-    group = draw(st.integers(1, 3))
-    n, cin, cout = draw(st.integers(1, 2)), group * draw(st.integers(1, 2)), group * draw(st.integers(1, 2))
-    if group == 1 and draw(st.booleans()):
-        cin = 8  # the weight gradient then takes one Gemm per kernel offset
-    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    stride = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
-    dil = [draw(st.integers(1, 2)), 1]
-    pads = [draw(st.integers(0, 1)) for _ in range(4)]
-    h = draw(st.integers((kh - 1) * dil[0] + 1, 7))
-    w = draw(st.integers(kw, 7))
-    inputs = {"x": _arr(draw, (n, cin, h, w), np.float32), "w": _arr(draw, (cout, cin // group, kh, kw), np.float32)}
 def case_conv(kind):
     """Dense, grouped (2 or 4 groups of several channels) and depthwise (one input channel per
     group, with a channel multiplier of 1 or 2) Convs, 1-D and 2-D, with strides, padding and
@@ -512,15 +499,6 @@ def case_conv(kind):
             inputs["b"] = _arr(draw, (cout,), np.float32)
         return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
     return draw_case
-
-
-def case_pad(draw):
-    shape = _shape(draw)
-    pads = [draw(st.integers(0, 2)) for _ in range(2 * len(shape))]
-    constants = {"pads": np.array(pads, np.int64)}
-    if draw(st.booleans()):
-        constants["value"] = np.array(draw(st.sampled_from([0.0, 1.5])))
-    return "Pad", {"x": _arr(draw, shape)}, constants, {}, 17, F64_TOL
 
 
 def case_pool(op):
@@ -676,7 +654,6 @@ CASES = {
     "Conv": case_conv("dense"),
     "Conv(grouped)": case_conv("grouped"),
     "Conv(depthwise)": case_conv("depthwise"),
-    "Pad": case_pad,
     "MaxPool": case_pool("MaxPool"),
     "MaxPool(tiling)": case_tiling_maxpool,
     "AveragePool": case_pool("AveragePool"),
