@@ -181,8 +181,8 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
 )
 def test_header_numbers_other_than_64_bit_integers_are_refused(value):
     for header in (
-        '{"tensors":[{"name":"x","dtype":"float32","shape":[%s],"offset":0,"nbytes":0}]}' % value,
-        '{"tensors":[],"extra":%s}' % value,  # even in a field the decoder does not read
+        '{"tensors":[{"name":"x","dtype":"float32","shape":[' + value + '],"offset":0,"nbytes":0}]}',
+        '{"tensors":[],"extra":' + value + "}",  # even in a field the decoder does not read
     ):
         with pytest.raises(CheckpointError, match="header"):
             decode_checkpoint(_forge_header(header.encode()))

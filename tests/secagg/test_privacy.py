@@ -95,9 +95,9 @@ def test_server_state_holds_no_individual_input_or_masked_input():
     h.server_step(silent={3})  # 3 drops after its masked input
     assert h.server.round is Round.COMPLETED
     needles = []
-    for u, x in inputs.items():
+    for x in inputs.values():
         needles += [x.astype("<u4").tobytes()[:64], x.astype("<u8").tobytes()[:64]]
-    for u, data in masked.items():
+    for data in masked.values():
         needles.append(parse_message(data).words[:64])
     arrays = list(_arrays_in(h.server))
     assert arrays

@@ -247,7 +247,7 @@ def test_client_never_reveals_both_shares_of_a_peer():
     h.client_step()
     h.server_step(silent={6})  # 6 drops before its masked input: others reveal its s_sk share
     out = h.client_step()
-    for u, data in out.items():
+    for data in out.values():
         rev = parse_message(data).reveals
         assert len(set(rev["peer"].tolist())) == len(rev)
         kinds = dict(zip(rev["peer"].tolist(), rev["kind"].tolist()))

@@ -37,9 +37,12 @@ from server_stub import (
 from server_stub.metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums
 from server_stub.persistence import NewTask
 from server_stub.service import WRITE_RETRY_FIRST_S
-from tests.server_stub.test_defects import CONFIG, POP, Server, server, update_of  # noqa: F401 - the fixture
+from tests.server_stub import test_defects
+from tests.server_stub.test_defects import CONFIG, POP, Server, update_of
 from tests.support import digits_plan
 
+#: test_defects' server fixture, shared by this module's HTTP tests
+server = test_defects.server
 WALL = 1.7e9
 #: An empty round is abandoned one second after it opened.
 EMPTY_ROUNDS = RoundConfig(goal_count=5, over_selection=1.0, min_fraction=1.0, selection_timeout_s=1.0, report_timeout_s=60.0)

@@ -55,7 +55,7 @@ def test_a_weighted_draw_picks_the_half_open_interval_it_falls_in(weights, sixty
         u = sixty_fourths / 64
         point = u * sum(scaled)
         lower = 0.0
-        for expected, weight in enumerate(scaled):
+        for expected, weight in enumerate(scaled):  # noqa: B007 - the loop finds `expected`, read after it
             if lower <= point < lower + weight:
                 break
             lower += weight

@@ -61,7 +61,8 @@ def test_a_task_completes_after_max_rounds_and_the_next_deploy_starts(server, ad
         for number in range(1, MAX_ROUNDS + 1):
             session = _one_round(http, update)
             assert (session["task"], session["round"]) == ("first", number)
-            _wait_until(lambda: len(admin.rounds("digits", "first")) == number, f"round {number} of 'first' is written")
+            _wait_until(lambda number=number: len(admin.rounds("digits", "first")) == number,
+                        f"round {number} of 'first' is written")
 
         _wait_until(lambda: admin.status("digits")["active_task"] == "second", "'second' is the active task")
         status = admin.status("digits")
