@@ -23,7 +23,10 @@ def test_every_package_ships_its_py_typed_marker(tmp_path: Path) -> None:
     # build_py is the step that copies a wheel's files: packages and their package data
     done = subprocess.run(
         [sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py", "--build-lib", str(built)],
-        cwd=source, capture_output=True, text=True, timeout=300,
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert [p for p in PACKAGES if not (built / p / "py.typed").is_file()] == []

@@ -96,7 +96,7 @@ class CsvTable:
             fields = dataclasses.fields(cls)  # type: ignore[arg-type]
             defaults = {fd.name for fd in fields if fd.default is not dataclasses.MISSING}
             older = header is not None and 0 < len(header) < len(expected) and header == expected[: len(header)]
-            if header is not None and older and set(expected[len(header):]) <= defaults:
+            if header is not None and older and set(expected[len(header) :]) <= defaults:
                 columns = columns[: len(header)]  # a table written before its last columns were added
             elif header != expected:
                 raise FleetTableError(

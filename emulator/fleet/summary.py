@@ -107,9 +107,11 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
     more = f"simulate about {math.ceil(devices * seats / peak):,} --devices" if peak else "simulate more --devices"
     goal = math.floor(peak / task.over_selection + 1e-9)
     fewer = f", or a --goal (task.goal_count) of at most {goal}" if goal >= 1 else ""
-    return (f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices (task.goal_count "
-            f"{task.goal_count} x task.over_selection {task.over_selection:g}) and at most {peak} of the {devices:,} devices "
-            f"are available at once; {more}{fewer}")
+    return (
+        f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices (task.goal_count "
+        f"{task.goal_count} x task.over_selection {task.over_selection:g}) and at most {peak} of the {devices:,} devices "
+        f"are available at once; {more}{fewer}"
+    )
 
 
 def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> str | None:
@@ -132,22 +134,28 @@ def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> st
     if summary.get("cannot_fill"):
         reasons.append(summary["cannot_fill"])
     elif short:
-        reasons.append(f"{short} closed their selection window (task.selection_timeout_s = {task.selection_timeout_s:g} s) "
-                       f"with fewer than the {threshold} devices a commit needs, for lack of check-ins; simulate more "
-                       "--devices, a smaller --goal, or a longer task.selection_timeout_s")
+        reasons.append(
+            f"{short} closed their selection window (task.selection_timeout_s = {task.selection_timeout_s:g} s) "
+            f"with fewer than the {threshold} devices a commit needs, for lack of check-ins; simulate more "
+            "--devices, a smaller --goal, or a longer task.selection_timeout_s"
+        )
     rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
     if rest > 0:
         shapes = summary.get("shapes", {})
         trained = sum(n for shape, n in shapes.items() if shape.startswith("-v[]+"))
         late = sum(n for shape, n in shapes.items() if shape.endswith("#"))
         if trained and late >= trained / 4:
-            reasons.append(f"{rest} had too few reports in time: {late} of the {trained} sessions that trained reported after "
-                           f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
-                           "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)")
+            reasons.append(
+                f"{rest} had too few reports in time: {late} of the {trained} sessions that trained reported after "
+                f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
+                "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"
+            )
         else:
-            reasons.append(f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
-                           f"sessions were accepted and {summary.get('sessions_completed', 0)} reported in time); see rounds.csv "
-                           "and sessions.csv")
+            reasons.append(
+                f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
+                f"sessions were accepted and {summary.get('sessions_completed', 0)} reported in time); see rounds.csv "
+                "and sessions.csv"
+            )
     return f"{head}: " + "; ".join(reasons)
 
 
@@ -222,8 +230,17 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
         "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
-        **{key: run.extra.get(key) for key in ("client_accuracy_percentiles", "task_file", "tasks", "data", "data_clients",
-                                                 "devices_per_client")},
+        **{
+            key: run.extra.get(key)
+            for key in (
+                "client_accuracy_percentiles",
+                "task_file",
+                "tasks",
+                "data",
+                "data_clients",
+                "devices_per_client",
+            )
+        },
         "simulated_s": span_s,
         "wall_s": wall_s,
         "sim_s_per_wall_s": _ratio(span_s, wall_s),

@@ -43,8 +43,12 @@ class TraceAvailability(Availability):
                 merged.pop()
             if not merged or merged[-1][1] != f:
                 merged.append((t, f))
-        rates = BatteryRates(battery.charge_per_hour, battery.idle_drain_per_hour, battery.active_drain_per_hour, battery.floor)
-        base = build_availability(merged, battery_start=(battery.start_min + battery.start_max) / 2, battery_config=rates)
+        rates = BatteryRates(
+            battery.charge_per_hour, battery.idle_drain_per_hour, battery.active_drain_per_hour, battery.floor
+        )
+        base = build_availability(
+            merged, battery_start=(battery.start_min + battery.start_max) / 2, battery_config=rates
+        )
         return cls(base.times, base.flags, base.battery, base.rate, base.floor)
 
 
@@ -71,7 +75,9 @@ def parse_state(text: str) -> int:
     return flags
 
 
-def load_traces(path: str | Path, *, devices: int | None = None, battery: Battery = Battery()) -> dict[str, TraceAvailability]:
+def load_traces(
+    path: str | Path, *, devices: int | None = None, battery: Battery = Battery()
+) -> dict[str, TraceAvailability]:
     """Read a trace file into each device's availability. With ``devices``, a row naming a device
     outside a fleet of that size is an error (the trace was made for a bigger fleet)."""
     path = Path(path)
@@ -79,7 +85,9 @@ def load_traces(path: str | Path, *, devices: int | None = None, battery: Batter
     try:
         handle = path.open(newline="", encoding="utf-8")
     except FileNotFoundError:
-        raise TraceError(f"no availability trace at {path}; fix availability.trace or write one with write_traces") from None
+        raise TraceError(
+            f"no availability trace at {path}; fix availability.trace or write one with write_traces"
+        ) from None
     with handle:
         reader = csv.reader(handle)
         header = next(reader, None)
@@ -95,7 +103,9 @@ def load_traces(path: str | Path, *, devices: int | None = None, battery: Batter
             if match is None:
                 raise TraceError(f"{path}:{line}: device {device!r} is not an id such as d000042")
             if devices is not None and int(match.group(1)) >= devices:
-                raise TraceError(f"{path}:{line}: device {device} is outside a fleet of {devices} devices; raise fleet.devices")
+                raise TraceError(
+                    f"{path}:{line}: device {device} is outside a fleet of {devices} devices; raise fleet.devices"
+                )
             try:
                 start, end = float(start_text), float(end_text)
                 flags = parse_state(state)

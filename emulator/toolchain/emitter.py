@@ -46,7 +46,6 @@ class TensorInfo:
         return tuple(int(d) for d in self.shape)  # type: ignore[arg-type]
 
 
-
 def attr(node: onnx.NodeProto, name: str, default=None):
     for a in node.attribute:
         if a.name == name:
@@ -60,7 +59,9 @@ class Emitter:
     Knows the type and shape of every forward tensor (``infos``) and of the tensors it makes when
     the caller records them, and the values of constants (initializers and ``Constant`` nodes)."""
 
-    def __init__(self, opset: int, infos: dict[str, TensorInfo], constants: Mapping[str, np.ndarray], taken: Iterable[str]):
+    def __init__(
+        self, opset: int, infos: dict[str, TensorInfo], constants: Mapping[str, np.ndarray], taken: Iterable[str]
+    ):
         self.opset = opset
         self.infos = dict(infos)
         self.constants = dict(constants)
@@ -95,7 +96,9 @@ class Emitter:
         self._taken.add(name)
         return name
 
-    def op(self, op_type: str, inputs: Sequence[str], *, out: str | None = None, hint: str | None = None, **attrs) -> str:
+    def op(
+        self, op_type: str, inputs: Sequence[str], *, out: str | None = None, hint: str | None = None, **attrs
+    ) -> str:
         out = out or self.fresh(hint or op_type.lower())
         self._taken.add(out)
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.fresh(f"g_{op_type}"), **attrs))
@@ -201,7 +204,12 @@ class Emitter:
 
     def zeros_like(self, like: str) -> str:
         dtype = helper.tensor_dtype_to_np_dtype(self.elem_type(like))
-        return self.op("ConstantOfShape", [self.shape_of(like)], value=numpy_helper.from_array(np.zeros(1, dtype=dtype)), hint="zeros")
+        return self.op(
+            "ConstantOfShape",
+            [self.shape_of(like)],
+            value=numpy_helper.from_array(np.zeros(1, dtype=dtype)),
+            hint="zeros",
+        )
 
     def unbroadcast(self, grad: str, out: str, target: str) -> str:
         """Sum ``grad`` (shaped like the broadcast result ``out``) down to the shape of ``target``."""
