@@ -223,7 +223,7 @@ class PlanExecutor(ServerOps):
         finally:
             self._give_back(space)
 
-    def _take_workspace(self, sess: ort.InferenceSession, initial: Mapping[str, np.ndarray]) -> "_Workspace":
+    def _take_workspace(self, sess: ort.InferenceSession, initial: Mapping[str, np.ndarray]) -> _Workspace:
         """A workspace holding ``initial``: a free one refilled, or a new one (one per session
         training at once; building its buffers and bindings cost as much as a short session's steps)."""
         with self._lock:
@@ -234,7 +234,7 @@ class PlanExecutor(ServerOps):
             space.sets[0][w].update_inplace(initial[w])
         return space
 
-    def _give_back(self, space: "_Workspace") -> None:
+    def _give_back(self, space: _Workspace) -> None:
         with self._lock:
             self._free_workspaces.append(space)
 

@@ -13,15 +13,15 @@ import random
 import re
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, TypeGuard
 
 import certifi
 import httpx
 
 from .attestation import AttestationError, decode_nonce
 from .errors import CorruptResource, ProtocolError, ServerUnreachable
-
 
 #: The header a report carries its session statistics in (shape so far, training time).
 STATS_HEADER = "X-FL-Session-Stats"
@@ -102,7 +102,7 @@ def _accepted(data: dict) -> CheckinAccepted:
     def number(v: object) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
-    def positive_int(v: object) -> bool:
+    def positive_int(v: object) -> TypeGuard[int]:
         return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
     def positive_or_null(v: object) -> bool:

@@ -96,7 +96,7 @@ class AdminClient:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> "AdminClient":
+    def __enter__(self) -> AdminClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,7 +14,8 @@ import contextlib
 import inspect
 import logging
 import urllib.parse
-from typing import Any, AsyncIterator, Callable, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -194,7 +195,7 @@ def _binary_body() -> dict:
     return {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": schema}}}}
 
 
-_ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
            for status, text in ((400, "malformed request"), (401, "missing or wrong credential"),
                                 (404, "unknown population, task or resource"), (408, "the request stopped arriving"),
                                 (409, "conflict with the current state"), (413, "body too large"),
@@ -440,7 +441,10 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        service.on_secagg_change = lambda: loop.call_soon_threadsafe(secagg_signal.fire)
+        def secagg_changed() -> None:
+            loop.call_soon_threadsafe(secagg_signal.fire)
+
+        service.on_secagg_change = secagg_changed
 
         async def ticker() -> None:
             while True:

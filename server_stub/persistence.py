@@ -203,6 +203,13 @@ class ServerStore:
         with self.engine.connect() as conn:
             return conn.execute(select(resources.c.data).where(resources.c.id == rid)).scalar()
 
+    def resource(self, rid: str) -> bytes:
+        """A resource that must exist (a stored task's plan or checkpoint); KeyError when it does not."""
+        data = self.get_resource(rid)
+        if data is None:
+            raise KeyError(rid)
+        return data
+
     # tasks
     def add_tasks(self, population: str, items: list[NewTask]) -> list[TaskRecord]:
         """Store tasks deployed together, with their plans and checkpoints, in one transaction:

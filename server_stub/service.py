@@ -26,8 +26,9 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -134,7 +135,7 @@ class TaskSpec:
 class _Session:
     session_id: str
     token_hash: bytes
-    run: "_TaskRun"
+    run: _TaskRun
     core: RoundCore
     resources: tuple[str, str]  # the plan and checkpoint this session may download
     revoked: bool = False  # its device aborted it: its token opens nothing more
@@ -164,7 +165,7 @@ class _TaskRun:
     committed_rounds: int
     report_limit: int
     weight: float = 1.0
-    evaluates: "_TaskRun | None" = None
+    evaluates: _TaskRun | None = None
     versions: dict[str, str] = field(default_factory=dict)  # minor release ('1.17') -> its plan's id
     codec: SecureSumCodec | None = None
     secure: SecureRound | None = None
@@ -682,7 +683,7 @@ class FLService:
             ]
             run = pop.current
             states = self._task_states(pop, tasks)
-            status = {
+            status: dict[str, Any] = {
                 "population": population,
                 "strategy": pop.strategy.value if pop.runs else None,
                 "active_task": run.record.name if run is not None else None,
@@ -806,7 +807,7 @@ class FLService:
         return None
 
     def _load_run(self, task: TaskRecord) -> _TaskRun | None:
-        plan = load_plan(self.store.get_resource(task.plan_id))
+        plan = load_plan(self.store.resource(task.plan_id))
         executor = PlanExecutor(plan)
         config = RoundConfig.from_dict(task.config["round"])
         eligibility = EligibilityPolicies.from_dict(task.config["eligibility"])
@@ -816,7 +817,7 @@ class FLService:
             return None
         last = committed[-1] if committed else None
         ckpt_id = last.checkpoint_id if last is not None and last.checkpoint_id else task.initial_checkpoint_id
-        state = {k: np.array(v) for k, v in decode_checkpoint(self.store.get_resource(ckpt_id)).items()}
+        state = {k: np.array(v) for k, v in decode_checkpoint(self.store.resource(ckpt_id)).items()}
         number = (last.number + 1) if last else 1
         # after the last attempt on record (not their count: one whose record a stopped server
         # never wrote leaves a gap, and a round on record under (number, attempt) is not written again)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from emulator.datasets import load_digits_dataset
-from server_stub import AdminClient, ServerThread
+from server_stub import ServerThread
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import greenlet
 
@@ -116,7 +117,7 @@ class AppKilled(BaseException):
 class Fiber:
     """One device's thread of control on the loop."""
 
-    def __init__(self, fibers: "Fibers", run: Callable[[], None], name: str, key: int = 0) -> None:
+    def __init__(self, fibers: Fibers, run: Callable[[], None], name: str, key: int = 0) -> None:
         self.fibers = fibers
         self.name = name
         self.key = key

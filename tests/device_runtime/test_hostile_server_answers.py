@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from device_runtime import FLRuntime, ProtocolError, RetryPolicy, SessionRejected
-from device_runtime.errors import RuntimeSdkError
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
+from device_runtime.errors import RuntimeSdkError
 from device_runtime.protocol import MAX_RETRY_WINDOW_S
 from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings
@@ -197,8 +197,8 @@ def _serving(plan_bytes: bytes, checkpoint_bytes: bytes) -> httpx.MockTransport:
 
 def test_a_checkpoint_that_is_not_the_plans_or_not_a_checkpoint_is_refused_as_corrupt(tmp_path):
     from device_runtime import CorruptResource, build_mlp_plan, encode_checkpoint, initial_weights
-    from example_store import ExampleSelector
     from device_runtime.plan import serialize_plan
+    from example_store import ExampleSelector
 
     def mlp(hidden: int):
         return build_mlp_plan(64, (hidden,), 10, selector=ExampleSelector("app:/digits"), inputs={"x": "x", "y": "y"})

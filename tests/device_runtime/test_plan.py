@@ -221,7 +221,7 @@ def test_plans_emitted_at_each_opset_load_and_train_alike(opset):
 def test_a_plan_header_that_nests_deeply_or_holds_nan_is_refused_as_a_plan_error(header):
     import hashlib
 
-    from device_runtime.plan import MAGIC, PLAN_FORMAT_VERSION, _DIGEST_LEN, _PREFIX
+    from device_runtime.plan import _DIGEST_LEN, _PREFIX, MAGIC, PLAN_FORMAT_VERSION
 
     total = _PREFIX.size + len(header) + _DIGEST_LEN
     content = _PREFIX.pack(MAGIC, PLAN_FORMAT_VERSION, len(header), total) + header

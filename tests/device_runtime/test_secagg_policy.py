@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_runtime import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from secagg import SecAggConfig, UnsafeParameters, complete_graph_threshold, secagg_plus_parameters, seed_commitment

@@ -16,7 +16,6 @@ from emulator.runtime_envs import (
     FIRST_MINOR,
     KNOWN_RELEASES,
     LAST_MINOR,
-    MARKER_NAME,
     RuntimeEnv,
     RuntimeEnvError,
     available_releases,

@@ -10,10 +10,10 @@ import pytest
 
 from example_store import (
     ExampleIterator,
-    InMemoryKeyStore,
     ExampleSelector,
     ExampleStore,
     ExampleStoreError,
+    InMemoryKeyStore,
     InvalidArgumentError,
     RetentionPolicy,
     SchemaMismatchError,

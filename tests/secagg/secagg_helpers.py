@@ -6,8 +6,7 @@ import random
 
 import numpy as np
 
-from secagg import Round, SecAggClient, SecAggConfig, SecAggServer
-from secagg import crypto
+from secagg import Round, SecAggClient, SecAggConfig, SecAggServer, crypto
 from secagg.crypto import SigningKey
 from secagg.transcript import masked_input_payload, share_check_payload, unmask_payload
 

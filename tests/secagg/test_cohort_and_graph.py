@@ -9,7 +9,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from secagg import (
     ConfigError,
@@ -21,11 +22,11 @@ from secagg import (
     UncertifiedPeer,
     UnsafeConfiguration,
     assign_groups,
+    crypto,
     parse_message,
     seed_commitment,
     seeded_harary,
 )
-from secagg import crypto
 from secagg.crypto import SigningKey
 from secagg.messages import KeyRoster
 from secagg.transcript import consistency_payload, key_signing_payload

@@ -12,7 +12,8 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from secagg import (
     BadSignature,
@@ -23,9 +24,9 @@ from secagg import (
     SecAggConfig,
     SecAggError,
     SecAggServer,
+    crypto,
     parse_message,
 )
-from secagg import crypto
 from secagg.crypto import SigningKey
 from secagg.messages import AdvertiseKeys, EncryptedShares, MaskedInput, ShareCheck, SharesForYou, UnmaskResponse
 from secagg.shamir import P

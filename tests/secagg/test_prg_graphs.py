@@ -2,12 +2,12 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from secagg import MaskAccumulator, expand, harary_neighbours, secagg_plus_parameters
 from secagg.crypto import hkdf_sha256
 from secagg.graphs import binom_tail_ge
-
 from tests.secagg.secagg_helpers import seeded
 
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from secagg import Round, SecAggConfig, parse_message
-
 from tests.secagg.secagg_helpers import Harness, make_inputs
 
 # chi-square with 255 degrees of freedom: mean 255, sd ~22.6; 400 is ~6.4 sd (p < 1e-9)

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from secagg import ProtocolAborted, Round, SecAggConfig, run_protocol
-
 from tests.secagg.secagg_helpers import make_inputs, seeded
 
 MODULI = st.one_of(st.sampled_from([2**8, 2**16, 2**32, 2**40, 2**62]), st.integers(2, 2**62))

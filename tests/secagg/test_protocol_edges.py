@@ -25,14 +25,23 @@ from secagg import (
     SecAggConfig,
     SecAggServer,
     UncertifiedPeer,
+    crypto,
     parse_message,
     run_protocol,
 )
-from secagg import crypto
 from secagg.client import consistency_payload, roster_session_id
-from secagg.transcript import entry_digests, key_signing_payload
 from secagg.config import MAX_CLIENT_ID
-from secagg.messages import KEY_ENTRY, KIND_B, KIND_S, AdvertiseKeys, EncryptedShares, KeyRoster, MaskedInput, UnmaskResponse
+from secagg.messages import (
+    KEY_ENTRY,
+    KIND_B,
+    KIND_S,
+    AdvertiseKeys,
+    EncryptedShares,
+    KeyRoster,
+    MaskedInput,
+    UnmaskResponse,
+)
+from secagg.transcript import entry_digests, key_signing_payload
 from tests.secagg.secagg_helpers import Harness, make_inputs, seeded
 
 

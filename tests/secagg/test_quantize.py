@@ -1,5 +1,6 @@
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from secagg import Quantizer, decode_weighted, encode_weighted, modulus_for
 

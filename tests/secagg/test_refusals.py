@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from secagg import (
     BadSignature,
@@ -20,7 +21,6 @@ from secagg import (
     parse_message,
 )
 from secagg.messages import ConsistencyRequest, KeyRoster, MaskRequest, SharesForYou, UnmaskRequest
-
 from tests.secagg.secagg_helpers import Harness, make_inputs
 
 N, L, R, T = 6, 16, 2**16, 4

@@ -12,7 +12,7 @@ import pytest
 from device_runtime import FLRuntime, Outcome, ProtocolError, RetryPolicy
 from emulator import AttestationAuthority
 from example_store import SQLiteExampleStore
-from server_stub import AdminClient, AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
+from server_stub import AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
 from tests.support import COLLECTION, deploy
 
 FAST = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)

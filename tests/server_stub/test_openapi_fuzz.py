@@ -24,14 +24,15 @@ import numpy as np
 import pytest
 import schemathesis
 from fastapi.routing import APIRoute
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays, from_dtype
 
 from device_runtime import PlanExecutor, encode_checkpoint, initial_weights, serialize_plan
 from device_runtime.eligibility import EligibilityPolicies
 from server_stub import AdminKeys, FLService, RoundConfig, ServerStore, ServerThread, create_app
 from server_stub.schemas import TaskDeploy
-from tests.support import deploy, digits_plan
+from tests.support import deploy
 
 #: Examples per operation and generation mode in the default run (derandomized: the same ones every
 #: run; 150 took 95 s of the default run's 16 minutes); the slow run draws 1,500 for each.

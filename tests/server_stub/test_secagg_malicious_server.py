@@ -21,7 +21,17 @@ from emulator import AttestationAuthority
 from example_store import SQLiteExampleStore
 from secagg import Round, SecAggClient, SecAggServer, harary_neighbours, parse_message
 from secagg.messages import ConsistencyRequest, UnmaskRequest
-from server_stub import AdminClient, AdminKeys, AttestationVerifier, FLService, NonceRegistry, RateLimiter, ServerStore, create_app, free_port
+from server_stub import (
+    AdminClient,
+    AdminKeys,
+    AttestationVerifier,
+    FLService,
+    NonceRegistry,
+    RateLimiter,
+    ServerStore,
+    create_app,
+    free_port,
+)
 from server_stub.secure_rounds import SecureRound
 from tests.support import COLLECTION, deploy, digits_plan
 

@@ -12,9 +12,10 @@ import httpx
 import numpy as np
 import onnxruntime
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from secagg import Round, SecAggClient, SecAggConfig, SecAggServer, SecAggError
+from secagg import Round, SecAggClient, SecAggConfig, SecAggError, SecAggServer
 from server_stub import AdminKeys
 from server_stub.secagg_limits import largest_client_message, secagg_upload_limit
 from tests.support import deploy, digits_plan

@@ -10,7 +10,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from device_runtime import PlanExecutor, build_eval_plan, decode_checkpoint, encode_checkpoint, initial_weights, serialize_plan
+from device_runtime import (
+    PlanExecutor,
+    build_eval_plan,
+    decode_checkpoint,
+    encode_checkpoint,
+    initial_weights,
+    serialize_plan,
+)
 from device_runtime.plan import installed_runtime_version
 from server_stub import ApiError, FLService, RoundConfig, ServerStore, Strategy, TaskSpec
 from tests.support import digits_plan

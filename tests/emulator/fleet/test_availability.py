@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_runtime.conditions import BATTERY_LOW_FRACTION, TrainingConstraints
 from emulator.fleet import AVAILABLE, FleetConfig, count_available, generate_population

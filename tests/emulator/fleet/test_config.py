@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from emulator.fleet import FleetConfig, FleetConfigError
 from emulator.fleet.simulator import task_round_config

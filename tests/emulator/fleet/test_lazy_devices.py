@@ -11,7 +11,6 @@ import tracemalloc
 import weakref
 
 from device_runtime.eligibility import EligibilityPolicies
-
 from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population
 from emulator.fleet.simulator import FleetSimulator
 from server_stub.service import TaskSpec

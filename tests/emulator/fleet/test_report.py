@@ -15,7 +15,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emulator.fleet import FleetReportError, FleetRun, RoundRow, SessionRow, TimelineRow, simulate, summarize, write_report
+from emulator.fleet import (
+    FleetReportError,
+    FleetRun,
+    RoundRow,
+    SessionRow,
+    TimelineRow,
+    simulate,
+    summarize,
+    write_report,
+)
 from emulator.fleet.config import FleetConfig
 from emulator.fleet.report import PLOTS, available_by_hour
 

@@ -17,7 +17,7 @@ from device_runtime import PlanExecutor, initial_weights
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.protocol import ProtocolClient
 from device_runtime.runtime import FLRuntime, Outcome
-from device_runtime.secure_client import SecureAggregation, SecureOutcome, SecureResult
+from device_runtime.secure_client import SecureAggregation, SecureOutcome
 from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population
 from emulator.fleet.simulator import FleetSimulator
 from secagg import Quantizer

@@ -101,7 +101,7 @@ def _at(now: float, window: tuple[float, float] | None) -> tuple[float, float]:
     return (-1.0, -1.0) if window is None else (now + window[0], now + window[0] + window[1])
 
 
-def _end_job(device: "_Device", now: float) -> None:
+def _end_job(device: _Device, now: float) -> None:
     """What ``SimDevice._end_job`` does to the faults: those not yet under way end with the run."""
     if device.broken_from > now:
         device.broken_from = device.broken_until = -1.0
@@ -109,7 +109,7 @@ def _end_job(device: "_Device", now: float) -> None:
         device.net_down_from = device.net_down_until = -1.0
 
 
-def _waking_at_every_change(device: "_Device", conditions: SimConditions, constraints, t: float) -> float:
+def _waking_at_every_change(device: _Device, conditions: SimConditions, constraints, t: float) -> float:
     """Where a device that wakes at every change of its conditions after ``t`` first finds
     ``constraints`` held (as unix time, a hair after the change), or past the run's end."""
     for _ in range(10_000):

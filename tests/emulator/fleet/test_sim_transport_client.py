@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from device_runtime import ProtocolError, ServerUnreachable
 from device_runtime.protocol import ProtocolClient, RetryPolicy
-from emulator.fleet.sim_transport import DEFAULT_HEADERS, AsgiCaller, LeanClient, SimTransport, WireRequest, wire_request
+from emulator.fleet.sim_transport import (
+    DEFAULT_HEADERS,
+    AsgiCaller,
+    LeanClient,
+    SimTransport,
+    WireRequest,
+    wire_request,
+)
 from server_stub.admin_auth import AdminKeys
 from server_stub.app import create_app
 from server_stub.persistence import ServerStore

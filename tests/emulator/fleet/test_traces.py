@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from emulator.fleet import AVAILABLE, FleetConfig, TraceAvailability, TraceError, generate_population, load_traces, write_traces
+from emulator.fleet import (
+    AVAILABLE,
+    FleetConfig,
+    TraceAvailability,
+    TraceError,
+    generate_population,
+    load_traces,
+    write_traces,
+)
 from emulator.fleet.traces import format_state, parse_state
 
 

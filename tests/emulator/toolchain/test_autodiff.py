@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
 from emulator.toolchain.autodiff import constant_values

@@ -5,7 +5,6 @@ evaluation tasks pass release tests whose predicates read losses, on a real rele
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

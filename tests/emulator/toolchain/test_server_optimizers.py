@@ -12,7 +12,16 @@ from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor,
 from device_runtime.clock import VirtualClock
 from device_runtime.server_ops import SERVER_STATE_PREFIX
 from emulator.inprocess import InProcessTransport
-from emulator.toolchain import FedAdam, FedAvg, FedAvgM, FedYogi, Momentum, SGD, initial_weights_from_onnx, training_plan_from_onnx
+from emulator.toolchain import (
+    SGD,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedYogi,
+    Momentum,
+    initial_weights_from_onnx,
+    training_plan_from_onnx,
+)
 from example_store import ExampleSelector, SQLiteExampleStore
 from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
 from tests.emulator.toolchain.models import mlp

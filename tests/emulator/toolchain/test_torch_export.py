@@ -6,7 +6,6 @@ marked slow and runs only where torch is installed (``pip install 'fedfleet[torc
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
