@@ -7,13 +7,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import NodeProto, helper, numpy_helper
 
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
 from emulator.toolchain.autodiff import constant_values
 from emulator.toolchain.gradients import coverage_document
 from tests.emulator.toolchain.gradcheck import vjp_error
 from tests.emulator.toolchain.models import F, model
+
+
+def _int_constant(name: str, values: object) -> NodeProto:
+    """A Constant node holding ``values`` as int64."""
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))
 
 
 def test_gradients_along_several_paths_add_up_and_unused_inputs_get_zeros():
@@ -68,7 +73,7 @@ def test_active_dropout_passes_the_gradient_of_kept_entries_scaled_and_drops_the
 def test_axes_computed_from_constants_alone_are_constants_for_the_rules():
     """The dynamo exporter's unoptimized graphs (optimize=False) build a ReduceMean's axes and a Slice's
     starts with Reshape and Concat of Constant nodes; the rules read them folded."""
-    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    const = _int_constant
     nodes = [const("raw_axes", [[-1, -2]]), const("flat", [-1]), helper.make_node("Reshape", ["raw_axes", "flat"], ["axes"]),
              const("zero", [0]), const("one", [1]), helper.make_node("Concat", ["zero", "one"], ["starts"], axis=0),
              const("big", [9, 9]), const("slice_axes", [2, 3]),
@@ -94,7 +99,7 @@ def test_shapes_sliced_with_starts_computed_by_mod_keep_their_rank_for_the_rules
     """torchvision's multi-head attention (classic exporter) reshapes its projection with a shape
     sliced at starts computed through Mod, where onnx's data propagation stops; folded first, the
     reshaped tensor keeps its rank and the Gather after it is differentiated."""
-    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    const = _int_constant
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),  # [2, 3, 6]
              helper.make_node("Shape", ["h"], ["shape"]),
              const("minus_one", [-1]), const("three", [3]), const("three_again", [3]),
@@ -115,7 +120,7 @@ def test_shapes_sliced_with_starts_computed_by_mod_keep_their_rank_for_the_rules
 def test_slices_at_a_static_dimension_that_shape_reads_are_differentiated():
     """Llama's rotate_half as the classic exporter writes it: the last axis halved at x.shape[-1] // 2
     (Shape, Gather, Div, Unsqueeze) while the batch axis stays dynamic."""
-    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    const = _int_constant
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),  # [N, 3, 8]
              helper.make_node("Shape", ["h"], ["shape"]), const("last", 2), helper.make_node("Gather", ["shape", "last"], ["size"]),
              const("two", 2), helper.make_node("Div", ["size", "two"], ["half"]),
@@ -135,7 +140,7 @@ def test_dimensions_lost_in_symbolic_shape_arithmetic_are_recovered_for_the_rule
     """MobileViT (classic exporter) unfolds patches with Reshape to batch x channels rows, a product of
     symbolic sizes where onnx's data propagation gives up, so the static axes after it lose their
     sizes: inference with the batch set to two sizes tells the static axes from the batch's."""
-    ints = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    ints = _int_constant
     nodes = [helper.make_node("Mul", ["x", "w"], ["h"]), helper.make_node("Shape", ["h"], ["shape"]),  # h [N, 2, 4]
              ints("zero", 0), ints("one", 1), ints("axis0", [0]), ints("minus_one", [-1]),
              helper.make_node("Gather", ["shape", "zero"], ["n"]), helper.make_node("Gather", ["shape", "one"], ["c"]),

@@ -21,6 +21,11 @@ from emulator.toolchain.tasks import load_tasks
 from emulator.toolchain.versioning import VersioningError, convert_model, plan_sha256, versioned_plan
 from example_store import ExampleSelector
 
+
+def _int_constant(name: str, values: object) -> onnx.NodeProto:
+    """A Constant node holding ``values`` as int64."""
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))
+
 F32 = TensorProto.FLOAT
 TARGETS = st.sampled_from([11, 12, 13, 15, 17, 19, 20])
 
@@ -157,7 +162,7 @@ def test_computed_axes_have_no_attribute_form_and_are_refused():
 def test_axes_computed_from_constants_alone_move_to_attributes():
     """The dynamo exporter's unoptimized graphs (opset 18 at the least) give a ReduceMean axes built by
     Reshape of Constant nodes: lowered to 17, they become its attribute."""
-    const = lambda name, values: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))  # noqa: E731
+    const = _int_constant
     nodes = [const("raw", [[-1, -2]]), const("flat", [-1]), helper.make_node("Reshape", ["raw", "flat"], ["axes"]),
              helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1)]
     m = model(nodes, [helper.make_tensor_value_info("x", F32, [2, 3, 4, 5])],
