@@ -8,8 +8,9 @@ population, server, stores, policies) stay ``FLRuntime``'s arguments."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .opstats import rss_mb
 from .plan import Plan

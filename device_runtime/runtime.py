@@ -4,17 +4,18 @@ report) and records its events, whose symbols give the session's shape (paper, T
 from __future__ import annotations
 
 import enum
-import os
 import logging
+import os
 import random
 import shutil
 import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -25,10 +26,10 @@ from example_store import ExampleSelector, ExampleStore, ExampleStoreError, Unkn
 from .attestation import DeviceAttestor, PeerCertificateVerifier
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .eligibility import EligibilityPolicies, Participation, evaluate
+from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .influence import bound_update
-from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .opstats import Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError
 from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
@@ -141,7 +142,7 @@ class FLRuntime:
         self.peer_verifier = PeerCertificateVerifier(trust_anchor, clock) if trust_anchor is not None else None
         self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng, sleep=sleep,
                                      client=http_client, transport=transport)
-        self.plan_cache: PlanCache = plan_cache if plan_cache is not None else DirectoryPlanCache(cache_dir)
+        self.plan_cache: PlanCache = plan_cache if plan_cache is not None else DirectoryPlanCache(cast("str | os.PathLike", cache_dir))  # made above
         self.loaded_plans = environment.loaded_plans if environment.loaded_plans is not None else LoadedPlans()
         self.work_meter = environment.work_meter
         self.memory_probe = environment.memory_probe
@@ -158,7 +159,7 @@ class FLRuntime:
         self.client.close()
         self._remove_own_cache()
 
-    def __enter__(self) -> "FLRuntime":
+    def __enter__(self) -> FLRuntime:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -202,7 +203,7 @@ class FLRuntime:
 
     def _session(
         self,
-        rec: "_Recorder",
+        rec: _Recorder,
         should_abort: Callable[[], bool] | None,
         before_report: Callable[[], None] | None,
         eligibility: dict | None,
@@ -253,7 +254,7 @@ class FLRuntime:
                     return self._secure_outcome(rec, prepared, {}, 0)
             resume = {"resume": reading.mode} if reading.resumes else {}
             rec.record("training_started", examples_available=available, **resume)
-            batches = executor.batches_from_examples(reading.open_batches)
+            batches: Callable[[], Iterator[Mapping[str, np.ndarray]]] = executor.batches_from_examples(reading.open_batches)
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
             try:
@@ -340,7 +341,7 @@ class FLRuntime:
         """The key rounds, before training (see ``secure_client``). Deadlines are measured on the
         runtime's clock, or on the monotonic one when that is the system's (which can jump)."""
         clock = time.monotonic if self.clock is time.time else self.clock
-        polling = {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
+        polling: dict[str, Any] = {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
         secure = SecureAggregation(
             self.client, session, deadline=clock() + session.report_deadline_s, should_abort=should_abort,
             policy=self.secagg_policy, signer=self.attestor.secagg_signer() if self.attestor is not None else None,
@@ -349,7 +350,7 @@ class FLRuntime:
         return secure, secure.prepare()
 
     def _secure_report(
-        self, rec: "_Recorder", secure: SecureAggregation, session: CheckinAccepted, plan: Plan, result: DeviceResult
+        self, rec: _Recorder, secure: SecureAggregation, session: CheckinAccepted, plan: Plan, result: DeviceResult
     ) -> SessionResult:
         """Report through Secure Aggregation: the server sees only the group's sum, so this device
         bounds its own update first, as the server bounds a plain report (``bound_update``, with
@@ -373,7 +374,7 @@ class FLRuntime:
         rec.record("upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped)
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
-    def _secure_outcome(self, rec: "_Recorder", outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
+    def _secure_outcome(self, rec: _Recorder, outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
         if outcome.outcome is SecureOutcome.INTERRUPTED:
             return rec.interrupted("interrupted")
         if outcome.refused:  # below this device's privacy floor, a check failed, or no attested cohort: say why

@@ -78,7 +78,7 @@ class RowSealer:
         n = len(timestamps)
         nonces = os.urandom(NONCE_BYTES * n)
         encrypt, pack, prefix = self._aead.encrypt, _ROW_AD.pack, coll.ad_prefix
-        sealed = []
+        sealed: list[bytes] = []
         append = sealed.append
         for i in range(n):
             nonce = nonces[NONCE_BYTES * i : NONCE_BYTES * (i + 1)]

@@ -136,7 +136,8 @@ class SQLiteIterator(ExampleIterator):
 
 
 def where_clause(coll: Collection, selector: ExampleSelector, after: Position | None) -> tuple[str, list[Any]]:
-    clauses, params = ["collection_id = ?"], [coll.id]
+    clauses: list[str] = ["collection_id = ?"]
+    params: list[Any] = [coll.id]
     if selector.start_time is not None:
         clauses.append("timestamp >= ?")
         params.append(selector.start_time)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice, repeat
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from sqlalchemy import (
@@ -69,8 +70,8 @@ from .interface import ExampleIterator, ExampleStore, check_batch_size
 from .keystore import KeyStore, check_alias, check_key
 from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
-from .selector import ExampleSelector
 from .sealing import SEALING_AES_GCM, SEALING_NONE, Collection, RowSealer, b64, collection_record
+from .selector import ExampleSelector
 from .sqlite_engine import sqlite_engine
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
@@ -231,6 +232,7 @@ class SQLiteExampleStore(ExampleStore):
             meta.update(sealing=SEALING_NONE, token_key=b64(secrets.token_bytes(32)))
         else:
             key = self._fetch_key(key_store, key_alias, create=True)
+            assert key is not None  # create=True: the key store made one if it held none
             (max_id,) = conn.exec_driver_sql("SELECT COALESCE(MAX(id), 0) FROM examples").one()
             meta.update(
                 sealing=SEALING_AES_GCM,
@@ -338,7 +340,7 @@ class SQLiteExampleStore(ExampleStore):
             )
             coll = self._lookup(collection_uri, conn)
             if coll is not None and not policy.is_noop:
-                cursor = conn.connection.driver_connection.cursor()
+                cursor = _cursor(conn.connection.driver_connection)
                 try:
                     _apply_policy(cursor, coll, policy, self._clock())
                 finally:
@@ -405,7 +407,7 @@ class SQLiteExampleStore(ExampleStore):
         created: Collection | None = None
         with self._lock, self._db_errors("add examples"), self._engine.begin() as conn:
             coll = self._lookup(collection_uri, conn)
-            cursor = conn.connection.driver_connection.cursor()
+            cursor = _cursor(conn.connection.driver_connection)
             try:
                 while chunk := list(islice(example_iter, INSERT_CHUNK)):
                     if coll is None:
@@ -427,7 +429,7 @@ class SQLiteExampleStore(ExampleStore):
                     total += n
                 if ts_iter is not None and next(ts_iter, None) is not None:
                     raise InvalidArgumentError(f"more timestamps than examples ({total}) were given to add()")
-                if total:
+                if total and coll is not None:  # a collection exists once an example was added
                     _apply_policy(cursor, coll, self.retention_for(collection_uri), self._clock())
             finally:
                 cursor.close()
@@ -440,7 +442,9 @@ class SQLiteExampleStore(ExampleStore):
         result = conn.execute(
             collections_table.insert().values(uri=uri, schema=schema_text, record_size=schema.record_size, created_at=now)
         )
-        return collection_record(int(result.inserted_primary_key[0]), uri, schema_text)
+        key = result.inserted_primary_key
+        assert key is not None  # the INSERT of one row
+        return collection_record(int(key[0]), uri, schema_text)
 
     # -- retention and housekeeping ------------------------------------------------------------
 
@@ -455,13 +459,13 @@ class SQLiteExampleStore(ExampleStore):
                 for row in conn.execute(select(retention_table))
             }
             uris = list(conn.execute(select(collections_table.c.uri)).scalars())
-            cursor = conn.connection.driver_connection.cursor()
+            cursor = _cursor(conn.connection.driver_connection)
             try:
                 now = self._clock()
                 for uri in uris:
                     policy = self.retention_for(uri)
-                    if not policy.is_noop:
-                        deleted += _apply_policy(cursor, self._lookup(uri, conn), policy, now)
+                    if not policy.is_noop and (coll := self._lookup(uri, conn)) is not None:  # listed above
+                        deleted += _apply_policy(cursor, coll, policy, now)
             finally:
                 cursor.close()
         return deleted
@@ -549,7 +553,7 @@ class SQLiteExampleStore(ExampleStore):
         self._expire(coll)
         where, params = where_clause(coll, selector, after)
         with self._db_errors("count examples"), self._engine.connect() as conn:
-            n = int(conn.exec_driver_sql(f"SELECT COUNT(*) FROM examples WHERE {where}", tuple(params)).scalar())
+            n = int(conn.exec_driver_sql(f"SELECT COUNT(*) FROM examples WHERE {where}", tuple(params)).scalar_one())
         return n if selector.limit is None else min(n, selector.limit)
 
     def query(self, selector: ExampleSelector) -> ExampleIterator:
@@ -574,7 +578,7 @@ class SQLiteExampleStore(ExampleStore):
         with self._db_errors("query examples"):
             proxied = self._engine.raw_connection()
             try:
-                cursor = proxied.driver_connection.cursor()
+                cursor = _cursor(proxied.driver_connection)
                 cursor.arraysize = chunk
                 cursor.execute(sql, params)
             except BaseException:
@@ -614,6 +618,12 @@ class SQLiteExampleStore(ExampleStore):
 
     def __repr__(self) -> str:
         return f"SQLiteExampleStore({str(self.path)!r}{', sealed' if self.sealed else ''})"
+
+
+def _cursor(driver_connection: object) -> sqlite3.Cursor:
+    """A cursor on the pysqlite connection under SQLAlchemy's (the engine is always SQLite's), where
+    rows are inserted and read in bulk without SQLAlchemy's per-row cost."""
+    return cast(sqlite3.Connection, driver_connection).cursor()
 
 
 def _apply_policy(cursor: sqlite3.Cursor, coll: Collection, policy: RetentionPolicy, now: float) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime import FLRuntime, RuntimeEnvironment, OpStatsStore
+from device_runtime import FLRuntime, OpStatsStore, RuntimeEnvironment
 from device_runtime.clock import Clock, SystemClock
 from device_runtime.conditions import (
     DeviceConditions,

@@ -21,8 +21,9 @@ from __future__ import annotations
 import functools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,14 @@ from device_runtime.opstats import Event, SessionSummary, shape_of
 from device_runtime.plan import Plan
 from device_runtime.plan_cache import MemoryPlanCache
 from device_runtime.runtime import DeviceClass
-from device_runtime.scheduling import JobRun, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue, to_microsecond
+from device_runtime.scheduling import (
+    JobRun,
+    ParticipationScheduler,
+    RunOutcome,
+    SchedulerSettings,
+    WorkerQueue,
+    to_microsecond,
+)
 from example_store import InMemoryExampleStore
 
 from .events import AppKilled, Fiber, SimulationError, Timer
@@ -86,7 +94,7 @@ class DeviceClock:
     """The device's Clock: unix seconds on the device's virtual time; sleeping suspends the
     device's fiber (the ``wake`` event of a real scheduler loop is never needed: one driver)."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         self._device = device
         self._epoch = device.sim.epoch
 
@@ -142,7 +150,7 @@ class SimConditions:
     is in effect laid over it. ``next_change``, ``next_satisfied`` and ``first_satisfied`` let the
     scheduler sleep until it matters."""
 
-    def __init__(self, device: "SimDevice") -> None:
+    def __init__(self, device: SimDevice) -> None:
         self._device = device
 
     def state_at(self, t: float) -> DeviceState:
@@ -264,7 +272,7 @@ class Carried:
     scheduler_rng: int
     jobs: dict
     last_run: dict
-    opstats: "MemoryOpStats"
+    opstats: MemoryOpStats
     retry_window: tuple[float, float] | None
     verdict_needed: bool
     plan_ids: set
@@ -332,7 +340,7 @@ class LazyExampleStore(InMemoryExampleStore):
         super().__init__(clock=clock)
         self._pending = (collection_uri, examples, clock() if stocked_at is None else stocked_at)
 
-    @property  # type: ignore[override]
+    @property
     def _collections(self) -> dict:
         pending, self._pending = self._pending, None
         if pending is not None:

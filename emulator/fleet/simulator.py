@@ -17,8 +17,9 @@ import random
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import greenlet
 import numpy as np
@@ -35,8 +36,8 @@ from server_stub.service import FLService, TaskSpec
 
 from ..runtime_worker import ReleasePlans, WorkerPool
 from .config import FleetConfig
-from .federated_data import client_accuracy_percentiles
 from .events import EventLoop, Fibers, SimulationError
+from .federated_data import client_accuracy_percentiles
 from .heap import long_lived_heap
 from .plan_cost import PlanCost, plan_cost
 from .releases import ReleasedPlans, release_tested_plans

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
-from device_runtime.plan_builder import assemble_plan
 from device_runtime.plan import Plan
+from device_runtime.plan_builder import assemble_plan
 
 from .autodiff import Emitter
 from .server_optimizers import server_part

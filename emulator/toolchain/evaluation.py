@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from onnx import TensorProto
 
 from device_runtime.executor import PlanExecutor
-from device_runtime.plan_builder import assemble_plan
 from device_runtime.plan import Plan
+from device_runtime.plan_builder import assemble_plan
 
 from . import onnx_import
 from .autodiff import Emitter, constant_values, tensor_infos

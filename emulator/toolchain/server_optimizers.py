@@ -30,9 +30,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime.executor import NUM_EXAMPLES
-from device_runtime.server_ops import SERVER_STATE_PREFIX
 from device_runtime.plan import ServerPart, ir_version_for_opset
 from device_runtime.plan_builder import summing_graphs
+from device_runtime.server_ops import SERVER_STATE_PREFIX
 
 _F32, _F64 = TensorProto.FLOAT, TensorProto.DOUBLE
 

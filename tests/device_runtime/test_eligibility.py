@@ -8,7 +8,16 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from device_runtime import RuntimeEnvironment, FLRuntime, OpStatsStore, Outcome, RetryPolicy, SessionRejected, encode_checkpoint, initial_weights
+from device_runtime import (
+    FLRuntime,
+    OpStatsStore,
+    Outcome,
+    RetryPolicy,
+    RuntimeEnvironment,
+    SessionRejected,
+    encode_checkpoint,
+    initial_weights,
+)
 from device_runtime.clock import VirtualClock
 from device_runtime.eligibility import EligibilityPolicies, Participation, evaluate
 from example_store import SQLiteExampleStore

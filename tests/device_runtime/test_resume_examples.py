@@ -12,9 +12,20 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
-from device_runtime import FLRuntime, OpStatsStore, Outcome, PlanError, RetryPolicy, SessionResult, build_softmax_regression_plan, load_plan, serialize_plan
-from device_runtime.reading import MemoryResumptionTokens, ResumptionTokenKeeper
+from device_runtime import (
+    FLRuntime,
+    OpStatsStore,
+    Outcome,
+    PlanError,
+    RetryPolicy,
+    SessionResult,
+    build_softmax_regression_plan,
+    load_plan,
+    serialize_plan,
+)
+from device_runtime.clock import VirtualClock
 from device_runtime.plan import _PREFIX, MAGIC
+from device_runtime.reading import MemoryResumptionTokens, ResumptionTokenKeeper
 from example_store import (
     Example,
     ExampleIterator,
@@ -23,7 +34,6 @@ from example_store import (
     InMemoryExampleStore,
     SQLiteExampleStore,
 )
-from device_runtime.clock import VirtualClock
 from server_stub import ServerThread
 from tests.support import COLLECTION, deploy, digits_plan
 

@@ -18,7 +18,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_runtime import CorruptResource, FLRuntime, NoExamples, Outcome, RetryPolicy, ServerUnreachable, SessionRejected
+from device_runtime import (
+    CorruptResource,
+    FLRuntime,
+    NoExamples,
+    Outcome,
+    RetryPolicy,
+    ServerUnreachable,
+    SessionRejected,
+)
 from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from server_stub import free_port

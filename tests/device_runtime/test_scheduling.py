@@ -10,7 +10,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from device_runtime import FLRuntime, RuntimeEnvironment, PlanExecutor, RetryPolicy, TrainingInterrupted, build_mlp_plan, initial_weights
+from device_runtime import (
+    FLRuntime,
+    PlanExecutor,
+    RetryPolicy,
+    RuntimeEnvironment,
+    TrainingInterrupted,
+    build_mlp_plan,
+    initial_weights,
+)
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue

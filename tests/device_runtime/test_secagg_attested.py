@@ -7,8 +7,7 @@ import time
 import pytest
 from cryptography.exceptions import InvalidSignature
 
-from device_runtime.attestation import PeerCertificateVerifier
-from device_runtime.attestation import attestation_payload
+from device_runtime.attestation import PeerCertificateVerifier, attestation_payload
 from emulator import AttestationAuthority
 from secagg import crypto
 

@@ -11,9 +11,9 @@ import random
 import httpx
 import pytest
 
-from device_runtime import FLRuntime, RuntimeEnvironment, RetryPolicy
-from device_runtime.clock import VirtualClock
+from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment
 from device_runtime.checkpoint import encode_checkpoint
+from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan

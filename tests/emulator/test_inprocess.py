@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, encode_checkpoint, initial_weights
+from device_runtime import FLRuntime, Outcome, RuntimeEnvironment, encode_checkpoint, initial_weights
 from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
 from example_store import SQLiteExampleStore

@@ -18,10 +18,26 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, TrainingInterrupted, build_mlp_plan, encode_checkpoint, initial_weights
+from device_runtime import (
+    FLRuntime,
+    Outcome,
+    PlanExecutor,
+    RuntimeEnvironment,
+    TrainingInterrupted,
+    build_mlp_plan,
+    encode_checkpoint,
+    initial_weights,
+)
 from device_runtime.clock import VirtualClock
 from emulator.inprocess import InProcessTransport
-from emulator.runtime_worker import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
+from emulator.runtime_worker import (
+    ReleasePlans,
+    RuntimeWorker,
+    WorkerError,
+    WorkerExecutor,
+    WorkerPool,
+    assign_releases,
+)
 from emulator.toolchain.bundle import build_bundle, release_test_bundle
 from emulator.toolchain.release_signing import public_key_bytes
 from emulator.toolchain.versioning import versioned_plan

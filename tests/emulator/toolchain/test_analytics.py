@@ -8,9 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, encode_checkpoint, load_plan, serialize_plan
-from device_runtime.secure_sum import SecureSumCodec
+from device_runtime import (
+    FLRuntime,
+    Outcome,
+    PlanExecutor,
+    RuntimeEnvironment,
+    encode_checkpoint,
+    load_plan,
+    serialize_plan,
+)
 from device_runtime.clock import VirtualClock
+from device_runtime.secure_sum import SecureSumCodec
 from emulator.inprocess import InProcessTransport
 from emulator.toolchain import analytics_plan
 from example_store import ExampleSelector, SQLiteExampleStore

@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor
+from device_runtime import FLRuntime, Outcome, PlanExecutor, RuntimeEnvironment
 from device_runtime.plan import load_plan
 from emulator.cli import main
 from emulator.runtime_worker import ReleasePlans, WorkerPool

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome
+from device_runtime import FLRuntime, Outcome, RuntimeEnvironment
 from device_runtime.checkpoint import decode_checkpoint
 from emulator.cli import main
 from emulator.runtime_worker import ReleasePlans, WorkerPool

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, RuntimeEnvironment, Outcome, PlanExecutor, encode_checkpoint
+from device_runtime import FLRuntime, Outcome, PlanExecutor, RuntimeEnvironment, encode_checkpoint
 from device_runtime.clock import VirtualClock
 from device_runtime.server_ops import SERVER_STATE_PREFIX
 from emulator.inprocess import InProcessTransport
