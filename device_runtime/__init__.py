@@ -49,6 +49,7 @@ from .plan_builder import (
     build_softmax_regression_plan,
     initial_weights,
 )
+from . import wire
 from .protocol import RetryPolicy
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
 from .scheduling import (
@@ -78,4 +79,6 @@ __all__ = [
     "build_mlp_plan", "build_softmax_regression_plan", "build_eval_plan", "initial_weights",
     "encode_checkpoint", "decode_checkpoint", "CheckpointError", "PlanExecutor",
     "min_runtime_for_opset", "max_opset_for_runtime", "max_ir_version_for_runtime", "version_tuple",
+    # the protocol's messages (every JSON body, declared once)
+    "wire",
 ]
