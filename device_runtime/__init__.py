@@ -7,6 +7,7 @@ package of this project uses (the attestation verifier's errors, the protocol cl
 Aggregation client, example reading) is imported from its module, e.g.
 ``device_runtime.attestation``."""
 
+from . import wire
 from .attestation import DeviceAttestor
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .clock import Clock, SystemClock, VirtualClock
@@ -78,4 +79,6 @@ __all__ = [
     "build_mlp_plan", "build_softmax_regression_plan", "build_eval_plan", "initial_weights",
     "encode_checkpoint", "decode_checkpoint", "CheckpointError", "PlanExecutor",
     "min_runtime_for_opset", "max_opset_for_runtime", "max_ir_version_for_runtime", "version_tuple",
+    # the protocol's messages (every JSON body, declared once)
+    "wire",
 ]

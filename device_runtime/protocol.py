@@ -8,25 +8,36 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import random
-import re
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 import certifi
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
 from .attestation import AttestationError, decode_nonce
 from .errors import CorruptResource, ProtocolError, ServerUnreachable
+from .wire import (
+    AGGREGATIONS,
+    CHECKIN_ANSWER,
+    MAX_RETRY_WINDOW_S,
+    AttestationChallenge,
+    CheckinAccepted,
+    CheckinRejected,
+    EligibilityInfo,
+    ReportAnswer,
+    sane_window,
+)
+
+__all__ = ["AGGREGATIONS", "MAX_RETRY_WINDOW_S", "STATS_HEADER", "CheckinAccepted", "CheckinRejected", "ProtocolClient",
+           "RetryPolicy", "retry_window", "shared_tls_context"]
 
 #: The header a report carries its session statistics in (shape so far, training time).
 STATS_HEADER = "X-FL-Session-Stats"
-#: The longest wait a server can ask for (a week): a longer one is cut to it.
-MAX_RETRY_WINDOW_S = 7 * 86_400.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,90 +57,28 @@ class RetryPolicy:
         return rng.uniform(0.0, min(self.max_delay_s, self.base_delay_s * (2**attempt)))
 
 
-@dataclass(frozen=True)
-class CheckinAccepted:
-    session_id: str
-    token: str
-    task: str
-    round: int
-    plan_id: str
-    checkpoint_id: str
-    aggregation: str
-    report_deadline_s: float
-    secagg_commitment: str | None = None  # H(seed) of the round's Secure Aggregation groups
-    # The round's bounds on one device's influence; under Secure Aggregation the device applies
-    # them to its own update before masking it (the server sees only its group's sum).
-    max_examples_per_report: int | None = None
-    clip_update_norm: float | None = None
-
-
-#: What an accepted check-in's fields must look like before the device uses them: ids name
-#: files of the plan cache and path segments of later requests, the token goes into a header.
-_RESOURCE_ID = re.compile(r"[0-9a-f]{64}")
-_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_TOKEN = re.compile(r"[\x21-\x7e]{1,512}")
-AGGREGATIONS = ("simple", "secure_sum")
-
-
-def _json_object(response: httpx.Response, what: str) -> dict:
-    """The JSON object a successful answer must be; anything else is the server's ``ProtocolError``."""
+def _answer(response: httpx.Response, model: Any, what: str) -> Any:
+    """The answer of a success parsed by its wire model (``model`` a model class or a ``TypeAdapter``):
+    a broken or hostile server's answer is a ``ProtocolError`` naming the field, never a value that
+    reaches a path, a header or a clock."""
     if not 200 <= response.status_code < 300:
         raise ProtocolError(f"the server's {what} came with HTTP {response.status_code}, not a success", status=response.status_code)
     try:
-        data = response.json()
-    except ValueError:  # not JSON, or not UTF-8
-        raise ProtocolError(f"the server's {what} is not JSON: {response.content[:80]!r}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"the server's {what} is not a JSON object: {str(data)[:80]!r}")
-    return data
+        return model.validate_json(response.content) if isinstance(model, TypeAdapter) else model.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise ProtocolError(f"the server's {what} is malformed: {_first_error(exc)}") from None
 
 
-def _accepted(data: dict) -> CheckinAccepted:
-    """The accepted check-in, every field checked: a broken or hostile server's answer is a
-    ``ProtocolError`` naming the field, never a value that reaches a path, a header or a clock."""
-
-    def field(name: str, ok: Callable[[object], bool], what: str) -> Any:
-        if name not in data:
-            raise ProtocolError(f"the check-in answer is missing {name!r}")
-        value = data[name]
-        if not ok(value):
-            raise ProtocolError(f"the check-in answer's {name!r} is not {what}: {str(value)[:80]!r}")
-        return value
-
-    def matches(pattern: re.Pattern) -> Callable[[object], bool]:
-        return lambda v: isinstance(v, str) and pattern.fullmatch(v) is not None
-
-    def number(v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-
-    def positive_int(v: object) -> TypeGuard[int]:
-        return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-    def positive_or_null(v: object) -> bool:
-        return v is None or (positive_int(v) and v < 2**1023) or (isinstance(v, float) and math.isfinite(v) and v > 0)
-
-    secure = data.get("aggregation") == "secure_sum"
-
-    def bound(name: str, ok: Callable[[object], bool], what: str) -> Any:
-        """One of the round's bounds, required under Secure Aggregation: nobody but the device can apply it."""
-        return field(name, ok, what) if secure or name in data else None
-
-    commitment = data.get("secagg_commitment")
-    max_examples = bound("max_examples_per_report", positive_int, "a positive integer")
-    clip = bound("clip_update_norm", positive_or_null, "a positive number or null")
-    return CheckinAccepted(
-        session_id=field("session_id", matches(_SESSION_ID), "a session id"),
-        token=field("token", matches(_TOKEN), "a token"),
-        task=field("task", lambda v: isinstance(v, str) and 0 < len(v) <= 128, "a task name"),
-        round=int(field("round", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a round number")),
-        plan_id=field("plan_id", matches(_RESOURCE_ID), "a resource id"),
-        checkpoint_id=field("checkpoint_id", matches(_RESOURCE_ID), "a resource id"),
-        aggregation=field("aggregation", lambda v: v in AGGREGATIONS, f"one of {AGGREGATIONS}"),
-        report_deadline_s=float(field("report_deadline_s", number, "a finite number of seconds")),
-        secagg_commitment=commitment if isinstance(commitment, str) else None,
-        max_examples_per_report=max_examples,
-        clip_update_norm=None if clip is None else float(clip),
-    )
+def _first_error(exc: ValidationError) -> str:
+    """The first refusal, naming the field, without echoing the (possibly hostile) value."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    if not errors:
+        return "not what the protocol declares"
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"not JSON ({first['msg']})"
+    where = ".".join(str(part) for part in first["loc"])
+    return (f"{where}: {first['msg']}" if where else str(first["msg"]))[:200]
 
 
 class ProtocolClient:
@@ -206,8 +155,8 @@ class ProtocolClient:
         response = self._request("POST", "/v1/attestation/nonce", json={})
         self._raise_for_error(response)
         try:
-            return decode_nonce(_json_object(response, "attestation challenge").get("nonce"))
-        except (AttestationError, ValueError, AttributeError) as exc:
+            return decode_nonce(_answer(response, AttestationChallenge, "attestation challenge").nonce)
+        except (AttestationError, ValueError) as exc:
             raise ProtocolError(f"the server's attestation challenge is malformed: {exc}") from None
 
     def checkin(
@@ -216,8 +165,9 @@ class ProtocolClient:
         runtime_version: str,
         eligibility: dict | None = None,
         attestation: dict | Callable[[], dict] | None = None,
-    ) -> CheckinAccepted | dict:
-        """Returns CheckinAccepted, or the rejection dict with ``reason`` and ``retry_after_s``.
+    ) -> CheckinAccepted | CheckinRejected:
+        """Returns the session (``CheckinAccepted``), or ``CheckinRejected`` with ``reason`` and
+        ``retry_after_s`` (None when the server named no sane window).
         ``attestation`` may be a function that attests a fresh nonce: it is called for every
         attempt, so a retried check-in never replays a nonce the server has already consumed."""
 
@@ -229,17 +179,12 @@ class ProtocolClient:
 
         response = self._request("POST", f"/v1/populations/{population}/checkin", json_body=body)
         self._raise_for_error(response)
-        data = _json_object(response, "check-in answer")
-        if data.get("status") == "accepted":
-            return _accepted(data)
-        if data.get("status") == "rejected":
-            return data
-        raise ProtocolError(f"unexpected check-in answer: {data!r}")
+        return _answer(response, CHECKIN_ANSWER, "check-in answer")
 
-    def eligibility_info(self, population: str) -> dict:
+    def eligibility_info(self, population: str) -> EligibilityInfo:
         response = self._request("GET", f"/v1/populations/{population}/eligibility")
         self._raise_for_error(response)
-        return _json_object(response, "eligibility answer")
+        return _answer(response, EligibilityInfo, "eligibility answer")
 
     def fetch_resource(self, resource_id: str, token: str) -> bytes:
         """Download a content-addressed resource of the session whose bearer ``token`` is given
@@ -251,7 +196,7 @@ class ProtocolClient:
             raise CorruptResource(f"resource {resource_id} arrived corrupted (its SHA-256 does not match); it was discarded")
         return data
 
-    def report(self, session: CheckinAccepted, update: bytes, stats: dict | None = None) -> dict:
+    def report(self, session: CheckinAccepted, update: bytes, stats: dict | None = None) -> ReportAnswer:
         headers = {"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"}
         if stats:
             headers[STATS_HEADER] = json.dumps(stats, separators=(",", ":"))
@@ -261,9 +206,9 @@ class ProtocolClient:
             raise ProtocolError(f"the server answered the report with HTTP {response.status_code}, not a success",
                                 status=response.status_code)
         try:  # the report was taken (2xx); what the answer adds is advice, and a broken one is none
-            return _json_object(response, "answer to the report")
+            return _answer(response, ReportAnswer, "answer to the report")
         except ProtocolError:
-            return {}
+            return ReportAnswer()
 
     def secagg_poll(self, session: CheckinAccepted, *, after: int | None = None, wait_s: float = 0.0) -> dict:
         """This session's Secure Aggregation state and the server's latest message for it. With
@@ -277,7 +222,15 @@ class ProtocolClient:
             headers={"Authorization": f"Bearer {session.token}"},
         )
         self._raise_for_error(response)
-        return _json_object(response, "Secure Aggregation state")
+        # Read as a JSON object only: the Secure Aggregation client judges each field itself, and
+        # refuses a state out of shape as a refusal of the round (``SecureOutcome``), not an error.
+        try:
+            data = response.json()
+        except ValueError:  # not JSON, or not UTF-8
+            raise ProtocolError(f"the server's Secure Aggregation state is not JSON: {response.content[:80]!r}") from None
+        if not isinstance(data, dict):
+            raise ProtocolError(f"the server's Secure Aggregation state is not a JSON object: {str(data)[:80]!r}")
+        return data
 
     def secagg_send(self, session: CheckinAccepted, message: bytes) -> None:
         response = self._request(
@@ -299,15 +252,8 @@ class ProtocolClient:
 
 
 def retry_window(answer: object) -> tuple[float, float] | None:
-    """The ``retry_after_s`` window a server's answer names, cut to a week; None when it names
-    none or a malformed one (a server is not trusted to)."""
-    window = answer.get("retry_after_s") if isinstance(answer, dict) else None
-    if not isinstance(window, (list, tuple)) or len(window) < 2:
-        return None
-    try:
-        lo, hi = float(window[0]), float(window[1])
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if not (0.0 <= lo <= hi and math.isfinite(hi)):
-        return None
-    return (min(lo, MAX_RETRY_WINDOW_S), min(hi, MAX_RETRY_WINDOW_S))
+    """The ``retry_after_s`` window an answer (a wire model or a JSON object) names, cut to a week;
+    None when it names none or a malformed one (a server is not trusted to; see ``wire.sane_window``)."""
+    if isinstance(answer, dict):
+        return sane_window(answer.get("retry_after_s"))
+    return getattr(answer, "retry_after_s", None)

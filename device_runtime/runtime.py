@@ -226,12 +226,12 @@ class FLRuntime:
 
             attestation = attest
         answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
-        if skipped and not isinstance(answer, CheckinAccepted) and answer.get("reason") == "ELIGIBILITY_REQUIRED":
+        if skipped and not isinstance(answer, CheckinAccepted) and answer.reason == "ELIGIBILITY_REQUIRED":
             eligibility = self.evaluate_eligibility()
             answer = self.client.checkin(self.population, self.runtime_version, eligibility, attestation)
         if not isinstance(answer, CheckinAccepted):
             self.last_retry_window = retry_window(answer) or DEFAULT_RETRY_WINDOW_S
-            raise SessionRejected(str(answer.get("reason", "unspecified")), self.last_retry_window)
+            raise SessionRejected(answer.reason, self.last_retry_window)
         session = rec.session = answer
         rec.record("checkin", round=session.round)
         try:
@@ -286,7 +286,7 @@ class FLRuntime:
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
         try:
-            answer = self.client.report(session, payload, rec.stats())
+            reported = self.client.report(session, payload, rec.stats())
         except ProtocolError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
@@ -297,7 +297,7 @@ class FLRuntime:
             rec.record("error", error=type(exc).__name__)
             raise
         rec.record("upload_completed")
-        return self._paced(rec.result(Outcome.COMPLETED, result.metrics, result.num_examples), retry_window(answer))
+        return self._paced(rec.result(Outcome.COMPLETED, result.metrics, result.num_examples), retry_window(reported))
 
     def _paced(self, completed: SessionResult, window: tuple[float, float] | None) -> SessionResult:
         """A completed session with the pace-steering window its server named, if it named one."""
@@ -309,21 +309,17 @@ class FLRuntime:
     def evaluate_eligibility(self) -> dict | None:
         """Evaluate the active task's policies here, on the device; only the verdict is sent."""
         info = self.client.eligibility_info(self.population)
-        task = info.get("task")
-        try:
-            policies = EligibilityPolicies.from_dict(info.get("policies") or {})
-        except ValueError as exc:
-            raise ProtocolError(f"the server sent eligibility policies this runtime does not understand: {exc}") from None
+        task, policies = info.task, info.policies or EligibilityPolicies()  # both checked by the wire model
         self._verdict_needed = task is None or not policies.empty
         if task is None or policies.empty:
             return None
         available = 0
         try:
-            selector = ExampleSelector.from_dict(info["selector"])
+            selector = ExampleSelector.from_dict(info.selector)  # type: ignore[arg-type]  # None is refused
             available = self.store_for(selector.collection_uri).count(selector)
         except (UnknownCollectionError, NoExamples):
             available = 0
-        except (KeyError, ExampleStoreError) as exc:
+        except ExampleStoreError as exc:
             raise ProtocolError(f"the server sent an example selector this runtime cannot use: {exc}") from None
         last = None
         if self.opstats is not None:
@@ -331,7 +327,7 @@ class FLRuntime:
             if summary is not None:
                 last = Participation(int(summary.events[0].detail.get("round", 0)), summary.started_at)
         verdict = evaluate(
-            task, policies, examples_available=available, last=last, current_round=int(info.get("round", 0)), now=self.clock()
+            task, policies, examples_available=available, last=last, current_round=info.round or 0, now=self.clock()
         )
         return verdict.to_json()
 

@@ -7,10 +7,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan, serialize_plan
+from device_runtime.wire import (
+    DeployedGroup,
+    DeployedTask,
+    PopulationCreated,
+    PopulationList,
+    PopulationStatus,
+    RoundList,
+)
 
 from .metrics import rounds_frame
 from .rounds import RoundConfig
@@ -82,7 +91,11 @@ def check_server_url(url: str) -> str:
 
 
 class AdminClient:
-    """An operator's client: every request carries the admin key as a bearer token."""
+    """An operator's client: every request carries the admin key as a bearer token.
+
+    Answers are parsed by their wire models (``device_runtime.wire``): one out of shape is an
+    ``AdminError`` with code ``MALFORMED_ANSWER``. They are handed back as the JSON objects the models
+    read (fields a newer server added are left out), as the CLI and notebooks index them."""
 
     def __init__(self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
         self.url = check_server_url(server_url)
@@ -122,11 +135,24 @@ class AdminClient:
                 raise AdminError(response.text[:300], response.status_code, None) from None
         return response
 
+    @staticmethod
+    def _answer(response: httpx.Response, model: type[BaseModel]) -> dict[str, Any]:
+        """The answer, once its model accepts it, as the JSON object the model read."""
+        try:
+            return model.model_validate_json(response.content).model_dump(mode="json", exclude_unset=True)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            first_loc, first_msg = (errors[0]["loc"], errors[0]["msg"]) if errors else ((), "out of shape")
+            where = ".".join(str(part) for part in first_loc)
+            raise AdminError(f"the server's answer to {response.request.method} {response.request.url.path} is not a "
+                             f"{model.__name__}: {where + ': ' if where else ''}{first_msg}", response.status_code,
+                             "MALFORMED_ANSWER") from None
+
     def create_population(self, name: str) -> dict[str, Any]:
-        return self._send("POST", "/v1/populations", json={"name": name}).json()
+        return self._answer(self._send("POST", "/v1/populations", json={"name": name}), PopulationCreated)
 
     def populations(self) -> list[str]:
-        return self._send("GET", "/v1/populations").json()["populations"]
+        return self._answer(self._send("GET", "/v1/populations"), PopulationList)["populations"]
 
     def deploy_task(
         self,
@@ -143,24 +169,24 @@ class AdminClient:
         """Deploy one task; it trains once no earlier task of the population is active."""
         body = task_body(name, plan, checkpoint, config, eligibility,
                          versioned_plans=versioned_plans, release_report=release_report)
-        return self._send("POST", f"/v1/populations/{population}/tasks", json=body).json()
+        return self._answer(self._send("POST", f"/v1/populations/{population}/tasks", json=body), DeployedTask)
 
     def deploy_body(self, population: str, body: dict[str, Any]) -> dict[str, Any]:
         """Deploy one task given as its JSON (``task_body`` makes it)."""
-        return self._send("POST", f"/v1/populations/{population}/tasks", json=body).json()
+        return self._answer(self._send("POST", f"/v1/populations/{population}/tasks", json=body), DeployedTask)
 
     def deploy_tasks(self, population: str, tasks: list[dict[str, Any]], strategy: str = "alternate") -> dict[str, Any]:
         """Deploy tasks that share the population's rounds (``task_body`` makes each item);
         ``strategy`` is ``alternate`` (take turns) or ``weighted`` (draw by each task's weight)."""
         body = {"strategy": strategy, "tasks": tasks}
-        return self._send("POST", f"/v1/populations/{population}/task-groups", json=body).json()
+        return self._answer(self._send("POST", f"/v1/populations/{population}/task-groups", json=body), DeployedGroup)
 
     def status(self, population: str) -> dict[str, Any]:
-        return self._send("GET", f"/v1/populations/{population}").json()
+        return self._answer(self._send("GET", f"/v1/populations/{population}"), PopulationStatus)
 
     def rounds(self, population: str, task: str | None = None) -> list[dict[str, Any]]:
         params = {"task": task} if task is not None else None
-        return self._send("GET", f"/v1/populations/{population}/rounds", params=params).json()["rounds"]
+        return self._answer(self._send("GET", f"/v1/populations/{population}/rounds", params=params), RoundList)["rounds"]
 
     def rounds_frame(self, population: str, task: str | None = None):  # -> pandas.DataFrame
         """The rounds as a pandas DataFrame, one row per round (needs ``fedfleet[analysis]``)."""

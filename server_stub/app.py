@@ -30,6 +30,22 @@ from starlette.responses import JSONResponse, Response
 
 from device_runtime.opstats import SHAPE_ALPHABET
 from device_runtime.protocol import STATS_HEADER
+from device_runtime.wire import (
+    AbortAnswer,
+    AttestationChallenge,
+    CheckinAnswer,
+    DeployedGroup,
+    DeployedTask,
+    EligibilityInfo,
+    Health,
+    PopulationCreated,
+    PopulationList,
+    PopulationStatus,
+    ReportAnswer,
+    RoundList,
+    SecAggAccepted,
+    SecAggState,
+)
 
 from .admin_auth import MAX_KEY_CHARS, AdminKeys
 from .direct_routes import add_direct_routes
@@ -190,9 +206,24 @@ def _json_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+
 def _binary_body() -> dict:
-    schema = {"type": "string", "format": "binary"}
-    return {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": schema}}}}
+    return {"requestBody": {"required": True, "content": _BINARY}}
+
+
+def _answers(model: Any) -> dict[str, Any]:
+    """A route's declared JSON answer: ``response_model`` types it in the OpenAPI document, and
+    FastAPI checks what the route returns against it (direct routes send the service's dict as
+    it is; ``tests/server_stub/test_wire.py`` checks that those answers are the models' too).
+    Unset fields stay out of the answer, as the service leaves them out."""
+    return {"response_model": model, "response_model_exclude_unset": True}
+
+
+def _binary_answer(description: str, more: dict[int | str, Any] | None = None) -> dict[str, Any]:
+    """A route whose answer is bytes (a plan, a checkpoint, a model), not JSON."""
+    return {"response_class": Response, "responses": {200: {"description": description, "content": _BINARY}, **(more or {})}}
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
@@ -237,30 +268,29 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             return fn(*args)
         return await run_in_threadpool(fn, *args)
 
-    @app.get("/v1/health", tags=["health"])
+    @app.get("/v1/health", tags=["health"], **_answers(Health))
     async def health() -> dict:
         return {"status": "ok"}
 
     # ----------------------------------------------------------------- devices
     # (declared first: the router tries routes in order, and devices send nearly every request)
-    @app.post("/v1/populations/{population}/checkin", tags=["devices"], openapi_extra=_json_body(Checkin))
+    @app.post("/v1/populations/{population}/checkin", tags=["devices"], openapi_extra=_json_body(Checkin), **_answers(CheckinAnswer))
     async def checkin(population: str, request: Request) -> dict:
         body = parse(Checkin, await read_body(request, MAX_JSON_BYTES))
         eligibility = body.eligibility.model_dump() if body.eligibility is not None else None
         return await call(service.checkin, population, body.runtime_version, eligibility, body.attestation)
 
-    @app.post("/v1/attestation/nonce", tags=["devices"])
+    @app.post("/v1/attestation/nonce", tags=["devices"], **_answers(AttestationChallenge))
     async def attestation_nonce(request: Request) -> dict:
         await read_body(request, MAX_JSON_BYTES)
         return await call(service.attestation_challenge)
 
-    @app.get("/v1/populations/{population}/eligibility", tags=["devices"])
+    @app.get("/v1/populations/{population}/eligibility", tags=["devices"], **_answers(EligibilityInfo))
     async def eligibility_info(population: str) -> dict:
         return await call(service.eligibility_info, population)
 
     @app.get("/v1/resources/{rid}", tags=["devices", "operators"],
-             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                        304: {"description": "not modified"}})
+             **_binary_answer("the plan or checkpoint's bytes", {304: {"description": "not modified"}}))
     async def resource(rid: str, request: Request) -> Response:
         token = bearer(request)
         is_admin = token is not None and admin_keys.verify(token)
@@ -272,20 +302,20 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         return Response(data, media_type="application/octet-stream", headers=headers)
 
     # A session's uploads are authorized and bounded before a byte of the body is read.
-    @app.post("/v1/sessions/{sid}/report", tags=["devices"], openapi_extra=_binary_body())
+    @app.post("/v1/sessions/{sid}/report", tags=["devices"], openapi_extra=_binary_body(), **_answers(ReportAnswer))
     async def report(sid: str, request: Request) -> dict:
         token = session_token(request)
         limit = await call(service.report_limit, sid, token)
         body = await read_body(request, limit)
         return await call(service.report, sid, token, body, _stats_header(request))
 
-    @app.post("/v1/sessions/{sid}/abort", tags=["devices"], openapi_extra=_json_body(Abort))
+    @app.post("/v1/sessions/{sid}/abort", tags=["devices"], openapi_extra=_json_body(Abort), **_answers(AbortAnswer))
     async def abort(sid: str, request: Request) -> dict:
         token = session_token(request)
         body = parse(Abort, await read_body(request, MAX_JSON_BYTES))
         return await call(service.abort, sid, token, body.reason[:200], advisory_stats(body.stats))
 
-    @app.get("/v1/sessions/{sid}/secagg", tags=["devices"])
+    @app.get("/v1/sessions/{sid}/secagg", tags=["devices"], **_answers(SecAggState))
     async def secagg_poll(
         sid: str,
         request: Request,
@@ -293,7 +323,9 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         wait: float = Query(0.0, ge=0.0, le=3600.0, allow_inf_nan=False),
     ) -> Response:
         """With ``after`` (the last message seq the device has) and ``wait`` (seconds), a long
-        poll: it answers once the device's state moves on, or when ``wait`` runs out."""
+        poll: it answers once the device's state moves on, or when ``wait`` runs out. The state is
+        sent as the service built it (``SecAggState`` documents it): a malicious-server test bends
+        it, and the device must refuse what it bends into."""
         token = session_token(request)
         loop = asyncio.get_running_loop()
         until = loop.time() + min(wait, MAX_SECAGG_WAIT_S)
@@ -307,7 +339,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
-    @app.post("/v1/sessions/{sid}/secagg", tags=["devices"], openapi_extra=_binary_body())
+    @app.post("/v1/sessions/{sid}/secagg", tags=["devices"], openapi_extra=_binary_body(), **_answers(SecAggAccepted))
     async def secagg_send(sid: str, request: Request) -> dict:
         token = session_token(request)
         limit = await call(service.secagg_limit, sid, token)
@@ -315,19 +347,21 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         return await call(service.secagg_message, sid, token, body)
 
     # ----------------------------------------------------------------- operators
-    @app.get("/v1/populations", tags=["operators"])
+    @app.get("/v1/populations", tags=["operators"], **_answers(PopulationList))
     async def list_populations(request: Request) -> dict:
         admin(request)
         return {"populations": await call(service.populations)}
 
-    @app.post("/v1/populations", tags=["operators"], openapi_extra=_json_body(CreatePopulation), status_code=201)
+    @app.post("/v1/populations", tags=["operators"], openapi_extra=_json_body(CreatePopulation), status_code=201,
+              responses={200: {"model": PopulationCreated, "description": "the population existed already"}},
+              **_answers(PopulationCreated))
     async def create_population(request: Request) -> Response:
         admin(request)
         body = parse(CreatePopulation, await read_body(request, MAX_JSON_BYTES))
         created = await call(service.create_population, body.name)
         return JSONResponse({"name": body.name, "created": created}, status_code=201 if created else 200)
 
-    @app.get("/v1/populations/{population}", tags=["operators"])
+    @app.get("/v1/populations/{population}", tags=["operators"], **_answers(PopulationStatus))
     async def population_status(population: str, request: Request) -> dict:
         admin(request)
         return await call(service.population_status, population)
@@ -345,7 +379,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id,
                  **states.get(r.name, {"status": r.status})} for r in records]
 
-    @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201)
+    @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201,
+              **_answers(DeployedTask))
     async def deploy_task(population: str, request: Request) -> Response:
         admin(request)
         raw = await read_body(request, MAX_DEPLOY_BYTES)
@@ -356,7 +391,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         records = await call(service.deploy_tasks, population, [spec])
         return JSONResponse((await call(_deployed, population, records))[0], status_code=201)
 
-    @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201)
+    @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201,
+              **_answers(DeployedGroup))
     async def deploy_group(population: str, request: Request) -> Response:
         admin(request)
         raw = await read_body(request, MAX_DEPLOY_BYTES)
@@ -366,13 +402,13 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         return JSONResponse({"strategy": group.strategy.value, "tasks": await call(_deployed, population, records)},
                             status_code=201)
 
-    @app.get("/v1/populations/{population}/rounds", tags=["operators"])
+    @app.get("/v1/populations/{population}/rounds", tags=["operators"], **_answers(RoundList))
     async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
         admin(request)
         return {"rounds": await call(service.rounds, population, task)}
 
     @app.get("/v1/populations/{population}/model", tags=["operators"],
-             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+             **_binary_answer("the newest model as checkpoint bytes, with X-Round and X-Task headers"))
     async def model(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> Response:
         admin(request)
         data, number, name = await call(service.current_model, population, task)

@@ -48,7 +48,9 @@ class DirectRoute(Route):
 def _directable(route: APIRoute) -> bool:
     """Whether calling the endpoint directly does all FastAPI would: no query, header, cookie or
     body parameters, no dependencies, string path parameters, the default status and response
-    class, and an answer that is a ``dict`` or a ``Response``."""
+    class (or ``Response`` for an endpoint that returns one), and an answer that is a ``dict`` or a
+    ``Response``. A declared ``response_model`` only documents the answer here: the dict is sent as
+    the service built it (FastAPI's route would check it against the model, with the same bytes)."""
     d = route.dependant
     if d.query_params or d.header_params or d.cookie_params or d.body_params or d.dependencies:
         return False
@@ -56,8 +58,6 @@ def _directable(route: APIRoute) -> bool:
                                                  "background_tasks_param_name", "security_scopes_param_name")):
         return False
     if not inspect.iscoroutinefunction(route.endpoint) or route.status_code not in (None, 200):
-        return False
-    if not isinstance(route.response_class, DefaultPlaceholder):
         return False
     try:
         signature = inspect.signature(route.endpoint, eval_str=True)
@@ -68,7 +68,10 @@ def _directable(route: APIRoute) -> bool:
         if name != d.request_param_name and (name not in paths or param.annotation is not str):
             return False
     returns = signature.return_annotation
-    return returns is dict or (inspect.isclass(returns) and issubclass(returns, Response))
+    gives_response = inspect.isclass(returns) and issubclass(returns, Response)
+    if not isinstance(route.response_class, DefaultPlaceholder):  # declared only to say the answer is binary
+        return route.response_class is Response and gives_response
+    return returns is dict or gives_response
 
 
 def add_direct_routes(app: FastAPI, tag: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""The request bodies of the HTTP API, declared once: validation, error messages and the OpenAPI
+"""The operators' request bodies of the HTTP API (the devices' are in ``device_runtime.wire``,
+imported here), declared once: validation, error messages and the OpenAPI
 document all come from these types. Numbers are strict and finite, strings and lists bounded,
 unknown fields refused; JSON nesting is bounded by the parser (pydantic-core refuses deep input
 with an error instead of recursing)."""
@@ -7,10 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
 from device_runtime.eligibility import EligibilityPolicies
+from device_runtime.wire import VERSION_PATTERN, Abort, Checkin, EligibilityVerdict, ErrorBody, ErrorDetail
 
 from .release_gate import MAX_REPORT_BYTES
 from .rounds import RoundConfig
@@ -31,8 +33,6 @@ def _not_a_path_segment(name: str) -> str:
 
 
 Name = Annotated[str, Strict(), Field(pattern=NAME_PATTERN, description=NAME_RULE), AfterValidator(_not_a_path_segment)]
-#: What ``version_tuple`` reads: up to three dot-separated numbers, then anything (e.g. '+cpu').
-VERSION_PATTERN = r"^\s*[0-9]"
 #: Exactly what ``base64.b64decode(..., validate=True)`` accepts (a linear-time match, ~0.1 s for 60 MB).
 BASE64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 Base64 = Annotated[str, Strict(), Field(pattern=BASE64_PATTERN, description="standard base64 (RFC 4648) with padding")]
@@ -75,38 +75,7 @@ class GroupDeploy(_Schema):
     tasks: Annotated[list[TaskDeploy], Field(min_length=1, max_length=16)]
 
 
-class EligibilityVerdict(_Schema):
-    """The device's own verdict on the active task's policies (its data never leaves it)."""
-
-    task: Annotated[str, Strict(), Field(max_length=128)]
-    eligible: Annotated[bool, Strict()]
-    failed: Annotated[list[Annotated[str, Strict(), Field(max_length=64)]], Field(max_length=16)] = []
-
-
-class Checkin(_Schema):
-    runtime_version: Annotated[str, Strict(), Field(min_length=1, max_length=32, pattern=VERSION_PATTERN,
-                                                    description="e.g. '1.31.1'; a tag after the numbers is ignored")]
-    eligibility: EligibilityVerdict | None = None
-    attestation: dict[str, Any] | None = Field(None, description="a signed attestation (see POST /v1/attestation/nonce)")
-
-    @field_validator("eligibility", mode="before")
-    @classmethod
-    def _no_verdict(cls, value: object) -> object:
-        return None if value == {} else value  # devices send {} for a task without policies
-
-
-class Abort(_Schema):
-    reason: Annotated[str, Strict(), Field(max_length=1000)] = "unspecified"
-    stats: dict[str, Any] | None = Field(None, description="advisory session statistics (shape, training_s)")
-
-
-class ErrorDetail(_Schema):
-    code: str
-    message: str
-
-
-class ErrorBody(_Schema):
-    error: ErrorDetail
-
+__all__ = ["NAME_PATTERN", "NAME_RULE", "VERSION_PATTERN", "Abort", "Checkin", "CreatePopulation", "EligibilityVerdict",
+           "ErrorBody", "ErrorDetail", "GroupDeploy", "Name", "REQUEST_SCHEMAS", "TaskDeploy"]
 
 REQUEST_SCHEMAS: tuple[type[BaseModel], ...] = (CreatePopulation, TaskDeploy, GroupDeploy, Checkin, Abort, ErrorBody)

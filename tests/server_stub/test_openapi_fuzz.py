@@ -1,6 +1,7 @@
 """Fuzz every operation of the server's OpenAPI document against a real uvicorn server: whatever
 a client sends, the answer is never a 5xx, every refusal is ``{"error": {"code", "message"}}``
-with a stable code, and no request hangs.
+with a stable code, every success is what the document declares for it (JSON its schema accepts,
+or bytes), and no request hangs.
 
 The fuzz gets past the front door. The server has populations with deployed tasks and open device
 sessions; each request carries, drawn per example, the admin key, a session token, a wrong key,
@@ -254,6 +255,36 @@ def _check(response: httpx.Response, described: str) -> None:
         assert isinstance(error["message"], str) and error["message"], f"{described} -> {status} {body!r}"
 
 
+_VALIDATORS: dict[tuple[str, str, int], tuple[str, jsonschema_rs.Draft202012Validator | None]] = {}
+
+
+def _answer_validator(target: Target, path: str, method: str, status: int) -> tuple[str, jsonschema_rs.Draft202012Validator | None]:
+    """The media type the document declares for a success of the operation, and a validator of its JSON schema."""
+    key = (path, method, status)
+    if key not in _VALIDATORS:
+        _VALIDATORS[key] = _declared_answer(target, path, method, status)
+    return _VALIDATORS[key]
+
+
+def _declared_answer(target: Target, path: str, method: str, status: int) -> tuple[str, jsonschema_rs.Draft202012Validator | None]:
+    declared = target.document["paths"][path][method.lower()]["responses"].get(str(status), {}).get("content", {})
+    [(media, body)] = declared.items() if len(declared) == 1 else [("undeclared", {})]
+    if media != "application/json":
+        return media, None
+    return media, jsonschema_rs.Draft202012Validator({**body["schema"], "components": target.document["components"]})
+
+
+def _check_answer(target: Target, path: str, method: str, response: httpx.Response, described: str) -> None:
+    """A success is what the document declares for it: JSON its schema accepts, or bytes where it says bytes."""
+    if not 200 <= response.status_code < 300:
+        return
+    media, validator = _answer_validator(target, path, method, response.status_code)
+    assert response.headers.get("content-type", "").split(";")[0] == media, f"{described} -> {response.status_code} {media}"
+    if validator is not None:
+        errors = [e.message for e in validator.iter_errors(response.json())]
+        assert not errors, f"{described} -> {response.status_code} {response.text[:300]}: {errors[:3]}"
+
+
 def _fuzz(target: Target, path: str, method: str, mode: str, examples: int) -> None:
     operation = target.schema[path][method]
     strategy = operation.as_strategy(schemathesis.GenerationMode(mode))
@@ -274,6 +305,7 @@ def _fuzz(target: Target, path: str, method: str, mode: str, examples: int) -> N
                 raise AssertionError(f"{described} broke the connection: {exc!r}") from None
             assert time.monotonic() - started < TIMEOUT_S, described
             _check(response, described)
+            _check_answer(target, path, method, response, described)
 
         exchange()
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from device_runtime import ProtocolError, ServerUnreachable
 from device_runtime.protocol import ProtocolClient, RetryPolicy
+from device_runtime.wire import CheckinAccepted, CheckinRejected
 from emulator.fleet.sim_transport import (
     DEFAULT_HEADERS,
     AsgiCaller,
@@ -57,7 +58,7 @@ def caller(tmp_path_factory):
     store.close()
 
 
-def _checkin(caller: AsgiCaller, lean: bool) -> tuple[dict, SimTransport, Device]:
+def _checkin(caller: AsgiCaller, lean: bool) -> tuple[CheckinAccepted | CheckinRejected, SimTransport, Device]:
     device = Device()
     transport = SimTransport(caller, device, Network())
     http = LeanClient(transport) if lean else httpx.Client(transport=transport)
@@ -69,7 +70,7 @@ def _checkin(caller: AsgiCaller, lean: bool) -> tuple[dict, SimTransport, Device
 def test_the_lean_client_sends_what_an_httpx_client_sends(caller):
     lean, lean_transport, lean_device = _checkin(caller, lean=True)
     full, full_transport, full_device = _checkin(caller, lean=False)
-    assert lean == full and lean["status"] == "rejected"
+    assert lean == full and lean.status == "rejected"
     assert lean_transport.meter.bytes_up == full_transport.meter.bytes_up > 0
     assert lean_transport.meter.bytes_down == full_transport.meter.bytes_down > 0
     assert lean_device.t == full_device.t > 0
