@@ -166,7 +166,25 @@ def _content_lines(content: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _operation_lines(path: str, method: str, op: dict[str, Any]) -> list[str]:
+def _answer_row(status: str, answer: dict[str, Any]) -> str:
+    bodies = "; ".join(_content_lines(answer.get("content", {}))) or "none"
+    return f"| {status} {_escape(answer.get('description', ''))} | {bodies} |"
+
+
+def _operations(doc: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [(path, method, op) for path, item in sorted(doc.get("paths", {}).items())
+            for method, op in item.items() if method in ("get", "post", "put", "patch", "delete")]
+
+
+def _shared_answers(doc: dict[str, Any]) -> dict[str, str]:
+    """The answers (status -> table row) every route documents alike: listed once, not per route."""
+    rows = [{status: _answer_row(status, a) for status, a in op.get("responses", {}).items()} for _, _, op in _operations(doc)]
+    if not rows:
+        return {}
+    return {status: row for status, row in rows[0].items() if all(r.get(status) == row for r in rows[1:])}
+
+
+def _operation_lines(path: str, method: str, op: dict[str, Any], shared: dict[str, str]) -> list[str]:
     lines = [f"### `{method.upper()} {path}`", ""]
     if op.get("summary"):
         lines += [f"**{_escape(op['summary'])}**", ""]
@@ -187,9 +205,8 @@ def _operation_lines(path: str, method: str, op: dict[str, Any]) -> list[str]:
         lines += ["Request body: " + "; ".join(_content_lines(body.get("content", {}))), ""]
     lines += ["| answer | body |", "|---|---|"]
     for status, answer in sorted(op.get("responses", {}).items()):
-        described = _escape(answer.get("description", ""))
-        bodies = "; ".join(_content_lines(answer.get("content", {}))) or "none"
-        lines.append(f"| {status} {described} | {bodies} |")
+        if status not in shared:
+            lines.append(_answer_row(status, answer))
     return [*lines, ""]
 
 
@@ -214,10 +231,12 @@ def openapi_markdown() -> str:
     doc = openapi_document()
     info = doc.get("info", {})
     lines = [f"## Routes (OpenAPI {doc.get('openapi')}, API version {info.get('version')})", ""]
-    for path, item in sorted(doc.get("paths", {}).items()):
-        for method, op in item.items():
-            if method in ("get", "post", "put", "patch", "delete"):
-                lines += _operation_lines(path, method, op)
+    shared = _shared_answers(doc)
+    if shared:
+        lines += ["Besides its own answers below, every route may answer:", "", "| answer | body |", "|---|---|",
+                  *(shared[s] for s in sorted(shared)), ""]
+    for path, method, op in _operations(doc):
+        lines += _operation_lines(path, method, op, shared)
     schemas = doc.get("components", {}).get("schemas", {})
     if schemas:
         lines += ["## Schemas", ""]
