@@ -69,3 +69,35 @@ def test_a_marker_is_replaced_by_its_generated_section_and_an_unknown_one_is_ref
         assert "nothing" in str(exc)
     else:
         raise AssertionError("an unknown generated section was accepted")
+
+
+def test_dev_docs_says_it_installs_the_docs_extra_then_builds_strictly(tmp_path: Path) -> None:
+    """``./dev docs`` in a copy of the checkout whose Python is a stand-in that logs and has no
+    mkdocs: it says what it installs (on stderr) before pip installs the docs extra, then runs a
+    strict build into site/."""
+    import os
+    import stat
+    import subprocess
+
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / "dev").write_bytes((ROOT / "dev").read_bytes())
+    (work / "dev").chmod(0o755)
+    (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "python3"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "python $*" >> {log}
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
+if [ "$1" = "-c" ]; then exit 1; fi
+echo "python $*" >&2
+""", encoding="utf-8")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PYTHON": str(fake)}
+    done = subprocess.run(["./dev", "docs"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("./dev: installing the docs tools"))
+    pip = next(i for i, line in enumerate(lines) if "-m pip install" in line and ".[test,docs]" in line)
+    build = next(i for i, line in enumerate(lines) if "-m mkdocs build --strict --site-dir site" in line)
+    assert said < pip < build
