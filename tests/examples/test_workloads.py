@@ -6,7 +6,6 @@ recipes' downloads are not run here; their parsing and rendering are, on inputs 
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 
@@ -156,14 +155,3 @@ def test_a_glyph_is_rendered_on_its_baseline_with_its_case_visible() -> None:
     assert 0 < (small > 0).sum() < (capital > 0).sum()  # o is smaller than O: case stays visible
     rows = lambda image: np.nonzero(image.max(axis=1))[0]  # noqa: E731
     assert rows(small).max() == rows(capital).max()  # both sit on the baseline
-
-
-def test_the_readme_section_on_shipped_workloads_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index("### Shipped workloads\n")
-    end = min(i for i in (text.find("\n## ", start), text.find("\n### ", start + 1)) if i != -1)
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S)
-    assert blocks
-    monkeypatch.chdir(ROOT)
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"README.md#shipped-workloads-{i}", "exec"), {"__name__": "readme"})

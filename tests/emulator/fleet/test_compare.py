@@ -149,21 +149,3 @@ def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_run
     assert err.startswith("fedfleet compare: ") and err.count("\n") == 1 and "Traceback" not in err
     assert expected in err
     assert not (tmp_path / "c.html").exists()
-
-
-def _readme_blocks() -> list[str]:
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
-    start = text.index("### The report, and runs side by side\n")
-    end = min([i for i in (text.find("\n## ", start), text.find("\n### ", start + 1)) if i != -1] or [len(text)])
-    return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S)
-
-
-def test_the_readmes_report_and_compare_example_runs(tmp_path, monkeypatch):
-    (block,) = _readme_blocks()
-    monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md#the-report-and-runs-side-by-side", "exec"), {"__name__": "readme"})
-    page = _page(tmp_path / "runs" / "compare.html")
-    assert page.columns == ["goal8", "goal10"] and (tmp_path / "runs" / "goal8" / "report.html").exists()
