@@ -94,7 +94,9 @@ def bench_raw_read(path: Path, n: int) -> float:
     return elapsed
 
 
-def bench_insert(path: Path, examples: list[dict], timestamps: list[float], key_store: InMemoryKeyStore | None = None) -> float:
+def bench_insert(
+    path: Path, examples: list[dict], timestamps: list[float], key_store: InMemoryKeyStore | None = None
+) -> float:
     with SQLiteExampleStore(path, key_store=key_store) as store:
         t0 = time.perf_counter()
         store.add(COLLECTION, examples, timestamps=timestamps)
@@ -135,12 +137,27 @@ def main(argv: list[str] | None = None) -> int:
     n = args.examples or (50_000 if args.quick else 200_000)
     repeats = args.repeats or (2 if args.quick else 3)
     examples, timestamps, payloads = _make_data(n)
-    config = {"examples": n, "features": FEATURES, "payload_bytes": len(payloads[0]), "repeats": repeats,
-              "batch_size": args.batch_size, "python": sys.version.split()[0], "sqlite": sqlite3.sqlite_version}
+    config = {
+        "examples": n,
+        "features": FEATURES,
+        "payload_bytes": len(payloads[0]),
+        "repeats": repeats,
+        "batch_size": args.batch_size,
+        "python": sys.version.split()[0],
+        "sqlite": sqlite3.sqlite_version,
+    }
     _emit({"benchmark": "example_store", "case": "config", **config})
 
-    cases = ("insert_ours", "insert_raw", "read_query_batches", "read_query_iterator", "read_raw",
-             "insert_sealed", "read_sealed_query_batches", "read_sealed_query_iterator")
+    cases = (
+        "insert_ours",
+        "insert_raw",
+        "read_query_batches",
+        "read_query_iterator",
+        "read_raw",
+        "insert_sealed",
+        "read_sealed_query_batches",
+        "read_sealed_query_iterator",
+    )
     results: dict[str, list[float]] = {k: [] for k in cases}
     key_store = InMemoryKeyStore()
     with tempfile.TemporaryDirectory(prefix="bench-example-store-") as tmp:
@@ -176,11 +193,23 @@ def main(argv: list[str] | None = None) -> int:
             "sealed_read_batches_ratio_vs_raw": round(sealed_read / best["read_raw"], 3),
             "sealed_read_examples_ratio_vs_raw": round(best["read_sealed_query_iterator"] / best["read_raw"], 3),
             "targets": {
-                "insert_ratio_vs_raw": {"value": round(insert_ratio, 3), "goal": INSERT_GOAL, "met": insert_ratio >= INSERT_GOAL},
-                "read_examples_per_s": {"value": round(best["read_query_batches"]), "goal": READ_GOAL, "met": best["read_query_batches"] >= READ_GOAL,
-                                        "via": "query_batches"},
-                "sealed_read_examples_per_s": {"value": round(sealed_read), "goal": SEALED_READ_GOAL,
-                                               "met": sealed_read >= SEALED_READ_GOAL, "via": "query_batches, sealed"},
+                "insert_ratio_vs_raw": {
+                    "value": round(insert_ratio, 3),
+                    "goal": INSERT_GOAL,
+                    "met": insert_ratio >= INSERT_GOAL,
+                },
+                "read_examples_per_s": {
+                    "value": round(best["read_query_batches"]),
+                    "goal": READ_GOAL,
+                    "met": best["read_query_batches"] >= READ_GOAL,
+                    "via": "query_batches",
+                },
+                "sealed_read_examples_per_s": {
+                    "value": round(sealed_read),
+                    "goal": SEALED_READ_GOAL,
+                    "met": sealed_read >= SEALED_READ_GOAL,
+                    "via": "query_batches, sealed",
+                },
             },
         }
     )

@@ -80,8 +80,13 @@ DROPOUT_FEATURES = 512
 #: really shares, which must stay one weight.
 FAMILIES: dict[str, ModelSpec] = {
     **MODELS,
-    "gru_tied": ModelSpec("torch.nn", partial(GRUNextToken, 200, 16, 16, tie_weights=True),
-                          partial(GRUNextToken, 200, 128, 128, tie_weights=True), MODELS["gru_next_token"].inputs, 200),
+    "gru_tied": ModelSpec(
+        "torch.nn",
+        partial(GRUNextToken, 200, 16, 16, tie_weights=True),
+        partial(GRUNextToken, 200, 128, 128, tie_weights=True),
+        MODELS["gru_next_token"].inputs,
+        200,
+    ),
 }
 _DROPPED_METADATA = ("pkg.torch.onnx.stack_trace", "namespace", "pkg.torch.onnx.class_hierarchy")
 
@@ -141,11 +146,15 @@ def _dynamic_shapes(module: nn.Module, count: int) -> tuple:
 def export_call(exporter: str) -> str:
     """The call, as the manifest and the README show it."""
     if exporter == "classic":
-        return (f"torch.onnx.export(module.train(), args, path, dynamo=False, training=TrainingMode.PRESERVE, "
-                f"do_constant_folding=False, opset_version={CLASSIC_OPSET}, dynamic_axes=<batch>)")
+        return (
+            f"torch.onnx.export(module.train(), args, path, dynamo=False, training=TrainingMode.PRESERVE, "
+            f"do_constant_folding=False, opset_version={CLASSIC_OPSET}, dynamic_axes=<batch>)"
+        )
     optimize = "" if exporter == "dynamo" else ", optimize=False"
-    return (f"torch.onnx.export(module.train(), args, path, dynamo=True{optimize}, opset_version={DYNAMO_OPSET}, "
-            f"dynamic_shapes=<batch>, external_data=False)")
+    return (
+        f"torch.onnx.export(module.train(), args, path, dynamo=True{optimize}, opset_version={DYNAMO_OPSET}, "
+        f"dynamic_shapes=<batch>, external_data=False)"
+    )
 
 
 def export(module: nn.Module, args: list[torch.Tensor], names: list[str], exporter: str, path: Path) -> None:
@@ -156,13 +165,32 @@ def export(module: nn.Module, args: list[torch.Tensor], names: list[str], export
         warnings.simplefilter("ignore")
         if exporter == "classic":
             axes = {n: {0: "batch"} for n in [*names, "logits"]}
-            torch.onnx.export(module, tuple(args), str(path), dynamo=False, training=torch.onnx.TrainingMode.PRESERVE,
-                              do_constant_folding=False, opset_version=CLASSIC_OPSET, input_names=names,
-                              output_names=["logits"], dynamic_axes=axes)
+            torch.onnx.export(
+                module,
+                tuple(args),
+                str(path),
+                dynamo=False,
+                training=torch.onnx.TrainingMode.PRESERVE,
+                do_constant_folding=False,
+                opset_version=CLASSIC_OPSET,
+                input_names=names,
+                output_names=["logits"],
+                dynamic_axes=axes,
+            )
         else:
-            torch.onnx.export(module, tuple(args), str(path), dynamo=True, optimize=exporter == "dynamo",
-                              opset_version=DYNAMO_OPSET, input_names=names, output_names=["logits"],
-                              dynamic_shapes=_dynamic_shapes(module, len(args)), external_data=False, verbose=False)
+            torch.onnx.export(
+                module,
+                tuple(args),
+                str(path),
+                dynamo=True,
+                optimize=exporter == "dynamo",
+                opset_version=DYNAMO_OPSET,
+                input_names=names,
+                output_names=["logits"],
+                dynamic_shapes=_dynamic_shapes(module, len(args)),
+                external_data=False,
+                verbose=False,
+            )
     model = onnx.load(str(path))
     # The classic exporter's trace runs the train-mode module on the example batch, which moves
     # BatchNorm's running statistics, and writes the moved ones: set them back to the module's.
@@ -190,7 +218,9 @@ def strip_metadata(model: onnx.ModelProto) -> None:
         node.metadata_props.extend(kept)
 
 
-def _step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor, dtype: torch.dtype) -> tuple[float, dict]:
+def _step(
+    module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor, dtype: torch.dtype
+) -> tuple[float, dict]:
     model = copy.deepcopy(module).to(dtype).train()
     loss = nn.functional.cross_entropy(model(*[x.to(dtype) if x.is_floating_point() else x for x in inputs]), labels)
     loss.backward()
@@ -201,8 +231,9 @@ def _step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor, d
     return loss.item(), {n: t.detach().double().numpy() for n, t in tensors}
 
 
-def reference_step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor
-                   ) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
+def reference_step(
+    module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor
+) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """One SGD step (learning rate :data:`LR`, mean cross-entropy) of torch autograd in float64
     from the module's float32 values: the loss and every parameter and float buffer after it, and
     how far torch's own float32 step lands from it per tensor (the largest difference beyond the
@@ -217,7 +248,9 @@ def reference_step(module: nn.Module, inputs: list[torch.Tensor], labels: torch.
     return loss, {n: v.astype(np.float32) for n, v in after.items()}, errors
 
 
-def save_reference(path: Path, module: nn.Module, spec: ModelSpec, inputs: list[torch.Tensor], labels: torch.Tensor) -> None:
+def save_reference(
+    path: Path, module: nn.Module, spec: ModelSpec, inputs: list[torch.Tensor], labels: torch.Tensor
+) -> None:
     """``path`` (npz): the batch, the loss, and the tensors after the step as one float32 array in
     the order of ``index`` (a JSON text: each parameter's and running statistic's torch name and
     shape, the tied parameters, the inputs, the classes), with torch float32's error per tensor."""
@@ -225,13 +258,23 @@ def save_reference(path: Path, module: nn.Module, spec: ModelSpec, inputs: list[
     parameters = [n for n, _ in module.named_parameters()]
     statistics = [n for n, b in module.named_buffers() if b.is_floating_point()]
     order = [*parameters, *statistics]
-    index = {"parameters": [[n, list(after[n].shape)] for n in parameters],
-             "statistics": [[n, list(after[n].shape)] for n in statistics],
-             "tied": tied(module), "inputs": [i.name for i in spec.inputs], "classes": spec.classes}
-    np.savez_compressed(path, index=np.array(json.dumps(index)), label=labels.numpy(), loss=np.float64(loss),
-                        lr=np.float64(LR), after=np.concatenate([after[n].ravel() for n in order]),
-                        float32_error=np.array([errors[n] for n in order]),
-                        **{f"input/{i.name}": x.numpy() for i, x in zip(spec.inputs, inputs)})
+    index = {
+        "parameters": [[n, list(after[n].shape)] for n in parameters],
+        "statistics": [[n, list(after[n].shape)] for n in statistics],
+        "tied": tied(module),
+        "inputs": [i.name for i in spec.inputs],
+        "classes": spec.classes,
+    }
+    np.savez_compressed(
+        path,
+        index=np.array(json.dumps(index)),
+        label=labels.numpy(),
+        loss=np.float64(loss),
+        lr=np.float64(LR),
+        after=np.concatenate([after[n].ravel() for n in order]),
+        float32_error=np.array([errors[n] for n in order]),
+        **{f"input/{i.name}": x.numpy() for i, x in zip(spec.inputs, inputs)},
+    )
 
 
 def _deterministic(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
@@ -247,7 +290,9 @@ def tied(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def family_fixtures(family: str, out: Path, say: Callable[[str], None], references_only: bool = False) -> list[dict[str, Any]]:
+def family_fixtures(
+    family: str, out: Path, say: Callable[[str], None], references_only: bool = False
+) -> list[dict[str, Any]]:
     spec = FAMILIES[family]
     entries = []
     for state in STATES:
@@ -266,8 +311,9 @@ def family_fixtures(family: str, out: Path, say: Callable[[str], None], referenc
             if not references_only:
                 export(module, inputs, [i.name for i in spec.inputs], exporter, path)
                 say(f"  {path.name}: {path.stat().st_size // 1024} KB")
-            entries.append({"family": family, "state": state, "exporter": exporter, "model": path.name,
-                            "reference": reference})
+            entries.append(
+                {"family": family, "state": state, "exporter": exporter, "model": path.name, "reference": reference}
+            )
     return entries
 
 
@@ -295,18 +341,32 @@ def dropout_fixtures(out: Path, say: Callable[[str], None], references_only: boo
             if not references_only:
                 export(module, [x], ["x"], exporter, path)
                 say(f"  {path.name}: {path.stat().st_size // 1024} KB")
-            entries.append({"family": "dropout", "inplace": inplace, "exporter": exporter, "model": path.name,
-                            "rate": DROPOUT_RATE})
+            entries.append(
+                {
+                    "family": "dropout",
+                    "inplace": inplace,
+                    "exporter": exporter,
+                    "model": path.name,
+                    "rate": DROPOUT_RATE,
+                }
+            )
     return entries
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=[*FAMILIES, "dropout"], help="these families only (the manifest "
-                        "keeps the others' entries)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[*FAMILIES, "dropout"],
+        help="these families only (the manifest keeps the others' entries)",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--references-only", action="store_true", help="write the torch steps again, not the exports "
-                        "(they start from the same seeded modules)")
+    parser.add_argument(
+        "--references-only",
+        action="store_true",
+        help="write the torch steps again, not the exports (they start from the same seeded modules)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
@@ -328,9 +388,17 @@ def main(argv: list[str] | None = None) -> None:
     entries.sort(key=lambda e: (order.index(e["family"]), e.get("state", ""), EXPORTERS.index(e["exporter"])))
     manifest = {
         "regenerate": "PYTHONPATH=. python -m benchmarks.export_fixtures  (needs the bench extra)",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "onnxscript": onnxscript.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
-        "exporters": {e: export_call(e) for e in EXPORTERS}, "batch": BATCH, "lr": LR, "fixtures": entries,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "onnxscript": onnxscript.__version__,
+            "onnx": onnx.__version__,
+            "python": platform.python_version(),
+        },
+        "exporters": {e: export_call(e) for e in EXPORTERS},
+        "batch": BATCH,
+        "lr": LR,
+        "fixtures": entries,
     }
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(p.stat().st_size for p in args.out.iterdir())

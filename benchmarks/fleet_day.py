@@ -30,7 +30,7 @@ from pathlib import Path
 
 from device_runtime import build_mlp_plan, encode_checkpoint, initial_weights
 from emulator.datasets import load_digits_dataset, partition_by_shards
-from emulator.device import DeviceProfile, EmulatedDevice, Fleet
+from emulator.devices.device import DeviceProfile, EmulatedDevice, Fleet
 from emulator.fleet import FleetConfig, simulate, write_report
 from example_store import ExampleSelector
 from server_stub import RoundConfig, ServerThread
@@ -93,22 +93,48 @@ def run_baseline(seconds: float, seed: int) -> dict:
     data = load_digits_dataset(seed=seed)
     parts = partition_by_shards(data.y_train, BASELINE_DEVICES, seed=seed)
     plan = build_mlp_plan(
-        data.num_features, (32,), data.num_classes, learning_rate=0.3, batch_size=8, epochs=2,
-        selector=ExampleSelector("app:/digits"), inputs={"x": "x", "y": "y"}, shuffle_seed=seed, name="digits_mlp",
+        data.num_features,
+        (32,),
+        data.num_classes,
+        learning_rate=0.3,
+        batch_size=8,
+        epochs=2,
+        selector=ExampleSelector("app:/digits"),
+        inputs={"x": "x", "y": "y"},
+        shuffle_seed=seed,
+        name="digits_mlp",
     )
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="fleet-day-baseline-") as tmp:
         root = Path(tmp)
         with ServerThread(root / "server.db") as server, server.admin() as admin:
             admin.create_population("digits")
-            admin.deploy_task("digits", "digits-train", plan, encode_checkpoint(initial_weights(plan, seed=seed)),
-                              RoundConfig(goal_count=20, over_selection=1.3, min_fraction=0.8, selection_timeout_s=10.0,
-                                          report_timeout_s=2.0, retry_window_s=(0.2, 1.0)))
+            admin.deploy_task(
+                "digits",
+                "digits-train",
+                plan,
+                encode_checkpoint(initial_weights(plan, seed=seed)),
+                RoundConfig(
+                    goal_count=20,
+                    over_selection=1.3,
+                    min_fraction=0.8,
+                    selection_timeout_s=10.0,
+                    report_timeout_s=2.0,
+                    retry_window_s=(0.2, 1.0),
+                ),
+            )
             profile = DeviceProfile(dropout_prob=0.1, late_prob=0.1, late_delay_s=2.5, cooldown_s=(0.2, 1.5))
             devices = []
             for i in range(BASELINE_DEVICES):
-                device = EmulatedDevice(f"device-{i:04d}", root / "devices" / f"{i:04d}", server.url, "digits",
-                                        profile=profile, collection_uri="app:/digits", seed=rng.randrange(2**31))
+                device = EmulatedDevice(
+                    f"device-{i:04d}",
+                    root / "devices" / f"{i:04d}",
+                    server.url,
+                    "digits",
+                    profile=profile,
+                    collection_uri="app:/digits",
+                    seed=rng.randrange(2**31),
+                )
                 device.add_examples(data.x_train[parts[i]], data.y_train[parts[i]])
                 devices.append(device)
             fleet = Fleet(devices)
@@ -134,8 +160,21 @@ def run_baseline(seconds: float, seed: int) -> dict:
 def run_baseline_apart(seconds: float, seed: int, when: str) -> dict:
     """``run_baseline`` in a process of its own (``--baseline-only``), labelled ``when``."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fleet_day", "--baseline-only", "--baseline-s", str(seconds), "--seed", str(seed)],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=seconds + 600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.fleet_day",
+            "--baseline-only",
+            "--baseline-s",
+            str(seconds),
+            "--seed",
+            str(seed),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 600,
+        check=False,
     )
     if out.returncode != 0:
         raise SystemExit(f"the real-time baseline failed:\n{out.stderr[-2000:]}")
@@ -147,10 +186,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1,000 devices for 2 simulated hours; 10 s baselines")
     ap.add_argument("--devices", type=int, help="devices to simulate (default 10,000; 1,000 with --quick)")
     ap.add_argument("--hours", type=float, help="simulated hours (default 24; 2 with --quick)")
-    ap.add_argument("--baseline-s", type=float, help="seconds each real-time baseline runs (default 60; 10 with --quick)")
+    ap.add_argument(
+        "--baseline-s", type=float, help="seconds each real-time baseline runs (default 60; 10 with --quick)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the simulated run's tables, plots and report here")
-    ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)  # one baseline, for run_baseline_apart
+    ap.add_argument(
+        "--baseline-only", action="store_true", help=argparse.SUPPRESS
+    )  # one baseline, for run_baseline_apart
     args = ap.parse_args()
     baseline_s = args.baseline_s or (10.0 if args.quick else BASELINE_S)
     if args.baseline_only:
@@ -170,22 +213,42 @@ def main() -> None:
     full = devices >= 10_000 and hours >= 24.0
     targets = {
         # only a full day of 10,000 devices can meet (or miss) the day's goal
-        "day_wall_s": {"value": sim["wall_s"], "goal": WALL_GOAL_S, "met": sim["wall_s"] <= WALL_GOAL_S if full else None},
-        "peak_rss_mb": {"value": sim["peak_rss_mb"], "goal": MEMORY_GOAL_MB, "met": sim["peak_rss_mb"] <= MEMORY_GOAL_MB},
-        "completed_sessions_per_wall_s_vs_realtime_fleet": {"value": round(ratio, 2), "goal": RATIO_GOAL, "met": ratio >= RATIO_GOAL},
+        "day_wall_s": {
+            "value": sim["wall_s"],
+            "goal": WALL_GOAL_S,
+            "met": sim["wall_s"] <= WALL_GOAL_S if full else None,
+        },
+        "peak_rss_mb": {
+            "value": sim["peak_rss_mb"],
+            "goal": MEMORY_GOAL_MB,
+            "met": sim["peak_rss_mb"] <= MEMORY_GOAL_MB,
+        },
+        "completed_sessions_per_wall_s_vs_realtime_fleet": {
+            "value": round(ratio, 2),
+            "goal": RATIO_GOAL,
+            "met": ratio >= RATIO_GOAL,
+        },
     }
-    _emit({
-        "summary": True, "quick": args.quick, "devices": devices, "hours": hours, "targets": targets,
-        "sim_s_per_wall_s": sim["sim_s_per_wall_s"],
-        "completed_sessions_per_wall_s": sim["completed_sessions_per_wall_s"],
-        "baseline_completed_sessions_per_wall_s": round(base_rate, 2),
-        "baseline_completed_sessions_per_wall_s_before_after": rates,
-        "ratio_to_each_baseline": [round(sim["completed_sessions_per_wall_s"] / max(r, 1e-9), 2) for r in rates],
-        "checkins_rejected_share": sim["checkins_rejected_share"],
-        "cpu_ms_per_completed_session": sim["cpu_ms_per_completed_session"],
-        "fidelity": {k: sim[k] for k in ("dropout_rate", "shape_shares", "availability_swing", "rounds", "rounds_committed")},
-        "digest": sim["digest"],
-    })
+    _emit(
+        {
+            "summary": True,
+            "quick": args.quick,
+            "devices": devices,
+            "hours": hours,
+            "targets": targets,
+            "sim_s_per_wall_s": sim["sim_s_per_wall_s"],
+            "completed_sessions_per_wall_s": sim["completed_sessions_per_wall_s"],
+            "baseline_completed_sessions_per_wall_s": round(base_rate, 2),
+            "baseline_completed_sessions_per_wall_s_before_after": rates,
+            "ratio_to_each_baseline": [round(sim["completed_sessions_per_wall_s"] / max(r, 1e-9), 2) for r in rates],
+            "checkins_rejected_share": sim["checkins_rejected_share"],
+            "cpu_ms_per_completed_session": sim["cpu_ms_per_completed_session"],
+            "fidelity": {
+                k: sim[k] for k in ("dropout_rate", "shape_shares", "availability_swing", "rounds", "rounds_committed")
+            },
+            "digest": sim["digest"],
+        }
+    )
 
 
 if __name__ == "__main__":

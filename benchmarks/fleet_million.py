@@ -58,18 +58,37 @@ def run_case(devices: int, hours: float, seed: int) -> dict:
 def _child(devices: int, hours: float, seed: int) -> dict:
     """``run_case`` in a process of its own (its peak memory is then the run's alone)."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fleet_million", "--case", str(devices), "--hours", str(hours), "--seed", str(seed)],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.fleet_million",
+            "--case",
+            str(devices),
+            "--hours",
+            str(hours),
+            "--seed",
+            str(seed),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if out.returncode != 0:
-        return {"case": "fleet", "devices": devices, "hours": hours, "error": out.stderr.strip().splitlines()[-1:] or ["failed"]}
+        return {
+            "case": "fleet",
+            "devices": devices,
+            "hours": hours,
+            "error": out.stderr.strip().splitlines()[-1:] or ["failed"],
+        }
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="100,000 devices for 2 simulated hours")
-    parser.add_argument("--sizes", type=int, nargs="+", help=f"fleet sizes to run (default {', '.join(map(str, SIZES))})")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", help=f"fleet sizes to run (default {', '.join(map(str, SIZES))})"
+    )
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--case", type=int, help=argparse.SUPPRESS)  # one size in this process (what the driver spawns)
@@ -77,24 +96,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.case is not None:
         _emit(run_case(args.case, args.hours, args.seed))
         return
-    sizes, hours = (([100_000], 2.0) if args.quick else (args.sizes or list(SIZES), args.hours))
+    sizes, hours = ([100_000], 2.0) if args.quick else (args.sizes or list(SIZES), args.hours)
     rows = []
     for devices in sizes:
         row = _child(devices, hours, args.seed)
         _emit(row)
         rows.append(row)
     goal = next((r for r in rows if r["devices"] == GOAL_DEVICES and r.get("hours") == 24.0 and "error" not in r), None)
-    _emit({
-        "case": "summary",
-        "curve": [{k: r.get(k) for k in ("devices", "hours", "wall_s", "peak_rss_mb", "kb_per_device")} for r in rows],
-        "targets": {
-            "wall_s": {"goal": WALL_GOAL_S, "value": goal["wall_s"] if goal else None,
-                       "met": goal is not None and goal["wall_s"] <= WALL_GOAL_S},
-            "peak_rss_mb": {"goal": MEMORY_GOAL_MB, "value": goal["peak_rss_mb"] if goal else None,
-                            "met": goal is not None and goal["peak_rss_mb"] <= MEMORY_GOAL_MB},
-        },
-        "judged": goal is not None,  # only a 1,000,000-device day is judged against the goals
-    })
+    _emit(
+        {
+            "case": "summary",
+            "curve": [
+                {k: r.get(k) for k in ("devices", "hours", "wall_s", "peak_rss_mb", "kb_per_device")} for r in rows
+            ],
+            "targets": {
+                "wall_s": {
+                    "goal": WALL_GOAL_S,
+                    "value": goal["wall_s"] if goal else None,
+                    "met": goal is not None and goal["wall_s"] <= WALL_GOAL_S,
+                },
+                "peak_rss_mb": {
+                    "goal": MEMORY_GOAL_MB,
+                    "value": goal["peak_rss_mb"] if goal else None,
+                    "met": goal is not None and goal["peak_rss_mb"] <= MEMORY_GOAL_MB,
+                },
+            },
+            "judged": goal is not None,  # only a 1,000,000-device day is judged against the goals
+        }
+    )
 
 
 if __name__ == "__main__":

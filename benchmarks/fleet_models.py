@@ -73,8 +73,9 @@ def fleet_config(task: str, devices: int, hours: float, seed: int) -> Any:
     """The shipped fleet of ``task`` at this size and length, its rounds going on all day."""
     from emulator.fleet import FleetConfig
 
-    config = FleetConfig.load(FLEETS[task]).replace(devices=devices, hours=hours, seed=seed,
-                                                   target_accuracy=TARGET_ACCURACY[task])
+    config = FleetConfig.load(FLEETS[task]).replace(
+        devices=devices, hours=hours, seed=seed, target_accuracy=TARGET_ACCURACY[task]
+    )
     data = config.dump()
     data["task"]["max_rounds"] = None  # set, so it overrides the task's RoundConfig: never completed
     return FleetConfig.from_dict(data, source="fleet_models")
@@ -171,9 +172,25 @@ def run_task(task: str, devices: int, hours: float, seed: int, sample: int) -> d
 def run_task_apart(task: str, devices: int, hours: float, seed: int, sample: int) -> dict:
     """``run_task`` in a process of its own (``--task``)."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fleet_models", "--task", task, "--devices", str(devices), "--hours", str(hours),
-         "--seed", str(seed), "--sample", str(sample)],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.fleet_models",
+            "--task",
+            task,
+            "--devices",
+            str(devices),
+            "--hours",
+            str(hours),
+            "--seed",
+            str(seed),
+            "--sample",
+            str(sample),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if out.returncode != 0:
         raise SystemExit(f"the {task} fleet failed:\n{out.stderr[-3000:]}")
@@ -203,20 +220,46 @@ def main() -> None:
     for task in tasks:
         results[task] = run_task_apart(task, devices, hours, args.seed, args.sample)
         _emit(results[task])
-    full = devices >= 10_000 and hours >= 24.0  # only the day of 10,000 devices is judged: a small fleet's ratio differs
+    full = (
+        devices >= 10_000 and hours >= 24.0
+    )  # only the day of 10,000 devices is judged: a small fleet's ratio differs
     targets = {
         f"{task}_cpu_per_completed_session_over_floor": {
-            "value": r["ratio_to_floor"], "goal": RATIO_GOAL, "met": r["ratio_to_floor"] <= RATIO_GOAL if full else None,
+            "value": r["ratio_to_floor"],
+            "goal": RATIO_GOAL,
+            "met": r["ratio_to_floor"] <= RATIO_GOAL if full else None,
         }
         for task, r in results.items()
     }
-    _emit({
-        "summary": True, "quick": args.quick, "devices": devices, "hours": hours, "targets": targets,
-        **{task: {k: r[k] for k in ("sim_s_per_wall_s", "sim_s_per_cpu_s", "time_to_target_accuracy_s", "target_accuracy",
-                                    "fleet_cpu_ms_per_completed_session", "floor_cpu_ms_per_session", "sessions_completed",
-                                    "rounds_committed", "accuracy", "peak_rss_mb", "wall_s", "digest")}
-           for task, r in results.items()},
-    })
+    _emit(
+        {
+            "summary": True,
+            "quick": args.quick,
+            "devices": devices,
+            "hours": hours,
+            "targets": targets,
+            **{
+                task: {
+                    k: r[k]
+                    for k in (
+                        "sim_s_per_wall_s",
+                        "sim_s_per_cpu_s",
+                        "time_to_target_accuracy_s",
+                        "target_accuracy",
+                        "fleet_cpu_ms_per_completed_session",
+                        "floor_cpu_ms_per_session",
+                        "sessions_completed",
+                        "rounds_committed",
+                        "accuracy",
+                        "peak_rss_mb",
+                        "wall_s",
+                        "digest",
+                    )
+                }
+                for task, r in results.items()
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -106,7 +106,9 @@ def check_same_step(batch: int = 32, steps: int = 5) -> dict:
     plan = build_mlp_plan(F, (H,), C, selector=_selector(), learning_rate=LR, batch_size=batch)
     w0 = initial_weights(plan, seed=0)
     executor = PlanExecutor(plan)
-    result = executor.run_device(w0, lambda: [{"x": x[i : i + batch], "y": y[i : i + batch]} for i in range(0, len(y), batch)])
+    result = executor.run_device(
+        w0, lambda: [{"x": x[i : i + batch], "y": y[i : i + batch]} for i in range(0, len(y), batch)]
+    )
     ours = executor.final_weights(w0, result)
     ref = {k: v.copy() for k, v in w0.items()}
     loss = 0.0
@@ -116,8 +118,13 @@ def check_same_step(batch: int = 32, steps: int = 5) -> dict:
     ok = diff < 1e-4 and abs(loss - result.metrics["loss_sum"]) < 1e-3 * abs(loss)
     if not ok:
         raise SystemExit(f"the plan's step and the numpy step disagree (max weight diff {diff})")
-    return {"steps": steps, "max_weight_diff": diff, "loss_sum_plan": round(result.metrics["loss_sum"], 4),
-            "loss_sum_numpy": round(loss, 4), "ok": ok}
+    return {
+        "steps": steps,
+        "max_weight_diff": diff,
+        "loss_sum_plan": round(result.metrics["loss_sum"], 4),
+        "loss_sum_numpy": round(loss, 4),
+        "ok": ok,
+    }
 
 
 def _selector():
@@ -143,8 +150,19 @@ def main(argv: list[str] | None = None) -> None:
             ratio = ort_eps / np_eps
             results[batch] = ratio
             for impl, eps in (("plan_executor", ort_eps), ("numpy", np_eps)):
-                print(json.dumps({"benchmark": "plan_exec", "impl": impl, "model": "mlp_784_128_10", "batch": batch,
-                                  "examples": n, "examples_per_s": round(eps, 1)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "benchmark": "plan_exec",
+                            "impl": impl,
+                            "model": "mlp_784_128_10",
+                            "batch": batch,
+                            "examples": n,
+                            "examples_per_s": round(eps, 1),
+                        }
+                    ),
+                    flush=True,
+                )
             print(json.dumps({"benchmark": "plan_exec", "batch": batch, "ratio_vs_numpy": round(ratio, 3)}), flush=True)
     finally:
         if limiter is not None:
@@ -158,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "threads": 1,
         "targets": {
-            f"ratio_vs_numpy_b{b}": {"value": round(r, 3), "goal": 1.0, "met": bool(r >= 1.0)} for b, r in results.items()
+            f"ratio_vs_numpy_b{b}": {"value": round(r, 3), "goal": 1.0, "met": bool(r >= 1.0)}
+            for b, r in results.items()
         },
     }
     print(json.dumps(summary), flush=True)

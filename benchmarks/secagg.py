@@ -57,8 +57,17 @@ def measure_floor(length: int, modulus: int) -> dict:
     return {"mask_plus_add_s": mask_s, "x25519_s": x25519_s}
 
 
-def run_config(name: str, n: int, length: int, *, degree: int | None, threshold: int,
-               drop_before_masking: float = 0.0, drop_after_masking: float = 0.0, seed: int = 0) -> dict:
+def run_config(
+    name: str,
+    n: int,
+    length: int,
+    *,
+    degree: int | None,
+    threshold: int,
+    drop_before_masking: float = 0.0,
+    drop_after_masking: float = 0.0,
+    seed: int = 0,
+) -> dict:
     modulus = modulus_for(n, BITWIDTH)
     cfg = SecAggConfig(length, modulus, threshold, session_label=name.encode(), degree=degree)
     rng = np.random.default_rng(seed)
@@ -113,12 +122,20 @@ def run_config(name: str, n: int, length: int, *, degree: int | None, threshold:
     server_s = {r.value: server_time[r] for r in rounds}
     total = sum(client_time[r] for r in rounds) + sum(server_time[r] for r in rounds)
     return {
-        "config": name, "n": n, "vector_length": length, "graph": "complete" if degree is None else f"harary(k={degree})",
-        "threshold": threshold, "modulus": modulus,
-        "dropped_before_masked_input": n_before, "dropped_after_masked_input": n_after,
-        "correct": bool(ok), "abort_reason": server.abort_reason,
-        "client_s_per_round_mean": client_mean, "server_s_per_round": server_s,
-        "client_s_total_mean": sum(client_mean.values()), "server_s_total": sum(server_s.values()),
+        "config": name,
+        "n": n,
+        "vector_length": length,
+        "graph": "complete" if degree is None else f"harary(k={degree})",
+        "threshold": threshold,
+        "modulus": modulus,
+        "dropped_before_masked_input": n_before,
+        "dropped_after_masked_input": n_after,
+        "correct": bool(ok),
+        "abort_reason": server.abort_reason,
+        "client_s_per_round_mean": client_mean,
+        "server_s_per_round": server_s,
+        "client_s_total_mean": sum(client_mean.values()),
+        "server_s_total": sum(server_s.values()),
         "total_s": total,
     }
 
@@ -146,36 +163,74 @@ def main() -> None:
 
     def go(key, n, **kw):
         row = run_config(key, n, VECTOR, **kw)
-        row["_peers"] = (kw["degree"] if kw.get("degree") else n - 1)
+        row["_peers"] = kw["degree"] if kw.get("degree") else n - 1
         rows[key] = with_ratios(row, floor)
         _emit(rows[key])
 
     go("n100_complete_nodrop", 100, degree=None, threshold=complete_graph_threshold(100))
-    go("n500_complete_drop10_after_masking", 500, degree=None, threshold=complete_graph_threshold(500),
-       drop_after_masking=0.10)
+    go(
+        "n500_complete_drop10_after_masking",
+        500,
+        degree=None,
+        threshold=complete_graph_threshold(500),
+        drop_after_masking=0.10,
+    )
     if not args.quick:
-        go("n500_complete_drop10_before_masking", 500, degree=None, threshold=complete_graph_threshold(500),
-           drop_before_masking=0.10)
+        go(
+            "n500_complete_drop10_before_masking",
+            500,
+            degree=None,
+            threshold=complete_graph_threshold(500),
+            drop_before_masking=0.10,
+        )
         g = secagg_plus_parameters(10_000, dropout_rate=0.05)
-        go("n10000_secaggplus_drop5", 10_000, degree=g.degree, threshold=g.threshold,
-           drop_before_masking=0.025, drop_after_masking=0.025)
+        go(
+            "n10000_secaggplus_drop5",
+            10_000,
+            degree=g.degree,
+            threshold=g.threshold,
+            drop_before_masking=0.025,
+            drop_after_masking=0.025,
+        )
     r100 = rows["n100_complete_nodrop"]
     r500 = rows["n500_complete_drop10_after_masking"]
     targets = {
         "n100_total_s": {"value": r100["total_s"], "goal": 5.0, "met": r100["correct"] and r100["total_s"] <= 5.0},
-        "n500_client_masked_input_s": {"value": r500["client_s_per_round_mean"]["MaskedInputCollection"], "goal": 0.1,
-                                       "met": r500["correct"] and r500["client_s_per_round_mean"]["MaskedInputCollection"] <= 0.1},
-        "n500_server_unmasking_s": {"value": r500["server_s_per_round"]["Unmasking"], "goal": 4.0,
-                                    "met": r500["correct"] and r500["server_s_per_round"]["Unmasking"] <= 4.0},
+        "n500_client_masked_input_s": {
+            "value": r500["client_s_per_round_mean"]["MaskedInputCollection"],
+            "goal": 0.1,
+            "met": r500["correct"] and r500["client_s_per_round_mean"]["MaskedInputCollection"] <= 0.1,
+        },
+        "n500_server_unmasking_s": {
+            "value": r500["server_s_per_round"]["Unmasking"],
+            "goal": 4.0,
+            "met": r500["correct"] and r500["server_s_per_round"]["Unmasking"] <= 4.0,
+        },
         "n500_client_masked_input_over_ideal": {
-            "value": r500["ratios"]["client_masked_input_over_ideal"], "goal": 1.2,
-            "met": r500["correct"] and r500["ratios"]["client_masked_input_over_ideal"] <= 1.2},
+            "value": r500["ratios"]["client_masked_input_over_ideal"],
+            "goal": 1.2,
+            "met": r500["correct"] and r500["ratios"]["client_masked_input_over_ideal"] <= 1.2,
+        },
     }
-    extra = {k: {"total_s": v["total_s"], "server_unmasking_s": v["server_s_per_round"]["Unmasking"],
-                 "client_masked_input_s": v["client_s_per_round_mean"]["MaskedInputCollection"], "correct": v["correct"]}
-             for k, v in rows.items()}
-    _emit({"summary": True, "quick": args.quick, "floor": floor, "targets": targets, "configs": extra,
-           "all_correct": all(v["correct"] for v in rows.values())})
+    extra = {
+        k: {
+            "total_s": v["total_s"],
+            "server_unmasking_s": v["server_s_per_round"]["Unmasking"],
+            "client_masked_input_s": v["client_s_per_round_mean"]["MaskedInputCollection"],
+            "correct": v["correct"],
+        }
+        for k, v in rows.items()
+    }
+    _emit(
+        {
+            "summary": True,
+            "quick": args.quick,
+            "floor": floor,
+            "targets": targets,
+            "configs": extra,
+            "all_correct": all(v["correct"] for v in rows.values()),
+        }
+    )
 
 
 if __name__ == "__main__":

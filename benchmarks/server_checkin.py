@@ -80,9 +80,20 @@ def main() -> None:
         key_file.write_text(admin_key + "\n", encoding="utf-8")
         key_file.chmod(0o600)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server_stub", "--db", str(Path(tmp) / "bench.db"), "--port", str(port),
-             "--admin-key-file", str(key_file), "--log-level", "warning",
-             "--allow-untested-plans"],  # the benchmark's plan is built here, not release-tested
+            [
+                sys.executable,
+                "-m",
+                "server_stub",
+                "--db",
+                str(Path(tmp) / "bench.db"),
+                "--port",
+                str(port),
+                "--admin-key-file",
+                str(key_file),
+                "--log-level",
+                "warning",
+                "--allow-untested-plans",
+            ],  # the benchmark's plan is built here, not release-tested
             stdout=subprocess.DEVNULL,
         )
         try:
@@ -105,7 +116,10 @@ def main() -> None:
                 for population, goal in (("open", OPEN_GOAL), ("full", 1)):
                     admin.create_population(population)
                     admin.deploy_task(
-                        population, "t", plan, encode_checkpoint(initial_weights(plan)),
+                        population,
+                        "t",
+                        plan,
+                        encode_checkpoint(initial_weights(plan)),
                         RoundConfig(goal_count=goal, min_reports=min(goal, 5), **long),
                     )
                 httpx.post(url + "/v1/populations/full/checkin", json={"runtime_version": "1.31.1"}).raise_for_status()
@@ -121,7 +135,15 @@ def main() -> None:
                 done, errors = asyncio.run(_load(port, method, path, body, args.connections, duration))
                 elapsed = time.perf_counter() - t0
                 results[name] = done / elapsed
-                _emit({"case": name, "connections": args.connections, "requests": done, "errors": errors, "per_s": round(done / elapsed, 1)})
+                _emit(
+                    {
+                        "case": name,
+                        "connections": args.connections,
+                        "requests": done,
+                        "errors": errors,
+                        "per_s": round(done / elapsed, 1),
+                    }
+                )
         finally:
             proc.terminate()
             proc.wait(10)

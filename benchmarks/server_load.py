@@ -154,14 +154,22 @@ def cpu_reading(server_pid: int) -> tuple[float, float, float, float] | None:
     tick = os.sysconf("SC_CLK_TCK")
     own = os.times()
     user, nice, system, _idle, _iowait, irq, softirq, steal = (machine + [0] * 8)[:8]
-    return ((int(fields[11]) + int(fields[12])) / tick, own.user + own.system,
-            (user + nice + system + irq + softirq) / tick, steal / tick)
+    return (
+        (int(fields[11]) + int(fields[12])) / tick,
+        own.user + own.system,
+        (user + nice + system + irq + softirq) / tick,
+        steal / tick,
+    )
 
 
 def _cores(a: tuple, b: tuple, seconds: float) -> dict:
     server, own, busy, steal = ((y - x) / seconds for x, y in zip(a, b))
-    return {"server": round(server, 2), "generator": round(own, 2), "others": round(max(0.0, busy - server - own), 2),
-            "steal": round(steal, 2)}
+    return {
+        "server": round(server, 2),
+        "generator": round(own, 2),
+        "others": round(max(0.0, busy - server - own), 2),
+        "steal": round(steal, 2),
+    }
 
 
 # ---------------------------------------------------------------------------- task and update
@@ -171,7 +179,13 @@ def _cores(a: tuple, b: tuple, seconds: float) -> dict:
 def bench_plan():
     """The digits softmax plan of ``tests/support.py``."""
     return build_softmax_regression_plan(
-        64, 10, learning_rate=0.2, batch_size=8, epochs=2, selector=ExampleSelector("app:/digits"), inputs={"x": "x", "y": "y"}
+        64,
+        10,
+        learning_rate=0.2,
+        batch_size=8,
+        epochs=2,
+        selector=ExampleSelector("app:/digits"),
+        inputs={"x": "x", "y": "y"},
     )
 
 
@@ -224,17 +238,24 @@ class Tally:
                 t = np.asarray(self.starts.get(kind, []))
                 return np.asarray(self.latencies.get(kind, []))[(t >= lo) & (t < hi)] * 1000.0
 
-            checkin, report, health, lag = inside("checkin"), inside("report"), inside("health_load"), inside("loop_lag")
+            checkin, report, health, lag = (
+                inside("checkin"),
+                inside("report"),
+                inside("health_load"),
+                inside("loop_lag"),
+            )
             cpu = [(t, r) for t, r in self.cpu if lo <= t <= hi + 0.5]
-            out.append({
-                "t_s": round(k * window_s, 1),
-                "checkins": len(checkin),
-                "checkin_p99_ms": round(float(np.percentile(checkin, 99)), 1) if len(checkin) else None,
-                "report_p99_ms": round(float(np.percentile(report, 99)), 1) if len(report) else None,
-                "health_max_ms": round(float(health.max()), 1) if len(health) else None,
-                "loop_lag_max_ms": round(float(lag.max()), 1) if len(lag) else None,
-                "cpu_cores": _cores(cpu[0][1], cpu[-1][1], cpu[-1][0] - cpu[0][0]) if len(cpu) > 1 else None,
-            })
+            out.append(
+                {
+                    "t_s": round(k * window_s, 1),
+                    "checkins": len(checkin),
+                    "checkin_p99_ms": round(float(np.percentile(checkin, 99)), 1) if len(checkin) else None,
+                    "report_p99_ms": round(float(np.percentile(report, 99)), 1) if len(report) else None,
+                    "health_max_ms": round(float(health.max()), 1) if len(health) else None,
+                    "loop_lag_max_ms": round(float(lag.max()), 1) if len(lag) else None,
+                    "cpu_cores": _cores(cpu[0][1], cpu[-1][1], cpu[-1][0] - cpu[0][0]) if len(cpu) > 1 else None,
+                }
+            )
         return out
 
     def cpu_cores(self) -> dict | None:
@@ -250,8 +271,13 @@ def percentiles(values: list[float]) -> dict:
         return {"n": 0}
     a = np.asarray(values) * 1000.0
     p50, p95, p99 = np.percentile(a, [50, 95, 99])
-    return {"n": len(values), "p50_ms": round(float(p50), 2), "p95_ms": round(float(p95), 2), "p99_ms": round(float(p99), 2),
-            "max_ms": round(float(a.max()), 2)}
+    return {
+        "n": len(values),
+        "p50_ms": round(float(p50), 2),
+        "p95_ms": round(float(p95), 2),
+        "p99_ms": round(float(p99), 2),
+        "max_ms": round(float(a.max()), 2),
+    }
 
 
 def _ratio(a: dict, b: dict, key: str = "p99_ms") -> float | None:
@@ -265,8 +291,14 @@ class Load:
     """The I/O shell shared by the emulated devices: one HTTP client, the tally, the end of the
     run and the process-wide resource cache (id -> download in progress or done)."""
 
-    def __init__(self, client: httpx.AsyncClient, tally: Tally, update: bytes, clock: Callable[[], float],
-                 deadline: float = math.inf) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        tally: Tally,
+        update: bytes,
+        clock: Callable[[], float],
+        deadline: float = math.inf,
+    ) -> None:
         self.client = client
         self.tally = tally
         self.update = update
@@ -319,8 +351,12 @@ class Load:
         return await asyncio.shield(future)
 
     async def _download(self, rid: str, token: str) -> bool:
-        response = await self.request("resource", "GET", f"/v1/resources/{rid}", headers={"Authorization": f"Bearer {token}"})
-        ok = response is not None and response.status_code == 200 and hashlib.sha256(response.content).hexdigest() == rid
+        response = await self.request(
+            "resource", "GET", f"/v1/resources/{rid}", headers={"Authorization": f"Bearer {token}"}
+        )
+        ok = (
+            response is not None and response.status_code == 200 and hashlib.sha256(response.content).hexdigest() == rid
+        )
         if not ok:
             self.tally.counts["resource_failed"] += 1
             del self._resources[rid]  # the next device tries again
@@ -363,7 +399,10 @@ async def device(load: Load, rng: random.Random, ramp_s: float, train_s: tuple[f
             if not await load.pause(rng.uniform(*train_s)):
                 return
             response = await load.request(
-                "report", "POST", f"/v1/sessions/{sid}/report", content=load.update,
+                "report",
+                "POST",
+                f"/v1/sessions/{sid}/report",
+                content=load.update,
                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"},
             )
             if response is not None and response.status_code == 200:
@@ -426,9 +465,19 @@ def no_full_collections():
         gc.unfreeze()
 
 
-async def run_load(url: str, devices: int, duration_s: float, ramp_s: float, train_s: tuple[float, float], idle_samples: int,
-                   seed: int, update: bytes, server_pid: int, clock: Callable[[], float] = time.perf_counter,
-                   wall_clock: Callable[[], float] = time.time) -> Tally:
+async def run_load(
+    url: str,
+    devices: int,
+    duration_s: float,
+    ramp_s: float,
+    train_s: tuple[float, float],
+    idle_samples: int,
+    seed: int,
+    update: bytes,
+    server_pid: int,
+    clock: Callable[[], float] = time.perf_counter,
+    wall_clock: Callable[[], float] = time.time,
+) -> Tally:
     tally = Tally()
     limits = httpx.Limits(max_connections=devices + 16, max_keepalive_connections=devices + 16)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
@@ -436,9 +485,15 @@ async def run_load(url: str, devices: int, duration_s: float, ramp_s: float, tra
         await sample_health(idle, "health_idle", 0.01, idle_samples)
         tally.load_started, tally.load_started_wall = clock(), wall_clock()
         load = Load(client, tally, update, clock, deadline=tally.load_started + duration_s)
-        tasks = [asyncio.create_task(sample_health(load, "health_load", HEALTH_PERIOD_S)), asyncio.create_task(watch_lag(load, "loop_lag")),
-                 asyncio.create_task(watch_cpu(load, server_pid))]
-        tasks += [asyncio.create_task(device(load, random.Random(f"server_load/{seed}/{devices}/{i}"), ramp_s, train_s)) for i in range(devices)]
+        tasks = [
+            asyncio.create_task(sample_health(load, "health_load", HEALTH_PERIOD_S)),
+            asyncio.create_task(watch_lag(load, "loop_lag")),
+            asyncio.create_task(watch_cpu(load, server_pid)),
+        ]
+        tasks += [
+            asyncio.create_task(device(load, random.Random(f"server_load/{seed}/{devices}/{i}"), ramp_s, train_s))
+            for i in range(devices)
+        ]
         await asyncio.gather(*tasks)
         tally.counts["drain_ms"] = round((clock() - load.deadline) * 1000)
     return tally
@@ -447,8 +502,15 @@ async def run_load(url: str, devices: int, duration_s: float, ramp_s: float, tra
 # ---------------------------------------------------------------------------- one load level
 
 
-def run_level(devices: int, duration_s: float, ramp_s: float, train_s: tuple[float, float], idle_samples: int, seed: int,
-              update: bytes) -> dict:
+def run_level(
+    devices: int,
+    duration_s: float,
+    ramp_s: float,
+    train_s: tuple[float, float],
+    idle_samples: int,
+    seed: int,
+    update: bytes,
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="server_load_") as tmp:
         key = secrets.token_urlsafe(32)
         key_file = Path(tmp) / "admin.key"
@@ -461,14 +523,18 @@ def run_level(devices: int, duration_s: float, ramp_s: float, train_s: tuple[flo
             wait_ready(url, proc)
             setup(url, key)
             with no_full_collections():
-                tally = asyncio.run(run_load(url, devices, duration_s, ramp_s, train_s, idle_samples, seed, update, proc.pid))
+                tally = asyncio.run(
+                    run_load(url, devices, duration_s, ramp_s, train_s, idle_samples, seed, update, proc.pid)
+                )
             with admin_client(url, key) as admin:
                 rounds = admin.rounds(POPULATION)
         finally:
             stop_server(proc)
         log = (Path(tmp) / "server.log").read_text(errors="replace")
     if "Traceback" in log or "ERROR" in log:
-        print(f"--- server log ({devices} devices), last lines ---\n" + "\n".join(log.splitlines()[-30:]), file=sys.stderr)
+        print(
+            f"--- server log ({devices} devices), last lines ---\n" + "\n".join(log.splitlines()[-30:]), file=sys.stderr
+        )
     return _level_result(devices, duration_s, ramp_s, train_s, tally, rounds, log)
 
 
@@ -479,7 +545,7 @@ def _level_result(devices, duration_s, ramp_s, train_s, tally: Tally, rounds, lo
     c = tally.counts
 
     def grouped(prefix: str) -> dict:
-        return {k[len(prefix):]: v for k, v in sorted(c.items()) if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in sorted(c.items()) if k.startswith(prefix)}
 
     timeouts = grouped("timeout:")
     device_timeouts = sum(v for k, v in timeouts.items() if not k.startswith("health"))
@@ -530,8 +596,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, nargs="+", help=f"load levels (default {LEVELS})")
     parser.add_argument("--duration", type=float, help="seconds of load per level (default 60, quick 10)")
     parser.add_argument("--ramp", type=float, help="devices start spread over this many seconds (default 15, quick 5)")
-    parser.add_argument("--train", type=float, nargs=2, default=TRAIN_TIME_S, metavar=("MIN", "MAX"),
-                        help=f"a selected device waits this long before it reports (default {TRAIN_TIME_S})")
+    parser.add_argument(
+        "--train",
+        type=float,
+        nargs=2,
+        default=TRAIN_TIME_S,
+        metavar=("MIN", "MAX"),
+        help=f"a selected device waits this long before it reports (default {TRAIN_TIME_S})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     levels = tuple(args.devices or (QUICK_LEVELS if args.quick else LEVELS))
@@ -569,9 +641,18 @@ def main(argv: list[str] | None = None) -> int:
                 for r in results
             },
             "targets": {
-                "report_p99_s": {"devices": low["devices"], "value": round(report_p99_s, 3), "goal": REPORT_P99_GOAL_S,
-                                 "met": bool(report_p99_s <= REPORT_P99_GOAL_S)},
-                "timeouts": {"devices": high["devices"], "value": high["timeouts"], "goal": 0, "met": high["timeouts"] == 0},
+                "report_p99_s": {
+                    "devices": low["devices"],
+                    "value": round(report_p99_s, 3),
+                    "goal": REPORT_P99_GOAL_S,
+                    "met": bool(report_p99_s <= REPORT_P99_GOAL_S),
+                },
+                "timeouts": {
+                    "devices": high["devices"],
+                    "value": high["timeouts"],
+                    "goal": 0,
+                    "met": high["timeouts"] == 0,
+                },
             },
         }
     )

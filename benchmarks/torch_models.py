@@ -111,10 +111,19 @@ def _make_divisible(v: float, divisor: int = 8, min_value: int | None = None) ->
 
 
 class Conv2dNormActivation(nn.Sequential):
-    def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1,
-                 activation: Callable[..., nn.Module] | None = nn.ReLU6) -> None:
-        layers: list[nn.Module] = [nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
-                                   nn.BatchNorm2d(cout)]
+    def __init__(
+        self,
+        cin: int,
+        cout: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        groups: int = 1,
+        activation: Callable[..., nn.Module] | None = nn.ReLU6,
+    ) -> None:
+        layers: list[nn.Module] = [
+            nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
         if activation is not None:
             layers.append(activation(inplace=True))
         super().__init__(*layers)
@@ -128,8 +137,11 @@ class InvertedResidual(nn.Module):
         layers: list[nn.Module] = []
         if expand_ratio != 1:
             layers.append(Conv2dNormActivation(inp, hidden, kernel_size=1))
-        layers += [Conv2dNormActivation(hidden, hidden, stride=stride, groups=hidden),
-                   nn.Conv2d(hidden, oup, 1, 1, 0, bias=False), nn.BatchNorm2d(oup)]
+        layers += [
+            Conv2dNormActivation(hidden, hidden, stride=stride, groups=hidden),
+            nn.Conv2d(hidden, oup, 1, 1, 0, bias=False),
+            nn.BatchNorm2d(oup),
+        ]
         self.conv = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,10 +151,24 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(nn.Module):
     """torchvision.models.MobileNetV2 (its inverted-residual table, ReLU6, Dropout 0.2, init)."""
 
-    def __init__(self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2,
-                 last_channel: int | None = None, round_nearest: int = 8) -> None:
+    def __init__(
+        self,
+        num_classes: int = 10,
+        width_mult: float = 1.0,
+        dropout: float = 0.2,
+        last_channel: int | None = None,
+        round_nearest: int = 8,
+    ) -> None:
         super().__init__()
-        settings = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1]]
+        settings = [
+            [1, 16, 1, 1],
+            [6, 24, 2, 2],
+            [6, 32, 3, 2],
+            [6, 64, 4, 2],
+            [6, 96, 3, 1],
+            [6, 160, 3, 2],
+            [6, 320, 1, 1],
+        ]
         input_channel = _make_divisible(32 * width_mult, round_nearest)
         # torchvision keeps 1280 at any width; ``last_channel`` cuts it for a small fixture
         self.last_channel = last_channel or _make_divisible(1280 * max(1.0, width_mult), round_nearest)
@@ -187,14 +213,18 @@ class SqueezeExcitation(nn.Module):
 
 
 class InvertedResidualV3(nn.Module):
-    def __init__(self, cin: int, kernel: int, expanded: int, cout: int, use_se: bool, hardswish: bool, stride: int) -> None:
+    def __init__(
+        self, cin: int, kernel: int, expanded: int, cout: int, use_se: bool, hardswish: bool, stride: int
+    ) -> None:
         super().__init__()
         self.use_res_connect = stride == 1 and cin == cout
         act = nn.Hardswish if hardswish else nn.ReLU
         layers: list[nn.Module] = []
         if expanded != cin:
             layers.append(Conv2dNormActivation(cin, expanded, kernel_size=1, activation=act))
-        layers.append(Conv2dNormActivation(expanded, expanded, kernel_size=kernel, stride=stride, groups=expanded, activation=act))
+        layers.append(
+            Conv2dNormActivation(expanded, expanded, kernel_size=kernel, stride=stride, groups=expanded, activation=act)
+        )
         if use_se:
             layers.append(SqueezeExcitation(expanded, _make_divisible(expanded // 4)))
         layers.append(Conv2dNormActivation(expanded, cout, kernel_size=1, activation=None))
@@ -207,15 +237,25 @@ class InvertedResidualV3(nn.Module):
 class MobileNetV3(nn.Module):
     """torchvision.models.mobilenet_v3_small: SE blocks with Hardsigmoid, Hardswish, Dropout 0.2."""
 
-    def __init__(self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2,
-                 last_channel: int | None = None) -> None:
+    def __init__(
+        self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2, last_channel: int | None = None
+    ) -> None:
         super().__init__()
         d = lambda c: _make_divisible(c * width_mult)  # noqa: E731
         # input channels, kernel, expanded, output channels, SE, hardswish, stride (torchvision's small table)
-        table = [(16, 3, 16, 16, True, False, 2), (16, 3, 72, 24, False, False, 2), (24, 3, 88, 24, False, False, 1),
-                 (24, 5, 96, 40, True, True, 2), (40, 5, 240, 40, True, True, 1), (40, 5, 240, 40, True, True, 1),
-                 (40, 5, 120, 48, True, True, 1), (48, 5, 144, 48, True, True, 1), (48, 5, 288, 96, True, True, 2),
-                 (96, 5, 576, 96, True, True, 1), (96, 5, 576, 96, True, True, 1)]
+        table = [
+            (16, 3, 16, 16, True, False, 2),
+            (16, 3, 72, 24, False, False, 2),
+            (24, 3, 88, 24, False, False, 1),
+            (24, 5, 96, 40, True, True, 2),
+            (40, 5, 240, 40, True, True, 1),
+            (40, 5, 240, 40, True, True, 1),
+            (40, 5, 120, 48, True, True, 1),
+            (48, 5, 144, 48, True, True, 1),
+            (48, 5, 288, 96, True, True, 2),
+            (96, 5, 576, 96, True, True, 1),
+            (96, 5, 576, 96, True, True, 1),
+        ]
         layers: list[nn.Module] = [Conv2dNormActivation(3, d(16), stride=2, activation=nn.Hardswish)]
         for cin, k, exp, cout, se, hs, s in table:
             layers.append(InvertedResidualV3(d(cin), k, d(exp), d(cout), se, hs, s))
@@ -225,8 +265,12 @@ class MobileNetV3(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         # torchvision's MobileNetV3 takes last_channel (1024 for small, scaled by the width)
         last_channel = last_channel or _make_divisible(1024 * width_mult)
-        self.classifier = nn.Sequential(nn.Linear(last_conv, last_channel), nn.Hardswish(inplace=True),
-                                        nn.Dropout(p=dropout, inplace=True), nn.Linear(last_channel, num_classes))
+        self.classifier = nn.Sequential(
+            nn.Linear(last_conv, last_channel),
+            nn.Hardswish(inplace=True),
+            nn.Dropout(p=dropout, inplace=True),
+            nn.Linear(last_channel, num_classes),
+        )
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out")
@@ -253,8 +297,9 @@ class EncoderBlock(nn.Module):
         self.self_attention = nn.MultiheadAttention(dim, heads, dropout=0.0, batch_first=True)
         self.dropout = nn.Dropout(dropout)
         self.ln_2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim),
-                                 nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ln_1(x)
@@ -266,8 +311,17 @@ class EncoderBlock(nn.Module):
 class VisionTransformer(nn.Module):
     """torchvision.models.VisionTransformer: a patchifying Conv, a class token, learned positions."""
 
-    def __init__(self, image_size: int = 32, patch_size: int = 8, layers: int = 2, heads: int = 4, dim: int = 64,
-                 mlp_dim: int = 128, num_classes: int = 10, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        image_size: int = 32,
+        patch_size: int = 8,
+        layers: int = 2,
+        heads: int = 4,
+        dim: int = 64,
+        mlp_dim: int = 128,
+        num_classes: int = 10,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.patch_size, self.dim = patch_size, dim
         self.conv_proj = nn.Conv2d(3, dim, kernel_size=patch_size, stride=patch_size)
@@ -347,26 +401,50 @@ class _Logits(nn.Module):
 def bert(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, num_classes: int = 4) -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=2 * hidden, max_position_embeddings=64, num_labels=num_classes,
-                        attn_implementation="eager")
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+        num_labels=num_classes,
+        attn_implementation="eager",
+    )
     return _Logits(BertForSequenceClassification(config))
 
 
 def distilbert(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, num_classes: int = 4) -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-    config = DistilBertConfig(vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=2 * hidden,
-                              max_position_embeddings=64, num_labels=num_classes, attn_implementation="eager")
+    config = DistilBertConfig(
+        vocab_size=vocab,
+        dim=hidden,
+        n_layers=layers,
+        n_heads=heads,
+        hidden_dim=2 * hidden,
+        max_position_embeddings=64,
+        num_labels=num_classes,
+        attn_implementation="eager",
+    )
     return _Logits(DistilBertForSequenceClassification(config))
 
 
-def hf_vit(hidden: int = 32, layers: int = 2, heads: int = 2, image_size: int = 32, patch_size: int = 8,
-           num_classes: int = 10) -> nn.Module:
+def hf_vit(
+    hidden: int = 32, layers: int = 2, heads: int = 2, image_size: int = 32, patch_size: int = 8, num_classes: int = 10
+) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden,
-                       image_size=image_size, patch_size=patch_size, num_labels=num_classes, attn_implementation="eager")
+    config = ViTConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        image_size=image_size,
+        patch_size=patch_size,
+        num_labels=num_classes,
+        attn_implementation="eager",
+    )
     return _Logits(ViTForImageClassification(config))
 
 
@@ -402,17 +480,32 @@ _BERT = (Input("input_ids", (16,), "int64", 200), Input("attention_mask", (16,),
 
 MODELS: dict[str, ModelSpec] = {
     "resnet18": ModelSpec("torchvision", partial(resnet18, 10, 2), partial(resnet18, 10, 64), _IMAGE, 10),
-    "mobilenet_v2": ModelSpec("torchvision", partial(MobileNetV2, 10, 0.1, last_channel=32, round_nearest=4),
-                              partial(MobileNetV2, 10, 1.0), _IMAGE, 10),
-    "mobilenet_v3_small": ModelSpec("torchvision", partial(MobileNetV3, 10, 0.1, last_channel=32),
-                                    partial(MobileNetV3, 10, 1.0), _IMAGE, 10),
-    "vit": ModelSpec("torchvision", partial(VisionTransformer, dim=16, mlp_dim=32),
-                     partial(VisionTransformer, patch_size=4, layers=4, heads=4, dim=128, mlp_dim=256), _IMAGE, 10),
+    "mobilenet_v2": ModelSpec(
+        "torchvision",
+        partial(MobileNetV2, 10, 0.1, last_channel=32, round_nearest=4),
+        partial(MobileNetV2, 10, 1.0),
+        _IMAGE,
+        10,
+    ),
+    "mobilenet_v3_small": ModelSpec(
+        "torchvision", partial(MobileNetV3, 10, 0.1, last_channel=32), partial(MobileNetV3, 10, 1.0), _IMAGE, 10
+    ),
+    "vit": ModelSpec(
+        "torchvision",
+        partial(VisionTransformer, dim=16, mlp_dim=32),
+        partial(VisionTransformer, patch_size=4, layers=4, heads=4, dim=128, mlp_dim=256),
+        _IMAGE,
+        10,
+    ),
     "hf_vit": ModelSpec("transformers", partial(hf_vit, 16), partial(hf_vit, 128, 4, 4, 32, 4), _IMAGE, 10),
     "bert": ModelSpec("transformers", partial(bert, 16), partial(bert, 128, 2, 2, 1000), _BERT, 4),
     "distilbert": ModelSpec("transformers", partial(distilbert, 16), partial(distilbert, 128, 2, 2, 1000), _BERT, 4),
-    "lstm": ModelSpec("torch.nn", partial(LSTMClassifier, 200, 16, 16), partial(LSTMClassifier, 1000, 64, 128), _TOKENS, 4),
-    "gru_next_token": ModelSpec("torch.nn", partial(GRUNextToken, 200, 16, 16), partial(GRUNextToken, 200, 64, 128), _TOKENS, 200),
+    "lstm": ModelSpec(
+        "torch.nn", partial(LSTMClassifier, 200, 16, 16), partial(LSTMClassifier, 1000, 64, 128), _TOKENS, 4
+    ),
+    "gru_next_token": ModelSpec(
+        "torch.nn", partial(GRUNextToken, 200, 16, 16), partial(GRUNextToken, 200, 64, 128), _TOKENS, 200
+    ),
     "conv1d_text": ModelSpec("torch.nn", Conv1dText, partial(Conv1dText, 1000, 64, 128), _TOKENS, 4),
 }
 

@@ -8,7 +8,7 @@ attestation are encoded canonically (fixed layout, length prefixes, a domain-sep
 signature) so one signed payload can never be reinterpreted as another.
 
 The server-side checks live in ``server_stub.attestation``; the emulated authority in
-``emulator.attestation_authority``.
+``emulator.devices.attestation_authority``.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def b64decode_strict(value: Any, what: str, *, length: int | None = None,
-                     min_len: int = 0, max_len: int | None = None) -> bytes:
+def b64decode_strict(
+    value: Any, what: str, *, length: int | None = None, min_len: int = 0, max_len: int | None = None
+) -> bytes:
     """Decode canonical base64 or raise MALFORMED: no stray characters, no alternative spellings."""
     if not isinstance(value, str):
         raise MalformedAttestation(f"{what} must be a base64 string, got {type(value).__name__}")
@@ -236,8 +237,11 @@ class DeviceCertificate:
     )
 
     def __post_init__(self) -> None:
-        for name, size in (("device_public_key", PUBLIC_KEY_BYTES), ("authority_key_id", KEY_ID_BYTES),
-                           ("signature", SIGNATURE_BYTES)):
+        for name, size in (
+            ("device_public_key", PUBLIC_KEY_BYTES),
+            ("authority_key_id", KEY_ID_BYTES),
+            ("signature", SIGNATURE_BYTES),
+        ):
             value = getattr(self, name)
             if not isinstance(value, (bytes, bytearray)) or len(value) != size:
                 raise MalformedAttestation(f"certificate {name} must be {size} bytes")
@@ -254,29 +258,40 @@ class DeviceCertificate:
 
     # The signed part is the binary encoding without the signature, behind a domain tag.
     @staticmethod
-    def encode_unsigned(device_public_key: bytes, device_class: str, issued_at: float, expires_at: float,
-                        authority_key_id: bytes) -> bytes:
+    def encode_unsigned(
+        device_public_key: bytes, device_class: str, issued_at: float, expires_at: float, authority_key_id: bytes
+    ) -> bytes:
         cls_bytes = device_class.encode("ascii")
-        return CERTIFICATE_MAGIC + _FIXED.pack(
-            bytes(device_public_key), bytes(authority_key_id), float(issued_at), float(expires_at), len(cls_bytes)
-        ) + cls_bytes
+        return (
+            CERTIFICATE_MAGIC
+            + _FIXED.pack(
+                bytes(device_public_key), bytes(authority_key_id), float(issued_at), float(expires_at), len(cls_bytes)
+            )
+            + cls_bytes
+        )
 
     @staticmethod
-    def signing_payload(device_public_key: bytes, device_class: str, issued_at: float, expires_at: float,
-                        authority_key_id: bytes) -> bytes:
+    def signing_payload(
+        device_public_key: bytes, device_class: str, issued_at: float, expires_at: float, authority_key_id: bytes
+    ) -> bytes:
         """What the authority signs (domain-separated so no other signature in the system matches it)."""
         return CERTIFICATE_SIGNING_DOMAIN + DeviceCertificate.encode_unsigned(
             device_public_key, device_class, issued_at, expires_at, authority_key_id
         )
 
     def signed_payload(self) -> bytes:
-        return self.signing_payload(self.device_public_key, self.device_class, self.issued_at, self.expires_at,
-                                    self.authority_key_id)
+        return self.signing_payload(
+            self.device_public_key, self.device_class, self.issued_at, self.expires_at, self.authority_key_id
+        )
 
     def to_bytes(self) -> bytes:
         """Canonical binary form: magic, key, key id, times (f64 BE), class (u8 length), signature."""
-        return self.encode_unsigned(self.device_public_key, self.device_class, self.issued_at, self.expires_at,
-                                    self.authority_key_id) + self.signature
+        return (
+            self.encode_unsigned(
+                self.device_public_key, self.device_class, self.issued_at, self.expires_at, self.authority_key_id
+            )
+            + self.signature
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> DeviceCertificate:
@@ -291,10 +306,10 @@ class DeviceCertificate:
         if len(data) != head + n + SIGNATURE_BYTES:
             raise MalformedAttestation("device certificate has the wrong length")
         try:
-            device_class = data[head:head + n].decode("ascii")
+            device_class = data[head : head + n].decode("ascii")
         except UnicodeDecodeError as exc:
             raise MalformedAttestation("certificate device_class is not ascii") from exc
-        cert = cls(key, device_class, issued, expires, key_id, data[head + n:])
+        cert = cls(key, device_class, issued, expires, key_id, data[head + n :])
         if cert.to_bytes() != data:  # one certificate, one encoding
             raise MalformedAttestation("device certificate is not canonically encoded")
         return cert
@@ -445,12 +460,14 @@ class DeviceAttestor:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write key and certificate as JSON, mode 0600, atomically (a crash leaves the old file or the new)."""
         path = Path(path)
-        body = json.dumps({
-            "format": _KEYSTORE_FORMAT,
-            "version": ATTESTATION_VERSION,
-            "private_key": b64encode(self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())),
-            "certificate": self._certificate.to_dict(),
-        }).encode("utf-8")
+        body = json.dumps(
+            {
+                "format": _KEYSTORE_FORMAT,
+                "version": ATTESTATION_VERSION,
+                "private_key": b64encode(self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())),
+                "certificate": self._certificate.to_dict(),
+            }
+        ).encode("utf-8")
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
@@ -514,7 +531,9 @@ class PeerCertificateVerifier:
     Every device checks its peers itself, so a server can add members of its own to a group only
     with certified devices, whose number attestation and its rate limits bound."""
 
-    def __init__(self, trust_anchor: Mapping[bytes, bytes], clock: Callable[[], float], *, clock_skew_s: float = 300.0) -> None:
+    def __init__(
+        self, trust_anchor: Mapping[bytes, bytes], clock: Callable[[], float], *, clock_skew_s: float = 300.0
+    ) -> None:
         self._authorities: dict[bytes, Ed25519PublicKey] = {}
         for key_id, public in trust_anchor.items():
             if authority_key_id(bytes(public)) != bytes(key_id):

@@ -47,7 +47,9 @@ def _epoch_seeds(seed: int, epoch: int) -> np.random.SeedSequence:
     return np.random.SeedSequence([seed, epoch])
 
 
-def _chunks(source: Iterable[Mapping[str, np.ndarray]], keys: list[str], batched: bool) -> Iterator[dict[str, np.ndarray]]:
+def _chunks(
+    source: Iterable[Mapping[str, np.ndarray]], keys: list[str], batched: bool
+) -> Iterator[dict[str, np.ndarray]]:
     for item in source:
         missing = [k for k in keys if k not in item]
         if missing:
@@ -57,7 +59,9 @@ def _chunks(source: Iterable[Mapping[str, np.ndarray]], keys: list[str], batched
             chunk = {k: v[None, ...] for k, v in chunk.items()}
         sizes = {v.shape[0] if v.ndim else -1 for v in chunk.values()}
         if len(sizes) != 1 or -1 in sizes:
-            raise PlanError(f"example tensors disagree on the number of examples in a chunk: { {k: v.shape for k, v in chunk.items()} }")
+            raise PlanError(
+                f"example tensors disagree on the number of examples in a chunk: { {k: v.shape for k, v in chunk.items()} }"
+            )
         if sizes.pop() > 0:
             yield chunk
 

@@ -78,7 +78,9 @@ def decode_checkpoint(data: bytes, *, max_bytes: int | None = None) -> dict[str,
     if max_bytes is not None and len(view) > max_bytes:
         raise CheckpointError(f"checkpoint is {len(view)} bytes, more than the limit of {max_bytes}")
     if bytes(view[: len(MAGIC)]) != MAGIC:
-        raise CheckpointError("not a checkpoint: the magic bytes are missing (was this file written by encode_checkpoint?)")
+        raise CheckpointError(
+            "not a checkpoint: the magic bytes are missing (was this file written by encode_checkpoint?)"
+        )
     pos = len(MAGIC)
     if len(view) < pos + _HEADER_LEN.size:
         raise CheckpointError("checkpoint is truncated before its header length")
@@ -216,7 +218,9 @@ def _bounded_int(text: str) -> int:
     # spends quadratic time converting it.
     value = int(text) if len(text) <= 21 else None
     if value is None or not -(2**63) <= value < 2**64:
-        raise ValueError(f"integer {text[:24]}{'...' if len(text) > 24 else ''} is out of range for a checkpoint header")
+        raise ValueError(
+            f"integer {text[:24]}{'...' if len(text) > 24 else ''} is out of range for a checkpoint header"
+        )
     return value
 
 

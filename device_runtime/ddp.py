@@ -75,9 +75,7 @@ def clip_l2(update: npt.ArrayLike, clip: float) -> FloatArray:
         raise DDPError(f"clip must be a positive finite number, got {clip!r}")
     x = np.asarray(update, dtype=np.float64).reshape(-1)
     if not np.isfinite(x).all():
-        raise DDPError(
-            "the update holds NaN or infinite values; a device must not send it"
-        )
+        raise DDPError("the update holds NaN or infinite values; a device must not send it")
     norm = float(np.linalg.norm(x))
     if norm > clip:
         x = x * (clip / norm)
@@ -143,9 +141,7 @@ def unrotate(y: npt.ArrayLike, seed: int, dim: int) -> FloatArray:
 # Conditional randomized rounding
 
 
-def rounding_bound(
-    scaled_clip: float, padded_dim: int, beta: float = DEFAULT_BETA
-) -> float:
+def rounding_bound(scaled_clip: float, padded_dim: int, beta: float = DEFAULT_BETA) -> float:
     """The L2 norm a rounded vector may have (Kairouz et al. 2021, conditional rounding): for a
     vector of norm at most ``scaled_clip`` (``gamma * clip``) in ``padded_dim`` coordinates,
     min(c + sqrt(d), sqrt(c^2 + d/4 + sqrt(2 ln(1/beta)) (c + sqrt(d)/2))). A randomized
@@ -154,9 +150,7 @@ def rounding_bound(
         raise DDPError(f"beta must be in (0, 1), got {beta}")
     c, d = scaled_clip, float(padded_dim)
     loose = c + math.sqrt(d)
-    tight = math.sqrt(
-        c * c + d / 4 + math.sqrt(2 * math.log(1 / beta)) * (c + math.sqrt(d) / 2)
-    )
+    tight = math.sqrt(c * c + d / 4 + math.sqrt(2 * math.log(1 / beta)) * (c + math.sqrt(d) / 2))
     return min(loose, tight)
 
 
@@ -184,9 +178,7 @@ def conditional_round(
 # Integer noise
 
 
-def sample_discrete_gaussian(
-    variance: float, size: int, rng: np.random.Generator
-) -> IntArray:
+def sample_discrete_gaussian(variance: float, size: int, rng: np.random.Generator) -> IntArray:
     """``size`` draws from the discrete Gaussian N_Z(0, ``variance``), P(x) ~ exp(-x^2 / 2 variance).
 
     Canonne, Kamath and Steinke 2020, Algorithm 3, vectorized: with t = floor(sigma) + 1, draw a
@@ -211,9 +203,7 @@ def sample_discrete_gaussian(
         magnitude = np.floor(rng.standard_exponential(m) * t)
         negative = rng.integers(0, 2, size=m, dtype=np.int8) == 1
         z = magnitude - variance / t
-        accept = (rng.random(m) < np.exp(-(z * z) / (2.0 * variance))) & ~(
-            negative & (magnitude == 0)
-        )
+        accept = (rng.random(m) < np.exp(-(z * z) / (2.0 * variance))) & ~(negative & (magnitude == 0))
         got = np.where(negative, -magnitude, magnitude)[accept][: size - filled]
         out[filled : filled + got.size] = got
         filled += got.size
@@ -277,9 +267,7 @@ def _discrete_laplace_exact(t: int, rng: np.random.Generator) -> int:
         return -y if negative else y
 
 
-def sample_discrete_gaussian_exact(
-    variance: Fraction | int, size: int, rng: np.random.Generator
-) -> IntArray:
+def sample_discrete_gaussian_exact(variance: Fraction | int, size: int, rng: np.random.Generator) -> IntArray:
     """The discrete Gaussian in rational arithmetic throughout (CKS 2020, Algorithm 3): exact for
     a rational variance, but pure Python (tens of microseconds a draw): the reference that
     ``sample_discrete_gaussian`` is checked against, not the device's sampler."""
@@ -300,9 +288,7 @@ def sample_discrete_gaussian_exact(
     return out
 
 
-def sample_noise(
-    mechanism: Mechanism, variance: float, size: int, rng: np.random.Generator
-) -> IntArray:
+def sample_noise(mechanism: Mechanism, variance: float, size: int, rng: np.random.Generator) -> IntArray:
     if mechanism == "gaussian":
         return sample_discrete_gaussian(variance, size, rng)
     if mechanism == "skellam":
@@ -343,9 +329,7 @@ def wrap_bound(
     if mechanism == "gaussian":
         noise = math.sqrt(2.0 * total_var * log_term)
     else:
-        noise = log_term / 3.0 + math.sqrt(
-            log_term * log_term / 9.0 + 2.0 * log_term * total_var
-        )
+        noise = log_term / 3.0 + math.sqrt(log_term * log_term / 9.0 + 2.0 * log_term * total_var)
     return signal + rounding + noise
 
 
@@ -375,35 +359,21 @@ class DDPParams:
         if not (self.clip > 0 and math.isfinite(self.clip)):
             raise DDPError(f"clip must be a positive finite number, got {self.clip!r}")
         if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-            raise DDPError(
-                f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}"
-            )
+            raise DDPError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
         if not (self.gamma > 0 and math.isfinite(self.gamma)):
-            raise DDPError(
-                f"gamma must be a positive finite number, got {self.gamma!r}"
-            )
+            raise DDPError(f"gamma must be a positive finite number, got {self.gamma!r}")
         if not (self.local_variance >= 0 and math.isfinite(self.local_variance)):
-            raise DDPError(
-                f"local_variance must be a finite number >= 0, got {self.local_variance!r}"
-            )
+            raise DDPError(f"local_variance must be a finite number >= 0, got {self.local_variance!r}")
         if not 1 <= self.bitwidth <= MAX_BITWIDTH:
-            raise DDPError(
-                f"bitwidth must be in [1, {MAX_BITWIDTH}], got {self.bitwidth}"
-            )
+            raise DDPError(f"bitwidth must be in [1, {MAX_BITWIDTH}], got {self.bitwidth}")
         if not 1 <= self.min_devices <= self.max_devices:
-            raise DDPError(
-                f"need 1 <= min_devices <= max_devices, got {self.min_devices}, {self.max_devices}"
-            )
+            raise DDPError(f"need 1 <= min_devices <= max_devices, got {self.min_devices}, {self.max_devices}")
         if self.mechanism not in ("gaussian", "skellam"):
-            raise DDPError(
-                f"mechanism must be 'gaussian' or 'skellam', got {self.mechanism!r}"
-            )
+            raise DDPError(f"mechanism must be 'gaussian' or 'skellam', got {self.mechanism!r}")
         if not 0 < self.beta < 1:
             raise DDPError(f"beta must be in (0, 1), got {self.beta}")
         if not 0 < self.wrap_probability < 1:
-            raise DDPError(
-                f"wrap_probability must be in (0, 1), got {self.wrap_probability}"
-            )
+            raise DDPError(f"wrap_probability must be in (0, 1), got {self.wrap_probability}")
 
     @property
     def padded_dim(self) -> int:
@@ -437,9 +407,7 @@ class DDPParams:
         one discrete Gaussian, 10 sum_{k<n} exp(-2 pi^2 sigma^2 k / (k+1)). Their concentrated-DP
         bound adds tau * padded_dim / 2 to epsilon^2; keep it negligible (local std >~ 2)."""
         s2 = self.local_variance
-        return 10.0 * sum(
-            math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, devices)
-        )
+        return 10.0 * sum(math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, devices))
 
     def wrap_bound(self, devices: int | None = None) -> float:
         return wrap_bound(
@@ -492,15 +460,11 @@ def calibrate(
     ``max_inflation`` times, raises ``ModulusTooSmall`` naming the bitwidth to use."""
     n_max = min_devices if max_devices is None else max_devices
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise DDPError(
-            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}"
-        )
+        raise DDPError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
     if not (clip > 0 and math.isfinite(clip)):
         raise DDPError(f"clip must be a positive finite number, got {clip!r}")
     if not 1 <= min_devices <= n_max:
-        raise DDPError(
-            f"need 1 <= min_devices <= max_devices, got {min_devices}, {n_max}"
-        )
+        raise DDPError(f"need 1 <= min_devices <= max_devices, got {min_devices}, {n_max}")
     if not 1 <= bitwidth <= MAX_BITWIDTH:
         raise DDPError(f"bitwidth must be in [1, {MAX_BITWIDTH}], got {bitwidth}")
     pd = padded_dimension(dim)
@@ -529,9 +493,7 @@ def calibrate(
 
     lo = 1e-12 / clip
     if not fits(lo):
-        params(
-            lo
-        ).check_modulus()  # raises, naming the bitwidth the smallest gamma needs
+        params(lo).check_modulus()  # raises, naming the bitwidth the smallest gamma needs
     hi = lo
     while fits(hi * 2.0):
         hi *= 2.0
@@ -576,9 +538,7 @@ def encode(
     ``noise=False`` leaves the noise out (for tests of the rest; a device never does)."""
     x = np.asarray(update, dtype=np.float64).reshape(-1)
     if x.size != params.dim:
-        raise DDPError(
-            f"the update has {x.size} entries; the params are for {params.dim}"
-        )
+        raise DDPError(f"the update has {x.size} entries; the params are for {params.dim}")
     y = rotate(clip_l2(x, params.clip), seed) * params.gamma
     q = conditional_round(y, params.sensitivity, rng, max_tries)
     if noise:
@@ -609,14 +569,10 @@ def decode(sum_mod: npt.ArrayLike, params: DDPParams, seed: int, n: int) -> Floa
     divides by ``n`` for the mean. ``n`` above ``max_devices`` is refused: the modulus was not
     sized for it, so a wrapped sum could not be told from a real one."""
     if not 1 <= n <= params.max_devices:
-        raise DDPError(
-            f"the params were sized for 1 to {params.max_devices} devices, not {n}"
-        )
+        raise DDPError(f"the params were sized for 1 to {params.max_devices} devices, not {n}")
     v = np.asarray(sum_mod, dtype=np.int64).reshape(-1)
     if v.size != params.padded_dim:
-        raise DDPError(
-            f"the sum has {v.size} entries; the params encode {params.padded_dim}"
-        )
+        raise DDPError(f"the sum has {v.size} entries; the params encode {params.padded_dim}")
     signed = to_signed(v, params.modulus).astype(np.float64) / params.gamma
     return unrotate(signed, seed, params.dim)
 

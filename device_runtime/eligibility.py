@@ -80,6 +80,8 @@ def evaluate(
             failed.append("min_separation_rounds")
         if policies.min_separation_s and now - last.at < policies.min_separation_s:
             failed.append("min_separation_s")
-        if policies.sampling_period_s and int(now // policies.sampling_period_s) == int(last.at // policies.sampling_period_s):
+        if policies.sampling_period_s and int(now // policies.sampling_period_s) == int(
+            last.at // policies.sampling_period_s
+        ):
             failed.append("sampling_period_s")
     return EligibilityVerdict(task, not failed, tuple(failed))

@@ -50,7 +50,9 @@ class RuntimeEnvironment:
     def __post_init__(self) -> None:
         meter = self.work_meter
         if meter is not None and not all(callable(getattr(meter, m, None)) for m in ("trained", "settle")):
-            raise TypeError(f"work_meter {type(meter).__name__} needs trained(plan, examples) and settle() (see WorkMeter)")
+            raise TypeError(
+                f"work_meter {type(meter).__name__} needs trained(plan, examples) and settle() (see WorkMeter)"
+            )
         if self.secagg_poll_s is not None and not self.secagg_poll_s > 0:
             raise ValueError("secagg_poll_s must be > 0 (or None for the server's long polls)")
 

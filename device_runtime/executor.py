@@ -123,7 +123,9 @@ class PlanExecutor(ServerOps):
             for name, (shape, dtype) in inputs.items():
                 if name.startswith("upd/"):
                     if any(d is None for d in shape):
-                        raise PlanError(f"the accumulate graph's input {name!r} has a dynamic shape; updates need static shapes")
+                        raise PlanError(
+                            f"the accumulate graph's input {name!r} has a dynamic shape; updates need static shapes"
+                        )
                     spec[name[4:]] = (tuple(shape), np.dtype(dtype))
             self._update_spec = spec
         return dict(self._update_spec)
@@ -151,7 +153,9 @@ class PlanExecutor(ServerOps):
         n = None
         for graph_name, example_name in self.plan.device.inputs.items():
             if example_name not in batch:
-                raise PlanError(f"batch has no tensor {example_name!r} (keys {sorted(batch)}); the plan feeds it to {graph_name!r}")
+                raise PlanError(
+                    f"batch has no tensor {example_name!r} (keys {sorted(batch)}); the plan feeds it to {graph_name!r}"
+                )
             dtype = inputs[graph_name][1]
             arr = np.asarray(batch[example_name], dtype=dtype, order="C")
             if n is None:
@@ -241,7 +245,9 @@ class PlanExecutor(ServerOps):
     def final_weights(self, initial: Mapping[str, np.ndarray], result: DeviceResult) -> dict[str, np.ndarray]:
         """The device's trained weights, reconstructed from its update: w + delta*n / n."""
         n = max(result.num_examples, 1)
-        return {w: (f32(initial[w]) + result.update[w] / np.float32(n)).astype(np.float32) for w in self.plan.weight_names}
+        return {
+            w: (f32(initial[w]) + result.update[w] / np.float32(n)).astype(np.float32) for w in self.plan.weight_names
+        }
 
     def batches_from_examples(
         self,
@@ -267,7 +273,9 @@ class PlanExecutor(ServerOps):
         """
         return batches_from_examples(self.plan.device, open_examples, batched=batched)
 
-    def evaluate(self, weights: Mapping[str, np.ndarray], batches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
+    def evaluate(
+        self, weights: Mapping[str, np.ndarray], batches: Iterable[Mapping[str, np.ndarray]]
+    ) -> dict[str, float]:
         """Loss and accuracy of ``weights`` over ``batches`` (keyed by example tensor names) with
         the work graph's forward pass: ``eval_loss``, ``num_examples`` and, when the plan counts
         ``correct`` predictions (classification), ``eval_accuracy``; a regression plan (mse) has
@@ -312,7 +320,9 @@ class PlanExecutor(ServerOps):
         acc_inputs, _ = _io_specs(self.plan.server.accumulate)
         acc_spec = {n[4:]: (s, np.dtype(d)) for n, (s, d) in acc_inputs.items() if n.startswith("acc/")}
         if {n: s for n, (s, _) in acc_spec.items()} != {n: s for n, (s, _) in update_spec.items()}:
-            raise PlanError("the plan's server graph 'accumulate' takes an accumulator (acc/) unlike the client update (upd/)")
+            raise PlanError(
+                "the plan's server graph 'accumulate' takes an accumulator (acc/) unlike the client update (upd/)"
+            )
         zero = self._smoke("zero", self.zero)
         _expect("zero", zero, acc_spec)
         empty_update = {n: np.zeros(s, dtype=d) for n, (s, d) in update_spec.items()}
@@ -378,7 +388,9 @@ class PlanExecutor(ServerOps):
             if value.dtype != dtype:
                 raise UpdateMismatchError(f"update tensor {name!r} has dtype {value.dtype}, the plan needs {dtype}")
             if tuple(value.shape) != shape:
-                raise UpdateMismatchError(f"update tensor {name!r} has shape {tuple(value.shape)}, the plan needs {shape}")
+                raise UpdateMismatchError(
+                    f"update tensor {name!r} has shape {tuple(value.shape)}, the plan needs {shape}"
+                )
             if not np.isfinite(value).all():
                 raise UpdateMismatchError(f"update tensor {name!r} holds NaN or infinite values")
         if NUM_EXAMPLES in spec and float(update[NUM_EXAMPLES]) < 0:
@@ -408,7 +420,9 @@ class _Workspace:
         train = plan.kind == "train"
         self.sets = [{w: ort.OrtValue.ortvalue_from_numpy(initial[w].copy()) for w in plan.weight_names}]
         if train:
-            self.sets.append({w: ort.OrtValue.ortvalue_from_shape_and_type(initial[w].shape, np.float32) for w in plan.weight_names})
+            self.sets.append(
+                {w: ort.OrtValue.ortvalue_from_shape_and_type(initial[w].shape, np.float32) for w in plan.weight_names}
+            )
         self.metric_arrays = {m: np.zeros((), dtype=np.float32) for m in plan.metric_names}
         metric_values = {m: ort.OrtValue.ortvalue_from_numpy(a) for m, a in self.metric_arrays.items()}
         self.bindings = []
@@ -425,14 +439,18 @@ class _Workspace:
             self.bindings.append(binding)
 
 
-def _expect(which: str, outputs: Mapping[str, np.ndarray], promised: Mapping[str, tuple], *, exact: bool = True) -> None:
+def _expect(
+    which: str, outputs: Mapping[str, np.ndarray], promised: Mapping[str, tuple], *, exact: bool = True
+) -> None:
     """Refuse outputs that lack a promised tensor or give it another shape or dtype (a dynamic
     dimension, None, matches any size); with ``exact``, also outputs that were not promised."""
     where = "device graph" if which == "work" else "server graph"
     missing = sorted(set(promised) - set(outputs))
     extra = sorted(set(outputs) - set(promised)) if exact else []
     if missing or extra:
-        raise PlanError(f"the plan's {where} {which!r} returns {sorted(outputs)}: missing {missing}, unexpected {extra}")
+        raise PlanError(
+            f"the plan's {where} {which!r} returns {sorted(outputs)}: missing {missing}, unexpected {extra}"
+        )
     for name, (shape, dtype) in promised.items():
         value = np.asarray(outputs[name])
         fits = value.ndim == len(shape) and all(d is None or d == v for d, v in zip(shape, value.shape))
@@ -444,7 +462,11 @@ def _expect(which: str, outputs: Mapping[str, np.ndarray], promised: Mapping[str
 
 
 def device_result(
-    plan: Plan, initial: Mapping[str, np.ndarray], final: Mapping[str, np.ndarray], sums: Mapping[str, float], total: int
+    plan: Plan,
+    initial: Mapping[str, np.ndarray],
+    final: Mapping[str, np.ndarray],
+    sums: Mapping[str, float],
+    total: int,
 ) -> DeviceResult:
     """The client update of a device that trained from ``initial`` to ``final`` over ``total``
     examples (see the module doc: weight deltas times n, metric sums per epoch, the example count);

@@ -103,7 +103,14 @@ class OpStatsStore:
 
     def record_session(self, session_id: str, population: str, task: str | None, events: list[Event]) -> None:
         rows = [
-            {"session_id": session_id, "population": population, "task": task, "kind": e.kind, "at": e.at, "detail": json.dumps(e.detail)}
+            {
+                "session_id": session_id,
+                "population": population,
+                "task": task,
+                "kind": e.kind,
+                "at": e.at,
+                "detail": json.dumps(e.detail),
+            }
             for e in events
         ]
         if rows:
@@ -123,7 +130,9 @@ class OpStatsStore:
         out = []
         for sid, rows in grouped.items():
             events = [Event(r["kind"], r["at"], json.loads(r["detail"])) for r in rows]
-            out.append(SessionSummary(sid, rows[0]["population"], rows[0]["task"], events[0].at, shape_of(events), events))
+            out.append(
+                SessionSummary(sid, rows[0]["population"], rows[0]["task"], events[0].at, shape_of(events), events)
+            )
         return out
 
     def shape_counts(self, population: str | None = None, since: float | None = None) -> Counter[str]:
@@ -131,11 +140,7 @@ class OpStatsStore:
 
     def last_participation(self, population: str, task: str | None = None) -> SessionSummary | None:
         """The newest session that uploaded an accepted update (for eligibility policies)."""
-        done = [
-            s
-            for s in self.sessions(population)
-            if s.shape.endswith("^") and (task is None or s.task == task)
-        ]
+        done = [s for s in self.sessions(population) if s.shape.endswith("^") and (task is None or s.task == task)]
         return done[-1] if done else None
 
     # -- resumption tokens (device_runtime.reading.ResumptionTokenKeeper) -------------------------
@@ -170,5 +175,3 @@ class OpStatsStore:
                     t.population == population, t.task == task, t.collection_uri == collection_uri
                 )
             )
-
-

@@ -54,7 +54,7 @@ GRAPH_FIELDS = ("work", "prepare", "zero", "accumulate", "merge", "report", "upd
 PLAN_KINDS = ("train", "eval")
 
 # Opset and IR version each onnxruntime release loads and runs, as measured on the real wheels by
-# `python -m emulator.ort_support` (one row per minor release of 1.x: the latest patch, a probe
+# `python -m emulator.releases.support` (one row per minor release of 1.x: the latest patch, a probe
 # model at every opset and IR version) and shipped as package data in ort_support.json. Read, not
 # written here, so a re-measurement changes one file and the tests check the code against it.
 ORT_SUPPORT_RESOURCE = "ort_support.json"
@@ -220,8 +220,15 @@ class Plan:
 
     def graphs(self) -> dict[str, bytes]:
         s = self.server
-        return {"work": self.work, "prepare": s.prepare, "zero": s.zero, "accumulate": s.accumulate,
-                "merge": s.merge, "report": s.report, "update": s.update}
+        return {
+            "work": self.work,
+            "prepare": s.prepare,
+            "zero": s.zero,
+            "accumulate": s.accumulate,
+            "merge": s.merge,
+            "report": s.report,
+            "update": s.update,
+        }
 
 
 # ----------------------------------------------------------------------------- serialization
@@ -320,7 +327,9 @@ def load_plan(data: bytes, *, runtime_version: str | None = None) -> Plan:
                 f"plan format version {format_version} is newer than this runtime reads ({PLAN_FORMAT_VERSION}); "
                 "update the runtime or publish the plan in format version 1"
             )
-        raise PlanError(f"plan format version {format_version} is not supported (this runtime reads {PLAN_FORMAT_VERSION})")
+        raise PlanError(
+            f"plan format version {format_version} is not supported (this runtime reads {PLAN_FORMAT_VERSION})"
+        )
     if len(view) < total:
         raise PlanError(f"plan is truncated: {len(view)} of {total} bytes; download it again")
     if len(view) > total:
@@ -416,8 +425,13 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
         weight_outputs=_names(header, "weight_outputs"),
         metric_names=_names(header, "metric_names"),
         server=ServerPart(
-            prepare=blobs["prepare"], zero=blobs["zero"], accumulate=blobs["accumulate"], merge=blobs["merge"],
-            report=blobs["report"], update=blobs["update"], bitwidth=bitwidth,
+            prepare=blobs["prepare"],
+            zero=blobs["zero"],
+            accumulate=blobs["accumulate"],
+            merge=blobs["merge"],
+            report=blobs["report"],
+            update=blobs["update"],
+            bitwidth=bitwidth,
             secure_sum=_names(server, "secure_sum", "server."),
             clip_range=None if clip_range is None else float(clip_range),
         ),
@@ -439,8 +453,10 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
         raise PlanError("an evaluation plan has no weight outputs")
     unknown = [w for w in plan.metadata.shared_weights if w not in plan.weight_names]
     if unknown:
-        raise PlanError(f"plan's metadata.shared_weights names {unknown[0]!r}, which is not one of its weights; the plan is "
-                        "corrupt or was edited")
+        raise PlanError(
+            f"plan's metadata.shared_weights names {unknown[0]!r}, which is not one of its weights; the plan is "
+            "corrupt or was edited"
+        )
     server = plan.server
     if server.secure_sum:
         if server.bitwidth is None or not 1 <= server.bitwidth <= 52:
@@ -486,7 +502,9 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
         try:
             onnx.checker.check_model(model)
         except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError and others
-            raise PlanError(f"graph {field!r} fails the ONNX checker: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+            raise PlanError(
+                f"graph {field!r} fails the ONNX checker: {str(exc).splitlines()[0] if str(exc) else exc}"
+            ) from None
         if model.ir_version > max_ir or model.ir_version > meta.ir_version:
             raise PlanError(
                 f"graph {field!r} has IR version {model.ir_version}, above the plan's {meta.ir_version} "
@@ -494,7 +512,9 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
             )
         for opset in model.opset_import:
             if opset.domain not in ("", "ai.onnx"):
-                raise PlanError(f"graph {field!r} uses operator domain {opset.domain!r}; plans may use only standard ONNX ops")
+                raise PlanError(
+                    f"graph {field!r} uses operator domain {opset.domain!r}; plans may use only standard ONNX ops"
+                )
             if opset.version > meta.opset or opset.version > max_opset:
                 raise PlanError(
                     f"graph {field!r} imports opset {opset.version}, above the plan's opset {meta.opset} "

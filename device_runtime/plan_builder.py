@@ -165,8 +165,12 @@ def summing_graphs(update_spec: Mapping[str, Sequence[int]], opset: int) -> tupl
     # zero: ConstantOfShape keeps the graph small whatever the model size.
     g = _Graph()
     for name, shape in update_spec.items():
-        g.op("ConstantOfShape", [g.const(np.array(shape, dtype=np.int64), "shape")], name,
-             value=numpy_helper.from_array(np.zeros(1, dtype=np.float64)))
+        g.op(
+            "ConstantOfShape",
+            [g.const(np.array(shape, dtype=np.int64), "shape")],
+            name,
+            value=numpy_helper.from_array(np.zeros(1, dtype=np.float64)),
+        )
     zero = g.model("zero", [], [_vi(n, _F64, s) for n, s in update_spec.items()], opset)
 
     # accumulate: acc (float64) + upd (float32, widened); merge: a + b, both float64.
@@ -234,10 +238,22 @@ def _server_part(weights: dict[str, list[int]], kind: str, opset: int) -> Server
     g = _Graph()
     for w in weights:
         g.op("Identity", [f"state/{w}"], w)
-    prepare = g.model("prepare", [_vi(f"state/{w}", _F32, s) for w, s in weights.items()],
-                      [_vi(w, _F32, s) for w, s in weights.items()], opset)
-    return ServerPart(prepare=prepare, zero=zero, accumulate=accumulate, merge=merge, report=report, update=update,
-                      bitwidth=None, secure_sum=())
+    prepare = g.model(
+        "prepare",
+        [_vi(f"state/{w}", _F32, s) for w, s in weights.items()],
+        [_vi(w, _F32, s) for w, s in weights.items()],
+        opset,
+    )
+    return ServerPart(
+        prepare=prepare,
+        zero=zero,
+        accumulate=accumulate,
+        merge=merge,
+        report=report,
+        update=update,
+        bitwidth=None,
+        secure_sum=(),
+    )
 
 
 def _check_args(opset: int, learning_rate: float, batch_size: int, epochs: int, inputs: Mapping[str, str]) -> None:
@@ -248,7 +264,9 @@ def _check_args(opset: int, learning_rate: float, batch_size: int, epochs: int, 
     if batch_size < 1 or epochs < 1:
         raise ValueError("batch_size and epochs must be >= 1")
     if set(inputs) != {"x", "y"}:
-        raise ValueError(f"inputs must map the work graph's inputs 'x' and 'y' to example tensor names, got {dict(inputs)}")
+        raise ValueError(
+            f"inputs must map the work graph's inputs 'x' and 'y' to example tensor names, got {dict(inputs)}"
+        )
 
 
 def assemble_plan(
@@ -388,8 +406,12 @@ def build_softmax_regression_plan(
 ) -> Plan:
     """A training plan for multinomial logistic regression (same keyword arguments as build_mlp_plan)."""
     return build_mlp_plan(
-        num_features, (), num_classes, name=name or f"softmax_{num_features}_{num_classes}",
-        resume_examples=resume_examples, **kwargs,
+        num_features,
+        (),
+        num_classes,
+        name=name or f"softmax_{num_features}_{num_classes}",
+        resume_examples=resume_examples,
+        **kwargs,
     )
 
 

@@ -33,8 +33,17 @@ from .wire import (
     sane_window,
 )
 
-__all__ = ["AGGREGATIONS", "MAX_RETRY_WINDOW_S", "STATS_HEADER", "CheckinAccepted", "CheckinRejected", "ProtocolClient",
-           "RetryPolicy", "retry_window", "shared_tls_context"]
+__all__ = [
+    "AGGREGATIONS",
+    "MAX_RETRY_WINDOW_S",
+    "STATS_HEADER",
+    "CheckinAccepted",
+    "CheckinRejected",
+    "ProtocolClient",
+    "RetryPolicy",
+    "retry_window",
+    "shared_tls_context",
+]
 
 #: The header a report carries its session statistics in (shape so far, training time).
 STATS_HEADER = "X-FL-Session-Stats"
@@ -62,9 +71,15 @@ def _answer(response: httpx.Response, model: Any, what: str) -> Any:
     a broken or hostile server's answer is a ``ProtocolError`` naming the field, never a value that
     reaches a path, a header or a clock."""
     if not 200 <= response.status_code < 300:
-        raise ProtocolError(f"the server's {what} came with HTTP {response.status_code}, not a success", status=response.status_code)
+        raise ProtocolError(
+            f"the server's {what} came with HTTP {response.status_code}, not a success", status=response.status_code
+        )
     try:
-        return model.validate_json(response.content) if isinstance(model, TypeAdapter) else model.model_validate_json(response.content)
+        return (
+            model.validate_json(response.content)
+            if isinstance(model, TypeAdapter)
+            else model.model_validate_json(response.content)
+        )
     except ValidationError as exc:
         raise ProtocolError(f"the server's {what} is malformed: {_first_error(exc)}") from None
 
@@ -104,7 +119,9 @@ class ProtocolClient:
         self._owns_client = client is None
         # One TLS context for every device of the process: building one loads the CA bundle
         # (about 18 ms and 0.8 MB each), which a fleet of emulated devices paid per device.
-        self.http = client or httpx.Client(timeout=httpx.Timeout(timeout_s), transport=transport, verify=shared_tls_context())
+        self.http = client or httpx.Client(
+            timeout=httpx.Timeout(timeout_s), transport=transport, verify=shared_tls_context()
+        )
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -112,7 +129,9 @@ class ProtocolClient:
         if self._owns_client:
             self.http.close()
 
-    def _request(self, method: str, path: str, *, json_body: Callable[[], Any] | None = None, **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, json_body: Callable[[], Any] | None = None, **kwargs: Any
+    ) -> httpx.Response:
         """``json_body``: builds the JSON body afresh for each attempt (a signed nonce must not
         be sent twice: the server refuses a replay)."""
         url = self.server_url + path
@@ -193,7 +212,9 @@ class ProtocolClient:
         self._raise_for_error(response)
         data = response.content
         if hashlib.sha256(data).hexdigest() != resource_id:
-            raise CorruptResource(f"resource {resource_id} arrived corrupted (its SHA-256 does not match); it was discarded")
+            raise CorruptResource(
+                f"resource {resource_id} arrived corrupted (its SHA-256 does not match); it was discarded"
+            )
         return data
 
     def report(self, session: CheckinAccepted, update: bytes, stats: dict | None = None) -> ReportAnswer:
@@ -203,8 +224,10 @@ class ProtocolClient:
         response = self._request("POST", f"/v1/sessions/{session.session_id}/report", content=update, headers=headers)
         self._raise_for_error(response)
         if not 200 <= response.status_code < 300:
-            raise ProtocolError(f"the server answered the report with HTTP {response.status_code}, not a success",
-                                status=response.status_code)
+            raise ProtocolError(
+                f"the server answered the report with HTTP {response.status_code}, not a success",
+                status=response.status_code,
+            )
         try:  # the report was taken (2xx); what the answer adds is advice, and a broken one is none
             return _answer(response, ReportAnswer, "answer to the report")
         except ProtocolError:
@@ -227,7 +250,9 @@ class ProtocolClient:
         try:
             data = response.json()
         except ValueError:  # not JSON, or not UTF-8
-            raise ProtocolError(f"the server's Secure Aggregation state is not JSON: {response.content[:80]!r}") from None
+            raise ProtocolError(
+                f"the server's Secure Aggregation state is not JSON: {response.content[:80]!r}"
+            ) from None
         if not isinstance(data, dict):
             raise ProtocolError(f"the server's Secure Aggregation state is not a JSON object: {str(data)[:80]!r}")
         return data

@@ -139,7 +139,10 @@ class ExampleReading:
                 log.warning(
                     "population %r, task %r: the example store refused the saved resumption token for %r (%s); "
                     "it is dropped and this session reads from the start",
-                    population, task, base.collection_uri, exc,
+                    population,
+                    task,
+                    base.collection_uri,
+                    exc,
                 )
                 keeper.forget_resumption_token(*key)
             else:
@@ -168,7 +171,8 @@ class ExampleReading:
         except ResumptionNotSupportedError as exc:
             log.warning(
                 "the plan asks to resume reading %r, but the example store cannot (%s); every session reads from the start",
-                self.selector.collection_uri, exc,
+                self.selector.collection_uri,
+                exc,
             )
 
     def commit(self, at: float | None = None) -> None:

@@ -140,9 +140,18 @@ class FLRuntime:
         # attestation authorities whose certified devices it accepts as peers.
         self.secagg_policy = secagg_policy
         self.peer_verifier = PeerCertificateVerifier(trust_anchor, clock) if trust_anchor is not None else None
-        self.client = ProtocolClient(server_url, timeout_s=timeout_s, retry=retry, rng=self.rng, sleep=sleep,
-                                     client=http_client, transport=transport)
-        self.plan_cache: PlanCache = plan_cache if plan_cache is not None else DirectoryPlanCache(cast("str | os.PathLike", cache_dir))  # made above
+        self.client = ProtocolClient(
+            server_url,
+            timeout_s=timeout_s,
+            retry=retry,
+            rng=self.rng,
+            sleep=sleep,
+            client=http_client,
+            transport=transport,
+        )
+        self.plan_cache: PlanCache = (
+            plan_cache if plan_cache is not None else DirectoryPlanCache(cast("str | os.PathLike", cache_dir))
+        )  # made above
         self.loaded_plans = environment.loaded_plans if environment.loaded_plans is not None else LoadedPlans()
         self.work_meter = environment.work_meter
         self.memory_probe = environment.memory_probe
@@ -254,7 +263,9 @@ class FLRuntime:
                     return self._secure_outcome(rec, prepared, {}, 0)
             resume = {"resume": reading.mode} if reading.resumes else {}
             rec.record("training_started", examples_available=available, **resume)
-            batches: Callable[[], Iterator[Mapping[str, np.ndarray]]] = executor.batches_from_examples(reading.open_batches)
+            batches: Callable[[], Iterator[Mapping[str, np.ndarray]]] = executor.batches_from_examples(
+                reading.open_batches
+            )
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
             try:
@@ -337,11 +348,20 @@ class FLRuntime:
         """The key rounds, before training (see ``secure_client``). Deadlines are measured on the
         runtime's clock, or on the monotonic one when that is the system's (which can jump)."""
         clock = time.monotonic if self.clock is time.time else self.clock
-        polling: dict[str, Any] = {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
+        polling: dict[str, Any] = (
+            {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
+        )
         secure = SecureAggregation(
-            self.client, session, deadline=clock() + session.report_deadline_s, should_abort=should_abort,
-            policy=self.secagg_policy, signer=self.attestor.secagg_signer() if self.attestor is not None else None,
-            verify_peer=self.peer_verifier, sleep=self.sleep, clock=clock, **polling,
+            self.client,
+            session,
+            deadline=clock() + session.report_deadline_s,
+            should_abort=should_abort,
+            policy=self.secagg_policy,
+            signer=self.attestor.secagg_signer() if self.attestor is not None else None,
+            verify_peer=self.peer_verifier,
+            sleep=self.sleep,
+            clock=clock,
+            **polling,
         )
         return secure, secure.prepare()
 
@@ -364,10 +384,16 @@ class FLRuntime:
             self._abort_quietly(session, f"the update is not valid: {exc}"[:500], rec.stats())
             return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, INVALID_UPDATE)
         cap = min(session.max_examples_per_report or codec.max_count, codec.max_count)
-        bounded = bound_update(result.update, plan.weight_names if plan.kind == "train" else (),
-                               max_examples=cap, clip_norm=session.clip_update_norm)
+        bounded = bound_update(
+            result.update,
+            plan.weight_names if plan.kind == "train" else (),
+            max_examples=cap,
+            clip_norm=session.clip_update_norm,
+        )
         vector = codec.encode(bounded.update, np.random.default_rng(self.rng.getrandbits(64)))
-        rec.record("upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped)
+        rec.record(
+            "upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped
+        )
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
     def _secure_outcome(self, rec: _Recorder, outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
@@ -453,7 +479,9 @@ class _Recorder:
         self.runtime = runtime
         self.events: list[Event] = []
         self.session: CheckinAccepted | None = None
-        self.local_id = f"{runtime.rng.getrandbits(64):016x}"  # from the device's own random stream: a seeded run repeats
+        self.local_id = (
+            f"{runtime.rng.getrandbits(64):016x}"  # from the device's own random stream: a seeded run repeats
+        )
         self.base_memory_mb = runtime.memory_probe()
         self.peak_memory_mb = self.base_memory_mb
         self.over_budget: str | None = None
@@ -503,7 +531,9 @@ class _Recorder:
         self.runtime._abort_quietly(self.session, reason, self.stats())
         return self.result(Outcome.INTERRUPTED)
 
-    def result(self, outcome: Outcome, metrics: dict | None = None, examples: int = 0, code: str | None = None) -> SessionResult:
+    def result(
+        self, outcome: Outcome, metrics: dict | None = None, examples: int = 0, code: str | None = None
+    ) -> SessionResult:
         assert self.session is not None
         return SessionResult(outcome, self.session.task, self.session.round, self.events, metrics or {}, examples, code)
 
@@ -519,4 +549,3 @@ class _Recorder:
         if self.runtime.opstats is not None and self.events:
             task = self.session.task if self.session else None
             self.runtime.opstats.record_session(self.local_id, self.runtime.population, task, self.events)
-

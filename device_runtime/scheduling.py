@@ -192,7 +192,9 @@ class _MemoryJobs:
 
     def put(self, job: ScheduledJob) -> None:
         assert job.next_run_at is not None
-        self._jobs[job.population] = ScheduledJob(job.population, to_microsecond(job.next_run_at), job.constraints, job.interval)
+        self._jobs[job.population] = ScheduledJob(
+            job.population, to_microsecond(job.next_run_at), job.constraints, job.interval
+        )
 
     def get(self, population: str) -> ScheduledJob | None:
         return self._jobs.get(population)
@@ -207,7 +209,11 @@ class _MemoryJobs:
 
     def due(self, now: float) -> list[tuple[float, str]]:
         now = to_microsecond(now)
-        return sorted((j.next_run_at, j.population) for j in self._jobs.values() if j.next_run_at is not None and j.next_run_at <= now)
+        return sorted(
+            (j.next_run_at, j.population)
+            for j in self._jobs.values()
+            if j.next_run_at is not None and j.next_run_at <= now
+        )
 
     def next_run_at(self) -> float | None:
         return min((j.next_run_at for j in self._jobs.values()), default=None)  # type: ignore[type-var]
@@ -341,7 +347,9 @@ class ParticipationScheduler:
         # The scheduler jitters its own delays; a delay drawn in the server's retry window is
         # already spread as the server wants it (pace steering aims a window at the next round's
         # selection: stretched by a fifth, the devices it gathers would miss it), and is kept.
-        next_at = None if done else ended + max(delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter)), server_delay)
+        next_at = (
+            None if done else ended + max(delay * (1.0 + self.rng.uniform(0.0, self.settings.jitter)), server_delay)
+        )
         if next_at is not None:
             if unmet:
                 next_at = self._when_conditions_change(ended, next_at, constraints)
@@ -405,6 +413,7 @@ class ParticipationScheduler:
         finally:
             done.set()
             thread.join()
+
 
 class WorkerQueue:
     """The device's single training worker, shared by all its apps' schedulers."""

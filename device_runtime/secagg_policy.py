@@ -71,8 +71,10 @@ class SecAggPolicy:
         if n < self.min_group_size:
             return f"group of {n} devices, below the minimum of {self.min_group_size}"
         if config.min_summed < self.min_group_size:
-            return (f"the server would release sums of {config.min_summed} devices, "
-                    f"below the minimum of {self.min_group_size}")
+            return (
+                f"the server would release sums of {config.min_summed} devices, "
+                f"below the minimum of {self.min_group_size}"
+            )
         if self.require_consistency_check and not config.consistency_check:
             return "ConsistencyCheck is off; this device requires it"
         if self.require_graph_commitment and not config.graph_commitment:
@@ -88,12 +90,14 @@ class SecAggPolicy:
             return f"SecAgg+ degree {k} is below {floor.degree}, the least for n = {n} under these assumptions"
         if 2 * t <= k + 1:
             return f"SecAgg+ threshold {t} is not a majority of a neighbourhood of {k + 1}"
-        bound = 2.0 ** -self.sigma / n
+        bound = 2.0**-self.sigma / n
         if binom_tail_ge(k, t, self.corrupt_fraction) > bound:
             return f"SecAgg+ threshold {t} is too low for degree {k}: colluders could fill a neighbourhood"
         if binom_tail_ge(k, 2 * t - (k + 1), self.corrupt_fraction) > bound:
-            return (f"SecAgg+ threshold {t} is too low for degree {k}: a server splitting survivor lists "
-                    "could collect both shares of a device")
+            return (
+                f"SecAgg+ threshold {t} is too low for degree {k}: a server splitting survivor lists "
+                "could collect both shares of a device"
+            )
         return None
 
 

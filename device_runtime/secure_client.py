@@ -118,7 +118,8 @@ class SecureAggregation:
         # how the server names this device in the group assignment: by its attested key when the
         # server attests devices, else by its session
         self.member_keys = ([device_key_hash(signer.public_key)] if signer is not None else []) + [
-            session_member_key(session.session_id)]
+            session_member_key(session.session_id)
+        ]
         self._commitment: bytes | None = _b64(session.secagg_commitment)  # from the check-in answer
         self.client = client
         self.session = session
@@ -159,23 +160,34 @@ class SecureAggregation:
         """Why this device cannot meet its policy's attested cohort, or None."""
         if not self.policy.require_attested_cohort:
             return None
-        missing = [what for what, have in (
-            ("no attested device key (FLRuntime(attestor=...))", self.signer),
-            ("no trust anchor of the attestation authority (FLRuntime(trust_anchor=...))", self.verify_peer),
-        ) if have is None]
+        missing = [
+            what
+            for what, have in (
+                ("no attested device key (FLRuntime(attestor=...))", self.signer),
+                ("no trust anchor of the attestation authority (FLRuntime(trust_anchor=...))", self.verify_peer),
+            )
+            if have is None
+        ]
         if not missing:
             return None
-        return ("its policy requires an attested cohort, but it has " + " and ".join(missing)
-                + "; pass them, or choose SecAggPolicy(require_attested_cohort=False) explicitly to accept "
-                "peers it cannot check")
+        return (
+            "its policy requires an attested cohort, but it has "
+            + " and ".join(missing)
+            + "; pass them, or choose SecAggPolicy(require_attested_cohort=False) explicitly to accept "
+            "peers it cannot check"
+        )
 
     def _run(self, *, until_input: bool) -> SecureResult | None:
         client, session = self.client, self.session
         if self._secagg is None:
             problem = self.identity_problem()
             if problem is not None:
-                return SecureResult(SecureOutcome.ABORTED, f"this device cannot take part in Secure Aggregation: {problem}",
-                                    refused=True, code=NEEDS_ATTESTATION)
+                return SecureResult(
+                    SecureOutcome.ABORTED,
+                    f"this device cannot take part in Secure Aggregation: {problem}",
+                    refused=True,
+                    code=NEEDS_ATTESTATION,
+                )
         while self.clock() < self.deadline:
             if self.should_abort is not None and self.should_abort():
                 return SecureResult(SecureOutcome.INTERRUPTED)
@@ -238,7 +250,9 @@ class SecureAggregation:
         return SecureResult(SecureOutcome.TIMED_OUT)
 
     def _refused(self, reason: str) -> SecureResult:
-        return SecureResult(SecureOutcome.ABORTED, f"this device refused the server: {reason}", refused=True, code=REFUSED)
+        return SecureResult(
+            SecureOutcome.ABORTED, f"this device refused the server: {reason}", refused=True, code=REFUSED
+        )
 
     def _join(self, state: dict) -> SecAggClient:
         """Check the server's configuration and this device's group, then make the client."""
@@ -267,8 +281,14 @@ class SecureAggregation:
         if problem is not None:
             raise _Refusal(f"below this device's privacy floor: {problem}")
         try:
-            return SecAggClient(client_id, dataclasses.replace(config, allow_unsafe=False), self._vector,
-                                signer=self.signer, verify_peer=self.verify_peer, is_member=is_member)
+            return SecAggClient(
+                client_id,
+                dataclasses.replace(config, allow_unsafe=False),
+                self._vector,
+                signer=self.signer,
+                verify_peer=self.verify_peer,
+                is_member=is_member,
+            )
         except ValueError as exc:
             raise _Refusal(str(exc)) from None
 
@@ -293,7 +313,9 @@ class SecureAggregation:
             raise _Refusal("the revealed assignment puts this device in no group")
         mine, key = placed[0]
         if mine != index or groups[mine].index(key) + 1 != client_id:
-            raise _Refusal("the server placed this device in another group or seat than the revealed seed gives (a forged group)")
+            raise _Refusal(
+                "the server placed this device in another group or seat than the revealed seed gives (a forged group)"
+            )
         attested = self.signer is not None and key == self.member_keys[0]
         return groups[mine], attested, seed_commitment(group_seed(seed, mine))
 
@@ -322,9 +344,20 @@ def run_secure_aggregation(
     verify_peer: PeerVerifier | None = None,
 ) -> SecureResult:
     """All the rounds for an update that already exists."""
-    secure = SecureAggregation(client, session, deadline=deadline, should_abort=should_abort, on_round=on_round,
-                               poll_s=poll_s, sleep=sleep, clock=clock, long_poll_s=long_poll_s, policy=policy,
-                               signer=signer, verify_peer=verify_peer)
+    secure = SecureAggregation(
+        client,
+        session,
+        deadline=deadline,
+        should_abort=should_abort,
+        on_round=on_round,
+        poll_s=poll_s,
+        sleep=sleep,
+        clock=clock,
+        long_poll_s=long_poll_s,
+        policy=policy,
+        signer=signer,
+        verify_peer=verify_peer,
+    )
     return secure.finish(vector)
 
 

@@ -58,7 +58,7 @@ class ServerOps:
     def _prefixed(self, which: str, prefix: str, values: Mapping[str, np.ndarray], feeds: dict) -> None:
         for name, double, shape in self._graph_io(which)[0]:
             if name.startswith(prefix):
-                plain = name[len(prefix):]
+                plain = name[len(prefix) :]
                 if plain not in values and prefix == "state/" and plain.startswith(SERVER_STATE_PREFIX):
                     if not all(isinstance(d, int) for d in shape):
                         raise PlanError(f"{which}: server state {plain!r} needs a static shape, not {shape}")

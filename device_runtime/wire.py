@@ -46,7 +46,9 @@ AGGREGATIONS = ("simple", "secure_sum")
 
 Count = Annotated[int, Strict(), Field(ge=0)]
 Seconds = Annotated[float, Strict(), Field(ge=0.0)]
-ResourceId = Annotated[str, Strict(), Field(pattern=RESOURCE_ID_PATTERN, description="the SHA-256 of the resource, hex")]
+ResourceId = Annotated[
+    str, Strict(), Field(pattern=RESOURCE_ID_PATTERN, description="the SHA-256 of the resource, hex")
+]
 
 
 def sane_window(value: object) -> tuple[float, float] | None:
@@ -111,11 +113,16 @@ class Checkin(Request):
         str,
         Strict(),
         Field(
-            min_length=1, max_length=32, pattern=VERSION_PATTERN, description="e.g. '1.31.1'; a tag after the numbers is ignored"
+            min_length=1,
+            max_length=32,
+            pattern=VERSION_PATTERN,
+            description="e.g. '1.31.1'; a tag after the numbers is ignored",
         ),
     ]
     eligibility: EligibilityVerdict | None = None
-    attestation: dict[str, Any] | None = Field(None, description="a signed attestation (see POST /v1/attestation/nonce)")
+    attestation: dict[str, Any] | None = Field(
+        None, description="a signed attestation (see POST /v1/attestation/nonce)"
+    )
 
     @field_validator("eligibility", mode="before")
     @classmethod
@@ -134,7 +141,9 @@ class Health(Answer):
 
 
 class AttestationChallenge(Answer):
-    nonce: Annotated[str, Strict(), Field(max_length=256, description="base64; sign it into the next check-in's attestation")]
+    nonce: Annotated[
+        str, Strict(), Field(max_length=256, description="base64; sign it into the next check-in's attestation")
+    ]
     expires_at: Annotated[float, Strict(), Field(description="unix seconds")] | None = None
 
 

@@ -22,7 +22,7 @@ MARKER = re.compile(r"^<!-- generated: (\w+) -->$", re.M)
 
 
 class _Captured(Exception):
-    """Raised from inside ``parse_args`` to hand the finished parser out of ``emulator.cli.main``."""
+    """Raised from inside ``parse_args`` to hand the finished parser out of ``emulator.cli.commands.main``."""
 
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         super().__init__("parser captured")
@@ -44,21 +44,21 @@ def _capturing_parse_args() -> Iterator[None]:
 
 
 def cli_parser() -> argparse.ArgumentParser:
-    """The parser ``fedfleet`` parses its arguments with: the one ``emulator.cli.main`` builds
+    """The parser ``fedfleet`` parses its arguments with: the one ``emulator.cli.commands.main`` builds
     (taken at its ``parse_args`` call, so the page follows whatever main builds), or its
     ``build_parser()`` where the CLI has one."""
     sys.path.insert(0, str(ROOT))
-    import emulator.cli
+    import emulator.cli.commands
 
-    build = getattr(emulator.cli, "build_parser", None)
+    build = getattr(emulator.cli.commands, "build_parser", None)
     if callable(build):
         return build()
     with _capturing_parse_args():
         try:
-            emulator.cli.main(["--help"])
+            emulator.cli.commands.main(["--help"])
         except _Captured as captured:
             return captured.parser
-    raise RuntimeError("emulator.cli.main never parsed its arguments; cannot document the CLI")
+    raise RuntimeError("emulator.cli.commands.main never parsed its arguments; cannot document the CLI")
 
 
 def _escape(text: str) -> str:
@@ -172,13 +172,20 @@ def _answer_row(status: str, answer: dict[str, Any]) -> str:
 
 
 def _operations(doc: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    return [(path, method, op) for path, item in sorted(doc.get("paths", {}).items())
-            for method, op in item.items() if method in ("get", "post", "put", "patch", "delete")]
+    return [
+        (path, method, op)
+        for path, item in sorted(doc.get("paths", {}).items())
+        for method, op in item.items()
+        if method in ("get", "post", "put", "patch", "delete")
+    ]
 
 
 def _shared_answers(doc: dict[str, Any]) -> dict[str, str]:
     """The answers (status -> table row) every route documents alike: listed once, not per route."""
-    rows = [{status: _answer_row(status, a) for status, a in op.get("responses", {}).items()} for _, _, op in _operations(doc)]
+    rows = [
+        {status: _answer_row(status, a) for status, a in op.get("responses", {}).items()}
+        for _, _, op in _operations(doc)
+    ]
     if not rows:
         return {}
     return {status: row for status, row in rows[0].items() if all(r.get(status) == row for r in rows[1:])}
@@ -197,8 +204,10 @@ def _operation_lines(path: str, method: str, op: dict[str, Any], shared: dict[st
     if params:
         lines += ["| parameter | in | type | required | meaning |", "|---|---|---|---|---|"]
         for p in params:
-            lines.append(f"| `{p['name']}` | {p['in']} | {_type_of(p.get('schema', {}))} | "
-                         f"{'yes' if p.get('required') else 'no'} | {_escape(p.get('description', ''))} |")
+            lines.append(
+                f"| `{p['name']}` | {p['in']} | {_type_of(p.get('schema', {}))} | "
+                f"{'yes' if p.get('required') else 'no'} | {_escape(p.get('description', ''))} |"
+            )
         lines.append("")
     if "requestBody" in op:
         body = op["requestBody"]
@@ -211,7 +220,7 @@ def _operation_lines(path: str, method: str, op: dict[str, Any], shared: dict[st
 
 
 def _schema_lines(name: str, schema: dict[str, Any]) -> list[str]:
-    lines = [f'### {name} {{ #{_anchor(name)} }}', ""]
+    lines = [f"### {name} {{ #{_anchor(name)} }}", ""]
     if schema.get("description"):
         lines += [schema["description"].strip(), ""]
     props = schema.get("properties", {})
@@ -219,8 +228,10 @@ def _schema_lines(name: str, schema: dict[str, Any]) -> list[str]:
         required = set(schema.get("required", []))
         lines += ["| field | type | required | meaning |", "|---|---|---|---|"]
         for field, sub in props.items():
-            lines.append(f"| `{field}` | {_type_of(sub)} | {'yes' if field in required else 'no'} | "
-                         f"{_escape(sub.get('description', sub.get('title', '')))} |")
+            lines.append(
+                f"| `{field}` | {_type_of(sub)} | {'yes' if field in required else 'no'} | "
+                f"{_escape(sub.get('description', sub.get('title', '')))} |"
+            )
         lines.append("")
     else:
         lines += [f"Type: {_type_of(schema)}", ""]
@@ -233,8 +244,14 @@ def openapi_markdown() -> str:
     lines = [f"## Routes (OpenAPI {doc.get('openapi')}, API version {info.get('version')})", ""]
     shared = _shared_answers(doc)
     if shared:
-        lines += ["Besides its own answers below, every route may answer:", "", "| answer | body |", "|---|---|",
-                  *(shared[s] for s in sorted(shared)), ""]
+        lines += [
+            "Besides its own answers below, every route may answer:",
+            "",
+            "| answer | body |",
+            "|---|---|",
+            *(shared[s] for s in sorted(shared)),
+            "",
+        ]
     for path, method, op in _operations(doc):
         lines += _operation_lines(path, method, op, shared)
     schemas = doc.get("components", {}).get("schemas", {})

@@ -1,12 +1,12 @@
 """Emulated devices and fleets, datasets, the demo, and environments of real onnxruntime releases."""
 
-from .attestation_authority import AttestationAuthority
 from .datasets import Dataset, load_digits_dataset, partition_by_shards
 from .demo import DemoConfig, DemoConfigError, run_demo
-from .device import DeviceProfile, EmulatedDevice, Fleet
-from .inprocess import InProcessTransport
-from .runtime_envs import RuntimeEnv, RuntimeEnvError, available_releases
-from .runtime_worker import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
+from .devices.attestation_authority import AttestationAuthority
+from .devices.device import DeviceProfile, EmulatedDevice, RealTimeFleet
+from .devices.inprocess import InProcessTransport
+from .releases.envs import RuntimeEnv, RuntimeEnvError, available_releases
+from .releases.workers import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
 
 __all__ = [
     "AttestationAuthority",
@@ -15,7 +15,7 @@ __all__ = [
     "DemoConfigError",
     "DeviceProfile",
     "EmulatedDevice",
-    "Fleet",
+    "RealTimeFleet",
     "InProcessTransport",
     "ReleasePlans",
     "RuntimeEnv",

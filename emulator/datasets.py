@@ -41,7 +41,9 @@ def load_digits_dataset(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset
     return Dataset(x[~test_mask], y[~test_mask], x[test_mask], y[test_mask])
 
 
-def partition_by_shards(labels: np.ndarray, num_devices: int, *, shards_per_device: int = 2, seed: int = 0) -> list[np.ndarray]:
+def partition_by_shards(
+    labels: np.ndarray, num_devices: int, *, shards_per_device: int = 2, seed: int = 0
+) -> list[np.ndarray]:
     """McMahan et al.'s non-IID split: sort by label, cut into shards, deal each device a few.
 
     Each device then holds examples of only about ``shards_per_device`` classes.

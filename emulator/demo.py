@@ -19,9 +19,9 @@ from device_runtime import PlanExecutor, build_eval_plan, build_mlp_plan, encode
 from example_store import ExampleSelector
 from server_stub import AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
 
-from .attestation_authority import AttestationAuthority
 from .datasets import load_digits_dataset, partition_by_shards
-from .device import DeviceProfile, EmulatedDevice, Fleet
+from .devices.attestation_authority import AttestationAuthority
+from .devices.device import DeviceProfile, EmulatedDevice, RealTimeFleet
 
 POPULATION = "digits"
 COLLECTION = "app:/digits"
@@ -60,14 +60,19 @@ class DemoConfig:
 
         need(self.devices >= 1, f"devices must be at least 1, got {self.devices}")
         need(self.rounds >= 1, f"rounds must be at least 1, got {self.rounds}")
-        need(1 <= self.goal_count <= self.devices,
-             f"goal {self.goal_count} must be between 1 and the number of devices ({self.devices}): a round needs that many reports")
+        need(
+            1 <= self.goal_count <= self.devices,
+            f"goal {self.goal_count} must be between 1 and the number of devices ({self.devices}): a round needs that many reports",
+        )
         for name in ("dropout_prob", "late_prob"):
             value = getattr(self, name)
             need(0.0 <= value <= 1.0, f"{name.removesuffix('_prob')} is a chance between 0 and 1, got {value}")
         need(self.epochs >= 1, f"epochs must be at least 1, got {self.epochs}")
         need(self.time_limit_s > 0, f"time limit must be positive seconds, got {self.time_limit_s}")
-        need(self.secagg_group_size >= 2, f"a Secure Aggregation group needs at least 2 devices, got {self.secagg_group_size}")
+        need(
+            self.secagg_group_size >= 2,
+            f"a Secure Aggregation group needs at least 2 devices, got {self.secagg_group_size}",
+        )
 
 
 def _evaluate(executor: PlanExecutor, weights: dict, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -127,12 +132,18 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
         verifier = AttestationVerifier(anchor, NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
         server = ServerThread(root / "server.db", verifier=verifier).start()
         admin = server.admin()
-        fleet: Fleet | None = None
+        fleet: RealTimeFleet | None = None
         try:
-            print(f"FL server on {server.url} (SQLite at {root / 'server.db'}); only attested devices are admitted", file=out)
+            print(
+                f"FL server on {server.url} (SQLite at {root / 'server.db'}); only attested devices are admitted",
+                file=out,
+            )
             if config.secure:
-                print(f"Secure Aggregation: attested groups of at least {config.secagg_group_size} devices; "
-                      "the server sees only each group's sum", file=out)
+                print(
+                    f"Secure Aggregation: attested groups of at least {config.secagg_group_size} devices; "
+                    "the server sees only each group's sum",
+                    file=out,
+                )
             admin.create_population(POPULATION)
             admin.deploy_task(POPULATION, "digits-train", plan, encode_checkpoint(weights0), round_config)
             profile = DeviceProfile(
@@ -144,8 +155,13 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
             devices = []
             for i in range(config.devices):
                 device = EmulatedDevice(
-                    f"device-{i:04d}", root / "devices" / f"{i:04d}", server.url, POPULATION,
-                    profile=profile, collection_uri=COLLECTION, seed=rng.randrange(2**31),
+                    f"device-{i:04d}",
+                    root / "devices" / f"{i:04d}",
+                    server.url,
+                    POPULATION,
+                    profile=profile,
+                    collection_uri=COLLECTION,
+                    seed=rng.randrange(2**31),
                     attestor=authority.new_device_attestor("emulated-phone", time.time()),
                     trust_anchor=anchor,  # Secure Aggregation peers must be this authority's devices
                 )
@@ -160,9 +176,12 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
             initial = _evaluate(evaluator, weights0, data.x_test, data.y_test)
             print(f"initial test accuracy {initial['eval_accuracy']:.3f}", file=out)
             widths = [5, 8, 8, 9, 7, 10, 8, 10]
-            print(_row(["round", "status", "selected", "reported", "late", "dropped", "loss", "test_acc"], widths), file=out)
+            print(
+                _row(["round", "status", "selected", "reported", "late", "dropped", "loss", "test_acc"], widths),
+                file=out,
+            )
             out.flush()
-            fleet = Fleet(devices)
+            fleet = RealTimeFleet(devices)
             fleet.start()
             shown = 0
             committed = 0
@@ -186,10 +205,21 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
                         accuracy = _evaluate(evaluator, weights, data.x_test, data.y_test)["eval_accuracy"]
                         acc = f"{accuracy:.3f}"
                     loss = f"{m['train_loss']:.4f}" if "train_loss" in m else ""
-                    cells = [record["round"], record["status"], m["selected"], m["reported"], m["rejected_late"], m["dropped"], loss, acc]
+                    cells = [
+                        record["round"],
+                        record["status"],
+                        m["selected"],
+                        m["reported"],
+                        m["rejected_late"],
+                        m["dropped"],
+                        loss,
+                        acc,
+                    ]
                     print(_row(cells, widths), file=out)
                     out.flush()
-                    history.append({**m, "round": record["round"], "status": record["status"], "test_accuracy": acc or None})
+                    history.append(
+                        {**m, "round": record["round"], "status": record["status"], "test_accuracy": acc or None}
+                    )
                 if server_done and shown == len(rounds):
                     break
         finally:
@@ -211,7 +241,6 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
         }
         print(json.dumps(summary), file=out)
         return summary
-
 
 
 def fleet_done(rounds: list[dict], target: int) -> bool:

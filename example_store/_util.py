@@ -35,7 +35,11 @@ def check_policy(policy: Any) -> RetentionPolicy:
 
 
 def check_timestamp(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not np.isfinite(value)
+    ):
         raise InvalidArgumentError(f"{name} must be a finite number of unix seconds, got {value!r}")
     return float(value)
 

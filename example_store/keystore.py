@@ -41,8 +41,7 @@ def check_key(key: object, alias: str) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or len(key) not in _VALID_KEY_LENGTHS:
         got = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
         raise KeyStoreError(
-            f"the key store returned an unusable key for alias {alias!r} ({got}); an AES key is 16, 24 or "
-            f"32 bytes"
+            f"the key store returned an unusable key for alias {alias!r} ({got}); an AES key is 16, 24 or 32 bytes"
         )
     return bytes(key)
 

@@ -93,7 +93,9 @@ class InMemoryExampleStore(ExampleStore):
 
     # -- writing -----------------------------------------------------------------------------
 
-    def add(self, collection_uri: str, examples: Iterable[Example], *, timestamps: Iterable[float] | None = None) -> int:
+    def add(
+        self, collection_uri: str, examples: Iterable[Example], *, timestamps: Iterable[float] | None = None
+    ) -> int:
         """Adds examples (all or none) and returns how many; see :meth:`SQLiteExampleStore.add`."""
         self._check_open()
         check_uri(collection_uri)
@@ -221,13 +223,17 @@ class InMemoryExampleStore(ExampleStore):
 
     def query(self, selector: ExampleSelector) -> ExampleIterator:
         coll, keys, payloads, after = self._select(selector)
-        return _MemoryIterator(coll.schema, keys, payloads, after, self._tokens, selector.collection_uri, selector.order)
+        return _MemoryIterator(
+            coll.schema, keys, payloads, after, self._tokens, selector.collection_uri, selector.order
+        )
 
     def query_batches(self, selector: ExampleSelector, batch_size: int) -> ExampleIterator:
         """Streams batches sliced from columns decoded a chunk at a time (the path the runtime trains on)."""
         size = check_batch_size(batch_size)
         coll, keys, payloads, after = self._select(selector)
-        return _MemoryIterator(coll.schema, keys, payloads, after, self._tokens, selector.collection_uri, selector.order, size)
+        return _MemoryIterator(
+            coll.schema, keys, payloads, after, self._tokens, selector.collection_uri, selector.order, size
+        )
 
     def close(self) -> None:
         self._closed = True

@@ -42,7 +42,9 @@ class ResumptionTokens:
         self._key = key
 
     def _tag(self, body: bytes) -> bytes:
-        return hmac.new(self._key, b"fedfleet example_store resumption v1\x00" + body, hashlib.sha256).digest()[:_TAG_BYTES]
+        return hmac.new(self._key, b"fedfleet example_store resumption v1\x00" + body, hashlib.sha256).digest()[
+            :_TAG_BYTES
+        ]
 
     def issue(self, collection_uri: str, order: str, last: Position | None) -> str:
         doc: dict[str, Any] = {"v": _VERSION, "c": collection_uri, "o": order}

@@ -50,7 +50,9 @@ def b64(data: bytes) -> str:
 
 
 def _hkdf(key: bytes, salt: bytes, purpose: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"fedfleet example_store v2 " + purpose).derive(key)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"fedfleet example_store v2 " + purpose).derive(
+        key
+    )
 
 
 class RowSealer:
@@ -82,7 +84,9 @@ class RowSealer:
         append = sealed.append
         for i in range(n):
             nonce = nonces[NONCE_BYTES * i : NONCE_BYTES * (i + 1)]
-            append(nonce + encrypt(nonce, payload[size * i : size * (i + 1)], prefix + pack(first_id + i, timestamps[i])))
+            append(
+                nonce + encrypt(nonce, payload[size * i : size * (i + 1)], prefix + pack(first_id + i, timestamps[i]))
+            )
         return sealed
 
     def open(self, coll: Collection, rows: list[tuple[bytes, int, float]], path: str) -> bytes:

@@ -24,8 +24,7 @@ def _check_time(name: str, value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgumentError(
-            f"ExampleSelector.{name} must be a number of unix seconds or None, got {value!r} "
-            f"({type(value).__name__})"
+            f"ExampleSelector.{name} must be a number of unix seconds or None, got {value!r} ({type(value).__name__})"
         )
     value = float(value)
     if not math.isfinite(value):
@@ -61,10 +60,10 @@ class ExampleSelector:
             )
         object.__setattr__(self, "start_time", _check_time("start_time", self.start_time))
         object.__setattr__(self, "end_time", _check_time("end_time", self.end_time))
-        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0):
-            raise InvalidArgumentError(
-                f"ExampleSelector.limit must be a non-negative int or None, got {self.limit!r}"
-            )
+        if self.limit is not None and (
+            isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0
+        ):
+            raise InvalidArgumentError(f"ExampleSelector.limit must be a non-negative int or None, got {self.limit!r}")
         if self.order not in ORDERS:
             raise InvalidArgumentError(f"ExampleSelector.order must be one of {ORDERS}, got {self.order!r}")
         token = self.resume_after

@@ -124,6 +124,8 @@ _RESERVE_IDS_SQL = (
     "UPDATE store_meta SET value = CAST(value AS INTEGER) + ? WHERE key = 'next_row_id' "
     "RETURNING CAST(value AS INTEGER)"
 )
+
+
 class SQLiteExampleStore(ExampleStore):
     """An app's example store in one SQLite file (created if missing).
 
@@ -145,7 +147,9 @@ class SQLiteExampleStore(ExampleStore):
     ) -> None:
         self.path = Path(path)
         if str(path) == ":memory:" or str(path) == "":
-            raise InvalidArgumentError("SQLiteExampleStore needs a file path (one database file per app), not ':memory:'")
+            raise InvalidArgumentError(
+                "SQLiteExampleStore needs a file path (one database file per app), not ':memory:'"
+            )
         if retention is not None and not isinstance(retention, RetentionPolicy):
             raise InvalidArgumentError(f"retention must be a RetentionPolicy or None, got {type(retention).__name__}")
         if key_store is not None and not isinstance(key_store, KeyStore):
@@ -411,7 +415,9 @@ class SQLiteExampleStore(ExampleStore):
             try:
                 while chunk := list(islice(example_iter, INSERT_CHUNK)):
                     if coll is None:
-                        coll = created = self._create_collection(conn, collection_uri, Schema.from_example(chunk[0]), now)
+                        coll = created = self._create_collection(
+                            conn, collection_uri, Schema.from_example(chunk[0]), now
+                        )
                     payload = coll.schema.encode(chunk, collection_uri)
                     n = len(chunk)
                     if sealer is None:
@@ -421,11 +427,17 @@ class SQLiteExampleStore(ExampleStore):
                         cursor.executemany(_INSERT_SQL, zip(repeat(coll.id), ts, rows))
                     else:
                         # + 0.0 turns -0.0 into 0.0, as SQLite reads it back: the timestamp is authenticated
-                        ts_list = [float(now) + 0.0] * n if ts_iter is None else [t + 0.0 for t in take_timestamps(ts_iter, n)]
+                        ts_list = (
+                            [float(now) + 0.0] * n
+                            if ts_iter is None
+                            else [t + 0.0 for t in take_timestamps(ts_iter, n)]
+                        )
                         (end,) = cursor.execute(_RESERVE_IDS_SQL, (n,)).fetchall()[0]
                         first = int(end) - n
                         sealed = sealer.seal(coll, first, ts_list, payload)
-                        cursor.executemany(_INSERT_WITH_ID_SQL, zip(range(first, first + n), repeat(coll.id), ts_list, sealed))
+                        cursor.executemany(
+                            _INSERT_WITH_ID_SQL, zip(range(first, first + n), repeat(coll.id), ts_list, sealed)
+                        )
                     total += n
                 if ts_iter is not None and next(ts_iter, None) is not None:
                     raise InvalidArgumentError(f"more timestamps than examples ({total}) were given to add()")
@@ -440,7 +452,9 @@ class SQLiteExampleStore(ExampleStore):
     def _create_collection(self, conn: Connection, uri: str, schema: Schema, now: float) -> Collection:
         schema_text = schema.to_json()
         result = conn.execute(
-            collections_table.insert().values(uri=uri, schema=schema_text, record_size=schema.record_size, created_at=now)
+            collections_table.insert().values(
+                uri=uri, schema=schema_text, record_size=schema.record_size, created_at=now
+            )
         )
         key = result.inserted_primary_key
         assert key is not None  # the INSERT of one row
@@ -570,7 +584,9 @@ class SQLiteExampleStore(ExampleStore):
         self._expire(coll)
         where, params = where_clause(coll, selector, after)
         direction = "ASC" if selector.order == "oldest" else "DESC"
-        sql = f"SELECT payload, id, timestamp FROM examples WHERE {where} ORDER BY timestamp {direction}, id {direction}"
+        sql = (
+            f"SELECT payload, id, timestamp FROM examples WHERE {where} ORDER BY timestamp {direction}, id {direction}"
+        )
         if selector.limit is not None:
             sql += " LIMIT ?"
             params.append(selector.limit)

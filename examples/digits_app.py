@@ -52,7 +52,11 @@ class DigitsApp:
         clock = clock or SystemClock()
         key_store = key_store if key_store is not None else FileKeyStore(self.data_dir / "keystore.json")
         self.store = SQLiteExampleStore(
-            db, retention=RetentionPolicy(ttl_seconds=30 * 86_400), clock=clock.now, key_store=key_store, key_alias="digits-app"
+            db,
+            retention=RetentionPolicy(ttl_seconds=30 * 86_400),
+            clock=clock.now,
+            key_store=key_store,
+            key_alias="digits-app",
         )
         self.opstats = OpStatsStore(db)
         self.runtime = FLRuntime(

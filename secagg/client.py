@@ -292,8 +292,11 @@ class SecAggClient:
             raise UncertifiedPeer("two roster entries carry one signing key (one device twice)")
         credentials = msg.credential_list()
         key_sigs = entries["key_sig"].tobytes()
-        own = (_held_since(self._c, "the key pair c").public_bytes, _held_since(self._s, "the key pair s").public_bytes,
-               _held_since(self._signer, "the signing key").public_key)
+        own = (
+            _held_since(self._c, "the key pair c").public_bytes,
+            _held_since(self._s, "the key pair s").public_bytes,
+            _held_since(self._signer, "the signing key").public_key,
+        )
         for i, u in enumerate(entries["id"].tolist()):
             if u == self.id:
                 if (c_list[i], s_list[i], sig_list[i]) != own:
@@ -360,8 +363,11 @@ class SecAggClient:
         cts = []
         j = 0
         for i, v in enumerate(holders):
-            digests[i] = (v, np.void(share_digest(sid, self.id, v, KIND_S, shares[i, :LIMBS])),
-                          np.void(share_digest(sid, self.id, v, KIND_B, shares[i, LIMBS:])))
+            digests[i] = (
+                v,
+                np.void(share_digest(sid, self.id, v, KIND_S, shares[i, :LIMBS])),
+                np.void(share_digest(sid, self.id, v, KIND_B, shares[i, LIMBS:])),
+            )
             if v == self.id:
                 self._held[self.id] = shares[i].copy()
                 continue
@@ -402,9 +408,12 @@ class SecAggClient:
         for i, (u, d_s, d_b) in enumerate(zip(msg.shares["peer"].tolist(), msg.shares["s"], msg.shares["b"])):
             pt = crypto.decrypt_share(self._inbound[u], cts[i * size : (i + 1) * size], crypto.share_ad(sid, u, me))
             limbs = np.frombuffer(pt, dtype="<u4").copy() if pt is not None else None
-            if (limbs is None or limbs.max(initial=0) >= P
-                    or share_digest(sid, u, me, KIND_S, limbs[:LIMBS]) != d_s.tobytes()
-                    or share_digest(sid, u, me, KIND_B, limbs[LIMBS:]) != d_b.tobytes()):
+            if (
+                limbs is None
+                or limbs.max(initial=0) >= P
+                or share_digest(sid, u, me, KIND_S, limbs[:LIMBS]) != d_s.tobytes()
+                or share_digest(sid, u, me, KIND_B, limbs[LIMBS:]) != d_b.tobytes()
+            ):
                 self.unopened.add(u)
                 continue
             self._held[u] = limbs
@@ -506,5 +515,7 @@ class SecAggClient:
             reveals[i] = (u, kind, held[LIMBS:] if kind == KIND_B else held[:LIMBS])
         self._zeroize()
         self.round = Round.COMPLETED
-        signature = crypto.sign(_held_since(self._signer, "the signing key"), unmask_payload(self._session_id, self.id, reveals))
+        signature = crypto.sign(
+            _held_since(self._signer, "the signing key"), unmask_payload(self._session_id, self.id, reveals)
+        )
         return UnmaskResponse(self._tag, reveals, signature).to_bytes()

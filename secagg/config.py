@@ -71,8 +71,10 @@ class SecAggConfig:
         if self.allow_unsafe or (self.degree is not None and self.degree < n - 1):
             return None
         if 3 * self.threshold <= 2 * n:
-            return (f"threshold {self.threshold} is not above 2n/3 for n = {n}: a server colluding with n/3 "
-                    f"clients could rebuild an input; use complete_graph_threshold({n}) = {complete_graph_threshold(n)}")
+            return (
+                f"threshold {self.threshold} is not above 2n/3 for n = {n}: a server colluding with n/3 "
+                f"clients could rebuild an input; use complete_graph_threshold({n}) = {complete_graph_threshold(n)}"
+            )
         return None
 
     def check_cohort(self, n: int) -> None:
@@ -107,14 +109,37 @@ class SecAggConfig:
         if secagg_plus is not False:
             g = secagg_plus_parameters(n, corrupt_fraction, dropout_rate)
             if not g.complete and (secagg_plus or 2 * g.degree < n - 1):
-                return cls(vector_length, modulus, g.threshold, session_label, g.degree, consistency_check=consistency_check,
-                           min_summed=min_summed, graph_commitment=graph_commitment)
-        return cls(vector_length, modulus, complete_graph_threshold(n), session_label, None,
-                   consistency_check=consistency_check, min_summed=min_summed, graph_commitment=graph_commitment)
+                return cls(
+                    vector_length,
+                    modulus,
+                    g.threshold,
+                    session_label,
+                    g.degree,
+                    consistency_check=consistency_check,
+                    min_summed=min_summed,
+                    graph_commitment=graph_commitment,
+                )
+        return cls(
+            vector_length,
+            modulus,
+            complete_graph_threshold(n),
+            session_label,
+            None,
+            consistency_check=consistency_check,
+            min_summed=min_summed,
+            graph_commitment=graph_commitment,
+        )
 
     @property
     def session_tag(self) -> bytes:
         """16 bytes naming this instance (label + every shared parameter): on every message."""
-        enc = struct.pack("<QQQQ?Q", self.vector_length, self.modulus, self.threshold, self.degree or 0,
-                          self.consistency_check, self.min_summed)
+        enc = struct.pack(
+            "<QQQQ?Q",
+            self.vector_length,
+            self.modulus,
+            self.threshold,
+            self.degree or 0,
+            self.consistency_check,
+            self.min_summed,
+        )
         return sha256(b"secagg/session/v2", self.session_label, enc, self.graph_commitment)[:16]

@@ -61,10 +61,11 @@ def binom_tail_ge(k: int, t: int, p: float) -> float:
     return min(1.0, sum(math.exp(_log_binom_pmf(k, i, p)) for i in range(t, k + 1)))
 
 
-def _smallest_threshold(k: int, n: int, gamma: float, delta: float, sigma: int, eta: int,
-                        malicious_server: bool = True) -> int | None:
-    sec_bound = 2.0 ** -sigma / n
-    cor_bound = 2.0 ** -eta / n
+def _smallest_threshold(
+    k: int, n: int, gamma: float, delta: float, sigma: int, eta: int, malicious_server: bool = True
+) -> int | None:
+    sec_bound = 2.0**-sigma / n
+    cor_bound = 2.0**-eta / n
     t_min = k // 2 + 1  # majority of the k + 1 holders (the client and its k neighbours)
     for t in range(t_min, k + 2):
         if binom_tail_ge(k, t, gamma) > sec_bound:
@@ -98,8 +99,13 @@ def complete_graph_threshold(n: int) -> int:
 
 
 def secagg_plus_parameters(
-    n: int, corrupt_fraction: float = 1 / 3, dropout_rate: float = 0.05, sigma: int = 40, eta: int = 30,
-    *, malicious_server: bool = True,
+    n: int,
+    corrupt_fraction: float = 1 / 3,
+    dropout_rate: float = 0.05,
+    sigma: int = 40,
+    eta: int = 30,
+    *,
+    malicious_server: bool = True,
 ) -> GraphParameters:
     """Degree and threshold for a cohort of ``n`` (see the module docstring for the formula)."""
     if n < 2:
@@ -111,7 +117,9 @@ def secagg_plus_parameters(
     return GraphParameters(n, n - 1, complete_graph_threshold(n))
 
 
-def harary_neighbours(ids: Sequence[int], degree: int, random_bytes: Callable[[int], bytes]) -> dict[int, tuple[int, ...]]:
+def harary_neighbours(
+    ids: Sequence[int], degree: int, random_bytes: Callable[[int], bytes]
+) -> dict[int, tuple[int, ...]]:
     """Random H(n, k): ids on a ring in random order, each joined to k/2 on either side.
 
     Returns id -> sorted neighbour ids (excluding itself). ``degree`` >= n - 1 gives the

@@ -27,8 +27,9 @@ _COUNT = struct.Struct("<I")
 SHARE_PLAINTEXT = 2 * LIMBS * 4  # s_sk share limbs then b share limbs, uint32 each
 SHARE_CIPHERTEXT = SHARE_PLAINTEXT + GCM_TAG
 
-KEY_ENTRY = np.dtype([("id", "<u4"), ("c_pk", "V32"), ("s_pk", "V32"), ("sig_pk", "V32"), ("key_sig", "V64"),
-                      ("cred_len", "<u2")])
+KEY_ENTRY = np.dtype(
+    [("id", "<u4"), ("c_pk", "V32"), ("s_pk", "V32"), ("sig_pk", "V32"), ("key_sig", "V64"), ("cred_len", "<u2")]
+)
 DIRECTORY = np.dtype([("id", "<u4"), ("digest", "V16")])  # every advertised entry of U1, by digest
 SHARE_DIGEST = np.dtype([("holder", "<u4"), ("s", "V16"), ("b", "V16")])
 ADDRESSED_CT = np.dtype([("peer", "<u4"), ("ct", f"V{SHARE_CIPHERTEXT}")])
@@ -93,7 +94,14 @@ class AdvertiseKeys(Message):
     credential: bytes = b""
 
     def body(self) -> bytes:
-        return self.c_pk + self.s_pk + self.sig_pk + self.key_sig + struct.pack("<H", len(self.credential)) + self.credential
+        return (
+            self.c_pk
+            + self.s_pk
+            + self.sig_pk
+            + self.key_sig
+            + struct.pack("<H", len(self.credential))
+            + self.credential
+        )
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> AdvertiseKeys:
@@ -122,8 +130,14 @@ class KeyRoster(Message):
     directory: np.ndarray = field(default_factory=lambda: np.empty(0, DIRECTORY))
 
     def body(self) -> bytes:
-        return (self.session_id + self.seed + _pack_records(self.entries) + _COUNT.pack(len(self.credentials))
-                + self.credentials + _pack_records(self.directory))
+        return (
+            self.session_id
+            + self.seed
+            + _pack_records(self.entries)
+            + _COUNT.pack(len(self.credentials))
+            + self.credentials
+            + _pack_records(self.directory)
+        )
 
     @classmethod
     def parse_body(cls, tag: bytes, body: memoryview) -> KeyRoster:
@@ -134,7 +148,9 @@ class KeyRoster(Message):
         directory, end = _records(body, end, DIRECTORY, "KeyRoster directory")
         if end != len(body):
             raise MessageFormatError("KeyRoster: trailing bytes")
-        if int(entries["cred_len"].sum(dtype=np.int64)) != len(blob) or (entries.size and entries["cred_len"].max() > MAX_CREDENTIAL):
+        if int(entries["cred_len"].sum(dtype=np.int64)) != len(blob) or (
+            entries.size and entries["cred_len"].max() > MAX_CREDENTIAL
+        ):
             raise MessageFormatError("KeyRoster: credential lengths do not add up")
         _check_ids(entries["id"], "KeyRoster")
         _check_ids(directory["id"], "KeyRoster")
@@ -336,8 +352,19 @@ class MaskRequest(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.KIND: cls
-    for cls in (AdvertiseKeys, KeyRoster, EncryptedShares, SharesForYou, MaskedInput, ConsistencyRequest,
-                ConsistencySignature, UnmaskRequest, UnmaskResponse, ShareCheck, MaskRequest)
+    for cls in (
+        AdvertiseKeys,
+        KeyRoster,
+        EncryptedShares,
+        SharesForYou,
+        MaskedInput,
+        ConsistencyRequest,
+        ConsistencySignature,
+        UnmaskRequest,
+        UnmaskResponse,
+        ShareCheck,
+        MaskRequest,
+    )
 }
 
 

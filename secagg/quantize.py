@@ -67,8 +67,9 @@ class Quantizer:
         return np.asarray(total, dtype=np.float64) / self.scale - count * self.clip
 
 
-def encode_weighted(x: np.ndarray, weight: int, max_weight: int, quantizer: Quantizer,
-                    rng: np.random.Generator | None = None) -> np.ndarray:
+def encode_weighted(
+    x: np.ndarray, weight: int, max_weight: int, quantizer: Quantizer, rng: np.random.Generator | None = None
+) -> np.ndarray:
     """Client side of a weighted average: quantize(w x / max_weight) followed by the weight w."""
     if not 0 <= weight <= max_weight:
         raise ValueError("weight must be in [0, max_weight]")

@@ -160,7 +160,9 @@ class SecAggServer:
             if config.graph_commitment:
                 raise ConfigError("the configuration commits to a graph seed: pass it as graph_seed")
             graph_seed = random_bytes(32)
-        if len(graph_seed) != 32 or (config.graph_commitment and seed_commitment(graph_seed) != config.graph_commitment):
+        if len(graph_seed) != 32 or (
+            config.graph_commitment and seed_commitment(graph_seed) != config.graph_commitment
+        ):
             raise ConfigError("graph_seed must be 32 bytes and open the configuration's graph_commitment")
         self.config = config
         self.threshold = config.threshold
@@ -240,7 +242,9 @@ class SecAggServer:
         responders = frozenset(self._responses)
         self.survivors[self.round] = responders
         if len(responders) < self.threshold:
-            return self._abort(f"{self.round.value}: only {len(responders)} clients answered, threshold is {self.threshold}")
+            return self._abort(
+                f"{self.round.value}: only {len(responders)} clients answered, threshold is {self.threshold}"
+            )
         closer = {
             Round.ADVERTISE_KEYS: self._close_advertise,
             Round.SHARE_KEYS: self._close_share_keys,
@@ -397,8 +401,11 @@ class SecAggServer:
         excluded: set[int] = set()
         while True:  # a left-out holder no longer counts for the others
             holders = answered - excluded
-            more = {v for v in self._u2 - excluded
-                    if sum(1 for h in self._neighbours[v] if h in holders and v not in complaints[h]) + (v in holders) < t}
+            more = {
+                v
+                for v in self._u2 - excluded
+                if sum(1 for h in self._neighbours[v] if h in holders and v not in complaints[h]) + (v in holders) < t
+            }
             if not more:
                 break
             excluded |= more
@@ -406,8 +413,10 @@ class SecAggServer:
         self._u2 = self._u2 - self.excluded
         maskers = sorted(answered - excluded)
         if len(maskers) < t:
-            return self._abort(f"ShareCheck: only {len(maskers)} clients left to mask after leaving out "
-                               f"{sorted(excluded)}, threshold is {t}")
+            return self._abort(
+                f"ShareCheck: only {len(maskers)} clients left to mask after leaving out "
+                f"{sorted(excluded)}, threshold is {t}"
+            )
         data = MaskRequest(self._tag, np.asarray(sorted(excluded), dtype="<u4")).to_bytes()
         self._sum = MaskAccumulator(self.config.vector_length, self.config.modulus)
         self._advance(Round.MASKED_INPUT_COLLECTION, maskers)
@@ -446,8 +455,9 @@ class SecAggServer:
         u3 = np.asarray(sorted(self._responses), dtype="<u4")
         self._u3 = frozenset(u3.tolist())
         if len(u3) < self.config.min_summed:
-            return self._abort(f"MaskedInputCollection: only {len(u3)} masked inputs, "
-                               f"a sum needs at least {self.config.min_summed}")
+            return self._abort(
+                f"MaskedInputCollection: only {len(u3)} masked inputs, a sum needs at least {self.config.min_summed}"
+            )
         if self.config.consistency_check:
             data = ConsistencyRequest(self._tag, u3).to_bytes()
             out = dict.fromkeys(u3.tolist(), data)
@@ -467,7 +477,9 @@ class SecAggServer:
                 for u in u3.tolist()
             }
         return {
-            u: UnmaskRequest(self._tag, np.asarray([v for v in self._holders(u) if v in self._u3], "<u4"), sigs).to_bytes()
+            u: UnmaskRequest(
+                self._tag, np.asarray([v for v in self._holders(u) if v in self._u3], "<u4"), sigs
+            ).to_bytes()
             for u in u3.tolist()
         }
 
@@ -510,8 +522,10 @@ class SecAggServer:
         want = np.where(rev["kind"] == KIND_B, rows["b"].view("S16"), rows["s"].view("S16"))
         limbs = np.ascontiguousarray(rev["limbs"], dtype="<u4")
         sid, me = self.session_id, client_id
-        got = [hashlib.sha256(share_digest_prefix(sid, u, me, k) + limbs[i].tobytes()).digest()[:16]
-               for i, (u, k) in enumerate(zip(peers.tolist(), rev["kind"].tolist()))]
+        got = [
+            hashlib.sha256(share_digest_prefix(sid, u, me, k) + limbs[i].tobytes()).digest()[:16]
+            for i, (u, k) in enumerate(zip(peers.tolist(), rev["kind"].tolist()))
+        ]
         good = np.asarray(got, dtype="S16") == want if got else np.ones(0, dtype=bool)
         self.bad_shares.extend((client_id, int(u)) for u in peers[~good])
         kept: np.ndarray = rev[good]
@@ -531,14 +545,17 @@ class SecAggServer:
         starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.empty(0, np.int64)
         counts = np.diff(np.r_[starts, len(key)])
         group_kind, group_peer = rev["kind"][starts], rev["peer"][starts].astype(np.int64)
-        needed = {(KIND_B, u) for u in self._u3} | {(KIND_S, u) for u in self._u2 - self._u3 if any(
-            v in self._u3 for v in self._neighbours[u])}
+        needed = {(KIND_B, u) for u in self._u3} | {
+            (KIND_S, u) for u in self._u2 - self._u3 if any(v in self._u3 for v in self._neighbours[u])
+        }
         have = {(int(k), int(p)): c for k, p, c in zip(group_kind, group_peer, counts)}
         for kind, u in sorted(needed):
             if have.get((kind, u), 0) < t:
                 what = "self-mask b" if kind == KIND_B else "key s_sk"
-                return self._abort(f"Unmasking: only {have.get((kind, u), 0)} good shares of the {what} of client {u}, "
-                                   f"threshold is {t}")
+                return self._abort(
+                    f"Unmasking: only {have.get((kind, u), 0)} good shares of the {what} of client {u}, "
+                    f"threshold is {t}"
+                )
         sel = counts >= t
         starts, counts, group_kind, group_peer = starts[sel], counts[sel], group_kind[sel], group_peer[sel]
         limbs = self._reconstruct(rev, holders, starts[:, None] + np.arange(t)[None, :])
@@ -567,7 +584,9 @@ class SecAggServer:
                     return self._abort(f"Unmasking: rebuilt key of client {u} does not match its advertised key")
                 for v in self._neighbours[u]:
                     if v in self._u3:
-                        seed = crypto.mask_seed(crypto.agree(s_sk, crypto.load_public(self._keys[v][1])), self.session_id, u, v)
+                        seed = crypto.mask_seed(
+                            crypto.agree(s_sk, crypto.load_public(self._keys[v][1])), self.session_id, u, v
+                        )
                         acc.add_seed(seed, -1 if v < u else 1)  # undo the mask v added for u
         except ValueError as exc:
             return self._abort(f"Unmasking: a reconstructed secret is invalid ({exc})")

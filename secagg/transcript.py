@@ -33,8 +33,9 @@ def entry_digests(entries: np.ndarray, credentials: list[bytes]) -> np.ndarray:
     out = np.empty(len(entries), DIRECTORY)
     out["id"] = entries["id"]
     raw = np.ascontiguousarray(entries).view(np.uint8).reshape(len(entries), KEY_ENTRY.itemsize)
-    out["digest"] = [np.void(crypto.sha256(b"secagg/entry", raw[i].tobytes(), cred)[:16])
-                     for i, cred in enumerate(credentials)]
+    out["digest"] = [
+        np.void(crypto.sha256(b"secagg/entry", raw[i].tobytes(), cred)[:16]) for i, cred in enumerate(credentials)
+    ]
     return np.sort(out, order="id")
 
 
@@ -59,8 +60,9 @@ def masked_input_payload(session_id: bytes, sender: int, words: bytes) -> bytes:
 
 
 def share_check_payload(session_id: bytes, sender: int, complaints: np.ndarray) -> bytes:
-    return crypto.sha256(b"secagg/share-check", session_id, _U32.pack(sender),
-                         np.sort(np.asarray(complaints, dtype="<u4")).tobytes())
+    return crypto.sha256(
+        b"secagg/share-check", session_id, _U32.pack(sender), np.sort(np.asarray(complaints, dtype="<u4")).tobytes()
+    )
 
 
 def unmask_payload(session_id: bytes, sender: int, reveals: np.ndarray) -> bytes:
@@ -75,8 +77,9 @@ def share_digest(session_id: bytes, dealer: int, holder: int, kind: int, limbs: 
     to the server at ShareKeys so that a holder revealing a wrong share is caught and its share
     dropped: SHA-256("secagg/share-digest" | session id | dealer, holder (u32) | kind (u8) |
     limbs (u32 each))[:16]. A share is 279 uniformly random bits: its digest reveals nothing."""
-    return hashlib.sha256(share_digest_prefix(session_id, dealer, holder, kind)
-                          + np.asarray(limbs, dtype="<u4").tobytes()).digest()[:16]
+    return hashlib.sha256(
+        share_digest_prefix(session_id, dealer, holder, kind) + np.asarray(limbs, dtype="<u4").tobytes()
+    ).digest()[:16]
 
 
 def share_digest_prefix(session_id: bytes, dealer: int, holder: int, kind: int) -> bytes:

@@ -53,9 +53,7 @@ def _check_delta(delta: float) -> None:
 
 def _check_noise(noise_multiplier: float) -> None:
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise AccountingError(
-            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}"
-        )
+        raise AccountingError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
 
 
 def _check_sampling(q: float | None) -> None:
@@ -82,9 +80,7 @@ def composed_noise_multiplier(rounds: dict[float, int]) -> float:
 
 
 @functools.lru_cache(maxsize=32)
-def _sampled_round_pld(
-    noise_multiplier: float, q: float
-) -> pld_lib.PrivacyLossDistribution:
+def _sampled_round_pld(noise_multiplier: float, q: float) -> pld_lib.PrivacyLossDistribution:
     """One Poisson-sampled Gaussian round's PLD (a second or two to build, so built once)."""
     return pld_lib.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
@@ -93,9 +89,7 @@ def _sampled_round_pld(
     )
 
 
-def _epsilon(
-    rounds: dict[float, int], delta: float, q: float | None, method: Method
-) -> float:
+def _epsilon(rounds: dict[float, int], delta: float, q: float | None, method: Method) -> float:
     live = {z: c for z, c in rounds.items() if c > 0}
     if not live:
         return 0.0
@@ -111,9 +105,7 @@ def _epsilon(
     if method == "rdp":
         acc = rdp_lib.RdpAccountant()
         for z, count in sorted(live.items()):
-            event = dp_accounting.PoissonSampledDpEvent(
-                q, dp_accounting.GaussianDpEvent(z)
-            )
+            event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
             acc.compose(event, count)
         return float(acc.get_epsilon(delta))
     composed: pld_lib.PrivacyLossDistribution | None = None
@@ -162,9 +154,7 @@ def rounds_within(
     _check_sampling(sampling_probability)
     _check_method(method)
     if not (max_epsilon > 0 and math.isfinite(max_epsilon)):
-        raise AccountingError(
-            f"max_epsilon must be a positive finite number, got {max_epsilon!r}"
-        )
+        raise AccountingError(f"max_epsilon must be a positive finite number, got {max_epsilon!r}")
     if noise_multiplier == 0:
         return 0
 
@@ -181,9 +171,7 @@ def rounds_within(
         )
 
     lo, hi = 0, 1
-    if (
-        sampling_probability is None or sampling_probability == 1.0
-    ) and method == "pld":
+    if (sampling_probability is None or sampling_probability == 1.0) and method == "pld":
         s = float(dp_accounting.get_sigma_gaussian(max_epsilon, delta))
         guess = min(limit, int(math.floor((noise_multiplier / s) ** 2)))
         lo, hi = (
@@ -195,9 +183,7 @@ def rounds_within(
         while lo < hi and within(lo + 1):
             lo += 1
         return lo
-    while hi <= limit and within(
-        hi
-    ):  # bracket, then bisect: epsilon grows with the rounds
+    while hi <= limit and within(hi):  # bracket, then bisect: epsilon grows with the rounds
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
     while hi - lo > 1:
@@ -224,20 +210,14 @@ class PrivacyLedger:
     method: Method = "pld"
     max_epsilon: float | None = None
     counts: tuple[tuple[float, int], ...] = ()
-    _cache: dict[str, float] = field(
-        default_factory=dict, init=False, compare=False, repr=False
-    )
+    _cache: dict[str, float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_delta(self.delta)
         _check_sampling(self.sampling_probability)
         _check_method(self.method)
-        if self.max_epsilon is not None and not (
-            self.max_epsilon > 0 and math.isfinite(self.max_epsilon)
-        ):
-            raise AccountingError(
-                f"max_epsilon must be a positive finite number, got {self.max_epsilon!r}"
-            )
+        if self.max_epsilon is not None and not (self.max_epsilon > 0 and math.isfinite(self.max_epsilon)):
+            raise AccountingError(f"max_epsilon must be a positive finite number, got {self.max_epsilon!r}")
         for z, c in self.counts:
             _check_noise(z)
             if c < 0:
@@ -260,9 +240,7 @@ class PrivacyLedger:
     def epsilon(self) -> float:
         """Epsilon at ``delta`` for the rounds so far (0 before any; inf after a noiseless one)."""
         if "epsilon" not in self._cache:
-            self._cache["epsilon"] = _epsilon(
-                dict(self.counts), self.delta, self.sampling_probability, self.method
-            )
+            self._cache["epsilon"] = _epsilon(dict(self.counts), self.delta, self.sampling_probability, self.method)
         return self._cache["epsilon"]
 
     def allows(self, noise_multiplier: float) -> bool:

@@ -41,7 +41,12 @@ class AdminKeys:
             key = key.strip()
             if not key:
                 continue
-            if not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable() or " " in key:
+            if (
+                not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS
+                or not key.isascii()
+                or not key.isprintable()
+                or " " in key
+            ):
                 raise AdminKeyError(
                     f"admin keys must be {MIN_KEY_CHARS}-{MAX_KEY_CHARS} printable ASCII characters without spaces; "
                     "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
@@ -75,8 +80,12 @@ class AdminKeys:
         lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
         keys = cls(lines)
         if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("the admin key file %s is open to other users (mode %s): run chmod 600 %s",
-                        os.fspath(path), oct(stat.S_IMODE(mode)), os.fspath(path))
+            log.warning(
+                "the admin key file %s is open to other users (mode %s): run chmod 600 %s",
+                os.fspath(path),
+                oct(stat.S_IMODE(mode)),
+                os.fspath(path),
+            )
         return keys
 
     @classmethod

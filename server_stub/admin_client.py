@@ -82,11 +82,15 @@ def check_server_url(url: str) -> str:
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as exc:
-        raise ServerUnreachable(f"{url!r} is not a server URL ({exc}); give one such as http://127.0.0.1:8000") from None
+        raise ServerUnreachable(
+            f"{url!r} is not a server URL ({exc}); give one such as http://127.0.0.1:8000"
+        ) from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         bare = url.split("://", 1)[-1]
-        raise ServerUnreachable(f"{url!r} is not a server URL: it needs http:// or https:// and a host, "
-                                f"e.g. http://{bare or '127.0.0.1:8000'}")
+        raise ServerUnreachable(
+            f"{url!r} is not a server URL: it needs http:// or https:// and a host, "
+            f"e.g. http://{bare or '127.0.0.1:8000'}"
+        )
     return url.rstrip("/")
 
 
@@ -97,7 +101,9 @@ class AdminClient:
     ``AdminError`` with code ``MALFORMED_ANSWER``. They are handed back as the JSON objects the models
     read (fields a newer server added are left out), as the CLI and notebooks index them."""
 
-    def __init__(self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None
+    ) -> None:
         self.url = check_server_url(server_url)
         self.http = httpx.Client(
             base_url=self.url,
@@ -122,8 +128,10 @@ class AdminClient:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             reason = str(exc) or type(exc).__name__
-            raise ServerUnreachable(f"no answer from the server at {self.url} ({reason}); check that fedfleet server "
-                                    "runs there and the URL's host and port") from None
+            raise ServerUnreachable(
+                f"no answer from the server at {self.url} ({reason}); check that fedfleet server "
+                "runs there and the URL's host and port"
+            ) from None
         return self._check(response)
 
     def _check(self, response: httpx.Response) -> httpx.Response:
@@ -144,9 +152,12 @@ class AdminClient:
             errors = exc.errors(include_url=False, include_input=False)
             first_loc, first_msg = (errors[0]["loc"], errors[0]["msg"]) if errors else ((), "out of shape")
             where = ".".join(str(part) for part in first_loc)
-            raise AdminError(f"the server's answer to {response.request.method} {response.request.url.path} is not a "
-                             f"{model.__name__}: {where + ': ' if where else ''}{first_msg}", response.status_code,
-                             "MALFORMED_ANSWER") from None
+            raise AdminError(
+                f"the server's answer to {response.request.method} {response.request.url.path} is not a "
+                f"{model.__name__}: {where + ': ' if where else ''}{first_msg}",
+                response.status_code,
+                "MALFORMED_ANSWER",
+            ) from None
 
     def create_population(self, name: str) -> dict[str, Any]:
         return self._answer(self._send("POST", "/v1/populations", json={"name": name}), PopulationCreated)
@@ -167,8 +178,9 @@ class AdminClient:
         release_report: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Deploy one task; it trains once no earlier task of the population is active."""
-        body = task_body(name, plan, checkpoint, config, eligibility,
-                         versioned_plans=versioned_plans, release_report=release_report)
+        body = task_body(
+            name, plan, checkpoint, config, eligibility, versioned_plans=versioned_plans, release_report=release_report
+        )
         return self._answer(self._send("POST", f"/v1/populations/{population}/tasks", json=body), DeployedTask)
 
     def deploy_body(self, population: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -186,7 +198,9 @@ class AdminClient:
 
     def rounds(self, population: str, task: str | None = None) -> list[dict[str, Any]]:
         params = {"task": task} if task is not None else None
-        return self._answer(self._send("GET", f"/v1/populations/{population}/rounds", params=params), RoundList)["rounds"]
+        return self._answer(self._send("GET", f"/v1/populations/{population}/rounds", params=params), RoundList)[
+            "rounds"
+        ]
 
     def rounds_frame(self, population: str, task: str | None = None):  # -> pandas.DataFrame
         """The rounds as a pandas DataFrame, one row per round (needs ``fedfleet[analysis]``)."""

@@ -93,7 +93,9 @@ def parse(model: type[Model], raw: bytes) -> Model:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise _bad_input(exc.errors(include_url=False, include_input=False), deploy=model in (TaskDeploy, GroupDeploy)) from None
+        raise _bad_input(
+            exc.errors(include_url=False, include_input=False), deploy=model in (TaskDeploy, GroupDeploy)
+        ) from None
 
 
 def _bad_input(errors: list[Any], *, deploy: bool = False) -> ApiError:
@@ -223,15 +225,29 @@ def _answers(model: Any) -> dict[str, Any]:
 
 def _binary_answer(description: str, more: dict[int | str, Any] | None = None) -> dict[str, Any]:
     """A route whose answer is bytes (a plan, a checkpoint, a model), not JSON."""
-    return {"response_class": Response, "responses": {200: {"description": description, "content": _BINARY}, **(more or {})}}
+    return {
+        "response_class": Response,
+        "responses": {200: {"description": description, "content": _BINARY}, **(more or {})},
+    }
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
-           for status, text in ((400, "malformed request"), (401, "missing or wrong credential"),
-                                (404, "unknown population, task or resource"), (408, "the request stopped arriving"),
-                                (409, "conflict with the current state"), (413, "body too large"),
-                                (422, "a plan, checkpoint or update that does not fit"), (429, "rate limited"),
-                                (431, "request headers too large"))}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {
+        "description": text,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+    }
+    for status, text in (
+        (400, "malformed request"),
+        (401, "missing or wrong credential"),
+        (404, "unknown population, task or resource"),
+        (408, "the request stopped arriving"),
+        (409, "conflict with the current state"),
+        (413, "body too large"),
+        (422, "a plan, checkpoint or update that does not fit"),
+        (429, "rate limited"),
+        (431, "request headers too large"),
+    )
+}
 
 
 def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = True, telemetry: bool = True) -> FastAPI:
@@ -274,7 +290,12 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
 
     # ----------------------------------------------------------------- devices
     # (declared first: the router tries routes in order, and devices send nearly every request)
-    @app.post("/v1/populations/{population}/checkin", tags=["devices"], openapi_extra=_json_body(Checkin), **_answers(CheckinAnswer))
+    @app.post(
+        "/v1/populations/{population}/checkin",
+        tags=["devices"],
+        openapi_extra=_json_body(Checkin),
+        **_answers(CheckinAnswer),
+    )
     async def checkin(population: str, request: Request) -> dict:
         body = parse(Checkin, await read_body(request, MAX_JSON_BYTES))
         eligibility = body.eligibility.model_dump() if body.eligibility is not None else None
@@ -289,8 +310,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     async def eligibility_info(population: str) -> dict:
         return await call(service.eligibility_info, population)
 
-    @app.get("/v1/resources/{rid}", tags=["devices", "operators"],
-             **_binary_answer("the plan or checkpoint's bytes", {304: {"description": "not modified"}}))
+    @app.get(
+        "/v1/resources/{rid}",
+        tags=["devices", "operators"],
+        **_binary_answer("the plan or checkpoint's bytes", {304: {"description": "not modified"}}),
+    )
     async def resource(rid: str, request: Request) -> Response:
         token = bearer(request)
         is_admin = token is not None and admin_keys.verify(token)
@@ -352,9 +376,14 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         admin(request)
         return {"populations": await call(service.populations)}
 
-    @app.post("/v1/populations", tags=["operators"], openapi_extra=_json_body(CreatePopulation), status_code=201,
-              responses={200: {"model": PopulationCreated, "description": "the population existed already"}},
-              **_answers(PopulationCreated))
+    @app.post(
+        "/v1/populations",
+        tags=["operators"],
+        openapi_extra=_json_body(CreatePopulation),
+        status_code=201,
+        responses={200: {"model": PopulationCreated, "description": "the population existed already"}},
+        **_answers(PopulationCreated),
+    )
     async def create_population(request: Request) -> Response:
         admin(request)
         body = parse(CreatePopulation, await read_body(request, MAX_JSON_BYTES))
@@ -367,20 +396,43 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         return await call(service.population_status, population)
 
     def _spec(task: TaskDeploy) -> TaskSpec:
-        versioned = {release: b64(data, f"versioned_plans.{release}") or b"" for release, data in task.versioned_plans.items()}
-        return TaskSpec(task.name, b64(task.plan, "plan") or b"", b64(task.checkpoint, "checkpoint"), task.config,
-                        task.eligibility, task.weight, task.evaluates,
-                        versioned_plans=versioned, release_report=task.release_report)
+        versioned = {
+            release: b64(data, f"versioned_plans.{release}") or b"" for release, data in task.versioned_plans.items()
+        }
+        return TaskSpec(
+            task.name,
+            b64(task.plan, "plan") or b"",
+            b64(task.checkpoint, "checkpoint"),
+            task.config,
+            task.eligibility,
+            task.weight,
+            task.evaluates,
+            versioned_plans=versioned,
+            release_report=task.release_report,
+        )
 
     def _deployed(population: str, records: list) -> list[dict]:
         """What a deploy made, with each task's state: ``queued`` (and behind which tasks) tells the
         operator that it waits, rather than leaving them to wonder why no round opens."""
         states = service.task_states(population)
-        return [{"task": r.name, "population": population, "plan_id": r.plan_id, "checkpoint_id": r.initial_checkpoint_id,
-                 **states.get(r.name, {"status": r.status})} for r in records]
+        return [
+            {
+                "task": r.name,
+                "population": population,
+                "plan_id": r.plan_id,
+                "checkpoint_id": r.initial_checkpoint_id,
+                **states.get(r.name, {"status": r.status}),
+            }
+            for r in records
+        ]
 
-    @app.post("/v1/populations/{population}/tasks", tags=["operators"], openapi_extra=_json_body(TaskDeploy), status_code=201,
-              **_answers(DeployedTask))
+    @app.post(
+        "/v1/populations/{population}/tasks",
+        tags=["operators"],
+        openapi_extra=_json_body(TaskDeploy),
+        status_code=201,
+        **_answers(DeployedTask),
+    )
     async def deploy_task(population: str, request: Request) -> Response:
         admin(request)
         raw = await read_body(request, MAX_DEPLOY_BYTES)
@@ -391,24 +443,33 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         records = await call(service.deploy_tasks, population, [spec])
         return JSONResponse((await call(_deployed, population, records))[0], status_code=201)
 
-    @app.post("/v1/populations/{population}/task-groups", tags=["operators"], openapi_extra=_json_body(GroupDeploy), status_code=201,
-              **_answers(DeployedGroup))
+    @app.post(
+        "/v1/populations/{population}/task-groups",
+        tags=["operators"],
+        openapi_extra=_json_body(GroupDeploy),
+        status_code=201,
+        **_answers(DeployedGroup),
+    )
     async def deploy_group(population: str, request: Request) -> Response:
         admin(request)
         raw = await read_body(request, MAX_DEPLOY_BYTES)
         group = await call(parse, GroupDeploy, raw)
         specs = [await call(_spec, t) for t in group.tasks]
         records = await call(service.deploy_tasks, population, specs, group.strategy)
-        return JSONResponse({"strategy": group.strategy.value, "tasks": await call(_deployed, population, records)},
-                            status_code=201)
+        return JSONResponse(
+            {"strategy": group.strategy.value, "tasks": await call(_deployed, population, records)}, status_code=201
+        )
 
     @app.get("/v1/populations/{population}/rounds", tags=["operators"], **_answers(RoundList))
     async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
         admin(request)
         return {"rounds": await call(service.rounds, population, task)}
 
-    @app.get("/v1/populations/{population}/model", tags=["operators"],
-             **_binary_answer("the newest model as checkpoint bytes, with X-Round and X-Task headers"))
+    @app.get(
+        "/v1/populations/{population}/model",
+        tags=["operators"],
+        **_binary_answer("the newest model as checkpoint bytes, with X-Round and X-Task headers"),
+    )
     async def model(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> Response:
         admin(request)
         data, number, name = await call(service.current_model, population, task)
@@ -431,8 +492,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
-        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            {"error": {"code": code, "message": str(exc.detail)}},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
@@ -451,7 +515,9 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         if app.openapi_schema is None:
             # The error responses reach every operation through FastAPI(responses=...) on the router.
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in REQUEST_SCHEMAS], ref_template="#/components/schemas/{model}")
+            _, defs = models_json_schema(
+                [(m, "validation") for m in REQUEST_SCHEMAS], ref_template="#/components/schemas/{model}"
+            )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             window = schema["components"]["schemas"]["RoundConfig"]["properties"]["retry_window_s"]
             # The one RoundConfig rule JSON Schema cannot state; clients read it here.
@@ -477,6 +543,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
+
         def secagg_changed() -> None:
             loop.call_soon_threadsafe(secagg_signal.fire)
 

@@ -51,8 +51,15 @@ class NonceRegistry:
     REPLAYED_NONCE instead of UNKNOWN_NONCE; both refuse.
     """
 
-    def __init__(self, ttl_s: float = 120.0, *, nonce_bytes: int = 32, max_outstanding: int = 100_000,
-                 max_remembered: int = 100_000, random_bytes: RandomBytes = os.urandom) -> None:
+    def __init__(
+        self,
+        ttl_s: float = 120.0,
+        *,
+        nonce_bytes: int = 32,
+        max_outstanding: int = 100_000,
+        max_remembered: int = 100_000,
+        random_bytes: RandomBytes = os.urandom,
+    ) -> None:
         if not ttl_s > 0:
             raise ValueError("ttl_s must be positive")
         if not MIN_NONCE_BYTES <= nonce_bytes <= MAX_NONCE_BYTES:
@@ -195,12 +202,21 @@ class VerifiedDevice:
 class AttestationVerifier:
     """Checks an attestation in the order that keeps it cheap and unabusable; see ``verify``."""
 
-    def __init__(self, trusted_authorities: Mapping[bytes, bytes] | Iterable[bytes], nonces: NonceRegistry,
-                 limiter: RateLimiter, *, clock_skew_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        trusted_authorities: Mapping[bytes, bytes] | Iterable[bytes],
+        nonces: NonceRegistry,
+        limiter: RateLimiter,
+        *,
+        clock_skew_s: float = 0.0,
+    ) -> None:
         """``trusted_authorities``: raw Ed25519 public keys, or ``{key_id: public_key}`` (key ids checked)."""
         self._authorities: dict[bytes, Ed25519PublicKey] = {}
-        items = (trusted_authorities.items() if isinstance(trusted_authorities, Mapping)
-                 else ((None, pk) for pk in trusted_authorities))
+        items = (
+            trusted_authorities.items()
+            if isinstance(trusted_authorities, Mapping)
+            else ((None, pk) for pk in trusted_authorities)
+        )
         for key_id, public in items:
             public = bytes(public)
             if len(public) != PUBLIC_KEY_BYTES:

@@ -94,17 +94,11 @@ def dp_mean(
     dim = rows[0].size
     if any(r.size != dim for r in rows):
         raise CentralDPError("updates differ in length")
-    w = (
-        np.ones(len(rows))
-        if weights is None
-        else np.asarray(weights, dtype=np.float64).reshape(-1)
-    )
+    w = np.ones(len(rows)) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
     if w.size != len(rows):
         raise CentralDPError(f"{w.size} weights for {len(rows)} updates")
     if not np.isfinite(w).all() or (w < 0).any() or (w > 1).any():
-        raise CentralDPError(
-            "weights must be in [0, 1]: cap them with capped_weights, or the sensitivity is not clip"
-        )
+        raise CentralDPError("weights must be in [0, 1]: cap them with capped_weights, or the sensitivity is not clip")
     total = np.zeros(dim)
     clipped = 0
     for r, wi in zip(rows, w, strict=True):
@@ -156,9 +150,7 @@ class AdaptiveClip:
     def __post_init__(self) -> None:
         _positive("clip", self.clip)
         if not 0.0 <= self.target_quantile <= 1.0:
-            raise CentralDPError(
-                f"target_quantile must be in [0, 1], got {self.target_quantile!r}"
-            )
+            raise CentralDPError(f"target_quantile must be in [0, 1], got {self.target_quantile!r}")
         _non_negative("learning_rate", self.learning_rate)
         _non_negative("noise_multiplier", self.noise_multiplier)
         _non_negative("count_stddev", self.count_stddev)
@@ -173,9 +165,7 @@ class AdaptiveClip:
         return update_noise_multiplier(self.noise_multiplier, self.count_stddev)
 
 
-def unclipped_fraction(
-    norms: npt.ArrayLike, clip: float, count_stddev: float, rng: np.random.Generator
-) -> float:
+def unclipped_fraction(norms: npt.ArrayLike, clip: float, count_stddev: float, rng: np.random.Generator) -> float:
     """The privatized fraction of updates with norm at most ``clip``: (sum b_i + N(0, sigma_b^2)) / n."""
     n = np.asarray(norms, dtype=np.float64).reshape(-1)
     if n.size == 0:

@@ -37,9 +37,14 @@ class RawDescriptionDefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, 
 
 def shows_default(action: argparse.Action) -> bool:
     """Whether an option's default is worth printing: a value, not None, an empty list or a flag's False."""
-    return (bool(action.option_strings) and action.default is not argparse.SUPPRESS
-            and action.default is not None and action.default is not False and action.default not in ([], ())
-            and action.help is not argparse.SUPPRESS)
+    return (
+        bool(action.option_strings)
+        and action.default is not argparse.SUPPRESS
+        and action.default is not None
+        and action.default is not False
+        and action.default not in ([], ())
+        and action.help is not argparse.SUPPRESS
+    )
 
 
 def parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -56,7 +61,9 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make every ``--help`` of the tree under ``parser`` show the defaults (subparsers do not
     inherit their parent's formatter, so each is set here, in one place)."""
     for p in parsers(parser):
-        raw = isinstance(p.formatter_class, type) and issubclass(p.formatter_class, argparse.RawDescriptionHelpFormatter)
+        raw = isinstance(p.formatter_class, type) and issubclass(
+            p.formatter_class, argparse.RawDescriptionHelpFormatter
+        )
         p.formatter_class = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
     return parser
 
@@ -75,28 +82,64 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default="fl_server.db", help="SQLite file (created if missing) or a SQLAlchemy URL")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: loopback only)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0 picks a free one)")
-    p.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV}; else a key is generated and printed)")
-    p.add_argument("--attestation-trust", metavar="FILE",
-                   help="trust anchor of the attestation authority (fedfleet authority writes one); admits only attested devices")
-    p.add_argument("--rate-burst", type=float, default=5.0, help="check-ins a device may make at once (with attestation)")
-    p.add_argument("--rate-per-hour", type=float, default=60.0, help="check-ins a device regains per hour (with attestation)")
+    p.add_argument(
+        "--admin-key-file",
+        help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV}; else a key is generated and printed)",
+    )
+    p.add_argument(
+        "--attestation-trust",
+        metavar="FILE",
+        help="trust anchor of the attestation authority (fedfleet authority writes one); admits only attested devices",
+    )
+    p.add_argument(
+        "--rate-burst", type=float, default=5.0, help="check-ins a device may make at once (with attestation)"
+    )
+    p.add_argument(
+        "--rate-per-hour", type=float, default=60.0, help="check-ins a device regains per hour (with attestation)"
+    )
     p.add_argument("--nonce-ttl", type=float, default=120.0, help="seconds an attestation nonce stays valid")
-    p.add_argument("--allow-untested-plans", action="store_true",
-                   help="accept tasks without a release report (from fedfleet plan test) covering every runtime they claim")
-    p.add_argument("--release-trust", metavar="FILE",
-                   help="public keys of the testers whose signed release reports are accepted, one "
-                        "'ed25519 <base64 key> [label]' per line (fedfleet plan keygen prints it)")
+    p.add_argument(
+        "--allow-untested-plans",
+        action="store_true",
+        help="accept tasks without a release report (from fedfleet plan test) covering every runtime they claim",
+    )
+    p.add_argument(
+        "--release-trust",
+        metavar="FILE",
+        help="public keys of the testers whose signed release reports are accepted, one "
+        "'ed25519 <base64 key> [label]' per line (fedfleet plan keygen prints it)",
+    )
     limits = HttpLimits()
-    p.add_argument("--header-timeout-s", type=float, default=limits.header_timeout_s,
-                   help="seconds a client has to send a request's head (from connecting, or from the last answer)")
-    p.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s,
-                   help="seconds the server waits for a request body in all, plus one per KiB received")
-    p.add_argument("--max-connections", type=int, default=None,
-                   help="open connections at most; one more replaces the longest idle (default: under the file-descriptor limit)")
-    p.add_argument("--max-header-bytes", type=int, default=limits.max_header_bytes,
-                   help="the largest request head (request line and headers); a larger one is answered 431")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="how much the server logs")
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=limits.header_timeout_s,
+        help="seconds a client has to send a request's head (from connecting, or from the last answer)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=limits.body_timeout_s,
+        help="seconds the server waits for a request body in all, plus one per KiB received",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; one more replaces the longest idle (default: under the file-descriptor limit)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=limits.max_header_bytes,
+        help="the largest request head (request line and headers); a larger one is answered 431",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="how much the server logs",
+    )
 
 
 def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> str:
@@ -126,7 +169,9 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
             if args.rate_burst < 1 or args.rate_per_hour <= 0 or args.nonce_ttl <= 0:
                 raise ValueError("--rate-burst must be >= 1, --rate-per-hour and --nonce-ttl positive")
             anchor = read_trust_anchor(args.attestation_trust)
-            verifier = AttestationVerifier(anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0))
+            verifier = AttestationVerifier(
+                anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0)
+            )
         release_trust = read_release_trust(args.release_trust) if args.release_trust else frozenset()
         limits = HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections, args.max_header_bytes)
         store = ServerStore(args.db)
@@ -135,8 +180,11 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
         return 2
     except (SQLAlchemyError, OSError) as exc:
         reason = getattr(exc, "orig", None) or exc
-        print(f"fedfleet server: cannot open the database {args.db} ({reason}); give --db a file in a folder that "
-              "exists and can be written", file=sys.stderr)
+        print(
+            f"fedfleet server: cannot open the database {args.db} ({reason}); give --db a file in a folder that "
+            "exists and can be written",
+            file=sys.stderr,
+        )
         return 2
     if args.port == 0:
         args.port = free_port(args.host)
@@ -144,25 +192,43 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
         socket.create_server((args.host, args.port)).close()
     except OSError as exc:
         store.close()
-        print(f"fedfleet server: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another --port "
-              "(0 picks a free one) or --host", file=sys.stderr)
+        print(
+            f"fedfleet server: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another --port "
+            "(0 picks a free one) or --host",
+            file=sys.stderr,
+        )
         return 2
-    service = FLService(store, verifier=verifier, require_release_reports=not args.allow_untested_plans,
-                        release_trust=release_trust)
-    attestation = f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
+    service = FLService(
+        store, verifier=verifier, require_release_reports=not args.allow_untested_plans, release_trust=release_trust
+    )
+    attestation = (
+        f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
+    )
     print(f"fedfleet server listening on http://{args.host}:{args.port}", file=out)
     print(f"  database:    {args.db}", file=out)
     print(f"  attestation: {attestation}", file=out)
-    print(f"  deploys:     {'any plan (--allow-untested-plans)' if args.allow_untested_plans else 'only with a passed release report'}", file=out)
+    print(
+        f"  deploys:     {'any plan (--allow-untested-plans)' if args.allow_untested_plans else 'only with a passed release report'}",
+        file=out,
+    )
     print(f"  signers:     {_release_trust_line(args, release_trust)}", file=out)
     print(f"  admin keys:  {source}", file=out)
     cap = "" if args.max_connections is not None else " (under the file-descriptor limit)"
-    print(f"  clients:     head within {limits.header_timeout_s:g} s, body within {limits.body_timeout_s:g} s (+1 s per KiB), "
-          f"{limits.connections} connections{cap}, headers up to {limits.max_header_bytes} bytes", file=out)
+    print(
+        f"  clients:     head within {limits.header_timeout_s:g} s, body within {limits.body_timeout_s:g} s (+1 s per KiB), "
+        f"{limits.connections} connections{cap}, headers up to {limits.max_header_bytes} bytes",
+        file=out,
+    )
     print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
     try:
-        GuardedServer(create_app(service, admin_keys=keys), limits, host=args.host, port=args.port,
-                      log_level="warning" if args.log_level == "info" else args.log_level, access_log=False).run()
+        GuardedServer(
+            create_app(service, admin_keys=keys),
+            limits,
+            host=args.host,
+            port=args.port,
+            log_level="warning" if args.log_level == "info" else args.log_level,
+            access_log=False,
+        ).run()
     finally:
         store.close()
     return 0

@@ -41,7 +41,9 @@ class DirectRoute(Route):
                 return answer
             return Response(_JSON_OBJECT.dump_json(answer), media_type="application/json")
 
-        super().__init__(route.path, direct, methods=list(route.methods or ()), name=route.name, include_in_schema=False)
+        super().__init__(
+            route.path, direct, methods=list(route.methods or ()), name=route.name, include_in_schema=False
+        )
         self.methods = set(route.methods or ())  # no HEAD where the APIRoute has none
 
 
@@ -54,8 +56,16 @@ def _directable(route: APIRoute) -> bool:
     d = route.dependant
     if d.query_params or d.header_params or d.cookie_params or d.body_params or d.dependencies:
         return False
-    if any(getattr(d, name, None) for name in ("websocket_param_name", "http_connection_param_name", "response_param_name",
-                                                 "background_tasks_param_name", "security_scopes_param_name")):
+    if any(
+        getattr(d, name, None)
+        for name in (
+            "websocket_param_name",
+            "http_connection_param_name",
+            "response_param_name",
+            "background_tasks_param_name",
+            "security_scopes_param_name",
+        )
+    ):
         return False
     if not inspect.iscoroutinefunction(route.endpoint) or route.status_code not in (None, 200):
         return False

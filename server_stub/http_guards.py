@@ -97,8 +97,10 @@ class HttpLimits:
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"{_option('max_connections')} must be at least 1, not {self.max_connections}")
         if self.max_header_bytes < 1024:
-            raise ValueError(f"{_option('max_header_bytes')} must be at least 1024 (the device's own headers take about 600), "
-                             f"not {self.max_header_bytes}")
+            raise ValueError(
+                f"{_option('max_header_bytes')} must be at least 1024 (the device's own headers take about 600), "
+                f"not {self.max_header_bytes}"
+            )
 
     @property
     def connections(self) -> int:
@@ -116,8 +118,14 @@ class GuardedServer(uvicorn.Server):
     def __init__(self, app: Any, limits: HttpLimits = HttpLimits(), **options: Any) -> None:
         self.admission = _Admission(limits.connections)
         protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "admission": self.admission})
-        super().__init__(uvicorn.Config(SlowBodyGuard(app, limits.body_timeout_s), http=protocol,
-                                        h11_max_incomplete_event_size=limits.max_header_bytes, **options))
+        super().__init__(
+            uvicorn.Config(
+                SlowBodyGuard(app, limits.body_timeout_s),
+                http=protocol,
+                h11_max_incomplete_event_size=limits.max_header_bytes,
+                **options,
+            )
+        )
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is not None:
@@ -170,8 +178,12 @@ class _Admission:
         idle = [p for p in self.protocols if p.idle_since is not None and not p.transport.is_closing()]
         if idle:
             oldest = min(idle, key=lambda p: (p.idle_since or 0.0, p.idle_order))
-            log.debug("connection cap %d reached: closing %s, idle for %.1f s", self.cap, oldest.client,
-                      oldest.loop.time() - (oldest.idle_since or 0.0))
+            log.debug(
+                "connection cap %d reached: closing %s, idle for %.1f s",
+                self.cap,
+                oldest.client,
+                oldest.loop.time() - (oldest.idle_since or 0.0),
+            )
             oldest.transport.abort()
             return "yes"
         if open_now > len(self.protocols):
@@ -216,8 +228,12 @@ def answer_bytes(error: ApiError) -> bytes:
     """A whole HTTP/1.1 answer carrying ``error`` as the app would, for a connection no route
     has seen; it closes the connection."""
     body = json.dumps(error.to_json(), separators=(",", ":")).encode()
-    head = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}", "content-type: application/json",
-            f"content-length: {len(body)}", "connection: close"]
+    head = [
+        f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
     if isinstance(error, ServerBusy):
         head.append("retry-after: 1")
     return ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body
@@ -225,7 +241,12 @@ def answer_bytes(error: ApiError) -> bytes:
 
 def _head_bytes(request: h11.Request) -> int:
     """The size of a request head as sent (request line, headers, line ends)."""
-    return len(request.method) + len(request.target) + 12 + sum(len(name) + len(value) + 4 for name, value in request.headers)
+    return (
+        len(request.method)
+        + len(request.target)
+        + 12
+        + sum(len(name) + len(value) + 4 for name, value in request.headers)
+    )
 
 
 class _HeadLimitedConnection(h11.Connection):
@@ -298,8 +319,9 @@ class GuardedH11Protocol(H11Protocol):
         limit, else 400, closed lingeringly."""
         refusal = self.conn.refusal
         if refusal is not None and refusal.error_status_hint == 431:
-            error: ApiError = HeadersTooLarge(f"the request head is larger than {self.limits.max_header_bytes} bytes; "
-                                              "send shorter headers")
+            error: ApiError = HeadersTooLarge(
+                f"the request head is larger than {self.limits.max_header_bytes} bytes; send shorter headers"
+            )
         else:
             error = MalformedRequest(f"not a valid HTTP/1.1 request: {refusal or msg}")
         self.transport.write(answer_bytes(error))
@@ -338,8 +360,11 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self._waiting_for == "head" and self.conn.trailing_data[0]:  # a head was begun, not finished
             log.debug("%s: no request head within %g s; closing", self.client, self.limits.header_timeout_s)
-            self.transport.write(answer_bytes(HeaderTimeout(
-                f"the request head did not arrive within {self.limits.header_timeout_s:g} s")))
+            self.transport.write(
+                answer_bytes(
+                    HeaderTimeout(f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+                )
+            )
         self._close()
 
     def _linger(self) -> None:
@@ -401,8 +426,10 @@ class SlowBodyGuard:
                     message = await receive()
             except TimeoutError:
                 timed_out = complete = True
-                raise BodyTimeout(f"the request body stopped arriving (allowed: {self.timeout_s:g} s of waiting, "
-                                  f"plus 1 s per {self.min_bytes_per_s:g} bytes received)") from None
+                raise BodyTimeout(
+                    f"the request body stopped arriving (allowed: {self.timeout_s:g} s of waiting, "
+                    f"plus 1 s per {self.min_bytes_per_s:g} bytes received)"
+                ) from None
             finally:
                 allowance -= loop.time() - started
             if message["type"] == "http.request":

@@ -48,8 +48,10 @@ def check_group_sum(
     if n is not None:
         most = members * max_examples
         if not -tolerance <= n <= most + tolerance:
-            return (f"the sum's {NUM_EXAMPLES} is {n:.6g}, outside [0, {most}] "
-                    f"({members} devices x max_examples_per_report {max_examples})")
+            return (
+                f"the sum's {NUM_EXAMPLES} is {n:.6g}, outside [0, {most}] "
+                f"({members} devices x max_examples_per_report {max_examples})"
+            )
     weights = [np.asarray(total[w], dtype=np.float64) for w in weight_names if w in total]
     if clip_norm is None or not weights:
         return None
@@ -58,8 +60,10 @@ def check_group_sum(
     count = max(n if n is not None else float(members), 0.0)
     limit = clip_norm * (count + tolerance) * (1 + FLOAT32_SLACK) + tolerance * math.sqrt(size)
     if norm > limit:
-        return (f"the norm of the sum's weight tensors is {norm:.6g}, above clip_update_norm {clip_norm:g} x "
-                f"{NUM_EXAMPLES} {count:.6g}")
+        return (
+            f"the norm of the sum's weight tensors is {norm:.6g}, above clip_update_norm {clip_norm:g} x "
+            f"{NUM_EXAMPLES} {count:.6g}"
+        )
     return None
 
 

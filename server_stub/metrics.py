@@ -42,7 +42,12 @@ if TYPE_CHECKING:
     import pandas
 
 __all__ = [
-    "MetricSummary", "MetricsOutOfRange", "RoundMetrics", "cap_metric_weight", "check_metric_sums", "device_metrics",
+    "MetricSummary",
+    "MetricsOutOfRange",
+    "RoundMetrics",
+    "cap_metric_weight",
+    "check_metric_sums",
+    "device_metrics",
     "rounds_frame",
 ]
 
@@ -324,7 +329,9 @@ def check_metric_sums(update: Mapping[str, np.ndarray]) -> None:
     correct, loss = values[CORRECT], values[LOSS_SUM]
     if counted is not None and correct is not None and correct > counted:
         which = COUNT if values[COUNT] is not None else NUM_EXAMPLES
-        raise MetricsOutOfRange(f"{CORRECT} ({correct:g}) exceeds {which} ({counted:g}): more right answers than questions")
+        raise MetricsOutOfRange(
+            f"{CORRECT} ({correct:g}) exceeds {which} ({counted:g}): more right answers than questions"
+        )
     if counted == 0.0 and loss is not None and loss > 0.0:
         raise MetricsOutOfRange(f"{LOSS_SUM} is {loss:g} over no counted example")
 

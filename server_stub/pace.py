@@ -35,7 +35,9 @@ class RoundPace:
             else:
                 self.mean_reporting_s += self.weight * (reporting_s - self.mean_reporting_s)
 
-    def retry_window(self, now: float, round_started_at: float, base: tuple[float, float], cap_s: float) -> tuple[float, float]:
+    def retry_window(
+        self, now: float, round_started_at: float, base: tuple[float, float], cap_s: float
+    ) -> tuple[float, float]:
         """``base`` = (min, max) spread; the window is shifted to the expected start of the next round."""
         lo, hi = base
         if self.mean_duration_s is None:
@@ -214,8 +216,11 @@ class Rendezvous:
         self.natural._decay_to(now)
         first = self.natural._first
         watched_s = now - first if first is not None else 0.0
-        return (watched_s >= selection_s and self.natural._weight > 0.0
-                and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats)
+        return (
+            watched_s >= selection_s
+            and self.natural._weight > 0.0
+            and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats
+        )
 
     def expected(self) -> float:
         """Devices expected at the opening those told so far are aimed at."""
@@ -262,7 +267,9 @@ class Rendezvous:
         self.aimed_at, self.told, self._aim_end = None, 0, 0.0
 
 
-def rendezvous_window(now: float, opens_at: float, expected: float, seats: int, selection_s: float) -> tuple[float, float]:
+def rendezvous_window(
+    now: float, opens_at: float, expected: float, seats: int, selection_s: float
+) -> tuple[float, float]:
     """The window (seconds from ``now``) of a device told to come to a selection opening at
     ``opens_at`` with ``expected`` devices told so far, of ``seats``, in a window of ``selection_s``."""
     wait = max(0.0, opens_at - now)

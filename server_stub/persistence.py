@@ -146,8 +146,17 @@ class RoundRecord:
 
 
 def _round_record(row: Any) -> RoundRecord:
-    return RoundRecord(row["id"], row["task_id"], row["number"], row["attempt"], row["status"], row["checkpoint_id"],
-                       _load_metrics(row["metrics"]), row["started_at"], row["ended_at"])
+    return RoundRecord(
+        row["id"],
+        row["task_id"],
+        row["number"],
+        row["attempt"],
+        row["status"],
+        row["checkpoint_id"],
+        _load_metrics(row["metrics"]),
+        row["started_at"],
+        row["ended_at"],
+    )
 
 
 class ServerStore:
@@ -161,7 +170,9 @@ class ServerStore:
             self.engine: Engine = create_engine(self.path, pool_pre_ping=True)
             if self.engine.dialect.name == "sqlite":
                 self.engine.dispose()
-                self.engine = sqlite_engine(self.engine.url.database or ":memory:", foreign_keys=True, busy_timeout_s=busy_timeout_s)
+                self.engine = sqlite_engine(
+                    self.engine.url.database or ":memory:", foreign_keys=True, busy_timeout_s=busy_timeout_s
+                )
         else:
             self.engine = sqlite_engine(self.path, foreign_keys=True, busy_timeout_s=busy_timeout_s)
         metadata.create_all(self.engine)
@@ -222,17 +233,19 @@ class ServerStore:
             for item in items:
                 plan_id = self._put(conn, item.plan, "plan")
                 ckpt_id = self._put(conn, item.checkpoint, "checkpoint")
-                tid = _inserted_id(conn.execute(
-                    tasks.insert().values(
-                        population_id=pid,
-                        name=item.name,
-                        plan_id=plan_id,
-                        initial_checkpoint_id=ckpt_id,
-                        config=_json(item.config),
-                        status="active",
-                        created_at=time.time(),
+                tid = _inserted_id(
+                    conn.execute(
+                        tasks.insert().values(
+                            population_id=pid,
+                            name=item.name,
+                            plan_id=plan_id,
+                            initial_checkpoint_id=ckpt_id,
+                            config=_json(item.config),
+                            status="active",
+                            created_at=time.time(),
+                        )
                     )
-                ))
+                )
                 records.append(TaskRecord(tid, population, item.name, plan_id, ckpt_id, item.config, "active"))
         return records
 
@@ -243,7 +256,15 @@ class ServerStore:
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         return [
-            TaskRecord(r["id"], r["population"], r["name"], r["plan_id"], r["initial_checkpoint_id"], json.loads(r["config"]), r["status"])
+            TaskRecord(
+                r["id"],
+                r["population"],
+                r["name"],
+                r["plan_id"],
+                r["initial_checkpoint_id"],
+                json.loads(r["config"]),
+                r["status"],
+            )
             for r in rows
         ]
 
@@ -275,32 +296,52 @@ class ServerStore:
         made to say what is written now (status, metrics, model): the server has acted on this
         outcome, e.g. abandoned a round whose commit it could not see go through."""
         with self.engine.begin() as conn:
-            existing = conn.execute(
-                select(rounds).where(rounds.c.task_id == task_id, rounds.c.number == number, rounds.c.attempt == attempt)
-                .order_by(rounds.c.id).limit(1)
-            ).mappings().first()
+            existing = (
+                conn.execute(
+                    select(rounds)
+                    .where(rounds.c.task_id == task_id, rounds.c.number == number, rounds.c.attempt == attempt)
+                    .order_by(rounds.c.id)
+                    .limit(1)
+                )
+                .mappings()
+                .first()
+            )
             if existing is not None and not overwrite:
                 return _round_record(existing)
             checkpoint_id = self._put(conn, checkpoint, "checkpoint") if checkpoint is not None else None
             if broadcast is not None:
                 self._put(conn, broadcast, "checkpoint")
             if existing is not None:
-                conn.execute(update(rounds).where(rounds.c.id == existing["id"])
-                             .values(status=status, checkpoint_id=checkpoint_id, metrics=_json(metrics)))
-                return RoundRecord(existing["id"], task_id, number, attempt, status, checkpoint_id, metrics,
-                                   existing["started_at"], existing["ended_at"])
-            rid = _inserted_id(conn.execute(
-                rounds.insert().values(
-                    task_id=task_id,
-                    number=number,
-                    attempt=attempt,
-                    status=status,
-                    checkpoint_id=checkpoint_id,
-                    metrics=_json(metrics),
-                    started_at=started_at,
-                    ended_at=ended_at,
+                conn.execute(
+                    update(rounds)
+                    .where(rounds.c.id == existing["id"])
+                    .values(status=status, checkpoint_id=checkpoint_id, metrics=_json(metrics))
                 )
-            ))
+                return RoundRecord(
+                    existing["id"],
+                    task_id,
+                    number,
+                    attempt,
+                    status,
+                    checkpoint_id,
+                    metrics,
+                    existing["started_at"],
+                    existing["ended_at"],
+                )
+            rid = _inserted_id(
+                conn.execute(
+                    rounds.insert().values(
+                        task_id=task_id,
+                        number=number,
+                        attempt=attempt,
+                        status=status,
+                        checkpoint_id=checkpoint_id,
+                        metrics=_json(metrics),
+                        started_at=started_at,
+                        ended_at=ended_at,
+                    )
+                )
+            )
         return RoundRecord(rid, task_id, number, attempt, status, checkpoint_id, metrics, started_at, ended_at)
 
     def update_round_metrics(self, round_id: int, metrics: dict) -> None:
@@ -311,7 +352,9 @@ class ServerStore:
         """Make a round on record end later and say ``metrics``: the selection timeouts of an idle
         task are one record that grows, not a record each (see ``FLService._commit``)."""
         with self.engine.begin() as conn:
-            conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics), ended_at=ended_at))
+            conn.execute(
+                update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics), ended_at=ended_at)
+            )
             row = conn.execute(select(rounds).where(rounds.c.id == round_id)).mappings().one()
         return _round_record(row)
 

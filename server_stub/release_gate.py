@@ -82,7 +82,9 @@ def minor_key(version: str) -> str:
 
 
 def _malformed(what: str) -> ReleaseGateError:
-    return ReleaseGateError("RELEASE_REPORT_MALFORMED", f"the release report {what}; send the JSON `fedfleet plan test` wrote")
+    return ReleaseGateError(
+        "RELEASE_REPORT_MALFORMED", f"the release report {what}; send the JSON `fedfleet plan test` wrote"
+    )
 
 
 def canonical_json(value: Any) -> bytes:
@@ -129,11 +131,15 @@ def _b64(value: Any, length: int) -> bytes | None:
 def check_release_signature(report: Mapping[str, Any], trusted_keys: Collection[bytes]) -> bytes:
     """The signer's raw public key, once ``report["signature"]`` is an Ed25519 signature of
     :func:`signing_payload` by one of ``trusted_keys`` (raw 32-byte public keys)."""
-    how = ("sign it with `fedfleet plan test --signing-key KEY` (`fedfleet plan keygen --key KEY` makes a key) and "
-           "have the server's operator trust the key")
+    how = (
+        "sign it with `fedfleet plan test --signing-key KEY` (`fedfleet plan keygen --key KEY` makes a key) and "
+        "have the server's operator trust the key"
+    )
     if not trusted_keys:
-        how = ("this server trusts no signer of release reports: its operator names the testers' public keys with "
-               "`fedfleet server --release-trust FILE`")
+        how = (
+            "this server trusts no signer of release reports: its operator names the testers' public keys with "
+            "`fedfleet server --release-trust FILE`"
+        )
     signature = report.get("signature")
     if signature is None:
         raise ReleaseGateError("RELEASE_REPORT_UNSIGNED", f"the release report is not signed; {how}")
@@ -150,8 +156,12 @@ def check_release_signature(report: Mapping[str, Any], trusted_keys: Collection[
         raise ReleaseGateError(
             "RELEASE_REPORT_UNTRUSTED",
             f"the release report is signed by key {key}, which this server does not trust; "
-            + (how if not trusted_keys else "sign with a key the operator trusts, or ask the operator to add this key "
-               "to the server's --release-trust file"),
+            + (
+                how
+                if not trusted_keys
+                else "sign with a key the operator trusts, or ask the operator to add this key "
+                "to the server's --release-trust file"
+            ),
         )
     try:
         Ed25519PublicKey.from_public_bytes(public).verify(value, signing_payload(report))
@@ -172,7 +182,11 @@ def known_release(version: str, recorded: Collection[str] = RECORDED_RELEASES) -
         return False
     for release in recorded:
         known = _RELEASE.fullmatch(release)
-        if known is not None and known.groups()[:2] == match.groups()[:2] and int(known.group(3)) >= int(match.group(3)):
+        if (
+            known is not None
+            and known.groups()[:2] == match.groups()[:2]
+            and int(known.group(3)) >= int(match.group(3))
+        ):
             return True
     return False
 
@@ -214,7 +228,7 @@ def check_release_report(
         raise ReleaseGateError(
             "RELEASE_UNKNOWN",
             f"the release report claims onnxruntime {str(unknown[0])[:40]}, which is not a release this server knows "
-            "(device_runtime/ort_support.json, measured with `python -m emulator.ort_support`); claim released "
+            "(device_runtime/ort_support.json, measured with `python -m emulator.releases.support`); claim released "
             "versions such as " + ", ".join(sorted(known_releases, key=version_tuple)[-3:]),
             runtime=str(unknown[0])[:40],
         )
@@ -254,8 +268,9 @@ def check_release_report(
     return list(claimed)
 
 
-def _check_evaluation(report: Mapping[str, Any], claimed: list[str], trained_sha256: str,
-                      trained_runtimes: Sequence[str] | None) -> None:
+def _check_evaluation(
+    report: Mapping[str, Any], claimed: list[str], trained_sha256: str, trained_runtimes: Sequence[str] | None
+) -> None:
     evaluates = report.get("evaluates")
     if not isinstance(evaluates, Mapping) or report.get("kind") != "eval":
         raise ReleaseGateError(

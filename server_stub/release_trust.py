@@ -58,8 +58,10 @@ def parse_release_trust(text: str, where: str = "the release trust file") -> fro
             )
         keys.add(public)
     if not keys:
-        raise ReleaseTrustError(f"{where} names no key: every release report would be refused; add the line "
-                                "`fedfleet plan keygen` printed for each tester you trust")
+        raise ReleaseTrustError(
+            f"{where} names no key: every release report would be refused; add the line "
+            "`fedfleet plan keygen` printed for each tester you trust"
+        )
     return frozenset(keys)
 
 

@@ -48,7 +48,9 @@ class RoundConfig:
     min_fraction: Annotated[Float, Field(gt=0.0, le=1.0)] = 0.8
     selection_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 30.0
     report_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 60.0
-    retry_window_s: tuple[Annotated[Float, Field(ge=0.0, le=MAX_TIMEOUT_S)], Annotated[Float, Field(ge=0.0, le=MAX_TIMEOUT_S)]] = (5.0, 15.0)
+    retry_window_s: tuple[
+        Annotated[Float, Field(ge=0.0, le=MAX_TIMEOUT_S)], Annotated[Float, Field(ge=0.0, le=MAX_TIMEOUT_S)]
+    ] = (5.0, 15.0)
     max_rounds: Annotated[Int, Field(ge=1)] | None = None
     secagg_min_group_size: Annotated[Int, Field(ge=2, le=100_000)] = 5
     secagg_round_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 5.0

@@ -63,8 +63,9 @@ class TaskDeploy(_Schema):
         default_factory=dict, description="one plan per claimed onnxruntime release (e.g. '1.17.3'), base64"
     )
     release_report: dict[str, Any] | None = Field(
-        None, description="the release report `fedfleet plan test --signing-key` wrote and signed, covering every "
-        f"claimed release; at most {MAX_REPORT_BYTES} bytes as compact JSON (else 422 RELEASE_REPORT_TOO_LARGE)"
+        None,
+        description="the release report `fedfleet plan test --signing-key` wrote and signed, covering every "
+        f"claimed release; at most {MAX_REPORT_BYTES} bytes as compact JSON (else 422 RELEASE_REPORT_TOO_LARGE)",
     )
 
 
@@ -75,7 +76,20 @@ class GroupDeploy(_Schema):
     tasks: Annotated[list[TaskDeploy], Field(min_length=1, max_length=16)]
 
 
-__all__ = ["NAME_PATTERN", "NAME_RULE", "VERSION_PATTERN", "Abort", "Checkin", "CreatePopulation", "EligibilityVerdict",
-           "ErrorBody", "ErrorDetail", "GroupDeploy", "Name", "REQUEST_SCHEMAS", "TaskDeploy"]
+__all__ = [
+    "NAME_PATTERN",
+    "NAME_RULE",
+    "VERSION_PATTERN",
+    "Abort",
+    "Checkin",
+    "CreatePopulation",
+    "EligibilityVerdict",
+    "ErrorBody",
+    "ErrorDetail",
+    "GroupDeploy",
+    "Name",
+    "REQUEST_SCHEMAS",
+    "TaskDeploy",
+]
 
 REQUEST_SCHEMAS: tuple[type[BaseModel], ...] = (CreatePopulation, TaskDeploy, GroupDeploy, Checkin, Abort, ErrorBody)

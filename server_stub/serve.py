@@ -49,7 +49,9 @@ class ServerThread:
         timeouts and caps of ``fedfleet server`` (``http_guards``), its defaults unless given."""
         self.db_path = Path(db_path)
         self.store = ServerStore(db_path, busy_timeout_s=busy_timeout_s)
-        self.service = FLService(self.store, clock=clock, wall_clock=wall_clock, verifier=verifier, release_trust=release_trust)
+        self.service = FLService(
+            self.store, clock=clock, wall_clock=wall_clock, verifier=verifier, release_trust=release_trust
+        )
         self.host = host
         self.port = port or free_port(host)
         if admin_key is None:
@@ -57,8 +59,15 @@ class ServerThread:
         else:
             keys = AdminKeys([admin_key])
         self.admin_key = admin_key
-        self._server = GuardedServer(create_app(self.service, admin_keys=keys), http_limits, host=host, port=self.port,
-                                     log_level=log_level, access_log=False, lifespan="on")
+        self._server = GuardedServer(
+            create_app(self.service, admin_keys=keys),
+            http_limits,
+            host=host,
+            port=self.port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+        )
         self._thread = threading.Thread(target=self._server.run, name="fl-server", daemon=True)
 
     @property

@@ -176,7 +176,9 @@ class _TaskRun:
     device_metrics: RoundMetrics = field(default_factory=RoundMetrics)
     bounded: dict[str, int] = field(default_factory=lambda: {"capped": 0, "clipped": 0})
     closed: list[_ClosedRound] = field(default_factory=list)
-    seats: dict[tuple[int, int, int], dict[bytes, str]] = field(default_factory=dict)  # open round: attested device -> session
+    seats: dict[tuple[int, int, int], dict[bytes, str]] = field(
+        default_factory=dict
+    )  # open round: attested device -> session
     idle_record: RoundRecord | None = None  # the task's last record, while it is a selection nobody came to
 
     @property
@@ -355,16 +357,25 @@ class FLService:
                         code="BAD_CONFIG",
                     )
                 trained = checked[spec.evaluates][0]
-            checkpoint = spec.checkpoint if spec.checkpoint is not None else (
-                checked[spec.evaluates][1] if spec.evaluates is not None else None
+            checkpoint = (
+                spec.checkpoint
+                if spec.checkpoint is not None
+                else (checked[spec.evaluates][1] if spec.evaluates is not None else None)
             )
             if checkpoint is None:
                 raise BadRequest(f"task {spec.name!r} needs an initial checkpoint", code="MISSING_FIELD")
             checked[spec.name] = (_validate_task(spec, checkpoint, trained), checkpoint)
         by_name = {s.name: s for s in specs}
-        releases = {s.name: _check_release(s, checked[s.name][0], self.require_release_reports,
-                                           by_name[s.evaluates] if s.evaluates is not None else None,
-                                           trusted=self.release_trust) for s in specs}
+        releases = {
+            s.name: _check_release(
+                s,
+                checked[s.name][0],
+                self.require_release_reports,
+                by_name[s.evaluates] if s.evaluates is not None else None,
+                trusted=self.release_trust,
+            )
+            for s in specs
+        }
         stored = [
             NewTask(
                 s.name,
@@ -373,8 +384,12 @@ class FLService:
                 {
                     "round": s.config.to_dict(),
                     "eligibility": s.eligibility.to_dict(),
-                    "group": {"strategy": strategy.value, "weight": s.weight, "evaluates": s.evaluates,
-                              "first": specs[0].name},
+                    "group": {
+                        "strategy": strategy.value,
+                        "weight": s.weight,
+                        "evaluates": s.evaluates,
+                        "first": specs[0].name,
+                    },
                     **self._store_release(s, releases[s.name]),
                 },
             )
@@ -383,7 +398,9 @@ class FLService:
         try:
             records = self.store.add_tasks(population, stored)
         except IntegrityError:
-            raise Conflict(f"population {population!r} already has a task with one of the names {names}", code="TASK_EXISTS") from None
+            raise Conflict(
+                f"population {population!r} already has a task with one of the names {names}", code="TASK_EXISTS"
+            ) from None
         self._activate(population)
         return records
 
@@ -394,8 +411,10 @@ class FLService:
         report = json.dumps(spec.release_report, sort_keys=True, separators=(",", ":")).encode()
         return {
             "versions": {key: self.store.put_resource(data, "plan") for key, (_, data) in versions.items()},
-            "release": {"report_id": self.store.put_resource(report, "release_report"),
-                        "claimed": sorted(release for release, _ in versions.values())},
+            "release": {
+                "report_id": self.store.put_resource(report, "release_report"),
+                "claimed": sorted(release for release, _ in versions.values()),
+            },
         }
 
     # ----------------------------------------------------------------- device protocol
@@ -426,13 +445,19 @@ class FLService:
         try:
             device_version = version_tuple(runtime_version)
         except ValueError:
-            raise BadRequest(f"runtime_version {runtime_version!r} is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION") from None
+            raise BadRequest(
+                f"runtime_version {runtime_version!r} is not a version like '1.31.1'", code="BAD_RUNTIME_VERSION"
+            ) from None
         device: bytes | None = None
         if self.verifier is not None:
             if attestation is None:
-                raise Unauthorized("this server only admits attested devices; send an attestation", code="ATTESTATION_REQUIRED")
+                raise Unauthorized(
+                    "this server only admits attested devices; send an attestation", code="ATTESTATION_REQUIRED"
+                )
             try:
-                device = self.verifier.verify(attestation, population, runtime_version, self.wall_clock()).device_key_hash
+                device = self.verifier.verify(
+                    attestation, population, runtime_version, self.wall_clock()
+                ).device_key_hash
             except RateLimited as exc:
                 raise TooManyRequests(exc.message, code=exc.code, retry_after_s=exc.retry_after_s) from None
             except AttestationError as exc:
@@ -454,7 +479,10 @@ class FLService:
                         last = pop.runs[0]
                         if _small(pop, last, now):
                             return _rejected(_told(pop, last, now, pop.rendezvous.aimed_at or now), "ROUND_FULL")
-                        return _rejected(last.pace.retry_window(now, now, _paced(pop, last, now), last.config.report_timeout_s), "ROUND_FULL")
+                        return _rejected(
+                            last.pace.retry_window(now, now, _paced(pop, last, now), last.config.report_timeout_s),
+                            "ROUND_FULL",
+                        )
                     return _rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
                 meta = run.plan.metadata
                 plan_id = run.record.plan_id
@@ -506,8 +534,14 @@ class FLService:
                     # H(seed) of the round's Secure Aggregation groups, shown before selection ends
                     **({"secagg_commitment": run.secure.commitment_b64} if run.secure is not None else {}),
                     # under Secure Aggregation the device bounds its own update: it must know the bounds
-                    **({"max_examples_per_report": run.config.max_examples_per_report,
-                        "clip_update_norm": run.config.clip_update_norm} if run.codec is not None else {}),
+                    **(
+                        {
+                            "max_examples_per_report": run.config.max_examples_per_report,
+                            "clip_update_norm": run.config.clip_update_norm,
+                        }
+                        if run.codec is not None
+                        else {}
+                    ),
                 }
         finally:
             self._flush()
@@ -524,7 +558,9 @@ class FLService:
         session = self._authorize(session_id, token)
         with self._lock:
             run = session.run
-            group = run.secure.by_session.get(session_id) if run.secure is not None and session.core is run.core else None
+            group = (
+                run.secure.by_session.get(session_id) if run.secure is not None and session.core is run.core else None
+            )
             if group is None:
                 return SECAGG_SLACK_BYTES
             config = group.server.config
@@ -539,7 +575,10 @@ class FLService:
         session = self._authorize(session_id, token)
         run = session.run
         if run.codec is not None:
-            raise Conflict("this task aggregates with Secure Aggregation; use the session's secagg endpoint", code="SECURE_AGGREGATION_REQUIRED")
+            raise Conflict(
+                "this task aggregates with Secure Aggregation; use the session's secagg endpoint",
+                code="SECURE_AGGREGATION_REQUIRED",
+            )
         try:
             update = decode_checkpoint(body, max_bytes=run.report_limit)
         except CheckpointError as exc:
@@ -551,11 +590,14 @@ class FLService:
         try:
             check_metric_sums(update)
         except MetricsOutOfRange as exc:
-            raise InvalidUpdate(f"the report's metrics are out of range: {exc}; the update was not taken",
-                                code="INVALID_METRICS") from None
+            raise InvalidUpdate(
+                f"the report's metrics are out of range: {exc}; the update was not taken", code="INVALID_METRICS"
+            ) from None
         bounded = bound_update(
-            update, run.plan.weight_names if run.is_training else (),
-            max_examples=run.config.max_examples_per_report, clip_norm=run.config.clip_update_norm,
+            update,
+            run.plan.weight_names if run.is_training else (),
+            max_examples=run.config.max_examples_per_report,
+            clip_norm=run.config.clip_update_norm,
         )
         summed, metrics_capped = cap_metric_weight(bounded.update, run.config.max_examples_per_report)
         observed = device_metrics(summed, run.plan.weight_names if run.is_training else ())
@@ -585,8 +627,12 @@ class FLService:
                 session.core.confirm_report(session_id, now)
                 pop = self._populations[run.record.population]
                 self._advance(pop, now)
-                answer = {"status": "accepted", "round": session.core.number, "round_status": "open",
-                          **_participant_window(pop, run, now)}
+                answer = {
+                    "status": "accepted",
+                    "round": session.core.number,
+                    "round_status": "open",
+                    **_participant_window(pop, run, now),
+                }
                 closing = next((p for p in self._pending if p.core is session.core), None)  # this report closed it
         finally:
             self._flush()
@@ -639,8 +685,10 @@ class FLService:
             with self._lock:
                 session = self._by_token.get(_hash_token(token)) if token else None
             if session is None or session.revoked:
-                raise Unauthorized("send the token of an open session (or an admin key) as 'Authorization: Bearer <token>'",
-                                   code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN")
+                raise Unauthorized(
+                    "send the token of an open session (or an admin key) as 'Authorization: Bearer <token>'",
+                    code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN",
+                )
             if rid not in session.resources:
                 raise NotFound(f"no resource with id {rid!r} for this session", code="UNKNOWN_RESOURCE")
         data = self._recent.get(rid)
@@ -661,8 +709,11 @@ class FLService:
         records = self.store.tasks(population)
         if task is not None and all(r.name != task for r in records):
             raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
-        per_task = [[{**r.to_json(), "task": record.name} for r in self.store.rounds(record.id)]
-                    for record in records if task is None or record.name == task]
+        per_task = [
+            [{**r.to_json(), "task": record.name} for r in self.store.rounds(record.id)]
+            for record in records
+            if task is None or record.name == task
+        ]
         # oldest first across tasks (each task's own order kept): an operator reads a history
         return list(heapq.merge(*per_task, key=lambda item: item["started_at"]))
 
@@ -755,7 +806,9 @@ class FLService:
             session = self._sessions.get(session_id)
         known = session.token_hash if session is not None else _NO_SESSION
         if not hmac.compare_digest(_hash_token(token or ""), known) or session is None or not token:
-            raise Unauthorized("no session has this id and token; the device must check in again", code="BAD_SESSION_TOKEN")
+            raise Unauthorized(
+                "no session has this id and token; the device must check in again", code="BAD_SESSION_TOKEN"
+            )
         if session.revoked and not revoked_ok:
             raise SessionClosed("the device aborted this session; it must check in again")
         return session
@@ -854,10 +907,15 @@ class FLService:
         run.core = RoundCore(run.round_number, run.config, now, deadlines_from_selection_end=run.codec is not None)
         if run.codec is not None:
             cfg = run.config
-            settings = SecureSettings(cfg.secagg_min_group_size, cfg.secagg_round_timeout_s,
-                                      consistency_check=cfg.secagg_consistency_check)
-            run.secure = SecureRound(run.codec, settings, f"{run.record.name}/{run.round_number}/{run.attempt}",
-                                     random_bytes=self.secagg_random_bytes)
+            settings = SecureSettings(
+                cfg.secagg_min_group_size, cfg.secagg_round_timeout_s, consistency_check=cfg.secagg_consistency_check
+            )
+            run.secure = SecureRound(
+                run.codec,
+                settings,
+                f"{run.record.name}/{run.round_number}/{run.attempt}",
+                random_bytes=self.secagg_random_bytes,
+            )
         run.accumulator = run.executor.zero()
         run.device_metrics = RoundMetrics()
         run.bounded = {"capped": 0, "clipped": 0}
@@ -893,8 +951,11 @@ class FLService:
             self._start_next(pop, now)
         else:
             pop.opens_at, pop.deferrals = opens_at, pop.deferrals + 1
-            log.info("population %s: the next selection opens in %.0f s, once its devices have gathered",
-                     pop.name, opens_at - now)
+            log.info(
+                "population %s: the next selection opens in %.0f s, once its devices have gathered",
+                pop.name,
+                opens_at - now,
+            )
 
     def _advance(self, pop: _Population, now: float) -> None:
         if pop.current is None and not pop.committing and pop.opens_at is not None and now >= pop.opens_at:
@@ -931,8 +992,13 @@ class FLService:
             selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
             devices = {sid: device for device, sid in run.seats.get(run.seat_key, {}).items()}  # attested key hashes
             if not secure.form_groups(selected, now, core.deadlines, devices):
-                log.info("task %s round %d: %d devices, fewer than a SecAgg group of %d", run.record.name,
-                         core.number, len(selected), secure.settings.min_group_size)
+                log.info(
+                    "task %s round %d: %d devices, fewer than a SecAgg group of %d",
+                    run.record.name,
+                    core.number,
+                    len(selected),
+                    secure.settings.min_group_size,
+                )
                 for sid in selected:
                     core.abort(sid, now)
         for group in secure.tick(now):
@@ -940,21 +1006,34 @@ class FLService:
             if group.server.round is Round.COMPLETED:
                 total, summed = secure.group_sum(group)
                 refused = check_group_sum(
-                    total, run.plan.weight_names if run.is_training else (), members=len(summed),
-                    max_examples=run.config.max_examples_per_report, clip_norm=run.config.clip_update_norm,
+                    total,
+                    run.plan.weight_names if run.is_training else (),
+                    members=len(summed),
+                    max_examples=run.config.max_examples_per_report,
+                    clip_norm=run.config.clip_update_norm,
                     tolerance=secure.codec.sum_error(len(summed)),
                 )
                 if refused is not None:
-                    log.warning("task %s round %d: the sum of SecAgg group %d is dropped: %s", run.record.name,
-                                core.number, group.index, refused)
+                    log.warning(
+                        "task %s round %d: the sum of SecAgg group %d is dropped: %s",
+                        run.record.name,
+                        core.number,
+                        group.index,
+                        refused,
+                    )
                     secure.drop(group, refused)
                     summed = []
                 elif core.confirm_group(summed, now):
                     assert run.accumulator is not None
                     run.accumulator = run.executor.accumulate(run.accumulator, total)
             else:
-                log.info("task %s round %d: SecAgg group %d aborted: %s", run.record.name, core.number,
-                         group.index, group.server.abort_reason)
+                log.info(
+                    "task %s round %d: SecAgg group %d aborted: %s",
+                    run.record.name,
+                    core.number,
+                    group.index,
+                    group.server.abort_reason,
+                )
             for sid in set(group.members) - set(summed):
                 core.abort(sid, now)
 
@@ -979,7 +1058,11 @@ class FLService:
                     if closed.core is session.core and closed.secure is not None:
                         state = closed.secure.status(session_id)
                         # a group still running when its round closed will never finish
-                        return _with_window(state, pop, run, now) if state["status"] in ("completed", "aborted") else {"status": "closed"}
+                        return (
+                            _with_window(state, pop, run, now)
+                            if state["status"] in ("completed", "aborted")
+                            else {"status": "closed"}
+                        )
                 return {"status": "closed"}
         finally:
             self._flush()
@@ -1000,9 +1083,13 @@ class FLService:
                     if run.secure.version != before:
                         self._secagg_changed()
                 except (OutOfOrder, UnexpectedClient) as exc:
-                    raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
+                    raise Conflict(
+                        f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED"
+                    ) from None
                 except SecAggError as exc:
-                    raise BadRequest(f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED") from None
+                    raise BadRequest(
+                        f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED"
+                    ) from None
                 self._advance(self._populations[run.record.population], now)
                 return {"status": "accepted"}
         finally:
@@ -1017,8 +1104,13 @@ class FLService:
             metrics["secagg"] = run.secure.stats()
         metrics["device_metrics"] = run.device_metrics.to_json()
         metrics["bounded_reports"] = dict(run.bounded)
-        run.pace.observe(now - core.started_at, now - (core.selection_ended_at if core.selection_ended_at is not None else core.started_at))
-        pending = _PendingCommit(pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock())
+        run.pace.observe(
+            now - core.started_at,
+            now - (core.selection_ended_at if core.selection_ended_at is not None else core.started_at),
+        )
+        pending = _PendingCommit(
+            pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock()
+        )
         self._pending.append(pending)
         if not hasattr(self._closed_here, "commits"):
             self._closed_here.commits = []
@@ -1075,8 +1167,10 @@ class FLService:
         if phase is Phase.COMMITTED and p.core.reported < run.config.min_reports:
             # Refused at deploy; a task an older server stored may still have such a config.
             phase = Phase.ABANDONED
-            metrics["error"] = (f"{p.core.reported} report(s), fewer than min_reports ({run.config.min_reports}): "
-                                "the round publishes nothing")
+            metrics["error"] = (
+                f"{p.core.reported} report(s), fewer than min_reports ({run.config.min_reports}): "
+                "the round publishes nothing"
+            )
         if phase is Phase.COMMITTED:
             try:
                 assert p.accumulator is not None
@@ -1085,7 +1179,9 @@ class FLService:
                 new_state = {k: np.asarray(v, dtype=np.float32) for k, v in new_state.items()}
                 _check_finite(new_state)
             except Exception as exc:  # a plan whose server part fails must not wedge the task
-                log.exception("task %s: the plan's server part failed; round %d is abandoned", run.record.name, p.core.number)
+                log.exception(
+                    "task %s: the plan's server part failed; round %d is abandoned", run.record.name, p.core.number
+                )
                 phase = Phase.ABANDONED
                 metrics["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 new_state = None
@@ -1098,8 +1194,9 @@ class FLService:
                     metrics["evaluated_checkpoint_id"] = run.broadcast_id
 
         def write(status: str, *resources: bytes | None) -> RoundRecord:
-            return self.store.record_round(run.record.id, p.core.number, attempt, status, metrics,
-                                           p.started_wall, p.ended_wall, *resources)
+            return self.store.record_round(
+                run.record.id, p.core.number, attempt, status, metrics, p.started_wall, p.ended_wall, *resources
+            )
 
         # A selection nobody came to, after another: the record of the first grows (its end, its
         # count of timeouts) instead of a new one per timeout, and no attempt is used up, so an idle
@@ -1108,15 +1205,23 @@ class FLService:
         extended = None
         if idle and run.idle_record is not None:
             first = run.idle_record
-            grown = {**first.metrics, "idle_timeouts": int(first.metrics.get("idle_timeouts", 1)) + 1,
-                     "duration_s": round(float(first.metrics.get("duration_s", 0.0)) + float(metrics["duration_s"]), 4)}
+            grown = {
+                **first.metrics,
+                "idle_timeouts": int(first.metrics.get("idle_timeouts", 1)) + 1,
+                "duration_s": round(float(first.metrics.get("duration_s", 0.0)) + float(metrics["duration_s"]), 4),
+            }
             extended = self._write_quietly(self.store.extend_round, first.id, grown, p.ended_wall)
         record: RoundRecord | None = extended
         try:
             if extended is None:
                 record = write(phase.value, checkpoint, broadcast)
         except (SQLAlchemyError, OSError) as exc:
-            log.error("task %s round %d: the database write failed (%s); the round is abandoned", run.record.name, p.core.number, exc)
+            log.error(
+                "task %s round %d: the database write failed (%s); the round is abandoned",
+                run.record.name,
+                p.core.number,
+                exc,
+            )
             was_commit = phase is Phase.COMMITTED
             phase = Phase.ABANDONED
             metrics["error"] = f"database write failed: {type(exc).__name__}"
@@ -1127,12 +1232,30 @@ class FLService:
                 metrics.pop("error")
             elif record is None:
                 with self._lock:
-                    self._unwritten.append(_UnwrittenRound(run, p.core, attempt, phase.value, metrics, p.started_wall,
-                                                           p.ended_wall, next_try_at=self.clock() + WRITE_RETRY_FIRST_S))
-                log.error("task %s round %d attempt %d: its record is kept in memory and written again until on record",
-                          run.record.name, p.core.number, attempt)
+                    self._unwritten.append(
+                        _UnwrittenRound(
+                            run,
+                            p.core,
+                            attempt,
+                            phase.value,
+                            metrics,
+                            p.started_wall,
+                            p.ended_wall,
+                            next_try_at=self.clock() + WRITE_RETRY_FIRST_S,
+                        )
+                    )
+                log.error(
+                    "task %s round %d attempt %d: its record is kept in memory and written again until on record",
+                    run.record.name,
+                    p.core.number,
+                    attempt,
+                )
         record_id = record.id if record is not None else None
-        completes = phase is Phase.COMMITTED and run.config.max_rounds is not None and run.committed_rounds + 1 >= run.config.max_rounds
+        completes = (
+            phase is Phase.COMMITTED
+            and run.config.max_rounds is not None
+            and run.committed_rounds + 1 >= run.config.max_rounds
+        )
         finished = [run] + [r for r in p.population.runs if r.evaluates is run] if completes else []
         for done in finished:
             self._write_quietly(self.store.set_task_status, done.record.id, "completed")
@@ -1156,11 +1279,22 @@ class FLService:
                 run.attempt = 1
                 log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))
             elif extended is not None:
-                log.info("task %s round %d attempt %d: nobody came again (%d selection timeouts in a row)",
-                         run.record.name, p.core.number, extended.attempt, extended.metrics["idle_timeouts"])
+                log.info(
+                    "task %s round %d attempt %d: nobody came again (%d selection timeouts in a row)",
+                    run.record.name,
+                    p.core.number,
+                    extended.attempt,
+                    extended.metrics["idle_timeouts"],
+                )
             else:
                 run.attempt += 1
-                log.info("task %s abandoned round %d (attempt %d): %s", run.record.name, p.core.number, run.attempt - 1, _brief(metrics))
+                log.info(
+                    "task %s abandoned round %d (attempt %d): %s",
+                    run.record.name,
+                    p.core.number,
+                    run.attempt - 1,
+                    _brief(metrics),
+                )
             run.idle_record = (extended or record) if idle else None
             pop = p.population
             pop.runs = [r for r in pop.runs if r not in finished]
@@ -1187,8 +1321,16 @@ class FLService:
                 metrics = dict(u.metrics)
             # Overwriting: the outcome in memory is what devices were told and the next round
             # started from, even if a commit write that "failed" had gone through after all.
-            record = self._write_quietly(functools.partial(self.store.record_round, overwrite=True), u.run.record.id,
-                                         u.core.number, u.attempt, u.status, metrics, u.started_wall, u.ended_wall)
+            record = self._write_quietly(
+                functools.partial(self.store.record_round, overwrite=True),
+                u.run.record.id,
+                u.core.number,
+                u.attempt,
+                u.status,
+                metrics,
+                u.started_wall,
+                u.ended_wall,
+            )
             with self._lock:
                 if record is None:
                     u.tries += 1
@@ -1200,8 +1342,13 @@ class FLService:
                         closed.record_id = record.id
                 if u.core.late_reports:
                     self._note_late(u.run, u.core)  # late reports that came after the copy above
-            log.info("task %s round %d attempt %d is on record after %d tries", u.run.record.name, u.core.number,
-                     u.attempt, u.tries + 1)
+            log.info(
+                "task %s round %d attempt %d is on record after %d tries",
+                u.run.record.name,
+                u.core.number,
+                u.attempt,
+                u.tries + 1,
+            )
 
     def _write_quietly(self, write: Callable[..., _T], *args: object) -> _T | None:
         """A database write whose failure is logged, not raised (its caller has a fallback)."""
@@ -1296,8 +1443,14 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
     return plan
 
 
-def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec | None = None, *,
-                   trusted: frozenset[bytes] = frozenset()) -> dict[str, tuple[str, bytes]]:
+def _check_release(
+    spec: TaskSpec,
+    plan: Plan,
+    required: bool,
+    trained: TaskSpec | None = None,
+    *,
+    trusted: frozenset[bytes] = frozenset(),
+) -> dict[str, tuple[str, bytes]]:
     """The versioned plans by minor release, once the release report lets the task through (an
     evaluation's report also has to match ``trained``, the training task it measures). Its
     signature is checked against ``trusted`` unless the server neither requires reports nor
@@ -1306,16 +1459,20 @@ def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec
         if spec.versioned_plans or required:
             raise ApiError(
                 f"task {spec.name!r}: this server deploys only tasks whose release report covers every runtime they "
-                "claim; run `fedfleet plan test` and deploy with `fedfleet deploy`" if required else
-                f"task {spec.name!r}: versioned plans come with the release report that tested them",
-                code="RELEASE_REPORT_REQUIRED", status=422,
+                "claim; run `fedfleet plan test` and deploy with `fedfleet deploy`"
+                if required
+                else f"task {spec.name!r}: versioned plans come with the release report that tested them",
+                code="RELEASE_REPORT_REQUIRED",
+                status=422,
             )
         return {}
     hashes = {release: _resource_id(data) for release, data in spec.versioned_plans.items()}
     try:
         trained_claimed = (trained.release_report or {}).get("claimed") if trained is not None else None
         claimed = check_release_report(
-            spec.release_report, _resource_id(spec.plan), hashes,
+            spec.release_report,
+            _resource_id(spec.plan),
+            hashes,
             trusted_keys=trusted if trusted or required else None,
             evaluates_plan_sha256=_resource_id(trained.plan) if trained is not None else None,
             evaluates_runtimes=trained_claimed if isinstance(trained_claimed, list) else None,
@@ -1327,7 +1484,11 @@ def _check_release(spec: TaskSpec, plan: Plan, required: bool, trained: TaskSpec
     for release in claimed:
         try:
             vplan = load_plan(spec.versioned_plans[release], runtime_version=release)
-            same = (vplan.kind, vplan.weight_names, vplan.metric_names) == (plan.kind, plan.weight_names, plan.metric_names)
+            same = (vplan.kind, vplan.weight_names, vplan.metric_names) == (
+                plan.kind,
+                plan.weight_names,
+                plan.metric_names,
+            )
             if not same or PlanExecutor(vplan).weight_spec() != executor.weight_spec():
                 raise PlanError("its model, weights or metrics differ from the unversioned plan's")
         except PlanError as exc:
@@ -1414,18 +1575,23 @@ def _rejected(window: tuple[float, float], reason: str) -> dict:
 
 def _check_name(name: str, what: str) -> None:
     """A name is safe in a URL path: a name of only dots would be the segment '.' or '..'."""
-    if not isinstance(name, str) or not (1 <= len(name) <= 128) or not set(name) <= NAME_ALPHABET or not name.strip("."):
+    if (
+        not isinstance(name, str)
+        or not (1 <= len(name) <= 128)
+        or not set(name) <= NAME_ALPHABET
+        or not name.strip(".")
+    ):
         raise BadRequest(f"{what} name {str(name)[:130]!r} refused: {NAME_RULE}", code="BAD_NAME")
 
 
 def _check_weights(executor: PlanExecutor, weights: dict[str, np.ndarray]) -> None:
-    expected = {name: spec for name, spec in executor.client_update_spec().items() if name in executor.plan.weight_names}
+    expected = {
+        name: spec for name, spec in executor.client_update_spec().items() if name in executor.plan.weight_names
+    }
     if not expected:
         expected = executor.weight_spec()
     if set(weights) != set(expected):
-        raise InvalidCheckpoint(
-            f"the checkpoint holds {sorted(weights)} but the plan's weights are {sorted(expected)}"
-        )
+        raise InvalidCheckpoint(f"the checkpoint holds {sorted(weights)} but the plan's weights are {sorted(expected)}")
     for name, (shape, dtype) in expected.items():
         if tuple(weights[name].shape) != tuple(shape) or weights[name].dtype != np.dtype(dtype):
             raise InvalidCheckpoint(

@@ -23,8 +23,10 @@ def write_trust_anchor(path: str | os.PathLike[str], anchor: Mapping[bytes, byte
     """Write ``{key_id: public_key}`` (as ``AttestationAuthority.trust_anchor()`` gives it)."""
     body = {
         "format": TRUST_FORMAT,
-        "authorities": [{"key_id": base64.b64encode(k).decode(), "public_key": base64.b64encode(v).decode()}
-                        for k, v in anchor.items()],
+        "authorities": [
+            {"key_id": base64.b64encode(k).decode(), "public_key": base64.b64encode(v).decode()}
+            for k, v in anchor.items()
+        ],
     }
     Path(path).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
 
@@ -37,9 +39,14 @@ def read_trust_anchor(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise TrustAnchorError(f"cannot read the trust anchor {where!r}: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != TRUST_FORMAT or not isinstance(data.get("authorities"), list):
-        raise TrustAnchorError(f"{where!r} is not a trust anchor file (format {TRUST_FORMAT!r}); "
-                               "write one with `fedfleet authority`")
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != TRUST_FORMAT
+        or not isinstance(data.get("authorities"), list)
+    ):
+        raise TrustAnchorError(
+            f"{where!r} is not a trust anchor file (format {TRUST_FORMAT!r}); write one with `fedfleet authority`"
+        )
     anchor: dict[bytes, bytes] = {}
     for item in data["authorities"]:
         try:

@@ -12,7 +12,9 @@ COLLECTION = "app:/digits"
 
 
 def digits_plan(kind: str = "softmax", **kwargs):
-    args = dict(learning_rate=0.2, batch_size=8, epochs=2, selector=ExampleSelector(COLLECTION), inputs={"x": "x", "y": "y"})
+    args = dict(
+        learning_rate=0.2, batch_size=8, epochs=2, selector=ExampleSelector(COLLECTION), inputs={"x": "x", "y": "y"}
+    )
     args.update(kwargs)
     if kind == "softmax":
         return build_softmax_regression_plan(64, 10, **args)

@@ -31,7 +31,9 @@ def _wait_for_commits(admin: AdminClient, count: int, timeout: float) -> list[di
 def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digits):
     plan = digits_plan("mlp", epochs=3, learning_rate=0.3)
     weights0 = initial_weights(plan, seed=0)
-    config = RoundConfig(goal_count=8, report_timeout_s=3, selection_timeout_s=20, retry_window_s=(0.1, 0.5), max_rounds=12)
+    config = RoundConfig(
+        goal_count=8, report_timeout_s=3, selection_timeout_s=20, retry_window_s=(0.1, 0.5), max_rounds=12
+    )
     parts = partition_by_shards(digits.y_train, 24, seed=1)
     db = tmp_path / "server.db"
 
@@ -42,7 +44,9 @@ def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digit
     profile = DeviceProfile(dropout_prob=0.1, late_prob=0.1, late_delay_s=3.5, cooldown_s=(0.05, 0.3))
     devices = []
     for i, idx in enumerate(parts):
-        device = EmulatedDevice(f"d{i}", tmp_path / f"d{i}", server.url, "digits", profile=profile, collection_uri=COLLECTION, seed=i)
+        device = EmulatedDevice(
+            f"d{i}", tmp_path / f"d{i}", server.url, "digits", profile=profile, collection_uri=COLLECTION, seed=i
+        )
         device.add_examples(digits.x_train[idx], digits.y_train[idx])
         devices.append(device)
     fleet = Fleet(devices)

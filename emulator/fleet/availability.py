@@ -100,7 +100,10 @@ class Availability:
         i = self._segment(t)
         f = self.flags[i]
         return DeviceState(
-            idle=bool(f & IDLE), charging=bool(f & CHARGING), battery_level=self._level(i, t), unmetered_network=bool(f & UNMETERED)
+            idle=bool(f & IDLE),
+            charging=bool(f & CHARGING),
+            battery_level=self._level(i, t),
+            unmetered_network=bool(f & UNMETERED),
         )
 
     def next_change(self, t: float) -> float | None:
@@ -147,7 +150,9 @@ class Availability:
         return f"{type(self).__name__}({len(self.times)} segments)"
 
 
-def count_available(availabilities: Iterable[Availability], times: Sequence[float] | np.ndarray, *, mask: int = AVAILABLE) -> np.ndarray:
+def count_available(
+    availabilities: Iterable[Availability], times: Sequence[float] | np.ndarray, *, mask: int = AVAILABLE
+) -> np.ndarray:
     """How many devices are available at each of ``times``: one sort of all spans, then two
     binary searches per sample, so a day of 100,000 devices is counted in well under a second."""
     starts, ends = [], []
@@ -168,7 +173,9 @@ class BatteryRates:
 
     __slots__ = ("charge", "idle", "active", "floor")
 
-    def __init__(self, charge_per_hour: float, idle_drain_per_hour: float, active_drain_per_hour: float, floor: float) -> None:
+    def __init__(
+        self, charge_per_hour: float, idle_drain_per_hour: float, active_drain_per_hour: float, floor: float
+    ) -> None:
         self.charge = charge_per_hour / _HOUR
         self.idle = -idle_drain_per_hour / _HOUR
         self.active = -active_drain_per_hour / _HOUR
@@ -180,7 +187,9 @@ class BatteryRates:
         return self.idle if flags & IDLE else self.active
 
 
-def build_availability(segments: Sequence[tuple[float, int]], *, battery_start: float, battery_config: BatteryRates) -> Availability:
+def build_availability(
+    segments: Sequence[tuple[float, int]], *, battery_start: float, battery_config: BatteryRates
+) -> Availability:
     """A step function from ``(time, flags)`` changes (sorted, the first at or before 0), with the
     battery integrated over it and its low-threshold crossings added as change points."""
     rates = battery_config
@@ -288,7 +297,9 @@ def model_availability(
 
     segments = _sweep(events, local0, horizon_h)
     battery = config.battery
-    rates = BatteryRates(battery.charge_per_hour, battery.idle_drain_per_hour, battery.active_drain_per_hour, battery.floor)
+    rates = BatteryRates(
+        battery.charge_per_hour, battery.idle_drain_per_hour, battery.active_drain_per_hour, battery.floor
+    )
     return build_availability(segments, battery_start=battery_start, battery_config=rates)
 
 

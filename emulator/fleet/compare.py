@@ -41,7 +41,18 @@ from .tables import ROUNDS_CSV, FleetTableError, RoundRow
 COMPARE_HTML = "compare.html"
 
 #: One colour per run, kept across the page's figures (matplotlib's tab10 order).
-_RUN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_RUN_COLOURS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 
 
 class FleetCompareError(ValueError):
@@ -95,12 +106,17 @@ def load_runs(paths: list[str], labels: list[str] | None = None) -> list[RunFold
     if len(paths) < 2:
         raise FleetCompareError(f"compare needs two or more run folders; got {len(paths)}")
     if labels and len(labels) != len(paths):
-        raise FleetCompareError(f"{len(labels)} --label for {len(paths)} runs; give one --label per run, in order, or none")
+        raise FleetCompareError(
+            f"{len(labels)} --label for {len(paths)} runs; give one --label per run, in order, or none"
+        )
     runs = [load_run(p, labels[i] if labels else None) for i, p in enumerate(paths)]
     names = [r.label for r in runs]
     if not labels and len(set(names)) < len(names):  # run/ and ../b/run/: tell them apart by their parents
-        names = [os.path.relpath(r.path.resolve(), Path(os.path.commonpath([str(x.path.resolve()) for x in runs]))) or r.label
-                 for r in runs]
+        names = [
+            os.path.relpath(r.path.resolve(), Path(os.path.commonpath([str(x.path.resolve()) for x in runs])))
+            or r.label
+            for r in runs
+        ]
         runs = [RunFolder(n, r.path, r.summary, r.rounds) for n, r in zip(names, runs)]
     if len({r.label for r in runs}) < len(runs):
         raise FleetCompareError(f"two runs share a label ({[r.label for r in runs]}); give each its own --label")
@@ -127,8 +143,13 @@ def compare_quality(runs: list[RunFolder], metric: str) -> Figure:
             ax_r.plot([x for x, _ in by_round], [v for _, v in by_round], marker=".", color=_colour(i), label=run.label)
         reached = run.summary.get("time_to_target_accuracy_s") if metric == "accuracy" else None
         if isinstance(reached, (int, float)) and math.isfinite(reached):
-            ax_t.axvline(reached / 3600.0, color=_colour(i), linestyle="--", linewidth=1,
-                         label=f"{run.label}: target reached at {reached / 3600.0:.2f} h")
+            ax_t.axvline(
+                reached / 3600.0,
+                color=_colour(i),
+                linestyle="--",
+                linewidth=1,
+                label=f"{run.label}: target reached at {reached / 3600.0:.2f} h",
+            )
     if drawn:
         _legend(ax_t)
         _legend(ax_r)
@@ -143,7 +164,9 @@ def compare_quality(runs: list[RunFolder], metric: str) -> Figure:
     ax_r.set_ylabel(metric)
     _integer_ticks(ax_r.xaxis)
     ax_r.grid(True, alpha=0.3)
-    caption = f"Each run's committed models' {metric}, against simulated hours and against committed rounds, on shared axes."
+    caption = (
+        f"Each run's committed models' {metric}, against simulated hours and against committed rounds, on shared axes."
+    )
     if metric == "accuracy":
         caption += " A dashed line marks when a run's first model reached its target accuracy."
     return Figure(f"compare_{metric}.png", caption, _png(fig), fig)
@@ -154,8 +177,13 @@ def compare_rounds(runs: list[RunFolder]) -> Figure:
     fig, (ax,) = _new_figure(1)
     for i, run in enumerate(runs):
         ends = sorted(r.end_s / 3600.0 for r in run.rounds if r.committed)
-        ax.step([0.0, *ends, run.span_s / 3600.0], [0, *range(1, len(ends) + 1), len(ends)], where="post",
-                color=_colour(i), label=f"{run.label} ({len(ends)} of {len(run.rounds)})")
+        ax.step(
+            [0.0, *ends, run.span_s / 3600.0],
+            [0, *range(1, len(ends) + 1), len(ends)],
+            where="post",
+            color=_colour(i),
+            label=f"{run.label} ({len(ends)} of {len(run.rounds)})",
+        )
     _legend(ax)
     ax.set_title("Rounds committed over time")
     ax.set_ylabel("rounds committed")
@@ -172,9 +200,21 @@ def compare_bytes(runs: list[RunFolder]) -> Figure:
     longest = max(len(r.rounds) for r in runs)
     for i, run in enumerate(runs):
         x = list(range(1, len(run.rounds) + 1))
-        ax.plot(x, [r.bytes_down / 1e6 for r in run.rounds], drawstyle="steps-mid", color=_colour(i), label=f"{run.label} down")
-        ax.plot(x, [r.bytes_up / 1e6 for r in run.rounds], drawstyle="steps-mid", color=_colour(i), linestyle="--",
-                label=f"{run.label} up")
+        ax.plot(
+            x,
+            [r.bytes_down / 1e6 for r in run.rounds],
+            drawstyle="steps-mid",
+            color=_colour(i),
+            label=f"{run.label} down",
+        )
+        ax.plot(
+            x,
+            [r.bytes_up / 1e6 for r in run.rounds],
+            drawstyle="steps-mid",
+            color=_colour(i),
+            linestyle="--",
+            label=f"{run.label} up",
+        )
     if longest:
         ax.set_xlim(0.5, longest + 0.5)
         ax.set_ylim(bottom=0)
@@ -186,8 +226,12 @@ def compare_bytes(runs: list[RunFolder]) -> Figure:
     ax.set_ylabel("MB")
     _integer_ticks(ax.xaxis)
     ax.grid(True, alpha=0.3)
-    return Figure("compare_bytes.png", "Bytes each round's selected devices received (down, solid) and sent (up, dashed).",
-                  _png(fig), fig)
+    return Figure(
+        "compare_bytes.png",
+        "Bytes each round's selected devices received (down, solid) and sent (up, dashed).",
+        _png(fig),
+        fig,
+    )
 
 
 def compare_client_accuracy(runs: list[RunFolder]) -> Figure | None:
@@ -222,7 +266,12 @@ def compare_client_accuracy(runs: list[RunFolder]) -> Figure | None:
 
 
 def compare_figures(runs: list[RunFolder]) -> list[Figure]:
-    figures = [compare_quality(runs, "accuracy"), compare_quality(runs, "loss"), compare_rounds(runs), compare_bytes(runs)]
+    figures = [
+        compare_quality(runs, "accuracy"),
+        compare_quality(runs, "loss"),
+        compare_rounds(runs),
+        compare_bytes(runs),
+    ]
     extra = compare_client_accuracy(runs)
     return figures + ([extra] if extra is not None else [])
 
@@ -246,8 +295,9 @@ def render_compare(runs: list[RunFolder], figures: list[Figure]) -> str:
         f"<title>Fleet runs compared: {html.escape(', '.join(r.label for r in runs))}</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>Fleet runs compared</h1>",
-        "<ul>" + "".join(f"<li><b>{html.escape(r.label)}</b>: <code>{html.escape(str(r.path))}</code></li>"
-                         for r in runs) + "</ul>",
+        "<ul>"
+        + "".join(f"<li><b>{html.escape(r.label)}</b>: <code>{html.escape(str(r.path))}</code></li>" for r in runs)
+        + "</ul>",
         '<h2>Summary</h2><div class="table-wrap"><table id="compare-summary"><tr><th>figure</th>',
     ]
     out.extend(f'<th data-run="{html.escape(r.label)}">{html.escape(r.label)}</th>' for r in runs)

@@ -322,7 +322,8 @@ class DataSection(_Section):
     format: Literal["leaf", "tff-h5", "table", "npz", "digits"] | None = None
     path: str | None = Field(None, min_length=1, max_length=4096)
     options: dict[Annotated[str, Field(min_length=1, max_length=64)], str | int | float] = Field(
-        default_factory=dict, max_length=32)
+        default_factory=dict, max_length=32
+    )
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     label_alpha: float = Field(0.3, gt=0.0, le=1e4)
     examples_median: int = Field(40, ge=1, le=1_000_000)
@@ -416,9 +417,13 @@ class TaskSection(_Section):
 #: With a task file, these ``[task]`` keys override every task's RoundConfig when the fleet config
 #: sets them (or ``--goal``/``--sweep`` does); left at their defaults, the task's RoundConfig holds.
 ROUND_KEYS: dict[str, str] = {
-    "goal_count": "goal_count", "over_selection": "over_selection", "min_fraction": "min_fraction",
-    "selection_timeout_s": "selection_timeout_s", "report_timeout_s": "report_timeout_s",
-    "max_rounds": "max_rounds", "secagg_group_size": "secagg_min_group_size",
+    "goal_count": "goal_count",
+    "over_selection": "over_selection",
+    "min_fraction": "min_fraction",
+    "selection_timeout_s": "selection_timeout_s",
+    "report_timeout_s": "report_timeout_s",
+    "max_rounds": "max_rounds",
+    "secagg_group_size": "secagg_min_group_size",
     "secagg_round_timeout_s": "secagg_round_timeout_s",
 }
 #: ``retry_min_s``/``retry_max_s`` override the RoundConfig's ``retry_window_s`` (either one set: both).
@@ -497,8 +502,15 @@ class FleetConfig(_Section):
         return cls.from_dict(data, source=str(path))
 
     def replace(
-        self, *, devices: int | None = None, hours: float | None = None, seed: int | None = None, goal: int | None = None,
-        task_file: str | Path | None = None, target_accuracy: float | None = None, data: Any = None,
+        self,
+        *,
+        devices: int | None = None,
+        hours: float | None = None,
+        seed: int | None = None,
+        goal: int | None = None,
+        task_file: str | Path | None = None,
+        target_accuracy: float | None = None,
+        data: Any = None,
     ) -> FleetConfig:
         """The same fleet with the command line's overrides (``None`` keeps the value). Keys left at
         their defaults stay unset (``TaskSection.explicit``). ``data`` is a parsed data spec

@@ -101,7 +101,10 @@ class DigitsSampling:
         return {"x": self.dataset.x_test, "y": self.dataset.y_test}
 
     def test_clients(self) -> dict[str, Examples]:
-        return {f"t{i:03d}": self._draw(device_seed(self.config.fleet.seed, i, "testclient")) for i in range(DEFAULT_TEST_CLIENTS)}
+        return {
+            f"t{i:03d}": self._draw(device_seed(self.config.fleet.seed, i, "testclient"))
+            for i in range(DEFAULT_TEST_CLIENTS)
+        }
 
     def labels(self) -> np.ndarray:
         return np.concatenate([self.dataset.y_train, self.dataset.y_test])
@@ -113,7 +116,9 @@ class DigitsSampling:
         pools = [np.flatnonzero(data.y_test == label) for label in range(data.num_classes)]
         n = example_count(section, rng)
         counts = rng.multinomial(n, rng.dirichlet(np.full(len(pools), section.label_alpha)))
-        index = np.concatenate([rng.choice(pools[c], size=int(k), replace=True) for c, k in enumerate(counts) if k > 0 and len(pools[c])])
+        index = np.concatenate(
+            [rng.choice(pools[c], size=int(k), replace=True) for c, k in enumerate(counts) if k > 0 and len(pools[c])]
+        )
         return {"x": data.x_test[index], "y": data.y_test[index]}
 
 
@@ -171,7 +176,9 @@ def fleet_data(config: FleetConfig) -> DigitsSampling | ClientData:
     ``FederatedDataError`` with a one-line message when it cannot be read)."""
     if config.data.format is None:
         return DigitsSampling(config)
-    return ClientData(_federated(data_spec_text(config.data), config.fleet.seed), config.fleet.devices, config.fleet.seed)
+    return ClientData(
+        _federated(data_spec_text(config.data), config.fleet.seed), config.fleet.devices, config.fleet.seed
+    )
 
 
 @lru_cache(maxsize=2)

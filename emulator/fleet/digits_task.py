@@ -20,10 +20,16 @@ SELECTOR = ExampleSelector("app:/examples")
 
 def mlp(hp):
     return build_mlp_plan(
-        int(hp["features"]), tuple(int(h) for h in hp["hidden"]), int(hp["classes"]),
-        learning_rate=float(hp["lr"]), batch_size=int(hp["batch_size"]), epochs=int(hp["epochs"]),
-        selector=SELECTOR, inputs={"x": str(hp.get("x", "x")), "y": str(hp.get("y", "y"))},
-        shuffle_seed=int(hp["shuffle_seed"]), secure_aggregation=bool(hp["secure"]),
+        int(hp["features"]),
+        tuple(int(h) for h in hp["hidden"]),
+        int(hp["classes"]),
+        learning_rate=float(hp["lr"]),
+        batch_size=int(hp["batch_size"]),
+        epochs=int(hp["epochs"]),
+        selector=SELECTOR,
+        inputs={"x": str(hp.get("x", "x")), "y": str(hp.get("y", "y"))},
+        shuffle_seed=int(hp["shuffle_seed"]),
+        secure_aggregation=bool(hp["secure"]),
     )
 
 
@@ -36,8 +42,16 @@ task = Task(
     name="fleet_mlp",
     model=mlp,
     proxy=proxy,
-    hyperparameters={"features": 64, "classes": 10, "hidden": (32,), "lr": 0.3, "batch_size": 8, "epochs": 2,
-                     "shuffle_seed": 0, "secure": False},
+    hyperparameters={
+        "features": 64,
+        "classes": 10,
+        "hidden": (32,),
+        "lr": 0.3,
+        "batch_size": 8,
+        "epochs": 2,
+        "shuffle_seed": 0,
+        "secure": False,
+    },
     selector=SELECTOR,
     batch_size=8,
     epochs=2,

@@ -36,7 +36,9 @@ class Timer:
 
     __slots__ = ("at", "order", "key", "seq", "callback", "args", "cancelled")
 
-    def __init__(self, at: float, order: int, seq: int, callback: Callable[..., Any], args: tuple = (), key: int = 0) -> None:
+    def __init__(
+        self, at: float, order: int, seq: int, callback: Callable[..., Any], args: tuple = (), key: int = 0
+    ) -> None:
         self.at, self.order, self.key, self.seq = at, order, key, seq
         self.callback, self.args = callback, args
         self.cancelled = False
@@ -59,7 +61,9 @@ class EventLoop:
         self._seq = itertools.count()
         self.events_run = 0
 
-    def call_at(self, at: float, callback: Callable[..., Any], *args: Any, order: int = 0, key: int | None = None) -> Timer:
+    def call_at(
+        self, at: float, callback: Callable[..., Any], *args: Any, order: int = 0, key: int | None = None
+    ) -> Timer:
         if at < self.now:
             at = self.now  # a late timer runs now, never in the past
         seq = next(self._seq)
@@ -68,7 +72,9 @@ class EventLoop:
         heapq.heappush(self._heap, (timer.at, order, key, seq, timer))  # tuples compare in C
         return timer
 
-    def call_after(self, delay: float, callback: Callable[..., Any], *args: Any, order: int = 0, key: int | None = None) -> Timer:
+    def call_after(
+        self, delay: float, callback: Callable[..., Any], *args: Any, order: int = 0, key: int | None = None
+    ) -> Timer:
         return self.call_at(self.now + max(0.0, delay), callback, *args, order=order, key=key)
 
     def next_time(self) -> float | None:
@@ -181,7 +187,9 @@ class Fibers:
         self._fibers: dict[int, Fiber] = {}  # by id: a device released between job runs forgets its fiber
         self._keys = itertools.count(1)
 
-    def spawn(self, run: Callable[[], None], *, at: float, name: str = "fiber", order: int = 1, key: int | None = None) -> Fiber:
+    def spawn(
+        self, run: Callable[[], None], *, at: float, name: str = "fiber", order: int = 1, key: int | None = None
+    ) -> Fiber:
         """``key``: the fiber's tie-breaking key (see the module's docstring); by default fibers
         are keyed in the order they are spawned, from 1 (0 is the loop's own events')."""
         fiber = Fiber(self, run, name, next(self._keys) if key is None else key)

@@ -59,12 +59,43 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, serialize_plan
 
 #: Ops that move, reinterpret or describe data and compute nothing.
-DATA_MOVEMENT_OPS = frozenset({
-    "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Shape", "Size", "Constant",
-    "ConstantOfShape", "Cast", "CastLike", "Gather", "GatherElements", "GatherND", "Slice", "Concat", "Split",
-    "Expand", "Tile", "Pad", "SpaceToDepth", "DepthToSpace", "ScatterElements", "ScatterND", "Range",
-    "OneHot", "NonZero", "EyeLike", "Dropout", "SplitToSequence", "SequenceAt", "SequenceConstruct",
-})
+DATA_MOVEMENT_OPS = frozenset(
+    {
+        "Identity",
+        "Reshape",
+        "Flatten",
+        "Squeeze",
+        "Unsqueeze",
+        "Transpose",
+        "Shape",
+        "Size",
+        "Constant",
+        "ConstantOfShape",
+        "Cast",
+        "CastLike",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "Slice",
+        "Concat",
+        "Split",
+        "Expand",
+        "Tile",
+        "Pad",
+        "SpaceToDepth",
+        "DepthToSpace",
+        "ScatterElements",
+        "ScatterND",
+        "Range",
+        "OneHot",
+        "NonZero",
+        "EyeLike",
+        "Dropout",
+        "SplitToSequence",
+        "SequenceAt",
+        "SequenceConstruct",
+    }
+)
 #: Recurrent ops and their number of gates.
 RECURRENT_GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 #: Ops counted by their multiply-adds.
@@ -199,16 +230,22 @@ def _run_shapes(work: bytes, examples: set[str], batch: int, known: Mapping[str,
     model = onnx.ModelProto.FromString(work)
     graph = model.graph
     declared = {v.name for v in (*graph.input, *graph.output)}
-    wanted = [o for node in graph.node for o in node.output
-              if o and o not in declared and (known.get(o) is None or None in known[o])]
+    wanted = [
+        o
+        for node in graph.node
+        for o in node.output
+        if o and o not in declared and (known.get(o) is None or None in known[o])
+    ]
     if not wanted:
         return {}
     graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in wanted)
     feeds = {}
     for value in graph.input:
         tt = value.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (batch if i == 0 and value.name in examples else 1)
-                for i, d in enumerate(tt.shape.dim)]
+        dims = [
+            d.dim_value if d.HasField("dim_value") else (batch if i == 0 and value.name in examples else 1)
+            for i, d in enumerate(tt.shape.dim)
+        ]
         feeds[value.name] = np.zeros(dims, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
     try:
         session = make_session(model.SerializeToString())
@@ -318,7 +355,7 @@ def _einsum_flops(equation: str | bytes, ins: list[tuple[int, ...]], out: tuple[
         if "..." in term:
             head, tail = term.split("...")
             extra = len(dims) - len(head) - len(tail)
-            ellipsis = max(ellipsis, _size(dims[len(head):len(head) + extra]))
+            ellipsis = max(ellipsis, _size(dims[len(head) : len(head) + extra]))
             letters = list(head) + [None] * extra + list(tail)
         else:
             letters = list(term)

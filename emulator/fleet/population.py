@@ -164,7 +164,9 @@ def generate_population(config: FleetConfig, *, indices: Sequence[int] | range |
         version = versions[pick_version(rng.random())].version
         jitter_down = math.exp(rng.gauss(0.0, net.jitter_sigma)) if net.jitter_sigma else 1.0
         jitter_up = math.exp(rng.gauss(0.0, net.jitter_sigma)) if net.jitter_sigma else 1.0
-        network = NetworkSpec(net.name, net.down_mbps * 1e6 * jitter_down, net.up_mbps * 1e6 * jitter_up, net.latency_ms / 1000.0)
+        network = NetworkSpec(
+            net.name, net.down_mbps * 1e6 * jitter_down, net.up_mbps * 1e6 * jitter_up, net.latency_ms / 1000.0
+        )
         # Mean-one log-normal: exp(N(-sigma^2/2, sigma)).
         flaky = math.exp(rng.gauss(-0.5 * sigma * sigma, sigma)) if sigma else 1.0
         faults = DeviceFaults(

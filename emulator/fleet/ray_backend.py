@@ -84,8 +84,7 @@ def _ray() -> Any:
         import ray
     except ImportError:
         raise RayBackendError(
-            "Ray is not installed: install the optional extra with `pip install 'fedfleet[ray]'` "
-            "(or run without --ray)"
+            "Ray is not installed: install the optional extra with `pip install 'fedfleet[ray]'` (or run without --ray)"
         ) from None
     return ray
 
@@ -100,7 +99,9 @@ def ensure_ray(address: str | None = None, **init: Any) -> Any:
         try:
             ray.init(address=address, **init)
         except (ConnectionError, ValueError, RuntimeError) as exc:  # what ray.init raises for a bad address
-            raise RayBackendError(f"could not reach the Ray cluster at {address!r}: {exc}; start one with `ray start --head`") from exc
+            raise RayBackendError(
+                f"could not reach the Ray cluster at {address!r}: {exc}; start one with `ray start --head`"
+            ) from exc
     return ray
 
 
@@ -113,7 +114,9 @@ class _KeyedFibers(Fibers):
         super().__init__(loop)
         self._by_name = dict(keys)
 
-    def spawn(self, run: Callable[[], None], *, at: float, name: str = "fiber", order: int = 1, key: int | None = None) -> Fiber:
+    def spawn(
+        self, run: Callable[[], None], *, at: float, name: str = "fiber", order: int = 1, key: int | None = None
+    ) -> Fiber:
         return super().spawn(run, at=at, name=name, order=order, key=self._by_name[name] if key is None else key)
 
     def key_for(self, name: str) -> int:
@@ -185,7 +188,9 @@ class FleetShard:
         sim.start_devices(owns=owned.__contains__)
         self.sim = sim
         self.horizon = sim.horizon_s
-        self._devices = {d.key: d for d in sim.devices}  # by their fibers' keys (a fiber is spawned when its device is built)
+        self._devices = {
+            d.key: d for d in sim.devices
+        }  # by their fibers' keys (a fiber is spawned when its device is built)
         self._waiting: dict[int, _Waiting] = {}
         self._waiting_keys: set[int] = set()
         self._outbox: list[Request] = []
@@ -264,7 +269,9 @@ class FleetShard:
         """End the run: every fiber unwinds; the rows (with their keys) and errors go back."""
         self.close()
         return {
-            "sessions": self.sim.tagged, "errors": dict(self.sim.errors), "status": self.sim.status_log[self._log_sent :],
+            "sessions": self.sim.tagged,
+            "errors": dict(self.sim.errors),
+            "status": self.sim.status_log[self._log_sent :],
             "held": self.held,
         }
 
@@ -384,7 +391,12 @@ def simulate_sharded(
 
 
 def _drive(
-    driver: _DriverSimulator, backend: _LocalShards | _RayShards, n: int, specs: Sequence[Any], started: float, stats: dict[str, Any]
+    driver: _DriverSimulator,
+    backend: _LocalShards | _RayShards,
+    n: int,
+    specs: Sequence[Any],
+    started: float,
+    stats: dict[str, Any],
 ) -> FleetRun:
     loop, horizon = driver.loop, driver.horizon_s
     # for the timeline's availability, which reads a device's spec only
@@ -404,7 +416,9 @@ def _drive(
                     safe[i] = got["safe"]
                     requests += len(got["requests"])
                     for key, rid, method, url, headers, body in got["requests"]:
-                        loop.call_at(key[0], driver.handle, i, rid, method, url, headers, body, order=key[1], key=key[2])
+                        loop.call_at(
+                            key[0], driver.handle, i, rid, method, url, headers, body, order=key[1], key=key[2]
+                        )
                     for _, old, new in got["status"]:
                         driver.status_counts[old] -= 1
                         driver.status_counts[new] += 1
@@ -436,15 +450,23 @@ def _drive(
     rounds, digest = driver._rounds()
     stats.update(windows=windows, requests=requests, held=sum(p["held"] for p in finished), shards=n)
     return FleetRun(
-        sessions=driver.sessions, rounds=rounds, timeline=driver._timeline(), digest=digest,
-        config=driver.config, wall_s=wall, simulated_s=horizon, errors=dict(sorted(driver.errors.items())),
+        sessions=driver.sessions,
+        rounds=rounds,
+        timeline=driver._timeline(),
+        digest=digest,
+        config=driver.config,
+        wall_s=wall,
+        simulated_s=horizon,
+        errors=dict(sorted(driver.errors.items())),
         extra=driver.extra,
         devices_short_of_memory=sum(1 for spec in specs if spec.takes_part and not driver.takes_part(spec)),
         plan_cost=driver.plan_summary(),
     )
 
 
-def _recount(rows: list[tuple[float, int, int, int]], log: list[tuple[float, str, str]]) -> list[tuple[float, int, int, int]]:
+def _recount(
+    rows: list[tuple[float, int, int, int]], log: list[tuple[float, str, str]]
+) -> list[tuple[float, int, int, int]]:
     """Each sample's device counts from every status change before it (a sample runs before
     the devices' events of its instant)."""
     changes = sorted(log, key=lambda c: c[0])

@@ -8,7 +8,7 @@ plan takes the model engineer's path to a deploy (paper, section 7.3) before the
   within tolerance, a local epoch runs), and a release that fails stops the run before it starts;
 * the task is deployed with the report, which binds the hashes of the exact bytes deployed, so
   the server's release gate lets it through and serves each device the plan of its minor release;
-* devices train through :class:`~emulator.runtime_worker.ReleasePlans`: one worker process per
+* devices train through :class:`~emulator.releases.workers.ReleasePlans`: one worker process per
   release, shared by all of its devices.
 
 Compute still costs virtual time from the device model (the plan's cost per example, see
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from device_runtime.plan import Plan, PlanError, serialize_plan
-from emulator.runtime_worker import WorkerPool
+from emulator.releases.workers import WorkerPool
 from emulator.toolchain.tasks import Predicate, ProxyData, Task, TaskError, Trial
 
 from .events import SimulationError
@@ -90,10 +90,19 @@ def release_tested_plans(
             ) from None
     if task is None:
         assert test_set is not None
-        examples = {"x": np.asarray(test_set[0]), "y": np.asarray(test_set[1])} if isinstance(test_set, tuple) else dict(test_set)
+        examples = (
+            {"x": np.asarray(test_set[0]), "y": np.asarray(test_set[1])}
+            if isinstance(test_set, tuple)
+            else dict(test_set)
+        )
         proxy = ProxyData.split(examples, devices=PROXY_DEVICES, seed=seed)
-        task = Task(name=plan.name, model=lambda _hp: plan, proxy=proxy, runtimes=tuple(releases),
-                    predicates=(_trains_to_a_finite_loss,))
+        task = Task(
+            name=plan.name,
+            model=lambda _hp: plan,
+            proxy=proxy,
+            runtimes=tuple(releases),
+            predicates=(_trains_to_a_finite_loss,),
+        )
     try:
         report = release_test(task, pool=pool, plan=plan, versioned=plans, weights=weights, trained=trained)
     except (TaskError, ValueError) as exc:  # the task's proxy data or predicates cannot run

@@ -81,7 +81,9 @@ def _new_figure(rows: int = 1, height: float = 4.0) -> tuple[Any, list[Any]]:
     try:
         from matplotlib.figure import Figure as MplFigure  # no pyplot: no global state, no GUI backend
     except ModuleNotFoundError:
-        raise FleetReportError("the fleet report's plots need matplotlib; install it with pip install 'fedfleet[sim]'") from None
+        raise FleetReportError(
+            "the fleet report's plots need matplotlib; install it with pip install 'fedfleet[sim]'"
+        ) from None
 
     fig = MplFigure(figsize=(9.0, height * rows), dpi=100, layout="constrained")
     axes = fig.subplots(rows, 1, squeeze=False)[:, 0].tolist()
@@ -194,8 +196,10 @@ def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         _hour_of_day_axis(ax_h, arc)
         _legend(ax_h)
         if len(arc) < 24:
-            caption += (f" The hour-of-day axis spans the UTC hours the run covers, {arc[0]}:00 to {arc[-1]}:59"
-                        f" ({len(arc)} of 24: the run is {run.span_s / 3600.0:g} simulated hours long).")
+            caption += (
+                f" The hour-of-day axis spans the UTC hours the run covers, {arc[0]}:00 to {arc[-1]}:59"
+                f" ({len(arc)} of 24: the run is {run.span_s / 3600.0:g} simulated hours long)."
+            )
     else:
         _no_data(ax_t, "timeline")
         _no_data(ax_h, "timeline")
@@ -242,7 +246,9 @@ def plot_rounds(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figu
     ax_d.set_title("Round duration")
     ax_d.set_ylabel("minutes")
     _hours_axis(ax_d, run.span_s)
-    return Figure("rounds.png", "Round completions per hour and round durations (paper, Fig. 5, 6 and 8).", _png(fig), fig)
+    return Figure(
+        "rounds.png", "Round completions per hour and round durations (paper, Fig. 5, 6 and 8).", _png(fig), fig
+    )
 
 
 def round_outcomes(rounds: list[RoundRow]) -> dict[str, list[int]]:
@@ -263,8 +269,10 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
     """How each round's selected devices ended (Fig. 7) and drop-out by local hour of day."""
     fig, (ax_o, ax_h) = _new_figure(2)
     rounds = run.rounds
-    caption = ("Outcomes of each committed round's selected devices and drop-out by hour (paper, Fig. 7). "
-               "An abandoned round aggregated nothing: it is an x at the number of devices it selected.")
+    caption = (
+        "Outcomes of each committed round's selected devices and drop-out by hour (paper, Fig. 7). "
+        "An abandoned round aggregated nothing: it is an x at the number of devices it selected."
+    )
     if rounds:
         outcomes = round_outcomes(rounds)
         # Stacked steps, not bars: three polygons whatever the number of rounds (a day of a large
@@ -277,12 +285,24 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
             ("dropped", _ABANDONED, "dropped out"),
         ):
             top = [b + c for b, c in zip(bottom, outcomes[key])]
-            ax_o.fill_between(edges, bottom + bottom[-1:], top + top[-1:], step="post", color=colour, linewidth=0, label=label)
+            ax_o.fill_between(
+                edges, bottom + bottom[-1:], top + top[-1:], step="post", color=colour, linewidth=0, label=label
+            )
             bottom = top
-        abandoned = [(i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["abandoned_selected"]), start=1) if not r.committed]
+        abandoned = [
+            (i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["abandoned_selected"]), start=1) if not r.committed
+        ]
         if abandoned:
-            ax_o.scatter([i for i, _ in abandoned], [n for _, n in abandoned], marker="x", color=_ABANDONED_ROUND,
-                         linewidths=1.2, s=24, zorder=3, label="abandoned round: devices selected, nothing aggregated")
+            ax_o.scatter(
+                [i for i, _ in abandoned],
+                [n for _, n in abandoned],
+                marker="x",
+                color=_ABANDONED_ROUND,
+                linewidths=1.2,
+                s=24,
+                zorder=3,
+                label="abandoned round: devices selected, nothing aggregated",
+            )
         ax_o.set_xlim(edges[0], edges[-1])
         ax_o.set_ylim(bottom=0)
         _legend(ax_o)
@@ -302,18 +322,24 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         arc = hour_arc(by_hour)
         position = {h: i for i, h in enumerate(arc)}
         hours = [h for h in arc if h in by_hour]
-        bars = ax_h.bar([position[h] for h in hours], [100.0 * statistics.fmean(by_hour[h]) for h in hours], color=_ABANDONED)
+        bars = ax_h.bar(
+            [position[h] for h in hours], [100.0 * statistics.fmean(by_hour[h]) for h in hours], color=_ABANDONED
+        )
         ax_h.bar_label(bars, labels=[f"{len(by_hour[h])}" for h in hours], fontsize=7, color="0.35", padding=2)
         overall = 100.0 * statistics.fmean(is_dropout(s) for s in accepted_s)
         ax_h.axhline(overall, color="0.3", linestyle="--", label=f"whole run {overall:.1f}%")
         _hour_of_day_axis(ax_h, arc)
         ax_h.margins(y=0.12)
         _legend(ax_h)
-        caption += (" Above each bar, the accepted sessions that started in that hour of the devices' own day"
-                    " (a bar of few sessions is noisy).")
+        caption += (
+            " Above each bar, the accepted sessions that started in that hour of the devices' own day"
+            " (a bar of few sessions is noisy)."
+        )
         if len(arc) < 24:
-            caption += (f" The axis spans local hours {arc[0]} to {arc[-1]}, the hours in which sessions started:"
-                        f" a run of {run.span_s / 3600.0:g} simulated hours reaches only those hours of the devices' days.")
+            caption += (
+                f" The axis spans local hours {arc[0]} to {arc[-1]}, the hours in which sessions started:"
+                f" a run of {run.span_s / 3600.0:g} simulated hours reaches only those hours of the devices' days."
+            )
         empty = [h for h in arc if h not in by_hour]
         if empty:
             caption += f" No session started in local hour {_hour_list(empty)}, so there is no bar there."
@@ -401,7 +427,9 @@ def plot_accuracy(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fi
     the summary's ``time_to_target_accuracy_s``, where the target was first reached."""
     fig, (ax_t, ax_r) = _new_figure(2)
     series = accuracy_series(run.rounds)
-    caption = "Model accuracy and loss of each committed round's model, against simulated hours and against committed rounds."
+    caption = (
+        "Model accuracy and loss of each committed round's model, against simulated hours and against committed rounds."
+    )
     if series["accuracy_by_round"] or series["loss_by_round"]:
         lines = _quality_axes(ax_t, series, "by_hour")
         _quality_axes(ax_r, series, "by_round")
@@ -410,9 +438,17 @@ def plot_accuracy(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fi
         if isinstance(target, (int, float)) and series["accuracy_by_hour"]:
             lines.append(ax_t.axhline(float(target), color="0.4", linestyle=":", label=f"target {target:g}"))
         if isinstance(reached, (int, float)) and math.isfinite(reached):
-            lines.append(ax_t.axvline(reached / 3600.0, color=_COMMITTED, linestyle="--",
-                                      label=f"target reached at {reached / 3600.0:.2f} h"))
-            caption += f" The dashed line marks the first committed model at the target accuracy ({reached / 3600.0:.2f} h)."
+            lines.append(
+                ax_t.axvline(
+                    reached / 3600.0,
+                    color=_COMMITTED,
+                    linestyle="--",
+                    label=f"target reached at {reached / 3600.0:.2f} h",
+                )
+            )
+            caption += (
+                f" The dashed line marks the first committed model at the target accuracy ({reached / 3600.0:.2f} h)."
+            )
         elif summary is not None and "time_to_target_accuracy_s" in summary:
             caption += " No committed model reached the target accuracy."
         fig.legend(handles=lines, loc="outside right upper", fontsize="small")
@@ -436,12 +472,25 @@ def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figur
     caption = "Bytes down and up per round: what the sessions of each round's selected devices received and sent."
     if rounds:
         x = list(range(1, len(rounds) + 1))
-        ax.plot(x, [r.bytes_down / 1e6 for r in rounds], drawstyle="steps-mid", color=_DOWN, label="down (server to devices)")
+        ax.plot(
+            x,
+            [r.bytes_down / 1e6 for r in rounds],
+            drawstyle="steps-mid",
+            color=_DOWN,
+            label="down (server to devices)",
+        )
         ax.plot(x, [r.bytes_up / 1e6 for r in rounds], drawstyle="steps-mid", color=_UP, label="up (devices to server)")
         abandoned = [(i, r) for i, r in zip(x, rounds) if not r.committed]
         if abandoned:
-            ax.scatter([i for i, _ in abandoned], [r.bytes_down / 1e6 for _, r in abandoned], marker="x", s=24,
-                       color=_ABANDONED_ROUND, zorder=3, label="abandoned round")
+            ax.scatter(
+                [i for i, _ in abandoned],
+                [r.bytes_down / 1e6 for _, r in abandoned],
+                marker="x",
+                s=24,
+                color=_ABANDONED_ROUND,
+                zorder=3,
+                label="abandoned round",
+            )
         ax.set_xlim(0.5, len(rounds) + 0.5)
         ax.set_ylim(bottom=0)
         _legend(ax)
@@ -449,11 +498,17 @@ def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figur
         if committed:
             per_device_down = statistics.median(r.bytes_down / r.selected for r in committed)
             per_device_up = statistics.median(r.bytes_up / r.selected for r in committed)
-            caption += (f" A committed round's selected device received {per_device_down / 1e3:,.1f} KB and sent"
-                        f" {per_device_up / 1e3:,.1f} KB (medians).")
-        unattributed = sum(s.bytes_down + s.bytes_up for s in run.sessions) - sum(r.bytes_down + r.bytes_up for r in rounds)
+            caption += (
+                f" A committed round's selected device received {per_device_down / 1e3:,.1f} KB and sent"
+                f" {per_device_up / 1e3:,.1f} KB (medians)."
+            )
+        unattributed = sum(s.bytes_down + s.bytes_up for s in run.sessions) - sum(
+            r.bytes_down + r.bytes_up for r in rounds
+        )
         if unattributed > 0:
-            caption += f" Check-ins the server turned away carried {unattributed / 1e6:,.2f} MB that belong to no round."
+            caption += (
+                f" Check-ins the server turned away carried {unattributed / 1e6:,.2f} MB that belong to no round."
+            )
     else:
         _no_data(ax, "rounds")
     ax.set_title("Traffic per round")
@@ -468,7 +523,12 @@ def _percentile_marks(percentiles: Mapping[str, Any]) -> list[tuple[str, float]]
     """The ``pNN`` entries of a ``client_accuracy_percentiles`` mapping, by NN."""
     marks = []
     for key, value in percentiles.items():
-        if key[:1] == "p" and key[1:].replace(".", "", 1).isdigit() and isinstance(value, (int, float)) and math.isfinite(value):
+        if (
+            key[:1] == "p"
+            and key[1:].replace(".", "", 1).isdigit()
+            and isinstance(value, (int, float))
+            and math.isfinite(value)
+        ):
             marks.append((key, float(value)))
     return sorted(marks, key=lambda kv: float(kv[0][1:]))
 
@@ -484,9 +544,13 @@ def plot_client_accuracy(summary: Mapping[str, Any]) -> Figure | None:
         return None
     fig, (ax,) = _new_figure(1, height=2.6)
     ax.plot([v for _, v in marks], [0] * len(marks), color="0.6", linewidth=6, solid_capstyle="butt", zorder=1)
-    ax.scatter([v for _, v in marks], [0] * len(marks), color=_PARTICIPATING, s=60, zorder=2, label="percentiles over clients")
+    ax.scatter(
+        [v for _, v in marks], [0] * len(marks), color=_PARTICIPATING, s=60, zorder=2, label="percentiles over clients"
+    )
     for key, value in marks:
-        ax.annotate(f"{key}\n{value:.3f}", (value, 0), textcoords="offset points", xytext=(0, 10), ha="center", fontsize=9)
+        ax.annotate(
+            f"{key}\n{value:.3f}", (value, 0), textcoords="offset points", xytext=(0, 10), ha="center", fontsize=9
+        )
     weighted = percentiles.get("accuracy")
     if isinstance(weighted, (int, float)) and math.isfinite(weighted):
         ax.axvline(float(weighted), color=_COMMITTED, linestyle="--", label=f"all clients' examples {weighted:.3f}")
@@ -499,8 +563,10 @@ def plot_client_accuracy(summary: Mapping[str, Any]) -> Figure | None:
     _legend(ax)
     clients = percentiles.get("clients")
     who = f" over {clients:,} clients" if isinstance(clients, int) else ""
-    caption = (f"Per-client accuracy{who}: the 10th percentile is the accuracy nine in ten clients beat; a wide"
-               " spread means the model serves some clients' data poorly.")
+    caption = (
+        f"Per-client accuracy{who}: the 10th percentile is the accuracy nine in ten clients beat; a wide"
+        " spread means the model serves some clients' data poorly."
+    )
     return Figure("client_accuracy.png", caption, _png(fig), fig)
 
 
@@ -517,7 +583,9 @@ def plot_durations(run: FleetRun, summary: Mapping[str, Any] | None = None) -> F
         # Shares, not counts: sessions outnumber rounds a hundredfold.
         if participation:
             weights = [1.0 / len(participation)] * len(participation)
-            ax.hist(participation, bins=bins, weights=weights, color=_PARTICIPATING, alpha=0.6, label="device participation")
+            ax.hist(
+                participation, bins=bins, weights=weights, color=_PARTICIPATING, alpha=0.6, label="device participation"
+            )
         if durations:
             weights = [1.0 / len(durations)] * len(durations)
             ax.hist(durations, bins=bins, weights=weights, color=_COMMITTED, alpha=0.6, label="committed round")
@@ -548,7 +616,6 @@ def report_figures(run: FleetRun, summary: Mapping[str, Any]) -> list[Figure]:
     figures = [plot(run, summary) for plot in PLOTS]
     extra = plot_client_accuracy(summary)
     return figures + ([extra] if extra is not None else [])
-
 
 
 # --- HTML ------------------------------------------------------------------------------------
@@ -642,8 +709,10 @@ def _completion_sentence(summary: Mapping[str, Any], rounds: list[RoundRow]) -> 
     to change (the summary's ``round_completion_note``, see :func:`completion_note`)."""
     n, committed = len(rounds), sum(1 for r in rounds if r.committed)
     rate = committed / n
-    text = (f"{committed} of {n} rounds committed ({100.0 * rate:.1f}%): a round commits once enough of its selected devices"
-            " report in time (goal_count, or goal_count x min_fraction once no more can), and is abandoned otherwise.")
+    text = (
+        f"{committed} of {n} rounds committed ({100.0 * rate:.1f}%): a round commits once enough of its selected devices"
+        " report in time (goal_count, or goal_count x min_fraction once no more can), and is abandoned otherwise."
+    )
     if rate >= LOW_COMPLETION:
         return text
     note = summary.get("round_completion_note")
@@ -660,25 +729,38 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
     speed = summary.get("sim_s_per_wall_s")
     out["sim_s_per_wall_s"] = (
         f"Simulated seconds per second of wall time: {sim_s / 3600.0:g} simulated hours took {wall_s:.1f} s"
-        f" ({speed:,.0f}x real time)." if speed is not None
+        f" ({speed:,.0f}x real time)."
+        if speed is not None
         else "Simulated seconds per second of wall time (no wall time measured)."
     )
     if speed is not None and speed < 1.0:
-        out["sim_s_per_wall_s"] += " The run was slower than real time: fewer devices, fewer hours or --ray shards run faster."
-    out["sessions_per_wall_s"] = ("Sessions the simulator ran for devices selected into a round, per second of wall time:"
-                                  " how fast the simulator runs, not a property of the fleet.")
-    out["completed_sessions_per_wall_s"] = ("Sessions whose upload completed per second of wall time: the simulator's"
-                                            " throughput, as the fleet_day benchmark reports it.")
+        out["sim_s_per_wall_s"] += (
+            " The run was slower than real time: fewer devices, fewer hours or --ray shards run faster."
+        )
+    out["sessions_per_wall_s"] = (
+        "Sessions the simulator ran for devices selected into a round, per second of wall time:"
+        " how fast the simulator runs, not a property of the fleet."
+    )
+    out["completed_sessions_per_wall_s"] = (
+        "Sessions whose upload completed per second of wall time: the simulator's"
+        " throughput, as the fleet_day benchmark reports it."
+    )
     drop = summary.get("dropout_rate")
     if drop is None:
-        out["dropout_rate"] = "Share of accepted sessions that never got their report to the server; no session was accepted."
+        out["dropout_rate"] = (
+            "Share of accepted sessions that never got their report to the server; no session was accepted."
+        )
     else:
         accepted = summary.get("sessions_accepted", 0)
-        out["dropout_rate"] = (f"{100.0 * drop:.1f}% of the {accepted:,} accepted sessions never got their report to the"
-                               " server (interrupted, app killed, network lost); the paper saw 6-10%.")
+        out["dropout_rate"] = (
+            f"{100.0 * drop:.1f}% of the {accepted:,} accepted sessions never got their report to the"
+            " server (interrupted, app killed, network lost); the paper saw 6-10%."
+        )
         if drop > 0.10:
-            out["dropout_rate"] += (" Above that, the [faults] hazards of the config drive it; rounds absorb drop-out by"
-                                    " selecting more devices than the goal (task.over_selection).")
+            out["dropout_rate"] += (
+                " Above that, the [faults] hazards of the config drive it; rounds absorb drop-out by"
+                " selecting more devices than the goal (task.over_selection)."
+            )
     swing = summary.get("availability_swing")
     if swing is None:
         out["availability_swing"] = "Busiest over quietest hour's available devices; the run has no timeline."
@@ -686,25 +768,34 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
         out["availability_swing"] = (
             f"Devices available to train (idle, charging, unmetered) ranged from {summary.get('available_trough', 0):,.0f} in the"
             f" quietest hour to {summary.get('available_peak', 0):,.0f} in the busiest (hourly means), a {swing:.2g}x swing;"
-            " the paper saw about 4x over a day.")
+            " the paper saw about 4x over a day."
+        )
         if 0 < sim_s < 86400.0:
-            out["availability_swing"] += f" This run covers {sim_s / 3600.0:g} of a day's 24 hours, so it sees part of the swing."
+            out["availability_swing"] += (
+                f" This run covers {sim_s / 3600.0:g} of a day's 24 hours, so it sees part of the swing."
+            )
     if rounds:
         out["round_completion_rate"] = _completion_sentence(summary, rounds)
     else:
-        out["round_completion_rate"] = ("Share of rounds that committed a model; no round ran (a run needs a few simulated"
-                                        " minutes for its first round to close: simulate more --hours).")
+        out["round_completion_rate"] = (
+            "Share of rounds that committed a model; no round ran (a run needs a few simulated"
+            " minutes for its first round to close: simulate more --hours)."
+        )
     if "time_to_target_accuracy_s" in summary:
         reached = summary["time_to_target_accuracy_s"]
         if isinstance(reached, (int, float)):
-            out["time_to_target_accuracy_s"] = (f"Simulated time to the first committed model at or above the target accuracy:"
-                                                f" {reached / 3600.0:.2f} hours into the run.")
+            out["time_to_target_accuracy_s"] = (
+                f"Simulated time to the first committed model at or above the target accuracy:"
+                f" {reached / 3600.0:.2f} hours into the run."
+            )
         else:
             last = summary.get("accuracy")
             came = f" (the last committed model's accuracy is {last:.3f})" if isinstance(last, float) else ""
-            out["time_to_target_accuracy_s"] = (f"No committed model reached the target accuracy in {sim_s / 3600.0:g} simulated"
-                                                f" hours{came}: simulate more --hours, or commit more rounds (see the round"
-                                                " completion rate).")
+            out["time_to_target_accuracy_s"] = (
+                f"No committed model reached the target accuracy in {sim_s / 3600.0:g} simulated"
+                f" hours{came}: simulate more --hours, or commit more rounds (see the round"
+                " completion rate)."
+            )
     percentiles = summary.get("client_accuracy_percentiles")
     if isinstance(percentiles, Mapping):
         marks = dict(_percentile_marks(percentiles))
@@ -712,10 +803,12 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
             out["client_accuracy_percentiles"] = (
                 f"Accuracy of the last model on each client's own test examples: one client in ten is below {marks['p10']:.3f},"
                 f" half are below {marks['p50']:.3f}, nine in ten below {marks['p90']:.3f}; a wide spread means the model"
-                " serves some clients' data poorly.")
+                " serves some clients' data poorly."
+            )
         else:
-            out["client_accuracy_percentiles"] = ("Percentiles over clients of the last model's accuracy on each client's"
-                                                  " own test examples.")
+            out["client_accuracy_percentiles"] = (
+                "Percentiles over clients of the last model's accuracy on each client's own test examples."
+            )
     return out
 
 
@@ -724,8 +817,11 @@ def _headline(summary: Mapping[str, Any]) -> str:
     parts = []
     if "time_to_target_accuracy_s" in summary:
         reached = summary["time_to_target_accuracy_s"]
-        parts.append(f"Target accuracy reached after {reached / 3600.0:.2f} simulated hours." if isinstance(reached, (int, float))
-                     else "Target accuracy not reached.")
+        parts.append(
+            f"Target accuracy reached after {reached / 3600.0:.2f} simulated hours."
+            if isinstance(reached, (int, float))
+            else "Target accuracy not reached."
+        )
     percentiles = summary.get("client_accuracy_percentiles")
     if isinstance(percentiles, Mapping):
         marks = _percentile_marks(percentiles)
@@ -781,7 +877,11 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
     why = explain_rates(summary, run.rounds)
     rows = [*_SUMMARY_ROWS, *((k, label) for k, label in _OPTIONAL_ROWS if k in summary)]
     for key, label in rows:
-        note = f'<td class="why" data-explains="{html.escape(key)}">{html.escape(why[key])}</td>' if key in why else "<td></td>"
+        note = (
+            f'<td class="why" data-explains="{html.escape(key)}">{html.escape(why[key])}</td>'
+            if key in why
+            else "<td></td>"
+        )
         out.append(f"<tr><th>{html.escape(label)}</th>{_td(summary[key], key)}{note}</tr>")
     out.append("</table></div>")
 
@@ -793,18 +893,26 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
             f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>"
         )
 
-    out.append('<h2>Session shapes</h2><div class="table-wrap"><table id="shapes">'
-               "<tr><th>shape</th><th>sessions</th><th>share</th></tr>")
+    out.append(
+        '<h2>Session shapes</h2><div class="table-wrap"><table id="shapes">'
+        "<tr><th>shape</th><th>sessions</th><th>share</th></tr>"
+    )
     for shape, count in summary["shapes"].items():
         share = summary["shape_shares"][shape]
-        out.append(f'<tr><td class="shape" data-value="{html.escape(_exact(shape))}">{html.escape(shape)}</td>'
-                   f"{_td(count)}<td data-value=\"{_exact(share)}\">{100.0 * share:.1f}%</td></tr>")
+        out.append(
+            f'<tr><td class="shape" data-value="{html.escape(_exact(shape))}">{html.escape(shape)}</td>'
+            f'{_td(count)}<td data-value="{_exact(share)}">{100.0 * share:.1f}%</td></tr>'
+        )
     out.append("</table></div>")
-    legend = ", ".join(f"<code>{html.escape(sym)}</code> {html.escape(kind.replace('_', ' '))}" for kind, sym in SHAPE_SYMBOLS.items())
+    legend = ", ".join(
+        f"<code>{html.escape(sym)}</code> {html.escape(kind.replace('_', ' '))}" for kind, sym in SHAPE_SYMBOLS.items()
+    )
     out.append(f"<p>Legend: {legend}.</p>")
 
-    out.append(f"<h2>Rounds</h2><p>All {len(run.rounds):,} rounds, in the order they opened; bytes are those of the round's"
-               " selected devices' sessions.</p>")
+    out.append(
+        f"<h2>Rounds</h2><p>All {len(run.rounds):,} rounds, in the order they opened; bytes are those of the round's"
+        " selected devices' sessions.</p>"
+    )
     out.append('<div class="table-wrap"><table id="rounds"><tr>')
     out.extend(f"<th>{c}</th>" for c in _ROUND_COLUMNS)
     out.append("</tr>")

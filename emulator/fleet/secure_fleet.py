@@ -15,7 +15,7 @@ from typing import Any
 from device_runtime.attestation import DeviceAttestor
 from server_stub.attestation import AttestationVerifier, NonceRegistry, RateLimiter
 
-from ..attestation_authority import AttestationAuthority
+from ..devices.attestation_authority import AttestationAuthority
 
 #: How often a device polls its Secure Aggregation mailbox, in virtual seconds. The server does
 #: not hold a simulated device's poll (it cannot wait in a time it does not share); one second is

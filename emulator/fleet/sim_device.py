@@ -138,7 +138,9 @@ class MemoryOpStats:
     def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None:
         return self._tokens.get((population, task, collection_uri))
 
-    def save_resumption_token(self, population: str, task: str, collection_uri: str, token: str, at: float | None = None) -> None:
+    def save_resumption_token(
+        self, population: str, task: str, collection_uri: str, token: str, at: float | None = None
+    ) -> None:
         self._tokens[(population, task, collection_uri)] = token
 
     def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
@@ -157,12 +159,16 @@ class SimConditions:
         d = self._device
         return self._state(t, d.broken_from, d.broken_until, d.net_down_from, d.net_down_until)
 
-    def _state(self, t: float, broken_from: float, broken_until: float, down_from: float, down_until: float) -> DeviceState:
+    def _state(
+        self, t: float, broken_from: float, broken_until: float, down_from: float, down_until: float
+    ) -> DeviceState:
         """The availability at ``t`` with the given faults laid over it (plain floats: every
         training step asks for the current state)."""
         state = self._device.spec.availability.state_at(t)
         if broken_from <= t < broken_until:
-            state = DeviceState(False, state.charging, state.battery_level, state.unmetered_network, state.network_available)
+            state = DeviceState(
+                False, state.charging, state.battery_level, state.unmetered_network, state.network_available
+            )
         if down_from <= t < down_until:
             state = DeviceState(state.idle, state.charging, state.battery_level, state.unmetered_network, False)
         return state
@@ -206,8 +212,14 @@ class SimConditions:
         t = self._scan(constraints, self._since(now_unix), self._under_way(math.inf), holding=False)
         return None if t is None else self._device.sim.epoch + t
 
-    def _scan(self, constraints: TrainingConstraints, t: float, faults: tuple[tuple[float, float], tuple[float, float]], *,
-              holding: bool) -> float | None:
+    def _scan(
+        self,
+        constraints: TrainingConstraints,
+        t: float,
+        faults: tuple[tuple[float, float], tuple[float, float]],
+        *,
+        holding: bool,
+    ) -> float | None:
         """The first change after ``t`` (the run's time) at which ``constraints`` hold, or with
         ``holding`` False stop holding, under ``faults``; None if none comes. Past
         ``MAX_CHANGES_SCANNED`` changes, the last one looked at (the job looks again from there)."""
@@ -332,8 +344,13 @@ class LazyExampleStore(InMemoryExampleStore):
     ``examples()`` gives collection URI -> feature -> array (one entry per example along the first
     axis), or ``(x, y)`` for ``collection_uri`` alone."""
 
-    def __init__(self, collection_uri: str, examples: Callable[[], Any], clock: Callable[[], float],
-                 stocked_at: float | None = None) -> None:
+    def __init__(
+        self,
+        collection_uri: str,
+        examples: Callable[[], Any],
+        clock: Callable[[], float],
+        stocked_at: float | None = None,
+    ) -> None:
         """``stocked_at``: the examples' timestamp (unix seconds; ``clock()`` now when None): a
         device built after the start stamps them as at the start."""
         self._pending: tuple[str, Callable[[], tuple[np.ndarray, np.ndarray]], float] | None = None
@@ -351,7 +368,9 @@ class LazyExampleStore(InMemoryExampleStore):
                 names = list(features)
                 n = len(features[names[0]]) if names else 0
                 arrays = [features[name] for name in names]
-                self.add(collection, ({name: a[i] for name, a in zip(names, arrays)} for i in range(n)), timestamps=[at] * n)
+                self.add(
+                    collection, ({name: a[i] for name, a in zip(names, arrays)} for i in range(n)), timestamps=[at] * n
+                )
         return self.__dict__["_collections"]
 
     @_collections.setter
@@ -370,9 +389,35 @@ class SimDevice:
     one built at the start, event for event (``MATERIALIZE_LAZILY``)."""
 
     __slots__ = (
-        "sim", "spec", "key", "status", "killed", "net_down_from", "net_down_until", "broken_from", "broken_until",
-        "late_s", "ahead", "fiber", "_kill_timer", "_idle_timer", "_job", "_examples", "_started_at", "_start_at",
-        "_wake", "_carried", "rng", "clock", "conditions", "opstats", "store", "transport", "runtime", "queue", "scheduler",
+        "sim",
+        "spec",
+        "key",
+        "status",
+        "killed",
+        "net_down_from",
+        "net_down_until",
+        "broken_from",
+        "broken_until",
+        "late_s",
+        "ahead",
+        "fiber",
+        "_kill_timer",
+        "_idle_timer",
+        "_job",
+        "_examples",
+        "_started_at",
+        "_start_at",
+        "_wake",
+        "_carried",
+        "rng",
+        "clock",
+        "conditions",
+        "opstats",
+        "store",
+        "transport",
+        "runtime",
+        "queue",
+        "scheduler",
     )
 
     def __init__(
@@ -421,9 +466,15 @@ class SimDevice:
         examples = self._examples
         if examples is None:
             examples = functools.partial(sim.examples, spec)
-        self.store = LazyExampleStore(sim.collection_uri, examples if callable(examples) else (lambda: examples), self.clock.now,
-                                      stocked_at=sim.epoch + self._started_at)
-        self.transport = SimTransport(sim.caller, self, spec.network, on_answer=self._on_answer, hold_report=self._hold_report)
+        self.store = LazyExampleStore(
+            sim.collection_uri,
+            examples if callable(examples) else (lambda: examples),
+            self.clock.now,
+            stocked_at=sim.epoch + self._started_at,
+        )
+        self.transport = SimTransport(
+            sim.caller, self, spec.network, on_answer=self._on_answer, hold_report=self._hold_report
+        )
         seeds = StreamRandom(spec.seed ^ 0x5EED)
         attestation = sim.attestation  # a secure task: an attested device that accepts attested peers only
         self.runtime = FLRuntime(
@@ -434,14 +485,20 @@ class SimDevice:
             retry=DEVICE_RETRY,
             rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]  # random.Random's methods
             opstats=self.opstats,  # type: ignore[arg-type]  # the in-memory twin of OpStatsStore
-            device_class=DeviceClass(spec.device_class, memory_mb=float(spec.memory_mb), max_training_s=sim.max_training_s),
+            device_class=DeviceClass(
+                spec.device_class, memory_mb=float(spec.memory_mb), max_training_s=sim.max_training_s
+            ),
             http_client=LeanClient(self.transport),  # type: ignore[arg-type]  # request() and close() of httpx.Client
             plan_cache=MemoryPlanCache(sim.plan_bytes),
             attestor=attestation.attestor(spec, sim.epoch) if attestation is not None else None,
             trust_anchor=attestation.trust_anchor if attestation is not None else None,
             environment=RuntimeEnvironment(
-                clock=self.clock.now, sleep=self.clock.wait, work_meter=self, memory_probe=_no_memory,
-                loaded_plans=sim.loaded_plans, secagg_poll_s=SECAGG_POLL_S,
+                clock=self.clock.now,
+                sleep=self.clock.wait,
+                work_meter=self,
+                memory_probe=_no_memory,
+                loaded_plans=sim.loaded_plans,
+                secagg_poll_s=SECAGG_POLL_S,
             ),
         )
         self.queue = WorkerQueue(self.clock, history=0)
@@ -587,7 +644,9 @@ class SimDevice:
         self._wake = None
         self._build()
         first = self.queue.next_wakeup()
-        if first is None or max(first - self.sim.epoch, self._started_at) != self.sim.loop.now:  # (a timer is never set in the past)
+        if (
+            first is None or max(first - self.sim.epoch, self._started_at) != self.sim.loop.now
+        ):  # (a timer is never set in the past)
             raise SimulationError(
                 f"device {self.spec.device_id} was built at {self.sim.loop.now!r} s but its job is due at {first!r}: "
                 "the first wake-up set at its start no longer matches its scheduler's; set sim_device.MATERIALIZE_LAZILY = False"
@@ -657,17 +716,31 @@ class SimDevice:
                 self._end_job(None)
                 restart = self.conditions.next_change(self.clock.now()) or (self.clock.now() + RESTART_AFTER_S)
                 self.scheduler.schedule(
-                    sim.population, CONSTRAINTS, TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+                    sim.population,
+                    CONSTRAINTS,
+                    TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
                     start_at=max(restart, self.clock.now() + 1.0),
                 )
                 continue
             except Exception as exc:  # an error outside the SDK's own handling: counted, the device lives on
                 sim.count_error(type(exc).__name__)
-                self._record_row(JobRun("sim", sim.population, RunOutcome.ERROR, self._job.started, self.clock.now(), None,
-                                        f"{type(exc).__name__}: {exc}"), error=True)
+                self._record_row(
+                    JobRun(
+                        "sim",
+                        sim.population,
+                        RunOutcome.ERROR,
+                        self._job.started,
+                        self.clock.now(),
+                        None,
+                        f"{type(exc).__name__}: {exc}",
+                    ),
+                    error=True,
+                )
                 self._end_job(None)
                 self.scheduler.schedule(
-                    sim.population, CONSTRAINTS, TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
+                    sim.population,
+                    CONSTRAINTS,
+                    TrainingInterval(recurrent=True, min_interval_s=MIN_INTERVAL_S),
                     start_at=self.clock.now() + RESTART_AFTER_S,
                 )
                 continue
@@ -784,4 +857,3 @@ def _no_memory() -> float:
     """Memory is modelled by the device class (the plan's budget check), not measured: the
     simulation's process holds thousands of devices."""
     return 0.0
-

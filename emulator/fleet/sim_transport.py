@@ -98,7 +98,12 @@ def wire_request(
     else:
         body, implied = b"", []
     auto = [(b"Host", netloc.encode("ascii"))]
-    if not implied and method in ("POST", "PUT", "PATCH") and b"content-length" not in names and b"transfer-encoding" not in names:
+    if (
+        not implied
+        and method in ("POST", "PUT", "PATCH")
+        and b"content-length" not in names
+        and b"transfer-encoding" not in names
+    ):
         auto.append((b"Content-Length", b"0"))
     out = auto + given + [(k, v) for k, v in implied if k.lower() not in names]
     return WireRequest(method, target, out, body)
@@ -208,7 +213,11 @@ class HttpCaller:
         response = self.http.send(httpx.Request(request.method, url, headers=headers, content=request.body))
         content = response.read()
         # the body arrives decoded; its encoding headers no longer describe it
-        raw = [(k, v) for k, v in response.headers.raw if k.lower() not in (b"content-encoding", b"transfer-encoding", b"content-length")]
+        raw = [
+            (k, v)
+            for k, v in response.headers.raw
+            if k.lower() not in (b"content-encoding", b"transfer-encoding", b"content-length")
+        ]
         return response.status_code, raw, content
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from server_stub.persistence import ServerStore
 from server_stub.serve import ServerThread
 from server_stub.service import FLService, TaskSpec
 
-from ..runtime_worker import ReleasePlans, WorkerPool
+from ..releases.workers import ReleasePlans, WorkerPool
 from .config import FleetConfig
 from .events import EventLoop, Fibers, SimulationError
 from .federated_data import client_accuracy_percentiles
@@ -143,7 +143,9 @@ class FleetSimulator:
         self.caller: AsgiCaller | HttpCaller
         if http:
             self.server_thread = ServerThread(
-                self.workdir / "server.db", clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now,
+                self.workdir / "server.db",
+                clock=lambda: self.loop.now,
+                wall_clock=lambda: self.epoch + self.loop.now,
                 verifier=self.attestation.verifier() if self.attestation is not None else None,
             ).start()
             self.store, self.service = self.server_thread.store, self.server_thread.service
@@ -151,7 +153,9 @@ class FleetSimulator:
         else:
             self.store = ServerStore(self.workdir / "server.db")
             self.service = FLService(
-                self.store, clock=lambda: self.loop.now, wall_clock=lambda: self.epoch + self.loop.now,
+                self.store,
+                clock=lambda: self.loop.now,
+                wall_clock=lambda: self.epoch + self.loop.now,
                 rng=random.Random(config.fleet.seed),
                 verifier=self.attestation.verifier() if self.attestation is not None else None,
                 secagg_random_bytes=random.Random(config.fleet.seed ^ 0x5EC466).randbytes,
@@ -164,11 +168,17 @@ class FleetSimulator:
         specs_to_deploy = []
         for fleet_task in workload.tasks:  # what `fedfleet deploy` sends for each task of the bundle
             build, rel = fleet_task.build, released.get(fleet_task.name)
-            specs_to_deploy.append(TaskSpec(
-                fleet_task.name, rel.plan if rel is not None else build.plan_bytes,
-                None if fleet_task.evaluates else build.checkpoint, fleet_task.rounds, evaluates=fleet_task.evaluates,
-                versioned_plans=rel.versioned if rel is not None else {}, release_report=rel.report if rel is not None else None,
-            ))
+            specs_to_deploy.append(
+                TaskSpec(
+                    fleet_task.name,
+                    rel.plan if rel is not None else build.plan_bytes,
+                    None if fleet_task.evaluates else build.checkpoint,
+                    fleet_task.rounds,
+                    evaluates=fleet_task.evaluates,
+                    versioned_plans=rel.versioned if rel is not None else {},
+                    release_report=rel.report if rel is not None else None,
+                )
+            )
         try:
             self.service.deploy_tasks(self.population, specs_to_deploy, workload.strategy)
         except ApiError as exc:
@@ -187,8 +197,15 @@ class FleetSimulator:
                 source = by_name[fleet_task.evaluates].build
                 trained = (source.plan, decode_checkpoint(source.checkpoint))
             out[fleet_task.name] = release_tested_plans(
-                build.plan, decode_checkpoint(build.checkpoint), releases, self._test, self.runtime_pool,
-                seed=self.config.fleet.seed, task=build.task, versioned=build.versioned, trained=trained,
+                build.plan,
+                decode_checkpoint(build.checkpoint),
+                releases,
+                self._test,
+                self.runtime_pool,
+                seed=self.config.fleet.seed,
+                task=build.task,
+                versioned=build.versioned,
+                trained=trained,
             )
         return out
 
@@ -215,8 +232,11 @@ class FleetSimulator:
         """``[task] compute_s_per_example`` if set, else the plan's FLOPs per example over
         ``reference_flops_per_s``; kept by plan name."""
         task = self.config.task
-        seconds = (task.compute_s_per_example if task.compute_s_per_example is not None
-                   else cost.compute_s_per_example(task.reference_flops_per_s))
+        seconds = (
+            task.compute_s_per_example
+            if task.compute_s_per_example is not None
+            else cost.compute_s_per_example(task.reference_flops_per_s)
+        )
         self._seconds_per_example[name] = seconds
         return seconds
 
@@ -284,8 +304,11 @@ class FleetSimulator:
                 if self.progress is not None:
                     status = self.service.population_status(self.population)
                     counts = self.status_counts
-                    self.progress(self.horizon_s, int(status.get("committed_rounds", 0) or 0),
-                                  counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
+                    self.progress(
+                        self.horizon_s,
+                        int(status.get("committed_rounds", 0) or 0),
+                        counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING],
+                    )
             finally:
                 self.fibers.close()
             wall = time.perf_counter() - started
@@ -327,7 +350,9 @@ class FleetSimulator:
         now = self.loop.now
         status = self.service.population_status(self.population)
         current = status.get("current_round") or {}
-        active = max(0, int(current.get("selected", 0)) - int(current.get("reported", 0)) - int(current.get("dropped", 0)))
+        active = max(
+            0, int(current.get("selected", 0)) - int(current.get("reported", 0)) - int(current.get("dropped", 0))
+        )
         counts = self.status_counts
         self.timeline_rows.append((now, counts[STATUS_CHECKING_IN], counts[STATUS_PARTICIPATING], active))
         if self.progress is not None:
@@ -389,8 +414,11 @@ class FleetSimulator:
                     loss=loss,
                 )
             )
-        self.extra = {**self.workload.info(), "client_accuracy_percentiles": self._per_client(last),
-                      "round_config": self.workload.training[0].rounds}  # what the server ran, for the notes
+        self.extra = {
+            **self.workload.info(),
+            "client_accuracy_percentiles": self._per_client(last),
+            "round_config": self.workload.training[0].rounds,
+        }  # what the server ran, for the notes
         return with_round_bytes(rows, self.sessions), digest.hexdigest()
 
     def _per_client(self, last: tuple[PlanExecutor, dict[str, np.ndarray]] | None) -> dict[str, Any] | None:
@@ -402,7 +430,9 @@ class FleetSimulator:
         total: dict[str, int] = {}
         for client, examples in self.workload.test_clients().items():
             count = len(next(iter(examples.values())))
-            measured = evaluator.evaluate(weights, [{k: v[i : i + 256] for k, v in examples.items()} for i in range(0, count, 256)])
+            measured = evaluator.evaluate(
+                weights, [{k: v[i : i + 256] for k, v in examples.items()} for i in range(0, count, 256)]
+            )
             if "eval_accuracy" not in measured:
                 return None  # a regression task: no accuracy
             total[client] = count
@@ -465,7 +495,9 @@ def simulate(
     workload = load_workload(config)
     specs = generate_population(config)
     if notice is not None:
-        unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), workload.training[0].rounds)
+        unfillable = cannot_fill(
+            config.fleet.devices, peak_available(specs, config.horizon_s), workload.training[0].rounds
+        )
         if unfillable is not None:
             notice(unfillable)
     bar, callback = progress_reporter(progress, config.horizon_s)

@@ -21,8 +21,16 @@ if TYPE_CHECKING:  # the config module is the population model's; the tables onl
     from .config import FleetConfig
 
 __all__ = [
-    "ROUNDS_CSV", "SESSIONS_CSV", "TIMELINE_CSV", "CsvTable", "FleetRun", "FleetTableError", "RoundRow", "SessionRow",
-    "TimelineRow", "with_round_bytes",
+    "ROUNDS_CSV",
+    "SESSIONS_CSV",
+    "TIMELINE_CSV",
+    "CsvTable",
+    "FleetRun",
+    "FleetTableError",
+    "RoundRow",
+    "SessionRow",
+    "TimelineRow",
+    "with_round_bytes",
 ]
 
 

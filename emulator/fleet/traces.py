@@ -42,7 +42,13 @@ from .trace_format import (
 )
 
 __all__ = [
-    "HEADER", "TraceAvailability", "TraceError", "format_state", "load_traces", "never_available", "parse_state",
+    "HEADER",
+    "TraceAvailability",
+    "TraceError",
+    "format_state",
+    "load_traces",
+    "never_available",
+    "parse_state",
     "write_traces",
 ]
 

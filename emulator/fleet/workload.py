@@ -52,7 +52,8 @@ def task_round_config(task: TaskSection) -> RoundConfig:
     the section's bounds are the server's)."""
     secure: dict[str, Any] = (
         {"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
-        if task.secure else {}
+        if task.secure
+        else {}
     )
     return RoundConfig(
         goal_count=task.goal_count,
@@ -216,8 +217,9 @@ class Workload:
         return f"data {self.data.source}: {clients} training clients for {devices} devices: {how}"
 
 
-def _check_features(inputs: Mapping[str, InputSpec], features: Mapping[str, Any], data_source: str,
-                    task_source: str) -> dict[str, tuple[int, ...]]:
+def _check_features(
+    inputs: Mapping[str, InputSpec], features: Mapping[str, Any], data_source: str, task_source: str
+) -> dict[str, tuple[int, ...]]:
     """Each input's per-example shape to feed; a WorkloadError naming both sides when the data lacks
     a feature, holds text for a number, or has another number of values per example."""
     described_inputs = ", ".join(f"{n} {s.describe()}" for n, s in sorted(inputs.items()))
@@ -227,7 +229,8 @@ def _check_features(inputs: Mapping[str, InputSpec], features: Mapping[str, Any]
         raise WorkloadError(
             f"the task's plans read features {described_inputs} but the data {data_source} has {described_data} "
             f"(missing: {', '.join(missing)}); use data with those features, or a task file whose plan inputs name "
-            "the data's features")
+            "the data's features"
+        )
     shapes = {}
     for name, want in inputs.items():
         have = features[name]
@@ -243,7 +246,8 @@ def _check_features(inputs: Mapping[str, InputSpec], features: Mapping[str, Any]
         if problem is not None:
             raise WorkloadError(
                 f"feature {name!r} of the data {data_source} {problem} (the plans read {described_inputs}; the data has "
-                f"{described_data}); use data that fits the task ({task_source}) or a task that fits the data")
+                f"{described_data}); use data that fits the task ({task_source}) or a task that fits the data"
+            )
     return shapes
 
 
@@ -276,12 +280,16 @@ def _build(config: FleetConfig) -> Workload:
     path = BUILT_IN_TASK if built_in else Path(section.file)  # type: ignore[arg-type]
     if not built_in:
         if not path.is_file():
-            raise WorkloadError(f"no task file at {path}; give the path of a task file as `fedfleet plan build` takes "
-                                "(in a fleet config, relative to its folder)")
+            raise WorkloadError(
+                f"no task file at {path}; give the path of a task file as `fedfleet plan build` takes "
+                "(in a fleet config, relative to its folder)"
+            )
         refused = [k for k in BUILT_IN_KEYS if k in section.explicit]
         if refused:
-            raise WorkloadError(f"[task] {', '.join(refused)} shape the built-in digits MLP only; with a task file, set "
-                                f"them in {path} (its model, hyperparameters and secure_aggregation are what it deploys)")
+            raise WorkloadError(
+                f"[task] {', '.join(refused)} shape the built-in digits MLP only; with a task file, set "
+                f"them in {path} (its model, hyperparameters and secure_aggregation are what it deploys)"
+            )
     try:
         tasks = load_tasks(path)
     except TaskError as exc:
@@ -295,7 +303,9 @@ def _build(config: FleetConfig) -> Workload:
             task = _with_runtimes(task, releases)
         fleet_tasks.append(_build_task(task, path, section if not built_in else None, config))
     if not any(t.evaluates is None for t in fleet_tasks):
-        raise WorkloadError(f"the task file {path} holds no training task; a fleet trains a model (list one in `tasks`)")
+        raise WorkloadError(
+            f"the task file {path} holds no training task; a fleet trains a model (list one in `tasks`)"
+        )
     secure = section.secure if built_in else any(bool(t.plan.server.secure_sum) for t in fleet_tasks)
     return Workload(config, "built-in" if built_in else str(path), fleet_tasks, data, secure)
 
@@ -325,10 +335,13 @@ def _build_task(task: Any, path: Path, section: TaskSection | None, config: Flee
         first = str(exc).splitlines()[0] if str(exc) else ""
         release = next((r for r in task.runtimes if r in first), None) if config.fleet.real_runtimes else None
         if isinstance(exc, PlanError) and release is not None:  # VersioningError, or a release outside the table
-            raise WorkloadError(f"fleet.real_runtimes: no plan for onnxruntime {release} ({first}); remove it from "
-                                "runtime_versions") from None
-        raise WorkloadError(f"task {task.name!r} of {path} does not build ({type(exc).__name__}: {first}); "
-                            f"`fedfleet plan build {path} -o DIR` shows the same") from None
+            raise WorkloadError(
+                f"fleet.real_runtimes: no plan for onnxruntime {release} ({first}); remove it from runtime_versions"
+            ) from None
+        raise WorkloadError(
+            f"task {task.name!r} of {path} does not build ({type(exc).__name__}: {first}); "
+            f"`fedfleet plan build {path} -o DIR` shows the same"
+        ) from None
     rounds = task_round_config(config.task) if section is None else overridden_round_config(task.rounds, section)
     return FleetTask(built, rounds, eval_plan)
 
@@ -343,24 +356,40 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
     label = data.label or "y"
     numeric = [n for n, f in data.features.items() if n != label and f.dtype != "str"]
     if label not in data.features or len(numeric) != 1:
-        raise WorkloadError(f"the built-in task reads one numeric feature and an integer label, but {data.source} has "
-                            f"{', '.join(f'{n} {f.dtype}{list(f.shape)}' for n, f in data.features.items())} (label "
-                            f"{data.label}); name a task file that reads them (--task or [task] file)")
+        raise WorkloadError(
+            f"the built-in task reads one numeric feature and an integer label, but {data.source} has "
+            f"{', '.join(f'{n} {f.dtype}{list(f.shape)}' for n, f in data.features.items())} (label "
+            f"{data.label}); name a task file that reads them (--task or [task] file)"
+        )
     feature = numeric[0]
     labels = data.labels()
     if labels.dtype.kind not in "iub":
-        raise WorkloadError(f"the built-in task classifies, but the label {label!r} of {data.source} is "
-                            f"{labels.dtype}; name a task file for it (--task or [task] file)")
+        raise WorkloadError(
+            f"the built-in task classifies, but the label {label!r} of {data.source} is "
+            f"{labels.dtype}; name a task file for it (--task or [task] file)"
+        )
     t = config.task
-    hp = {"features": int(math.prod(data.features[feature].shape)), "classes": max(2, int(labels.max()) + 1),
-          "hidden": tuple(t.hidden), "lr": t.learning_rate, "batch_size": t.batch_size, "epochs": t.epochs,
-          "shuffle_seed": config.fleet.seed, "secure": t.secure, "x": feature, "y": label}
+    hp = {
+        "features": int(math.prod(data.features[feature].shape)),
+        "classes": max(2, int(labels.max()) + 1),
+        "hidden": tuple(t.hidden),
+        "lr": t.learning_rate,
+        "batch_size": t.batch_size,
+        "epochs": t.epochs,
+        "shuffle_seed": config.fleet.seed,
+        "secure": t.secure,
+        "x": feature,
+        "y": label,
+    }
     test = data.central_test()
 
     def proxy() -> Any:
         if not test or len(test[label]) < 2 * PROXY_DEVICES:
             raise TaskError(f"the data {data.source} has too small a test split for release tests")
-        flat: dict[str, np.ndarray] = {"x": np.asarray(test[feature], np.float32).reshape(len(test[label]), -1), "y": np.asarray(test[label], np.int64)}
+        flat: dict[str, np.ndarray] = {
+            "x": np.asarray(test[feature], np.float32).reshape(len(test[label]), -1),
+            "y": np.asarray(test[label], np.int64),
+        }
         named: dict[str, np.ndarray] = {feature: flat["x"], label: flat["y"]}
         return ProxyData.split(named, devices=PROXY_DEVICES, seed=config.fleet.seed)
 

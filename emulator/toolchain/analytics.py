@@ -54,11 +54,15 @@ def analytics_plan(
     if batch_size < 1 or max_examples_per_device < 1:
         raise ValueError("batch_size and max_examples_per_device must be >= 1")
     bounds = None if edges is None else np.asarray(edges, dtype=np.float32)
-    if bounds is not None and (bounds.ndim != 1 or len(bounds) < 2 or not np.all(np.diff(bounds) > 0) or not np.all(np.isfinite(bounds))):
+    if bounds is not None and (
+        bounds.ndim != 1 or len(bounds) < 2 or not np.all(np.diff(bounds) > 0) or not np.all(np.isfinite(bounds))
+    ):
         raise ValueError(f"edges must be at least two finite, strictly increasing numbers, got {edges!r}")
     e = Emitter(opset, {}, {}, {VALUES, "count"})
     e.record(VALUES, _F32, ("N", *feature_shape))
-    count = e.op("ReduceSum", [e.op("Cast", [e.op("Gather", [e.op("Shape", [VALUES]), e.ints([0])])], to=_F32)], keepdims=0)
+    count = e.op(
+        "ReduceSum", [e.op("Cast", [e.op("Gather", [e.op("Shape", [VALUES]), e.ints([0])])], to=_F32)], keepdims=0
+    )
     e.op("Identity", [count], out="count")
     metrics: list[str] = []
     if bounds is not None:
@@ -73,10 +77,23 @@ def analytics_plan(
             e.op("Gather", [counts, e.const(np.array(i, dtype=np.int64), "i")], out=bin_name)
             metrics.append(bin_name)
     metrics.append("count")
-    work = _model("work", e.nodes, [_vi(VALUES, _F32, ["N", *feature_shape])], [_vi(m, _F32, ()) for m in metrics],
-                  e.initializers, opset)
-    server = server_part({}, kind="eval", metrics=metrics, opset=opset, secure_sum=secure_aggregation,
-                         bitwidth=bitwidth, clip_range=float(max_examples_per_device))
+    work = _model(
+        "work",
+        e.nodes,
+        [_vi(VALUES, _F32, ["N", *feature_shape])],
+        [_vi(m, _F32, ()) for m in metrics],
+        e.initializers,
+        opset,
+    )
+    server = server_part(
+        {},
+        kind="eval",
+        metrics=metrics,
+        opset=opset,
+        secure_sum=secure_aggregation,
+        bitwidth=bitwidth,
+        clip_range=float(max_examples_per_device),
+    )
     return assemble_plan(
         name=name or (f"histogram_{feature}" if bounds is not None else f"count_{feature}"),
         kind="eval",

@@ -26,8 +26,18 @@ from .forward import decompose
 from .gradients import NO_GRADIENT, RULES, erf_gelu_gradient, erf_gelus
 
 __all__ = [
-    "DEFAULT_DOMAINS", "Dim", "Emitter", "TensorInfo", "UnsupportedOpError", "attr", "backward", "constant_values",
-    "differentiable", "needed_for", "tensor_infos", "vjp_model",
+    "DEFAULT_DOMAINS",
+    "Dim",
+    "Emitter",
+    "TensorInfo",
+    "UnsupportedOpError",
+    "attr",
+    "backward",
+    "constant_values",
+    "differentiable",
+    "needed_for",
+    "tensor_infos",
+    "vjp_model",
 ]
 
 
@@ -58,7 +68,9 @@ def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
         if b is None or a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
             continue
         known = infos.get(name)
-        base = known.shape if known is not None and known.shape is not None and len(known.shape) == len(a.shape) else None
+        base = (
+            known.shape if known is not None and known.shape is not None and len(known.shape) == len(a.shape) else None
+        )
         dims: list[Dim] = []
         for k, (x, y) in enumerate(zip(a.shape, b.shape)):
             if base is not None and isinstance(base[k], int):
@@ -92,7 +104,11 @@ def _constants(model: onnx.ModelProto) -> int:
 
 def _dims(vi: onnx.ValueInfoProto) -> list[Dim]:
     tt = vi.type.tensor_type
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim] if tt.HasField("shape") else []
+    return (
+        [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        if tt.HasField("shape")
+        else []
+    )
 
 
 def _with_input_sizes(model: onnx.ModelProto, sizes: Mapping[str, int]) -> onnx.ModelProto:
@@ -120,9 +136,7 @@ def _inferred(model: onnx.ModelProto) -> dict[str, TensorInfo]:
             continue
         shape: tuple[Dim, ...] | None = None
         if tt.HasField("shape"):
-            shape = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-            )
+            shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
         infos[vi.name] = TensorInfo(tt.elem_type, shape)
     for init in g.initializer:
         infos[init.name] = TensorInfo(init.data_type, tuple(int(d) for d in init.dims))
@@ -153,9 +167,9 @@ def _with_constants_folded(model: onnx.ModelProto, infos: Mapping[str, TensorInf
     return folded
 
 
-
-def constant_values(graph: onnx.GraphProto, opset: int | None = None,
-                    infos: Mapping[str, TensorInfo] | None = None) -> dict[str, np.ndarray]:
+def constant_values(
+    graph: onnx.GraphProto, opset: int | None = None, infos: Mapping[str, TensorInfo] | None = None
+) -> dict[str, np.ndarray]:
     """Values of the graph's initializers and of its ``Constant`` nodes' outputs; given the graph's
     ``opset``, also of the small shape arithmetic computed from constants alone (the dynamo
     exporter's unoptimized graphs build a ``ReduceMean``'s axes or a ``Slice``'s starts with
@@ -196,10 +210,16 @@ def constant_values(graph: onnx.GraphProto, opset: int | None = None,
     return values
 
 
-def _known_dims(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: set[str],
-                partial: Mapping[str, list[int | None]], infos: Mapping[str, TensorInfo]) -> list[int | None] | None:
+def _known_dims(
+    node: onnx.NodeProto,
+    values: Mapping[str, np.ndarray],
+    fixed: set[str],
+    partial: Mapping[str, list[int | None]],
+    infos: Mapping[str, TensorInfo],
+) -> list[int | None] | None:
     """The entries of a ``Shape`` (or a ``Gather``, ``Slice`` or ``Concat`` of shapes) that shape
     inference fixed, None for the others; None when the node is none of these."""
+
     def dims(name: str) -> list[int | None] | None:
         if name in partial:
             return partial[name]
@@ -231,7 +251,7 @@ def _known_dims(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: s
             return None
         steps = bounds[3] if len(bounds) > 3 else None
         step = int(steps[0]) if steps is not None else 1
-        return data[int(starts[0]):int(ends[0]):step]
+        return data[int(starts[0]) : int(ends[0]) : step]
     if op == "Concat":
         parts = [dims(i) for i in node.input]
         known = [p for p in parts if p is not None]
@@ -241,13 +261,29 @@ def _known_dims(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: s
 
 # ops that read no graph attribute and draw no random numbers, evaluated on constants when their inputs are small
 _FOLD_LIMIT = 4096
-_NOT_FOLDED = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-                         "Bernoulli", "Loop", "If", "Scan", "SequenceMap"})
+_NOT_FOLDED = frozenset(
+    {
+        "Dropout",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+        "Loop",
+        "If",
+        "Scan",
+        "SequenceMap",
+    }
+)
 
 
 def _foldable(node: onnx.NodeProto, values: Mapping[str, np.ndarray], fixed: set[str]) -> bool:
-    if node.op_type in _NOT_FOLDED or not node.input or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                                            for a in node.attribute):
+    if (
+        node.op_type in _NOT_FOLDED
+        or not node.input
+        or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+    ):
         return False
     return all(not i or (i in fixed and values[i].size <= _FOLD_LIMIT) for i in node.input)
 
@@ -261,7 +297,9 @@ def _fold(node: onnx.NodeProto, values: Mapping[str, np.ndarray], opset: int) ->
         outs = run.run(None, {i: values[i] for i in node.input if i})
     except Exception:  # noqa: BLE001 - an op the reference does not cover stays computed at run time
         return None
-    return {o: np.asarray(v) for o, v in zip(node.output, outs) if o and v is not None and np.asarray(v).size <= _FOLD_LIMIT}
+    return {
+        o: np.asarray(v) for o, v in zip(node.output, outs) if o and v is not None and np.asarray(v).size <= _FOLD_LIMIT
+    }
 
 
 def needed_for(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
@@ -278,7 +316,9 @@ FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOA
 NON_DIFFERENTIABLE_INPUTS: dict[str, tuple[int, ...]] = {"CastLike": (1,)}
 
 
-def differentiable(nodes: Sequence[onnx.NodeProto], sources: Iterable[str], infos: Mapping[str, TensorInfo]) -> set[str]:
+def differentiable(
+    nodes: Sequence[onnx.NodeProto], sources: Iterable[str], infos: Mapping[str, TensorInfo]
+) -> set[str]:
     """The tensors a gradient can reach from ``sources`` (themselves included), nodes in topological order.
 
     It follows float tensors only, through ops that carry a gradient (not every tensor computed from them):
@@ -326,7 +366,9 @@ def backward(
         if not any(i in live for i in node.input if i) or not any(o in needed for o in node.output):
             continue
         if node.domain not in DEFAULT_DOMAINS:
-            raise UnsupportedOpError(node.op_type, node.name, f"is in domain {node.domain!r}; only standard ONNX ops are covered")
+            raise UnsupportedOpError(
+                node.op_type, node.name, f"is in domain {node.domain!r}; only standard ONNX ops are covered"
+            )
         if node.op_type in NO_GRADIENT:
             continue
         gelu = gelus.get(node.output[0])
@@ -382,14 +424,21 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
     graph = model.graph
     opset = next(o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS)
     infos = tensor_infos(model)
-    taken = {t for n in graph.node for t in [*n.input, *n.output]} | {i.name for i in graph.input} | {
-        i.name for i in graph.initializer}
+    taken = (
+        {t for n in graph.node for t in [*n.input, *n.output]}
+        | {i.name for i in graph.input}
+        | {i.name for i in graph.initializer}
+    )
     e = Emitter(opset, infos, constant_values(graph, opset, infos), taken)
     nodes = decompose(e, list(graph.node))
     if len(nodes) != len(graph.node) or e.initializers:  # shapes of the written-out ops, for the rules
-        probe = helper.make_model(helper.make_graph(nodes, "probe", list(graph.input), list(graph.output),
-                                                    initializer=[*graph.initializer, *e.initializers]),
-                                  opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        probe = helper.make_model(
+            helper.make_graph(
+                nodes, "probe", list(graph.input), list(graph.output), initializer=[*graph.initializer, *e.initializers]
+            ),
+            opset_imports=list(model.opset_import),
+            ir_version=model.ir_version,
+        )
         e.infos.update(tensor_infos(probe))
     seeds = {}
     seed_inputs = []
@@ -407,7 +456,10 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
         e.op("Identity", [grad if grad is not None else e.zeros_like(w)], out=name)
         outs.append(_value_info(name, infos[w]))
     new_graph = helper.make_graph(
-        [*nodes, *e.nodes], graph.name, [*graph.input, *seed_inputs], outs,
+        [*nodes, *e.nodes],
+        graph.name,
+        [*graph.input, *seed_inputs],
+        outs,
         initializer=[*graph.initializer, *e.initializers],
     )
     out = helper.make_model(new_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
 from device_runtime.plan import Plan, load_plan, serialize_plan
-from emulator.runtime_worker import WorkerPool
+from emulator.releases.workers import WorkerPool
 from emulator.toolchain.release import release_test, write_report
 from emulator.toolchain.release_signing import sign_report
 from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks
@@ -36,7 +36,15 @@ from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, task_body
 from server_stub.rounds import RoundConfig
 
-__all__ = ["BuiltTask", "TaskBuild", "build_bundle", "build_task", "deploy_bundle", "read_bundle", "release_test_bundle"]
+__all__ = [
+    "BuiltTask",
+    "TaskBuild",
+    "build_bundle",
+    "build_task",
+    "deploy_bundle",
+    "read_bundle",
+    "release_test_bundle",
+]
 
 MANIFEST = "manifest.json"
 REPORT = "release_report.json"
@@ -98,13 +106,23 @@ def build_task(task: Task, *, say: Callable[[str], None] = lambda _m: None) -> T
         vplan = versioned_plan(plan, release)
         data = serialize_plan(vplan)
         versioned[release], versions[release] = vplan, data
-        entries[release] = {"file": f"versions/{release}.fedplan", "sha256": plan_sha256(data),
-                            "opset": vplan.metadata.opset, "ir_version": vplan.metadata.ir_version}
-        say(f"{task.name}: onnxruntime {release}: opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}")
+        entries[release] = {
+            "file": f"versions/{release}.fedplan",
+            "sha256": plan_sha256(data),
+            "opset": vplan.metadata.opset,
+            "ir_version": vplan.metadata.ir_version,
+        }
+        say(
+            f"{task.name}: onnxruntime {release}: opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}"
+        )
     manifest = {
         "task": task.name,
-        "plan": {"file": "plan.fedplan", "sha256": plan_sha256(plan_bytes), "opset": plan.metadata.opset,
-                 "ir_version": plan.metadata.ir_version},
+        "plan": {
+            "file": "plan.fedplan",
+            "sha256": plan_sha256(plan_bytes),
+            "opset": plan.metadata.opset,
+            "ir_version": plan.metadata.ir_version,
+        },
         "checkpoint": "initial.ckpt",
         "versions": entries,
         "runtimes": list(task.runtimes),
@@ -115,12 +133,19 @@ def build_task(task: Task, *, say: Callable[[str], None] = lambda _m: None) -> T
     return TaskBuild(task, plan, plan_bytes, versioned, versions, encode_checkpoint(task.weights(plan)), manifest)
 
 
-def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] | None = None,
-                 say: Callable[[str], None] = lambda _m: None) -> list[Path]:
+def build_bundle(
+    task_file: str | Path,
+    out: str | Path,
+    *,
+    runtimes: list[str] | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+) -> list[Path]:
     """Build every task of ``task_file`` into ``out``; raises VersioningError naming the op and
     the release when a claimed release cannot run the plan."""
     out = Path(out)
-    tasks = [dataclasses.replace(task, runtimes=tuple(runtimes)) if runtimes else task for task in load_tasks(task_file)]
+    tasks = [
+        dataclasses.replace(task, runtimes=tuple(runtimes)) if runtimes else task for task in load_tasks(task_file)
+    ]
     for task in tasks:  # before anything is written
         check_known_releases(task)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +165,9 @@ def build_bundle(task_file: str | Path, out: str | Path, *, runtimes: list[str] 
             _write(root / "versions" / f"{release}.fedplan", data)
         manifest = built.manifest
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        say(f"{task.name}: unversioned plan opset {built.plan.metadata.opset}, {manifest['plan']['sha256'][:12]} -> {root}")
+        say(
+            f"{task.name}: unversioned plan opset {built.plan.metadata.opset}, {manifest['plan']['sha256'][:12]} -> {root}"
+        )
         roots.append(root)
     return roots
 
@@ -159,8 +186,10 @@ def check_bundle_path(path: str | Path) -> None:
     """Refuse a file where a bundle directory is wanted, saying how to make one (a newcomer's plan
     file from ``plan from-onnx -o X.fedplan`` has no checkpoint nor task to test)."""
     if Path(path).is_file():
-        raise TaskError(f"{path} is a file, not a bundle directory; `fedfleet plan from-onnx MODEL.onnx --label y -o DIR` "
-                        "writes one from a model (`plan build TASK.py -o DIR` from a task file), then `plan test DIR`")
+        raise TaskError(
+            f"{path} is a file, not a bundle directory; `fedfleet plan from-onnx MODEL.onnx --label y -o DIR` "
+            "writes one from a model (`plan build TASK.py -o DIR` from a task file), then `plan test DIR`"
+        )
 
 
 def read_bundle(directory: str | Path) -> list[BuiltTask]:
@@ -168,7 +197,9 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
     directory = Path(directory)
     check_bundle_path(directory)
     if not (directory / TASK_FILE).is_file():
-        raise TaskError(f"{directory} is not a built task (no {TASK_FILE}); run `fedfleet plan build TASK.py -o {directory}`")
+        raise TaskError(
+            f"{directory} is not a built task (no {TASK_FILE}); run `fedfleet plan build TASK.py -o {directory}`"
+        )
     by_name = {t.name: t for t in load_tasks(_task_file(directory))}
     built = []
     for manifest_path in sorted(directory.glob(f"*/{MANIFEST}")):
@@ -176,13 +207,17 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         task = by_name.get(manifest["task"])
         if task is None:
-            raise TaskError(f"{directory / TASK_FILE} no longer defines task {manifest['task']!r}; build the bundle again")
+            raise TaskError(
+                f"{directory / TASK_FILE} no longer defines task {manifest['task']!r}; build the bundle again"
+            )
         task = dataclasses.replace(task, runtimes=tuple(manifest["runtimes"]))
         check_known_releases(task)
         plan = (root / manifest["plan"]["file"]).read_bytes()
         versions = {r: (root / v["file"]).read_bytes() for r, v in manifest["versions"].items()}
-        for name, data, want in [("plan", plan, manifest["plan"]["sha256"]),
-                                 *((r, versions[r], v["sha256"]) for r, v in manifest["versions"].items())]:
+        for name, data, want in [
+            ("plan", plan, manifest["plan"]["sha256"]),
+            *((r, versions[r], v["sha256"]) for r, v in manifest["versions"].items()),
+        ]:
             if plan_sha256(data) != want:
                 raise TaskError(f"{root}: the {name} plan does not match its manifest id; build the bundle again")
         built.append(BuiltTask(task, root, plan, versions, (root / manifest["checkpoint"]).read_bytes(), manifest))
@@ -191,13 +226,20 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
     names = {b.task.name for b in built}
     for b in built:
         if b.task.evaluates is not None and b.task.evaluates.name not in names:
-            raise TaskError(f"{directory}: {b.task.name!r} evaluates {b.task.evaluates.name!r}, which is not built here; "
-                            "build the bundle again")
+            raise TaskError(
+                f"{directory}: {b.task.name!r} evaluates {b.task.evaluates.name!r}, which is not built here; "
+                "build the bundle again"
+            )
     return built
 
 
-def release_test_bundle(directory: str | Path, pool: WorkerPool, *, say: Callable[[str], None] = lambda _m: None,
-                        signing_key: Ed25519PrivateKey | None = None) -> list[BuiltTask]:
+def release_test_bundle(
+    directory: str | Path,
+    pool: WorkerPool,
+    *,
+    say: Callable[[str], None] = lambda _m: None,
+    signing_key: Ed25519PrivateKey | None = None,
+) -> list[BuiltTask]:
     """Run the release tests of every task of a bundle on its exact plans; each report, signed
     with ``signing_key`` when given (a server that checks signatures refuses it otherwise), is
     written next to its plans (``BuiltTask.report()`` reads it)."""
@@ -210,8 +252,15 @@ def release_test_bundle(directory: str | Path, pool: WorkerPool, *, say: Callabl
         if built.task.evaluates is not None:  # the models it measures come from its training task's plan
             source = by_name[built.task.evaluates.name]
             trained = (load_plan(source.plan), decode_checkpoint(source.checkpoint))
-        report = release_test(built.task, pool=pool, plan=load_plan(built.plan), versioned=versioned,
-                              weights=decode_checkpoint(built.checkpoint), progress=say, trained=trained)
+        report = release_test(
+            built.task,
+            pool=pool,
+            plan=load_plan(built.plan),
+            versioned=versioned,
+            weights=decode_checkpoint(built.checkpoint),
+            progress=say,
+            trained=trained,
+        )
         write_report(report if signing_key is None else sign_report(report, signing_key), built.report_path)
     return built_tasks
 
@@ -227,8 +276,17 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
             raise TaskError(f"{built.root} has no release report; run `fedfleet plan test {directory}` first")
         config = RoundConfig.from_dict(built.manifest["round_config"])
         evaluates = built.manifest.get("evaluates")  # an evaluation takes its training task's model
-        bodies.append(task_body(built.task.name, built.plan, None if evaluates else built.checkpoint, config,
-                                versioned_plans=built.versions, release_report=report, evaluates=evaluates))
+        bodies.append(
+            task_body(
+                built.task.name,
+                built.plan,
+                None if evaluates else built.checkpoint,
+                config,
+                versioned_plans=built.versions,
+                release_report=report,
+                evaluates=evaluates,
+            )
+        )
     if population not in admin.populations():
         admin.create_population(population)
     if len(bodies) == 1:

@@ -58,8 +58,9 @@ def evaluation_plan_from_onnx(
     check_loss(loss)
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
-    parts = read_model(model, opset=opset if training_plan is None else training_plan.metadata.opset,
-                       output=output, inputs=inputs)
+    parts = read_model(
+        model, opset=opset if training_plan is None else training_plan.metadata.opset, output=output, inputs=inputs
+    )
     onnx_import.inference_form(parts.model)  # a train-mode export's Dropout and BatchNorm, as evaluation runs them
     graph = parts.model.graph
     chosen = _metrics(loss, metrics)
@@ -69,13 +70,18 @@ def evaluation_plan_from_onnx(
         spec = PlanExecutor(training_plan).weight_spec()
         weights = {w: tuple(shape) for w, (shape, _dtype) in spec.items()}
     else:
-        names = list(trainable) if trainable is not None else default_trainable(nodes, parts.initializers, parts.prediction,
-                                                                                 tensor_infos(parts.model))
+        names = (
+            list(trainable)
+            if trainable is not None
+            else default_trainable(nodes, parts.initializers, parts.prediction, tensor_infos(parts.model))
+        )
         for node in nodes:  # running statistics come from the checkpoint too
             if node.op_type == "BatchNormalization":
                 names += [s for s in node.input[3:5] if s in parts.initializers and s not in names]
         weights = {w: tuple(int(d) for d in parts.initializers[w].dims) for w in names}
-    taken = {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
+    taken = (
+        {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
+    )
     taken |= {"loss_sum", "count", "correct"}
     e = Emitter(parts.opset, tensor_infos(parts.model), constant_values(graph, parts.opset), taken)
     label_input = e.reserve("label")

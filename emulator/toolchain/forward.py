@@ -49,8 +49,9 @@ class TrainingForward:
     state_updates: dict[str, str] = field(default_factory=dict)
 
 
-def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: set[str],
-                     dropout_seed: int | None = 0) -> TrainingForward:
+def training_forward(
+    e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: set[str], dropout_seed: int | None = 0
+) -> TrainingForward:
     """Rewrite ``nodes`` for training (see the module docstring); new tensors come from ``e``.
 
     Each active ``Dropout`` without a seed of its own gets ``dropout_seed`` plus its position, so
@@ -76,7 +77,9 @@ def training_forward(e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: 
             dropouts += 1
         elif node.op_type == "Conv" and (taps := conv_taps(e, node)) is not None:
             out.nodes += _emitted(e, _conv_as_taps, e, node, taps)
-        elif node.op_type == "MaxPool" and (len(node.output) < 2 or not node.output[1]) and tiling_pool(e, node) is None:
+        elif (
+            node.op_type == "MaxPool" and (len(node.output) < 2 or not node.output[1]) and tiling_pool(e, node) is None
+        ):
             rewritten = onnx.NodeProto()
             rewritten.CopyFrom(node)
             del rewritten.output[:]
@@ -120,10 +123,17 @@ def sequences_as_slices(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onn
         axis = int(attr(source, "axis", 0))
         squeeze = (len(source.input) < 2 or not source.input[1]) and not int(attr(source, "keepdims", 1))
         sliced = e.fresh(f"{node.output[0]}_slice") if squeeze else node.output[0]
-        out.append(helper.make_node("Slice", [source.input[0], e.ints([start]), e.ints([end]), e.ints([axis])], [sliced],
-                                    name=node.name))
+        out.append(
+            helper.make_node(
+                "Slice", [source.input[0], e.ints([start]), e.ints([end]), e.ints([axis])], [sliced], name=node.name
+            )
+        )
         if squeeze:
-            out.append(helper.make_node("Squeeze", [sliced, e.ints([axis])], [node.output[0]], name=e.fresh(f"{node.name}_squeeze")))
+            out.append(
+                helper.make_node(
+                    "Squeeze", [sliced, e.ints([axis])], [node.output[0]], name=e.fresh(f"{node.name}_squeeze")
+                )
+            )
     return out
 
 
@@ -195,8 +205,13 @@ def conv_taps(e: Emitter, node: onnx.NodeProto) -> ConvTaps | None:
     :data:`DENSE_TAPS_MAX_POSITIONS`), else None."""
     group = int(attr(node, "group", 1))
     xshape, wshape, yshape = e.shape(node.input[0]), e.shape(node.input[1]), e.shape(node.output[0])
-    if xshape is None or wshape is None or yshape is None or len(xshape) < 3 or \
-            not all(isinstance(d, int) for d in [*xshape[1:], *wshape, *yshape[1:]]):
+    if (
+        xshape is None
+        or wshape is None
+        or yshape is None
+        or len(xshape) < 3
+        or not all(isinstance(d, int) for d in [*xshape[1:], *wshape, *yshape[1:]])
+    ):
         return None
     if e.elem_type(node.input[0]) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
         return None
@@ -303,7 +318,9 @@ def _dense_tap_weights(e: Emitter, w: str, g: ConvTaps, taps: int, used: list[in
         if len(used) == 1:
             return {used[0]: e.op("Reshape", [flat, e.ints([g.c_out, g.c_in])])}
     rows = e.op("Reshape", [e.op("Transpose", [flat], perm=[1, 0]), e.ints([len(used), g.c_out, g.c_in])])
-    return {k: e.op("Squeeze", [part, e.ints([0])]) for k, part in zip(used, split(e, rows, [1] * len(used), 0, "tap_w"))}
+    return {
+        k: e.op("Squeeze", [part, e.ints([0])]) for k, part in zip(used, split(e, rows, [1] * len(used), 0, "tap_w"))
+    }
 
 
 def _drops_nothing(e: Emitter, node: onnx.NodeProto, read: set[str]) -> bool:
@@ -323,7 +340,13 @@ def _read_tensors(nodes: Sequence[onnx.NodeProto]) -> set[str]:
     for node in nodes:
         read.update(i for i in node.input if i)
         for a in node.attribute:
-            for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs if a.type == onnx.AttributeProto.GRAPHS else []:
+            for g in (
+                [a.g]
+                if a.type == onnx.AttributeProto.GRAPH
+                else a.graphs
+                if a.type == onnx.AttributeProto.GRAPHS
+                else []
+            ):
                 read |= _read_tensors(g.node)
     return read
 
@@ -377,7 +400,9 @@ def _unbiased(e: Emitter, x: str, mean: str, var: str) -> str:
     batch is dynamic), as torch updates the running variance; n = 1 keeps the (zero) variance
     where torch refuses the batch, so that a device's one-example last batch cannot make it infinite."""
     elem = e.elem_type(x)
-    n = e.op("Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [mean])], to=elem)], hint="bn_n")
+    n = e.op(
+        "Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [mean])], to=elem)], hint="bn_n"
+    )
     less_one = e.op("Max", [e.op("Sub", [n, e.scalar(1.0, x)]), e.scalar(1.0, x)])
     return e.op("Mul", [var, e.op("Div", [n, less_one])], hint="bn_var_unbiased")
 
@@ -428,8 +453,13 @@ def _group_norm(e: Emitter, node: onnx.NodeProto) -> None:
     normed = _normalized(e, grouped, [2], float(attr(node, "epsilon", 1e-5)), "gn")
     if e.opset < 21:
         per_group = [1, groups, 1]
-        normed = e.op("Add", [e.op("Mul", [normed, e.op("Reshape", [scale, e.ints(per_group)])]),
-                              e.op("Reshape", [bias, e.ints(per_group)])])
+        normed = e.op(
+            "Add",
+            [
+                e.op("Mul", [normed, e.op("Reshape", [scale, e.ints(per_group)])]),
+                e.op("Reshape", [bias, e.ints(per_group)]),
+            ],
+        )
         e.op("Reshape", [normed, e.shape_of(x)], out=node.output[0])
         return
     back = e.op("Reshape", [normed, e.shape_of(x)])
@@ -449,13 +479,16 @@ class _Recurrent:
 def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurrent:
     """How to unroll a GRU/LSTM with the default activations, either direction or both, in layout 0
     (torch's exporters write batch_first with Transpose nodes around it; onnxruntime runs no other)."""
+
     def refuse(why: str) -> NoReturn:
         raise UnsupportedOpError(node.op_type, node.name, why)
 
     direction = attr(node, "direction", b"forward")
     direction = direction.decode() if isinstance(direction, bytes) else direction
     if int(attr(node, "layout", 0)) != 0:
-        refuse("is unrolled with layout=0 only (sequence first, as torch's exporters write it; onnxruntime runs no other)")
+        refuse(
+            "is unrolled with layout=0 only (sequence first, as torch's exporters write it; onnxruntime runs no other)"
+        )
     if attr(node, "clip") is not None or attr(node, "activations") is not None:
         refuse("is unrolled without clip and with the default activations only")
     if len(node.input) > 4 and node.input[4]:
@@ -497,7 +530,9 @@ def _direction(e: Emitter, t: str, d: int, keep: bool = False) -> str:
     return part if keep else e.op("Squeeze", [part, e.ints([0])])
 
 
-def _recurrent_setup(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, gates: int, d: int) -> tuple[str, str, str | None]:
+def _recurrent_setup(
+    e: Emitter, node: onnx.NodeProto, rec: _Recurrent, gates: int, d: int
+) -> tuple[str, str, str | None]:
     """For direction ``d``: (the input sequence [seq, batch, in] times the input weights plus the
     input bias [seq, batch, gates*H], the recurrent weights transposed [H, gates*H], the recurrent
     bias or None)."""
@@ -520,8 +555,11 @@ def _initial(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, index: int, d: i
     x = node.input[0]
     batch = e.op("Slice", [e.op("Shape", [x]), e.ints([1]), e.ints([2])])
     dtype = helper.tensor_dtype_to_np_dtype(e.elem_type(x))
-    return e.op("ConstantOfShape", [e.op("Concat", [e.ints([1]), batch, e.ints([rec.hidden])], axis=0)],
-                value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)))
+    return e.op(
+        "ConstantOfShape",
+        [e.op("Concat", [e.ints([1]), batch, e.ints([rec.hidden])], axis=0)],
+        value=onnx.numpy_helper.from_array(np.zeros(1, dtype=dtype)),
+    )
 
 
 def _step_inputs(e: Emitter, xw: str, seq: int) -> list[str]:
@@ -536,8 +574,9 @@ def _steps(rec: _Recurrent, direction: str) -> list[int]:
     return list(range(rec.seq)) if direction == "forward" else list(reversed(range(rec.seq)))
 
 
-def _recurrent_outputs(e: Emitter, node: onnx.NodeProto, rec: _Recurrent, hs: list[dict[int, str]],
-                       finals: list[list[str]]) -> None:
+def _recurrent_outputs(
+    e: Emitter, node: onnx.NodeProto, rec: _Recurrent, hs: list[dict[int, str]], finals: list[list[str]]
+) -> None:
     """Y [seq, directions, batch, H] from each direction's states by time step ``hs``, and the final
     states [directions, batch, H] from ``finals`` (per output, per direction)."""
     outs = list(node.output) + [""] * (3 - len(node.output))
@@ -615,8 +654,13 @@ def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
     _recurrent_outputs(e, node, rec, hs, [final_h, final_c])
 
 
-DECOMPOSED = {"LayerNormalization": _layer_norm, "GRU": _gru, "LSTM": _lstm, "InstanceNormalization": _instance_norm,
-              "GroupNormalization": _group_norm}
+DECOMPOSED = {
+    "LayerNormalization": _layer_norm,
+    "GRU": _gru,
+    "LSTM": _lstm,
+    "InstanceNormalization": _instance_norm,
+    "GroupNormalization": _group_norm,
+}
 
 
 def is_float(elem_type: int) -> bool:

@@ -27,11 +27,34 @@ _NOTES: dict[str, str] = {}
 
 # Ops whose outputs carry no gradient (integer, boolean or piecewise-constant results): allowed
 # anywhere in a model, a gradient stops there.
-NO_GRADIENT = frozenset({
-    "Shape", "Size", "Constant", "ConstantOfShape", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual",
-    "Not", "And", "Or", "Xor", "ArgMax", "ArgMin", "Range", "NonZero", "Sign", "Floor", "Ceil", "Round",
-    "IsNaN", "IsInf", "OneHot",
-})
+NO_GRADIENT = frozenset(
+    {
+        "Shape",
+        "Size",
+        "Constant",
+        "ConstantOfShape",
+        "Equal",
+        "Greater",
+        "GreaterOrEqual",
+        "Less",
+        "LessOrEqual",
+        "Not",
+        "And",
+        "Or",
+        "Xor",
+        "ArgMax",
+        "ArgMin",
+        "Range",
+        "NonZero",
+        "Sign",
+        "Floor",
+        "Ceil",
+        "Round",
+        "IsNaN",
+        "IsInf",
+        "OneHot",
+    }
+)
 
 
 def rule(*ops: str, note: str = "") -> Callable[[Rule], Rule]:
@@ -79,8 +102,7 @@ def _add(e, node, dys, wants):
 @rule("Sub", note="dy, -dy, summed over broadcast axes (then negated)")
 def _sub(e, node, dys, wants):
     dy, (a, b), y = _dy(dys, e, node), node.input, node.output[0]
-    return [e.unbroadcast(dy, y, a) if wants[0] else None,
-            e.op("Neg", [e.unbroadcast(dy, y, b)]) if wants[1] else None]
+    return [e.unbroadcast(dy, y, a) if wants[0] else None, e.op("Neg", [e.unbroadcast(dy, y, b)]) if wants[1] else None]
 
 
 @rule("Mul", note="dy*b, dy*a, summed over broadcast axes; x*x: dy*2x")
@@ -90,8 +112,10 @@ def _mul(e, node, dys, wants):
         if dy in e.broadcasts and e.shape(a) == e.shape(y):  # a mean's gradient: scale it before it meets a
             return [e.op("Mul", [a, e.op("Mul", [e.broadcasts[dy], e.scalar(2.0, a)])]) if wants[0] else None, None]
         return [e.unbroadcast(e.op("Mul", [dy, e.op("Mul", [a, e.scalar(2.0, a)])]), y, a) if wants[0] else None, None]
-    return [e.unbroadcast(e.op("Mul", [dy, b]), y, a) if wants[0] else None,
-            e.unbroadcast(e.op("Mul", [dy, a]), y, b) if wants[1] else None]
+    return [
+        e.unbroadcast(e.op("Mul", [dy, b]), y, a) if wants[0] else None,
+        e.unbroadcast(e.op("Mul", [dy, a]), y, b) if wants[1] else None,
+    ]
 
 
 @rule("Div", note="dy/b, -dy*y/b (a broadcast b: the sum of dy*y, then /b)")
@@ -216,8 +240,10 @@ def _max_min(e, node, dys, wants):
         raise UnsupportedOpError(node.op_type, node.name, "is differentiated with one or two inputs only")
     a, b = node.input
     chose_a = e.op("Equal", [a, y])
-    return [e.unbroadcast(_masked(e, chose_a, dy), y, a) if wants[0] else None,
-            e.unbroadcast(_masked(e, e.op("Not", [chose_a]), dy), y, b) if wants[1] else None]
+    return [
+        e.unbroadcast(_masked(e, chose_a, dy), y, a) if wants[0] else None,
+        e.unbroadcast(_masked(e, e.op("Not", [chose_a]), dy), y, b) if wants[1] else None,
+    ]
 
 
 @rule("Sum", note="dy to every input")
@@ -229,9 +255,11 @@ def _sum(e, node, dys, wants):
 @rule("Where", note="dy where the condition holds to x, elsewhere to y")
 def _where_rule(e, node, dys, wants):
     dy, (c, a, b), y = _dy(dys, e, node), node.input, node.output[0]
-    return [None,
-            e.unbroadcast(_masked(e, c, dy), y, a) if wants[1] else None,
-            e.unbroadcast(_masked(e, e.op("Not", [c]), dy), y, b) if wants[2] else None]
+    return [
+        None,
+        e.unbroadcast(_masked(e, c, dy), y, a) if wants[1] else None,
+        e.unbroadcast(_masked(e, e.op("Not", [c]), dy), y, b) if wants[2] else None,
+    ]
 
 
 @rule("Expand", note="dy summed over the expanded axes")
@@ -272,15 +300,21 @@ def _hard_sigmoid(e, node, dys, wants):
 def _hard_swish(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     ramp = e.op("Add", [e.op("Mul", [x, e.scalar(1.0 / 3.0, x)]), e.scalar(0.5, x)])
-    local = _where(e, e.op("Less", [x, e.scalar(-3.0, x)]), e.scalar(0.0, x),
-                   _where(e, e.op("Greater", [x, e.scalar(3.0, x)]), e.scalar(1.0, x), ramp))
+    local = _where(
+        e,
+        e.op("Less", [x, e.scalar(-3.0, x)]),
+        e.scalar(0.0, x),
+        _where(e, e.op("Greater", [x, e.scalar(3.0, x)]), e.scalar(1.0, x), ramp),
+    )
     return [e.op("Mul", [dy, local])]
 
 
 @rule("Dropout", note="dy*mask/(1-ratio) when training, dy at inference")
 def _dropout(e, node, dys, wants):
     dy = _dy(dys, e, node)
-    training = len(node.input) > 2 and node.input[2] and e.value(node.input[2]) is not None and bool(e.value(node.input[2]))
+    training = (
+        len(node.input) > 2 and node.input[2] and e.value(node.input[2]) is not None and bool(e.value(node.input[2]))
+    )
     if not training:
         return [dy, None, None][: len(node.input)]
     if len(node.output) < 2 or not node.output[1]:
@@ -299,7 +333,9 @@ def _dropout(e, node, dys, wants):
 # ---------------------------------------------------------------------------- composite patterns
 
 
-def erf_gelus(nodes: Sequence[onnx.NodeProto], e: Emitter, live: set[str]) -> dict[str, tuple[str, str, str, float, float]]:
+def erf_gelus(
+    nodes: Sequence[onnx.NodeProto], e: Emitter, live: set[str]
+) -> dict[str, tuple[str, str, str, float, float]]:
     """The exact GELU as exporters write it below opset 20 (``Gelu``'s): ``x * (erf(x / c) + 1) * h``
     with constants no gradient reaches (``live``: the tensors one does), whose inner tensors nothing
     else reads. Output -> (x, x/c, erf + 1, 1/c, h); the output's gradient
@@ -342,8 +378,14 @@ def erf_gelus(nodes: Sequence[onnx.NodeProto], e: Emitter, live: set[str]) -> di
             erf = only(one[0], "Erf") if one is not None and one[1] == 1.0 else None
             scaled = producers.get(erf.input[0]) if erf is not None else None
             c = scalar(scaled.input[1]) if scaled is not None else None
-            if erf is None or scaled is None or readers.get(erf.input[0]) != 1 or scaled.op_type not in ("Div", "Mul") \
-                    or scaled.input[0] != x or not c:
+            if (
+                erf is None
+                or scaled is None
+                or readers.get(erf.input[0]) != 1
+                or scaled.op_type not in ("Div", "Mul")
+                or scaled.input[0] != x
+                or not c
+            ):
                 continue
             found[node.output[0]] = (x, erf.input[0], a, 1.0 / c if scaled.op_type == "Div" else c, h)
             break
@@ -383,16 +425,32 @@ def _gelu(e, node, dys, wants):
     if approximate == "tanh":  # y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
         c, k = math.sqrt(2.0 / math.pi), 0.044715
         x2 = e.op("Mul", [x, x])
-        u = e.op("Mul", [e.op("Mul", [x, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x2, e.scalar(k, x)])])]), e.scalar(c, x)])
+        u = e.op(
+            "Mul",
+            [e.op("Mul", [x, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x2, e.scalar(k, x)])])]), e.scalar(c, x)],
+        )
         t = e.op("Tanh", [u])
         du = e.op("Add", [e.scalar(c, x), e.op("Mul", [x2, e.scalar(3.0 * k * c, x)])])
         sech2 = e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [t, t])])
-        local = e.op("Mul", [half, e.op("Add", [e.op("Add", [e.scalar(1.0, x), t]), e.op("Mul", [e.op("Mul", [x, sech2]), du])])])
+        local = e.op(
+            "Mul", [half, e.op("Add", [e.op("Add", [e.scalar(1.0, x), t]), e.op("Mul", [e.op("Mul", [x, sech2]), du])])]
+        )
         return _local(e, node, dys, local)
     if approximate != "none":
-        raise UnsupportedOpError(node.op_type, node.name, f"has approximate={approximate!r}; 'none' and 'tanh' are covered")
-    cdf = e.op("Mul", [half, e.op("Add", [e.scalar(1.0, x), e.op("Erf", [e.op("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), x)])])])])
-    pdf = e.op("Mul", [e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), e.scalar(-0.5, x)])]), e.scalar(1.0 / math.sqrt(2.0 * math.pi), x)])
+        raise UnsupportedOpError(
+            node.op_type, node.name, f"has approximate={approximate!r}; 'none' and 'tanh' are covered"
+        )
+    cdf = e.op(
+        "Mul",
+        [half, e.op("Add", [e.scalar(1.0, x), e.op("Erf", [e.op("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), x)])])])],
+    )
+    pdf = e.op(
+        "Mul",
+        [
+            e.op("Exp", [e.op("Mul", [e.op("Mul", [x, x]), e.scalar(-0.5, x)])]),
+            e.scalar(1.0 / math.sqrt(2.0 * math.pi), x),
+        ],
+    )
     return _local(e, node, dys, e.op("Add", [cdf, e.op("Mul", [x, pdf])]))
 
 
@@ -414,15 +472,22 @@ def _elu(e, node, dys, wants):
 @rule("Selu", note="dy*gamma where x > 0, dy*(y+alpha*gamma) elsewhere")
 def _selu(e, node, dys, wants):
     x, y = node.input[0], node.output[0]
-    alpha, gamma = float(attr(node, "alpha", 1.67326319217681884765625)), float(attr(node, "gamma", 1.05070102214813232421875))
-    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(gamma, x), e.op("Add", [y, e.scalar(alpha * gamma, x)])))
+    alpha, gamma = (
+        float(attr(node, "alpha", 1.67326319217681884765625)),
+        float(attr(node, "gamma", 1.05070102214813232421875)),
+    )
+    return _local(
+        e, node, dys, _where(e, _positive(e, x), e.scalar(gamma, x), e.op("Add", [y, e.scalar(alpha * gamma, x)]))
+    )
 
 
 @rule("Celu", note="dy where x > 0, dy*exp(x/alpha) elsewhere")
 def _celu(e, node, dys, wants):
     x = node.input[0]
     alpha = float(attr(node, "alpha", 1.0))
-    return _local(e, node, dys, _where(e, _positive(e, x), e.scalar(1.0, x), e.op("Exp", [e.op("Div", [x, e.scalar(alpha, x)])])))
+    return _local(
+        e, node, dys, _where(e, _positive(e, x), e.scalar(1.0, x), e.op("Exp", [e.op("Div", [x, e.scalar(alpha, x)])]))
+    )
 
 
 @rule("ThresholdedRelu", note="dy where x > alpha")
@@ -505,8 +570,11 @@ def _tile(e, node, dys, wants):
     return [summed, None]
 
 
-@rule("Pad", note="constant: dy cropped (Pad by the negated pads); reflect, edge, wrap: the border's dy added back "
-                  "where it was read")
+@rule(
+    "Pad",
+    note="constant: dy cropped (Pad by the negated pads); reflect, edge, wrap: the border's dy added back "
+    "where it was read",
+)
 def _pad(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     mode = attr(node, "mode", b"constant")
@@ -520,8 +588,11 @@ def _pad(e, node, dys, wants):
     k = len(axes)
     grads: list[str | None] = [None] * len(node.input)
     if mode == "constant":
-        grads[0] = e.op("Pad", [dy, e.ints([-p for p in pads]), "", e.ints(axes)]) if e.opset >= 18 else \
-            e.op("Pad", [dy, e.ints(_full_pads([-p for p in pads], axes, rank))])
+        grads[0] = (
+            e.op("Pad", [dy, e.ints([-p for p in pads]), "", e.ints(axes)])
+            if e.opset >= 18
+            else e.op("Pad", [dy, e.ints(_full_pads([-p for p in pads], axes, rank))])
+        )
         return grads
     if mode not in ("reflect", "edge", "wrap") or any(p < 0 for p in pads):
         raise UnsupportedOpError(node.op_type, node.name, f"with mode={mode!r} and negative pads is not differentiated")
@@ -548,14 +619,26 @@ def _unpad_axis(e: Emitter, node, g: str, mode: str, axis: int, begin: int, end:
     parts = []  # (the border's gradient, where its first row lands in x, its length)
     if begin:
         head = _slice1(e, g, 0, begin, axis)
-        parts.append({"reflect": (_slice1(e, head, begin - 1, -total - 1, axis, -1), 1, begin),  # y[j] = x[begin-j]
-                      "edge": (e.reduce("ReduceSum", head, [axis], keepdims=True), 0, 1),
-                      "wrap": (head, n - begin, begin)}[mode])  # y[j] = x[n-begin+j]
+        parts.append(
+            {
+                "reflect": (_slice1(e, head, begin - 1, -total - 1, axis, -1), 1, begin),  # y[j] = x[begin-j]
+                "edge": (e.reduce("ReduceSum", head, [axis], keepdims=True), 0, 1),
+                "wrap": (head, n - begin, begin),
+            }[mode]
+        )  # y[j] = x[n-begin+j]
     if end:
         tail = _slice1(e, g, begin + n, total, axis)
-        parts.append({"reflect": (_slice1(e, tail, end - 1, -total - 1, axis, -1), n - 1 - end, end),  # y[begin+n+k] = x[n-2-k]
-                      "edge": (e.reduce("ReduceSum", tail, [axis], keepdims=True), n - 1, 1),
-                      "wrap": (tail, 0, end)}[mode])  # y[begin+n+k] = x[k]
+        parts.append(
+            {
+                "reflect": (
+                    _slice1(e, tail, end - 1, -total - 1, axis, -1),
+                    n - 1 - end,
+                    end,
+                ),  # y[begin+n+k] = x[n-2-k]
+                "edge": (e.reduce("ReduceSum", tail, [axis], keepdims=True), n - 1, 1),
+                "wrap": (tail, 0, end),
+            }[mode]
+        )  # y[begin+n+k] = x[k]
     out = _slice1(e, g, begin, begin + n, axis)
     rank = e.rank(node.input[0])
     if rank is None:
@@ -573,7 +656,9 @@ def _unpad_axis(e: Emitter, node, g: str, mode: str, axis: int, begin: int, end:
 def _gather_elements(e, node, dys, wants):
     data, idx = node.input
     if e.opset < 16:
-        raise UnsupportedOpError(node.op_type, node.name, "is differentiated at opset 16 or later (ScatterElements with add)")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "is differentiated at opset 16 or later (ScatterElements with add)"
+        )
     axis = int(attr(node, "axis", 0))
     return [e.op("ScatterElements", [e.zeros_like(data), idx, _dy(dys, e, node)], axis=axis, reduction="add"), None]
 
@@ -582,12 +667,17 @@ def _gather_elements(e, node, dys, wants):
 def _gather_nd(e, node, dys, wants):
     data, idx = node.input
     if int(attr(node, "batch_dims", 0)) or e.opset < 16:
-        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with batch_dims=0 at opset 16 or later only")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "is differentiated with batch_dims=0 at opset 16 or later only"
+        )
     return [e.op("ScatterND", [e.zeros_like(data), idx, _dy(dys, e, node)], reduction="add"), None]
 
 
-@rule("ScatterND", "ScatterElements", note="data: dy where nothing was written; updates: dy gathered at the indices "
-                                           "(reduction none or add)")
+@rule(
+    "ScatterND",
+    "ScatterElements",
+    note="data: dy where nothing was written; updates: dy gathered at the indices (reduction none or add)",
+)
 def _scatter(e, node, dys, wants):
     (_, idx, updates), dy = node.input, _dy(dys, e, node)
     reduction = attr(node, "reduction", b"none")
@@ -605,8 +695,15 @@ def _scatter(e, node, dys, wants):
 
 @rule("CumSum", note="dy summed the other way along the axis")
 def _cumsum(e, node, dys, wants):
-    return [e.op("CumSum", [_dy(dys, e, node), node.input[1]], exclusive=int(attr(node, "exclusive", 0)),
-                 reverse=1 - int(attr(node, "reverse", 0))), None]
+    return [
+        e.op(
+            "CumSum",
+            [_dy(dys, e, node), node.input[1]],
+            exclusive=int(attr(node, "exclusive", 0)),
+            reverse=1 - int(attr(node, "reverse", 0)),
+        ),
+        None,
+    ]
 
 
 @rule("Trilu", note="dy with the same triangle kept")
@@ -615,8 +712,12 @@ def _trilu(e, node, dys, wants):
     return [e.op("Trilu", inputs, upper=int(attr(node, "upper", 1))), None][: len(node.input)]
 
 
-@rule("DepthToSpace", "SpaceToDepth", note="dy moved back (SpaceToDepth and DepthToSpace in DCR order undo each "
-                                           "other; CRD through Reshape and Transpose)")
+@rule(
+    "DepthToSpace",
+    "SpaceToDepth",
+    note="dy moved back (SpaceToDepth and DepthToSpace in DCR order undo each "
+    "other; CRD through Reshape and Transpose)",
+)
 def _depth_space(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     b = int(attr(node, "blocksize"))
@@ -637,19 +738,26 @@ def _depth_space(e, node, dys, wants):
 # ---------------------------------------------------------------------------- transposed convolution and resizing
 
 
-@rule("ConvTranspose", note="dx: Conv of dy with the same weight; dw: Conv of dy and x with batch and channels swapped "
-                            "(grouped: one Conv with the groups); db: sum")
+@rule(
+    "ConvTranspose",
+    note="dx: Conv of dy with the same weight; dw: Conv of dy and x with batch and channels swapped "
+    "(grouped: one Conv with the groups); db: sum",
+)
 def _conv_transpose(e, node, dys, wants):
     x, w = node.input[0], node.input[1]
     y, dy = node.output[0], _dy(dys, e, node)
     xshape, wshape, yshape = e.shape(x), e.shape(w), e.shape(y)
     static = [s is not None and all(isinstance(d, int) for d in s[1:]) for s in (xshape, wshape, yshape)]
     if not all(static) or not isinstance(wshape[0], int):
-        raise UnsupportedOpError(node.op_type, node.name, "needs static channel and spatial sizes and a weight of static shape")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "needs static channel and spatial sizes and a weight of static shape"
+        )
     auto = attr(node, "auto_pad", b"NOTSET")
     auto = auto.decode() if isinstance(auto, bytes) else auto
     if auto not in ("NOTSET", "VALID") or attr(node, "output_shape") is not None:
-        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with explicit pads only (no auto_pad or output_shape)")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "is differentiated with explicit pads only (no auto_pad or output_shape)"
+        )
     kernel = [int(d) for d in wshape[2:]]
     nd = len(kernel)
     group = int(attr(node, "group", 1))
@@ -667,8 +775,13 @@ def _conv_transpose(e, node, dys, wants):
         # batch) with x (batch as the channels), the groups' blocks of dy's channels side by side
         n_dims = list(range(2, 2 + nd))
         dyg = e.op("Reshape", [dy, e.ints([0, group, c_out_group, *[int(d) for d in yshape[2:]]])])
-        dyt = e.op("Reshape", [e.op("Transpose", [dyg], perm=[2, 1, 0, *[d + 1 for d in n_dims]]),
-                               e.ints([c_out_group, -1, *[int(d) for d in yshape[2:]]])])  # [Cout/g, g*N, ...]
+        dyt = e.op(
+            "Reshape",
+            [
+                e.op("Transpose", [dyg], perm=[2, 1, 0, *[d + 1 for d in n_dims]]),
+                e.ints([c_out_group, -1, *[int(d) for d in yshape[2:]]]),
+            ],
+        )  # [Cout/g, g*N, ...]
         xt = e.op("Transpose", [x], perm=[1, 0, *n_dims])  # [Cin, N, ...]
         full = e.op("Conv", [dyt, xt], strides=dil, dilations=strides, pads=pads, group=group)  # [Cout/g, Cin, k' ...]
         trimmed = e.op("Slice", [full, e.ints([0] * nd), e.ints(kernel), e.ints(n_dims)])
@@ -687,8 +800,11 @@ def _crop_to(e: Emitter, t: str, dims: list[int]) -> str:
     return e.op("Slice", [t, e.ints([0] * nd), e.ints(dims), e.ints(list(range(2, 2 + nd)))])
 
 
-@rule("Resize", note="dy contracted with each resized axis's interpolation weights (any separable mode: nearest, "
-                     "linear, cubic; static sizes)")
+@rule(
+    "Resize",
+    note="dy contracted with each resized axis's interpolation weights (any separable mode: nearest, "
+    "linear, cubic; static sizes)",
+)
 def _resize(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     xshape, yshape = e.shape(x), e.shape(y)
@@ -700,8 +816,9 @@ def _resize(e, node, dys, wants):
     policy = attr(node, "keep_aspect_ratio_policy", b"stretch")
     policy = policy.decode() if isinstance(policy, bytes) else policy
     if transform == "tf_crop_and_resize" or policy != "stretch":
-        raise UnsupportedOpError(node.op_type, node.name, "is differentiated without tf_crop_and_resize or a "
-                                 "keep_aspect_ratio_policy")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "is differentiated without tf_crop_and_resize or a keep_aspect_ratio_policy"
+        )
     axes = [int(a) + rank if int(a) < 0 else int(a) for a in attr(node, "axes", list(range(rank)))]
     scales = _constant_floats(e, node, 2) if e.opset >= 11 else None
     g = dy
@@ -754,8 +871,13 @@ def _resize_weights(node: onnx.NodeProto, opset: int, n: int, m: int, scale: flo
         extra = [onnx.numpy_helper.from_array(np.array([1, 1, n, m], dtype=np.int64), "sizes")]
         one = onnx.helper.make_node("Resize", ["x", "", "", "sizes"], ["y"])
     one.attribute.extend(kept)
-    graph = onnx.helper.make_graph([one], "resize_weights", [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, eye.shape)],
-                                   [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=extra)
+    graph = onnx.helper.make_graph(
+        [one],
+        "resize_weights",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, eye.shape)],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=extra,
+    )
     opsets = [onnx.helper.make_opsetid("", max(opset, 13))]
     model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=onnx.helper.find_min_ir_version_for(opsets))
     options = ort.SessionOptions()
@@ -763,7 +885,9 @@ def _resize_weights(node: onnx.NodeProto, opset: int, n: int, m: int, scale: flo
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     (weights,) = session.run(None, {"x": eye})
     if weights.shape != (1, 1, n, m):
-        raise UnsupportedOpError(node.op_type, node.name, f"resizes an axis of {n} to {m}, which its scale does not give")
+        raise UnsupportedOpError(
+            node.op_type, node.name, f"resizes an axis of {n} to {m}, which its scale does not give"
+        )
     return np.asarray(weights[0, 0], dtype=np.float64)
 
 
@@ -797,8 +921,11 @@ def _einsum_terms(e: Emitter, node: onnx.NodeProto) -> tuple[list[str], str]:
     return terms, rhs
 
 
-@rule("Einsum", note="each operand's gradient is the Einsum of dy with the other operands (letters of that operand "
-                     "alone broadcast back)")
+@rule(
+    "Einsum",
+    note="each operand's gradient is the Einsum of dy with the other operands (letters of that operand "
+    "alone broadcast back)",
+)
 def _einsum(e, node, dys, wants):
     terms, rhs = _einsum_terms(e, node)
     dy = _dy(dys, e, node)
@@ -808,7 +935,9 @@ def _einsum(e, node, dys, wants):
             grads.append(None)
             continue
         if len(set(term)) != len(term):
-            raise UnsupportedOpError(node.op_type, node.name, f"repeats a letter in {term!r} (a diagonal); not differentiated")
+            raise UnsupportedOpError(
+                node.op_type, node.name, f"repeats a letter in {term!r} (a diagonal); not differentiated"
+            )
         others = [(t, i) for j, (t, i) in enumerate(zip(terms, node.input)) if j != k]
         seen = set(rhs).union(*[set(t) for t, _ in others])
         kept = "".join(c for c in term if c in seen)
@@ -983,8 +1112,16 @@ def _count(e: Emitter, x: str, y: str, axes: list[int] | None) -> str:
     return e.op("Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [y])], to=elem)])
 
 
-@rule("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
-      note="dy broadcast back (mean: /count; max/min: to the arg-extrema, shared on ties; sum of squares: 2x*dy)")
+@rule(
+    "ReduceSum",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceSumSquare",
+    "ReduceL2",
+    "ReduceLogSumExp",
+    note="dy broadcast back (mean: /count; max/min: to the arg-extrema, shared on ties; sum of squares: 2x*dy)",
+)
 def _reduce(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     axes = _reduce_axes(e, node)
@@ -1019,7 +1156,13 @@ def _reduce(e, node, dys, wants):
 # ---------------------------------------------------------------------------- shapes
 
 
-@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", note="dy reshaped to x (Squeeze/Unsqueeze: the inverse op on the same axes)")
+@rule(
+    "Reshape",
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+    note="dy reshaped to x (Squeeze/Unsqueeze: the inverse op on the same axes)",
+)
 def _reshape(e, node, dys, wants):
     dy = _dy(dys, e, node)
     axes = _squeezed_axes(e, node) if node.op_type in ("Squeeze", "Unsqueeze") else None
@@ -1076,7 +1219,11 @@ def _concat(e, node, dys, wants):
     if all(s is not None for s in sizes):
         split = e.ints(sizes)
     else:
-        split = e.op("Concat", [e.op("Slice", [e.op("Shape", [x]), e.ints([axis]), e.ints([axis + 1])]) for x in node.input], axis=0)
+        split = e.op(
+            "Concat",
+            [e.op("Slice", [e.op("Shape", [x]), e.ints([axis]), e.ints([axis + 1])]) for x in node.input],
+            axis=0,
+        )
     outs = e.op_multi("Split", [dy, split], [e.fresh("split") for _ in node.input], axis=axis)
     return list(outs)
 
@@ -1088,16 +1235,25 @@ def _split(e, node, dys, wants):
     return [e.op("Concat", parts, axis=axis)] + [None] * (len(node.input) - 1)
 
 
-@rule("Slice", note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims, "
-                      "or from a start to the end)")
+@rule(
+    "Slice",
+    note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims, "
+    "or from a start to the end)",
+)
 def _slice(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     shape = e.shape(x)
     values = [e.value(i) if i else None for i in node.input[1:]]
     if shape is None or any(v is None for v, name in zip(values, node.input[1:]) if name):
-        raise UnsupportedOpError(node.op_type, node.name, "needs constant starts/ends/axes/steps and an input of known rank")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "needs constant starts/ends/axes/steps and an input of known rank"
+        )
     starts, ends = [int(v) for v in values[0].reshape(-1)], [int(v) for v in values[1].reshape(-1)]
-    axes = [int(v) for v in values[2].reshape(-1)] if len(values) > 2 and values[2] is not None else list(range(len(starts)))
+    axes = (
+        [int(v) for v in values[2].reshape(-1)]
+        if len(values) > 2 and values[2] is not None
+        else list(range(len(starts)))
+    )
     steps = [int(v) for v in values[3].reshape(-1)] if len(values) > 3 and values[3] is not None else [1] * len(starts)
     rank = len(shape)
     pads = [0] * (2 * rank)
@@ -1107,10 +1263,13 @@ def _slice(e, node, dys, wants):
         dim = shape[a]
         if not isinstance(dim, int):
             if step != 1 or s < 0 or t < _TO_THE_END:
-                raise UnsupportedOpError(node.op_type, node.name, "is differentiated on axes of static size only, or from a "
-                                         "start to the end (a batch axis)")
+                raise UnsupportedOpError(
+                    node.op_type,
+                    node.name,
+                    "is differentiated on axes of static size only, or from a start to the end (a batch axis)",
+                )
             pads[a] = s  # x[s:] of an axis whose size is known at run time only (the dynamo exporter's x[:, 0] slices
-            continue     # the batch axis whole)
+            continue  # the batch axis whole)
         first, count, stride = _slice_span(s, t, step, dim)
         if count == 0:
             return [e.zeros_like(x)] + [None] * (len(node.input) - 1)
@@ -1141,7 +1300,9 @@ def _slice_span(start: int, end: int, step: int, dim: int) -> tuple[int, int, in
 
 def _unstride(e: Emitter, g: str, axis: int, count: int, stride: int, rank: int) -> str:
     """``g``'s ``count`` rows along ``axis`` spread ``stride`` apart with zeros between (and after the last)."""
-    padded = e.op("Pad", [e.unsqueeze(g, [axis + 1]), e.ints([0] * (rank + axis + 2) + [stride - 1] + [0] * (rank - axis - 1))])
+    padded = e.op(
+        "Pad", [e.unsqueeze(g, [axis + 1]), e.ints([0] * (rank + axis + 2) + [stride - 1] + [0] * (rank - axis - 1))]
+    )
     shape = e.shape_of(g)
     parts = [e.ints([count * stride])]
     if axis:
@@ -1171,7 +1332,7 @@ def _gather(e, node, dys, wants):
         front = [*range(axis, axis + irank), *range(axis), *range(axis + irank, rank + irank - 1)]
         dy = e.op("Transpose", [dy], perm=front)
         moved = e.op("Transpose", [data], perm=[axis, *range(axis), *range(axis + 1, rank)])
-        e.record(moved, e.elem_type(data), (shape[axis], *shape[:axis], *shape[axis + 1:]))
+        e.record(moved, e.elem_type(data), (shape[axis], *shape[:axis], *shape[axis + 1 :]))
         grad = _gather_rows(e, moved, idx, dy, size)
         back = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
         return [e.op("Transpose", [grad], perm=back), None]
@@ -1200,7 +1361,9 @@ def _gather_rows(e: Emitter, data: str, idx: str, dy: str, rows: int | str) -> s
 # ---------------------------------------------------------------------------- convolution and pooling
 
 
-def conv_geometry(e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+def conv_geometry(
+    e: Emitter, node: onnx.NodeProto, x: str, kernel: Sequence[int]
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """(strides, pads [begin..., end...], dilations, input spatial dims) with auto_pad resolved."""
     shape = e.shape(x)
     nd = len(kernel)
@@ -1231,13 +1394,18 @@ def _output_padding(node, dims, out_dims, kernel, strides, pads, dil) -> list[in
         covered = strides[i] * (out_dims[i] - 1) + (kernel[i] - 1) * dil[i] + 1 - pads[i] - pads[nd + i]
         gap = dims[i] - covered
         if gap < 0 or gap >= max(strides[i], dil[i]):
-            raise UnsupportedOpError(node.op_type, node.name, "has a window layout (ceil_mode?) whose gradient is not covered")
+            raise UnsupportedOpError(
+                node.op_type, node.name, "has a window layout (ceil_mode?) whose gradient is not covered"
+            )
         extra.append(gap)
     return extra
 
 
-@rule("Conv", note="dx: ConvTranspose of dy (grouped as the Conv); dw: Conv of x and dy with batch and channels swapped "
-                   "(per group), or per kernel offset a Gemm (dense) or a product summed over positions (depthwise); db: sum")
+@rule(
+    "Conv",
+    note="dx: ConvTranspose of dy (grouped as the Conv); dw: Conv of x and dy with batch and channels swapped "
+    "(per group), or per kernel offset a Gemm (dense) or a product summed over positions (depthwise); db: sum",
+)
 def _conv(e, node, dys, wants):
     x, w = node.input[0], node.input[1]
     y, dy = node.output[0], _dy(dys, e, node)
@@ -1249,14 +1417,23 @@ def _conv(e, node, dys, wants):
     group = int(attr(node, "group", 1))
     strides, pads, dil, dims = conv_geometry(e, node, x, kernel)
     yshape = e.shape(y)
-    out_dims = [int(d) for d in yshape[2:]] if yshape is not None and all(isinstance(d, int) for d in yshape[2:]) else None
+    out_dims = (
+        [int(d) for d in yshape[2:]] if yshape is not None and all(isinstance(d, int) for d in yshape[2:]) else None
+    )
     if out_dims is None:
         raise UnsupportedOpError(node.op_type, node.name, "needs an output of static spatial size")
     c_out, c_in_group = int(wshape[0]), int(wshape[1])
     grads: list[str | None] = [None] * len(node.input)
     if wants[0]:
-        grads[0] = e.op("ConvTranspose", [dy, w], strides=strides, pads=pads, dilations=dil, group=group,
-                        output_padding=_output_padding(node, dims, out_dims, kernel, strides, pads, dil))
+        grads[0] = e.op(
+            "ConvTranspose",
+            [dy, w],
+            strides=strides,
+            pads=pads,
+            dilations=dil,
+            group=group,
+            output_padding=_output_padding(node, dims, out_dims, kernel, strides, pads, dil),
+        )
     if wants[1] and group == 1 and nd == 2 and c_in_group >= 8 and len(e.shape(x) or ()) == 4:
         grads[1] = _conv_weight_grad_per_offset(e, x, dy, kernel, strides, pads, dil, out_dims, c_out, c_in_group)
     elif wants[1] and group > 1 and c_in_group == 1:
@@ -1275,8 +1452,12 @@ def tiling_pool(e: Emitter, node: onnx.NodeProto) -> tuple[int, int] | None:
     shape = e.shape(node.input[0])
     if len(kernel) != 2 or shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]):
         return None
-    if list(attr(node, "strides", [1, 1])) != kernel or any(attr(node, "pads", [0] * 4)) or \
-            any(d != 1 for d in attr(node, "dilations", [1, 1])) or int(attr(node, "ceil_mode", 0)):
+    if (
+        list(attr(node, "strides", [1, 1])) != kernel
+        or any(attr(node, "pads", [0] * 4))
+        or any(d != 1 for d in attr(node, "dilations", [1, 1]))
+        or int(attr(node, "ceil_mode", 0))
+    ):
         return None
     auto = attr(node, "auto_pad", b"NOTSET")
     if (auto.decode() if isinstance(auto, bytes) else auto) not in ("NOTSET", "VALID"):
@@ -1286,7 +1467,9 @@ def tiling_pool(e: Emitter, node: onnx.NodeProto) -> tuple[int, int] | None:
     return kernel[0], kernel[1]
 
 
-def _conv_weight_grad_per_offset(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, out_dims, c_out: int, c_in: int) -> str:
+def _conv_weight_grad_per_offset(
+    e: Emitter, x: str, dy: str, kernel, strides, pads, dil, out_dims, c_out: int, c_in: int
+) -> str:
     """dW[:, :, i, j] = dy @ (the input window at offset (i, j))^T, one Gemm per kernel offset over
     all examples and positions: [Cout, N*OH*OW] x [N*OH*OW, Cin]. With 8 or more input channels
     this beats the Conv with batch and channels swapped (0.34 against 0.54 ms of CPU for the second
@@ -1307,8 +1490,9 @@ def _conv_weight_grad_per_offset(e: Emitter, x: str, dy: str, kernel, strides, p
     return e.op("Reshape", [e.op("Concat", columns, axis=2), e.ints([c_out, c_in, *kernel])])
 
 
-def _swapped_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, group: int, c_out: int,
-                         c_in_group: int) -> str:
+def _swapped_weight_grad(
+    e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, group: int, c_out: int, c_in_group: int
+) -> str:
     """dW as a Conv whose batch is the input channel within a group and whose channels are the
     examples: x as [Cin/g, g*N, spatial...] convolved, ``group`` groups, with dy as the kernel
     [Cout, N, out spatial...] (strides and dilations trade places) gives [Cin/g, Cout, k...]. Each
@@ -1326,8 +1510,9 @@ def _swapped_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil
     return e.op("Transpose", [trimmed], perm=[1, 0, *range(2, 2 + nd)])
 
 
-def _depthwise_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, out_dims, channels: int,
-                           c_out: int) -> str:
+def _depthwise_weight_grad(
+    e: Emitter, x: str, dy: str, kernel, strides, pads, dil, dims, out_dims, channels: int, c_out: int
+) -> str:
     """dW of a depthwise Conv (one input channel per group, Cout/Cin outputs each): per kernel
     offset, (the input window at that offset) times dy summed over examples and positions, with
     the channels last ([spatial..., N, C]) so that the windows are Slices of whole rows and the sum
@@ -1343,9 +1528,13 @@ def _depthwise_weight_grad(e: Emitter, x: str, dy: str, kernel, strides, pads, d
     rows = []
     for offset in np.ndindex(*kernel):
         firsts = [i * d for i, d in zip(offset, dil)]
-        if not all(any(pads[a] <= f + s * t < pads[a] + dims[a] for t in range(o))
-                   for a, (f, s, o) in enumerate(zip(firsts, strides, out_dims))):
-            rows.append(e.const(np.zeros((1, c_out), dtype=helper_dtype(e, dy)), "zero_tap"))  # the window is all padding
+        if not all(
+            any(pads[a] <= f + s * t < pads[a] + dims[a] for t in range(o))
+            for a, (f, s, o) in enumerate(zip(firsts, strides, out_dims))
+        ):
+            rows.append(
+                e.const(np.zeros((1, c_out), dtype=helper_dtype(e, dy)), "zero_tap")
+            )  # the window is all padding
             continue
         ends = [f + s * (o - 1) + 1 for f, s, o in zip(firsts, strides, out_dims)]
         window = e.op("Slice", [xt, e.ints(firsts), e.ints(ends), e.ints(list(range(nd))), e.ints(strides)])
@@ -1360,8 +1549,11 @@ def helper_dtype(e: Emitter, t: str):
     return onnx.helper.tensor_dtype_to_np_dtype(e.elem_type(t))
 
 
-@rule("MaxPool", note="windows that tile the input: dy to each window's first maximum (ArgMax over the window); "
-                      "otherwise dy scattered-added to the Indices output")
+@rule(
+    "MaxPool",
+    note="windows that tile the input: dy to each window's first maximum (ArgMax over the window); "
+    "otherwise dy scattered-added to the Indices output",
+)
 def _maxpool(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
     tile = tiling_pool(e, node)
@@ -1383,7 +1575,12 @@ def _maxpool(e, node, dys, wants):
         mask = e.op("Cast", [e.op("Equal", [first, offsets])], to=e.elem_type(x))
         spread = e.op("Mul", [mask, e.op("Reshape", [dy, e.ints([-1, 1, rest])])])
         if kh == kw:
-            back = e.op("DepthToSpace", [e.op("Reshape", [spread, e.ints([-1, k * c, h // kh, w // kw])])], blocksize=kh, mode="DCR")
+            back = e.op(
+                "DepthToSpace",
+                [e.op("Reshape", [spread, e.ints([-1, k * c, h // kh, w // kw])])],
+                blocksize=kh,
+                mode="DCR",
+            )
             return [back]
         six = e.op("Reshape", [spread, e.ints([-1, kh, kw, c, h // kh, w // kw])])
         return [e.op("Reshape", [e.op("Transpose", [six], perm=[0, 3, 4, 1, 5, 2]), e.ints([-1, c, h, w])])]
@@ -1391,19 +1588,26 @@ def _maxpool(e, node, dys, wants):
         raise UnsupportedOpError(node.op_type, node.name, "needs its Indices output (training plans add it)")
     kernel = list(attr(node, "kernel_shape"))
     strides = list(attr(node, "strides", [1] * len(kernel)))
-    overlapping = any(s < k for s, k in zip(strides, kernel)) or any(d != 1 for d in attr(node, "dilations", [1] * len(kernel)))
+    overlapping = any(s < k for s, k in zip(strides, kernel)) or any(
+        d != 1 for d in attr(node, "dilations", [1] * len(kernel))
+    )
     flat_x = e.op("Reshape", [e.zeros_like(x), e.ints([-1])])
     flat_i = e.op("Reshape", [node.output[1], e.ints([-1])])
     flat_dy = e.op("Reshape", [dy, e.ints([-1])])
     if overlapping and e.opset < 16:
-        raise UnsupportedOpError(node.op_type, node.name, "with overlapping windows is differentiated at opset 16 or later")
+        raise UnsupportedOpError(
+            node.op_type, node.name, "with overlapping windows is differentiated at opset 16 or later"
+        )
     extra = {"reduction": "add"} if e.opset >= 16 else {}
     scattered = e.op("ScatterElements", [flat_x, flat_i, flat_dy], axis=0, **extra)
     return [e.reshape_like(scattered, x)]
 
 
-@rule("AveragePool", note="dy spread over each window: ConvTranspose with a constant kernel (ceil_mode's last windows "
-                          "too, their divisor as onnxruntime counts it)")
+@rule(
+    "AveragePool",
+    note="dy spread over each window: ConvTranspose with a constant kernel (ceil_mode's last windows "
+    "too, their divisor as onnxruntime counts it)",
+)
 def _avgpool(e, node, dys, wants):
     x, y, dy = node.input[0], node.output[0], _dy(dys, e, node)
     kernel = [int(k) for k in attr(node, "kernel_shape")]
@@ -1418,26 +1622,48 @@ def _avgpool(e, node, dys, wants):
     ones = e.const(np.ones((channels, 1, *kernel), dtype=dtype), "pool_kernel")
     k1 = e.const(np.ones((1, 1, *kernel), dtype=dtype), "k1")
     # ceil_mode: the last windows run past the end padding; counted as more end padding, cropped by ConvTranspose
-    overhang = [max(0, (o - 1) * s + (k - 1) * d + 1 - (n + pads[i] + pads[nd + i]))
-                for i, (o, s, k, d, n) in enumerate(zip(out_dims, strides, kernel, dil, dims))]
+    overhang = [
+        max(0, (o - 1) * s + (k - 1) * d + 1 - (n + pads[i] + pads[nd + i]))
+        for i, (o, s, k, d, n) in enumerate(zip(out_dims, strides, kernel, dil, dims))
+    ]
     ends = [pads[nd + i] + overhang[i] for i in range(nd)]
     include_pad = int(attr(node, "count_include_pad", 0))
     if include_pad and any(overhang):
         # each window's divisor: the inputs and explicit pads it covers, not the overhang
         padded = [n + pads[i] + pads[nd + i] for i, n in enumerate(dims)]
-        counts = e.op("Conv", [e.const(np.ones((1, 1, *padded), dtype=dtype), "ones"), k1], strides=strides,
-                      pads=[0] * nd + overhang, dilations=dil)
+        counts = e.op(
+            "Conv",
+            [e.const(np.ones((1, 1, *padded), dtype=dtype), "ones"), k1],
+            strides=strides,
+            pads=[0] * nd + overhang,
+            dilations=dil,
+        )
         scaled = e.op("Div", [dy, counts])
     elif include_pad or not any(pads[:nd] + ends):
         scaled = e.op("Div", [dy, e.scalar(float(np.prod(kernel)), y)])
     else:
         # each window's divisor: how many real (unpadded) inputs it covers
-        counts = e.op("Conv", [e.const(np.ones((1, 1, *dims), dtype=dtype), "ones"), k1], strides=strides,
-                      pads=pads[:nd] + ends, dilations=dil)
+        counts = e.op(
+            "Conv",
+            [e.const(np.ones((1, 1, *dims), dtype=dtype), "ones"), k1],
+            strides=strides,
+            pads=pads[:nd] + ends,
+            dilations=dil,
+        )
         scaled = e.op("Div", [dy, counts])
     pads = pads[:nd] + ends
     extra = _output_padding(node, dims, out_dims, kernel, strides, pads, dil)
-    return [e.op("ConvTranspose", [scaled, ones], strides=strides, pads=pads, dilations=dil, group=channels, output_padding=extra)]
+    return [
+        e.op(
+            "ConvTranspose",
+            [scaled, ones],
+            strides=strides,
+            pads=pads,
+            dilations=dil,
+            group=channels,
+            output_padding=extra,
+        )
+    ]
 
 
 @rule("GlobalAveragePool", note="dy/(H*W) broadcast over each channel")
@@ -1460,18 +1686,18 @@ def _gmp(e, node, dys, wants):
 
 _DECOMPOSED = {
     "BatchNormalization": "training: rewritten with batch statistics (mean/var over N and spatial axes); running statistics "
-                          "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
-                          "evaluation keeps the op",
+    "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
+    "evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
     "InstanceNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div over the spatial axes before differentiating",
     "GroupNormalization": "rewritten into Reshape to the groups and ReduceMean/Sub/Mul/Sqrt/Div before differentiating "
-                          "(scale and bias per group before opset 21, per channel from 21)",
+    "(scale and bias per group before opset 21, per channel from 21)",
     "SequenceAt": "of a SplitToSequence at a constant position: rewritten as the Slice (and Squeeze) it reads before "
-                  "differentiating",
+    "differentiating",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
-           "layout 0, default activations, either linear_before_reset, no sequence_lens)",
+    "layout 0, default activations, either linear_before_reset, no sequence_lens)",
     "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
-            "layout 0, default activations, no peepholes, no sequence_lens)",
+    "layout 0, default activations, no peepholes, no sequence_lens)",
 }
 
 
@@ -1495,23 +1721,24 @@ def coverage_markdown() -> str:
     return "\n".join(rows)
 
 
-
 def coverage_document() -> str:
     """emulator/toolchain/OP_COVERAGE.md, the table as the README links it."""
-    return "\n".join([
-        "# Ops a generated training plan covers",
-        "",
-        "Generated from `emulator.toolchain.OP_COVERAGE` (`python -m emulator.toolchain.gradients`); a test keeps",
-        "the two equal. An op outside this table is refused with `UnsupportedOpError`, naming the op and the",
-        "node. Every gradient rule is checked against finite differences over random shapes",
-        "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`,",
-        "`InstanceNormalization`, `GroupNormalization`, `GRU`, `LSTM`) against onnxruntime's own kernels for",
-        "them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
-        "`Sigmoid`, `Tanh`).",
-        "",
-        coverage_markdown(),
-        "",
-    ])
+    return "\n".join(
+        [
+            "# Ops a generated training plan covers",
+            "",
+            "Generated from `emulator.toolchain.OP_COVERAGE` (`python -m emulator.toolchain.gradients`); a test keeps",
+            "the two equal. An op outside this table is refused with `UnsupportedOpError`, naming the op and the",
+            "node. Every gradient rule is checked against finite differences over random shapes",
+            "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`,",
+            "`InstanceNormalization`, `GroupNormalization`, `GRU`, `LSTM`) against onnxruntime's own kernels for",
+            "them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
+            "`Sigmoid`, `Tanh`).",
+            "",
+            coverage_markdown(),
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":  # regenerates the document

@@ -46,13 +46,19 @@ def label_type(loss: str | onnx.ModelProto | onnx.GraphProto) -> int:
 def check_loss(loss) -> None:
     if isinstance(loss, str):
         if loss not in BUILTIN_LOSSES:
-            raise ValueError(f"loss {loss!r} is unknown; use one of {BUILTIN_LOSSES} or an ONNX graph (prediction, label) -> scalar")
+            raise ValueError(
+                f"loss {loss!r} is unknown; use one of {BUILTIN_LOSSES} or an ONNX graph (prediction, label) -> scalar"
+            )
         return
     if not isinstance(loss, (onnx.ModelProto, onnx.GraphProto)):
-        raise TypeError(f"loss must be a name from {BUILTIN_LOSSES} or an onnx ModelProto/GraphProto, got {type(loss).__name__}")
+        raise TypeError(
+            f"loss must be a name from {BUILTIN_LOSSES} or an onnx ModelProto/GraphProto, got {type(loss).__name__}"
+        )
     graph = loss.graph if isinstance(loss, onnx.ModelProto) else loss
     if len(graph.input) != 2 or len(graph.output) != 1:
-        raise ValueError("a loss graph takes exactly two inputs (prediction, label) and returns one scalar (the batch's mean loss)")
+        raise ValueError(
+            "a loss graph takes exactly two inputs (prediction, label) and returns one scalar (the batch's mean loss)"
+        )
 
 
 def emit_loss(
@@ -89,7 +95,9 @@ def emit_loss(
     return out
 
 
-def _before(e: Emitter, producers: dict[str, onnx.NodeProto], tensor: str, op_type: str, last_axis: bool = False) -> str | None:
+def _before(
+    e: Emitter, producers: dict[str, onnx.NodeProto], tensor: str, op_type: str, last_axis: bool = False
+) -> str | None:
     """The input of the ``op_type`` node that makes ``tensor`` (through Identity nodes), if any;
     with ``last_axis`` only when that node works on the last axis (Softmax's default)."""
     node = producers.get(tensor)
@@ -112,11 +120,16 @@ def _as_f32(e: Emitter, t: str) -> str:
 def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: str | None) -> LossGraph:
     """Classes on the last axis: [N, classes] with labels [N], or [N, ..., classes] with labels
     [N, ...] (a next-word model scoring every position); the mean is over all labels."""
-    logits = _before(e, producers, prediction, "Softmax", last_axis=True) or \
-        _before(e, producers, prediction, "LogSoftmax", last_axis=True) or prediction
+    logits = (
+        _before(e, producers, prediction, "Softmax", last_axis=True)
+        or _before(e, producers, prediction, "LogSoftmax", last_axis=True)
+        or prediction
+    )
     shape = e.shape(logits)
     if shape is None or len(shape) < 2 or not isinstance(shape[-1], int):
-        raise ValueError(f"cross_entropy needs a prediction of shape [N, ..., classes] with a fixed number of classes, got {shape}")
+        raise ValueError(
+            f"cross_entropy needs a prediction of shape [N, ..., classes] with a fixed number of classes, got {shape}"
+        )
     logp = e.op("LogSoftmax", [logits], axis=-1, hint="logp")
     classes = e.const(np.arange(shape[-1], dtype=np.int64), "classes")
     onehot = e.op("Cast", [e.op("Equal", [e.unsqueeze(label, [-1]), classes])], to=e.elem_type(logits), hint="onehot")
@@ -129,7 +142,9 @@ def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: st
     return out
 
 
-def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, count: str, scale: str | None) -> LossGraph:
+def _binary_cross_entropy(
+    e: Emitter, prediction: str, label: str, producers, count: str, scale: str | None
+) -> LossGraph:
     """One or several independent labels per example. ``correct`` sums, per example, the fraction
     of its labels predicted right, so that it is at most ``count`` (the server refuses a report
     whose ``correct`` exceeds its ``count``) and the accuracy is per label."""
@@ -141,8 +156,13 @@ def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, co
     out: LossGraph
     if logits is not None:
         # max(z, 0) - z*y + log(1 + exp(-|z|)), and its gradient sigmoid(z) - y
-        per = e.op("Add", [e.op("Sub", [e.op("Max", [logits, zero]), e.op("Mul", [logits, target])]),
-                           e.op("Softplus", [e.op("Neg", [e.op("Abs", [logits])])])])
+        per = e.op(
+            "Add",
+            [
+                e.op("Sub", [e.op("Max", [logits, zero]), e.op("Mul", [logits, target])]),
+                e.op("Softplus", [e.op("Neg", [e.op("Abs", [logits])])]),
+            ],
+        )
         positive = e.op("Greater", [logits, zero])
         out = LossGraph(_as_f32(e, e.op("ReduceSum", [per], keepdims=0)), {})
         if scale is not None:
@@ -151,8 +171,18 @@ def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, co
         # the prediction is a probability: clip it away from 0 and 1 so that the logs stay finite
         eps = e.scalar(1e-7, prediction)
         p = e.op("Clip", [prediction, eps, e.op("Sub", [one, eps])])
-        per = e.op("Neg", [e.op("Add", [e.op("Mul", [target, e.op("Log", [p])]),
-                                        e.op("Mul", [e.op("Sub", [one, target]), e.op("Log", [e.op("Sub", [one, p])])])])])
+        per = e.op(
+            "Neg",
+            [
+                e.op(
+                    "Add",
+                    [
+                        e.op("Mul", [target, e.op("Log", [p])]),
+                        e.op("Mul", [e.op("Sub", [one, target]), e.op("Log", [e.op("Sub", [one, p])])]),
+                    ],
+                )
+            ],
+        )
         positive = e.op("Greater", [prediction, half])
         out = LossGraph(_as_f32(e, e.op("ReduceSum", [per], keepdims=0)), {})
         if scale is not None:
@@ -164,7 +194,9 @@ def _binary_cross_entropy(e: Emitter, prediction: str, label: str, producers, co
         out.metrics["correct"] = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct")
     else:
         hits = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0)
-        out.metrics["correct"] = e.op("Div", [hits, _as_f32(e, _per_example_size(e, prediction, count))], hint="correct")
+        out.metrics["correct"] = e.op(
+            "Div", [hits, _as_f32(e, _per_example_size(e, prediction, count))], hint="correct"
+        )
     return out
 
 
@@ -211,9 +243,13 @@ def _custom(e: Emitter, loss, prediction: str, label: str, count: str, factor: f
         for o in node.output:
             if o and o not in rename:
                 rename[o] = e.fresh(f"loss_{o}")
-        copy = helper.make_node(node.op_type, [rename.get(i, i) if i else "" for i in node.input],
-                                [rename[o] if o else "" for o in node.output], name=e.fresh(f"loss_{node.name or node.op_type}"),
-                                domain=node.domain)
+        copy = helper.make_node(
+            node.op_type,
+            [rename.get(i, i) if i else "" for i in node.input],
+            [rename[o] if o else "" for o in node.output],
+            name=e.fresh(f"loss_{node.name or node.op_type}"),
+            domain=node.domain,
+        )
         copy.attribute.extend(node.attribute)
         nodes.append(copy)
     e.nodes += nodes
@@ -232,4 +268,3 @@ def loss_metric_names(loss) -> tuple[str, ...]:
     if loss in ("cross_entropy", "binary_cross_entropy"):
         return ("loss_sum", "correct", "count")
     return ("loss_sum", "count")
-

@@ -65,8 +65,9 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int | str]:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in vi.type.tensor_type.shape.dim]
 
 
-def example_features(model: onnx.ModelProto | str | Path, plan: Plan, *, label: str,
-                     loss: str) -> tuple[dict[str, tuple], str | None]:
+def example_features(
+    model: onnx.ModelProto | str | Path, plan: Plan, *, label: str, loss: str
+) -> tuple[dict[str, tuple], str | None]:
     """Random-example specs for ``ProxyData.random``: each example tensor the plan reads, its dtype
     and one example's shape (a symbolic dimension other than the batch's gets ``SYMBOLIC_DIM``;
     integers are drawn from [0, 2), a valid token id, mask or type id of any model), and the
@@ -103,7 +104,9 @@ def example_features(model: onnx.ModelProto | str | Path, plan: Plan, *, label: 
     return features, None
 
 
-def _prediction_shape(model: onnx.ModelProto | str | Path, plan: Plan, features: Mapping[str, tuple]) -> tuple[int, ...]:
+def _prediction_shape(
+    model: onnx.ModelProto | str | Path, plan: Plan, features: Mapping[str, tuple]
+) -> tuple[int, ...]:
     """One example's shape of the model's first float output (the tensor the plan's loss reads)."""
     import onnxruntime as ort
 
@@ -128,12 +131,31 @@ def _two_examples(features: Mapping[str, tuple]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v)[:2] for k, v in shard.items()}
 
 
-def task_stub(*, command: str, name: str, features: Mapping[str, tuple], label: str, loss: str, optimizer: str,
-              hyperparameters: Mapping[str, Any], collection: str, batch_size: int, epochs: int, opset: int,
-              trainable: Sequence[str] | None, frozen: Sequence[str], runtimes: Sequence[str], note: str = "") -> str:
+def task_stub(
+    *,
+    command: str,
+    name: str,
+    features: Mapping[str, tuple],
+    label: str,
+    loss: str,
+    optimizer: str,
+    hyperparameters: Mapping[str, Any],
+    collection: str,
+    batch_size: int,
+    epochs: int,
+    opset: int,
+    trainable: Sequence[str] | None,
+    frozen: Sequence[str],
+    runtimes: Sequence[str],
+    note: str = "",
+) -> str:
     """The task file of a bundle, as the Task API takes it (every value a Python literal)."""
     rows = "".join(f"    {k!r}: {tuple(v)!r},\n" for k, v in features.items())
-    guess = f"\n# The model did not run on random examples ({note}): the label's entry is a guess; correct it.\n" if note else ""
+    guess = (
+        f"\n# The model did not run on random examples ({note}): the label's entry is a guess; correct it.\n"
+        if note
+        else ""
+    )
     return f'''{STUB_HEADER.format(command=command)} for {MODEL_FILE}: edit it, then build again with
 `fedfleet plan build task.py -o DIR`, test with `fedfleet plan test DIR --signing-key KEY` and send with
 `fedfleet deploy DIR --server URL --population P`.
@@ -185,13 +207,17 @@ def _prepare(out: Path, command: str, keep: Path) -> None:
     """Make ``out`` ready: new, empty, or a bundle a from-command wrote (its own files are removed,
     so a task renamed since leaves nothing behind); anything else is refused."""
     if out.exists() and not out.is_dir():
-        raise TaskError(f"{out} is a file; give a directory for the bundle (or a path ending in .fedplan for the plan alone)")
+        raise TaskError(
+            f"{out} is a file; give a directory for the bundle (or a path ending in .fedplan for the plan alone)"
+        )
     if out.is_dir() and any(out.iterdir()):
         stub = out / TASK_FILE
         head = stub.read_text(encoding="utf-8", errors="replace")[:80] if stub.is_file() else ""
         if not head.startswith(STUB_HEADER.split("{")[0]):
-            raise TaskError(f"{out} is a directory that `plan from-onnx` or `plan from-torch` did not write; give a new "
-                            "or empty directory")
+            raise TaskError(
+                f"{out} is a directory that `plan from-onnx` or `plan from-torch` did not write; give a new "
+                "or empty directory"
+            )
         for child in out.iterdir():
             if child.is_dir() and (child / MANIFEST).is_file():
                 shutil.rmtree(child)
@@ -210,8 +236,14 @@ def _copy_model(source: Path, loaded: onnx.ModelProto, out: Path) -> Path:
         if source.resolve() != target.resolve():
             shutil.copyfile(source, target)
         return target
-    onnx.save_model(loaded, str(target), save_as_external_data=True, all_tensors_to_one_file=True, location=MODEL_DATA,
-                    size_threshold=0)
+    onnx.save_model(
+        loaded,
+        str(target),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=MODEL_DATA,
+        size_threshold=0,
+    )
     return target
 
 
@@ -240,26 +272,54 @@ def bundle_from_onnx(
     name = name or model.stem
     runtimes = tuple(runtimes or DEFAULT_RUNTIMES)
     hyperparameters = {"lr": lr}
-    task = Task(name=name, model=model, proxy=lambda: None,  # type: ignore[arg-type, return-value]
-                loss=loss, optimizer=optimizer,
-                hyperparameters=hyperparameters, label=label, selector=ExampleSelector(collection), batch_size=batch_size,
-                epochs=epochs, opset=opset, trainable=None if trainable is None else tuple(trainable), frozen=tuple(frozen),
-                runtimes=runtimes)
+    task = Task(
+        name=name,
+        model=model,
+        proxy=lambda: None,  # type: ignore[arg-type, return-value]
+        loss=loss,
+        optimizer=optimizer,
+        hyperparameters=hyperparameters,
+        label=label,
+        selector=ExampleSelector(collection),
+        batch_size=batch_size,
+        epochs=epochs,
+        opset=opset,
+        trainable=None if trainable is None else tuple(trainable),
+        frozen=tuple(frozen),
+        runtimes=runtimes,
+    )
     loaded = task._model_source()
     made = onnx_import(loaded, task)
     plan = dataclasses.replace(made.plan, name=name)
     features, failed = example_features(model, plan, label=label, loss=loss)
     _prepare(out, command, keep=model)
     _copy_model(model, loaded, out)
-    stub = task_stub(command=command, name=name, features=features, label=label, loss=loss, optimizer=optimizer,
-                     hyperparameters=hyperparameters, collection=collection, batch_size=batch_size, epochs=epochs,
-                     opset=opset, trainable=trainable, frozen=frozen, runtimes=runtimes, note=failed or "")
+    stub = task_stub(
+        command=command,
+        name=name,
+        features=features,
+        label=label,
+        loss=loss,
+        optimizer=optimizer,
+        hyperparameters=hyperparameters,
+        collection=collection,
+        batch_size=batch_size,
+        epochs=epochs,
+        opset=opset,
+        trainable=trainable,
+        frozen=frozen,
+        runtimes=runtimes,
+        note=failed or "",
+    )
     (out / TASK_FILE).write_text(stub, encoding="utf-8")
     build_bundle(out / TASK_FILE, out, say=say)
     warnings = made.warnings
     if failed:
-        warnings += (f"the model did not run on random examples ({failed}); the label's entry of EXAMPLES in "
-                     f"{out / TASK_FILE} is a guess: correct it before `plan test`",)
-    inputs = {features_name: (spec[0], ("N", *spec[1])) for features_name, spec in features.items() if features_name != label}
+        warnings += (
+            f"the model did not run on random examples ({failed}); the label's entry of EXAMPLES in "
+            f"{out / TASK_FILE} is a guess: correct it before `plan test`",
+        )
+    inputs = {
+        features_name: (spec[0], ("N", *spec[1])) for features_name, spec in features.items() if features_name != label
+    }
     return ModelBundle(out, name, inputs, label, collection, made.trainable, made.split, made.shared, warnings)
-

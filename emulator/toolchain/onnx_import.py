@@ -24,18 +24,45 @@ from .forward import is_float
 from .gradients import NO_GRADIENT
 
 _F32 = TensorProto.FLOAT
-_REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-           "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+_REDUCE = (
+    "ReduceSum",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceSumSquare",
+)
 #: Input slots that carry shapes, indices, axes, hyperparameters or statistics: no gradient reaches
 #: an initializer through them, so it does not train by default.
 NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
-    "Reshape": frozenset({1}), "Expand": frozenset({1}), "Tile": frozenset({1}), "Slice": frozenset({1, 2, 3, 4}),
-    "Pad": frozenset({1, 3}), "Squeeze": frozenset({1}), "Unsqueeze": frozenset({1}), "Split": frozenset({1}),
-    "Resize": frozenset({1, 2, 3}), "Upsample": frozenset({1}), "Gather": frozenset({1}),
-    "GatherElements": frozenset({1}), "GatherND": frozenset({1}), "ScatterND": frozenset({1}),
-    "ScatterElements": frozenset({1}), "TopK": frozenset({1}), "CumSum": frozenset({1}), "Trilu": frozenset({1}),
-    "Where": frozenset({0}), "Pow": frozenset({1}), "Clip": frozenset({1, 2}), "Dropout": frozenset({1, 2}),
-    "BatchNormalization": frozenset({3, 4}), "ConstantOfShape": frozenset({0}),
+    "Reshape": frozenset({1}),
+    "Expand": frozenset({1}),
+    "Tile": frozenset({1}),
+    "Slice": frozenset({1, 2, 3, 4}),
+    "Pad": frozenset({1, 3}),
+    "Squeeze": frozenset({1}),
+    "Unsqueeze": frozenset({1}),
+    "Split": frozenset({1}),
+    "Resize": frozenset({1, 2, 3}),
+    "Upsample": frozenset({1}),
+    "Gather": frozenset({1}),
+    "GatherElements": frozenset({1}),
+    "GatherND": frozenset({1}),
+    "ScatterND": frozenset({1}),
+    "ScatterElements": frozenset({1}),
+    "TopK": frozenset({1}),
+    "CumSum": frozenset({1}),
+    "Trilu": frozenset({1}),
+    "Where": frozenset({0}),
+    "Pow": frozenset({1}),
+    "Clip": frozenset({1, 2}),
+    "Dropout": frozenset({1, 2}),
+    "BatchNormalization": frozenset({3, 4}),
+    "ConstantOfShape": frozenset({0}),
     **{op: frozenset({1}) for op in _REDUCE},
 }
 
@@ -75,10 +102,14 @@ def only_scales(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.Tensor
     return {n for n, ops in readers.items() if _size(inits[n]) == 1 and ops <= {"Mul", "Div"}}
 
 
-def default_trainable(inits: Mapping[str, onnx.TensorProto], reached: Set[str], scales: Set[str] = frozenset()) -> list[str]:
+def default_trainable(
+    inits: Mapping[str, onnx.TensorProto], reached: Set[str], scales: Set[str] = frozenset()
+) -> list[str]:
     """Float32 initializers of rank >= 1 on a float path to the prediction, less the one-element
     ``scales`` (see :func:`only_scales`), which stay constants."""
-    return [n for n, i in inits.items() if n in reached and i.data_type == _F32 and len(i.dims) >= 1 and n not in scales]
+    return [
+        n for n, i in inits.items() if n in reached and i.data_type == _F32 and len(i.dims) >= 1 and n not in scales
+    ]
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -109,8 +140,10 @@ def select_trainable(
     for kind, patterns in (("trainable", trainable or ()), ("frozen", frozen)):
         for p in patterns:
             if not any(_matches(n, p) for n in names):
-                raise TrainableError(f"{kind} {p!r} matches no tensor: it is not an initializer of the model nor a glob "
-                                     f"pattern for one; initializers: {_some(names)}")
+                raise TrainableError(
+                    f"{kind} {p!r} matches no tensor: it is not an initializer of the model nor a glob "
+                    f"pattern for one; initializers: {_some(names)}"
+                )
     if trainable is None:
         chosen = [n for n in default_trainable(inits, reached, scales) if n not in statistics]
     else:
@@ -125,8 +158,10 @@ def select_trainable(
                 matched = [n for n in names if _matches(n, p)]
                 picked = [n for n in matched if inits[n].data_type == _F32 and n in reached and n not in statistics]
                 if not picked:
-                    raise TrainableError(f"trainable {p!r} matches only tensors that cannot train (not float32, or on no "
-                                         f"float path to the output): {_some(matched)}")
+                    raise TrainableError(
+                        f"trainable {p!r} matches only tensors that cannot train (not float32, or on no "
+                        f"float path to the output): {_some(matched)}"
+                    )
             chosen += [n for n in picked if n not in chosen]
         chosen.sort(key=names.index)
     return [n for n in chosen if not any(_matches(n, p) for p in frozen)]
@@ -264,7 +299,7 @@ class _TorchNames:
         if placeholder in self.by_placeholder:
             return self.by_placeholder[placeholder]
         rest, prefix = placeholder[1:], _placeholder(module, "") if module else ""
-        return f"{module}.{rest[len(prefix) + 1:]}" if module and rest.startswith(prefix + "_") else rest[1:]
+        return f"{module}.{rest[len(prefix) + 1 :]}" if module and rest.startswith(prefix + "_") else rest[1:]
 
 
 def _merged_name(name: str, module: str | None, own: frozenset[str], taken: Set[str], names: _TorchNames) -> str | None:
@@ -353,18 +388,24 @@ def lost_parameters(model: onnx.ModelProto) -> list[str]:
     folded = any(i.name not in names.placeholders and is_float(i.data_type) for i in graph.initializer)
     if names.by_placeholder and folded:
         for placeholder, name in names.by_placeholder.items():
-            if placeholder not in read and name not in present and _trains(placeholder, name) \
-                    and name.rpartition(".")[0] not in borrowed:
+            if (
+                placeholder not in read
+                and name not in present
+                and _trains(placeholder, name)
+                and name.rpartition(".")[0] not in borrowed
+            ):
                 lost.add(name)
     return sorted(lost)
 
 
 def lost_parameters_warning(lost: Sequence[str]) -> str:
     """One line for a person: what the exporter did and how to export instead."""
-    return (f"the exporter folded or dropped {len(lost)} of the module's parameters and running statistics "
-            f"({_some(list(lost), 6)}): the plan cannot train them as the module does (a BatchNorm folded into a "
-            "convolution is gone, a dropped zero bias stays zero, a folded weight trains under a new name); export "
-            "with torch.onnx.export(module.train(), ..., dynamo=True, optimize=False), or with `fedfleet plan from-torch`")
+    return (
+        f"the exporter folded or dropped {len(lost)} of the module's parameters and running statistics "
+        f"({_some(list(lost), 6)}): the plan cannot train them as the module does (a BatchNorm folded into a "
+        "convolution is gone, a dropped zero bias stays zero, a folded weight trains under a new name); export "
+        "with torch.onnx.export(module.train(), ..., dynamo=True, optimize=False), or with `fedfleet plan from-torch`"
+    )
 
 
 def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> dict[str, int]:
@@ -388,19 +429,27 @@ def exported_for_inference(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, 
     convolutions' weights and biases and drop Dropout by default, so such a plan trains a network
     without them; a model that never had them looks the same, which is why this only warns."""
     ops = {n.op_type for n in nodes}
-    convolutions = any(n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1 and n.input[1] in inits for n in nodes)
+    convolutions = any(
+        n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1 and n.input[1] in inits for n in nodes
+    )
     return convolutions and not ops & {"BatchNormalization", "Dropout"}
 
 
-EVAL_MODE_WARNING = ("the model looks exported in eval mode (convolutions, no BatchNormalization, no Dropout): exporters fold "
-                     "BatchNorm into the convolutions and drop Dropout by default, so the plan trains a network without them; "
-                     "export the module in train mode keeping them (`fedfleet plan from-torch`, or "
-                     "torch.onnx.export(model.train(), "
-                     "..., dynamo=True, optimize=False)), or ignore this if it has neither")
+EVAL_MODE_WARNING = (
+    "the model looks exported in eval mode (convolutions, no BatchNormalization, no Dropout): exporters fold "
+    "BatchNorm into the convolutions and drop Dropout by default, so the plan trains a network without them; "
+    "export the module in train mode keeping them (`fedfleet plan from-torch`, or "
+    "torch.onnx.export(model.train(), "
+    "..., dynamo=True, optimize=False)), or ignore this if it has neither"
+)
 
 
-def nothing_to_train(nodes: Sequence[onnx.NodeProto], infos: Mapping[str, TensorInfo],
-                     inits: Mapping[str, onnx.TensorProto], prediction: str) -> str:
+def nothing_to_train(
+    nodes: Sequence[onnx.NodeProto],
+    infos: Mapping[str, TensorInfo],
+    inits: Mapping[str, onnx.TensorProto],
+    prediction: str,
+) -> str:
     """Why no weight trains by default, for a person: the weights are not initializers at all, or
     the float path from them to ``prediction`` is cut (an ArgMax, a comparison, a cast to integers)."""
     from .autodiff import needed_for
@@ -408,14 +457,26 @@ def nothing_to_train(nodes: Sequence[onnx.NodeProto], infos: Mapping[str, Tensor
     needed = needed_for(nodes, [prediction])
     weights = [n for n, i in inits.items() if n in needed and i.data_type == _F32 and len(i.dims) >= 1]
     if not weights:
-        return ("the model has nothing to train: no float32 initializer computes the output; export the model with its "
-                "weights as float32 initializers (torch.onnx.export's default export_params=True, not as Constant nodes or "
-                "graph inputs), or name the tensors to train with trainable=")
-    cut = sorted({n.op_type for n in nodes if set(n.output) & needed and (
-        n.op_type in NO_GRADIENT or any(o in infos and not is_float(infos[o].elem_type) for o in n.output if o))})
-    return (f"no gradient reaches the output {prediction!r} from the model's weights ({_some(weights, 4)}): the path goes "
-            f"through ops without one ({', '.join(cut) or 'none found'}); export the model up to its float prediction "
-            "(logits or scores, before ArgMax, a comparison or a cast to integers)")
+        return (
+            "the model has nothing to train: no float32 initializer computes the output; export the model with its "
+            "weights as float32 initializers (torch.onnx.export's default export_params=True, not as Constant nodes or "
+            "graph inputs), or name the tensors to train with trainable="
+        )
+    cut = sorted(
+        {
+            n.op_type
+            for n in nodes
+            if set(n.output) & needed
+            and (
+                n.op_type in NO_GRADIENT or any(o in infos and not is_float(infos[o].elem_type) for o in n.output if o)
+            )
+        }
+    )
+    return (
+        f"no gradient reaches the output {prediction!r} from the model's weights ({_some(weights, 4)}): the path goes "
+        f"through ops without one ({', '.join(cut) or 'none found'}); export the model up to its float prediction "
+        "(logits or scores, before ArgMax, a comparison or a cast to integers)"
+    )
 
 
 def inference_form(model: onnx.ModelProto) -> None:

@@ -58,7 +58,9 @@ class SGD:
     def slots(self, e: Emitter, weights: list[str]) -> list[Slot]:
         return []
 
-    def step(self, e: Emitter, weight: str, grad: str, slots: dict[str, str], shared: dict[str, str], out: str) -> dict[str, str]:
+    def step(
+        self, e: Emitter, weight: str, grad: str, slots: dict[str, str], shared: dict[str, str], out: str
+    ) -> dict[str, str]:
         producer = _sole_gemm(e, grad)
         if producer is not None:  # w - alpha*A@B as one Gemm: C=w, beta=1, alpha negated
             producer.input.append(weight)
@@ -91,8 +93,10 @@ class Momentum:
     def slots(self, e: Emitter, weights: list[str]) -> list[Slot]:
         return [Slot(e.reserve(f"{w}.momentum"), w) for w in weights]
 
-    def step(self, e: Emitter, weight: str, grad: str, slots: dict[str, str], shared: dict[str, str], out: str) -> dict[str, str]:
-        (slot, value), = slots.items()
+    def step(
+        self, e: Emitter, weight: str, grad: str, slots: dict[str, str], shared: dict[str, str], out: str
+    ) -> dict[str, str]:
+        ((slot, value),) = slots.items()
         v = e.op("Add", [e.op("Mul", [value, e.scalar(self.beta, weight)]), grad], hint="momentum_next")
         direction = e.op("Add", [grad, e.op("Mul", [v, e.scalar(self.beta, weight)])]) if self.nesterov else v
         e.op("Sub", [weight, e.op("Mul", [direction, e.scalar(self.lr, weight)])], out=out)
@@ -123,7 +127,7 @@ class Adam:
 
     def shared_step(self, e: Emitter, shared: dict[str, str]) -> dict[str, str]:
         """The step counter and the bias corrections every weight's update uses."""
-        (slot, t), = shared.items()
+        ((slot, t),) = shared.items()
         t_next = e.op("Add", [t, e.scalar(1.0, t)], hint="adam_step_next")
         c1 = e.op("Sub", [e.scalar(1.0, t), e.op("Pow", [e.scalar(self.beta1, t), t_next])])
         c2 = e.op("Sub", [e.scalar(1.0, t), e.op("Pow", [e.scalar(self.beta2, t), t_next])])
@@ -131,14 +135,23 @@ class Adam:
         size = e.op("Div", [e.op("Mul", [e.op("Sqrt", [c2]), e.scalar(self.lr, t)]), c1], hint="adam_lr")
         return {slot: t_next, "_size": size, "_c2": c2}
 
-    def step(self, e: Emitter, weight: str, grad: str, slots: dict[str, str], shared: dict[str, str], out: str) -> dict[str, str]:
+    def step(
+        self, e: Emitter, weight: str, grad: str, slots: dict[str, str], shared: dict[str, str], out: str
+    ) -> dict[str, str]:
         (m_slot, m), (v_slot, v) = slots.items()
         b1, b2 = self.beta1, self.beta2
         m_next = e.op("Add", [e.op("Mul", [m, e.scalar(b1, weight)]), e.op("Mul", [grad, e.scalar(1 - b1, weight)])])
-        v_next = e.op("Add", [e.op("Mul", [v, e.scalar(b2, weight)]),
-                              e.op("Mul", [e.op("Mul", [grad, grad]), e.scalar(1 - b2, weight)])])
+        v_next = e.op(
+            "Add",
+            [
+                e.op("Mul", [v, e.scalar(b2, weight)]),
+                e.op("Mul", [e.op("Mul", [grad, grad]), e.scalar(1 - b2, weight)]),
+            ],
+        )
         # eps is added to sqrt(v_hat) = sqrt(v)/sqrt(c2): scaled here to keep one division
-        denom = e.op("Add", [e.op("Sqrt", [v_next]), e.op("Mul", [e.op("Sqrt", [shared["_c2"]]), e.scalar(self.eps, weight)])])
+        denom = e.op(
+            "Add", [e.op("Sqrt", [v_next]), e.op("Mul", [e.op("Sqrt", [shared["_c2"]]), e.scalar(self.eps, weight)])]
+        )
         e.op("Sub", [weight, e.op("Mul", [e.op("Div", [m_next, denom]), shared["_size"]])], out=out)
         return {m_slot: m_next, v_slot: v_next}
 

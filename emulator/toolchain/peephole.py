@@ -19,14 +19,30 @@ import onnx
 from onnx import numpy_helper
 
 #: Elementwise ops whose inputs broadcast against each other (numpy rules), all of them data.
-BROADCASTING = frozenset({
-    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "Equal", "Greater", "GreaterOrEqual",
-    "Less", "LessOrEqual",
-})
+BROADCASTING = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Max",
+        "Min",
+        "Sum",
+        "Mean",
+        "Where",
+        "Equal",
+        "Greater",
+        "GreaterOrEqual",
+        "Less",
+        "LessOrEqual",
+    }
+)
 
 
-def rank_matched_constants(nodes: Sequence[onnx.NodeProto], initializers: Sequence[onnx.TensorProto],
-                           ranks: dict[str, int]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def rank_matched_constants(
+    nodes: Sequence[onnx.NodeProto], initializers: Sequence[onnx.TensorProto], ranks: dict[str, int]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """``nodes`` and ``initializers`` with every one-element initializer that a broadcasting op reads
     at a lower rank than its output's (``ranks``: the known ranks of the tensors) replaced by a copy
     of that rank (new initializers are appended; the old stay for their other readers)."""

@@ -1,7 +1,7 @@
 """Release tests (paper, section 7.3): a task passes on every runtime it claims, or is not deployed.
 
 For each claimed onnxruntime release, in a worker process inside that release's own cached env
-(:mod:`emulator.runtime_worker`), with that release's versioned plan:
+(:mod:`emulator.releases.workers`), with that release's versioned plan:
 
 * ``loads``: the release creates a session for the work graph;
 * ``equivalence``: the work graph's outputs on the proxy batch (new weights and metrics of one
@@ -40,7 +40,7 @@ import numpy as np
 
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan
-from emulator.runtime_worker import RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool
+from emulator.releases.workers import RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool
 from emulator.toolchain.tasks import Budget, ProxyData, Task, TaskError, Tolerance, Trial
 from emulator.toolchain.versioning import VersioningError, plan_sha256, versioned_plan
 from server_stub.release_gate import REPORT_FORMAT
@@ -67,12 +67,17 @@ class Check:
 
 def max_abs_difference(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float | None:
     """The largest absolute difference over the outputs both hold with one shape (None if none)."""
-    diffs = [float(np.max(np.abs(np.asarray(candidate[n], np.float64) - np.asarray(v, np.float64)))) if np.size(v) else 0.0
-             for n, v in reference.items() if n in candidate and np.shape(candidate[n]) == np.shape(v)]
+    diffs = [
+        float(np.max(np.abs(np.asarray(candidate[n], np.float64) - np.asarray(v, np.float64)))) if np.size(v) else 0.0
+        for n, v in reference.items()
+        if n in candidate and np.shape(candidate[n]) == np.shape(v)
+    ]
     return max(diffs) if diffs else None
 
 
-def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tolerance: Tolerance) -> Check:
+def compare_outputs(
+    reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray], tolerance: Tolerance
+) -> Check:
     """Every reference output present in ``candidate`` with its shape and within tolerance."""
     worst_name, worst = "", 0.0
     for name, want in reference.items():
@@ -80,39 +85,60 @@ def compare_outputs(reference: Mapping[str, np.ndarray], candidate: Mapping[str,
             return Check("equivalence", False, f"output {name!r} is missing")
         got, want = np.asarray(candidate[name], dtype=np.float64), np.asarray(want, dtype=np.float64)
         if got.shape != want.shape:
-            return Check("equivalence", False, f"output {name!r} has shape {list(got.shape)}, the reference {list(want.shape)}")
+            return Check(
+                "equivalence", False, f"output {name!r} has shape {list(got.shape)}, the reference {list(want.shape)}"
+            )
         if not np.allclose(got, want, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=False):
             err = float(np.max(np.abs(got - want))) if got.size else 0.0
-            return Check("equivalence", False,
-                         f"output {name!r} differs by up to {err:.3g} (rtol {tolerance.rtol:g}, atol {tolerance.atol:g})")
+            return Check(
+                "equivalence",
+                False,
+                f"output {name!r} differs by up to {err:.3g} (rtol {tolerance.rtol:g}, atol {tolerance.atol:g})",
+            )
         err = float(np.max(np.abs(got - want))) if got.size else 0.0
         if err >= worst:
             worst_name, worst = name, err
     return Check("equivalence", True, f"max abs difference {worst:.3g} ({worst_name or 'no outputs'})")
 
 
-def budget_checks(budget: Budget, peak_memory_mb: float, step_s: Sequence[float], steps_per_session: int) -> list[Check]:
+def budget_checks(
+    budget: Budget, peak_memory_mb: float, step_s: Sequence[float], steps_per_session: int
+) -> list[Check]:
     """The measured costs against the budget's limits (only the limits the budget sets)."""
     step_ms = 1000.0 * statistics.median(step_s) if step_s else math.inf
     session_s = step_ms / 1000.0 * steps_per_session
     out = []
     if budget.memory_mb is not None:
-        out.append(Check("budget.memory_mb", peak_memory_mb <= budget.memory_mb,
-                         f"peak {peak_memory_mb:.1f} MB over the runtime's baseline (budget {budget.memory_mb:g})"))
+        out.append(
+            Check(
+                "budget.memory_mb",
+                peak_memory_mb <= budget.memory_mb,
+                f"peak {peak_memory_mb:.1f} MB over the runtime's baseline (budget {budget.memory_mb:g})",
+            )
+        )
     if budget.step_ms is not None:
-        out.append(Check("budget.step_ms", step_ms <= budget.step_ms, f"median step {step_ms:.3f} ms (budget {budget.step_ms:g})"))
+        out.append(
+            Check(
+                "budget.step_ms", step_ms <= budget.step_ms, f"median step {step_ms:.3f} ms (budget {budget.step_ms:g})"
+            )
+        )
     if budget.session_s is not None:
-        out.append(Check("budget.session_s", session_s <= budget.session_s,
-                         f"{steps_per_session} steps take {session_s:.3f} s (budget {budget.session_s:g})"))
+        out.append(
+            Check(
+                "budget.session_s",
+                session_s <= budget.session_s,
+                f"{steps_per_session} steps take {session_s:.3f} s (budget {budget.session_s:g})",
+            )
+        )
     return out
 
 
 def report_passed(report: Mapping[str, Any]) -> bool:
     """A report passes when the reference and every claimed release passed every check."""
     entries = [report["reference"], *report["results"].values()]
-    return all(e["passed"] and all(c["passed"] for c in e["checks"]) for e in entries) and set(report["results"]) == set(
-        report["claimed"]
-    )
+    return all(e["passed"] and all(c["passed"] for c in e["checks"]) for e in entries) and set(
+        report["results"]
+    ) == set(report["claimed"])
 
 
 # ----------------------------------------------------------------------------- the shell
@@ -123,7 +149,9 @@ def _only(shard: Mapping[str, np.ndarray]) -> Callable[[], list[Mapping[str, np.
     return lambda: [shard]
 
 
-def _batches(executor: WorkerExecutor, shard: Mapping[str, np.ndarray], epochs: int) -> list[list[dict[str, np.ndarray]]]:
+def _batches(
+    executor: WorkerExecutor, shard: Mapping[str, np.ndarray], epochs: int
+) -> list[list[dict[str, np.ndarray]]]:
     open_batches = executor.batches_from_examples(lambda: [shard])
     return [[executor.feeds(b) for b in open_batches()] for _ in range(epochs)]
 
@@ -136,7 +164,9 @@ def _mean_loss(values: Sequence[Sequence[float]], metric_names: Sequence[str]) -
     return float(np.mean([v[0] for v in values])) if values else math.nan
 
 
-def _holdout_metrics(executor: WorkerExecutor, weights: Mapping[str, np.ndarray], holdout: Mapping[str, np.ndarray]) -> tuple[float, float]:
+def _holdout_metrics(
+    executor: WorkerExecutor, weights: Mapping[str, np.ndarray], holdout: Mapping[str, np.ndarray]
+) -> tuple[float, float]:
     plan = executor.plan
     names = [m for m in ("loss_sum", "correct", "count") if m in plan.metric_names]
     if "loss_sum" not in names or "count" not in names:
@@ -155,8 +185,14 @@ class _Run:
     steps_per_session: int
 
 
-def _simulated_rounds(plan: Plan, server: PlanExecutor, weights: Mapping[str, np.ndarray], proxy: ProxyData,
-                      executor: WorkerExecutor, rounds: int) -> Iterator[dict[str, np.ndarray]]:
+def _simulated_rounds(
+    plan: Plan,
+    server: PlanExecutor,
+    weights: Mapping[str, np.ndarray],
+    proxy: ProxyData,
+    executor: WorkerExecutor,
+    rounds: int,
+) -> Iterator[dict[str, np.ndarray]]:
     """The model before the first simulated FedAvg round and after each of ``rounds``: every proxy
     shard is a device whose steps run in ``executor``'s worker, aggregated by the plan's server part."""
     state = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}  # + any server optimizer state
@@ -178,8 +214,14 @@ def _steps_per_session(plan: Plan, proxy: ProxyData) -> int:
     return math.ceil(largest / plan.device.batch_size) * plan.device.epochs
 
 
-def _run_task(task: Task, plan: Plan, server: PlanExecutor, weights: Mapping[str, np.ndarray], proxy: ProxyData,
-              worker: RuntimeWorker) -> _Run:
+def _run_task(
+    task: Task,
+    plan: Plan,
+    server: PlanExecutor,
+    weights: Mapping[str, np.ndarray],
+    proxy: ProxyData,
+    worker: RuntimeWorker,
+) -> _Run:
     """Local epochs and simulated rounds of ``plan`` whose device steps run in ``worker``."""
     executor = WorkerExecutor(plan, worker)
     epochs = _batches(executor, proxy.shards[0], task.local_epochs)
@@ -187,7 +229,7 @@ def _run_task(task: Task, plan: Plan, server: PlanExecutor, weights: Mapping[str
     trained = worker.train(plan, weights, flat)
     losses, start = [], 0
     for epoch in epochs:
-        losses.append(_mean_loss(trained.metric_values[start:start + len(epoch)], plan.metric_names))
+        losses.append(_mean_loss(trained.metric_values[start : start + len(epoch)], plan.metric_names))
         start += len(epoch)
     accuracies, round_losses = [], []
     for model in _simulated_rounds(plan, server, weights, proxy, executor, task.simulated_rounds):
@@ -198,8 +240,13 @@ def _run_task(task: Task, plan: Plan, server: PlanExecutor, weights: Mapping[str
     return _Run(trial, trained.step_s, trained.peak_memory_mb, _steps_per_session(plan, proxy))
 
 
-def _run_evaluation(plan: Plan, server: PlanExecutor, models: Sequence[Mapping[str, np.ndarray]], proxy: ProxyData,
-                    worker: RuntimeWorker) -> _Run:
+def _run_evaluation(
+    plan: Plan,
+    server: PlanExecutor,
+    models: Sequence[Mapping[str, np.ndarray]],
+    proxy: ProxyData,
+    worker: RuntimeWorker,
+) -> _Run:
     """The evaluation plan on each round's model: the holdout through the device path in
     ``worker``, the round's metrics from the plan's server part; costs of one device's session."""
     executor = WorkerExecutor(plan, worker)
@@ -225,7 +272,9 @@ def _judge(task: Task, run: _Run) -> list[Check]:
     return checks + budget_checks(task.budget, run.peak_memory_mb, run.step_s, run.steps_per_session)
 
 
-def _entry(plan: Plan | None, runtime: str, checks: list[Check], run: _Run | None, diff: float | None = None) -> dict[str, Any]:
+def _entry(
+    plan: Plan | None, runtime: str, checks: list[Check], run: _Run | None, diff: float | None = None
+) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "runtime": runtime,
         "plan_sha256": plan_sha256(plan) if plan is not None else None,
@@ -241,8 +290,10 @@ def _entry(plan: Plan | None, runtime: str, checks: list[Check], run: _Run | Non
             "steps_per_session": run.steps_per_session,
             "max_abs_diff": diff,
         }
-        entry["trial"] = {k: [None if not math.isfinite(x) else round(x, 6) for x in v] if isinstance(v, tuple) else v
-                          for k, v in asdict(run.trial).items()}
+        entry["trial"] = {
+            k: [None if not math.isfinite(x) else round(x, 6) for x in v] if isinstance(v, tuple) else v
+            for k, v in asdict(run.trial).items()
+        }
     return entry
 
 
@@ -286,8 +337,16 @@ def release_test(
                 trained_plan = task.evaluates.build_plan()
                 trained = (trained_plan, task.evaluates.weights(trained_plan))
             say(f"{task.evaluates.name}: {task.simulated_rounds} simulated rounds whose models the evaluation measures")
-            models = list(_simulated_rounds(trained[0], PlanExecutor(trained[0]), trained[1], proxy,
-                                            WorkerExecutor(trained[0], host), task.simulated_rounds))
+            models = list(
+                _simulated_rounds(
+                    trained[0],
+                    PlanExecutor(trained[0]),
+                    trained[1],
+                    proxy,
+                    WorkerExecutor(trained[0], host),
+                    task.simulated_rounds,
+                )
+            )
             run_on: Callable[[Plan, RuntimeWorker], _Run] = lambda p, w: _run_evaluation(p, server, models, proxy, w)  # noqa: E731
             extra["evaluates"] = {"task": task.evaluates.name, "plan_sha256": plan_sha256(trained[0])}
         else:
@@ -312,7 +371,11 @@ def release_test(
             run: _Run | None = None
             diff: float | None = None
             try:
-                vplan = versioned[runtime] if versioned is not None and runtime in versioned else versioned_plan(plan, runtime)
+                vplan = (
+                    versioned[runtime]
+                    if versioned is not None and runtime in versioned
+                    else versioned_plan(plan, runtime)
+                )
                 worker = pool.worker(runtime)
                 worker.load(vplan.work)
                 checks = [Check("loads", True, f"opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}")]
@@ -345,14 +408,22 @@ def release_table(report: Mapping[str, Any]) -> str:
         failed = [c for c in entry["checks"] if not c["passed"]]
         diff = measured.get("max_abs_diff")
         step, peak = measured.get("median_step_ms"), measured.get("peak_memory_mb")
-        rows.append((name, "yes" if entry["passed"] and not failed else "FAILED",
-                     "-" if diff is None else f"{diff:.3g}", "-" if step is None else f"{step:.3f}",
-                     "-" if peak is None else f"{peak:.1f}"))
+        rows.append(
+            (
+                name,
+                "yes" if entry["passed"] and not failed else "FAILED",
+                "-" if diff is None else f"{diff:.3g}",
+                "-" if step is None else f"{step:.3f}",
+                "-" if peak is None else f"{peak:.1f}",
+            )
+        )
         if failed:
             failures.append(f"{name}: {failed[0]['name']}: {failed[0]['detail']}")
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
     return "\n".join([*lines, *failures])
 
 

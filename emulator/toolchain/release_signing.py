@@ -24,8 +24,15 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from server_stub.release_gate import SIGNATURE_ALGORITHM, signing_payload
 from server_stub.release_trust import trust_line
 
-__all__ = ["KEY_FORMAT", "SigningKeyError", "generate_signing_key", "load_signing_key", "public_key_bytes",
-           "public_key_path", "sign_report"]
+__all__ = [
+    "KEY_FORMAT",
+    "SigningKeyError",
+    "generate_signing_key",
+    "load_signing_key",
+    "public_key_bytes",
+    "public_key_path",
+    "sign_report",
+]
 
 KEY_FORMAT = "fedfleet-release-signing-key"
 
@@ -66,13 +73,19 @@ def generate_signing_key(path: str | os.PathLike[str], *, label: str = "", force
     ``force``) and its trust line to ``KEY.pub``."""
     path = Path(path)
     if path.exists() and not force:
-        raise SigningKeyError(f"{path} already exists; servers may trust it. Name a new file, or pass --force to "
-                              "replace it (reports signed with the old key stop being accepted where only it is trusted)")
+        raise SigningKeyError(
+            f"{path} already exists; servers may trust it. Name a new file, or pass --force to "
+            "replace it (reports signed with the old key stop being accepted where only it is trusted)"
+        )
     key = Ed25519PrivateKey.generate()
-    body = json.dumps({
-        "format": KEY_FORMAT,
-        "private_key": base64.b64encode(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())).decode(),
-    }).encode("utf-8")
+    body = json.dumps(
+        {
+            "format": KEY_FORMAT,
+            "private_key": base64.b64encode(
+                key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+            ).decode(),
+        }
+    ).encode("utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -82,8 +95,9 @@ def generate_signing_key(path: str | os.PathLike[str], *, label: str = "", force
             f.write(body)
         public_key_path(path).write_text(trust_line(public_key_bytes(key), label) + "\n", encoding="utf-8")
     except OSError as exc:
-        raise SigningKeyError(f"cannot write the signing key {path} ({exc.strerror or exc}); name a file in a folder "
-                              "that can be written") from None
+        raise SigningKeyError(
+            f"cannot write the signing key {path} ({exc.strerror or exc}); name a file in a folder that can be written"
+        ) from None
     return key
 
 

@@ -114,8 +114,12 @@ class _G:
 
     def model(self, name: str, inputs, outputs, opset: int) -> bytes:
         graph = helper.make_graph(self.nodes, name, inputs, outputs, initializer=self.inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="fedfleet.toolchain",
-                                  ir_version=ir_version_for_opset(opset))
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", opset)],
+            producer_name="fedfleet.toolchain",
+            ir_version=ir_version_for_opset(opset),
+        )
         onnx.checker.check_model(model)
         return model.SerializeToString()
 
@@ -166,7 +170,7 @@ def server_part(
     n = g.op("Max", [f"acc/{NUM_EXAMPLES}", one])
     count = g.op("Max", ["acc/count", one]) if "count" in metrics else n
     report_out = []
-    for name, shape in (weights.items() if train else ()):
+    for name, shape in weights.items() if train else ():
         g.op("Div", [f"acc/{name}", n], name)
         report_out.append(_vi(name, _F64, shape))
     for agg, source in agg_metrics.items():
@@ -203,12 +207,25 @@ def server_part(
     g = _G()
     for w in weights:
         g.op("Identity", [f"state/{w}"], w)
-    prepare = g.model("prepare", [_vi(f"state/{w}", _F32, s) for w, s in weights.items()],
-                      [_vi(w, _F32, s) for w, s in weights.items()], opset)
+    prepare = g.model(
+        "prepare",
+        [_vi(f"state/{w}", _F32, s) for w, s in weights.items()],
+        [_vi(w, _F32, s) for w, s in weights.items()],
+        opset,
+    )
     part = ServerPart(prepare=prepare, zero=zero, accumulate=accumulate, merge=merge, report=report, update=update)
     if secure_sum:
-        part = ServerPart(prepare=prepare, zero=zero, accumulate=accumulate, merge=merge, report=report, update=update,
-                          bitwidth=int(bitwidth), clip_range=float(clip_range), secure_sum=tuple(update_spec))
+        part = ServerPart(
+            prepare=prepare,
+            zero=zero,
+            accumulate=accumulate,
+            merge=merge,
+            report=report,
+            update=update,
+            bitwidth=int(bitwidth),
+            clip_range=float(clip_range),
+            secure_sum=tuple(update_spec),
+        )
     return part
 
 
@@ -237,5 +254,7 @@ def _server_step(g: _G, opt: ServerOptimizer, w: str, shape) -> tuple[list, list
         v = g.op("Add", [g.op("Mul", [v_old, g.const(b2)]), g.op("Mul", [d2, g.const(1 - b2)])], v_name)
     step = g.op("Div", [m, g.op("Add", [g.op("Sqrt", [v]), g.const(opt.tau)])])
     g.op("Add", [state, g.op("Mul", [step, lr])], w)
-    return ([_vi(f"state/{m_name}", _F32, shape), _vi(v_old, _F32, shape)],
-            [_vi(m_name, _F32, shape), _vi(v_name, _F32, shape)])
+    return (
+        [_vi(f"state/{m_name}", _F32, shape), _vi(v_old, _F32, shape)],
+        [_vi(m_name, _F32, shape), _vi(v_name, _F32, shape)],
+    )

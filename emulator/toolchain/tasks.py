@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from device_runtime.plan import Plan
-from emulator.runtime_envs import KNOWN_RELEASES
+from emulator.releases.envs import KNOWN_RELEASES
 from example_store import ExampleSelector
 from server_stub.rounds import RoundConfig
 
@@ -80,8 +80,10 @@ def check_known_releases(task: Task) -> None:
     simulator takes other releases and says itself which ones no plan can be written for."""
     unknown = [r for r in task.runtimes if r not in KNOWN_RELEASES]
     if unknown:
-        raise TaskError(f"task {task.name!r} claims {', '.join(unknown)}, not an onnxruntime release the release tests "
-                        f"know; claim some of {', '.join(KNOWN_RELEASES)}")
+        raise TaskError(
+            f"task {task.name!r} claims {', '.join(unknown)}, not an onnxruntime release the release tests "
+            f"know; claim some of {', '.join(KNOWN_RELEASES)}"
+        )
 
 
 class TaskError(ValueError):
@@ -115,7 +117,9 @@ class ProxyData:
     holdout: Mapping[str, np.ndarray]
 
     @classmethod
-    def split(cls, examples: Mapping[str, np.ndarray], *, devices: int, holdout_fraction: float = 0.25, seed: int = 0) -> ProxyData:
+    def split(
+        cls, examples: Mapping[str, np.ndarray], *, devices: int, holdout_fraction: float = 0.25, seed: int = 0
+    ) -> ProxyData:
         """Shuffle ``examples`` (a dict of arrays sharing the first axis) and deal them to ``devices``
         shards and a holdout set."""
         n = len(next(iter(examples.values())))
@@ -195,7 +199,9 @@ def loss_decreases(epochs: int = 3) -> Predicate:
 
     def check(trial: Trial) -> tuple[bool, str]:
         losses = trial.loss_by_epoch[:epochs]
-        ok = len(losses) == epochs and all(b < a for a, b in zip(losses, losses[1:])) and all(map(math.isfinite, losses))
+        ok = (
+            len(losses) == epochs and all(b < a for a, b in zip(losses, losses[1:])) and all(map(math.isfinite, losses))
+        )
         return ok, "losses " + ", ".join(f"{v:.4g}" for v in losses)
 
     return Predicate(f"loss_decreases_over_{epochs}_epochs", check, local_epochs=epochs)
@@ -283,18 +289,24 @@ class Task:
             raise TaskError(f"task {self.name!r} claims a runtime twice: {self.runtimes}")
         minors = [r.rsplit(".", 1)[0] for r in self.runtimes]
         if len(set(minors)) != len(minors):
-            raise TaskError(f"task {self.name!r} claims two patches of one minor release {self.runtimes}; devices are served per minor")
+            raise TaskError(
+                f"task {self.name!r} claims two patches of one minor release {self.runtimes}; devices are served per minor"
+            )
         if self.batch_size < 1 or self.epochs < 1:
             raise TaskError(f"task {self.name!r}: batch_size and epochs must be >= 1")
         if self.evaluates is not None:
             if self.evaluates.evaluates is not None:
-                raise TaskError(f"task {self.name!r} evaluates {self.evaluates.name!r}, itself an evaluation; evaluate a training task")
+                raise TaskError(
+                    f"task {self.name!r} evaluates {self.evaluates.name!r}, itself an evaluation; evaluate a training task"
+                )
             if self.evaluates.name == self.name:
                 raise TaskError(f"the evaluation of {self.name!r} needs a name of its own")
             trains = [p.name for p in self.predicates if p.local_epochs]
             if trains:
-                raise TaskError(f"task {self.name!r} is an evaluation: it does not train, so {trains} cannot be judged; "
-                                "use predicates over rounds such as accuracy_after_rounds or loss_after_rounds")
+                raise TaskError(
+                    f"task {self.name!r} is an evaluation: it does not train, so {trains} cannot be judged; "
+                    "use predicates over rounds such as accuracy_after_rounds or loss_after_rounds"
+                )
 
     @property
     def kind(self) -> str:
@@ -339,15 +351,24 @@ class Task:
                 try:
                     plan = build_eval_plan(plan)
                 except PlanError as exc:
-                    raise TaskError(f"task {self.name!r}: no evaluation twin of its training plan ({exc}); give the "
-                                    "evaluation a model function that returns an evaluation plan") from None
+                    raise TaskError(
+                        f"task {self.name!r}: no evaluation twin of its training plan ({exc}); give the "
+                        "evaluation a model function that returns an evaluation plan"
+                    ) from None
             device = dataclasses.replace(plan.device, selector=self.selector, batch_size=self.batch_size)
             return dataclasses.replace(plan, name=self.name, device=device)
         from emulator.toolchain import evaluation_plan_from_onnx
 
         try:
-            return evaluation_plan_from_onnx(self._model_source(), label=self.label, loss=self.loss, training_plan=trained,
-                                             example_selector=self.selector, batch_size=self.batch_size, name=self.name)
+            return evaluation_plan_from_onnx(
+                self._model_source(),
+                label=self.label,
+                loss=self.loss,
+                training_plan=trained,
+                example_selector=self.selector,
+                batch_size=self.batch_size,
+                name=self.name,
+            )
         except (TypeError, ValueError) as exc:
             raise TaskError(f"task {self.name!r}: no evaluation plan from its ONNX model: {exc}") from None
 
@@ -400,10 +421,18 @@ def onnx_import(model: Any, task: Task) -> Any:
     server = {} if task.server_optimizer is None else {"server_optimizer": task.server_optimizer}
     try:
         return onnx_training_plan(
-            model, trainable=None if task.trainable is None else list(task.trainable), frozen=list(task.frozen),
-            label=task.label, loss=task.loss, optimizer=optimizers[task.optimizer](),
-            batch_size=task.batch_size, epochs=task.epochs, opset=task.opset, example_selector=task.selector,
-            secure_aggregation=task.secure_aggregation, **server,
+            model,
+            trainable=None if task.trainable is None else list(task.trainable),
+            frozen=list(task.frozen),
+            label=task.label,
+            loss=task.loss,
+            optimizer=optimizers[task.optimizer](),
+            batch_size=task.batch_size,
+            epochs=task.epochs,
+            opset=task.opset,
+            example_selector=task.selector,
+            secure_aggregation=task.secure_aggregation,
+            **server,
         )
     except (TypeError, ValueError) as exc:  # UnsupportedOpError and PlanError are ValueErrors
         raise TaskError(f"task {task.name!r}: no training plan from its ONNX model: {exc}") from None
@@ -488,11 +517,15 @@ def load_tasks(path: str | Path) -> list[Task]:
         if t.evaluates is None:
             continue
         if t.evaluates.name not in names:
-            raise TaskError(f"task file {path}: {t.name!r} evaluates {t.evaluates.name!r}, which the file does not list in "
-                            "`tasks`; list both, they are built, tested and deployed together")
+            raise TaskError(
+                f"task file {path}: {t.name!r} evaluates {t.evaluates.name!r}, which the file does not list in "
+                "`tasks`; list both, they are built, tested and deployed together"
+            )
         claimed = {r.rsplit(".", 1)[0] for r in t.runtimes}
         uncovered = [r for r in t.evaluates.runtimes if r.rsplit(".", 1)[0] not in claimed]
         if uncovered:  # the server would refuse the pair: that release's devices could not evaluate
-            raise TaskError(f"task file {path}: {t.name!r} does not claim onnxruntime {uncovered[0]}, which "
-                            f"{t.evaluates.name!r} claims; an evaluation claims every release of the task it measures")
+            raise TaskError(
+                f"task file {path}: {t.name!r} does not claim onnxruntime {uncovered[0]}, which "
+                f"{t.evaluates.name!r} claims; an evaluation claims every release of the task it measures"
+            )
     return tasks

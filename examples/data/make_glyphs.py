@@ -46,7 +46,9 @@ SIDE, CAP, BASELINE, SUPERSAMPLE = 16, 9, 12, 4
 TEST_SHARE = 0.2
 OUT = Path(__file__).resolve().parent / "glyphs"
 #: Families that are symbols under letters' code points, keycaps, or math-only.
-EXCLUDED = frozenset({"D050000L", "Standard Symbols PS", "STIX Math", "Berenis ADF Pro Math", "Linux Biolinum Keyboard O"})
+EXCLUDED = frozenset(
+    {"D050000L", "Standard Symbols PS", "STIX Math", "Berenis ADF Pro Math", "Linux Biolinum Keyboard O"}
+)
 PACKAGES = (
     "fonts-adf-accanthis=0.20190904-2 fonts-adf-baskervald=0.20190904-2 fonts-adf-berenis=0.20190904-2 "
     "fonts-adf-gillius=0.20190904-2 fonts-adf-ikarius=0.20190904-2 fonts-adf-irianis=0.20190904-2 "
@@ -158,7 +160,9 @@ def build(debs: Path, out: Path = OUT) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--debs", type=Path, help="a folder holding the pinned .deb files (default: apt-get download them)")
+    parser.add_argument(
+        "--debs", type=Path, help="a folder holding the pinned .deb files (default: apt-get download them)"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

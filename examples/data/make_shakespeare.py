@@ -104,7 +104,7 @@ def role_texts(plays: dict[str, str]) -> dict[str, str]:
 
 def windows(text: str) -> tuple[list[str], list[str]]:
     starts = range(0, len(text) - SEQ_LEN, STRIDE)
-    return [text[i:i + SEQ_LEN] for i in starts], [text[i + SEQ_LEN] for i in starts]
+    return [text[i : i + SEQ_LEN] for i in starts], [text[i + SEQ_LEN] for i in starts]
 
 
 def plays_of(wheel: Path) -> dict[str, str]:

@@ -25,9 +25,11 @@ def cnn_model(seed: int = 0) -> bytes:
         return numpy_helper.from_array((scale * rng.standard_normal(shape)).astype(np.float32), name)
 
     initializers = [
-        normal("conv_w", [4, 1, 3, 3], 0.3), numpy_helper.from_array(np.zeros(4, np.float32), "conv_b"),
+        normal("conv_w", [4, 1, 3, 3], 0.3),
+        numpy_helper.from_array(np.zeros(4, np.float32), "conv_b"),
         numpy_helper.from_array(np.array([-1, 1, 8, 8], np.int64), "image_shape"),
-        normal("fc_w", [4 * 3 * 3, 10], 0.1), numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
+        normal("fc_w", [4 * 3 * 3, 10], 0.1),
+        numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
     ]
     nodes = [
         helper.make_node("Reshape", ["x", "image_shape"], ["image"]),
@@ -37,8 +39,13 @@ def cnn_model(seed: int = 0) -> bytes:
         helper.make_node("Flatten", ["pool"], ["flat"], axis=1),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"]),
     ]
-    graph = helper.make_graph(nodes, "digits_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], initializer=initializers)
+    graph = helper.make_graph(
+        nodes,
+        "digits_cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        initializer=initializers,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
 
 

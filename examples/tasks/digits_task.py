@@ -25,8 +25,9 @@ EPOCHS = 2
 
 
 def mlp(hp):
-    return build_mlp_plan(64, (32,), 10, learning_rate=hp["lr"], batch_size=BATCH_SIZE, epochs=EPOCHS,
-                          selector=SELECTOR, opset=21)
+    return build_mlp_plan(
+        64, (32,), 10, learning_rate=hp["lr"], batch_size=BATCH_SIZE, epochs=EPOCHS, selector=SELECTOR, opset=21
+    )
 
 
 def proxy():

@@ -49,8 +49,10 @@ def cnn_model(seed: int = 0) -> bytes:
     pooled = CHANNELS * (SIDE // 2) ** 2
     initializers = [
         numpy_helper.from_array(np.array([-1, 1, SIDE, SIDE], np.int64), "image_shape"),
-        he("conv_w", [CHANNELS, 1, 3, 3], 9), numpy_helper.from_array(np.zeros(CHANNELS, np.float32), "conv_b"),
-        he("fc_w", [pooled, CLASSES], pooled), numpy_helper.from_array(np.zeros(CLASSES, np.float32), "fc_b"),
+        he("conv_w", [CHANNELS, 1, 3, 3], 9),
+        numpy_helper.from_array(np.zeros(CHANNELS, np.float32), "conv_b"),
+        he("fc_w", [pooled, CLASSES], pooled),
+        numpy_helper.from_array(np.zeros(CLASSES, np.float32), "fc_b"),
     ]
     nodes = [
         helper.make_node("Reshape", ["x", "image_shape"], ["image"]),
@@ -60,9 +62,13 @@ def cnn_model(seed: int = 0) -> bytes:
         helper.make_node("Flatten", ["pool"], ["flat"], axis=1),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"]),
     ]
-    graph = helper.make_graph(nodes, "glyphs_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", SIDE * SIDE])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])],
-                              initializer=initializers)
+    graph = helper.make_graph(
+        nodes,
+        "glyphs_cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", SIDE * SIDE])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])],
+        initializer=initializers,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
 
 

@@ -56,7 +56,9 @@ def ngram_model(seed: int = 0) -> bytes:
 
     features = CONTEXT * EMBEDDING
     initializers = [
-        ints("context_start", [-CONTEXT]), ints("context_end", [WINDOW]), ints("context_axis", [1]),
+        ints("context_start", [-CONTEXT]),
+        ints("context_end", [WINDOW]),
+        ints("context_axis", [1]),
         ints("flat_shape", [-1, features]),
         normal("embedding", [VOCABULARY, EMBEDDING], 1.0),
         normal("hidden_w", [features, HIDDEN], np.sqrt(2.0 / features)),
@@ -72,9 +74,13 @@ def ngram_model(seed: int = 0) -> bytes:
         helper.make_node("Relu", ["hidden"], ["relu"]),
         helper.make_node("Gemm", ["relu", "out_w", "out_b"], ["logits"]),
     ]
-    graph = helper.make_graph(nodes, "shakespeare_ngram", [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", WINDOW])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", VOCABULARY])],
-                              initializer=initializers)
+    graph = helper.make_graph(
+        nodes,
+        "shakespeare_ngram",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", WINDOW])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", VOCABULARY])],
+        initializer=initializers,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
 
 
@@ -83,7 +89,9 @@ def proxy() -> ProxyData:
     """``PROXY_ROLES`` roles of the shipped files drawn with seed 0: each one's training windows a device's
     shard, their test windows together the holdout."""
     data = load_leaf(DATA)
-    roles = [data.client_ids[i] for i in np.random.default_rng(0).choice(len(data.client_ids), PROXY_ROLES, replace=False)]
+    roles = [
+        data.client_ids[i] for i in np.random.default_rng(0).choice(len(data.client_ids), PROXY_ROLES, replace=False)
+    ]
     holdout = {k: np.concatenate([data.test[r][k] for r in roles]) for k in ("x", "y")}
     return ProxyData(tuple(data.train[r] for r in roles), holdout)
 

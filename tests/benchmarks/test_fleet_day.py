@@ -15,11 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(300)
 def test_a_small_run_brackets_the_simulation_with_two_baselines():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.fleet_day", "--devices", "200", "--hours", "0.5",
-                          "--baseline-s", "5"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fleet_day", "--devices", "200", "--hours", "0.5", "--baseline-s", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-    assert [line.get("case") for line in lines[:3]] == ["baseline_realtime_fleet", "simulation", "baseline_realtime_fleet"]
+    assert [line.get("case") for line in lines[:3]] == [
+        "baseline_realtime_fleet",
+        "simulation",
+        "baseline_realtime_fleet",
+    ]
     before, sim, after, summary = lines
     assert (before["when"], after["when"]) == ("before", "after")
     rates = [before["completed_sessions_per_wall_s"], after["completed_sessions_per_wall_s"]]
@@ -27,5 +36,7 @@ def test_a_small_run_brackets_the_simulation_with_two_baselines():
     assert summary["summary"] is True
     assert summary["baseline_completed_sessions_per_wall_s_before_after"] == rates
     mean_ratio = sim["completed_sessions_per_wall_s"] / (sum(rates) / 2)
-    assert summary["targets"]["completed_sessions_per_wall_s_vs_realtime_fleet"]["value"] == pytest.approx(mean_ratio, abs=0.01)
+    assert summary["targets"]["completed_sessions_per_wall_s_vs_realtime_fleet"]["value"] == pytest.approx(
+        mean_ratio, abs=0.01
+    )
     assert summary["targets"]["day_wall_s"]["met"] is None  # only a full day of 10,000 devices is judged

@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(300)
 def test_a_small_run_replays_each_tasks_completed_sessions_and_judges_the_ratios():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.fleet_models", "--devices", "300", "--hours", "0.75",
-                          "--sample", "10"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fleet_models", "--devices", "300", "--hours", "0.75", "--sample", "10"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     *tasks, summary = lines
@@ -24,8 +29,13 @@ def test_a_small_run_replays_each_tasks_completed_sessions_and_judges_the_ratios
     for t in tasks:
         assert t["sessions_completed"] > 0 and t["replayed"] == min(10, t["sessions_completed"])
         assert t["examples_mismatched"] == 0  # the replay trained what the fleet's sessions trained
-        assert t["ratio_to_floor"] == pytest.approx(t["fleet_cpu_ms_per_completed_session"] / t["floor_cpu_ms_per_session"],
-                                                    abs=0.01)
+        assert t["ratio_to_floor"] == pytest.approx(
+            t["fleet_cpu_ms_per_completed_session"] / t["floor_cpu_ms_per_session"], abs=0.01
+        )
         target = summary["targets"][f"{t['case']}_cpu_per_completed_session_over_floor"]
-        assert target == {"value": t["ratio_to_floor"], "goal": 1.25, "met": None}  # only a day of 10,000 devices is judged
+        assert target == {
+            "value": t["ratio_to_floor"],
+            "goal": 1.25,
+            "met": None,
+        }  # only a day of 10,000 devices is judged
     assert summary["summary"] is True and summary["quick"] is False

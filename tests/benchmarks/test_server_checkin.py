@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_quick_run_ends_in_a_summary_with_its_target_met():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.server_checkin", "--quick"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.server_checkin", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     cases = {line["case"]: line for line in lines if "case" in line}

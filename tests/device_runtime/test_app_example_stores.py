@@ -51,7 +51,9 @@ class ListExampleStore(ExampleStore):
 
     def _select(self, selector: ExampleSelector) -> list[Example]:
         if selector.collection_uri != self.collection_uri:
-            raise UnknownCollectionError(f"this app keeps only {self.collection_uri!r}, not {selector.collection_uri!r}")
+            raise UnknownCollectionError(
+                f"this app keeps only {self.collection_uri!r}, not {selector.collection_uri!r}"
+            )
         if selector.resume_after is not None:
             raise ResumptionNotSupportedError("this app's store reads from the start only")
         chosen = [

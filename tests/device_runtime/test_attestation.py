@@ -27,7 +27,7 @@ from device_runtime.attestation import (
     generate_device_key,
     raw_public_key,
 )
-from emulator.attestation_authority import AttestationAuthority
+from emulator.devices.attestation_authority import AttestationAuthority
 
 NOW = 1_700_000_000.0
 AUTHORITY = AttestationAuthority.generate()
@@ -43,8 +43,15 @@ def seeded(seed: int):
 
 def test_error_codes_are_stable_strings():
     assert ATTESTATION_ERROR_CODES == (
-        "MALFORMED", "UNKNOWN_AUTHORITY", "BAD_CERTIFICATE_SIGNATURE", "CERTIFICATE_EXPIRED",
-        "CERTIFICATE_NOT_YET_VALID", "BAD_SIGNATURE", "UNKNOWN_NONCE", "REPLAYED_NONCE", "RATE_LIMITED",
+        "MALFORMED",
+        "UNKNOWN_AUTHORITY",
+        "BAD_CERTIFICATE_SIGNATURE",
+        "CERTIFICATE_EXPIRED",
+        "CERTIFICATE_NOT_YET_VALID",
+        "BAD_SIGNATURE",
+        "UNKNOWN_NONCE",
+        "REPLAYED_NONCE",
+        "RATE_LIMITED",
     )
     err = RateLimited("slow down", retry_after_s=3.0)
     assert isinstance(err, AttestationError) and err.http_status == 429 and err.retry_after_s == 3.0
@@ -97,7 +104,7 @@ def test_certificate_from_garbage_bytes_is_malformed(data):
 def test_certificate_flipped_or_truncated_bytes(pos, byte):
     data = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0).certificate.to_bytes()
     pos %= len(data)
-    for candidate in (data[:pos], data + bytes([byte]), data[:pos] + bytes([byte]) + data[pos + 1:]):
+    for candidate in (data[:pos], data + bytes([byte]), data[:pos] + bytes([byte]) + data[pos + 1 :]):
         try:
             parsed = DeviceCertificate.from_bytes(candidate)
         except MalformedAttestation:
@@ -105,21 +112,26 @@ def test_certificate_flipped_or_truncated_bytes(pos, byte):
         assert parsed.to_bytes() == candidate  # parsed means canonical; the signature check is the server's
 
 
-@pytest.mark.parametrize("field,value", [
-    ("device_class", "a name with spaces"),
-    ("device_class", ""),
-    ("device_class", "x" * 65),
-    ("issued_at", float("nan")),
-    ("expires_at", float("inf")),
-    ("expires_at", NOW - 1),
-    ("issued_at", True),
-    ("device_public_key", b"short"),
-    ("signature", "not bytes"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("device_class", "a name with spaces"),
+        ("device_class", ""),
+        ("device_class", "x" * 65),
+        ("issued_at", float("nan")),
+        ("expires_at", float("inf")),
+        ("expires_at", NOW - 1),
+        ("issued_at", True),
+        ("device_public_key", b"short"),
+        ("signature", "not bytes"),
+    ],
+)
 def test_certificate_rejects_bad_fields(field, value):
     cert = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0).certificate
-    fields = {name: getattr(cert, name) for name in
-              ("device_public_key", "device_class", "issued_at", "expires_at", "authority_key_id", "signature")}
+    fields = {
+        name: getattr(cert, name)
+        for name in ("device_public_key", "device_class", "issued_at", "expires_at", "authority_key_id", "signature")
+    }
     fields[field] = value
     with pytest.raises(MalformedAttestation):
         DeviceCertificate(**fields)
@@ -207,10 +219,17 @@ def test_save_and_load_the_keystore(tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-@pytest.mark.parametrize("content", [
-    b"", b"\xff\xfe", b"[]", b"{}", b'{"format": "other"}',
-    b'{"format": "fedfleet-device-keystore", "version": 1, "private_key": "AA==", "certificate": {}}',
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"\xff\xfe",
+        b"[]",
+        b"{}",
+        b'{"format": "other"}',
+        b'{"format": "fedfleet-device-keystore", "version": 1, "private_key": "AA==", "certificate": {}}',
+    ],
+)
 def test_loading_garbage_keystore_is_malformed(tmp_path, content):
     path = tmp_path / "device.key"
     path.write_bytes(content)

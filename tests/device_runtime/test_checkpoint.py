@@ -127,7 +127,9 @@ def test_non_json_header_is_refused():
 
 
 _dtypes = st.sampled_from(["float32", "float64", "float16", "int8", "int32", "int64", "uint8", "uint64", "bool"])
-_arrays = _dtypes.flatmap(lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)))
+_arrays = _dtypes.flatmap(
+    lambda dt: hnp.arrays(np.dtype(dt), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -158,7 +160,7 @@ def _forge_header(header: bytes, body: bytes = b"") -> bytes:
 
 
 @pytest.mark.parametrize("depth", [9, 1_000, 100_000, (1 << 20) - 20])
-@pytest.mark.parametrize("opener", ["[", "{\"a\":"])
+@pytest.mark.parametrize("opener", ["[", '{"a":'])
 def test_deeply_nested_headers_are_refused_not_a_recursion_error(depth, opener):
     closer = "]" if opener == "[" else "}"
     nested = (opener * depth + closer * depth).encode()
@@ -195,7 +197,9 @@ _json_ish = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.binary(max_size=400), _json_ish, _json_ish.map(lambda b: b'{"tensors":[' + b)), st.integers(1, 3000))
+@given(
+    st.one_of(st.binary(max_size=400), _json_ish, _json_ish.map(lambda b: b'{"tensors":[' + b)), st.integers(1, 3000)
+)
 def test_property_any_header_bytes_give_a_checkpoint_error_or_a_checkpoint(header, repeat):
     for candidate in (header, header * repeat):
         try:
@@ -230,6 +234,7 @@ def test_equal_layouts_share_a_header_and_distinct_ones_do_not():
     a = encode_checkpoint({"w": np.zeros((2, 3), np.float32)})
     b = encode_checkpoint({"w": np.ones((2, 3), np.float32)})
     c = encode_checkpoint({"w": np.zeros((3, 2), np.float32)})
+
     def header(data: bytes) -> bytes:
         (n,) = struct.unpack_from("<I", data, len(MAGIC))
         return data[len(MAGIC) + 4 : len(MAGIC) + 4 + n]

@@ -11,8 +11,10 @@ from device_runtime.conditions import BATTERY_LOW_FRACTION, DeviceState, Trainin
 LEVELS = st.one_of(st.sampled_from([0.0, BATTERY_LOW_FRACTION, 1.0]), st.floats(0.0, 1.0))
 
 
-@given(st.builds(TrainingConstraints, st.booleans(), st.booleans(), st.booleans(), st.booleans()),
-       st.builds(DeviceState, st.booleans(), st.booleans(), LEVELS, st.booleans(), st.booleans()))
+@given(
+    st.builds(TrainingConstraints, st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+    st.builds(DeviceState, st.booleans(), st.booleans(), LEVELS, st.booleans(), st.booleans()),
+)
 def test_satisfied_is_nothing_unmet(constraints, state):
     assert constraints.satisfied(state) is (not constraints.unmet(state))
 

@@ -17,15 +17,11 @@ from scipy.linalg import hadamard
 from device_runtime import ddp
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
-SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def vectors(min_dim: int = 1, max_dim: int = 300) -> st.SearchStrategy[np.ndarray]:
-    return st.integers(min_dim, max_dim).flatmap(
-        lambda d: arrays(np.float64, d, elements=finite)
-    )
+    return st.integers(min_dim, max_dim).flatmap(lambda d: arrays(np.float64, d, elements=finite))
 
 
 # --- rotation ----------------------------------------------------------------------------------
@@ -33,9 +29,7 @@ def vectors(min_dim: int = 1, max_dim: int = 300) -> st.SearchStrategy[np.ndarra
 
 @SETTINGS
 @given(x=vectors(), seed=st.integers(0, 2**64 - 1))
-def test_rotation_is_orthonormal_and_its_inverse_exact(
-    x: np.ndarray, seed: int
-) -> None:
+def test_rotation_is_orthonormal_and_its_inverse_exact(x: np.ndarray, seed: int) -> None:
     y = ddp.rotate(x, seed)
     assert y.size == ddp.padded_dimension(x.size)
     assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x), rel=1e-12, abs=1e-9)
@@ -45,9 +39,7 @@ def test_rotation_is_orthonormal_and_its_inverse_exact(
 @pytest.mark.parametrize("d", [1, 2, 8, 64])
 def test_fast_walsh_hadamard_equals_the_dense_normalized_matrix(d: int) -> None:
     x = np.random.default_rng(d).normal(size=(3, d))
-    np.testing.assert_allclose(
-        ddp.fwht(x), x @ hadamard(d).T / math.sqrt(d), atol=1e-12
-    )
+    np.testing.assert_allclose(ddp.fwht(x), x @ hadamard(d).T / math.sqrt(d), atol=1e-12)
 
 
 def test_rotation_depends_on_the_public_seed() -> None:
@@ -68,17 +60,13 @@ def test_rotation_spreads_a_spike_over_every_coordinate() -> None:
 
 @SETTINGS
 @given(x=vectors(), clip=st.floats(1e-3, 1e3))
-def test_clipping_bounds_the_norm_and_keeps_short_vectors(
-    x: np.ndarray, clip: float
-) -> None:
+def test_clipping_bounds_the_norm_and_keeps_short_vectors(x: np.ndarray, clip: float) -> None:
     c = ddp.clip_l2(x, clip)
     assert np.linalg.norm(c) <= clip * (1 + 1e-12)
     if np.linalg.norm(x) <= clip:
         np.testing.assert_array_equal(c, x)
     else:
-        np.testing.assert_allclose(
-            c * np.linalg.norm(x) / clip, x, rtol=1e-9, atol=1e-9
-        )
+        np.testing.assert_allclose(c * np.linalg.norm(x) / clip, x, rtol=1e-9, atol=1e-9)
 
 
 def test_clipping_refuses_non_finite_updates() -> None:
@@ -108,9 +96,7 @@ def test_conditional_rounding_is_unbiased() -> None:
     assert q.mean() == pytest.approx(0.3, abs=5 * math.sqrt(0.21 / y.size))
 
 
-def test_conditional_rounding_gives_up_with_a_clear_error_on_an_unclipped_input() -> (
-    None
-):
+def test_conditional_rounding_gives_up_with_a_clear_error_on_an_unclipped_input() -> None:
     y = np.full(64, 10.5)
     with pytest.raises(ddp.RoundingFailed, match="not clipped"):
         ddp.conditional_round(y, bound=1.0, rng=np.random.default_rng(0), max_tries=5)
@@ -121,13 +107,9 @@ def test_conditional_rounding_gives_up_with_a_clear_error_on_an_unclipped_input(
 
 def discrete_gaussian_pmf(variance: float, support: np.ndarray) -> np.ndarray:
     w = np.exp(-(support.astype(np.float64) ** 2) / (2 * variance))
-    tail = (
-        int(max(abs(support.min()), support.max())) + int(40 * math.sqrt(variance)) + 40
-    )
+    tail = int(max(abs(support.min()), support.max())) + int(40 * math.sqrt(variance)) + 40
     whole = np.arange(-tail, tail + 1)
-    pmf: np.ndarray = (
-        w / np.exp(-(whole.astype(np.float64) ** 2) / (2 * variance)).sum()
-    )
+    pmf: np.ndarray = w / np.exp(-(whole.astype(np.float64) ** 2) / (2 * variance)).sum()
     return pmf
 
 
@@ -151,9 +133,7 @@ def looks_discrete_gaussian(samples: np.ndarray, sigma2: float) -> bool:
     lo, hi = int(samples.min()), int(samples.max())
     support = np.arange(lo - 1, hi + 2)
     expected = discrete_gaussian_pmf(variance, support) * n
-    observed = np.bincount(samples - (lo - 1), minlength=support.size).astype(
-        np.float64
-    )
+    observed = np.bincount(samples - (lo - 1), minlength=support.size).astype(np.float64)
     keep = expected >= 20
     cells_o = np.append(observed[keep], observed[~keep].sum() + (n - observed.sum()))
     cells_e = np.append(expected[keep], n - expected[keep].sum())
@@ -165,9 +145,7 @@ Sampler = Callable[[float, int, np.random.Generator], np.ndarray]
 
 
 def rounded_gaussian(scale: float) -> Sampler:
-    return lambda v, n, rng: np.rint(rng.normal(0.0, scale * math.sqrt(v), n)).astype(
-        np.int64
-    )
+    return lambda v, n, rng: np.rint(rng.normal(0.0, scale * math.sqrt(v), n)).astype(np.int64)
 
 
 def discrete_laplace(v: float, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -193,18 +171,12 @@ def test_discrete_gaussian_sampler_matches_the_law(variance: float) -> None:
         ("rounded Laplace of the same variance", discrete_laplace, 1e4),
     ],
 )
-def test_the_sampler_check_fails_for_a_broken_sampler(
-    name: str, sampler: Sampler, variance: float
-) -> None:
-    assert not looks_discrete_gaussian(
-        sampler(variance, 200_000, np.random.default_rng(11)), variance
-    ), name
+def test_the_sampler_check_fails_for_a_broken_sampler(name: str, sampler: Sampler, variance: float) -> None:
+    assert not looks_discrete_gaussian(sampler(variance, 200_000, np.random.default_rng(11)), variance), name
 
 
 def test_exact_rational_sampler_matches_the_law() -> None:
-    samples = ddp.sample_discrete_gaussian_exact(
-        Fraction(3, 2), 3000, np.random.default_rng(5)
-    )
+    samples = ddp.sample_discrete_gaussian_exact(Fraction(3, 2), 3000, np.random.default_rng(5))
     assert looks_discrete_gaussian(samples, 1.5)
 
 
@@ -251,9 +223,7 @@ def test_round_trip_without_noise_reproduces_the_clipped_vector_within_the_round
     enc = ddp.encode(x, p, seed, np.random.default_rng(seed), noise=False)
     assert enc.dtype == np.int64 and (enc >= 0).all() and (enc < p.modulus).all()
     out = ddp.decode(enc, p, seed, 1)
-    assert np.linalg.norm(out - ddp.clip_l2(x, clip)) <= math.sqrt(
-        p.padded_dim
-    ) / p.gamma * (1 + 1e-9)
+    assert np.linalg.norm(out - ddp.clip_l2(x, clip)) <= math.sqrt(p.padded_dim) / p.gamma * (1 + 1e-9)
 
 
 @SETTINGS
@@ -281,15 +251,11 @@ def test_the_modular_sum_of_many_encodings_decodes_to_the_sum_of_clipped_vectors
     except ddp.ModulusTooSmall:
         return  # a bitwidth too small for n devices is refused, not used
     base = rng.normal(size=dim)
-    updates = [
-        base * 10 if aligned else rng.normal(size=dim) * 10 for _ in range(n)
-    ]  # all clipped
+    updates = [base * 10 if aligned else rng.normal(size=dim) * 10 for _ in range(n)]  # all clipped
     encodings = [ddp.encode(u, p, seed, rng, noise=False) for u in updates]
     out = ddp.decode(sum_encodings(encodings, p.modulus), p, seed, n)
     expected = sum(ddp.clip_l2(u, clip) for u in updates)
-    assert np.linalg.norm(out - expected) <= n * math.sqrt(p.padded_dim) / p.gamma * (
-        1 + 1e-9
-    )
+    assert np.linalg.norm(out - expected) <= n * math.sqrt(p.padded_dim) / p.gamma * (1 + 1e-9)
 
 
 def test_the_noisy_sum_of_the_largest_group_stays_inside_the_sized_modulus() -> None:
@@ -304,39 +270,25 @@ def test_the_noisy_sum_of_the_largest_group_stays_inside_the_sized_modulus() -> 
     )
     updates = [rng.normal(size=4096) for _ in range(25)]
     signed = sum(ddp.to_signed(ddp.encode(u, p, 3, rng), p.modulus) for u in updates)
-    total = ddp.to_signed(
-        sum_encodings([ddp.encode(u, p, 3, rng) for u in updates], p.modulus), p.modulus
-    )
+    total = ddp.to_signed(sum_encodings([ddp.encode(u, p, 3, rng) for u in updates], p.modulus), p.modulus)
     assert np.abs(np.asarray(signed)).max() <= p.wrap_bound() < p.modulus / 2
     assert np.abs(total).max() <= p.wrap_bound()
 
 
-def test_a_modulus_one_bit_short_of_the_wrap_bound_is_refused_naming_the_bitwidth() -> (
-    None
-):
-    p = ddp.calibrate(
-        noise_multiplier=1.0, clip=1.0, dim=1000, bitwidth=20, min_devices=50
-    )
+def test_a_modulus_one_bit_short_of_the_wrap_bound_is_refused_naming_the_bitwidth() -> None:
+    p = ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=1000, bitwidth=20, min_devices=50)
     needed = math.ceil(math.log2(2 * p.wrap_bound() + 1))
     ddp.DDPParams(**{**p.__dict__, "bitwidth": needed}).check_modulus()
     short = ddp.DDPParams(**{**p.__dict__, "bitwidth": needed - 1})
-    with pytest.raises(
-        ddp.ModulusTooSmall, match=f"raise bitwidth to at least {needed}"
-    ):
+    with pytest.raises(ddp.ModulusTooSmall, match=f"raise bitwidth to at least {needed}"):
         short.check_modulus()
     with pytest.raises(ddp.ModulusTooSmall, match="bitwidth"):
-        ddp.calibrate(
-            noise_multiplier=1.0, clip=1.0, dim=1000, bitwidth=6, min_devices=50
-        )
+        ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=1000, bitwidth=6, min_devices=50)
 
 
 def test_calibration_refuses_a_bitwidth_that_rounding_would_swamp() -> None:
-    p = ddp.calibrate(
-        noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=12, min_devices=10
-    )
-    assert (
-        1.05 < p.inflation <= 2.0
-    )  # 12 bits leave rounding a visible share of the noise
+    p = ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=12, min_devices=10)
+    assert 1.05 < p.inflation <= 2.0  # 12 bits leave rounding a visible share of the noise
     with pytest.raises(ddp.ModulusTooSmall, match="raise bitwidth"):
         ddp.calibrate(
             noise_multiplier=1.0,
@@ -347,9 +299,7 @@ def test_calibration_refuses_a_bitwidth_that_rounding_would_swamp() -> None:
             max_inflation=1.05,
         )
     with pytest.raises(ddp.ModulusTooSmall, match="raise bitwidth to at least"):
-        ddp.calibrate(
-            noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=10, min_devices=10
-        )
+        ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=10, min_devices=10)
 
 
 @pytest.mark.parametrize("mechanism", ["gaussian", "skellam"])
@@ -374,9 +324,7 @@ def test_the_noise_of_the_fewest_devices_sums_to_the_target_std(
         9,
         n,
     )
-    target = (
-        z * p.sensitivity / p.gamma
-    )  # z times the integer sensitivity, in float units
+    target = z * p.sensitivity / p.gamma  # z times the integer sensitivity, in float units
     assert p.central_std(n) == pytest.approx(target, rel=1e-12)
     assert target >= z * clip
     assert out.std() == pytest.approx(target, rel=5 * math.sqrt(2 / dim))
@@ -399,17 +347,11 @@ def test_decode_refuses_more_devices_than_the_modulus_was_sized_for() -> None:
 
 def test_params_refuse_out_of_range_values_naming_the_field() -> None:
     with pytest.raises(ddp.DDPError, match="noise_multiplier"):
-        ddp.calibrate(
-            noise_multiplier=-1.0, clip=1.0, dim=10, bitwidth=20, min_devices=5
-        )
+        ddp.calibrate(noise_multiplier=-1.0, clip=1.0, dim=10, bitwidth=20, min_devices=5)
     with pytest.raises(ddp.DDPError, match="clip"):
-        ddp.calibrate(
-            noise_multiplier=1.0, clip=0.0, dim=10, bitwidth=20, min_devices=5
-        )
+        ddp.calibrate(noise_multiplier=1.0, clip=0.0, dim=10, bitwidth=20, min_devices=5)
     with pytest.raises(ddp.DDPError, match="bitwidth"):
-        ddp.calibrate(
-            noise_multiplier=1.0, clip=1.0, dim=10, bitwidth=63, min_devices=5
-        )
+        ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=10, bitwidth=63, min_devices=5)
     with pytest.raises(ddp.DDPError, match="min_devices"):
         ddp.calibrate(
             noise_multiplier=1.0,

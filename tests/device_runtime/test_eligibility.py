@@ -31,7 +31,9 @@ def _deploy(admin, policies: EligibilityPolicies, **config):
     plan = digits_plan()
     admin.create_population("digits")
     config.setdefault("min_reports", 1)  # rounds of a few devices, knowingly
-    admin.deploy_task("digits", "train", plan, encode_checkpoint(initial_weights(plan)), RoundConfig(**config), policies)
+    admin.deploy_task(
+        "digits", "train", plan, encode_checkpoint(initial_weights(plan)), RoundConfig(**config), policies
+    )
 
 
 def _runtime(tmp_path, server, digits, n, name="d", **kwargs):
@@ -66,7 +68,9 @@ def test_minimum_separation_in_rounds(tmp_path, server, admin, digits):
 
 
 def test_minimum_separation_in_time_and_sampling_period(tmp_path, server, admin, digits):
-    _deploy(admin, EligibilityPolicies(min_separation_s=3600, sampling_period_s=86_400), goal_count=1, over_selection=1.0)
+    _deploy(
+        admin, EligibilityPolicies(min_separation_s=3600, sampling_period_s=86_400), goal_count=1, over_selection=1.0
+    )
     clock = VirtualClock(start=1_767_225_600.0 + 3600)  # 01:00 UTC
     device = _runtime(tmp_path, server, digits, 20, environment=RuntimeEnvironment(clock=clock.now))
     assert device.run_session().outcome is Outcome.COMPLETED
@@ -108,14 +112,17 @@ def eligibility_cases(draw):
         gaps.append(st.sampled_from([s - 1, s, s + 1]))
     if period:
         to_next_period = period - at % period
-        gaps.append(st.sampled_from([to_next_period - 1, to_next_period, to_next_period + period - 1, to_next_period + period]))
+        gaps.append(
+            st.sampled_from([to_next_period - 1, to_next_period, to_next_period + period - 1, to_next_period + period])
+        )
     now = at + draw(st.one_of(gaps))
     last = draw(st.sampled_from([None, Participation(last_round, float(at))]))
     return policies, available, last, current_round, float(now)
 
 
-def expected_failures(policies: EligibilityPolicies, available: int, last: Participation | None,
-                      current_round: int, now: float) -> tuple[str, ...]:
+def expected_failures(
+    policies: EligibilityPolicies, available: int, last: Participation | None, current_round: int, now: float
+) -> tuple[str, ...]:
     """The policies as the README states them, in whole numbers: at least ``min_examples``;
     eligible again K rounds or S seconds after the last participation (not sooner); at most once
     per sampling period, the periods being [k*T, (k+1)*T) since the epoch."""

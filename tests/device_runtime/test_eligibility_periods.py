@@ -30,7 +30,9 @@ def test_a_device_is_never_sampled_twice_at_the_same_instant(case, last_round):
     eligible again at ``t``, also where ``t / T`` rounds up to the next period's number."""
     period, at = case
     policies = EligibilityPolicies(sampling_period_s=period)
-    verdict = evaluate("t", policies, examples_available=1, last=Participation(last_round, at), current_round=last_round + 1, now=at)
+    verdict = evaluate(
+        "t", policies, examples_available=1, last=Participation(last_round, at), current_round=last_round + 1, now=at
+    )
     assert verdict.failed == ("sampling_period_s",)
     assert not verdict.eligible
 
@@ -42,10 +44,15 @@ def test_a_device_is_never_sampled_twice_at_the_same_instant(case, last_round):
     period=st.integers(0, 10 * 365 * 86400).map(float),
 )
 def test_policies_survive_their_dict_form(min_examples, rounds, seconds, period):
-    policies = EligibilityPolicies(min_examples=min_examples, min_separation_rounds=rounds,
-                                   min_separation_s=seconds, sampling_period_s=period)
+    policies = EligibilityPolicies(
+        min_examples=min_examples, min_separation_rounds=rounds, min_separation_s=seconds, sampling_period_s=period
+    )
     data = policies.to_dict()
-    assert data == {"min_examples": min_examples, "min_separation_rounds": rounds,
-                    "min_separation_s": seconds, "sampling_period_s": period}
+    assert data == {
+        "min_examples": min_examples,
+        "min_separation_rounds": rounds,
+        "min_separation_s": seconds,
+        "sampling_period_s": period,
+    }
     assert EligibilityPolicies.from_dict(data) == policies
     assert policies.empty == (not any(data.values()))

@@ -207,8 +207,12 @@ def _examples(n: int, chunk: int, pulled: list[int] | None = None):
             stop = min(n, start + chunk)
             if pulled is not None:
                 pulled.append(stop)
-            yield {"pixels": np.repeat(np.arange(start, stop, dtype=np.float32)[:, None], F, axis=1),
-                   "label": np.arange(start, stop) % C, "unused": np.zeros(stop - start)}
+            yield {
+                "pixels": np.repeat(np.arange(start, stop, dtype=np.float32)[:, None], F, axis=1),
+                "label": np.arange(start, stop) % C,
+                "unused": np.zeros(stop - start),
+            }
+
     return open_examples
 
 
@@ -226,7 +230,11 @@ def test_shuffle_is_deterministic_per_seed_and_differs_per_epoch():
     assert a1 != a2  # a new order each epoch
     assert sorted(a1) == sorted(a2) == list(range(100))  # every example exactly once per epoch
     assert a1 != list(range(100))
-    other = _ids(PlanExecutor(_plan(batch_size=8, shuffle_seed=124, shuffle_buffer=32)).batches_from_examples(_examples(100, 7))())
+    other = _ids(
+        PlanExecutor(_plan(batch_size=8, shuffle_seed=124, shuffle_buffer=32)).batches_from_examples(
+            _examples(100, 7)
+        )()
+    )
     assert other != a1
     batches = list(open_a())
     assert [len(b["label"]) for b in batches] == [8] * 12 + [4]

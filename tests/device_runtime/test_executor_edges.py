@@ -97,14 +97,18 @@ def test_a_step_that_fails_raises_the_runtimes_error_and_a_forced_stop_is_an_int
 
 
 def test_every_epoch_of_a_seeded_shuffle_has_its_own_order():
-    opener = PlanExecutor(_plan(batch_size=8, shuffle_seed=5, shuffle_buffer=32)).batches_from_examples(_examples(60, 7))
+    opener = PlanExecutor(_plan(batch_size=8, shuffle_seed=5, shuffle_buffer=32)).batches_from_examples(
+        _examples(60, 7)
+    )
     orders = [_ids(opener()) for _ in range(4)]
     assert all(sorted(o) == list(range(60)) for o in orders)
     assert len({tuple(o) for o in orders}) == 4
 
 
 def test_an_unseeded_shuffle_still_yields_every_example_once():
-    opener = PlanExecutor(_plan(batch_size=8, shuffle_seed=None, shuffle_buffer=32)).batches_from_examples(_examples(60, 7))
+    opener = PlanExecutor(_plan(batch_size=8, shuffle_seed=None, shuffle_buffer=32)).batches_from_examples(
+        _examples(60, 7)
+    )
     assert sorted(_ids(opener())) == list(range(60))
 
 
@@ -164,8 +168,10 @@ def test_a_graph_output_fits_its_promise_exactly_when_names_rank_sizes_and_dtype
 
 def test_examples_of_any_numeric_dtype_train_as_the_graphs_dtypes():
     native = EXECUTOR.run_device(WEIGHTS, lambda: split([6]))
-    widened = EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": b["pixels"].astype(np.float64), "label": b["label"].astype(np.int32)}
-                                                    for b in split([6])])
+    widened = EXECUTOR.run_device(
+        WEIGHTS,
+        lambda: [{"pixels": b["pixels"].astype(np.float64), "label": b["label"].astype(np.int32)} for b in split([6])],
+    )
     for name in native.update:
         np.testing.assert_array_equal(widened.update[name], native.update[name])
 

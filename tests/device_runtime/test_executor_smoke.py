@@ -27,19 +27,23 @@ def unrunnable(model_bytes: bytes, output: str | None = None) -> bytes:
     zero = np.zeros(1, dtype=helper.tensor_dtype_to_np_dtype(elem))
     for node in graph.node:
         node.output[:] = [ok if o == out else o for o in node.output]
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array([-1], dtype=np.int64), "__minus_one"),
-        numpy_helper.from_array(np.array([1], dtype=np.int64), "__one_dim"),
-    ])
-    graph.node.extend([
-        helper.make_node("ReduceSum", [ok], ["__sum"], keepdims=1),
-        helper.make_node("Reshape", ["__sum", "__one_dim"], ["__sum1"]),
-        helper.make_node("Cast", ["__sum1"], ["__isum"], to=TensorProto.INT64),
-        helper.make_node("Abs", ["__isum"], ["__abs"]),
-        helper.make_node("Sub", ["__minus_one", "__abs"], ["__bad_shape"]),
-        helper.make_node("ConstantOfShape", ["__bad_shape"], ["__bad"], value=numpy_helper.from_array(zero)),
-        helper.make_node("Add", [ok, "__bad"], [out]),
-    ])
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([-1], dtype=np.int64), "__minus_one"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "__one_dim"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("ReduceSum", [ok], ["__sum"], keepdims=1),
+            helper.make_node("Reshape", ["__sum", "__one_dim"], ["__sum1"]),
+            helper.make_node("Cast", ["__sum1"], ["__isum"], to=TensorProto.INT64),
+            helper.make_node("Abs", ["__isum"], ["__abs"]),
+            helper.make_node("Sub", ["__minus_one", "__abs"], ["__bad_shape"]),
+            helper.make_node("ConstantOfShape", ["__bad_shape"], ["__bad"], value=numpy_helper.from_array(zero)),
+            helper.make_node("Add", [ok, "__bad"], [out]),
+        ]
+    )
     onnx.checker.check_model(model)
     return model.SerializeToString()
 
@@ -80,7 +84,8 @@ def _identity_graph(name: str, inputs: dict[str, list], outputs: dict[str, tuple
     """A graph whose outputs are Identity of inputs: ``outputs`` maps name -> (input, declared shape)."""
     nodes = [helper.make_node("Identity", [src], [dst]) for dst, (src, _) in outputs.items()]
     graph = helper.make_graph(
-        nodes, name,
+        nodes,
+        name,
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, (_, s) in outputs.items()],
     )
@@ -105,14 +110,21 @@ def test_a_zero_graph_whose_outputs_break_the_accumulator_spec_is_refused():
     good = PlanExecutor(plan).zero()
     arrays = {n: np.zeros((1, 10) if n == "b0" else v.shape, dtype=v.dtype) for n, v in good.items()}
     graph = helper.make_graph(
-        [helper.make_node("Identity", [f"{n}__c"], [n]) for n in arrays], "zero", [],
-        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in arrays.items()],
+        [helper.make_node("Identity", [f"{n}__c"], [n]) for n in arrays],
+        "zero",
+        [],
+        [
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for n, a in arrays.items()
+        ],
         initializer=[numpy_helper.from_array(a, f"{n}__c") for n, a in arrays.items()],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", plan.metadata.opset)], ir_version=8)
     broken = with_graph(plan, "zero", model.SerializeToString())
     dtype = good["b0"].dtype
-    with pytest.raises(PlanError, match=rf"graph 'zero' returns 'b0' as {dtype}\[1, 10\], the plan promises {dtype}\[10\]"):
+    with pytest.raises(
+        PlanError, match=rf"graph 'zero' returns 'b0' as {dtype}\[1, 10\], the plan promises {dtype}\[10\]"
+    ):
         PlanExecutor(broken).smoke_test(initial_weights(plan, seed=0))
 
 

@@ -36,10 +36,12 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
     max_leaves=6,
 )
-windows = json_values | st.lists(st.floats() | st.integers(-10**400, 10**400), min_size=0, max_size=3)
+windows = json_values | st.lists(st.floats() | st.integers(-(10**400), 10**400), min_size=0, max_size=3)
 
 
-def _hostile_server(window: object = None, *, answer: dict | None = None, asked: list | None = None) -> httpx.MockTransport:
+def _hostile_server(
+    window: object = None, *, answer: dict | None = None, asked: list | None = None
+) -> httpx.MockTransport:
     """A server that answers every check-in with ``answer`` (by default: turned away with
     ``window`` as its retry window) and nothing else; ``asked`` collects the paths requested."""
     checkin = answer if answer is not None else {"status": "rejected", "reason": "ROUND_FULL", "retry_after_s": window}
@@ -58,20 +60,39 @@ def _hostile_server(window: object = None, *, answer: dict | None = None, asked:
 
 
 FIELDS = ("session_id", "token", "task", "round", "plan_id", "checkpoint_id", "aggregation", "report_deadline_s")
-GOOD_ANSWER = {"status": "accepted", "session_id": "s1", "token": "t0k3n", "task": "train", "round": 3, "plan_id": "a" * 64,
-               "checkpoint_id": "b" * 64, "aggregation": "simple", "report_deadline_s": 60.0}
-hostile_values = json_values | st.sampled_from(["../../../etc/passwd", "a" * 64 + "/../x", "A" * 64, "bad token\r\nX: 1", "", -1, 1e309])
+GOOD_ANSWER = {
+    "status": "accepted",
+    "session_id": "s1",
+    "token": "t0k3n",
+    "task": "train",
+    "round": 3,
+    "plan_id": "a" * 64,
+    "checkpoint_id": "b" * 64,
+    "aggregation": "simple",
+    "report_deadline_s": 60.0,
+}
+hostile_values = json_values | st.sampled_from(
+    ["../../../etc/passwd", "a" * 64 + "/../x", "A" * 64, "bad token\r\nX: 1", "", -1, 1e309]
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(FIELDS), hostile_values, min_size=1), dropped=st.sets(st.sampled_from(FIELDS), max_size=2))
+@given(
+    changes=st.dictionaries(st.sampled_from(FIELDS), hostile_values, min_size=1),
+    dropped=st.sets(st.sampled_from(FIELDS), max_size=2),
+)
 def test_an_accepted_check_in_with_any_fields_ends_in_a_protocol_error_before_they_are_used(changes, dropped, tmp_path):
     answer = {k: v for k, v in {**GOOD_ANSWER, **changes}.items() if k not in dropped}
     asked: list[str] = []
     store = InMemoryExampleStore()
     store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}])
-    runtime = FLRuntime("p", "http://fl.test", store, transport=_hostile_server(answer=answer, asked=asked),
-                        cache_dir=tmp_path / "cache")
+    runtime = FLRuntime(
+        "p",
+        "http://fl.test",
+        store,
+        transport=_hostile_server(answer=answer, asked=asked),
+        cache_dir=tmp_path / "cache",
+    )
     with runtime, pytest.raises(ProtocolError):
         runtime.run_session()
     cache = tmp_path / "cache"
@@ -83,8 +104,14 @@ def test_an_accepted_check_in_with_any_fields_ends_in_a_protocol_error_before_th
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(window=windows, seed=st.integers(0, 2**32 - 1))
 def test_whatever_window_a_server_names_the_device_is_rejected_and_waits_a_sane_while(window, seed, tmp_path):
-    runtime = FLRuntime("p", "http://fl.test", InMemoryExampleStore(), transport=_hostile_server(window),
-                        rng=random.Random(seed), cache_dir=tmp_path / "cache")
+    runtime = FLRuntime(
+        "p",
+        "http://fl.test",
+        InMemoryExampleStore(),
+        transport=_hostile_server(window),
+        rng=random.Random(seed),
+        cache_dir=tmp_path / "cache",
+    )
     with runtime, pytest.raises(SessionRejected):
         runtime.run_session()
     lo, hi = runtime.last_retry_window
@@ -135,8 +162,9 @@ def test_a_report_answers_window_delays_the_next_session_no_sooner_than_the_inte
     clock = VirtualClock()
     store = SQLiteExampleStore(tmp_path / "ex.db")
     store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:32], digits.y_train[:32])))
-    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock,
-                                       settings=SchedulerSettings(jitter=0.0))
+    scheduler = ParticipationScheduler(
+        tmp_path / "app.db", StaticConditions(GOOD), clock=clock, settings=SchedulerSettings(jitter=0.0)
+    )
     runtime = FLRuntime("digits", server.url, store, transport=PacedReports(window), cache_dir=tmp_path / "cache")
     scheduler.register_runtime("digits", runtime)
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=min_interval))
@@ -149,13 +177,19 @@ def test_a_report_answers_window_delays_the_next_session_no_sooner_than_the_inte
     store.close()
 
 
-bodies = (json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=24)
-          | st.fixed_dictionaries({"task": json_values, "policies": json_values}).map(lambda v: json.dumps(v).encode()))
+bodies = (
+    json_values.map(lambda v: json.dumps(v).encode())
+    | st.binary(max_size=24)
+    | st.fixed_dictionaries({"task": json_values, "policies": json_values}).map(lambda v: json.dumps(v).encode())
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=bodies, status=st.sampled_from([200, 201, 204, 301, 400, 404, 409, 429, 500]),
-       which=st.sampled_from(["/eligibility", "/checkin"]))
+@given(
+    body=bodies,
+    status=st.sampled_from([200, 201, 204, 301, 400, 404, 409, 429, 500]),
+    which=st.sampled_from(["/eligibility", "/checkin"]),
+)
 def test_any_answer_to_eligibility_or_check_in_ends_in_the_sdks_own_errors(body, status, which, tmp_path):
     """Not JSON, not UTF-8, not an object, an odd status: a session ends in a ``RuntimeSdkError``
     (which the scheduler records) or a rejection, never in an exception it would not catch."""
@@ -167,8 +201,14 @@ def test_any_answer_to_eligibility_or_check_in_ends_in_the_sdks_own_errors(body,
             return httpx.Response(200, json={"task": "train", "policies": {}})
         return httpx.Response(404, json={"error": {"code": "NOT_FOUND", "message": "nothing here"}})
 
-    runtime = FLRuntime("p", "http://fl.test", InMemoryExampleStore(), transport=httpx.MockTransport(handle),
-                        retry=RetryPolicy(attempts=2, base_delay_s=0.0, max_delay_s=0.0), cache_dir=tmp_path / "cache")
+    runtime = FLRuntime(
+        "p",
+        "http://fl.test",
+        InMemoryExampleStore(),
+        transport=httpx.MockTransport(handle),
+        retry=RetryPolicy(attempts=2, base_delay_s=0.0, max_delay_s=0.0),
+        cache_dir=tmp_path / "cache",
+    )
     with runtime, pytest.raises((RuntimeSdkError, SessionRejected)):
         runtime.run_session()
 
@@ -207,13 +247,23 @@ def test_a_checkpoint_that_is_not_the_plans_or_not_a_checkpoint_is_refused_as_co
     store = InMemoryExampleStore()
     store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}] * 8)
     good = encode_checkpoint(initial_weights(plan, seed=0))
-    for checkpoint, says in [(encode_checkpoint(initial_weights(other, seed=0)), "has shape"), (good[:-5], "refused"),
-                             (b"\x00" * 40, "refused")]:
-        with FLRuntime("p", "http://fl.test", store, transport=_serving(serialize_plan(plan), checkpoint),
-                       cache_dir=tmp_path / "cache") as runtime:
+    for checkpoint, says in [
+        (encode_checkpoint(initial_weights(other, seed=0)), "has shape"),
+        (good[:-5], "refused"),
+        (b"\x00" * 40, "refused"),
+    ]:
+        with FLRuntime(
+            "p",
+            "http://fl.test",
+            store,
+            transport=_serving(serialize_plan(plan), checkpoint),
+            cache_dir=tmp_path / "cache",
+        ) as runtime:
             with pytest.raises(CorruptResource, match=says):
                 runtime.run_session()
-    with FLRuntime("p", "http://fl.test", store, transport=_serving(serialize_plan(plan), good), cache_dir=tmp_path / "cache") as runtime:
+    with FLRuntime(
+        "p", "http://fl.test", store, transport=_serving(serialize_plan(plan), good), cache_dir=tmp_path / "cache"
+    ) as runtime:
         assert runtime.run_session().outcome.value == "completed"  # the same server, honest: it trains
 
 
@@ -227,13 +277,16 @@ class BrokenStore(InMemoryExampleStore):
         raise RuntimeError("the app's storage is gone")
 
 
-def test_a_session_that_fails_with_an_error_not_the_sdks_is_an_error_run_and_the_job_comes_back(tmp_path, server, admin, digits):
+def test_a_session_that_fails_with_an_error_not_the_sdks_is_an_error_run_and_the_job_comes_back(
+    tmp_path, server, admin, digits
+):
     deploy(admin, goal_count=2)
     clock = VirtualClock()
     store = BrokenStore()
     store.add(COLLECTION, [{"x": x, "y": y} for x, y in zip(digits.x_train[:16], digits.y_train[:16])])
-    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock,
-                                       settings=SchedulerSettings(recheck_s=600, jitter=0.0))
+    scheduler = ParticipationScheduler(
+        tmp_path / "app.db", StaticConditions(GOOD), clock=clock, settings=SchedulerSettings(recheck_s=600, jitter=0.0)
+    )
     runtime = FLRuntime("digits", server.url, store, cache_dir=tmp_path / "cache")
     scheduler.register_runtime("digits", runtime)
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600))
@@ -259,7 +312,9 @@ class RendezvousCheckins(httpx.BaseTransport):
         if not request.url.path.endswith("/checkin"):
             return response
         response.read()
-        return httpx.Response(200, json={"status": "rejected", "reason": "ROUND_NOT_OPEN", "retry_after_s": self.window})
+        return httpx.Response(
+            200, json={"status": "rejected", "reason": "ROUND_NOT_OPEN", "retry_after_s": self.window}
+        )
 
     def close(self) -> None:
         self.inner.close()
@@ -272,8 +327,13 @@ def test_a_rejections_window_is_kept_as_the_server_named_it_not_jittered_past_it
     deploy(admin, goal_count=1, over_selection=1.0)
     clock = VirtualClock()
     scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock)
-    runtime = FLRuntime("digits", server.url, SQLiteExampleStore(tmp_path / "ex.db"), transport=RendezvousCheckins(window),
-                        cache_dir=tmp_path / "cache")
+    runtime = FLRuntime(
+        "digits",
+        server.url,
+        SQLiteExampleStore(tmp_path / "ex.db"),
+        transport=RendezvousCheckins(window),
+        cache_dir=tmp_path / "cache",
+    )
     scheduler.register_runtime("digits", runtime)
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600.0))
     waits = []

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from device_runtime import PlanError, max_ir_version_for_runtime, max_opset_for_runtime, min_runtime_for_opset
 from device_runtime.plan import _ort_support_rows, load_ort_support_record
 from device_runtime.versions import version_tuple
-from emulator.ort_support import InstalledRuntime, check, measure
-from emulator.runtime_envs import FIRST_MINOR, KNOWN_RELEASES, LAST_MINOR
+from emulator.releases.envs import FIRST_MINOR, KNOWN_RELEASES, LAST_MINOR
+from emulator.releases.support import InstalledRuntime, check, measure
 
 RECORD = load_ort_support_record()
 BY_MINOR = {row["minor"]: row for row in RECORD}
@@ -89,20 +89,24 @@ def test_installed_runtime_runs_its_recorded_max_and_refuses_one_more():
     minor = version_tuple(onnxruntime.__version__)[1]
     assert minor in BY_MINOR, (
         f"onnxruntime {onnxruntime.__version__} is not in the record: "
-        f"run python -m emulator.ort_support --releases {onnxruntime.__version__}"
+        f"run python -m emulator.releases.support --releases {onnxruntime.__version__}"
     )
     row, runtime = BY_MINOR[minor], InstalledRuntime()
     assert check(runtime, opset=row["max_opset"], ir_version=row["max_ir"]) is None
     assert "opset" in check(runtime, opset=row["max_opset"] + 1, ir_version=row["max_ir"]).lower()
     assert "ir version" in check(runtime, opset=13, ir_version=row["max_ir"] + 1).lower()
-    assert measure(runtime) == {"version": onnxruntime.__version__, "max_opset": row["max_opset"], "max_ir": row["max_ir"]}
+    assert measure(runtime) == {
+        "version": onnxruntime.__version__,
+        "max_opset": row["max_opset"],
+        "max_ir": row["max_ir"],
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("minor", [15, 20])
 def test_real_release_measures_as_recorded(minor):
-    from emulator.runtime_envs import RuntimeEnv
+    from emulator.releases.envs import RuntimeEnv
 
     row = BY_MINOR[minor]
     env = RuntimeEnv.for_release(row["release"])  # the shared cache: installed once, reused after

@@ -32,8 +32,19 @@ SEL = ExampleSelector("app:/digits", start_time=10.0, limit=500, order="newest")
 
 @pytest.fixture(scope="module")
 def plan():
-    return build_mlp_plan(8, (5,), 3, learning_rate=0.3, batch_size=4, epochs=2, selector=SEL,
-                          inputs={"x": "pixels", "y": "label"}, shuffle_seed=7, name="tiny", time_budget_s=30.0)
+    return build_mlp_plan(
+        8,
+        (5,),
+        3,
+        learning_rate=0.3,
+        batch_size=4,
+        epochs=2,
+        selector=SEL,
+        inputs={"x": "pixels", "y": "label"},
+        shuffle_seed=7,
+        name="tiny",
+        time_budget_s=30.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +125,12 @@ def test_opset_too_high_for_the_given_runtime():
     load_plan(data, runtime_version="1.20.3")
     with pytest.raises(PlanError, match="opset 21 is above what onnxruntime 1.16.0 runs"):
         # lying about the supported range must not get a plan past the opset check
-        load_plan(serialize_plan(dataclasses.replace(
-            plan, metadata=dataclasses.replace(plan.metadata, min_runtime_version="1.15.0"))), runtime_version="1.16.0")
+        load_plan(
+            serialize_plan(
+                dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, min_runtime_version="1.15.0"))
+            ),
+            runtime_version="1.16.0",
+        )
     with pytest.raises(PlanError, match="supports runtimes 1.18.0"):
         load_plan(data, runtime_version="1.16.0")
 
@@ -138,8 +153,9 @@ def test_ir_version_above_what_the_runtime_loads(plan):
     above = max_ir_version_for_runtime(onnxruntime.__version__) + 1  # one past the installed release's
     model = onnx.ModelProto.FromString(plan.work)
     model.ir_version = above
-    bumped = dataclasses.replace(plan, work=model.SerializeToString(),
-                                 metadata=dataclasses.replace(plan.metadata, ir_version=above))
+    bumped = dataclasses.replace(
+        plan, work=model.SerializeToString(), metadata=dataclasses.replace(plan.metadata, ir_version=above)
+    )
     with pytest.raises(PlanError, match=f"IR version {above}"):
         load_plan(serialize_plan(bumped))
     # a graph whose IR version exceeds the plan's declared one is refused too
@@ -205,14 +221,17 @@ def test_plans_emitted_at_each_opset_load_and_train_alike(opset):
     plan = build_mlp_plan(6, (4,), 3, learning_rate=0.2, selector=SEL, opset=opset)
     loaded = load_plan(serialize_plan(plan), runtime_version=plan.metadata.min_runtime_version)
     model = onnx.ModelProto.FromString(loaded.work)
-    assert model.ir_version == loaded.metadata.ir_version <= max_ir_version_for_runtime(plan.metadata.min_runtime_version)
+    assert (
+        model.ir_version == loaded.metadata.ir_version <= max_ir_version_for_runtime(plan.metadata.min_runtime_version)
+    )
     assert [o.version for o in model.opset_import] == [opset]
     w = initial_weights(loaded, seed=0)
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((5, 6)).astype(np.float32), rng.integers(0, 3, 5)
     out = make_session(loaded.work).run(["w0_new", "loss_sum"], {**w, "x": x, "y": y})
     ref = make_session(build_mlp_plan(6, (4,), 3, learning_rate=0.2, selector=SEL, opset=17).work).run(
-        ["w0_new", "loss_sum"], {**w, "x": x, "y": y})
+        ["w0_new", "loss_sum"], {**w, "x": x, "y": y}
+    )
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-6, atol=1e-7)
     assert PlanExecutor(loaded).client_update_spec()["w0"] == ((6, 4), np.dtype(np.float32))
 
@@ -233,7 +252,9 @@ def test_shared_weights_round_trip_and_plans_without_them_keep_their_bytes(plan,
     """The metadata's tied weights: written only when there are some, so that existing plans (and
     their ids) do not change; a plan written before the field loads with none."""
     assert b"shared_weights" not in data and load_plan(data).metadata.shared_weights == ()
-    tied = dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, shared_weights=(plan.weight_names[0],)))
+    tied = dataclasses.replace(
+        plan, metadata=dataclasses.replace(plan.metadata, shared_weights=(plan.weight_names[0],))
+    )
     written = serialize_plan(tied)
     assert load_plan(written) == tied and serialize_plan(load_plan(written)) == written
 

@@ -50,7 +50,9 @@ def grad64(w: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, 
     return out
 
 
-def finite_difference(w: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, eps: float = 1e-6) -> dict[str, np.ndarray]:
+def finite_difference(
+    w: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, eps: float = 1e-6
+) -> dict[str, np.ndarray]:
     w64 = {k: v.astype(np.float64) for k, v in w.items()}
     out = {}
     for name, value in w64.items():
@@ -77,7 +79,10 @@ def graph_step(plan, w, x, y):
     sess = make_session(plan.work)
     names = list(plan.weight_outputs) + list(plan.metric_names)
     out = dict(zip(names, sess.run(names, {**w, "x": x, "y": y})))
-    grads = {n: (w[n].astype(np.float64) - out[o].astype(np.float64)) / LR for n, o in zip(plan.weight_names, plan.weight_outputs)}
+    grads = {
+        n: (w[n].astype(np.float64) - out[o].astype(np.float64)) / LR
+        for n, o in zip(plan.weight_names, plan.weight_outputs)
+    }
     return grads, float(out["loss_sum"]), float(out["correct"]), float(out["count"])
 
 

@@ -37,15 +37,22 @@ class LoseFirstCheckinAnswer(httpx.BaseTransport):
 
 def test_a_retried_attested_checkin_signs_a_fresh_nonce(tmp_path, digits):
     authority = AttestationAuthority.generate()
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=10, rate_per_s=1))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=10, rate_per_s=1)
+    )
     with ServerThread(tmp_path / "server.db", verifier=verifier) as server, server.admin() as admin:
         deploy(admin, goal_count=1, over_selection=3.0)
         store = SQLiteExampleStore(tmp_path / "app.db")
         store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:20], digits.y_train[:20])))
         transport = LoseFirstCheckinAnswer()
-        runtime = FLRuntime("digits", server.url, store, transport=transport,
-                            retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.02),
-                            attestor=authority.new_device_attestor("emulated-pixel", time.time()))
+        runtime = FLRuntime(
+            "digits",
+            server.url,
+            store,
+            transport=transport,
+            retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.02),
+            attestor=authority.new_device_attestor("emulated-pixel", time.time()),
+        )
         result = runtime.run_session()
         runtime.close()
     # The lost attempt was accepted by the server; the retry was a new, accepted check-in, not a replay.

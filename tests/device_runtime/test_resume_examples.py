@@ -83,7 +83,9 @@ def test_resume_of_the_wrong_type_is_refused(bad):
 
 
 def test_builders_take_resume_examples():
-    assert build_softmax_regression_plan(64, 10, selector=ExampleSelector(COLLECTION), resume_examples=True).device.resume
+    assert build_softmax_regression_plan(
+        64, 10, selector=ExampleSelector(COLLECTION), resume_examples=True
+    ).device.resume
     assert not digits_plan("mlp").device.resume and digits_plan("mlp", resume_examples=True).device.resume
     with pytest.raises(TypeError, match="resume_examples must be True or False"):
         digits_plan(resume_examples="yes")

@@ -174,7 +174,9 @@ def test_the_client_sleeps_a_fresh_jittered_backoff_before_each_retry():
 
     slept: list[float] = []
     with httpx.Client(transport=httpx.MockTransport(refuse)) as http:
-        client = ProtocolClient("http://fl.invalid", retry=policy, rng=random.Random(5), sleep=slept.append, client=http)
+        client = ProtocolClient(
+            "http://fl.invalid", retry=policy, rng=random.Random(5), sleep=slept.append, client=http
+        )
         for _ in range(500):
             with pytest.raises(ServerUnreachable):
                 client.eligibility_info("digits")
@@ -187,7 +189,9 @@ def test_the_client_sleeps_a_fresh_jittered_backoff_before_each_retry():
 @given(lo=st.floats(0.0, 3600.0), width=st.floats(0.01, 3600.0), seed=st.integers(0, 2**32 - 1))
 def test_next_retry_delay_is_jittered_over_the_servers_window(lo, width, seed, tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "unused-cache"
-    with FLRuntime("digits", "http://fl.invalid", InMemoryExampleStore(), rng=random.Random(seed), cache_dir=cache) as runtime:
+    with FLRuntime(
+        "digits", "http://fl.invalid", InMemoryExampleStore(), rng=random.Random(seed), cache_dir=cache
+    ) as runtime:
         runtime.last_retry_window = (lo, lo + width)
         assert_spread_over([runtime.next_retry_delay() for _ in range(1000)], lo, lo + width)
 

@@ -22,7 +22,7 @@ from device_runtime import (
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
-from emulator.conditions import DiurnalConditions
+from emulator.devices.conditions import DiurnalConditions
 from example_store import ExampleSelector, SQLiteExampleStore
 from tests.support import COLLECTION, deploy, digits_plan
 
@@ -42,7 +42,11 @@ def test_jobs_survive_an_app_restart(tmp_path):
     conditions = StaticConditions(GOOD)
     clock = VirtualClock()
     first = ParticipationScheduler(db, conditions, clock=clock)
-    first.schedule("keyboard", TrainingConstraints(requires_charging=False, requires_battery_not_low=True), TrainingInterval(True, 3600))
+    first.schedule(
+        "keyboard",
+        TrainingConstraints(requires_charging=False, requires_battery_not_low=True),
+        TrainingInterval(True, 3600),
+    )
     first.schedule("photos", start_at=clock.now() + 60)
     first.cancel("nothing-there")
     before = sorted(first.jobs(), key=lambda j: j.population)
@@ -61,7 +65,9 @@ def test_unmet_constraints_mean_no_session_and_a_later_recheck(tmp_path, server,
     deploy(admin, goal_count=5)
     clock = VirtualClock()
     conditions = StaticConditions(BUSY)
-    scheduler = ParticipationScheduler(tmp_path / "app.db", conditions, clock=clock, settings=SchedulerSettings(recheck_s=600))
+    scheduler = ParticipationScheduler(
+        tmp_path / "app.db", conditions, clock=clock, settings=SchedulerSettings(recheck_s=600)
+    )
     runtime = FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST)
     scheduler.register_runtime("digits", runtime)
     scheduler.schedule("digits")
@@ -80,7 +86,9 @@ def test_conditions_turning_false_stop_training_within_the_bound(tmp_path, serve
     conditions = StaticConditions(GOOD)
     settings = SchedulerSettings(poll_s=0.05, grace_s=0.5)
     scheduler = ParticipationScheduler(tmp_path / "app.db", conditions, settings=settings)
-    scheduler.register_runtime("digits", FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST))
+    scheduler.register_runtime(
+        "digits", FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST)
+    )
     scheduler.schedule("digits")
     flipped = {}
 
@@ -110,7 +118,9 @@ def test_forced_stop_ends_a_running_step(digits):
     threading.Timer(0.3, lambda: setattr(options, "terminate", True)).start()
     started = time.monotonic()
     with pytest.raises(TrainingInterrupted, match="by force"):
-        executor.run_device(initial_weights(plan), lambda: iter([batch]), should_abort=lambda: False, run_options=options)
+        executor.run_device(
+            initial_weights(plan), lambda: iter([batch]), should_abort=lambda: False, run_options=options
+        )
     assert time.monotonic() - started < 5.0
 
 
@@ -122,7 +132,9 @@ def test_two_apps_share_one_worker_and_never_train_at_once(tmp_path, server, adm
     apps = []
     for name in ("keyboard", "photos"):
         sched = ParticipationScheduler(tmp_path / f"{name}.db", conditions, app=name, queue=queue)
-        sched.register_runtime(name, FLRuntime(name, server.url, _store(tmp_path / f"{name}-ex.db", digits), retry=FAST))
+        sched.register_runtime(
+            name, FLRuntime(name, server.url, _store(tmp_path / f"{name}-ex.db", digits), retry=FAST)
+        )
         sched.schedule(name, interval=TrainingInterval(recurrent=True, min_interval_s=0.05))
         apps.append(sched)
     active = []
@@ -150,8 +162,19 @@ def test_a_virtual_day_of_scheduling_runs_in_seconds(tmp_path, server, admin, di
     deploy(admin, goal_count=1000, retry_window_s=(1800, 3600))
     clock = VirtualClock(start=1_767_225_600.0)  # midnight UTC
     conditions = DiurnalConditions(clock, utc_offset_h=0, night_start_h=1, night_end_h=6, seed=4)
-    scheduler = ParticipationScheduler(tmp_path / "app.db", conditions, clock=clock, settings=SchedulerSettings(recheck_s=1200))
-    scheduler.register_runtime("digits", FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST, environment=RuntimeEnvironment(clock=clock.now)))
+    scheduler = ParticipationScheduler(
+        tmp_path / "app.db", conditions, clock=clock, settings=SchedulerSettings(recheck_s=1200)
+    )
+    scheduler.register_runtime(
+        "digits",
+        FLRuntime(
+            "digits",
+            server.url,
+            _store(tmp_path / "ex.db", digits),
+            retry=FAST,
+            environment=RuntimeEnvironment(clock=clock.now),
+        ),
+    )
     scheduler.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=3 * 3600))
     started = time.monotonic()
     runs = scheduler.queue.run_until(clock.now() + 86_400)

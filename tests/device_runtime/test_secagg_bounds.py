@@ -31,8 +31,17 @@ def _sessions(tmp_path, digits, url: str) -> tuple[list, list[FLRuntime]]:
         part = slice(EXAMPLES * i, EXAMPLES * (i + 1))
         store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
         opstats = OpStatsStore(tmp_path / f"opstats{i}.db")
-        runtimes.append(FLRuntime("digits", url, store, cache_dir=tmp_path / f"cache{i}", retry=FAST, opstats=opstats,
-                                  secagg_policy=SecAggPolicy(require_attested_cohort=False)))
+        runtimes.append(
+            FLRuntime(
+                "digits",
+                url,
+                store,
+                cache_dir=tmp_path / f"cache{i}",
+                retry=FAST,
+                opstats=opstats,
+                secagg_policy=SecAggPolicy(require_attested_cohort=False),
+            )
+        )
         closers += [store, opstats]
     results: list = [None] * DEVICES
 
@@ -54,9 +63,19 @@ def test_devices_cap_and_clip_their_updates_before_masking(tmp_path, server, adm
     commits with the capped count and a model moved by at most the clip, which only devices
     that bounded their own updates give (the server never sees one)."""
     clip = 0.05
-    plan, w0 = deploy(admin, plan=digits_plan("softmax", secure_aggregation=True), goal_count=DEVICES, over_selection=1.0,
-                      min_fraction=1.0, selection_timeout_s=60, report_timeout_s=15, secagg_min_group_size=5,
-                      secagg_round_timeout_s=3.0, max_examples_per_report=4, clip_update_norm=clip)
+    plan, w0 = deploy(
+        admin,
+        plan=digits_plan("softmax", secure_aggregation=True),
+        goal_count=DEVICES,
+        over_selection=1.0,
+        min_fraction=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=15,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=3.0,
+        max_examples_per_report=4,
+        clip_update_norm=clip,
+    )
     results, _ = _sessions(tmp_path, digits, server.url)
     assert [r.outcome for r in results] == [Outcome.COMPLETED] * DEVICES
     for result in results:
@@ -81,9 +100,17 @@ def test_a_device_whose_update_is_not_valid_drops_out_instead_of_sending_it(tmp_
         return real_abort(session_id, token, reason, stats)
 
     server.service.abort = abort
-    deploy(admin, plan=digits_plan("softmax", secure_aggregation=True, learning_rate=1e38), goal_count=DEVICES,
-           over_selection=1.0, min_fraction=1.0, selection_timeout_s=60, report_timeout_s=15, secagg_min_group_size=5,
-           secagg_round_timeout_s=3.0)
+    deploy(
+        admin,
+        plan=digits_plan("softmax", secure_aggregation=True, learning_rate=1e38),
+        goal_count=DEVICES,
+        over_selection=1.0,
+        min_fraction=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=15,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=3.0,
+    )
     results, _ = _sessions(tmp_path, digits, server.url)
     # (on a loaded machine a device can miss a key round and be left out before it trains)
     trained = [r for r in results if "training_completed" in [e.kind for e in r.events]]
@@ -98,25 +125,54 @@ def test_a_device_whose_update_is_not_valid_drops_out_instead_of_sending_it(tmp_
 
 
 def test_the_check_in_of_a_secure_task_carries_its_bounds(server, admin):
-    deploy(admin, plan=digits_plan("softmax", secure_aggregation=True), goal_count=5, over_selection=1.0,
-           selection_timeout_s=60, report_timeout_s=60, max_examples_per_report=7, clip_update_norm=0.5)
+    deploy(
+        admin,
+        plan=digits_plan("softmax", secure_aggregation=True),
+        goal_count=5,
+        over_selection=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=60,
+        max_examples_per_report=7,
+        clip_update_norm=0.5,
+    )
     client = ProtocolClient(server.url)
     session = client.checkin("digits", onnxruntime.__version__)
     client.close()
     assert (session.max_examples_per_report, session.clip_update_norm) == (7, 0.5)
 
 
-GOOD = {"status": "accepted", "session_id": "s1", "token": "t0k3n", "task": "train", "round": 3, "plan_id": "a" * 64,
-        "checkpoint_id": "b" * 64, "aggregation": "secure_sum", "report_deadline_s": 60.0,
-        "max_examples_per_report": 1000, "clip_update_norm": 10.0}
+GOOD = {
+    "status": "accepted",
+    "session_id": "s1",
+    "token": "t0k3n",
+    "task": "train",
+    "round": 3,
+    "plan_id": "a" * 64,
+    "checkpoint_id": "b" * 64,
+    "aggregation": "secure_sum",
+    "report_deadline_s": 60.0,
+    "max_examples_per_report": 1000,
+    "clip_update_norm": 10.0,
+}
 
 
-@pytest.mark.parametrize("change", [
-    {"max_examples_per_report": None}, {"max_examples_per_report": 0}, {"max_examples_per_report": 2.5},
-    {"max_examples_per_report": True}, {"max_examples_per_report": "1000"}, {"clip_update_norm": -1.0},
-    {"clip_update_norm": 0}, {"clip_update_norm": "10"}, {"clip_update_norm": 10**400}, {"clip_update_norm": [10.0]},
-    {"max_examples_per_report": ...}, {"clip_update_norm": ...},  # missing
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_examples_per_report": None},
+        {"max_examples_per_report": 0},
+        {"max_examples_per_report": 2.5},
+        {"max_examples_per_report": True},
+        {"max_examples_per_report": "1000"},
+        {"clip_update_norm": -1.0},
+        {"clip_update_norm": 0},
+        {"clip_update_norm": "10"},
+        {"clip_update_norm": 10**400},
+        {"clip_update_norm": [10.0]},
+        {"max_examples_per_report": ...},
+        {"clip_update_norm": ...},  # missing
+    ],
+)
 def test_a_secure_check_in_without_well_formed_bounds_is_a_protocol_error(tmp_path, change):
     """A device in a Secure Aggregation round cannot take part without the round's bounds: nobody else can apply them."""
     answer = {k: v for k, v in {**GOOD, **change}.items() if v is not ...}

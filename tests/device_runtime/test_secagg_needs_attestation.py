@@ -25,7 +25,9 @@ def _runtimes(tmp_path, digits, url: str, **kwargs) -> tuple[list[FLRuntime], li
         store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
         opstats = OpStatsStore(tmp_path / f"opstats{i}.db")
         extra = {k: (v(i) if callable(v) else v) for k, v in kwargs.items()}
-        runtimes.append(FLRuntime("digits", url, store, cache_dir=tmp_path / f"cache{i}", retry=FAST, opstats=opstats, **extra))
+        runtimes.append(
+            FLRuntime("digits", url, store, cache_dir=tmp_path / f"cache{i}", retry=FAST, opstats=opstats, **extra)
+        )
         closers += [store, opstats]
     return runtimes, closers
 
@@ -45,9 +47,17 @@ def _run_all(runtimes: list[FLRuntime]) -> list:
 
 
 def _deploy_secure(admin) -> None:
-    deploy(admin, plan=digits_plan("softmax", secure_aggregation=True), goal_count=DEVICES, over_selection=1.0,
-           min_fraction=0.2, selection_timeout_s=60, report_timeout_s=8, secagg_min_group_size=5,
-           secagg_round_timeout_s=2.0)
+    deploy(
+        admin,
+        plan=digits_plan("softmax", secure_aggregation=True),
+        goal_count=DEVICES,
+        over_selection=1.0,
+        min_fraction=0.2,
+        selection_timeout_s=60,
+        report_timeout_s=8,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=2.0,
+    )
 
 
 def _told_to_server(server) -> list[str]:
@@ -71,20 +81,30 @@ def _check_refusals(runtimes: list[FLRuntime], results: list, told: list[str], *
         reason = event.detail["reason"]
         assert "no trust anchor" in reason and "require_attested_cohort=False" in reason
         assert ("no attested device key" in reason) == key_missing
-        stored = [e.detail["reason"] for s in runtime.opstats.sessions("digits") for e in s.events
-                  if e.detail.get("code") == "SECAGG_NEEDS_ATTESTATION"]
+        stored = [
+            e.detail["reason"]
+            for s in runtime.opstats.sessions("digits")
+            for e in s.events
+            if e.detail.get("code") == "SECAGG_NEEDS_ATTESTATION"
+        ]
         assert stored == [reason]
     assert len(told) == len(runtimes) and all("requires an attested cohort" in r for r in told)
 
 
 def test_an_attested_device_without_the_trust_anchor_refuses_and_says_why(tmp_path, digits):
     authority = AttestationAuthority.generate()
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
+    )
     with ServerThread(tmp_path / "server.db", verifier=verifier) as server, server.admin() as admin:
         _deploy_secure(admin)
         told = _told_to_server(server)
-        runtimes, closers = _runtimes(tmp_path, digits, server.url,
-                                      attestor=lambda i: authority.new_device_attestor("emulated-phone", time.time()))
+        runtimes, closers = _runtimes(
+            tmp_path,
+            digits,
+            server.url,
+            attestor=lambda i: authority.new_device_attestor("emulated-phone", time.time()),
+        )
         try:
             _check_refusals(runtimes, _run_all(runtimes), told, key_missing=False)
         finally:
@@ -116,4 +136,3 @@ def test_an_app_that_explicitly_chooses_the_weaker_policy_takes_part(tmp_path, s
     assert [r.outcome for r in results] == [Outcome.COMPLETED] * DEVICES
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed" and record["metrics"]["secagg"]["summed_devices"] == DEVICES
-

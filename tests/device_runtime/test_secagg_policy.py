@@ -35,12 +35,15 @@ def test_a_complete_graph_threshold_at_or_below_two_thirds_is_refused(n, data):
         assert f"threshold {t} is not above 2n/3" in reason and str(complete_graph_threshold(n)) in reason
 
 
-@pytest.mark.parametrize("change,words", [
-    (dict(consistency_check=False), "ConsistencyCheck is off"),
-    (dict(min_summed=2), "sums of 2 devices"),
-    (dict(graph_commitment=b""), "committed to no seed"),
-    (dict(threshold=2), "threshold 2 is not above 2n/3"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(consistency_check=False), "ConsistencyCheck is off"),
+        (dict(min_summed=2), "sums of 2 devices"),
+        (dict(graph_commitment=b""), "committed to no seed"),
+        (dict(threshold=2), "threshold 2 is not above 2n/3"),
+    ],
+)
 def test_each_weakening_is_refused_with_its_reason(change, words):
     cfg = dataclasses.replace(good(10), allow_unsafe=True, **change)
     assert words in DEFAULT_SECAGG_POLICY.violation(cfg, 10)

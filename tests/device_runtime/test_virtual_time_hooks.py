@@ -66,7 +66,9 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
     clock = VirtualClock()
     conditions = ChangingConditions(clock, free_at=clock.now() + 5000.0)
     queue = WorkerQueue(clock, history=1)
-    scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False))
+    scheduler = ParticipationScheduler(
+        None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False)
+    )
     meter = CountingMeter()
     runtime = FLRuntime(
         "digits",
@@ -121,8 +123,9 @@ def test_conditions_that_know_when_constraints_hold_wake_the_job_only_then():
         clock = VirtualClock()
         conditions = kind(clock, free_at=clock.now() + 1000.0)
         queue = WorkerQueue(clock, history=0)
-        scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue,
-                                           settings=SchedulerSettings(recheck_s=60, watchdog=False))
+        scheduler = ParticipationScheduler(
+            None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False)
+        )
         scheduler.schedule("digits", TrainingConstraints(), TrainingInterval())  # no runtime: NO_RUNTIME once they hold
         runs = queue.run_until(conditions.free_at + 1.0)
         assert runs[-1].outcome is RunOutcome.NO_RUNTIME and runs[-1].started_at == conditions.free_at
@@ -164,8 +167,13 @@ def test_a_job_due_while_its_constraints_fail_sleeps_until_they_hold():
         t0 = clock.now()
         conditions = kind(clock, [(t0 + 30.0, t0 + 500.0), (t0 + 530.0, t0 + 900.0)])
         queue = WorkerQueue(clock, history=0)
-        scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue,
-                                           settings=SchedulerSettings(recheck_s=60, jitter=0.0, watchdog=False))
+        scheduler = ParticipationScheduler(
+            None,
+            conditions,
+            clock=clock,
+            queue=queue,
+            settings=SchedulerSettings(recheck_s=60, jitter=0.0, watchdog=False),
+        )
         first = scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(), start_at=t0 + 100.0)
         assert first.next_run_at == (t0 + 500.0 if kind is ForeseenBusyWindows else t0 + 100.0)
         outcomes[kind] = [(r.outcome, r.started_at - t0) for r in queue.run_until(t0 + 1000.0)]
@@ -183,7 +191,13 @@ def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits)
 
     clock = VirtualClock()
     with pytest.raises(TypeError, match="settle"):
-        FLRuntime("digits", "http://fl.test", _store(digits, 5, clock), plan_cache=MemoryPlanCache(), environment=RuntimeEnvironment(work_meter=OnlyTrained()))
+        FLRuntime(
+            "digits",
+            "http://fl.test",
+            _store(digits, 5, clock),
+            plan_cache=MemoryPlanCache(),
+            environment=RuntimeEnvironment(work_meter=OnlyTrained()),
+        )
 
 
 def test_devices_sharing_loaded_plans_still_each_download_the_plan_once(server, admin, digits):
@@ -246,11 +260,24 @@ def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(se
     server's ELIGIBILITY_REQUIRED makes the device evaluate them and check in again within the
     same session, and it then asks for the policies before each check-in."""
     plan, weights = deploy(admin, goal_count=1, over_selection=1.0, max_rounds=1)
-    admin.deploy_task("digits", "with-policies", plan, encode_checkpoint(weights),
-                      RoundConfig(goal_count=1, over_selection=1.0, min_reports=1), EligibilityPolicies(min_examples=10))
+    admin.deploy_task(
+        "digits",
+        "with-policies",
+        plan,
+        encode_checkpoint(weights),
+        RoundConfig(goal_count=1, over_selection=1.0, min_reports=1),
+        EligibilityPolicies(min_examples=10),
+    )
     clock = VirtualClock()
     transport = CountingTransport()
-    runtime = FLRuntime("digits", server.url, _store(digits, 20, clock), retry=FAST, transport=transport, environment=RuntimeEnvironment(clock=clock.now))
+    runtime = FLRuntime(
+        "digits",
+        server.url,
+        _store(digits, 20, clock),
+        retry=FAST,
+        transport=transport,
+        environment=RuntimeEnvironment(clock=clock.now),
+    )
     first = runtime.run_session()
     assert first.task == "train"
     assert transport.paths[0] == "POST /v1/populations/digits/checkin"

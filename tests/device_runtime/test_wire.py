@@ -154,7 +154,17 @@ def test_every_answer_the_servers_models_emit_the_devices_models_accept(answer, 
 
 
 REQUIRED = {
-    "checkin": ("status", "session_id", "token", "task", "round", "plan_id", "checkpoint_id", "aggregation", "report_deadline_s"),
+    "checkin": (
+        "status",
+        "session_id",
+        "token",
+        "task",
+        "round",
+        "plan_id",
+        "checkpoint_id",
+        "aggregation",
+        "report_deadline_s",
+    ),
     "eligibility": ("task",),
     "nonce": ("nonce",),
 }

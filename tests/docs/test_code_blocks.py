@@ -64,18 +64,30 @@ def parse_blocks(page: Path) -> list[Block]:
         i += 1
         body = []
         while i < len(lines) and lines[i].strip() != "```":
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
             i += 1
         i += 1
         before = start - 1
         while before >= 0 and not lines[before].strip():
             before -= 1
         marker = MARKER.match(lines[before].strip()) if before >= 0 else None
-        mode, reason = ("run", "") if marker is None else (
-            ("slow", "") if marker["mode"] == "slow" else ("skip", marker["reason"]))
+        mode, reason = (
+            ("run", "")
+            if marker is None
+            else (("slow", "") if marker["mode"] == "slow" else ("skip", marker["reason"]))
+        )
         title = TITLE.search(info)
-        blocks.append(Block(page, start + 1, info.split()[0] if info else "", title["title"] if title else None,
-                            "\n".join(body) + "\n", mode, reason))
+        blocks.append(
+            Block(
+                page,
+                start + 1,
+                info.split()[0] if info else "",
+                title["title"] if title else None,
+                "\n".join(body) + "\n",
+                mode,
+                reason,
+            )
+        )
     return blocks
 
 
@@ -96,8 +108,12 @@ def _runnable(slow: bool) -> list:
 
 
 def test_every_block_says_what_it_is() -> None:
-    unknown = [f"{b.where} ({b.lang or 'no info string'})" for blocks in BLOCKS.values() for b in blocks
-               if b.lang not in RUN + CHECKED + SHOWN]
+    unknown = [
+        f"{b.where} ({b.lang or 'no info string'})"
+        for blocks in BLOCKS.values()
+        for b in blocks
+        if b.lang not in RUN + CHECKED + SHOWN
+    ]
     assert not unknown, f"blocks without a known info string ({', '.join(RUN + CHECKED + SHOWN)}): {unknown}"
 
 
@@ -116,8 +132,11 @@ def test_the_readme_is_at_most_8000_bytes() -> None:
 
 def test_a_marker_binds_the_block_after_it_only(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("<!-- docs-test: slow -->\n\n```bash\ntrue\n```\n\n```python title=\"a.py\"\n  x = 1\n```\n"
-                    "<!-- docs-test: skip: needs torch -->\n```python\nimport torch\n```\n", encoding="utf-8")
+    page.write_text(
+        '<!-- docs-test: slow -->\n\n```bash\ntrue\n```\n\n```python title="a.py"\n  x = 1\n```\n'
+        "<!-- docs-test: skip: needs torch -->\n```python\nimport torch\n```\n",
+        encoding="utf-8",
+    )
     slow, written, skipped = parse_blocks(page)
     assert (slow.mode, slow.lang, slow.code) == ("slow", "bash", "true\n")
     assert (written.mode, written.title, written.code) == ("run", "a.py", "  x = 1\n")
@@ -161,8 +180,15 @@ def _check_toml(block: Block, code: str, folder: Path) -> None:
 def _run_shell(block: Block, code: str, folder: Path, env: dict[str, str], groups: list[int]) -> None:
     log = folder / f".block-{block.line}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", code], cwd=folder, env=env,
-                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            ["bash", "-e", "-o", "pipefail", "-c", code],
+            cwd=folder,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         groups.append(process.pid)
         try:
             status = process.wait(timeout=SHELL_TIMEOUT_S)
@@ -238,5 +264,7 @@ def test_the_blocks_of_each_page_run_as_written(page: Path, blocks: list[Block],
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(("page", "blocks"), _runnable(slow=True))
-def test_every_block_of_each_page_runs_as_written_with_the_slow_ones(page: Path, blocks: list[Block], tmp_path: Path) -> None:
+def test_every_block_of_each_page_runs_as_written_with_the_slow_ones(
+    page: Path, blocks: list[Block], tmp_path: Path
+) -> None:
     run_page(blocks, tmp_path)

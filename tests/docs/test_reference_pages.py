@@ -86,12 +86,15 @@ def test_dev_docs_says_it_installs_the_docs_extra_then_builds_strictly(tmp_path:
     (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
     log = tmp_path / "calls.log"
     fake = tmp_path / "python3"
-    fake.write_text(f"""#!/usr/bin/env bash
+    fake.write_text(
+        f"""#!/usr/bin/env bash
 echo "python $*" >> {log}
 if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
 if [ "$1" = "-c" ]; then exit 1; fi
 echo "python $*" >&2
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "PYTHON": str(fake)}
     done = subprocess.run(["./dev", "docs"], cwd=work, env=env, capture_output=True, text=True, timeout=60)

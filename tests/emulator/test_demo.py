@@ -8,7 +8,7 @@ import json
 import pytest
 
 from emulator import DemoConfig, run_demo
-from emulator.cli import main
+from emulator.cli.commands import main
 
 #: Each small demo takes under 10 s. Its loop stops at the task's last round or at this limit;
 #: a server that never completes the task (max_rounds ignored) then fails the rounds count
@@ -19,8 +19,9 @@ TIME_LIMIT_S = 40.0
 @pytest.mark.timeout(TIME_LIMIT_S + 30)
 def test_small_demo_prints_table_and_json_summary(tmp_path):
     out = io.StringIO()
-    config = DemoConfig(devices=30, rounds=3, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path),
-                        time_limit_s=TIME_LIMIT_S)
+    config = DemoConfig(
+        devices=30, rounds=3, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path), time_limit_s=TIME_LIMIT_S
+    )
     summary = run_demo(config, out=out)
     lines = out.getvalue().strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(summary))
@@ -43,8 +44,16 @@ def test_cli_demo_exit_code(tmp_path, capsys):
 @pytest.mark.timeout(TIME_LIMIT_S + 30)
 def test_small_demo_with_secure_aggregation(tmp_path):
     out = io.StringIO()
-    config = DemoConfig(devices=30, rounds=3, goal_count=10, late_prob=0.0, dropout_prob=0.05, secure=True, workdir=str(tmp_path),
-                        time_limit_s=TIME_LIMIT_S)
+    config = DemoConfig(
+        devices=30,
+        rounds=3,
+        goal_count=10,
+        late_prob=0.0,
+        dropout_prob=0.05,
+        secure=True,
+        workdir=str(tmp_path),
+        time_limit_s=TIME_LIMIT_S,
+    )
     summary = run_demo(config, out=out)
     assert "Secure Aggregation: attested groups" in out.getvalue()  # the SDK's default policy, with the trust anchor
     assert summary["rounds_committed"] == 3

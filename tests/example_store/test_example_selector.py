@@ -64,7 +64,9 @@ def test_selector_is_frozen_and_hashable():
     assert len({sel, ExampleSelector("app:/x", limit=1)}) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"ttl_seconds": -1}, {"ttl_seconds": float("inf")}, {"max_bytes": 1.5}, {"max_bytes": -3}])
+@pytest.mark.parametrize(
+    "kwargs", [{"ttl_seconds": -1}, {"ttl_seconds": float("inf")}, {"max_bytes": 1.5}, {"max_bytes": -3}]
+)
 def test_retention_policy_validates(kwargs):
     with pytest.raises(InvalidArgumentError):
         RetentionPolicy(**kwargs)

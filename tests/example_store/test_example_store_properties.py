@@ -63,8 +63,11 @@ def test_query_matches_a_python_filter_and_sort(shared_store, scenario):
     store = shared_store
     for ts_batch in batches:
         examples = [
-            {"id": np.int64(len(inserted) + k), "x": rng.standard_normal((2, 3)).astype(np.float32),
-             "flag": rng.random(2) < 0.5}
+            {
+                "id": np.int64(len(inserted) + k),
+                "x": rng.standard_normal((2, 3)).astype(np.float32),
+                "flag": rng.random(2) < 0.5,
+            }
             for k in range(len(ts_batch))
         ]
         assert store.add(uri, examples, timestamps=ts_batch) == len(ts_batch)

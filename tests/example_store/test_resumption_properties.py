@@ -59,7 +59,9 @@ def read_piece(store, selector: ExampleSelector, piece: tuple) -> tuple[list[int
     return got, it.resumption_token()
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(
     impl=st.sampled_from(IMPLEMENTATIONS),
     ts=st.lists(timestamps, min_size=1, max_size=25),

@@ -31,7 +31,9 @@ steps = st.lists(
         st.tuples(st.just("set"), st.sampled_from([A, B]), policies),
         st.tuples(st.just("clear"), st.sampled_from([A, B])),
         st.tuples(st.just("tick"), st.integers(0, 25)),
-        st.tuples(st.just("apply"),),
+        st.tuples(
+            st.just("apply"),
+        ),
         st.tuples(st.just("delete_before"), st.sampled_from([A, B]), st.integers(-30, 60)),
         st.tuples(st.just("stats"), st.sampled_from([A, B])),
     ),
@@ -58,7 +60,7 @@ class Model:
             rows = [r for r in rows if not now - r[0] > policy.ttl_seconds]
         if policy.max_bytes is not None:
             keep = policy.max_bytes // RECORD
-            rows = sorted(rows)[len(rows) - keep:] if len(rows) > keep else rows
+            rows = sorted(rows)[len(rows) - keep :] if len(rows) > keep else rows
         self.rows[uri] = sorted(rows)
         return before - len(self.rows[uri])
 
@@ -158,7 +160,9 @@ def test_a_policy_with_both_rules_reports_everything_it_deleted(tmp_path):
     other = SQLiteExampleStore(tmp_path / "app.db", clock=clock)
     other.set_retention(A, RetentionPolicy(ttl_seconds=50.0, max_bytes=2 * RECORD))  # saved; no collection yet
     other.close()
-    mine.add(A, [{"t": np.float64(t)} for t in (10, 20, 80, 90, 95, 99)], timestamps=[10.0, 20.0, 80.0, 90.0, 95.0, 99.0])
+    mine.add(
+        A, [{"t": np.float64(t)} for t in (10, 20, 80, 90, 95, 99)], timestamps=[10.0, 20.0, 80.0, 90.0, 95.0, 99.0]
+    )
     assert mine.stats(A).count == 6  # this store had not read the policy
     assert mine.apply_retention() == 4  # 10 and 20 by age, then 80 and 90 by the cap
     assert stored(mine, A) == [95.0, 99.0]
@@ -171,7 +175,9 @@ def test_apply_retention_rereads_a_saved_ttl_as_well_as_a_saved_cap(tmp_path):
     other = SQLiteExampleStore(tmp_path / "app.db", clock=clock)
     other.set_retention(A, RetentionPolicy(ttl_seconds=15.0, max_bytes=5 * RECORD))
     other.close()
-    mine.add(A, [{"t": np.float64(t)} for t in (10, 20, 80, 90, 95, 99)], timestamps=[10.0, 20.0, 80.0, 90.0, 95.0, 99.0])
+    mine.add(
+        A, [{"t": np.float64(t)} for t in (10, 20, 80, 90, 95, 99)], timestamps=[10.0, 20.0, 80.0, 90.0, 95.0, 99.0]
+    )
     assert mine.apply_retention() == 3  # older than 85 s; the cap of five alone would take one
     assert stored(mine, A) == [90.0, 95.0, 99.0]
     mine.close()

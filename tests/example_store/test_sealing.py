@@ -103,7 +103,10 @@ def test_a_flipped_byte_is_detected_naming_collection_and_row(sealed_path, key_s
     finally:
         conn.close()
     with SQLiteExampleStore(sealed_path, key_store=key_store) as store:
-        for read in (lambda: list(store.query(ExampleSelector(URI))), lambda: list(store.query_batches(ExampleSelector(URI), 2))):
+        for read in (
+            lambda: list(store.query(ExampleSelector(URI))),
+            lambda: list(store.query_batches(ExampleSelector(URI), 2)),
+        ):
             with pytest.raises(TamperedExampleError, match=r"example 3 of collection 'app:/digits'") as info:
                 read()
             assert info.value.collection_uri == URI and info.value.row_id == 3
@@ -211,8 +214,10 @@ def test_wrong_or_missing_key_is_refused_with_a_clear_error(sealed_path, key_sto
 
 def test_per_app_key_aliases(tmp_path):
     keys = InMemoryKeyStore()
-    with SQLiteExampleStore(tmp_path / "a.db", key_store=keys, key_alias="app.a") as a, \
-            SQLiteExampleStore(tmp_path / "b.db", key_store=keys, key_alias="app.b") as b:
+    with (
+        SQLiteExampleStore(tmp_path / "a.db", key_store=keys, key_alias="app.a") as a,
+        SQLiteExampleStore(tmp_path / "b.db", key_store=keys, key_alias="app.b") as b,
+    ):
         a.add(URI, make_examples(2))
         b.add(URI, make_examples(2))
     assert keys.aliases() == ["app.a", "app.b"]
@@ -224,12 +229,15 @@ def test_sealed_store_from_several_threads(tmp_path, key_store):
     path = tmp_path / "app.db"
     errors: list[BaseException] = []
     with SQLiteExampleStore(path, key_store=key_store) as store:
+
         def worker(first: int) -> None:
             try:
                 for i in range(5):
                     start = first + 10 * i
                     store.add(URI, make_examples(10, start=start), timestamps=range(start, start + 10))
-                    assert len(list(store.query(ExampleSelector(URI, start_time=first, end_time=first + 1000)))) == 10 * (i + 1)
+                    assert len(
+                        list(store.query(ExampleSelector(URI, start_time=first, end_time=first + 1000)))
+                    ) == 10 * (i + 1)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -322,7 +330,9 @@ def test_file_key_store_refuses_open_permissions_and_damage(tmp_path):
 def test_file_key_store_creates_one_key_under_concurrency(tmp_path):
     path = tmp_path / "keys.json"
     results: list[bytes] = []
-    threads = [threading.Thread(target=lambda: results.append(FileKeyStore(path).get_or_create_key("app"))) for _ in range(8)]
+    threads = [
+        threading.Thread(target=lambda: results.append(FileKeyStore(path).get_or_create_key("app"))) for _ in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:

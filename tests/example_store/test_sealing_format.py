@@ -51,7 +51,7 @@ def meta(path) -> dict[str, str]:
 @given(
     uri=st.sampled_from(["app:/digits", "app:/é", "a"]),
     values=st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=5),
-    first_stamp=st.integers(-10**6, 10**9).map(float),
+    first_stamp=st.integers(-(10**6), 10**9).map(float),
 )
 def test_rows_open_with_the_documented_key_derivation_and_associated_data(tmp_path_factory, uri, values, first_stamp):
     path = tmp_path_factory.mktemp("s") / "app.db"
@@ -69,7 +69,11 @@ def test_rows_open_with_the_documented_key_derivation_and_associated_data(tmp_pa
         (coll_id, schema_text) = db.execute("SELECT id, schema FROM collections WHERE uri = ?", (uri,)).fetchone()
         rows = db.execute("SELECT id, timestamp, payload FROM examples ORDER BY id").fetchall()
     prefix = hashlib.sha256(
-        b"fedfleet example_store v2 row\x00" + struct.pack("<q", coll_id) + uri.encode() + b"\x00" + schema_text.encode()
+        b"fedfleet example_store v2 row\x00"
+        + struct.pack("<q", coll_id)
+        + uri.encode()
+        + b"\x00"
+        + schema_text.encode()
     ).digest()
     opened = [aead.decrypt(p[:12], p[12:], prefix + struct.pack("<qd", row_id, ts)) for row_id, ts, p in rows]
     assert [np.frombuffer(p, "<f8")[0] for p in opened] == values
@@ -103,7 +107,9 @@ def test_a_key_store_file_with_a_key_that_is_not_strict_base64_is_damaged(tmp_pa
     path = tmp_path / "keys.json"
     store = FileKeyStore(path)
     key = store.get_or_create_key(ALIAS)
-    text = path.read_text().replace(base64.b64encode(key).decode(), base64.b64encode(key).decode()[:8] + "!" + base64.b64encode(key).decode()[8:])
+    text = path.read_text().replace(
+        base64.b64encode(key).decode(), base64.b64encode(key).decode()[:8] + "!" + base64.b64encode(key).decode()[8:]
+    )
     path.write_text(text)
     os.chmod(path, 0o600)
     with pytest.raises(KeyStoreError, match="damaged"):

@@ -29,8 +29,12 @@ from tests.example_store.store_helpers import URI, FakeClock, labels, make_examp
 
 def test_round_trip_keeps_names_dtypes_shapes_and_values(any_store):
     examples = [
-        {"img": np.random.default_rng(i).random((2, 3)).astype(np.float16), "label": np.int32(i),
-         "mask": np.array([True, False, i % 2 == 0]), "w": np.float64(i) / 3}
+        {
+            "img": np.random.default_rng(i).random((2, 3)).astype(np.float16),
+            "label": np.int32(i),
+            "mask": np.array([True, False, i % 2 == 0]),
+            "w": np.float64(i) / 3,
+        }
         for i in range(7)
     ]
     assert any_store.add(URI, examples) == 7
@@ -85,8 +89,11 @@ def test_schema_mismatch_and_bad_input_write_nothing(any_store):
 
 def test_unknown_collection(any_store):
     any_store.add(URI, make_examples(1))
-    for call in (lambda: any_store.query(ExampleSelector("app:/other")), lambda: any_store.count(ExampleSelector("app:/other")),
-                 lambda: any_store.stats("app:/other")):
+    for call in (
+        lambda: any_store.query(ExampleSelector("app:/other")),
+        lambda: any_store.count(ExampleSelector("app:/other")),
+        lambda: any_store.stats("app:/other"),
+    ):
         with pytest.raises(UnknownCollectionError, match=r"app:/other.*store.add"):
             call()
 
@@ -208,7 +215,9 @@ def test_bad_tokens_are_refused_with_a_clear_error(make_store):
     body, tag = token.split(".")
     doc = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
     doc["p"] = [3.0, doc["p"][1] + 3]
-    forged_body = base64.urlsafe_b64encode(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).rstrip(b"=").decode()
+    forged_body = (
+        base64.urlsafe_b64encode(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).rstrip(b"=").decode()
+    )
     with pytest.raises(InvalidResumptionTokenError, match="not issued by this example store"):
         store.query(ExampleSelector(URI, resume_after=f"{forged_body}.{tag}"))
     with pytest.raises(InvalidResumptionTokenError, match="not issued by this example store"):

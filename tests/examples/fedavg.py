@@ -10,7 +10,7 @@ import numpy as np
 
 from device_runtime.executor import PlanExecutor
 from emulator.fleet.federated_data import FederatedDataset
-from emulator.runtime_worker import RuntimeWorker, WorkerExecutor
+from emulator.releases.workers import RuntimeWorker, WorkerExecutor
 from emulator.toolchain.tasks import Task
 
 

@@ -128,8 +128,10 @@ def test_a_play_becomes_speeches_by_role_without_stage_directions() -> None:
         ("FIRST WITCH", "Anon."),
     ]
     texts = role_texts({"a_play": PLAY})
-    assert texts == {"a_play_FIRST_WITCH": "When shall we meet again,-- In thunder--or rain? Anon.",
-                     "a_play_SECOND_WITCH": "When the battle's lost."}
+    assert texts == {
+        "a_play_FIRST_WITCH": "When shall we meet again,-- In thunder--or rain? Anon.",
+        "a_play_SECOND_WITCH": "When the battle's lost.",
+    }
 
 
 def test_windows_are_followed_by_the_character_after_them() -> None:
@@ -140,7 +142,7 @@ def test_windows_are_followed_by_the_character_after_them() -> None:
     assert len(x) == len(range(0, len(text) - recipe.SEQ_LEN, recipe.STRIDE))
     for i, (window, nxt) in enumerate(zip(x, y)):
         start = i * recipe.STRIDE
-        assert window == text[start:start + recipe.SEQ_LEN] and nxt == text[start + recipe.SEQ_LEN]
+        assert window == text[start : start + recipe.SEQ_LEN] and nxt == text[start + recipe.SEQ_LEN]
 
 
 def test_a_glyph_is_rendered_on_its_baseline_with_its_case_visible() -> None:

@@ -30,7 +30,9 @@ class Harness:
         self.inputs = inputs
         self.server = SecAggServer(config, inputs, random_bytes=rb)
         self.signers = {u: SigningKey(rb) for u in inputs}
-        self.clients = {u: SecAggClient(u, config, x, random_bytes=rb, signer=self.signers[u]) for u, x in inputs.items()}
+        self.clients = {
+            u: SecAggClient(u, config, x, random_bytes=rb, signer=self.signers[u]) for u, x in inputs.items()
+        }
         self.outbox: dict[int, bytes] = {u: c.start() for u, c in self.clients.items()}
         self.to_clients: dict[int, bytes] = {}
 
@@ -61,7 +63,9 @@ class Harness:
 
     def sign_check(self, u: int, complaints) -> bytes:
         """Client u's signature over a share check naming ``complaints``."""
-        return crypto.sign(self.signers[u], share_check_payload(self.server.session_id, u, np.asarray(complaints, "<u4")))
+        return crypto.sign(
+            self.signers[u], share_check_payload(self.server.session_id, u, np.asarray(complaints, "<u4"))
+        )
 
     def sign_reveals(self, u: int, reveals) -> bytes:
         return crypto.sign(self.signers[u], unmask_payload(self.server.session_id, u, reveals))

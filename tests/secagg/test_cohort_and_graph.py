@@ -38,18 +38,30 @@ L, R = 3, 2**16
 class Cohort:
     """Server and clients with signing keys; ``certified`` is what the clients' verifier knows."""
 
-    def __init__(self, cfg: SecAggConfig, n: int, seed: int = 0, *, certified: set[bytes] | None = None,
-                 server_verifies: bool = False, graph_seed: bytes | None = None, is_member=None) -> None:
+    def __init__(
+        self,
+        cfg: SecAggConfig,
+        n: int,
+        seed: int = 0,
+        *,
+        certified: set[bytes] | None = None,
+        server_verifies: bool = False,
+        graph_seed: bytes | None = None,
+        is_member=None,
+    ) -> None:
         rb = seeded(seed)
         self.cfg = cfg
         self.inputs = make_inputs(n, L, R, seed)
         self.signers = {u: SigningKey(rb) for u in self.inputs}
         self.certified = {s.public_key for s in self.signers.values()} if certified is None else certified
         verify = self.verify
-        self.server = SecAggServer(cfg, self.inputs, random_bytes=rb, graph_seed=graph_seed,
-                                   verify_peer=verify if server_verifies else None)
-        self.clients = {u: SecAggClient(u, cfg, x, random_bytes=rb, signer=self.signers[u], verify_peer=verify,
-                                        is_member=is_member) for u, x in self.inputs.items()}
+        self.server = SecAggServer(
+            cfg, self.inputs, random_bytes=rb, graph_seed=graph_seed, verify_peer=verify if server_verifies else None
+        )
+        self.clients = {
+            u: SecAggClient(u, cfg, x, random_bytes=rb, signer=self.signers[u], verify_peer=verify, is_member=is_member)
+            for u, x in self.inputs.items()
+        }
         self.adverts = {u: c.start() for u, c in self.clients.items()}
 
     def verify(self, public_key: bytes, credential: bytes) -> bool:
@@ -163,8 +175,15 @@ PLUS = dict(degree=4, threshold=3)
 
 def _plus_cohort(n: int, seed: int = 0, **kw) -> Cohort:
     graph_seed = bytes([seed]) * 32
-    cfg = SecAggConfig(L, R, PLUS["threshold"], session_label=b"plus", degree=PLUS["degree"],
-                       graph_commitment=seed_commitment(graph_seed), consistency_check=kw.pop("cc", False))
+    cfg = SecAggConfig(
+        L,
+        R,
+        PLUS["threshold"],
+        session_label=b"plus",
+        degree=PLUS["degree"],
+        graph_commitment=seed_commitment(graph_seed),
+        consistency_check=kw.pop("cc", False),
+    )
     return Cohort(cfg, n, seed, graph_seed=graph_seed, **kw)
 
 
@@ -187,8 +206,11 @@ def test_a_forged_secagg_plus_neighbourhood_is_refused():
 
 def test_a_seed_that_does_not_open_the_commitment_is_refused():
     with pytest.raises(ConfigError, match="commitment"):
-        SecAggServer(SecAggConfig(L, R, 3, degree=4, graph_commitment=seed_commitment(bytes(32))), range(1, 9),
-                     graph_seed=bytes([1]) * 32)
+        SecAggServer(
+            SecAggConfig(L, R, 3, degree=4, graph_commitment=seed_commitment(bytes(32))),
+            range(1, 9),
+            graph_seed=bytes([1]) * 32,
+        )
     cohort = _plus_cohort(12, seed=3)
     rosters = cohort.rosters()
     mine = parse_message(rosters[1])

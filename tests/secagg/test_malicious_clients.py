@@ -43,8 +43,16 @@ LOW_ORDER = [
     ((1 << 255) - 19 - 1).to_bytes(32, "little"),
 ]
 
-BEHAVIOURS = ["low_order_key", "wrong_share", "random_share", "replayed_masked_input", "altered_masked_input",
-              "honest_but_silent", "garbage_share_ciphertexts", "false_complaints"]
+BEHAVIOURS = [
+    "low_order_key",
+    "wrong_share",
+    "random_share",
+    "replayed_masked_input",
+    "altered_masked_input",
+    "honest_but_silent",
+    "garbage_share_ciphertexts",
+    "false_complaints",
+]
 
 
 def exact(inputs: dict[int, np.ndarray], ids, modulus: int) -> list[int]:
@@ -281,8 +289,12 @@ def _drive(cfg: SecAggConfig, inputs: dict[int, np.ndarray], bad: dict[int, str]
                 if how == "wrong_share":
                     rev["limbs"][:, rng.randrange(rev["limbs"].shape[1])] ^= 1
                 else:
-                    rev["limbs"] = np.frombuffer(rng.randbytes(rev["limbs"].size * 4), "<u4").reshape(rev["limbs"].shape) % (P - 1)
-                data = UnmaskResponse(msg.session_tag, rev, crypto.sign(signers[u], unmask_payload(server.session_id, u, rev))).to_bytes()
+                    rev["limbs"] = np.frombuffer(rng.randbytes(rev["limbs"].size * 4), "<u4").reshape(
+                        rev["limbs"].shape
+                    ) % (P - 1)
+                data = UnmaskResponse(
+                    msg.session_tag, rev, crypto.sign(signers[u], unmask_payload(server.session_id, u, rev))
+                ).to_bytes()
             elif rnd is Round.UNMASKING and how == "honest_but_silent":
                 continue
             elif rnd is Round.SHARE_CHECK and how == "false_complaints":  # blames every sender
@@ -320,8 +332,9 @@ def test_with_malicious_clients_the_sum_is_exact_or_the_instance_aborts(data):
     assert server.round.terminal
     if server.round is Round.COMPLETED:
         summed = server.summed_clients
-        assert not summed & {u for u, how in bad.items() if how in ("low_order_key", "replayed_masked_input",
-                                                                     "altered_masked_input")}
+        assert not summed & {
+            u for u, how in bad.items() if how in ("low_order_key", "replayed_masked_input", "altered_masked_input")
+        }
         assert [int(v) for v in server.result()] == exact(inputs, summed, modulus)
     else:
         assert server.abort_reason

@@ -89,7 +89,10 @@ def test_secagg_plus_parameters_are_sensible():
         # a server splitting survivor lists needs 2t - (k + 1) corrupt holders answering both ways
         assert binom_tail_ge(g.degree, 2 * g.threshold - (g.degree + 1), 1 / 3) <= 2.0**-40 / n
         semi = secagg_plus_parameters(n, malicious_server=False)  # Bell et al.'s semi-honest choice
-        assert semi.degree <= g.degree and binom_tail_ge(semi.degree, 2 * semi.threshold - semi.degree - 1, 1 / 3) > 2.0**-40 / n
+        assert (
+            semi.degree <= g.degree
+            and binom_tail_ge(semi.degree, 2 * semi.threshold - semi.degree - 1, 1 / 3) > 2.0**-40 / n
+        )
         prev = g.degree
     # more drop-out or more corruption needs a larger neighbourhood
     assert secagg_plus_parameters(10_000, 0.05, 0.3).degree > secagg_plus_parameters(10_000, 0.05, 0.05).degree

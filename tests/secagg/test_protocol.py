@@ -11,10 +11,21 @@ from secagg import ProtocolAborted, Round, SecAggConfig, run_protocol
 from tests.secagg.secagg_helpers import make_inputs, seeded
 
 MODULI = st.one_of(st.sampled_from([2**8, 2**16, 2**32, 2**40, 2**62]), st.integers(2, 2**62))
-ROUNDS_PLAIN = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.SHARE_CHECK, Round.MASKED_INPUT_COLLECTION,
-                Round.UNMASKING]
-ROUNDS_CC = [Round.ADVERTISE_KEYS, Round.SHARE_KEYS, Round.SHARE_CHECK, Round.MASKED_INPUT_COLLECTION,
-             Round.CONSISTENCY_CHECK, Round.UNMASKING]
+ROUNDS_PLAIN = [
+    Round.ADVERTISE_KEYS,
+    Round.SHARE_KEYS,
+    Round.SHARE_CHECK,
+    Round.MASKED_INPUT_COLLECTION,
+    Round.UNMASKING,
+]
+ROUNDS_CC = [
+    Round.ADVERTISE_KEYS,
+    Round.SHARE_KEYS,
+    Round.SHARE_CHECK,
+    Round.MASKED_INPUT_COLLECTION,
+    Round.CONSISTENCY_CHECK,
+    Round.UNMASKING,
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,8 +111,9 @@ class Expected:
     client_reasons: dict[int, str]
 
 
-def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, degree: int,
-                        holders: dict[int, frozenset[int]]) -> Expected:
+def secagg_plus_outcome(
+    ids: set[int], drops: dict[Round, set[int]], t: int, degree: int, holders: dict[int, frozenset[int]]
+) -> Expected:
     """How an honest SecAgg+ run must end, from the drop-outs and the masking graph alone
     (``holders[u]``: u and its neighbours, who hold u's shares). The server aborts the first
     round fewer than t clients answer, at ShareCheck when fewer than t clients are left to mask
@@ -135,8 +147,10 @@ def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, deg
         excluded |= more
     maskers = checked - excluded
     if len(maskers) < t:
-        out.server_reason = (f"ShareCheck: only {len(maskers)} clients left to mask after leaving out "
-                             f"{sorted(excluded)}, threshold is {t}")
+        out.server_reason = (
+            f"ShareCheck: only {len(maskers)} clients left to mask after leaving out "
+            f"{sorted(excluded)}, threshold is {t}"
+        )
         return out
     u2 = u2 - excluded
     for u in maskers:
@@ -157,7 +171,9 @@ def secagg_plus_outcome(ids: set[int], drops: dict[Round, set[int]], t: int, deg
     needed += [("key s_sk", u) for u in sorted(u2 - u3) if holders[u] & u3]
     for what, u in needed:
         if len(holders[u] & u5) < t:
-            out.server_reason = f"Unmasking: only {len(holders[u] & u5)} good shares of the {what} of client {u}, threshold is {t}"
+            out.server_reason = (
+                f"Unmasking: only {len(holders[u] & u5)} good shares of the {what} of client {u}, threshold is {t}"
+            )
             return out
     return out
 

@@ -90,8 +90,14 @@ def test_a_secagg_plus_client_refuses_a_roster_larger_than_its_neighbourhood():
     stranger = next(u for u in range(1, n + 1) if u not in set(mine.entries["id"].tolist()))
     extra = parse_message(h.to_clients[stranger]).entries
     extra = extra[extra["id"] == stranger]
-    bigger = KeyRoster(mine.session_tag, mine.session_id, np.concatenate([mine.entries, extra]), mine.seed,
-                       mine.credentials, mine.directory)
+    bigger = KeyRoster(
+        mine.session_tag,
+        mine.session_id,
+        np.concatenate([mine.entries, extra]),
+        mine.seed,
+        mine.credentials,
+        mine.directory,
+    )
     assert h.clients[1].handle(bigger.to_bytes()) is None
     assert isinstance(h.clients[1].error, InconsistentSurvivors)
     assert h.clients[2].handle(h.to_clients[2]) is not None  # the honest roster is accepted
@@ -127,7 +133,11 @@ def test_the_server_refuses_a_masked_input_entry_at_or_above_the_modulus(excess)
     h.run_to(Round.MASKED_INPUT_COLLECTION)
     h.client_step()
     good = parse_message(h.outbox[1])
-    words = np.frombuffer(good.words, np.uint64).copy() if len(good.words) == 24 else np.frombuffer(good.words, np.uint32).copy()
+    words = (
+        np.frombuffer(good.words, np.uint64).copy()
+        if len(good.words) == 24
+        else np.frombuffer(good.words, np.uint32).copy()
+    )
     words[0] = modulus + excess
     with pytest.raises(MessageFormatError):
         h.server.receive(1, MaskedInput(good.session_tag, words.tobytes()).to_bytes())

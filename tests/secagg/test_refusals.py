@@ -48,7 +48,7 @@ def test_roster_refusals():
     cases = [
         (np.concatenate([e, e[-1:]]), InconsistentSurvivors),  # duplicate id
         (e[e["id"] != 1], InconsistentSurvivors),  # omits us
-        (e[:T - 1] if 1 in e["id"][:T - 1] else e[:T - 1], TooFewSurvivors),
+        (e[: T - 1] if 1 in e["id"][: T - 1] else e[: T - 1], TooFewSurvivors),
     ]
     for entries, err in cases:
         h2 = harness()
@@ -137,10 +137,13 @@ def test_a_ciphertext_with_a_relabelled_sender_is_never_revealed():
     refused_when_opened(h, msg, shares)
 
 
-@pytest.mark.parametrize("mutate,err", [
-    (lambda s: np.concatenate([s, s[:1]]), InconsistentSurvivors),  # duplicate sender
-    (lambda s: s[: T - 2], TooFewSurvivors),
-])
+@pytest.mark.parametrize(
+    "mutate,err",
+    [
+        (lambda s: np.concatenate([s, s[:1]]), InconsistentSurvivors),  # duplicate sender
+        (lambda s: s[: T - 2], TooFewSurvivors),
+    ],
+)
 def test_share_list_refusals(mutate, err):
     h, msg = _at_share_check()
     refused(h, 1, SharesForYou(msg.session_tag, mutate(msg.shares)).to_bytes(), err)
@@ -159,12 +162,15 @@ def _at_unmasking(cc=False) -> tuple[Harness, UnmaskRequest]:
     return h, parse_message(h.to_clients[1])
 
 
-@pytest.mark.parametrize("survivors,err", [
-    ([1, 2, 3, 4, 5, 6, 77], InconsistentSurvivors),  # not a subset of U2
-    ([1, 2, 3], TooFewSurvivors),
-    ([2, 3, 4, 5, 6], InconsistentSurvivors),  # omits us
-    ([1, 2, 2, 3, 4], InconsistentSurvivors),  # duplicate ids
-])
+@pytest.mark.parametrize(
+    "survivors,err",
+    [
+        ([1, 2, 3, 4, 5, 6, 77], InconsistentSurvivors),  # not a subset of U2
+        ([1, 2, 3], TooFewSurvivors),
+        ([2, 3, 4, 5, 6], InconsistentSurvivors),  # omits us
+        ([1, 2, 2, 3, 4], InconsistentSurvivors),  # duplicate ids
+    ],
+)
 def test_survivor_list_refusals(survivors, err):
     h, msg = _at_unmasking()
     refused(h, 1, UnmaskRequest(msg.session_tag, np.array(survivors, "<u4"), msg.signatures).to_bytes(), err)

@@ -82,12 +82,25 @@ def test_any_t_minus_1_shares_are_equally_consistent_with_every_secret(data):
     holders = sorted(data.draw(st.sets(st.integers(1, P - 1), min_size=n, max_size=n), label="holders"))
     seen = sorted(data.draw(st.permutations(range(n)), label="order")[: t - 1])
     secret = data.draw(st.binary(min_size=32, max_size=32), label="secret")
-    target = np.array(data.draw(st.one_of(
-        st.lists(st.lists(st.integers(0, P - 1), min_size=LIMBS, max_size=LIMBS), min_size=t - 1, max_size=t - 1),
-        # or what the t-1 holders saw of another secret's sharing
-        st.builds(lambda other, seed: share_secrets([other], holders, t, random.Random(seed).randbytes)[seen].tolist(),
-                  st.binary(min_size=32, max_size=32), st.integers(0, 2**32 - 1)),
-    ), label="their shares"), dtype=np.uint64).reshape(t - 1, LIMBS)
+    target = np.array(
+        data.draw(
+            st.one_of(
+                st.lists(
+                    st.lists(st.integers(0, P - 1), min_size=LIMBS, max_size=LIMBS), min_size=t - 1, max_size=t - 1
+                ),
+                # or what the t-1 holders saw of another secret's sharing
+                st.builds(
+                    lambda other, seed: share_secrets([other], holders, t, random.Random(seed).randbytes)[
+                        seen
+                    ].tolist(),
+                    st.binary(min_size=32, max_size=32),
+                    st.integers(0, 2**32 - 1),
+                ),
+            ),
+            label="their shares",
+        ),
+        dtype=np.uint64,
+    ).reshape(t - 1, LIMBS)
     limbs = secret_to_limbs(secret)
     words = np.empty((t - 1, LIMBS), dtype=np.uint64)
     for j in range(LIMBS):

@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 
 from server_stub import accounting as acc
 
-SETTINGS = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 deltas = st.sampled_from([1e-3, 1e-5, 1e-7])
 
 
@@ -37,28 +35,20 @@ def test_epsilon_grows_with_rounds(z: float, k: int, more: int, delta: float) ->
     k=st.integers(1, 5000),
     delta=deltas,
 )
-def test_epsilon_falls_as_the_noise_multiplier_rises(
-    z: float, factor: float, k: int, delta: float
-) -> None:
+def test_epsilon_falls_as_the_noise_multiplier_rises(z: float, factor: float, k: int, delta: float) -> None:
     assert acc.epsilon(z * factor, k, delta) < acc.epsilon(z, k, delta)
 
 
 @SETTINGS
 @given(z=st.floats(0.3, 30), k=st.integers(1, 5000), delta=deltas)
-def test_the_epsilon_solves_the_analytic_gaussian_equation(
-    z: float, k: int, delta: float
-) -> None:
+def test_the_epsilon_solves_the_analytic_gaussian_equation(z: float, k: int, delta: float) -> None:
     """Balle and Wang 2018, Theorem 8: a Gaussian mechanism with multiplier s is (eps, delta)-DP iff
     Phi(1/(2s) - eps s) - e^eps Phi(-1/(2s) - eps s) <= delta; k rounds are one at s = z / sqrt(k)."""
     eps = acc.epsilon(z, k, delta)
-    with mpmath.workdps(
-        60
-    ):  # the difference cancels badly in floats: evaluate it in 60 digits
+    with mpmath.workdps(60):  # the difference cancels badly in floats: evaluate it in 60 digits
         s = mpmath.mpf(z) / mpmath.sqrt(k)
         e = mpmath.mpf(eps)
-        exact = mpmath.ncdf(1 / (2 * s) - e * s) - mpmath.exp(e) * mpmath.ncdf(
-            -1 / (2 * s) - e * s
-        )
+        exact = mpmath.ncdf(1 / (2 * s) - e * s) - mpmath.exp(e) * mpmath.ncdf(-1 / (2 * s) - e * s)
         assert float(exact) == pytest.approx(delta, rel=1e-6)
 
 
@@ -91,9 +81,7 @@ def test_rdp_is_a_slightly_looser_bound_on_the_same_mechanism(z: float, k: int) 
 
 @SETTINGS
 @given(z=st.floats(0.3, 30), k=st.integers(0, 3000), delta=deltas)
-def test_no_amplification_unless_the_sampling_opt_in_is_given(
-    z: float, k: int, delta: float
-) -> None:
+def test_no_amplification_unless_the_sampling_opt_in_is_given(z: float, k: int, delta: float) -> None:
     plain = acc.epsilon(z, k, delta)
     assert acc.epsilon(z, k, delta, sampling_probability=None) == plain
     assert acc.epsilon(z, k, delta, sampling_probability=1.0) == plain
@@ -125,12 +113,7 @@ def test_the_ledger_adds_rounds_one_by_one_to_the_same_epsilon() -> None:
 
 
 def test_rounds_at_different_multipliers_compose_to_one_gaussian() -> None:
-    ledger = (
-        acc.PrivacyLedger(delta=1e-5)
-        .add_round(2.0, 30)
-        .add_round(3.0, 45)
-        .add_round(2.0, 10)
-    )
+    ledger = acc.PrivacyLedger(delta=1e-5).add_round(2.0, 30).add_round(3.0, 45).add_round(2.0, 10)
     assert dict(ledger.counts) == {2.0: 40, 3.0: 45}
     z_eff = (40 / 4 + 45 / 9) ** -0.5
     assert acc.composed_noise_multiplier(dict(ledger.counts)) == pytest.approx(z_eff)
@@ -139,24 +122,18 @@ def test_rounds_at_different_multipliers_compose_to_one_gaussian() -> None:
 
 def test_a_round_without_noise_spends_everything() -> None:
     assert acc.epsilon(0.0, 1, 1e-5) == math.inf
-    assert (
-        acc.PrivacyLedger(delta=1e-5).add_round(1.0).add_round(0.0).epsilon == math.inf
-    )
+    assert acc.PrivacyLedger(delta=1e-5).add_round(1.0).add_round(0.0).epsilon == math.inf
 
 
 @pytest.mark.parametrize("q", [None, 0.02])
 def test_the_budget_allows_exactly_the_rounds_within_it(q: float | None) -> None:
     z, delta, budget = 3.0, 1e-5, 4.0
-    k = acc.rounds_within(
-        budget, z, delta, sampling_probability=q, method="rdp" if q else "pld"
-    )
+    k = acc.rounds_within(budget, z, delta, sampling_probability=q, method="rdp" if q else "pld")
     method: acc.Method = "rdp" if q else "pld"
     assert k >= 1
     assert acc.epsilon(z, k, delta, sampling_probability=q, method=method) <= budget
     assert acc.epsilon(z, k + 1, delta, sampling_probability=q, method=method) > budget
-    ledger = acc.PrivacyLedger(
-        delta=delta, sampling_probability=q, method=method, max_epsilon=budget
-    )
+    ledger = acc.PrivacyLedger(delta=delta, sampling_probability=q, method=method, max_epsilon=budget)
     assert ledger.add_round(z, k - 1).allows(z)
     assert not ledger.add_round(z, k).allows(z)
 
@@ -171,9 +148,7 @@ def test_the_budget_allows_exactly_the_rounds_within_it(q: float | None) -> None
         ({"delta": 1e-5, "max_epsilon": -1.0}, "max_epsilon"),
     ],
 )
-def test_out_of_range_parameters_are_refused_naming_the_field(
-    kwargs: dict[str, object], field: str
-) -> None:
+def test_out_of_range_parameters_are_refused_naming_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(acc.AccountingError, match=field):
         acc.PrivacyLedger(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(acc.AccountingError, match="noise_multiplier"):

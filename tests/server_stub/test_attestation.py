@@ -17,7 +17,7 @@ from device_runtime.attestation import (
     b64encode,
     device_key_hash,
 )
-from emulator.attestation_authority import AttestationAuthority
+from emulator.devices.attestation_authority import AttestationAuthority
 from server_stub.attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
 
 NOW = 1_700_000_000.0
@@ -82,19 +82,29 @@ def test_a_certificate_from_an_untrusted_authority_is_refused(world):
 def test_a_certificate_forged_in_the_trusted_authoritys_name_is_refused(world):
     device = world.device(authority=ROGUE)
     cert = device.certificate
-    payload = DeviceCertificate.signing_payload(cert.device_public_key, cert.device_class, cert.issued_at,
-                                                cert.expires_at, AUTHORITY.key_id)
-    forged = DeviceCertificate(cert.device_public_key, cert.device_class, cert.issued_at, cert.expires_at,
-                               AUTHORITY.key_id, ROGUE._key.sign(payload))
+    payload = DeviceCertificate.signing_payload(
+        cert.device_public_key, cert.device_class, cert.issued_at, cert.expires_at, AUTHORITY.key_id
+    )
+    forged = DeviceCertificate(
+        cert.device_public_key,
+        cert.device_class,
+        cert.issued_at,
+        cert.expires_at,
+        AUTHORITY.key_id,
+        ROGUE._key.sign(payload),
+    )
     att = device.with_certificate(forged).attest(world.nonces.issue(NOW), POP, RV)
     assert code_of(lambda: world.verify(att)) == "BAD_CERTIFICATE_SIGNATURE"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("device_class", "emulated-flagship"),
-    ("expires_at", NOW + 10 * 365 * 86400.0),
-    ("issued_at", NOW - 20.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("device_class", "emulated-flagship"),
+        ("expires_at", NOW + 10 * 365 * 86400.0),
+        ("issued_at", NOW - 20.0),
+    ],
+)
 def test_a_tampered_certificate_field_is_refused(world, field, value):
     device = world.device()
     att = device.attest(world.nonces.issue(NOW), POP, RV)
@@ -139,8 +149,10 @@ def test_clock_skew_allowance():
     device = w.device(valid_for_s=100.0, issued=NOW)
     w.verify(device.attest(w.nonces.issue(NOW - 4), POP, RV), now=NOW - 4)
     w.verify(device.attest(w.nonces.issue(NOW + 104), POP, RV), now=NOW + 104)
-    assert code_of(lambda: w.verify(device.attest(w.nonces.issue(NOW + 105), POP, RV), now=NOW + 105)) \
+    assert (
+        code_of(lambda: w.verify(device.attest(w.nonces.issue(NOW + 105), POP, RV), now=NOW + 105))
         == "CERTIFICATE_EXPIRED"
+    )
 
 
 @pytest.mark.parametrize("what", ["nonce", "population", "runtime_version"])
@@ -325,8 +337,13 @@ def _paths(d, prefix=()):
 
 
 PATHS = list(_paths(GOOD))
-TYPES = {("version",): int, ("certificate",): dict, ("certificate", "version"): int,
-         ("certificate", "issued_at"): float, ("certificate", "expires_at"): float}
+TYPES = {
+    ("version",): int,
+    ("certificate",): dict,
+    ("certificate", "version"): int,
+    ("certificate", "issued_at"): float,
+    ("certificate", "expires_at"): float,
+}
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -346,13 +363,16 @@ def test_a_mangled_attestation_raises_only_attestation_errors(path, junk, how):
         World().verifier.verify(att, POP, RV, NOW)
     expected = TYPES.get(path, str)
     wrong_type = isinstance(junk, bool) or (
-        not isinstance(junk, (int, float)) or junk != junk if expected is float else not isinstance(junk, expected))
+        not isinstance(junk, (int, float)) or junk != junk if expected is float else not isinstance(junk, expected)
+    )
     if how != "replace" or wrong_type:
         assert info.value.code == "MALFORMED"
 
 
-@pytest.mark.parametrize("field", ["nonce", "signature", "certificate.signature", "certificate.device_public_key",
-                                   "certificate.authority_key_id"])
+@pytest.mark.parametrize(
+    "field",
+    ["nonce", "signature", "certificate.signature", "certificate.device_public_key", "certificate.authority_key_id"],
+)
 @pytest.mark.parametrize("bad", ["", "!!!!", "AAAA=", "A" * 10_000, "ÄÄÄÄ", "AA==\n", "AAA"])
 def test_bad_base64_is_malformed(field, bad):
     att = copy.deepcopy(GOOD)

@@ -25,7 +25,9 @@ def authority():
 
 @pytest.fixture
 def attested_server(tmp_path, authority):
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=3, rate_per_s=0.5))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=3, rate_per_s=0.5)
+    )
     with ServerThread(tmp_path / "server.db", verifier=verifier) as srv, srv.admin() as admin:
         deploy(admin, goal_count=50)
         yield srv
@@ -105,7 +107,10 @@ def test_an_attested_device_takes_one_seat_per_round(attested_server, authority)
 
     def checkin(attestor) -> dict:
         nonce = base64.b64decode(httpx.post(f"{attested_server.url}/v1/attestation/nonce").json()["nonce"])
-        r = _checkin(attested_server.url, {"runtime_version": "1.31.1", "attestation": attestor.attest(nonce, "digits", "1.31.1")})
+        r = _checkin(
+            attested_server.url,
+            {"runtime_version": "1.31.1", "attestation": attestor.attest(nonce, "digits", "1.31.1")},
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -113,15 +118,25 @@ def test_an_attested_device_takes_one_seat_per_round(attested_server, authority)
     assert first["status"] == "accepted"
     # The same device again (its answer was lost, say): the same seat under a new token, not a second seat.
     again = checkin(device)
-    assert again["status"] == "accepted" and again["session_id"] == first["session_id"] and again["token"] != first["token"]
-    old = httpx.post(f"{attested_server.url}/v1/sessions/{first['session_id']}/abort", json={},
-                     headers={"Authorization": f"Bearer {first['token']}"})
+    assert (
+        again["status"] == "accepted"
+        and again["session_id"] == first["session_id"]
+        and again["token"] != first["token"]
+    )
+    old = httpx.post(
+        f"{attested_server.url}/v1/sessions/{first['session_id']}/abort",
+        json={},
+        headers={"Authorization": f"Bearer {first['token']}"},
+    )
     assert old.status_code == 401 and _code(old) == "BAD_SESSION_TOKEN"
     status = attested_server.admin().status("digits")
     assert status["current_round"]["selected"] == 1
     # Once its seat is closed (here: aborted), the device gets no other seat in this round.
-    r = httpx.post(f"{attested_server.url}/v1/sessions/{again['session_id']}/abort", json={},
-                   headers={"Authorization": f"Bearer {again['token']}"})
+    r = httpx.post(
+        f"{attested_server.url}/v1/sessions/{again['session_id']}/abort",
+        json={},
+        headers={"Authorization": f"Bearer {again['token']}"},
+    )
     assert r.status_code == 200
     third = checkin(device)
     assert third["status"] == "rejected" and third["reason"] == "ALREADY_SELECTED"

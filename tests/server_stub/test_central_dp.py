@@ -13,27 +13,19 @@ from scipy import stats
 
 from server_stub import central_dp as cdp
 
-SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
 
 
 def updates(dim: int, min_n: int = 1) -> st.SearchStrategy[list[np.ndarray]]:
-    return st.lists(
-        arrays(np.float64, dim, elements=finite), min_size=min_n, max_size=12
-    )
+    return st.lists(arrays(np.float64, dim, elements=finite), min_size=min_n, max_size=12)
 
 
 @SETTINGS
 @given(us=st.integers(1, 20).flatmap(updates), clip=st.floats(0.01, 100))
-def test_without_noise_the_mean_is_the_mean_of_the_clipped_updates(
-    us: list[np.ndarray], clip: float
-) -> None:
+def test_without_noise_the_mean_is_the_mean_of_the_clipped_updates(us: list[np.ndarray], clip: float) -> None:
     r = cdp.dp_mean(us, clip=clip, noise_multiplier=0.0, rng=np.random.default_rng(0))
-    expected = np.mean(
-        [u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300)) for u in us], axis=0
-    )
+    expected = np.mean([u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300)) for u in us], axis=0)
     np.testing.assert_allclose(r.mean, expected, rtol=1e-9, atol=1e-9)
     assert r.count == len(us)
     assert r.clipped == sum(np.linalg.norm(u) > clip for u in us)
@@ -41,9 +33,7 @@ def test_without_noise_the_mean_is_the_mean_of_the_clipped_updates(
 
 @SETTINGS
 @given(
-    data=st.integers(1, 10).flatmap(
-        lambda d: st.tuples(updates(d, 2), arrays(np.float64, d, elements=finite))
-    ),
+    data=st.integers(1, 10).flatmap(lambda d: st.tuples(updates(d, 2), arrays(np.float64, d, elements=finite))),
     clip=st.floats(0.01, 100),
     counts=st.lists(st.floats(0, 1e4), min_size=13, max_size=13),
     cap=st.floats(1, 1e3),
@@ -106,9 +96,7 @@ def test_out_of_range_parameters_are_refused_naming_the_field(field: str) -> Non
 
 @SETTINGS
 @given(z=st.floats(0.1, 20), ratio=st.floats(0.5001, 1000))
-def test_the_count_and_the_updates_compose_to_the_round_noise_multiplier(
-    z: float, ratio: float
-) -> None:
+def test_the_count_and_the_updates_compose_to_the_round_noise_multiplier(z: float, ratio: float) -> None:
     sigma_b = z * ratio
     z_delta = cdp.update_noise_multiplier(z, sigma_b)
     assert z_delta > z
@@ -121,9 +109,7 @@ def test_a_count_noise_that_spends_the_whole_budget_is_refused() -> None:
 
 
 def test_the_geometric_update_shrinks_the_clip_when_too_many_updates_fit() -> None:
-    s = cdp.AdaptiveClip(
-        clip=1.0, target_quantile=0.5, learning_rate=0.2, count_stddev=5.0
-    )
+    s = cdp.AdaptiveClip(clip=1.0, target_quantile=0.5, learning_rate=0.2, count_stddev=5.0)
     assert cdp.next_clip(s, 0.9).clip == pytest.approx(math.exp(-0.2 * 0.4))
     assert cdp.next_clip(s, 0.1).clip > 1.0
     assert cdp.next_clip(s, 0.5).clip == pytest.approx(1.0)

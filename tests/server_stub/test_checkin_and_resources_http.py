@@ -58,8 +58,13 @@ def test_a_device_outside_the_plans_runtime_versions_is_turned_away(server, admi
 def test_resources_are_cacheable_by_etag(server, admin):
     plan = digits_plan()
     admin.create_population("digits")
-    admin.deploy_task("digits", "train", plan, encode_checkpoint(initial_weights(plan, seed=0)),
-                      RoundConfig(goal_count=5, min_reports=1))
+    admin.deploy_task(
+        "digits",
+        "train",
+        plan,
+        encode_checkpoint(initial_weights(plan, seed=0)),
+        RoundConfig(goal_count=5, min_reports=1),
+    )
     with httpx.Client(base_url=server.url, timeout=10) as http:
         session = _checkin(http, "digits")
         auth = {"Authorization": f"Bearer {session['token']}"}

@@ -25,7 +25,9 @@ from tests.support import digits_plan
 POP = "digits"
 TASK = "train"
 #: Five devices commit a round, all of them needed: the smallest config a published model allows.
-CONFIG = RoundConfig(goal_count=5, over_selection=1.0, min_fraction=1.0, selection_timeout_s=60.0, report_timeout_s=60.0)
+CONFIG = RoundConfig(
+    goal_count=5, over_selection=1.0, min_fraction=1.0, selection_timeout_s=60.0, report_timeout_s=60.0
+)
 
 
 class Server:
@@ -186,7 +188,9 @@ def test_a_round_commits_a_finite_model_when_the_reports_weight_sums_overflow_fl
 
 
 def test_one_report_claiming_huge_num_examples_cannot_set_the_model(server):
-    config = RoundConfig(goal_count=5, over_selection=1.2, min_fraction=1.0, selection_timeout_s=60.0, report_timeout_s=60.0)
+    config = RoundConfig(
+        goal_count=5, over_selection=1.2, min_fraction=1.0, selection_timeout_s=60.0, report_timeout_s=60.0
+    )
     plan, start = server.deploy(config=config)
     target = {w: start[w] + np.float32(50.0) for w in plan.weight_names}
     claimed = 1e30
@@ -248,7 +252,10 @@ def test_a_commit_whose_database_write_fails_is_not_applied_twice(server, monkey
         n = 10.0 + i
         deltas = {w: rng.normal(0.0, 0.01, start[w].shape) * n for w in plan.weight_names}  # mean delta norm ~0.25
         updates.append(update_of(plan, n, **deltas))
-    mean = {w: sum(u[w].astype(np.float64) for u in updates) / sum(float(u["num_examples"]) for u in updates) for w in plan.weight_names}
+    mean = {
+        w: sum(u[w].astype(np.float64) for u in updates) / sum(float(u["num_examples"]) for u in updates)
+        for w in plan.weight_names
+    }
 
     fault = FailFirstCommitWrite(server.store)
     monkeypatch.setattr(server.store, "record_round", fault)

@@ -20,8 +20,13 @@ from tests.server_stub.test_defects import update_of
 from tests.support import digits_plan
 
 DEVICE_PATHS = {
-    "/v1/populations/{population}/checkin", "/v1/attestation/nonce", "/v1/populations/{population}/eligibility",
-    "/v1/resources/{rid}", "/v1/sessions/{sid}/report", "/v1/sessions/{sid}/abort", "/v1/sessions/{sid}/secagg",
+    "/v1/populations/{population}/checkin",
+    "/v1/attestation/nonce",
+    "/v1/populations/{population}/eligibility",
+    "/v1/resources/{rid}",
+    "/v1/sessions/{sid}/report",
+    "/v1/sessions/{sid}/abort",
+    "/v1/sessions/{sid}/secagg",
 }
 
 
@@ -51,8 +56,14 @@ def _server(tmp_path, name: str, direct: bool):
     service = FLService(store, rng=random.Random(7), clock=lambda: now[0])
     service.create_population("pop")
     plan = digits_plan()
-    config = RoundConfig(goal_count=2, over_selection=1.5, selection_timeout_s=600.0, report_timeout_s=60.0,
-                         retry_window_s=(10.5, 30.25), min_reports=2)
+    config = RoundConfig(
+        goal_count=2,
+        over_selection=1.5,
+        selection_timeout_s=600.0,
+        report_timeout_s=60.0,
+        retry_window_s=(10.5, 30.25),
+        min_reports=2,
+    )
     service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
     keys, _ = AdminKeys.generate()
     app = create_app(service, admin_keys=keys)
@@ -71,18 +82,29 @@ def _flow(client: Client, now: list[float], plan) -> list[tuple[int, list, bytes
         return r
 
     send("GET", "/v1/populations/pop/eligibility")
-    sessions = [send("POST", "/v1/populations/pop/checkin", json={"runtime_version": "1.31.1"}).json() for _ in range(4)]
+    sessions = [
+        send("POST", "/v1/populations/pop/checkin", json={"runtime_version": "1.31.1"}).json() for _ in range(4)
+    ]
     accepted = [s for s in sessions if s["status"] == "accepted"]
     assert len(accepted) == 3 and sessions[3]["status"] == "rejected"
     auth = [{"Authorization": f"Bearer {s['token']}"} for s in accepted]
     send("GET", f"/v1/resources/{accepted[0]['plan_id']}", headers=auth[0])
-    send("GET", f"/v1/resources/{accepted[0]['checkpoint_id']}", headers={**auth[0], "If-None-Match": f'"{accepted[0]["checkpoint_id"]}"'})
+    send(
+        "GET",
+        f"/v1/resources/{accepted[0]['checkpoint_id']}",
+        headers={**auth[0], "If-None-Match": f'"{accepted[0]["checkpoint_id"]}"'},
+    )
     send("GET", f"/v1/resources/{accepted[0]['checkpoint_id']}", headers={"Authorization": "Bearer nope"})
     update = encode_checkpoint(update_of(plan))
     now[0] += 5.0
     send("POST", f"/v1/sessions/{accepted[0]['session_id']}/report", content=update, headers=auth[0])
     send("POST", f"/v1/sessions/{accepted[0]['session_id']}/report", content=update, headers=auth[0])  # duplicate
-    send("POST", f"/v1/sessions/{accepted[2]['session_id']}/abort", json={"reason": "app killed", "stats": {}}, headers=auth[2])
+    send(
+        "POST",
+        f"/v1/sessions/{accepted[2]['session_id']}/abort",
+        json={"reason": "app killed", "stats": {}},
+        headers=auth[2],
+    )
     send("POST", f"/v1/sessions/{accepted[1]['session_id']}/report", content=b"not a checkpoint", headers=auth[1])
     send("POST", f"/v1/sessions/{accepted[1]['session_id']}/report", content=update, headers=auth[1])
     send("POST", f"/v1/sessions/{accepted[1]['session_id']}/secagg", content=b"x", headers=auth[1])
@@ -91,7 +113,10 @@ def _flow(client: Client, now: list[float], plan) -> list[tuple[int, list, bytes
     send("DELETE", f"/v1/sessions/{accepted[0]['session_id']}/report")
     # the random parts (session ids and tokens) are replaced by their order of appearance
     secrets = [s[k] for s in accepted for k in ("session_id", "token")]
-    return [(status, [(k, v) for k, v in headers if k != "content-length"], _mask(body, secrets)) for status, headers, body in out]
+    return [
+        (status, [(k, v) for k, v in headers if k != "content-length"], _mask(body, secrets))
+        for status, headers, body in out
+    ]
 
 
 def _mask(body: bytes, secrets: list[str]) -> bytes:
@@ -122,7 +147,25 @@ def test_a_round_of_device_traffic_gets_the_same_answers_with_and_without_direct
             client.close()
             store.close()
     direct_answers, fastapi_answers = answers
-    assert [a[0] for a in direct_answers] == [200, 200, 200, 200, 200, 200, 304, 401, 200, 409, 200, 422, 200, 409, 404, 405, 405]
+    assert [a[0] for a in direct_answers] == [
+        200,
+        200,
+        200,
+        200,
+        200,
+        200,
+        304,
+        401,
+        200,
+        409,
+        200,
+        422,
+        200,
+        409,
+        404,
+        405,
+        405,
+    ]
     assert direct_answers == fastapi_answers
 
 
@@ -134,7 +177,9 @@ def one_app(tmp_path_factory):
     store.close()
 
 
-_SEGMENT = st.one_of(st.sampled_from(["pop", "x", "0" * 64, "", "..", "%2F", "a" * 300]), st.text(min_size=1, max_size=12))
+_SEGMENT = st.one_of(
+    st.sampled_from(["pop", "x", "0" * 64, "", "..", "%2F", "a" * 300]), st.text(min_size=1, max_size=12)
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -143,10 +188,15 @@ _SEGMENT = st.one_of(st.sampled_from(["pop", "x", "0" * 64, "", "..", "%2F", "a"
     segment=_SEGMENT,
     method=st.sampled_from(["GET", "POST", "PUT", "HEAD"]),
     body=st.one_of(st.binary(max_size=64), st.just(b'{"runtime_version": 5}'), st.just(b"{}")),
-    headers=st.dictionaries(st.sampled_from(["Authorization", "Content-Type", "Content-Length", "X-FL-Session-Stats"]),
-                            st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30), max_size=3),
+    headers=st.dictionaries(
+        st.sampled_from(["Authorization", "Content-Type", "Content-Length", "X-FL-Session-Stats"]),
+        st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30),
+        max_size=3,
+    ),
 )
-def test_any_request_that_changes_nothing_gets_the_same_answer_either_way(one_app, template, segment, method, body, headers):
+def test_any_request_that_changes_nothing_gets_the_same_answer_either_way(
+    one_app, template, segment, method, body, headers
+):
     if template.endswith("/checkin") and segment == "pop":
         segment = "no-such-population"  # a check-in to the real population would change its state
     path = template.replace("{population}", segment).replace("{rid}", segment).replace("{sid}", segment)

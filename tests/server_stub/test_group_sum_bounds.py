@@ -37,8 +37,14 @@ def raw_update(rng: np.random.Generator, codec: SecureSumCodec, n: float, delta_
     delta = {w: rng.normal(size=codec.shapes[w]) for w in WEIGHTS}
     scale = delta_norm / math.sqrt(sum(float(np.sum(d**2)) for d in delta.values()))
     update = {w: (d * scale * n).astype(np.float32) for w, d in delta.items()}
-    update.update({"loss_sum": np.float32(2.3 * n), "correct": np.float32(0.5 * n), "count": np.float32(n),
-                   NUM_EXAMPLES: np.float32(n)})
+    update.update(
+        {
+            "loss_sum": np.float32(2.3 * n),
+            "correct": np.float32(0.5 * n),
+            "count": np.float32(n),
+            NUM_EXAMPLES: np.float32(n),
+        }
+    )
     return update
 
 
@@ -61,8 +67,9 @@ def decoded(bits: int, vectors: list[np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def verdict(bits: int, total: dict, members: int, most: int, clip: float) -> str | None:
-    return check_group_sum(total, WEIGHTS, members=members, max_examples=most, clip_norm=clip,
-                           tolerance=CODECS[bits].sum_error(members))
+    return check_group_sum(
+        total, WEIGHTS, members=members, max_examples=most, clip_norm=clip, tolerance=CODECS[bits].sum_error(members)
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -123,7 +130,7 @@ def test_a_device_may_spend_the_budget_its_group_leaves_but_no_more():
         update, at = {}, 0
         for name in WEIGHTS:
             size = codec.sizes[codec.names.index(name)]
-            update[name] = flat[at:at + size].reshape(codec.shapes[name]).astype(np.float32)
+            update[name] = flat[at : at + size].reshape(codec.shapes[name]).astype(np.float32)
             at += size
         update.update({name: np.float32(0) for name in ("loss_sum", "correct", "count")})
         update[NUM_EXAMPLES] = np.float32(100)
@@ -132,17 +139,22 @@ def test_a_device_may_spend_the_budget_its_group_leaves_but_no_more():
     budget = clip * 500  # the group's total count times the clip: the attacker's own 100 and the others' 400
     within = decoded(24, [*honest, attacker(budget * 0.999)])
     assert verdict(24, within, 5, most, clip) is None
-    assert np.sqrt(sum(np.sum(within[w].astype(np.float64) ** 2) for w in WEIGHTS)) / float(within[NUM_EXAMPLES]) <= clip
+    assert (
+        np.sqrt(sum(np.sum(within[w].astype(np.float64) ** 2) for w in WEIGHTS)) / float(within[NUM_EXAMPLES]) <= clip
+    )
     assert verdict(24, decoded(24, [*honest, attacker(budget * 1.01)]), 5, most, clip) is not None
 
 
-@pytest.mark.parametrize(("change", "words"), [
-    ({NUM_EXAMPLES: -624.0}, "outside [0, 5000]"),  # the issue's group: 4 x 100 examples and one -1024
-    ({NUM_EXAMPLES: 5001.0}, "outside [0, 5000]"),
-    ({"w0": math.inf}, "NaN or infinite"),
-    ({"loss_sum": math.nan}, "NaN or infinite"),
-    ({"w0": 1024.0 * 5}, "norm of the sum's weight tensors"),
-])
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({NUM_EXAMPLES: -624.0}, "outside [0, 5000]"),  # the issue's group: 4 x 100 examples and one -1024
+        ({NUM_EXAMPLES: 5001.0}, "outside [0, 5000]"),
+        ({"w0": math.inf}, "NaN or infinite"),
+        ({"loss_sum": math.nan}, "NaN or infinite"),
+        ({"w0": 1024.0 * 5}, "norm of the sum's weight tensors"),
+    ],
+)
 def test_a_sum_outside_the_bounds_is_refused_with_the_reason(change, words):
     total = {name: np.zeros(shape, np.float32) for name, shape in CODECS[24].shapes.items()}
     total[NUM_EXAMPLES] = np.float32(400.0)
@@ -156,4 +168,7 @@ def test_without_a_clip_norm_or_weights_only_the_count_and_finiteness_are_checke
     total = {"w0": np.full((64, 10), 1e6, np.float32), NUM_EXAMPLES: np.float32(10.0)}
     assert check_group_sum(total, WEIGHTS, members=5, max_examples=10, clip_norm=None) is None
     assert check_group_sum(total, (), members=5, max_examples=10, clip_norm=1.0) is None
-    assert check_group_sum({**total, NUM_EXAMPLES: np.float32(51)}, (), members=5, max_examples=10, clip_norm=1.0) is not None
+    assert (
+        check_group_sum({**total, NUM_EXAMPLES: np.float32(51)}, (), members=5, max_examples=10, clip_norm=1.0)
+        is not None
+    )

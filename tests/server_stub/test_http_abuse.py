@@ -38,7 +38,9 @@ def _code(response: httpx.Response) -> str:
 
 
 def test_every_abuse_gets_its_4xx_and_the_round_commits(server, admin):
-    plan, _ = deploy(admin, goal_count=2, over_selection=2.0, min_fraction=1.0, report_timeout_s=30, selection_timeout_s=60)
+    plan, _ = deploy(
+        admin, goal_count=2, over_selection=2.0, min_fraction=1.0, report_timeout_s=30, selection_timeout_s=60
+    )
     good = encode_checkpoint(_valid_update(plan))
     with httpx.Client(base_url=server.url, timeout=10) as http:
         a, b, c = _checkin(http), _checkin(http), _checkin(http)
@@ -68,13 +70,17 @@ def test_every_abuse_gets_its_4xx_and_the_round_commits(server, admin):
         r = _report(http, a, encode_checkpoint(nan))
         assert r.status_code == 422 and _code(r) == "INVALID_UPDATE"
 
-        r = http.post("/v1/populations/digits/checkin", content=b"{not json", headers={"Content-Type": "application/json"})
+        r = http.post(
+            "/v1/populations/digits/checkin", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
         assert r.status_code == 400 and _code(r) == "MALFORMED_BODY"
         r = http.post("/v1/populations/digits/checkin", json={"runtime_version": 131})
         assert r.status_code == 400 and _code(r) == "BAD_FIELD"
         r = http.post("/v1/populations/digits/checkin", json=[1, 2])
         assert r.status_code == 400
-        r = http.post("/v1/populations/nope/checkin", json={"runtime_version": "1.31.1"})  # as a population with no task
+        r = http.post(
+            "/v1/populations/nope/checkin", json={"runtime_version": "1.31.1"}
+        )  # as a population with no task
         assert r.status_code == 200 and r.json()["status"] == "rejected" and r.json()["reason"] == "NO_TASK"
         r = http.get("/v1/resources/" + "0" * 64)
         assert r.status_code == 401 and _code(r) == "MISSING_TOKEN"
@@ -128,7 +134,9 @@ def _wait_for_rounds(admin, count: int, timeout_s: float = 5.0) -> list[dict]:
 
 def test_report_after_deadline_is_rejected_and_round_goes_on(clocked, clock):
     server, admin = clocked
-    plan, _ = deploy(admin, goal_count=1, over_selection=2.0, min_fraction=1.0, report_timeout_s=0.5, selection_timeout_s=60)
+    plan, _ = deploy(
+        admin, goal_count=1, over_selection=2.0, min_fraction=1.0, report_timeout_s=0.5, selection_timeout_s=60
+    )
     good = encode_checkpoint(_valid_update(plan))
     with httpx.Client(base_url=server.url, timeout=10) as http:
         # Every deadline passes: the round is abandoned and both reports are late.

@@ -52,7 +52,9 @@ def _until_closed(sock: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     except TimeoutError:
-        raise AssertionError(f"the server still held the connection after {HANG_S} s (got {received[:100]!r})") from None
+        raise AssertionError(
+            f"the server still held the connection after {HANG_S} s (got {received[:100]!r})"
+        ) from None
     finally:
         sock.close()
     return received
@@ -92,12 +94,16 @@ def test_a_request_head_that_does_not_arrive_in_time_is_cut_off(guarded):
 
 def test_a_request_body_that_stops_arriving_is_answered_408_and_cut_off(guarded):
     stalled = _connect(guarded)
-    stalled.sendall(_head("POST", "/v1/populations/digits/checkin", "Content-Type: application/json", "Content-Length: 1000")
-                    + b'{"runtime_version"')
+    stalled.sendall(
+        _head("POST", "/v1/populations/digits/checkin", "Content-Type: application/json", "Content-Length: 1000")
+        + b'{"runtime_version"'
+    )
     assert _answer(_until_closed(stalled)) == (408, "BODY_TIMEOUT")
     # A body the app answered without reading it (a refusal) is not drained for ever either.
     unread = _connect(guarded)
-    unread.sendall(_head("POST", "/v1/sessions/none/report", "Authorization: Bearer x", "Content-Length: 100000") + b"x" * 10)
+    unread.sendall(
+        _head("POST", "/v1/sessions/none/report", "Authorization: Bearer x", "Content-Length: 100000") + b"x" * 10
+    )
     assert _answer(_until_closed(unread)) == (401, "BAD_SESSION_TOKEN")
 
 
@@ -154,8 +160,10 @@ def test_a_client_that_disconnects_mid_body_is_one_debug_line_not_an_error(guard
             gone.sendall(_head("POST", path, "Content-Type: application/json", "Content-Length: 1000") + b"x" * 100)
             gone.close()
         deadline = time.monotonic() + HANG_S
-        while time.monotonic() < deadline and sum("disconnected" in r.getMessage() or r.levelno >= logging.ERROR
-                                                  for r in records.records) < 2:
+        while (
+            time.monotonic() < deadline
+            and sum("disconnected" in r.getMessage() or r.levelno >= logging.ERROR for r in records.records) < 2
+        ):
             time.sleep(0.02)
     finally:
         for logger, level in zip(loggers, levels):
@@ -168,13 +176,31 @@ def test_a_client_that_disconnects_mid_body_is_one_debug_line_not_an_error(guard
 
 
 @contextlib.contextmanager
-def _command(tmp_path: Path, *options: str, preexec_fn: Callable[[], None] | None = None) -> Iterator[tuple[int, list[str]]]:
+def _command(
+    tmp_path: Path, *options: str, preexec_fn: Callable[[], None] | None = None
+) -> Iterator[tuple[int, list[str]]]:
     """``python -m server_stub`` (``fedfleet server``) on a free port, once it answers health:
     its port, and its output when it has stopped (in the list, then)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "server_stub", "--db", str(tmp_path / "s.db"), "--port", str(port),
-                             "--log-level", "warning", *options], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server_stub",
+            "--db",
+            str(tmp_path / "s.db"),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *options,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
     output: list[str] = []
     try:
         deadline = time.monotonic() + 60
@@ -192,15 +218,31 @@ def _command(tmp_path: Path, *options: str, preexec_fn: Callable[[], None] | Non
 
 
 def test_the_server_command_takes_its_limits_and_prints_them(tmp_path):
-    with _command(tmp_path, "--header-timeout-s", "7", "--body-timeout-s", "9", "--max-connections", "50",
-                  "--max-header-bytes", "2048") as (port, output):
+    with _command(
+        tmp_path,
+        "--header-timeout-s",
+        "7",
+        "--body-timeout-s",
+        "9",
+        "--max-connections",
+        "50",
+        "--max-header-bytes",
+        "2048",
+    ) as (port, output):
         r = httpx.get(f"http://127.0.0.1:{port}/v1/health", headers={"X-Padding": "p" * 4000}, timeout=HANG_S)
         assert r.status_code == 431 and r.json()["error"]["code"] == "HEADERS_TOO_LARGE"
     assert "head within 7 s, body within 9 s (+1 s per KiB), 50 connections, headers up to 2048 bytes" in output[0]
 
 
-@pytest.mark.parametrize("option, value", [("--header-timeout-s", "0"), ("--body-timeout-s", "nan"),
-                                           ("--max-connections", "0"), ("--max-header-bytes", "10")])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--header-timeout-s", "0"),
+        ("--body-timeout-s", "nan"),
+        ("--max-connections", "0"),
+        ("--max-header-bytes", "10"),
+    ],
+)
 def test_the_server_command_refuses_limits_that_cannot_work(tmp_path, capsys, option, value):
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)

@@ -26,7 +26,9 @@ def updates(draw, *, with_count: bool | None = None):
         "loss_sum": np.float32(draw(values)),
     }
     if with_count if with_count is not None else draw(st.booleans()):
-        update[NUM_EXAMPLES] = np.float32(draw(st.sampled_from([0.0, 0.5, 1.0, 3.0]) | st.integers(0, 10**6).map(float)))
+        update[NUM_EXAMPLES] = np.float32(
+            draw(st.sampled_from([0.0, 0.5, 1.0, 3.0]) | st.integers(0, 10**6).map(float))
+        )
     return update
 
 
@@ -49,8 +51,9 @@ def test_the_result_is_float32_with_the_same_tensors_and_reports_what_was_done(u
     n = declared(update)
     assert bounded.capped == (n > max_examples)
     expected_norm = mean_delta_norm(update, n)  # capping keeps the per-example means
-    assert bounded.mean_delta_norm == expected_norm or math.isclose(bounded.mean_delta_norm, expected_norm,
-                                                                    rel_tol=1e-9, abs_tol=1e-12)
+    assert bounded.mean_delta_norm == expected_norm or math.isclose(
+        bounded.mean_delta_norm, expected_norm, rel_tol=1e-9, abs_tol=1e-12
+    )
     assert bounded.clipped == (clip is not None and bounded.mean_delta_norm > clip)
 
 
@@ -88,7 +91,9 @@ def test_clipping_scales_the_weights_to_the_clip_norm_and_leaves_the_rest(update
         assert math.isclose(after, clip, rel_tol=1e-5)
         factor = clip / bounded.mean_delta_norm
         for w in WEIGHTS:
-            np.testing.assert_allclose(bounded.update[w], np.asarray(update[w], np.float64) * factor, rtol=1e-6, atol=1e-30)
+            np.testing.assert_allclose(
+                bounded.update[w], np.asarray(update[w], np.float64) * factor, rtol=1e-6, atol=1e-30
+            )
     else:
         assert bounded.mean_delta_norm <= clip
         for w in WEIGHTS:
@@ -114,7 +119,9 @@ def test_one_device_claiming_a_huge_count_gets_the_weight_of_max_examples():
 
 
 def test_an_update_without_weights_has_norm_zero_and_is_never_clipped():
-    bounded = bound_update({"loss_sum": np.float32(5.0), NUM_EXAMPLES: np.float32(2.0)}, WEIGHTS, max_examples=10, clip_norm=1e-9)
+    bounded = bound_update(
+        {"loss_sum": np.float32(5.0), NUM_EXAMPLES: np.float32(2.0)}, WEIGHTS, max_examples=10, clip_norm=1e-9
+    )
     assert bounded.mean_delta_norm == 0.0
     assert not bounded.clipped and not bounded.capped
 
@@ -146,4 +153,6 @@ def test_an_update_within_both_bounds_comes_back_bit_for_bit(update, clip):
 def test_a_negative_or_non_finite_count_is_refused_not_bounded(count):
     """Only a validated update can be bounded; a device never sends one that is not (it drops out)."""
     with pytest.raises(ValueError, match="validated"):
-        bound_update({"w": np.ones(3, np.float32), NUM_EXAMPLES: np.float32(count)}, WEIGHTS, max_examples=10, clip_norm=1.0)
+        bound_update(
+            {"w": np.ones(3, np.float32), NUM_EXAMPLES: np.float32(count)}, WEIGHTS, max_examples=10, clip_norm=1.0
+        )

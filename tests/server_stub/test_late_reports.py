@@ -34,7 +34,9 @@ def round_with_stragglers(tmp_path, request):
     service = FLService(store, clock=lambda: now[0], late_metrics_every_s=request.param)
     service.create_population("pop")
     plan = digits_plan()
-    config = RoundConfig(goal_count=2, over_selection=3.0, selection_timeout_s=600.0, report_timeout_s=60.0, min_reports=2)
+    config = RoundConfig(
+        goal_count=2, over_selection=3.0, selection_timeout_s=600.0, report_timeout_s=60.0, min_reports=2
+    )
     service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
     sessions = [service.checkin("pop", "1.31.1") for _ in range(6)]
     assert all(s["status"] == "accepted" for s in sessions)
@@ -91,8 +93,12 @@ def test_session_ids_and_tokens_come_from_the_services_token_source(tmp_path):
         service = FLService(store, clock=lambda: 0.0, **kwargs)
         service.create_population("pop")
         plan = digits_plan()
-        config = RoundConfig(goal_count=2, over_selection=2.0, selection_timeout_s=600.0, report_timeout_s=60.0, min_reports=2)
-        service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
+        config = RoundConfig(
+            goal_count=2, over_selection=2.0, selection_timeout_s=600.0, report_timeout_s=60.0, min_reports=2
+        )
+        service.deploy_task(
+            "pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config
+        )
         answers = [service.checkin("pop", "1.31.1") for _ in range(3)]
         update = encode_checkpoint(update_of(plan))
         service.report(answers[0]["session_id"], answers[0]["token"], update)  # a drawn token authorizes its report

@@ -20,7 +20,10 @@ GOAL = 5
 
 def _update(plan, delta: float) -> bytes:
     spec = PlanExecutor(plan).client_update_spec()
-    update = {n: np.full(s, delta * 4, dtype=d) if n in plan.weight_names else np.zeros(s, dtype=d) for n, (s, d) in spec.items()}
+    update = {
+        n: np.full(s, delta * 4, dtype=d) if n in plan.weight_names else np.zeros(s, dtype=d)
+        for n, (s, d) in spec.items()
+    }
     update["num_examples"] = np.array(4, dtype=np.float32)
     return encode_checkpoint(update)
 
@@ -30,16 +33,29 @@ def _checkin(http: httpx.Client) -> httpx.Response:
 
 
 def _report(http: httpx.Client, session: dict, body: bytes) -> httpx.Response:
-    return http.post(f"/v1/sessions/{session['session_id']}/report", content=body,
-                     headers={"Authorization": f"Bearer {session['token']}"})
+    return http.post(
+        f"/v1/sessions/{session['session_id']}/report",
+        content=body,
+        headers={"Authorization": f"Bearer {session['token']}"},
+    )
 
 
 def test_a_locked_database_neither_freezes_the_server_nor_applies_a_round_twice(tmp_path):
     db = tmp_path / "server.db"
-    with ServerThread(db, busy_timeout_s=2.0) as server, server.admin() as admin, \
-            httpx.Client(base_url=server.url, timeout=30) as http:
-        plan, weights = deploy(admin, goal_count=GOAL, over_selection=1.0, min_fraction=1.0, selection_timeout_s=600,
-                               report_timeout_s=600, retry_window_s=(0.1, 0.2))
+    with (
+        ServerThread(db, busy_timeout_s=2.0) as server,
+        server.admin() as admin,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        plan, weights = deploy(
+            admin,
+            goal_count=GOAL,
+            over_selection=1.0,
+            min_fraction=1.0,
+            selection_timeout_s=600,
+            report_timeout_s=600,
+            retry_window_s=(0.1, 0.2),
+        )
         body = _update(plan, 0.01)
         sessions = [_checkin(http).json() for _ in range(GOAL)]
         for s in sessions[:-1]:
@@ -71,7 +87,9 @@ def test_a_locked_database_neither_freezes_the_server_nor_applies_a_round_twice(
         assert all(s["status"] == "accepted" and s["round"] == 1 for s in sessions), sessions
         assert all(_report(http, s, body).status_code == 200 for s in sessions)
         assert [(r["round"], r["attempt"], r["status"]) for r in admin.rounds("digits")] == [
-            (1, 1, "abandoned"), (1, 2, "committed")]
+            (1, 1, "abandoned"),
+            (1, 2, "committed"),
+        ]
         model, number = admin.model("digits")
         assert number == 1 and sum(r["status"] == "committed" for r in admin.rounds("digits")) == 1
         for name in plan.weight_names:

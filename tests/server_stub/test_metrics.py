@@ -155,12 +155,20 @@ def test_non_finite_values_are_counted_not_added(values):
 
 def test_an_empty_summary_reports_none():
     assert MetricSummary().to_json() == {
-        "count": 0, "mean": None, "std": None, "min": None, "max": None, "non_finite": 0, "quantiles": None
+        "count": 0,
+        "mean": None,
+        "std": None,
+        "min": None,
+        "max": None,
+        "non_finite": 0,
+        "quantiles": None,
     }
 
 
 NAMES = st.text("abcxyz_.-", min_size=1, max_size=3) | st.sampled_from(["", "a b", "é", "x" * 65, "_dropped_names", 7])
-VALUES = st.floats(-10, 10) | st.integers(-10, 10) | st.sampled_from([True, "1", None, [1.0], np.float32(2.5), np.int64(3)])
+VALUES = (
+    st.floats(-10, 10) | st.integers(-10, 10) | st.sampled_from([True, "1", None, [1.0], np.float32(2.5), np.int64(3)])
+)
 
 
 @given(st.lists(st.dictionaries(NAMES, VALUES, max_size=8), max_size=10), st.integers(0, 6))
@@ -173,9 +181,12 @@ def test_names_are_validated_and_capped(reports, cap):
         (name, value)
         for report in reports
         for name, value in report.items()
-        if isinstance(name, str) and 1 <= len(name) <= 64 and not name.startswith("_")
+        if isinstance(name, str)
+        and 1 <= len(name) <= 64
+        and not name.startswith("_")
         and all(c.isascii() and (c.isalnum() or c in "_.-") for c in name)
-        and isinstance(value, int | float | np.number) and not isinstance(value, bool)
+        and isinstance(value, int | float | np.number)
+        and not isinstance(value, bool)
     ]
     kept = sum(rm[name].count + rm[name].non_finite for name in rm)
     assert kept + rm.dropped_names == len(valid)
@@ -230,11 +241,22 @@ def test_rounds_frame_flattens_two_rounds():
         for v in loss:
             rm.add({"loss": v})
         return {
-            "task": "train", "round": number, "attempt": 1, "status": status, "checkpoint_id": f"c{number}",
-            "started_at": float(number), "ended_at": number + 1.5,
+            "task": "train",
+            "round": number,
+            "attempt": 1,
+            "status": status,
+            "checkpoint_id": f"c{number}",
+            "started_at": float(number),
+            "ended_at": number + 1.5,
             "metrics": {
-                "selected": 13, "reported": len(loss), "rejected_late": 0, "aborted": 1, "dropped": 1,
-                "duration_s": 1.5, "shapes": shapes, "train_loss": sum(loss) / len(loss),
+                "selected": 13,
+                "reported": len(loss),
+                "rejected_late": 0,
+                "aborted": 1,
+                "dropped": 1,
+                "duration_s": 1.5,
+                "shapes": shapes,
+                "train_loss": sum(loss) / len(loss),
                 "device_metrics": rm.to_json(),
             },
         }
@@ -243,12 +265,31 @@ def test_rounds_frame_flattens_two_rounds():
     frame = rounds_frame(rounds)
     assert len(frame) == 2
     for column in [
-        "task", "round", "attempt", "status", "checkpoint_id", "started_at", "ended_at",
-        "selected", "reported", "rejected_late", "aborted", "dropped", "duration_s", "train_loss",
-        "shape.-v[]+^", "shape.-v[]!",
-        "device_metrics.loss.count", "device_metrics.loss.mean", "device_metrics.loss.std",
-        "device_metrics.loss.min", "device_metrics.loss.max", "device_metrics.loss.non_finite",
-        "device_metrics.loss.p05", "device_metrics.loss.p50", "device_metrics.loss.p95",
+        "task",
+        "round",
+        "attempt",
+        "status",
+        "checkpoint_id",
+        "started_at",
+        "ended_at",
+        "selected",
+        "reported",
+        "rejected_late",
+        "aborted",
+        "dropped",
+        "duration_s",
+        "train_loss",
+        "shape.-v[]+^",
+        "shape.-v[]!",
+        "device_metrics.loss.count",
+        "device_metrics.loss.mean",
+        "device_metrics.loss.std",
+        "device_metrics.loss.min",
+        "device_metrics.loss.max",
+        "device_metrics.loss.non_finite",
+        "device_metrics.loss.p05",
+        "device_metrics.loss.p50",
+        "device_metrics.loss.p95",
     ]:
         assert column in frame.columns, column
     assert "metrics" not in frame.columns and "device_metrics.loss.quantiles.p50" not in frame.columns

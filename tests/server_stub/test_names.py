@@ -53,7 +53,9 @@ def test_a_task_named_only_dots_is_refused_and_nothing_is_stored(service, name):
     plan = digits_plan()
     service.create_population("digits-dots")
     with pytest.raises(ApiError) as refused:
-        service.deploy_task("digits-dots", name, serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), CONFIG)
+        service.deploy_task(
+            "digits-dots", name, serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), CONFIG
+        )
     assert refused.value.code == "BAD_NAME" and "not only dots" in refused.value.message
     assert service.store.tasks("digits-dots") == []
 
@@ -75,7 +77,11 @@ def test_names_of_dots_are_refused_over_http_and_unreachable_as_path_segments(se
     plan = digits_plan()
     body = task_body("..", plan, encode_checkpoint(initial_weights(plan, seed=0)), CONFIG)
     r = http.post("/v1/populations/digits/tasks", json=body)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_NAME" and "not only dots" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["code"] == "BAD_NAME"
+        and "not only dots" in r.json()["error"]["message"]
+    )
     group = {"tasks": [{**body, "name": "train"}, {**body, "name": "eval", "evaluates": "..."}]}
     r = http.post("/v1/populations/digits/task-groups", json=group)
     assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_NAME"

@@ -69,8 +69,11 @@ def _fuzz_cases() -> list:
     cases = []
     for path, item in _app().openapi()["paths"].items():
         for method, operation in item.items():
-            takes = "requestBody" in operation or "security" in operation or any(
-                p["in"] != "path" for p in operation.get("parameters", []))
+            takes = (
+                "requestBody" in operation
+                or "security" in operation
+                or any(p["in"] != "path" for p in operation.get("parameters", []))
+            )
             for mode in ("positive", "negative") if takes else ("positive",):
                 cases.append(pytest.param(path, method.upper(), mode, id=f"{method.upper()} {path} {mode}"))
     return cases
@@ -101,12 +104,20 @@ def target(tmp_path_factory):
         stable = dict(goal_count=1000, over_selection=1.0, selection_timeout_s=3600.0, report_timeout_s=3600.0)
         plan, weights = deploy(admin, POPULATIONS[0], **stable)
         admin.create_population(POPULATIONS[1])
-        admin.deploy_task(POPULATIONS[1], "train", plan, encode_checkpoint(weights), RoundConfig(min_reports=1, **stable),
-                          EligibilityPolicies(min_examples=5, min_separation_rounds=2))
+        admin.deploy_task(
+            POPULATIONS[1],
+            "train",
+            plan,
+            encode_checkpoint(weights),
+            RoundConfig(min_reports=1, **stable),
+            EligibilityPolicies(min_examples=5, min_separation_rounds=2),
+        )
         admin.create_population(POPULATIONS[2])
         with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
-            answers = [http.post(f"/v1/populations/{POPULATIONS[0]}/checkin", json={"runtime_version": "1.31.1"}).json()
-                       for _ in range(SESSIONS)]
+            answers = [
+                http.post(f"/v1/populations/{POPULATIONS[0]}/checkin", json={"runtime_version": "1.31.1"}).json()
+                for _ in range(SESSIONS)
+            ]
             document = http.get("/openapi.json").json()
         assert all(a["status"] == "accepted" for a in answers), answers
         yield Target(
@@ -127,8 +138,10 @@ def target(tmp_path_factory):
 def _updates(draw, spec: dict) -> bytes:
     """A report that decodes: the plan's tensors with any values (NaN, infinities, negative
     counts), sometimes one missing, one too many, or one of another shape or dtype."""
-    update = {name: draw(arrays(dtype, shape, elements=from_dtype(dtype), fill=from_dtype(dtype)), label=name)
-              for name, (shape, dtype) in spec.items()}
+    update = {
+        name: draw(arrays(dtype, shape, elements=from_dtype(dtype), fill=from_dtype(dtype)), label=name)
+        for name, (shape, dtype) in spec.items()
+    }
     change = draw(st.sampled_from(["none", "none", "drop", "extra", "reshape", "retype"]), label="change")
     name = draw(st.sampled_from(sorted(update)), label="changed tensor")
     if change == "drop":
@@ -143,11 +156,12 @@ def _updates(draw, spec: dict) -> bytes:
 
 
 STATS_HEADERS = st.one_of(
-    st.dictionaries(st.sampled_from(["shape", "training_s", "other"]),
-                    st.one_of(st.text("TRDUX#^", max_size=20), st.floats(), st.integers(), st.booleans(), st.none())
-                    ).map(json.dumps),
+    st.dictionaries(
+        st.sampled_from(["shape", "training_s", "other"]),
+        st.one_of(st.text("TRDUX#^", max_size=20), st.floats(), st.integers(), st.booleans(), st.none()),
+    ).map(json.dumps),
     st.integers(1, 5000).map(lambda depth: "[" * depth + "]" * depth),
-    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=40),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40),
 )
 
 
@@ -221,23 +235,31 @@ def _query(params: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _request(target: Target, http: httpx.Client, case: schemathesis.Case, data: st.DataObject) -> tuple[httpx.Request, str]:
+def _request(
+    target: Target, http: httpx.Client, case: schemathesis.Case, data: st.DataObject
+) -> tuple[httpx.Request, str]:
     extra = _aim(target, case, data)
     kwargs = case.as_transport_kwargs(base_url=target.url)
     headers = dict(kwargs.get("headers") or {})
     headers.update(extra)
     kind = _credential(target, case, data, headers)
     # Only headers a client can put on the wire (h11 refuses the rest before anything is sent).
-    wire = [(name.encode(), _header_bytes(value)) for name, value in headers.items()
-            if HEADER_NAME.fullmatch(name) and name.lower() not in TRANSPORT_HEADERS
-            and HEADER_VALUE.fullmatch(str(value)) and str(value) == str(value).strip()]
+    wire = [
+        (name.encode(), _header_bytes(value))
+        for name, value in headers.items()
+        if HEADER_NAME.fullmatch(name)
+        and name.lower() not in TRANSPORT_HEADERS
+        and HEADER_VALUE.fullmatch(str(value))
+        and str(value) == str(value).strip()
+    ]
     if "json" in kwargs:
         content = json.dumps(kwargs["json"]).encode()
     else:
         raw = kwargs.get("data")
         content = raw.encode() if isinstance(raw, str) else raw
-    request = http.build_request(kwargs["method"], kwargs["url"], params=_query(kwargs.get("params")),
-                                 headers=wire, content=content)
+    request = http.build_request(
+        kwargs["method"], kwargs["url"], params=_query(kwargs.get("params")), headers=wire, content=content
+    )
     shown = (content or b"")[:300]
     return request, f"{request.method} {request.url} [credential: {kind}] body {shown!r}"
 
@@ -246,19 +268,25 @@ def _check(response: httpx.Response, described: str) -> None:
     status = response.status_code
     assert status < 500, f"{described} -> {status}: {response.text[:500]}"
     if status >= 400:
-        assert response.headers.get("content-type", "").startswith("application/json"), f"{described} -> {status}, not JSON"
+        assert response.headers.get("content-type", "").startswith("application/json"), (
+            f"{described} -> {status}, not JSON"
+        )
         body = response.json()
         assert isinstance(body, dict) and set(body) == {"error"}, f"{described} -> {status} {body!r}"
         error = body["error"]
         assert isinstance(error, dict) and set(error) == {"code", "message"}, f"{described} -> {status} {body!r}"
-        assert isinstance(error["code"], str) and ERROR_CODE.fullmatch(error["code"]), f"{described} -> {status} {body!r}"
+        assert isinstance(error["code"], str) and ERROR_CODE.fullmatch(error["code"]), (
+            f"{described} -> {status} {body!r}"
+        )
         assert isinstance(error["message"], str) and error["message"], f"{described} -> {status} {body!r}"
 
 
 _VALIDATORS: dict[tuple[str, str, int], tuple[str, jsonschema_rs.Draft202012Validator | None]] = {}
 
 
-def _answer_validator(target: Target, path: str, method: str, status: int) -> tuple[str, jsonschema_rs.Draft202012Validator | None]:
+def _answer_validator(
+    target: Target, path: str, method: str, status: int
+) -> tuple[str, jsonschema_rs.Draft202012Validator | None]:
     """The media type the document declares for a success of the operation, and a validator of its JSON schema."""
     key = (path, method, status)
     if key not in _VALIDATORS:
@@ -266,7 +294,9 @@ def _answer_validator(target: Target, path: str, method: str, status: int) -> tu
     return _VALIDATORS[key]
 
 
-def _declared_answer(target: Target, path: str, method: str, status: int) -> tuple[str, jsonschema_rs.Draft202012Validator | None]:
+def _declared_answer(
+    target: Target, path: str, method: str, status: int
+) -> tuple[str, jsonschema_rs.Draft202012Validator | None]:
     declared = target.document["paths"][path][method.lower()]["responses"].get(str(status), {}).get("content", {})
     [(media, body)] = declared.items() if len(declared) == 1 else [("undeclared", {})]
     if media != "application/json":
@@ -279,7 +309,9 @@ def _check_answer(target: Target, path: str, method: str, response: httpx.Respon
     if not 200 <= response.status_code < 300:
         return
     media, validator = _answer_validator(target, path, method, response.status_code)
-    assert response.headers.get("content-type", "").split(";")[0] == media, f"{described} -> {response.status_code} {media}"
+    assert response.headers.get("content-type", "").split(";")[0] == media, (
+        f"{described} -> {response.status_code} {media}"
+    )
     if validator is not None:
         errors = [e.message for e in validator.iter_errors(response.json())]
         assert not errors, f"{described} -> {response.status_code} {response.text[:300]}: {errors[:3]}"
@@ -291,8 +323,14 @@ def _fuzz(target: Target, path: str, method: str, mode: str, examples: int) -> N
 
     with httpx.Client(timeout=TIMEOUT_S) as http:
 
-        @settings(max_examples=examples, derandomize=True, deadline=None, database=None, print_blob=False,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+        @settings(
+            max_examples=examples,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            print_blob=False,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+        )
         @given(case=strategy, data=st.data())
         def exchange(case: schemathesis.Case, data: st.DataObject) -> None:
             request, described = _request(target, http, case, data)
@@ -340,13 +378,35 @@ def test_openapi_is_3_1_and_documents_every_route(target):
 
 
 def _round_config_validator(document: dict) -> jsonschema_rs.Draft202012Validator:
-    return jsonschema_rs.Draft202012Validator({"$ref": "#/components/schemas/RoundConfig", "components": document["components"]})
+    return jsonschema_rs.Draft202012Validator(
+        {"$ref": "#/components/schemas/RoundConfig", "components": document["components"]}
+    )
 
 
 INTEGER_FIELDS = {"goal_count", "max_rounds", "secagg_min_group_size", "min_reports", "max_examples_per_report"}
 FIELDS = sorted(RoundConfig.__dataclass_fields__) + ["unknown_field"]
-EDGES = [0, 1, 2, -1, 0.0, -0.0, 1e-300, 0.5, 1.0, 1.5, 100.0, 100.5, 604800.0, 604800.5, 1e6, 1e6 + 1, 100_000, 100_001,
-         10**30, 1e308]
+EDGES = [
+    0,
+    1,
+    2,
+    -1,
+    0.0,
+    -0.0,
+    1e-300,
+    0.5,
+    1.0,
+    1.5,
+    100.0,
+    100.5,
+    604800.0,
+    604800.5,
+    1e6,
+    1e6 + 1,
+    100_000,
+    100_001,
+    10**30,
+    1e308,
+]
 VALUES = st.one_of(
     st.sampled_from(EDGES),
     st.integers(-10, 10**7),
@@ -390,8 +450,15 @@ def test_round_config_bounds_are_in_the_document_and_enforced_over_http(target):
     validator = _round_config_validator(target.document)
     headers = {"Authorization": f"Bearer {target.admin_key}"}
     with httpx.Client(base_url=target.url, timeout=TIMEOUT_S, headers=headers) as http:
-        for bad in ({"goal_count": 0}, {"goal_count": True}, {"min_fraction": 0.0}, {"over_selection": 0.5},
-                    {"retry_window_s": [1.0, 2.0, 3.0]}, {"report_timeout_s": 1e9}, {"surprise": 1}):
+        for bad in (
+            {"goal_count": 0},
+            {"goal_count": True},
+            {"min_fraction": 0.0},
+            {"over_selection": 0.5},
+            {"retry_window_s": [1.0, 2.0, 3.0]},
+            {"report_timeout_s": 1e9},
+            {"surprise": 1},
+        ):
             assert not validator.is_valid(bad), bad
             body = {"name": "t", "plan": target.plan, "checkpoint": target.checkpoint, "config": bad}
             r = http.post("/v1/populations/idle/tasks", content=json.dumps(body))

@@ -49,10 +49,13 @@ def _operator_requests(document: dict) -> list[tuple[str, str, dict | None]]:
     """One well-formed request for every operator-only operation of the document."""
     plan = digits_plan()
     checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
-    bodies = {"/v1/populations": {"name": "new-population"},
-              "/v1/populations/{population}/tasks": task_body("new-task", plan, checkpoint, RoundConfig(min_reports=1)),
-              "/v1/populations/{population}/task-groups": {
-                  "tasks": [task_body("new-group-task", plan, checkpoint, RoundConfig(min_reports=1))]}}
+    bodies = {
+        "/v1/populations": {"name": "new-population"},
+        "/v1/populations/{population}/tasks": task_body("new-task", plan, checkpoint, RoundConfig(min_reports=1)),
+        "/v1/populations/{population}/task-groups": {
+            "tasks": [task_body("new-group-task", plan, checkpoint, RoundConfig(min_reports=1))]
+        },
+    }
     requests = []
     for path, item in document["paths"].items():
         for method, operation in item.items():
@@ -68,14 +71,27 @@ def test_every_operator_operation_refuses_a_missing_or_wrong_key(fleet):
         session = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
         requests = _operator_requests(http.get("/openapi.json").json())
         assert {(m, p) for m, p, _ in requests} == {
-            ("GET", "/v1/populations"), ("POST", "/v1/populations"), ("GET", "/v1/populations/digits"),
-            ("POST", "/v1/populations/digits/tasks"), ("POST", "/v1/populations/digits/task-groups"),
-            ("GET", "/v1/populations/digits/rounds"), ("GET", "/v1/populations/digits/model"),
+            ("GET", "/v1/populations"),
+            ("POST", "/v1/populations"),
+            ("GET", "/v1/populations/digits"),
+            ("POST", "/v1/populations/digits/tasks"),
+            ("POST", "/v1/populations/digits/task-groups"),
+            ("GET", "/v1/populations/digits/rounds"),
+            ("GET", "/v1/populations/digits/model"),
         }
-        missing = [{}, {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY},
-                   {"Authorization": "Bearer " + "k" * 600}]
-        wrong = [{"Authorization": "Bearer " + "x" * len(KEY)}, {"Authorization": f"Bearer {KEY[:-1]}"},
-                 {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {session['token']}"}]
+        missing = [
+            {},
+            {"Authorization": "Bearer"},
+            {"Authorization": f"Basic {KEY}"},
+            {"Authorization": KEY},
+            {"Authorization": "Bearer " + "k" * 600},
+        ]
+        wrong = [
+            {"Authorization": "Bearer " + "x" * len(KEY)},
+            {"Authorization": f"Bearer {KEY[:-1]}"},
+            {"Authorization": f"Bearer {KEY}x"},
+            {"Authorization": f"Bearer {session['token']}"},
+        ]
         for method, path, body in requests:
             for headers, code in [(h, "ADMIN_KEY_REQUIRED") for h in missing] + [(h, "BAD_ADMIN_KEY") for h in wrong]:
                 r = http.request(method, path, json=body, headers=headers)
@@ -96,14 +112,20 @@ def test_device_operations_need_no_admin_key_and_the_admin_key_is_no_session_tok
         assert session["status"] == "accepted"
         as_admin = {"Authorization": f"Bearer {KEY}"}
         sid = session["session_id"]
-        for method, path, body in [("POST", f"/v1/sessions/{sid}/report", {"content": b"x"}),
-                                   ("POST", f"/v1/sessions/{sid}/abort", {"json": {"reason": "x"}}),
-                                   ("GET", f"/v1/sessions/{sid}/secagg", {}),
-                                   ("POST", f"/v1/sessions/{sid}/secagg", {"content": b"x"})]:
+        for method, path, body in [
+            ("POST", f"/v1/sessions/{sid}/report", {"content": b"x"}),
+            ("POST", f"/v1/sessions/{sid}/abort", {"json": {"reason": "x"}}),
+            ("GET", f"/v1/sessions/{sid}/secagg", {}),
+            ("POST", f"/v1/sessions/{sid}/secagg", {"content": b"x"}),
+        ]:
             r = http.request(method, path, headers=as_admin, **body)
             assert r.status_code == 401 and _code(r) == "BAD_SESSION_TOKEN", (method, path, r.text)
         # The session is untouched by those attempts: its own token still aborts it.
-        r = http.post(f"/v1/sessions/{sid}/abort", json={"reason": "done"}, headers={"Authorization": f"Bearer {session['token']}"})
+        r = http.post(
+            f"/v1/sessions/{sid}/abort",
+            json={"reason": "done"},
+            headers={"Authorization": f"Bearer {session['token']}"},
+        )
         assert r.json() == {"status": "aborted"}
 
 
@@ -137,18 +159,30 @@ def test_a_session_token_reads_only_its_own_sessions_resources(fleet):
 
         # Rounds of one device each: once its round is five rounds old, the session is gone and
         # its token reads nothing, not even the plan it once could.
-        assert http.post(f"/v1/sessions/{mine['session_id']}/report", content=_update(plan, 0.01), headers=token).status_code == 200
+        assert (
+            http.post(
+                f"/v1/sessions/{mine['session_id']}/report", content=_update(plan, 0.01), headers=token
+            ).status_code
+            == 200
+        )
         later = []
         for n in range(2, 7):
             s = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
             assert s["round"] == n, s
             later.append(s)
             auth = {"Authorization": f"Bearer {s['token']}"}
-            assert http.post(f"/v1/sessions/{s['session_id']}/report", content=_update(plan, 0.01 * n), headers=auth).status_code == 200
+            assert (
+                http.post(
+                    f"/v1/sessions/{s['session_id']}/report", content=_update(plan, 0.01 * n), headers=auth
+                ).status_code
+                == 200
+            )
         r = http.get(f"/v1/resources/{mine['plan_id']}", headers=token)
         assert r.status_code == 401 and _code(r) == "BAD_SESSION_TOKEN", r.text
         # A newer session does not read an older round's checkpoint.
-        r = http.get(f"/v1/resources/{mine['checkpoint_id']}", headers={"Authorization": f"Bearer {later[-1]['token']}"})
+        r = http.get(
+            f"/v1/resources/{mine['checkpoint_id']}", headers={"Authorization": f"Bearer {later[-1]['token']}"}
+        )
         assert r.status_code == 404 and _code(r) == "UNKNOWN_RESOURCE"
     assert [r["status"] for r in admin.rounds("digits")] == ["committed"] * 6
 
@@ -157,7 +191,9 @@ def test_a_session_token_reads_only_its_own_sessions_resources(fleet):
 def test_admin_keys_from_file_skip_comments_and_blank_lines(tmp_path):
     path = tmp_path / "keys"
     second = "second-key-" + "s" * 20
-    path.write_text(f"# operators of the fleet\n\n  {KEY}  \n   # {second[:-1]} retired\n\t\n{second}\n", encoding="utf-8")
+    path.write_text(
+        f"# operators of the fleet\n\n  {KEY}  \n   # {second[:-1]} retired\n\t\n{second}\n", encoding="utf-8"
+    )
     keys = AdminKeys.from_file(path)
     assert len(keys) == 2
     assert keys.verify(KEY) and keys.verify(second)
@@ -165,13 +201,16 @@ def test_admin_keys_from_file_skip_comments_and_blank_lines(tmp_path):
     assert not keys.verify(None)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("short\n", f"{MIN_KEY_CHARS}-"),
-    (f"{KEY}\n{'x' * (MIN_KEY_CHARS - 1)}\n", f"{MIN_KEY_CHARS}-"),
-    ("two words-" + "w" * 20 + "\n", "without spaces"),
-    ("# only a comment\n\n", "no admin key"),
-    ("", "no admin key"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("short\n", f"{MIN_KEY_CHARS}-"),
+        (f"{KEY}\n{'x' * (MIN_KEY_CHARS - 1)}\n", f"{MIN_KEY_CHARS}-"),
+        ("two words-" + "w" * 20 + "\n", "without spaces"),
+        ("# only a comment\n\n", "no admin key"),
+        ("", "no admin key"),
+    ],
+)
 def test_admin_key_files_that_cannot_be_used_are_refused(tmp_path, text, message):
     path = tmp_path / "keys"
     path.write_text(text, encoding="utf-8")
@@ -205,8 +244,14 @@ class _Server:
     def __init__(self, *args: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(ADMIN_KEYS_ENV, None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "server_stub", *args], cwd=REPO, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server_stub", *args],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -230,7 +275,9 @@ class _Server:
             if "OpenAPI:" in line:
                 return "\n".join(seen)
         self.stop()
-        raise AssertionError(f"the server printed no banner: {seen}; stderr: {self.proc.stderr.read() if self.proc.stderr else ''}")
+        raise AssertionError(
+            f"the server printed no banner: {seen}; stderr: {self.proc.stderr.read() if self.proc.stderr else ''}"
+        )
 
     def wait_healthy(self, url: str, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -289,8 +336,16 @@ def test_the_command_with_a_trust_anchor_admits_only_attested_devices(tmp_path):
     trust = tmp_path / "trust.json"
     AttestationAuthority.generate().save_trust_anchor(trust)
     port = free_port()
-    server = _Server("--db", str(tmp_path / "s.db"), "--port", str(port), "--admin-key-file", str(_key_file(tmp_path)),
-                     "--attestation-trust", str(trust))
+    server = _Server(
+        "--db",
+        str(tmp_path / "s.db"),
+        "--port",
+        str(port),
+        "--admin-key-file",
+        str(_key_file(tmp_path)),
+        "--attestation-trust",
+        str(trust),
+    )
     try:
         banner = server.banner()
         assert "attestation: on" in banner and str(trust) in banner
@@ -307,9 +362,12 @@ def test_the_command_with_a_trust_anchor_admits_only_attested_devices(tmp_path):
 
 
 def _bad_trust_files(tmp_path: Path) -> dict[str, Path]:
-    files = {"not json": "{", "not a trust anchor": '{"format": "something-else", "authorities": []}',
-             "no authority": '{"format": "fedfleet-attestation-trust", "authorities": []}',
-             "bad key": '{"format": "fedfleet-attestation-trust", "authorities": [{"key_id": "AA==", "public_key": "%%"}]}'}
+    files = {
+        "not json": "{",
+        "not a trust anchor": '{"format": "something-else", "authorities": []}',
+        "no authority": '{"format": "fedfleet-attestation-trust", "authorities": []}',
+        "bad key": '{"format": "fedfleet-attestation-trust", "authorities": [{"key_id": "AA==", "public_key": "%%"}]}',
+    }
     out = {}
     for name, text in files.items():
         out[name] = tmp_path / f"{name.replace(' ', '-')}.json"
@@ -317,16 +375,19 @@ def _bad_trust_files(tmp_path: Path) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("command, problem", [
-    (["-m", "server_stub"], "short key"),
-    (["-m", "server_stub"], "empty key file"),
-    (["-m", "server_stub"], "missing key file"),
-    (["-m", "server_stub"], "bad trust anchor"),
-    (["-m", "server_stub"], "missing trust anchor"),
-    (["-m", "emulator.cli", "server"], "short key"),  # `fedfleet server` is the same command
-    (["-m", "server_stub"], "database in no folder"),
-    (["-m", "server_stub"], "port out of range"),
-])
+@pytest.mark.parametrize(
+    "command, problem",
+    [
+        (["-m", "server_stub"], "short key"),
+        (["-m", "server_stub"], "empty key file"),
+        (["-m", "server_stub"], "missing key file"),
+        (["-m", "server_stub"], "bad trust anchor"),
+        (["-m", "server_stub"], "missing trust anchor"),
+        (["-m", "emulator.cli", "server"], "short key"),  # `fedfleet server` is the same command
+        (["-m", "server_stub"], "database in no folder"),
+        (["-m", "server_stub"], "port out of range"),
+    ],
+)
 def test_the_command_refuses_unusable_files_with_status_2(tmp_path, command, problem):
     keys = _key_file(tmp_path)
     args = ["--db", str(tmp_path / "s.db"), "--port", str(free_port()), "--admin-key-file", str(keys)]
@@ -356,9 +417,13 @@ def test_a_port_in_use_is_refused_before_the_server_says_it_listens(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         args = ["--db", str(tmp_path / "s.db"), "--port", str(port), "--admin-key-file", str(_key_file(tmp_path))]
-        done = subprocess.run([sys.executable, "-m", "server_stub", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "server_stub", *args], cwd=REPO, capture_output=True, text=True, timeout=30
+        )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith(f"fedfleet server: cannot listen on 127.0.0.1:{port}") and "Traceback" not in done.stderr
+    assert (
+        done.stderr.startswith(f"fedfleet server: cannot listen on 127.0.0.1:{port}") and "Traceback" not in done.stderr
+    )
 
 
 @pytest.mark.parametrize("name", ["not a trust anchor", "no authority", "bad key"])
@@ -366,8 +431,9 @@ def test_unusable_trust_anchors_are_refused_before_the_server_starts(tmp_path, n
     parser = argparse.ArgumentParser()
     add_server_arguments(parser)
     path = _bad_trust_files(tmp_path)[name]
-    args = parser.parse_args(["--db", str(tmp_path / "s.db"), "--admin-key-file", str(_key_file(tmp_path)),
-                              "--attestation-trust", str(path)])
+    args = parser.parse_args(
+        ["--db", str(tmp_path / "s.db"), "--admin-key-file", str(_key_file(tmp_path)), "--attestation-trust", str(path)]
+    )
     out = io.StringIO()
     assert run_server(args, out=out) == 2
     assert out.getvalue() == ""

@@ -37,7 +37,7 @@ def test_the_window_is_the_tasks_own_stretched_never_shrunk(gaps, lo, spread):
     if lo >= 1.0:
         k = a / lo  # the same shape, only longer
         assert abs(b - (lo + spread) * k) <= 1e-9 * b
-    mean = (lo + spread / 2)
+    mean = lo + spread / 2
     assert (a + b) / 2 <= max(mean, pace.max_wait_s) * (1 + 1e-9)
 
 

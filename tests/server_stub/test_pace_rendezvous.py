@@ -134,7 +134,9 @@ def test_a_population_that_never_gathers_its_seats_still_opens_rounds(tmp_path):
     store = ServerStore(tmp_path / "s.db")
     service = FLService(store, clock=lambda: clock[0], wall_clock=lambda: 1.7e9 + clock[0])
     plan = digits_plan()
-    config = RoundConfig(goal_count=10, over_selection=1.3, min_fraction=0.8, selection_timeout_s=60.0, report_timeout_s=60.0)
+    config = RoundConfig(
+        goal_count=10, over_selection=1.3, min_fraction=0.8, selection_timeout_s=60.0, report_timeout_s=60.0
+    )
     service.create_population("p")
     service.deploy_task("p", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
     rng = random.Random(0)

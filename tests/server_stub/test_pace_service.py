@@ -25,8 +25,14 @@ def _rejections(tmp_path, gap_s: float, checkins: int, *, reports: list | None =
     service = FLService(store, clock=lambda: now[0])
     service.create_population("pop")
     plan = digits_plan()
-    config = RoundConfig(goal_count=2, over_selection=1.0, selection_timeout_s=600.0, report_timeout_s=60.0,
-                         retry_window_s=BASE, min_reports=1)
+    config = RoundConfig(
+        goal_count=2,
+        over_selection=1.0,
+        selection_timeout_s=600.0,
+        report_timeout_s=60.0,
+        retry_window_s=BASE,
+        min_reports=1,
+    )
     service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
     windows = []
     try:
@@ -44,7 +50,9 @@ def _rejections(tmp_path, gap_s: float, checkins: int, *, reports: list | None =
                     sessions.append(answer)
                 else:
                     sessions, now[0] = [], now[0] + 61.0
-            reports.extend(service.report(a["session_id"], a["token"], encode_checkpoint(update_of(plan))) for a in sessions)
+            reports.extend(
+                service.report(a["session_id"], a["token"], encode_checkpoint(update_of(plan))) for a in sessions
+            )
     finally:
         store.close()
     return windows

@@ -19,7 +19,9 @@ def test_when_the_next_round_is_already_due_the_base_window_is_used(mean, starte
     assert pace.retry_window(now, started, (lo, lo + spread), cap) == (lo, lo + spread)
 
 
-@given(mean=seconds, started=seconds, early_by=st.integers(1, 10_000).map(float), lo=seconds, spread=seconds, cap=seconds)
+@given(
+    mean=seconds, started=seconds, early_by=st.integers(1, 10_000).map(float), lo=seconds, spread=seconds, cap=seconds
+)
 def test_the_window_is_shifted_by_the_time_to_the_next_round_up_to_the_cap(mean, started, early_by, lo, spread, cap):
     pace = RoundPace()
     pace.observe(mean)

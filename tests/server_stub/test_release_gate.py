@@ -37,16 +37,23 @@ def vhash(release: str) -> str:
 
 
 def entry(release: str, failing: str | None = None) -> dict:
-    checks = [{"name": "loads", "passed": True, "detail": ""}, {"name": "equivalence", "passed": True, "detail": ""},
-              {"name": "loss_decreases", "passed": failing != "loss_decreases", "detail": "losses 2.3, 2.4"}]
+    checks = [
+        {"name": "loads", "passed": True, "detail": ""},
+        {"name": "equivalence", "passed": True, "detail": ""},
+        {"name": "loss_decreases", "passed": failing != "loss_decreases", "detail": "losses 2.3, 2.4"},
+    ]
     return {"runtime": release, "plan_sha256": vhash(release), "passed": failing is None, "checks": checks}
 
 
 def report(claimed: list[str], failing: dict[str, str] | None = None) -> dict:
     failing = failing or {}
     return {
-        "format": REPORT_FORMAT, "task": "t", "plan_sha256": PLAN, "claimed": claimed,
-        "reference": entry("host"), "results": {r: entry(r, failing.get(r)) for r in claimed},
+        "format": REPORT_FORMAT,
+        "task": "t",
+        "plan_sha256": PLAN,
+        "claimed": claimed,
+        "reference": entry("host"),
+        "results": {r: entry(r, failing.get(r)) for r in claimed},
     }
 
 
@@ -95,8 +102,18 @@ def test_a_failed_reference_run_fails_the_gate():
         check_release_report(r, PLAN, {"1.31.1": vhash("1.31.1")})
 
 
-@given(st.one_of(st.none(), st.integers(), st.text(), st.lists(st.text()),
-                 st.dictionaries(st.text(), st.recursive(st.none() | st.booleans() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)))))
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.text(),
+        st.lists(st.text()),
+        st.dictionaries(
+            st.text(),
+            st.recursive(st.none() | st.booleans() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)),
+        ),
+    )
+)
 def test_anything_that_is_not_a_report_is_refused_as_malformed(garbage):
     with pytest.raises(ReleaseGateError) as refused:
         check_release_report(garbage, PLAN, {"1.31.1": vhash("1.31.1")})
@@ -114,17 +131,25 @@ def evaluation_report(claimed: list[str], measured: str = TRAINED) -> dict:
     return {**report(claimed), "kind": "eval", "evaluates": {"task": "train", "plan_sha256": measured}}
 
 
-@given(trained=st.lists(st.sampled_from(RELEASES), min_size=1, unique=True),
-       claimed=st.lists(st.sampled_from(RELEASES), min_size=1, unique=True))
+@given(
+    trained=st.lists(st.sampled_from(RELEASES), min_size=1, unique=True),
+    claimed=st.lists(st.sampled_from(RELEASES), min_size=1, unique=True),
+)
 def test_an_evaluation_passes_only_when_it_claims_every_release_its_training_task_claims(trained, claimed):
     uploaded = {r: vhash(r) for r in claimed}
     uncovered = [r for r in trained if r not in claimed]
     if not uncovered:
-        assert check_release_report(evaluation_report(claimed), PLAN, uploaded, evaluates_plan_sha256=TRAINED,
-                                    evaluates_runtimes=trained) == claimed
+        assert (
+            check_release_report(
+                evaluation_report(claimed), PLAN, uploaded, evaluates_plan_sha256=TRAINED, evaluates_runtimes=trained
+            )
+            == claimed
+        )
         return
     with pytest.raises(ReleaseGateError) as refused:
-        check_release_report(evaluation_report(claimed), PLAN, uploaded, evaluates_plan_sha256=TRAINED, evaluates_runtimes=trained)
+        check_release_report(
+            evaluation_report(claimed), PLAN, uploaded, evaluates_plan_sha256=TRAINED, evaluates_runtimes=trained
+        )
     assert (refused.value.code, refused.value.runtime) == ("RELEASE_REPORT_INCOMPLETE", uncovered[0])
 
 
@@ -214,16 +239,25 @@ def test_a_signer_the_server_does_not_trust_is_refused_naming_its_key():
 
 
 def test_a_server_that_trusts_nobody_tells_its_operator_to_name_keys():
-    for r, code in ((report(CLAIMED), "RELEASE_REPORT_UNSIGNED"),
-                    (sign_report(report(CLAIMED), TESTER), "RELEASE_REPORT_UNTRUSTED")):
+    for r, code in (
+        (report(CLAIMED), "RELEASE_REPORT_UNSIGNED"),
+        (sign_report(report(CLAIMED), TESTER), "RELEASE_REPORT_UNTRUSTED"),
+    ):
         err = refusal(r, trusted=frozenset())
         assert err.code == code and "fedfleet server --release-trust FILE" in err.message
 
 
-@pytest.mark.parametrize("signature", [
-    None, "sig", {}, {"algorithm": "rsa"}, {"algorithm": "ed25519", "public_key": "x", "value": "y"},
-    {"algorithm": "ed25519", "public_key": base64.b64encode(b"k" * 32).decode(), "value": 3},
-])
+@pytest.mark.parametrize(
+    "signature",
+    [
+        None,
+        "sig",
+        {},
+        {"algorithm": "rsa"},
+        {"algorithm": "ed25519", "public_key": "x", "value": "y"},
+        {"algorithm": "ed25519", "public_key": base64.b64encode(b"k" * 32).decode(), "value": 3},
+    ],
+)
 def test_a_signature_that_is_not_one_is_refused_as_bad(signature):
     r = {**report(CLAIMED), "signature": signature}
     assert refusal(r).code == ("RELEASE_REPORT_UNSIGNED" if signature is None else "RELEASE_REPORT_BAD_SIGNATURE")
@@ -253,7 +287,8 @@ def test_an_8_mb_report_is_refused_as_too_large():
 finite = st.floats(allow_nan=False, allow_infinity=False)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63) | finite | st.text(max_size=12),
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
 )
 
 

@@ -19,7 +19,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_runtime.plan import load_plan, serialize_plan
-from emulator.runtime_worker import WorkerPool
+from emulator.releases.workers import WorkerPool
 from emulator.toolchain.bundle import BuiltTask, build_bundle, release_test_bundle
 from emulator.toolchain.release_signing import public_key_bytes, sign_report
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
@@ -61,9 +61,14 @@ def resigned(report: dict, key: Ed25519PrivateKey = TESTER) -> dict:
 
 
 def body(built: BuiltTask, *, report=None, versions=None) -> dict:
-    return task_body("train", built.plan, built.checkpoint, CONFIG,
-                     versioned_plans=built.versions if versions is None else versions,
-                     release_report=built.report() if report is None else report)
+    return task_body(
+        "train",
+        built.plan,
+        built.checkpoint,
+        CONFIG,
+        versioned_plans=built.versions if versions is None else versions,
+        release_report=built.report() if report is None else report,
+    )
 
 
 def refused(admin, payload) -> AdminError:
@@ -152,9 +157,22 @@ def test_the_server_command_requires_release_reports_unless_told_otherwise(tmp_p
     verdicts = {}
     for flags in ([], ["--allow-untested-plans"]):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "server_stub", "--db", str(tmp_path / f"s{len(flags)}.db"),
-                                 "--port", str(port), "--admin-key-file", str(tmp_path / "admin.keys"), *flags],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server_stub",
+                "--db",
+                str(tmp_path / f"s{len(flags)}.db"),
+                "--port",
+                str(port),
+                "--admin-key-file",
+                str(tmp_path / "admin.keys"),
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             for _ in range(200):
@@ -243,7 +261,11 @@ def test_a_claim_of_a_release_that_does_not_exist_is_refused(gated, built):
     report = copy.deepcopy(built.report())
     report["claimed"].append("9.9.9")
     # the unversioned plan claims no newest release, so it loads for 9.9.9 too
-    report["results"]["9.9.9"] = {**report["results"]["1.31.1"], "runtime": "9.9.9", "plan_sha256": plan_sha256(built.plan)}
+    report["results"]["9.9.9"] = {
+        **report["results"]["1.31.1"],
+        "runtime": "9.9.9",
+        "plan_sha256": plan_sha256(built.plan),
+    }
     versions = {**built.versions, "9.9.9": built.plan}
     err = refused_and_nothing_stored(server, admin, body(built, report=resigned(report), versions=versions))
     assert err.code == "RELEASE_UNKNOWN" and "9.9.9" in str(err)
@@ -264,17 +286,33 @@ def test_a_report_signed_by_a_key_the_server_does_not_trust_is_refused(gated, bu
     err = refused_and_nothing_stored(server, admin, body(built, report=resigned(built.report(), stranger)))
     assert err.code == "RELEASE_REPORT_UNTRUSTED" and "--release-trust" in str(err)
     server.service.release_trust = frozenset()  # a gated server that names no signer refuses every report
-    for report, code in ((built.report(), "RELEASE_REPORT_UNTRUSTED"),
-                         ({k: v for k, v in built.report().items() if k != "signature"}, "RELEASE_REPORT_UNSIGNED")):
+    for report, code in (
+        (built.report(), "RELEASE_REPORT_UNTRUSTED"),
+        ({k: v for k, v in built.report().items() if k != "signature"}, "RELEASE_REPORT_UNSIGNED"),
+    ):
         err = refused_and_nothing_stored(server, admin, body(built, report=report))
         assert err.code == code and "fedfleet server --release-trust FILE" in str(err)
 
 
 def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "server_stub", "--db", str(tmp_path / db), "--port", str(port),
-                             "--admin-key-file", str(tmp_path / "admin.keys"), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server_stub",
+            "--db",
+            str(tmp_path / db),
+            "--port",
+            str(port),
+            "--admin-key-file",
+            str(tmp_path / "admin.keys"),
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(400):
         try:
@@ -292,8 +330,10 @@ def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, 
     key = "operator-key-for-the-trust-test-0123456789"
     (tmp_path / "admin.keys").write_text(key + "\n")
     trust = tmp_path / "release-trust"
-    trust.write_text("# testers whose release reports we deploy\n\n"
-                     f"ed25519 {built.report()['signature']['public_key']} alice@model-team\n")
+    trust.write_text(
+        "# testers whose release reports we deploy\n\n"
+        f"ed25519 {built.report()['signature']['public_key']} alice@model-team\n"
+    )
     verdicts = {}
     for flags in ([], ["--release-trust", str(trust)]):
         proc, url = start_server(tmp_path, f"s{len(flags)}.db", *flags)
@@ -311,7 +351,22 @@ def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, 
         assert ("signed by one of the 1 key(s)" if flags else "--release-trust FILE") in out
     assert verdicts == {(): "RELEASE_REPORT_UNTRUSTED", ("--release-trust",): "accepted"}
     trust.write_text("ed25519 not-a-key\n")
-    proc = subprocess.run([sys.executable, "-m", "server_stub", "--db", str(tmp_path / "bad.db"), "--port", "0",
-                           "--admin-key-file", str(tmp_path / "admin.keys"), "--release-trust", str(trust)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server_stub",
+            "--db",
+            str(tmp_path / "bad.db"),
+            "--port",
+            "0",
+            "--admin-key-file",
+            str(tmp_path / "admin.keys"),
+            "--release-trust",
+            str(trust),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "line 1" in proc.stderr and "fedfleet plan keygen" in proc.stderr

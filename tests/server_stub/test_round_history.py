@@ -49,8 +49,9 @@ def test_an_idle_task_stores_one_round_per_idle_spell_not_one_per_selection_time
     service, clock = _service(tmp_path_factory.mktemp("idle") / "server.db")
     plan = digits_plan()
     service.create_population("p")
-    service.deploy_task("p", "t", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)),
-                        RoundConfig(**ONE_DEVICE))
+    service.deploy_task(
+        "p", "t", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE)
+    )
     for _ in range(idle_timeouts * 4):  # nobody checks in for idle_timeouts selection windows
         clock.advance(2.5)
         service.tick()
@@ -69,8 +70,14 @@ def test_rounds_of_tasks_that_take_turns_are_listed_oldest_first(tmp_path):
     plan = digits_plan()
     plan_bytes, checkpoint = serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0))
     service.create_population("p")
-    service.deploy_tasks("p", [TaskSpec("a", plan_bytes, checkpoint, RoundConfig(**ONE_DEVICE)),
-                               TaskSpec("b", plan_bytes, checkpoint, RoundConfig(**ONE_DEVICE))], Strategy.ALTERNATE)
+    service.deploy_tasks(
+        "p",
+        [
+            TaskSpec("a", plan_bytes, checkpoint, RoundConfig(**ONE_DEVICE)),
+            TaskSpec("b", plan_bytes, checkpoint, RoundConfig(**ONE_DEVICE)),
+        ],
+        Strategy.ALTERNATE,
+    )
     update = _update(plan)
     served = []
     for _ in range(4):

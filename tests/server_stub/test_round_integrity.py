@@ -45,7 +45,9 @@ from tests.support import digits_plan
 server = test_defects.server
 WALL = 1.7e9
 #: An empty round is abandoned one second after it opened.
-EMPTY_ROUNDS = RoundConfig(goal_count=5, over_selection=1.0, min_fraction=1.0, selection_timeout_s=1.0, report_timeout_s=60.0)
+EMPTY_ROUNDS = RoundConfig(
+    goal_count=5, over_selection=1.0, min_fraction=1.0, selection_timeout_s=1.0, report_timeout_s=60.0
+)
 #: Rounds the address-reuse test may run before it gives up building its condition (the tester saw
 #: a round take a freed round's address after 58 to 82 empty rounds), and how many rounds after
 #: its seat the device takes a seat again when no round has taken that seat's round's address.
@@ -62,13 +64,17 @@ def test_an_attested_device_gets_a_seat_in_a_round_whose_object_took_a_freed_rou
     a seat, rounds go by empty, and it takes another seat every few rounds, until a round's object
     has the address of a freed round it had its last seat in; then it checks in to that round."""
     authority = AttestationAuthority.generate()
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=1e9), RateLimiter(burst=1e6, rate_per_s=1e6))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=1e9), RateLimiter(burst=1e6, rate_per_s=1e6)
+    )
     clock = [0.0]
     store = ServerStore(tmp_path / "s.db")
     service = FLService(store, clock=lambda: clock[0], wall_clock=lambda: WALL + clock[0], verifier=verifier)
     plan = digits_plan()
     service.create_population(POP)
-    service.deploy_task(POP, "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), EMPTY_ROUNDS)
+    service.deploy_task(
+        POP, "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), EMPTY_ROUNDS
+    )
     device = authority.new_device_attestor("emulated-pixel", WALL - 10, 1e9)
     runtime = installed_runtime_version()
 
@@ -100,7 +106,9 @@ def test_an_attested_device_gets_a_seat_in_a_round_whose_object_took_a_freed_rou
         clock[0] += 1.0
         service.tick()  # the open round is abandoned (one device at most) and the next one opens
     else:
-        pytest.fail(f"no round took a freed seat's round's address in {MAX_EMPTY_ROUNDS} rounds; the condition was not built")
+        pytest.fail(
+            f"no round took a freed seat's round's address in {MAX_EMPTY_ROUNDS} rounds; the condition was not built"
+        )
     answer = checkin()
     assert answer["status"] == "accepted", answer
     store.close()
@@ -125,7 +133,9 @@ def f64(update: dict, name: str) -> float:
 
 @settings(max_examples=300, deadline=None)
 @given(update=metric_sums(), max_count=st.integers(1, 10**6))
-def test_metric_sums_are_refused_exactly_when_out_of_their_meaning_and_capped_to_max_examples_keeping_their_means(update, max_count):
+def test_metric_sums_are_refused_exactly_when_out_of_their_meaning_and_capped_to_max_examples_keeping_their_means(
+    update, max_count
+):
     counted = f64(update, "count" if "count" in update else "num_examples")
     honest = (
         all(f64(update, n) >= 0 for n in ("loss_sum", "correct", "count") if n in update)
@@ -163,8 +173,14 @@ def published(service: FLService, prefix: str) -> tuple[dict, dict]:
 
 
 HONEST_COUNT, HONEST = 10.0, dict(correct=5.0, loss_sum=10.0)  # accuracy 0.5, loss 1.0
-BOUNDED = RoundConfig(goal_count=5, over_selection=1.2, min_fraction=1.0, selection_timeout_s=60.0, report_timeout_s=60.0,
-                      max_examples_per_report=10)
+BOUNDED = RoundConfig(
+    goal_count=5,
+    over_selection=1.2,
+    min_fraction=1.0,
+    selection_timeout_s=60.0,
+    report_timeout_s=60.0,
+    max_examples_per_report=10,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -231,16 +247,22 @@ def test_a_report_whose_metric_sums_no_honest_device_computes_is_refused_and_not
         RoundConfig(goal_count=10, min_fraction=0.4),  # commits with ceil(10 * 0.4) = 4 reports
     ],
 )
-def test_an_evaluation_task_whose_rounds_could_publish_fewer_than_min_reports_devices_metrics_is_refused(server, config):
+def test_an_evaluation_task_whose_rounds_could_publish_fewer_than_min_reports_devices_metrics_is_refused(
+    server, config
+):
     train = digits_plan()
     server.service.create_population(POP)
     checkpoint = encode_checkpoint(initial_weights(train, seed=0))
-    specs = [TaskSpec("train", serialize_plan(train), checkpoint, CONFIG),
-             TaskSpec("eval", serialize_plan(build_eval_plan(train)), None, config, evaluates="train")]
+    specs = [
+        TaskSpec("train", serialize_plan(train), checkpoint, CONFIG),
+        TaskSpec("eval", serialize_plan(build_eval_plan(train)), None, config, evaluates="train"),
+    ]
     with pytest.raises(ApiError) as refused:
         server.service.deploy_tasks(POP, specs)
     assert refused.value.code == "BAD_CONFIG" and "'eval'" in refused.value.message
-    alone = TaskSpec("eval", serialize_plan(build_eval_plan(train)), checkpoint, config)  # an evaluation of a fixed model
+    alone = TaskSpec(
+        "eval", serialize_plan(build_eval_plan(train)), checkpoint, config
+    )  # an evaluation of a fixed model
     with pytest.raises(ApiError) as refused:
         server.service.deploy_tasks(POP, [alone])
     assert refused.value.code == "BAD_CONFIG"
@@ -254,12 +276,14 @@ def test_a_stored_evaluation_task_below_min_reports_publishes_nothing_from_one_d
     plan = build_eval_plan(train)
     config = {"round": RoundConfig(goal_count=1).to_dict(), "eligibility": EligibilityPolicies().to_dict()}
     server.store.create_population(POP)
-    server.store.add_tasks(POP, [NewTask("eval", serialize_plan(plan), encode_checkpoint(initial_weights(train, seed=0)), config)])
+    server.store.add_tasks(
+        POP, [NewTask("eval", serialize_plan(plan), encode_checkpoint(initial_weights(train, seed=0)), config)]
+    )
     server.service = server.restart()
-    session, = server.checkin(1)
+    (session,) = server.checkin(1)
     answer = server.report(session, update_of(plan, HONEST_COUNT, **HONEST))
     assert answer["round_status"] == "abandoned"
-    record, = server.service.rounds(POP)
+    (record,) = server.service.rounds(POP)
     assert record["status"] == "abandoned" and "min_reports" in record["metrics"]["error"]
     assert not {"eval_loss", "eval_accuracy"} & set(record["metrics"]), record["metrics"]
 
@@ -287,7 +311,9 @@ def moving_updates(plan, start: dict, seed: int) -> tuple[list[dict], dict]:
     return updates, {w: sum(u[w].astype(np.float64) for u in updates) / total for w in plan.weight_names}
 
 
-def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_and_recorded_once_the_database_frees(tmp_path):
+def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_and_recorded_once_the_database_frees(
+    tmp_path,
+):
     server = QuickToGiveUp(tmp_path / "s.db")
     plan, start = server.deploy()
     updates, mean = moving_updates(plan, start, seed=3)
@@ -317,7 +343,9 @@ def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_an
     # The abandoned round was not applied: the next attempt commits one mean update, once.
     server.run_round(updates)
     assert [(r["round"], r["attempt"], r["status"]) for r in server.service.rounds(POP)] == [
-        (1, 1, "abandoned"), (1, 2, "committed")]
+        (1, 1, "abandoned"),
+        (1, 2, "committed"),
+    ]
     model = server.model()
     for w in plan.weight_names:
         np.testing.assert_allclose(model[w], start[w] + mean[w], rtol=1e-5, atol=1e-6)
@@ -444,12 +472,17 @@ def test_recording_a_round_again_returns_the_record_already_there(tmp_path):
     store = ServerStore(tmp_path / "s.db")
     plan = digits_plan()
     store.create_population(POP)
-    task, = store.add_tasks(POP, [NewTask("train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), {})])
+    (task,) = store.add_tasks(
+        POP, [NewTask("train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), {})]
+    )
     first = store.record_round(task.id, 1, 1, "committed", {"reported": 5}, 1.0, 2.0)
     again = store.record_round(task.id, 1, 1, "abandoned", {"error": "x"}, 3.0, 4.0)
     assert again == first
     assert store.record_round(task.id, 1, 2, "abandoned", {}, 3.0, 4.0).id != first.id
-    assert [(r.number, r.attempt, r.status) for r in store.rounds(task.id)] == [(1, 1, "committed"), (1, 2, "abandoned")]
+    assert [(r.number, r.attempt, r.status) for r in store.rounds(task.id)] == [
+        (1, 1, "committed"),
+        (1, 2, "abandoned"),
+    ]
     # a round the server abandoned in memory although its commit went through is made to say so
     overwritten = store.record_round(task.id, 1, 1, "abandoned", {"error": "x"}, 3.0, 4.0, overwrite=True)
     assert (overwritten.id, overwritten.status, overwritten.checkpoint_id) == (first.id, "abandoned", None)
@@ -462,14 +495,17 @@ def test_after_a_restart_the_next_attempt_follows_the_last_one_on_record_even_pa
     record). The next attempt is 4, not 3 (the count plus one): a round already on record under
     (round, attempt) is not written again, so the commit would have been lost as a duplicate."""
     plan, start = server.deploy()
-    task, = server.store.tasks(POP)
+    (task,) = server.store.tasks(POP)
     for attempt in (1, 3):
         server.store.record_round(task.id, 1, attempt, "abandoned", {"reported": 0}, WALL, WALL)
     server.service = server.restart()
     updates, mean = moving_updates(plan, start, seed=9)
     server.run_round(updates)
     assert [(r["round"], r["attempt"], r["status"]) for r in server.service.rounds(POP)] == [
-        (1, 1, "abandoned"), (1, 3, "abandoned"), (1, 4, "committed")]
+        (1, 1, "abandoned"),
+        (1, 3, "abandoned"),
+        (1, 4, "committed"),
+    ]
     restarted = server.restart()
     assert restarted.population_status(POP)["round"] == 2
     model = decode_checkpoint(restarted.current_model(POP)[0])

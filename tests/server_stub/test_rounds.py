@@ -111,8 +111,13 @@ def test_round_invariants_and_a_report_is_late_exactly_when_past_its_deadline(
     """Devices check in at different times, so one device's deadline passes while others (or
     selection) keep the round open; a report then is LATE exactly when ``now`` is past the
     device's own deadline, whatever else is going on in the round."""
-    cfg = RoundConfig(goal_count=goal, over_selection=over, min_fraction=min_fraction,
-                      selection_timeout_s=selection_timeout, report_timeout_s=report_timeout)
+    cfg = RoundConfig(
+        goal_count=goal,
+        over_selection=over,
+        min_fraction=min_fraction,
+        selection_timeout_s=selection_timeout,
+        report_timeout_s=report_timeout,
+    )
     core = RoundCore(1, cfg, 0.0, deadlines_from_selection_end=secure)
     now = 0.0
     accepted: set[str] = set()

@@ -64,8 +64,13 @@ def advanced(core: RoundCore, now: float) -> RoundCore:
 def test_verdicts_counts_deadlines_and_closing_follow_the_rules_for_any_schedule(
     goal, over, min_fraction, selection_timeout, report_timeout, started, secure, script
 ):
-    cfg = RoundConfig(goal_count=goal, over_selection=over, min_fraction=min_fraction,
-                      selection_timeout_s=selection_timeout, report_timeout_s=report_timeout)
+    cfg = RoundConfig(
+        goal_count=goal,
+        over_selection=over,
+        min_fraction=min_fraction,
+        selection_timeout_s=selection_timeout,
+        report_timeout_s=report_timeout,
+    )
     core = RoundCore(7, cfg, started, deadlines_from_selection_end=secure)
     now = started
     checked_in_at: dict[str, float] = {}
@@ -115,7 +120,9 @@ def test_verdicts_counts_deadlines_and_closing_follow_the_rules_for_any_schedule
                 assert verdict is ReportVerdict.LATE
                 assert core.sessions[sid] is SessionState.LATE
                 rejected_late += 1
-            ticked = verdict is ReportVerdict.ACCEPT or (verdict is ReportVerdict.LATE and state is SessionState.SELECTED and was_open)
+            ticked = verdict is ReportVerdict.ACCEPT or (
+                verdict is ReportVerdict.LATE and state is SessionState.SELECTED and was_open
+            )
         elif kind == "abort":
             sid = device(core, event[1])
             state = core.sessions.get(sid)
@@ -155,13 +162,21 @@ def test_verdicts_counts_deadlines_and_closing_follow_the_rules_for_any_schedule
 
         # -- when and how it closed --------------------------------------------------------------
         if phase_before not in OPEN:
-            assert (core.phase, core.ended_at, core.selection_ended_at) == (phase_before, ended_before, selection_ended_before)
+            assert (core.phase, core.ended_at, core.selection_ended_at) == (
+                phase_before,
+                ended_before,
+                selection_ended_before,
+            )
         elif not core.open:
             assert core.ended_at == now
             assert (core.phase is Phase.COMMITTED) == (core.reported >= cfg.commit_threshold)
         else:
             assert core.ended_at is None
-        if phase_before is Phase.SELECTING and core.phase is not Phase.SELECTING and core.selection_ended_at is not None:
+        if (
+            phase_before is Phase.SELECTING
+            and core.phase is not Phase.SELECTING
+            and core.selection_ended_at is not None
+        ):
             assert core.selection_ended_at == now
         if core.phase is Phase.SELECTING:
             assert core.selection_ended_at is None
@@ -169,7 +184,9 @@ def test_verdicts_counts_deadlines_and_closing_follow_the_rules_for_any_schedule
             assert core.selection_ended_at is not None
         if core.open and ticked:
             assert core.reported < cfg.goal_count
-            outstanding = [sid for sid, s in core.sessions.items() if s is SessionState.SELECTED and core.deadlines[sid] >= now]
+            outstanding = [
+                sid for sid, s in core.sessions.items() if s is SessionState.SELECTED and core.deadlines[sid] >= now
+            ]
             if core.phase is Phase.SELECTING:
                 assert now - started < cfg.selection_timeout_s
             else:
@@ -215,7 +232,9 @@ def test_verdicts_counts_deadlines_and_closing_follow_the_rules_for_any_schedule
     selection_timeout=st.sampled_from([1.0, 3.0, 30.0]),
     selected=st.integers(1, 3),
 )
-def test_selection_closes_exactly_when_its_timeout_has_passed_since_the_round_started(started, selection_timeout, selected):
+def test_selection_closes_exactly_when_its_timeout_has_passed_since_the_round_started(
+    started, selection_timeout, selected
+):
     core = RoundCore(1, RoundConfig(goal_count=4, min_fraction=0.25, selection_timeout_s=selection_timeout), started)
     for i in range(selected):
         assert core.try_select(f"s{i}", started)
@@ -232,7 +251,9 @@ def test_selection_closes_exactly_when_its_timeout_has_passed_since_the_round_st
 )
 def test_selection_abandons_exactly_when_fewer_than_the_commit_threshold_can_still_report(goal, min_fraction, data):
     """Counted at selection's end: devices still working plus those that already reported."""
-    cfg = RoundConfig(goal_count=goal, over_selection=2.0, min_fraction=min_fraction, selection_timeout_s=5.0, report_timeout_s=60.0)
+    cfg = RoundConfig(
+        goal_count=goal, over_selection=2.0, min_fraction=min_fraction, selection_timeout_s=5.0, report_timeout_s=60.0
+    )
     selected = data.draw(st.integers(0, goal - 1), label="selected")
     reported = data.draw(st.integers(0, selected), label="reported during selection")
     core = RoundCore(1, cfg, 0.0)
@@ -284,11 +305,19 @@ def test_every_refused_report_is_counted_before_and_after_the_round_closed():
     by_timeout=st.booleans(),
     report_timeout=st.sampled_from([0.5, 2.0, 4.0]),
 )
-def test_with_secure_aggregation_every_device_working_at_selection_end_gets_the_full_report_time(checkins, by_timeout, report_timeout):
+def test_with_secure_aggregation_every_device_working_at_selection_end_gets_the_full_report_time(
+    checkins, by_timeout, report_timeout
+):
     """Devices start work only when their group forms, at selection's end: however early they
     checked in, their deadline is then counted afresh; a device that already left keeps its own."""
     target = len(checkins) + (1 if by_timeout else 0)
-    cfg = RoundConfig(goal_count=target, over_selection=1.0, min_fraction=0.25, selection_timeout_s=5.0, report_timeout_s=report_timeout)
+    cfg = RoundConfig(
+        goal_count=target,
+        over_selection=1.0,
+        min_fraction=0.25,
+        selection_timeout_s=5.0,
+        report_timeout_s=report_timeout,
+    )
     core = RoundCore(1, cfg, 0.0, deadlines_from_selection_end=True)
     now = 0.0
     for i, at in enumerate(sorted(checkins)):

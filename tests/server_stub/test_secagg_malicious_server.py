@@ -63,26 +63,45 @@ class MaliciousService(FLService):
 
 
 class Harness:
-    def __init__(self, tmp_path, digits, attack: Attack, devices: int, *, min_group: int = 5,
-                 policy: SecAggPolicy = POLICY) -> None:
+    def __init__(
+        self, tmp_path, digits, attack: Attack, devices: int, *, min_group: int = 5, policy: SecAggPolicy = POLICY
+    ) -> None:
         self.authority = AttestationAuthority.generate()
-        verifier = AttestationVerifier(self.authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+        verifier = AttestationVerifier(
+            self.authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
+        )
         self.service = MaliciousService(ServerStore(tmp_path / "server.db"), verifier=verifier)
         self.service.attack = attack
         attack.authority = self.authority
         keys, self.admin_key = AdminKeys.generate()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(self.service, admin_keys=keys), host="127.0.0.1",
-                                                     port=port, log_level="warning", access_log=False, lifespan="on"))
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.service, admin_keys=keys),
+                host="127.0.0.1",
+                port=port,
+                log_level="warning",
+                access_log=False,
+                lifespan="on",
+            )
+        )
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         while not self.uvicorn.started:
             time.sleep(0.01)
         self.admin = AdminClient(self.url, admin_key=self.admin_key)
-        deploy(self.admin, plan=digits_plan("softmax", secure_aggregation=True), goal_count=devices, over_selection=1.0,
-               min_fraction=0.2, selection_timeout_s=60, report_timeout_s=15, secagg_min_group_size=min_group,
-               secagg_round_timeout_s=4.0)
+        deploy(
+            self.admin,
+            plan=digits_plan("softmax", secure_aggregation=True),
+            goal_count=devices,
+            over_selection=1.0,
+            min_fraction=0.2,
+            selection_timeout_s=60,
+            report_timeout_s=15,
+            secagg_min_group_size=min_group,
+            secagg_round_timeout_s=4.0,
+        )
         self.opstats = [OpStatsStore(tmp_path / f"opstats{i}.db") for i in range(devices)]
         self.stores = []
         self.runtimes = []
@@ -91,11 +110,18 @@ class Harness:
             part = slice(12 * i, 12 * i + 12)
             store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
             self.stores.append(store)
-            self.runtimes.append(FLRuntime(
-                "digits", self.url, store, cache_dir=tmp_path / f"cache{i}", opstats=self.opstats[i],
-                attestor=self.authority.new_device_attestor("emulated-phone", time.time()),
-                trust_anchor=self.authority.trust_anchor(), secagg_policy=policy,
-            ))
+            self.runtimes.append(
+                FLRuntime(
+                    "digits",
+                    self.url,
+                    store,
+                    cache_dir=tmp_path / f"cache{i}",
+                    opstats=self.opstats[i],
+                    attestor=self.authority.new_device_attestor("emulated-phone", time.time()),
+                    trust_anchor=self.authority.trust_anchor(),
+                    secagg_policy=policy,
+                )
+            )
 
     def run(self) -> list:
         results: list = [None] * len(self.runtimes)
@@ -142,7 +168,9 @@ def refusals(h: Harness, results: list) -> list[str]:
             continue
         assert res.outcome is Outcome.REPORT_REJECTED
         (event,) = [e for e in res.events if e.detail.get("code") == "SECAGG_REFUSED"]
-        stored = [e for s in h.opstats[i].sessions("digits") for e in s.events if e.detail.get("code") == "SECAGG_REFUSED"]
+        stored = [
+            e for s in h.opstats[i].sessions("digits") for e in s.events if e.detail.get("code") == "SECAGG_REFUSED"
+        ]
         assert [e.detail["reason"] for e in stored] == [event.detail["reason"]]
         reasons.append(event.detail["reason"])
     return reasons
@@ -198,8 +226,12 @@ class Sybils(Attack):
 
         def _aggregator(self, config, n, graph_seed):
             ids = range(1, n + attack.count + 1)
-            server = Careless(dataclasses.replace(config, allow_unsafe=True), ids, random_bytes=self.random_bytes,
-                              graph_seed=graph_seed)
+            server = Careless(
+                dataclasses.replace(config, allow_unsafe=True),
+                ids,
+                random_bytes=self.random_bytes,
+                graph_seed=graph_seed,
+            )
             if not attack.certified:
                 signers = [None] * attack.count  # a fresh, uncertified key each
             else:
@@ -288,7 +320,9 @@ def test_a_forged_group_assignment_is_refused(harness):
     assert len(moved) == 2
     assert all("not a member of the group the committed seed assigns" in r for r in reasons if r not in moved)
     for res in results:
-        if res.rejection_code == "SECAGG_REFUSED" and any("another group" in str(e.detail.get("reason", "")) for e in res.events):
+        if res.rejection_code == "SECAGG_REFUSED" and any(
+            "another group" in str(e.detail.get("reason", "")) for e in res.events
+        ):
             assert res.outcome is not Outcome.COMPLETED
 
 
@@ -299,7 +333,9 @@ class ForgedGraph(Attack):
         class OwnGraph(SecAggServer):
             def _close_advertise(self):
                 out = super()._close_advertise()  # rosters are built lazily, from the graph below
-                self._neighbours = harary_neighbours(sorted(self._keys), self.config.degree, np.random.default_rng(0).bytes)
+                self._neighbours = harary_neighbours(
+                    sorted(self._keys), self.config.degree, np.random.default_rng(0).bytes
+                )
                 return out
 
         def _aggregator(self, config, n, graph_seed):

@@ -36,7 +36,9 @@ def authority():
 
 @pytest.fixture
 def attested(tmp_path, authority):
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
+    )
     with ServerThread(tmp_path / "server.db", verifier=verifier) as srv, srv.admin() as admin:
         yield srv, admin
 
@@ -47,27 +49,43 @@ def _honest(codec: SecureSumCodec, weights: tuple[str, ...], rng: np.random.Gene
     delta = {w: rng.normal(0.0, 1.0, codec.shapes[w]) for w in weights}
     scale = rng.uniform(0.1, 1.0) * CLIP / np.sqrt(sum(float(np.sum(d**2)) for d in delta.values()))
     update = {w: (d * scale * n).astype(np.float32) for w, d in delta.items()}
-    update.update({"loss_sum": np.float32(0.5 * n), "correct": np.float32(n / 2), "count": np.float32(n),
-                   "num_examples": np.float32(n)})
+    update.update(
+        {
+            "loss_sum": np.float32(0.5 * n),
+            "correct": np.float32(n / 2),
+            "count": np.float32(n),
+            "num_examples": np.float32(n),
+        }
+    )
     return update
 
 
 def _attack(codec: SecureSumCodec, num_examples: float) -> dict[str, np.ndarray]:
     """The tester's device: every weight at +1024 (the codec's clip range) and a chosen count."""
     update = {name: np.full(codec.shapes[name], codec.quantizer.clip, np.float32) for name in codec.names}
-    update.update({"loss_sum": np.float32(0.0), "correct": np.float32(0.0), "count": np.float32(0.0),
-                   "num_examples": np.float32(num_examples)})
+    update.update(
+        {
+            "loss_sum": np.float32(0.0),
+            "correct": np.float32(0.0),
+            "count": np.float32(0.0),
+            "num_examples": np.float32(num_examples),
+        }
+    )
     return update
 
 
-def _run_round(server, authority, count: int, pick_vector) -> tuple[dict[int, tuple[SecureOutcome, str]], dict[int, list[int]]]:
+def _run_round(
+    server, authority, count: int, pick_vector
+) -> tuple[dict[int, tuple[SecureOutcome, str]], dict[int, list[int]]]:
     """``count`` attested devices check in and run their groups; ``pick_vector(i, group_members)``
     gives device i's encoded update once the groups are known. Returns each device's outcome
     (with its detail) and the groups."""
     clients = [ProtocolClient(server.url) for _ in range(count)]
     attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in range(count)]
-    sessions = [c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-                for c, a in zip(clients, attestors)]
+    sessions = [
+        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
+        for c, a in zip(clients, attestors)
+    ]
     verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
     groups: dict[int, list[int]] = {}
     for i, (client, session) in enumerate(zip(clients, sessions)):
@@ -76,8 +94,14 @@ def _run_round(server, authority, count: int, pick_vector) -> tuple[dict[int, tu
     outcomes: dict[int, tuple[SecureOutcome, str]] = {}
 
     def device(i: int) -> None:
-        result = run_secure_aggregation(clients[i], sessions[i], vectors[i], deadline=time.monotonic() + 60,
-                                        signer=attestors[i].secagg_signer(), verify_peer=verify_peer)
+        result = run_secure_aggregation(
+            clients[i],
+            sessions[i],
+            vectors[i],
+            deadline=time.monotonic() + 60,
+            signer=attestors[i].secagg_signer(),
+            verify_peer=verify_peer,
+        )
         outcomes[i] = (result.outcome, result.detail)
 
     threads = [threading.Thread(target=device, args=(i,)) for i in range(count)]
@@ -94,22 +118,41 @@ def _l2(model: dict, w0: dict, names) -> float:
     return float(np.sqrt(sum(np.sum((np.asarray(model[n], np.float64) - w0[n]) ** 2) for n in names)))
 
 
-@pytest.mark.parametrize(("num_examples", "words"), [(-1024.0, "num_examples"), (float(MAX_EXAMPLES), "norm")],
-                         ids=["negative-count", "count-within-bounds"])
+@pytest.mark.parametrize(
+    ("num_examples", "words"),
+    [(-1024.0, "num_examples"), (float(MAX_EXAMPLES), "norm")],
+    ids=["negative-count", "count-within-bounds"],
+)
 def test_a_protocol_following_device_outside_the_bounds_gets_its_group_of_five_dropped(
-        attested, authority, num_examples, words):
+    attested, authority, num_examples, words
+):
     """The issue's round: one attested device of a group of 5 sends every weight at +1024 with
     ``num_examples`` -1024 (or the largest count it may declare). Before the check such a round
     committed (with a negative ``num_examples``) and moved the model by about 26,000; now the
     group is dropped and the round, with no other group, is abandoned: the model does not move."""
     server, admin = attested
     plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(admin, plan=plan, goal_count=5, over_selection=1.0, min_fraction=0.2, selection_timeout_s=60,
-                   report_timeout_s=15.0, secagg_min_group_size=5, secagg_round_timeout_s=3.0)
+    _, w0 = deploy(
+        admin,
+        plan=plan,
+        goal_count=5,
+        over_selection=1.0,
+        min_fraction=0.2,
+        selection_timeout_s=60,
+        report_timeout_s=15.0,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=3.0,
+    )
     codec = SecureSumCodec(plan)
     rng = np.random.default_rng(7)
-    outcomes, groups = _run_round(server, authority, 5, lambda i, _: codec.encode(
-        _attack(codec, num_examples) if i == 0 else _honest(codec, plan.weight_names, rng), rng))
+    outcomes, groups = _run_round(
+        server,
+        authority,
+        5,
+        lambda i, _: codec.encode(
+            _attack(codec, num_examples) if i == 0 else _honest(codec, plan.weight_names, rng), rng
+        ),
+    )
     assert list(groups.values()) == [[0, 1, 2, 3, 4]]
     model, round_number = admin.model("digits")
     assert _l2(model, w0, plan.weight_names) == 0.0 and round_number == 0
@@ -128,8 +171,17 @@ def test_a_round_commits_from_its_honest_group_and_moves_no_more_than_one_honest
     from the other: exactly that group's mean, and within ``clip_update_norm`` of the old model."""
     server, admin = attested
     plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(admin, plan=plan, goal_count=12, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
-                   report_timeout_s=15.0, secagg_min_group_size=5, secagg_round_timeout_s=3.0)
+    _, w0 = deploy(
+        admin,
+        plan=plan,
+        goal_count=12,
+        over_selection=1.0,
+        min_fraction=0.5,
+        selection_timeout_s=60,
+        report_timeout_s=15.0,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=3.0,
+    )
     codec = SecureSumCodec(plan)
     rng = np.random.default_rng(8)
     vectors: dict[int, np.ndarray] = {}

@@ -19,7 +19,7 @@ from device_runtime.attestation import PeerCertificateVerifier
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secure_client import SecureOutcome, run_secure_aggregation
 from device_runtime.secure_sum import SecureSumCodec
-from emulator import AttestationAuthority, DeviceProfile, EmulatedDevice, Fleet, partition_by_shards
+from emulator import AttestationAuthority, DeviceProfile, EmulatedDevice, RealTimeFleet, partition_by_shards
 from secagg import Round, parse_message
 from secagg.messages import EncryptedShares
 from server_stub import AdminError, AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
@@ -38,7 +38,9 @@ def authority():
 
 @pytest.fixture
 def attested_server(tmp_path, authority):
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
+    )
     with ServerThread(tmp_path / "server.db", verifier=verifier) as srv:
         yield srv
 
@@ -65,16 +67,25 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
     server, admin = attested_server, attested_admin
     plan = digits_plan("softmax", secure_aggregation=True)
     _, w0 = deploy(
-        admin, plan=plan, goal_count=DEVICES, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
-        report_timeout_s=15.0, secagg_min_group_size=K, secagg_round_timeout_s=3.0,
+        admin,
+        plan=plan,
+        goal_count=DEVICES,
+        over_selection=1.0,
+        min_fraction=0.5,
+        selection_timeout_s=60,
+        report_timeout_s=15.0,
+        secagg_min_group_size=K,
+        secagg_round_timeout_s=3.0,
     )
     codec = SecureSumCodec(plan)
     updates = _updates(codec, DEVICES, seed=1)
     vectors = [codec.encode(u) for u in updates]
     clients = [ProtocolClient(server.url) for _ in range(DEVICES)]
     attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in range(DEVICES)]
-    sessions = [c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-                for c, a in zip(clients, attestors)]
+    sessions = [
+        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
+        for c, a in zip(clients, attestors)
+    ]
     verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
     assert all(hasattr(s, "session_id") for s in sessions)
     # The groups follow from the seed the server revealed when selection ended: 5 groups of 6.
@@ -97,8 +108,13 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
     def device(i: int) -> None:
         entered: list[str] = []
         outcomes[i] = run_secure_aggregation(
-            clients[i], sessions[i], vectors[i], deadline=time.monotonic() + 60,
-            on_round=entered.append, signer=attestors[i].secagg_signer(), verify_peer=verify_peer,
+            clients[i],
+            sessions[i],
+            vectors[i],
+            deadline=time.monotonic() + 60,
+            on_round=entered.append,
+            signer=attestors[i].secagg_signer(),
+            verify_peer=verify_peer,
             should_abort=lambda: i in drop_at and bool(entered) and entered[-1] == drop_at[i].value,
         ).outcome
 
@@ -119,7 +135,13 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed"
     assert record["metrics"]["reported"] == len(included) == 21
-    assert record["metrics"]["secagg"] == {"groups": 5, "completed": 4, "aborted": 1, "summed_devices": 21, "dropped": []}
+    assert record["metrics"]["secagg"] == {
+        "groups": 5,
+        "completed": 4,
+        "aborted": 1,
+        "summed_devices": 21,
+        "dropped": [],
+    }
 
     model, round_number = admin.model("digits")
     assert round_number == 1
@@ -152,21 +174,38 @@ class GarbageDealer(ProtocolClient):
 def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attested_server, attested_admin, authority):
     server, admin = attested_server, attested_admin
     plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(admin, plan=plan, goal_count=K + 1, over_selection=1.0, min_fraction=0.5, selection_timeout_s=60,
-                   report_timeout_s=15.0, secagg_min_group_size=K, secagg_round_timeout_s=3.0)
+    _, w0 = deploy(
+        admin,
+        plan=plan,
+        goal_count=K + 1,
+        over_selection=1.0,
+        min_fraction=0.5,
+        selection_timeout_s=60,
+        report_timeout_s=15.0,
+        secagg_min_group_size=K,
+        secagg_round_timeout_s=3.0,
+    )
     codec = SecureSumCodec(plan)
     updates = _updates(codec, K + 1, seed=2)
     vectors = [codec.encode(u) for u in updates]
     clients = [GarbageDealer(server.url)] + [ProtocolClient(server.url) for _ in range(K)]
     attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in clients]
-    sessions = [c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-                for c, a in zip(clients, attestors)]
+    sessions = [
+        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
+        for c, a in zip(clients, attestors)
+    ]
     verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
     outcomes: dict[int, SecureOutcome] = {}
 
     def device(i: int) -> None:
-        outcomes[i] = run_secure_aggregation(clients[i], sessions[i], vectors[i], deadline=time.monotonic() + 30,
-                                             signer=attestors[i].secagg_signer(), verify_peer=verify_peer).outcome
+        outcomes[i] = run_secure_aggregation(
+            clients[i],
+            sessions[i],
+            vectors[i],
+            deadline=time.monotonic() + 30,
+            signer=attestors[i].secagg_signer(),
+            verify_peer=verify_peer,
+        ).outcome
 
     threads = [threading.Thread(target=device, args=(i,)) for i in range(len(clients))]
     for t in threads:
@@ -178,7 +217,13 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attes
     assert outcomes == {0: SecureOutcome.EXCLUDED, **{i: SecureOutcome.INCLUDED for i in range(1, K + 1)}}
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed"
-    assert record["metrics"]["secagg"] == {"groups": 1, "completed": 1, "aborted": 0, "summed_devices": K, "dropped": []}
+    assert record["metrics"]["secagg"] == {
+        "groups": 1,
+        "completed": 1,
+        "aborted": 0,
+        "summed_devices": K,
+        "dropped": [],
+    }
     model, _ = admin.model("digits")
     honest = range(1, K + 1)
     total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in honest], axis=0), K)
@@ -188,8 +233,16 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attes
 
 def test_secure_task_refuses_plain_reports_and_bad_messages(server, admin):
     plan = digits_plan("softmax", secure_aggregation=True)
-    deploy(admin, plan=plan, goal_count=5, over_selection=1.0, selection_timeout_s=60, report_timeout_s=60,
-           secagg_min_group_size=5, secagg_round_timeout_s=5.0)
+    deploy(
+        admin,
+        plan=plan,
+        goal_count=5,
+        over_selection=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=60,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=5.0,
+    )
     client = ProtocolClient(server.url)
     session = client.checkin("digits", VERSION)
     assert session.aggregation == "secure_sum"
@@ -211,8 +264,16 @@ def test_secure_task_refuses_plain_reports_and_bad_messages(server, admin):
 
 def test_fewer_devices_than_a_group_abandon_the_round_at_once(server, admin):
     plan = digits_plan("softmax", secure_aggregation=True)
-    deploy(admin, plan=plan, goal_count=3, over_selection=1.0, min_fraction=1.0, selection_timeout_s=60,
-           report_timeout_s=60, secagg_min_group_size=4)
+    deploy(
+        admin,
+        plan=plan,
+        goal_count=3,
+        over_selection=1.0,
+        min_fraction=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=60,
+        secagg_min_group_size=4,
+    )
     clients = [ProtocolClient(server.url) for _ in range(3)]
     sessions = [c.checkin("digits", VERSION) for c in clients]
     deadline = time.monotonic() + 10
@@ -226,25 +287,39 @@ def test_fewer_devices_than_a_group_abandon_the_round_at_once(server, admin):
 
 
 def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dropouts(
-        tmp_path, attested_server, attested_admin, authority, digits):
+    tmp_path, attested_server, attested_admin, authority, digits
+):
     """The demo's fleet: attested devices holding the trust anchor, under the SDK's default
     policy (an attested cohort, ConsistencyCheck, committed groups), over real HTTP."""
     server, admin = attested_server, attested_admin
     plan = digits_plan("mlp", secure_aggregation=True, epochs=2, learning_rate=0.3)
     _, w0 = deploy(
-        admin, plan=plan, goal_count=10, report_timeout_s=15, retry_window_s=(0.1, 0.5), max_rounds=2,
-        secagg_min_group_size=5, secagg_round_timeout_s=1.0,
+        admin,
+        plan=plan,
+        goal_count=10,
+        report_timeout_s=15,
+        retry_window_s=(0.1, 0.5),
+        max_rounds=2,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=1.0,
     )
     profile = DeviceProfile(dropout_prob=0.05, late_dropout_prob=0.2, late_dropout_within_s=0.3, cooldown_s=(0.05, 0.2))
     devices = []
     for i, idx in enumerate(partition_by_shards(digits.y_train, 24, seed=0)):
-        device = EmulatedDevice(f"d{i}", tmp_path / f"d{i}", server.url, "digits", profile=profile,
-                                collection_uri=COLLECTION, seed=i,
-                                attestor=authority.new_device_attestor("emulated-phone", time.time()),
-                                trust_anchor=authority.trust_anchor())
+        device = EmulatedDevice(
+            f"d{i}",
+            tmp_path / f"d{i}",
+            server.url,
+            "digits",
+            profile=profile,
+            collection_uri=COLLECTION,
+            seed=i,
+            attestor=authority.new_device_attestor("emulated-phone", time.time()),
+            trust_anchor=authority.trust_anchor(),
+        )
         device.add_examples(digits.x_train[idx], digits.y_train[idx])
         devices.append(device)
-    fleet = Fleet(devices)
+    fleet = RealTimeFleet(devices)
     fleet.start()
     try:
         deadline = time.monotonic() + 90
@@ -268,7 +343,9 @@ def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dro
 
 def test_secure_task_needs_a_report_window_that_fits_its_rounds(server, admin):
     with pytest.raises(AdminError) as refused:
-        deploy(admin, plan=digits_plan("softmax", secure_aggregation=True), report_timeout_s=10, secagg_round_timeout_s=5)
+        deploy(
+            admin, plan=digits_plan("softmax", secure_aggregation=True), report_timeout_s=10, secagg_round_timeout_s=5
+        )
     assert refused.value.code == "BAD_CONFIG" and refused.value.status == 400
     # A refused deploy leaves nothing behind: no task stored, none active.
     status = admin.status("digits")

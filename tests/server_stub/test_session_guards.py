@@ -37,8 +37,10 @@ def _upload_head(server, path: str, token: str, length: int = HUGE) -> tuple[int
     error code the server gives before reading a byte."""
     with socket.create_connection((server.host, server.port)) as sock:
         sock.settimeout(HANG_S)
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: fl\r\nAuthorization: Bearer {token}\r\n"
-                     f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: fl\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n\r\n".encode()
+        )
         received = b""
         try:
             while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < _length(received):
@@ -72,8 +74,16 @@ def test_an_upload_is_authorized_and_bounded_before_its_body_is_read(server, adm
 
 def test_a_secagg_message_is_bounded_by_what_its_group_can_need(server, admin):
     plan = digits_plan("softmax", secure_aggregation=True)
-    deploy(admin, plan=plan, goal_count=5, over_selection=1.0, selection_timeout_s=60, report_timeout_s=60,
-           secagg_min_group_size=5, secagg_round_timeout_s=5.0)
+    deploy(
+        admin,
+        plan=plan,
+        goal_count=5,
+        over_selection=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=60,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=5.0,
+    )
     with httpx.Client(base_url=server.url, timeout=HANG_S) as http:
         sessions = [_checkin(http) for _ in range(5)]  # the round is full: one group of 5 forms
         auth = {"Authorization": f"Bearer {sessions[0]['token']}"}
@@ -86,7 +96,9 @@ def test_a_secagg_message_is_bounded_by_what_its_group_can_need(server, admin):
     assert _upload_head(server, path, sessions[0]["token"], limit + 1) == (413, "BODY_TOO_LARGE")
 
 
-def _run_recording_sizes(config: SecAggConfig, inputs: dict[int, np.ndarray], drops: dict[Round, set[int]]) -> list[int]:
+def _run_recording_sizes(
+    config: SecAggConfig, inputs: dict[int, np.ndarray], drops: dict[Round, set[int]]
+) -> list[int]:
     """One SecAgg instance (as ``secagg.run_protocol``), returning every client message's size."""
     server = SecAggServer(config, inputs.keys())
     clients = {u: SecAggClient(u, config, x) for u, x in inputs.items()}
@@ -120,9 +132,12 @@ def test_no_message_of_an_honest_device_exceeds_its_groups_bound(n, vector_lengt
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(endpoint=st.sampled_from([("POST", "report"), ("POST", "abort"), ("GET", "secagg"), ("POST", "secagg")]),
-       known=st.booleans(), other_id=st.from_regex(r"[A-Za-z0-9_-]{1,40}", fullmatch=True),
-       token=st.one_of(st.from_regex(r"[!-~]{1,60}", fullmatch=True), st.just("other session's")))
+@given(
+    endpoint=st.sampled_from([("POST", "report"), ("POST", "abort"), ("GET", "secagg"), ("POST", "secagg")]),
+    known=st.booleans(),
+    other_id=st.from_regex(r"[A-Za-z0-9_-]{1,40}", fullmatch=True),
+    token=st.one_of(st.from_regex(r"[!-~]{1,60}", fullmatch=True), st.just("other session's")),
+)
 def test_an_unknown_session_and_a_wrong_token_get_the_same_answer(probed, endpoint, known, other_id, token):
     server, mine, theirs = probed
     sid = mine["session_id"] if known else other_id
@@ -132,8 +147,13 @@ def test_an_unknown_session_and_a_wrong_token_get_the_same_answer(probed, endpoi
         return
     method, name = endpoint
     body = {"json": {"reason": "probe"}} if name == "abort" else {"content": b"x"} if method == "POST" else {}
-    r = httpx.request(method, f"{server.url}/v1/sessions/{sid}/{name}", headers={"Authorization": f"Bearer {token}"},
-                      timeout=HANG_S, **body)
+    r = httpx.request(
+        method,
+        f"{server.url}/v1/sessions/{sid}/{name}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=HANG_S,
+        **body,
+    )
     assert (r.status_code, r.json()["error"]["code"]) == (401, "BAD_SESSION_TOKEN"), (sid, token, r.text)
 
 
@@ -177,11 +197,20 @@ def test_an_aborted_sessions_token_opens_nothing_more_and_the_abort_is_counted(s
             r = http.get(f"/v1/resources/{rid}", headers=auth)
             assert r.status_code == 401 and r.json()["error"]["code"] == "BAD_SESSION_TOKEN", (rid, r.status_code)
         for method, path in (("POST", "report"), ("GET", "secagg"), ("POST", "secagg")):
-            r = http.request(method, f"/v1/sessions/{sid}/{path}", headers=auth, content=b"x" if method == "POST" else None)
+            r = http.request(
+                method, f"/v1/sessions/{sid}/{path}", headers=auth, content=b"x" if method == "POST" else None
+            )
             assert r.status_code == 409 and r.json()["error"]["code"] == "SESSION_CLOSED", (path, r.text)
-        assert http.post(f"/v1/sessions/{sid}/abort", json={"reason": "again"}, headers=auth).json() == {"status": "ignored"}
+        assert http.post(f"/v1/sessions/{sid}/abort", json={"reason": "again"}, headers=auth).json() == {
+            "status": "ignored"
+        }
         # The other session is untouched.
-        assert http.get(f"/v1/resources/{other['plan_id']}", headers={"Authorization": f"Bearer {other['token']}"}).status_code == 200
+        assert (
+            http.get(
+                f"/v1/resources/{other['plan_id']}", headers={"Authorization": f"Bearer {other['token']}"}
+            ).status_code
+            == 200
+        )
     current = admin.status("digits")["current_round"]
     assert current["aborted"] == 1 and current["shapes"] == {"-v[!": 1}
 

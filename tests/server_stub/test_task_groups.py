@@ -49,8 +49,10 @@ class Harness:
 
 def _update(plan, delta: float, i: int) -> dict:
     spec = PlanExecutor(plan).client_update_spec()
-    update = {name: np.full(shape, delta * 10, dtype=dtype) if name in plan.weight_names else np.zeros(shape, dtype)
-              for name, (shape, dtype) in spec.items()}
+    update = {
+        name: np.full(shape, delta * 10, dtype=dtype) if name in plan.weight_names else np.zeros(shape, dtype)
+        for name, (shape, dtype) in spec.items()
+    }
     update["num_examples"] = np.array(10, dtype=np.float32)
     update["count"] = np.array(10, dtype=np.float32)
     update["loss_sum"] = np.array(5 + i, dtype=np.float32)
@@ -63,10 +65,14 @@ def test_alternating_training_and_evaluation_evaluates_the_model_just_committed(
     evaluation = build_eval_plan(train)
     h = Harness(tmp_path / "s.db")
     weights = initial_weights(train, seed=0)
-    h.service.deploy_tasks(POP, [
-        TaskSpec("train", serialize_plan(train), encode_checkpoint(weights), CONFIG),
-        TaskSpec("eval", serialize_plan(evaluation), None, CONFIG, evaluates="train"),
-    ], Strategy.ALTERNATE)
+    h.service.deploy_tasks(
+        POP,
+        [
+            TaskSpec("train", serialize_plan(train), encode_checkpoint(weights), CONFIG),
+            TaskSpec("eval", serialize_plan(evaluation), None, CONFIG, evaluates="train"),
+        ],
+        Strategy.ALTERNATE,
+    )
     plans = {"train": train, "eval": evaluation}
     order = [h.round(lambda task, i: _update(plans[task], 0.01, i)) for _ in range(4)]
     assert order == ["train", "eval", "train", "eval"]
@@ -94,10 +100,18 @@ def test_alternating_training_and_evaluation_evaluates_the_model_just_committed(
 def test_weighted_tasks_run_in_proportion_and_keep_their_own_models(tmp_path):
     plan_a, plan_b = digits_plan(), digits_plan(learning_rate=0.05)
     h = Harness(tmp_path / "s.db", seed=7)
-    h.service.deploy_tasks(POP, [
-        TaskSpec("a", serialize_plan(plan_a), encode_checkpoint(initial_weights(plan_a, seed=1)), CONFIG, weight=3.0),
-        TaskSpec("b", serialize_plan(plan_b), encode_checkpoint(initial_weights(plan_b, seed=2)), CONFIG, weight=1.0),
-    ], Strategy.WEIGHTED)
+    h.service.deploy_tasks(
+        POP,
+        [
+            TaskSpec(
+                "a", serialize_plan(plan_a), encode_checkpoint(initial_weights(plan_a, seed=1)), CONFIG, weight=3.0
+            ),
+            TaskSpec(
+                "b", serialize_plan(plan_b), encode_checkpoint(initial_weights(plan_b, seed=2)), CONFIG, weight=1.0
+            ),
+        ],
+        Strategy.WEIGHTED,
+    )
     deltas = {"a": 0.01, "b": -0.02}
     ran = Counter(h.round(lambda task, i: _update(plan_a, deltas[task], i)) for _ in range(60))
     assert 30 <= ran["a"] <= 55 and ran["a"] + ran["b"] == 60  # 45 expected; binomial sd 3.4
@@ -114,10 +128,13 @@ def test_weighted_tasks_run_in_proportion_and_keep_their_own_models(tmp_path):
 def test_a_group_continues_after_a_restart_with_each_tasks_rounds(tmp_path):
     plan = digits_plan()
     h = Harness(tmp_path / "s.db")
-    h.service.deploy_tasks(POP, [
-        TaskSpec("t1", serialize_plan(plan), encode_checkpoint(initial_weights(plan)), CONFIG),
-        TaskSpec("t2", serialize_plan(plan), encode_checkpoint(initial_weights(plan)), CONFIG),
-    ])
+    h.service.deploy_tasks(
+        POP,
+        [
+            TaskSpec("t1", serialize_plan(plan), encode_checkpoint(initial_weights(plan)), CONFIG),
+            TaskSpec("t2", serialize_plan(plan), encode_checkpoint(initial_weights(plan)), CONFIG),
+        ],
+    )
     for _ in range(3):
         h.round(lambda task, i: _update(plan, 0.01, i))
     h.service.store.close()
@@ -134,10 +151,14 @@ def test_a_group_with_one_bad_task_stores_nothing(tmp_path):
     h = Harness(tmp_path / "s.db")
     good = TaskSpec("good", serialize_plan(plan), encode_checkpoint(initial_weights(plan)), CONFIG)
     with pytest.raises(ApiError) as err:
-        h.service.deploy_tasks(POP, [good, TaskSpec("bad", b"not a plan", encode_checkpoint(initial_weights(plan)), CONFIG)])
+        h.service.deploy_tasks(
+            POP, [good, TaskSpec("bad", b"not a plan", encode_checkpoint(initial_weights(plan)), CONFIG)]
+        )
     assert err.value.code == "INVALID_PLAN" and "'bad'" in err.value.message
     with pytest.raises(ApiError) as err:
-        h.service.deploy_tasks(POP, [good, TaskSpec("ev", serialize_plan(build_eval_plan(plan)), None, CONFIG, evaluates="nope")])
+        h.service.deploy_tasks(
+            POP, [good, TaskSpec("ev", serialize_plan(build_eval_plan(plan)), None, CONFIG, evaluates="nope")]
+        )
     assert err.value.code == "BAD_CONFIG"
     assert h.service.store.tasks(POP) == []
     h.service.deploy_tasks(POP, [good])
@@ -149,10 +170,13 @@ def test_when_training_completes_its_evaluation_completes_and_the_next_deploy_st
     h = Harness(tmp_path / "s.db")
     weights = encode_checkpoint(initial_weights(train))
     two_rounds = RoundConfig(goal_count=5, over_selection=1.0, min_fraction=1.0, max_rounds=2)
-    h.service.deploy_tasks(POP, [
-        TaskSpec("train", serialize_plan(train), weights, two_rounds),
-        TaskSpec("eval", serialize_plan(build_eval_plan(train)), None, CONFIG, evaluates="train"),
-    ])
+    h.service.deploy_tasks(
+        POP,
+        [
+            TaskSpec("train", serialize_plan(train), weights, two_rounds),
+            TaskSpec("eval", serialize_plan(build_eval_plan(train)), None, CONFIG, evaluates="train"),
+        ],
+    )
     h.service.deploy_task(POP, "next", serialize_plan(train), weights, CONFIG)
     plans = {"train": train, "eval": build_eval_plan(train), "next": train}
     order = [h.round(lambda task, i: _update(plans[task], 0.01, i)) for _ in range(4)]

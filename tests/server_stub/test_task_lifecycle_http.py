@@ -42,8 +42,11 @@ def _one_round(http: httpx.Client, update: bytes) -> dict:
         return answer if answer["status"] == "accepted" else None
 
     session = _wait_until(checkin, "a check-in is accepted")
-    r = http.post(f"/v1/sessions/{session['session_id']}/report", content=update,
-                  headers={"Authorization": f"Bearer {session['token']}"})
+    r = http.post(
+        f"/v1/sessions/{session['session_id']}/report",
+        content=update,
+        headers={"Authorization": f"Bearer {session['token']}"},
+    )
     assert r.status_code == 200, r.text
     return session
 
@@ -61,8 +64,10 @@ def test_a_task_completes_after_max_rounds_and_the_next_deploy_starts(server, ad
         for number in range(1, MAX_ROUNDS + 1):
             session = _one_round(http, update)
             assert (session["task"], session["round"]) == ("first", number)
-            _wait_until(lambda number=number: len(admin.rounds("digits", "first")) == number,
-                        f"round {number} of 'first' is written")
+            _wait_until(
+                lambda number=number: len(admin.rounds("digits", "first")) == number,
+                f"round {number} of 'first' is written",
+            )
 
         _wait_until(lambda: admin.status("digits")["active_task"] == "second", "'second' is the active task")
         status = admin.status("digits")

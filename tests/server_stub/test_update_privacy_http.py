@@ -85,15 +85,26 @@ def _rows(db: Path) -> list[bytes]:
 
 
 def test_a_plain_round_writes_no_device_update_to_disk(server, admin):
-    plan, w0 = deploy(admin, goal_count=len(CONSTANTS), over_selection=1.0, min_fraction=1.0,
-                      report_timeout_s=60, selection_timeout_s=60, clip_update_norm=None)
+    plan, w0 = deploy(
+        admin,
+        goal_count=len(CONSTANTS),
+        over_selection=1.0,
+        min_fraction=1.0,
+        report_timeout_s=60,
+        selection_timeout_s=60,
+        clip_update_norm=None,
+    )
     with httpx.Client(base_url=server.url, timeout=10) as http:
-        sessions = [http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
-                    for _ in CONSTANTS]
+        sessions = [
+            http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json() for _ in CONSTANTS
+        ]
         for session, constant in zip(sessions, CONSTANTS):
             assert session["status"] == "accepted", session
-            r = http.post(f"/v1/sessions/{session['session_id']}/report", content=encode_checkpoint(_update(constant)),
-                          headers={"Authorization": f"Bearer {session['token']}"})
+            r = http.post(
+                f"/v1/sessions/{session['session_id']}/report",
+                content=encode_checkpoint(_update(constant)),
+                headers={"Authorization": f"Bearer {session['token']}"},
+            )
             assert r.status_code == 200, r.text
     (record,) = admin.rounds("digits")
     assert record["status"] == "committed" and record["metrics"]["reported"] == len(CONSTANTS)

@@ -51,7 +51,9 @@ def test_every_2xx_json_answer_is_a_named_schema_and_every_download_is_binary():
             for status, response in answers.items():
                 content = response.get("content", {})
                 if (path, method) in DOWNLOADS:
-                    assert content == {"application/octet-stream": {"schema": BINARY}}, f"{method} {path} {status}: {content}"
+                    assert content == {"application/octet-stream": {"schema": BINARY}}, (
+                        f"{method} {path} {status}: {content}"
+                    )
                     continue
                 schema = content.get("application/json", {}).get("schema", {})
                 if set(content) != {"application/json"} or not _typed(schema, components):
@@ -103,7 +105,12 @@ def test_the_servers_answers_are_their_routes_models_field_for_field(tmp_path):
         send("POST", "/v1/populations", "/v1/populations", json={"name": "pop"}, headers=recorder.admin)
         send("POST", "/v1/populations", "/v1/populations", json={"name": "pop"}, headers=recorder.admin)  # 200: exists
         send("GET", "/v1/populations/{population}/eligibility", "/v1/populations/pop/eligibility")  # no task yet
-        send("POST", "/v1/populations/{population}/checkin", "/v1/populations/pop/checkin", json={"runtime_version": "1.31.1"})
+        send(
+            "POST",
+            "/v1/populations/{population}/checkin",
+            "/v1/populations/pop/checkin",
+            json={"runtime_version": "1.31.1"},
+        )
         task = {
             "name": "train",
             "plan": _b64(serialize_plan(plan)),
@@ -111,7 +118,9 @@ def test_the_servers_answers_are_their_routes_models_field_for_field(tmp_path):
             "config": RoundConfig(goal_count=2, over_selection=1.0, min_reports=2, report_timeout_s=60.0).to_dict(),
             "eligibility": EligibilityPolicies(min_examples=1).to_dict(),
         }
-        send("POST", "/v1/populations/{population}/tasks", "/v1/populations/pop/tasks", json=task, headers=recorder.admin)
+        send(
+            "POST", "/v1/populations/{population}/tasks", "/v1/populations/pop/tasks", json=task, headers=recorder.admin
+        )
         queued = {**task, "name": "later", "eligibility": EligibilityPolicies().to_dict()}
         send(
             "POST",
@@ -137,9 +146,17 @@ def test_the_servers_answers_are_their_routes_models_field_for_field(tmp_path):
         for s in sessions[:2]:
             auth = {"Authorization": f"Bearer {s['token']}"}
             send("GET", "/v1/sessions/{sid}/secagg", f"/v1/sessions/{s['session_id']}/secagg", headers=auth)
-            send("POST", "/v1/sessions/{sid}/report", f"/v1/sessions/{s['session_id']}/report", content=update, headers=auth)
+            send(
+                "POST",
+                "/v1/sessions/{sid}/report",
+                f"/v1/sessions/{s['session_id']}/report",
+                content=update,
+                headers=auth,
+            )
         auth = {"Authorization": f"Bearer {sessions[0]['token']}"}
-        send("POST", "/v1/sessions/{sid}/abort", f"/v1/sessions/{sessions[0]['session_id']}/abort", json={}, headers=auth)
+        send(
+            "POST", "/v1/sessions/{sid}/abort", f"/v1/sessions/{sessions[0]['session_id']}/abort", json={}, headers=auth
+        )
         send("GET", "/v1/populations", "/v1/populations", headers=recorder.admin)
         send("GET", "/v1/populations/{population}", "/v1/populations/pop", headers=recorder.admin)
         send("GET", "/v1/populations/{population}/rounds", "/v1/populations/pop/rounds", headers=recorder.admin)
@@ -175,7 +192,10 @@ def _b64(data: bytes) -> str:
 )
 def test_an_operators_answer_out_of_shape_is_an_admin_error_naming_the_field(call, answer):
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
-    with AdminClient("http://fl.test", admin_key="k", transport=transport) as admin, pytest.raises(AdminError) as refused:
+    with (
+        AdminClient("http://fl.test", admin_key="k", transport=transport) as admin,
+        pytest.raises(AdminError) as refused,
+    ):
         call(admin)
     assert refused.value.code == "MALFORMED_ANSWER" and refused.value.status == 200
     assert "is not a" in str(refused.value)

@@ -63,7 +63,9 @@ def _as_feature(array: object, client: str, name: str, split: str) -> np.ndarray
     return out
 
 
-def check_clients(clients: Mapping[str, Examples], split: str) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, FeatureSpec]]:
+def check_clients(
+    clients: Mapping[str, Examples], split: str
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, FeatureSpec]]:
     """Sorted, validated clients and their shared schema; empty clients are dropped."""
     out: dict[str, dict[str, np.ndarray]] = {}
     schema: dict[str, FeatureSpec] = {}
@@ -72,7 +74,9 @@ def check_clients(clients: Mapping[str, Examples], split: str) -> tuple[dict[str
         raw = clients[cid]
         client = str(cid)
         if not raw:
-            raise DataLayoutError(f"{split} client {client!r} has no features; every client needs the same named features")
+            raise DataLayoutError(
+                f"{split} client {client!r} has no features; every client needs the same named features"
+            )
         arrays = {name: _as_feature(value, client, name, split) for name, value in raw.items()}
         if first is not None and set(arrays) != set(schema):
             raise DataLayoutError(
@@ -168,8 +172,10 @@ class FederatedDataset:
     def central_test(self) -> dict[str, np.ndarray]:
         """All test clients' examples in one set (client order), for the model's central accuracy."""
         if not self.test:
-            return {name: np.zeros((0, *spec.shape), dtype=object if spec.dtype == STR else spec.dtype)
-                    for name, spec in self.features.items()}
+            return {
+                name: np.zeros((0, *spec.shape), dtype=object if spec.dtype == STR else spec.dtype)
+                for name, spec in self.features.items()
+            }
         return {name: np.concatenate([e[name] for e in self.test.values()]) for name in self.features}
 
     def describe(self) -> str:

@@ -30,8 +30,14 @@ class ClientAccuracy:
     skipped: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"p10": self.p10, "p50": self.p50, "p90": self.p90, "accuracy": self.accuracy,
-                "clients": self.clients, "skipped": self.skipped}
+        return {
+            "p10": self.p10,
+            "p50": self.p50,
+            "p90": self.p90,
+            "accuracy": self.accuracy,
+            "clients": self.clients,
+            "skipped": self.skipped,
+        }
 
 
 def client_accuracy_percentiles(correct: Mapping[str, int], total: Mapping[str, int]) -> ClientAccuracy:

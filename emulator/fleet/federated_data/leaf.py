@@ -124,7 +124,9 @@ def _read_split(files: Sequence[Path]) -> _Raw:
             if not isinstance(x, list) or not isinstance(y, list):
                 raise DataLayoutError(f"{path}: user_data[{user!r}]'s 'x' and 'y' must be lists")
             if len(x) != len(y):
-                raise DataLayoutError(f"{path}: user {user!r} has {len(x)} x but {len(y)} y; each example needs one of each")
+                raise DataLayoutError(
+                    f"{path}: user {user!r} has {len(x)} x but {len(y)} y; each example needs one of each"
+                )
             if counts is not None and counts[i] != len(y):
                 raise DataLayoutError(
                     f"{path}: num_samples says user {user!r} has {counts[i]} examples but user_data holds {len(y)}; "
@@ -138,7 +140,9 @@ def _read_split(files: Sequence[Path]) -> _Raw:
                 raw[user] = (x, y, path)
         for user, entry in user_data.items():
             if user not in listed and isinstance(entry, dict) and (entry.get("y") or entry.get("x")):
-                raise DataLayoutError(f"{path}: user_data holds user {user!r} that 'users' does not list; add it to users")
+                raise DataLayoutError(
+                    f"{path}: user_data holds user {user!r} that 'users' does not list; add it to users"
+                )
     return raw
 
 
@@ -151,7 +155,9 @@ def _detect(raw: _Raw) -> str:
             return "words"
         if isinstance(x0, (list, numbers.Number)) and not isinstance(x0, bool):
             return "vectors"
-        raise DataLayoutError(f"{path}: cannot tell what x holds ({type(x0).__name__}); give kind=vectors, characters or words")
+        raise DataLayoutError(
+            f"{path}: cannot tell what x holds ({type(x0).__name__}); give kind=vectors, characters or words"
+        )
     raise DataLayoutError("no user has any example")
 
 
@@ -176,7 +182,9 @@ def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict
     for user, (x, y, path) in raw.items():
         if kind == "characters":
             if not all(isinstance(s, str) for s in x) or not all(isinstance(c, str) and len(c) == 1 for c in y):
-                raise DataLayoutError(f"{path}: user {user!r}: next-character data needs x strings and y single characters")
+                raise DataLayoutError(
+                    f"{path}: user {user!r}: next-character data needs x strings and y single characters"
+                )
             lengths = {len(s) for s in x}
             if len(lengths) != 1:
                 raise DataLayoutError(
@@ -187,7 +195,10 @@ def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict
             ys = encode_characters("".join(y))
             out[user] = {"x": xs, "y": ys}
         elif kind == "words":
-            out[user] = {"x": encode_words([_text_of(i, user, path) for i in x], vocab, max_words), "y": _labels(y, user, path)}
+            out[user] = {
+                "x": encode_words([_text_of(i, user, path) for i in x], vocab, max_words),
+                "y": _labels(y, user, path),
+            }
         else:
             try:
                 xs = np.asarray(x, dtype=np.float32)

@@ -161,7 +161,9 @@ def pathological(
     return _shuffled([np.concatenate(p) for p in parts], rng)
 
 
-def quantity_skew(num_examples: int, num_clients: int, sigma: float, seed: int, *, min_size: int = 1) -> list[np.ndarray]:
+def quantity_skew(
+    num_examples: int, num_clients: int, sigma: float, seed: int, *, min_size: int = 1
+) -> list[np.ndarray]:
     """IID examples, client sizes proportional to log-normal(0, sigma) draws, at least ``min_size``."""
     if not sigma >= 0 or not np.isfinite(sigma):
         raise PartitionError(f"sigma must be a non-negative number, got {sigma}")
@@ -198,7 +200,9 @@ class Partitioner:
         if self.scheme == "shards":
             return shards(labels, self.num_clients, seed, shards_per_client=self.shards_per_client)
         if self.scheme == "pathological":
-            return pathological(labels, self.num_clients, seed, classes_per_client=self.classes_per_client, mode=self.mode)
+            return pathological(
+                labels, self.num_clients, seed, classes_per_client=self.classes_per_client, mode=self.mode
+            )
         if self.scheme == "quantity":
             return quantity_skew(len(labels), self.num_clients, self.sigma, seed, min_size=self.min_size)
         raise PartitionError(f"unknown partition scheme {self.scheme!r}; use one of {', '.join(SCHEMES)}")

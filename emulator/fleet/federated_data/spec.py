@@ -36,13 +36,15 @@ from .tff_h5 import load_tff_h5
 
 _COMMON = frozenset({"test_split", "test_fraction", "seed"})
 _PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "mode", "sigma", "min_size"})
-OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType({
-    "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
-    "tff-h5": _COMMON | {"test", "label"},
-    "table": _COMMON | {"client", "test", "label", "features"},
-    "npz": _COMMON | _PARTITION,
-    "digits": _COMMON | _PARTITION,
-})
+OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
+        "tff-h5": _COMMON | {"test", "label"},
+        "table": _COMMON | {"client", "test", "label", "features"},
+        "npz": _COMMON | _PARTITION,
+        "digits": _COMMON | _PARTITION,
+    }
+)
 FORMATS: tuple[str, ...] = tuple(OPTIONS)
 _PATH_OPTIONS = ("test", "vocab")
 _INTS = ("vocab_size", "max_words", "clients", "shards", "classes", "min_size", "seed")
@@ -81,7 +83,9 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     fmt, sep, raw_path = head.partition(":")
     fmt = fmt.strip().lower()
     if fmt not in OPTIONS:
-        raise DataSpecError(f"unknown data format {fmt!r} in {text!r}; use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})")
+        raise DataSpecError(
+            f"unknown data format {fmt!r} in {text!r}; use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})"
+        )
     options: dict[str, str] = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
@@ -102,7 +106,9 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     path: Path | None = None
     if fmt == "digits":
         if raw_path.strip():
-            raise DataSpecError("digits takes no path (it ships with scikit-learn); write 'digits' or 'digits,clients=100'")
+            raise DataSpecError(
+                "digits takes no path (it ships with scikit-learn); write 'digits' or 'digits,clients=100'"
+            )
     else:
         if not sep or not raw_path.strip():
             raise DataSpecError(f"{fmt}: give a path, as {fmt}:PATH")
@@ -218,6 +224,12 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     else:
         features, label, test = _digits(), "y", None
     return partition_arrays(
-        features, _partitioner(spec), label=label, seed=run_seed,
-        test_split=split, test_fraction=fraction, test=test, source=str(spec),
+        features,
+        _partitioner(spec),
+        label=label,
+        seed=run_seed,
+        test_split=split,
+        test_fraction=fraction,
+        test=test,
+        source=str(spec),
     )

@@ -65,7 +65,9 @@ def _column(table: Any, name: str, where: str) -> np.ndarray:
     pa: Any = require("pyarrow")
     col = table.column(name)
     if col.null_count:
-        raise DataLayoutError(f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows")
+        raise DataLayoutError(
+            f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows"
+        )
     kind = col.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return np.asarray(col.to_pylist(), dtype=object)
@@ -84,7 +86,9 @@ def _column(table: Any, name: str, where: str) -> np.ndarray:
     )
 
 
-def group_by_client(table: Any, client: str, features: Sequence[str] | None, where: str) -> dict[str, dict[str, np.ndarray]]:
+def group_by_client(
+    table: Any, client: str, features: Sequence[str] | None, where: str
+) -> dict[str, dict[str, np.ndarray]]:
     """Rows grouped by the client column, keeping their order within each client."""
     columns = list(table.column_names)
     if client not in columns:
@@ -103,10 +107,7 @@ def group_by_client(table: Any, client: str, features: Sequence[str] | None, whe
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]) if len(ids) else np.zeros(0, dtype=np.int64)
     bounds = np.r_[starts, len(ids)]
-    return {
-        str(sorted_ids[s]): {n: a[order[s:e]] for n, a in arrays.items()}
-        for s, e in zip(bounds[:-1], bounds[1:])
-    }
+    return {str(sorted_ids[s]): {n: a[order[s:e]] for n, a in arrays.items()} for s, e in zip(bounds[:-1], bounds[1:])}
 
 
 def load_table(

@@ -71,7 +71,9 @@ def read_vocabulary(path: Path) -> tuple[str, ...]:
             raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); give a word list") from exc
         words = data.get("vocab") if isinstance(data, dict) else data
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise DataLayoutError(f"{path}: expected a JSON list of words or an object with a 'vocab' list (LEAF's embs.json)")
+            raise DataLayoutError(
+                f"{path}: expected a JSON list of words or an object with a 'vocab' list (LEAF's embs.json)"
+            )
         return tuple(words)
     return tuple(line.strip() for line in text.splitlines() if line.strip())
 

@@ -69,7 +69,9 @@ def read_tff_h5(path: Path) -> dict[str, dict[str, np.ndarray]]:
             features = {}
             for name in sorted(group.keys()):
                 if not isinstance(group[name], h5py.Dataset):
-                    raise DataLayoutError(f"tff-h5: {path}: examples/{cid}/{name} is a group; each feature must be a dataset")
+                    raise DataLayoutError(
+                        f"tff-h5: {path}: examples/{cid}/{name} is a group; each feature must be a dataset"
+                    )
                 features[name] = _read_feature(group[name], h5py)
             out[cid] = features
     if not out:

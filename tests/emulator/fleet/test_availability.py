@@ -54,7 +54,11 @@ def test_change_times_are_sorted_start_at_zero_and_each_changes_something(device
         assert times[0] == 0.0 and np.all(np.diff(times) > 0)
         assert all(a.flags[i] != a.flags[i - 1] for i in range(1, len(times)))
         # Past the horizon only the battery may still cross its threshold.
-        assert all(a.flags[i] & AVAILABLE == a.flags[i - 1] & AVAILABLE for i in range(1, len(times)) if times[i] >= 36 * 3600.0)
+        assert all(
+            a.flags[i] & AVAILABLE == a.flags[i - 1] & AVAILABLE
+            for i in range(1, len(times))
+            if times[i] >= 36 * 3600.0
+        )
 
 
 def test_the_battery_stays_in_range_and_charges_while_charging(devices):

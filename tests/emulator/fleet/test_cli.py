@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 
-from emulator.cli import main
+from emulator.cli.commands import main
 
 
 def test_simulate_prints_the_summary_last_and_writes_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text("[fleet]\ndevices = 40\nhours = 2.0\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 8\n", encoding="utf-8")
+    fleet.write_text(
+        "[fleet]\ndevices = 40\nhours = 2.0\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 8\n", encoding="utf-8"
+    )
     code = main(["simulate", str(fleet), "--hours", "0.5", "--seed", "4", "--out", str(out), "--no-progress"])
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -104,7 +106,7 @@ def test_ctrl_c_ends_the_run_with_a_line_and_exit_code_130(tmp_path, capsys, mon
 
 def test_reports_that_all_come_too_late_are_named_as_the_reason(tmp_path, capsys):
     fleet = tmp_path / "late.toml"
-    fleet.write_text('[task]\ngoal_count = 10\nreport_timeout_s = 1e-6\nselection_timeout_s = 600.0\n')
+    fleet.write_text("[task]\ngoal_count = 10\nreport_timeout_s = 1e-6\nselection_timeout_s = 600.0\n")
     assert main(["simulate", str(fleet), "--devices", "400", "--hours", "2", "--seed", "1", "--no-progress"]) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
@@ -121,8 +123,10 @@ def test_a_fleet_that_cannot_fill_a_round_says_so_before_the_run_and_in_its_summ
     first = said[0]  # before the first progress report
     peak = max(r.available for r in run.timeline)
     assert peak < 26
-    expected = (f"no round can fill: each needs 20 reports from 26 selected devices (task.goal_count 20 x "
-                f"task.over_selection 1.3) and at most {peak} of the 40 devices are available at once")
+    expected = (
+        f"no round can fill: each needs 20 reports from 26 selected devices (task.goal_count 20 x "
+        f"task.over_selection 1.3) and at most {peak} of the 40 devices are available at once"
+    )
     assert first.startswith(expected) and "--devices" in first and "--goal" in first
     summary = run.summary()
     assert summary["cannot_fill"] == first and first in summary["round_completion_note"]

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from emulator.cli import main
+from emulator.cli.commands import main
 from emulator.fleet import FleetRun, simulate, summarize
 from emulator.fleet.compare import FleetCompareError, compare_client_accuracy, compare_figures, load_runs, write_compare
 from emulator.fleet.config import FleetConfig
@@ -19,7 +19,9 @@ pytest.importorskip("matplotlib")
 
 def _run_folder(path, *, devices: int, goal: int) -> FleetRun:
     """What ``fedfleet simulate --out`` leaves that compare reads: the tables and summary.json (no plots, to stay quick)."""
-    config = FleetConfig.from_dict({"fleet": {"devices": devices, "hours": 2.0, "seed": 5}, "task": {"goal_count": goal}})
+    config = FleetConfig.from_dict(
+        {"fleet": {"devices": devices, "hours": 2.0, "seed": 5}, "task": {"goal_count": goal}}
+    )
     run = simulate(config, progress=False)
     run.write_tables(path)
     (path / "summary.json").write_text(json.dumps(summarize(run), indent=2) + "\n")
@@ -29,8 +31,10 @@ def _run_folder(path, *, devices: int, goal: int) -> FleetRun:
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
-    runs = {"goal8": _run_folder(base / "goal8", devices=300, goal=8),
-            "goal10": _run_folder(base / "goal10", devices=400, goal=10)}
+    runs = {
+        "goal8": _run_folder(base / "goal8", devices=300, goal=8),
+        "goal10": _run_folder(base / "goal10", devices=400, goal=10),
+    }
     assert all(any(r.committed for r in run.rounds) for run in runs.values())
     return base, runs
 
@@ -80,8 +84,12 @@ def test_every_run_has_its_series_on_the_shared_axes(two_runs):
     figures = {f.name: f.drawn for f in compare_figures(folders)}
     for folder, run in zip(folders, runs.values()):
         series = accuracy_series(run.rounds)
-        lines = {(ax.get_title(), line.get_label()): line.get_xydata().tolist()
-                 for fig in figures.values() for ax in fig.axes for line in ax.get_lines()}
+        lines = {
+            (ax.get_title(), line.get_label()): line.get_xydata().tolist()
+            for fig in figures.values()
+            for ax in fig.axes
+            for line in ax.get_lines()
+        }
         assert lines[("Accuracy over simulated time", folder.label)] == [list(p) for p in series["accuracy_by_hour"]]
         assert lines[("Accuracy over committed rounds", folder.label)] == [list(p) for p in series["accuracy_by_round"]]
         assert lines[("Loss over committed rounds", folder.label)] == [list(p) for p in series["loss_by_round"]]
@@ -129,8 +137,14 @@ def test_folders_of_the_same_name_are_told_apart_and_labels_must_match_the_runs(
 def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_runs, tmp_path, capsys, make):
     base, _runs = two_runs
     other = tmp_path / "other"
-    expected = {"empty": "no summary.json and no rounds.csv", "missing": "no such folder", "file": "a file, not a folder",
-                "bad_json": "not JSON", "no_rounds": "no rounds.csv", "one_run": "two or more run folders"}[make]
+    expected = {
+        "empty": "no summary.json and no rounds.csv",
+        "missing": "no such folder",
+        "file": "a file, not a folder",
+        "bad_json": "not JSON",
+        "no_rounds": "no rounds.csv",
+        "one_run": "two or more run folders",
+    }[make]
     if make == "empty":
         other.mkdir()
     elif make == "file":

@@ -96,12 +96,12 @@ def test_replace_applies_overrides_and_validates_them():
         ("[availability.battery]\nstart_min = 0.9\nstart_max = 0.2", "start_min"),
         ("[[availability.time_zones]]\nutc_offset_h = -5.0\nshare = 0.5", "availability.time_zones"),
         ("[[availability.time_zones]]\nutc_offset_h = 30.0\nshare = 1.0", "availability.time_zones.0.utc_offset_h"),
-        ("[[device_classes]]\nname = \"a\"\nshare = 1.0\nspeed = 1.0\nmemory_mb = 1024", "min_memory_mb"),
-        ("[[device_classes]]\nname = \"a\"\nshare = 0.0\nspeed = 1.0\nmemory_mb = 4096", "device_classes.0.share"),
-        ("[[runtime_versions]]\nversion = \"latest\"\nshare = 1.0", "runtime_versions"),
+        ('[[device_classes]]\nname = "a"\nshare = 1.0\nspeed = 1.0\nmemory_mb = 1024', "min_memory_mb"),
+        ('[[device_classes]]\nname = "a"\nshare = 0.0\nspeed = 1.0\nmemory_mb = 4096', "device_classes.0.share"),
+        ('[[runtime_versions]]\nversion = "latest"\nshare = 1.0', "runtime_versions"),
         (
-            "[[network_classes]]\nname = \"x\"\nshare = 0.5\ndown_mbps = 1.0\nup_mbps = 1.0\nlatency_ms = 1.0\n"
-            "[[network_classes]]\nname = \"x\"\nshare = 0.5\ndown_mbps = 1.0\nup_mbps = 1.0\nlatency_ms = 1.0",
+            '[[network_classes]]\nname = "x"\nshare = 0.5\ndown_mbps = 1.0\nup_mbps = 1.0\nlatency_ms = 1.0\n'
+            '[[network_classes]]\nname = "x"\nshare = 0.5\ndown_mbps = 1.0\nup_mbps = 1.0\nlatency_ms = 1.0',
             "network_classes",
         ),
         ("[data]\nexamples_min = 50\nexamples_median = 10", "examples_min"),
@@ -136,19 +136,41 @@ week = st.floats(0.001, MAX_TIMEOUT_S)
 
 
 @settings(max_examples=200, deadline=None)
-@given(selection=week, report=week, retry=st.tuples(st.floats(0.0, MAX_TIMEOUT_S), st.floats(0.0, MAX_TIMEOUT_S)),
-       secagg=week, goal=st.integers(1, 1_000_000), over=st.floats(1.0, 100.0), fraction=st.floats(0.001, 1.0),
-       group=st.integers(2, 100_000), secure=st.booleans(), max_rounds=st.none() | st.integers(1, 10**9))
+@given(
+    selection=week,
+    report=week,
+    retry=st.tuples(st.floats(0.0, MAX_TIMEOUT_S), st.floats(0.0, MAX_TIMEOUT_S)),
+    secagg=week,
+    goal=st.integers(1, 1_000_000),
+    over=st.floats(1.0, 100.0),
+    fraction=st.floats(0.001, 1.0),
+    group=st.integers(2, 100_000),
+    secure=st.booleans(),
+    max_rounds=st.none() | st.integers(1, 10**9),
+)
 def test_every_valid_task_section_is_a_round_configuration_the_server_takes(
     selection, report, retry, secagg, goal, over, fraction, group, secure, max_rounds
 ):
     """The section's bounds are the server's: a config that validates never fails later, when the
     simulator builds the server's round configuration from it."""
     data = FleetConfig.default().model_dump()
-    data["task"].update(selection_timeout_s=selection, report_timeout_s=report, retry_min_s=min(retry),
-                        retry_max_s=max(retry), secagg_round_timeout_s=secagg, goal_count=goal, over_selection=over,
-                        min_fraction=fraction, secagg_group_size=group, secure=secure, max_rounds=max_rounds)
+    data["task"].update(
+        selection_timeout_s=selection,
+        report_timeout_s=report,
+        retry_min_s=min(retry),
+        retry_max_s=max(retry),
+        secagg_round_timeout_s=secagg,
+        goal_count=goal,
+        over_selection=over,
+        min_fraction=fraction,
+        secagg_group_size=group,
+        secure=secure,
+        max_rounds=max_rounds,
+    )
     task = FleetConfig.from_dict(data).task
     config = task_round_config(task)
     assert (config.selection_timeout_s, config.report_timeout_s, config.retry_window_s) == (
-        selection, report, (min(retry), max(retry)))
+        selection,
+        report,
+        (min(retry), max(retry)),
+    )

@@ -9,9 +9,7 @@ from hypothesis import strategies as st
 
 from emulator.fleet.events import AppKilled, EventLoop, Fibers, SimulationError, SimulationOver
 
-_events = st.lists(
-    st.tuples(st.floats(0.0, 100.0, allow_nan=False), st.integers(-2, 2)), min_size=1, max_size=60
-)
+_events = st.lists(st.tuples(st.floats(0.0, 100.0, allow_nan=False), st.integers(-2, 2)), min_size=1, max_size=60)
 
 
 @given(_events)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from emulator.cli import main
+from emulator.cli.commands import main
 from emulator.fleet import FleetConfig
 from emulator.fleet.workload import load_workload
 
@@ -36,8 +36,16 @@ retry_min_s = 60.0
 retry_max_s = 300.0
 compute_s_per_example = 0.2
 """
-SUMMARY_KEYS = ("time_to_target_accuracy_s", "client_accuracy_percentiles", "data_clients", "devices_per_client",
-                "task_file", "tasks", "data", "accuracy")
+SUMMARY_KEYS = (
+    "time_to_target_accuracy_s",
+    "client_accuracy_percentiles",
+    "data_clients",
+    "devices_per_client",
+    "task_file",
+    "tasks",
+    "data",
+    "accuracy",
+)
 
 
 def writers() -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -154,8 +162,14 @@ def test_a_tff_h5_folder_runs_the_built_in_task_sized_to_its_images(tmp_path, ca
 
 def test_a_parquet_table_trains_an_onnx_task(tmp_path, capsys):
     data = write_parquet(tmp_path / "digits.parquet")
-    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_cnn_task.py"),
-                                  "--data", f"table:{data},client=writer,test_split=clients")
+    code, summary, err = simulate(
+        tmp_path,
+        capsys,
+        "--task",
+        str(TASKS / "digits_cnn_task.py"),
+        "--data",
+        f"table:{data},client=writer,test_split=clients",
+    )
     assert code == 0, err
     check_summary(summary)
     assert summary["tasks"] == ["digits_cnn"] and summary["data_clients"] < WRITERS  # some writers held out
@@ -164,7 +178,8 @@ def test_a_parquet_table_trains_an_onnx_task(tmp_path, capsys):
 def test_a_csv_table_from_the_config_with_fewer_devices_than_clients(tmp_path, capsys):
     write_csv(tmp_path / "people.csv")
     fleet = FLEET.replace("devices = 60", "devices = 20") + (
-        '\n[data]\nformat = "table"\npath = "people.csv"\noptions = {client = "client", test_split = "clients"}\n')
+        '\n[data]\nformat = "table"\npath = "people.csv"\noptions = {client = "client", test_split = "clients"}\n'
+    )
     code, summary, err = simulate(tmp_path, capsys, fleet=fleet)
     assert code == 0, err
     assert summary["data_clients"] > 20 and summary["devices_per_client"] < 1
@@ -173,16 +188,23 @@ def test_a_csv_table_from_the_config_with_fewer_devices_than_clients(tmp_path, c
 
 def test_an_npz_cut_by_a_dirichlet_partitioner_runs_a_training_and_an_evaluation_task(tmp_path, capsys):
     data = write_npz(tmp_path / "digits.npz")
-    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_eval_task.py"),
-                                  "--data", f"npz:{data},partition=dirichlet,alpha=0.5,clients=30")
+    code, summary, err = simulate(
+        tmp_path,
+        capsys,
+        "--task",
+        str(TASKS / "digits_eval_task.py"),
+        "--data",
+        f"npz:{data},partition=dirichlet,alpha=0.5,clients=30",
+    )
     assert code == 0, err
     check_summary(summary)
     assert summary["tasks"] == ["digits_mlp", "digits_mlp_eval"] and summary["data_clients"] == 30
 
 
 def test_the_built_in_digits_spec_runs_a_task_group(tmp_path, capsys):
-    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_lr_sweep.py"),
-                                  "--data", "digits,partition=shards,clients=40")
+    code, summary, err = simulate(
+        tmp_path, capsys, "--task", str(TASKS / "digits_lr_sweep.py"), "--data", "digits,partition=shards,clients=40"
+    )
     assert code == 0, err
     assert summary["tasks"] == ["digits_mlp-lr0.1", "digits_mlp-lr0.2", "digits_mlp-lr0.3"]
     assert summary["rounds_committed"] >= 1 and summary["data_clients"] == 40
@@ -215,15 +237,28 @@ def secure_fleet(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_secure_task_file_turns_on_the_fleets_attested_secure_path(tmp_path):
     task, config = secure_fleet(tmp_path)
     workload = load_workload(FleetConfig.load(config).replace(task_file=task))
-    assert workload.secure and workload.tasks[0].rounds.goal_count == 10  # the task's RoundConfig: [task] sets no round key
+    assert (
+        workload.secure and workload.tasks[0].rounds.goal_count == 10
+    )  # the task's RoundConfig: [task] sets no round key
     assert not load_workload(FleetConfig.load(config)).secure
 
 
 @pytest.mark.slow
 def test_a_secure_task_file_commits_rounds_summed_in_attested_groups(tmp_path, capsys):
     task, config = secure_fleet(tmp_path)
-    code = main(["simulate", str(config), "--task", str(task), "--seed", "3", "--no-progress",
-                 "--data", "digits,partition=iid,clients=20"])
+    code = main(
+        [
+            "simulate",
+            str(config),
+            "--task",
+            str(task),
+            "--seed",
+            "3",
+            "--no-progress",
+            "--data",
+            "digits,partition=iid,clients=20",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and summary["rounds_committed"] >= 1 and summary["errors"] == {}
     assert summary["shapes"].get("-v[]+^", 0) >= 10  # reports summed in attested groups
@@ -234,7 +269,11 @@ def test_a_sharded_run_of_a_task_file_on_a_dataset_equals_the_single_process_run
     from emulator.fleet.federated_data import parse_data_spec
 
     config = FleetConfig.load(ROOT / "examples" / "fleets" / "small.toml").replace(
-        devices=40, hours=1.0, task_file=TASKS / "digits_eval_task.py", data=parse_data_spec("digits,partition=dirichlet,clients=25"))
+        devices=40,
+        hours=1.0,
+        task_file=TASKS / "digits_eval_task.py",
+        data=parse_data_spec("digits,partition=dirichlet,clients=25"),
+    )
     alone = simulate(config, progress=False)
     sharded = simulate_sharded(config, shards=2, ray=False)
     assert sharded.digest == alone.digest and alone.summary()["rounds_committed"] >= 1
@@ -247,7 +286,10 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
     config = FleetConfig.load(fleet)
     (task,) = load_workload(config).tasks
     assert task.rounds.goal_count == 7 and task.rounds.max_rounds == 20  # the fleet's key; the task's own
-    assert task.rounds.report_timeout_s == 60.0 and tuple(task.rounds.retry_window_s) == (20.0, 1800.0)  # both retry keys
+    assert task.rounds.report_timeout_s == 60.0 and tuple(task.rounds.retry_window_s) == (
+        20.0,
+        1800.0,
+    )  # both retry keys
     assert load_workload(config.replace(goal=9)).tasks[0].rounds.goal_count == 9  # --goal
     kept = load_workload(config.replace(devices=30)).tasks[0].rounds
     assert kept.goal_count == 7 and kept.report_timeout_s == 60.0  # a command-line override sets nothing else
@@ -273,8 +315,10 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('the proxy data is not there')\n")
     not_a_plan = tmp_path / "not_a_plan.py"
-    not_a_plan.write_text("from emulator.toolchain.tasks import ProxyData, Task\n"
-                          "task = Task(name='t', model=lambda hp: 42, proxy=lambda: None)\n")
+    not_a_plan.write_text(
+        "from emulator.toolchain.tasks import ProxyData, Task\n"
+        "task = Task(name='t', model=lambda hp: 42, proxy=lambda: None)\n"
+    )
     tff = write_tff(tmp_path / "tff") if any("{tff}" in a for a in args) else None
     args = tuple(a.format(broken=broken, not_a_plan=not_a_plan, tff=tff) for a in args)
     fleet = "[fleet]\ndevices = 10\nhours = 0.1\n" + ("\n" + fleet_extra if fleet_extra else "")

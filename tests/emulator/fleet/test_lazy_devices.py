@@ -25,15 +25,17 @@ IDLE_DEVICE_BYTES = 3_000
 def _run(config: FleetConfig, tmp_path, name: str) -> tuple[FleetRun, FleetSimulator]:
     specs = generate_population(config)
     data = fleet_dataset(config)
-    sim = FleetSimulator(config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test),
-                         workdir=tmp_path / name)
+    sim = FleetSimulator(
+        config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test), workdir=tmp_path / name
+    )
     return sim.run(), sim
 
 
 def _same_run(a: FleetRun, b: FleetRun) -> None:
     assert a.digest == b.digest
     assert [(r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in a.rounds] == [
-        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in b.rounds]
+        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in b.rounds
+    ]
     assert a.sessions == b.sessions
     assert a.timeline == b.timeline
 
@@ -44,7 +46,9 @@ def _faulty(seed: int, **task: object) -> FleetConfig:
     return FleetConfig.from_dict(data)
 
 
-def test_devices_built_when_they_first_wake_and_released_after_each_job_give_the_run_of_devices_kept_built(tmp_path, monkeypatch):
+def test_devices_built_when_they_first_wake_and_released_after_each_job_give_the_run_of_devices_kept_built(
+    tmp_path, monkeypatch
+):
     """With faults striking mid-session (apps killed, conditions breaking, the network lost), a
     fleet whose devices are built on their first wake-up and released after every job run gives
     the digest, rounds, sessions and timeline of the fleet built whole at the start and kept
@@ -64,7 +68,9 @@ def test_devices_built_when_they_first_wake_and_released_after_each_job_give_the
     assert sum(d.materialized for d in lazy_sim.devices) < woken / 2  # the rest are released between job runs
 
 
-def test_releasing_devices_between_job_runs_changes_nothing_for_a_task_with_eligibility_and_rounds_that_repeat(tmp_path, monkeypatch):
+def test_releasing_devices_between_job_runs_changes_nothing_for_a_task_with_eligibility_and_rounds_that_repeat(
+    tmp_path, monkeypatch
+):
     """Released or kept, with devices that take part again and again (short retry windows) in a
     task whose eligibility reads the device's store and its last participations: their random
     streams, scheduled jobs, opstats and downloaded plans carry over."""

@@ -23,9 +23,19 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def mlp(hidden: tuple[int, ...], batch_size: int = 8, **kwargs: object):
-    return build_mlp_plan(64, hidden, 10, learning_rate=0.3, batch_size=batch_size, epochs=2,
-                          selector=ExampleSelector("app:/examples"), inputs={"x": "x", "y": "y"}, shuffle_seed=0,
-                          name="mlp", **kwargs)
+    return build_mlp_plan(
+        64,
+        hidden,
+        10,
+        learning_rate=0.3,
+        batch_size=batch_size,
+        epochs=2,
+        selector=ExampleSelector("app:/examples"),
+        inputs={"x": "x", "y": "y"},
+        shuffle_seed=0,
+        name="mlp",
+        **kwargs,
+    )
 
 
 def mlp_gemm_flops(sizes: list[int], batch: int) -> int:
@@ -60,7 +70,9 @@ def test_the_flops_of_a_conv_plan_are_its_hand_count():
     cost = plan_cost(plan)
     conv_out = batch * 4 * 6 * 6
     assert cost.flops_by_op["Conv"] == 2 * conv_out * 9 + conv_out + 2 * conv_out * 9
-    assert cost.flops_by_op["Gemm"] == mlp_gemm_flops([36, 10], batch) + 2 * batch * 10 * 36  # and the gradient to the Conv
+    assert (
+        cost.flops_by_op["Gemm"] == mlp_gemm_flops([36, 10], batch) + 2 * batch * 10 * 36
+    )  # and the gradient to the Conv
     assert cost.parameters == 4 * 9 + 4 + 36 * 10 + 10
     assert cost.unresolved == ()
 
@@ -85,7 +97,8 @@ def test_every_export_of_one_model_counts_the_same_multiply_adds():
 
 def _one_node(op: str, inputs: dict[str, list[int]], output: list[int], **attrs: object) -> dict[str, int]:
     graph = helper.make_graph(
-        [helper.make_node(op, list(inputs), ["out"], **attrs)], "g",
+        [helper.make_node(op, list(inputs), ["out"], **attrs)],
+        "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, output)],
     )
@@ -99,12 +112,15 @@ def test_the_flops_of_batched_matmul_conv_transpose_einsum_and_lstm_are_their_ha
     assert _one_node("MatMul", {"a": [5, 2, 3], "b": [5, 3, 4]}, [5, 2, 4]) == {"MatMul": 2 * 5 * 2 * 4 * 3}
     # ConvTranspose: every input element spreads over out-channels-per-group x kernel outputs
     assert _one_node("ConvTranspose", {"x": [2, 3, 4, 4], "w": [3, 6, 2, 2]}, [2, 6, 5, 5]) == {
-        "ConvTranspose": 2 * (2 * 3 * 4 * 4) * (6 * 2 * 2)}
+        "ConvTranspose": 2 * (2 * 3 * 4 * 4) * (6 * 2 * 2)
+    }
     assert _one_node("Einsum", {"a": [2, 3, 4], "b": [2, 4, 5]}, [2, 3, 5], equation="bij,bjk->bik") == {
-        "Einsum": 2 * 2 * 3 * 4 * 5}
+        "Einsum": 2 * 2 * 3 * 4 * 5
+    }
     # LSTM: 7 steps, batch 2, input 3, hidden 4: four gates of W (16x3) and R (16x4) per step
     assert _one_node("LSTM", {"x": [7, 2, 3], "w": [1, 16, 3], "r": [1, 16, 4]}, [7, 1, 2, 4], hidden_size=4) == {
-        "LSTM": 2 * 7 * 2 * (16 * 3 + 16 * 4)}
+        "LSTM": 2 * 7 * 2 * (16 * 3 + 16 * 4)
+    }
     assert _one_node("Relu", {"x": [3, 5]}, [3, 5]) == {"Relu": 15}
     assert _one_node("Reshape", {"x": [3, 5], "s": [2]}, [15]) == {}
 
@@ -154,7 +170,9 @@ def test_the_default_rate_gives_the_default_digits_mlp_one_second_per_example():
 SMALL = {"devices": 40, "hours": 1.0, "start_utc_hour": 6.0}
 
 
-def fleet(seed: int = 1, classes: list[dict] | None = None, fleet_extra: dict | None = None, **task: object) -> FleetConfig:
+def fleet(
+    seed: int = 1, classes: list[dict] | None = None, fleet_extra: dict | None = None, **task: object
+) -> FleetConfig:
     data = FleetConfig.default().model_dump()
     data["task"] = {k: v for k, v in data["task"].items() if v is not None}
     data["fleet"].update(SMALL, seed=seed, **(fleet_extra or {}))
@@ -215,8 +233,10 @@ SHORT = [
 @pytest.fixture(scope="module")
 def short_of_memory() -> FleetRun:
     # hidden [2048]: a plan of about 1.6 MB, more than the tiny class's 1 MB
-    return simulate(fleet(seed=2, classes=SHORT, fleet_extra={"min_memory_mb": 1}, hidden=[2048], compute_s_per_example=0.2),
-                    progress=False)
+    return simulate(
+        fleet(seed=2, classes=SHORT, fleet_extra={"min_memory_mb": 1}, hidden=[2048], compute_s_per_example=0.2),
+        progress=False,
+    )
 
 
 def test_a_device_class_whose_memory_cannot_hold_the_plan_takes_no_part_and_is_counted(short_of_memory):

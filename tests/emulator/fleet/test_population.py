@@ -19,7 +19,15 @@ def fleet():
 
 def _fingerprint(spec):
     a = spec.availability
-    return (spec.device_class, spec.runtime_version, spec.utc_offset_h, spec.network, spec.faults, tuple(a.times), a.flags)
+    return (
+        spec.device_class,
+        spec.runtime_version,
+        spec.utc_offset_h,
+        spec.network,
+        spec.faults,
+        tuple(a.times),
+        a.flags,
+    )
 
 
 def test_the_same_seed_gives_the_same_population_and_another_seed_a_different_one():
@@ -54,9 +62,13 @@ def test_classes_versions_networks_and_time_zones_match_their_shares(fleet):
     config, devices = fleet
     n = len(devices)
     _assert_shares(Counter(s.device_class for s in devices), {c.name: c.share for c in config.device_classes}, n)
-    _assert_shares(Counter(s.runtime_version for s in devices), {v.version: v.share for v in config.runtime_versions}, n)
+    _assert_shares(
+        Counter(s.runtime_version for s in devices), {v.version: v.share for v in config.runtime_versions}, n
+    )
     _assert_shares(Counter(s.network.name for s in devices), {c.name: c.share for c in config.network_classes}, n)
-    _assert_shares(Counter(s.utc_offset_h for s in devices), {z.utc_offset_h: z.share for z in config.availability.time_zones}, n)
+    _assert_shares(
+        Counter(s.utc_offset_h for s in devices), {z.utc_offset_h: z.share for z in config.availability.time_zones}, n
+    )
 
 
 def test_only_devices_with_enough_memory_take_part_and_their_class_sets_speed(fleet):

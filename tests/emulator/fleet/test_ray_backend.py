@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from emulator.cli import main
+from emulator.cli.commands import main
 from emulator.fleet import EventLoop, FleetConfig, FleetConfigError, FleetRun, SimulationError, simulate
 from emulator.fleet.ray_backend import parse_sweep, run_many, simulate_sharded, sweep_configs
 
@@ -45,7 +45,9 @@ def same_run(a: FleetRun, b: FleetRun) -> None:
     assert strip(a) == strip(b)
 
 
-_keyed = st.lists(st.tuples(st.sampled_from([0.0, 1.0, 2.5]), st.integers(-2, 2), st.integers(0, 5)), min_size=1, max_size=40)
+_keyed = st.lists(
+    st.tuples(st.sampled_from([0.0, 1.0, 2.5]), st.integers(-2, 2), st.integers(0, 5)), min_size=1, max_size=40
+)
 
 
 @given(_keyed, st.randoms(use_true_random=False))
@@ -127,7 +129,9 @@ def test_a_sweep_is_the_grid_of_its_values_and_refuses_unknown_keys_by_name():
 
 def test_simulate_with_shards_prints_the_digest_of_the_single_process_run(tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text("[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
+    fleet.write_text(
+        "[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8"
+    )
     assert main(["simulate", str(fleet), "--seed", "2", "--no-progress"]) == 0
     alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main(["simulate", str(fleet), "--seed", "2", "--shards", "2", "--no-progress"]) == 0
@@ -139,14 +143,18 @@ def test_simulate_with_shards_prints_the_digest_of_the_single_process_run(tmp_pa
 
 def test_simulate_with_seeds_prints_one_line_per_run_then_their_digests(tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text("[fleet]\ndevices = 20\nhours = 0.25\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
+    fleet.write_text(
+        "[fleet]\ndevices = 20\nhours = 0.25\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8"
+    )
     assert main(["simulate", str(fleet), "--seeds", "1,2", "--sweep", "goal_count=6,8", "--no-progress"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 5
     *runs, last = lines
-    assert [r["params"] for r in runs] == last["params"] == [
-        {"fleet.seed": s, "task.goal_count": g} for s in (1, 2) for g in (6, 8)
-    ]
+    assert (
+        [r["params"] for r in runs]
+        == last["params"]
+        == [{"fleet.seed": s, "task.goal_count": g} for s in (1, 2) for g in (6, 8)]
+    )
     assert [r["digest"] for r in runs] == last["digests"]
     assert last["digests"][0] != last["digests"][2]  # another seed, another run
     assert main(["simulate", str(fleet), "--seeds", "one,two", "--no-progress"]) == 2
@@ -187,7 +195,9 @@ def test_the_sharded_run_on_two_ray_workers_equals_the_single_process_run(cluste
 @on_the_cluster
 def test_runs_fanned_out_as_ray_tasks_equal_the_same_runs_here(cluster, tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text("[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8")
+    fleet.write_text(
+        "[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8"
+    )
     configs = [FleetConfig.load(fleet).replace(seed=s) for s in (1, 2)]
     on_ray = run_many(configs, ray=True)
     here = run_many(configs, ray=False)

@@ -15,7 +15,7 @@ import pytest
 from emulator.fleet import FleetConfig, FleetConfigError, FleetRun, device_examples, fleet_dataset, generate_population
 from emulator.fleet.events import SimulationError
 from emulator.fleet.simulator import FleetSimulator
-from emulator.runtime_worker import ReleasePlans
+from emulator.releases.workers import ReleasePlans
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 
 OLD, NEW = "1.17.3", "1.31.1"
@@ -32,8 +32,13 @@ def real_config(seed: int = 1, releases: tuple[tuple[str, float], ...] = ((OLD, 
 
 def _simulator(config: FleetConfig, workdir) -> FleetSimulator:
     data = fleet_dataset(config)
-    return FleetSimulator(config, generate_population(config), lambda spec: device_examples(config, spec),
-                          (data.x_test, data.y_test), workdir=workdir)
+    return FleetSimulator(
+        config,
+        generate_population(config),
+        lambda spec: device_examples(config, spec),
+        (data.x_test, data.y_test),
+        workdir=workdir,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,4 +119,3 @@ def test_a_release_no_plan_can_be_written_for_stops_the_run_before_it_starts(tmp
     with pytest.raises(SimulationError, match=r"no plan for onnxruntime 1\.14\.0.*remove it from runtime_versions"):
         _simulator(config, tmp_path)
     assert not list(tmp_path.glob("server.db*"))  # refused before a server was made
-

@@ -44,7 +44,9 @@ def synthetic_run(*, seed: int = 0, hours: float = 24.0, devices: int = 300, rou
         day = 0.5 * (1 + math.cos(2 * math.pi * (t / 86400.0 - 0.1)))  # peak near 02:24 UTC
         available = int(devices * (0.1 + 0.3 * day) + rng.integers(0, 5))
         participating = int(rng.integers(0, max(1, available // 3)))
-        timeline.append(TimelineRow(float(t), available, int(rng.integers(0, available + 1)), participating, participating))
+        timeline.append(
+            TimelineRow(float(t), available, int(rng.integers(0, available + 1)), participating, participating)
+        )
     round_rows = []
     sessions = []
     for i in range(rounds):
@@ -59,7 +61,20 @@ def synthetic_run(*, seed: int = 0, hours: float = 24.0, devices: int = 300, rou
         loss = float(2.0 - 1.5 * i / rounds) if committed else float("nan")
         round_id = f"r{i:03d}"
         round_rows.append(
-            RoundRow(round_id, "train", start, start + duration, committed, selected, reported, accepted, dropped, duration, accuracy, loss)
+            RoundRow(
+                round_id,
+                "train",
+                start,
+                start + duration,
+                committed,
+                selected,
+                reported,
+                accepted,
+                dropped,
+                duration,
+                accuracy,
+                loss,
+            )
         )
         for j in range(selected):
             shape = str(rng.choice(_SHAPES, p=_SHAPE_P))
@@ -87,10 +102,14 @@ def synthetic_run(*, seed: int = 0, hours: float = 24.0, devices: int = 300, rou
             )
     for k in range(devices):
         t = float(rng.uniform(0, span))
-        sessions.append(SessionRow(f"d{k:05d}", "", "", "", t, t + 0.5, "-", "rejected", 300, 0, 0, 0.0, 0.5, "1.20.1", "mid", 12.0))
+        sessions.append(
+            SessionRow(f"d{k:05d}", "", "", "", t, t + 0.5, "-", "rejected", 300, 0, 0, 0.0, 0.5, "1.20.1", "mid", 12.0)
+        )
     sessions.sort(key=lambda s: (s.start_s, s.device_id))
     round_rows.sort(key=lambda r: r.start_s)
-    return FleetRun(sessions=sessions, rounds=round_rows, timeline=timeline, digest="ab" * 32, wall_s=12.5, simulated_s=span)
+    return FleetRun(
+        sessions=sessions, rounds=round_rows, timeline=timeline, digest="ab" * 32, wall_s=12.5, simulated_s=span
+    )
 
 
 # --- reading the report back ------------------------------------------------------------------
@@ -127,7 +146,7 @@ class _ReportParser(HTMLParser):
         elif tag == "img":
             prefix = "data:image/png;base64,"
             assert a["src"].startswith(prefix)
-            self.images[self._figure] = base64.b64decode(a["src"][len(prefix):])
+            self.images[self._figure] = base64.b64decode(a["src"][len(prefix) :])
         elif tag == "script" and a.get("id") == "summary-json":
             self._in_json = True
 
@@ -255,13 +274,19 @@ def test_the_html_page_holds_the_runs_numbers_plots_and_rounds(run, report_dir):
     round_rows = page.tables["rounds"][1:]
     assert len(round_rows) == len(run.rounds)
     for cells, r in zip(round_rows, run.rounds):
-        assert cells[0] == r.round_id and cells[5] == r.committed and cells[6:10] == [r.selected, r.reported, r.accepted, r.dropped]
-        assert cells[4] == r.duration_s and (cells[10] == r.accuracy if not math.isnan(r.accuracy) else cells[10] is None)
+        assert (
+            cells[0] == r.round_id
+            and cells[5] == r.committed
+            and cells[6:10] == [r.selected, r.reported, r.accepted, r.dropped]
+        )
+        assert cells[4] == r.duration_s and (
+            cells[10] == r.accuracy if not math.isnan(r.accuracy) else cells[10] is None
+        )
     for plot in PLOTS:
         name = f"{plot.__name__.removeprefix('plot_')}.png"
         assert page.images[name] == (report_dir / name).read_bytes()
     text = (report_dir / "report.html").read_text()
-    assert "<link" not in text and "http" not in text and "src=\"data:image/png;base64," in text  # self-contained
+    assert "<link" not in text and "http" not in text and 'src="data:image/png;base64,' in text  # self-contained
 
 
 def test_the_same_run_writes_the_same_bytes(run, report_dir, tmp_path):
@@ -282,8 +307,16 @@ def test_an_empty_run_has_undefined_rates_and_still_writes_a_report(tmp_path):
     empty = FleetRun(sessions=[], rounds=[], timeline=[], digest="cd" * 32)
     summary = write_report(empty, tmp_path)
     assert summary == json.loads((tmp_path / "summary.json").read_text())
-    for key in ("dropout_rate", "availability_swing", "round_completion_rate", "round_duration_median_s",
-                "accuracy", "loss", "sim_s_per_wall_s", "sessions_per_wall_s"):
+    for key in (
+        "dropout_rate",
+        "availability_swing",
+        "round_completion_rate",
+        "round_duration_median_s",
+        "accuracy",
+        "loss",
+        "sim_s_per_wall_s",
+        "sessions_per_wall_s",
+    ):
         assert summary[key] is None, key
     assert summary["shapes"] == {} and summary["rounds"] == summary["sessions"] == 0
     page = _parse_report(tmp_path / "report.html")
@@ -294,7 +327,10 @@ def test_an_empty_run_has_undefined_rates_and_still_writes_a_report(tmp_path):
 
 
 def test_a_run_of_rejected_check_ins_has_no_shapes_and_no_dropout():
-    rejected = [SessionRow(f"d{i}", "", "", "", float(i), i + 0.5, "-", "rejected", 200, 0, 0, 0.0, 0.5, "1.31.1", "mid", 3.0) for i in range(5)]
+    rejected = [
+        SessionRow(f"d{i}", "", "", "", float(i), i + 0.5, "-", "rejected", 200, 0, 0, 0.0, 0.5, "1.31.1", "mid", 3.0)
+        for i in range(5)
+    ]
     summary = summarize(FleetRun(sessions=rejected, rounds=[], timeline=_timeline([3] * 24), digest="", wall_s=2.0))
     assert summary["shapes"] == {} and summary["dropout_rate"] is None
     assert summary["checkins_rejected"] == summary["sessions"] == 5 and summary["sessions_accepted"] == 0
@@ -328,13 +364,41 @@ _shape = st.text(alphabet="-v[]+^#!*", min_size=1, max_size=7).map(lambda s: "-"
 def _runs(draw) -> FleetRun:
     n = draw(st.integers(0, 30))
     sessions = [
-        SessionRow(f"d{i}", draw(st.sampled_from(["", f"s{i}"])), "t", "", float(i), i + 1.0, draw(_shape), "", draw(st.integers(0, 10**6)),
-                   draw(st.integers(0, 10**6)), 0, 0.0, 0.0, "1.31.1", "mid", draw(st.floats(0, 23.99)))
+        SessionRow(
+            f"d{i}",
+            draw(st.sampled_from(["", f"s{i}"])),
+            "t",
+            "",
+            float(i),
+            i + 1.0,
+            draw(_shape),
+            "",
+            draw(st.integers(0, 10**6)),
+            draw(st.integers(0, 10**6)),
+            0,
+            0.0,
+            0.0,
+            "1.31.1",
+            "mid",
+            draw(st.floats(0, 23.99)),
+        )
         for i in range(n)
     ]
     rounds = [
-        RoundRow(f"r{i}", "t", 0.0, 1.0, draw(st.booleans()), 3, 2, 1, 1, draw(st.floats(0, 1e4)),
-                 draw(st.floats(allow_nan=True, allow_infinity=False)), draw(st.floats(allow_nan=True, allow_infinity=False)))
+        RoundRow(
+            f"r{i}",
+            "t",
+            0.0,
+            1.0,
+            draw(st.booleans()),
+            3,
+            2,
+            1,
+            1,
+            draw(st.floats(0, 1e4)),
+            draw(st.floats(allow_nan=True, allow_infinity=False)),
+            draw(st.floats(allow_nan=True, allow_infinity=False)),
+        )
         for i in range(draw(st.integers(0, 10)))
     ]
     counts = draw(st.lists(st.integers(0, 10**4), max_size=30))
@@ -387,8 +451,13 @@ def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(tmp_path):
 
 def test_sessions_that_end_in_errors_are_counted_by_kind(tmp_path):
     # the network is lost so often that an upload runs out of retries: ServerUnreachable
-    config = FleetConfig.from_dict({"fleet": {"devices": 120, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10},
-                                    "faults": {"network_lost_per_h": 20.0}})
+    config = FleetConfig.from_dict(
+        {
+            "fleet": {"devices": 120, "hours": 2.0, "seed": 5},
+            "task": {"goal_count": 10},
+            "faults": {"network_lost_per_h": 20.0},
+        }
+    )
     run = simulate(config, out_dir=tmp_path, progress=False)
     errors = [s for s in run.sessions if s.outcome == "error"]
     assert errors and run.errors == {"ServerUnreachable": len(errors)}
@@ -421,7 +490,9 @@ from emulator.fleet.tables import with_round_bytes  # noqa: E402
 
 def small_fleet(goal: int = 8, devices: int = 300, hours: float = 2.0) -> FleetRun:
     """A real simulated fleet small enough for the default run: a few rounds commit, most are abandoned."""
-    config = FleetConfig.from_dict({"fleet": {"devices": devices, "hours": hours, "seed": 5}, "task": {"goal_count": goal}})
+    config = FleetConfig.from_dict(
+        {"fleet": {"devices": devices, "hours": hours, "seed": 5}, "task": {"goal_count": goal}}
+    )
     return simulate(config, progress=False)
 
 
@@ -451,7 +522,10 @@ def test_every_round_and_device_count_axis_has_whole_number_ticks(fleet_report):
     _run, _summary, figures, _out = fleet_report
     checked = 0
     for fig, ax in _all_axes(figures):
-        for axis, label, lim in ((ax.xaxis, ax.get_xlabel(), ax.get_xlim()), (ax.yaxis, ax.get_ylabel(), ax.get_ylim())):
+        for axis, label, lim in (
+            (ax.xaxis, ax.get_xlabel(), ax.get_xlim()),
+            (ax.yaxis, ax.get_ylabel(), ax.get_ylim()),
+        ):
             if label in ("round", "committed round", "rounds", "devices", "sessions"):
                 ticks = _visible_ticks(axis, *lim)
                 assert ticks, (fig.name, label)
@@ -489,8 +563,24 @@ def test_hour_of_day_axes_span_only_the_hours_with_data(fleet_report):
 
 def test_an_hour_without_sessions_inside_the_axis_is_named_in_the_caption():
     def session(i: int, hour: float) -> SessionRow:
-        return SessionRow(f"d{i}", f"s{i}", "t", "t/1", 0.0, 1.0, "-v[]+^" if i % 3 else "-v[!", "completed", 10, 10, 1,
-                          0.0, 0.0, "1.31.1", "mid", hour)
+        return SessionRow(
+            f"d{i}",
+            f"s{i}",
+            "t",
+            "t/1",
+            0.0,
+            1.0,
+            "-v[]+^" if i % 3 else "-v[!",
+            "completed",
+            10,
+            10,
+            1,
+            0.0,
+            0.0,
+            "1.31.1",
+            "mid",
+            hour,
+        )
 
     sessions = [session(i, h) for i, h in enumerate([22.5, 23.1, 2.4, 22.0, 23.9, 2.0])]
     fig = plot_dropout(FleetRun(sessions, [], [], digest=""))
@@ -512,8 +602,13 @@ def test_the_hour_axis_is_the_shortest_run_of_hours_round_the_clock_holding_them
 
 _round_rows = st.builds(
     lambda committed, selected, reported, accepted, dropped: RoundRow(
-        "t/1/1", "t", 0.0, 1.0, committed, selected, reported, min(accepted, reported), dropped, 1.0, math.nan, math.nan),
-    st.booleans(), st.integers(0, 200), st.integers(0, 200), st.integers(0, 200), st.integers(0, 200),
+        "t/1/1", "t", 0.0, 1.0, committed, selected, reported, min(accepted, reported), dropped, 1.0, math.nan, math.nan
+    ),
+    st.booleans(),
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.integers(0, 200),
 )
 
 
@@ -551,7 +646,9 @@ def test_every_rate_in_the_summary_table_has_its_explanation(fleet_report):
     assert all(len(why[k].split()) >= 8 for k in RATE_KEYS)
     committed = sum(r.committed for r in run.rounds)
     completion = why["round_completion_rate"]
-    assert summary["round_completion_rate"] < 0.9  # low: the sentence says why, with the run's figures, and what to change
+    assert (
+        summary["round_completion_rate"] < 0.9
+    )  # low: the sentence says why, with the run's figures, and what to change
     assert f"{committed} of {len(run.rounds)} rounds committed" in completion
     assert "--devices" in completion and "selection window" in completion
     assert f"{100 * summary['dropout_rate']:.1f}%" in why["dropout_rate"]
@@ -591,11 +688,15 @@ def test_accuracy_and_loss_are_drawn_against_hours_and_rounds(fleet_report):
     committed = [r for r in run.rounds if r.committed]
     assert [a for _, a in series["accuracy_by_round"]] == [r.accuracy for r in committed]
     fig = next(f for f in figures if f.name == "accuracy.png").drawn
-    lines = [(ax.get_title(), line.get_label(), line.get_xydata().tolist()) for ax in fig.axes for line in ax.get_lines()]
+    lines = [
+        (ax.get_title(), line.get_label(), line.get_xydata().tolist()) for ax in fig.axes for line in ax.get_lines()
+    ]
     assert ("Model quality over simulated time", "accuracy", [list(p) for p in series["accuracy_by_hour"]]) in lines
     assert ("Model quality over committed rounds", "accuracy", [list(p) for p in series["accuracy_by_round"]]) in lines
     loss_lines = [xy for _title, label, xy in lines if label == "loss"]
-    assert [list(p) for p in series["loss_by_round"]] in loss_lines and [list(p) for p in series["loss_by_hour"]] in loss_lines
+    assert [list(p) for p in series["loss_by_round"]] in loss_lines and [
+        list(p) for p in series["loss_by_hour"]
+    ] in loss_lines
     bytes_ax = next(f for f in figures if f.name == "bytes.png").drawn.axes[0]
     down = next(line for line in bytes_ax.get_lines() if line.get_label().startswith("down"))
     assert down.get_ydata().tolist() == [r.bytes_down / 1e6 for r in run.rounds]
@@ -603,11 +704,19 @@ def test_accuracy_and_loss_are_drawn_against_hours_and_rounds(fleet_report):
 
 def test_per_client_accuracy_and_time_to_target_are_shown_when_the_summary_has_them(fleet_report, tmp_path):
     run, summary, figures, out = fleet_report
-    assert summary["client_accuracy_percentiles"] and "client_accuracy.png" in {f.name for f in figures}  # measured by the run
+    assert summary["client_accuracy_percentiles"] and "client_accuracy.png" in {
+        f.name for f in figures
+    }  # measured by the run
     unmeasured = {k: v for k, v in summary.items() if k != "client_accuracy_percentiles"}
-    assert plot_client_accuracy(unmeasured) is None and plot_client_accuracy({**summary, "client_accuracy_percentiles": None}) is None
-    measured = {**summary, "time_to_target_accuracy_s": 4321.0,
-                "client_accuracy_percentiles": {"p10": 0.25, "p50": 0.5, "p90": 0.875, "accuracy": 0.55, "clients": 40}}
+    assert (
+        plot_client_accuracy(unmeasured) is None
+        and plot_client_accuracy({**summary, "client_accuracy_percentiles": None}) is None
+    )
+    measured = {
+        **summary,
+        "time_to_target_accuracy_s": 4321.0,
+        "client_accuracy_percentiles": {"p10": 0.25, "p50": 0.5, "p90": 0.875, "accuracy": 0.55, "clients": 40},
+    }
     fig = plot_client_accuracy(measured)
     (marks,) = [c for c in fig.drawn.axes[0].collections if c.get_label() == "percentiles over clients"]
     assert marks.get_offsets()[:, 0].tolist() == [0.25, 0.5, 0.875]

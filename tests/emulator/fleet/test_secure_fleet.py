@@ -30,10 +30,17 @@ GOAL = 10
 def secure_config(seed: int = 3) -> FleetConfig:
     data = FleetConfig.default().model_dump()
     data["fleet"].update({"devices": 60, "hours": 2.0, "start_utc_hour": 6.0, "seed": seed})
-    data["task"].update({
-        "goal_count": GOAL, "retry_min_s": 60.0, "retry_max_s": 300.0, "selection_timeout_s": 300.0,
-        "compute_s_per_example": 0.2, "secure": True, "secagg_group_size": GROUP,
-    })
+    data["task"].update(
+        {
+            "goal_count": GOAL,
+            "retry_min_s": 60.0,
+            "retry_max_s": 300.0,
+            "selection_timeout_s": 300.0,
+            "compute_s_per_example": 0.2,
+            "secure": True,
+            "secagg_group_size": GROUP,
+        }
+    )
     return FleetConfig.from_dict(data)
 
 
@@ -46,21 +53,29 @@ class _RecordingSimulator(FleetSimulator):
 
     def _rounds(self):  # type: ignore[override]
         self.records = self.service.rounds(self.population)
-        self.models = {r["checkpoint_id"]: decode_checkpoint(self.store.get_resource(r["checkpoint_id"]))
-                       for r in self.records if r["status"] == "committed"}
+        self.models = {
+            r["checkpoint_id"]: decode_checkpoint(self.store.get_resource(r["checkpoint_id"]))
+            for r in self.records
+            if r["status"] == "committed"
+        }
         return super()._rounds()
 
 
-def _run(config: FleetConfig, updates: dict[str, dict] | None = None, summed: dict[str, list[str]] | None = None,
-         polls: list[tuple[float, float]] | None = None) -> tuple[FleetRun, _RecordingSimulator]:
+def _run(
+    config: FleetConfig,
+    updates: dict[str, dict] | None = None,
+    summed: dict[str, list[str]] | None = None,
+    polls: list[tuple[float, float]] | None = None,
+) -> tuple[FleetRun, _RecordingSimulator]:
     """``updates``: each secure session's float update, as the device hands it to Secure
     Aggregation; ``summed``: the sessions each round's completed groups summed, by round label;
     ``polls``: (virtual time, asked wait) of every Secure Aggregation poll."""
     specs = generate_population(config)
     dataset = fleet_dataset(config)
     with tempfile.TemporaryDirectory(prefix="fedfleet-secure-") as tmp:
-        sim = _RecordingSimulator(config, specs, lambda spec: device_examples(config, spec),
-                                  (dataset.x_test, dataset.y_test), workdir=tmp)
+        sim = _RecordingSimulator(
+            config, specs, lambda spec: device_examples(config, spec), (dataset.x_test, dataset.y_test), workdir=tmp
+        )
         if updates is None or summed is None or polls is None:
             return sim.run(), sim
         report, group_sum, poll = FLRuntime._secure_report, SecureRound.group_sum, ProtocolClient.secagg_poll
@@ -102,7 +117,9 @@ def _label(record: dict) -> str:
 def test_a_secure_fleet_repeats_with_its_seed(runs):
     a, b = runs["a"], runs["b"]
     assert a.digest == b.digest
-    assert [(r.round_id, r.committed, r.accepted) for r in a.rounds] == [(r.round_id, r.committed, r.accepted) for r in b.rounds]
+    assert [(r.round_id, r.committed, r.accepted) for r in a.rounds] == [
+        (r.round_id, r.committed, r.accepted) for r in b.rounds
+    ]
 
 
 def test_devices_wait_for_their_groups_on_the_virtual_clock(runs):
@@ -130,8 +147,11 @@ def test_rounds_commit_from_completed_groups_of_attested_devices(runs):
         assert stats["summed_devices"] == m["reported"] >= math.ceil(GOAL * 0.8)
         assert stats["summed_devices"] >= GROUP * stats["completed"]
         assert len(summed[_label(record)]) == len(set(summed[_label(record)])) == stats["summed_devices"]
-        uploaded = {s.session_id for s in run.sessions if s.round_id == f"{record['task']}/{record['round']}"
-                    and s.shape.endswith("^")}
+        uploaded = {
+            s.session_id
+            for s in run.sessions
+            if s.round_id == f"{record['task']}/{record['round']}" and s.shape.endswith("^")
+        }
         assert uploaded and uploaded <= set(summed[_label(record)])
     assert max(r.accuracy for r in run.rounds if r.committed) > 0.5  # ten classes: chance is 0.1
 

@@ -83,7 +83,9 @@ class _Device:
         from types import SimpleNamespace
 
         self.spec = spec
-        self.sim = SimpleNamespace(epoch=0.0, horizon_s=86_400.0)  # unix time is the run's time: no rounding through an epoch
+        self.sim = SimpleNamespace(
+            epoch=0.0, horizon_s=86_400.0
+        )  # unix time is the run's time: no rounding through an epoch
         self._now = now
         self.broken_from, self.broken_until = broken
         self.net_down_from, self.net_down_until = net_down
@@ -126,8 +128,12 @@ _CONSTRAINTS = st.builds(TrainingConstraints, st.booleans(), st.booleans(), st.b
 
 
 @settings(max_examples=300)
-@given(which=st.integers(0, 10_000), now=st.floats(0, 86_400), broken=_window, net_down=_window, constraints=_CONSTRAINTS)
-def test_the_next_moment_constraints_hold_is_where_waking_at_every_change_gets(which, now, broken, net_down, constraints):
+@given(
+    which=st.integers(0, 10_000), now=st.floats(0, 86_400), broken=_window, net_down=_window, constraints=_CONSTRAINTS
+)
+def test_the_next_moment_constraints_hold_is_where_waking_at_every_change_gets(
+    which, now, broken, net_down, constraints
+):
     """``next_satisfied``, asked during a job run that found the constraints unmet, names the
     moment a device waking at every change of its conditions would first find them held, or a
     moment past the run's end if they never hold again: the run's faults not yet under way end
@@ -142,9 +148,17 @@ def test_the_next_moment_constraints_hold_is_where_waking_at_every_change_gets(w
 
 
 @settings(max_examples=300)
-@given(which=st.integers(0, 10_000), now=st.floats(0, 86_400), later=st.floats(0, 30_000), broken=_window,
-       net_down=_window, constraints=_CONSTRAINTS)
-def test_a_job_due_later_wakes_when_its_constraints_first_hold_from_then_on(which, now, later, broken, net_down, constraints):
+@given(
+    which=st.integers(0, 10_000),
+    now=st.floats(0, 86_400),
+    later=st.floats(0, 30_000),
+    broken=_window,
+    net_down=_window,
+    constraints=_CONSTRAINTS,
+)
+def test_a_job_due_later_wakes_when_its_constraints_first_hold_from_then_on(
+    which, now, later, broken, net_down, constraints
+):
     """``first_satisfied``, asked by a job run rescheduling itself ``later`` seconds on, names
     that moment if the constraints hold then, and otherwise where a device that woke then and
     at every change after it would first find them held (or past the run's end): the job never

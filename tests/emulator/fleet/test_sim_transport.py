@@ -46,7 +46,9 @@ def app():
         calls.append((request.url.path, len(body)))
         return Response(b"x" * int(request.query_params.get("size", "0")), media_type="application/octet-stream")
 
-    application = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]), Route("/v1/sessions/s/report", echo, methods=["POST"])])
+    application = Starlette(
+        routes=[Route("/echo", echo, methods=["GET", "POST"]), Route("/v1/sessions/s/report", echo, methods=["POST"])]
+    )
     application.state.calls = calls
     caller = AsgiCaller(application)
     yield application, caller

@@ -79,8 +79,12 @@ def test_the_lean_client_sends_what_an_httpx_client_sends(caller):
 def test_errors_reach_the_protocol_client_as_from_httpx(caller):
     device = Device(network_up=False)
     transport = SimTransport(caller, device, Network())
-    client = ProtocolClient("http://fl.sim", client=LeanClient(transport), retry=RetryPolicy(attempts=2),  # type: ignore[arg-type]
-                            sleep=device.sleep)
+    client = ProtocolClient(
+        "http://fl.sim",
+        client=LeanClient(transport),
+        retry=RetryPolicy(attempts=2),  # type: ignore[arg-type]
+        sleep=device.sleep,
+    )
     with pytest.raises(ServerUnreachable):
         client.checkin("pop", "1.20.0")
     assert transport.meter.failures == 2
@@ -103,7 +107,12 @@ _JSON = st.recursive(
     method=st.sampled_from(["GET", "POST"]),
     path=st.lists(st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True), min_size=1, max_size=4),
     body=st.one_of(st.none(), st.binary(max_size=64), _JSON.map(lambda j: ("json", j))),
-    params=st.one_of(st.none(), st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), st.from_regex(r"[0-9.-]{1,8}", fullmatch=True), max_size=3)),
+    params=st.one_of(
+        st.none(),
+        st.dictionaries(
+            st.from_regex(r"[a-z]{1,6}", fullmatch=True), st.from_regex(r"[0-9.-]{1,8}", fullmatch=True), max_size=3
+        ),
+    ),
     headers=st.dictionaries(st.sampled_from(["Authorization", "Content-Type", "X-Stats"]), _TEXT, max_size=3),
 )
 def test_a_wire_request_is_the_request_httpx_would_build(method, path, body, params, headers):
@@ -112,6 +121,8 @@ def test_a_wire_request_is_the_request_httpx_would_build(method, path, body, par
     json = body[1] if isinstance(body, tuple) else None
     merged = DEFAULT_HEADERS + list(headers.items())
     ours = wire_request(method, url, content=content, json=json, params=params or None, headers=merged)
-    theirs = WireRequest.from_httpx(httpx.Request(method, url, content=content, json=json, params=params or None, headers=merged))
+    theirs = WireRequest.from_httpx(
+        httpx.Request(method, url, content=content, json=json, params=params or None, headers=merged)
+    )
     assert ours == theirs
     assert ours.size() == theirs.size()

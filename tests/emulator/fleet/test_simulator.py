@@ -28,7 +28,9 @@ SMALL = {"devices": 80, "hours": 2.0, "start_utc_hour": 6.0}
 def small_config(seed: int = 1, **task: object) -> FleetConfig:
     data = FleetConfig.default().model_dump()
     data["fleet"].update(SMALL, seed=seed)
-    data["task"].update({"goal_count": 8, "retry_min_s": 60.0, "retry_max_s": 300.0, "selection_timeout_s": 300.0, **task})
+    data["task"].update(
+        {"goal_count": 8, "retry_min_s": 60.0, "retry_max_s": 300.0, "selection_timeout_s": 300.0, **task}
+    )
     return FleetConfig.from_dict(data)
 
 
@@ -151,14 +153,18 @@ def test_conditions_that_stop_holding_mid_training_interrupt_through_the_runtime
     assert {s.shape for s in sessions} == {"-v[!"}
     assert all(s.outcome == "interrupted" and s.end_s >= 200.0 for s in sessions)
     first = run.rounds[0]
-    assert not first.committed and first.dropped == first.selected == len([s for s in sessions if s.round_id == f"{first.task}/1"])
+    assert not first.committed and first.dropped == first.selected == len(
+        [s for s in sessions if s.round_id == f"{first.task}/1"]
+    )
 
 
 def test_devices_turned_away_wait_only_while_they_could_train(tmp_path):
     """A device told to come back later counts as checking in (waiting) until it does, or until
     its conditions stop holding: every device here stops being available at 1,000 s, and none
     is waiting after that, though their jobs sleep on (past the run's end)."""
-    run = _run_available_until(tmp_path, small_config(seed=4, goal_count=8, retry_min_s=600.0, retry_max_s=900.0), 1000.0, 30)
+    run = _run_available_until(
+        tmp_path, small_config(seed=4, goal_count=8, retry_min_s=600.0, retry_max_s=900.0), 1000.0, 30
+    )
     assert sum(1 for s in run.sessions if s.outcome == "rejected") > 0
     assert max(row.checking_in for row in run.timeline if row.t_s < 1000.0) > 0
     assert all(row.checking_in == 0 and row.available == 0 for row in run.timeline if row.t_s >= 1000.0)
@@ -219,15 +225,18 @@ def test_another_process_with_another_hash_seed_gives_the_same_digest(runs):
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=True
+    )
     assert out.stdout.strip().splitlines()[-1] == runs["a"].digest
 
 
 def _run_with_loop(config: FleetConfig, tmp_path, name: str) -> tuple[FleetRun, int]:
     specs = generate_population(config)
     data = fleet_dataset(config)
-    sim = FleetSimulator(config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test),
-                         workdir=tmp_path / name)
+    sim = FleetSimulator(
+        config, specs, lambda spec: device_examples(config, spec), (data.x_test, data.y_test), workdir=tmp_path / name
+    )
     return sim.run(), sim.loop.events_run
 
 
@@ -247,7 +256,8 @@ def test_devices_training_ahead_of_the_loop_give_the_run_of_a_sleep_per_batch(tm
     slept, slept_events = _run_with_loop(config, tmp_path, "slept")
     assert ahead.digest == slept.digest
     assert [(r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in ahead.rounds] == [
-        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in slept.rounds]
+        (r.round_id, r.committed, r.selected, r.accepted, r.dropped) for r in slept.rounds
+    ]
     assert ahead.sessions == slept.sessions
     assert ahead.timeline == slept.timeline
     # the faults did strike mid-training

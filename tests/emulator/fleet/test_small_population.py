@@ -43,9 +43,20 @@ def test_two_thousand_devices_commit_nine_in_ten_rounds_with_the_default_task():
 
 
 def _round(n: int, committed: bool, selected: int) -> RoundRow:
-    return RoundRow(round_id=f"train/{n}/1", task="train", start_s=300.0 * n, end_s=300.0 * n + 300.0, committed=committed,
-                    selected=selected, reported=selected, accepted=selected if committed else 0, dropped=0,
-                    duration_s=300.0, accuracy=float("nan"), loss=float("nan"))
+    return RoundRow(
+        round_id=f"train/{n}/1",
+        task="train",
+        start_s=300.0 * n,
+        end_s=300.0 * n + 300.0,
+        committed=committed,
+        selected=selected,
+        reported=selected,
+        accepted=selected if committed else 0,
+        dropped=0,
+        duration_s=300.0,
+        accuracy=float("nan"),
+        loss=float("nan"),
+    )
 
 
 def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_change():
@@ -55,9 +66,13 @@ def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_
     rounds = [_round(1, True, 130), _round(2, False, 40), _round(3, False, 60), _round(4, False, 120)]
     summary = {"cannot_fill": None, "shapes": {"-v[]+^": 90, "-v[]+#": 40}}
     note = completion_note(summary, rounds, config.task)
-    assert note.startswith("3 of 4 rounds were abandoned: 2 closed their selection window (task.selection_timeout_s = 300 s)")
+    assert note.startswith(
+        "3 of 4 rounds were abandoned: 2 closed their selection window (task.selection_timeout_s = 300 s)"
+    )
     assert "fewer than the 80 devices a commit needs, for lack of check-ins" in note and "--devices" in note
     assert "1 had too few reports in time: 40 of the 130 sessions that trained reported after" in note
     assert "task.report_timeout_s = 180 s" in note
-    assert completion_note(summary, [_round(1, True, 130), _round(2, True, 130)], config.task) == "all 2 rounds committed"
+    assert (
+        completion_note(summary, [_round(1, True, 130), _round(2, True, 130)], config.task) == "all 2 rounds committed"
+    )
     assert completion_note(summary, [], config.task) is None

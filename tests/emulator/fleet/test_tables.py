@@ -59,8 +59,18 @@ def test_columns_follow_the_declared_fields_in_order(tmp_path):
 def test_numpy_scalars_write_the_same_text_as_python_numbers(tmp_path):
     plain = RoundRow("r1", "train", 0.5, 60.25, True, 130, 110, 100, 20, 59.75, 0.875, float("nan"))
     numpy = RoundRow(
-        "r1", "train", np.float64(0.5), np.float32(60.25), np.bool_(True), np.int64(130), np.int32(110),
-        np.int64(100), np.int64(20), np.float64(59.75), np.float64(0.875), np.float64("nan"),
+        "r1",
+        "train",
+        np.float64(0.5),
+        np.float32(60.25),
+        np.bool_(True),
+        np.int64(130),
+        np.int32(110),
+        np.int64(100),
+        np.int64(20),
+        np.float64(59.75),
+        np.float64(0.875),
+        np.float64("nan"),
     )
     RoundRow.to_csv([plain], tmp_path / "a.csv")
     RoundRow.to_csv([numpy], tmp_path / "b.csv")
@@ -94,7 +104,9 @@ def test_a_bad_value_names_its_line_and_column(tmp_path, line, message):
 
 
 def test_a_run_writes_its_three_tables(tmp_path):
-    session = SessionRow("d1", "s1", "train", "r1", 1.0, 2.5, "-v[]+^", "completed", 900, 300, 40, 1.0, 0.5, "1.31.1", "mid", 23.5)
+    session = SessionRow(
+        "d1", "s1", "train", "r1", 1.0, 2.5, "-v[]+^", "completed", 900, 300, 40, 1.0, 0.5, "1.31.1", "mid", 23.5
+    )
     round_ = RoundRow("r1", "train", 0.0, 3.0, True, 1, 1, 1, 0, 3.0, 0.5, 1.25)
     sample = TimelineRow(0.0, 10, 3, 1, 1)
     run = FleetRun(sessions=[session], rounds=[round_], timeline=[sample], digest="00" * 32)
@@ -130,8 +142,24 @@ def test_a_rounds_table_written_before_its_byte_columns_reads_back_with_zero_byt
 
 
 def _session(round_id: str, start: float, down: int, up: int) -> SessionRow:
-    return SessionRow("d", "s" if round_id else "", "t", round_id, start, start + 1.0, "-v[]+^", "completed",
-                      down, up, 0, 0.0, 0.0, "1.31.1", "mid", 0.0)
+    return SessionRow(
+        "d",
+        "s" if round_id else "",
+        "t",
+        round_id,
+        start,
+        start + 1.0,
+        "-v[]+^",
+        "completed",
+        down,
+        up,
+        0,
+        0.0,
+        0.0,
+        "1.31.1",
+        "mid",
+        0.0,
+    )
 
 
 def _round(round_id: str, start: float, end: float) -> RoundRow:
@@ -139,8 +167,14 @@ def _round(round_id: str, start: float, end: float) -> RoundRow:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["", "t/1", "t/2", "t/9"]), st.floats(0, 1000), st.integers(0, 10**6),
-                          st.integers(0, 10**6)), max_size=30))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["", "t/1", "t/2", "t/9"]), st.floats(0, 1000), st.integers(0, 10**6), st.integers(0, 10**6)
+        ),
+        max_size=30,
+    )
+)
 def test_every_byte_of_a_selected_session_lands_in_exactly_one_attempt_of_its_round(rows):
     from emulator.fleet.tables import with_round_bytes
 

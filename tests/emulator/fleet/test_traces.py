@@ -25,12 +25,16 @@ def test_written_traces_replay_to_the_models_conditions(tmp_path):
     rows = write_traces(config, path)
     assert rows > 60 and path.read_text().startswith("device,start,end,state\n")
     model = generate_population(config)
-    replayed = generate_population(config.model_copy(update={"availability": config.availability.model_copy(update={"trace": str(path)})}))
+    replayed = generate_population(
+        config.model_copy(update={"availability": config.availability.model_copy(update={"trace": str(path)})})
+    )
     probes = np.linspace(0.0, config.horizon_s - 1e-6, 2000)
     for m, r in zip(model, replayed):
         assert isinstance(r.availability, TraceAvailability)
         assert (m.device_class, m.runtime_version) == (r.device_class, r.runtime_version)
-        assert [m.availability.flags_at(t) & AVAILABLE for t in probes] == [r.availability.flags_at(t) & AVAILABLE for t in probes]
+        assert [m.availability.flags_at(t) & AVAILABLE for t in probes] == [
+            r.availability.flags_at(t) & AVAILABLE for t in probes
+        ]
         change = r.availability.next_change(0.0)
         assert change is None or r.availability.flags_at(change) != r.availability.flags_at(0.0)
 

@@ -19,7 +19,7 @@ from device_runtime import (
 )
 from device_runtime.clock import VirtualClock
 from device_runtime.secure_sum import SecureSumCodec
-from emulator.inprocess import InProcessTransport
+from emulator.devices.inprocess import InProcessTransport
 from emulator.toolchain import analytics_plan
 from example_store import ExampleSelector, SQLiteExampleStore
 from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
@@ -41,8 +41,17 @@ def _histogram(values):
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31), devices=st.integers(1, 6))
 def test_secure_sum_of_device_histograms_is_the_exact_fleet_histogram(seed, devices):
-    plan = load_plan(serialize_plan(analytics_plan(feature="minutes", edges=EDGES, example_selector=ExampleSelector(COLLECTION),
-                                                   secure_aggregation=True, batch_size=7)))
+    plan = load_plan(
+        serialize_plan(
+            analytics_plan(
+                feature="minutes",
+                edges=EDGES,
+                example_selector=ExampleSelector(COLLECTION),
+                secure_aggregation=True,
+                batch_size=7,
+            )
+        )
+    )
     executor = PlanExecutor(plan)
     codec = SecureSumCodec(plan, executor)
     rng = np.random.default_rng(seed)
@@ -50,7 +59,9 @@ def test_secure_sum_of_device_histograms_is_the_exact_fleet_histogram(seed, devi
     for _ in range(devices):
         values = _device_values(rng, int(rng.integers(0, 40)))
         all_values.append(values)
-        update = executor.run_device({}, lambda v=values: [{"minutes": v[i : i + 7]} for i in range(0, len(v), 7)]).update
+        update = executor.run_device(
+            {}, lambda v=values: [{"minutes": v[i : i + 7]} for i in range(0, len(v), 7)]
+        ).update
         encoded = codec.encode(update, rng).astype(np.uint64)
         total = encoded if total is None else total + encoded
     summed = codec.decode_sum(total, devices)
@@ -71,12 +82,19 @@ def test_a_histogram_task_runs_through_the_server(tmp_path):
     with InProcessTransport(create_app(service, admin_keys=keys)) as transport:
         with AdminClient(URL, admin_key=key, transport=transport) as admin:
             admin.create_population("usage")
-            admin.deploy_task("usage", "histogram", plan, encode_checkpoint({}),
-                              RoundConfig(goal_count=3, over_selection=1.0, min_fraction=1.0, min_reports=1))
+            admin.deploy_task(
+                "usage",
+                "histogram",
+                plan,
+                encode_checkpoint({}),
+                RoundConfig(goal_count=3, over_selection=1.0, min_fraction=1.0, min_reports=1),
+            )
             for i, values in enumerate(data):
                 store = SQLiteExampleStore(tmp_path / f"d{i}.db")
                 store.add(COLLECTION, ({"minutes": np.float32(v)} for v in values))
-                with FLRuntime("usage", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)) as runtime:
+                with FLRuntime(
+                    "usage", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)
+                ) as runtime:
                     assert runtime.run_session().outcome is Outcome.COMPLETED
                 store.close()
             (record,) = admin.rounds("usage")
@@ -100,7 +118,9 @@ def attested_server(tmp_path):
     from server_stub import AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
 
     authority = AttestationAuthority.generate()
-    verifier = AttestationVerifier(authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5))
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
+    )
     with ServerThread(tmp_path / "server.db", verifier=verifier) as server, server.admin() as admin:
         yield server, admin, authority
 
@@ -110,26 +130,52 @@ def test_a_fleet_histograms_its_labels_through_secure_aggregation(tmp_path, atte
     and the server only ever saw the Secure Aggregation sum."""
     import time
 
-    from emulator import DeviceProfile, EmulatedDevice, Fleet
+    from emulator import DeviceProfile, EmulatedDevice, RealTimeFleet
 
     server, admin, authority = attested_server
 
-    plan = analytics_plan(feature="y", edges=list(range(11)), example_selector=ExampleSelector("app:/digits"),
-                          secure_aggregation=True, batch_size=64)
+    plan = analytics_plan(
+        feature="y",
+        edges=list(range(11)),
+        example_selector=ExampleSelector("app:/digits"),
+        secure_aggregation=True,
+        batch_size=64,
+    )
     admin.create_population("digits")
-    admin.deploy_task("digits", "label-histogram", plan, encode_checkpoint({}),
-                      RoundConfig(goal_count=6, over_selection=1.0, min_fraction=1.0, min_reports=1, report_timeout_s=20,
-                                  selection_timeout_s=20, secagg_min_group_size=5, secagg_round_timeout_s=2.0, max_rounds=1))
+    admin.deploy_task(
+        "digits",
+        "label-histogram",
+        plan,
+        encode_checkpoint({}),
+        RoundConfig(
+            goal_count=6,
+            over_selection=1.0,
+            min_fraction=1.0,
+            min_reports=1,
+            report_timeout_s=20,
+            selection_timeout_s=20,
+            secagg_min_group_size=5,
+            secagg_round_timeout_s=2.0,
+            max_rounds=1,
+        ),
+    )
     parts = np.array_split(np.arange(120), 6)
     devices = []
     for i, idx in enumerate(parts):
-        device = EmulatedDevice(f"d{i}", tmp_path / f"d{i}", server.url, "digits", profile=DeviceProfile(cooldown_s=(0.05, 0.2)),
-                                collection_uri="app:/digits", seed=i,
-                                attestor=authority.new_device_attestor("emulated-phone", time.time()),
-                                trust_anchor=authority.trust_anchor())
+        device = EmulatedDevice(
+            f"d{i}",
+            tmp_path / f"d{i}",
+            server.url,
+            "digits",
+            profile=DeviceProfile(cooldown_s=(0.05, 0.2)),
+            collection_uri="app:/digits",
+            seed=i,
+            attestor=authority.new_device_attestor("emulated-phone", time.time()),
+            trust_anchor=authority.trust_anchor(),
+        )
         device.add_examples(digits.x_train[idx], digits.y_train[idx])
         devices.append(device)
-    fleet = Fleet(devices)
+    fleet = RealTimeFleet(devices)
     fleet.start()
     try:
         deadline = time.monotonic() + 60

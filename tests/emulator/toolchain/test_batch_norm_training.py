@@ -22,15 +22,30 @@ MOMENTUM = 0.9  # ONNX's: torch's momentum=0.1 exports as 0.9
 
 def _bn_model(channels: int, side: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    inits = {"scale": rng.uniform(0.5, 1.5, channels).astype(np.float32), "bias": rng.normal(0, 0.1, channels).astype(np.float32),
-             "running_mean": rng.normal(0, 0.5, channels).astype(np.float32),
-             "running_var": rng.uniform(0.5, 1.5, channels).astype(np.float32),
-             "fc": rng.standard_normal((channels * side * side, 2)).astype(np.float32)}
-    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "running_mean", "running_var"], ["bn"],
-                              epsilon=1e-5, momentum=MOMENTUM),
-             helper.make_node("Flatten", ["bn"], ["flat"]), helper.make_node("MatMul", ["flat", "fc"], ["y"])]
-    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", channels, side, side])],
-                 [helper.make_tensor_value_info("y", F, ["N", 2])], inits)
+    inits = {
+        "scale": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        "bias": rng.normal(0, 0.1, channels).astype(np.float32),
+        "running_mean": rng.normal(0, 0.5, channels).astype(np.float32),
+        "running_var": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        "fc": rng.standard_normal((channels * side * side, 2)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node(
+            "BatchNormalization",
+            ["x", "scale", "bias", "running_mean", "running_var"],
+            ["bn"],
+            epsilon=1e-5,
+            momentum=MOMENTUM,
+        ),
+        helper.make_node("Flatten", ["bn"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "fc"], ["y"]),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", channels, side, side])],
+        [helper.make_tensor_value_info("y", F, ["N", 2])],
+        inits,
+    )
 
 
 def _torch_running_stats(x: np.ndarray, mean: np.ndarray, var: np.ndarray, torch_momentum: float):
@@ -39,8 +54,10 @@ def _torch_running_stats(x: np.ndarray, mean: np.ndarray, var: np.ndarray, torch
     x64 = x.astype(np.float64)
     batch_mean = x64.mean(axis=(0, 2, 3))
     batch_var = x64.var(axis=(0, 2, 3), ddof=1)
-    return ((1 - torch_momentum) * mean + torch_momentum * batch_mean,
-            (1 - torch_momentum) * var + torch_momentum * batch_var)
+    return (
+        (1 - torch_momentum) * mean + torch_momentum * batch_mean,
+        (1 - torch_momentum) * var + torch_momentum * batch_var,
+    )
 
 
 def _torch_forward(x: np.ndarray, scale, bias, fc) -> np.ndarray:
@@ -54,8 +71,14 @@ def _torch_forward(x: np.ndarray, scale, bias, fc) -> np.ndarray:
 
 
 def _one_step(source, x, y):
-    plan = training_plan_from_onnx(source, label="y", loss="mse", optimizer=SGD(1e-3), batch_size=len(x),
-                                   example_selector=ExampleSelector("app:/bn"))
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="mse",
+        optimizer=SGD(1e-3),
+        batch_size=len(x),
+        example_selector=ExampleSelector("app:/bn"),
+    )
     start = initial_weights_from_onnx(source, plan)
     executor = PlanExecutor(plan)
     result = executor.run_device(start, lambda: [{"x": x, "y": y}])
@@ -70,8 +93,9 @@ def test_running_variance_takes_the_unbiased_batch_variance_as_torch_does(batch,
     source = _bn_model(3, side)
     plan, start, result, new = _one_step(source, x, y)
     assert {"running_mean", "running_var"} <= set(plan.weight_names)
-    mean, var = _torch_running_stats(x, start["running_mean"].astype(np.float64), start["running_var"].astype(np.float64),
-                                     1 - MOMENTUM)
+    mean, var = _torch_running_stats(
+        x, start["running_mean"].astype(np.float64), start["running_var"].astype(np.float64), 1 - MOMENTUM
+    )
     np.testing.assert_allclose(new["running_mean"], mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new["running_var"], var, rtol=1e-5, atol=1e-6)
     # the step's loss was computed with the biased variance (torch's normalization in training mode)
@@ -95,13 +119,23 @@ def test_batch_norm_gradient_passes_over_the_activations_at_most_five_times():
     takes one product, and a subtrahend's gradient is negated after its sum, not before."""
     shape = [4, 3, 5, 5]
     ones = {name: np.ones(3, np.float32) for name in ("s", "b", "m", "v")}
-    source = model([helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-5)],
-                   [helper.make_tensor_value_info("x", F, shape)], [helper.make_tensor_value_info("y", F, shape)], ones)
+    source = model(
+        [helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-5)],
+        [helper.make_tensor_value_info("x", F, shape)],
+        [helper.make_tensor_value_info("y", F, shape)],
+        ones,
+    )
     forward = training_forward_model(source)
     grad = vjp_model(forward, outputs=["y"], wrt=["x", "s", "b"])
     infos = tensor_infos(grad)
     live = needed_for(grad.graph.node, [o.name for o in grad.graph.output])
     made = {o for n in forward.graph.node for o in n.output}
-    full = [n.op_type for n in grad.graph.node if n.op_type != "Identity" and n.output[0] in live and n.output[0] not in made
-            and infos[n.output[0]].shape == tuple(shape)]
+    full = [
+        n.op_type
+        for n in grad.graph.node
+        if n.op_type != "Identity"
+        and n.output[0] in live
+        and n.output[0] not in made
+        and infos[n.output[0]].shape == tuple(shape)
+    ]
     assert len(full) <= 5, full

@@ -25,12 +25,17 @@ def _reference_logits(source, x, w):
 def test_evaluation_plan_reports_the_inference_models_loss_and_accuracy(digits):
     source = cnn(seed=1, dropout=0.5)
     x, y = digits.x_test.reshape(-1, 1, 8, 8).astype(np.float32), digits.y_test
-    plan = load_plan(serialize_plan(evaluation_plan_from_onnx(source, label="y", loss="cross_entropy", batch_size=32,
-                                                              example_selector=SELECTOR)))
+    plan = load_plan(
+        serialize_plan(
+            evaluation_plan_from_onnx(source, label="y", loss="cross_entropy", batch_size=32, example_selector=SELECTOR)
+        )
+    )
     assert plan.kind == "eval" and {"bn_mean", "bn_var", "conv1_w"} <= set(plan.weight_names)
     weights = initial_weights_from_onnx(source, plan)
     executor = PlanExecutor(plan)
-    result = executor.run_device(weights, lambda: [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, len(y), 32)])
+    result = executor.run_device(
+        weights, lambda: [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, len(y), 32)]
+    )
     logits = _reference_logits(source, x, weights).astype(np.float64)
     logp = logits - logits.max(1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
@@ -44,10 +49,12 @@ def test_evaluation_plan_reports_the_inference_models_loss_and_accuracy(digits):
 
 def test_an_evaluation_plan_takes_its_training_plans_weights():
     source = cnn(seed=2)
-    train = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=Adam(0.01), batch_size=8,
-                                    example_selector=SELECTOR)
-    evaluation = evaluation_plan_from_onnx(source, label="y", loss="cross_entropy", batch_size=8, training_plan=train,
-                                           example_selector=SELECTOR)
+    train = training_plan_from_onnx(
+        source, label="y", loss="cross_entropy", optimizer=Adam(0.01), batch_size=8, example_selector=SELECTOR
+    )
+    evaluation = evaluation_plan_from_onnx(
+        source, label="y", loss="cross_entropy", batch_size=8, training_plan=train, example_selector=SELECTOR
+    )
     assert PlanExecutor(evaluation).weight_spec() == PlanExecutor(train).weight_spec()
     PlanExecutor(evaluation).smoke_test(initial_weights_from_onnx(source, train))
 
@@ -76,10 +83,14 @@ def test_a_train_mode_export_is_evaluated_as_the_inference_model(digits):
     x, y = digits.x_test[:96].reshape(-1, 1, 8, 8).astype(np.float32), digits.y_test[:96]
 
     def metrics(model):
-        plan = evaluation_plan_from_onnx(model, label="y", loss="cross_entropy", batch_size=32, example_selector=SELECTOR)
+        plan = evaluation_plan_from_onnx(
+            model, label="y", loss="cross_entropy", batch_size=32, example_selector=SELECTOR
+        )
         executor = PlanExecutor(plan)
         weights = initial_weights_from_onnx(model, plan)
-        return executor.run_device(weights, lambda: [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, 96, 32)]).metrics
+        return executor.run_device(
+            weights, lambda: [{"x": x[i : i + 32], "y": y[i : i + 32]} for i in range(0, 96, 32)]
+        ).metrics
 
     # no masks, no batch statistics
     assert metrics(_as_exported_in_train_mode(source)) == pytest.approx(metrics(source), rel=1e-6)

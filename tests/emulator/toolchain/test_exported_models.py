@@ -49,10 +49,20 @@ TOLERANCE = 2e-4
 #: The default run's twins: one export per family, the exporters and states taking turns (the
 #: others run with ``-m slow``).
 DEFAULT = {
-    "resnet18.fresh.classic", "mobilenet_v2.fresh.dynamo_noopt", "mobilenet_v3_small.fresh.dynamo", "vit.fresh.dynamo",
-    "hf_vit.perturbed.classic", "bert.fresh.dynamo", "distilbert.perturbed.dynamo_noopt", "lstm.fresh.dynamo",
-    "gru_next_token.perturbed.dynamo_noopt", "gru_tied.fresh.dynamo", "conv1d_text.perturbed.classic", "dropout.classic",
-    "dropout_inplace.dynamo"}
+    "resnet18.fresh.classic",
+    "mobilenet_v2.fresh.dynamo_noopt",
+    "mobilenet_v3_small.fresh.dynamo",
+    "vit.fresh.dynamo",
+    "hf_vit.perturbed.classic",
+    "bert.fresh.dynamo",
+    "distilbert.perturbed.dynamo_noopt",
+    "lstm.fresh.dynamo",
+    "gru_next_token.perturbed.dynamo_noopt",
+    "gru_tied.fresh.dynamo",
+    "conv1d_text.perturbed.classic",
+    "dropout.classic",
+    "dropout_inplace.dynamo",
+}
 
 
 def _params(entries: list[dict[str, Any]]) -> list[Any]:
@@ -96,8 +106,15 @@ def reference(name: str) -> Reference:
     pieces = np.split(data["after"], ends[:-1])
     after = {n: piece.reshape(shape) for (n, shape), piece in zip(shapes, pieces)}
     examples = {**{n: data[f"input/{n}"] for n in index["inputs"]}, "y": data["label"]}
-    return Reference([n for n, _ in index["parameters"]], [n for n, _ in index["statistics"]], index["tied"], examples,
-                     float(data["loss"]), after, dict(zip(after, map(float, data["float32_error"]))))
+    return Reference(
+        [n for n, _ in index["parameters"]],
+        [n for n, _ in index["statistics"]],
+        index["tied"],
+        examples,
+        float(data["loss"]),
+        after,
+        dict(zip(after, map(float, data["float32_error"]))),
+    )
 
 
 @dataclass(frozen=True)
@@ -125,10 +142,15 @@ def unpacked(name: str) -> Path:
 
 def task_for(entry: dict[str, Any]) -> Task:
     """The task ``fedfleet plan from-onnx MODEL --label y --lr LR --batch-size 4`` builds."""
-    return Task(name=entry["model"].removesuffix(".onnx.gz").replace(".", "_"), model=unpacked(entry["model"]),
-                proxy=lambda: None,  # type: ignore[arg-type, return-value]
-                hyperparameters={"lr": MANIFEST["lr"]}, label="y", batch_size=MANIFEST["batch"],
-                selector=ExampleSelector("app:/exported"))
+    return Task(
+        name=entry["model"].removesuffix(".onnx.gz").replace(".", "_"),
+        model=unpacked(entry["model"]),
+        proxy=lambda: None,  # type: ignore[arg-type, return-value]
+        hyperparameters={"lr": MANIFEST["lr"]},
+        label="y",
+        batch_size=MANIFEST["batch"],
+        selector=ExampleSelector("app:/exported"),
+    )
 
 
 def _work_step(entry: dict[str, Any], examples: dict[str, np.ndarray]) -> Step:
@@ -166,8 +188,9 @@ def scales(reference: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> d
     return {n: max(c, floor, 1e-30) for n, c in changes.items()}
 
 
-def relative_differences(ours: dict[str, np.ndarray], reference: dict[str, np.ndarray],
-                         before: dict[str, np.ndarray]) -> dict[str, float]:
+def relative_differences(
+    ours: dict[str, np.ndarray], reference: dict[str, np.ndarray], before: dict[str, np.ndarray]
+) -> dict[str, float]:
     """Per tensor: the largest difference from torch's new value beyond the float32 rounding of the
     values themselves (a tensor of magnitude 10 that moves by 1e-4 cannot agree closer than its last
     bits), over the tensor's :func:`scales`."""
@@ -194,8 +217,9 @@ def test_a_plan_step_matches_torch_autograds_step_for_every_parameter_by_name(en
     scale = scales(compared, step.before)
     noise = max(ref.float32_error[torch_name(w)] / scale[w] for w in compared)
     worst = max(differences, key=differences.get)
-    assert differences[worst] <= max(TOLERANCE, 4 * noise), \
+    assert differences[worst] <= max(TOLERANCE, 4 * noise), (
         f"{worst}: {differences[worst]:.3g} of torch's change (torch float32: {noise:.3g})"
+    )
     if entry["exporter"] != "dynamo":
         assert {torch_name(w) for w in compared} == set(ref.parameters) | set(ref.statistics)
 

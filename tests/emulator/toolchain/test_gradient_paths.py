@@ -38,11 +38,16 @@ def _beside_the_trainable_path(seed: int = 0) -> onnx.ModelProto:
     halved where a boolean mask gathered with GatherND is off -> MatMul w2."""
     rng = np.random.default_rng(seed)
     inits = {
-        "w1": glorot(rng, 4, 3), "b1": rng.standard_normal(3).astype(np.float32), "w2": glorot(rng, 3, 2),
-        "three": np.array(3.0, np.float32), "half": np.array(0.5, np.float32),
-        "token_types": np.array([[0, 1, 2, 1]], np.int64), "positions": np.array([[3, 1, 0]], np.int64),
+        "w1": glorot(rng, 4, 3),
+        "b1": rng.standard_normal(3).astype(np.float32),
+        "w2": glorot(rng, 3, 2),
+        "three": np.array(3.0, np.float32),
+        "half": np.array(0.5, np.float32),
+        "token_types": np.array([[0, 1, 2, 1]], np.int64),
+        "positions": np.array([[3, 1, 0]], np.int64),
         "big": np.array([1000, 1000], np.int64),
-        "mask_table": np.array([[True, False, True], [False, True, True]]), "mask_row": np.array([[1]], np.int64),
+        "mask_table": np.array([[True, False, True], [False, True, True]]),
+        "mask_row": np.array([[1]], np.int64),
     }
     nodes = [
         helper.make_node("Mod", ["x", "three"], ["x_mod"], name="input_fmod", fmod=1),  # float, no weight reaches it
@@ -60,8 +65,13 @@ def _beside_the_trainable_path(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Where", ["mask", "t", "t_half"], ["masked"], name="apply_mask"),
         helper.make_node("MatMul", ["masked", "w2"], ["y"], name="dense2"),
     ]
-    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 2])],
-                 inits, opset=17)
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("y", F, ["N", 2])],
+        inits,
+        opset=17,
+    )
 
 
 def _mse(source: onnx.ModelProto, weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
@@ -80,7 +90,9 @@ def test_ops_on_integer_boolean_shape_and_weightless_paths_need_no_rule_and_the_
     rng = np.random.default_rng(1)
     x = rng.standard_normal((5, 4)).astype(np.float32)
     y = rng.standard_normal((5, 2)).astype(np.float32)
-    plan = training_plan_from_onnx(source, label="y", loss="mse", optimizer=SGD(1.0), batch_size=5, example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        source, label="y", loss="mse", optimizer=SGD(1.0), batch_size=5, example_selector=SELECTOR
+    )
     assert set(plan.weight_names) == {"w1", "b1", "w2"}
     weights = initial_weights_from_onnx(source, plan)
     executor = PlanExecutor(plan)
@@ -96,19 +108,26 @@ def test_ops_on_integer_boolean_shape_and_weightless_paths_need_no_rule_and_the_
         numeric = (_mse(source, plus, x, y) - _mse(source, minus, x, y)) / (2 * eps)
         analytic = sum(float(np.sum(step[w] * v[w])) for w in plan.weight_names)
         assert abs(numeric - analytic) <= 2e-3 * max(1.0, abs(numeric)), (k, numeric, analytic)
-    evaluation = evaluation_plan_from_onnx(source, label="y", loss="mse", batch_size=5, example_selector=SELECTOR,
-                                           training_plan=plan)
+    evaluation = evaluation_plan_from_onnx(
+        source, label="y", loss="mse", batch_size=5, example_selector=SELECTOR, training_plan=plan
+    )
     metrics = PlanExecutor(evaluation).run_device(weights, lambda: [{"x": x, "y": y}]).metrics
     assert metrics["loss"] == pytest.approx(_mse(source, {}, x, y), rel=1e-5)
 
 
 def test_a_castlike_whose_target_type_is_on_the_differentiable_path_takes_no_gradient():
     # CastLike(int64 buffer, like=h): h is differentiated, but the cast's value does not depend on it
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
-             helper.make_node("CastLike", ["ids", "h"], ["ids_float"], name="ids_like_h"),
-             helper.make_node("Mul", ["h", "ids_float"], ["y"])]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, [3, 4]), helper.make_tensor_value_info("w", F, [4, 2])],
-              [helper.make_tensor_value_info("y", F, [3, 2])], {"ids": np.array([[1, 2], [3, 0], [2, 2]], np.int64)})
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("CastLike", ["ids", "h"], ["ids_float"], name="ids_like_h"),
+        helper.make_node("Mul", ["h", "ids_float"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [3, 4]), helper.make_tensor_value_info("w", F, [4, 2])],
+        [helper.make_tensor_value_info("y", F, [3, 2])],
+        {"ids": np.array([[1, 2], [3, 0], [2, 2]], np.int64)},
+    )
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 4)).astype(np.float32), "w": rng.standard_normal((4, 2)).astype(np.float32)}
     assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
@@ -117,9 +136,16 @@ def test_a_castlike_whose_target_type_is_on_the_differentiable_path_takes_no_gra
 def test_an_op_without_a_rule_on_the_differentiable_path_is_still_refused_by_op_and_node():
     # an op with no rule (Hardmax) on a trainable table; the table read by GatherElements trains (test below)
     inits = {"table": np.ones((4, 3), np.float32)}
-    nodes = [helper.make_node("Hardmax", ["table"], ["picked"], name="pick_weights", axis=1),
-             helper.make_node("MatMul", ["x", "picked"], ["y"], name="dense")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 3])], inits)
+    nodes = [
+        helper.make_node("Hardmax", ["table"], ["picked"], name="pick_weights", axis=1),
+        helper.make_node("MatMul", ["x", "picked"], ["y"], name="dense"),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("y", F, ["N", 3])],
+        inits,
+    )
     with pytest.raises(UnsupportedOpError, match="'Hardmax' \\(node 'pick_weights'\\) has no gradient rule") as info:
         training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
     assert (info.value.op_type, info.value.node_name) == ("Hardmax", "pick_weights")
@@ -132,12 +158,21 @@ def test_a_table_gathered_on_the_differentiable_path_trains_by_its_rule():
     with lr=1 is the gradient, against central differences of the model in onnxruntime."""
     rng = np.random.default_rng(2)
     inits = {"table": rng.standard_normal((4, 3)).astype(np.float32), "picks": np.array([[0, 2, 1, 1]] * 4, np.int64)}
-    nodes = [helper.make_node("GatherElements", ["table", "picks"], ["picked"], name="gather_weights", axis=1),
-             helper.make_node("MatMul", ["x", "picked"], ["y"], name="dense")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 4])], inits)
+    nodes = [
+        helper.make_node("GatherElements", ["table", "picks"], ["picked"], name="gather_weights", axis=1),
+        helper.make_node("MatMul", ["x", "picked"], ["y"], name="dense"),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("y", F, ["N", 4])],
+        inits,
+    )
     x = rng.standard_normal((5, 4)).astype(np.float32)
     y = rng.standard_normal((5, 4)).astype(np.float32)
-    plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(1.0), batch_size=5, example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        m, label="y", loss="mse", optimizer=SGD(1.0), batch_size=5, example_selector=SELECTOR
+    )
     start = initial_weights_from_onnx(m, plan)
     result = PlanExecutor(plan).run_device(start, lambda: [{"x": x, "y": y}])
     step = start["table"] - PlanExecutor(plan).final_weights(start, result)["table"]
@@ -154,12 +189,24 @@ def test_a_table_gathered_on_the_differentiable_path_trains_by_its_rule():
 
 def test_a_frozen_weight_takes_its_ops_off_the_differentiable_path():
     # the table is a constant when only the dense weight trains: GatherElements then needs no rule
-    inits = {"table": np.ones((4, 3), np.float32), "picks": np.array([[0, 2, 1]] * 4, np.int64),
-             "w": np.full((3, 2), 0.5, np.float32)}
-    nodes = [helper.make_node("GatherElements", ["table", "picks"], ["picked"], name="gather_weights", axis=1),
-             helper.make_node("MatMul", ["x", "picked"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 2])], inits)
-    plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, trainable=["w"],
-                                   example_selector=SELECTOR)
+    inits = {
+        "table": np.ones((4, 3), np.float32),
+        "picks": np.array([[0, 2, 1]] * 4, np.int64),
+        "w": np.full((3, 2), 0.5, np.float32),
+    }
+    nodes = [
+        helper.make_node("GatherElements", ["table", "picks"], ["picked"], name="gather_weights", axis=1),
+        helper.make_node("MatMul", ["x", "picked"], ["h"]),
+        helper.make_node("MatMul", ["h", "w"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("y", F, ["N", 2])],
+        inits,
+    )
+    plan = training_plan_from_onnx(
+        m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, trainable=["w"], example_selector=SELECTOR
+    )
     assert plan.weight_names == ("w",)
     PlanExecutor(plan).smoke_test(initial_weights_from_onnx(m, plan))

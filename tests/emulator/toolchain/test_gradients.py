@@ -49,7 +49,7 @@ def _shape(draw, rank=None):
 def _broadcast_partner(draw, shape):
     """A shape that broadcasts against ``shape``: a suffix of it with some dimensions set to 1."""
     k = draw(st.integers(0, len(shape)))
-    suffix = shape[len(shape) - k:]
+    suffix = shape[len(shape) - k :]
     return tuple(1 if draw(st.booleans()) else d for d in suffix)
 
 
@@ -66,6 +66,7 @@ def case_binary(op):
         if op in ("Max", "Min"):  # distinct values, so that the chosen input is unambiguous
             xb = np.asarray(xb + 0.05)
         return op, {"a": xa, "b": xb}, {}, {}, 17, F64_TOL
+
     return draw_case
 
 
@@ -75,6 +76,7 @@ def case_unary(op, positive=False, dtype=np.float64, **attrs):
         if positive:
             x = np.asarray(np.abs(x) + dtype(0.3))
         return op, {"x": x}, {}, dict(attrs), 17, F64_TOL if dtype == np.float64 else F32_TOL
+
     return draw_case
 
 
@@ -100,13 +102,26 @@ def case_clip(draw):  # both bounds, the lower or the upper one only (ReLU6 is C
 def case_where(draw):
     shape = _shape(draw)
     cond = _arr(draw, _broadcast_partner(draw, shape)) > 0
-    return "Where", {"a": _arr(draw, shape), "b": _arr(draw, _broadcast_partner(draw, shape))}, {"c": cond}, \
-        {"order": ["c", "a", "b"]}, 17, F64_TOL
+    return (
+        "Where",
+        {"a": _arr(draw, shape), "b": _arr(draw, _broadcast_partner(draw, shape))},
+        {"c": cond},
+        {"order": ["c", "a", "b"]},
+        17,
+        F64_TOL,
+    )
 
 
 def case_sum(draw):
     shape = _shape(draw)
-    return "Sum", {"a": _arr(draw, shape), "b": _arr(draw, _broadcast_partner(draw, shape)), "c": _arr(draw, shape)}, {}, {}, 17, F64_TOL
+    return (
+        "Sum",
+        {"a": _arr(draw, shape), "b": _arr(draw, _broadcast_partner(draw, shape)), "c": _arr(draw, shape)},
+        {},
+        {},
+        17,
+        F64_TOL,
+    )
 
 
 def case_gemm(draw):
@@ -115,7 +130,12 @@ def case_gemm(draw):
     a = _arr(draw, (k, m) if ta else (m, k))
     b = _arr(draw, (n, k) if tb else (k, n))
     c = _arr(draw, draw(st.sampled_from([(n,), (m, n), (1, n), (m, 1)])))
-    attrs = {"transA": ta, "transB": tb, "alpha": draw(st.sampled_from([1.0, 0.5])), "beta": draw(st.sampled_from([1.0, 2.0]))}
+    attrs = {
+        "transA": ta,
+        "transB": tb,
+        "alpha": draw(st.sampled_from([1.0, 0.5])),
+        "beta": draw(st.sampled_from([1.0, 2.0])),
+    }
     return "Gemm", {"a": a, "b": b, "c": c}, {}, attrs, 17, F64_TOL
 
 
@@ -141,6 +161,7 @@ def case_softmax(op):
         shape = _shape(draw)
         axis = draw(st.integers(-len(shape), len(shape) - 1))
         return op, {"x": _arr(draw, shape)}, {}, {"axis": axis}, 17, F64_TOL
+
     return draw_case
 
 
@@ -165,6 +186,7 @@ def case_reduce(op):
         else:
             attrs["axes"] = axes
         return op, {"x": x}, constants, attrs, opset, F64_TOL
+
     return draw_case
 
 
@@ -188,6 +210,7 @@ def case_squeeze(op):  # axes given (negative too) or, for Squeeze, every axis o
             return op, {"x": _arr(draw, shape)}, {} if axes is None else {"axes": np.array(axes)}, {}, 17, F64_TOL
         axes = draw(st.sampled_from([[0, len(shape) + 1], [-1], [1, -1]]))
         return op, {"x": _arr(draw, shape)}, {"axes": np.array(axes)}, {}, 17, F64_TOL
+
     return draw_case
 
 
@@ -213,8 +236,14 @@ def case_split(draw):
     axis = draw(st.integers(0, len(shape) - 1))
     sizes = [draw(dims), draw(dims)]
     shape[axis] = sum(sizes)
-    return "Split", {"x": _arr(draw, tuple(shape))}, {"split": np.array(sizes, dtype=np.int64)}, \
-        {"axis": axis, "outputs": ["y", "z"]}, 17, F64_TOL
+    return (
+        "Split",
+        {"x": _arr(draw, tuple(shape))},
+        {"split": np.array(sizes, dtype=np.int64)},
+        {"axis": axis, "outputs": ["y", "z"]},
+        17,
+        F64_TOL,
+    )
 
 
 def case_slice(draw):
@@ -227,8 +256,14 @@ def case_slice(draw):
     e = min(end + dim if end < 0 else end, dim)
     if e <= s:
         end = dim  # a non-empty slice
-    return "Slice", {"x": _arr(draw, shape)}, {
-        "starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis])}, {}, 17, F64_TOL
+    return (
+        "Slice",
+        {"x": _arr(draw, shape)},
+        {"starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis])},
+        {},
+        17,
+        F64_TOL,
+    )
 
 
 def case_gather(draw):
@@ -274,23 +309,39 @@ def case_hard_sigmoid(draw):
 
 
 def case_hard_swish(draw):  # both flat parts and the quadratic ramp between -3 and 3
-    return "HardSwish", {"x": _away_from(_arr(draw, _shape(draw), low=-5.0, high=5.0), [-3.0, 3.0])}, {}, {}, 17, F32_TOL
+    return (
+        "HardSwish",
+        {"x": _away_from(_arr(draw, _shape(draw), low=-5.0, high=5.0), [-3.0, 3.0])},
+        {},
+        {},
+        17,
+        F32_TOL,
+    )
 
 
 def case_activation(op, kinks=lambda attrs: [0.0], opset=17, **choices):
     """A one-input activation in float32 (onnxruntime's kernels for most of them), its attributes drawn
     from ``choices`` and its inputs kept off its kinks."""
+
     def draw_case(draw):
         attrs = {k: draw(st.sampled_from(v)) for k, v in choices.items()}
         x = _away_from(_arr(draw, _shape(draw), low=-3.0, high=3.0), kinks(attrs))
         return op, {"x": x}, {}, attrs, opset, F32_TOL
+
     return draw_case
 
 
 def case_prelu(draw):
     shape = _shape(draw, draw(st.integers(1, 4)))
     slope = _broadcast_partner(draw, shape)
-    return "PRelu", {"x": _away_from(_arr(draw, shape), [0.0]), "slope": _arr(draw, slope, np.float32)}, {}, {}, 17, F32_TOL
+    return (
+        "PRelu",
+        {"x": _away_from(_arr(draw, shape), [0.0]), "slope": _arr(draw, slope, np.float32)},
+        {},
+        {},
+        17,
+        F32_TOL,
+    )
 
 
 def case_tile(draw):
@@ -329,8 +380,14 @@ def case_slice_strided(draw):
     end = draw(st.integers(-dim - 2, dim + 1))
     if len(range(*slice(start, end, step).indices(dim))) == 0:
         start, end = (0, dim) if step > 0 else (dim - 1, -dim - 1)
-    return "Slice", {"x": _arr(draw, shape)}, {
-        "starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis]), "steps": np.array([step])}, {}, 17, F64_TOL
+    return (
+        "Slice",
+        {"x": _arr(draw, shape)},
+        {"starts": np.array([start]), "ends": np.array([end]), "axes": np.array([axis]), "steps": np.array([step])},
+        {},
+        17,
+        F64_TOL,
+    )
 
 
 def case_gather_elements(draw):
@@ -372,6 +429,7 @@ def case_scatter(op):
         reduction = draw(st.sampled_from(["none", "add"]))
         attrs.update(reduction=reduction, order=["x", "i", "u"])
         return op, {"x": _arr(draw, shape, np.float32), "u": updates}, {"i": idx}, attrs, 17, F32_TOL
+
     return draw_case
 
 
@@ -384,8 +442,14 @@ def case_cumsum(draw):
 
 def case_trilu(draw):
     shape = _shape(draw, draw(st.integers(2, 3)))
-    return "Trilu", {"x": _arr(draw, shape, np.float32)}, {"k": np.array(draw(st.integers(-2, 2)), dtype=np.int64)}, \
-        {"upper": draw(st.integers(0, 1))}, 17, F32_TOL
+    return (
+        "Trilu",
+        {"x": _arr(draw, shape, np.float32)},
+        {"k": np.array(draw(st.integers(-2, 2)), dtype=np.int64)},
+        {"upper": draw(st.integers(0, 1))},
+        17,
+        F32_TOL,
+    )
 
 
 def case_depth_space(op):
@@ -396,6 +460,7 @@ def case_depth_space(op):
             return op, {"x": _arr(draw, (n, c, h * b, w * b), np.float32)}, {}, {"blocksize": b}, 17, F32_TOL
         mode = draw(st.sampled_from(["DCR", "CRD"]))
         return op, {"x": _arr(draw, (n, c * b * b, h, w), np.float32)}, {}, {"blocksize": b, "mode": mode}, 17, F32_TOL
+
     return draw_case
 
 
@@ -431,8 +496,17 @@ def case_resize(draw):
         attrs["exclude_outside"] = draw(st.integers(0, 1))
     x = _arr(draw, (n, c, h, w), np.float32)
     if draw(st.booleans()):
-        scales = np.array([1.0, 1.0, draw(st.sampled_from([2.0, 0.5, 1.5, 3.0])), draw(st.sampled_from([2.0, 1.0, 0.75]))], np.float32)
-        return "Resize", {"x": x}, {"roi": np.zeros(0, np.float32), "scales": scales}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
+        scales = np.array(
+            [1.0, 1.0, draw(st.sampled_from([2.0, 0.5, 1.5, 3.0])), draw(st.sampled_from([2.0, 1.0, 0.75]))], np.float32
+        )
+        return (
+            "Resize",
+            {"x": x},
+            {"roi": np.zeros(0, np.float32), "scales": scales},
+            attrs,
+            draw(st.sampled_from([13, 19])),
+            F32_TOL,
+        )
     sizes = np.array([n, c, draw(st.integers(1, 7)), draw(st.integers(1, 7))], np.int64)
     attrs["order"] = ["x", "", "", "sizes"]
     return "Resize", {"x": x}, {"sizes": sizes}, attrs, draw(st.sampled_from([13, 19])), F32_TOL
@@ -441,15 +515,19 @@ def case_resize(draw):
 def case_einsum(draw):
     """Attention's and a bilinear layer's equations, with an ellipsis, an implicit output and a letter
     summed in one operand alone."""
-    equation, shapes = draw(st.sampled_from([
-        ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
-        ("bhqk,bkhd->bqhd", [(2, 2, 3, 5), (2, 5, 2, 4)]),
-        ("...ij,jk->...ik", [(2, 3, 4), (4, 5)]),
-        ("ij,jk", [(3, 4), (4, 2)]),
-        ("bi,bj,kij->bk", [(2, 3), (2, 4), (5, 3, 4)]),
-        ("ij->i", [(3, 4)]),
-        ("bij,k->bk", [(2, 3, 4), (5,)]),
-    ]))
+    equation, shapes = draw(
+        st.sampled_from(
+            [
+                ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+                ("bhqk,bkhd->bqhd", [(2, 2, 3, 5), (2, 5, 2, 4)]),
+                ("...ij,jk->...ik", [(2, 3, 4), (4, 5)]),
+                ("ij,jk", [(3, 4), (4, 2)]),
+                ("bi,bj,kij->bk", [(2, 3), (2, 4), (5, 3, 4)]),
+                ("ij->i", [(3, 4)]),
+                ("bij,k->bk", [(2, 3, 4), (5,)]),
+            ]
+        )
+    )
     inputs = {f"x{k}": _arr(draw, shape) for k, shape in enumerate(shapes)}
     return "Einsum", inputs, {}, {"equation": equation}, 17, F64_TOL
 
@@ -459,8 +537,18 @@ def case_instance_norm(draw):
     if int(np.prod(shape[2:])) < 2:
         shape = (*shape[:2], 3)
     c = shape[1]  # onnxruntime runs it in float32 only
-    return "InstanceNormalization", {"x": _arr(draw, shape, np.float32), "scale": _arr(draw, (c,), np.float32),
-                                     "bias": _arr(draw, (c,), np.float32)}, {}, {"epsilon": 1e-2}, 17, F32_TOL
+    return (
+        "InstanceNormalization",
+        {
+            "x": _arr(draw, shape, np.float32),
+            "scale": _arr(draw, (c,), np.float32),
+            "bias": _arr(draw, (c,), np.float32),
+        },
+        {},
+        {"epsilon": 1e-2},
+        17,
+        F32_TOL,
+    )
 
 
 def case_group_norm(draw):
@@ -470,14 +558,25 @@ def case_group_norm(draw):
     shape = (draw(st.integers(1, 2)), c, *_shape(draw, draw(st.integers(1, 2))))
     opset = draw(st.sampled_from([18, 21]))
     affine = groups if opset < 21 else c
-    return "GroupNormalization", {"x": _arr(draw, shape, np.float32), "scale": _arr(draw, (affine,), np.float32),
-                                  "bias": _arr(draw, (affine,), np.float32)}, {}, {"num_groups": groups, "epsilon": 1e-2}, opset, F32_TOL
+    return (
+        "GroupNormalization",
+        {
+            "x": _arr(draw, shape, np.float32),
+            "scale": _arr(draw, (affine,), np.float32),
+            "bias": _arr(draw, (affine,), np.float32),
+        },
+        {},
+        {"num_groups": groups, "epsilon": 1e-2},
+        opset,
+        F32_TOL,
+    )
 
 
 def case_conv(kind):
     """Dense, grouped (2 or 4 groups of several channels) and depthwise (one input channel per
     group, with a channel multiplier of 1 or 2) Convs, 1-D and 2-D, with strides, padding and
     dilation: each kind takes its own weight-gradient path."""
+
     def draw_case(draw):
         nd = draw(st.integers(1, 2))
         if kind == "dense":
@@ -494,10 +593,14 @@ def case_conv(kind):
         pads = [draw(st.integers(0, 1)) for _ in range(2 * nd)]
         spatial = [draw(st.integers((k - 1) * d + 1, 7)) for k, d in zip(kernel, dil)]
         n = draw(st.integers(1, 2))
-        inputs = {"x": _arr(draw, (n, cin, *spatial), np.float32), "w": _arr(draw, (cout, cin // group, *kernel), np.float32)}
+        inputs = {
+            "x": _arr(draw, (n, cin, *spatial), np.float32),
+            "w": _arr(draw, (cout, cin // group, *kernel), np.float32),
+        }
         if draw(st.booleans()):
             inputs["b"] = _arr(draw, (cout,), np.float32)
         return "Conv", inputs, {}, {"strides": stride, "dilations": dil, "pads": pads, "group": group}, 17, F32_TOL
+
     return draw_case
 
 
@@ -514,10 +617,12 @@ def case_pool(op):
             attrs["outputs"] = ["y", "indices"]
         else:
             attrs["count_include_pad"] = draw(st.integers(0, 1))
-        if draw(st.booleans()) and all(_last_window_starts_inside(n_, k_, s_, p_) for n_, k_, s_, p_ in
-                                       zip((h, w), k, stride, pads[:2])):
+        if draw(st.booleans()) and all(
+            _last_window_starts_inside(n_, k_, s_, p_) for n_, k_, s_, p_ in zip((h, w), k, stride, pads[:2])
+        ):
             attrs["ceil_mode"] = 1  # the last windows may run past the end padding
         return op, {"x": x}, {}, attrs, draw(st.sampled_from([16, 17])), F32_TOL
+
     return draw_case
 
 
@@ -533,23 +638,40 @@ def case_tiling_maxpool(draw):
     kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     if draw(st.booleans()):
         kw = kh  # square windows take the SpaceToDepth path
-    x = _distinct(draw, (draw(st.integers(1, 2)), draw(st.integers(1, 3)), kh * draw(st.integers(1, 3)), kw * draw(st.integers(1, 3))))
-    return "MaxPool", {"x": x}, {}, {"kernel_shape": [kh, kw], "strides": [kh, kw]}, draw(st.sampled_from([13, 17])), F32_TOL
+    x = _distinct(
+        draw,
+        (draw(st.integers(1, 2)), draw(st.integers(1, 3)), kh * draw(st.integers(1, 3)), kw * draw(st.integers(1, 3))),
+    )
+    return (
+        "MaxPool",
+        {"x": x},
+        {},
+        {"kernel_shape": [kh, kw], "strides": [kh, kw]},
+        draw(st.sampled_from([13, 17])),
+        F32_TOL,
+    )
 
 
 def case_global_pool(op):
     def draw_case(draw):
         x = _distinct(draw, (draw(st.integers(1, 2)), draw(dims), draw(dims), draw(dims)))
         return op, {"x": x}, {}, {}, 17, F32_TOL
+
     return draw_case
 
 
 def case_layer_norm(draw):
     shape = _shape(draw, draw(st.integers(2, 4)))
     axis = draw(st.integers(-len(shape), len(shape) - 1))
-    norm = shape[axis:] if axis >= 0 else shape[len(shape) + axis:]
-    return "LayerNormalization", {"x": _arr(draw, shape), "scale": _arr(draw, norm), "bias": _arr(draw, norm)}, {}, \
-        {"axis": axis, "epsilon": 1e-3}, 17, F64_TOL
+    norm = shape[axis:] if axis >= 0 else shape[len(shape) + axis :]
+    return (
+        "LayerNormalization",
+        {"x": _arr(draw, shape), "scale": _arr(draw, norm), "bias": _arr(draw, norm)},
+        {},
+        {"axis": axis, "epsilon": 1e-3},
+        17,
+        F64_TOL,
+    )
 
 
 def case_recurrent(op):
@@ -561,9 +683,11 @@ def case_recurrent(op):
         seq, batch, features, hidden = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(dims), draw(dims)
         direction = draw(st.sampled_from(["forward", "reverse", "bidirectional"]))
         d = 2 if direction == "bidirectional" else 1
-        inputs = {"x": _arr(draw, (seq, batch, features), np.float32, -1, 1),
-                  "w": _arr(draw, (d, gates * hidden, features), np.float32, -1, 1),
-                  "r": _arr(draw, (d, gates * hidden, hidden), np.float32, -1, 1)}
+        inputs = {
+            "x": _arr(draw, (seq, batch, features), np.float32, -1, 1),
+            "w": _arr(draw, (d, gates * hidden, features), np.float32, -1, 1),
+            "r": _arr(draw, (d, gates * hidden, hidden), np.float32, -1, 1),
+        }
         order = ["x", "w", "r"]
         if draw(st.booleans()):
             inputs["b"] = _arr(draw, (d, 2 * gates * hidden), np.float32, -1, 1)
@@ -574,11 +698,16 @@ def case_recurrent(op):
             for name in states:
                 inputs[name] = _arr(draw, (d, batch, hidden), np.float32, -1, 1)
                 order.append(name)
-        attrs = {"hidden_size": hidden, "order": order, "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"],
-                 "direction": direction}
+        attrs = {
+            "hidden_size": hidden,
+            "order": order,
+            "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"],
+            "direction": direction,
+        }
         if op == "GRU":
             attrs["linear_before_reset"] = draw(st.integers(0, 1))
         return op, inputs, {}, attrs, 17, F32_TOL
+
     return draw_case
 
 
@@ -604,8 +733,18 @@ CASES = {
     "MatMul": case_matmul,
     "Softmax": case_softmax("Softmax"),
     "LogSoftmax": case_softmax("LogSoftmax"),
-    **{op: case_reduce(op) for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL2",
-                                       "ReduceLogSumExp")},
+    **{
+        op: case_reduce(op)
+        for op in (
+            "ReduceSum",
+            "ReduceMean",
+            "ReduceMax",
+            "ReduceMin",
+            "ReduceSumSquare",
+            "ReduceL2",
+            "ReduceLogSumExp",
+        )
+    },
     "Reshape": case_reshape,
     "Flatten": case_flatten,
     "Squeeze": case_squeeze("Squeeze"),
@@ -682,15 +821,21 @@ def test_gradient_matches_finite_differences(case, data):
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
 
 
-@pytest.mark.parametrize("form, words", [
-    ({"layout": 1}, "layout=0 only"),
-    ({"order": ["x", "w", "r", "", "lens"]}, "without sequence_lens"),
-    ({"clip": 1.0}, "without clip"),
-])
+@pytest.mark.parametrize(
+    "form, words",
+    [
+        ({"layout": 1}, "layout=0 only"),
+        ({"order": ["x", "w", "r", "", "lens"]}, "without sequence_lens"),
+        ({"clip": 1.0}, "without clip"),
+    ],
+)
 def test_recurrent_ops_in_forms_not_unrolled_are_refused_naming_the_attribute(form, words):
     rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal((3, 2, 4)).astype(np.float32), "w": rng.standard_normal((1, 8, 4)).astype(np.float32),
-              "r": rng.standard_normal((1, 8, 2)).astype(np.float32)}
+    inputs = {
+        "x": rng.standard_normal((3, 2, 4)).astype(np.float32),
+        "w": rng.standard_normal((1, 8, 4)).astype(np.float32),
+        "r": rng.standard_normal((1, 8, 2)).astype(np.float32),
+    }
     constants = {"lens": np.array([3, 2], np.int32)} if "order" in form else {}
     model = single_op_model("LSTM", inputs, constants, outputs=["y"], hidden_size=2, **form)
     with pytest.raises(UnsupportedOpError, match=f"'LSTM' \\(node 'the_LSTM'\\) is unrolled .*{words}"):
@@ -709,12 +854,21 @@ def test_slices_and_gathers_along_an_axis_of_run_time_size_are_differentiated(ki
     else:
         inits = {"i": np.array(0) if kind == "gather_first" else np.array([-1, -2])}
         last = helper.make_node("Gather", ["h", "i"], ["y"], axis=0)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), last], "g", [x, w],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              initializer=[numpy_helper.from_array(v.astype(np.int64), k) for k, v in inits.items()])
-    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), last],
+        "g",
+        [x, w],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(v.astype(np.int64), k) for k, v in inits.items()],
+    )
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    )
     rng = np.random.default_rng(0)
-    values = {"x": rng.standard_normal((3, 5, 3)).astype(np.float32), "w": rng.standard_normal((3, 4)).astype(np.float32)}
+    values = {
+        "x": rng.standard_normal((3, 5, 3)).astype(np.float32),
+        "w": rng.standard_normal((3, 4)).astype(np.float32),
+    }
     assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
 
 
@@ -734,15 +888,24 @@ def test_small_conv_as_taps_computes_the_conv_and_its_gradient(kind, data):
     stride = [draw(st.integers(1, 3)) for _ in range(nd)]
     dil = [draw(st.integers(1, 2)) for _ in range(nd)]
     pads = [draw(st.integers(0, 2)) for _ in range(2 * nd)]
-    spatial = [draw(st.integers(max(1, (k - 1) * d + 1 - pads[a] - pads[nd + a]), 5))
-               for a, (k, d) in enumerate(zip(kernel, dil))]
-    out = [(h + pads[a] + pads[nd + a] - (k - 1) * d - 1) // s + 1 for a, (h, k, d, s) in enumerate(zip(spatial, kernel, dil, stride))]
+    spatial = [
+        draw(st.integers(max(1, (k - 1) * d + 1 - pads[a] - pads[nd + a]), 5))
+        for a, (k, d) in enumerate(zip(kernel, dil))
+    ]
+    out = [
+        (h + pads[a] + pads[nd + a] - (k - 1) * d - 1) // s + 1
+        for a, (h, k, d, s) in enumerate(zip(spatial, kernel, dil, stride))
+    ]
     assume(int(np.prod(out)) <= min(DEPTHWISE_TAPS_MAX_POSITIONS, DENSE_TAPS_MAX_POSITIONS))
-    inputs = {"x": _arr(draw, (draw(st.integers(1, 3)), channels, *spatial), np.float32),
-              "w": _arr(draw, (c_out, 1 if kind == "depthwise" else channels, *kernel), np.float32)}
+    inputs = {
+        "x": _arr(draw, (draw(st.integers(1, 3)), channels, *spatial), np.float32),
+        "w": _arr(draw, (c_out, 1 if kind == "depthwise" else channels, *kernel), np.float32),
+    }
     if draw(st.booleans()):
         inputs["b"] = _arr(draw, (c_out,), np.float32)
-    model = single_op_model("Conv", inputs, strides=stride, dilations=dil, pads=pads, group=channels if kind == "depthwise" else 1)
+    model = single_op_model(
+        "Conv", inputs, strides=stride, dilations=dil, pads=pads, group=channels if kind == "depthwise" else 1
+    )
     taps = training_forward_model(model)
     assert "Conv" not in {n.op_type for n in taps.graph.node}
     want = make_session(model.SerializeToString()).run(None, inputs)[0]
@@ -758,11 +921,17 @@ def test_grouped_conv_gradient_never_pairs_every_input_with_every_output_channel
     input channel with every output channel (then masking) makes a [Cin, Cout, k, k] tensor, ``group``
     times the work."""
     rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal((2, channels, 6, 6)).astype(np.float32),
-              "w": rng.standard_normal((channels, channels // group, 3, 3)).astype(np.float32)}
+    inputs = {
+        "x": rng.standard_normal((2, channels, 6, 6)).astype(np.float32),
+        "w": rng.standard_normal((channels, channels // group, 3, 3)).astype(np.float32),
+    }
     model = single_op_model("Conv", inputs, strides=[2, 2], pads=[1, 1, 1, 1], group=group)
     grad = vjp_model(model, outputs=["y"], wrt=["x", "w"])
-    sizes = {name: int(np.prod(info.static_shape)) for name, info in tensor_infos(grad).items() if info.static_shape is not None}
+    sizes = {
+        name: int(np.prod(info.static_shape))
+        for name, info in tensor_infos(grad).items()
+        if info.static_shape is not None
+    }
     bound = 9 * max(sizes["x"], sizes["y"], sizes["w"])
     assert max(sizes.values()) <= bound, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
 
@@ -771,9 +940,11 @@ def _gradient_graph_size(op: str, seq: int) -> int:
     """The elements of every tensor the vector-Jacobian product of an unrolled ``op`` makes."""
     gates = 3 if op == "GRU" else 4
     rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
-              "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
-              "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+    inputs = {
+        "x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+        "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+        "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32),
+    }
     model = single_op_model(op, inputs, hidden_size=5, outputs=["y", "y_h"])
     grad = vjp_model(model, outputs=["y", "y_h"], wrt=list(inputs))
     return sum(int(np.prod(info.static_shape)) for info in tensor_infos(grad).values() if info.static_shape is not None)
@@ -792,15 +963,19 @@ def test_a_weight_used_at_every_step_sums_its_gradient_in_one_gemm(op):
     """The recurrent weights' gradient is one Gemm over every step's rows stacked, however long the
     sequence: each step adds two matrix products (its forward one and its dh), not a third small
     Gemm for the weight added up with the others (16 Gemms of 32 rows ran at a third of the speed)."""
+
     def products(seq: int) -> int:
         gates = 3 if op == "GRU" else 4
         rng = np.random.default_rng(0)
-        inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
-                  "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
-                  "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+        inputs = {
+            "x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+            "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+            "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32),
+        }
         grad = vjp_model(single_op_model(op, inputs, hidden_size=5, outputs=["y"]), outputs=["y"], wrt=["r"])
         live = needed_for(grad.graph.node, ["grad/r"])
         return sum(1 for n in grad.graph.node if n.op_type in ("Gemm", "MatMul") and n.output[0] in live)
+
     assert products(16) - products(4) == (2 if op == "LSTM" else 2 * 2) * 12
 
 
@@ -809,18 +984,26 @@ def test_unrolled_steps_read_no_shapes_with_a_dynamic_batch(op):
     """With a dynamic batch, the unrolled steps and their gradients read no tensor's shape at run
     time: the states keep the op's [1, batch, H] layout, and a Squeeze's or Unsqueeze's gradient is
     the inverse op on its constant axes, not a Reshape to the shape read from its input."""
+
     def shapes_read(seq: int) -> int:
         gates = 3 if op == "GRU" else 4
         rng = np.random.default_rng(0)
-        weights = {"w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
-                   "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32)}
+        weights = {
+            "w": rng.standard_normal((1, gates * 5, 4)).astype(np.float32),
+            "r": rng.standard_normal((1, gates * 5, 5)).astype(np.float32),
+        }
         node = helper.make_node(op, ["x", "w", "r"], ["y", "y_h"], hidden_size=5)
-        graph = helper.make_graph([node], "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, "N", 4])],
-                                  [helper.make_tensor_value_info("y_h", TensorProto.FLOAT, [1, "N", 5])],
-                                  initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+        graph = helper.make_graph(
+            [node],
+            "rnn",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, "N", 4])],
+            [helper.make_tensor_value_info("y_h", TensorProto.FLOAT, [1, "N", 5])],
+            initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()],
+        )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
         grad = vjp_model(model, outputs=["y_h"], wrt=["w", "r"])
         return sum(1 for n in grad.graph.node if n.op_type == "Shape")
+
     assert shapes_read(16) == shapes_read(4)
 
 
@@ -829,28 +1012,44 @@ def test_unrolled_steps_read_no_shapes_with_a_dynamic_batch(op):
 def test_unrolled_gates_are_cut_by_one_split_whose_gradient_pads_nothing(op, direction):
     """Each step cuts its gates with one Split (gradient: one Concat), not a Slice per gate whose
     gradient pads it back to all gates' width: the gradient's Pads do not grow with the steps."""
+
     def pads(seq: int) -> int:
         gates, d = (3 if op == "GRU" else 4), (2 if direction == "bidirectional" else 1)
         rng = np.random.default_rng(0)
-        inputs = {"x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
-                  "w": rng.standard_normal((d, gates * 5, 4)).astype(np.float32),
-                  "r": rng.standard_normal((d, gates * 5, 5)).astype(np.float32),
-                  "b": rng.standard_normal((d, 2 * gates * 5)).astype(np.float32)}
+        inputs = {
+            "x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+            "w": rng.standard_normal((d, gates * 5, 4)).astype(np.float32),
+            "r": rng.standard_normal((d, gates * 5, 5)).astype(np.float32),
+            "b": rng.standard_normal((d, 2 * gates * 5)).astype(np.float32),
+        }
         model = single_op_model(op, inputs, hidden_size=5, direction=direction, outputs=["y", "y_h"])
         grad = vjp_model(model, outputs=["y", "y_h"], wrt=list(inputs))
         return sum(1 for n in grad.graph.node if n.op_type == "Pad")
+
     assert pads(16) == pads(4)
 
 
 def test_tile_by_repeats_read_at_run_time_is_differentiated():
     """A class token repeated over the batch (token.repeat(x.shape[0], 2, 1)): the repeats come from Shape."""
-    nodes = [helper.make_node("Shape", ["x"], ["shape"], end=1), helper.make_node("Concat", ["shape", "rest"], ["repeats"], axis=0),
-             helper.make_node("Tile", ["token", "repeats"], ["tiled"]), helper.make_node("Mul", ["tiled", "x"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3]),
-                                           helper.make_tensor_value_info("token", TensorProto.FLOAT, [1, 1, 3])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3])],
-                              initializer=[numpy_helper.from_array(np.array([2, 1], np.int64), "rest")])
-    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"], end=1),
+        helper.make_node("Concat", ["shape", "rest"], ["repeats"], axis=0),
+        helper.make_node("Tile", ["token", "repeats"], ["tiled"]),
+        helper.make_node("Mul", ["tiled", "x"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3]),
+            helper.make_tensor_value_info("token", TensorProto.FLOAT, [1, 1, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3])],
+        initializer=[numpy_helper.from_array(np.array([2, 1], np.int64), "rest")],
+    )
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    )
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 2, 3)), "token": rng.standard_normal((1, 1, 3))}
     assert vjp_error(model, {k: v.astype(np.float32) for k, v in values.items()}, ["x", "token"], eps=1e-2) < F32_TOL
@@ -865,17 +1064,29 @@ def test_sequence_at_of_a_split_to_sequence_is_differentiated_as_its_slice(split
     if split is not None:
         inits.append(numpy_helper.from_array(np.array(split, np.int64), "split"))
         inputs.append("split")
-    nodes = [helper.make_node("Mul", ["x", "w"], ["h"]),
-             helper.make_node("SplitToSequence", inputs, ["parts"], axis=1, keepdims=keepdims),
-             *[helper.make_node("SequenceAt", ["parts", f"p{k}"], [f"part{k}"]) for k in range(3)],
-             helper.make_node("Tanh", ["part0"], ["t0"]), helper.make_node("Sigmoid", ["part1"], ["t1"]),
-             helper.make_node("Concat", ["t0", "t1", "part2"], ["y"], axis=-1)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6]),
-                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [1, 6])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("SplitToSequence", inputs, ["parts"], axis=1, keepdims=keepdims),
+        *[helper.make_node("SequenceAt", ["parts", f"p{k}"], [f"part{k}"]) for k in range(3)],
+        helper.make_node("Tanh", ["part0"], ["t0"]),
+        helper.make_node("Sigmoid", ["part1"], ["t1"]),
+        helper.make_node("Concat", ["t0", "t1", "part2"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [1, 6]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     width = {"[2, 3, 1]": 2 + 1 + 3, "4": 4 + 2 + 2, "None": 3}[str(split)]  # parts 0, -1 and 1
-    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width] if keepdims else [None]))
+    model.graph.output[0].CopyFrom(
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width] if keepdims else [None])
+    )
     rng = np.random.default_rng(0)
     values = {"x": rng.standard_normal((3, 6)).astype(np.float32), "w": rng.standard_normal((1, 6)).astype(np.float32)}
     assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
@@ -888,12 +1099,25 @@ def _erf_gelu(order: int, scale_op: str, shared: bool) -> onnx.ModelProto:
     n = helper.make_node
     c = np.array(np.sqrt(2.0) if scale_op == "Div" else 1 / np.sqrt(2.0), np.float32)
     pair = (lambda a, b: [a, b]) if order == 0 else (lambda a, b: [b, a])
-    nodes = [n(scale_op, ["x", "c"], ["u"]), n("Erf", ["u"], ["e"]), n("Add", pair("e", "one"), ["a"]),
-             n("Mul", pair("x", "a"), ["m"]), n("Mul", pair("m", "half"), ["y"])]
+    nodes = [
+        n(scale_op, ["x", "c"], ["u"]),
+        n("Erf", ["u"], ["e"]),
+        n("Add", pair("e", "one"), ["a"]),
+        n("Mul", pair("x", "a"), ["m"]),
+        n("Mul", pair("m", "half"), ["y"]),
+    ]
     outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [3, 5]) for o in (["y", "a"] if shared else ["y"])]
-    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])], outputs,
-                              initializer=[numpy_helper.from_array(c, "c"), numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-                                           numpy_helper.from_array(np.array(0.5, np.float32), "half")])
+    graph = helper.make_graph(
+        nodes,
+        "gelu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+        outputs,
+        initializer=[
+            numpy_helper.from_array(c, "c"),
+            numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+            numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+        ],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -909,6 +1133,6 @@ def test_an_erf_gelu_is_differentiated_as_one_activation(order, scale_op, shared
     x = np.random.default_rng(order).uniform(-3, 3, (3, 5)).astype(np.float32)
     outputs = [o.name for o in m.graph.output]
     assert vjp_error(m, {"x": x}, ["x"], outputs=outputs, eps=3e-3) < F32_TOL
-    backward = vjp_model(m, outputs=outputs, wrt=["x"]).graph.node[len(m.graph.node):]
+    backward = vjp_model(m, outputs=outputs, wrt=["x"]).graph.node[len(m.graph.node) :]
     passes = [b for b in backward if b.op_type not in ("Identity", "Constant")]
     assert (len(passes) > 7) if shared else (len(passes) == 7), [b.op_type for b in passes]

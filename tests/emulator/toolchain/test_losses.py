@@ -26,14 +26,18 @@ def _linear(features, outputs, seed, head=None):
     if head is not None:
         nodes.append(helper.make_node(head, ["z"], ["p"]))
         out = "p"
-    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", features])],
-                 [helper.make_tensor_value_info(out, F, ["N", outputs])],
-                 {"w": glorot(rng, features, outputs), "b": rng.normal(0, 0.1, outputs).astype(np.float32)})
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", features])],
+        [helper.make_tensor_value_info(out, F, ["N", outputs])],
+        {"w": glorot(rng, features, outputs), "b": rng.normal(0, 0.1, outputs).astype(np.float32)},
+    )
 
 
 def _one_step(source, loss, x, y):
-    plan = training_plan_from_onnx(source, label="y", loss=loss, optimizer=SGD(LR), batch_size=len(x),
-                                   example_selector=ExampleSelector("app:/l"))
+    plan = training_plan_from_onnx(
+        source, label="y", loss=loss, optimizer=SGD(LR), batch_size=len(x), example_selector=ExampleSelector("app:/l")
+    )
     weights = initial_weights_from_onnx(source, plan)
     executor = PlanExecutor(plan)
     result = executor.run_device(weights, lambda: [{"x": x, "y": y}])
@@ -56,7 +60,9 @@ def _per_example(loss, p, x, y):
 
 
 @settings(max_examples=10, deadline=None)
-@given(kind=st.sampled_from(["mse", "bce_logits", "bce_probabilities"]), n=st.integers(1, 9), seed=st.integers(0, 2**31))
+@given(
+    kind=st.sampled_from(["mse", "bce_logits", "bce_probabilities"]), n=st.integers(1, 9), seed=st.integers(0, 2**31)
+)
 def test_builtin_losses_give_the_autograd_gradient_and_sums(kind, n, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, 4)).astype(np.float32)
@@ -67,12 +73,21 @@ def test_builtin_losses_give_the_autograd_gradient_and_sums(kind, n, seed):
         head = "Sigmoid" if kind == "bce_logits" else None
         source = _linear(4, 1, seed, head)
         if kind == "bce_probabilities":  # a model whose output is a probability but not from a Sigmoid node
-            source = model([helper.make_node("Gemm", ["x", "w", "b"], ["z"]), helper.make_node("Neg", ["z"], ["nz"]),
-                            helper.make_node("Exp", ["nz"], ["e"]), helper.make_node("Add", ["e", "one"], ["d"]),
-                            helper.make_node("Reciprocal", ["d"], ["p"])],
-                           [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("p", F, ["N", 1])],
-                           {**{i.name: np.frombuffer(i.raw_data, np.float32).reshape(i.dims) for i in source.graph.initializer},
-                            "one": np.array(1, np.float32)})
+            source = model(
+                [
+                    helper.make_node("Gemm", ["x", "w", "b"], ["z"]),
+                    helper.make_node("Neg", ["z"], ["nz"]),
+                    helper.make_node("Exp", ["nz"], ["e"]),
+                    helper.make_node("Add", ["e", "one"], ["d"]),
+                    helper.make_node("Reciprocal", ["d"], ["p"]),
+                ],
+                [helper.make_tensor_value_info("x", F, ["N", 4])],
+                [helper.make_tensor_value_info("p", F, ["N", 1])],
+                {
+                    **{i.name: np.frombuffer(i.raw_data, np.float32).reshape(i.dims) for i in source.graph.initializer},
+                    "one": np.array(1, np.float32),
+                },
+            )
         loss = "binary_cross_entropy"
     plan, weights, grads, metrics = _one_step(source, loss, x, y)
     p = {k: weights[k].astype(np.float64) for k in ("w", "b")}
@@ -110,7 +125,9 @@ def test_cross_entropy_reads_the_logits_before_a_final_softmax():
 
     def mean_ce(q):
         z = x @ q["w"] + q["b"]
-        return agnp.mean(agnp.log(agnp.sum(agnp.exp(z - agnp.max(z, 1, keepdims=True)), 1)) + agnp.max(z, 1) - z[np.arange(6), y])
+        return agnp.mean(
+            agnp.log(agnp.sum(agnp.exp(z - agnp.max(z, 1, keepdims=True)), 1)) + agnp.max(z, 1) - z[np.arange(6), y]
+        )
 
     ref = autograd.grad(mean_ce)(p)
     for w in ("w", "b"):
@@ -122,12 +139,24 @@ def test_a_users_loss_graph_is_differentiated_with_the_model():
     """Huber loss (delta 1) as the user's own ONNX graph: prediction, label -> the batch's mean."""
     n = helper.make_node
     huber = helper.make_graph(
-        [n("Sub", ["pred", "target"], ["d"]), n("Abs", ["d"], ["a"]), n("Less", ["a", "one"], ["small"]),
-         n("Mul", ["d", "d"], ["sq"]), n("Mul", ["sq", "half"], ["quad"]), n("Sub", ["a", "half"], ["lin"]),
-         n("Where", ["small", "quad", "lin"], ["per"]), n("ReduceMean", ["per"], ["mean"], keepdims=0)],
-        "huber", [helper.make_tensor_value_info("pred", F, ["N", 2]), helper.make_tensor_value_info("target", F, ["N", 2])],
+        [
+            n("Sub", ["pred", "target"], ["d"]),
+            n("Abs", ["d"], ["a"]),
+            n("Less", ["a", "one"], ["small"]),
+            n("Mul", ["d", "d"], ["sq"]),
+            n("Mul", ["sq", "half"], ["quad"]),
+            n("Sub", ["a", "half"], ["lin"]),
+            n("Where", ["small", "quad", "lin"], ["per"]),
+            n("ReduceMean", ["per"], ["mean"], keepdims=0),
+        ],
+        "huber",
+        [helper.make_tensor_value_info("pred", F, ["N", 2]), helper.make_tensor_value_info("target", F, ["N", 2])],
         [helper.make_tensor_value_info("mean", F, [])],
-        initializer=[helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]), helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])])
+        initializer=[
+            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+            helper.make_tensor("half", TensorProto.FLOAT, [], [0.5]),
+        ],
+    )
     rng = np.random.default_rng(5)
     x, y = rng.standard_normal((7, 3)).astype(np.float32), (rng.standard_normal((7, 2)) * 2).astype(np.float32)
     _, weights, grads, metrics = _one_step(_linear(3, 2, 2), huber, x, y)
@@ -148,16 +177,32 @@ def test_cross_entropy_over_every_position_of_a_sequence():
     counts are over all positions."""
     vocab, dim, seq = 7, 4, 5
     rng = np.random.default_rng(3)
-    p = {"emb": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32), "w": glorot(rng, dim, vocab),
-         "b": np.zeros(vocab, np.float32)}
+    p = {
+        "emb": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32),
+        "w": glorot(rng, dim, vocab),
+        "b": np.zeros(vocab, np.float32),
+    }
     n = helper.make_node
-    source = model([n("Gather", ["emb", "x"], ["e"]), n("MatMul", ["e", "w"], ["z"]), n("Add", ["z", "b"], ["logits"]),
-                    n("Softmax", ["logits"], ["probs"], axis=-1)],
-                   [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
-                   [helper.make_tensor_value_info("probs", F, ["N", seq, vocab])], p)
+    source = model(
+        [
+            n("Gather", ["emb", "x"], ["e"]),
+            n("MatMul", ["e", "w"], ["z"]),
+            n("Add", ["z", "b"], ["logits"]),
+            n("Softmax", ["logits"], ["probs"], axis=-1),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
+        [helper.make_tensor_value_info("probs", F, ["N", seq, vocab])],
+        p,
+    )
     x, y = rng.integers(0, vocab, (6, seq)), rng.integers(0, vocab, (6, seq))
-    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(LR), batch_size=6,
-                                   example_selector=ExampleSelector("app:/l"))
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(LR),
+        batch_size=6,
+        example_selector=ExampleSelector("app:/l"),
+    )
     weights = initial_weights_from_onnx(source, plan)
     executor = PlanExecutor(plan)
     result = executor.run_device(weights, lambda: [{"x": x, "y": y}])

@@ -15,8 +15,8 @@ from onnx import helper, numpy_helper
 
 from device_runtime import FLRuntime, Outcome, RuntimeEnvironment
 from device_runtime.checkpoint import decode_checkpoint
-from emulator.cli import main
-from emulator.runtime_worker import ReleasePlans, WorkerPool
+from emulator.cli.commands import main
+from emulator.releases.workers import ReleasePlans, WorkerPool
 from emulator.toolchain.bundle import read_bundle
 from example_store import SQLiteExampleStore
 from server_stub import ServerThread
@@ -30,8 +30,22 @@ RELEASES = ["1.15.1", "1.31.1"]
 
 
 def _from_onnx(path: Path, out: Path, *extra: str) -> int:
-    return main(["plan", "from-onnx", str(path), "--label", "y", "--batch-size", "16", "--runtimes", *RELEASES,
-                 "-o", str(out), *extra])
+    return main(
+        [
+            "plan",
+            "from-onnx",
+            str(path),
+            "--label",
+            "y",
+            "--batch-size",
+            "16",
+            "--runtimes",
+            *RELEASES,
+            "-o",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _manifest(bundle: Path, task: str) -> dict:
@@ -40,11 +54,15 @@ def _manifest(bundle: Path, task: str) -> dict:
 
 @pytest.mark.timeout(1800)  # a cold cache installs the releases first
 def test_from_onnx_writes_a_bundle_that_plan_test_and_deploy_take_and_a_device_trains_with(
-        tmp_path, capsys, monkeypatch, digits):
+    tmp_path, capsys, monkeypatch, digits
+):
     out = tmp_path / "cnn"
     assert _from_onnx(CNN, out, "--collection", "app:/digit_images", "--name", "cnn") == 0
     printed = capsys.readouterr().out
-    assert "inputs: pixels ['N', 1, 8, 8] float32; label: y" in printed and "reads collection: app:/digit_images" in printed
+    assert (
+        "inputs: pixels ['N', 1, 8, 8] float32; label: y" in printed
+        and "reads collection: app:/digit_images" in printed
+    )
     assert "conv1.weight  [6, 1, 3, 3]" in printed  # the trained tensors' table
     assert f"fedfleet plan test {out} --signing-key KEY" in printed
     assert f"fedfleet deploy {out} --server URL --population P" in printed
@@ -57,13 +75,18 @@ def test_from_onnx_writes_a_bundle_that_plan_test_and_deploy_take_and_a_device_t
     assert main(["plan", "test", str(out), "--signing-key", str(key)]) == 0, capsys.readouterr()
     assert "cnn: passed" in capsys.readouterr().out
     trusted = read_release_trust(Path(f"{key}.pub"))
-    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server, WorkerPool() as pool:
+    with (
+        ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server,
+        WorkerPool() as pool,
+    ):
         server.service.require_release_reports = True
         monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
         assert main(["deploy", str(out), "--server", server.url, "--population", "digits"]) == 0, capsys.readouterr()
         with SQLiteExampleStore(tmp_path / "device.db") as store:
-            store.add("app:/digit_images", ({"pixels": x.reshape(1, 8, 8), "y": y}
-                                            for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
+            store.add(
+                "app:/digit_images",
+                ({"pixels": x.reshape(1, 8, 8), "y": y} for x, y in zip(digits.x_train[:64], digits.y_train[:64])),
+            )
             with FLRuntime(
                 "digits",
                 server.url,
@@ -80,8 +103,14 @@ def _external(folder: Path) -> Path:
     """An MLP saved as the dynamo exporter saves, its weights in model.onnx.data beside it."""
     folder.mkdir(parents=True)
     path = folder / "mlp.onnx"
-    onnx.save_model(mlp(6, 5, 3), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="mlp.onnx.data", size_threshold=0)
+    onnx.save_model(
+        mlp(6, 5, 3),
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="mlp.onnx.data",
+        size_threshold=0,
+    )
     return path
 
 
@@ -119,8 +148,21 @@ def test_a_plan_file_path_writes_the_plan_alone_and_deploy_of_it_says_how_to_mak
     onnx.save_model(mlp(6, 5, 3), str(tmp_path / "mlp.onnx"))
     assert _from_onnx(tmp_path / "mlp.onnx", tmp_path / "mlp.fedplan") == 0
     assert "-o DIR (a directory) writes a bundle" in capsys.readouterr().out
-    assert main(["deploy", str(tmp_path / "mlp.fedplan"), "--server", "http://127.0.0.1:9", "--population", "p",
-                 "--admin-key-file", str(tmp_path / "mlp.fedplan")]) == 2
+    assert (
+        main(
+            [
+                "deploy",
+                str(tmp_path / "mlp.fedplan"),
+                "--server",
+                "http://127.0.0.1:9",
+                "--population",
+                "p",
+                "--admin-key-file",
+                str(tmp_path / "mlp.fedplan"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "plan from-onnx" in err and "-o DIR" in err
     assert main(["plan", "test", str(tmp_path / "mlp.fedplan")]) == 2  # not run as a task file
@@ -128,12 +170,16 @@ def test_a_plan_file_path_writes_the_plan_alone_and_deploy_of_it_says_how_to_mak
     assert len(err.splitlines()) == 1 and "is a file, not a bundle directory" in err
 
 
-@pytest.mark.parametrize("graph, warned", [
-    (cnn(batch_norm=False), True),  # what torch.onnx.export writes by default: BatchNorm folded, Dropout gone
-    (cnn(batch_norm=True), False),
-    (cnn(batch_norm=False, dropout=0.5), False),
-    (mlp(6, 5, 3), False),  # no convolution: nothing says BatchNorm was folded
-], ids=["conv_alone", "conv_batch_norm", "conv_dropout", "mlp"])
+@pytest.mark.parametrize(
+    "graph, warned",
+    [
+        (cnn(batch_norm=False), True),  # what torch.onnx.export writes by default: BatchNorm folded, Dropout gone
+        (cnn(batch_norm=True), False),
+        (cnn(batch_norm=False, dropout=0.5), False),
+        (mlp(6, 5, 3), False),  # no convolution: nothing says BatchNorm was folded
+    ],
+    ids=["conv_alone", "conv_batch_norm", "conv_dropout", "mlp"],
+)
 def test_from_onnx_warns_in_one_line_when_the_graph_looks_exported_in_eval_mode(tmp_path, capsys, graph, warned):
     onnx.save_model(graph, str(tmp_path / "m.onnx"))
     assert _from_onnx(tmp_path / "m.onnx", tmp_path / "m.fedplan") == 0
@@ -151,19 +197,31 @@ def _tree(path: Path) -> None:
 
 
 def _argmax(path: Path) -> None:
-    onnx.save_model(model([helper.make_node("Gemm", ["x", "W", "b"], ["z"]),
-                           helper.make_node("ArgMax", ["z"], ["k"], axis=1, keepdims=1),
-                           helper.make_node("Cast", ["k"], ["logits"], to=F)],
-                          [helper.make_tensor_value_info("x", F, ["N", 4])],
-                          [helper.make_tensor_value_info("logits", F, ["N", 1])],
-                          {"W": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)}), str(path))
+    onnx.save_model(
+        model(
+            [
+                helper.make_node("Gemm", ["x", "W", "b"], ["z"]),
+                helper.make_node("ArgMax", ["z"], ["k"], axis=1, keepdims=1),
+                helper.make_node("Cast", ["k"], ["logits"], to=F),
+            ],
+            [helper.make_tensor_value_info("x", F, ["N", 4])],
+            [helper.make_tensor_value_info("logits", F, ["N", 1])],
+            {"W": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)},
+        ),
+        str(path),
+    )
 
 
 def _constant_output(path: Path) -> None:
-    onnx.save_model(model([helper.make_node("Add", ["w", "b"], ["logits"]), helper.make_node("Identity", ["x"], ["seen"])],
-                          [helper.make_tensor_value_info("x", F, ["N", 4])],
-                          [helper.make_tensor_value_info("logits", F, ["N", 3])],
-                          {"w": np.ones((1, 3), np.float32), "b": np.zeros(3, np.float32)}), str(path))
+    onnx.save_model(
+        model(
+            [helper.make_node("Add", ["w", "b"], ["logits"]), helper.make_node("Identity", ["x"], ["seen"])],
+            [helper.make_tensor_value_info("x", F, ["N", 4])],
+            [helper.make_tensor_value_info("logits", F, ["N", 3])],
+            {"w": np.ones((1, 3), np.float32), "b": np.zeros(3, np.float32)},
+        ),
+        str(path),
+    )
 
 
 def _weights_as_constants(path: Path) -> None:
@@ -178,13 +236,17 @@ def _torch_checkpoint(path: Path) -> None:
     path.write_bytes(b"PK\x03\x04" + bytes(60))  # torch.save writes a zip archive
 
 
-@pytest.mark.parametrize("make, says", [
-    (_tree, "ai.onnx.ml.TreeEnsembleClassifier"),
-    (_argmax, "through ops without one (ArgMax)"),
-    (_constant_output, "does not depend on the model's inputs (x)"),
-    (_weights_as_constants, "not as Constant nodes or graph inputs"),
-    (_torch_checkpoint, "as torch.save writes a PyTorch checkpoint"),
-], ids=["sklearn_tree", "argmax", "constant_output", "weights_as_constants", "torch_checkpoint"])
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (_tree, "ai.onnx.ml.TreeEnsembleClassifier"),
+        (_argmax, "through ops without one (ArgMax)"),
+        (_constant_output, "does not depend on the model's inputs (x)"),
+        (_weights_as_constants, "not as Constant nodes or graph inputs"),
+        (_torch_checkpoint, "as torch.save writes a PyTorch checkpoint"),
+    ],
+    ids=["sklearn_tree", "argmax", "constant_output", "weights_as_constants", "torch_checkpoint"],
+)
 def test_a_model_that_cannot_train_is_refused_in_one_line_saying_what_to_export(tmp_path, capsys, make, says):
     make(tmp_path / "m.onnx")
     assert _from_onnx(tmp_path / "m.onnx", tmp_path / "bundle") == 2

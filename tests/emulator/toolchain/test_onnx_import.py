@@ -12,7 +12,7 @@ import pytest
 from onnx import helper
 
 from device_runtime.plan import load_plan
-from emulator.cli import main
+from emulator.cli.commands import main
 from emulator.toolchain import SGD, training_plan_from_onnx
 from example_store import ExampleSelector
 
@@ -25,14 +25,34 @@ def _save_with_external_data(m: onnx.ModelProto, folder: Path) -> Path:
     """The dynamo exporter's layout: model.onnx and every tensor in model.onnx.data beside it."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
-    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=0)
+    onnx.save_model(
+        m,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=0,
+    )
     return path
 
 
 def _from_onnx(model: Path, out: Path, *extra: str) -> int:
-    return main(["plan", "from-onnx", str(model), "--label", "y", "--loss", "cross_entropy", "--batch-size", "4",
-                 "-o", str(out), *extra])
+    return main(
+        [
+            "plan",
+            "from-onnx",
+            str(model),
+            "--label",
+            "y",
+            "--loss",
+            "cross_entropy",
+            "--batch-size",
+            "4",
+            "-o",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_external_data_is_read_from_the_models_folder_whatever_the_working_directory(tmp_path, monkeypatch, capsys):
@@ -82,33 +102,51 @@ def test_a_graph_with_no_float_output_is_one_line_saying_what_to_export(tmp_path
 def test_model_bytes_that_point_at_external_data_are_refused_with_what_to_pass(tmp_path):
     path = _save_with_external_data(mlp(6, 5, 3), tmp_path)
     with pytest.raises(ValueError, match="pass the model's path"):
-        training_plan_from_onnx(path.read_bytes(), label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
-                                example_selector=SELECTOR)
+        training_plan_from_onnx(
+            path.read_bytes(),
+            label="y",
+            loss="cross_entropy",
+            optimizer=SGD(0.1),
+            batch_size=4,
+            example_selector=SELECTOR,
+        )
 
 
 def _scaled_model() -> onnx.ModelProto:
     """A linear layer as the dynamo exporter writes attention: the product scaled by a float32
     tensor of shape [1], and a float32 initializer that only becomes a Reshape's shape."""
     rng = np.random.default_rng(0)
-    inits = {"enc.0.weight": rng.normal(size=(4, 6)).astype(np.float32), "enc.0.bias": np.zeros(6, np.float32),
-             "scale": np.array([0.125], np.float32), "shape_f": np.array([-1, 3], np.float32),
-             "head.weight": rng.normal(size=(3, 3)).astype(np.float32), "head.bias": np.zeros(3, np.float32)}
-    nodes = [helper.make_node("MatMul", ["x", "enc.0.weight"], ["h0"]),
-             helper.make_node("Add", ["h0", "enc.0.bias"], ["h1"]),
-             helper.make_node("Mul", ["h1", "scale"], ["h2"]),
-             helper.make_node("Cast", ["shape_f"], ["shape"], to=onnx.TensorProto.INT64),
-             helper.make_node("Reshape", ["h2", "shape"], ["h3"]),
-             helper.make_node("MatMul", ["h3", "head.weight"], ["h4"]),
-             helper.make_node("Add", ["h4", "head.bias"], ["logits"])]
+    inits = {
+        "enc.0.weight": rng.normal(size=(4, 6)).astype(np.float32),
+        "enc.0.bias": np.zeros(6, np.float32),
+        "scale": np.array([0.125], np.float32),
+        "shape_f": np.array([-1, 3], np.float32),
+        "head.weight": rng.normal(size=(3, 3)).astype(np.float32),
+        "head.bias": np.zeros(3, np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "enc.0.weight"], ["h0"]),
+        helper.make_node("Add", ["h0", "enc.0.bias"], ["h1"]),
+        helper.make_node("Mul", ["h1", "scale"], ["h2"]),
+        helper.make_node("Cast", ["shape_f"], ["shape"], to=onnx.TensorProto.INT64),
+        helper.make_node("Reshape", ["h2", "shape"], ["h3"]),
+        helper.make_node("MatMul", ["h3", "head.weight"], ["h4"]),
+        helper.make_node("Add", ["h4", "head.bias"], ["logits"]),
+    ]
     from .models import model
 
-    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
-                 [helper.make_tensor_value_info("logits", F, ["N", 3])], inits)
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        inits,
+    )
 
 
 def _weights(m, **kwargs) -> tuple[str, ...]:
-    return training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
-                                   example_selector=SELECTOR, **kwargs).weight_names
+    return training_plan_from_onnx(
+        m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR, **kwargs
+    ).weight_names
 
 
 def test_by_default_one_element_scales_and_shape_constants_do_not_train():
@@ -119,7 +157,11 @@ def test_trainable_and_frozen_glob_patterns_choose_the_trained_tensors():
     m = _scaled_model()
     assert _weights(m, trainable=["enc.*"]) == ("enc.0.weight", "enc.0.bias")
     assert _weights(m, frozen=["*.bias"]) == ("enc.0.weight", "head.weight")
-    assert _weights(m, trainable=["*"], frozen=["head.*"]) == ("enc.0.weight", "enc.0.bias", "scale")  # asked for: trains
+    assert _weights(m, trainable=["*"], frozen=["head.*"]) == (
+        "enc.0.weight",
+        "enc.0.bias",
+        "scale",
+    )  # asked for: trains
     assert _weights(m, trainable=["scale", "head.weight"]) == ("scale", "head.weight")
 
 
@@ -133,8 +175,13 @@ def test_the_task_api_takes_trainable_and_frozen_patterns(tmp_path):
     from emulator.toolchain.tasks import Task
 
     onnx.save_model(_scaled_model(), str(tmp_path / "m.onnx"))
-    task = Task(name="scaled", model=tmp_path / "m.onnx", proxy=lambda: None,  # type: ignore[arg-type, return-value]
-                trainable=("*.weight", "scale"), frozen=("head.*",))
+    task = Task(
+        name="scaled",
+        model=tmp_path / "m.onnx",
+        proxy=lambda: None,  # type: ignore[arg-type, return-value]
+        trainable=("*.weight", "scale"),
+        frozen=("head.*",),
+    )
     assert task.build_plan().weight_names == ("enc.0.weight", "scale")
 
 
@@ -152,10 +199,15 @@ def test_from_onnx_prints_the_trained_tensors_and_refuses_a_pattern_that_matches
 def test_a_one_element_bias_still_trains_by_default():
     from .models import model
 
-    m = model([helper.make_node("Gemm", ["x", "W", "b"], ["pred"])], [helper.make_tensor_value_info("x", F, ["N", 4])],
-              [helper.make_tensor_value_info("pred", F, ["N", 1])],
-              {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)})
-    plan = training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
+    m = model(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["pred"])],
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("pred", F, ["N", 1])],
+        {"W": np.ones((4, 1), np.float32), "b": np.zeros(1, np.float32)},
+    )
+    plan = training_plan_from_onnx(
+        m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR
+    )
     assert plan.weight_names == ("W", "b")
 
 
@@ -165,11 +217,17 @@ def _two_layers(deduplicated: bool, tied: bool = False) -> onnx.ModelProto:
     from .models import model
 
     rng = np.random.default_rng(3)
-    inits = {"l0.weight": rng.normal(size=(4, 4)).astype(np.float32), "l0.bias": np.zeros(4, np.float32),
-             "l1.weight": rng.normal(size=(4, 3)).astype(np.float32)}
-    nodes = [helper.make_node("MatMul", ["x", "l0.weight"], ["h0"]), helper.make_node("Add", ["h0", "l0.bias"], ["h1"]),
-             helper.make_node("Tanh", ["h1"], ["h2"]),
-             helper.make_node("MatMul", ["h2", "l0.weight" if tied else "l1.weight"], ["h3"])]
+    inits = {
+        "l0.weight": rng.normal(size=(4, 4)).astype(np.float32),
+        "l0.bias": np.zeros(4, np.float32),
+        "l1.weight": rng.normal(size=(4, 3)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "l0.weight"], ["h0"]),
+        helper.make_node("Add", ["h0", "l0.bias"], ["h1"]),
+        helper.make_node("Tanh", ["h1"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "l0.weight" if tied else "l1.weight"], ["h3"]),
+    ]
     if tied:
         nodes.append(helper.make_node("MatMul", ["h3", "l1.weight"], ["h4"]))
     else:
@@ -183,16 +241,21 @@ def _two_layers(deduplicated: bool, tied: bool = False) -> onnx.ModelProto:
     inits.update({"zero": np.array([0]), "three": np.array([3]), "one": np.array([1])})
     nodes.append(helper.make_node("Add", ["h5", "l1.bias_3"], ["logits"]))
     nodes.insert(-1, helper.make_node("Slice", ["l1.bias", "zero", "three"], ["l1.bias_3"]))
-    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
-                 [helper.make_tensor_value_info("logits", F, ["N", 3])], inits)
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        inits,
+    )
 
 
 def _one_step(m: onnx.ModelProto) -> dict[str, np.ndarray]:
     from device_runtime import PlanExecutor
     from emulator.toolchain import initial_weights_from_onnx
 
-    plan = training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8,
-                                   example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8, example_selector=SELECTOR
+    )
     weights = initial_weights_from_onnx(m, plan)
     rng = np.random.default_rng(4)
     batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 3, 8)}
@@ -222,21 +285,35 @@ def test_running_statistics_that_arrive_through_identity_become_plan_state_of_th
     from .models import model
 
     rng = np.random.default_rng(5)
-    inits = {"fc.weight": rng.normal(size=(4, 3)).astype(np.float32), "bn.weight": np.ones(3, np.float32),
-             "bn.bias": np.zeros(3, np.float32)}
-    nodes = [helper.make_node("Identity", ["bn.bias"], ["bn.running_mean"]),
-             helper.make_node("Identity", ["bn.weight"], ["bn.running_var"]),
-             helper.make_node("MatMul", ["x", "fc.weight"], ["h"]),
-             helper.make_node("BatchNormalization", ["h", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
-                              ["logits"], epsilon=1e-5)]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("logits", F, ["N", 3])],
-              inits)
+    inits = {
+        "fc.weight": rng.normal(size=(4, 3)).astype(np.float32),
+        "bn.weight": np.ones(3, np.float32),
+        "bn.bias": np.zeros(3, np.float32),
+    }
+    nodes = [
+        helper.make_node("Identity", ["bn.bias"], ["bn.running_mean"]),
+        helper.make_node("Identity", ["bn.weight"], ["bn.running_var"]),
+        helper.make_node("MatMul", ["x", "fc.weight"], ["h"]),
+        helper.make_node(
+            "BatchNormalization",
+            ["h", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
+            ["logits"],
+            epsilon=1e-5,
+        ),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        inits,
+    )
     names = _weights(m)
     assert set(names) == {"fc.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"}
 
 
-def _dynamo_node(op: str, inputs: list[str], outputs: list[str], module: str, reads: list[str], *,
-                 rule: str | None = None, **attrs) -> onnx.NodeProto:
+def _dynamo_node(
+    op: str, inputs: list[str], outputs: list[str], module: str, reads: list[str], *, rule: str | None = None, **attrs
+) -> onnx.NodeProto:
     """A node as torch's dynamo exporter writes it: the module it came from and the FX node, with
     the parameters that node read (torch.export's placeholders, p_<name> with dots as underscores)."""
     node = helper.make_node(op, inputs, outputs, **attrs)
@@ -244,8 +321,10 @@ def _dynamo_node(op: str, inputs: list[str], outputs: list[str], module: str, re
     scopes = ["", *[".".join(parts[: i + 1]) for i in range(len(parts))], op.lower()]
     args = ", ".join(["%x", *(f"%p_{r.replace('.', '_').lower()}" for r in reads)])
     call = f"call_function[target=torch.ops.aten.{op.lower()}.default]"
-    props = {"pkg.torch.onnx.name_scopes": repr(scopes),
-             "pkg.torch.onnx.fx_node": f"%{op.lower()} : [num_users=1] = {call}(args = ({args}), kwargs = {{}})"}
+    props = {
+        "pkg.torch.onnx.name_scopes": repr(scopes),
+        "pkg.torch.onnx.fx_node": f"%{op.lower()} : [num_users=1] = {call}(args = ({args}), kwargs = {{}})",
+    }
     if rule:
         props["pkg.onnxscript.rewriter.rule_name"] = rule
     for key, value in props.items():
@@ -261,28 +340,41 @@ def _two_layer_norms(merged: bool, *, metadata: bool = True) -> onnx.ModelProto:
     from .models import model
 
     rng = np.random.default_rng(6)
-    inits = {"ln.weight": np.ones(4, np.float32), "ln.bias": np.zeros(4, np.float32),
-             "fc.weight": rng.normal(size=(4, 4)).astype(np.float32)}
+    inits = {
+        "ln.weight": np.ones(4, np.float32),
+        "ln.bias": np.zeros(4, np.float32),
+        "fc.weight": rng.normal(size=(4, 4)).astype(np.float32),
+    }
     gain, bias = "out.LayerNorm.weight", "out.LayerNorm.bias"
     if not merged:
         inits.update({gain: np.ones(4, np.float32), bias: np.zeros(4, np.float32), "fc.bias": np.zeros(4, np.float32)})
     merges = {gain: "ln.weight", bias: "ln.bias", "fc.bias": "ln.bias"} if merged else {}
     own = lambda n: merges.get(n, n)  # noqa: E731
-    nodes = [_dynamo_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], "ln", ["ln.weight", "ln.bias"]),
-             _dynamo_node("LayerNormalization", ["h0", own(gain), own(bias)], ["h1"], "out.LayerNorm", [gain, bias]),
-             _dynamo_node("MatMul", ["h1", "fc.weight"], ["h2"], "fc", ["fc.weight", "fc.bias"]),
-             _dynamo_node("Add", ["h2", own("fc.bias")], ["logits"], "fc", ["fc.weight", "fc.bias"])]
+    nodes = [
+        _dynamo_node("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], "ln", ["ln.weight", "ln.bias"]),
+        _dynamo_node("LayerNormalization", ["h0", own(gain), own(bias)], ["h1"], "out.LayerNorm", [gain, bias]),
+        _dynamo_node("MatMul", ["h1", "fc.weight"], ["h2"], "fc", ["fc.weight", "fc.bias"]),
+        _dynamo_node("Add", ["h2", own("fc.bias")], ["logits"], "fc", ["fc.weight", "fc.bias"]),
+    ]
     if not metadata:
         for node in nodes:
             del node.metadata_props[:]
-    return model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])],
-                 [helper.make_tensor_value_info("logits", F, ["N", 4])], inits, opset=18)
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 4])],
+        inits,
+        opset=18,
+    )
 
 
 def test_parameters_the_dynamo_exporter_merged_by_value_take_their_own_step_under_torchs_names():
     merged, separate = _one_step(_two_layer_norms(merged=True)), _one_step(_two_layer_norms(merged=False))
-    assert set(merged) == set(separate) == {"ln.weight", "ln.bias", "out.LayerNorm.weight", "out.LayerNorm.bias", "fc.weight",
-                                            "fc.bias"}
+    assert (
+        set(merged)
+        == set(separate)
+        == {"ln.weight", "ln.bias", "out.LayerNorm.weight", "out.LayerNorm.bias", "fc.weight", "fc.bias"}
+    )
     for name in separate:
         np.testing.assert_array_equal(merged[name], separate[name])
     assert not np.allclose(separate["ln.bias"], separate["fc.bias"])  # each took its own update
@@ -300,13 +392,20 @@ def _tied_language_model(tie_value: float | None = None) -> onnx.ModelProto:
 
     rng = np.random.default_rng(7)
     emb = rng.normal(size=(6, 4)).astype(np.float32) if tie_value is None else np.full((6, 4), tie_value, np.float32)
-    nodes = [_dynamo_node("Gather", ["emb.weight", "x"], ["e"], "emb", ["emb.weight"]),
-             _dynamo_node("ReduceMean", ["e", "axes"], ["h"], "", [], keepdims=0),
-             _dynamo_node("Gemm", ["h", "emb.weight", "decoder.bias"], ["logits"], "decoder", ["emb.weight", "decoder.bias"],
-                          transB=1)]
-    return model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
-                 [helper.make_tensor_value_info("logits", F, ["N", 6])],
-                 {"emb.weight": emb, "decoder.bias": np.zeros(6, np.float32), "axes": np.array([1], np.int64)}, opset=18)
+    nodes = [
+        _dynamo_node("Gather", ["emb.weight", "x"], ["e"], "emb", ["emb.weight"]),
+        _dynamo_node("ReduceMean", ["e", "axes"], ["h"], "", [], keepdims=0),
+        _dynamo_node(
+            "Gemm", ["h", "emb.weight", "decoder.bias"], ["logits"], "decoder", ["emb.weight", "decoder.bias"], transB=1
+        ),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
+        [helper.make_tensor_value_info("logits", F, ["N", 6])],
+        {"emb.weight": emb, "decoder.bias": np.zeros(6, np.float32), "axes": np.array([1], np.int64)},
+        opset=18,
+    )
 
 
 @pytest.mark.parametrize("tie_value", [None, 1.0])
@@ -324,7 +423,9 @@ def test_a_weight_one_module_reads_through_several_nodes_is_not_taken_for_a_tie(
     """An LSTM's gates sliced apart, attention's packed projection: several nodes, one module."""
     from emulator.toolchain.onnx_import import shared_weights
 
-    nodes = [helper.make_node("Slice", ["lstm.weight_ih_l0", "s", "e"], [f"g{i}"], name=f"/lstm/Slice_{i}") for i in range(4)]
+    nodes = [
+        helper.make_node("Slice", ["lstm.weight_ih_l0", "s", "e"], [f"g{i}"], name=f"/lstm/Slice_{i}") for i in range(4)
+    ]
     nodes.append(helper.make_node("Gather", ["emb.weight", "x"], ["y"], name="/emb/Gather"))
     nodes.append(helper.make_node("MatMul", ["h", "emb.weight"], ["z"], name="/decoder/MatMul"))
     assert shared_weights(nodes, ["lstm.weight_ih_l0", "emb.weight"]) == {"emb.weight": 2}
@@ -336,14 +437,29 @@ def test_parameters_the_exporter_folded_or_dropped_are_warned_of_in_one_line_nam
     from .models import model
 
     rng = np.random.default_rng(8)
-    nodes = [_dynamo_node("Conv", ["x", "conv.weight"], ["c"], "bn", ["bn.weight", "bn.bias"], rule="FuseBatchNormIntoConv"),
-             _dynamo_node("Flatten", ["c"], ["f"], "", []),
-             _dynamo_node("Gemm", ["f", "fc.weight"], ["logits"], "fc", ["fc.weight", "fc.bias"], transB=1,
-                          rule="RemoveOptionalBiasFromGemm")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 1, 2, 2])],
-              [helper.make_tensor_value_info("logits", F, ["N", 3])],
-              {"conv.weight": rng.normal(size=(2, 1, 1, 1)).astype(np.float32),
-               "fc.weight": rng.normal(size=(3, 8)).astype(np.float32)}, opset=18)
+    nodes = [
+        _dynamo_node("Conv", ["x", "conv.weight"], ["c"], "bn", ["bn.weight", "bn.bias"], rule="FuseBatchNormIntoConv"),
+        _dynamo_node("Flatten", ["c"], ["f"], "", []),
+        _dynamo_node(
+            "Gemm",
+            ["f", "fc.weight"],
+            ["logits"],
+            "fc",
+            ["fc.weight", "fc.bias"],
+            transB=1,
+            rule="RemoveOptionalBiasFromGemm",
+        ),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 1, 2, 2])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        {
+            "conv.weight": rng.normal(size=(2, 1, 1, 1)).astype(np.float32),
+            "fc.weight": rng.normal(size=(3, 8)).astype(np.float32),
+        },
+        opset=18,
+    )
     onnx.save_model(m, str(tmp_path / "m.onnx"))
     assert _from_onnx(tmp_path / "m.onnx", tmp_path / "m.fedplan") == 0
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "folded or dropped" in line]
@@ -356,8 +472,10 @@ def test_parameters_the_exporter_folded_or_dropped_are_warned_of_in_one_line_nam
 def _with_signature(m: onnx.ModelProto, parameters: dict[str, str]) -> onnx.ModelProto:
     """The exported program's signature as the dynamo exporter writes it in the graph's metadata."""
     lines = [f"{p}: PARAMETER target='{name}'" for p, name in parameters.items()]
-    m.graph.metadata_props.add(key="pkg.torch.export.ExportedProgram.graph_signature",
-                               value="\n# inputs\n" + "\n".join(lines) + "\nx: USER_INPUT\n")
+    m.graph.metadata_props.add(
+        key="pkg.torch.export.ExportedProgram.graph_signature",
+        value="\n# inputs\n" + "\n".join(lines) + "\nx: USER_INPUT\n",
+    )
     return m
 
 
@@ -371,14 +489,25 @@ def test_a_parameter_folded_away_whole_is_named_from_the_programs_signature_but_
     from .models import model
 
     rng = np.random.default_rng(9)
-    nodes = [_dynamo_node("Gather", ["decoder.weight", "x"], ["e"], "emb", ["decoder.weight"]),
-             _dynamo_node("Add", ["e", "embedding_2"], ["h"], "", []),
-             _dynamo_node("ReduceMean", ["h", "axes"], ["p"], "", [], keepdims=0),
-             _dynamo_node("Gemm", ["p", "decoder.weight"], ["logits"], "decoder", ["decoder.weight"], transB=1)]
-    m = model(nodes, [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
-              [helper.make_tensor_value_info("logits", F, ["N", 6])],
-              {"decoder.weight": rng.normal(size=(6, 4)).astype(np.float32),
-               "embedding_2": rng.normal(size=(3, 4)).astype(np.float32), "axes": np.array([1], np.int64)}, opset=18)
-    _with_signature(m, {"p_emb_weight": "emb.weight", "p_pos_table_weight": "pos.Table.weight",
-                        "p_decoder_weight": "decoder.weight"})
+    nodes = [
+        _dynamo_node("Gather", ["decoder.weight", "x"], ["e"], "emb", ["decoder.weight"]),
+        _dynamo_node("Add", ["e", "embedding_2"], ["h"], "", []),
+        _dynamo_node("ReduceMean", ["h", "axes"], ["p"], "", [], keepdims=0),
+        _dynamo_node("Gemm", ["p", "decoder.weight"], ["logits"], "decoder", ["decoder.weight"], transB=1),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
+        [helper.make_tensor_value_info("logits", F, ["N", 6])],
+        {
+            "decoder.weight": rng.normal(size=(6, 4)).astype(np.float32),
+            "embedding_2": rng.normal(size=(3, 4)).astype(np.float32),
+            "axes": np.array([1], np.int64),
+        },
+        opset=18,
+    )
+    _with_signature(
+        m,
+        {"p_emb_weight": "emb.weight", "p_pos_table_weight": "pos.Table.weight", "p_decoder_weight": "decoder.weight"},
+    )
     assert lost_parameters(m) == ["pos.Table.weight"]

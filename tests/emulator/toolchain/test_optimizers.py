@@ -22,6 +22,7 @@ def _grad(p, x, y):
         z = agnp.maximum(x @ q["w0"] + q["b0"], 0) @ q["w1"] + q["b1"]
         z = z - agnp.max(z, 1, keepdims=True)
         return agnp.mean(agnp.log(agnp.sum(agnp.exp(z), 1)) - z[np.arange(len(y)), y])
+
     return autograd.grad(loss)(p)
 
 
@@ -45,12 +46,24 @@ def _reference(opt, p, batches):
 
 
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**31), steps=st.integers(1, 4),
-       opt=st.sampled_from([Momentum(0.1, 0.9), Momentum(0.05, 0.5, nesterov=True), Adam(0.01), Adam(0.05, 0.8, 0.9, 1e-6)]))
+@given(
+    seed=st.integers(0, 2**31),
+    steps=st.integers(1, 4),
+    opt=st.sampled_from(
+        [Momentum(0.1, 0.9), Momentum(0.05, 0.5, nesterov=True), Adam(0.01), Adam(0.05, 0.8, 0.9, 1e-6)]
+    ),
+)
 def test_client_optimizer_steps_match_their_definition(seed, steps, opt):
     source = mlp(5, 4, 3, seed=seed % 100)
-    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=opt, batch_size=6,
-                                   example_selector=ExampleSelector("app:/o"), shuffle_buffer=0)
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=opt,
+        batch_size=6,
+        example_selector=ExampleSelector("app:/o"),
+        shuffle_buffer=0,
+    )
     rng = np.random.default_rng(seed)
     x, y = rng.standard_normal((6 * steps, 5)).astype(np.float32), rng.integers(0, 3, 6 * steps)
     batches = [(x[i : i + 6], y[i : i + 6]) for i in range(0, len(y), 6)]

@@ -16,8 +16,8 @@ from onnx import helper, numpy_helper
 
 from device_runtime import build_mlp_plan
 from device_runtime.plan import ir_version_for_opset
-from emulator.runtime_envs import KNOWN_RELEASES
-from emulator.runtime_worker import WorkerPool
+from emulator.releases.envs import KNOWN_RELEASES
+from emulator.releases.workers import WorkerPool
 from emulator.toolchain import FedAvgM
 from emulator.toolchain.release import budget_checks, compare_outputs, release_table, release_test, report_passed
 from emulator.toolchain.tasks import Budget, Task, Tolerance, accuracy_after_rounds, evaluation_of, load_tasks
@@ -54,7 +54,10 @@ def test_outputs_pass_exactly_when_within_tolerance(shape, scale, data):
 
 
 def test_budget_checks_compare_each_measured_cost_with_its_limit():
-    checks = {c.name: c.passed for c in budget_checks(Budget(memory_mb=10, step_ms=2, session_s=0.1), 12.0, [0.001, 0.003, 0.001], 50)}
+    checks = {
+        c.name: c.passed
+        for c in budget_checks(Budget(memory_mb=10, step_ms=2, session_s=0.1), 12.0, [0.001, 0.003, 0.001], 50)
+    }
     assert checks == {"budget.memory_mb": False, "budget.step_ms": True, "budget.session_s": True}
     assert not budget_checks(Budget(session_s=0.01), 0.0, [0.001], 50)[0].passed  # 50 steps of 1 ms is 50 ms
     assert budget_checks(Budget(), 1e9, [9.9], 10**6) == []
@@ -95,15 +98,25 @@ def test_a_plan_one_release_cannot_run_fails_there_and_the_gate_names_it(task, p
 def test_a_versioned_plan_that_computes_something_else_fails_equivalence(task, pool):
     plan = task.build_plan()
     other = dataclasses.replace(task, hyperparameters={"lr": 0.25}).build_plan()  # another step size
-    report = release_test(task, pool=pool, plan=plan, versioned={MIDDLE: versioned_plan(other, MIDDLE)}, runtimes=[MIDDLE])
+    report = release_test(
+        task, pool=pool, plan=plan, versioned={MIDDLE: versioned_plan(other, MIDDLE)}, runtimes=[MIDDLE]
+    )
     equivalence = next(c for c in report["results"][MIDDLE]["checks"] if c["name"] == "equivalence")
     assert not equivalence["passed"] and "differs" in equivalence["detail"] and not report["passed"]
 
 
 def _with_rms_norm(hp) -> object:
     """The digits MLP with an RMSNormalization (opset 23, no older form) in its work graph."""
-    plan = build_mlp_plan(64, (32,), 10, learning_rate=hp["lr"], batch_size=16, epochs=2, opset=23,
-                          selector=load_tasks(TASK_FILE)[0].selector)
+    plan = build_mlp_plan(
+        64,
+        (32,),
+        10,
+        learning_rate=hp["lr"],
+        batch_size=16,
+        epochs=2,
+        opset=23,
+        selector=load_tasks(TASK_FILE)[0].selector,
+    )
     work = onnx.ModelProto.FromString(plan.work)
     work.graph.initializer.append(numpy_helper.from_array(np.ones(64, dtype=np.float32), "rms_scale"))
     work.graph.node.append(helper.make_node("RMSNormalization", ["x", "rms_scale"], ["x_normed"], name="rms"))
@@ -117,13 +130,17 @@ def test_a_plan_with_no_form_for_a_claimed_release_fails_naming_the_op_and_versi
     report = release_test(rms_task, pool=pool, runtimes=[KNOWN_RELEASES[2], NEWEST])
     (check,) = report["results"][KNOWN_RELEASES[2]]["checks"]
     assert check["name"] == "versioned_plan" and not check["passed"]
-    assert "RMSNormalization" in check["detail"] and "opset 20" in check["detail"] and KNOWN_RELEASES[2] in check["detail"]
+    assert (
+        "RMSNormalization" in check["detail"] and "opset 20" in check["detail"] and KNOWN_RELEASES[2] in check["detail"]
+    )
     assert report["results"][NEWEST]["passed"], report["results"][NEWEST]["checks"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("task_file", [TASK_FILE, TASK_FILE.with_name("digits_cnn_task.py")], ids=["mlp", "cnn_from_onnx"])
+@pytest.mark.parametrize(
+    "task_file", [TASK_FILE, TASK_FILE.with_name("digits_cnn_task.py")], ids=["mlp", "cnn_from_onnx"]
+)
 def test_the_task_passes_on_every_known_release(task_file, pool):
     (swept,) = load_tasks(task_file)
     report = release_test(swept, pool=pool, runtimes=list(KNOWN_RELEASES))
@@ -131,17 +148,29 @@ def test_the_task_passes_on_every_known_release(task_file, pool):
     assert report["passed"], failed
     print(release_table(report))  # the README's figures (`-s` shows them)
     for release, entry in report["results"].items():
-        print(release, entry["opset"], entry["ir_version"], entry["trial"]["loss_by_epoch"], entry["trial"]["accuracy_by_round"][-1])
+        print(
+            release,
+            entry["opset"],
+            entry["ir_version"],
+            entry["trial"]["loss_by_epoch"],
+            entry["trial"]["accuracy_by_round"][-1],
+        )
 
 
 @pytest.mark.timeout(1800)
 def test_simulated_rounds_carry_the_server_optimizers_state(pool):
     (cnn,) = load_tasks(TASK_FILE.with_name("digits_cnn_task.py"))
     plain = release_test(cnn, pool=pool, runtimes=[NEWEST])
-    momentum = release_test(dataclasses.replace(cnn, server_optimizer=FedAvgM(lr=1.0, momentum=0.9)), pool=pool, runtimes=[NEWEST])
+    momentum = release_test(
+        dataclasses.replace(cnn, server_optimizer=FedAvgM(lr=1.0, momentum=0.9)), pool=pool, runtimes=[NEWEST]
+    )
     assert momentum["results"][NEWEST]["checks"][1]["passed"]  # equivalence with its own reference
-    same_first_round = momentum["reference"]["trial"]["accuracy_by_round"][:2] == plain["reference"]["trial"]["accuracy_by_round"][:2]
-    later = momentum["reference"]["trial"]["accuracy_by_round"][2:] != plain["reference"]["trial"]["accuracy_by_round"][2:]
+    same_first_round = (
+        momentum["reference"]["trial"]["accuracy_by_round"][:2] == plain["reference"]["trial"]["accuracy_by_round"][:2]
+    )
+    later = (
+        momentum["reference"]["trial"]["accuracy_by_round"][2:] != plain["reference"]["trial"]["accuracy_by_round"][2:]
+    )
     assert same_first_round and later  # momentum starts at zero, then changes the steps
 
 
@@ -155,13 +184,18 @@ def test_an_evaluation_task_passes_on_real_releases_bound_to_its_training_plan(p
     assert reference[-1] >= 0.8 > reference[0]  # it measured models that improved round by round
     for release in (OLDEST, NEWEST):
         result = report["results"][release]
-        assert [c["name"] for c in result["checks"]][:3] == ["loads", "equivalence", "accuracy_after_4_rounds_at_least_0.8"]
+        assert [c["name"] for c in result["checks"]][:3] == [
+            "loads",
+            "equivalence",
+            "accuracy_after_4_rounds_at_least_0.8",
+        ]
         assert result["trial"]["accuracy_by_round"] == pytest.approx(reference, abs=1e-6)  # computed on that release
         assert result["trial"]["loss_by_epoch"] == []  # an evaluation does not train
     hashes = {r: report["results"][r]["plan_sha256"] for r in report["claimed"]}
     trained_sha = plan_sha256(train.build_plan())
-    assert check_release_report(report, report["plan_sha256"], hashes, evaluates_plan_sha256=trained_sha,
-                                evaluates_runtimes=[OLDEST, NEWEST]) == [OLDEST, NEWEST]
+    assert check_release_report(
+        report, report["plan_sha256"], hashes, evaluates_plan_sha256=trained_sha, evaluates_runtimes=[OLDEST, NEWEST]
+    ) == [OLDEST, NEWEST]
 
 
 @pytest.mark.timeout(1800)
@@ -184,9 +218,13 @@ def test_the_release_table_has_a_row_per_release_and_names_the_first_failed_chec
         measured = {"max_abs_diff": diff, "median_step_ms": step, "peak_memory_mb": peak}
         return {"runtime": runtime, "passed": passed, "checks": checks, "measured": measured}
 
-    report = {"reference": entry("1.31.1", True, None, 0.0201, 10.31),
-              "results": {OLDEST: entry(OLDEST, True, 0.0, 0.0234, 6.44),
-                          NEWEST: entry(NEWEST, False, 2.5e-7, 0.021, 10.6, failed="accuracy_after_4_rounds")}}
+    report = {
+        "reference": entry("1.31.1", True, None, 0.0201, 10.31),
+        "results": {
+            OLDEST: entry(OLDEST, True, 0.0, 0.0234, 6.44),
+            NEWEST: entry(NEWEST, False, 2.5e-7, 0.021, 10.6, failed="accuracy_after_4_rounds"),
+        },
+    }
     lines = release_table(report).splitlines()
     assert lines[0].split() == ["release", "passed", "max", "abs", "diff", "ms/step", "peak", "MB"]
     assert [line.split() for line in lines[1:4]] == [

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from emulator.cli import main
+from emulator.cli.commands import main
 from emulator.toolchain.release_signing import (
     SigningKeyError,
     generate_signing_key,
@@ -22,8 +22,13 @@ from emulator.toolchain.release_signing import (
 from server_stub.release_gate import REPORT_FORMAT, ReleaseGateError, check_release_signature
 from server_stub.release_trust import ReleaseTrustError, parse_release_trust, read_release_trust
 
-REPORT = {"format": REPORT_FORMAT, "plan_sha256": "ab" * 32, "claimed": ["1.31.1"], "passed": True,
-          "results": {"1.31.1": {"passed": True, "checks": [{"name": "loads", "passed": True, "detail": "x"}]}}}
+REPORT = {
+    "format": REPORT_FORMAT,
+    "plan_sha256": "ab" * 32,
+    "claimed": ["1.31.1"],
+    "passed": True,
+    "results": {"1.31.1": {"passed": True, "checks": [{"name": "loads", "passed": True, "detail": "x"}]}},
+}
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads_and_the_line_a_server_trusts(tmp_path, capsys):
@@ -38,7 +43,10 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_the_line_a_server_
     trusted = read_release_trust(public_key_path(key))
     assert check_release_signature(sign_report(REPORT, signing), trusted) == public_key_bytes(signing)
     assert main(["plan", "keygen", "--key", str(key)]) == 2  # a key servers may trust is not replaced by accident
-    assert "--force" in capsys.readouterr().err and load_signing_key(key).private_bytes_raw() == signing.private_bytes_raw()
+    assert (
+        "--force" in capsys.readouterr().err
+        and load_signing_key(key).private_bytes_raw() == signing.private_bytes_raw()
+    )
     assert main(["plan", "keygen", "--key", str(key), "--force"]) == 0
     assert load_signing_key(key).private_bytes_raw() != signing.private_bytes_raw()
 
@@ -63,8 +71,10 @@ def test_plan_test_says_which_key_is_missing_before_running_any_test(tmp_path, c
         sign_report({**REPORT, "measured": math.nan}, generate_signing_key(tmp_path / "k"))
 
 
-@pytest.mark.parametrize("text", ["", "# only a comment\n\n", "ed25519\n", "ed25519 %%%\n", "ssh-ed25519 AAAA\n",
-                                  "ed25519 " + "QUJD" * 4 + "\n"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "# only a comment\n\n", "ed25519\n", "ed25519 %%%\n", "ssh-ed25519 AAAA\n", "ed25519 " + "QUJD" * 4 + "\n"],
+)
 def test_a_trust_file_that_names_no_usable_key_is_refused(text):
     with pytest.raises(ReleaseTrustError, match="names no key|line 1"):
         parse_release_trust(text)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from device_runtime import FLRuntime, Outcome, PlanExecutor, RuntimeEnvironment, encode_checkpoint
 from device_runtime.clock import VirtualClock
 from device_runtime.server_ops import SERVER_STATE_PREFIX
-from emulator.inprocess import InProcessTransport
+from emulator.devices.inprocess import InProcessTransport
 from emulator.toolchain import (
     SGD,
     FedAdam,
@@ -57,8 +57,15 @@ OPTIMIZERS = [FedAvg(), FedAvg(lr=0.5), FedAvgM(lr=1.0, momentum=0.9), FedAdam(l
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31), rounds=st.integers(1, 4))
 def test_server_update_graphs_follow_the_published_rules(opt, seed, rounds):
-    plan = training_plan_from_onnx(mlp(3, 2, 2), label="y", loss="cross_entropy", optimizer=Momentum(0.1), batch_size=4,
-                                   server_optimizer=opt, example_selector=ExampleSelector(COLLECTION))
+    plan = training_plan_from_onnx(
+        mlp(3, 2, 2),
+        label="y",
+        loss="cross_entropy",
+        optimizer=Momentum(0.1),
+        batch_size=4,
+        server_optimizer=opt,
+        example_selector=ExampleSelector(COLLECTION),
+    )
     executor = PlanExecutor(plan)
     rng = np.random.default_rng(seed)
     state = {w: rng.standard_normal(s).astype(np.float32) for w, (s, _) in executor.weight_spec().items()}
@@ -72,14 +79,22 @@ def test_server_update_graphs_follow_the_published_rules(opt, seed, rounds):
     carried = sorted(k for k in state if k.startswith(SERVER_STATE_PREFIX))
     assert len(carried) == 4 * len(opt.slots())  # one state tensor per slot and trainable weight
     for w in ("w0", "b0", "w1", "b1"):
-        np.testing.assert_allclose(state[w], _reference(opt, start[w].astype(np.float64), deltas[w]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(
+            state[w], _reference(opt, start[w].astype(np.float64), deltas[w]), rtol=2e-5, atol=2e-5
+        )
     for w in ("w0.momentum", "b1.momentum"):  # client optimizer state is averaged, never moved by the server optimizer
         np.testing.assert_allclose(state[w], start[w] + sum(deltas[w]), rtol=2e-5, atol=2e-5)
 
 
 def test_client_optimizer_state_that_does_not_carry_over_is_reset_every_round():
-    plan = training_plan_from_onnx(mlp(3, 2, 2), label="y", loss="cross_entropy", optimizer=Momentum(0.1, carry_state=False),
-                                   batch_size=4, example_selector=ExampleSelector(COLLECTION))
+    plan = training_plan_from_onnx(
+        mlp(3, 2, 2),
+        label="y",
+        loss="cross_entropy",
+        optimizer=Momentum(0.1, carry_state=False),
+        batch_size=4,
+        example_selector=ExampleSelector(COLLECTION),
+    )
     executor = PlanExecutor(plan)
     state = {w: np.ones(s, np.float32) for w, (s, _) in executor.weight_spec().items()}
     aggregate = {w: np.full(s, 0.5) for w, (s, _) in executor.weight_spec().items()}
@@ -94,15 +109,28 @@ def test_fedadam_plan_trains_through_the_server_and_keeps_its_state_in_the_check
     service = FLService(ServerStore(tmp_path / "server.db"), clock=clock.now, wall_clock=clock.now)
     keys, key = AdminKeys.generate()
     source = mlp(64, 16, 10, seed=2)
-    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(0.2), batch_size=8, epochs=2,
-                                   server_optimizer=FedAdam(lr=0.05), example_selector=ExampleSelector(COLLECTION))
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(0.2),
+        batch_size=8,
+        epochs=2,
+        server_optimizer=FedAdam(lr=0.05),
+        example_selector=ExampleSelector(COLLECTION),
+    )
     start = initial_weights_from_onnx(source, plan)
     losses = []
     with InProcessTransport(create_app(service, admin_keys=keys)) as transport:
         with AdminClient(URL, admin_key=key, transport=transport) as admin:
             admin.create_population("digits")
-            admin.deploy_task("digits", "train", plan, encode_checkpoint(start),
-                              RoundConfig(goal_count=4, over_selection=1.0, min_fraction=1.0, min_reports=1))
+            admin.deploy_task(
+                "digits",
+                "train",
+                plan,
+                encode_checkpoint(start),
+                RoundConfig(goal_count=4, over_selection=1.0, min_fraction=1.0, min_reports=1),
+            )
             stores = []
             for i in range(4):
                 store = SQLiteExampleStore(tmp_path / f"d{i}.db")
@@ -112,7 +140,9 @@ def test_fedadam_plan_trains_through_the_server_and_keeps_its_state_in_the_check
             for _round in range(3):
                 results = []
                 for store in stores:
-                    with FLRuntime("digits", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)) as runtime:
+                    with FLRuntime(
+                        "digits", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)
+                    ) as runtime:
                         results.append(runtime.run_session())
                 assert [r.outcome for r in results] == [Outcome.COMPLETED] * 4
                 losses.append(np.mean([r.metrics["loss"] for r in results]))
@@ -123,6 +153,7 @@ def test_fedadam_plan_trains_through_the_server_and_keeps_its_state_in_the_check
     service.store.close()
     assert [r["status"] for r in rounds] == ["committed"] * 3 and number == 3
     assert {k for k in model if k.startswith(SERVER_STATE_PREFIX)} == {
-        f"{SERVER_STATE_PREFIX}fedadam/{slot}/{w}" for slot in ("m", "v") for w in plan.weight_names}
+        f"{SERVER_STATE_PREFIX}fedadam/{slot}/{w}" for slot in ("m", "v") for w in plan.weight_names
+    }
     assert losses[-1] < losses[0], losses
     assert rounds[-1]["metrics"]["train_loss"] < rounds[0]["metrics"]["train_loss"]

@@ -53,7 +53,11 @@ def test_a_task_group_is_every_combination_of_its_grid():
     assert len(graphs) == 3  # the learning rate is a constant of each variant's graph
     two_keys = TaskGroup(tasks[0], {"lr": [0.1, 0.2], "momentum": [0.5, 0.9]}).tasks()
     assert sorted((t.hyperparameters["lr"], t.hyperparameters["momentum"]) for t in two_keys) == [
-        (0.1, 0.5), (0.1, 0.9), (0.2, 0.5), (0.2, 0.9)]
+        (0.1, 0.5),
+        (0.1, 0.9),
+        (0.2, 0.5),
+        (0.2, 0.9),
+    ]
 
 
 def test_task_files_that_cannot_give_tasks_are_refused_with_the_reason(tmp_path):
@@ -122,10 +126,15 @@ _DTYPES = st.sampled_from(["float32", "int64", "int32", "bool"])
 _SHAPES = st.lists(st.integers(1, 4), max_size=3).map(tuple)
 
 
-@given(features=st.dictionaries(st.sampled_from(["x", "ids", "mask", "y"]),
-                                st.one_of(st.tuples(_DTYPES, _SHAPES), st.tuples(_DTYPES, _SHAPES, st.integers(1, 7))),
-                                min_size=1),
-       examples=st.integers(8, 40), devices=st.integers(1, 3))
+@given(
+    features=st.dictionaries(
+        st.sampled_from(["x", "ids", "mask", "y"]),
+        st.one_of(st.tuples(_DTYPES, _SHAPES), st.tuples(_DTYPES, _SHAPES, st.integers(1, 7))),
+        min_size=1,
+    ),
+    examples=st.integers(8, 40),
+    devices=st.integers(1, 3),
+)
 def test_random_proxy_examples_have_the_declared_dtype_shape_and_range(features, examples, devices):
     proxy = ProxyData.random(features, examples=examples, devices=devices)
     assert len(proxy.shards) == devices

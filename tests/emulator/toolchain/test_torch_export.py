@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from emulator.cli import main
+from emulator.cli.commands import main
 from emulator.toolchain.tasks import TaskError
 from emulator.toolchain.torch_export import TorchInput, parse_input
 
@@ -43,8 +43,11 @@ def make_cnn():
 '''
 
 
-@given(name=st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True), shape=st.lists(st.integers(1, 64), max_size=4),
-       dtype=st.sampled_from(["float32", "float16", "int64", "int32", "bool"]))
+@given(
+    name=st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True),
+    shape=st.lists(st.integers(1, 64), max_size=4),
+    dtype=st.sampled_from(["float32", "float16", "int64", "int32", "bool"]),
+)
 def test_an_input_spec_reads_back_as_written(name, shape, dtype):
     spec = f"{name}:{'x'.join(map(str, shape))}:{dtype}"
     assert parse_input(spec) == TorchInput(name, tuple(shape), dtype)
@@ -60,8 +63,17 @@ def test_a_malformed_input_spec_is_refused_with_an_example(spec):
 def test_from_torch_without_torch_says_in_one_line_to_install_the_torch_extra(tmp_path, monkeypatch, capsys):
     (tmp_path / "models.py").write_text(FACTORY)
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError, installed or not
-    args = ["plan", "from-torch", f"{tmp_path / 'models.py'}:make_cnn", "--input", "x:1x8x8", "--label", "y",
-            "-o", str(tmp_path / "bundle")]
+    args = [
+        "plan",
+        "from-torch",
+        f"{tmp_path / 'models.py'}:make_cnn",
+        "--input",
+        "x:1x8x8",
+        "--label",
+        "y",
+        "-o",
+        str(tmp_path / "bundle"),
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'fedfleet[torch]'" in err and "Traceback" not in err
@@ -83,13 +95,33 @@ def test_from_torch_makes_a_bundle_whose_sgd_step_is_torch_autograds(tmp_path, m
 
     (tmp_path / "models.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "from-torch", "models:make_cnn", "--input", "x:1x8x8", "--label", "y", "--lr", "0.1",
-                 "--runtimes", "1.31.1", "-o", "bundle"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "plan",
+                "from-torch",
+                "models:make_cnn",
+                "--input",
+                "x:1x8x8",
+                "--label",
+                "y",
+                "--lr",
+                "0.1",
+                "--runtimes",
+                "1.31.1",
+                "-o",
+                "bundle",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     printed = capsys.readouterr()
     assert "looks exported in eval mode" not in printed.err and "inputs: x ['N', 1, 8, 8] float32" in printed.out
     model = onnx.load(str(tmp_path / "bundle" / "model.onnx"))
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("BatchNormalization") == 2 and [len(n.input) for n in model.graph.node if n.op_type == "Dropout"] == [2]
+    assert ops.count("BatchNormalization") == 2 and [
+        len(n.input) for n in model.graph.node if n.op_type == "Dropout"
+    ] == [2]
     sys.path.insert(0, str(tmp_path))
     try:
         from models import make_cnn

@@ -48,8 +48,9 @@ def test_a_regenerated_mlp_takes_exactly_the_hand_written_step():
     onnx_model = mlp(64, 16, 10)
     for init in onnx_model.graph.initializer:
         init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name], init.name))
-    plan = training_plan_from_onnx(onnx_model, label="y", loss="cross_entropy", optimizer=SGD(0.3), batch_size=8,
-                                   example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        onnx_model, label="y", loss="cross_entropy", optimizer=SGD(0.3), batch_size=8, example_selector=SELECTOR
+    )
     assert plan.weight_names == reference.weight_names and plan.metric_names == reference.metric_names
     rng = np.random.default_rng(0)
     x, y = rng.random((40, 64), dtype=np.float32), rng.integers(0, 10, 40)
@@ -63,8 +64,19 @@ def test_a_regenerated_mlp_takes_exactly_the_hand_written_step():
 @pytest.mark.parametrize("optimizer", [SGD(0.1), Momentum(0.1, 0.9), Adam(0.01)], ids=["sgd", "momentum", "adam"])
 def test_generated_plans_load_run_and_use_only_standard_ops_at_the_requested_opset(opset, optimizer):
     source = cnn(dropout=0.2, opset=17)  # 17 -> 21 through onnx's version converter, 17 -> 13 through the versioning
-    plan = load_plan(serialize_plan(training_plan_from_onnx(
-        source, label="y", loss="cross_entropy", optimizer=optimizer, batch_size=4, opset=opset, example_selector=SELECTOR)))
+    plan = load_plan(
+        serialize_plan(
+            training_plan_from_onnx(
+                source,
+                label="y",
+                loss="cross_entropy",
+                optimizer=optimizer,
+                batch_size=4,
+                opset=opset,
+                example_selector=SELECTOR,
+            )
+        )
+    )
     work = onnx.ModelProto.FromString(plan.work)
     assert [(o.domain, o.version) for o in work.opset_import] == [("", opset)]
     assert work.ir_version == plan.metadata.ir_version == ir_version_for_opset(opset)
@@ -78,8 +90,15 @@ def test_training_moves_running_statistics_and_reduces_the_loss(digits):
     x = digits.x_train[:256].reshape(-1, 1, 8, 8).astype(np.float32)
     y = digits.y_train[:256]
     source = cnn(seed=3, dropout=0.1)
-    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=Adam(0.01), batch_size=16,
-                                   epochs=2, example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=Adam(0.01),
+        batch_size=16,
+        epochs=2,
+        example_selector=SELECTOR,
+    )
     start = initial_weights_from_onnx(source, plan)
     losses, trained = _train(plan, start, x, y, 4)
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0], losses
@@ -90,13 +109,23 @@ def test_training_moves_running_statistics_and_reduces_the_loss(digits):
 
 def test_a_cnn_exported_by_torch_trains_through_a_generated_plan(digits):
     x = digits.x_train.reshape(-1, 1, 8, 8).astype(np.float32)
-    plan = training_plan_from_onnx(EXPORTED_CNN, label="y", loss="cross_entropy", optimizer=Momentum(0.05, 0.9),
-                                   batch_size=16, epochs=2, example_selector=SELECTOR, inputs={"pixels": "x"})
+    plan = training_plan_from_onnx(
+        EXPORTED_CNN,
+        label="y",
+        loss="cross_entropy",
+        optimizer=Momentum(0.05, 0.9),
+        batch_size=16,
+        epochs=2,
+        example_selector=SELECTOR,
+        inputs={"pixels": "x"},
+    )
     start = initial_weights_from_onnx(EXPORTED_CNN, plan)
     assert {"conv1.weight", "bn.weight", "bn.running_mean", "fc.bias"} <= set(plan.weight_names)
     losses, trained = _train(plan, start, x, digits.y_train, 2)
     evaluator = PlanExecutor(plan)
-    accuracy = evaluator.evaluate(trained, [{"x": digits.x_test.reshape(-1, 1, 8, 8), "y": digits.y_test}])["eval_accuracy"]
+    accuracy = evaluator.evaluate(trained, [{"x": digits.x_test.reshape(-1, 1, 8, 8), "y": digits.y_test}])[
+        "eval_accuracy"
+    ]
     assert losses[1] < losses[0] and accuracy > 0.8, (losses, accuracy)
 
 
@@ -108,10 +137,20 @@ def test_an_mlp_exported_by_skl2onnx_trains_through_a_generated_plan(digits):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the deliberately unconverged fit
         clf.fit(digits.x_train[:100], digits.y_train[:100])
-    exported = skl2onnx.to_onnx(clf, digits.x_train[:1].astype(np.float32), options={id(clf): {"zipmap": False}}, target_opset=17)
+    exported = skl2onnx.to_onnx(
+        clf, digits.x_train[:1].astype(np.float32), options={id(clf): {"zipmap": False}}, target_opset=17
+    )
     assert any(n.domain == "ai.onnx.ml" for n in exported.graph.node)  # the label branch, pruned by the plan
-    plan = training_plan_from_onnx(exported, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=16,
-                                   epochs=3, example_selector=SELECTOR, inputs={"X": "x"})
+    plan = training_plan_from_onnx(
+        exported,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(0.1),
+        batch_size=16,
+        epochs=3,
+        example_selector=SELECTOR,
+        inputs={"X": "x"},
+    )
     assert plan.weight_names == ("coefficient", "intercepts", "coefficient1", "intercepts1")
     start = initial_weights_from_onnx(exported, plan)
     losses, _ = _train(plan, start, digits.x_train.astype(np.float32), digits.y_train, 2)
@@ -120,9 +159,13 @@ def test_an_mlp_exported_by_skl2onnx_trains_through_a_generated_plan(digits):
 
 def test_an_op_outside_the_table_is_refused_with_its_name_and_node():
     w = {"w": np.ones((4, 3), np.float32)}
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="dense"),
-             helper.make_node("Hardmax", ["h"], ["y"], name="the_hardmax_node")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 3])], w)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="dense"),
+        helper.make_node("Hardmax", ["h"], ["y"], name="the_hardmax_node"),
+    ]
+    m = model(
+        nodes, [helper.make_tensor_value_info("x", F, ["N", 4])], [helper.make_tensor_value_info("y", F, ["N", 3])], w
+    )
     with pytest.raises(UnsupportedOpError, match="Hardmax.*the_hardmax_node") as info:
         training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
     assert info.value.op_type == "Hardmax" and info.value.node_name == "the_hardmax_node"
@@ -130,11 +173,19 @@ def test_an_op_outside_the_table_is_refused_with_its_name_and_node():
 
 def test_a_rule_that_cannot_handle_a_form_names_the_node():
     # a Slice along the dynamic batch axis: its gradient needs the sliced axis's static size
-    w = {"table": np.ones((3, 3), np.float32), "starts": np.array([1], np.int64), "ends": np.array([9], np.int64),
-         "axes": np.array([0], np.int64)}
-    nodes = [helper.make_node("MatMul", ["x", "table"], ["h"]),
-             helper.make_node("Slice", ["h", "starts", "ends", "axes"], ["y"], name="drop_first_example")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", 3])], [helper.make_tensor_value_info("y", F, ["M", 3])], w)
+    w = {
+        "table": np.ones((3, 3), np.float32),
+        "starts": np.array([1], np.int64),
+        "ends": np.array([9], np.int64),
+        "axes": np.array([0], np.int64),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "table"], ["h"]),
+        helper.make_node("Slice", ["h", "starts", "ends", "axes"], ["y"], name="drop_first_example"),
+    ]
+    m = model(
+        nodes, [helper.make_tensor_value_info("x", F, ["N", 3])], [helper.make_tensor_value_info("y", F, ["M", 3])], w
+    )
     with pytest.raises(UnsupportedOpError, match="'Slice' \\(node 'drop_first_example'\\).*axes of static size"):
         training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
 
@@ -142,21 +193,42 @@ def test_a_rule_that_cannot_handle_a_form_names_the_node():
 def test_bad_arguments_are_refused_with_what_to_do():
     m = mlp(4, 3, 2)
     with pytest.raises(ValueError, match="is not an initializer"):
-        training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
-                                trainable=["nope"], example_selector=SELECTOR)
+        training_plan_from_onnx(
+            m,
+            label="y",
+            loss="cross_entropy",
+            optimizer=SGD(0.1),
+            batch_size=4,
+            trainable=["nope"],
+            example_selector=SELECTOR,
+        )
     with pytest.raises(ValueError, match="loss 'hinge' is unknown"):
         training_plan_from_onnx(m, label="y", loss="hinge", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
     with pytest.raises(ValueError, match="lr must be a positive"):
         SGD(0.0)
     with pytest.raises(ValueError, match="inputs must map"):
-        training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
-                                inputs={"pixels": "x"}, example_selector=SELECTOR)
+        training_plan_from_onnx(
+            m,
+            label="y",
+            loss="cross_entropy",
+            optimizer=SGD(0.1),
+            batch_size=4,
+            inputs={"pixels": "x"},
+            example_selector=SELECTOR,
+        )
 
 
 def test_frozen_weights_stay_constants_of_the_graph():
     m = mlp(6, 5, 3)
-    plan = training_plan_from_onnx(m, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4,
-                                   trainable=["w1", "b1"], example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        m,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(0.1),
+        batch_size=4,
+        trainable=["w1", "b1"],
+        example_selector=SELECTOR,
+    )
     assert plan.weight_names == ("w1", "b1")
     assert {"w0", "b0"} <= {i.name for i in onnx.ModelProto.FromString(plan.work).graph.initializer}
 
@@ -164,14 +236,25 @@ def test_frozen_weights_stay_constants_of_the_graph():
 def test_a_secure_aggregation_plan_sends_its_whole_update_through_secure_sum():
     from device_runtime.secure_sum import SecureSumCodec
 
-    plan = training_plan_from_onnx(mlp(6, 5, 3), label="y", loss="cross_entropy", optimizer=Momentum(0.1), batch_size=4,
-                                   secure_aggregation=True, bitwidth=20, clip_range=64.0, example_selector=SELECTOR)
+    plan = training_plan_from_onnx(
+        mlp(6, 5, 3),
+        label="y",
+        loss="cross_entropy",
+        optimizer=Momentum(0.1),
+        batch_size=4,
+        secure_aggregation=True,
+        bitwidth=20,
+        clip_range=64.0,
+        example_selector=SELECTOR,
+    )
     executor = PlanExecutor(plan)
     codec = SecureSumCodec(plan, executor)
     assert set(codec.names) == set(executor.client_update_spec()) and plan.server.bitwidth == 20
     rng = np.random.default_rng(0)
-    update = executor.run_device(initial_weights_from_onnx(mlp(6, 5, 3), plan),
-                                 lambda: [{"x": rng.standard_normal((8, 6)).astype(np.float32), "y": rng.integers(0, 3, 8)}]).update
+    update = executor.run_device(
+        initial_weights_from_onnx(mlp(6, 5, 3), plan),
+        lambda: [{"x": rng.standard_normal((8, 6)).astype(np.float32), "y": rng.integers(0, 3, 8)}],
+    ).update
     decoded = codec.decode_sum(codec.encode(update), 1)
     for name, value in update.items():
         np.testing.assert_allclose(decoded[name], value, atol=2 * 64.0 / 2**20)
@@ -182,8 +265,16 @@ def test_seeded_dropout_makes_a_session_reproducible_and_masks_change_from_step_
     source = cnn(seed=5, dropout=0.5)
 
     def session(seed):
-        plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=16,
-                                       dropout_seed=seed, example_selector=SELECTOR, shuffle_buffer=0)
+        plan = training_plan_from_onnx(
+            source,
+            label="y",
+            loss="cross_entropy",
+            optimizer=SGD(0.1),
+            batch_size=16,
+            dropout_seed=seed,
+            example_selector=SELECTOR,
+            shuffle_buffer=0,
+        )
         executor = PlanExecutor(plan)
         return executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, digits.y_train[:64], 16)).update
 
@@ -199,8 +290,15 @@ def test_dropout_of_ratio_zero_trains_as_the_identity(digits):
     steps = {}
     for ratio in (0.0, None):
         source = cnn(seed=5, dropout=ratio)
-        plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=16,
-                                       example_selector=SELECTOR, shuffle_buffer=0)
+        plan = training_plan_from_onnx(
+            source,
+            label="y",
+            loss="cross_entropy",
+            optimizer=SGD(0.1),
+            batch_size=16,
+            example_selector=SELECTOR,
+            shuffle_buffer=0,
+        )
         if ratio is not None:
             assert "Dropout" not in {n.op_type for n in onnx.ModelProto.FromString(plan.work).graph.node}
         executor = PlanExecutor(plan)
@@ -222,12 +320,18 @@ def test_bytes_that_are_not_an_onnx_model_are_refused_with_what_to_do(tmp_path):
 
 def test_a_model_invalid_at_its_opset_is_refused_in_one_line_before_a_plan_is_built():
     """torch's dynamo exporter asked for opset 17 writes Split's num_outputs (an opset-18 attribute) into it."""
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
-             helper.make_node("Split", ["h"], ["a", "b"], axis=1, num_outputs=2, name="qkv_split"),
-             helper.make_node("Mul", ["a", "b"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", 3])],
-                              [helper.make_tensor_value_info("y", F, ["N", 2])],
-                              initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Split", ["h"], ["a", "b"], axis=1, num_outputs=2, name="qkv_split"),
+        helper.make_node("Mul", ["a", "b"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", F, ["N", 3])],
+        [helper.make_tensor_value_info("y", F, ["N", 2])],
+        initializer=[numpy_helper.from_array(np.ones((3, 4), np.float32), "w")],
+    )
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     with pytest.raises(PlanError, match="not valid ONNX at opset 17 .*num_outputs.*export it again") as info:
         training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from device_runtime import build_mlp_plan, initial_weights
 from device_runtime.executor import make_session
 from device_runtime.plan import load_plan, max_ir_version_for_runtime, max_opset_for_runtime, serialize_plan
-from emulator.runtime_envs import KNOWN_RELEASES
+from emulator.releases.envs import KNOWN_RELEASES
 from emulator.toolchain.tasks import load_tasks
 from emulator.toolchain.versioning import VersioningError, convert_model, plan_sha256, versioned_plan
 from example_store import ExampleSelector
@@ -25,6 +25,7 @@ from example_store import ExampleSelector
 def _int_constant(name: str, values: object) -> onnx.NodeProto:
     """A Constant node holding ``values`` as int64."""
     return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))
+
 
 F32 = TensorProto.FLOAT
 TARGETS = st.sampled_from([11, 12, 13, 15, 17, 19, 20])
@@ -57,8 +58,12 @@ shapes = st.lists(st.integers(1, 4), min_size=1, max_size=4)
 
 
 @settings(max_examples=25, deadline=None)
-@given(shape=shapes, data=st.data(), target=TARGETS,
-       op=st.sampled_from(["ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp"]))
+@given(
+    shape=shapes,
+    data=st.data(),
+    target=TARGETS,
+    op=st.sampled_from(["ReduceSum", "ReduceMean", "ReduceMax", "ReduceL2", "ReduceLogSumExp"]),
+)
 def test_reduce_with_constant_axes_input_keeps_its_values_at_any_target(shape, data, target, op):
     rank = len(shape)
     axes = data.draw(st.lists(st.integers(-rank, rank - 1), min_size=1, max_size=rank, unique_by=lambda a: a % rank))
@@ -75,7 +80,9 @@ def test_reduce_with_constant_axes_input_keeps_its_values_at_any_target(shape, d
 def test_softmax_family_keeps_the_one_axis_meaning_below_13(shape, data, target, op):
     axis = data.draw(st.integers(-len(shape), len(shape) - 1))
     node = helper.make_node(op, ["x"], ["y"], axis=axis)
-    m = model([node], [helper.make_tensor_value_info("x", F32, shape)], [helper.make_tensor_value_info("y", F32, shape)], 13)
+    m = model(
+        [node], [helper.make_tensor_value_info("x", F32, shape)], [helper.make_tensor_value_info("y", F32, shape)], 13
+    )
     x = np.random.default_rng(axis + 7).standard_normal(shape).astype(np.float32)
     assert_same(m, target, {"x": x})
 
@@ -91,8 +98,7 @@ def test_squeeze_and_unsqueeze_axes_move_to_attributes(shape, data, target):
         helper.make_node("Relu", ["u"], ["z"]),
     ]
     ax = numpy_helper.from_array(np.array([new_axis], dtype=np.int64), "ax")
-    m = model(nodes, [helper.make_tensor_value_info("x", F32, shape)],
-              ["y", "z"], 21, [ax])
+    m = model(nodes, [helper.make_tensor_value_info("x", F32, shape)], ["y", "z"], 21, [ax])
     assert_same(m, target, {"x": np.arange(np.prod(shape), dtype=np.float32).reshape(shape)})
 
 
@@ -109,8 +115,7 @@ def test_split_sizes_and_num_outputs_survive_lowering(dim, parts, target, explic
         node = helper.make_node("Split", ["x", "sizes"], outs, axis=1)
     else:
         node = helper.make_node("Split", ["x"], outs, axis=1, num_outputs=parts)
-    m = model([node], [helper.make_tensor_value_info("x", F32, [2, dim])],
-              [o for o in outs], 18, inits)
+    m = model([node], [helper.make_tensor_value_info("x", F32, [2, dim])], [o for o in outs], 18, inits)
     assert_same(m, target, {"x": np.arange(2 * dim, dtype=np.float32).reshape(2, dim)})
 
 
@@ -119,7 +124,7 @@ def test_split_sizes_and_num_outputs_survive_lowering(dim, parts, target, explic
 def test_layer_normalization_is_decomposed_below_17(shape, data, target, bias):
     rank = len(shape)
     axis = data.draw(st.integers(-rank, rank - 1))
-    normalized = shape[axis % rank:]
+    normalized = shape[axis % rank :]
     rng = np.random.default_rng(rank)
     inits = [numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "scale")]
     inputs = ["x", "scale"]
@@ -127,8 +132,7 @@ def test_layer_normalization_is_decomposed_below_17(shape, data, target, bias):
         inits.append(numpy_helper.from_array(rng.standard_normal(normalized).astype(np.float32), "bias"))
         inputs.append("bias")
     node = helper.make_node("LayerNormalization", inputs, ["y", "mean", "inv"], axis=axis, epsilon=1e-3)
-    m = model([node], [helper.make_tensor_value_info("x", F32, shape)],
-              [n for n in ("y", "mean", "inv")], 17, inits)
+    m = model([node], [helper.make_tensor_value_info("x", F32, shape)], [n for n in ("y", "mean", "inv")], 17, inits)
     converted = assert_same(m, target, {"x": rng.standard_normal(shape).astype(np.float32)})
     if target < 17:
         assert "LayerNormalization" not in {n.op_type for n in onnx.ModelProto.FromString(converted).graph.node}
@@ -137,7 +141,9 @@ def test_layer_normalization_is_decomposed_below_17(shape, data, target, bias):
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_is_decomposed_below_20(approximate):
     node = helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)
-    m = model([node], [helper.make_tensor_value_info("x", F32, [3, 5])], [helper.make_tensor_value_info("y", F32, [3, 5])], 20)
+    m = model(
+        [node], [helper.make_tensor_value_info("x", F32, [3, 5])], [helper.make_tensor_value_info("y", F32, [3, 5])], 20
+    )
     x = np.linspace(-4, 4, 15, dtype=np.float32).reshape(3, 5)
     for target in (13, 19):
         assert_same(m, target, {"x": x})
@@ -147,14 +153,20 @@ def test_an_op_without_a_rewrite_is_refused_naming_op_node_and_version():
     x = helper.make_tensor_value_info("x", F32, [1, 2, 3, 4])
     node = helper.make_node("Attention", ["x", "x", "x"], ["y"], name="self_attention")
     m = model([node], [x], [helper.make_tensor_value_info("y", F32, [1, 2, 3, 4])], 23)
-    with pytest.raises(VersioningError, match=r"op Attention \(node 'self_attention'\) cannot be expressed at opset 19.*opset 23"):
+    with pytest.raises(
+        VersioningError, match=r"op Attention \(node 'self_attention'\) cannot be expressed at opset 19.*opset 23"
+    ):
         convert_model(m, 19)
 
 
 def test_computed_axes_have_no_attribute_form_and_are_refused():
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("ReduceMean", ["x", "s"], ["y"], name="mean")]
-    m = model(nodes, [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
-              [helper.make_tensor_value_info("y", TensorProto.INT64, ["n"])], 18)
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, ["n"])],
+        18,
+    )
     with pytest.raises(VersioningError, match="ReduceMean.*opset 17.*computed"):
         convert_model(m, 17)
 
@@ -163,17 +175,29 @@ def test_axes_computed_from_constants_alone_move_to_attributes():
     """The dynamo exporter's unoptimized graphs (opset 18 at the least) give a ReduceMean axes built by
     Reshape of Constant nodes: lowered to 17, they become its attribute."""
     const = _int_constant
-    nodes = [const("raw", [[-1, -2]]), const("flat", [-1]), helper.make_node("Reshape", ["raw", "flat"], ["axes"]),
-             helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1)]
-    m = model(nodes, [helper.make_tensor_value_info("x", F32, [2, 3, 4, 5])],
-              [helper.make_tensor_value_info("y", F32, [2, 3, 1, 1])], 18)
+    nodes = [
+        const("raw", [[-1, -2]]),
+        const("flat", [-1]),
+        helper.make_node("Reshape", ["raw", "flat"], ["axes"]),
+        helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F32, [2, 3, 4, 5])],
+        [helper.make_tensor_value_info("y", F32, [2, 3, 1, 1])],
+        18,
+    )
     assert_same(m, 17, {"x": np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)})
 
 
 def test_a_node_whose_types_the_older_version_lacks_is_refused():
     node = helper.make_node("Relu", ["x"], ["y"], name="relu_int")  # Relu takes integers from 14 on
-    m = model([node], [helper.make_tensor_value_info("x", TensorProto.INT32, [2])],
-              [helper.make_tensor_value_info("y", TensorProto.INT32, [2])], 14)
+    m = model(
+        [node],
+        [helper.make_tensor_value_info("x", TensorProto.INT32, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [2])],
+        14,
+    )
     with pytest.raises(VersioningError, match="Relu.*opset 13.*tensor\\(int32\\)"):
         convert_model(m, 13)
 
@@ -203,7 +227,10 @@ def test_generated_training_steps_compute_the_same_at_every_lower_opset(task_fil
     (task,) = load_tasks(Path(__file__).resolve().parents[3] / "examples" / "tasks" / task_file)
     plan = task.build_plan()
     shard = task.proxy_data().shards[0]
-    feeds = {**task.weights(plan), **{graph: np.asarray(shard[name][:16]) for graph, name in plan.device.inputs.items()}}
+    feeds = {
+        **task.weights(plan),
+        **{graph: np.asarray(shard[name][:16]) for graph, name in plan.device.inputs.items()},
+    }
     outputs = [*plan.weight_outputs, *plan.metric_names]
     reference = make_session(plan.work).run(outputs, feeds)
     for target in range(11, plan.metadata.opset):

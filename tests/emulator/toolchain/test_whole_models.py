@@ -28,15 +28,24 @@ def _cross_entropy(logits, y):
 
 
 def _plan_gradient(source, x, y, trainable=None):
-    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(1.0), batch_size=len(y),
-                                   trainable=trainable, example_selector=ExampleSelector("app:/m"))
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(1.0),
+        batch_size=len(y),
+        trainable=trainable,
+        example_selector=ExampleSelector("app:/m"),
+    )
     weights = initial_weights_from_onnx(source, plan)
     executor = PlanExecutor(plan)
     result = executor.run_device(weights, lambda: [{"x": x, "y": y}])
     new = executor.final_weights(weights, result)
     statistics = {s for node in source.graph.node if node.op_type == "BatchNormalization" for s in node.input[3:5]}
     trainable = [w for w in plan.weight_names if w in {i.name for i in source.graph.initializer} - statistics]
-    return {w: weights[w].astype(np.float64) for w in trainable}, {w: (weights[w] - new[w]).astype(np.float64) for w in trainable}
+    return {w: weights[w].astype(np.float64) for w in trainable}, {
+        w: (weights[w] - new[w]).astype(np.float64) for w in trainable
+    }
 
 
 def _check(ours, reference, names):
@@ -62,7 +71,9 @@ def _conv(x, w, pad):
     x = agnp.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), mode="constant")
     k = w.shape[-1]
     h, wd = x.shape[2] - k + 1, x.shape[3] - k + 1
-    return sum(agnp.einsum("nchw,oc->nohw", x[:, :, i : i + h, j : j + wd], w[:, :, i, j]) for i in range(k) for j in range(k))
+    return sum(
+        agnp.einsum("nchw,oc->nohw", x[:, :, i : i + h, j : j + wd], w[:, :, i, j]) for i in range(k) for j in range(k)
+    )
 
 
 def test_cnn_with_batch_statistics_gradient_matches_autograd():
@@ -87,23 +98,45 @@ def test_cnn_with_batch_statistics_gradient_matches_autograd():
 
 def _transformer(vocab=11, seq=5, dim=8, classes=3, seed=0):
     rng = np.random.default_rng(seed)
-    p = {"emb": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32), "pos": rng.normal(0, 0.1, (seq, dim)).astype(np.float32),
-         "ln_s": rng.uniform(0.8, 1.2, dim).astype(np.float32), "ln_b": rng.normal(0, 0.1, dim).astype(np.float32),
-         "wq": glorot(rng, dim, dim), "wk": glorot(rng, dim, dim), "wv": glorot(rng, dim, dim), "wo": glorot(rng, dim, dim),
-         "head": glorot(rng, dim, classes), "head_b": np.zeros(classes, np.float32)}
+    p = {
+        "emb": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32),
+        "pos": rng.normal(0, 0.1, (seq, dim)).astype(np.float32),
+        "ln_s": rng.uniform(0.8, 1.2, dim).astype(np.float32),
+        "ln_b": rng.normal(0, 0.1, dim).astype(np.float32),
+        "wq": glorot(rng, dim, dim),
+        "wk": glorot(rng, dim, dim),
+        "wv": glorot(rng, dim, dim),
+        "wo": glorot(rng, dim, dim),
+        "head": glorot(rng, dim, classes),
+        "head_b": np.zeros(classes, np.float32),
+    }
     consts = {"scale": np.array(1 / np.sqrt(dim), np.float32), "axes1": np.array([1], np.int64)}
     n = helper.make_node
     nodes = [
-        n("Gather", ["emb", "x"], ["e"]), n("Add", ["e", "pos"], ["h"]),
+        n("Gather", ["emb", "x"], ["e"]),
+        n("Add", ["e", "pos"], ["h"]),
         n("LayerNormalization", ["h", "ln_s", "ln_b"], ["ln"], axis=-1, epsilon=1e-5),
-        n("MatMul", ["ln", "wq"], ["q"]), n("MatMul", ["ln", "wk"], ["k"]), n("MatMul", ["ln", "wv"], ["v"]),
-        n("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), n("MatMul", ["q", "kt"], ["s0"]), n("Mul", ["s0", "scale"], ["s"]),
-        n("Softmax", ["s"], ["a"], axis=-1), n("MatMul", ["a", "v"], ["ctx"]), n("MatMul", ["ctx", "wo"], ["o"]),
-        n("Add", ["h", "o"], ["res"]), n("ReduceMean", ["res", "axes1"], ["pooled"], keepdims=0),
+        n("MatMul", ["ln", "wq"], ["q"]),
+        n("MatMul", ["ln", "wk"], ["k"]),
+        n("MatMul", ["ln", "wv"], ["v"]),
+        n("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        n("MatMul", ["q", "kt"], ["s0"]),
+        n("Mul", ["s0", "scale"], ["s"]),
+        n("Softmax", ["s"], ["a"], axis=-1),
+        n("MatMul", ["a", "v"], ["ctx"]),
+        n("MatMul", ["ctx", "wo"], ["o"]),
+        n("Add", ["h", "o"], ["res"]),
+        n("ReduceMean", ["res", "axes1"], ["pooled"], keepdims=0),
         n("Gemm", ["pooled", "head", "head_b"], ["logits"]),
     ]
-    m = model(nodes, [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
-              [helper.make_tensor_value_info("logits", F, ["N", classes])], {**p, **consts}, opset=18, name="transformer")
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
+        [helper.make_tensor_value_info("logits", F, ["N", classes])],
+        {**p, **consts},
+        opset=18,
+        name="transformer",
+    )
     return m, p
 
 
@@ -145,18 +178,34 @@ def _gru_next_word(vocab=13, seq=4, dim=6, hidden=5, seed=0):
         consts[f"t{t}"], consts[f"t{t + 1}e"] = np.array([t], np.int64), np.array([t + 1], np.int64)
         nodes += [n("Slice", ["e", f"t{t}", f"t{t + 1}e", "ax1"], [f"s{t}"]), n("Squeeze", [f"s{t}", "ax1"], [f"x{t}"])]
         for g in ("z", "r"):
-            nodes += [n("MatMul", [f"x{t}", f"W{g}"], [f"{g}x{t}"]), n("MatMul", [h, f"U{g}"], [f"{g}h{t}"]),
-                      n("Add", [f"{g}x{t}", f"{g}h{t}"], [f"{g}s{t}"]), n("Add", [f"{g}s{t}", f"b{g}"], [f"{g}b{t}"]),
-                      n("Sigmoid", [f"{g}b{t}"], [f"{g}{t}"])]
-        nodes += [n("Mul", [f"r{t}", h], [f"reset{t}"]), n("MatMul", [f"x{t}", "Wn"], [f"nx{t}"]),
-                  n("MatMul", [f"reset{t}", "Un"], [f"nh{t}"]), n("Add", [f"nx{t}", f"nh{t}"], [f"ns{t}"]),
-                  n("Add", [f"ns{t}", "bn"], [f"nb{t}"]), n("Tanh", [f"nb{t}"], [f"n{t}"]),
-                  n("Sub", ["one", f"z{t}"], [f"iz{t}"]), n("Mul", [f"iz{t}", f"n{t}"], [f"a{t}"]),
-                  n("Mul", [f"z{t}", h], [f"b{t}"]), n("Add", [f"a{t}", f"b{t}"], [f"h{t + 1}"])]
+            nodes += [
+                n("MatMul", [f"x{t}", f"W{g}"], [f"{g}x{t}"]),
+                n("MatMul", [h, f"U{g}"], [f"{g}h{t}"]),
+                n("Add", [f"{g}x{t}", f"{g}h{t}"], [f"{g}s{t}"]),
+                n("Add", [f"{g}s{t}", f"b{g}"], [f"{g}b{t}"]),
+                n("Sigmoid", [f"{g}b{t}"], [f"{g}{t}"]),
+            ]
+        nodes += [
+            n("Mul", [f"r{t}", h], [f"reset{t}"]),
+            n("MatMul", [f"x{t}", "Wn"], [f"nx{t}"]),
+            n("MatMul", [f"reset{t}", "Un"], [f"nh{t}"]),
+            n("Add", [f"nx{t}", f"nh{t}"], [f"ns{t}"]),
+            n("Add", [f"ns{t}", "bn"], [f"nb{t}"]),
+            n("Tanh", [f"nb{t}"], [f"n{t}"]),
+            n("Sub", ["one", f"z{t}"], [f"iz{t}"]),
+            n("Mul", [f"iz{t}", f"n{t}"], [f"a{t}"]),
+            n("Mul", [f"z{t}", h], [f"b{t}"]),
+            n("Add", [f"a{t}", f"b{t}"], [f"h{t + 1}"]),
+        ]
         h = f"h{t + 1}"
     nodes.append(n("Gemm", [h, "out", "out_b"], ["logits"]))
-    m = model(nodes, [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
-              [helper.make_tensor_value_info("logits", F, ["N", vocab])], {**p, **consts}, name="gru_next_word")
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
+        [helper.make_tensor_value_info("logits", F, ["N", vocab])],
+        {**p, **consts},
+        name="gru_next_word",
+    )
     return m, p
 
 
@@ -185,17 +234,28 @@ def test_gru_op_next_word_model_gradient_matches_autograd():
     linear_before_reset=1, time-major input), unrolled by the toolchain."""
     vocab, seq, dim, hidden = 13, 4, 6, 5
     rng = np.random.default_rng(7)
-    p = {"emb": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32),
-         "W": rng.normal(0, 0.4, (1, 3 * hidden, dim)).astype(np.float32),
-         "R": rng.normal(0, 0.4, (1, 3 * hidden, hidden)).astype(np.float32),
-         "B": rng.normal(0, 0.1, (1, 6 * hidden)).astype(np.float32),
-         "out": glorot(rng, hidden, vocab), "out_b": np.zeros(vocab, np.float32)}
+    p = {
+        "emb": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32),
+        "W": rng.normal(0, 0.4, (1, 3 * hidden, dim)).astype(np.float32),
+        "R": rng.normal(0, 0.4, (1, 3 * hidden, hidden)).astype(np.float32),
+        "B": rng.normal(0, 0.1, (1, 6 * hidden)).astype(np.float32),
+        "out": glorot(rng, hidden, vocab),
+        "out_b": np.zeros(vocab, np.float32),
+    }
     n = helper.make_node
-    nodes = [n("Gather", ["emb", "x"], ["e"]), n("Transpose", ["e"], ["e_t"], perm=[1, 0, 2]),
-             n("GRU", ["e_t", "W", "R", "B"], ["", "h_last"], hidden_size=hidden, linear_before_reset=1, name="the_gru"),
-             n("Squeeze", ["h_last", "ax0"], ["h"]), n("Gemm", ["h", "out", "out_b"], ["logits"])]
-    source = model(nodes, [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
-                   [helper.make_tensor_value_info("logits", F, ["N", vocab])], {**p, "ax0": np.array([0], np.int64)})
+    nodes = [
+        n("Gather", ["emb", "x"], ["e"]),
+        n("Transpose", ["e"], ["e_t"], perm=[1, 0, 2]),
+        n("GRU", ["e_t", "W", "R", "B"], ["", "h_last"], hidden_size=hidden, linear_before_reset=1, name="the_gru"),
+        n("Squeeze", ["h_last", "ax0"], ["h"]),
+        n("Gemm", ["h", "out", "out_b"], ["logits"]),
+    ]
+    source = model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", seq])],
+        [helper.make_tensor_value_info("logits", F, ["N", vocab])],
+        {**p, "ax0": np.array([0], np.int64)},
+    )
     x, y = rng.integers(0, vocab, (9, seq)), rng.integers(0, vocab, 9)
     w, ours = _plan_gradient(source, x, y)
     assert set(w) == set(p)
@@ -221,15 +281,25 @@ def _mobile_block(seed=0, channels=4, hidden=8, classes=3, side=6):
     depthwise 3x3 (stride 1 on 6x6: the grouped Conv and its gradient rule; stride 2 down to 3x3:
     few enough positions to train as taps), 1x1 projection, a residual Add."""
     rng = np.random.default_rng(seed)
-    p = {"expand": glorot(rng, channels, hidden, (hidden, channels, 1, 1)),
-         "dw1": glorot(rng, 9, 9, (hidden, 1, 3, 3)), "dw2": glorot(rng, 9, 9, (hidden, 1, 3, 3)),
-         "dw2_b": rng.normal(0, 0.1, hidden).astype(np.float32),
-         "project": glorot(rng, hidden, channels, (channels, hidden, 1, 1)),
-         "fc": glorot(rng, channels, classes), "fc_b": np.zeros(classes, np.float32)}
+    p = {
+        "expand": glorot(rng, channels, hidden, (hidden, channels, 1, 1)),
+        "dw1": glorot(rng, 9, 9, (hidden, 1, 3, 3)),
+        "dw2": glorot(rng, 9, 9, (hidden, 1, 3, 3)),
+        "dw2_b": rng.normal(0, 0.1, hidden).astype(np.float32),
+        "project": glorot(rng, hidden, channels, (channels, hidden, 1, 1)),
+        "fc": glorot(rng, channels, classes),
+        "fc_b": np.zeros(classes, np.float32),
+    }
     for bn in ("bn0", "bn1"):
-        p[f"{bn}_s"], p[f"{bn}_b"] = rng.uniform(0.5, 1.5, hidden).astype(np.float32), rng.normal(0, 0.1, hidden).astype(np.float32)
-    stats = {f"{bn}_{k}": v for bn in ("bn0", "bn1") for k, v in (("mean", np.zeros(hidden, np.float32)),
-                                                                   ("var", np.ones(hidden, np.float32)))}
+        p[f"{bn}_s"], p[f"{bn}_b"] = (
+            rng.uniform(0.5, 1.5, hidden).astype(np.float32),
+            rng.normal(0, 0.1, hidden).astype(np.float32),
+        )
+    stats = {
+        f"{bn}_{k}": v
+        for bn in ("bn0", "bn1")
+        for k, v in (("mean", np.zeros(hidden, np.float32)), ("var", np.ones(hidden, np.float32)))
+    }
     consts = {"lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)}
     n = helper.make_node
     nodes = [
@@ -243,11 +313,17 @@ def _mobile_block(seed=0, channels=4, hidden=8, classes=3, side=6):
         n("Conv", ["d2", "project"], ["pr"]),
         n("AveragePool", ["x"], ["skip"], kernel_shape=[2, 2], strides=[2, 2]),
         n("Add", ["pr", "skip"], ["res"]),
-        n("GlobalAveragePool", ["res"], ["g"]), n("Flatten", ["g"], ["f"]),
+        n("GlobalAveragePool", ["res"], ["g"]),
+        n("Flatten", ["g"], ["f"]),
         n("Gemm", ["f", "fc", "fc_b"], ["logits"]),
     ]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, ["N", channels, side, side])],
-              [helper.make_tensor_value_info("logits", F, ["N", classes])], {**p, **stats, **consts}, name="mobile")
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", channels, side, side])],
+        [helper.make_tensor_value_info("logits", F, ["N", classes])],
+        {**p, **stats, **consts},
+        name="mobile",
+    )
     return m, p
 
 
@@ -256,8 +332,11 @@ def _depthwise(x, w, stride):
     x = agnp.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)), mode="constant")
     out = (x.shape[2] - 3) // stride + 1
     span = stride * (out - 1) + 1
-    return sum(x[:, :, i : i + span : stride, j : j + span : stride] * w[None, :, 0, i, j, None, None]
-               for i in range(3) for j in range(3))
+    return sum(
+        x[:, :, i : i + span : stride, j : j + span : stride] * w[None, :, 0, i, j, None, None]
+        for i in range(3)
+        for j in range(3)
+    )
 
 
 def test_mobilenet_block_gradient_matches_autograd():
@@ -265,10 +344,20 @@ def test_mobilenet_block_gradient_matches_autograd():
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((5, 4, 6, 6)).astype(np.float32), rng.integers(0, 3, 5)
     w, ours = _plan_gradient(source, x, y)
-    plan = training_plan_from_onnx(source, label="y", loss="cross_entropy", optimizer=SGD(1.0), batch_size=5,
-                                   example_selector=ExampleSelector("app:/m"))
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(1.0),
+        batch_size=5,
+        example_selector=ExampleSelector("app:/m"),
+    )
     work = onnx.ModelProto.FromString(plan.work)
-    grouped = [node for node in work.graph.node if node.op_type == "Conv" and any(a.name == "group" and a.i > 1 for a in node.attribute)]
+    grouped = [
+        node
+        for node in work.graph.node
+        if node.op_type == "Conv" and any(a.name == "group" and a.i > 1 for a in node.attribute)
+    ]
     assert [node.output[0] for node in grouped] == ["d1"]  # the 3x3-output depthwise Conv runs as taps
 
     def bn(c, s, b):

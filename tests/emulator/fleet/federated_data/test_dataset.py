@@ -33,7 +33,9 @@ def test_clients_that_do_not_share_one_schema_are_refused(clients: dict, message
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=2, max_size=12), st.floats(0.05, 0.9), st.integers(0, 2**32 - 1))
-def test_splits_keep_every_example_once_and_depend_only_on_the_seed(sizes: list[int], fraction: float, seed: int) -> None:
+def test_splits_keep_every_example_once_and_depend_only_on_the_seed(
+    sizes: list[int], fraction: float, seed: int
+) -> None:
     clients = {f"c{i}": {"x": np.arange(n) + 1000 * i} for i, n in enumerate(sizes)}
     train, test = split_examples(clients, fraction, seed)
     for cid, examples in clients.items():

@@ -13,7 +13,9 @@ from emulator.fleet.federated_data import FederatedDataError, client_accuracy_pe
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 50)), min_size=1, max_size=40))
-def test_percentiles_are_numpys_over_clients_and_the_mean_is_weighted_by_examples(counts: list[tuple[int, int]]) -> None:
+def test_percentiles_are_numpys_over_clients_and_the_mean_is_weighted_by_examples(
+    counts: list[tuple[int, int]],
+) -> None:
     total = {f"c{i}": t for i, (_, t) in enumerate(counts)}
     correct = {f"c{i}": min(c, t) for i, (c, t) in enumerate(counts)}
     result = client_accuracy_percentiles(correct, total)
@@ -31,7 +33,11 @@ def test_clients_without_test_examples_are_skipped_and_counted() -> None:
 
 @pytest.mark.parametrize(
     ("correct", "total", "message"),
-    [({"a": 3}, {"a": 2}, "0 <= correct <= total"), ({"a": 1}, {"b": 1}, "same clients"), ({"a": 0}, {"a": 0}, "no client")],
+    [
+        ({"a": 3}, {"a": 2}, "0 <= correct <= total"),
+        ({"a": 1}, {"b": 1}, "same clients"),
+        ({"a": 0}, {"a": 0}, "no client"),
+    ],
 )
 def test_inconsistent_counts_are_refused(correct: dict[str, int], total: dict[str, int], message: str) -> None:
     with pytest.raises(FederatedDataError, match=message):

@@ -53,10 +53,14 @@ def test_shakespeare_windows_become_ids_in_leafs_80_characters(tmp_path: Path) -
     text = "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer~"
     windows = [text[i : i + 80] for i in range(5)]
     nexts = [text[i + 80] for i in range(5)]
-    write_leaf(tmp_path / "shakespeare.json", {"THE_TRAGEDY_OF_HAMLET_HAMLET": (windows, nexts)}, hierarchies=["HAMLET"])
+    write_leaf(
+        tmp_path / "shakespeare.json", {"THE_TRAGEDY_OF_HAMLET_HAMLET": (windows, nexts)}, hierarchies=["HAMLET"]
+    )
     data = load_leaf(tmp_path / "shakespeare.json", test_fraction=0.4)
     assert data.source.endswith("(characters)") and data.vocabulary == tuple(LEAF_CHARACTERS)
-    x = np.concatenate([data.examples("THE_TRAGEDY_OF_HAMLET_HAMLET")["x"], data.test["THE_TRAGEDY_OF_HAMLET_HAMLET"]["x"]])
+    x = np.concatenate(
+        [data.examples("THE_TRAGEDY_OF_HAMLET_HAMLET")["x"], data.test["THE_TRAGEDY_OF_HAMLET_HAMLET"]["x"]]
+    )
     assert x.shape == (5, 80) and x.dtype == np.int64
     decoded = {"".join(LEAF_CHARACTERS[i] if i < 80 else "?" for i in row) for row in x}
     assert decoded == {w.replace("~", "?") for w in windows}
@@ -91,10 +95,15 @@ def test_a_given_vocabulary_file_fixes_the_ids(tmp_path: Path) -> None:
 
 def test_users_in_user_data_without_examples_are_skipped_as_leafs_by_sample_split_writes_them(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({
-        "users": ["a"], "num_samples": [2],
-        "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0, 1]}, "gone": {"x": [], "y": []}},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "users": ["a"],
+                "num_samples": [2],
+                "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0, 1]}, "gone": {"x": [], "y": []}},
+            }
+        )
+    )
     assert load_leaf(path).client_ids == ("a",)
 
 
@@ -111,18 +120,29 @@ def test_without_test_files_users_can_be_held_out_whole(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("{\"users\": [\"a\"], ", "not valid JSON"),
+        ('{"users": ["a"], ', "not valid JSON"),
         ("[1, 2]", "JSON object"),
         (json.dumps({"users": ["a"], "num_samples": [1]}), "no 'user_data' key"),
-        (json.dumps({"users": ["a"], "num_samples": [3], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}), "num_samples says"),
-        (json.dumps({"users": ["a"], "num_samples": [1, 2], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}), "one count per user"),
+        (
+            json.dumps({"users": ["a"], "num_samples": [3], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}),
+            "num_samples says",
+        ),
+        (
+            json.dumps({"users": ["a"], "num_samples": [1, 2], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}),
+            "one count per user",
+        ),
         (json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0]}}}), "2 x but 1 y"),
         (json.dumps({"users": ["a", "b"], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}), "'b' is listed"),
-        (json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0, 2.0], [3.0]], "y": [0, 1]}}}), "different lengths"),
+        (
+            json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0, 2.0], [3.0]], "y": [0, 1]}}}),
+            "different lengths",
+        ),
         (json.dumps({"users": [], "user_data": {"z": {"x": [[1.0]], "y": [0]}}}), "does not list"),
     ],
 )
-def test_hostile_leaf_files_get_one_line_errors_that_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
+def test_hostile_leaf_files_get_one_line_errors_that_name_the_problem(
+    tmp_path: Path, content: str, message: str
+) -> None:
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(DataLayoutError, match=message) as info:

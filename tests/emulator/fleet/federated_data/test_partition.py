@@ -56,7 +56,9 @@ def test_every_example_goes_to_exactly_one_client_and_the_seed_fixes_the_cut(
 
 @FAST
 @given(labelled(), st.integers(1, 4))
-def test_pathological_clients_hold_at_most_k_classes_and_no_example_twice(case: tuple[np.ndarray, int, int], k: int) -> None:
+def test_pathological_clients_hold_at_most_k_classes_and_no_example_twice(
+    case: tuple[np.ndarray, int, int], k: int
+) -> None:
     labels, clients, seed = case
     classes = len(np.unique(labels))
     k = min(k, classes)
@@ -90,7 +92,9 @@ def _skew(parts: list[np.ndarray], labels: np.ndarray) -> float:
     """Mean total-variation distance between a client's label mix and the global one."""
     classes = np.unique(labels)
     overall = np.array([(labels == c).mean() for c in classes])
-    dists = [0.5 * np.abs(np.array([(labels[p] == c).mean() for c in classes]) - overall).sum() for p in parts if len(p)]
+    dists = [
+        0.5 * np.abs(np.array([(labels[p] == c).mean() for c in classes]) - overall).sum() for p in parts if len(p)
+    ]
     return float(np.mean(dists))
 
 

@@ -41,9 +41,16 @@ def main() -> None:
     model.eval()
     buf = io.BytesIO()
     torch.onnx.export(
-        model, (torch.zeros(2, 1, 8, 8),), buf, input_names=["pixels"], output_names=["logits"],
-        dynamic_axes={"pixels": {0: "N"}, "logits": {0: "N"}}, opset_version=17, dynamo=False,
-        do_constant_folding=False, training=torch.onnx.TrainingMode.PRESERVE,
+        model,
+        (torch.zeros(2, 1, 8, 8),),
+        buf,
+        input_names=["pixels"],
+        output_names=["logits"],
+        dynamic_axes={"pixels": {0: "N"}, "logits": {0: "N"}},
+        opset_version=17,
+        dynamo=False,
+        do_constant_folding=False,
+        training=torch.onnx.TrainingMode.PRESERVE,
     )
     OUT.write_bytes(buf.getvalue())
     print(f"wrote {OUT} ({len(buf.getvalue())} bytes)")

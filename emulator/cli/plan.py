@@ -1,29 +1,29 @@
 """``fedfleet plan build|test|keygen|from-onnx|from-torch`` and ``fedfleet deploy``: the model engineer's commands.
 
-    fedfleet plan build TASK.py -o DIR          unversioned plan + one versioned plan per claimed runtime
-    fedfleet plan keygen --key KEY              a signing key for release reports (KEY, mode 0600) and the
-                                                line a server's --release-trust file takes (KEY.pub)
-    fedfleet plan test TASK.py|DIR [-o DIR] --signing-key KEY
-                                                release tests on each claimed real onnxruntime; prints a
-                                                table per task (release, passed, max abs diff, ms/step,
-                                                peak MB), writes DIR/<task>/release_report.json signed
-                                                with KEY; exit 1 unless all passed
-    fedfleet plan from-onnx MODEL.onnx --label y [--loss L --optimizer O --lr LR --batch-size B --epochs E
-                --opset N --collection C --trainable PATTERN ... --frozen PATTERN ... --runtimes R ... --name N] -o DIR
-                                                a bundle plan test and deploy take as it is: DIR/model.onnx,
-                                                a task file stub DIR/task.py (random proxy examples of the
-                                                model's shapes) and what `plan build DIR/task.py -o DIR`
-                                                writes; prints the inputs, the collection, the trained
-                                                tensors and the next two commands; warns of an eval-mode
-                                                export; -o PLAN.fedplan writes the training plan alone
-    fedfleet plan from-torch MODULE:FACTORY --input NAME:SHAPE[:DTYPE] ... --label y [same options] -o DIR
-                                                exports FACTORY()'s nn.Module so that it trains right
-                                                (dynamo, optimize=False, train mode, dynamic batch), then
-                                                as from-onnx; needs the torch extra
-    fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server; says
-                                                whether each task runs now or is queued behind another
-    fedfleet status --server URL --population P   the population's tasks (active, queued, completed)
-    fedfleet rounds --server URL --population P [--task T]   its rounds, oldest first
+fedfleet plan build TASK.py -o DIR          unversioned plan + one versioned plan per claimed runtime
+fedfleet plan keygen --key KEY              a signing key for release reports (KEY, mode 0600) and the
+                                            line a server's --release-trust file takes (KEY.pub)
+fedfleet plan test TASK.py|DIR [-o DIR] --signing-key KEY
+                                            release tests on each claimed real onnxruntime; prints a
+                                            table per task (release, passed, max abs diff, ms/step,
+                                            peak MB), writes DIR/<task>/release_report.json signed
+                                            with KEY; exit 1 unless all passed
+fedfleet plan from-onnx MODEL.onnx --label y [--loss L --optimizer O --lr LR --batch-size B --epochs E
+            --opset N --collection C --trainable PATTERN ... --frozen PATTERN ... --runtimes R ... --name N] -o DIR
+                                            a bundle plan test and deploy take as it is: DIR/model.onnx,
+                                            a task file stub DIR/task.py (random proxy examples of the
+                                            model's shapes) and what `plan build DIR/task.py -o DIR`
+                                            writes; prints the inputs, the collection, the trained
+                                            tensors and the next two commands; warns of an eval-mode
+                                            export; -o PLAN.fedplan writes the training plan alone
+fedfleet plan from-torch MODULE:FACTORY --input NAME:SHAPE[:DTYPE] ... --label y [same options] -o DIR
+                                            exports FACTORY()'s nn.Module so that it trains right
+                                            (dynamo, optimize=False, train mode, dynamic batch), then
+                                            as from-onnx; needs the torch extra
+fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server; says
+                                            whether each task runs now or is queued behind another
+fedfleet status --server URL --population P   the population's tasks (active, queued, completed)
+fedfleet rounds --server URL --population P [--task T]   its rounds, oldest first
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
 
-from ..runtime_envs import RuntimeEnvError
-from ..runtime_worker import WorkerError, WorkerPool
-from .bundle import build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
-from .model_bundle import ModelBundle, bundle_from_onnx
-from .onnx_import import trainable_table
-from .release import release_table
-from .release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
-from .tasks import Task, TaskError, onnx_import
-from .torch_export import from_torch, parse_input
+from ..releases.envs import RuntimeEnvError
+from ..releases.workers import WorkerError, WorkerPool
+from ..toolchain.bundle import build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
+from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx
+from ..toolchain.onnx_import import trainable_table
+from ..toolchain.release import release_table
+from ..toolchain.release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
+from ..toolchain.tasks import Task, TaskError, onnx_import
+from ..toolchain.torch_export import from_torch, parse_input
 
 __all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]
 
@@ -65,38 +65,63 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="build, test and make FL plans (the model engineer's workflow)")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     build = plan_sub.add_parser("build", help="build a task file's plans: unversioned and one per claimed runtime")
-    build.add_argument("task_file", type=Path, help="a Python file defining the task(s), e.g. examples/tasks/digits_task.py")
+    build.add_argument(
+        "task_file", type=Path, help="a Python file defining the task(s), e.g. examples/tasks/digits_task.py"
+    )
     build.add_argument("-o", "--out", type=Path, required=True, help="directory to write the plans to")
     build.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
     test = plan_sub.add_parser("test", help="release tests on every claimed real onnxruntime; writes a release report")
     test.add_argument("target", type=Path, help="a task file or a directory plan build wrote")
     test.add_argument("-o", "--out", type=Path, help="where to build a task file first (default: build/<file stem>)")
     test.add_argument("--runtimes", nargs="+", help="claim these onnxruntime releases instead of the task's own")
-    test.add_argument("--signing-key", type=Path, help=f"sign the reports with this key (plan keygen makes one; "
-                      f"else ${SIGNING_KEY_ENV}); a server accepts only reports signed by a key it trusts")
-    keygen = plan_sub.add_parser("keygen", help="make a key to sign release reports with, and its line for a server's "
-                                 "--release-trust file")
-    keygen.add_argument("--key", type=Path, required=True, help="where to write the private key (mode 0600); its trust "
-                        "line goes to KEY.pub")
+    test.add_argument(
+        "--signing-key",
+        type=Path,
+        help=f"sign the reports with this key (plan keygen makes one; "
+        f"else ${SIGNING_KEY_ENV}); a server accepts only reports signed by a key it trusts",
+    )
+    keygen = plan_sub.add_parser(
+        "keygen", help="make a key to sign release reports with, and its line for a server's --release-trust file"
+    )
+    keygen.add_argument(
+        "--key",
+        type=Path,
+        required=True,
+        help="where to write the private key (mode 0600); its trust line goes to KEY.pub",
+    )
     keygen.add_argument("--label", default="", help="a name for the key in the trust line (who holds it)")
     keygen.add_argument("--force", action="store_true", help="replace an existing key file")
-    onnx_cmd = plan_sub.add_parser("from-onnx", help="a deployable bundle (plans, initial checkpoint, task file) from an "
-                                   "ONNX inference model")
+    onnx_cmd = plan_sub.add_parser(
+        "from-onnx", help="a deployable bundle (plans, initial checkpoint, task file) from an ONNX inference model"
+    )
     onnx_cmd.add_argument("model", type=Path, help="the ONNX inference model")
     _model_options(onnx_cmd)
-    torch_cmd = plan_sub.add_parser("from-torch", help="export a PyTorch module so that it trains right, then as from-onnx "
-                                    "(needs the torch extra)")
-    torch_cmd.add_argument("factory", metavar="MODULE:FACTORY", help="a module path or .py file and a function in it that "
-                           "returns the nn.Module (its weights are the initial model)")
-    torch_cmd.add_argument("--input", nargs="+", required=True, metavar="NAME:SHAPE[:DTYPE]", dest="inputs",
-                           help="each input of forward(), in order: one example's shape without the batch axis, dims "
-                           "joined by x (1x28x28; empty for a scalar), dtype float32 (default), int64, bool, ...")
+    torch_cmd = plan_sub.add_parser(
+        "from-torch", help="export a PyTorch module so that it trains right, then as from-onnx (needs the torch extra)"
+    )
+    torch_cmd.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a module path or .py file and a function in it that "
+        "returns the nn.Module (its weights are the initial model)",
+    )
+    torch_cmd.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="NAME:SHAPE[:DTYPE]",
+        dest="inputs",
+        help="each input of forward(), in order: one example's shape without the batch axis, dims "
+        "joined by x (1x28x28; empty for a scalar), dtype float32 (default), int64, bool, ...",
+    )
     _model_options(torch_cmd)
     deploy = sub.add_parser("deploy", help="send a tested task's plans and release report to a server")
     deploy.add_argument("directory", type=Path, help="a bundle directory that plan build and plan test wrote")
     _server_options(deploy, "the population to deploy into (created if missing)")
-    status = sub.add_parser("status", help="a population's tasks on a server (active, queued behind which task, "
-                            "completed) and its open round")
+    status = sub.add_parser(
+        "status",
+        help="a population's tasks on a server (active, queued behind which task, completed) and its open round",
+    )
     _server_options(status, "the population to show")
     rounds = sub.add_parser("rounds", help="a population's rounds on a server, oldest first, one line each")
     _server_options(rounds, "the population whose rounds to list")
@@ -120,16 +145,34 @@ def _model_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--epochs", type=int, default=1, help="passes over a device's examples per round")
     cmd.add_argument("--opset", type=int, default=21, help="the ONNX opset of the plans")
     cmd.add_argument("--collection", default="app:/examples", help="the example store collection devices read")
-    cmd.add_argument("--trainable", nargs="+", metavar="PATTERN", help="train only the initializers these names "
-                     "or glob patterns match (default: float32 tensors of rank >= 1 on a float path to the output, "
-                     "less one-element scales)")
-    cmd.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
-                     help="keep the initializers these names or glob patterns match constant")
-    cmd.add_argument("--runtimes", nargs="+", help="the onnxruntime releases the task claims (default: the oldest, a "
-                     "middle and the newest known)")
+    cmd.add_argument(
+        "--trainable",
+        nargs="+",
+        metavar="PATTERN",
+        help="train only the initializers these names "
+        "or glob patterns match (default: float32 tensors of rank >= 1 on a float path to the output, "
+        "less one-element scales)",
+    )
+    cmd.add_argument(
+        "--frozen",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="keep the initializers these names or glob patterns match constant",
+    )
+    cmd.add_argument(
+        "--runtimes",
+        nargs="+",
+        help="the onnxruntime releases the task claims (default: the oldest, a middle and the newest known)",
+    )
     cmd.add_argument("--name", help="the task's name (default: the model file's or the factory's name)")
-    cmd.add_argument("-o", "--out", type=Path, required=True, help="the bundle directory to write (a path ending in "
-                     ".fedplan writes the training plan alone)")
+    cmd.add_argument(
+        "-o",
+        "--out",
+        type=Path,
+        required=True,
+        help="the bundle directory to write (a path ending in .fedplan writes the training plan alone)",
+    )
 
 
 def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -173,8 +216,10 @@ def _keygen(args: argparse.Namespace, say) -> int:
     generate_signing_key(args.key, label=args.label, force=args.force)
     line = public_key_path(args.key).read_text(encoding="utf-8").strip()
     say(f"signing key: {args.key} (keep it secret; sign with `fedfleet plan test --signing-key {args.key}`)")
-    say(f"trust line:  {public_key_path(args.key)}; a server accepts reports signed with this key once its "
-        f"--release-trust file holds the line\n  {line}")
+    say(
+        f"trust line:  {public_key_path(args.key)}; a server accepts reports signed with this key once its "
+        f"--release-trust file holds the line\n  {line}"
+    )
     return 0
 
 
@@ -183,8 +228,10 @@ def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
     out loud) when neither is given."""
     path = args.signing_key or os.environ.get(SIGNING_KEY_ENV)
     if not path:
-        say(f"note: the release reports will not be signed; a server that requires release reports refuses unsigned "
-            f"ones. Sign with --signing-key KEY (`fedfleet plan keygen --key KEY` makes a key) or ${SIGNING_KEY_ENV}")
+        say(
+            f"note: the release reports will not be signed; a server that requires release reports refuses unsigned "
+            f"ones. Sign with --signing-key KEY (`fedfleet plan keygen --key KEY` makes a key) or ${SIGNING_KEY_ENV}"
+        )
         return None
     return load_signing_key(path)
 
@@ -222,16 +269,28 @@ def _from_onnx(args: argparse.Namespace, say) -> int:
 def _from_torch(args: argparse.Namespace, say) -> int:
     if args.out.suffix == ".fedplan":
         raise TaskError("from-torch writes a bundle directory; give -o DIR")
-    made = from_torch(args.factory, [parse_input(spec) for spec in args.inputs], args.out, **_bundle_options(args),
-                      say=say)
+    made = from_torch(
+        args.factory, [parse_input(spec) for spec in args.inputs], args.out, **_bundle_options(args), say=say
+    )
     _say_bundle(made, say)
     return 0
 
 
 def _bundle_options(args: argparse.Namespace) -> dict:
-    return dict(label=args.label, loss=args.loss, optimizer=args.optimizer, lr=args.lr, batch_size=args.batch_size,
-                epochs=args.epochs, opset=args.opset, collection=args.collection, trainable=args.trainable,
-                frozen=args.frozen, runtimes=args.runtimes, name=args.name)
+    return dict(
+        label=args.label,
+        loss=args.loss,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        opset=args.opset,
+        collection=args.collection,
+        trainable=args.trainable,
+        frozen=args.frozen,
+        runtimes=args.runtimes,
+        name=args.name,
+    )
 
 
 def _say_trained(made, say) -> None:
@@ -239,19 +298,28 @@ def _say_trained(made, say) -> None:
     for line in trainable_table(made.trainable):
         say(line)
     if made.split:
-        say(f"split {len(made.split)} parameters the exporter had merged into equal-valued initializers back into "
-            f"weights of their own: {', '.join(made.split)}")
+        say(
+            f"split {len(made.split)} parameters the exporter had merged into equal-valued initializers back into "
+            f"weights of their own: {', '.join(made.split)}"
+        )
     for weight, readers in made.shared.items():
-        say(f"shared: {weight} is one weight read in {readers} places (the model ties it; the plan's metadata lists it)")
+        say(
+            f"shared: {weight} is one weight read in {readers} places (the model ties it; the plan's metadata lists it)"
+        )
     for warning in made.warnings:
         print(f"fedfleet: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _say_bundle(made: ModelBundle, say) -> None:
-    say(f"wrote {made.directory}: {made.directory / 'task.py'} (a stub to edit), the model, task {made.task}'s plans and "
-        "initial checkpoint")
-    say("inputs: " + ", ".join(f"{n} {list(shape)} {dtype}" for n, (dtype, shape) in made.inputs.items())
-        + f"; label: {made.label}")
+    say(
+        f"wrote {made.directory}: {made.directory / 'task.py'} (a stub to edit), the model, task {made.task}'s plans and "
+        "initial checkpoint"
+    )
+    say(
+        "inputs: "
+        + ", ".join(f"{n} {list(shape)} {dtype}" for n, (dtype, shape) in made.inputs.items())
+        + f"; label: {made.label}"
+    )
     say(f"reads collection: {made.collection}")
     _say_trained(made, say)
     say("next:")
@@ -261,18 +329,31 @@ def _say_bundle(made: ModelBundle, say) -> None:
 
 def _plan_only(args: argparse.Namespace, say) -> int:
     """``-o PLAN.fedplan``: the training plan alone, as before bundles (no checkpoint, not deployable)."""
-    task = Task(name=args.name or args.model.stem, model=args.model, proxy=lambda: None, loss=args.loss,  # type: ignore[arg-type, return-value]
-                optimizer=args.optimizer, hyperparameters={"lr": args.lr}, label=args.label,
-                selector=ExampleSelector(args.collection), batch_size=args.batch_size, epochs=args.epochs, opset=args.opset,
-                trainable=None if args.trainable is None else tuple(args.trainable), frozen=tuple(args.frozen))
+    task = Task(
+        name=args.name or args.model.stem,
+        model=args.model,
+        proxy=lambda: None,  # type: ignore[arg-type, return-value]
+        loss=args.loss,
+        optimizer=args.optimizer,
+        hyperparameters={"lr": args.lr},
+        label=args.label,
+        selector=ExampleSelector(args.collection),
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        opset=args.opset,
+        trainable=None if args.trainable is None else tuple(args.trainable),
+        frozen=tuple(args.frozen),
+    )
     made = onnx_import(task._model_source(), task)
     plan = dataclasses.replace(made.plan, name=task.name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(serialize_plan(plan))
     say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
     _say_trained(made, say)
-    say("note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
-        "checkpoint and a task file that `plan test DIR` and `deploy DIR` take")
+    say(
+        "note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
+        "checkpoint and a task file that `plan test DIR` and `deploy DIR` take"
+    )
     return 0
 
 
@@ -308,8 +389,10 @@ def _status(args: argparse.Namespace, say) -> int:
         behind = f" behind {', '.join(task['queued_behind'])}" if task.get("queued_behind") else ""
         say(f"  {task['name']}: {task['status']}{behind}")
     if status.get("active_task"):
-        say(f"open round: {status['active_task']} round {status['round']} ({status['phase']}), "
-            f"{status['committed_rounds']} committed")
+        say(
+            f"open round: {status['active_task']} round {status['round']} ({status['phase']}), "
+            f"{status['committed_rounds']} committed"
+        )
     return 0
 
 
@@ -320,8 +403,10 @@ def _rounds(args: argparse.Namespace, say) -> int:
     for r in rounds:
         m = r.get("metrics", {})
         started = _utc(r["started_at"])
-        say(f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', 0):>9} "
-            f"{m.get('reported', 0):>9}  {started}")
+        say(
+            f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', 0):>9} "
+            f"{m.get('reported', 0):>9}  {started}"
+        )
     return 0
 
 

@@ -4,7 +4,7 @@ unless told to, and a file it cannot write is refused with a message and leaves 
 from __future__ import annotations
 
 from emulator import AttestationAuthority
-from emulator.cli import main
+from emulator.cli.commands import main
 from server_stub import read_trust_anchor
 
 

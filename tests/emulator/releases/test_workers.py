@@ -29,8 +29,8 @@ from device_runtime import (
     initial_weights,
 )
 from device_runtime.clock import VirtualClock
-from emulator.inprocess import InProcessTransport
-from emulator.runtime_worker import (
+from emulator.devices.inprocess import InProcessTransport
+from emulator.releases.workers import (
     ReleasePlans,
     RuntimeWorker,
     WorkerError,
@@ -45,7 +45,7 @@ from example_store import ExampleSelector, SQLiteExampleStore
 from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
 from server_stub.admin_client import task_body
 
-TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
+TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
 OLD, NEW = "1.17.3", "1.31.1"
 URL = "http://fl.internal"
 
@@ -94,8 +94,13 @@ def test_devices_on_two_real_releases_each_train_their_versioned_plan_and_report
     build_bundle(TASK_FILE, bundle, runtimes=[OLD, NEW])
     clock = VirtualClock()
     tester = Ed25519PrivateKey.generate()  # whoever ran the release tests signs the report; the server trusts them
-    service = FLService(ServerStore(tmp_path / "server.db"), clock=clock.now, wall_clock=clock.now,
-                        require_release_reports=True, release_trust=frozenset({public_key_bytes(tester)}))
+    service = FLService(
+        ServerStore(tmp_path / "server.db"),
+        clock=clock.now,
+        wall_clock=clock.now,
+        require_release_reports=True,
+        release_trust=frozenset({public_key_bytes(tester)}),
+    )
     keys, key = AdminKeys.generate()
     releases = assign_releases(4, {OLD: 0.5, NEW: 0.5}, random.Random(0))
     with WorkerPool() as pool, InProcessTransport(create_app(service, admin_keys=keys)) as transport:
@@ -103,8 +108,17 @@ def test_devices_on_two_real_releases_each_train_their_versioned_plan_and_report
         with AdminClient(URL, admin_key=key, transport=transport) as admin:
             admin.create_population("digits")
             config = RoundConfig(goal_count=4, over_selection=1.0, min_fraction=1.0, min_reports=1)
-            admin.deploy_body("digits", task_body(built.task.name, built.plan, built.checkpoint, config,
-                                                  versioned_plans=built.versions, release_report=built.report()))
+            admin.deploy_body(
+                "digits",
+                task_body(
+                    built.task.name,
+                    built.plan,
+                    built.checkpoint,
+                    config,
+                    versioned_plans=built.versions,
+                    release_report=built.report(),
+                ),
+            )
             plans = ReleasePlans(pool)
             outcomes, served = [], {}
             for round_number in range(2):
@@ -112,7 +126,10 @@ def test_devices_on_two_real_releases_each_train_their_versioned_plan_and_report
                     store = SQLiteExampleStore(tmp_path / f"d{i}.db")
                     if round_number == 0:
                         part = slice(50 * i, 50 * i + 50)
-                        store.add("app:/digits", ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
+                        store.add(
+                            "app:/digits",
+                            ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])),
+                        )
                     with FLRuntime(
                         "digits",
                         URL,
@@ -188,7 +205,9 @@ def test_should_abort_is_checked_before_every_step_in_the_worker(small_worker, d
         return len(checks) == abort_at
 
     with pytest.raises(TrainingInterrupted):
-        executor.run_device(initial_weights(SMALL), executor.batches_from_examples(lambda: data), should_abort=should_abort)
+        executor.run_device(
+            initial_weights(SMALL), executor.batches_from_examples(lambda: data), should_abort=should_abort
+        )
     assert checks == list(range(abort_at))  # one check before each step, with the steps before it done
     assert small_worker.open_runs() == {}
 

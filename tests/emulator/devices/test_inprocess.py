@@ -7,7 +7,7 @@ import numpy as np
 
 from device_runtime import FLRuntime, Outcome, RuntimeEnvironment, encode_checkpoint, initial_weights
 from device_runtime.clock import VirtualClock
-from emulator.inprocess import InProcessTransport
+from emulator.devices.inprocess import InProcessTransport
 from example_store import SQLiteExampleStore
 from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
 from tests.support import COLLECTION, digits_plan
@@ -23,14 +23,21 @@ def test_a_round_commits_through_the_in_process_transport(tmp_path, digits):
     with InProcessTransport(create_app(service, admin_keys=keys)) as transport:
         with AdminClient(URL, admin_key=key, transport=transport) as admin:
             admin.create_population("digits")
-            admin.deploy_task("digits", "train", plan, encode_checkpoint(initial_weights(plan)),
-                              RoundConfig(goal_count=5, over_selection=1.0, min_fraction=1.0))
+            admin.deploy_task(
+                "digits",
+                "train",
+                plan,
+                encode_checkpoint(initial_weights(plan)),
+                RoundConfig(goal_count=5, over_selection=1.0, min_fraction=1.0),
+            )
             results = []
             for i in range(5):
                 store = SQLiteExampleStore(tmp_path / f"d{i}.db")
                 part = slice(20 * i, 20 * i + 20)
                 store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
-                with FLRuntime("digits", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)) as runtime:
+                with FLRuntime(
+                    "digits", URL, store, transport=transport, environment=RuntimeEnvironment(clock=clock.now)
+                ) as runtime:
                     results.append(runtime.run_session())
                 store.close()
             rounds = admin.rounds("digits")

@@ -3,7 +3,7 @@
 ``device_runtime/ort_support.json`` is the record the plan format reads (``max_opset_for_runtime``,
 ``max_ir_version_for_runtime``, ``min_runtime_for_opset``); this module writes it. Release notes and
 the onnxruntime compatibility page lag behind the wheels and skip patch releases, so the record is
-measured on the wheels themselves: each release in its own env (:mod:`emulator.runtime_envs`) gets a
+measured on the wheels themselves: each release in its own env (:mod:`emulator.releases.envs`) gets a
 ladder of tiny models (``y = Identity(x) + x``) built and serialized here with the project's onnx
 (the old envs have no onnx), and a rung counts only when the session is created *and* the run
 returns ``2x``. Two ladders:
@@ -14,7 +14,7 @@ returns ``2x``. Two ladders:
 Each ladder goes past what this onnx knows (it serializes any number); if a release still loads
 the top rung the sweep was too short and the measurement fails rather than under-reporting.
 
-Run ``python -m emulator.ort_support [--releases 1.17.3 1.20.1] [--jobs 2]``: one JSON line per
+Run ``python -m emulator.releases.support [--releases 1.17.3 1.20.1] [--jobs 2]``: one JSON line per
 release on stdout, and the rows merged (one per minor) into the record.
 """
 
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Protocol
 
-from .runtime_envs import FIRST_MINOR, LAST_MINOR, RuntimeEnv, RuntimeEnvError, available_releases
+from .envs import FIRST_MINOR, LAST_MINOR, RuntimeEnv, RuntimeEnvError, available_releases
 
 __all__ = [
     "InstalledRuntime",
@@ -198,8 +198,10 @@ def _measure_release(release: str, cache: str | None, today: dt.date) -> dict[st
 
 
 def main(argv: Sequence[str] | None = None, *, today: dt.date | None = None, out: Callable[[str], None] = print) -> int:
-    parser = argparse.ArgumentParser(prog="python -m emulator.ort_support", description=__doc__.split("\n")[0])
-    parser.add_argument("--releases", nargs="+", help=f"onnxruntime releases (default: latest patch of 1.{FIRST_MINOR}-1.{LAST_MINOR})")
+    parser = argparse.ArgumentParser(prog="python -m emulator.releases.support", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--releases", nargs="+", help=f"onnxruntime releases (default: latest patch of 1.{FIRST_MINOR}-1.{LAST_MINOR})"
+    )
     parser.add_argument("--query-index", action="store_true", help="ask `pip index versions` for the releases")
     parser.add_argument("--output", type=Path, default=None, help="record to merge into (default: the package's)")
     parser.add_argument("--cache", default=None, help="env cache (default: $FEDFLEET_RUNTIME_CACHE or ~/.cache)")

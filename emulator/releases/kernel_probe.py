@@ -2,12 +2,12 @@
 
 ``ort_support.json`` records the highest opset each release *loads*; a release can still lack the
 kernel of an op's newest version at that opset (onnxruntime 1.15 loads opset 19 models but has no
-``Equal``-19 kernel). :data:`emulator.toolchain.versioning.MISSING_KERNELS` is that record; this
+``Equal``-19 kernel). :data:`emulator.releases.missing_kernels.MISSING_KERNELS` is that record; this
 module re-measures it on the real wheels: a one-node model per op at each opset from 18 to the
-release's maximum, built here and sent to the release's env (:mod:`emulator.runtime_envs`), counts
+release's maximum, built here and sent to the release's env (:mod:`emulator.releases.envs`), counts
 as missing when session creation fails with NOT_IMPLEMENTED.
 
-Run ``python -m emulator.toolchain.kernel_probe [--releases 1.15.1 1.16.3]``: one JSON line per
+Run ``python -m emulator.releases.kernel_probe [--releases 1.15.1 1.16.3]``: one JSON line per
 release with its missing ``{op: version}``, and a last line comparing them with the record.
 """
 
@@ -25,8 +25,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime.plan import ir_version_for_opset, max_opset_for_runtime
 from device_runtime.versions import version_tuple
-from emulator.runtime_envs import RuntimeEnv, available_releases
-from emulator.toolchain.versioning import MISSING_KERNELS
+from emulator.releases.envs import RuntimeEnv, available_releases
+
+from .missing_kernels import MISSING_KERNELS
 
 __all__ = ["PROBED_OPS", "main", "missing_kernels", "probe_model"]
 
@@ -43,8 +44,14 @@ PROBED_OPS: dict[str, tuple] = {
     "Size": (["x"], {}, {}, TensorProto.INT64, [2, 3], []),
     "Identity": (["x"], {}, {}, _F, [2, 3], [2, 3]),
     "Pad": (["x", "p"], {"p": np.array([0, 1, 0, 1], np.int64)}, {}, _F, [2, 3], [2, 5]),
-    "ConstantOfShape": (["s"], {"s": np.array([2, 3], np.int64)}, {"value": numpy_helper.from_array(np.zeros(1, np.float32))},
-                        _F, None, [2, 3]),
+    "ConstantOfShape": (
+        ["s"],
+        {"s": np.array([2, 3], np.int64)},
+        {"value": numpy_helper.from_array(np.zeros(1, np.float32))},
+        _F,
+        None,
+        [2, 3],
+    ),
     "Squeeze": (["x", "a"], {"a": np.array([0], np.int64)}, {}, _F, [1, 3], [3]),
     "Unsqueeze": (["x", "a"], {"a": np.array([0], np.int64)}, {}, _F, [2, 3], [1, 2, 3]),
     "Transpose": (["x"], {}, {}, _F, [2, 3], [3, 2]),
@@ -76,11 +83,15 @@ def probe_model(op: str, opset: int) -> bytes:
     inputs, initializers, attributes, out_type, in_shape, out_shape = PROBED_OPS[op]
     graph_inputs = [helper.make_tensor_value_info("x", _F, in_shape)] if in_shape is not None else []
     graph = helper.make_graph(
-        [helper.make_node(op, inputs, ["y"], **attributes)], f"probe_{op}", graph_inputs,
+        [helper.make_node(op, inputs, ["y"], **attributes)],
+        f"probe_{op}",
+        graph_inputs,
         [helper.make_tensor_value_info("y", out_type, out_shape)],
         initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version_for_opset(opset))
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version_for_opset(opset)
+    )
     onnx.checker.check_model(model)
     return model.SerializeToString()
 
@@ -103,7 +114,7 @@ def missing_kernels(release: str, env: RuntimeEnv | None = None) -> dict[str, in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m emulator.toolchain.kernel_probe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m emulator.releases.kernel_probe", description=__doc__)
     parser.add_argument("--releases", nargs="+", default=available_releases())
     args = parser.parse_args(argv)
     differs = []

@@ -15,24 +15,27 @@ from pathlib import Path
 import pytest
 
 from device_runtime import encode_checkpoint, initial_weights
-from emulator import cli
+from emulator.cli import commands as cli
+from emulator.cli.plan import deployed_line
 from emulator.toolchain.bundle import REPORT
-from emulator.toolchain.cli import deployed_line
 from server_stub import RoundConfig, ServerThread, ServerUnreachable
 from server_stub.admin_client import AdminClient, check_server_url
 from server_stub.cli import parsers, shows_default
 from server_stub.serve import free_port
 from tests.support import digits_plan
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TASK_FILE = ROOT / "examples" / "tasks" / "digits_task.py"
 ADMIN_KEY = "operator-key-for-the-rough-edges-0123456789"
 
 
 def _server_commands(directory: Path) -> list[list[str]]:
     """Every command that talks to a server, without its --server."""
-    return [["deploy", str(directory), "--population", "p"], ["status", "--population", "p"],
-            ["rounds", "--population", "p"]]
+    return [
+        ["deploy", str(directory), "--population", "p"],
+        ["status", "--population", "p"],
+        ["rounds", "--population", "p"],
+    ]
 
 
 @pytest.fixture
@@ -48,7 +51,8 @@ def bundle(tmp_path, monkeypatch) -> Path:
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:{port}", "127.0.0.1:{port}", "localhost:{port}/"])
 def test_every_server_command_says_in_one_line_that_the_server_does_not_answer_or_the_url_lacks_a_scheme(
-        bundle, capsys, url):
+    bundle, capsys, url
+):
     port = free_port()  # nothing listens there
     for command in _server_commands(bundle):
         assert cli.main([*command, "--server", url.format(port=port)]) == 2, command
@@ -143,19 +147,25 @@ def test_dev_says_what_it_installs_before_the_first_install(tmp_path):
     (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
     log = tmp_path / "calls.log"
     fake = tmp_path / "python3"
-    fake.write_text(f"""#!/usr/bin/env bash
+    fake.write_text(
+        f"""#!/usr/bin/env bash
 echo "python $*" >> {log}
 if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
 echo "python $*" >&2
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "PYTHON": str(fake)}
-    first = subprocess.run(["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    first = subprocess.run(
+        ["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60
+    )
     assert first.returncode == 0, first.stderr
     lines = first.stderr.splitlines()
     said = next(i for i, line in enumerate(lines) if line.startswith("./dev: installing"))
     pip = next(i for i, line in enumerate(lines) if "-m pip install" in line)
     assert said < pip and first.stdout == ""
-    second = subprocess.run(["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    second = subprocess.run(
+        ["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60
+    )
     assert "installing" not in second.stderr and "pip" not in second.stderr
-

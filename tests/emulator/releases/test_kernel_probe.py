@@ -12,8 +12,9 @@ from onnx import helper, numpy_helper
 
 from device_runtime import build_mlp_plan
 from device_runtime.executor import make_session
-from emulator.toolchain.kernel_probe import FIRST_OPSET, PROBED_OPS, missing_kernels, probe_model
-from emulator.toolchain.versioning import MISSING_KERNELS, versioned_plan
+from emulator.releases.kernel_probe import FIRST_OPSET, PROBED_OPS, missing_kernels, probe_model
+from emulator.releases.missing_kernels import MISSING_KERNELS
+from emulator.toolchain.versioning import versioned_plan
 from example_store import ExampleSelector
 
 
@@ -31,7 +32,9 @@ def _quantizing_plan(opset: int):
     work.opset_import[0].version = opset
     work.graph.initializer.append(numpy_helper.from_array(np.array(0.1, np.float32), "q_scale"))
     work.graph.node.append(helper.make_node("QuantizeLinear", ["x", "q_scale"], ["x_q"], name="quantize"))
-    return dataclasses.replace(plan, work=work.SerializeToString(), metadata=dataclasses.replace(plan.metadata, opset=opset))
+    return dataclasses.replace(
+        plan, work=work.SerializeToString(), metadata=dataclasses.replace(plan.metadata, opset=opset)
+    )
 
 
 def test_a_quantize_at_opset_23_is_served_to_1_23_at_opset_22():

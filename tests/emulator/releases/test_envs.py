@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from emulator.runtime_envs import (
+from emulator.releases.envs import (
     CACHE_ENV_VAR,
     FIRST_MINOR,
     KNOWN_RELEASES,
@@ -122,7 +122,9 @@ def test_a_failing_snippet_raises_with_its_error(tmp_path):
 def test_a_real_release_installs_once_and_is_reused(tmp_path):
     env = RuntimeEnv.for_release("1.17.3", cache=tmp_path)
     assert env.is_valid() and json.loads(env.marker.read_text())["requirements"] == ["onnxruntime==1.17.3", "numpy<2"]
-    ort_version, numpy_version = env.run_json("import numpy, onnxruntime\nresult = [onnxruntime.__version__, numpy.__version__]")
+    ort_version, numpy_version = env.run_json(
+        "import numpy, onnxruntime\nresult = [onnxruntime.__version__, numpy.__version__]"
+    )
     assert ort_version == "1.17.3" and int(numpy_version.split(".")[0]) < 2  # its wheels need numpy 1.x
     stamp = env.marker.stat().st_mtime_ns
     assert RuntimeEnv.for_release("1.17.3", cache=tmp_path) == env

@@ -1,7 +1,7 @@
 """One cached virtual environment per real onnxruntime release, to run code against that release.
 
 The plan toolchain tests every versioned plan on the exact onnxruntime release it claims (DESIGN.md,
-"Plan toolchain"); :mod:`emulator.ort_support` measures what each release loads. Both need the real
+"Plan toolchain"); :mod:`emulator.releases.support` measures what each release loads. Both need the real
 wheels side by side, which one interpreter cannot import at once, so each release gets its own venv:
 
 * ``<cache>/onnxruntime-1.17.3/`` made with ``python -m venv`` and ``pip install onnxruntime==1.17.3``

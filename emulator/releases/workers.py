@@ -2,7 +2,7 @@
 
 One interpreter can import one onnxruntime, but a fleet runs many releases and release tests need
 each claimed one (paper, section 7.3). A :class:`RuntimeWorker` is a long-lived ``python -I`` in
-the env :mod:`emulator.runtime_envs` made for a release; it holds onnxruntime sessions by model
+the env :mod:`emulator.releases.envs` made for a release; it holds onnxruntime sessions by model
 hash and runs the work graph's training loop (or one forward run) on what it is sent. The env has
 only onnxruntime and numpy, so the worker's code is the self-contained :data:`WORKER_SOURCE`, and
 messages are frames of a JSON header and raw array bytes over its stdin/stdout (no pickle).
@@ -47,7 +47,7 @@ from device_runtime.executor import DeviceResult, PlanExecutor, TrainingInterrup
 from device_runtime.plan import Plan
 from device_runtime.plan_cache import LoadedPlans
 
-from .runtime_envs import RuntimeEnv, RuntimeEnvError, child_environ
+from .envs import RuntimeEnv, RuntimeEnvError, child_environ
 
 __all__ = [
     "ReleasePlans",
@@ -65,7 +65,7 @@ STOP_POLL_S = 0.005
 
 # Runs in the release's env (only onnxruntime and numpy there). The frame helpers are also
 # exec'd by the host, so both ends share one definition of the framing.
-WORKER_SOURCE = r'''
+WORKER_SOURCE = r"""
 import json, os, struct, sys, threading, time
 import numpy as np
 
@@ -232,7 +232,7 @@ def serve(control_fd):
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]) if len(sys.argv) > 1 else -1)
-'''
+"""
 
 _FRAMING: dict[str, Any] = {"__name__": "fedfleet_worker_framing"}
 exec(compile(WORKER_SOURCE, "<fedfleet worker>", "exec"), _FRAMING)  # noqa: S102 - our own constant
@@ -270,8 +270,12 @@ class RuntimeWorker:
         self._stderr = tempfile.TemporaryFile()
         try:
             self._proc = subprocess.Popen(
-                [python, "-I", "-c", WORKER_SOURCE, str(control_read)], pass_fds=(control_read,),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=child_environ(),
+                [python, "-I", "-c", WORKER_SOURCE, str(control_read)],
+                pass_fds=(control_read,),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=child_environ(),
             )
         except BaseException:
             os.close(self._control)
@@ -300,13 +304,16 @@ class RuntimeWorker:
         worker.version = worker.reported_version
         return worker
 
-    def _call(self, header: dict, arrays: Mapping[str, np.ndarray], *,
-              stop: Callable[[], bool] | None = None) -> tuple[dict, dict]:
+    def _call(
+        self, header: dict, arrays: Mapping[str, np.ndarray], *, stop: Callable[[], bool] | None = None
+    ) -> tuple[dict, dict]:
         """Send one request and read its reply. While waiting, ``stop()`` is polled every few
         milliseconds; once it is true the worker is told to end the run's step in flight."""
         with self._lock:
             if self._proc.poll() is not None:
-                raise WorkerError(f"the onnxruntime {self.version} worker has exited ({self._proc.returncode}); {self._stderr_tail()}")
+                raise WorkerError(
+                    f"the onnxruntime {self.version} worker has exited ({self._proc.returncode}); {self._stderr_tail()}"
+                )
             try:
                 assert self._proc.stdin is not None and self._proc.stdout is not None
                 _write_frame(self._proc.stdin, header, arrays)
@@ -319,11 +326,15 @@ class RuntimeWorker:
                             break
                 reply, values = _read_frame(self._proc.stdout)
             except (BrokenPipeError, OSError, ValueError) as exc:
-                raise WorkerError(f"the onnxruntime {self.version} worker failed: {exc}; {self._stderr_tail()}") from None
+                raise WorkerError(
+                    f"the onnxruntime {self.version} worker failed: {exc}; {self._stderr_tail()}"
+                ) from None
             if reply is None:
                 raise WorkerError(f"the onnxruntime {self.version} worker died; {self._stderr_tail()}")
             if reply.get("interrupted"):
-                raise TrainingInterrupted(f"training was stopped by force while a step was running on onnxruntime {self.version}")
+                raise TrainingInterrupted(
+                    f"training was stopped by force while a step was running on onnxruntime {self.version}"
+                )
             if not reply.get("ok"):
                 raise WorkerError(f"onnxruntime {self.version}: {reply.get('error')}")
             return reply, values or {}
@@ -350,11 +361,14 @@ class RuntimeWorker:
     def run(self, model: bytes, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """One forward run of ``model``: the named outputs."""
         key, _ = self._model(model)
-        _, values = self._call({"op": "run", "key": key, "outputs": list(outputs)},
-                               {f"feed/{k}": np.asarray(v) for k, v in feeds.items()})
+        _, values = self._call(
+            {"op": "run", "key": key, "outputs": list(outputs)}, {f"feed/{k}": np.asarray(v) for k, v in feeds.items()}
+        )
         return {k: np.array(v) for k, v in values.items()}
 
-    def train(self, plan: Plan, weights: Mapping[str, np.ndarray], batches: Sequence[Mapping[str, np.ndarray]]) -> TrainResult:
+    def train(
+        self, plan: Plan, weights: Mapping[str, np.ndarray], batches: Sequence[Mapping[str, np.ndarray]]
+    ) -> TrainResult:
         """Run the work graph's step over ``batches`` (feeds keyed by graph input names) in order,
         feeding each step's new weights to the next."""
         key, _ = self._model(plan.work)
@@ -362,8 +376,14 @@ class RuntimeWorker:
         for step, batch in enumerate(batches):
             arrays.update({f"b{step}/{k}": np.asarray(v) for k, v in batch.items()})
         reply, values = self._call(
-            {"op": "train", "key": key, "steps": len(batches), "weights": list(plan.weight_names),
-             "weight_outputs": list(plan.weight_outputs), "metrics": list(plan.metric_names)},
+            {
+                "op": "train",
+                "key": key,
+                "steps": len(batches),
+                "weights": list(plan.weight_names),
+                "weight_outputs": list(plan.weight_outputs),
+                "metrics": list(plan.metric_names),
+            },
             arrays,
         )
         final = {k[2:]: np.array(v) for k, v in values.items()}
@@ -374,16 +394,26 @@ class RuntimeWorker:
         :meth:`step` calls, so a device's steps send only their batches."""
         key, _ = self._model(plan.work)
         run = str(next(self._runs))
-        self._call({"op": "begin", "run": run, "key": key, "weights": list(plan.weight_names),
-                    "weight_outputs": list(plan.weight_outputs), "metrics": list(plan.metric_names)},
-                   {f"w/{k}": np.asarray(v, dtype=np.float32) for k, v in weights.items()})
+        self._call(
+            {
+                "op": "begin",
+                "run": run,
+                "key": key,
+                "weights": list(plan.weight_names),
+                "weight_outputs": list(plan.weight_outputs),
+                "metrics": list(plan.metric_names),
+            },
+            {f"w/{k}": np.asarray(v, dtype=np.float32) for k, v in weights.items()},
+        )
         return run
 
     def step(self, run: str, feeds: Mapping[str, np.ndarray], *, stop: Callable[[], bool] | None = None) -> list[float]:
         """One step of ``run`` on a batch: its metric values. When ``stop()`` becomes true while
         the step runs, onnxruntime ends it at its next node and :class:`TrainingInterrupted` is
         raised; the worker then drops the run (nothing of it is kept)."""
-        reply, _ = self._call({"op": "step", "run": run}, {f"feed/{k}": np.asarray(v) for k, v in feeds.items()}, stop=stop)
+        reply, _ = self._call(
+            {"op": "step", "run": run}, {f"feed/{k}": np.asarray(v) for k, v in feeds.items()}, stop=stop
+        )
         return list(reply["metric_values"])
 
     def finish(self, run: str) -> dict[str, np.ndarray]:

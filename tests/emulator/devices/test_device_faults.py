@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from emulator.device import EmulatedDevice, Fleet
+from emulator.devices.device import EmulatedDevice, RealTimeFleet
 
 
 def test_an_unexpected_error_is_counted_and_the_device_keeps_running(tmp_path):
@@ -19,7 +19,7 @@ def test_an_unexpected_error_is_counted_and_the_device_keeps_running(tmp_path):
 
     device.runtime.run_session = out_of_descriptors  # type: ignore[method-assign]
     device.profile = type(device.profile)(cooldown_s=(0.0, 0.01))
-    fleet = Fleet([device])
+    fleet = RealTimeFleet([device])
     fleet.start()
     assert fleet._stop.wait(10)
     fleet.stop()

@@ -19,16 +19,18 @@ from pathlib import Path
 from server_stub import RoundConfig
 from server_stub.cli import add_server_arguments, run_server, show_defaults
 
-from .attestation_authority import AttestationAuthority
-from .demo import DemoConfig, DemoConfigError, run_demo
-from .fleet.cli import add_compare_parser, add_simulate_parser, run_compare, run_simulate
-from .toolchain.cli import add_toolchain_commands, run_toolchain_command
+from ..demo import DemoConfig, DemoConfigError, run_demo
+from ..devices.attestation_authority import AttestationAuthority
+from .fleet import add_compare_parser, add_simulate_parser, run_compare, run_simulate
+from .plan import add_toolchain_commands, run_toolchain_command
 
 #: ``fedfleet --help``'s description: plain text (the module docstring's markup would print as it is).
-DESCRIPTION = ("Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
-               "authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
-               "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
-               "server runs.")
+DESCRIPTION = (
+    "Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
+    "authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
+    "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
+    "server runs."
+)
 
 
 def version() -> str:
@@ -45,16 +47,44 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     defaults = DemoConfig()
     p.add_argument("--devices", type=int, default=defaults.devices, help="number of emulated devices")
     p.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds to commit")
-    p.add_argument("--goal", type=int, default=defaults.goal_count, dest="goal_count", help="devices that must report per round")
-    p.add_argument("--dropout", type=float, default=defaults.dropout_prob, dest="dropout_prob", help="chance a session is interrupted")
-    p.add_argument("--late", type=float, default=defaults.late_prob, dest="late_prob", help="chance a device reports after its deadline")
-    p.add_argument("--secure", action="store_true", help="report through Secure Aggregation (the server sees only sums)")
-    p.add_argument("--secagg-group", type=int, default=defaults.secagg_group_size, dest="secagg_group_size",
-                   help="smallest Secure Aggregation group (k)")
-    p.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over its examples a device makes per round")
+    p.add_argument(
+        "--goal", type=int, default=defaults.goal_count, dest="goal_count", help="devices that must report per round"
+    )
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=defaults.dropout_prob,
+        dest="dropout_prob",
+        help="chance a session is interrupted",
+    )
+    p.add_argument(
+        "--late",
+        type=float,
+        default=defaults.late_prob,
+        dest="late_prob",
+        help="chance a device reports after its deadline",
+    )
+    p.add_argument(
+        "--secure", action="store_true", help="report through Secure Aggregation (the server sees only sums)"
+    )
+    p.add_argument(
+        "--secagg-group",
+        type=int,
+        default=defaults.secagg_group_size,
+        dest="secagg_group_size",
+        help="smallest Secure Aggregation group (k)",
+    )
+    p.add_argument(
+        "--epochs", type=int, default=defaults.epochs, help="passes over its examples a device makes per round"
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="the same seed gives the same fleet")
-    p.add_argument("--time-limit", type=float, default=defaults.time_limit_s, dest="time_limit_s",
-                   help="seconds the demo may run before it stops")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=defaults.time_limit_s,
+        dest="time_limit_s",
+        help="seconds the demo may run before it stops",
+    )
 
 
 def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> None:
@@ -79,8 +109,14 @@ def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> 
 def _authority_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("authority", help="create an emulated attestation authority and its trust anchor")
     p.add_argument("--key", required=True, help="where to write the authority's private key (mode 0600)")
-    p.add_argument("--trust", required=True, help="where to write the trust anchor for fedfleet server --attestation-trust")
-    p.add_argument("--force", action="store_true", help="replace an existing key file (its devices' certificates stop being trusted)")
+    p.add_argument(
+        "--trust", required=True, help="where to write the trust anchor for fedfleet server --attestation-trust"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing key file (its devices' certificates stop being trusted)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,20 +141,31 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "authority":
         if Path(args.key).exists() and not args.force:
-            print(f"fedfleet authority: {args.key} already exists; a server trusting that authority would stop "
-                  "trusting its devices: name a new file, or pass --force to replace it", file=sys.stderr)
+            print(
+                f"fedfleet authority: {args.key} already exists; a server trusting that authority would stop "
+                "trusting its devices: name a new file, or pass --force to replace it",
+                file=sys.stderr,
+            )
             return 2
         if Path(args.key).resolve() == Path(args.trust).resolve():
-            print("fedfleet authority: --key and --trust name the same file; the trust anchor would replace the key: "
-                  "name two files", file=sys.stderr)
+            print(
+                "fedfleet authority: --key and --trust name the same file; the trust anchor would replace the key: "
+                "name two files",
+                file=sys.stderr,
+            )
             return 2
         try:
             _save_authority(AttestationAuthority.generate(), Path(args.key), Path(args.trust))
         except OSError as exc:
-            print(f"fedfleet authority: cannot write {exc.filename or args.key} ({exc.strerror or exc}); "
-                  "name files in a folder that exists and can be written", file=sys.stderr)
+            print(
+                f"fedfleet authority: cannot write {exc.filename or args.key} ({exc.strerror or exc}); "
+                "name files in a folder that exists and can be written",
+                file=sys.stderr,
+            )
             return 2
-        print(f"authority key: {args.key}\ntrust anchor:  {args.trust} (give it to `fedfleet server --attestation-trust`)")
+        print(
+            f"authority key: {args.key}\ntrust anchor:  {args.trust} (give it to `fedfleet server --attestation-trust`)"
+        )
         return 0
     if args.command == "demo":
         names = {f.name for f in fields(DemoConfig)}
@@ -128,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         floor = RoundConfig().min_reports
         if math.ceil(config.goal_count * config.min_fraction - 1e-9) < floor:
-            parser.error(f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, "
-                         f"so a published model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more")
+            parser.error(
+                f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, "
+                f"so a published model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more"
+            )
         try:
             summary = run_demo(config)
         except DemoConfigError as exc:

@@ -141,13 +141,15 @@ def _after(seconds: float):
     return check
 
 
-class Fleet:
+class RealTimeFleet:
     """Runs every device's loop in its own thread until ``stop``."""
 
     def __init__(self, devices: list[EmulatedDevice]) -> None:
         self.devices = devices
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=d.run, args=(self._stop,), name=d.device_id, daemon=True) for d in devices]
+        self._threads = [
+            threading.Thread(target=d.run, args=(self._stop,), name=d.device_id, daemon=True) for d in devices
+        ]
 
     def start(self) -> None:
         for thread in self._threads:

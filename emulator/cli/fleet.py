@@ -21,9 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-from .config import FleetConfig, FleetConfigError
-from .events import SimulationError
-from .traces import TraceError
+from ..fleet.config import FleetConfig, FleetConfigError
+from ..fleet.events import SimulationError
+from ..fleet.traces import TraceError
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,48 +34,93 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("fleet", nargs="?", help="a fleet config (TOML); see examples/fleets/default.toml")
-    p.add_argument("--out", help="where to write sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html")
+    p.add_argument(
+        "--out", help="where to write sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html"
+    )
     p.add_argument("--devices", type=int, help="override the number of devices")
     p.add_argument("--hours", type=float, help="override the simulated hours")
     p.add_argument("--seed", type=int, help="override the seed (the same seed gives the same run)")
-    p.add_argument("--goal", type=int, help="override the round goal (reports a round needs; the default 100 needs thousands of devices)")
-    p.add_argument("--task", metavar="TASK.py",
-                   help="run this task file (what fedfleet plan build takes) instead of the built-in digits MLP")
-    p.add_argument("--data", metavar="FORMAT:PATH[,K=V...]",
-                   help="a federated dataset, each client a device's examples: leaf:DIR, tff-h5:FILE, "
-                        "table:FILE,client=COLUMN, npz:FILE, digits,partition=dirichlet (default: the digits sampled per device)")
-    p.add_argument("--target-accuracy", type=float, metavar="A",
-                   help="report time_to_target_accuracy_s: simulated seconds to the first committed model with test accuracy >= A")
+    p.add_argument(
+        "--goal",
+        type=int,
+        help="override the round goal (reports a round needs; the default 100 needs thousands of devices)",
+    )
+    p.add_argument(
+        "--task",
+        metavar="TASK.py",
+        help="run this task file (what fedfleet plan build takes) instead of the built-in digits MLP",
+    )
+    p.add_argument(
+        "--data",
+        metavar="FORMAT:PATH[,K=V...]",
+        help="a federated dataset, each client a device's examples: leaf:DIR, tff-h5:FILE, "
+        "table:FILE,client=COLUMN, npz:FILE, digits,partition=dirichlet (default: the digits sampled per device)",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        metavar="A",
+        help="report time_to_target_accuracy_s: simulated seconds to the first committed model with test accuracy >= A",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--http", action="store_true",
-                   help="send the devices' requests over real loopback HTTP (uvicorn) instead of into the app in process")
-    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
-                   help="run on Ray: a local cluster, or the one at ADDRESS (e.g. auto, ray://host:10001)")
-    p.add_argument("--shards", type=int,
-                   help="spread the devices over this many shards (Ray actors with --ray; default 2 with --ray)")
+    p.add_argument(
+        "--http",
+        action="store_true",
+        help="send the devices' requests over real loopback HTTP (uvicorn) instead of into the app in process",
+    )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run on Ray: a local cluster, or the one at ADDRESS (e.g. auto, ray://host:10001)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        help="spread the devices over this many shards (Ray actors with --ray; default 2 with --ray)",
+    )
     p.add_argument("--seeds", help="independent runs with these seeds, e.g. 0,1,2")
-    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
-                   help="independent runs over a grid of config values, e.g. goal_count=8,16 (repeatable)")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="independent runs over a grid of config values, e.g. goal_count=8,16 (repeatable)",
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .federated_data import FederatedDataError, parse_data_spec
-    from .ray_backend import RayBackendError
-    from .simulator import ProgressBar, simulate
-    from .workload import load_workload
+    from ..fleet.federated_data import FederatedDataError, parse_data_spec
+    from ..fleet.ray_backend import RayBackendError
+    from ..fleet.simulator import ProgressBar, simulate
+    from ..fleet.workload import load_workload
 
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
-        print(f"fedfleet simulate: --target-accuracy {args.target_accuracy}: give an accuracy between 0 and 1", file=sys.stderr)
+        print(
+            f"fedfleet simulate: --target-accuracy {args.target_accuracy}: give an accuracy between 0 and 1",
+            file=sys.stderr,
+        )
         return 2
     if args.task is not None and not Path(args.task).is_file():
-        print(f"fedfleet simulate: --task {args.task}: no such file; give the path of a task file (as `fedfleet plan build` "
-              "takes)", file=sys.stderr)
+        print(
+            f"fedfleet simulate: --task {args.task}: no such file; give the path of a task file (as `fedfleet plan build` "
+            "takes)",
+            file=sys.stderr,
+        )
         return 2
     try:
         config = FleetConfig.load(args.fleet) if args.fleet else FleetConfig.default()
         data = parse_data_spec(args.data) if args.data is not None else None
-        config = config.replace(devices=args.devices, hours=args.hours, seed=args.seed, goal=args.goal, task_file=args.task,
-                                target_accuracy=args.target_accuracy, data=data)
+        config = config.replace(
+            devices=args.devices,
+            hours=args.hours,
+            seed=args.seed,
+            goal=args.goal,
+            task_file=args.task,
+            target_accuracy=args.target_accuracy,
+            data=data,
+        )
     except FederatedDataError as exc:
         print(f"fedfleet simulate: --data {args.data}: {exc}", file=sys.stderr)
         return 2
@@ -93,13 +138,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         if out.exists() and not out.is_dir():
-            print(f"fedfleet simulate: --out {args.out} is a file; name a directory for the run's tables and report", file=sys.stderr)
+            print(
+                f"fedfleet simulate: --out {args.out} is a file; name a directory for the run's tables and report",
+                file=sys.stderr,
+            )
             return 2
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            print(f"fedfleet simulate: cannot write the run to --out {args.out} ({exc.strerror or exc}); name a directory "
-                  "that can be created", file=sys.stderr)
+            print(
+                f"fedfleet simulate: cannot write the run to --out {args.out} ({exc.strerror or exc}); name a directory "
+                "that can be created",
+                file=sys.stderr,
+            )
             return 2
     if args.shards is not None and args.shards < 1:
         print(f"fedfleet simulate: --shards {args.shards}: a run needs at least 1 shard", file=sys.stderr)
@@ -108,18 +159,32 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _run_sweep(args, config, out)
     sharded = args.ray is not None or args.shards is not None
     if sharded and args.http:
-        print("fedfleet simulate: --http runs the fleet in one process; leave out --ray/--shards (or --http)", file=sys.stderr)
+        print(
+            "fedfleet simulate: --http runs the fleet in one process; leave out --ray/--shards (or --http)",
+            file=sys.stderr,
+        )
         return 2
     progress = None if args.no_progress else ProgressBar(config.horizon_s)
     try:
         if sharded:
-            from .ray_backend import simulate_sharded
+            from ..fleet.ray_backend import simulate_sharded
 
-            run = simulate_sharded(config, shards=args.shards or 2, out_dir=out, progress=progress or False,
-                                   ray=args.ray is not None, address=args.ray or None)
+            run = simulate_sharded(
+                config,
+                shards=args.shards or 2,
+                out_dir=out,
+                progress=progress or False,
+                ray=args.ray is not None,
+                address=args.ray or None,
+            )
         else:
-            run = simulate(config, out_dir=out, progress=progress or False, http=args.http,
-                           notice=lambda message: print(f"fedfleet simulate: {message}", file=sys.stderr))
+            run = simulate(
+                config,
+                out_dir=out,
+                progress=progress or False,
+                http=args.http,
+                notice=lambda message: print(f"fedfleet simulate: {message}", file=sys.stderr),
+            )
     except (SimulationError, RayBackendError, TraceError) as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
@@ -151,13 +216,17 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by fedfleet simulate --out")
     p.add_argument("--out", default="compare.html", help="the page to write (default: compare.html)")
-    p.add_argument("--label", action="append", default=[],
-                   help="a run's name on the page, once per run in order (default: the folders' names)")
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        help="a run's name on the page, once per run in order (default: the folders' names)",
+    )
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from .compare import FleetCompareError, write_compare
-    from .report import FleetReportError
+    from ..fleet.compare import FleetCompareError, write_compare
+    from ..fleet.report import FleetReportError
 
     try:
         runs = write_compare(args.runs, args.out, args.label or None)
@@ -165,8 +234,10 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"fedfleet compare: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"fedfleet compare: cannot write --out {args.out} ({exc.strerror or exc}); name a file in a folder that exists",
-              file=sys.stderr)
+        print(
+            f"fedfleet compare: cannot write --out {args.out} ({exc.strerror or exc}); name a file in a folder that exists",
+            file=sys.stderr,
+        )
         return 2
     print(f"{args.out}: {len(runs)} runs ({', '.join(r.label for r in runs)})")
     return 0
@@ -175,12 +246,15 @@ def run_compare(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) -> int:
     import time
 
-    from .ray_backend import RayBackendError, parse_sweep, run_many, sweep_configs
+    from ..fleet.ray_backend import RayBackendError, parse_sweep, run_many, sweep_configs
 
     try:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     except ValueError:
-        print(f"fedfleet simulate: --seeds {args.seeds!r}: write whole numbers separated by commas, e.g. 0,1,2", file=sys.stderr)
+        print(
+            f"fedfleet simulate: --seeds {args.seeds!r}: write whole numbers separated by commas, e.g. 0,1,2",
+            file=sys.stderr,
+        )
         return 2
     try:
         runs = sweep_configs(config, seeds=seeds, grid=parse_sweep(args.sweep))
@@ -188,7 +262,10 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     if args.http or args.shards:
-        print("fedfleet simulate: --seeds/--sweep run whole fleets side by side; leave out --http and --shards", file=sys.stderr)
+        print(
+            "fedfleet simulate: --seeds/--sweep run whole fleets side by side; leave out --http and --shards",
+            file=sys.stderr,
+        )
         return 2
     dirs = [out / f"run-{i}" for i in range(len(runs))] if out is not None else None
     started = time.perf_counter()

@@ -62,8 +62,9 @@ class AttestationAuthority:
         """``{key_id: public_key}``, the shape ``AttestationVerifier`` takes for its trusted authorities."""
         return {self._key_id: self._public}
 
-    def issue(self, device_public_key: bytes, device_class: str, now: float,
-              valid_for_s: float = DEFAULT_VALIDITY_S) -> DeviceCertificate:
+    def issue(
+        self, device_public_key: bytes, device_class: str, now: float, valid_for_s: float = DEFAULT_VALIDITY_S
+    ) -> DeviceCertificate:
         """Certify ``device_public_key`` as a device of ``device_class`` from ``now`` for ``valid_for_s``."""
         if not isinstance(device_public_key, (bytes, bytearray)) or len(device_public_key) != PUBLIC_KEY_BYTES:
             raise ValueError(f"device_public_key must be {PUBLIC_KEY_BYTES} raw bytes")
@@ -72,8 +73,9 @@ class AttestationAuthority:
         if not valid_for_s > 0:
             raise ValueError("valid_for_s must be positive")
         issued_at, expires_at = float(now), float(now) + float(valid_for_s)
-        payload = DeviceCertificate.signing_payload(bytes(device_public_key), device_class, issued_at, expires_at,
-                                                    self._key_id)
+        payload = DeviceCertificate.signing_payload(
+            bytes(device_public_key), device_class, issued_at, expires_at, self._key_id
+        )
         return DeviceCertificate(
             device_public_key=bytes(device_public_key),
             device_class=device_class,
@@ -83,9 +85,15 @@ class AttestationAuthority:
             signature=self._key.sign(payload),
         )
 
-    def new_device_attestor(self, device_class: str, now: float, valid_for_s: float = DEFAULT_VALIDITY_S, *,
-                            device_key: Ed25519PrivateKey | None = None,
-                            random_bytes: Callable[[int], bytes] = os.urandom) -> DeviceAttestor:
+    def new_device_attestor(
+        self,
+        device_class: str,
+        now: float,
+        valid_for_s: float = DEFAULT_VALIDITY_S,
+        *,
+        device_key: Ed25519PrivateKey | None = None,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ) -> DeviceAttestor:
         """Provision an emulated device: a new key pair (or ``device_key``) and its certificate."""
         key = device_key if device_key is not None else generate_device_key(random_bytes)
         return DeviceAttestor(key, self.issue(raw_public_key(key), device_class, now, valid_for_s))
@@ -94,10 +102,12 @@ class AttestationAuthority:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the authority's private key (JSON, mode 0600)."""
-        body = json.dumps({
-            "format": "fedfleet-attestation-authority",
-            "private_key": b64encode(self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())),
-        }).encode("utf-8")
+        body = json.dumps(
+            {
+                "format": "fedfleet-attestation-authority",
+                "private_key": b64encode(self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())),
+            }
+        ).encode("utf-8")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o600)
@@ -114,4 +124,3 @@ class AttestationAuthority:
             raise MalformedAttestation(f"{path} is not an authority key file")
         raw = b64decode_strict(d.get("private_key"), "private_key", length=32)
         return cls(Ed25519PrivateKey.from_private_bytes(raw))
-

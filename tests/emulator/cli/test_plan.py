@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime import FLRuntime, Outcome, PlanExecutor, RuntimeEnvironment
 from device_runtime.plan import load_plan
-from emulator.cli import main
-from emulator.runtime_worker import ReleasePlans, WorkerPool
+from emulator.cli.commands import main
+from emulator.releases.workers import ReleasePlans, WorkerPool
 from emulator.toolchain.bundle import read_bundle
 from emulator.toolchain.release_signing import load_signing_key, public_key_path, sign_report
 from emulator.toolchain.versioning import plan_sha256
@@ -41,12 +41,24 @@ def tester_key(tmp_path) -> Path:
 def logistic_regression(path: Path) -> Path:
     """An inference model made with onnx's helpers: logits = x @ W + b, probabilities by Softmax."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((0.01 * rng.standard_normal((64, 10))).astype(np.float32), "W"),
-             numpy_helper.from_array(np.zeros(10, dtype=np.float32), "b")]
-    nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["logits"]), helper.make_node("Softmax", ["logits"], ["probs"], axis=-1)]
-    graph = helper.make_graph(nodes, "digits_lr", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10]),
-                               helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", 10])], initializer=inits)
+    inits = [
+        numpy_helper.from_array((0.01 * rng.standard_normal((64, 10))).astype(np.float32), "W"),
+        numpy_helper.from_array(np.zeros(10, dtype=np.float32), "b"),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "W", "b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "digits_lr",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10]),
+            helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["N", 10]),
+        ],
+        initializer=inits,
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
     return path
 
@@ -73,7 +85,9 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
         assert "RELEASE_REPORT_UNSIGNED" in capsys.readouterr().err
         assert main(["plan", "test", str(out), "--signing-key", str(tester_key)]) == 0
         printed = capsys.readouterr().out
-        assert all(h in printed for h in ("release", "passed", "max abs diff", "ms/step", "peak MB"))  # the table's header
+        assert all(
+            h in printed for h in ("release", "passed", "max abs diff", "ms/step", "peak MB")
+        )  # the table's header
         rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if line.startswith("  1.")}
         assert rows["1.15.1"][0] == rows["1.31.1"][0] == "yes" and "digits_mlp: passed" in printed
         assert float(rows["1.15.1"][1]) <= 1e-5 and float(rows["1.15.1"][2]) > 0 and float(rows["1.15.1"][3]) >= 0
@@ -111,8 +125,25 @@ task = dataclasses.replace(base, name="rms", model=model, runtimes=("1.17.3", "1
 def test_from_onnx_makes_a_plan_that_trains(tmp_path, capsys, digits):
     model = logistic_regression(tmp_path / "digits_lr.onnx")
     plan_path = tmp_path / "digits_lr.fedplan"
-    args = ["plan", "from-onnx", str(model), "--label", "y", "--loss", "cross_entropy", "--optimizer", "sgd",
-            "--lr", "0.5", "--batch-size", "16", "--collection", "app:/digits", "-o", str(plan_path)]
+    args = [
+        "plan",
+        "from-onnx",
+        str(model),
+        "--label",
+        "y",
+        "--loss",
+        "cross_entropy",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+        "--batch-size",
+        "16",
+        "--collection",
+        "app:/digits",
+        "-o",
+        str(plan_path),
+    ]
     assert main(args) == 0
     assert "wrote" in capsys.readouterr().out
     plan = load_plan(plan_path.read_bytes())
@@ -137,7 +168,9 @@ from emulator.toolchain.tasks import Budget
 base = runpy.run_path({str(TASK_FILE)!r})["task"]
 task = dataclasses.replace(base, name="digits_lr", model={str(model)!r}, hyperparameters={{"lr": 0.5}}, budget=Budget())
 """)
-    assert main(["plan", "test", str(task_file), "-o", str(tmp_path / "out"), "--runtimes", "1.15.1", "1.31.1"]) == 0, capsys.readouterr()
+    assert main(["plan", "test", str(task_file), "-o", str(tmp_path / "out"), "--runtimes", "1.15.1", "1.31.1"]) == 0, (
+        capsys.readouterr()
+    )
     report = json.loads((tmp_path / "out" / "digits_lr" / "release_report.json").read_text())
     assert report["passed"] and sorted(report["results"]) == ["1.15.1", "1.31.1"]
 
@@ -150,10 +183,14 @@ def test_a_task_group_is_tested_per_variant_and_deployed_only_if_all_pass(tmp_pa
     assert main(["plan", "test", str(sweep), "-o", str(out), "--runtimes", "1.31.1"]) == 1  # one variant fails
     reports = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/release_report.json")}
     assert {name: r["passed"] for name, r in reports.items()} == {
-        "digits_mlp-lr0.1": False, "digits_mlp-lr0.2": True, "digits_mlp-lr0.3": True}  # too slow to reach 0.8
+        "digits_mlp-lr0.1": False,
+        "digits_mlp-lr0.2": True,
+        "digits_mlp-lr0.3": True,
+    }  # too slow to reach 0.8
     assert all("signature" in r for r in reports.values())  # failed or passed, each says who ran it
-    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY,
-                      release_trust=read_release_trust(public_key_path(tester_key))) as server:
+    with ServerThread(
+        tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=read_release_trust(public_key_path(tester_key))
+    ) as server:
         server.service.require_release_reports = True
         monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
         capsys.readouterr()
@@ -166,7 +203,8 @@ def test_a_task_group_is_tested_per_variant_and_deployed_only_if_all_pass(tmp_pa
 
 @pytest.mark.timeout(1800)
 def test_an_evaluation_task_is_tested_deployed_to_a_gated_server_and_evaluated_by_devices(
-        tmp_path, capsys, monkeypatch, digits, tester_key):
+    tmp_path, capsys, monkeypatch, digits, tester_key
+):
     task_file = tmp_path / "eval_task.py"
     task_file.write_text(f"""
 import dataclasses, runpy
@@ -180,23 +218,45 @@ evaluation = evaluation_of(task, selector=ExampleSelector("app:/digits_heldout")
 tasks = [task, evaluation]
 """)
     out, releases = tmp_path / "bundle", ["1.15.1", "1.31.1"]
-    assert main(["plan", "test", str(task_file), "-o", str(out), "--runtimes", *releases,
-                 "--signing-key", str(tester_key)]) == 0, capsys.readouterr()
+    assert (
+        main(
+            ["plan", "test", str(task_file), "-o", str(out), "--runtimes", *releases, "--signing-key", str(tester_key)]
+        )
+        == 0
+    ), capsys.readouterr()
     report = json.loads((out / "digits_mlp_eval" / "release_report.json").read_text())
     assert report["passed"] and report["kind"] == "eval" and sorted(report["results"]) == releases
     manifest = json.loads((out / "digits_mlp_eval" / "manifest.json").read_text())
     trusted = read_release_trust(public_key_path(tester_key))
-    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server, WorkerPool() as pool:
+    with (
+        ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY, release_trust=trusted) as server,
+        WorkerPool() as pool,
+    ):
         server.service.require_release_reports = True
         train, evaluation = read_bundle(out)
         narrow = copy.deepcopy(evaluation.report())  # a passed report, but on fewer releases than the training task's
         narrow["claimed"], narrow["results"] = ["1.31.1"], {"1.31.1": narrow["results"]["1.31.1"]}
         narrow = sign_report(narrow, load_signing_key(tester_key))  # as the tester's run on one release would sign it
         config = RoundConfig.from_dict(train.manifest["round_config"])
-        bodies = [task_body(train.task.name, train.plan, train.checkpoint, config, versioned_plans=train.versions,
-                            release_report=train.report()),
-                  task_body(evaluation.task.name, evaluation.plan, None, config, evaluates=train.task.name,
-                            versioned_plans={"1.31.1": evaluation.versions["1.31.1"]}, release_report=narrow)]
+        bodies = [
+            task_body(
+                train.task.name,
+                train.plan,
+                train.checkpoint,
+                config,
+                versioned_plans=train.versions,
+                release_report=train.report(),
+            ),
+            task_body(
+                evaluation.task.name,
+                evaluation.plan,
+                None,
+                config,
+                evaluates=train.task.name,
+                versioned_plans={"1.31.1": evaluation.versions["1.31.1"]},
+                release_report=narrow,
+            ),
+        ]
         with server.admin() as admin:
             admin.create_population("digits")
             with pytest.raises(AdminError) as refused:
@@ -210,8 +270,14 @@ tasks = [task, evaluation]
                 with SQLiteExampleStore(tmp_path / f"device{i}.db") as store:
                     if round_number == 0:
                         part = slice(100 * i, 100 * i + 100)
-                        store.add("app:/digits", ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
-                        store.add("app:/digits_heldout", ({"x": x, "y": y} for x, y in zip(digits.x_test[:60], digits.y_test[:60])))
+                        store.add(
+                            "app:/digits",
+                            ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])),
+                        )
+                        store.add(
+                            "app:/digits_heldout",
+                            ({"x": x, "y": y} for x, y in zip(digits.x_test[:60], digits.y_test[:60])),
+                        )
                     with FLRuntime(
                         "digits",
                         server.url,
@@ -226,7 +292,9 @@ tasks = [task, evaluation]
         with server.admin() as admin:
             rounds = {task: admin.rounds("digits", task) for task in ("digits_mlp", "digits_mlp_eval")}
     assert outcomes == [(r, Outcome.COMPLETED) for r in releases] * 2
-    assert [r["status"] for r in rounds["digits_mlp"]] == [r["status"] for r in rounds["digits_mlp_eval"]] == ["committed"]
+    assert (
+        [r["status"] for r in rounds["digits_mlp"]] == [r["status"] for r in rounds["digits_mlp_eval"]] == ["committed"]
+    )
     evaluated = rounds["digits_mlp_eval"][0]["metrics"]
     assert 0 <= evaluated["eval_accuracy"] <= 1 and evaluated["eval_loss"] > 0
     assert evaluated["evaluated_checkpoint_id"] == rounds["digits_mlp"][0]["checkpoint_id"]  # the model just trained
