@@ -1,6 +1,6 @@
 """A simulated day of a fleet: 10,000 devices of the paper-calibrated default population running
 the SDK against the real server in virtual time (``emulator.fleet.simulate``), against today's
-real-time ``Fleet`` (one thread per device, loopback HTTP, the demo's set-up) on 300 devices in
+real-time ``RealTimeFleet`` (one thread per device, loopback HTTP, the demo's set-up) on 300 devices in
 the same run as the baseline.
 
 Goals: the day in <= 10 minutes of wall time and <= 4 GiB peak memory, and >= 20x the baseline's
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from device_runtime import build_mlp_plan, encode_checkpoint, initial_weights
 from emulator.datasets import load_digits_dataset, partition_by_shards
-from emulator.devices.device import DeviceProfile, EmulatedDevice, Fleet
+from emulator.devices.device import DeviceProfile, EmulatedDevice, RealTimeFleet
 from emulator.fleet import FleetConfig, simulate, write_report
 from example_store import ExampleSelector
 from server_stub import RoundConfig, ServerThread
@@ -137,7 +137,7 @@ def run_baseline(seconds: float, seed: int) -> dict:
                 )
                 device.add_examples(data.x_train[parts[i]], data.y_train[parts[i]])
                 devices.append(device)
-            fleet = Fleet(devices)
+            fleet = RealTimeFleet(devices)
             started = time.perf_counter()
             fleet.start()
             time.sleep(seconds)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from device_runtime import PlanExecutor, build_eval_plan, encode_checkpoint, initial_weights
-from emulator import DeviceProfile, EmulatedDevice, Fleet, partition_by_shards
+from emulator import DeviceProfile, EmulatedDevice, RealTimeFleet, partition_by_shards
 from server_stub import AdminClient, RoundConfig, ServerThread
 from tests.support import COLLECTION, digits_plan
 
@@ -49,7 +49,7 @@ def test_fleet_trains_over_http_and_server_resumes_after_restart(tmp_path, digit
         )
         device.add_examples(digits.x_train[idx], digits.y_train[idx])
         devices.append(device)
-    fleet = Fleet(devices)
+    fleet = RealTimeFleet(devices)
     fleet.start()
     try:
         rounds = _wait_for_commits(admin, 10, timeout=120)  # of 12: the task is still running at the restart
