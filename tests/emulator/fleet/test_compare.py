@@ -14,6 +14,9 @@ from emulator.fleet.compare import FleetCompareError, compare_client_accuracy, c
 from emulator.fleet.config import FleetConfig
 from emulator.fleet.report import accuracy_series
 
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_compare")
+
 pytest.importorskip("matplotlib")
 
 

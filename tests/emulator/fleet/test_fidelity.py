@@ -18,6 +18,9 @@ import pytest
 from emulator.fleet import FleetConfig, simulate
 from emulator.fleet.report import is_dropout
 
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_fidelity")
+
 GOAL = 10
 
 

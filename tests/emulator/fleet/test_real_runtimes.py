@@ -18,6 +18,9 @@ from emulator.fleet.simulator import FleetSimulator
 from emulator.releases.workers import ReleasePlans
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_real_runtimes")
+
 OLD, NEW = "1.17.3", "1.31.1"
 SMALL = {"devices": 80, "hours": 2.0, "start_utc_hour": 6.0}
 

@@ -29,6 +29,8 @@ from emulator.fleet.config import FleetConfig
 from emulator.fleet.report import PLOTS, available_by_hour
 
 pytest.importorskip("matplotlib")
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_report")
 
 # Shapes of the paper's Table 1 plus rarer failures, with the shares the synthetic fleet draws.
 _SHAPES = ("-v[]+^", "-v[]+#", "-v[!", "-v!", "-v[]+*", "-!")

@@ -23,6 +23,9 @@ from emulator.fleet.simulator import FleetSimulator
 from secagg import Quantizer
 from server_stub.secure_rounds import SecureRound
 
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_secure_fleet")
+
 GROUP = 5
 GOAL = 10
 

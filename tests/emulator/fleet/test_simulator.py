@@ -22,6 +22,9 @@ from emulator.fleet.population import DeviceFaults
 from emulator.fleet.ray_backend import simulate_sharded
 from emulator.fleet.simulator import FleetSimulator
 
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("test_simulator")
+
 SMALL = {"devices": 80, "hours": 2.0, "start_utc_hour": 6.0}
 
 
