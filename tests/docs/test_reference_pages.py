@@ -75,28 +75,11 @@ def test_dev_docs_says_it_installs_the_docs_extra_then_builds_strictly(tmp_path:
     """``./dev docs`` in a copy of the checkout whose Python is a stand-in that logs and has no
     mkdocs: it says what it installs (on stderr) before pip installs the docs extra, then runs a
     strict build into site/."""
-    import os
-    import stat
     import subprocess
 
-    work = tmp_path / "checkout"
-    work.mkdir()
-    (work / "dev").write_bytes((ROOT / "dev").read_bytes())
-    (work / "dev").chmod(0o755)
-    (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
-    log = tmp_path / "calls.log"
-    fake = tmp_path / "python3"
-    fake.write_text(
-        f"""#!/usr/bin/env bash
-echo "python $*" >> {log}
-if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
-if [ "$1" = "-c" ]; then exit 1; fi
-echo "python $*" >&2
-""",
-        encoding="utf-8",
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    env = {**os.environ, "PYTHON": str(fake)}
+    from tests.support import checkout_with_stand_in_python
+
+    work, env = checkout_with_stand_in_python(tmp_path, checks_fail=True)
     done = subprocess.run(["./dev", "docs"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()

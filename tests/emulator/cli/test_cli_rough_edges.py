@@ -7,8 +7,6 @@ in plain text, and ``./dev`` says what it installs before the long quiet install
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import subprocess
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from server_stub import RoundConfig, ServerThread, ServerUnreachable
 from server_stub.admin_client import AdminClient, check_server_url
 from server_stub.cli import parsers, shows_default
 from server_stub.serve import free_port
-from tests.support import digits_plan
+from tests.support import checkout_with_stand_in_python, digits_plan
 
 ROOT = Path(__file__).resolve().parents[3]
 TASK_FILE = ROOT / "examples" / "tasks" / "digits_task.py"
@@ -140,23 +138,7 @@ def test_every_help_shows_each_default_in_plain_text():
 def test_dev_says_what_it_installs_before_the_first_install(tmp_path):
     """``./dev`` in a copy of the checkout whose Python is a stand-in that logs: the message comes
     before pip runs, on stderr; the second use installs nothing and says nothing."""
-    work = tmp_path / "checkout"
-    work.mkdir()
-    (work / "dev").write_bytes((ROOT / "dev").read_bytes())
-    (work / "dev").chmod(0o755)
-    (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
-    log = tmp_path / "calls.log"
-    fake = tmp_path / "python3"
-    fake.write_text(
-        f"""#!/usr/bin/env bash
-echo "python $*" >> {log}
-if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
-echo "python $*" >&2
-""",
-        encoding="utf-8",
-    )
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    env = {**os.environ, "PYTHON": str(fake)}
+    work, env = checkout_with_stand_in_python(tmp_path)
     first = subprocess.run(
         ["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60
     )
