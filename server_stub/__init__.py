@@ -4,6 +4,7 @@ from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .admin_client import AdminClient, AdminError, ServerUnreachable, task_body
 from .app import create_app, create_app_from_path
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
+from .dp_config import DPConfig
 from .errors import ApiError
 from .http_guards import HttpLimits
 from .influence import Bounded, bound_update
@@ -49,6 +50,7 @@ __all__ = [
     "Phase",
     "RateLimiter",
     "ReportVerdict",
+    "DPConfig",
     "RoundConfig",
     "RoundCore",
     "RoundRecord",

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, Strict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
+from .dp_config import DPConfig
+
 #: Upper bound of every timeout and window: a week, so that deadlines stay ordinary numbers.
 MAX_TIMEOUT_S = 7 * 86400.0
 
@@ -58,6 +60,7 @@ class RoundConfig:
     min_reports: Annotated[Int, Field(ge=1, le=1_000_000)] = 5
     max_examples_per_report: Annotated[Int, Field(ge=1)] = 1000
     clip_update_norm: Annotated[Float, Field(gt=0.0)] | None = 10.0
+    dp: DPConfig | None = None
 
     def __post_init__(self) -> None:
         lo, hi = self.retry_window_s

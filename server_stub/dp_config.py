@@ -1,0 +1,87 @@
+"""A task's differential privacy settings: ``RoundConfig(dp=DPConfig(...))``.
+
+Two modes, by who adds the noise:
+
+- ``central``: a trusted server. Each report's mean update is clipped to ``clip`` (L2) and given a
+  weight of at most 1 (``weighting``), the weighted sum gets Gaussian noise of std
+  ``noise_multiplier * clip`` before the plan's server part averages it (DP-FedAvg,
+  ``server_stub.central_dp``); with ``target_quantile`` the clip adapts to that quantile of the
+  update norms (Andrew et al. 2021), the count it learns from noised too.
+- ``distributed``: the server is not trusted; the task runs under Secure Aggregation. Each device
+  clips, rotates, quantizes its update and adds its share of discrete noise
+  (``device_runtime.ddp``) so that any sum the protocol releases carries noise of at least
+  ``noise_multiplier`` times the sensitivity; the device checks that against its own floor.
+
+Either way each committed round is one Gaussian mechanism at ``noise_multiplier`` for the
+accountant (``server_stub.accounting``), which reports epsilon at ``delta`` after every round and
+stops the task before a round would take it past ``max_epsilon``. By default nothing is assumed
+about how devices are selected; ``sampling_probability`` opts in to amplification by sampling and
+is only as true as the selection probability the population's eligibility policies enforce.
+
+Pure: a frozen, validated value; out-of-range fields are refused by name (``dp.noise_multiplier``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, Strict
+from pydantic.dataclasses import dataclass
+
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+_Int = Annotated[int, Strict()]
+_Float = Annotated[float, Strict()]
+
+#: The largest noise multiplier taken: far past any useful one, small enough to stay a number.
+MAX_NOISE_MULTIPLIER = 1e4
+#: The largest delta taken: a delta near 1/population or below is what the guarantee needs.
+MAX_DELTA = 0.1
+
+DPMode = Literal["central", "distributed"]
+Weighting = Literal["unweighted", "capped"]
+DDPMechanism = Literal["gaussian", "skellam"]
+Accountant = Literal["pld", "rdp"]
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DPConfig:
+    """Differential privacy for one task (see the module docstring for the two modes).
+
+    ``noise_multiplier``: z, the Gaussian noise's std over one device's sensitivity (``clip``);
+    0 turns the noise off (epsilon is then infinite: for audits and tests, never a deployment).
+    ``clip``: each device's update is clipped to this L2 norm (with ``target_quantile``, the
+    starting clip). ``delta``: the delta epsilon is reported at. ``max_epsilon``: the task stops
+    (completes) before a round would take it past this. ``weighting`` (central): every report
+    weighs 1 (``unweighted``, the mean divides by the number of reports, which is treated as public)
+    or min(examples, max_examples_per_report) / max_examples_per_report (``capped``, divided by the
+    fixed goal_count). ``target_quantile`` / ``clip_learning_rate`` / ``clipped_count_stddev``
+    (central): adaptive clipping; the count's std defaults to goal_count / 20, as in TFF.
+    ``mechanism`` / ``bitwidth`` (distributed): the devices' discrete noise and the modulus 2^bitwidth
+    of the secure sum. ``sampling_probability``: opt in to amplification by sampling at this
+    probability (see the module docstring). ``accountant``: ``pld`` or ``rdp``."""
+
+    mode: DPMode
+    noise_multiplier: Annotated[_Float, Field(ge=0.0, le=MAX_NOISE_MULTIPLIER)]
+    clip: Annotated[_Float, Field(gt=0.0, le=1e6)]
+    delta: Annotated[_Float, Field(gt=0.0, le=MAX_DELTA)] = 1e-5
+    max_epsilon: Annotated[_Float, Field(gt=0.0, le=1e6)] | None = None
+    weighting: Weighting = "unweighted"
+    target_quantile: Annotated[_Float, Field(gt=0.0, lt=1.0)] | None = None
+    clip_learning_rate: Annotated[_Float, Field(gt=0.0, le=10.0)] = 0.2
+    clipped_count_stddev: Annotated[_Float, Field(gt=0.0, le=1e6)] | None = None
+    mechanism: DDPMechanism = "gaussian"
+    bitwidth: Annotated[_Int, Field(ge=8, le=62)] = 32
+    sampling_probability: Annotated[_Float, Field(gt=0.0, le=1.0)] | None = None
+    accountant: Accountant = "pld"
+
+    def __post_init__(self) -> None:
+        if self.mode == "distributed" and (self.target_quantile is not None or self.weighting != "unweighted"):
+            raise ValueError(
+                "dp: adaptive clipping (target_quantile) and capped weighting are central DP's; a distributed "
+                "task clips each update to a fixed clip and weighs every device 1"
+            )
+        if self.clipped_count_stddev is not None and self.target_quantile is None:
+            raise ValueError("dp.clipped_count_stddev is for adaptive clipping: set dp.target_quantile too")
+
+
+__all__ = ["DDPMechanism", "DPConfig", "DPMode", "MAX_DELTA", "MAX_NOISE_MULTIPLIER", "Weighting"]
