@@ -87,11 +87,11 @@ def run_simulation(devices: int, hours: float, seed: int, out: str | None = None
     }
 
 
-def run_baseline(seconds: float, seed: int) -> dict:
+def run_baseline(seconds: float, seed: int, devices: int = BASELINE_DEVICES) -> dict:
     """The demo's real-time fleet: a uvicorn server on loopback, one thread per device, each
     device with its SQLite example store; the rate counts only the time the fleet ran."""
     data = load_digits_dataset(seed=seed)
-    parts = partition_by_shards(data.y_train, BASELINE_DEVICES, seed=seed)
+    parts = partition_by_shards(data.y_train, devices, seed=seed)
     plan = build_mlp_plan(
         data.num_features,
         (32,),
@@ -124,8 +124,8 @@ def run_baseline(seconds: float, seed: int) -> dict:
                 ),
             )
             profile = DeviceProfile(dropout_prob=0.1, late_prob=0.1, late_delay_s=2.5, cooldown_s=(0.2, 1.5))
-            devices = []
-            for i in range(BASELINE_DEVICES):
+            fleet_devices = []
+            for i in range(devices):
                 device = EmulatedDevice(
                     f"device-{i:04d}",
                     root / "devices" / f"{i:04d}",
@@ -136,8 +136,8 @@ def run_baseline(seconds: float, seed: int) -> dict:
                     seed=rng.randrange(2**31),
                 )
                 device.add_examples(data.x_train[parts[i]], data.y_train[parts[i]])
-                devices.append(device)
-            fleet = RealTimeFleet(devices)
+                fleet_devices.append(device)
+            fleet = RealTimeFleet(fleet_devices)
             started = time.perf_counter()
             fleet.start()
             time.sleep(seconds)
@@ -148,7 +148,7 @@ def run_baseline(seconds: float, seed: int) -> dict:
     completed = outcomes.get("completed", 0)
     return {
         "case": "baseline_realtime_fleet",
-        "devices": BASELINE_DEVICES,
+        "devices": devices,
         "wall_s": round(ran, 2),
         "sessions_completed": completed,
         "completed_sessions_per_wall_s": round(completed / ran, 2),
@@ -157,7 +157,7 @@ def run_baseline(seconds: float, seed: int) -> dict:
     }
 
 
-def run_baseline_apart(seconds: float, seed: int, when: str) -> dict:
+def run_baseline_apart(seconds: float, seed: int, when: str, devices: int = BASELINE_DEVICES) -> dict:
     """``run_baseline`` in a process of its own (``--baseline-only``), labelled ``when``."""
     out = subprocess.run(
         [
@@ -169,6 +169,8 @@ def run_baseline_apart(seconds: float, seed: int, when: str) -> dict:
             str(seconds),
             "--seed",
             str(seed),
+            "--baseline-devices",
+            str(devices),
         ],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
@@ -189,6 +191,12 @@ def main() -> None:
     ap.add_argument(
         "--baseline-s", type=float, help="seconds each real-time baseline runs (default 60; 10 with --quick)"
     )
+    ap.add_argument(
+        "--baseline-devices",
+        type=int,
+        default=BASELINE_DEVICES,
+        help=f"devices of each real-time baseline (default {BASELINE_DEVICES}; fewer start sooner, for tests)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the simulated run's tables, plots and report here")
     ap.add_argument(
@@ -197,15 +205,15 @@ def main() -> None:
     args = ap.parse_args()
     baseline_s = args.baseline_s or (10.0 if args.quick else BASELINE_S)
     if args.baseline_only:
-        _emit(run_baseline(baseline_s, args.seed))
+        _emit(run_baseline(baseline_s, args.seed, args.baseline_devices))
         return
     devices = args.devices or (1_000 if args.quick else 10_000)
     hours = args.hours or (2.0 if args.quick else 24.0)
-    before = run_baseline_apart(baseline_s, args.seed, "before")
+    before = run_baseline_apart(baseline_s, args.seed, "before", args.baseline_devices)
     _emit(before)
     sim = run_simulation(devices, hours, args.seed, args.out)
     _emit(sim)
-    after = run_baseline_apart(baseline_s, args.seed, "after")
+    after = run_baseline_apart(baseline_s, args.seed, "after", args.baseline_devices)
     _emit(after)
     rates = [b["completed_sessions_per_wall_s"] for b in (before, after)]
     base_rate = sum(rates) / 2

@@ -16,7 +16,19 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_a_small_run_brackets_the_simulation_with_two_baselines():
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fleet_day", "--devices", "200", "--hours", "0.5", "--baseline-s", "5"],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.fleet_day",
+            "--devices",
+            "200",
+            "--hours",
+            "0.5",
+            "--baseline-s",
+            "2",
+            "--baseline-devices",
+            "30",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
