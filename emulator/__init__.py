@@ -2,11 +2,18 @@
 
 from .datasets import Dataset, load_digits_dataset, partition_by_shards
 from .demo import DemoConfig, DemoConfigError, run_demo
-from .devices.attestation_authority import AttestationAuthority
-from .devices.device import DeviceProfile, EmulatedDevice, RealTimeFleet
-from .devices.inprocess import InProcessTransport
-from .releases.envs import RuntimeEnv, RuntimeEnvError, available_releases
-from .releases.workers import ReleasePlans, RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool, assign_releases
+from .devices import AttestationAuthority, DeviceProfile, EmulatedDevice, InProcessTransport, RealTimeFleet
+from .releases import (
+    ReleasePlans,
+    RuntimeEnv,
+    RuntimeEnvError,
+    RuntimeWorker,
+    WorkerError,
+    WorkerExecutor,
+    WorkerPool,
+    assign_releases,
+    available_releases,
+)
 
 __all__ = [
     "AttestationAuthority",
