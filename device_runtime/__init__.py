@@ -18,6 +18,7 @@ from .conditions import (
     TrainingConstraints,
     TrainingInterval,
 )
+from .dp_policy import DEFAULT_DP_POLICY, DPPolicy
 from .eligibility import EligibilityPolicies
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
@@ -72,6 +73,8 @@ __all__ = [
     "DeviceClass",
     "SecAggPolicy",
     "DEFAULT_SECAGG_POLICY",
+    "DPPolicy",
+    "DEFAULT_DP_POLICY",
     "DeviceAttestor",
     "OpStatsStore",
     "Outcome",

@@ -25,6 +25,8 @@ from example_store import ExampleSelector, ExampleStore, ExampleStoreError, Unkn
 
 from .attestation import DeviceAttestor, PeerCertificateVerifier
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from .ddp import DDPError
+from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_update, update_dim
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
@@ -105,6 +107,7 @@ class FLRuntime:
         attestor: DeviceAttestor | None = None,
         trust_anchor: Mapping[bytes, bytes] | None = None,
         secagg_policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
+        dp_policy: DPPolicy = DEFAULT_DP_POLICY,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
         plan_cache: PlanCache | None = None,
@@ -116,7 +119,9 @@ class FLRuntime:
         ``plan_cache``: downloaded plans (by default files in ``cache_dir``). ``attestor`` (this
         device's attested key) and ``trust_anchor`` (the attestation authority's) are what Secure
         Aggregation needs under the default ``secagg_policy``, which accepts attested peers only:
-        without them secure tasks are refused with ``SECAGG_NEEDS_ATTESTATION``.
+        without them secure tasks are refused with ``SECAGG_NEEDS_ATTESTATION``. ``dp_policy``:
+        the noise floor this device holds in distributed-DP rounds (``DPPolicy``; by default only
+        the task's own noise, and no floor of the app's).
         ``environment``: where sessions read and spend time and memory (``RuntimeEnvironment``):
         the system's on a device, a model's in a simulation on virtual time."""
         self.population = population
@@ -139,6 +144,7 @@ class FLRuntime:
         # Secure Aggregation: the privacy floor this device holds (never the server), and the
         # attestation authorities whose certified devices it accepts as peers.
         self.secagg_policy = secagg_policy
+        self.dp_policy = dp_policy
         self.peer_verifier = PeerCertificateVerifier(trust_anchor, clock) if trust_anchor is not None else None
         self.client = ProtocolClient(
             server_url,
@@ -258,7 +264,7 @@ class FLRuntime:
                 raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
             secure = None
             if session.aggregation == "secure_sum":
-                secure, prepared = self._secure_prepare(session, should_abort)
+                secure, prepared = self._secure_prepare(session, plan, should_abort)
                 if prepared is not None:
                     return self._secure_outcome(rec, prepared, {}, 0)
             resume = {"resume": reading.mode} if reading.resumes else {}
@@ -343,7 +349,7 @@ class FLRuntime:
         return verdict.to_json()
 
     def _secure_prepare(
-        self, session: CheckinAccepted, should_abort: Callable[[], bool] | None
+        self, session: CheckinAccepted, plan: Plan, should_abort: Callable[[], bool] | None
     ) -> tuple[SecureAggregation, SecureResult | None]:
         """The key rounds, before training (see ``secure_client``). Deadlines are measured on the
         runtime's clock, or on the monotonic one when that is the system's (which can jump)."""
@@ -359,11 +365,20 @@ class FLRuntime:
             policy=self.secagg_policy,
             signer=self.attestor.secagg_signer() if self.attestor is not None else None,
             verify_peer=self.peer_verifier,
+            dp_policy=self.dp_policy,
+            update_dim=self._update_dim(session.plan_id, plan),
             sleep=self.sleep,
             clock=clock,
             **polling,
         )
         return secure, secure.prepare()
+
+    def _update_dim(self, plan_id: str, plan: Plan) -> int:
+        """The length of the weight deltas a distributed-DP round encodes (0 for an evaluation)."""
+        if plan.kind != "train":
+            return 0
+        spec = self._executors[plan_id].client_update_spec()
+        return update_dim({w: spec[w][0] for w in plan.weight_names}, plan.weight_names)
 
     def _secure_report(
         self, rec: _Recorder, secure: SecureAggregation, session: CheckinAccepted, plan: Plan, result: DeviceResult
@@ -383,6 +398,8 @@ class FLRuntime:
             rec.record("upload_rejected", code=INVALID_UPDATE, reason=str(exc)[:500])
             self._abort_quietly(session, f"the update is not valid: {exc}"[:500], rec.stats())
             return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, INVALID_UPDATE)
+        if secure.ddp is not None:
+            return self._ddp_report(rec, secure, plan, result)
         cap = min(session.max_examples_per_report or codec.max_count, codec.max_count)
         bounded = bound_update(
             result.update,
@@ -394,6 +411,26 @@ class FLRuntime:
         rec.record(
             "upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped
         )
+        return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
+
+    def _ddp_report(self, rec: _Recorder, secure: SecureAggregation, plan: Plan, result: DeviceResult) -> SessionResult:
+        """A distributed-DP round's input: the mean delta, unweighted, clipped, rotated, rounded and
+        noised with the parameters the device checked before it joined (``dp_policy``); the loss and
+        accuracy sums are not sent (they would leave the group's sum without noise)."""
+        assert secure.ddp is not None
+        try:
+            vector = encode_update(
+                result.update, plan.weight_names, secure.ddp, np.random.default_rng(self.rng.getrandbits(128))
+            )
+        except DDPError as exc:
+            refused = SecureResult(
+                SecureOutcome.ABORTED,
+                f"this device refused the server: distributed DP: {exc}",
+                refused=True,
+                code=DP_PARAMS_INVALID,
+            )
+            return self._secure_outcome(rec, refused, result.metrics, result.num_examples)
+        rec.record("upload_started", bytes=int(vector.nbytes), secure=True, dp="distributed")
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
     def _secure_outcome(self, rec: _Recorder, outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:

@@ -14,7 +14,12 @@ it signs its keys with the device key and accepts only certified peers, each dev
 its own group. Any refusal ends the device's part with ``refused`` set, the reason, and its code:
 ``SECAGG_REFUSED`` when the server's request failed a check, ``SECAGG_NEEDS_ATTESTATION`` when
 the policy asks for an attested cohort and the device has no attested key or trust anchor (it
-then refuses before it polls, so it never joins a cohort it cannot check)."""
+then refuses before it polls, so it never joins a cohort it cannot check).
+
+In a distributed-DP round the group's state also carries the round's noise parameters: the
+device checks them against its noise floor (``DPPolicy``, see ``dp_policy``) at the same point,
+before it advertises a key, and refuses with ``DP_NOISE_BELOW_FLOOR`` or ``DP_PARAMS_INVALID``;
+once they pass, ``ddp`` holds them and the update must be encoded with them."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 from secagg import PeerVerifier, Round, SecAggClient, Signer, assign_groups, group_seed, seed_commitment
 
 from .attestation import device_key_hash
+from .dp_policy import DEFAULT_DP_POLICY, DDPRound, DPPolicy, DPRefusal, check_round
 from .errors import ProtocolError
 from .protocol import CheckinAccepted, ProtocolClient, retry_window
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
@@ -59,8 +65,8 @@ class SecureOutcome(enum.Enum):
 class SecureResult:
     """``refused``: this device ended its part because the server's request fell below its
     privacy floor or failed a check, or because it cannot meet its own policy; ``detail`` says
-    why (it goes to opstats and the server) and ``code`` which of the two (``REFUSED``,
-    ``NEEDS_ATTESTATION``). ``retry_after_s``: the pace-steering window the server named with
+    why (it goes to opstats and the server) and ``code`` which kind (``REFUSED``,
+    ``NEEDS_ATTESTATION``, or ``dp_policy``'s ``DP_NOISE_BELOW_FLOOR`` and ``DP_PARAMS_INVALID``). ``retry_after_s``: the pace-steering window the server named with
     this device's completed group, as a report's answer names it (see ``retry_window``)."""
 
     outcome: SecureOutcome
@@ -77,6 +83,10 @@ def session_member_key(session_id: str) -> bytes:
 
 class _Refusal(Exception):
     """The server's request is below this device's floor or fails a check."""
+
+    def __init__(self, message: str, code: str = REFUSED) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class SecureAggregation:
@@ -109,10 +119,17 @@ class SecureAggregation:
         policy: SecAggPolicy = DEFAULT_SECAGG_POLICY,
         signer: Signer | None = None,
         verify_peer: PeerVerifier | None = None,
+        dp_policy: DPPolicy = DEFAULT_DP_POLICY,
+        update_dim: int | None = None,
     ) -> None:
         """``signer``: the attested device key (``DeviceAttestor.secagg_signer()``);
-        ``verify_peer``: checks peers' certificates (``PeerCertificateVerifier``)."""
+        ``verify_peer``: checks peers' certificates (``PeerCertificateVerifier``); ``dp_policy``:
+        this device's noise floor; ``update_dim``: the length of its update's weight deltas, which
+        a distributed-DP round's parameters must encode."""
         self.policy = policy
+        self.dp_policy = dp_policy
+        self.update_dim = update_dim
+        self.ddp: DDPRound | None = None
         self.signer = signer
         self.verify_peer = verify_peer
         # how the server names this device in the group assignment: by its attested key when the
@@ -214,7 +231,7 @@ class SecureAggregation:
                 try:
                     self._secagg = self._join(state)
                 except _Refusal as exc:
-                    return self._refused(str(exc))
+                    return self._refused(str(exc), exc.code)
                 if self._entering(Round.ADVERTISE_KEYS.value):
                     return SecureResult(SecureOutcome.INTERRUPTED)
                 if not _send(client, session, self._secagg.start()):
@@ -249,10 +266,8 @@ class SecureAggregation:
             self.sleep(self.poll_s)
         return SecureResult(SecureOutcome.TIMED_OUT)
 
-    def _refused(self, reason: str) -> SecureResult:
-        return SecureResult(
-            SecureOutcome.ABORTED, f"this device refused the server: {reason}", refused=True, code=REFUSED
-        )
+    def _refused(self, reason: str, code: str = REFUSED) -> SecureResult:
+        return SecureResult(SecureOutcome.ABORTED, f"this device refused the server: {reason}", refused=True, code=code)
 
     def _join(self, state: dict) -> SecAggClient:
         """Check the server's configuration and this device's group, then make the client."""
@@ -280,6 +295,17 @@ class SecureAggregation:
         problem = self.policy.violation(config, n)
         if problem is not None:
             raise _Refusal(f"below this device's privacy floor: {problem}")
+        try:
+            self.ddp = check_round(
+                state.get("ddp"),
+                config=config,
+                group_size=n,
+                dim=self.update_dim,
+                commitment=self._commitment,
+                policy=self.dp_policy,
+            )
+        except DPRefusal as exc:
+            raise _Refusal(f"distributed DP: {exc}", exc.code) from None
         try:
             return SecAggClient(
                 client_id,

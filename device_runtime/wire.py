@@ -217,6 +217,26 @@ class SecAggAccepted(Answer):
     status: Literal["accepted"]
 
 
+class DDPRoundParams(Answer):
+    """A distributed-DP round's parameters (``device_runtime.ddp.DDPParams``, field for field) and
+    its public rotation seed, sent with each group's Secure Aggregation configuration. The device
+    recomputes what follows from them (the sensitivity, the modulus's wrap bound) and checks them
+    against its own floor (``device_runtime.dp_policy``) before it advertises a key."""
+
+    dim: Annotated[int, Strict(), Field(ge=1, le=1 << 31)]
+    clip: Annotated[float, Strict(), Field(gt=0.0)]
+    noise_multiplier: Annotated[float, Strict(), Field(ge=0.0)]
+    gamma: Annotated[float, Strict(), Field(gt=0.0)]
+    local_variance: Annotated[float, Strict(), Field(ge=0.0)]
+    bitwidth: Annotated[int, Strict(), Field(ge=1, le=62)]
+    min_devices: Annotated[int, Strict(), Field(ge=1)]
+    max_devices: Annotated[int, Strict(), Field(ge=1)]
+    mechanism: Literal["gaussian", "skellam"]
+    beta: Annotated[float, Strict(), Field(gt=0.0, lt=1.0)]
+    wrap_probability: Annotated[float, Strict(), Field(gt=0.0, lt=1.0)]
+    rotation_seed: Annotated[int, Strict(), Field(ge=0, lt=1 << 64, description="of the randomized Hadamard rotation")]
+
+
 class SecAggState(Answer):
     """A session's Secure Aggregation state: ``waiting`` (groups not formed; ``commitment`` is
     H(seed)), ``excluded``, ``closed``, ``active`` (its group's round and the server's latest
@@ -236,6 +256,7 @@ class SecAggState(Answer):
     reason: str | None = None
     deadline_in_s: float | None = None
     retry_after_s: RetryWindow = None
+    ddp: DDPRoundParams | None = Field(None, description="with the configuration, in a distributed-DP round")
 
 
 # ----------------------------------------------------------------------------- operator answers

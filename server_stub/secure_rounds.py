@@ -16,20 +16,29 @@ task setting, on by default) and for at least k inputs in any sum it releases.
 What this does not stop: the server knows its seed before the devices advertise keys, so with
 devices of its own it can try rosters (each try reshuffles every group and graph) until one suits
 it; each try succeeds only with the probability the parameters bound (2^-sigma per neighbourhood
-for SecAgg+), so m tries cost log2(m) bits of that margin."""
+for SecAgg+), so m tries cost log2(m) bits of that margin.
+
+In a distributed-DP round (``ddp_rounds``) the groups' secure sums are of the devices' noised
+encodings, modulo ``2^bitwidth``; the round's parameters are fixed once the groups are formed and
+sent with each group's configuration, and a completed group's sum is decoded with them."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from device_runtime.ddp import DDPError, DDPParams
+from device_runtime.dp_policy import releasable_minimum, rotation_seed, round_answer
 from device_runtime.secure_client import session_member_key
 from device_runtime.secure_sum import SecureSumCodec, config_to_json
 from secagg import Round, SecAggConfig, SecAggServer, assign_groups, group_seed, seed_commitment
+
+from .ddp_rounds import DistributedDP, decode_group
 
 
 @dataclass
@@ -97,7 +106,7 @@ class SecureGroup:
             member.message = data
         self.round_started_at = now
 
-    def status(self, session_id: str) -> dict:
+    def status(self, session_id: str, ddp: dict | None = None) -> dict:
         member = self.members[session_id]
         out: dict = {
             "status": "active",
@@ -108,6 +117,8 @@ class SecureGroup:
             "seq": member.seq,
             "message": base64.b64encode(member.message).decode() if member.message else None,
         }
+        if ddp is not None:
+            out["ddp"] = ddp
         if self.server.round is Round.ADVERTISE_KEYS:
             out["assignment"] = self.assignment
             out["group_size"] = len(self.members)
@@ -147,8 +158,14 @@ class SecureRound:
         label: str,
         *,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        ddp: DistributedDP | None = None,
     ) -> None:
+        """``ddp``: the task's distributed-DP settings, when its devices add the noise."""
         self.codec = codec
+        self.ddp = ddp
+        self.ddp_params: DDPParams | None = None  # once the groups are formed
+        self.ddp_error: str | None = None
+        self._ddp_wire: dict | None = None
         self.settings = settings
         self.label = label
         self.random_bytes = random_bytes
@@ -157,6 +174,7 @@ class SecureRound:
         self.formed = False
         self.seed = random_bytes(32)
         self.commitment = seed_commitment(self.seed)
+        self.rotation_seed = rotation_seed(self.commitment)
 
     def form_groups(
         self,
@@ -184,19 +202,29 @@ class SecureRound:
             "min_group_size": k,
             "spare": self.settings.spare,
         }
+        ddp = self.ddp
+        configs = []
         for index, members in enumerate(parts):
-            n = len(members)
-            graph_seed = group_seed(self.seed, index)
             config = SecAggConfig.for_cohort(
-                n,
-                self.codec.vector_length,
-                bitwidth=self.codec.bitwidth,
+                len(members),
+                self.codec.vector_length if ddp is None else ddp.padded_dim,
+                bitwidth=self.codec.bitwidth if ddp is None else 1,  # distributed DP: 2^dp.bitwidth, below
                 session_label=f"{self.label}/group-{index}".encode(),
                 secagg_plus=self.settings.secagg_plus,
                 consistency_check=self.settings.consistency_check,
                 min_summed=k,
-                graph_commitment=seed_commitment(graph_seed),
+                graph_commitment=seed_commitment(group_seed(self.seed, index)),
             )
+            configs.append(config if ddp is None else dataclasses.replace(config, modulus=1 << ddp.bitwidth))
+        if ddp is not None and parts:
+            try:  # the fewest devices any group may release, and the largest group
+                self.ddp_params = ddp.calibrate(min(map(releasable_minimum, configs)), max(map(len, parts)))
+            except DDPError as exc:  # a deploy refuses what cannot fit; a task stored earlier may not
+                self.ddp_error = str(exc)
+                return []
+        for index, (members, config) in enumerate(zip(parts, configs)):
+            n = len(members)
+            graph_seed = group_seed(self.seed, index)
             server = self._aggregator(config, n, graph_seed)
             group = SecureGroup(
                 index,
@@ -234,7 +262,15 @@ class SecureRound:
             if not self.formed:
                 return {"status": "waiting", "commitment": self.commitment_b64}
             return {"status": "excluded"}
-        return group.status(session_id)
+        return group.status(session_id, self.ddp_answer())
+
+    def ddp_answer(self) -> dict | None:
+        """The round's distributed-DP parameters as the devices receive them (``ddp`` of the state)."""
+        if self.ddp_params is None:
+            return None
+        if self._ddp_wire is None:  # every poll of every member sends it: built once
+            self._ddp_wire = round_answer(self.ddp_params, self.rotation_seed)
+        return self._ddp_wire
 
     def receive(self, session_id: str, data: bytes, now: float) -> None:
         """Raises KeyError for a device in no group, SecAggError for a refused message."""
@@ -265,6 +301,8 @@ class SecureRound:
             "aborted": sum(g.server.round is Round.ABORTED for g in self.groups),
             "summed_devices": sum(len(g.server.summed_clients) for g in used),
             "dropped": [{"group": g.index, "reason": g.dropped} for g in self.groups if g.dropped is not None],
+            **({"ddp": dict(round_answer(self.ddp_params, self.rotation_seed))} if self.ddp_params is not None else {}),
+            **({"ddp_error": self.ddp_error} if self.ddp_error is not None else {}),
         }
 
     def drop(self, group: SecureGroup, reason: str) -> None:
@@ -275,6 +313,9 @@ class SecureRound:
         """The group's sum as float tensors, and the sessions it includes."""
         total = group.server.result()
         summed = group.summed_sessions()
+        if self.ddp is not None and self.ddp_params is not None:
+            flat = decode_group(total, self.ddp_params, self.rotation_seed, len(summed))
+            return self.ddp.group_total(flat, len(summed)), summed
         return self.codec.decode_sum(total, len(summed)), summed
 
 

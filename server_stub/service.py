@@ -42,6 +42,7 @@ from device_runtime.secure_sum import SecureSumCodec
 from device_runtime.versions import version_tuple
 from secagg import OutOfOrder, Round, SecAggError, UnexpectedClient
 
+from . import ddp_rounds
 from .attestation import AttestationVerifier
 from .errors import (
     ApiError,
@@ -168,6 +169,7 @@ class _TaskRun:
     evaluates: _TaskRun | None = None
     versions: dict[str, str] = field(default_factory=dict)  # minor release ('1.17') -> its plan's id
     codec: SecureSumCodec | None = None
+    ddp: ddp_rounds.DistributedDP | None = None  # the devices add the noise (distributed DP)
     secure: SecureRound | None = None
     core: RoundCore | None = None
     pace: RoundPace = field(default_factory=RoundPace)
@@ -891,6 +893,7 @@ class FLService:
             report_limit=limit,
             weight=float(task.config.get("group", {}).get("weight", 1.0)),
             codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,
+            ddp=ddp_rounds.distributed_dp(plan, executor, config),
             versions=dict(task.config.get("versions", {})),
         )
 
@@ -915,6 +918,7 @@ class FLService:
                 settings,
                 f"{run.record.name}/{run.round_number}/{run.attempt}",
                 random_bytes=self.secagg_random_bytes,
+                ddp=run.ddp,
             )
         run.accumulator = run.executor.zero()
         run.device_metrics = RoundMetrics()
@@ -985,7 +989,7 @@ class FLService:
         """Form the groups once selection is over; add each finished group's sum (the Master
         Aggregator), count its summed devices as reported and the rest of the group as dropped,
         so that the round need not wait for their deadlines. A sum outside the bounds honest
-        devices keep (``check_group_sum``) is dropped, its devices with it, and the reason kept
+        devices keep (``check_group_sum``; under distributed DP ``ddp_rounds.sum_problem``) is dropped, its devices with it, and the reason kept
         for the round's metrics: one device's update is never seen, so its group answers for it."""
         core.advance(now)
         if core.phase is Phase.REPORTING and not secure.formed:
@@ -993,11 +997,12 @@ class FLService:
             devices = {sid: device for device, sid in run.seats.get(run.seat_key, {}).items()}  # attested key hashes
             if not secure.form_groups(selected, now, core.deadlines, devices):
                 log.info(
-                    "task %s round %d: %d devices, fewer than a SecAgg group of %d",
+                    "task %s round %d: %d devices, no SecAgg group of %d: %s",
                     run.record.name,
                     core.number,
                     len(selected),
                     secure.settings.min_group_size,
+                    secure.ddp_error or "too few",
                 )
                 for sid in selected:
                     core.abort(sid, now)
@@ -1005,14 +1010,17 @@ class FLService:
             summed: list[str] = []
             if group.server.round is Round.COMPLETED:
                 total, summed = secure.group_sum(group)
-                refused = check_group_sum(
-                    total,
-                    run.plan.weight_names if run.is_training else (),
-                    members=len(summed),
-                    max_examples=run.config.max_examples_per_report,
-                    clip_norm=run.config.clip_update_norm,
-                    tolerance=secure.codec.sum_error(len(summed)),
-                )
+                if secure.ddp_params is not None:  # distributed DP: every device weighs 1, the noise is in
+                    refused = ddp_rounds.sum_problem(total, run.plan.weight_names, secure.ddp_params, len(summed))
+                else:
+                    refused = check_group_sum(
+                        total,
+                        run.plan.weight_names if run.is_training else (),
+                        members=len(summed),
+                        max_examples=run.config.max_examples_per_report,
+                        clip_norm=run.config.clip_update_norm,
+                        tolerance=secure.codec.sum_error(len(summed)),
+                    )
                 if refused is not None:
                     log.warning(
                         "task %s round %d: the sum of SecAgg group %d is dropped: %s",
@@ -1440,6 +1448,7 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
                 f"({config.secagg_round_timeout_s}): the key rounds, training and Unmasking all fit in it",
                 code="BAD_CONFIG",
             )
+    ddp_rounds.check_deploy(spec.name, plan, executor, config, SecureSettings().spare)
     return plan
 
 
