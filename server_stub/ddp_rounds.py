@@ -5,7 +5,7 @@ devices add the noise (``device_runtime.ddp``), the server never holds one updat
 
 - at deploy, the refusals that name the field (``check_deploy``): distributed DP without Secure
   Aggregation, on a task that does not train, or with a ``dp.bitwidth`` whose modulus the largest
-  group's noisy sum could wrap;
+  group's noisy sum could wrap (or wider than the devices' float64 encoding holds exactly);
 - once the round's groups are formed, its parameters (``DistributedDP.calibrate``): the noise
   multiplier, clip, mechanism and bitwidth of the task, the plan's weight count as the dimension,
   ``min_devices`` the fewest devices any group may release (``releasable_minimum`` of each
@@ -37,6 +37,10 @@ from device_runtime.plan import Plan
 from .errors import BadRequest
 from .rounds import RoundConfig
 
+#: The widest modulus a distributed-DP task may use: the devices scale and round in float64
+#: (``device_runtime.ddp.encode``), exact for integers below 2^53 only; above it the rounding's norm
+#: check fails at random (measured: one of six encodings at 2^62) and the sum loses its low bits.
+MAX_EXACT_BITWIDTH = 53
 #: Relative slack of the norm check for the float32 rounding of the decoded sum.
 FLOAT32_SLACK = 1e-6
 #: Skellam noise is sub-exponential, not sub-Gaussian: over the range of the tail bound's
@@ -126,6 +130,12 @@ def check_deploy(name: str, plan: Plan, executor: PlanExecutor, config: RoundCon
             "one update only inside a secure sum): add secure aggregation to the plan, or use dp.mode 'central'",
             code="BAD_CONFIG",
         )
+    if dp.bitwidth > MAX_EXACT_BITWIDTH:
+        raise BadRequest(
+            f"task {name!r}: dp.bitwidth {dp.bitwidth} is above {MAX_EXACT_BITWIDTH}: the devices' encoding is "
+            f"exact only for integers below 2^{MAX_EXACT_BITWIDTH}; use dp.bitwidth {MAX_EXACT_BITWIDTH} or less",
+            code="BAD_CONFIG",
+        )
     ddp = distributed_dp(plan, executor, config)
     assert ddp is not None
     k = config.secagg_min_group_size
@@ -183,6 +193,7 @@ def sum_problem(
 
 
 __all__ = [
+    "MAX_EXACT_BITWIDTH",
     "DistributedDP",
     "check_deploy",
     "decode_group",

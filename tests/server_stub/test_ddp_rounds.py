@@ -4,18 +4,27 @@ could not have given."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from device_runtime import ddp
 from device_runtime.dp_policy import mean_delta
 from device_runtime.executor import PlanExecutor
-from secagg import assign_groups
+from secagg import Round, SecAggConfig, assign_groups, run_protocol
 from server_stub import DPConfig, RoundConfig
-from server_stub.ddp_rounds import decode_group, distributed_dp, largest_group, norm_bound, sum_problem
+from server_stub.ddp_rounds import (
+    MAX_EXACT_BITWIDTH,
+    decode_group,
+    distributed_dp,
+    largest_group,
+    norm_bound,
+    sum_problem,
+)
 from tests.support import digits_plan
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,3 +109,22 @@ def test_a_sum_out_of_bounds_or_not_finite_is_dropped() -> None:
     assert "above" in (sum_problem(outside, NAMES, params, 5) or "")
     broken = settings_.group_total(np.full(settings_.dim, np.nan), 5)
     assert "NaN or infinite" in (sum_problem(broken, NAMES, params, 5) or "")
+
+
+@pytest.mark.parametrize("bitwidth", [24, 32, MAX_EXACT_BITWIDTH])
+def test_secure_aggregation_sums_the_encodings_mod_two_to_the_bitwidth_and_they_decode(bitwidth: int) -> None:
+    """The secure sum of a distributed-DP round is over ``2^bitwidth`` (up to the widest a deploy
+    takes) and the padded dimension: the real protocol's sum decodes to the devices' clipped sum."""
+    settings_ = _ddp(0.0, 0.1)
+    settings_ = dataclasses.replace(settings_, bitwidth=bitwidth)
+    params = settings_.calibrate(5, 6)
+    config = dataclasses.replace(SecAggConfig.for_cohort(6, params.padded_dim, bitwidth=1), modulus=params.modulus)
+    rng = np.random.default_rng(bitwidth)
+    updates = {u: _update(rng, 0.05) for u in range(1, 7)}
+    encoded = {u: ddp.encode(mean_delta(x, NAMES), params, 11, rng).astype(np.uint64) for u, x in updates.items()}
+    outcome = run_protocol(config, encoded, drops={Round.MASKED_INPUT_COLLECTION: {2}})
+    summed = sorted(outcome.server.summed_clients)
+    assert summed == [1, 3, 4, 5, 6]
+    flat = decode_group(outcome.result, params, 11, len(summed))
+    clipped = sum(ddp.clip_l2(mean_delta(updates[u], NAMES), 0.1) for u in summed)
+    assert np.linalg.norm(flat - clipped) <= len(summed) * math.sqrt(params.padded_dim) / params.gamma + 1e-9

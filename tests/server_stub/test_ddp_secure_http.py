@@ -267,9 +267,10 @@ def test_a_group_that_falls_below_its_releasable_minimum_releases_nothing(attest
     [
         (lambda: digits_plan("softmax"), 32, "add secure aggregation to the plan, or use dp.mode 'central'"),
         (lambda: digits_plan("softmax", secure_aggregation=True), 8, "dp.bitwidth 8 is too small"),
+        (lambda: digits_plan("softmax", secure_aggregation=True), 60, "use dp.bitwidth 53 or less"),
         (lambda: build_eval_plan(digits_plan("softmax", secure_aggregation=True)), 32, "is for training tasks"),
     ],
-    ids=["without-secure-aggregation", "bitwidth-too-small", "not-a-training-task"],
+    ids=["without-secure-aggregation", "bitwidth-too-small", "bitwidth-too-wide", "not-a-training-task"],
 )
 def test_a_distributed_dp_task_that_cannot_run_is_refused_at_deploy_naming_the_field(
     server, admin, plan, bitwidth, words
