@@ -43,9 +43,10 @@ from .rounds import RoundConfig
 MAX_EXACT_BITWIDTH = 53
 #: Relative slack of the norm check for the float32 rounding of the decoded sum.
 FLOAT32_SLACK = 1e-6
-#: Skellam noise is sub-exponential, not sub-Gaussian: over the range of the tail bound's
-#: exponent (|lambda| <= 1 per unit of std for the variances calibrate gives) its cumulant
-#: v (cosh(lambda) - 1) stays below cosh(1) v lambda^2 / 2, so its variance proxy is taken as this.
+#: Skellam noise is sub-exponential, not sub-Gaussian: its cumulant v (cosh(lambda) - 1) stays below
+#: cosh(1) v lambda^2 / 2 for |lambda| <= 1, the range that matters once each coordinate's std is
+#: well above the tail's log term (as calibrated variances are). A margin taken for the check, not a
+#: proof for every variance: a Skellam sum it wrongly drops costs a round, never privacy.
 SKELLAM_PROXY = math.cosh(1.0)
 
 
