@@ -15,7 +15,7 @@ from device_runtime.influence import NUM_EXAMPLES
 from server_stub import DPConfig, RoundConfig
 from server_stub import central_dp as cdp
 from server_stub.accounting import PrivacyLedger
-from server_stub.dp_rounds import NEXT_CLIP_KEY, CentralRound, TaskDP
+from server_stub.dp_rounds import NEXT_CLIP_KEY, ROUND_KEYS, CentralRound, TaskDP
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WEIGHTS = ("w", "b")
@@ -121,3 +121,16 @@ def test_adaptive_clipping_spends_part_of_z_on_the_count() -> None:
     assert central.updates_noise_multiplier == pytest.approx(cdp.update_noise_multiplier(1.0, 2.0))
     assert central.updates_noise_multiplier > 1.0
     assert task.open_round(secure=True) is None  # under Secure Aggregation the devices add the noise
+
+
+def test_a_distributed_round_is_accounted_like_a_central_one() -> None:
+    """The ledger and the metrics key on the task's dp, not on who added the noise: a committed
+    distributed (Secure Aggregation) round gets the same keys, at the task's fixed clip."""
+    dp = DPConfig(mode="distributed", noise_multiplier=0.8, clip=2.0, delta=1e-6)
+    task = TaskDP.load(RoundConfig(dp=dp), [{"noise_multiplier": 0.8}])
+    assert task is not None and task.open_round(secure=True) is None
+    metrics, after = task.round_metrics(None)
+    assert set(metrics) == set(ROUND_KEYS)
+    assert (metrics["dp_mode"], metrics["dp_clip"], metrics["dp_rounds"]) == ("distributed", 2.0, 2)
+    assert metrics["epsilon"] == after.epsilon == PrivacyLedger(delta=1e-6).add_round(0.8, 2).epsilon
+    assert task.after_commit(after, None).ledger.rounds == 2
