@@ -170,10 +170,89 @@ def unclipped_fraction(norms: npt.ArrayLike, clip: float, count_stddev: float, r
     n = np.asarray(norms, dtype=np.float64).reshape(-1)
     if n.size == 0:
         raise CentralDPError("no update norms")
-    count = float(np.sum(n <= clip))
+    return noised_fraction(int(np.sum(n <= clip)), n.size, count_stddev, rng)
+
+
+def noised_fraction(unclipped: int, reports: int, count_stddev: float, rng: np.random.Generator) -> float:
+    """``unclipped_fraction`` from a count kept as reports arrive (a server that sums each report
+    and keeps no norm): (count + N(0, sigma_b^2)) / reports."""
+    if reports <= 0:
+        raise CentralDPError("no reports to count")
+    if not 0 <= unclipped <= reports:
+        raise CentralDPError(f"{unclipped} unclipped of {reports} reports")
+    _non_negative("count_stddev", count_stddev)
+    count = float(unclipped)
     if count_stddev > 0:
         count += float(rng.normal(0.0, count_stddev))
-    return count / n.size
+    return count / reports
+
+
+def default_count_stddev(goal_count: int) -> float:
+    """The clipped count's noise std when a task sets none: goal_count / 20, as TFF's
+    ``DifferentiallyPrivateFactory.gaussian_adaptive`` (about n / 20 in Andrew et al.)."""
+    return goal_count / 20.0
+
+
+def report_weight(num_examples: float, weighting: str, weight_cap: float) -> float:
+    """One report's weight in the DP sum: 1 (``unweighted``), or min(n, cap) / cap (``capped``,
+    ``capped_weights``); in [0, 1] either way, so the sum's sensitivity stays the clip."""
+    if weighting == "unweighted":
+        return 1.0
+    if weighting == "capped":
+        return float(capped_weights([num_examples], weight_cap)[0])
+    raise CentralDPError(f"weighting must be 'unweighted' or 'capped', got {weighting!r}")
+
+
+def report_contribution(
+    weight_sum: npt.ArrayLike, num_examples: float, *, clip: float, weight: float
+) -> tuple[FloatArray, bool]:
+    """One report's bounded contribution to a streamed DP-FedAvg sum: its mean update
+    ``weight_sum / num_examples`` (a report carries delta * n) clipped to ``clip``, times
+    ``weight``; and whether the mean's norm was at or below ``clip`` (adaptive clipping's b_i).
+
+    Whatever a device sends, the result has norm at most ``clip``: so adding or removing one
+    report moves the sum by at most C, the sensitivity the noise is calibrated to. A report of
+    no examples has no mean: it contributes zeros (and counts as clipped unless it changes nothing)."""
+    _positive("clip", clip)
+    if not (0.0 <= weight <= 1.0):
+        raise CentralDPError(f"weight must be in [0, 1], got {weight!r}")
+    w = np.asarray(weight_sum, dtype=np.float64).reshape(-1)
+    if not np.isfinite(w).all() or not (math.isfinite(num_examples) and num_examples >= 0):
+        raise CentralDPError("a report's update and num_examples must be finite (num_examples >= 0)")
+    if num_examples <= 0:
+        return np.zeros_like(w), not np.any(w)
+    mean = w / num_examples
+    norm = math.sqrt(float(np.square(mean).sum()))
+    out: FloatArray = clip_l2(mean, clip) * weight
+    return out, norm <= clip
+
+
+def noised_sum(total: npt.ArrayLike, *, clip: float, noise_multiplier: float, rng: np.random.Generator) -> FloatArray:
+    """The noise step on an accumulated sum of contributions: + N(0, (z C)^2) on every entry
+    (nothing with z = 0). The sum's sensitivity to one report is C (``report_contribution``)."""
+    _positive("clip", clip)
+    _non_negative("noise_multiplier", noise_multiplier)
+    t = np.asarray(total, dtype=np.float64)
+    std = noise_multiplier * clip
+    if std == 0:
+        return t.copy()
+    out: FloatArray = t + rng.normal(0.0, std, size=t.shape)
+    return out
+
+
+def denominator(weighting: str, reports: int, goal_count: int) -> float:
+    """What the noised sum is divided by (``DPConfig``): the number of reports for
+    ``unweighted`` (treated as public), the fixed ``goal_count`` for ``capped`` (the expected
+    total weight: dividing by the noiseless total weight would publish it)."""
+    if weighting == "unweighted":
+        if reports <= 0:
+            raise CentralDPError("no reports to average")
+        return float(reports)
+    if weighting == "capped":
+        if goal_count <= 0:
+            raise CentralDPError(f"goal_count must be >= 1, got {goal_count}")
+        return float(goal_count)
+    raise CentralDPError(f"weighting must be 'unweighted' or 'capped', got {weighting!r}")
 
 
 def next_clip(state: AdaptiveClip, b: float) -> AdaptiveClip:
@@ -217,8 +296,14 @@ __all__ = [
     "DPMean",
     "adaptive_dp_mean",
     "capped_weights",
+    "default_count_stddev",
+    "denominator",
     "dp_mean",
     "next_clip",
+    "noised_fraction",
+    "noised_sum",
+    "report_contribution",
+    "report_weight",
     "unclipped_fraction",
     "update_noise_multiplier",
 ]

@@ -42,8 +42,9 @@ from device_runtime.secure_sum import SecureSumCodec
 from device_runtime.versions import version_tuple
 from secagg import OutOfOrder, Round, SecAggError, UnexpectedClient
 
-from . import ddp_rounds
+from . import ddp_rounds, dp_rounds
 from .attestation import AttestationVerifier
+from .dp_rounds import CentralRound, TaskDP
 from .errors import (
     ApiError,
     BadRequest,
@@ -182,6 +183,8 @@ class _TaskRun:
         default_factory=dict
     )  # open round: attested device -> session
     idle_record: RoundRecord | None = None  # the task's last record, while it is a selection nobody came to
+    dp: TaskDP | None = None  # differential privacy: the task's ledger and next clip (``dp_rounds``)
+    dp_round: CentralRound | None = None  # the open round's central DP sum (clip, counts)
 
     @property
     def seat_key(self) -> tuple[int, int, int]:
@@ -226,6 +229,7 @@ class _PendingCommit:
     secure: SecureRound | None
     started_wall: float
     ended_wall: float
+    dp_round: CentralRound | None = None
     written: threading.Event = field(default_factory=threading.Event)
     outcome: Phase | None = None  # what the round became once its commit was tried
 
@@ -264,6 +268,7 @@ class FLService:
         secagg_random_bytes: Callable[[int], bytes] = secrets.token_bytes,
         token_bytes: Callable[[int], bytes] = secrets.token_bytes,
         late_metrics_every_s: float = LATE_METRICS_EVERY_S,
+        dp_random: Callable[[], np.random.Generator] = dp_rounds.secure_generator,
     ) -> None:
         """``require_release_reports``: accept only tasks whose release report covers every runtime
         they claim (see ``release_gate``); a task deployed with a report is checked either way.
@@ -274,7 +279,9 @@ class FLService:
         ``token_bytes``: where session ids and tokens are drawn (seeded sources only in a
         simulation, whose run must repeat and whose sessions are not secrets).
         ``late_metrics_every_s``: how often, on ``clock``, ``tick`` writes what late reports
-        changed (a simulation, whose clock runs a day in a minute, writes far less often)."""
+        changed (a simulation, whose clock runs a day in a minute, writes far less often).
+        ``dp_random``: a new noise source for each central DP round's commit (cryptographically
+        seeded by default; a seeded one only where a run must repeat, never in a deployment)."""
         self.store = store
         self.require_release_reports = require_release_reports
         self.release_trust = frozenset(release_trust)
@@ -285,6 +292,7 @@ class FLService:
         self.secagg_random_bytes = secagg_random_bytes
         self.token_bytes = token_bytes
         self.late_metrics_every_s = late_metrics_every_s
+        self.dp_random = dp_random
         self._lock = threading.RLock()
         self._write_lock = threading.Lock()
         # Called (from any thread) when some device's Secure Aggregation state may have changed:
@@ -595,14 +603,17 @@ class FLService:
             raise InvalidUpdate(
                 f"the report's metrics are out of range: {exc}; the update was not taken", code="INVALID_METRICS"
             ) from None
+        central = run.config.dp is not None and run.config.dp.mode == "central"
         bounded = bound_update(
             update,
             run.plan.weight_names if run.is_training else (),
             max_examples=run.config.max_examples_per_report,
-            clip_norm=run.config.clip_update_norm,
+            clip_norm=None if central else run.config.clip_update_norm,  # central DP clips to its own clip below
         )
         summed, metrics_capped = cap_metric_weight(bounded.update, run.config.max_examples_per_report)
-        observed = device_metrics(summed, run.plan.weight_names if run.is_training else ())
+        # with DP, no summary of one device's update or metrics is published beside the noised model
+        weights = run.plan.weight_names if run.is_training else ()
+        observed = device_metrics(summed, weights) if run.config.dp is None else {}
         observed.update(_stats_metrics(stats))
         shape = _stats_shape(stats)
         try:
@@ -619,6 +630,8 @@ class FLService:
                     raise SessionClosed("this session was aborted or is no longer part of a round")
                 assert run.accumulator is not None
                 try:
+                    if run.dp_round is not None:
+                        summed = run.dp_round.take(summed, run.plan.weight_names, run.config.max_examples_per_report)
                     run.accumulator = run.executor.accumulate(run.accumulator, summed)
                 except Exception as exc:  # the plan's own accumulate failed on this update
                     raise InvalidUpdate(f"the plan could not aggregate this report: {type(exc).__name__}") from None
@@ -870,6 +883,9 @@ class FLService:
         committed = [r for r in history if r.status == "committed"]
         if config.max_rounds is not None and len(committed) >= config.max_rounds:
             return None
+        dp = TaskDP.load(config, [r.metrics for r in committed])
+        if dp is not None and not dp.allows_next():  # its privacy budget is spent
+            return None
         last = committed[-1] if committed else None
         ckpt_id = last.checkpoint_id if last is not None and last.checkpoint_id else task.initial_checkpoint_id
         state = {k: np.array(v) for k, v in decode_checkpoint(self.store.resource(ckpt_id)).items()}
@@ -895,6 +911,7 @@ class FLService:
             codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,
             ddp=ddp_rounds.distributed_dp(plan, executor, config),
             versions=dict(task.config.get("versions", {})),
+            dp=dp,
         )
 
     def _start_next(self, pop: _Population, now: float) -> None:
@@ -921,6 +938,7 @@ class FLService:
                 ddp=run.ddp,
             )
         run.accumulator = run.executor.zero()
+        run.dp_round = run.dp.open_round(run.codec is not None) if run.dp is not None else None
         run.device_metrics = RoundMetrics()
         run.bounded = {"capped": 0, "clipped": 0}
         run.started_wall = self.wall_clock()
@@ -1111,13 +1129,23 @@ class FLService:
         if run.secure is not None:
             metrics["secagg"] = run.secure.stats()
         metrics["device_metrics"] = run.device_metrics.to_json()
-        metrics["bounded_reports"] = dict(run.bounded)
+        if run.dp is None:  # with DP, which reports were clipped is what adaptive clipping noises
+            metrics["bounded_reports"] = dict(run.bounded)
         run.pace.observe(
             now - core.started_at,
             now - (core.selection_ended_at if core.selection_ended_at is not None else core.started_at),
         )
         pending = _PendingCommit(
-            pop, run, core, phase, metrics, run.accumulator, run.secure, run.started_wall, self.wall_clock()
+            pop,
+            run,
+            core,
+            phase,
+            metrics,
+            run.accumulator,
+            run.secure,
+            run.started_wall,
+            self.wall_clock(),
+            run.dp_round,
         )
         self._pending.append(pending)
         if not hasattr(self._closed_here, "commits"):
@@ -1125,6 +1153,7 @@ class FLService:
         self._closed_here.commits.append(pending)
         run.closed.append(_ClosedRound(core, None, metrics, run.secure))
         run.accumulator = None
+        run.dp_round = None
         run.core = None
         if run.secure is not None:
             run.secure = None
@@ -1172,6 +1201,7 @@ class FLService:
     def _commit(self, p: _PendingCommit) -> None:
         run, phase, metrics, attempt = p.run, p.phase, p.metrics, p.run.attempt
         new_state = checkpoint = broadcast = None
+        next_clip: float | None = None
         if phase is Phase.COMMITTED and p.core.reported < run.config.min_reports:
             # Refused at deploy; a task an older server stored may still have such a config.
             phase = Phase.ABANDONED
@@ -1182,7 +1212,10 @@ class FLService:
         if phase is Phase.COMMITTED:
             try:
                 assert p.accumulator is not None
-                aggregate = run.executor.report(p.accumulator)
+                accumulator = p.accumulator
+                if p.dp_round is not None:  # the noise, before the plan's server part sees the sum
+                    accumulator, next_clip = p.dp_round.close(accumulator, run.plan.weight_names, self.dp_random())
+                aggregate = run.executor.report(accumulator)
                 new_state, update_metrics = run.executor.update(run.state, aggregate)
                 new_state = {k: np.asarray(v, dtype=np.float32) for k, v in new_state.items()}
                 _check_finite(new_state)
@@ -1194,12 +1227,20 @@ class FLService:
                 metrics["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 new_state = None
             else:
-                metrics.update(_finite_metrics(update_metrics))
+                if run.dp is None:  # with DP, the plan's loss and accuracy are exact sums of devices' data: withheld
+                    metrics.update(_finite_metrics(update_metrics))
                 if run.is_training:
                     checkpoint = encode_checkpoint(new_state)
                     broadcast = encode_checkpoint(run.executor.prepare(new_state))
                 else:
                     metrics["evaluated_checkpoint_id"] = run.broadcast_id
+
+        ledger_after = None
+        if phase is Phase.COMMITTED and run.dp is not None:
+            dp_metrics, ledger_after = run.dp.round_metrics(p.dp_round.clip if p.dp_round is not None else None)
+            metrics.update(dp_metrics)
+            if next_clip is not None:
+                metrics[dp_rounds.NEXT_CLIP_KEY] = next_clip
 
         def write(status: str, *resources: bytes | None) -> RoundRecord:
             return self.store.record_round(
@@ -1259,10 +1300,14 @@ class FLService:
                     attempt,
                 )
         record_id = record.id if record is not None else None
-        completes = (
-            phase is Phase.COMMITTED
-            and run.config.max_rounds is not None
-            and run.committed_rounds + 1 >= run.config.max_rounds
+        dp_after = None
+        if phase is not Phase.COMMITTED:
+            dp_rounds.strip(metrics)  # an abandoned round spends no privacy
+        elif run.dp is not None and ledger_after is not None:
+            dp_after = run.dp.after_commit(ledger_after, next_clip)
+        completes = phase is Phase.COMMITTED and (
+            (run.config.max_rounds is not None and run.committed_rounds + 1 >= run.config.max_rounds)
+            or (dp_after is not None and not dp_after.allows_next())  # the budget would not take one more round
         )
         finished = [run] + [r for r in p.population.runs if r.evaluates is run] if completes else []
         for done in finished:
@@ -1283,6 +1328,7 @@ class FLService:
                     run.state = new_state
                     run.broadcast_id = _resource_id(broadcast)
                 run.committed_rounds += 1
+                run.dp = dp_after if dp_after is not None else run.dp
                 run.round_number += 1
                 run.attempt = 1
                 log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))
@@ -1430,6 +1476,7 @@ def _validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> P
         )
     if not (spec.weight > 0 and np.isfinite(spec.weight)):
         raise BadRequest(f"task {spec.name!r}: weight must be a positive number", code="BAD_CONFIG")
+    dp_rounds.check_deploy(spec.name, plan, config)
     if plan.server.secure_sum:
         try:
             SecureSumCodec(plan, executor)

@@ -1,0 +1,254 @@
+"""Differential privacy in a task's rounds: the glue between ``FLService`` and the pure DP cores.
+
+``server_stub.central_dp`` says how one round is made private and ``server_stub.accounting`` what
+the rounds cost; this module holds what a running task keeps between them, so the service only
+calls it at five points: deploy (``check_deploy``), task load (``TaskDP.load``), round open
+(``TaskDP.open_round``), each plain report (``CentralRound.take``) and commit (``CentralRound.close``,
+``TaskDP.after_commit``).
+
+- Central DP (``dp.mode == "central"``, a plain training task): each report's mean update is
+  clipped to the round's clip and weighted as it is summed, so the server keeps no update of its
+  own; at commit the summed weight tensors get Gaussian noise of std z C and ``num_examples``
+  becomes the DP denominator, and only then do the plan's ``report`` and ``update`` run (so the
+  plan's accumulate must sum and its report divide the weight sums by ``num_examples``: every plan
+  the builders and the toolchain make does). With adaptive clipping the count of reports at or
+  below the clip is noised at commit and sets the next round's clip.
+- The accountant, whatever the mode: a ``PrivacyLedger`` per task, rebuilt from its committed
+  round records when the server loads it (a restarted server reports the same epsilon), advanced
+  at each commit; a round's metrics carry ``epsilon``, ``delta``, ``dp_rounds``,
+  ``noise_multiplier``, ``dp_mode`` and ``dp_clip`` (``ROUND_KEYS``). A task whose next round
+  would pass ``max_epsilon`` completes instead.
+
+The noise comes from ``secure_generator``: numpy's PCG64 seeded with 128 bits from the operating
+system's CSPRNG, a fresh one per round. numpy's floating-point Gaussian is not a hardened DP
+sampler (a floating-point sample's low bits can reveal the value it was added to: Mironov 2012);
+the distributed mode's discrete samplers (``device_runtime.ddp``) do not have that weakness.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from device_runtime.influence import NUM_EXAMPLES
+from device_runtime.plan import Plan
+
+from . import central_dp
+from .accounting import PrivacyLedger
+from .dp_config import DPConfig
+from .errors import BadRequest
+from .rounds import RoundConfig
+
+#: The keys every DP round's metrics carry (the contract the fleet's summary and report read).
+ROUND_KEYS = ("epsilon", "delta", "dp_rounds", "noise_multiplier", "dp_mode", "dp_clip")
+#: The clip the next round starts from (adaptive clipping), kept so a restarted server goes on with it.
+NEXT_CLIP_KEY = "dp_next_clip"
+
+
+def secure_generator() -> np.random.Generator:
+    """A round's noise source: PCG64 seeded with 128 bits of ``secrets`` (see the module docstring)."""
+    return np.random.default_rng(secrets.randbits(128))
+
+
+def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
+    """Refuse, with the field named, a DP setting the server cannot honour for this task."""
+    dp = config.dp
+    if dp is None:
+        return
+    if plan.kind != "train":
+        raise BadRequest(
+            f"task {name!r}: dp is set on a {plan.kind!r} task; differential privacy here applies to model updates, "
+            "so only training tasks take dp (remove dp.mode from this task)",
+            code="BAD_CONFIG",
+        )
+    if dp.mode == "central" and plan.server.secure_sum:
+        raise BadRequest(
+            f"task {name!r}: dp.mode 'central' needs the server to see each update, but this task runs under "
+            'Secure Aggregation; use dp.mode "distributed" (the devices add the noise)',
+            code="BAD_CONFIG",
+        )
+    if dp.mode == "central" and dp.target_quantile is not None and dp.noise_multiplier > 0:
+        sigma_b = count_stddev(dp, config.goal_count)
+        try:
+            central_dp.update_noise_multiplier(dp.noise_multiplier, sigma_b)
+        except central_dp.CentralDPError as exc:
+            raise BadRequest(
+                f"task {name!r}: dp.clipped_count_stddev ({sigma_b:g}{'' if dp.clipped_count_stddev else ', the default goal_count / 20'}) "
+                f"is too small for dp.noise_multiplier: {exc}",
+                code="BAD_CONFIG",
+            ) from None
+    if dp.max_epsilon is not None and not ledger(dp).allows(dp.noise_multiplier):
+        raise BadRequest(
+            f"task {name!r}: dp.max_epsilon {dp.max_epsilon:g} is spent by a single round at dp.noise_multiplier "
+            f"{dp.noise_multiplier:g} (delta {dp.delta:g}); raise dp.noise_multiplier or dp.max_epsilon",
+            code="BAD_CONFIG",
+        )
+
+
+def count_stddev(dp: DPConfig, goal_count: int) -> float:
+    """The noise std on adaptive clipping's count: the task's, else goal_count / 20."""
+    return (
+        dp.clipped_count_stddev if dp.clipped_count_stddev is not None else central_dp.default_count_stddev(goal_count)
+    )
+
+
+def ledger(dp: DPConfig) -> PrivacyLedger:
+    """An empty ledger with the task's accounting settings."""
+    return PrivacyLedger(
+        delta=dp.delta, sampling_probability=dp.sampling_probability, method=dp.accountant, max_epsilon=dp.max_epsilon
+    )
+
+
+def _json_epsilon(eps: float) -> float | None:
+    """Epsilon as round metrics store it: JSON has no infinity, so a noiseless round's is null."""
+    return eps if math.isfinite(eps) else None
+
+
+@dataclass(frozen=True)
+class TaskDP:
+    """What a DP task keeps between rounds: its privacy ledger and the clip its next round uses."""
+
+    config: DPConfig
+    goal_count: int
+    ledger: PrivacyLedger
+    clip: float
+
+    @classmethod
+    def load(cls, config: RoundConfig, committed: Iterable[Mapping]) -> TaskDP | None:
+        """The task's state from the metrics of its committed rounds, oldest first (None without
+        dp): one ledger entry per committed DP round at the multiplier it recorded, and the clip
+        the last one handed on. Restart-safe: only what is on record counts."""
+        dp = config.dp
+        if dp is None:
+            return None
+        book, clip = ledger(dp), dp.clip
+        for metrics in committed:
+            z = metrics.get("noise_multiplier")
+            book = book.add_round(float(z) if isinstance(z, (int, float)) else dp.noise_multiplier)
+            nxt = metrics.get(NEXT_CLIP_KEY)
+            if isinstance(nxt, (int, float)) and math.isfinite(nxt) and nxt > 0:
+                clip = float(nxt)
+        return cls(dp, config.goal_count, book, clip)
+
+    def allows_next(self) -> bool:
+        """Whether one more round stays within ``max_epsilon`` (checked before a round opens)."""
+        return self.ledger.allows(self.config.noise_multiplier)
+
+    def open_round(self, secure: bool) -> CentralRound | None:
+        """The state of a central DP round about to open (None for distributed DP, whose devices
+        clip and noise their own updates)."""
+        if self.config.mode != "central" or secure:
+            return None
+        dp = self.config
+        if dp.target_quantile is None:
+            return CentralRound(dp, self.goal_count, self.clip, dp.noise_multiplier)
+        adaptive = central_dp.AdaptiveClip(
+            clip=self.clip,
+            target_quantile=dp.target_quantile,
+            learning_rate=dp.clip_learning_rate,
+            count_stddev=count_stddev(dp, self.goal_count),
+            noise_multiplier=dp.noise_multiplier,
+        )
+        return CentralRound(dp, self.goal_count, self.clip, adaptive.updates_noise_multiplier, adaptive)
+
+    def round_metrics(self, clip: float | None) -> tuple[dict, PrivacyLedger]:
+        """A committing round's DP metrics (``ROUND_KEYS``) and the ledger once it is on record."""
+        after = self.ledger.add_round(self.config.noise_multiplier)
+        metrics = {
+            "epsilon": _json_epsilon(after.epsilon),
+            "delta": self.config.delta,
+            "dp_rounds": after.rounds,
+            "noise_multiplier": self.config.noise_multiplier,
+            "dp_mode": self.config.mode,
+            "dp_clip": self.config.clip if clip is None else clip,
+        }
+        return metrics, after
+
+    def after_commit(self, after: PrivacyLedger, next_clip: float | None) -> TaskDP:
+        """The state once a round is on record (an abandoned round changes nothing)."""
+        return replace(self, ledger=after, clip=self.clip if next_clip is None else next_clip)
+
+
+def strip(metrics: dict) -> None:
+    """Remove a round's DP keys: a round that did not commit spent nothing."""
+    for key in (*ROUND_KEYS, NEXT_CLIP_KEY):
+        metrics.pop(key, None)
+
+
+@dataclass
+class CentralRound:
+    """One open central DP round: its clip, the updates' noise multiplier (z, or z_delta with
+    adaptive clipping), how many reports were summed and how many were at or below the clip."""
+
+    config: DPConfig
+    goal_count: int
+    clip: float
+    updates_noise_multiplier: float
+    adaptive: central_dp.AdaptiveClip | None = None
+    reports: int = 0
+    unclipped: int = 0
+
+    def take(
+        self, update: Mapping[str, np.ndarray], weight_names: Sequence[str], max_examples: int
+    ) -> dict[str, np.ndarray]:
+        """One report as the round sums it: its weight tensors become its weighted, clipped mean
+        update (``central_dp.report_contribution``) and its ``num_examples`` its weight; its other
+        tensors (metric sums) pass unchanged, for a plan whose report reads them (they are not
+        published). The report's count must already be capped (``bound_update``)."""
+        names = [w for w in weight_names if w in update]
+        n = float(np.asarray(update[NUM_EXAMPLES], dtype=np.float64).reshape(())) if NUM_EXAMPLES in update else 1.0
+        weight = central_dp.report_weight(n, self.config.weighting, float(max_examples))
+        flat = (
+            np.concatenate([np.asarray(update[w], dtype=np.float64).reshape(-1) for w in names])
+            if names
+            else np.zeros(0)
+        )
+        part, within = central_dp.report_contribution(flat, n, clip=self.clip, weight=weight)
+        out = dict(update)
+        out.update(_unflatten(part, {w: np.shape(update[w]) for w in names}))
+        if NUM_EXAMPLES in update:
+            out[NUM_EXAMPLES] = np.asarray(weight, dtype=np.float32).reshape(np.shape(update[NUM_EXAMPLES]))
+        self.reports += 1
+        self.unclipped += int(within)
+        return out
+
+    def close(
+        self, accumulator: Mapping[str, np.ndarray], weight_names: Sequence[str], rng: np.random.Generator
+    ) -> tuple[dict[str, np.ndarray], float | None]:
+        """The round's accumulated sum made private for the plan's ``report``: Gaussian noise of
+        std z C on the summed weight tensors, ``num_examples`` set to the DP denominator; and,
+        with adaptive clipping, the next round's clip from the noised count (else None)."""
+        names = [w for w in weight_names if w in accumulator]
+        out = dict(accumulator)
+        for w in names:
+            noised = central_dp.noised_sum(
+                accumulator[w], clip=self.clip, noise_multiplier=self.updates_noise_multiplier, rng=rng
+            )
+            out[w] = noised.astype(np.asarray(accumulator[w]).dtype, copy=False)
+        den = central_dp.denominator(self.config.weighting, self.reports, self.goal_count)
+        if NUM_EXAMPLES in accumulator:
+            out[NUM_EXAMPLES] = np.full(
+                np.shape(accumulator[NUM_EXAMPLES]), den, dtype=np.asarray(accumulator[NUM_EXAMPLES]).dtype
+            )
+        if self.adaptive is None:
+            return out, None
+        sigma_b = self.adaptive.count_stddev if self.adaptive.noise_multiplier > 0 else 0.0
+        b = central_dp.noised_fraction(self.unclipped, self.reports, sigma_b, rng)
+        return out, central_dp.next_clip(self.adaptive, b).clip
+
+
+def _unflatten(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    start = 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        out[name] = flat[start : start + size].reshape(shape).astype(np.float32)
+        start += size
+    return out
+
+
+__all__ = ["NEXT_CLIP_KEY", "ROUND_KEYS", "CentralRound", "TaskDP", "check_deploy", "secure_generator", "strip"]
