@@ -115,16 +115,11 @@ def distributed_dp(plan: Plan, executor: PlanExecutor, config: RoundConfig) -> D
 
 
 def check_deploy(name: str, plan: Plan, executor: PlanExecutor, config: RoundConfig, spare: int) -> None:
-    """Refuse a distributed-DP task that cannot run, naming the field (``BAD_CONFIG``, 400)."""
+    """Refuse a distributed-DP task that cannot run, naming the field (``BAD_CONFIG``, 400). What
+    any DP mode needs (a training task, a budget a round fits) is ``dp_rounds.check_deploy``'s."""
     dp = config.dp
     if dp is None or dp.mode != "distributed":
         return
-    if plan.kind != "train":
-        raise BadRequest(
-            f"task {name!r}: dp.mode 'distributed' is for training tasks; a {plan.kind!r} task has no update to "
-            "noise: remove dp from its config",
-            code="BAD_CONFIG",
-        )
     if not plan.server.secure_sum:
         raise BadRequest(
             f"task {name!r}: dp.mode 'distributed' needs Secure Aggregation (the devices' noise shares protect "

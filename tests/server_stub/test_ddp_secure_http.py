@@ -268,7 +268,7 @@ def test_a_group_that_falls_below_its_releasable_minimum_releases_nothing(attest
         (lambda: digits_plan("softmax"), 32, "add secure aggregation to the plan, or use dp.mode 'central'"),
         (lambda: digits_plan("softmax", secure_aggregation=True), 8, "dp.bitwidth 8 is too small"),
         (lambda: digits_plan("softmax", secure_aggregation=True), 60, "use dp.bitwidth 53 or less"),
-        (lambda: build_eval_plan(digits_plan("softmax", secure_aggregation=True)), 32, "is for training tasks"),
+        (lambda: build_eval_plan(digits_plan("softmax", secure_aggregation=True)), 32, "only training tasks take dp"),
     ],
     ids=["without-secure-aggregation", "bitwidth-too-small", "bitwidth-too-wide", "not-a-training-task"],
 )
