@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .opstats import rss_mb
 from .plan import Plan
 from .plan_cache import LoadedPlans
@@ -38,7 +40,10 @@ class RuntimeEnvironment:
     keeps its own when None). ``secagg_poll_s``: None on a device, whose Secure Aggregation waits
     in long polls the server holds; a runtime on a virtual clock sets it, and then polls without a
     held request and spends ``secagg_poll_s`` between polls through ``sleep`` (a server cannot hold
-    a request for a time it does not share)."""
+    a request for a time it does not share). ``report_update``: None on a device; a simulation's
+    audit sets it on its canary devices, whose report is then ``report_update(plan, update)``
+    instead of the trained update (the canary's direction, ``emulator.fleet.audit``), sent through
+    the same protocol, plain or secure."""
 
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
@@ -46,6 +51,7 @@ class RuntimeEnvironment:
     memory_probe: Callable[[], float] = rss_mb
     loaded_plans: LoadedPlans | None = None
     secagg_poll_s: float | None = None
+    report_update: Callable[[Plan, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         meter = self.work_meter

@@ -3,6 +3,7 @@ report) and records its events, whose symbols give the session's shape (paper, T
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -294,6 +295,8 @@ class FLRuntime:
             raise
         if rec.over_budget:
             return rec.interrupted(rec.over_budget)
+        if self.environment.report_update is not None:  # a simulated audit's canary (see RuntimeEnvironment)
+            result = dataclasses.replace(result, update=self.environment.report_update(plan, result.update))
         if before_report is not None:
             before_report()
         if should_abort is not None and should_abort():

@@ -62,6 +62,40 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         metavar="A",
         help="report time_to_target_accuracy_s: simulated seconds to the first committed model with test accuracy >= A",
     )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        default=None,
+        help="run the built-in task under Secure Aggregation (task.secure; a task file says it itself)",
+    )
+    p.add_argument(
+        "--dp",
+        choices=("central", "distributed"),
+        help="differential privacy for the training tasks: the server adds the noise (central) or the devices do, "
+        "under Secure Aggregation (distributed, needs --secure)",
+    )
+    p.add_argument(
+        "--noise-multiplier",
+        type=float,
+        metavar="Z",
+        help="with --dp: the noise's std over the clip (dp.noise_multiplier, default 1; 0 is no noise, for audits)",
+    )
+    p.add_argument("--dp-clip", type=float, metavar="C", help="with --dp: each update's L2 clip (dp.clip, default 1)")
+    p.add_argument(
+        "--delta", type=float, metavar="D", help="with --dp: the delta epsilon is reported at (default 1e-5)"
+    )
+    p.add_argument(
+        "--max-epsilon",
+        type=float,
+        metavar="E",
+        help="with --dp: the task completes before a round would take epsilon past E (dp.max_epsilon)",
+    )
+    p.add_argument(
+        "--audit-canaries",
+        type=int,
+        metavar="K",
+        help="with --dp: K canary devices for the one-shot privacy audit; the summary gets audit_epsilon",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--http",
@@ -120,12 +154,21 @@ def run_simulate(args: argparse.Namespace) -> int:
             task_file=args.task,
             target_accuracy=args.target_accuracy,
             data=data,
+            secure=args.secure,
+            dp=_dp_overrides(args),
         )
     except FederatedDataError as exc:
         print(f"fedfleet simulate: --data {args.data}: {exc}", file=sys.stderr)
         return 2
     except FleetConfigError as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
+        return 2
+    loose = [f"--{flag.replace('_', '-')}" for flag in list(DP_FLAGS)[1:5] if getattr(args, flag) is not None]
+    if loose and config.dp.mode is None:
+        print(
+            f"fedfleet simulate: {', '.join(loose)} set differential privacy up: add --dp central|distributed",
+            file=sys.stderr,
+        )
         return 2
     try:
         workload = load_workload(config)  # the task file built and the data read before anything runs
@@ -204,6 +247,22 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"fedfleet simulate: {summary['cannot_fill']}", file=sys.stderr)
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0
+
+
+#: ``fedfleet simulate``'s differential privacy flags and the ``[dp]`` keys they set.
+DP_FLAGS = {
+    "dp": "mode",
+    "noise_multiplier": "noise_multiplier",
+    "dp_clip": "clip",
+    "delta": "delta",
+    "max_epsilon": "max_epsilon",
+    "audit_canaries": "audit_canaries",
+}
+
+
+def _dp_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The ``[dp]`` keys the command line sets (the fleet config's hold for the others)."""
+    return {key: getattr(args, flag) for flag, key in DP_FLAGS.items() if getattr(args, flag) is not None}
 
 
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from device_runtime.versions import version_tuple
+from server_stub.dp_config import MAX_DELTA, MAX_NOISE_MULTIPLIER, DPConfig
 from server_stub.rounds import MAX_TIMEOUT_S
 
 #: Shares of a mixture must sum to one within this tolerance (TOML users write 0.1 + 0.2 ...).
@@ -414,6 +415,53 @@ class TaskSection(_Section):
         return self
 
 
+class DPSection(_Section):
+    """Differential privacy for the fleet's training tasks (``server_stub.dp_config.DPConfig``, which
+    says what each field means and what the guarantee assumes). ``mode``: None (the default) runs
+    no DP, or the task file's own ``RoundConfig.dp``; ``central`` (the server adds Gaussian noise
+    of std ``noise_multiplier`` x ``clip`` to the sum of clipped updates) or ``distributed`` (each
+    device adds its share of discrete noise under Secure Aggregation: needs ``task.secure``, or a
+    task file of secure tasks). Set, it replaces every training task's DP settings. ``clip``: each
+    device's update (weights after minus before, L2) is clipped to it; ``delta``: the delta epsilon is
+    reported at; ``max_epsilon``: the task completes before a round would take it past this.
+
+    ``audit_canaries``: K canary devices join the fleet for the one-shot privacy audit
+    (``emulator.fleet.audit``): each reports, whenever selected, its random direction scaled to the
+    clip; the summary's ``audit_epsilon`` is the estimate from the final model. Needs DP on."""
+
+    mode: Literal["central", "distributed"] | None = None
+    noise_multiplier: float = Field(1.0, ge=0.0, le=MAX_NOISE_MULTIPLIER)
+    clip: float = Field(1.0, gt=0.0, le=1e6)
+    delta: float = Field(1e-5, gt=0.0, le=MAX_DELTA)
+    max_epsilon: float | None = Field(None, gt=0.0, le=1e6)
+    audit_canaries: int = Field(0, ge=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _needs_mode(self) -> Self:
+        fields = type(self).model_fields
+        loose = sorted(  # set to other than its default (a written-out config holds every default)
+            k for k in self.model_fields_set - {"mode", "audit_canaries"} if getattr(self, k) != fields[k].default
+        )
+        if self.mode is None and loose:
+            raise ValueError(
+                f"{', '.join(f'dp.{k}' for k in loose)} {'needs' if len(loose) == 1 else 'need'} dp.mode "
+                "(central or distributed; --dp) to mean anything"
+            )
+        return self
+
+    def config(self) -> DPConfig | None:
+        """The tasks' ``RoundConfig.dp`` this section asks for (None: leave it as the task has it)."""
+        if self.mode is None:
+            return None
+        return DPConfig(
+            mode=self.mode,
+            noise_multiplier=self.noise_multiplier,
+            clip=self.clip,
+            delta=self.delta,
+            max_epsilon=self.max_epsilon,
+        )
+
+
 #: With a task file, these ``[task]`` keys override every task's RoundConfig when the fleet config
 #: sets them (or ``--goal``/``--sweep`` does); left at their defaults, the task's RoundConfig holds.
 ROUND_KEYS: dict[str, str] = {
@@ -446,6 +494,16 @@ class FleetConfig(_Section):
     faults: FaultSection = FaultSection()
     data: DataSection = DataSection()
     task: TaskSection = TaskSection()
+    dp: DPSection = DPSection()
+
+    @model_validator(mode="after")
+    def _distributed_is_secure(self) -> Self:
+        if self.dp.mode == "distributed" and self.task.file is None and not self.task.secure:
+            raise ValueError(
+                "dp.mode = distributed adds the noise on devices under Secure Aggregation: set task.secure = true "
+                "(--secure) too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _shares(self) -> Self:
@@ -511,10 +569,13 @@ class FleetConfig(_Section):
         task_file: str | Path | None = None,
         target_accuracy: float | None = None,
         data: Any = None,
+        secure: bool | None = None,
+        dp: dict[str, Any] | None = None,
     ) -> FleetConfig:
         """The same fleet with the command line's overrides (``None`` keeps the value). Keys left at
         their defaults stay unset (``TaskSection.explicit``). ``data`` is a parsed data spec
-        (``federated_data.DataSpec``) whose paths are already resolved."""
+        (``federated_data.DataSpec``) whose paths are already resolved; ``secure`` sets ``task.secure``;
+        ``dp``: ``[dp]`` keys (``--dp``, ``--noise-multiplier``, ...) over the file's."""
         out = self.dump()
         fleet = out.setdefault("fleet", {})
         for key, value in (("devices", devices), ("hours", hours), ("seed", seed)):
@@ -527,6 +588,10 @@ class FleetConfig(_Section):
             task["file"] = str(Path(task_file).resolve())
         if target_accuracy is not None:
             task["target_accuracy"] = target_accuracy
+        if secure is not None:
+            task["secure"] = secure
+        if dp:
+            out.setdefault("dp", {}).update(dp)
         if data is not None:
             section = out.setdefault("data", {})
             section.update(format=data.format, options={k: str(v) for k, v in data.options.items()})
@@ -564,6 +629,11 @@ def _describe(exc: ValidationError, source: str) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling against FleetConfig's sections"
+        if err["type"] == "value_error":  # a validator's own sentence names its fields already
+            msg = msg.removeprefix("Value error, ")
+            if not err["loc"]:
+                lines.append(msg)
+                continue
         lines.append(f"{where}: {msg}")
     return f"{source} is invalid: " + "; ".join(lines)
 

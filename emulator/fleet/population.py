@@ -9,6 +9,7 @@ same seed gives the same population bit for bit.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import math
 import random
@@ -113,6 +114,8 @@ class DeviceSpec:
     availability: DeviceAvailability
     faults: DeviceFaults
     seed: int
+    #: The audit's canary number (``emulator.fleet.audit``), -1 for an ordinary device.
+    canary: int = -1
 
     def local_hour(self, t: float) -> float:
         """The device's local hour of the day (0-24) at simulated time ``t``."""
@@ -135,8 +138,10 @@ def generate_population(config: FleetConfig, *, indices: Sequence[int] | range |
     """The fleet's devices (all of them, or those at ``indices``, e.g. one shard's).
 
     If the config names an availability trace, devices take their conditions from it (devices
-    the trace does not mention are never available); otherwise from the diurnal model."""
+    the trace does not mention are never available); otherwise from the diurnal model. The whole
+    fleet ends with the audit's canary devices (``canary_specs``), if the config asks for any."""
     fleet = config.fleet
+    explicit_indices = indices
     indices = range(fleet.devices) if indices is None else indices
     zones = config.availability.time_zones
     classes = config.device_classes
@@ -205,4 +210,25 @@ def generate_population(config: FleetConfig, *, indices: Sequence[int] | range |
                 seed=seed,
             )
         )
+    if explicit_indices is None:
+        out.extend(canary_specs(config, out))
     return out
+
+
+def canary_specs(config: FleetConfig, devices: Sequence[DeviceSpec]) -> list[DeviceSpec]:
+    """The audit's ``dp.audit_canaries`` canary devices, after the fleet's own: canary k is a copy of
+    an ordinary device spread over the fleet (its conditions, class, network and examples, so it
+    takes part like any device) with an id and seed of its own (its own attested key)."""
+    k_total = config.dp.audit_canaries
+    taking_part = [d for d in devices if d.takes_part]
+    if not k_total or not taking_part:
+        return []
+    return [
+        dataclasses.replace(
+            taking_part[k * len(taking_part) // k_total],
+            device_id=f"canary{k:04d}",
+            seed=device_seed(config.fleet.seed, k, "canary"),
+            canary=k,
+        )
+        for k in range(k_total)
+    ]

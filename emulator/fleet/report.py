@@ -464,6 +464,58 @@ def plot_accuracy(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fi
     return Figure("accuracy.png", caption, _png(fig), fig)
 
 
+def privacy_series(rounds: list[RoundRow]) -> dict[str, list[tuple[float, float]]]:
+    """A DP run's privacy as the report draws it: each committed round's model's ``accuracy``
+    against the task's epsilon after that round, and ``epsilon`` against committed rounds (finite
+    values only: a run without noise has no finite epsilon to draw)."""
+    committed = [r for r in rounds if r.committed]
+    return {
+        "accuracy_by_epsilon": [
+            (float(r.epsilon), float(r.accuracy))
+            for r in committed
+            if math.isfinite(r.epsilon) and math.isfinite(r.accuracy)
+        ],
+        "epsilon_by_round": [
+            (float(i), float(r.epsilon)) for i, r in enumerate(committed, 1) if math.isfinite(r.epsilon)
+        ],
+    }
+
+
+def plot_privacy(run: FleetRun, summary: Mapping[str, Any]) -> Figure | None:
+    """Accuracy against epsilon (what each committed model cost in privacy) and epsilon against
+    committed rounds; ``None`` for a run without DP (the summary's ``delta`` is null)."""
+    if summary.get("delta") is None:
+        return None
+    series = privacy_series(run.rounds)
+    fig, (ax_e, ax_r) = _new_figure(2)
+    acc, eps = series["accuracy_by_epsilon"], series["epsilon_by_round"]
+    if acc:
+        ax_e.plot([e for e, _ in acc], [a for _, a in acc], marker=".", color=_PARTICIPATING)
+        ax_e.set_ylabel("accuracy")
+    else:
+        _no_data(ax_e, "rounds with a finite epsilon and a measured accuracy")
+    ax_e.set_xlabel(f"epsilon (delta = {summary['delta']:g})")
+    ax_e.set_title("Model accuracy against the privacy spent")
+    ax_e.grid(True, alpha=0.3)
+    if eps:
+        ax_r.plot([i for i, _ in eps], [e for _, e in eps], marker=".", color=_COMMITTED)
+    else:
+        _no_data(ax_r, "rounds with a finite epsilon")
+    ax_r.set_title("Epsilon over committed rounds")
+    ax_r.set_xlabel("committed round")
+    ax_r.set_ylabel("epsilon")
+    _integer_ticks(ax_r.xaxis)
+    ax_r.grid(True, alpha=0.3)
+    z = summary.get("noise_multiplier")
+    caption = (
+        "Each committed model's accuracy against the task's epsilon after its round (the accountant's, at the "
+        f"run's delta, noise multiplier {_fmt(z)}, no amplification by sampling), and epsilon over committed rounds."
+    )
+    if z == 0:
+        caption += " Without noise epsilon is unbounded: nothing to draw."
+    return Figure("privacy.png", caption, _png(fig), fig)
+
+
 def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Bytes down and up per round (from ``rounds.csv``'s byte columns: the sessions of each
     round's selected devices), abandoned rounds marked."""
@@ -614,8 +666,8 @@ PLOTS: tuple[Callable[..., Figure], ...] = (
 def report_figures(run: FleetRun, summary: Mapping[str, Any]) -> list[Figure]:
     """Every figure of the report: :data:`PLOTS`, then those the summary has data for."""
     figures = [plot(run, summary) for plot in PLOTS]
-    extra = plot_client_accuracy(summary)
-    return figures + ([extra] if extra is not None else [])
+    extra = [plot_client_accuracy(summary), plot_privacy(run, summary)]
+    return figures + [f for f in extra if f is not None]
 
 
 # --- HTML ------------------------------------------------------------------------------------
@@ -701,6 +753,15 @@ LOW_COMPLETION = 0.9
 _OPTIONAL_ROWS = (
     ("time_to_target_accuracy_s", "time to target accuracy (simulated s)"),
     ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
+    ("audit_epsilon", "audit: one-shot estimate of epsilon"),
+)
+
+#: A DP run's rows (its summary's ``delta`` is set; without DP these keys are null and not shown).
+_DP_ROWS = (
+    ("epsilon", "epsilon (the accountant's, after the last committed round)"),
+    ("delta", "delta"),
+    ("dp_rounds", "committed DP rounds"),
+    ("noise_multiplier", "noise multiplier"),
 )
 
 
@@ -829,7 +890,32 @@ def _headline(summary: Mapping[str, Any]) -> str:
             parts.append("Per-client accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in marks) + ".")
     if summary.get("accuracy") is not None:
         parts.append(f"Last committed model's accuracy {summary['accuracy']:.3f}.")
+    parts.extend(_privacy_sentences(summary))
     return f'<p class="headline">{html.escape(" ".join(parts))}</p>' if parts else ""
+
+
+def _privacy_sentences(summary: Mapping[str, Any]) -> list[str]:
+    """A DP run's epsilon and, with canaries, the audit's estimate beside it, in words."""
+    if summary.get("delta") is None:
+        return []
+    eps, delta, rounds = summary.get("epsilon"), summary["delta"], summary.get("dp_rounds")
+    spent = f"{eps:.3g}" if isinstance(eps, (int, float)) else "unbounded (no noise)"
+    out = [f"Privacy: epsilon {spent} at delta {delta:g} after {rounds} committed DP rounds."]
+    if "audit_epsilon" in summary:
+        est = summary["audit_epsilon"]
+        k = summary.get("audit_canaries")
+        if est is None:
+            out.append(f"Audit ({k} canaries): no committed model to audit.")
+        else:
+            verdict = ""
+            if isinstance(eps, (int, float)):
+                verdict = (
+                    ", within the accountant's epsilon"
+                    if est <= eps
+                    else ", ABOVE the accountant's epsilon: check the DP"
+                )
+            out.append(f"Audit ({k} canaries): one-shot estimate epsilon {est:.3g}{verdict}.")
+    return out
 
 
 _ROUND_COLUMNS = (
@@ -875,7 +961,8 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
         "<tr><th>figure</th><th>value</th><th>what it means</th></tr>",
     ]
     why = explain_rates(summary, run.rounds)
-    rows = [*_SUMMARY_ROWS, *((k, label) for k, label in _OPTIONAL_ROWS if k in summary)]
+    dp_rows = _DP_ROWS if summary.get("delta") is not None else ()
+    rows = [*_SUMMARY_ROWS, *dp_rows, *((k, label) for k, label in _OPTIONAL_ROWS if k in summary)]
     for key, label in rows:
         note = (
             f'<td class="why" data-explains="{html.escape(key)}">{html.escape(why[key])}</td>'
@@ -914,10 +1001,11 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
         " selected devices' sessions.</p>"
     )
     out.append('<div class="table-wrap"><table id="rounds"><tr>')
-    out.extend(f"<th>{c}</th>" for c in _ROUND_COLUMNS)
+    columns = (*_ROUND_COLUMNS, "epsilon") if summary.get("delta") is not None else _ROUND_COLUMNS
+    out.extend(f"<th>{c}</th>" for c in columns)
     out.append("</tr>")
     for r in run.rounds:
-        out.append("<tr>" + "".join(_td(getattr(r, c)) for c in _ROUND_COLUMNS) + "</tr>")
+        out.append("<tr>" + "".join(_td(getattr(r, c)) for c in columns) + "</tr>")
     out.append("</table></div>")
 
     # The summary as JSON too, for tools; "</" is escaped so no value can close the script element.

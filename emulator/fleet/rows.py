@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Iterable
@@ -154,7 +155,9 @@ class RoundRow(CsvTable):
     nothing); ``dropped`` selected devices never reported (interrupted, killed, lost their
     network). ``accuracy`` and ``loss`` are NaN when the round measured neither. ``bytes_down`` and
     ``bytes_up`` are what the sessions of the round's selected devices sent and received (see
-    :func:`with_round_bytes`); a rejected check-in's bytes belong to no round.
+    :func:`with_round_bytes`); a rejected check-in's bytes belong to no round. ``epsilon``: the
+    task's epsilon after the round (its accountant's, published by a DP task's committed rounds),
+    NaN without DP or for a round that added nothing to it; inf without noise.
     """
 
     round_id: str
@@ -171,6 +174,7 @@ class RoundRow(CsvTable):
     loss: float
     bytes_down: int = 0
     bytes_up: int = 0
+    epsilon: float = math.nan
 
 
 def with_round_bytes(rounds: list[RoundRow], sessions: list[SessionRow]) -> list[RoundRow]:

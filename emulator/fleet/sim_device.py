@@ -499,6 +499,7 @@ class SimDevice:
                 memory_probe=_no_memory,
                 loaded_plans=sim.loaded_plans,
                 secagg_poll_s=SECAGG_POLL_S,
+                report_update=sim.canary_report(canary) if (canary := getattr(spec, "canary", -1)) >= 0 else None,
             ),
         )
         self.queue = WorkerQueue(self.clock, history=0)

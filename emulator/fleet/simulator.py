@@ -26,6 +26,7 @@ import numpy as np
 
 from device_runtime import PlanExecutor
 from device_runtime.checkpoint import decode_checkpoint
+from device_runtime.executor import NUM_EXAMPLES
 from device_runtime.plan_cache import LoadedPlans
 from server_stub.admin_auth import AdminKeys
 from server_stub.app import create_app
@@ -35,6 +36,7 @@ from server_stub.serve import ServerThread
 from server_stub.service import FLService, TaskSpec
 
 from ..releases.workers import ReleasePlans, WorkerPool
+from . import audit
 from .config import FleetConfig
 from .events import EventLoop, Fibers, SimulationError
 from .federated_data import client_accuracy_percentiles
@@ -262,6 +264,27 @@ class FleetSimulator:
         return {**self.cost.summary(), "compute_s_per_example": self.compute_s_per_example}
 
     # ----------------------------------------------------------------- bookkeeping from devices
+    def canary_report(self, canary: int) -> Callable[[Any, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """The audit's canary ``canary`` reports its direction (``audit.canary_direction`` of the
+        fleet's seed) scaled to the task's clip, in place of the weights' part of its trained update
+        (which holds (w_final - w_initial) x n, so the direction is multiplied by n too); its metric
+        sums and example count stay what training gave, so the server sees an ordinary report."""
+        dp = self.workload.training[0].rounds.dp
+        clip = dp.clip if dp is not None else 1.0
+        seed = self.config.fleet.seed
+
+        def report(plan: Any, update: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            names = [w for w in plan.weight_names if w in update]
+            if not names:  # an evaluation plan's update: nothing to replace
+                return update
+            shapes = {w: update[w].shape for w in names}
+            dim = sum(int(np.prod(shape)) for shape in shapes.values())
+            n = float(np.asarray(update.get(NUM_EXAMPLES, 1)).reshape(-1)[0])
+            parts = audit.unflatten(audit.canary_direction(seed, canary, dim) * clip * n, shapes, names)
+            return {**update, **{w: parts[w].astype(update[w].dtype) for w in names}}
+
+        return report
+
     def set_status(self, device: SimDevice, status: str) -> None:
         if device.status != status:
             self.status_counts[device.status] -= 1
@@ -383,6 +406,9 @@ class FleetSimulator:
         digest = hashlib.sha256()
         rows = []
         last: tuple[PlanExecutor, dict[str, np.ndarray]] | None = None
+        trained = self.workload.training[0]
+        final: bytes | None = None  # the training task's last committed model (the audit's)
+        dp_metrics: dict[str, Any] | None = None  # its last committed round's privacy figures
         for record in records:
             m = record["metrics"]
             digest.update(json.dumps(_digest_view(record), sort_keys=True, separators=(",", ":")).encode())
@@ -391,6 +417,10 @@ class FleetSimulator:
                 model = self.store.get_resource(record["checkpoint_id"])
                 assert model is not None
                 digest.update(model)
+                if record["task"] == trained.name:
+                    final = model
+                    if "dp_rounds" in m:
+                        dp_metrics = m
                 evaluator = evaluators.get(record["task"])
                 if evaluator is not None and batches:
                     weights = decode_checkpoint(model)
@@ -412,14 +442,50 @@ class FleetSimulator:
                     duration_s=float(m.get("duration_s", record["ended_at"] - record["started_at"])),
                     accuracy=accuracy,
                     loss=loss,
+                    epsilon=_number(m.get("epsilon")),
                 )
             )
         self.extra = {
             **self.workload.info(),
             "client_accuracy_percentiles": self._per_client(last),
-            "round_config": self.workload.training[0].rounds,
+            "round_config": trained.rounds,
+            "dp": privacy_figures(trained.rounds.dp, dp_metrics),
+            **self._audit(trained, final),
         }  # what the server ran, for the notes
         return with_round_bytes(rows, self.sessions), digest.hexdigest()
+
+    def _audit(self, trained: Any, final: bytes | None) -> dict[str, Any]:
+        """The one-shot audit of the training task's final model (``audit_epsilon``, and the
+        estimate's parts), when the fleet has canaries: None when no round committed."""
+        canaries = self.config.dp.audit_canaries
+        if not canaries:
+            return {}
+        dp = trained.rounds.dp
+        estimate = None
+        if final is not None and dp is not None:
+            names = list(trained.plan.weight_names)
+            initial = audit.flatten(decode_checkpoint(trained.build.checkpoint), names)
+            estimate = audit.audit(
+                initial,
+                audit.flatten(decode_checkpoint(final), names),
+                seed=self.config.fleet.seed,
+                canaries=canaries,
+                delta=dp.delta,
+            )
+        return {
+            "audit_canaries": canaries,
+            "audit_epsilon": None if estimate is None else _finite_or_none(estimate.epsilon),
+            "audit": None
+            if estimate is None
+            else {
+                "mean_cosine": estimate.mean,
+                "std_cosine": estimate.std,
+                "noise_multiplier": _finite_or_none(estimate.noise_multiplier),
+                "null_mean_cosine": estimate.null_mean,
+                "null_std_cosine": estimate.null_std,
+                "delta": estimate.delta,
+            },
+        }
 
     def _per_client(self, last: tuple[PlanExecutor, dict[str, np.ndarray]] | None) -> dict[str, Any] | None:
         """p10/p50/p90 of the model's accuracy over the test clients (LEAF's and FedScale's figure)."""
@@ -520,6 +586,39 @@ def simulate(
         else:
             run.write_tables(out_dir)
     return run
+
+
+def _number(value: Any) -> float:
+    """A metric as a float: NaN when the round has none (JSON null), inf for an unbounded epsilon."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def privacy_figures(dp: Any, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The run's privacy as the summary shows it: None without DP; else the task's mode, delta,
+    noise multiplier and clip, and the epsilon and DP rounds its last committed round published
+    (0 and 0 before any; epsilon null when unbounded, a noise multiplier of 0)."""
+    if dp is None:
+        return None
+    m = metrics or {}
+    eps = _number(m.get("epsilon", 0.0))
+    return {
+        "mode": m.get("dp_mode", dp.mode),
+        "epsilon": _finite_or_none(eps),
+        "delta": float(m.get("delta", dp.delta)),
+        "dp_rounds": int(m.get("dp_rounds", 0)),
+        "noise_multiplier": float(m.get("noise_multiplier", dp.noise_multiplier)),
+        "clip": float(m.get("dp_clip", dp.clip)),
+        "max_epsilon": dp.max_epsilon,
+    }
 
 
 def progress_reporter(

@@ -178,6 +178,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
       ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
       checkpoint and update bytes, and the simulated seconds per example on the reference phone;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
+    - ``epsilon``, ``delta``, ``dp_rounds``, ``noise_multiplier`` (null without DP), and with the
+      audit's canaries ``audit_canaries`` and ``audit_epsilon``: see :func:`privacy`;
     - ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
       ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
       model), ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``: from the
@@ -230,6 +232,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
         "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
+        **privacy(run),
         **{
             key: run.extra.get(key)
             for key in (
@@ -249,6 +252,20 @@ def summarize(run: RunTables) -> dict[str, Any]:
     }
     summary["round_completion_note"] = completion_note(summary, rounds, task)
     return summary
+
+
+def privacy(run: RunTables) -> dict[str, Any]:
+    """``epsilon`` (at ``delta``, after the ``dp_rounds`` committed DP rounds; null when unbounded,
+    without noise), ``delta``, ``dp_rounds``, ``noise_multiplier``: all null without DP; with the
+    audit's canaries, ``audit_canaries`` and ``audit_epsilon`` (the one-shot estimate) too."""
+    dp = run.extra.get("dp")
+    out: dict[str, Any] = {
+        key: None if dp is None else dp.get(key) for key in ("epsilon", "delta", "dp_rounds", "noise_multiplier")
+    }
+    if run.extra.get("audit_canaries"):
+        out["audit_canaries"] = run.extra["audit_canaries"]
+        out["audit_epsilon"] = run.extra.get("audit_epsilon")
+    return out
 
 
 def _target_accuracy(run: RunTables) -> float | None:

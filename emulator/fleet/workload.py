@@ -307,7 +307,24 @@ def _build(config: FleetConfig) -> Workload:
             f"the task file {path} holds no training task; a fleet trains a model (list one in `tasks`)"
         )
     secure = section.secure if built_in else any(bool(t.plan.server.secure_sum) for t in fleet_tasks)
+    _check_dp(config, fleet_tasks, path)
     return Workload(config, "built-in" if built_in else str(path), fleet_tasks, data, secure)
+
+
+def _check_dp(config: FleetConfig, tasks: list[FleetTask], path: Path) -> None:
+    """Distributed DP runs only where Secure Aggregation does; the audit needs DP on (its canaries
+    report at the clip, and its estimate is checked against the accountant)."""
+    training = [t for t in tasks if t.evaluates is None]
+    if config.dp.mode == "distributed" and not all(t.plan.server.secure_sum for t in training):
+        raise WorkloadError(
+            f"dp.mode = distributed adds the noise on devices under Secure Aggregation, and the tasks of {path} "
+            "are not secure: give them secure_aggregation, or use --dp central"
+        )
+    if config.dp.audit_canaries and training[0].rounds.dp is None:
+        raise WorkloadError(
+            "dp.audit_canaries (--audit-canaries) audits a DP run: turn DP on with --dp central|distributed "
+            "(or [dp] mode), or use a task file whose RoundConfig has dp"
+        )
 
 
 def _with_runtimes(task: Any, releases: list[str]) -> Any:
@@ -343,6 +360,9 @@ def _build_task(task: Any, path: Path, section: TaskSection | None, config: Flee
             f"`fedfleet plan build {path} -o DIR` shows the same"
         ) from None
     rounds = task_round_config(config.task) if section is None else overridden_round_config(task.rounds, section)
+    dp = config.dp.config()
+    if dp is not None and task.evaluates is None:  # [dp] / --dp: every training task's DP settings
+        rounds = RoundConfig.from_dict({**rounds.to_dict(), "dp": dataclasses.asdict(dp)})
     return FleetTask(built, rounds, eval_plan)
 
 

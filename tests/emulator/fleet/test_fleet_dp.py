@@ -1,0 +1,183 @@
+"""Differential privacy in the fleet: ``fedfleet simulate --dp central|distributed`` and its knobs
+(and a fleet config's ``[dp]``) become every training task's ``RoundConfig.dp``; bad values are
+refused in one line (exit 2); the audit's canary devices join the fleet and report their direction at
+the clip; the summary and the report carry epsilon. The rounds' epsilon itself is the server's
+(its accountant's), checked where a real server runs them (``test_fleet_dp_rounds``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+
+import numpy as np
+import pytest
+
+from device_runtime.checkpoint import decode_checkpoint
+from emulator.cli.commands import main
+from emulator.fleet import FleetConfig
+from emulator.fleet.audit import canary_direction
+from emulator.fleet.config import FleetConfigError
+from emulator.fleet.population import generate_population
+from emulator.fleet.report import build_report
+from emulator.fleet.simulator import FleetSimulator
+from emulator.fleet.tables import FleetRun, RoundRow
+from emulator.fleet.workload import load_workload
+from server_stub.dp_config import DPConfig
+
+
+def _dp(**keys: object) -> FleetConfig:
+    return FleetConfig.default().replace(devices=40, hours=0.5, dp=keys)
+
+
+def test_dp_flags_become_the_training_tasks_round_config():
+    config = _dp(mode="central", noise_multiplier=0.7, clip=2.0, delta=1e-6, max_epsilon=8.0)
+    rounds = load_workload(config).training[0].rounds
+    assert rounds.dp == DPConfig(mode="central", noise_multiplier=0.7, clip=2.0, delta=1e-6, max_epsilon=8.0)
+
+
+def test_a_fleet_config_dp_section_reads_like_the_flags(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text('[dp]\nmode = "central"\nnoise_multiplier = 1.5\n', encoding="utf-8")
+    config = FleetConfig.load(path)
+    assert config.dp.config() == DPConfig(mode="central", noise_multiplier=1.5, clip=1.0)
+    assert FleetConfig.from_dict(FleetConfig.load(path).dump()) == config
+
+
+def test_without_dp_the_round_config_has_none_and_the_summary_nulls():
+    assert load_workload(FleetConfig.default().replace(devices=40, hours=0.5)).training[0].rounds.dp is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--dp", "central", "--noise-multiplier", "-1"], "dp.noise_multiplier"),
+        (["--dp", "central", "--noise-multiplier", "nan"], "dp.noise_multiplier"),
+        (["--dp", "central", "--dp-clip", "0"], "dp.clip"),
+        (["--dp", "central", "--delta", "0.5"], "dp.delta"),
+        (["--dp", "central", "--max-epsilon", "-2"], "dp.max_epsilon"),
+        (["--dp", "central", "--audit-canaries", "-1"], "dp.audit_canaries"),
+        (["--noise-multiplier", "1"], "add --dp central|distributed"),
+        (["--noise-multiplier", "2"], "dp.mode (central or distributed; --dp)"),
+        (["--dp", "distributed"], "--secure"),
+        (["--audit-canaries", "4"], "--dp central|distributed"),
+    ],
+)
+def test_bad_dp_values_are_refused_in_one_line_naming_the_field(flags, named, capsys):
+    assert main(["simulate", "--devices", "40", "--hours", "0.1", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bad_choice_of_mode_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--dp", "local", "--no-progress"])
+    assert exc.value.code == 2 and "central" in capsys.readouterr().err
+
+
+def test_distributed_dp_with_secure_aggregation_is_taken():
+    config = FleetConfig.default().replace(devices=40, hours=0.5, secure=True, dp={"mode": "distributed"})
+    assert config.task.secure and load_workload(config).training[0].rounds.dp.mode == "distributed"
+
+
+def test_the_dp_section_refuses_knobs_without_a_mode():
+    with pytest.raises(FleetConfigError, match=r"dp\.clip needs dp\.mode"):
+        _dp(clip=2.0)
+
+
+def test_canary_devices_join_the_fleet_as_copies_with_their_own_identity():
+    config = _dp(mode="central", audit_canaries=5)
+    specs = generate_population(config)
+    plain, canaries = specs[:40], specs[40:]
+    assert len(canaries) == 5 and [c.canary for c in canaries] == list(range(5))
+    assert all(s.canary == -1 for s in plain)
+    assert len({s.device_id for s in specs}) == len(specs) and len({s.seed for s in specs}) == len(specs)
+    by_index = {s.index: s for s in plain}
+    for c in canaries:
+        source = by_index[c.index]  # its conditions and examples are an ordinary device's
+        assert c.takes_part and c.availability is source.availability and c.device_class == source.device_class
+    assert generate_population(config, indices=[0, 1])[-1].canary == -1  # a shard's own devices only
+
+
+def test_a_canary_reports_its_direction_at_the_clip_as_an_ordinary_update(tmp_path):
+    config = _dp(mode="central", clip=0.5, audit_canaries=3)
+    sim = FleetSimulator(config, generate_population(config), workdir=tmp_path)
+    try:
+        plan = sim.workload.training[0].plan
+        weights = decode_checkpoint(sim.workload.training[0].build.checkpoint)
+        n = 17
+        update = {w: np.ones_like(v) * n for w, v in weights.items()}
+        update.update(num_examples=np.float32(n), loss_sum=np.float32(3.0))
+        reported = sim.canary_report(2)(plan, update)
+    finally:
+        sim.close()
+    names = list(plan.weight_names)
+    flat = np.concatenate([reported[w].astype(np.float64).reshape(-1) for w in names]) / n
+    dim = flat.size
+    np.testing.assert_allclose(flat, canary_direction(config.fleet.seed, 2, dim) * 0.5, rtol=1e-5, atol=1e-7)
+    assert math.isclose(float(np.linalg.norm(flat)), 0.5, rel_tol=1e-5)
+    assert reported["loss_sum"] == update["loss_sum"] and reported["num_examples"] == update["num_examples"]
+    assert all(reported[w].dtype == update[w].dtype and reported[w].shape == update[w].shape for w in names)
+
+
+def _round(i: int, *, epsilon: float, accuracy: float) -> RoundRow:
+    return RoundRow(
+        round_id=f"t/{i}/1",
+        task="t",
+        start_s=60.0 * i,
+        end_s=60.0 * i + 50,
+        committed=True,
+        selected=10,
+        reported=10,
+        accepted=10,
+        dropped=0,
+        duration_s=50.0,
+        accuracy=accuracy,
+        loss=1.0,
+        epsilon=epsilon,
+    )
+
+
+def test_the_summary_and_report_of_a_dp_run_carry_epsilon_and_the_audit():
+    rounds = [_round(i, epsilon=0.5 * i, accuracy=0.5 + 0.04 * i) for i in range(1, 6)]
+    dp = {"mode": "central", "epsilon": 2.5, "delta": 1e-5, "dp_rounds": 5, "noise_multiplier": 1.0, "clip": 1.0}
+    run = FleetRun(
+        sessions=[],
+        rounds=rounds,
+        timeline=[],
+        digest="ab" * 32,
+        extra={"dp": dp, "audit_canaries": 4, "audit_epsilon": 0.8},
+    )
+    summary, figures, page = build_report(run)
+    assert {k: summary[k] for k in ("epsilon", "delta", "dp_rounds", "noise_multiplier")} == {
+        "epsilon": 2.5,
+        "delta": 1e-5,
+        "dp_rounds": 5,
+        "noise_multiplier": 1.0,
+    }
+    assert summary["audit_epsilon"] == 0.8 and summary["audit_canaries"] == 4
+    privacy = next(f for f in figures if f.name == "privacy.png")
+    ax = privacy.drawn.axes[0]
+    xs, ys = ax.lines[0].get_data()
+    assert list(xs) == [r.epsilon for r in rounds] and list(ys) == [r.accuracy for r in rounds]
+    assert "<th>epsilon</th>" in page and 'data-value="2.5"' in page
+    assert "one-shot estimate epsilon 0.8, within the accountant's epsilon" in html.unescape(page)
+
+
+def test_a_run_without_dp_has_null_privacy_and_no_privacy_figure():
+    run = FleetRun(sessions=[], rounds=[_round(1, epsilon=math.nan, accuracy=0.5)], timeline=[], digest="cd" * 32)
+    summary, figures, page = build_report(run)
+    assert all(summary[k] is None for k in ("epsilon", "delta", "dp_rounds", "noise_multiplier"))
+    assert "audit_epsilon" not in summary
+    assert not any(f.name == "privacy.png" for f in figures) and "<th>epsilon</th>" not in page
+
+
+def test_round_tables_written_before_the_epsilon_column_still_read(tmp_path):
+    row = _round(1, epsilon=3.0, accuracy=0.5)
+    path = tmp_path / "rounds.csv"
+    RoundRow.to_csv([row], path)
+    text = path.read_text(encoding="utf-8").splitlines()
+    old = [",".join(line.split(",")[:-1]) for line in text]  # drop the last column
+    path.write_text("\r\n".join(old) + "\r\n", encoding="utf-8")
+    (back,) = RoundRow.from_csv(path)
+    assert math.isnan(back.epsilon) and dataclasses.replace(back, epsilon=3.0) == row
