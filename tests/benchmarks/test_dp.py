@@ -1,0 +1,37 @@
+"""The dp benchmark runs as documented (``python -m benchmarks.dp --quick``): its device encoding and
+the Secure Aggregation group it is compared with run for both sizes, and the decoded sums are right.
+The timings are the benchmark's to judge (docs/benchmarks/dp.md), not this test's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_quick_run_ends_in_a_summary_of_its_targets():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dp", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    cases = {line["case"]: line for line in lines if "case" in line}
+    assert set(cases) == {"dim_100000", "dim_1000000"}
+    for case in cases.values():
+        assert case["correct"] is True
+        assert set(case["stages_s"]) == {"clip", "rotate", "scale_and_round", "noise", "reduce_mod"}
+        assert case["encode_s"] > 0 and case["client_masked_input_s"] > 0 and case["server_decode_s"] > 0
+        assert case["group"] == 6 and case["bitwidth"] == 32
+    summary = lines[-1]
+    assert summary["summary"] is True and summary["all_correct"] is True
+    for name in ("dim_100000_encode_over_masking", "dim_1000000_encode_over_masking"):
+        target = summary["targets"][name]
+        assert target["goal"] == 1.0 and isinstance(target["met"], bool) and target["value"] > 0
+    assert set(summary["server_decode_over_unmasking"]) == {"dim_100000", "dim_1000000"}
