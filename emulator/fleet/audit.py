@@ -152,6 +152,23 @@ def one_shot_epsilon(
     )
 
 
+def per_participation(inserted: npt.ArrayLike, participations: npt.ArrayLike) -> FloatArray:
+    """The cosines of the canaries that took part, each scaled to the mean participation count:
+    a canary's signal grows with the rounds its report was summed in, and in a fleet (where a canary
+    takes part only when selected) that count varies from canary to canary. Left alone, the spread of
+    the counts widens the fitted Gaussian, which the Gaussian mechanism it stands for does not have,
+    and caps the estimate whatever the noise; scaled, each canary speaks for the mean count. The
+    auditor knows the counts (it ran the canaries); canaries that never took part carry nothing and
+    are left out."""
+    c = np.asarray(inserted, dtype=np.float64).reshape(-1)
+    m = np.asarray(participations, dtype=np.float64).reshape(-1)
+    if m.size != c.size:
+        raise AuditError(f"{m.size} participation counts for {c.size} canaries")
+    took_part = m > 0
+    out: FloatArray = c[took_part] * (m[took_part].mean() / m[took_part]) if took_part.any() else c[:0]
+    return out
+
+
 def audit(
     initial: npt.ArrayLike,
     final: npt.ArrayLike,
@@ -160,13 +177,18 @@ def audit(
     canaries: int,
     delta: float,
     null_canaries: int | None = None,
+    participations: npt.ArrayLike | None = None,
 ) -> AuditEstimate:
     """The whole audit of one run: the model's delta (``final`` - ``initial``, flat), its cosines with
     the ``canaries`` inserted ones (indices 0..K-1 of ``seed``) and with as many fresh ones
-    (``null_canaries``, default the same count), and the estimate."""
+    (``null_canaries``, default the same count), and the estimate. ``participations``: how many of
+    each canary's reports were summed into committed rounds, when they varied (see
+    ``per_participation``); None when every canary took part alike (the paper's setting)."""
     d = np.asarray(final, dtype=np.float64).reshape(-1) - np.asarray(initial, dtype=np.float64).reshape(-1)
     k_null = canaries if null_canaries is None else null_canaries
     inserted = cosines(d, canary_directions(seed, canaries, d.size))
+    if participations is not None:
+        inserted = per_participation(inserted, participations)
     null = cosines(d, canary_directions(seed, k_null, d.size, start=canaries))
     return one_shot_epsilon(inserted, delta=delta, dim=d.size, null=null)
 
@@ -180,5 +202,6 @@ __all__ = [
     "cosines",
     "flatten",
     "one_shot_epsilon",
+    "per_participation",
     "unflatten",
 ]

@@ -215,6 +215,10 @@ def generate_population(config: FleetConfig, *, indices: Sequence[int] | range |
     return out
 
 
+#: A canary device's id is this and its number (``canary0003``).
+CANARY_PREFIX = "canary"
+
+
 def canary_specs(config: FleetConfig, devices: Sequence[DeviceSpec]) -> list[DeviceSpec]:
     """The audit's ``dp.audit_canaries`` canary devices, after the fleet's own: canary k is a copy of
     an ordinary device spread over the fleet (its conditions, class, network and examples, so it
@@ -226,7 +230,7 @@ def canary_specs(config: FleetConfig, devices: Sequence[DeviceSpec]) -> list[Dev
     return [
         dataclasses.replace(
             taking_part[k * len(taking_part) // k_total],
-            device_id=f"canary{k:04d}",
+            device_id=f"{CANARY_PREFIX}{k:04d}",
             seed=device_seed(config.fleet.seed, k, "canary"),
             canary=k,
         )

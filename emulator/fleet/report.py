@@ -914,7 +914,9 @@ def _privacy_sentences(summary: Mapping[str, Any]) -> list[str]:
                     if est <= eps
                     else ", ABOVE the accountant's epsilon: check the DP"
                 )
-            out.append(f"Audit ({k} canaries): one-shot estimate epsilon {est:.3g}{verdict}.")
+            heard = summary.get("audit_reports")
+            reports = f", {heard} of their reports summed" if heard is not None else ""
+            out.append(f"Audit ({k} canaries{reports}): one-shot estimate epsilon {est:.3g}{verdict}.")
     return out
 
 

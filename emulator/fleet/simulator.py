@@ -42,6 +42,7 @@ from .events import EventLoop, Fibers, SimulationError
 from .federated_data import client_accuracy_percentiles
 from .heap import long_lived_heap
 from .plan_cost import PlanCost, plan_cost
+from .population import CANARY_PREFIX
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
@@ -450,19 +451,27 @@ class FleetSimulator:
             "client_accuracy_percentiles": self._per_client(last),
             "round_config": trained.rounds,
             "dp": privacy_figures(trained.rounds.dp, dp_metrics),
-            **self._audit(trained, final),
+            **self._audit(trained, final, rows),
         }  # what the server ran, for the notes
         return with_round_bytes(rows, self.sessions), digest.hexdigest()
 
-    def _audit(self, trained: Any, final: bytes | None) -> dict[str, Any]:
+    def _audit(self, trained: Any, final: bytes | None, rounds: list[RoundRow]) -> dict[str, Any]:
         """The one-shot audit of the training task's final model (``audit_epsilon``, and the
-        estimate's parts), when the fleet has canaries: None when no round committed."""
+        estimate's parts), when the fleet has canaries: None when no round committed or fewer than
+        two canaries had a report summed. A canary's reports count where they were accepted in a
+        round that committed (``audit.per_participation``)."""
         canaries = self.config.dp.audit_canaries
         if not canaries:
             return {}
         dp = trained.rounds.dp
+        committed = {r.round_id.rsplit("/", 1)[0] for r in rounds if r.committed}
+        counts = np.zeros(canaries)
+        for session in self.sessions:
+            if session.device_id.startswith(CANARY_PREFIX) and session.outcome == "completed":
+                if session.round_id in committed:
+                    counts[int(session.device_id.removeprefix(CANARY_PREFIX))] += 1
         estimate = None
-        if final is not None and dp is not None:
+        if final is not None and dp is not None and (counts > 0).sum() >= 2:
             names = list(trained.plan.weight_names)
             initial = audit.flatten(decode_checkpoint(trained.build.checkpoint), names)
             estimate = audit.audit(
@@ -471,9 +480,11 @@ class FleetSimulator:
                 seed=self.config.fleet.seed,
                 canaries=canaries,
                 delta=dp.delta,
+                participations=counts,
             )
         return {
             "audit_canaries": canaries,
+            "audit_reports": int(counts.sum()),
             "audit_epsilon": None if estimate is None else _finite_or_none(estimate.epsilon),
             "audit": None
             if estimate is None

@@ -257,13 +257,15 @@ def summarize(run: RunTables) -> dict[str, Any]:
 def privacy(run: RunTables) -> dict[str, Any]:
     """``epsilon`` (at ``delta``, after the ``dp_rounds`` committed DP rounds; null when unbounded,
     without noise), ``delta``, ``dp_rounds``, ``noise_multiplier``: all null without DP; with the
-    audit's canaries, ``audit_canaries`` and ``audit_epsilon`` (the one-shot estimate) too."""
+    audit's canaries, ``audit_canaries``, ``audit_reports`` (their reports summed into committed
+    rounds) and ``audit_epsilon`` (the one-shot estimate; null with fewer than two canaries heard) too."""
     dp = run.extra.get("dp")
     out: dict[str, Any] = {
         key: None if dp is None else dp.get(key) for key in ("epsilon", "delta", "dp_rounds", "noise_multiplier")
     }
     if run.extra.get("audit_canaries"):
         out["audit_canaries"] = run.extra["audit_canaries"]
+        out["audit_reports"] = run.extra.get("audit_reports")
         out["audit_epsilon"] = run.extra.get("audit_epsilon")
     return out
 

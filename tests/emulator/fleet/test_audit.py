@@ -101,3 +101,34 @@ def test_the_estimate_grows_with_the_canaries_mean_cosine(mean: float, std: floa
     lo = audit.one_shot_epsilon(base, delta=DELTA, dim=DIM).epsilon
     hi = audit.one_shot_epsilon(base + shift, delta=DELTA, dim=DIM).epsilon
     assert hi >= lo
+
+
+def test_scaling_to_participation_counts_keeps_the_audit_failing_without_noise_when_counts_vary():
+    """In a fleet a canary takes part only when selected: with counts that vary (here each round
+    takes a canary with probability 1/2) the raw cosines' spread is mostly the counts', which caps
+    the estimate; scaled per participation, the run without noise is again far above the
+    accountant, and the one with noise still below it."""
+    rng = np.random.default_rng(5)
+    accountant = epsilon(1.0, ROUNDS, DELTA)
+    for z, check in ((1.0, lambda e: e < accountant), (0.0, lambda e: e > accountant)):
+        w0 = rng.normal(0.0, 0.1, DIM)
+        w = w0.copy()
+        directions = audit.canary_directions(1, CANARIES, DIM)
+        counts = np.zeros(CANARIES)
+        signal = rng.normal(0.0, 1.0, DIM)
+        signal *= 0.2 / np.linalg.norm(signal)
+        for _ in range(ROUNDS):
+            chosen = rng.random(CANARIES) < 0.5
+            counts += chosen
+            updates = [signal + rng.normal(0.0, 1.0 / math.sqrt(DIM), DIM) for _ in range(CLIENTS)]
+            updates += [d * CLIP for d in directions[chosen]]
+            w = w + dp_mean(updates, clip=CLIP, noise_multiplier=z, rng=rng).mean
+        est = audit.audit(w0, w, seed=1, canaries=CANARIES, delta=DELTA, participations=counts)
+        assert check(est.epsilon), (z, est)
+
+
+def test_canaries_that_never_took_part_are_left_out_of_the_fit():
+    scaled = audit.per_participation([0.2, 0.1, 0.0, 0.3], [2, 1, 0, 3])
+    np.testing.assert_allclose(scaled, [0.2, 0.2, 0.2])
+    with pytest.raises(audit.AuditError, match="participation counts"):
+        audit.per_participation([0.2, 0.1], [1])
