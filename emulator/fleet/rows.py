@@ -47,7 +47,8 @@ def _parse(text: str, kind: type, column: str, where: str) -> Any:
         if kind is int:
             return int(text)
         if kind is float:
-            return float(text)
+            value = float(text)
+            return math.nan if value != value else value  # the one NaN: rows read back compare equal
     except ValueError:
         raise FleetTableError(f"{where}: column {column!r} holds a {kind.__name__}, got {text!r}") from None
     return text

@@ -89,10 +89,10 @@ def test_a_table_of_another_kind_is_refused_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan,0,0", "'committed' holds a bool, got 'yes'"),
-        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan,0,0", "'selected' holds a int"),
-        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan,0,0", "'start_s' holds a float"),
-        ("r1,train,0.0,1.0,true,1,1,1,0,1.0,nan,0,0", "line 2 has 13 values"),
+        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan,0,0,nan", "'committed' holds a bool, got 'yes'"),
+        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan,0,0,nan", "'selected' holds a int"),
+        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan,0,0,nan", "'start_s' holds a float"),
+        ("r1,train,0.0,1.0,true,1,1,1,0,1.0,nan,0,0,nan", "line 2 has 14 values"),
     ],
 )
 def test_a_bad_value_names_its_line_and_column(tmp_path, line, message):
@@ -132,11 +132,12 @@ def test_the_span_comes_from_the_run_then_its_config_then_its_tables():
 def test_a_rounds_table_written_before_its_byte_columns_reads_back_with_zero_bytes(tmp_path):
     path = tmp_path / "rounds.csv"
     names = [name for name, _ in RoundRow.columns()]
-    assert names[-2:] == ["bytes_down", "bytes_up"]
-    path.write_text(",".join(names[:-2]) + "\r\nr1,train,0.0,1.0,true,1,1,1,0,1.0,0.5,nan\r\n")
+    assert names[-3:] == ["bytes_down", "bytes_up", "epsilon"]  # epsilon came after the bytes
+    path.write_text(",".join(names[:-3]) + "\r\nr1,train,0.0,1.0,true,1,1,1,0,1.0,0.5,nan\r\n")
     (row,) = RoundRow.from_csv(path)
     assert (row.round_id, row.accuracy, row.bytes_down, row.bytes_up) == ("r1", 0.5, 0, 0)
-    path.write_text(",".join(names[:-3]) + "\r\n")  # a column without a default is still required
+    assert math.isnan(row.epsilon)
+    path.write_text(",".join(names[:-4]) + "\r\n")  # a column without a default is still required
     with pytest.raises(FleetTableError, match="not a RoundRow table"):
         RoundRow.from_csv(path)
 
