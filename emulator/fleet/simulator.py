@@ -164,6 +164,7 @@ class FleetSimulator:
                 secagg_random_bytes=random.Random(config.fleet.seed ^ 0x5EC466).randbytes,
                 token_bytes=random.Random(config.fleet.seed ^ 0x70CE45).randbytes,
                 late_metrics_every_s=SERVER_LATE_METRICS_EVERY_S,
+                dp_random=seeded_noise(config.fleet.seed),
             )
             keys, _ = AdminKeys.generate()
             self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False, telemetry=False))
@@ -597,6 +598,13 @@ def simulate(
         else:
             run.write_tables(out_dir)
     return run
+
+
+def seeded_noise(seed: int) -> Callable[[], np.random.Generator]:
+    """The simulated server's central DP noise: a new generator per round from the fleet's seed
+    (children of one seed sequence), so a run repeats; a deployed server seeds each from ``secrets``."""
+    sequence = np.random.SeedSequence([seed, 0xD9015E])
+    return lambda: np.random.default_rng(sequence.spawn(1)[0])
 
 
 def _number(value: Any) -> float:
