@@ -30,11 +30,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import dp_accounting
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+if TYPE_CHECKING:  # dp_accounting (and the scipy it loads) is imported where used: about a second of
+    # start-up that every server and CLI process without a DP task would pay
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 Method = Literal["pld", "rdp"]
 
@@ -82,6 +82,8 @@ def composed_noise_multiplier(rounds: dict[float, int]) -> float:
 @functools.lru_cache(maxsize=32)
 def _sampled_round_pld(noise_multiplier: float, q: float) -> pld_lib.PrivacyLossDistribution:
     """One Poisson-sampled Gaussian round's PLD (a second or two to build, so built once)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
     return pld_lib.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
         sampling_prob=q,
@@ -90,6 +92,9 @@ def _sampled_round_pld(noise_multiplier: float, q: float) -> pld_lib.PrivacyLoss
 
 
 def _epsilon(rounds: dict[float, int], delta: float, q: float | None, method: Method) -> float:
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
     live = {z: c for z, c in rounds.items() if c > 0}
     if not live:
         return 0.0
@@ -172,6 +177,8 @@ def rounds_within(
 
     lo, hi = 0, 1
     if (sampling_probability is None or sampling_probability == 1.0) and method == "pld":
+        import dp_accounting
+
         s = float(dp_accounting.get_sigma_gaussian(max_epsilon, delta))
         guess = min(limit, int(math.floor((noise_multiplier / s) ** 2)))
         lo, hi = (
