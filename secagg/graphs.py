@@ -37,6 +37,7 @@ Defaults: gamma = 1/3 corrupt, delta = 5% drop-out, sigma = 40, eta = 30.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -54,11 +55,18 @@ def _log_binom_pmf(k: int, i: int, p: float) -> float:
     return math.lgamma(k + 1) - math.lgamma(i + 1) - math.lgamma(k - i + 1) + i * math.log(p) + (k - i) * math.log1p(-p)
 
 
+@functools.lru_cache(maxsize=1024)
+def _binom_pmf(k: int, p: float) -> tuple[float, ...]:
+    """P[Bin(k, p) = i] for i = 0..k: the parameter search asks for every threshold of each k,
+    so the k + 1 terms are computed once, not once per threshold (O(k^2) lgammas per k)."""
+    return tuple(math.exp(_log_binom_pmf(k, i, p)) for i in range(k + 1))
+
+
 def binom_tail_ge(k: int, t: int, p: float) -> float:
-    """P[Bin(k, p) >= t]."""
+    """P[Bin(k, p) >= t] (the terms summed from i = t up, in that order)."""
     if t <= 0:
         return 1.0
-    return min(1.0, sum(math.exp(_log_binom_pmf(k, i, p)) for i in range(t, k + 1)))
+    return min(1.0, sum(_binom_pmf(k, p)[t:]))
 
 
 def _smallest_threshold(

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from secagg import MaskAccumulator, expand, harary_neighbours, secagg_plus_parameters
 from secagg.crypto import hkdf_sha256
-from secagg.graphs import binom_tail_ge
+from secagg.graphs import _log_binom_pmf, binom_tail_ge
 from tests.secagg.secagg_helpers import seeded
 
 
@@ -73,6 +73,14 @@ def test_harary_graph_is_regular_symmetric_connected(n, half, seed):
                 seen.add(v)
                 stack.append(v)
     assert seen == set(ids)
+
+
+@given(k=st.integers(0, 400), t=st.integers(-2, 402), p=st.sampled_from([0.0, 1 / 3, 0.05, 0.95, 0.5, 1.0]))
+def test_a_binomial_tail_is_the_sum_of_its_terms_bit_for_bit(k, t, p):
+    """The tail from terms computed once per (k, p) adds the same floats in the same order as
+    summing each term's own exp, so the parameters chosen from it cannot move."""
+    direct = 1.0 if t <= 0 else min(1.0, sum(math.exp(_log_binom_pmf(k, i, p)) for i in range(t, k + 1)))
+    assert binom_tail_ge(k, t, p) == direct
 
 
 def test_secagg_plus_parameters_are_sensible():

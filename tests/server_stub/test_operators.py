@@ -26,6 +26,7 @@ from emulator import AttestationAuthority
 from server_stub import AdminClient, AdminKeyError, AdminKeys, RoundConfig, ServerThread, free_port, task_body
 from server_stub.admin_auth import ADMIN_KEYS_ENV, MIN_KEY_CHARS
 from server_stub.cli import add_server_arguments, run_server
+from server_stub.cli import main as server_main
 from tests.support import deploy, digits_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -375,20 +376,8 @@ def _bad_trust_files(tmp_path: Path) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize(
-    "command, problem",
-    [
-        (["-m", "server_stub"], "short key"),
-        (["-m", "server_stub"], "empty key file"),
-        (["-m", "server_stub"], "missing key file"),
-        (["-m", "server_stub"], "bad trust anchor"),
-        (["-m", "server_stub"], "missing trust anchor"),
-        (["-m", "emulator.cli", "server"], "short key"),  # `fedfleet server` is the same command
-        (["-m", "server_stub"], "database in no folder"),
-        (["-m", "server_stub"], "port out of range"),
-    ],
-)
-def test_the_command_refuses_unusable_files_with_status_2(tmp_path, command, problem):
+def _unusable(tmp_path: Path, problem: str) -> list[str]:
+    """The server command's arguments with one unusable file or value."""
     keys = _key_file(tmp_path)
     args = ["--db", str(tmp_path / "s.db"), "--port", str(free_port()), "--admin-key-file", str(keys)]
     if problem == "short key":
@@ -405,10 +394,53 @@ def test_the_command_refuses_unusable_files_with_status_2(tmp_path, command, pro
         args += ["--attestation-trust", str(_bad_trust_files(tmp_path)["not json"])]
     else:
         args += ["--attestation-trust", str(tmp_path / "nowhere.json")]
+    return args
+
+
+def _refused_in_one_line(code: int, out: str, err: str) -> None:
+    assert code == 2, (out, err)
+    assert err.startswith("fedfleet server: ") or "error: argument --port" in err, err
+    assert "Traceback" not in err and "listening" not in out
+
+
+@pytest.mark.parametrize(
+    "command", [["-m", "server_stub"], ["-m", "emulator.cli", "server"]], ids=["server_stub", "fedfleet server"]
+)
+def test_the_command_refuses_an_unusable_key_file_with_status_2(tmp_path, command):
+    """The real process, by both of its names: its exit status and its one line."""
+    args = _unusable(tmp_path, "short key")
     done = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.startswith("fedfleet server: ") or "error: argument --port" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and "listening" not in done.stdout
+    _refused_in_one_line(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        "short key",
+        "empty key file",
+        "missing key file",
+        "bad trust anchor",
+        "missing trust anchor",
+        "database in no folder",
+        "port out of range",
+    ],
+)
+def test_the_command_refuses_unusable_files_with_status_2(tmp_path, capsys, problem):
+    """Each problem through the command's own ``main`` (the process around it is the test above)."""
+    args = _unusable(tmp_path, problem)
+    codes: queue.Queue[int] = queue.Queue()
+
+    def run() -> None:
+        try:
+            codes.put(server_main(args))
+        except SystemExit as exit_:  # argparse's refusals
+            codes.put(int(exit_.code or 0))
+
+    # in a thread of its own, so that a command which serves instead of refusing fails the test
+    threading.Thread(target=run, daemon=True).start()
+    code = codes.get(timeout=30)
+    captured = capsys.readouterr()
+    _refused_in_one_line(code, captured.out, captured.err)
 
 
 def test_a_port_in_use_is_refused_before_the_server_says_it_listens(tmp_path):

@@ -25,6 +25,7 @@ from emulator.toolchain.release_signing import public_key_bytes, sign_report
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub import AdminClient, AdminError, RoundConfig, ServerThread, free_port, resource_id
 from server_stub.admin_client import task_body
+from server_stub.cli import main as server_main
 from server_stub.release_gate import canonical_json
 
 TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
@@ -35,7 +36,7 @@ TESTER = Ed25519PrivateKey.generate()
 TRUSTED = frozenset({public_key_bytes(TESTER)})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def built(tmp_path_factory) -> BuiltTask:
     out = tmp_path_factory.mktemp("bundle")
     build_bundle(TASK_FILE, out, runtimes=CLAIMED)
@@ -152,46 +153,34 @@ def test_without_the_gate_the_existing_deploy_path_is_unchanged(tmp_path, built)
 
 @pytest.mark.timeout(1800)
 def test_the_server_command_requires_release_reports_unless_told_otherwise(tmp_path, built):
+    """Without flags: a deploy with no report is refused, one signed by a key the server was not
+    given is untrusted, and the command says how to trust one; with --allow-untested-plans the
+    same deploy is accepted."""
     key = "operator-key-for-the-gate-test-0123456789"
     (tmp_path / "admin.keys").write_text(key + "\n")
     verdicts = {}
     for flags in ([], ["--allow-untested-plans"]):
-        port = free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server_stub",
-                "--db",
-                str(tmp_path / f"s{len(flags)}.db"),
-                "--port",
-                str(port),
-                "--admin-key-file",
-                str(tmp_path / "admin.keys"),
-                *flags,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc, url = start_server(tmp_path, f"s{len(flags)}.db", *flags)
         try:
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(200):
-                try:
-                    if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.05)
             with AdminClient(url, admin_key=key) as admin:
                 admin.create_population("digits")
-                try:
-                    admin.deploy_body("digits", task_body("train", built.plan, built.checkpoint, CONFIG))
-                    verdicts[tuple(flags)] = "accepted"
-                except AdminError as exc:
-                    verdicts[tuple(flags)] = exc.code
+                for kind, deploy in (
+                    ("no report", task_body("train", built.plan, built.checkpoint, CONFIG)),
+                    ("signed", body(built)),
+                ):
+                    try:
+                        admin.deploy_body("digits", deploy)
+                        verdicts[tuple(flags), kind] = "accepted"
+                    except AdminError as exc:
+                        verdicts[tuple(flags), kind] = exc.code
         finally:
             proc.terminate()
-            proc.wait(timeout=10)
-    assert verdicts == {(): "RELEASE_REPORT_REQUIRED", ("--allow-untested-plans",): "accepted"}
+            out, _ = proc.communicate(timeout=10)
+        if not flags:
+            assert "--release-trust FILE" in out
+    assert verdicts[(), "no report"] == "RELEASE_REPORT_REQUIRED"
+    assert verdicts[(), "signed"] == "RELEASE_REPORT_UNTRUSTED"
+    assert verdicts[("--allow-untested-plans",), "no report"] == "accepted"
 
 
 @pytest.mark.timeout(1800)
@@ -326,7 +315,9 @@ def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str]
 
 
 @pytest.mark.timeout(1800)
-def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, built):
+def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, built, capsys):
+    """A report signed by a key of the --release-trust file is deployed (without the file it is
+    untrusted: the test above); a file with a line that is no key stops the command."""
     key = "operator-key-for-the-trust-test-0123456789"
     (tmp_path / "admin.keys").write_text(key + "\n")
     trust = tmp_path / "release-trust"
@@ -334,39 +325,17 @@ def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, 
         "# testers whose release reports we deploy\n\n"
         f"ed25519 {built.report()['signature']['public_key']} alice@model-team\n"
     )
-    verdicts = {}
-    for flags in ([], ["--release-trust", str(trust)]):
-        proc, url = start_server(tmp_path, f"s{len(flags)}.db", *flags)
-        try:
-            with AdminClient(url, admin_key=key) as admin:
-                admin.create_population("digits")
-                try:
-                    admin.deploy_body("digits", body(built))
-                    verdicts[tuple(flags[:1])] = "accepted"
-                except AdminError as exc:
-                    verdicts[tuple(flags[:1])] = exc.code
-        finally:
-            proc.terminate()
-            out, _ = proc.communicate(timeout=10)
-        assert ("signed by one of the 1 key(s)" if flags else "--release-trust FILE") in out
-    assert verdicts == {(): "RELEASE_REPORT_UNTRUSTED", ("--release-trust",): "accepted"}
+    proc, url = start_server(tmp_path, "s.db", "--release-trust", str(trust))
+    try:
+        with AdminClient(url, admin_key=key) as admin:
+            admin.create_population("digits")
+            admin.deploy_body("digits", body(built))
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert "signed by one of the 1 key(s)" in out
     trust.write_text("ed25519 not-a-key\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server_stub",
-            "--db",
-            str(tmp_path / "bad.db"),
-            "--port",
-            "0",
-            "--admin-key-file",
-            str(tmp_path / "admin.keys"),
-            "--release-trust",
-            str(trust),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "line 1" in proc.stderr and "fedfleet plan keygen" in proc.stderr
+    args = ["--db", str(tmp_path / "bad.db"), "--port", "0", "--admin-key-file", str(tmp_path / "admin.keys")]
+    assert server_main([*args, "--release-trust", str(trust)]) == 2
+    err = capsys.readouterr().err
+    assert "line 1" in err and "fedfleet plan keygen" in err

@@ -14,7 +14,8 @@ from emulator.fleet.compare import FleetCompareError, compare_client_accuracy, c
 from emulator.fleet.config import FleetConfig
 from emulator.fleet.report import accuracy_series
 
-#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
 pytestmark = pytest.mark.xdist_group("test_compare")
 
 pytest.importorskip("matplotlib")
@@ -31,7 +32,7 @@ def _run_folder(path, *, devices: int, goal: int) -> FleetRun:
     return run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
     runs = {

@@ -18,7 +18,8 @@ import pytest
 from emulator.fleet import FleetConfig, simulate
 from emulator.fleet.report import is_dropout
 
-#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
 pytestmark = pytest.mark.xdist_group("test_fidelity")
 
 GOAL = 10
@@ -30,7 +31,7 @@ def _day(seed: int):
     return simulate(FleetConfig.from_dict(data), progress=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def day():
     return _day(0)
 

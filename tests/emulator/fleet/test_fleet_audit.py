@@ -25,7 +25,7 @@ def _audited(noise_multiplier: float) -> dict:
     return simulate(config, progress=False).summary()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def noisy() -> dict:
     return _audited(3.0)
 

@@ -182,7 +182,7 @@ def fleet(
     return FleetConfig.from_dict(data)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def by_hidden() -> dict[int, FleetRun]:
     return {h: simulate(fleet(hidden=[h]), progress=False) for h in (32, 1024)}
 
@@ -230,7 +230,7 @@ SHORT = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def short_of_memory() -> FleetRun:
     # hidden [2048]: a plan of about 1.6 MB, more than the tiny class's 1 MB
     return simulate(

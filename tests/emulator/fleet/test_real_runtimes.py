@@ -18,7 +18,8 @@ from emulator.fleet.simulator import FleetSimulator
 from emulator.releases.workers import ReleasePlans
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 
-#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
 pytestmark = pytest.mark.xdist_group("test_real_runtimes")
 
 OLD, NEW = "1.17.3", "1.31.1"
@@ -44,7 +45,7 @@ def _simulator(config: FleetConfig, workdir) -> FleetSimulator:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet(tmp_path_factory) -> tuple[FleetSimulator, FleetRun]:
     sim = _simulator(real_config(), tmp_path_factory.mktemp("real-runtimes"))
     return sim, sim.run()

@@ -29,7 +29,8 @@ from emulator.fleet.config import FleetConfig
 from emulator.fleet.report import PLOTS, available_by_hour
 
 pytest.importorskip("matplotlib")
-#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
 pytestmark = pytest.mark.xdist_group("test_report")
 
 # Shapes of the paper's Table 1 plus rarer failures, with the shares the synthetic fleet draws.
@@ -213,12 +214,12 @@ def _expected(run: FleetRun) -> dict[str, object]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run() -> FleetRun:
     return synthetic_run(seed=7)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def report_dir(run, tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     write_report(run, out)
@@ -498,7 +499,7 @@ def small_fleet(goal: int = 8, devices: int = 300, hours: float = 2.0) -> FleetR
     return simulate(config, progress=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet_report(tmp_path_factory):
     """(run, summary, figures, out dir) of a small real fleet's report."""
     run = small_fleet()

@@ -23,7 +23,8 @@ from emulator.fleet.simulator import FleetSimulator
 from secagg import Quantizer
 from server_stub.secure_rounds import SecureRound
 
-#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
 pytestmark = pytest.mark.xdist_group("test_secure_fleet")
 
 GROUP = 5
@@ -103,7 +104,7 @@ def _run(
             return sim.run(), sim
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs() -> dict:
     updates: dict[str, dict] = {}
     summed: dict[str, list[str]] = {}

@@ -22,7 +22,8 @@ from emulator.fleet.population import DeviceFaults
 from emulator.fleet.ray_backend import simulate_sharded
 from emulator.fleet.simulator import FleetSimulator
 
-#: The module's fleets are built once per run: its tests go to one pytest-xdist worker.
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
 pytestmark = pytest.mark.xdist_group("test_simulator")
 
 SMALL = {"devices": 80, "hours": 2.0, "start_utc_hour": 6.0}
@@ -37,7 +38,7 @@ def small_config(seed: int = 1, **task: object) -> FleetConfig:
     return FleetConfig.from_dict(data)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs() -> dict[str, FleetRun]:
     return {
         "a": simulate(small_config(seed=1), progress=False),
