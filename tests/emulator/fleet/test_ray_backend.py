@@ -184,7 +184,20 @@ on_the_cluster = pytest.mark.xdist_group("ray")
 
 @needs_ray
 @on_the_cluster
-def test_the_sharded_run_on_two_ray_workers_equals_the_single_process_run(cluster, one_process):
+def test_the_sharded_run_on_two_ray_workers_equals_the_single_process_run(cluster):
+    """A lighter twin of the slow test below: a fleet of 30 for half an hour."""
+    config = tiny_config(seed=1)
+    stats: dict = {}
+    run = simulate_sharded(config, shards=2, ray=True, stats=stats)
+    alone = simulate(config, progress=False)
+    same_run(run, alone)
+    assert stats["windows"] > 1 and sum(r.committed for r in alone.rounds) >= 1
+
+
+@pytest.mark.slow
+@needs_ray
+@on_the_cluster
+def test_the_sharded_run_of_a_larger_fleet_on_two_ray_workers_equals_the_single_process_run(cluster, one_process):
     stats: dict = {}
     run = simulate_sharded(small_config(seed=1), shards=2, ray=True, stats=stats)
     same_run(run, one_process)
