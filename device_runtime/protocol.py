@@ -245,8 +245,8 @@ class ProtocolClient:
             headers={"Authorization": f"Bearer {session.token}"},
         )
         self._raise_for_error(response)
-        # Read as a JSON object only: the Secure Aggregation client judges each field itself, and
-        # refuses a state out of shape as a refusal of the round (``SecureOutcome``), not an error.
+        # Read as a JSON object only: the Secure Aggregation client reads it as ``wire.SecAggState``
+        # and refuses a state out of shape as a refusal of the round (``SecureOutcome``), not an error.
         try:
             data = response.json()
         except ValueError:  # not JSON, or not UTF-8

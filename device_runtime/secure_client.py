@@ -32,15 +32,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ValidationError
 
 from secagg import PeerVerifier, Round, SecAggClient, Signer, assign_groups, group_seed, seed_commitment
 
 from .attestation import device_key_hash
 from .dp_policy import DEFAULT_DP_POLICY, DDPRound, DPPolicy, DPRefusal, check_round
 from .errors import ProtocolError
-from .protocol import CheckinAccepted, ProtocolClient, retry_window
+from .protocol import CheckinAccepted, ProtocolClient
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_sum import config_from_json
+from .wire import SecAggState
 
 MAX_DEADLINE_S = 3600.0
 LONG_POLL_S = 0.5  # also bounds how long a should_abort can go unheard
@@ -210,14 +212,18 @@ class SecureAggregation:
                 return SecureResult(SecureOutcome.INTERRUPTED)
             wait = max(0.0, min(self.long_poll_s, self.deadline - self.clock()))
             after = self._seen_seq if self._secagg is not None else -1  # -1: AdvertiseKeys is due at once
-            state = client.secagg_poll(session, after=after, wait_s=wait)
-            status = state.get("status")
-            remaining = state.get("deadline_in_s")
-            if isinstance(remaining, (int, float)) and not isinstance(remaining, bool):
+            answer = client.secagg_poll(session, after=after, wait_s=wait)
+            try:
+                # the round's DP parameters are judged by the device's DP policy, with its own codes
+                state = SecAggState.model_validate({**answer, "ddp": None})
+            except ValidationError as exc:
+                return self._refused(f"the server's Secure Aggregation state is malformed: {_first_error(exc)}")
+            status = state.status
+            if state.deadline_in_s is not None:
                 # the server moves the deadline when its group forms later than the device thought
-                self.deadline = self.clock() + min(float(remaining), MAX_DEADLINE_S) + DEADLINE_GRACE_S
+                self.deadline = self.clock() + min(max(state.deadline_in_s, 0.0), MAX_DEADLINE_S) + DEADLINE_GRACE_S
             if status == "waiting":
-                seen = _b64(state.get("commitment"))
+                seen = _b64(state.commitment)
                 if self._commitment is not None and seen != self._commitment:
                     return self._refused("the server changed its committed seed while this device waited")
                 self._commitment = self._commitment or seen
@@ -226,10 +232,10 @@ class SecureAggregation:
             if status in ("excluded", "closed"):
                 return SecureResult(SecureOutcome.EXCLUDED, str(status))
             if self._secagg is None:
-                if state.get("round") != Round.ADVERTISE_KEYS.value:
+                if state.round != Round.ADVERTISE_KEYS.value:
                     return SecureResult(SecureOutcome.EXCLUDED, "the group started without this device")
                 try:
-                    self._secagg = self._join(state)
+                    self._secagg = self._join(state, answer.get("ddp"))
                 except _Refusal as exc:
                     return self._refused(str(exc), exc.code)
                 if self._entering(Round.ADVERTISE_KEYS.value):
@@ -238,26 +244,24 @@ class SecureAggregation:
                     return SecureResult(SecureOutcome.EXCLUDED, "the group moved on without this device")
                 continue
             if status == "completed":
-                if not state.get("included"):
+                if not state.included:
                     return SecureResult(SecureOutcome.EXCLUDED)
-                return SecureResult(SecureOutcome.INCLUDED, retry_after_s=retry_window(state))
+                return SecureResult(SecureOutcome.INCLUDED, retry_after_s=state.retry_after_s)
             if status == "aborted":
-                return SecureResult(SecureOutcome.ABORTED, str(state.get("reason", "")))
-            seq, message = state.get("seq", 0), state.get("message")
-            if not isinstance(seq, int) or isinstance(seq, bool) or not (message is None or isinstance(message, str)):
-                return self._refused(f"the server's Secure Aggregation state is malformed (seq {str(seq)[:20]!r})")
+                return SecureResult(SecureOutcome.ABORTED, state.reason or "")
+            seq, message = state.seq or 0, state.message
             if seq > self._seen_seq and message:
-                round_name = str(state.get("round", ""))
+                round_name = state.round or ""
                 if until_input and round_name == Round.MASKED_INPUT_COLLECTION.value:
                     return None  # the reply is the masked input: it waits for training
                 self._seen_seq = seq
                 if self._entering(round_name):
                     return SecureResult(SecureOutcome.INTERRUPTED)
                 try:
-                    raw = base64.b64decode(message, validate=True)
+                    received = base64.b64decode(message, validate=True)
                 except ValueError:
                     return self._refused("the server's Secure Aggregation message is not base64")
-                reply = self._secagg.handle(raw)
+                reply = self._secagg.handle(received)
                 if self._secagg.aborted:
                     return self._refused(str(self._secagg.abort_reason))
                 if reply is not None and not _send(client, session, reply):
@@ -269,14 +273,17 @@ class SecureAggregation:
     def _refused(self, reason: str, code: str = REFUSED) -> SecureResult:
         return SecureResult(SecureOutcome.ABORTED, f"this device refused the server: {reason}", refused=True, code=code)
 
-    def _join(self, state: dict) -> SecAggClient:
-        """Check the server's configuration and this device's group, then make the client."""
+    def _join(self, state: SecAggState, ddp: object) -> SecAggClient:
+        """Check the server's configuration, this device's group and the round's DP parameters
+        (``ddp``, as the server sent them), then make the client."""
+        if state.config is None or state.client_id is None:
+            raise ProtocolError("the server's Secure Aggregation setup is malformed: it names no config or client_id")
         try:
-            config = config_from_json(state["config"])
-            client_id = int(state["client_id"])
+            config = config_from_json(state.config)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"the server's Secure Aggregation setup is malformed: {exc}") from None
-        assignment = state.get("assignment")
+        client_id = state.client_id
+        assignment = state.assignment
         is_member = None
         if isinstance(assignment, dict):
             group, attested, expected_commitment = self._check_assignment(assignment, client_id)
@@ -291,13 +298,13 @@ class SecureAggregation:
         elif self.policy.require_graph_commitment:
             raise _Refusal("the server revealed no seed for the group assignment")
         else:
-            n = int(state.get("group_size", 0))
+            n = state.group_size or 0
         problem = self.policy.violation(config, n)
         if problem is not None:
             raise _Refusal(f"below this device's privacy floor: {problem}")
         try:
             self.ddp = check_round(
-                state.get("ddp"),
+                ddp,
                 config=config,
                 group_size=n,
                 dim=self.update_dim,
@@ -344,6 +351,13 @@ class SecureAggregation:
             )
         attested = self.signer is not None and key == self.member_keys[0]
         return groups[mine], attested, seed_commitment(group_seed(seed, mine))
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first thing wrong with a server's answer, in a few words: the field and why."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "the answer"
+    return f"{where}: {error['msg']}"[:200]
 
 
 def _b64(value: object) -> bytes | None:
