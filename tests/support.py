@@ -1,14 +1,43 @@
-"""Helpers shared by tests: plans over the digits data and deploying them to a server."""
+"""Helpers shared by tests: plans over the digits data and deploying them to a server, attested
+devices running secure rounds against it, and the benchmarks run as documented."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
 import numpy as np
+import onnxruntime
+import pytest
 
-from device_runtime import build_mlp_plan, build_softmax_regression_plan, encode_checkpoint, initial_weights
-from example_store import ExampleSelector
-from server_stub import AdminClient, RoundConfig
+from device_runtime import (
+    FLRuntime,
+    OpStatsStore,
+    SessionResult,
+    build_mlp_plan,
+    build_softmax_regression_plan,
+    encode_checkpoint,
+    initial_weights,
+)
+from device_runtime.attestation import DeviceAttestor, PeerCertificateVerifier
+from device_runtime.protocol import ProtocolClient
+from device_runtime.secure_client import SecureResult, run_secure_aggregation
+from device_runtime.wire import CheckinAccepted
+from emulator import AttestationAuthority
+from example_store import ExampleSelector, SQLiteExampleStore
+from server_stub import AdminClient, AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
+from server_stub.secure_rounds import SecureRound
 
+T = TypeVar("T")
 COLLECTION = "app:/digits"
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
 
 def digits_plan(kind: str = "softmax", **kwargs):
@@ -41,12 +70,10 @@ def checkout_with_stand_in_python(tmp_path, *, checks_fail: bool = False) -> tup
     checks) fails, as where a tool is missing. Returns (the checkout, the environment to run in)."""
     import os
     import stat
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     work = tmp_path / "checkout"
     work.mkdir()
-    (work / "dev").write_bytes((root / "dev").read_bytes())
+    (work / "dev").write_bytes((ROOT / "dev").read_bytes())
     (work / "dev").chmod(0o755)
     (work / "pyproject.toml").write_text("[project]\nname = 'x'\n", encoding="utf-8")
     log = tmp_path / "calls.log"
@@ -62,3 +89,199 @@ if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
     )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     return work, {**os.environ, "PYTHON": str(fake)}
+
+
+# ------------------------------------------------------------------ attested secure rounds over HTTP
+
+
+def attested_server_thread(db_path: Path, authority: AttestationAuthority) -> ServerThread:
+    """A server that admits devices the authority certified (the trust anchor devices also hold),
+    with a rate limit no test fleet reaches: the limit has tests of its own."""
+    verifier = AttestationVerifier(
+        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=40, rate_per_s=10)
+    )
+    return ServerThread(db_path, verifier=verifier)
+
+
+def deploy_secure(admin: AdminClient, population: str = "digits", *, plan=None, **config) -> tuple:
+    """``deploy`` of a secure softmax task as these tests run it: every device checked in is selected,
+    selection waits long enough for a test's check-ins, and groups of at least five run rounds of
+    3 s; ``config`` overrides any of it (and must name ``goal_count``)."""
+    defaults = dict(
+        over_selection=1.0,
+        min_fraction=0.2,
+        selection_timeout_s=60,
+        report_timeout_s=15.0,
+        secagg_min_group_size=5,
+        secagg_round_timeout_s=3.0,
+    )
+    plan = plan or digits_plan("softmax", secure_aggregation=True)
+    return deploy(admin, population, plan=plan, **{**defaults, **config})
+
+
+def on_secure_rounds(monkeypatch, server: ServerThread, population: str, change: Callable[[SecureRound], None]) -> None:
+    """Hand each secure round the real service opens for ``population`` to ``change`` before any
+    device sees it (a malicious server's edit); ``monkeypatch`` gives the service back at the test's end."""
+    service = server.service
+    real_start = service._start_next
+
+    def start_next(pop, now):  # noqa: ANN001, ANN202 - the service's own
+        real_start(pop, now)
+        run = pop.current
+        if pop.name == population and run is not None and run.secure is not None:
+            change(run.secure)
+
+    monkeypatch.setattr(service, "_start_next", start_next)
+
+
+def in_threads(count: int, work: Callable[[int], T], timeout_s: float) -> list[T | None]:
+    """``work(i)`` for every i below ``count``, all at once in threads of their own (devices of one
+    round); waits up to ``timeout_s`` for each and returns what each gave (None where one had not ended)."""
+    results: list[T | None] = [None] * count
+
+    def go(i: int) -> None:
+        results[i] = work(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return results
+
+
+@dataclass
+class AttestedClient:
+    """A protocol-level device: its client, its attested key and the session its check-in opened."""
+
+    client: ProtocolClient
+    attestor: DeviceAttestor
+    session: CheckinAccepted
+
+
+def attested_checkins(
+    clients: Sequence[ProtocolClient], authority: AttestationAuthority, population: str
+) -> list[AttestedClient]:
+    """Each client checks in with a fresh device key the authority certified, attesting the server's nonce."""
+    out = []
+    for client in clients:
+        attestor = authority.new_device_attestor("emulated-phone", time.time())
+        session = client.checkin(
+            population,
+            onnxruntime.__version__,
+            None,
+            lambda c=client, a=attestor: a.attest(c.attestation_nonce(), population, onnxruntime.__version__),
+        )
+        assert isinstance(session, CheckinAccepted), session
+        out.append(AttestedClient(client, attestor, session))
+    return out
+
+
+def run_secure_aggregations(
+    devices: Sequence[AttestedClient],
+    vectors: Sequence[np.ndarray] | Mapping[int, np.ndarray],
+    authority: AttestationAuthority,
+    *,
+    deadline_s: float = 60.0,
+    hooks: Callable[[int], dict] = lambda i: {},
+) -> dict[int, SecureResult]:
+    """Every device runs its group's SecAgg rounds on ``vectors[i]`` in a thread of its own, signing
+    with its attested key and checking its peers' certificates; ``hooks(i)`` adds device i's
+    ``on_round``/``should_abort``. The clients are closed; returns each device's result (none for
+    one still running at its deadline and 30 s more)."""
+    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
+
+    def device(i: int) -> SecureResult:
+        return run_secure_aggregation(
+            devices[i].client,
+            devices[i].session,
+            vectors[i],
+            deadline=time.monotonic() + deadline_s,
+            signer=devices[i].attestor.secagg_signer(),
+            verify_peer=verify_peer,
+            **hooks(i),
+        )
+
+    results = in_threads(len(devices), device, deadline_s + 30)
+    for d in devices:
+        d.client.close()
+    return {i: r for i, r in enumerate(results) if r is not None}
+
+
+class AttestedRuntimes:
+    """``count`` real ``FLRuntime``s (or ``runtime``s) of ``population``, each with twelve digits of
+    its own, its opstats, an attested key and the authority's trust anchor, as the SDK's default
+    policy wants for secure rounds; ``options`` go to every runtime (e.g. a ``dp_policy``)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        digits,  # the digits fixture's dataset
+        authority: AttestationAuthority,
+        url: str,
+        population: str,
+        count: int,
+        *,
+        runtime: type[FLRuntime] = FLRuntime,
+        **options,
+    ) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.opstats = [OpStatsStore(folder / f"opstats{i}.db") for i in range(count)]
+        self.stores = []
+        self.runtimes = []
+        for i in range(count):
+            store = SQLiteExampleStore(folder / f"app{i}.db")
+            part = slice(12 * i, 12 * i + 12)
+            store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
+            self.stores.append(store)
+            self.runtimes.append(
+                runtime(
+                    population,
+                    url,
+                    store,
+                    cache_dir=folder / f"cache{i}",
+                    opstats=self.opstats[i],
+                    attestor=authority.new_device_attestor("emulated-phone", time.time()),
+                    trust_anchor=authority.trust_anchor(),
+                    **options,
+                )
+            )
+
+    def run(self, drop: frozenset[int] = frozenset()) -> list:
+        """Every device runs one session at once; those in ``drop`` stop once trained, before their masked input."""
+
+        def session(i: int) -> SessionResult:
+            trained = threading.Event()
+            return self.runtimes[i].run_session(
+                before_report=trained.set, should_abort=lambda: i in drop and trained.is_set()
+            )
+
+        return in_threads(len(self.runtimes), session, 120)
+
+    def close(self) -> None:
+        for c in (*self.runtimes, *self.stores, *self.opstats):
+            c.close()
+
+
+# ------------------------------------------------------------------ benchmarks run as documented
+
+
+def run_benchmark(name: str, *args: str, timeout_s: float = 280) -> list[dict]:
+    """``python -m benchmarks.<name> *args`` from the checkout's root with this interpreter (the
+    venv's); fails showing the benchmark's stderr when it exits non-zero, and returns its JSON lines,
+    checked to be objects and to end in the summary."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", f"benchmarks.{name}", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as late:
+        pytest.fail(f"benchmarks.{name} ran past {timeout_s} s:\n{str(late.stderr or '')[-4000:]}")
+    assert out.returncode == 0, f"benchmarks.{name} exited {out.returncode}:\n{out.stderr[-4000:]}"
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert lines and all(isinstance(line, dict) for line in lines), out.stdout[-2000:]
+    assert lines[-1].get("summary") is True, lines[-1]
+    return lines

@@ -4,24 +4,11 @@ The timings are the benchmark's to judge (docs/benchmarks/dp.md), not this test'
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import run_benchmark
 
 
 def test_the_quick_run_ends_in_a_summary_of_its_targets():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.dp", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    lines = run_benchmark("dp", "--quick")
     cases = {line["case"]: line for line in lines if "case" in line}
     assert set(cases) == {"dim_100000", "dim_1000000"}
     for case in cases.values():

@@ -3,39 +3,16 @@ the simulation, in processes of their own, and a summary whose ratio is to their
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import run_benchmark
 
 
 @pytest.mark.timeout(300)
 def test_a_small_run_brackets_the_simulation_with_two_baselines():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.fleet_day",
-            "--devices",
-            "200",
-            "--hours",
-            "0.5",
-            "--baseline-s",
-            "2",
-            "--baseline-devices",
-            "30",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
+    lines = run_benchmark(
+        "fleet_day", "--devices", "200", "--hours", "0.5", "--baseline-s", "2", "--baseline-devices", "30"
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert [line.get("case") for line in lines[:3]] == [
         "baseline_realtime_fleet",
         "simulation",

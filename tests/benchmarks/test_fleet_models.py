@@ -3,27 +3,14 @@ its completed sessions replayed alone for the floor, and a summary whose targets
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import run_benchmark
 
 
 @pytest.mark.timeout(300)
 def test_a_small_run_replays_each_tasks_completed_sessions_and_judges_the_ratios():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fleet_models", "--devices", "300", "--hours", "0.75", "--sample", "10"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    lines = run_benchmark("fleet_models", "--devices", "300", "--hours", "0.75", "--sample", "10")
     *tasks, summary = lines
     assert [t["case"] for t in tasks] == ["glyphs", "shakespeare"]
     for t in tasks:

@@ -10,42 +10,29 @@ fewest devices it may release must release nothing."""
 from __future__ import annotations
 
 import base64
-import threading
-import time
 
 import numpy as np
-import onnxruntime
 import pytest
 
-from device_runtime import DEFAULT_DP_POLICY, DPPolicy, FLRuntime, OpStatsStore, Outcome, build_eval_plan
-from device_runtime.attestation import PeerCertificateVerifier
+from device_runtime import DPPolicy, FLRuntime, Outcome, build_eval_plan
 from device_runtime.ddp import DDPParams, clip_l2
 from device_runtime.dp_policy import DP_NOISE_BELOW_FLOOR, check_round, encode_update, mean_delta, update_dim
 from device_runtime.protocol import ProtocolClient
-from device_runtime.secure_client import SecureOutcome, run_secure_aggregation
+from device_runtime.secure_client import SecureOutcome
 from device_runtime.secure_sum import config_from_json
-from emulator import AttestationAuthority
-from example_store import SQLiteExampleStore
-from server_stub import AdminError, AttestationVerifier, DPConfig, NonceRegistry, RateLimiter, ServerThread
+from server_stub import AdminError, DPConfig
 from server_stub.secure_rounds import SecureRound
-from tests.support import COLLECTION, deploy, digits_plan
+from tests.support import (
+    AttestedRuntimes,
+    attested_checkins,
+    deploy,
+    deploy_secure,
+    digits_plan,
+    on_secure_rounds,
+    run_secure_aggregations,
+)
 
-VERSION = onnxruntime.__version__
 CLIP = 0.05  # below the digits devices' mean deltas: every update is clipped
-
-
-@pytest.fixture(scope="module")
-def authority():
-    return AttestationAuthority.generate()
-
-
-@pytest.fixture
-def attested(tmp_path, authority):
-    verifier = AttestationVerifier(
-        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=40, rate_per_s=10)
-    )
-    with ServerThread(tmp_path / "server.db", verifier=verifier) as srv, srv.admin() as admin:
-        yield srv, admin
 
 
 class RecordingRuntime(FLRuntime):
@@ -58,75 +45,21 @@ class RecordingRuntime(FLRuntime):
         return super()._ddp_report(rec, secure, plan, result)
 
 
-class Devices:
-    def __init__(self, tmp_path, digits, authority, url: str, count: int, policy: DPPolicy = DEFAULT_DP_POLICY) -> None:
-        self.opstats = [OpStatsStore(tmp_path / f"opstats{i}.db") for i in range(count)]
-        self.stores = []
-        self.runtimes: list[RecordingRuntime] = []
-        for i in range(count):
-            store = SQLiteExampleStore(tmp_path / f"app{i}.db")
-            part = slice(12 * i, 12 * i + 12)
-            store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
-            self.stores.append(store)
-            self.runtimes.append(
-                RecordingRuntime(
-                    "digits",
-                    url,
-                    store,
-                    cache_dir=tmp_path / f"cache{i}",
-                    opstats=self.opstats[i],
-                    attestor=authority.new_device_attestor("emulated-phone", time.time()),
-                    trust_anchor=authority.trust_anchor(),
-                    dp_policy=policy,
-                )
-            )
-
-    def run(self, drop: frozenset[int] = frozenset()) -> list:
-        """Every device runs one session; those in ``drop`` stop once trained, before their masked input."""
-        results: list = [None] * len(self.runtimes)
-
-        def go(i: int) -> None:
-            trained = threading.Event()
-            results[i] = self.runtimes[i].run_session(
-                before_report=trained.set, should_abort=lambda: i in drop and trained.is_set()
-            )
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(self.runtimes))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        return results
-
-    def close(self) -> None:
-        for c in (*self.runtimes, *self.stores, *self.opstats):
-            c.close()
-
-
 @pytest.fixture
-def devices(tmp_path, digits, authority):
-    made: list[Devices] = []
+def devices(attested_server, attested_runtimes, population):
+    """``make(count, **options)``: recording runtimes of this test's population on the module's server."""
 
-    def make(url: str, count: int, **kw) -> Devices:
-        made.append(Devices(tmp_path, digits, authority, url, count, **kw))
-        return made[-1]
+    def make(count: int, **options) -> AttestedRuntimes:
+        return attested_runtimes(attested_server.url, population, count, runtime=RecordingRuntime, **options)
 
-    yield make
-    for d in made:
-        d.close()
+    return make
 
 
-def _deploy(admin, *, z: float, devices: int, bitwidth: int = 32):
-    return deploy(
+def _deploy(admin, population: str, *, z: float, devices: int, bitwidth: int = 32):
+    return deploy_secure(
         admin,
-        plan=digits_plan("softmax", secure_aggregation=True),
+        population,
         goal_count=devices,
-        over_selection=1.0,
-        min_fraction=0.2,
-        selection_timeout_s=60,
-        report_timeout_s=15.0,
-        secagg_min_group_size=5,
-        secagg_round_timeout_s=3.0,
         dp=DPConfig(mode="distributed", noise_multiplier=z, clip=CLIP, bitwidth=bitwidth),
     )
 
@@ -135,11 +68,11 @@ def _flat(model: dict, names) -> np.ndarray:
     return np.concatenate([np.asarray(model[n], np.float64).reshape(-1) for n in names])
 
 
-def _committed(admin, plan, w0, runtimes) -> tuple[np.ndarray, DDPParams, dict]:
+def _committed(admin, population, plan, w0, runtimes) -> tuple[np.ndarray, DDPParams, dict]:
     """The committed model's move away from the clipped unweighted mean, the round's parameters and its record."""
-    (record,) = admin.rounds("digits")
+    (record,) = admin.rounds(population)
     assert record["status"] == "committed", record["metrics"]
-    model, round_number = admin.model("digits")
+    model, round_number = admin.model(population)
     assert round_number == 1
     wire = dict(record["metrics"]["secagg"]["ddp"])
     wire.pop("rotation_seed")
@@ -149,13 +82,12 @@ def _committed(admin, plan, w0, runtimes) -> tuple[np.ndarray, DDPParams, dict]:
     return _flat(model, plan.weight_names) - _flat(w0, plan.weight_names) - mean, params, record
 
 
-def test_without_noise_the_committed_model_is_the_clipped_unweighted_mean(attested, devices):
-    server, admin = attested
-    plan, w0 = _deploy(admin, z=0.0, devices=5)
-    fleet = devices(server.url, 5)
+def test_without_noise_the_committed_model_is_the_clipped_unweighted_mean(attested_admin, population, devices):
+    plan, w0 = _deploy(attested_admin, population, z=0.0, devices=5)
+    fleet = devices(5)
     results = fleet.run()
     assert [r.outcome for r in results] == [Outcome.COMPLETED] * 5
-    deviation, params, record = _committed(admin, plan, w0, fleet.runtimes)
+    deviation, params, record = _committed(attested_admin, population, plan, w0, fleet.runtimes)
     assert record["metrics"]["secagg"]["summed_devices"] == 5
     assert params.local_variance == 0.0 and params.min_devices == 5 and params.max_devices == 5
     # every update was clipped: unclipped, the mean would be far off
@@ -165,13 +97,14 @@ def test_without_noise_the_committed_model_is_the_clipped_unweighted_mean(attest
     assert np.linalg.norm(deviation) <= bound
 
 
-def test_with_noise_the_committed_model_deviates_from_the_clipped_mean_by_the_calibrated_std(attested, devices):
-    server, admin = attested
-    plan, w0 = _deploy(admin, z=1.0, devices=5)
-    fleet = devices(server.url, 5)
+def test_with_noise_the_committed_model_deviates_from_the_clipped_mean_by_the_calibrated_std(
+    attested_admin, population, devices
+):
+    plan, w0 = _deploy(attested_admin, population, z=1.0, devices=5)
+    fleet = devices(5)
     results = fleet.run()
     assert [r.outcome for r in results] == [Outcome.COMPLETED] * 5
-    deviation, params, _ = _committed(admin, plan, w0, fleet.runtimes)
+    deviation, params, _ = _committed(attested_admin, population, plan, w0, fleet.runtimes)
     assert params.noise_multiplier == 1.0 and params.effective_noise_multiplier(5) >= 1.0 - 1e-9
     expected = params.central_std(5) / 5  # the mean's noise per coordinate
     assert expected >= CLIP / 5  # at least z * clip on the sum
@@ -191,8 +124,8 @@ class LowerNoise(SecureRound):
         return answer
 
 
-def _told(server) -> list[str]:
-    """The abort reasons the real service hears (its ``abort`` wrapped, not replaced)."""
+def _told(server, monkeypatch) -> list[str]:
+    """The abort reasons the real service hears (its ``abort`` wrapped, not replaced, until the test ends)."""
     told: list[str] = []
     real_abort = server.service.abort
 
@@ -200,64 +133,58 @@ def _told(server) -> list[str]:
         told.append(reason)
         return real_abort(session_id, token, reason, stats)
 
-    server.service.abort = abort
+    monkeypatch.setattr(server.service, "abort", abort)
     return told
 
 
-def _serve_lowered_noise(server) -> list[str]:
-    """The real service, opening ``LowerNoise`` rounds; returns the abort reasons it hears."""
-    service = server.service
-    real_start = service._start_next
-
-    def start_next(pop, now):  # noqa: ANN001, ANN202 - the service's own
-        real_start(pop, now)
-        if pop.current is not None and pop.current.secure is not None:
-            pop.current.secure.__class__ = LowerNoise
-
-    service._start_next = start_next
-    return _told(server)
+def _lower_noise(secure: SecureRound) -> None:
+    secure.__class__ = LowerNoise
 
 
 @pytest.mark.parametrize("lowered", [True, False], ids=["a-server-lowering-the-noise", "an-app-floor-above-the-task's"])
-def test_a_round_below_the_device_noise_floor_is_refused_by_every_device(attested, devices, lowered):
+def test_a_round_below_the_device_noise_floor_is_refused_by_every_device(
+    attested_server, attested_admin, population, devices, monkeypatch, lowered
+):
     """A malicious server sends a tenth of the calibrated noise shares (the device holds no floor
     of its own: the task's noise is its floor); or an honest server runs a task at z = 1 for
     devices whose app asks for z >= 2. Every device refuses before it advertises a key or trains,
     says why in its session result, its opstats and to the server, and nothing is committed."""
-    server, admin = attested
-    told = _serve_lowered_noise(server) if lowered else _told(server)
-    _deploy(admin, z=1.0, devices=5)
-    fleet = devices(server.url, 5, policy=DPPolicy() if lowered else DPPolicy(min_noise_multiplier=2.0))
+    server, admin = attested_server, attested_admin
+    if lowered:
+        on_secure_rounds(monkeypatch, server, population, _lower_noise)
+    told = _told(server, monkeypatch)
+    _deploy(admin, population, z=1.0, devices=5)
+    fleet = devices(5, dp_policy=DPPolicy() if lowered else DPPolicy(min_noise_multiplier=2.0))
     results = fleet.run()
     for i, res in enumerate(results):
         assert res.outcome is Outcome.REPORT_REJECTED and res.rejection_code == DP_NOISE_BELOW_FLOOR
         assert "training_started" not in [e.kind for e in res.events]
         stored = [
             e.detail["reason"]
-            for s in fleet.opstats[i].sessions("digits")
+            for s in fleet.opstats[i].sessions(population)
             for e in s.events
             if e.detail.get("code") == DP_NOISE_BELOW_FLOOR
         ]
         assert len(stored) == 1 and "noise multiplier" in stored[0]
     assert len(told) == 5 and all("distributed DP" in r and "noise multiplier" in r for r in told)
-    assert all(r["status"] != "committed" for r in admin.rounds("digits"))
+    assert all(r["status"] != "committed" for r in admin.rounds(population))
 
 
-def test_a_group_that_falls_below_its_releasable_minimum_releases_nothing(attested, devices):
+def test_a_group_that_falls_below_its_releasable_minimum_releases_nothing(attested_admin, population, devices):
     """Six devices, one group (k = 5, one spare); two stop after training, before their masked
     inputs: four are fewer than the five any released sum must hold, so the group aborts and the
     round commits nothing: no sum of four devices' noise shares is ever decoded."""
-    server, admin = attested
-    plan, w0 = _deploy(admin, z=1.0, devices=6)
-    fleet = devices(server.url, 6)
+    admin = attested_admin
+    plan, w0 = _deploy(admin, population, z=1.0, devices=6)
+    fleet = devices(6)
     results = fleet.run(drop=frozenset({0, 1}))
     assert [r.outcome for r in results[:2]] == [Outcome.INTERRUPTED] * 2
     assert all(r.outcome is Outcome.REPORT_REJECTED for r in results[2:])
-    (record,) = admin.rounds("digits")
+    (record,) = admin.rounds(population)
     assert record["status"] == "abandoned"
     stats = record["metrics"]["secagg"]
     assert stats["groups"] == 1 and stats["completed"] == 0 and stats["summed_devices"] == 0
-    model, round_number = admin.model("digits")
+    model, round_number = admin.model(population)
     assert round_number == 0
     assert all(np.array_equal(model[n], w0[n]) for n in plan.weight_names)
 
@@ -289,29 +216,24 @@ def test_a_distributed_dp_task_that_cannot_run_is_refused_at_deploy_naming_the_f
     assert admin.status("digits")["tasks"] == []
 
 
-def test_a_group_sum_out_of_bounds_is_dropped_not_committed(attested, authority):
+def test_a_group_sum_out_of_bounds_is_dropped_not_committed(attested_server, attested_admin, authority, population):
     """Five attested devices at the protocol level; one adds a quarter of the modulus to every
     entry of its encoding (a protocol-following device outside the mechanism). The decoded sum's
     norm is far above what five clipped, noised updates reach: the group is dropped with the
     reason in the round's metrics, its devices are told, and the model does not move."""
-    server, admin = attested
-    plan, w0 = _deploy(admin, z=1.0, devices=5)
-    clients = [ProtocolClient(server.url) for _ in range(5)]
-    attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in range(5)]
-    sessions = [
-        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-        for c, a in zip(clients, attestors)
-    ]
+    server, admin = attested_server, attested_admin
+    plan, w0 = _deploy(admin, population, z=1.0, devices=5)
+    devices = attested_checkins([ProtocolClient(server.url) for _ in range(5)], authority, population)
     rng = np.random.default_rng(3)
     vectors = []
-    for i, (client, session) in enumerate(zip(clients, sessions)):
-        state = client.secagg_poll(session)
+    for i, d in enumerate(devices):
+        state = d.client.secagg_poll(d.session)
         accepted = check_round(
             state["ddp"],
             config=config_from_json(state["config"]),
             group_size=5,
             dim=update_dim({w: w0[w].shape for w in plan.weight_names}, plan.weight_names),
-            commitment=base64.b64decode(session.secagg_commitment),
+            commitment=base64.b64decode(d.session.secagg_commitment),
         )
         assert accepted is not None
         update = {w: rng.normal(0.0, 0.1, w0[w].shape).astype(np.float32) for w in plan.weight_names}
@@ -320,32 +242,12 @@ def test_a_group_sum_out_of_bounds_is_dropped_not_committed(attested, authority)
         if i == 0:
             vector = (vector + np.uint64(accepted.params.modulus // 4)) % np.uint64(accepted.params.modulus)
         vectors.append(vector)
-    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
-    outcomes: dict[int, tuple[SecureOutcome, str]] = {}
-
-    def device(i: int) -> None:
-        result = run_secure_aggregation(
-            clients[i],
-            sessions[i],
-            vectors[i],
-            deadline=time.monotonic() + 60,
-            signer=attestors[i].secagg_signer(),
-            verify_peer=verify_peer,
-        )
-        outcomes[i] = (result.outcome, result.detail)
-
-    threads = [threading.Thread(target=device, args=(i,)) for i in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for c in clients:
-        c.close()
-    (record,) = admin.rounds("digits")
+    outcomes = {i: (r.outcome, r.detail) for i, r in run_secure_aggregations(devices, vectors, authority).items()}
+    (record,) = admin.rounds(population)
     assert record["status"] == "abandoned" and record["metrics"]["reported"] == 0
     (dropped,) = record["metrics"]["secagg"]["dropped"]
     assert "norm of the decoded sum" in dropped["reason"]
     assert {o for o, _ in outcomes.values()} == {SecureOutcome.ABORTED}
     assert all("left the group's sum out" in detail for _, detail in outcomes.values())
-    model, round_number = admin.model("digits")
+    model, round_number = admin.model(population)
     assert round_number == 0 and all(np.array_equal(model[n], w0[n]) for n in plan.weight_names)

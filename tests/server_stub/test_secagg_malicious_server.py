@@ -9,31 +9,19 @@ say why they aborted: in their session result, in opstats, and to the server."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import uvicorn
 
-from device_runtime import DEFAULT_SECAGG_POLICY, FLRuntime, OpStatsStore, Outcome, SecAggPolicy
+from device_runtime import DEFAULT_SECAGG_POLICY, Outcome, SecAggPolicy
 from emulator import AttestationAuthority
-from example_store import SQLiteExampleStore
 from secagg import Round, SecAggClient, SecAggServer, harary_neighbours, parse_message
 from secagg.messages import ConsistencyRequest, UnmaskRequest
-from server_stub import (
-    AdminClient,
-    AdminKeys,
-    AttestationVerifier,
-    FLService,
-    NonceRegistry,
-    RateLimiter,
-    ServerStore,
-    create_app,
-    free_port,
-)
+from server_stub import AdminClient
 from server_stub.secure_rounds import SecureRound
-from tests.support import COLLECTION, deploy, digits_plan
+from tests.support import AttestedRuntimes, deploy_secure, on_secure_rounds
 
 POLICY = DEFAULT_SECAGG_POLICY  # an attested cohort, ConsistencyCheck, committed groups
 
@@ -50,114 +38,38 @@ class Attack:
         return {}
 
 
-class MaliciousService(FLService):
-    """The real service; only the secure round it opens is the attack's."""
-
-    attack: Attack = Attack()
-
-    def _start_next(self, pop, now):  # noqa: ANN001 - the service's own signature
-        super()._start_next(pop, now)
-        run = pop.current
-        if run is not None and run.secure is not None:
-            self.attack.secure_round(run.secure)
-
-
+@dataclass
 class Harness:
-    def __init__(
-        self, tmp_path, digits, attack: Attack, devices: int, *, min_group: int = 5, policy: SecAggPolicy = POLICY
-    ) -> None:
-        self.authority = AttestationAuthority.generate()
-        verifier = AttestationVerifier(
-            self.authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
-        )
-        self.service = MaliciousService(ServerStore(tmp_path / "server.db"), verifier=verifier)
-        self.service.attack = attack
-        attack.authority = self.authority
-        keys, self.admin_key = AdminKeys.generate()
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.uvicorn = uvicorn.Server(
-            uvicorn.Config(
-                create_app(self.service, admin_keys=keys),
-                host="127.0.0.1",
-                port=port,
-                log_level="warning",
-                access_log=False,
-                lifespan="on",
-            )
-        )
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        while not self.uvicorn.started:
-            time.sleep(0.01)
-        self.admin = AdminClient(self.url, admin_key=self.admin_key)
-        deploy(
-            self.admin,
-            plan=digits_plan("softmax", secure_aggregation=True),
-            goal_count=devices,
-            over_selection=1.0,
-            min_fraction=0.2,
-            selection_timeout_s=60,
-            report_timeout_s=15,
-            secagg_min_group_size=min_group,
-            secagg_round_timeout_s=4.0,
-        )
-        self.opstats = [OpStatsStore(tmp_path / f"opstats{i}.db") for i in range(devices)]
-        self.stores = []
-        self.runtimes = []
-        for i in range(devices):
-            store = SQLiteExampleStore(tmp_path / f"app{i}.db")
-            part = slice(12 * i, 12 * i + 12)
-            store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
-            self.stores.append(store)
-            self.runtimes.append(
-                FLRuntime(
-                    "digits",
-                    self.url,
-                    store,
-                    cache_dir=tmp_path / f"cache{i}",
-                    opstats=self.opstats[i],
-                    attestor=self.authority.new_device_attestor("emulated-phone", time.time()),
-                    trust_anchor=self.authority.trust_anchor(),
-                    secagg_policy=policy,
-                )
-            )
+    """A test's population on the module's attested server, whose secure rounds the attack opens,
+    and the test's attested devices."""
+
+    admin: AdminClient
+    population: str
+    fleet: AttestedRuntimes
 
     def run(self) -> list:
-        results: list = [None] * len(self.runtimes)
-
-        def go(i: int) -> None:
-            results[i] = self.runtimes[i].run_session()
-
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(self.runtimes))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        return results
-
-    def close(self) -> None:
-        for r in self.runtimes:
-            r.close()
-        for s in (*self.stores, *self.opstats):
-            s.close()
-        self.admin.close()
-        self.uvicorn.should_exit = True
-        self.thread.join(10)
-        self.service.store.close()
+        return self.fleet.run()
 
 
 @pytest.fixture
-def harness(tmp_path, digits):
-    made: list[Harness] = []
+def harness(attested_server, attested_admin, authority, population, attested_runtimes, monkeypatch):
+    """``make(attack, devices=5, min_group=5, policy=POLICY)``: deploys a secure task whose rounds
+    ``attack`` changes, and ``devices`` attested runtimes under ``policy`` to run it."""
 
-    def make(attack: Attack, devices: int = 5, **kw) -> Harness:
-        made.append(Harness(tmp_path, digits, attack, devices, **kw))
-        return made[-1]
+    def make(attack: Attack, devices: int = 5, *, min_group: int = 5, policy: SecAggPolicy = POLICY) -> Harness:
+        attack.authority = authority
+        on_secure_rounds(monkeypatch, attested_server, population, attack.secure_round)
+        deploy_secure(
+            attested_admin,
+            population,
+            goal_count=devices,
+            secagg_min_group_size=min_group,
+            secagg_round_timeout_s=4.0,
+        )
+        fleet = attested_runtimes(attested_server.url, population, devices, secagg_policy=policy)
+        return Harness(attested_admin, population, fleet)
 
-    yield make
-    for h in made:
-        h.close()
+    return make
 
 
 def refusals(h: Harness, results: list) -> list[str]:
@@ -169,7 +81,10 @@ def refusals(h: Harness, results: list) -> list[str]:
         assert res.outcome is Outcome.REPORT_REJECTED
         (event,) = [e for e in res.events if e.detail.get("code") == "SECAGG_REFUSED"]
         stored = [
-            e for s in h.opstats[i].sessions("digits") for e in s.events if e.detail.get("code") == "SECAGG_REFUSED"
+            e
+            for s in h.fleet.opstats[i].sessions(h.population)
+            for e in s.events
+            if e.detail.get("code") == "SECAGG_REFUSED"
         ]
         assert [e.detail["reason"] for e in stored] == [event.detail["reason"]]
         reasons.append(event.detail["reason"])
@@ -201,7 +116,7 @@ def test_a_threshold_too_low_makes_every_device_refuse(harness):
     reasons = refusals(h, results)
     assert len(reasons) == 5
     assert all("privacy floor" in r and "threshold 2 is not above 2n/3" in r for r in reasons)
-    (record,) = h.admin.rounds("digits")
+    (record,) = h.admin.rounds(h.population)
     assert record["status"] == "abandoned"
 
 

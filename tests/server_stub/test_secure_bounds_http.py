@@ -9,38 +9,17 @@ the round's metrics, and the model moves no more than one honest device could mo
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
-import onnxruntime
 import pytest
 
-from device_runtime.attestation import PeerCertificateVerifier
 from device_runtime.protocol import ProtocolClient
-from device_runtime.secure_client import SecureOutcome, run_secure_aggregation
+from device_runtime.secure_client import SecureOutcome
 from device_runtime.secure_sum import SecureSumCodec
-from emulator import AttestationAuthority
-from server_stub import AdminError, AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
-from tests.support import deploy, digits_plan
+from server_stub import AdminError
+from tests.support import attested_checkins, deploy, deploy_secure, digits_plan, run_secure_aggregations
 
-VERSION = onnxruntime.__version__
 CLIP = 10.0  # clip_update_norm (the default)
 MAX_EXAMPLES = 1000  # max_examples_per_report (the default)
-
-
-@pytest.fixture(scope="module")
-def authority():
-    return AttestationAuthority.generate()
-
-
-@pytest.fixture
-def attested(tmp_path, authority):
-    verifier = AttestationVerifier(
-        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
-    )
-    with ServerThread(tmp_path / "server.db", verifier=verifier) as srv, srv.admin() as admin:
-        yield srv, admin
 
 
 def _honest(codec: SecureSumCodec, weights: tuple[str, ...], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -75,43 +54,18 @@ def _attack(codec: SecureSumCodec, num_examples: float) -> dict[str, np.ndarray]
 
 
 def _run_round(
-    server, authority, count: int, pick_vector
+    server, authority, population: str, count: int, pick_vector
 ) -> tuple[dict[int, tuple[SecureOutcome, str]], dict[int, list[int]]]:
     """``count`` attested devices check in and run their groups; ``pick_vector(i, group_members)``
     gives device i's encoded update once the groups are known. Returns each device's outcome
     (with its detail) and the groups."""
-    clients = [ProtocolClient(server.url) for _ in range(count)]
-    attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in range(count)]
-    sessions = [
-        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-        for c, a in zip(clients, attestors)
-    ]
-    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
+    devices = attested_checkins([ProtocolClient(server.url) for _ in range(count)], authority, population)
     groups: dict[int, list[int]] = {}
-    for i, (client, session) in enumerate(zip(clients, sessions)):
-        groups.setdefault(client.secagg_poll(session)["group"], []).append(i)
+    for i, d in enumerate(devices):
+        groups.setdefault(d.client.secagg_poll(d.session)["group"], []).append(i)
     vectors = {i: pick_vector(i, next(g for g in groups.values() if i in g)) for i in range(count)}
-    outcomes: dict[int, tuple[SecureOutcome, str]] = {}
-
-    def device(i: int) -> None:
-        result = run_secure_aggregation(
-            clients[i],
-            sessions[i],
-            vectors[i],
-            deadline=time.monotonic() + 60,
-            signer=attestors[i].secagg_signer(),
-            verify_peer=verify_peer,
-        )
-        outcomes[i] = (result.outcome, result.detail)
-
-    threads = [threading.Thread(target=device, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for c in clients:
-        c.close()
-    return outcomes, groups
+    results = run_secure_aggregations(devices, vectors, authority)
+    return {i: (r.outcome, r.detail) for i, r in results.items()}, groups
 
 
 def _l2(model: dict, w0: dict, names) -> float:
@@ -124,39 +78,29 @@ def _l2(model: dict, w0: dict, names) -> float:
     ids=["negative-count", "count-within-bounds"],
 )
 def test_a_protocol_following_device_outside_the_bounds_gets_its_group_of_five_dropped(
-    attested, authority, num_examples, words
+    attested_server, attested_admin, authority, population, num_examples, words
 ):
     """The issue's round: one attested device of a group of 5 sends every weight at +1024 with
     ``num_examples`` -1024 (or the largest count it may declare). Before the check such a round
     committed (with a negative ``num_examples``) and moved the model by about 26,000; now the
     group is dropped and the round, with no other group, is abandoned: the model does not move."""
-    server, admin = attested
-    plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(
-        admin,
-        plan=plan,
-        goal_count=5,
-        over_selection=1.0,
-        min_fraction=0.2,
-        selection_timeout_s=60,
-        report_timeout_s=15.0,
-        secagg_min_group_size=5,
-        secagg_round_timeout_s=3.0,
-    )
+    server, admin = attested_server, attested_admin
+    plan, w0 = deploy_secure(admin, population, goal_count=5)
     codec = SecureSumCodec(plan)
     rng = np.random.default_rng(7)
     outcomes, groups = _run_round(
         server,
         authority,
+        population,
         5,
         lambda i, _: codec.encode(
             _attack(codec, num_examples) if i == 0 else _honest(codec, plan.weight_names, rng), rng
         ),
     )
     assert list(groups.values()) == [[0, 1, 2, 3, 4]]
-    model, round_number = admin.model("digits")
+    model, round_number = admin.model(population)
     assert _l2(model, w0, plan.weight_names) == 0.0 and round_number == 0
-    (record,) = admin.rounds("digits")
+    (record,) = admin.rounds(population)
     assert record["status"] == "abandoned" and record["metrics"]["reported"] == 0
     stats = record["metrics"]["secagg"]
     assert stats["completed"] == 0 and stats["summed_devices"] == 0
@@ -166,22 +110,13 @@ def test_a_protocol_following_device_outside_the_bounds_gets_its_group_of_five_d
     assert all("left the group's sum out" in detail for _, detail in outcomes.values())
 
 
-def test_a_round_commits_from_its_honest_group_and_moves_no_more_than_one_honest_device_could(attested, authority):
+def test_a_round_commits_from_its_honest_group_and_moves_no_more_than_one_honest_device_could(
+    attested_server, attested_admin, authority, population
+):
     """Twelve devices, two groups of six; the attacker's group is dropped and the round commits
     from the other: exactly that group's mean, and within ``clip_update_norm`` of the old model."""
-    server, admin = attested
-    plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(
-        admin,
-        plan=plan,
-        goal_count=12,
-        over_selection=1.0,
-        min_fraction=0.5,
-        selection_timeout_s=60,
-        report_timeout_s=15.0,
-        secagg_min_group_size=5,
-        secagg_round_timeout_s=3.0,
-    )
+    server, admin = attested_server, attested_admin
+    plan, w0 = deploy_secure(admin, population, goal_count=12, min_fraction=0.5)
     codec = SecureSumCodec(plan)
     rng = np.random.default_rng(8)
     vectors: dict[int, np.ndarray] = {}
@@ -190,17 +125,17 @@ def test_a_round_commits_from_its_honest_group_and_moves_no_more_than_one_honest
         vectors[i] = codec.encode(_attack(codec, -1024.0) if i == 0 else _honest(codec, plan.weight_names, rng), rng)
         return vectors[i]
 
-    outcomes, groups = _run_round(server, authority, 12, pick)
+    outcomes, groups = _run_round(server, authority, population, 12, pick)
     (bad,) = [g for g, members in groups.items() if 0 in members]
     (good,) = [g for g in groups if g != bad]
     assert sorted(len(m) for m in groups.values()) == [6, 6]
-    model, round_number = admin.model("digits")
+    model, round_number = admin.model(population)
     assert round_number == 1
     assert _l2(model, w0, plan.weight_names) <= CLIP
     total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in groups[good]], axis=0), 6)
     for name in plan.weight_names:
         np.testing.assert_allclose(model[name], w0[name] + total[name] / total["num_examples"], rtol=1e-5, atol=1e-6)
-    (record,) = admin.rounds("digits")
+    (record,) = admin.rounds(population)
     assert record["status"] == "committed" and record["metrics"]["reported"] == 6
     assert record["metrics"]["secagg"]["summed_devices"] == 6
     assert [d["group"] for d in record["metrics"]["secagg"]["dropped"]] == [bad]

@@ -7,7 +7,6 @@ are attested and hold the authority's trust anchor, as the SDK's default policy 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -15,40 +14,26 @@ import onnxruntime
 import pytest
 
 from device_runtime import ProtocolError, encode_checkpoint
-from device_runtime.attestation import PeerCertificateVerifier
 from device_runtime.protocol import ProtocolClient
-from device_runtime.secure_client import SecureOutcome, run_secure_aggregation
+from device_runtime.secure_client import SecureOutcome
 from device_runtime.secure_sum import SecureSumCodec
-from emulator import AttestationAuthority, DeviceProfile, EmulatedDevice, RealTimeFleet, partition_by_shards
+from emulator import DeviceProfile, EmulatedDevice, RealTimeFleet, partition_by_shards
 from secagg import Round, parse_message
 from secagg.messages import EncryptedShares
-from server_stub import AdminError, AttestationVerifier, NonceRegistry, RateLimiter, ServerThread
-from tests.support import COLLECTION, deploy, digits_plan
+from server_stub import AdminError
+from tests.support import (
+    COLLECTION,
+    attested_checkins,
+    deploy,
+    deploy_secure,
+    digits_plan,
+    run_secure_aggregations,
+)
 
 VERSION = onnxruntime.__version__
 K = 5  # no sum of fewer than 5 devices; groups of k + 1 = 6, threshold 5: each survives one drop-out
 GROUP = 6
 DEVICES = 30
-
-
-@pytest.fixture(scope="module")
-def authority():
-    return AttestationAuthority.generate()
-
-
-@pytest.fixture
-def attested_server(tmp_path, authority):
-    verifier = AttestationVerifier(
-        authority.trust_anchor(), NonceRegistry(ttl_s=60), RateLimiter(burst=20, rate_per_s=5)
-    )
-    with ServerThread(tmp_path / "server.db", verifier=verifier) as srv:
-        yield srv
-
-
-@pytest.fixture
-def attested_admin(attested_server):
-    with attested_server.admin() as client:
-        yield client
 
 
 def _updates(codec: SecureSumCodec, count: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -63,33 +48,17 @@ def _updates(codec: SecureSumCodec, count: int, seed: int) -> list[dict[str, np.
     return out
 
 
-def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_server, attested_admin, authority):
+def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(
+    attested_server, attested_admin, authority, population
+):
     server, admin = attested_server, attested_admin
-    plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(
-        admin,
-        plan=plan,
-        goal_count=DEVICES,
-        over_selection=1.0,
-        min_fraction=0.5,
-        selection_timeout_s=60,
-        report_timeout_s=15.0,
-        secagg_min_group_size=K,
-        secagg_round_timeout_s=3.0,
-    )
+    plan, w0 = deploy_secure(admin, population, goal_count=DEVICES, min_fraction=0.5, secagg_min_group_size=K)
     codec = SecureSumCodec(plan)
     updates = _updates(codec, DEVICES, seed=1)
     vectors = [codec.encode(u) for u in updates]
-    clients = [ProtocolClient(server.url) for _ in range(DEVICES)]
-    attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in range(DEVICES)]
-    sessions = [
-        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-        for c, a in zip(clients, attestors)
-    ]
-    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
-    assert all(hasattr(s, "session_id") for s in sessions)
+    devices = attested_checkins([ProtocolClient(server.url) for _ in range(DEVICES)], authority, population)
     # The groups follow from the seed the server revealed when selection ended: 5 groups of 6.
-    states = [c.secagg_poll(s) for c, s in zip(clients, sessions)]
+    states = [d.client.secagg_poll(d.session) for d in devices]
     groups: dict[int, list[int]] = {}
     for i, state in enumerate(states):
         assert state["status"] == "active" and state["config"]["consistency_check"] is True
@@ -103,28 +72,16 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
         groups[4][0]: Round.SHARE_KEYS,  # group 4: two drop, 4 < t = 5 survive, the group aborts
         groups[4][1]: Round.SHARE_KEYS,
     }
-    outcomes: dict[int, SecureOutcome] = {}
 
-    def device(i: int) -> None:
+    def hooks(i: int) -> dict:
         entered: list[str] = []
-        outcomes[i] = run_secure_aggregation(
-            clients[i],
-            sessions[i],
-            vectors[i],
-            deadline=time.monotonic() + 60,
-            on_round=entered.append,
-            signer=attestors[i].secagg_signer(),
-            verify_peer=verify_peer,
-            should_abort=lambda: i in drop_at and bool(entered) and entered[-1] == drop_at[i].value,
-        ).outcome
+        return {
+            "on_round": entered.append,
+            "should_abort": lambda: i in drop_at and bool(entered) and entered[-1] == drop_at[i].value,
+        }
 
-    threads = [threading.Thread(target=device, args=(i,)) for i in range(DEVICES)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for c in clients:
-        c.close()
+    results = run_secure_aggregations(devices, vectors, authority, hooks=hooks)
+    outcomes = {i: r.outcome for i, r in results.items()}
 
     for i in drop_at:
         assert outcomes[i] is SecureOutcome.INTERRUPTED
@@ -132,7 +89,7 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
     included = sorted(i for g in range(4) for i in groups[g] if i not in drop_at or drop_at[i] is Round.UNMASKING)
     assert all(outcomes[i] is SecureOutcome.INCLUDED for i in included if i not in drop_at)
 
-    (record,) = admin.rounds("digits")
+    (record,) = admin.rounds(population)
     assert record["status"] == "committed"
     assert record["metrics"]["reported"] == len(included) == 21
     assert record["metrics"]["secagg"] == {
@@ -143,7 +100,7 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(attested_ser
         "dropped": [],
     }
 
-    model, round_number = admin.model("digits")
+    model, round_number = admin.model(population)
     assert round_number == 1
     total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in included], axis=0), len(included))
     n = total["num_examples"]
@@ -171,51 +128,21 @@ class GarbageDealer(ProtocolClient):
         return super().secagg_send(session, message)
 
 
-def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attested_server, attested_admin, authority):
+def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(
+    attested_server, attested_admin, authority, population
+):
     server, admin = attested_server, attested_admin
-    plan = digits_plan("softmax", secure_aggregation=True)
-    _, w0 = deploy(
-        admin,
-        plan=plan,
-        goal_count=K + 1,
-        over_selection=1.0,
-        min_fraction=0.5,
-        selection_timeout_s=60,
-        report_timeout_s=15.0,
-        secagg_min_group_size=K,
-        secagg_round_timeout_s=3.0,
-    )
+    plan, w0 = deploy_secure(admin, population, goal_count=K + 1, min_fraction=0.5, secagg_min_group_size=K)
     codec = SecureSumCodec(plan)
     updates = _updates(codec, K + 1, seed=2)
     vectors = [codec.encode(u) for u in updates]
     clients = [GarbageDealer(server.url)] + [ProtocolClient(server.url) for _ in range(K)]
-    attestors = [authority.new_device_attestor("emulated-phone", time.time()) for _ in clients]
-    sessions = [
-        c.checkin("digits", VERSION, None, lambda c=c, a=a: a.attest(c.attestation_nonce(), "digits", VERSION))
-        for c, a in zip(clients, attestors)
-    ]
-    verify_peer = PeerCertificateVerifier(authority.trust_anchor(), time.time)
-    outcomes: dict[int, SecureOutcome] = {}
-
-    def device(i: int) -> None:
-        outcomes[i] = run_secure_aggregation(
-            clients[i],
-            sessions[i],
-            vectors[i],
-            deadline=time.monotonic() + 30,
-            signer=attestors[i].secagg_signer(),
-            verify_peer=verify_peer,
-        ).outcome
-
-    threads = [threading.Thread(target=device, args=(i,)) for i in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for c in clients:
-        c.close()
+    results = run_secure_aggregations(
+        attested_checkins(clients, authority, population), vectors, authority, deadline_s=30
+    )
+    outcomes = {i: r.outcome for i, r in results.items()}
     assert outcomes == {0: SecureOutcome.EXCLUDED, **{i: SecureOutcome.INCLUDED for i in range(1, K + 1)}}
-    (record,) = admin.rounds("digits")
+    (record,) = admin.rounds(population)
     assert record["status"] == "committed"
     assert record["metrics"]["secagg"] == {
         "groups": 1,
@@ -224,7 +151,7 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attes
         "summed_devices": K,
         "dropped": [],
     }
-    model, _ = admin.model("digits")
+    model, _ = admin.model(population)
     honest = range(1, K + 1)
     total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in honest], axis=0), K)
     for name in plan.weight_names:
@@ -232,17 +159,7 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(attes
 
 
 def test_secure_task_refuses_plain_reports_and_bad_messages(server, admin):
-    plan = digits_plan("softmax", secure_aggregation=True)
-    deploy(
-        admin,
-        plan=plan,
-        goal_count=5,
-        over_selection=1.0,
-        selection_timeout_s=60,
-        report_timeout_s=60,
-        secagg_min_group_size=5,
-        secagg_round_timeout_s=5.0,
-    )
+    deploy_secure(admin, goal_count=5, min_fraction=0.8, report_timeout_s=60, secagg_round_timeout_s=5.0)
     client = ProtocolClient(server.url)
     session = client.checkin("digits", VERSION)
     assert session.aggregation == "secure_sum"
@@ -263,16 +180,8 @@ def test_secure_task_refuses_plain_reports_and_bad_messages(server, admin):
 
 
 def test_fewer_devices_than_a_group_abandon_the_round_at_once(server, admin):
-    plan = digits_plan("softmax", secure_aggregation=True)
-    deploy(
-        admin,
-        plan=plan,
-        goal_count=3,
-        over_selection=1.0,
-        min_fraction=1.0,
-        selection_timeout_s=60,
-        report_timeout_s=60,
-        secagg_min_group_size=4,
+    deploy_secure(
+        admin, goal_count=3, min_fraction=1.0, report_timeout_s=60, secagg_min_group_size=4, secagg_round_timeout_s=5.0
     )
     clients = [ProtocolClient(server.url) for _ in range(3)]
     sessions = [c.checkin("digits", VERSION) for c in clients]
@@ -287,7 +196,7 @@ def test_fewer_devices_than_a_group_abandon_the_round_at_once(server, admin):
 
 
 def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dropouts(
-    tmp_path, attested_server, attested_admin, authority, digits
+    tmp_path, attested_server, attested_admin, authority, digits, population
 ):
     """The demo's fleet: attested devices holding the trust anchor, under the SDK's default
     policy (an attested cohort, ConsistencyCheck, committed groups), over real HTTP."""
@@ -295,6 +204,7 @@ def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dro
     plan = digits_plan("mlp", secure_aggregation=True, epochs=2, learning_rate=0.3)
     _, w0 = deploy(
         admin,
+        population,
         plan=plan,
         goal_count=10,
         report_timeout_s=15,
@@ -310,7 +220,7 @@ def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dro
             f"d{i}",
             tmp_path / f"d{i}",
             server.url,
-            "digits",
+            population,
             profile=profile,
             collection_uri=COLLECTION,
             seed=i,
@@ -324,17 +234,17 @@ def test_emulated_fleet_trains_through_attested_secure_aggregation_with_late_dro
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            if sum(r["status"] == "committed" for r in admin.rounds("digits")) >= 2:
+            if sum(r["status"] == "committed" for r in admin.rounds(population)) >= 2:
                 break
             time.sleep(0.2)
     finally:
         fleet.stop()
-    committed = [r for r in admin.rounds("digits") if r["status"] == "committed"]
+    committed = [r for r in admin.rounds(population) if r["status"] == "committed"]
     assert len(committed) == 2
     for r in committed:  # 10 to 13 selected devices: one or two groups of at least k + 1 = 6
         assert r["metrics"]["secagg"]["completed"] >= 1
         assert r["metrics"]["reported"] == r["metrics"]["secagg"]["summed_devices"] >= 8  # ceil(10 * min_fraction)
-    model, _ = admin.model("digits")
+    model, _ = admin.model(population)
     assert any(not np.allclose(model[k], w0[k]) for k in plan.weight_names)
     assert fleet.outcomes()["completed"] >= 10  # (a device that drops after its masked input is summed, not completed)
     # the default policy let them in only as an attested cohort: every peer certified, each device once
