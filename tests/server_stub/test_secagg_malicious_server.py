@@ -19,7 +19,7 @@ from device_runtime import DEFAULT_SECAGG_POLICY, Outcome, SecAggPolicy
 from emulator import AttestationAuthority
 from secagg import Round, SecAggClient, SecAggServer, harary_neighbours, parse_message
 from secagg.messages import ConsistencyRequest, UnmaskRequest
-from server_stub import AdminClient
+from server_stub import AdminClient, FLService
 from server_stub.secure_rounds import SecureRound
 from tests.support import AttestedRuntimes, deploy_secure, on_secure_rounds
 
@@ -40,12 +40,13 @@ class Attack:
 
 @dataclass
 class Harness:
-    """A test's population on the module's attested server, whose secure rounds the attack opens,
-    and the test's attested devices."""
+    """A test's population on the module's attested server (``service``), whose secure rounds the
+    attack opens, and the test's attested devices."""
 
     admin: AdminClient
     population: str
     fleet: AttestedRuntimes
+    service: FLService
 
     def run(self) -> list:
         return self.fleet.run()
@@ -67,7 +68,7 @@ def harness(attested_server, attested_admin, authority, population, attested_run
             secagg_round_timeout_s=4.0,
         )
         fleet = attested_runtimes(attested_server.url, population, devices, secagg_policy=policy)
-        return Harness(attested_admin, population, fleet)
+        return Harness(attested_admin, population, fleet, attested_server.service)
 
     return make
 
