@@ -201,7 +201,7 @@ def test_an_operators_answer_out_of_shape_is_an_admin_error_naming_the_field(cal
     assert "is not a" in str(refused.value)
 
 
-def test_every_secure_aggregation_state_of_an_honest_round_is_a_secagg_state_field_for_field(harness):  # noqa: F811
+def test_every_secure_aggregation_state_of_an_honest_round_is_a_secagg_state_field_for_field(harness, monkeypatch):  # noqa: F811
     """The long poll sends the service's state as it is (a malicious-server test bends it), so the
     states of a real Secure Aggregation round are checked against ``SecAggState`` here."""
     h = harness(Attack(), devices=5)
@@ -213,7 +213,7 @@ def test_every_secure_aggregation_state_of_an_honest_round_is_a_secagg_state_fie
         seen.append(json.loads(json.dumps(state)))
         return state
 
-    h.service.secagg_status = recording  # type: ignore[method-assign]
+    monkeypatch.setattr(h.service, "secagg_status", recording)  # undone before the module's next test
     results = h.run()
     assert all(r is not None and r.outcome.value == "completed" for r in results), results
     assert {"active", "completed"} <= {s["status"] for s in seen}
