@@ -34,9 +34,9 @@ from server_stub import (
     ServerStore,
     TaskSpec,
 )
+from server_stub.commit import WRITE_RETRY_FIRST_S
 from server_stub.metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums
 from server_stub.persistence import NewTask
-from server_stub.service import WRITE_RETRY_FIRST_S
 from tests.server_stub import test_defects
 from tests.server_stub.test_defects import CONFIG, POP, Server, update_of
 from tests.support import digits_plan

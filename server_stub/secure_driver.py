@@ -1,0 +1,118 @@
+"""Driving a round's Secure Aggregation (``secure_rounds.SecureRound``, the ``secagg`` state
+machines) from the service: forming the groups once selection is over, adding each finished group's
+checked sum to the round (the Master Aggregator), and what a device asks of its group. Called under
+the service's lock; the caller wakes long polls when ``SecureRound.version`` moved."""
+
+from __future__ import annotations
+
+import logging
+
+from secagg import OutOfOrder, Round, SecAggError, UnexpectedClient
+
+from . import ddp_rounds
+from .admission import with_window
+from .errors import BadRequest, Conflict, SessionClosed
+from .influence import check_group_sum
+from .rounds import Phase, RoundCore, SessionState
+from .secure_rounds import SecureRound
+from .service_state import Population, Session, TaskRun
+
+log = logging.getLogger(__name__)
+
+
+def advance_secure(run: TaskRun, core: RoundCore, secure: SecureRound, now: float) -> None:
+    """Form the groups once selection is over; add each finished group's sum (the Master
+    Aggregator), count its summed devices as reported and the rest of the group as dropped,
+    so that the round need not wait for their deadlines. A sum outside the bounds honest
+    devices keep (``check_group_sum``; under distributed DP ``ddp_rounds.sum_problem``) is
+    dropped, its devices with it, and the reason kept for the round's metrics: one device's
+    update is never seen, so its group answers for it."""
+    core.advance(now)
+    if core.phase is Phase.REPORTING and not secure.formed:
+        selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
+        devices = {sid: device for device, sid in run.seats.get(run.seat_key, {}).items()}  # attested key hashes
+        if not secure.form_groups(selected, now, core.deadlines, devices):
+            log.info(
+                "task %s round %d: %d devices, no SecAgg group of %d: %s",
+                run.record.name,
+                core.number,
+                len(selected),
+                secure.settings.min_group_size,
+                secure.ddp_error or "too few",
+            )
+            for sid in selected:
+                core.abort(sid, now)
+    for group in secure.tick(now):
+        summed: list[str] = []
+        if group.server.round is Round.COMPLETED:
+            total, summed = secure.group_sum(group)
+            if secure.ddp_params is not None:  # distributed DP: every device weighs 1, the noise is in
+                refused = ddp_rounds.sum_problem(total, run.plan.weight_names, secure.ddp_params, len(summed))
+            else:
+                refused = check_group_sum(
+                    total,
+                    run.plan.weight_names if run.is_training else (),
+                    members=len(summed),
+                    max_examples=run.config.max_examples_per_report,
+                    clip_norm=run.config.clip_update_norm,
+                    tolerance=secure.codec.sum_error(len(summed)),
+                )
+            if refused is not None:
+                log.warning(
+                    "task %s round %d: the sum of SecAgg group %d is dropped: %s",
+                    run.record.name,
+                    core.number,
+                    group.index,
+                    refused,
+                )
+                secure.drop(group, refused)
+                summed = []
+            elif core.confirm_group(summed, now):
+                assert run.accumulator is not None
+                run.accumulator = run.executor.accumulate(run.accumulator, total)
+        else:
+            log.info(
+                "task %s round %d: SecAgg group %d aborted: %s",
+                run.record.name,
+                core.number,
+                group.index,
+                group.server.abort_reason,
+            )
+        for sid in set(group.members) - set(summed):
+            core.abort(sid, now)
+
+
+def status(session: Session, pop: Population, run: TaskRun, now: float) -> dict:
+    """The device's view of its group; after the round closed, its group's final state."""
+    if session.core is run.core and run.secure is not None:
+        state = run.secure.status(session.session_id)
+        state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session.session_id) - now), 3)
+        return with_window(state, pop, run, now)
+    for closed in run.closed:
+        if closed.core is session.core and closed.secure is not None:
+            state = closed.secure.status(session.session_id)
+            # a group still running when its round closed will never finish
+            return (
+                with_window(state, pop, run, now)
+                if state["status"] in ("completed", "aborted")
+                else {"status": "closed"}
+            )
+    return {"status": "closed"}
+
+
+def receive(session: Session, data: bytes, now: float) -> bool:
+    """Hand one Secure Aggregation message to the session's group; whether any device's state
+    may have changed. Raises a 4xx ``ApiError`` for a message its group does not take."""
+    run = session.run
+    if run.secure is None or session.core is not run.core:
+        raise SessionClosed("this session's round is over")
+    if session.session_id not in run.secure.by_session:
+        raise Conflict("this session is in no Secure Aggregation group (yet)", code="NOT_IN_GROUP")
+    before = run.secure.version
+    try:
+        run.secure.receive(session.session_id, data, now)
+    except (OutOfOrder, UnexpectedClient) as exc:
+        raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
+    except SecAggError as exc:
+        raise BadRequest(f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED") from None
+    return run.secure.version != before
