@@ -109,7 +109,8 @@ def encode_costs(params: ddp.DDPParams, update: np.ndarray, reps: int, seed: int
     gen = ddp._private_generator(rng)
     x = np.asarray(update, dtype=np.float64)
     scale = ddp._clip_factor(x, params.clip) * params.gamma
-    y, spare = ddp._rotate_vector(x, seed, scale)
+    y = ddp._rotate_vector(x, seed, scale)
+    spare = np.empty_like(y)
     rounded = ddp._round_conditionally(y, params.sensitivity, gen, ddp.DEFAULT_MAX_ROUNDING_TRIES, spare).copy()
     std = float(np.sqrt(params.local_variance))
     scratch = np.empty_like(rounded)

@@ -170,7 +170,7 @@ def fwht(x: npt.ArrayLike) -> FloatArray:
     y = np.asarray(x, dtype=np.float64)
     if y.ndim == 1:
         _check_power_of_two(y.size)
-        return _fwht_vector(y, 1.0 / math.sqrt(y.size))[0]
+        return _fwht_vector(y, 1.0 / math.sqrt(y.size))
     return _fwht_owned(y.copy())
 
 
@@ -201,9 +201,8 @@ def _fwht_owned(y: FloatArray) -> FloatArray:
     return out
 
 
-#: What ``_fwht_vector`` calls with each transformed block, while it is in cache, and the same block
-#: of the spare array it returns.
-BlockHook = Callable[[FloatArray, FloatArray], None]
+#: What ``_fwht_vector`` calls with each transformed block while it is in cache (it may overwrite it).
+BlockHook = Callable[[FloatArray], None]
 
 
 def _fwht_vector(
@@ -213,10 +212,10 @@ def _fwht_vector(
     *,
     negated_signs: npt.NDArray[np.int8] | None = None,
     length: int | None = None,
-) -> tuple[FloatArray, FloatArray]:
+) -> FloatArray:
     """``scale`` H (``source`` zero-padded to ``length``, a power of two; default its own length),
-    times ``negated_signs`` entry by entry first if given; returns it in a new array and a spare
-    array of the same length. ``source`` is left as it is.
+    times ``negated_signs`` entry by entry first if given, in a new array; ``source`` is left as it
+    is.
 
     H_(2^b) = (H_R (x) I_C)(I_R (x) H_C) with C = 2^min(b, ``_FWHT_BLOCK_BITS``): the vector is an
     R x C matrix whose rows are the blocks. The outer factor H_R runs over column strips of it, a
@@ -225,9 +224,9 @@ def _fwht_vector(
     chain of single matrix products H_n (Y_(C/n x n))^T, each of which transforms the last index
     digit and moves it to the front, so that after all of them the digits are back in order, and
     the result goes back in place: the vector is read once and written once, the factors work in
-    cache, BLAS gets no batches of tiny matrices. ``scale`` rides on the first factor. ``each_block``,
-    if given, sees every finished block while it is in cache (``encode`` rounds it there, into the
-    spare)."""
+    cache, BLAS gets no batches of tiny matrices, and no page of memory is touched that the result
+    does not need. ``scale`` rides on the first factor. ``each_block``, if given, sees every
+    finished block while it is in cache (``encode`` rounds it there, in place)."""
     m = source.size
     d = m if length is None else length
     bits = d.bit_length() - 1
@@ -235,7 +234,6 @@ def _fwht_vector(
     cols = 1 << inner
     rows = d // cols
     out = np.empty(d)
-    spare = np.empty(d)
     if rows == 1:
         if negated_signs is None:
             out[:m] = source
@@ -262,8 +260,8 @@ def _fwht_vector(
         if src is not home:
             home[...] = src
         if each_block is not None:
-            each_block(home, spare[start : start + cols])
-    return out, spare
+            each_block(home)
+    return out
 
 
 def _outer_factor(
@@ -309,12 +307,9 @@ def _outer_factor(
             src, before = dst, before * n
 
 
-def _rotate_vector(
-    x: FloatArray, seed: int, scale: float, each_block: BlockHook | None = None
-) -> tuple[FloatArray, FloatArray]:
+def _rotate_vector(x: FloatArray, seed: int, scale: float, each_block: BlockHook | None = None) -> FloatArray:
     """``scale`` H D x for a flat ``x`` zero-padded to a power of two, the negated signs applied as
-    the transform reads ``x`` and undone by ``-scale``. Returns the rotated vector and a spare array
-    of its length (``_fwht_vector``)."""
+    the transform reads ``x`` and undone by ``-scale`` (``_fwht_vector``)."""
     pd = padded_dimension(x.size)
     return _fwht_vector(x, -scale / math.sqrt(pd), each_block, negated_signs=_negated_signs(seed, pd), length=pd)
 
@@ -325,7 +320,7 @@ def rotate(x: npt.ArrayLike, seed: int) -> FloatArray:
     d = v.shape[-1]
     pd = padded_dimension(d)
     if v.ndim == 1:
-        return _rotate_vector(v, seed, 1.0)[0]
+        return _rotate_vector(v, seed, 1.0)
     signs = rotation_signs(seed, pd)
     padded = np.zeros((*v.shape[:-1], pd))
     np.multiply(v, signs[:d], out=padded[..., :d])
@@ -344,7 +339,7 @@ def _unrotate(y: npt.ArrayLike, seed: int, dim: int, scale: float) -> FloatArray
     if padded_dimension(dim) != pd:
         raise DDPError(f"a rotated vector of length {pd} cannot hold dimension {dim}")
     if v.ndim == 1:
-        flat: FloatArray = _fwht_vector(v, -scale / math.sqrt(pd))[0][:dim]
+        flat: FloatArray = _fwht_vector(v, -scale / math.sqrt(pd))[:dim]
         flat *= _negated_signs(seed, pd)[:dim]
         return flat
     out: FloatArray = fwht(v)[..., :dim]
@@ -827,15 +822,17 @@ def encode(
     rng = _private_generator(rng)
     # clip, rotate and scale by gamma in one transform (the clip factor and gamma ride on its
     # scalar); below FAST_ROUNDING_MAX_BOUND the first rounding attempt runs block by block as the
-    # transform finishes each one, while it is in cache
+    # transform finishes each one, while it is in cache, in place: one array for the whole encoding
     first = _BlockRounding(rng) if bound <= FAST_ROUNDING_MAX_BOUND else None
-    y, spare = _rotate_vector(x, seed, scale, first)
+    y = _rotate_vector(x, seed, scale, first)
     if first is not None and first.norm2 <= bound * bound:
-        rounded = spare
-    elif first is not None and max_tries <= 1:
-        raise _rounding_failed(bound, max_tries)
+        rounded = y
     else:
-        rounded = _round_conditionally(y, bound, rng, max_tries - (first is not None), spare)
+        if first is not None:
+            if max_tries <= 1:
+                raise _rounding_failed(bound, max_tries)
+            y = _rotate_vector(x, seed, scale)  # the attempt overwrote it: the same rotation again
+        rounded = _round_conditionally(y, bound, rng, max_tries - (first is not None), np.empty_like(y))
     std = math.sqrt(params.local_variance)
     mask = params.modulus - 1  # mod a power of two: two's complement makes this right for q < 0 too
     if (
@@ -845,7 +842,7 @@ def encode(
         and _FUSED_NOISE_SIGMAS * std + bound <= 2.0**53
     ):
         return _add_rounded_gaussian(rounded, std, rng, mask)
-    q = _to_int64(rounded, y)
+    q = rounded.astype(np.int64)
     if noise:
         q += sample_noise(params.mechanism, params.local_variance, q.size, rng)
     q &= mask
@@ -863,20 +860,20 @@ def _private_generator(rng: np.random.Generator) -> np.random.Generator:
 
 class _BlockRounding:
     """``encode``'s first rounding attempt, one block of the rotated vector at a time: floor(y + U)
-    into the spare block (``FAST_ROUNDING_MAX_BOUND``), the squared norm summed as it goes."""
+    in place of the block (``FAST_ROUNDING_MAX_BOUND``), the squared norm summed as it goes."""
 
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
         self.norm2 = 0.0
         self.uniform = np.empty(0)
 
-    def __call__(self, y: FloatArray, out: FloatArray) -> None:
+    def __call__(self, y: FloatArray) -> None:
         if self.uniform.size != y.size:
             self.uniform = np.empty(y.size)
         u = self.rng.random(out=self.uniform)
-        u += y
-        np.floor(u, out=out)
-        self.norm2 += float(np.dot(out, out))
+        y += u
+        np.floor(y, out=y)
+        self.norm2 += float(np.dot(y, y))
 
 
 def _add_rounded_gaussian(rounded: FloatArray, std: float, rng: np.random.Generator, mask: int) -> IntArray:
@@ -895,14 +892,6 @@ def _add_rounded_gaussian(rounded: FloatArray, std: float, rng: np.random.Genera
         np.copyto(out, z, casting="unsafe")  # over the rounded block z has just read
         out &= mask
     return q
-
-
-def _to_int64(v: FloatArray, spare: FloatArray) -> IntArray:
-    """``v`` (float64 integers) as int64 in the memory of ``spare``, an array of its shape the
-    caller no longer needs: no fresh array to fault in page by page."""
-    out: IntArray = spare.view(np.int64)
-    np.copyto(out, v, casting="unsafe")
-    return out
 
 
 #: ``encode`` adds the noise to the rounded vector in float64 when every sum is an integer below
