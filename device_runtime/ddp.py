@@ -138,8 +138,8 @@ _FWHT_FACTOR_BITS = 4
 #: A flat vector is transformed in blocks of up to 2^_FWHT_BLOCK_BITS entries (128 KiB of float64,
 #: within one core's L2 cache; ``_fwht_vector``): every pass of the factors then works in cache and
 #: the vector goes through memory once, where whole-vector passes went through it once per factor
-#: (docs/benchmarks/dp.md has the stage timings). Blocks of 2^12 to 2^16 and factors of 4 to 32
-#: measured within 10% of this choice at 2^17 and 2^20.
+#: (docs/benchmarks/dp.md has the stage timings). A sweep of blocks of 2^11 to 2^15 entries and
+#: factors of 4 to 32 found no choice more than 4% faster at 2^17 or 2^20.
 _FWHT_BLOCK_BITS = 14
 
 
@@ -851,7 +851,7 @@ def encode(
 
 def _private_generator(rng: np.random.Generator) -> np.random.Generator:
     """The generator ``encode`` draws the rounding and the noise from: SFC64 seeded with 256 bits of
-    ``rng``. Measured (docs/benchmarks/dp.md) 15-25% faster than PCG64 for the uniforms and the
+    ``rng``. Measured (docs/benchmarks/dp.md) 14-24% faster than PCG64 for the uniforms and the
     Gaussians that are most of the encoding's draws (Philox and MT19937 are slower). Its outputs are
     a function of ``rng``'s, so they are exactly as unpredictable to the server as ``rng`` is: the
     device's runtime seeds ``rng`` from its own entropy and the server sees no output of either."""
