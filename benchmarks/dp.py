@@ -67,11 +67,16 @@ def _emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
 
-def _fastest(fn: Callable[[], object], reps: int) -> float:
-    """The fastest of ``reps`` timed calls, after one untimed warm-up."""
+def _fastest(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
+    """The fastest of ``reps`` timed calls, after one untimed warm-up (``setup`` runs untimed before
+    each call)."""
+    if setup is not None:
+        setup()
     fn()
     best = float("inf")
     for _ in range(reps):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
@@ -90,26 +95,43 @@ def ddp_params(dim: int) -> ddp.DDPParams:
 
 
 def encode_costs(params: ddp.DDPParams, update: np.ndarray, reps: int, seed: int) -> dict:
-    """The whole encode and each of its stages on the same update (seconds, fastest of ``reps``)."""
+    """The whole encode and each of its stages on the same update (seconds, fastest of ``reps``).
+
+    The stages are ``encode``'s own steps (``ddp``'s private helpers, called as ``encode`` calls
+    them), so that ``stages_sum_s`` (clip + rotate_and_round + noise_and_mod) is the encode: ``clip``
+    the norm and the clip factor; ``rotate`` the padding, the signs (``signs`` alone) and the
+    transform with clip, gamma and normalization in its scalar; ``rotate_and_round`` the same with
+    the first rounding attempt done block by block in it (what ``encode`` runs; ``round`` is one
+    attempt over the whole vector alone, for comparison); ``noise_and_mod`` the Gaussian draws
+    (``normals`` alone), their rounding, the sum with the rounded vector, the int64 conversion and
+    the modulus."""
     rng = np.random.default_rng(seed)
-    clipped = ddp.clip_l2(update, params.clip)
-    rotated = ddp.rotate(clipped, seed)
-    scaled = rotated * params.gamma
-    rounded = ddp.conditional_round(scaled, params.sensitivity, rng)
-    noisy = rounded + ddp.sample_noise(params.mechanism, params.local_variance, rounded.size, rng)
+    gen = ddp._private_generator(rng)
+    x = np.asarray(update, dtype=np.float64)
+    scale = ddp._clip_factor(x, params.clip) * params.gamma
+    y = ddp._rotate_vector(x, seed, scale)
+    spare = np.empty_like(y)
+    rounded = ddp._round_conditionally(y, params.sensitivity, gen, ddp.DEFAULT_MAX_ROUNDING_TRIES, spare).copy()
+    std = float(np.sqrt(params.local_variance))
+    scratch = np.empty_like(rounded)
     stages = {
-        "clip": _fastest(lambda: ddp.clip_l2(update, params.clip), reps),
-        "rotate": _fastest(lambda: ddp.rotate(clipped, seed), reps),
-        "scale_and_round": _fastest(
-            lambda: ddp.conditional_round(rotated * params.gamma, params.sensitivity, rng), reps
+        "clip": _fastest(lambda: ddp._clip_factor(x, params.clip), reps),
+        "signs": _fastest(lambda: ddp._negated_signs(seed, params.padded_dim), reps),
+        "rotate": _fastest(lambda: ddp._rotate_vector(x, seed, scale), reps),
+        "round": _fastest(
+            lambda: ddp._round_conditionally(y, params.sensitivity, gen, ddp.DEFAULT_MAX_ROUNDING_TRIES, spare), reps
         ),
-        "noise": _fastest(
-            lambda: ddp.sample_noise(params.mechanism, params.local_variance, params.padded_dim, rng), reps
+        "rotate_and_round": _fastest(lambda: ddp._rotate_vector(x, seed, scale, ddp._BlockRounding(gen)), reps),
+        "normals": _fastest(lambda: gen.standard_normal(out=scratch), reps),
+        "noise_and_mod": _fastest(
+            lambda: ddp._add_rounded_gaussian(scratch, std, gen, params.modulus - 1),
+            reps,
+            setup=lambda: np.copyto(scratch, rounded),
         ),
-        "reduce_mod": _fastest(lambda: np.bitwise_and(noisy, params.modulus - 1), reps),
     }
     total = _fastest(lambda: ddp.encode(update, params, seed, rng), reps)
-    return {"encode_s": total, "stages_s": stages, "stages_sum_s": sum(stages.values())}
+    parts = ("clip", "rotate_and_round", "noise_and_mod")
+    return {"encode_s": total, "stages_s": stages, "stages_sum_s": sum(stages[k] for k in parts)}
 
 
 def secure_group(params: ddp.DDPParams, updates: list[np.ndarray], seed: int) -> dict:

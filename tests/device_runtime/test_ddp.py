@@ -55,6 +55,62 @@ def test_rotation_spreads_a_spike_over_every_coordinate() -> None:
     np.testing.assert_allclose(np.abs(y), 5.0 / math.sqrt(1024))
 
 
+def butterfly_transform(v: np.ndarray) -> np.ndarray:
+    """The unnormalized Walsh-Hadamard transform in int64, one butterfly per bit: the reference the
+    blocked float64 transform must equal bit for bit on integers (whose sums float64 holds exactly)."""
+    v = v.copy()
+    h = 1
+    while h < v.size:
+        pairs = v.reshape(-1, 2, h)
+        v = np.concatenate([pairs[:, :1] + pairs[:, 1:], pairs[:, :1] - pairs[:, 1:]], axis=1).reshape(-1)
+        h *= 2
+    return v
+
+
+@SETTINGS
+@given(
+    bits=st.integers(0, 17),
+    short=st.integers(0, 2**17),
+    signed=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_the_blocked_transform_of_integers_equals_the_butterflies_bit_for_bit(
+    bits: int, short: int, signed: bool, seed: int
+) -> None:
+    # from 2^15 entries on the transform runs in strips and blocks, reading a source shorter than the
+    # padded length (zero past it) and its signs as it goes
+    d = 1 << bits
+    x = np.random.default_rng(seed).integers(-1000, 1001, size=max(1, d - short % d))
+    signs = ddp._negated_signs(seed, d) if signed else None
+    got = ddp._fwht_vector(x.astype(np.float64), 1.0, negated_signs=signs, length=d)
+    padded = np.zeros(d, dtype=np.int64)
+    padded[: x.size] = x if signs is None else x * signs[: x.size]
+    np.testing.assert_array_equal(got, butterfly_transform(padded).astype(np.float64))
+
+
+@SETTINGS
+@given(x=vectors(max_dim=140_000), seed=st.integers(0, 2**64 - 1))
+def test_the_flat_rotation_equals_the_stacked_one_to_float64_rounding(x: np.ndarray, seed: int) -> None:
+    stacked = ddp.rotate(x[None, :], seed)[0]  # signs, then one pass over the vector per factor
+    np.testing.assert_allclose(ddp.rotate(x, seed), stacked, rtol=0, atol=1e-13 * (1.0 + np.linalg.norm(x)))
+
+
+@SETTINGS
+@given(bits=st.integers(0, 17), seed=st.integers(0, 2**32))
+def test_the_flat_transform_equals_the_stacked_one_to_float64_rounding(bits: int, seed: int) -> None:
+    x = np.random.default_rng(seed).normal(size=1 << bits)
+    stacked = ddp.fwht(x[None, :])[0]  # the factor-by-factor products, one pass over the vector each
+    np.testing.assert_allclose(ddp.fwht(x), stacked, rtol=0, atol=1e-13 * np.linalg.norm(x))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**64 - 1), bits=st.integers(0, 17))
+def test_rotation_signs_are_the_ones_the_integer_draw_gave_bit_for_bit(seed: int, bits: int) -> None:
+    # what devices and servers derived before the signs were read from the raw stream
+    drawn = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=1 << bits, dtype=np.int8)
+    np.testing.assert_array_equal(ddp.rotation_signs(seed, 1 << bits), drawn.astype(np.float64) * 2.0 - 1.0)
+
+
 # --- clipping and rounding ---------------------------------------------------------------------
 
 
@@ -94,6 +150,41 @@ def test_conditional_rounding_is_unbiased() -> None:
         np.random.default_rng(0),
     )
     assert q.mean() == pytest.approx(0.3, abs=5 * math.sqrt(0.21 / y.size))
+
+
+@SETTINGS
+@given(y=st.floats(-(2.0**32), 2.0**32), u=st.floats(0.0, 1.0, exclude_max=True))
+def test_floor_of_y_plus_u_rounds_up_exactly_when_u_reaches_one_minus_the_fraction_but_within_an_ulp(
+    y: float, u: float
+) -> None:
+    # floor(y + U) is floor(y) + Bernoulli(frac(y)): only a U within float64 rounding of 1 - frac(y)
+    # may land on the other side (FAST_ROUNDING_MAX_BOUND)
+    floor = math.floor(y)
+    up = math.floor(y + u) - floor
+    assert up in (0, 1)
+    if abs(u - (1.0 - (y - floor))) > float(np.spacing(max(abs(y), 1.0))):
+        assert up == (u >= 1.0 - (y - floor))
+
+
+@pytest.mark.parametrize("offset", [0.0, 2.0**40])
+def test_conditional_rounding_is_floor_plus_the_uniform_on_the_generators_draws(offset: float) -> None:
+    # below the fast bound floor(y + U); above it (where y + U loses U's low bits) U < frac(y), exactly
+    y = offset + np.random.default_rng(1).uniform(-50.0, 50.0, size=1000)
+    bound = float(np.linalg.norm(y)) + 1000.0
+    assert (bound <= ddp.FAST_ROUNDING_MAX_BOUND) == (offset == 0.0)
+    q = ddp.conditional_round(y, bound, np.random.default_rng(2))
+    u = np.random.default_rng(2).random(y.size)
+    expected = np.floor(y + u) if offset == 0.0 else np.floor(y) + (u < y - np.floor(y))
+    np.testing.assert_array_equal(q, expected.astype(np.int64))
+
+
+def test_fast_conditional_rounding_is_unbiased_at_every_fraction() -> None:
+    frac = np.linspace(0.0, 1.0, 64, endpoint=False)
+    y = np.tile(frac - 3.0, 20_000)  # negative entries too
+    bound = ddp.rounding_bound(float(np.linalg.norm(y)), y.size)
+    assert bound <= ddp.FAST_ROUNDING_MAX_BOUND
+    q = ddp.conditional_round(y, bound, np.random.default_rng(5)).reshape(-1, 64)
+    np.testing.assert_allclose(q.mean(axis=0), frac - 3.0, atol=5 * 0.5 / math.sqrt(20_000))
 
 
 def test_conditional_rounding_gives_up_with_a_clear_error_on_an_unclipped_input() -> None:
@@ -256,6 +347,45 @@ def test_the_modular_sum_of_many_encodings_decodes_to_the_sum_of_clipped_vectors
     out = ddp.decode(sum_encodings(encodings, p.modulus), p, seed, n)
     expected = sum(ddp.clip_l2(u, clip) for u in updates)
     assert np.linalg.norm(out - expected) <= n * math.sqrt(p.padded_dim) / p.gamma * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dim=st.integers(1, 40_000),
+    norm=st.floats(0.01, 10.0),
+    rotation_seed=st.integers(0, 2**64 - 1),
+    seed=st.integers(0, 2**32),
+    beta=st.sampled_from([ddp.DEFAULT_BETA, 0.99]),
+)
+def test_the_fast_encoding_is_the_reference_rounding_and_noise_on_the_same_draws(
+    dim: int, norm: float, rotation_seed: int, seed: int, beta: float
+) -> None:
+    # encode clips, rotates and scales in one transform, rounds block by block as the transform
+    # finishes them and adds the noise block by block; the reference does each step whole, as
+    # before, on the same generator's draws: equal wherever float64 rounding of the rotation
+    # cannot move y + U across an integer
+    # from 16 entries on, the share's variance is above ROUNDED_GAUSSIAN_MIN_VARIANCE (the fused path);
+    # beta 0.99 tightens the norm bound so that an input at the clip often needs a second try
+    p = ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=dim, bitwidth=32, min_devices=5, max_devices=11, beta=beta)
+    x = np.random.default_rng(seed).normal(size=dim)
+    x *= norm / np.linalg.norm(x)
+    clean = ddp.encode(x, p, rotation_seed, np.random.default_rng(seed), noise=False)
+    noisy = ddp.encode(x, p, rotation_seed, np.random.default_rng(seed))
+    gen = ddp._private_generator(np.random.default_rng(seed))
+    y = ddp.rotate(ddp.clip_l2(x, p.clip), rotation_seed) * p.gamma
+    for _ in range(ddp.DEFAULT_MAX_ROUNDING_TRIES):  # an input at the clip may need another try
+        sum_ = y + gen.random(p.padded_dim)
+        rounded = np.floor(sum_)
+        if float(np.dot(rounded, rounded)) <= p.sensitivity**2:
+            break
+    noise = ddp.sample_noise(p.mechanism, p.local_variance, p.padded_dim, gen)
+    settled = np.abs(sum_ - np.rint(sum_)) > 1e-6 * (1.0 + np.abs(y).max())
+    mask = p.modulus - 1
+    expected_clean = rounded.astype(np.int64) & mask
+    expected_noisy = (rounded.astype(np.int64) + noise) & mask
+    np.testing.assert_array_equal(clean[settled], expected_clean[settled])
+    np.testing.assert_array_equal(noisy[settled], expected_noisy[settled])
+    assert ((ddp.to_signed((noisy - expected_noisy) & mask, p.modulus)[~settled]) ** 2 <= 1).all()
 
 
 def test_the_noisy_sum_of_the_largest_group_stays_inside_the_sized_modulus() -> None:
