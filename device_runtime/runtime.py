@@ -124,7 +124,10 @@ class FLRuntime:
         the noise floor this device holds in distributed-DP rounds (``DPPolicy``; by default only
         the task's own noise, and no floor of the app's).
         ``environment``: where sessions read and spend time and memory (``RuntimeEnvironment``):
-        the system's on a device, a model's in a simulation on virtual time."""
+        the system's on a device, a model's in a simulation on virtual time. ``rng``: the device's
+        random stream (jitter, fixed-point rounding); given one, a seeded run repeats, noise
+        included; without one, a distributed-DP round's noise and rounding are seeded from the
+        operating system's entropy, never from a stream whose draws the server sees as timings."""
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
         self._remove_own_cache: Callable[[], None] = lambda: None
@@ -135,6 +138,7 @@ class FLRuntime:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.runtime_version = runtime_version
         self.rng = rng or random.Random()
+        self._seeded = rng is not None
         self.environment = environment
         clock = self.clock = environment.clock
         sleep = environment.sleep
@@ -416,15 +420,18 @@ class FLRuntime:
         )
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
+    def _noise_generator(self) -> np.random.Generator:
+        """The generator of a distributed-DP round's rounding and noise: from the app's seeded
+        stream when it gave one (a simulation that repeats), else from fresh OS entropy."""
+        return np.random.default_rng(self.rng.getrandbits(128) if self._seeded else None)
+
     def _ddp_report(self, rec: _Recorder, secure: SecureAggregation, plan: Plan, result: DeviceResult) -> SessionResult:
         """A distributed-DP round's input: the mean delta, unweighted, clipped, rotated, rounded and
         noised with the parameters the device checked before it joined (``dp_policy``); the loss and
         accuracy sums are not sent (they would leave the group's sum without noise)."""
         assert secure.ddp is not None
         try:
-            vector = encode_update(
-                result.update, plan.weight_names, secure.ddp, np.random.default_rng(self.rng.getrandbits(128))
-            )
+            vector = encode_update(result.update, plan.weight_names, secure.ddp, self._noise_generator())
         except DDPError as exc:
             refused = SecureResult(
                 SecureOutcome.ABORTED,

@@ -249,3 +249,21 @@ def closed_rounds(admin, population: str, timeout_s: float = 5.0) -> list[dict]:
     while not (rounds := admin.rounds(population)) and time.monotonic() < deadline:
         time.sleep(0.02)
     return rounds
+
+
+def test_a_devices_dp_noise_is_seeded_from_the_os_unless_the_app_gave_a_seeded_stream(tmp_path):
+    """The device's own stream also times its check-ins, which the server sees: an unseeded
+    device does not draw its distributed-DP noise from it; a seeded one (a simulation) does, so
+    its run repeats."""
+    store = InMemoryExampleStore()
+    unseeded = FLRuntime("digits", "http://127.0.0.1:9", store, cache_dir=tmp_path / "a")
+    state = unseeded.rng.getstate()
+    draws = [int(unseeded._noise_generator().integers(1 << 62)) for _ in range(2)]
+    assert unseeded.rng.getstate() == state and draws[0] != draws[1]
+    seeded = [
+        FLRuntime("digits", "http://127.0.0.1:9", store, cache_dir=tmp_path / f"s{i}", rng=random.Random(5))
+        for i in range(2)
+    ]
+    assert len({int(r._noise_generator().integers(1 << 62)) for r in seeded}) == 1
+    for runtime in (unseeded, *seeded):
+        runtime.close()
