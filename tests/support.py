@@ -4,6 +4,7 @@ devices running secure rounds against it, and the benchmarks run as documented."
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -282,3 +283,24 @@ def run_benchmark(name: str, *args: str, timeout_s: float = 280) -> list[dict]:
     assert lines and all(isinstance(line, dict) for line in lines), out.stdout[-2000:]
     assert lines[-1].get("summary") is True, lines[-1]
     return lines
+
+
+def server_command_exit(args: Sequence[str], timeout_s: float = 30.0) -> int:
+    """The exit status of the server command's ``main`` run in-process with ``args`` (argparse's
+    refusals included), in a thread of its own: a command that serves instead of refusing fails
+    the test after ``timeout_s`` instead of hanging it."""
+    from server_stub.cli import main
+
+    codes: queue.Queue[int] = queue.Queue()
+
+    def run() -> None:
+        try:
+            codes.put(main(list(args)))
+        except SystemExit as exit_:
+            codes.put(int(exit_.code or 0))
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        return codes.get(timeout=timeout_s)
+    except queue.Empty:
+        pytest.fail(f"the server command started serving instead of refusing {list(args)}")

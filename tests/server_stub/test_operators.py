@@ -26,8 +26,7 @@ from emulator import AttestationAuthority
 from server_stub import AdminClient, AdminKeyError, AdminKeys, RoundConfig, ServerThread, free_port, task_body
 from server_stub.admin_auth import ADMIN_KEYS_ENV, MIN_KEY_CHARS
 from server_stub.cli import add_server_arguments, run_server
-from server_stub.cli import main as server_main
-from tests.support import deploy, digits_plan
+from tests.support import deploy, digits_plan, server_command_exit
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "operator-key-" + "k" * 32
@@ -427,18 +426,7 @@ def test_the_command_refuses_an_unusable_key_file_with_status_2(tmp_path, comman
 )
 def test_the_command_refuses_unusable_files_with_status_2(tmp_path, capsys, problem):
     """Each problem through the command's own ``main`` (the process around it is the test above)."""
-    args = _unusable(tmp_path, problem)
-    codes: queue.Queue[int] = queue.Queue()
-
-    def run() -> None:
-        try:
-            codes.put(server_main(args))
-        except SystemExit as exit_:  # argparse's refusals
-            codes.put(int(exit_.code or 0))
-
-    # in a thread of its own, so that a command which serves instead of refusing fails the test
-    threading.Thread(target=run, daemon=True).start()
-    code = codes.get(timeout=30)
+    code = server_command_exit(_unusable(tmp_path, problem))
     captured = capsys.readouterr()
     _refused_in_one_line(code, captured.out, captured.err)
 

@@ -25,8 +25,8 @@ from emulator.toolchain.release_signing import public_key_bytes, sign_report
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub import AdminClient, AdminError, RoundConfig, ServerThread, free_port, resource_id
 from server_stub.admin_client import task_body
-from server_stub.cli import main as server_main
 from server_stub.release_gate import canonical_json
+from tests.support import server_command_exit
 
 TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
 CLAIMED = ["1.15.1", "1.31.1"]
@@ -336,6 +336,6 @@ def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, 
     assert "signed by one of the 1 key(s)" in out
     trust.write_text("ed25519 not-a-key\n")
     args = ["--db", str(tmp_path / "bad.db"), "--port", "0", "--admin-key-file", str(tmp_path / "admin.keys")]
-    assert server_main([*args, "--release-trust", str(trust)]) == 2
+    assert server_command_exit([*args, "--release-trust", str(trust)]) == 2
     err = capsys.readouterr().err
     assert "line 1" in err and "fedfleet plan keygen" in err
