@@ -39,7 +39,9 @@ def test_a_block_inside_another_leaves_the_outer_one_in_force():
         frozen = gc.get_freeze_count()
         with long_lived_heap():  # building the fleet inside the run: no collection of its own
             Cycle()
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen  # still frozen, still deferred
+            # not frozen again (a freeze would add the objects made since); the count may only fall,
+            # as any thread of the worker (a server left by an earlier test) frees frozen objects
+            assert gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # still frozen, still deferred
         assert gc.get_threshold() == (before[0], before[1], RUN_FULL_COLLECTION_EVERY)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
