@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 from emulator import partition_by_shards
+from emulator.datasets import digits_arrays
 
 
 def test_split_is_stratified_and_disjoint(digits):
@@ -24,3 +27,19 @@ def test_partition_covers_every_example_once_and_is_skewed(digits):
     assert partition_by_shards(digits.y_train, 50, seed=3)[7].tolist() == parts[7].tolist()
     with pytest.raises(ValueError):
         partition_by_shards(digits.y_train, 10_000)
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+    """Each process that loads the digits (a benchmark's baseline, the demo, a CLI run) once paid
+    scikit-learn's import, about 2 CPU-s, for a file of 1,797 rows; the loader reads the file itself."""
+    from sklearn.datasets import load_digits
+
+    reference = load_digits()
+    digits_arrays.cache_clear()
+    for name in ("sklearn", "sklearn.datasets"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing either now raises ImportError
+    x, y = digits_arrays()
+    assert x.dtype == np.float32 and y.dtype == np.int64 and x.shape == (1797, 64)
+    np.testing.assert_array_equal(x, (reference.data / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(y, reference.target)
+    assert not x.flags.writeable and not y.flags.writeable  # shared between loads

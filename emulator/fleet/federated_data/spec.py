@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+
+from emulator.datasets import digits_arrays
 
 from ._dataset import FederatedDataset
 from ._errors import DataLayoutError, DataSpecError
@@ -172,20 +173,9 @@ def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
     return arrays
 
 
-@lru_cache(maxsize=1)
-def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x, y = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int64)
-    x.setflags(write=False)  # cached and shared between loads
-    y.setflags(write=False)
-    return x, y
-
-
 def _digits() -> dict[str, np.ndarray]:
     """scikit-learn's 1,797 8x8 digits scaled to [0, 1], as ``emulator.datasets`` scales them."""
-    x, y = _digits_arrays()
+    x, y = digits_arrays()  # cached and shared between loads, read-only
     return {"x": x, "y": y}
 
 
