@@ -24,6 +24,7 @@ from example_store import ExampleSelector
 from server_stub import AdminClient, RoundConfig, free_port
 
 OPEN_GOAL = 1_000_000  # RoundConfig's largest goal_count; far more check-ins than a run makes
+WARMUP_S = 0.5  # each case's load before its measured load
 
 
 def _emit(obj: dict) -> None:
@@ -69,10 +70,16 @@ async def _load(port: int, method: str, path: str, body: bytes, connections: int
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="3 s per case instead of 10")
     parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="seconds each case is measured (default 10; 3 with --quick); the warm-up runs at most as long",
+    )
     args = parser.parse_args()
-    duration = 3.0 if args.quick else 10.0
+    duration = args.duration or (3.0 if args.quick else 10.0)
+    warmup = min(WARMUP_S, duration)
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         admin_key = secrets.token_urlsafe(32)
@@ -130,7 +137,7 @@ def main() -> None:
                 ("checkin_selected", "POST", "/v1/populations/open/checkin", checkin_body),
                 ("checkin_rejected", "POST", "/v1/populations/full/checkin", checkin_body),
             ]:
-                asyncio.run(_load(port, method, path, body, args.connections, 0.5))  # warm-up
+                asyncio.run(_load(port, method, path, body, args.connections, warmup))  # warm-up
                 t0 = time.perf_counter()
                 done, errors = asyncio.run(_load(port, method, path, body, args.connections, duration))
                 elapsed = time.perf_counter() - t0

@@ -11,7 +11,7 @@ from tests.support import run_benchmark
 @pytest.mark.timeout(300)
 def test_a_small_run_brackets_the_simulation_with_two_baselines():
     lines = run_benchmark(
-        "fleet_day", "--devices", "200", "--hours", "0.5", "--baseline-s", "2", "--baseline-devices", "30"
+        "fleet_day", "--devices", "100", "--hours", "0.25", "--baseline-s", "1", "--baseline-devices", "20"
     )
     assert [line.get("case") for line in lines[:3]] == [
         "baseline_realtime_fleet",
