@@ -25,7 +25,7 @@ day ends at most at it.
 Timings are the fastest of several repetitions (a shared machine's load only ever adds), with
 BLAS held to one thread as on a phone's single training thread (env vars set before numpy loads).
 
-    python -m benchmarks.dp [--quick | --accuracy [--devices N --hours H]]
+    python -m benchmarks.dp [--quick | --accuracy [--devices N --hours H]] [--dims 100000,1000000]
 
 Prints one JSON object per line; the last is the summary with the targets.
 """
@@ -282,6 +282,17 @@ def accuracy_at_epsilons(devices: int, hours: float, seed: int) -> list[dict]:
     return rows
 
 
+def _dims(text: str) -> tuple[int, ...]:
+    """``--dims``: positive parameter counts, comma-separated."""
+    try:
+        dims = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--dims takes comma-separated whole numbers, got {text!r}") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"--dims takes one or more positive counts, got {text!r}")
+    return dims
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
@@ -290,12 +301,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=10_000, help="the accuracy days' devices (default 10,000)")
     parser.add_argument("--hours", type=float, default=24.0, help="the accuracy days' length (default 24)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dims",
+        type=_dims,
+        default=DIMS,
+        help="comma-separated parameter counts of the cost part (default 100000,1000000; fewer are quicker, for tests)",
+    )
     args = parser.parse_args(argv)
     machine = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count()}
     _emit({"machine": machine, "python": platform.python_version(), "numpy": np.__version__})
     rows: dict[str, dict] = {}
     if not args.accuracy:
-        for dim in DIMS:
+        for dim in args.dims:
             row = device_and_server(dim, reps=3 if args.quick else 9, groups=1 if args.quick else 3, seed=args.seed)
             rows[row["case"]] = row
             _emit(row)
