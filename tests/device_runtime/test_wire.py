@@ -137,9 +137,26 @@ answers = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+#: Answers each property draws in the default run (300 took 4 CPU-s each), and in its slow twin.
+EXAMPLES = 100
+SLOW_EXAMPLES = 1000
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(answer=answers, direct=st.booleans())
 def test_every_answer_the_servers_models_emit_the_devices_models_accept(answer, direct):
+    _the_device_accepts(answer, direct)
+
+
+@pytest.mark.slow
+@settings(max_examples=SLOW_EXAMPLES, deadline=None)
+@given(answer=answers, direct=st.booleans())
+def test_every_answer_the_servers_models_emit_the_devices_models_accept_long_run(answer, direct):
+    _the_device_accepts(answer, direct)
+
+
+def _the_device_accepts(answer: tuple, direct: bool) -> None:
+    """The device's models read back what the server's model (or its direct route's dict) sent."""
     kind, model = answer
     # FastAPI's route serializes the model (unset fields left out); a direct route sends the service's dict.
     body = model.model_dump_json(exclude_unset=True).encode()
@@ -190,9 +207,24 @@ WRONG_TYPE = {
 }
 
 
-@settings(max_examples=300, deadline=None)
-@given(answer=answers.filter(lambda a: not isinstance(a[1], (CheckinRejected, ReportAnswer))), data=st.data())
+STRICT_ANSWERS = answers.filter(lambda a: not isinstance(a[1], (CheckinRejected, ReportAnswer)))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(answer=STRICT_ANSWERS, data=st.data())
 def test_an_answer_missing_a_field_or_with_a_field_of_another_type_is_a_protocol_error_naming_it(answer, data):
+    _a_broken_answer_is_refused_naming_its_field(answer, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=SLOW_EXAMPLES, deadline=None)
+@given(answer=STRICT_ANSWERS, data=st.data())
+def test_an_answer_missing_a_field_or_with_a_field_of_another_type_is_a_protocol_error_naming_it_long_run(answer, data):
+    _a_broken_answer_is_refused_naming_its_field(answer, data)
+
+
+def _a_broken_answer_is_refused_naming_its_field(answer: tuple, data: st.DataObject) -> None:
+    """One required field dropped or one field of another JSON type: a ProtocolError naming the field."""
     kind, model = answer
     sent = model.model_dump(mode="json", exclude_unset=True)
     if data.draw(st.booleans(), label="drop?"):
