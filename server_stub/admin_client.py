@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan, serialize_plan
+from device_runtime.protocol import shared_tls_context
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -110,6 +111,7 @@ class AdminClient:
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {admin_key}"},
             transport=transport,
+            verify=shared_tls_context(),  # the process's one TLS context: building one costs ~60 ms of CPU
         )
 
     def close(self) -> None:

@@ -237,6 +237,19 @@ def test_admin_keys_from_env():
         AdminKeys.from_env({ADMIN_KEYS_ENV: f"{KEY},short"})
 
 
+def test_every_operator_client_shares_the_processs_one_tls_context():
+    """Building a TLS context loads the CA bundle (about 60 ms of CPU): a process that opens many
+    operator clients (a test suite, a notebook, the CLI) builds it once, as its devices do."""
+    from device_runtime.protocol import shared_tls_context
+
+    a, b = AdminClient("http://127.0.0.1:1", admin_key=KEY), AdminClient("https://127.0.0.1:1", admin_key=KEY)
+    try:
+        assert a.http._transport._pool._ssl_context is b.http._transport._pool._ssl_context is shared_tls_context()
+    finally:
+        a.close()
+        b.close()
+
+
 # ----------------------------------------------------------------------------- the command
 class _Server:
     """``python -m server_stub`` as a subprocess; its stdout is read by a thread, line by line."""
@@ -281,14 +294,15 @@ class _Server:
 
     def wait_healthy(self, url: str, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=1).json() == {"status": "ok"}:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        with httpx.Client(timeout=1) as http:  # one client for every poll: each new one costs ~60 ms of CPU
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
+                try:
+                    if http.get(f"{url}/v1/health").json() == {"status": "ok"}:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
         raise AssertionError(f"{url} never answered /v1/health")
 
     def stop(self) -> None:
