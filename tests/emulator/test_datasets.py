@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from emulator import partition_by_shards
-from emulator.datasets import digits_arrays
 
 
 def test_split_is_stratified_and_disjoint(digits):
@@ -33,6 +32,8 @@ def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
     """Each process that loads the digits (a benchmark's baseline, the demo, a CLI run) once paid
     scikit-learn's import, about 2 CPU-s, for a file of 1,797 rows; the loader reads the file itself."""
     from sklearn.datasets import load_digits
+
+    from emulator.datasets import digits_arrays
 
     reference = load_digits()
     digits_arrays.cache_clear()
