@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import functools
+import ssl
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +14,6 @@ from pydantic import BaseModel, ValidationError
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan, serialize_plan
-from device_runtime.protocol import shared_tls_context
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -95,6 +96,14 @@ def check_server_url(url: str) -> str:
     return url.rstrip("/")
 
 
+@functools.lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    """httpx's default verifying TLS context (``SSL_CERT_FILE``/``SSL_CERT_DIR`` honoured as httpx
+    honours them), built once per process: building one loads the CA bundle, about 60 ms of CPU,
+    which every operator client (each test's, the CLI's) paid."""
+    return httpx.create_ssl_context()
+
+
 class AdminClient:
     """An operator's client: every request carries the admin key as a bearer token.
 
@@ -111,7 +120,7 @@ class AdminClient:
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {admin_key}"},
             transport=transport,
-            verify=shared_tls_context(),  # the process's one TLS context: building one costs ~60 ms of CPU
+            verify=_tls_context(),
         )
 
     def close(self) -> None:

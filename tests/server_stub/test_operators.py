@@ -11,6 +11,7 @@ import argparse
 import io
 import os
 import queue
+import ssl
 import subprocess
 import sys
 import threading
@@ -240,11 +241,11 @@ def test_admin_keys_from_env():
 def test_every_operator_client_shares_the_processs_one_tls_context():
     """Building a TLS context loads the CA bundle (about 60 ms of CPU): a process that opens many
     operator clients (a test suite, a notebook, the CLI) builds it once, as its devices do."""
-    from device_runtime.protocol import shared_tls_context
-
     a, b = AdminClient("http://127.0.0.1:1", admin_key=KEY), AdminClient("https://127.0.0.1:1", admin_key=KEY)
     try:
-        assert a.http._transport._pool._ssl_context is b.http._transport._pool._ssl_context is shared_tls_context()
+        context = a.http._transport._pool._ssl_context
+        assert context is b.http._transport._pool._ssl_context
+        assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname  # still verifying
     finally:
         a.close()
         b.close()
