@@ -31,8 +31,9 @@ from emulator.fleet.report import PLOTS, available_by_hour
 
 pytest.importorskip("matplotlib")
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
-#: are session-scoped, so that no test run between two of them makes the worker build them again.
-pytestmark = pytest.mark.xdist_group("test_report")
+#: are session-scoped, so that no test run between two of them makes the worker build them again; the
+#: compare tests read the same fleet (``goal8_fleet``) in the same group.
+pytestmark = pytest.mark.xdist_group("fleet_reports")
 
 # Shapes of the paper's Table 1 plus rarer failures, with the shares the synthetic fleet draws.
 _SHAPES = ("-v[]+^", "-v[]+#", "-v[!", "-v!", "-v[]+*", "-!")
@@ -498,18 +499,10 @@ from emulator.fleet.report import (  # noqa: E402
 from emulator.fleet.tables import with_round_bytes  # noqa: E402
 
 
-def small_fleet(goal: int = 8, devices: int = 300, hours: float = 2.0) -> FleetRun:
-    """A real simulated fleet small enough for the default run: a few rounds commit, most are abandoned."""
-    config = FleetConfig.from_dict(
-        {"fleet": {"devices": devices, "hours": hours, "seed": 5}, "task": {"goal_count": goal}}
-    )
-    return simulate(config, progress=False)
-
-
 @pytest.fixture(scope="session")
-def fleet_report(tmp_path_factory):
+def fleet_report(goal8_fleet, tmp_path_factory):
     """(run, summary, figures, out dir) of a small real fleet's report."""
-    run = small_fleet()
+    run = goal8_fleet
     assert any(r.committed for r in run.rounds) and any(not r.committed for r in run.rounds)
     out = tmp_path_factory.mktemp("fleet-report")
     summary, figures, page = build_report(run)  # what write_report writes, drawn once for the figures' axes
