@@ -15,29 +15,27 @@ from emulator.fleet.config import FleetConfig
 from emulator.fleet.report import accuracy_series
 
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
-#: are session-scoped, so that no test run between two of them makes the worker build them again.
-pytestmark = pytest.mark.xdist_group("test_compare")
+#: are session-scoped, so that no test run between two of them makes the worker build them again; the
+#: goal-8 fleet is the report tests' (``goal8_fleet``), in their group.
+pytestmark = pytest.mark.xdist_group("fleet_reports")
 
 pytest.importorskip("matplotlib")
 
 
-def _run_folder(path, *, devices: int, goal: int) -> FleetRun:
+def _run_folder(path, run: FleetRun) -> FleetRun:
     """What ``fedfleet simulate --out`` leaves that compare reads: the tables and summary.json (no plots, to stay quick)."""
-    config = FleetConfig.from_dict(
-        {"fleet": {"devices": devices, "hours": 2.0, "seed": 5}, "task": {"goal_count": goal}}
-    )
-    run = simulate(config, progress=False)
     run.write_tables(path)
     (path / "summary.json").write_text(json.dumps(summarize(run), indent=2) + "\n")
     return run
 
 
 @pytest.fixture(scope="session")
-def two_runs(tmp_path_factory):
+def two_runs(goal8_fleet, tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
+    goal10 = FleetConfig.from_dict({"fleet": {"devices": 400, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10}})
     runs = {
-        "goal8": _run_folder(base / "goal8", devices=300, goal=8),
-        "goal10": _run_folder(base / "goal10", devices=400, goal=10),
+        "goal8": _run_folder(base / "goal8", goal8_fleet),
+        "goal10": _run_folder(base / "goal10", simulate(goal10, progress=False)),
     }
     assert all(any(r.committed for r in run.rounds) for run in runs.values())
     return base, runs

@@ -19,6 +19,10 @@ from emulator.fleet.plan_cost import graph_flops, plan_cost
 from emulator.fleet.ray_backend import simulate_sharded
 from example_store import ExampleSelector
 
+#: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
+#: are session-scoped, so that no test run between two of them makes the worker build them again.
+pytestmark = pytest.mark.xdist_group("test_plan_cost")
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -74,6 +74,13 @@ def test_ties_between_keys_do_not_depend_on_how_the_loop_interleaved_them(events
     assert ran(list(range(len(events)))) == ran(other)
 
 
+def hour_config(seed: int = 1) -> FleetConfig:
+    """The small fleet for one simulated hour: four rounds commit, about 260 requests cross to the server."""
+    data = small_config(seed).model_dump(mode="json")
+    data["fleet"].update(hours=1.0)
+    return FleetConfig.from_dict(data)
+
+
 @pytest.fixture(scope="session")
 def one_process() -> FleetRun:
     run = simulate(small_config(seed=1), progress=False)
@@ -81,6 +88,20 @@ def one_process() -> FleetRun:
     return run
 
 
+def test_one_or_an_uneven_number_of_shards_gives_the_single_process_run():
+    """A lighter twin of the slow test below: one shard, and three shards that split the 80
+    devices unevenly, of an hour of the small fleet (two shards: the command's and Ray's tests)."""
+    config = hour_config(seed=1)
+    alone = simulate(config, progress=False)
+    assert sum(r.committed for r in alone.rounds) >= 3  # a run where the server's order matters
+    for shards in (1, 3):
+        stats: dict = {}
+        run = simulate_sharded(config, shards=shards, ray=False, stats=stats)
+        same_run(run, alone)
+        assert stats["shards"] == shards and stats["requests"] > 100
+
+
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shards=st.integers(1, 4))
 def test_any_number_of_shards_gives_the_single_process_run(one_process, shards):
@@ -209,7 +230,7 @@ def test_the_sharded_run_of_a_larger_fleet_on_two_ray_workers_equals_the_single_
 def test_runs_fanned_out_as_ray_tasks_equal_the_same_runs_here(cluster, tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(
-        "[fleet]\ndevices = 30\nhours = 0.5\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8"
+        "[fleet]\ndevices = 20\nhours = 0.25\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n", encoding="utf-8"
     )
     configs = [FleetConfig.load(fleet).replace(seed=s) for s in (1, 2)]
     here = run_many(configs, ray=False)

@@ -9,6 +9,7 @@ import math
 import sys
 from collections import Counter
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,8 +31,9 @@ from emulator.fleet.report import PLOTS, available_by_hour
 
 pytest.importorskip("matplotlib")
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
-#: are session-scoped, so that no test run between two of them makes the worker build them again.
-pytestmark = pytest.mark.xdist_group("test_report")
+#: are session-scoped, so that no test run between two of them makes the worker build them again; the
+#: compare tests read the same fleet (``goal8_fleet``) in the same group.
+pytestmark = pytest.mark.xdist_group("fleet_reports")
 
 # Shapes of the paper's Table 1 plus rarer failures, with the shares the synthetic fleet draws.
 _SHAPES = ("-v[]+^", "-v[]+#", "-v[!", "-v!", "-v[]+*", "-!")
@@ -432,28 +434,10 @@ def _same_rows(a: list, b: list) -> bool:
     return [tuple(map(repr, vars(r).values())) for r in a] == [tuple(map(repr, vars(r).values())) for r in b]
 
 
-def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(tmp_path):
-    config = FleetConfig.from_dict({"fleet": {"devices": 60, "hours": 2.0, "seed": 5}, "task": {"goal_count": 10}})
-    run = simulate(config, out_dir=tmp_path, progress=False)
-    assert run.sessions and run.rounds and run.timeline
-    assert _same_rows(SessionRow.from_csv(tmp_path / "sessions.csv"), run.sessions)
-    assert _same_rows(RoundRow.from_csv(tmp_path / "rounds.csv"), run.rounds)
-    assert _same_rows(TimelineRow.from_csv(tmp_path / "timeline.csv"), run.timeline)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    accepted = [s for s in run.sessions if s.session_id]
-    assert summary["digest"] == run.digest and summary["devices"] == 60 and summary["simulated_s"] == 7200.0
-    assert summary["shapes"] == dict(Counter(s.shape for s in accepted))
-    assert summary["dropout_rate"] == pytest.approx(sum(s.shape[-1] not in "^#" for s in accepted) / len(accepted))
-    assert summary["rounds_committed"] == sum(r.committed for r in run.rounds)
-    assert sum(summary["errors"].values()) == sum(s.outcome == "error" for s in run.sessions)
-    page = _parse_report(tmp_path / "report.html")
-    assert page.summary["digest"] == run.digest and len(page.tables["rounds"]) == len(run.rounds) + 1
-    for name, data in page.images.items():
-        assert (tmp_path / name).read_bytes() == data and _decode_png(data)[..., :3].std() > 0.02
-
-
-def test_sessions_that_end_in_errors_are_counted_by_kind(tmp_path):
-    # the network is lost so often that an upload runs out of retries: ServerUnreachable
+@pytest.fixture(scope="session")
+def simulated(tmp_path_factory) -> tuple[FleetRun, Path]:
+    """A small simulated fleet and the folder its run wrote; the network is lost so often that
+    some uploads run out of retries (ServerUnreachable), so its sessions end in errors too."""
     config = FleetConfig.from_dict(
         {
             "fleet": {"devices": 120, "hours": 2.0, "seed": 5},
@@ -461,11 +445,35 @@ def test_sessions_that_end_in_errors_are_counted_by_kind(tmp_path):
             "faults": {"network_lost_per_h": 20.0},
         }
     )
-    run = simulate(config, out_dir=tmp_path, progress=False)
+    out = tmp_path_factory.mktemp("simulated")
+    return simulate(config, out_dir=out, progress=False), out
+
+
+def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(simulated):
+    run, out = simulated
+    assert run.sessions and run.rounds and run.timeline
+    assert _same_rows(SessionRow.from_csv(out / "sessions.csv"), run.sessions)
+    assert _same_rows(RoundRow.from_csv(out / "rounds.csv"), run.rounds)
+    assert _same_rows(TimelineRow.from_csv(out / "timeline.csv"), run.timeline)
+    summary = json.loads((out / "summary.json").read_text())
+    accepted = [s for s in run.sessions if s.session_id]
+    assert summary["digest"] == run.digest and summary["devices"] == 120 and summary["simulated_s"] == 7200.0
+    assert summary["shapes"] == dict(Counter(s.shape for s in accepted))
+    assert summary["dropout_rate"] == pytest.approx(sum(s.shape[-1] not in "^#" for s in accepted) / len(accepted))
+    assert summary["rounds_committed"] == sum(r.committed for r in run.rounds)
+    assert sum(summary["errors"].values()) == sum(s.outcome == "error" for s in run.sessions)
+    page = _parse_report(out / "report.html")
+    assert page.summary["digest"] == run.digest and len(page.tables["rounds"]) == len(run.rounds) + 1
+    for name, data in page.images.items():
+        assert (out / name).read_bytes() == data and _decode_png(data)[..., :3].std() > 0.02
+
+
+def test_sessions_that_end_in_errors_are_counted_by_kind(simulated):
+    run, out = simulated
     errors = [s for s in run.sessions if s.outcome == "error"]
     assert errors and run.errors == {"ServerUnreachable": len(errors)}
-    assert json.loads((tmp_path / "summary.json").read_text())["errors"] == run.errors
-    assert _parse_report(tmp_path / "report.html").summary["errors"] == run.errors
+    assert json.loads((out / "summary.json").read_text())["errors"] == run.errors
+    assert _parse_report(out / "report.html").summary["errors"] == run.errors
 
 
 def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatch):
@@ -491,18 +499,10 @@ from emulator.fleet.report import (  # noqa: E402
 from emulator.fleet.tables import with_round_bytes  # noqa: E402
 
 
-def small_fleet(goal: int = 8, devices: int = 300, hours: float = 2.0) -> FleetRun:
-    """A real simulated fleet small enough for the default run: a few rounds commit, most are abandoned."""
-    config = FleetConfig.from_dict(
-        {"fleet": {"devices": devices, "hours": hours, "seed": 5}, "task": {"goal_count": goal}}
-    )
-    return simulate(config, progress=False)
-
-
 @pytest.fixture(scope="session")
-def fleet_report(tmp_path_factory):
+def fleet_report(goal8_fleet, tmp_path_factory):
     """(run, summary, figures, out dir) of a small real fleet's report."""
-    run = small_fleet()
+    run = goal8_fleet
     assert any(r.committed for r in run.rounds) and any(not r.committed for r in run.rounds)
     out = tmp_path_factory.mktemp("fleet-report")
     summary, figures, page = build_report(run)  # what write_report writes, drawn once for the figures' axes

@@ -34,6 +34,10 @@ from emulator.toolchain import OnnxTrainingPlan
 from emulator.toolchain.tasks import Task, onnx_import
 from example_store import ExampleSelector
 
+#: Each fixture's step is built once per process (``plan_step``) for both tests that read it: they go
+#: to one pytest-xdist worker, or each worker would build the steps of the fixtures it was given.
+pytestmark = pytest.mark.xdist_group("test_exported_models")
+
 EXPORTED = Path(__file__).with_name("exported")
 MANIFEST = json.loads((EXPORTED / "manifest.json").read_text())
 STEPPED = [e for e in MANIFEST["fixtures"] if e["family"] != "dropout"]

@@ -24,6 +24,10 @@ from emulator.toolchain.tasks import Budget, Task, Tolerance, accuracy_after_rou
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.release_gate import ReleaseGateError, check_release_report
 
+#: The module's pool of release workers is started once per run: its tests go to one pytest-xdist worker, which
+#: keeps the module-scoped fixture for all of them instead of each worker starting its own.
+pytestmark = pytest.mark.xdist_group("test_release")
+
 TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
 OLDEST, MIDDLE, NEWEST = KNOWN_RELEASES[0], KNOWN_RELEASES[len(KNOWN_RELEASES) // 2], KNOWN_RELEASES[-1]
 
