@@ -133,7 +133,6 @@ def test_devices_wait_for_their_groups_on_the_virtual_clock(runs):
     assert len(polls) > 100
     assert all(wait == 0.0 for _, wait in polls)
     assert polls[-1][0] - polls[0][0] > 600.0
-    assert runs["a"].wall_s < runs["a"].simulated_s / 100
 
 
 def test_rounds_commit_from_completed_groups_of_attested_devices(runs):
