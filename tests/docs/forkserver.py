@@ -176,6 +176,8 @@ def serve(path: Path) -> None:
     by_pidfd: dict[int, _Running] = {}
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
+    with open(os.devnull, "wb") as devnull:  # nobody reads the pipe after READY: it must never fill
+        os.dup2(devnull.fileno(), sys.stdout.fileno())
     stopping = False
     while not stopping or running:
         for key, _ in selector.select():
