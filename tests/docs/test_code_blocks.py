@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.forkserver import ForkServer, write_shim
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
 README_MAX_BYTES = 8000
@@ -31,6 +33,8 @@ TITLE = re.compile(r'title="(?P<title>[^"]+)"')
 #: A page's loopback ports 8000-8009, each given a free port of its own for the page's run.
 PORT = re.compile(r"(?:(?<=127\.0\.0\.1:)|(?<=--port ))(800\d)\b")
 SHELL_TIMEOUT_S = 900.0
+#: The venv's commands a page runs through the fork server.
+SHIMMED = ("fedfleet", "python")
 
 
 @dataclass(frozen=True)
@@ -226,12 +230,40 @@ def _group_exists(group: int) -> bool:
     return True
 
 
-def run_page(blocks: list[Block], folder: Path) -> None:
-    """Run a page's blocks in order in ``folder``: Python in one namespace, shell in bash."""
+@pytest.fixture
+def page_server(request: pytest.FixtureRequest) -> ForkServer | None:
+    """The session's fork server (tests/docs/conftest.py) the pages' commands run in; none when
+    FEDFLEET_DOCS_FORKSERVER=0, to run every command as a fresh process."""
+    return None if os.environ.get("FEDFLEET_DOCS_FORKSERVER") == "0" else request.getfixturevalue("fork_server")
+
+
+def _venv(folder: Path, server: ForkServer | None) -> Path:
+    """The page's ``.venv``: the project's venv, whose ``fedfleet`` and ``python`` are the fork
+    server's shims when there is a server; returns its ``bin`` folder."""
+    real = Path(sys.prefix)
+    if server is None:
+        (folder / ".venv").symlink_to(real)
+        return real / "bin"
+    venv = folder / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name != "bin":
+            (venv / entry.name).symlink_to(entry)
+    for entry in (real / "bin").iterdir():
+        if entry.name in SHIMMED:
+            write_shim(venv / "bin" / entry.name, entry.name, server.socket, entry)
+        else:
+            (venv / "bin" / entry.name).symlink_to(entry)
+    return venv / "bin"
+
+
+def run_page(blocks: list[Block], folder: Path, server: ForkServer | None = None) -> None:
+    """Run a page's blocks in order in ``folder``: Python in one namespace, shell in bash (its
+    ``fedfleet`` and ``python script.py`` commands forked from ``server`` when given)."""
     (folder / "examples").symlink_to(ROOT / "examples")
-    (folder / ".venv").symlink_to(Path(sys.prefix))
+    bin_folder = _venv(folder, server)
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{bin_folder}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
     ports: dict[str, str] = {}
     namespace: dict[str, object] = {"__name__": "__docs__"}
@@ -257,14 +289,16 @@ def run_page(blocks: list[Block], folder: Path) -> None:
 
 
 @pytest.mark.parametrize(("page", "blocks"), _runnable(slow=False))
-def test_the_blocks_of_each_page_run_as_written(page: Path, blocks: list[Block], tmp_path: Path) -> None:
-    run_page(blocks, tmp_path)
+def test_the_blocks_of_each_page_run_as_written(
+    page: Path, blocks: list[Block], tmp_path: Path, page_server: ForkServer | None
+) -> None:
+    run_page(blocks, tmp_path, page_server)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(("page", "blocks"), _runnable(slow=True))
 def test_every_block_of_each_page_runs_as_written_with_the_slow_ones(
-    page: Path, blocks: list[Block], tmp_path: Path
+    page: Path, blocks: list[Block], tmp_path: Path, page_server: ForkServer | None
 ) -> None:
-    run_page(blocks, tmp_path)
+    run_page(blocks, tmp_path, page_server)
