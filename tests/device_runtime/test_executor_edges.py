@@ -221,3 +221,37 @@ def test_the_shuffle_takes_the_order_its_specification_gives(sizes, capacity, se
     ours = [c["y"].tolist() for c in _shuffle(chunks(), np.random.default_rng(seed), capacity)]
     spec = [c["y"].tolist() for c in _reference_shuffle(chunks(), np.random.default_rng(seed), capacity)]
     assert ours == spec
+
+
+def test_the_server_graphs_take_values_of_any_dtype_and_layout_as_their_inputs_declare():
+    """A server hands the graphs what it decoded or loaded: float64 where the graph reads float32,
+    float32 where it keeps a float64 accumulator, arrays that are not contiguous. Each value is
+    converted to its input's declared dtype, so the aggregate and the new state are those of the
+    values in the graphs' own dtypes."""
+    update = EXECUTOR.run_device(EXECUTOR.prepare(WEIGHTS), lambda: iter(split([]))).update
+    acc = EXECUTOR.accumulate(EXECUTOR.zero(), update)
+    doubles = {name for name, double, _ in EXECUTOR._graph_io("accumulate")[0] if double}
+    assert doubles, "the plan keeps no float64 accumulator: the test would not reach one"
+
+    def other(values: dict) -> dict:
+        """float32 as float64, float64 that float32 holds exactly as float32, every matrix as a
+        Fortran-ordered copy."""
+        out = {}
+        for k, v in values.items():
+            v = np.asarray(v)
+            narrow = v.astype(np.float32)
+            flipped = v.astype(np.float64) if v.dtype == np.float32 else narrow if np.array_equal(narrow, v) else v
+            out[k] = np.asfortranarray(flipped) if flipped.ndim == 2 else flipped
+        return out
+
+    exact_acc = {k: np.asarray(v, np.float32).astype(v.dtype) for k, v in acc.items()}
+    for k, v in EXECUTOR.accumulate(exact_acc, update).items():
+        np.testing.assert_array_equal(EXECUTOR.accumulate(other(exact_acc), other(update))[k], v)
+    for k, v in EXECUTOR.report(exact_acc).items():
+        np.testing.assert_array_equal(EXECUTOR.report(other(exact_acc))[k], v)
+    aggregate = EXECUTOR.report(exact_acc)
+    state, metrics = EXECUTOR.update(WEIGHTS, aggregate)
+    other_state, other_metrics = EXECUTOR.update(other(WEIGHTS), other(aggregate))
+    assert other_metrics == metrics
+    for k, v in state.items():
+        np.testing.assert_array_equal(other_state[k], v)
