@@ -68,17 +68,27 @@ async def _load(port: int, method: str, path: str, body: bytes, connections: int
     return done, errors
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--duration takes seconds, got {text!r}") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--duration takes a positive number of seconds, got {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="3 s per case instead of 10")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument(
         "--duration",
-        type=float,
+        type=_seconds,
         help="seconds each case is measured (default 10; 3 with --quick); the warm-up runs at most as long",
     )
     args = parser.parse_args()
-    duration = args.duration or (3.0 if args.quick else 10.0)
+    duration = args.duration if args.duration is not None else (3.0 if args.quick else 10.0)
     warmup = min(WARMUP_S, duration)
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()

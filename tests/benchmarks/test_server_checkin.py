@@ -30,3 +30,14 @@ def test_a_short_run_ends_in_a_summary_of_its_target():
 @pytest.mark.slow
 def test_the_quick_run_ends_in_a_summary_of_its_target():
     _check_cases_and_summary(run_benchmark("server_checkin", "--quick"))
+
+
+@pytest.mark.parametrize("duration", ["-1", "0", "nan", "inf", "abc"])
+def test_a_duration_that_is_no_positive_number_of_seconds_is_refused_in_one_line(duration, monkeypatch, capsys):
+    from benchmarks.server_checkin import main
+
+    monkeypatch.setattr("sys.argv", ["server_checkin", "--duration", duration])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert "--duration takes" in capsys.readouterr().err
