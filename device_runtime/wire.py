@@ -2,7 +2,8 @@
 operators exchange with the server.
 
 The server (``server_stub.app``) declares its request bodies and ``response_model`` with these
-types, so its OpenAPI document names each answer's schema; the clients (``ProtocolClient``,
+types, so its OpenAPI document names each answer's schema, and its service builds the answers to
+devices as these models (``CheckinAccepted``, ``ReportAnswer``, ...); the clients (``ProtocolClient``,
 ``AdminClient``) parse answers with ``model_validate_json``, so a malformed or hostile answer is
 refused field by field before a value reaches a path, a header or a clock.
 
@@ -11,7 +12,9 @@ never silently dropped); answers are ``extra="ignore"`` (a newer server may add 
 device keeps working without reading them). Numbers are finite, and strict in what a device reads
 (no ``true`` for 1, no ``"3"``); the operators' answers are lax, as the server checks its own dicts
 against them in Python (FastAPI's ``response_model``), where strict nested models would refuse a
-dict. Binary bodies (plans, checkpoints, updates, Secure Aggregation messages) are not declared
+dict. The one device answer the service sends as a dict is the Secure Aggregation state
+(``SecAggState``): the long poll sends it as the round built it, so that a test can bend it as a
+malicious server would, and a test checks an honest round's states against the model. Binary bodies (plans, checkpoints, updates, Secure Aggregation messages) are not declared
 here: they travel as ``application/octet-stream``."""
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from device_runtime.versions import version_tuple
+from device_runtime.wire import CheckinAccepted, CheckinRejected
 
 from .rounds import SessionState
 from .service_state import Population, SessionTable, TaskRun
@@ -20,7 +21,7 @@ IDLE_RETRY_WINDOW_S = (60.0, 180.0)
 VERSION_RETRY_WINDOW_S = (1800.0, 3600.0)
 
 
-def no_open_round(pop: Population | None, now: float) -> dict:
+def no_open_round(pop: Population | None, now: float) -> CheckinRejected:
     """The answer while the population has no round open: it does not exist (answered as a
     population with no task, so devices cannot probe which names exist), it gathers for its next
     selection, a round is being committed, or it has no task."""
@@ -34,7 +35,7 @@ def no_open_round(pop: Population | None, now: float) -> dict:
     return rejected(last.pace.retry_window(now, now, paced(pop, last, now), last.config.report_timeout_s), "ROUND_FULL")
 
 
-def plan_for(run: TaskRun, device_version: tuple[int, ...], eligibility: dict | None) -> str | dict:
+def plan_for(run: TaskRun, device_version: tuple[int, ...], eligibility: dict | None) -> str | CheckinRejected:
     """The id of the plan the device is served, or the rejection of a device the open round does
     not take: a release its plan does not serve, or eligibility not shown."""
     meta = run.plan.metadata
@@ -58,7 +59,7 @@ def plan_for(run: TaskRun, device_version: tuple[int, ...], eligibility: dict | 
 
 def seat(
     pop: Population, run: TaskRun, device: bytes | None, now: float, sessions: SessionTable, new_id: Callable[[], str]
-) -> str | dict:
+) -> str | CheckinRejected:
     """The id of the device's session in the open round (a new one from ``new_id``), or the
     rejection of a device the round has no seat for. One seat per attested device (``device``,
     its key's hash) and round, so its reports count as one device's: a device whose answer was
@@ -80,31 +81,27 @@ def seat(
     return session_id
 
 
-def accepted(run: TaskRun, session_id: str, token: str, plan_id: str) -> dict:
+def accepted(run: TaskRun, session_id: str, token: str, plan_id: str) -> CheckinAccepted:
     """The answer of a device the open round took: its session and what it downloads and sends."""
-    return {
-        "status": "accepted",
-        "session_id": session_id,
-        "token": token,
-        "task": run.record.name,
-        "round": run.round_number,
-        "plan_id": plan_id,
-        "checkpoint_id": run.broadcast_id,
-        "aggregation": "secure_sum" if run.plan.server.secure_sum else "simple",
-        "report_deadline_s": run.config.report_timeout_s,
-        "max_report_bytes": run.report_limit,
-        # H(seed) of the round's Secure Aggregation groups, shown before selection ends
-        **({"secagg_commitment": run.secure.commitment_b64} if run.secure is not None else {}),
-        # under Secure Aggregation the device bounds its own update: it must know the bounds
-        **(
-            {
-                "max_examples_per_report": run.config.max_examples_per_report,
-                "clip_update_norm": run.config.clip_update_norm,
-            }
-            if run.codec is not None
-            else {}
-        ),
-    }
+    extra: dict[str, object] = {}
+    if run.secure is not None:  # H(seed) of the round's Secure Aggregation groups, shown before selection ends
+        extra["secagg_commitment"] = run.secure.commitment_b64
+    if run.codec is not None:  # under Secure Aggregation the device bounds its own update: it must know the bounds
+        extra["max_examples_per_report"] = run.config.max_examples_per_report
+        extra["clip_update_norm"] = run.config.clip_update_norm
+    return CheckinAccepted(
+        status="accepted",
+        session_id=session_id,
+        token=token,
+        task=run.record.name,
+        round=run.round_number,
+        plan_id=plan_id,
+        checkpoint_id=run.broadcast_id,
+        aggregation="secure_sum" if run.plan.server.secure_sum else "simple",
+        report_deadline_s=run.config.report_timeout_s,
+        max_report_bytes=run.report_limit,
+        **extra,  # type: ignore[arg-type]
+    )
 
 
 def turned_away(pop: Population, run: TaskRun, now: float) -> tuple[float, float]:
@@ -160,6 +157,6 @@ def retry_after(window: tuple[float, float]) -> list[float]:
     return [float(window[0]), float(window[1])]
 
 
-def rejected(window: tuple[float, float], reason: str) -> dict:
+def rejected(window: tuple[float, float], reason: str) -> CheckinRejected:
     """A device turned away, with the window it comes back in and why (its stable code)."""
-    return {"status": "rejected", "reason": reason, "retry_after_s": retry_after(window)}
+    return CheckinRejected(status="rejected", reason=reason, retry_after_s=(float(window[0]), float(window[1])))

@@ -33,7 +33,9 @@ from device_runtime.protocol import STATS_HEADER
 from device_runtime.wire import (
     AbortAnswer,
     AttestationChallenge,
+    CheckinAccepted,
     CheckinAnswer,
+    CheckinRejected,
     DeployedGroup,
     DeployedTask,
     EligibilityInfo,
@@ -217,9 +219,10 @@ def _binary_body() -> dict:
 
 def _answers(model: Any) -> dict[str, Any]:
     """A route's declared JSON answer: ``response_model`` types it in the OpenAPI document, and
-    FastAPI checks what the route returns against it (direct routes send the service's dict as
-    it is; ``tests/server_stub/test_wire.py`` checks that those answers are the models' too).
-    Unset fields stay out of the answer, as the service leaves them out."""
+    FastAPI checks what the route returns against it. The device routes' answers are built as
+    these models by the service (a direct route sends the model as it is); the operators' dicts
+    are checked by FastAPI on every answer, and ``tests/server_stub/test_wire_answers.py`` checks
+    both. Unset fields stay out of the answer, as the service leaves them out."""
     return {"response_model": model, "response_model_exclude_unset": True}
 
 
@@ -285,8 +288,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         return await run_in_threadpool(fn, *args)
 
     @app.get("/v1/health", tags=["health"], **_answers(Health))
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Health:
+        return Health(status="ok")
 
     # ----------------------------------------------------------------- devices
     # (declared first: the router tries routes in order, and devices send nearly every request)
@@ -296,18 +299,18 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         openapi_extra=_json_body(Checkin),
         **_answers(CheckinAnswer),
     )
-    async def checkin(population: str, request: Request) -> dict:
+    async def checkin(population: str, request: Request) -> CheckinAccepted | CheckinRejected:
         body = parse(Checkin, await read_body(request, MAX_JSON_BYTES))
         eligibility = body.eligibility.model_dump() if body.eligibility is not None else None
         return await call(service.checkin, population, body.runtime_version, eligibility, body.attestation)
 
     @app.post("/v1/attestation/nonce", tags=["devices"], **_answers(AttestationChallenge))
-    async def attestation_nonce(request: Request) -> dict:
+    async def attestation_nonce(request: Request) -> AttestationChallenge:
         await read_body(request, MAX_JSON_BYTES)
         return await call(service.attestation_challenge)
 
     @app.get("/v1/populations/{population}/eligibility", tags=["devices"], **_answers(EligibilityInfo))
-    async def eligibility_info(population: str) -> dict:
+    async def eligibility_info(population: str) -> EligibilityInfo:
         return await call(service.eligibility_info, population)
 
     @app.get(
@@ -327,14 +330,14 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
 
     # A session's uploads are authorized and bounded before a byte of the body is read.
     @app.post("/v1/sessions/{sid}/report", tags=["devices"], openapi_extra=_binary_body(), **_answers(ReportAnswer))
-    async def report(sid: str, request: Request) -> dict:
+    async def report(sid: str, request: Request) -> ReportAnswer:
         token = session_token(request)
         limit = await call(service.report_limit, sid, token)
         body = await read_body(request, limit)
         return await call(service.report, sid, token, body, _stats_header(request))
 
     @app.post("/v1/sessions/{sid}/abort", tags=["devices"], openapi_extra=_json_body(Abort), **_answers(AbortAnswer))
-    async def abort(sid: str, request: Request) -> dict:
+    async def abort(sid: str, request: Request) -> AbortAnswer:
         token = session_token(request)
         body = parse(Abort, await read_body(request, MAX_JSON_BYTES))
         return await call(service.abort, sid, token, body.reason[:200], advisory_stats(body.stats))
@@ -364,7 +367,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
                 await asyncio.wait_for(changed.wait(), remaining)
 
     @app.post("/v1/sessions/{sid}/secagg", tags=["devices"], openapi_extra=_binary_body(), **_answers(SecAggAccepted))
-    async def secagg_send(sid: str, request: Request) -> dict:
+    async def secagg_send(sid: str, request: Request) -> SecAggAccepted:
         token = session_token(request)
         limit = await call(service.secagg_limit, sid, token)
         body = await read_body(request, limit)

@@ -3,7 +3,7 @@
 A fleet sends the server a request per check-in, download and report; FastAPI's request handler
 (dependency solving, telemetry, response validation) cost more per request than the service's
 own check-in. A device endpoint that takes nothing but string path parameters and the request,
-and returns a JSON object or a ``Response``, needs none of that: ``add_direct_routes`` puts a
+and returns a JSON object, a wire model or a ``Response``, needs none of that: ``add_direct_routes`` puts a
 plain Starlette route in front of each such ``APIRoute`` that calls the same endpoint function.
 The ``APIRoute`` stays where it was, for the OpenAPI schema; the app's middleware and exception
 handlers apply to both alike, and the answer's bytes are FastAPI's (a test compares them)."""
@@ -11,17 +11,20 @@ handlers apply to both alike, and the answer's bytes are FastAPI's (a test compa
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.routing import APIRoute
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+JSON = "application/json"
 #: How FastAPI serializes an endpoint's ``-> dict`` answer (pydantic's JSON, not ``json.dumps``).
 _JSON_OBJECT = TypeAdapter(dict)
 
@@ -39,7 +42,9 @@ class DirectRoute(Route):
             answer = await endpoint(**kwargs)
             if isinstance(answer, Response):
                 return answer
-            return Response(_JSON_OBJECT.dump_json(answer), media_type="application/json")
+            if isinstance(answer, BaseModel):  # as the route's response_model (exclude_unset) sends it
+                return Response(answer.__pydantic_serializer__.to_json(answer, exclude_unset=True), media_type=JSON)
+            return Response(_JSON_OBJECT.dump_json(answer), media_type=JSON)
 
         super().__init__(
             route.path, direct, methods=list(route.methods or ()), name=route.name, include_in_schema=False
@@ -50,9 +55,10 @@ class DirectRoute(Route):
 def _directable(route: APIRoute) -> bool:
     """Whether calling the endpoint directly does all FastAPI would: no query, header, cookie or
     body parameters, no dependencies, string path parameters, the default status and response
-    class (or ``Response`` for an endpoint that returns one), and an answer that is a ``dict`` or a
-    ``Response``. A declared ``response_model`` only documents the answer here: the dict is sent as
-    the service built it (FastAPI's route would check it against the model, with the same bytes)."""
+    class (or ``Response`` for an endpoint that returns one), and an answer that is a ``dict``, a
+    pydantic model (or a union of models) or a ``Response``. A declared ``response_model`` only
+    documents the answer here: the model is sent as the service built it, unset fields left out
+    (FastAPI's route would check it against the model again, with the same bytes)."""
     d = route.dependant
     if d.query_params or d.header_params or d.cookie_params or d.body_params or d.dependencies:
         return False
@@ -81,7 +87,13 @@ def _directable(route: APIRoute) -> bool:
     gives_response = inspect.isclass(returns) and issubclass(returns, Response)
     if not isinstance(route.response_class, DefaultPlaceholder):  # declared only to say the answer is binary
         return route.response_class is Response and gives_response
-    return returns is dict or gives_response
+    return returns is dict or gives_response or _models(returns)
+
+
+def _models(annotation: object) -> bool:
+    """Whether ``annotation`` is a pydantic model class, or a union of them."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return all(inspect.isclass(m) and issubclass(m, BaseModel) for m in members)
 
 
 def add_direct_routes(app: FastAPI, tag: str) -> list[str]:

@@ -31,6 +31,15 @@ from sqlalchemy.exc import IntegrityError
 from device_runtime.attestation import AttestationError, RateLimited
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.versions import version_tuple
+from device_runtime.wire import (
+    AbortAnswer,
+    AttestationChallenge,
+    CheckinAccepted,
+    CheckinRejected,
+    EligibilityInfo,
+    ReportAnswer,
+    SecAggAccepted,
+)
 
 from . import admission, dp_rounds, secure_driver
 from .attestation import AttestationVerifier
@@ -187,7 +196,7 @@ class FLService:
         return records
 
     # ----------------------------------------------------------------- device protocol
-    def eligibility_info(self, population: str) -> dict:
+    def eligibility_info(self, population: str) -> EligibilityInfo:
         """What a device needs to evaluate the active task's policies before it checks in. A
         population that does not exist is answered as one with no task: devices cannot probe
         which names exist (operators list them with ``populations``)."""
@@ -195,22 +204,22 @@ class FLService:
             pop = self._populations.get(population)
             run = None if pop is None else pop.current or (pop.runs[0] if pop.runs else None)
             if run is None:
-                return {"task": None}
-            return {
-                "task": run.record.name,
-                "round": run.round_number,
-                "policies": run.eligibility.to_dict(),
-                "selector": run.plan.device.selector.to_dict(),
-            }
+                return EligibilityInfo(task=None)
+            return EligibilityInfo(
+                task=run.record.name,
+                round=run.round_number,
+                policies=run.eligibility,
+                selector=run.plan.device.selector.to_dict(),
+            )
 
-    def attestation_challenge(self) -> dict:
+    def attestation_challenge(self) -> AttestationChallenge:
         if self.verifier is None:
             raise NotFound("this server does not ask for attestation", code="ATTESTATION_DISABLED")
-        return self.verifier.nonces.challenge(self.wall_clock())
+        return AttestationChallenge.model_validate(self.verifier.nonces.challenge(self.wall_clock()))
 
     def checkin(
         self, population: str, runtime_version: str, eligibility: dict | None = None, attestation: object = None
-    ) -> dict:
+    ) -> CheckinAccepted | CheckinRejected:
         """Admit the device to the open round, or tell it when to come back (``admission``)."""
         try:
             device_version = version_tuple(runtime_version)
@@ -245,12 +254,12 @@ class FLService:
                 if run is None:
                     return admission.no_open_round(pop, now)
                 plan_id = admission.plan_for(run, device_version, eligibility)
-                if isinstance(plan_id, dict):
+                if isinstance(plan_id, CheckinRejected):
                     return plan_id
                 session_id = admission.seat(
                     pop, run, device, now, self._sessions, lambda: urlsafe(self.token_bytes(16))
                 )
-                if isinstance(session_id, dict):
+                if isinstance(session_id, CheckinRejected):
                     return session_id
                 assert run.core is not None
                 token = urlsafe(self.token_bytes(32))
@@ -279,7 +288,7 @@ class FLService:
             config = group.server.config
             return secagg_upload_limit(len(group.members), config.vector_length, config.modulus)
 
-    def report(self, session_id: str, token: str, body: bytes, stats: dict | None = None) -> dict:
+    def report(self, session_id: str, token: str, body: bytes, stats: dict | None = None) -> ReportAnswer:
         """Aggregate one device's update; nothing of it is kept apart from the running sum. The
         answer's ``round_status`` says what became of the round as the answer leaves: ``open``
         (it goes on), or, for the report that closed it, ``committed`` (on record with the new
@@ -306,22 +315,19 @@ class FLService:
                 session.core.confirm_report(session_id, now)
                 pop = self._populations[run.record.population]
                 self._advance(pop, now)
-                answer = {
-                    "status": "accepted",
-                    "round": session.core.number,
-                    "round_status": "open",
-                    **admission.participant_window(pop, run, now),
-                }
+                number = session.core.number
+                window = admission.participant_window(pop, run, now)
                 closing = self._commits.closing(session.core)  # this report closed it
         finally:
             self._commits.flush()
+        round_status = "open"
         if closing is not None:  # its commit has been tried: flush waits for the rounds this call closed
             with self._lock:
                 if closing.outcome is not None:
-                    answer["round_status"] = closing.outcome.value
-        return answer
+                    round_status = closing.outcome.value
+        return ReportAnswer(status="accepted", round=number, round_status=round_status, **window)  # type: ignore[arg-type]
 
-    def abort(self, session_id: str, token: str, reason: str, stats: dict | None = None) -> dict:
+    def abort(self, session_id: str, token: str, reason: str, stats: dict | None = None) -> AbortAnswer:
         """The device stopped: its session is closed and its token revoked (it downloads nothing
         more); its bookkeeping (shape, drop-out) stays with the round. A repeated abort is ignored."""
         session = self._authorize(session_id, token, revoked_ok=True)
@@ -329,7 +335,7 @@ class FLService:
         try:
             with self._lock:
                 if session.revoked:
-                    return {"status": "ignored"}
+                    return AbortAnswer(status="ignored")
                 session.revoked = True
                 now = self.clock()
                 aborted = session.core.abort(session_id, now)
@@ -339,7 +345,7 @@ class FLService:
                     session.run.secure.leave(session_id, now)
                 log.debug("session %s aborted (%s)", session_id, reason)
                 self._advance(self._populations[session.run.record.population], now)
-                return {"status": "aborted" if aborted else "ignored"}
+                return AbortAnswer(status="aborted" if aborted else "ignored")
         finally:
             self._commits.flush()
 
@@ -367,7 +373,7 @@ class FLService:
         finally:
             self._commits.flush()
 
-    def secagg_message(self, session_id: str, token: str, data: bytes) -> dict:
+    def secagg_message(self, session_id: str, token: str, data: bytes) -> SecAggAccepted:
         session = self._authorize(session_id, token)
         try:
             with self._lock:
@@ -375,7 +381,7 @@ class FLService:
                 if secure_driver.receive(session, data, now):
                     self._secagg_changed()
                 self._advance(self._populations[session.run.record.population], now)
-                return {"status": "accepted"}
+                return SecAggAccepted(status="accepted")
         finally:
             self._commits.flush()
 

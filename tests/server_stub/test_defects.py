@@ -17,6 +17,7 @@ from device_runtime import decode_checkpoint, encode_checkpoint, initial_weights
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import installed_runtime_version
+from device_runtime.wire import CheckinAccepted, ReportAnswer
 from server_stub import ApiError, FLService, RoundConfig, ServerStore
 from server_stub.errors import InvalidPlan
 from tests.device_runtime.test_executor_smoke import broken_zero_plan
@@ -55,13 +56,13 @@ class Server:
         self.service.deploy_task(POP, name, serialize_plan(plan), encode_checkpoint(weights), config)
         return plan, weights
 
-    def checkin(self, n: int) -> list[dict]:
+    def checkin(self, n: int) -> list[CheckinAccepted]:
         answers = [self.service.checkin(POP, installed_runtime_version()) for _ in range(n)]
-        assert all(a["status"] == "accepted" for a in answers), answers
+        assert all(isinstance(a, CheckinAccepted) for a in answers), answers
         return answers
 
-    def report(self, session: dict, update: dict) -> dict:
-        return self.service.report(session["session_id"], session["token"], encode_checkpoint(update))
+    def report(self, session: CheckinAccepted, update: dict) -> ReportAnswer:
+        return self.service.report(session.session_id, session.token, encode_checkpoint(update))
 
     def run_round(self, updates: list[dict]) -> None:
         """One round: as many devices as updates check in, then each reports its update."""
@@ -72,7 +73,7 @@ class Server:
     def model(self) -> dict[str, np.ndarray]:
         """The newest committed model, as stored; checks that the next device is sent the same."""
         stored = decode_checkpoint(self.service.current_model(POP)[0])
-        sent = decode_checkpoint(self.store.get_resource(self.checkin(1)[0]["checkpoint_id"]))
+        sent = decode_checkpoint(self.store.get_resource(self.checkin(1)[0].checkpoint_id))
         for name in stored:
             np.testing.assert_array_equal(stored[name], sent[name])
         return stored

@@ -8,6 +8,7 @@ import pytest
 
 from device_runtime import encode_checkpoint, initial_weights
 from device_runtime.plan import serialize_plan
+from device_runtime.wire import CheckinAccepted
 from server_stub.errors import ApiError
 from server_stub.persistence import ServerStore
 from server_stub.rounds import RoundConfig
@@ -39,15 +40,15 @@ def round_with_stragglers(tmp_path, request):
     )
     service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
     sessions = [service.checkin("pop", "1.31.1") for _ in range(6)]
-    assert all(s["status"] == "accepted" for s in sessions)
+    assert all(isinstance(s, CheckinAccepted) for s in sessions)
     update = encode_checkpoint(update_of(plan))
     for s in sessions[:2]:
-        service.report(s["session_id"], s["token"], update)
+        service.report(s.session_id, s.token, update)
     assert [r["status"] for r in service.rounds("pop")] == ["committed"]
 
     def late(s: dict) -> None:
         with pytest.raises(ApiError) as refused:
-            service.report(s["session_id"], s["token"], update)
+            service.report(s.session_id, s.token, update)
         assert refused.value.code == "REPORT_LATE"
 
     yield service, store, now, sessions[2:], late
@@ -101,11 +102,11 @@ def test_session_ids_and_tokens_come_from_the_services_token_source(tmp_path):
         )
         answers = [service.checkin("pop", "1.31.1") for _ in range(3)]
         update = encode_checkpoint(update_of(plan))
-        service.report(answers[0]["session_id"], answers[0]["token"], update)  # a drawn token authorizes its report
+        service.report(answers[0].session_id, answers[0].token, update)  # a drawn token authorizes its report
         with pytest.raises(ApiError):
-            service.report(answers[1]["session_id"], answers[0]["token"], update)  # and only its own
+            service.report(answers[1].session_id, answers[0].token, update)  # and only its own
         store.close()
-        return [(a["session_id"], a["token"]) for a in answers if a["status"] == "accepted"]
+        return [(a.session_id, a.token) for a in answers if isinstance(a, CheckinAccepted)]
 
     seeded = sessions(7, "a")
     assert seeded == sessions(7, "b")

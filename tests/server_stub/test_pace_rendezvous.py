@@ -127,6 +127,7 @@ def test_a_population_that_never_gathers_its_seats_still_opens_rounds(tmp_path):
     came (it used to be put off for ever, and such a fleet never trained)."""
     from device_runtime import encode_checkpoint, initial_weights, serialize_plan
     from device_runtime.plan import installed_runtime_version
+    from device_runtime.wire import CheckinRejected
     from server_stub import FLService, RoundConfig, ServerStore
     from tests.support import digits_plan
 
@@ -147,8 +148,9 @@ def test_a_population_that_never_gathers_its_seats_still_opens_rounds(tmp_path):
             if at > clock[0]:
                 continue
             answer = service.checkin("p", installed_runtime_version())
-            deferred += answer.get("reason") == "ROUND_NOT_OPEN"
-            lo, hi = answer["retry_after_s"] if answer["status"] == "rejected" else (600.0, 900.0)
+            rejected = isinstance(answer, CheckinRejected)
+            deferred += rejected and answer.reason == "ROUND_NOT_OPEN"
+            lo, hi = (rejected and answer.retry_after_s) or (600.0, 900.0)
             due[k] = clock[0] + rng.uniform(lo, hi)
         current = service._populations["p"].current
         if current is not None and current.core is not None:

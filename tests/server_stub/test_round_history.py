@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from device_runtime import PlanExecutor, encode_checkpoint, initial_weights
 from device_runtime.clock import VirtualClock
 from device_runtime.plan import serialize_plan
+from device_runtime.wire import CheckinAccepted
 from server_stub import FLService, RoundConfig, ServerStore
 from server_stub.service import TaskSpec
 from server_stub.task_choice import Strategy
@@ -35,9 +36,9 @@ def _one_round(service: FLService, clock: VirtualClock, update: bytes) -> str:
     """One device checks in (waiting out a deferred opening) and reports; the task it served."""
     for _ in range(100):
         answer = service.checkin("p", "1.31.1")
-        if answer["status"] == "accepted":
-            service.report(answer["session_id"], answer["token"], update)
-            return answer["task"]
+        if isinstance(answer, CheckinAccepted):
+            service.report(answer.session_id, answer.token, update)
+            return answer.task
         clock.advance(5.0)
         service.tick()
     raise AssertionError("no check-in was accepted")

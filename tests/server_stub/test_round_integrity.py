@@ -23,6 +23,7 @@ from sqlalchemy.exc import OperationalError
 from device_runtime import build_eval_plan, decode_checkpoint, encode_checkpoint, initial_weights, serialize_plan
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import installed_runtime_version
+from device_runtime.wire import CheckinAccepted, CheckinRejected
 from emulator import AttestationAuthority
 from server_stub import (
     ApiError,
@@ -78,8 +79,8 @@ def test_an_attested_device_gets_a_seat_in_a_round_whose_object_took_a_freed_rou
     device = authority.new_device_attestor("emulated-pixel", WALL - 10, 1e9)
     runtime = installed_runtime_version()
 
-    def checkin() -> dict:
-        nonce = base64.b64decode(service.attestation_challenge()["nonce"])
+    def checkin() -> CheckinAccepted | CheckinRejected:
+        nonce = base64.b64decode(service.attestation_challenge().nonce)
         return service.checkin(POP, runtime, attestation=device.attest(nonce, POP, runtime))
 
     def open_round() -> tuple[int, weakref.ref]:
@@ -101,7 +102,7 @@ def test_an_attested_device_gets_a_seat_in_a_round_whose_object_took_a_freed_rou
         if seat is not None and seat[1]() is None and address == seat[0]:
             break  # the round of the device's last seat is gone, and this round took its address
         if seat is None or number - seated_at >= RESEAT_AFTER:
-            assert checkin()["status"] == "accepted"
+            assert checkin().status == "accepted"
             seat, seated_at = (address, this_round), number
         clock[0] += 1.0
         service.tick()  # the open round is abandoned (one device at most) and the next one opens
@@ -110,7 +111,7 @@ def test_an_attested_device_gets_a_seat_in_a_round_whose_object_took_a_freed_rou
             f"no round took a freed seat's round's address in {MAX_EMPTY_ROUNDS} rounds; the condition was not built"
         )
     answer = checkin()
-    assert answer["status"] == "accepted", answer
+    assert answer.status == "accepted", answer
     store.close()
 
 
@@ -299,7 +300,7 @@ def test_a_stored_evaluation_task_below_min_reports_publishes_nothing_from_one_d
     server.service = server.restart()
     (session,) = server.checkin(1)
     answer = server.report(session, update_of(plan, HONEST_COUNT, **HONEST))
-    assert answer["round_status"] == "abandoned"
+    assert answer.round_status == "abandoned"
     (record,) = server.service.rounds(POP)
     assert record["status"] == "abandoned" and "min_reports" in record["metrics"]["error"]
     assert not {"eval_loss", "eval_accuracy"} & set(record["metrics"]), record["metrics"]
@@ -336,12 +337,12 @@ def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_an
     updates, mean = moving_updates(plan, start, seed=3)
     sessions = server.checkin(5)
     for session, update in zip(sessions[:4], updates[:4]):
-        assert server.report(session, update)["round_status"] == "open"
+        assert server.report(session, update).round_status == "open"
     holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")  # another process holds the database past the busy timeout
     try:
         answer = server.report(sessions[4], updates[4])  # the commit's write and the fallback's both fail
-        assert answer["status"] == "accepted" and answer["round_status"] == "abandoned", answer
+        assert answer.status == "accepted" and answer.round_status == "abandoned", answer
         server.now += WRITE_RETRY_FIRST_S
         server.service.tick()  # still locked: the record stays in memory for a later try
     finally:
@@ -380,7 +381,7 @@ def test_a_record_waiting_for_its_retry_is_written_when_the_server_stops(tmp_pat
     holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        assert server.report(sessions[4], updates[4])["round_status"] == "abandoned"
+        assert server.report(sessions[4], updates[4]).round_status == "abandoned"
     finally:
         holder.execute("ROLLBACK")
         holder.close()
@@ -414,7 +415,7 @@ def test_a_commit_whose_write_failed_after_it_went_through_is_on_record_once_and
     sessions = server.checkin(5)
     for session, update in zip(sessions[:4], updates[:4]):
         server.report(session, update)
-    assert server.report(sessions[4], updates[4])["round_status"] == "committed"
+    assert server.report(sessions[4], updates[4]).round_status == "committed"
     assert [(r["round"], r["attempt"], r["status"]) for r in server.service.rounds(POP)] == [(1, 1, "committed")]
     assert server.service.population_status(POP)["round"] == 2
     model = server.model()
@@ -486,8 +487,8 @@ def _rounds_on_record_under_write_faults(schedule: list[str | None]) -> None:
                 server.now += 100.0  # past any backoff
                 server.service.tick()
                 answers = [server.report(s, u) for s, u in zip(server.checkin(5), updates)]
-                assert [a["round_status"] for a in answers[:4]] == ["open"] * 4
-                told.append((answers[4]["round"], answers[4]["round_status"]))
+                assert [a.round_status for a in answers[:4]] == ["open"] * 4
+                told.append((answers[4].round, answers[4].round_status))
             for _ in range(10):  # the faults run out, the records still in memory are written
                 server.now += 100.0
                 server.service.tick()

@@ -19,6 +19,7 @@ from device_runtime import (
     serialize_plan,
 )
 from device_runtime.plan import installed_runtime_version
+from device_runtime.wire import CheckinAccepted
 from server_stub import ApiError, FLService, RoundConfig, ServerStore, Strategy, TaskSpec
 from tests.support import digits_plan
 
@@ -40,11 +41,11 @@ class Harness:
         """One round: five devices check in and report; returns the task that ran it."""
         self.now += 1.0
         sessions = [self.service.checkin(POP, installed_runtime_version()) for _ in range(5)]
-        assert all(s["status"] == "accepted" for s in sessions), sessions
-        assert len({s["task"] for s in sessions}) == 1
+        assert all(isinstance(s, CheckinAccepted) for s in sessions), sessions
+        assert len({s.task for s in sessions}) == 1
         for i, s in enumerate(sessions):
-            self.service.report(s["session_id"], s["token"], encode_checkpoint(make_update(s["task"], i)))
-        return sessions[0]["task"]
+            self.service.report(s.session_id, s.token, encode_checkpoint(make_update(s.task, i)))
+        return sessions[0].task
 
 
 def _update(plan, delta: float, i: int) -> dict:

@@ -18,7 +18,14 @@ from pydantic import TypeAdapter
 from device_runtime import encode_checkpoint, initial_weights
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import serialize_plan
-from device_runtime.wire import SecAggState
+from device_runtime.wire import (
+    AbortAnswer,
+    CheckinAccepted,
+    CheckinRejected,
+    EligibilityInfo,
+    ReportAnswer,
+    SecAggState,
+)
 from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
 from server_stub.admin_client import AdminError
 from tests.server_stub.test_defects import update_of
@@ -219,3 +226,32 @@ def test_every_secure_aggregation_state_of_an_honest_round_is_a_secagg_state_fie
     assert {"active", "completed"} <= {s["status"] for s in seen}
     for state in seen:
         assert SecAggState.model_validate(state).model_dump(mode="json", exclude_unset=True) == state
+
+
+def test_the_service_builds_its_answers_to_devices_as_the_wire_models(tmp_path):
+    """Not dicts that a test compares with the models afterwards: each answer is the model, checked
+    as it is made, and what a direct route sends is that model's JSON."""
+    now = [1000.0]
+    store = ServerStore(tmp_path / "server.db")
+    service = FLService(store, rng=random.Random(3), clock=lambda: now[0])
+    try:
+        assert service.eligibility_info("pop") == EligibilityInfo(task=None)
+        turned_away = service.checkin("pop", "1.31.1")
+        assert isinstance(turned_away, CheckinRejected) and turned_away.reason == "NO_TASK"
+        plan = digits_plan()
+        service.create_population("pop")
+        config = RoundConfig(goal_count=2, over_selection=1.0, min_reports=2, report_timeout_s=60.0)
+        service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan)), config)
+        info = service.eligibility_info("pop")
+        assert isinstance(info, EligibilityInfo) and (info.task, info.round) == ("train", 1)
+        first, second = (service.checkin("pop", "1.31.1") for _ in range(2))
+        assert isinstance(first, CheckinAccepted) and isinstance(second, CheckinAccepted)
+        assert first.model_fields_set >= {"status", "session_id", "token", "plan_id", "max_report_bytes"}
+        assert "secagg_commitment" not in first.model_fields_set  # a plain round shows no commitment
+        answer = service.report(first.session_id, first.token, encode_checkpoint(update_of(plan)))
+        assert answer == ReportAnswer(status="accepted", round=1, round_status="open")
+        assert service.abort(second.session_id, second.token, "user left") == AbortAnswer(status="aborted")
+        assert service.abort(second.session_id, second.token, "again") == AbortAnswer(status="ignored")
+    finally:
+        store.close()
+
