@@ -243,12 +243,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "malformed request"),
         (401, "missing or wrong credential"),
         (404, "unknown population, task or resource"),
+        (405, "a method the path does not take"),
         (408, "the request stopped arriving"),
         (409, "conflict with the current state"),
         (413, "body too large"),
         (422, "a plan, checkpoint or update that does not fit"),
         (429, "rate limited"),
         (431, "request headers too large"),
+        (500, "an internal error (logged by the server)"),
+        (503, "every connection is busy with a request: try again shortly"),
     )
 }
 

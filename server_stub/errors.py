@@ -70,10 +70,6 @@ class TooManyRequests(ApiError):
         self.retry_after_s = retry_after_s
 
 
-class UnsupportedMediaType(ApiError):
-    status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
-
-
 class InvalidUpdate(ApiError):
     status, code = 422, "INVALID_UPDATE"
 

@@ -26,7 +26,7 @@ from device_runtime.wire import (
     ReportAnswer,
     SecAggState,
 )
-from server_stub import AdminClient, AdminKeys, FLService, RoundConfig, ServerStore, create_app
+from server_stub import AdminClient, AdminKeys, ApiError, FLService, RoundConfig, ServerStore, create_app
 from server_stub.admin_client import AdminError
 from tests.server_stub.test_defects import update_of
 from tests.server_stub.test_secagg_malicious_server import Attack, harness  # noqa: F401  (harness: a fixture)
@@ -255,3 +255,29 @@ def test_the_service_builds_its_answers_to_devices_as_the_wire_models(tmp_path):
     finally:
         store.close()
 
+
+def _error_statuses() -> set[str]:
+    """Every status an error answer can have: each ``ApiError``'s, and the app's own 405 and 500."""
+    found, todo = set(), [ApiError]
+    while todo:
+        cls = todo.pop()
+        found.add(str(cls.status))
+        todo.extend(cls.__subclasses__())
+    return found | {"405", "500"}
+
+
+def test_every_error_answer_a_route_can_give_is_declared_as_the_error_body():
+    app = create_app(FLService(ServerStore("sqlite://")), admin_keys=AdminKeys.generate()[0])
+    document = app.openapi()
+    statuses = _error_statuses()
+    assert {"400", "401", "404", "409", "413", "422", "429", "503"} <= statuses
+    error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            responses = operation["responses"]
+            missing = statuses - set(responses)
+            assert not missing, f"{method.upper()} {path} does not declare {sorted(missing)}"
+            for status in statuses:
+                assert responses[status]["content"] == error_body, (method, path, status)
+            undeclared = {s for s in responses if not s.startswith("2") and s != "304"} - statuses
+            assert not undeclared, f"{method.upper()} {path} declares {sorted(undeclared)}, which no error gives"
