@@ -357,7 +357,7 @@ class Task:
                     ) from None
             device = dataclasses.replace(plan.device, selector=self.selector, batch_size=self.batch_size)
             return dataclasses.replace(plan, name=self.name, device=device)
-        from emulator.toolchain import evaluation_plan_from_onnx
+        from .evaluation import evaluation_plan_from_onnx
 
         try:
             return evaluation_plan_from_onnx(
@@ -385,7 +385,7 @@ class Task:
             from device_runtime import initial_weights
 
             return initial_weights(plan, seed=self.seed)
-        from emulator.toolchain import initial_weights_from_onnx
+        from .training import initial_weights_from_onnx
 
         return initial_weights_from_onnx(self._model_source(), plan)
 
@@ -408,7 +408,8 @@ def plan_from_onnx(model: Any, task: Task) -> Plan:
 
 def onnx_import(model: Any, task: Task) -> Any:
     """The task's :class:`~emulator.toolchain.OnnxTrainingPlan`: the plan and the tensors it trains."""
-    from emulator.toolchain import SGD, Adam, Momentum, onnx_training_plan
+    from .optimizers import SGD, Adam, Momentum
+    from .training import onnx_training_plan
 
     hp = dict(task.hyperparameters)
     optimizers: dict[str, Callable[[], SGD | Momentum | Adam]] = {
