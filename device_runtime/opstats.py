@@ -19,7 +19,7 @@ from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, de
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
-from example_store import sqlite_engine
+from example_store.sqlite_engine import sqlite_engine
 
 #: Event symbols of the paper's Table 1 ('*' is an error, as in the paper's text).
 SHAPE_SYMBOLS = {

@@ -1,19 +1,12 @@
-"""Emulated devices and fleets, datasets, the demo, and environments of real onnxruntime releases."""
+"""Emulated devices and fleets, datasets, the demo, and environments of real onnxruntime releases.
+
+The fleet simulation is ``emulator.fleet``, the model engineer's toolchain ``emulator.toolchain``;
+the release worker processes the simulation and the release tests run are ``emulator.releases``'s."""
 
 from .datasets import Dataset, load_digits_dataset, partition_by_shards
 from .demo import DemoConfig, DemoConfigError, run_demo
 from .devices import AttestationAuthority, DeviceProfile, EmulatedDevice, InProcessTransport, RealTimeFleet
-from .releases import (
-    ReleasePlans,
-    RuntimeEnv,
-    RuntimeEnvError,
-    RuntimeWorker,
-    WorkerError,
-    WorkerExecutor,
-    WorkerPool,
-    assign_releases,
-    available_releases,
-)
+from .releases import RuntimeEnv, RuntimeEnvError, available_releases
 
 __all__ = [
     "AttestationAuthority",
@@ -24,14 +17,8 @@ __all__ = [
     "EmulatedDevice",
     "RealTimeFleet",
     "InProcessTransport",
-    "ReleasePlans",
     "RuntimeEnv",
     "RuntimeEnvError",
-    "RuntimeWorker",
-    "WorkerError",
-    "WorkerExecutor",
-    "WorkerPool",
-    "assign_releases",
     "available_releases",
     "load_digits_dataset",
     "partition_by_shards",

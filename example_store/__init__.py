@@ -6,6 +6,9 @@ implementation on one SQLite file per app (optionally sealed at rest with AES-GC
 examples with an :class:`ExampleSelector` and streams them with ``query`` or ``query_batches``;
 an iterator's ``resumption_token()`` lets the next session continue where this one stopped. The
 package knows nothing about plans or servers.
+
+``__all__`` holds what an app, a store's author and a task author call; the SQLite engine the
+runtime's and the server's databases share is imported from ``example_store.sqlite_engine``.
 """
 
 from .codec import Example, Schema, TensorSpec
@@ -27,7 +30,6 @@ from .memory_store import InMemoryExampleStore
 from .resumption import ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
 from .selector import ExampleSelector
-from .sqlite_engine import sqlite_engine
 from .sqlite_store import SQLiteExampleStore
 
 __all__ = [
@@ -48,7 +50,6 @@ __all__ = [
     "ResumptionTokens",
     "RetentionPolicy",
     "SQLiteExampleStore",
-    "sqlite_engine",
     "Schema",
     "SchemaMismatchError",
     "SealingModeError",

@@ -12,6 +12,9 @@ members' keys (``assign_groups``). Against malicious clients: low-order keys are
 client whose share pairs too few holders can open is left out before anyone masks (ShareCheck),
 bad revealed shares are detected and dropped, and masked inputs and unmask responses are bound
 to their session and sender.
+
+``__all__`` holds what a driver of either side calls; the PRG and mask accumulation are
+``secagg.prg``'s own.
 """
 
 from .client import SecAggClient
@@ -43,13 +46,11 @@ from .graphs import (
     complete_graph_threshold,
     group_seed,
     harary_neighbours,
-    keyed_ring,
     secagg_plus_parameters,
     seeded_harary,
 )
 from .identity import PeerVerifier, Signer
 from .messages import Message, parse_message
-from .prg import MaskAccumulator, expand
 from .quantize import Quantizer, decode_weighted, encode_weighted, modulus_for
 from .rounds import Round
 from .server import SecAggServer
@@ -66,7 +67,6 @@ __all__ = [
     "InvalidInput",
     "InvalidKeys",
     "MAX_CLIENT_ID",
-    "MaskAccumulator",
     "Message",
     "MessageFormatError",
     "OutOfOrder",
@@ -92,10 +92,8 @@ __all__ = [
     "complete_graph_threshold",
     "decode_weighted",
     "encode_weighted",
-    "expand",
     "group_seed",
     "harary_neighbours",
-    "keyed_ring",
     "modulus_for",
     "parse_message",
     "run_protocol",

@@ -1,71 +1,54 @@
-"""The minimal FL server: populations, tasks, selection, rounds, aggregation, persistence."""
+"""The minimal FL server: populations, tasks, selection, rounds, aggregation, persistence.
 
-from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
+``__all__`` holds what the package's users call: an operator who runs a server and talks to it
+(``ServerThread``, ``create_app``, ``FLService`` over a ``ServerStore``, ``AdminClient`` and its
+errors, ``RoundConfig``, ``DPConfig``, task groups' ``Strategy``, admin keys, the attestation
+verifier and its trust anchor, the HTTP limits). The round core, pace steering, task choice,
+Secure Aggregation driving, metric summaries, the release gate and the other parts the server is
+made of are imported from their modules (``server_stub.rounds``, ``server_stub.release_gate``, ...)
+by the tests and by the emulator."""
+
+from .admin_auth import AdminKeyError, AdminKeys
 from .admin_client import AdminClient, AdminError, ServerUnreachable, task_body
 from .app import create_app, create_app_from_path
-from .attestation import AttestationVerifier, NonceRegistry, RateLimiter, VerifiedDevice
+from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .dp_config import DPConfig
 from .errors import ApiError
 from .http_guards import HttpLimits
-from .influence import Bounded, bound_update
-from .metrics import MetricSummary, RoundMetrics, device_metrics, rounds_frame
-from .persistence import RoundRecord, ServerStore, TaskRecord, resource_id
-from .release_gate import REPORT_FORMAT, ReleaseGateError, check_release_report
-from .release_trust import ReleaseTrustError, read_release_trust
-from .rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
-from .secure_rounds import SecureGroup, SecureRound, SecureSettings
+from .persistence import RoundRecord, ServerStore, TaskRecord
+from .rounds import RoundConfig
 from .serve import ServerThread, free_port
 from .service import FLService, TaskSpec
-from .task_choice import Strategy, choose_task
-from .trust_anchor import TrustAnchorError, read_trust_anchor, write_trust_anchor
+from .task_choice import Strategy
+from .trust_anchor import TrustAnchorError, read_trust_anchor
 
 __all__ = [
-    "ADMIN_KEYS_ENV",
-    "AdminKeyError",
+    # running a server
+    "ServerThread",
+    "free_port",
+    "create_app",
+    "create_app_from_path",
+    "FLService",
+    "ServerStore",
+    "HttpLimits",
     "AdminKeys",
-    "Bounded",
-    "MetricSummary",
-    "RoundMetrics",
-    "Strategy",
-    "TaskSpec",
-    "TrustAnchorError",
-    "bound_update",
-    "choose_task",
-    "device_metrics",
+    "AdminKeyError",
+    # attested devices only
+    "AttestationVerifier",
+    "NonceRegistry",
+    "RateLimiter",
     "read_trust_anchor",
-    "rounds_frame",
-    "task_body",
-    "write_trust_anchor",
-    "SecureGroup",
-    "SecureRound",
-    "SecureSettings",
+    "TrustAnchorError",
+    # operating it: tasks and their rounds
     "AdminClient",
     "AdminError",
     "ServerUnreachable",
     "ApiError",
-    "AttestationVerifier",
-    "FLService",
-    "HttpLimits",
-    "NonceRegistry",
-    "Phase",
-    "RateLimiter",
-    "ReportVerdict",
-    "DPConfig",
+    "task_body",
     "RoundConfig",
-    "RoundCore",
-    "RoundRecord",
-    "ServerStore",
-    "ServerThread",
-    "SessionState",
+    "DPConfig",
+    "TaskSpec",
+    "Strategy",
     "TaskRecord",
-    "VerifiedDevice",
-    "create_app",
-    "create_app_from_path",
-    "free_port",
-    "resource_id",
-    "REPORT_FORMAT",
-    "ReleaseGateError",
-    "check_release_report",
-    "ReleaseTrustError",
-    "read_release_trust",
+    "RoundRecord",
 ]

@@ -28,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, CursorResult, Engine
 from sqlalchemy.exc import IntegrityError
 
-from example_store import sqlite_engine
+from example_store.sqlite_engine import sqlite_engine
 
 metadata = MetaData()
 

@@ -1,4 +1,7 @@
-"""Fleet simulation: thousands of emulated devices on one virtual clock, and the report of a run."""
+"""Fleet simulation: thousands of emulated devices on one virtual clock, and the report of a run.
+
+``__all__`` holds what a fleet user calls; the event loop, fibers and simulated transport the
+simulator runs on are imported from their modules (``events``, ``sim_transport``)."""
 
 from .availability import (
     AVAILABLE,
@@ -13,13 +16,12 @@ from .availability import (
 from .compare import FleetCompareError, write_compare
 from .config import FleetConfig, FleetConfigError
 from .data import device_examples, fleet_dataset
-from .events import AppKilled, EventLoop, Fibers, SimulationError
-from .population import DeviceFaults, DeviceSpec, NetworkSpec, device_seed, generate_population
-from .ray_backend import FleetShard, RayBackendError, parse_sweep, run_many, simulate_sharded, sweep_configs
+from .events import SimulationError
+from .population import DeviceFaults, DeviceSpec, NetworkSpec, generate_population
+from .ray_backend import RayBackendError, parse_sweep, run_many, simulate_sharded, sweep_configs
 from .releases import ReleasedPlans, release_tested_plans
 from .report import FleetReportError, summarize, write_report
 from .secure_fleet import FleetAttestation
-from .sim_transport import AsgiCaller, SimTransport
 from .simulator import FleetSimulator, simulate
 from .tables import FleetRun, FleetTableError, RoundRow, SessionRow, TimelineRow
 from .traces import TraceAvailability, TraceError, load_traces, write_traces
@@ -43,7 +45,6 @@ __all__ = [
     "UNMETERED",
     "count_available",
     "device_examples",
-    "device_seed",
     "fleet_dataset",
     "generate_population",
     "load_traces",
@@ -60,15 +61,9 @@ __all__ = [
     "TimelineRow",
     "summarize",
     "write_report",
-    "AppKilled",
-    "AsgiCaller",
-    "EventLoop",
-    "Fibers",
     "FleetSimulator",
-    "SimTransport",
     "SimulationError",
     "simulate",
-    "FleetShard",
     "RayBackendError",
     "parse_sweep",
     "run_many",

@@ -5,9 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from secagg import MaskAccumulator, expand, harary_neighbours, secagg_plus_parameters
+from secagg import harary_neighbours, secagg_plus_parameters
 from secagg.crypto import hkdf_sha256
 from secagg.graphs import _log_binom_pmf, binom_tail_ge
+from secagg.prg import MaskAccumulator, expand
 from tests.secagg.secagg_helpers import seeded
 
 

@@ -23,8 +23,9 @@ from emulator.releases.workers import WorkerPool
 from emulator.toolchain.bundle import BuiltTask, build_bundle, release_test_bundle
 from emulator.toolchain.release_signing import public_key_bytes, sign_report
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
-from server_stub import AdminClient, AdminError, RoundConfig, ServerThread, free_port, resource_id
+from server_stub import AdminClient, AdminError, RoundConfig, ServerThread, free_port
 from server_stub.admin_client import task_body
+from server_stub.persistence import resource_id
 from server_stub.release_gate import canonical_json
 from tests.support import server_command_exit
 

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from emulator.cli.commands import main
-from emulator.fleet import EventLoop, FleetConfig, FleetConfigError, FleetRun, SimulationError, simulate
+from emulator.fleet import FleetConfig, FleetConfigError, FleetRun, SimulationError, simulate
+from emulator.fleet.events import EventLoop
 from emulator.fleet.ray_backend import parse_sweep, run_many, simulate_sharded, sweep_configs
 
 from .test_simulator import small_config
