@@ -198,18 +198,24 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
         if args.plan_command == "from-torch":
             return _from_torch(args, say)
     except (TaskError, PlanError, AdminKeyError, SigningKeyError, OSError) as exc:
-        print(f"fedfleet: {exc}", file=sys.stderr)
+        print(f"{_command(args)}: {exc}", file=sys.stderr)
         return 2
     except (WorkerError, RuntimeEnvError) as exc:
-        print(f"fedfleet: a runtime environment failed: {exc}", file=sys.stderr)
+        print(f"{_command(args)}: a runtime environment failed: {exc}", file=sys.stderr)
         return 2
     except AdminError as exc:
-        print(f"fedfleet {args.command}: the server refused: {exc}", file=sys.stderr)
+        print(f"{_command(args)}: the server refused: {exc}", file=sys.stderr)
         return 1
     except ServerUnreachable as exc:
-        print(f"fedfleet {args.command}: {exc}", file=sys.stderr)
+        print(f"{_command(args)}: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command as typed, which starts its one-line errors: ``fedfleet deploy``, ``fedfleet plan build``."""
+    plan = getattr(args, "plan_command", None) if args.command == "plan" else None
+    return f"fedfleet {args.command} {plan}" if plan else f"fedfleet {args.command}"
 
 
 def _keygen(args: argparse.Namespace, say) -> int:

@@ -75,7 +75,8 @@ def test_an_unknown_release_is_refused_when_the_plan_is_built_and_nothing_is_wri
     out = tmp_path / "bundle"
     assert cli.main(["plan", "build", str(TASK_FILE), "-o", str(out), "--runtimes", "9.9.9"]) == 2
     err = capsys.readouterr().err
-    assert "9.9.9" in err and "1.31.1" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("fedfleet plan build: ") and len(err.strip().splitlines()) == 1
+    assert "9.9.9" in err and "1.31.1" in err
     assert not list(out.glob("*/manifest.json"))
 
 
