@@ -378,9 +378,9 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
 
     # ----------------------------------------------------------------- operators
     @app.get("/v1/populations", tags=["operators"], **_answers(PopulationList))
-    async def list_populations(request: Request) -> dict:
+    async def list_populations(request: Request) -> PopulationList:
         admin(request)
-        return {"populations": await call(service.populations)}
+        return PopulationList(populations=await call(service.populations))
 
     @app.post(
         "/v1/populations",
@@ -394,7 +394,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         admin(request)
         body = parse(CreatePopulation, await read_body(request, MAX_JSON_BYTES))
         created = await call(service.create_population, body.name)
-        return JSONResponse({"name": body.name, "created": created}, status_code=201 if created else 200)
+        answer = PopulationCreated(name=body.name, created=created)
+        return JSONResponse(answer.model_dump(mode="json"), status_code=201 if created else 200)
 
     @app.get("/v1/populations/{population}", tags=["operators"], **_answers(PopulationStatus))
     async def population_status(population: str, request: Request) -> dict:
@@ -417,18 +418,18 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             release_report=task.release_report,
         )
 
-    def _deployed(population: str, records: list) -> list[dict]:
+    def _deployed(population: str, records: list) -> list[DeployedTask]:
         """What a deploy made, with each task's state: ``queued`` (and behind which tasks) tells the
         operator that it waits, rather than leaving them to wonder why no round opens."""
         states = service.task_states(population)
         return [
-            {
-                "task": r.name,
-                "population": population,
-                "plan_id": r.plan_id,
-                "checkpoint_id": r.initial_checkpoint_id,
+            DeployedTask(
+                task=r.name,
+                population=population,
+                plan_id=r.plan_id,
+                checkpoint_id=r.initial_checkpoint_id,
                 **states.get(r.name, {"status": r.status}),
-            }
+            )
             for r in records
         ]
 
@@ -447,7 +448,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
         spec = await call(_spec, task)
         records = await call(service.deploy_tasks, population, [spec])
-        return JSONResponse((await call(_deployed, population, records))[0], status_code=201)
+        (answer,) = await call(_deployed, population, records)
+        return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201)
 
     @app.post(
         "/v1/populations/{population}/task-groups",
@@ -462,14 +464,13 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         group = await call(parse, GroupDeploy, raw)
         specs = [await call(_spec, t) for t in group.tasks]
         records = await call(service.deploy_tasks, population, specs, group.strategy)
-        return JSONResponse(
-            {"strategy": group.strategy.value, "tasks": await call(_deployed, population, records)}, status_code=201
-        )
+        answer = DeployedGroup(strategy=group.strategy.value, tasks=await call(_deployed, population, records))
+        return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201)
 
     @app.get("/v1/populations/{population}/rounds", tags=["operators"], **_answers(RoundList))
     async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
         admin(request)
-        return {"rounds": await call(service.rounds, population, task)}
+        return {"rounds": await call(service.rounds, population, task)}  # checked against RoundList as it leaves
 
     @app.get(
         "/v1/populations/{population}/model",
