@@ -311,12 +311,15 @@ class CommitPipeline:
                 run.attempt = 1
                 log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))
             elif extended is not None:
-                log.info(
+                # an idle spell is said at info as it doubles (2, 4, 8, ... timeouts), not once a timeout
+                timeouts = extended.metrics["idle_timeouts"]
+                log.log(
+                    logging.INFO if timeouts & (timeouts - 1) == 0 else logging.DEBUG,
                     "task %s round %d attempt %d: nobody came again (%d selection timeouts in a row)",
                     run.record.name,
                     p.core.number,
                     extended.attempt,
-                    extended.metrics["idle_timeouts"],
+                    timeouts,
                 )
             else:
                 run.attempt += 1

@@ -4,6 +4,8 @@ that take turns are listed oldest first."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -64,6 +66,24 @@ def test_an_idle_task_stores_one_round_per_idle_spell_not_one_per_selection_time
     _one_round(service, clock, _update(plan))
     history = service.rounds("p")
     assert [(r["round"], r["attempt"], r["status"]) for r in history] == [(1, 1, "abandoned"), (1, 2, "committed")]
+
+
+def test_an_idle_spell_is_logged_as_it_doubles_not_once_a_selection_timeout(tmp_path, caplog):
+    service, clock = _service(tmp_path / "server.db")
+    plan = digits_plan()
+    service.create_population("p")
+    service.deploy_task(
+        "p", "t", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE)
+    )
+    with caplog.at_level(logging.INFO, logger="server_stub.commit"):
+        for _ in range(40 * 4):  # nobody checks in for 40 selection windows
+            clock.advance(2.5)
+            service.tick()
+    (spell,) = service.rounds("p")
+    timeouts = spell["metrics"]["idle_timeouts"]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "nobody came" in r.getMessage()]
+    assert timeouts >= 32 and len(said) == timeouts.bit_length() - 1, said  # at 2, 4, 8, 16, 32 timeouts
+    assert said[-1].endswith("(32 selection timeouts in a row)")
 
 
 def test_rounds_of_tasks_that_take_turns_are_listed_oldest_first(tmp_path):
