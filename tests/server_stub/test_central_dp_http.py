@@ -7,6 +7,7 @@ every update it sent and can say what the committed model must be."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import dp_accounting
@@ -260,3 +261,37 @@ def test_dp_clip_beside_clip_update_norm_is_taken(admin) -> None:
     admin.create_population("digits")
     deployed = admin.deploy_body("digits", _body(digits_plan(), RoundConfig(clip_update_norm=10.0, dp=dp)))
     assert deployed["task"] == "train" and deployed["status"] == "active"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("noise_multiplier", -1.0, "greater than or equal to 0"),
+        ("noise_multiplier", "NaN", "valid number"),
+        ("noise_multiplier", 1e-300, "below 0.01"),
+        ("noise_multiplier", 1e300, "less than or equal to"),
+        ("clip", 0, "greater than 0"),
+        ("clip", "1.0", "valid number"),
+        ("delta", 0.5, "less than or equal to 0.1"),
+        ("delta", 1e400, "finite number"),
+        ("max_epsilon", -3.0, "greater than 0"),
+        ("bitwidth", 32.5, "valid integer"),
+        ("weighting", "by_examples", "'unweighted' or 'capped'"),
+        ("sampling_probability", 0.0, "greater than 0"),
+    ],
+)
+def test_a_dp_field_out_of_range_in_the_deploy_body_is_a_400_naming_it(admin, field, value, words) -> None:
+    """The JSON a client other than ``AdminClient`` may send (Python's json writes NaN and inf as
+    bare words, which the server's parser takes): refused before anything is stored, with the
+    stable code and the field's path, never a 500."""
+    admin.create_population("digits")
+    body = _body(digits_plan(), RoundConfig(dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)))
+    body["config"]["dp"][field] = value
+    r = admin.http.post(
+        "/v1/populations/digits/tasks", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "BAD_CONFIG" and "dp" in error["message"] and words in error["message"], error
+    assert f"dp.{field}" in error["message"], error
+    assert admin.status("digits")["tasks"] == []
