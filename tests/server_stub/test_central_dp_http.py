@@ -14,6 +14,7 @@ import dp_accounting
 import httpx
 import numpy as np
 import pytest
+from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from device_runtime import PlanExecutor, build_eval_plan, encode_checkpoint, initial_weights
@@ -188,6 +189,20 @@ def test_epsilon_after_each_round_is_dp_accountings_and_rounds_frame_has_the_col
     assert {"epsilon", "delta", "dp_rounds", "noise_multiplier", "dp_mode", "dp_clip"} <= set(frame.columns)
     assert list(frame["dp_rounds"]) == [1, 2, 3]
     assert frame["epsilon"].is_monotonic_increasing
+
+
+def test_a_sampled_tasks_epsilon_is_dp_accountings_poisson_sampled_gaussian_round_by_round(server, admin) -> None:
+    n, z, q, delta, rounds = 3, 1.0, 0.3, 1e-5, 3
+    dp = DPConfig(mode="central", noise_multiplier=z, clip=CLIP, delta=delta, sampling_probability=q)
+    plan, _ = deploy(admin, **_config(n, dp))
+    for r in range(rounds):
+        _run_round(server, _updates(plan, n, seed=20 + r, examples=[4.0] * n))
+    reference = pld_privacy_accountant.PLDAccountant()
+    for record in admin.rounds("digits"):
+        reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+        assert record["metrics"]["epsilon"] == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
+    assert [r["metrics"]["dp_rounds"] for r in admin.rounds("digits")] == [1, 2, 3]
+    assert admin.rounds("digits")[-1]["metrics"]["epsilon"] < dp_accounting.get_epsilon_gaussian(z / rounds**0.5, delta)
 
 
 def test_a_noised_aggregate_that_is_not_finite_is_abandoned_not_committed(server, admin) -> None:
