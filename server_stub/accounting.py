@@ -25,6 +25,13 @@ instead of composing every round again; the distribution's support still widens 
 so a commit costs more late in a long task, only not the whole composition again. The sampled
 PLD's grid grows as 1 / z^2, so a sampled task takes ``MIN_SAMPLED_NOISE_MULTIPLIER`` at least.
 
+DP-FTRL (``tree_rounds``, ``server_stub.central_dp.tree_step``) is accounted per tree: a tree of n
+rounds is one ``SingleEpochTreeAggregationDpEvent`` at z with n steps, which assumes each device
+takes part in at most one round of a tree (the eligibility policies must enforce that, as for
+sampling), and the trees compose. dp-accounting has it for RDP only, under its
+``REPLACE_SPECIAL`` neighbouring (one device's updates replaced by nothing): the tree's epsilon
+is RdpAccountant's whatever ``method`` says.
+
 Pure: values in, values out. ``PrivacyLedger`` is a frozen value a task keeps (its rounds per
 noise multiplier), so a server can persist it as its counts and rebuild it after a restart.
 """
@@ -180,6 +187,27 @@ def _epsilon(rounds: dict[float, int], delta: float, q: float | None, method: Me
     return float(_sampled_pld(live, q).get_epsilon_for_delta(delta))
 
 
+@functools.lru_cache(maxsize=256)
+def tree_epsilon(trees: tuple[tuple[float, int], ...], delta: float) -> float:
+    """Epsilon at ``delta`` of DP-FTRL trees, each (z, rounds): one ``SingleEpochTreeAggregationDpEvent``
+    per tree, composed by ``RdpAccountant`` (0 before any round; inf if a tree had no noise)."""
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    _check_delta(delta)
+    live = [(z, n) for z, n in trees if n > 0]
+    for z, _ in live:
+        _check_noise(z)
+    if not live:
+        return 0.0
+    if any(z == 0 for z, _ in live):
+        return math.inf
+    acc = rdp_lib.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    for z, n in live:
+        acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z, n))
+    return float(acc.get_epsilon(delta))
+
+
 def epsilon(
     noise_multiplier: float,
     rounds: int,
@@ -276,6 +304,8 @@ class PrivacyLedger:
     method: Method = "pld"
     max_epsilon: float | None = None
     counts: tuple[tuple[float, int], ...] = ()
+    tree_rounds: int | None = None
+    trees: tuple[tuple[float, int], ...] = ()
     _cache: dict[str, float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -288,6 +318,8 @@ class PrivacyLedger:
             _check_noise(z)
             if c < 0:
                 raise AccountingError(f"a round count must be >= 0, got {c}")
+        if self.tree_rounds is not None and self.tree_rounds < 1:
+            raise AccountingError(f"tree_rounds must be >= 1, got {self.tree_rounds}")
 
     @property
     def rounds(self) -> int:
@@ -302,20 +334,42 @@ class PrivacyLedger:
         merged[noise_multiplier] = merged.get(noise_multiplier, 0) + count
         return replace(self, counts=tuple(sorted(merged.items())))
 
+    def add_tree_round(self, noise_multiplier: float, new_tree: bool) -> PrivacyLedger:
+        """The ledger of a DP-FTRL task after one more committed round: in a new tree when
+        ``new_tree`` (the server lost the last tree's noise, or it starts the task), when the last
+        tree holds ``tree_rounds`` rounds or ran at another multiplier; else in the last tree."""
+        if self.tree_rounds is None:
+            raise AccountingError("add_tree_round is for a ledger with tree_rounds")
+        last = self.trees[-1] if self.trees else None
+        if new_tree or last is None or last[0] != noise_multiplier or last[1] >= self.tree_rounds:
+            trees = (*self.trees, (noise_multiplier, 1))
+        else:
+            trees = (*self.trees[:-1], (noise_multiplier, last[1] + 1))
+        return replace(self.add_round(noise_multiplier), trees=trees)
+
     @property
     def epsilon(self) -> float:
         """Epsilon at ``delta`` for the rounds so far (0 before any; inf after a noiseless one)."""
         if "epsilon" not in self._cache:
-            self._cache["epsilon"] = _cached_epsilon(self.counts, self.delta, self.sampling_probability, self.method)
+            self._cache["epsilon"] = (
+                tree_epsilon(self.trees, self.delta)
+                if self.tree_rounds is not None
+                else _cached_epsilon(self.counts, self.delta, self.sampling_probability, self.method)
+            )
         return self._cache["epsilon"]
 
-    def allows(self, noise_multiplier: float) -> bool:
-        """Whether one more round at ``noise_multiplier`` stays within ``max_epsilon`` (always,
-        without a budget): the check a task makes before it starts a round, so it stops at its
-        budget instead of overshooting it."""
+    def allows(self, noise_multiplier: float, *, new_tree: bool = False) -> bool:
+        """Whether one more round at ``noise_multiplier`` (for DP-FTRL: in a new tree or not)
+        stays within ``max_epsilon`` (always, without a budget): the check a task makes before it
+        starts a round, so it stops at its budget instead of overshooting it."""
         if self.max_epsilon is None:
             return True
-        return self.add_round(noise_multiplier).epsilon <= self.max_epsilon
+        after = (
+            self.add_tree_round(noise_multiplier, new_tree)
+            if self.tree_rounds is not None
+            else self.add_round(noise_multiplier)
+        )
+        return after.epsilon <= self.max_epsilon
 
 
 __all__ = [
@@ -327,4 +381,5 @@ __all__ = [
     "composed_noise_multiplier",
     "epsilon",
     "rounds_within",
+    "tree_epsilon",
 ]

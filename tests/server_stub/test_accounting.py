@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import dp_accounting
 import mpmath
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -204,3 +206,23 @@ def test_a_sampled_ledger_at_two_multipliers_composes_like_dp_accounting() -> No
         reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
         assert ledger.epsilon == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
     assert dict(ledger.counts) == {1.0: 2, 2.0: 3}
+
+
+def test_a_dp_ftrl_ledger_accounts_each_tree_as_dp_accountings_tree_aggregation_event() -> None:
+    z, delta = 3.0, 1e-5
+    ledger = acc.PrivacyLedger(delta=delta, tree_rounds=4)
+    for i in range(10):
+        ledger = ledger.add_tree_round(z, new_tree=(i == 6))  # a restart after round 6 starts a tree
+    assert ledger.trees == ((z, 4), (z, 2), (z, 4)) and ledger.rounds == 10
+    reference = rdp_privacy_accountant.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+    )
+    for steps in (4, 2, 4):
+        reference.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z, steps))
+    assert ledger.epsilon == pytest.approx(reference.get_epsilon(delta), rel=1e-12)
+    # one tree of 10 rounds costs less than ten rounds of fresh noise at z, each a Gaussian
+    assert acc.tree_epsilon(((z, 10),), delta) < acc.epsilon(z, 10, delta, method="rdp")
+    spent = dataclasses.replace(ledger, max_epsilon=ledger.epsilon)  # the budget is what ten rounds cost
+    assert not spent.allows(z, new_tree=True)
+    assert dataclasses.replace(ledger, max_epsilon=ledger.epsilon * 2).allows(z, new_tree=True)
+    assert acc.tree_epsilon(((0.0, 1),), delta) == math.inf and acc.tree_epsilon((), delta) == 0.0
