@@ -14,6 +14,16 @@ below C, itself privatized: the count gets Gaussian noise of std ``count_stddev`
 part of the budget, so the updates' noise multiplier rises to z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2
 and the pair of releases together is one Gaussian mechanism at z (the paper's Theorem 1).
 
+DP-FTRL with tree aggregation (Kairouz, McMahan, Song, Thakkar, Thakurta and Xu 2021, "Practical
+and Private (Deep) Learning without Sampling or Shuffling"): instead of fresh noise each round,
+the running sum of the rounds' clipped sums is released through a binary tree whose every node
+(a dyadic range of rounds) gets its own Gaussian noise of std z * C, so the sum up to round t
+carries the noise of the at most log2(t) + 1 nodes that cover [1, t]. Round t's noised sum gets
+the tree's prefix noise at t minus that at t - 1 (``tree_step``): the sum of the rounds' noised
+sums up to any round is then the tree's noisy prefix sum, and each round's release a function of
+the tree's noisy nodes. A device in at most one round of a tree changes one leaf, so one node per
+level: the tree is one ``SingleEpochTreeAggregationDpEvent`` for ``server_stub.accounting``.
+
 Pure: arrays and frozen state in, arrays and new state out; the random source is passed in.
 """
 
@@ -290,9 +300,57 @@ def adaptive_dp_mean(
     return result, next_clip(state, b)
 
 
+def tree_nodes(t: int) -> list[tuple[int, int]]:
+    """The dyadic nodes whose sums make the prefix of rounds [1, t], largest first: (level, index),
+    node (h, i) covering rounds i 2^h + 1 .. (i + 1) 2^h (its index counted at its level)."""
+    if t < 0:
+        raise CentralDPError(f"a tree's round must be >= 0, got {t}")
+    out = []
+    start = 0
+    for level in reversed(range(t.bit_length())):
+        if t >> level & 1:
+            out.append((level, start >> level))
+            start += 1 << level
+    return out
+
+
+@dataclass(frozen=True)
+class TreeNoise:
+    """One tree of DP-FTRL: the noise std of each node (z * C), the rounds it has released (``t``)
+    and the noise of the nodes that cover [1, t] (``tree_nodes(t)``), flat, one vector per node."""
+
+    std: float
+    t: int = 0
+    nodes: tuple[tuple[tuple[int, int], FloatArray], ...] = ()
+
+
+def tree_step(tree: TreeNoise, size: int, rng: np.random.Generator) -> tuple[FloatArray, TreeNoise]:
+    """Round ``t + 1``'s noise on its sum, flat of ``size``: the tree's prefix noise at t + 1
+    (the nodes it shares with t kept, the others drawn from ``rng``) minus the prefix noise at t;
+    and the tree after the round."""
+    _non_negative("std", tree.std)
+    held = dict(tree.nodes)
+    if any(v.shape != (size,) for v in held.values()):
+        raise CentralDPError(f"the tree's noise has another length than the sum's {size}")
+    nodes = [
+        (k, held[k] if k in held else (rng.normal(0.0, tree.std, size=size) if tree.std > 0 else np.zeros(size)))
+        for k in tree_nodes(tree.t + 1)
+    ]
+    kept = {k for k, _ in nodes}
+    noise: FloatArray = np.zeros(size)
+    for k, v in nodes:  # the shared nodes cancel: only the drawn ones are added ...
+        if k not in held:
+            noise = noise + v
+    for k, v in tree.nodes:  # ... and the ones the larger node replaces taken out
+        if k not in kept:
+            noise = noise - v
+    return noise, TreeNoise(tree.std, tree.t + 1, tuple(nodes))
+
+
 __all__ = [
     "AdaptiveClip",
     "CentralDPError",
+    "TreeNoise",
     "DPMean",
     "adaptive_dp_mean",
     "capped_weights",
@@ -304,6 +362,8 @@ __all__ = [
     "noised_sum",
     "report_contribution",
     "report_weight",
+    "tree_nodes",
+    "tree_step",
     "unclipped_fraction",
     "update_noise_multiplier",
 ]

@@ -144,7 +144,11 @@ def check_deploy(name: str, plan: Plan, executor: PlanExecutor, config: RoundCon
             code="BAD_CONFIG",
         ) from None
     except DDPError as exc:
-        raise BadRequest(f"task {name!r}: dp: {exc}", code="BAD_CONFIG") from None
+        raise BadRequest(
+            f"task {name!r}: dp.clip {dp.clip:g} with dp.noise_multiplier {dp.noise_multiplier:g} and dp.bitwidth "
+            f"{dp.bitwidth} gives no encoding the devices can run ({exc}); use a clip near the updates' norms",
+            code="BAD_CONFIG",
+        ) from None
 
 
 def decode_group(total_mod: np.ndarray, params: DDPParams, seed: int, count: int) -> np.ndarray:

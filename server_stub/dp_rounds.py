@@ -18,6 +18,10 @@ calls it at five points: deploy (``check_deploy``), task load (``TaskDP.load``),
   at each commit; a round's metrics carry ``epsilon``, ``delta``, ``dp_rounds``,
   ``noise_multiplier``, ``dp_mode`` and ``dp_clip`` (``ROUND_KEYS``). A task whose next round
   would pass ``max_epsilon`` completes instead.
+- DP-FTRL (``dp.tree_rounds``): the round's noise is its tree's step (``central_dp.tree_step``)
+  instead of fresh noise; the open tree (``FtrlTree``) lives in memory only, so a restarted server
+  starts a new tree, and each round records its tree and place (``TREE_KEYS``), from which the
+  ledger's trees are rebuilt.
 
 The noise comes from ``secure_generator``: numpy's PCG64 seeded with 128 bits from the operating
 system's CSPRNG, a fresh one per round. numpy's floating-point Gaussian is not a hardened DP
@@ -47,6 +51,8 @@ from .rounds import RoundConfig
 ROUND_KEYS = ("epsilon", "delta", "dp_rounds", "noise_multiplier", "dp_mode", "dp_clip")
 #: The clip the next round starts from (adaptive clipping), kept so a restarted server goes on with it.
 NEXT_CLIP_KEY = "dp_next_clip"
+#: A DP-FTRL round's tree (numbered from 1 in the task) and its place in it (from 1).
+TREE_KEYS = ("dp_tree", "dp_tree_round")
 
 
 def secure_generator() -> np.random.Generator:
@@ -81,7 +87,7 @@ def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
                 f"is too small for dp.noise_multiplier: {exc}",
                 code="BAD_CONFIG",
             ) from None
-    if dp.max_epsilon is not None and not ledger(dp).allows(dp.noise_multiplier):
+    if dp.max_epsilon is not None and not ledger(dp).allows(dp.noise_multiplier, new_tree=True):
         raise BadRequest(
             f"task {name!r}: dp.max_epsilon {dp.max_epsilon:g} is spent by a single round at dp.noise_multiplier "
             f"{dp.noise_multiplier:g} (delta {dp.delta:g}); raise dp.noise_multiplier or dp.max_epsilon",
@@ -99,7 +105,11 @@ def count_stddev(dp: DPConfig, goal_count: int) -> float:
 def ledger(dp: DPConfig) -> PrivacyLedger:
     """An empty ledger with the task's accounting settings."""
     return PrivacyLedger(
-        delta=dp.delta, sampling_probability=dp.sampling_probability, method=dp.accountant, max_epsilon=dp.max_epsilon
+        delta=dp.delta,
+        sampling_probability=dp.sampling_probability,
+        method=dp.accountant,
+        max_epsilon=dp.max_epsilon,
+        tree_rounds=dp.tree_rounds,
     )
 
 
@@ -108,14 +118,30 @@ def _json_epsilon(eps: float) -> float | None:
     return eps if math.isfinite(eps) else None
 
 
+@dataclass(eq=False)
+class FtrlTree:
+    """A DP-FTRL task's open tree, in memory only (a restarted server starts a new one, the noise of
+    the last being gone): its number in the task (0 before any), its noise (None: the next round
+    starts a tree) and the tree as the round being committed leaves it (``pending``)."""
+
+    index: int = 0
+    tree: central_dp.TreeNoise | None = None
+    pending: central_dp.TreeNoise | None = None
+
+    def next_is_new(self, tree_rounds: int) -> bool:
+        return self.tree is None or self.tree.t >= tree_rounds
+
+
 @dataclass(frozen=True)
 class TaskDP:
-    """What a DP task keeps between rounds: its privacy ledger and the clip its next round uses."""
+    """What a DP task keeps between rounds: its privacy ledger and the clip its next round uses
+    (and, for DP-FTRL, its open tree)."""
 
     config: DPConfig
     goal_count: int
     ledger: PrivacyLedger
     clip: float
+    ftrl: FtrlTree | None = None
 
     @classmethod
     def load(cls, config: RoundConfig, committed: Iterable[Mapping]) -> TaskDP | None:
@@ -126,16 +152,28 @@ class TaskDP:
         if dp is None:
             return None
         book, clip = ledger(dp), dp.clip
+        tree: object = None
+        trees = 0
         for metrics in committed:
             z = metrics.get("noise_multiplier")
-            book = book.add_round(float(z) if isinstance(z, (int, float)) else dp.noise_multiplier)
+            zf = float(z) if isinstance(z, (int, float)) else dp.noise_multiplier
+            if dp.tree_rounds is not None:  # a record without its tree is counted as a tree of its own
+                here = metrics.get("dp_tree")
+                new_tree = here is None or here != tree
+                book, tree, trees = book.add_tree_round(zf, new_tree), here, trees + new_tree
+            else:
+                book = book.add_round(zf)
             nxt = metrics.get(NEXT_CLIP_KEY)
             if isinstance(nxt, (int, float)) and math.isfinite(nxt) and nxt > 0:
                 clip = float(nxt)
-        return cls(dp, config.goal_count, book, clip)
+        ftrl = FtrlTree(index=trees) if dp.tree_rounds is not None else None
+        return cls(dp, config.goal_count, book, clip, ftrl)
 
     def allows_next(self) -> bool:
         """Whether one more round stays within ``max_epsilon`` (checked before a round opens)."""
+        if self.ftrl is not None and self.config.tree_rounds is not None:
+            new_tree = self.ftrl.next_is_new(self.config.tree_rounds)
+            return self.ledger.allows(self.config.noise_multiplier, new_tree=new_tree)
         return self.ledger.allows(self.config.noise_multiplier)
 
     def open_round(self, secure: bool) -> CentralRound | None:
@@ -144,6 +182,9 @@ class TaskDP:
         if self.config.mode != "central" or secure:
             return None
         dp = self.config
+        if self.ftrl is not None:
+            self.ftrl.pending = None
+            return CentralRound(dp, self.goal_count, self.clip, dp.noise_multiplier, ftrl=self.ftrl)
         if dp.target_quantile is None:
             return CentralRound(dp, self.goal_count, self.clip, dp.noise_multiplier)
         adaptive = central_dp.AdaptiveClip(
@@ -157,25 +198,38 @@ class TaskDP:
 
     def round_metrics(self, clip: float | None) -> tuple[dict, PrivacyLedger]:
         """A committing round's DP metrics (``ROUND_KEYS``) and the ledger once it is on record."""
-        after = self.ledger.add_round(self.config.noise_multiplier)
+        z = self.config.noise_multiplier
+        tree: dict[str, int | None] = {}
+        if self.ftrl is not None:  # the round's place in its tree, as its close left it
+            pending = self.ftrl.pending
+            new_tree = pending is None or pending.t == 1
+            after = self.ledger.add_tree_round(z, new_tree)
+            tree = {"dp_tree": self.ftrl.index + new_tree, "dp_tree_round": pending.t if pending else None}
+        else:
+            after = self.ledger.add_round(z)
         metrics = {
             "epsilon": _json_epsilon(after.epsilon),
             "delta": self.config.delta,
             "dp_rounds": after.rounds,
-            "noise_multiplier": self.config.noise_multiplier,
+            "noise_multiplier": z,
             "dp_mode": self.config.mode,
             "dp_clip": self.config.clip if clip is None else clip,
+            **tree,
         }
         return metrics, after
 
     def after_commit(self, after: PrivacyLedger, next_clip: float | None) -> TaskDP:
         """The state once a round is on record (an abandoned round changes nothing)."""
+        if self.ftrl is not None:
+            pending = self.ftrl.pending
+            self.ftrl.index += pending is None or pending.t == 1
+            self.ftrl.tree, self.ftrl.pending = pending, None
         return replace(self, ledger=after, clip=self.clip if next_clip is None else next_clip)
 
 
 def strip(metrics: dict) -> None:
     """Remove a round's DP keys: a round that did not commit spent nothing."""
-    for key in (*ROUND_KEYS, NEXT_CLIP_KEY):
+    for key in (*ROUND_KEYS, NEXT_CLIP_KEY, *TREE_KEYS):
         metrics.pop(key, None)
 
 
@@ -191,6 +245,7 @@ class CentralRound:
     adaptive: central_dp.AdaptiveClip | None = None
     reports: int = 0
     unclipped: int = 0
+    ftrl: FtrlTree | None = None
 
     def take(
         self, update: Mapping[str, np.ndarray], weight_names: Sequence[str], max_examples: int
@@ -224,7 +279,19 @@ class CentralRound:
         with adaptive clipping, the next round's clip from the noised count (else None)."""
         names = [w for w in weight_names if w in accumulator]
         out = dict(accumulator)
-        for w in names:
+        if self.ftrl is not None and self.config.tree_rounds is not None:  # DP-FTRL: the tree's step
+            tree = self.ftrl.tree
+            if tree is None or self.ftrl.next_is_new(self.config.tree_rounds):
+                tree = central_dp.TreeNoise(std=self.updates_noise_multiplier * self.clip)
+            sizes = {w: int(np.size(accumulator[w])) for w in names}
+            noise, self.ftrl.pending = central_dp.tree_step(tree, sum(sizes.values()), rng)
+            at = 0
+            for w in names:
+                total = np.asarray(accumulator[w], dtype=np.float64)
+                part = noise[at : at + sizes[w]].reshape(total.shape)
+                out[w] = (total + part).astype(np.asarray(accumulator[w]).dtype, copy=False)
+                at += sizes[w]
+        for w in names if self.ftrl is None else ():
             noised = central_dp.noised_sum(
                 accumulator[w], clip=self.clip, noise_multiplier=self.updates_noise_multiplier, rng=rng
             )
@@ -251,4 +318,14 @@ def _unflatten(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     return out
 
 
-__all__ = ["NEXT_CLIP_KEY", "ROUND_KEYS", "CentralRound", "TaskDP", "check_deploy", "secure_generator", "strip"]
+__all__ = [
+    "NEXT_CLIP_KEY",
+    "ROUND_KEYS",
+    "TREE_KEYS",
+    "CentralRound",
+    "FtrlTree",
+    "TaskDP",
+    "check_deploy",
+    "secure_generator",
+    "strip",
+]

@@ -447,6 +447,10 @@ class DPSection(_Section):
                 f"{', '.join(f'dp.{k}' for k in loose)} {'needs' if len(loose) == 1 else 'need'} dp.mode "
                 "(central or distributed; --dp) to mean anything"
             )
+        try:  # what the server's own DPConfig refuses beyond the ranges above (a multiplier below its floor)
+            self.config()
+        except ValidationError as exc:
+            raise ValueError("; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())) from None
         return self
 
     def config(self) -> DPConfig | None:

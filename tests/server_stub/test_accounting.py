@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import dp_accounting
 import mpmath
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -153,3 +155,74 @@ def test_out_of_range_parameters_are_refused_naming_the_field(kwargs: dict[str, 
         acc.PrivacyLedger(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(acc.AccountingError, match="noise_multiplier"):
         acc.epsilon(-1.0, 1, 1e-5)
+
+
+@SETTINGS
+@given(z=st.floats(5e-324, 1e4), k=st.integers(0, 10**6), delta=deltas, method=st.sampled_from(["pld", "rdp"]))
+def test_any_noise_multiplier_the_accountant_takes_gives_an_epsilon_never_an_exception(
+    z: float, k: int, delta: float, method: acc.Method
+) -> None:
+    """A multiplier so small that z^2 underflows (1e-300) once ended a server's commit in a
+    ZeroDivisionError; the epsilon there is astronomically large, and inf is its bound."""
+    eps = acc.epsilon(z, k, delta, method=method)
+    assert isinstance(eps, float) and eps >= 0.0  # 0 for no rounds, or when delta covers them all
+    if k and z < 1e-120:
+        assert eps == math.inf
+
+
+def _sampled_reference(z: float, q: float, rounds: int, delta: float) -> list[float]:
+    """dp-accounting's own accountant fed one Poisson-sampled Gaussian event per committed round."""
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    reference = pld_privacy_accountant.PLDAccountant()
+    out = []
+    for _ in range(rounds):
+        reference.compose(event)
+        out.append(reference.get_epsilon(delta))
+    return out
+
+
+def test_a_sampled_ledger_composes_each_commit_onto_the_last_and_reports_dp_accountings_epsilon() -> None:
+    z, q, delta, rounds = 1.5, 0.2, 1e-5, 12
+    acc._composed.clear()
+    ledger = acc.PrivacyLedger(delta=delta, sampling_probability=q)
+    seen = []
+    for _ in range(rounds):
+        assert ledger.allows(z)  # the check before a round reads the ledger one round on ...
+        ledger = ledger.add_round(z)
+        seen.append(ledger.epsilon)  # ... and the commit reads it again: one composition, kept
+        assert len(acc._composed) <= acc.PLD_CACHE_SIZE
+    assert seen == pytest.approx(_sampled_reference(z, q, rounds, delta), rel=1e-9)
+    # a restarted server composes the rounds on record at once (self_compose): the same epsilon
+    acc._composed.clear()
+    assert acc._epsilon(dict(ledger.counts), delta, q, "pld") == pytest.approx(seen[-1], rel=1e-9)
+
+
+def test_a_sampled_ledger_at_two_multipliers_composes_like_dp_accounting() -> None:
+    q, delta = 0.1, 1e-6
+    ledger = acc.PrivacyLedger(delta=delta, sampling_probability=q)
+    reference = pld_privacy_accountant.PLDAccountant()
+    for z in [1.0, 2.0, 1.0, 2.0, 2.0]:
+        ledger = ledger.add_round(z)
+        reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+        assert ledger.epsilon == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
+    assert dict(ledger.counts) == {1.0: 2, 2.0: 3}
+
+
+def test_a_dp_ftrl_ledger_accounts_each_tree_as_dp_accountings_tree_aggregation_event() -> None:
+    z, delta = 3.0, 1e-5
+    ledger = acc.PrivacyLedger(delta=delta, tree_rounds=4)
+    for i in range(10):
+        ledger = ledger.add_tree_round(z, new_tree=(i == 6))  # a restart after round 6 starts a tree
+    assert ledger.trees == ((z, 4), (z, 2), (z, 4)) and ledger.rounds == 10
+    reference = rdp_privacy_accountant.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL
+    )
+    for steps in (4, 2, 4):
+        reference.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z, steps))
+    assert ledger.epsilon == pytest.approx(reference.get_epsilon(delta), rel=1e-12)
+    # one tree of 10 rounds costs less than ten rounds of fresh noise at z, each a Gaussian
+    assert acc.tree_epsilon(((z, 10),), delta) < acc.epsilon(z, 10, delta, method="rdp")
+    spent = dataclasses.replace(ledger, max_epsilon=ledger.epsilon)  # the budget is what ten rounds cost
+    assert not spent.allows(z, new_tree=True)
+    assert dataclasses.replace(ledger, max_epsilon=ledger.epsilon * 2).allows(z, new_tree=True)
+    assert acc.tree_epsilon(((0.0, 1),), delta) == math.inf and acc.tree_epsilon((), delta) == 0.0

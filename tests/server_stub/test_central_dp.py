@@ -144,3 +144,49 @@ def test_adaptive_clipping_converges_to_the_target_quantile_of_the_norms(
     assert settled == pytest.approx(true_quantile, rel=0.1)
     fraction = float(np.mean(norm_law(1_000_000) <= settled))
     assert fraction == pytest.approx(target, abs=0.05)
+
+
+# ----------------------------------------------------------------------------- DP-FTRL's tree
+@given(t=st.integers(0, 5000))
+def test_the_tree_nodes_of_a_prefix_cover_its_rounds_once_each_with_one_node_per_set_bit(t: int) -> None:
+    covered: list[int] = []
+    for level, index in cdp.tree_nodes(t):
+        covered.extend(range(index * 2**level + 1, (index + 1) * 2**level + 1))
+    assert covered == list(range(1, t + 1))
+    assert len(cdp.tree_nodes(t)) == bin(t).count("1")
+
+
+@given(rounds=st.integers(1, 70), seed=st.integers(0, 2**32))
+def test_the_rounds_noise_sums_to_the_trees_prefix_noise_and_the_tree_holds_log_t_nodes(rounds: int, seed: int) -> None:
+    """After round t the sum of the rounds' noises is the noise of the nodes covering [1, t]
+    (every node drawn once and kept while it covers the prefix), so it has about popcount(t)
+    nodes' variance, not t rounds'."""
+    rng = np.random.default_rng(seed)
+    tree = cdp.TreeNoise(std=0.7)
+    drawn: dict[tuple[int, int], np.ndarray] = {}
+    total = np.zeros(5)
+    for t in range(1, rounds + 1):
+        noise, tree = cdp.tree_step(tree, 5, rng)
+        total += noise
+        assert tree.t == t and [k for k, _ in tree.nodes] == cdp.tree_nodes(t)
+        for k, v in tree.nodes:
+            assert np.array_equal(drawn.setdefault(k, v), v)  # a node's noise never changes
+        np.testing.assert_allclose(total, sum(v for _, v in tree.nodes), atol=1e-9)
+
+
+def test_the_prefix_noise_of_a_tree_has_the_variance_of_its_nodes() -> None:
+    rng = np.random.default_rng(5)
+    tree = cdp.TreeNoise(std=2.0)
+    prefix = np.zeros(20_000)
+    for _ in range(8):  # t = 8: one node, [1, 8]
+        noise, tree = cdp.tree_step(tree, prefix.size, rng)
+        prefix += noise
+    assert abs(prefix.std() / 2.0 - 1) < 6 / math.sqrt(2 * prefix.size)  # one node's, not sqrt(8) times it
+
+
+def test_a_tree_refuses_noise_of_another_length_and_a_negative_round() -> None:
+    _, tree = cdp.tree_step(cdp.TreeNoise(std=1.0), 4, np.random.default_rng(0))
+    with pytest.raises(cdp.CentralDPError, match="length"):
+        cdp.tree_step(tree, 5, np.random.default_rng(0))
+    with pytest.raises(cdp.CentralDPError, match="round"):
+        cdp.tree_nodes(-1)

@@ -7,16 +7,19 @@ every update it sent and can say what the committed model must be."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import dp_accounting
 import httpx
 import numpy as np
 import pytest
+from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from device_runtime import PlanExecutor, build_eval_plan, encode_checkpoint, initial_weights
-from server_stub import AdminClient, AdminError, DPConfig, RoundConfig
+from server_stub import AdminClient, AdminError, DPConfig, RoundConfig, ServerThread
+from server_stub import accounting as acc
 from server_stub.admin_client import task_body
 from tests.support import deploy, digits_plan
 
@@ -189,6 +192,81 @@ def test_epsilon_after_each_round_is_dp_accountings_and_rounds_frame_has_the_col
     assert frame["epsilon"].is_monotonic_increasing
 
 
+def test_a_sampled_tasks_epsilon_is_dp_accountings_poisson_sampled_gaussian_round_by_round(server, admin) -> None:
+    n, z, q, delta, rounds = 3, 1.0, 0.3, 1e-5, 3
+    dp = DPConfig(mode="central", noise_multiplier=z, clip=CLIP, delta=delta, sampling_probability=q)
+    plan, _ = deploy(admin, **_config(n, dp))
+    for r in range(rounds):
+        _run_round(server, _updates(plan, n, seed=20 + r, examples=[4.0] * n))
+    reference = pld_privacy_accountant.PLDAccountant()
+    for record in admin.rounds("digits"):
+        reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+        assert record["metrics"]["epsilon"] == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
+    assert [r["metrics"]["dp_rounds"] for r in admin.rounds("digits")] == [1, 2, 3]
+    assert admin.rounds("digits")[-1]["metrics"]["epsilon"] < dp_accounting.get_epsilon_gaussian(z / rounds**0.5, delta)
+
+
+def test_dp_ftrl_releases_the_trees_prefix_noise_and_accounts_each_tree_as_dp_accounting_does(server, admin) -> None:
+    """DP-FTRL with trees of two rounds, over three rounds: the committed model's distance from
+    the sum of the clipped means is the open tree's prefix noise. After round 2 that is the one
+    node over rounds 1-2, independent of round 1's noise (fresh noise each round would carry round
+    1's on); round 3 starts a tree, whose noise adds to the last tree's. Each round's epsilon is
+    dp-accounting's RDP of one tree-aggregation event per tree."""
+    n, z, delta = 8, 1.3, 1e-5
+    plan = digits_plan("mlp")
+    dp = DPConfig(mode="central", noise_multiplier=z, clip=CLIP, delta=delta, tree_rounds=2)
+    _, w0 = deploy(admin, plan=plan, **_config(n, dp))
+    total = {w: np.zeros(w0[w].shape) for w in plan.weight_names}
+    deviations = []
+    for r in range(3):
+        updates = _updates(plan, n, seed=40 + r, examples=[4.0] * n)
+        _run_round(server, updates)
+        mean = _clipped_mean(plan, updates, [1.0] * n, float(n))
+        total = {w: total[w] + mean[w] for w in plan.weight_names}
+        model, number = admin.model("digits")
+        assert number == r + 1
+        deviations.append(np.concatenate([(model[w] - w0[w] - total[w]).reshape(-1) for w in plan.weight_names]))
+    sigma, d = z * CLIP / n, deviations[0].size
+    for dev in deviations[:2]:  # one node's noise each: std z C / n
+        assert abs(float(dev.std()) / sigma - 1) < 6 / math.sqrt(2 * d), (dev.std(), sigma)
+    assert abs(float(deviations[2].std()) / (sigma * math.sqrt(2)) - 1) < 6 / math.sqrt(2 * d)
+    corr = np.corrcoef(deviations)
+    assert abs(corr[0, 1]) < 6 / math.sqrt(d)  # round 2's node replaced round 1's
+    assert abs(corr[1, 2] - 1 / math.sqrt(2)) < 6 / math.sqrt(d)  # the new tree adds to the last one's
+    records = admin.rounds("digits")
+    assert [(r["metrics"]["dp_tree"], r["metrics"]["dp_tree_round"]) for r in records] == [(1, 1), (1, 2), (2, 1)]
+    for steps, record in zip([[1], [2], [2, 1]], records, strict=True):
+        accountant = rdp_lib.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+        for k in steps:
+            accountant.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z, k))
+        assert record["metrics"]["epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+
+
+def test_a_dp_ftrl_task_restarted_starts_a_new_tree_and_accounts_it(tmp_path) -> None:
+    """The tree's noise is in memory only: a restarted server cannot go on with it, so its next
+    round opens a tree of its own, and the ledger rebuilt from the records counts both trees."""
+    n, z, delta = 3, 2.0, 1e-5
+    dp = DPConfig(mode="central", noise_multiplier=z, clip=CLIP, delta=delta, tree_rounds=4)
+    with ServerThread(tmp_path / "server.db") as server, server.admin() as admin:
+        plan, _ = deploy(admin, **_config(n, dp))
+        _run_round(server, _updates(plan, n, seed=1, examples=[4.0] * n))
+    with ServerThread(tmp_path / "server.db") as server, server.admin() as admin:
+        _run_round(server, _updates(plan, n, seed=2, examples=[4.0] * n))
+        _run_round(server, _updates(plan, n, seed=3, examples=[4.0] * n))
+        records = admin.rounds("digits")
+    assert [(r["metrics"]["dp_tree"], r["metrics"]["dp_tree_round"]) for r in records] == [(1, 1), (2, 1), (2, 2)]
+    assert records[-1]["metrics"]["epsilon"] == pytest.approx(acc.tree_epsilon(((z, 1), (z, 2)), delta), rel=1e-12)
+    assert records[-1]["metrics"]["dp_rounds"] == 3
+
+
+def test_dp_ftrl_outside_central_dp_at_a_fixed_clip_is_refused_naming_the_field(admin) -> None:
+    for extra in ({"target_quantile": 0.5}, {"sampling_probability": 0.1}):
+        with pytest.raises(ValueError, match=r"dp\.tree_rounds"):
+            DPConfig(mode="central", noise_multiplier=1.0, clip=1.0, tree_rounds=8, **extra)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dp\.tree_rounds"):
+        DPConfig(mode="distributed", noise_multiplier=1.0, clip=1.0, tree_rounds=8)
+
+
 def test_a_noised_aggregate_that_is_not_finite_is_abandoned_not_committed(server, admin) -> None:
     class InfiniteNoise(np.random.Generator):
         """A noise source gone wrong: every draw is infinite (the server's source is a parameter)."""
@@ -260,3 +338,37 @@ def test_dp_clip_beside_clip_update_norm_is_taken(admin) -> None:
     admin.create_population("digits")
     deployed = admin.deploy_body("digits", _body(digits_plan(), RoundConfig(clip_update_norm=10.0, dp=dp)))
     assert deployed["task"] == "train" and deployed["status"] == "active"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("noise_multiplier", -1.0, "greater than or equal to 0"),
+        ("noise_multiplier", "NaN", "valid number"),
+        ("noise_multiplier", 1e-300, "below 0.01"),
+        ("noise_multiplier", 1e300, "less than or equal to"),
+        ("clip", 0, "greater than 0"),
+        ("clip", "1.0", "valid number"),
+        ("delta", 0.5, "less than or equal to 0.1"),
+        ("delta", 1e400, "finite number"),
+        ("max_epsilon", -3.0, "greater than 0"),
+        ("bitwidth", 32.5, "valid integer"),
+        ("weighting", "by_examples", "'unweighted' or 'capped'"),
+        ("sampling_probability", 0.0, "greater than 0"),
+    ],
+)
+def test_a_dp_field_out_of_range_in_the_deploy_body_is_a_400_naming_it(admin, field, value, words) -> None:
+    """The JSON a client other than ``AdminClient`` may send (Python's json writes NaN and inf as
+    bare words, which the server's parser takes): refused before anything is stored, with the
+    stable code and the field's path, never a 500."""
+    admin.create_population("digits")
+    body = _body(digits_plan(), RoundConfig(dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)))
+    body["config"]["dp"][field] = value
+    r = admin.http.post(
+        "/v1/populations/digits/tasks", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "BAD_CONFIG" and "dp" in error["message"] and words in error["message"], error
+    assert f"dp.{field}" in error["message"], error
+    assert admin.status("digits")["tasks"] == []

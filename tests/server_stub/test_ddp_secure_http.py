@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import base64
 
+import dp_accounting
 import numpy as np
 import pytest
 
 from device_runtime import DPPolicy, FLRuntime, Outcome, build_eval_plan
-from device_runtime.ddp import DDPParams, clip_l2
-from device_runtime.dp_policy import DP_NOISE_BELOW_FLOOR, check_round, encode_update, mean_delta, update_dim
+from device_runtime.ddp import DDPParams, calibrate, clip_l2
+from device_runtime.dp_policy import (
+    DP_NOISE_BELOW_FLOOR,
+    DP_PARAMS_INVALID,
+    check_round,
+    encode_update,
+    mean_delta,
+    round_answer,
+    update_dim,
+)
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secure_client import SecureOutcome
 from device_runtime.secure_sum import config_from_json
@@ -32,6 +41,7 @@ from tests.support import (
     run_secure_aggregations,
 )
 
+DELTA = 1e-6
 CLIP = 0.05  # below the digits devices' mean deltas: every update is clipped
 
 
@@ -55,12 +65,12 @@ def devices(attested_server, attested_runtimes, population):
     return make
 
 
-def _deploy(admin, population: str, *, z: float, devices: int, bitwidth: int = 32):
+def _deploy(admin, population: str, *, z: float, devices: int, bitwidth: int = 32, **dp):
     return deploy_secure(
         admin,
         population,
         goal_count=devices,
-        dp=DPConfig(mode="distributed", noise_multiplier=z, clip=CLIP, bitwidth=bitwidth),
+        dp=DPConfig(mode="distributed", noise_multiplier=z, clip=CLIP, bitwidth=bitwidth, **dp),
     )
 
 
@@ -100,11 +110,18 @@ def test_without_noise_the_committed_model_is_the_clipped_unweighted_mean(attest
 def test_with_noise_the_committed_model_deviates_from_the_clipped_mean_by_the_calibrated_std(
     attested_admin, population, devices
 ):
-    plan, w0 = _deploy(attested_admin, population, z=1.0, devices=5)
+    one_round = dp_accounting.get_epsilon_gaussian(1.0, DELTA)  # one Gaussian mechanism at z = 1
+    plan, w0 = _deploy(attested_admin, population, z=1.0, devices=5, delta=DELTA, max_epsilon=one_round * 1.01)
     fleet = devices(5)
     results = fleet.run()
     assert [r.outcome for r in results] == [Outcome.COMPLETED] * 5
-    deviation, params, _ = _committed(attested_admin, population, plan, w0, fleet.runtimes)
+    deviation, params, record = _committed(attested_admin, population, plan, w0, fleet.runtimes)
+    # the round is accounted as dp-accounting accounts one Gaussian mechanism at z, and the task,
+    # whose budget a second round would pass, completes instead of opening one
+    m = record["metrics"]
+    assert (m["dp_rounds"], m["noise_multiplier"], m["delta"], m["dp_mode"]) == (1, 1.0, DELTA, "distributed")
+    assert m["epsilon"] == pytest.approx(one_round, rel=1e-12)
+    assert attested_admin.status(population)["tasks"][0]["status"] == "completed"
     assert params.noise_multiplier == 1.0 and params.effective_noise_multiplier(5) >= 1.0 - 1e-9
     expected = params.central_std(5) / 5  # the mean's noise per coordinate
     assert expected >= CLIP / 5  # at least z * clip on the sum
@@ -170,6 +187,78 @@ def test_a_round_below_the_device_noise_floor_is_refused_by_every_device(
     assert all(r["status"] != "committed" for r in admin.rounds(population))
 
 
+def _recalibrated(params: DDPParams, seed: int, **change) -> dict:
+    """The round's answer recomputed by the server's own calibration with ``change``: parameters
+    that are self-consistent, only not the round's."""
+    kept = {
+        k: getattr(params, k) for k in ("noise_multiplier", "clip", "dim", "bitwidth", "min_devices", "max_devices")
+    }
+    return round_answer(calibrate(**{**kept, **change}, mechanism=params.mechanism), seed)
+
+
+#: A malicious server's edits of the round's DP parameters, each to a device with the given floor.
+TAMPERED = {
+    "lowers-the-noise-multiplier": (
+        lambda p, seed, answer: _recalibrated(p, seed, noise_multiplier=0.25),
+        DPPolicy(min_noise_multiplier=1.0),
+        DP_NOISE_BELOW_FLOOR,
+    ),
+    "raises-the-clip": (
+        lambda p, seed, answer: {**answer, "clip": answer["clip"] * 4},
+        DPPolicy(),
+        DP_NOISE_BELOW_FLOOR,
+    ),
+    "claims-more-devices-per-sum": (
+        lambda p, seed, answer: _recalibrated(p, seed, min_devices=p.min_devices * 3, max_devices=p.max_devices * 3),
+        DPPolicy(),
+        DP_NOISE_BELOW_FLOOR,
+    ),
+    "changes-the-bitwidth": (
+        lambda p, seed, answer: _recalibrated(p, seed, bitwidth=40),
+        DPPolicy(),
+        DP_PARAMS_INVALID,
+    ),
+    "changes-the-rotation-seed": (
+        lambda p, seed, answer: {**answer, "rotation_seed": (seed + 1) % (1 << 64)},
+        DPPolicy(),
+        DP_PARAMS_INVALID,
+    ),
+}
+
+
+@pytest.mark.parametrize("tamper", list(TAMPERED))
+def test_a_server_that_tampers_with_the_rounds_dp_parameters_is_refused_by_every_device(
+    attested_server, attested_admin, population, devices, monkeypatch, tamper
+):
+    """Beside a smaller variance (above): a noise multiplier lowered with shares recalibrated to
+    it (refused by devices whose app holds a floor: without one, the task's multiplier is what
+    the server says), a clip raised under the same shares, shares sized for sums of more devices
+    than the group releases, another modulus, another rotation seed. Every device refuses before
+    it trains, with the typed reason in its result and its opstats; nothing is committed."""
+    server, admin = attested_server, attested_admin
+    edit, policy, code = TAMPERED[tamper]
+
+    class Tampered(SecureRound):
+        def ddp_answer(self) -> dict | None:
+            answer = super().ddp_answer()
+            assert answer is not None and self.ddp_params is not None
+            return edit(self.ddp_params, self.rotation_seed, answer)
+
+    def tampered(secure: SecureRound) -> None:
+        secure.__class__ = Tampered
+
+    on_secure_rounds(monkeypatch, server, population, tampered)
+    _deploy(admin, population, z=1.0, devices=5)
+    fleet = devices(5, dp_policy=policy)
+    results = fleet.run()
+    for i, res in enumerate(results):
+        assert res.outcome is Outcome.REPORT_REJECTED and res.rejection_code == code, (res.rejection_code, res.events)
+        assert "training_started" not in [e.kind for e in res.events]
+        stored = [e for s in fleet.opstats[i].sessions(population) for e in s.events if e.detail.get("code") == code]
+        assert len(stored) == 1 and stored[0].kind == "upload_rejected"
+    assert all(r["status"] != "committed" for r in admin.rounds(population))
+
+
 def test_a_group_that_falls_below_its_releasable_minimum_releases_nothing(attested_admin, population, devices):
     """Six devices, one group (k = 5, one spare); two stop after training, before their masked
     inputs: four are fewer than the five any released sum must hold, so the group aborts and the
@@ -213,6 +302,20 @@ def test_a_distributed_dp_task_that_cannot_run_is_refused_at_deploy_naming_the_f
     assert words in str(refused.value)
     if bitwidth == 8:  # the message names the bitwidth that fits
         assert "raise bitwidth to at least" in str(refused.value)
+    assert admin.status("digits")["tasks"] == []
+
+
+def test_a_clip_no_encoding_can_scale_to_is_refused_at_deploy_naming_it(server, admin):
+    """A clip so small that the scale factor overflows: a 400 naming dp.clip, not the encoding's gamma alone."""
+    with pytest.raises(AdminError) as refused:
+        deploy(
+            admin,
+            plan=digits_plan("softmax", secure_aggregation=True),
+            report_timeout_s=60.0,
+            dp=DPConfig(mode="distributed", noise_multiplier=1.0, clip=1e-300),
+        )
+    assert refused.value.status == 400 and refused.value.code == "BAD_CONFIG"
+    assert "dp.clip 1e-300" in str(refused.value)
     assert admin.status("digits")["tasks"] == []
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import html
 import math
 
+import dp_accounting
 import numpy as np
 import pytest
 
@@ -53,6 +54,9 @@ def test_without_dp_the_round_config_has_none_and_the_summary_nulls():
     [
         (["--dp", "central", "--noise-multiplier", "-1"], "dp.noise_multiplier"),
         (["--dp", "central", "--noise-multiplier", "nan"], "dp.noise_multiplier"),
+        (["--dp", "central", "--noise-multiplier", "inf"], "dp.noise_multiplier"),
+        (["--dp", "central", "--noise-multiplier", "1e-300"], "dp.noise_multiplier 1e-300 is above 0 but below"),
+        (["--dp", "central", "--delta=-1e-5"], "dp.delta"),
         (["--dp", "central", "--dp-clip", "0"], "dp.clip"),
         (["--dp", "central", "--delta", "0.5"], "dp.delta"),
         (["--dp", "central", "--max-epsilon", "-2"], "dp.max_epsilon"),
@@ -198,6 +202,9 @@ def test_canary_devices_take_part_through_the_real_protocol_and_the_run_is_audit
     assert summary["audit_canaries"] == 8 and summary["audit_reports"] >= 2
     assert isinstance(summary["audit_epsilon"], float)
     assert summary["delta"] == 1e-5 and summary["noise_multiplier"] == 1.0
+    # the server's accountant, as dp-accounting gives it: k rounds at z are one Gaussian at z / sqrt(k)
+    k = summary["dp_rounds"]
+    assert k >= 1 and summary["epsilon"] == pytest.approx(dp_accounting.get_epsilon_gaussian(k**-0.5, 1e-5), rel=1e-9)
     # the canaries' reports reached the models: the same run with canaries that report what they trained differs
     monkeypatch.setattr(FleetSimulator, "canary_report", lambda self, k: lambda plan, update: update)
     assert simulate(config, progress=False).digest != run.digest
