@@ -91,6 +91,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         help="with --dp: the task completes before a round would take epsilon past E (dp.max_epsilon)",
     )
     p.add_argument(
+        "--dp-tree-rounds",
+        type=int,
+        metavar="N",
+        help="with --dp central: DP-FTRL, the noise of each tree of N rounds from tree aggregation (dp.tree_rounds)",
+    )
+    p.add_argument(
         "--audit-canaries",
         type=int,
         metavar="K",
@@ -256,6 +262,7 @@ DP_FLAGS = {
     "dp_clip": "clip",
     "delta": "delta",
     "max_epsilon": "max_epsilon",
+    "dp_tree_rounds": "tree_rounds",
     "audit_canaries": "audit_canaries",
 }
 

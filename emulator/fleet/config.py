@@ -423,7 +423,8 @@ class DPSection(_Section):
     device adds its share of discrete noise under Secure Aggregation: needs ``task.secure``, or a
     task file of secure tasks). Set, it replaces every training task's DP settings. ``clip``: each
     device's update (weights after minus before, L2) is clipped to it; ``delta``: the delta epsilon is
-    reported at; ``max_epsilon``: the task completes before a round would take it past this.
+    reported at; ``max_epsilon``: the task completes before a round would take it past this;
+    ``tree_rounds`` (central): DP-FTRL, each tree of this many rounds noised by tree aggregation.
 
     ``audit_canaries``: K canary devices join the fleet for the one-shot privacy audit
     (``emulator.fleet.audit``): each reports, whenever selected, its random direction scaled to the
@@ -434,6 +435,7 @@ class DPSection(_Section):
     clip: float = Field(1.0, gt=0.0, le=1e6)
     delta: float = Field(1e-5, gt=0.0, le=MAX_DELTA)
     max_epsilon: float | None = Field(None, gt=0.0, le=1e6)
+    tree_rounds: int | None = Field(None, ge=1, le=1 << 20)
     audit_canaries: int = Field(0, ge=0, le=10_000)
 
     @model_validator(mode="after")
@@ -463,6 +465,7 @@ class DPSection(_Section):
             clip=self.clip,
             delta=self.delta,
             max_epsilon=self.max_epsilon,
+            tree_rounds=self.tree_rounds,
         )
 
 

@@ -2,13 +2,16 @@
 (and a fleet config's ``[dp]``) become every training task's ``RoundConfig.dp``; bad values are
 refused in one line (exit 2); the audit's canary devices join the fleet and report their direction at
 the clip; the summary and the report carry epsilon. The rounds' epsilon itself is the server's
-(its accountant's), checked where a real server runs them (``test_fleet_dp_rounds``)."""
+(its accountant's), checked where a real server runs them (``tests/server_stub/test_central_dp_http.py``
+and ``test_ddp_secure_http.py``) and against a fleet's own rounds (``test_fleet_audit.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import math
+import sqlite3
 
 import dp_accounting
 import numpy as np
@@ -37,6 +40,18 @@ def test_dp_flags_become_the_training_tasks_round_config():
     assert rounds.dp == DPConfig(mode="central", noise_multiplier=0.7, clip=2.0, delta=1e-6, max_epsilon=8.0)
 
 
+def test_dp_tree_rounds_makes_the_training_tasks_dp_ftrl(tmp_path, capsys):
+    config = _dp(mode="central", noise_multiplier=2.0, tree_rounds=8)
+    assert load_workload(config).training[0].rounds.dp == DPConfig(
+        mode="central", noise_multiplier=2.0, clip=1.0, tree_rounds=8
+    )
+    flags = ["--dp", "central", "--dp-tree-rounds", "8", "--out", str(tmp_path / "run")]
+    assert main(["simulate", "--devices", "150", "--hours", "1", "--goal", "10", "--no-progress", *flags]) == 0
+    with sqlite3.connect(tmp_path / "run" / "server" / "server.db") as db:  # the server's own records
+        committed = [json.loads(m) for (m,) in db.execute("SELECT metrics FROM rounds WHERE status = 'committed'")]
+    assert committed and [m["dp_tree_round"] for m in committed] == list(range(1, len(committed) + 1))
+
+
 def test_a_fleet_config_dp_section_reads_like_the_flags(tmp_path):
     path = tmp_path / "fleet.toml"
     path.write_text('[dp]\nmode = "central"\nnoise_multiplier = 1.5\n', encoding="utf-8")
@@ -61,6 +76,9 @@ def test_without_dp_the_round_config_has_none_and_the_summary_nulls():
         (["--dp", "central", "--delta", "0.5"], "dp.delta"),
         (["--dp", "central", "--max-epsilon", "-2"], "dp.max_epsilon"),
         (["--dp", "central", "--audit-canaries", "-1"], "dp.audit_canaries"),
+        (["--dp", "central", "--dp-tree-rounds", "0"], "dp.tree_rounds"),
+        (["--dp", "distributed", "--secure", "--dp-tree-rounds", "4"], "dp.tree_rounds"),
+        (["--dp-tree-rounds", "4"], "dp.mode (central or distributed; --dp)"),
         (["--noise-multiplier", "1"], "add --dp central|distributed"),
         (["--noise-multiplier", "2"], "dp.mode (central or distributed; --dp)"),
         (["--dp", "distributed"], "--secure"),
