@@ -6,9 +6,11 @@ import random
 
 import numpy as np
 
-from secagg import Round, SecAggClient, SecAggConfig, SecAggServer, crypto
+from secagg import Round, SecAggClient, SecAggConfig, SecAggServer, crypto, parse_message
 from secagg.crypto import SigningKey
-from secagg.transcript import masked_input_payload, share_check_payload, unmask_payload
+from secagg.messages import KIND_B, KIND_S, EncryptedShares
+from secagg.shamir import LIMBS
+from secagg.transcript import masked_input_payload, share_check_payload, share_digest, unmask_payload
 
 
 def seeded(seed: int):
@@ -19,6 +21,12 @@ def seeded(seed: int):
 def make_inputs(n: int, length: int, modulus: int, seed: int = 0, first_id: int = 1) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {u: rng.integers(0, modulus, length, dtype=np.uint64) for u in range(first_id, first_id + n)}
+
+
+def exact_sum(inputs: dict[int, np.ndarray], ids, modulus: int) -> list[int]:
+    """The sum mod ``modulus`` of the inputs of ``ids``, computed exactly (Python integers)."""
+    length = len(next(iter(inputs.values())))
+    return [int(v) % modulus for v in sum((inputs[u].astype(object) for u in ids), np.zeros(length, dtype=object))]
 
 
 class Harness:
@@ -69,3 +77,23 @@ class Harness:
 
     def sign_reveals(self, u: int, reveals) -> bytes:
         return crypto.sign(self.signers[u], unmask_payload(self.server.session_id, u, reveals))
+
+    def reseal(self, dealer: int, c_sk, pairs: dict[int, np.ndarray]) -> None:
+        """Rewrite the dealer's pending EncryptedShares so that each holder in ``pairs`` gets
+        those limbs (its s_sk share, then its b share): a pair that authenticates, with the
+        dealer's digests over it, as a malicious dealer holding its own key ``c_sk`` can send."""
+        roster = parse_message(self.to_clients[dealer])
+        sid, entries = roster.session_id, roster.entries
+        sent = parse_message(self.outbox[dealer])
+        cts, digests = sent.shares.copy(), sent.digests.copy()
+        for v, limbs in pairs.items():
+            limbs = np.asarray(limbs, "<u4")
+            d = int(np.flatnonzero(digests["holder"] == v)[0])
+            digests["s"][d] = np.void(share_digest(sid, dealer, v, KIND_S, limbs[:LIMBS]))
+            digests["b"][d] = np.void(share_digest(sid, dealer, v, KIND_B, limbs[LIMBS:]))
+            if v != dealer:
+                pk = crypto.load_public(entries["c_pk"][entries["id"] == v][0].tobytes())
+                key = crypto.share_key(crypto.agree(c_sk, pk), sid, dealer, v)
+                row = int(np.flatnonzero(cts["peer"] == v)[0])
+                cts["ct"][row] = np.void(crypto.encrypt_share(key, limbs.tobytes(), crypto.share_ad(sid, dealer, v)))
+        self.outbox[dealer] = EncryptedShares(sent.session_tag, cts, digests).to_bytes()

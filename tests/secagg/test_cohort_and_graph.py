@@ -150,10 +150,9 @@ def test_consistency_check_signatures_use_the_attested_keys():
 def test_a_roster_with_someone_from_another_group_is_refused():
     cfg = SecAggConfig(L, R, 4, session_label=b"member")
     outsider = SigningKey(seeded(99)).public_key
-    cohort = Cohort(cfg, 5)
-    members = {s.public_key for u, s in cohort.signers.items() if u != 5} | {outsider}
-    for c in cohort.clients.values():
-        c._is_member = members.__contains__
+    members: set[bytes] = set()  # the group the committed seed assigns, known once the keys are made
+    cohort = Cohort(cfg, 5, is_member=lambda key: key in members)
+    members |= {s.public_key for u, s in cohort.signers.items() if u != 5} | {outsider}
     rosters = cohort.rosters()
     assert cohort.clients[1].handle(rosters[1]) is None
     assert isinstance(cohort.clients[1].error, ForgedGraph) and "client 5" in cohort.clients[1].abort_reason

@@ -31,7 +31,7 @@ from secagg.crypto import SigningKey
 from secagg.messages import AdvertiseKeys, EncryptedShares, MaskedInput, ShareCheck, SharesForYou, UnmaskResponse
 from secagg.shamir import P
 from secagg.transcript import key_signing_payload, share_check_payload, unmask_payload
-from tests.secagg.secagg_helpers import Harness, make_inputs, seeded
+from tests.secagg.secagg_helpers import Harness, exact_sum, make_inputs, seeded
 
 # X25519 points of small order (RFC 7748 section 6.1; the Curve25519 twist's small subgroup):
 # every agreement with them is all-zero, which anyone can compute.
@@ -55,11 +55,6 @@ BEHAVIOURS = [
 ]
 
 
-def exact(inputs: dict[int, np.ndarray], ids, modulus: int) -> list[int]:
-    total = sum((inputs[u].astype(object) for u in ids), np.zeros(len(next(iter(inputs.values()))), dtype=object))
-    return [int(v) % modulus for v in total]
-
-
 def low_order_advert(config: SecAggConfig, u: int, signer: SigningKey, c_pk: bytes, s_pk: bytes) -> bytes:
     sig = crypto.sign(signer, key_signing_payload(config.session_tag, u, c_pk, s_pk))
     return AdvertiseKeys(config.session_tag, c_pk, s_pk, signer.public_key, sig).to_bytes()
@@ -80,7 +75,7 @@ def test_a_low_order_key_is_refused_at_advertise_keys_and_the_rest_complete(poin
     h.client_step()
     h.server_step()
     assert h.server.round is Round.COMPLETED
-    assert [int(v) for v in h.server.result()] == exact(h.inputs, [1, 2, 3, 4], 2**16)
+    assert [int(v) for v in h.server.result()] == exact_sum(h.inputs, [1, 2, 3, 4], 2**16)
     assert not any(c.aborted for u, c in h.clients.items() if u != 5)
 
 
@@ -120,7 +115,7 @@ def test_a_wrong_share_is_dropped_and_the_sum_stays_exact():
     out[2] = UnmaskResponse(msg.session_tag, reveals, h.sign_reveals(2, reveals)).to_bytes()
     h.server_step()
     assert h.server.round is Round.COMPLETED, h.server.abort_reason
-    assert [int(v) for v in h.server.result()] == exact(h.inputs, range(1, 6), 2**16)
+    assert [int(v) for v in h.server.result()] == exact_sum(h.inputs, range(1, 6), 2**16)
     assert sorted(h.server.bad_shares) == [(2, u) for u in range(1, 6)]
 
 
@@ -198,7 +193,7 @@ def test_a_dealer_of_garbage_shares_is_left_out_before_anyone_masks_and_the_grou
     server, clients = _drive(cfg, inputs, {1: "garbage_share_ciphertexts"}, seed=9)
     assert server.round is Round.COMPLETED, server.abort_reason
     assert server.excluded == {1} and server.summed_clients == frozenset(range(2, 6))
-    assert [int(v) for v in server.result()] == exact(inputs, range(2, 6), 2**16)
+    assert [int(v) for v in server.result()] == exact_sum(inputs, range(2, 6), 2**16)
     for u in range(2, 6):
         assert clients[u].completed and clients[u].unopened == {1} and clients[u].error is None
     assert clients[1].round is Round.SHARE_CHECK and not clients[1].aborted  # left waiting, never asked to mask
@@ -223,7 +218,7 @@ def test_a_dealer_that_fools_at_most_n_minus_t_holders_stays_and_the_sum_is_exac
     h.client_step()
     h.server_step()
     assert h.server.round is Round.COMPLETED, h.server.abort_reason
-    assert [int(v) for v in h.server.result()] == exact(h.inputs, range(1, 7), 2**16)
+    assert [int(v) for v in h.server.result()] == exact_sum(h.inputs, range(1, 7), 2**16)
 
 
 def test_a_share_check_that_is_not_signed_by_its_sender_is_refused():
@@ -335,7 +330,7 @@ def test_with_malicious_clients_the_sum_is_exact_or_the_instance_aborts(data):
         assert not summed & {
             u for u, how in bad.items() if how in ("low_order_key", "replayed_masked_input", "altered_masked_input")
         }
-        assert [int(v) for v in server.result()] == exact(inputs, summed, modulus)
+        assert [int(v) for v in server.result()] == exact_sum(inputs, summed, modulus)
     else:
         assert server.abort_reason
     if len(honest) >= t:

@@ -42,11 +42,7 @@ from secagg.messages import (
     UnmaskResponse,
 )
 from secagg.transcript import entry_digests, key_signing_payload
-from tests.secagg.secagg_helpers import Harness, make_inputs, seeded
-
-
-def exact_sum(inputs, ids, modulus):
-    return [int(v) % modulus for v in sum(inputs[u].astype(object) for u in ids)]
+from tests.secagg.secagg_helpers import Harness, exact_sum, make_inputs, seeded
 
 
 @settings(max_examples=20, deadline=None)
