@@ -4,6 +4,7 @@ also when the run fails."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -45,3 +46,22 @@ def test_a_block_inside_another_leaves_the_outer_one_in_force():
         assert 0 < gc.get_freeze_count() <= frozen  # still frozen, still deferred
         assert gc.get_threshold() == (before[0], before[1], RUN_FULL_COLLECTION_EVERY)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_older_garbage_is_frozen_with_the_run_and_freed_by_the_first_full_collection_after_it():
+    """Entering a run collects the young generations only (a full collection there walked the whole
+    heap of a process that imported much for every run); a cycle already in the oldest generation
+    stays frozen while the run lasts, and the first full collection after it frees it."""
+    gc.disable()  # no automatic collection, in any thread, between the steps
+    try:
+        cycle = Cycle()
+        freed = weakref.ref(cycle)
+        gc.collect()  # the cycle, still referenced, moves to the oldest generation
+        del cycle
+        with long_lived_heap():
+            gc.collect()
+            assert freed() is not None  # frozen: no collection during the run sees it
+        gc.collect()
+        assert freed() is None
+    finally:
+        gc.enable()
