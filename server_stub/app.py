@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import logging
 import urllib.parse
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -276,6 +277,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         responses=_ERRORS,
     )
     app.state.service = service
+    # The routes reach the service through a weak proxy: FastAPI keeps the last few thousand endpoint
+    # functions it classified in process-wide caches, and a strong reference from them would keep
+    # the last hundred-odd apps' services alive after their apps are gone (with a simulated fleet's
+    # whole world behind each, through its clock). The app holds the service itself.
+    service = weakref.proxy(service)
     secagg_signal = _Broadcast()
 
     def admin(request: Request) -> None:
