@@ -42,7 +42,7 @@ import collections
 import functools
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # dp_accounting (and the scipy it loads) is imported where used: about a second of
@@ -306,7 +306,6 @@ class PrivacyLedger:
     counts: tuple[tuple[float, int], ...] = ()
     tree_rounds: int | None = None
     trees: tuple[tuple[float, int], ...] = ()
-    _cache: dict[str, float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_delta(self.delta)
@@ -350,13 +349,9 @@ class PrivacyLedger:
     @property
     def epsilon(self) -> float:
         """Epsilon at ``delta`` for the rounds so far (0 before any; inf after a noiseless one)."""
-        if "epsilon" not in self._cache:
-            self._cache["epsilon"] = (
-                tree_epsilon(self.trees, self.delta)
-                if self.tree_rounds is not None
-                else _cached_epsilon(self.counts, self.delta, self.sampling_probability, self.method)
-            )
-        return self._cache["epsilon"]
+        if self.tree_rounds is not None:  # both reads are cached per counts, so a round's budget
+            return tree_epsilon(self.trees, self.delta)  # check and its metrics solve once
+        return _cached_epsilon(self.counts, self.delta, self.sampling_probability, self.method)
 
     def allows(self, noise_multiplier: float, *, new_tree: bool = False) -> bool:
         """Whether one more round at ``noise_multiplier`` (for DP-FTRL: in a new tree or not)

@@ -131,6 +131,11 @@ class FtrlTree:
     def next_is_new(self, tree_rounds: int) -> bool:
         return self.tree is None or self.tree.t >= tree_rounds
 
+    @property
+    def pending_is_new(self) -> bool:
+        """Whether the round being committed began a tree."""
+        return self.pending is None or self.pending.t == 1
+
 
 @dataclass(frozen=True)
 class TaskDP:
@@ -201,8 +206,7 @@ class TaskDP:
         z = self.config.noise_multiplier
         tree: dict[str, int | None] = {}
         if self.ftrl is not None:  # the round's place in its tree, as its close left it
-            pending = self.ftrl.pending
-            new_tree = pending is None or pending.t == 1
+            pending, new_tree = self.ftrl.pending, self.ftrl.pending_is_new
             after = self.ledger.add_tree_round(z, new_tree)
             tree = {"dp_tree": self.ftrl.index + new_tree, "dp_tree_round": pending.t if pending else None}
         else:
@@ -221,9 +225,8 @@ class TaskDP:
     def after_commit(self, after: PrivacyLedger, next_clip: float | None) -> TaskDP:
         """The state once a round is on record (an abandoned round changes nothing)."""
         if self.ftrl is not None:
-            pending = self.ftrl.pending
-            self.ftrl.index += pending is None or pending.t == 1
-            self.ftrl.tree, self.ftrl.pending = pending, None
+            self.ftrl.index += self.ftrl.pending_is_new
+            self.ftrl.tree, self.ftrl.pending = self.ftrl.pending, None
         return replace(self, ledger=after, clip=self.clip if next_clip is None else next_clip)
 
 
@@ -283,19 +286,17 @@ class CentralRound:
             tree = self.ftrl.tree
             if tree is None or self.ftrl.next_is_new(self.config.tree_rounds):
                 tree = central_dp.TreeNoise(std=self.updates_noise_multiplier * self.clip)
-            sizes = {w: int(np.size(accumulator[w])) for w in names}
-            noise, self.ftrl.pending = central_dp.tree_step(tree, sum(sizes.values()), rng)
-            at = 0
+            shapes = {w: np.shape(accumulator[w]) for w in names}
+            noise, self.ftrl.pending = central_dp.tree_step(tree, sum(int(np.prod(s)) for s in shapes.values()), rng)
+            for w, part in _split(noise, shapes).items():
+                total = np.asarray(accumulator[w], dtype=np.float64) + part
+                out[w] = total.astype(np.asarray(accumulator[w]).dtype, copy=False)
+        else:
             for w in names:
-                total = np.asarray(accumulator[w], dtype=np.float64)
-                part = noise[at : at + sizes[w]].reshape(total.shape)
-                out[w] = (total + part).astype(np.asarray(accumulator[w]).dtype, copy=False)
-                at += sizes[w]
-        for w in names if self.ftrl is None else ():
-            noised = central_dp.noised_sum(
-                accumulator[w], clip=self.clip, noise_multiplier=self.updates_noise_multiplier, rng=rng
-            )
-            out[w] = noised.astype(np.asarray(accumulator[w]).dtype, copy=False)
+                noised = central_dp.noised_sum(
+                    accumulator[w], clip=self.clip, noise_multiplier=self.updates_noise_multiplier, rng=rng
+                )
+                out[w] = noised.astype(np.asarray(accumulator[w]).dtype, copy=False)
         den = central_dp.denominator(self.config.weighting, self.reports, self.goal_count)
         if NUM_EXAMPLES in accumulator:
             out[NUM_EXAMPLES] = np.full(
@@ -308,14 +309,19 @@ class CentralRound:
         return out, central_dp.next_clip(self.adaptive, b).clip
 
 
-def _unflatten(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+def _split(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """``flat`` cut into the named tensors, in order (views, in its own dtype)."""
     out: dict[str, np.ndarray] = {}
     start = 0
     for name, shape in shapes.items():
         size = int(np.prod(shape))
-        out[name] = flat[start : start + size].reshape(shape).astype(np.float32)
+        out[name] = flat[start : start + size].reshape(shape)
         start += size
     return out
+
+
+def _unflatten(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    return {name: part.astype(np.float32) for name, part in _split(flat, shapes).items()}
 
 
 __all__ = [
