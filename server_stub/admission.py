@@ -152,11 +152,11 @@ def with_window(state: dict, pop: Population, run: TaskRun, now: float) -> dict:
     return state
 
 
-def retry_after(window: tuple[float, float]) -> list[float]:
+def retry_after(window: tuple[float, float]) -> tuple[float, float]:
     """A retry window as answers carry it (``retry_after_s``)."""
-    return [float(window[0]), float(window[1])]
+    return float(window[0]), float(window[1])
 
 
 def rejected(window: tuple[float, float], reason: str) -> CheckinRejected:
     """A device turned away, with the window it comes back in and why (its stable code)."""
-    return CheckinRejected(status="rejected", reason=reason, retry_after_s=(float(window[0]), float(window[1])))
+    return CheckinRejected(status="rejected", reason=reason, retry_after_s=retry_after(window))
