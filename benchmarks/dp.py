@@ -1,8 +1,10 @@
 """Distributed differential privacy's cost beside Secure Aggregation's, and DP's cost in accuracy.
 
 Device: ``device_runtime.ddp.encode`` (clip, rotate, scale and round conditionally, add the
-discrete Gaussian share, reduce mod 2^bitwidth), each stage timed alone too, for 1e5 and 1e6
-parameters, against the Secure Aggregation masking of the same encoded vector in the same run: a
+discrete Gaussian share, reduce mod 2^bitwidth) as a device runs it (``encoder``: the compiled
+kernel, ``device_runtime.ddp_kernel``, where the install built it, else numpy), beside its numpy
+path with each of that path's stages timed alone, and the compiled kernel's transform, uniforms and
+normals alone, for 1e5 and 1e6 parameters, against the Secure Aggregation masking of the same encoded vector in the same run: a
 real group of the fleet's secure tasks (``secagg_group_size`` 5 plus the one spare the server adds,
 so 6 clients on the complete graph) runs the whole protocol in process, and each client's
 MaskedInput handler (its self-mask and one pairwise mask per peer, AES-CTR expansions of the
@@ -45,7 +47,7 @@ from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from device_runtime import ddp  # noqa: E402
+from device_runtime import ddp, ddp_kernel  # noqa: E402
 from secagg import Round, SecAggClient, SecAggConfig, SecAggServer  # noqa: E402
 from secagg.graphs import complete_graph_threshold  # noqa: E402
 
@@ -95,9 +97,11 @@ def ddp_params(dim: int) -> ddp.DDPParams:
 
 
 def encode_costs(params: ddp.DDPParams, update: np.ndarray, reps: int, seed: int) -> dict:
-    """The whole encode and each of its stages on the same update (seconds, fastest of ``reps``).
+    """The encode a device runs (``encode_s``), its numpy path whole (``numpy_encode_s``) and stage
+    by stage (``stages_s``), and the compiled kernel's parts alone (``compiled_parts_s``), on the
+    same update (seconds, fastest of ``reps``).
 
-    The stages are ``encode``'s own steps (``ddp``'s private helpers, called as ``encode`` calls
+    The numpy stages are the numpy path's own steps (``ddp``'s private helpers, called as ``encode`` calls
     them), so that ``stages_sum_s`` (clip + rotate_and_round + noise_and_mod) is the encode: ``clip``
     the norm and the clip factor; ``rotate`` the padding, the signs (``signs`` alone) and the
     transform with clip, gamma and normalization in its scalar; ``rotate_and_round`` the same with
@@ -129,9 +133,27 @@ def encode_costs(params: ddp.DDPParams, update: np.ndarray, reps: int, seed: int
             setup=lambda: np.copyto(scratch, rounded),
         ),
     }
-    total = _fastest(lambda: ddp.encode(update, params, seed, rng), reps)
+    numpy_total = _fastest(lambda: ddp.encode(update, params, seed, rng, native=False), reps)
+    kernel = ddp_kernel.available()
+    compiled = kernel is not None and ddp.native_covers(params)
+    total = _fastest(lambda: ddp.encode(update, params, seed, rng), reps) if compiled else numpy_total
     parts = ("clip", "rotate_and_round", "noise_and_mod")
-    return {"encode_s": total, "stages_s": stages, "stages_sum_s": sum(stages[k] for k in parts)}
+    out = {
+        "encoder": "compiled" if compiled else "numpy",
+        "encode_s": total,
+        "numpy_encode_s": numpy_total,
+        "stages_s": stages,
+        "stages_sum_s": sum(stages[k] for k in parts),
+    }
+    if kernel is not None:
+        state = ddp_kernel.new_state(rng)
+        pd = params.padded_dim
+        out["compiled_parts_s"] = {
+            "transform": _fastest(lambda: kernel.fwht(x, pd, scale), reps),
+            "uniforms": _fastest(lambda: kernel.uniforms(state, pd), reps),
+            "normals": _fastest(lambda: kernel.normals(state, pd), reps),
+        }
+    return out
 
 
 def secure_group(params: ddp.DDPParams, updates: list[np.ndarray], seed: int) -> dict:
@@ -336,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
             "targets": targets,
             "server_decode_over_unmasking": {case: row["decode_over_unmasking"] for case, row in rows.items()},
             "all_correct": all(row["correct"] for row in rows.values()),
+            "encoder": sorted({row["encoder"] for row in rows.values()}),
             "accuracy": {
                 case: {k: row[k] for k in ("accuracy", "epsilon", "noise_multiplier", "rounds_committed")}
                 for case, row in accuracy.items()

@@ -22,8 +22,10 @@ multiplier and checks that the noisy sum of the largest group never wraps the mo
 probability ``wrap_probability`` (a tail bound, stated on ``wrap_bound``).
 
 Values in, values out: randomness comes only from a ``numpy.random.Generator`` or a seed passed
-in; no clocks, no I/O. Wiring this into rounds (the device's noise floor beside ``SecAggPolicy``,
-the server's decode) is separate.
+in; no clocks, no I/O. ``encode`` runs in one compiled pass (``ddp_kernel``, from the generator's
+draws) where the install built it and the params are ones it covers (``native_covers``), and in
+numpy otherwise: the same laws from different draws. The device's noise floor is ``dp_policy``'s;
+the server's decode is wired in ``server_stub.ddp_rounds``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from . import ddp_kernel
 
 Mechanism = Literal["gaussian", "skellam"]
 FloatArray = npt.NDArray[np.float64]
@@ -809,16 +813,26 @@ def encode(
     *,
     noise: bool = True,
     max_tries: int = DEFAULT_MAX_ROUNDING_TRIES,
+    native: bool | None = None,
 ) -> IntArray:
     """One device's contribution: clip, rotate with the round's ``seed``, scale by gamma, round
     conditionally, add this device's noise share, reduce mod 2^bitwidth (int64 in [0, modulus)).
 
-    ``noise=False`` leaves the noise out (for tests of the rest; a device never does)."""
-    x = np.asarray(update, dtype=np.float64).reshape(-1)
+    ``noise=False`` leaves the noise out (for tests of the rest; a device never does). ``native``:
+    the compiled kernel (``ddp_kernel``, the same laws from its own generator, seeded from ``rng``)
+    where it covers the case (``native_covers``), else numpy (None, the default); True insists on the
+    kernel (``ddp_kernel.KernelMissing`` or ``DDPError`` if it cannot), False on numpy."""
+    x = np.ascontiguousarray(update, dtype=np.float64).reshape(-1)
     if x.size != params.dim:
         raise DDPError(f"the update has {x.size} entries; the params are for {params.dim}")
     bound = params.sensitivity
     scale = _clip_factor(x, params.clip) * params.gamma
+    if native is not False:
+        kernel = ddp_kernel.load() if native else ddp_kernel.available()
+        if kernel is not None and native_covers(params, noise):
+            return _encode_native(kernel, x, params, seed, scale, ddp_kernel.new_state(rng), noise, max_tries)
+        if native:
+            raise DDPError("the compiled encoding does not cover these params (see ddp.native_covers)")
     rng = _private_generator(rng)
     # clip, rotate and scale by gamma in one transform (the clip factor and gamma ride on its
     # scalar); below FAST_ROUNDING_MAX_BOUND the first rounding attempt runs block by block as the
@@ -847,6 +861,53 @@ def encode(
         q += sample_noise(params.mechanism, params.local_variance, q.size, rng)
     q &= mask
     return q
+
+
+#: The compiled encoding adds the noise in int64: a share's standard normal beyond 64 (none of the
+#: ziggurat's come near it) plus the rounded entry must stay below 2^62, as must the rounding's bound.
+_NATIVE_MAX = 2.0**62
+
+
+def native_covers(params: DDPParams, noise: bool = True) -> bool:
+    """Whether the compiled encoding runs these params: the fast rounding (a norm bound up to
+    ``FAST_ROUNDING_MAX_BOUND``) and, with noise, the rounded Gaussian share (the discrete Gaussian
+    at a variance from ``ROUNDED_GAUSSIAN_MIN_VARIANCE`` on). Skellam and small variances are numpy's."""
+    bound = params.sensitivity
+    if bound > FAST_ROUNDING_MAX_BOUND:
+        return False
+    if not noise:
+        return True
+    std = math.sqrt(params.local_variance)
+    return (
+        params.mechanism == "gaussian"
+        and params.local_variance >= ROUNDED_GAUSSIAN_MIN_VARIANCE
+        and _FUSED_NOISE_SIGMAS * std + bound + 1.0 < _NATIVE_MAX
+    )
+
+
+def _encode_native(
+    kernel: ddp_kernel.Kernel,
+    x: FloatArray,
+    params: DDPParams,
+    seed: int,
+    scale: float,
+    state: ddp_kernel.State,
+    noise: bool,
+    max_tries: int,
+) -> IntArray:
+    """``encode`` in one compiled pass per attempt: each attempt rotates ``x`` again and draws
+    fresh uniforms (and noise) from ``state``; the first whose rounding is within the bound is it."""
+    pd = params.padded_dim
+    bound = params.sensitivity
+    negated = _negated_signs(seed, pd)
+    out = np.empty(pd)
+    std = math.sqrt(params.local_variance)
+    for _ in range(max_tries):
+        norm2 = kernel.encode(x, negated, pd, -scale / math.sqrt(pd), state, std, params.modulus - 1, noise, out)
+        if norm2 <= bound * bound:
+            q: IntArray = out.view(np.int64)
+            return q
+    raise _rounding_failed(bound, max_tries)
 
 
 def _private_generator(rng: np.random.Generator) -> np.random.Generator:
@@ -947,6 +1008,7 @@ __all__ = [
     "decode",
     "encode",
     "fwht",
+    "native_covers",
     "padded_dimension",
     "rotate",
     "rotation_signs",

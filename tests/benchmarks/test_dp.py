@@ -23,6 +23,9 @@ def _check_cases_and_summary(lines: list[dict], dims: tuple[int, ...]) -> None:
         parts = stages["clip"] + stages["rotate_and_round"] + stages["noise_and_mod"]
         assert case["stages_sum_s"] == pytest.approx(parts)
         assert case["encode_s"] > 0 and case["client_masked_input_s"] > 0 and case["server_decode_s"] > 0
+        # a device runs the compiled encoding (the install built it); its numpy path is timed beside it
+        assert case["encoder"] == "compiled" and case["numpy_encode_s"] > 0
+        assert set(case["compiled_parts_s"]) == {"transform", "uniforms", "normals"}
         assert case["group"] == 6 and case["bitwidth"] == 32
     summary = lines[-1]
     assert summary["summary"] is True and summary["all_correct"] is True
@@ -30,6 +33,7 @@ def _check_cases_and_summary(lines: list[dict], dims: tuple[int, ...]) -> None:
         target = summary["targets"][f"{name}_encode_over_masking"]
         assert target["goal"] == 1.0 and isinstance(target["met"], bool) and target["value"] > 0
     assert set(summary["server_decode_over_unmasking"]) == names
+    assert summary["encoder"] == ["compiled"]
 
 
 def test_a_quick_run_of_smaller_vectors_ends_in_a_summary_of_its_targets():

@@ -14,7 +14,7 @@ from hypothesis.extra.numpy import arrays
 from scipy import stats
 from scipy.linalg import hadamard
 
-from device_runtime import ddp
+from device_runtime import ddp, ddp_kernel
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -349,6 +349,38 @@ def test_the_modular_sum_of_many_encodings_decodes_to_the_sum_of_clipped_vectors
     assert np.linalg.norm(out - expected) <= n * math.sqrt(p.padded_dim) / p.gamma * (1 + 1e-9)
 
 
+def reference_draws(
+    native: bool, seed: int, padded_dim: int, noise: bool
+) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    """The encoding's draws for one rounding attempt as a function: (uniforms, standard normals).
+
+    numpy's path draws every attempt's uniforms from its SFC64 and then the noise once; the
+    compiled one draws block by block from its xoshiro256++, each block's uniforms then (with
+    noise) its normals, and every attempt draws its noise anew."""
+    if not native:
+        gen = ddp._private_generator(np.random.default_rng(seed))
+
+        def numpy_draws() -> tuple[np.ndarray, np.ndarray]:
+            return gen.random(padded_dim), np.empty(0)
+
+        numpy_draws.gen = gen  # type: ignore[attr-defined]
+        return numpy_draws
+    kernel = ddp_kernel.load()
+    state = ddp_kernel.new_state(np.random.default_rng(seed))
+    cols = min(padded_dim, ddp_kernel.BLOCK_ENTRIES)
+
+    def native_draws() -> tuple[np.ndarray, np.ndarray]:
+        us, zs = [], []
+        for _ in range(padded_dim // cols):
+            us.append(kernel.uniforms(state, cols))
+            if noise:
+                zs.append(kernel.normals(state, cols))
+        return np.concatenate(us), np.concatenate(zs) if zs else np.empty(0)
+
+    return native_draws
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "compiled"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     dim=st.integers(1, 40_000),
@@ -358,34 +390,42 @@ def test_the_modular_sum_of_many_encodings_decodes_to_the_sum_of_clipped_vectors
     beta=st.sampled_from([ddp.DEFAULT_BETA, 0.99]),
 )
 def test_the_fast_encoding_is_the_reference_rounding_and_noise_on_the_same_draws(
-    dim: int, norm: float, rotation_seed: int, seed: int, beta: float
+    native: bool, dim: int, norm: float, rotation_seed: int, seed: int, beta: float
 ) -> None:
     # encode clips, rotates and scales in one transform, rounds block by block as the transform
-    # finishes them and adds the noise block by block; the reference does each step whole, as
-    # before, on the same generator's draws: equal wherever float64 rounding of the rotation
-    # cannot move y + U across an integer
+    # finishes them and adds the noise block by block (in numpy or in the compiled kernel); the
+    # reference does each step whole on the same generator's draws: equal wherever float64
+    # rounding of the rotation cannot move y + U across an integer
     # from 16 entries on, the share's variance is above ROUNDED_GAUSSIAN_MIN_VARIANCE (the fused path);
     # beta 0.99 tightens the norm bound so that an input at the clip often needs a second try
     p = ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=dim, bitwidth=32, min_devices=5, max_devices=11, beta=beta)
+    assert ddp.native_covers(p, noise=False)
+    # a share's variance below ROUNDED_GAUSSIAN_MIN_VARIANCE needs the exact sampler, numpy's
+    noisy_too = ddp.native_covers(p)
+    assert noisy_too == (p.local_variance >= ddp.ROUNDED_GAUSSIAN_MIN_VARIANCE)
     x = np.random.default_rng(seed).normal(size=dim)
     x *= norm / np.linalg.norm(x)
-    clean = ddp.encode(x, p, rotation_seed, np.random.default_rng(seed), noise=False)
-    noisy = ddp.encode(x, p, rotation_seed, np.random.default_rng(seed))
-    gen = ddp._private_generator(np.random.default_rng(seed))
     y = ddp.rotate(ddp.clip_l2(x, p.clip), rotation_seed) * p.gamma
-    for _ in range(ddp.DEFAULT_MAX_ROUNDING_TRIES):  # an input at the clip may need another try
-        sum_ = y + gen.random(p.padded_dim)
-        rounded = np.floor(sum_)
-        if float(np.dot(rounded, rounded)) <= p.sensitivity**2:
-            break
-    noise = ddp.sample_noise(p.mechanism, p.local_variance, p.padded_dim, gen)
-    settled = np.abs(sum_ - np.rint(sum_)) > 1e-6 * (1.0 + np.abs(y).max())
     mask = p.modulus - 1
-    expected_clean = rounded.astype(np.int64) & mask
-    expected_noisy = (rounded.astype(np.int64) + noise) & mask
-    np.testing.assert_array_equal(clean[settled], expected_clean[settled])
-    np.testing.assert_array_equal(noisy[settled], expected_noisy[settled])
-    assert ((ddp.to_signed((noisy - expected_noisy) & mask, p.modulus)[~settled]) ** 2 <= 1).all()
+    std = math.sqrt(p.local_variance)
+    for noise in (False, True) if noisy_too or not native else (False,):
+        got = ddp.encode(x, p, rotation_seed, np.random.default_rng(seed), noise=noise, native=native)
+        draws = reference_draws(native, seed, p.padded_dim, noise)
+        for _ in range(ddp.DEFAULT_MAX_ROUNDING_TRIES):  # an input at the clip may need another try
+            uniforms, normals = draws()
+            sum_ = y + uniforms
+            rounded = np.floor(sum_)
+            if float(np.dot(rounded, rounded)) <= p.sensitivity**2:
+                break
+        expected = rounded.astype(np.int64)
+        if noise and native:
+            expected += np.rint(normals * std).astype(np.int64)
+        elif noise:
+            expected += ddp.sample_noise(p.mechanism, p.local_variance, p.padded_dim, draws.gen)  # type: ignore[attr-defined]
+        expected &= mask
+        settled = np.abs(sum_ - np.rint(sum_)) > 1e-6 * (1.0 + np.abs(y).max())
+        np.testing.assert_array_equal(got[settled], expected[settled])
+        assert ((ddp.to_signed((got - expected) & mask, p.modulus)[~settled]) ** 2 <= 1).all()
 
 
 def test_the_noisy_sum_of_the_largest_group_stays_inside_the_sized_modulus() -> None:

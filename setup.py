@@ -1,0 +1,22 @@
+"""The one compiled part: the distributed-DP encoding's kernel (device_runtime/_ddp_kernel.c).
+
+Everything else is in pyproject.toml. The extension is optional: where no C compiler is found the
+install goes on without it and ``device_runtime.ddp.encode`` runs its numpy path
+(``device_runtime.ddp_kernel.load`` says why). The library uses no Python API; ctypes loads it.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "device_runtime._ddp_kernel",
+            sources=["device_runtime/_ddp_kernel.c"],
+            # -fno-math-errno lets llrint and floor compile to single instructions; the encoding
+            # reads each entry as a double and writes it back as an int64 in place
+            extra_compile_args=["-O3", "-fno-math-errno", "-fno-strict-aliasing"],
+            libraries=["m"],
+            optional=True,
+        )
+    ]
+)
