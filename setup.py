@@ -12,9 +12,10 @@ setup(
         Extension(
             "device_runtime._ddp_kernel",
             sources=["device_runtime/_ddp_kernel.c"],
-            # -fno-math-errno lets llrint and floor compile to single instructions; the encoding
-            # reads each entry as a double and writes it back as an int64 in place
-            extra_compile_args=["-O3", "-fno-math-errno", "-fno-strict-aliasing"],
+            # -fno-math-errno lets llrint compile to one instruction; the encoding reads each entry
+            # as a double and writes it back as an int64 in place (no strict aliasing); no fused
+            # multiply-adds, so that a seeded run rounds the same wherever the compiler could use them
+            extra_compile_args=["-O3", "-fno-math-errno", "-fno-strict-aliasing", "-ffp-contract=off"],
             libraries=["m"],
             optional=True,
         )
