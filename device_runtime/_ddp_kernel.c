@@ -7,10 +7,11 @@
  * once: the rotation's outer factor over column strips, then each block of 2^14 entries (128 KiB,
  * in L2) through the rest of the transform, the rounding and the noise while it is in cache.
  *
- * Randomness: xoshiro256++ (Blackman and Vigna) from a 256-bit state the caller draws from its own
- * generator; standard normals by the ziggurat method (Marsaglia and Tsang 2000) over tables the
- * caller computes (device_runtime/ziggurat.py) and passes in, so that the tables are checked in
- * Python. Every function is pure apart from advancing the state it is given.
+ * Randomness: xoshiro256++ (Blackman and Vigna), from a state of STATE_WORDS words the caller draws
+ * from its own generator: four streams side by side in vector lanes for the rounding's uniforms, and
+ * one more for the noise; standard normals by the ziggurat method (Marsaglia and Tsang 2000) over
+ * tables the caller computes (device_runtime/ziggurat.py) and passes in, so that the tables are
+ * checked in Python. Every function is pure apart from advancing the state it is given.
  *
  * Bump DDP_KERNEL_VERSION whenever a function's signature or draw order changes: the loader refuses
  * a library whose version differs from the one it was written for (a stale build). */
@@ -19,7 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define DDP_KERNEL_VERSION 1
+#define DDP_KERNEL_VERSION 2
+#define STATE_WORDS 20 /* 16 for the four rounding lanes (word w of lane l at 4 w + l), 4 for the noise */
 #define LAYERS 256
 #define BLOCK_BITS 14 /* a block: 2^14 float64 entries, 128 KiB */
 #define STRIP 256     /* columns of the outer factor's strips: 64 rows x 256 = 128 KiB at 2^20 */
@@ -49,6 +51,55 @@ static inline uint64_t next_u64(uint64_t *s) {
     s[2] ^= t;
     s[3] = rotl(s[3], 45);
     return result;
+}
+
+/* The rounding's generator: four xoshiro256++ streams stepped together in vector lanes (GCC's and
+ * Clang's vector extensions: one AVX2 register in the x86-64-v3 and v4 clones, two SSE2 ones on
+ * baseline x86-64), their draws interleaved: lane 0 to 3, then lane 0 again. */
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
+typedef int64_t i64x4 __attribute__((vector_size(32)));
+typedef double f64x4 __attribute__((vector_size(32)));
+
+typedef struct {
+    u64x4 s0, s1, s2, s3;
+} lanes_t;
+
+static inline lanes_t lanes_load(const uint64_t *s) {
+    lanes_t g;
+    memcpy(&g.s0, s, sizeof g.s0);
+    memcpy(&g.s1, s + 4, sizeof g.s1);
+    memcpy(&g.s2, s + 8, sizeof g.s2);
+    memcpy(&g.s3, s + 12, sizeof g.s3);
+    return g;
+}
+
+static inline void lanes_store(const lanes_t *g, uint64_t *s) {
+    memcpy(s, &g->s0, sizeof g->s0);
+    memcpy(s + 4, &g->s1, sizeof g->s1);
+    memcpy(s + 8, &g->s2, sizeof g->s2);
+    memcpy(s + 12, &g->s3, sizeof g->s3);
+}
+
+static inline u64x4 rotl4(u64x4 x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static inline u64x4 lanes_next(lanes_t *g) {
+    u64x4 result = rotl4(g->s0 + g->s3, 23) + g->s0;
+    u64x4 t = g->s1 << 17;
+    g->s2 ^= g->s0;
+    g->s3 ^= g->s1;
+    g->s1 ^= g->s2;
+    g->s0 ^= g->s3;
+    g->s2 ^= t;
+    g->s3 = rotl4(g->s3, 45);
+    return result;
+}
+
+#define ONE_BITS 0x3FF0000000000000ULL
+
+/* four uniforms in [0, 1): each draw's top 52 bits as the mantissa of a number in [1, 2), minus 1 */
+static inline f64x4 units_of(u64x4 r) {
+    u64x4 one = {ONE_BITS, ONE_BITS, ONE_BITS, ONE_BITS};
+    return (f64x4)((r >> 12) | one) - 1.0;
 }
 
 /* uniform in [0, 1): the top 53 bits (below 2^53, so the signed conversion is exact and cheap) */
@@ -98,15 +149,34 @@ static inline double normal(uint64_t *s, const ziggurat_t *z) {
     return normal_slow(s, z, layer, bits, (int)((u >> 8) & 1));
 }
 
+/* The rounding's next n uniforms: ceil(n / 4) steps of the lanes, a last step's unused lanes dropped. */
 void ddp_fill_uniform(uint64_t *s, double *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = next_unit(s);
+    lanes_t g = lanes_load(s);
+    for (int64_t i = 0; i < n; i += 4) {
+        f64x4 u = units_of(lanes_next(&g));
+        for (int64_t k = 0; k < 4 && i + k < n; k++) out[i + k] = u[k];
+    }
+    lanes_store(&g, s);
 }
 
+/* The noise's next n standard normals. */
 void ddp_fill_normal(uint64_t *s, const ziggurat_t *z, double *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = normal(s, z);
+    for (int64_t i = 0; i < n; i++) out[i] = normal(s + 16, z);
 }
 
 /* ---- the Walsh-Hadamard transform, unnormalized, in place ----------------------------------- */
+
+/* The transform's loops are inlined into each exported function, so that they are compiled for
+ * each of its clones: the exported functions below run their x86-64-v4 (AVX-512) or v3 (AVX2)
+ * clone where the CPU has it, picked once when the library loads (GCC's target_clones, an ifunc).
+ * The clones do the same arithmetic in the same order (no fused multiply-adds: setup.py), so they
+ * give the same results bit for bit. */
+#define INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define CLONED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONED
+#endif
 
 /* one radix-4 step (two levels) over n columns of four disjoint rows, and one radix-2 step */
 static inline void butterfly4(double *restrict a, double *restrict b, double *restrict c, double *restrict d,
@@ -129,16 +199,16 @@ static inline void butterfly2(double *restrict a, double *restrict b, int64_t n)
 }
 
 /* two levels at once: h and 2h, over a contiguous array of n entries */
-static void levels4(double *y, int64_t n, int64_t h) {
+static INLINE void levels4(double *y, int64_t n, int64_t h) {
     for (int64_t i = 0; i < n; i += 4 * h) butterfly4(y + i, y + i + h, y + i + 2 * h, y + i + 3 * h, h);
 }
 
-static void level2(double *y, int64_t n, int64_t h) {
+static INLINE void level2(double *y, int64_t n, int64_t h) {
     for (int64_t i = 0; i < n; i += 2 * h) butterfly2(y + i, y + i + h, h);
 }
 
 /* levels 0 and 1 in registers, four entries at a time */
-static void levels_first(double *restrict y, int64_t n) {
+static INLINE void levels_first(double *restrict y, int64_t n) {
     for (int64_t i = 0; i < n; i += 4) {
         double a = y[i], b = y[i + 1], c = y[i + 2], d = y[i + 3];
         double p = a + b, q = a - b, u = c + d, v = c - d;
@@ -149,12 +219,12 @@ static void levels_first(double *restrict y, int64_t n) {
     }
 }
 
-static void levels_from(double *y, int64_t n, int64_t h) {
+static INLINE void levels_from(double *y, int64_t n, int64_t h) {
     for (; 4 * h <= n; h *= 4) levels4(y, n, h);
     if (2 * h <= n) level2(y, n, h);
 }
 
-static void fwht_block(double *y, int64_t n) {
+static INLINE void fwht_block(double *y, int64_t n) {
     if (n >= 4) {
         levels_first(y, n);
         levels_from(y, n, 4);
@@ -164,7 +234,7 @@ static void fwht_block(double *y, int64_t n) {
 }
 
 /* the transform across `rows` rows of a strip `width` wide (row stride `stride`) */
-static void fwht_rows(double *y, int64_t rows, int64_t stride, int64_t width) {
+static INLINE void fwht_rows(double *y, int64_t rows, int64_t stride, int64_t width) {
     int64_t h = 1;
     for (; 4 * h <= rows; h *= 4)
         for (int64_t i = 0; i < rows; i += 4 * h)
@@ -179,7 +249,7 @@ static int64_t block_size(int64_t d) { return d < ((int64_t)1 << BLOCK_BITS) ? d
 
 /* out[0:d] = scale * (H_R (x) I_C) (signs * x zero-padded to d): the outer factor, one strip of
  * columns at a time, each strip gathered from x once and transformed in cache. */
-static void outer_factor(const double *x, int64_t m, const int8_t *signs, int64_t d, double scale, double *out) {
+static INLINE void outer_factor(const double *x, int64_t m, const int8_t *signs, int64_t d, double scale, double *out) {
     int64_t cols = block_size(d), rows = d / cols;
     int64_t width = rows > 1 && STRIP < cols ? STRIP : cols;
     for (int64_t c0 = 0; c0 < cols; c0 += width) {
@@ -199,39 +269,57 @@ static void outer_factor(const double *x, int64_t m, const int8_t *signs, int64_
 
 /* out[0:d] = scale * H (signs * x zero-padded to d), H the unnormalized Walsh-Hadamard matrix and
  * d a power of two; signs may be NULL (all +1). */
-void ddp_fwht(const double *x, int64_t m, const int8_t *signs, int64_t d, double scale, double *out) {
+CLONED void ddp_fwht(const double *x, int64_t m, const int8_t *signs, int64_t d, double scale, double *out) {
     int64_t cols = block_size(d);
     outer_factor(x, m, signs, d, scale, out);
     for (int64_t b0 = 0; b0 < d; b0 += cols) fwht_block(out + b0, cols);
 }
 
 /* The encoding (device_runtime.ddp.encode): y = scale * H (signs * x), then block by block
- * q = floor(y + U) with one uniform per entry, its squared norm summed, and, if `noise`, plus
- * rint(std * N) with one standard normal per entry (a block's uniforms, then its normals), reduced
- * with `mask` (the modulus minus one, a power of two). `out` (d entries of 8 bytes) ends as int64
- * residues. Returns the squared norm of floor(y + U), which the caller checks against the
- * conditional rounding's bound (a failed attempt is redone from x with the state as it is now).
- * The caller guarantees |y| + 1 < 2^62 and std * 64 < 2^62, so the int64 arithmetic is exact. */
-double ddp_encode(const double *x, int64_t m, const int8_t *signs, int64_t d, double scale, uint64_t *s,
-                  const ziggurat_t *z, double std, int64_t mask, int noise, double *out) {
+ * q = floor(y + U) with one uniform per entry from the rounding's lanes (ddp_fill_uniform's), its
+ * squared norm summed, and, if `noise`, plus rint(std * N) with one standard normal per entry from
+ * the noise's stream (ddp_fill_normal's), reduced with `mask` (the modulus minus one, a power of
+ * two). `out` (d entries of 8 bytes) ends as int64 residues. Returns the squared norm of
+ * floor(y + U), which the caller checks against the conditional rounding's bound (a failed attempt
+ * is redone from x with the state as it is now). The caller guarantees |y| + 1 < 2^51 and
+ * |std| * 64 < 2^62, so the arithmetic below is exact. */
+CLONED double ddp_encode(const double *x, int64_t m, const int8_t *signs, int64_t d, double scale, uint64_t *s,
+                         const ziggurat_t *z, double std, int64_t mask, int noise, double *out) {
+    const double magic = 0x1.8p52; /* (v + magic) - magic: v to the nearest integer, for |v| < 2^51 */
+    f64x4 big = {magic, magic, magic, magic};
+    i64x4 big_bits = (i64x4)big;
+    u64x4 one = {ONE_BITS, ONE_BITS, ONE_BITS, ONE_BITS};
+    f64x4 norm2 = {0.0, 0.0, 0.0, 0.0};
     int64_t cols = block_size(d);
-    double norm2 = 0.0;
     outer_factor(x, m, signs, d, scale, out);
     for (int64_t b0 = 0; b0 < d; b0 += cols) {
         double *y = out + b0;
         int64_t *q = (int64_t *)(void *)y; /* each entry is read as a double before it is written as an int64 */
         fwht_block(y, cols);
-        for (int64_t t = 0; t < cols; t++) {
-            double v = y[t] + next_unit(s);
-            int64_t f = (int64_t)v; /* truncation; one less below zero where v is not whole: floor */
-            f -= (double)f > v;
-            norm2 += (double)f * (double)f;
-            q[t] = f;
+        lanes_t g = lanes_load(s);
+        for (int64_t t = 0; t < cols; t += 4) {
+            int64_t n = cols - t < 4 ? cols - t : 4; /* below 4 only for a vector of 1 or 2 entries */
+            f64x4 v = {0.0, 0.0, 0.0, 0.0};
+            if (n == 4)
+                memcpy(&v, y + t, sizeof v);
+            else
+                for (int64_t k = 0; k < n; k++) v[k] = y[t + k];
+            v += units_of(lanes_next(&g));
+            f64x4 near = (v + big) - big;
+            f64x4 f = near - (f64x4)((u64x4)(near > v) & one); /* floor: one less where rounding went up */
+            i64x4 fq = (i64x4)(f + big) - big_bits;            /* f as an int64, exactly */
+            for (int64_t k = n; k < 4; k++) f[k] = 0.0;
+            norm2 += f * f;
+            if (n == 4)
+                memcpy(q + t, &fq, sizeof fq);
+            else
+                for (int64_t k = 0; k < n; k++) q[t + k] = fq[k];
         }
+        lanes_store(&g, s);
         if (noise)
-            for (int64_t t = 0; t < cols; t++) q[t] = (q[t] + llrint(normal(s, z) * std)) & mask;
+            for (int64_t t = 0; t < cols; t++) q[t] = (q[t] + llrint(normal(s + 16, z) * std)) & mask;
         else
             for (int64_t t = 0; t < cols; t++) q[t] &= mask;
     }
-    return norm2;
+    return (norm2[0] + norm2[1]) + (norm2[2] + norm2[3]);
 }

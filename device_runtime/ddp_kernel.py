@@ -3,8 +3,9 @@
 ``pip install`` builds ``device_runtime/_ddp_kernel*.so`` with the machine's C compiler (setup.py,
 an optional extension: without a compiler the install still succeeds). ``ddp.encode`` uses it when
 it loaded and falls back to numpy otherwise; ``load()`` says which, and ``KernelMissing`` says why
-not. The library holds no Python code and no state: each call gets its generator state (4 uint64
-words of xoshiro256++) and the ziggurat tables (``ziggurat.as_array``) from here.
+not. The library holds no Python code and no state: each call gets its generator state
+(``STATE_WORDS`` uint64 words: four xoshiro256++ streams for the rounding's uniforms, one for the
+noise) and the ziggurat tables (``ziggurat.as_array``) from here.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from . import ziggurat
 
 #: The ``DDP_KERNEL_VERSION`` this module was written for; a library built from another version of
 #: the source is not used (re-run the install: ``./dev`` does it when the source is newer).
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 MODULE = "device_runtime._ddp_kernel"
+#: The generator state's words (``_ddp_kernel.c``'s STATE_WORDS): four xoshiro256++ streams side
+#: by side for the rounding (word w of lane l at 4 w + l), then one for the noise.
+STATE_WORDS = 20
 #: The entries of one block (``_ddp_kernel.c``'s BLOCK_BITS): the encoding rounds, then noises, one
 #: block at a time, drawing a block's uniforms and then its normals.
 BLOCK_ENTRIES = 1 << 14
@@ -107,14 +111,15 @@ class Kernel:
         return out
 
     def uniforms(self, state: State, n: int) -> FloatArray:
-        """The next ``n`` uniforms in [0, 1) of ``state``'s stream, as the rounding draws them."""
+        """The next ``n`` uniforms in [0, 1) of the rounding's lanes, as the encoding draws them
+        (52 bits each; the last step's unused lanes dropped)."""
         _check_state(state)
         out = np.empty(n)
         self._uniform(_pointer(state), _pointer(out), n)
         return out
 
     def normals(self, state: State, n: int) -> FloatArray:
-        """The next ``n`` standard normals of ``state``'s stream, as the noise draws them."""
+        """The next ``n`` standard normals of the noise's stream, as the encoding draws them."""
         _check_state(state)
         out = np.empty(n)
         self._normal(_pointer(state), _pointer(self._tables), _pointer(out), n)
@@ -127,16 +132,21 @@ def _check(a: np.ndarray, dtype: type, size: int) -> None:
 
 
 def _check_state(state: State) -> None:
-    _check(state, np.uint64, 4)
+    _check(state, np.uint64, STATE_WORDS)
     if not state.flags.writeable:
         raise ValueError("the generator state must be writable: every draw advances it")
 
 
 def new_state(rng: np.random.Generator) -> State:
-    """A xoshiro256++ state of 256 bits from ``rng`` (never all zero, which would stay zero)."""
-    state = rng.integers(0, 2**64, size=4, dtype=np.uint64)
-    if not state.any():
-        state[0] = 1
+    """The kernel's generator state from ``rng``: 256 bits for each of its five xoshiro256++
+    streams, none of them all zero (a zero state stays zero)."""
+    state = rng.integers(0, 2**64, size=STATE_WORDS, dtype=np.uint64)
+    lanes = state[:16].reshape(4, 4)  # [word, lane]
+    for lane in range(4):
+        if not lanes[:, lane].any():
+            lanes[0, lane] = 1
+    if not state[16:].any():
+        state[16] = 1
     return state
 
 

@@ -117,8 +117,11 @@ def test_the_uniforms_are_uniform_on_the_unit_interval(kernel: ddp_kernel.Kernel
     u = kernel.uniforms(ddp_kernel.new_state(np.random.default_rng(4)), 1 << 20)
     assert u.min() >= 0.0 and u.max() < 1.0
     assert stats.kstest(u, "uniform").pvalue > 1e-4
-    # the rounding's probabilities: 53 bits, so no two draws in 2^20 should coincide in practice
+    # the rounding's probabilities: 52 bits, so no two draws in 2^20 should coincide in practice
     assert np.unique(u).size == u.size
+    # four lanes interleaved: no draw tells anything of the next ones, its own lane's included
+    for lag in range(1, 9):
+        assert abs(np.corrcoef(u[:-lag], u[lag:])[0, 1]) < 5.0 / math.sqrt(u.size)
 
 
 def test_the_stream_is_the_state_s_alone(kernel: ddp_kernel.Kernel) -> None:
@@ -154,18 +157,19 @@ def test_the_kernel_refuses_arrays_it_cannot_read(kernel: ddp_kernel.Kernel) -> 
         kernel.fwht(np.zeros(4, dtype=np.float32), 4)
     with pytest.raises(ValueError, match="cannot pad"):
         kernel.fwht(np.zeros(5), 4)
-    with pytest.raises(ValueError, match="uint64 array of 4"):
-        kernel.normals(np.zeros(3, dtype=np.uint64), 1)
+    with pytest.raises(ValueError, match="uint64 array of 20"):
+        kernel.normals(np.zeros(4, dtype=np.uint64), 1)
     frozen = state.copy()
     frozen.setflags(write=False)
     with pytest.raises(ValueError, match="writable"):
         kernel.uniforms(frozen, 1)
 
 
-def test_an_all_zero_state_is_never_handed_out() -> None:
+def test_no_stream_of_the_state_is_all_zero() -> None:
     class Zeros(np.random.Generator):
         def integers(self, *args: object, **kwargs: object) -> np.ndarray:  # type: ignore[override]
-            return np.zeros(4, dtype=np.uint64)
+            return np.zeros(ddp_kernel.STATE_WORDS, dtype=np.uint64)
 
     state = ddp_kernel.new_state(Zeros(np.random.PCG64(0)))
-    assert state.any()
+    assert state[:16].reshape(4, 4).any(axis=0).all()  # every lane (a column: word w of lane l at 4 w + l)
+    assert state[16:].any()
