@@ -343,7 +343,11 @@ def _unrotate(y: npt.ArrayLike, seed: int, dim: int, scale: float) -> FloatArray
     if padded_dimension(dim) != pd:
         raise DDPError(f"a rotated vector of length {pd} cannot hold dimension {dim}")
     if v.ndim == 1:
-        flat: FloatArray = _fwht_vector(v, -scale / math.sqrt(pd))[:dim]
+        kernel = ddp_kernel.available()  # the compiled transform where the install built it
+        if kernel is not None:
+            flat: FloatArray = kernel.fwht(np.ascontiguousarray(v), pd, -scale / math.sqrt(pd))[:dim]
+        else:
+            flat = _fwht_vector(v, -scale / math.sqrt(pd))[:dim]
         flat *= _negated_signs(seed, pd)[:dim]
         return flat
     out: FloatArray = fwht(v)[..., :dim]
@@ -972,6 +976,13 @@ def add_mod(total: npt.ArrayLike, encoding: npt.ArrayLike, modulus: int) -> IntA
 
 def to_signed(sum_mod: npt.ArrayLike, modulus: int) -> IntArray:
     """Residues in [0, modulus) to integers in [-modulus/2, modulus/2)."""
+    if modulus & (modulus - 1) == 0 and modulus <= 1 << MAX_BITWIDTH:
+        # a power of two: ((v + m/2) mod m) - m/2 as a mask in two's complement, two passes
+        half = modulus // 2
+        signed: IntArray = np.add(sum_mod, half, dtype=np.int64)
+        signed &= modulus - 1
+        signed -= half
+        return signed
     v = np.mod(np.asarray(sum_mod, dtype=np.int64), modulus)
     out: IntArray = np.where(v >= modulus // 2, v - modulus, v)
     return out

@@ -531,3 +531,19 @@ def test_params_refuse_out_of_range_values_naming_the_field() -> None:
             min_devices=5,
             max_devices=4,
         )
+
+
+@SETTINGS
+@given(
+    bits=st.integers(1, ddp.MAX_BITWIDTH),
+    values=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=50),
+)
+def test_signed_residues_are_the_centered_representatives_for_any_int64(bits: int, values: list[int]) -> None:
+    # a power-of-two modulus takes the two's-complement mask, overflow of v + m/2 included
+    m = 1 << bits
+    expected = [((v % m) + m // 2) % m - m // 2 for v in values]
+    assert ddp.to_signed(np.asarray(values, dtype=np.int64), m).tolist() == expected
+    if 3 * m < 2**63:  # another modulus takes numpy's mod (within int64)
+        assert ddp.to_signed(np.asarray(values, dtype=np.int64), 3 * m).tolist() == [
+            v % (3 * m) - (3 * m if v % (3 * m) >= (3 * m) // 2 else 0) for v in values
+        ]
