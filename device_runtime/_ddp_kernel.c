@@ -170,9 +170,9 @@ void ddp_fill_normal(uint64_t *s, const ziggurat_t *z, double *out, int64_t n) {
  * each of its clones: the exported functions below run their x86-64-v4 (AVX-512) or v3 (AVX2)
  * clone where the CPU has it, picked once when the library loads (GCC's target_clones, an ifunc).
  * The clones do the same arithmetic in the same order (no fused multiply-adds: setup.py), so they
- * give the same results bit for bit. */
+ * give the same results bit for bit (DDP_NO_CLONES builds the baseline alone, for the test of it). */
 #define INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(DDP_NO_CLONES)
 #define CLONED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONED

@@ -44,6 +44,33 @@ def test_a_library_of_another_version_is_refused_with_what_to_do(tmp_path: Path)
         ddp_kernel.open_library(source)  # not a library at all
 
 
+def test_the_cpu_s_clone_gives_the_baseline_s_results_bit_for_bit(tmp_path: Path, kernel: ddp_kernel.Kernel) -> None:
+    # the installed library runs the AVX2 or AVX-512 clone where the CPU has it; a seeded run must
+    # encode the same on a machine without them
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the baseline with")
+    source = Path(ddp_kernel.__file__).with_name("_ddp_kernel.c")
+    lib = tmp_path / "baseline.so"
+    flags = ["-O3", "-fno-math-errno", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-psabi"]  # setup.py's
+    subprocess.run([cc, *flags, "-DDDP_NO_CLONES", "-shared", "-fPIC", "-o", str(lib), str(source), "-lm"], check=True)
+    baseline = ddp_kernel.open_library(lib)
+    for dim in (3, 5000, 70_000):
+        p = ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=dim, bitwidth=32, min_devices=5, max_devices=11)
+        x = np.random.default_rng(dim).normal(size=dim)
+        pd = p.padded_dim
+        signs = ddp._negated_signs(9, pd)
+        results = []
+        for k in (kernel, baseline):
+            state = ddp_kernel.new_state(np.random.default_rng(1))
+            out = np.empty(pd)
+            norm2 = k.encode(
+                x, signs, pd, 0.5 * p.gamma / math.sqrt(pd), state, math.sqrt(p.local_variance), 2**32 - 1, True, out
+            )
+            results.append((norm2, out.tobytes(), state.tobytes(), k.fwht(x, pd, 0.3).tobytes()))
+        assert results[0] == results[1]
+
+
 # --- the ziggurat's tables ----------------------------------------------------------------------
 
 
