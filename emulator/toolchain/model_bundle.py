@@ -30,6 +30,7 @@ from device_runtime.plan import Plan
 from example_store import ExampleSelector
 
 from .bundle import MANIFEST, SOURCE, TASK_FILE, build_bundle
+from .onnx_import import EVAL_MODE_WARNING
 from .tasks import DEFAULT_RUNTIMES, Task, TaskError, onnx_import
 
 __all__ = ["ModelBundle", "bundle_from_onnx", "example_features", "task_stub"]
@@ -314,6 +315,8 @@ def bundle_from_onnx(
     (out / TASK_FILE).write_text(stub, encoding="utf-8")
     build_bundle(out / TASK_FILE, out, say=say)
     warnings = made.warnings
+    if command == "from-torch":  # its own export keeps training mode: no BatchNorm was folded
+        warnings = tuple(w for w in warnings if w != EVAL_MODE_WARNING)
     if failed:
         warnings += (
             f"the model did not run on random examples ({failed}); the label's entry of EXAMPLES in "

@@ -23,12 +23,15 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import logging
+import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +132,42 @@ def _example(torch: Any, spec: TorchInput) -> Any:
     return torch.zeros(shape, dtype=dtype)
 
 
+#: torch's exporter logs a warning for each torchvision operator it cannot register when torchvision
+#: is not installed, which a model without them does not need to hear of.
+REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """The logger ``name`` at ERROR for the block, as it was after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def export_failure(exc: BaseException) -> str:
+    """One line for a failed ``torch.onnx.export``: the innermost cause's first line (the dynamo
+    exporter wraps what failed in an error whose first line only says which of its steps it was),
+    without terminal colours, and the way round it that keeps training mode."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = _ANSI.sub("", str(root)).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    return (
+        f"torch.onnx.export failed: {type(root).__name__}: {first}; export the module yourself in training mode "
+        "(torch.onnx.export(model.train(), args, 'model.onnx', dynamo=False, "
+        "training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)) and run `fedfleet plan from-onnx` on it"
+    )
+
+
 def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *, opset: int | None = None) -> Path:
     """Export ``module`` to ``path`` so that it trains right (see the module docstring) and return
     the path; its weights and train/eval mode are left as they were."""
@@ -148,7 +187,7 @@ def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *,
         outputs = [f"output_{i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else ["output"]
         module.train()
         batch = torch.export.Dim("N")
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet(REGISTRATION_LOGGER):
             warnings.simplefilter("ignore")  # "exporting a model in training mode" is what is meant here
             exported = Path(tmp) / "model.onnx"
             torch.onnx.export(
@@ -166,9 +205,8 @@ def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *,
             model = onnx.load(str(exported))  # with its external data, read from the temporary folder
     except TaskError:
         raise
-    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the first line says which
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        raise TaskError(f"torch.onnx.export failed: {type(exc).__name__}: {first}") from None
+    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the root cause says which
+        raise TaskError(export_failure(exc)) from None
     finally:
         module.load_state_dict(state)
         module.train(was_training)

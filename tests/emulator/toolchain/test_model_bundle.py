@@ -188,6 +188,21 @@ def test_from_onnx_warns_in_one_line_when_the_graph_looks_exported_in_eval_mode(
     assert ("looks exported in eval mode" in err and "optimize=False" in err) == warned
 
 
+def test_a_bundle_from_torch_s_own_export_is_not_warned_of_eval_mode(tmp_path):
+    # from-torch exports in training mode itself: a convolution without BatchNorm nor Dropout is
+    # the module as written, not one folded by an eval-mode export
+    from emulator.toolchain.model_bundle import bundle_from_onnx
+
+    onnx.save_model(cnn(batch_norm=False), str(tmp_path / "m.onnx"))
+    kinds = {}
+    for command in ("from-onnx", "from-torch"):
+        made = bundle_from_onnx(
+            tmp_path / "m.onnx", tmp_path / command, label="y", command=command, runtimes=["1.31.1"]
+        )
+        kinds[command] = any("looks exported in eval mode" in w for w in made.warnings)
+    assert kinds == {"from-onnx": True, "from-torch": False}
+
+
 def _tree(path: Path) -> None:
     from skl2onnx import to_onnx
     from sklearn.tree import DecisionTreeClassifier

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from emulator.cli.commands import main
 from emulator.toolchain.tasks import TaskError
-from emulator.toolchain.torch_export import TorchInput, parse_input
+from emulator.toolchain.torch_export import TorchInput, export_failure, parse_input
 
 FACTORY = '''
 import torch
@@ -58,6 +58,31 @@ def test_an_input_spec_reads_back_as_written(name, shape, dtype):
 def test_a_malformed_input_spec_is_refused_with_an_example(spec):
     with pytest.raises(TaskError, match="--input"):
         parse_input(spec)
+
+
+def test_a_failed_export_says_its_root_cause_in_one_line_and_the_way_round_it():
+    # the dynamo exporter wraps what failed: its own first line names only the step, in colour
+    class ConversionError(Exception):
+        pass
+
+    try:
+        try:
+            raise ValueError(
+                "Cannot view a tensor with shape torch.Size([s23, 8, 4, 8]) as (s23, 8, 32)!\nWhile executing"
+            )
+        except ValueError as inner:
+            raise ConversionError(
+                "Failed to decompose the FX graph. \x1b[96mThis is step 2/3\x1b[0m. Next steps:\n- Create an issue"
+            ) from inner
+    except ConversionError as exc:
+        message = export_failure(exc)
+    assert "\n" not in message and "\x1b" not in message
+    assert message.startswith("torch.onnx.export failed: ValueError: Cannot view a tensor")
+    assert "TrainingMode.PRESERVE" in message and "plan from-onnx" in message
+    # without a cause, the error itself
+    assert export_failure(RuntimeError("unsupported op")).startswith(
+        "torch.onnx.export failed: RuntimeError: unsupported op;"
+    )
 
 
 def test_from_torch_without_torch_says_in_one_line_to_install_the_torch_extra(tmp_path, monkeypatch, capsys):
