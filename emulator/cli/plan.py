@@ -312,6 +312,10 @@ def _say_trained(made, say) -> None:
         say(
             f"shared: {weight} is one weight read in {readers} places (the model ties it; the plan's metadata lists it)"
         )
+    for weight, rows in getattr(made, "frozen_rows", {}).items():
+        say(
+            f"no gradient reaches row {', '.join(map(str, rows))} of {weight} (an embedding's padding_idx, as in torch)"
+        )
     for warning in made.warnings:
         print(f"fedfleet: warning: {warning}", file=sys.stderr, flush=True)
 

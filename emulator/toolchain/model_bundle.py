@@ -56,6 +56,7 @@ class ModelBundle:
     split: dict[str, str]
     shared: dict[str, int]
     warnings: tuple[str, ...]
+    frozen_rows: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # rows no gradient reaches
 
 
 def _np_dtype(elem_type: int) -> str:
@@ -149,8 +150,14 @@ def task_stub(
     frozen: Sequence[str],
     runtimes: Sequence[str],
     note: str = "",
+    frozen_rows: Mapping[str, Sequence[int]] | None = None,
 ) -> str:
     """The task file of a bundle, as the Task API takes it (every value a Python literal)."""
+    rows_line = (
+        f"\n    frozen_rows={ {w: tuple(r) for w, r in frozen_rows.items()}!r},  # padding rows: no gradient"
+        if frozen_rows
+        else ""
+    )
     rows = "".join(f"    {k!r}: {tuple(v)!r},\n" for k, v in features.items())
     guess = (
         f"\n# The model did not run on random examples ({note}): the label's entry is a guess; correct it.\n"
@@ -198,7 +205,7 @@ task = Task(
     epochs={epochs!r},
     opset={opset!r},
     trainable={None if trainable is None else tuple(trainable)!r},
-    frozen={tuple(frozen)!r},
+    frozen={tuple(frozen)!r},{rows_line}
     runtimes={tuple(runtimes)!r},
 )
 '''
@@ -262,6 +269,7 @@ def bundle_from_onnx(
     collection: str = "app:/examples",
     trainable: Sequence[str] | None = None,
     frozen: Sequence[str] = (),
+    frozen_rows: Mapping[str, Sequence[int]] | None = None,
     runtimes: Sequence[str] | None = None,
     name: str | None = None,
     command: str = "from-onnx",
@@ -287,6 +295,7 @@ def bundle_from_onnx(
         opset=opset,
         trainable=None if trainable is None else tuple(trainable),
         frozen=tuple(frozen),
+        frozen_rows={w: tuple(r) for w, r in (frozen_rows or {}).items()},
         runtimes=runtimes,
     )
     loaded = task._model_source()
@@ -311,6 +320,7 @@ def bundle_from_onnx(
         frozen=frozen,
         runtimes=runtimes,
         note=failed or "",
+        frozen_rows=frozen_rows,
     )
     (out / TASK_FILE).write_text(stub, encoding="utf-8")
     build_bundle(out / TASK_FILE, out, say=say)
@@ -325,4 +335,6 @@ def bundle_from_onnx(
     inputs = {
         features_name: (spec[0], ("N", *spec[1])) for features_name, spec in features.items() if features_name != label
     }
-    return ModelBundle(out, name, inputs, label, collection, made.trainable, made.split, made.shared, warnings)
+    return ModelBundle(
+        out, name, inputs, label, collection, made.trainable, made.split, made.shared, warnings, dict(task.frozen_rows)
+    )

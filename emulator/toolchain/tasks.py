@@ -280,6 +280,8 @@ class Task:
     secure_aggregation: bool = False  # ONNX models: the client update goes through Secure Aggregation
     trainable: tuple[str, ...] | None = None  # ONNX models: initializer names or glob patterns to train (None: default)
     frozen: tuple[str, ...] = ()  # ONNX models: names or glob patterns kept constant
+    # ONNX models: trained weights -> rows no gradient reaches (an embedding's padding_idx row)
+    frozen_rows: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     evaluates: Task | None = None  # set by evaluation_of: this task measures that training task's model
 
     def __post_init__(self) -> None:
@@ -425,6 +427,7 @@ def onnx_import(model: Any, task: Task) -> Any:
             model,
             trainable=None if task.trainable is None else list(task.trainable),
             frozen=list(task.frozen),
+            frozen_rows=dict(task.frozen_rows),
             label=task.label,
             loss=task.loss,
             optimizer=optimizers[task.optimizer](),

@@ -44,7 +44,7 @@ from .model_bundle import ModelBundle, bundle_from_onnx
 from .onnx_import import inference_form
 from .tasks import TaskError
 
-__all__ = ["TorchInput", "export_torch", "from_torch", "load_factory", "parse_input"]
+__all__ = ["TorchInput", "export_torch", "from_torch", "load_factory", "padding_rows", "parse_input"]
 
 INSTALL_HINT = "pip install 'fedfleet[torch]' (torch is needed to export a model, not to run plans)"
 #: The batch size the module is traced at: 0 and 1 would be specialized by torch.export.
@@ -261,4 +261,26 @@ def from_torch(
     name = name or type(module).__name__
     with tempfile.TemporaryDirectory() as tmp:
         exported = export_torch(module, specs, Path(tmp) / "model.onnx")
+        rows = padding_rows(
+            module, {i.name for i in onnx.load(str(exported), load_external_data=False).graph.initializer}
+        )
+        if rows:
+            options["frozen_rows"] = {**rows, **options.get("frozen_rows", {})}
         return bundle_from_onnx(exported, out, label=label, name=name, opset=opset, command="from-torch", **options)
+
+
+def padding_rows(module: Any, initializers: set[str]) -> dict[str, tuple[int, ...]]:
+    """The rows torch never trains: each ``nn.Embedding``'s ``padding_idx`` (its gradient there is
+    zero), keyed by the name its weight has among the exported ``initializers`` (a weight the model
+    ties is exported once, under one of its names). Exporters drop ``padding_idx``."""
+    torch = _torch()
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    rows: dict[str, set[int]] = {}
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Embedding) and sub.padding_idx is not None:
+            exported = [n for n in names.get(id(sub.weight), []) if n in initializers]
+            if exported:
+                rows.setdefault(exported[0], set()).add(int(sub.padding_idx) % sub.num_embeddings)
+    return {w: tuple(sorted(r)) for w, r in rows.items()}

@@ -384,6 +384,7 @@ def onnx_training_plan(
     optimizer: Optimizer,
     trainable: Sequence[str] | None = None,
     frozen: Sequence[str] = (),
+    frozen_rows: Mapping[str, Sequence[int]] | None = None,
     output: str | None = None,
     metrics: Sequence[str] | None = None,
     batch_size: int,
@@ -414,7 +415,10 @@ def onnx_training_plan(
     initializers to train, exactly or by glob pattern (default: every float32 initializer of rank >= 1
     on a differentiable float path to the output: not a one-element tensor that only scales, such
     as an attention scale, nor one that feeds only shape arithmetic); ``frozen`` patterns take tensors out of that
-    set; the others stay constants. A pattern that matches no initializer is refused. ``metrics``
+    set; the others stay constants. A pattern that matches no initializer is refused. ``frozen_rows``
+    maps trained weights to rows (indices on their first axis) that no gradient reaches, as torch's
+    ``nn.Embedding(padding_idx=...)`` keeps its padding row (exporters drop that argument; ``plan
+    from-torch`` reads it from the module). ``metrics``
     picks among the loss's per-batch sums (default all: ``loss_sum``, ``count`` and, for
     classification, ``correct``). Parameters an exporter merged into one initializer (read through
     ``Identity`` nodes, or named in the dynamo exporter's node metadata) get weights of their own
@@ -486,6 +490,8 @@ def onnx_training_plan(
     if missing:
         raise ValueError(f"the loss does not depend on {missing}; leave them out of trainable")
     grad_of = {w: g for w, g in grads.items() if g is not None}
+    for w, rows in _checked_rows(frozen_rows or {}, weights, parts.initializers).items():
+        grad_of[w] = e.op("Mul", [grad_of[w], e.const(_row_mask(parts.initializers[w].dims, rows))])
 
     slots = optimizer.slots(e, weights)
     slot_values = {s.name: s.name for s in slots}
@@ -564,6 +570,29 @@ def onnx_training_plan(
     return OnnxTrainingPlan(
         plan, {w: shapes[w] for w in weights}, dict(parts.split), shared_weights, warnings, tuple(parts.lost)
     )
+
+
+def _checked_rows(
+    frozen_rows: Mapping[str, Sequence[int]], weights: Sequence[str], inits: Mapping[str, onnx.TensorProto]
+) -> dict[str, tuple[int, ...]]:
+    """``frozen_rows`` with every weight trained and every row on its first axis, else ``ValueError``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for w, rows in frozen_rows.items():
+        if w not in weights:
+            raise ValueError(f"frozen_rows names {w!r}, which the plan does not train; name one of {list(weights)}")
+        size = int(inits[w].dims[0])
+        bad = [r for r in rows if not isinstance(r, int) or isinstance(r, bool) or not -size <= r < size]
+        if bad:
+            raise ValueError(f"frozen_rows[{w!r}] holds {bad[0]!r}, not a row of its {size}")
+        out[w] = tuple(sorted({r % size for r in rows}))
+    return out
+
+
+def _row_mask(dims: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    """Ones of shape [dims[0], 1, ...] (broadcasting over the rest) with zeros at ``rows``."""
+    mask = np.ones((int(dims[0]),) + (1,) * (len(dims) - 1), dtype=np.float32)
+    mask[list(rows)] = 0.0
+    return mask
 
 
 def _metrics(loss, metrics: Sequence[str] | None) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -179,3 +180,64 @@ def test_from_torch_makes_a_bundle_whose_sgd_step_is_torch_autograds(tmp_path, m
     for name, value in net.state_dict().items():
         if not name.endswith("num_batches_tracked"):
             np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+EMBEDDING_FACTORY = '''
+import torch
+
+class Bag(torch.nn.Module):
+    """Token ids to a class: an embedding whose row 0 pads (torch never trains it), a tied decoder-free head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(12, 4, padding_idx=0)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(dim=1))
+
+
+def make_bag():
+    torch.manual_seed(0)
+    return Bag()
+'''
+
+
+@pytest.mark.slow
+def test_from_torch_keeps_an_embedding_s_padding_row_out_of_training_as_torch_does(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    import onnxruntime as ort
+
+    from device_runtime.checkpoint import decode_checkpoint
+    from device_runtime.plan import load_plan
+
+    (tmp_path / "bag.py").write_text(EMBEDDING_FACTORY)  # not models.py: the other test imports that name
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "from-torch", "bag:make_bag", "--input", "ids:5:int64", "--label", "y", "--lr", "0.5"]
+    assert main([*args, "--runtimes", "1.31.1", "-o", "bundle"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "no gradient reaches row 0 of emb.weight" in printed
+    assert "frozen_rows={'emb.weight': (0,)}" in (tmp_path / "bundle" / "task.py").read_text()
+    plan = load_plan((tmp_path / "bundle" / "make_bag" / "plan.fedplan").read_bytes())
+    start = decode_checkpoint((tmp_path / "bundle" / "make_bag" / "initial.ckpt").read_bytes())
+    ids = np.array([[3, 4, 0, 0, 0], [5, 0, 0, 0, 0]], dtype=np.int64)  # padded with 0
+    labels = np.array([1, 2])
+    feeds = {**{w: start[w] for w in plan.weight_names}}
+    for graph_input, example in plan.device.inputs.items():
+        feeds[graph_input] = labels if example == "y" else ids
+    work = onnx.ModelProto.FromString(plan.work)
+    stepped = dict(
+        zip(plan.weight_names, ort.InferenceSession(work.SerializeToString()).run(plan.weight_outputs, feeds))
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from bag import make_bag
+    finally:
+        sys.path.remove(str(tmp_path))
+    net = make_bag()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
+    optimizer.step()
+    for name, value in net.state_dict().items():
+        np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)

@@ -336,3 +336,56 @@ def test_a_model_invalid_at_its_opset_is_refused_in_one_line_before_a_plan_is_bu
     with pytest.raises(PlanError, match="not valid ONNX at opset 17 .*num_outputs.*export it again") as info:
         training_plan_from_onnx(m, label="y", loss="mse", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR)
     assert len(str(info.value).splitlines()) == 1
+
+
+def _bag_of_embeddings(vocab: int = 12, dim: int = 4, classes: int = 3) -> onnx.ModelProto:
+    """ids [N, T] -> the mean of their embeddings -> a linear layer: a text classifier's shape."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Gather", ["emb", "x"], ["looked"]),
+        helper.make_node("ReduceMean", ["looked", "axis"], ["pooled"], keepdims=0),
+        helper.make_node("MatMul", ["pooled", "w"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bag",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 5])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", classes])],
+        initializer=[
+            numpy_helper.from_array(rng.normal(size=(vocab, dim)).astype(np.float32), "emb"),
+            numpy_helper.from_array(rng.normal(size=(dim, classes)).astype(np.float32), "w"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "axis"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=ir_version_for_opset(18))
+
+
+@pytest.mark.parametrize("optimizer", [SGD(0.5), Momentum(0.5, 0.9), Adam(0.05)], ids=["sgd", "momentum", "adam"])
+def test_frozen_rows_get_no_gradient_and_the_other_rows_the_same_step(optimizer):
+    # nn.Embedding(padding_idx=p) keeps row p as it is; exporters drop padding_idx, frozen_rows restores it
+    source = _bag_of_embeddings()
+    weights = {i.name: numpy_helper.to_array(i) for i in source.graph.initializer if i.name != "axis"}
+    x = np.array([[0, 1, 1, 2, 3], [4, 0, 0, 5, 1], [1, 1, 1, 1, 6]], dtype=np.int64)  # 0 pads every row
+    y = np.array([0, 2, 1])
+
+    def step(**kw):
+        plan = training_plan_from_onnx(
+            source, label="y", loss="cross_entropy", optimizer=optimizer, batch_size=3, example_selector=SELECTOR, **kw
+        )
+        executor = PlanExecutor(plan)
+        start = initial_weights_from_onnx(source, plan)
+        return executor.final_weights(start, executor.run_device(start, _batches(x, y, 3)))
+
+    free, kept = step(), step(frozen_rows={"emb": [0, -1]})  # -1: the last row, as numpy counts
+    np.testing.assert_array_equal(kept["emb"][[0, 11]], weights["emb"][[0, 11]])
+    assert not np.allclose(free["emb"][0], weights["emb"][0])  # row 0 is read, so it would train
+    np.testing.assert_allclose(kept["emb"][1:11], free["emb"][1:11], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kept["w"], free["w"], rtol=1e-6, atol=1e-7)
+
+
+def test_frozen_rows_of_an_untrained_weight_or_past_its_rows_are_refused_by_name():
+    kw = {"label": "y", "loss": "cross_entropy", "optimizer": SGD(0.1), "batch_size": 3, "example_selector": SELECTOR}
+    with pytest.raises(ValueError, match="frozen_rows names 'emb', which the plan does not train"):
+        training_plan_from_onnx(_bag_of_embeddings(), frozen=["emb"], frozen_rows={"emb": [0]}, **kw)
+    with pytest.raises(ValueError, match=r"frozen_rows\['emb'\] holds 12, not a row of its 12"):
+        training_plan_from_onnx(_bag_of_embeddings(), frozen_rows={"emb": [0, 12]}, **kw)
