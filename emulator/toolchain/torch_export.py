@@ -18,12 +18,17 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
 * a dynamic batch axis on every input (the last batch of an epoch is short), traced at batch 2;
 * the module's own weights and buffers as the initial checkpoint: its state is restored after the
   export and written over any initializer of the same name, so nothing the tracing ran moves the
-  running statistics (the classic exporter's train-mode trace updated them by one batch).
+  running statistics (the classic exporter's train-mode trace updated them by one batch);
+* where torch.export cannot trace the module, the classic exporter in training mode (``notes``
+  says so), and what the export drops read from the module: each ``nn.Embedding``'s
+  ``padding_idx`` row (``padding_rows``: no gradient there, as in torch) and the float buffers torch
+  never trains (``constant_buffers``: frozen).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -44,7 +49,15 @@ from .model_bundle import ModelBundle, bundle_from_onnx
 from .onnx_import import inference_form
 from .tasks import TaskError
 
-__all__ = ["TorchInput", "export_torch", "from_torch", "load_factory", "padding_rows", "parse_input"]
+__all__ = [
+    "TorchInput",
+    "constant_buffers",
+    "export_torch",
+    "from_torch",
+    "load_factory",
+    "padding_rows",
+    "parse_input",
+]
 
 INSTALL_HINT = "pip install 'fedfleet[torch]' (torch is needed to export a model, not to run plans)"
 #: The batch size the module is traced at: 0 and 1 would be specialized by torch.export.
@@ -149,6 +162,9 @@ def _quiet(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+#: The classic exporter's opset when the dynamo one failed: its newest that onnx converts from.
+CLASSIC_OPSET = 20
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -168,9 +184,17 @@ def export_failure(exc: BaseException) -> str:
     )
 
 
-def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *, opset: int | None = None) -> Path:
+def export_torch(
+    module: Any,
+    inputs: Sequence[TorchInput],
+    path: str | Path,
+    *,
+    opset: int | None = None,
+    notes: list[str] | None = None,
+) -> Path:
     """Export ``module`` to ``path`` so that it trains right (see the module docstring) and return
-    the path; its weights and train/eval mode are left as they were."""
+    the path; its weights and train/eval mode are left as they were. Where the dynamo exporter
+    fails, the classic one is tried in training mode, and ``notes`` gets a line saying so."""
     torch = _torch()
     if not isinstance(module, torch.nn.Module):
         raise TaskError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
@@ -187,21 +211,45 @@ def export_torch(module: Any, inputs: Sequence[TorchInput], path: str | Path, *,
         outputs = [f"output_{i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else ["output"]
         module.train()
         batch = torch.export.Dim("N")
+        names = [s.name for s in inputs]
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet(REGISTRATION_LOGGER):
             warnings.simplefilter("ignore")  # "exporting a model in training mode" is what is meant here
             exported = Path(tmp) / "model.onnx"
-            torch.onnx.export(
-                module,
-                args,
-                str(exported),
-                input_names=[s.name for s in inputs],
-                output_names=outputs,
-                dynamo=True,
-                optimize=False,
-                dynamic_shapes=tuple({0: batch} for _ in inputs),
-                opset_version=opset,
-                verbose=False,
-            )
+            common = {"input_names": names, "output_names": outputs}
+            try:
+                torch.onnx.export(
+                    module,
+                    args,
+                    str(exported),
+                    **common,
+                    dynamo=True,
+                    optimize=False,
+                    dynamic_shapes=tuple({0: batch} for _ in inputs),
+                    opset_version=opset,
+                    verbose=False,
+                )
+            except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the root cause says which
+                failed = export_failure(exc)
+                module.load_state_dict(state)
+                try:  # the classic exporter traces where torch.export cannot (views of tensors a no-op left strided)
+                    torch.onnx.export(
+                        module,
+                        args,
+                        str(exported),
+                        **common,
+                        dynamo=False,
+                        training=torch.onnx.TrainingMode.PRESERVE,
+                        do_constant_folding=False,
+                        dynamic_axes={n: {0: "N"} for n in [*names, *outputs]},
+                        opset_version=min(opset or CLASSIC_OPSET, CLASSIC_OPSET),
+                    )
+                except Exception:  # noqa: BLE001 - the dynamo exporter's reason is the one to give
+                    raise TaskError(failed) from None
+                if notes is not None:
+                    reason = failed.removeprefix("torch.onnx.export failed: ").split("; export the module yourself")[0]
+                    notes.append(
+                        f"the dynamo exporter failed ({reason}); exported with the classic one, in training mode"
+                    )
             model = onnx.load(str(exported))  # with its external data, read from the temporary folder
     except TaskError:
         raise
@@ -260,13 +308,37 @@ def from_torch(
             ) from None
     name = name or type(module).__name__
     with tempfile.TemporaryDirectory() as tmp:
-        exported = export_torch(module, specs, Path(tmp) / "model.onnx")
-        rows = padding_rows(
-            module, {i.name for i in onnx.load(str(exported), load_external_data=False).graph.initializer}
-        )
+        notes: list[str] = []
+        exported = export_torch(module, specs, Path(tmp) / "model.onnx", notes=notes)
+        initializers = {i.name for i in onnx.load(str(exported), load_external_data=False).graph.initializer}
+        rows = padding_rows(module, initializers)
         if rows:
             options["frozen_rows"] = {**rows, **options.get("frozen_rows", {})}
-        return bundle_from_onnx(exported, out, label=label, name=name, opset=opset, command="from-torch", **options)
+        buffers = constant_buffers(module, initializers)
+        if buffers:
+            options["frozen"] = [*(options.get("frozen") or ()), *buffers]
+        made = bundle_from_onnx(exported, out, label=label, name=name, opset=opset, command="from-torch", **options)
+        return dataclasses.replace(made, warnings=(*notes, *made.warnings)) if notes else made
+
+
+def constant_buffers(module: Any, initializers: set[str]) -> list[str]:
+    """The exported float buffers torch never trains (a rotary embedding's ``inv_freq``, a fixed
+    positional table): a plan would train any float initializer on the loss's path, so they are
+    named ``frozen``. Normalization layers' running statistics are left out: the plan updates them
+    as the layer does."""
+    torch = _torch()
+    params = {id(p) for p in module.parameters()}
+    stats = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase)
+        for name, _ in sub.named_buffers(recurse=False)
+    }
+    return sorted(
+        name
+        for name, buf in module.named_buffers(remove_duplicate=False)
+        if name in initializers and name not in stats and id(buf) not in params and buf.is_floating_point()
+    )
 
 
 def padding_rows(module: Any, initializers: set[str]) -> dict[str, tuple[int, ...]]:
