@@ -133,6 +133,8 @@ class FleetSimulator:
         self._cost_plan()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        for stale in self.workdir.glob("server.db*"):  # a run always starts from a fresh server
+            stale.unlink()
         self.released: ReleasedPlans | None = None
         released: dict[str, ReleasedPlans] = {}
         if self.runtime_pool is not None and serves:
@@ -581,8 +583,6 @@ def simulate(
     bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
-        for stale in workdir.glob("server.db*"):  # a run always starts from a fresh server
-            stale.unlink()
         sim = FleetSimulator(config, specs, workdir=workdir, progress=callback, http=http, workload=workload)
         try:
             run = sim.run()

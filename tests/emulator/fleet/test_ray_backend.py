@@ -127,6 +127,16 @@ def test_a_device_killed_while_its_request_is_at_the_server_dies_as_in_one_proce
     assert sum(s.outcome == "app_killed" for s in alone.sessions) > 20
 
 
+def test_a_sharded_run_into_a_folder_that_holds_an_earlier_run_starts_from_a_fresh_server(tmp_path):
+    """As one process's run does: the earlier run's server database in OUT/server is not the new
+    run's (its task was already deployed there, and the server refused the fleet's task)."""
+    config = tiny_config(seed=2)
+    first = simulate(config, out_dir=tmp_path, progress=False)
+    again = simulate_sharded(config, shards=2, ray=False, out_dir=tmp_path)
+    same_run(again, first)
+    same_run(simulate_sharded(config, shards=2, ray=False, out_dir=tmp_path), first)
+
+
 def test_a_shard_count_below_one_is_refused():
     with pytest.raises(SimulationError, match="shards must be at least 1"):
         simulate_sharded(tiny_config(), shards=0, ray=False)
