@@ -553,6 +553,10 @@ class FleetConfig(_Section):
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise FleetConfigError(f"no fleet config at {path}; pass an existing TOML file") from None
+        except OSError as exc:  # a folder, a file without read permission
+            raise FleetConfigError(
+                f"cannot read the fleet config {path} ({exc.strerror or exc}); pass a TOML file"
+            ) from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise FleetConfigError(f"{path} is not valid TOML ({exc}); fix the syntax") from None
         trace = data.get("availability", {}).get("trace") if isinstance(data.get("availability"), dict) else None

@@ -12,6 +12,7 @@ import csv
 import re
 from array import array
 from pathlib import Path
+from typing import TextIO
 
 from .availability import CHARGING, IDLE, UNMETERED, Availability, BatteryRates, build_availability
 from .config import Battery
@@ -81,39 +82,53 @@ def load_traces(
     """Read a trace file into each device's availability. With ``devices``, a row naming a device
     outside a fleet of that size is an error (the trace was made for a bigger fleet)."""
     path = Path(path)
-    spans: dict[str, list[tuple[float, float, int]]] = {}
     try:
         handle = path.open(newline="", encoding="utf-8")
     except FileNotFoundError:
         raise TraceError(
             f"no availability trace at {path}; fix availability.trace or write one with write_traces"
         ) from None
-    with handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or tuple(h.strip() for h in header) != HEADER:
-            raise TraceError(f"{path}: the first line must be the header {','.join(HEADER)}; got {header}")
-        for line, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) != 4:
-                raise TraceError(f"{path}:{line}: expected 4 columns {','.join(HEADER)}; got {len(row)}")
-            device, start_text, end_text, state = row
-            match = _DEVICE.match(device)
-            if match is None:
-                raise TraceError(f"{path}:{line}: device {device!r} is not an id such as d000042")
-            if devices is not None and int(match.group(1)) >= devices:
-                raise TraceError(
-                    f"{path}:{line}: device {device} is outside a fleet of {devices} devices; raise fleet.devices"
-                )
-            try:
-                start, end = float(start_text), float(end_text)
-                flags = parse_state(state)
-            except ValueError as exc:
-                raise TraceError(f"{path}:{line}: {exc}") from None
-            if not (0.0 <= start < end < float("inf")):
-                raise TraceError(f"{path}:{line}: need 0 <= start < end (finite seconds); got {start_text}, {end_text}")
-            spans.setdefault(device, []).append((start, end, flags))
+    except OSError as exc:  # a folder, a file without read permission
+        raise TraceError(
+            f"cannot read the availability trace {path} ({exc.strerror or exc}); fix availability.trace"
+        ) from None
+    try:
+        with handle:
+            return _read_traces(path, handle, devices=devices, battery=battery)
+    except UnicodeDecodeError as exc:
+        raise TraceError(
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); a trace is a CSV file"
+        ) from None
+
+
+def _read_traces(path: Path, handle: TextIO, *, devices: int | None, battery: Battery) -> dict[str, TraceAvailability]:
+    """``load_traces`` past opening the file: its rows checked line by line, then each device's spans."""
+    spans: dict[str, list[tuple[float, float, int]]] = {}
+    reader = csv.reader(handle)
+    header = next(reader, None)
+    if header is None or tuple(h.strip() for h in header) != HEADER:
+        raise TraceError(f"{path}: the first line must be the header {','.join(HEADER)}; got {header}")
+    for line, row in enumerate(reader, start=2):
+        if not row:
+            continue
+        if len(row) != 4:
+            raise TraceError(f"{path}:{line}: expected 4 columns {','.join(HEADER)}; got {len(row)}")
+        device, start_text, end_text, state = row
+        match = _DEVICE.match(device)
+        if match is None:
+            raise TraceError(f"{path}:{line}: device {device!r} is not an id such as d000042")
+        if devices is not None and int(match.group(1)) >= devices:
+            raise TraceError(
+                f"{path}:{line}: device {device} is outside a fleet of {devices} devices; raise fleet.devices"
+            )
+        try:
+            start, end = float(start_text), float(end_text)
+            flags = parse_state(state)
+        except ValueError as exc:
+            raise TraceError(f"{path}:{line}: {exc}") from None
+        if not (0.0 <= start < end < float("inf")):
+            raise TraceError(f"{path}:{line}: need 0 <= start < end (finite seconds); got {start_text}, {end_text}")
+        spans.setdefault(device, []).append((start, end, flags))
     out: dict[str, TraceAvailability] = {}
     for device, rows in spans.items():
         rows.sort()

@@ -123,6 +123,8 @@ def test_unreadable_files_are_refused_with_what_to_do(tmp_path):
     bad.write_text("[fleet\ndevices = 3", encoding="utf-8")
     with pytest.raises(FleetConfigError, match="not valid TOML"):
         FleetConfig.load(bad)
+    with pytest.raises(FleetConfigError, match=r"cannot read the fleet config .*\(Is a directory\)"):
+        FleetConfig.load(tmp_path)  # a folder given for the file
 
 
 def test_a_relative_trace_path_is_read_next_to_the_config(tmp_path):

@@ -103,3 +103,12 @@ def test_a_malformed_trace_is_refused_saying_where(tmp_path, text, where):
 def test_a_missing_trace_file_says_how_to_make_one(tmp_path):
     with pytest.raises(TraceError, match="write_traces"):
         load_traces(tmp_path / "none.csv")
+
+
+def test_a_trace_that_is_a_folder_or_not_text_is_refused_saying_so(tmp_path):
+    with pytest.raises(TraceError, match=r"cannot read the availability trace .*\(Is a directory\)"):
+        load_traces(tmp_path)
+    binary = tmp_path / "day.csv"
+    binary.write_bytes(b"\xff\xfe" + "device,start,end,state\n".encode("utf-16-le"))
+    with pytest.raises(TraceError, match="is not UTF-8 text"):
+        load_traces(binary)
