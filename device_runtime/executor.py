@@ -167,7 +167,10 @@ class PlanExecutor(ServerOps):
             y = feeds["y"]
             num_classes = self._num_classes()
             if y.ndim != 1 or not _labels_within(y, num_classes):
-                raise ValueError(f"labels must be class ids in [0, {num_classes}) of shape [N], got shape {y.shape}")
+                seen = f" from {y.min()} to {y.max()}" if y.ndim == 1 else ""
+                raise ValueError(
+                    f"labels must be class ids in [0, {num_classes}) of shape [N], got shape {y.shape}{seen}"
+                )
         return feeds, n or 0
 
     def _num_classes(self) -> int:

@@ -388,6 +388,11 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
             f"the built-in task classifies, but the label {label!r} of {data.source} is "
             f"{labels.dtype}; name a task file for it (--task or [task] file)"
         )
+    if labels.size and int(labels.min()) < 0:  # every device's training would refuse its examples
+        raise WorkloadError(
+            f"the built-in task classifies into class ids 0, 1, 2, ..., but the label {label!r} of {data.source} "
+            f"goes down to {int(labels.min())}; number the classes from 0 or name a task file for it (--task or [task] file)"
+        )
     t = config.task
     hp = {
         "features": int(math.prod(data.features[feature].shape)),
