@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import ValidationError
 
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
 from device_runtime.plan import Plan, load_plan, serialize_plan
@@ -69,9 +70,14 @@ class BuiltTask:
 
     def report(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.report_path.read_text(encoding="utf-8"))
+            report = json.loads(self.report_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
+        except ValueError as exc:  # not JSON, not UTF-8
+            raise TaskError(f"{self.report_path} is damaged ({exc}); run `fedfleet plan test` again") from None
+        if not isinstance(report, dict):
+            raise TaskError(f"{self.report_path} is not a release report; run `fedfleet plan test` again")
+        return report
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -192,6 +198,47 @@ def check_bundle_path(path: str | Path) -> None:
         )
 
 
+def _is_manifest(manifest: Any) -> bool:
+    """Whether ``manifest`` has the fields ``read_bundle`` reads, of the types ``build_bundle`` writes."""
+
+    def names_a_file(entry: Any) -> bool:
+        return isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)
+
+    return (
+        isinstance(manifest, dict)
+        and isinstance(manifest.get("task"), str)
+        and names_a_file(manifest.get("plan"))
+        and isinstance(manifest.get("checkpoint"), str)
+        and isinstance(manifest.get("versions"), dict)
+        and all(names_a_file(v) for v in manifest["versions"].values())
+        and isinstance(manifest.get("runtimes"), list)
+        and all(isinstance(r, str) for r in manifest["runtimes"])
+        and isinstance(manifest.get("round_config"), dict)
+    )
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """A task's manifest, refused in one line when it is not what ``plan build`` wrote."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # not JSON, not UTF-8
+        raise TaskError(f"{path} is damaged ({exc}); build the bundle again") from None
+    if not _is_manifest(manifest):
+        raise TaskError(
+            f"{path} is not a manifest `plan build` writes (task, plan, checkpoint, versions, runtimes, "
+            "round_config); build the bundle again"
+        )
+    return manifest
+
+
+def _read_part(root: Path, name: str) -> bytes:
+    """A file the manifest names, refused in one line when it is gone."""
+    try:
+        return (root / name).read_bytes()
+    except FileNotFoundError:
+        raise TaskError(f"{root}: {name}, which the manifest names, is missing; build the bundle again") from None
+
+
 def read_bundle(directory: str | Path) -> list[BuiltTask]:
     """The tasks of a bundle, with their plans checked against the manifest's ids."""
     directory = Path(directory)
@@ -204,7 +251,7 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
     built = []
     for manifest_path in sorted(directory.glob(f"*/{MANIFEST}")):
         root = manifest_path.parent
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = _read_manifest(manifest_path)
         task = by_name.get(manifest["task"])
         if task is None:
             raise TaskError(
@@ -212,15 +259,15 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
             )
         task = dataclasses.replace(task, runtimes=tuple(manifest["runtimes"]))
         check_known_releases(task)
-        plan = (root / manifest["plan"]["file"]).read_bytes()
-        versions = {r: (root / v["file"]).read_bytes() for r, v in manifest["versions"].items()}
+        plan = _read_part(root, manifest["plan"]["file"])
+        versions = {r: _read_part(root, v["file"]) for r, v in manifest["versions"].items()}
         for name, data, want in [
             ("plan", plan, manifest["plan"]["sha256"]),
             *((r, versions[r], v["sha256"]) for r, v in manifest["versions"].items()),
         ]:
             if plan_sha256(data) != want:
                 raise TaskError(f"{root}: the {name} plan does not match its manifest id; build the bundle again")
-        built.append(BuiltTask(task, root, plan, versions, (root / manifest["checkpoint"]).read_bytes(), manifest))
+        built.append(BuiltTask(task, root, plan, versions, _read_part(root, manifest["checkpoint"]), manifest))
     if not built:
         raise TaskError(f"{directory} holds no built task; run `fedfleet plan build`")
     names = {b.task.name for b in built}
@@ -274,7 +321,13 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
         report = built.report()
         if report is None:
             raise TaskError(f"{built.root} has no release report; run `fedfleet plan test {directory}` first")
-        config = RoundConfig.from_dict(built.manifest["round_config"])
+        try:
+            config = RoundConfig.from_dict(built.manifest["round_config"])
+        except ValidationError as exc:
+            where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+            raise TaskError(
+                f"{built.root}: the manifest's round_config is invalid ({where}); build the bundle again"
+            ) from None
         evaluates = built.manifest.get("evaluates")  # an evaluation takes its training task's model
         bodies.append(
             task_body(

@@ -1,0 +1,100 @@
+"""A damaged bundle (what ``plan build`` and ``plan test`` wrote, edited or cut short since) is
+refused in one line that names the file and says to build or test it again: ``read_bundle`` for
+``plan test`` and ``deploy``, and ``fedfleet deploy`` before anything reaches the server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from emulator.cli.commands import main
+from emulator.toolchain.bundle import build_bundle, read_bundle
+from emulator.toolchain.tasks import TaskError
+from server_stub import ServerThread
+
+TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
+ADMIN_KEY = "operator-key-for-the-bundle-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "digits"
+    build_bundle(TASK_FILE, out, runtimes=["1.31.1"])
+    return out
+
+
+@pytest.fixture
+def bundle(built, tmp_path) -> Path:
+    """A copy of the built bundle to damage."""
+    return Path(shutil.copytree(built, tmp_path / "digits"))
+
+
+def _edit_manifest(edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    def damage(task: Path) -> None:
+        path = task / "manifest.json"
+        manifest = json.loads(path.read_text())
+        edit(manifest)
+        path.write_text(json.dumps(manifest))
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda t: (t / "manifest.json").write_text("{"), "manifest.json is damaged (Expecting property name"),
+        (lambda t: (t / "manifest.json").write_bytes(b"\xff\xfe"), "manifest.json is damaged ("),
+        (lambda t: (t / "manifest.json").write_text("[]"), "manifest.json is not a manifest `plan build` writes"),
+        (_edit_manifest(lambda m: m.pop("runtimes")), "is not a manifest `plan build` writes"),
+        (_edit_manifest(lambda m: m["versions"].update({"1.31.1": "x.fedplan"})), "is not a manifest"),
+        (_edit_manifest(lambda m: m.update(task=7)), "is not a manifest"),
+        (
+            lambda t: (t / "versions" / "1.31.1.fedplan").unlink(),
+            "versions/1.31.1.fedplan, which the manifest names, is missing",
+        ),
+        (lambda t: (t / "initial.ckpt").unlink(), "initial.ckpt, which the manifest names, is missing"),
+    ],
+)
+def test_a_damaged_manifest_or_a_missing_part_is_refused_saying_to_build_again(bundle, damage, says):
+    damage(bundle / "digits_mlp")
+    with pytest.raises(TaskError, match="build the bundle again") as info:
+        read_bundle(bundle)
+    assert says in str(info.value)
+
+
+def test_deploy_refuses_a_damaged_report_or_round_config_in_one_line_before_the_server(bundle, tmp_path, capsys):
+    keys = tmp_path / "admin.keys"
+    keys.write_text(ADMIN_KEY + "\n")
+    keys.chmod(0o600)
+    report = bundle / "digits_mlp" / "release_report.json"
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server:
+        deploy = [
+            "deploy",
+            str(bundle),
+            "--server",
+            server.url,
+            "--population",
+            "digits",
+            "--admin-key-file",
+            str(keys),
+        ]
+        for text, says in [
+            ("{", "release_report.json is damaged (Expecting property name"),
+            ("[1]", "release_report.json is not a release report"),
+        ]:
+            report.write_text(text)
+            assert main(deploy) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and says in err and "run `fedfleet plan test` again" in err, err
+        report.write_text("{}")
+        _edit_manifest(lambda m: m["round_config"].update(goal_count=-5))(bundle / "digits_mlp")
+        assert main(deploy) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert "round_config is invalid (goal_count: Input should be greater than or equal to 1)" in err
+        with server.admin() as admin:
+            assert admin.populations() == []  # nothing reached the server
