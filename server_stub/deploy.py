@@ -21,15 +21,12 @@ from .errors import ApiError, BadRequest, Conflict, InvalidCheckpoint, InvalidPl
 from .persistence import NewTask, ServerStore, resource_id
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import RoundConfig
-from .schemas import NAME_RULE
+from .schemas import NAME_RULE, is_name
 from .secure_rounds import SecureSettings
 from .task_choice import Strategy
 
 #: Tasks one deploy may bring together.
 MAX_TASKS_PER_GROUP = 16
-#: What a name may be made of: it travels in URLs, headers and logs (and is not only dots:
-#: ``NAME_RULE``).
-NAME_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
 @dataclass(frozen=True)
@@ -250,12 +247,7 @@ def check_release(
 
 def check_name(name: str, what: str) -> None:
     """A name is safe in a URL path: a name of only dots would be the segment '.' or '..'."""
-    if (
-        not isinstance(name, str)
-        or not (1 <= len(name) <= 128)
-        or not set(name) <= NAME_ALPHABET
-        or not name.strip(".")
-    ):
+    if not is_name(name):
         raise BadRequest(f"{what} name {str(name)[:130]!r} refused: {NAME_RULE}", code="BAD_NAME")
 
 

@@ -27,11 +27,12 @@ import numpy as np
 import onnx
 
 from device_runtime.plan import Plan
-from example_store import ExampleSelector
+from example_store import ExampleSelector, InvalidArgumentError
+from server_stub.schemas import NAME_RULE, is_name
 
 from .bundle import MANIFEST, SOURCE, TASK_FILE, build_bundle
 from .onnx_import import EVAL_MODE_WARNING
-from .tasks import DEFAULT_RUNTIMES, Task, TaskError, onnx_import
+from .tasks import DEFAULT_RUNTIMES, Task, TaskError, check_known_releases, onnx_import
 
 __all__ = ["ModelBundle", "bundle_from_onnx", "example_features", "task_stub"]
 
@@ -278,7 +279,13 @@ def bundle_from_onnx(
     """Write the bundle of the ONNX model at ``model`` into ``out`` (see the module docstring):
     the plan is made first, so a model that cannot become one leaves nothing behind."""
     model, out = Path(model), Path(out)
+    if name is None and not is_name(model.stem):
+        raise TaskError(f"the model file's name {model.stem!r} is no task name ({NAME_RULE}); give one with --name")
     name = name or model.stem
+    try:
+        selector = ExampleSelector(collection)
+    except InvalidArgumentError as exc:
+        raise TaskError(f"collection {collection!r} refused: {exc}") from None
     runtimes = tuple(runtimes or DEFAULT_RUNTIMES)
     hyperparameters = {"lr": lr}
     task = Task(
@@ -289,7 +296,7 @@ def bundle_from_onnx(
         optimizer=optimizer,
         hyperparameters=hyperparameters,
         label=label,
-        selector=ExampleSelector(collection),
+        selector=selector,
         batch_size=batch_size,
         epochs=epochs,
         opset=opset,
@@ -298,6 +305,7 @@ def bundle_from_onnx(
         frozen_rows={w: tuple(r) for w, r in (frozen_rows or {}).items()},
         runtimes=runtimes,
     )
+    check_known_releases(task)  # as build_bundle will, before anything is written
     loaded = task._model_source()
     made = onnx_import(loaded, task)
     plan = dataclasses.replace(made.plan, name=name)

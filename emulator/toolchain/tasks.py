@@ -51,6 +51,7 @@ from device_runtime.plan import Plan
 from emulator.releases.envs import KNOWN_RELEASES
 from example_store import ExampleSelector
 from server_stub.rounds import RoundConfig
+from server_stub.schemas import NAME_RULE, is_name
 
 __all__ = [
     "Budget",
@@ -285,6 +286,8 @@ class Task:
     evaluates: Task | None = None  # set by evaluation_of: this task measures that training task's model
 
     def __post_init__(self) -> None:
+        if not is_name(self.name):  # a bundle keeps the task in a folder of its name: '..' would be its parent
+            raise TaskError(f"task name {self.name!r} refused: {NAME_RULE}; the server takes no other")
         if not self.runtimes:
             raise TaskError(f"task {self.name!r} claims no runtime; name at least one onnxruntime release")
         if len(set(self.runtimes)) != len(self.runtimes):

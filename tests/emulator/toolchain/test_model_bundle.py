@@ -268,3 +268,24 @@ def test_a_model_that_cannot_train_is_refused_in_one_line_saying_what_to_export(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and says in err and "export" in err
     assert not (tmp_path / "bundle").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "file_name, extra, says",
+    [
+        ("m.onnx", ("--runtimes", "9.9.9"), "claims 9.9.9, not an onnxruntime release"),
+        ("my model.onnx", (), "the model file's name 'my model' is no task name"),
+        ("m.onnx", ("--name", ".."), "task name '..' refused"),
+        ("m.onnx", ("--collection", ""), "collection '' refused"),
+    ],
+)
+def test_options_a_bundle_cannot_have_are_refused_in_one_line_before_anything_is_written(
+    tmp_path, capsys, file_name, extra, says
+):
+    onnx.save(mlp(F, 8, 10), tmp_path / file_name)
+    assert (
+        main(["plan", "from-onnx", str(tmp_path / file_name), "--label", "y", "-o", str(tmp_path / "b"), *extra]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and says in err, err
+    assert not (tmp_path / "b").exists()

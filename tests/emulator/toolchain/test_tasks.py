@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from device_runtime import PlanExecutor
+from emulator.toolchain.bundle import build_bundle
 from emulator.toolchain.tasks import (
     DEFAULT_RUNTIMES,
     ProxyData,
@@ -78,6 +79,28 @@ def test_a_task_claims_each_minor_release_once():
         Task(name="t", model=lambda hp: None, proxy=lambda: None, runtimes=("1.17.0", "1.17.3"))
     with pytest.raises(TaskError, match="claims no runtime"):
         Task(name="t", model=lambda hp: None, proxy=lambda: None, runtimes=())
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "a b", "digits/mlp", "/tmp", "ü", "x" * 129])
+def test_a_task_name_the_server_would_refuse_is_refused_when_the_task_is_declared(name):
+    with pytest.raises(TaskError, match="task name .* refused: names are 1-128 ASCII letters"):
+        Task(name=name, model=lambda hp: None, proxy=lambda: None)
+
+
+def test_building_a_task_named_as_a_path_leaves_the_folders_around_the_bundle_alone(tmp_path):
+    """The bundle keeps each task in OUT/<name>, which a build replaces: a task named '..' made that
+    the bundle's parent, and its build deleted it with everything in it."""
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "notes.txt").write_text("not the bundle's")
+    for name in ("..", str(tmp_path / "keep")):
+        task_file = tmp_path / "named.py"
+        task_file.write_text(
+            f"import dataclasses, runpy\nbase = runpy.run_path({str(TASK_FILE)!r})['task']\n"
+            f"task = dataclasses.replace(base, name={name!r})\n"
+        )
+        with pytest.raises(TaskError, match="refused"):
+            build_bundle(task_file, tmp_path / "keep" / "bundle")
+        assert (tmp_path / "keep" / "notes.txt").read_text() == "not the bundle's"
 
 
 @given(st.lists(st.floats(0.01, 10), min_size=3, max_size=6))
