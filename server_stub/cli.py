@@ -178,6 +178,13 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
     except (AdminKeyError, TrustAnchorError, ReleaseTrustError, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # a URL whose driver is not installed
+        print(
+            f"fedfleet server: cannot open the database {args.db} ({exc}); install the driver its URL names into "
+            "this Python, or give --db a SQLite file",
+            file=sys.stderr,
+        )
+        return 2
     except (SQLAlchemyError, OSError) as exc:
         reason = getattr(exc, "orig", None) or exc
         print(
@@ -186,9 +193,9 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.port == 0:
-        args.port = free_port(args.host)
     try:  # say so now, not after printing where it listens
+        if args.port == 0:
+            args.port = free_port(args.host)
         socket.create_server((args.host, args.port)).close()
     except OSError as exc:
         store.close()

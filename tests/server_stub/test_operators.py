@@ -402,8 +402,13 @@ def _unusable(tmp_path: Path, problem: str) -> list[str]:
         keys.unlink()
     elif problem == "database in no folder":
         args[1] = str(tmp_path / "missing" / "s.db")
+    elif problem == "database driver not installed":
+        args[1] = "postgresql+pg8000://nohost/fl"  # a driver the project does not install
     elif problem == "port out of range":
         args[3] = "70000"
+    elif problem == "host that is no address":
+        args[3] = "0"  # the free port is looked for on the host
+        args += ["--host", "999.1.1.1"]
     elif problem == "bad trust anchor":
         args += ["--attestation-trust", str(_bad_trust_files(tmp_path)["not json"])]
     else:
@@ -436,7 +441,9 @@ def test_the_command_refuses_an_unusable_key_file_with_status_2(tmp_path, comman
         "bad trust anchor",
         "missing trust anchor",
         "database in no folder",
+        "database driver not installed",
         "port out of range",
+        "host that is no address",
     ],
 )
 def test_the_command_refuses_unusable_files_with_status_2(tmp_path, capsys, problem):
