@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib.metadata
 import logging
 import math
@@ -91,6 +92,9 @@ def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> 
     """Write the key and its trust anchor as a pair: both go to new files beside their places
     first and are renamed into them only once both are written, so a failure leaves the old pair
     (or nothing), never a new anchor beside an old key."""
+    for path in (key, trust):  # a folder takes the first file's rename and refuses the second's
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     key_new, trust_new = key.with_name(key.name + ".new"), trust.with_name(trust.name + ".new")
     try:
         authority.save(key_new)
@@ -171,18 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         names = {f.name for f in fields(DemoConfig)}
         try:
             config = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
-        except DemoConfigError as exc:
-            parser.error(str(exc))
-        floor = RoundConfig().min_reports
-        if math.ceil(config.goal_count * config.min_fraction - 1e-9) < floor:
-            parser.error(
-                f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, "
-                f"so a published model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more"
-            )
-        try:
+            floor = RoundConfig().min_reports
+            if math.ceil(config.goal_count * config.min_fraction - 1e-9) < floor:
+                raise DemoConfigError(
+                    f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, so a published "
+                    f"model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more"
+                )
             summary = run_demo(config)
-        except DemoConfigError as exc:
-            parser.error(str(exc))
+        except DemoConfigError as exc:  # one line, as every command's: not the top-level parser's usage
+            print(f"fedfleet demo: {exc}", file=sys.stderr)
+            return 2
         return 0 if summary["rounds_committed"] > 0 else 1
     parser.error(f"unknown command {args.command}")
     return 2

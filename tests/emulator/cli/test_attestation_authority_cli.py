@@ -33,6 +33,15 @@ def test_a_trust_anchor_that_cannot_be_written_leaves_no_key(tmp_path, capsys):
     assert "cannot write" in err and "Traceback" not in err and not key.exists()
 
 
+def test_a_trust_anchor_named_by_a_folder_leaves_no_key(tmp_path, capsys):
+    key, folder = tmp_path / "a.key", tmp_path / "anchors"
+    folder.mkdir()
+    assert main(["authority", "--key", str(key), "--trust", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {folder} (Is a directory)" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchors"] and not any(folder.iterdir())
+
+
 def test_a_forced_replacement_that_fails_leaves_the_old_pair_as_it_was(tmp_path, capsys):
     key, trust = tmp_path / "a.key", tmp_path / "trust.json"
     assert main(["authority", "--key", str(key), "--trust", str(trust)]) == 0
