@@ -162,10 +162,13 @@ def _partitioner(spec: DataSpec) -> Partitioner:
 
 def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
+        loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise DataLayoutError(f"npz: {path} is not a .npz file of arrays ({exc})") from exc
+    if not isinstance(loaded, np.lib.npyio.NpzFile):  # np.save's .npy: one array without a name
+        raise DataLayoutError(f"npz: {path} is one array (a .npy file); save x and y with np.savez(path, x=..., y=...)")
+    with loaded as data:
+        arrays = {k: data[k] for k in data.files}
     for key in ("x", "y"):
         if key not in arrays:
             found = ", ".join(sorted(arrays)) or "none"

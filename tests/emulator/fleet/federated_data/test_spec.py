@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from emulator.fleet.federated_data import DataSpecError, load_data, parse_data_spec
+from emulator.fleet.federated_data import DataLayoutError, DataSpecError, load_data, parse_data_spec
 
 
 def test_a_spec_parses_to_its_format_path_and_options(tmp_path: Path) -> None:
@@ -59,3 +59,12 @@ def test_an_npz_with_a_test_split_keeps_it_central(tmp_path: Path) -> None:
     np.savez(tmp_path / "d.npz", x=x, y=y, x_test=rng.random((9, 2)), y_test=np.zeros(9, int))
     data = load_data(f"npz:{tmp_path / 'd.npz'},partition=dirichlet,alpha=1,clients=4,min_size=2")
     assert data.test_client_ids == ("central",) and data.num_examples("test") == 9 and data.num_examples() == 60
+
+
+def test_an_npz_spec_naming_a_single_array_or_no_arrays_is_refused_saying_what_to_save(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((4, 2)))  # np.save's one unnamed array
+    with pytest.raises(DataLayoutError, match=r"is one array \(a \.npy file\); save x and y with np\.savez"):
+        load_data(f"npz:{tmp_path / 'x.npy'}")
+    np.savez(tmp_path / "a.npz", a=np.zeros(3))
+    with pytest.raises(DataLayoutError, match=r"has no array 'x' \(arrays: a\)"):
+        load_data(f"npz:{tmp_path / 'a.npz'}")
