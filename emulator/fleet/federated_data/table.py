@@ -48,16 +48,22 @@ def _read_arrow(path: Path, client: str) -> tuple[Any, Any | None]:
     if suffix in (".parquet", ".pq"):
         pq: Any = require("pyarrow.parquet")
         try:
-            return pq.read_table(path), None
+            return pq.ParquetFile(path).read(), None  # one file (read_table's dataset reader refuses a name twice)
         except Exception as exc:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet
             raise DataLayoutError(f"table: {path} is not a Parquet file ({exc})") from exc
     if suffix == ".csv":
         pa: Any = require("pyarrow")
         csv: Any = require("pyarrow.csv")
         try:  # client ids stay text: "007" is not 7
-            return csv.read_csv(path, convert_options=csv.ConvertOptions(column_types={client: pa.string()})), None
+            table = csv.read_csv(path, convert_options=csv.ConvertOptions(column_types={client: pa.string()}))
+            _ = table.column_names  # the header's names are decoded here, not when the file is read
+        except UnicodeDecodeError as exc:
+            raise DataLayoutError(
+                f"table: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+            ) from None
         except Exception as exc:
             raise DataLayoutError(f"table: {path} could not be read as CSV ({exc})") from exc
+        return table, None
     raise DataSpecError(f"table: {path} is neither .parquet, .csv nor a datasets folder; convert it to one of them")
 
 
@@ -91,6 +97,11 @@ def group_by_client(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Rows grouped by the client column, keeping their order within each client."""
     columns = list(table.column_names)
+    twice = sorted({c for c in columns if columns.count(c) > 1})
+    if twice:
+        raise DataLayoutError(
+            f"table: {where} has the column {twice[0]!r} more than once; give each column its own name"
+        )
     if client not in columns:
         raise DataSpecError(f"table: {where} has no client column {client!r}; its columns are {', '.join(columns)}")
     names = [c for c in columns if c != client] if features is None else list(features)

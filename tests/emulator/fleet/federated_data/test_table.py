@@ -84,3 +84,16 @@ def test_files_that_are_not_tables_say_what_to_give(tmp_path: Path) -> None:
         load_table(tmp_path / "x.json", client="c")
     with pytest.raises(DataLayoutError, match="save_to_disk"):
         load_table(tmp_path, client="c")
+
+
+def test_a_column_named_twice_or_a_csv_that_is_not_utf8_is_refused_saying_so(tmp_path: Path) -> None:
+    pq.write_table(pa.table([["a", "b"], [1, 2], [0, 1]], names=["user_id", "x", "x"]), tmp_path / "twice.parquet")
+    (tmp_path / "twice.csv").write_text("user_id,user_id,label\na,1,0\n")
+    for name, column in (("twice.parquet", "x"), ("twice.csv", "user_id")):
+        with pytest.raises(DataLayoutError, match=f"has the column '{column}' more than once"):
+            load_table(tmp_path / name, client="user_id")
+    (tmp_path / "latin1.csv").write_bytes("user_id,größe,label\na,1,0\n".encode("latin-1"))
+    with pytest.raises(
+        DataLayoutError, match=r"latin1\.csv is not UTF-8 text \(invalid .* at byte \d+\); save it as UTF-8"
+    ):
+        load_table(tmp_path / "latin1.csv", client="user_id")
