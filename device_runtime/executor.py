@@ -156,12 +156,22 @@ class PlanExecutor(ServerOps):
                 raise PlanError(
                     f"batch has no tensor {example_name!r} (keys {sorted(batch)}); the plan feeds it to {graph_name!r}"
                 )
-            dtype = inputs[graph_name][1]
+            expected, dtype = inputs[graph_name]
             arr = np.asarray(batch[example_name], dtype=dtype, order="C")
             if n is None:
                 n = arr.shape[0] if arr.ndim else 0
             elif arr.ndim == 0 or arr.shape[0] != n:
                 raise PlanError(f"batch tensors disagree on the batch size ({example_name!r} has shape {arr.shape})")
+            if (
+                graph_name != "y"  # the labels' own check below says more
+                and expected
+                and arr.ndim
+                and (arr.ndim != len(expected) or any(d not in (None, a) for d, a in zip(expected[1:], arr.shape[1:])))
+            ):  # a store's examples of another shape: said here, not as onnxruntime's error in the step
+                per_example = tuple("?" if d is None else d for d in expected[1:])
+                raise PlanError(
+                    f"example tensor {example_name!r} has shape {arr.shape[1:]} per example; the plan takes {per_example}"
+                )
             feeds[graph_name] = arr
         if "y" in feeds and n:
             y = feeds["y"]

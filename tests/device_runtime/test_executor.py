@@ -169,6 +169,12 @@ def test_bad_inputs_are_reported_clearly():
         executor.run_device(initial_weights(plan), lambda: [{"x": x, "label": y}])
     with pytest.raises(ValueError, match="class ids"):
         executor.run_device(initial_weights(plan), lambda: [{"pixels": x, "label": y + C}])
+    with pytest.raises(
+        PlanError, match=rf"tensor 'pixels' has shape \({F + 1},\) per example; the plan takes \({F},\)"
+    ):
+        executor.run_device(initial_weights(plan), lambda: [{"pixels": np.c_[x, x[:, :1]], "label": y}])
+    with pytest.raises(PlanError, match=rf"tensor 'pixels' has shape \(\) per example; the plan takes \({F},\)"):
+        executor.run_device(initial_weights(plan), lambda: [{"pixels": x[:, 0], "label": y}])
     with pytest.raises(PlanError, match="missing"):
         executor.run_device({"w0": np.zeros((F, 5), np.float32)}, lambda: [])
     with pytest.raises(PlanError, match="shape"):
