@@ -154,6 +154,17 @@ def build_bundle(
     ]
     for task in tasks:  # before anything is written
         check_known_releases(task)
+        root = out / task.name
+        if root.exists() and not (root / MANIFEST).is_file():  # a build replaces the folder of a task it built
+            raise TaskError(f"{root} exists and is not a task `plan build` wrote; give -o a new folder, or a bundle's")
+    if out.is_file():
+        raise TaskError(f"{out} is a file; give -o a folder for the bundle")
+    if (
+        (out / TASK_FILE).exists()
+        and not (out / SOURCE).is_file()
+        and (out / TASK_FILE).resolve() != Path(task_file).resolve()
+    ):
+        raise TaskError(f"{out / TASK_FILE} is not a copy `plan build` wrote; give -o a new folder, or a bundle's")
     out.mkdir(parents=True, exist_ok=True)
     if Path(task_file).resolve() != (out / TASK_FILE).resolve():  # a stub plan from-onnx wrote is built in place
         shutil.copyfile(task_file, out / TASK_FILE)

@@ -1,6 +1,7 @@
 """A damaged bundle (what ``plan build`` and ``plan test`` wrote, edited or cut short since) is
 refused in one line that names the file and says to build or test it again: ``read_bundle`` for
-``plan test`` and ``deploy``, and ``fedfleet deploy`` before anything reaches the server."""
+``plan test`` and ``deploy``, and ``fedfleet deploy`` before anything reaches the server. A build
+replaces only what a build wrote."""
 
 from __future__ import annotations
 
@@ -98,3 +99,27 @@ def test_deploy_refuses_a_damaged_report_or_round_config_in_one_line_before_the_
         assert "round_config is invalid (goal_count: Input should be greater than or equal to 1)" in err
         with server.admin() as admin:
             assert admin.populations() == []  # nothing reached the server
+
+
+def test_a_build_into_a_folder_it_did_not_write_leaves_that_folders_files_alone(tmp_path):
+    """A build replaces OUT/<task> and OUT/task.py: in a project's folder those may be the user's."""
+    project = tmp_path / "project"
+    (project / "digits_mlp").mkdir(parents=True)
+    (project / "digits_mlp" / "notes.txt").write_text("mine")
+    with pytest.raises(TaskError, match="digits_mlp exists and is not a task `plan build` wrote"):
+        build_bundle(TASK_FILE, project)
+    (project / "digits_mlp" / "notes.txt").unlink()
+    (project / "digits_mlp").rmdir()
+    (project / "task.py").write_text("mine")
+    with pytest.raises(TaskError, match="task.py is not a copy `plan build` wrote"):
+        build_bundle(TASK_FILE, project)
+    assert (project / "task.py").read_text() == "mine" and sorted(p.name for p in project.iterdir()) == ["task.py"]
+    with pytest.raises(TaskError, match="is a file; give -o a folder"):
+        build_bundle(TASK_FILE, project / "task.py")
+
+
+def test_a_bundle_builds_again_over_itself(built, bundle):
+    assert [p.name for p in build_bundle(TASK_FILE, bundle, runtimes=["1.31.1"])] == ["digits_mlp"]
+    assert (bundle / "digits_mlp" / "manifest.json").read_bytes() == (
+        built / "digits_mlp" / "manifest.json"
+    ).read_bytes()
