@@ -204,7 +204,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.shards is not None and args.shards < 1:
         print(f"fedfleet simulate: --shards {args.shards}: a run needs at least 1 shard", file=sys.stderr)
         return 2
-    if args.seeds or args.sweep:
+    if args.seeds is not None or args.sweep:  # --seeds "" is a mistake to say, not a single run
         return _run_sweep(args, config, out)
     sharded = args.ray is not None or args.shards is not None
     if sharded and args.http:
@@ -315,10 +315,13 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
     from ..fleet.ray_backend import RayBackendError, parse_sweep, run_many, sweep_configs
 
     try:
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds is not None else None
+        if seeds is not None and (min(seeds) < 0 or len(set(seeds)) < len(seeds)):
+            raise ValueError("a seed below 0 or twice")
     except ValueError:
         print(
-            f"fedfleet simulate: --seeds {args.seeds!r}: write whole numbers separated by commas, e.g. 0,1,2",
+            f"fedfleet simulate: --seeds {args.seeds!r}: write whole numbers from 0 separated by commas, each "
+            "once, e.g. 0,1,2",
             file=sys.stderr,
         )
         return 2
