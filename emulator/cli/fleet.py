@@ -144,8 +144,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     if args.task is not None and not Path(args.task).is_file():
         print(
-            f"fedfleet simulate: --task {args.task}: no such file; give the path of a task file (as `fedfleet plan build` "
-            "takes)",
+            f"fedfleet simulate: --task {args.task}: {'a folder' if Path(args.task).is_dir() else 'no such file'}; "
+            "give the path of a task file (as `fedfleet plan build` takes)",
             file=sys.stderr,
         )
         return 2

@@ -501,7 +501,9 @@ def load_tasks(path: str | Path) -> list[Task]:
     """The tasks a task file defines (``task``, or ``tasks``: a TaskGroup or a list of tasks)."""
     path = Path(path)
     if not path.is_file():
-        raise TaskError(f"task file {path} does not exist")
+        raise TaskError(
+            f"task file {path} {'is a folder' if path.is_dir() else 'does not exist'}; give a task file's path"
+        )
     try:
         namespace = runpy.run_path(str(path), run_name="__fedfleet_task__")
     except TaskError:

@@ -301,6 +301,7 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
     "args, fleet_extra, says",
     [
         (("--task", "no_such_task.py"), "", "no such file"),
+        (("--task", "{tmp}"), "", "a folder; give the path of a task file"),
         ((), '[task]\nfile = "missing.py"\n', "no task file at"),
         (("--task", "{broken}"), "", "does not load"),
         (("--task", "{not_a_plan}"), "", "does not build"),
@@ -323,7 +324,7 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     tff = write_tff(tmp_path / "tff") if any("{tff}" in a for a in args) else None
     negative = tmp_path / "negative.csv"  # labels -1 and 1: each device's training would refuse them
     negative.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{1 if i % 2 else -1}\n" for i in range(64)))
-    args = tuple(a.format(broken=broken, not_a_plan=not_a_plan, tff=tff, negative=negative) for a in args)
+    args = tuple(a.format(broken=broken, not_a_plan=not_a_plan, tff=tff, negative=negative, tmp=tmp_path) for a in args)
     fleet = "[fleet]\ndevices = 10\nhours = 0.1\n" + ("\n" + fleet_extra if fleet_extra else "")
     code, _, err = simulate(tmp_path, capsys, *args, fleet=fleet)
     assert code == 2

@@ -64,6 +64,8 @@ def test_a_task_group_is_every_combination_of_its_grid():
 def test_task_files_that_cannot_give_tasks_are_refused_with_the_reason(tmp_path):
     with pytest.raises(TaskError, match="does not exist"):
         load_tasks(tmp_path / "missing.py")
+    with pytest.raises(TaskError, match="is a folder; give a task file's path"):
+        load_tasks(tmp_path)
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
     with pytest.raises(TaskError, match="defines no `task`"):
