@@ -59,7 +59,11 @@ def evaluation_plan_from_onnx(
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     parts = read_model(
-        model, opset=opset if training_plan is None else training_plan.metadata.opset, output=output, inputs=inputs
+        model,
+        opset=opset if training_plan is None else training_plan.metadata.opset,
+        output=output,
+        inputs=inputs,
+        label=label,
     )
     onnx_import.inference_form(parts.model)  # a train-mode export's Dropout and BatchNorm, as evaluation runs them
     graph = parts.model.graph

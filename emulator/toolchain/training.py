@@ -199,7 +199,7 @@ class ModelParts:
 
 
 def read_model(
-    model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None
+    model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None, label: str
 ) -> ModelParts:
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
@@ -229,6 +229,11 @@ def read_model(
     if set(inputs) != set(names):
         raise ValueError(
             f"inputs must map each of the model's inputs {names} to an example tensor name, got {dict(inputs)}"
+        )
+    if label in inputs.values():  # one example tensor would be read as the features and as the label
+        raise ValueError(
+            f"the label {label!r} is an example tensor the model reads as an input; the label is a tensor of its own "
+            "beside the inputs (the plan adds it): give it another name, such as 'y'"
         )
     if output is None:
         floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
@@ -440,7 +445,7 @@ def onnx_training_plan(
         )
     if batch_size < 1 or epochs < 1:
         raise ValueError("batch_size and epochs must be >= 1")
-    parts = read_model(model, opset=opset, output=output, inputs=inputs)
+    parts = read_model(model, opset=opset, output=output, inputs=inputs, label=label)
     graph = parts.model.graph
     chosen_metrics = _metrics(loss, metrics)
 

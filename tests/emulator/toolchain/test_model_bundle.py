@@ -277,6 +277,7 @@ def test_a_model_that_cannot_train_is_refused_in_one_line_saying_what_to_export(
         ("my model.onnx", (), "the model file's name 'my model' is no task name"),
         ("m.onnx", ("--name", ".."), "task name '..' refused"),
         ("m.onnx", ("--collection", ""), "collection '' refused"),
+        ("m.onnx", ("--label", "x"), "the label 'x' is an example tensor the model reads as an input"),
     ],
 )
 def test_options_a_bundle_cannot_have_are_refused_in_one_line_before_anything_is_written(
