@@ -43,6 +43,7 @@ from device_runtime.plan import PlanError, serialize_plan
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
+from server_stub.schemas import NAME_RULE, is_name
 
 from ..releases.envs import RuntimeEnvError
 from ..releases.workers import WorkerError, WorkerPool
@@ -179,6 +180,9 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
     """Run a parsed ``plan ...``, ``deploy``, ``status`` or ``rounds`` command; returns the exit status.
     A server that does not answer, or a URL without http://, is one line on stderr (exit 2)."""
     say = lambda message: print(message, file=out or sys.stdout, flush=True)  # noqa: E731
+    if args.command in ("deploy", "status", "rounds") and not is_name(args.population):  # else a bare 404 Not Found
+        print(f"{_command(args)}: --population {args.population!r} refused: {NAME_RULE}", file=sys.stderr)
+        return 2
     try:
         if args.command == "deploy":
             return _deploy(args, say)

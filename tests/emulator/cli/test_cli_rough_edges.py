@@ -19,6 +19,7 @@ from emulator.toolchain.bundle import REPORT
 from server_stub import RoundConfig, ServerThread, ServerUnreachable
 from server_stub.admin_client import AdminClient, check_server_url
 from server_stub.cli import parsers, shows_default
+from server_stub.schemas import NAME_RULE
 from server_stub.serve import free_port
 from tests.support import checkout_with_stand_in_python, digits_plan
 
@@ -62,6 +63,18 @@ def test_every_server_command_says_in_one_line_that_the_server_does_not_answer_o
             assert "no answer from the server at http://127.0.0.1" in err
         else:
             assert "needs http:// or https://" in err and f"http://{url.format(port=port)}" in err
+
+
+@pytest.mark.parametrize("population", ["a/b", "..", "my app", ""])
+def test_every_server_command_refuses_a_population_no_server_takes_in_one_line_before_any_request(
+    bundle, capsys, population
+):
+    port = free_port()  # nothing listens there: a request would say so instead
+    for command in _server_commands(bundle):
+        command[command.index("--population") + 1] = population
+        assert cli.main([*command, "--server", f"http://127.0.0.1:{port}"]) == 2, command
+        err = capsys.readouterr().err
+        assert err == f"fedfleet {command[0]}: --population {population!r} refused: {NAME_RULE}\n"
 
 
 @pytest.mark.parametrize("url", ["ftp://host", "http://", "", "127.0.0.1", "host:80"])
