@@ -17,7 +17,9 @@ e.g. ``goal_count=8,16``) run every combination as independent runs, as Ray task
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -185,6 +187,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if line is not None:
         print(f"fedfleet simulate: {line}", file=sys.stderr)
     out = Path(args.out) if args.out else None
+    made_out = out is not None and not out.exists()
     if out is not None:
         if out.exists() and not out.is_dir():
             print(
@@ -235,6 +238,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                 notice=lambda message: print(f"fedfleet simulate: {message}", file=sys.stderr),
             )
     except (SimulationError, RayBackendError, TraceError) as exc:
+        if out is not None:  # a refused run leaves nothing: its server's database is all it wrote
+            _remove_failed_run(out, made_out)
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -253,6 +258,18 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"fedfleet simulate: {summary['cannot_fill']}", file=sys.stderr)
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0
+
+
+def _remove_failed_run(out: Path, made_out: bool) -> None:
+    """What a run that failed wrote in ``out``: the folder itself when the run made it, else the
+    server's database of the run (in ``out/server``, which a run replaces when it starts)."""
+    if made_out:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for leftover in (out / "server").glob("server.db*"):
+        leftover.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        (out / "server").rmdir()  # only when empty
 
 
 #: ``fedfleet simulate``'s differential privacy flags and the ``[dp]`` keys they set.

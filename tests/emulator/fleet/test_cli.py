@@ -54,6 +54,18 @@ def test_a_goal_the_server_refuses_exits_with_its_reason(capsys):
     assert "refuses the fleet's [task]" in err and "min_reports" in err and "Traceback" not in err
 
 
+def test_a_run_the_server_refuses_leaves_nothing_in_its_out_folder(tmp_path, capsys):
+    refused = ["simulate", "--devices", "20", "--hours", "0.1", "--goal", "4", "--no-progress", "--out"]
+    assert main([*refused, str(tmp_path / "new")]) == 2
+    assert "refuses the fleet's [task]" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the folder the run made, with its server's database, is gone
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "notes.txt").write_text("keep me")
+    assert main([*refused, str(earlier)]) == 2
+    assert [p.name for p in earlier.iterdir()] == ["notes.txt"]  # a folder that was there stays, less the run's
+
+
 def test_a_fleet_too_small_for_its_goal_says_so(tmp_path, capsys):
     assert main(["simulate", "--devices", "40", "--hours", "0.5", "--no-progress"]) == 0
     captured = capsys.readouterr()
