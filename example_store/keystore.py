@@ -13,6 +13,7 @@ import binascii
 import json
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,6 +151,9 @@ class FileKeyStore(KeyStore):
             return {}
         except OSError as exc:
             raise KeyStoreError(f"cannot read the key store {self.path}: {exc}") from exc
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # opened read-only on Linux; reading it fails without a name
+            os.close(fd)
+            raise KeyStoreError(f"the key store {self.path} is a folder; give the path of a file (made if missing)")
         with os.fdopen(fd, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
             if os.name == "posix" and mode & 0o077:

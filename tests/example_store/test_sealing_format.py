@@ -116,6 +116,15 @@ def test_a_key_store_file_with_a_key_that_is_not_strict_base64_is_damaged(tmp_pa
         store.get_key(ALIAS)
 
 
+def test_a_key_store_path_that_is_a_folder_is_refused_saying_so(tmp_path):
+    folder = tmp_path / "keys.json"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(KeyStoreError, match=r"keys\.json is a folder; give the path of a file"):
+        FileKeyStore(folder).get_or_create_key(ALIAS)
+    with pytest.raises(KeyStoreError, match="is a folder"):
+        SQLiteExampleStore(tmp_path / "app.db", key_store=FileKeyStore(folder))
+
+
 @pytest.mark.parametrize("alias", ["", "a\x00b", None, 3])
 def test_an_alias_that_is_empty_not_text_or_holds_nul_is_refused(alias):
     with pytest.raises(KeyStoreError):
