@@ -110,6 +110,10 @@ def load_runs(paths: list[str], labels: list[str] | None = None) -> list[RunFold
             f"{len(labels)} --label for {len(paths)} runs; give one --label per run, in order, or none"
         )
     runs = [load_run(p, labels[i] if labels else None) for i, p in enumerate(paths)]
+    where = [r.path.resolve() for r in runs]
+    if not labels and len(set(where)) < len(where):  # else both are '.', relative to the one folder
+        twice = next(r.path for r, w in zip(runs, where) if where.count(w) > 1)
+        raise FleetCompareError(f"{twice} is given twice; name each run folder once")
     names = [r.label for r in runs]
     if not labels and len(set(names)) < len(names):  # run/ and ../b/run/: tell them apart by their parents
         names = [

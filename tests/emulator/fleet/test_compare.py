@@ -133,6 +133,8 @@ def test_folders_of_the_same_name_are_told_apart_and_labels_must_match_the_runs(
     assert [r.label for r in runs] == ["a/run", "b/run"]
     with pytest.raises(FleetCompareError, match="give one --label per run"):
         load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")], ["only one"])
+    with pytest.raises(FleetCompareError, match=r"run is given twice; name each run folder once"):
+        load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "a" / ".." / "a" / "run")])
 
 
 @pytest.mark.parametrize("make", ["empty", "missing", "file", "bad_json", "no_rounds", "one_run"])
