@@ -186,7 +186,9 @@ def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
     named after them: each such ``Identity`` of an initializer becomes an initializer of its own
     (its output's name, the initializer's value). The dynamo exporter's optimizer leaves no node
     behind, but every node it writes names the FX node it came from (see
-    :func:`split_by_fx_origin`). A weight the model itself shares (tied embeddings) stays one."""
+    :func:`split_by_fx_origin`); its own ``Identity`` nodes are FX nodes too (``aten.clone``,
+    ``aten.alias``: the same parameter read again, as DeBERTa reads its relative embeddings in every
+    layer) and stay. A weight the model itself shares (tied embeddings) stays one."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     outputs = {o.name for o in graph.output}
@@ -195,7 +197,8 @@ def split_deduplicated(model: onnx.ModelProto) -> dict[str, str]:
     for node in graph.node:
         source = node.input[0] if node.op_type == "Identity" and node.input else ""
         target = node.output[0] if node.output else ""
-        if source in inits and target and target not in outputs and target not in inits:
+        dynamo = _metadata(node, _FX_NODE) is not None  # an FX node's copy or alias: the same tensor
+        if source in inits and target and target not in outputs and target not in inits and not dynamo:
             inits[target] = _copy(inits[source], target, graph)
             split[target] = source
             continue

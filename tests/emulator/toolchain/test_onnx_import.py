@@ -511,3 +511,35 @@ def test_a_parameter_folded_away_whole_is_named_from_the_programs_signature_but_
         {"p_emb_weight": "emb.weight", "p_pos_table_weight": "pos.Table.weight", "p_decoder_weight": "decoder.weight"},
     )
     assert lost_parameters(m) == ["pos.Table.weight"]
+
+
+def test_a_parameter_the_dynamo_exporter_reads_again_through_an_identity_stays_one_weight():
+    # torch.export writes aten.clone / aten.alias as Identity nodes with their FX node's metadata
+    # (DeBERTa reads its relative embeddings so in every layer): one parameter, one weight, its
+    # gradient the sum over its readers, where the classic exporter's Identity of a merged
+    # initializer (no such metadata) is a parameter of its own
+    from .models import model
+
+    rng = np.random.default_rng(8)
+    inits = {"rel.weight": rng.normal(size=(4, 4)).astype(np.float32)}
+
+    def two_reads(dynamo: bool) -> onnx.ModelProto:
+        if dynamo:
+            alias = _dynamo_node("Identity", ["rel.weight"], ["alias_1"], "encoder", ["rel.weight"])
+        else:
+            alias = helper.make_node("Identity", ["rel.weight"], ["alias_1"])
+        nodes = [
+            alias,
+            helper.make_node("MatMul", ["x", "rel.weight"], ["h"]),
+            helper.make_node("MatMul", ["h", "alias_1"], ["logits"]),
+        ]
+        return model(
+            nodes,
+            [helper.make_tensor_value_info("x", F, ["N", 4])],
+            [helper.make_tensor_value_info("logits", F, ["N", 4])],
+            inits,
+            opset=18,
+        )
+
+    assert set(_one_step(two_reads(dynamo=True))) == {"rel.weight"}
+    assert set(_one_step(two_reads(dynamo=False))) == {"rel.weight", "alias_1"}
