@@ -77,6 +77,10 @@ class Emitter:
         # a weight gradient Gemm(a, dy, transA=1)'s output -> (a, dy): a weight used several times (a
         # recurrent one, every step) sums one Gemm over all uses' rows instead of a small one per use
         self.products: dict[str, tuple[str, str]] = {}
+        # a tensor -> one that is known to have its shape where inference cannot tell (the sum over a
+        # Conv's kernel offsets and its terms, whose rows come from a Reshape to [-1, C]): the sum's
+        # gradient goes to each term as it is, without the reduction over axes found at run time
+        self.same_shape: dict[str, str] = {}
 
     # ------------------------------------------------------------------ names and nodes
 
@@ -213,6 +217,8 @@ class Emitter:
 
     def unbroadcast(self, grad: str, out: str, target: str) -> str:
         """Sum ``grad`` (shaped like the broadcast result ``out``) down to the shape of ``target``."""
+        if out in self.same_shape and self.same_shape[out] == self.same_shape.get(target):
+            return grad
         s_out, s_in = self.shape(out), self.shape(target)
         if s_out is not None and s_in is not None:
             if s_out == s_in and all(d is not None for d in s_in):

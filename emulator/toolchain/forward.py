@@ -298,6 +298,8 @@ def _conv_as_taps(e: Emitter, node: onnx.NodeProto, g: ConvTaps) -> None:
         else:  # [rows, Cin] x [Cout, Cin]^T
             products.append(e.op("Gemm", [e.op("Reshape", [window, e.ints([-1, g.c_in])]), weights[k]], transB=1))
     total = products[0] if len(products) == 1 else e.op("Sum", products)
+    if len(products) > 1:  # all [rows, Cout], which inference cannot tell: rows = N * positions
+        e.same_shape.update({t: products[0] for t in [*products, total]})
     if len(node.input) > 2 and node.input[2]:
         total = e.op("Add", [total, node.input[2]])
     total = e.op("Reshape", [total, e.ints([*g.out_dims, -1, g.c_out])])
