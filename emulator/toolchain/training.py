@@ -354,9 +354,10 @@ def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes
         )
 
     model = make(nodes, initializers)
-    model = make(
-        *peephole.rank_matched_constants(model.graph.node, model.graph.initializer, peephole.inferred_ranks(model))
-    )
+    shapes = peephole.inferred_shapes(model)
+    ranks = {name: len(shape) for name, shape in shapes.items()}
+    model = make(*peephole.rank_matched_constants(model.graph.node, model.graph.initializer, ranks))
+    model = make(*peephole.short_broadcasts_expanded(model.graph.node, model.graph.initializer, shapes))
     onnx.checker.check_model(model)
     return model.SerializeToString()
 
