@@ -162,6 +162,15 @@ def _model_options(cmd: argparse.ArgumentParser) -> None:
         help="keep the initializers these names or glob patterns match constant",
     )
     cmd.add_argument(
+        "--frozen-rows",
+        nargs="+",
+        default=[],
+        type=_frozen_rows,
+        metavar="NAME:ROW[,ROW]",
+        help="rows of a trained weight no gradient reaches, as torch's nn.Embedding(padding_idx=ROW) keeps its "
+        "padding row (exporters drop padding_idx; from-torch reads it from the module)",
+    )
+    cmd.add_argument(
         "--runtimes",
         nargs="+",
         help="the onnxruntime releases the task claims (default: the oldest, a middle and the newest known)",
@@ -286,8 +295,24 @@ def _from_torch(args: argparse.Namespace, say) -> int:
     return 0
 
 
+def _frozen_rows(spec: str) -> tuple[str, tuple[int, ...]]:
+    """``--frozen-rows NAME:ROW[,ROW]``: a weight's name (which may hold colons) and its rows."""
+    name, _, rows = spec.rpartition(":")
+    try:
+        parsed = tuple(int(r) for r in rows.split(","))
+    except ValueError:
+        parsed = ()
+    if not name or not parsed:
+        raise argparse.ArgumentTypeError(f"give NAME:ROW[,ROW] (emb.weight:0), not {spec!r}")
+    return name, parsed
+
+
 def _bundle_options(args: argparse.Namespace) -> dict:
+    rows: dict[str, tuple[int, ...]] = {}
+    for name, more in args.frozen_rows:
+        rows[name] = (*rows.get(name, ()), *more)
     return dict(
+        frozen_rows=rows,
         label=args.label,
         loss=args.loss,
         optimizer=args.optimizer,
@@ -357,6 +382,7 @@ def _plan_only(args: argparse.Namespace, say) -> int:
         opset=args.opset,
         trainable=None if args.trainable is None else tuple(args.trainable),
         frozen=tuple(args.frozen),
+        frozen_rows=_bundle_options(args)["frozen_rows"],
     )
     made = onnx_import(task._model_source(), task)
     plan = dataclasses.replace(made.plan, name=task.name)

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from device_runtime import FLRuntime, Outcome, RuntimeEnvironment
+from device_runtime import FLRuntime, Outcome, PlanExecutor, RuntimeEnvironment, load_plan
 from device_runtime.checkpoint import decode_checkpoint
 from emulator.cli.commands import main
 from emulator.releases.workers import ReleasePlans, WorkerPool
@@ -290,3 +290,29 @@ def test_options_a_bundle_cannot_have_are_refused_in_one_line_before_anything_is
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and says in err, err
     assert not (tmp_path / "b").exists()
+
+
+def test_from_onnx_keeps_the_rows_frozen_rows_names_out_of_training(tmp_path, capsys):
+    from .test_training import _bag_of_embeddings
+
+    onnx.save_model(_bag_of_embeddings(), str(tmp_path / "bag.onnx"))
+    assert _from_onnx(tmp_path / "bag.onnx", tmp_path / "bundle", "--frozen-rows", "emb:0,3", "--name", "bag") == 0
+    out = capsys.readouterr().out
+    assert "no gradient reaches row 0, 3 of emb" in out
+    assert "frozen_rows={'emb': (0, 3)}" in (tmp_path / "bundle" / "task.py").read_text()
+    # the plan file alone too, and a malformed spec is one line naming the form
+    assert _from_onnx(tmp_path / "bag.onnx", tmp_path / "bag.fedplan", "--frozen-rows", "emb:0", "--name", "bag") == 0
+    plan = load_plan((tmp_path / "bag.fedplan").read_bytes())
+    rng = np.random.default_rng(0)
+    weights = {"emb": rng.normal(size=(12, 4)).astype(np.float32), "w": rng.normal(size=(4, 3)).astype(np.float32)}
+    executor = PlanExecutor(plan)
+    x = np.array([[0, 1, 2, 0, 0]] * 16, dtype=np.int64)
+    result = executor.run_device(weights, lambda: [{"x": x, "y": np.zeros(16, dtype=np.int64)}])
+    stepped = executor.final_weights(weights, result)
+    np.testing.assert_array_equal(stepped["emb"][0], weights["emb"][0])
+    assert not np.allclose(stepped["emb"][1], weights["emb"][1])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _from_onnx(tmp_path / "bag.onnx", tmp_path / "b2", "--frozen-rows", "emb")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "give NAME:ROW[,ROW] (emb.weight:0), not 'emb'" in err
