@@ -95,8 +95,8 @@ class SecureAggregation:
     """One device's part in its group's protocol for one session.
 
     ``deadline`` is a reading of ``clock`` (``time.monotonic`` on a phone, the runtime's virtual
-    clock in a simulation); each of the server's answers may move it (within an hour), as the
-    group's deadlines start when it forms. ``on_round`` hears the name of each protocol round
+    clock in a simulation); each of the server's answers may move it, as the group's deadlines
+    start when it forms, but never past an hour after the device joined (``latest_deadline``). ``on_round`` hears the name of each protocol round
     (``secagg.Round`` values) just before this device takes part in it, so an app can show
     progress; ``should_abort`` is asked again right after.
 
@@ -151,6 +151,9 @@ class SecureAggregation:
         self.sleep = sleep
         self.clock = clock
         self.long_poll_s = long_poll_s
+        # the server may move the deadline, never past an hour after this device joined: answers
+        # that kept moving it would otherwise hold the device (and its session) forever
+        self.latest_deadline = max(deadline, clock()) + MAX_DEADLINE_S + DEADLINE_GRACE_S
         self._secagg: SecAggClient | None = None
         self._vector: np.ndarray | None = None
         self._seen_seq = 0
@@ -221,7 +224,8 @@ class SecureAggregation:
             status = state.status
             if state.deadline_in_s is not None:
                 # the server moves the deadline when its group forms later than the device thought
-                self.deadline = self.clock() + min(max(state.deadline_in_s, 0.0), MAX_DEADLINE_S) + DEADLINE_GRACE_S
+                moved = self.clock() + min(max(state.deadline_in_s, 0.0), MAX_DEADLINE_S) + DEADLINE_GRACE_S
+                self.deadline = min(moved, self.latest_deadline)
             if status == "waiting":
                 seen = _b64(state.commitment)
                 if self._commitment is not None and seen != self._commitment:

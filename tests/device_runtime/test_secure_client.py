@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from device_runtime.errors import ProtocolError
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secagg_policy import SecAggPolicy
-from device_runtime.secure_client import REFUSED, SecureOutcome, SecureResult, run_secure_aggregation
+from device_runtime.secure_client import MAX_DEADLINE_S, REFUSED, SecureOutcome, SecureResult, run_secure_aggregation
 from device_runtime.wire import CheckinAccepted
 
 SESSION = CheckinAccepted(
@@ -94,6 +94,35 @@ def test_any_state_a_server_answers_ends_the_devices_part_in_a_result_or_a_proto
     assert isinstance(result, SecureResult)
     if result.refused:
         assert result.outcome is SecureOutcome.ABORTED and result.code == REFUSED
+
+
+def test_a_server_that_keeps_moving_the_deadline_cannot_hold_the_device_past_an_hour():
+    # every answer "waiting, an hour from now": the device times out an hour after it joined
+    now = [0.0]
+    polls = [0]
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        polls[0] += 1
+        if polls[0] > 2000:  # a device still polling after ~5 hours: end the test instead of hanging
+            return httpx.Response(200, json={"status": "aborted", "reason": "still polling"})
+        return httpx.Response(200, json={"status": "waiting", "deadline_in_s": 3600})
+
+    client = ProtocolClient("http://server.test", transport=httpx.MockTransport(handle))
+    try:
+        result = run_secure_aggregation(
+            client,
+            SESSION,
+            np.zeros(4, dtype=np.float32),
+            deadline=5.0,
+            sleep=lambda s: now.__setitem__(0, now[0] + max(s, 10.0)),
+            clock=lambda: now[0],
+            long_poll_s=0.0,
+            policy=OPEN,
+        )
+    finally:
+        client.close()
+    assert result.outcome is SecureOutcome.TIMED_OUT
+    assert 3600.0 <= now[0] <= 5.0 + MAX_DEADLINE_S + 11.0 and polls[0] <= 2000
 
 
 def test_a_field_of_the_wrong_type_is_refused_naming_the_field():
