@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import socket
 import sys
 
@@ -166,8 +167,9 @@ def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
             source = f"generated for this run: {generated}"
         verifier = None
         if args.attestation_trust:
-            if args.rate_burst < 1 or args.rate_per_hour <= 0 or args.nonce_ttl <= 0:
-                raise ValueError("--rate-burst must be >= 1, --rate-per-hour and --nonce-ttl positive")
+            limits_given = (args.rate_burst, args.rate_per_hour, args.nonce_ttl)
+            if not all(map(math.isfinite, limits_given)) or args.rate_burst < 1 or min(limits_given[1:]) <= 0:
+                raise ValueError("--rate-burst must be a number >= 1, --rate-per-hour and --nonce-ttl positive numbers")
             anchor = read_trust_anchor(args.attestation_trust)
             verifier = AttestationVerifier(
                 anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0)

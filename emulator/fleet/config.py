@@ -45,6 +45,8 @@ REFERENCE_FLOPS_PER_S = 10675.625
 Share = Annotated[float, Field(gt=0.0, le=1.0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Hour = Annotated[float, Field(ge=0.0, le=24.0)]
+#: how long a daily window lasts: a night of more than a day would run into the next one
+DayLength = Annotated[float, Field(gt=0.0, le=24.0)]
 Rate = Annotated[float, Field(ge=0.0, le=1e6)]
 NonNegative = Annotated[float, Field(ge=0.0, le=1e9)]
 Positive = Annotated[float, Field(gt=0.0, le=1e9)]
@@ -119,9 +121,9 @@ class NightWindow(_Section):
     start_h: Hour = 23.0
     start_device_sd_h: NonNegative = 1.5
     start_daily_sd_h: NonNegative = 0.5
-    duration_h: Positive = 7.0
+    duration_h: DayLength = 7.0
     duration_sd_h: NonNegative = 1.0
-    min_duration_h: NonNegative = 1.0
+    min_duration_h: Annotated[float, Field(ge=0.0, le=24.0)] = 1.0
     home_wifi_share: Probability = 0.85
     wifi_before_h: NonNegative = 3.0
     wifi_after_h: NonNegative = 0.75

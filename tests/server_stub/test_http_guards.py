@@ -252,6 +252,21 @@ def test_the_server_command_refuses_limits_that_cannot_work(tmp_path, capsys, op
     assert capsys.readouterr().err.startswith(f"fedfleet server: {option[2:].replace('-', '_')} ({option})")
 
 
+@pytest.mark.parametrize(
+    ("option", "value"), [("--rate-burst", "inf"), ("--rate-burst", "nan"), ("--nonce-ttl", "inf")]
+)
+def test_the_server_command_refuses_attestation_limits_that_are_no_numbers(tmp_path, capsys, option, value):
+    # an infinite burst or a NaN would turn the check-in rate limit off without a word
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    argv = ["--db", str(tmp_path / "s.db"), "--port", str(free_port()), "--attestation-trust", str(tmp_path / "a.pem")]
+    args = parser.parse_args([*argv, option, value])
+    assert run_server(args, out=io.StringIO()) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fedfleet server: --rate-burst must be a number >= 1, --rate-per-hour and --nonce-ttl positive numbers"
+    )
+
+
 def _few_descriptors() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 

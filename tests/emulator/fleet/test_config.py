@@ -92,6 +92,8 @@ def test_replace_applies_overrides_and_validates_them():
         ("[task]\nretry_max_s = 1e8", "task.retry_max_s"),
         ("[task]\nsecagg_round_timeout_s = 1e7", "task.secagg_round_timeout_s"),
         ("[availability.night]\nprobability = 1.5", "availability.night.probability"),
+        ("[availability.night]\nduration_h = 30", "availability.night.duration_h"),  # would run into the next night
+        ("[availability.night]\nmin_duration_h = 25", "availability.night.min_duration_h"),
         ("[availability.day]\nfrom_h = 20.0\nto_h = 8.0", "from_h"),
         ("[availability.battery]\nstart_min = 0.9\nstart_max = 0.2", "start_min"),
         ("[[availability.time_zones]]\nutc_offset_h = -5.0\nshare = 0.5", "availability.time_zones"),
