@@ -34,6 +34,7 @@ import datetime as dt
 import os
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -307,12 +308,17 @@ def _frozen_rows(spec: str) -> tuple[str, tuple[int, ...]]:
     return name, parsed
 
 
-def _bundle_options(args: argparse.Namespace) -> dict:
+def _rows_of(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    """``--frozen-rows`` as the task field: each weight's rows, however many times it is named."""
     rows: dict[str, tuple[int, ...]] = {}
     for name, more in args.frozen_rows:
         rows[name] = (*rows.get(name, ()), *more)
+    return rows
+
+
+def _bundle_options(args: argparse.Namespace) -> dict:
     return dict(
-        frozen_rows=rows,
+        frozen_rows=_rows_of(args),
         label=args.label,
         loss=args.loss,
         optimizer=args.optimizer,
@@ -328,7 +334,7 @@ def _bundle_options(args: argparse.Namespace) -> dict:
     )
 
 
-def _say_trained(made, say) -> None:
+def _say_trained(made, say, frozen_rows: Mapping[str, tuple[int, ...]]) -> None:
     say("trains:")
     for line in trainable_table(made.trainable):
         say(line)
@@ -341,7 +347,7 @@ def _say_trained(made, say) -> None:
         say(
             f"shared: {weight} is one weight read in {readers} places (the model ties it; the plan's metadata lists it)"
         )
-    for weight, rows in getattr(made, "frozen_rows", {}).items():
+    for weight, rows in frozen_rows.items():
         say(
             f"no gradient reaches row {', '.join(map(str, rows))} of {weight} (an embedding's padding_idx, as in torch)"
         )
@@ -360,7 +366,7 @@ def _say_bundle(made: ModelBundle, say) -> None:
         + f"; label: {made.label}"
     )
     say(f"reads collection: {made.collection}")
-    _say_trained(made, say)
+    _say_trained(made, say, made.frozen_rows)
     say("next:")
     say(f"  fedfleet plan test {made.directory} --signing-key KEY")
     say(f"  fedfleet deploy {made.directory} --server URL --population P")
@@ -382,14 +388,14 @@ def _plan_only(args: argparse.Namespace, say) -> int:
         opset=args.opset,
         trainable=None if args.trainable is None else tuple(args.trainable),
         frozen=tuple(args.frozen),
-        frozen_rows=_bundle_options(args)["frozen_rows"],
+        frozen_rows=_rows_of(args),
     )
     made = onnx_import(task._model_source(), task)
     plan = dataclasses.replace(made.plan, name=task.name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(serialize_plan(plan))
     say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
-    _say_trained(made, say)
+    _say_trained(made, say, task.frozen_rows)
     say(
         "note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
         "checkpoint and a task file that `plan test DIR` and `deploy DIR` take"

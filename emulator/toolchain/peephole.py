@@ -18,7 +18,8 @@ emit is then adjusted here where onnxruntime's kernels are known to take a slow 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -53,28 +54,54 @@ def rank_matched_constants(
     at a lower rank than its output's (``ranks``: the known ranks of the tensors) replaced by a copy
     of that rank (new initializers are appended; the old stay for their other readers)."""
     values = {i.name: i for i in initializers if int(np.prod(i.dims, dtype=np.int64)) == 1}
+
+    def key_for(name: str, output: str) -> tuple[str, int] | None:
+        tensor, rank = values.get(name), ranks.get(output)
+        return None if tensor is None or rank is None or len(tensor.dims) >= rank else (name, rank)
+
+    def make(key: tuple[str, int], fresh: Callable[[str], str], extra: list, out: list) -> str:
+        name, rank = key
+        new = fresh(f"{name}_r{rank}")
+        extra.append(numpy_helper.from_array(numpy_helper.to_array(values[name]).reshape([1] * rank), new))
+        return new
+
+    return _operands_replaced(nodes, initializers, BROADCASTING, key_for, make)
+
+
+def _operands_replaced(
+    nodes: Sequence[onnx.NodeProto],
+    initializers: Sequence[onnx.TensorProto],
+    ops: frozenset[str],
+    key_for: Callable[[str, str], Hashable | None],
+    make: Callable[[Any, Callable[[str], str], list[onnx.TensorProto], list[onnx.NodeProto]], str],
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The loop both rewrites share: every input of a node of ``ops`` for which ``key_for(input,
+    the node's output)`` gives a key reads instead the tensor ``make(key, fresh, extra, out)`` made,
+    once per key (``fresh`` gives a name no tensor has; ``make`` appends the initializers and nodes
+    it needs to ``extra`` and ``out``). New initializers are appended; the old stay for their other
+    readers."""
     taken = {i.name for i in initializers} | {t for n in nodes for t in [*n.input, *n.output]}
-    made: dict[tuple[str, int], str] = {}
+    made: dict[Hashable, str] = {}
     extra: list[onnx.TensorProto] = []
     out: list[onnx.NodeProto] = []
+
+    def fresh(name: str) -> str:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
     for node in nodes:
-        rank = ranks.get(node.output[0]) if node.output else None
-        if node.domain not in ("", "ai.onnx") or node.op_type not in BROADCASTING or rank is None:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ops or not node.output:
             out.append(node)
             continue
         changed = None
         for k, name in enumerate(node.input):
-            tensor = values.get(name)
-            if tensor is None or len(tensor.dims) >= rank:
+            key = key_for(name, node.output[0])
+            if key is None:
                 continue
-            key = (name, rank)
             if key not in made:
-                new = f"{name}_r{rank}"
-                while new in taken:
-                    new += "_"
-                taken.add(new)
-                extra.append(numpy_helper.from_array(numpy_helper.to_array(tensor).reshape([1] * rank), new))
-                made[key] = new
+                made[key] = make(key, fresh, extra, out)
             if changed is None:
                 changed = onnx.NodeProto()
                 changed.CopyFrom(node)
@@ -100,39 +127,21 @@ def short_broadcasts_expanded(
     and also over some earlier axis (the batch: an operand of the output's size gains nothing)
     first expanded over those last axes by an ``Expand`` (``shapes``: the known shapes of the
     tensors, None for a dimension that is not a number). The values are the same, bit for bit."""
-    taken = {i.name for i in initializers} | {t for n in nodes for t in [*n.input, *n.output]}
-    made: dict[tuple[str, tuple[int, ...]], str] = {}
-    extra: list[onnx.TensorProto] = []
-    out: list[onnx.NodeProto] = []
 
-    def fresh(name: str) -> str:
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        return name
+    def key_for(name: str, output: str) -> tuple[str, tuple[int, ...]] | None:
+        shape = shapes.get(output)
+        target = None if shape is None else _short_broadcast_target(shapes.get(name), shape)
+        return None if target is None else (name, target)
 
-    for node in nodes:
-        shape = shapes.get(node.output[0]) if node.output else None
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ARITHMETIC or shape is None:
-            out.append(node)
-            continue
-        changed = None
-        for k, name in enumerate(node.input):
-            target = _short_broadcast_target(shapes.get(name), shape)
-            if target is None:
-                continue
-            key = (name, target)
-            if key not in made:
-                dims = fresh(f"{name}_spread_shape")
-                extra.append(numpy_helper.from_array(np.array(target, np.int64), dims))
-                made[key] = fresh(f"{name}_spread")
-                out.append(onnx.helper.make_node("Expand", [name, dims], [made[key]], name=fresh(f"{made[key]}_node")))
-            if changed is None:
-                changed = onnx.NodeProto()
-                changed.CopyFrom(node)
-            changed.input[k] = made[key]
-        out.append(changed if changed is not None else node)
-    return out, [*initializers, *extra]
+    def make(key: tuple[str, tuple[int, ...]], fresh: Callable[[str], str], extra: list, out: list) -> str:
+        name, target = key
+        dims = fresh(f"{name}_spread_shape")
+        extra.append(numpy_helper.from_array(np.array(target, np.int64), dims))
+        spread = fresh(f"{name}_spread")
+        out.append(onnx.helper.make_node("Expand", [name, dims], [spread], name=fresh(f"{spread}_node")))
+        return spread
+
+    return _operands_replaced(nodes, initializers, ARITHMETIC, key_for, make)
 
 
 def _short_broadcast_target(operand: list[int | None] | None, output: list[int | None]) -> tuple[int, ...] | None:
