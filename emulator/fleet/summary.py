@@ -142,11 +142,12 @@ def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> st
     rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
     if rest > 0:
         shapes = summary.get("shapes", {})
-        trained = sum(n for shape, n in shapes.items() if shape.startswith("-v[]+"))
-        late = sum(n for shape, n in shapes.items() if shape.endswith("#"))
-        if trained and late >= trained / 4:
+        trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
+        late = sum(n for shape, n in trained.items() if shape.endswith("#"))  # of those that trained
+        trained_n = sum(trained.values())
+        if trained_n and late >= trained_n / 4:
             reasons.append(
-                f"{rest} had too few reports in time: {late} of the {trained} sessions that trained reported after "
+                f"{rest} had too few reports in time: {late} of the {trained_n} sessions that trained reported after "
                 f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
                 "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"
             )

@@ -76,3 +76,6 @@ def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_
         completion_note(summary, [_round(1, True, 130), _round(2, True, 130)], config.task) == "all 2 rounds committed"
     )
     assert completion_note(summary, [], config.task) is None
+    # sessions selected into a round that was abandoned before they trained (-v#) are not late reports
+    untrained = {**summary, "shapes": {**summary["shapes"], "-v#": 500}}
+    assert "40 of the 130 sessions that trained reported after" in completion_note(untrained, rounds, config.task)
