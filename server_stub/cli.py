@@ -7,6 +7,7 @@ import logging
 import math
 import socket
 import sys
+from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -153,9 +154,13 @@ def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> 
     return "none: every release report is refused; name the testers' keys with --release-trust FILE"
 
 
-def run_server(args: argparse.Namespace, out=sys.stdout) -> int:
+def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Start the server from parsed arguments; prints where it listens, its database, whether
-    attestation is on and where the admin keys come from. Returns an exit status."""
+    attestation is on and where the admin keys come from. Returns an exit status.
+
+    ``out`` defaults to the ``sys.stdout`` of the call, not of the import: a caller that swaps
+    stdout (a test's capture, a redirect) after importing this module gets its own stream."""
+    out = out or sys.stdout
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.admin_key_file:
