@@ -23,6 +23,7 @@ from .eligibility import EligibilityPolicies
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
     CorruptResource,
+    InvalidSetting,
     NoExamples,
     OverBudget,
     ProtocolError,
@@ -99,6 +100,7 @@ __all__ = [
     "EligibilityPolicies",
     # the errors an app catches
     "RuntimeSdkError",
+    "InvalidSetting",
     "SessionRejected",
     "ServerUnreachable",
     "ProtocolError",

@@ -7,6 +7,10 @@ class RuntimeSdkError(Exception):
     """Base class of the device runtime's errors."""
 
 
+class InvalidSetting(RuntimeSdkError, ValueError):
+    """An argument the app gave the runtime that it cannot work with; the message says what is allowed."""
+
+
 class ServerUnreachable(RuntimeSdkError):
     """The FL server could not be reached after all retries; try again later."""
 

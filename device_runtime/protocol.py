@@ -20,7 +20,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from .attestation import AttestationError, decode_nonce
-from .errors import CorruptResource, ProtocolError, ServerUnreachable
+from .errors import CorruptResource, InvalidSetting, ProtocolError, ServerUnreachable
 from .wire import (
     AGGREGATIONS,
     CHECKIN_ANSWER,
@@ -53,6 +53,41 @@ STATS_HEADER = "X-FL-Session-Stats"
 def shared_tls_context() -> ssl.SSLContext:
     """The default verifying TLS context, built once per process and shared by every client."""
     return ssl.create_default_context(cafile=certifi.where())
+
+
+SERVER_URL_RULE = (
+    "it needs http:// or https:// and a host, then an optional port (1-65535) and path, "
+    "and no query, fragment, spaces or control characters"
+)
+
+
+def checked_server_url(url: object) -> str:
+    """``url`` without its trailing '/', once it names a server a client can send requests to
+    (``SERVER_URL_RULE``); else ``InvalidSetting`` saying so, with the URL to give for a bare
+    ``host:port``. The device's runtime and the operators' client both check theirs here: without
+    the check, '127.0.0.1:8000' failed only at the first request (after every retry, on a device)
+    as "unsupported protocol"."""
+    if not isinstance(url, str):
+        raise InvalidSetting(f"a server URL is a string, not {type(url).__name__}")
+    try:
+        parsed = httpx.URL(url)
+        fits = (
+            parsed.scheme in ("http", "https")
+            and bool(parsed.host)
+            and (parsed.port is None or 0 < parsed.port < 65536)
+            and not parsed.query
+            and not parsed.fragment
+            and not url.endswith(("?", "#"))
+            and not any(c.isspace() or not c.isprintable() for c in url)
+        )
+    except (httpx.InvalidURL, TypeError):
+        fits = False
+    if not fits:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else None
+        bare = url.split("://", 1)[-1]
+        example = f", e.g. http://{bare or '127.0.0.1:8000'}" if scheme is None and bare.isprintable() else ""
+        raise InvalidSetting(f"{url[:200]!r} is not a server URL: {SERVER_URL_RULE}{example}")
+    return url.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -112,7 +147,7 @@ class ProtocolClient:
     ) -> None:
         """``transport``: how requests travel (httpx's, e.g. an in-process one in a simulation);
         by default real HTTP. ``client``: an httpx client to share between devices instead."""
-        self.server_url = server_url.rstrip("/")
+        self.server_url = checked_server_url(server_url)
         self.retry = retry
         self.rng = rng or random.Random()
         self.sleep = sleep

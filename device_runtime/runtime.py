@@ -30,17 +30,18 @@ from .ddp import DDPError
 from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_update, update_dim
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
-from .errors import CorruptResource, NoExamples, OverBudget, ProtocolError, SessionRejected
+from .errors import CorruptResource, InvalidSetting, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .influence import bound_update
 from .opstats import Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError
 from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
-from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, retry_window
+from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, checked_server_url, retry_window
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_client import NEEDS_ATTESTATION, REFUSED, SecureAggregation, SecureOutcome, SecureResult
 from .secure_sum import SecureSumCodec
+from .wire import NAME_RULE, is_name
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,12 @@ class FLRuntime:
         the system's on a device, a model's in a simulation on virtual time. ``rng``: the device's
         random stream (jitter, fixed-point rounding); given one, a seeded run repeats, noise
         included; without one, a distributed-DP round's noise and rounding are seeded from the
-        operating system's entropy, never from a stream whose draws the server sees as timings."""
+        operating system's entropy, never from a stream whose draws the server sees as timings.
+        A ``population`` that breaks ``NAME_RULE`` (it is a path segment of the device's requests)
+        or a ``server_url`` that is not http(s) is refused here with ``InvalidSetting``."""
+        if not is_name(population):
+            raise InvalidSetting(f"population {str(population)[:200]!r} refused: {NAME_RULE}")
+        server_url = checked_server_url(server_url)  # before anything is made: a refusal leaves nothing
         self.population = population
         self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
         self._remove_own_cache: Callable[[], None] = lambda: None

@@ -20,6 +20,7 @@ here: they travel as ``application/octet-stream``."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -46,6 +47,19 @@ TOKEN_PATTERN = r"^[\x21-\x7e]{1,512}$"
 #: What ``version_tuple`` reads: up to three dot-separated numbers, then anything (e.g. '+cpu').
 VERSION_PATTERN = r"^\s*[0-9]"
 AGGREGATIONS = ("simple", "secure_sum")
+
+#: Names travel in URLs, headers and logs: ASCII letters, digits, '-', '_' and '.', but not only
+#: dots: '.' and '..' are path segments ('%2E%2E' in a URL names the parent of where it stands).
+NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+NAME_RULE = "names are 1-128 ASCII letters, digits, '-', '_' or '.', and not only dots ('.' and '..' are path segments)"
+
+
+def is_name(name: object) -> bool:
+    """Whether ``name`` keeps ``NAME_RULE`` (what the server's ``Name`` accepts), for checks outside a model: the
+    server's of a deploy's tasks, the toolchain's, whose bundles keep each task in a folder of its
+    name, and a device's of the population it checks in to (a path segment of its requests)."""
+    return isinstance(name, str) and re.fullmatch(NAME_PATTERN, name) is not None and bool(name.strip("."))
+
 
 Count = Annotated[int, Strict(), Field(ge=0)]
 Seconds = Annotated[float, Strict(), Field(ge=0.0)]

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ValidationError
 
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
+from device_runtime.errors import InvalidSetting
 from device_runtime.plan import Plan, serialize_plan
+from device_runtime.protocol import checked_server_url
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -79,21 +81,13 @@ class ServerUnreachable(Exception):
 
 
 def check_server_url(url: str) -> str:
-    """``url`` without a trailing slash, once it names an ``http://`` or ``https://`` server; a bare
-    ``host:port`` is refused with the URL to give instead (httpx would say only "unsupported protocol")."""
+    """``url`` without a trailing slash, once it names an ``http://`` or ``https://`` server (the
+    rule devices hold too, ``checked_server_url``); a bare ``host:port`` is refused with the URL to
+    give instead (httpx would say only "unsupported protocol")."""
     try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as exc:
-        raise ServerUnreachable(
-            f"{url!r} is not a server URL ({exc}); give one such as http://127.0.0.1:8000"
-        ) from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        bare = url.split("://", 1)[-1]
-        raise ServerUnreachable(
-            f"{url!r} is not a server URL: it needs http:// or https:// and a host, "
-            f"e.g. http://{bare or '127.0.0.1:8000'}"
-        )
-    return url.rstrip("/")
+        return checked_server_url(url)
+    except InvalidSetting as exc:
+        raise ServerUnreachable(str(exc)) from None
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,23 +6,27 @@ with an error instead of recursing)."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
 from device_runtime.eligibility import EligibilityPolicies
-from device_runtime.wire import VERSION_PATTERN, Abort, Checkin, EligibilityVerdict, ErrorBody, ErrorDetail
+from device_runtime.wire import (
+    NAME_PATTERN,
+    NAME_RULE,
+    VERSION_PATTERN,
+    Abort,
+    Checkin,
+    EligibilityVerdict,
+    ErrorBody,
+    ErrorDetail,
+    is_name,
+)
 
 from .release_gate import MAX_REPORT_BYTES
 from .rounds import RoundConfig
 from .task_choice import Strategy
-
-#: Names travel in URLs, headers and logs: ASCII letters, digits, '-', '_' and '.', but not only
-#: dots: '.' and '..' are path segments ('%2E%2E' in a URL names the parent of where it stands).
-NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
-NAME_RULE = "names are 1-128 ASCII letters, digits, '-', '_' or '.', and not only dots ('.' and '..' are path segments)"
 
 
 def _not_a_path_segment(name: str) -> str:
@@ -34,12 +38,6 @@ def _not_a_path_segment(name: str) -> str:
 
 
 Name = Annotated[str, Strict(), Field(pattern=NAME_PATTERN, description=NAME_RULE), AfterValidator(_not_a_path_segment)]
-
-
-def is_name(name: object) -> bool:
-    """Whether ``name`` keeps ``NAME_RULE`` (what ``Name`` accepts), for checks outside a model: the
-    server's of a deploy's tasks, and the toolchain's, whose bundles keep each task in a folder of its name."""
-    return isinstance(name, str) and re.fullmatch(NAME_PATTERN, name) is not None and bool(name.strip("."))
 
 
 #: Exactly what ``base64.b64decode(..., validate=True)`` accepts (a linear-time match, ~0.1 s for 60 MB).
