@@ -4,8 +4,9 @@ fleet config names none (``[task] file``) and ``fedfleet simulate --task`` can n
 An MLP with ReLU hidden layers and a softmax output over the examples' ``x`` and ``y``, read from
 ``app:/examples``. The fleet sets its hyperparameters from its ``[task]`` (``hidden``,
 ``learning_rate`` as ``lr``, ``batch_size``, ``epochs``, ``secure``) and its data (``features``: the
-size of one example's ``x``, ``classes``: the largest label plus one, at least 10), and its seed
-from ``[fleet] seed``; the defaults below are the paper-calibrated fleet's on the 8x8 digits.
+size of one example's ``x``, ``classes``: the largest label plus one, at least 2 and at most
+``workload.MAX_BUILT_IN_CLASSES``), and its seed from ``[fleet] seed``; the defaults below are the
+paper-calibrated fleet's on the 8x8 digits.
 
     fedfleet plan build emulator/fleet/digits_task.py -o build/fleet_mlp
 """

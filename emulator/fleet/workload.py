@@ -41,6 +41,10 @@ __all__ = ["BUILT_IN_TASK", "FleetTask", "InputSpec", "Workload", "WorkloadError
 
 #: The task a fleet runs when its config names no task file.
 BUILT_IN_TASK = Path(__file__).with_name("digits_task.py")
+#: The built-in task has one output per class id up to the largest label: a label of 10**12 asked
+#: numpy for a weight matrix of 7 TiB (a MemoryError line). 100,000 classes of a 32-wide layer
+#: are 3.2M weights, past any label set the field's federated datasets use (StackOverflow's 10,000 words).
+MAX_BUILT_IN_CLASSES = 100_000
 
 
 class WorkloadError(SimulationError):
@@ -392,6 +396,12 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
         raise WorkloadError(
             f"the built-in task classifies into class ids 0, 1, 2, ..., but the label {label!r} of {data.source} "
             f"goes down to {int(labels.min())}; number the classes from 0 or name a task file for it (--task or [task] file)"
+        )
+    if labels.size and int(labels.max()) >= MAX_BUILT_IN_CLASSES:
+        raise WorkloadError(
+            f"the built-in task has one output per class id up to the largest label, but the label {label!r} of "
+            f"{data.source} goes up to {int(labels.max())}, past its limit of {MAX_BUILT_IN_CLASSES - 1}; number the "
+            "classes 0, 1, 2, ... or name a task file for it (--task or [task] file)"
         )
     t = config.task
     hp = {

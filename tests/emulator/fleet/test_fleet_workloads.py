@@ -311,6 +311,11 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
         (("--task", str(TASKS / "digits_task.py")), "[task]\nhidden = [16]\n", "shape the built-in digits MLP only"),
         (("--target-accuracy", "1.5"), "", "between 0 and 1"),
         (("--data", "table:{negative},client=client"), "", "goes down to -1; number the classes from 0"),
+        (
+            ("--data", "table:{huge},client=client"),
+            "",
+            "label 'y' of table:{huge} goes up to 1000000000000, past its limit of 99999",
+        ),
     ],
 )
 def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, capsys, args, fleet_extra, says):
@@ -324,7 +329,18 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     tff = write_tff(tmp_path / "tff") if any("{tff}" in a for a in args) else None
     negative = tmp_path / "negative.csv"  # labels -1 and 1: each device's training would refuse them
     negative.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{1 if i % 2 else -1}\n" for i in range(64)))
-    args = tuple(a.format(broken=broken, not_a_plan=not_a_plan, tff=tff, negative=negative, tmp=tmp_path) for a in args)
+    huge = tmp_path / "huge.csv"  # one label id of 10**12: the built-in task's output layer would be 7 TiB
+    huge.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{10**12 if i == 5 else i % 3}\n" for i in range(64)))
+    names = {
+        "broken": broken,
+        "not_a_plan": not_a_plan,
+        "tff": tff,
+        "negative": negative,
+        "huge": huge,
+        "tmp": tmp_path,
+    }
+    args = tuple(a.format(**names) for a in args)
+    says = says.format(**names)
     fleet = "[fleet]\ndevices = 10\nhours = 0.1\n" + ("\n" + fleet_extra if fleet_extra else "")
     code, _, err = simulate(tmp_path, capsys, *args, fleet=fleet)
     assert code == 2
