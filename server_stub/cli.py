@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 import socket
 import sys
 from typing import TextIO
@@ -67,6 +68,21 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             p.formatter_class, argparse.RawDescriptionHelpFormatter
         )
         p.formatter_class = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
+    return parser
+
+
+#: What argparse reads as a negative number, not an option: its own ('-1', '-.5') and the ones it
+#: took for options, '-1e-5' (an error 'expected one argument' for ``--delta -1e-5``) and '-inf'
+#: (which the options' own checks then refuse by name). Python 3.14's argparse reads them itself.
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|inf|infinity)$", re.IGNORECASE)
+
+
+def read_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make every parser of the tree under ``parser`` take ``NEGATIVE_NUMBER`` as a value. argparse
+    keeps its rule in the parser's ``_negative_number_matcher``; where a later argparse no longer
+    reads it, its own rule holds, which takes these already."""
+    for p in parsers(parser):
+        p._negative_number_matcher = NEGATIVE_NUMBER
     return parser
 
 
@@ -251,5 +267,5 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m server_stub", description="Run the FL server.")
     add_server_arguments(parser)
-    show_defaults(parser)
+    read_negative_numbers(show_defaults(parser))
     return run_server(parser.parse_args(argv))

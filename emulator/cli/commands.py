@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from server_stub import RoundConfig
-from server_stub.cli import add_server_arguments, run_server, show_defaults
+from server_stub.cli import add_server_arguments, read_negative_numbers, run_server, show_defaults
 
 from ..demo import DemoConfig, DemoConfigError, run_demo
 from ..devices.attestation_authority import AttestationAuthority
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     add_simulate_parser(sub)
     add_compare_parser(sub)
     add_toolchain_commands(sub)
-    args = show_defaults(parser).parse_args(argv)
+    args = read_negative_numbers(show_defaults(parser)).parse_args(argv)
     if args.command in ("plan", "deploy", "status", "rounds"):
         return run_toolchain_command(args)
     if args.command == "server":

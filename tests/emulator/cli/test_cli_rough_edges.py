@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_runtime import encode_checkpoint, initial_weights
 from emulator.cli import commands as cli
@@ -147,6 +149,28 @@ def test_every_help_shows_each_default_in_plain_text():
             if shows_default(action):
                 line = formatter._expand_help(action) if action.help is not None else ""
                 assert str(action.default) in line or "default" in line, (parser.prog, action.option_strings, line)
+
+
+@settings(deadline=None)
+@given(
+    value=st.floats(max_value=-1e-300, allow_infinity=True, allow_nan=False),
+    style=st.sampled_from(["{:e}", "{:E}", "{!r}", "{:g}", "{:.3e}"]),
+)
+def test_a_negative_number_in_any_notation_is_an_options_value_not_an_option(value, style):
+    """``--delta -1e-5`` was 'expected one argument': argparse (before 3.14) takes '-1e-5' and
+    '-inf' for options. Here they reach the option, whose own check then says what is allowed."""
+    text = style.format(value)
+    parser = _parser()
+    simulate = parser.parse_args(["simulate", "--delta", text, "--no-progress", "--dp-clip", text])
+    assert simulate.delta == simulate.dp_clip == float(text) and simulate.no_progress
+    assert parser.parse_args(["server", "--rate-burst", text]).rate_burst == float(text)
+
+
+def test_a_negative_delta_is_one_line_naming_the_field(tmp_path, capsys):
+    assert cli.main(["simulate", "--dp", "central", "--delta", "-1e-5", "--out", str(tmp_path / "run")]) == 2
+    assert (
+        capsys.readouterr().err == "fedfleet simulate: override is invalid: dp.delta: Input should be greater than 0\n"
+    )
 
 
 def test_dev_says_what_it_installs_before_the_first_install(tmp_path):
