@@ -107,6 +107,13 @@ class HeadersTooLarge(ApiError):
     status, code = 431, "HEADERS_TOO_LARGE"
 
 
+class VersionNotSupported(ApiError):
+    """A request line of another major HTTP version than 1 ('HTTP/9.9', 'HTTP/2.0'): RFC 9110's
+    answer to a version the server does not speak, which h11 reads as any other."""
+
+    status, code = 505, "HTTP_VERSION_NOT_SUPPORTED"
+
+
 class ServerBusy(ApiError):
     """Every connection the server allows is busy with a request; clients retry 5xx later."""
 

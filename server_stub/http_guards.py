@@ -46,7 +46,15 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import ApiError, BodyTimeout, HeadersTooLarge, HeaderTimeout, MalformedRequest, ServerBusy
+from .errors import (
+    ApiError,
+    BodyTimeout,
+    HeadersTooLarge,
+    HeaderTimeout,
+    MalformedRequest,
+    ServerBusy,
+    VersionNotSupported,
+)
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +259,9 @@ def _head_bytes(request: h11.Request) -> int:
 
 class _HeadLimitedConnection(h11.Connection):
     """h11's server side that also refuses a complete head over the limit (h11 bounds only an
-    incomplete one) and keeps the refusal, so that the answer can say why."""
+    incomplete one) and a request of another major HTTP version than 1 (h11 takes any digit.digit,
+    and uvicorn answered 'GET / HTTP/9.9' 200 in HTTP/1.1), and keeps the refusal, so that the
+    answer can say why. A later 1.x is read as 1.1, as RFC 9112 section 2.6 asks."""
 
     def __init__(self, max_head_bytes: int) -> None:
         super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
@@ -266,6 +276,10 @@ class _HeadLimitedConnection(h11.Connection):
             raise
         if isinstance(event, h11.Request) and _head_bytes(event) > self.max_head_bytes:
             self.refusal = h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            raise self.refusal
+        if isinstance(event, h11.Request) and not event.http_version.startswith(b"1."):
+            version = event.http_version.decode("ascii", "replace")
+            self.refusal = h11.RemoteProtocolError(f"HTTP/{version} is not spoken here", error_status_hint=505)
             raise self.refusal
         return event
 
@@ -316,12 +330,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """h11 refused what the client sent (uvicorn has logged it): 431 for a head over the
-        limit, else 400, closed lingeringly."""
+        limit, 505 for a version other than HTTP/1.x, else 400, closed lingeringly."""
         refusal = self.conn.refusal
         if refusal is not None and refusal.error_status_hint == 431:
             error: ApiError = HeadersTooLarge(
                 f"the request head is larger than {self.limits.max_header_bytes} bytes; send shorter headers"
             )
+        elif refusal is not None and refusal.error_status_hint == 505:
+            error = VersionNotSupported(f"{refusal}: send HTTP/1.1")
         else:
             error = MalformedRequest(f"not a valid HTTP/1.1 request: {refusal or msg}")
         self.transport.write(answer_bytes(error))

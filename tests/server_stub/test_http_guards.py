@@ -138,6 +138,25 @@ def test_a_request_head_over_the_limit_is_answered_431(guarded):
         assert http.get("/v1/health").status_code == 200
 
 
+@pytest.mark.parametrize("version", ["9.9", "2.0", "0.9", "3.1"])
+def test_a_request_of_another_major_http_version_is_answered_505(guarded, version):
+    """h11 takes any digit.digit, and uvicorn answered 'GET /v1/health HTTP/9.9' 200."""
+    other = _connect(guarded)
+    other.sendall(_head("GET", "/v1/health").replace(b"HTTP/1.1", f"HTTP/{version}".encode(), 1))
+    raw = _until_closed(other)
+    assert raw.startswith(b"HTTP/1.1 505 ") and _answer(raw) == (505, "HTTP_VERSION_NOT_SUPPORTED")
+    assert f"HTTP/{version}".encode() in raw
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2"])
+def test_a_request_of_http_1_is_answered_whatever_its_minor_version(guarded, version):
+    """RFC 9112 section 2.6: a later minor version is read as the highest this server speaks."""
+    one = _connect(guarded)
+    one.sendall(_head("GET", "/v1/health", "Connection: close").replace(b"HTTP/1.1", f"HTTP/{version}".encode(), 1))
+    raw = _until_closed(one)
+    assert raw.split(b" ", 2)[1] == b"200" and raw.endswith(b'{"status":"ok"}')
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
