@@ -38,6 +38,7 @@ from device_runtime.versions import version_tuple
 __all__ = [
     "MAX_REPORT_BYTES",
     "RECORDED_RELEASES",
+    "RELEASE_CODES",
     "REPORT_FORMAT",
     "SIGNATURE_ALGORITHM",
     "ReleaseGateError",
@@ -61,6 +62,22 @@ PUBLIC_KEY_BYTES, SIGNATURE_BYTES = 32, 64
 RECORDED_RELEASES: tuple[str, ...] = tuple(str(row["release"]) for row in load_ort_support_record())
 _RELEASE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})\.([0-9]{1,6})")
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+#: The codes a ``ReleaseGateError`` carries (a deploy answers them 422), and the deploy's own when
+#: a task that claims releases comes without a report.
+RELEASE_CODES = (
+    "RELEASE_REPORT_REQUIRED",
+    "RELEASE_REPORT_MALFORMED",
+    "RELEASE_REPORT_TOO_LARGE",
+    "RELEASE_REPORT_UNSIGNED",
+    "RELEASE_REPORT_BAD_SIGNATURE",
+    "RELEASE_REPORT_UNTRUSTED",
+    "RELEASE_REPORT_MISMATCH",
+    "RELEASE_REPORT_INCOMPLETE",
+    "RELEASE_UNKNOWN",
+    "RELEASE_TEST_FAILED",
+)
 
 
 class ReleaseGateError(ValueError):

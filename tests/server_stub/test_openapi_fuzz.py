@@ -18,6 +18,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import jsonschema_rs
@@ -38,6 +39,7 @@ from tests.support import deploy
 #: Examples per operation and generation mode in the default run (derandomized: the same ones every
 #: run; 150 took 95 s of the default run's 16 minutes, 50 took 47 CPU-s); the slow run draws 1,500 for each.
 EXAMPLES = 20
+ROOT = Path(__file__).resolve().parents[2]
 SLOW_EXAMPLES = 1500
 #: Round configs the schema-against-server property draws in the default run (600 took 4.6 CPU-s), and in its slow twin.
 CONFIG_EXAMPLES = 150
@@ -323,6 +325,31 @@ def _check_answer(target: Target, path: str, method: str, response: httpx.Respon
         assert not errors, f"{described} -> {response.status_code} {response.text[:300]}: {errors[:3]}"
 
 
+#: The codes the HTTP server answers before a request reaches a route (``http_guards``, the router):
+#: the document names them in its description, not per route.
+SERVER_CODES = {
+    "MALFORMED_REQUEST",
+    "HEADER_TIMEOUT",
+    "HEADERS_TOO_LARGE",
+    "SERVER_BUSY",
+    "HTTP_VERSION_NOT_SUPPORTED",
+    "NOT_FOUND",
+    "METHOD_NOT_ALLOWED",
+}
+
+
+def _check_error_documented(target: Target, path: str, method: str, response: httpx.Response, described: str) -> None:
+    """A refusal is one the document lists for the route, status and code; or one of the server's own."""
+    if response.status_code < 400:
+        return
+    code = response.json()["error"]["code"]
+    if code in SERVER_CODES:
+        assert f"{response.status_code} {code}" in target.document["info"]["description"], f"{described} -> {code}"
+        return
+    declared = target.document["paths"][path][method.lower()]["responses"].get(str(response.status_code), {})
+    assert code in declared.get("x-error-codes", ()), f"{described} -> {response.status_code} {code}: undocumented"
+
+
 def _fuzz(target: Target, path: str, method: str, mode: str, examples: int) -> None:
     operation = target.schema[path][method]
     strategy = operation.as_strategy(schemathesis.GenerationMode(mode))
@@ -350,6 +377,7 @@ def _fuzz(target: Target, path: str, method: str, mode: str, examples: int) -> N
             assert time.monotonic() - started < TIMEOUT_S, described
             _check(response, described)
             _check_answer(target, path, method, response, described)
+            _check_error_documented(target, path, method, response, described)
 
         exchange()
 
@@ -375,12 +403,58 @@ def test_openapi_is_3_1_and_documents_every_route(target):
     assert document == _app().openapi()  # what is served is what the app declares
     for path, item in document["paths"].items():
         for method, operation in item.items():
-            assert "ErrorBody" in json.dumps(operation["responses"].get("400", {})), f"{method} {path}"
+            errors = {status: a for status, a in operation["responses"].items() if status >= "4"}
+            assert "500" in errors, f"{method} {path}"
+            for status, answer in errors.items():
+                assert "ErrorBody" in json.dumps(answer) and answer["x-error-codes"], f"{method} {status} {path}"
+                assert answer["description"].endswith(": " + ", ".join(answer["x-error-codes"])), f"{method} {path}"
             tags = operation.get("tags", [])
             if tags == ["operators"]:
                 assert operation["security"] == [{"adminKey": []}], f"{method} {path}"
             if path.startswith("/v1/sessions/"):
                 assert operation["security"] == [{"sessionToken": []}], f"{method} {path}"
+
+
+def _documented_codes(document: dict) -> dict[tuple[str, str], set[str]]:
+    return {
+        (method.upper(), path): {c for a in op["responses"].values() for c in a.get("x-error-codes", ())}
+        for path, item in document["paths"].items()
+        for method, op in item.items()
+    }
+
+
+def test_each_route_documents_only_the_error_codes_it_can_send():
+    """The document listed every status on every route (a 401 and a 422 on /v1/health)."""
+    codes = _documented_codes(_app().openapi())
+    assert codes[("GET", "/v1/health")] == codes[("GET", "/v1/populations/{population}/eligibility")] == {"INTERNAL"}
+    assert codes[("GET", "/v1/populations")] == {"ADMIN_KEY_REQUIRED", "BAD_ADMIN_KEY", "INTERNAL"}
+    devices = {c for (_, path), found in codes.items() if "/sessions/" in path or "/checkin" in path for c in found}
+    operators = codes[("POST", "/v1/populations/{population}/tasks")]
+    assert not devices & {"ADMIN_KEY_REQUIRED", "TASK_EXISTS", "INVALID_PLAN", "RELEASE_TEST_FAILED"}
+    assert not operators & {"MISSING_TOKEN", "BAD_SESSION_TOKEN", "REPORT_LATE", "RATE_LIMITED"}
+    assert "422" not in json.dumps(_app().openapi()["paths"]["/v1/populations/{population}/rounds"])
+
+
+def test_every_error_code_the_server_sends_is_documented():
+    """Every code written in the server's source (an error's class, ``code="..."``, the release gate's
+    and the attestation verifier's) is one a route lists or, for the HTTP server's own, the description."""
+    from device_runtime import attestation
+
+    sources = [*(ROOT / "server_stub").glob("*.py"), Path(attestation.__file__)]
+    written = {
+        code
+        for source in sources
+        for code in re.findall(
+            r'(?:code="|code, http_status = "|status, code = \d+, "|ReleaseGateError\(\s*")([A-Z][A-Z0-9_]+)"',
+            source.read_text(encoding="utf-8"),
+        )
+    }
+    document = _app().openapi()
+    documented = {c for found in _documented_codes(document).values() for c in found}
+    assert all(code in document["info"]["description"] for code in SERVER_CODES)
+    # the bases' defaults, which every raise of theirs overrides
+    bases = {"ATTESTATION_FAILED", "BAD_REQUEST", "UNAUTHORIZED", "CONFLICT"}
+    assert len(written) > 50 and written - documented - SERVER_CODES <= bases, written - documented - SERVER_CODES
 
 
 _CONFIG_VALIDATORS: dict[int, tuple[dict, jsonschema_rs.Draft202012Validator]] = {}
