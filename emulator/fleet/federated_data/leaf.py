@@ -201,11 +201,19 @@ def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict
             }
         else:
             try:
-                xs = np.asarray(x, dtype=np.float32)
+                with np.errstate(over="ignore"):  # a value past float32's range becomes inf, refused below
+                    xs = np.asarray(x, dtype=np.float32)
             except (ValueError, TypeError) as exc:
                 raise DataLayoutError(
                     f"{path}: user {user!r} has x vectors of different lengths or non-numbers; every x needs the same length"
                 ) from exc
+            except OverflowError:  # an integer past any float's range (JSON numbers have no limit)
+                xs = np.full(1, np.inf, np.float32)
+            if not np.isfinite(xs).all():  # NaN and Infinity parse as JSON here; 1e39 is float32's inf
+                raise DataLayoutError(
+                    f"{path}: user {user!r} has an x value that is NaN, infinite or past float32's range (3.4e38); "
+                    "fix or drop that example"
+                )
             if xs.ndim == 1:
                 xs = xs[:, None]
             out[user] = {"x": xs, "y": _labels(y, user, path)}

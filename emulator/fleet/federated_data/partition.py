@@ -152,7 +152,7 @@ def pathological(
         idx = np.flatnonzero(labels == c)
         if len(idx) < len(holders):
             raise PartitionError(
-                f"class {c!r} has {len(idx)} examples but {len(holders)} clients need some; "
+                f"class {c.item()!r} has {len(idx)} examples but {len(holders)} clients need some; "
                 "use fewer clients, fewer classes_per_client or mode=deterministic"
             )
         rng.shuffle(idx)

@@ -11,6 +11,7 @@ decoded to Python ``str`` (feature dtype ``"str"``: tokenize them with ``text.en
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +35,50 @@ def _pair_in_folder(folder: Path) -> tuple[Path, Path | None]:
     return train[0], (test[0] if test else None)
 
 
-def _read_feature(dataset: Any, h5py: Any) -> np.ndarray:
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # not POSIX
+        return None
+
+
+def _member(group: Any, name: str, h5py: Any, where: str) -> Any:
+    """``group[name]``, unless it is a link to another file (a hostile file's external link makes
+    h5py open whatever path it names) or a link to nothing: a ``DataLayoutError`` naming it."""
+    link = group.get(name, getlink=True)
+    if isinstance(link, h5py.ExternalLink):
+        raise DataLayoutError(
+            f"{where} links to {link.filename!r} ({link.path}), another file; a ClientData file holds its own data"
+        )
+    try:
+        return group[name]
+    except KeyError:
+        raise DataLayoutError(f"{where} is a link to nothing in the file") from None
+
+
+def _read_feature(dataset: Any, h5py: Any, where: str) -> np.ndarray:
+    """The feature's array, once its declared size fits in memory: a dataset is declared with any
+    shape (10**6 x 10**6 floats take no space unwritten), and reading one past memory was a
+    ``MemoryError`` that named nothing."""
+    size = int(np.prod(dataset.shape, dtype=object)) * dataset.dtype.itemsize
+    memory = _physical_memory()
+    if memory is not None and size > memory:
+        raise DataLayoutError(
+            f"{where} is declared {dataset.dtype}{list(dataset.shape)}, {size / 2**30:.4g} GiB, more than this "
+            f"machine's {memory / 2**30:.4g} GiB of memory"
+        )
+    try:
+        values = _read(dataset, h5py)
+    except MemoryError:
+        raise DataLayoutError(
+            f"{where} ({dataset.dtype}{list(dataset.shape)}, {size / 2**30:.4g} GiB) does not fit in memory"
+        ) from None
+    if values.dtype.kind == "f" and not np.isfinite(values).all():  # as a LEAF file's and a table's are refused
+        raise DataLayoutError(f"{where} holds NaN or infinite values; fix or drop those examples")
+    return values
+
+
+def _read(dataset: Any, h5py: Any) -> np.ndarray:
     if h5py.check_string_dtype(dataset.dtype) is not None:
         return np.asarray(dataset.asstr()[()], dtype=object)
     if dataset.dtype.kind == "O":  # variable-length bytes without a declared string type
@@ -52,6 +96,8 @@ def read_tff_h5(path: Path) -> dict[str, dict[str, np.ndarray]]:
     except OSError as exc:
         raise DataLayoutError(f"tff-h5: {path} is not an HDF5 file ({exc}); TFF's ClientData files are HDF5") from exc
     with handle as f:
+        if EXAMPLES_GROUP in f.keys():
+            _member(f, EXAMPLES_GROUP, h5py, f"tff-h5: {path}: {EXAMPLES_GROUP}")
         if EXAMPLES_GROUP not in f or not isinstance(f[EXAMPLES_GROUP], h5py.Group):
             raise DataLayoutError(
                 f"tff-h5: {path} has no {EXAMPLES_GROUP!r} group (top level: {', '.join(sorted(f.keys())) or 'nothing'}); "
@@ -60,7 +106,7 @@ def read_tff_h5(path: Path) -> dict[str, dict[str, np.ndarray]]:
         examples = f[EXAMPLES_GROUP]
         out: dict[str, dict[str, np.ndarray]] = {}
         for cid in sorted(examples.keys()):
-            group = examples[cid]
+            group = _member(examples, cid, h5py, f"tff-h5: {path}: examples/{cid}")
             if not isinstance(group, h5py.Group):
                 raise DataLayoutError(
                     f"tff-h5: {path}: examples/{cid} is a dataset, not a client group; "
@@ -68,11 +114,11 @@ def read_tff_h5(path: Path) -> dict[str, dict[str, np.ndarray]]:
                 )
             features = {}
             for name in sorted(group.keys()):
-                if not isinstance(group[name], h5py.Dataset):
-                    raise DataLayoutError(
-                        f"tff-h5: {path}: examples/{cid}/{name} is a group; each feature must be a dataset"
-                    )
-                features[name] = _read_feature(group[name], h5py)
+                where = f"tff-h5: {path}: examples/{cid}/{name}"
+                member = _member(group, name, h5py, where)
+                if not isinstance(member, h5py.Dataset):
+                    raise DataLayoutError(f"{where} is a group; each feature must be a dataset")
+                features[name] = _read_feature(member, h5py, where)
             out[cid] = features
     if not out:
         raise DataLayoutError(f"tff-h5: {path}'s examples group holds no clients")

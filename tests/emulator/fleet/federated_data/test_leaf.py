@@ -138,6 +138,13 @@ def test_without_test_files_users_can_be_held_out_whole(tmp_path: Path) -> None:
             "different lengths",
         ),
         (json.dumps({"users": [], "user_data": {"z": {"x": [[1.0]], "y": [0]}}}), "does not list"),
+        *(
+            (
+                json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0, v]], "y": [0]}}}),
+                "NaN, infinite or past float32",
+            )
+            for v in (float("nan"), float("inf"), -1e39, 10**400)  # 10**400: OverflowError, 1e39: float32's inf
+        ),
     ],
 )
 def test_hostile_leaf_files_get_one_line_errors_that_name_the_problem(

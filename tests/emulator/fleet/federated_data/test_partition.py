@@ -128,6 +128,9 @@ def test_impossible_cuts_say_what_to_change() -> None:
         dirichlet(np.repeat(np.arange(2), 10), 10, 0.01, 0, min_size=2)
     with pytest.raises(PartitionError, match="alpha must be"):
         dirichlet(np.zeros(4), 2, 0.0, 0)
+    labels = np.r_[np.zeros(20, np.int64), [10**12]]  # one example of class 10**12, and 20 clients that want it
+    with pytest.raises(PartitionError, match=r"^class 1000000000000 has 1 examples but \d+ clients need some"):
+        pathological(labels, 20, 0, classes_per_client=2)
 
 
 def test_partition_arrays_makes_a_dataset_with_per_client_test_examples() -> None:

@@ -91,3 +91,43 @@ def test_without_h5py_the_loader_names_the_extra_to_install(tmp_path: Path, monk
     monkeypatch.setitem(sys.modules, "h5py", None)  # what an environment without h5py imports
     with pytest.raises(MissingDependencyError, match=r"pip install 'fedfleet\[data\]'"):
         load_tff_h5(path)
+
+
+def test_a_feature_declared_larger_than_memory_is_refused_naming_it_and_its_shape(tmp_path: Path) -> None:
+    """A dataset can be declared with any shape and take no space; reading it was a MemoryError."""
+    path = tmp_path / "huge.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/pixels", shape=(10**6, 10**6), dtype=np.float32)
+        f.create_dataset("examples/a/label", shape=(10**6,), dtype=np.int32)
+    with pytest.raises(DataLayoutError, match=r"examples/a/pixels is declared float32\[1000000, 1000000\], 3725 GiB"):
+        load_tff_h5(path)
+
+
+def test_links_to_other_files_or_to_nothing_are_refused_without_following_them(tmp_path: Path) -> None:
+    """h5py follows an external link to whatever file it names: a KeyError, or another file's data."""
+    other = write_emnist(tmp_path / "other.h5", {"x": 2})
+    path = tmp_path / "linked.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/label", data=np.zeros(2, dtype=np.int32))
+        f["examples/a/pixels"] = h5py.ExternalLink(str(other), "/examples/x/pixels")
+    with pytest.raises(DataLayoutError, match=r"examples/a/pixels links to '.*other\.h5' \(/examples/x/pixels\)"):
+        load_tff_h5(path)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/label", data=np.zeros(2, dtype=np.int32))
+        f["examples/b"] = h5py.ExternalLink("/etc/passwd", "/")
+    with pytest.raises(DataLayoutError, match=r"examples/b links to '/etc/passwd'"):
+        load_tff_h5(path)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/label", data=np.zeros(2, dtype=np.int32))
+        f["examples/a/pixels"] = h5py.SoftLink("/nowhere")
+    with pytest.raises(DataLayoutError, match=r"examples/a/pixels is a link to nothing"):
+        load_tff_h5(path)
+
+
+def test_a_feature_with_nan_or_infinite_values_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "nan.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/pixels", data=np.array([[0.5, np.nan], [0.1, 0.2]], dtype=np.float32))
+        f.create_dataset("examples/a/label", data=np.zeros(2, dtype=np.int32))
+    with pytest.raises(DataLayoutError, match=r"examples/a/pixels holds NaN or infinite values"):
+        load_tff_h5(path)
