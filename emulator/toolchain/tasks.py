@@ -510,6 +510,12 @@ def load_tasks(path: str | Path) -> list[Task]:
         raise
     except Exception as exc:  # noqa: BLE001 - the file is user code; say where it failed
         raise TaskError(f"task file {path} failed to run: {type(exc).__name__}: {exc}") from exc
+    except SystemExit as exc:  # sys.exit() or argparse at the file's top level: the command ended there, as a success
+        raise TaskError(
+            f"task file {path} called sys.exit({exc.code!r}) while it was loaded; a task file defines `task` or "
+            "`tasks` at its top level and runs nothing else there (put a script's part under "
+            "`if __name__ == '__main__':`)"
+        ) from None
     found = namespace.get("tasks", namespace.get("task"))
     if isinstance(found, Task):
         tasks = [found]

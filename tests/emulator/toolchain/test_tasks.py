@@ -74,6 +74,10 @@ def test_task_files_that_cannot_give_tasks_are_refused_with_the_reason(tmp_path)
     broken.write_text("raise RuntimeError('no data')\n")
     with pytest.raises(TaskError, match="failed to run: RuntimeError: no data"):
         load_tasks(broken)
+    exits = tmp_path / "exits.py"  # a script's top level: `plan build` ended there with status 0 and nothing built
+    exits.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(TaskError, match=r"exits\.py called sys\.exit\(0\) while it was loaded"):
+        load_tasks(exits)
 
 
 def test_a_task_claims_each_minor_release_once():
