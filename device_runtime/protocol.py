@@ -11,6 +11,7 @@ import json
 import random
 import ssl
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,60 @@ def checked_server_url(url: object) -> str:
     return url.rstrip("/")
 
 
+#: The most a device reads of one answer, decoded: a plan or checkpoint (``/v1/resources/``), and
+#: any other (JSON; the largest, a Secure Aggregation state of a 100,000-device group, is some
+#: megabytes). httpx reads a whole answer into memory, so a hostile server's endless or
+#: gzip-bombed answer ran a device out of memory.
+MAX_RESOURCE_BYTES = 1 << 30
+MAX_ANSWER_BYTES = 64 << 20
+
+
+class _BoundedAnswer(httpx.SyncByteStream):
+    """An answer's body decoded (gzip and deflate, which httpx asks for) and cut off past
+    ``limit`` bytes with a ``ProtocolError``, so that no more than ``limit`` is ever held."""
+
+    def __init__(self, raw: Any, limit: int, encoding: str, what: str) -> None:
+        self.raw, self.limit, self.encoding, self.what = raw, limit, encoding, what
+
+    def __iter__(self) -> Any:
+        decoder = zlib.decompressobj(wbits=47) if self.encoding in ("gzip", "deflate") else None  # 47: gzip or zlib
+        total = 0
+        for chunk in self.raw:
+            pending = chunk
+            while pending:
+                if decoder is None:
+                    out, pending = pending, b""
+                else:
+                    try:
+                        out = decoder.decompress(pending, self.limit - total + 1)
+                    except zlib.error as exc:
+                        raise ProtocolError(f"{self.what} is not valid {self.encoding} ({exc})") from None
+                    pending = decoder.unconsumed_tail
+                total += len(out)
+                if total > self.limit:
+                    raise ProtocolError(f"{self.what} is larger than {self.limit} bytes, the most a device reads")
+                yield out
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _bound_answer(response: httpx.Response) -> None:
+    """httpx's response hook, run once the head is in: the body is read through ``_BoundedAnswer``
+    (httpx decodes nothing more), and an answer that declares itself too large is refused unread."""
+    path = response.request.url.path
+    limit = MAX_RESOURCE_BYTES if path.startswith("/v1/resources/") else MAX_ANSWER_BYTES
+    what = f"the server's answer to {response.request.method} {path[:100]}"
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise ProtocolError(f"{what} is encoded as {encoding[:40]!r}, which the device did not ask for")
+    declared = response.headers.get("content-length", "")
+    if encoding == "identity" and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(f"{what} is {declared} bytes, more than the {limit} a device reads")
+    response.stream = _BoundedAnswer(response.stream, limit, encoding, what)
+    response.headers.pop("content-encoding", None)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 4
@@ -146,7 +201,9 @@ class ProtocolClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """``transport``: how requests travel (httpx's, e.g. an in-process one in a simulation);
-        by default real HTTP. ``client``: an httpx client to share between devices instead."""
+        by default real HTTP. ``client``: an httpx client to share between devices instead (its
+        answers are read as it reads them: the bounds of ``MAX_ANSWER_BYTES`` and
+        ``MAX_RESOURCE_BYTES`` hold on the client made here)."""
         self.server_url = checked_server_url(server_url)
         self.retry = retry
         self.rng = rng or random.Random()
@@ -155,7 +212,10 @@ class ProtocolClient:
         # One TLS context for every device of the process: building one loads the CA bundle
         # (about 18 ms and 0.8 MB each), which a fleet of emulated devices paid per device.
         self.http = client or httpx.Client(
-            timeout=httpx.Timeout(timeout_s), transport=transport, verify=shared_tls_context()
+            timeout=httpx.Timeout(timeout_s),
+            transport=transport,
+            verify=shared_tls_context(),
+            event_hooks={"response": [_bound_answer]},
         )
         self.bytes_sent = 0
         self.bytes_received = 0

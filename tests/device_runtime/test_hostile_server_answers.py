@@ -6,7 +6,9 @@
   participants) moves the device's next session no sooner than its own interval.
 - An accepted check-in whose fields are anything at all: the session ends in the SDK's own
   ``ProtocolError`` naming the field; no id reaches the plan cache's paths or a request's URL
-  unless it is one the server could have issued."""
+  unless it is one the server could have issued.
+- An answer larger than a device reads (endless, gzip-bombed, declared too large, or in an
+  encoding the device did not ask for): a ``ProtocolError``, read no further than the bound."""
 
 from __future__ import annotations
 
@@ -345,3 +347,82 @@ def test_a_rejections_window_is_kept_as_the_server_named_it_not_jittered_past_it
     assert all(window[0] - 1e-6 <= w <= window[1] + 1e-6 for w in waits), waits
     scheduler.close()
     runtime.close()
+
+
+def _endless(counted: list[int], chunk: bytes = b"{" * (1 << 16)):
+    """An answer that never ends, counting the bytes handed to the device."""
+    while True:
+        counted.append(len(chunk))
+        yield chunk
+
+
+class _Stream(httpx.SyncByteStream):
+    def __init__(self, chunks) -> None:
+        self.chunks = chunks
+
+    def __iter__(self):
+        yield from self.chunks
+
+
+@pytest.mark.parametrize("hostile", ["endless", "gzip bomb", "declared too large", "unasked encoding"])
+@pytest.mark.parametrize("path", ["/checkin", "/v1/resources/"])
+def test_an_answer_past_the_devices_bound_is_a_protocol_error_read_no_further(monkeypatch, tmp_path, hostile, path):
+    """httpx reads a whole answer into memory: an endless or gzip-bombed check-in answer or plan ran
+    the device out of memory. Past its bound (decoded), the answer is dropped as a ProtocolError."""
+    import gzip
+
+    from device_runtime import protocol
+
+    limit = 1 << 20
+    monkeypatch.setattr(protocol, "MAX_ANSWER_BYTES", limit)
+    monkeypatch.setattr(protocol, "MAX_RESOURCE_BYTES", 2 * limit)
+    bound = 2 * limit if path == "/v1/resources/" else limit
+    counted: list[int] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if path not in request.url.path:
+            return httpx.Response(200, json={**GOOD_ANSWER, "plan_id": "c" * 64})
+        if hostile == "endless":
+            return httpx.Response(200, stream=_Stream(_endless(counted)))
+        if hostile == "gzip bomb":
+            bomb = gzip.compress(b"\0" * (8 * bound))
+            counted.append(len(bomb))
+            return httpx.Response(
+                200, stream=_Stream([bomb]), headers={"content-encoding": "gzip"}
+            )  # as sockets give it
+        if hostile == "declared too large":
+            return httpx.Response(200, stream=_Stream(_endless(counted)), headers={"content-length": str(bound + 1)})
+        return httpx.Response(200, content=b"{}", headers={"content-encoding": "br"})
+
+    client = protocol.ProtocolClient("http://fl.test", transport=httpx.MockTransport(handle), retry=RetryPolicy(1))
+    with pytest.raises(ProtocolError) as refused:
+        if path == "/checkin":
+            client.checkin("p", "1.31.1")
+        else:
+            client.fetch_resource("c" * 64, "t0k3n")
+    expected = {
+        "endless": f"larger than {bound} bytes",
+        "gzip bomb": f"larger than {bound} bytes",
+        "declared too large": f"is {bound + 1} bytes, more than the {bound}",
+        "unasked encoding": "encoded as 'br'",
+    }[hostile]
+    assert expected in str(refused.value) and path in str(refused.value)
+    assert sum(counted) <= bound + (1 << 16) if hostile == "endless" else sum(counted) < bound
+    client.close()
+
+
+def test_a_gzipped_answer_within_the_bound_is_read_as_any_other():
+    import gzip
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = gzip.compress(
+            json.dumps({"status": "rejected", "reason": "ROUND_FULL", "retry_after_s": [1, 2]}).encode()
+        )
+        return httpx.Response(200, stream=_Stream([body[:9], body[9:]]), headers={"content-encoding": "gzip"})
+
+    from device_runtime.protocol import ProtocolClient
+
+    with_gzip = ProtocolClient("http://fl.test", transport=httpx.MockTransport(handle))
+    answer = with_gzip.checkin("p", "1.31.1")
+    assert answer.status == "rejected" and answer.retry_after_s == (1.0, 2.0)
+    with_gzip.close()
