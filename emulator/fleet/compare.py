@@ -35,6 +35,7 @@ from .report import (
     _png,
     _td,
     accuracy_series,
+    script_json,
 )
 from .tables import ROUNDS_CSV, FleetTableError, RoundRow
 
@@ -319,7 +320,7 @@ def render_compare(runs: list[RunFolder], figures: list[Figure]) -> str:
             f'<figure id="{html.escape(fig.name)}"><img alt="{html.escape(fig.caption)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{html.escape(fig.caption)}</figcaption></figure>"
         )
-    payload = json.dumps({r.label: r.summary for r in runs}, indent=1).replace("</", "<\\/")
+    payload = script_json({r.label: r.summary for r in runs}, indent=1)
     out.append(f'<script type="application/json" id="summaries-json">{payload}</script>')
     out.append("</body></html>")
     return "\n".join(out) + "\n"

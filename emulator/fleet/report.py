@@ -697,6 +697,14 @@ def _exact(value: Any) -> str:
     return json.dumps(value)
 
 
+def script_json(value: Any, **dumps: Any) -> str:
+    """``value`` as JSON to put in a ``<script type="application/json">`` element: every '<', '>'
+    and '&' is a JSON escape, so that no value can close the element or, with '<!--<script', turn
+    the page's own '</script>' into text (escaping '</' alone left that open)."""
+    text = json.dumps(value, **dumps)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def _td(value: Any, key: str | None = None) -> str:
     attrs = f' data-key="{html.escape(key)}"' if key else ""
     shown = f"{100.0 * value:.2f}%" if key and key.endswith("_rate") and isinstance(value, float) else _fmt(value)
@@ -1010,8 +1018,8 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
         out.append("<tr>" + "".join(_td(getattr(r, c)) for c in columns) + "</tr>")
     out.append("</table></div>")
 
-    # The summary as JSON too, for tools; "</" is escaped so no value can close the script element.
-    payload = json.dumps(summary, indent=1, allow_nan=False).replace("</", "<\\/")
+    # The summary as JSON too, for tools.
+    payload = script_json(summary, indent=1, allow_nan=False)
     out.append(f'<script type="application/json" id="summary-json">{payload}</script>')
     out.append("</body></html>")
     return "\n".join(out) + "\n"

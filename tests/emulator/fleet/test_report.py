@@ -27,7 +27,7 @@ from emulator.fleet import (
     write_report,
 )
 from emulator.fleet.config import FleetConfig
-from emulator.fleet.report import PLOTS, available_by_hour
+from emulator.fleet.report import PLOTS, available_by_hour, script_json
 
 pytest.importorskip("matplotlib")
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
@@ -732,3 +732,16 @@ def test_per_client_accuracy_and_time_to_target_are_shown_when_the_summary_has_t
     assert "Target accuracy reached after 1.20 simulated hours" in page
     never = render_html({**summary, "time_to_target_accuracy_s": None}, figures, run)
     assert "Target accuracy not reached" in never
+
+
+@given(
+    note=st.text(alphabet="<>&!-/scriptSCRIPT \"'", max_size=40)
+    | st.sampled_from(["<!--<script>", "</script><script>alert(1)</script>", "<!-- <script> -->"])
+)
+def test_a_summary_embedded_as_json_cannot_leave_or_bend_its_script_element(note):
+    """The report's and the comparison's summaries travel in a <script type="application/json">:
+    a run folder's value '<!--<script>' (a note, a task file name) turned the page's own
+    '</script>' into text when only '</' was escaped. No '<', '>' or '&' is left, and the JSON reads back."""
+    summary = {"round_completion_note": note, note: [note]}
+    payload = script_json(summary, indent=1)
+    assert not set(payload) & set("<>&") and json.loads(payload) == summary
