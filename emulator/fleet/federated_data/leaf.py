@@ -55,6 +55,8 @@ def _json_files(path: Path) -> list[Path]:
         return [path]
     if not path.exists():
         raise DataSpecError(f"leaf: {path} does not exist")
+    if not path.is_dir():  # a device or a pipe: read, /dev/zero would never end
+        raise DataSpecError(f"leaf: {path} is neither a file nor a folder; give a .json file or a folder of them")
     files = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
     if not files:
         raise DataLayoutError(
@@ -200,6 +202,7 @@ def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict
                 "y": _labels(y, user, path),
             }
         else:
+            overflow = False
             try:
                 with np.errstate(over="ignore"):  # a value past float32's range becomes inf, refused below
                     xs = np.asarray(x, dtype=np.float32)
@@ -208,8 +211,8 @@ def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict
                     f"{path}: user {user!r} has x vectors of different lengths or non-numbers; every x needs the same length"
                 ) from exc
             except OverflowError:  # an integer past any float's range (JSON numbers have no limit)
-                xs = np.full(1, np.inf, np.float32)
-            if not np.isfinite(xs).all():  # NaN and Infinity parse as JSON here; 1e39 is float32's inf
+                overflow = True
+            if overflow or not np.isfinite(xs).all():  # NaN and Infinity parse as JSON here; 1e39 is float32's inf
                 raise DataLayoutError(
                     f"{path}: user {user!r} has an x value that is NaN, infinite or past float32's range (3.4e38); "
                     "fix or drop that example"

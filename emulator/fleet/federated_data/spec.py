@@ -29,7 +29,7 @@ import numpy as np
 from emulator.datasets import digits_arrays
 
 from ._dataset import FederatedDataset
-from ._errors import DataLayoutError, DataSpecError
+from ._errors import DataLayoutError, DataSpecError, check_fits
 from .leaf import load_leaf
 from .partition import SCHEMES, Partitioner, partition_arrays
 from .table import load_table
@@ -160,15 +160,41 @@ def _partitioner(spec: DataSpec) -> Partitioner:
     )
 
 
+def _npz_array(data: Any, key: str, path: Path) -> np.ndarray:
+    """One array of an .npz file, once its header's shape fits in memory; an object array (which
+    only unpickling reads) is refused, as the file's pickles are never run."""
+    where = f"npz: {path}: array {key!r}"
+    try:
+        with data.zip.open(f"{key}.npy") as member:
+            version = np.lib.format.read_magic(member)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(member)
+    except (KeyError, ValueError, OSError):  # a header numpy reads on its own (3.0), or not one: np.load says
+        pass
+    else:
+        check_fits(where, dtype, shape, dtype.itemsize)
+    try:
+        return data[key]
+    except ValueError as exc:
+        raise DataLayoutError(
+            f"{where} cannot be read without running pickled code ({exc}); save plain arrays"
+        ) from None
+    except MemoryError:
+        raise DataLayoutError(f"{where} does not fit in memory") from None
+
+
 def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise DataLayoutError(f"npz: {path} is not a .npz file of arrays ({exc})") from exc
+        why = "it reads as a pickle, which is never loaded" if "pickle" in str(exc) else str(exc)
+        raise DataLayoutError(f"npz: {path} is not a .npz file of arrays ({why})") from exc
     if not isinstance(loaded, np.lib.npyio.NpzFile):  # np.save's .npy: one array without a name
         raise DataLayoutError(f"npz: {path} is one array (a .npy file); save x and y with np.savez(path, x=..., y=...)")
     with loaded as data:
-        arrays = {k: data[k] for k in data.files}
+        arrays = {k: _npz_array(data, k, path) for k in data.files}
     for key in ("x", "y"):
         if key not in arrays:
             found = ", ".join(sorted(arrays)) or "none"

@@ -11,14 +11,13 @@ decoded to Python ``str`` (feature dtype ``"str"``: tokenize them with ``text.en
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from ._dataset import FederatedDataset, with_test_split
-from ._errors import DataLayoutError, DataSpecError, require
+from ._errors import DataLayoutError, DataSpecError, check_fits, require
 
 EXAMPLES_GROUP = "examples"
 
@@ -33,13 +32,6 @@ def _pair_in_folder(folder: Path) -> tuple[Path, Path | None]:
             f"{', '.join(p.name for p in files) or 'no .h5 files'}; or name the file itself"
         )
     return train[0], (test[0] if test else None)
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):  # not POSIX
-        return None
 
 
 def _member(group: Any, name: str, h5py: Any, where: str) -> Any:
@@ -60,13 +52,7 @@ def _read_feature(dataset: Any, h5py: Any, where: str) -> np.ndarray:
     """The feature's array, once its declared size fits in memory: a dataset is declared with any
     shape (10**6 x 10**6 floats take no space unwritten), and reading one past memory was a
     ``MemoryError`` that named nothing."""
-    size = int(np.prod(dataset.shape, dtype=object)) * dataset.dtype.itemsize
-    memory = _physical_memory()
-    if memory is not None and size > memory:
-        raise DataLayoutError(
-            f"{where} is declared {dataset.dtype}{list(dataset.shape)}, {size / 2**30:.4g} GiB, more than this "
-            f"machine's {memory / 2**30:.4g} GiB of memory"
-        )
+    size = check_fits(where, dataset.dtype, dataset.shape, dataset.dtype.itemsize)
     try:
         values = _read(dataset, h5py)
     except MemoryError:
@@ -90,7 +76,10 @@ def read_tff_h5(path: Path) -> dict[str, dict[str, np.ndarray]]:
     """Client id -> feature -> array from one TFF ClientData HDF5 file."""
     h5py: Any = require("h5py")
     if not path.is_file():
-        raise DataSpecError(f"tff-h5: {path} does not exist")
+        raise DataSpecError(
+            f"tff-h5: {path} {'is not a regular file' if path.exists() else 'does not exist'}; give an .h5 file or a "
+            "folder with *train*.h5"
+        )
     try:
         handle = h5py.File(path, "r")
     except OSError as exc:

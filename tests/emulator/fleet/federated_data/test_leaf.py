@@ -175,3 +175,15 @@ def test_a_missing_path_or_an_empty_folder_says_what_a_leaf_dataset_is(tmp_path:
         load_leaf(tmp_path / "nope")
     with pytest.raises(DataLayoutError, match="train/ and test/"):
         load_leaf(tmp_path)
+
+
+def test_a_path_that_is_neither_a_file_nor_a_folder_is_refused_unread(tmp_path: Path) -> None:
+    """A pipe or a device (/dev/zero would be read for ever) was a NotADirectoryError."""
+    import os
+
+    fifo = tmp_path / "data.json"
+    os.mkfifo(fifo)  # opened for reading, it would wait for a writer
+    with pytest.raises(DataSpecError, match=r"data\.json is neither a file nor a folder"):
+        load_leaf(fifo)
+    with pytest.raises(DataSpecError, match="is neither a file nor a folder"):
+        load_leaf("/dev/zero")

@@ -68,3 +68,24 @@ def test_an_npz_spec_naming_a_single_array_or_no_arrays_is_refused_saying_what_t
     np.savez(tmp_path / "a.npz", a=np.zeros(3))
     with pytest.raises(DataLayoutError, match=r"has no array 'x' \(arrays: a\)"):
         load_data(f"npz:{tmp_path / 'a.npz'}")
+
+
+def test_an_npz_array_that_needs_unpickling_or_more_than_memory_is_refused_naming_it(tmp_path: Path) -> None:
+    """An object array was numpy's ValueError, and an .npy header declaring 10**12 floats a MemoryError."""
+    import io
+    import zipfile
+
+    np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}, None], dtype=object), y=np.array([1, 2]))
+    with pytest.raises(DataLayoutError, match=r"array 'x' cannot be read without running pickled code"):
+        load_data(f"npz:{tmp_path / 'objects.npz'}")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6)})
+    labels = io.BytesIO()
+    np.save(labels, np.arange(3))
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as archive:
+        archive.writestr("x.npy", header.getvalue())
+        archive.writestr("y.npy", labels.getvalue())
+    with pytest.raises(DataLayoutError, match=r"array 'x' is declared float32\[1000000, 1000000\], 3725 GiB"):
+        load_data(f"npz:{tmp_path / 'huge.npz'}")
+    with pytest.raises(DataLayoutError, match=r"reads as a pickle, which is never loaded\)$"):
+        load_data("npz:/dev/zero")

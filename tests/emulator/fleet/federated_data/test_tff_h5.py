@@ -131,3 +131,8 @@ def test_a_feature_with_nan_or_infinite_values_is_refused_naming_it(tmp_path: Pa
         f.create_dataset("examples/a/label", data=np.zeros(2, dtype=np.int32))
     with pytest.raises(DataLayoutError, match=r"examples/a/pixels holds NaN or infinite values"):
         load_tff_h5(path)
+
+
+def test_a_path_that_exists_but_is_no_file_is_not_said_missing() -> None:
+    with pytest.raises(DataSpecError, match="/dev/zero is not a regular file"):
+        load_tff_h5("/dev/zero")
