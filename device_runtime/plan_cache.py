@@ -8,9 +8,11 @@ rather than once per device."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Protocol
@@ -36,11 +38,22 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class DirectoryPlanCache:
-    """Plans as files named by their id in ``root/plans`` (the app's cache directory)."""
+#: Plans a device keeps on disk: the tasks a population runs at once, and the plans of a few
+#: earlier deploys. Without a bound, every plan a server ever sent stayed (a hostile server's new
+#: plan per session, up to 1 GiB each, filled the phone's storage).
+MAX_CACHED_PLANS = 8
+_PLAN_ID = re.compile(r"[0-9a-f]{64}")
 
-    def __init__(self, root: str | os.PathLike) -> None:
+
+class DirectoryPlanCache:
+    """Plans as files named by their id in ``root/plans`` (the app's cache directory): at most
+    ``keep`` of them, those used last (a hit counts as a use)."""
+
+    def __init__(self, root: str | os.PathLike, *, keep: int = MAX_CACHED_PLANS) -> None:
+        if keep < 1:
+            raise ValueError("a plan cache keeps at least 1 plan")
         self.root = Path(root)
+        self.keep = keep
 
     def get(self, plan_id: str) -> bytes | None:
         path = self.root / "plans" / plan_id
@@ -48,7 +61,11 @@ class DirectoryPlanCache:
             data = path.read_bytes()
         except OSError:
             return None
-        return data if _sha256(data) == plan_id else None
+        if _sha256(data) != plan_id:
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: the last to go
+        return data
 
     def put(self, plan_id: str, data: bytes) -> None:
         path = self.root / "plans" / plan_id
@@ -59,8 +76,20 @@ class DirectoryPlanCache:
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
+            self._prune(keeping=plan_id)
         except OSError as exc:
             log.warning("could not cache plan %s: %s", plan_id, exc)
+
+    def _prune(self, *, keeping: str) -> None:
+        """Remove the plans used longest ago past ``keep`` (never ``keeping``, just written)."""
+        plans = []
+        for entry in os.scandir(self.root / "plans"):
+            if _PLAN_ID.fullmatch(entry.name) and entry.name != keeping:
+                with contextlib.suppress(OSError):
+                    plans.append((entry.stat().st_mtime_ns, entry.name))
+        for _, name in sorted(plans, reverse=True)[self.keep - 1 :]:
+            with contextlib.suppress(OSError):
+                (self.root / "plans" / name).unlink()
 
 
 class MemoryPlanCache:

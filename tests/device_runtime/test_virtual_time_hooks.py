@@ -6,6 +6,7 @@ in a session's events."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 
 import httpx
@@ -240,6 +241,24 @@ def test_plan_caches_keep_only_intact_plans(tmp_path):
     assert directory.get(pid) is None
     memory.put("0" * 64, data)  # bytes that are not what the id names are not kept
     assert memory.get("0" * 64) is None
+
+
+def test_a_directory_plan_cache_keeps_the_plans_used_last_and_no_more(tmp_path):
+    """Every plan a server sent stayed on disk: a hostile server's new plan per session filled the phone."""
+    cache = DirectoryPlanCache(tmp_path, keep=3)
+    plans = [f"plan {i}".encode() for i in range(6)]
+    ids = [hashlib.sha256(p).hexdigest() for p in plans]
+    for i, (pid, data) in enumerate(zip(ids, plans)):
+        cache.put(pid, data)
+        os.utime(tmp_path / "plans" / pid, ns=(i * 10**9, i * 10**9))  # written a second apart
+        if i == 2:
+            assert cache.get(ids[0]) == plans[0]  # a hit: used now, so kept past the next writes
+            os.utime(tmp_path / "plans" / ids[0], ns=(10 * 10**9, 10 * 10**9))
+    kept = sorted(p.name for p in (tmp_path / "plans").iterdir())
+    assert kept == sorted([ids[0], ids[4], ids[5]])
+    assert all(cache.get(pid) == data for pid, data in zip(ids, plans) if pid in kept)
+    with pytest.raises(ValueError, match="at least 1 plan"):
+        DirectoryPlanCache(tmp_path, keep=0)
 
 
 class CountingTransport(httpx.HTTPTransport):
