@@ -99,17 +99,34 @@ MAX_RESOURCE_BYTES = 1 << 30
 MAX_ANSWER_BYTES = 64 << 20
 
 
-class _BoundedAnswer(httpx.SyncByteStream):
-    """An answer's body decoded (gzip and deflate, which httpx asks for) and cut off past
-    ``limit`` bytes with a ``ProtocolError``, so that no more than ``limit`` is ever held."""
+#: The pace an answer must keep up after the request's timeout: a server that sends a byte now
+#: and then, each within httpx's per-read timeout, held a device's session (and its job) for ever.
+MIN_ANSWER_BYTES_PER_S = 1024
 
-    def __init__(self, raw: Any, limit: int, encoding: str, what: str) -> None:
+
+class _BoundedAnswer(httpx.SyncByteStream):
+    """An answer's body decoded (gzip and deflate, which httpx asks for) and cut off with a
+    ``ProtocolError`` past ``limit`` bytes, or once it has taken longer than ``timeout_s`` plus a
+    second per ``MIN_ANSWER_BYTES_PER_S`` bytes received, so that no more than ``limit`` is ever
+    held and no answer is awaited for ever."""
+
+    def __init__(
+        self, raw: Any, limit: int, encoding: str, what: str, clock: Callable[[], float], timeout_s: float
+    ) -> None:
         self.raw, self.limit, self.encoding, self.what = raw, limit, encoding, what
+        self.clock, self.timeout_s = clock, timeout_s
 
     def __iter__(self) -> Any:
         decoder = zlib.decompressobj(wbits=47) if self.encoding in ("gzip", "deflate") else None  # 47: gzip or zlib
-        total = 0
+        started = self.clock()
+        total = received = 0
         for chunk in self.raw:
+            received += len(chunk)
+            if self.clock() - started > self.timeout_s + received / MIN_ANSWER_BYTES_PER_S:
+                raise ProtocolError(
+                    f"{self.what} came slower than {MIN_ANSWER_BYTES_PER_S} bytes/s after {self.timeout_s:g} s; "
+                    "it was dropped"
+                )
             pending = chunk
             while pending:
                 if decoder is None:
@@ -129,20 +146,24 @@ class _BoundedAnswer(httpx.SyncByteStream):
         self.raw.close()
 
 
-def _bound_answer(response: httpx.Response) -> None:
+def _answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[httpx.Response], None]:
     """httpx's response hook, run once the head is in: the body is read through ``_BoundedAnswer``
     (httpx decodes nothing more), and an answer that declares itself too large is refused unread."""
-    path = response.request.url.path
-    limit = MAX_RESOURCE_BYTES if path.startswith("/v1/resources/") else MAX_ANSWER_BYTES
-    what = f"the server's answer to {response.request.method} {path[:100]}"
-    encoding = response.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "deflate"):
-        raise ProtocolError(f"{what} is encoded as {encoding[:40]!r}, which the device did not ask for")
-    declared = response.headers.get("content-length", "")
-    if encoding == "identity" and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(f"{what} is {declared} bytes, more than the {limit} a device reads")
-    response.stream = _BoundedAnswer(response.stream, limit, encoding, what)
-    response.headers.pop("content-encoding", None)
+
+    def bound(response: httpx.Response) -> None:
+        path = response.request.url.path
+        limit = MAX_RESOURCE_BYTES if path.startswith("/v1/resources/") else MAX_ANSWER_BYTES
+        what = f"the server's answer to {response.request.method} {path[:100]}"
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("identity", "gzip", "deflate"):
+            raise ProtocolError(f"{what} is encoded as {encoding[:40]!r}, which the device did not ask for")
+        declared = response.headers.get("content-length", "")
+        if encoding == "identity" and declared.isdigit() and int(declared) > limit:
+            raise ProtocolError(f"{what} is {declared} bytes, more than the {limit} a device reads")
+        response.stream = _BoundedAnswer(response.stream, limit, encoding, what, clock, timeout_s)
+        response.headers.pop("content-encoding", None)
+
+    return bound
 
 
 @dataclass(frozen=True)
@@ -199,11 +220,13 @@ class ProtocolClient:
         sleep: Callable[[float], None] = time.sleep,
         client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``transport``: how requests travel (httpx's, e.g. an in-process one in a simulation);
         by default real HTTP. ``client``: an httpx client to share between devices instead (its
-        answers are read as it reads them: the bounds of ``MAX_ANSWER_BYTES`` and
-        ``MAX_RESOURCE_BYTES`` hold on the client made here)."""
+        answers are read as it reads them: the bounds of ``MAX_ANSWER_BYTES``,
+        ``MAX_RESOURCE_BYTES`` and ``MIN_ANSWER_BYTES_PER_S`` hold on the client made here, timed
+        by ``clock``)."""
         self.server_url = checked_server_url(server_url)
         self.retry = retry
         self.rng = rng or random.Random()
@@ -215,7 +238,7 @@ class ProtocolClient:
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
             verify=shared_tls_context(),
-            event_hooks={"response": [_bound_answer]},
+            event_hooks={"response": [_answer_bound(clock, timeout_s)]},
         )
         self.bytes_sent = 0
         self.bytes_received = 0

@@ -8,7 +8,8 @@
   ``ProtocolError`` naming the field; no id reaches the plan cache's paths or a request's URL
   unless it is one the server could have issued.
 - An answer larger than a device reads (endless, gzip-bombed, declared too large, or in an
-  encoding the device did not ask for): a ``ProtocolError``, read no further than the bound."""
+  encoding the device did not ask for), or one that trickles in: a ``ProtocolError``, read no
+  further than the bound."""
 
 from __future__ import annotations
 
@@ -426,3 +427,38 @@ def test_a_gzipped_answer_within_the_bound_is_read_as_any_other():
     answer = with_gzip.checkin("p", "1.31.1")
     assert answer.status == "rejected" and answer.retry_after_s == (1.0, 2.0)
     with_gzip.close()
+
+
+@pytest.mark.parametrize("path", ["/checkin", "/v1/resources/"])
+def test_an_answer_that_trickles_in_is_dropped_once_it_falls_behind_the_devices_pace(path):
+    """A byte every 9 s, each within httpx's 10 s per-read timeout, held a device's session for ever.
+    After the request's timeout an answer must keep up MIN_ANSWER_BYTES_PER_S."""
+    from device_runtime.protocol import MIN_ANSWER_BYTES_PER_S, ProtocolClient
+
+    now = [0.0]
+    sent: list[int] = []
+
+    def trickle():
+        while True:
+            now[0] += 9.0  # what the socket's wait would take
+            sent.append(1)
+            yield b"{"
+
+    def steady():  # a slow but steady answer at twice the pace: read whole
+        body = json.dumps({"status": "rejected", "reason": "ROUND_FULL", "retry_after_s": [1, 2], "pad": "x" * 40_000})
+        for i in range(0, len(body), 2048):
+            now[0] += 1.0
+            yield body[i : i + 2048].encode()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        chunks = steady() if request.url.path.endswith("/steady/checkin") else trickle()
+        return httpx.Response(200, stream=_Stream(chunks))
+
+    client = ProtocolClient(
+        "http://fl.test", transport=httpx.MockTransport(handle), retry=RetryPolicy(1), clock=lambda: now[0]
+    )
+    with pytest.raises(ProtocolError, match=rf"came slower than {MIN_ANSWER_BYTES_PER_S} bytes/s after 10 s"):
+        client.checkin("p", "1.31.1") if path == "/checkin" else client.fetch_resource("c" * 64, "t0k3n")
+    assert len(sent) == 2  # cut off at the second byte, 18 s in
+    assert client.checkin("steady", "1.31.1").status == "rejected"
+    client.close()
