@@ -113,6 +113,10 @@ def group_by_client(
     if table.column(client).null_count:
         raise DataLayoutError(f"table: {where}: client column {client!r} has missing values; every row needs a client")
     ids = np.asarray([str(v) for v in table.column(client).to_pylist()], dtype=object)
+    if (ids == "").any():  # a CSV's empty cell: text, not null, but no client's id either
+        raise DataLayoutError(
+            f"table: {where}: client column {client!r} has {int((ids == '').sum())} empty ids; every row needs a client"
+        )
     arrays = {n: _column(table, n, where) for n in names}
     order = np.argsort(ids.astype(str), kind="stable")
     sorted_ids = ids[order]

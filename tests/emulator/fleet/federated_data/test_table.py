@@ -41,6 +41,14 @@ def test_csv_client_ids_stay_text(tmp_path: Path) -> None:
     assert list(data.examples("007")["x"]) == [0.5, 1.5]
 
 
+def test_a_csv_row_with_an_empty_client_id_is_refused_as_a_missing_one(tmp_path: Path) -> None:
+    """A null id was refused, but a CSV's empty cell is text: its rows became the examples of client ''."""
+    path = tmp_path / "data.csv"
+    path.write_text("writer,x,y\n007,0.5,1\n,0.25,0\n007,1.5,1\n")
+    with pytest.raises(DataLayoutError, match=r"client column 'writer' has 1 empty ids; every row needs a client"):
+        load_data(f"table:{path},client=writer")
+
+
 def test_a_saved_datasets_dict_brings_its_train_and_test_splits(tmp_path: Path) -> None:
     import datasets
 
