@@ -184,10 +184,11 @@ def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Pl
         if config.report_timeout_s <= 3 * config.secagg_round_timeout_s:
             raise BadRequest(
                 f"report_timeout_s ({config.report_timeout_s}) must exceed three secagg_round_timeout_s "
-                f"({config.secagg_round_timeout_s}): the key rounds, training and Unmasking all fit in it",
+                f"({config.secagg_round_timeout_s}): the key rounds and training fit in it (ConsistencyCheck and "
+                "Unmasking follow it)",
                 code="BAD_CONFIG",
             )
-    ddp_rounds.check_deploy(spec.name, plan, executor, config, SecureSettings().spare)
+    ddp_rounds.check_deploy(spec.name, plan, executor, config, SecureSettings.for_config(config).spare)
     return plan
 
 

@@ -43,6 +43,14 @@ class RoundConfig:
     totals), so its commit threshold must be at least ``min_reports`` devices (refused at deploy
     otherwise, and a round with fewer is abandoned by the service): a round of one device would give
     that device's own update or values back to anyone who reads what it published.
+
+    Under Secure Aggregation a round's devices are split into groups of ``secagg_target_group_size``
+    when it has them (else fewer, larger ones; never below ``secagg_min_group_size`` + 1), one
+    Aggregator each (paper, section 6: the protocol's costs grow quadratically with a group, which
+    limits one to hundreds of devices). A group releases its sum only when more than two thirds of
+    its devices, and at least ``secagg_min_group_size``, send their masked inputs in time: a group of
+    k + 1 is lost to two slow devices, where one of a hundred rides out the stragglers and drop-outs
+    the round's over-selection is there for.
     """
 
     goal_count: Annotated[Int, Field(ge=1, le=1_000_000)] = 10
@@ -55,6 +63,7 @@ class RoundConfig:
     ] = (5.0, 15.0)
     max_rounds: Annotated[Int, Field(ge=1)] | None = None
     secagg_min_group_size: Annotated[Int, Field(ge=2, le=100_000)] = 5
+    secagg_target_group_size: Annotated[Int, Field(ge=2, le=100_000)] = 100
     secagg_round_timeout_s: Annotated[Float, Field(gt=0.0, le=MAX_TIMEOUT_S)] = 5.0
     secagg_consistency_check: Annotated[bool, Strict()] = True  # the devices' floor requires it by default
     min_reports: Annotated[Int, Field(ge=1, le=1_000_000)] = 5
@@ -125,8 +134,11 @@ class RoundCore:
     ended_at: float | None = None
     late_reports: int = 0
     shapes: Counter[str] = field(default_factory=Counter)
-    # Secure Aggregation: devices start work only once their group forms, at selection's end.
+    # Secure Aggregation: devices start work only once their group forms, at selection's end, and
+    # report (their masked inputs) within ``report_timeout_s`` of it; the protocol's rounds after
+    # the masked inputs (ConsistencyCheck, Unmasking) may take ``finalization_s`` more.
     deadlines_from_selection_end: bool = False
+    finalization_s: float = 0.0
     # Kept in step with ``sessions`` (a round of a few hundred devices is asked on every message):
     # the sessions in each state, and what the last scan for expired deadlines found (below).
     _counts: Counter[SessionState] = field(default_factory=Counter, repr=False, compare=False)
@@ -278,12 +290,14 @@ class RoundCore:
             if self.deadlines_from_selection_end:
                 for sid, state in self.sessions.items():
                     if state is SessionState.SELECTED:
-                        self.deadlines[sid] = now + self.config.report_timeout_s
+                        self.deadlines[sid] = now + self.config.report_timeout_s + self.finalization_s
 
     def deadline_of(self, session_id: str) -> float:
         """The session's report deadline; while selecting, the latest it can be."""
         if self.phase is Phase.SELECTING and self.deadlines_from_selection_end:
-            return self.started_at + self.config.selection_timeout_s + self.config.report_timeout_s
+            return (
+                self.started_at + self.config.selection_timeout_s + self.config.report_timeout_s + self.finalization_s
+            )
         return self.deadlines[session_id]
 
     def _finish(self, phase: Phase, now: float) -> Phase:

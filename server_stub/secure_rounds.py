@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from device_runtime.secure_sum import SecureSumCodec, config_to_json
 from secagg import Round, SecAggConfig, SecAggServer, assign_groups, group_seed, seed_commitment
 
 from .ddp_rounds import DistributedDP, decode_group
+from .rounds import RoundConfig
 
 
 @dataclass
@@ -60,6 +62,7 @@ class SecureGroup:
     masked_input_deadline: float
     harvested: bool = False
     dropped: str | None = None  # why its completed sum was left out of the round (out of bounds)
+    aborted_in: str | None = None  # the protocol round it aborted in (too few answers, a refused message)
     closes: int = 0
     gone: set[int] = field(default_factory=set)
     by_client: dict[int, str] = field(default_factory=dict)
@@ -73,8 +76,16 @@ class SecureGroup:
         return self.server.round.terminal
 
     def receive(self, session_id: str, data: bytes, now: float) -> None:
-        self.server.receive(self.members[session_id].client_id, data)
+        before = self.server.round
+        try:
+            self.server.receive(self.members[session_id].client_id, data)
+        finally:
+            self._note_abort(before)
         self._close_if_complete(now)
+
+    def _note_abort(self, before: Round) -> None:
+        if self.server.round is Round.ABORTED and self.aborted_in is None:
+            self.aborted_in = before.value
 
     def leave(self, session_id: str, now: float) -> None:
         """A device that told the server it stopped: the round need not wait for it. (If its
@@ -90,16 +101,23 @@ class SecureGroup:
     def tick(self, now: float) -> None:
         if self.terminal:
             return
-        if self.server.round is Round.MASKED_INPUT_COLLECTION:
+        current = self.server.round
+        due = self.round_started_at + self.round_timeout_s
+        if current is Round.MASKED_INPUT_COLLECTION:
             due = self.masked_input_deadline  # the devices train during this round
-        else:
-            due = self.round_started_at + self.round_timeout_s
+        elif current in (Round.CONSISTENCY_CHECK, Round.UNMASKING):
+            # by its place after the masked inputs' deadline too: the server's tick comes a little
+            # after each due time, and the delays must not add up past the devices' deadlines
+            place = 2 if current is Round.UNMASKING and self.server.config.consistency_check else 1
+            due = min(due, self.masked_input_deadline + place * self.round_timeout_s)
         if now >= due:
             self.close(now)
 
     def close(self, now: float) -> None:
         self.closes += 1
+        before = self.server.round
         outgoing = self.server.close_round()
+        self._note_abort(before)
         for client_id, data in outgoing.items():
             member = self.members[self.by_client[client_id]]
             member.seq += 1
@@ -139,13 +157,34 @@ class SecureGroup:
 
 @dataclass(frozen=True)
 class SecureSettings:
-    """``min_group_size`` is k: no Aggregator sums fewer devices than that."""
+    """``min_group_size`` is k: no Aggregator sums fewer devices than that. Groups are formed of at
+    least ``min_group_size + spare`` devices when there are enough (``secagg.assign_groups``): the
+    spare ones may drop out (``for_config`` sizes them to the task's ``secagg_target_group_size``)."""
 
     min_group_size: int = 5
     round_timeout_s: float = 5.0
     secagg_plus: bool | None = None
     consistency_check: bool = True
-    spare: int = 1  # groups are formed of k + spare when there are enough devices: one may drop
+    spare: int = 1
+
+    @classmethod
+    def for_config(cls, config: RoundConfig) -> SecureSettings:
+        """A task's settings: its k, round timeout and ConsistencyCheck, and groups of
+        ``secagg_target_group_size`` (at least k + 1)."""
+        k = config.secagg_min_group_size
+        return cls(
+            k,
+            config.secagg_round_timeout_s,
+            consistency_check=config.secagg_consistency_check,
+            spare=max(1, config.secagg_target_group_size - k),
+        )
+
+    @property
+    def finalization_s(self) -> float:
+        """How long the protocol's rounds after MaskedInputCollection may take before the devices'
+        deadlines close the round: a round timeout each for ConsistencyCheck (when on) and
+        Unmasking, and one more for the server to count the last answers."""
+        return (3 if self.consistency_check else 2) * self.round_timeout_s
 
 
 class SecureRound:
@@ -188,8 +227,10 @@ class SecureRound:
 
         ``member_keys``: each session's device key hash (attested devices); others use
         ``session_member_key``. The devices train while their group waits for masked inputs:
-        that round lasts until one round timeout before the earliest member's report deadline,
-        leaving time for Unmasking."""
+        that round lasts until ``finalization_s`` before the earliest member's deadline (the
+        round's ``RoundCore.finalization_s`` past its report window), leaving time for the rounds
+        after it (ConsistencyCheck and Unmasking), so that a group that waits for its slowest
+        device still completes before its devices' deadlines close the round."""
         self.formed = True
         k = self.settings.min_group_size
         keys = {sid: (member_keys or {}).get(sid) or session_member_key(sid) for sid in session_ids}
@@ -232,7 +273,7 @@ class SecureRound:
                 {sid: _Member(client_id=i + 1) for i, sid in enumerate(members)},
                 self.settings.round_timeout_s,
                 now,
-                min(report_deadlines[sid] for sid in members) - self.settings.round_timeout_s,
+                min(report_deadlines[sid] for sid in members) - self.settings.finalization_s,
                 assignment={**reveal, "group": index},
             )
             self.groups.append(group)
@@ -293,12 +334,15 @@ class SecureRound:
 
     def stats(self) -> dict:
         """Groups formed, completed (their sums used) and aborted (a group still running counts
-        as neither), and the groups whose sums were dropped, with why."""
+        as neither), with the protocol round each aborted in (``aborted_in``: counts by round
+        name), and the groups whose sums were dropped, with why."""
         used = [g for g in self.groups if g.server.round is Round.COMPLETED and g.dropped is None]
+        aborted = [g for g in self.groups if g.server.round is Round.ABORTED]
         return {
             "groups": len(self.groups),
             "completed": len(used),
-            "aborted": sum(g.server.round is Round.ABORTED for g in self.groups),
+            "aborted": len(aborted),
+            "aborted_in": dict(sorted(Counter(g.aborted_in or "unknown" for g in aborted).items())),
             "summed_devices": sum(len(g.server.summed_clients) for g in used),
             "dropped": [{"group": g.index, "reason": g.dropped} for g in self.groups if g.dropped is not None],
             **({"ddp": dict(round_answer(self.ddp_params, self.rotation_seed))} if self.ddp_params is not None else {}),

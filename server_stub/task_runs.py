@@ -110,12 +110,16 @@ def open_round(run: TaskRun, now: float, wall_now: float, secagg_random_bytes: C
     if run.evaluates is not None:
         run.state = run.evaluates.state
         run.broadcast_id = run.evaluates.broadcast_id
-    run.core = RoundCore(run.round_number, run.config, now, deadlines_from_selection_end=run.codec is not None)
-    if run.codec is not None:
-        cfg = run.config
-        settings = SecureSettings(
-            cfg.secagg_min_group_size, cfg.secagg_round_timeout_s, consistency_check=cfg.secagg_consistency_check
-        )
+    settings = SecureSettings.for_config(run.config) if run.codec is not None else None
+    run.core = RoundCore(
+        run.round_number,
+        run.config,
+        now,
+        deadlines_from_selection_end=settings is not None,
+        finalization_s=settings.finalization_s if settings is not None else 0.0,
+    )
+    if settings is not None:
+        assert run.codec is not None
         run.secure = SecureRound(
             run.codec,
             settings,

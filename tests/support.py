@@ -106,13 +106,14 @@ def attested_server_thread(db_path: Path, authority: AttestationAuthority) -> Se
 
 #: ``deploy_secure``'s round unless a test says otherwise: its selection and report window, then its groups.
 SECURE_ROUND = {"over_selection": 1.0, "min_fraction": 0.2, "selection_timeout_s": 60, "report_timeout_s": 15.0}
-SECURE_ROUND |= {"secagg_min_group_size": 5, "secagg_round_timeout_s": 3.0}
+# groups of k + 1 = 6 (not the default 100), so that a test's few dozen devices make several groups
+SECURE_ROUND |= {"secagg_min_group_size": 5, "secagg_target_group_size": 6, "secagg_round_timeout_s": 3.0}
 
 
 def deploy_secure(admin: AdminClient, population: str = "digits", *, plan=None, **config) -> tuple:
     """``deploy`` of a secure softmax task as these tests run it: every device checked in is selected,
-    selection waits long enough for a test's check-ins, and groups of at least five run rounds of
-    3 s; ``config`` overrides any of it (and must name ``goal_count``)."""
+    selection waits long enough for a test's check-ins, and groups of six (at least five summed)
+    run rounds of 3 s; ``config`` overrides any of it (and must name ``goal_count``)."""
     plan = plan or digits_plan("softmax", secure_aggregation=True)
     return deploy(admin, population, plan=plan, **{**SECURE_ROUND, **config})
 

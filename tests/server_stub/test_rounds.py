@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server_stub.rounds import Phase, ReportVerdict, RoundConfig, RoundCore, SessionState
+from server_stub.secure_rounds import SecureSettings
 
 
 def test_commits_as_soon_as_goal_reports():
@@ -184,3 +185,20 @@ def test_the_checkin_that_fills_a_round_abandons_it_at_once_when_aborts_left_it_
     assert core.abort("a", 2.0)
     assert core.try_select("b", 3.0)  # the last seat: selection ends, and two reports can no longer come
     assert core.phase is Phase.ABANDONED and core.ended_at == 3.0
+
+
+def test_a_secure_rounds_masked_inputs_are_due_at_its_report_window_and_its_last_rounds_fit_after_it():
+    """Under Secure Aggregation the report window (from selection's end) is the masked inputs'
+    deadline; ConsistencyCheck and Unmasking, a round timeout each and one for the server's tick,
+    come after it, before the sessions' deadlines close the round (they came out of the window, and
+    a group that waited for its slowest device timed out in Unmasking as the round closed)."""
+    cfg = RoundConfig(goal_count=5, over_selection=1.0, report_timeout_s=180.0, secagg_round_timeout_s=10.0)
+    settings = SecureSettings.for_config(cfg)
+    assert settings.finalization_s == 30.0 and settings.min_group_size == 5 and settings.spare == 95
+    core = RoundCore(1, cfg, 0.0, deadlines_from_selection_end=True, finalization_s=settings.finalization_s)
+    assert core.deadline_of("a") == cfg.selection_timeout_s + 180.0 + 30.0  # the latest, while selecting
+    for i in range(5):
+        assert core.try_select(f"s{i}", 4.0 * i)
+    assert core.phase is Phase.REPORTING and set(core.deadlines.values()) == {16.0 + 180.0 + 30.0}
+    without_check = SecureSettings.for_config(RoundConfig(secagg_consistency_check=False, secagg_round_timeout_s=4.0))
+    assert without_check.finalization_s == 8.0

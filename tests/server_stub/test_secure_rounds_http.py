@@ -55,7 +55,12 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(
     # A device that drops holds its group's round until the round's deadline: three rounds wait one
     # out, so they are 2 s here, not the helper's 3 s (the test sat out 9 s); live devices answer well within it
     plan, w0 = deploy_secure(
-        admin, population, goal_count=DEVICES, min_fraction=0.5, secagg_min_group_size=K, secagg_round_timeout_s=2.0
+        admin,
+        population,
+        goal_count=DEVICES,
+        min_fraction=0.5,
+        secagg_min_group_size=K,
+        secagg_round_timeout_s=2.0,
     )
     codec = SecureSumCodec(plan)
     updates = _updates(codec, DEVICES, seed=1)
@@ -100,6 +105,7 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(
         "groups": 5,
         "completed": 4,
         "aborted": 1,
+        "aborted_in": {"ShareKeys": 1},
         "summed_devices": 21,
         "dropped": [],
     }
@@ -152,6 +158,7 @@ def test_a_device_dealing_garbage_shares_is_left_out_and_its_group_commits(
         "groups": 1,
         "completed": 1,
         "aborted": 0,
+        "aborted_in": {},
         "summed_devices": K,
         "dropped": [],
     }
