@@ -453,6 +453,11 @@ class FleetSimulator:
             **self.workload.info(),
             "client_accuracy_percentiles": self._per_client(last),
             "round_config": trained.rounds,
+            "secure_rounds": {
+                f"{r['task']}/{r['round']}/{r['attempt']}": r["metrics"]["secagg"]
+                for r in records
+                if "secagg" in r["metrics"]
+            },
             "dp": privacy_figures(trained.rounds.dp, dp_metrics),
             **self._audit(trained, final, rows),
         }  # what the server ran, for the notes

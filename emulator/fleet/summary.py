@@ -114,12 +114,17 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
     )
 
 
-def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> str | None:
+def completion_note(
+    summary: dict[str, Any], rounds: list[Any], task: Any, secure: dict[str, dict] | None = None
+) -> str | None:
     """The round completion rate in a sentence: which rounds were abandoned, why, and the option
     to change. Rounds whose selection closed with fewer devices than a commit needs lacked
-    check-ins (the fleet, the goal or the selection window); the others lost their reports to
-    drop-outs and to reports after the window (``task.report_timeout_s``). ``task``: the rounds'
-    configuration (a ``RoundConfig`` or the fleet's ``[task]``), None when unknown. None without rounds."""
+    check-ins (the fleet, the goal or the selection window); under Secure Aggregation, rounds whose
+    groups aborted lost every report of those groups (see :func:`secure_note`); the others lost
+    their reports to drop-outs and to reports after the window (``task.report_timeout_s``).
+    ``task``: the rounds' configuration (a ``RoundConfig`` or the fleet's ``[task]``), None when
+    unknown; ``secure``: each secure round's Secure Aggregation statistics (the round metrics'
+    ``secagg``) by round id. None without rounds."""
     if not rounds:
         return None
     total, committed = len(rounds), sum(1 for r in rounds if r.committed)
@@ -140,6 +145,12 @@ def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> st
             "--devices, a smaller --goal, or a longer task.selection_timeout_s"
         )
     rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
+    if rest > 0 and secure:
+        filled = [r for r in rounds if not r.committed and r.selected >= threshold]
+        why = secure_note(filled, secure, task)
+        if why is not None:
+            reasons.append(why[1])
+            rest -= why[0]
     if rest > 0:
         shapes = summary.get("shapes", {})
         trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
@@ -158,6 +169,45 @@ def completion_note(summary: dict[str, Any], rounds: list[Any], task: Any) -> st
                 "and sessions.csv"
             )
     return f"{head}: " + "; ".join(reasons)
+
+
+#: The Secure Aggregation rounds from the devices' masked inputs on, as ``secagg.Round`` names them.
+_INPUT_ROUNDS = ("MaskedInputCollection", "ConsistencyCheck", "Unmasking")
+
+
+def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[int, str] | None:
+    """How many of ``rounds`` (abandoned rounds that selected enough devices) lost Secure
+    Aggregation groups, and why in a clause with the options to change; None if none did. A group
+    releases its sum only when more than two thirds of its devices (its threshold, and at least
+    ``task.secagg_group_size``) send their masked inputs in time and answer the rounds after: a
+    device's privacy floor, which no option lowers. A round whose groups never formed (fewer than
+    k devices, or distributed-DP parameters that do not fit) says so."""
+    stats = [(r, secure.get(r.round_id)) for r in rounds]
+    lost = [st for _, st in stats if st and st.get("aborted")]
+    unformed = [st for _, st in stats if st is not None and not st.get("groups")]
+    if not lost and not unformed:
+        return None
+    parts = []
+    if lost:
+        aborted = sum(st["aborted"] for st in lost)
+        groups = sum(st["groups"] for st in lost)
+        late = sum(n for st in lost for where, n in st.get("aborted_in", {}).items() if where in _INPUT_ROUNDS)
+        k = getattr(task, "secagg_group_size", None) or getattr(task, "secagg_min_group_size", None)
+        floor = f", and at least task.secagg_group_size = {k}," if k else ""
+        parts.append(
+            f"{len(lost)} lost {aborted} of their {groups} Secure Aggregation groups ({late} short of masked inputs or "
+            f"of answers after them): a group releases its sum only when more than two thirds of its devices{floor} "
+            f"send their masked inputs within task.report_timeout_s = {task.report_timeout_s:g} s of the round's "
+            "selection closing (the devices' privacy floor, which no option lowers); lengthen task.report_timeout_s, "
+            "or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"
+        )
+    if unformed:
+        errors = sorted({st["ddp_error"] for st in unformed if st.get("ddp_error")})
+        parts.append(
+            f"{len(unformed)} formed no Secure Aggregation group"
+            + (f": {errors[0]}" if errors else " (fewer selected devices than task.secagg_group_size)")
+        )
+    return len(lost) + len(unformed), "; ".join(parts)
 
 
 def summarize(run: RunTables) -> dict[str, Any]:
@@ -251,7 +301,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "sessions_per_wall_s": _ratio(len(accepted), wall_s),
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
     }
-    summary["round_completion_note"] = completion_note(summary, rounds, task)
+    summary["round_completion_note"] = completion_note(summary, rounds, task, run.extra.get("secure_rounds"))
     return summary
 
 

@@ -19,7 +19,9 @@ from device_runtime.protocol import ProtocolClient
 from device_runtime.runtime import FLRuntime, Outcome
 from device_runtime.secure_client import SecureAggregation, SecureOutcome
 from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population, simulate
+from emulator.fleet.report import completion_note
 from emulator.fleet.simulator import FleetSimulator
+from emulator.fleet.tables import RoundRow
 from secagg import Quantizer
 from server_stub.secure_rounds import SecureRound
 
@@ -249,3 +251,45 @@ def test_a_small_secure_fleet_commits_the_rounds_it_fills_at_the_fleets_own_trai
     filled = [r for r in run.rounds if r.selected >= needed]
     assert len(filled) >= 6, [(r.round_id, r.selected) for r in run.rounds]
     assert sum(r.committed for r in filled) >= 2 / 3 * len(filled), run.summary()["round_completion_note"]
+
+
+def _round(n: int, committed: bool, selected: int) -> RoundRow:
+    nan = float("nan")
+    accepted = selected if committed else 0
+    return RoundRow(
+        f"train/{n}/1",
+        "train",
+        300.0 * n,
+        300.0 * n + 480.0,
+        committed,
+        selected,
+        accepted,
+        accepted,
+        0,
+        480.0,
+        nan,
+        nan,
+    )
+
+
+def test_the_completion_rate_names_secure_groups_that_aborted_and_what_to_change():
+    """A secure round that filled its seats and lost its groups is not 'short of reports': the
+    note says a group needs more than two thirds of its masked inputs (a floor no option lowers),
+    and what to change; a round whose groups never formed says why."""
+    config = FleetConfig.default()
+    rounds = [_round(1, True, 130), _round(2, False, 130), _round(3, False, 40), _round(4, False, 120)]
+    secure = {
+        "train/1/1": {"groups": 1, "completed": 1, "aborted": 0, "aborted_in": {}},
+        "train/2/1": {"groups": 1, "completed": 0, "aborted": 1, "aborted_in": {"MaskedInputCollection": 1}},
+        "train/3/1": {"groups": 0, "completed": 0, "aborted": 0, "aborted_in": {}},
+        "train/4/1": {"groups": 0, "completed": 0, "aborted": 0, "ddp_error": "dp.bitwidth 8 is too small"},
+    }
+    summary = {"cannot_fill": None, "shapes": {"-v[]+^": 90, "-v[]+#": 60}}
+    note = completion_note(summary, rounds, config.task, secure)
+    assert note.startswith("3 of 4 rounds were abandoned: 1 closed their selection window")
+    assert "1 lost 1 of their 1 Secure Aggregation groups (1 short of masked inputs" in note
+    assert "more than two thirds of its devices, and at least task.secagg_group_size = 5," in note
+    assert "task.report_timeout_s = 180 s" in note and "no option lowers" in note
+    assert "1 formed no Secure Aggregation group: dp.bitwidth 8 is too small" in note
+    assert "too few reports in time" not in note  # every abandoned round is explained above
+    assert "Secure Aggregation" not in completion_note(summary, rounds, config.task)  # a plain run's note
