@@ -145,6 +145,21 @@ class Schema:
             rec[name] = stacked
         return rec.tobytes()
 
+    def encode_columns(self, columns: Mapping[str, np.ndarray], n: int, collection_uri: str) -> bytes:
+        """What ``encode`` gives for ``n`` examples held as columns (tensor name -> array whose
+        first axis runs over the examples), checked against the schema a column at a time."""
+        if set(columns) != set(self.names):
+            self._mismatch(collection_uri, f"the examples have tensors {sorted(map(str, columns))}")
+        rec = np.empty(n, dtype=self.struct)
+        for spec in self.tensors:
+            col = np.asarray(columns[spec.name])
+            if canonical_dtype(col.dtype) != spec.dtype:
+                self._mismatch(collection_uri, f"tensor {spec.name!r} has dtype {col.dtype.name}")
+            if col.shape != (n, *spec.shape):
+                self._mismatch(collection_uri, f"tensor {spec.name!r} has shape {list(col.shape[1:])}")
+            rec[spec.name] = col
+        return rec.tobytes()
+
     def _mismatch(self, collection_uri: str, what: str) -> None:
         raise SchemaMismatchError(
             f"examples of collection {collection_uri!r} must have the schema it was created with "

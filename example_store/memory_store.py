@@ -13,7 +13,7 @@ import bisect
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import count, islice
 
@@ -111,27 +111,60 @@ class InMemoryExampleStore(ExampleStore):
                 if schema is None:
                     schema = Schema.from_example(chunk[0])
                 payload = schema.encode(chunk, collection_uri)
-                size = schema.record_size
                 ts = [float(now)] * len(chunk) if ts_iter is None else take_timestamps(ts_iter, len(chunk))
                 new_keys.extend((t + 0.0, next(self._ids)) for t in ts)
-                new_payloads.extend(payload[i : i + size] for i in range(0, len(payload), size))
+                new_payloads.extend(_rows(payload, schema.record_size))
             if ts_iter is not None and next(ts_iter, None) is not None:
                 raise InvalidArgumentError(f"more timestamps than examples ({len(new_keys)}) were given to add()")
-            if not new_keys:
-                return 0
-            if coll is None:
-                assert schema is not None  # made from the first chunk: new_keys is not empty
-                coll = self._collections[collection_uri] = _MemCollection(schema)
-            if not coll.keys or min(new_keys) > coll.keys[-1]:  # the usual case: appending newer examples
-                order = sorted(range(len(new_keys)), key=new_keys.__getitem__)
-                coll.keys.extend(new_keys[i] for i in order)
-                coll.payloads.extend(new_payloads[i] for i in order)
-            else:
-                merged = sorted(zip(coll.keys + new_keys, coll.payloads + new_payloads), key=lambda kp: kp[0])
-                coll.keys = [k for k, _ in merged]
-                coll.payloads = [p for _, p in merged]
-            self._apply(coll, self.retention_for(collection_uri), self._clock())
-            return len(new_keys)
+            return self._insert(collection_uri, schema, new_keys, new_payloads)
+
+    def add_columns(
+        self, collection_uri: str, columns: Mapping[str, np.ndarray], *, timestamp: float | None = None
+    ) -> int:
+        """Adds the examples held as columns (tensor name -> array whose first axis runs over the
+        examples), all stamped ``timestamp`` (``clock()`` now when None): the store then holds
+        what ``add`` of each row as an example would, encoded a column at a time instead of an
+        example at a time. Returns how many were added."""
+        self._check_open()
+        check_uri(collection_uri)
+        stamp = self._clock() if timestamp is None else check_timestamp("timestamp", timestamp)
+        arrays = {name: np.asarray(col) for name, col in columns.items()}
+        counts = {a.shape[0] if a.ndim else -1 for a in arrays.values()}
+        if len(counts) > 1 or -1 in counts:
+            raise InvalidArgumentError(
+                f"columns must be arrays of one length along their first axis, got { {k: a.shape for k, a in arrays.items()} }"
+            )
+        n = counts.pop() if counts else 0
+        if n == 0:
+            return 0
+        with self._lock:
+            coll = self._collections.get(collection_uri)
+            schema = coll.schema if coll is not None else Schema.from_example({k: a[0] for k, a in arrays.items()})
+            payload = schema.encode_columns(arrays, n, collection_uri)
+            keys = [(float(stamp) + 0.0, next(self._ids)) for _ in range(n)]
+            return self._insert(collection_uri, schema, keys, list(_rows(payload, schema.record_size)))
+
+    def _insert(
+        self, collection_uri: str, schema: Schema | None, new_keys: list[Position], new_payloads: list[bytes]
+    ) -> int:
+        """Puts encoded examples into their collection in key order (under the lock), applying
+        its retention; how many."""
+        if not new_keys:
+            return 0
+        coll = self._collections.get(collection_uri)
+        if coll is None:
+            assert schema is not None  # made from the first example: new_keys is not empty
+            coll = self._collections[collection_uri] = _MemCollection(schema)
+        if not coll.keys or min(new_keys) > coll.keys[-1]:  # the usual case: appending newer examples
+            order = sorted(range(len(new_keys)), key=new_keys.__getitem__)
+            coll.keys.extend(new_keys[i] for i in order)
+            coll.payloads.extend(new_payloads[i] for i in order)
+        else:
+            merged = sorted(zip(coll.keys + new_keys, coll.payloads + new_payloads), key=lambda kp: kp[0])
+            coll.keys = [k for k, _ in merged]
+            coll.payloads = [p for _, p in merged]
+        self._apply(coll, self.retention_for(collection_uri), self._clock())
+        return len(new_keys)
 
     # -- retention and housekeeping --------------------------------------------------------------
 
@@ -244,6 +277,11 @@ class InMemoryExampleStore(ExampleStore):
 
     def __repr__(self) -> str:
         return f"InMemoryExampleStore({len(self._collections)} collections)"
+
+
+def _rows(payload: bytes, size: int) -> list[bytes]:
+    """Encoded examples back to back, one bytes object each."""
+    return [payload[i : i + size] for i in range(0, len(payload), size)]
 
 
 class _MemoryIterator(ExampleIterator):

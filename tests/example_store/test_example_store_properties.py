@@ -11,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from example_store import ExampleSelector, InMemoryExampleStore, SQLiteExampleStore
+from example_store import (
+    ExampleSelector,
+    InMemoryExampleStore,
+    InvalidArgumentError,
+    SchemaMismatchError,
+    SQLiteExampleStore,
+)
 
 _uris = itertools.count()
 
@@ -99,3 +105,48 @@ def test_query_matches_a_python_filter_and_sort(shared_store, scenario):
         it.close()
         rest = store.query_batches(ExampleSelector(uri, **{**sel, "limit": None}, resume_after=token), batch_size)
         assert np.concatenate([b["id"] for b in rest]).tolist()[: len(want) - batch_size] == want[batch_size:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    before=st.integers(0, 5),
+    n=st.integers(0, 12),
+    stamp=timestamps,
+    shape=st.sampled_from([(), (3,), (2, 2)]),
+    dtype=st.sampled_from(["<f4", ">f4", "<i8", "?"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_columns_go_in_as_their_rows_would(before, n, stamp, shape, dtype, seed):
+    """``add_columns`` stores what ``add`` of each row as an example stores: the same count, keys
+    and payloads, so every query answers alike."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, *shape)) * 3).astype(dtype)
+    y = rng.integers(0, 9, size=n)
+    earlier = [{"x": np.zeros(shape, dtype=dtype), "y": np.int64(1)} for _ in range(before)]
+    by_rows, by_columns = InMemoryExampleStore(clock=lambda: 5.0), InMemoryExampleStore(clock=lambda: 5.0)
+    for store in (by_rows, by_columns):
+        store.add("app:/c", earlier, timestamps=[10.0] * before)
+    assert by_rows.add("app:/c", [{"x": x[i], "y": y[i]} for i in range(n)], timestamps=[stamp] * n) == n
+    assert by_columns.add_columns("app:/c", {"x": x, "y": y}, timestamp=stamp) == n
+    if before + n == 0:
+        assert by_rows.collections() == by_columns.collections() == []
+        return
+    for order in ("oldest", "newest"):
+        selector = ExampleSelector("app:/c", order=order)
+        rows = [(e["x"].tobytes(), int(e["y"])) for e in by_rows.query(selector)]
+        assert [(e["x"].tobytes(), int(e["y"])) for e in by_columns.query(selector)] == rows
+    assert by_rows._collections["app:/c"].keys == by_columns._collections["app:/c"].keys
+
+
+def test_columns_that_do_not_fit_the_collection_are_refused():
+    store = InMemoryExampleStore()
+    store.add("app:/c", [{"x": np.zeros(3, np.float32)}])
+    with pytest.raises(SchemaMismatchError, match="tensor 'x' has shape"):
+        store.add_columns("app:/c", {"x": np.zeros((2, 4), np.float32)})
+    with pytest.raises(SchemaMismatchError, match="tensor 'x' has dtype float64"):
+        store.add_columns("app:/c", {"x": np.zeros((2, 3))})
+    with pytest.raises(SchemaMismatchError, match="tensors \\['x', 'y'\\]"):
+        store.add_columns("app:/c", {"x": np.zeros((2, 3), np.float32), "y": np.zeros(2)})
+    with pytest.raises(InvalidArgumentError, match="one length"):
+        store.add_columns("app:/c", {"x": np.zeros((2, 3), np.float32), "y": np.zeros(3)})
+    assert store.count(ExampleSelector("app:/c")) == 1  # nothing of a refused call went in
