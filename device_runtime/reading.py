@@ -157,8 +157,16 @@ class ExampleReading:
 
     def open_batches(self) -> ExampleIterator:
         """The ``open_examples`` callable of ``PlanExecutor.batches_from_examples``: called once
-        per epoch; the last iterator opened is the one whose position is kept."""
-        iterator = self.store.query_batches(self.selector, self.device.batch_size)
+        per epoch; the last iterator opened is the one whose position is kept. It reads in
+        batches of the plan's batch size, or at once when the selection fits the plan's shuffle
+        buffer: the shuffle then permutes all of it at once however it came, so the batches
+        trained are the same, and one chunk costs less to check, pool and cut than dozens (a
+        text client's 280 examples in batches of 8: 0.5 ms a session)."""
+        device = self.device
+        size = device.batch_size
+        if device.shuffle_buffer > 1 and self.available <= device.shuffle_buffer:
+            size = max(size, self.available)
+        iterator = self.store.query_batches(self.selector, size)
         self._opened.append(iterator)
         return iterator
 
