@@ -236,7 +236,9 @@ class ParticipationScheduler:
     unmet, as JobScheduler runs a job only once all its constraints hold. Conditions that can
     tell it from a later moment on (``first_satisfied(constraints, at, now) -> float | None``)
     also let a job that reschedules itself sleep past its due time until they hold, instead of
-    waking when due to find them unmet."""
+    waking when due to find them unmet; and those that tell when they next stop holding
+    (``first_unsatisfied(constraints, now) -> float | None``) spare a session run without a
+    watchdog reading them between every two training steps until then."""
 
     def __init__(
         self,
@@ -385,12 +387,42 @@ class ParticipationScheduler:
         when = first_satisfied(constraints, at, now)
         return at if when is None else max(at, float(when))
 
+    def _unmet_check(self, constraints: TrainingConstraints) -> Callable[[], bool]:
+        """The per-step check of a session run without a watchdog: whether ``constraints`` no
+        longer hold. Conditions that know their future (``first_unsatisfied(constraints, now) ->
+        float | None``, the first moment after ``now`` at which they stop holding) are read once
+        and then only when the clock reaches that moment, where the check reads them again (it
+        gives what reading them at every step gives: before that moment they hold)."""
+        conditions = self.conditions
+
+        def unmet() -> bool:
+            return not constraints.satisfied(conditions.current())
+
+        first_unsatisfied = getattr(conditions, "first_unsatisfied", None)
+        if first_unsatisfied is None:
+            return unmet
+        clock = self.clock
+        holds_before = -math.inf  # the conditions hold while the clock reads less than this
+
+        def check() -> bool:
+            nonlocal holds_before
+            now = clock.now()
+            if now < holds_before:
+                return False
+            if unmet():
+                return True
+            stop = first_unsatisfied(constraints, now)
+            holds_before = math.inf if stop is None else float(stop)
+            return False
+
+        return check
+
     def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints) -> SessionResult:
         """Run a session while a watchdog polls the conditions: when they stop holding it asks the
         session to stop (checked between steps) and, after the grace period, ends the running
         step by force through onnxruntime's terminate flag."""
         if not self.settings.watchdog:
-            return runtime.run_session(should_abort=lambda: not constraints.satisfied(self.conditions.current()))
+            return runtime.run_session(should_abort=self._unmet_check(constraints))
         stop = threading.Event()
         done = threading.Event()
         run_options = ort.RunOptions()

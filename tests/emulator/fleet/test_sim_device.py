@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_runtime.conditions import TrainingConstraints
+from device_runtime.scheduling import ParticipationScheduler, SchedulerSettings
 from emulator.fleet.sim_device import WAKE_AFTER_CHANGE_S, LazyExampleStore, SimConditions, StreamRandom
 from example_store import ExampleSelector, InMemoryExampleStore
 
@@ -174,3 +175,30 @@ def test_a_job_due_later_wakes_when_its_constraints_first_hold_from_then_on(
         assert got == at
     else:
         assert got == _waking_at_every_change(device, conditions, constraints, now + later)
+
+
+@settings(max_examples=200)
+@given(
+    which=st.integers(0, 10_000),
+    now=st.floats(0, 86_400),
+    broken=_window,
+    net_down=_window,
+    constraints=_CONSTRAINTS,
+    epoch=st.sampled_from([0.0, 1_767_225_600.0]),
+    steps=st.lists(st.one_of(st.floats(0.0, 2.0), st.floats(0.0, 1_800.0)), max_size=60),
+)
+def test_the_per_step_check_gives_what_reading_the_conditions_every_step_gives(
+    which, now, broken, net_down, constraints, epoch, steps
+):
+    """A session's per-step check reads conditions that know their future once, then only when
+    the device's clock (unix time through the run's epoch, where sums round) reaches the moment
+    they stop holding (``first_unsatisfied``): at every step it says what reading them says."""
+    spec = _specs()[which % len(_specs())]
+    device = _Device(spec, now, _at(now, broken), _at(now, net_down))
+    device.sim.epoch = epoch
+    conditions = SimConditions(device)
+    scheduler = ParticipationScheduler(None, conditions, clock=device.clock, settings=SchedulerSettings(watchdog=False))
+    check = scheduler._unmet_check(constraints)
+    for step in [0.0, *steps]:
+        device._now += step
+        assert check() is (not constraints.satisfied(conditions.current()))
