@@ -17,10 +17,19 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from emulator.fleet import FleetConfig, FleetRun, device_examples, fleet_dataset, generate_population, simulate
+from emulator.fleet import (
+    FleetConfig,
+    FleetRun,
+    device_examples,
+    fleet_dataset,
+    generate_population,
+    simulate,
+    simulator,
+)
 from emulator.fleet.population import DeviceFaults
 from emulator.fleet.ray_backend import simulate_sharded
 from emulator.fleet.simulator import FleetSimulator
+from emulator.fleet.summary import time_to_target_accuracy_s
 
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
 #: are session-scoped, so that no test run between two of them makes the worker build them again.
@@ -62,6 +71,28 @@ def test_the_same_seed_gives_the_same_run(runs):
 def test_another_seed_gives_another_run(runs):
     assert runs["other"].digest != runs["a"].digest
     assert runs["other"].sessions != runs["a"].sessions
+
+
+def test_past_measured_rounds_a_sample_of_the_models_is_measured_and_the_summary_stays(runs, monkeypatch):
+    """A run of more committed rounds than ``MEASURED_ROUNDS`` measures each model until one
+    reaches the target, then a sample and the last: the time to the target, the last accuracy and
+    the digest are those of the run that measured every model."""
+    full = runs["a"]
+    committed = [r for r in full.rounds if r.committed]
+    target = sorted(r.accuracy for r in committed)[len(committed) // 2]  # reached part-way through
+    monkeypatch.setattr(simulator, "MEASURED_ROUNDS", 2)
+    sampled = simulate(small_config(seed=1, target_accuracy=target), progress=False)
+    assert sampled.digest == full.digest
+    measured = 0
+    for x, y in zip(full.rounds, sampled.rounds, strict=True):
+        assert (x.round_id, x.committed, x.accepted) == (y.round_id, y.committed, y.accepted)
+        if math.isfinite(y.accuracy):
+            measured += 1
+            assert (y.accuracy, y.loss) == (x.accuracy, x.loss)
+    assert 2 <= measured < len(committed)
+    summary = sampled.summary()
+    assert summary["time_to_target_accuracy_s"] == time_to_target_accuracy_s(full.rounds, target) is not None
+    assert summary["accuracy"] == full.summary()["accuracy"]
 
 
 def test_rounds_commit_and_the_model_learns(runs):
