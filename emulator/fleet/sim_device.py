@@ -84,6 +84,10 @@ MATERIALIZE_LAZILY = True
 #: kept built would, event for event. False keeps every device built once it has woken (the same
 #: run, with about 46 kB per device that has woken; a test holds them equal).
 RELEASE_AFTER_JOBS = True
+#: A device whose next job run is due within this many seconds stays built and sleeps (a device
+#: turned away is told to come back within seconds while rounds fill at once): building its SDK
+#: again would cost more than it frees.
+KEEP_BUILT_S = 60.0
 
 STATUS_IDLE = "idle"
 STATUS_CHECKING_IN = "checking_in"
@@ -699,7 +703,7 @@ class SimDevice:
                 if sim.loop.now == last_job_at:  # never two job runs at one instant: time must move
                     wait = max(wait, MIN_JOB_GAP_S)
                 if wait > 0:
-                    if RELEASE_AFTER_JOBS and self.ahead is None:
+                    if RELEASE_AFTER_JOBS and self.ahead is None and wait > KEEP_BUILT_S:
                         self._release(sim.loop.now + wait)
                         return
                     sim.fibers.sleep(wait)
