@@ -14,7 +14,8 @@ and batch size, trained by ``PlanExecutor.run_device`` over ``batches_from_examp
 figure is the process CPU of ``simulate`` over its completed sessions. The task and its data are
 built before the fleet's clock starts (``load_workload``, cached; it is a one-off cost of any run,
 reported as ``setup_cpu_s``); everything ``simulate`` does is counted, including building the
-population and measuring every committed model on the test split at the end. Replaying every
+population and measuring the committed models on the test split at the end (a sample of them
+past 400 rounds: ``simulator.MeasuredRounds``). Replaying every
 completed session would take about as long as the fleet's own training, so a seeded sample of
 ``REPLAY_SAMPLE`` (500) completed sessions is replayed (all of them when fewer) and its mean CPU
 per session is the floor; the replay's first session runs once untimed (it builds the executor's
