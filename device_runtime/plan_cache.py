@@ -13,7 +13,9 @@ import hashlib
 import logging
 import os
 import re
+import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -43,6 +45,8 @@ def _sha256(data: bytes) -> str:
 #: plan per session, up to 1 GiB each, filled the phone's storage).
 MAX_CACHED_PLANS = 8
 _PLAN_ID = re.compile(r"[0-9a-f]{64}")
+#: A partial copy (``.<id>.<random>.tmp``) this old was left by a writer that was killed: removed.
+STALE_PARTIAL_S = 3600.0
 
 
 class DirectoryPlanCache:
@@ -62,6 +66,12 @@ class DirectoryPlanCache:
         except OSError:
             return None
         if _sha256(data) != plan_id:
+            # a copy changed on disk (storage fault, a tool): dropped, so the download replaces it
+            log.warning(
+                "cached plan %s does not match its id (changed on disk); removed, downloading it again", plan_id
+            )
+            with contextlib.suppress(OSError):
+                path.unlink()
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # used now: the last to go
@@ -73,20 +83,33 @@ class DirectoryPlanCache:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            # a name of its own per writer: runtimes sharing the folder never write one partial copy
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{plan_id}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             self._prune(keeping=plan_id)
         except OSError as exc:
             log.warning("could not cache plan %s: %s", plan_id, exc)
 
     def _prune(self, *, keeping: str) -> None:
-        """Remove the plans used longest ago past ``keep`` (never ``keeping``, just written)."""
+        """Remove the plans used longest ago past ``keep`` (never ``keeping``, just written), and
+        partial copies older than ``STALE_PARTIAL_S`` (their writer was killed mid-write)."""
         plans = []
+        stale = time.time() - STALE_PARTIAL_S
         for entry in os.scandir(self.root / "plans"):
             if _PLAN_ID.fullmatch(entry.name) and entry.name != keeping:
                 with contextlib.suppress(OSError):
                     plans.append((entry.stat().st_mtime_ns, entry.name))
+            elif entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_mtime < stale:
+                        os.unlink(entry.path)
         for _, name in sorted(plans, reverse=True)[self.keep - 1 :]:
             with contextlib.suppress(OSError):
                 (self.root / "plans" / name).unlink()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import os
 import random
 import threading
 import time
@@ -27,6 +29,7 @@ from device_runtime import (
     ServerUnreachable,
     SessionRejected,
 )
+from device_runtime.plan_cache import STALE_PARTIAL_S, DirectoryPlanCache
 from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from server_stub import free_port
@@ -95,6 +98,62 @@ def test_session_completes_and_plan_is_cached(server, admin, store, tmp_path):
     second_bytes = runtime.client.bytes_received - first_bytes
     plan_bytes = sum(p.stat().st_size for p in (tmp_path / "cache" / "plans").iterdir())
     assert second_bytes < first_bytes - plan_bytes + 1024  # the plan came from the cache
+
+
+def test_a_cached_plan_changed_on_disk_is_downloaded_again_and_replaced(server, admin, store, tmp_path, caplog):
+    """A copy that no longer matches its id (a storage fault) is never run: the next session, in a
+    restarted app, downloads the plan, says why, and writes the good copy back, so the session
+    after that reads it from the cache again instead of downloading it every time."""
+    deploy(admin, goal_count=5)
+    cache = tmp_path / "cache"
+    with FLRuntime("digits", server.url, store, cache_dir=cache, retry=FAST_RETRY) as runtime:
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    (cached,) = (cache / "plans").iterdir()
+    good = cached.read_bytes()
+    cached.write_bytes(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:])
+    paths: list[str] = []
+
+    def session() -> None:
+        transport = httpx.HTTPTransport()
+        original = transport.handle_request
+
+        def handle(request: httpx.Request) -> httpx.Response:
+            paths.append(request.url.path)
+            return original(request)
+
+        transport.handle_request = handle  # type: ignore[method-assign]
+        with FLRuntime("digits", server.url, store, cache_dir=cache, retry=FAST_RETRY, transport=transport) as again:
+            assert again.run_session().outcome is Outcome.COMPLETED
+
+    session()
+    assert f"/v1/resources/{cached.name}" in paths
+    assert "does not match its id" in caplog.text
+    assert cached.read_bytes() == good
+    paths.clear()
+    session()
+    assert f"/v1/resources/{cached.name}" not in paths  # from the cache again
+
+
+def test_a_partial_plan_copy_left_by_a_killed_writer_is_removed(tmp_path):
+    """A device killed while writing a plan leaves a partial copy under a temporary name: never
+    read as a plan, and removed by a later write once it is older than any live write."""
+    cache = DirectoryPlanCache(tmp_path)
+    plans = [bytes([i]) * 100 for i in range(2)]
+    ids = [hashlib.sha256(p).hexdigest() for p in plans]
+    cache.put(ids[0], plans[0])
+    partial = tmp_path / "plans" / f".{ids[1]}.abc.tmp"
+    partial.write_bytes(plans[1][:10])
+    old_style = tmp_path / "plans" / f"{ids[1]}.tmp"
+    old_style.write_bytes(plans[1][:10])
+    assert cache.get(ids[1]) is None
+    fresh = tmp_path / "plans" / f".{ids[1]}.def.tmp"  # a write still going on
+    fresh.write_bytes(b"")
+    old = time.time() - STALE_PARTIAL_S - 10
+    os.utime(partial, (old, old))
+    os.utime(old_style, (old, old))
+    cache.put(ids[1], plans[1])
+    assert sorted(p.name for p in (tmp_path / "plans").iterdir()) == sorted([ids[0], ids[1], fresh.name])
+    assert cache.get(ids[1]) == plans[1]
 
 
 def test_rejection_carries_the_retry_window(server, admin, store, tmp_path):
