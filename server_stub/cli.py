@@ -16,7 +16,7 @@ from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .http_guards import GuardedServer, HttpLimits
-from .persistence import ServerStore
+from .persistence import DamagedStore, ServerStore
 from .release_trust import ReleaseTrustError, read_release_trust
 from .serve import free_port
 from .service import FLService
@@ -228,9 +228,14 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    service = FLService(
-        store, verifier=verifier, require_release_reports=not args.allow_untested_plans, release_trust=release_trust
-    )
+    try:
+        service = FLService(
+            store, verifier=verifier, require_release_reports=not args.allow_untested_plans, release_trust=release_trust
+        )
+    except DamagedStore as exc:
+        store.close()
+        print(f"fedfleet server: {exc}", file=sys.stderr)
+        return 2
     attestation = (
         f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
     )

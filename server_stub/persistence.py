@@ -95,6 +95,11 @@ def _load_metrics(text: str) -> dict:
     return json.loads(text, parse_constant=lambda _constant: None)
 
 
+class DamagedStore(Exception):
+    """A stored plan or checkpoint whose bytes no longer match their content id (a storage fault,
+    or the database edited by hand): the server refuses to build on it."""
+
+
 @dataclass(frozen=True)
 class NewTask:
     """A task to store: its name, plan and initial checkpoint bytes, and its config (JSON)."""
@@ -215,10 +220,18 @@ class ServerStore:
             return conn.execute(select(resources.c.data).where(resources.c.id == rid)).scalar()
 
     def resource(self, rid: str) -> bytes:
-        """A resource that must exist (a stored task's plan or checkpoint); KeyError when it does not."""
-        data = self.get_resource(rid)
-        if data is None:
+        """A resource that must exist (a stored task's plan or checkpoint); KeyError when it does
+        not, ``DamagedStore`` when its bytes no longer match their id."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(resources.c.data, resources.c.kind).where(resources.c.id == rid)).first()
+        if row is None:
             raise KeyError(rid)
+        data, kind = row
+        if resource_id(data) != rid:
+            raise DamagedStore(
+                f"the database {self.path} is damaged: its {kind} {rid} no longer matches its id (SHA-256); "
+                "restore the database from a backup"
+            )
         return data
 
     # tasks

@@ -500,3 +500,32 @@ def test_an_admin_key_the_http_layer_would_drop_is_refused_when_loaded():
     with pytest.raises(AdminKeyError):
         AdminKeys(["k" * 513])
     assert AdminKeys(["k" * 512]).verify("k" * 512)
+
+
+@pytest.mark.parametrize("kind", ["plan", "checkpoint"])
+@pytest.mark.timeout(60)
+def test_a_stored_resource_changed_in_the_database_stops_the_server_in_one_line(tmp_path, capsys, kind):
+    """A task's plan or model whose bytes no longer match their id (a storage fault, a hand
+    edit) is never trained on: the server refuses to start, naming the database and what in it is
+    damaged, instead of a traceback from the decoder (or, for a plan, a model built on other bytes)."""
+    import sqlite3
+
+    db = tmp_path / "s.db"
+    with ServerThread(db) as server, server.admin() as admin:
+        deploy(admin)
+    with sqlite3.connect(db) as conn:
+        rid, data = conn.execute(
+            "SELECT id, data FROM resources WHERE kind = ? ORDER BY rowid LIMIT 1", (kind,)
+        ).fetchone()
+        conn.execute("UPDATE resources SET data = ? WHERE id = ?", (data[:-1] + bytes([data[-1] ^ 1]), rid))
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    out = io.StringIO()
+    args = ["--db", str(db), "--port", "0", "--admin-key-file", str(_key_file(tmp_path)), "--allow-untested-plans"]
+    code = run_server(parser.parse_args(args), out=out)
+    err = capsys.readouterr().err
+    assert code == 2 and out.getvalue() == ""
+    assert (
+        err
+        == f"fedfleet server: the database {db} is damaged: its {kind} {rid} no longer matches its id (SHA-256); restore the database from a backup\n"
+    )
