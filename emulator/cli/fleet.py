@@ -50,7 +50,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--task",
         metavar="TASK.py",
-        help="run this task file (what fedfleet plan build takes) instead of the built-in digits MLP",
+        help="run this task file (what fedfleet plan build takes), or a bundle folder's task.py, instead of the built-in digits MLP",
     )
     p.add_argument(
         "--data",
@@ -137,6 +137,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..fleet.ray_backend import RayBackendError
     from ..fleet.simulator import ProgressBar, simulate
     from ..fleet.workload import load_workload
+    from ..toolchain.bundle import TASK_FILE
 
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
         print(
@@ -144,10 +145,12 @@ def run_simulate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.task is not None and (Path(args.task) / TASK_FILE).is_file():
+        args.task = str(Path(args.task) / TASK_FILE)  # a bundle (what plan test and deploy take): its task file
     if args.task is not None and not Path(args.task).is_file():
         print(
             f"fedfleet simulate: --task {args.task}: {'a folder' if Path(args.task).is_dir() else 'no such file'}; "
-            "give the path of a task file (as `fedfleet plan build` takes)",
+            f"give the path of a task file (as `fedfleet plan build` takes) or a bundle folder holding {TASK_FILE}",
             file=sys.stderr,
         )
         return 2

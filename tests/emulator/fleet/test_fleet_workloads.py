@@ -152,6 +152,22 @@ def test_a_leaf_folder_with_a_task_file_runs_twice_to_one_digest_and_reaches_its
     assert code == 0 and second["digest"] == first["digest"]
 
 
+def test_a_bundle_folder_runs_as_its_task_file(tmp_path, capsys):
+    """``--task DIR`` of a bundle (what ``plan test`` and ``deploy`` take) runs ``DIR/task.py``."""
+    from examples.tasks.digits_cnn_task import cnn_model
+
+    (tmp_path / "cnn.onnx").write_bytes(cnn_model())
+    bundle = tmp_path / "cnn"
+    assert main(["plan", "from-onnx", str(tmp_path / "cnn.onnx"), "--label", "y", "-o", str(bundle)]) == 0
+    fleet = FLEET.replace("hours = 2.0", "hours = 0.5")
+    code, folder, err = simulate(tmp_path, capsys, "--task", str(bundle), fleet=fleet)
+    assert code == 0, err
+    code, file, err = simulate(tmp_path, capsys, "--task", str(bundle / "task.py"), fleet=fleet)
+    assert code == 0, err
+    assert folder is not None and file is not None and folder["tasks"] == ["cnn"]
+    assert folder["digest"] == file["digest"] and folder["task_file"] == file["task_file"]
+
+
 def test_a_tff_h5_folder_runs_the_built_in_task_sized_to_its_images(tmp_path, capsys):
     data = write_tff(tmp_path / "tff")
     code, summary, err = simulate(tmp_path, capsys, "--data", f"tff-h5:{data}")
@@ -301,7 +317,11 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
     "args, fleet_extra, says",
     [
         (("--task", "no_such_task.py"), "", "no such file"),
-        (("--task", "{tmp}"), "", "a folder; give the path of a task file"),
+        (
+            ("--task", "{tmp}"),
+            "",
+            "a folder; give the path of a task file (as `fedfleet plan build` takes) or a bundle folder holding task.py",
+        ),
         ((), '[task]\nfile = "missing.py"\n', "no task file at"),
         (("--task", "{broken}"), "", "does not load"),
         (("--task", "{not_a_plan}"), "", "does not build"),
