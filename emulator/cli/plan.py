@@ -275,6 +275,13 @@ def _test(args: argparse.Namespace, say) -> int:
             signed = " (signed)" if signing_key is not None else " (unsigned)"
             say(f"{built.task.name}: {'passed' if report['passed'] else 'FAILED'}; report {built.report_path}{signed}")
             passed = passed and report["passed"]
+    if passed:
+        say(
+            f"next: fedfleet deploy {directory} --server URL --population P"
+            if signing_key is not None
+            else f"next: sign the reports (fedfleet plan test {directory} --signing-key KEY), then fedfleet deploy "
+            f"{directory} --server URL --population P"
+        )
     return 0 if passed else 1
 
 
@@ -424,6 +431,7 @@ def _deploy(args: argparse.Namespace, say) -> int:
         result = deploy_bundle(args.directory, admin, args.population)
     for task in result.get("tasks", [result]):
         say(f"deployed to {args.server} population {args.population}: {deployed_line(task)}")
+    say(f"next: fedfleet status --server {args.server} --population {args.population} (its tasks and open round)")
     return 0
 
 

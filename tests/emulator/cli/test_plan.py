@@ -80,7 +80,12 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
         assert main(deploy) == 2  # not tested yet: no report to send
         assert "no release report" in capsys.readouterr().err
         assert main(["plan", "test", str(out)]) == 0  # unsigned: nobody vouches for it
-        assert "will not be signed" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert "will not be signed" in printed
+        assert printed.endswith(
+            f"next: sign the reports (fedfleet plan test {out} --signing-key KEY), then fedfleet deploy {out} "
+            "--server URL --population P\n"
+        )
         assert main(deploy) == 1
         assert "RELEASE_REPORT_UNSIGNED" in capsys.readouterr().err
         assert main(["plan", "test", str(out), "--signing-key", str(tester_key)]) == 0
@@ -91,7 +96,11 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
         rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if line.startswith("  1.")}
         assert rows["1.15.1"][0] == rows["1.31.1"][0] == "yes" and "digits_mlp: passed" in printed
         assert float(rows["1.15.1"][1]) <= 1e-5 and float(rows["1.15.1"][2]) > 0 and float(rows["1.15.1"][3]) >= 0
+        assert printed.endswith(f"next: fedfleet deploy {out} --server URL --population P\n")
         assert main(deploy) == 0
+        assert capsys.readouterr().out.endswith(
+            f"next: fedfleet status --server {server.url} --population digits (its tasks and open round)\n"
+        )
         with server.admin() as admin:
             status = admin.status("digits")
     assert [t["name"] for t in status["tasks"]] == ["digits_mlp"]
