@@ -255,6 +255,10 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
     directory = Path(directory)
     check_bundle_path(directory)
     if not (directory / TASK_FILE).is_file():
+        if (directory / MANIFEST).is_file() and (directory.parent / TASK_FILE).is_file():
+            raise TaskError(
+                f"{directory} is one task's folder of the bundle {directory.parent}; give {directory.parent}"
+            )
         raise TaskError(
             f"{directory} is not a built task (no {TASK_FILE}); run `fedfleet plan build TASK.py -o {directory}`"
         )

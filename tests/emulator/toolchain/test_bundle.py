@@ -67,6 +67,16 @@ def test_a_damaged_manifest_or_a_missing_part_is_refused_saying_to_build_again(b
     assert says in str(info.value)
 
 
+def test_a_tasks_folder_inside_a_bundle_is_refused_naming_the_bundle(built, capsys):
+    """``plan test`` and ``deploy`` of ``DIR/<task>`` (the folder with the plans) name ``DIR``,
+    not a build into the task's folder."""
+    with pytest.raises(TaskError) as info:
+        read_bundle(built / "digits_mlp")
+    assert str(info.value) == f"{built / 'digits_mlp'} is one task's folder of the bundle {built}; give {built}"
+    assert main(["plan", "test", str(built / "digits_mlp")]) == 2
+    assert capsys.readouterr().err.endswith(f"give {built}\n")
+
+
 def test_deploy_refuses_a_damaged_report_or_round_config_in_one_line_before_the_server(bundle, tmp_path, capsys):
     keys = tmp_path / "admin.keys"
     keys.write_text(ADMIN_KEY + "\n")
