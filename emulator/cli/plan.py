@@ -110,6 +110,7 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     torch_cmd.add_argument(
         "--input",
         nargs="+",
+        action="extend",
         required=True,
         metavar="NAME:SHAPE[:DTYPE]",
         dest="inputs",

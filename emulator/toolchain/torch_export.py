@@ -184,6 +184,18 @@ def export_failure(exc: BaseException) -> str:
     )
 
 
+def forward_failure(exc: BaseException, inputs: Sequence[TorchInput]) -> str:
+    """One line for a module whose forward fails on the examples of ``--input``: no exporter can
+    trace it then, so the inputs are what to change."""
+    text = _ANSI.sub("", str(exc)).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    given = ", ".join(f"{s.name} {[TRACE_BATCH, *s.shape]} {s.dtype}" for s in inputs)
+    return (
+        f"the module's forward failed on the --input examples ({given}): {type(exc).__name__}: {first}; give one "
+        "--input per argument of forward, in order, each with one example's shape (without the batch axis) and dtype"
+    )
+
+
 def export_torch(
     module: Any,
     inputs: Sequence[TorchInput],
@@ -207,7 +219,10 @@ def export_torch(
     try:
         with torch.no_grad():
             module.eval()
-            out = module(*args)
+            try:
+                out = module(*args)
+            except Exception as exc:  # noqa: BLE001 - the module's own code: any error is the inputs' mismatch
+                raise TaskError(forward_failure(exc, inputs)) from None
         outputs = [f"output_{i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else ["output"]
         module.train()
         batch = torch.export.Dim("N")

@@ -311,3 +311,55 @@ def test_from_torch_falls_back_to_the_classic_exporter_and_says_why(tmp_path, mo
     assert set(stepped) == set(params)  # the tied embedding once, under the name torch shares
     for name, value in params.items():
         np.testing.assert_allclose(stepped[name], value.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+TWO_INPUTS = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.emb = torch.nn.Linear(6, 3), torch.nn.Embedding(10, 3)
+
+    def forward(self, x, tokens):
+        return self.fc(x) + self.emb(tokens).mean(1)
+
+
+def make_net():
+    torch.manual_seed(0)
+    return Net()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_each_input_flag_is_one_argument_of_forward_and_inputs_forward_refuses_are_named(tmp_path, capsys):
+    """``--input x:6 --input tokens:4:int64`` gives forward two arguments (a repeated flag kept only
+    the last); inputs the module's own forward fails on get one line naming them and what to give,
+    not the exporter's advice to export by hand (which would fail the same way)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    (tmp_path / "models.py").write_text(TWO_INPUTS)
+    factory = f"{tmp_path / 'models.py'}:make_net"
+    common = ["--label", "y", "--runtimes", "1.31.1"]
+    out = tmp_path / "bundle"
+    assert (
+        main(["plan", "from-torch", factory, "--input", "x:6", "--input", "tokens:4:int64", *common, "-o", str(out)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "x ['N', 6] float32" in printed and "tokens ['N', 4] int64" in printed
+    assert (
+        main(["plan", "from-torch", factory, "--input", "x:5", "tokens:4:int64", *common, "-o", str(tmp_path / "b")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "fedfleet plan from-torch: the module's forward failed on the --input examples "
+        "(x [2, 5] float32, tokens [2, 4] int64): RuntimeError: "
+    )
+    assert err.endswith(
+        "give one --input per argument of forward, in order, each with one example's shape "
+        "(without the batch axis) and dtype\n"
+    )
+    assert len(err.splitlines()) == 1 and not (tmp_path / "b").exists()
