@@ -48,7 +48,7 @@ from server_stub.schemas import NAME_RULE, is_name
 
 from ..releases.envs import RuntimeEnvError
 from ..releases.workers import WorkerError, WorkerPool
-from ..toolchain.bundle import build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
+from ..toolchain.bundle import SOURCE, TASK_FILE, build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
 from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx
 from ..toolchain.onnx_import import trainable_table
 from ..toolchain.release import release_table
@@ -263,7 +263,7 @@ def _test(args: argparse.Namespace, say) -> int:
     if args.target.suffix == ".fedplan":
         check_bundle_path(args.target)
     if args.target.is_file():
-        directory = args.out or Path("build") / args.target.stem
+        directory = args.out or _default_build_dir(args.target)
         build_bundle(args.target, directory, runtimes=args.runtimes, say=say)
     elif args.runtimes:
         raise TaskError("--runtimes applies when building; build the directory again with `plan build --runtimes ...`")
@@ -284,6 +284,15 @@ def _test(args: argparse.Namespace, say) -> int:
             f"{directory} --server URL --population P"
         )
     return 0 if passed else 1
+
+
+def _default_build_dir(task_file: Path) -> Path:
+    """Where ``plan test TASK.py`` builds without ``-o``: the bundle a task file is the stub of
+    (``DIR/task.py`` beside the ``source.json`` a build wrote: every stub is named task.py, and its
+    bundle is where deploy reads the report), else ``build/<file stem>``."""
+    if task_file.name == TASK_FILE and (task_file.parent / SOURCE).is_file():
+        return task_file.parent
+    return Path("build") / task_file.stem
 
 
 def _from_onnx(args: argparse.Namespace, say) -> int:

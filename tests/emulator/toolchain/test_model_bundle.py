@@ -130,6 +130,20 @@ def test_plan_build_of_the_stub_reproduces_the_bundle_and_a_moved_bundle_still_r
     assert built.task.proxy_data().shards[0]["x"].shape[1:] == (6,)
 
 
+def test_plan_test_of_a_bundles_task_file_builds_and_tests_that_bundle(tmp_path, monkeypatch, capsys):
+    """``plan test DIR/task.py`` (the stub, once edited) builds into DIR, where deploy reads the
+    report, not into build/task, where every bundle's stub would go."""
+    onnx.save_model(mlp(6, 5, 3), str(tmp_path / "mlp.onnx"))
+    monkeypatch.chdir(tmp_path)
+    assert _from_onnx(tmp_path / "mlp.onnx", tmp_path / "bundle") == 0
+    assert main(["plan", "test", str(tmp_path / "bundle" / "task.py")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "bundle" / "mlp" / "release_report.json").is_file()
+    assert not (tmp_path / "build").exists()
+    (tmp_path / "other.py").write_text((tmp_path / "bundle" / "task.py").read_text().replace("model.onnx", "mlp.onnx"))
+    assert main(["plan", "test", "other.py"]) == 0, capsys.readouterr().err  # any other task file: build/<stem>
+    assert (tmp_path / "build" / "other" / "mlp" / "release_report.json").is_file()
+
+
 def test_from_onnx_writes_over_its_own_bundle_only(tmp_path, capsys):
     onnx.save_model(mlp(6, 5, 3), str(tmp_path / "mlp.onnx"))
     assert _from_onnx(tmp_path / "mlp.onnx", tmp_path / "bundle") == 0
