@@ -103,12 +103,26 @@ def generate_signing_key(path: str | os.PathLike[str], *, label: str = "", force
 
 def load_signing_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """The key ``generate_signing_key`` wrote to ``path``."""
+    not_a_key = f"{path} is not a release signing key; make one with `fedfleet plan keygen --key FILE`"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SigningKeyError(f"no signing key at {path}; make one with `fedfleet plan keygen --key {path}`") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise SigningKeyError(f"cannot read the signing key {path}: {exc}") from None
+    except IsADirectoryError:
+        raise SigningKeyError(f"{path} is a folder; give the key file `fedfleet plan keygen` wrote") from None
+    except UnicodeDecodeError:
+        raise SigningKeyError(not_a_key) from None
+    except OSError as exc:
+        raise SigningKeyError(f"cannot read the signing key {path}: {exc.strerror or exc}") from None
+    if text.startswith("ed25519 "):  # the KEY.pub line beside it: the half a server trusts
+        private = str(path).removesuffix(".pub")
+        raise SigningKeyError(
+            f"{path} is a public key (the line a server trusts); sign with the private key beside it, such as {private}"
+        )
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise SigningKeyError(not_a_key) from None
     raw = None
     if isinstance(data, dict) and data.get("format") == KEY_FORMAT and isinstance(data.get("private_key"), str):
         try:
@@ -116,5 +130,5 @@ def load_signing_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
         except (binascii.Error, ValueError):
             raw = None
     if raw is None or len(raw) != 32:
-        raise SigningKeyError(f"{path} is not a release signing key; make one with `fedfleet plan keygen --key FILE`")
+        raise SigningKeyError(not_a_key)
     return Ed25519PrivateKey.from_private_bytes(raw)

@@ -71,6 +71,29 @@ def test_plan_test_says_which_key_is_missing_before_running_any_test(tmp_path, c
         sign_report({**REPORT, "measured": math.nan}, generate_signing_key(tmp_path / "k"))
 
 
+def test_a_file_that_is_not_a_private_key_is_named_as_what_it_is(tmp_path):
+    """The public half given for the private one (``KEY.pub``, the likeliest slip), an admin key,
+    binary bytes and a folder: each a line that says what the file is, never a JSON decoder's
+    message."""
+    key = tmp_path / "tester.key"
+    generate_signing_key(key)
+    (tmp_path / "admin.key").write_text("an-operator-key-0123456789abcdef\n")
+    (tmp_path / "binary.key").write_bytes(b"\xff\xfe\x00")
+    cases = {
+        public_key_path(key): f"{public_key_path(key)} is a public key (the line a server trusts); sign with the "
+        f"private key beside it, such as {key}",
+        tmp_path / "admin.key": f"{tmp_path / 'admin.key'} is not a release signing key; make one with "
+        "`fedfleet plan keygen --key FILE`",
+        tmp_path / "binary.key": f"{tmp_path / 'binary.key'} is not a release signing key; make one with "
+        "`fedfleet plan keygen --key FILE`",
+        tmp_path: f"{tmp_path} is a folder; give the key file `fedfleet plan keygen` wrote",
+    }
+    for path, says in cases.items():
+        with pytest.raises(SigningKeyError) as refused:
+            load_signing_key(path)
+        assert str(refused.value) == says
+
+
 @pytest.mark.parametrize(
     "text",
     ["", "# only a comment\n\n", "ed25519\n", "ed25519 %%%\n", "ssh-ed25519 AAAA\n", "ed25519 " + "QUJD" * 4 + "\n"],
