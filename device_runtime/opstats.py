@@ -102,6 +102,7 @@ class OpStatsStore:
         self.engine.dispose()
 
     def record_session(self, session_id: str, population: str, task: str | None, events: list[Event]) -> None:
+        """Keep the session's events, replacing what was kept of it before (its events so far)."""
         rows = [
             {
                 "session_id": session_id,
@@ -115,6 +116,7 @@ class OpStatsStore:
         ]
         if rows:
             with self.engine.begin() as conn:
+                conn.execute(delete(events_table).where(events_table.c.session_id == session_id))
                 conn.execute(events_table.insert(), rows)
 
     def sessions(self, population: str | None = None, since: float | None = None) -> list[SessionSummary]:
@@ -139,8 +141,11 @@ class OpStatsStore:
         return Counter(s.shape for s in self.sessions(population, since))
 
     def last_participation(self, population: str, task: str | None = None) -> SessionSummary | None:
-        """The newest session that uploaded an accepted update (for eligibility policies)."""
-        done = [s for s in self.sessions(population) if s.shape.endswith("^") and (task is None or s.task == task)]
+        """The newest session that uploaded an accepted update (for eligibility policies), or
+        whose upload started and nothing followed (the app was killed: the server may have it)."""
+        done = [
+            s for s in self.sessions(population) if s.shape.endswith(("^", "+")) and (task is None or s.task == task)
+        ]
         return done[-1] if done else None
 
     # -- resumption tokens (device_runtime.reading.ResumptionTokenKeeper) -------------------------

@@ -315,6 +315,7 @@ class FLRuntime:
             return self._secure_report(rec, secure, session, plan, result)
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
+        rec.save_so_far()  # an app killed once the update has left still knows it took part
         try:
             reported = self.client.report(session, payload, rec.stats())
         except ProtocolError as exc:
@@ -589,6 +590,13 @@ class _Recorder:
     ) -> SessionResult:
         assert self.session is not None
         return SessionResult(outcome, self.session.task, self.session.round, self.events, metrics or {}, examples, code)
+
+    def save_so_far(self) -> None:
+        """The session as it stands, in the app's database (``OpStatsStore``); ``flush`` replaces it
+        with the whole session. Other keepers (the emulator's in memory) get it once, at its end."""
+        if isinstance(self.runtime.opstats, OpStatsStore):
+            task = self.session.task if self.session else None
+            self.runtime.opstats.record_session(self.local_id, self.runtime.population, task, self.events)
 
     def flush(self) -> None:
         if self.events:

@@ -68,3 +68,45 @@ def test_a_plan_that_runs_over_its_time_budget_is_stopped(tmp_path, server, admi
     assert result.outcome is Outcome.INTERRUPTED
     assert "time budget" in result.events[-1].detail["reason"]
     assert opstats.shape_counts() == {"-v[!": 1}
+
+
+KILLED_AFTER_REPORT = """
+import os, signal, sys
+import httpx
+from device_runtime import FLRuntime, OpStatsStore
+from example_store import SQLiteExampleStore
+
+
+class KilledOnceReported(httpx.HTTPTransport):
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        if request.url.path.endswith("/report"):
+            os.kill(os.getpid(), signal.SIGKILL)  # the app dies as the server's answer arrives
+        return response
+
+
+db, url = sys.argv[1], sys.argv[2]
+FLRuntime("digits", url, SQLiteExampleStore(db), opstats=OpStatsStore(db), transport=KilledOnceReported()).run_session()
+"""
+
+
+def test_an_app_killed_after_sending_its_update_knows_it_took_part(tmp_path, server, admin, digits):
+    """The events up to the upload are on record before the update leaves: a device killed while
+    the server takes its report (kill -9, in a process of its own) finds the session, shape
+    ``-v[]+``, as its last participation, so that its eligibility policies (once per period, a
+    minimum separation) hold after the restart."""
+    import signal
+    import subprocess
+    import sys
+
+    deploy(admin, goal_count=2, over_selection=1.0, min_fraction=1.0)
+    _runtime(tmp_path, server, digits).close()  # the examples, in the app's database
+    script = tmp_path / "app.py"
+    script.write_text(KILLED_AFTER_REPORT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "app.db"), server.url], timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    assert admin.status("digits")["current_round"]["reported"] == 1  # the server took it
+    opstats = OpStatsStore(tmp_path / "app.db")
+    [session] = opstats.sessions("digits")
+    assert session.shape == "-v[]+"
+    assert opstats.last_participation("digits") == session
