@@ -40,7 +40,8 @@ class RuntimeEnvironment:
     keeps its own when None). ``secagg_poll_s``: None on a device, whose Secure Aggregation waits
     in long polls the server holds; a runtime on a virtual clock sets it, and then polls without a
     held request and spends ``secagg_poll_s`` between polls through ``sleep`` (a server cannot hold
-    a request for a time it does not share). ``report_update``: None on a device; a simulation's
+    a request for a time it does not share), longer while it waits for its group's other masked
+    inputs (up to ``secure_client.IDLE_POLL_MAX_S``). ``report_update``: None on a device; a simulation's
     audit sets it on its canary devices, whose report is then ``report_update(plan, update)``
     instead of the trained update (the canary's direction, ``emulator.fleet.audit``), sent through
     the same protocol, plain or secure."""

@@ -47,6 +47,13 @@ from .wire import SecAggState
 MAX_DEADLINE_S = 3600.0
 LONG_POLL_S = 0.5  # also bounds how long a should_abort can go unheard
 DEADLINE_GRACE_S = 1.0
+#: A device whose polls the server cannot hold (``long_poll_s=0``), once its masked input is in,
+#: doubles its wait between polls that bring nothing new, from ``poll_s`` up to this: its group
+#: may wait minutes, up to the report window, for its slowest members' masked inputs, and each
+#: empty poll costs the server a request. The rounds after that close within a round timeout
+#: (10 s in a simulated fleet), which a device that sees them this late still answers within;
+#: in the other rounds, which close as soon as every member has answered, it polls every ``poll_s``.
+IDLE_POLL_MAX_S = 4.0
 
 #: ``SecureResult.code`` of a refusal: the server's request fell below the floor or failed a check
 REFUSED = "SECAGG_REFUSED"
@@ -104,7 +111,9 @@ class SecureAggregation:
     ``long_poll_s`` (answering as soon as the device's state moves), and the device waits
     ``poll_s`` with ``sleep`` before the next. A device on a clock of its own sets
     ``long_poll_s=0``: the server cannot hold a request for a time it does not share, so the
-    whole wait is spent through ``sleep``, on the device's clock."""
+    whole wait is spent through ``sleep``, on the device's clock; while it waits for the other
+    masked inputs of its group it waits longer between polls that bring nothing new (doubling
+    from ``poll_s`` up to ``IDLE_POLL_MAX_S``, never past its deadline)."""
 
     def __init__(
         self,
@@ -210,6 +219,7 @@ class SecureAggregation:
                     refused=True,
                     code=NEEDS_ATTESTATION,
                 )
+        idle_s = self.poll_s  # the wait after a poll that brings nothing new (see IDLE_POLL_MAX_S)
         while self.clock() < self.deadline:
             if self.should_abort is not None and self.should_abort():
                 return SecureResult(SecureOutcome.INTERRUPTED)
@@ -270,8 +280,14 @@ class SecureAggregation:
                     return self._refused(str(self._secagg.abort_reason))
                 if reply is not None and not _send(client, session, reply):
                     return SecureResult(SecureOutcome.EXCLUDED, "the group moved on without this device")
+                idle_s = self.poll_s
                 continue
-            self.sleep(self.poll_s)
+            if self.long_poll_s > 0 or until_input or state.round != Round.MASKED_INPUT_COLLECTION.value:
+                self.sleep(self.poll_s)
+                continue
+            # its masked input is in: the group waits for its slowest members, up to the report window
+            self.sleep(max(0.0, min(idle_s, self.deadline - self.clock())))
+            idle_s = min(2.0 * idle_s, max(self.poll_s, IDLE_POLL_MAX_S))
         return SecureResult(SecureOutcome.TIMED_OUT)
 
     def _refused(self, reason: str, code: str = REFUSED) -> SecureResult:

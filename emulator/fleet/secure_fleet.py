@@ -19,7 +19,9 @@ from ..devices.attestation_authority import AttestationAuthority
 
 #: How often a device polls its Secure Aggregation mailbox, in virtual seconds. The server does
 #: not hold a simulated device's poll (it cannot wait in a time it does not share); one second is
-#: the simulated server's tick, when a group's round can time out and move on.
+#: the simulated server's tick, when a group's round can time out and move on. While it waits
+#: for its group's other masked inputs the device waits longer between polls that bring nothing
+#: new, up to ``device_runtime.secure_client.IDLE_POLL_MAX_S``.
 SECAGG_POLL_S = 1.0
 
 
