@@ -5,8 +5,9 @@ discrete Gaussian share, reduce mod 2^bitwidth) as a device runs it (``encoder``
 kernel, ``device_runtime.ddp_kernel``, where the install built it, else numpy), beside its numpy
 path with each of that path's stages timed alone, and the compiled kernel's transform, uniforms and
 normals alone, for 1e5 and 1e6 parameters, against the Secure Aggregation masking of the same encoded vector in the same run: a
-real group of the fleet's secure tasks (``secagg_group_size`` 5 plus the one spare the server adds,
-so 6 clients on the complete graph) runs the whole protocol in process, and each client's
+real group of the smallest size a secure round forms (``secagg_group_size`` 5 plus the one spare the
+server adds, so 6 clients on the complete graph: ``secagg_target_group_size`` 6; at the default of
+100 each device expands some 100 masks, so 6 is the goal's hardest case) runs the whole protocol in process, and each client's
 MaskedInput handler (its self-mask and one pairwise mask per peer, AES-CTR expansions of the
 vector, plus the signature) is the masking time. Goal: encode <= 1.0x masking. The DDP parameters
 are the task defaults (``DPConfig``: bitwidth 32, so the modulus 2^32 is the secure sum's too)
