@@ -96,6 +96,10 @@ def _port(text: str) -> int:
     return port
 
 
+#: The attestation options' defaults (dest -> value): given without ``--attestation-trust`` they are refused.
+ATTESTATION_LIMITS = {"rate_burst": 5.0, "rate_per_hour": 60.0, "nonce_ttl": 120.0}
+
+
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default="fl_server.db", help="SQLite file (created if missing) or a SQLAlchemy URL")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: loopback only)")
@@ -110,12 +114,23 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="trust anchor of the attestation authority (fedfleet authority writes one); admits only attested devices",
     )
     p.add_argument(
-        "--rate-burst", type=float, default=5.0, help="check-ins a device may make at once (with attestation)"
+        "--rate-burst",
+        type=float,
+        default=ATTESTATION_LIMITS["rate_burst"],
+        help="check-ins a device may make at once (with attestation)",
     )
     p.add_argument(
-        "--rate-per-hour", type=float, default=60.0, help="check-ins a device regains per hour (with attestation)"
+        "--rate-per-hour",
+        type=float,
+        default=ATTESTATION_LIMITS["rate_per_hour"],
+        help="check-ins a device regains per hour (with attestation)",
     )
-    p.add_argument("--nonce-ttl", type=float, default=120.0, help="seconds an attestation nonce stays valid")
+    p.add_argument(
+        "--nonce-ttl",
+        type=float,
+        default=ATTESTATION_LIMITS["nonce_ttl"],
+        help="seconds an attestation nonce stays valid",
+    )
     p.add_argument(
         "--allow-untested-plans",
         action="store_true",
@@ -177,6 +192,17 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     ``out`` defaults to the ``sys.stdout`` of the call, not of the import: a caller that swaps
     stdout (a test's capture, a redirect) after importing this module gets its own stream."""
     out = out or sys.stdout
+    if not args.attestation_trust:
+        given = [
+            f"--{dest.replace('_', '-')}" for dest, default in ATTESTATION_LIMITS.items() if vars(args)[dest] != default
+        ]
+        if given:  # they limit attested check-ins only: without attestation they would be ignored
+            print(
+                f"fedfleet server: {' and '.join(given)} limit attested check-ins and take effect only with "
+                "--attestation-trust FILE; give it, or leave them out",
+                file=sys.stderr,
+            )
+            return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.admin_key_file:

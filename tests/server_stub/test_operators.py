@@ -529,3 +529,19 @@ def test_a_stored_resource_changed_in_the_database_stops_the_server_in_one_line(
         err
         == f"fedfleet server: the database {db} is damaged: its {kind} {rid} no longer matches its id (SHA-256); restore the database from a backup\n"
     )
+
+
+@pytest.mark.timeout(60)  # a command that served instead would fail here, not hang the run
+@pytest.mark.parametrize("given", [["--rate-burst", "50"], ["--nonce-ttl", "30", "--rate-per-hour", "nan"]])
+def test_attestation_limits_without_a_trust_anchor_are_refused_not_ignored(tmp_path, capsys, given):
+    """The check-in limits apply to attested devices only: a server started with them and no
+    ``--attestation-trust`` would run without the limits its operator asked for, and say nothing."""
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    out = io.StringIO()
+    args = parser.parse_args(["--db", str(tmp_path / "s.db"), "--admin-key-file", str(_key_file(tmp_path)), *given])
+    assert run_server(args, out=out) == 2 and out.getvalue() == ""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--attestation-trust FILE" in err
+    assert all(flag in err for flag in given if flag.startswith("--"))
+    assert not (tmp_path / "s.db").exists()  # refused before anything was opened
