@@ -96,8 +96,12 @@ def _port(text: str) -> int:
     return port
 
 
-#: The attestation options' defaults (dest -> value): given without ``--attestation-trust`` they are refused.
-ATTESTATION_LIMITS = {"rate_burst": 5.0, "rate_per_hour": 60.0, "nonce_ttl": 120.0}
+#: The attestation options (dest -> default, help): given without ``--attestation-trust`` they are refused.
+ATTESTATION_OPTIONS = {
+    "rate_burst": (5.0, "check-ins a device may make at once (with attestation)"),
+    "rate_per_hour": (60.0, "check-ins a device regains per hour (with attestation)"),
+    "nonce_ttl": (120.0, "seconds an attestation nonce stays valid"),
+}
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,24 +117,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="trust anchor of the attestation authority (fedfleet authority writes one); admits only attested devices",
     )
-    p.add_argument(
-        "--rate-burst",
-        type=float,
-        default=ATTESTATION_LIMITS["rate_burst"],
-        help="check-ins a device may make at once (with attestation)",
-    )
-    p.add_argument(
-        "--rate-per-hour",
-        type=float,
-        default=ATTESTATION_LIMITS["rate_per_hour"],
-        help="check-ins a device regains per hour (with attestation)",
-    )
-    p.add_argument(
-        "--nonce-ttl",
-        type=float,
-        default=ATTESTATION_LIMITS["nonce_ttl"],
-        help="seconds an attestation nonce stays valid",
-    )
+    for dest, (default, text) in ATTESTATION_OPTIONS.items():
+        p.add_argument(f"--{dest.replace('_', '-')}", type=float, default=default, help=text)
     p.add_argument(
         "--allow-untested-plans",
         action="store_true",
@@ -194,7 +182,9 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if not args.attestation_trust:
         given = [
-            f"--{dest.replace('_', '-')}" for dest, default in ATTESTATION_LIMITS.items() if vars(args)[dest] != default
+            f"--{dest.replace('_', '-')}"
+            for dest, (default, _) in ATTESTATION_OPTIONS.items()
+            if vars(args)[dest] != default
         ]
         if given:  # they limit attested check-ins only: without attestation they would be ignored
             print(
