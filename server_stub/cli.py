@@ -188,8 +188,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         ]
         if given:  # they limit attested check-ins only: without attestation they would be ignored
             print(
-                f"fedfleet server: {' and '.join(given)} limit attested check-ins and take effect only with "
-                "--attestation-trust FILE; give it, or leave them out",
+                f"fedfleet server: {' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to attested "
+                f"check-ins only, with --attestation-trust FILE; give it, or leave {'it' if len(given) == 1 else 'them'} out",
                 file=sys.stderr,
             )
             return 2
