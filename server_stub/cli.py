@@ -6,7 +6,6 @@ import argparse
 import logging
 import math
 import re
-import socket
 import sys
 from typing import TextIO
 
@@ -18,7 +17,6 @@ from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .http_guards import GuardedServer, HttpLimits
 from .persistence import DamagedStore, ServerStore
 from .release_trust import ReleaseTrustError, read_release_trust
-from .serve import free_port
 from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
 
@@ -232,18 +230,6 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:  # say so now, not after printing where it listens
-        if args.port == 0:
-            args.port = free_port(args.host)
-        socket.create_server((args.host, args.port)).close()
-    except OSError as exc:
-        store.close()
-        print(
-            f"fedfleet server: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another --port "
-            "(0 picks a free one) or --host",
-            file=sys.stderr,
-        )
-        return 2
     try:
         service = FLService(
             store, verifier=verifier, require_release_reports=not args.allow_untested_plans, release_trust=release_trust
@@ -251,6 +237,24 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except DamagedStore as exc:
         store.close()
         print(f"fedfleet server: {exc}", file=sys.stderr)
+        return 2
+    server = GuardedServer(
+        create_app(service, admin_keys=keys),
+        limits,
+        host=args.host,
+        port=args.port,
+        log_level="warning" if args.log_level == "info" else args.log_level,
+        access_log=False,
+    )
+    try:  # say so now, not after printing where it listens
+        args.port = server.listen()
+    except OSError as exc:
+        store.close()
+        print(
+            f"fedfleet server: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); pick another --port "
+            "(0 picks a free one) or --host",
+            file=sys.stderr,
+        )
         return 2
     attestation = (
         f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
@@ -272,15 +276,9 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     )
     print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
     try:
-        GuardedServer(
-            create_app(service, admin_keys=keys),
-            limits,
-            host=args.host,
-            port=args.port,
-            log_level="warning" if args.log_level == "info" else args.log_level,
-            access_log=False,
-        ).run()
+        server.run()
     finally:
+        server.close_listener()
         store.close()
     return 0
 

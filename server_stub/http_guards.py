@@ -134,13 +134,29 @@ class GuardedServer(uvicorn.Server):
                 **options,
             )
         )
+        self._listener: _Listener | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is not None:
             raise ValueError("a GuardedServer listens on its own socket (it keeps the connection cap there)")
-        await super().serve([self._listen()])
+        self.listen()
+        assert self._listener is not None
+        await super().serve([self._listener])
 
-    def _listen(self) -> socket.socket:
+    def listen(self) -> int:
+        """Bind the listener now (once) and return its port: with port 0 the system picks a free
+        one, and nothing else can take it between the pick and the serving."""
+        if self._listener is None:
+            self._listener = self._bound()
+        return int(self._listener.getsockname()[1])
+
+    def close_listener(self) -> None:
+        """Release a listener bound by ``listen`` when the server will not serve after all."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _bound(self) -> _Listener:
         host, port = self.config.host, self.config.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP named, as getaddrinfo names it for uvicorn's own listener: asyncio sets

@@ -53,7 +53,7 @@ class ServerThread:
             self.store, clock=clock, wall_clock=wall_clock, verifier=verifier, release_trust=release_trust
         )
         self.host = host
-        self.port = port or free_port(host)
+        self.port = port or 0
         if admin_key is None:
             keys, admin_key = AdminKeys.generate()
         else:
@@ -75,6 +75,7 @@ class ServerThread:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> ServerThread:
+        self.port = self._server.listen()  # bound here: a port picked free stays ours
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
@@ -90,6 +91,7 @@ class ServerThread:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+        self._server.close_listener()
         self.store.close()
 
     def __enter__(self) -> ServerThread:

@@ -21,8 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_stub import HttpLimits, ServerThread, free_port
+from server_stub import AdminKeys, FLService, HttpLimits, ServerStore, ServerThread, free_port
+from server_stub.app import create_app
 from server_stub.cli import add_server_arguments, run_server
+from server_stub.http_guards import GuardedServer
 
 REPO = Path(__file__).resolve().parents[2]
 #: How long a test waits for the server to act before it calls the server stuck (never reached
@@ -325,3 +327,21 @@ def _bound(listener: socket.socket) -> tuple[str, int]:
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     return listener.getsockname()
+
+
+def test_a_port_the_system_picks_is_held_from_the_pick_until_the_server_is_done(tmp_path):
+    """The port is bound when picked, not picked, released and bound again later: another server
+    started between the two (tests run side by side) could take it."""
+    store = ServerStore(tmp_path / "s.db")
+    app = create_app(FLService(store), admin_keys=AdminKeys.generate()[0])
+    server = GuardedServer(app, host="127.0.0.1", port=0)
+    port = server.listen()
+    assert port > 0 and server.listen() == port
+    taker = socket.socket()
+    with contextlib.closing(taker), pytest.raises(OSError):
+        taker.bind(("127.0.0.1", port))
+    server.close_listener()
+    again = socket.socket()
+    with contextlib.closing(again):
+        again.bind(("127.0.0.1", port))
+    store.close()
