@@ -7,6 +7,7 @@ import gc
 import hashlib
 import os
 import random
+import socket
 import threading
 import time
 
@@ -62,9 +63,10 @@ class FaultyProxy:
             return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
 
         app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))  # held from the pick: no other server takes it
+        self.port = self.listener.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
 
     def __enter__(self) -> str:
         self.thread.start()
@@ -75,6 +77,7 @@ class FaultyProxy:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.listener.close()
         self.http.close()
 
 
