@@ -334,6 +334,8 @@ class DeployedTask(Answer):
     checkpoint_id: str
     status: str
     queued_behind: list[str] | None = None
+    #: True when this deploy was stored before, as it is (sent again after its answer was lost)
+    already_deployed: bool | None = None
 
 
 class DeployedGroup(Answer):

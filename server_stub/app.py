@@ -345,6 +345,7 @@ def _route(*codes: str, more: dict[int | str, Any] | None = None) -> dict[str, A
     return {"responses": {**(more or {}), **_errors(*codes)}}
 
 
+_REDEPLOYED = "the same deploy, stored before as it is (sent again after its answer was lost): the tasks it made"
 _DESCRIPTION = (
     "Populations, tasks, check-in, resources, reports and Secure Aggregation rounds.\n\n"
     "Each route lists the error codes it sends. Any request may also be answered before it reaches "
@@ -572,10 +573,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             release_report=task.release_report,
         )
 
-    def _deployed(population: str, records: list) -> list[DeployedTask]:
+    def _deployed(population: str, records: list, created: bool) -> list[DeployedTask]:
         """What a deploy made, with each task's state: ``queued`` (and behind which tasks) tells the
         operator that it waits, rather than leaving them to wonder why no round opens."""
         states = service.task_states(population)
+        repeated: dict[str, Any] = {} if created else {"already_deployed": True}
         return [
             DeployedTask(
                 task=r.name,
@@ -583,6 +585,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
                 plan_id=r.plan_id,
                 checkpoint_id=r.initial_checkpoint_id,
                 **states.get(r.name, {"status": r.status}),
+                **repeated,
             )
             for r in records
         ]
@@ -593,7 +596,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         openapi_extra=_json_body(TaskDeploy),
         status_code=201,
         **_answers(DeployedTask),
-        **_route(*_DEPLOY),
+        **_route(*_DEPLOY, more={200: {"model": DeployedTask, "description": _REDEPLOYED}}),
     )
     async def deploy_task(population: str, request: Request) -> Response:
         admin(request)
@@ -602,9 +605,9 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         if task.evaluates is not None:
             raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
         spec = await call(_spec, task)
-        records = await call(service.deploy_tasks, population, [spec])
-        (answer,) = await call(_deployed, population, records)
-        return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201)
+        records, created = await call(service.deploy, population, [spec])
+        (answer,) = await call(_deployed, population, records, created)
+        return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201 if created else 200)
 
     @app.post(
         "/v1/populations/{population}/task-groups",
@@ -612,16 +615,17 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         openapi_extra=_json_body(GroupDeploy),
         status_code=201,
         **_answers(DeployedGroup),
-        **_route(*_DEPLOY),
+        **_route(*_DEPLOY, more={200: {"model": DeployedGroup, "description": _REDEPLOYED}}),
     )
     async def deploy_group(population: str, request: Request) -> Response:
         admin(request)
         raw = await read_body(request, MAX_DEPLOY_BYTES)
         group = await call(parse, GroupDeploy, raw)
         specs = [await call(_spec, t) for t in group.tasks]
-        records = await call(service.deploy_tasks, population, specs, group.strategy)
-        answer = DeployedGroup(strategy=group.strategy.value, tasks=await call(_deployed, population, records))
-        return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201)
+        records, created = await call(service.deploy, population, specs, group.strategy)
+        tasks = await call(_deployed, population, records, created)
+        answer = DeployedGroup(strategy=group.strategy.value, tasks=tasks)
+        return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201 if created else 200)
 
     @app.get(
         "/v1/populations/{population}/rounds",

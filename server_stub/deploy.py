@@ -18,7 +18,7 @@ from device_runtime.secure_sum import SecureSumCodec
 
 from . import ddp_rounds, dp_rounds
 from .errors import ApiError, BadRequest, Conflict, InvalidCheckpoint, InvalidPlan, NotFound
-from .persistence import NewTask, ServerStore, resource_id
+from .persistence import NewTask, ServerStore, TaskRecord, resource_id
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import RoundConfig
 from .schemas import NAME_RULE, is_name
@@ -68,10 +68,10 @@ def new_tasks(
         raise BadRequest("the tasks of one deploy need distinct names", code="BAD_CONFIG")
     if store.population_id(population) is None:
         raise NotFound(f"population {population!r} does not exist; create it first", code="UNKNOWN_POPULATION")
-    existing = {t.name for t in store.tasks(population)}
-    taken = sorted(existing & set(names))
-    if taken:
-        raise Conflict(f"population {population!r} already has a task named {taken[0]!r}", code="TASK_EXISTS")
+    existing = {t.name: t for t in store.tasks(population)}
+    taken = sorted(existing.keys() & set(names))
+    if taken and (len(taken) < len(names) or any(existing[s.name].plan_id != resource_id(s.plan) for s in specs)):
+        raise task_exists(population, taken)
     checked: dict[str, tuple[Plan, bytes]] = {}
     for spec in sorted(specs, key=lambda s: s.evaluates is not None):  # trained tasks first
         trained = None
@@ -120,6 +120,33 @@ def new_tasks(
         )
         for s in specs
     ]
+
+
+def task_exists(population: str, taken: list[str]) -> Conflict:
+    return Conflict(
+        f"population {population!r} already has a task named {taken[0]!r}, deployed with other content; "
+        "deploy changed tasks under new names (the same deploy sent again is answered with the tasks it made)",
+        code="TASK_EXISTS",
+    )
+
+
+def stored_before(store: ServerStore, population: str, items: list[NewTask]) -> list[TaskRecord] | None:
+    """The tasks of a deploy already stored exactly as ``items`` (a deploy sent again after its
+    answer was lost), or None when none of its names is taken. A name taken with other content
+    raises ``TASK_EXISTS``."""
+    existing = {t.name: t for t in store.tasks(population)}
+    taken = [item.name for item in items if item.name in existing]
+    if not taken:
+        return None
+    same = len(taken) == len(items) and all(
+        existing[i.name].plan_id == resource_id(i.plan)
+        and existing[i.name].initial_checkpoint_id == resource_id(i.checkpoint)
+        and existing[i.name].config == json.loads(json.dumps(i.config))
+        for i in items
+    )
+    if not same:
+        raise task_exists(population, sorted(taken))
+    return [existing[i.name] for i in items]
 
 
 def store_release(store: ServerStore, spec: TaskSpec, versions: dict[str, tuple[str, bytes]]) -> dict:

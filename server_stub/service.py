@@ -44,11 +44,10 @@ from device_runtime.wire import (
 from . import admission, dp_rounds, secure_driver
 from .attestation import AttestationVerifier
 from .commit import LATE_METRICS_EVERY_S, CommitPipeline
-from .deploy import TaskSpec, check_name, new_tasks
+from .deploy import TaskSpec, check_name, new_tasks, stored_before, task_exists
 from .errors import (
     ApiError,
     BadRequest,
-    Conflict,
     DuplicateReport,
     NotFound,
     ReportLate,
@@ -177,6 +176,13 @@ class FLService:
         """Validate and store tasks that share the population's rounds (chosen per round by
         ``strategy``). Every plan is executed once here, so a plan that loads but does not run is
         refused now, with nothing stored, instead of failing rounds later (``deploy``)."""
+        return self.deploy(population, specs, strategy)[0]
+
+    def deploy(
+        self, population: str, specs: list[TaskSpec], strategy: Strategy = Strategy.ALTERNATE
+    ) -> tuple[list[TaskRecord], bool]:
+        """``deploy_tasks``, and whether it stored them: a deploy already stored as it is (sent
+        again after its answer was lost) gets the tasks it made, stored once."""
         stored = new_tasks(
             self.store,
             population,
@@ -185,15 +191,16 @@ class FLService:
             require_release_reports=self.require_release_reports,
             release_trust=self.release_trust,
         )
+        if (before := stored_before(self.store, population, stored)) is not None:
+            return before, False
         try:
             records = self.store.add_tasks(population, stored)
-        except IntegrityError:
-            names = [s.name for s in specs]
-            raise Conflict(
-                f"population {population!r} already has a task with one of the names {names}", code="TASK_EXISTS"
-            ) from None
+        except IntegrityError:  # the same names stored meanwhile
+            if (before := stored_before(self.store, population, stored)) is not None:
+                return before, False
+            raise task_exists(population, [s.name for s in specs]) from None
         self._activate(population)
-        return records
+        return records, True
 
     # ----------------------------------------------------------------- device protocol
     def eligibility_info(self, population: str) -> EligibilityInfo:

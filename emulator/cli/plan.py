@@ -482,6 +482,8 @@ def deployed_line(task: dict) -> str:
     """One deployed task as the operator needs it: whether it runs now, or waits behind which task
     (a population runs one deploy at a time; a task without max_rounds never ends on its own)."""
     line = f"task {task['task']} (plan {str(task.get('plan_id', ''))[:12]})"
+    if task.get("already_deployed"):
+        line += " already deployed as it is, nothing changed;"
     if task.get("status") == "queued":
         behind = ", ".join(task.get("queued_behind", []))
         return f"{line} queued behind {behind}; it starts once {behind} completes"

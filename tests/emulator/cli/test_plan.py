@@ -101,6 +101,8 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
         assert capsys.readouterr().out.endswith(
             f"next: fedfleet status --server {server.url} --population digits (its tasks and open round)\n"
         )
+        assert main(deploy) == 0  # sent again, as after a lost answer: the task it made, stored once
+        assert "digits_mlp (plan " in (again := capsys.readouterr().out) and "already deployed as it is" in again
         with server.admin() as admin:
             status = admin.status("digits")
     assert [t["name"] for t in status["tasks"]] == ["digits_mlp"]
