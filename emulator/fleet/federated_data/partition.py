@@ -88,7 +88,10 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int, *, 
             if not np.all(np.isfinite(shares)):  # a tiny alpha can underflow every gamma draw
                 shares = np.eye(num_clients)[rng.integers(num_clients)]
             cuts = (np.cumsum(shares) * len(idx)).astype(np.int64)[:-1]
-            for k, chunk in enumerate(np.split(idx, np.clip(cuts, 0, len(idx)))):
+            # the chunks go to the clients in an order drawn per class: cutting at floor(cumsum) gives
+            # the same clients the empty chunks of every class when the shares are nearly equal (a
+            # large alpha over more clients than a class has examples), and they ended up with nothing
+            for k, chunk in zip(rng.permutation(num_clients), np.split(idx, np.clip(cuts, 0, len(idx)))):
                 parts[k].append(chunk)
         merged = [np.concatenate(p) for p in parts]
         smallest = min(len(p) for p in merged)

@@ -106,6 +106,17 @@ def test_label_skew_decreases_as_alpha_grows(seed: int) -> None:
     assert skews[0] > skews[1] > skews[2]
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_a_large_alpha_deals_every_client_examples_when_clients_outnumber_a_class(seed: int) -> None:
+    """Near-equal shares cut at floor(cumsum) left the same clients empty in every class: the
+    digits' 180 examples a class over 200 clients at alpha 1e9 failed 100 draws in a row."""
+    labels = np.repeat(np.arange(10), 180)
+    parts = dirichlet(labels, 200, 1e9, seed)
+    assert min(len(p) for p in parts) >= 1
+    _exactly_once(parts, len(labels))
+
+
 @FAST
 @given(st.integers(20, 400), st.integers(1, 10), st.floats(0.0, 3.0), st.integers(0, 2**32 - 1))
 def test_quantity_skew_gives_every_client_at_least_min_size(n: int, clients: int, sigma: float, seed: int) -> None:
