@@ -250,8 +250,12 @@ def with_test_split(
     label: str | None,
     source: str,
     vocabulary: tuple[str, ...] = (),
+    test: Mapping[str, Examples] | None = None,
 ) -> FederatedDataset:
-    """A dataset whose test split is cut from ``train`` (when the files bring none)."""
+    """A dataset whose test split is cut from ``train``, or is ``test``, the files' own test clients,
+    when they bring some (a loader's one way to its dataset)."""
+    if test is not None:
+        return FederatedDataset(train, test, label=label, test_split="files", source=source, vocabulary=vocabulary)
     train, _ = check_clients(train, "train")
     if how == "examples":
         tr, te = split_examples(train, fraction, seed)

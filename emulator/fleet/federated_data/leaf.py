@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -100,9 +100,12 @@ def _read_file(path: Path) -> Mapping[str, Any]:
     return data
 
 
-def _read_split(files: Sequence[Path]) -> _Raw:
-    raw: _Raw = {}
+def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
+    """Each file's users with examples, one file at a time: converted before the next is read, a
+    split's JSON lists of Python floats (36 bytes a value) are never held all at once."""
+    seen: dict[str, Path] = {}
     for path in files:
+        raw: _Raw = {}
         data = _read_file(path)
         users, user_data = data["users"], data["user_data"]
         if not isinstance(users, list) or not all(isinstance(u, (str, int)) for u in users):
@@ -134,10 +137,11 @@ def _read_split(files: Sequence[Path]) -> _Raw:
                     f"{path}: num_samples says user {user!r} has {counts[i]} examples but user_data holds {len(y)}; "
                     "fix num_samples or the data"
                 )
-            if user in raw:
+            if user in seen:
                 raise DataLayoutError(
-                    f"{path}: user {user!r} also appears in {raw[user][2]}; a user belongs to one file of a split"
+                    f"{path}: user {user!r} also appears in {seen[user]}; a user belongs to one file of a split"
                 )
+            seen[user] = path
             if y:
                 raw[user] = (x, y, path)
         for user, entry in user_data.items():
@@ -145,7 +149,8 @@ def _read_split(files: Sequence[Path]) -> _Raw:
                 raise DataLayoutError(
                     f"{path}: user_data holds user {user!r} that 'users' does not list; add it to users"
                 )
-    return raw
+        del data, user_data
+        yield raw
 
 
 def _detect(raw: _Raw) -> str:
@@ -223,6 +228,22 @@ def _convert(raw: _Raw, kind: str, vocab: Sequence[str], max_words: int) -> dict
     return out
 
 
+def _drain(stack: list[_Raw]) -> Iterator[_Raw]:
+    while stack:
+        yield stack.pop()
+
+
+def _convert_all(
+    files: Iterator[_Raw], kind: str, vocab: Sequence[str], max_words: int
+) -> dict[str, dict[str, np.ndarray]]:
+    """Every file's users converted, each file's lists dropped before the next file is read."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for raw in files:
+        out.update(_convert(raw, kind, vocab, max_words))
+        del raw
+    return out
+
+
 def load_leaf(
     path: str | Path,
     *,
@@ -245,27 +266,39 @@ def load_leaf(
         raise DataSpecError(f"leaf: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     path = Path(path)
     train_files, test_files = leaf_files(path, Path(test) if test is not None else None)
-    train_raw = _read_split(train_files)
-    test_raw = _read_split(test_files) if test_files else {}
-    if not train_raw:
-        raise DataLayoutError(f"leaf: {path} has no user with training examples")
-    kind = kind if kind != "auto" else _detect(train_raw)  # type: ignore[assignment]
+    files = _read_split(train_files)
+    pending: list[_Raw] = []  # the files read before they can be converted
+    if kind == "auto":
+        for raw in files:
+            pending.append(raw)
+            if raw:
+                break
+        if not any(pending):
+            raise DataLayoutError(f"leaf: {path} has no user with training examples")
+        kind = _detect(pending[-1])  # type: ignore[assignment]
     words: Sequence[str] = ()
     if kind == "words":
-        if vocab is None:
-            words = build_vocabulary((_text_of(i, u, p) for u, (x, _, p) in train_raw.items() for i in x), vocab_size)
+        if vocab is None:  # the training split's words, all of them read first (texts, not vectors)
+            pending.extend(files)
+            texts = (_text_of(i, u, p) for raw in pending for u, (x, _, p) in raw.items() for i in x)
+            words = build_vocabulary(texts, vocab_size)
         elif isinstance(vocab, (str, Path)):
             words = read_vocabulary(Path(vocab))
         else:
             words = tuple(vocab)
-    train = _convert(train_raw, kind, words, max_words)
-    source = f"leaf:{path} ({kind})"
-    vocabulary = LEAF_CHARACTERS if kind == "characters" else tuple(words)
-    if test_raw:
-        test_clients = _convert(test_raw, kind, words, max_words)
-        return FederatedDataset(
-            train, test_clients, label="y", test_split="files", source=source, vocabulary=tuple(vocabulary)
-        )
+    pending.reverse()
+    train = _convert_all(_drain(pending), kind, words, max_words)
+    train.update(_convert_all(files, kind, words, max_words))
+    if not train:
+        raise DataLayoutError(f"leaf: {path} has no user with training examples")
+    test_clients = _convert_all(_read_split(test_files), kind, words, max_words)
     return with_test_split(
-        train, how=test_split, fraction=test_fraction, seed=seed, label="y", source=source, vocabulary=tuple(vocabulary)
+        train,
+        test=test_clients or None,
+        how=test_split,
+        fraction=test_fraction,
+        seed=seed,
+        label="y",
+        source=f"leaf:{path} ({kind})",
+        vocabulary=tuple(LEAF_CHARACTERS if kind == "characters" else words),
     )

@@ -187,3 +187,28 @@ def test_a_path_that_is_neither_a_file_nor_a_folder_is_refused_unread(tmp_path: 
         load_leaf(fifo)
     with pytest.raises(DataSpecError, match="is neither a file nor a folder"):
         load_leaf("/dev/zero")
+
+
+def test_each_file_is_converted_before_the_next_is_read(tmp_path: Path) -> None:
+    """FEMNIST's train/ holds 36 files of JSON floats (36 bytes each as Python objects): all of them
+    read before any was converted took many times the memory of one. Peak memory of the load, as
+    tracemalloc counts Python's objects and numpy's arrays: one file's JSON beyond the dataset's
+    arrays (and the copies its test split is cut into)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    for part in range(6):
+        write_leaf(
+            tmp_path / "train" / f"all_data_{part}.json", femnist_users(rng, [f"f{part}_{u}" for u in range(6)], n=8)
+        )
+    tracemalloc.start()
+    try:
+        json.loads((tmp_path / "train" / "all_data_0.json").read_text())
+        _, one_file = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        data = load_leaf(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    arrays = sum(a.nbytes for split in (data.train, data.test) for ex in split.values() for a in ex.values())
+    assert len(data) == 36 and peak < 1.5 * one_file + 2 * arrays  # all six files at once: over 6 * one_file
