@@ -17,7 +17,7 @@ from .leaf import load_leaf
 from .partition import Partitioner, dirichlet, iid, partition_arrays, pathological, quantity_skew, shards
 from .spec import DataSpec, load_data, parse_data_spec
 from .table import load_table
-from .text import LEAF_CHARACTERS, build_vocabulary, encode_characters, encode_words, split_words
+from .text import LEAF_CHARACTERS, WordIds, build_vocabulary, encode_characters, encode_words, split_words
 from .tff_h5 import load_tff_h5
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "MissingDependencyError",
     "PartitionError",
     "Partitioner",
+    "WordIds",
     "build_vocabulary",
     "client_accuracy_percentiles",
     "dirichlet",

@@ -122,6 +122,9 @@ class FederatedDataset:
     #: For token-id features: the token of each id; ``len(vocabulary)`` is the unknown/padding id.
     vocabulary: tuple[str, ...] = ()
     features: Mapping[str, FeatureSpec] = field(init=False)
+    #: A label given as text (``"cat"``, ``"dog"``) becomes class ids: the name of each id, the sorted
+    #: names of both splits (as ``datasets``' ``class_encode_column`` numbers them); empty otherwise.
+    label_names: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         train, schema = check_clients(self.train, "train")
@@ -134,6 +137,10 @@ class FederatedDataset:
             )
         if self.label is not None and self.label not in schema:
             raise DataLayoutError(f"label {self.label!r} is not a feature; the features are {sorted(schema)}")
+        if self.label is not None and schema[self.label].dtype == STR:
+            names = _encode_label(self.label, train, test)
+            schema[self.label] = FeatureSpec("int64", schema[self.label].shape)
+            object.__setattr__(self, "label_names", names)
         object.__setattr__(self, "train", MappingProxyType({c: MappingProxyType(e) for c, e in train.items()}))
         object.__setattr__(self, "test", MappingProxyType({c: MappingProxyType(e) for c, e in test.items()}))
         object.__setattr__(self, "features", MappingProxyType(dict(sorted(schema.items()))))
@@ -184,8 +191,21 @@ class FederatedDataset:
         return (
             f"{self.source + ': ' if self.source else ''}{len(self.train)} clients, {self.num_examples('train')} training "
             f"examples; test: {len(self.test)} clients, {self.num_examples('test')} examples ({self.test_split}); "
-            f"features {feats}" + (f"; label {self.label}" if self.label else "")
+            f"features {feats}"
+            + (f"; label {self.label}" if self.label else "")
+            + (f" ({len(self.label_names)} classes named in the files)" if self.label_names else "")
         )
+
+
+def _encode_label(label: str, *splits: dict[str, dict[str, np.ndarray]]) -> tuple[str, ...]:
+    """Text labels replaced, in place, by their ids among the sorted names of every split; the names."""
+    names = sorted({str(v) for clients in splits for examples in clients.values() for v in examples[label].ravel()})
+    ids = {name: i for i, name in enumerate(names)}
+    for clients in splits:
+        for examples in clients.values():
+            text = examples[label]
+            examples[label] = np.fromiter((ids[str(v)] for v in text.ravel()), np.int64, text.size).reshape(text.shape)
+    return tuple(names)
 
 
 def _describe(schema: Mapping[str, FeatureSpec]) -> str:

@@ -3,6 +3,8 @@ the file, key, column or option at fault and says what to do."""
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class FederatedDataError(ValueError):
     """A dataset that cannot be read or cut as asked; the message says what is wrong and the fix."""
@@ -51,6 +53,29 @@ def check_fits(where: str, dtype: object, shape: tuple[int, ...], itemsize: int)
     return size
 
 
+def check_finite(values: np.ndarray, where: str, unit: str = "example") -> np.ndarray:
+    """``values`` once every float in them is finite and within float32's range (a plan's tensors are
+    float32, where 1e39 is infinite); else a ``DataLayoutError`` naming ``where``: one NaN in an
+    example makes the update of every device that trains on it NaN."""
+    if values.dtype.kind != "f" or not values.size:
+        return values
+    limit = np.finfo(np.float32).max
+    with np.errstate(invalid="ignore"):  # one pass when all is well; float32 holds no value past its range
+        fine = np.isfinite(values).all() if values.dtype.itemsize <= 4 else np.abs(values).max() <= limit
+        if not fine:
+            bad = ~np.isfinite(values) | (np.abs(values) > limit)
+            example = int(np.flatnonzero(bad.reshape(len(values), -1).any(axis=1))[0]) if values.ndim else 0
+            raise DataLayoutError(
+                f"{where} holds values that are NaN, infinite or past float32's range (3.4e38): {int(bad.sum())} of "
+                f"them, the first in {unit} {example}; fix or drop those {unit}s"
+            )
+    return values
+
+
+#: Import names whose package on PyPI is named otherwise.
+PACKAGES = {"PIL": "pillow"}
+
+
 def require(module: str, *, extra: str = "data") -> object:
     """Import an optional dependency lazily, or say which extra brings it."""
     import importlib
@@ -59,6 +84,7 @@ def require(module: str, *, extra: str = "data") -> object:
         return importlib.import_module(module)
     except ImportError as exc:
         top = module.split(".")[0]
+        package = PACKAGES.get(top, top)
         raise MissingDependencyError(
-            f"this format needs the '{top}' package: pip install 'fedfleet[{extra}]' (or pip install {top})"
+            f"this format needs the '{package}' package: pip install 'fedfleet[{extra}]' (or pip install {package})"
         ) from exc

@@ -4,9 +4,11 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 
 - ``leaf:PATH`` (a .json file, a folder of them, or a folder with train/ and test/):
   ``test=PATH``, ``kind=auto|vectors|characters|words``, ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
-- ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``;
+- ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
+  ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
 - ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder): ``test=PATH``,
-  ``label=NAME``, ``features=A+B+C``;
+  ``label=NAME``, ``features=A+B+C``, ``stack=NAME`` (the numeric columns but the label as one vector),
+  and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, and ``x_test``/``y_test`` if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
   pathological|quantity``, ``clients=N`` (100), ``alpha=A`` (0.5), ``shards=K`` (2), ``classes=K`` (2),
@@ -33,15 +35,17 @@ from ._errors import DataLayoutError, DataSpecError, check_fits
 from .leaf import load_leaf
 from .partition import SCHEMES, Partitioner, partition_arrays
 from .table import load_table
+from .text import DEFAULT_VOCAB_SIZE, LEAF_MAX_WORDS, WordIds
 from .tff_h5 import load_tff_h5
 
 _COMMON = frozenset({"test_split", "test_fraction", "seed"})
+_WORDS = frozenset({"words", "vocab", "vocab_size", "max_words"})
 _PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "mode", "sigma", "min_size"})
 OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
-        "tff-h5": _COMMON | {"test", "label"},
-        "table": _COMMON | {"client", "test", "label", "features"},
+        "tff-h5": _COMMON | _WORDS | {"test", "label"},
+        "table": _COMMON | _WORDS | {"client", "test", "label", "features", "stack"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
     }
@@ -224,17 +228,34 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
             test=opts.get("test"),
             kind=opts.get("kind", "auto"),  # type: ignore[arg-type]
             vocab=opts.get("vocab"),
-            vocab_size=spec.int_option("vocab_size", 10_000),
-            max_words=spec.int_option("max_words", 25),
+            vocab_size=spec.int_option("vocab_size", DEFAULT_VOCAB_SIZE),
+            max_words=spec.int_option("max_words", LEAF_MAX_WORDS),
             **common,
         )
+    words = (
+        WordIds(
+            tuple(opts["words"].split("+")),
+            vocab=opts.get("vocab"),
+            vocab_size=spec.int_option("vocab_size", DEFAULT_VOCAB_SIZE),
+            max_words=spec.int_option("max_words", LEAF_MAX_WORDS),
+        )
+        if "words" in opts
+        else None
+    )
     if spec.format == "tff-h5":
-        return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), **common)  # type: ignore[arg-type]
+        return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), words=words, **common)  # type: ignore[arg-type]
     if spec.format == "table":
         columns = opts["features"].split("+") if "features" in opts else None
         assert spec.path is not None
         return load_table(
-            spec.path, client=opts["client"], test=opts.get("test"), label=opts.get("label"), features=columns, **common
+            spec.path,
+            client=opts["client"],
+            test=opts.get("test"),
+            label=opts.get("label"),
+            features=columns,
+            stack=opts.get("stack"),
+            words=words,
+            **common,
         )
     if spec.format == "npz":
         arrays = _read_npz(spec.path)  # type: ignore[arg-type]

@@ -2,9 +2,13 @@
 ``save_to_disk``, read with pyarrow (and ``datasets`` for the saved folder).
 
 Each row is one example; the client column says whose it is (flwr-datasets' ``NaturalIdPartitioner``
-does the same with a column); every other column is a feature (``features=a+b`` keeps some). A
+does the same with a column); every other column is a feature (``features=a+b`` keeps some, and
+``stack=x`` makes the numeric ones but the label one vector feature ``x``, for a CSV of many). A
 column of numbers is a scalar feature, a column of equal-length lists (Parquet list columns, a
-``datasets`` ``Sequence``) a vector or tensor, a column of strings a text feature (dtype ``"str"``).
+``datasets`` ``Sequence``, ``Array2D``) a vector or tensor, read from Arrow's buffers, a column of
+strings a text feature (dtype ``"str"``), and an ``Image`` column (``datasets``' struct of the
+encoded file's bytes and path, saved or in the Hub's Parquet files) its decoded pixels, uint8
+[H, W] or [H, W, C]. A label of text becomes class ids (``FederatedDataset.label_names``).
 Rows keep their order within a client. A saved ``DatasetDict`` brings its ``train`` and ``test``
 splits; otherwise ``test=`` names a second table, or the test split is cut as ``load_leaf`` does.
 """
@@ -18,7 +22,8 @@ from typing import Any, Literal
 import numpy as np
 
 from ._dataset import FederatedDataset, with_test_split
-from ._errors import DataLayoutError, DataSpecError, require
+from ._errors import DataLayoutError, DataSpecError, check_finite, require
+from .text import WordIds
 
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -67,6 +72,78 @@ def _read_arrow(path: Path, client: str) -> tuple[Any, Any | None]:
     raise DataSpecError(f"table: {path} is neither .parquet, .csv nor a datasets folder; convert it to one of them")
 
 
+def _is_list(kind: Any, pa: Any) -> bool:
+    return bool(pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+
+
+def _is_image(kind: Any, pa: Any) -> bool:
+    """``datasets``' ``Image`` feature as Arrow stores it (in a saved folder and in the Parquet files
+    the Hub serves): a struct of the encoded file's ``bytes`` and its ``path``."""
+    return bool(
+        pa.types.is_struct(kind) and sorted(kind.field(i).name for i in range(kind.num_fields)) == ["bytes", "path"]
+    )
+
+
+def _images(array: Any, name: str, where: str) -> np.ndarray:
+    """An ``Image`` column decoded to one array (uint8 [N, H, W] for greyscale, [N, H, W, C] for
+    colour), as ``datasets``' numpy format decodes it; images of different sizes or modes are refused."""
+    pil: Any = require("PIL.Image")
+    import io
+
+    blobs = array.field("bytes").to_pylist()
+    paths = array.field("path").to_pylist()
+    out = []
+    for row, (blob, source) in enumerate(zip(blobs, paths)):
+        if blob is None:
+            raise DataLayoutError(
+                f"table: {where}: column {name!r}, row {row}: the image is not in the table (only its path {source!r}); "
+                "save the dataset with its images embedded (datasets' save_to_disk and to_parquet do)"
+            )
+        try:
+            with pil.open(io.BytesIO(blob)) as image:
+                out.append(np.asarray(image))
+        except Exception as exc:  # PIL's UnidentifiedImageError, OSError for a truncated file
+            raise DataLayoutError(
+                f"table: {where}: column {name!r}, row {row} is not an image PIL reads ({exc})"
+            ) from None
+        if out[-1].shape != out[0].shape or out[-1].dtype != out[0].dtype:
+            raise DataLayoutError(
+                f"table: {where}: column {name!r} holds images of different sizes or modes ({out[0].dtype}"
+                f"{list(out[0].shape)} in row 0, {out[-1].dtype}{list(out[-1].shape)} in row {row}); resize them to one"
+            )
+    return np.stack(out) if out else np.zeros((0,), dtype=np.uint8)
+
+
+def _lists(array: Any, name: str, where: str, pa: Any) -> np.ndarray:
+    """A column of equal-length lists, at any depth (a ``Sequence`` of ``Sequence``, an ``Array2D``),
+    as one array [N, ...] read from Arrow's buffers: a column of 200,000 lists of 784 floats became
+    157 million Python floats on the way (10 GB and 40 s), and its float32 became float64."""
+    pc: Any = require("pyarrow.compute")
+    shape = [len(array)]
+    while _is_list(array.type, pa):
+        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+        if len(lengths) and (lengths != lengths[0]).any():
+            raise DataLayoutError(
+                f"table: {where}: column {name!r} holds lists of different lengths; pad them to one length"
+            )
+        shape.append(int(lengths[0]) if len(lengths) else 0)
+        array = array.flatten()
+        if array.null_count:
+            raise DataLayoutError(
+                f"table: {where}: column {name!r} has {array.null_count} missing values inside its lists; fill them"
+            )
+    kind = array.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        values = np.asarray(array.to_pylist(), dtype=object)
+    elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        values = array.to_numpy(zero_copy_only=False)
+    else:
+        raise DataLayoutError(
+            f"table: {where}: column {name!r} holds lists of {kind}, not of numbers or strings; convert them"
+        )
+    return values.reshape(shape)
+
+
 def _column(table: Any, name: str, where: str) -> np.ndarray:
     pa: Any = require("pyarrow")
     col = table.column(name)
@@ -74,28 +151,51 @@ def _column(table: Any, name: str, where: str) -> np.ndarray:
         raise DataLayoutError(
             f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows"
         )
-    kind = col.type
+    array = col.combine_chunks()
+    if isinstance(array.type, pa.ExtensionType):  # datasets' Array2D..Array5D: lists of lists underneath
+        array = array.storage
+    kind = array.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return np.asarray(col.to_pylist(), dtype=object)
+        return np.asarray(array.to_pylist(), dtype=object)
     if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
-        return np.asarray(col.to_numpy())
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        try:
-            return np.asarray(col.to_pylist())
-        except ValueError as exc:
-            raise DataLayoutError(
-                f"table: {where}: column {name!r} holds lists of different lengths; pad them to one length"
-            ) from exc
+        return check_finite(array.to_numpy(zero_copy_only=False), f"table: {where}: column {name!r}", "row")
+    if _is_list(kind, pa):
+        return check_finite(_lists(array, name, where, pa), f"table: {where}: column {name!r}", "row")
+    if _is_image(kind, pa):
+        return _images(array, name, where)
     raise DataLayoutError(
-        f"table: {where}: column {name!r} has type {kind}, which is not a number, string or list; "
-        "decode it (images to arrays) before loading"
+        f"table: {where}: column {name!r} has type {kind}, which is not a number, string, list or image; "
+        "convert it to one of them before loading"
     )
 
 
+def _stack(arrays: dict[str, np.ndarray], name: str, label: str | None, where: str) -> dict[str, np.ndarray]:
+    """The numeric scalar columns but the label as one vector feature ``name`` [N, columns], in the
+    table's column order (what a CSV of many numeric columns is to a model reading one vector)."""
+    numeric = [n for n, a in arrays.items() if n != label and a.ndim == 1 and a.dtype.kind in "biuf"]
+    if not numeric:
+        raise DataSpecError(
+            f"table: {where}: stack={name} finds no numeric column to stack besides the label {label!r}"
+        )
+    if name in arrays and name not in numeric:
+        raise DataSpecError(
+            f"table: {where}: stack={name} is the name of a column that is not stacked; name the stacked feature otherwise"
+        )
+    stacked = np.stack([arrays.pop(n) for n in numeric], axis=1)
+    return {name: stacked, **arrays}
+
+
 def group_by_client(
-    table: Any, client: str, features: Sequence[str] | None, where: str
+    table: Any,
+    client: str,
+    features: Sequence[str] | None,
+    where: str,
+    *,
+    label: str | None = None,
+    stack: str | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Rows grouped by the client column, keeping their order within each client."""
+    """Rows grouped by the client column, keeping their order within each client; with ``stack``,
+    the numeric scalar columns but ``label`` become one vector feature of that name."""
     columns = list(table.column_names)
     twice = sorted({c for c in columns if columns.count(c) > 1})
     if twice:
@@ -117,12 +217,14 @@ def group_by_client(
         raise DataLayoutError(
             f"table: {where}: client column {client!r} has {int((ids == '').sum())} empty ids; every row needs a client"
         )
-    arrays = {n: _column(table, n, where) for n in names}
     order = np.argsort(ids.astype(str), kind="stable")
+    arrays = {n: _column(table, n, where)[order] for n in names}  # one copy in client order; clients are views
+    if stack is not None:
+        arrays = _stack(arrays, stack, label, where)
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]) if len(ids) else np.zeros(0, dtype=np.int64)
     bounds = np.r_[starts, len(ids)]
-    return {str(sorted_ids[s]): {n: a[order[s:e]] for n, a in arrays.items()} for s, e in zip(bounds[:-1], bounds[1:])}
+    return {str(sorted_ids[s]): {n: a[s:e] for n, a in arrays.items()} for s, e in zip(bounds[:-1], bounds[1:])}
 
 
 def load_table(
@@ -132,22 +234,38 @@ def load_table(
     test: str | Path | None = None,
     label: str | None = None,
     features: Sequence[str] | None = None,
+    stack: str | None = None,
+    words: WordIds | None = None,
     test_split: Literal["examples", "clients"] = "examples",
     test_fraction: float = 0.1,
     seed: int = 0,
 ) -> FederatedDataset:
-    """A table of examples with a client column (``client``) as a federated dataset."""
+    """A table of examples with a client column (``client``) as a federated dataset; ``stack=NAME``
+    makes its numeric scalar columns (of ``features``, if given) but the label one vector feature,
+    and ``words`` text columns word ids, as ``load_tff_h5`` reads them."""
     path = Path(path)
     train_table, test_table = _read_arrow(path, client)
-    train = group_by_client(train_table, client, features, str(path))
+    if label is None:
+        kept = list(features) if features is not None else list(train_table.column_names)
+        label = next((n for n in ("label", "y") if n in kept and n != client), None)
+    train = group_by_client(train_table, client, features, str(path), label=label, stack=stack)
     if test is not None:
         test_table, _ = _read_arrow(Path(test), client)
-    if label is None:
-        label = next((n for n in ("label", "y") if n in next(iter(train.values()), {})), None)
-    source = f"table:{path}"
-    if test_table is not None:
-        test_clients = group_by_client(test_table, client, features, str(test or path))
-        return FederatedDataset(train, test_clients, label=label, test_split="files", source=source)
+    test_clients = (
+        group_by_client(test_table, client, features, str(test or path), label=label, stack=stack)
+        if test_table is not None
+        else None
+    )
     if not train:
         raise DataLayoutError(f"table: {path} has no rows")
-    return with_test_split(train, how=test_split, fraction=test_fraction, seed=seed, label=label, source=source)
+    vocabulary = words.encode(train, test_clients or {}, "table: ") if words is not None else ()
+    return with_test_split(
+        train,
+        test=test_clients,
+        how=test_split,
+        fraction=test_fraction,
+        seed=seed,
+        label=label,
+        source=f"table:{path}",
+        vocabulary=vocabulary,
+    )

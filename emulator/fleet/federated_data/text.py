@@ -17,6 +17,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +90,45 @@ def encode_words(texts: Sequence[str], vocab: Sequence[str], max_words: int = LE
         ids = [index.get(w, unknown) for w in split_words(text)[:max_words]]
         out[row, : len(ids)] = ids
     return out
+
+
+@dataclass(frozen=True)
+class WordIds:
+    """Text features to read as word ids (``words=tokens+title`` in a data spec): ``max_words`` ids
+    each (``encode_words``), from ``vocab`` (a file as ``read_vocabulary`` reads, or a list), else
+    the training split's ``vocab_size`` most frequent words over those features."""
+
+    features: tuple[str, ...]
+    vocab: str | Path | Sequence[str] | None = None
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    max_words: int = LEAF_MAX_WORDS
+
+    def encode(
+        self, train: dict[str, dict[str, np.ndarray]], test: dict[str, dict[str, np.ndarray]], where: str = ""
+    ) -> tuple[str, ...]:
+        """The features replaced, in place, in every client of both splits; the vocabulary."""
+        first = next(iter(train.values()), {})
+        for name in self.features:
+            if name not in first:
+                raise DataSpecError(
+                    f"{where}words={name}: no such feature; the features are {', '.join(sorted(first))}"
+                )
+            if first[name].dtype != object:
+                raise DataSpecError(f"{where}words={name}: feature {name!r} is {first[name].dtype}, not text")
+        if self.vocab is None:
+            seen = (str(t) for ex in train.values() for n in self.features for t in ex[n].ravel())
+            words = build_vocabulary(seen, self.vocab_size)
+        elif isinstance(self.vocab, (str, Path)):
+            words = read_vocabulary(Path(self.vocab))
+        else:
+            words = tuple(self.vocab)
+        for clients in (train, test):
+            for examples in clients.values():
+                for name in self.features:
+                    texts = examples[name]
+                    if texts.ndim != 1:
+                        raise DataLayoutError(
+                            f"{where}words={name}: feature {name!r} holds more than one text per example"
+                        )
+                    examples[name] = encode_words([str(t) for t in texts], words, self.max_words)
+        return tuple(words)

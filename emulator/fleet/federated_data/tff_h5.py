@@ -6,7 +6,7 @@ and in it one dataset per feature whose first axis is the example: TFF's federat
 StackOverflow (``stackoverflow_train.h5``, ``_held_out.h5``, ``_test.h5``: ``tokens``, ``title``,
 ``tags``, ``type``, ``creation_date`` strings and ``score`` int64; ``tokens`` space-separated,
 ``tags`` '|'-separated). As in TFF, clients come in sorted order and features by name; strings are
-decoded to Python ``str`` (feature dtype ``"str"``: tokenize them with ``text.encode_words``).
+decoded to Python ``str`` (feature dtype ``"str"``), or read as word ids (``words=tokens+title``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Literal
 import numpy as np
 
 from ._dataset import FederatedDataset, with_test_split
-from ._errors import DataLayoutError, DataSpecError, check_fits, require
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, require
+from .text import WordIds
 
 EXAMPLES_GROUP = "examples"
 
@@ -59,9 +60,7 @@ def _read_feature(dataset: Any, h5py: Any, where: str) -> np.ndarray:
         raise DataLayoutError(
             f"{where} ({dataset.dtype}{list(dataset.shape)}, {size / 2**30:.4g} GiB) does not fit in memory"
         ) from None
-    if values.dtype.kind == "f" and not np.isfinite(values).all():  # as a LEAF file's and a table's are refused
-        raise DataLayoutError(f"{where} holds NaN or infinite values; fix or drop those examples")
-    return values
+    return check_finite(values, where)  # as a LEAF file's and a table's are refused
 
 
 def _read(dataset: Any, h5py: Any) -> np.ndarray:
@@ -119,14 +118,16 @@ def load_tff_h5(
     *,
     test: str | Path | None = None,
     label: str | None = None,
+    words: WordIds | None = None,
     test_split: Literal["examples", "clients"] = "examples",
     test_fraction: float = 0.1,
     seed: int = 0,
 ) -> FederatedDataset:
     """A TFF ClientData HDF5 file (or a folder with a ``*train*.h5`` and a ``*test*.h5``).
 
-    ``label`` defaults to the feature named ``label`` or ``y`` if there is one. Without a test file
-    the test split is cut from the training clients, as ``load_leaf`` does.
+    ``label`` defaults to the feature named ``label`` or ``y`` if there is one. ``words`` names text
+    features to read as word ids (StackOverflow's ``tokens``, ``title``: ``text.WordIds``).
+    Without a test file the test split is cut from the training clients, as ``load_leaf`` does.
     """
     path = Path(path)
     test_path = Path(test) if test is not None else None
@@ -134,10 +135,18 @@ def load_tff_h5(
         path, found = _pair_in_folder(path)
         test_path = test_path or found
     train = read_tff_h5(path)
+    test_clients = read_tff_h5(test_path) if test_path is not None else None
     features = next(iter(train.values()))
     if label is None:
         label = next((n for n in ("label", "y") if n in features), None)
-    source = f"tff-h5:{path}"
-    if test_path is not None:
-        return FederatedDataset(train, read_tff_h5(test_path), label=label, test_split="files", source=source)
-    return with_test_split(train, how=test_split, fraction=test_fraction, seed=seed, label=label, source=source)
+    vocabulary = words.encode(train, test_clients or {}, "tff-h5: ") if words is not None else ()
+    return with_test_split(
+        train,
+        test=test_clients,
+        how=test_split,
+        fraction=test_fraction,
+        seed=seed,
+        label=label,
+        source=f"tff-h5:{path}",
+        vocabulary=vocabulary,
+    )

@@ -202,6 +202,53 @@ def test_a_csv_table_from_the_config_with_fewer_devices_than_clients(tmp_path, c
     assert "20 of them, drawn with the seed" in err
 
 
+def write_images(folder: Path) -> Path:
+    """The writers' digits as a datasets DatasetDict of Image and ClassLabel features (as flwrlabs/femnist
+    holds them), saved with save_to_disk; the test split holds every fifth example of each writer."""
+    import datasets
+    from PIL import Image
+
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "digit": datasets.ClassLabel(names=[str(d) for d in range(10)]),
+            "writer_id": datasets.Value("string"),
+        }
+    )
+    splits: dict[str, dict[str, list]] = {"train": {k: [] for k in features}, "test": {k: [] for k in features}}
+    for cid, ex in writers().items():
+        for name, (x, y) in zip(("train", "test"), split(ex)):
+            splits[name]["image"] += [Image.fromarray((v.reshape(8, 8) * 255).astype(np.uint8), mode="L") for v in x]
+            splits[name]["digit"] += y.tolist()
+            splits[name]["writer_id"] += [cid] * len(y)
+    datasets.DatasetDict({k: datasets.Dataset.from_dict(v, features=features) for k, v in splits.items()}).save_to_disk(
+        str(folder)
+    )
+    return folder
+
+
+def test_a_saved_datasetdict_of_images_runs_the_built_in_task_on_its_pixels(tmp_path, capsys):
+    data = write_images(tmp_path / "saved")
+    code, summary, err = simulate(tmp_path, capsys, "--data", f"table:{data},client=writer_id,label=digit")
+    assert code == 0, err
+    check_summary(summary)
+    assert summary["data_clients"] == WRITERS and summary["client_accuracy_percentiles"]["clients"] == WRITERS
+
+
+def test_a_csv_of_many_numeric_columns_stacked_into_the_vector_a_task_file_reads(tmp_path, capsys):
+    rows = ['"writer",' + ",".join(f'"px{i}"' for i in range(64)) + ',"y","note"']
+    for cid, (x, y) in writers().items():
+        rows += [
+            f'"{cid}",' + ",".join(f"{v:.4f}" for v in row) + f',{label},"a ""quoted"", note"'
+            for row, label in zip(x, y)
+        ]
+    (tmp_path / "wide.csv").write_text("\n".join(rows) + "\n")
+    fleet = FLEET + '\n[data]\nformat = "table"\npath = "wide.csv"\noptions = {client = "writer", stack = "x"}\n'
+    code, summary, err = simulate(tmp_path, capsys, "--task", str(TASKS / "digits_task.py"), fleet=fleet)
+    assert code == 0, err
+    check_summary(summary)
+
+
 def test_an_npz_cut_by_a_dirichlet_partitioner_runs_a_training_and_an_evaluation_task(tmp_path, capsys):
     data = write_npz(tmp_path / "digits.npz")
     code, summary, err = simulate(
@@ -336,6 +383,7 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "",
             "label 'y' of table:{huge} goes up to 1000000000000, past its limit of 99999",
         ),
+        (("--data", "table:{nan},client=client"), "", "column 'x' holds values that are NaN, infinite"),
     ],
 )
 def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, capsys, args, fleet_extra, says):
@@ -351,7 +399,10 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     negative.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{1 if i % 2 else -1}\n" for i in range(64)))
     huge = tmp_path / "huge.csv"  # one label id of 10**12: the built-in task's output layer would be 7 TiB
     huge.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{10**12 if i == 5 else i % 3}\n" for i in range(64)))
+    nan = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"client": ["c0", "c1"], "x": [[0.5, float("nan")], [0.5, 0.5]], "y": [0, 1]}), nan)
     names = {
+        "nan": nan,
         "broken": broken,
         "not_a_plan": not_a_plan,
         "tff": tff,

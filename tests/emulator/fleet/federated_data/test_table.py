@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from emulator.fleet.federated_data import DataLayoutError, DataSpecError, load_data, load_table
+from emulator.fleet.federated_data import DataLayoutError, DataSpecError, FeatureSpec, load_data, load_table
 
 
 def rows() -> dict[str, list[object]]:
@@ -105,3 +105,159 @@ def test_a_column_named_twice_or_a_csv_that_is_not_utf8_is_refused_saying_so(tmp
         DataLayoutError, match=r"latin1\.csv is not UTF-8 text \(invalid .* at byte \d+\); save it as UTF-8"
     ):
         load_table(tmp_path / "latin1.csv", client="user_id")
+
+
+def test_list_columns_keep_their_dtype_and_nested_lists_their_shape(tmp_path: Path) -> None:
+    """Lists are read from Arrow's buffers: float32 stays float32, a list of lists is [N, H, W]."""
+    x = np.arange(24, dtype=np.float32).reshape(6, 2, 2) / 24
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4)
+    nested = pa.array(x.tolist(), type=pa.list_(pa.list_(pa.float32())))
+    table = pa.table({"c": ["a", "b"] * 3, "flat": flat, "image": nested, "y": [0, 1] * 3})
+    pq.write_table(table, tmp_path / "lists.parquet")
+    data = load_table(tmp_path / "lists.parquet", client="c", test_split="clients", test_fraction=0.5)
+    assert data.features["flat"].dtype == "float32" and data.features["flat"].shape == (4,)
+    assert data.features["image"].dtype == "float32" and data.features["image"].shape == (2, 2)
+    everything = {**data.train, **data.test}
+    assert np.array_equal(everything["b"]["image"], x[1::2]) and np.array_equal(
+        everything["a"]["flat"], x[::2].reshape(3, 4)
+    )
+
+
+def test_a_list_column_is_read_without_a_python_object_per_value(tmp_path: Path) -> None:
+    """200,000 rows of 784 floats took 10 GB and 40 s as Python floats; tracemalloc sees numpy's
+    arrays and Python's objects, so the peak over the final arrays bounds what reading made."""
+    import tracemalloc
+
+    rows, width = 4000, 256
+    values = pa.array(np.random.default_rng(0).random(rows * width, dtype=np.float32))
+    pq.write_table(
+        pa.table({"c": [f"c{i % 40}" for i in range(rows)], "x": pa.FixedSizeListArray.from_arrays(values, width)}),
+        tmp_path / "wide.parquet",
+    )
+    tracemalloc.start()
+    try:
+        data = load_table(tmp_path / "wide.parquet", client="c", test_split="clients")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    size = rows * width * 4
+    assert data.features["x"].dtype == "float32" and peak < 4 * size  # as Python floats: over 8 times
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e39])
+def test_nan_infinite_or_float32_overflowing_values_are_refused_naming_column_and_row(
+    tmp_path: Path, bad: float
+) -> None:
+    """Parquet's NaN is a value, not a null: it trained devices on NaN, where LEAF and HDF5 refused it."""
+    vectors = [[0.5, 0.5], [0.1, 0.2], [0.3, bad]]
+    pq.write_table(pa.table({"c": ["a", "a", "b"], "x": vectors, "y": [0, 1, 0]}), tmp_path / "v.parquet")
+    with pytest.raises(
+        DataLayoutError, match=r"column 'x' holds values that are NaN, infinite .*: 1 of them, the first in row 2"
+    ):
+        load_data(f"table:{tmp_path / 'v.parquet'},client=c")
+    (tmp_path / "s.csv").write_text(f"c,x,y\na,0.5,0\nb,{bad},1\n")  # a CSV's nan is a missing value
+    says = "has 1 missing values" if np.isnan(bad) else "holds values that are NaN, infinite .* first in row 1"
+    with pytest.raises(DataLayoutError, match=rf"column 'x' {says}"):
+        load_data(f"table:{tmp_path / 's.csv'},client=c")
+
+
+def images(n: int, seed: int, size: int = 6) -> dict[str, list[object]]:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (n, size, size), dtype=np.uint8)
+    return {
+        "image": [Image.fromarray(p, mode="L") for p in pixels],
+        "label": [i % 3 for i in range(n)],
+        "writer_id": [f"w{i % 4}" for i in range(n)],
+        "pixels": pixels,  # what the decoded images must equal (not a column)
+    }
+
+
+def test_a_saved_datasetdict_of_images_and_class_labels_decodes_the_pixels(tmp_path: Path) -> None:
+    """What flwrlabs/femnist holds: an Image column, a ClassLabel label and a writer column."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=["0", "1", "2"]),
+            "writer_id": datasets.Value("string"),
+        }
+    )
+    splits = {name: images(n, seed) for name, n, seed in (("train", 24, 0), ("test", 8, 1))}
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({k: v for k, v in s.items() if k != "pixels"}, features=features)
+            for name, s in splits.items()
+        }
+    ).save_to_disk(str(tmp_path / "saved"))
+    data = load_data(f"table:{tmp_path / 'saved'},client=writer_id")
+    assert data.features["image"].dtype == "uint8" and data.features["image"].shape == (6, 6)
+    assert data.label == "label" and data.test_split == "files" and data.client_ids == ("w0", "w1", "w2", "w3")
+    assert np.array_equal(data.train["w1"]["image"], splits["train"]["pixels"][1::4])
+    assert list(data.test["w0"]["label"]) == [0, 1]
+    hub = tmp_path / "femnist.parquet"  # the Hub's Parquet files hold the same struct of bytes and path
+    datasets.load_from_disk(str(tmp_path / "saved"))["train"].to_parquet(str(hub))
+    from_hub = load_table(hub, client="writer_id", test_split="clients")
+    assert np.array_equal({**from_hub.train, **from_hub.test}["w1"]["image"], splits["train"]["pixels"][1::4])
+
+
+def test_images_of_different_sizes_or_not_images_are_refused_naming_the_row(tmp_path: Path) -> None:
+    import datasets
+
+    rows = images(3, 0)
+    rows["image"][2] = rows["image"][2].resize((7, 7))
+    del rows["pixels"]
+    datasets.Dataset.from_dict(
+        rows,
+        features=datasets.Features(
+            {"image": datasets.Image(), "label": datasets.Value("int64"), "writer_id": datasets.Value("string")}
+        ),
+    ).save_to_disk(str(tmp_path / "sizes"))
+    with pytest.raises(
+        DataLayoutError, match=r"column 'image' holds images of different sizes .* uint8\[7, 7\] in row 2\); resize"
+    ):
+        load_data(f"table:{tmp_path / 'sizes'},client=writer_id")
+    struct = pa.array(
+        [{"bytes": b"not a png", "path": "x.png"}], type=pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    )
+    pq.write_table(pa.table({"c": ["a"], "image": struct, "y": [0]}), tmp_path / "junk.parquet")
+    with pytest.raises(DataLayoutError, match=r"column 'image', row 0 is not an image PIL reads"):
+        load_table(tmp_path / "junk.parquet", client="c")
+
+
+def test_text_labels_become_class_ids_in_sorted_order_over_both_splits(tmp_path: Path) -> None:
+    """As datasets' class_encode_column numbers them; a class seen only in the test file keeps its id."""
+    (tmp_path / "train.csv").write_text('c,x,label\na,0.1,"dog"\na,0.2,cat\nb,0.3,dog\n')
+    (tmp_path / "test.csv").write_text("c,x,label\na,0.4,bird\nb,0.5,cat\n")
+    data = load_data(f"table:{tmp_path / 'train.csv'},client=c,test={tmp_path / 'test.csv'}")
+    assert data.label_names == ("bird", "cat", "dog") and data.features["label"].dtype == "int64"
+    assert list(data.train["a"]["label"]) == [2, 1] and list(data.test["a"]["label"]) == [0]
+    assert "3 classes named in the files" in data.describe()
+
+
+def test_stack_makes_a_csvs_numeric_columns_one_vector_in_column_order(tmp_path: Path) -> None:
+    """A CSV of many numeric columns (quoted as pandas' QUOTE_NONNUMERIC writes them) for a plan
+    that reads one vector; text columns and the label stay features of their own."""
+    path = tmp_path / "wide.csv"
+    path.write_text(
+        '"client","f2","f0","note","f1","label"\n"a",1.5,2,"he said ""hi"", then left",3.25,1\n"b",4,5,"x",6,0\n'
+    )
+    data = load_data(f"table:{path},client=client,stack=x")
+    assert sorted(data.features) == ["label", "note", "x"] and data.features["x"].shape == (3,)
+    both = {**data.train, **data.test}
+    assert both["a"]["x"].tolist() == [[1.5, 2.0, 3.25]] and both["a"]["note"].tolist() == ['he said "hi", then left']
+    assert load_data(f"table:{path},client=client,stack=x,features=f0+f1+label").features["x"].shape == (2,)
+    with pytest.raises(DataSpecError, match="stack=note is the name of a column that is not stacked"):
+        load_data(f"table:{path},client=client,stack=note")
+
+
+def test_words_reads_text_columns_as_word_ids_of_the_training_splits_vocabulary(tmp_path: Path) -> None:
+    (tmp_path / "train.csv").write_text("c,text,y\na,good day,1\nb,bad day,0\nb,good good,1\n")
+    (tmp_path / "test.csv").write_text("c,text,y\na,awful day,0\n")
+    data = load_data(f"table:{tmp_path / 'train.csv'},client=c,test={tmp_path / 'test.csv'},words=text,max_words=3")
+    assert data.vocabulary == ("good", "day", "bad") and data.features["text"] == FeatureSpec("int64", (3,))
+    assert data.train["b"]["text"].tolist() == [[2, 1, 3], [0, 0, 3]] and data.test["a"]["text"].tolist() == [[3, 1, 3]]
+    with pytest.raises(DataSpecError, match="words=y: feature 'y' is int64, not text"):
+        load_data(f"table:{tmp_path / 'train.csv'},client=c,words=y")

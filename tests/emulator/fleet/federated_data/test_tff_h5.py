@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from emulator.fleet.federated_data import DataLayoutError, DataSpecError, encode_words, load_tff_h5
+from emulator.fleet.federated_data import DataLayoutError, DataSpecError, encode_words, load_data, load_tff_h5
 
 
 def write_emnist(path: Path, clients: dict[str, int], seed: int = 0) -> Path:
@@ -49,6 +49,31 @@ def test_stackoverflow_strings_decode_to_text_features(tmp_path: Path) -> None:
     assert sorted(tokens) == ["how do i sort a list ?", "use sorted ( ) ."]
     ids = encode_words(tokens, ["sort", "list"], max_words=3)
     assert ids.dtype == np.int64 and ids.shape == (2, 3)
+
+
+def test_words_reads_stackoverflows_byte_strings_as_word_ids_of_the_training_vocabulary(tmp_path: Path) -> None:
+    """TFF's StackOverflow files hold bytes (no declared string type, or fixed-length); ``words``
+    makes their texts the word ids a plan reads, one vocabulary over the features named."""
+    train, test = tmp_path / "stackoverflow_train.h5", tmp_path / "stackoverflow_test.h5"
+    with h5py.File(train, "w") as f:
+        g = f.create_group("examples/00000001")
+        g.create_dataset("tokens", data=[b"how do i sort", b"sort it"], dtype=h5py.vlen_dtype(bytes))
+        g.create_dataset("title", data=[b"sorting", b"sort"], dtype=h5py.vlen_dtype(bytes))
+        g.create_dataset("tags", data=np.array([b"python|list", b"python"]))
+        f.create_dataset("examples/00000002/tokens", data=[b"one example"], dtype=h5py.vlen_dtype(bytes))
+        f.create_dataset("examples/00000002/title", data=[b"it"], dtype=h5py.vlen_dtype(bytes))
+        f.create_dataset("examples/00000002/tags", data=np.array([b"java"]))
+    with h5py.File(test, "w") as f:
+        f.create_dataset("examples/00000003/tokens", data=[b"sort java"], dtype=h5py.vlen_dtype(bytes))
+        f.create_dataset("examples/00000003/title", data=[b"sort"], dtype=h5py.vlen_dtype(bytes))
+        f.create_dataset("examples/00000003/tags", data=np.array([b"java"]))
+    data = load_data(f"tff-h5:{tmp_path},words=tokens+title,max_words=4,label=tags")
+    assert data.vocabulary[:2] == ("sort", "it") and data.features["tokens"].shape == (4,)
+    unknown = len(data.vocabulary)
+    assert data.test["00000003"]["tokens"].tolist() == [[0, unknown, unknown, unknown]]
+    assert data.features["tags"].dtype == "int64" and data.label_names == ("java", "python", "python|list")
+    with pytest.raises(DataSpecError, match="words=text: no such feature; the features are tags, title, tokens"):
+        load_data(f"tff-h5:{tmp_path},words=text")
 
 
 def test_a_file_without_the_examples_group_names_what_it_found(tmp_path: Path) -> None:
@@ -124,12 +149,19 @@ def test_links_to_other_files_or_to_nothing_are_refused_without_following_them(t
         load_tff_h5(path)
 
 
-def test_a_feature_with_nan_or_infinite_values_is_refused_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e39])
+def test_a_feature_with_nan_infinite_or_float32_overflowing_values_is_refused_naming_it(
+    tmp_path: Path, bad: float
+) -> None:
+    """1e39 is finite in a float64 file, and infinite in the float32 tensors a plan reads."""
     path = tmp_path / "nan.h5"
     with h5py.File(path, "w") as f:
-        f.create_dataset("examples/a/pixels", data=np.array([[0.5, np.nan], [0.1, 0.2]], dtype=np.float32))
+        f.create_dataset("examples/a/pixels", data=np.array([[0.5, 0.0], [0.1, bad]]))
         f.create_dataset("examples/a/label", data=np.zeros(2, dtype=np.int32))
-    with pytest.raises(DataLayoutError, match=r"examples/a/pixels holds NaN or infinite values"):
+    with pytest.raises(
+        DataLayoutError,
+        match=r"examples/a/pixels holds values that are NaN, infinite or past float32's range .*: 1 of them, the first in example 1",
+    ):
         load_tff_h5(path)
 
 
