@@ -161,7 +161,7 @@ class Workload:
                     for name, spec in plan_inputs(plan).items():
                         inputs.setdefault(name, spec)
         self.inputs = inputs
-        self._shapes = _check_features(inputs, data.features, data.source, source)
+        self._shapes = _check_features(inputs, data.features, data.source, source, data.label)
 
     @property
     def collection(self) -> str:
@@ -221,26 +221,51 @@ class Workload:
         return f"data {self.data.source}: {clients} training clients for {devices} devices: {how}"
 
 
+#: A data set's features named in a one-line error: a CSV of 700 columns listed them all.
+LISTED_FEATURES = 8
+
+
+def describe_features(features: Mapping[str, Any]) -> str:
+    """``name dtype[shape]`` of the first ``LISTED_FEATURES`` features by name, and how many more."""
+    named = sorted(features.items())
+    listed = ", ".join(f"{n} {f.dtype}{list(f.shape)}" for n, f in named[:LISTED_FEATURES])
+    return listed + (f" and {len(named) - LISTED_FEATURES} more" if len(named) > LISTED_FEATURES else "")
+
+
+def _stack_hint(features: Mapping[str, Any], label: str | None) -> str:
+    """What a table of several numeric columns can do about a plan that reads one vector."""
+    scalars = [n for n, f in features.items() if n != label and f.dtype != "str" and not f.shape]
+    return (
+        f"; a table's {len(scalars)} numeric columns become one vector feature NAME with the option stack=NAME"
+        if len(scalars) > 1
+        else ""
+    )
+
+
 def _check_features(
-    inputs: Mapping[str, InputSpec], features: Mapping[str, Any], data_source: str, task_source: str
+    inputs: Mapping[str, InputSpec],
+    features: Mapping[str, Any],
+    data_source: str,
+    task_source: str,
+    label: str | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Each input's per-example shape to feed; a WorkloadError naming both sides when the data lacks
     a feature, holds text for a number, or has another number of values per example."""
     described_inputs = ", ".join(f"{n} {s.describe()}" for n, s in sorted(inputs.items()))
-    described_data = ", ".join(f"{n} {f.dtype}{list(f.shape)}" for n, f in sorted(features.items()))
+    described_data = describe_features(features)
     missing = sorted(set(inputs) - set(features))
     if missing:
         raise WorkloadError(
             f"the task's plans read features {described_inputs} but the data {data_source} has {described_data} "
             f"(missing: {', '.join(missing)}); use data with those features, or a task file whose plan inputs name "
-            "the data's features"
+            f"the data's features{_stack_hint(features, label)}"
         )
     shapes = {}
     for name, want in inputs.items():
         have = features[name]
         problem = None
         if have.dtype == "str":
-            problem = "is text; the plan reads numbers (encode it, e.g. with federated_data.encode_words)"
+            problem = f"is text; the plan reads numbers (read it as word ids with the data spec's option words={name})"
         elif len(have.shape) == len(want.shape) and all(w < 0 or w == h for w, h in zip(want.shape, have.shape)):
             shapes[name] = tuple(have.shape)
         elif all(w >= 0 for w in want.shape) and math.prod(want.shape) == math.prod(have.shape):
@@ -382,8 +407,9 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
     if label not in data.features or len(numeric) != 1:
         raise WorkloadError(
             f"the built-in task reads one numeric feature and an integer label, but {data.source} has "
-            f"{', '.join(f'{n} {f.dtype}{list(f.shape)}' for n, f in data.features.items())} (label "
-            f"{data.label}); name a task file that reads them (--task or [task] file)"
+            f"{describe_features(data.features)} ({f'label {data.label}' if data.label else 'no label: name it with label=NAME'}); "
+            "name a task file that reads them (--task or "
+            f"[task] file){_stack_hint(data.features, data.label)}"
         )
     feature = numeric[0]
     labels = data.labels()

@@ -383,6 +383,19 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "",
             "label 'y' of table:{huge} goes up to 1000000000000, past its limit of 99999",
         ),
+        (
+            ("--data", "table:{wide},client=client"),
+            "",
+            "has f0 float64[], f1 float64[], f10 float64[], f11 float64[], f2 float64[], f3 float64[], f4 float64[], "
+            "f5 float64[] and 5 more (label y); name a task file that reads them (--task or [task] file); a table's 12 "
+            "numeric columns become one vector feature NAME with the option stack=NAME",
+        ),
+        (
+            ("--task", str(TASKS / "digits_task.py"), "--data", "table:{text},client=client"),
+            "",
+            "feature 'x' of the data table:{text} is text; the plan reads numbers (read it as word ids with the data "
+            "spec's option words=x)",
+        ),
         (("--data", "table:{nan},client=client"), "", "column 'x' holds values that are NaN, infinite"),
     ],
 )
@@ -399,9 +412,15 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     negative.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{1 if i % 2 else -1}\n" for i in range(64)))
     huge = tmp_path / "huge.csv"  # one label id of 10**12: the built-in task's output layer would be 7 TiB
     huge.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{10**12 if i == 5 else i % 3}\n" for i in range(64)))
+    wide = tmp_path / "wide.csv"  # twelve numeric columns, and a plan that reads one
+    wide.write_text("client," + ",".join(f"f{i}" for i in range(12)) + ",y\n" + "c0," + ",".join(["0.5"] * 12) + ",1\n")
+    text = tmp_path / "text.csv"
+    text.write_text("client,x,y\nc0,good day,1\nc1,bad day,0\n")
     nan = tmp_path / "nan.parquet"
     pq.write_table(pa.table({"client": ["c0", "c1"], "x": [[0.5, float("nan")], [0.5, 0.5]], "y": [0, 1]}), nan)
     names = {
+        "wide": wide,
+        "text": text,
         "nan": nan,
         "broken": broken,
         "not_a_plan": not_a_plan,
