@@ -28,8 +28,9 @@ from .text import WordIds
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-def _read_arrow(path: Path, client: str) -> tuple[Any, Any | None]:
-    """(train table, test table or None) as pyarrow Tables."""
+def _read_arrow(path: Path, client: str, features: Sequence[str] | None = None) -> tuple[Any, Any | None]:
+    """(train table, test table or None) as pyarrow Tables; of a Parquet file, only the client
+    column and ``features`` are read when they are given (a file's other columns stay on disk)."""
     if not path.exists():
         raise DataSpecError(f"table: {path} does not exist")
     if path.is_dir():
@@ -53,7 +54,12 @@ def _read_arrow(path: Path, client: str) -> tuple[Any, Any | None]:
     if suffix in (".parquet", ".pq"):
         pq: Any = require("pyarrow.parquet")
         try:
-            return pq.ParquetFile(path).read(), None  # one file (read_table's dataset reader refuses a name twice)
+            parquet = pq.ParquetFile(path)  # one file (read_table's dataset reader refuses a name twice)
+            names = parquet.schema_arrow.names
+            wanted = None  # every column, also when a feature is missing: group_by_client names it among them
+            if features is not None and set(features) <= set(names):
+                wanted = [c for c in names if c == client or c in features]
+            return parquet.read(columns=wanted), None
         except Exception as exc:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet
             raise DataLayoutError(f"table: {path} is not a Parquet file ({exc})") from exc
     if suffix == ".csv":
@@ -154,6 +160,12 @@ def _column(table: Any, name: str, where: str) -> np.ndarray:
     array = col.combine_chunks()
     if isinstance(array.type, pa.ExtensionType):  # datasets' Array2D..Array5D: lists of lists underneath
         array = array.storage
+    if pa.types.is_dictionary(array.type):  # a pandas category: its values, one per row
+        array = array.dictionary_decode()
+    if pa.types.is_temporal(array.type):  # a date or time (a CSV's ISO dates are read as such): text, as TFF's dates
+        array = array.cast(pa.string())
+    if pa.types.is_decimal(array.type):
+        array = array.cast(pa.float64())
     kind = array.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         return np.asarray(array.to_pylist(), dtype=object)
@@ -244,13 +256,13 @@ def load_table(
     makes its numeric scalar columns (of ``features``, if given) but the label one vector feature,
     and ``words`` text columns word ids, as ``load_tff_h5`` reads them."""
     path = Path(path)
-    train_table, test_table = _read_arrow(path, client)
+    train_table, test_table = _read_arrow(path, client, features)
     if label is None:
         kept = list(features) if features is not None else list(train_table.column_names)
         label = next((n for n in ("label", "y") if n in kept and n != client), None)
     train = group_by_client(train_table, client, features, str(path), label=label, stack=stack)
     if test is not None:
-        test_table, _ = _read_arrow(Path(test), client)
+        test_table, _ = _read_arrow(Path(test), client, features)
     test_clients = (
         group_by_client(test_table, client, features, str(test or path), label=label, stack=stack)
         if test_table is not None

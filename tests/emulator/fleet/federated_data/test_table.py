@@ -261,3 +261,31 @@ def test_words_reads_text_columns_as_word_ids_of_the_training_splits_vocabulary(
     assert data.train["b"]["text"].tolist() == [[2, 1, 3], [0, 0, 3]] and data.test["a"]["text"].tolist() == [[3, 1, 3]]
     with pytest.raises(DataSpecError, match="words=y: feature 'y' is int64, not text"):
         load_data(f"table:{tmp_path / 'train.csv'},client=c,words=y")
+
+
+def test_pandas_categories_dates_and_decimals_are_read_as_their_values(tmp_path: Path) -> None:
+    """What pandas and pyarrow's CSV reader write for them (a dictionary, a timestamp, a decimal)
+    was refused, and the whole table with it: a CSV's ISO dates are read as timestamps."""
+    import decimal
+
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {
+            "c": pd.Categorical(["a", "b", "a"]),
+            "kind": pd.Categorical(["cat", "dog", "cat"]),
+            "when": pd.to_datetime(["2020-01-01", "2020-01-02", "2020-01-03"]),
+            "x": [0.5, 1.5, 2.5],
+        }
+    )
+    frame.to_parquet(tmp_path / "pandas.parquet")
+    data = load_table(tmp_path / "pandas.parquet", client="c", label="kind", test_split="clients", test_fraction=0.5)
+    everything = {**data.train, **data.test}
+    assert data.label_names == ("cat", "dog") and list(everything["a"]["kind"]) == [0, 0]
+    assert data.features["when"].dtype == "str" and str(everything["b"]["when"][0]).startswith("2020-01-02")
+    (tmp_path / "dates.csv").write_text("c,when,x,y\na,2020-01-01 10:00:00,0.5,1\nb,2020-01-02 11:00:00,1.5,0\n")
+    assert load_data(f"table:{tmp_path / 'dates.csv'},client=c").features["when"].dtype == "str"
+    money = pa.array([decimal.Decimal("1.25"), decimal.Decimal("2.50")], pa.decimal128(5, 2))
+    pq.write_table(pa.table({"c": ["a", "b"], "x": money, "y": [0, 1]}), tmp_path / "money.parquet")
+    money_data = load_table(tmp_path / "money.parquet", client="c", test_split="clients", test_fraction=0.5)
+    assert money_data.features["x"].dtype == "float64"
