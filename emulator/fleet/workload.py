@@ -413,10 +413,12 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
         )
     feature = numeric[0]
     labels = data.labels()
-    if labels.dtype.kind not in "iub":
+    whole = labels.dtype.kind == "f" and bool(np.all(np.mod(labels, 1) == 0))  # a CSV's 1.0, as LEAF's loader takes it
+    if labels.dtype.kind not in "iub" and not whole:
         raise WorkloadError(
             f"the built-in task classifies, but the label {label!r} of {data.source} is "
-            f"{labels.dtype}; name a task file for it (--task or [task] file)"
+            f"{labels.dtype}{' with fractions' if labels.dtype.kind == 'f' else ''}; name a task file for it (--task or "
+            "[task] file)"
         )
     if labels.size and int(labels.min()) < 0:  # every device's training would refuse its examples
         raise WorkloadError(

@@ -16,6 +16,7 @@ import pytest
 
 from emulator.cli.commands import main
 from emulator.fleet import FleetConfig
+from emulator.fleet.federated_data import parse_data_spec
 from emulator.fleet.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -297,6 +298,16 @@ def secure_fleet(tmp_path: Path) -> tuple[Path, Path]:
     return task, config
 
 
+def test_whole_number_labels_a_csv_writes_as_floats_run_the_built_in_task(tmp_path):
+    """A CSV's label column of 0.0, 1.0, 2.0 (what pandas writes for ints beside a missing value):
+    LEAF's loader takes such labels as class ids, and the built-in task refused them."""
+    path = write_csv(tmp_path / "people.csv")
+    path.write_text(path.read_text().replace(",0\n", ",0.0\n").replace(",1\n", ",1.0\n"))
+    spec = parse_data_spec(f"table:{path},client=client")
+    workload = load_workload(FleetConfig.default().replace(data=spec, devices=10))
+    assert workload.data.features["y"].dtype == "float64" and workload.inputs["y"].dtype == "int64"
+
+
 def test_a_secure_task_file_turns_on_the_fleets_attested_secure_path(tmp_path):
     task, config = secure_fleet(tmp_path)
     workload = load_workload(FleetConfig.load(config).replace(task_file=task))
@@ -397,6 +408,11 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "spec's option words=x)",
         ),
         (("--data", "table:{nan},client=client"), "", "column 'x' holds values that are NaN, infinite"),
+        (
+            ("--data", "table:{fraction},client=client"),
+            "",
+            "the label 'y' of table:{fraction} is float64 with fractions",
+        ),
     ],
 )
 def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, capsys, args, fleet_extra, says):
@@ -418,7 +434,10 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     text.write_text("client,x,y\nc0,good day,1\nc1,bad day,0\n")
     nan = tmp_path / "nan.parquet"
     pq.write_table(pa.table({"client": ["c0", "c1"], "x": [[0.5, float("nan")], [0.5, 0.5]], "y": [0, 1]}), nan)
+    fraction = tmp_path / "fraction.csv"
+    fraction.write_text("client,x,y\nc0,0.5,1.0\nc1,0.25,0.5\n")
     names = {
+        "fraction": fraction,
         "wide": wide,
         "text": text,
         "nan": nan,
