@@ -48,6 +48,7 @@ LeafKind = Literal["auto", "vectors", "characters", "words"]
 KINDS: tuple[str, ...] = ("auto", "vectors", "characters", "words")
 
 _Raw = dict[str, tuple[list[Any], list[Any], Path]]
+_IMAGE_FILES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 
 
 def _json_files(path: Path) -> list[Path]:
@@ -156,6 +157,16 @@ def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
 def _detect(raw: _Raw) -> str:
     for x, y, path in raw.values():
         x0, y0 = x[0], y[0]
+        if isinstance(x0, str) and x0.lower().endswith(_IMAGE_FILES):
+            raise DataLayoutError(
+                f"{path}: x holds image file names ({x0!r}, as LEAF's CelebA writes them), not the images; write "
+                "each image's pixels as x (a list of floats), or save them in a table with an Image column"
+            )
+        if isinstance(y0, dict):
+            raise DataLayoutError(
+                f"{path}: y holds objects ({', '.join(sorted(map(str, y0)))}, as LEAF's Reddit writes them); "
+                "this loader reads a class id or a next character as y"
+            )
         if isinstance(y0, str):
             return "characters"
         if isinstance(x0, str) or (isinstance(x0, list) and x0 and isinstance(x0[-1], str)):

@@ -145,6 +145,14 @@ def test_without_test_files_users_can_be_held_out_whole(tmp_path: Path) -> None:
             )
             for v in (float("nan"), float("inf"), -1e39, 10**400)  # 10**400: OverflowError, 1e39: float32's inf
         ),
+        (  # LEAF's CelebA: file names of images kept elsewhere, which were read as a text's words
+            json.dumps({"users": ["a"], "user_data": {"a": {"x": ["000001.jpg"], "y": [1]}}}),
+            "x holds image file names",
+        ),
+        (  # LEAF's Reddit: y is an object of target tokens
+            json.dumps({"users": ["a"], "user_data": {"a": {"x": [[["hi"]]], "y": [{"target_tokens": [["hi"]]}]}}}),
+            r"y holds objects \(target_tokens, as LEAF's Reddit writes them\)",
+        ),
     ],
 )
 def test_hostile_leaf_files_get_one_line_errors_that_name_the_problem(
