@@ -9,7 +9,8 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 - ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder): ``test=PATH``,
   ``label=NAME``, ``features=A+B+C``, ``stack=NAME`` (the numeric columns but the label as one vector),
   and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
-- ``npz:PATH`` (arrays ``x`` and ``y``, and ``x_test``/``y_test`` if the file has them) and ``digits``
+- ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
+  if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
   pathological|quantity``, ``clients=N`` (100), ``alpha=A`` (0.5), ``shards=K`` (2), ``classes=K`` (2),
   ``mode=random|deterministic|first-deterministic``, ``sigma=S`` (1.0), ``min_size=N`` (1).
@@ -31,7 +32,7 @@ import numpy as np
 from emulator.datasets import digits_arrays
 
 from ._dataset import FederatedDataset
-from ._errors import DataLayoutError, DataSpecError, check_fits
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits
 from .leaf import load_leaf
 from .partition import SCHEMES, Partitioner, partition_arrays
 from .table import load_table
@@ -198,11 +199,15 @@ def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
     if not isinstance(loaded, np.lib.npyio.NpzFile):  # np.save's .npy: one array without a name
         raise DataLayoutError(f"npz: {path} is one array (a .npy file); save x and y with np.savez(path, x=..., y=...)")
     with loaded as data:
-        arrays = {k: _npz_array(data, k, path) for k in data.files}
+        arrays = {k: check_finite(_npz_array(data, k, path), f"npz: {path}: array {k!r}") for k in data.files}
+    if "x" not in arrays and "y" not in arrays and "x_train" in arrays and "y_train" in arrays:
+        arrays["x"], arrays["y"] = arrays.pop("x_train"), arrays.pop("y_train")  # Keras' mnist.npz, cifar's
     for key in ("x", "y"):
         if key not in arrays:
             found = ", ".join(sorted(arrays)) or "none"
-            raise DataLayoutError(f"npz: {path} has no array {key!r} (arrays: {found}); save x and y")
+            raise DataLayoutError(
+                f"npz: {path} has no array {key!r} (arrays: {found}); save x and y (or x_train and y_train)"
+            )
     return arrays
 
 

@@ -61,6 +61,23 @@ def test_an_npz_with_a_test_split_keeps_it_central(tmp_path: Path) -> None:
     assert data.test_client_ids == ("central",) and data.num_examples("test") == 9 and data.num_examples() == 60
 
 
+def test_an_npz_in_keras_layout_trains_on_x_train_and_tests_on_x_test(tmp_path: Path) -> None:
+    """Keras' mnist.npz holds x_train, y_train, x_test and y_test (uint8 images); it was refused for want of x."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (40, 4, 4), dtype=np.uint8)
+    np.savez(
+        tmp_path / "mnist.npz", x_train=images, y_train=np.arange(40) % 4, x_test=images[:6], y_test=np.zeros(6, int)
+    )
+    data = load_data(f"npz:{tmp_path / 'mnist.npz'},clients=4")
+    assert data.num_examples() == 40 and data.test_client_ids == ("central",) and data.features["x"].dtype == "uint8"
+
+
+def test_an_npz_with_nan_values_is_refused_naming_the_array(tmp_path: Path) -> None:
+    np.savez(tmp_path / "nan.npz", x=np.array([[0.5, np.nan], [0.1, 0.2]]), y=np.array([0, 1]))
+    with pytest.raises(DataLayoutError, match=r"array 'x' holds values that are NaN, infinite .* first in example 0"):
+        load_data(f"npz:{tmp_path / 'nan.npz'},clients=2")
+
+
 def test_an_npz_spec_naming_a_single_array_or_no_arrays_is_refused_saying_what_to_save(tmp_path: Path) -> None:
     np.save(tmp_path / "x.npy", np.zeros((4, 2)))  # np.save's one unnamed array
     with pytest.raises(DataLayoutError, match=r"is one array \(a \.npy file\); save x and y with np\.savez"):
