@@ -227,6 +227,7 @@ def partition_arrays(
     test_fraction: float = 0.2,
     test: Mapping[str, np.ndarray] | None = None,
     source: str = "",
+    vocabulary: tuple[str, ...] = (),
 ) -> FederatedDataset:
     """A centralized dataset (named arrays, ``label`` among them) cut into clients.
 
@@ -245,10 +246,17 @@ def partition_arrays(
     parts = partitioner.assign(arrays[label], seed)
     clients = {cid: take(arrays, idx) for cid, idx in zip(client_names(len(parts)), parts)}
     source = source or f"{partitioner.scheme} partition into {partitioner.num_clients} clients"
-    if test is not None:
-        return FederatedDataset(clients, {"central": dict(test)}, label=label, test_split="files", source=source)
-    if test_split == "none":
-        return FederatedDataset(clients, {}, label=label, test_split="none", source=source)
-    if test_split not in ("examples", "clients"):
+    if test_split == "none" and test is None:
+        return FederatedDataset(clients, {}, label=label, test_split="none", source=source, vocabulary=vocabulary)
+    if test_split not in ("examples", "clients", "none"):
         raise PartitionError(f"test_split must be 'examples', 'clients' or 'none', got {test_split!r}")
-    return with_test_split(clients, how=test_split, fraction=test_fraction, seed=seed, label=label, source=source)
+    return with_test_split(
+        clients,
+        test={"central": dict(test)} if test is not None else None,
+        how="clients" if test_split == "clients" else "examples",
+        fraction=test_fraction,
+        seed=seed,
+        label=label,
+        source=source,
+        vocabulary=vocabulary,
+    )

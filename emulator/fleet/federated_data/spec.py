@@ -6,7 +6,8 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``test=PATH``, ``kind=auto|vectors|characters|words``, ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
   ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
-- ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder): ``test=PATH``,
+- ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder), or ``table:PATH,partition=...``
+  (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
   ``label=NAME``, ``features=A+B+C``, ``stack=NAME`` (the numeric columns but the label as one vector),
   and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
@@ -46,7 +47,7 @@ OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
         "tff-h5": _COMMON | _WORDS | {"test", "label"},
-        "table": _COMMON | _WORDS | {"client", "test", "label", "features", "stack"},
+        "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
     }
@@ -141,12 +142,23 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
                 raise DataSpecError(f"{fmt}: option {key}={options[key]!r} is not a number") from None
             if not np.isfinite(number):
                 raise DataSpecError(f"{fmt}: option {key}={options[key]!r} must be finite")
-    if fmt == "table" and "client" not in options:
-        raise DataSpecError(f"table: name the client-id column, e.g. table:{path},client=user_id")
+    if fmt == "table" and "client" not in options and "partition" not in options:
+        raise DataSpecError(
+            f"table: name the client-id column, e.g. table:{path},client=user_id, or cut the rows into clients "
+            f"with partition={'|'.join(SCHEMES)}"
+        )
+    if fmt == "table" and "client" in options and "partition" in options:
+        raise DataSpecError("table: give client=COLUMN (the table's own clients) or partition=... (cut it), not both")
+    if fmt == "table" and "client" in options and set(options) & (_PARTITION - {"partition"}):
+        raise DataSpecError(
+            f"table: {', '.join(sorted(set(options) & _PARTITION))}: options of a table cut into clients with "
+            "partition=...; this one's clients are its client column's"
+        )
     if "partition" in options and options["partition"] not in SCHEMES:
         raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
     split = options.get("test_split")
-    allowed = ("examples", "clients", "none") if fmt in ("npz", "digits") else ("examples", "clients")
+    partitioned = fmt in ("npz", "digits") or "partition" in options
+    allowed = ("examples", "clients", "none") if partitioned else ("examples", "clients")
     if split is not None and split not in allowed:
         raise DataSpecError(f"{fmt}: test_split={split!r} is unknown; use one of {', '.join(allowed)}")
     return DataSpec(fmt, path, MappingProxyType(options))
@@ -224,7 +236,8 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     opts = spec.options
     run_seed = spec.int_option("seed", 0 if seed is None else seed)
     split: Any = opts.get("test_split", "examples")
-    fraction = spec.float_option("test_fraction", 0.2 if spec.format in ("npz", "digits") else 0.1)
+    partitioned = spec.format in ("npz", "digits") or "partition" in opts
+    fraction = spec.float_option("test_fraction", 0.2 if partitioned else 0.1)
     common: dict[str, Any] = {"test_split": split, "test_fraction": fraction, "seed": run_seed}
     assert spec.path is not None or spec.format == "digits"
     if spec.format == "leaf":
@@ -254,7 +267,8 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
         assert spec.path is not None
         return load_table(
             spec.path,
-            client=opts["client"],
+            client=opts.get("client"),
+            partition=_partitioner(spec) if "partition" in opts else None,
             test=opts.get("test"),
             label=opts.get("label"),
             features=columns,

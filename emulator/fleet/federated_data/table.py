@@ -17,18 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from ._dataset import FederatedDataset, with_test_split
+from ._dataset import FederatedDataset, TestSplit, with_test_split
 from ._errors import DataLayoutError, DataSpecError, check_finite, require
+from .partition import Partitioner, partition_arrays
 from .text import WordIds
 
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
-def _read_arrow(path: Path, client: str, features: Sequence[str] | None = None) -> tuple[Any, Any | None]:
+def _read_arrow(path: Path, client: str | None, features: Sequence[str] | None = None) -> tuple[Any, Any | None]:
     """(train table, test table or None) as pyarrow Tables; of a Parquet file, only the client
     column and ``features`` are read when they are given (a file's other columns stay on disk)."""
     if not path.exists():
@@ -66,7 +67,8 @@ def _read_arrow(path: Path, client: str, features: Sequence[str] | None = None) 
         pa: Any = require("pyarrow")
         csv: Any = require("pyarrow.csv")
         try:  # client ids stay text: "007" is not 7
-            table = csv.read_csv(path, convert_options=csv.ConvertOptions(column_types={client: pa.string()}))
+            types = {client: pa.string()} if client is not None else {}
+            table = csv.read_csv(path, convert_options=csv.ConvertOptions(column_types=types))
             _ = table.column_names  # the header's names are decoded here, not when the file is read
         except UnicodeDecodeError as exc:
             raise DataLayoutError(
@@ -197,6 +199,40 @@ def _stack(arrays: dict[str, np.ndarray], name: str, label: str | None, where: s
     return {name: stacked, **arrays}
 
 
+def _column_names(table: Any, where: str) -> list[str]:
+    columns = list(table.column_names)
+    twice = sorted({c for c in columns if columns.count(c) > 1})
+    if twice:
+        raise DataLayoutError(
+            f"table: {where} has the column {twice[0]!r} more than once; give each column its own name"
+        )
+    return columns
+
+
+def _columns(
+    table: Any,
+    client: str | None,
+    features: Sequence[str] | None,
+    where: str,
+    *,
+    label: str | None,
+    stack: str | None,
+    order: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """The feature columns (all but the client column, or ``features``) as arrays, rows in ``order``."""
+    columns = _column_names(table, where)
+    names = [c for c in columns if c != client] if features is None else list(features)
+    missing = [n for n in names if n not in columns]
+    if missing:
+        raise DataSpecError(f"table: {where} has no column {missing[0]!r}; its columns are {', '.join(columns)}")
+    if not names:
+        raise DataLayoutError(f"table: {where} has no feature column besides the client column {client!r}")
+    arrays = {n: _column(table, n, where) for n in names}
+    if order is not None:
+        arrays = {n: a[order] for n, a in arrays.items()}  # one copy in client order; clients are views of it
+    return _stack(arrays, stack, label, where) if stack is not None else arrays
+
+
 def group_by_client(
     table: Any,
     client: str,
@@ -208,20 +244,9 @@ def group_by_client(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Rows grouped by the client column, keeping their order within each client; with ``stack``,
     the numeric scalar columns but ``label`` become one vector feature of that name."""
-    columns = list(table.column_names)
-    twice = sorted({c for c in columns if columns.count(c) > 1})
-    if twice:
-        raise DataLayoutError(
-            f"table: {where} has the column {twice[0]!r} more than once; give each column its own name"
-        )
+    columns = _column_names(table, where)
     if client not in columns:
         raise DataSpecError(f"table: {where} has no client column {client!r}; its columns are {', '.join(columns)}")
-    names = [c for c in columns if c != client] if features is None else list(features)
-    missing = [n for n in names if n not in columns]
-    if missing:
-        raise DataSpecError(f"table: {where} has no column {missing[0]!r}; its columns are {', '.join(columns)}")
-    if not names:
-        raise DataLayoutError(f"table: {where} has no feature column besides the client column {client!r}")
     if table.column(client).null_count:
         raise DataLayoutError(f"table: {where}: client column {client!r} has missing values; every row needs a client")
     ids = np.asarray([str(v) for v in table.column(client).to_pylist()], dtype=object)
@@ -230,9 +255,7 @@ def group_by_client(
             f"table: {where}: client column {client!r} has {int((ids == '').sum())} empty ids; every row needs a client"
         )
     order = np.argsort(ids.astype(str), kind="stable")
-    arrays = {n: _column(table, n, where)[order] for n in names}  # one copy in client order; clients are views
-    if stack is not None:
-        arrays = _stack(arrays, stack, label, where)
+    arrays = _columns(table, client, features, where, label=label, stack=stack, order=order)
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]) if len(ids) else np.zeros(0, dtype=np.int64)
     bounds = np.r_[starts, len(ids)]
@@ -242,39 +265,70 @@ def group_by_client(
 def load_table(
     path: str | Path,
     *,
-    client: str,
+    client: str | None,
     test: str | Path | None = None,
     label: str | None = None,
     features: Sequence[str] | None = None,
     stack: str | None = None,
     words: WordIds | None = None,
-    test_split: Literal["examples", "clients"] = "examples",
+    partition: Partitioner | None = None,
+    test_split: TestSplit = "examples",
     test_fraction: float = 0.1,
     seed: int = 0,
 ) -> FederatedDataset:
-    """A table of examples with a client column (``client``) as a federated dataset; ``stack=NAME``
-    makes its numeric scalar columns (of ``features``, if given) but the label one vector feature,
-    and ``words`` text columns word ids, as ``load_tff_h5`` reads them."""
+    """A table of examples with a client column (``client``) as a federated dataset, or a table of
+    one centralized dataset (``client`` None) cut into clients by ``partition`` (flwr-datasets'
+    way with a Hugging Face dataset); ``stack=NAME`` makes its numeric scalar columns (of
+    ``features``, if given) but the label one vector feature, and ``words`` text columns word ids,
+    as ``load_tff_h5`` reads them."""
     path = Path(path)
+    if client is None and partition is None:
+        raise DataSpecError(
+            f"table: name the client-id column (table:{path},client=COLUMN), or cut the rows into clients "
+            "(partition=iid|dirichlet|shards|pathological|quantity)"
+        )
     train_table, test_table = _read_arrow(path, client, features)
     if label is None:
         kept = list(features) if features is not None else list(train_table.column_names)
         label = next((n for n in ("label", "y") if n in kept and n != client), None)
-    train = group_by_client(train_table, client, features, str(path), label=label, stack=stack)
     if test is not None:
         test_table, _ = _read_arrow(Path(test), client, features)
+    test_where = str(test or path)
+    if client is None:
+        assert partition is not None
+        if label is None:
+            raise DataSpecError(
+                f"table: {path} has no column 'label' or 'y'; name the label to partition by, label=COLUMN"
+            )
+        arrays = _columns(train_table, None, features, str(path), label=label, stack=stack)
+        held = _columns(test_table, None, features, test_where, label=label, stack=stack) if test_table else None
+        vocabulary = words.encode({"": arrays}, {"": held} if held else {}, "table: ") if words is not None else ()
+        return partition_arrays(
+            arrays,
+            partition,
+            label=label,
+            seed=seed,
+            test_split=test_split,
+            test_fraction=test_fraction,
+            test=held,
+            source=f"table:{path}",
+            vocabulary=vocabulary,
+        )
+    train = group_by_client(train_table, client, features, str(path), label=label, stack=stack)
     test_clients = (
-        group_by_client(test_table, client, features, str(test or path), label=label, stack=stack)
+        group_by_client(test_table, client, features, test_where, label=label, stack=stack)
         if test_table is not None
         else None
     )
     if not train:
         raise DataLayoutError(f"table: {path} has no rows")
+    if test_split not in ("examples", "clients"):
+        raise DataSpecError(f"table: test_split={test_split} is for partitioned data; use examples or clients")
     vocabulary = words.encode(train, test_clients or {}, "table: ") if words is not None else ()
     return with_test_split(
         train,
         test=test_clients,
-        how=test_split,
+        how="clients" if test_split == "clients" else "examples",
         fraction=test_fraction,
         seed=seed,
         label=label,

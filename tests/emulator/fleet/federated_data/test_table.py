@@ -289,3 +289,40 @@ def test_pandas_categories_dates_and_decimals_are_read_as_their_values(tmp_path:
     pq.write_table(pa.table({"c": ["a", "b"], "x": money, "y": [0, 1]}), tmp_path / "money.parquet")
     money_data = load_table(tmp_path / "money.parquet", client="c", test_split="clients", test_fraction=0.5)
     assert money_data.features["x"].dtype == "float64"
+
+
+def test_a_centralized_table_is_cut_into_clients_by_a_partitioner(tmp_path: Path) -> None:
+    """flwr-datasets' way with a Hugging Face dataset: no client column, a seeded partitioner; a
+    DatasetDict's test split becomes the central test client, as an npz's x_test does."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    splits = {
+        name: datasets.Dataset.from_dict({"x": rng.random((n, 3)).tolist(), "label": (np.arange(n) % 5).tolist()})
+        for name, n in (("train", 200), ("test", 30))
+    }
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "mnistish"))
+    spec = f"table:{tmp_path / 'mnistish'},partition=dirichlet,alpha=0.5,clients=10"
+    data = load_data(spec, seed=3)
+    assert len(data) == 10 and data.num_examples() == 200 and data.test_client_ids == ("central",)
+    assert [data.examples(c)["x"].tolist() for c in data.client_ids] == [
+        load_data(spec, seed=3).examples(c)["x"].tolist() for c in data.client_ids
+    ]
+    pq.write_table(pa.table({"x": [0.5] * 40, "label": ["cat", "dog"] * 20}), tmp_path / "central.parquet")
+    cut = load_data(f"table:{tmp_path / 'central.parquet'},partition=iid,clients=4")
+    assert len(cut) == 4 and cut.test_split == "examples" and cut.label_names == ("cat", "dog")
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ("", "name the client-id column, e.g. .*, or cut the rows into clients with partition=iid|dirichlet"),
+        (",client=c,partition=iid", "give client=COLUMN .* or partition=... .*, not both"),
+        (",client=c,alpha=0.1", "alpha: options of a table cut into clients with partition=..."),
+        (",client=c,test_split=none", "test_split='none' is unknown; use one of examples, clients"),
+    ],
+)
+def test_a_table_takes_its_client_column_or_a_partitioner(tmp_path: Path, options: str, says: str) -> None:
+    (tmp_path / "t.csv").write_text("c,x,y\na,0.5,1\n")
+    with pytest.raises(DataSpecError, match=says):
+        load_data(f"table:{tmp_path / 't.csv'}{options}")
