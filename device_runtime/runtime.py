@@ -425,7 +425,7 @@ class FLRuntime:
         rec.record(
             "upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped
         )
-        return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
+        return self._masked_report(rec, secure, vector, result)
 
     def _noise_generator(self) -> np.random.Generator:
         """The generator of a distributed-DP round's rounding and noise: from the app's seeded
@@ -448,6 +448,15 @@ class FLRuntime:
             )
             return self._secure_outcome(rec, refused, result.metrics, result.num_examples)
         rec.record("upload_started", bytes=int(vector.nbytes), secure=True, dp="distributed")
+        return self._masked_report(rec, secure, vector, result)
+
+    def _masked_report(
+        self, rec: _Recorder, secure: SecureAggregation, vector: np.ndarray, result: DeviceResult
+    ) -> SessionResult:
+        """Send the masked input of ``vector`` and answer the rounds after it. The session so far is
+        kept first, as before a plain report: an app killed once its masked input has left still
+        knows it took part (its peers' shares recover that input, and the group's sum holds it)."""
+        rec.save_so_far()
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
 
     def _secure_outcome(self, rec: _Recorder, outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:

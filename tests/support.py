@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import numpy as np
 import onnxruntime
 import pytest
@@ -33,6 +34,8 @@ from device_runtime.secure_client import SecureResult, run_secure_aggregation
 from device_runtime.wire import CheckinAccepted
 from emulator import AttestationAuthority
 from example_store import ExampleSelector, SQLiteExampleStore
+from secagg import parse_message
+from secagg.messages import AdvertiseKeys
 from server_stub import AdminClient, AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
 from server_stub.secure_rounds import SecureRound
 
@@ -222,8 +225,10 @@ class AttestedRuntimes:
         count: int,
         *,
         runtime: type[FLRuntime] = FLRuntime,
+        transport: Callable[[int], httpx.BaseTransport] | None = None,
         **options,
     ) -> None:
+        """``transport(i)``: device i's transport (real HTTP when not given)."""
         folder.mkdir(parents=True, exist_ok=True)
         self.opstats = [OpStatsStore(folder / f"opstats{i}.db") for i in range(count)]
         self.stores = []
@@ -242,6 +247,7 @@ class AttestedRuntimes:
                     opstats=self.opstats[i],
                     attestor=authority.new_device_attestor("emulated-phone", time.time()),
                     trust_anchor=authority.trust_anchor(),
+                    transport=transport(i) if transport is not None else None,
                     **options,
                 )
             )
@@ -260,6 +266,136 @@ class AttestedRuntimes:
     def close(self) -> None:
         for c in (*self.runtimes, *self.stores, *self.opstats):
             c.close()
+
+
+# ------------------------------------------------------------------ devices and servers killed mid-round
+
+#: Where a device is killed in a Secure Aggregation session: once the server took its message
+#: (``sent:<message>``: its keys, its shares, its share check, its masked input, its signature), or
+#: once it holds the server's request of a round and before it answers (``received:<round>``).
+SECAGG_KILL_POINTS = (
+    "sent:AdvertiseKeys",
+    "sent:EncryptedShares",
+    "sent:ShareCheck",
+    "sent:MaskedInput",
+    "received:ConsistencyCheck",
+    "sent:ConsistencySignature",
+    "received:Unmasking",
+)
+#: The kill points after which the device's masked input is with the server (its group's sum holds it).
+AFTER_MASKED_INPUT = frozenset(SECAGG_KILL_POINTS[SECAGG_KILL_POINTS.index("sent:MaskedInput") :])
+
+
+def secagg_point(request: httpx.Request, response: httpx.Response) -> str | None:
+    """The point of ``SECAGG_KILL_POINTS`` a device reaches with this exchange, if any."""
+    if not request.url.path.endswith("/secagg") or response.status_code != 200:
+        return None
+    if request.method == "POST":
+        return f"sent:{type(parse_message(request.content)).__name__}"
+    state = json.loads(response.read())
+    return f"received:{state.get('round')}" if isinstance(state, dict) and state.get("message") else None
+
+
+class KillSwitch(httpx.HTTPTransport):
+    """A device's transport that kills it at ``point`` (of ``SECAGG_KILL_POINTS``; None: never): it
+    calls ``kill`` (a process's SIGKILL of itself), and in this process every request from then on
+    fails as a dead device's would, so the server hears nothing more from it. ``statuses``: the
+    HTTP status of every answer the device got; ``advertised``: the public keys (encryption and
+    masking) of every AdvertiseKeys it sent."""
+
+    def __init__(self, point: str | None = None, kill: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.point, self._kill = point, kill
+        self.killed = threading.Event()
+        self.statuses: list[int] = []
+        self.advertised: list[bytes] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.killed.is_set():
+            raise httpx.ConnectError("this device was killed")
+        response = super().handle_request(request)
+        self.statuses.append(response.status_code)
+        point = secagg_point(request, response)
+        if point == "sent:AdvertiseKeys":
+            keys = parse_message(request.content)
+            assert isinstance(keys, AdvertiseKeys)
+            self.advertised += [keys.c_pk, keys.s_pk]
+        if point is not None and point == self.point:
+            self.killed.set()
+            if self._kill is not None:
+                self._kill()
+            raise httpx.ConnectError("this device was killed")
+        return response
+
+
+KILLED_APP = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[5])  # the checkout
+from pathlib import Path
+from device_runtime import FLRuntime, OpStatsStore
+from device_runtime.attestation import DeviceAttestor
+from example_store import SQLiteExampleStore
+from server_stub.trust_anchor import read_trust_anchor
+from tests.support import KillSwitch
+
+folder, url, population, point = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+
+
+def kill():
+    seen = {"statuses": switch.statuses, "advertised": [key.hex() for key in switch.advertised]}
+    (folder / "seen.json").write_text(json.dumps(seen))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+switch = KillSwitch(point, kill)
+FLRuntime(
+    population, url, SQLiteExampleStore(folder / "app.db"), opstats=OpStatsStore(folder / "app.db"),
+    cache_dir=folder / "cache", attestor=DeviceAttestor.load(folder / "device.key"),
+    trust_anchor=read_trust_anchor(folder / "trust.json"), transport=switch,
+).run_session()
+"""
+
+
+class KilledApp:
+    """A device app whose files are in ``folder`` (examples and opstats in ``app.db``, plans in
+    ``cache/``, its attested key in ``device.key``, the authority's trust anchor): ``start(point)``
+    runs a session in a process of its own that kills itself (SIGKILL) at ``point``, and
+    ``restarted()`` is the same app started again on the same files, in this process."""
+
+    def __init__(self, folder: Path, digits, authority: AttestationAuthority, url: str, population: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.url, self.population = folder, url, population
+        self.trust_anchor = authority.trust_anchor()
+        store = SQLiteExampleStore(folder / "app.db")
+        part = slice(-12, None)  # digits no runtime of ``AttestedRuntimes`` holds
+        store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[part], digits.y_train[part])))
+        store.close()
+        authority.new_device_attestor("emulated-phone", time.time()).save(folder / "device.key")
+        authority.save_trust_anchor(folder / "trust.json")
+
+    def start(self, point: str) -> subprocess.Popen:
+        script = self.folder / "app.py"
+        script.write_text(KILLED_APP)
+        args = [str(self.folder), self.url, self.population, point, str(ROOT)]
+        return subprocess.Popen([sys.executable, str(script), *args])
+
+    def seen(self) -> tuple[list[int], list[bytes]]:
+        """The killed session's ``KillSwitch.statuses`` and ``advertised``, up to its death."""
+        seen = json.loads((self.folder / "seen.json").read_text())
+        return seen["statuses"], [bytes.fromhex(key) for key in seen["advertised"]]
+
+    def restarted(self, **options) -> FLRuntime:
+        db = self.folder / "app.db"
+        return FLRuntime(
+            self.population,
+            self.url,
+            SQLiteExampleStore(db),
+            opstats=OpStatsStore(db),
+            cache_dir=self.folder / "cache",
+            attestor=DeviceAttestor.load(self.folder / "device.key"),
+            trust_anchor=self.trust_anchor,
+            **options,
+        )
 
 
 # ------------------------------------------------------------------ benchmarks run as documented

@@ -1,0 +1,86 @@
+"""Devices killed at every phase of a Secure Aggregation round, over real HTTP (uvicorn on loopback,
+the server's SQLite file, attested devices, real crypto).
+
+A device is killed once the server took one of its messages or once it holds a round's request
+(``tests.support.SECAGG_KILL_POINTS``): in a process of its own, killed with SIGKILL
+(``KilledApp``), or in this process by a transport that goes dead (``KillSwitch``: the server hears
+nothing more from it, as from a killed one). Whatever the phases and the devices: the group commits
+when enough of it survives (its threshold, t = 5 of 6 here), summing exactly the devices whose
+masked input was in, or aborts with the round it stopped in; the server answers no 5xx; a killed
+app's opstats hold its session as it stood when its masked input left (a participation, for its
+eligibility policies); and the killed devices, started again on their own files, advertise fresh
+keys and take part in the next round."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+
+from device_runtime import FLRuntime, Outcome
+from tests.support import (
+    KilledApp,
+    KillSwitch,
+    deploy_secure,
+    in_threads,
+)
+
+GROUP = 6  # one group of k + 1 = 6, threshold 5: it survives one device killed, not two
+#: A killed device holds each round after it for a round timeout: 1.5 s keeps the tests short, and
+#: live devices on loopback answer well within it
+ROUND = {"goal_count": GROUP, "secagg_round_timeout_s": 1.5}
+
+
+def _sessions(runtimes: list[FLRuntime]) -> list:
+    """One session of every runtime at once: its result, or the exception it raised."""
+
+    def session(i: int):
+        try:
+            return runtimes[i].run_session()
+        except Exception as exc:  # a device killed in this process ends in ServerUnreachable
+            return exc
+
+    return in_threads(len(runtimes), session, 120)
+
+
+def _files_are_whole(folder) -> bool:
+    """Every file of a plan cache is a whole plan, named by its SHA-256 (no partial copy left)."""
+    plans = [f for f in folder.rglob("*") if f.is_file()]
+    return bool(plans) and all(hashlib.sha256(f.read_bytes()).hexdigest() == f.name for f in plans)
+
+
+def test_a_device_killed_once_its_masked_input_left_is_summed_knows_it_took_part_and_joins_the_next_round(
+    attested_server, attested_admin, authority, attested_runtimes, population, digits, tmp_path
+):
+    server, admin = attested_server, attested_admin
+    deploy_secure(admin, population, **ROUND)
+    switches = [KillSwitch() for _ in range(GROUP - 1)]
+    others = attested_runtimes(server.url, population, GROUP - 1, transport=lambda i: switches[i])
+    app = KilledApp(tmp_path / "killed", digits, authority, server.url, population)
+    killed = app.start("sent:MaskedInput")
+    survivors = others.run()
+    assert killed.wait(120) == -signal.SIGKILL
+    assert [r.outcome for r in survivors] == [Outcome.COMPLETED] * (GROUP - 1)
+    [first] = admin.rounds(population)
+    assert first["status"] == "committed"
+    assert first["metrics"]["secagg"]["summed_devices"] == GROUP  # its peers' shares recovered its input
+
+    # started again on its files: the session it was killed in is on record as a participation
+    statuses, advertised = app.seen()
+    with app.restarted(transport=KillSwitch()) as restarted:
+        opstats = restarted.opstats
+        assert opstats is not None
+        [session] = opstats.sessions(population)
+        assert session.shape == "-v[]+"
+        assert opstats.last_participation(population) == session
+        assert _files_are_whole(app.folder / "cache")
+        # the next round: the restarted app with fresh keys, its group exact and whole
+        results = _sessions([restarted, *others.runtimes])
+        assert [getattr(r, "outcome", r) for r in results] == [Outcome.COMPLETED] * GROUP
+        fresh = restarted.client.http._transport
+        assert isinstance(fresh, KillSwitch) and len(fresh.advertised) == 2
+        assert not set(fresh.advertised) & set(advertised)
+        assert [s.shape for s in opstats.sessions(population)] == ["-v[]+", "-v[]+^"]
+    assert [r["status"] for r in admin.rounds(population)] == ["committed", "committed"]
+    assert admin.rounds(population)[1]["metrics"]["secagg"]["summed_devices"] == GROUP
+    for answered in (statuses, fresh.statuses, *(s.statuses for s in switches)):
+        assert answered and max(answered) < 500
