@@ -426,7 +426,9 @@ def _send(client: ProtocolClient, session: CheckinAccepted, message: bytes) -> b
     try:
         client.secagg_send(session, message)
     except ProtocolError as exc:
-        if exc.code in ("SECAGG_ROUND_CLOSED", "SESSION_CLOSED"):
+        # SECAGG_ALREADY_ANSWERED: the server took another message of this round from this session
+        # (the app was killed and started again): its group goes on with what it sent before
+        if exc.code in ("SECAGG_ROUND_CLOSED", "SESSION_CLOSED", "SECAGG_ALREADY_ANSWERED"):
             return False
         raise
     return True

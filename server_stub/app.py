@@ -293,6 +293,7 @@ _STATUS_OF: dict[str, int] = {
             "SECURE_AGGREGATION_REQUIRED",
             "NOT_IN_GROUP",
             "SECAGG_ROUND_CLOSED",
+            "SECAGG_ALREADY_ANSWERED",
         ),
         409,
     ),
@@ -513,7 +514,15 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         tags=["devices"],
         openapi_extra=_binary_body(),
         **_answers(SecAggAccepted),
-        **_route(*_SESSION, *_BODY, "SECAGG_REJECTED", "SESSION_CLOSED", "NOT_IN_GROUP", "SECAGG_ROUND_CLOSED"),
+        **_route(
+            *_SESSION,
+            *_BODY,
+            "SECAGG_REJECTED",
+            "SESSION_CLOSED",
+            "NOT_IN_GROUP",
+            "SECAGG_ROUND_CLOSED",
+            "SECAGG_ALREADY_ANSWERED",
+        ),
     )
     async def secagg_send(sid: str, request: Request) -> SecAggAccepted:
         token = session_token(request)

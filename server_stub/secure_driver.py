@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from secagg import OutOfOrder, Round, SecAggError, UnexpectedClient
+from secagg import DuplicateMessage, OutOfOrder, Round, SecAggError, UnexpectedClient
 
 from . import ddp_rounds
 from .admission import with_window
@@ -102,7 +102,9 @@ def status(session: Session, pop: Population, run: TaskRun, now: float) -> dict:
 
 def receive(session: Session, data: bytes, now: float) -> bool:
     """Hand one Secure Aggregation message to the session's group; whether any device's state
-    may have changed. Raises a 4xx ``ApiError`` for a message its group does not take."""
+    may have changed. Raises a 4xx ``ApiError`` for a message its group does not take; the same
+    message again is taken again (``SecureGroup.receive``), another one for a round the device
+    answered is ``SECAGG_ALREADY_ANSWERED``."""
     run = session.run
     if run.secure is None or session.core is not run.core:
         raise SessionClosed("this session's round is over")
@@ -111,6 +113,11 @@ def receive(session: Session, data: bytes, now: float) -> bool:
     before = run.secure.version
     try:
         run.secure.receive(session.session_id, data, now)
+    except DuplicateMessage as exc:  # another message for a round it answered: a device that restarted, say
+        raise Conflict(
+            f"this session already answered its group's round with another message: {exc}",
+            code="SECAGG_ALREADY_ANSWERED",
+        ) from None
     except (OutOfOrder, UnexpectedClient) as exc:
         raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
     except SecAggError as exc:

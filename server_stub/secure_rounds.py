@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -48,6 +49,7 @@ class _Member:
     client_id: int
     seq: int = 0
     message: bytes | None = None
+    taken: set[bytes] = field(default_factory=set)  # SHA-256 of each message the group took from it
 
 
 @dataclass
@@ -76,11 +78,19 @@ class SecureGroup:
         return self.server.round.terminal
 
     def receive(self, session_id: str, data: bytes, now: float) -> None:
+        """Hand the member's message to the protocol. A message the group already took from it is
+        taken again, changing nothing: a device whose answer was lost sends it again, and must not
+        be told it was refused (or that its group moved on) when its keys or masked input are in."""
+        member = self.members[session_id]
+        digest = hashlib.sha256(data).digest()
+        if digest in member.taken:
+            return
         before = self.server.round
         try:
-            self.server.receive(self.members[session_id].client_id, data)
+            self.server.receive(member.client_id, data)
         finally:
             self._note_abort(before)
+        member.taken.add(digest)
         self._close_if_complete(now)
 
     def _note_abort(self, before: Round) -> None:

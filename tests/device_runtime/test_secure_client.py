@@ -27,6 +27,7 @@ from device_runtime.secure_client import (
     SecureResult,
     run_secure_aggregation,
 )
+from device_runtime.secure_sum import config_to_json
 from device_runtime.wire import CheckinAccepted
 from secagg import Round, SecAggClient, SecAggConfig
 
@@ -217,3 +218,41 @@ def test_a_field_of_the_wrong_type_is_refused_naming_the_field():
     assert result.refused and "included" in result.detail
     result = _run({"status": "waiting", "deadline_in_s": "soon"})
     assert result.refused and "deadline_in_s" in result.detail
+
+
+#: A group's configuration above the default floor (``OPEN`` asks no attested cohort and no seed)
+GROUP_CONFIG = SecAggConfig.for_cohort(6, 4, session_label=b"group", min_summed=5, consistency_check=True)
+
+
+def _joining(error: tuple[int, str], *, on: str) -> SecureResult | None:
+    """The key rounds of a device whose group is in AdvertiseKeys, against a server that answers
+    its polls (``on="GET"``) or its message (``on="POST"``) with the 4xx ``error`` (status, code)."""
+    state = {"status": "active", "round": "AdvertiseKeys", "seq": 0, "client_id": 1, "group_size": 6}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == on:
+            status, code = error
+            return httpx.Response(status, json={"error": {"code": code, "message": "the server says no"}})
+        return httpx.Response(200, json={**state, "config": config_to_json(GROUP_CONFIG)})
+
+    now = [0.0]
+    client = ProtocolClient("http://server.test", transport=httpx.MockTransport(handle))
+    secure = SecureAggregation(
+        client,
+        SESSION,
+        deadline=5.0,
+        sleep=lambda s: now.__setitem__(0, now[0] + max(s, 0.01)),
+        clock=lambda: now[0],
+        long_poll_s=0.0,
+        policy=OPEN,
+    )
+    try:
+        return secure.prepare()
+    finally:
+        client.close()
+
+
+def test_a_device_started_again_whose_session_answered_the_round_is_left_out_of_its_group():
+    # the app was killed after its keys went in, and started again: its group goes on with those keys
+    result = _joining((409, "SECAGG_ALREADY_ANSWERED"), on="POST")
+    assert result is not None and result.outcome is SecureOutcome.EXCLUDED and not result.refused

@@ -16,12 +16,17 @@ from __future__ import annotations
 import hashlib
 import signal
 
+import httpx
+import pytest
+
 from device_runtime import FLRuntime, Outcome
 from tests.support import (
+    SECAGG_KILL_POINTS,
     KilledApp,
     KillSwitch,
     deploy_secure,
     in_threads,
+    secagg_point,
 )
 
 GROUP = 6  # one group of k + 1 = 6, threshold 5: it survives one device killed, not two
@@ -84,3 +89,44 @@ def test_a_device_killed_once_its_masked_input_left_is_summed_knows_it_took_part
     assert admin.rounds(population)[1]["metrics"]["secagg"]["summed_devices"] == GROUP
     for answered in (statuses, fresh.statuses, *(s.statuses for s in switches)):
         assert answered and max(answered) < 500
+
+
+class LosesOneAnswer(KillSwitch):
+    """A device's connection that drops once, at ``point``, after the server took its request: the
+    device's protocol client sends the request again, as after any connection error."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super(KillSwitch, self).handle_request(request)
+        self.statuses.append(response.status_code)
+        if self.point is not None and secagg_point(request, response) == self.point:
+            self.point = None
+            raise httpx.ReadError("the connection dropped before the answer came")
+        return response
+
+
+def _answer_lost_at(point: str, server, admin, runtimes, population: str) -> None:
+    """Whatever message's answer a device loses, it sends the message again, its group takes it
+    again, and the device's update is in the committed round with its peers'."""
+    deploy_secure(admin, population, **ROUND)
+    switches = [LosesOneAnswer(point if i == 0 else None) for i in range(GROUP)]
+    fleet = runtimes(server.url, population, GROUP, transport=lambda i: switches[i])
+    results = fleet.run()
+    assert [getattr(r, "shape", r) for r in results] == ["-v[]+^"] * GROUP
+    assert switches[0].point is None  # the answer was lost
+    [record] = admin.rounds(population)
+    assert record["status"] == "committed" and record["metrics"]["secagg"]["summed_devices"] == GROUP
+    assert max(max(s.statuses) for s in switches) < 500
+
+
+def test_a_device_that_loses_the_answer_to_its_masked_input_sends_it_again_and_is_summed(
+    attested_server, attested_admin, attested_runtimes, population
+):
+    _answer_lost_at("sent:MaskedInput", attested_server, attested_admin, attested_runtimes, population)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", [p for p in SECAGG_KILL_POINTS if p.startswith("sent:")])
+def test_a_device_that_loses_the_answer_to_any_of_its_messages_sends_it_again_and_is_summed(
+    attested_server, attested_admin, attested_runtimes, population, point
+):
+    _answer_lost_at(point, attested_server, attested_admin, attested_runtimes, population)

@@ -16,9 +16,9 @@ import pytest
 from device_runtime import ProtocolError, encode_checkpoint
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secure_client import SecureOutcome
-from device_runtime.secure_sum import SecureSumCodec
+from device_runtime.secure_sum import SecureSumCodec, config_from_json
 from emulator import DeviceProfile, EmulatedDevice, RealTimeFleet, partition_by_shards
-from secagg import Round, parse_message
+from secagg import Round, SecAggClient, parse_message
 from secagg.messages import EncryptedShares
 from server_stub import AdminError
 from tests.support import (
@@ -187,6 +187,33 @@ def test_secure_task_refuses_plain_reports_and_bad_messages(server, admin):
     with pytest.raises(ProtocolError, match="SECAGG_REJECTED"):
         client.secagg_send(session, b"not a secagg message")
     for c in (client, *others):
+        c.close()
+
+
+def test_a_secagg_message_sent_again_is_taken_again_and_another_for_a_round_answered_is_refused(server, admin):
+    """A device whose answer was lost sends its message again: it is taken again, even once the
+    group has moved on (its keys are in). A device started again (new keys, same seat) that sends
+    another message for a round its session answered is told so, not that its message is bad."""
+    deploy_secure(admin, goal_count=5, min_fraction=0.8, report_timeout_s=60, secagg_round_timeout_s=5.0)
+    clients = [ProtocolClient(server.url) for _ in range(5)]
+    sessions = [c.checkin("digits", VERSION) for c in clients]
+    states = [c.secagg_poll(s) for c, s in zip(clients, sessions)]
+    assert {state["round"] for state in states} == {Round.ADVERTISE_KEYS.value}
+    config = config_from_json(states[0]["config"])
+    keys = [SecAggClient(state["client_id"], config, None).start() for state in states]
+    clients[0].secagg_send(sessions[0], keys[0])
+    clients[0].secagg_send(sessions[0], keys[0])
+    restarted = SecAggClient(states[0]["client_id"], config, None).start()
+    with pytest.raises(ProtocolError, match="SECAGG_ALREADY_ANSWERED") as refused:
+        clients[0].secagg_send(sessions[0], restarted)
+    assert refused.value.status == 409
+    for client, session, message in zip(clients[1:], sessions[1:], keys[1:]):
+        client.secagg_send(session, message)
+    assert clients[0].secagg_poll(sessions[0])["round"] == Round.SHARE_KEYS.value
+    clients[0].secagg_send(sessions[0], keys[0])  # the group has moved on: taken again all the same
+    with pytest.raises(ProtocolError, match="SECAGG_ROUND_CLOSED"):
+        clients[0].secagg_send(sessions[0], restarted)
+    for c in clients:
         c.close()
 
 
