@@ -473,8 +473,11 @@ class FLRuntime:
         if outcome.outcome is SecureOutcome.INCLUDED:
             rec.record("upload_completed", secure=True)
             return self._paced(rec.result(Outcome.COMPLETED, metrics, examples), outcome.retry_after_s)
-        code = f"SECAGG_{outcome.outcome.name}"
+        code = outcome.code or f"SECAGG_{outcome.outcome.name}"
         rec.record("upload_rejected", code=code, detail=outcome.detail)
+        if outcome.code:  # the server refused a request of the session (a 4xx): its group need not wait for it
+            assert rec.session is not None
+            self._abort_quietly(rec.session, outcome.detail[:500], rec.stats())
         return rec.result(Outcome.REPORT_REJECTED, metrics, examples, code)
 
     def _check_budget(self, plan: Plan) -> None:

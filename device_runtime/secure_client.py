@@ -19,7 +19,11 @@ then refuses before it polls, so it never joins a cohort it cannot check).
 In a distributed-DP round the group's state also carries the round's noise parameters: the
 device checks them against its noise floor (``DPPolicy``, see ``dp_policy``) at the same point,
 before it advertises a key, and refuses with ``DP_NOISE_BELOW_FLOOR`` or ``DP_PARAMS_INVALID``;
-once they pass, ``ddp`` holds them and the update must be encoded with them."""
+once they pass, ``ddp`` holds them and the update must be encoded with them.
+
+A 4xx answer to a poll or a message is final, as for a plain report: the device's part ends with
+the server's code (``BAD_SESSION_TOKEN`` from a server that restarted mid-round and lost the round
+with its sessions), or as left out of its group when the group went on without it."""
 
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ NEEDS_ATTESTATION = "SECAGG_NEEDS_ATTESTATION"
 class SecureOutcome(enum.Enum):
     INCLUDED = "included"  # the group's sum holds this device's update
     EXCLUDED = "excluded"  # the group or round went on without it, or it was in no group
-    ABORTED = "aborted"  # the group's protocol aborted, or this client refused the server
+    ABORTED = "aborted"  # the group's protocol aborted, this client refused the server, or the server ended the session
     INTERRUPTED = "interrupted"
     TIMED_OUT = "timed_out"
 
@@ -75,8 +79,11 @@ class SecureResult:
     """``refused``: this device ended its part because the server's request fell below its
     privacy floor or failed a check, or because it cannot meet its own policy; ``detail`` says
     why (it goes to opstats and the server) and ``code`` which kind (``REFUSED``,
-    ``NEEDS_ATTESTATION``, or ``dp_policy``'s ``DP_NOISE_BELOW_FLOOR`` and ``DP_PARAMS_INVALID``). ``retry_after_s``: the pace-steering window the server named with
-    this device's completed group, as a report's answer names it (see ``retry_window``)."""
+    ``NEEDS_ATTESTATION``, or ``dp_policy``'s ``DP_NOISE_BELOW_FLOOR`` and ``DP_PARAMS_INVALID``);
+    without ``refused``, ``code`` is the server's error code when a 4xx answer ended the session
+    (``BAD_SESSION_TOKEN``: the server restarted and no longer knows it). ``retry_after_s``: the
+    pace-steering window the server named with this device's completed group, as a report's answer
+    names it (see ``retry_window``)."""
 
     outcome: SecureOutcome
     detail: str = ""
@@ -225,7 +232,13 @@ class SecureAggregation:
                 return SecureResult(SecureOutcome.INTERRUPTED)
             wait = max(0.0, min(self.long_poll_s, self.deadline - self.clock()))
             after = self._seen_seq if self._secagg is not None else -1  # -1: AdvertiseKeys is due at once
-            answer = client.secagg_poll(session, after=after, wait_s=wait)
+            try:
+                answer = client.secagg_poll(session, after=after, wait_s=wait)
+            except ProtocolError as exc:
+                ended = _ended_by_server(exc)
+                if ended is None:
+                    raise
+                return ended
             try:
                 # the round's DP parameters are judged by the device's DP policy, with its own codes
                 state = SecAggState.model_validate({**answer, "ddp": None})
@@ -254,8 +267,9 @@ class SecureAggregation:
                     return self._refused(str(exc), exc.code)
                 if self._entering(Round.ADVERTISE_KEYS.value):
                     return SecureResult(SecureOutcome.INTERRUPTED)
-                if not _send(client, session, self._secagg.start()):
-                    return SecureResult(SecureOutcome.EXCLUDED, "the group moved on without this device")
+                ended = _send(client, session, self._secagg.start())
+                if ended is not None:
+                    return ended
                 continue
             if status == "completed":
                 if not state.included:
@@ -278,8 +292,9 @@ class SecureAggregation:
                 reply = self._secagg.handle(received)
                 if self._secagg.aborted:
                     return self._refused(str(self._secagg.abort_reason))
-                if reply is not None and not _send(client, session, reply):
-                    return SecureResult(SecureOutcome.EXCLUDED, "the group moved on without this device")
+                ended = _send(client, session, reply) if reply is not None else None
+                if ended is not None:
+                    return ended
                 idle_s = self.poll_s
                 continue
             if self.long_poll_s > 0 or until_input or state.round != Round.MASKED_INPUT_COLLECTION.value:
@@ -421,14 +436,34 @@ def run_secure_aggregation(
     return secure.finish(vector)
 
 
-def _send(client: ProtocolClient, session: CheckinAccepted, message: bytes) -> bool:
-    """False when the server refused the message because its SecAgg round or FL round had closed."""
+def _send(client: ProtocolClient, session: CheckinAccepted, message: bytes) -> SecureResult | None:
+    """None once the server took the message; how this device's part ends when it refused it for
+    good (``_ended_by_server``)."""
     try:
         client.secagg_send(session, message)
     except ProtocolError as exc:
-        # SECAGG_ALREADY_ANSWERED: the server took another message of this round from this session
-        # (the app was killed and started again): its group goes on with what it sent before
-        if exc.code in ("SECAGG_ROUND_CLOSED", "SESSION_CLOSED", "SECAGG_ALREADY_ANSWERED"):
-            return False
-        raise
-    return True
+        ended = _ended_by_server(exc)
+        if ended is None:
+            raise
+        return ended
+    return None
+
+
+#: The codes of a server that goes on without this device: its group's round or its FL round
+#: closed, or (SECAGG_ALREADY_ANSWERED) it took another message of this round from this session,
+#: sent before the app was killed and started again, and its group goes on with that one.
+LEFT_OUT_CODES = frozenset({"SECAGG_ROUND_CLOSED", "SESSION_CLOSED", "SECAGG_ALREADY_ANSWERED"})
+
+
+def _ended_by_server(exc: ProtocolError) -> SecureResult | None:
+    """How this device's part ends when the server answered one of its Secure Aggregation requests
+    with a 4xx (final, as a refused report is): left out of its group (``LEFT_OUT_CODES``), or
+    aborted with the server's code, e.g. ``BAD_SESSION_TOKEN`` from a server that restarted and
+    lost the round with its sessions. None for any other error, which the caller raises."""
+    if exc.status is None or not 400 <= exc.status < 500:
+        return None
+    if exc.code in LEFT_OUT_CODES:
+        return SecureResult(SecureOutcome.EXCLUDED, f"the group moved on without this device: {exc}")
+    return SecureResult(
+        SecureOutcome.ABORTED, f"the server ended this device's part: {exc}", code=exc.code or f"HTTP_{exc.status}"
+    )

@@ -297,21 +297,22 @@ def secagg_point(request: httpx.Request, response: httpx.Response) -> str | None
 
 
 class KillSwitch(httpx.HTTPTransport):
-    """A device's transport that kills it at ``point`` (of ``SECAGG_KILL_POINTS``; None: never): it
-    calls ``kill`` (a process's SIGKILL of itself), and in this process every request from then on
-    fails as a dead device's would, so the server hears nothing more from it. ``statuses``: the
-    HTTP status of every answer the device got; ``advertised``: the public keys (encryption and
-    masking) of every AdvertiseKeys it sent."""
+    """A device's transport that acts once the device reaches ``point`` (of ``SECAGG_KILL_POINTS``;
+    None: never): it sets ``reached`` and calls ``then`` (a process's SIGKILL of itself, a test's
+    signal, a dropped connection raised), and, when the device ``dies`` (the default), every
+    request from then on fails as a dead device's would, so the server hears nothing more from it.
+    ``statuses``: the HTTP status of every answer the device got; ``advertised``: the public keys
+    (encryption and masking) of every AdvertiseKeys it sent."""
 
-    def __init__(self, point: str | None = None, kill: Callable[[], None] | None = None) -> None:
+    def __init__(self, point: str | None = None, then: Callable[[], None] | None = None, *, dies: bool = True) -> None:
         super().__init__()
-        self.point, self._kill = point, kill
-        self.killed = threading.Event()
+        self.point, self.then, self.dies = point, then, dies
+        self.reached = threading.Event()
         self.statuses: list[int] = []
         self.advertised: list[bytes] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if self.killed.is_set():
+        if self.dies and self.reached.is_set():
             raise httpx.ConnectError("this device was killed")
         response = super().handle_request(request)
         self.statuses.append(response.status_code)
@@ -320,11 +321,12 @@ class KillSwitch(httpx.HTTPTransport):
             keys = parse_message(request.content)
             assert isinstance(keys, AdvertiseKeys)
             self.advertised += [keys.c_pk, keys.s_pk]
-        if point is not None and point == self.point:
-            self.killed.set()
-            if self._kill is not None:
-                self._kill()
-            raise httpx.ConnectError("this device was killed")
+        if point is not None and point == self.point and not self.reached.is_set():
+            self.reached.set()
+            if self.then is not None:
+                self.then()
+            if self.dies:
+                raise httpx.ConnectError("this device was killed")
         return response
 
 

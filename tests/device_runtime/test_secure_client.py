@@ -256,3 +256,14 @@ def test_a_device_started_again_whose_session_answered_the_round_is_left_out_of_
     # the app was killed after its keys went in, and started again: its group goes on with those keys
     result = _joining((409, "SECAGG_ALREADY_ANSWERED"), on="POST")
     assert result is not None and result.outcome is SecureOutcome.EXCLUDED and not result.refused
+
+
+@pytest.mark.parametrize(
+    ("error", "on"),
+    [((401, "BAD_SESSION_TOKEN"), "GET"), ((401, "BAD_SESSION_TOKEN"), "POST"), ((400, "SECAGG_REJECTED"), "POST")],
+)
+def test_a_server_that_ends_the_session_with_a_4xx_ends_the_devices_part_with_its_code(error, on):
+    # a server restarted mid-round no longer knows the session: the device is told why, it raises nothing
+    result = _joining(error, on=on)
+    assert result is not None and result.outcome is SecureOutcome.ABORTED and not result.refused
+    assert result.code == error[1] and "the server says no" in result.detail
