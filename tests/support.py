@@ -270,10 +270,12 @@ class AttestedRuntimes:
 
 # ------------------------------------------------------------------ devices and servers killed mid-round
 
-#: Where a device is killed in a Secure Aggregation session: once the server took its message
+#: Where a device is killed in a Secure Aggregation session: once its check-in was accepted (it waits
+#: for selection's end, and its group is formed with it), once the server took its message
 #: (``sent:<message>``: its keys, its shares, its share check, its masked input, its signature), or
 #: once it holds the server's request of a round and before it answers (``received:<round>``).
 SECAGG_KILL_POINTS = (
+    "checked_in",
     "sent:AdvertiseKeys",
     "sent:EncryptedShares",
     "sent:ShareCheck",
@@ -288,7 +290,11 @@ AFTER_MASKED_INPUT = frozenset(SECAGG_KILL_POINTS[SECAGG_KILL_POINTS.index("sent
 
 def secagg_point(request: httpx.Request, response: httpx.Response) -> str | None:
     """The point of ``SECAGG_KILL_POINTS`` a device reaches with this exchange, if any."""
-    if not request.url.path.endswith("/secagg") or response.status_code != 200:
+    if response.status_code != 200:
+        return None
+    if request.url.path.endswith("/checkin"):
+        return "checked_in" if json.loads(response.read()).get("status") == "accepted" else None
+    if not request.url.path.endswith("/secagg"):
         return None
     if request.method == "POST":
         return f"sent:{type(parse_message(request.content)).__name__}"

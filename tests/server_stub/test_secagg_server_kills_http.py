@@ -151,7 +151,9 @@ def test_a_server_killed_once_the_masked_inputs_are_in_loses_the_round_and_commi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", SECAGG_KILL_POINTS)
+# once the groups are formed: a server killed while its selection waits meets devices that check in
+# again to its next round, which a restart does not change
+@pytest.mark.parametrize("point", [p for p in SECAGG_KILL_POINTS if p != "checked_in"])
 def test_a_server_killed_at_any_secagg_phase_loses_the_round_and_commits_the_next(
     server_process, attested_runtimes, point
 ):
