@@ -173,7 +173,15 @@ class PlanExecutor(ServerOps):
                     f"example tensor {example_name!r} has shape {arr.shape[1:]} per example; the plan takes {per_example}"
                 )
             feeds[graph_name] = arr
-        if "y" in feeds and n:
+        for graph_name, classes in self.plan.device.class_ids.items():
+            ids = feeds[graph_name]
+            if n and not _labels_within(ids, classes):
+                raise ValueError(
+                    f"example tensor {self.plan.device.inputs[graph_name]!r} holds class ids from {ids.min()} to "
+                    f"{ids.max()}, but the plan scores {classes} classes (ids 0 to {classes - 1}); number the classes "
+                    "from 0, or train a model with an output per class"
+                )
+        if "y" in feeds and n and "y" not in self.plan.device.class_ids:
             y = feeds["y"]
             num_classes = self._num_classes()
             if y.ndim != 1 or not _labels_within(y, num_classes):
@@ -431,9 +439,11 @@ _SMALL_BATCH = 64
 
 
 def _labels_within(y: np.ndarray, num_classes: int) -> bool:
-    """Whether every label of the 1-D ``y`` is a class id in [0, num_classes)."""
+    """Whether every label of ``y`` is a class id in [0, num_classes)."""
+    if y.size == 0:
+        return True
     if y.size <= _SMALL_BATCH:
-        labels = y.tolist()
+        labels = y.ravel().tolist()
         return min(labels) >= 0 and max(labels) < num_classes
     return bool(y.min() >= 0 and y.max() < num_classes)
 

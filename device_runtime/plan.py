@@ -29,6 +29,7 @@ Naming convention of the server graphs (the executor hides it; callers see plain
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -175,6 +176,10 @@ class DeviceConfig:
     shuffle_buffer: int
     inputs: dict[str, str]  # work-graph input name -> example tensor name
     resume: bool = False
+    #: Work-graph inputs that take class ids -> the number of classes: the device refuses a batch
+    #: whose ids fall outside [0, n) (a one-hot loss would otherwise count such an example as
+    #: nothing and train on the others without a word).
+    class_ids: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,7 @@ def serialize_plan(plan: Plan) -> bytes:
             "inputs": dict(dev.inputs),
             # Written only when set, so that plans that do not resume keep their bytes (and ids).
             **({"resume": True} if dev.resume else {}),
+            **({"class_ids": dict(dev.class_ids)} if dev.class_ids else {}),
         },
         "weight_names": list(plan.weight_names),
         "weight_outputs": list(plan.weight_outputs),
@@ -391,6 +397,14 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
             f"plan header field device.resume must be true or false, got {resume!r:.60} ({type(resume).__name__}); "
             "rebuild the plan with resume_examples=True or False"
         )
+    class_ids = dev.get("class_ids", {})  # absent in plans written before the field existed
+    if not isinstance(class_ids, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 1 for k, v in class_ids.items()
+    ):
+        raise PlanError(
+            "plan header field device.class_ids must map graph input names to numbers of classes (>= 1); "
+            "the plan is corrupt or was edited"
+        )
     device = DeviceConfig(
         selector=selector,
         batch_size=_field(dev, "batch_size", int, "device."),
@@ -399,6 +413,7 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
         shuffle_buffer=_field(dev, "shuffle_buffer", int, "device."),
         inputs=dict(inputs),
         resume=resume,
+        class_ids=dict(class_ids),
     )
     server = _field(header, "server", dict, "")
     bitwidth = _field(server, "bitwidth", int, "server.", optional=True)
@@ -451,6 +466,12 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
         raise PlanError("a training plan needs one weight output per weight name")
     if plan.kind == "eval" and plan.weight_outputs:
         raise PlanError("an evaluation plan has no weight outputs")
+    not_fed = [name for name in dev.class_ids if name not in dev.inputs]
+    if not_fed:
+        raise PlanError(
+            f"plan's device.class_ids names {not_fed[0]!r}, which is not one of its inputs; the plan is corrupt "
+            "or was edited"
+        )
     unknown = [w for w in plan.metadata.shared_weights if w not in plan.weight_names]
     if unknown:
         raise PlanError(

@@ -292,11 +292,13 @@ def assemble_plan(
     memory_budget_mb: int | None = None,
     time_budget_s: float | None = None,
     shared_weights: Sequence[str] = (),
+    class_ids: Mapping[str, int] | None = None,
 ) -> Plan:
     """The one place a ``Plan`` is put together, for this module's builders and the toolchain's:
     the device's feeding, the format version, and metadata derived from ``opset`` (its IR
     version and, unless given, the first onnxruntime release that runs it). ``metadata`` replaces
-    the derived metadata whole (an evaluation plan keeps its training plan's)."""
+    the derived metadata whole (an evaluation plan keeps its training plan's). ``class_ids``: the
+    inputs that take class ids, with their numbers of classes (``DeviceConfig.class_ids``)."""
     if metadata is None:
         metadata = PlanMetadata(
             opset=opset,
@@ -319,6 +321,7 @@ def assemble_plan(
             shuffle_buffer=int(shuffle_buffer),
             inputs=dict(inputs),
             resume=bool(resume),
+            class_ids=dict(class_ids or {}),
         ),
         work=work,
         weight_names=tuple(weight_names),

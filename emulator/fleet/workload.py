@@ -162,6 +162,7 @@ class Workload:
                         inputs.setdefault(name, spec)
         self.inputs = inputs
         self._shapes = _check_features(inputs, data.features, data.source, source, data.label)
+        _check_class_ids(tasks, data, source)
 
     @property
     def collection(self) -> str:
@@ -278,6 +279,27 @@ def _check_features(
                 f"{described_data}); use data that fits the task ({task_source}) or a task that fits the data"
             )
     return shapes
+
+
+def _check_class_ids(tasks: list[FleetTask], data: Any, task_source: str) -> None:
+    """A WorkloadError when the data's labels fall outside the classes a plan scores: every device
+    would refuse its batches (``DeviceConfig.class_ids``), so the run says so before it starts."""
+    label = data.label or "y"
+    for task in tasks:
+        for plan in (task.plan, task.eval_plan):
+            if plan is None:
+                continue
+            for graph_name, classes in plan.device.class_ids.items():
+                if plan.device.inputs[graph_name] != label:
+                    continue
+                ids = data.labels()
+                if ids.size and (ids.min() < 0 or ids.max() >= classes):
+                    raise WorkloadError(
+                        f"the label {label!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the "
+                        f"plan {plan.name!r} ({task_source}) scores {classes} classes (ids 0 to {classes - 1}); "
+                        "use a task whose model has an output per class, or data labelled 0 to "
+                        f"{classes - 1}"
+                    )
 
 
 # ----------------------------------------------------------------------------- building

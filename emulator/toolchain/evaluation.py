@@ -110,6 +110,7 @@ def evaluation_plan_from_onnx(
         server=server_part(weights, kind="eval", metrics=chosen, opset=parts.opset),
         selector=example_selector,
         inputs={**parts.data_inputs, label_input: label},
+        class_ids={label_input: lg.classes} if lg.classes is not None else None,
         batch_size=batch_size,
         opset=parts.opset,
         metadata=training_plan.metadata if training_plan is not None else None,

@@ -31,6 +31,7 @@ class LossGraph:
     metrics: dict[str, str]  # metric name -> scalar float32 tensor (loss_sum, count, correct, ...)
     seeds: dict[str, str] = field(default_factory=dict)  # forward tensor -> d(scaled mean loss)/d tensor
     nodes: list[onnx.NodeProto] = field(default_factory=list)  # a user's loss, to differentiate
+    classes: int | None = None  # the label's number of classes, for a loss that takes class ids
 
 
 def label_type(loss: str | onnx.ModelProto | onnx.GraphProto) -> int:
@@ -136,7 +137,7 @@ def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: st
     loss_sum = _as_f32(e, e.op("Neg", [e.op("ReduceSum", [e.op("Mul", [onehot, logp])], keepdims=0)]))
     pred = e.op("ArgMax", [logits], axis=-1, keepdims=0)
     correct = e.op("ReduceSum", [e.op("Cast", [e.op("Equal", [pred, label])], to=_F32)], keepdims=0, hint="correct")
-    out = LossGraph(loss_sum, {"correct": correct})
+    out = LossGraph(loss_sum, {"correct": correct}, classes=int(shape[-1]))
     if scale is not None:
         out.seeds[logits] = e.op("Mul", [e.op("Sub", [e.op("Exp", [logp]), onehot]), scale], hint="d_logits")
     return out

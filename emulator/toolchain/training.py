@@ -556,6 +556,7 @@ def onnx_training_plan(
         server=server,
         selector=example_selector,
         inputs={**parts.data_inputs, label_input: label},
+        class_ids={label_input: lg.classes} if lg.classes is not None else None,
         batch_size=batch_size,
         epochs=epochs,
         shuffle_seed=shuffle_seed,

@@ -413,6 +413,12 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "",
             "the label 'y' of table:{fraction} is float64 with fractions",
         ),
+        (  # every device would refuse its batches: said before the run, not as 0 rounds after it
+            ("--task", str(TASKS / "digits_cnn_task.py"), "--data", "table:{twelve},client=client"),
+            "",
+            "runs from 0 to 11, but the plan 'digits_cnn' ({cnn}) scores 10 classes (ids 0 to 9); use a task whose "
+            "model has an output per class",
+        ),
     ],
 )
 def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, capsys, args, fleet_extra, says):
@@ -436,7 +442,13 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     pq.write_table(pa.table({"client": ["c0", "c1"], "x": [[0.5, float("nan")], [0.5, 0.5]], "y": [0, 1]}), nan)
     fraction = tmp_path / "fraction.csv"
     fraction.write_text("client,x,y\nc0,0.5,1.0\nc1,0.25,0.5\n")
+    twelve = tmp_path / "twelve.parquet"  # the digits task's 64 pixels, labelled 0 to 11
+    pq.write_table(
+        pa.table({"client": [f"c{i % 4}" for i in range(24)], "x": [[0.5] * 64] * 24, "y": list(range(12)) * 2}), twelve
+    )
     names = {
+        "twelve": twelve,
+        "cnn": TASKS / "digits_cnn_task.py",
         "fraction": fraction,
         "wide": wide,
         "text": text,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -389,3 +390,35 @@ def test_frozen_rows_of_an_untrained_weight_or_past_its_rows_are_refused_by_name
         training_plan_from_onnx(_bag_of_embeddings(), frozen=["emb"], frozen_rows={"emb": [0]}, **kw)
     with pytest.raises(ValueError, match=r"frozen_rows\['emb'\] holds 12, not a row of its 12"):
         training_plan_from_onnx(_bag_of_embeddings(), frozen_rows={"emb": [0, 12]}, **kw)
+
+
+def test_a_cross_entropy_plan_names_its_classes_and_a_device_refuses_ids_past_them(tmp_path):
+    """A one-hot loss counts a label past the classes as nothing: without the check a device trained
+    on the other examples of the batch, and a fleet on such data committed rounds without a word."""
+    plan = training_plan_from_onnx(
+        mlp(8, 4, 5), label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR
+    )
+    (label_input,) = plan.device.class_ids
+    assert plan.device.class_ids == {label_input: 5} and plan.device.inputs[label_input] == "y"
+    again = load_plan(serialize_plan(plan))
+    assert again.device.class_ids == plan.device.class_ids
+    weights = initial_weights_from_onnx(mlp(8, 4, 5), plan)
+    x = np.random.default_rng(0).random((8, 8), dtype=np.float32)
+    executor = PlanExecutor(again)
+    executor.run_device(weights, _batches(x, np.arange(8) % 5, 4))  # ids 0..4 train
+    for bad in (np.arange(8) % 6, np.where(np.arange(8) == 3, -1, 0)):
+        with pytest.raises(ValueError, match=r"holds class ids from -?\d+ to \d+, but the plan scores 5 classes"):
+            executor.run_device(weights, _batches(x, bad, 4))
+
+
+@pytest.mark.parametrize(
+    "class_ids, says",
+    [({"nowhere": 3}, "not one of its inputs"), ({"x": 0}, "numbers of classes"), ({"x": "3"}, "numbers of classes")],
+)
+def test_a_plan_whose_class_ids_are_corrupt_is_refused(class_ids, says):
+    plan = training_plan_from_onnx(
+        mlp(8, 4, 5), label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR
+    )
+    data = serialize_plan(dataclasses.replace(plan, device=dataclasses.replace(plan.device, class_ids=class_ids)))
+    with pytest.raises(PlanError, match=says):
+        load_plan(data)
