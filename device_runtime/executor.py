@@ -157,7 +157,13 @@ class PlanExecutor(ServerOps):
                     f"batch has no tensor {example_name!r} (keys {sorted(batch)}); the plan feeds it to {graph_name!r}"
                 )
             expected, dtype = inputs[graph_name]
-            arr = np.asarray(batch[example_name], dtype=dtype, order="C")
+            raw = batch[example_name]
+            arr = np.asarray(raw, dtype=dtype, order="C")
+            if graph_name in self.plan.device.class_ids and not _whole(raw, arr):
+                raise ValueError(
+                    f"example tensor {example_name!r} holds fractions, but the plan reads class ids (whole numbers "
+                    f"0 to {self.plan.device.class_ids[graph_name] - 1}); store the labels as integers"
+                )
             if n is None:
                 n = arr.shape[0] if arr.ndim else 0
             elif arr.ndim == 0 or arr.shape[0] != n:
@@ -436,6 +442,14 @@ class PlanExecutor(ServerOps):
 #: Batches up to this size have their labels checked in Python: a device's batches are a few
 #: examples, for which numpy's min and max cost four times a list's (once per training step).
 _SMALL_BATCH = 64
+
+
+def _whole(raw: object, ids: np.ndarray) -> bool:
+    """Whether ``raw``, as ``ids`` (its integer cast), lost no fraction: a float label of 7.5 would
+    train as class 7."""
+    if not isinstance(raw, np.ndarray) or raw.dtype.kind != "f":
+        return True
+    return bool(np.array_equal(raw, ids))
 
 
 def _labels_within(y: np.ndarray, num_classes: int) -> bool:

@@ -293,6 +293,12 @@ def _check_class_ids(tasks: list[FleetTask], data: Any, task_source: str) -> Non
                 if plan.device.inputs[graph_name] != label:
                     continue
                 ids = data.labels()
+                if ids.dtype.kind == "f" and not np.all(np.mod(ids, 1) == 0):
+                    raise WorkloadError(
+                        f"the label {label!r} of {data.source} holds fractions, but the plan {plan.name!r} "
+                        f"({task_source}) reads class ids 0 to {classes - 1}; use whole-number labels, or a task "
+                        "with a loss for numbers (mse)"
+                    )
                 if ids.size and (ids.min() < 0 or ids.max() >= classes):
                     raise WorkloadError(
                         f"the label {label!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the "

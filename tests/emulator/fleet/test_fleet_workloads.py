@@ -419,6 +419,11 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "runs from 0 to 11, but the plan 'digits_cnn' ({cnn}) scores 10 classes (ids 0 to 9); use a task whose "
             "model has an output per class",
         ),
+        (
+            ("--task", str(TASKS / "digits_cnn_task.py"), "--data", "table:{halves},client=client"),
+            "",
+            "holds fractions, but the plan 'digits_cnn'",
+        ),
     ],
 )
 def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, capsys, args, fleet_extra, says):
@@ -446,7 +451,10 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     pq.write_table(
         pa.table({"client": [f"c{i % 4}" for i in range(24)], "x": [[0.5] * 64] * 24, "y": list(range(12)) * 2}), twelve
     )
+    halves = tmp_path / "halves.parquet"
+    pq.write_table(pa.table({"client": ["c0", "c1"] * 4, "x": [[0.5] * 64] * 8, "y": [0.5, 1.0] * 4}), halves)
     names = {
+        "halves": halves,
         "twelve": twelve,
         "cnn": TASKS / "digits_cnn_task.py",
         "fraction": fraction,

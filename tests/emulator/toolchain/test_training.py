@@ -409,6 +409,9 @@ def test_a_cross_entropy_plan_names_its_classes_and_a_device_refuses_ids_past_th
     for bad in (np.arange(8) % 6, np.where(np.arange(8) == 3, -1, 0)):
         with pytest.raises(ValueError, match=r"holds class ids from -?\d+ to \d+, but the plan scores 5 classes"):
             executor.run_device(weights, _batches(x, bad, 4))
+    executor.run_device(weights, _batches(x, (np.arange(8) % 5).astype(np.float32), 4))  # 0.0, 1.0, ...: ids
+    with pytest.raises(ValueError, match="holds fractions, but the plan reads class ids"):
+        executor.run_device(weights, _batches(x, np.full(8, 2.5, np.float32), 4))
 
 
 @pytest.mark.parametrize(
