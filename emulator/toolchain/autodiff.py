@@ -36,6 +36,7 @@ __all__ = [
     "constant_values",
     "differentiable",
     "needed_for",
+    "refine_infos",
     "tensor_infos",
     "vjp_model",
 ]
@@ -82,6 +83,32 @@ def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
                 dims.append(match[0] if match else (base[k] if base is not None else None))
         infos[name] = TensorInfo(known.elem_type if known is not None else a.elem_type, tuple(dims))
     return infos
+
+
+def refine_infos(infos: dict[str, TensorInfo], newer: Mapping[str, TensorInfo]) -> None:
+    """``infos`` updated in place with ``newer`` (the shapes of a rewritten graph, for the tensors
+    the rewrite added), keeping each dimension that ``infos`` fixed and ``newer`` did not: a tensor
+    the rewrite kept has the shape it had, and inference of the rewritten graph can know less of
+    it (a batch-statistics BatchNorm or a convolution written out as a sum over its kernel offsets
+    reads the batch at run time, and a Reshape whose size follows from it no longer infers its
+    other dimensions: ShuffleNetV2's channel split then had no channel count to slice)."""
+    for name, new in newer.items():
+        old = infos.get(name)
+        if old is None or old.shape is None or new.shape is None or len(old.shape) != len(new.shape):
+            infos[name] = new if old is None or new.shape is not None else old
+            continue
+        dims = [
+            o
+            if isinstance(o, int) or (isinstance(o, str) and not isinstance(n, int) and not _unknown(o) and _unknown(n))
+            else n
+            for o, n in zip(old.shape, new.shape)
+        ]
+        infos[name] = TensorInfo(new.elem_type, tuple(dims))
+
+
+def _unknown(dim: Dim) -> bool:
+    """A dimension inference named for itself (``unk__3``) or left empty: no input's symbol."""
+    return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
 
 
 def _inferred_to_fixpoint(model: onnx.ModelProto, rounds: int = 4) -> dict[str, TensorInfo]:
@@ -439,7 +466,7 @@ def vjp_model(model: onnx.ModelProto, *, outputs: Sequence[str], wrt: Sequence[s
             opset_imports=list(model.opset_import),
             ir_version=model.ir_version,
         )
-        e.infos.update(tensor_infos(probe))
+        refine_infos(e.infos, tensor_infos(probe))
     seeds = {}
     seed_inputs = []
     for o in outputs:

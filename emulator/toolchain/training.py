@@ -38,6 +38,7 @@ from .autodiff import (
     backward,
     constant_values,
     needed_for,
+    refine_infos,
     tensor_infos,
 )
 from .forward import is_float, training_forward
@@ -471,7 +472,7 @@ def onnx_training_plan(
         opset_imports=[helper.make_opsetid("", parts.opset)],
         ir_version=ir_version_for_opset(parts.opset),
     )
-    e.infos.update(tensor_infos(probe))
+    refine_infos(e.infos, tensor_infos(probe))
 
     reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction)
     weights = onnx_import.select_trainable(

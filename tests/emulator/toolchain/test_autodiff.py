@@ -10,7 +10,7 @@ import pytest
 from onnx import NodeProto, helper, numpy_helper
 
 from emulator.toolchain import OP_COVERAGE, UnsupportedOpError, vjp_model
-from emulator.toolchain.autodiff import constant_values
+from emulator.toolchain.autodiff import TensorInfo, constant_values, refine_infos
 from emulator.toolchain.gradients import coverage_document
 from tests.emulator.toolchain.gradcheck import vjp_error
 from tests.emulator.toolchain.models import F, model
@@ -266,3 +266,23 @@ def test_dimensions_lost_in_symbolic_shape_arithmetic_are_recovered_for_the_rule
         "w": rng.standard_normal((1, 2, 1)).astype(np.float32),
     }
     assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
+
+
+def test_shapes_of_a_rewritten_graph_keep_the_dimensions_the_first_inference_fixed():
+    """A training rewrite (batch-statistics BatchNorm, a convolution as a sum over kernel offsets)
+    can leave inference knowing less of a tensor it kept: ShuffleNetV2's channel split read its
+    channel count from such a shape, and its Slice had no size to pad back to."""
+    infos = {"split": TensorInfo(F, ("N", 64, 1, 1)), "flat": TensorInfo(F, (3,)), "late": TensorInfo(F, ("unk__1", 8))}
+    newer = {
+        "split": TensorInfo(F, ("unk__57", "unk__65", 1, 1)),
+        "flat": TensorInfo(F, None),
+        "late": TensorInfo(F, ("N", 8)),
+        "added": TensorInfo(F, (2, "N")),
+    }
+    refine_infos(infos, newer)
+    assert {n: i.shape for n, i in infos.items()} == {
+        "split": ("N", 64, 1, 1),
+        "flat": (3,),
+        "late": ("N", 8),
+        "added": (2, "N"),
+    }
