@@ -371,8 +371,14 @@ def backward(
     nodes: Sequence[onnx.NodeProto],
     seeds: Mapping[str, str],
     wrt: Sequence[str],
+    lookup_masks: Mapping[str, str] | None = None,
 ) -> dict[str, str | None]:
     """Emit the gradients of the seeded tensors' sum with respect to each of ``wrt``.
+
+    ``lookup_masks`` (weight -> a tensor broadcasting over it) multiplies the gradient each row
+    lookup of the weight (``Gather`` on its first axis) gives it, and no other: torch's
+    ``nn.Embedding(padding_idx=...)`` keeps its padding row out of the lookup's gradient, while an
+    output layer tied to the embedding still trains that row.
 
     ``seeds`` maps a forward tensor to the tensor holding the gradient flowing into it (for a
     scalar loss: a ones tensor, or 1/N for the mean). Only nodes on a path from ``wrt`` to a seed
@@ -408,6 +414,9 @@ def backward(
             raise UnsupportedOpError(node.op_type, node.name)
         wants = [bool(i) and i in live for i in node.input]
         in_grads = rule(emitter, node, outs, wants)
+        mask = (lookup_masks or {}).get(node.input[0]) if node.op_type == "Gather" else None
+        if mask is not None and in_grads[0] is not None and int(attr(node, "axis", 0)) == 0:
+            in_grads = [emitter.op("Mul", [in_grads[0], mask]), *in_grads[1:]]
         for name, grad, want in zip(node.input, in_grads, wants):
             if grad is not None and want:
                 grads.setdefault(name, []).append(grad)

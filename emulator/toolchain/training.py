@@ -35,6 +35,7 @@ from .autodiff import (
     Emitter,
     TensorInfo,
     UnsupportedOpError,
+    attr,
     backward,
     constant_values,
     needed_for,
@@ -425,7 +426,9 @@ def onnx_training_plan(
     set; the others stay constants. A pattern that matches no initializer is refused. ``frozen_rows``
     maps trained weights to rows (indices on their first axis) that no gradient reaches, as torch's
     ``nn.Embedding(padding_idx=...)`` keeps its padding row (exporters drop that argument; ``plan
-    from-torch`` reads it from the module). ``metrics``
+    from-torch`` reads it from the module): of a weight looked up by row (``Gather``), the lookups'
+    gradient alone, so that an output layer tied to the embedding still trains the row, as in
+    torch; of any other weight, its whole gradient. ``metrics``
     picks among the loss's per-batch sums (default all: ``loss_sum``, ``count`` and, for
     classification, ``correct``). Parameters an exporter merged into one initializer (read through
     ``Identity`` nodes, or named in the dynamo exporter's node metadata) get weights of their own
@@ -492,13 +495,22 @@ def onnx_training_plan(
     producers = {o: n for n in nodes for o in n.output}
     factor = float(optimizer.lr) if optimizer.folds_lr else 1.0
     lg = emit_loss(e, loss, parts.prediction, label_input, producers, factor=factor)
-    grads = backward(e, [*nodes, *lg.nodes], lg.seeds, weights)
+    # frozen rows of a weight looked up by row (an embedding's padding row) are kept out of its lookups'
+    # gradient alone, as torch's padding_idx: a tied output layer still trains them
+    row_masks = {
+        w: e.const(_row_mask(parts.initializers[w].dims, rows))
+        for w, rows in _checked_rows(frozen_rows or {}, weights, parts.initializers).items()
+    }
+    looked_up = {n.input[0] for n in nodes if n.op_type == "Gather" and int(attr(n, "axis", 0)) == 0}
+    lookup_masks = {w: m for w, m in row_masks.items() if w in looked_up}
+    grads = backward(e, [*nodes, *lg.nodes], lg.seeds, weights, lookup_masks)
     missing = [w for w, g in grads.items() if g is None]
     if missing:
         raise ValueError(f"the loss does not depend on {missing}; leave them out of trainable")
     grad_of = {w: g for w, g in grads.items() if g is not None}
-    for w, rows in _checked_rows(frozen_rows or {}, weights, parts.initializers).items():
-        grad_of[w] = e.op("Mul", [grad_of[w], e.const(_row_mask(parts.initializers[w].dims, rows))])
+    for w, mask in row_masks.items():
+        if w not in lookup_masks:
+            grad_of[w] = e.op("Mul", [grad_of[w], mask])
 
     slots = optimizer.slots(e, weights)
     slot_values = {s.name: s.name for s in slots}

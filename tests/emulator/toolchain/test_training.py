@@ -384,6 +384,49 @@ def test_frozen_rows_get_no_gradient_and_the_other_rows_the_same_step(optimizer)
     np.testing.assert_allclose(kept["w"], free["w"], rtol=1e-6, atol=1e-7)
 
 
+def test_a_frozen_row_of_an_embedding_the_output_layer_ties_trains_through_the_output_layer_alone():
+    # torch's padding_idx keeps the padding row out of the lookup's gradient only: GPT-style tied
+    # output layers (BART's, BERT's masked-LM head) still train it, as logits of the padding token
+    vocab, dim, lr = 6, 4, 0.5
+    rng = np.random.default_rng(1)
+    emb = rng.normal(size=(vocab, dim)).astype(np.float32)
+    nodes = [
+        helper.make_node("Gather", ["emb", "x"], ["looked"]),
+        helper.make_node("ReduceMean", ["looked", "axis"], ["pooled"], keepdims=0),
+        helper.make_node("Transpose", ["emb"], ["emb_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["pooled", "emb_t"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 5])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", vocab])],
+        initializer=[numpy_helper.from_array(emb, "emb"), numpy_helper.from_array(np.array([1], np.int64), "axis")],
+    )
+    source = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=ir_version_for_opset(18))
+    x = np.array([[0, 1, 1, 2, 3], [4, 0, 0, 5, 1], [1, 1, 1, 1, 0]], dtype=np.int64)  # 0 pads every row
+    y = np.array([0, 2, 1])
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(lr),
+        batch_size=3,
+        example_selector=SELECTOR,
+        frozen_rows={"emb": [0]},
+    )
+    executor = PlanExecutor(plan)
+    start = initial_weights_from_onnx(source, plan)
+    after = executor.final_weights(start, executor.run_device(start, _batches(x, y, 3)))["emb"]
+    pooled = emb.astype(np.float64)[x].mean(axis=1)
+    logits = pooled @ emb.T.astype(np.float64)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    d_logits = (p / p.sum(axis=1, keepdims=True) - np.eye(vocab)[y]) / len(y)
+    output_layer = d_logits.T @ pooled  # the output layer's part of emb's gradient
+    np.testing.assert_allclose(after[0], emb[0] - lr * output_layer[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(after[1], emb[1] - lr * output_layer[1])  # row 1 is looked up too: both parts
+
+
 def test_frozen_rows_of_an_untrained_weight_or_past_its_rows_are_refused_by_name():
     kw = {"label": "y", "loss": "cross_entropy", "optimizer": SGD(0.1), "batch_size": 3, "example_selector": SELECTOR}
     with pytest.raises(ValueError, match="frozen_rows names 'emb', which the plan does not train"):
