@@ -77,7 +77,11 @@ def evaluation_plan_from_onnx(
         names = (
             list(trainable)
             if trainable is not None
-            else default_trainable(nodes, parts.initializers, parts.prediction, tensor_infos(parts.model))
+            else [
+                w
+                for w in default_trainable(nodes, parts.initializers, parts.prediction, tensor_infos(parts.model))
+                if w not in parts.buffers
+            ]
         )
         for node in nodes:  # running statistics come from the checkpoint too
             if node.op_type == "BatchNormalization":

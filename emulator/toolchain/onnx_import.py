@@ -129,11 +129,13 @@ def select_trainable(
     *,
     statistics: Set[str] = frozenset(),
     scales: Set[str] = frozenset(),
+    buffers: Set[str] = frozenset(),
 ) -> list[str]:
     """The initializers to train, in the model's order: ``trainable`` patterns (default: see
-    :func:`default_trainable`) less ``frozen`` ones and less running ``statistics``. A name given
-    exactly is taken as it is (any float32 initializer); a glob takes the float32 initializers it
-    matches that reach the prediction. A pattern that matches no initializer is refused, naming it."""
+    :func:`default_trainable`) less ``frozen`` ones, less running ``statistics`` and less the
+    module's other ``buffers`` (see :func:`constant_buffers`). A name given exactly is taken as it
+    is (any float32 initializer); a glob takes the float32 initializers it matches that reach the
+    prediction. A pattern that matches no initializer is refused, naming it."""
     names = list(inits)
     if isinstance(trainable, str) or isinstance(frozen, str):
         raise TrainableError("trainable and frozen take a list of names or glob patterns, not one string")
@@ -145,7 +147,7 @@ def select_trainable(
                     f"pattern for one; initializers: {_some(names)}"
                 )
     if trainable is None:
-        chosen = [n for n in default_trainable(inits, reached, scales) if n not in statistics]
+        chosen = [n for n in default_trainable(inits, reached, scales) if n not in statistics and n not in buffers]
     else:
         chosen = []
         for p in trainable:
@@ -156,7 +158,11 @@ def select_trainable(
                 picked = [p]
             else:
                 matched = [n for n in names if _matches(n, p)]
-                picked = [n for n in matched if inits[n].data_type == _F32 and n in reached and n not in statistics]
+                picked = [
+                    n
+                    for n in matched
+                    if inits[n].data_type == _F32 and n in reached and n not in statistics and n not in buffers
+                ]
                 if not picked:
                     raise TrainableError(
                         f"trainable {p!r} matches only tensors that cannot train (not float32, or on no "
@@ -274,6 +280,7 @@ def node_module(node: onnx.NodeProto) -> str | None:
 
 _SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 _SIGNATURE_LINE = re.compile(r"^(\w+): (?:PARAMETER|BUFFER) target='([^']+)'", re.M)
+_BUFFER_LINE = re.compile(r"^\w+: BUFFER target='([^']+)'", re.M)
 
 
 class _TorchNames:
@@ -356,6 +363,67 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
                 split[target] = name
             node.input[k] = target
     return split
+
+
+def constant_buffers(model: onnx.ModelProto) -> set[str]:
+    """Initializers the exported program declares buffers of the module, not parameters, other than
+    running statistics: torch never trains them (a rotary embedding's ``inv_freq``, BART's
+    ``final_logits_bias``), so neither does a plan by default. Read from the program's signature in
+    the dynamo exporter's graph metadata (``b_...: BUFFER target='...'``); the classic exporter
+    writes none, so there a person names them with ``frozen`` (``plan from-torch`` does it itself)."""
+    text = next((p.value for p in model.graph.metadata_props if p.key == _SIGNATURE), "")
+    present = {i.name for i in model.graph.initializer}
+    return {name for name in _BUFFER_LINE.findall(text) if name in present and not name.endswith(_STATISTICS)}
+
+
+def refold_tied_transposes(model: onnx.ModelProto) -> list[str]:
+    """Read a parameter again where the dynamo exporter's optimizer folded its transpose into a new
+    constant although the parameter keeps its own initializer, in place; returns the constants
+    replaced. A linear layer whose weight is tied to an embedding (GPT-2's, T5's and Qwen2's output
+    layer reads the token embedding) computes ``x @ W.T``: the optimizer folds ``W.T`` into
+    ``val_*`` while the embedding's ``Gather`` still reads ``W``, and trained as two weights the
+    tie would come apart. A constant read by a node whose FX node read a parameter (``p_...``)
+    with an initializer whose transpose it equals, value for value, becomes a ``Transpose`` of that
+    parameter. Folded transposes of weights with no initializer left stay (they train under their
+    new name; :func:`lost_parameters` names the parameters)."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    names = _TorchNames(model)
+    transposed: dict[str, str] = {}  # parameter -> its Transpose node's output
+    replaced: dict[str, str] = {}
+    added: list[onnx.NodeProto] = []
+    for node in graph.node:
+        own = fx_reads(node)
+        if not own:
+            continue
+        for k, name in enumerate(node.input):
+            init = inits.get(name)
+            if init is None or name in names.placeholders or len(init.dims) != 2 or not is_float(init.data_type):
+                continue
+            for placeholder in sorted(p for p in own if p.startswith("p_")):
+                source = inits.get(names.name(placeholder, node_module(node)))
+                if source is None or list(source.dims) != list(reversed(init.dims)):
+                    continue
+                value = onnx.numpy_helper.to_array(init)
+                if not np.array_equal(onnx.numpy_helper.to_array(source).T, value):
+                    continue
+                if source.name not in transposed:
+                    out = f"{source.name}.transposed"
+                    transpose = onnx.helper.make_node("Transpose", [source.name], [out], name=out, perm=[1, 0])
+                    transpose.metadata_props.extend(node.metadata_props)  # the reader's module reads the weight
+                    added.append(transpose)
+                    transposed[source.name] = out
+                node.input[k] = transposed[source.name]
+                replaced[name] = source.name
+                break
+    if added:
+        nodes = [*added, *graph.node]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        read = {i for n in graph.node for i in n.input}
+        for init in [i for i in graph.initializer if i.name in replaced and i.name not in read]:
+            graph.initializer.remove(init)
+    return sorted(replaced)
 
 
 def _trains(placeholder: str, name: str) -> bool:

@@ -198,6 +198,8 @@ class ModelParts:
     # initializer several modules read -> how many (onnx_import.shared_weights, read before an opset
     # conversion, which drops the nodes' metadata)
     shared: dict[str, int] = field(default_factory=dict)
+    # the module's buffers that are not running statistics (onnx_import.constant_buffers): not trained
+    buffers: set[str] = field(default_factory=set)
 
 
 def read_model(
@@ -205,8 +207,10 @@ def read_model(
 ) -> ModelParts:
     m = load_model(model)
     split = onnx_import.split_deduplicated(m)
+    onnx_import.refold_tied_transposes(m)
     lost = onnx_import.lost_parameters(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
+    buffers = onnx_import.constant_buffers(m)
     _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
     _check_valid(m, target)
@@ -255,7 +259,7 @@ def read_model(
             "model with the example tensors it computes from as inputs that reach the output (an input the "
             "exporter traced as a constant is folded into the graph)"
         )
-    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared)
+    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared, buffers)
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
@@ -484,6 +488,7 @@ def onnx_training_plan(
         trainable,
         frozen,
         statistics=set(fw.state_updates),
+        buffers=parts.buffers,
         scales=onnx_import.only_scales(nodes, parts.initializers),
     )
     if not weights:

@@ -543,3 +543,89 @@ def test_a_parameter_the_dynamo_exporter_reads_again_through_an_identity_stays_o
 
     assert set(_one_step(two_reads(dynamo=True))) == {"rel.weight"}
     assert set(_one_step(two_reads(dynamo=False))) == {"rel.weight", "alias_1"}
+
+
+def _tied_output_layer(folded: bool) -> onnx.ModelProto:
+    """GPT-2's output layer reads the token embedding: ``linear(h, emb.weight)`` is ``h @ emb.weight.T``,
+    whose transpose the dynamo exporter's optimizer folds into a constant (``val_9``) while the
+    embedding's ``Gather`` still reads ``emb.weight``; ``folded=False`` is the graph before it."""
+    from .models import model
+
+    emb = np.random.default_rng(10).normal(size=(6, 4)).astype(np.float32)
+    inits = {"emb.weight": emb, "axes": np.array([1], np.int64)}
+    if folded:
+        inits["val_9"] = np.ascontiguousarray(emb.T)
+        head = [_dynamo_node("MatMul", ["h", "val_9"], ["logits"], "lm_head", ["emb.weight"])]
+    else:
+        head = [
+            _dynamo_node("Transpose", ["emb.weight"], ["w_t"], "lm_head", ["emb.weight"], perm=[1, 0]),
+            _dynamo_node("MatMul", ["h", "w_t"], ["logits"], "lm_head", ["emb.weight"]),
+        ]
+    m = model(
+        [
+            _dynamo_node("Gather", ["emb.weight", "x"], ["e"], "emb", ["emb.weight"]),
+            _dynamo_node("ReduceMean", ["e", "axes"], ["h"], "", [], keepdims=0),
+            *head,
+        ],
+        [helper.make_tensor_value_info("x", onnx.TensorProto.INT64, ["N", 3])],
+        [helper.make_tensor_value_info("logits", F, ["N", 6])],
+        inits,
+        opset=18,
+    )
+    return _with_signature(m, {"p_emb_weight": "emb.weight"})
+
+
+def test_a_tied_weight_whose_transpose_the_optimizer_folded_stays_one_weight_with_the_unfolded_step():
+    from device_runtime import PlanExecutor
+    from emulator.toolchain import initial_weights_from_onnx
+
+    steps = []
+    for folded in (True, False):
+        m = _tied_output_layer(folded)
+        plan = training_plan_from_onnx(
+            m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8, example_selector=SELECTOR
+        )
+        assert plan.weight_names == ("emb.weight",) and plan.metadata.shared_weights == ("emb.weight",)
+        weights = initial_weights_from_onnx(m, plan)
+        rng = np.random.default_rng(4)
+        batch = {"x": rng.integers(0, 6, (8, 3)), "y": rng.integers(0, 6, 8)}
+        executor = PlanExecutor(plan)
+        steps.append(
+            executor.final_weights(weights, executor.run_device(weights, lambda batch=batch: [batch]))["emb.weight"]
+        )
+    np.testing.assert_allclose(steps[0], steps[1], rtol=1e-6, atol=1e-7)
+
+
+def test_a_folded_constant_that_is_no_parameters_transpose_is_left_as_it_is():
+    from emulator.toolchain.onnx_import import refold_tied_transposes
+
+    m = _tied_output_layer(folded=True)
+    val = next(i for i in m.graph.initializer if i.name == "val_9")
+    val.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(val) + np.float32(1e-3), "val_9"))
+    assert refold_tied_transposes(m) == []
+    assert any(n.input[1] == "val_9" for n in m.graph.node if n.op_type == "MatMul")
+
+
+def test_buffers_the_programs_signature_declares_do_not_train_unless_named():
+    """A rotary embedding's inv_freq, BART's final_logits_bias: buffers on a float path to the
+    output, which torch never trains; the classic exporter's file cannot tell them from parameters."""
+    from .models import model
+
+    rng = np.random.default_rng(11)
+    nodes = [
+        _dynamo_node("MatMul", ["x", "fc.weight"], ["h"], "fc", ["fc.weight"]),
+        _dynamo_node("Add", ["h", "final_bias"], ["logits"], "", []),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        {"fc.weight": rng.normal(size=(4, 3)).astype(np.float32), "final_bias": np.zeros((1, 3), np.float32)},
+        opset=18,
+    )
+    assert _weights(m) == ("fc.weight", "final_bias")  # no signature: nothing says it is a buffer
+    _with_signature(m, {"p_fc_weight": "fc.weight"})
+    m.graph.metadata_props[0].value += "b_final_bias: BUFFER target='final_bias' persistent=True\n"
+    assert _weights(m) == ("fc.weight",)
+    assert _weights(m, trainable=["fc.weight", "final_bias"]) == ("fc.weight", "final_bias")
+    assert _weights(m, trainable=["*"]) == ("fc.weight",)
