@@ -3,9 +3,10 @@
 
     PYTHONPATH=. python -m benchmarks.export_fixtures [--only FAMILY ...] [--out DIR]
 
-(needs the ``bench`` extra: torch, transformers, onnxscript). For each family of
-:data:`benchmarks.torch_models.MODELS` (its ``small`` module, in train mode) and each of two
-initial states,
+(needs the ``bench`` extra: torch, transformers, onnxscript). For each family the repository keeps
+(:data:`KEPT`, of :data:`benchmarks.torch_models.MODELS`: its ``small`` module, in train mode; the
+other families there are made the same way with ``--only NAME --out DIR``) and each of two initial
+states,
 
 * ``fresh``: the module as it initializes (zero biases, unit LayerNorm and BatchNorm gains: the
   equal-valued tensors exporters merge into one initializer),
@@ -78,6 +79,26 @@ DROPOUT_RATE = 0.5
 DROPOUT_FEATURES = 512
 #: The families, and a GRU language model whose decoder ties the embedding: a weight the model
 #: really shares, which must stay one weight.
+#: The families whose fixtures the repository keeps (``--only`` takes any of :data:`FAMILIES`, to
+#: try the others with ``--out`` elsewhere).
+KEPT = (
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "vit",
+    "hf_vit",
+    "bert",
+    "distilbert",
+    "lstm",
+    "gru_next_token",
+    "conv1d_text",
+    "gru_tied",
+    "shufflenet_v2",
+    "albert",
+    "gpt2",
+    "llama",
+    "t5",
+)
 FAMILIES: dict[str, ModelSpec] = {
     **MODELS,
     "gru_tied": ModelSpec(
@@ -133,7 +154,7 @@ def batch(spec: ModelSpec, generator: torch.Generator) -> tuple[list[torch.Tenso
         else:
             x = torch.randn(shape, generator=generator)
         inputs.append(x)
-    return inputs, torch.randint(0, spec.classes, (BATCH,), generator=generator)
+    return inputs, torch.randint(0, spec.classes, (BATCH, *spec.label_shape), generator=generator)
 
 
 def _dynamic_shapes(module: nn.Module, count: int) -> tuple:
@@ -222,7 +243,9 @@ def _step(
     module: nn.Module, inputs: list[torch.Tensor], labels: torch.Tensor, dtype: torch.dtype
 ) -> tuple[float, dict]:
     model = copy.deepcopy(module).to(dtype).train()
-    loss = nn.functional.cross_entropy(model(*[x.to(dtype) if x.is_floating_point() else x for x in inputs]), labels)
+    logits = model(*[x.to(dtype) if x.is_floating_point() else x for x in inputs])
+    # the mean over every label: one per example, or one per position of a language model's sequence
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -253,7 +276,9 @@ def save_reference(
 ) -> None:
     """``path`` (npz): the batch, the loss, and the tensors after the step as one float32 array in
     the order of ``index`` (a JSON text: each parameter's and running statistic's torch name and
-    shape, the tied parameters, the inputs, the classes), with torch float32's error per tensor."""
+    shape, the tied parameters, the parameters of modules called more than once, the inputs, the
+    classes), with torch float32's error per tensor. A language model's label is one token per
+    position (``spec.label_shape``), its loss the mean over them all."""
     loss, after, errors = reference_step(module, inputs, labels)
     parameters = [n for n, _ in module.named_parameters()]
     statistics = [n for n, b in module.named_buffers() if b.is_floating_point()]
@@ -262,6 +287,7 @@ def save_reference(
         "parameters": [[n, list(after[n].shape)] for n in parameters],
         "statistics": [[n, list(after[n].shape)] for n in statistics],
         "tied": tied(module),
+        "reused": reused(module, inputs),
         "inputs": [i.name for i in spec.inputs],
         "classes": spec.classes,
     }
@@ -280,6 +306,23 @@ def save_reference(
 def _deterministic(module: nn.Module, inputs: list[torch.Tensor]) -> bool:
     outs = [copy.deepcopy(module).train()(*inputs) for _ in range(2)]
     return bool(torch.equal(outs[0], outs[1]))
+
+
+def reused(module: nn.Module, inputs: list[torch.Tensor]) -> list[str]:
+    """Parameters of modules the forward pass calls more than once (ALBERT's one layer applied at
+    every depth): one weight each, which a plan must keep one."""
+    module = copy.deepcopy(module)  # a train-mode pass moves BatchNorm's running statistics
+    calls: dict[str, int] = {}
+    for name, sub in module.named_modules():
+        sub.register_forward_pre_hook(lambda m, args, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    with torch.no_grad():
+        module(*inputs)
+    return [
+        f"{name}.{p}" if name else p
+        for name, sub in module.named_modules()
+        if calls.get(name, 0) > 1
+        for p, _ in sub.named_parameters(recurse=False)
+    ]
 
 
 def tied(module: nn.Module) -> list[list[str]]:
@@ -372,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     manifest_path = args.out / "manifest.json"
     keep = args.only or args.references_only
     old = json.loads(manifest_path.read_text()) if manifest_path.exists() and keep else {"fixtures": []}
-    chosen = args.only or [*FAMILIES, "dropout"]
+    chosen = args.only or [*KEPT, "dropout"]
     entries = [e for e in old["fixtures"] if e["family"] not in chosen]
     for family in chosen:
         print(family, flush=True)
@@ -384,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     import onnxscript
     import transformers
 
-    order = [*FAMILIES, "dropout"]
+    order = [*KEPT, *(f for f in FAMILIES if f not in KEPT), "dropout"]
     entries.sort(key=lambda e: (order.index(e["family"]), e.get("state", ""), EXPORTERS.index(e["exporter"])))
     manifest = {
         "regenerate": "PYTHONPATH=. python -m benchmarks.export_fixtures  (needs the bench extra)",

@@ -110,6 +110,19 @@ def _make_divisible(v: float, divisor: int = 8, min_value: int | None = None) ->
     return new_v
 
 
+def _init_convolutions(module: nn.Module) -> None:
+    """torchvision's MobileNet and EfficientNet initialization of convolutions and BatchNorm (their
+    linear layers differ)."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class Conv2dNormActivation(nn.Sequential):
     def __init__(
         self,
@@ -181,15 +194,9 @@ class MobileNetV2(nn.Module):
         features.append(Conv2dNormActivation(input_channel, self.last_channel, kernel_size=1))
         self.features = nn.Sequential(*features)
         self.classifier = nn.Sequential(nn.Dropout(p=dropout), nn.Linear(self.last_channel, num_classes))
+        _init_convolutions(self)
         for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out")
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0, 0.01)
                 nn.init.zeros_(m.bias)
 
@@ -199,13 +206,21 @@ class MobileNetV2(nn.Module):
 
 
 class SqueezeExcitation(nn.Module):
-    def __init__(self, channels: int, squeeze: int) -> None:
+    """torchvision.ops.SqueezeExcitation (MobileNetV3: ReLU and Hardsigmoid; EfficientNet: SiLU and Sigmoid)."""
+
+    def __init__(
+        self,
+        channels: int,
+        squeeze: int,
+        activation: Callable[[], nn.Module] = nn.ReLU,
+        scale_activation: Callable[[], nn.Module] = nn.Hardsigmoid,
+    ) -> None:
         super().__init__()
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc1 = nn.Conv2d(channels, squeeze, 1)
         self.fc2 = nn.Conv2d(squeeze, channels, 1)
-        self.activation = nn.ReLU()
-        self.scale_activation = nn.Hardsigmoid()
+        self.activation = activation()
+        self.scale_activation = scale_activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
@@ -271,20 +286,377 @@ class MobileNetV3(nn.Module):
             nn.Dropout(p=dropout, inplace=True),
             nn.Linear(last_channel, num_classes),
         )
+        _init_convolutions(self)
         for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out")
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0, 0.01)
                 nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+# ----------------------------------------------------------------------------- torchvision's EfficientNet
+
+
+class MBConv(nn.Module):
+    """torchvision's EfficientNet block: expand, depthwise, squeeze-excite (SiLU, Sigmoid), project."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, expand_ratio: int) -> None:
+        super().__init__()
+        self.use_res_connect = stride == 1 and cin == cout
+        expanded = _make_divisible(cin * expand_ratio)
+        layers: list[nn.Module] = []
+        if expanded != cin:
+            layers.append(Conv2dNormActivation(cin, expanded, kernel_size=1, activation=nn.SiLU))
+        layers += [
+            Conv2dNormActivation(expanded, expanded, kernel, stride, groups=expanded, activation=nn.SiLU),
+            SqueezeExcitation(expanded, max(1, cin // 4), nn.SiLU, nn.Sigmoid),
+            Conv2dNormActivation(expanded, cout, kernel_size=1, activation=None),
+        ]
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torchvision's stochastic depth drops whole residual branches at random in training; the
+        # fixtures' steps must be deterministic, so it is left out (its rate 0)
+        return x + self.block(x) if self.use_res_connect else self.block(x)
+
+
+class EfficientNet(nn.Module):
+    """torchvision.models.efficientnet_b0 (its MBConv table, SiLU, squeeze-excite, Dropout 0.2, init),
+    with a width and a depth multiplier as torchvision's B1-B7 scale it."""
+
+    def __init__(self, num_classes: int = 10, width_mult: float = 1.0, depth_mult: float = 1.0, dropout: float = 0.2):
+        super().__init__()
+        import math
+
+        # expand ratio, kernel, stride, input channels, output channels, layers (torchvision's B0 table)
+        table = [
+            (1, 3, 1, 32, 16, 1),
+            (6, 3, 2, 16, 24, 2),
+            (6, 5, 2, 24, 40, 2),
+            (6, 3, 2, 40, 80, 3),
+            (6, 5, 1, 80, 112, 3),
+            (6, 5, 2, 112, 192, 4),
+            (6, 3, 1, 192, 320, 1),
+        ]
+        d = lambda c: _make_divisible(c * width_mult)  # noqa: E731
+        layers: list[nn.Module] = [Conv2dNormActivation(3, d(32), stride=2, activation=nn.SiLU)]
+        for expand, k, s, cin, cout, n in table:
+            stage = []
+            for i in range(int(math.ceil(n * depth_mult))):
+                stage.append(MBConv(d(cin) if i == 0 else d(cout), d(cout), k, s if i == 0 else 1, expand))
+            layers.append(nn.Sequential(*stage))
+        last = 4 * d(320)
+        layers.append(Conv2dNormActivation(d(320), last, kernel_size=1, activation=nn.SiLU))
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Dropout(p=dropout, inplace=True), nn.Linear(last, num_classes))
+        _init_convolutions(self)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                init_range = 1.0 / math.sqrt(m.out_features)
+                nn.init.uniform_(m.weight, -init_range, init_range)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+# ----------------------------------------------------------------------------- torchvision's ShuffleNetV2
+
+
+def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+    batch, channels, height, width = x.size()
+    x = x.view(batch, groups, channels // groups, height, width)
+    x = torch.transpose(x, 1, 2).contiguous()
+    return x.view(batch, -1, height, width)
+
+
+def _depthwise(channels: int, stride: int) -> nn.Conv2d:
+    return nn.Conv2d(channels, channels, 3, stride, 1, bias=False, groups=channels)
+
+
+class ShuffleUnit(nn.Module):
+    """torchvision's ShuffleNetV2 InvertedResidual: a channel split (stride 1) or two branches
+    (stride 2), concatenated and shuffled."""
+
+    def __init__(self, inp: int, oup: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        branch = oup // 2
+        if stride > 1:
+            self.branch1 = nn.Sequential(
+                _depthwise(inp, stride),
+                nn.BatchNorm2d(inp),
+                nn.Conv2d(inp, branch, 1, bias=False),
+                nn.BatchNorm2d(branch),
+                nn.ReLU(inplace=True),
+            )
+        else:
+            self.branch1 = nn.Sequential()
+        self.branch2 = nn.Sequential(
+            nn.Conv2d(inp if stride > 1 else branch, branch, 1, bias=False),
+            nn.BatchNorm2d(branch),
+            nn.ReLU(inplace=True),
+            _depthwise(branch, stride),
+            nn.BatchNorm2d(branch),
+            nn.Conv2d(branch, branch, 1, bias=False),
+            nn.BatchNorm2d(branch),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stride == 1:
+            x1, x2 = x.chunk(2, dim=1)
+            out = torch.cat((x1, self.branch2(x2)), dim=1)
+        else:
+            out = torch.cat((self.branch1(x), self.branch2(x)), dim=1)
+        return channel_shuffle(out, 2)
+
+
+class ShuffleNetV2(nn.Module):
+    """torchvision.models.shufflenet_v2_x1_0 (``repeats`` [4, 8, 4], ``channels`` [24, 116, 232, 464, 1024])."""
+
+    def __init__(self, repeats: list[int], channels: list[int], num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(
+            nn.Conv2d(3, channels[0], 3, 2, 1, bias=False), nn.BatchNorm2d(channels[0]), nn.ReLU(inplace=True)
+        )
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        cin = channels[0]
+        for name, n, cout in zip(("stage2", "stage3", "stage4"), repeats, channels[1:]):
+            setattr(
+                self,
+                name,
+                nn.Sequential(ShuffleUnit(cin, cout, 2), *[ShuffleUnit(cout, cout, 1) for _ in range(n - 1)]),
+            )
+            cin = cout
+        self.conv5 = nn.Sequential(
+            nn.Conv2d(cin, channels[-1], 1, bias=False), nn.BatchNorm2d(channels[-1]), nn.ReLU(inplace=True)
+        )
+        self.fc = nn.Linear(channels[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.conv1(x))
+        x = self.conv5(self.stage4(self.stage3(self.stage2(x))))
+        return self.fc(x.mean([2, 3]))
+
+
+# ----------------------------------------------------------------------------- torchvision's SqueezeNet
+
+
+class Fire(nn.Module):
+    def __init__(self, inplanes: int, squeeze: int, expand1x1: int, expand3x3: int) -> None:
+        super().__init__()
+        self.squeeze = nn.Conv2d(inplanes, squeeze, kernel_size=1)
+        self.squeeze_activation = nn.ReLU(inplace=True)
+        self.expand1x1 = nn.Conv2d(squeeze, expand1x1, kernel_size=1)
+        self.expand1x1_activation = nn.ReLU(inplace=True)
+        self.expand3x3 = nn.Conv2d(squeeze, expand3x3, kernel_size=3, padding=1)
+        self.expand3x3_activation = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.squeeze_activation(self.squeeze(x))
+        return torch.cat(
+            [self.expand1x1_activation(self.expand1x1(x)), self.expand3x3_activation(self.expand3x3(x))], 1
+        )
+
+
+class SqueezeNet(nn.Module):
+    """torchvision.models.squeezenet1_1 (Fire modules, ceil-mode max pools, a convolutional classifier
+    after Dropout 0.5, init), its channels divided by ``shrink``."""
+
+    def __init__(self, num_classes: int = 10, shrink: int = 1, dropout: float = 0.5) -> None:
+        super().__init__()
+        c = lambda n: max(1, n // shrink)  # noqa: E731
+        fire = lambda i, s, e: Fire(c(i), c(s), c(e), c(e))  # noqa: E731
+        self.features = nn.Sequential(
+            nn.Conv2d(3, c(64), kernel_size=3, stride=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=3, stride=2, ceil_mode=True),
+            fire(64, 16, 64),
+            fire(128, 16, 64),
+            nn.MaxPool2d(kernel_size=3, stride=2, ceil_mode=True),
+            fire(128, 32, 128),
+            fire(256, 32, 128),
+            nn.MaxPool2d(kernel_size=3, stride=2, ceil_mode=True),
+            fire(256, 48, 192),
+            fire(384, 48, 192),
+            fire(384, 64, 256),
+            fire(512, 64, 256),
+        )
+        final_conv = nn.Conv2d(c(512), num_classes, kernel_size=1)
+        self.classifier = nn.Sequential(
+            nn.Dropout(p=dropout), final_conv, nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d((1, 1))
+        )
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                if m is final_conv:
+                    nn.init.normal_(m.weight, mean=0.0, std=0.01)
+                else:
+                    nn.init.kaiming_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.constant_(m.bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.classifier(self.features(x)), 1)
+
+
+# ----------------------------------------------------------------------------- torchvision's DenseNet
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, cin: int, growth: int, bn_size: int) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(cin)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(cin, bn_size * growth, kernel_size=1, stride=1, bias=False)
+        self.norm2 = nn.BatchNorm2d(bn_size * growth)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(bn_size * growth, growth, kernel_size=3, stride=1, padding=1, bias=False)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        x = self.conv1(self.relu1(self.norm1(torch.cat(features, 1))))
+        return self.conv2(self.relu2(self.norm2(x)))
+
+
+class DenseBlock(nn.ModuleDict):
+    def __init__(self, layers: int, cin: int, growth: int, bn_size: int) -> None:
+        super().__init__()
+        for i in range(layers):
+            self.add_module(f"denselayer{i + 1}", DenseLayer(cin + i * growth, growth, bn_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class DenseNet(nn.Module):
+    """torchvision.models.densenet121 (``growth`` 32, ``blocks`` (6, 12, 24, 16), 64 initial features,
+    ``bn_size`` 4): every layer reads the concatenation of all before it; transitions halve the
+    channels and average-pool."""
+
+    def __init__(
+        self,
+        growth: int = 32,
+        blocks: tuple[int, ...] = (6, 12, 24, 16),
+        init_features: int = 64,
+        bn_size: int = 4,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        layers: list[tuple[str, nn.Module]] = [
+            ("conv0", nn.Conv2d(3, init_features, kernel_size=7, stride=2, padding=3, bias=False)),
+            ("norm0", nn.BatchNorm2d(init_features)),
+            ("relu0", nn.ReLU(inplace=True)),
+            ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1)),
+        ]
+        channels = init_features
+        for i, n in enumerate(blocks):
+            layers.append((f"denseblock{i + 1}", DenseBlock(n, channels, growth, bn_size)))
+            channels += n * growth
+            if i != len(blocks) - 1:
+                transition = nn.Sequential()
+                transition.add_module("norm", nn.BatchNorm2d(channels))
+                transition.add_module("relu", nn.ReLU(inplace=True))
+                transition.add_module("conv", nn.Conv2d(channels, channels // 2, kernel_size=1, bias=False))
+                transition.add_module("pool", nn.AvgPool2d(kernel_size=2, stride=2))
+                layers.append((f"transition{i + 1}", transition))
+                channels //= 2
+        layers.append(("norm5", nn.BatchNorm2d(channels)))
+        from collections import OrderedDict
+
+        self.features = nn.Sequential(OrderedDict(layers))
+        self.classifier = nn.Linear(channels, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+            elif isinstance(m, nn.Linear):
+                nn.init.constant_(m.bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.relu(self.features(x), inplace=True)
+        x = torch.flatten(nn.functional.adaptive_avg_pool2d(x, (1, 1)), 1)
+        return self.classifier(x)
+
+
+# ----------------------------------------------------------------------------- torchvision's ConvNeXt
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor (torchvision's: permuted to NHWC and back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class Permute(nn.Module):
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.permute(x, self.dims)
+
+
+class CNBlock(nn.Module):
+    def __init__(self, dim: int, layer_scale: float = 1e-6) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(dim, dim, kernel_size=7, padding=3, groups=dim, bias=True),
+            Permute([0, 2, 3, 1]),
+            nn.LayerNorm(dim, eps=1e-6),
+            nn.Linear(dim, 4 * dim, bias=True),
+            nn.GELU(),
+            nn.Linear(4 * dim, dim, bias=True),
+            Permute([0, 3, 1, 2]),
+        )
+        self.layer_scale = nn.Parameter(torch.ones(dim, 1, 1) * layer_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torchvision's stochastic depth is left out, as in MBConv
+        return self.layer_scale * self.block(x) + x
+
+
+class ConvNeXt(nn.Module):
+    """torchvision.models.convnext_tiny (``dims`` 96..768, ``depths`` (3, 3, 9, 3)): a 4x4 patchifying
+    stem, depthwise 7x7 blocks with LayerNorm over the channels, GELU and layer scale, LayerNorm2d
+    downsampling."""
+
+    def __init__(
+        self, dims: tuple[int, ...] = (96, 192, 384, 768), depths: tuple[int, ...] = (3, 3, 9, 3), num_classes: int = 10
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [
+            nn.Sequential(nn.Conv2d(3, dims[0], kernel_size=4, stride=4, bias=True), LayerNorm2d(dims[0], eps=1e-6))
+        ]
+        for i, (dim, depth) in enumerate(zip(dims, depths)):
+            layers.append(nn.Sequential(*[CNBlock(dim) for _ in range(depth)]))
+            if i + 1 < len(dims):
+                layers.append(
+                    nn.Sequential(LayerNorm2d(dim, eps=1e-6), nn.Conv2d(dim, dims[i + 1], kernel_size=2, stride=2))
+                )
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            LayerNorm2d(dims[-1], eps=1e-6), nn.Flatten(1), nn.Linear(dims[-1], num_classes)
+        )
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.avgpool(self.features(x)))
 
 
 # ----------------------------------------------------------------------------- torchvision's ViT
@@ -388,20 +760,33 @@ class Conv1dText(nn.Module):
 
 
 class _Logits(nn.Module):
-    """A transformers model's logits alone (its forward returns an output object)."""
+    """A transformers model's logits alone (its forward returns an output object); ``keywords`` name
+    the inputs where they are not its first positional arguments (an encoder-decoder's
+    ``decoder_input_ids``)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, keywords: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model = model
+        self.keywords = keywords
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.keywords:
+            return self.model(**dict(zip(self.keywords, inputs))).logits
         return self.model(*inputs).logits
 
 
-def bert(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, num_classes: int = 4) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    config = BertConfig(
+def _bert_like(
+    config_class: Any,
+    model_class: Any,
+    hidden: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+    num_classes: int,
+    **extra: Any,
+) -> nn.Module:
+    """A transformers sequence classifier of BERT's configuration fields, eager attention."""
+    config = config_class(
         vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -410,8 +795,15 @@ def bert(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, nu
         max_position_embeddings=64,
         num_labels=num_classes,
         attn_implementation="eager",
+        **extra,
     )
-    return _Logits(BertForSequenceClassification(config))
+    return _Logits(model_class(config))
+
+
+def bert(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, num_classes: int = 4) -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return _bert_like(BertConfig, BertForSequenceClassification, hidden, layers, heads, vocab, num_classes)
 
 
 def distilbert(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, num_classes: int = 4) -> nn.Module:
@@ -448,6 +840,115 @@ def hf_vit(
     return _Logits(ViTForImageClassification(config))
 
 
+def roberta(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200, num_classes: int = 4) -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    return _bert_like(RobertaConfig, RobertaForSequenceClassification, hidden, layers, heads, vocab, num_classes)
+
+
+def albert(
+    hidden: int = 32, layers: int = 2, heads: int = 2, embedding: int = 16, vocab: int = 200, num_classes: int = 4
+) -> nn.Module:
+    """ALBERT: a factorized embedding and one set of layer weights shared by every layer."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    return _bert_like(
+        AlbertConfig,
+        AlbertForSequenceClassification,
+        hidden,
+        layers,
+        heads,
+        vocab,
+        num_classes,
+        embedding_size=embedding,
+    )
+
+
+def gpt2(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200) -> nn.Module:
+    """GPT-2's language model: the next token at every position, the output layer tied to the
+    token embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=64, n_embd=hidden, n_layer=layers, n_head=heads, attn_implementation="eager"
+    )
+    return _Logits(GPT2LMHeadModel(config))
+
+
+def _decoder_lm(
+    config_class: Any, model_class: Any, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, **extra: Any
+) -> nn.Module:
+    """A transformers causal language model of Llama's configuration fields, eager attention."""
+    config = config_class(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        **extra,
+    )
+    return _Logits(model_class(config))
+
+
+def llama(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 200) -> nn.Module:
+    """Llama's language model: RMSNorm, rotary positions, grouped-query attention, a SiLU-gated MLP."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _decoder_lm(LlamaConfig, LlamaForCausalLM, hidden, layers, heads, kv_heads, vocab)
+
+
+def qwen2(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 200) -> nn.Module:
+    """Qwen2's language model: Llama's with biases on the query, key and value projections, and the
+    output layer tied to the token embedding (as its small releases are)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _decoder_lm(Qwen2Config, Qwen2ForCausalLM, hidden, layers, heads, kv_heads, vocab, tie_word_embeddings=True)
+
+
+def t5(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200) -> nn.Module:
+    """T5 (encoder-decoder, relative position buckets, RMS layer norm, ReLU feed-forward): the target
+    tokens' logits given the source and the shifted target; one embedding shared by the encoder,
+    the decoder and the output layer."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=vocab,
+        d_model=hidden,
+        d_kv=hidden // heads,
+        d_ff=2 * hidden,
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        decoder_start_token_id=0,
+        attn_implementation="eager",
+    )
+    return _Logits(T5ForConditionalGeneration(config), ("input_ids", "decoder_input_ids"))
+
+
+def bart(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200) -> nn.Module:
+    """BART (encoder-decoder, learned positions, GELU): the target tokens' logits given the source
+    and the shifted target; one embedding shared by the encoder, the decoder and the output layer."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=vocab,
+        d_model=hidden,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=2 * hidden,
+        decoder_ffn_dim=2 * hidden,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    return _Logits(BartForConditionalGeneration(config), ("input_ids", "decoder_input_ids"))
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -471,12 +972,15 @@ class ModelSpec:
     inputs: tuple[Input, ...]
     classes: int
     notes: str = ""
+    #: a label per example (``()``) or per position (``(16,)``: a language model's next tokens)
+    label_shape: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 _IMAGE = (Input("image", (3, 32, 32)),)
 _TOKENS = (Input("tokens", (16,), "int64", 200),)
 _BERT = (Input("input_ids", (16,), "int64", 200), Input("attention_mask", (16,), "int64", 2))
+_SEQ2SEQ = (Input("input_ids", (16,), "int64", 200), Input("decoder_input_ids", (16,), "int64", 200))
 
 MODELS: dict[str, ModelSpec] = {
     "resnet18": ModelSpec("torchvision", partial(resnet18, 10, 2), partial(resnet18, 10, 64), _IMAGE, 10),
@@ -507,6 +1011,50 @@ MODELS: dict[str, ModelSpec] = {
         "torch.nn", partial(GRUNextToken, 200, 16, 16), partial(GRUNextToken, 200, 64, 128), _TOKENS, 200
     ),
     "conv1d_text": ModelSpec("torch.nn", Conv1dText, partial(Conv1dText, 1000, 64, 128), _TOKENS, 4),
+    "efficientnet_b0": ModelSpec(
+        "torchvision",
+        partial(EfficientNet, 10, 0.1, 0.34),
+        partial(EfficientNet, 10, 1.0, 1.0),
+        _IMAGE,
+        10,
+    ),
+    "shufflenet_v2": ModelSpec(
+        "torchvision",
+        partial(ShuffleNetV2, [2, 2, 2], [8, 16, 32, 64, 64]),
+        partial(ShuffleNetV2, [4, 8, 4], [24, 116, 232, 464, 1024]),
+        _IMAGE,
+        10,
+    ),
+    "squeezenet": ModelSpec("torchvision", partial(SqueezeNet, 10, 8), partial(SqueezeNet, 10, 1), _IMAGE, 10),
+    "densenet": ModelSpec(
+        "torchvision",
+        partial(DenseNet, 4, (2, 2), 8, 2),
+        partial(DenseNet, 32, (6, 12, 24, 16), 64, 4),
+        _IMAGE,
+        10,
+    ),
+    "convnext": ModelSpec(
+        "torchvision",
+        partial(ConvNeXt, (8, 16), (2, 2)),
+        partial(ConvNeXt, (96, 192, 384, 768), (3, 3, 9, 3)),
+        _IMAGE,
+        10,
+    ),
+    "roberta": ModelSpec("transformers", partial(roberta, 16), partial(roberta, 128, 2, 2, 1000), _BERT, 4),
+    "albert": ModelSpec("transformers", partial(albert, 16, 2, 2, 8), partial(albert, 128, 4, 2, 64, 1000), _BERT, 4),
+    "gpt2": ModelSpec(
+        "transformers", partial(gpt2, 16), partial(gpt2, 128, 2, 2, 1000), _TOKENS, 200, label_shape=(16,)
+    ),
+    "llama": ModelSpec(
+        "transformers", partial(llama, 16), partial(llama, 128, 2, 4, 2, 1000), _TOKENS, 200, label_shape=(16,)
+    ),
+    "qwen2": ModelSpec(
+        "transformers", partial(qwen2, 16), partial(qwen2, 128, 2, 4, 2, 1000), _TOKENS, 200, label_shape=(16,)
+    ),
+    "t5": ModelSpec("transformers", partial(t5, 16), partial(t5, 128, 2, 2, 1000), _SEQ2SEQ, 200, label_shape=(16,)),
+    "bart": ModelSpec(
+        "transformers", partial(bart, 16), partial(bart, 128, 2, 2, 1000), _SEQ2SEQ, 200, label_shape=(16,)
+    ),
 }
 
 
