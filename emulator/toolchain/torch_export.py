@@ -21,8 +21,9 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
   running statistics (the classic exporter's train-mode trace updated them by one batch);
 * where torch.export cannot trace the module, the classic exporter in training mode (``notes``
   says so), and what the export drops read from the module: each ``nn.Embedding``'s
-  ``padding_idx`` row (``padding_rows``: no gradient there, as in torch) and the float buffers torch
-  never trains (``constant_buffers``: frozen).
+  ``padding_idx`` row (``padding_rows``: no gradient there, as in torch), the float buffers torch
+  never trains (``constant_buffers``) and the parameters whose ``requires_grad`` is off
+  (``untrained_parameters``): frozen.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
     "load_factory",
     "padding_rows",
     "parse_input",
+    "untrained_parameters",
 ]
 
 INSTALL_HINT = "pip install 'fedfleet[torch]' (torch is needed to export a model, not to run plans)"
@@ -329,9 +331,9 @@ def from_torch(
         rows = padding_rows(module, initializers)
         if rows:
             options["frozen_rows"] = {**rows, **options.get("frozen_rows", {})}
-        buffers = constant_buffers(module, initializers)
-        if buffers:
-            options["frozen"] = [*(options.get("frozen") or ()), *buffers]
+        untrained = [*constant_buffers(module, initializers), *untrained_parameters(module, initializers)]
+        if untrained:
+            options["frozen"] = [*(options.get("frozen") or ()), *untrained]
         made = bundle_from_onnx(exported, out, label=label, name=name, opset=opset, command="from-torch", **options)
         return dataclasses.replace(made, warnings=(*notes, *made.warnings)) if notes else made
 
@@ -353,6 +355,19 @@ def constant_buffers(module: Any, initializers: set[str]) -> list[str]:
         name
         for name, buf in module.named_buffers(remove_duplicate=False)
         if name in initializers and name not in stats and id(buf) not in params and buf.is_floating_point()
+    )
+
+
+def untrained_parameters(module: Any, initializers: set[str]) -> list[str]:
+    """The exported parameters torch does not train because their ``requires_grad`` is off (a
+    frozen backbone, Whisper's sinusoidal position table): named ``frozen``, under the name the
+    export gave each (a weight the model ties is exported once, under one of its names)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            names.setdefault(id(param), []).append(name)
+    return sorted(
+        exported[0] for exported in ([n for n in ns if n in initializers] for ns in names.values()) if exported
     )
 
 

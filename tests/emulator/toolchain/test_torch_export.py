@@ -210,17 +210,19 @@ EMBEDDING_FACTORY = '''
 import torch
 
 class Bag(torch.nn.Module):
-    """Token ids to a class: an embedding whose row 0 pads and a float buffer that scales it, neither of
-    which torch trains (a rotary embedding's inv_freq is such a buffer)."""
+    """Token ids to a class: an embedding whose row 0 pads, a float buffer that scales it and a
+    parameter whose requires_grad is off that shifts it, none of which torch trains (a rotary
+    embedding's inv_freq is such a buffer, Whisper's position table such a parameter)."""
 
     def __init__(self):
         super().__init__()
         self.emb = torch.nn.Embedding(12, 4, padding_idx=0)
         self.register_buffer("scale", torch.tensor([0.5, 2.0, 1.0, 1.5]), persistent=False)
+        self.shift = torch.nn.Parameter(torch.tensor([0.1, -0.2, 0.3, 0.0]), requires_grad=False)
         self.fc = torch.nn.Linear(4, 3)
 
     def forward(self, ids):
-        return self.fc((self.emb(ids) * self.scale).mean(dim=1))
+        return self.fc((self.emb(ids) * self.scale + self.shift).mean(dim=1))
 
 
 def make_bag():
@@ -230,7 +232,9 @@ def make_bag():
 
 
 @pytest.mark.slow
-def test_from_torch_trains_neither_an_embedding_s_padding_row_nor_a_buffer_as_torch_does(tmp_path, monkeypatch, capsys):
+def test_from_torch_trains_no_embedding_padding_row_buffer_or_frozen_parameter_as_torch_does(
+    tmp_path, monkeypatch, capsys
+):
     torch = pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
     (tmp_path / "bag.py").write_text(EMBEDDING_FACTORY)  # not models.py: the other test imports that name
@@ -240,7 +244,7 @@ def test_from_torch_trains_neither_an_embedding_s_padding_row_nor_a_buffer_as_to
     printed = capsys.readouterr().out
     assert "no gradient reaches row 0 of emb.weight" in printed
     task = (tmp_path / "bundle" / "task.py").read_text()
-    assert "frozen_rows={'emb.weight': (0,)}" in task and "frozen=('scale',)" in task
+    assert "frozen_rows={'emb.weight': (0,)}" in task and "frozen=('scale', 'shift')" in task
     ids = np.array([[3, 4, 0, 0, 0], [5, 0, 0, 0, 0]], dtype=np.int64)  # padded with 0
     labels = np.array([1, 2])
     stepped = _plan_step(tmp_path / "bundle", "make_bag", ids, labels)
@@ -248,9 +252,11 @@ def test_from_torch_trains_neither_an_embedding_s_padding_row_nor_a_buffer_as_to
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
     torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
     optimizer.step()
-    assert set(stepped) == set(net.state_dict())  # the buffer is not a plan weight
-    for name, value in net.state_dict().items():
-        np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    # neither the buffer nor the frozen parameter is a plan weight: they stay constants of the plan
+    assert set(stepped) == set(net.state_dict()) - {"shift"}
+    state = net.state_dict()
+    for name, value in stepped.items():
+        np.testing.assert_allclose(value, state[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 T5_FACTORY = '''
