@@ -249,7 +249,8 @@ def _step(
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= LR * p.grad
+            if p.grad is not None:  # as torch.optim.SGD: a parameter whose requires_grad is off stays
+                p -= LR * p.grad
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if b.is_floating_point())]
     return loss.item(), {n: t.detach().double().numpy() for n, t in tensors}
 

@@ -659,6 +659,161 @@ class ConvNeXt(nn.Module):
         return self.classifier(self.avgpool(self.features(x)))
 
 
+# ----------------------------------------------------------------------------- torchvision's Swin Transformer
+
+
+def _patch_merging_pad(x: torch.Tensor) -> torch.Tensor:
+    height, width, _ = x.shape[-3:]
+    x = nn.functional.pad(x, (0, 0, 0, width % 2, 0, height % 2))
+    return torch.cat([x[..., 0::2, 0::2, :], x[..., 1::2, 0::2, :], x[..., 0::2, 1::2, :], x[..., 1::2, 1::2, :]], -1)
+
+
+class PatchMerging(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.norm = nn.LayerNorm(4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduction(self.norm(_patch_merging_pad(x)))
+
+
+def shifted_window_attention(
+    x: torch.Tensor,
+    qkv: nn.Linear,
+    proj: nn.Linear,
+    relative_position_bias: torch.Tensor,
+    window: list[int],
+    heads: int,
+    shift: list[int],
+) -> torch.Tensor:
+    """torchvision.models.swin_transformer.shifted_window_attention (its dropouts at 0): pad to whole
+    windows, roll by the shift, attend within each window with a relative position bias and, shifted,
+    a mask between the rolled-in regions, then roll back."""
+    batch, height, width, channels = x.shape
+    pad_r = (window[1] - width % window[1]) % window[1]
+    pad_b = (window[0] - height % window[0]) % window[0]
+    x = nn.functional.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+    _, pad_h, pad_w, _ = x.shape
+    shift = shift.copy()
+    if window[0] >= pad_h:
+        shift[0] = 0
+    if window[1] >= pad_w:
+        shift[1] = 0
+    if sum(shift) > 0:
+        x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+    windows = (pad_h // window[0]) * (pad_w // window[1])
+    x = x.view(batch, pad_h // window[0], window[0], pad_w // window[1], window[1], channels)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(batch * windows, window[0] * window[1], channels)
+    q, k, v = qkv(x).reshape(x.size(0), x.size(1), 3, heads, channels // heads).permute(2, 0, 3, 1, 4)
+    attn = (q * (channels // heads) ** -0.5).matmul(k.transpose(-2, -1)) + relative_position_bias
+    if sum(shift) > 0:
+        mask = x.new_zeros((pad_h, pad_w))
+        h_slices = ((0, -window[0]), (-window[0], -shift[0]), (-shift[0], None))
+        w_slices = ((0, -window[1]), (-window[1], -shift[1]), (-shift[1], None))
+        count = 0
+        for h in h_slices:
+            for w in w_slices:
+                mask[h[0] : h[1], w[0] : w[1]] = count
+                count += 1
+        mask = mask.view(pad_h // window[0], window[0], pad_w // window[1], window[1])
+        mask = mask.permute(0, 2, 1, 3).reshape(windows, window[0] * window[1])
+        mask = mask.unsqueeze(1) - mask.unsqueeze(2)
+        mask = mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+        attn = attn.view(x.size(0) // windows, windows, heads, x.size(1), x.size(1)) + mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, heads, x.size(1), x.size(1))
+    x = proj(nn.functional.softmax(attn, dim=-1).matmul(v).transpose(1, 2).reshape(x.size(0), x.size(1), channels))
+    x = x.view(batch, pad_h // window[0], pad_w // window[1], window[0], window[1], channels)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(batch, pad_h, pad_w, channels)
+    if sum(shift) > 0:
+        x = torch.roll(x, shifts=(shift[0], shift[1]), dims=(1, 2))
+    return x[:, :height, :width, :].contiguous()
+
+
+class ShiftedWindowAttention(nn.Module):
+    def __init__(self, dim: int, window: list[int], shift: list[int], heads: int) -> None:
+        super().__init__()
+        self.window, self.shift, self.heads = window, shift, heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window[0] - 1) * (2 * window[1] - 1), heads))
+        coords = torch.flatten(
+            torch.stack(torch.meshgrid(torch.arange(window[0]), torch.arange(window[1]), indexing="ij")), 1
+        )
+        relative = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0).contiguous()
+        relative[:, :, 0] += window[0] - 1
+        relative[:, :, 1] += window[1] - 1
+        relative[:, :, 0] *= 2 * window[1] - 1
+        self.register_buffer("relative_position_index", relative.sum(-1).flatten())
+        nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.window[0] * self.window[1]
+        bias = self.relative_position_bias_table[self.relative_position_index]
+        bias = bias.view(n, n, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+        return shifted_window_attention(x, self.qkv, self.proj, bias, self.window, self.heads, self.shift)
+
+
+class SwinBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, window: list[int], shift: list[int], mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = ShiftedWindowAttention(dim, window, shift, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, int(dim * mlp_ratio)), nn.GELU(), nn.Linear(int(dim * mlp_ratio), dim))
+        for m in self.mlp.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.normal_(m.bias, std=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torchvision's stochastic depth is left out, as in MBConv
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class SwinTransformer(nn.Module):
+    """torchvision.models.swin_t (``embed`` 96, ``depths`` (2, 2, 6, 2), ``heads`` (3, 6, 12, 24),
+    windows of 7, patches of 4): windowed attention shifted by half a window in every second block
+    (``torch.roll`` and a mask), patch merging (strided slices, concatenated) between stages."""
+
+    def __init__(
+        self,
+        embed: int = 96,
+        depths: tuple[int, ...] = (2, 2, 6, 2),
+        heads: tuple[int, ...] = (3, 6, 12, 24),
+        window: int = 7,
+        patch: int = 4,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [
+            nn.Sequential(nn.Conv2d(3, embed, patch, patch), Permute([0, 2, 3, 1]), nn.LayerNorm(embed))
+        ]
+        dim = embed
+        for i, (depth, count) in enumerate(zip(depths, heads)):
+            layers.append(
+                nn.Sequential(
+                    *[
+                        SwinBlock(dim, count, [window, window], [0, 0] if k % 2 == 0 else [window // 2, window // 2])
+                        for k in range(depth)
+                    ]
+                )
+            )
+            if i < len(depths) - 1:
+                layers.append(PatchMerging(dim))
+                dim *= 2
+        self.features = nn.Sequential(*layers)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+        nn.init.trunc_normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.features(x)).permute(0, 3, 1, 2)
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
 # ----------------------------------------------------------------------------- torchvision's ViT
 
 
@@ -949,6 +1104,24 @@ def bart(hidden: int = 32, layers: int = 2, heads: int = 2, vocab: int = 200) ->
     return _Logits(BartForConditionalGeneration(config), ("input_ids", "decoder_input_ids"))
 
 
+def whisper_encoder(hidden: int = 32, layers: int = 2, heads: int = 2, mels: int = 8, frames: int = 32) -> nn.Module:
+    """Whisper's encoder as an audio classifier: two Conv1d with GELU over log-mel frames, a sinusoidal
+    position table that does not train (``requires_grad`` off), pre-LayerNorm attention blocks."""
+    from transformers import WhisperConfig, WhisperForAudioClassification
+
+    config = WhisperConfig(
+        num_mel_bins=mels,
+        d_model=hidden,
+        encoder_layers=layers,
+        encoder_attention_heads=heads,
+        encoder_ffn_dim=2 * hidden,
+        max_source_positions=frames // 2,
+        num_labels=4,
+        attn_implementation="eager",
+    )
+    return _Logits(WhisperForAudioClassification(config))
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -1039,6 +1212,20 @@ MODELS: dict[str, ModelSpec] = {
         partial(ConvNeXt, (96, 192, 384, 768), (3, 3, 9, 3)),
         _IMAGE,
         10,
+    ),
+    "swin": ModelSpec(
+        "torchvision",
+        partial(SwinTransformer, 16, (2, 2), (2, 4), 4),
+        partial(SwinTransformer, 96, (2, 2, 6, 2), (3, 6, 12, 24), 4),
+        _IMAGE,
+        10,
+    ),
+    "whisper_encoder": ModelSpec(
+        "transformers",
+        partial(whisper_encoder, 16),
+        partial(whisper_encoder, 128, 4, 4, 80, 200),
+        (Input("input_features", (8, 32)),),
+        4,
     ),
     "roberta": ModelSpec("transformers", partial(roberta, 16), partial(roberta, 128, 2, 2, 1000), _BERT, 4),
     "albert": ModelSpec("transformers", partial(albert, 16, 2, 2, 8), partial(albert, 128, 4, 2, 64, 1000), _BERT, 4),
