@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -36,8 +37,18 @@ from emulator import AttestationAuthority
 from example_store import ExampleSelector, SQLiteExampleStore
 from secagg import parse_message
 from secagg.messages import AdvertiseKeys
-from server_stub import AdminClient, AttestationVerifier, NonceRegistry, RateLimiter, RoundConfig, ServerThread
+from server_stub import (
+    AdminClient,
+    AttestationVerifier,
+    DPConfig,
+    NonceRegistry,
+    RateLimiter,
+    RoundConfig,
+    ServerThread,
+)
+from server_stub.dp_rounds import ledger as empty_ledger
 from server_stub.secure_rounds import SecureRound
+from server_stub.serve import free_port
 
 T = TypeVar("T")
 COLLECTION = "app:/digits"
@@ -404,6 +415,96 @@ class KilledApp:
             trust_anchor=self.trust_anchor,
             **options,
         )
+
+
+class ThroughRestart(KillSwitch):
+    """A device's transport whose requests wait while the server is down (``up`` cleared): the
+    device meets the restarted server, whatever the time the restart takes on a loaded machine,
+    instead of giving up on a dead one (``ServerUnreachable``). A request in flight at the kill
+    fails and the device sends it again, as after any connection error."""
+
+    def __init__(self, point: str | None, up: threading.Event) -> None:
+        super().__init__(point, dies=False)
+        self.up = up
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        assert self.up.wait(120)
+        return super().handle_request(request)
+
+
+#: The admin key of a ``ServerProcess``.
+PROCESS_ADMIN_KEY = "secagg-crash-test-admin-key-0123456789abcdef"
+
+
+class ServerProcess:
+    """``python -m server_stub`` on one port and database, attested devices only; ``kill`` is a
+    SIGKILL. ``start(dies_in_commit=point)`` starts one that kills itself at ``point`` of its first
+    round commit instead (``tests.dying_server``); ``died()`` waits for that."""
+
+    def __init__(self, folder: Path, authority: AttestationAuthority) -> None:
+        self.folder, self.port = folder, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        authority.save_trust_anchor(folder / "trust.json")
+        (folder / "admin.key").write_text(PROCESS_ADMIN_KEY + "\n")
+        (folder / "admin.key").chmod(0o600)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60.0, *, dies_in_commit: str | None = None) -> None:
+        log = (self.folder / "server.log").open("a")
+        command = ["tests.dying_server", dies_in_commit] if dies_in_commit is not None else ["server_stub"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", *command, "--db", str(self.folder / "server.db"), "--port", str(self.port)]
+            + [
+                "--admin-key-file",
+                str(self.folder / "admin.key"),
+                "--attestation-trust",
+                str(self.folder / "trust.json"),
+            ]
+            + ["--rate-burst", "40", "--allow-untested-plans", "--log-level", "warning"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=1) as http:
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-2000:]
+                try:
+                    if http.get(self.url + "/v1/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        raise AssertionError(f"the server did not start on {self.url}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(30) == -signal.SIGKILL
+
+    def died(self, timeout_s: float = 120.0) -> None:
+        """Wait for a server started with ``dies_in_commit`` to have killed itself."""
+        assert self.proc is not None
+        assert self.proc.wait(timeout_s) == -signal.SIGKILL, (self.folder / "server.log").read_text()[-2000:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+#: A distributed-DP task's privacy settings that the digits devices of these tests run with.
+DDP = DPConfig(mode="distributed", noise_multiplier=1.0, clip=0.05, bitwidth=32, delta=1e-6)
+
+
+def check_ddp_accounting(rounds: list[dict], dp: DPConfig) -> None:
+    """Each committed round of a distributed-DP task on record (``AdminClient.rounds``, all
+    committed) counts the privacy of the rounds on record up to it, and of no other."""
+    ledger = empty_ledger(dp)
+    for n, record in enumerate(rounds, start=1):
+        ledger = ledger.add_round(dp.noise_multiplier)
+        assert (record["status"], record["metrics"]["dp_rounds"]) == ("committed", n)
+        assert record["metrics"]["epsilon"] == pytest.approx(ledger.epsilon, rel=1e-9)
 
 
 # ------------------------------------------------------------------ benchmarks run as documented

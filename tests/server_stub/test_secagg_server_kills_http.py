@@ -11,87 +11,24 @@ and commits it with every device."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 
 from device_runtime import Outcome
 from server_stub import AdminClient
-from server_stub.serve import free_port
-from tests.support import ROOT, SECAGG_KILL_POINTS, KillSwitch, deploy_secure, in_threads
+from tests.support import (
+    DDP,
+    PROCESS_ADMIN_KEY,
+    SECAGG_KILL_POINTS,
+    ServerProcess,
+    ThroughRestart,
+    check_ddp_accounting,
+    deploy_secure,
+    in_threads,
+)
 
 GROUP = 6
-ADMIN_KEY = "secagg-crash-test-admin-key-0123456789abcdef"
-
-
-class ThroughRestart(KillSwitch):
-    """A device's transport whose requests wait while the server is down (``up`` cleared): the
-    device meets the restarted server, whatever the time the restart takes on a loaded machine,
-    instead of giving up on a dead one (``ServerUnreachable``). A request in flight at the kill
-    fails and the device sends it again, as after any connection error."""
-
-    def __init__(self, point: str | None, up: threading.Event) -> None:
-        super().__init__(point, dies=False)
-        self.up = up
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        assert self.up.wait(120)
-        return super().handle_request(request)
-
-
-class ServerProcess:
-    """``python -m server_stub`` on one port and database, attested devices only; ``kill`` is a SIGKILL."""
-
-    def __init__(self, folder: Path, authority) -> None:
-        self.folder, self.port = folder, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        authority.save_trust_anchor(folder / "trust.json")
-        (folder / "admin.key").write_text(ADMIN_KEY + "\n")
-        (folder / "admin.key").chmod(0o600)
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        log = (self.folder / "server.log").open("a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server_stub", "--db", str(self.folder / "server.db"), "--port", str(self.port)]
-            + [
-                "--admin-key-file",
-                str(self.folder / "admin.key"),
-                "--attestation-trust",
-                str(self.folder / "trust.json"),
-            ]
-            + ["--rate-burst", "40", "--allow-untested-plans", "--log-level", "warning"],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=1) as http:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-2000:]
-                try:
-                    if http.get(self.url + "/v1/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
-        raise AssertionError(f"the server did not start on {self.url}")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        assert self.proc.wait(30) == -signal.SIGKILL
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 @pytest.fixture
@@ -102,9 +39,11 @@ def server_process(tmp_path, authority):
     server.stop()
 
 
-def _killed_at(point: str, server: ServerProcess, attested_runtimes) -> None:
-    with AdminClient(server.url, admin_key=ADMIN_KEY) as admin:
-        deploy_secure(admin, "digits", goal_count=GROUP)
+def _killed_at(point: str, server: ServerProcess, attested_runtimes, **config) -> list[dict]:
+    """The server killed once device 0 reaches ``point``, and started again; the rounds on record
+    at the end. ``config``: the task's round, over ``deploy_secure``'s."""
+    with AdminClient(server.url, admin_key=PROCESS_ADMIN_KEY) as admin:
+        deploy_secure(admin, "digits", goal_count=GROUP, **config)
         up = threading.Event()
         up.set()
         # device 0 tells the test when it reaches ``point``; none of them dies
@@ -142,6 +81,7 @@ def _killed_at(point: str, server: ServerProcess, attested_runtimes) -> None:
         assert record["metrics"]["secagg"]["summed_devices"] == GROUP
         assert admin.model("digits")[1] == 1
         assert max(max(s.statuses) for s in switches) < 500
+        return [record]
 
 
 def test_a_server_killed_once_the_masked_inputs_are_in_loses_the_round_and_commits_the_next(
@@ -151,10 +91,20 @@ def test_a_server_killed_once_the_masked_inputs_are_in_loses_the_round_and_commi
 
 
 @pytest.mark.slow
-# once the groups are formed: a server killed while its selection waits meets devices that check in
-# again to its next round, which a restart does not change
+# once the groups are formed (a server killed while its selection waits: test_server_kills_http.py)
 @pytest.mark.parametrize("point", [p for p in SECAGG_KILL_POINTS if p != "checked_in"])
 def test_a_server_killed_at_any_secagg_phase_loses_the_round_and_commits_the_next(
     server_process, attested_runtimes, point
 ):
     _killed_at(point, server_process, attested_runtimes)
+
+
+@pytest.mark.slow
+def test_a_server_killed_once_the_masked_inputs_of_a_distributed_dp_round_are_in_spends_no_privacy_for_it(
+    server_process, attested_runtimes
+):
+    """The noisy inputs of the lost round reach no model, and no privacy is counted for them: the
+    next round, the first on record, accounts for one round (its own default twin: a kill in the
+    commit of a distributed-DP round, test_server_kills_http.py)."""
+    rounds = _killed_at("sent:MaskedInput", server_process, attested_runtimes, dp=DDP)
+    check_ddp_accounting(rounds, DDP)

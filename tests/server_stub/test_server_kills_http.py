@@ -1,0 +1,147 @@
+"""The server killed (SIGKILL) while it commits a round, and started again on its SQLite file,
+with attested devices over real HTTP.
+
+A commit writes the round's new model and its record in one transaction; the server is killed at a
+chosen point of it (``tests.dying_server``: the model written, the record written, the transaction
+committed). After the restart the round is on record with its model, which the restarted server
+serves and the next round starts from, or nothing of it is: never a record without its model, a
+model without its record, a report counted twice, or, for a distributed-DP task, privacy spent on
+record for a round whose noisy sum is in no model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from device_runtime import Outcome
+from server_stub import AdminClient
+from tests.dying_server import KILL_POINTS
+from tests.support import (
+    DDP,
+    PROCESS_ADMIN_KEY,
+    ServerProcess,
+    ThroughRestart,
+    check_ddp_accounting,
+    deploy,
+    deploy_secure,
+    in_threads,
+)
+
+PLAIN = 3  # devices of a plain round
+GROUP = 6  # devices of a secure round: one group
+
+
+@pytest.fixture
+def server_process(tmp_path, authority):
+    server = ServerProcess(tmp_path, authority)
+    yield server
+    server.stop()
+
+
+def _sessions(fleet, count: int) -> tuple[threading.Thread, list]:
+    """``count`` of the fleet's devices run a session each, in a thread of their own; what each ended with."""
+
+    def session(i: int):
+        try:
+            return fleet.runtimes[i].run_session()
+        except Exception as exc:  # noqa: BLE001 - what a device raised is the test's to judge
+            return exc
+
+    ended: list = []
+    devices = threading.Thread(target=lambda: ended.extend(in_threads(count, session, 120)))
+    devices.start()
+    return devices, ended
+
+
+def _restart(server: ServerProcess, up: threading.Event, kill: Callable[[], None]) -> None:
+    """The server down (``kill``), devices' requests held, the server started again, devices let through."""
+    kill()
+    up.clear()
+    server.start()
+    up.set()
+
+
+def _outcomes(ended: list) -> list:
+    return sorted(
+        (r.outcome.value, r.rejection_code or "") if hasattr(r, "outcome") else ("raised", repr(r)) for r in ended
+    )
+
+
+def _flat(model: dict) -> np.ndarray:
+    return np.concatenate([np.asarray(model[k], np.float64).reshape(-1) for k in sorted(model)])
+
+
+def _killed_in_commit(point: str, server: ServerProcess, attested_runtimes, *, secure: bool) -> list[dict]:
+    """A round of ``PLAIN`` devices (a secure one: ``GROUP``) whose commit the server dies in at
+    ``point``; checks what the restarted server has on record and serves, runs one more round,
+    and returns the rounds on record."""
+    server.start(dies_in_commit=point)
+    count = GROUP if secure else PLAIN
+    with AdminClient(server.url, admin_key=PROCESS_ADMIN_KEY) as admin:
+        if secure:
+            _, w0 = deploy_secure(admin, "digits", goal_count=count, dp=DDP)
+        else:
+            _, w0 = deploy(admin, "digits", goal_count=count, over_selection=1.0)
+        up = threading.Event()
+        up.set()
+        switches = [ThroughRestart(None, up) for _ in range(count)]
+        fleet = attested_runtimes(server.url, "digits", count, transport=lambda i: switches[i])
+        devices, ended = _sessions(fleet, count)
+        _restart(server, up, server.died)
+        devices.join(150)
+        assert len(ended) == count and all(hasattr(r, "outcome") for r in ended), ended
+        committed = point == "committed"
+        on_record = admin.rounds("digits")
+        model, number = admin.model("digits")
+        if committed:
+            [record] = on_record
+            assert (record["round"], record["status"], number) == (1, "committed", 1)
+            assert record["metrics"]["reported"] == count  # the report re-sent after the restart is not counted again
+            assert _flat(admin.checkpoint(record["checkpoint_id"])) == pytest.approx(_flat(model), abs=0)
+            assert not np.array_equal(_flat(model), _flat(w0))
+        else:  # the transaction never committed: neither the round nor its model is on record
+            assert (on_record, number) == ([], 0)
+            assert np.array_equal(_flat(model), _flat(w0))
+        # the device whose report closed the round met the restarted server, which no longer knows
+        # its session; the others had been told their reports were in before the commit began
+        # what devices of the next round download is the model on record
+        sent = admin.checkpoint(admin.status("digits")["checkpoint_id"])
+        assert np.array_equal(_flat(sent), _flat(model))
+        outcomes = _outcomes(ended)
+        lost = [o for o in outcomes if o[0] != Outcome.COMPLETED.value]
+        assert set(lost) == {(Outcome.REPORT_REJECTED.value, "BAD_SESSION_TOKEN")}, outcomes
+        assert secure or len(lost) == 1, outcomes
+        assert max(max(s.statuses, default=0) for s in switches) < 500
+
+        # the next round commits once, and counts each of its devices once
+        results = fleet.run()
+        assert all(getattr(r, "outcome", r) is Outcome.COMPLETED for r in results), results
+        rounds = admin.rounds("digits")
+        assert [(r["round"], r["status"]) for r in rounds] == [(n, "committed") for n in range(1, 2 + committed)]
+        assert admin.model("digits")[1] == 1 + committed
+        assert rounds[-1]["metrics"]["reported"] == count
+        return rounds
+
+
+# the record written but not committed (a plain round), and committed (a distributed-DP one)
+@pytest.mark.parametrize(("point", "secure"), [("record_written", False), ("committed", True)])
+def test_a_server_killed_in_a_rounds_commit_has_all_of_it_on_record_or_none(
+    server_process, attested_runtimes, point, secure
+):
+    rounds = _killed_in_commit(point, server_process, attested_runtimes, secure=secure)
+    if secure:
+        check_ddp_accounting(rounds, DDP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "distributed_dp"])
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_server_killed_at_any_point_of_a_commit_has_all_of_it_on_record_or_none(
+    server_process, attested_runtimes, point, secure
+):
+    rounds = _killed_in_commit(point, server_process, attested_runtimes, secure=secure)
+    if secure:
+        check_ddp_accounting(rounds, DDP)
