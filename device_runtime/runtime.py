@@ -300,6 +300,14 @@ class FLRuntime:
         except TrainingInterrupted:
             return rec.interrupted(rec.over_budget or "interrupted")
         except BaseException as exc:
+            if isinstance(exc, ProtocolError) and exc.status == 401:
+                # the server no longer knows the session (BAD_SESSION_TOKEN: it restarted during
+                # selection and lost the round): over, as when it refuses a report; any other
+                # refusal of a download it named is a broken server's, raised
+                code = exc.code or "HTTP_401"
+                rec.record("upload_rejected", code=code, detail=str(exc)[:500])
+                self._abort_quietly(session, str(exc)[:500], rec.stats())
+                return rec.result(Outcome.REPORT_REJECTED, {}, 0, code)
             rec.record("error", error=type(exc).__name__)
             self._abort_quietly(session, f"error: {type(exc).__name__}", rec.stats())
             raise

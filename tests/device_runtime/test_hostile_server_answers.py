@@ -7,6 +7,8 @@
 - An accepted check-in whose fields are anything at all: the session ends in the SDK's own
   ``ProtocolError`` naming the field; no id reaches the plan cache's paths or a request's URL
   unless it is one the server could have issued.
+- A download of the session's plan refused: a 401 (the server no longer knows the session) ends
+  it as rejected with the server's code; any other refusal is a ``ProtocolError``.
 - An answer larger than a device reads (endless, gzip-bombed, declared too large, or in an
   encoding the device did not ask for), or one that trickles in: a ``ProtocolError``, read no
   further than the bound."""
@@ -22,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from device_runtime import FLRuntime, ProtocolError, RetryPolicy, SessionRejected
+from device_runtime import FLRuntime, Outcome, ProtocolError, RetryPolicy, SessionRejected
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.errors import RuntimeSdkError
@@ -102,6 +104,32 @@ def test_an_accepted_check_in_with_any_fields_ends_in_a_protocol_error_before_th
     assert not cache.exists() or all(p.resolve().is_relative_to(cache.resolve()) for p in cache.rglob("*"))
     for path in asked:  # only the server's own endpoints, with ids it could have issued
         assert path.startswith("/v1/") and ".." not in path
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(401, "BAD_SESSION_TOKEN"), (404, "UNKNOWN_RESOURCE"), (409, "SESSION_CLOSED")]
+)
+def test_a_download_the_server_refuses_ends_the_session_only_for_a_session_it_no_longer_knows(tmp_path, status, code):
+    """A 401 to the plan's download (a server that restarted since the check-in) ends the session as
+    rejected with its code, an opstats session that sent nothing; any other refusal of a resource the
+    server itself named is a broken server's: a ``ProtocolError``."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/checkin"):
+            return httpx.Response(200, json=GOOD_ANSWER)
+        return httpx.Response(status, json={"error": {"code": code, "message": "refused"}})
+
+    store = InMemoryExampleStore()
+    store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}])
+    runtime = FLRuntime("p", "http://fl.test", store, transport=httpx.MockTransport(handle), cache_dir=tmp_path / "c")
+    with runtime:
+        if status != 401:
+            with pytest.raises(ProtocolError, match=code):
+                runtime.run_session()
+            return
+        result = runtime.run_session()
+    assert (result.outcome, result.rejection_code) == (Outcome.REPORT_REJECTED, code)
+    assert [e.kind for e in result.events] == ["checkin", "upload_rejected"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,5 +1,5 @@
-"""The server killed (SIGKILL) while it commits a round, and started again on its SQLite file,
-with attested devices over real HTTP.
+"""The server killed (SIGKILL) while it commits a round, or while a round's selection waits, and
+started again on its SQLite file, with attested devices over real HTTP.
 
 A commit writes the round's new model and its record in one transaction; the server is killed at a
 chosen point of it (``tests.dying_server``: the model written, the record written, the transaction
@@ -145,3 +145,54 @@ def test_a_server_killed_at_any_point_of_a_commit_has_all_of_it_on_record_or_non
     rounds = _killed_in_commit(point, server_process, attested_runtimes, secure=secure)
     if secure:
         check_ddp_accounting(rounds, DDP)
+
+
+# secure: devices that wait for selection's end; plain (-m slow): devices that train as soon as selected
+@pytest.mark.parametrize("secure", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "secure"])
+def test_a_server_killed_while_its_selection_waits_opens_the_round_again_and_counts_each_report_once(
+    server_process, attested_runtimes, secure
+):
+    """Half the round's devices are checked in (each held once its check-in is accepted, before it
+    downloads or trains anything) when the server is killed: each is told its session is gone,
+    nothing is on record, and the restarted server's round commits the devices of its own round."""
+    server_process.start()
+    count = GROUP if secure else PLAIN
+    waiting = count // 2 + 1  # not enough for the round
+    with AdminClient(server_process.url, admin_key=PROCESS_ADMIN_KEY) as admin:
+        if secure:
+            deploy_secure(admin, "digits", goal_count=count)
+        else:
+            deploy(admin, "digits", goal_count=count, over_selection=1.0)
+        up, killed = threading.Event(), threading.Event()
+        up.set()
+        switches = [ThroughRestart("checked_in", up) for _ in range(count)]
+        for switch in switches:
+            switch.then = lambda: killed.wait(120)
+        fleet = attested_runtimes(server_process.url, "digits", count, transport=lambda i: switches[i])
+        devices, ended = _sessions(fleet, waiting)
+        try:
+            for switch in switches[:waiting]:
+                assert switch.reached.wait(120), "a device's check-in was not accepted"
+            status = admin.status("digits")
+            assert (status["phase"], status["current_round"]["selected"]) == ("selecting", waiting)
+            _restart(server_process, up, server_process.kill)
+        finally:
+            killed.set()
+        devices.join(150)
+        assert _outcomes(ended) == [(Outcome.REPORT_REJECTED.value, "BAD_SESSION_TOKEN")] * waiting
+        for opstats in fleet.opstats[:waiting]:  # the app knows its session ended, having sent nothing
+            [lost] = opstats.sessions("digits")
+            assert lost.shape == "-#" and lost.events[-1].detail["code"] == "BAD_SESSION_TOKEN"
+        assert admin.rounds("digits") == []
+        assert admin.model("digits")[1] == 0
+
+        for switch in switches:
+            switch.point = None
+        results = fleet.run()
+        assert all(getattr(r, "outcome", r) is Outcome.COMPLETED for r in results), results
+        [record] = admin.rounds("digits")
+        assert (record["round"], record["status"], record["metrics"]["reported"]) == (1, "committed", count)
+        if secure:
+            assert record["metrics"]["secagg"]["summed_devices"] == count
+        assert admin.model("digits")[1] == 1
+        assert max(max(s.statuses) for s in switches) < 500
