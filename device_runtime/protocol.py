@@ -10,6 +10,7 @@ import hashlib
 import json
 import random
 import ssl
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import certifi
+import httpcore
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
@@ -122,6 +124,8 @@ class _BoundedAnswer(httpx.SyncByteStream):
     ) -> None:
         self.raw, self.limit, self.encoding, self.what = raw, limit, encoding, what
         self.clock, self.timeout_s = clock, timeout_s
+        deadline: _Deadline | None = getattr(_this_request, "deadline", None)
+        self.ends_at = None if deadline is None else deadline.ends_at  # the session's end, on any transport
 
     def __iter__(self) -> Any:
         decoder = zlib.decompressobj(wbits=47) if self.encoding in ("gzip", "deflate") else None  # 47: gzip or zlib
@@ -134,6 +138,8 @@ class _BoundedAnswer(httpx.SyncByteStream):
                     f"{self.what} came slower than {MIN_ANSWER_BYTES_PER_S} bytes/s after {self.timeout_s:g} s; "
                     "it was dropped"
                 )
+            if self.ends_at is not None and self.clock() > self.ends_at:
+                raise ProtocolError(f"{self.what} was still coming at the session's deadline; it was dropped")
             pending = chunk
             while pending:
                 if decoder is None:
@@ -151,6 +157,135 @@ class _BoundedAnswer(httpx.SyncByteStream):
 
     def close(self) -> None:
         self.raw.close()
+
+
+class _Deadline:
+    """When one request must be done with its socket: ``timeout_s`` after it started plus a second
+    per ``MIN_ANSWER_BYTES_PER_S`` bytes it moved either way, and never past ``ends_at`` (the
+    session's end, a reading of ``clock``). httpx's timeouts bound each read and write alone: a
+    server that sent its status line and headers a byte at a time, each within the read timeout,
+    held a device for ever, before any body (which ``_BoundedAnswer`` paces) began."""
+
+    def __init__(self, clock: Callable[[], float], timeout_s: float, ends_at: float | None) -> None:
+        self.clock, self.timeout_s, self.ends_at = clock, timeout_s, ends_at
+        self.started = clock()
+        self.moved = 0
+
+    def left(self, credit: int = 0) -> float:
+        """Seconds left, counting ``credit`` bytes about to be moved."""
+        end = self.started + self.timeout_s + (self.moved + credit) / MIN_ANSWER_BYTES_PER_S
+        if self.ends_at is not None:
+            end = min(end, self.ends_at)
+        return end - self.clock()
+
+
+#: The deadline of the request this thread is sending (httpx's sync client does a request's I/O
+#: in the thread that asked for it), read by the sockets of ``_DeadlineBackend``.
+_this_request = threading.local()
+
+
+def _waited(call: Callable[[float | None], Any], timeout: float | None, late: type[Exception], credit: int = 0) -> Any:
+    """``call(timeout)`` with ``timeout`` cut to what is left of this thread's request deadline
+    (counting ``credit`` bytes about to be moved); ``late``, saying so, once none is left."""
+    deadline: _Deadline | None = getattr(_this_request, "deadline", None)
+    if deadline is None:
+        return call(timeout)
+    left = deadline.left(credit)
+    if left > 0:
+        try:
+            return call(left if timeout is None else min(timeout, left))
+        except late:
+            if timeout is not None and timeout <= left:
+                raise  # httpx's own timeout, not the deadline
+    if deadline.ends_at is not None and deadline.ends_at <= deadline.clock():
+        raise late("the session's deadline came before the server's answer; the request was dropped")
+    raise late(
+        f"the server took longer than {deadline.timeout_s:g} s and a second per {MIN_ANSWER_BYTES_PER_S} bytes "
+        "to answer; the request was dropped"
+    )
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose every wait is cut to the request's deadline (``_waited``)."""
+
+    #: Writes go out in pieces of this size, each waiting no longer than the deadline allows: one
+    #: ``send`` loop over a whole upload waited a full timeout per byte a slow reader took.
+    PIECE = 1 << 16
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self.inner = inner
+
+    def _count(self, n: int) -> None:
+        deadline: _Deadline | None = getattr(_this_request, "deadline", None)
+        if deadline is not None:
+            deadline.moved += n
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        data = _waited(lambda t: self.inner.read(max_bytes, t), timeout, httpcore.ReadTimeout)
+        self._count(len(data))
+        return data
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        for start in range(0, len(buffer), self.PIECE):
+            piece = buffer[start : start + self.PIECE]
+            _waited(functools.partial(self.inner.write, piece), timeout, httpcore.WriteTimeout, len(piece))
+            self._count(len(piece))
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        tls = _waited(lambda t: self.inner.start_tls(ssl_context, server_hostname, t), timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(tls)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's sockets (``SyncBackend``), each a ``_DeadlineStream``."""
+
+    def __init__(self) -> None:
+        self.inner = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
+        connect = self.inner.connect_tcp
+        return _DeadlineStream(
+            _waited(lambda t: connect(host, port, t, local_address, socket_options), timeout, httpcore.ConnectTimeout)
+        )
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None
+    ) -> httpcore.NetworkStream:
+        connect = self.inner.connect_unix_socket
+        return _DeadlineStream(_waited(lambda t: connect(path, t, socket_options), timeout, httpcore.ConnectTimeout))
+
+    def sleep(self, seconds: float) -> None:
+        self.inner.sleep(seconds)
+
+
+class _DeadlineTransport(httpx.HTTPTransport):
+    """httpx's HTTP transport over ``_DeadlineBackend``'s sockets (httpx passes no backend through
+    its own constructor; the pool it builds is replaced by the same one over these sockets)."""
+
+    def __init__(self, ssl_context: ssl.SSLContext) -> None:
+        super().__init__(verify=ssl_context)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=ssl_context,
+            max_connections=100,  # httpx's default limits
+            max_keepalive_connections=20,
+            keepalive_expiry=5.0,
+            network_backend=_DeadlineBackend(),
+        )
 
 
 def _answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[httpx.Response], None]:
@@ -243,10 +378,13 @@ class ProtocolClient:
         # (about 18 ms and 0.8 MB each), which a fleet of emulated devices paid per device.
         self.http = client or httpx.Client(
             timeout=httpx.Timeout(timeout_s),
-            transport=transport,
-            verify=shared_tls_context(),
+            transport=transport if transport is not None else _DeadlineTransport(shared_tls_context()),
             event_hooks={"response": [_answer_bound(clock, timeout_s)]},
         )
+        self.clock, self.timeout_s = clock, timeout_s
+        #: A reading of ``clock`` past which no request of this client starts or goes on (the
+        #: session's end, set by the runtime); None: each request is bounded alone (``_Deadline``).
+        self.ends_at: float | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -264,13 +402,21 @@ class ProtocolClient:
         for attempt in range(self.retry.attempts):
             if attempt:
                 self.sleep(self.retry.delay(attempt, self.rng))
+            if self.ends_at is not None and self.clock() >= self.ends_at:
+                raise ProtocolError(
+                    f"the session's deadline passed before {method} {path[:100]} could be sent"
+                    + (f" (the last attempt: {last_error})" if last_error is not None else "")
+                )
             try:
                 if json_body is not None:
                     kwargs["json"] = json_body()
+                _this_request.deadline = _Deadline(self.clock, self.timeout_s, self.ends_at)
                 response = self.http.request(method, url, **kwargs)
             except httpx.TransportError as exc:
                 last_error = exc
                 continue
+            finally:
+                _this_request.deadline = None
             body = kwargs.get("content") or b""
             self.bytes_sent += len(body) if isinstance(body, (bytes, bytearray)) else 0
             self.bytes_received += len(response.content)

@@ -39,7 +39,15 @@ from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, checked_server_url, retry_window
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
-from .secure_client import NEEDS_ATTESTATION, REFUSED, SecureAggregation, SecureOutcome, SecureResult
+from .secure_client import (
+    DEADLINE_GRACE_S,
+    MAX_DEADLINE_S,
+    NEEDS_ATTESTATION,
+    REFUSED,
+    SecureAggregation,
+    SecureOutcome,
+    SecureResult,
+)
 from .secure_sum import SecureSumCodec
 from .wire import NAME_RULE, is_name
 
@@ -47,6 +55,10 @@ log = logging.getLogger(__name__)
 
 #: Where a device waits before trying again when the server named no retry window.
 DEFAULT_RETRY_WINDOW_S = (60.0, 120.0)
+#: How long a device on the system's clock gives a session's requests before the server has
+#: accepted it (attestation nonce, eligibility, check-in and their retries), whatever the server
+#: does; once accepted, the session's requests end with its report window (``_session_window_s``).
+CHECKIN_WINDOW_S = 300.0
 #: ``SessionResult.rejection_code`` of a secure session whose own update was not valid (the code
 #: the server gives such a plain report): the device dropped out of its group instead of sending it.
 INVALID_UPDATE = "INVALID_UPDATE"
@@ -217,15 +229,34 @@ class FLRuntime:
         the session ends, whatever the way it ends."""
         with self._lock:  # one training session at a time per runtime
             rec = _Recorder(self)
+            self._session_ends_in(CHECKIN_WINDOW_S)
             try:
                 result = self._session(rec, should_abort, before_report, eligibility, run_options)
                 if result.outcome is Outcome.COMPLETED and rec.reading is not None:
                     rec.reading.commit(self.clock())  # only a completed session moves the saved position
                 return result
             finally:
+                self.client.ends_at = None
                 if rec.reading is not None:
                     rec.reading.close()
                 rec.flush()
+
+    def _session_ends_in(self, seconds: float) -> None:
+        """No request of this session goes on past ``seconds`` from now, however slowly a server
+        answers (``ProtocolClient.ends_at``), on a device on the system's clock. A runtime on a
+        simulation's clock leaves it to the simulation: its sessions interleave with others in
+        real time, which says nothing of theirs."""
+        if self.clock in (time.time, time.monotonic):
+            self.client.ends_at = self.client.clock() + seconds
+
+    def _session_window_s(self, session: CheckinAccepted) -> float:
+        """How long an accepted session may take: the server's report window (at most an hour,
+        ``MAX_DEADLINE_S``, whatever it names), the hour more a Secure Aggregation group may move
+        it by, and one request's timeout for the last request in flight."""
+        window = min(session.report_deadline_s, MAX_DEADLINE_S) + self.client.timeout_s
+        if session.aggregation == "secure_sum":
+            window += MAX_DEADLINE_S + DEADLINE_GRACE_S
+        return window
 
     def _session(
         self,
@@ -259,6 +290,7 @@ class FLRuntime:
             self.last_retry_window = retry_window(answer) or DEFAULT_RETRY_WINDOW_S
             raise SessionRejected(answer.reason, self.last_retry_window)
         session = rec.session = answer
+        self._session_ends_in(self._session_window_s(session))
         rec.record("checkin", round=session.round)
         try:
             plan = self._plan(session.plan_id, session.token)
@@ -382,7 +414,7 @@ class FLRuntime:
         secure = SecureAggregation(
             self.client,
             session,
-            deadline=clock() + session.report_deadline_s,
+            deadline=clock() + min(session.report_deadline_s, MAX_DEADLINE_S),
             should_abort=should_abort,
             policy=self.secagg_policy,
             signer=self.attestor.secagg_signer() if self.attestor is not None else None,
@@ -500,10 +532,15 @@ class FLRuntime:
             )
 
     def _abort_quietly(self, session: CheckinAccepted, reason: str, stats: dict | None = None) -> None:
+        ends_at = self.client.ends_at
+        if ends_at is not None:  # a session past its deadline still says so, within one request's time
+            self.client.ends_at = max(ends_at, self.client.clock() + self.client.timeout_s)
         try:
             self.client.abort(session, reason, stats)
         except Exception:  # the server drops silent sessions at their deadline anyway
             pass
+        finally:
+            self.client.ends_at = ends_at
 
     def _plan(self, plan_id: str, token: str) -> Plan:
         if plan_id in self._plans:
