@@ -3,7 +3,14 @@ database (paper, section 3: "OpStats"), and session shapes from them (paper, Tab
 
 The same database keeps the example resumption tokens of plans that resume reading (one per
 population, task and collection), so that they survive an app restart with the rest of the
-device's history."""
+device's history.
+
+The log is bounded (``OpStatsStore(keep_s=..., keep_sessions=...)``): each session recorded drops
+the sessions that ended more than ``keep_s`` (30 days) before it, and all but the newest
+``keep_sessions`` (1,000), except the newest session of each population and task that took part
+(what eligibility policies read, ``last_participation``), which is kept whatever its age. Without
+a bound the log grew by every session for the life of the app, and a server that named a new task
+or a long reason in every session grew it faster."""
 
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, select
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
@@ -34,6 +42,11 @@ SHAPE_SYMBOLS = {
     "error": "*",
 }
 SHAPE_ALPHABET = frozenset(SHAPE_SYMBOLS.values())
+#: The last event of a session that took part (shape ending in '^' or '+', see ``last_participation``).
+PARTICIPATED = ("upload_completed", "upload_started")
+#: How long the log keeps a session (from its last event), and how many sessions at most.
+KEEP_S = 30 * 86_400.0
+KEEP_SESSIONS = 1_000
 
 _metadata = MetaData()
 events_table = Table(
@@ -94,7 +107,14 @@ class SessionSummary:
 class OpStatsStore:
     """The event log in the app's database; a session's events are written in one transaction."""
 
-    def __init__(self, database: str | os.PathLike) -> None:
+    def __init__(
+        self, database: str | os.PathLike, *, keep_s: float = KEEP_S, keep_sessions: int = KEEP_SESSIONS
+    ) -> None:
+        """``keep_s`` and ``keep_sessions`` bound the log (see the module's doc); the newest
+        participation of each population and task is kept beyond them."""
+        if not (keep_s > 0 and keep_sessions >= 1):
+            raise ValueError(f"keep_s must be > 0 and keep_sessions >= 1, not {keep_s!r} and {keep_sessions!r}")
+        self.keep_s, self.keep_sessions = float(keep_s), int(keep_sessions)
         self.engine: Engine = sqlite_engine(database)
         _metadata.create_all(self.engine)
 
@@ -118,6 +138,36 @@ class OpStatsStore:
             with self.engine.begin() as conn:
                 conn.execute(delete(events_table).where(events_table.c.session_id == session_id))
                 conn.execute(events_table.insert(), rows)
+                self._prune(conn, now=max(e.at for e in events))
+
+    def _prune(self, conn: Any, *, now: float) -> None:
+        """Drop the sessions past ``keep_s`` before ``now`` (the time of the session just recorded:
+        the store reads no clock of its own) or past the newest ``keep_sessions``, but the newest
+        participation of each population and task."""
+        t = events_table.c
+        ends = (
+            select(t.session_id, t.population, t.task, func.max(t.id).label("last_id"), func.max(t.at).label("ended"))
+            .group_by(t.session_id)
+            .subquery()
+        )
+        sessions = conn.execute(
+            select(ends.c.session_id, ends.c.population, ends.c.task, ends.c.ended, t.kind)
+            .join(events_table, t.id == ends.c.last_id)
+            .order_by(ends.c.last_id.desc())
+        ).all()
+        if len(sessions) <= self.keep_sessions and all(row.ended >= now - self.keep_s for row in sessions):
+            return
+        dropped, kept, participations = [], 0, set()
+        for row in sessions:  # newest first
+            newest_participation = row.kind in PARTICIPATED and (row.population, row.task) not in participations
+            if row.kind in PARTICIPATED:
+                participations.add((row.population, row.task))
+            if newest_participation or (kept < self.keep_sessions and row.ended >= now - self.keep_s):
+                kept += 1
+            else:
+                dropped.append(row.session_id)
+        for start in range(0, len(dropped), 500):
+            conn.execute(delete(events_table).where(t.session_id.in_(dropped[start : start + 500])))
 
     def sessions(self, population: str | None = None, since: float | None = None) -> list[SessionSummary]:
         query = select(events_table).order_by(events_table.c.id)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from device_runtime import DeviceClass, FLRuntime, OpStatsStore, Outcome, OverBudget, RetryPolicy
+from device_runtime.opstats import Event
 from example_store import SQLiteExampleStore
 from tests.support import COLLECTION, deploy, digits_plan
 
@@ -110,3 +115,76 @@ def test_an_app_killed_after_sending_its_update_knows_it_took_part(tmp_path, ser
     [session] = opstats.sessions("digits")
     assert session.shape == "-v[]+"
     assert opstats.last_participation("digits") == session
+
+
+SHAPES = {  # a session's events by its shape (what a hostile or a busy server leaves a device with)
+    "-v[]+^": [
+        "checkin",
+        "plan_downloaded",
+        "training_started",
+        "training_completed",
+        "upload_started",
+        "upload_completed",
+    ],
+    "-v[]+": ["checkin", "plan_downloaded", "training_started", "training_completed", "upload_started"],
+    "-v[!": ["checkin", "plan_downloaded", "training_started", "interrupted"],
+    "-*": ["checkin", "error"],
+}
+
+
+@pytest.fixture(scope="module")
+def one_log(tmp_path_factory):
+    """One database for every example (opening one per example was most of the test's time),
+    emptied before each."""
+    opstats = OpStatsStore(tmp_path_factory.mktemp("opstats") / "app.db")
+    yield opstats
+    opstats.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sessions=st.lists(
+        st.tuples(
+            st.sampled_from(["digits", "words"]),
+            st.sampled_from(["a", "b"]),
+            st.sampled_from(sorted(SHAPES)),
+            st.floats(0, 60),
+        ),
+        max_size=16,
+    ),
+    keep_sessions=st.integers(1, 4),
+)
+def test_the_log_keeps_recent_sessions_up_to_its_bounds_and_every_tasks_last_participation(
+    one_log, sessions, keep_sessions
+):
+    """Whatever sessions come, the log holds the newest ``keep_sessions`` that ended within
+    ``keep_s`` of the last one recorded, and besides them only each population and task's newest
+    participation, so that eligibility reads what it would read from an unbounded log."""
+    from device_runtime.opstats import events_table
+
+    opstats = one_log
+    with opstats.engine.begin() as conn:
+        conn.execute(events_table.delete())
+    opstats.keep_s, opstats.keep_sessions = keep_s, keep_sessions = 100.0, keep_sessions
+    now, recorded = 1000.0, []
+    for i, (population, task, shape, gap) in enumerate(sessions):
+        now += gap
+        events = [Event(kind, now + j * 0.001) for j, kind in enumerate(SHAPES[shape])]
+        opstats.record_session(f"s{i}", population, task, events)
+        recorded.append((f"s{i}", population, task, shape, events[-1].at))
+    kept = {s.session_id for s in opstats.sessions()}
+    end = recorded[-1][4] if recorded else now
+    recent = [r[0] for r in recorded if r[4] >= end - keep_s][-keep_sessions:]
+    last = {}
+    for sid, population, task, shape, _ in recorded:
+        if shape.endswith(("^", "+")):
+            last[(population, task)] = sid
+    assert kept == set(recent) | set(last.values())
+    for (population, task), sid in last.items():
+        assert opstats.last_participation(population, task).session_id == sid
+
+
+def test_the_bounds_of_the_log_are_checked():
+    for bad in ({"keep_s": 0.0}, {"keep_sessions": 0}, {"keep_s": float("nan")}):
+        with pytest.raises(ValueError, match="keep_s must be > 0 and keep_sessions >= 1"):
+            OpStatsStore(":memory:", **bad)
