@@ -100,7 +100,10 @@ class PlanExecutor(ServerOps):
             with self._lock:
                 sess = self._sessions.get(which)
                 if sess is None:
-                    sess = make_session(self.plan.graphs()[which])
+                    try:
+                        sess = make_session(self.plan.graphs()[which])
+                    except Exception as exc:  # noqa: BLE001 - onnxruntime's own classes (Fail, InvalidGraph, ...)
+                        raise _NotLoaded(which, exc) from None
                     self._sessions[which] = sess
         return sess
 
@@ -248,7 +251,10 @@ class PlanExecutor(ServerOps):
                     except Exception as exc:
                         if run_options is not None and run_options.terminate:
                             raise TrainingInterrupted("training was stopped by force while a step was running") from exc
-                        raise
+                        # a graph that asks for more memory than there is, or fails on its inputs
+                        raise PlanError(
+                            f"the plan's 'work' graph failed at step {step}: {_first_line(exc)}; no update was made"
+                        ) from None
                     finally:
                         if train and step == 0:
                             for w in plan.weight_names:
@@ -406,6 +412,8 @@ class PlanExecutor(ServerOps):
         where = "device graph" if which == "work" else "server graph"
         try:
             return step()
+        except _NotLoaded as exc:
+            raise PlanError(f"the plan's {where} {which!r} does not run on onnxruntime: {exc.words}") from None
         except PlanError as exc:
             raise PlanError(f"the plan's {where} {which!r} does not fit the plan: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own Fail, InvalidArgument, ...
@@ -450,6 +458,20 @@ def _whole(raw: object, ids: np.ndarray) -> bool:
     if not isinstance(raw, np.ndarray) or raw.dtype.kind != "f":
         return True
     return bool(np.array_equal(raw, ids))
+
+
+class _NotLoaded(PlanError):
+    """onnxruntime could not make a session of one of the plan's graphs; ``words`` are its own."""
+
+    def __init__(self, which: str, exc: Exception) -> None:
+        super().__init__(f"onnxruntime cannot load the plan's {which!r} graph: {_first_line(exc)}")
+        self.words = " ".join(str(exc).split())[:500] or type(exc).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    """An onnxruntime error's first line, without the source path it starts with, cut short."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line[:300]
 
 
 def _labels_within(y: np.ndarray, num_classes: int) -> bool:

@@ -34,12 +34,14 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import from_json
 
+from .errors import RuntimeSdkError
 from .versions import version_tuple
 
 if TYPE_CHECKING:  # example_store is imported lazily at load time
@@ -94,7 +96,7 @@ _ORT_SUPPORT: tuple[tuple[int, int, int, int], ...] = _ort_support_rows(load_ort
 OLDEST_SUPPORTED_RUNTIME = f"1.{_ORT_SUPPORT[0][0]}.0"
 
 
-class PlanError(ValueError):
+class PlanError(RuntimeSdkError, ValueError):
     """A plan is corrupt, inconsistent or cannot run on this runtime; the message says what to do."""
 
 
@@ -520,6 +522,12 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
             model = onnx.ModelProto.FromString(blob)
         except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
             raise PlanError(f"graph {field!r} is not an ONNX model ({exc}); the plan is corrupt") from None
+        outside = next((t.name for t in _tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL), None)
+        if outside is not None:
+            raise PlanError(
+                f"graph {field!r} keeps tensor {outside[:100]!r} in an external file; a plan carries all its data "
+                "(a path in it names a file of the device, which the ONNX checker would look for)"
+            )
         try:
             onnx.checker.check_model(model)
         except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError and others
@@ -542,6 +550,38 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
                     f"or what onnxruntime {target} runs ({max_opset})"
                 )
         _check_graph_names(plan, field, model)
+
+
+def _tensors(model: Any) -> Iterator[Any]:
+    """Every tensor a model holds: initializers (sparse ones' values and indices) and tensor
+    attributes, in its graph, its subgraphs (Loop, If, Scan bodies) and its functions."""
+    import onnx
+
+    def in_attributes(attributes: Any) -> Iterator[Any]:
+        for a in attributes:
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield a.t
+            elif a.type == onnx.AttributeProto.TENSORS:
+                yield from a.tensors
+            elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+                yield from (a.sparse_tensor.values, a.sparse_tensor.indices)
+            elif a.type == onnx.AttributeProto.GRAPH:
+                yield from in_graph(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from in_graph(g)
+
+    def in_graph(graph: Any) -> Iterator[Any]:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield from (sparse.values, sparse.indices)
+        for node in graph.node:
+            yield from in_attributes(node.attribute)
+
+    yield from in_graph(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            yield from in_attributes(node.attribute)
 
 
 def _safe_min_runtime(opset: int) -> str:

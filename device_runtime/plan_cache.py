@@ -16,6 +16,7 @@ import re
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
@@ -139,8 +140,15 @@ class LoadedPlans:
     checked against the version that runs it). One per FLRuntime by default; a simulation shares
     one among all its devices, which then share each plan's onnxruntime sessions."""
 
-    def __init__(self) -> None:
-        self._loaded: dict[tuple[str, str], tuple[Plan, PlanExecutor]] = {}
+    def __init__(self, *, keep: int | None = None) -> None:
+        """``keep``: how many plans stay loaded, those used last (all when None: a simulation's
+        are its operator's). A runtime's own keeps ``MAX_CACHED_PLANS``: each loaded plan holds
+        its graphs and onnxruntime sessions in memory, and a hostile server's new plan per
+        session grew the app's memory without end."""
+        if keep is not None and keep < 1:
+            raise ValueError("loaded plans keep at least 1 plan")
+        self.keep = keep
+        self._loaded: OrderedDict[tuple[str, str], tuple[Plan, PlanExecutor]] = OrderedDict()
         self._lock = threading.Lock()
 
     def load(self, plan_id: str, data: bytes, runtime_version: str) -> tuple[Plan, PlanExecutor]:
@@ -148,6 +156,8 @@ class LoadedPlans:
         key = (plan_id, runtime_version)
         with self._lock:
             found = self._loaded.get(key)
+            if found is not None:
+                self._loaded.move_to_end(key)
         if found is not None:
             return found
         try:
@@ -156,4 +166,7 @@ class LoadedPlans:
             raise CorruptResource(f"plan {plan_id} was refused: {exc}") from exc
         loaded = (plan, PlanExecutor(plan))
         with self._lock:
-            return self._loaded.setdefault(key, loaded)
+            kept = self._loaded.setdefault(key, loaded)
+            while self.keep is not None and len(self._loaded) > self.keep:
+                self._loaded.popitem(last=False)
+            return kept

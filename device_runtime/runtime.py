@@ -3,6 +3,7 @@ report) and records its events, whose symbols give the session's shape (paper, T
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -13,6 +14,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
 from .influence import bound_update
 from .opstats import Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError
-from .plan_cache import DirectoryPlanCache, LoadedPlans, PlanCache
+from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, checked_server_url, retry_window
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
@@ -72,7 +74,9 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class DeviceClass:
-    """What a device can give a plan; a plan whose declared budget exceeds it is refused."""
+    """What a device can give a plan; a plan whose declared budget exceeds it is refused. On the
+    system's clock, training stops by force after ``max_training_s`` when the plan declares no
+    time budget of its own."""
 
     name: str = "default"
     memory_mb: float = 2048.0
@@ -181,12 +185,15 @@ class FLRuntime:
         self.plan_cache: PlanCache = (
             plan_cache if plan_cache is not None else DirectoryPlanCache(cast("str | os.PathLike", cache_dir))
         )  # made above
-        self.loaded_plans = environment.loaded_plans if environment.loaded_plans is not None else LoadedPlans()
+        self.loaded_plans = (
+            environment.loaded_plans if environment.loaded_plans is not None else LoadedPlans(keep=MAX_CACHED_PLANS)
+        )
         self.work_meter = environment.work_meter
         self.memory_probe = environment.memory_probe
         self.sleep = sleep
         self.secagg_poll_s = environment.secagg_poll_s
-        self._plans: dict[str, Plan] = {}
+        # the plans of the last sessions, at most MAX_CACHED_PLANS (see LoadedPlans), used last at the end
+        self._plans: OrderedDict[str, Plan] = OrderedDict()
         self._executors: dict[str, PlanExecutor] = {}
         self._codecs: dict[str, SecureSumCodec] = {}
         self._lock = threading.Lock()
@@ -248,6 +255,34 @@ class FLRuntime:
         real time, which says nothing of theirs."""
         if self.clock in (time.time, time.monotonic):
             self.client.ends_at = self.client.clock() + seconds
+
+    @contextlib.contextmanager
+    def _training_watchdog(self, plan: Plan, run_options: onnxruntime.RunOptions, rec: _Recorder) -> Iterator[None]:
+        """On the system's clock, training that outlasts the plan's time budget, or the device's
+        ``max_training_s`` when the plan declares none, is stopped by force even inside a step
+        (``run_options.terminate``): the budget is otherwise checked between steps, and a plan's
+        one step can run for ever (an ONNX Loop of 10^15 iterations)."""
+        if self.clock not in (time.time, time.monotonic):  # a simulation's training takes its virtual time
+            yield
+            return
+        budget = plan.metadata.time_budget_s
+        limit = budget if budget is not None else self.device_class.max_training_s
+
+        def stop() -> None:
+            rec.over_budget = (
+                f"over time budget ({budget} s)"
+                if budget is not None
+                else f"over the device's training time ({self.device_class.max_training_s} s, max_training_s)"
+            )
+            run_options.terminate = True
+
+        timer = threading.Timer(limit, stop)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
 
     def _session_window_s(self, session: CheckinAccepted) -> float:
         """How long an accepted session may take: the server's report window (at most an hour,
@@ -317,13 +352,15 @@ class FLRuntime:
             )
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
+            run_options = run_options if run_options is not None else onnxruntime.RunOptions()
             try:
-                result = executor.run_device(
-                    weights,
-                    batches,
-                    should_abort=rec.watch(plan, should_abort),
-                    run_options=run_options,
-                )
+                with self._training_watchdog(plan, run_options, rec):
+                    result = executor.run_device(
+                        weights,
+                        batches,
+                        should_abort=rec.watch(plan, should_abort),
+                        run_options=run_options,
+                    )
             finally:
                 if self.work_meter is not None:
                     self.work_meter.settle()
@@ -544,6 +581,7 @@ class FLRuntime:
 
     def _plan(self, plan_id: str, token: str) -> Plan:
         if plan_id in self._plans:
+            self._plans.move_to_end(plan_id)
             return self._plans[plan_id]
         data = self.plan_cache.get(plan_id)
         cached = data is not None
@@ -554,6 +592,10 @@ class FLRuntime:
             self.plan_cache.put(plan_id, data)
         self._plans[plan_id] = plan
         self._executors[plan_id] = executor
+        while len(self._plans) > MAX_CACHED_PLANS:
+            oldest, _ = self._plans.popitem(last=False)
+            self._executors.pop(oldest)
+            self._codecs.pop(oldest, None)
         return plan
 
     def _checkpoint(self, checkpoint_id: str, token: str, executor: PlanExecutor) -> dict:

@@ -1,0 +1,163 @@
+"""A plan from a hostile server that is valid ONNX but hostile cannot read the device's files,
+crash the app with onnxruntime's own errors, run for ever or fill the app's memory.
+
+- A tensor kept in an external file (``/etc/passwd``, ``../..``, or a name that happens to exist
+  where the app runs) is refused when the plan loads: a plan carries all its data.
+- A graph that asks onnxruntime for more memory than there is ends the session in the SDK's
+  ``PlanError``; the server hears the abort and the same runtime trains an honest plan next.
+- A graph whose one step never ends (a Loop of 10^15 iterations) is stopped by force at the
+  device's ``max_training_s``.
+- A new plan per session: the runtime keeps at most ``MAX_CACHED_PLANS`` loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from device_runtime import DeviceClass, FLRuntime, OpStatsStore, Outcome, PlanError, encode_checkpoint, initial_weights
+from device_runtime.errors import RuntimeSdkError
+from device_runtime.plan import load_plan, serialize_plan
+from device_runtime.plan_cache import MAX_CACHED_PLANS
+from example_store import InMemoryExampleStore
+from tests.support import COLLECTION, digits_plan
+
+
+def _with_work(plan, nodes, initializers=()):
+    """``plan`` whose work graph also runs ``nodes``, their result added to its first metric."""
+    model = onnx.ModelProto.FromString(plan.work)
+    metric = plan.metric_names[0]
+    for node in model.graph.node:
+        node.output[:] = [f"{metric}_before" if o == metric else o for o in node.output]
+    model.graph.node.extend([*nodes, helper.make_node("Add", [f"{metric}_before", "extra"], [metric])])
+    model.graph.initializer.extend(initializers)
+    return dataclasses.replace(plan, work=model.SerializeToString())
+
+
+def _external(location: str):
+    tensor = TensorProto(name="outside", data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", "0"), ("length", "16")):
+        tensor.external_data.add(key=key, value=value)
+    return _with_work(digits_plan(), [helper.make_node("ReduceSum", ["outside"], ["extra"], keepdims=0)], [tensor])
+
+
+def _huge():
+    shape = numpy_helper.from_array(np.array([100_000, 100_000, 100], np.int64), "shape")  # 4 TB of float32
+    fill = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["big"], value=fill),
+        helper.make_node("ReduceSum", ["big"], ["extra"], keepdims=0),
+    ]
+    return _with_work(digits_plan(), nodes, [shape])
+
+
+def _endless():
+    state = [helper.make_tensor_value_info(n, t, []) for n, t in (("c", TensorProto.BOOL), ("v", TensorProto.FLOAT))]
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Add", ["v", "v"], ["v_out"])],
+        "spin",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), *state],
+        [
+            helper.make_tensor_value_info(n, t, [])
+            for n, t in (("c_out", TensorProto.BOOL), ("v_out", TensorProto.FLOAT))
+        ],
+    )
+    initializers = [
+        numpy_helper.from_array(np.array(10**15, np.int64), "trips"),
+        numpy_helper.from_array(np.array(True), "go"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+    ]
+    nodes = [helper.make_node("Loop", ["trips", "go", "zero"], ["extra"], body=body)]
+    return _with_work(digits_plan(), nodes, initializers)
+
+
+@pytest.mark.parametrize("location", ["/etc/passwd", "../../../../etc/passwd", "passwd"])
+def test_a_tensor_in_an_external_file_is_refused_wherever_the_app_runs(tmp_path, monkeypatch, location):
+    """'passwd' exists where this app runs: the ONNX checker, which looks for the file there,
+    passed it, and onnxruntime failed with an error of its own when the session was made."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n" * 4)
+    with pytest.raises(PlanError, match="keeps tensor 'outside' in an external file"):
+        load_plan(serialize_plan(_external(location)))
+
+
+class HostileServer(httpx.BaseTransport):
+    """Accepts every check-in with ``plans[n]`` for the n-th session (the last one thereafter),
+    serves them with their initial weights, takes reports and aborts; ``aborts`` counts aborts."""
+
+    def __init__(self, plans) -> None:
+        self.plans = [serialize_plan(p) for p in plans]
+        self.checkpoints = [encode_checkpoint(initial_weights(p, seed=0)) for p in plans]
+        self.sessions = 0
+        self.aborts = 0
+        self.by_id = {hashlib.sha256(b).hexdigest(): b for b in self.plans + self.checkpoints}
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith("/checkin"):
+            n = min(self.sessions, len(self.plans) - 1)
+            self.sessions += 1
+            answer = {
+                "status": "accepted",
+                "session_id": f"s{self.sessions}",
+                "token": "t0k3n",
+                "task": "train",
+                "round": self.sessions,
+                "plan_id": hashlib.sha256(self.plans[n]).hexdigest(),
+                "checkpoint_id": hashlib.sha256(self.checkpoints[n]).hexdigest(),
+                "aggregation": "simple",
+                "report_deadline_s": 60.0,
+            }
+            return httpx.Response(200, json=answer)
+        if path.startswith("/v1/resources/"):
+            return httpx.Response(200, content=self.by_id[path.rsplit("/", 1)[1]])
+        if path.endswith("/abort"):
+            self.aborts += 1
+            return httpx.Response(200, json={"status": "aborted"})
+        return httpx.Response(200, json={"status": "accepted"})
+
+
+def _store(n: int = 16) -> InMemoryExampleStore:
+    store = InMemoryExampleStore()
+    rng = np.random.default_rng(0)
+    store.add(COLLECTION, [{"x": rng.random(64).astype(np.float32), "y": int(i % 10)} for i in range(n)])
+    return store
+
+
+def test_a_graph_that_asks_for_more_memory_than_there_is_ends_in_the_sdks_error_and_the_app_goes_on(tmp_path):
+    server = HostileServer([_huge(), digits_plan()])
+    opstats = OpStatsStore(tmp_path / "app.db")
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, opstats=opstats) as runtime:
+        with pytest.raises(PlanError, match=r"the plan's 'work' graph failed at step 0: .*ConstantOfShape") as failed:
+            runtime.run_session()
+        assert isinstance(failed.value, RuntimeSdkError)  # what the scheduler records without a traceback
+        assert server.aborts == 1
+        assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
+    assert [s.shape for s in opstats.sessions()] == ["-v[*", "-v[]+^"]
+
+
+def test_a_step_that_never_ends_is_stopped_at_the_devices_training_time(tmp_path):
+    server = HostileServer([_endless()])
+    device = DeviceClass("small", max_training_s=0.3)
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, device_class=device) as runtime:
+        result = runtime.run_session()
+    assert result.outcome is Outcome.INTERRUPTED and server.aborts == 1
+    assert "over the device's training time (0.3 s" in result.events[-1].detail["reason"]
+
+
+def test_a_new_plan_per_session_leaves_at_most_the_cached_plans_loaded(tmp_path):
+    """Every plan a runtime ran stayed loaded (its graphs and onnxruntime session): a server that
+    sent a new plan per session grew the app's memory without end."""
+    plans = [digits_plan(learning_rate=0.01 * (i + 1), epochs=1) for i in range(MAX_CACHED_PLANS + 3)]
+    server = HostileServer(plans)
+    with FLRuntime("digits", "http://fl.test", _store(8), transport=server, cache_dir=tmp_path / "cache") as runtime:
+        for _ in plans:
+            assert runtime.run_session().outcome is Outcome.COMPLETED
+        assert len(runtime._plans) == len(runtime._executors) == MAX_CACHED_PLANS
+        assert len(runtime.loaded_plans._loaded) == MAX_CACHED_PLANS
+        assert len(list((tmp_path / "cache" / "plans").iterdir())) == MAX_CACHED_PLANS
