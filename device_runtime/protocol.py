@@ -9,6 +9,7 @@ import functools
 import hashlib
 import json
 import random
+import re
 import ssl
 import threading
 import time
@@ -379,6 +380,10 @@ class ProtocolClient:
         self.http = client or httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             transport=transport if transport is not None else _DeadlineTransport(shared_tls_context()),
+            verify=shared_tls_context(),  # also for a proxy's transport, which httpx makes from the environment
+            # what ``_BoundedAnswer`` decodes, and no more (httpx asks for br and zstd too once their
+            # packages are installed, and the device would then refuse an honest server's answer)
+            headers={"Accept-Encoding": "gzip, deflate"},
             event_hooks={"response": [_answer_bound(clock, timeout_s)]},
         )
         self.clock, self.timeout_s = clock, timeout_s
@@ -432,12 +437,16 @@ class ProtocolClient:
     def _raise_for_error(response: httpx.Response) -> None:
         if response.status_code < 400:
             return
-        code, message = None, response.text[:200]
+        code, message = None, response.content[:200].decode("utf-8", "replace")
         try:
             err = response.json()["error"]
             code, message = err["code"], err["message"]
         except (ValueError, KeyError, TypeError):
             pass
+        # what the server says goes into the app's logs and opstats: a short line, and a code only
+        # when it is one (a hostile server's code was any JSON value, its message any length)
+        code = code if isinstance(code, str) and re.fullmatch(r"[\x21-\x7e]{1,64}", code) else None
+        message = "".join(c if c.isprintable() else " " for c in str(message)[:200])
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 
     def attestation_nonce(self) -> bytes:

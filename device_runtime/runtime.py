@@ -642,9 +642,14 @@ class _Recorder:
         self.sent0 = runtime.client.bytes_sent
         self.received0 = runtime.client.bytes_received
 
+    #: The longest text an event keeps: reasons come from the server too (a Secure Aggregation
+    #: group's abort reason is any string it sends), and opstats is the app's database.
+    MAX_TEXT = 500
+
     def record(self, kind: str, **detail: object) -> None:
         self.peak_memory_mb = max(self.peak_memory_mb, self.runtime.memory_probe())
-        self.events.append(Event(kind, self.runtime.clock(), dict(detail)))
+        kept = {k: v[: self.MAX_TEXT] if isinstance(v, str) else v for k, v in detail.items()}
+        self.events.append(Event(kind, self.runtime.clock(), kept))
 
     def watch(self, plan: Plan, should_abort: Callable[[], bool] | None) -> Callable[[], bool]:
         """The per-step check: the app's should_abort, and the plan's budgets, measured."""

@@ -81,6 +81,9 @@ class SchedulerSettings:
     recheck_s: float = 300.0
     jitter: float = 0.2
     watchdog: bool = True
+    #: The least a job waits after its check-in was turned away, whatever window the server named:
+    #: a server that named (0, 0) had the device check in again at once, for ever.
+    min_retry_s: float = 10.0
 
 
 def run_participation(
@@ -330,7 +333,7 @@ class ParticipationScheduler:
                 session = self._run_watched(runtime, constraints)
             except SessionRejected as rejected:
                 outcome, delay, detail = RunOutcome.NOT_SELECTED, 0.0, rejected.reason
-                server_delay = runtime.next_retry_delay()
+                server_delay = max(runtime.next_retry_delay(), self.settings.min_retry_s)
             except Exception as exc:  # an error ends the session, never the job: it is rescheduled
                 if not isinstance(exc, RuntimeSdkError):
                     log.warning("the %s session failed unexpectedly", population, exc_info=True)

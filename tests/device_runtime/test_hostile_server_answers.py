@@ -29,7 +29,7 @@ from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.errors import RuntimeSdkError
 from device_runtime.protocol import MAX_RETRY_WINDOW_S
-from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S
+from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S, Outcome
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, deploy
@@ -490,3 +490,114 @@ def test_an_answer_that_trickles_in_is_dropped_once_it_falls_behind_the_devices_
     assert len(sent) == 2  # cut off at the second byte, 18 s in
     assert client.checkin("steady", "1.31.1").status == "rejected"
     client.close()
+
+
+@pytest.mark.parametrize("window", [[0.0, 0.0], [0.0, 0.5], [3.0, 3.0]])
+def test_a_window_of_nothing_does_not_make_the_device_check_in_again_at_once(tmp_path, window):
+    """A server that named (0, 0) had the scheduler run the job again at once, for ever (on a
+    virtual clock, ``run_until`` never returned): a turned-away job waits ``min_retry_s`` at least."""
+    clock = VirtualClock()
+    scheduler = ParticipationScheduler(
+        tmp_path / "app.db", StaticConditions(GOOD), clock=clock, settings=SchedulerSettings(jitter=0.0)
+    )
+    runtime = FLRuntime(
+        "p", "http://fl.test", InMemoryExampleStore(), transport=_hostile_server(window), cache_dir=tmp_path / "c"
+    )
+    scheduler.register_runtime("p", runtime)
+    scheduler.schedule("p", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600.0))
+    runs = scheduler.queue.run_until(clock.now() + 55.0)
+    assert [run.outcome for run in runs] == [RunOutcome.NOT_SELECTED] * 6  # at 0, 10, ..., 50 s
+    assert all(run.next_run_at - run.ended_at == SchedulerSettings().min_retry_s for run in runs)
+    scheduler.close()
+    runtime.close()
+
+
+error_fields = json_values | st.text(min_size=100, max_size=3000) | st.just("\x1b[2J\r\nX-Forged: 1")
+
+
+@settings(max_examples=100, deadline=None)
+@given(code=error_fields, message=error_fields, status=st.sampled_from([400, 403, 404, 409, 413, 429]))
+def test_a_refusals_code_and_message_reach_the_app_as_a_short_line(code, message, status):
+    """What a server says of a refusal goes to the app's logs and opstats (a report's rejection
+    code): any JSON there was passed on as it came, of any type and length."""
+    from device_runtime.protocol import ProtocolClient
+
+    body = {"error": {"code": code, "message": message}}
+    response = httpx.Response(status, content=json.dumps(body).encode(), request=httpx.Request("POST", "http://x/v1"))
+    with pytest.raises(ProtocolError) as refused:
+        ProtocolClient._raise_for_error(response)
+    said = str(refused.value)
+    assert refused.value.code is None or (isinstance(refused.value.code, str) and len(refused.value.code) <= 64)
+    assert refused.value.code is None or refused.value.code == code
+    assert len(said) <= 300 and said.isprintable() and refused.value.status == status
+
+
+def test_a_secure_session_whose_server_names_a_report_window_of_years_waits_an_hour_at_most(tmp_path):
+    """The Secure Aggregation wait ran to the check-in's ``report_deadline_s``, which the server
+    names: 10^9 s and a group that never forms held the session for 30 years. The device waits
+    at most an hour (``MAX_DEADLINE_S``) for its group, and its reason for leaving is on record,
+    cut short: the server's abort reason is any text it likes."""
+    import hashlib
+
+    from device_runtime import OpStatsStore, encode_checkpoint, initial_weights
+    from device_runtime.environment import RuntimeEnvironment
+    from device_runtime.plan import serialize_plan
+    from device_runtime.secagg_policy import SecAggPolicy
+    from device_runtime.secure_client import MAX_DEADLINE_S
+    from tests.support import digits_plan
+
+    plan = serialize_plan(digits_plan())
+    checkpoint = encode_checkpoint(initial_weights(digits_plan(), seed=0))
+    ids = {hashlib.sha256(b).hexdigest(): b for b in (plan, checkpoint)}
+    answer = {
+        **GOOD_ANSWER,
+        "plan_id": hashlib.sha256(plan).hexdigest(),
+        "checkpoint_id": hashlib.sha256(checkpoint).hexdigest(),
+        "aggregation": "secure_sum",
+        "report_deadline_s": 1e9,
+        "max_examples_per_report": 100,
+        "clip_update_norm": None,
+    }
+    polls: list[float] = []
+    clock = VirtualClock()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith("/checkin"):
+            return httpx.Response(200, json=answer)
+        if path.startswith("/v1/resources/"):
+            return httpx.Response(200, content=ids[path.rsplit("/", 1)[1]])
+        if path.endswith("/secagg"):
+            polls.append(clock.now())
+            return httpx.Response(200, json={"status": "waiting"})
+        return httpx.Response(200, json={"status": "aborted"})
+
+    store = InMemoryExampleStore()
+    store.add(COLLECTION, [{"x": [0.0] * 64, "y": 1}] * 8)
+    opstats = OpStatsStore(tmp_path / "app.db")
+    start = clock.now()
+    with FLRuntime(
+        "digits",
+        "http://fl.test",
+        store,
+        transport=httpx.MockTransport(handle),
+        opstats=opstats,
+        secagg_policy=SecAggPolicy(require_attested_cohort=False),
+        environment=RuntimeEnvironment(clock=clock.now, sleep=clock.advance, secagg_poll_s=30.0),
+    ) as runtime:
+        result = runtime.run_session()
+    assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == "SECAGG_TIMED_OUT"
+    assert polls[-1] - start <= MAX_DEADLINE_S
+    assert [s.shape for s in opstats.sessions()] == ["-v#"]
+
+
+def test_an_event_keeps_no_more_than_a_short_text_of_what_the_server_said(tmp_path):
+    """A Secure Aggregation group's abort reason is any string the server sends (up to the 64 MiB
+    an answer may hold), and it went into the app's opstats database as it came."""
+    from device_runtime.runtime import _Recorder
+
+    with FLRuntime("p", "http://fl.test", InMemoryExampleStore(), cache_dir=tmp_path / "c") as runtime:
+        recorder = _Recorder(runtime)
+        recorder.record("upload_rejected", code="SECAGG_ABORTED", detail="x" * 100_000, count=3)
+    [event] = recorder.events
+    assert event.detail == {"code": "SECAGG_ABORTED", "detail": "x" * _Recorder.MAX_TEXT, "count": 3}
