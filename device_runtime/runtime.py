@@ -38,7 +38,14 @@ from .influence import bound_update
 from .opstats import Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache
-from .protocol import CheckinAccepted, ProtocolClient, RetryPolicy, checked_server_url, retry_window
+from .protocol import (
+    MIN_ANSWER_BYTES_PER_S,
+    CheckinAccepted,
+    ProtocolClient,
+    RetryPolicy,
+    checked_server_url,
+    retry_window,
+)
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
 from .secagg_policy import DEFAULT_SECAGG_POLICY, SecAggPolicy
 from .secure_client import (
@@ -394,7 +401,8 @@ class FLRuntime:
         rec.record("upload_started", bytes=len(payload))
         rec.save_so_far()  # an app killed once the update has left still knows it took part
         try:
-            reported = self.client.report(session, payload, rec.stats())
+            with self._one_request_more(len(payload)):
+                reported = self.client.report(session, payload, rec.stats())
         except ProtocolError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
@@ -568,16 +576,26 @@ class FLRuntime:
                 f"plan {plan.name!r} asks for {meta.time_budget_s} s of training; a {device.name} device gives {device.max_training_s} s"
             )
 
-    def _abort_quietly(self, session: CheckinAccepted, reason: str, stats: dict | None = None) -> None:
+    @contextlib.contextmanager
+    def _one_request_more(self, sending: int = 0) -> Iterator[None]:
+        """A session past its deadline still sends its last word (its report, late, which the
+        server counts as such, or its abort) within one request's time: ``timeout_s`` and a
+        second per ``MIN_ANSWER_BYTES_PER_S`` bytes of it."""
         ends_at = self.client.ends_at
-        if ends_at is not None:  # a session past its deadline still says so, within one request's time
-            self.client.ends_at = max(ends_at, self.client.clock() + self.client.timeout_s)
+        if ends_at is not None:
+            own = self.client.timeout_s + sending / MIN_ANSWER_BYTES_PER_S
+            self.client.ends_at = max(ends_at, self.client.clock() + own)
         try:
-            self.client.abort(session, reason, stats)
-        except Exception:  # the server drops silent sessions at their deadline anyway
-            pass
+            yield
         finally:
             self.client.ends_at = ends_at
+
+    def _abort_quietly(self, session: CheckinAccepted, reason: str, stats: dict | None = None) -> None:
+        try:
+            with self._one_request_more():
+                self.client.abort(session, reason, stats)
+        except Exception:  # the server drops silent sessions at their deadline anyway
+            pass
 
     def _plan(self, plan_id: str, token: str) -> Plan:
         if plan_id in self._plans:

@@ -90,7 +90,9 @@ class HostileServer(httpx.BaseTransport):
     """Accepts every check-in with ``plans[n]`` for the n-th session (the last one thereafter),
     serves them with their initial weights, takes reports and aborts; ``aborts`` counts aborts."""
 
-    def __init__(self, plans) -> None:
+    def __init__(self, plans, report_deadline_s: float = 60.0) -> None:
+        self.report_deadline_s = report_deadline_s
+        self.reports = 0
         self.plans = [serialize_plan(p) for p in plans]
         self.checkpoints = [encode_checkpoint(initial_weights(p, seed=0)) for p in plans]
         self.sessions = 0
@@ -111,7 +113,7 @@ class HostileServer(httpx.BaseTransport):
                 "plan_id": hashlib.sha256(self.plans[n]).hexdigest(),
                 "checkpoint_id": hashlib.sha256(self.checkpoints[n]).hexdigest(),
                 "aggregation": "simple",
-                "report_deadline_s": 60.0,
+                "report_deadline_s": self.report_deadline_s,
             }
             return httpx.Response(200, json=answer)
         if path.startswith("/v1/resources/"):
@@ -119,6 +121,8 @@ class HostileServer(httpx.BaseTransport):
         if path.endswith("/abort"):
             self.aborts += 1
             return httpx.Response(200, json={"status": "aborted"})
+        if path.endswith("/report"):
+            self.reports += 1
         return httpx.Response(200, json={"status": "accepted"})
 
 
@@ -161,3 +165,14 @@ def test_a_new_plan_per_session_leaves_at_most_the_cached_plans_loaded(tmp_path)
         assert len(runtime._plans) == len(runtime._executors) == MAX_CACHED_PLANS
         assert len(runtime.loaded_plans._loaded) == MAX_CACHED_PLANS
         assert len(list((tmp_path / "cache" / "plans").iterdir())) == MAX_CACHED_PLANS
+
+
+def test_a_report_after_the_sessions_window_is_still_sent_within_its_own_time(tmp_path):
+    """Past the report window no request of a session starts, but its last word: the report goes,
+    late (the server counts it so, and its metrics), as an abort would."""
+    import time
+
+    server = HostileServer([digits_plan()], report_deadline_s=0.0)
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, timeout_s=0.2) as runtime:
+        result = runtime.run_session(before_report=lambda: time.sleep(0.3))  # past 0 s and one timeout
+    assert result.outcome is Outcome.COMPLETED and server.reports == 1
