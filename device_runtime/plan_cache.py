@@ -45,6 +45,9 @@ def _sha256(data: bytes) -> str:
 #: earlier deploys. Without a bound, every plan a server ever sent stayed (a hostile server's new
 #: plan per session, up to 1 GiB each, filled the phone's storage).
 MAX_CACHED_PLANS = 8
+#: And at most this many bytes of them (the plan just written is kept whatever its size): eight
+#: plans of the 1 GiB a device downloads (``protocol.MAX_RESOURCE_BYTES``) were 8 GiB of a phone.
+MAX_CACHED_PLAN_BYTES = 2 << 30
 _PLAN_ID = re.compile(r"[0-9a-f]{64}")
 #: A partial copy (``.<id>.<random>.tmp``) this old was left by a writer that was killed: removed.
 STALE_PARTIAL_S = 3600.0
@@ -52,13 +55,16 @@ STALE_PARTIAL_S = 3600.0
 
 class DirectoryPlanCache:
     """Plans as files named by their id in ``root/plans`` (the app's cache directory): at most
-    ``keep`` of them, those used last (a hit counts as a use)."""
+    ``keep`` of them and ``max_bytes`` of theirs, those used last (a hit counts as a use)."""
 
-    def __init__(self, root: str | os.PathLike, *, keep: int = MAX_CACHED_PLANS) -> None:
+    def __init__(
+        self, root: str | os.PathLike, *, keep: int = MAX_CACHED_PLANS, max_bytes: int = MAX_CACHED_PLAN_BYTES
+    ) -> None:
         if keep < 1:
             raise ValueError("a plan cache keeps at least 1 plan")
         self.root = Path(root)
         self.keep = keep
+        self.max_bytes = max_bytes
 
     def get(self, plan_id: str) -> bytes | None:
         path = self.root / "plans" / plan_id
@@ -99,19 +105,30 @@ class DirectoryPlanCache:
             log.warning("could not cache plan %s: %s", plan_id, exc)
 
     def _prune(self, *, keeping: str) -> None:
-        """Remove the plans used longest ago past ``keep`` (never ``keeping``, just written), and
-        partial copies older than ``STALE_PARTIAL_S`` (their writer was killed mid-write)."""
+        """Remove the plans used longest ago past ``keep`` or ``max_bytes`` (never ``keeping``,
+        just written), and partial copies older than ``STALE_PARTIAL_S`` (their writer was killed
+        mid-write)."""
         plans = []
+        total = 0
         stale = time.time() - STALE_PARTIAL_S
         for entry in os.scandir(self.root / "plans"):
-            if _PLAN_ID.fullmatch(entry.name) and entry.name != keeping:
+            if _PLAN_ID.fullmatch(entry.name):
                 with contextlib.suppress(OSError):
-                    plans.append((entry.stat().st_mtime_ns, entry.name))
+                    info = entry.stat()
+                    if entry.name == keeping:
+                        total += info.st_size
+                    else:
+                        plans.append((info.st_mtime_ns, info.st_size, entry.name))
             elif entry.name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
                     if entry.stat().st_mtime < stale:
                         os.unlink(entry.path)
-        for _, name in sorted(plans, reverse=True)[self.keep - 1 :]:
+        kept, full = 1, False
+        for _, size, name in sorted(plans, reverse=True):  # used last first: once one is over, the rest go
+            full = full or kept >= self.keep or total + size > self.max_bytes
+            if not full:
+                kept, total = kept + 1, total + size
+                continue
             with contextlib.suppress(OSError):
                 (self.root / "plans" / name).unlink()
 

@@ -312,3 +312,17 @@ def test_policies_are_fetched_only_while_the_task_has_some_or_the_server_asks(se
     transport.paths.clear()
     runtime.run_session()  # the last policies seen were not empty: they are read first
     assert transport.paths[:2] == ["GET /v1/populations/digits/eligibility", "POST /v1/populations/digits/checkin"]
+
+
+def test_a_directory_plan_cache_keeps_no_more_bytes_than_its_bound(tmp_path):
+    """Eight plans of the 1 GiB a device downloads were 8 GiB of a phone: past ``max_bytes`` the
+    plans used longest ago go too, and the one just written stays whatever its size."""
+    cache = DirectoryPlanCache(tmp_path, keep=8, max_bytes=250)
+    plans = [bytes([i]) * size for i, size in enumerate((100, 100, 100, 40, 300))]
+    ids = [hashlib.sha256(p).hexdigest() for p in plans]
+    kept_after = []
+    for i, (pid, data) in enumerate(zip(ids, plans)):
+        cache.put(pid, data)
+        os.utime(tmp_path / "plans" / pid, ns=(i * 10**9, i * 10**9))
+        kept_after.append({ids.index(p.name) for p in (tmp_path / "plans").iterdir()})
+    assert kept_after == [{0}, {0, 1}, {1, 2}, {1, 2, 3}, {4}]
