@@ -466,11 +466,18 @@ class FLRuntime:
             verify_peer=self.peer_verifier,
             dp_policy=self.dp_policy,
             update_dim=self._update_dim(session.plan_id, plan),
+            input_length=self._codec(session.plan_id, plan).vector_length if plan.server.secure_sum else None,
             sleep=self.sleep,
             clock=clock,
             **polling,
         )
         return secure, secure.prepare()
+
+    def _codec(self, plan_id: str, plan: Plan) -> SecureSumCodec:
+        codec = self._codecs.get(plan_id)
+        if codec is None:
+            codec = self._codecs[plan_id] = SecureSumCodec(plan, self._executors[plan_id])
+        return codec
 
     def _update_dim(self, plan_id: str, plan: Plan) -> int:
         """The length of the weight deltas a distributed-DP round encodes (0 for an evaluation)."""
@@ -488,9 +495,7 @@ class FLRuntime:
         An update that is not valid (training diverged to NaN, say) is not sent: the device drops
         out of its group, which goes on without it, as the server refuses such a plain report."""
         executor = self._executors[session.plan_id]
-        codec = self._codecs.get(session.plan_id)
-        if codec is None:
-            codec = self._codecs[session.plan_id] = SecureSumCodec(plan, executor)
+        codec = self._codec(session.plan_id, plan)
         try:
             executor.validate_update(result.update)
         except PlanError as exc:

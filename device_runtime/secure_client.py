@@ -139,14 +139,18 @@ class SecureAggregation:
         verify_peer: PeerVerifier | None = None,
         dp_policy: DPPolicy = DEFAULT_DP_POLICY,
         update_dim: int | None = None,
+        input_length: int | None = None,
     ) -> None:
         """``signer``: the attested device key (``DeviceAttestor.secagg_signer()``);
         ``verify_peer``: checks peers' certificates (``PeerCertificateVerifier``); ``dp_policy``:
         this device's noise floor; ``update_dim``: the length of its update's weight deltas, which
-        a distributed-DP round's parameters must encode."""
+        a distributed-DP round's parameters must encode; ``input_length``: the length of its masked
+        input in a round without distributed DP (its plan's secure-sum vector), which the group's
+        configuration must name."""
         self.policy = policy
         self.dp_policy = dp_policy
         self.update_dim = update_dim
+        self.input_length = input_length
         self.ddp: DDPRound | None = None
         self.signer = signer
         self.verify_peer = verify_peer
@@ -348,6 +352,13 @@ class SecureAggregation:
             )
         except DPRefusal as exc:
             raise _Refusal(f"distributed DP: {exc}", exc.code) from None
+        if self.ddp is None and self.input_length is not None and config.vector_length != self.input_length:
+            # found only at the masked input, after training: the device trained for nothing
+            # (and a length of 2^40 asked for that much mask)
+            raise _Refusal(
+                f"the group's vector_length {config.vector_length} is not the {self.input_length} of this plan's "
+                "secure-sum outputs"
+            )
         try:
             return SecAggClient(
                 client_id,

@@ -315,3 +315,25 @@ def test_garbled_secure_aggregation_state_is_refused_not_a_crash(harness, garble
     assert all(r is not None for r in results)  # every session ended in a result: none raised
     never_included(results)
     assert len(refusals(h, results)) == 5
+
+
+class LongerVector(Attack):
+    """The group's configuration names a vector 1,000 times longer than the plan's secure-sum
+    outputs: each device found out at its masked input, after training for nothing, with a
+    ``secagg`` error the runtime did not catch (and a length of 2^40 asked for that much mask)."""
+
+    def overrides(self, secure):
+        def _aggregator(self, config, n, graph_seed):
+            longer = dataclasses.replace(config, vector_length=config.vector_length * 1000)
+            return SecAggServer(longer, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
+
+        return {"_aggregator": _aggregator}
+
+
+def test_a_vector_length_not_the_plans_makes_every_device_refuse_before_training(harness):
+    h = harness(LongerVector())
+    results = h.run()
+    never_included(results)
+    reasons = refusals(h, results)
+    assert len(reasons) == 5 and all("vector_length" in r and "secure-sum outputs" in r for r in reasons)
+    assert all("training_started" not in [e.kind for e in r.events] for r in results)
