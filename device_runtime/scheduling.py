@@ -453,9 +453,13 @@ class ParticipationScheduler:
 class WorkerQueue:
     """The device's single training worker, shared by all its apps' schedulers."""
 
-    def __init__(self, clock: Clock | None = None, *, idle_poll_s: float = 60.0, history: int | None = None) -> None:
-        """``history``: how many past job runs ``history`` keeps (all by default; a simulated
-        device that runs for days keeps none)."""
+    #: Past job runs a queue keeps by default: an app's worker runs for months, and it kept every
+    #: run with its session's events (one every ``min_retry_s`` under a server that turns it away).
+    HISTORY = 1000
+
+    def __init__(self, clock: Clock | None = None, *, idle_poll_s: float = 60.0, history: int | None = HISTORY) -> None:
+        """``history``: how many past job runs ``history`` keeps, the last ones (``HISTORY`` by
+        default, all with None; a simulated device that runs for days keeps none)."""
         self.clock = clock or SystemClock()
         self.idle_poll_s = idle_poll_s
         self._schedulers: list[ParticipationScheduler] = []

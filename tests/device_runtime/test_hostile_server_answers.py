@@ -30,7 +30,7 @@ from device_runtime.conditions import DeviceState, StaticConditions, TrainingCon
 from device_runtime.errors import RuntimeSdkError
 from device_runtime.protocol import MAX_RETRY_WINDOW_S
 from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S, Outcome
-from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings
+from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, deploy
 
@@ -508,6 +508,8 @@ def test_a_window_of_nothing_does_not_make_the_device_check_in_again_at_once(tmp
     runs = scheduler.queue.run_until(clock.now() + 55.0)
     assert [run.outcome for run in runs] == [RunOutcome.NOT_SELECTED] * 6  # at 0, 10, ..., 50 s
     assert all(run.next_run_at - run.ended_at == SchedulerSettings().min_retry_s for run in runs)
+    # an app's worker runs for months, every run held with its session: the last ones only
+    assert scheduler.queue.history.maxlen == WorkerQueue.HISTORY == 1000
     scheduler.close()
     runtime.close()
 
