@@ -83,7 +83,7 @@ class SchedulerSettings:
     watchdog: bool = True
     #: The least a job waits after its check-in was turned away, whatever window the server named:
     #: a server that named (0, 0) had the device check in again at once, for ever.
-    min_retry_s: float = 10.0
+    min_retry_s: float = 1.0
 
 
 def run_participation(
