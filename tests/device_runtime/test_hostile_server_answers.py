@@ -29,7 +29,7 @@ from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.errors import RuntimeSdkError
 from device_runtime.protocol import MAX_RETRY_WINDOW_S
-from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S, Outcome
+from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, deploy
