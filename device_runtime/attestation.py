@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+from secagg.crypto import ed25519_valid
 
 ATTESTATION_VERSION = 1
 """Version of the attestation JSON and of both canonical encodings; bump it on any layout change."""
@@ -534,11 +535,12 @@ class PeerCertificateVerifier:
     def __init__(
         self, trust_anchor: Mapping[bytes, bytes], clock: Callable[[], float], *, clock_skew_s: float = 300.0
     ) -> None:
-        self._authorities: dict[bytes, Ed25519PublicKey] = {}
+        self._authorities: dict[bytes, bytes] = {}
         for key_id, public in trust_anchor.items():
             if authority_key_id(bytes(public)) != bytes(key_id):
                 raise ValueError("a trust anchor key id does not match its public key")
-            self._authorities[bytes(key_id)] = Ed25519PublicKey.from_public_bytes(bytes(public))
+            Ed25519PublicKey.from_public_bytes(bytes(public))  # a key that is not one is refused here
+            self._authorities[bytes(key_id)] = bytes(public)
         if not self._authorities:
             raise ValueError("the trust anchor names no authority")
         self._clock = clock
@@ -552,9 +554,7 @@ class PeerCertificateVerifier:
         authority = self._authorities.get(cert.authority_key_id)
         if authority is None or cert.device_public_key != bytes(public_key):
             return False
-        try:
-            authority.verify(cert.signature, cert.signed_payload())
-        except InvalidSignature:
+        if not ed25519_valid(authority, bytes(cert.signature), cert.signed_payload()):
             return False
         now = self._clock()
         return cert.issued_at - self._skew <= now < cert.expires_at + self._skew

@@ -9,6 +9,7 @@ client ids, so a ciphertext replayed into another session or readdressed does no
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
@@ -139,8 +140,18 @@ def verify_signature(public: bytes, signature: bytes, data: bytes) -> bool:
     """Whether ``signature`` is ``public``'s signature over ``data`` (made with ``sign``)."""
     if len(public) != KEY_BYTES or len(signature) != SIG_BYTES:
         return False
+    return ed25519_valid(bytes(public), bytes(signature), SIGNING_DOMAIN + bytes(data))
+
+
+@functools.lru_cache(maxsize=8192)
+def ed25519_valid(public: bytes, signature: bytes, message: bytes) -> bool:
+    """Whether ``signature`` is ``public``'s Ed25519 signature over ``message``. The answer is a
+    pure function of the three byte strings, so the last few thousand are kept: every member of a
+    group checks the same peers' signatures and certificates, and a simulated fleet, whose
+    devices share a process, checked each of them once per member (99 times in a group of 100:
+    a third of a secure fleet's CPU)."""
     try:
-        Ed25519PublicKey.from_public_bytes(public).verify(signature, SIGNING_DOMAIN + data)
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
         return True
     except (InvalidSignature, ValueError):
         return False
