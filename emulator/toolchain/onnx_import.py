@@ -342,12 +342,14 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     names = _TorchNames(model)
-    reads = {id(node): fx_reads(node) for node in graph.node}
-    lifted = frozenset().union(*(r for r in reads.values() if r), names.by_placeholder)
+    # by position: protobuf makes a new wrapper of a node at each access, so an id() taken of one
+    # may be another node's by the next loop (a KeyError some runs and not others)
+    nodes = list(graph.node)
+    reads = [fx_reads(node) for node in nodes]
+    lifted = frozenset().union(*(r for r in reads if r), names.by_placeholder)
     original = set(inits)
     split: dict[str, str] = {}
-    for node in graph.node:
-        own = reads[id(node)]
+    for node, own in zip(nodes, reads):
         if not own or _metadata(node, _REWRITTEN) is not None:
             continue  # a rewrite rule's node (a BatchNorm fused into a Conv) carries one of its sources' metadata
         for k, name in enumerate(node.input):
@@ -485,12 +487,12 @@ def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> d
     module reads through several nodes (an LSTM's gates sliced apart, attention's packed
     projection) is not taken for a tie; where no exporter says, each reading node counts."""
     readers: dict[str, set[object]] = {}
-    for node in nodes:
+    for position, node in enumerate(nodes):
         if node.op_type in ("Shape", "Size"):
             continue  # reads the shape alone
         module = node_module(node)
-        for name in set(node.input):
-            readers.setdefault(name, set()).add(id(node) if module is None else module)
+        for name in set(node.input):  # a node by its position: protobuf's wrappers' ids are reused
+            readers.setdefault(name, set()).add(position if module is None else module)
     return {w: len(readers[w]) for w in weights if len(readers.get(w, ())) > 1}
 
 
