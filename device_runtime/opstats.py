@@ -10,7 +10,9 @@ the sessions that ended more than ``keep_s`` (30 days) before it, and all but th
 ``keep_sessions`` (1,000), except the newest session of each population and task that took part
 (what eligibility policies read, ``last_participation``), which is kept whatever its age. Without
 a bound the log grew by every session for the life of the app, and a server that named a new task
-or a long reason in every session grew it faster."""
+or a long reason in every session grew it faster. The resumption tokens are bounded alike: each
+one saved drops those saved more than ``keep_s`` before it and all but the newest ``keep_sessions``
+(a task whose token is gone reads its collection from the start again)."""
 
 from __future__ import annotations
 
@@ -218,8 +220,22 @@ class OpStatsStore:
         stmt = stmt.on_conflict_do_update(
             index_elements=["population", "task", "collection_uri"], set_={"token": token, "saved_at": at}
         )
+        t = resumption_table.c
         with self.engine.begin() as conn:
             conn.execute(stmt)
+            # bounded as the log is: a server that named a new task in every session added a row each time
+            conn.execute(delete(resumption_table).where(t.saved_at < at - self.keep_s))
+            beyond = conn.execute(
+                select(t.population, t.task, t.collection_uri)
+                .order_by(t.saved_at.desc(), t.population.desc(), t.task.desc(), t.collection_uri.desc())
+                .offset(self.keep_sessions)
+            ).all()
+            for population_, task_, uri in beyond:
+                conn.execute(
+                    delete(resumption_table).where(
+                        t.population == population_, t.task == task_, t.collection_uri == uri
+                    )
+                )
 
     def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
         """Drop a saved token (the store refused it): the next session reads from the start."""

@@ -188,3 +188,24 @@ def test_the_bounds_of_the_log_are_checked():
     for bad in ({"keep_s": 0.0}, {"keep_sessions": 0}, {"keep_s": float("nan")}):
         with pytest.raises(ValueError, match="keep_s must be > 0 and keep_sessions >= 1"):
             OpStatsStore(":memory:", **bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    saves=st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "e"]), st.floats(0, 60)), max_size=14),
+    keep_sessions=st.integers(1, 4),
+)
+def test_resumption_tokens_are_bounded_as_the_log_is(tmp_path_factory, saves, keep_sessions):
+    """A server that names a new task in every session added a token row each time, for the life of
+    the app: the table keeps the newest ``keep_sessions`` saved within ``keep_s`` of the last save."""
+    opstats = OpStatsStore(tmp_path_factory.mktemp("tokens") / "app.db", keep_s=100.0, keep_sessions=keep_sessions)
+    now, newest = 1000.0, {}
+    for task, gap in saves:
+        now += gap
+        opstats.save_resumption_token("p", task, "app:/c", f"{task}@{now}", at=now)
+        newest[task] = now
+    recent = sorted((at, task) for task, at in newest.items() if at >= now - 100.0)[::-1][:keep_sessions]
+    for task, at in newest.items():
+        expected = f"{task}@{at}" if (at, task) in recent else None
+        assert opstats.resumption_token("p", task, "app:/c") == expected
+    opstats.close()
