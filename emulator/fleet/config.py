@@ -393,6 +393,10 @@ class TaskSection(_Section):
     #: and how long each key round waits for a group's messages (covers a poll and a round trip).
     secagg_group_size: int = Field(5, ge=2, le=100_000)
     secagg_round_timeout_s: Timeout = 10.0
+    #: With ``secure``: how many devices a round's groups take when it has them (each group one
+    #: Aggregator; its key rounds cost each member a key agreement per peer), never fewer than
+    #: ``secagg_group_size`` + 1.
+    secagg_target_group_size: int = Field(100, ge=2, le=100_000)
     max_rounds: int | None = Field(None, ge=1)
     #: A task file (``fedfleet plan build``'s input, relative to the config file's folder): the fleet
     #: builds and deploys its tasks instead of the built-in digits MLP (``emulator/fleet/digits_task.py``).
@@ -482,6 +486,7 @@ ROUND_KEYS: dict[str, str] = {
     "max_rounds": "max_rounds",
     "secagg_group_size": "secagg_min_group_size",
     "secagg_round_timeout_s": "secagg_round_timeout_s",
+    "secagg_target_group_size": "secagg_target_group_size",
 }
 #: ``retry_min_s``/``retry_max_s`` override the RoundConfig's ``retry_window_s`` (either one set: both).
 RETRY_KEYS = ("retry_min_s", "retry_max_s")

@@ -55,7 +55,11 @@ def task_round_config(task: TaskSection) -> RoundConfig:
     """The server's round configuration of the fleet's ``[task]`` (every valid section gives one:
     the section's bounds are the server's)."""
     secure: dict[str, Any] = (
-        {"secagg_min_group_size": task.secagg_group_size, "secagg_round_timeout_s": task.secagg_round_timeout_s}
+        {
+            "secagg_min_group_size": task.secagg_group_size,
+            "secagg_round_timeout_s": task.secagg_round_timeout_s,
+            "secagg_target_group_size": task.secagg_target_group_size,
+        }
         if task.secure
         else {}
     )

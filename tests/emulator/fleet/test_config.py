@@ -178,3 +178,20 @@ def test_every_valid_task_section_is_a_round_configuration_the_server_takes(
         report,
         (min(retry), max(retry)),
     )
+
+
+def test_the_secure_group_size_a_round_aims_for_is_a_task_key_of_the_fleet():
+    """A privacy engineer studies the protocol's cost against its group size from the fleet config,
+    for the built-in task and over a task file's own RoundConfig alike."""
+    from emulator.fleet.workload import overridden_round_config, task_round_config
+    from server_stub import RoundConfig
+
+    config = FleetConfig.from_dict({"task": {"secure": True, "secagg_target_group_size": 20}})
+    assert task_round_config(config.task).secagg_target_group_size == 20
+    assert task_round_config(FleetConfig.from_dict({"task": {"secure": True}}).task).secagg_target_group_size == 100
+    rounds = overridden_round_config(RoundConfig(secagg_target_group_size=50), config.task)
+    assert rounds.secagg_target_group_size == 20
+    untouched = overridden_round_config(RoundConfig(secagg_target_group_size=50), FleetConfig.default().task)
+    assert untouched.secagg_target_group_size == 50
+    with pytest.raises(ValueError, match="secagg_target_group_size"):
+        FleetConfig.from_dict({"task": {"secagg_target_group_size": 1}})
