@@ -289,27 +289,29 @@ def _check_class_ids(tasks: list[FleetTask], data: Any, task_source: str) -> Non
     """A WorkloadError when the data's labels fall outside the classes a plan scores: every device
     would refuse its batches (``DeviceConfig.class_ids``), so the run says so before it starts."""
     label = data.label or "y"
-    for task in tasks:
-        for plan in (task.plan, task.eval_plan):
-            if plan is None:
-                continue
-            for graph_name, classes in plan.device.class_ids.items():
-                if plan.device.inputs[graph_name] != label:
-                    continue
-                ids = data.labels()
-                if ids.dtype.kind == "f" and not np.all(np.mod(ids, 1) == 0):
-                    raise WorkloadError(
-                        f"the label {label!r} of {data.source} holds fractions, but the plan {plan.name!r} "
-                        f"({task_source}) reads class ids 0 to {classes - 1}; use whole-number labels, or a task "
-                        "with a loss for numbers (mse)"
-                    )
-                if ids.size and (ids.min() < 0 or ids.max() >= classes):
-                    raise WorkloadError(
-                        f"the label {label!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the "
-                        f"plan {plan.name!r} ({task_source}) scores {classes} classes (ids 0 to {classes - 1}); "
-                        "use a task whose model has an output per class, or data labelled 0 to "
-                        f"{classes - 1}"
-                    )
+    scoring = [
+        (classes, plan.name)
+        for task in tasks
+        for plan in (task.plan, task.eval_plan)
+        if plan is not None
+        for graph_name, classes in plan.device.class_ids.items()
+        if plan.device.inputs[graph_name] == label
+    ]
+    if not scoring:
+        return
+    classes, name = min(scoring)  # the plan with the fewest classes refuses first
+    ids = data.labels()  # every split's labels, read once
+    if ids.dtype.kind == "f" and not np.all(np.mod(ids, 1) == 0):
+        raise WorkloadError(
+            f"the label {label!r} of {data.source} holds fractions, but the plan {name!r} ({task_source}) reads "
+            f"class ids 0 to {classes - 1}; use whole-number labels, or a task with a loss for numbers (mse)"
+        )
+    if ids.size and (ids.min() < 0 or ids.max() >= classes):
+        raise WorkloadError(
+            f"the label {label!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the plan "
+            f"{name!r} ({task_source}) scores {classes} classes (ids 0 to {classes - 1}); use a task whose model "
+            f"has an output per class, or data labelled 0 to {classes - 1}"
+        )
 
 
 # ----------------------------------------------------------------------------- building
