@@ -110,9 +110,9 @@ def _make_divisible(v: float, divisor: int = 8, min_value: int | None = None) ->
     return new_v
 
 
-def _init_convolutions(module: nn.Module) -> None:
-    """torchvision's MobileNet and EfficientNet initialization of convolutions and BatchNorm (their
-    linear layers differ)."""
+def _init_convolutions(module: nn.Module, linear_std: float | None = None) -> None:
+    """torchvision's MobileNet and EfficientNet initialization of convolutions and BatchNorm, and
+    with ``linear_std`` MobileNet's of its linear layers (EfficientNet's differ)."""
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out")
@@ -120,6 +120,9 @@ def _init_convolutions(module: nn.Module) -> None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.BatchNorm2d):
             nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear) and linear_std is not None:
+            nn.init.normal_(m.weight, 0, linear_std)
             nn.init.zeros_(m.bias)
 
 
@@ -194,11 +197,7 @@ class MobileNetV2(nn.Module):
         features.append(Conv2dNormActivation(input_channel, self.last_channel, kernel_size=1))
         self.features = nn.Sequential(*features)
         self.classifier = nn.Sequential(nn.Dropout(p=dropout), nn.Linear(self.last_channel, num_classes))
-        _init_convolutions(self)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
+        _init_convolutions(self, linear_std=0.01)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = nn.functional.adaptive_avg_pool2d(self.features(x), (1, 1))
@@ -286,11 +285,7 @@ class MobileNetV3(nn.Module):
             nn.Dropout(p=dropout, inplace=True),
             nn.Linear(last_channel, num_classes),
         )
-        _init_convolutions(self)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
+        _init_convolutions(self, linear_std=0.01)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
