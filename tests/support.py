@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -145,6 +145,22 @@ def on_secure_rounds(monkeypatch, server: ServerThread, population: str, change:
             change(run.secure)
 
     monkeypatch.setattr(service, "_start_next", start_next)
+
+
+def sessions_in_background(fleet: Any, count: int) -> tuple[threading.Thread, list]:
+    """The first ``count`` of ``fleet``'s devices run a session each, in a thread of their own
+    (joined through the thread returned); what each ended with, its result or what it raised."""
+
+    def session(i: int) -> Any:
+        try:
+            return fleet.runtimes[i].run_session()
+        except Exception as exc:  # noqa: BLE001 - what a device raised is the test's to judge
+            return exc
+
+    ended: list = []
+    devices = threading.Thread(target=lambda: ended.extend(in_threads(count, session, 120)))
+    devices.start()
+    return devices, ended
 
 
 def in_threads(count: int, work: Callable[[int], T], timeout_s: float) -> list[T | None]:

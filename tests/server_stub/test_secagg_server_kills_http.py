@@ -25,7 +25,7 @@ from tests.support import (
     ThroughRestart,
     check_ddp_accounting,
     deploy_secure,
-    in_threads,
+    sessions_in_background,
 )
 
 GROUP = 6
@@ -50,17 +50,9 @@ def _killed_at(point: str, server: ServerProcess, attested_runtimes, **config) -
         switches = [ThroughRestart(point if i == 0 else None, up) for i in range(GROUP)]
         fleet = attested_runtimes(server.url, "digits", GROUP, transport=lambda i: switches[i])
 
-        def session(i: int):
-            try:
-                return fleet.runtimes[i].run_session()
-            except Exception as exc:  # noqa: BLE001 - what a device raised is the test's to judge
-                return exc
-
-        ended: list = []
-        devices = threading.Thread(target=lambda: ended.extend(in_threads(GROUP, session, 120)))
-        devices.start()
+        devices, ended = sessions_in_background(fleet, GROUP)
         assert switches[0].reached.wait(120), f"no device reached {point}"
-        up.clear()
+        up.clear()  # held before the kill: a request to a dead server would fail, not wait
         server.kill()
         server.start()
         up.set()

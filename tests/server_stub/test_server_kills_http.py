@@ -27,7 +27,7 @@ from tests.support import (
     check_ddp_accounting,
     deploy,
     deploy_secure,
-    in_threads,
+    sessions_in_background,
 )
 
 PLAIN = 3  # devices of a plain round
@@ -41,23 +41,9 @@ def server_process(tmp_path, authority):
     server.stop()
 
 
-def _sessions(fleet, count: int) -> tuple[threading.Thread, list]:
-    """``count`` of the fleet's devices run a session each, in a thread of their own; what each ended with."""
-
-    def session(i: int):
-        try:
-            return fleet.runtimes[i].run_session()
-        except Exception as exc:  # noqa: BLE001 - what a device raised is the test's to judge
-            return exc
-
-    ended: list = []
-    devices = threading.Thread(target=lambda: ended.extend(in_threads(count, session, 120)))
-    devices.start()
-    return devices, ended
-
-
 def _restart(server: ServerProcess, up: threading.Event, kill: Callable[[], None]) -> None:
-    """The server down (``kill``), devices' requests held, the server started again, devices let through."""
+    """The server down (``kill``), devices' requests held, the server started again, devices let
+    through. Held after the kill: a server that kills itself (``died``) does so on a device's request."""
     kill()
     up.clear()
     server.start()
@@ -89,7 +75,7 @@ def _killed_in_commit(point: str, server: ServerProcess, attested_runtimes, *, s
         up.set()
         switches = [ThroughRestart(None, up) for _ in range(count)]
         fleet = attested_runtimes(server.url, "digits", count, transport=lambda i: switches[i])
-        devices, ended = _sessions(fleet, count)
+        devices, ended = sessions_in_background(fleet, count)
         _restart(server, up, server.died)
         devices.join(150)
         assert len(ended) == count and all(hasattr(r, "outcome") for r in ended), ended
@@ -169,7 +155,7 @@ def test_a_server_killed_while_its_selection_waits_opens_the_round_again_and_cou
         for switch in switches:
             switch.then = lambda: killed.wait(120)
         fleet = attested_runtimes(server_process.url, "digits", count, transport=lambda i: switches[i])
-        devices, ended = _sessions(fleet, waiting)
+        devices, ended = sessions_in_background(fleet, waiting)
         try:
             for switch in switches[:waiting]:
                 assert switch.reached.wait(120), "a device's check-in was not accepted"
