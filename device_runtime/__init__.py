@@ -31,7 +31,7 @@ from .errors import (
     ServerUnreachable,
     SessionRejected,
 )
-from .executor import PlanExecutor, TrainingInterrupted
+from .executor import PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .opstats import Event, OpStatsStore, SessionSummary, shape_of
 from .plan import (
     PLAN_FORMAT_VERSION,
@@ -125,6 +125,7 @@ __all__ = [
     "decode_checkpoint",
     "CheckpointError",
     "PlanExecutor",
+    "stoppable_run_options",
     "min_runtime_for_opset",
     "max_opset_for_runtime",
     "max_ir_version_for_runtime",

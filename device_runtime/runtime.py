@@ -33,7 +33,7 @@ from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_up
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import CorruptResource, InvalidSetting, NoExamples, OverBudget, ProtocolError, SessionRejected
-from .executor import DeviceResult, PlanExecutor, TrainingInterrupted
+from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .influence import bound_update
 from .opstats import Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError
@@ -240,7 +240,8 @@ class FLRuntime:
         """Run one session; raises SessionRejected when not selected (see ``last_retry_window``).
 
         Every phase is recorded; the events go to ``opstats`` (if given) in one transaction when
-        the session ends, whatever the way it ends."""
+        the session ends, whatever the way it ends. Setting ``run_options.terminate`` from another
+        thread stops a training step in flight; make them with :func:`stoppable_run_options`."""
         with self._lock:  # one training session at a time per runtime
             rec = _Recorder(self)
             self._session_ends_in(CHECKIN_WINDOW_S)
@@ -359,7 +360,7 @@ class FLRuntime:
             )
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
-            run_options = run_options if run_options is not None else onnxruntime.RunOptions()
+            run_options = run_options if run_options is not None else stoppable_run_options()
             try:
                 with self._training_watchdog(plan, run_options, rec):
                     result = executor.run_device(

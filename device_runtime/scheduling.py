@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import onnxruntime as ort
 from apscheduler.job import Job
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
@@ -29,6 +28,7 @@ from apscheduler.triggers.date import DateTrigger
 from .clock import Clock, SystemClock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
 from .errors import RuntimeSdkError, SessionRejected
+from .executor import stoppable_run_options
 from .runtime import FLRuntime, Outcome, SessionResult
 
 log = logging.getLogger(__name__)
@@ -428,7 +428,7 @@ class ParticipationScheduler:
             return runtime.run_session(should_abort=self._unmet_check(constraints))
         stop = threading.Event()
         done = threading.Event()
-        run_options = ort.RunOptions()
+        run_options = stoppable_run_options()
 
         def watchdog() -> None:
             while not done.wait(self.settings.poll_s):

@@ -7,7 +7,6 @@ import threading
 import time
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from device_runtime import (
@@ -21,6 +20,7 @@ from device_runtime import (
 )
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
+from device_runtime.executor import stoppable_run_options
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from emulator.devices.conditions import DiurnalConditions
 from example_store import ExampleSelector, SQLiteExampleStore
@@ -114,7 +114,7 @@ def test_forced_stop_ends_a_running_step(digits):
     executor = PlanExecutor(plan)
     rng = np.random.default_rng(0)
     batch = {"x": rng.random((2048, 784), dtype=np.float32), "y": rng.integers(0, 10, 2048)}
-    options = ort.RunOptions()
+    options = stoppable_run_options()  # what the scheduler and runtime make
     threading.Timer(0.3, lambda: setattr(options, "terminate", True)).start()
     started = time.monotonic()
     with pytest.raises(TrainingInterrupted, match="by force"):
