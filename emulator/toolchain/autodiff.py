@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 # the toolchain's modules and users have always imported them
 from .emitter import DEFAULT_DOMAINS, Dim, Emitter, TensorInfo, UnsupportedOpError, attr
 from .forward import decompose
-from .gradients import NO_GRADIENT, RULES, erf_gelu_gradient, erf_gelus
+from .gradients import NO_GRADIENT, RULES, conv_tap_sums, erf_gelu_gradient, erf_gelus, tap_sum_input_gradient
 
 __all__ = [
     "DEFAULT_DOMAINS",
@@ -388,6 +388,8 @@ def backward(
     live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
     gelus = erf_gelus(nodes, emitter, live)
+    tap_sums = conv_tap_sums(nodes, emitter)  # their windows' gradients are gathered from dy at the sum
+    gathered = {term for t in tap_sums.values() if t.target in live for term in t.terms}
     grads: dict[str, list[str]] = {}  # a tensor -> the gradients reaching it, summed when its producer needs them
     for name, seed in seeds.items():
         if name in live:
@@ -412,8 +414,13 @@ def backward(
         rule = RULES.get(node.op_type)
         if rule is None:
             raise UnsupportedOpError(node.op_type, node.name)
-        wants = [bool(i) and i in live for i in node.input]
+        wants = [
+            bool(i) and i in live and not (k == 0 and node.output[0] in gathered) for k, i in enumerate(node.input)
+        ]
         in_grads = rule(emitter, node, outs, wants)
+        tap_sum = tap_sums.get(node.output[0])
+        if tap_sum is not None and tap_sum.target in live and outs[0] is not None:
+            grads.setdefault(tap_sum.target, []).append(tap_sum_input_gradient(emitter, tap_sum, outs[0]))
         mask = (lookup_masks or {}).get(node.input[0]) if node.op_type == "Gather" else None
         if mask is not None and in_grads[0] is not None and int(attr(node, "axis", 0)) == 0:
             in_grads = [emitter.op("Mul", [in_grads[0], mask]), *in_grads[1:]]

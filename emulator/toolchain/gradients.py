@@ -5,15 +5,18 @@ where none flows) and which inputs want a gradient, and returns one gradient ten
 input. Rules use the forward node's own outputs where that saves work (``Sigmoid``: dy*y*(1-y)).
 
 The exact GELU that exporters write in five ops below opset 20 is differentiated as one activation
-(:func:`erf_gelus`). Ops that a training plan rewrites before differentiating (``BatchNormalization`` with batch
-statistics, ``LayerNormalization``, active ``Dropout``, ``MaxPool`` with indices) are described in
-:mod:`.forward`; their rules here see the rewritten form.
+(:func:`erf_gelus`), and a Conv written as a sum over its kernel offsets takes its input gradient at
+the sum, gathered from dy (:func:`conv_tap_sums`). Ops that a training plan rewrites before
+differentiating (``BatchNormalization`` with batch statistics, ``LayerNormalization``, active
+``Dropout``, ``MaxPool`` with indices) are described in :mod:`.forward`; their rules here see the
+rewritten form.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -1545,6 +1548,189 @@ def _depthwise_weight_grad(
         rows.append(e.op("Reshape", [summed, e.ints([1, c_out])]) if m > 1 else summed)
     taps = e.op("Concat", rows, axis=0) if len(rows) > 1 else rows[0]  # [k..., Cout]
     return e.op("Reshape", [e.op("Transpose", [taps], perm=[1, 0]), e.ints([c_out, 1, *kernel])])
+
+
+@dataclass(frozen=True)
+class TapSum:
+    """A Conv written as a sum over its kernel offsets (:mod:`.forward`'s taps, channels last:
+    ``[spatial..., N, C]``): each term a window of one tensor times the offset's weights, a Gemm
+    (dense: the window's rows by the [Cout, Cin] weight, transposed) or a Mul (depthwise: by a
+    [1, C] weight). Term k's output position j reads input position ``firsts[k] + strides * j``."""
+
+    target: str  # where the input gradient goes: the windows' tensor, or the input of the Pad that made it
+    firsts: tuple[tuple[int, ...], ...]  # per term, in ``target``'s positions (negative: in the padding)
+    strides: tuple[int, ...]
+    out_dims: tuple[int, ...]
+    dims: tuple[int, ...]  # the target's spatial sizes
+    weights: tuple[str, ...]
+    terms: tuple[str, ...]  # the terms' outputs, whose window input takes no gradient of its own
+    dense: bool
+    channels: int  # of dy: Cout (dense) or C (depthwise)
+    c_in: int  # of the windows
+
+
+def conv_tap_sums(nodes: Sequence[onnx.NodeProto], e: Emitter) -> dict[str, TapSum]:
+    """The sums of :class:`TapSum` terms among ``nodes`` (output -> the pattern) whose input gradient,
+    gathered per input position (:func:`tap_sum_input_gradient`), multiplies no more rows than the
+    windows' own gradients: windows as large as the input (a padded Conv), or with strides, an input
+    whose sizes they divide and whose every phase some offset reads."""
+    producers = {o: n for n in nodes for o in n.output if o}
+
+    def const(name: str) -> list[int] | None:
+        v = e.value(name) if name else None
+        return None if v is None else [int(i) for i in v.reshape(-1)]
+
+    def window(name: str) -> tuple[str, list[int], list[int], list[int]] | None:
+        """(the tensor of [spatial..., N, C] it is a window of, its first position, its size, the
+        strides) per spatial axis, for a Slice of whole rows, or of the axes split into (blocks,
+        stride) by a Reshape (a strided window: one phase of a block range)."""
+        node = producers.get(name)
+        if node is None or node.op_type != "Slice" or len(node.input) < 4:
+            return None
+        starts, ends, axes = const(node.input[1]), const(node.input[2]), const(node.input[3])
+        steps = const(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+        if starts is None or ends is None or axes != list(range(len(starts))) or steps not in (None, [1] * len(starts)):
+            return None
+        sizes = [b - a for a, b in zip(starts, ends)]
+        split = producers.get(node.input[0])
+        shape = const(split.input[1]) if split is not None and split.op_type == "Reshape" else None
+        source = e.shape(split.input[0]) if split is not None else None
+        nd = len(starts) // 2
+        if shape is None or source is None or len(source) != nd + 2 or len(shape) != 2 * nd + 2:
+            return node.input[0], starts, sizes, [1] * len(starts)
+        strides = shape[1 : 2 * nd : 2]
+        if (
+            shape[-1] != source[-1]
+            or shape[-2] not in (-1, source[-2])
+            or shape[0 : 2 * nd : 2] != [d // s if isinstance(d, int) else -2 for d, s in zip(source, strides)]
+            or any(sizes[1::2] != [1] * nd or d % s for d, s in zip(source[:nd], strides) if isinstance(d, int))
+        ):
+            return None
+        assert split is not None
+        firsts = [b * s + p for b, p, s in zip(starts[0::2], starts[1::2], strides)]
+        return split.input[0], firsts, sizes[0::2], strides
+
+    found: dict[str, TapSum] = {}
+    for node in nodes:
+        if node.op_type != "Sum" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        terms = [producers.get(t) for t in node.input]
+        dense = terms[0] is not None and terms[0].op_type == "Gemm"
+        windows: list[tuple[str, list[int], list[int], list[int]] | None] = []
+        weights: list[str] = []
+        for t in terms:
+            if t is None:
+                windows.append(None)
+            elif dense and t.op_type == "Gemm" and len(t.input) == 2 and not int(attr(t, "transA", 0)):
+                ok = int(attr(t, "transB", 0)) == 1 and float(attr(t, "alpha", 1.0)) == 1.0
+                rows = producers.get(t.input[0])
+                shape = const(rows.input[1]) if ok and rows is not None and rows.op_type == "Reshape" else None
+                windows.append(
+                    window(rows.input[0]) if rows is not None and shape is not None and len(shape) == 2 else None
+                )
+            elif not dense and t.op_type == "Mul":
+                windows.append(window(t.input[0]))
+            else:
+                windows.append(None)
+            weights.append(t.input[1] if t is not None else "")
+        known = [w for w in windows if w is not None]
+        if len(known) < len(windows) or len({(w[0], tuple(w[2]), tuple(w[3])) for w in known}) != 1:
+            continue
+        source, _, out_dims, strides = known[0]
+        nd = len(out_dims)
+        xshape, wshape = e.shape(source), e.shape(weights[0])
+        if xshape is None or wshape is None or len(xshape) != nd + 2 or not all(isinstance(d, int) for d in wshape):
+            continue
+        channels, c_in = (wshape[0], wshape[1]) if dense else (xshape[-1], xshape[-1])
+        if not isinstance(channels, int) or not isinstance(c_in, int) or any(e.shape(w) != wshape for w in weights):
+            continue
+        if (dense and (len(wshape) != 2 or c_in != xshape[-1])) or (
+            not dense and (len(wshape) > 2 or wshape[-1] != channels or any(d != 1 for d in wshape[:-1]))
+        ):
+            continue  # a depthwise term scales each channel alike at every position
+        target, before = source, [0] * nd
+        pad = producers.get(source)
+        pads = const(pad.input[1]) if pad is not None and pad.op_type == "Pad" and len(pad.input) > 1 else None
+        if (
+            pad is not None
+            and pads is not None
+            and len(pads) == 2 * (nd + 2)
+            and attr(pad, "mode", b"constant") in (b"constant", "constant")
+            and (len(pad.input) < 3 or not pad.input[2] or _zero(e.value(pad.input[2])))
+            and len(pad.input) < 4
+            and not any(pads[nd : nd + 2] + pads[2 * nd + 2 :])
+            and min(pads) >= 0
+        ):
+            target, before = pad.input[0], pads[:nd]
+        tshape = e.shape(target)
+        dims = [d for d in tshape[:nd] if isinstance(d, int)] if tshape is not None and len(tshape) == nd + 2 else []
+        if len(dims) != nd or any(d % s for d, s in zip(dims, strides)):
+            continue
+        firsts = [tuple(f - b for f, b in zip(w[1], before)) for w in known]
+        phases = {tuple(f % s for f, s in zip(first, strides)) for first in firsts}
+        if len(phases) < int(np.prod(strides)) or np.prod(dims) > np.prod(out_dims) * np.prod(strides):
+            continue
+        found[node.output[0]] = TapSum(
+            target,
+            tuple(firsts),
+            tuple(strides),
+            tuple(out_dims),
+            tuple(dims),
+            tuple(weights),
+            tuple(node.input),
+            dense,
+            channels,
+            c_in,
+        )
+    return found
+
+
+def _zero(value: np.ndarray | None) -> bool:
+    return value is not None and not np.any(value)
+
+
+def tap_sum_input_gradient(e: Emitter, t: TapSum, dy: str) -> str:
+    """The gradient of ``t.target``. Input position ``m * stride + phase`` takes the dy of term k at
+    output position m - c_k for the terms of its phase (c_k = (first_k - phase) / stride), so each
+    term is a window of dy padded once, times the offset's weights, and a phase's gradient is their
+    sum; with strides the phases are interleaved (one Concat and a Transpose of whole rows). Padding
+    each term's window gradient to the input's size and summing them did three times the passes over
+    memory (ResNet-18's 4x4 and 2x2 layers)."""
+    nd = len(t.out_dims)
+    g = dy if not t.dense and t.strides == (1,) * nd else e.op("Reshape", [dy, e.ints([*t.out_dims, -1, t.channels])])
+    blocks = [d // s for d, s in zip(t.dims, t.strides)]
+    phases: dict[tuple[int, ...], list[tuple[tuple[int, ...], str]]] = {}
+    for first, w in zip(t.firsts, t.weights):
+        phase = tuple(f % s for f, s in zip(first, t.strides))
+        phases.setdefault(phase, []).append((tuple((f - p) // s for f, p, s in zip(first, phase, t.strides)), w))
+    shifts = [c for group in phases.values() for c, _ in group]
+    low = [max(0, *(c[a] for c in shifts)) for a in range(nd)]
+    high = [max(0, *(blocks[a] - t.out_dims[a] - c[a] for c in shifts)) for a in range(nd)]
+    if any(low) or any(high):
+        g = e.op("Pad", [g, e.ints([*low, 0, 0, *high, 0, 0])])
+    padded = [low[a] + t.out_dims[a] + high[a] for a in range(nd)]
+    sums = []
+    for phase in np.ndindex(*t.strides):
+        terms = []
+        for shift, w in phases[tuple(phase)]:
+            start = [low[a] - shift[a] for a in range(nd)]
+            part = g
+            if start != [0] * nd or blocks != padded:
+                part = e.op(
+                    "Slice", [g, e.ints(start), e.ints([f + b for f, b in zip(start, blocks)]), e.ints(list(range(nd)))]
+                )
+            if t.dense:
+                terms.append(e.op("Gemm", [e.op("Reshape", [part, e.ints([-1, t.channels])]), w]))
+            else:
+                terms.append(e.op("Mul", [part, w]))
+        sums.append(terms[0] if len(terms) == 1 else e.op("Sum", terms))
+    c_in = t.c_in
+    if len(sums) == 1:
+        total = sums[0]
+    else:  # [phases..., blocks..., N, C] -> [blocks_0, phase_0, ..., N, C]
+        total = e.op("Reshape", [e.op("Concat", sums, axis=0), e.ints([*t.strides, *blocks, -1, c_in])])
+        total = e.op("Transpose", [total], perm=[*(i for a in range(nd) for i in (nd + a, a)), 2 * nd, 2 * nd + 1])
+    return total if not t.dense and len(sums) == 1 else e.op("Reshape", [total, e.ints([*t.dims, -1, c_in])])
 
 
 def helper_dtype(e: Emitter, t: str):

@@ -927,6 +927,31 @@ def test_small_conv_as_taps_computes_the_conv_and_its_gradient(kind, data):
     assert vjp_error(taps, inputs, list(inputs), eps=3e-3) < F32_TOL
 
 
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+@pytest.mark.parametrize(("size", "stride"), [((4, 4), 1), ((2, 2), 1), ((4, 4), 2), ((6, 4), 2), ((3,), 1)])
+def test_padded_conv_as_taps_gathers_its_input_gradient_from_one_padded_dy(kind, size, stride):
+    """A padded Conv run as taps (ResNet-18's 3x3 layers on 4x4 and 2x2 images, with strides its
+    first of each stage) takes its input gradient as, per input position, the terms of dy that
+    reach it: dy padded once (the forward's own Pad is the graph's other one), not each offset's
+    window gradient padded to the input's size; it matches finite differences."""
+    nd = len(size)
+    rng = np.random.default_rng(sum(size) * stride)
+    channels = 3
+    c_out = 2 * channels if kind == "depthwise" else 4
+    inputs = {
+        "x": rng.standard_normal((2, channels, *size)).astype(np.float32),
+        "w": rng.standard_normal((c_out, 1 if kind == "depthwise" else channels, *[3] * nd)).astype(np.float32),
+    }
+    model = single_op_model(
+        "Conv", inputs, strides=[stride] * nd, pads=[1] * (2 * nd), group=channels if kind == "depthwise" else 1
+    )
+    taps = training_forward_model(model)
+    assert "Conv" not in {n.op_type for n in taps.graph.node}
+    grads = vjp_model(taps, outputs=["y"], wrt=["x", "w"])
+    assert [n.op_type for n in grads.graph.node].count("Pad") == 2
+    assert vjp_error(taps, inputs, list(inputs), eps=3e-3) < F32_TOL
+
+
 @pytest.mark.parametrize(("channels", "group"), [(96, 96), (128, 32)])
 def test_grouped_conv_gradient_never_pairs_every_input_with_every_output_channel(channels, group):
     """The gradient of a grouped or depthwise Conv does the work of its groups only: no tensor of its
