@@ -10,8 +10,9 @@ Exporters write models for inference; a training step computes some ops differen
 * ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs (one
   of ratio 0 is the identity);
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
-  (then the gradient finds each window's maximum itself: onnxruntime's MaxPool with Indices is
-  ten times slower than without, measured on a 28x28 CNN);
+  or overlap with strides that divide it (then the gradient finds each window's first maximum
+  itself: onnxruntime's MaxPool with Indices is ten times slower than without, measured on a 28x28
+  CNN and on ResNet-18's first pool);
 * a depthwise or dense ``Conv`` with few output positions (:data:`DEPTHWISE_TAPS_MAX_POSITIONS`,
   :data:`DENSE_TAPS_MAX_POSITIONS`) becomes a sum over its kernel offsets with the channels last
   (:func:`conv_taps`): onnxruntime's Conv and ConvTranspose work one example (and group) at a
@@ -37,7 +38,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .emitter import DEFAULT_DOMAINS, Dim, Emitter, UnsupportedOpError, attr
-from .gradients import conv_geometry, tiling_pool
+from .gradients import conv_geometry, pool_windows, tiling_pool
 
 P = ParamSpec("P")
 
@@ -78,7 +79,10 @@ def training_forward(
         elif node.op_type == "Conv" and (taps := conv_taps(e, node)) is not None:
             out.nodes += _emitted(e, _conv_as_taps, e, node, taps)
         elif (
-            node.op_type == "MaxPool" and (len(node.output) < 2 or not node.output[1]) and tiling_pool(e, node) is None
+            node.op_type == "MaxPool"
+            and (len(node.output) < 2 or not node.output[1])
+            and tiling_pool(e, node) is None
+            and pool_windows(e, node) is None
         ):
             rewritten = onnx.NodeProto()
             rewritten.CopyFrom(node)

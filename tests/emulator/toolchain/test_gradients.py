@@ -652,6 +652,19 @@ def case_tiling_maxpool(draw):
     )
 
 
+def case_overlapping_maxpool(draw):
+    """Windows that overlap (or leave no gap), strides dividing the input: the gradient compares
+    each window with the output instead of reading Indices."""
+    k = [draw(st.integers(1, 3)), draw(st.integers(1, 3))]
+    stride = [draw(st.integers(1, k[0])), draw(st.integers(1, k[1]))]
+    pads = [draw(st.integers(0, k[0] - 1)), draw(st.integers(0, k[1] - 1))]
+    pads += [draw(st.integers(0, k[0] - 1)), draw(st.integers(0, k[1] - 1))]
+    h, w = (s * draw(st.integers(-(-max(1, kk - p - q) // s), 4)) for s, kk, p, q in zip(stride, k, pads[:2], pads[2:]))
+    x = _distinct(draw, (draw(st.integers(1, 2)), draw(st.integers(1, 3)), h, w))
+    attrs = {"kernel_shape": k, "strides": stride, "pads": pads}
+    return "MaxPool", {"x": x}, {}, attrs, draw(st.sampled_from([13, 17])), F32_TOL
+
+
 def case_global_pool(op):
     def draw_case(draw):
         x = _distinct(draw, (draw(st.integers(1, 2)), draw(dims), draw(dims), draw(dims)))
@@ -795,6 +808,7 @@ CASES = {
     "Conv(depthwise)": case_conv("depthwise"),
     "MaxPool": case_pool("MaxPool"),
     "MaxPool(tiling)": case_tiling_maxpool,
+    "MaxPool(overlapping)": case_overlapping_maxpool,
     "AveragePool": case_pool("AveragePool"),
     "GlobalAveragePool": case_global_pool("GlobalAveragePool"),
     "GlobalMaxPool": case_global_pool("GlobalMaxPool"),
@@ -925,6 +939,35 @@ def test_small_conv_as_taps_computes_the_conv_and_its_gradient(kind, data):
     got = make_session(taps.SerializeToString()).run(None, inputs)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert vjp_error(taps, inputs, list(inputs), eps=3e-3) < F32_TOL
+
+
+@pytest.mark.parametrize(
+    ("size", "kernel", "stride", "pads"),
+    [
+        ((16, 16), [3, 3], [2, 2], [1, 1, 1, 1]),  # ResNet's first pool
+        ((4, 6), [2, 2], [1, 1], [0, 0, 0, 0]),
+        ((6, 4), [3, 2], [2, 1], [1, 0, 2, 1]),
+        ((6,), [3], [3], [2, 1]),
+    ],
+)
+def test_maxpool_without_indices_sends_dy_to_each_windows_first_maximum(size, kernel, stride, pads):
+    """A MaxPool whose windows overlap trains without its Indices output: each window's values are
+    compared with the output, and dy goes to the first maximum in the window's order, as the
+    Indices say, on inputs with many ties (a ReLU's zeros, small integers)."""
+    rng = np.random.default_rng(len(size) + sum(pads))
+    x = np.maximum(rng.integers(-2, 3, (2, 3, *size)), 0).astype(np.float32)
+    attrs = {"kernel_shape": kernel, "strides": stride, "pads": pads}
+    plain = training_forward_model(single_op_model("MaxPool", {"x": x}, **attrs))
+    assert [len(n.output) for n in plain.graph.node if n.op_type == "MaxPool"] == [1]
+    indexed = single_op_model("MaxPool", {"x": x}, outputs=["y", "indices"], **attrs)
+    seed = rng.standard_normal(make_session(plain.SerializeToString()).run(None, {"x": x})[0].shape).astype(np.float32)
+    grads = [
+        make_session(vjp_model(m, outputs=["y"], wrt=["x"]).SerializeToString()).run(
+            ["grad/x"], {"x": x, "seed/y": seed}
+        )
+        for m in (plain, indexed)
+    ]
+    np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["dense", "depthwise"])
