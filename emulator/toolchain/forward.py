@@ -18,6 +18,8 @@ Exporters write models for inference; a training step computes some ops differen
   (:func:`conv_taps`): onnxruntime's Conv and ConvTranspose work one example (and group) at a
   time, a fixed ~0.25 us per example and channel of a depthwise Conv and a matrix-vector product
   per example of a dense one on a small image: most of a MobileNet or ResNet step on 32x32 inputs;
+* ``Slice`` nodes that cut one tensor into consecutive pieces become one ``Split``
+  (:func:`slices_as_split`), whose gradient is one ``Concat`` instead of a padded copy per piece;
 * ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``GRU`` and ``LSTM``
   are written out in elementary ops whose gradients are known (:func:`decompose`; the same
   values, so the finite-difference checks of the ops run through it too). The recurrent ops are unrolled over their (static) sequence length: one
@@ -38,7 +40,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .emitter import DEFAULT_DOMAINS, Dim, Emitter, UnsupportedOpError, attr
-from .gradients import conv_geometry, pool_windows, tiling_pool
+from .gradients import conv_geometry, pool_windows, slice_span, tiling_pool
 
 P = ParamSpec("P")
 
@@ -60,7 +62,7 @@ def training_forward(
     seeded generator); ``None`` leaves the masks to onnxruntime's own randomness."""
     out = TrainingForward([])
     dropouts = 0
-    nodes = sequences_as_slices(e, nodes)
+    nodes = slices_as_split(e, sequences_as_slices(e, nodes))
     read = _read_tensors(nodes)
     for node in nodes:
         if node.domain not in DEFAULT_DOMAINS:
@@ -98,7 +100,7 @@ def decompose(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProt
     """``nodes`` with each op of :data:`DECOMPOSED` (the normalizations, ``GRU`` and ``LSTM``) written
     out in elementary ops computing the same values (others unchanged)."""
     out: list[onnx.NodeProto] = []
-    for node in sequences_as_slices(e, nodes):
+    for node in slices_as_split(e, sequences_as_slices(e, nodes)):
         emit = DECOMPOSED.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
         if emit is None or (node.op_type == "LayerNormalization" and any(node.output[1:])):
             out.append(node)
@@ -139,6 +141,68 @@ def sequences_as_slices(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onn
                 )
             )
     return out
+
+
+def slices_as_split(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` with the ``Slice`` nodes that cut one tensor into consecutive pieces along one
+    axis (constant bounds, step 1, every element in exactly one piece) written as one ``Split``,
+    where the first of them was: the gradient of a Split is one Concat, where each Slice's pads its
+    piece back to the whole tensor and the pieces are summed. torch's exporter cuts an LSTM's
+    weights and biases so, to reorder the gates."""
+    groups: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (x, axis) -> (start, end, position)
+    for k, node in enumerate(nodes):
+        piece = _slice_piece(e, node)
+        if piece is not None:
+            axis, start, end = piece
+            groups.setdefault((node.input[0], axis), []).append((start, end, k))
+    replaced: dict[int, onnx.NodeProto | None] = {}  # a Slice's position -> the Split in its place (None: removed)
+    for (x, axis), pieces in groups.items():
+        pieces.sort(key=lambda p: p[0])
+        dim = e.shape(x)[axis]  # type: ignore[index]  # static: _slice_piece checked it
+        bounds = [0, *[end for _, end, _ in pieces]]
+        if len(pieces) < 2 or bounds[-1] != dim or any(p[0] != b for p, b in zip(pieces, bounds)):
+            continue
+        first = min(k for _, _, k in pieces)
+        sizes = [end - start for start, end, _ in pieces]
+        outs = [nodes[k].output[0] for _, _, k in pieces]
+        name = nodes[first].name
+        if e.opset >= 13:
+            split = helper.make_node("Split", [x, e.ints(sizes)], outs, name=name, axis=axis)
+        else:
+            split = helper.make_node("Split", [x], outs, name=name, axis=axis, split=sizes)
+        for _, _, k in pieces:
+            replaced[k] = split if k == first else None
+    if not replaced:
+        return list(nodes)
+    out = []
+    for k, node in enumerate(nodes):
+        if k not in replaced:
+            out.append(node)
+        elif (rewritten := replaced[k]) is not None:
+            out.append(rewritten)
+    return out
+
+
+def _slice_piece(e: Emitter, node: onnx.NodeProto) -> tuple[int, int, int] | None:
+    """(axis, start, end) of a ``Slice`` of one static axis with constant bounds and step 1, else None."""
+    if node.op_type != "Slice" or node.domain not in DEFAULT_DOMAINS or len(node.input) < 4:
+        return None
+    values = []
+    for name in node.input[1:]:
+        v = e.value(name)
+        if v is None or np.size(v) != 1:
+            return None
+        values.append(int(np.reshape(v, -1)[0]))
+    shape = e.shape(node.input[0])
+    start, end, axis = values[:3]
+    if (len(values) > 3 and values[3] != 1) or shape is None or not -len(shape) <= axis < len(shape):
+        return None
+    axis %= len(shape)
+    dim = shape[axis]
+    if not isinstance(dim, int):
+        return None
+    first, count, _ = slice_span(start, end, 1, dim)
+    return (axis, first, first + count) if count > 0 else None
 
 
 def _split_bounds(e: Emitter, node: onnx.NodeProto) -> list[tuple[int, int]] | None:

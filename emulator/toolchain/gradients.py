@@ -1241,7 +1241,8 @@ def _split(e, node, dys, wants):
 @rule(
     "Slice",
     note="dy padded back with zeros (strided and reversed slices spread back first; static sliced dims, "
-    "or from a start to the end)",
+    "or from a start to the end); Slices that cut one tensor into consecutive pieces are rewritten as one Split "
+    "before differentiating",
 )
 def _slice(e, node, dys, wants):
     x, dy = node.input[0], _dy(dys, e, node)
@@ -1273,7 +1274,7 @@ def _slice(e, node, dys, wants):
                 )
             pads[a] = s  # x[s:] of an axis whose size is known at run time only (the dynamo exporter's x[:, 0] slices
             continue  # the batch axis whole)
-        first, count, stride = _slice_span(s, t, step, dim)
+        first, count, stride = slice_span(s, t, step, dim)
         if count == 0:
             return [e.zeros_like(x)] + [None] * (len(node.input) - 1)
         if step < 0:  # the selected rows in ascending order
@@ -1287,7 +1288,7 @@ def _slice(e, node, dys, wants):
 _TO_THE_END = 2**31 - 1  # an end at least this large takes an axis to its end, as exporters write x[s:]
 
 
-def _slice_span(start: int, end: int, step: int, dim: int) -> tuple[int, int, int]:
+def slice_span(start: int, end: int, step: int, dim: int) -> tuple[int, int, int]:
     """(the lowest index a Slice takes on an axis of ``dim``, how many it takes, their spacing), with
     ONNX's clamping of starts and ends."""
     if step > 0:

@@ -1110,6 +1110,66 @@ def test_unrolled_gates_are_cut_by_one_split_whose_gradient_pads_nothing(op, dir
     assert pads(16) == pads(4)
 
 
+@pytest.mark.parametrize("pieces", [[(0, 2), (2, 6), (6, 8)], [(6, 2**31 - 1), (0, 2), (-6, -2)]])
+def test_slices_cutting_a_weight_into_pieces_are_differentiated_as_one_split(pieces):
+    """torch's exporter reorders an LSTM's gates by slicing its weights apart and concatenating the
+    pieces: the Slices become one Split, whose gradient is one Concat, not a padded copy per piece."""
+    inits = []
+    nodes = []
+    for k, (start, end) in enumerate(pieces):
+        inits += [
+            numpy_helper.from_array(np.array([v], np.int64), f"{name}{k}") for name, v in (("s", start), ("e", end))
+        ]
+        nodes.append(helper.make_node("Slice", ["w", f"s{k}", f"e{k}", "axis"], [f"piece{k}"]))
+    inits.append(numpy_helper.from_array(np.array([0], np.int64), "axis"))
+    nodes += [
+        helper.make_node("Concat", [f"piece{k}" for k in reversed(range(len(pieces)))], ["reordered"], axis=0),
+        helper.make_node("MatMul", ["x", "reordered"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [8, 2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((3, 8)).astype(np.float32), "w": rng.standard_normal((8, 2)).astype(np.float32)}
+    assert vjp_error(model, values, ["x", "w"], eps=1e-2) < F32_TOL
+    ops = [n.op_type for n in vjp_model(model, outputs=["y"], wrt=["w"]).graph.node]
+    assert "Pad" not in ops and "Slice" not in ops
+
+
+def test_slices_overlapping_or_leaving_a_gap_stay_slices():
+    """Only pieces that cover the tensor once each become a Split; others keep their Slices (and
+    their padded gradients)."""
+    for pieces in ([(0, 4), (2, 8)], [(0, 2), (4, 8)]):
+        inits = [numpy_helper.from_array(np.array([0], np.int64), "axis")]
+        nodes = []
+        for k, (start, end) in enumerate(pieces):
+            inits += [
+                numpy_helper.from_array(np.array([v], np.int64), f"{n}{k}") for n, v in (("s", start), ("e", end))
+            ]
+            nodes.append(helper.make_node("Slice", ["w", f"s{k}", f"e{k}", "axis"], [f"p{k}"]))
+            nodes.append(helper.make_node("ReduceSumSquare", [f"p{k}"], [f"y{k}"], keepdims=0))
+        nodes.append(helper.make_node("Add", ["y0", "y1"], ["y"]))
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("w", TensorProto.FLOAT, [8, 2])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+            initializer=inits,
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        values = {"w": np.random.default_rng(1).standard_normal((8, 2)).astype(np.float32)}
+        assert vjp_error(model, values, ["w"], eps=1e-2) < F32_TOL
+        assert [n.op_type for n in vjp_model(model, outputs=["y"], wrt=["w"]).graph.node].count("Pad") == 2
+
+
 def test_tile_by_repeats_read_at_run_time_is_differentiated():
     """A class token repeated over the batch (token.repeat(x.shape[0], 2, 1)): the repeats come from Shape."""
     nodes = [
