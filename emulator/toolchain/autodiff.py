@@ -3,7 +3,8 @@
 The engine walks the forward nodes that lie between the tensors to differentiate (``wrt``) and the
 seeded tensors (usually the loss) in reverse topological order and asks each node's rule in
 :mod:`.gradients` for the gradients of its inputs; gradients reaching one tensor along several
-paths are added. The result is plain nodes of the default domain at the graph's opset, so that a
+paths are added. A group of nodes that a rewrite of :mod:`.forward` emitted with a gradient of
+its own (an unrolled LSTM: :class:`.emitter.Composite`) is differentiated as a whole. The result is plain nodes of the default domain at the graph's opset, so that a
 training step runs in stock onnxruntime (onnxruntime-training is deprecated since 1.20 and its
 graphs do not load in plain onnxruntime).
 
@@ -21,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 # the names the rules and rewrites share live in the leaf module .emitter; re-exported here, where
 # the toolchain's modules and users have always imported them
-from .emitter import DEFAULT_DOMAINS, Dim, Emitter, TensorInfo, UnsupportedOpError, attr
+from .emitter import DEFAULT_DOMAINS, Composite, Dim, Emitter, TensorInfo, UnsupportedOpError, attr
 from .forward import decompose
 from .gradients import NO_GRADIENT, RULES, conv_tap_sums, erf_gelu_gradient, erf_gelus, tap_sum_input_gradient
 
@@ -394,7 +395,14 @@ def backward(
     for name, seed in seeds.items():
         if name in live:
             grads.setdefault(name, []).append(seed)
+    done: set[int] = set()  # the composites differentiated already (by id)
     for node in reversed(nodes):
+        group = emitter.composites.get(node.output[0]) if node.output else None
+        if group is not None:  # the whole group at once, when the walk meets its last node
+            if id(group) not in done:
+                done.add(id(group))
+                _composite_gradient(emitter, group, grads, live)
+            continue
         outs = [_total(emitter, grads, o) if o else None for o in node.output]
         if all(g is None for g in outs):
             continue
@@ -428,6 +436,17 @@ def backward(
             if grad is not None and want:
                 grads.setdefault(name, []).append(grad)
     return {w: _total(emitter, grads, w) for w in wrt}
+
+
+def _composite_gradient(emitter: Emitter, group: Composite, grads: dict[str, list[str]], live: set[str]) -> None:
+    """The gradients of a :class:`Composite`'s inputs, from those reaching its outputs."""
+    outs = [_total(emitter, grads, o) for o in group.outputs]
+    wants = [i in live for i in group.inputs]
+    if all(g is None for g in outs) or not any(wants):
+        return
+    for name, grad, want in zip(group.inputs, group.gradient(outs, wants), wants):
+        if grad is not None and want:
+            grads.setdefault(name, []).append(grad)
 
 
 def _total(emitter: Emitter, grads: dict[str, list[str]], name: str) -> str | None:

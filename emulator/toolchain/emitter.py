@@ -9,7 +9,7 @@ three has to import another back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,22 @@ class TensorInfo:
         if self.shape is None or not all(isinstance(d, int) for d in self.shape):
             return None
         return tuple(int(d) for d in self.shape)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Composite:
+    """Nodes emitted together whose gradient is emitted as a whole (an unrolled LSTM's steps): the
+    engine differentiates none of the nodes writing ``tensors`` one by one, but calls ``gradient``
+    once, with the gradients reaching ``outputs`` (None where none does) and which of ``inputs``
+    want one, for one gradient (or None) per input. Every reader of ``outputs`` outside the group
+    comes after all its nodes. ``saved``: the tensors of the group that ``gradient`` reads, which a
+    forward pruned to what its outputs need keeps as well."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    tensors: frozenset[str]
+    gradient: Callable[[list[str | None], list[bool]], list[str | None]]
+    saved: tuple[str, ...] = ()
 
 
 def attr(node: onnx.NodeProto, name: str, default=None):
@@ -81,6 +97,11 @@ class Emitter:
         # Conv's kernel offsets and its terms, whose rows come from a Reshape to [-1, C]): the sum's
         # gradient goes to each term as it is, without the reduction over axes found at run time
         self.same_shape: dict[str, str] = {}
+        # a tensor written by a group of nodes differentiated as a whole -> that group
+        self.composites: dict[str, Composite] = {}
+        # tensors known to hold zeros only (a ConstantOfShape of 0): an LSTM from zero states skips
+        # its first step's recurrent product
+        self.zeros: set[str] = set()
 
     # ------------------------------------------------------------------ names and nodes
 
@@ -129,6 +150,25 @@ class Emitter:
     def record(self, name: str, elem_type: int, shape: tuple[Dim, ...] | None) -> str:
         self.infos[name] = TensorInfo(elem_type, shape)
         return name
+
+    def saved_by_composites(self) -> list[str]:
+        """Every tensor a :class:`Composite`'s gradient reads."""
+        groups = {id(g): g for g in self.composites.values()}
+        return [t for g in groups.values() for t in g.saved]
+
+    def composite(
+        self,
+        start: int,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        gradient: Callable[[list[str | None], list[bool]], list[str | None]],
+        saved: Sequence[str] = (),
+    ) -> None:
+        """The nodes emitted since ``len(self.nodes)`` was ``start`` form a :class:`Composite`."""
+        tensors = frozenset(o for n in self.nodes[start:] for o in n.output if o)
+        group = Composite(tuple(inputs), tuple(outputs), tensors, gradient, tuple(saved))
+        for t in tensors:
+            self.composites[t] = group
 
     # ------------------------------------------------------------------ constants
 

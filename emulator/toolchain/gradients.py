@@ -1999,8 +1999,9 @@ _DECOMPOSED = {
     "differentiating",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
     "layout 0, default activations, either linear_before_reset, no sequence_lens)",
-    "LSTM": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
-    "layout 0, default activations, no peepholes, no sequence_lens)",
+    "LSTM": "unrolled over its static sequence length into Gemm/Split/Sigmoid/Tanh (forward, reverse or bidirectional, "
+    "layout 0, default activations, no peepholes, no sequence_lens); its gradient is emitted for the unrolled steps "
+    "as a whole, step by step",
 }
 
 

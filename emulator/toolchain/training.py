@@ -465,7 +465,7 @@ def onnx_training_plan(
     taken |= {"loss_sum", "count", "correct"}
     e = Emitter(parts.opset, infos, constant_values(graph, parts.opset, infos), taken)
     fw = training_forward(e, list(graph.node), set(parts.initializers), dropout_seed)
-    nodes = _live_nodes(fw.nodes, [parts.prediction, *fw.state_updates.values()])
+    nodes = _live_nodes(fw.nodes, [parts.prediction, *fw.state_updates.values(), *e.saved_by_composites()])
     check_ops(nodes)
     # shapes of the rewritten forward (the rules read them)
     probe = helper.make_model(

@@ -1110,6 +1110,48 @@ def test_unrolled_gates_are_cut_by_one_split_whose_gradient_pads_nothing(op, dir
     assert pads(16) == pads(4)
 
 
+@pytest.mark.parametrize("outputs", [["y"], ["y_h"], ["y_c"], ["y_h", "y_c"]])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("states", [False, True])
+def test_an_lstm_read_by_some_of_its_outputs_is_differentiated_through_them_alone(outputs, direction, states):
+    """The unrolled LSTM's steps are differentiated as a whole: whichever of Y, Y_h and Y_c a model
+    reads (a classifier reads the last state alone), from zero or given initial states."""
+    d = 2 if direction == "bidirectional" else 1
+    rng = np.random.default_rng(len(outputs) + 3 * d)
+    inputs = {
+        "x": rng.uniform(-1, 1, (5, 2, 3)).astype(np.float32),
+        "w": rng.uniform(-1, 1, (d, 16, 3)).astype(np.float32),
+        "r": rng.uniform(-1, 1, (d, 16, 4)).astype(np.float32),
+        "b": rng.uniform(-1, 1, (d, 32)).astype(np.float32),
+    }
+    order = ["x", "w", "r", "b"]
+    if states:
+        inputs |= {k: rng.uniform(-1, 1, (d, 2, 4)).astype(np.float32) for k in ("h0", "c0")}
+        order += ["", "h0", "c0"]
+    model = single_op_model(
+        "LSTM", inputs, order=order, outputs=["y", "y_h", "y_c"], hidden_size=4, direction=direction
+    )
+    assert vjp_error(model, inputs, list(inputs), outputs=outputs, eps=1e-3) < F32_TOL
+
+
+def test_an_unrolled_lstm_step_forward_and_backward_takes_a_bounded_number_of_nodes():
+    """Each further step adds its forward (one Gemm, the gates' arithmetic) and its backward (one
+    Gemm for dh, the gates' gradient from factors of its forward values): 27 nodes, where the rules
+    of the unrolled nodes one by one took 35, more of them passes over whole [batch, H] tensors."""
+
+    def nodes(seq: int) -> int:
+        rng = np.random.default_rng(0)
+        inputs = {
+            "x": rng.standard_normal((seq, 3, 4)).astype(np.float32),
+            "w": rng.standard_normal((1, 20, 4)).astype(np.float32),
+            "r": rng.standard_normal((1, 20, 5)).astype(np.float32),
+        }
+        grad = vjp_model(single_op_model("LSTM", inputs, hidden_size=5, outputs=["y"]), outputs=["y"], wrt=list(inputs))
+        return len(grad.graph.node)
+
+    assert (nodes(16) - nodes(4)) / 12 <= 28
+
+
 @pytest.mark.parametrize("pieces", [[(0, 2), (2, 6), (6, 8)], [(6, 2**31 - 1), (0, 2), (-6, -2)]])
 def test_slices_cutting_a_weight_into_pieces_are_differentiated_as_one_split(pieces):
     """torch's exporter reorders an LSTM's gates by slicing its weights apart and concatenating the
