@@ -758,15 +758,17 @@ def _stacked(e: Emitter, parts: Sequence[str]) -> str:
     return parts[0] if len(parts) == 1 else e.op("Concat", list(parts), axis=0)
 
 
-def _lstm_factors(e: Emitter, sig: str, i: str, o: str, cand: str, tanh_c: str, c_before: str) -> tuple[str, str]:
-    """What one LSTM step's gradient multiplies by, from its forward values: the gates' derivatives
-    times what each gate meets (i: cand, o: tanh(c), f: c before, c: i), [batch, 4H], which the
-    gates' gradient is (dc, dh, dc, dc) times; and o * (1 - tanh(c)^2), which dc gains dh times."""
-    one = e.scalar(1.0, sig)
-    iof = e.op("Mul", [e.op("Mul", [sig, e.op("Sub", [one, sig])]), e.op("Concat", [cand, tanh_c, c_before], axis=-1)])
-    c = e.op("Mul", [i, e.op("Sub", [one, e.op("Mul", [cand, cand])])])
-    through_h = e.op("Mul", [o, e.op("Sub", [one, e.op("Mul", [tanh_c, tanh_c])])])
-    return e.op("Concat", [iof, c], axis=-1), through_h
+def _lstm_factors(
+    e: Emitter, sig: str, i: str, o: str, cand: str, tanh_c: str, h: str, i_cand: str, f_c: str
+) -> tuple[str, str]:
+    """What one LSTM step's gradient multiplies by, from its forward values (the sigmoid gates
+    ``sig`` = (i, o, f), the candidate, tanh(c) and the products the step computed: h = o * tanh(c),
+    i * cand, f * c before): the gates' derivatives times what each gate meets, [batch, 4H], which the
+    gates' gradient is (dc, dh, dc, dc) times (i * cand * (1 - i), h * (1 - o), f * c * (1 - f),
+    i - i * cand * cand); and o - h * tanh(c) = o * (1 - tanh(c)^2), which dc gains dh times."""
+    iof = e.op("Mul", [e.op("Concat", [i_cand, h, f_c], axis=-1), e.op("Sub", [e.scalar(1.0, sig), sig])])
+    c = e.op("Sub", [i, e.op("Mul", [i_cand, cand])])
+    return e.op("Concat", [iof, c], axis=-1), e.op("Sub", [o, e.op("Mul", [h, tanh_c])])
 
 
 def _lstm_steps(e: Emitter, rec: _Recurrent, direction: str, xw: str, r: str, h0: str, c0: str) -> tuple[str, str, str]:
@@ -779,7 +781,7 @@ def _lstm_steps(e: Emitter, rec: _Recurrent, direction: str, xw: str, r: str, h0
     + the next step's gates' gradient times R as one Gemm, dc = dh * o * (1 - tanh(c)^2) + the next
     step's dc * f, the gates' gradient (dc, dh, dc, dc) times the factors of :func:`_lstm_factors`;
     the recurrent weights' gradient is one Gemm over all steps' rows, and the inputs' gradient is the
-    steps' gates' gradients stacked: 27 nodes a step forward and backward, where the rules of the
+    steps' gates' gradients stacked: 24 nodes a step forward and backward, where the rules of the
     unrolled nodes one by one took 35, more of them passes over whole [batch, H] tensors. The factors are computed in each
     step's backward, not once over all steps stacked: stacking the forward's values and splitting
     the factors are passes of their own over operands too large for the core's cache (the
@@ -792,23 +794,23 @@ def _lstm_steps(e: Emitter, rec: _Recurrent, direction: str, xw: str, r: str, h0
     c = e.op("Reshape", [c0, e.ints([-1, hdim])])
     # per time step: the states before it and the forward values its gradient reads
     h_prev: dict[int, str] = {}
-    c_prev: dict[int, str] = {}
-    saved: dict[int, tuple[str, str, str, str, str]] = {}  # sigmoid gates, i, o, candidate, tanh(c)
+    saved: dict[int, tuple[str, ...]] = {}  # the arguments of _lstm_factors
     forget: dict[int, str] = {}
     from_zero_h, from_zero_c = h0 in e.zeros, c0 in e.zeros
     for t in _steps(rec, direction):
-        h_prev[t], c_prev[t] = h, c
+        h_prev[t] = h
         g = xs[t] if from_zero_h else e.op("Gemm", [h, r, xs[t]], transB=1, hint="lstm_pre")
         g_iof, g_c = split(e, g, [3 * hdim, hdim], -1, "lstm_pre")  # gate order i, o, f, c
         sig = e.op("Sigmoid", [g_iof])
         i, o, forget[t] = split(e, sig, [hdim, hdim, hdim], -1, "lstm_gate")
         cand = e.op("Tanh", [g_c])
         kept = e.op("Mul", [i, cand])
-        c = kept if from_zero_c else e.op("Add", [e.op("Mul", [forget[t], c]), kept], hint="lstm_c")
+        f_c = c if from_zero_c else e.op("Mul", [forget[t], c])  # zero before the first step from zero
+        c = kept if from_zero_c else e.op("Add", [f_c, kept], hint="lstm_c")
         from_zero_h = from_zero_c = False
         tanh_c = e.op("Tanh", [c])
         h = e.op("Mul", [o, tanh_c], hint="lstm_h")
-        saved[t] = (sig, i, o, cand, tanh_c)
+        saved[t] = (sig, i, o, cand, tanh_c, h, kept, f_c)
     order = _steps(rec, direction)
     after = {order[k]: (h_prev[order[k + 1]] if k + 1 < n else h) for k in range(n)}  # h after step t
     y = e.op("Reshape", [_stacked(e, [after[t] for t in range(n)]), e.ints([n, -1, hdim])], hint="lstm_y")
@@ -827,7 +829,7 @@ def _lstm_steps(e: Emitter, rec: _Recurrent, direction: str, xw: str, r: str, h0
             else:
                 given = [g for g in ([dy_steps[t]] if dy_steps else []) + [dh_last] if g]
                 dh = given[0] if len(given) == 1 else e.op("Add", given) if given else e.zeros_like(h)
-            factors, through_h = _lstm_factors(e, *saved[t], c_prev[t])
+            factors, through_h = _lstm_factors(e, *saved[t])
             dc = e.op("Mul", [dh, through_h])
             if carry is not None:
                 dc = e.op("Add", [dc, carry], hint="lstm_dc")
@@ -841,7 +843,7 @@ def _lstm_steps(e: Emitter, rec: _Recurrent, direction: str, xw: str, r: str, h0
         d_c0 = e.op("Reshape", [carry, e.ints([1, -1, hdim])]) if wants[3] and carry else None
         return [stacked if wants[0] else None, d_r, d_h0, d_c0]
 
-    read = [*h_prev.values(), *c_prev.values(), *forget.values(), *(v for values in saved.values() for v in values)]
+    read = [*h_prev.values(), *forget.values(), *(v for values in saved.values() for v in values)]
     e.composite(start, [xw, r, h0, c0], [y, final_h, final_c], gradient, read)
     return y, final_h, final_c
 
