@@ -1134,6 +1134,34 @@ def test_an_lstm_read_by_some_of_its_outputs_is_differentiated_through_them_alon
     assert vjp_error(model, inputs, list(inputs), outputs=outputs, eps=1e-3) < F32_TOL
 
 
+def test_two_stacked_lstms_are_each_differentiated_as_a_whole():
+    """A two-layer LSTM (the second reads the first's Y, as torch's num_layers=2 exports it): each
+    layer's steps are one group, the second's input gradient flows into the first's outputs."""
+    rng = np.random.default_rng(7)
+    inputs = {
+        "x": rng.uniform(-1, 1, (4, 2, 3)).astype(np.float32),
+        "w1": rng.uniform(-1, 1, (1, 16, 3)).astype(np.float32),
+        "r1": rng.uniform(-1, 1, (1, 16, 4)).astype(np.float32),
+        "w2": rng.uniform(-1, 1, (1, 12, 4)).astype(np.float32),
+        "r2": rng.uniform(-1, 1, (1, 12, 3)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("LSTM", ["x", "w1", "r1"], ["y1"], hidden_size=4),
+        helper.make_node("Squeeze", ["y1", "axis1"], ["x2"]),
+        helper.make_node("LSTM", ["x2", "w2", "r2"], ["y", "y_h"], hidden_size=3),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "two_layers",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "y_h")],
+        initializer=[numpy_helper.from_array(np.array([1], np.int64), "axis1")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    assert vjp_error(model, inputs, list(inputs), eps=1e-3) < F32_TOL
+
+
 def test_an_unrolled_lstm_step_forward_and_backward_takes_a_bounded_number_of_nodes():
     """Each further step adds its forward (one Gemm, the gates' arithmetic) and its backward (one
     Gemm for dh, the gates' gradient from factors of its forward values): 24 nodes, where the rules
