@@ -344,6 +344,28 @@ def _live_nodes(nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> list
     return [n for n in nodes if any(o in needed for o in n.output if o)]
 
 
+def masks_read(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` with the output of each active ``Dropout`` whose mask nothing reads taken through
+    ``Where(mask, output, 0)`` (the same values): onnxruntime removes such a Dropout, active or not, so
+    one no gradient passes back through (before a trained head on a frozen backbone, or on a
+    stochastic depth's ones) did not drop at all."""
+    read = {i for n in nodes for i in n.input}
+    out: list[onnx.NodeProto] = []
+    for node in nodes:
+        if node.op_type != "Dropout" or len(node.input) < 3 or len(node.output) < 2 or node.output[1] in read:
+            out.append(node)
+            continue
+        y = node.output[0]
+        raw = e.fresh(f"{y}_dropped")
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)  # with its seed
+        copy.output[0] = raw
+        out.append(copy)
+        zero = e.const(np.zeros((), dtype=helper.tensor_dtype_to_np_dtype(e.elem_type(node.input[0]))), "zero")
+        out.append(helper.make_node("Where", [node.output[1], raw, zero], [y]))
+    return out
+
+
 def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes:
     """The generated graph as a checked model, after the rewrites of :mod:`.peephole`."""
 
@@ -546,7 +568,7 @@ def onnx_training_plan(
     work_inputs.append(_vi(label_input, label_type(loss), e.shape(label_input)))
     work_outputs = [_vi(outputs_of[w], _F32, shapes[w]) for w in weight_names]
     work_outputs += [_vi(m, _F32, ()) for m in chosen_metrics]
-    all_nodes = _live_nodes([*nodes, *e.nodes], [o.name for o in work_outputs])
+    all_nodes = masks_read(e, _live_nodes([*nodes, *e.nodes], [o.name for o in work_outputs]))
     constants = [i for n, i in parts.initializers.items() if n not in weight_names] + e.initializers
     work = _model("work", all_nodes, work_inputs, work_outputs, constants, parts.opset)
 

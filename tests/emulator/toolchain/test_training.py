@@ -307,6 +307,30 @@ def test_dropout_of_ratio_zero_trains_as_the_identity(digits):
     assert all(np.array_equal(steps[0.0][k], steps[None][k]) for k in steps[None])
 
 
+def test_a_dropout_before_a_trained_head_on_a_frozen_backbone_drops_as_with_the_backbone_trained(digits):
+    """No gradient passes back through a Dropout whose input no trained weight feeds, so nothing reads
+    its mask, and onnxruntime removes such a Dropout, active or not: the head's step is the one with
+    the backbone trained (the same seeded mask), not the one without Dropout."""
+    x, y = digits.x_train[:16].reshape(-1, 1, 8, 8).astype(np.float32), digits.y_train[:16]
+    steps = {}
+    for case, ratio, trainable in (("trained", 0.5, None), ("frozen", 0.5, ["fc_*"]), ("none", None, ["fc_*"])):
+        source = cnn(seed=5, dropout=ratio)
+        plan = training_plan_from_onnx(
+            source,
+            label="y",
+            loss="cross_entropy",
+            optimizer=SGD(0.1),
+            batch_size=16,
+            example_selector=SELECTOR,
+            shuffle_buffer=0,
+            trainable=trainable,
+        )
+        executor = PlanExecutor(plan)
+        steps[case] = executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 16)).update["fc_w"]
+    np.testing.assert_allclose(steps["frozen"], steps["trained"], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(steps["frozen"], steps["none"], rtol=1e-3, atol=1e-5)
+
+
 def test_bytes_that_are_not_an_onnx_model_are_refused_with_what_to_do(tmp_path):
     from device_runtime.plan import PlanError
     from emulator.toolchain.training import load_model
