@@ -556,7 +556,9 @@ def inference_form(model: onnx.ModelProto) -> None:
     """Dropout and BatchNormalization in their inference form, in place: a train-mode export (what
     keeps them at all) writes Dropout with training_mode=True and the classic exporter BatchNorm
     with training_mode=1 and its statistics as outputs, which an evaluation would run as they are:
-    with random masks and the batch's statistics. A training plan rewrites both for training anyway."""
+    with random masks and the batch's statistics. A training plan rewrites both for training anyway.
+    Stochastic depth becomes the Dropout it is first (:func:`stochastic_depth_as_dropout`)."""
+    stochastic_depth_as_dropout(model)
     graph = model.graph
     dropped: set[str] = set()
     for node in graph.node:
@@ -577,3 +579,106 @@ def inference_form(model: onnx.ModelProto) -> None:
         graph.initializer.remove(init)
     for node in [n for n in graph.node if n.op_type == "Constant" and set(n.output) <= orphans]:
         graph.node.remove(node)
+
+
+def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of ``name`` where it is an initializer or a ``Constant``'s output, seen through
+    ``Cast`` and ``CastLike`` (the dynamo exporter casts a constant like the tensor it meets)."""
+    for init in graph.initializer:
+        if init.name == name:
+            return onnx.numpy_helper.to_array(init)
+    for node in graph.node:
+        if name in node.output:
+            if node.op_type in ("Cast", "CastLike"):
+                return _constant(graph, node.input[0])
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                return onnx.numpy_helper.to_array(node.attribute[0].t)
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value_float":
+                return np.array(node.attribute[0].f, dtype=np.float32)
+            return None
+    return None
+
+
+def stochastic_depth_as_dropout(model: onnx.ModelProto) -> int:
+    """Each stochastic depth (torchvision's ``StochasticDepth``, timm's ``DropPath``: a residual
+    branch kept per example with probability ``keep`` and scaled by ``1/keep`` in training, the
+    identity in evaluation) as the ``Dropout`` of ones it is, in place; returns how many. Both
+    exporters write its training form as ``Less(RandomUniformLike(t), keep)``, cast to float and
+    divided by ``keep``: random in an evaluation plan too, and drawn unseeded. As
+    ``Dropout(ones like t, 1 - keep)`` (active, as a train-mode export's Dropout is) it is the
+    identity where Dropout is inactive (:func:`inference_form`) and a seeded mask in training.
+    The form without the division (``scale_by_keep=False``) is left as it is."""
+    graph = model.graph
+    nodes = [onnx.NodeProto() for _ in graph.node]  # copies, told apart by position (protobuf makes
+    for copy, node in zip(nodes, graph.node):  # its wrappers anew at each access)
+        copy.CopyFrom(node)
+    readers: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for i in node.input:
+            readers.setdefault(i, []).append(k)
+    outputs = {o.name for o in graph.output}
+
+    def only_reader(tensor: str, *ops: str) -> int | None:
+        """The one node that reads ``tensor``'s values (a ``CastLike`` that reads only its type aside)."""
+        found = [
+            k for k in readers.get(tensor, []) if not (nodes[k].op_type == "CastLike" and nodes[k].input[0] != tensor)
+        ]
+        return found[0] if len(found) == 1 and nodes[found[0]].op_type in ops and tensor not in outputs else None
+
+    taken = {o for n in nodes for o in n.output} | {i.name for i in [*graph.initializer, *graph.input]}
+
+    def fresh(hint: str) -> str:
+        name, k = hint, 0
+        while name in taken:
+            k += 1
+            name = f"{hint}_{k}"
+        taken.add(name)
+        return name
+
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # position -> the nodes in its place (none: removed)
+    for at_draw, draw in enumerate(nodes):
+        if draw.op_type != "RandomUniformLike":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in draw.attribute}
+        if attrs.get("low", 0.0) != 0.0 or attrs.get("high", 1.0) != 1.0:
+            continue
+        at_less = only_reader(draw.output[0], "Less")
+        if at_less is None or nodes[at_less].input[0] != draw.output[0]:
+            continue
+        less = nodes[at_less]
+        keep = _constant(graph, less.input[1])
+        at_cast = only_reader(less.output[0], "Cast", "CastLike")
+        at_div = only_reader(nodes[at_cast].output[0], "Div") if at_cast is not None else None
+        if at_cast is None or at_div is None or nodes[at_div].input[0] != nodes[at_cast].output[0]:
+            continue
+        cast, div = nodes[at_cast], nodes[at_div]
+        if keep is None or keep.size != 1 or not 0 < float(keep) < 1:
+            continue
+        by = _constant(graph, div.input[1])
+        if by is None or by.size != 1 or not np.isclose(float(by), float(keep)):
+            continue
+        if cast.op_type == "Cast" and onnx.helper.get_attribute_value(cast.attribute[0]) != _F32:
+            continue
+        base = div.output[0]
+        shape, ones = fresh(f"{base}_shape"), fresh(f"{base}_ones")
+        ratio = onnx.numpy_helper.from_array(np.array(1.0 - float(keep), dtype=np.float32), fresh(f"{base}_drop_ratio"))
+        training = onnx.numpy_helper.from_array(np.array(True), fresh(f"{base}_training_mode"))
+        graph.initializer.extend([ratio, training])
+        ones_value = onnx.helper.make_tensor("value", _F32, [1], [1.0])
+        replaced[at_draw] = [
+            onnx.helper.make_node("Shape", [draw.input[0]], [shape]),
+            onnx.helper.make_node("ConstantOfShape", [shape], [ones], value=ones_value),
+        ]
+        replaced[at_div] = [
+            onnx.helper.make_node(
+                "Dropout", [ones, ratio.name, training.name], [base], name=fresh(f"{div.name or base}_stochastic_depth")
+            )
+        ]
+        replaced[at_less] = replaced[at_cast] = []
+        for k in readers.get(draw.output[0], []):  # a CastLike to the draw's type: the ones' type
+            if nodes[k].op_type == "CastLike" and nodes[k].input[1] == draw.output[0]:
+                nodes[k].input[1] = ones
+    if replaced:
+        del graph.node[:]
+        graph.node.extend(n for k, node in enumerate(nodes) for n in replaced.get(k, [node]))
+    return sum(n.op_type == "Dropout" for ns in replaced.values() for n in ns)

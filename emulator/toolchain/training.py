@@ -206,6 +206,7 @@ def read_model(
     model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None, label: str
 ) -> ModelParts:
     m = load_model(model)
+    onnx_import.stochastic_depth_as_dropout(m)
     split = onnx_import.split_deduplicated(m)
     onnx_import.refold_tied_transposes(m)
     lost = onnx_import.lost_parameters(m)
