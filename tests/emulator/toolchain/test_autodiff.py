@@ -286,3 +286,40 @@ def test_shapes_of_a_rewritten_graph_keep_the_dimensions_the_first_inference_fix
         "late": ("N", 8),
         "added": (2, "N"),
     }
+
+
+def test_a_convolution_after_many_channel_splits_at_sizes_read_at_run_time_is_differentiated():
+    """torchvision's ShuffleNetV2 (classic exporter) splits each unit's channels in two at a size read
+    by ``Shape`` and divided (``num_channels // 2``, where onnx's data propagation gives up): each
+    unit's sizes are known only once the one before it is folded, one round of inference each. Its
+    last convolution, 16 units deep, had no spatial sizes left after 4 rounds; here 8 units deep."""
+    ints = _int_constant
+    nodes = [ints("one", 1), ints("two", 2), ints("axis0", [0]), ints("axis1", [1]), ints("start", [0])]
+    x = "x"
+    for k in range(8):
+        nodes += [
+            helper.make_node("Shape", [x], [f"s{k}"]),
+            helper.make_node("Gather", [f"s{k}", "one"], [f"c{k}"]),
+            helper.make_node("Div", [f"c{k}", "two"], [f"half{k}"]),
+            helper.make_node("Unsqueeze", [f"half{k}", "axis0"], [f"half{k}_1d"]),
+            helper.make_node("Unsqueeze", [f"c{k}", "axis0"], [f"c{k}_1d"]),
+            helper.make_node("Slice", [x, "start", f"half{k}_1d", "axis1"], [f"kept{k}"]),
+            helper.make_node("Slice", [x, f"half{k}_1d", f"c{k}_1d", "axis1"], [f"branch{k}"]),
+            helper.make_node("Tanh", [f"branch{k}"], [f"act{k}"]),
+            helper.make_node("Concat", [f"kept{k}", f"act{k}"], [f"x{k}"], axis=1),
+        ]
+        x = f"x{k}"
+    nodes.append(helper.make_node("Conv", [x, "w"], ["y"], pads=[1, 1, 1, 1]))
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4, 3, 3]), helper.make_tensor_value_info("w", F, [2, 4, 3, 3])],
+        [helper.make_tensor_value_info("y", F, ["N", 2, 3, 3])],
+        {},
+        opset=17,
+    )
+    rng = np.random.default_rng(0)
+    values = {
+        "x": rng.standard_normal((2, 4, 3, 3)).astype(np.float32),
+        "w": rng.standard_normal((2, 4, 3, 3)).astype(np.float32),
+    }
+    assert vjp_error(m, values, ["x", "w"], eps=1e-2) < 3e-3
