@@ -198,6 +198,16 @@ def forward_failure(exc: BaseException, inputs: Sequence[TorchInput]) -> str:
     )
 
 
+def _saved_state(module: Any) -> Any:
+    """A copy of ``module``'s ``state_dict`` to restore after the export, with its ``_metadata``: the
+    versions of the modules' state layouts, which a module's own ``_load_from_state_dict`` may read
+    (torchvision's MNASNet raises without one)."""
+    saved = module.state_dict()
+    state = type(saved)((k, v.detach().clone()) for k, v in saved.items())
+    state._metadata = getattr(saved, "_metadata", None)
+    return state
+
+
 def export_torch(
     module: Any,
     inputs: Sequence[TorchInput],
@@ -216,7 +226,7 @@ def export_torch(
         raise TaskError("give the module's inputs (--input NAME:SHAPE[:DTYPE] for each argument of forward)")
     path = Path(path)
     args = tuple(_example(torch, spec) for spec in inputs)
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = _saved_state(module)
     was_training = module.training
     try:
         with torch.no_grad():

@@ -369,3 +369,47 @@ def test_each_input_flag_is_one_argument_of_forward_and_inputs_forward_refuses_a
         "(without the batch axis) and dtype\n"
     )
     assert len(err.splitlines()) == 1 and not (tmp_path / "b").exists()
+
+
+VERSIONED = """
+import torch
+
+
+class Versioned(torch.nn.Module):
+    '''Reads the version of its state's layout as torchvision's MNASNet does, and raises without it.'''
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("version") not in (1, 2):
+            raise ValueError(f"version should be set to 1 or 2 instead of {local_metadata.get('version')}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+def make_net():
+    torch.manual_seed(0)
+    return Versioned()
+"""
+
+
+@pytest.mark.slow
+def test_a_module_that_reads_its_state_version_when_loaded_is_exported(tmp_path):
+    """The module's state is restored after the export with the versions ``state_dict`` keeps beside it
+    (``_metadata``): torchvision's MNASNet raised a ValueError without them, a traceback."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    (tmp_path / "models.py").write_text(VERSIONED)
+    factory = f"{tmp_path / 'models.py'}:make_net"
+    out = tmp_path / "bundle"
+    assert (
+        main(["plan", "from-torch", factory, "--input", "x:4", "--label", "y", "--runtimes", "1.31.1", "-o", str(out)])
+        == 0
+    )
+    assert any(out.iterdir())
