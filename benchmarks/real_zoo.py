@@ -1,0 +1,339 @@
+"""torchvision's and timm's own models through the toolchain: each exported as a model engineer
+would, made a training plan, and one SGD step of the plan held to torch autograd's.
+
+    PYTHONPATH=. python -m benchmarks.real_zoo [--only NAME ...] [--exporters from_torch classic ...]
+
+Needs the ``bench`` extra and torchvision and timm, in a virtualenv of their own::
+
+    python -m venv ~/.venvs/zoo && ~/.venvs/zoo/bin/pip install -e '.[bench]' torchvision==0.28.0 timm
+
+(torchvision 0.28 is torch 2.13's). They are not in the ``bench`` extra: PyPI's Linux wheel of
+torchvision is a CUDA build whose operator library does not load beside the extra's CPU torch, and
+transformers, which imports torchvision wherever it is installed, then fails to import its models
+(``export_fixtures`` and ``plan_autodiff`` need them); this module imports torchvision without
+those operators (:func:`_import_torchvision`). The tests never import this module. Random
+weights only (``weights=None``, ``pretrained=False``): nothing is downloaded. Each model is built
+at a reduced size where its constructor allows (fewer blocks, narrower layers, 32x32 or 64x64
+images), every dropout and stochastic-depth probability set to 0 so that a step is deterministic,
+and perturbed (:func:`benchmarks.export_fixtures.perturb`) so that no two tensors are equal.
+
+Exporters (``--exporters``):
+
+* ``from_torch``: :func:`emulator.toolchain.export_torch`, as ``fedfleet plan from-torch`` exports
+  (dynamo, ``optimize=False``, training mode, dynamic batch; the classic exporter where dynamo fails),
+  with the buffers and parameters it names ``frozen``;
+* ``classic`` and ``dynamo_noopt``: ``torch.onnx.export`` as :func:`benchmarks.export_fixtures.export`
+  calls it, then ``fedfleet plan from-onnx``'s import.
+
+Per model and exporter, one JSON line: ``ok`` when the loss is torch's (float64) within 1e-5 relative
+and every trained tensor and running statistic lands within :data:`TOLERANCE` of torch's change to
+it, or 4 times torch's own float32 error where that is larger (``no_verdict`` where that error is
+:data:`NO_VERDICT` or more); else the worst tensor, or the
+one-line error the toolchain gave (``refused``), or the traceback's last line (``crashed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from benchmarks.export_fixtures import BATCH, LR, export, perturb, reference_step, without_dropout
+from device_runtime.executor import make_session
+from emulator.toolchain import TaskError, UnsupportedOpError
+from emulator.toolchain.tasks import Task, onnx_import
+from emulator.toolchain.torch_export import TorchInput, constant_buffers, export_torch, untrained_parameters
+from example_store import ExampleSelector
+
+
+def _import_torchvision() -> None:
+    """Import torchvision where its operator library does not load: PyPI's Linux wheels of it are
+    CUDA builds, whose ``_C`` needs torch's CUDA libraries, absent beside the CPU torch of the bench
+    extra. Its models are plain Python and need none of those operators; only its import registers
+    fake kernels for ``torchvision::nms`` and ``qnms`` unguarded, which are defined here (schema only) for it."""
+    import sys
+
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        for op in ("nms", "qnms"):
+            _SCHEMAS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import torchvision  # noqa: F401
+
+
+_SCHEMAS = torch.library.Library("torchvision", "FRAGMENT")
+_import_torchvision()
+
+CLASSES = 10
+TOLERANCE = 2e-4
+#: torch's own float32 step this far from its float64 step (of torch's change to a tensor): the model is
+#: too ill-conditioned at this size and batch (BatchNorm over a few values) for any float32 step to be
+#: judged; ``--side`` larger gives it more values
+NO_VERDICT = 0.1
+EXPORTERS = ("from_torch", "classic", "dynamo_noopt")
+
+
+def _tv(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(weights=None, num_classes=CLASSES, **kwargs)
+
+    return make
+
+
+def _resnet(block: str, layers: list[int], **kwargs: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        from torchvision.models import resnet
+
+        return resnet.ResNet(getattr(resnet, block), layers, num_classes=CLASSES, **kwargs)
+
+    return make
+
+
+def _convnext() -> nn.Module:
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    return ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], num_classes=CLASSES)
+
+
+def _swin(v2: bool = False) -> nn.Module:
+    from torchvision.models import swin_transformer as swin
+
+    extra = {"block": swin.SwinTransformerBlockV2, "downsample_layer": swin.PatchMergingV2} if v2 else {}
+    return swin.SwinTransformer([4, 4], 16, [2, 2], [2, 4], [4, 4], num_classes=CLASSES, **extra)
+
+
+def _vit() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(32, 8, 2, 2, 32, 64, num_classes=CLASSES)
+
+
+def _maxvit() -> nn.Module:
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(
+        (32, 32), stem_channels=8, partition_size=2, block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+        stochastic_depth_prob=0.0, num_classes=CLASSES,
+    )  # fmt: skip
+
+
+def _densenet() -> nn.Module:
+    from torchvision.models.densenet import DenseNet
+
+    return DenseNet(8, (2, 2), 16, num_classes=CLASSES)
+
+
+def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import timm
+
+        # drop_rate: the head's functional dropout (GhostNet's F.dropout), which no Dropout module holds
+        return timm.create_model(name, pretrained=False, num_classes=CLASSES, drop_rate=0.0, **kwargs)
+
+    return make
+
+
+#: name -> (factory, image side)
+ZOO: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "tv_resnet18": (_tv("resnet18"), 64),
+    "tv_resnet50_1111": (_resnet("Bottleneck", [1, 1, 1, 1], width_per_group=16), 64),
+    "tv_resnext_1111": (_resnet("Bottleneck", [1, 1, 1, 1], groups=4, width_per_group=4), 64),
+    "tv_wide_resnet_1111": (_resnet("Bottleneck", [1, 1, 1, 1], width_per_group=128), 64),
+    "tv_mobilenet_v2": (_tv("mobilenet_v2", width_mult=0.25), 64),
+    "tv_mobilenet_v3_small": (_tv("mobilenet_v3_small", width_mult=0.25), 64),
+    "tv_mobilenet_v3_large": (_tv("mobilenet_v3_large", width_mult=0.25), 64),
+    "tv_efficientnet_b0": (_tv("efficientnet_b0", stochastic_depth_prob=0.0), 64),
+    "tv_efficientnet_v2_s": (_tv("efficientnet_v2_s", stochastic_depth_prob=0.0), 64),
+    "tv_regnet_x_400mf": (_tv("regnet_x_400mf"), 64),
+    "tv_regnet_y_400mf": (_tv("regnet_y_400mf"), 64),
+    "tv_mnasnet0_5": (_tv("mnasnet0_5"), 64),
+    "tv_shufflenet_v2_x0_5": (_tv("shufflenet_v2_x0_5"), 64),
+    "tv_squeezenet1_1": (_tv("squeezenet1_1"), 64),
+    "tv_densenet_small": (_densenet, 64),
+    "tv_googlenet": (_tv("googlenet", aux_logits=False, init_weights=True), 64),
+    "tv_convnext_small": (_convnext, 64),
+    "tv_swin_small": (_swin, 32),
+    "tv_swin_v2_small": (partial(_swin, True), 32),
+    "tv_vit_small": (_vit, 32),
+    "tv_maxvit_small": (_maxvit, 32),
+    "timm_resnet10t": (_timm("resnet10t"), 64),
+    "timm_efficientnet_b0": (_timm("efficientnet_b0"), 64),
+    "timm_mobilenetv3_small_050": (_timm("mobilenetv3_small_050"), 64),
+    "timm_vit_tiny": (_timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), 32),
+    "timm_deit_tiny": (_timm("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), 32),
+    "timm_convnext_atto": (_timm("convnext_atto"), 64),
+    "timm_mobilevit_xxs": (_timm("mobilevit_xxs"), 64),
+    "timm_levit_128s": (_timm("levit_128s", img_size=64), 64),
+    "timm_regnety_002": (_timm("regnety_002"), 64),
+    "timm_ghostnet_050": (_timm("ghostnet_050"), 64),
+    "timm_mobilenetv4_conv_small": (_timm("mobilenetv4_conv_small"), 64),
+    "timm_efficientvit_b0": (_timm("efficientvit_b0"), 64),
+    "timm_edgenext_xx_small": (_timm("edgenext_xx_small"), 64),
+    "timm_poolformer_s12": (_timm("poolformerv2_s12"), 64),
+    "timm_fastvit_t8": (_timm("fastvit_t8"), 64),
+}
+
+
+def no_stochastic_depth(module: nn.Module) -> nn.Module:
+    """Every stochastic-depth (drop-path) probability of ``module`` set to 0, in place: torchvision's
+    ``StochasticDepth`` and timm's ``DropPath`` keep theirs in ``p`` and ``drop_prob``."""
+    for sub in module.modules():
+        if type(sub).__name__ in ("StochasticDepth", "DropPath", "DropBlock2d"):
+            for attr in ("p", "drop_prob"):
+                if isinstance(getattr(sub, attr, None), float):
+                    setattr(sub, attr, 0.0)
+    return module
+
+
+def _plan_step(model_path: Path, frozen: list[str], inputs: dict[str, np.ndarray], labels: np.ndarray) -> tuple:
+    task = Task(
+        name="zoo",
+        model=model_path,
+        proxy=lambda: None,  # type: ignore[arg-type, return-value]
+        hyperparameters={"lr": LR},
+        label="y",
+        batch_size=BATCH,
+        selector=ExampleSelector("app:/zoo"),
+        frozen=tuple(frozen),
+    )
+    made = onnx_import(task._model_source(), task)
+    plan = made.plan
+    before = task.weights(plan)
+    examples = {**inputs, "y": labels}
+    feeds = {**before, **{g: examples[n] for g, n in plan.device.inputs.items()}}
+    session = make_session(plan.work)
+    start = time.process_time()
+    values = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    seconds = time.process_time() - start
+    after = {w: values[out] for w, out in zip(plan.weight_names, plan.weight_outputs)}
+    return made, before, after, float(values["loss_sum"] / values["count"]), seconds
+
+
+def compare(
+    before: dict[str, np.ndarray], after: dict[str, np.ndarray], reference: dict[str, np.ndarray], errors: dict
+) -> tuple[str | None, float, float, int]:
+    """The worst tensor's difference from torch's step over torch's change to it (at least 1e-3 of
+    the largest change to any tensor), beyond the values' float32 rounding; torch float32's own
+    error on the same scale; how many tensors were compared."""
+    names = [n for n in after if n in reference]
+    changes = {n: float(np.abs(reference[n].astype(np.float64) - before[n]).max(initial=0)) for n in names}
+    floor = 1e-3 * max(changes.values(), default=0.0)
+    worst, worst_value, noise = None, 0.0, 0.0
+    for n in names:
+        scale = max(changes[n], floor, 1e-30)
+        ref = reference[n].astype(np.float64)
+        excess = np.abs(after[n].astype(np.float64) - ref) - 4 * np.finfo(np.float32).eps * np.abs(ref)
+        value = max(float(excess.max(initial=0)), 0.0) / scale
+        noise = max(noise, errors[n] / scale)
+        if value >= worst_value:
+            worst, worst_value = n, value
+    return worst, worst_value, noise, len(names)
+
+
+def run(name: str, exporter: str, side: int | None = None) -> dict[str, Any]:
+    factory, default_side = ZOO[name]
+    side = side or default_side
+    torch.manual_seed(0)
+    module = no_stochastic_depth(without_dropout(factory())).train()
+    generator = torch.Generator().manual_seed(1)
+    perturb(module, generator)
+    x = torch.randn((BATCH, 3, side, side), generator=generator)
+    y = torch.randint(0, CLASSES, (BATCH,), generator=generator)
+    row: dict[str, Any] = {
+        "model": name,
+        "exporter": exporter,
+        "side": side,
+        "params": sum(p.numel() for p in module.parameters()),
+    }
+    try:
+        loss, reference, errors = reference_step(module, [x], y)
+    except Exception as exc:  # noqa: BLE001 - the library's model itself
+        return {**row, "result": "torch_failed", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        start = time.perf_counter()
+        frozen: list[str] = []
+        try:
+            if exporter == "from_torch":
+                notes: list[str] = []
+                export_torch(module, [TorchInput("image", (3, side, side))], path, notes=notes)
+                if notes:
+                    row["notes"] = notes
+                initializers = {i.name for i in onnx.load(str(path), load_external_data=False).graph.initializer}
+                frozen = [*constant_buffers(module, initializers), *untrained_parameters(module, initializers)]
+            else:
+                export(module, [x], ["image"], exporter, path.with_suffix(".onnx.gz"))
+                path.write_bytes(gzip.decompress(path.with_suffix(".onnx.gz").read_bytes()))
+        except TaskError as exc:
+            return {**row, "result": "export_refused", "error": str(exc)[:400]}
+        except Exception as exc:  # noqa: BLE001 - the exporter's own failure
+            return {**row, "result": "export_failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+        row["export_s"] = round(time.perf_counter() - start, 1)
+        start = time.perf_counter()
+        try:
+            made, before, after, plan_loss, step_s = _plan_step(path, frozen, {"image": x.numpy()}, y.numpy())
+        except (TaskError, UnsupportedOpError) as exc:
+            return {**row, "result": "refused", "error": str(exc)[:400]}
+        except Exception as exc:  # noqa: BLE001 - a traceback is a defect to report
+            tb = traceback.format_exception(exc)
+            return {**row, "result": "crashed", "error": "".join(tb[-3:])[-800:]}
+        row["plan_s"] = round(time.perf_counter() - start, 1)
+        row["step_cpu_s"] = round(step_s, 3)
+        # float buffers torch never trains (Swin V2's coordinate table): a classic export cannot tell
+        # them from parameters, so its plan trains them unless they are named frozen
+        stats = {n for n, _ in module.named_buffers() if n.endswith(("running_mean", "running_var"))}
+        buffers = {n for n, b in module.named_buffers() if b.is_floating_point() and n not in stats}
+        trained_buffers = sorted(buffers & set(made.trainable))
+        if trained_buffers:
+            row["trained_buffers"] = trained_buffers
+            after = {n: v for n, v in after.items() if n not in buffers}
+        worst, value, noise, compared = compare(before, after, reference, errors)
+        loss_error = abs(plan_loss - loss) / abs(loss)
+        missing = sorted(set(reference) - set(after))
+        ok = loss_error <= 1e-5 and value <= max(TOLERANCE, 4 * noise)
+        return {
+            **row,
+            "result": ("ok" if not trained_buffers else "ok_but_trains_buffers")
+            if ok
+            else "wrong_step"
+            if noise < NO_VERDICT
+            else "no_verdict",
+            "loss_error": float(f"{loss_error:.3g}"),
+            "worst": worst,
+            "worst_error": float(f"{value:.3g}"),
+            "torch32_error": float(f"{noise:.3g}"),
+            "compared": compared,
+            "not_in_plan": missing[:8],
+            "warnings": [w[:200] for w in made.warnings],
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(ZOO))
+    parser.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=["from_torch"])
+    parser.add_argument("--side", type=int, help="the image side, for every model (default: each its own)")
+    args = parser.parse_args(argv)
+    for name in args.only or list(ZOO):
+        for exporter in args.exporters:
+            print(json.dumps(run(name, exporter, args.side)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
