@@ -24,7 +24,16 @@ from onnx import TensorProto, helper, numpy_helper
 # the toolchain's modules and users have always imported them
 from .emitter import DEFAULT_DOMAINS, Composite, Dim, Emitter, TensorInfo, UnsupportedOpError, attr
 from .forward import decompose
-from .gradients import NO_GRADIENT, RULES, conv_tap_sums, erf_gelu_gradient, erf_gelus, tap_sum_input_gradient
+from .gradients import (
+    NO_GRADIENT,
+    RULES,
+    batch_norm_gradient,
+    batch_norms,
+    conv_tap_sums,
+    erf_gelu_gradient,
+    erf_gelus,
+    tap_sum_input_gradient,
+)
 
 __all__ = [
     "DEFAULT_DOMAINS",
@@ -395,6 +404,7 @@ def backward(
     live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
     gelus = erf_gelus(nodes, emitter, live)
+    norms = batch_norms(nodes, emitter, needed)
     tap_sums = conv_tap_sums(nodes, emitter)  # their windows' gradients are gathered from dy at the sum
     gathered = {term for t in tap_sums.values() if t.target in live for term in t.terms}
     grads: dict[str, list[str]] = {}  # a tensor -> the gradients reaching it, summed when its producer needs them
@@ -419,6 +429,13 @@ def backward(
                 node.op_type, node.name, f"is in domain {node.domain!r}; only standard ONNX ops are covered"
             )
         if node.op_type in NO_GRADIENT:
+            continue
+        bn = norms.get(node.output[0])
+        if bn is not None and outs[0] is not None:  # the whole normalization at once, as the GELU below
+            bn_wants = [bn.x in live, bn.scale in live, bn.bias in live]
+            for name, grad in zip((bn.x, bn.scale, bn.bias), batch_norm_gradient(emitter, bn, outs[0], bn_wants)):
+                if grad is not None:
+                    grads.setdefault(name, []).append(grad)
             continue
         gelu = gelus.get(node.output[0])
         if gelu is not None and outs[0] is not None:  # the whole pattern at once: its inner tensors get no gradient

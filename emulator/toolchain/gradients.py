@@ -5,8 +5,9 @@ where none flows) and which inputs want a gradient, and returns one gradient ten
 input. Rules use the forward node's own outputs where that saves work (``Sigmoid``: dy*y*(1-y)).
 
 The exact GELU that exporters write in five ops below opset 20 is differentiated as one activation
-(:func:`erf_gelus`), and a Conv written as a sum over its kernel offsets takes its input gradient at
-the sum, gathered from dy (:func:`conv_tap_sums`). Ops that a training plan rewrites before
+(:func:`erf_gelus`), a batch-statistics normalization as :mod:`.forward` writes it is differentiated
+at its output in closed form (:func:`batch_norms`), and a Conv written as a sum over its kernel
+offsets takes its input gradient at the sum, gathered from dy (:func:`conv_tap_sums`). Ops that a training plan rewrites before
 differentiating (``BatchNormalization`` with batch statistics, ``LayerNormalization``, active
 ``Dropout``, ``MaxPool`` with indices) are described in :mod:`.forward`; their rules here see the
 rewritten form.
@@ -405,6 +406,112 @@ def erf_gelu_gradient(e: Emitter, pattern: tuple[str, str, str, float, float], d
         local = e.op("Neg", [local])
     total = e.op("Add", [a, e.op("Mul", [x, local])])
     return e.op("Mul", [e.op("Mul", [dy, e.scalar(h, x)]), total])
+
+
+@dataclass(frozen=True)
+class BatchNormPattern:
+    """A normalization with batch statistics as :func:`.forward`'s batch-norm rewrite writes it:
+    ``(x - mean) * (1 / sqrt(var + eps) * scale) + bias``, the mean and the population variance
+    over ``axes`` (kept as 1s)."""
+
+    x: str
+    mean: str
+    centred: str
+    inv: str
+    gain: str
+    scale: str
+    bias: str
+    axes: tuple[int, ...]
+
+
+def batch_norms(nodes: Sequence[onnx.NodeProto], e: Emitter, needed: set[str]) -> dict[str, BatchNormPattern]:
+    """The batch-statistics normalizations among ``nodes`` (:class:`BatchNormPattern`) whose inner
+    tensors no other differentiated tensor reads (``needed``: the tensors the loss is computed from;
+    the running statistics' updates read the mean and variance and are not), by output. Their
+    gradient is then taken at once (:func:`batch_norm_gradient`): the centred input's three
+    per-channel terms, instead of the twelve ops' rules, which also sum the mean's and the
+    variance's paths over the activations where the first is known to vanish."""
+    producers = {o: n for n in nodes for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def made(name: str, op: str) -> onnx.NodeProto | None:
+        node = producers.get(name)
+        return node if node is not None and node.op_type == op and node.domain in ("", "ai.onnx") else None
+
+    def kept_axes(node: onnx.NodeProto | None) -> tuple[int, ...] | None:
+        if (
+            node is None
+            or not int(attr(node, "keepdims", 1))
+            or (len(node.input) > 1 and e.value(node.input[1]) is None)
+        ):
+            return None
+        axes = _reduce_axes(e, node)
+        return None if not axes or any(a < 0 for a in axes) else tuple(axes)
+
+    found: dict[str, BatchNormPattern] = {}
+
+    def chain(name: str, ops: Sequence[str]) -> list[onnx.NodeProto] | None:
+        """The producers of ``name``, of its producer's first input and so on, of the ops ``ops``."""
+        out = []
+        for op in ops:
+            node = made(name, op)
+            if node is None:
+                return None
+            out.append(node)
+            name = node.input[0]
+        return out
+
+    for node in nodes:
+        prod = made(node.input[0], "Mul") if node.op_type == "Add" and node.domain in ("", "ai.onnx") else None
+        if prod is None:
+            continue
+        centred, gain = prod.input
+        sub, scaled = made(centred, "Sub"), made(gain, "Mul")
+        mean = made(sub.input[1], "ReduceMean") if sub is not None else None
+        if sub is None or mean is None or scaled is None or mean.input[0] != sub.input[0]:
+            continue
+        inv, scale = scaled.input
+        path = chain(inv, ("Reciprocal", "Sqrt", "Add", "ReduceMean", "Mul"))
+        axes = kept_axes(mean)
+        if path is None or axes is None:
+            continue
+        recip, root, shifted, var, square = path
+        if list(square.input) != [centred, centred] or kept_axes(var) != axes or e.value(shifted.input[1]) is None:
+            continue
+        inner = [mean, sub, square, var, shifted, root, recip, scaled, prod]
+        own = {id(n) for n in [*inner, node]}
+        if any(id(r) not in own and r.output[0] in needed for n in inner for r in readers.get(n.output[0], [])):
+            continue
+        found[node.output[0]] = BatchNormPattern(
+            sub.input[0], sub.input[1], centred, inv, gain, scale, node.input[1], axes
+        )
+    return found
+
+
+def batch_norm_gradient(e: Emitter, bn: BatchNormPattern, dy: str, wants: Sequence[bool]) -> list[str | None]:
+    """The gradients of a :class:`BatchNormPattern`'s x, scale and bias (where ``wants``), with
+    s1 = sum(dy) and s2 = sum(dy * centred) over its axes, n the elements per channel:
+    dbias = s1, dscale = inv * s2, dx = dy * gain + centred * k1 + k2 with the per-channel
+    k1 = -gain * inv * dscale / n and k2 = -gain * s1 / n (the mean's path, whose term through the
+    variance is a sum of the centred input: zero)."""
+    axes = list(bn.axes)
+    s1 = e.reduce("ReduceSum", dy, axes, keepdims=True, hint="bn_dbias")
+    s2 = e.reduce("ReduceSum", e.op("Mul", [dy, bn.centred]), axes, keepdims=True)
+    dscale = e.op("Mul", [s2, bn.inv], hint="bn_dscale")
+    dx = None
+    if wants[0]:
+        over_n = e.op("Div", [bn.gain, _count(e, bn.x, bn.mean, axes)])
+        k1 = e.op("Neg", [e.op("Mul", [e.op("Mul", [over_n, bn.inv]), dscale])])
+        k2 = e.op("Neg", [e.op("Mul", [over_n, s1])])
+        dx = e.op("Sum", [e.op("Mul", [dy, bn.gain]), e.op("Mul", [bn.centred, k1]), k2], hint="bn_dx")
+    return [
+        dx,
+        e.unbroadcast(dscale, bn.gain, bn.scale) if wants[1] else None,
+        e.unbroadcast(s1, bn.mean, bn.bias) if wants[2] else None,
+    ]
 
 
 # ---------------------------------------------------------------------------- more activations
@@ -1989,8 +2096,8 @@ def _gmp(e, node, dys, wants):
 
 _DECOMPOSED = {
     "BatchNormalization": "training: rewritten with batch statistics (mean/var over N and spatial axes); running statistics "
-    "become state updated with momentum (the variance unbiased, n/(n-1), as torch); "
-    "evaluation keeps the op",
+    "become state updated with momentum (the variance unbiased, n/(n-1), as torch); the gradient is taken "
+    "at the output in closed form; evaluation keeps the op",
     "LayerNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div before differentiating (opset >= 17)",
     "InstanceNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div over the spatial axes before differentiating",
     "GroupNormalization": "rewritten into Reshape to the groups and ReduceMean/Sub/Mul/Sqrt/Div before differentiating "
