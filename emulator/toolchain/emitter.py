@@ -102,6 +102,10 @@ class Emitter:
         # tensors known to hold zeros only (a ConstantOfShape of 0): an LSTM from zero states skips
         # its first step's recurrent product
         self.zeros: set[str] = set()
+        # a value computed once and read wherever it is needed, by what it is (the count of elements
+        # over dimensions of known sizes or graph-wide symbols, the batch's: every batch norm of a
+        # stage divides by the same)
+        self.shared: dict[tuple, str] = {}
 
     # ------------------------------------------------------------------ names and nodes
 

@@ -41,7 +41,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .emitter import DEFAULT_DOMAINS, Dim, Emitter, UnsupportedOpError, attr
-from .gradients import conv_geometry, pool_windows, slice_span, tiling_pool
+from .gradients import _count, conv_geometry, pool_windows, slice_span, tiling_pool
 
 P = ParamSpec("P")
 
@@ -465,7 +465,7 @@ def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], update
     gain = e.op("Mul", [inv, e.op("Reshape", [scale, e.ints(cshape)])])
     e.op("Add", [e.op("Mul", [centred, gain]), e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
     if var_in in initializers:
-        var = _unbiased(e, x, mean, var)
+        var = _unbiased(e, x, mean, var, axes)
     for stat, batch in ((mean_in, mean), (var_in, var)):
         if stat in initializers:
             flat = e.op("Reshape", [batch, e.ints([-1])])
@@ -473,16 +473,17 @@ def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], update
             updates[stat] = e.op("Add", [kept, e.op("Mul", [flat, e.scalar(1.0 - momentum, x)])], hint=f"{stat}_next")
 
 
-def _unbiased(e: Emitter, x: str, mean: str, var: str) -> str:
+def _unbiased(e: Emitter, x: str, mean: str, var: str, axes: list[int]) -> str:
     """The batch variance ``var`` times n/(n-1), n the elements per channel (read at run time: the
     batch is dynamic), as torch updates the running variance; n = 1 keeps the (zero) variance
-    where torch refuses the batch, so that a device's one-example last batch cannot make it infinite."""
-    elem = e.elem_type(x)
-    n = e.op(
-        "Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [mean])], to=elem)], hint="bn_n"
-    )
-    less_one = e.op("Max", [e.op("Sub", [n, e.scalar(1.0, x)]), e.scalar(1.0, x)])
-    return e.op("Mul", [var, e.op("Div", [n, less_one])], hint="bn_var_unbiased")
+    where torch refuses the batch, so that a device's one-example last batch cannot make it infinite.
+    The factor is computed once per graph for the batch norms of the same n (:func:`.gradients._count`)."""
+    n = _count(e, x, mean, axes)
+    key = ("unbiased", n)
+    if key not in e.shared:
+        less_one = e.op("Max", [e.op("Sub", [n, e.scalar(1.0, x)]), e.scalar(1.0, x)])
+        e.shared[key] = e.op("Div", [n, less_one], hint="bn_unbiased")
+    return e.op("Mul", [var, e.shared[key]], hint="bn_var_unbiased")
 
 
 def _layer_norm(e: Emitter, node: onnx.NodeProto) -> None:

@@ -1212,14 +1212,24 @@ def _keep(e: Emitter, node: onnx.NodeProto, t: str, axes: list[int] | None) -> s
 
 
 def _count(e: Emitter, x: str, y: str, axes: list[int] | None) -> str:
+    """The number of elements of ``x`` over ``axes`` (``y``: x reduced over them), computed once per
+    graph for the same dimensions when each is a number or a symbol of the graph's inputs."""
     shape = e.shape(x)
+    key = None
     if shape is not None:
         dims = [shape[a] for a in (axes if axes is not None else range(len(shape)))]
         known = [d for d in dims if isinstance(d, int)]
         if len(known) == len(dims):
             return e.scalar(float(np.prod(known)), x)
+        if all(isinstance(d, int) or (isinstance(d, str) and d and not d.startswith("unk__")) for d in dims):
+            key = ("count", tuple(dims), e.elem_type(x))
+    if key is not None and key in e.shared:
+        return e.shared[key]
     elem = e.elem_type(x)
-    return e.op("Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [y])], to=elem)])
+    n = e.op("Div", [e.op("Cast", [e.op("Size", [x])], to=elem), e.op("Cast", [e.op("Size", [y])], to=elem)])
+    if key is not None:
+        e.shared[key] = n
+    return n
 
 
 @rule(

@@ -7,6 +7,7 @@ The reference is numpy written from torch's documentation of ``nn.BatchNorm2d``.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -103,6 +104,43 @@ def test_running_variance_takes_the_unbiased_batch_variance_as_torch_does(batch,
     # the step's loss was computed with the biased variance (torch's normalization in training mode)
     pred = _torch_forward(x, start["scale"], start["bias"], start["fc"])
     assert result.metrics["loss"] == pytest.approx(float(np.mean((pred - y) ** 2)), rel=1e-4)
+
+
+def test_batch_norms_of_the_same_positions_share_their_count_and_each_keeps_torchs_running_variance():
+    """Two batch norms over activations of the same batch and size read one count of elements per
+    channel and one n/(n-1) factor (computed once per graph), and each updates its running
+    variance with its own unbiased batch variance."""
+    rng = np.random.default_rng(5)
+    c, side, batch = 3, 2, 5
+    stats = {
+        f"{k}{i}": rng.uniform(0.5, 1.5, c).astype(np.float32) for i in (1, 2) for k in ("scale", "bias", "mean", "var")
+    }
+    fc = rng.standard_normal((c * side * side, 2)).astype(np.float32)
+    n = helper.make_node
+    source = model(
+        [
+            n("BatchNormalization", ["x", "scale1", "bias1", "mean1", "var1"], ["h"], epsilon=1e-5, momentum=MOMENTUM),
+            n("Relu", ["h"], ["r"]),
+            n("BatchNormalization", ["r", "scale2", "bias2", "mean2", "var2"], ["b"], epsilon=1e-5, momentum=MOMENTUM),
+            n("Flatten", ["b"], ["flat"]),
+            n("MatMul", ["flat", "fc"], ["y"]),
+        ],
+        [helper.make_tensor_value_info("x", F, ["N", c, side, side])],
+        [helper.make_tensor_value_info("y", F, ["N", 2])],
+        {**stats, "fc": fc},
+    )
+    x = (rng.standard_normal((batch, c, side, side)) + 0.4).astype(np.float32)
+    plan, start, _, new = _one_step(source, x, rng.standard_normal((batch, 2)).astype(np.float32))
+    work = [node.op_type for node in onnx.load_from_string(plan.work).graph.node]
+    assert work.count("Size") == 2  # the first norm's input and mean: n, read by both and by both gradients
+    assert work.count("Max") == 1
+    r = np.maximum(_torch_forward(x, start["scale1"], start["bias1"], np.eye(c * side * side)), 0)
+    for i, inp in ((1, x), (2, r.reshape(x.shape).astype(np.float32))):
+        mean, var = _torch_running_stats(
+            inp, start[f"mean{i}"].astype(np.float64), start[f"var{i}"].astype(np.float64), 1 - MOMENTUM
+        )
+        np.testing.assert_allclose(new[f"mean{i}"], mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(new[f"var{i}"], var, rtol=1e-5, atol=1e-6)
 
 
 def test_one_value_per_channel_keeps_the_running_variance_finite():
