@@ -481,6 +481,15 @@ def batch_norms(nodes: Sequence[onnx.NodeProto], e: Emitter, needed: set[str]) -
         recip, root, shifted, var, square = path
         if list(square.input) != [centred, centred] or kept_axes(var) != axes or e.value(shifted.input[1]) is None:
             continue
+        x_shape, gain_shape = e.shape(sub.input[0]), e.shape(gain)
+        if (  # a gain that varies over the reduced axes (a layer norm's) or an output broadcast past x: the rules
+            x_shape is None
+            or gain_shape is None
+            or len(gain_shape) != len(x_shape)
+            or any(gain_shape[a] != 1 for a in axes)
+            or e.shape(node.output[0]) != x_shape
+        ):
+            continue
         inner = [mean, sub, square, var, shifted, root, recip, scaled, prod]
         own = {id(n) for n in [*inner, node]}
         if any(id(r) not in own and r.output[0] in needed for n in inner for r in readers.get(n.output[0], [])):

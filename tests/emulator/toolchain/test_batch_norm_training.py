@@ -169,6 +169,38 @@ def test_batch_norm_gradient_taken_at_once_agrees_with_finite_differences(shape,
     assert vjp_error(forward, inputs, ["x", "s", "b"], eps=1e-6) < 1e-7
 
 
+def test_a_gain_that_varies_over_the_reduced_axes_is_left_to_the_rules():
+    """The same ops with a scale along the normalized axis (a layer norm's, written by hand) are not
+    a batch norm: the closed form assumes one gain per reduced slice. Its gradient still agrees."""
+    n = helper.make_node
+    nodes = [
+        n("ReduceMean", ["x"], ["mean"], axes=[2]),
+        n("Sub", ["x", "mean"], ["c"]),
+        n("Mul", ["c", "c"], ["sq"]),
+        n("ReduceMean", ["sq"], ["var"], axes=[2]),
+        n("Add", ["var", "eps"], ["shifted"]),
+        n("Sqrt", ["shifted"], ["root"]),
+        n("Reciprocal", ["root"], ["inv"]),
+        n("Mul", ["inv", "s"], ["gain"]),
+        n("Mul", ["c", "gain"], ["scaled"]),
+        n("Add", ["scaled", "b"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", helper.TensorProto.DOUBLE, [2, 3, 4]),
+            helper.make_tensor_value_info("s", helper.TensorProto.DOUBLE, [4]),
+            helper.make_tensor_value_info("b", helper.TensorProto.DOUBLE, [4]),
+        ],
+        [helper.make_tensor_value_info("y", helper.TensorProto.DOUBLE, [2, 3, 4])],
+        {"eps": np.array(1e-5)},
+    )
+    assert batch_norms(m.graph.node, _emitter(m), set()) == {}
+    rng = np.random.default_rng(3)
+    values = {"x": rng.normal(0.2, 1.0, (2, 3, 4)), "s": rng.uniform(0.5, 1.5, 4), "b": rng.normal(0, 0.5, 4)}
+    assert vjp_error(m, values, ["x", "s", "b"], eps=1e-6) < 1e-7
+
+
 def _emitter(m):
     return Emitter(17, tensor_infos(m), constant_values(m.graph), set())
 
