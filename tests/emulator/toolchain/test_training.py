@@ -32,6 +32,22 @@ def _batches(x, y, size):
     return lambda: [{"x": x[i : i + size], "y": y[i : i + size]} for i in range(0, len(y), size)]
 
 
+def _cnn_update(source, x, y, **options):
+    """One session's update of a cross-entropy SGD plan of ``source`` over ``x``, ``y`` in batches of
+    16, unshuffled, from the model's own weights; ``options`` go to the plan."""
+    plan = training_plan_from_onnx(
+        source,
+        label="y",
+        loss="cross_entropy",
+        optimizer=SGD(0.1),
+        batch_size=16,
+        example_selector=SELECTOR,
+        shuffle_buffer=0,
+        **options,
+    )
+    return PlanExecutor(plan).run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 16)).update, plan
+
+
 def _train(plan, weights, x, y, rounds):
     """Local training for ``rounds`` sessions in a row; the mean loss of each session."""
     executor = PlanExecutor(plan)
@@ -266,18 +282,7 @@ def test_seeded_dropout_makes_a_session_reproducible_and_masks_change_from_step_
     source = cnn(seed=5, dropout=0.5)
 
     def session(seed):
-        plan = training_plan_from_onnx(
-            source,
-            label="y",
-            loss="cross_entropy",
-            optimizer=SGD(0.1),
-            batch_size=16,
-            dropout_seed=seed,
-            example_selector=SELECTOR,
-            shuffle_buffer=0,
-        )
-        executor = PlanExecutor(plan)
-        return executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, digits.y_train[:64], 16)).update
+        return _cnn_update(source, x, digits.y_train[:64], dropout_seed=seed)[0]
 
     first, again, other = session(0), session(0), session(1)
     assert all(np.array_equal(first[k], again[k]) for k in first)
@@ -290,20 +295,9 @@ def test_dropout_of_ratio_zero_trains_as_the_identity(digits):
     x, y = digits.x_train[:32].reshape(-1, 1, 8, 8).astype(np.float32), digits.y_train[:32]
     steps = {}
     for ratio in (0.0, None):
-        source = cnn(seed=5, dropout=ratio)
-        plan = training_plan_from_onnx(
-            source,
-            label="y",
-            loss="cross_entropy",
-            optimizer=SGD(0.1),
-            batch_size=16,
-            example_selector=SELECTOR,
-            shuffle_buffer=0,
-        )
+        steps[ratio], plan = _cnn_update(cnn(seed=5, dropout=ratio), x, y)
         if ratio is not None:
             assert "Dropout" not in {n.op_type for n in onnx.ModelProto.FromString(plan.work).graph.node}
-        executor = PlanExecutor(plan)
-        steps[ratio] = executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 16)).update
     assert all(np.array_equal(steps[0.0][k], steps[None][k]) for k in steps[None])
 
 
@@ -314,19 +308,7 @@ def test_a_dropout_before_a_trained_head_on_a_frozen_backbone_drops_as_with_the_
     x, y = digits.x_train[:16].reshape(-1, 1, 8, 8).astype(np.float32), digits.y_train[:16]
     steps = {}
     for case, ratio, trainable in (("trained", 0.5, None), ("frozen", 0.5, ["fc_*"]), ("none", None, ["fc_*"])):
-        source = cnn(seed=5, dropout=ratio)
-        plan = training_plan_from_onnx(
-            source,
-            label="y",
-            loss="cross_entropy",
-            optimizer=SGD(0.1),
-            batch_size=16,
-            example_selector=SELECTOR,
-            shuffle_buffer=0,
-            trainable=trainable,
-        )
-        executor = PlanExecutor(plan)
-        steps[case] = executor.run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 16)).update["fc_w"]
+        steps[case] = _cnn_update(cnn(seed=5, dropout=ratio), x, y, trainable=trainable)[0]["fc_w"]
     np.testing.assert_allclose(steps["frozen"], steps["trained"], rtol=1e-5, atol=1e-7)
     assert not np.allclose(steps["frozen"], steps["none"], rtol=1e-3, atol=1e-5)
 
