@@ -581,6 +581,31 @@ def peak_available(specs: Sequence[Any], horizon_s: float) -> int:
     return max(_count_available([s.availability for s in specs if s.takes_part], times), default=0)
 
 
+#: Devices sampled for :func:`session_compute`'s median.
+COMPUTE_SAMPLE = 101
+
+
+def session_compute(workload: Workload, specs: Sequence[Any], config: FleetConfig) -> tuple[float, float, int, float]:
+    """(the median training time of a session in simulated seconds, the median device's examples,
+    the plan's epochs, seconds per example on the reference phone) of the first training task, over
+    up to ``COMPUTE_SAMPLE`` of the devices that take part, evenly spaced: what a device's
+    ``trained`` will charge, estimated before the run."""
+    plan = workload.training[0].plan
+    task = config.task
+    per_example = (
+        task.compute_s_per_example
+        if task.compute_s_per_example is not None
+        else plan_cost(plan).compute_s_per_example(task.reference_flops_per_s)
+    )
+    taking_part = [s for s in specs if s.takes_part]
+    sample = taking_part[:: max(1, len(taking_part) // COMPUTE_SAMPLE)][:COMPUTE_SAMPLE]
+    if not sample:
+        return 0.0, 0.0, plan.device.epochs, per_example
+    sizes = [len(next(iter(raw.values()), ())) for raw in (workload.data.train(s) for s in sample)]
+    times = [n * plan.device.epochs * per_example * s.speed for n, s in zip(sizes, sample)]
+    return float(np.median(times)), float(np.median(sizes)), plan.device.epochs, per_example
+
+
 def _count_available(availabilities: list[Any], times: list[float]) -> list[int]:
     """Devices whose availability (idle, charging, unmetered) holds at each time."""
     if not times:
@@ -615,6 +640,7 @@ def simulate(
     before the run starts, when its fleet cannot fill a round at all (``report.cannot_fill``)."""
     from .population import generate_population
     from .report import cannot_fill
+    from .summary import slow_sessions
 
     config = config or FleetConfig.default()
     workload = load_workload(config)
@@ -625,6 +651,11 @@ def simulate(
         )
         if unfillable is not None:
             notice(unfillable)
+        slow = slow_sessions(
+            *session_compute(workload, specs, config), config.task, workload.training[0].rounds.report_timeout_s
+        )
+        if slow is not None:
+            notice(slow)
     bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)

@@ -114,6 +114,31 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
     )
 
 
+def slow_sessions(
+    median_s: float, examples: float, epochs: int, seconds_per_example: float, task: Any, window_s: float
+) -> str | None:
+    """Why most reports will come late when the median device's training (``median_s`` simulated
+    seconds: ``examples`` x ``epochs`` x ``seconds_per_example`` x its class's speed) outlasts the
+    report window ``window_s``, with the figures and the options to change; None when it fits.
+    ``task``: the fleet's ``[task]``, whose ``reference_flops_per_s`` or ``compute_s_per_example``
+    set the seconds per example."""
+    if median_s <= window_s:
+        return None
+    rate = (
+        f"task.compute_s_per_example = {task.compute_s_per_example:g}"
+        if task.compute_s_per_example is not None
+        else f"the plan's FLOPs at task.reference_flops_per_s = {task.reference_flops_per_s:.3g}, which makes the "
+        "default digits MLP train one example per second"
+    )
+    return (
+        f"a session's training takes about {median_s:,.0f} s on the median device ({examples:,.0f} examples x "
+        f"{epochs} epoch{'s' if epochs != 1 else ''} x {seconds_per_example:.3g} s per example, {rate}), longer than the {window_s:g} s report "
+        "window (task.report_timeout_s): most reports will come late; for a phone's real pace set "
+        "task.reference_flops_per_s = 1e9 (a mid-range phone sustains 1e9 to 1e10 FLOP/s), or set "
+        "task.compute_s_per_example, or lengthen task.report_timeout_s"
+    )
+
+
 def completion_note(
     summary: dict[str, Any], rounds: list[Any], task: Any, secure: dict[str, dict] | None = None
 ) -> str | None:

@@ -153,3 +153,25 @@ def test_a_fleet_that_can_fill_its_rounds_says_nothing_of_it(tmp_path):
     said: list[str] = []
     run = simulate(FleetConfig.default().replace(devices=60, hours=0.25, goal=8), progress=False, notice=said.append)
     assert said == [] and run.summary()["cannot_fill"] is None
+
+
+def test_a_fleet_whose_sessions_outlast_the_report_window_says_so_before_the_run(tmp_path, capsys):
+    """The median device's training, estimated from the plan's cost and the devices' examples and
+    speeds before the run, against the report window: the run then bears it out (late reports)."""
+    from emulator.fleet import FleetConfig, simulate
+
+    fleet = tmp_path / "slow.toml"
+    fleet.write_text("[task]\ngoal_count = 8\ncompute_s_per_example = 30.0\nreport_timeout_s = 60.0\n")
+    config = FleetConfig.load(fleet).replace(devices=200, hours=2)
+    said: list[str] = []
+    run = simulate(config, progress=False, notice=said.append)
+    slow = [m for m in said if m.startswith("a session's training takes about ")]
+    assert len(slow) == 1 and "x 30 s per example, task.compute_s_per_example = 30)" in slow[0]
+    assert "longer than the 60 s report window (task.report_timeout_s)" in slow[0]
+    assert "task.reference_flops_per_s = 1e9" in slow[0]
+    shapes = run.summary()["shapes"]
+    trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
+    assert sum(n for shape, n in trained.items() if shape.endswith("#")) > sum(trained.values()) / 2
+    # the command line says it on stderr, before the summary
+    assert main(["simulate", str(fleet), "--devices", "200", "--hours", "2", "--no-progress"]) == 0
+    assert "fedfleet simulate: a session's training takes about" in capsys.readouterr().err
