@@ -600,11 +600,13 @@ def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
 
 
 def stochastic_depth_as_dropout(model: onnx.ModelProto) -> int:
-    """Each stochastic depth (torchvision's ``StochasticDepth``, timm's ``DropPath``: a residual
-    branch kept per example with probability ``keep`` and scaled by ``1/keep`` in training, the
-    identity in evaluation) as the ``Dropout`` of ones it is, in place; returns how many. Both
-    exporters write its training form as ``Less(RandomUniformLike(t), keep)``, cast to float and
-    divided by ``keep``: random in an evaluation plan too, and drawn unseeded. As
+    """Each stochastic depth (torchvision's ``StochasticDepth``, timm's ``DropPath``, transformers'
+    ``drop_path``: a residual branch kept per example with probability ``keep`` and scaled by
+    ``1/keep`` in training, the identity in evaluation) as the ``Dropout`` of ones it is, in place;
+    returns how many. Both exporters write its training form as ``Less(RandomUniformLike(t), keep)``,
+    cast to float and divided by ``keep``, and transformers' as ``Floor(Add(RandomUniformLike(t),
+    keep))`` (0 or 1) that multiplies the branch divided by ``keep`` (that mask becomes the Dropout's
+    times ``keep``): random in an evaluation plan too, and drawn unseeded. As
     ``Dropout(ones like t, 1 - keep)`` (active, as a train-mode export's Dropout is) it is the
     identity where Dropout is inactive (:func:`inference_form`) and a seeded mask in training.
     The form without the division (``scale_by_keep=False``) is left as it is."""
@@ -636,11 +638,47 @@ def stochastic_depth_as_dropout(model: onnx.ModelProto) -> int:
         return name
 
     replaced: dict[int, list[onnx.NodeProto]] = {}  # position -> the nodes in its place (none: removed)
+
+    def as_dropout(at_draw: int, keep: float, base: str, name: str) -> onnx.NodeProto:
+        """The draw at ``at_draw`` replaced by ones of its shape, and the ``Dropout`` of them at
+        ratio ``1 - keep`` (output ``base``, values 0 or ``1/keep``) that takes the mask's place."""
+        draw = nodes[at_draw]
+        shape, ones = fresh(f"{base}_shape"), fresh(f"{base}_ones")
+        ratio = onnx.numpy_helper.from_array(np.array(1.0 - keep, dtype=np.float32), fresh(f"{base}_drop_ratio"))
+        training = onnx.numpy_helper.from_array(np.array(True), fresh(f"{base}_training_mode"))
+        graph.initializer.extend([ratio, training])
+        ones_value = onnx.helper.make_tensor("value", _F32, [1], [1.0])
+        replaced[at_draw] = [
+            onnx.helper.make_node("Shape", [draw.input[0]], [shape]),
+            onnx.helper.make_node("ConstantOfShape", [shape], [ones], value=ones_value),
+        ]
+        for k in readers.get(draw.output[0], []):  # a CastLike to the draw's type: the ones' type
+            if nodes[k].op_type == "CastLike" and nodes[k].input[1] == draw.output[0]:
+                nodes[k].input[1] = ones
+        return onnx.helper.make_node("Dropout", [ones, ratio.name, training.name], [base], name=fresh(name))
+
     for at_draw, draw in enumerate(nodes):
         if draw.op_type != "RandomUniformLike":
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in draw.attribute}
         if attrs.get("low", 0.0) != 0.0 or attrs.get("high", 1.0) != 1.0:
+            continue
+        at_add = only_reader(draw.output[0], "Add")
+        if at_add is not None:  # transformers' drop_path: floor(keep + u), 1 with probability keep
+            add = nodes[at_add]
+            keep = _constant(graph, add.input[1] if add.input[0] == draw.output[0] else add.input[0])
+            at_floor = only_reader(add.output[0], "Floor")
+            if at_floor is None or keep is None or keep.size != 1 or not 0 < float(keep) < 1:
+                continue
+            base = nodes[at_floor].output[0]
+            scaled = fresh(f"{base}_scaled")
+            keep_value = onnx.numpy_helper.from_array(np.array(float(keep), dtype=np.float32), fresh(f"{base}_keep"))
+            graph.initializer.append(keep_value)
+            replaced[at_floor] = [  # the mask of 0 and 1/keep times keep: 0 or 1, and keep where inactive
+                as_dropout(at_draw, float(keep), scaled, f"{nodes[at_floor].name or base}_stochastic_depth"),
+                onnx.helper.make_node("Mul", [scaled, keep_value.name], [base]),
+            ]
+            replaced[at_add] = []
             continue
         at_less = only_reader(draw.output[0], "Less")
         if at_less is None or nodes[at_less].input[0] != draw.output[0]:
@@ -660,24 +698,8 @@ def stochastic_depth_as_dropout(model: onnx.ModelProto) -> int:
         if cast.op_type == "Cast" and onnx.helper.get_attribute_value(cast.attribute[0]) != _F32:
             continue
         base = div.output[0]
-        shape, ones = fresh(f"{base}_shape"), fresh(f"{base}_ones")
-        ratio = onnx.numpy_helper.from_array(np.array(1.0 - float(keep), dtype=np.float32), fresh(f"{base}_drop_ratio"))
-        training = onnx.numpy_helper.from_array(np.array(True), fresh(f"{base}_training_mode"))
-        graph.initializer.extend([ratio, training])
-        ones_value = onnx.helper.make_tensor("value", _F32, [1], [1.0])
-        replaced[at_draw] = [
-            onnx.helper.make_node("Shape", [draw.input[0]], [shape]),
-            onnx.helper.make_node("ConstantOfShape", [shape], [ones], value=ones_value),
-        ]
-        replaced[at_div] = [
-            onnx.helper.make_node(
-                "Dropout", [ones, ratio.name, training.name], [base], name=fresh(f"{div.name or base}_stochastic_depth")
-            )
-        ]
+        replaced[at_div] = [as_dropout(at_draw, float(keep), base, f"{div.name or base}_stochastic_depth")]
         replaced[at_less] = replaced[at_cast] = []
-        for k in readers.get(draw.output[0], []):  # a CastLike to the draw's type: the ones' type
-            if nodes[k].op_type == "CastLike" and nodes[k].input[1] == draw.output[0]:
-                nodes[k].input[1] = ones
     if replaced:
         del graph.node[:]
         graph.node.extend(n for k, node in enumerate(nodes) for n in replaced.get(k, [node]))

@@ -2,7 +2,9 @@
 write its training form: a residual branch kept per example with probability ``keep`` and scaled by
 ``1/keep``, from ``RandomUniformLike``, ``Less``, a cast and a division. torchvision's EfficientNet,
 ConvNeXt, Swin and MaxViT have it on by default. The graphs here are the exporters' own (read off
-``torch.onnx.export`` of ``x + StochasticDepth(p, "row")(x @ W)`` by torch 2.13)."""
+``torch.onnx.export`` of ``x + StochasticDepth(p, "row")(x @ W)`` by torch 2.13). transformers'
+``drop_path`` (Swin, SegFormer, ConvNeXt, BEiT) is drawn as ``Floor(Add(RandomUniformLike, keep))``
+multiplying the branch divided by ``keep`` (read off the dynamo export of its Swin)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,17 @@ def _model(exporter: str, divided: bool = True, blocks: int = 1) -> onnx.ModelPr
             helper.make_node("Concat", [f"shape{k}", "one"], [f"mask_shape{k}"], axis=0),
             helper.make_node("ConstantOfShape", [f"mask_shape{k}"], [f"zeros{k}"]),
         ]
+        if exporter == "transformers":  # drop_path: floor(keep + u) multiplies the branch divided by keep
+            nodes += [
+                helper.make_node("RandomUniformLike", [f"zeros{k}"], [f"u{k}"], dtype=TensorProto.FLOAT),
+                helper.make_node("Add", [f"u{k}", "keep"], [f"keep_u{k}"]),
+                helper.make_node("Floor", [f"keep_u{k}"], [f"mask01_{k}"]),
+                helper.make_node("Div", [f"h{k}", "keep_again"], [f"hk{k}"]),
+                helper.make_node("Mul", [f"hk{k}", f"mask01_{k}"], [f"branch{k}"]),
+                helper.make_node("Add", [x, f"branch{k}"], [out]),
+            ]
+            x = out
+            continue
         if exporter == "classic":
             nodes += [
                 helper.make_node("RandomUniformLike", [f"zeros{k}"], [f"u{k}"]),
@@ -78,7 +91,7 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     return session.run(["logits"], {"x": x})[0]
 
 
-EXPORTERS = ["classic", "dynamo"]
+EXPORTERS = ["classic", "dynamo", "transformers"]
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
