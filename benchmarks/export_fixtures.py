@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gzip
-import inspect
 import json
 import platform
 import warnings
@@ -67,6 +66,7 @@ from onnx import numpy_helper
 from torch import nn
 
 from benchmarks.torch_models import MODELS, GRUNextToken, ModelSpec
+from emulator.toolchain.torch_export import dynamic_batch
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain" / "exported"
 LR = 1.0
@@ -157,13 +157,6 @@ def batch(spec: ModelSpec, generator: torch.Generator) -> tuple[list[torch.Tenso
     return inputs, torch.randint(0, spec.classes, (BATCH, *spec.label_shape), generator=generator)
 
 
-def _dynamic_shapes(module: nn.Module, count: int) -> tuple:
-    axis = torch.export.Dim("batch")
-    shapes = tuple({0: axis} for _ in range(count))
-    params = inspect.signature(module.forward).parameters.values()
-    return (shapes,) if any(p.kind == p.VAR_POSITIONAL for p in params) else shapes
-
-
 def export_call(exporter: str) -> str:
     """The call, as the manifest and the README show it."""
     if exporter == "classic":
@@ -208,7 +201,7 @@ def export(module: nn.Module, args: list[torch.Tensor], names: list[str], export
                 opset_version=DYNAMO_OPSET,
                 input_names=names,
                 output_names=["logits"],
-                dynamic_shapes=_dynamic_shapes(module, len(args)),
+                dynamic_shapes=dynamic_batch(module, len(args), torch.export.Dim("batch")),
                 external_data=False,
                 verbose=False,
             )

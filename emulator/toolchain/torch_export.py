@@ -15,7 +15,10 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
   ``Identity``) and ``BatchNormalization`` is kept with its running statistics (not folded into
   the convolution); the file is then made an inference model again (``Dropout`` inactive, as
   evaluation plans and other runtimes read it), which the training plan rewrites for training;
-* a dynamic batch axis on every input (the last batch of an epoch is short), traced at batch 2;
+* a dynamic batch axis on every input (the last batch of an epoch is short), traced at batch 2, in
+  the structure of ``forward``'s signature (one tuple for ``*inputs``: :func:`dynamic_batch`); a
+  forward returning a mapping (a transformers model's output, holding its key-value cache) exported
+  as the tensors in it;
 * the module's own weights and buffers as the initial checkpoint: its state is restored after the
   export and written over any initializer of the same name, so nothing the tracing ran moves the
   running statistics (the classic exporter's train-mode trace updated them by one batch);
@@ -23,21 +26,25 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
   says so), and what the export drops read from the module: each ``nn.Embedding``'s
   ``padding_idx`` row (``padding_rows``: no gradient there, as in torch), the float buffers torch
   never trains (``constant_buffers``) and the parameters whose ``requires_grad`` is off
-  (``untrained_parameters``): frozen.
+  (``untrained_parameters``): frozen;
+* the file held to the module: run in onnxruntime on random examples and compared with the
+  module's outputs in eval mode (:func:`export_mismatch`), a note where an exporter traced something else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import logging
 import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +60,8 @@ from .tasks import TaskError
 __all__ = [
     "TorchInput",
     "constant_buffers",
+    "dynamic_batch",
+    "export_mismatch",
     "export_torch",
     "from_torch",
     "load_factory",
@@ -147,6 +156,18 @@ def _example(torch: Any, spec: TorchInput) -> Any:
     return torch.zeros(shape, dtype=dtype)
 
 
+def _check_example(torch: Any, spec: TorchInput) -> Any:
+    """An example batch to hold the exported model to the module on: another batch size than the
+    trace's (a size the export baked in shows), and values that vary (the trace's zeros of integer
+    inputs mask every token of an attention mask): 0 or 1 for integers, valid for any vocabulary."""
+    generator = torch.Generator().manual_seed(1)
+    shape = (TRACE_BATCH + 1, *spec.shape)
+    dtype = getattr(torch, spec.dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(0, 2, shape, generator=generator).to(dtype)
+
+
 #: torch's exporter logs a warning for each torchvision operator it cannot register when torchvision
 #: is not installed, which a model without them does not need to hear of.
 REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
@@ -198,93 +219,78 @@ def forward_failure(exc: BaseException, inputs: Sequence[TorchInput]) -> str:
     )
 
 
-def _saved_state(module: Any) -> Any:
-    """A copy of ``module``'s ``state_dict`` to restore after the export, with its ``_metadata``: the
-    versions of the modules' state layouts, which a module's own ``_load_from_state_dict`` may read
-    (torchvision's MNASNet raises without one)."""
-    saved = module.state_dict()
-    state = type(saved)((k, v.detach().clone()) for k, v in saved.items())
-    state._metadata = getattr(saved, "_metadata", None)
-    return state
+#: how far the exported model's outputs may lie from the module's, over the largest of them, before
+#: a note says the export computes something else (float32 rounding through a deep model is ~1e-6)
+EXPORT_TOLERANCE = 1e-4
 
 
-def export_torch(
-    module: Any,
-    inputs: Sequence[TorchInput],
-    path: str | Path,
-    *,
-    opset: int | None = None,
-    notes: list[str] | None = None,
-) -> Path:
-    """Export ``module`` to ``path`` so that it trains right (see the module docstring) and return
-    the path; its weights and train/eval mode are left as they were. Where the dynamo exporter
-    fails, the classic one is tried in training mode, and ``notes`` gets a line saying so."""
-    torch = _torch()
-    if not isinstance(module, torch.nn.Module):
-        raise TaskError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
-    if not inputs:
-        raise TaskError("give the module's inputs (--input NAME:SHAPE[:DTYPE] for each argument of forward)")
-    path = Path(path)
-    args = tuple(_example(torch, spec) for spec in inputs)
-    state = _saved_state(module)
-    was_training = module.training
+def export_mismatch(path: str | Path, feeds: Mapping[str, np.ndarray], expected: Sequence[np.ndarray]) -> str | None:
+    """A note where the ONNX model at ``path`` does not compute ``expected`` (the module's outputs in
+    eval mode) from ``feeds`` within :data:`EXPORT_TOLERANCE`: an exporter that traced a different
+    computation (Longformer's sliding-window chunks through the classic exporter) gives a plan that
+    trains what was exported, not the module; None where it matches."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
     try:
-        with torch.no_grad():
-            module.eval()
-            try:
-                out = module(*args)
-            except Exception as exc:  # noqa: BLE001 - the module's own code: any error is the inputs' mismatch
-                raise TaskError(forward_failure(exc, inputs)) from None
-        outputs = [f"output_{i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else ["output"]
-        module.train()
-        batch = torch.export.Dim("N")
-        names = [s.name for s in inputs]
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet(REGISTRATION_LOGGER):
-            warnings.simplefilter("ignore")  # "exporting a model in training mode" is what is meant here
-            exported = Path(tmp) / "model.onnx"
-            common = {"input_names": names, "output_names": outputs}
-            try:
-                torch.onnx.export(
-                    module,
-                    args,
-                    str(exported),
-                    **common,
-                    dynamo=True,
-                    optimize=False,
-                    dynamic_shapes=tuple({0: batch} for _ in inputs),
-                    opset_version=opset,
-                    verbose=False,
-                )
-            except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the root cause says which
-                failed = export_failure(exc)
-                module.load_state_dict(state)
-                try:  # the classic exporter traces where torch.export cannot (views of tensors a no-op left strided)
-                    torch.onnx.export(
-                        module,
-                        args,
-                        str(exported),
-                        **common,
-                        dynamo=False,
-                        training=torch.onnx.TrainingMode.PRESERVE,
-                        do_constant_folding=False,
-                        dynamic_axes={n: {0: "N"} for n in [*names, *outputs]},
-                        opset_version=min(opset or CLASSIC_OPSET, CLASSIC_OPSET),
-                    )
-                except Exception:  # noqa: BLE001 - the dynamo exporter's reason is the one to give
-                    raise TaskError(failed) from None
-                if notes is not None:
-                    reason = failed.removeprefix("torch.onnx.export failed: ").split("; export the module yourself")[0]
-                    notes.append(
-                        f"the dynamo exporter failed ({reason}); exported with the classic one, in training mode"
-                    )
-            model = onnx.load(str(exported))  # with its external data, read from the temporary folder
-    except TaskError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the root cause says which
-        raise TaskError(export_failure(exc)) from None
-    finally:
-        module.load_state_dict(state)
-        module.train(was_training)
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        got = session.run(None, dict(feeds))
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own kinds; the note names it
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return f"the exported model did not run in onnxruntime on random examples ({type(exc).__name__}: {first})"
+    for output, value, want in zip(session.get_outputs(), got, expected):
+        value, want = np.asarray(value), np.asarray(want)
+        if not np.issubdtype(want.dtype, np.floating) or value.shape != want.shape:
+            continue
+        scale = max(float(np.abs(want).max(initial=0.0)), float(np.finfo(np.float32).tiny))
+        off = float(np.abs(value.astype(np.float64) - want).max(initial=0.0)) / scale
+        if not off <= EXPORT_TOLERANCE:
+            return (
+                f"the exported model's {output.name!r} differs from the module's (eval mode, on random "
+                f"examples) by {off:.1e} of its largest value: the exporter traced a different computation, "
+                "and the plan trains what was exported; compare the two before training"
+            )
+    return None
+
+
+def dynamic_batch(module: Any, count: int, axis: Any) -> tuple:
+    """torch.export's ``dynamic_shapes`` for ``count`` inputs whose axis 0 is ``axis``, in the
+    structure of ``module.forward``'s signature: one entry per argument, or one tuple of them all
+    where ``forward`` takes ``*args`` (a wrapper that passes them on), which torch.export otherwise
+    refuses as a mismatch of structure."""
+    shapes = tuple({0: axis} for _ in range(count))
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward whose signature Python cannot read
+        return shapes
+    return (shapes,) if any(p.kind == p.VAR_POSITIONAL for p in params) else shapes
+
+
+def _tensor_outputs(module: Any, keys: Sequence[str]) -> Any:
+    """``module`` (the same parameters, buffers and submodules, under the same names) as a module
+    whose forward returns the tensors ``keys`` of the mapping its own returns, in order: a
+    transformers model's output holds a key-value cache object besides its logits, which no
+    exporter can return."""
+    base = type(module)
+
+    def forward(self: Any, *args: Any) -> tuple:
+        out = base.forward(self, *args)
+        return tuple(out[k] for k in keys)
+
+    view = copy.copy(module)  # shares the parameter and submodule tables: the export names them as torch does
+    view.__class__ = type(base.__name__, (base,), {"forward": forward})
+    return view
+
+
+def _say(notes: list[str] | None, note: str | None) -> None:
+    if notes is not None and note:
+        notes.append(note)
+
+
+def _save(model: onnx.ModelProto, state: Any, path: Path) -> None:
+    """``model`` written to ``path`` with the module's ``state`` over the initializers of the same
+    names, made an inference model again (its Dropout inactive)."""
     for i, init in enumerate(model.graph.initializer):
         if init.name in state:
             value = state[init.name].cpu().numpy()
@@ -305,6 +311,116 @@ def export_torch(
             location=f"{path.name}.data",
             size_threshold=1024,
         )
+
+
+def _saved_state(module: Any) -> Any:
+    """A copy of ``module``'s ``state_dict`` to restore after the export, with its ``_metadata``: the
+    versions of the modules' state layouts, which a module's own ``_load_from_state_dict`` may read
+    (torchvision's MNASNet raises without one)."""
+    saved = module.state_dict()
+    state = type(saved)((k, v.detach().clone()) for k, v in saved.items())
+    state._metadata = getattr(saved, "_metadata", None)
+    return state
+
+
+def export_torch(
+    module: Any,
+    inputs: Sequence[TorchInput],
+    path: str | Path,
+    *,
+    opset: int | None = None,
+    notes: list[str] | None = None,
+) -> Path:
+    """Export ``module`` to ``path`` so that it trains right (see the module docstring) and return
+    the path; its weights and train/eval mode are left as they were. Where the dynamo exporter
+    fails, the classic one is tried in training mode, and ``notes`` gets a line saying so. The
+    file is then run in onnxruntime on random examples and held to the module's outputs in eval mode
+    (:func:`export_mismatch`): ``notes`` says where it differs."""
+    torch = _torch()
+    if not isinstance(module, torch.nn.Module):
+        raise TaskError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
+    if not inputs:
+        raise TaskError("give the module's inputs (--input NAME:SHAPE[:DTYPE] for each argument of forward)")
+    path = Path(path)
+    args = tuple(_example(torch, spec) for spec in inputs)
+    state = _saved_state(module)
+    was_training = module.training
+    try:
+        with torch.no_grad():
+            module.eval()
+            try:
+                out = module(*args)
+            except Exception as exc:  # noqa: BLE001 - the module's own code: any error is the inputs' mismatch
+                raise TaskError(forward_failure(exc, inputs)) from None
+            checks = tuple(_check_example(torch, spec) for spec in inputs)
+            try:
+                expected = module(*checks)
+            except Exception:  # noqa: BLE001 - the module's own code: then only the export is not checked
+                expected = None
+        traced = module
+        if isinstance(out, Mapping):  # a transformers ModelOutput: its tensors, not its cache objects
+            keys = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+            traced = _tensor_outputs(module, keys)
+            out = tuple(out[k] for k in keys)
+            if isinstance(expected, Mapping):
+                expected = tuple(expected[k] for k in keys)
+        outputs = [f"output_{i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else ["output"]
+        outs = expected if isinstance(expected, (tuple, list)) else [expected]
+        feeds = {spec.name: a.numpy() for spec, a in zip(inputs, checks)}
+        wanted = [o.numpy() for o in outs] if all(isinstance(o, torch.Tensor) for o in outs) else None
+        module.train()
+        batch = torch.export.Dim("N")
+        names = [s.name for s in inputs]
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet(REGISTRATION_LOGGER):
+            warnings.simplefilter("ignore")  # "exporting a model in training mode" is what is meant here
+            exported = Path(tmp) / "model.onnx"
+            common = {"input_names": names, "output_names": outputs}
+
+            def classic() -> onnx.ModelProto:
+                module.load_state_dict(state)
+                torch.onnx.export(
+                    traced,
+                    args,
+                    str(exported),
+                    **common,
+                    dynamo=False,
+                    training=torch.onnx.TrainingMode.PRESERVE,
+                    do_constant_folding=False,
+                    dynamic_axes={n: {0: "N"} for n in [*names, *outputs]},
+                    opset_version=min(opset or CLASSIC_OPSET, CLASSIC_OPSET),
+                )
+                return onnx.load(str(exported))  # with its external data, read from the temporary folder
+
+            try:
+                torch.onnx.export(
+                    traced,
+                    args,
+                    str(exported),
+                    **common,
+                    dynamo=True,
+                    optimize=False,
+                    dynamic_shapes=dynamic_batch(traced, len(inputs), batch),
+                    opset_version=opset,
+                    verbose=False,
+                )
+                model = onnx.load(str(exported))
+            except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the root cause says which
+                failed = export_failure(exc)
+                try:  # the classic exporter traces where torch.export cannot (views of tensors a no-op left strided)
+                    model = classic()
+                except Exception:  # noqa: BLE001 - the dynamo exporter's reason is the one to give
+                    raise TaskError(failed) from None
+                reason = failed.removeprefix("torch.onnx.export failed: ").split("; export the module yourself")[0]
+                _say(notes, f"the dynamo exporter failed ({reason}); exported with the classic one, in training mode")
+            _save(model, state, path)
+            _say(notes, export_mismatch(path, feeds, wanted) if wanted is not None else None)
+    except TaskError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds; the root cause says which
+        raise TaskError(export_failure(exc)) from None
+    finally:
+        module.load_state_dict(state)
+        module.train(was_training)
     return path
 
 

@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from emulator.cli.commands import main
 from emulator.toolchain.tasks import TaskError
-from emulator.toolchain.torch_export import TorchInput, export_failure, parse_input
+from emulator.toolchain.torch_export import (
+    TorchInput,
+    dynamic_batch,
+    export_failure,
+    export_mismatch,
+    parse_input,
+)
 
 FACTORY = '''
 import torch
@@ -59,6 +65,73 @@ def test_an_input_spec_reads_back_as_written(name, shape, dtype):
 def test_a_malformed_input_spec_is_refused_with_an_example(spec):
     with pytest.raises(TaskError, match="--input"):
         parse_input(spec)
+
+
+def test_the_batch_axis_follows_forwards_signature_one_entry_per_argument_or_one_tuple_for_star_args():
+    """A wrapper whose ``forward(*inputs)`` passes them on (around a transformers model, to return
+    its logits) takes one tuple of shapes: one entry per input made torch.export refuse every such
+    module as a structure mismatch, and the export fell back to the classic exporter."""
+
+    class Named:
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    class Wrapper:
+        def forward(self, *inputs):
+            return inputs[0]
+
+    assert dynamic_batch(Named(), 2, "N") == ({0: "N"}, {0: "N"})
+    assert dynamic_batch(Wrapper(), 2, "N") == (({0: "N"}, {0: "N"}),)
+    assert dynamic_batch(Wrapper(), 1, "N") == (({0: "N"},),)
+
+
+def test_a_model_returning_a_mapping_is_exported_as_its_tensors_under_the_same_names():
+    """A transformers model returns an output object (a mapping) holding, besides its logits, a
+    key-value cache no exporter can return: it is traced through a view of it whose forward returns
+    the tensors alone, sharing its weights and submodules, so that the export names them as torch does."""
+    from emulator.toolchain.torch_export import _tensor_outputs
+
+    class LanguageModel:
+        def __init__(self):
+            self.weights = {"lm_head.weight": np.ones((3, 2))}
+
+        def forward(self, tokens, mask=None):
+            logits = self.weights["lm_head.weight"][tokens]
+            return {"logits": logits, "past_key_values": object(), "hidden": logits + 1}
+
+    model = LanguageModel()
+    view = _tensor_outputs(model, ["logits", "hidden"])
+    logits, hidden = view.forward(np.array([0, 2]))
+    assert logits.shape == (2, 2) and (hidden == logits + 1).all()
+    assert isinstance(view, LanguageModel) and view.weights is model.weights
+    assert dynamic_batch(view, 1, "N") == (({0: "N"},),)
+    assert model.forward(np.array([1]))["past_key_values"] is not None  # the model itself is unchanged
+
+
+def test_an_export_that_computes_something_else_than_the_module_is_noted_in_one_line(tmp_path):
+    """The module's outputs against the exported file's on the same examples: float32 rounding
+    passes, a different computation (an exporter's wrong trace) is named with how far off it is."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"]), helper.make_node("Shape", ["x"], ["n"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3]),
+         helper.make_tensor_value_info("n", TensorProto.INT64, [2])],
+        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])],
+    )  # fmt: skip
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    x = np.array([[1.0, -2.0, 3.0], [0.5, 0.25, -4.0]], dtype=np.float32)
+    shape = np.array([2, 3], dtype=np.int64)
+    assert export_mismatch(path, {"x": x}, [2 * x * (1 + 1e-6), shape]) is None
+    off = 2 * x
+    off[1, 2] += 0.08  # 1e-2 of the largest output, 8
+    note = export_mismatch(path, {"x": x}, [off, np.zeros(2, np.int64)])
+    assert note is not None and "'y'" in note and "1.0e-02" in note and "\n" not in note
+    broken = export_mismatch(path, {"x": x.astype(np.float64)}, [2 * x])
+    assert broken is not None and broken.startswith("the exported model did not run in onnxruntime")
 
 
 def test_a_failed_export_says_its_root_cause_in_one_line_and_the_way_round_it():
