@@ -54,7 +54,13 @@ from benchmarks.export_fixtures import BATCH, LR, export, perturb, reference_ste
 from device_runtime.executor import make_session
 from emulator.toolchain import TaskError, UnsupportedOpError
 from emulator.toolchain.tasks import Task, onnx_import
-from emulator.toolchain.torch_export import TorchInput, constant_buffers, export_torch, untrained_parameters
+from emulator.toolchain.torch_export import (
+    TorchInput,
+    constant_buffers,
+    export_torch,
+    padding_rows,
+    untrained_parameters,
+)
 from example_store import ExampleSelector
 
 
@@ -67,6 +73,8 @@ def _import_torchvision() -> None:
 
     try:
         import torchvision  # noqa: F401
+    except ModuleNotFoundError:  # transformers' models (benchmarks.hf_zoo) need no torchvision
+        return
     except RuntimeError:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
@@ -192,16 +200,23 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], int]] = {
 
 def no_stochastic_depth(module: nn.Module) -> nn.Module:
     """Every stochastic-depth (drop-path) probability of ``module`` set to 0, in place: torchvision's
-    ``StochasticDepth`` and timm's ``DropPath`` keep theirs in ``p`` and ``drop_prob``."""
+    ``StochasticDepth`` and timm's ``DropPath`` (transformers' ``SwinDropPath`` and the like) keep
+    theirs in ``p`` and ``drop_prob``."""
     for sub in module.modules():
-        if type(sub).__name__ in ("StochasticDepth", "DropPath", "DropBlock2d"):
+        if type(sub).__name__.endswith(("StochasticDepth", "DropPath", "DropBlock2d")):  # SwinDropPath too
             for attr in ("p", "drop_prob"):
                 if isinstance(getattr(sub, attr, None), float):
                     setattr(sub, attr, 0.0)
     return module
 
 
-def _plan_step(model_path: Path, frozen: list[str], inputs: dict[str, np.ndarray], labels: np.ndarray) -> tuple:
+def _plan_step(
+    model_path: Path,
+    frozen: list[str],
+    inputs: dict[str, np.ndarray],
+    labels: np.ndarray,
+    frozen_rows: dict[str, tuple[int, ...]] | None = None,
+) -> tuple:
     task = Task(
         name="zoo",
         model=model_path,
@@ -211,6 +226,7 @@ def _plan_step(model_path: Path, frozen: list[str], inputs: dict[str, np.ndarray
         batch_size=BATCH,
         selector=ExampleSelector("app:/zoo"),
         frozen=tuple(frozen),
+        frozen_rows=frozen_rows or {},
     )
     made = onnx_import(task._model_source(), task)
     plan = made.plan
@@ -255,31 +271,43 @@ def run(name: str, exporter: str, side: int | None = None) -> dict[str, Any]:
     perturb(module, generator)
     x = torch.randn((BATCH, 3, side, side), generator=generator)
     y = torch.randint(0, CLASSES, (BATCH,), generator=generator)
-    row: dict[str, Any] = {
-        "model": name,
-        "exporter": exporter,
-        "side": side,
-        "params": sum(p.numel() for p in module.parameters()),
-    }
+    row = {"model": name, "exporter": exporter, "side": side}
+    return step_check(module, [TorchInput("image", (3, side, side))], [x], y, exporter, row)
+
+
+def step_check(
+    module: nn.Module,
+    specs: list[TorchInput],
+    inputs: list[torch.Tensor],
+    labels: torch.Tensor,
+    exporter: str,
+    row: dict[str, Any],
+) -> dict[str, Any]:
+    """``row`` completed with the verdict on ``module`` (dropout off, perturbed) exported by
+    ``exporter`` with inputs ``specs``: its plan's SGD step on the batch ``inputs``, ``labels`` (one
+    per example, or one per position) against torch autograd's."""
+    row = {**row, "params": sum(p.numel() for p in module.parameters())}
+    names = [s.name for s in specs]
     try:
-        loss, reference, errors = reference_step(module, [x], y)
+        loss, reference, errors = reference_step(module, inputs, labels)
     except Exception as exc:  # noqa: BLE001 - the library's model itself
         return {**row, "result": "torch_failed", "error": f"{type(exc).__name__}: {exc}"[:300]}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.onnx"
         start = time.perf_counter()
-        frozen: list[str] = []
         try:
             if exporter == "from_torch":
                 notes: list[str] = []
-                export_torch(module, [TorchInput("image", (3, side, side))], path, notes=notes)
+                export_torch(module, specs, path, notes=notes)
                 if notes:
                     row["notes"] = notes
-                initializers = {i.name for i in onnx.load(str(path), load_external_data=False).graph.initializer}
-                frozen = [*constant_buffers(module, initializers), *untrained_parameters(module, initializers)]
             else:
-                export(module, [x], ["image"], exporter, path.with_suffix(".onnx.gz"))
+                export(module, inputs, names, exporter, path.with_suffix(".onnx.gz"))
                 path.write_bytes(gzip.decompress(path.with_suffix(".onnx.gz").read_bytes()))
+            # what `plan from-torch` freezes itself, and a file's user names (--frozen, frozen_rows)
+            initializers = {i.name for i in onnx.load(str(path), load_external_data=False).graph.initializer}
+            frozen = [*constant_buffers(module, initializers), *untrained_parameters(module, initializers)]
+            rows = padding_rows(module, initializers)
         except TaskError as exc:
             return {**row, "result": "export_refused", "error": str(exc)[:400]}
         except Exception as exc:  # noqa: BLE001 - the exporter's own failure
@@ -287,7 +315,9 @@ def run(name: str, exporter: str, side: int | None = None) -> dict[str, Any]:
         row["export_s"] = round(time.perf_counter() - start, 1)
         start = time.perf_counter()
         try:
-            made, before, after, plan_loss, step_s = _plan_step(path, frozen, {"image": x.numpy()}, y.numpy())
+            made, before, after, plan_loss, step_s = _plan_step(
+                path, frozen, {n: x.numpy() for n, x in zip(names, inputs)}, labels.numpy(), rows
+            )
         except (TaskError, UnsupportedOpError) as exc:
             return {**row, "result": "refused", "error": str(exc)[:400]}
         except Exception as exc:  # noqa: BLE001 - a traceback is a defect to report
