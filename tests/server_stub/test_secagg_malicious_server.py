@@ -38,6 +38,17 @@ class Attack:
         return {}
 
 
+def group_config(changed) -> dict:
+    """``overrides`` of an attack whose groups run their aggregators on ``changed(config)``: the
+    fields of the honest group configuration it replaces."""
+
+    def _aggregator(self, config, n, graph_seed):
+        config = dataclasses.replace(config, **changed(config))
+        return SecAggServer(config, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
+
+    return {"_aggregator": _aggregator}
+
+
 @dataclass
 class Harness:
     """A test's population on the module's attested server (``service``), whose secure rounds the
@@ -103,11 +114,7 @@ class LowThreshold(Attack):
     """The group's configuration asks for t = 2 (rebuild a device's key from 2 shares)."""
 
     def overrides(self, secure):
-        def _aggregator(self, config, n, graph_seed):
-            weak = dataclasses.replace(config, threshold=2, allow_unsafe=True)
-            return SecAggServer(weak, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
-
-        return {"_aggregator": _aggregator}
+        return group_config(lambda config: {"threshold": 2, "allow_unsafe": True})
 
 
 def test_a_threshold_too_low_makes_every_device_refuse(harness):
@@ -323,11 +330,7 @@ class LongerVector(Attack):
     ``secagg`` error the runtime did not catch (and a length of 2^40 asked for that much mask)."""
 
     def overrides(self, secure):
-        def _aggregator(self, config, n, graph_seed):
-            longer = dataclasses.replace(config, vector_length=config.vector_length * 1000)
-            return SecAggServer(longer, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
-
-        return {"_aggregator": _aggregator}
+        return group_config(lambda config: {"vector_length": config.vector_length * 1000})
 
 
 def test_a_vector_length_not_the_plans_makes_every_device_refuse_before_training(harness):
