@@ -130,12 +130,16 @@ def slow_sessions(
         else f"the plan's FLOPs at task.reference_flops_per_s = {task.reference_flops_per_s:.3g}, which makes the "
         "default digits MLP train one example per second"
     )
+    cheaper = (
+        "lower task.compute_s_per_example (it overrides the plan's cost)"
+        if task.compute_s_per_example is not None
+        else "for a phone's real pace set task.reference_flops_per_s = 1e9 (a mid-range phone sustains 1e9 to 1e10 "
+        "FLOP/s), or set task.compute_s_per_example"
+    )
     return (
         f"a session's training takes about {median_s:,.0f} s on the median device ({examples:,.0f} examples x "
         f"{epochs} epoch{'s' if epochs != 1 else ''} x {seconds_per_example:.3g} s per example, {rate}), longer than the {window_s:g} s report "
-        "window (task.report_timeout_s): most reports will come late; for a phone's real pace set "
-        "task.reference_flops_per_s = 1e9 (a mid-range phone sustains 1e9 to 1e10 FLOP/s), or set "
-        "task.compute_s_per_example, or lengthen task.report_timeout_s"
+        f"window (task.report_timeout_s): most reports will come late; {cheaper}, or lengthen task.report_timeout_s"
     )
 
 

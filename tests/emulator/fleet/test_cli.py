@@ -168,10 +168,23 @@ def test_a_fleet_whose_sessions_outlast_the_report_window_says_so_before_the_run
     slow = [m for m in said if m.startswith("a session's training takes about ")]
     assert len(slow) == 1 and "x 30 s per example, task.compute_s_per_example = 30)" in slow[0]
     assert "longer than the 60 s report window (task.report_timeout_s)" in slow[0]
-    assert "task.reference_flops_per_s = 1e9" in slow[0]
+    assert "lower task.compute_s_per_example (it overrides the plan's cost)" in slow[0]
+    assert "reference_flops_per_s" not in slow[0]  # the explicit cost overrides it: no use naming it
     shapes = run.summary()["shapes"]
     trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
     assert sum(n for shape, n in trained.items() if shape.endswith("#")) > sum(trained.values()) / 2
     # the command line says it on stderr, before the summary
     assert main(["simulate", str(fleet), "--devices", "200", "--hours", "2", "--no-progress"]) == 0
     assert "fedfleet simulate: a session's training takes about" in capsys.readouterr().err
+
+
+def test_sessions_priced_by_the_plans_flops_are_told_the_rate_that_gives_a_phones_pace():
+    from emulator.fleet.config import TaskSection
+    from emulator.fleet.summary import slow_sessions
+
+    task = TaskSection()
+    assert slow_sessions(170.0, 40, 2, 2.0, task, 180.0) is None
+    said = slow_sessions(622.0, 37, 1, 14.4, task, 60.0)
+    assert said is not None and said.startswith("a session's training takes about 622 s on the median device")
+    assert f"task.reference_flops_per_s = {task.reference_flops_per_s:.3g}" in said
+    assert "set task.reference_flops_per_s = 1e9" in said and "lengthen task.report_timeout_s" in said
