@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import json
 import random
 import re
+import socket
 import ssl
 import threading
 import time
@@ -245,8 +247,46 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self.inner.get_extra_info(info)
 
 
+def _getaddrinfo(host: str, port: int) -> list[Any]:
+    """The system's resolver, looked up at each call (a test stands in for one that never answers)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+def _addresses(host: str, port: int, timeout: float | None) -> list[str]:
+    """``host``'s addresses, in the resolver's order, found within ``timeout``. ``getaddrinfo``
+    takes no timeout and httpx's bound none of it: a resolver that never answered held a device's
+    session past its deadline. The lookup runs in a thread of its own, left to finish alone when
+    the time is up (a resolver call cannot be stopped)."""
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    found: list[Any] = []
+    failed: list[OSError] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            found.extend(_getaddrinfo(host, port))
+        except OSError as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=lookup, name=f"resolve {host[:60]}", daemon=True).start()
+    if not done.wait(timeout):
+        raise httpcore.ConnectTimeout(
+            f"resolving {host!r} took longer than the {timeout:.2g} s the request had; the request was dropped"
+        )
+    if failed:
+        raise httpcore.ConnectError(f"{host!r} could not be resolved: {failed[0]}")
+    return list(dict.fromkeys(str(info[4][0]) for info in found))
+
+
 class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's sockets (``SyncBackend``), each a ``_DeadlineStream``."""
+    """httpcore's sockets (``SyncBackend``), each a ``_DeadlineStream``, reached through a
+    name lookup that the request's deadline bounds too (``_addresses``)."""
 
     def __init__(self) -> None:
         self.inner = httpcore.SyncBackend()
@@ -259,10 +299,20 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: Any = None,
     ) -> httpcore.NetworkStream:
-        connect = self.inner.connect_tcp
-        return _DeadlineStream(
-            _waited(lambda t: connect(host, port, t, local_address, socket_options), timeout, httpcore.ConnectTimeout)
-        )
+        deadline: _Deadline | None = getattr(_this_request, "deadline", None)
+        left = None if deadline is None else max(0.0, deadline.left())
+        addresses = _addresses(host, port, timeout if left is None else left if timeout is None else min(timeout, left))
+        error: Exception | None = None
+
+        def reach(address: str, t: float | None) -> httpcore.NetworkStream:
+            return self.inner.connect_tcp(address, port, t, local_address, socket_options)
+
+        for address in addresses:  # each in turn, as socket.create_connection tries them
+            try:
+                return _DeadlineStream(_waited(functools.partial(reach, address), timeout, httpcore.ConnectTimeout))
+            except httpcore.ConnectError as exc:
+                error = exc
+        raise error or httpcore.ConnectError(f"{host!r} resolved to no address")
 
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Any = None

@@ -178,3 +178,39 @@ def test_a_plan_that_keeps_the_pace_but_outlasts_the_report_window_ends_the_sess
     assert server.paths[-1] == "/v1/sessions/s1/abort"
     assert max(server.sent) < len(plan) and not list((tmp_path / "cache").glob("*"))
     assert runtime.client.ends_at is None  # the next session starts with a window of its own
+
+
+def test_a_name_that_never_resolves_is_dropped_at_the_requests_deadline(monkeypatch):
+    """``getaddrinfo`` takes no timeout: a resolver that never answered held the device for ever."""
+    from device_runtime import protocol
+
+    release = threading.Event()
+    asked: list[str] = []
+
+    def hanging_resolver(host: str, port: int) -> list:
+        asked.append(host)
+        release.wait(60)
+        return []
+
+    monkeypatch.setattr(protocol, "_getaddrinfo", hanging_resolver)
+    client = ProtocolClient("http://fl.example:8443", timeout_s=0.3, retry=RetryPolicy(attempts=2, base_delay_s=0.0))
+    try:
+        with pytest.raises(
+            ServerUnreachable, match="resolving 'fl.example' took longer than the 0.3 s the request had"
+        ):
+            client.checkin("pop", "1.0")
+    finally:
+        release.set()
+        client.close()
+    assert asked == ["fl.example", "fl.example"]  # each attempt looked the name up again
+
+
+def test_a_name_is_resolved_and_its_address_reached(dribbling):
+    """The real resolver, bounded: ``localhost`` reaches the loopback server."""
+    server = dribbling(lambda path: (_answer(REJECTED), None))
+    client = ProtocolClient(server.url.replace("127.0.0.1", "localhost"), timeout_s=5, retry=RetryPolicy(attempts=1))
+    try:
+        assert client.checkin("pop", "1.0").reason == "ROUND_FULL"
+    finally:
+        client.close()
+    assert server.paths == ["/v1/populations/pop/checkin"]
