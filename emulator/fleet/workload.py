@@ -247,6 +247,18 @@ def _stack_hint(features: Mapping[str, Any], label: str | None) -> str:
     )
 
 
+def _rename_hint(missing: list[str], unread: set[str]) -> str:
+    """The data spec's option that names one of the data's unread features as the plan reads it."""
+    if not unread:
+        return ""
+    names = sorted(unread)
+    listed = ", ".join(names[:LISTED_FEATURES]) + (" and more" if len(names) > LISTED_FEATURES else "")
+    return (
+        f"; or give the data's features ({listed} go unread) the names the plan reads, {', '.join(missing)}, "
+        "with the data spec's option rename=OLD:NEW+OLD2:NEW2"
+    )
+
+
 def _check_features(
     inputs: Mapping[str, InputSpec],
     features: Mapping[str, Any],
@@ -263,7 +275,7 @@ def _check_features(
         raise WorkloadError(
             f"the task's plans read features {described_inputs} but the data {data_source} has {described_data} "
             f"(missing: {', '.join(missing)}); use data with those features, or a task file whose plan inputs name "
-            f"the data's features{_stack_hint(features, label)}"
+            f"the data's features{_stack_hint(features, label)}{_rename_hint(missing, set(features) - set(inputs))}"
         )
     shapes = {}
     for name, want in inputs.items():

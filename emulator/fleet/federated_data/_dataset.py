@@ -185,6 +185,38 @@ class FederatedDataset:
             }
         return {name: np.concatenate([e[name] for e in self.test.values()]) for name in self.features}
 
+    def renamed(self, names: Mapping[str, str]) -> FederatedDataset:
+        """The same dataset with features renamed (old name -> new name), the label with them: a
+        file's ``label`` or ``pixels`` named as the task's plan reads its inputs."""
+        unknown = sorted(set(names) - set(self.features))
+        if unknown:
+            raise DataLayoutError(
+                f"rename: {', '.join(map(repr, unknown))} {'is not a feature' if len(unknown) == 1 else 'are not features'}"
+                f" of {self.source or 'the dataset'}; its features are {', '.join(self.features)}"
+            )
+        kept = set(self.features) - set(names)
+        new_names = list(names.values())
+        taken = sorted({n for n in new_names if n in kept or new_names.count(n) > 1})
+        if taken:
+            raise DataLayoutError(
+                f"rename: {', '.join(map(repr, taken))} would name two features; rename the other one too, "
+                "or give each feature a name of its own"
+            )
+
+        def rename(clients: Mapping[str, Examples]) -> dict[str, dict[str, np.ndarray]]:
+            return {c: {names.get(n, n): a for n, a in e.items()} for c, e in clients.items()}
+
+        out = FederatedDataset(
+            rename(self.train),
+            rename(self.test),
+            label=None if self.label is None else names.get(self.label, self.label),
+            test_split=self.test_split,
+            source=self.source,
+            vocabulary=self.vocabulary,
+        )
+        object.__setattr__(out, "label_names", self.label_names)  # the label's ids are already encoded
+        return out
+
     def describe(self) -> str:
         """One line: clients, examples, features and where the test split comes from."""
         feats = ", ".join(f"{n} {s.dtype}{list(s.shape)}" for n, s in self.features.items())

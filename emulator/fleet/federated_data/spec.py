@@ -17,7 +17,8 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``mode=random|deterministic|first-deterministic``, ``sigma=S`` (1.0), ``min_size=N`` (1).
 
 Every format also takes ``test_split=examples|clients|none`` (how to cut a test split when the files
-bring none; ``none`` only for npz and digits), ``test_fraction=F`` and ``seed=N``.
+bring none; ``none`` only for npz and digits), ``test_fraction=F``, ``seed=N`` and
+``rename=OLD:NEW+OLD2:NEW2`` (features named as the task's plan reads them, the label included).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .table import load_table
 from .text import DEFAULT_VOCAB_SIZE, LEAF_MAX_WORDS, WordIds
 from .tff_h5 import load_tff_h5
 
-_COMMON = frozenset({"test_split", "test_fraction", "seed"})
+_COMMON = frozenset({"test_split", "test_fraction", "seed", "rename"})
 _WORDS = frozenset({"words", "vocab", "vocab_size", "max_words"})
 _PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "mode", "sigma", "min_size"})
 OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
@@ -154,6 +155,8 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
             f"table: {', '.join(sorted(set(options) & _PARTITION))}: options of a table cut into clients with "
             "partition=...; this one's clients are its client column's"
         )
+    if "rename" in options:
+        renames(DataSpec(fmt, path, MappingProxyType(options)))  # says now what is wrong with it
     if "partition" in options and options["partition"] not in SCHEMES:
         raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
     split = options.get("test_split")
@@ -162,6 +165,22 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     if split is not None and split not in allowed:
         raise DataSpecError(f"{fmt}: test_split={split!r} is unknown; use one of {', '.join(allowed)}")
     return DataSpec(fmt, path, MappingProxyType(options))
+
+
+def renames(spec: DataSpec) -> dict[str, str]:
+    """``rename=OLD:NEW+OLD2:NEW2`` as old name -> new name."""
+    out: dict[str, str] = {}
+    for pair in spec.options.get("rename", "").split("+") if "rename" in spec.options else ():
+        old, colon, new = (part.strip() for part in pair.partition(":"))
+        if not colon or not old or not new or ":" in new:
+            raise DataSpecError(
+                f"{spec.format}: rename={spec.options['rename']!r}: {pair!r} is not OLD:NEW; "
+                "write rename=label:y, or rename=pixels:x+label:y for several"
+            )
+        if old in out:
+            raise DataSpecError(f"{spec.format}: rename names {old!r} twice")
+        out[old] = new
+    return out
 
 
 def _partitioner(spec: DataSpec) -> Partitioner:
@@ -233,6 +252,11 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     """The federated dataset a spec names; ``seed`` is used unless the spec sets its own."""
     if isinstance(spec, str):
         spec = parse_data_spec(spec, base_dir=base_dir)
+    data = _load(spec, seed)
+    return data.renamed(renames(spec)) if "rename" in spec.options else data
+
+
+def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
     opts = spec.options
     run_seed = spec.int_option("seed", 0 if seed is None else seed)
     split: Any = opts.get("test_split", "examples")

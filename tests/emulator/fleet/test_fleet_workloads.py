@@ -385,7 +385,13 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
         (("--task", "{not_a_plan}"), "", "does not build"),
         (("--data", "leaf:/no/such/folder"), "", "does not exist"),
         (("--data", "parquet:x.parquet"), "", "unknown data format"),
-        (("--task", str(TASKS / "digits_task.py"), "--data", "tff-h5:{tff}"), "", "missing: x, y"),
+        (
+            ("--task", str(TASKS / "digits_task.py"), "--data", "tff-h5:{tff}"),
+            "",
+            "(missing: x, y); use data with those features, or a task file whose plan inputs name the data's "
+            "features; or give the data's features (label, pixels go unread) the names the plan reads, x, y, with "
+            "the data spec's option rename=OLD:NEW+OLD2:NEW2",
+        ),
         (("--task", str(TASKS / "digits_task.py")), "[task]\nhidden = [16]\n", "shape the built-in digits MLP only"),
         (("--target-accuracy", "1.5"), "", "between 0 and 1"),
         (("--data", "table:{negative},client=client"), "", "goes down to -1; number the classes from 0"),

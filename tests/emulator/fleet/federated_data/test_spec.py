@@ -35,6 +35,8 @@ def test_a_spec_parses_to_its_format_path_and_options(tmp_path: Path) -> None:
         ("leaf:present.csv,test=gone", "test=.*gone does not exist"),
         ("leaf:present.csv,seed", "is not KEY=VALUE"),
         ("leaf:present.csv,test_split=none", "test_split='none' is unknown"),
+        ("digits,rename=y", "'y' is not OLD:NEW; write rename=label:y"),
+        ("digits,rename=y:label+y:z", "rename names 'y' twice"),
     ],
 )
 def test_bad_specs_get_one_line_errors_naming_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
@@ -106,3 +108,24 @@ def test_an_npz_array_that_needs_unpickling_or_more_than_memory_is_refused_namin
         load_data(f"npz:{tmp_path / 'huge.npz'}")
     with pytest.raises(DataLayoutError, match=r"reads as a pickle, which is never loaded\)$"):
         load_data("npz:/dev/zero")
+
+
+def test_rename_names_features_and_the_label_as_the_plan_reads_them(tmp_path: Path) -> None:
+    """A table's ``pixels`` and text ``label`` become ``x`` and ``y``; the label's class names stay."""
+    csv = tmp_path / "t.csv"
+    csv.write_text("user,pixels,label\nu1,0.5,cat\nu1,0.25,dog\nu2,1.0,cat\nu2,0.75,cat\n")
+    data = load_data(
+        f"table:{csv},client=user,label=label,rename=pixels:x+label:y,test_split=clients,test_fraction=0.5"
+    )
+    assert sorted(data.features) == ["x", "y"] and data.label == "y" and data.label_names == ("cat", "dog")
+    plain = load_data(f"table:{csv},client=user,label=label,test_split=clients,test_fraction=0.5")
+    for split in ("train", "test"):
+        for client in getattr(plain, split):
+            ours, theirs = data.examples(client, split), plain.examples(client, split)  # type: ignore[arg-type]
+            assert np.array_equal(ours["x"], theirs["pixels"]) and np.array_equal(ours["y"], theirs["label"])
+    with pytest.raises(DataLayoutError, match="'colour' is not a feature of table:.*; its features are label, pixels"):
+        load_data(f"table:{csv},client=user,rename=colour:x")
+    with pytest.raises(DataLayoutError, match="'pixels' would name two features"):
+        load_data(f"table:{csv},client=user,rename=label:pixels")
+    swapped = load_data(f"table:{csv},client=user,label=label,rename=label:pixels+pixels:label")
+    assert swapped.features["pixels"].dtype == "int64" and swapped.label == "pixels"
