@@ -219,7 +219,9 @@ class Workload:
         if not clients:
             return None
         devices = self.config.fleet.devices
-        if devices >= clients:
+        if devices == clients:
+            how = "one client per device"
+        elif devices > clients:
             how = f"each client is reused by about {devices / clients:.3g} devices (devices_per_client)"
         else:
             how = f"{devices} of them, drawn with the seed, one per device"
