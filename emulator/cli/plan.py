@@ -384,9 +384,12 @@ def _say_bundle(made: ModelBundle, say) -> None:
     )
     say(f"reads collection: {made.collection}")
     _say_trained(made, say, made.frozen_rows)
+    features = ", ".join(dict.fromkeys([*made.inputs, made.label]))
     say("next:")
     say(f"  fedfleet plan test {made.directory} --signing-key KEY")
     say(f"  fedfleet deploy {made.directory} --server URL --population P")
+    say(f"or first on a simulated fleet, with data whose features are {features} (--data's rename=OLD:NEW names them):")
+    say(f"  fedfleet simulate --task {made.directory} --data FORMAT:PATH --out run/")
 
 
 def _plan_only(args: argparse.Namespace, say) -> int:

@@ -66,6 +66,8 @@ def test_from_onnx_writes_a_bundle_that_plan_test_and_deploy_take_and_a_device_t
     assert "conv1.weight  [6, 1, 3, 3]" in printed  # the trained tensors' table
     assert f"fedfleet plan test {out} --signing-key KEY" in printed
     assert f"fedfleet deploy {out} --server URL --population P" in printed
+    assert "with data whose features are pixels, y (" in printed
+    assert f"fedfleet simulate --task {out} --data FORMAT:PATH" in printed
     checkpoint = decode_checkpoint((out / "cnn" / "initial.ckpt").read_bytes())
     for init in onnx.load(str(CNN)).graph.initializer:  # the exported weights are the initial model
         if init.name in checkpoint:
