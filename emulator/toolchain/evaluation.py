@@ -64,6 +64,7 @@ def evaluation_plan_from_onnx(
         output=output,
         inputs=inputs,
         label=label,
+        loss=loss,
     )
     onnx_import.inference_form(parts.model)  # a train-mode export's Dropout and BatchNorm, as evaluation runs them
     graph = parts.model.graph

@@ -2177,6 +2177,12 @@ def coverage_document() -> str:
             "benchmarks.export_fixtures --only NAME --out DIR`; BART's padding row and `final_logits_bias` and",
             "Whisper's position table frozen as `plan from-torch` freezes them).",
             "",
+            "Models below opset 13 (the ONNX Model Zoo's files at opsets 6-12, torch's classic exporter at",
+            "`opset_version` 9-12) are raised to the plan's opset first (`emulator/toolchain/old_opsets.py`):",
+            "`Upsample` becomes this table's `Resize`, `ImageScaler`, `Affine` and `ScaledTanh` its `Mul`, `Add`",
+            "and `Tanh`. They take torch's step, or that of the same network written at opset 17",
+            "(`tests/emulator/toolchain/test_old_opsets.py`).",
+            "",
             coverage_markdown(),
             "",
         ]

@@ -22,6 +22,7 @@ from onnx import TensorProto
 from .autodiff import TensorInfo
 from .forward import is_float
 from .gradients import NO_GRADIENT
+from .old_opsets import namer
 
 _F32 = TensorProto.FLOAT
 _REDUCE = (
@@ -627,16 +628,7 @@ def stochastic_depth_as_dropout(model: onnx.ModelProto) -> int:
         ]
         return found[0] if len(found) == 1 and nodes[found[0]].op_type in ops and tensor not in outputs else None
 
-    taken = {o for n in nodes for o in n.output} | {i.name for i in [*graph.initializer, *graph.input]}
-
-    def fresh(hint: str) -> str:
-        name, k = hint, 0
-        while name in taken:
-            k += 1
-            name = f"{hint}_{k}"
-        taken.add(name)
-        return name
-
+    fresh = namer(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # position -> the nodes in its place (none: removed)
 
     def as_dropout(at_draw: int, keep: float, base: str, name: str) -> onnx.NodeProto:

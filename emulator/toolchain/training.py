@@ -29,7 +29,7 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, ir_version_for_opset
 from device_runtime.plan_builder import assemble_plan
 
-from . import onnx_import, peephole
+from . import old_opsets, onnx_import, peephole
 from .autodiff import (
     DEFAULT_DOMAINS,
     Emitter,
@@ -164,7 +164,9 @@ def at_opset(model: onnx.ModelProto, opset: int | None) -> tuple[onnx.ModelProto
         target = MIN_OPSET
     if not MIN_OPSET <= target <= MAX_OPSET:
         raise PlanError(f"opset {target} is not supported for generated plans; use {MIN_OPSET}..{MAX_OPSET}")
-    if target > own:
+    if target > own and own < MIN_OPSET:  # the Model Zoo's and older exporters' files: onnx's converter, gaps closed
+        model = old_opsets.raise_opset(model, own, target)
+    elif target > own:
         try:
             model = onnx.version_converter.convert_version(model, target)
         except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
@@ -203,8 +205,16 @@ class ModelParts:
 
 
 def read_model(
-    model: ModelLike, *, opset: int | None, output: str | None, inputs: Mapping[str, str] | None, label: str
+    model: ModelLike,
+    *,
+    opset: int | None,
+    output: str | None,
+    inputs: Mapping[str, str] | None,
+    label: str,
+    loss: object = None,
 ) -> ModelParts:
+    """``model`` read for a plan at ``opset``; with the ``cross_entropy`` loss, a prediction of shape
+    [N, classes, 1, ..., 1] is read as [N, classes] (:func:`.old_opsets.classes_last`)."""
     m = load_model(model)
     onnx_import.stochastic_depth_as_dropout(m)
     split = onnx_import.split_deduplicated(m)
@@ -223,11 +233,14 @@ def read_model(
             "the model has no data inputs (every graph input is an initializer); export it with its example "
             "inputs as graph inputs (the tensors a device feeds it)"
         )
+    exported_batch = {}  # data input -> the batch size it was exported at, where it is fixed
     for vi in data:  # the last batch of an epoch is short: the batch dimension must be dynamic
         dims = vi.type.tensor_type.shape.dim
         if len(dims):
+            if dims[0].HasField("dim_value"):
+                exported_batch[vi.name] = dims[0].dim_value
             dims[0].Clear()
-            dims[0].dim_param = "N"
+            dims[0].dim_param = old_opsets.BATCH
     del graph.input[:]
     graph.input.extend(data)
     names = [i.name for i in data]
@@ -254,6 +267,11 @@ def read_model(
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
+    if exported_batch:  # a Reshape to the one batch size the model was exported at (CNTK's MNIST-8)
+        old_opsets.unpin_batch(m, exported_batch)
+        inits = {i.name: i for i in graph.initializer}
+    if loss == "cross_entropy":
+        output = old_opsets.classes_last(m, output)
     if not set(names) & needed_for(graph.node, [output]):
         raise ValueError(
             f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
@@ -477,7 +495,7 @@ def onnx_training_plan(
         )
     if batch_size < 1 or epochs < 1:
         raise ValueError("batch_size and epochs must be >= 1")
-    parts = read_model(model, opset=opset, output=output, inputs=inputs, label=label)
+    parts = read_model(model, opset=opset, output=output, inputs=inputs, label=label, loss=loss)
     graph = parts.model.graph
     chosen_metrics = _metrics(loss, metrics)
 
