@@ -20,8 +20,8 @@ Exporters write models for inference; a training step computes some ops differen
   per example of a dense one on a small image: most of a MobileNet or ResNet step on 32x32 inputs;
 * ``Slice`` nodes that cut one tensor into consecutive pieces become one ``Split``
   (:func:`slices_as_split`), whose gradient is one ``Concat`` instead of a padded copy per piece;
-* ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``GRU`` and ``LSTM``
-  are written out in elementary ops whose gradients are known (:func:`decompose`; the same
+* ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``LRN``, ``GRU`` and
+  ``LSTM`` are written out in elementary ops whose gradients are known (:func:`decompose`; the same
   values, so the finite-difference checks of the ops run through it too). The recurrent ops are unrolled over their (static) sequence length: one
   product of the whole input sequence with the input weights, then per step a product with the
   recurrent weights and the gate arithmetic. An LSTM's steps are differentiated as a whole
@@ -546,6 +546,33 @@ def _group_norm(e: Emitter, node: onnx.NodeProto) -> None:
     e.op("Add", [scaled, e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
 
 
+def _lrn(e: Emitter, node: onnx.NodeProto) -> None:
+    """Local response normalization (AlexNet's, GoogLeNet's): x / (bias + alpha/size * s)^beta, s the
+    sum of x^2 over the ``size`` channels around each one (floor((size-1)/2) before, the rest after,
+    zeros past the ends). The sum is one Conv of ones over the channels, the input viewed as
+    [N, 1, C, positions]."""
+    x = node.input[0]
+    shape = e.shape(x)
+    if shape is None or len(shape) < 3 or not isinstance(shape[1], int):
+        raise UnsupportedOpError(node.op_type, node.name, "needs an input [N, C, ...] with a known number of channels")
+    size = int(attr(node, "size"))
+    alpha, beta, bias = (
+        float(attr(node, "alpha", 1e-4)),
+        float(attr(node, "beta", 0.75)),
+        float(attr(node, "bias", 1.0)),
+    )
+    before = (size - 1) // 2
+    ones = e.const(np.ones((1, 1, size, 1), dtype=helper.tensor_dtype_to_np_dtype(e.elem_type(x))), "lrn_window")
+    squares = e.op("Reshape", [e.op("Mul", [x, x]), e.ints([0, 1, shape[1], -1])], hint="lrn_squares")
+    sums = e.op(
+        "Conv", [squares, ones], kernel_shape=[size, 1], pads=[before, 0, size - 1 - before, 0], hint="lrn_sums"
+    )
+    scaled = e.op(
+        "Add", [e.op("Mul", [e.op("Reshape", [sums, e.shape_of(x)]), e.scalar(alpha / size, x)]), e.scalar(bias, x)]
+    )
+    e.op("Div", [x, e.op("Pow", [scaled, e.scalar(beta, x)])], out=node.output[0])
+
+
 @dataclass(frozen=True)
 class _Recurrent:
     """What unrolling a GRU/LSTM needs to know of it."""
@@ -855,6 +882,7 @@ DECOMPOSED = {
     "LSTM": _lstm,
     "InstanceNormalization": _instance_norm,
     "GroupNormalization": _group_norm,
+    "LRN": _lrn,
 }
 
 

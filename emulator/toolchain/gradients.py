@@ -2121,6 +2121,8 @@ _DECOMPOSED = {
     "InstanceNormalization": "rewritten into ReduceMean/Sub/Mul/Sqrt/Div over the spatial axes before differentiating",
     "GroupNormalization": "rewritten into Reshape to the groups and ReduceMean/Sub/Mul/Sqrt/Div before differentiating "
     "(scale and bias per group before opset 21, per channel from 21)",
+    "LRN": "rewritten into Mul/Reshape, a Conv of ones summing the squares over each window of channels, "
+    "Pow and Div before differentiating (AlexNet's and GoogLeNet's local response normalization)",
     "SequenceAt": "of a SplitToSequence at a constant position: rewritten as the Slice (and Squeeze) it reads before "
     "differentiating",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
@@ -2161,8 +2163,8 @@ def coverage_document() -> str:
             "the two equal. An op outside this table is refused with `UnsupportedOpError`, naming the op and the",
             "node. Every gradient rule is checked against finite differences over random shapes",
             "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`,",
-            "`InstanceNormalization`, `GroupNormalization`, `GRU`, `LSTM`) against onnxruntime's own kernels for",
-            "them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
+            "`InstanceNormalization`, `GroupNormalization`, `LRN`, `GRU`, `LSTM`) against onnxruntime's own kernels",
+            "for them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
             "`Sigmoid`, `Tanh`).",
             "",
             "Whole architectures, exported by torch's classic and dynamo exporters, take torch autograd's own SGD",

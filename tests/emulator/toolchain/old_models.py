@@ -402,3 +402,44 @@ def dense_batch_norm(spatial: int, opset: int = 7, seed: int = 0) -> onnx.ModelP
     next(a for a in nodes[2].attribute if a.name == "spatial").i = spatial
     x = helper.make_tensor_value_info("data", F, ["N", 3, 6, 6])
     return zoo_model(nodes, [x], "logits", w, opset, "dense_batch_norm")
+
+
+def caffenet_like(opset: int = 7, *, modern: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """Caffe2's bvlc_alexnet and CaffeNet as their zoo files: ``Conv``, ``Relu``, ``LRN(size=5)``,
+    an overlapping ``MaxPool`` (3x3, stride 2), a second conv block, ``Gemm`` layers with ``Dropout``
+    between them and a ``Softmax``; ``modern``: the same ops at opset 17 (the ratio an input)."""
+    rng = np.random.default_rng(seed)
+    w: dict[str, np.ndarray] = {
+        "conv1_w": _normal(rng, 6, 3, 3, 3),
+        "conv1_b": _normal(rng, 6, scale=0.05),
+        "conv2_w": _normal(rng, 8, 6, 3, 3, scale=0.2),
+        "conv2_b": _normal(rng, 8, scale=0.05),
+        "fc6_w": _normal(rng, 16, 8, scale=0.3),
+        "fc6_b": _normal(rng, 16, scale=0.05),
+        "fc8_w": _normal(rng, 10, 16),
+        "fc8_b": _normal(rng, 10, scale=0.05),
+    }
+    if modern or opset >= 12:
+        w["drop_ratio"] = np.array(0.5, np.float32)
+        dropout = helper.make_node("Dropout", ["fc6r", "drop_ratio"], ["drop6"])
+    else:
+        dropout = helper.make_node("Dropout", ["fc6r"], ["drop6"], ratio=0.5)
+    lrn = {"size": 5, "alpha": 0.5, "beta": 0.75, "bias": 1.0}
+    nodes = [
+        helper.make_node("Conv", ["data_0", "conv1_w", "conv1_b"], ["conv1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["conv1"], ["conv1r"]),
+        helper.make_node("LRN", ["conv1r"], ["norm1"], **lrn),
+        helper.make_node("MaxPool", ["norm1"], ["pool1"], kernel_shape=[3, 3], strides=[2, 2]),
+        helper.make_node("Conv", ["pool1", "conv2_w", "conv2_b"], ["conv2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["conv2"], ["conv2r"]),
+        helper.make_node("LRN", ["conv2r"], ["norm2"], **lrn),
+        helper.make_node("GlobalMaxPool", ["norm2"], ["pool2"]),
+        helper.make_node("Flatten", ["pool2"], ["pool2_flat"]),
+        helper.make_node("Gemm", ["pool2_flat", "fc6_w", "fc6_b"], ["fc6"], transB=1),
+        helper.make_node("Relu", ["fc6"], ["fc6r"]),
+        dropout,
+        helper.make_node("Gemm", ["drop6", "fc8_w", "fc8_b"], ["fc8"], transB=1),
+        helper.make_node("Softmax", ["fc8"], ["prob_1"]),
+    ]
+    x = helper.make_tensor_value_info("data_0", F, [1, 3, 9, 9])
+    return zoo_model(nodes, [x], "prob_1", w, 17 if modern else opset, "caffenet")

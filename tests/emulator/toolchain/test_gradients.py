@@ -551,6 +551,19 @@ def case_instance_norm(draw):
     )
 
 
+def case_lrn(draw):
+    """Windows of 1, 3 and 5 channels (onnxruntime's kernel takes odd sizes only) over 1-6 channels,
+    with alpha large enough that the normalization is far from the identity."""
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 6)), *_shape(draw, 2))  # onnxruntime: [N, C, H, W]
+    attrs = {
+        "size": draw(st.sampled_from([1, 3, 5])),
+        "alpha": draw(st.sampled_from([0.5, 2.0])),
+        "beta": draw(st.sampled_from([0.75, 0.5])),
+        "bias": draw(st.sampled_from([1.0, 2.0])),
+    }
+    return "LRN", {"x": _arr(draw, shape, np.float32)}, {}, attrs, 17, F32_TOL  # onnxruntime: float32 only
+
+
 def case_group_norm(draw):
     """Opset 18's per-group scale and bias and opset 21's per-channel ones."""
     groups = draw(st.integers(1, 3))
@@ -800,6 +813,7 @@ CASES = {
     "Einsum": case_einsum,
     "InstanceNormalization": case_instance_norm,
     "GroupNormalization": case_group_norm,
+    "LRN": case_lrn,
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),

@@ -175,6 +175,7 @@ ZOO = [
     pytest.param(old_models.mxnet_resnet_like, 7, 21, id="mxnet_resnet-opset7"),
     pytest.param(old_models.mxnet_resnet_like, 6, None, id="mxnet_resnet-opset6-as-13"),
     pytest.param(old_models.caffe2_misc, 7, 21, id="caffe2_ops-opset7"),
+    pytest.param(old_models.caffenet_like, 7, 21, id="caffenet-opset7"),
     pytest.param(old_models.caffe2_misc, 10, None, id="caffe2_ops-opset10-as-13"),
 ]
 
@@ -185,7 +186,7 @@ def test_a_model_zoo_file_below_opset_13_trains_as_the_same_network_written_at_o
     time where it was exported so: MNIST-8's Reshape to [1, 32] takes the batch of four), and its
     step is the by-hand opset-17 network's: Conv's SAME_UPPER, BatchNormalization's spatial,
     Dropout's ratio, Gemm's broadcast, Upsample's scales and the attributes that became inputs,
-    Softmax's flattening and the [N, 10, 1, 1] prediction read as [N, 10]."""
+    Softmax's flattening and the [N, 10, 1, 1] prediction read as [N, 10], CaffeNet's LRN."""
     model = build(opset)
     examples = _zoo_examples(model)
     old_before, old_loss, old_after = _plan_step(model, examples, target)
