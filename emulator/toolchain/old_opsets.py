@@ -41,7 +41,7 @@ from onnx import helper, numpy_helper
 
 from device_runtime.plan import PlanError, ir_version_for_opset
 
-from .autodiff import DEFAULT_DOMAINS
+from .autodiff import DEFAULT_DOMAINS, constant_values
 
 #: The batch symbol the batch axis of the data inputs is given while it is followed through the graph.
 BATCH = "N"
@@ -228,7 +228,7 @@ def failing_node(model: onnx.ModelProto, own: int, target: int, exc: BaseExcepti
     return f"the model (opset {own}) could not be converted to opset {target} ({first}); {export}"
 
 
-def unpin_batch(model: onnx.ModelProto, batch: Mapping[str, int]) -> list[str]:
+def unpin_batch(model: onnx.ModelProto, batch: Mapping[str, int], opset: int) -> list[str]:
     """Each ``Reshape`` to a constant shape whose first entry is the batch size the model was
     exported at (``batch``: data input -> its static first dimension) and whose data carries the
     batch axis first, rewritten to keep the batch it is given (the entry 0, which copies it), in
@@ -250,10 +250,8 @@ def unpin_batch(model: onnx.ModelProto, batch: Mapping[str, int]) -> list[str]:
     except Exception:  # noqa: BLE001 - a model shape inference cannot read is left as it is
         return []
     shapes = {v.name: v.type.tensor_type.shape for v in [*inferred.graph.value_info, *inferred.graph.input]}
+    values = constant_values(graph, opset)  # initializers, Constant nodes and shape arithmetic of them
     inits = {i.name: i for i in graph.initializer}
-    constants = {
-        n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
-    }
     readers: dict[str, int] = {}
     for node in graph.node:
         for i in node.input:
@@ -265,11 +263,9 @@ def unpin_batch(model: onnx.ModelProto, batch: Mapping[str, int]) -> list[str]:
         shape = shapes.get(node.input[0])
         if shape is None or not shape.dim or shape.dim[0].dim_param != BATCH:
             continue
-        source = inits.get(node.input[1])
-        tensor = source if source is not None else _value(constants.get(node.input[1]))
-        if tensor is None:
+        target = values.get(node.input[1])
+        if target is None:
             continue
-        target = numpy_helper.to_array(tensor)
         if target.ndim != 1 or not target.size or (target == 0).any():
             continue
         if int(target[0]) not in sizes:
@@ -280,21 +276,18 @@ def unpin_batch(model: onnx.ModelProto, batch: Mapping[str, int]) -> list[str]:
                     "the model with a dynamic batch axis (torch.onnx.export(..., dynamic_axes={'x': {0: 'batch'}}))"
                 )
             continue
-        kept = target.copy()
+        kept = target.astype(np.int64)
         kept[0] = 0
-        name = node.input[1]
-        if readers.get(name, 0) > 1:  # another node reads the same constant: a copy of its own
-            name = namer(graph)(f"{name}_batch")
-        graph.initializer.append(numpy_helper.from_array(kept.astype(np.int64), name))
-        if source is not None and name == node.input[1]:
-            graph.initializer.remove(source)
-        node.input[1] = name
+        source = inits.get(node.input[1])
+        if source is not None and readers[source.name] == 1:
+            source.CopyFrom(numpy_helper.from_array(kept, source.name))
+        else:  # computed by Constant nodes (torch's view(x.size(0), -1) traced at a fixed batch), or read by
+            # other nodes too: a constant of its own
+            name = namer(graph)(f"{node.input[1]}_batch")
+            graph.initializer.append(numpy_helper.from_array(kept, name))
+            node.input[1] = name
         done.append(node.name or node.output[0])
     return done
-
-
-def _value(node: onnx.NodeProto | None) -> onnx.TensorProto | None:
-    return None if node is None else node.attribute[0].t
 
 
 def namer(graph: onnx.GraphProto) -> Callable[[str], str]:

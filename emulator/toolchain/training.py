@@ -268,7 +268,7 @@ def read_model(
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
     if exported_batch:  # a Reshape to the one batch size the model was exported at (CNTK's MNIST-8)
-        old_opsets.unpin_batch(m, exported_batch)
+        old_opsets.unpin_batch(m, exported_batch, target)
         inits = {i.name: i for i in graph.initializer}
     if loss == "cross_entropy":
         output = old_opsets.classes_last(m, output)

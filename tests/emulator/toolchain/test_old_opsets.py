@@ -89,6 +89,7 @@ def examples_of(module: str) -> dict[str, np.ndarray]:
         "resblock.opset11.preserve",
         "lstm.opset9.preserve",
         "mlp.opset10.preserve",
+        "viewcnn.opset9.preserve.static",
     ],
 )
 def test_a_classic_export_below_opset_13_takes_torchs_step_for_every_parameter_and_statistic(name):
@@ -106,6 +107,24 @@ def test_a_classic_export_below_opset_13_takes_torchs_step_for_every_parameter_a
     assert set(after) == set(torch_after)
     worst, difference = worst_difference(after, torch_after, before)
     assert difference <= TOLERANCE, f"{worst}: {difference:.3g} of torch's change"
+
+
+@pytest.mark.parametrize("name", ["viewcnn.opset9.preserve.static", "viewcnn.opset11.eval.static"])
+def test_an_export_without_a_dynamic_batch_axis_takes_a_short_last_batch(name):
+    """Exported without ``dynamic_axes``, ``x.view(x.size(0), -1)`` reshapes to the traced batch of
+    four (a Constant, or Constant nodes concatenated): the plan takes a batch of three, with torch's
+    loss for those three (train mode), or the file's own for them (eval mode)."""
+    path = FIXTURES / f"{name}.onnx"
+    task = task_for(path)
+    plan = onnx_import(task._model_source(), task).plan
+    examples = examples_of("viewcnn")
+    loss, _ = step(plan, task.weights(plan), {k: v[:3] for k, v in examples.items()})
+    if "preserve" in name:
+        expected = float(reference("viewcnn")["loss3"])
+    else:
+        probabilities = make_session(path.read_bytes()).run(None, {"x": examples["x"]})[0][:3]
+        expected = float(-np.log(probabilities[np.arange(3), examples["y"][:3]].astype(np.float64)).mean())
+    assert loss == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("module, opset", [("cnn", 10), ("lstm", 12)])
