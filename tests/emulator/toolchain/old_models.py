@@ -126,13 +126,15 @@ def _fire(prefix: str, x: str, cin: int, squeeze: int, expand: int, rng, w: dict
     return nodes, f"{prefix}_concat"
 
 
-def squeezenet_like(opset: int = 7, *, modern: bool = False, ratio: float = 0.5, seed: int = 0) -> onnx.ModelProto:
+def squeezenet_like(
+    opset: int = 7, *, modern: bool = False, ratio: float = 0.5, softmax: bool = True, seed: int = 0
+) -> onnx.ModelProto:
     """SqueezeNet 1.0 as its opset-7 zoo file: a strided conv and max pool, two fire modules
     (``Concat`` of the expansions), ``Dropout(ratio=...)`` as an attribute, a 1x1 classifier conv,
     ``GlobalAveragePool`` and ``Softmax`` over the [N, 10, 1, 1] scores with opset 7's default
     axis 1, which normalizes each example's scores flattened to 2-D. ``modern``: opset 17, the
     ratio an input, and the softmax written as that flattening (``Flatten``, ``Softmax``,
-    ``Reshape`` back)."""
+    ``Reshape`` back). Without ``softmax`` the pooled [N, 10, 1, 1] scores are the output."""
     rng = np.random.default_rng(seed)
     w: dict[str, np.ndarray] = {"conv1_w": _normal(rng, 8, 3, 3, 3), "conv1_b": _normal(rng, 8, scale=0.05)}
     nodes = [
@@ -155,7 +157,9 @@ def squeezenet_like(opset: int = 7, *, modern: bool = False, ratio: float = 0.5,
         helper.make_node("Relu", ["conv10"], ["conv10r"]),
         helper.make_node("GlobalAveragePool", ["conv10r"], ["pool10"]),
     ]
-    if modern:
+    if not softmax:
+        nodes[-1].output[0] = "softmaxout_1"
+    elif modern:
         nodes += [
             helper.make_node("Shape", ["pool10"], ["pool10_shape"]),
             helper.make_node("Flatten", ["pool10"], ["pool10_flat"]),

@@ -251,6 +251,15 @@ def test_a_model_zoo_file_trains_and_evaluates_over_batches_of_any_size(build, o
     assert result.metrics["loss"] == pytest.approx(_original_loss(model, examples), rel=1e-5)
 
 
+def test_scores_of_shape_n_classes_1_1_are_the_cross_entropys_classes():
+    """SqueezeNet's pooled scores without the Softmax: the loss reads [N, 10, 1, 1] as [N, 10], as
+    the file's scores per example are (ratio 0: no dropout to draw)."""
+    model = old_models.squeezenet_like(7, ratio=0.0, softmax=False)
+    examples = _zoo_examples(model)
+    _, loss, _ = _plan_step(model, examples, 21)
+    assert loss == pytest.approx(_original_loss(model, examples), rel=1e-5)
+
+
 @pytest.mark.parametrize("opset, mode", [(8, "linear"), (9, "linear"), (10, "linear"), (9, "nearest")])
 def test_upsample_and_opset_10s_resize_keep_their_asymmetric_coordinates(opset, mode):
     """onnx's converter writes opset 11's Resize with its half-pixel default, which moves every pixel
