@@ -158,9 +158,7 @@ class ClientData:
         return {c: dict(e) for c, e in self.dataset.test.items()}
 
     def labels(self) -> np.ndarray:
-        label = self.label or "y"
-        parts = [e[label] for e in self.dataset.train.values()] + [e[label] for e in self.dataset.test.values()]
-        return np.concatenate(parts) if parts else np.zeros(0)
+        return self.dataset.values(self.label or "y")
 
 
 def data_spec_text(section: DataSection) -> str:

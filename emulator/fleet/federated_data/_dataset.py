@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -63,6 +64,46 @@ def _as_feature(array: object, client: str, name: str, split: str) -> np.ndarray
     return out
 
 
+def check_client(
+    client: str,
+    shapes: Mapping[str, tuple[str, tuple[int, ...]]],
+    schema: dict[str, FeatureSpec],
+    first: str | None,
+    split: str,
+) -> int:
+    """A client's number of examples, once its features (name -> dtype name and whole shape, read
+    from its arrays or from a file's declarations) agree with each other and with ``schema`` (the
+    first client's, filled in by the first client with examples)."""
+    if not shapes:
+        raise DataLayoutError(f"{split} client {client!r} has no features; every client needs the same named features")
+    if first is not None and shapes.keys() != schema.keys():
+        raise DataLayoutError(
+            f"{split} client {client!r} has features {sorted(shapes)} but client {first!r} has {sorted(schema)}; "
+            "every client needs the same features"
+        )
+    lengths = {name: (shape[0] if shape else -1) for name, (_, shape) in shapes.items()}
+    if len(set(lengths.values())) != 1 or -1 in lengths.values():
+        described = ", ".join(f"{name}: {n if n >= 0 else 'a scalar'}" for name, n in sorted(lengths.items()))
+        raise DataLayoutError(
+            f"{split} client {client!r} has ragged features ({described} examples); "
+            "each feature needs one entry per example"
+        )
+    count = next(iter(lengths.values()))
+    if count == 0:
+        return 0
+    for name, (dtype, shape) in shapes.items():
+        known = schema.get(name)
+        if known is None:
+            schema[name] = FeatureSpec(dtype, tuple(int(d) for d in shape[1:]))
+        elif known.dtype != dtype or known.shape != shape[1:]:
+            spec = FeatureSpec(dtype, tuple(int(d) for d in shape[1:]))
+            raise DataLayoutError(
+                f"{split} client {client!r}: feature {name!r} is {spec.dtype}{list(spec.shape)} per example but "
+                f"client {first!r} has {known.dtype}{list(known.shape)}; every client needs one dtype and shape"
+            )
+    return count
+
+
 def check_clients(
     clients: Mapping[str, Examples], split: str
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, FeatureSpec]]:
@@ -70,40 +111,98 @@ def check_clients(
     out: dict[str, dict[str, np.ndarray]] = {}
     schema: dict[str, FeatureSpec] = {}
     first: str | None = None
+    names: dict[np.dtype, str] = {}  # a dtype's name is slow to compute, and clients share a few dtypes
     for cid in sorted(clients, key=str):
-        raw = clients[cid]
         client = str(cid)
-        if not raw:
-            raise DataLayoutError(
-                f"{split} client {client!r} has no features; every client needs the same named features"
-            )
-        arrays = {name: _as_feature(value, client, name, split) for name, value in raw.items()}
-        if first is not None and set(arrays) != set(schema):
-            raise DataLayoutError(
-                f"{split} client {client!r} has features {sorted(arrays)} but client {first!r} has {sorted(schema)}; "
-                "every client needs the same features"
-            )
-        lengths = {name: (a.shape[0] if a.ndim else -1) for name, a in arrays.items()}
-        if len(set(lengths.values())) != 1 or -1 in lengths.values():
-            described = ", ".join(f"{name}: {n if n >= 0 else 'a scalar'}" for name, n in sorted(lengths.items()))
-            raise DataLayoutError(
-                f"{split} client {client!r} has ragged features ({described} examples); "
-                "each feature needs one entry per example"
-            )
-        if next(iter(lengths.values())) == 0:
-            continue
-        for name, array in arrays.items():
-            spec = FeatureSpec(_dtype_name(array), tuple(int(d) for d in array.shape[1:]))
-            if name not in schema:
-                schema[name] = spec
-            elif schema[name] != spec:
-                raise DataLayoutError(
-                    f"{split} client {client!r}: feature {name!r} is {spec.dtype}{list(spec.shape)} per example but "
-                    f"client {first!r} has {schema[name].dtype}{list(schema[name].shape)}; every client needs one dtype and shape"
-                )
-        first = first or client
-        out[client] = arrays
+        arrays = {name: _as_feature(value, client, name, split) for name, value in clients[cid].items()}
+        shapes = {}
+        for name, a in arrays.items():
+            dtype = names.get(a.dtype)
+            if dtype is None:
+                dtype = names[a.dtype] = _dtype_name(a)
+            shapes[name] = (dtype, a.shape)
+        if check_client(client, shapes, schema, first, split):
+            first = first or client
+            out[client] = arrays
     return out, schema
+
+
+#: The bytes of examples a lazily read dataset keeps between reads (the clients read last).
+CACHE_BYTES = 256 * 2**20
+
+
+class LazyClients(Mapping[str, Examples]):
+    """Client id -> examples, read from a file when first asked for (``read(client)``); the ids,
+    sizes and schema are known up front, and the clients read last are kept up to ``budget`` bytes
+    (at least the last one), so a file larger than memory serves any number of reads. ``labels``:
+    each client's values of the feature ``label``, read up front (the class ids a fleet checks and
+    sizes its model by); ``label_names`` as ``FederatedDataset.label_names``, when the reader
+    encodes a text label."""
+
+    def __init__(
+        self,
+        sizes: Mapping[str, int],
+        features: Mapping[str, FeatureSpec],
+        read: Callable[[str], dict[str, np.ndarray]],
+        *,
+        label: str | None = None,
+        labels: Mapping[str, np.ndarray] | None = None,
+        label_names: tuple[str, ...] = (),
+        budget: int = CACHE_BYTES,
+    ) -> None:
+        self.sizes = MappingProxyType({c: n for c, n in sorted(sizes.items()) if n})
+        self.features = MappingProxyType(dict(features))
+        self.label = label
+        self.labels = MappingProxyType(dict(labels or {}))
+        self.label_names = label_names
+        self._read = read
+        self._budget = budget
+        self._kept: OrderedDict[str, Examples] = OrderedDict()
+        self._held = 0
+
+    def renamed(self, names: Mapping[str, str]) -> LazyClients:
+        """The same clients with features renamed (old name -> new name), read as they are asked for."""
+        read = self._read
+
+        def renamed(client: str) -> dict[str, np.ndarray]:
+            return {names.get(n, n): a for n, a in read(client).items()}
+
+        return LazyClients(
+            self.sizes,
+            {names.get(n, n): f for n, f in self.features.items()},
+            renamed,
+            label=None if self.label is None else names.get(self.label, self.label),
+            labels=self.labels,
+            label_names=self.label_names,
+            budget=self._budget,
+        )
+
+    def __getitem__(self, client: str) -> Examples:
+        kept = self._kept.get(client)
+        if kept is not None:
+            self._kept.move_to_end(client)
+            return kept
+        if client not in self.sizes:
+            raise KeyError(client)
+        examples: Examples = MappingProxyType(self._read(client))
+        self._kept[client] = examples
+        self._held += _nbytes(examples)
+        while self._held > self._budget and len(self._kept) > 1:
+            self._held -= _nbytes(self._kept.popitem(last=False)[1])
+        return examples
+
+    def __contains__(self, client: object) -> bool:
+        return client in self.sizes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def _nbytes(examples: Examples) -> int:
+    return sum(int(a.nbytes) for a in examples.values())
 
 
 @dataclass(frozen=True, eq=False)  # arrays have no single truth value: datasets compare by identity
@@ -127,21 +226,27 @@ class FederatedDataset:
     label_names: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        train, schema = check_clients(self.train, "train")
+        lazy = self.train if isinstance(self.train, LazyClients) else None
+        train: Mapping[str, Examples]
+        if lazy is not None:  # its reader checks what it reads, and encodes a text label
+            train, schema = lazy, dict(lazy.features)
+            object.__setattr__(self, "label_names", lazy.label_names)
+        else:
+            train, schema = check_clients(self.train, "train")
         if not train:
             raise DataLayoutError(f"{self.source or 'the dataset'} has no client with training examples")
         test, test_schema = check_clients(self.test, "test")
-        if test and test_schema != schema:
-            raise DataLayoutError(
-                f"the test split's features {_describe(test_schema)} differ from the training split's {_describe(schema)}"
-            )
+        if test:
+            check_test_schema(test_schema, schema)
         if self.label is not None and self.label not in schema:
             raise DataLayoutError(f"label {self.label!r} is not a feature; the features are {sorted(schema)}")
         if self.label is not None and schema[self.label].dtype == STR:
-            names = _encode_label(self.label, train, test)
+            assert isinstance(train, dict)  # a lazy reader encodes its text label as it reads
+            names = encode_label(self.label, label_names(self.label, train, test), train, test)
             schema[self.label] = FeatureSpec("int64", schema[self.label].shape)
             object.__setattr__(self, "label_names", names)
-        object.__setattr__(self, "train", MappingProxyType({c: MappingProxyType(e) for c, e in train.items()}))
+        if lazy is None:
+            object.__setattr__(self, "train", MappingProxyType({c: MappingProxyType(e) for c, e in train.items()}))
         object.__setattr__(self, "test", MappingProxyType({c: MappingProxyType(e) for c, e in test.items()}))
         object.__setattr__(self, "features", MappingProxyType(dict(sorted(schema.items()))))
         if not test and self.test_split != "none":
@@ -171,6 +276,8 @@ class FederatedDataset:
     def sizes(self, split: Literal["train", "test"] = "train") -> dict[str, int]:
         """Examples per client, in client order."""
         clients = self.train if split == "train" else self.test
+        if isinstance(clients, LazyClients):
+            return dict(clients.sizes)
         return {c: _num_examples(e) for c, e in clients.items()}
 
     def num_examples(self, split: Literal["train", "test"] = "train") -> int:
@@ -207,7 +314,7 @@ class FederatedDataset:
             return {c: {names.get(n, n): a for n, a in e.items()} for c, e in clients.items()}
 
         out = FederatedDataset(
-            rename(self.train),
+            self.train.renamed(names) if isinstance(self.train, LazyClients) else rename(self.train),
             rename(self.test),
             label=None if self.label is None else names.get(self.label, self.label),
             test_split=self.test_split,
@@ -216,6 +323,17 @@ class FederatedDataset:
         )
         object.__setattr__(out, "label_names", self.label_names)  # the label's ids are already encoded
         return out
+
+    def values(self, feature: str) -> np.ndarray:
+        """One feature's values over both splits, training clients first (client order): the label's
+        of a lazily read dataset without reading its other features."""
+        parts = []
+        for clients in (self.train, self.test):
+            if isinstance(clients, LazyClients) and feature == clients.label:
+                parts += [clients.labels[c] for c in clients]
+            else:
+                parts += [e[feature] for e in clients.values()]
+        return np.concatenate(parts) if parts else np.zeros(0)
 
     def describe(self) -> str:
         """One line: clients, examples, features and where the test split comes from."""
@@ -229,15 +347,32 @@ class FederatedDataset:
         )
 
 
-def _encode_label(label: str, *splits: dict[str, dict[str, np.ndarray]]) -> tuple[str, ...]:
-    """Text labels replaced, in place, by their ids among the sorted names of every split; the names."""
-    names = sorted({str(v) for clients in splits for examples in clients.values() for v in examples[label].ravel()})
+def label_names(label: str, *splits: Mapping[str, Examples]) -> tuple[str, ...]:
+    """The sorted names of a text label over every split (``datasets``' ``class_encode_column`` order)."""
+    return tuple(
+        sorted({str(v) for clients in splits for examples in clients.values() for v in examples[label].ravel()})
+    )
+
+
+def label_ids(text: np.ndarray, ids: Mapping[str, int]) -> np.ndarray:
+    """Text label values as their ids among the names (``ids``: name -> id)."""
+    return np.fromiter((ids[str(v)] for v in text.ravel()), np.int64, text.size).reshape(text.shape)
+
+
+def encode_label(label: str, names: tuple[str, ...], *splits: dict[str, dict[str, np.ndarray]]) -> tuple[str, ...]:
+    """Text labels replaced, in place, by their ids among ``names``; the names."""
     ids = {name: i for i, name in enumerate(names)}
     for clients in splits:
         for examples in clients.values():
-            text = examples[label]
-            examples[label] = np.fromiter((ids[str(v)] for v in text.ravel()), np.int64, text.size).reshape(text.shape)
-    return tuple(names)
+            examples[label] = label_ids(examples[label], ids)
+    return names
+
+
+def check_test_schema(test: Mapping[str, FeatureSpec], train: Mapping[str, FeatureSpec]) -> None:
+    if test != train:
+        raise DataLayoutError(
+            f"the test split's features {_describe(test)} differ from the training split's {_describe(train)}"
+        )
 
 
 def _describe(schema: Mapping[str, FeatureSpec]) -> str:
@@ -257,23 +392,34 @@ def take(examples: Examples, index: np.ndarray) -> dict[str, np.ndarray]:
     return {name: array[index] for name, array in examples.items()}
 
 
+def check_fraction(fraction: float) -> None:
+    if not 0.0 < fraction < 1.0:
+        raise PartitionError(f"test_fraction must be between 0 and 1 (exclusive), got {fraction}")
+
+
+def example_split(client: str, n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted indices of a client's ``n`` examples that ``split_examples`` keeps for training
+    and holds out for testing: at least one training example, ``floor((1 - fraction) * n)`` of them
+    otherwise, drawn from the client's own stream."""
+    order = _client_rng(seed, client).permutation(n)
+    n_train = max(1, math.floor((1.0 - fraction) * n + 1e-9))
+    return np.sort(order[:n_train]), np.sort(order[n_train:])
+
+
 def split_examples(
     clients: Mapping[str, Examples], fraction: float, seed: int
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
-    """Each client's examples cut into train and test, as LEAF's ``--by_sample`` split does: at least
-    one training example per client, ``floor((1 - fraction) * n)`` of them otherwise."""
-    if not 0.0 < fraction < 1.0:
-        raise PartitionError(f"test_fraction must be between 0 and 1 (exclusive), got {fraction}")
+    """Each client's examples cut into train and test, as LEAF's ``--by_sample`` split does
+    (``example_split``)."""
+    check_fraction(fraction)
     train: dict[str, dict[str, np.ndarray]] = {}
     test: dict[str, dict[str, np.ndarray]] = {}
     for cid in sorted(clients):
         examples = clients[cid]
-        n = _num_examples(examples)
-        order = _client_rng(seed, cid).permutation(n)
-        n_train = max(1, math.floor((1.0 - fraction) * n + 1e-9))
-        train[cid] = take(examples, np.sort(order[:n_train]))
-        if n_train < n:
-            test[cid] = take(examples, np.sort(order[n_train:]))
+        kept, held = example_split(cid, _num_examples(examples), fraction, seed)
+        train[cid] = take(examples, kept)
+        if len(held):
+            test[cid] = take(examples, held)
     return train, test
 
 
@@ -282,15 +428,20 @@ def split_clients(
 ) -> tuple[dict[str, Examples], dict[str, Examples]]:
     """Whole clients held out for testing (LEAF's ``--by_user``): ``round(fraction * k)`` of them,
     at least one and never all."""
-    if not 0.0 < fraction < 1.0:
-        raise PartitionError(f"test_fraction must be between 0 and 1 (exclusive), got {fraction}")
-    ids = sorted(clients)
+    held = held_clients(sorted(clients), fraction, seed)
+    return {c: clients[c] for c in sorted(clients) if c not in held}, {
+        c: clients[c] for c in sorted(clients) if c in held
+    }
+
+
+def held_clients(ids: list[str], fraction: float, seed: int) -> set[str]:
+    """The clients of ``ids`` (sorted) that ``split_clients`` holds out."""
+    check_fraction(fraction)
     if len(ids) < 2:
         raise PartitionError(f"holding out clients needs at least 2 clients, got {len(ids)}; use test_split=examples")
     n_test = min(len(ids) - 1, max(1, round(fraction * len(ids))))
     order = np.random.default_rng(int(seed) & 0xFFFFFFFF).permutation(len(ids))
-    held = {ids[i] for i in order[:n_test]}
-    return {c: clients[c] for c in ids if c not in held}, {c: clients[c] for c in ids if c in held}
+    return {ids[i] for i in order[:n_test]}
 
 
 def with_test_split(

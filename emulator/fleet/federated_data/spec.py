@@ -5,7 +5,8 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 - ``leaf:PATH`` (a .json file, a folder of them, or a folder with train/ and test/):
   ``test=PATH``, ``kind=auto|vectors|characters|words``, ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
-  ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
+  ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``,
+  ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now);
 - ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder), or ``table:PATH,partition=...``
   (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
   ``label=NAME``, ``features=A+B+C``, ``stack=NAME`` (the numeric columns but the label as one vector),
@@ -47,7 +48,7 @@ _PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "m
 OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
-        "tff-h5": _COMMON | _WORDS | {"test", "label"},
+        "tff-h5": _COMMON | _WORDS | {"test", "label", "lazy"},
         "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
@@ -159,6 +160,8 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         renames(DataSpec(fmt, path, MappingProxyType(options)))  # says now what is wrong with it
     if "partition" in options and options["partition"] not in SCHEMES:
         raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
+    if options.get("lazy", "yes") not in ("yes", "no"):
+        raise DataSpecError(f"{fmt}: lazy={options['lazy']!r} is unknown; use yes or no")
     split = options.get("test_split")
     partitioned = fmt in ("npz", "digits") or "partition" in options
     allowed = ("examples", "clients", "none") if partitioned else ("examples", "clients")
@@ -285,7 +288,8 @@ def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
         else None
     )
     if spec.format == "tff-h5":
-        return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), words=words, **common)  # type: ignore[arg-type]
+        lazy = opts.get("lazy", "yes") == "yes"
+        return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), words=words, lazy=lazy, **common)  # type: ignore[arg-type]
     if spec.format == "table":
         columns = opts["features"].split("+") if "features" in opts else None
         assert spec.path is not None

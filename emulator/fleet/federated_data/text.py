@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +55,20 @@ def split_words(text: str) -> list[str]:
 
 def build_vocabulary(texts: Iterable[str], size: int = DEFAULT_VOCAB_SIZE) -> tuple[str, ...]:
     """The ``size`` most frequent words of ``texts``, most frequent first, ties alphabetical."""
+    return most_frequent(count_words(texts), size)
+
+
+def count_words(texts: Iterable[str], counts: Counter[str] | None = None) -> Counter[str]:
+    """How often each word occurs in ``texts`` (added to ``counts``, when given)."""
+    counts = Counter() if counts is None else counts
+    counts.update(w for t in texts for w in split_words(t))
+    return counts
+
+
+def most_frequent(counts: Counter[str], size: int = DEFAULT_VOCAB_SIZE) -> tuple[str, ...]:
+    """The ``size`` most frequent words, most frequent first, ties alphabetical."""
     if size < 1:
         raise DataSpecError(f"vocab_size must be at least 1, got {size}")
-    counts = Counter(w for t in texts for w in split_words(t))
     return tuple(w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size])
 
 
@@ -83,13 +95,19 @@ def encode_words(texts: Sequence[str], vocab: Sequence[str], max_words: int = LE
     """``[len(texts), max_words]`` int64 ids; unknown words and padding are ``len(vocab)``."""
     if max_words < 1:
         raise DataSpecError(f"max_words must be at least 1, got {max_words}")
-    index = {w: i for i, w in enumerate(vocab)}
+    index = _index(vocab) if isinstance(vocab, tuple) else {w: i for i, w in enumerate(vocab)}
     unknown = len(vocab)
     out = np.full((len(texts), max_words), unknown, dtype=np.int64)
     for row, text in enumerate(texts):
         ids = [index.get(w, unknown) for w in split_words(text)[:max_words]]
         out[row, : len(ids)] = ids
     return out
+
+
+@lru_cache(maxsize=4)
+def _index(vocab: tuple[str, ...]) -> dict[str, int]:
+    """Word -> id of a vocabulary, built once for the clients it encodes one after another."""
+    return {w: i for i, w in enumerate(vocab)}
 
 
 @dataclass(frozen=True)
@@ -108,27 +126,38 @@ class WordIds:
     ) -> tuple[str, ...]:
         """The features replaced, in place, in every client of both splits; the vocabulary."""
         first = next(iter(train.values()), {})
-        for name in self.features:
-            if name not in first:
-                raise DataSpecError(
-                    f"{where}words={name}: no such feature; the features are {', '.join(sorted(first))}"
-                )
-            if first[name].dtype != object:
-                raise DataSpecError(f"{where}words={name}: feature {name!r} is {first[name].dtype}, not text")
-        if self.vocab is None:
-            seen = (str(t) for ex in train.values() for n in self.features for t in ex[n].ravel())
-            words = build_vocabulary(seen, self.vocab_size)
-        elif isinstance(self.vocab, (str, Path)):
-            words = read_vocabulary(Path(self.vocab))
-        else:
-            words = tuple(self.vocab)
+        self.check({name: "str" if a.dtype == object else str(a.dtype) for name, a in first.items()}, where)
+        words = self.vocabulary(
+            lambda: count_words(str(t) for ex in train.values() for n in self.features for t in ex[n].ravel())
+        )
         for clients in (train, test):
             for examples in clients.values():
-                for name in self.features:
-                    texts = examples[name]
-                    if texts.ndim != 1:
-                        raise DataLayoutError(
-                            f"{where}words={name}: feature {name!r} holds more than one text per example"
-                        )
-                    examples[name] = encode_words([str(t) for t in texts], words, self.max_words)
-        return tuple(words)
+                self.encode_examples(examples, words, where)
+        return words
+
+    def check(self, features: Mapping[str, str], where: str = "") -> None:
+        """The features named are text features (``features``: name -> dtype name, ``str`` for text)."""
+        for name in self.features:
+            if name not in features:
+                raise DataSpecError(
+                    f"{where}words={name}: no such feature; the features are {', '.join(sorted(features))}"
+                )
+            if features[name] != "str":
+                raise DataSpecError(f"{where}words={name}: feature {name!r} is {features[name]}, not text")
+
+    def vocabulary(self, counts: Callable[[], Counter[str]]) -> tuple[str, ...]:
+        """The words: ``vocab``'s, or the ``vocab_size`` most frequent of ``counts()`` (the words of
+        the training split's texts of the features, counted only when the vocabulary is built from them)."""
+        if self.vocab is None:
+            return most_frequent(counts(), self.vocab_size)
+        if isinstance(self.vocab, (str, Path)):
+            return read_vocabulary(Path(self.vocab))
+        return tuple(self.vocab)
+
+    def encode_examples(self, examples: dict[str, np.ndarray], words: Sequence[str], where: str = "") -> None:
+        """One client's features replaced, in place, by their word ids."""
+        for name in self.features:
+            texts = examples[name]
+            if texts.ndim != 1:
+                raise DataLayoutError(f"{where}words={name}: feature {name!r} holds more than one text per example")
+            examples[name] = encode_words([str(t) for t in texts], words, self.max_words)

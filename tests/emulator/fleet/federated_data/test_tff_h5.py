@@ -118,14 +118,15 @@ def test_without_h5py_the_loader_names_the_extra_to_install(tmp_path: Path, monk
         load_tff_h5(path)
 
 
-def test_a_feature_declared_larger_than_memory_is_refused_naming_it_and_its_shape(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_feature_declared_larger_than_memory_is_refused_naming_it_and_its_shape(tmp_path: Path, lazy: bool) -> None:
     """A dataset can be declared with any shape and take no space; reading it was a MemoryError."""
     path = tmp_path / "huge.h5"
     with h5py.File(path, "w") as f:
         f.create_dataset("examples/a/pixels", shape=(10**6, 10**6), dtype=np.float32)
         f.create_dataset("examples/a/label", shape=(10**6,), dtype=np.int32)
     with pytest.raises(DataLayoutError, match=r"examples/a/pixels is declared float32\[1000000, 1000000\], 3725 GiB"):
-        load_tff_h5(path)
+        load_tff_h5(path, lazy=lazy)
 
 
 def test_links_to_other_files_or_to_nothing_are_refused_without_following_them(tmp_path: Path) -> None:
@@ -149,9 +150,9 @@ def test_links_to_other_files_or_to_nothing_are_refused_without_following_them(t
         load_tff_h5(path)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e39])
+@pytest.mark.parametrize(("bad", "lazy"), [(np.nan, True), (np.inf, False), (1e39, True), (1e39, False)])
 def test_a_feature_with_nan_infinite_or_float32_overflowing_values_is_refused_naming_it(
-    tmp_path: Path, bad: float
+    tmp_path: Path, bad: float, lazy: bool
 ) -> None:
     """1e39 is finite in a float64 file, and infinite in the float32 tensors a plan reads."""
     path = tmp_path / "nan.h5"
@@ -162,9 +163,116 @@ def test_a_feature_with_nan_infinite_or_float32_overflowing_values_is_refused_na
         DataLayoutError,
         match=r"examples/a/pixels holds values that are NaN, infinite or past float32's range .*: 1 of them, the first in example 1",
     ):
-        load_tff_h5(path)
+        load_tff_h5(path, lazy=lazy)
 
 
 def test_a_path_that_exists_but_is_no_file_is_not_said_missing() -> None:
     with pytest.raises(DataSpecError, match="/dev/zero is not a regular file"):
         load_tff_h5("/dev/zero")
+
+
+def write_text_clients(path: Path, clients: dict[str, int], seed: int = 0) -> Path:
+    """StackOverflow's kind of client: texts, a text label, a float score, and empty clients."""
+    rng = np.random.default_rng(seed)
+    words = np.array(["sort", "a", "list", "java", "it", "?"])
+    with h5py.File(path, "w") as f:
+        for cid, n in clients.items():
+            g = f.create_group(f"examples/{cid}")
+            g.create_dataset(
+                "tokens", data=[" ".join(rng.choice(words, 3)).encode() for _ in range(n)], dtype=h5py.vlen_dtype(bytes)
+            )
+            g.create_dataset(
+                "tags", data=np.array([rng.choice([b"python", b"java", b"c"]) for _ in range(n)], dtype="S6")
+            )
+            g.create_dataset("score", data=rng.normal(size=n))
+    return path
+
+
+def same_dataset(a: object, b: object) -> None:
+    assert a.client_ids == b.client_ids and a.test_client_ids == b.test_client_ids  # type: ignore[attr-defined]
+    assert a.features == b.features and a.label_names == b.label_names and a.vocabulary == b.vocabulary  # type: ignore[attr-defined]
+    assert a.sizes() == b.sizes() and a.sizes("test") == b.sizes("test") and a.test_split == b.test_split  # type: ignore[attr-defined]
+    for split in ("train", "test"):
+        for cid in getattr(a, split):
+            x, y = getattr(a, split)[cid], getattr(b, split)[cid]
+            assert x.keys() == y.keys()
+            for name in x:
+                assert x[name].dtype == y[name].dtype and np.array_equal(x[name], y[name]), (split, cid, name)
+    feature = a.label or "score"  # type: ignore[attr-defined]
+    assert np.array_equal(a.values(feature), b.values(feature))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "options",
+    ["", ",test_split=clients,test_fraction=0.3", ",words=tokens,max_words=4,label=tags", ",rename=pixels:x+label:y"],
+)
+def test_lazily_read_clients_are_the_arrays_an_eager_load_gives(tmp_path: Path, options: str) -> None:
+    """A lazy load reads shapes, floats and labels up front and each client's arrays when asked
+    for; every split, word id, label id and renamed feature is the eager load's."""
+    write_emnist(tmp_path / "emnist_train.h5", {f"c{i}": n for i, n in enumerate([5, 1, 0, 12, 3, 7])})
+    write_text_clients(tmp_path / "so_train.h5", {f"{i:04d}": n for i, n in enumerate([4, 0, 6, 2, 9])})
+    for name in ("emnist_train.h5", "so_train.h5"):
+        if ("words" in options and name.startswith("emnist")) or ("rename" in options and name.startswith("so")):
+            continue
+        spec = f"tff-h5:{tmp_path / name}{options},seed=3"
+        lazy, eager = load_data(spec), load_data(spec + ",lazy=no")
+        assert type(lazy.train).__name__ == "LazyClients" and isinstance(eager.train, type(eager.test))
+        same_dataset(lazy, eager)
+
+
+def test_a_lazy_dataset_keeps_its_last_clients_within_its_budget_and_reads_the_others_again() -> None:
+    from emulator.fleet.federated_data import FeatureSpec, FederatedDataset
+    from emulator.fleet.federated_data._dataset import LazyClients
+
+    reads: list[str] = []
+
+    def read(client: str) -> dict[str, np.ndarray]:
+        reads.append(client)
+        n = int(client)
+        return {"x": np.full((n, 100), float(n), dtype=np.float32), "y": np.full(n, n)}  # 408 bytes an example
+
+    features = {"x": FeatureSpec("float32", (100,)), "y": FeatureSpec("int64", ())}
+    labels = {c: np.full(int(c), int(c)) for c in "123"}
+    clients = LazyClients({"1": 1, "2": 2, "3": 3, "0": 0}, features, read, label="y", labels=labels, budget=1500)
+    data = FederatedDataset(clients, label="y")
+    assert data.client_ids == ("1", "2", "3") and "0" not in data.train and data.sizes() == {"1": 1, "2": 2, "3": 3}
+    assert data.values("y").tolist() == [1, 2, 2, 3, 3, 3] and reads == []  # the labels read up front
+    assert data.examples("3")["x"].shape == (3, 100) and data.train["3"]["x"][0, 0] == 3.0
+    data.train["1"], data.train["1"], data.train["2"]  # 1 puts 3 (1,224 bytes) out; 2 is kept beside 1
+    data.train["1"], data.train["3"]
+    assert reads == ["3", "1", "2", "3"]
+    with pytest.raises(KeyError, match="no train client '0'"):
+        data.examples("0")
+
+
+def test_a_fleet_on_a_lazily_read_file_runs_to_the_digest_of_an_eager_read(tmp_path: Path) -> None:
+    from emulator.fleet import FleetConfig, simulate
+    from emulator.fleet.federated_data import parse_data_spec
+
+    path = write_emnist(tmp_path / "fed_emnist_train.h5", {f"f{i:04d}": 6 + i % 5 for i in range(16)})
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        "[fleet]\ndevices = 24\nhours = 1.0\nstart_utc_hour = 6.0\n\n[task]\ngoal_count = 6\n"
+        "report_timeout_s = 600.0\nselection_timeout_s = 300.0\ncompute_s_per_example = 0.2\n"
+    )
+    config = FleetConfig.load(fleet)
+    runs = [
+        simulate(config.replace(data=parse_data_spec(f"tff-h5:{path},test_split=clients{lazy}")), progress=False)
+        for lazy in ("", ",lazy=no")
+    ]
+    summary = runs[0].summary()
+    assert runs[0].digest == runs[1].digest and summary["data_clients"] == 14 and summary["rounds_committed"] >= 1
+
+
+def test_text_that_is_not_utf8_is_refused_naming_the_feature(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/tokens", data=[b"ok", b"caf\xe9"], dtype=h5py.vlen_dtype(bytes))
+    with pytest.raises(DataLayoutError, match=r"examples/a/tokens holds text that is not UTF-8 \(.* at byte 3\)"):
+        load_tff_h5(path)
+
+
+def test_the_lazy_option_takes_yes_or_no(tmp_path: Path) -> None:
+    path = write_emnist(tmp_path / "train.h5", {"a": 2})
+    with pytest.raises(DataSpecError, match="tff-h5: lazy='later' is unknown; use yes or no"):
+        load_data(f"tff-h5:{path},lazy=later")
