@@ -152,31 +152,36 @@ def _unpacked_folder() -> Path:
     return folder
 
 
-def unpacked(name: str) -> Path:
+def unpacked(name: str, folder: Path = EXPORTED) -> Path:
     """The fixture's ONNX file, as the exporter wrote it (the folder keeps it gzipped)."""
     path = _unpacked_folder() / name.removesuffix(".gz")
     if not path.exists():
-        path.write_bytes(gzip.decompress((EXPORTED / name).read_bytes()))
+        path.write_bytes(gzip.decompress((folder / name).read_bytes()))
     return path
 
 
-def task_for(entry: dict[str, Any]) -> Task:
+def task_for(entry: dict[str, Any], manifest: dict[str, Any] = MANIFEST, folder: Path = EXPORTED) -> Task:
     """The task ``fedfleet plan from-onnx MODEL --label y --lr LR --batch-size 4`` builds."""
     return Task(
         name=entry["model"].removesuffix(".onnx.gz").replace(".", "_"),
-        model=unpacked(entry["model"]),
+        model=unpacked(entry["model"], folder),
         proxy=lambda: None,  # type: ignore[arg-type, return-value]
-        hyperparameters={"lr": MANIFEST["lr"]},
+        hyperparameters={"lr": manifest["lr"]},
         label="y",
-        batch_size=MANIFEST["batch"],
+        batch_size=manifest["batch"],
         selector=ExampleSelector("app:/exported"),
     )
 
 
-def _work_step(entry: dict[str, Any], examples: dict[str, np.ndarray]) -> Step:
+def work_step(
+    entry: dict[str, Any],
+    examples: dict[str, np.ndarray],
+    manifest: dict[str, Any] = MANIFEST,
+    folder: Path = EXPORTED,
+) -> Step:
     """``entry``'s plan as ``fedfleet plan from-onnx`` makes it, and one step of its work graph in
     onnxruntime from the model's own initial weights on ``examples``."""
-    task = task_for(entry)
+    task = task_for(entry, manifest, folder)
     made = onnx_import(task._model_source(), task)
     plan = made.plan
     before = task.weights(plan)
@@ -191,7 +196,7 @@ def _work_step(entry: dict[str, Any], examples: dict[str, np.ndarray]) -> Step:
 def plan_step(model: str) -> Step:
     """One fixture's step on its reference batch, built once per file for every test here."""
     entry = next(e for e in STEPPED if e["model"] == model)
-    return _work_step(entry, reference(entry["reference"]).examples)
+    return work_step(entry, reference(entry["reference"]).examples)
 
 
 #: A tensor torch barely moves (a BatchNorm's bias or running mean before another BatchNorm: its
@@ -288,7 +293,7 @@ def test_the_plans_dropout_drops_at_its_rate_and_scales_what_it_keeps(entry):
     p, lr = entry["rate"], MANIFEST["lr"]
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((1, 512)).astype(np.float32), np.array([1])
-    step = _work_step(entry, {"x": x, "y": y})
+    step = work_step(entry, {"x": x, "y": y})
     (weight,) = step.made.trainable
     w = step.before[weight].astype(np.float64)
     delta = w - step.after[weight]
