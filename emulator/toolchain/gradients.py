@@ -825,6 +825,12 @@ def _cumsum(e, node, dys, wants):
     ]
 
 
+@rule("ReverseSequence", note="dy reversed back with the same lengths (the reversal undoes itself)")
+def _reverse_sequence(e, node, dys, wants):
+    axes = {"batch_axis": int(attr(node, "batch_axis", 1)), "time_axis": int(attr(node, "time_axis", 0))}
+    return [e.op("ReverseSequence", [_dy(dys, e, node), node.input[1]], **axes), None]
+
+
 @rule("Trilu", note="dy with the same triangle kept")
 def _trilu(e, node, dys, wants):
     inputs = [_dy(dys, e, node), *node.input[1:]]

@@ -440,6 +440,17 @@ def case_cumsum(draw):
     return "CumSum", {"x": _arr(draw, shape)}, {"axis": np.array(axis, dtype=np.int64)}, attrs, 17, F64_TOL
 
 
+def case_reverse_sequence(draw):
+    """tf2onnx's form of Keras's ``go_backwards=True`` (time first), and batch first."""
+    time_axis = draw(st.integers(0, 1))
+    steps, batch = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    shape = (steps, batch) if time_axis == 0 else (batch, steps)
+    shape += tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=1)))
+    lens = np.array([draw(st.integers(1, steps)) for _ in range(batch)], dtype=np.int64)
+    attrs = {"time_axis": time_axis, "batch_axis": 1 - time_axis}
+    return "ReverseSequence", {"x": _arr(draw, shape)}, {"lens": lens}, attrs, 17, F64_TOL
+
+
 def case_trilu(draw):
     shape = _shape(draw, draw(st.integers(2, 3)))
     return (
@@ -805,6 +816,7 @@ CASES = {
     "ScatterND": case_scatter("ScatterND"),
     "ScatterElements": case_scatter("ScatterElements"),
     "CumSum": case_cumsum,
+    "ReverseSequence": case_reverse_sequence,
     "Trilu": case_trilu,
     "DepthToSpace": case_depth_space("DepthToSpace"),
     "SpaceToDepth": case_depth_space("SpaceToDepth"),
