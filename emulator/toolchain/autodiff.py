@@ -403,6 +403,7 @@ def backward(
     :class:`UnsupportedOpError` for the first node on the way that no rule covers."""
     live = differentiable(nodes, wrt, emitter.infos)
     needed = needed_for(nodes, seeds)
+    _refuse_control_flow(nodes, live, needed)
     gelus = erf_gelus(nodes, emitter, live)
     norms = batch_norms(nodes, emitter, needed)
     tap_sums = conv_tap_sums(nodes, emitter)  # their windows' gradients are gathered from dy at the sum
@@ -459,6 +460,30 @@ def backward(
             if grad is not None and want:
                 grads.setdefault(name, []).append(grad)
     return {w: _total(emitter, grads, w) for w in wrt}
+
+
+#: Ops that run a subgraph: no rule differentiates them.
+CONTROL_FLOW = frozenset({"Loop", "Scan", "If"})
+
+
+def _refuse_control_flow(nodes: Sequence[onnx.NodeProto], live: set[str], needed: set[str]) -> None:
+    """:class:`UnsupportedOpError` for the first ``Loop``, ``Scan`` or ``If`` a gradient must cross,
+    before any rule meets the tensors of unknown shape it computes (a ``Slice`` of a Loop's output
+    would be refused for its shape, not for the loop)."""
+    for node in nodes:
+        if (
+            node.domain in DEFAULT_DOMAINS
+            and node.op_type in CONTROL_FLOW
+            and any(i in live for i in node.input if i)
+            and any(o in needed for o in node.output)
+        ):
+            raise UnsupportedOpError(
+                node.op_type,
+                node.name,
+                "runs a subgraph (a recurrence the exporter wrote as a loop), which no rule differentiates; export "
+                "the recurrence as an ONNX LSTM or GRU op or unrolled over a fixed length (tf2onnx writes tf.keras's "
+                "LSTM and GRU as those ops, but Keras's SimpleRNN, GRU(reset_after=False) and Keras 3's GRU as a Loop)",
+            )
 
 
 def _composite_gradient(emitter: Emitter, group: Composite, grads: dict[str, list[str]], live: set[str]) -> None:

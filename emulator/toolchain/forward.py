@@ -582,6 +582,17 @@ class _Recurrent:
     directions: tuple[str, ...]  # ("forward",), ("reverse",) or both
 
 
+def _default_activations(node: onnx.NodeProto, gates: int, direction: str) -> bool:
+    """Whether the node's activations are the defaults: none given, or the defaults spelt out per
+    direction (tf2onnx writes ``["Sigmoid", "Tanh", "Tanh"]`` on every LSTM it converts)."""
+    given = attr(node, "activations")
+    if given is None:
+        return True
+    defaults = ["sigmoid", "tanh", "tanh"] if gates == 4 else ["sigmoid", "tanh"]
+    names = [a.decode() if isinstance(a, bytes) else str(a) for a in given]
+    return [a.lower() for a in names] == defaults * (2 if direction == "bidirectional" else 1)
+
+
 def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurrent:
     """How to unroll a GRU/LSTM with the default activations, either direction or both, in layout 0
     (torch's exporters write batch_first with Transpose nodes around it; onnxruntime runs no other)."""
@@ -595,8 +606,11 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurren
         refuse(
             "is unrolled with layout=0 only (sequence first, as torch's exporters write it; onnxruntime runs no other)"
         )
-    if attr(node, "clip") is not None or attr(node, "activations") is not None:
-        refuse("is unrolled without clip and with the default activations only")
+    if attr(node, "clip") is not None or not _default_activations(node, gates, direction):
+        refuse(
+            "is unrolled without clip and with the default activations only (sigmoid gates, tanh: the defaults of "
+            "torch's and Keras's layers)"
+        )
     if len(node.input) > 4 and node.input[4]:
         refuse("is unrolled without sequence_lens only (every sequence has the full length; pad instead of packing)")
     if node.op_type == "LSTM" and ((len(node.input) > 7 and node.input[7]) or int(attr(node, "input_forget", 0))):

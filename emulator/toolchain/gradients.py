@@ -2132,10 +2132,12 @@ _DECOMPOSED = {
     "SequenceAt": "of a SplitToSequence at a constant position: rewritten as the Slice (and Squeeze) it reads before "
     "differentiating",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
-    "layout 0, default activations, either linear_before_reset, no sequence_lens)",
+    "layout 0, default activations, also spelt out as tf2onnx writes them, either linear_before_reset, no "
+    "sequence_lens)",
     "LSTM": "unrolled over its static sequence length into Gemm/Split/Sigmoid/Tanh (forward, reverse or bidirectional, "
-    "layout 0, default activations, no peepholes, no sequence_lens); its gradient is emitted for the unrolled steps "
-    "as a whole, step by step",
+    "layout 0, default activations, also spelt out as tf2onnx writes them, no peepholes, no sequence_lens); its "
+    "gradient is emitted for the unrolled steps as a whole, step by step; tf2onnx's zero recurrent half of the "
+    "bias (Keras's LSTM has one bias) is kept at zero",
 }
 
 
@@ -2190,6 +2192,12 @@ def coverage_document() -> str:
             "`Upsample` becomes this table's `Resize`, `ImageScaler`, `Affine` and `ScaledTanh` its `Mul`, `Add`",
             "and `Tanh`. They take torch's step, or that of the same network written at opset 17",
             "(`tests/emulator/toolchain/test_old_opsets.py`).",
+            "",
+            "Keras models converted by tf2onnx take TensorFlow's own step the same way",
+            "(`tests/emulator/toolchain/test_keras_exports.py`): an MLP, a CNN, MobileNetV2's inverted residual,",
+            "LSTM (one bias), bidirectional LSTM, GRU (also `go_backwards`: `ReverseSequence`) and transformer",
+            "(MultiHeadAttention as tf2onnx's `Gemm` and `MatMul`) models. A recurrence tf2onnx writes as a `Loop`",
+            "(`SimpleRNN`, `GRU(reset_after=False)`) is refused naming the `Loop`: no rule differentiates a subgraph.",
             "",
             coverage_markdown(),
             "",

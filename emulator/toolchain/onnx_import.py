@@ -582,6 +582,84 @@ def inference_form(model: onnx.ModelProto) -> None:
         graph.node.remove(node)
 
 
+#: The ``producer_name`` tf2onnx writes (``tf2onnx.convert.from_keras``, ``from_function``, Keras 3's
+#: ``model.export(format="onnx")``).
+TF2ONNX = "tf2onnx"
+
+
+def single_recurrent_bias(model: onnx.ModelProto) -> list[str]:
+    """The LSTMs of a tf2onnx conversion, each read with the recurrent half of its bias held at zero,
+    in place; returns their ``B`` initializers. An ONNX ``LSTM`` adds an input bias and a recurrent
+    bias; Keras's layer has one, which tf2onnx writes as the input half of ``B``, the recurrent half
+    zeros. Trained as it stands, both halves would take the bias's gradient: their sum, the layer's
+    bias, would move twice as far as Keras moves it. ``B`` stays the weight, read through a ``Mul``
+    by a constant mask (ones, then zeros), so the recurrent half's gradient is zero and it stays
+    zero. A Keras ``GRU`` (``reset_after=True``, the form tf2onnx writes as a ``GRU``) has two
+    biases, as torch's LSTM does whatever their values: those are left alone."""
+    if model.producer_name != TF2ONNX:
+        return []
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    fresh = namer(graph)
+    nodes: list[onnx.NodeProto] = []
+    masked: list[str] = []
+    for node in graph.node:
+        bias = node.input[3] if node.op_type == "LSTM" and len(node.input) > 3 else ""
+        value = onnx.numpy_helper.to_array(inits[bias]) if bias in inits else None
+        if value is None or value.ndim != 2 or value.shape[1] % 2 or np.any(value[:, value.shape[1] // 2 :]):
+            nodes.append(node)
+            continue
+        mask, held = fresh(f"{bias}_input_half"), fresh(f"{bias}_single")
+        ones = np.zeros(value.shape, dtype=value.dtype)
+        ones[:, : value.shape[1] // 2] = 1
+        nodes.append(onnx.helper.make_node("Constant", [], [mask], value=onnx.numpy_helper.from_array(ones, mask)))
+        nodes.append(onnx.helper.make_node("Mul", [bias, mask], [held]))
+        node.input[3] = held
+        nodes.append(node)
+        masked.append(bias)
+    if masked:
+        kept = [onnx.NodeProto() for _ in nodes]
+        for copy, node in zip(kept, nodes):
+            copy.CopyFrom(node)
+        del graph.node[:]
+        graph.node.extend(kept)
+    return masked
+
+
+def tf2onnx_folded_batch_norms(model: onnx.ModelProto) -> list[str]:
+    """The Keras layers whose ``BatchNormalization`` a tf2onnx conversion folded into constants: into
+    the convolution before it (tf.keras's fused layer: the optimizer ``remove_back_to_back`` writes
+    ``<conv>_weights_fused_bn`` and ``<conv>_bias_fused_bn``; Keras 3's, whose scale TensorFlow's
+    graph optimizer multiplies into the kernel: ``<conv>/convolution/merged_input``), or, over Dense
+    features (the unfused form, ``x * gamma / sqrt(var + eps) + (beta - mean * ...)``), into the
+    ``<layer>/batchnorm/mul`` and ``.../sub`` constants of the frozen graph. Either trains as a
+    fixed scale and shift, without batch statistics. Empty for other producers."""
+    if model.producer_name != TF2ONNX:
+        return []
+    found = set()
+    for init in model.graph.initializer:
+        name = init.name
+        if name.endswith(("_weights_fused_bn", "_bias_fused_bn")):
+            conv = name.removesuffix("_weights_fused_bn").removesuffix("_bias_fused_bn")
+            found.add(conv.rpartition("/")[0] or conv)
+        elif (match := re.fullmatch(r"(.+)/batchnorm/(mul|sub)(_[0-9]+)?(:0)?", name)) is not None:
+            found.add(match.group(1))
+        elif (match := re.fullmatch(r"(.+)/[^/]+/merged_input(:0)?", name)) is not None:
+            found.add(match.group(1))
+    return sorted(found)
+
+
+def folded_batch_norm_warning(layers: Sequence[str]) -> str:
+    """One line for a person: what tf2onnx did and how to convert instead."""
+    return (
+        f"tf2onnx folded {len(layers)} BatchNormalization layer(s) into constants ({_some(list(layers), 6)}): the plan "
+        "trains a fixed scale and shift there (or a kernel times the scale), without batch statistics, not as Keras "
+        "trains the layer; with tf.keras (Keras 2) convert with tf2onnx.convert.from_keras(model, ..., "
+        "optimizers=<tf2onnx.optimizer._optimizers less 'remove_back_to_back'>), which keeps one after a "
+        "convolution, and give one over Dense features a [N, 1, 1, features] input (Keras 3's export folds every one)"
+    )
+
+
 def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
     """The value of ``name`` where it is an initializer or a ``Constant``'s output, seen through
     ``Cast`` and ``CastLike`` (the dynamo exporter casts a constant like the tensor it meets)."""

@@ -202,6 +202,8 @@ class ModelParts:
     shared: dict[str, int] = field(default_factory=dict)
     # the module's buffers that are not running statistics (onnx_import.constant_buffers): not trained
     buffers: set[str] = field(default_factory=set)
+    # Keras layers whose BatchNormalization tf2onnx folded into constants (onnx_import.tf2onnx_folded_batch_norms)
+    folded_batch_norms: list[str] = field(default_factory=list)
 
 
 def read_model(
@@ -217,6 +219,8 @@ def read_model(
     [N, classes, 1, ..., 1] is read as [N, classes] (:func:`.old_opsets.classes_last`)."""
     m = load_model(model)
     onnx_import.stochastic_depth_as_dropout(m)
+    onnx_import.single_recurrent_bias(m)
+    folded_batch_norms = onnx_import.tf2onnx_folded_batch_norms(m)
     split = onnx_import.split_deduplicated(m)
     onnx_import.refold_tied_transposes(m)
     lost = onnx_import.lost_parameters(m)
@@ -278,7 +282,7 @@ def read_model(
             "model with the example tensors it computes from as inputs that reach the output (an input the "
             "exporter traced as a constant is folded into the graph)"
         )
-    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared, buffers)
+    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared, buffers, folded_batch_norms)
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
@@ -628,9 +632,13 @@ def onnx_training_plan(
         time_budget_s=time_budget_s,
         shared_weights=list(shared_weights),
     )
-    warnings: tuple[str, ...] = (
-        (onnx_import.EVAL_MODE_WARNING,) if onnx_import.exported_for_inference(graph.node, parts.initializers) else ()
-    )
+    warnings: tuple[str, ...] = ()
+    if parts.folded_batch_norms:  # tf2onnx's folding, known by name (its Dropout is gone in any conversion)
+        warnings += (onnx_import.folded_batch_norm_warning(parts.folded_batch_norms),)
+    elif parts.model.producer_name != onnx_import.TF2ONNX and onnx_import.exported_for_inference(
+        graph.node, parts.initializers
+    ):
+        warnings += (onnx_import.EVAL_MODE_WARNING,)
     if parts.lost:
         warnings += (onnx_import.lost_parameters_warning(parts.lost),)
     return OnnxTrainingPlan(

@@ -880,6 +880,7 @@ def _gradient_matches_finite_differences(case: str, data: st.DataObject) -> None
         ({"layout": 1}, "layout=0 only"),
         ({"order": ["x", "w", "r", "", "lens"]}, "without sequence_lens"),
         ({"clip": 1.0}, "without clip"),
+        ({"activations": ["Sigmoid", "Relu", "Relu"]}, "default activations only"),
     ],
 )
 def test_recurrent_ops_in_forms_not_unrolled_are_refused_naming_the_attribute(form, words):
