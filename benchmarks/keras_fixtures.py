@@ -477,10 +477,13 @@ def make(name: str, out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
+    global OPSET
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS))
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--opset", type=int, default=17, help="the ONNX opset to convert to (default 17)")
     args = parser.parse_args()
+    OPSET = args.opset
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.only or list(KEPT)
     as_is = []
