@@ -617,7 +617,11 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurren
         refuse("is unrolled without peepholes or input_forget only")
     shape = e.shape(node.input[0])
     if shape is None or len(shape) != 3 or not isinstance(shape[0], int):
-        refuse("needs an input of static sequence length to be unrolled")
+        refuse(
+            "needs an input of static sequence length to be unrolled: export with the sequence length fixed and the "
+            "batch axis alone dynamic (tf2onnx's input_signature=(tf.TensorSpec((None, LENGTH), ...),), torch's "
+            "dynamic axes on the batch only)"
+        )
     hidden = attr(node, "hidden_size")
     if hidden is None:
         wshape = e.shape(node.input[1])

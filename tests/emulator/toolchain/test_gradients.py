@@ -896,6 +896,22 @@ def test_recurrent_ops_in_forms_not_unrolled_are_refused_naming_the_attribute(fo
         vjp_model(model, outputs=["y"], wrt=["w"])
 
 
+def test_a_recurrent_op_over_a_sequence_of_run_time_length_is_refused_saying_how_to_export_it():
+    """tf2onnx writes ``unk__N`` for a Keras input's ``None`` length: an unrolled step per position needs the length."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["unk__1", "N", 4])
+    inits = [
+        numpy_helper.from_array(np.ones((1, 8, 4), np.float32), "w"),
+        numpy_helper.from_array(np.ones((1, 8, 2), np.float32), "r"),
+    ]
+    node = helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="the_LSTM", hidden_size=2)
+    graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(
+        UnsupportedOpError, match=r"'LSTM' \(node 'the_LSTM'\) needs .*static sequence length.*TensorSpec"
+    ):
+        vjp_model(model, outputs=["y"], wrt=["w"])
+
+
 @pytest.mark.parametrize("kind", ["slice_to_the_end", "gather_first", "gather_last_rows"])
 def test_slices_and_gathers_along_an_axis_of_run_time_size_are_differentiated(kind):
     """The dynamo exporter's unoptimized graphs slice the batch axis whole (x[:, 0] becomes a Slice from
