@@ -100,6 +100,20 @@ def mlp_batch_norm(dropout: float) -> keras.Model:
     )
 
 
+def mlp_layer_norm(dropout: float) -> keras.Model:
+    """LayerNormalization over [N, features]: tf.keras computes it with a fused batch norm over the
+    features reshaped, which tf2onnx writes as a ``BatchNormalization`` of the moments it computes."""
+    return keras.Sequential(
+        [
+            keras.Input((12,), name="x"),
+            layers.Dense(8),
+            layers.LayerNormalization(),
+            layers.Dense(3),
+        ],
+        name="mlp_layer_norm",
+    )
+
+
 def cnn(dropout: float) -> keras.Model:
     return keras.Sequential(
         [
@@ -261,6 +275,7 @@ MODELS: dict[str, tuple[Callable[[float], keras.Model], int, bool]] = {
     "mlp": (mlp, 5, False),
     "mlp_softmax": (mlp_softmax, 5, False),
     "mlp_batch_norm": (mlp_batch_norm, 5, False),
+    "mlp_layer_norm": (mlp_layer_norm, 3, False),
     "cnn": (cnn, 4, False),
     "mobile_block": (mobile_block, 3, False),
     "lstm": (lstm, 3, False),
@@ -277,6 +292,7 @@ MODELS: dict[str, tuple[Callable[[float], keras.Model], int, bool]] = {
 KEPT = (
     "mlp",
     "mlp_batch_norm",
+    "mlp_layer_norm",
     "cnn",
     "mobile_block",
     "lstm",

@@ -482,7 +482,8 @@ def _refuse_control_flow(nodes: Sequence[onnx.NodeProto], live: set[str], needed
                 node.name,
                 "runs a subgraph (a recurrence the exporter wrote as a loop), which no rule differentiates; export "
                 "the recurrence as an ONNX LSTM or GRU op or unrolled over a fixed length (tf2onnx writes tf.keras's "
-                "LSTM and GRU as those ops, but Keras's SimpleRNN, GRU(reset_after=False) and Keras 3's GRU as a Loop)",
+                "LSTM and GRU as those ops, but a masked one (Embedding(mask_zero=True), Masking), SimpleRNN, "
+                "GRU(reset_after=False) and Keras 3's GRU as a Loop)",
             )
 
 
