@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf2onnx  # noqa: E402
+import tf2onnx.optimizer  # noqa: E402  (tf2onnx 1.17 loads its submodules lazily)
 from onnx import numpy_helper  # noqa: E402
 
 keras = tf.keras

@@ -288,7 +288,9 @@ def read_model(
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
     """Refuse, in one line that says what to export, a prediction computed by ops outside the
     standard domains (skl2onnx's trees and linear models are ``ai.onnx.ml`` ops: no gradient, and
-    no plan may hold them); such ops on a branch the loss does not read are pruned later."""
+    no plan may hold them) or, at opset 13 and later, by ops of the standard domain that ONNX does
+    not define (what an exporter could not convert); such ops on a branch the loss does not read
+    are pruned later."""
     graph = model.graph
     if output is None:
         floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
@@ -296,6 +298,14 @@ def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
     if output is None:
         return
     needed = needed_for(graph.node, [output])
+    current = model_opset(model) >= MIN_OPSET  # older files' experimental ops: written out by old_opsets
+    for node in graph.node:
+        if current and node.domain in DEFAULT_DOMAINS and set(node.output) & needed and not onnx.defs.has(node.op_type):
+            raise ValueError(
+                f"op {node.op_type!r} (node {node.name!r}) is no ONNX op: the exporter left it unconverted (tf2onnx "
+                "writes a TensorFlow op it cannot convert as it is, such as the Erfc of TensorFlow 2.16's exact "
+                "gelu); export the model with ops ONNX has (gelu(approximate=True)) or with an exporter that converts it"
+            )
     others = sorted(
         {(n.domain, n.op_type) for n in graph.node if n.domain not in DEFAULT_DOMAINS and set(n.output) & needed}
     )

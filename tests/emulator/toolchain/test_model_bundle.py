@@ -263,6 +263,14 @@ def _weights_as_constants(path: Path) -> None:
     onnx.save_model(m, str(path))
 
 
+def _unconverted_op(path: Path) -> None:
+    """tf2onnx 1.17 leaves TensorFlow 2.21's Erfc (its exact gelu) in the graph as it is."""
+    m = mlp(6, 5, 3)
+    relu = next(n for n in m.graph.node if n.op_type == "Relu")
+    relu.op_type, relu.name = "Erfc", "dense_1/Gelu/Erfc"
+    onnx.save_model(m, str(path))
+
+
 def _torch_checkpoint(path: Path) -> None:
     path.write_bytes(b"PK\x03\x04" + bytes(60))  # torch.save writes a zip archive
 
@@ -275,8 +283,9 @@ def _torch_checkpoint(path: Path) -> None:
         (_constant_output, "does not depend on the model's inputs (x)"),
         (_weights_as_constants, "not as Constant nodes or graph inputs"),
         (_torch_checkpoint, "as torch.save writes a PyTorch checkpoint"),
+        (_unconverted_op, "op 'Erfc' (node 'dense_1/Gelu/Erfc') is no ONNX op"),
     ],
-    ids=["sklearn_tree", "argmax", "constant_output", "weights_as_constants", "torch_checkpoint"],
+    ids=["sklearn_tree", "argmax", "constant_output", "weights_as_constants", "torch_checkpoint", "unconverted_op"],
 )
 def test_a_model_that_cannot_train_is_refused_in_one_line_saying_what_to_export(tmp_path, capsys, make, says):
     make(tmp_path / "m.onnx")
