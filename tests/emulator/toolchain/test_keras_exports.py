@@ -1,8 +1,8 @@
 """Keras models converted by tf2onnx take TensorFlow's own SGD step.
 
 The fixtures in ``keras/`` (``benchmarks/keras_fixtures.py`` makes them, in a virtualenv with
-tensorflow and tf2onnx; the README there says how) are Keras models with random weights: an MLP, a
-CNN (NHWC, ``same`` and ``valid`` padding, strides, max and average pooling, BatchNormalization,
+tensorflow and tf2onnx; the README there says how) are Keras models with random weights: an MLP
+(also with a BatchNormalization over [N, 1, 1, features], and with a LayerNormalization), a CNN (NHWC, ``same`` and ``valid`` padding, strides, max and average pooling, BatchNormalization,
 Dropout), MobileNetV2's inverted residual (ReLU6, depthwise convolutions, ZeroPadding2D), an LSTM
 classifier (int32 ids), a bidirectional LSTM over float ids, a GRU next-token model (int64 ids, a
 label per position), a GRU reading its sequence backwards, an Embedding + GlobalAveragePooling1D
