@@ -115,6 +115,20 @@ def mlp_layer_norm(dropout: float) -> keras.Model:
     )
 
 
+def mlp_preprocessed(dropout: float) -> keras.Model:
+    """Normalization and Rescaling before the Dense layers (their constants: not trained)."""
+    return keras.Sequential(
+        [
+            keras.Input((12,), name="x"),
+            layers.Normalization(mean=np.linspace(-1, 1, 12), variance=np.linspace(0.5, 2, 12)),
+            layers.Rescaling(0.5, offset=0.1),
+            layers.Dense(8, activation="relu"),
+            layers.Dense(3),
+        ],
+        name="mlp_preprocessed",
+    )
+
+
 def cnn(dropout: float) -> keras.Model:
     return keras.Sequential(
         [
@@ -277,6 +291,7 @@ MODELS: dict[str, tuple[Callable[[float], keras.Model], int, bool]] = {
     "mlp_softmax": (mlp_softmax, 5, False),
     "mlp_batch_norm": (mlp_batch_norm, 5, False),
     "mlp_layer_norm": (mlp_layer_norm, 3, False),
+    "mlp_preprocessed": (mlp_preprocessed, 3, False),
     "cnn": (cnn, 4, False),
     "mobile_block": (mobile_block, 3, False),
     "lstm": (lstm, 3, False),
@@ -294,6 +309,7 @@ KEPT = (
     "mlp",
     "mlp_batch_norm",
     "mlp_layer_norm",
+    "mlp_preprocessed",
     "cnn",
     "mobile_block",
     "lstm",

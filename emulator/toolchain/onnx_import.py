@@ -376,7 +376,26 @@ def constant_buffers(model: onnx.ModelProto) -> set[str]:
     writes none, so there a person names them with ``frozen`` (``plan from-torch`` does it itself)."""
     text = next((p.value for p in model.graph.metadata_props if p.key == _SIGNATURE), "")
     present = {i.name for i in model.graph.initializer}
-    return {name for name in _BUFFER_LINE.findall(text) if name in present and not name.endswith(_STATISTICS)}
+    found = {name for name in _BUFFER_LINE.findall(text) if name in present and not name.endswith(_STATISTICS)}
+    return found | keras_preprocessing_constants(model)
+
+
+#: The scope tf2onnx's names give the constants of Keras's ``Rescaling`` and ``Normalization``
+#: layers (named after their class unless their author names them).
+_KERAS_PREPROCESSING = re.compile(r"(?:^|/)(?:rescaling|normalization)(?:_[0-9]+)?/")
+
+
+def keras_preprocessing_constants(model: onnx.ModelProto) -> set[str]:
+    """The initializers of a tf2onnx conversion that Keras's ``Rescaling`` and ``Normalization``
+    layers hold (keras.applications' EfficientNet scales and normalizes its input so): Keras never
+    trains them (a ``Normalization``'s mean and variance are non-trainable weights, a
+    ``Rescaling``'s scale and offset constants), so neither does a plan by default. Known by their
+    layer's name in tf2onnx's (``efficientnetb0/rescaling/add:0``,
+    ``ConstantFolding/efficientnetb0/normalization/truediv_recip:0``); a layer its author named
+    otherwise is named in ``frozen``."""
+    if model.producer_name != TF2ONNX:
+        return set()
+    return {i.name for i in model.graph.initializer if _KERAS_PREPROCESSING.search(i.name)}
 
 
 def refold_tied_transposes(model: onnx.ModelProto) -> list[str]:
