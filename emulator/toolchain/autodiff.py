@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 # the names the rules and rewrites share live in the leaf module .emitter; re-exported here, where
 # the toolchain's modules and users have always imported them
-from .emitter import DEFAULT_DOMAINS, Composite, Dim, Emitter, TensorInfo, UnsupportedOpError, attr
+from .emitter import DEFAULT_DOMAINS, Composite, Dim, Emitter, TensorInfo, UnsupportedOpError, attr, node_reads
 from .forward import decompose
 from .gradients import (
     NO_GRADIENT,
@@ -474,7 +474,7 @@ def _refuse_control_flow(nodes: Sequence[onnx.NodeProto], live: set[str], needed
         if (
             node.domain in DEFAULT_DOMAINS
             and node.op_type in CONTROL_FLOW
-            and any(i in live for i in node.input if i)
+            and any(i in live for i in node_reads(node))  # a branch's weights are read from inside it
             and any(o in needed for o in node.output)
         ):
             raise UnsupportedOpError(

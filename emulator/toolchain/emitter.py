@@ -1,6 +1,6 @@
 """What the autodiff engine, its gradient rules and the training forward rewrites share: the
 :class:`Emitter` that writes new nodes and constants into a graph, the type and shape of a tensor,
-the error for an op without a rule, and reading a node's attributes.
+the error for an op without a rule, and reading a node's attributes and what it reads.
 
 A leaf module (it imports nothing of the toolchain): :mod:`.autodiff` drives the rules of
 :mod:`.gradients` and the rewrites of :mod:`.forward`, which both emit through this, so none of the
@@ -67,6 +67,32 @@ def attr(node: onnx.NodeProto, name: str, default=None):
         if a.name == name:
             return helper.get_attribute_value(a)
     return default
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs ``node`` runs (a ``Loop``'s body, an ``If``'s branches)."""
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
+
+
+def own_names(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph`` itself defines (its inputs, initializers and nodes' outputs)."""
+    return {i.name for i in [*graph.input, *graph.initializer]} | {o for n in graph.node for o in n.output}
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph``'s nodes (and the subgraphs inside them) read that ``graph`` does not define."""
+    read: set[str] = set()
+    for node in graph.node:
+        read |= node_reads(node)
+    return read - own_names(graph)
+
+
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """What ``node`` reads, the names of the outer scope its subgraphs read included."""
+    read = {i for i in node.input if i}
+    for g in subgraphs(node):
+        read |= _outer_reads(g)
+    return read
 
 
 class Emitter:

@@ -68,6 +68,27 @@ def test_a_node_without_a_rule_on_the_way_is_refused_by_op_and_name():
         vjp_model(m, outputs=["y"], wrt=["w"])
 
 
+def test_a_branch_that_reads_a_weight_from_inside_is_refused_by_op_and_name():
+    """An ``If`` whose branches read ``w`` from the outer scope (no input of the node names it) is on
+    the gradient's way: no rule differentiates a subgraph."""
+    branch = helper.make_graph(
+        [helper.make_node("Neg", ["w"], ["flipped"])], "branch", [], [helper.make_tensor_value_info("flipped", F, None)]
+    )
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("If", ["c"], ["shift"], name="branch_on_c", then_branch=branch, else_branch=branch),
+        helper.make_node("Add", ["h", "shift"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [2, 2]), helper.make_tensor_value_info("w", F, [2, 2])],
+        [helper.make_tensor_value_info("y", F, [2, 2])],
+        {"c": np.array(True)},
+    )
+    with pytest.raises(UnsupportedOpError, match="'If' \\(node 'branch_on_c'\\) runs a subgraph"):
+        vjp_model(m, outputs=["y"], wrt=["w"])
+
+
 def test_the_documented_op_table_is_the_codes():
     doc = Path(__file__).parents[3] / "emulator" / "toolchain" / "OP_COVERAGE.md"
     assert doc.read_text(encoding="utf-8") == coverage_document(), "regenerate: python -m emulator.toolchain.gradients"
