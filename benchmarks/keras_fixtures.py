@@ -1,7 +1,7 @@
 """Keras models exported by tf2onnx, and TensorFlow's own training step for each: the fixtures of
 ``tests/emulator/toolchain/test_keras_exports.py``, which never imports tensorflow.
 
-    PYTHONPATH=. /work/tfenv/bin/python -m benchmarks.keras_fixtures [--only NAME ...] [--out DIR]
+    PYTHONPATH=. /work/tfenv/bin/python -m benchmarks.keras_fixtures [--only NAME ...] [--out DIR] [--keras3]
 
 TensorFlow and tf2onnx do not install beside the project's own dependencies (tf2onnx pins an old
 protobuf), so this runs in a virtualenv of its own, outside the repository::
@@ -22,6 +22,10 @@ found by exporting the stepped model the same way: tf2onnx lays out Keras weight
 them (a convolution's kernel transposed, a recurrent layer's gates reordered and stacked), so the
 exported initializers are TensorFlow's step in the plan's own coordinates. TensorFlow's float32
 step's error per initializer is saved too, as the noise to expect.
+
+``--only NAME ...`` makes those again and updates their entries of the manifest. ``--keras3``
+(TensorFlow 2.16 or later, without ``TF_USE_LEGACY_KERAS``) exports with Keras 3's own
+``model.export(path, format="onnx")`` instead, as ``keras3_<name>`` (:data:`KEPT_KERAS3`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import os
 import platform
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +58,9 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain
 LR = 0.5
 BATCH = 4
 OPSET = 17
+#: Export with Keras 3's ``model.export(format="onnx")`` (``--keras3``: TensorFlow 2.16 or later
+#: without ``TF_USE_LEGACY_KERAS``) instead of tf2onnx's ``from_keras``.
+KERAS3 = False
 #: tf2onnx writes no momentum on BatchNormalization (Keras's is 0.99): a plan moves the running
 #: statistics by ONNX's default, and so does the reference step.
 ONNX_MOMENTUM = 0.9
@@ -235,6 +243,59 @@ def gru_reset_before(dropout: float) -> keras.Model:
     )
 
 
+def simple_rnn(dropout: float) -> keras.Model:
+    """tf2onnx writes a SimpleRNN as a ``Loop`` over the fixed sequence length."""
+    return keras.Sequential(
+        [
+            keras.Input((6,), dtype="int32", name="tokens"),
+            layers.Embedding(20, 6),
+            layers.SimpleRNN(5),
+            layers.Dense(4),
+        ],
+        name="simple_rnn",
+    )
+
+
+def lstm_masked(dropout: float) -> keras.Model:
+    """``Embedding(mask_zero=True)`` before an LSTM: tf2onnx writes the masked LSTM as a ``Loop``
+    that keeps the state over the padding (the batch pads its first rows' ends with 0)."""
+    return keras.Sequential(
+        [
+            keras.Input((6,), dtype="int32", name="tokens"),
+            layers.Embedding(20, 6, mask_zero=True),
+            layers.LSTM(5),
+            layers.Dense(3),
+        ],
+        name="lstm_masked",
+    )
+
+
+def gru_masking(dropout: float) -> keras.Model:
+    """``Masking`` before a GRU over float features (the batch zeroes its first rows' last steps)."""
+    return keras.Sequential(
+        [
+            keras.Input((5, 3), name="x"),
+            layers.Masking(0.0),
+            layers.GRU(4),
+            layers.Dense(3),
+        ],
+        name="gru_masking",
+    )
+
+
+def simple_rnn_any_length(dropout: float) -> keras.Model:
+    """A SimpleRNN over a sequence of run-time length: its ``Loop``'s trip count is not known."""
+    return keras.Sequential(
+        [
+            keras.Input((None,), dtype="int32", name="tokens"),
+            layers.Embedding(20, 6),
+            layers.SimpleRNN(5),
+            layers.Dense(4),
+        ],
+        name="simple_rnn_any_length",
+    )
+
+
 def gru_backwards(dropout: float) -> keras.Model:
     """``go_backwards=True``: tf2onnx reverses the sequence with ``ReverseSequence``."""
     return keras.Sequential(
@@ -298,6 +359,10 @@ MODELS: dict[str, tuple[Callable[[float], keras.Model], int, bool]] = {
     "bilstm": (bilstm, 3, False),
     "gru_next_token": (gru_next_token, 20, True),
     "gru_backwards": (gru_backwards, 3, False),
+    "gru_reset_before": (gru_reset_before, 4, False),
+    "simple_rnn": (simple_rnn, 4, False),
+    "lstm_masked": (lstm_masked, 3, False),
+    "gru_masking": (gru_masking, 3, False),
     "embedding_pool": (embedding_pool, 2, False),
     "transformer": (transformer, 3, False),
     "mobilenet_v2": (mobilenet_v2, 5, False),
@@ -316,12 +381,19 @@ KEPT = (
     "bilstm",
     "gru_next_token",
     "gru_backwards",
+    "gru_reset_before",
+    "simple_rnn",
+    "lstm_masked",
+    "gru_masking",
     "embedding_pool",
     "transformer",
 )
+#: The models whose Keras 3 export (``--keras3``) the repository keeps: its GRU is a ``Loop``.
+KEPT_KERAS3 = ("gru_next_token",)
 #: Converted as tf2onnx converts by default, with no reference step: a plan warns of the first two
-#: (their BatchNormalization folded into constants) and refuses the third (its GRU a Loop).
-AS_IS = {"cnn": cnn, "mlp_softmax": mlp_softmax, "gru_reset_before": gru_reset_before}
+#: (their BatchNormalization folded into constants) and refuses the third (its SimpleRNN a Loop
+#: over a sequence of run-time length).
+AS_IS = {"cnn": cnn, "mlp_softmax": mlp_softmax, "simple_rnn_any_length": simple_rnn_any_length}
 
 
 def _seed(name: str) -> int:
@@ -344,11 +416,14 @@ def perturbed(model: keras.Model, rng: np.random.Generator) -> None:
 def batch(model: keras.Model, classes: int, per_position: bool, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
     spec = model.inputs[0]
     shape = (BATCH, *spec.shape[1:])
-    if spec.dtype.is_integer or "tokens" in spec.name:
+    dtype = tf.as_dtype(spec.dtype)  # Keras 3 names it
+    if dtype.is_integer or "tokens" in spec.name:
         vocab = next(layer.input_dim for layer in model.layers if isinstance(layer, layers.Embedding))
-        x = rng.integers(0, vocab, shape).astype(spec.dtype.as_numpy_dtype)
+        x = rng.integers(0, vocab, shape).astype(dtype.as_numpy_dtype)
     else:
         x = rng.standard_normal(shape).astype(np.float32)
+    if any(getattr(layer, "mask_zero", False) or isinstance(layer, layers.Masking) for layer in model.layers):
+        x[:2, -2:] = 0  # padding at the ends of the first two rows (token 0, or a step of zeros)
     label_shape = (BATCH, shape[1]) if per_position else (BATCH,)
     return x, rng.integers(0, classes, label_shape)
 
@@ -408,8 +483,13 @@ def export(model: keras.Model, optimizers: Any = None) -> onnx.ModelProto:
     """``model`` converted as a Keras user converts it, with tf2onnx's ``optimizers`` (default:
     :data:`KEEP_BATCH_NORM`)."""
     spec = model.inputs[0]
-    signature = (tf.TensorSpec((None, *spec.shape[1:]), spec.dtype, name=spec.name.split(":")[0]),)
+    signature = (tf.TensorSpec((None, *spec.shape[1:]), tf.as_dtype(spec.dtype), name=spec.name.split(":")[0]),)
     tf2onnx.utils.INTERNAL_NAME = 1  # the names tf2onnx makes count from here: one model, one set of names
+    if KERAS3:  # Keras 3's own export (tf2onnx's from_function inside, its default optimizers)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "model.onnx")
+            model.export(path, format="onnx", verbose=False, input_signature=signature, opset_version=OPSET)
+            return onnx.load(path)
     proto, _ = tf2onnx.convert.from_keras(
         model, input_signature=signature, opset=OPSET, optimizers=optimizers or KEEP_BATCH_NORM
     )
@@ -494,10 +574,11 @@ def make(name: str, out: Path) -> dict[str, Any]:
     sgd_step(narrow, x, y)
     after32 = exported_after(model, narrow.get_weights(), proto)
     names = sorted(after)
-    (out / f"keras_{name}.onnx.gz").write_bytes(gzip.compress(proto.SerializeToString(), mtime=0))
+    stem = f"keras3_{name}" if KERAS3 else f"keras_{name}"
+    (out / f"{stem}.onnx.gz").write_bytes(gzip.compress(proto.SerializeToString(), mtime=0))
     input_name = proto.graph.input[0].name
     np.savez_compressed(
-        out / f"keras_{name}.npz",
+        out / f"{stem}.npz",
         index=json.dumps({"input": input_name, "initializers": [[n, list(after[n].shape)] for n in names]}),
         input=x,
         label=y,
@@ -506,22 +587,31 @@ def make(name: str, out: Path) -> dict[str, Any]:
         float32_error=np.array([float(np.abs(after32[n] - after[n]).max(initial=0)) for n in names]),
     )
     ops = sorted({n.op_type for n in proto.graph.node})
-    return {"name": name, "model": f"keras_{name}.onnx.gz", "reference": f"keras_{name}.npz", "ops": ops}
+    entry = {"name": stem.removeprefix("keras_"), "model": f"{stem}.onnx.gz", "reference": f"{stem}.npz", "ops": ops}
+    if KERAS3:
+        entry["export"] = f"model.export(path, format='onnx', input_signature=<batch axis None>, opset_version={OPSET})"
+        entry["versions"] = {"tensorflow": tf.__version__, "keras": keras.__version__, "tf2onnx": tf2onnx.__version__}
+    return entry
 
 
 def main() -> None:
-    global OPSET
+    global OPSET, KERAS3
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", choices=sorted(MODELS))
+    parser.add_argument("--only", nargs="*", choices=sorted({*MODELS, *AS_IS}))
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--opset", type=int, default=17, help="the ONNX opset to convert to (default 17)")
+    parser.add_argument(
+        "--keras3", action="store_true", help="export with Keras 3's model.export(format='onnx') (TensorFlow >= 2.16)"
+    )
     args = parser.parse_args()
-    OPSET = args.opset
+    OPSET, KERAS3 = args.opset, args.keras3
     args.out.mkdir(parents=True, exist_ok=True)
-    names = args.only or list(KEPT)
+    names = [n for n in args.only if n in MODELS] if args.only else list(KEPT_KERAS3 if KERAS3 else KEPT)
     as_is = []
-    if not args.only:
+    if not KERAS3:
         for name, builder in AS_IS.items():
+            if args.only and name not in args.only:
+                continue
             keras.backend.clear_session()
             tf.random.set_seed(_seed(name))
             model = builder(0.2)
@@ -552,7 +642,14 @@ def main() -> None:
         "fixtures": made,
         "as_is": as_is,
     }
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    written = args.out / "manifest.json"
+    if (args.only or KERAS3) and written.exists():  # some fixtures made again, or Keras 3's beside tf.keras's
+        manifest = json.loads(written.read_text())
+        again = {e["name"] for e in made}
+        manifest["fixtures"] = [e for e in manifest["fixtures"] if e["name"] not in again] + made
+        again = {e["name"] for e in as_is}
+        manifest["as_is"] = [e for e in manifest["as_is"] if e["name"] in AS_IS and e["name"] not in again] + as_is
+    written.write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 if __name__ == "__main__":

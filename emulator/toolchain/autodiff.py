@@ -480,10 +480,10 @@ def _refuse_control_flow(nodes: Sequence[onnx.NodeProto], live: set[str], needed
             raise UnsupportedOpError(
                 node.op_type,
                 node.name,
-                "runs a subgraph (a recurrence the exporter wrote as a loop), which no rule differentiates; export "
-                "the recurrence as an ONNX LSTM or GRU op or unrolled over a fixed length (tf2onnx writes tf.keras's "
-                "LSTM and GRU as those ops, but a masked one (Embedding(mask_zero=True), Masking), SimpleRNN, "
-                "GRU(reset_after=False) and Keras 3's GRU as a Loop)",
+                "runs a subgraph, which no rule differentiates (a Loop of the main graph whose trip count is known "
+                "when the plan is made is unrolled, one inside another subgraph is not); export the computation "
+                "without it: a recurrence as an ONNX LSTM or GRU op or as a Loop over a fixed length, a branch on "
+                "the data as ops that compute both sides (Where)",
             )
 
 

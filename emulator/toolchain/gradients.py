@@ -2134,6 +2134,10 @@ _DECOMPOSED = {
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
     "layout 0, default activations, also spelt out as tf2onnx writes them, either linear_before_reset, no "
     "sequence_lens)",
+    "Loop": "of the main graph, its trip count known when the plan is made (a constant, or folded from static "
+    "shapes with the batch axis dynamic) and its condition computed from constants, the iteration number and the "
+    "counters it carries: unrolled into copies of its body (those counters constants in each copy, the scan outputs "
+    "stacked by Unsqueeze and Concat) before differentiating, at most 1,000 of them; refused otherwise",
     "LSTM": "unrolled over its static sequence length into Gemm/Split/Sigmoid/Tanh (forward, reverse or bidirectional, "
     "layout 0, default activations, also spelt out as tf2onnx writes them, no peepholes, no sequence_lens); its "
     "gradient is emitted for the unrolled steps as a whole, step by step; tf2onnx's zero recurrent half of the "
@@ -2196,8 +2200,10 @@ def coverage_document() -> str:
             "Keras models converted by tf2onnx take TensorFlow's own step the same way",
             "(`tests/emulator/toolchain/test_keras_exports.py`): an MLP, a CNN, MobileNetV2's inverted residual,",
             "LSTM (one bias), bidirectional LSTM, GRU (also `go_backwards`: `ReverseSequence`) and transformer",
-            "(MultiHeadAttention as tf2onnx's `Gemm` and `MatMul`) models. A recurrence tf2onnx writes as a `Loop`",
-            "(`SimpleRNN`, `GRU(reset_after=False)`) is refused naming the `Loop`: no rule differentiates a subgraph.",
+            "(MultiHeadAttention as tf2onnx's `Gemm` and `MatMul`) models, and the recurrences tf2onnx writes as a",
+            "`Loop`, unrolled (`emulator/toolchain/loops.py`): `SimpleRNN`, `GRU(reset_after=False)`, a masked LSTM",
+            "or GRU (`Embedding(mask_zero=True)`, `Masking`) and Keras 3's GRU; over a sequence of run-time length the",
+            "`Loop` is refused, naming it: no rule differentiates a subgraph.",
             "",
             coverage_markdown(),
             "",

@@ -29,7 +29,7 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, ir_version_for_opset
 from device_runtime.plan_builder import assemble_plan
 
-from . import old_opsets, onnx_import, peephole
+from . import loops, old_opsets, onnx_import, peephole
 from .autodiff import (
     DEFAULT_DOMAINS,
     Emitter,
@@ -271,6 +271,8 @@ def read_model(
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
+    if loops.unroll_loops(m, output):  # before the Loop's outputs are read for their shapes
+        inits = {i.name: i for i in graph.initializer}
     if exported_batch:  # a Reshape to the one batch size the model was exported at (CNTK's MNIST-8)
         old_opsets.unpin_batch(m, exported_batch, target)
         inits = {i.name: i for i in graph.initializer}

@@ -5,7 +5,10 @@ tensorflow and tf2onnx; the README there says how) are Keras models with random 
 (also with a BatchNormalization over [N, 1, 1, features], and with a LayerNormalization), a CNN (NHWC, ``same`` and ``valid`` padding, strides, max and average pooling, BatchNormalization,
 Dropout), MobileNetV2's inverted residual (ReLU6, depthwise convolutions, ZeroPadding2D), an LSTM
 classifier (int32 ids), a bidirectional LSTM over float ids, a GRU next-token model (int64 ids, a
-label per position), a GRU reading its sequence backwards, an Embedding + GlobalAveragePooling1D
+label per position), a GRU reading its sequence backwards, recurrences tf2onnx writes as a ``Loop``
+the plan unrolls (a SimpleRNN, a GRU(reset_after=False), an LSTM after Embedding(mask_zero=True), a
+GRU after Masking, and Keras 3's GRU next-token model, exported by ``model.export(format="onnx")``),
+an Embedding + GlobalAveragePooling1D
 classifier and a transformer block (MultiHeadAttention, LayerNormalization, a learned position
 table), each converted with ``tf2onnx.convert.from_keras`` keeping BatchNormalization (the
 ``optimizers`` the how-to names). Beside each, every initializer after one step of
@@ -14,7 +17,8 @@ table), each converted with ``tf2onnx.convert.from_keras`` keeping BatchNormaliz
 Each goes through what ``fedfleet plan from-onnx`` does, and one step of the plan's work graph is
 compared with TensorFlow's initializer by initializer, as ``test_exported_models`` compares torch's.
 Three more files are converted as tf2onnx converts by default: the plan warns of the
-BatchNormalization layers folded into constants, and refuses a GRU written as a ``Loop`` in one line.
+BatchNormalization layers folded into constants, and refuses in one line a SimpleRNN's ``Loop`` over a
+sequence of run-time length.
 Nothing here imports tensorflow.
 """
 
@@ -87,11 +91,13 @@ def test_batch_norms_tf2onnx_folds_by_default_are_named_in_one_warning_line(name
     assert all(layer in warning for layer in layers) and "less 'remove_back_to_back'" in warning
 
 
-def test_a_recurrence_tf2onnx_writes_as_a_loop_is_refused_in_one_line_naming_the_loop():
-    """Keras's GRU(reset_after=False) becomes a Loop: refused naming the op and node and what to export."""
-    task = task_for(_as_is("gru_reset_before"), MANIFEST, FOLDER)
+def test_a_loop_over_a_sequence_of_run_time_length_is_refused_in_one_line_naming_the_loop():
+    """A SimpleRNN over ``Input((None,))`` becomes a Loop whose trip count is the sequence length the
+    device feeds: it cannot be unrolled when the plan is made, and is refused saying what to export."""
+    task = task_for(_as_is("simple_rnn_any_length"), MANIFEST, FOLDER)
     with pytest.raises(TaskError) as refused:
         onnx_import(task._model_source(), task)
     message = str(refused.value)
     assert len(message.splitlines()) == 1
-    assert "op 'Loop' (node 'gru_reset_before/gru/while_loop')" in message and "GRU(reset_after=False)" in message
+    assert "op 'Loop' (node 'simple_rnn_any_length/simple_rnn/while_loop')" in message
+    assert "known only at run time" in message and "fixed sequence length" in message
