@@ -35,6 +35,8 @@ PORT = re.compile(r"(?:(?<=127\.0\.0\.1:)|(?<=--port ))(800\d)\b")
 SHELL_TIMEOUT_S = 900.0
 #: The venv's commands a page runs through the fork server.
 SHIMMED = ("fedfleet", "python")
+#: How long what a page left running gets to end after SIGTERM before it is sent SIGKILL.
+STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ def _stop(groups: list[int]) -> None:
                 pass
         if not alive:
             return
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and alive:
             alive = [g for g in alive if _group_exists(g)]
             time.sleep(0.1)

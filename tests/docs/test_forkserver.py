@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs import test_code_blocks
 from tests.docs.forkserver import ForkServer
 from tests.docs.test_code_blocks import ROOT, Block, run_page
 
@@ -124,8 +125,10 @@ while True:
 
 @pytest.mark.parametrize("kind", ["polite", "stubborn"])
 def test_a_background_command_ends_when_the_harness_stops_the_page(
-    tmp_path: Path, fork_server: ForkServer, kind: str
+    tmp_path: Path, fork_server: ForkServer, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the stubborn command ignores SIGTERM and sits out the harness's grace before SIGKILL: 1 s of it here
+    monkeypatch.setattr(test_code_blocks, "STOP_GRACE_S", 1.0)
     run_page(
         _blocks(
             ("python", "serve.py", SERVE),
