@@ -290,6 +290,12 @@ def run_page(blocks: list[Block], folder: Path, server: ForkServer | None = None
         _stop(groups)
 
 
+#: The pages' runs and the fork server's own tests share one pytest-xdist worker: one fork server per
+#: run (its imports cost seconds of CPU) instead of one on each worker.
+on_the_fork_server = pytest.mark.xdist_group("fork_server")
+
+
+@on_the_fork_server
 @pytest.mark.parametrize(("page", "blocks"), _runnable(slow=False))
 def test_the_blocks_of_each_page_run_as_written(
     page: Path, blocks: list[Block], tmp_path: Path, page_server: ForkServer | None
@@ -298,6 +304,7 @@ def test_the_blocks_of_each_page_run_as_written(
 
 
 @pytest.mark.slow
+@on_the_fork_server
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(("page", "blocks"), _runnable(slow=True))
 def test_every_block_of_each_page_runs_as_written_with_the_slow_ones(

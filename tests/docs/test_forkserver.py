@@ -16,6 +16,8 @@ from tests.docs.test_code_blocks import ROOT, Block, run_page
 
 HERE = ROOT / "tests" / "docs" / "test_forkserver.py"
 
+pytestmark = test_code_blocks.on_the_fork_server
+
 SHOW = """import os, random, sys
 
 import numpy as np
