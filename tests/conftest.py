@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from emulator.datasets import load_digits_dataset
-from server_stub import ServerThread
+# The project's packages are imported by the fixtures that use them, not here: this file is also read by
+# pytest-xdist's controller, which runs no test and would pay their import before starting the workers.
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,11 +22,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def digits():
+    from emulator.datasets import load_digits_dataset
+
     return load_digits_dataset(seed=0)
 
 
 @pytest.fixture
 def server(tmp_path):
+    from server_stub import ServerThread
+
     with ServerThread(tmp_path / "server.db") as srv:
         yield srv
 
