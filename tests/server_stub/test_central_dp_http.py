@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 
 import dp_accounting
 import httpx
@@ -259,7 +260,7 @@ def test_a_dp_ftrl_task_restarted_starts_a_new_tree_and_accounts_it(tmp_path) ->
     assert records[-1]["metrics"]["dp_rounds"] == 3
 
 
-def test_dp_ftrl_outside_central_dp_at_a_fixed_clip_is_refused_naming_the_field(admin) -> None:
+def test_dp_ftrl_outside_central_dp_at_a_fixed_clip_is_refused_naming_the_field() -> None:
     for extra in ({"target_quantile": 0.5}, {"sampling_probability": 0.1}):
         with pytest.raises(ValueError, match=r"dp\.tree_rounds"):
             DPConfig(mode="central", noise_multiplier=1.0, clip=1.0, tree_rounds=8, **extra)  # type: ignore[arg-type]
@@ -289,6 +290,15 @@ def test_a_noised_aggregate_that_is_not_finite_is_abandoned_not_committed(server
 
 
 # ----------------------------------------------------------------------------- deploy refusals
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory) -> Iterator[AdminClient]:
+    """One server for the module's refused deploys, which store nothing: each test's own server would
+    cost it a start and a stop (a quarter of a second) for one request; a deploy that was taken shows
+    in its own test's refusal check and in the next one's empty task list."""
+    with ServerThread(tmp_path_factory.mktemp("refusing") / "server.db") as server, server.admin() as admin:
+        yield admin
+
+
 def _refused(admin: AdminClient, body: dict | list) -> AdminError:
     admin.create_population("digits")
     with pytest.raises(AdminError) as info:
@@ -304,32 +314,32 @@ def _body(plan, config: RoundConfig, name: str = "train") -> dict:
     return task_body(name, plan, encode_checkpoint(initial_weights(plan, seed=0)), config)
 
 
-def test_central_dp_on_a_secure_aggregation_task_is_refused_naming_distributed(admin) -> None:
+def test_central_dp_on_a_secure_aggregation_task_is_refused_naming_distributed(refusing) -> None:
     plan = digits_plan("softmax", secure_aggregation=True)
     config = RoundConfig(report_timeout_s=60, dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0))
-    err = _refused(admin, _body(plan, config))
+    err = _refused(refusing, _body(plan, config))
     assert err.code == "BAD_CONFIG"
     assert "dp.mode" in str(err) and '"distributed"' in str(err)
 
 
-def test_dp_on_an_evaluation_task_is_refused(admin) -> None:
+def test_dp_on_an_evaluation_task_is_refused(refusing) -> None:
     plan = digits_plan()
     dp = DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)
     evaluation = task_body("eval", build_eval_plan(plan), None, RoundConfig(dp=dp), evaluates="train")
-    err = _refused(admin, [_body(plan, RoundConfig()), evaluation])
+    err = _refused(refusing, [_body(plan, RoundConfig()), evaluation])
     assert err.code == "BAD_CONFIG"
     assert "dp" in str(err) and "training tasks" in str(err)
 
 
-def test_a_count_noise_that_spends_the_whole_budget_is_refused_naming_the_field(admin) -> None:
+def test_a_count_noise_that_spends_the_whole_budget_is_refused_naming_the_field(refusing) -> None:
     dp = DPConfig(mode="central", noise_multiplier=2.0, clip=1.0, target_quantile=0.5)  # default sigma_b 10/20 < z/2
-    err = _refused(admin, _body(digits_plan(), RoundConfig(dp=dp)))
+    err = _refused(refusing, _body(digits_plan(), RoundConfig(dp=dp)))
     assert err.code == "BAD_CONFIG" and "dp.clipped_count_stddev" in str(err)
 
 
-def test_a_budget_not_even_one_round_fits_is_refused_naming_the_field(admin) -> None:
+def test_a_budget_not_even_one_round_fits_is_refused_naming_the_field(refusing) -> None:
     dp = DPConfig(mode="central", noise_multiplier=1.0, clip=1.0, max_epsilon=1.0)  # one round costs 4.4
-    err = _refused(admin, _body(digits_plan(), RoundConfig(dp=dp)))
+    err = _refused(refusing, _body(digits_plan(), RoundConfig(dp=dp)))
     assert err.code == "BAD_CONFIG" and "dp.max_epsilon" in str(err)
 
 
@@ -357,18 +367,18 @@ def test_dp_clip_beside_clip_update_norm_is_taken(admin) -> None:
         ("sampling_probability", 0.0, "greater than 0"),
     ],
 )
-def test_a_dp_field_out_of_range_in_the_deploy_body_is_a_400_naming_it(admin, field, value, words) -> None:
+def test_a_dp_field_out_of_range_in_the_deploy_body_is_a_400_naming_it(refusing, field, value, words) -> None:
     """The JSON a client other than ``AdminClient`` may send (Python's json writes NaN and inf as
     bare words, which the server's parser takes): refused before anything is stored, with the
     stable code and the field's path, never a 500."""
-    admin.create_population("digits")
+    refusing.create_population("digits")
     body = _body(digits_plan(), RoundConfig(dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)))
     body["config"]["dp"][field] = value
-    r = admin.http.post(
+    r = refusing.http.post(
         "/v1/populations/digits/tasks", content=json.dumps(body), headers={"content-type": "application/json"}
     )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == "BAD_CONFIG" and "dp" in error["message"] and words in error["message"], error
     assert f"dp.{field}" in error["message"], error
-    assert admin.status("digits")["tasks"] == []
+    assert refusing.status("digits")["tasks"] == []
