@@ -255,12 +255,18 @@ def run_simulate(args: argparse.Namespace) -> int:
     summary = run.summary()
     if out is not None and not (out / "summary.json").exists():
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    if summary.get("rounds") and not summary.get("rounds_committed"):
-        print(f"fedfleet simulate: no round committed: {summary.get('round_completion_note')}", file=sys.stderr)
-    elif summary.get("cannot_fill"):
-        print(f"fedfleet simulate: {summary['cannot_fill']}", file=sys.stderr)
+    _say_unfilled(summary)
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0
+
+
+def _say_unfilled(summary: dict, run: str = "") -> None:
+    """On stderr, a run that committed no round or could not fill one, and why (``run``: which
+    run of a sweep, by its parameters)."""
+    if summary.get("rounds") and not summary.get("rounds_committed"):
+        print(f"fedfleet simulate: {run}no round committed: {summary.get('round_completion_note')}", file=sys.stderr)
+    elif summary.get("cannot_fill"):
+        print(f"fedfleet simulate: {run}{summary['cannot_fill']}", file=sys.stderr)
 
 
 def _remove_failed_run(out: Path, made_out: bool) -> None:
@@ -364,6 +370,7 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     for (params, _), summary in zip(runs, summaries):
+        _say_unfilled(summary, ", ".join(f"{key}={value}" for key, value in params.items()) + ": ")
         print(json.dumps({"params": params, **summary}, separators=(",", ":")), flush=True)
     last = {
         "runs": len(summaries),

@@ -189,6 +189,9 @@ def test_simulate_with_seeds_prints_one_line_per_run_then_their_digests(tmp_path
     )
     assert [r["digest"] for r in runs] == last["digests"]
     assert last["digests"][0] != last["digests"][2]  # another seed, another run
+    assert main(["simulate", str(fleet), "--sweep", "goal_count=40", "--no-progress"]) == 0
+    err = capsys.readouterr().err  # a run of the sweep that cannot fill a round says so, naming the run
+    assert "fedfleet simulate: task.goal_count=40: " in err and "no round can fill" in err
     for seeds in ("one,two", "", "-1", "1,1"):  # not numbers, none (not a single run), below 0, one twice
         assert main(["simulate", str(fleet), "--seeds", seeds, "--no-progress"]) == 2
         assert f"--seeds {seeds!r}: write whole numbers from 0" in capsys.readouterr().err
