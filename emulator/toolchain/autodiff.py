@@ -346,11 +346,12 @@ def _fold(node: onnx.NodeProto, values: Mapping[str, np.ndarray], opset: int) ->
 
 
 def needed_for(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
-    """Every tensor ``targets`` are computed from (themselves included)."""
+    """Every tensor ``targets`` are computed from (themselves included), what subgraphs read of the
+    outer scope too."""
     needed = set(targets)
     for node in reversed(nodes):
         if any(o in needed for o in node.output):
-            needed.update(i for i in node.input if i)
+            needed |= node_reads(node)
     return needed
 
 
@@ -478,13 +479,21 @@ def _refuse_control_flow(nodes: Sequence[onnx.NodeProto], live: set[str], needed
             and any(o in needed for o in node.output)
         ):
             raise UnsupportedOpError(
-                node.op_type,
-                node.name,
-                "runs a subgraph, which no rule differentiates (a Loop of the main graph whose trip count is known "
-                "when the plan is made is unrolled, one inside another subgraph is not); export the computation "
-                "without it: a recurrence as an ONNX LSTM or GRU op or as a Loop over a fixed length, a branch on "
-                "the data as ops that compute both sides (Where)",
+                node.op_type, node.name or node.output[0], _CONTROL_FLOW_REFUSALS.get(node.op_type, _SUBGRAPH)
             )
+
+
+_SUBGRAPH = (
+    "runs a subgraph, which no rule differentiates (a Loop or Scan of the main graph whose length is known when "
+    "the plan is made is unrolled, one inside another subgraph is not); export the computation without it: a "
+    "recurrence as an ONNX LSTM or GRU op or as a Loop or Scan over a fixed length"
+)
+_CONTROL_FLOW_REFUSALS = {
+    "If": "runs a subgraph chosen at run time, which no rule differentiates: its condition is not known when the "
+    "plan is made (it is computed from the input data or the batch size; one computed from constants and static "
+    "shapes is replaced by its branch); export both branches as ops and choose between their results with Where, "
+    "or the branch the model trains with alone (torch.jit.trace records the branch its example takes)",
+}
 
 
 def _composite_gradient(emitter: Emitter, group: Composite, grads: dict[str, list[str]], live: set[str]) -> None:

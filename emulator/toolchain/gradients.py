@@ -2129,12 +2129,21 @@ _DECOMPOSED = {
     "(scale and bias per group before opset 21, per channel from 21)",
     "LRN": "rewritten into Mul/Reshape, a Conv of ones summing the squares over each window of channels, "
     "Pow and Div before differentiating (AlexNet's and GoogLeNet's local response normalization)",
+    "Scan": "opset 9 and later, of the main graph (or brought into it by an unrolled Loop or Scan, or a chosen If "
+    "branch), its scanned axes of a static length (not the batch): unrolled into copies of its body, each reading "
+    "its position of the scan inputs by Slice (one Split in all) forwards or backwards, the scan outputs stacked by "
+    "Unsqueeze and Concat along their axes in either order, before differentiating, at most 1,000 of them; opset 8's "
+    "Scan (a batch axis of its own) and a Scan over the batch or a length of None are refused",
     "SequenceAt": "of a SplitToSequence at a constant position: rewritten as the Slice (and Squeeze) it reads before "
     "differentiating",
     "GRU": "unrolled over its static sequence length into MatMul/Slice/Sigmoid/Tanh (forward, reverse or bidirectional, "
     "layout 0, default activations, also spelt out as tf2onnx writes them, either linear_before_reset, no "
     "sequence_lens)",
-    "Loop": "of the main graph, its trip count known when the plan is made (a constant, or folded from static "
+    "If": "of the main graph (or brought into it by an unrolled Loop or Scan, or a chosen branch), its condition known "
+    "when the plan is made (a constant, or computed from constants and static shapes, no element of it from the batch "
+    "or another dimension known only at run time): replaced by the nodes of the branch it takes before "
+    "differentiating; refused where a gradient crosses it otherwise",
+    "Loop": "of the main graph (or brought into it by an unrolled Loop or Scan, or a chosen If branch), its trip count known when the plan is made (a constant, or folded from static "
     "shapes with the batch axis dynamic) and its condition computed from constants, the iteration number and the "
     "counters it carries: unrolled into copies of its body (those counters constants in each copy, the scan outputs "
     "stacked by Unsqueeze and Concat) before differentiating, at most 1,000 of them; refused otherwise",

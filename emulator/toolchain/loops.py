@@ -1,21 +1,37 @@
-"""A ``Loop`` whose trip count is known when the plan is made, unrolled into copies of its body.
+"""Control flow known when the plan is made, written as the ops it runs before differentiation.
 
 No gradient rule differentiates a subgraph, and exporters write some recurrences as a ``Loop``:
 tf2onnx writes Keras's SimpleRNN, GRU(reset_after=False), masked LSTM and GRU
 (``Embedding(mask_zero=True)``, ``Masking``) and Keras 3's GRU as a TensorFlow ``while`` loop, whose
 condition compares a counter it carries to the sequence length it also carries (both constants
 when the sequence axis is fixed, ``Input(shape=(20,))``); torch's classic exporter writes a scripted
-``for t in range(x.size(1))`` as a Loop of trip count ``x.size(1)``. :func:`unroll_loops` runs each
-Loop's control, what its condition is computed from, when the plan is made, and writes the Loop as
-that many copies of its body: every carried value the control needs is a constant in each copy (the
-counter's ``Gather`` of a time step becomes a ``Slice``, and the steps' Slices one ``Split``), the
-others flow from one copy to the next, and each scan output is the copies' values stacked along a
-new axis 0, as ``Loop`` stacks them. The rules then differentiate the copies as any other ops.
+``for t in range(x.size(1))`` as a Loop of trip count ``x.size(1)``. :func:`unroll_control_flow` runs
+each Loop's control, what its condition is computed from, when the plan is made, and writes the Loop
+as that many copies of its body: every carried value the control needs is a constant in each copy
+(the counter's ``Gather`` of a time step becomes a ``Slice``, and the steps' Slices one ``Split``),
+the others flow from one copy to the next, and each scan output is the copies' values stacked along
+a new axis 0, as ``Loop`` stacks them.
+
+A ``Scan`` (opset 9 and later) over a sequence axis of static length is written the same way, a
+copy of its body per position: each copy reads its position of every scan input (a ``Slice`` along
+its ``scan_input_axes``, from the end with ``scan_input_directions``), the states flow from one copy
+to the next, and each scan output is the copies' values stacked along its ``scan_output_axes`` (in
+reverse order with ``scan_output_directions``). An ``If`` whose condition is known when the plan is
+made (a constant, or computed from constants and static shapes: torch's scripted conditionals on
+``x.size(1)``, tf2onnx's ``tf.cond`` on a static shape) is replaced by the nodes of the branch it
+takes. What a copy brings into the main graph (an ``If`` on a Loop's iteration number, a ``Loop``
+in a branch) is rewritten in turn. The rules then differentiate the copies as any other ops.
+
+A value is known when the plan is made when it is computed from constants and the static dimensions
+of shapes alone: it is computed with the unknown dimensions (the batch, a sequence length of None)
+set to two values, which must give the same result, and no element of it may be computed from such a
+dimension (:func:`_unknown_dims`: ``x.size(1) == 3`` is known, ``x.size(0) > 2`` is not).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -23,7 +39,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from .emitter import DEFAULT_DOMAINS, UnsupportedOpError, node_reads, own_names, subgraphs
+from .emitter import DEFAULT_DOMAINS, UnsupportedOpError, attr, node_reads, own_names, subgraphs
 from .old_opsets import namer
 
 #: The most copies of a body a Loop is unrolled into.
@@ -88,93 +104,320 @@ def _program(
 class _Outer:
     """Values of a graph's tensors computed from constants and static shapes alone."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.model = model
-        graph = model.graph
-        self.constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-        self.inputs = {i.name for i in graph.input} - set(self.constants)
-        inferred = onnx.shape_inference.infer_shapes(model)
-        self.shapes: dict[str, list[int | None]] = {}
+    def __init__(self, model: Callable[[], onnx.ModelProto], producers: Mapping[str, onnx.NodeProto]) -> None:
+        self.model = model  # the model as it is now
+        graph = model().graph
+        self.opsets = list(model().opset_import)
+        self.producers = producers  # tensor -> the node computing it
+        self._initializers = {i.name: i for i in graph.initializer}
+        self._constants: dict[str, np.ndarray] = {}
+        self.inputs = {i.name for i in graph.input} - set(self._initializers)
+
+    def made(self, name: str, value: np.ndarray) -> None:
+        """An initializer ``name`` of ``value`` added to the graph."""
+        self._constants[name] = value
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of the initializer ``name``, None if there is none (read when first asked for:
+        an If in each of a thousand copies folds its condition without reading every weight)."""
+        if name not in self._constants and name in self._initializers:
+            self._constants[name] = numpy_helper.to_array(self._initializers[name])
+        return self._constants.get(name)
+
+    @cached_property
+    def shapes(self) -> dict[str, list[int | None]]:
+        """Each tensor's inferred dimensions, None where not static (inferred when first needed,
+        again after the graph changed)."""
+        inferred = onnx.shape_inference.infer_shapes(self.model())
+        shapes = {}
         for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
             t = v.type.tensor_type
             if t.HasField("shape"):
-                self.shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+                shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        return shapes
 
-    def value(self, name: str, before: Sequence[onnx.NodeProto]) -> tuple[np.ndarray | None, str]:
-        """``name``'s value from the nodes ``before`` it, or None and why not: it depends on the
-        data, or on a dimension known only at run time (the batch, a sequence length of None)."""
-        if name in self.constants:
-            return self.constants[name], ""
-        nodes, read = _cone(before, [name], shapes=True)
-        if name not in {o for n in nodes for o in n.output}:
+    def _cone(self, name: str) -> tuple[list[onnx.NodeProto], set[str]]:
+        """:func:`_cone` of ``name`` with ``shapes``, followed from node to node through the
+        producers (a thousand copies of a body each fold a condition without reading the graph)."""
+        nodes: list[onnx.NodeProto] = []
+        read, seen = {name}, set()
+        stack: list[tuple[str, bool]] = [(name, False)]
+        while stack:  # depth first, each node after the nodes it reads
+            tensor, ready = stack.pop()
+            node = self.producers.get(tensor)
+            if node is None or id(node) in seen and not ready:
+                continue
+            if ready:
+                nodes.append(node)
+                continue
+            seen.add(id(node))
+            stack.append((tensor, True))
+            inputs = set() if node.op_type in ("Shape", "Size") else node_reads(node)
+            read |= inputs
+            stack.extend((i, False) for i in sorted(inputs))
+        return nodes, read
+
+    def value(self, name: str) -> tuple[np.ndarray | None, str]:
+        """``name``'s value, or None and why not: it depends on the data, or on a dimension known
+        only at run time (the batch, a sequence length of None)."""
+        if (known := self.constant(name)) is not None:
+            return known, ""
+        nodes, read = self._cone(name)
+        if not nodes:
             return None, "it is an input of the model"
-        results = []
+        results, masks = [], {}
         for sentinel in _SENTINELS:
-            program, values = [], {n: self.constants[n] for n in read if n in self.constants}
+            program, values = [], {n: v for n in read if (v := self.constant(n)) is not None}
             for node in nodes:
                 if node.op_type in ("Shape", "Size"):
                     dims = self.shapes.get(node.input[0])
                     if dims is None:
                         return None, f"the shape of {node.input[0]!r} is not known when the plan is made"
+                    unknown = np.array([d is None for d in dims])
                     shape = np.array([sentinel if d is None else d for d in dims], dtype=np.int64)
                     if node.op_type == "Size":
-                        shape = np.array(np.prod(shape), dtype=np.int64)
+                        shape, unknown = np.array(np.prod(shape), dtype=np.int64), np.array(unknown.any())
                     else:
                         attrs = {a.name: a.i for a in node.attribute}
-                        shape = shape[attrs.get("start", 0) : attrs.get("end", len(shape))]
+                        cut = slice(attrs.get("start", 0), attrs.get("end", len(shape)))
+                        shape, unknown = shape[cut], unknown[cut]
                     values[node.output[0]] = shape
+                    masks[node.output[0]] = unknown
                 elif set(node.input) & self.inputs or node.op_type.startswith("Random"):
                     return None, "it is computed from the model's input data"
                 else:
                     program.append(node)
-            if name in values:
-                results.append(values[name])
-            else:
-                results.append(_program(program, values, [name], self.model.opset_import)({})[0])
-        if not np.array_equal(results[0], results[1]):
+            made = list(dict.fromkeys(o for n in program for o in n.output if o))
+            values.update(zip(made, _program(program, values, made, self.opsets)({})))
+            results.append(values[name])
+        if (
+            not np.array_equal(results[0], results[1])
+            or _unknown_dims(nodes, values, masks).get(name, np.zeros(())).any()
+        ):
             return None, "it depends on a dimension known only at run time (the batch, or a sequence length of None)"
         return results[0], ""
 
 
-def unroll_loops(model: onnx.ModelProto, prediction: str, limit: int = MAX_UNROLLED) -> list[str]:
-    """Each ``Loop`` of the main graph the ``prediction`` is computed from, unrolled in place (see the
-    module's docstring); returns their names. One whose trip count is not known when the plan is made
-    (it depends on the input data, or on the batch or a sequence length of None), whose condition
-    depends on the data, or that would take more than ``limit`` copies is refused in one line
-    naming the Loop, why, and what to export instead."""
+#: Ops whose output elements are input elements, each depending on what it was copied from.
+_MOVES = frozenset({"Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"})
+
+
+def _unknown_dims(
+    nodes: Sequence[onnx.NodeProto], values: Mapping[str, np.ndarray], masks: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Per element of each tensor ``nodes`` compute (their ``values`` given), whether it depends on
+    a dimension known only at run time, from the ``masks`` of the shapes they read (updated in
+    place): an element a ``Gather``, ``Slice`` or ``Concat`` of shapes picks depends only on the
+    dimension it is (``x.size(1)`` is known with the batch unknown); any other op's outputs depend
+    on every element of its inputs."""
+    for node in nodes:
+        ins = [masks.get(i, np.zeros(np.shape(values.get(i, 0)), dtype=bool)) for i in node.input]
+        if node.output[0] in masks or not any(m.any() for m in ins):
+            continue
+        outs = [o for o in node.output if o]
+        op, axis = node.op_type, int(attr(node, "axis", 0))
+        if op in _MOVES:
+            masks[outs[0]] = np.reshape(ins[0], np.shape(values[outs[0]]))
+        elif op == "Gather" and not ins[1].any():
+            masks[outs[0]] = np.take(ins[0], values[node.input[1]], axis=axis)
+        elif op == "Slice" and not any(m.any() for m in ins[1:]):
+            starts, ends, *rest = (values[i] for i in node.input[1:])
+            axes = rest[0] if rest else range(len(starts))
+            steps = rest[1] if len(rest) > 1 else [1] * len(starts)
+            cut = [slice(None)] * ins[0].ndim
+            for a, b, e, k in zip(axes, starts, ends, steps):
+                cut[int(a)] = slice(int(b), int(e), int(k))
+            masks[outs[0]] = ins[0][tuple(cut)]
+        elif op == "Concat":
+            masks[outs[0]] = np.concatenate(
+                [np.broadcast_to(m, np.shape(values[i])) for m, i in zip(ins, node.input)], axis
+            )
+        else:
+            masks.update({o: np.ones(np.shape(values[o]), dtype=bool) for o in outs})
+    return masks
+
+
+def unroll_control_flow(model: onnx.ModelProto, prediction: str, limit: int = MAX_UNROLLED) -> list[str]:
+    """Each ``Loop``, ``Scan`` and ``If`` of the main graph the ``prediction`` is computed from,
+    unrolled or chosen in place (see the module's docstring), those its copies bring into the main
+    graph too; returns their names. A Loop or Scan whose length is not known when the plan is made
+    (it depends on the input data, or on the batch or a sequence length of None), a Loop whose
+    condition depends on the data, or one that would take more than ``limit`` copies is refused in
+    one line naming it, why, and what to export instead. An ``If`` whose condition is not known when
+    the plan is made stays: the gradient refuses it where one must cross it."""
+    state = _Unrolling(model, limit)
+    needed = _cone(state.nodes, [prediction])[1]
     done: list[str] = []
-    while True:
-        graph = model.graph
-        nodes = list(graph.node)
-        needed = _cone(nodes, [prediction])[1]
-        at = next(
-            (
-                k
-                for k, n in enumerate(nodes)
-                if n.op_type == "Loop" and n.domain in DEFAULT_DOMAINS and set(n.output) & needed
-            ),
-            None,
-        )
-        if at is None:
-            return done
-        loop = nodes[at]
-        copies = _unrolled(model, loop, nodes[:at], nodes[at + 1 :], limit)
-        del graph.node[:]
-        graph.node.extend([*nodes[:at], *copies, *nodes[at + 1 :]])
-        done.append(loop.name or loop.output[0])
+    at = 0
+    while at < len(state.nodes):
+        node = state.nodes[at]
+        if node.op_type not in _REWRITES or node.domain not in DEFAULT_DOMAINS or not set(node.output) & needed:
+            at += 1
+            continue
+        copies = _REWRITES[node.op_type](state, node)
+        if copies is None:  # an If left in place
+            at += 1
+            continue
+        state.replace(at, copies)
+        for copy in copies:  # what the Loop's outputs are computed from (each copy computes what is read)
+            needed |= node_reads(copy)
+        done.append(node.name or node.output[0])
+    state.written()
+    return done
 
 
-def _unrolled(
-    model: onnx.ModelProto,
-    loop: onnx.NodeProto,
-    before: Sequence[onnx.NodeProto],
-    after: Sequence[onnx.NodeProto],
-    limit: int,
-) -> list[onnx.NodeProto]:
+class _Unrolling:
+    """The main graph's nodes as one :func:`unroll_control_flow` rewrites them, and what it knows of them."""
+
+    def __init__(self, model: onnx.ModelProto, limit: int) -> None:
+        self.model, self.limit = model, limit
+        self._written = True
+        self.nodes = list(model.graph.node)
+        self.producers = {o: n for n in self.nodes for o in n.output if o}
+        self.read = set().union(*(node_reads(n) for n in self.nodes)) | {o.name for o in model.graph.output}
+        self.outer = _Outer(self.written, self.producers)
+        self.copies = _Copies(model.graph, self.outer)
+
+    def replace(self, at: int, copies: list[onnx.NodeProto]) -> None:
+        """The node at ``at`` replaced by ``copies``."""
+        self.nodes[at : at + 1] = copies
+        for copy in copies:
+            self.producers.update((o, copy) for o in copy.output if o)
+            self.read |= node_reads(copy)
+        self._written = False
+        self.outer.__dict__.pop("shapes", None)
+
+    def written(self) -> onnx.ModelProto:
+        """The model, its graph holding the nodes as they are now (to infer their shapes)."""
+        if not self._written:
+            del self.model.graph.node[:]
+            self.model.graph.node.extend(self.nodes)
+            self._written = True
+        return self.model
+
+
+def _wanted(
+    body_nodes: Sequence[onnx.NodeProto],
+    steps: int,
+    carried_in: Sequence[str],
+    carried_out: Sequence[str],
+    last: set[int],
+    scans: Sequence[str],
+    fixed: Iterable[int] = (),
+) -> list[set[str]]:
+    """The body outputs each of ``steps`` copies must compute, backwards from the carried values
+    ``last`` whose final value is read and the ``scans`` each copy adds to; the ``fixed`` carried
+    values are constants of each copy."""
+    wanted: list[set[str]] = [set() for _ in range(steps)]
+    skip = set(fixed)
+    carried = set(last) - skip
+    for t in reversed(range(steps)):
+        targets = [carried_out[k] for k in sorted(carried)] + list(scans)
+        wanted[t] = set(targets)
+        read = _cone(body_nodes, targets)[1]
+        carried = {k for k, name in enumerate(carried_in) if k not in skip and name in read}
+    return wanted
+
+
+class _Copies:
+    """Writes copies of subgraphs' nodes into ``graph`` under fresh names (those of the node
+    :meth:`of`), telling ``outer`` of the constants it adds."""
+
+    def __init__(self, graph: onnx.GraphProto, outer: _Outer) -> None:
+        self.graph, self.outer = graph, outer
+        self.fresh = namer(graph)
+        for n in graph.node:  # node names, and the names other subgraphs define, are taken too
+            if n.name:
+                self.fresh(n.name)
+            for g in subgraphs(n):
+                for name in _defined(g):
+                    self.fresh(name)
+        self.base = ""
+        self.known: dict[str, np.ndarray] = {}  # constant made -> its value
+        self._by_value: dict[tuple[str, tuple[int, ...], bytes], str] = {}
+
+    def of(self, node: onnx.NodeProto) -> _Copies:
+        """These copies, their names hinted by ``node``'s."""
+        self.base = (node.name or node.output[0]).replace("/", "_")
+        return self
+
+    def constant(self, value: np.ndarray, hint: str) -> str:
+        """An initializer holding ``value`` (one per value)."""
+        value = np.asarray(value)
+        key = (value.dtype.str, value.shape, value.tobytes())
+        if key not in self._by_value:
+            self._by_value[key] = self.fresh(hint)
+            self.graph.initializer.append(numpy_helper.from_array(value, self._by_value[key]))
+            self.known[self._by_value[key]] = value
+            self.outer.made(self._by_value[key], value)
+        return self._by_value[key]
+
+    def step(self, source: str, at: int, axis: int, output: str, name: str = "") -> list[onnx.NodeProto]:
+        """``source``'s position ``at`` along ``axis`` into ``output``, as a ``Slice`` and ``Squeeze``:
+        the Slices of every step cut the sequence into consecutive pieces, which become one
+        ``Split`` (one Concat of the steps' gradients, where each Gather's would scatter into zeros
+        of the whole sequence)."""
+        piece = self.fresh(f"{output}_piece")
+        bounds = [
+            self.constant(np.array([v], dtype=np.int64), f"{self.base}_{hint}")
+            for v, hint in ((at, "start"), (at + 1, "end"), (axis, "axis"))
+        ]
+        return [
+            helper.make_node("Slice", [source, *bounds], [piece], name=self.fresh(f"{name}_slice") if name else ""),
+            helper.make_node("Squeeze", [piece, bounds[2]], [output], name=name),
+        ]
+
+    def _step_read(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """A ``Gather`` of one position a copy fixes (the time step a counter reads) as the
+        :meth:`step` it is."""
+        index = self.known.get(node.input[1]) if node.op_type == "Gather" and len(node.input) == 2 else None
+        if index is None or index.ndim != 0 or int(index) < 0:
+            return None
+        axis = int(next((a.i for a in node.attribute if a.name == "axis"), 0))
+        return self.step(node.input[0], int(index), axis, node.output[0], node.name)
+
+    def copy(
+        self,
+        body: onnx.GraphProto,
+        targets: Iterable[str],
+        names: Callable[[set[str]], dict[str, str]],
+        suffix: str,
+    ) -> tuple[list[onnx.NodeProto], dict[str, str]]:
+        """The nodes of ``body`` that compute ``targets``, copied, and the renaming they were copied
+        under: ``names`` gives the names its inputs are read as (from what the copies read), its
+        initializers are constants, every tensor it computes a fresh name ending in ``suffix``."""
+        copied, read = _cone(list(body.node), targets)
+        renamed = {
+            i.name: self.constant(numpy_helper.to_array(i), f"{self.base}_{i.name}")
+            for i in body.initializer
+            if i.name in read
+        }
+        renamed.update(names(read))
+        out: list[onnx.NodeProto] = []
+        for sub in copied:
+            for o in sub.output:
+                if o:
+                    renamed[o] = self.fresh(f"{o}{suffix}")
+            copy = _renamed(sub, renamed, self.fresh(f"{sub.name}{suffix}") if sub.name else "")
+            out.extend(self._step_read(copy) or [copy])
+        return out, renamed
+
+    def stack(self, values: Sequence[str], axis: int, output: str, name: str) -> list[onnx.NodeProto]:
+        """``values`` stacked along a new axis ``axis`` into ``output`` (``Unsqueeze``, ``Concat``;
+        plans are of opset 13 or later)."""
+        axes = self.constant(np.array([axis], dtype=np.int64), f"{self.base}_scan_axis")
+        out, rows = [], []
+        for value in values:
+            rows.append(self.fresh(f"{value}_row"))
+            out.append(helper.make_node("Unsqueeze", [value, axes], [rows[-1]]))
+        out.append(helper.make_node("Concat", rows, [output], axis=axis, name=self.fresh(name)))
+        return out
+
+
+def _unrolled(state: _Unrolling, loop: onnx.NodeProto) -> list[onnx.NodeProto]:
     """The nodes that compute ``loop``'s outputs without it."""
-    graph = model.graph
-    body = next(a.g for a in loop.attribute if a.name == "body")
-    outer = _Outer(model)
+    model, outer, limit = state.model, state.outer, state.limit
+    body = attr(loop, "body")
     inputs = [*loop.input, *[""] * (2 - len(loop.input))]
     carried_init = inputs[2:]
     n_carried = len(carried_init)
@@ -198,13 +441,13 @@ def _unrolled(
     made = {o for n in control_nodes for o in n.output} | set(body_consts) | {iter_in, cond_in, *carried_in}
     fixed: dict[str, np.ndarray] = {}
     for name in sorted(read - made):  # outer-scope names the control reads
-        value, why = outer.value(name, before)
+        value, why = outer.value(name)
         if value is None:
             raise _refuse(loop, f"its condition depends on {name!r}, which is not known when the plan is made: {why}")
         fixed[name] = value
     states: dict[int, np.ndarray] = {}
     for k in sorted(control):
-        value, why = outer.value(carried_init[k], before)
+        value, why = outer.value(carried_init[k])
         if value is None:
             raise _refuse(
                 loop,
@@ -215,13 +458,13 @@ def _unrolled(
 
     trips: int | None = None
     if inputs[0]:
-        value, why = outer.value(inputs[0], before)
+        value, why = outer.value(inputs[0])
         if value is None:
             raise _refuse(loop, f"its trip count {inputs[0]!r} is not known when the plan is made: {why}")
         trips = int(value)
     cond = True
     if inputs[1]:
-        value, why = outer.value(inputs[1], before)
+        value, why = outer.value(inputs[1])
         if value is None:
             raise _refuse(loop, f"its condition {inputs[1]!r} is not known when the plan is made: {why}")
         cond = bool(value)
@@ -233,9 +476,7 @@ def _unrolled(
     run = _program(control_nodes, {**fixed, **body_consts}, outputs, model.opset_import, fed)
     while cond and (trips is None or len(per_step) < trips):
         if len(per_step) >= limit:
-            raise _refuse(
-                loop, f"it runs more than {limit} iterations, which would unroll into as many copies of its body"
-            )
+            raise _refuse(loop, _too_long(limit))
         step = len(per_step)
         per_step.append(dict(states))
         feeds = {iter_in: np.array(step, dtype=np.int64), cond_in: np.array(cond)}
@@ -245,94 +486,166 @@ def _unrolled(
     if not per_step:
         raise _refuse(loop, "it runs no iteration when the plan is made")
 
-    # Which body outputs each copy must compute: backwards from the Loop's outputs that are read.
-    read_after = set().union(*(node_reads(n) for n in after)) | {o.name for o in graph.output}
+    read_after = state.read
     loop_carried_outs, loop_scans = list(loop.output[:n_carried]), list(loop.output[n_carried:])
-    wanted: list[set[str]] = [set() for _ in per_step]
-    wanted_carried = {k for k in range(n_carried) if k not in control and loop_carried_outs[k] in read_after}
     wanted_scans = [j for j, o in enumerate(loop_scans) if o in read_after]
-    for t in reversed(range(len(per_step))):
-        targets = [carried_out[k] for k in sorted(wanted_carried)] + [scan_out[j] for j in wanted_scans]
-        wanted[t] = set(targets)
-        read = _cone(body_nodes, targets)[1]
-        wanted_carried = {k for k in range(n_carried) if k not in control and carried_in[k] in read}
+    wanted = _wanted(
+        body_nodes,
+        len(per_step),
+        carried_in,
+        carried_out,
+        {k for k, o in enumerate(loop_carried_outs) if o in read_after},
+        [scan_out[j] for j in wanted_scans],
+        control,
+    )
 
-    fresh = namer(graph)
-    for node in graph.node:  # node names, and the names other subgraphs define, are taken too
-        if node.name:
-            fresh(node.name)
-        for g in subgraphs(node):
-            for name in _defined(g):
-                fresh(name)
-    base = (loop.name or loop.output[0]).replace("/", "_")
-    known: dict[str, np.ndarray] = {}  # constant made -> its value
-    by_value: dict[tuple[str, tuple[int, ...], bytes], str] = {}
-
-    def constant(value: np.ndarray, hint: str) -> str:
-        """An initializer holding ``value`` (one per value)."""
-        value = np.asarray(value)
-        key = (value.dtype.str, value.shape, value.tobytes())
-        if key not in by_value:
-            by_value[key] = fresh(hint)
-            graph.initializer.append(numpy_helper.from_array(value, by_value[key]))
-            known[by_value[key]] = value
-        return by_value[key]
-
-    def step_read(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        """A ``Gather`` of one position a copy fixes (the time step a counter reads) as the ``Slice``
-        and ``Squeeze`` it is: the Slices of every step cut the sequence into consecutive pieces, which
-        become one ``Split`` (one Concat of the steps' gradients, where each Gather's would scatter
-        into zeros of the whole sequence)."""
-        index = known.get(node.input[1]) if node.op_type == "Gather" and len(node.input) == 2 else None
-        if index is None or index.ndim != 0 or int(index) < 0:
-            return None
-        axis, at = int(next((a.i for a in node.attribute if a.name == "axis"), 0)), int(index)
-        piece = fresh(f"{node.output[0]}_piece")
-        bounds = [
-            constant(np.array([v], dtype=np.int64), f"{base}_{hint}")
-            for v, hint in ((at, "start"), (at + 1, "end"), (axis, "axis"))
-        ]
-        return [
-            helper.make_node(
-                "Slice", [node.input[0], *bounds], [piece], name=fresh(f"{node.name}_slice") if node.name else ""
-            ),
-            helper.make_node("Squeeze", [piece, bounds[2]], list(node.output), name=node.name),
-        ]
-
+    copies = state.copies.of(loop)
     out: list[onnx.NodeProto] = []
     carried = list(carried_init)
     scans: list[list[str]] = [[] for _ in scan_out]
     for t, fixed_states in enumerate(per_step):
-        copied, read = _cone(body_nodes, wanted[t])
-        names = {name: constant(value, f"{base}_{name}") for name, value in body_consts.items() if name in read}
-        if iter_in in read:
-            names[iter_in] = constant(np.array(t, dtype=np.int64), f"{base}_iteration_{t}")
-        if cond_in in read:  # true: the copy runs
-            names[cond_in] = constant(np.array(True), f"{base}_condition")
-        for k, name in enumerate(carried_in):
-            if name in read:
-                names[name] = constant(fixed_states[k], f"{name}_{t}") if k in fixed_states else carried[k]
-        for sub in copied:
-            for o in sub.output:
-                names[o] = fresh(f"{o}_{t}")
-            copy = _renamed(sub, names, fresh(f"{sub.name}_{t}") if sub.name else "")
-            out.extend(step_read(copy) or [copy])
-        carried = [names.get(carried_out[k], carried_out[k]) if k not in fixed_states else "" for k in range(n_carried)]
+
+        def names(
+            read: set[str], t: int = t, fixed_states: dict[int, np.ndarray] = fixed_states, carried: list[str] = carried
+        ) -> dict[str, str]:
+            given = {}
+            if iter_in in read:
+                given[iter_in] = copies.constant(np.array(t, dtype=np.int64), f"{copies.base}_iteration_{t}")
+            if cond_in in read:  # true: the copy runs
+                given[cond_in] = copies.constant(np.array(True), f"{copies.base}_condition")
+            for k, name in enumerate(carried_in):
+                if name in read:
+                    given[name] = copies.constant(fixed_states[k], f"{name}_{t}") if k in fixed_states else carried[k]
+            return given
+
+        nodes, renamed = copies.copy(body, wanted[t], names, f"_{t}")
+        out.extend(nodes)
+        carried = [
+            renamed.get(carried_out[k], carried_out[k]) if k not in fixed_states else "" for k in range(n_carried)
+        ]
         for j in wanted_scans:
-            scans[j].append(names.get(scan_out[j], scan_out[j]))
+            scans[j].append(renamed.get(scan_out[j], scan_out[j]))
     for k, name in enumerate(loop_carried_outs):  # a counter's last value is known; a state is the last copy's
         if name in read_after and k in control:
             out.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(states[k]))))
         elif name in read_after:
             out.append(helper.make_node("Identity", [carried[k]], [name]))
-    axes = constant(np.array([0], dtype=np.int64), f"{base}_scan_axis")  # plans are of opset 13 or later
     for j in wanted_scans:
-        rows = []
-        for step_value in scans[j]:
-            rows.append(fresh(f"{step_value}_row"))
-            out.append(helper.make_node("Unsqueeze", [step_value, axes], [rows[-1]]))
-        out.append(helper.make_node("Concat", rows, [loop_scans[j]], axis=0, name=fresh(f"{loop.name}_scan_{j}")))
+        out.extend(copies.stack(scans[j], 0, loop_scans[j], f"{loop.name}_scan_{j}"))
     return out
+
+
+def _too_long(limit: int) -> str:
+    return f"it runs more than {limit} iterations, which would unroll into as many copies of its body"
+
+
+def _scanned(state: _Unrolling, scan: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """The nodes that compute ``scan``'s outputs without it: a copy of its body per position of
+    the scanned axes, each reading its position of the scan inputs (a ``Slice``), the states
+    flowing from one copy to the next, each scan output the copies' values stacked."""
+    if _opset(state.model) < 9:
+        raise _refuse(
+            scan,
+            "opset 8's Scan (a batch axis first, and sequence lengths) is not unrolled; export at opset 9 or later",
+        )
+    body = attr(scan, "body")
+    n_scans = int(attr(scan, "num_scan_inputs"))
+    n_states = len(scan.input) - n_scans
+    states_init, sequences = list(scan.input[:n_states]), list(scan.input[n_states:])
+    state_in, element_in = [i.name for i in body.input[:n_states]], [i.name for i in body.input[n_states:]]
+    state_out = [o.name for o in body.output[:n_states]]
+    element_out = [o.name for o in body.output[n_states:]]
+    in_axes = list(attr(scan, "scan_input_axes", [0] * n_scans))
+    in_reverse = list(attr(scan, "scan_input_directions", [0] * n_scans))
+    out_axes = list(attr(scan, "scan_output_axes", [0] * len(element_out)))
+    out_reverse = list(attr(scan, "scan_output_directions", [0] * len(element_out)))
+
+    outer, limit = state.outer, state.limit
+    length: int | None = None
+    for sequence, axis in zip(sequences, in_axes):
+        dims = outer.shapes.get(sequence)
+        if dims is None or not -len(dims) <= axis < len(dims):
+            raise _refuse(scan, f"the shape of its scan input {sequence!r} is not known when the plan is made")
+        dim = dims[axis]
+        if dim is None:
+            raise _refuse(
+                scan,
+                f"its sequence length, axis {axis} of {sequence!r}, is known only at run time "
+                "(the batch, or a sequence length of None)",
+            )
+        if length is not None and dim != length:
+            raise _refuse(scan, f"its scan inputs are of different lengths ({length}, {dim})")
+        length = dim
+    if not length:
+        raise _refuse(scan, "it runs no iteration when the plan is made")
+    if length > limit:
+        raise _refuse(scan, _too_long(limit))
+
+    read_after = state.read
+    scan_outputs = list(scan.output[n_states:])
+    wanted_scans = [j for j, o in enumerate(scan_outputs) if o in read_after]
+    wanted = _wanted(
+        list(body.node),
+        length,
+        state_in,
+        state_out,
+        {k for k, o in enumerate(scan.output[:n_states]) if o in read_after},
+        [element_out[j] for j in wanted_scans],
+    )
+    copies = state.copies.of(scan)
+    out: list[onnx.NodeProto] = []
+    states = states_init
+    scans: list[list[str]] = [[] for _ in element_out]
+    for t in range(length):
+
+        def names(read: set[str], t: int = t, states: list[str] = states) -> dict[str, str]:
+            given = {name: states[k] for k, name in enumerate(state_in) if name in read}
+            for j, name in enumerate(element_in):
+                if name in read:
+                    given[name] = copies.fresh(f"{name}_{t}")
+                    at = length - 1 - t if in_reverse[j] else t
+                    out.extend(copies.step(sequences[j], at, in_axes[j], given[name]))
+            return given
+
+        nodes, renamed = copies.copy(body, wanted[t], names, f"_{t}")
+        out.extend(nodes)
+        states = [renamed.get(name, name) for name in state_out]
+        for j in wanted_scans:
+            scans[j].append(renamed.get(element_out[j], element_out[j]))
+    for k, name in enumerate(scan.output[:n_states]):
+        if name in read_after:
+            out.append(helper.make_node("Identity", [states[k]], [name]))
+    for j in wanted_scans:
+        rows = scans[j][::-1] if out_reverse[j] else scans[j]
+        out.extend(copies.stack(rows, out_axes[j], scan_outputs[j], f"{scan.name}_scan_{j}"))
+    return out
+
+
+def _chosen(state: _Unrolling, branch: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """The nodes of the branch ``branch`` takes, when its condition is known when the plan is made
+    (a constant, or computed from constants and static shapes); None when it is not."""
+    value, _ = state.outer.value(branch.input[0])
+    if value is None:
+        return None
+    chosen = attr(branch, "then_branch" if bool(np.reshape(value, -1)[0]) else "else_branch")
+    copies = state.copies.of(branch)
+    results = [o.name for o in chosen.output]
+    out, renamed = copies.copy(chosen, results, lambda read: {}, "")
+    for name, result in zip(branch.output, results):
+        if name in state.read:
+            out.append(helper.make_node("Identity", [renamed.get(result, result)], [name]))
+    return out
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 1)
+
+
+_REWRITES: dict[str, Callable[[_Unrolling, onnx.NodeProto], list[onnx.NodeProto] | None]] = {
+    "Loop": _unrolled,
+    "Scan": _scanned,
+    "If": _chosen,
+}
 
 
 def _renamed(node: onnx.NodeProto, names: dict[str, str], name: str) -> onnx.NodeProto:

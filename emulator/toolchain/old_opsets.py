@@ -17,6 +17,9 @@ batch the model was exported at:
   dropped, are written in the standard ops they compute;
 * ``is_test=0`` (opset 6) and ``spatial=0`` over one value per channel (opsets 7-8), which the
   converter refuses and which change nothing a plan computes, are set to 1;
+* opset 8's ``Scan``, which scans a batch axis of its own and which the converter rewrites by
+  dropping its sequence lengths alone (its body then reads a whole batch as one position), is
+  refused in one line naming it (:func:`raise_opset`);
 * an op the converter still cannot raise is refused in one line naming the node, the op and the
   opsets (:func:`failing_node`);
 * a ``Reshape`` to a constant shape that holds the batch size the model was exported at (CNTK's
@@ -42,6 +45,7 @@ from onnx import helper, numpy_helper
 from device_runtime.plan import PlanError, ir_version_for_opset
 
 from .autodiff import DEFAULT_DOMAINS, constant_values
+from .emitter import UnsupportedOpError, subgraphs
 
 #: The batch symbol the batch axis of the data inputs is given while it is followed through the graph.
 BATCH = "N"
@@ -51,6 +55,8 @@ _SOFTMAXES = ("Softmax", "LogSoftmax")
 def raise_opset(model: onnx.ModelProto, own: int, target: int) -> onnx.ModelProto:
     """``model`` (opset ``own``) raised to opset ``target`` by onnx's version converter, with the
     gaps of the module docstring closed; a node the converter cannot raise is refused by name."""
+    if own < 9:
+        _refuse_batched_scans(model.graph)
     model = _copy(model)
     if own < 14 <= target:
         _drop_unread_batch_norm_outputs(model, own)
@@ -66,6 +72,20 @@ def raise_opset(model: onnx.ModelProto, own: int, target: int) -> onnx.ModelProt
                 _asymmetric(node)
     raised.ir_version = max(raised.ir_version, ir_version_for_opset(target))
     return raised
+
+
+def _refuse_batched_scans(graph: onnx.GraphProto) -> None:
+    """:class:`UnsupportedOpError` for opset 8's first ``Scan`` of ``graph`` or its subgraphs."""
+    for node in graph.node:
+        if node.op_type == "Scan" and node.domain in DEFAULT_DOMAINS:
+            raise UnsupportedOpError(
+                "Scan",
+                node.name or node.output[0],
+                "is opset 8's Scan, which scans a batch axis of its own and which onnx's version converter does "
+                "not rewrite as a later Scan; export the model at opset 9 or later",
+            )
+        for g in subgraphs(node):
+            _refuse_batched_scans(g)
 
 
 def _asymmetric(resize: onnx.NodeProto) -> None:

@@ -20,6 +20,7 @@ import onnx
 from onnx import TensorProto
 
 from .autodiff import TensorInfo
+from .emitter import node_reads
 from .forward import is_float
 from .gradients import NO_GRADIENT
 from .old_opsets import namer
@@ -75,15 +76,17 @@ class TrainableError(ValueError):
 def on_float_path(nodes: Sequence[onnx.NodeProto], infos: Mapping[str, TensorInfo], prediction: str) -> set[str]:
     """The tensors from which ``prediction`` is reached through differentiable float inputs
     (``nodes`` in topological order): a tensor outside it feeds only shape arithmetic, integer or
-    boolean paths, or branches the prediction does not read."""
+    boolean paths, or branches the prediction does not read. What a subgraph reads of the outer
+    scope (an ``If`` branch's weights) reaches the node's outputs as its inputs do."""
     reached = {prediction}
     for node in reversed(nodes):
         if node.op_type in NO_GRADIENT or not any(o in reached for o in node.output if o):
             continue
         skip = NON_DIFFERENTIABLE_INPUTS.get(node.op_type, frozenset())
-        for k, name in enumerate(node.input):
+        read = [name for k, name in enumerate(node.input) if k not in skip]
+        for name in [*read, *sorted(node_reads(node) - set(node.input))]:
             info = infos.get(name)
-            if name and k not in skip and (info is None or is_float(info.elem_type)):
+            if name and (info is None or is_float(info.elem_type)):
                 reached.add(name)
     return reached
 

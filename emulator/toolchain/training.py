@@ -42,6 +42,7 @@ from .autodiff import (
     refine_infos,
     tensor_infos,
 )
+from .emitter import node_reads
 from .forward import is_float, training_forward
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
 from .optimizers import SGD, Adam, Momentum, Optimizer
@@ -271,7 +272,7 @@ def read_model(
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
-    if loops.unroll_loops(m, output):  # before the Loop's outputs are read for their shapes
+    if loops.unroll_control_flow(m, output):  # before the Loop's, Scan's and If's outputs are read for their shapes
         inits = {i.name: i for i in graph.initializer}
     if exported_batch:  # a Reshape to the one batch size the model was exported at (CNTK's MNIST-8)
         old_opsets.unpin_batch(m, exported_batch, target)
@@ -405,7 +406,7 @@ def _model(name: str, nodes, inputs, outputs, initializers, opset: int) -> bytes
     """The generated graph as a checked model, after the rewrites of :mod:`.peephole`."""
 
     def make(nodes, initializers) -> onnx.ModelProto:
-        used = {i for n in nodes for i in n.input}
+        used = set().union(*(node_reads(n) for n in nodes))  # a subgraph's reads of the outer scope too
         graph = helper.make_graph(
             list(nodes), name, inputs, outputs, initializer=[i for i in initializers if i.name in used]
         )

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from device_runtime.executor import make_session
 from emulator.toolchain import SGD
 from emulator.toolchain.emitter import UnsupportedOpError
-from emulator.toolchain.loops import unroll_loops
+from emulator.toolchain.loops import unroll_control_flow
 from emulator.toolchain.training import onnx_training_plan
 from example_store import ExampleSelector
 from tests.emulator.toolchain.gradcheck import vjp_error
@@ -142,7 +142,7 @@ def test_an_unrolled_loop_computes_what_the_loop_computes_and_its_gradient_match
     expected = _run(model, x)
     unrolled = onnx.ModelProto()
     unrolled.CopyFrom(model)
-    assert unroll_loops(unrolled, "y") == ["h_last"]
+    assert unroll_control_flow(unrolled, "y") == ["h_last"]
     assert not any(n.op_type == "Loop" for n in unrolled.graph.node)
     np.testing.assert_allclose(_run(unrolled, x), expected, rtol=1e-12)
     # the weights as graph inputs, to be differentiated
@@ -172,7 +172,7 @@ def test_an_unrolled_loop_computes_what_the_loop_computes_and_its_gradient_match
 )
 def test_a_loop_of_a_trip_count_unknown_when_the_plan_is_made_is_refused_in_one_line(trip_count, condition, why):
     with pytest.raises(UnsupportedOpError) as refused:
-        unroll_loops(recurrence(trip_count, condition), "y")
+        unroll_control_flow(recurrence(trip_count, condition), "y")
     message = str(refused.value)
     assert len(message.splitlines()) == 1
     assert message.startswith("op 'Loop' (node 'h_last') ") and why in message and "fixed sequence length" in message
@@ -180,7 +180,7 @@ def test_a_loop_of_a_trip_count_unknown_when_the_plan_is_made_is_refused_in_one_
 
 def test_a_loop_longer_than_the_limit_is_refused():
     with pytest.raises(UnsupportedOpError, match=f"it runs more than {T - 1} iterations"):
-        unroll_loops(recurrence(), "y", limit=T - 1)
+        unroll_control_flow(recurrence(), "y", limit=T - 1)
 
 
 def test_a_plan_of_a_model_with_a_loop_trains_its_unrolled_copies():
@@ -211,5 +211,5 @@ def test_two_loops_unroll_into_copies_of_distinct_names():
     mean.input[0] = "hs_second"
     x = np.random.default_rng(2).standard_normal((N, T, F))
     expected = _run(model, x)
-    assert unroll_loops(model, "y") == ["forward", "backward"]
+    assert unroll_control_flow(model, "y") == ["forward", "backward"]
     np.testing.assert_allclose(_run(model, x), expected, rtol=1e-12)
