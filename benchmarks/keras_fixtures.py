@@ -334,6 +334,38 @@ class PositionEmbedding(layers.Layer):
         return x + self.table
 
 
+@keras.utils.register_keras_serializable("keras_fixtures")
+class WidthBranch(layers.Layer):
+    """``tf.cond`` on the features' static width (tanh over more than 2 features, else sigmoid):
+    tf2onnx writes an ``If`` on a constant condition."""
+
+    def call(self, h: Any) -> Any:
+        return tf.cond(tf.shape(h)[1] > 2, lambda: tf.tanh(h), lambda: tf.sigmoid(h))
+
+
+@keras.utils.register_keras_serializable("keras_fixtures")
+class SignBranch(layers.Layer):
+    """``tf.cond`` on the data (tanh where the batch's features sum above 0, else sigmoid): an
+    ``If`` whose condition is known only at run time."""
+
+    def call(self, h: Any) -> Any:
+        return tf.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h), lambda: tf.sigmoid(h))
+
+
+def mlp_cond(dropout: float) -> keras.Model:
+    """A Dense layer's output through :class:`WidthBranch`: the plan takes the If's branch."""
+    return keras.Sequential(
+        [keras.Input((5,), name="x"), layers.Dense(6), WidthBranch(), layers.Dense(3)], name="mlp_cond"
+    )
+
+
+def mlp_cond_on_data(dropout: float) -> keras.Model:
+    """:class:`SignBranch` after a Dense layer: the gradient must cross an If on the data."""
+    return keras.Sequential(
+        [keras.Input((5,), name="x"), layers.Dense(6), SignBranch(), layers.Dense(3)], name="mlp_cond_on_data"
+    )
+
+
 def transformer(dropout: float) -> keras.Model:
     t, d = 6, 8
     tokens = keras.Input((t,), dtype="int32", name="tokens")
@@ -364,6 +396,7 @@ MODELS: dict[str, tuple[Callable[[float], keras.Model], int, bool]] = {
     "lstm_masked": (lstm_masked, 3, False),
     "gru_masking": (gru_masking, 3, False),
     "embedding_pool": (embedding_pool, 2, False),
+    "mlp_cond": (mlp_cond, 3, False),
     "transformer": (transformer, 3, False),
     "mobilenet_v2": (mobilenet_v2, 5, False),
     "resnet50": (resnet50, 5, False),
@@ -386,14 +419,20 @@ KEPT = (
     "lstm_masked",
     "gru_masking",
     "embedding_pool",
+    "mlp_cond",
     "transformer",
 )
 #: The models whose Keras 3 export (``--keras3``) the repository keeps: its GRU is a ``Loop``.
 KEPT_KERAS3 = ("gru_next_token",)
 #: Converted as tf2onnx converts by default, with no reference step: a plan warns of the first two
-#: (their BatchNormalization folded into constants) and refuses the third (its SimpleRNN a Loop
-#: over a sequence of run-time length).
-AS_IS = {"cnn": cnn, "mlp_softmax": mlp_softmax, "simple_rnn_any_length": simple_rnn_any_length}
+#: (their BatchNormalization folded into constants) and refuses the others (a SimpleRNN's Loop over
+#: a sequence of run-time length, an If on the data).
+AS_IS = {
+    "cnn": cnn,
+    "mlp_softmax": mlp_softmax,
+    "simple_rnn_any_length": simple_rnn_any_length,
+    "mlp_cond_on_data": mlp_cond_on_data,
+}
 
 
 def _seed(name: str) -> int:

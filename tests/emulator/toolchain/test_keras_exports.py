@@ -8,7 +8,8 @@ classifier (int32 ids), a bidirectional LSTM over float ids, a GRU next-token mo
 label per position), a GRU reading its sequence backwards, recurrences tf2onnx writes as a ``Loop``
 the plan unrolls (a SimpleRNN, a GRU(reset_after=False), an LSTM after Embedding(mask_zero=True), a
 GRU after Masking, and Keras 3's GRU next-token model, exported by ``model.export(format="onnx")``),
-an Embedding + GlobalAveragePooling1D
+an MLP whose ``tf.cond`` on its features' static width tf2onnx writes as an ``If`` on a constant
+(the plan takes its branch), an Embedding + GlobalAveragePooling1D
 classifier and a transformer block (MultiHeadAttention, LayerNormalization, a learned position
 table), each converted with ``tf2onnx.convert.from_keras`` keeping BatchNormalization (the
 ``optimizers`` the how-to names). Beside each, every initializer after one step of
@@ -16,9 +17,9 @@ table), each converted with ``tf2onnx.convert.from_keras`` keeping BatchNormaliz
 
 Each goes through what ``fedfleet plan from-onnx`` does, and one step of the plan's work graph is
 compared with TensorFlow's initializer by initializer, as ``test_exported_models`` compares torch's.
-Three more files are converted as tf2onnx converts by default: the plan warns of the
+Four more files are converted as tf2onnx converts by default: the plan warns of the
 BatchNormalization layers folded into constants, and refuses in one line a SimpleRNN's ``Loop`` over a
-sequence of run-time length.
+sequence of run-time length and a ``tf.cond`` on the data.
 Nothing here imports tensorflow.
 """
 
@@ -101,3 +102,15 @@ def test_a_loop_over_a_sequence_of_run_time_length_is_refused_in_one_line_naming
     assert len(message.splitlines()) == 1
     assert "op 'Loop' (node 'simple_rnn_any_length/simple_rnn/while_loop')" in message
     assert "known only at run time" in message and "fixed sequence length" in message
+
+
+def test_a_tf_cond_on_the_data_is_refused_in_one_line_naming_the_if():
+    """``tf.cond`` on the batch's values becomes an If the gradient must cross and whose branch is
+    chosen at run time (``mlp_cond``'s, on a static width, is its branch in the plan)."""
+    task = task_for(_as_is("mlp_cond_on_data"), MANIFEST, FOLDER)
+    with pytest.raises(TaskError) as refused:
+        onnx_import(task._model_source(), task)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    assert "op 'If' (node 'mlp_cond_on_data/sign_branch/cond') runs a subgraph chosen at run time" in message
+    assert "not known when the plan is made" in message and "Where" in message
