@@ -32,6 +32,7 @@ still sends for ``LINGER_S``, then closes, so that the client reads the answer, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import itertools
 import json
@@ -135,6 +136,27 @@ class GuardedServer(uvicorn.Server):
             )
         )
         self._listener: _Listener | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._woken: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop of ticks every 0.1 s, which ``exit_soon`` also wakes: a server stopped
+        from another thread (``ServerThread.stop``, every test's) no longer waits for the next tick."""
+        self._woken, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000  # uvicorn's own wrap, a day of ticks
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), 0.1)
+            should_exit = await self.on_tick(counter)
+
+    def exit_soon(self) -> None:
+        """Ask the serving thread to shut down now (safe from any thread)."""
+        self.should_exit = True
+        if self._loop is not None and self._woken is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to wake
+                self._loop.call_soon_threadsafe(self._woken.set)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         if sockets is not None:

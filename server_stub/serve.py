@@ -89,7 +89,7 @@ class ServerThread:
         return AdminClient(self.url, admin_key=self.admin_key, timeout_s=timeout_s)
 
     def stop(self) -> None:
-        self._server.should_exit = True
+        self._server.exit_soon()
         self._thread.join(timeout=10)
         self._server.close_listener()
         self.store.close()
