@@ -35,6 +35,7 @@ from .report import (
     _png,
     _td,
     accuracy_series,
+    collector_paused,
     script_json,
 )
 from .tables import ROUNDS_CSV, FleetTableError, RoundRow
@@ -271,13 +272,14 @@ def compare_client_accuracy(runs: list[RunFolder]) -> Figure | None:
 
 
 def compare_figures(runs: list[RunFolder]) -> list[Figure]:
-    figures = [
-        compare_quality(runs, "accuracy"),
-        compare_quality(runs, "loss"),
-        compare_rounds(runs),
-        compare_bytes(runs),
-    ]
-    extra = compare_client_accuracy(runs)
+    with collector_paused():
+        figures = [
+            compare_quality(runs, "accuracy"),
+            compare_quality(runs, "loss"),
+            compare_rounds(runs),
+            compare_bytes(runs),
+        ]
+        extra = compare_client_accuracy(runs)
     return figures + ([extra] if extra is not None else [])
 
 

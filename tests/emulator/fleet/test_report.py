@@ -487,6 +487,7 @@ def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatc
 
 from emulator.fleet.report import (  # noqa: E402
     RATE_KEYS,
+    _png_rgb,
     accuracy_series,
     build_report,
     explain_rates,
@@ -535,6 +536,38 @@ def test_every_round_and_device_count_axis_has_whole_number_ticks(fleet_report):
                 assert all(float(t).is_integer() for t in ticks), (fig.name, label, ticks)
                 checked += 1
     assert checked >= 7
+
+
+def test_every_label_title_and_legend_is_inside_its_figure_and_no_legend_covers_a_plot(fleet_report):
+    """The report lays its figures out itself (one measure, no constrained-layout solver): whatever
+    surrounds a plot (ticks, labels, titles, legends beside it) fits in the image, and no legend
+    lies on a plot area."""
+    _run, _summary, figures, _out = fleet_report
+    for fig in figures:
+        drawn = fig.drawn
+        renderer = drawn.canvas.get_renderer()
+        frame = drawn.bbox
+        areas = [ax.get_window_extent() for ax in drawn.axes]
+        legends = [ax.get_legend() for ax in drawn.axes if ax.get_legend() is not None] + list(drawn.legends)
+        boxes = [ax.get_tightbbox(renderer) for ax in drawn.axes] + [leg.get_window_extent(renderer) for leg in legends]
+        for box in boxes:
+            assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1, (
+                fig.name,
+                box,
+            )
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            assert not any(box.overlaps(area) for area in areas), fig.name
+        assert legends or fig.name == "shapes.png"
+
+
+def test_the_png_writer_keeps_every_pixel():
+    rng = np.random.default_rng(0)
+    for shape in ((1, 1), (2, 7), (40, 33)):
+        rgba = rng.integers(0, 256, (*shape, 4), dtype=np.uint8)
+        pixels = _decode_png(_png_rgb(rgba))  # read back by matplotlib's reader (Pillow)
+        assert pixels.shape == (*shape, 3)
+        assert (np.round(pixels * 255).astype(np.uint8) == rgba[..., :3]).all()
 
 
 def test_time_axes_span_the_run_and_no_more(fleet_report):
