@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .heap import collector_paused
 from .report import (
     _OPTIONAL_ROWS,
     _SUMMARY_ROWS,
@@ -35,7 +36,6 @@ from .report import (
     _png,
     _td,
     accuracy_series,
-    collector_paused,
     script_json,
 )
 from .tables import ROUNDS_CSV, FleetTableError, RoundRow

@@ -1,4 +1,4 @@
-"""The garbage collector during a simulated run.
+"""The garbage collector during a simulated run, and while a report's figures are drawn.
 
 A fleet is a large heap that lives as long as the run: devices, their example stores, their
 schedulers and fibers (about a million objects for 10,000 devices). CPython's full collections
@@ -52,3 +52,20 @@ def long_lived_heap() -> Iterator[None]:
             if _depth == 0:
                 gc.set_threshold(*_thresholds)
                 gc.unfreeze()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while figures are drawn. matplotlib makes tens of
+    thousands of objects per figure, which live as long as the figure does (a :class:`Figure` keeps
+    it): the collector, started every few hundred allocations, freed nothing and scanned the
+    whole process each time it reached the oldest objects (a simulator's run among them), an
+    eighth of the report's time. It runs again, as it did, once the figures are drawn."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -20,7 +20,6 @@ run gives the same bytes.
 from __future__ import annotations
 
 import base64
-import gc
 import html
 import json
 import math
@@ -28,8 +27,7 @@ import os
 import statistics
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from device_runtime.opstats import SHAPE_SYMBOLS
 
 # the headline figures live in the leaf module .summary (FleetRun.summary() computes them); the
 # report draws them, and they stay importable from here
+from .heap import collector_paused
 from .summary import _start_hour_utc, hour_of_day, is_dropout, shape_counts, summarize
 from .summary import availability_swing as availability_swing
 from .summary import available_by_hour as available_by_hour
@@ -807,23 +806,6 @@ PLOTS: tuple[Callable[..., Figure], ...] = (
     plot_bytes,
     plot_durations,
 )
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while figures are drawn. matplotlib makes tens of
-    thousands of objects per figure, which live as long as the figure does (a :class:`Figure` keeps
-    it): the collector, started every few hundred allocations, freed nothing and scanned the
-    whole process each time it reached the oldest objects (a simulator's run among them), an
-    eighth of the report's time. It runs again, as it did, once the figures are drawn."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def report_figures(run: FleetRun, summary: Mapping[str, Any]) -> list[Figure]:

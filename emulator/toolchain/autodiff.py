@@ -22,7 +22,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 # the names the rules and rewrites share live in the leaf module .emitter; re-exported here, where
 # the toolchain's modules and users have always imported them
-from .emitter import DEFAULT_DOMAINS, Composite, Dim, Emitter, TensorInfo, UnsupportedOpError, attr, node_reads
+from .emitter import (
+    DEFAULT_DOMAINS,
+    Composite,
+    Dim,
+    Emitter,
+    TensorInfo,
+    UnsupportedOpError,
+    attr,
+    default_opset,
+    node_reads,
+)
 from .forward import decompose
 from .gradients import (
     NO_GRADIENT,
@@ -189,7 +199,7 @@ def _inferred(model: onnx.ModelProto) -> dict[str, TensorInfo]:
 def _with_constants_folded(model: onnx.ModelProto, infos: Mapping[str, TensorInfo] | None = None) -> onnx.ModelProto:
     """``model`` with each node whose outputs :func:`constant_values` folds replaced by ``Constant``
     nodes (the model itself when there are none)."""
-    opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), None)
+    opset = default_opset(model)
     graph = model.graph
     values = constant_values(graph, opset, infos)
     inits = {i.name for i in graph.initializer}

@@ -74,6 +74,28 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
 
 
+def default_opset(model: onnx.ModelProto) -> int | None:
+    """The version of the standard (``ai.onnx``) opset ``model`` imports; None when it imports none."""
+    return next((int(o.version) for o in model.opset_import if o.domain in DEFAULT_DOMAINS), None)
+
+
+def namer(graph: onnx.GraphProto) -> Callable[[str], str]:
+    """A function giving names (``hint``, else ``hint_1``, ...) that no tensor of ``graph``, nor any
+    name it gave before, has."""
+    taken = {t for n in graph.node for t in [*n.input, *n.output]}
+    taken |= {i.name for i in [*graph.initializer, *graph.input, *graph.output]}
+
+    def fresh(hint: str) -> str:
+        name, k = hint, 0
+        while name in taken:
+            k += 1
+            name = f"{hint}_{k}"
+        taken.add(name)
+        return name
+
+    return fresh
+
+
 def own_names(graph: onnx.GraphProto) -> set[str]:
     """The names ``graph`` itself defines (its inputs, initializers and nodes' outputs)."""
     return {i.name for i in [*graph.input, *graph.initializer]} | {o for n in graph.node for o in n.output}

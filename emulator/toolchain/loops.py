@@ -39,8 +39,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from .emitter import DEFAULT_DOMAINS, UnsupportedOpError, attr, node_reads, own_names, subgraphs
-from .old_opsets import namer
+from .emitter import DEFAULT_DOMAINS, UnsupportedOpError, attr, default_opset, namer, node_reads, own_names, subgraphs
 
 #: The most copies of a body a Loop is unrolled into.
 MAX_UNROLLED = 1000
@@ -543,7 +542,7 @@ def _scanned(state: _Unrolling, scan: onnx.NodeProto) -> list[onnx.NodeProto]:
     """The nodes that compute ``scan``'s outputs without it: a copy of its body per position of
     the scanned axes, each reading its position of the scan inputs (a ``Slice``), the states
     flowing from one copy to the next, each scan output the copies' values stacked."""
-    if _opset(state.model) < 9:
+    if (default_opset(state.model) or 1) < 9:
         raise _refuse(
             scan,
             "opset 8's Scan (a batch axis first, and sequence lengths) is not unrolled; export at opset 9 or later",
@@ -635,10 +634,6 @@ def _chosen(state: _Unrolling, branch: onnx.NodeProto) -> list[onnx.NodeProto] |
         if name in state.read:
             out.append(helper.make_node("Identity", [renamed.get(result, result)], [name]))
     return out
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 1)
 
 
 _REWRITES: dict[str, Callable[[_Unrolling, onnx.NodeProto], list[onnx.NodeProto] | None]] = {

@@ -45,7 +45,7 @@ from onnx import helper, numpy_helper
 from device_runtime.plan import PlanError, ir_version_for_opset
 
 from .autodiff import DEFAULT_DOMAINS, constant_values
-from .emitter import UnsupportedOpError, subgraphs
+from .emitter import UnsupportedOpError, namer, subgraphs
 
 #: The batch symbol the batch axis of the data inputs is given while it is followed through the graph.
 BATCH = "N"
@@ -308,23 +308,6 @@ def unpin_batch(model: onnx.ModelProto, batch: Mapping[str, int], opset: int) ->
             node.input[1] = name
         done.append(node.name or node.output[0])
     return done
-
-
-def namer(graph: onnx.GraphProto) -> Callable[[str], str]:
-    """A function giving names (``hint``, else ``hint_1``, ...) that no tensor of ``graph``, nor any
-    name it gave before, has."""
-    taken = {t for n in graph.node for t in [*n.input, *n.output]}
-    taken |= {i.name for i in [*graph.initializer, *graph.input, *graph.output]}
-
-    def fresh(hint: str) -> str:
-        name, k = hint, 0
-        while name in taken:
-            k += 1
-            name = f"{hint}_{k}"
-        taken.add(name)
-        return name
-
-    return fresh
 
 
 def classes_last(model: onnx.ModelProto, prediction: str) -> str:

@@ -20,10 +20,9 @@ import onnx
 from onnx import TensorProto
 
 from .autodiff import TensorInfo
-from .emitter import node_reads
+from .emitter import namer, node_reads
 from .forward import is_float
 from .gradients import NO_GRADIENT
-from .old_opsets import namer
 
 _F32 = TensorProto.FLOAT
 _REDUCE = (

@@ -42,7 +42,7 @@ from .autodiff import (
     refine_infos,
     tensor_infos,
 )
-from .emitter import node_reads
+from .emitter import default_opset, node_reads
 from .forward import is_float, training_forward
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
 from .optimizers import SGD, Adam, Momentum, Optimizer
@@ -151,9 +151,9 @@ def _refuse_unread_external_data(model: onnx.ModelProto, what: str) -> None:
 
 
 def model_opset(model: onnx.ModelProto) -> int:
-    for o in model.opset_import:
-        if o.domain in DEFAULT_DOMAINS:
-            return int(o.version)
+    opset = default_opset(model)
+    if opset is not None:
+        return opset
     raise ValueError("the model imports no default-domain (ai.onnx) opset")
 
 
