@@ -2132,7 +2132,8 @@ _DECOMPOSED = {
     "Scan": "opset 9 and later, of the main graph (or brought into it by an unrolled Loop or Scan, or a chosen If "
     "branch), its scanned axes of a static length (not the batch): unrolled into copies of its body, each reading "
     "its position of the scan inputs by Slice (one Split in all) forwards or backwards, the scan outputs stacked by "
-    "Unsqueeze and Concat along their axes in either order, before differentiating, at most 1,000 of them; opset 8's "
+    "Unsqueeze and Concat along their axes in either order, before differentiating, at most 1,000 of them and "
+    "200,000 nodes in the unrolled graph; opset 8's "
     "Scan (a batch axis of its own) and a Scan over the batch or a length of None are refused",
     "SequenceAt": "of a SplitToSequence at a constant position: rewritten as the Slice (and Squeeze) it reads before "
     "differentiating",
@@ -2146,7 +2147,8 @@ _DECOMPOSED = {
     "Loop": "of the main graph (or brought into it by an unrolled Loop or Scan, or a chosen If branch), its trip count known when the plan is made (a constant, or folded from static "
     "shapes with the batch axis dynamic) and its condition computed from constants, the iteration number and the "
     "counters it carries: unrolled into copies of its body (those counters constants in each copy, the scan outputs "
-    "stacked by Unsqueeze and Concat) before differentiating, at most 1,000 of them; refused otherwise",
+    "stacked by Unsqueeze and Concat) before differentiating, at most 1,000 of them and 200,000 nodes in the unrolled "
+    "graph; refused otherwise",
     "LSTM": "unrolled over its static sequence length into Gemm/Split/Sigmoid/Tanh (forward, reverse or bidirectional, "
     "layout 0, default activations, also spelt out as tf2onnx writes them, no peepholes, no sequence_lens); its "
     "gradient is emitted for the unrolled steps as a whole, step by step; tf2onnx's zero recurrent half of the "

@@ -43,6 +43,9 @@ from .emitter import DEFAULT_DOMAINS, UnsupportedOpError, attr, default_opset, n
 
 #: The most copies of a body a Loop is unrolled into.
 MAX_UNROLLED = 1000
+#: The most nodes the main graph may hold once unrolled: loops nested in loops multiply their
+#: copies (a 1,000-step Loop in a 1,000-step Loop ran for minutes towards a million nodes).
+MAX_UNROLLED_NODES = 200_000
 #: What the unknown dimensions of a shape a trip count is folded from are set to, in two runs: a
 #: trip count that differs between them depends on a dimension known only at run time.
 _SENTINELS = (7, 11)
@@ -277,6 +280,16 @@ class _Unrolling:
         self.outer = _Outer(self.written, self.producers)
         self.copies = _Copies(model.graph, self.outer)
 
+    def make_room(self, node: onnx.NodeProto, steps: int, body: onnx.GraphProto) -> None:
+        """Refuse ``node`` when ``steps`` copies of ``body`` would take the graph past :data:`MAX_UNROLLED_NODES`."""
+        size = _size(body)
+        if len(self.nodes) + steps * size > MAX_UNROLLED_NODES:
+            raise _refuse(
+                node,
+                f"its {steps} copies of a body of {size} nodes would take the unrolled graph past "
+                f"{MAX_UNROLLED_NODES:,} nodes (it holds {len(self.nodes):,}); loops nested in loops multiply their copies",
+            )
+
     def replace(self, at: int, copies: list[onnx.NodeProto]) -> None:
         """The node at ``at`` replaced by ``copies``."""
         self.nodes[at : at + 1] = copies
@@ -293,6 +306,11 @@ class _Unrolling:
             self.model.graph.node.extend(self.nodes)
             self._written = True
         return self.model
+
+
+def _size(graph: onnx.GraphProto) -> int:
+    """``graph``'s nodes, those of the subgraphs inside them included."""
+    return sum(1 + sum(_size(g) for g in subgraphs(n)) for n in graph.node)
 
 
 def _wanted(
@@ -484,6 +502,7 @@ def _unrolled(state: _Unrolling, loop: onnx.NodeProto) -> list[onnx.NodeProto]:
         states = dict(zip(sorted(control), outs[1:]))
     if not per_step:
         raise _refuse(loop, "it runs no iteration when the plan is made")
+    state.make_room(loop, len(per_step), body)
 
     read_after = state.read
     loop_carried_outs, loop_scans = list(loop.output[:n_carried]), list(loop.output[n_carried:])
@@ -579,6 +598,7 @@ def _scanned(state: _Unrolling, scan: onnx.NodeProto) -> list[onnx.NodeProto]:
         raise _refuse(scan, "it runs no iteration when the plan is made")
     if length > limit:
         raise _refuse(scan, _too_long(limit))
+    state.make_room(scan, length, body)
 
     read_after = state.read
     scan_outputs = list(scan.output[n_states:])

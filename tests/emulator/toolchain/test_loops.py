@@ -213,3 +213,37 @@ def test_two_loops_unroll_into_copies_of_distinct_names():
     expected = _run(model, x)
     assert unroll_control_flow(model, "y") == ["forward", "backward"]
     np.testing.assert_allclose(_run(model, x), expected, rtol=1e-12)
+
+
+def test_loops_nested_past_the_node_budget_are_refused_before_they_are_unrolled(monkeypatch):
+    """Nested loops multiply their copies: a 1,000-step Loop in a 1,000-step Loop ran for minutes
+    towards a million nodes. Here 12 steps of 12 against a budget of 100 nodes."""
+    from emulator.toolchain import loops
+
+    def body(prefix: str, inner: onnx.NodeProto | None) -> onnx.GraphProto:
+        step = inner or helper.make_node("Mul", [f"{prefix}s_in", "w"], [f"{prefix}s_out"])
+        value = helper.make_tensor_value_info
+        return helper.make_graph(
+            [helper.make_node("Identity", [f"{prefix}c_in"], [f"{prefix}c_out"]), step],
+            prefix,
+            [value(f"{prefix}i", TensorProto.INT64, []), value(f"{prefix}c_in", TensorProto.BOOL, [])]
+            + [value(f"{prefix}s_in", TensorProto.FLOAT, ["N", 4])],
+            [value(f"{prefix}c_out", TensorProto.BOOL, []), value(f"{prefix}s_out", TensorProto.FLOAT, ["N", 4])],
+        )
+
+    inner = helper.make_node("Loop", ["M", "T", "o_s_in"], ["o_s_out"], body=body("n_", None))
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["M", "T", "x"], ["y"], body=body("o_", inner))],
+        "nested",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        [numpy_helper.from_array(np.array(12, np.int64), "M"), numpy_helper.from_array(np.array(True), "T")]
+        + [numpy_helper.from_array(np.ones(4, np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert len(unroll_control_flow(onnx.ModelProto.FromString(model.SerializeToString()), "y")) == 13  # 1 + 12 inner
+    monkeypatch.setattr(loops, "MAX_UNROLLED_NODES", 100)
+    with pytest.raises(
+        UnsupportedOpError, match="12 copies of a body of 2 nodes would take the unrolled graph past 100"
+    ):
+        unroll_control_flow(model, "y")
