@@ -134,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     add_compare_parser(sub)
     add_toolchain_commands(sub)
     args = read_negative_numbers(show_defaults(parser)).parse_args(argv)
+    try:
+        return _run(parser, args)
+    except KeyboardInterrupt:  # Ctrl-C while a command loads, builds or waits: one line, not a traceback
+        print(f"\nfedfleet {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command in ("plan", "deploy", "status", "rounds"):
         return run_toolchain_command(args)
     if args.command == "server":

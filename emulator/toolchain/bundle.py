@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,26 @@ class BuiltTask:
 def _write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
+
+
+def _write_task(root: Path, built: TaskBuild) -> None:
+    """A task's folder appears whole or not at all: written aside, then renamed into place, so that
+    a build interrupted half way leaves no plan without its manifest (which the next build would
+    refuse to replace as not its own)."""
+    staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.", suffix=".partial"))
+    try:
+        _write(staging / "plan.fedplan", built.plan_bytes)
+        _write(staging / "initial.ckpt", built.checkpoint)
+        for release, data in built.versions.items():
+            _write(staging / "versions" / f"{release}.fedplan", data)
+        manifest = json.dumps(built.manifest, indent=1, sort_keys=True) + "\n"
+        (staging / MANIFEST).write_text(manifest, encoding="utf-8")
+        if root.exists():
+            shutil.rmtree(root)
+        staging.rename(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -174,14 +195,8 @@ def build_bundle(
     for task in tasks:
         built = build_task(task, say=say)
         root = out / task.name
-        if root.exists():
-            shutil.rmtree(root)
-        _write(root / "plan.fedplan", built.plan_bytes)
-        _write(root / "initial.ckpt", built.checkpoint)
-        for release, data in built.versions.items():
-            _write(root / "versions" / f"{release}.fedplan", data)
+        _write_task(root, built)
         manifest = built.manifest
-        (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         say(
             f"{task.name}: unversioned plan opset {built.plan.metadata.opset}, {manifest['plan']['sha256'][:12]} -> {root}"
         )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,3 +135,45 @@ def test_a_bundle_builds_again_over_itself(built, bundle):
     assert (bundle / "digits_mlp" / "manifest.json").read_bytes() == (
         built / "digits_mlp" / "manifest.json"
     ).read_bytes()
+
+
+@pytest.mark.parametrize("part", ["initial.ckpt", "1.31.1.fedplan"])
+def test_a_build_interrupted_while_writing_a_task_keeps_the_task_it_had_and_builds_again(
+    built, bundle, part, monkeypatch
+):
+    """Ctrl-C half way through a task's folder leaves the folder of the last build, never a plan
+    without its manifest (which the next build would refuse to replace as not its own)."""
+    from emulator.toolchain import bundle as bundle_module
+
+    write = bundle_module._write
+
+    def interrupted(path: Path, data: bytes) -> None:
+        if path.name == part:
+            raise KeyboardInterrupt
+        write(path, data)
+
+    monkeypatch.setattr(bundle_module, "_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_bundle(TASK_FILE, bundle, runtimes=["1.31.1"])
+    assert sorted(p.name for p in bundle.iterdir()) == ["digits_mlp", "source.json", "task.py"]  # no staging left
+    assert read_bundle(bundle)  # the last build's task, whole
+    monkeypatch.setattr(bundle_module, "_write", write)
+    build_bundle(TASK_FILE, bundle, runtimes=["1.31.1"])
+    assert (bundle / "digits_mlp" / "manifest.json").read_bytes() == (
+        built / "digits_mlp" / "manifest.json"
+    ).read_bytes()
+
+
+def test_ctrl_c_during_a_command_is_one_line_and_exit_code_130(tmp_path):
+    """A real SIGINT while `plan build` loads the task file."""
+    task = tmp_path / "task.py"
+    task.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "emulator.cli", "plan", "build", str(task), "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip() == "fedfleet plan: interrupted" and done.stdout == ""
+    assert not (tmp_path / "out").exists()
