@@ -218,7 +218,8 @@ class CommitPipeline:
         part = run_server_part(p, self._noise)
         phase = part.phase
         ledger_after = None
-        if phase is Phase.COMMITTED and run.dp is not None:
+        if run.dp is not None and dp_rounds.spends_privacy(phase.value, metrics):
+            # committed, or abandoned once the server had unmasked a group's noisy sum (distributed DP)
             dp_metrics, ledger_after = run.dp.round_metrics(p.dp_round.clip if p.dp_round is not None else None)
             metrics.update(dp_metrics)
             if part.next_clip is not None:
@@ -283,14 +284,15 @@ class CommitPipeline:
                 )
         record_id = record.id if record is not None else None
         dp_after = None
-        if phase is not Phase.COMMITTED:
-            dp_rounds.strip(metrics)  # an abandoned round spends no privacy
+        if not dp_rounds.spends_privacy(phase.value, metrics):
+            dp_rounds.strip(metrics)  # an abandoned round that released nothing spends no privacy
         elif run.dp is not None and ledger_after is not None:
-            dp_after = run.dp.after_commit(ledger_after, part.next_clip)
-        completes = phase is Phase.COMMITTED and (
-            (run.config.max_rounds is not None and run.committed_rounds + 1 >= run.config.max_rounds)
-            or (dp_after is not None and not dp_after.allows_next())  # the budget would not take one more round
-        )
+            dp_after = run.dp.after_commit(ledger_after, part.next_clip if phase is Phase.COMMITTED else None)
+        completes = (
+            phase is Phase.COMMITTED
+            and run.config.max_rounds is not None
+            and run.committed_rounds + 1 >= run.config.max_rounds
+        ) or (dp_after is not None and not dp_after.allows_next())  # the budget would not take one more round
         finished = [run] + [r for r in p.population.runs if r.evaluates is run] if completes else []
         for done in finished:
             write_quietly(self.store.set_task_status, done.record.id, "completed")
@@ -301,12 +303,12 @@ class CommitPipeline:
                     closed.record_id = record_id
             del run.closed[:-CLOSED_ROUNDS_KEPT]
             self._sessions.forget_closed(run)
+            run.dp = dp_after if dp_after is not None else run.dp
             if phase is Phase.COMMITTED:
                 if run.is_training and part.new_state is not None and part.broadcast is not None:
                     run.state = part.new_state
                     run.broadcast_id = resource_id(part.broadcast)
                 run.committed_rounds += 1
-                run.dp = dp_after if dp_after is not None else run.dp
                 run.round_number += 1
                 run.attempt = 1
                 log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))

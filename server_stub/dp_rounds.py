@@ -13,11 +13,14 @@ calls it at five points: deploy (``check_deploy``), task load (``TaskDP.load``),
   plan's accumulate must sum and its report divide the weight sums by ``num_examples``: every plan
   the builders and the toolchain make does). With adaptive clipping the count of reports at or
   below the clip is noised at commit and sets the next round's clip.
-- The accountant, whatever the mode: a ``PrivacyLedger`` per task, rebuilt from its committed
-  round records when the server loads it (a restarted server reports the same epsilon), advanced
-  at each commit; a round's metrics carry ``epsilon``, ``delta``, ``dp_rounds``,
-  ``noise_multiplier``, ``dp_mode`` and ``dp_clip`` (``ROUND_KEYS``). A task whose next round
-  would pass ``max_epsilon`` completes instead.
+- The accountant, whatever the mode: a ``PrivacyLedger`` per task, rebuilt from the records of its
+  rounds that spent privacy when the server loads it (a restarted server reports the same
+  epsilon), advanced at each commit; a round's metrics carry ``epsilon``, ``delta``,
+  ``dp_rounds``, ``noise_multiplier``, ``dp_mode`` and ``dp_clip`` (``ROUND_KEYS``). A task whose
+  next round would pass ``max_epsilon`` completes instead. A round spends privacy when it commits,
+  and under distributed DP also when it is abandoned after the server unmasked a group's noisy sum
+  (``released_sums``): the server is not trusted there, and it has seen that sum whatever became
+  of the round.
 - DP-FTRL (``dp.tree_rounds``): the round's noise is its tree's step (``central_dp.tree_step``)
   instead of fresh noise; the open tree (``FtrlTree``) lives in memory only, so a restarted server
   starts a new tree, and each round records its tree and place (``TREE_KEYS``), from which the
@@ -150,9 +153,9 @@ class TaskDP:
 
     @classmethod
     def load(cls, config: RoundConfig, committed: Iterable[Mapping]) -> TaskDP | None:
-        """The task's state from the metrics of its committed rounds, oldest first (None without
-        dp): one ledger entry per committed DP round at the multiplier it recorded, and the clip
-        the last one handed on. Restart-safe: only what is on record counts."""
+        """The task's state from the metrics of its rounds that spent privacy (``spends_privacy``),
+        oldest first (None without dp): one ledger entry per round at the multiplier it recorded,
+        and the clip the last one handed on. Restart-safe: only what is on record counts."""
         dp = config.dp
         if dp is None:
             return None
@@ -202,7 +205,8 @@ class TaskDP:
         return CentralRound(dp, self.goal_count, self.clip, adaptive.updates_noise_multiplier, adaptive)
 
     def round_metrics(self, clip: float | None) -> tuple[dict, PrivacyLedger]:
-        """A committing round's DP metrics (``ROUND_KEYS``) and the ledger once it is on record."""
+        """The DP metrics (``ROUND_KEYS``) of a round that spent privacy (it commits, or released a
+        group's sum) and the ledger once it is on record."""
         z = self.config.noise_multiplier
         tree: dict[str, int | None] = {}
         if self.ftrl is not None:  # the round's place in its tree, as its close left it
@@ -223,15 +227,36 @@ class TaskDP:
         return metrics, after
 
     def after_commit(self, after: PrivacyLedger, next_clip: float | None) -> TaskDP:
-        """The state once a round is on record (an abandoned round changes nothing)."""
+        """The state once a round that spent privacy is on record (``spends_privacy``; one that did
+        not changes nothing)."""
         if self.ftrl is not None:
             self.ftrl.index += self.ftrl.pending_is_new
             self.ftrl.tree, self.ftrl.pending = self.ftrl.pending, None
         return replace(self, ledger=after, clip=self.clip if next_clip is None else next_clip)
 
 
+def released_sums(metrics: Mapping) -> int:
+    """How many Secure Aggregation groups of a round the server unmasked, as its record's ``secagg``
+    statistics count them: the groups whose sums were used and those dropped after they were
+    decoded. Under distributed DP each is a noisy sum of its devices' updates that the (untrusted)
+    server has seen, so the round spent privacy even if it did not commit."""
+    stats = metrics.get("secagg")
+    if not isinstance(stats, Mapping):
+        return 0
+    completed = stats.get("completed")
+    dropped = stats.get("dropped")
+    return (completed if isinstance(completed, int) else 0) + (len(dropped) if isinstance(dropped, list) else 0)
+
+
+def spends_privacy(status: str, metrics: Mapping) -> bool:
+    """Whether a round on record spent privacy: it committed, or the server unmasked a group's
+    noisy sum before it was abandoned (``released_sums``). A central DP round that did not commit
+    published nothing (its noise is drawn at commit): it spent nothing."""
+    return status == "committed" or released_sums(metrics) > 0
+
+
 def strip(metrics: dict) -> None:
-    """Remove a round's DP keys: a round that did not commit spent nothing."""
+    """Remove a round's DP keys: a round that published nothing spent nothing."""
     for key in (*ROUND_KEYS, NEXT_CLIP_KEY, *TREE_KEYS):
         metrics.pop(key, None)
 
@@ -332,6 +357,8 @@ __all__ = [
     "FtrlTree",
     "TaskDP",
     "check_deploy",
+    "released_sums",
     "secure_generator",
+    "spends_privacy",
     "strip",
 ]

@@ -395,7 +395,8 @@ def rounds_frame(rounds: list[dict]) -> pandas.DataFrame:
     top-level field has the same name), ``device_metrics.<name>.<stat>`` with the quantiles as
     ``device_metrics.<name>.p50`` etc., and ``shape.<shape>`` counts (0 where a round had none).
     A task with differential privacy adds ``epsilon``, ``delta``, ``dp_rounds``, ``noise_multiplier``,
-    ``dp_mode`` and ``dp_clip`` (``server_stub.dp_rounds.ROUND_KEYS``) on its committed rounds.
+    ``dp_mode`` and ``dp_clip`` (``server_stub.dp_rounds.ROUND_KEYS``) on its rounds that spent privacy
+    (``server_stub.dp_rounds.spends_privacy``).
     """
     try:
         import pandas as pd

@@ -15,7 +15,7 @@ from device_runtime.plan import load_plan
 from device_runtime.secure_sum import SecureSumCodec
 
 from . import ddp_rounds
-from .dp_rounds import TaskDP
+from .dp_rounds import TaskDP, spends_privacy
 from .metrics import RoundMetrics
 from .persistence import ServerStore, TaskRecord
 from .rounds import RoundConfig, RoundCore
@@ -71,7 +71,7 @@ def load_run(store: ServerStore, task: TaskRecord) -> TaskRun | None:
     committed = [r for r in history if r.status == "committed"]
     if config.max_rounds is not None and len(committed) >= config.max_rounds:
         return None
-    dp = TaskDP.load(config, [r.metrics for r in committed])
+    dp = TaskDP.load(config, [r.metrics for r in history if spends_privacy(r.status, r.metrics)])
     if dp is not None and not dp.allows_next():  # its privacy budget is spent
         return None
     last = committed[-1] if committed else None

@@ -912,9 +912,9 @@ _OPTIONAL_ROWS = (
 
 #: A DP run's rows (its summary's ``delta`` is set; without DP these keys are null and not shown).
 _DP_ROWS = (
-    ("epsilon", "epsilon (the accountant's, after the last committed round)"),
+    ("epsilon", "epsilon (the accountant's, after the last round that spent privacy)"),
     ("delta", "delta"),
-    ("dp_rounds", "committed DP rounds"),
+    ("dp_rounds", "DP rounds spent"),
     ("noise_multiplier", "noise multiplier"),
 )
 
@@ -1054,7 +1054,7 @@ def _privacy_sentences(summary: Mapping[str, Any]) -> list[str]:
         return []
     eps, delta, rounds = summary.get("epsilon"), summary["delta"], summary.get("dp_rounds")
     spent = f"{eps:.3g}" if isinstance(eps, (int, float)) else "unbounded (no noise)"
-    out = [f"Privacy: epsilon {spent} at delta {delta:g} after {rounds} committed DP rounds."]
+    out = [f"Privacy: epsilon {spent} at delta {delta:g} after {rounds} DP rounds."]
     if "audit_epsilon" in summary:
         est = summary["audit_epsilon"]
         k = summary.get("audit_canaries")

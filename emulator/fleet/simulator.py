@@ -424,6 +424,8 @@ class FleetSimulator:
         for record in records:
             m = record["metrics"]
             digest.update(json.dumps(_digest_view(record), sort_keys=True, separators=(",", ":")).encode())
+            if record["task"] == trained.name and "dp_rounds" in m:  # committed, or abandoned after a
+                dp_metrics = m  # group's noisy sum was unmasked: the round spent privacy either way
             accuracy = loss = math.nan
             if record["status"] == "committed" and record.get("checkpoint_id"):
                 model = self.store.get_resource(record["checkpoint_id"])
@@ -431,8 +433,6 @@ class FleetSimulator:
                 digest.update(model)
                 if record["task"] == trained.name:
                     final = model
-                    if "dp_rounds" in m:
-                        dp_metrics = m
                 evaluator = evaluators.get(record["task"])
                 if evaluator is not None and batches and measuring.due(record["task"]):
                     weights = decode_checkpoint(model)
@@ -699,7 +699,7 @@ def _finite_or_none(x: float) -> float | None:
 
 def privacy_figures(dp: Any, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The run's privacy as the summary shows it: None without DP; else the task's mode, delta,
-    noise multiplier and clip, and the epsilon and DP rounds its last committed round published
+    noise multiplier and clip, and the epsilon and DP rounds its last round that spent privacy published
     (0 and 0 before any; epsilon null when unbounded, a noise multiplier of 0)."""
     if dp is None:
         return None

@@ -335,7 +335,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
 
 
 def privacy(run: RunTables) -> dict[str, Any]:
-    """``epsilon`` (at ``delta``, after the ``dp_rounds`` committed DP rounds; null when unbounded,
+    """``epsilon`` (at ``delta``, after the ``dp_rounds`` DP rounds that spent privacy: the committed
+    ones and, under distributed DP, those abandoned after a group's sum was unmasked; null when unbounded,
     without noise), ``delta``, ``dp_rounds``, ``noise_multiplier``: all null without DP; with the
     audit's canaries, ``audit_canaries``, ``audit_reports`` (their reports summed into committed
     rounds) and ``audit_epsilon`` (the one-shot estimate; null with fewer than two canaries heard) too."""

@@ -273,6 +273,7 @@ def test_a_group_that_falls_below_its_releasable_minimum_releases_nothing(attest
     assert record["status"] == "abandoned"
     stats = record["metrics"]["secagg"]
     assert stats["groups"] == 1 and stats["completed"] == 0 and stats["summed_devices"] == 0
+    assert "epsilon" not in record["metrics"] and "dp_rounds" not in record["metrics"]  # nothing released
     model, round_number = admin.model(population)
     assert round_number == 0
     assert all(np.array_equal(model[n], w0[n]) for n in plan.weight_names)
@@ -323,9 +324,13 @@ def test_a_group_sum_out_of_bounds_is_dropped_not_committed(attested_server, att
     """Five attested devices at the protocol level; one adds a quarter of the modulus to every
     entry of its encoding (a protocol-following device outside the mechanism). The decoded sum's
     norm is far above what five clipped, noised updates reach: the group is dropped with the
-    reason in the round's metrics, its devices are told, and the model does not move."""
+    reason in the round's metrics, its devices are told, and the model does not move. The server
+    has unmasked the group's noisy sum all the same (a server colluding with the odd device
+    subtracts its shift and holds the honest four's noisy sum), so the abandoned round spends one
+    round of the task's budget, and the task, whose budget a second round would pass, completes."""
     server, admin = attested_server, attested_admin
-    plan, w0 = _deploy(admin, population, z=1.0, devices=5)
+    one_round = dp_accounting.get_epsilon_gaussian(1.0, DELTA)
+    plan, w0 = _deploy(admin, population, z=1.0, devices=5, delta=DELTA, max_epsilon=one_round * 1.01)
     devices = attested_checkins([ProtocolClient(server.url) for _ in range(5)], authority, population)
     rng = np.random.default_rng(3)
     vectors = []
@@ -354,3 +359,7 @@ def test_a_group_sum_out_of_bounds_is_dropped_not_committed(attested_server, att
     assert all("left the group's sum out" in detail for _, detail in outcomes.values())
     model, round_number = admin.model(population)
     assert round_number == 0 and all(np.array_equal(model[n], w0[n]) for n in plan.weight_names)
+    metrics = record["metrics"]
+    assert (metrics["dp_rounds"], metrics["dp_mode"], metrics["noise_multiplier"]) == (1, "distributed", 1.0)
+    assert metrics["epsilon"] == pytest.approx(one_round, rel=1e-12)
+    assert admin.status(population)["tasks"][0]["status"] == "completed"

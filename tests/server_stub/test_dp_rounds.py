@@ -15,7 +15,7 @@ from device_runtime.influence import NUM_EXAMPLES
 from server_stub import DPConfig, RoundConfig
 from server_stub import central_dp as cdp
 from server_stub.accounting import PrivacyLedger
-from server_stub.dp_rounds import NEXT_CLIP_KEY, ROUND_KEYS, CentralRound, TaskDP
+from server_stub.dp_rounds import NEXT_CLIP_KEY, ROUND_KEYS, CentralRound, TaskDP, released_sums, spends_privacy
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WEIGHTS = ("w", "b")
@@ -134,3 +134,45 @@ def test_a_distributed_round_is_accounted_like_a_central_one() -> None:
     assert (metrics["dp_mode"], metrics["dp_clip"], metrics["dp_rounds"]) == ("distributed", 2.0, 2)
     assert metrics["epsilon"] == after.epsilon == PrivacyLedger(delta=1e-6).add_round(0.8, 2).epsilon
     assert task.after_commit(after, None).ledger.rounds == 2
+
+
+def _secure_record(status: str, completed: int, dropped: int) -> tuple[str, dict]:
+    """A secure round's record as ``commit`` writes it: its status and its groups' statistics."""
+    stats = {"groups": completed + dropped + 1, "completed": completed, "aborted": 1}
+    stats["dropped"] = [{"group": g, "reason": "norm"} for g in range(dropped)]
+    return status, {"noise_multiplier": 0.8, "secagg": stats}
+
+
+@SETTINGS
+@given(
+    history=st.lists(
+        st.tuples(st.sampled_from(["committed", "abandoned"]), st.integers(0, 3), st.integers(0, 2)), max_size=12
+    )
+)
+def test_a_distributed_task_counts_every_round_whose_group_sums_the_server_unmasked(
+    history: list[tuple[str, int, int]],
+) -> None:
+    """Under distributed DP the server is not trusted: a group's noisy sum it unmasked is released to
+    it whether the round then commits or not (the round fell short of its commit threshold, or the
+    sum was dropped as out of bounds after it was decoded). The ledger rebuilt from the records
+    counts the committed rounds and the abandoned ones that released a sum, and only those."""
+    dp = DPConfig(mode="distributed", noise_multiplier=0.8, clip=2.0, delta=1e-6)
+    records = [_secure_record(status, completed, dropped) for status, completed, dropped in history]
+    spent = [metrics for status, metrics in records if spends_privacy(status, metrics)]
+    task = TaskDP.load(RoundConfig(dp=dp), spent)
+    assert task is not None
+    released = sum(1 for status, c, d in history if status == "committed" or c + d > 0)
+    assert task.ledger.rounds == released
+    assert task.ledger.epsilon == PrivacyLedger(delta=1e-6).add_round(0.8, released).epsilon
+    for (_, c, d), (_, metrics) in zip(history, records, strict=True):
+        assert released_sums(metrics) == c + d
+
+
+def test_a_round_that_released_nothing_spends_nothing() -> None:
+    """A central round that did not commit drew no noise and published nothing; a secure round
+    whose every group aborted unmasked no sum: neither spends privacy."""
+    assert not spends_privacy("abandoned", {"selected": 10, "reported": 3})
+    assert not spends_privacy("abandoned", _secure_record("abandoned", 0, 0)[1])
+    assert spends_privacy("abandoned", _secure_record("abandoned", 1, 0)[1])
+    assert spends_privacy("abandoned", _secure_record("abandoned", 0, 1)[1])
+    assert spends_privacy("committed", {})
