@@ -55,6 +55,15 @@ DEFAULT_WRAP_PROBABILITY = 2.0**-30
 DEFAULT_MAX_ROUNDING_TRIES = 100
 #: The widest modulus: int64 arithmetic on sums of two residues stays exact below 2^62 each.
 MAX_BITWIDTH = 62
+#: How much the discrete Gaussian shares' sum, which is not one discrete Gaussian, may add to the
+#: round's privacy loss: Kairouz et al.'s bound adds tau * padded_dim / 2 to epsilon^2 of the
+#: concentrated-DP guarantee, whose Gaussian part at noise multiplier z is z^-2; at most this
+#: fraction of z^-2 (epsilon within 0.05% of the Gaussian's), else the round is refused
+#: (``DDPParams.discreteness_problem``). Calibrated shares at the default bitwidth have tau ~ 0; it
+#: binds where the shares' variance is below about 1, where their law is narrower than its
+#: variance parameter (a share of variance parameter 0.133 has variance 0.045, and is 0 in 96 draws
+#: of 100; one of 0.03 was 0 in each of a million draws).
+MAX_TAU_SHARE = 1e-3
 
 
 class DDPError(ValueError):
@@ -713,6 +722,25 @@ class DDPParams:
         s2 = self.local_variance
         return 10.0 * sum(math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, devices))
 
+    def discreteness_problem(self, noise_multiplier: float | None = None) -> str | None:
+        """Why the sum of up to ``max_devices`` discrete Gaussian shares is too far from one discrete
+        Gaussian for the round to be accounted as the Gaussian mechanism at ``noise_multiplier``
+        (default the params'; a device passes its floor if higher): ``tau * padded_dim / 2`` above
+        ``MAX_TAU_SHARE`` z^-2 (tau grows with the devices summed, so the largest group is the
+        worst), or None. Skellam shares sum exactly; without noise there is no claim to check."""
+        z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if self.mechanism != "gaussian" or z == 0:
+            return None
+        tau = self.tau(self.max_devices)
+        excess = tau * self.padded_dim / 2.0
+        if excess * z * z <= MAX_TAU_SHARE:  # no division: z^2 may underflow
+            return None
+        return (
+            f"each device's discrete Gaussian share has variance {self.local_variance:.3g}, too narrow for the "
+            f"sum of {self.max_devices} to be one discrete Gaussian (Kairouz et al.'s tau {tau:.3g}): it adds "
+            f"{excess:.3g} to epsilon^2, more than {MAX_TAU_SHARE:g} of the 1 / z^2 of noise multiplier {z:g}"
+        )
+
     def wrap_bound(self, devices: int | None = None) -> float:
         return wrap_bound(
             gamma=self.gamma,
@@ -761,7 +789,55 @@ def calibrate(
     bound, so the float-domain noise on the sum is at least z * clip (``inflation`` says how much
     more). ``gamma`` is the largest that keeps the sum within the modulus (``wrap_bound``); a
     modulus too small for any gamma, or one that leaves rounding inflating the noise more than
-    ``max_inflation`` times, raises ``ModulusTooSmall`` naming the bitwidth to use."""
+    ``max_inflation`` times, raises ``ModulusTooSmall`` naming the bitwidth to use.
+
+    Discrete Gaussian shares too narrow for their sum to be one discrete Gaussian of their total
+    variance (``DDPParams.discreteness_problem``) raise ``ModulusTooSmall`` too: a wider modulus
+    takes a larger gamma and so wider shares."""
+
+    def fit(bits: int) -> DDPParams:
+        return _calibrate(
+            noise_multiplier,
+            clip,
+            dim,
+            bits,
+            min_devices,
+            max_devices,
+            mechanism,
+            beta,
+            wrap_probability,
+            max_inflation,
+        )
+
+    chosen = fit(bitwidth)
+    narrow = chosen.discreteness_problem()
+    if narrow is not None:
+        need = next((b for b in range(bitwidth + 1, MAX_BITWIDTH + 1) if _wide_enough(fit, b)), None)
+        fix = f"raise bitwidth to at least {need}" if need is not None else "raise the noise multiplier"
+        raise ModulusTooSmall(f"{narrow}: {fix}")
+    return chosen
+
+
+def _wide_enough(fit: Callable[[int], DDPParams], bits: int) -> bool:
+    try:
+        return fit(bits).discreteness_problem() is None
+    except DDPError:
+        return False
+
+
+def _calibrate(
+    noise_multiplier: float,
+    clip: float,
+    dim: int,
+    bitwidth: int,
+    min_devices: int,
+    max_devices: int | None,
+    mechanism: Mechanism,
+    beta: float,
+    wrap_probability: float,
+    max_inflation: float,
+) -> DDPParams:
+    """``calibrate`` but for the shares' width."""
     n_max = min_devices if max_devices is None else max_devices
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
         raise DDPError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")

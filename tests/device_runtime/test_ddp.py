@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy import stats
@@ -470,6 +470,37 @@ def test_calibration_refuses_a_bitwidth_that_rounding_would_swamp() -> None:
         )
     with pytest.raises(ddp.ModulusTooSmall, match="raise bitwidth to at least"):
         ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=10, min_devices=10)
+
+
+@SETTINGS
+@given(
+    z=st.sampled_from([0.3, 1.0, 3.0]),
+    bitwidth=st.integers(8, 20),
+    dim=st.sampled_from([10, 100, 650]),
+    k=st.sampled_from([5, 20, 100]),
+)
+@example(z=1.0, bitwidth=11, dim=10, k=100)  # shares of 0.13, refused: 13 bits fit
+def test_calibrated_discrete_gaussian_shares_carry_the_variance_they_are_sized_with(
+    z: float, bitwidth: int, dim: int, k: int
+) -> None:
+    """A discrete Gaussian's variance is below its variance parameter, far below under 1 (a share
+    of parameter 0.133, which a group of 100 to 200 devices of 10 parameters at 11 bits was once
+    sized with, has variance 0.045): calibrated shares are wide enough that the law's variance, summed exactly,
+    is the parameter's, and their sum one discrete Gaussian to within ``MAX_TAU_SHARE``; a modulus
+    too narrow for that is refused, naming the bitwidth that fits."""
+    try:
+        p = ddp.calibrate(noise_multiplier=z, clip=1.0, dim=dim, bitwidth=bitwidth, min_devices=k, max_devices=2 * k)
+    except ddp.ModulusTooSmall as refused:
+        if "too narrow" in str(refused):  # the bitwidth it names fits
+            need = int(str(refused).rsplit("raise bitwidth to at least ", 1)[1])
+            wide = ddp.calibrate(noise_multiplier=z, clip=1.0, dim=dim, bitwidth=need, min_devices=k, max_devices=2 * k)
+            assert wide.discreteness_problem() is None
+        return
+    kk = np.arange(-80, 81, dtype=np.float64)
+    weights = np.exp(-(kk * kk) / (2 * p.local_variance))
+    law = float((kk * kk * weights).sum() / weights.sum()) if p.local_variance < 64 else p.local_variance
+    assert law >= p.local_variance * (1 - ddp.MAX_TAU_SHARE)
+    assert p.tau(p.max_devices) * p.padded_dim / 2 <= ddp.MAX_TAU_SHARE / z**2
 
 
 @pytest.mark.parametrize("mechanism", ["gaussian", "skellam"])

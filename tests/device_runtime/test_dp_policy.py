@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from device_runtime.dp_policy import (
     DPPolicy,
     DPRefusal,
     check_round,
+    noise_problem,
     releasable_minimum,
     rotation_seed,
     round_answer,
@@ -111,6 +113,31 @@ def test_a_modulus_the_group_could_wrap_is_refused() -> None:
     _refused(DP_PARAMS_INVALID, params, config, wrap_probability=0.5)
 
 
+def test_discrete_gaussian_shares_too_narrow_to_carry_their_variance_are_refused() -> None:
+    """A server names noise multiplier 0.05 and sizes the shares for it at gamma 1: variance 0.137
+    each, which passes the variance check, but a discrete Gaussian of variance parameter 0.137 has
+    variance 0.049 (it is 0 in 95 draws of 100), and the sum of six is not one discrete Gaussian
+    (Kairouz et al.'s tau 7.8): the released sum would carry a third of the noise variance the
+    accountant counts."""
+    _, config = honest()
+    base = ddp.DDPParams(
+        dim=DIM,
+        clip=1.0,
+        noise_multiplier=0.05,
+        gamma=1.0,
+        local_variance=1.0,
+        bitwidth=32,
+        min_devices=5,
+        max_devices=6,
+    )
+    narrow = dataclasses.replace(base, local_variance=(0.05 * base.sensitivity) ** 2 / 5)
+    assert 0.1 < narrow.local_variance < 0.3 and law_variance(narrow) < narrow.local_variance / 2
+    assert noise_problem(narrow, releasable_minimum(config), 0.0) is None  # the variance check alone passes it
+    assert "too narrow" in _refused(DP_NOISE_BELOW_FLOOR, narrow, config)
+    wide = dataclasses.replace(narrow, noise_multiplier=0.5, local_variance=(0.5 * base.sensitivity) ** 2 / 5)
+    assert check(wide, config) is not None
+
+
 def test_parameters_that_do_not_fit_the_round_are_refused() -> None:
     params, config = honest()
     _refused(DP_PARAMS_INVALID, params, config, rotation_seed=(SEED + 1) % (1 << 64))
@@ -139,6 +166,18 @@ def test_a_policy_out_of_range_is_refused() -> None:
         DPPolicy(max_wrap_probability=1.0)
 
 
+def law_variance(params: ddp.DDPParams) -> float:
+    """The variance of one noise share's law, summed exactly from its probability mass function
+    (a discrete Gaussian's is below its variance parameter, far below for parameters under 1;
+    above 64 they agree to far below float64, and Skellam's is its parameter)."""
+    v = params.local_variance
+    if params.mechanism == "skellam" or v > 64:
+        return v
+    k = np.arange(-60, 61, dtype=np.float64)
+    w = np.exp(-(k * k) / (2 * v)) if v > 0 else (k == 0).astype(np.float64)
+    return float((k * k * w).sum() / w.sum())
+
+
 def _released_minimum(config: SecAggConfig) -> int:
     """The spec, independently of the code: an honest client refuses survivor lists below the
     threshold, and over the complete graph below ``min_summed`` too."""
@@ -154,7 +193,7 @@ TAMPERED = ("local_variance", "gamma", "min_devices", "max_devices", "modulus", 
     floor=st.floats(0.0, 4.0),
     k=st.integers(2, 8),
     spare=st.integers(0, 6),
-    bitwidth=st.integers(20, 62),
+    bitwidth=st.integers(6, 62),
     mechanism=st.sampled_from(["gaussian", "skellam"]),
     tampered=st.sets(st.sampled_from(TAMPERED), max_size=3),
     factor=st.floats(0.0, 4.0),
@@ -206,6 +245,8 @@ def test_any_params_a_server_sends_pass_with_noise_above_the_floor_on_every_rele
     target = max(floor, params.noise_multiplier) * params.sensitivity
     for m in range(_released_minimum(config), n + 1):  # every sum the group may release
         assert m * params.local_variance >= target**2 * (1 - 1e-9)
+        if target >= 0.01 * params.sensitivity:  # the least noise multiplier a task takes: the shares' law carries it
+            assert m * law_variance(params) >= target**2 * (1 - ddp.MAX_TAU_SHARE)
     assert config.modulus == params.modulus and config.vector_length == params.padded_dim
     assert params.wrap_probability <= policy.max_wrap_probability
     params.check_modulus(n)  # the group's noisy sum fits the modulus
