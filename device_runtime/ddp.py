@@ -55,15 +55,18 @@ DEFAULT_WRAP_PROBABILITY = 2.0**-30
 DEFAULT_MAX_ROUNDING_TRIES = 100
 #: The widest modulus: int64 arithmetic on sums of two residues stays exact below 2^62 each.
 MAX_BITWIDTH = 62
-#: How much the discrete Gaussian shares' sum, which is not one discrete Gaussian, may add to the
-#: round's privacy loss: Kairouz et al.'s bound adds tau * padded_dim / 2 to epsilon^2 of the
-#: concentrated-DP guarantee, whose Gaussian part at noise multiplier z is z^-2; at most this
-#: fraction of z^-2 (epsilon within 0.05% of the Gaussian's), else the round is refused
-#: (``DDPParams.discreteness_problem``). Calibrated shares at the default bitwidth have tau ~ 0; it
-#: binds where the shares' variance is below about 1, where their law is narrower than its
-#: variance parameter (a share of variance parameter 0.133 has variance 0.045, and is 0 in 96 draws
-#: of 100; one of 0.03 was 0 in each of a million draws).
-MAX_TAU_SHARE = 1e-3
+#: How much more than the Gaussian mechanism at the accountant's noise multiplier z the integer noise
+#: may cost, as a fraction of the Gaussian's part, else the round is refused
+#: (``DDPParams.discreteness_problem``). Discrete Gaussian shares: their sum is not one discrete
+#: Gaussian, and Kairouz et al.'s bound adds tau * padded_dim / 2 to epsilon^2 of the
+#: concentrated-DP guarantee, whose Gaussian part is z^-2. Skellam: Agarwal, Kairouz and Liu's
+#: Renyi bound at order alpha adds ((2 alpha - 1) D2^2 + 6 D1) / (4 mu^2) to the Gaussian's
+#: alpha D2^2 / (2 mu) (mu the summed variance, D2 and D1 the sensitivities, D1 <= min(sqrt(d) D2,
+#: D2^2) for integer vectors), at most z^2 (D2^2 + 3 D1) / mu^2 of alpha / (2 z^2). Both vanish at
+#: the default bitwidth; they bind at a few bits, small dimensions and small z: a discrete
+#: Gaussian share of variance parameter 0.133 has variance 0.045 (it is 0 in 96 draws of 100), and
+#: the Skellam term reached 3.4 times the Gaussian part at 11 bits, 10 parameters and z = 0.3.
+MAX_DISCRETENESS_SHARE = 1e-3
 
 
 class DDPError(ValueError):
@@ -722,23 +725,35 @@ class DDPParams:
         s2 = self.local_variance
         return 10.0 * sum(math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, devices))
 
-    def discreteness_problem(self, noise_multiplier: float | None = None) -> str | None:
-        """Why the sum of up to ``max_devices`` discrete Gaussian shares is too far from one discrete
-        Gaussian for the round to be accounted as the Gaussian mechanism at ``noise_multiplier``
-        (default the params'; a device passes its floor if higher): ``tau * padded_dim / 2`` above
-        ``MAX_TAU_SHARE`` z^-2 (tau grows with the devices summed, so the largest group is the
-        worst), or None. Skellam shares sum exactly; without noise there is no claim to check."""
+    def discreteness_problem(self, noise_multiplier: float | None = None, fewest: int | None = None) -> str | None:
+        """Why a released sum's integer noise costs more than ``MAX_DISCRETENESS_SHARE`` beyond the
+        Gaussian mechanism at ``noise_multiplier`` (default the params'; a device passes its floor
+        if higher) that the round is accounted as, or None. Discrete Gaussian: ``tau *
+        padded_dim / 2`` of up to ``max_devices`` shares (tau grows with the shares summed) against
+        z^-2. Skellam: z^2 (D2^2 + 3 D1) / mu^2, mu the variance of ``fewest`` shares (default
+        ``min_devices``; the term shrinks as mu grows). Without noise there is no claim to check."""
         z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
-        if self.mechanism != "gaussian" or z == 0:
+        if z == 0:
             return None
+        if self.mechanism == "skellam":
+            d2 = self.sensitivity
+            d1 = min(math.sqrt(self.padded_dim) * d2, d2 * d2)
+            mu = (self.min_devices if fewest is None else fewest) * self.local_variance
+            if mu > 0 and z * z * (d2 * d2 + 3.0 * d1) <= MAX_DISCRETENESS_SHARE * mu * mu:
+                return None  # products only: z^2 may underflow
+            return (
+                f"the Skellam noise of {self.min_devices if fewest is None else fewest} devices (variance {mu:.3g}) "
+                f"is too small for sensitivity {d2:.3g}: Agarwal et al.'s bound adds more than "
+                f"{MAX_DISCRETENESS_SHARE:g} of the Gaussian mechanism's privacy loss at noise multiplier {z:g}"
+            )
         tau = self.tau(self.max_devices)
         excess = tau * self.padded_dim / 2.0
-        if excess * z * z <= MAX_TAU_SHARE:  # no division: z^2 may underflow
+        if excess * z * z <= MAX_DISCRETENESS_SHARE:  # no division: z^2 may underflow
             return None
         return (
             f"each device's discrete Gaussian share has variance {self.local_variance:.3g}, too narrow for the "
             f"sum of {self.max_devices} to be one discrete Gaussian (Kairouz et al.'s tau {tau:.3g}): it adds "
-            f"{excess:.3g} to epsilon^2, more than {MAX_TAU_SHARE:g} of the 1 / z^2 of noise multiplier {z:g}"
+            f"{excess:.3g} to epsilon^2, more than {MAX_DISCRETENESS_SHARE:g} of the 1 / z^2 of noise multiplier {z:g}"
         )
 
     def wrap_bound(self, devices: int | None = None) -> float:
@@ -791,9 +806,10 @@ def calibrate(
     modulus too small for any gamma, or one that leaves rounding inflating the noise more than
     ``max_inflation`` times, raises ``ModulusTooSmall`` naming the bitwidth to use.
 
-    Discrete Gaussian shares too narrow for their sum to be one discrete Gaussian of their total
-    variance (``DDPParams.discreteness_problem``) raise ``ModulusTooSmall`` too: a wider modulus
-    takes a larger gamma and so wider shares."""
+    Integer noise that costs more than the Gaussian mechanism it is accounted as
+    (``DDPParams.discreteness_problem``: discrete Gaussian shares too narrow for their sum to be one
+    discrete Gaussian, Skellam noise small beside its sensitivity) raises ``ModulusTooSmall`` too: a
+    wider modulus takes a larger gamma, so more noise in integer units."""
 
     def fit(bits: int) -> DDPParams:
         return _calibrate(
@@ -1102,6 +1118,7 @@ __all__ = [
     "DDPError",
     "DDPParams",
     "FAST_ROUNDING_MAX_BOUND",
+    "MAX_DISCRETENESS_SHARE",
     "Mechanism",
     "ModulusTooSmall",
     "ROUNDED_GAUSSIAN_MIN_VARIANCE",

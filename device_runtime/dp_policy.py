@@ -18,10 +18,11 @@ recomputes everything that follows from the parameters and refuses:
   server's ``min_devices``) and ``z`` the larger of the round's noise multiplier and this policy's
   ``min_noise_multiplier``, it needs ``local_variance * m >= (z * sensitivity)^2``, the
   sensitivity being the conditional-rounding bound the device enforces on its own encoding; and
-  discrete Gaussian shares wide enough that the group's sum of them is as private as one discrete
-  Gaussian of their total variance (``DDPParams.discreteness_problem``: a share of variance well
-  below 1 is almost always 0, whatever variance it was sized with). A secure round with no DP at
-  all is refused too when the policy sets a floor.
+  integer noise that costs no more than the Gaussian mechanism it is accounted as
+  (``DDPParams.discreteness_problem``: discrete Gaussian shares wide enough for the group's sum of
+  them to be one discrete Gaussian, as a share of variance well below 1 is not, being almost
+  always 0; Skellam noise large beside its sensitivity). A secure round with no DP at all is
+  refused too when the policy sets a floor.
 
 Pure: values in, verdicts out; the layout of a plan's update as the flat vector the mechanism
 encodes is here too, so that the device and the server lay it out the same way.
@@ -179,7 +180,9 @@ def check_round(
     problem = noise_problem(params, releasable_minimum(config), policy.min_noise_multiplier)
     if problem is not None:  # privacy first: a larger gamma both wraps the modulus and thins the noise
         raise DPRefusal(DP_NOISE_BELOW_FLOOR, problem)
-    narrow = params.discreteness_problem(max(policy.min_noise_multiplier, params.noise_multiplier))
+    narrow = params.discreteness_problem(
+        max(policy.min_noise_multiplier, params.noise_multiplier), releasable_minimum(config)
+    )
     if narrow is not None:
         raise DPRefusal(DP_NOISE_BELOW_FLOOR, narrow)
     try:

@@ -472,6 +472,55 @@ def test_calibration_refuses_a_bitwidth_that_rounding_would_swamp() -> None:
         ddp.calibrate(noise_multiplier=1.0, clip=1.0, dim=2**16, bitwidth=10, min_devices=10)
 
 
+def skellam_rdp_excess(params: ddp.DDPParams, devices: int, alpha: int) -> float:
+    """Agarwal, Kairouz and Liu 2021 (Theorem 3.5): what the Skellam mechanism's Renyi divergence at
+    integer order ``alpha`` may exceed the Gaussian's alpha D2^2 / (2 mu) by, for ``devices`` shares."""
+    mu = devices * params.local_variance
+    d2 = params.sensitivity
+    d1 = min(math.sqrt(params.padded_dim) * d2, d2 * d2)  # an integer vector's l1 norm is at most its l2 norm squared
+    return min(((2 * alpha - 1) * d2 * d2 + 6 * d1) / (4 * mu * mu), 3 * d1 / (2 * mu))
+
+
+@SETTINGS
+@given(
+    z=st.sampled_from([0.3, 1.0, 3.0]),
+    bitwidth=st.integers(8, 20),
+    dim=st.sampled_from([10, 100, 650]),
+    k=st.sampled_from([5, 20, 100]),
+)
+@example(z=0.3, bitwidth=11, dim=10, k=5)  # a Skellam sum once calibrated with 3.4 times the Gaussian's loss on top
+def test_calibrated_skellam_noise_costs_what_the_gaussian_mechanism_it_is_accounted_as_does(
+    z: float, bitwidth: int, dim: int, k: int
+) -> None:
+    try:
+        p = ddp.calibrate(
+            noise_multiplier=z,
+            clip=1.0,
+            dim=dim,
+            bitwidth=bitwidth,
+            min_devices=k,
+            max_devices=2 * k,
+            mechanism="skellam",
+        )
+    except ddp.ModulusTooSmall as refused:
+        if "Agarwal" in str(refused):  # the bitwidth it names fits
+            need = int(str(refused).rsplit("raise bitwidth to at least ", 1)[1])
+            ddp.calibrate(
+                noise_multiplier=z,
+                clip=1.0,
+                dim=dim,
+                bitwidth=need,
+                min_devices=k,
+                max_devices=2 * k,
+                mechanism="skellam",
+            )
+        return
+    for n in (k, 2 * k):  # any released sum: the fewest shares are the worst
+        for alpha in (2, 8, 32, 256):
+            gaussian = alpha / (2 * z * z)  # the accountant's
+            assert skellam_rdp_excess(p, n, alpha) <= ddp.MAX_DISCRETENESS_SHARE * gaussian
+
+
 @SETTINGS
 @given(
     z=st.sampled_from([0.3, 1.0, 3.0]),
@@ -486,7 +535,7 @@ def test_calibrated_discrete_gaussian_shares_carry_the_variance_they_are_sized_w
     """A discrete Gaussian's variance is below its variance parameter, far below under 1 (a share
     of parameter 0.133, which a group of 100 to 200 devices of 10 parameters at 11 bits was once
     sized with, has variance 0.045): calibrated shares are wide enough that the law's variance, summed exactly,
-    is the parameter's, and their sum one discrete Gaussian to within ``MAX_TAU_SHARE``; a modulus
+    is the parameter's, and their sum one discrete Gaussian to within ``MAX_DISCRETENESS_SHARE``; a modulus
     too narrow for that is refused, naming the bitwidth that fits."""
     try:
         p = ddp.calibrate(noise_multiplier=z, clip=1.0, dim=dim, bitwidth=bitwidth, min_devices=k, max_devices=2 * k)
@@ -499,8 +548,8 @@ def test_calibrated_discrete_gaussian_shares_carry_the_variance_they_are_sized_w
     kk = np.arange(-80, 81, dtype=np.float64)
     weights = np.exp(-(kk * kk) / (2 * p.local_variance))
     law = float((kk * kk * weights).sum() / weights.sum()) if p.local_variance < 64 else p.local_variance
-    assert law >= p.local_variance * (1 - ddp.MAX_TAU_SHARE)
-    assert p.tau(p.max_devices) * p.padded_dim / 2 <= ddp.MAX_TAU_SHARE / z**2
+    assert law >= p.local_variance * (1 - ddp.MAX_DISCRETENESS_SHARE)
+    assert p.tau(p.max_devices) * p.padded_dim / 2 <= ddp.MAX_DISCRETENESS_SHARE / z**2
 
 
 @pytest.mark.parametrize("mechanism", ["gaussian", "skellam"])

@@ -138,6 +138,30 @@ def test_discrete_gaussian_shares_too_narrow_to_carry_their_variance_are_refused
     assert check(wide, config) is not None
 
 
+def test_skellam_noise_small_beside_its_sensitivity_is_refused() -> None:
+    """Skellam shares sized for noise multiplier 0.3 at gamma 1 (sensitivity 17): the variance check
+    passes, but Agarwal et al.'s bound puts the sum's privacy loss well above the Gaussian
+    mechanism's that the round is accounted as. Calibrated at the default bitwidth, the same
+    mechanism passes."""
+    _, config = honest()
+    base = ddp.DDPParams(
+        dim=DIM,
+        clip=1.0,
+        noise_multiplier=0.3,
+        gamma=1.0,
+        local_variance=1.0,
+        bitwidth=32,
+        min_devices=5,
+        max_devices=6,
+        mechanism="skellam",
+    )
+    small = dataclasses.replace(base, local_variance=(0.3 * base.sensitivity) ** 2 / 5)
+    assert noise_problem(small, releasable_minimum(config), 0.0) is None  # the variance check alone passes it
+    assert "Agarwal" in _refused(DP_NOISE_BELOW_FLOOR, small, config)
+    calibrated, config = honest(z=0.3, mechanism="skellam")
+    assert check(calibrated, config) is not None
+
+
 def test_parameters_that_do_not_fit_the_round_are_refused() -> None:
     params, config = honest()
     _refused(DP_PARAMS_INVALID, params, config, rotation_seed=(SEED + 1) % (1 << 64))
@@ -246,7 +270,7 @@ def test_any_params_a_server_sends_pass_with_noise_above_the_floor_on_every_rele
     for m in range(_released_minimum(config), n + 1):  # every sum the group may release
         assert m * params.local_variance >= target**2 * (1 - 1e-9)
         if target >= 0.01 * params.sensitivity:  # the least noise multiplier a task takes: the shares' law carries it
-            assert m * law_variance(params) >= target**2 * (1 - ddp.MAX_TAU_SHARE)
+            assert m * law_variance(params) >= target**2 * (1 - ddp.MAX_DISCRETENESS_SHARE)
     assert config.modulus == params.modulus and config.vector_length == params.padded_dim
     assert params.wrap_probability <= policy.max_wrap_probability
     params.check_modulus(n)  # the group's noisy sum fits the modulus
