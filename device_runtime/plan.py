@@ -53,6 +53,13 @@ _PREFIX = struct.Struct("<8sHIQ")  # magic, format version, header length, total
 _DIGEST_LEN = 32
 MAX_HEADER_BYTES = 1 << 20
 MAX_PLAN_BYTES = 1 << 31
+#: The most bytes one tensor of a plan's graph may take where its size is known before the graph
+#: runs (ONNX shape inference over its inputs' and initializers' shapes, the work graph's batch
+#: taken at the plan's batch size): no device gives a plan more (the default device class gives
+#: 2048 MB). A ConstantOfShape, Expand, Tile, Range or OneHot to 10^12 elements was allocated by
+#: onnxruntime when the session was made (constant folding) or at the first step, before any check
+#: between steps: on a phone, that ends the app.
+MAX_TENSOR_BYTES = 1 << 31
 GRAPH_FIELDS = ("work", "prepare", "zero", "accumulate", "merge", "report", "update")
 PLAN_KINDS = ("train", "eval")
 
@@ -550,6 +557,83 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
                     f"or what onnxruntime {target} runs ({max_opset})"
                 )
         _check_graph_names(plan, field, model)
+        largest = _largest_tensor(model, plan.device if field == "work" else None)
+        if largest is not None and largest[1] > MAX_TENSOR_BYTES:
+            raise PlanError(
+                f"graph {field!r} makes tensor {largest[0][:100]!r} of {largest[1]:,} bytes before it has run a step, "
+                f"more than the {MAX_TENSOR_BYTES:,} a device gives one tensor"
+            )
+
+
+def _largest_tensor(model: Any, device: DeviceConfig | None) -> tuple[str, int] | None:
+    """The largest tensor ``model`` makes whose size ONNX shape inference knows before it runs, as
+    (name, bytes), with a dim it cannot tell (symbolic, or known only when the graph runs) counted
+    as 1: a size found is one the tensor has at least. For the work graph (``device`` given), the
+    first dim of each input the device feeds is its batch, taken at the plan's batch size.
+
+    Shape inference runs without data propagation: onnx's propagation of a Range over constants
+    materializes the range (10^12 elements took the process's memory); inference alone reads the
+    constants' values where a shape needs them (ConstantOfShape, Expand, Tile, Range, Pad...)."""
+    import onnx
+
+    if device is not None:
+        model = _batch_pinned(model, device)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - onnx's InferenceError and others: the declared shapes only
+        inferred = model
+    largest: tuple[str, int] | None = None
+    for graph in _subgraphs(inferred.graph):
+        for value in (*graph.value_info, *graph.output):
+            size = _tensor_bytes(value.type)
+            if size is not None and (largest is None or size > largest[1]):
+                largest = (value.name, size)
+    return largest
+
+
+def _batch_pinned(model: Any, device: DeviceConfig) -> Any:
+    """A copy of the work graph whose fed inputs' first dim, where symbolic, is the batch size."""
+    import onnx
+
+    pinned = onnx.ModelProto()
+    pinned.CopyFrom(model)
+    for value in pinned.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name in device.inputs and len(dims) > 0 and not dims[0].HasField("dim_value"):
+            dims[0].dim_value = device.batch_size
+    return pinned
+
+
+def _subgraphs(graph: Any) -> Iterator[Any]:
+    """``graph`` and every graph in its nodes' attributes (Loop, If and Scan bodies), depth first."""
+    import onnx
+
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _subgraphs(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from _subgraphs(sub)
+
+
+def _tensor_bytes(kind: Any) -> int | None:
+    """The bytes a tensor of this type takes at least (its known dims), or None when not a tensor."""
+    import onnx
+
+    if not kind.HasField("tensor_type") or not kind.tensor_type.HasField("shape"):
+        return None
+    tensor = kind.tensor_type
+    try:
+        item = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        item = 1
+    size = item
+    for dim in tensor.shape.dim:
+        if dim.HasField("dim_value") and dim.dim_value > 0:
+            size *= dim.dim_value
+    return size
 
 
 def _tensors(model: Any) -> Iterator[Any]:

@@ -3,8 +3,12 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
 
 - A tensor kept in an external file (``/etc/passwd``, ``../..``, or a name that happens to exist
   where the app runs) is refused when the plan loads: a plan carries all its data.
-- A graph that asks onnxruntime for more memory than there is ends the session in the SDK's
-  ``PlanError``; the server hears the abort and the same runtime trains an honest plan next.
+- A graph that makes a tensor larger than a device gives (``MAX_TENSOR_BYTES``: a ConstantOfShape,
+  Expand, Tile, Range or OneHot to 10^11-10^12 elements, in the graph or a Loop's body) is refused
+  when the plan loads, before onnxruntime allocates it; nothing of it is kept.
+- A graph that asks onnxruntime for more memory than there is, in a size only its data tells,
+  ends the session in the SDK's ``PlanError``; the server hears the abort and the same runtime
+  trains an honest plan next.
 - A graph whose one step never ends (a Loop of 10^15 iterations) is stopped by force at the
   device's ``max_training_s``.
 - A new plan per session: the runtime keeps at most ``MAX_CACHED_PLANS`` loaded."""
@@ -21,8 +25,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime import DeviceClass, FLRuntime, OpStatsStore, Outcome, PlanError, encode_checkpoint, initial_weights
-from device_runtime.errors import RuntimeSdkError
-from device_runtime.plan import load_plan, serialize_plan
+from device_runtime.errors import CorruptResource, RuntimeSdkError
+from device_runtime.plan import MAX_TENSOR_BYTES, load_plan, serialize_plan
 from device_runtime.plan_cache import MAX_CACHED_PLANS
 from example_store import InMemoryExampleStore
 from tests.support import COLLECTION, digits_plan
@@ -46,14 +50,92 @@ def _external(location: str):
     return _with_work(digits_plan(), [helper.make_node("ReduceSum", ["outside"], ["extra"], keepdims=0)], [tensor])
 
 
+def _ints(values, name: str):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+ONE = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+
+
 def _huge():
-    shape = numpy_helper.from_array(np.array([100_000, 100_000, 100], np.int64), "shape")  # 4 TB of float32
-    fill = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    """4 TB of float32, its size a constant: refused when the plan loads."""
     nodes = [
-        helper.make_node("ConstantOfShape", ["shape"], ["big"], value=fill),
+        helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE),
         helper.make_node("ReduceSum", ["big"], ["extra"], keepdims=0),
     ]
-    return _with_work(digits_plan(), nodes, [shape])
+    return _with_work(digits_plan(), nodes, [_ints([100_000, 100_000, 100], "shape")])
+
+
+def _huge_from_data():
+    """4 TB of float32 whose size only the batch tells (a 10^12 computed from the examples' values),
+    which no check before the run can know."""
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
+        helper.make_node("Mul", ["peak", "zero"], ["nothing"]),
+        helper.make_node("Add", ["nothing", "trillion"], ["how_many"]),
+        helper.make_node("Cast", ["how_many"], ["scalar"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["scalar", "one_dim"], ["shape"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE),
+        helper.make_node("ReduceSum", ["big"], ["extra"], keepdims=0),
+    ]
+    initializers = [
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array(1e12, np.float32), "trillion"),
+        _ints([1], "one_dim"),
+    ]
+    return _with_work(digits_plan(), nodes, initializers)
+
+
+def _sum_of(*nodes):
+    return [*nodes, helper.make_node("ReduceSum", ["big"], ["extra"], keepdims=0)]
+
+
+def _in_a_loop(nodes, initializers):
+    """``nodes`` (making 'big' from ``initializers``) in the body of a Loop of one trip."""
+    body = helper.make_graph(
+        [
+            *nodes,
+            helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0),
+            helper.make_node("Identity", ["c"], ["c_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("total", TensorProto.FLOAT, None),
+        ],
+        initializers,
+    )
+    trips = [_ints(1, "trips"), numpy_helper.from_array(np.array(True), "go")]
+    loop = helper.make_node("Loop", ["trips", "go"], ["totals"], body=body)
+    return [loop, helper.make_node("ReduceSum", ["totals"], ["extra"], keepdims=0)], trips
+
+
+_LOOPED = _in_a_loop([helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE)], [_ints([10**12], "shape")])
+#: Graphs that make a tensor of 10^11-10^12 elements from constants (x is the batch, 8 x 64; y its labels).
+HUGE_GRAPHS = {
+    "ConstantOfShape": (
+        _sum_of(helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE)),
+        [_ints([10**6, 10**6], "shape")],
+    ),
+    "Expand": (_sum_of(helper.make_node("Expand", ["x", "shape"], ["big"])), [_ints([10**9, 1, 1], "shape")]),
+    "Tile": (_sum_of(helper.make_node("Tile", ["x", "repeats"], ["big"])), [_ints([10**5, 10**5], "repeats")]),
+    "Range": (
+        _sum_of(
+            helper.make_node("Range", ["start", "limit", "delta"], ["steps"]),
+            helper.make_node("Cast", ["steps"], ["big"], to=TensorProto.FLOAT),
+        ),
+        [_ints(0, "start"), _ints(10**12, "limit"), _ints(1, "delta")],
+    ),
+    "OneHot": (
+        _sum_of(helper.make_node("OneHot", ["y", "depth", "off_on"], ["big"])),
+        [_ints(10**11, "depth"), numpy_helper.from_array(np.array([0.0, 1.0], np.float32), "off_on")],
+    ),
+    "Loop": _LOOPED,
+}
 
 
 def _endless():
@@ -133,8 +215,35 @@ def _store(n: int = 16) -> InMemoryExampleStore:
     return store
 
 
-def test_a_graph_that_asks_for_more_memory_than_there_is_ends_in_the_sdks_error_and_the_app_goes_on(tmp_path):
+@pytest.mark.parametrize("op", sorted(HUGE_GRAPHS))
+def test_a_graph_that_makes_a_tensor_larger_than_a_device_gives_is_refused_when_the_plan_loads(op):
+    """onnxruntime allocated such a tensor when it made the session (constant folding) or at the
+    first step, whatever the device's memory: what the machine could give went through, and on a
+    phone the app ends."""
+    nodes, initializers = HUGE_GRAPHS[op]
+    with pytest.raises(
+        PlanError, match=r"graph 'work' makes tensor '\w+' of [\d,]+ bytes before it has run a step"
+    ) as refused:
+        load_plan(serialize_plan(_with_work(digits_plan(), nodes, initializers)))
+    assert f"more than the {MAX_TENSOR_BYTES:,} a device gives one tensor" in str(refused.value)
+
+
+def test_a_plan_with_a_tensor_larger_than_a_device_gives_is_refused_unrun_and_not_kept(tmp_path):
     server = HostileServer([_huge(), digits_plan()])
+    cache = tmp_path / "cache"
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, cache_dir=cache) as runtime:
+        with pytest.raises(
+            CorruptResource, match=r"was refused: graph 'work' makes tensor 'big' of 4,000,000,000,000 bytes"
+        ):
+            runtime.run_session()
+        assert server.aborts == 1 and not runtime._plans and not runtime.loaded_plans._loaded
+        assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
+        assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
+    assert server.reports == 1
+
+
+def test_a_graph_that_asks_for_more_memory_than_there_is_ends_in_the_sdks_error_and_the_app_goes_on(tmp_path):
+    server = HostileServer([_huge_from_data(), digits_plan()])
     opstats = OpStatsStore(tmp_path / "app.db")
     with FLRuntime("digits", "http://fl.test", _store(), transport=server, opstats=opstats) as runtime:
         with pytest.raises(PlanError, match=r"the plan's 'work' graph failed at step 0: .*ConstantOfShape") as failed:
