@@ -629,6 +629,13 @@ class FLRuntime:
             executor.check_weights(weights)
         except (CheckpointError, PlanError) as exc:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
+        # a server commits only finite models: NaN or infinite weights would train to an update the
+        # server refuses, the device's work for nothing
+        broken = next((w for w in executor.plan.weight_names if not np.isfinite(weights[w]).all()), None)
+        if broken is not None:
+            raise CorruptResource(
+                f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values"
+            )
         return weights
 
 

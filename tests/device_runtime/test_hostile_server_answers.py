@@ -20,6 +20,7 @@ import math
 import random
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -278,10 +279,18 @@ def test_a_checkpoint_that_is_not_the_plans_or_not_a_checkpoint_is_refused_as_co
     store = InMemoryExampleStore()
     store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}] * 8)
     good = encode_checkpoint(initial_weights(plan, seed=0))
+    first = plan.weight_names[0]
+    # NaN or infinite weights trained to a NaN update, which the device sent (its work for nothing)
+    nan, inf = (
+        {**initial_weights(plan, seed=0), first: np.full_like(initial_weights(plan)[first], x)}
+        for x in (np.nan, -np.inf)
+    )
     for checkpoint, says in [
         (encode_checkpoint(initial_weights(other, seed=0)), "has shape"),
         (good[:-5], "refused"),
         (b"\x00" * 40, "refused"),
+        (encode_checkpoint(nan), f"weight {first!r} holds NaN or infinite values"),
+        (encode_checkpoint(inf), f"weight {first!r} holds NaN or infinite values"),
     ]:
         with FLRuntime(
             "p",
