@@ -24,6 +24,7 @@ import certifi
 import httpcore
 import httpx
 from pydantic import TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from .attestation import AttestationError, decode_nonce
 from .errors import CorruptResource, InvalidSetting, ProtocolError, ServerUnreachable
@@ -388,6 +389,14 @@ def _answer(response: httpx.Response, model: Any, what: str) -> Any:
         raise ProtocolError(f"the server's {what} is malformed: {_first_error(exc)}") from None
 
 
+def _json(response: httpx.Response) -> Any:
+    """An answer's body as JSON; ``ValueError`` when it is not JSON, not UTF-8, or nested deeper than
+    pydantic-core's parser goes. httpx's ``Response.json`` is ``json.loads``, which recurses once per
+    bracket: a hostile server's 200 KB of ``[`` raised ``RecursionError``, past every ``except
+    ValueError`` of the client, out of the runtime as an error that is not the SDK's."""
+    return from_json(response.content)
+
+
 def _first_error(exc: ValidationError) -> str:
     """The first refusal, naming the field, without echoing the (possibly hostile) value."""
     errors = exc.errors(include_url=False, include_input=False, include_context=False)
@@ -489,7 +498,7 @@ class ProtocolClient:
             return
         code, message = None, response.content[:200].decode("utf-8", "replace")
         try:
-            err = response.json()["error"]
+            err = _json(response)["error"]
             code, message = err["code"], err["message"]
         except (ValueError, KeyError, TypeError):
             pass
@@ -578,7 +587,7 @@ class ProtocolClient:
         # Read as a JSON object only: the Secure Aggregation client reads it as ``wire.SecAggState``
         # and refuses a state out of shape as a refusal of the round (``SecureOutcome``), not an error.
         try:
-            data = response.json()
+            data = _json(response)
         except ValueError:  # not JSON, or not UTF-8
             raise ProtocolError(
                 f"the server's Secure Aggregation state is not JSON: {response.content[:80]!r}"

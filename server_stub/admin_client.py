@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
@@ -142,7 +143,9 @@ class AdminClient:
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 400:
             try:
-                err = response.json()["error"]
+                # pydantic-core's parser: json.loads (httpx's) recursed once per bracket, and a refusal
+                # of 100,000 nested '[' raised RecursionError, not an AdminError
+                err = from_json(response.content)["error"]
                 raise AdminError(f"{err['message']} ({err['code']})", response.status_code, err["code"])
             except (ValueError, KeyError, TypeError):
                 raise AdminError(response.text[:300], response.status_code, None) from None

@@ -612,3 +612,31 @@ def test_an_event_keeps_no_more_than_a_short_text_of_what_the_server_said(tmp_pa
         recorder.record("upload_rejected", code="SECAGG_ABORTED", detail="x" * 100_000, count=3)
     [event] = recorder.events
     assert event.detail == {"code": "SECAGG_ABORTED", "detail": "x" * _Recorder.MAX_TEXT, "count": 3}
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # 200 KB, far below the answers' bound
+
+
+@pytest.mark.parametrize(
+    "status, body",
+    [(400, b'{"error":' + DEEP + b"}"), (409, DEEP), (200, DEEP), (200, b'{"status":' + DEEP + b"}")],
+    ids=["refusal's error", "refusal", "state", "state's field"],
+)
+def test_json_nested_deeper_than_a_parser_goes_is_a_protocol_error(status, body):
+    """httpx's ``Response.json`` (``json.loads``) recursed once per bracket: a refusal or a Secure
+    Aggregation state of 100,000 nested ``[`` raised ``RecursionError``, not an SDK error."""
+    from device_runtime.protocol import ProtocolClient
+    from device_runtime.wire import CheckinAccepted
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body)
+
+    session = CheckinAccepted.model_validate(GOOD_ANSWER)
+    client = ProtocolClient("http://fl.test", transport=httpx.MockTransport(handle), retry=RetryPolicy(attempts=1))
+    with pytest.raises(ProtocolError) as refused:
+        client.secagg_poll(session, after=0, wait_s=0.0)
+    client.close()
+    if status >= 400:
+        assert refused.value.status == status and refused.value.code is None
+    else:
+        assert "Secure Aggregation state is not JSON" in str(refused.value)

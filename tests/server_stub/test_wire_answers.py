@@ -219,6 +219,18 @@ def test_an_operators_answer_out_of_shape_is_an_admin_error_naming_the_field(cal
     assert "is not a" in str(refused.value)
 
 
+def test_a_refusal_nested_deeper_than_a_parser_goes_is_an_admin_error():
+    """httpx's ``Response.json`` (``json.loads``) recursed once per bracket: RecursionError."""
+    deep = b'{"error":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    transport = httpx.MockTransport(lambda request: httpx.Response(403, content=deep))
+    with (
+        AdminClient("http://fl.test", admin_key="k", transport=transport) as admin,
+        pytest.raises(AdminError) as refused,
+    ):
+        admin.populations()
+    assert refused.value.status == 403 and refused.value.code is None
+
+
 def test_every_secure_aggregation_state_of_an_honest_round_is_a_secagg_state_field_for_field(harness, monkeypatch):  # noqa: F811
     """The long poll sends the service's state as it is (a malicious-server test bends it), so the
     states of a real Secure Aggregation round are checked against ``SecAggState`` here."""
