@@ -549,6 +549,12 @@ class ProtocolClient:
         and check that it is what its id names."""
         response = self._request("GET", f"/v1/resources/{resource_id}", headers={"Authorization": f"Bearer {token}"})
         self._raise_for_error(response)
+        if not 200 <= response.status_code < 300:  # a redirect (never followed): no bytes of the resource came
+            raise ProtocolError(
+                f"the server's answer to the download of {resource_id} came with HTTP {response.status_code}, "
+                "not a success",
+                status=response.status_code,
+            )
         data = response.content
         if hashlib.sha256(data).hexdigest() != resource_id:
             raise CorruptResource(

@@ -640,3 +640,32 @@ def test_json_nested_deeper_than_a_parser_goes_is_a_protocol_error(status, body)
         assert refused.value.status == status and refused.value.code is None
     else:
         assert "Secure Aggregation state is not JSON" in str(refused.value)
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("route", ["/checkin", "/v1/resources/", "/report"])
+def test_a_redirect_is_followed_nowhere_and_ends_in_a_protocol_error(status, route):
+    """A server that sends the device elsewhere (another host, where its token and its update would
+    go) is not followed; a redirected download was refused as corrupted, as if bytes had come."""
+    from device_runtime.protocol import ProtocolClient
+    from device_runtime.wire import CheckinAccepted
+
+    hosts: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        if route in request.url.path:
+            return httpx.Response(status, headers={"Location": "http://elsewhere.test/v1/take"})
+        return httpx.Response(200, json=GOOD_ANSWER)
+
+    client = ProtocolClient("http://fl.test", transport=httpx.MockTransport(handle), retry=RetryPolicy(attempts=1))
+    session = CheckinAccepted.model_validate(GOOD_ANSWER)
+    calls = {
+        "/checkin": lambda: client.checkin("p", "1.31.1"),
+        "/v1/resources/": lambda: client.fetch_resource("a" * 64, "t0k3n"),
+        "/report": lambda: client.report(session, b"update"),
+    }
+    with pytest.raises(ProtocolError, match=f"HTTP {status}, not a success") as refused:
+        calls[route]()
+    client.close()
+    assert refused.value.status == status and hosts == ["fl.test"]
