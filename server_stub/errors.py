@@ -58,6 +58,12 @@ class SessionClosed(ApiError):
     status, code = 409, "SESSION_CLOSED"
 
 
+class UploadSuperseded(ApiError):
+    """A newer upload of the same session began while this one's body was arriving: it was dropped."""
+
+    status, code = 409, "UPLOAD_SUPERSEDED"
+
+
 class BodyTooLarge(ApiError):
     status, code = 413, "BODY_TOO_LARGE"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 
 import httpx
@@ -70,6 +71,57 @@ def test_an_upload_is_authorized_and_bounded_before_its_body_is_read(server, adm
         assert _upload_head(server, f"/v1/sessions/{sid}/{endpoint}", theirs["token"]) == (401, "BAD_SESSION_TOKEN")
         assert _upload_head(server, f"/v1/sessions/no-such-session/{endpoint}", "x") == (401, "BAD_SESSION_TOKEN")
         assert _upload_head(server, f"/v1/sessions/{sid}/{endpoint}", token) == (413, "BODY_TOO_LARGE")
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the answer on ``sock``."""
+    received = b""
+    while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < _length(received):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection without an answer"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def test_a_sessions_newer_upload_drops_the_one_still_arriving(server, admin):
+    """Every upload of a session's token was read in full and held: one selected device that
+    opened 800 uploads of its report, all of each body but its last byte, held 800 bodies (70 MB
+    of the server's memory for a 68 KB update) and as many connections, each for 30 s plus a second
+    per KiB it had sent. Now a newer upload of the session drops the one still arriving, 409
+    ``UPLOAD_SUPERSEDED``: a session holds one body, and the last one sent is taken."""
+    from device_runtime import PlanExecutor, encode_checkpoint
+
+    plan, _ = deploy(admin, goal_count=3, over_selection=1.0, report_timeout_s=60, selection_timeout_s=60)
+    with httpx.Client(base_url=server.url, timeout=HANG_S) as http:
+        mine = _checkin(http)
+    spec = PlanExecutor(plan).client_update_spec()
+    update = encode_checkpoint({name: np.zeros(shape, dtype) for name, (shape, dtype) in spec.items()})
+    head = (
+        f"POST /v1/sessions/{mine['session_id']}/report HTTP/1.1\r\nHost: fl\r\n"
+        f"Authorization: Bearer {mine['token']}\r\nContent-Length: {len(update)}\r\n\r\n"
+    ).encode()
+    uploads = [socket.create_connection((server.host, server.port)) for _ in range(5)]
+    try:
+        for sock in uploads:
+            sock.settimeout(HANG_S)
+            sock.sendall(head + update[:-1])
+        # whichever the server saw last is the newest: the others are answered without their last byte
+        answered: dict[socket.socket, tuple[int, dict]] = {}
+        while len(answered) < len(uploads) - 1:
+            ready, _, _ = select.select([s for s in uploads if s not in answered], [], [], HANG_S)
+            assert ready, f"{len(answered)} of {len(uploads) - 1} older uploads answered within {HANG_S} s"
+            for sock in ready:
+                answered[sock] = _answer(sock)
+        assert {(status, body["error"]["code"]) for status, body in answered.values()} == {(409, "UPLOAD_SUPERSEDED")}
+        [newest] = [sock for sock in uploads if sock not in answered]
+        newest.sendall(update[-1:])
+        status, body = _answer(newest)
+        assert status == 200 and body["status"] == "accepted", body
+    finally:
+        for sock in uploads:
+            sock.close()
+    assert admin.status("digits")["current_round"]["reported"] == 1
 
 
 def test_a_secagg_message_is_bounded_by_what_its_group_can_need(server, admin):
