@@ -139,7 +139,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--body-timeout-s",
         type=float,
         default=limits.body_timeout_s,
-        help="seconds the server waits for a request body in all, plus one per KiB received",
+        help="seconds the server waits for a request body in all, plus one per KiB received, and at most for any "
+        "one piece of it",
     )
     p.add_argument(
         "--max-connections",

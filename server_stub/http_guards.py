@@ -16,8 +16,10 @@ middleware) add, set by ``HttpLimits``:
 - a request head must be in within ``header_timeout_s`` of the connection opening or of the
   previous answer; else 408 ``HEADER_TIMEOUT`` and the connection is closed;
 - a request body may keep the app waiting ``body_timeout_s`` in all, plus one second per
-  ``MIN_BODY_BYTES_PER_S`` bytes it brought: a slow but steady upload goes on, a stalled or
-  trickling one is answered 408 ``BODY_TIMEOUT``. What is left of a body the app answered without
+  ``MIN_BODY_BYTES_PER_S`` bytes it brought, and at most ``body_timeout_s`` between two of its
+  pieces: a slow but steady upload goes on, a stalled or trickling one is answered 408
+  ``BODY_TIMEOUT``, however much it sent before it stalled (a body that sent 10 MB at once could
+  then stall for near three hours on the second per KiB it had earned). What is left of a body the app answered without
   reading it (a refused report, say) is read and dropped for at most ``body_timeout_s``;
 - at most ``max_connections`` connections are open: one more takes the place of the connection
   idle longest (waiting for a head, or draining an answered body), or, when every one is busy with
@@ -453,9 +455,9 @@ class GuardedH11Protocol(H11Protocol):
 
 class SlowBodyGuard:
     """ASGI middleware: the app waits for a request body ``timeout_s`` in all, plus a second per
-    ``min_bytes_per_s`` bytes received; past that, its read raises ``BodyTimeout`` (the app answers
-    408) and the answer closes the connection. Only waiting counts: a body the app reads late,
-    already buffered, costs nothing."""
+    ``min_bytes_per_s`` bytes received, and at most ``timeout_s`` for any one piece of it; past
+    that, its read raises ``BodyTimeout`` (the app answers 408) and the answer closes the
+    connection. Only waiting counts: a body the app reads late, already buffered, costs nothing."""
 
     def __init__(self, app: Any, timeout_s: float, min_bytes_per_s: float = MIN_BODY_BYTES_PER_S) -> None:
         self.app = app
@@ -476,13 +478,13 @@ class SlowBodyGuard:
                 return await receive()
             started = loop.time()
             try:
-                async with asyncio.timeout(allowance):
+                async with asyncio.timeout(min(allowance, self.timeout_s)):
                     message = await receive()
             except TimeoutError:
                 timed_out = complete = True
                 raise BodyTimeout(
-                    f"the request body stopped arriving (allowed: {self.timeout_s:g} s of waiting, "
-                    f"plus 1 s per {self.min_bytes_per_s:g} bytes received)"
+                    f"the request body stopped arriving (allowed: {self.timeout_s:g} s for each piece, "
+                    f"{self.timeout_s:g} s of waiting in all plus 1 s per {self.min_bytes_per_s:g} bytes received)"
                 ) from None
             finally:
                 allowance -= loop.time() - started

@@ -109,6 +109,18 @@ def test_a_request_body_that_stops_arriving_is_answered_408_and_cut_off(guarded)
     assert _answer(_until_closed(unread)) == (401, "BAD_SESSION_TOKEN")
 
 
+def test_a_request_body_that_stalls_after_a_burst_is_cut_off_however_much_it_sent(guarded):
+    """Each KiB a body brings earns it a second more: a body that sent 60 KB at once could then
+    stall for a minute (10 MB: near three hours), holding its connection and what it sent. No
+    piece of a body is awaited longer than ``body_timeout_s``."""
+    burst = _connect(guarded)
+    burst.sendall(
+        _head("POST", "/v1/populations/digits/checkin", "Content-Type: application/json", "Content-Length: 64000")
+        + b" " * 60_000
+    )
+    assert _answer(_until_closed(burst)) == (408, "BODY_TIMEOUT")
+
+
 def test_the_connection_cap_makes_room_by_closing_the_longest_idle(tmp_path):
     limits = HttpLimits(header_timeout_s=60.0, max_connections=8)  # the timeout plays no part here
     with ServerThread(tmp_path / "server.db", http_limits=limits) as server:
