@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import struct
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -563,6 +564,30 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
                 f"graph {field!r} makes tensor {largest[0][:100]!r} of {largest[1]:,} bytes before it has run a step, "
                 f"more than the {MAX_TENSOR_BYTES:,} a device gives one tensor"
             )
+        if field == "work":
+            _remember_largest(plan, largest)
+
+
+#: The largest tensor of each loaded plan's work graph (``largest_work_tensor``), by the plan's id()
+#: while it lives: plans hold dicts, so they cannot be keys themselves.
+_LARGEST_WORK: dict[int, tuple[str, int] | None] = {}
+
+
+def _remember_largest(plan: Plan, largest: tuple[str, int] | None) -> None:
+    if id(plan) not in _LARGEST_WORK:
+        _LARGEST_WORK[id(plan)] = largest
+        weakref.finalize(plan, _LARGEST_WORK.pop, id(plan), None)
+
+
+def largest_work_tensor(plan: Plan) -> tuple[str, int] | None:
+    """The largest tensor the plan's work graph makes whose size is known before it runs, as (name,
+    bytes) (see ``MAX_TENSOR_BYTES``): what a device compares with the memory it gives. Found once
+    per plan, when it loads."""
+    if id(plan) not in _LARGEST_WORK:
+        import onnx
+
+        _remember_largest(plan, _largest_tensor(onnx.ModelProto.FromString(plan.work), plan.device))
+    return _LARGEST_WORK[id(plan)]
 
 
 def _largest_tensor(model: Any, device: DeviceConfig | None) -> tuple[str, int] | None:

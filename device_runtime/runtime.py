@@ -36,7 +36,7 @@ from .errors import CorruptResource, InvalidSetting, NoExamples, OverBudget, Pro
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .influence import bound_update
 from .opstats import Event, OpStatsStore, shape_of
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, largest_work_tensor
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import (
     MIN_ANSWER_BYTES_PER_S,
@@ -81,9 +81,10 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class DeviceClass:
-    """What a device can give a plan; a plan whose declared budget exceeds it is refused. On the
-    system's clock, training stops by force after ``max_training_s`` when the plan declares no
-    time budget of its own."""
+    """What a device can give a plan; a plan whose declared budget exceeds it is refused, and so is
+    one whose work graph makes a tensor larger than ``memory_mb`` where its size is known before it
+    runs (``plan.largest_work_tensor``). On the system's clock, training stops by force after
+    ``max_training_s`` when the plan declares no time budget of its own."""
 
     name: str = "default"
     memory_mb: float = 2048.0
@@ -576,6 +577,13 @@ class FLRuntime:
         if meta.memory_budget_mb is not None and meta.memory_budget_mb > device.memory_mb:
             raise OverBudget(
                 f"plan {plan.name!r} asks for {meta.memory_budget_mb} MB; a {device.name} device gives {device.memory_mb} MB"
+            )
+        # what the plan declares is the server's word; what its graph makes before a step is known
+        largest = largest_work_tensor(plan)
+        if largest is not None and largest[1] > device.memory_mb * (1 << 20):
+            raise OverBudget(
+                f"plan {plan.name!r} makes tensor {largest[0][:100]!r} of {largest[1] / (1 << 20):,.0f} MB before it "
+                f"has run a step; a {device.name} device gives {device.memory_mb} MB"
             )
         if meta.time_budget_s is not None and meta.time_budget_s > device.max_training_s:
             raise OverBudget(

@@ -24,7 +24,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from device_runtime import DeviceClass, FLRuntime, OpStatsStore, Outcome, PlanError, encode_checkpoint, initial_weights
+from device_runtime import (
+    DeviceClass,
+    FLRuntime,
+    OpStatsStore,
+    Outcome,
+    OverBudget,
+    PlanError,
+    encode_checkpoint,
+    initial_weights,
+)
 from device_runtime.errors import CorruptResource, RuntimeSdkError
 from device_runtime.plan import MAX_TENSOR_BYTES, load_plan, serialize_plan
 from device_runtime.plan_cache import MAX_CACHED_PLANS
@@ -240,6 +249,23 @@ def test_a_plan_with_a_tensor_larger_than_a_device_gives_is_refused_unrun_and_no
         assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
         assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
     assert server.reports == 1
+
+
+def test_a_plan_whose_graph_makes_a_tensor_larger_than_the_device_gives_is_refused_before_it_runs(tmp_path):
+    """Under ``MAX_TENSOR_BYTES``, but over this device's memory: a 256 MB tensor on a device that
+    gives 64 MB. The plan's declared memory budget is the server's word (this one declares none);
+    the device compared nothing else, and onnxruntime allocated the tensor when it made the session."""
+    nodes = _sum_of(helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE))
+    server = HostileServer([_with_work(digits_plan(), nodes, [_ints([64 << 20], "shape")]), digits_plan()])
+    small = DeviceClass("small", memory_mb=64)
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, device_class=small) as runtime:
+        with pytest.raises(
+            OverBudget, match=r"makes tensor 'big' of 256 MB before it has run a step; a small device gives 64"
+        ):
+            runtime.run_session()
+        assert server.aborts == 1 and server.reports == 0
+        assert all(not executor._sessions for executor in runtime._executors.values())  # nothing was run
+        assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
 
 
 def test_a_graph_that_asks_for_more_memory_than_there_is_ends_in_the_sdks_error_and_the_app_goes_on(tmp_path):
