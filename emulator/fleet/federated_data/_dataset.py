@@ -347,6 +347,13 @@ class FederatedDataset:
         )
 
 
+def named_labels(data: FederatedDataset, names: tuple[str, ...]) -> FederatedDataset:
+    """``data``, whose label already holds class ids, with the name of each id (``label_names``):
+    a ``datasets`` ``ClassLabel``'s names."""
+    object.__setattr__(data, "label_names", tuple(names))
+    return data
+
+
 def label_names(label: str, *splits: Mapping[str, Examples]) -> tuple[str, ...]:
     """The sorted names of a text label over every split (``datasets``' ``class_encode_column`` order)."""
     return tuple(

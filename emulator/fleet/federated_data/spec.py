@@ -7,10 +7,12 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
   ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``,
   ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now);
-- ``table:PATH,client=COLUMN`` (.parquet, .csv or a ``save_to_disk`` folder), or ``table:PATH,partition=...``
-  (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
-  ``label=NAME``, ``features=A+B+C``, ``stack=NAME`` (the numeric columns but the label as one vector),
-  and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
+- ``table:PATH,client=COLUMN`` (a .parquet file or a folder of them, a .csv or .tsv file, gzipped too, or a
+  ``save_to_disk`` folder), or ``table:PATH,partition=...`` (a centralized table cut as npz is, with the
+  partitioner options below): ``test=PATH``, ``label=NAME``, ``features=A+B+C`` (a name or a pattern,
+  ``pixel*``), ``stack=NAME`` (the numeric columns but the label as one vector), ``header=yes|no`` (a
+  CSV without a header line: columns f0, f1, ...), and ``words``, ``vocab``, ``vocab_size``,
+  ``max_words`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
   if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
@@ -49,7 +51,7 @@ OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
         "tff-h5": _COMMON | _WORDS | {"test", "label", "lazy"},
-        "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack"},
+        "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack", "header"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
     }
@@ -160,8 +162,9 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         renames(DataSpec(fmt, path, MappingProxyType(options)))  # says now what is wrong with it
     if "partition" in options and options["partition"] not in SCHEMES:
         raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
-    if options.get("lazy", "yes") not in ("yes", "no"):
-        raise DataSpecError(f"{fmt}: lazy={options['lazy']!r} is unknown; use yes or no")
+    for key in ("lazy", "header"):
+        if options.get(key, "yes") not in ("yes", "no"):
+            raise DataSpecError(f"{fmt}: {key}={options[key]!r} is unknown; use yes or no")
     split = options.get("test_split")
     partitioned = fmt in ("npz", "digits") or "partition" in options
     allowed = ("examples", "clients", "none") if partitioned else ("examples", "clients")
@@ -302,6 +305,7 @@ def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
             features=columns,
             stack=opts.get("stack"),
             words=words,
+            header=opts.get("header", "yes") == "yes",
             **common,
         )
     if spec.format == "npz":

@@ -1,5 +1,7 @@
-"""A table with a client-id column: Parquet, CSV, or a Hugging Face ``datasets`` dataset saved with
-``save_to_disk``, read with pyarrow (and ``datasets`` for the saved folder).
+"""A table with a client-id column: Parquet (a file, or a folder of them as ``write_to_dataset`` and
+Spark write, hive's ``key=value`` folders included), CSV (its delimiter found from the header line),
+or a Hugging Face ``datasets`` dataset saved with ``save_to_disk``, read with pyarrow (and
+``datasets`` for the saved folder).
 
 Each row is one example; the client column says whose it is (flwr-datasets' ``NaturalIdPartitioner``
 does the same with a column); every other column is a feature (``features=a+b`` keeps some, and
@@ -10,74 +12,247 @@ strings a text feature (dtype ``"str"``), and an ``Image`` column (``datasets``'
 encoded file's bytes and path, saved or in the Hub's Parquet files) its decoded pixels, uint8
 [H, W] or [H, W, C]. A label of text becomes class ids (``FederatedDataset.label_names``).
 Rows keep their order within a client. A saved ``DatasetDict`` brings its ``train`` and ``test``
-splits; otherwise ``test=`` names a second table, or the test split is cut as ``load_leaf`` does.
+(or ``validation``) splits; otherwise ``test=`` names a second table, or the test split is cut as
+``load_leaf`` does. What would be read as something it is not is refused: a missing value, a
+``ClassLabel``'s -1, an ``Audio`` column, lists of different lengths, a CSV column without a name;
+a pandas index without a name (``__index_level_0__``) is left out.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._dataset import FederatedDataset, TestSplit, with_test_split
+from ._dataset import FederatedDataset, TestSplit, named_labels, with_test_split
 from ._errors import DataLayoutError, DataSpecError, check_finite, require
 from .partition import Partitioner, partition_arrays
 from .text import WordIds
 
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+#: A table's own file suffixes (a compressed CSV too, which pyarrow decompresses by its suffix).
+_PARQUET = (".parquet", ".pq")
+_CSV = (".csv", ".tsv", ".txt")
+_COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
+#: The delimiters a CSV's header line is looked at for (a spreadsheet's semicolons, a TSV's tabs).
+_DELIMITERS = (",", ";", "\t", "|")
+#: The test splits a saved ``DatasetDict`` may bring, in the order one is taken.
+_TEST_SPLITS = ("test", "validation")
 
 
-def _read_arrow(path: Path, client: str | None, features: Sequence[str] | None = None) -> tuple[Any, Any | None]:
-    """(train table, test table or None) as pyarrow Tables; of a Parquet file, only the client
-    column and ``features`` are read when they are given (a file's other columns stay on disk)."""
+def _suffix(path: Path) -> str:
+    """The table suffix of ``path``, past a compression suffix (``data.csv.gz``: ``.csv``)."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in _COMPRESSED:
+        return suffixes[-2]
+    return suffixes[-1] if suffixes else ""
+
+
+def _read_arrow(
+    path: Path, client: str | None, features: Sequence[str] | None = None, *, header: bool = True
+) -> tuple[Any, Any | None]:
+    """(train table, test table or None) as pyarrow Tables; of Parquet, only the client column and
+    ``features`` are read when they are given (a file's other columns stay on disk)."""
     if not path.exists():
         raise DataSpecError(f"table: {path} does not exist")
     if path.is_dir():
-        if not any((path / m).is_file() for m in _HF_MARKERS):
-            raise DataLayoutError(
-                f"table: {path} is a folder without {', '.join(_HF_MARKERS)}; "
-                "give a .parquet or .csv file or a folder written by datasets' save_to_disk"
-            )
-        datasets: Any = require("datasets")
-        try:
-            saved = datasets.load_from_disk(str(path))
-        except Exception as exc:  # datasets raises many types for a damaged folder
-            raise DataLayoutError(f"table: {path} could not be read as a saved datasets folder ({exc})") from exc
-        if isinstance(saved, datasets.DatasetDict):
-            if "train" not in saved:
-                raise DataLayoutError(f"table: {path} holds splits {sorted(saved)} but no 'train' split")
-            test = saved["test"].with_format("arrow")[:] if "test" in saved else None
-            return saved["train"].with_format("arrow")[:], test
-        return saved.with_format("arrow")[:], None
-    suffix = path.suffix.lower()
-    if suffix in (".parquet", ".pq"):
+        if any((path / m).is_file() for m in _HF_MARKERS):
+            return _read_saved(path)
+        return _read_parquet_folder(path, client, features), None
+    suffix = _suffix(path)
+    if suffix in _PARQUET:
         pq: Any = require("pyarrow.parquet")
         try:
             parquet = pq.ParquetFile(path)  # one file (read_table's dataset reader refuses a name twice)
-            names = parquet.schema_arrow.names
-            wanted = None  # every column, also when a feature is missing: group_by_client names it among them
-            if features is not None and set(features) <= set(names):
-                wanted = [c for c in names if c == client or c in features]
-            return parquet.read(columns=wanted), None
+            return parquet.read(columns=_wanted(parquet.schema_arrow.names, client, features)), None
         except Exception as exc:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet
             raise DataLayoutError(f"table: {path} is not a Parquet file ({exc})") from exc
-    if suffix == ".csv":
-        pa: Any = require("pyarrow")
-        csv: Any = require("pyarrow.csv")
-        try:  # client ids stay text: "007" is not 7
-            types = {client: pa.string()} if client is not None else {}
-            table = csv.read_csv(path, convert_options=csv.ConvertOptions(column_types=types))
-            _ = table.column_names  # the header's names are decoded here, not when the file is read
-        except UnicodeDecodeError as exc:
+    if suffix in _CSV:
+        return _read_csv(path, client, header=header), None
+    raise DataSpecError(
+        f"table: {path} is neither .parquet, .csv (.tsv, or either gzipped) nor a folder of Parquet files or "
+        "from datasets' save_to_disk; convert it to one of them"
+    )
+
+
+def _wanted(names: Sequence[str], client: str | None, features: Sequence[str] | None) -> list[str] | None:
+    """The columns to read: the client column and ``features``, or every column (None) when a
+    feature is missing, so that ``_columns`` names it among them."""
+    if features is None:
+        return None
+    try:
+        kept = set(_expand(features, names, ""))
+    except DataSpecError:
+        return None
+    return [c for c in names if c == client or c in kept]
+
+
+def _read_saved(path: Path) -> tuple[Any, Any | None]:
+    """A folder from ``datasets``' ``save_to_disk``: a ``Dataset``, or a ``DatasetDict``'s ``train``
+    and its ``test`` (or, without one, ``validation``) split."""
+    datasets: Any = require("datasets")
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises many types for a damaged folder
+        raise DataLayoutError(f"table: {path} could not be read as a saved datasets folder ({exc})") from exc
+    if isinstance(saved, datasets.DatasetDict):
+        if "train" not in saved:
             raise DataLayoutError(
-                f"table: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
-            ) from None
-        except Exception as exc:
-            raise DataLayoutError(f"table: {path} could not be read as CSV ({exc})") from exc
-        return table, None
-    raise DataSpecError(f"table: {path} is neither .parquet, .csv nor a datasets folder; convert it to one of them")
+                f"table: {path} holds splits {sorted(saved)} but no 'train' split; save the training rows as 'train'"
+            )
+        held = next((saved[s] for s in _TEST_SPLITS if s in saved), None)
+        return saved["train"].with_format("arrow")[:], (held.with_format("arrow")[:] if held is not None else None)
+    return saved.with_format("arrow")[:], None
+
+
+def _read_parquet_folder(path: Path, client: str | None, features: Sequence[str] | None) -> Any:
+    """A folder of Parquet files as one table (Spark's and pyarrow's ``write_to_dataset``'s
+    output), read file by file (pyarrow's dataset scanner took 12 s over 10,000 one-client files
+    that take 3 s so): files in subfolders too, in the order of their paths; a hive partition's
+    ``key=value`` folder names as columns, as text (``client_id=007`` is client ``007``) but for
+    keys whose every value is a number; files whose names start with ``_`` or ``.`` (``_metadata``,
+    ``_SUCCESS``) and files that are not ``.parquet`` left out."""
+    from urllib.parse import unquote
+
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(("_", ".")) for part in p.relative_to(path).parts)
+    )
+    parquet = [p for p in files if _suffix(p) in _PARQUET]
+    if not parquet:
+        found = ", ".join(sorted({p.suffix or p.name for p in files})[:5]) or "no files"
+        raise DataLayoutError(
+            f"table: {path} is a folder without Parquet files (found {found}) or datasets' "
+            f"{', '.join(_HF_MARKERS)}; give a .parquet or .csv file, a folder of .parquet files, or a folder "
+            "written by datasets' save_to_disk"
+        )
+    pa: Any = require("pyarrow")
+    pq: Any = require("pyarrow.parquet")
+    tables = []
+    keys: list[str] | None = None
+    for file in parquet:
+        folders = [seg.split("=", 1) for seg in file.relative_to(path).parts[:-1] if "=" in seg]
+        partition = {unquote(k): unquote(v) for k, v in folders}
+        if keys is None:
+            keys = list(partition)
+        elif list(partition) != keys:
+            raise DataLayoutError(
+                f"table: {path}: {file.relative_to(path)} is in partition folders {list(partition)} but "
+                f"{parquet[0].relative_to(path)} in {keys}; give every file the same key=value folders"
+            )
+        try:
+            reader = pq.ParquetFile(file)
+            names = reader.schema_arrow.names
+            wanted = _wanted([*names, *keys], client, features)
+            table = reader.read(columns=None if wanted is None else [c for c in wanted if c in names])
+        except Exception as exc:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet
+            raise DataLayoutError(f"table: {file} is not a Parquet file ({exc})") from exc
+        for key, value in partition.items():
+            if key in names:
+                raise DataLayoutError(
+                    f"table: {file}: column {key!r} is both in the file and in its folder name {key}={value}"
+                )
+            if wanted is None or key in wanted:
+                held = None if value == "__HIVE_DEFAULT_PARTITION__" else value  # Hive's and Spark's null
+                table = table.append_column(key, pa.array([held] * table.num_rows, pa.string()))
+        tables.append(table)
+    first = tables[0].schema.remove_metadata()
+    for file, table in zip(parquet, tables):
+        if not table.schema.remove_metadata().equals(first):
+            raise DataLayoutError(
+                f"table: {path}: {file.relative_to(path)} has the columns {_schema(table.schema)} but "
+                f"{parquet[0].relative_to(path)} has {_schema(first)}; write every file with one schema"
+            )
+    table = pa.concat_tables(tables)
+    for key in keys or ():
+        if key != client and key in table.column_names:
+            table = table.set_column(table.column_names.index(key), key, _typed(table.column(key), pa))
+    return table
+
+
+def _schema(schema: Any) -> str:
+    return "{" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "}"
+
+
+def _typed(column: Any, pa: Any) -> Any:
+    """A hive partition key's text values as int64 or float64 when every one is such a number."""
+    for kind in (pa.int64(), pa.float64()):
+        try:
+            return column.cast(kind)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue
+    return column
+
+
+def _delimiter(path: Path) -> str:
+    """The delimiter of a CSV's header line: the most frequent of ``_DELIMITERS`` outside quotes
+    (a tab for .tsv), so that a spreadsheet's semicolon-separated export reads as its columns."""
+    if _suffix(path) == ".tsv":
+        return "\t"
+    pa: Any = require("pyarrow")
+    try:
+        with pa.input_stream(str(path), compression="detect") as stream:
+            head = stream.read(1 << 16)
+    except Exception:  # pyarrow says what is wrong with the file when it reads it
+        return ","
+    line = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+    unquoted = "".join(line.split('"')[::2])
+    counts = {d: unquoted.count(d) for d in _DELIMITERS}
+    best = max(_DELIMITERS, key=lambda d: counts[d])  # the first of the most frequent: "," on ties
+    return best if counts[best] else ","
+
+
+def _read_csv(path: Path, client: str | None, *, header: bool) -> Any:
+    """A CSV (or TSV) file: its delimiter found from the header line, a byte-order mark and Windows
+    line ends taken as pyarrow takes them, client ids kept as text ("007" is not 7); without a header
+    line (``header=False``) the columns are named f0, f1, ... A semicolon-separated file's numbers
+    written with a decimal comma (``2,5``, a European spreadsheet's) are read as numbers."""
+    pa: Any = require("pyarrow")
+    csv: Any = require("pyarrow.csv")
+    delimiter = _delimiter(path)
+    try:
+        types = {client: pa.string()} if client is not None else {}
+        table = csv.read_csv(
+            path,
+            read_options=csv.ReadOptions(autogenerate_column_names=not header),
+            parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+            convert_options=csv.ConvertOptions(column_types=types),
+        )
+        _ = table.column_names  # the header's names are decoded here, not when the file is read
+    except UnicodeDecodeError as exc:
+        raise DataLayoutError(
+            f"table: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+        ) from None
+    except Exception as exc:
+        raise DataLayoutError(f"table: {path} could not be read as CSV ({exc})") from exc
+    if delimiter == ";":
+        table = _decimal_commas(table, client)
+    return table
+
+
+_DECIMAL_COMMA = r"^[+-]?[0-9]+(,[0-9]+)?$"
+
+
+def _decimal_commas(table: Any, client: str | None) -> Any:
+    """Text columns whose every value is a number with a decimal comma as float64 columns."""
+    pa: Any = require("pyarrow")
+    pc: Any = require("pyarrow.compute")
+    for i, name in enumerate(table.column_names):
+        column = table.column(i)
+        if name == client or not pa.types.is_string(column.type) or not len(column) - column.null_count:
+            continue
+        if (
+            pc.all(pc.match_substring_regex(column, _DECIMAL_COMMA)).as_py()
+            and pc.any(pc.match_substring(column, ",")).as_py()
+        ):
+            numbers = pc.cast(pc.replace_substring(column, ",", "."), pa.float64())
+            table = table.set_column(i, name, numbers)
+    return table
 
 
 def _is_list(kind: Any, pa: Any) -> bool:
@@ -131,8 +306,12 @@ def _lists(array: Any, name: str, where: str, pa: Any) -> np.ndarray:
     while _is_list(array.type, pa):
         lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
         if len(lengths) and (lengths != lengths[0]).any():
+            row = int(np.flatnonzero(lengths != lengths[0])[0])
             raise DataLayoutError(
-                f"table: {where}: column {name!r} holds lists of different lengths; pad them to one length"
+                f"table: {where}: column {name!r} holds lists of different lengths ({int(lengths.min())} to "
+                f"{int(lengths.max())}: {int(lengths[0])} in row 0, {int(lengths[row])} in row {row}); pad or cut them "
+                "to one length before loading (a tokenizer's padding='max_length', truncation=True), or leave the "
+                "column out with features="
             )
         shape.append(int(lengths[0]) if len(lengths) else 0)
         array = array.flatten()
@@ -152,9 +331,42 @@ def _lists(array: Any, name: str, where: str, pa: Any) -> np.ndarray:
     return values.reshape(shape)
 
 
-def _column(table: Any, name: str, where: str) -> np.ndarray:
+#: ``datasets`` features stored as encoded files that this loader does not decode.
+_UNDECODED = ("Audio", "Video", "Pdf", "Nifti")
+
+
+def _hf_features(table: Any) -> dict[str, Any]:
+    """Column name -> ``datasets``' description of its feature (``{"_type": "ClassLabel", "names":
+    [...]}``), from the schema metadata ``datasets`` writes in a saved folder and in Parquet files."""
+    import json
+
+    metadata = table.schema.metadata or {}
+    try:
+        features = json.loads(metadata.get(b"huggingface", b"{}")).get("info", {}).get("features", {})
+    except (ValueError, AttributeError):  # metadata written by something else
+        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarray:
+    """One column as an array (see the module docstring); ``feature``: its ``datasets`` feature
+    description, if the table has one."""
     pa: Any = require("pyarrow")
     col = table.column(name)
+    kind = feature.get("_type") if isinstance(feature, dict) else None
+    if kind in _UNDECODED:
+        raise DataLayoutError(
+            f"table: {where}: column {name!r} is datasets' {kind} feature (encoded files), which is not decoded "
+            f"here; map it to a column of equal-length number lists (e.g. {kind.lower()}['array'] cut to one length) "
+            "and save that, or leave it out with features="
+        )
+    if kind == "ClassLabel" and col.null_count == 0 and pa.types.is_integer(col.type):
+        missing = int(pa.compute.sum(pa.compute.less(col, 0)).as_py() or 0)
+        if missing:
+            raise DataLayoutError(
+                f"table: {where}: column {name!r} (a ClassLabel) has {missing} rows labelled -1, datasets' "
+                f"missing label; drop them (dataset.filter(lambda row: row[{name!r}] >= 0)) or label them"
+            )
     if col.null_count:
         raise DataLayoutError(
             f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows"
@@ -199,14 +411,54 @@ def _stack(arrays: dict[str, np.ndarray], name: str, label: str | None, where: s
     return {name: stacked, **arrays}
 
 
+def _header_hint(columns: Sequence[str]) -> str:
+    """What to say when a table's column names are all numbers: a CSV whose first line is data."""
+    numbers = 0
+    for name in columns:
+        try:
+            float(name)
+        except ValueError:
+            continue
+        numbers += 1
+    if numbers * 2 < len(columns) or not columns:
+        return ""
+    return " (its first line looks like data: give header=no for a CSV without a header line, columns f0, f1, ...)"
+
+
 def _column_names(table: Any, where: str) -> list[str]:
     columns = list(table.column_names)
     twice = sorted({c for c in columns if columns.count(c) > 1})
     if twice:
         raise DataLayoutError(
             f"table: {where} has the column {twice[0]!r} more than once; give each column its own name"
+            + _header_hint(columns)
         )
     return columns
+
+
+#: The column pandas' ``to_parquet`` (and ``datasets``' ``from_pandas``) writes for an index without
+#: a name, as a filtered DataFrame has: not a feature.
+_PANDAS_INDEX = re.compile(r"__index_level_[0-9]+__")
+
+
+def _expand(features: Sequence[str], columns: Sequence[str], where: str) -> list[str]:
+    """``features``' names, a pattern among them (``pixel*``, as ``fnmatch`` reads it) standing for
+    the columns it matches in the table's order: MNIST's CSV names its 784 pixel columns so."""
+    out: list[str] = []
+    for pattern in features:
+        found = (
+            [c for c in columns if fnmatch.fnmatchcase(c, pattern)]
+            if any(ch in pattern for ch in "*?[")
+            else ([pattern] if pattern in columns else [])
+        )
+        if not found:
+            shown = ", ".join(columns[:12]) + (f", ... ({len(columns)} columns)" if len(columns) > 12 else "")
+            raise DataSpecError(
+                f"table: {where} has no column {'matching ' if pattern not in columns else ''}{pattern!r}; "
+                f"its columns are {shown}"
+            )
+        out += [c for c in found if c not in out]
+    return out
 
 
 def _columns(
@@ -219,17 +471,25 @@ def _columns(
     stack: str | None,
     order: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The feature columns (all but the client column, or ``features``) as arrays, rows in ``order``."""
+    """The feature columns (all but the client column and a pandas index, or ``features``) as
+    arrays, rows in ``order``."""
     columns = _column_names(table, where)
-    names = [c for c in columns if c != client] if features is None else list(features)
-    missing = [n for n in names if n not in columns]
-    if missing:
-        raise DataSpecError(f"table: {where} has no column {missing[0]!r}; its columns are {', '.join(columns)}")
+    if features is None:
+        names = [c for c in columns if c != client and not _PANDAS_INDEX.fullmatch(c)]
+        if "" in names:
+            raise DataLayoutError(
+                f"table: {where}: column {columns.index('') + 1} has no name (pandas' to_csv writes its index so); "
+                "write the file with index=False, name the column, or pick the features with features="
+            )
+    else:
+        names = _expand(features, columns, where)
     if not names:
         raise DataLayoutError(f"table: {where} has no feature column besides the client column {client!r}")
-    arrays = {n: _column(table, n, where) for n in names}
-    if order is not None:
-        arrays = {n: a[order] for n, a in arrays.items()}  # one copy in client order; clients are views of it
+    described = _hf_features(table)
+    arrays = {}
+    for n in names:  # one column at a time in client order: the unordered copy is dropped at once
+        array = _column(table, n, where, described.get(n))
+        arrays[n] = array[order] if order is not None else array
     return _stack(arrays, stack, label, where) if stack is not None else arrays
 
 
@@ -246,20 +506,41 @@ def group_by_client(
     the numeric scalar columns but ``label`` become one vector feature of that name."""
     columns = _column_names(table, where)
     if client not in columns:
-        raise DataSpecError(f"table: {where} has no client column {client!r}; its columns are {', '.join(columns)}")
+        shown = ", ".join(columns[:12]) + (f", ... ({len(columns)} columns)" if len(columns) > 12 else "")
+        raise DataSpecError(
+            f"table: {where} has no client column {client!r}; its columns are {shown}" + _header_hint(columns)
+        )
     if table.column(client).null_count:
         raise DataLayoutError(f"table: {where}: client column {client!r} has missing values; every row needs a client")
-    ids = np.asarray([str(v) for v in table.column(client).to_pylist()], dtype=object)
-    if (ids == "").any():  # a CSV's empty cell: text, not null, but no client's id either
+    names, codes = _client_codes(table.column(client), client, where)
+    if "" in names:  # a CSV's empty cell: text, not null, but no client's id either
+        empty = int((codes == names.index("")).sum())
         raise DataLayoutError(
-            f"table: {where}: client column {client!r} has {int((ids == '').sum())} empty ids; every row needs a client"
+            f"table: {where}: client column {client!r} has {empty} empty ids; every row needs a client"
         )
-    order = np.argsort(ids.astype(str), kind="stable")
+    order = np.argsort(codes, kind="stable")
     arrays = _columns(table, client, features, where, label=label, stack=stack, order=order)
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]) if len(ids) else np.zeros(0, dtype=np.int64)
-    bounds = np.r_[starts, len(ids)]
-    return {str(sorted_ids[s]): {n: a[s:e] for n, a in arrays.items()} for s, e in zip(bounds[:-1], bounds[1:])}
+    bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
+    return {name: {n: a[bounds[i] : bounds[i + 1]] for n, a in arrays.items()} for i, name in enumerate(names)}
+
+
+def _client_codes(column: Any, client: str, where: str) -> tuple[list[str], np.ndarray]:
+    """The client ids, sorted, and each row's position among them: the column's values as Arrow
+    writes them as text (an integer 7 and a float 7.0, as pandas stores an integer column with
+    gaps, are both client ``7``), grouped by Arrow's dictionary encoding, not one Python string a row."""
+    pa: Any = require("pyarrow")
+    pc: Any = require("pyarrow.compute")
+    try:
+        text = pc.cast(column, pa.string())
+    except Exception as exc:  # ArrowNotImplementedError for a list or struct column
+        raise DataLayoutError(
+            f"table: {where}: client column {client!r} has type {column.type}; client ids must be numbers or text"
+        ) from exc
+    encoded = text.combine_chunks().dictionary_encode() if len(text) else pa.array([], pa.string()).dictionary_encode()
+    found = encoded.dictionary.to_pylist()
+    ranks = np.argsort(np.argsort(np.asarray(found, dtype=object), kind="stable"))  # position of each in sorted order
+    codes = ranks[encoded.indices.to_numpy(zero_copy_only=False)] if len(found) else np.zeros(0, dtype=np.int64)
+    return sorted(found), codes
 
 
 def load_table(
@@ -275,24 +556,29 @@ def load_table(
     test_split: TestSplit = "examples",
     test_fraction: float = 0.1,
     seed: int = 0,
+    header: bool = True,
 ) -> FederatedDataset:
     """A table of examples with a client column (``client``) as a federated dataset, or a table of
     one centralized dataset (``client`` None) cut into clients by ``partition`` (flwr-datasets'
     way with a Hugging Face dataset); ``stack=NAME`` makes its numeric scalar columns (of
     ``features``, if given) but the label one vector feature, and ``words`` text columns word ids,
-    as ``load_tff_h5`` reads them."""
+    as ``load_tff_h5`` reads them. ``header=False``: a CSV without a header line, its columns
+    named f0, f1, ..."""
     path = Path(path)
     if client is None and partition is None:
         raise DataSpecError(
             f"table: name the client-id column (table:{path},client=COLUMN), or cut the rows into clients "
             "(partition=iid|dirichlet|shards|pathological|quantity)"
         )
-    train_table, test_table = _read_arrow(path, client, features)
+    train_table, test_table = _read_arrow(path, client, features, header=header)
     if label is None:
-        kept = list(features) if features is not None else list(train_table.column_names)
+        columns = list(train_table.column_names)
+        kept = _expand(features, columns, str(path)) if features is not None else columns
         label = next((n for n in ("label", "y") if n in kept and n != client), None)
+    described = _hf_features(train_table).get(label) if label is not None else None
+    class_names = tuple(described.get("names") or ()) if isinstance(described, dict) else ()
     if test is not None:
-        test_table, _ = _read_arrow(Path(test), client, features)
+        test_table, _ = _read_arrow(Path(test), client, features, header=header)
     test_where = str(test or path)
     if client is None:
         assert partition is not None
@@ -302,17 +588,22 @@ def load_table(
             )
         arrays = _columns(train_table, None, features, str(path), label=label, stack=stack)
         held = _columns(test_table, None, features, test_where, label=label, stack=stack) if test_table else None
+        del train_table, test_table  # the arrays are what is kept
         vocabulary = words.encode({"": arrays}, {"": held} if held else {}, "table: ") if words is not None else ()
-        return partition_arrays(
-            arrays,
-            partition,
-            label=label,
-            seed=seed,
-            test_split=test_split,
-            test_fraction=test_fraction,
-            test=held,
-            source=f"table:{path}",
-            vocabulary=vocabulary,
+        return _with_class_names(
+            partition_arrays(
+                arrays,
+                partition,
+                label=label,
+                seed=seed,
+                test_split=test_split,
+                test_fraction=test_fraction,
+                test=held,
+                source=f"table:{path}",
+                vocabulary=vocabulary,
+            ),
+            label,
+            class_names,
         )
     train = group_by_client(train_table, client, features, str(path), label=label, stack=stack)
     test_clients = (
@@ -320,12 +611,13 @@ def load_table(
         if test_table is not None
         else None
     )
+    del train_table, test_table  # the clients' arrays are copies in client order: the tables' memory is freed
     if not train:
         raise DataLayoutError(f"table: {path} has no rows")
     if test_split not in ("examples", "clients"):
         raise DataSpecError(f"table: test_split={test_split} is for partitioned data; use examples or clients")
     vocabulary = words.encode(train, test_clients or {}, "table: ") if words is not None else ()
-    return with_test_split(
+    data = with_test_split(
         train,
         test=test_clients,
         how="clients" if test_split == "clients" else "examples",
@@ -335,3 +627,18 @@ def load_table(
         source=f"table:{path}",
         vocabulary=vocabulary,
     )
+    return _with_class_names(data, label, class_names)
+
+
+def _with_class_names(data: FederatedDataset, label: str | None, names: tuple[str, ...]) -> FederatedDataset:
+    """``data`` with its label's class names a ``datasets`` ``ClassLabel`` gives (``label_names``),
+    once every id in both splits has a name."""
+    if not names or data.label_names or label is None or data.features[label].dtype not in ("int64", "int32"):
+        return data
+    top = int(data.values(label).max(initial=0))
+    if top >= len(names):
+        raise DataLayoutError(
+            f"table: {data.source}: label {label!r} is a ClassLabel of {len(names)} names but holds the id {top}; "
+            "give every class a name"
+        )
+    return named_labels(data, names)

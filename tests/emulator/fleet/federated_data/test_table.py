@@ -9,7 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from emulator.fleet.federated_data import DataLayoutError, DataSpecError, FeatureSpec, load_data, load_table
+from emulator.fleet.federated_data import (
+    DataLayoutError,
+    DataSpecError,
+    FeatureSpec,
+    FederatedDataError,
+    load_data,
+    load_table,
+)
 
 
 def rows() -> dict[str, list[object]]:
@@ -90,8 +97,12 @@ def test_files_that_are_not_tables_say_what_to_give(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(DataSpecError, match="neither .parquet, .csv"):
         load_table(tmp_path / "x.json", client="c")
-    with pytest.raises(DataLayoutError, match="save_to_disk"):
-        load_table(tmp_path, client="c")
+    with pytest.raises(DataLayoutError, match=r"x\.parquet is not a Parquet file"):
+        load_table(tmp_path, client="c")  # a folder of Parquet files, one of them not Parquet
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "x.json").write_text("{}")
+    with pytest.raises(DataLayoutError, match=r"without Parquet files \(found \.json\) .*save_to_disk"):
+        load_table(tmp_path / "json", client="c")
 
 
 def test_a_column_named_twice_or_a_csv_that_is_not_utf8_is_refused_saying_so(tmp_path: Path) -> None:
@@ -326,3 +337,187 @@ def test_a_table_takes_its_client_column_or_a_partitioner(tmp_path: Path, option
     (tmp_path / "t.csv").write_text("c,x,y\na,0.5,1\n")
     with pytest.raises(DataSpecError, match=says):
         load_data(f"table:{tmp_path / 't.csv'}{options}")
+
+
+def test_a_folder_of_parquet_files_is_one_table_and_a_hive_folders_client_ids_stay_text(tmp_path: Path) -> None:
+    """pyarrow's write_to_dataset and Spark write a folder: the client column only in the folder
+    names (client_id=007/...), or part files beside a _metadata file. A folder was refused."""
+    table = pa.table({"client_id": ["007", "7", "007", "12"], "x": [[0.5, 1.0], [1.5, 2.0], [2.5, 3.0], [3.5, 4.0]]})
+    pq.write_to_dataset(
+        table.append_column("y", pa.array([0, 1, 1, 0])), tmp_path / "hive", partition_cols=["client_id"]
+    )
+    assert sorted(p.name for p in (tmp_path / "hive").iterdir()) == ["client_id=007", "client_id=12", "client_id=7"]
+    data = load_table(tmp_path / "hive", client="client_id", test_split="clients", test_fraction=0.34)
+    everything = {**data.train, **data.test}
+    assert sorted(everything) == ["007", "12", "7"] and sorted(data.features) == ["x", "y"]
+    assert everything["007"]["x"].tolist() == [[0.5, 1.0], [2.5, 3.0]] and everything["7"]["y"].tolist() == [1]
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i in range(2):
+        pq.write_table(
+            pa.table({"client_id": ["a", "b"], "x": [0.5 * i, 1.0], "y": [i, 1]}), parts / f"part-{i}.parquet"
+        )
+    pq.write_metadata(pq.read_schema(parts / "part-0.parquet"), parts / "_metadata")
+    (parts / "_SUCCESS").write_text("")  # Spark's marker; _ and . files are not data
+    assert load_table(parts, client="client_id", test_split="clients", test_fraction=0.5).num_examples() == 2
+    pq.write_table(pa.table({"client_id": ["c"], "x": [1], "y": [0]}), parts / "part-2.parquet")
+    with pytest.raises(
+        DataLayoutError,
+        match=r"part-2\.parquet has the columns \{client_id: string, x: int64.* but part-0\.parquet has",
+    ):
+        load_table(parts, client="client_id")
+
+
+def test_an_integer_and_a_float_client_id_are_one_client(tmp_path: Path) -> None:
+    """pandas stores an integer column with a gap as floats: client 7 of the training file and 7.0
+    of the test file are one client, as the values are written as Arrow writes them as text."""
+    pq.write_table(pa.table({"client_id": [7, 8], "x": [0.25, 0.5], "y": [0, 1]}), tmp_path / "train.parquet")
+    pq.write_table(pa.table({"client_id": [7.0, 9.5], "x": [0.25, 0.5], "y": [1, 1]}), tmp_path / "test.parquet")
+    data = load_data(f"table:{tmp_path / 'train.parquet'},client=client_id,test={tmp_path / 'test.parquet'}")
+    assert data.client_ids == ("7", "8") and data.test_client_ids == ("7", "9.5")
+
+
+def test_a_pandas_index_is_not_a_feature_and_an_unnamed_csv_column_is_refused(tmp_path: Path) -> None:
+    """A filtered DataFrame's index went into the table as __index_level_0__ (to_parquet,
+    datasets' from_pandas), a feature that stack= put into the model's vector without a word."""
+    import datasets
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {"user": ["a", "b", "a", "b"], "f0": [1.0, 2.0, 3.0, 4.0], "f1": [5.0, 6.0, 7.0, 8.0], "label": [0, 1, 0, 1]}
+    )
+    kept = frame[frame.f0 != 2.0]  # the index 0, 2, 3: not a range, so it is written as a column
+
+    kept.to_parquet(tmp_path / "kept.parquet")
+    datasets.Dataset.from_pandas(kept).save_to_disk(str(tmp_path / "saved"))
+    assert "__index_level_0__" in pq.read_schema(tmp_path / "kept.parquet").names
+    for path in (tmp_path / "kept.parquet", tmp_path / "saved"):
+        data = load_table(path, client="user", stack="x", test_split="clients", test_fraction=0.5)
+        assert sorted(data.features) == ["label", "x"] and data.features["x"].shape == (2,)
+        assert {**data.train, **data.test}["a"]["x"].tolist() == [[1.0, 5.0], [3.0, 7.0]]
+    kept.to_csv(tmp_path / "kept.csv")  # the index's column has no name
+    with pytest.raises(
+        DataLayoutError,
+        match=r"column 1 has no name \(pandas' to_csv writes its index so\); write the file with index=False",
+    ):
+        load_table(tmp_path / "kept.csv", client="user")
+    assert load_table(
+        tmp_path / "kept.csv", client="user", features=["f*", "label"], test_split="clients", test_fraction=0.5
+    ).features.keys() == {"f0", "f1", "label"}
+
+
+def test_csvs_as_spreadsheets_write_them_semicolons_decimal_commas_tabs_bom_crlf_and_gzip(tmp_path: Path) -> None:
+    """A European spreadsheet's export (semicolons, 2,5), a TSV, a BOM and Windows line ends, a
+    gzipped CSV and quoted text with commas and line breaks all read as the same table; the
+    semicolon file was one column named 'user;x;note;label'."""
+    import gzip
+
+    rows = [("a", "0,5", "hi, there\nyou", 1), ("b", "1,25", "x", 0), ("a", "2", "y", 1)]
+    (tmp_path / "semi.csv").write_text("user;x;note;label\n" + "".join(f'{u};{x};"{n}";{y}\n' for u, x, n, y in rows))
+    comma = "".join(f'{u},{x.replace(",", ".")},"{n}",{y}\r\n' for u, x, n, y in rows)
+    (tmp_path / "bom.csv").write_text("user,x,note,label\r\n" + comma, encoding="utf-8-sig")
+    with gzip.open(tmp_path / "data.csv.gz", "wt", encoding="utf-8") as out:
+        out.write("user,x,note,label\n" + comma.replace("\r\n", "\n"))
+    (tmp_path / "data.tsv").write_text(
+        "user\tx\tnote\tlabel\n" + "".join(f'{u}\t{x.replace(",", ".")}\t"{n}"\t{y}\n' for u, x, n, y in rows)
+    )
+    for name in ("semi.csv", "bom.csv", "data.csv.gz", "data.tsv"):
+        data = load_table(tmp_path / name, client="user", test_split="clients", test_fraction=0.5)
+        both = {**data.train, **data.test}
+        assert data.features["x"].dtype == "float64" and both["a"]["x"].tolist() == [0.5, 2.0], name
+        assert both["a"]["note"].tolist() == ["hi, there\nyou", "y"] and both["b"]["label"].tolist() == [0], name
+
+
+def test_a_csv_without_a_header_line_takes_header_no_and_many_columns_are_named_by_a_pattern(tmp_path: Path) -> None:
+    """MNIST's CSV: a label and 784 pixel columns, with a header (pixel0...) or without one."""
+    pixels = np.arange(12).reshape(3, 4) * 20
+    lines = [f"w{i % 2},{i % 3}," + ",".join(map(str, row)) for i, row in enumerate(pixels)]
+    (tmp_path / "bare.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(FederatedDataError, match=r"first line looks like data: give header=no"):
+        load_data(f"table:{tmp_path / 'bare.csv'},client=writer")
+    bare = load_data(
+        f"table:{tmp_path / 'bare.csv'},client=f0,header=no,label=f1,stack=x,test_split=clients,test_fraction=0.5"
+    )
+    assert bare.features["x"].shape == (4,) and {**bare.train, **bare.test}["w1"]["x"].tolist() == [pixels[1].tolist()]
+    header = "writer,label," + ",".join(f"pixel{j}" for j in range(4)) + ",hour\n"
+    (tmp_path / "named.csv").write_text(header + "".join(line + ",9\n" for line in lines))
+    named = load_data(
+        f"table:{tmp_path / 'named.csv'},client=writer,features=pixel*+label,stack=x,test_split=clients,test_fraction=0.5"
+    )
+    assert sorted(named.features) == ["label", "x"] and named.features["x"].shape == (4,)  # hour is left out
+    with pytest.raises(DataSpecError, match=r"has no column matching 'pix\?'; its columns are writer, label, pixel0"):
+        load_data(f"table:{tmp_path / 'named.csv'},client=writer,features=pix?+label")
+    with pytest.raises(DataSpecError, match="header='maybe' is unknown; use yes or no"):
+        load_data(f"table:{tmp_path / 'named.csv'},client=writer,header=maybe")
+
+
+def classlabel_rows(labels: list[int]) -> object:
+    import datasets
+
+    features = datasets.Features(
+        {
+            "user": datasets.Value("string"),
+            "x": datasets.Sequence(datasets.Value("float32"), length=2),
+            "label": datasets.ClassLabel(names=["zebra", "ant", "cat"]),
+        }
+    )
+    n = len(labels)
+    return datasets.Dataset.from_dict(
+        {"user": [f"u{i % 2}" for i in range(n)], "x": [[0.5, float(i)] for i in range(n)], "label": labels},
+        features=features,
+    )
+
+
+def test_a_classlabel_names_its_classes_and_its_missing_label_minus_one_is_refused(tmp_path: Path) -> None:
+    """datasets writes -1 for a ClassLabel's missing label: it trained devices on class -1. A
+    DatasetDict of train and validation (no test) brings validation as the test split."""
+    import datasets
+
+    datasets.DatasetDict({"train": classlabel_rows([0, 2, 1, 0]), "validation": classlabel_rows([2, 2])}).save_to_disk(
+        str(tmp_path / "saved")
+    )
+    data = load_data(f"table:{tmp_path / 'saved'},client=user,rename=label:y")
+    assert data.label_names == ("zebra", "ant", "cat") and data.test_split == "files" and data.num_examples("test") == 2
+    assert data.train["u1"]["y"].tolist() == [2, 0] and "3 classes named in the files" in data.describe()
+    classlabel_rows([0, 2]).to_parquet(str(tmp_path / "hub.parquet"))  # the Hub's files keep the feature too
+    assert load_table(tmp_path / "hub.parquet", client="user", test_split="clients", test_fraction=0.5).label_names == (
+        "zebra",
+        "ant",
+        "cat",
+    )
+    classlabel_rows([0, -1, 1, -1]).save_to_disk(str(tmp_path / "holes"))
+    with pytest.raises(
+        DataLayoutError, match=r"column 'label' \(a ClassLabel\) has 2 rows labelled -1, datasets' missing label; drop"
+    ):
+        load_data(f"table:{tmp_path / 'holes'},client=user")
+
+
+def test_audio_columns_and_ragged_token_lists_are_refused_saying_what_to_save(tmp_path: Path) -> None:
+    """An Audio column (a struct of the file's bytes and path, as an Image's) was decoded as an
+    image and refused as 'not an image PIL reads'; ragged token ids (a tokenizer without padding)
+    are refused with their lengths."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "user": datasets.Value("string"),
+            "audio": datasets.Audio(sampling_rate=8000),
+            "label": datasets.Value("int64"),
+        }
+    )
+    sound = pa.array([{"bytes": b"RIFF0000WAVE", "path": "a.wav"}] * 2)  # not decoded: what it holds does not matter
+    table = pa.table({"user": ["a", "b"], "audio": sound, "label": [0, 1]}).cast(features.arrow_schema)
+    datasets.Dataset(table, info=datasets.DatasetInfo(features=features)).save_to_disk(str(tmp_path / "audio"))
+    with pytest.raises(
+        DataLayoutError, match=r"column 'audio' is datasets' Audio feature .*not decoded here; map it to"
+    ):
+        load_data(f"table:{tmp_path / 'audio'},client=user")
+    assert len(load_data(f"table:{tmp_path / 'audio'},client=user,features=label,test_split=clients")) == 1
+    datasets.Dataset.from_dict(
+        {"user": ["a", "a", "b"], "input_ids": [[5, 6], [5, 6], [7, 8, 9]], "label": [0, 1, 1]}
+    ).save_to_disk(str(tmp_path / "tokens"))
+    with pytest.raises(
+        DataLayoutError,
+        match=r"column 'input_ids' holds lists of different lengths \(2 to 3: 2 in row 0, 3 in row 2\); pad or cut",
+    ):
+        load_data(f"table:{tmp_path / 'tokens'},client=user")
