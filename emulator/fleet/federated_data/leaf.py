@@ -140,7 +140,9 @@ def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
                 )
             if user in seen:
                 raise DataLayoutError(
-                    f"{path}: user {user!r} also appears in {seen[user]}; a user belongs to one file of a split"
+                    f"{path}: 'users' lists {user!r} twice (a JSON number and a string are one user id); list each user once"
+                    if seen[user] == path
+                    else f"{path}: user {user!r} also appears in {seen[user]}; a user belongs to one file of a split"
                 )
             seen[user] = path
             if y:

@@ -1,7 +1,8 @@
 """A table with a client-id column: Parquet (a file, or a folder of them as ``write_to_dataset`` and
 Spark write, hive's ``key=value`` folders included), CSV (its delimiter found from the header line),
-or a Hugging Face ``datasets`` dataset saved with ``save_to_disk``, read with pyarrow (and
-``datasets`` for the saved folder).
+or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (or a folder of them, a client
+each, as flwr-datasets' partitions are saved), read with pyarrow (and ``datasets`` for the saved
+folders).
 
 Each row is one example; the client column says whose it is (flwr-datasets' ``NaturalIdPartitioner``
 does the same with a column); every other column is a feature (``features=a+b`` keeps some, and
@@ -60,8 +61,11 @@ def _read_arrow(
     if not path.exists():
         raise DataSpecError(f"table: {path} does not exist")
     if path.is_dir():
-        if any((path / m).is_file() for m in _HF_MARKERS):
+        if _is_saved(path):
             return _read_saved(path)
+        saved = sorted(p for p in path.iterdir() if p.is_dir() and _is_saved(p))
+        if saved:
+            return _read_saved_folders(path, saved, client)
         return _read_parquet_folder(path, client, features), None
     suffix = _suffix(path)
     if suffix in _PARQUET:
@@ -89,6 +93,33 @@ def _wanted(names: Sequence[str], client: str | None, features: Sequence[str] | 
     except DataSpecError:
         return None
     return [c for c in names if c == client or c in kept]
+
+
+def _is_saved(path: Path) -> bool:
+    return any((path / m).is_file() for m in _HF_MARKERS)
+
+
+def _read_saved_folders(path: Path, folders: Sequence[Path], client: str | None) -> tuple[Any, Any | None]:
+    """A folder of ``save_to_disk`` folders, one a client (flwr-datasets' partitions saved one by
+    one, each a ``Dataset`` or the ``DatasetDict`` of its ``train_test_split``): their rows as one
+    table, a client's rows given the column ``client`` holding its folder's name unless they have it."""
+    pa: Any = require("pyarrow")
+    splits: tuple[list[Any], list[Any]] = ([], [])
+    for folder in folders:
+        for rows, table in zip(splits, _read_saved(folder)):
+            if table is None:
+                continue
+            if client is not None and client not in table.column_names:
+                table = table.append_column(client, pa.array([folder.name] * table.num_rows, pa.string()))
+            first = (rows[0] if rows else table).schema.remove_metadata()
+            if not table.schema.remove_metadata().equals(first):
+                raise DataLayoutError(
+                    f"table: {path}: {folder.name} has the columns {_schema(table.schema)} but {folders[0].name} has "
+                    f"{_schema(first)}; save every partition with one schema"
+                )
+            rows.append(table.replace_schema_metadata((rows[0] if rows else table).schema.metadata))
+    train, test = (pa.concat_tables(rows) if rows else None for rows in splits)
+    return train, test
 
 
 def _read_saved(path: Path) -> tuple[Any, Any | None]:

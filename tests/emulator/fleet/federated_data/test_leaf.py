@@ -138,6 +138,10 @@ def test_without_test_files_users_can_be_held_out_whole(tmp_path: Path) -> None:
             "different lengths",
         ),
         (json.dumps({"users": [], "user_data": {"z": {"x": [[1.0]], "y": [0]}}}), "does not list"),
+        (  # JSON's keys are strings: user 7 and user "7" are one user_data entry
+            json.dumps({"users": [7, "7"], "num_samples": [1, 1], "user_data": {"7": {"x": [[1.0]], "y": [0]}}}),
+            r"'users' lists '7' twice \(a JSON number and a string are one user id\)",
+        ),
         *(
             (
                 json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0, v]], "y": [0]}}}),
@@ -169,6 +173,16 @@ def test_clients_whose_vectors_differ_in_length_are_refused(tmp_path: Path) -> N
     write_leaf(tmp_path / "t.json", {"a": ([[1.0, 2.0]], [0]), "b": ([[1.0, 2.0, 3.0]], [1])})
     with pytest.raises(DataLayoutError, match="feature 'x'"):
         load_leaf(tmp_path / "t.json", test_fraction=0.5)
+
+
+def test_users_listed_as_json_numbers_are_the_string_keys_of_user_data(tmp_path: Path) -> None:
+    """LEAF's synthetic data numbers its users; json.dump writes user_data's keys as strings."""
+    users = {i: {"x": [[0.5] * 3] * 2, "y": [i % 2, 1]} for i in range(3)}
+    (tmp_path / "synthetic.json").write_text(
+        json.dumps({"users": list(users), "num_samples": [2] * 3, "user_data": users})
+    )
+    data = load_leaf(tmp_path / "synthetic.json", test_split="clients", test_fraction=0.34)
+    assert sorted(data.client_ids + data.test_client_ids) == ["0", "1", "2"] and data.features["x"].shape == (3,)
 
 
 def test_a_user_in_two_files_of_one_split_is_refused(tmp_path: Path) -> None:

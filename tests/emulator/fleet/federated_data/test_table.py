@@ -521,3 +521,18 @@ def test_audio_columns_and_ragged_token_lists_are_refused_saying_what_to_save(tm
         match=r"column 'input_ids' holds lists of different lengths \(2 to 3: 2 in row 0, 3 in row 2\); pad or cut",
     ):
         load_data(f"table:{tmp_path / 'tokens'},client=user")
+
+
+def test_partitions_saved_one_folder_each_are_clients_named_by_their_folders(tmp_path: Path) -> None:
+    """flwr-datasets' way to ship partitions: load_partition(i).train_test_split(...) saved to a
+    folder each. The folder of folders was refused as 'a folder without Parquet files'."""
+    rows = classlabel_rows([0, 1, 2, 0, 1, 2, 0, 1, 2]).remove_columns("user")
+    for i in range(3):
+        rows.shard(3, i).train_test_split(test_size=1, seed=0).save_to_disk(str(tmp_path / "parts" / f"partition_{i}"))
+    data = load_data(f"table:{tmp_path / 'parts'},client=partition")
+    assert data.client_ids == ("partition_0", "partition_1", "partition_2") and data.test_split == "files"
+    assert data.sizes() == dict.fromkeys(data.client_ids, 2) and data.num_examples("test") == 3
+    assert data.label_names == ("zebra", "ant", "cat") and sorted(data.features) == ["label", "x"]
+    classlabel_rows([0, 1]).save_to_disk(str(tmp_path / "parts" / "partition_3"))  # a column of its own
+    with pytest.raises(DataLayoutError, match=r"partition_3 has the columns \{user: string.* save every partition"):
+        load_data(f"table:{tmp_path / 'parts'},client=partition")
