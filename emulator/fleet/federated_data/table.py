@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ._dataset import FederatedDataset, TestSplit, named_labels, with_test_split
+from ._dataset import FederatedDataset, TestSplit, check_fraction, example_split, named_labels, with_test_split
 from ._errors import DataLayoutError, DataSpecError, check_finite, require
 from .partition import Partitioner, partition_arrays
 from .text import WordIds
@@ -426,20 +426,36 @@ def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarra
     )
 
 
-def _stack(arrays: dict[str, np.ndarray], name: str, label: str | None, where: str) -> dict[str, np.ndarray]:
-    """The numeric scalar columns but the label as one vector feature ``name`` [N, columns], in the
-    table's column order (what a CSV of many numeric columns is to a model reading one vector)."""
-    numeric = [n for n, a in arrays.items() if n != label and a.ndim == 1 and a.dtype.kind in "biuf"]
+def _number_dtype(kind: Any, pa: Any) -> np.dtype | None:
+    """The numpy dtype ``_column`` reads a column of Arrow type ``kind`` as, when it is a scalar
+    number (a decimal: float64; a category: its values'); None otherwise."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if pa.types.is_decimal(kind):
+        return np.dtype(np.float64)
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return np.dtype(kind.to_pandas_dtype())
+    return None
+
+
+def _stacked(table: Any, names: Sequence[str], name: str, label: str | None, where: str) -> dict[str, np.dtype]:
+    """The columns ``stack=name`` makes one vector feature: the numeric scalar ones but the label,
+    in the table's column order (a CSV of many numeric columns, to a model reading one vector)."""
+    pa: Any = require("pyarrow")
+    numeric = {}
+    for n in names:
+        dtype = _number_dtype(table.schema.field(n).type, pa) if n != label else None
+        if dtype is not None:
+            numeric[n] = dtype
     if not numeric:
         raise DataSpecError(
             f"table: {where}: stack={name} finds no numeric column to stack besides the label {label!r}"
         )
-    if name in arrays and name not in numeric:
+    if name in names and name not in numeric:
         raise DataSpecError(
             f"table: {where}: stack={name} is the name of a column that is not stacked; name the stacked feature otherwise"
         )
-    stacked = np.stack([arrays.pop(n) for n in numeric], axis=1)
-    return {name: stacked, **arrays}
+    return numeric
 
 
 def _header_hint(columns: Sequence[str]) -> str:
@@ -517,11 +533,17 @@ def _columns(
     if not names:
         raise DataLayoutError(f"table: {where} has no feature column besides the client column {client!r}")
     described = _hf_features(table)
-    arrays = {}
-    for n in names:  # one column at a time in client order: the unordered copy is dropped at once
+    numeric = _stacked(table, names, stack, label, where) if stack is not None else {}
+    arrays: dict[str, np.ndarray] = {}
+    matrix = np.empty((table.num_rows, len(numeric)), np.result_type(*numeric.values())) if numeric else None
+    for n in names:  # one column at a time in client order, a stacked one into its place in the matrix
         array = _column(table, n, where, described.get(n))
-        arrays[n] = array[order] if order is not None else array
-    return _stack(arrays, stack, label, where) if stack is not None else arrays
+        array = array[order] if order is not None else array
+        if matrix is not None and n in numeric:
+            matrix[:, list(numeric).index(n)] = array
+        else:
+            arrays[n] = array
+    return {stack: matrix, **arrays} if stack is not None and matrix is not None else arrays
 
 
 def group_by_client(
@@ -535,6 +557,22 @@ def group_by_client(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Rows grouped by the client column, keeping their order within each client; with ``stack``,
     the numeric scalar columns but ``label`` become one vector feature of that name."""
+    return _grouped(table, client, features, where, label=label, stack=stack)[0]
+
+
+def _grouped(
+    table: Any,
+    client: str,
+    features: Sequence[str] | None,
+    where: str,
+    *,
+    label: str | None,
+    stack: str | None,
+    held_out: tuple[float, int] | None = None,
+) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
+    """``group_by_client``'s clients, and with ``held_out`` (a fraction and a seed) each client's
+    examples cut as ``split_examples`` cuts them, in the same one copy of the columns in client
+    order (the cut took a second copy of the whole table): (train, test)."""
     columns = _column_names(table, where)
     if client not in columns:
         shown = ", ".join(columns[:12]) + (f", ... ({len(columns)} columns)" if len(columns) > 12 else "")
@@ -550,9 +588,25 @@ def group_by_client(
             f"table: {where}: client column {client!r} has {empty} empty ids; every row needs a client"
         )
     order = np.argsort(codes, kind="stable")
-    arrays = _columns(table, client, features, where, label=label, stack=stack, order=order)
     bounds = np.r_[0, np.cumsum(np.bincount(codes, minlength=len(names)))]
-    return {name: {n: a[bounds[i] : bounds[i + 1]] for n, a in arrays.items()} for i, name in enumerate(names)}
+    cuts = bounds[1:]  # where each client's training rows end
+    if held_out is not None:
+        fraction, seed = held_out
+        check_fraction(fraction)
+        parts, ends = [], []
+        for i, name in enumerate(names):
+            rows = order[bounds[i] : bounds[i + 1]]
+            kept, held = example_split(name, len(rows), fraction, seed)
+            parts += [rows[kept], rows[held]]
+            ends.append(bounds[i] + len(kept))
+        order, cuts = np.concatenate(parts) if parts else order, np.asarray(ends, dtype=np.int64)
+    arrays = _columns(table, client, features, where, label=label, stack=stack, order=order)
+    train, test = {}, {}
+    for i, name in enumerate(names):
+        train[name] = {n: a[bounds[i] : cuts[i]] for n, a in arrays.items()}
+        if cuts[i] < bounds[i + 1]:
+            test[name] = {n: a[cuts[i] : bounds[i + 1]] for n, a in arrays.items()}
+    return train, test
 
 
 def _client_codes(column: Any, client: str, where: str) -> tuple[list[str], np.ndarray]:
@@ -636,7 +690,19 @@ def load_table(
             label,
             class_names,
         )
-    train = group_by_client(train_table, client, features, str(path), label=label, stack=stack)
+    if test_split not in ("examples", "clients"):
+        raise DataSpecError(f"table: test_split={test_split} is for partitioned data; use examples or clients")
+    # the test split cut as the rows are put in client order (a vocabulary counts the rows of both)
+    cut = test_table is None and test_split == "examples" and words is None
+    train, examples_held = _grouped(
+        train_table,
+        client,
+        features,
+        str(path),
+        label=label,
+        stack=stack,
+        held_out=(test_fraction, seed) if cut else None,
+    )
     test_clients = (
         group_by_client(test_table, client, features, test_where, label=label, stack=stack)
         if test_table is not None
@@ -645,8 +711,13 @@ def load_table(
     del train_table, test_table  # the clients' arrays are copies in client order: the tables' memory is freed
     if not train:
         raise DataLayoutError(f"table: {path} has no rows")
-    if test_split not in ("examples", "clients"):
-        raise DataSpecError(f"table: test_split={test_split} is for partitioned data; use examples or clients")
+    if cut:
+        source = f"table:{path}"
+        return _with_class_names(
+            FederatedDataset(train, examples_held, label=label, test_split="examples", source=source),
+            label,
+            class_names,
+        )
     vocabulary = words.encode(train, test_clients or {}, "table: ") if words is not None else ()
     data = with_test_split(
         train,

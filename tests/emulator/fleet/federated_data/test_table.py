@@ -536,3 +536,20 @@ def test_partitions_saved_one_folder_each_are_clients_named_by_their_folders(tmp
     classlabel_rows([0, 1]).save_to_disk(str(tmp_path / "parts" / "partition_3"))  # a column of its own
     with pytest.raises(DataLayoutError, match=r"partition_3 has the columns \{user: string.* save every partition"):
         load_data(f"table:{tmp_path / 'parts'},client=partition")
+
+
+def test_each_clients_test_examples_are_cut_as_split_examples_cuts_them(tmp_path: Path) -> None:
+    """The cut is made as the rows are put in client order, instead of copying every client's
+    rows a second time: the same examples as split_examples on the grouped clients."""
+    from emulator.fleet.federated_data import split_examples
+    from emulator.fleet.federated_data.table import group_by_client
+
+    rng = np.random.default_rng(0)
+    ids = rng.choice(["a", "b", "c", "d", "e"], 120, p=[0.5, 0.3, 0.1, 0.09, 0.01])
+    table = pa.table({"c": ids, "x": rng.random((120, 3)).tolist(), "y": rng.integers(0, 4, 120)})
+    pq.write_table(table, tmp_path / "t.parquet")
+    data = load_table(tmp_path / "t.parquet", client="c", test_fraction=0.3, seed=5)
+    train, test = split_examples(group_by_client(table, "c", None, "t", label="y"), 0.3, 5)
+    assert data.client_ids == tuple(train) and data.test_client_ids == tuple(test) and data.test_split == "examples"
+    for mine, theirs in ((data.train, train), (data.test, test)):
+        assert all(np.array_equal(mine[c][n], theirs[c][n]) for c in theirs for n in ("x", "y"))
