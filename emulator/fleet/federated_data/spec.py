@@ -7,12 +7,12 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
   ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``,
   ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now);
-- ``table:PATH,client=COLUMN`` (a .parquet file or a folder of them, a .csv or .tsv file, gzipped too, a
-  ``save_to_disk`` folder or a folder of them, a client each), or ``table:PATH,partition=...`` (a
-  centralized table cut as npz is, with the partitioner options below): ``test=PATH``, ``label=NAME``, ``features=A+B+C`` (a name or a pattern,
-  ``pixel*``), ``stack=NAME`` (the numeric columns but the label as one vector), ``header=yes|no`` (a
-  CSV without a header line: columns f0, f1, ...), and ``words``, ``vocab``, ``vocab_size``,
-  ``max_words`` as for tff-h5;
+- ``table:PATH,client=COLUMN`` (a .parquet file or a folder of them, a .csv, .tsv or .jsonl file, gzipped
+  too, a ``save_to_disk`` folder or a folder of them, a client each), or ``table:PATH,partition=...``
+  (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
+  ``label=NAME``, ``features=A+B+C`` (a name or a pattern, ``pixel*``), ``stack=NAME`` (the numeric
+  columns but the label as one vector), ``header=yes|no`` (a CSV without a header line: columns f0,
+  f1, ...), and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
   if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|

@@ -1,8 +1,8 @@
 """A table with a client-id column: Parquet (a file, or a folder of them as ``write_to_dataset`` and
 Spark write, hive's ``key=value`` folders included), CSV (its delimiter found from the header line),
-or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (or a folder of them, a client
-each, as flwr-datasets' partitions are saved), read with pyarrow (and ``datasets`` for the saved
-folders).
+JSON Lines, or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (or a folder of them,
+a client each, as flwr-datasets' partitions are saved), read with pyarrow (and ``datasets`` for the
+saved folders).
 
 Each row is one example; the client column says whose it is (flwr-datasets' ``NaturalIdPartitioner``
 does the same with a column); every other column is a feature (``features=a+b`` keeps some, and
@@ -38,6 +38,7 @@ _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 #: A table's own file suffixes (a compressed CSV too, which pyarrow decompresses by its suffix).
 _PARQUET = (".parquet", ".pq")
 _CSV = (".csv", ".tsv", ".txt")
+_JSON_LINES = (".jsonl", ".ndjson")
 _COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 #: The delimiters a CSV's header line is looked at for (a spreadsheet's semicolons, a TSV's tabs).
 _DELIMITERS = (",", ";", "\t", "|")
@@ -77,9 +78,15 @@ def _read_arrow(
             raise DataLayoutError(f"table: {path} is not a Parquet file ({exc})") from exc
     if suffix in _CSV:
         return _read_csv(path, client, header=header), None
+    if suffix in _JSON_LINES:
+        json: Any = require("pyarrow.json")
+        try:  # one object a line, as datasets' to_json and pandas' to_json(lines=True) write them
+            return json.read_json(path), None
+        except Exception as exc:  # ArrowInvalid: not JSON, or a field that is a number here and text there
+            raise DataLayoutError(f"table: {path} could not be read as JSON Lines ({exc})") from exc
     raise DataSpecError(
-        f"table: {path} is neither .parquet, .csv (.tsv, or either gzipped) nor a folder of Parquet files or "
-        "from datasets' save_to_disk; convert it to one of them"
+        f"table: {path} is neither .parquet, .csv (.tsv), .jsonl (any of them gzipped) nor a folder of Parquet "
+        "files or from datasets' save_to_disk; convert it to one of them"
     )
 
 
@@ -400,7 +407,7 @@ def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarra
             )
     if col.null_count:
         raise DataLayoutError(
-            f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows"
+            f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows, or leave the column out with features="
         )
     array = col.combine_chunks()
     if isinstance(array.type, pa.ExtensionType):  # datasets' Array2D..Array5D: lists of lists underneath

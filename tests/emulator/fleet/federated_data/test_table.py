@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -553,3 +554,23 @@ def test_each_clients_test_examples_are_cut_as_split_examples_cuts_them(tmp_path
     assert data.client_ids == tuple(train) and data.test_client_ids == tuple(test) and data.test_split == "examples"
     for mine, theirs in ((data.train, train), (data.test, test)):
         assert all(np.array_equal(mine[c][n], theirs[c][n]) for c in theirs for n in ("x", "y"))
+
+
+def test_json_lines_are_a_table_and_a_client_id_that_is_a_number_here_and_text_there_is_refused(tmp_path: Path) -> None:
+    """datasets' to_json and pandas' to_json(lines=True) write one object a line."""
+    rows = [{"user": 7, "x": [0.5, 1.0], "label": "cat"}, {"user": 8, "x": [1.5, 2.0], "label": "dog", "note": None}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    with pytest.raises(
+        DataLayoutError, match="column 'note' has 4 missing values; .* or leave the column out with features="
+    ):
+        load_table(tmp_path / "d.jsonl", client="user")
+    data = load_table(
+        tmp_path / "d.jsonl", client="user", features=["x", "label"], test_split="clients", test_fraction=0.5
+    )
+    assert sorted(data.client_ids + data.test_client_ids) == ["7", "8"] and data.features["x"] == FeatureSpec(
+        "float64", (2,)
+    )
+    assert data.label_names == ("cat", "dog")
+    (tmp_path / "mixed.jsonl").write_text('{"user": 7, "y": 0}\n{"user": "7", "y": 1}\n')
+    with pytest.raises(DataLayoutError, match=r"could not be read as JSON Lines \(.*changed from number to string"):
+        load_table(tmp_path / "mixed.jsonl", client="user")
