@@ -227,18 +227,23 @@ def _typed(column: Any, pa: Any) -> Any:
     return column
 
 
-def _delimiter(path: Path) -> str:
-    """The delimiter of a CSV's header line: the most frequent of ``_DELIMITERS`` outside quotes
-    (a tab for .tsv), so that a spreadsheet's semicolon-separated export reads as its columns."""
-    if _suffix(path) == ".tsv":
-        return "\t"
+def _first_line(path: Path) -> str:
+    """A CSV's first line as text (a byte-order mark and a Windows line end left out), or "" when
+    the file cannot be read (pyarrow then says what is wrong with it)."""
     pa: Any = require("pyarrow")
     try:
         with pa.input_stream(str(path), compression="detect") as stream:
             head = stream.read(1 << 16)
-    except Exception:  # pyarrow says what is wrong with the file when it reads it
-        return ","
-    line = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+    except Exception:
+        return ""
+    return head.split(b"\n", 1)[0].decode("utf-8", "replace").removeprefix("\ufeff").removesuffix("\r")
+
+
+def _delimiter(path: Path, line: str) -> str:
+    """The delimiter of a CSV's header line: the most frequent of ``_DELIMITERS`` outside quotes
+    (a tab for .tsv), so that a spreadsheet's semicolon-separated export reads as its columns."""
+    if _suffix(path) == ".tsv":
+        return "\t"
     unquoted = "".join(line.split('"')[::2])
     counts = {d: unquoted.count(d) for d in _DELIMITERS}
     best = max(_DELIMITERS, key=lambda d: counts[d])  # the first of the most frequent: "," on ties
@@ -247,17 +252,26 @@ def _delimiter(path: Path) -> str:
 
 def _read_csv(path: Path, client: str | None, *, header: bool) -> Any:
     """A CSV (or TSV) file: its delimiter found from the header line, a byte-order mark and Windows
-    line ends taken as pyarrow takes them, client ids kept as text ("007" is not 7); without a header
-    line (``header=False``) the columns are named f0, f1, ... A semicolon-separated file's numbers
-    written with a decimal comma (``2,5``, a European spreadsheet's) are read as numbers."""
+    line ends taken as pyarrow takes them, the spaces around the header's names left out (``user,
+    x, label``), and then around its text values too, client ids kept as text ("007" is not 7); without a header line (``header=False``)
+    the columns are named f0, f1, ... A semicolon-separated file's numbers written with a decimal
+    comma (``2,5``, a European spreadsheet's) are read as numbers."""
+    import csv as text_csv
+
     pa: Any = require("pyarrow")
     csv: Any = require("pyarrow.csv")
-    delimiter = _delimiter(path)
+    line = _first_line(path)
+    delimiter = _delimiter(path, line)
+    read = csv.ReadOptions(autogenerate_column_names=not header)
+    names = next(text_csv.reader([line], delimiter=delimiter), []) if header else []
+    spaced = any(n != n.strip() for n in names)  # "user, x, label": a space after each delimiter
+    if spaced:
+        read = csv.ReadOptions(column_names=[n.strip() for n in names], skip_rows=1)
     try:
         types = {client: pa.string()} if client is not None else {}
         table = csv.read_csv(
             path,
-            read_options=csv.ReadOptions(autogenerate_column_names=not header),
+            read_options=read,
             parse_options=csv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
             convert_options=csv.ConvertOptions(column_types=types),
         )
@@ -268,6 +282,11 @@ def _read_csv(path: Path, client: str | None, *, header: bool) -> Any:
         ) from None
     except Exception as exc:
         raise DataLayoutError(f"table: {path} could not be read as CSV ({exc})") from exc
+    if spaced:  # its text values have the space too: " cat" and "cat" would be two classes
+        pc: Any = require("pyarrow.compute")
+        for i, column in enumerate(table.columns):
+            if pa.types.is_string(column.type):
+                table = table.set_column(i, table.column_names[i], pc.utf8_trim_whitespace(column))
     if delimiter == ";":
         table = _decimal_commas(table, client)
     return table

@@ -574,3 +574,12 @@ def test_json_lines_are_a_table_and_a_client_id_that_is_a_number_here_and_text_t
     (tmp_path / "mixed.jsonl").write_text('{"user": 7, "y": 0}\n{"user": "7", "y": 1}\n')
     with pytest.raises(DataLayoutError, match=r"could not be read as JSON Lines \(.*changed from number to string"):
         load_table(tmp_path / "mixed.jsonl", client="user")
+
+
+def test_a_csv_written_with_a_space_after_each_comma_has_the_names_and_values_without_it(tmp_path: Path) -> None:
+    """'user, x, label' named the columns ' x' and ' label': the label was not found, and
+    ' cat' and 'cat' were two classes."""
+    (tmp_path / "spaced.csv").write_text("x, user, label\n0.5, 007, cat\n1.5, 7,cat\n2.5, 007, dog\n")
+    data = load_data(f"table:{tmp_path / 'spaced.csv'},client=user,test_split=clients,test_fraction=0.5")
+    assert data.label == "label" and data.label_names == ("cat", "dog") and sorted(data.features) == ["label", "x"]
+    assert sorted(data.client_ids + data.test_client_ids) == ["007", "7"] and data.features["x"].dtype == "float64"
