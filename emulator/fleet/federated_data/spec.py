@@ -12,7 +12,8 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
   ``label=NAME``, ``features=A+B+C`` (a name or a pattern, ``pixel*``), ``stack=NAME`` (the numeric
   columns but the label as one vector), ``header=yes|no`` (a CSV without a header line: columns f0,
-  f1, ...), and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
+  f1, ...), ``pad=NAME:LENGTH[:VALUE]+...`` (lists of numbers of different lengths padded with the
+  value, 0 unless given, or cut), and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
   if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
@@ -51,7 +52,7 @@ OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
         "tff-h5": _COMMON | _WORDS | {"test", "label", "lazy"},
-        "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack", "header"},
+        "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack", "header", "pad"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
     }
@@ -160,6 +161,8 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         )
     if "rename" in options:
         renames(DataSpec(fmt, path, MappingProxyType(options)))  # says now what is wrong with it
+    if "pad" in options:
+        pads(DataSpec(fmt, path, MappingProxyType(options)))
     if "partition" in options and options["partition"] not in SCHEMES:
         raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
     for key in ("lazy", "header"):
@@ -186,6 +189,26 @@ def renames(spec: DataSpec) -> dict[str, str]:
         if old in out:
             raise DataSpecError(f"{spec.format}: rename names {old!r} twice")
         out[old] = new
+    return out
+
+
+def pads(spec: DataSpec) -> dict[str, tuple[int, float]]:
+    """``pad=NAME:LENGTH[:VALUE]+...`` as name -> (length, value); the value is 0 unless given."""
+    out: dict[str, tuple[int, float]] = {}
+    for item in spec.options["pad"].split("+") if "pad" in spec.options else ():
+        name, *rest = (part.strip() for part in item.split(":"))
+        try:
+            length, value = int(rest[0]), (float(rest[1]) if len(rest) == 2 else 0.0)
+            if not name or len(rest) > 2 or length < 1 or not np.isfinite(value):
+                raise ValueError(item)
+        except (IndexError, ValueError):
+            raise DataSpecError(
+                f"{spec.format}: pad={spec.options['pad']!r}: {item!r} is not NAME:LENGTH or NAME:LENGTH:VALUE; "
+                "write pad=input_ids:128 (padded with 0), or pad=input_ids:128:1+attention_mask:128"
+            ) from None
+        if name in out:
+            raise DataSpecError(f"{spec.format}: pad names {name!r} twice")
+        out[name] = (length, value)
     return out
 
 
@@ -306,6 +329,7 @@ def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
             stack=opts.get("stack"),
             words=words,
             header=opts.get("header", "yes") == "yes",
+            pad=pads(spec),
             **common,
         )
     if spec.format == "npz":

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -367,8 +367,8 @@ def _lists(array: Any, name: str, where: str, pa: Any) -> np.ndarray:
             raise DataLayoutError(
                 f"table: {where}: column {name!r} holds lists of different lengths ({int(lengths.min())} to "
                 f"{int(lengths.max())}: {int(lengths[0])} in row 0, {int(lengths[row])} in row {row}); pad or cut them "
-                "to one length before loading (a tokenizer's padding='max_length', truncation=True), or leave the "
-                "column out with features="
+                f"to one length with pad={name}:LENGTH:VALUE (or a tokenizer's padding='max_length', truncation=True), "
+                "or leave the column out with features="
             )
         shape.append(int(lengths[0]) if len(lengths) else 0)
         array = array.flatten()
@@ -386,6 +386,48 @@ def _lists(array: Any, name: str, where: str, pa: Any) -> np.ndarray:
             f"table: {where}: column {name!r} holds lists of {kind}, not of numbers or strings; convert them"
         )
     return values.reshape(shape)
+
+
+def pad_lists(table: Any, pads: Mapping[str, tuple[int, float]], where: str) -> Any:
+    """``table`` with the list columns ``pads`` names (name -> length and value) padded with the
+    value or cut to the length (``pad=input_ids:128:0``: a tokenizer's ``input_ids`` without
+    padding), as equal-length lists of their own dtype."""
+    pa: Any = require("pyarrow")
+    pc: Any = require("pyarrow.compute")
+    for name, (length, value) in pads.items():
+        if name not in table.column_names:
+            raise DataSpecError(
+                f"table: {where}: pad={name}: no such column; its columns are {', '.join(table.column_names)}"
+            )
+        column = table.column(name).combine_chunks()
+        if isinstance(column.type, pa.ExtensionType):
+            column = column.storage
+        if not _is_list(column.type, pa):
+            raise DataSpecError(f"table: {where}: pad={name}: column {name!r} has type {column.type}, not lists")
+        if column.null_count:
+            raise DataLayoutError(
+                f"table: {where}: column {name!r} has {column.null_count} missing values; fill or drop those rows"
+            )
+        flat = column.flatten()
+        if _is_list(flat.type, pa) or not (pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type)):
+            raise DataSpecError(
+                f"table: {where}: pad={name}: column {name!r} holds lists of {flat.type}; pad= pads lists of numbers"
+            )
+        if flat.null_count:
+            raise DataLayoutError(
+                f"table: {where}: column {name!r} has {flat.null_count} missing values inside its lists; fill them"
+            )
+        values = flat.to_numpy(zero_copy_only=False)
+        if np.asarray(value).astype(values.dtype) != value:
+            raise DataSpecError(f"table: {where}: pad={name}: the value {value:g} is not a {values.dtype}")
+        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        starts = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
+        out = np.full((len(lengths), length), value, dtype=values.dtype)
+        kept = np.arange(length) < np.minimum(lengths, length)[:, None]
+        out[kept] = values[(starts[:, None] + np.arange(length))[kept]]
+        padded = pa.FixedSizeListArray.from_arrays(pa.array(out.ravel()), length)
+        table = table.set_column(table.column_names.index(name), name, padded)
+    return table
 
 
 #: ``datasets`` features stored as encoded files that this loader does not decode.
@@ -668,13 +710,14 @@ def load_table(
     test_fraction: float = 0.1,
     seed: int = 0,
     header: bool = True,
+    pad: Mapping[str, tuple[int, float]] | None = None,
 ) -> FederatedDataset:
     """A table of examples with a client column (``client``) as a federated dataset, or a table of
     one centralized dataset (``client`` None) cut into clients by ``partition`` (flwr-datasets'
     way with a Hugging Face dataset); ``stack=NAME`` makes its numeric scalar columns (of
     ``features``, if given) but the label one vector feature, and ``words`` text columns word ids,
     as ``load_tff_h5`` reads them. ``header=False``: a CSV without a header line, its columns
-    named f0, f1, ..."""
+    named f0, f1, ... ``pad``: list columns padded or cut to one length (``pad_lists``)."""
     path = Path(path)
     if client is None and partition is None:
         raise DataSpecError(
@@ -691,6 +734,9 @@ def load_table(
     if test is not None:
         test_table, _ = _read_arrow(Path(test), client, features, header=header)
     test_where = str(test or path)
+    if pad:
+        train_table = pad_lists(train_table, pad, str(path))
+        test_table = pad_lists(test_table, pad, test_where) if test_table is not None else None
     if client is None:
         assert partition is not None
         if label is None:

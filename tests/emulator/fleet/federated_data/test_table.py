@@ -519,9 +519,32 @@ def test_audio_columns_and_ragged_token_lists_are_refused_saying_what_to_save(tm
     ).save_to_disk(str(tmp_path / "tokens"))
     with pytest.raises(
         DataLayoutError,
-        match=r"column 'input_ids' holds lists of different lengths \(2 to 3: 2 in row 0, 3 in row 2\); pad or cut",
+        match=r"column 'input_ids' holds lists of different lengths \(2 to 3: 2 in row 0, 3 in row 2\); pad or cut "
+        r"them to one length with pad=input_ids:LENGTH:VALUE",
     ):
         load_data(f"table:{tmp_path / 'tokens'},client=user")
+
+
+def test_pad_makes_lists_of_different_lengths_one_length_in_their_own_dtype(tmp_path: Path) -> None:
+    """A tokenizer's input_ids without padding: padded with the value given (0 unless given) or cut."""
+    ids = pa.array([[5, 6], [5, 6, 7, 8, 9], [7]], pa.list_(pa.int32()))
+    pq.write_table(pa.table({"user": ["a", "a", "b"], "input_ids": ids, "label": [0, 1, 1]}), tmp_path / "t.parquet")
+    spec = f"table:{tmp_path / 't.parquet'},client=user,test_split=clients,test_fraction=0.5"
+    data = load_data(f"{spec},pad=input_ids:3:1")
+    both = {**data.train, **data.test}
+    assert data.features["input_ids"] == FeatureSpec("int32", (3,))
+    assert both["a"]["input_ids"].tolist() == [[5, 6, 1], [5, 6, 7]] and both["b"]["input_ids"].tolist() == [[7, 1, 1]]
+    assert {**load_data(f"{spec},pad=input_ids:2").train, **load_data(f"{spec},pad=input_ids:2").test}["b"][
+        "input_ids"
+    ].tolist() == [[7, 0]]
+    for pad, says in (
+        ("input_ids:3:0.5", r"pad=input_ids: the value 0.5 is not a int32"),
+        ("label:3", r"pad=label: column 'label' has type int64, not lists"),
+        ("input_ids", r"'input_ids' is not NAME:LENGTH or NAME:LENGTH:VALUE"),
+        ("input_ids:0", r"'input_ids:0' is not NAME:LENGTH"),
+    ):
+        with pytest.raises(DataSpecError, match=says):
+            load_data(f"{spec},pad={pad}")
 
 
 def test_partitions_saved_one_folder_each_are_clients_named_by_their_folders(tmp_path: Path) -> None:
