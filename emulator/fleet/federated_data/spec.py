@@ -7,8 +7,8 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
   ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``,
   ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now);
-- ``table:PATH,client=COLUMN`` (a .parquet file or a folder of them, a .csv, .tsv or .jsonl file, gzipped
-  too, a ``save_to_disk`` folder or a folder of them, a client each), or ``table:PATH,partition=...``
+- ``table:PATH,client=COLUMN`` (a .parquet, .csv, .tsv or .jsonl file, gzipped too, or a folder of
+  them, a ``save_to_disk`` folder or a folder of them, a client each), or ``table:PATH,partition=...``
   (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
   ``label=NAME``, ``features=A+B+C`` (a name or a pattern, ``pixel*``), ``stack=NAME`` (the numeric
   columns but the label as one vector), ``header=yes|no`` (a CSV without a header line: columns f0,

@@ -1,6 +1,6 @@
-"""A table with a client-id column: Parquet (a file, or a folder of them as ``write_to_dataset`` and
-Spark write, hive's ``key=value`` folders included), CSV (its delimiter found from the header line),
-JSON Lines, or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (or a folder of them,
+"""A table with a client-id column: Parquet, CSV (its delimiter found from the header line) or JSON
+Lines, a file or a folder of them (as ``write_to_dataset`` and Spark write Parquet, hive's
+``key=value`` folders included, or a file a client), or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (or a folder of them,
 a client each, as flwr-datasets' partitions are saved), read with pyarrow (and ``datasets`` for the
 saved folders).
 
@@ -67,27 +67,41 @@ def _read_arrow(
         saved = sorted(p for p in path.iterdir() if p.is_dir() and _is_saved(p))
         if saved:
             return _read_saved_folders(path, saved, client)
-        return _read_parquet_folder(path, client, features), None
+        return _read_folder(path, client, features, header=header), None
+    if _kind(path) is None:
+        raise DataSpecError(
+            f"table: {path} is neither .parquet, .csv (.tsv), .jsonl (any of them gzipped) nor a folder of such "
+            "files or from datasets' save_to_disk; convert it to one of them"
+        )
+    return _read_file(path, client, features, header=header), None
+
+
+def _kind(path: Path) -> str | None:
+    """The table format of a file by its suffix: parquet, csv, jsonl, or None."""
     suffix = _suffix(path)
-    if suffix in _PARQUET:
+    for kind, suffixes in (("parquet", _PARQUET), ("csv", _CSV), ("jsonl", _JSON_LINES)):
+        if suffix in suffixes:
+            return kind
+    return None
+
+
+def _read_file(path: Path, client: str | None, features: Sequence[str] | None, *, header: bool) -> Any:
+    """One table file as a pyarrow Table (of Parquet, only the columns ``_wanted`` names)."""
+    kind = _kind(path)
+    if kind == "parquet":
         pq: Any = require("pyarrow.parquet")
         try:
             parquet = pq.ParquetFile(path)  # one file (read_table's dataset reader refuses a name twice)
-            return parquet.read(columns=_wanted(parquet.schema_arrow.names, client, features)), None
+            return parquet.read(columns=_wanted(parquet.schema_arrow.names, client, features))
         except Exception as exc:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet
             raise DataLayoutError(f"table: {path} is not a Parquet file ({exc})") from exc
-    if suffix in _CSV:
-        return _read_csv(path, client, header=header), None
-    if suffix in _JSON_LINES:
-        json: Any = require("pyarrow.json")
-        try:  # one object a line, as datasets' to_json and pandas' to_json(lines=True) write them
-            return json.read_json(path), None
-        except Exception as exc:  # ArrowInvalid: not JSON, or a field that is a number here and text there
-            raise DataLayoutError(f"table: {path} could not be read as JSON Lines ({exc})") from exc
-    raise DataSpecError(
-        f"table: {path} is neither .parquet, .csv (.tsv), .jsonl (any of them gzipped) nor a folder of Parquet "
-        "files or from datasets' save_to_disk; convert it to one of them"
-    )
+    if kind == "csv":
+        return _read_csv(path, client, header=header)
+    json: Any = require("pyarrow.json")
+    try:  # one object a line, as datasets' to_json and pandas' to_json(lines=True) write them
+        return json.read_json(path)
+    except Exception as exc:  # ArrowInvalid: not JSON, or a field that is a number here and text there
+        raise DataLayoutError(f"table: {path} could not be read as JSON Lines ({exc})") from exc
 
 
 def _wanted(names: Sequence[str], client: str | None, features: Sequence[str] | None) -> list[str] | None:
@@ -147,13 +161,14 @@ def _read_saved(path: Path) -> tuple[Any, Any | None]:
     return saved.with_format("arrow")[:], None
 
 
-def _read_parquet_folder(path: Path, client: str | None, features: Sequence[str] | None) -> Any:
-    """A folder of Parquet files as one table (Spark's and pyarrow's ``write_to_dataset``'s
-    output), read file by file (pyarrow's dataset scanner took 12 s over 10,000 one-client files
-    that take 3 s so): files in subfolders too, in the order of their paths; a hive partition's
-    ``key=value`` folder names as columns, as text (``client_id=007`` is client ``007``) but for
-    keys whose every value is a number; files whose names start with ``_`` or ``.`` (``_metadata``,
-    ``_SUCCESS``) and files that are not ``.parquet`` left out."""
+def _read_folder(path: Path, client: str | None, features: Sequence[str] | None, *, header: bool) -> Any:
+    """A folder of table files of one format as one table: Parquet as ``write_to_dataset`` and Spark
+    write it, CSV or JSON Lines files, read file by file (pyarrow's dataset scanner took 12 s over
+    10,000 one-client files that take 3 s so), in subfolders too, in the order of their paths. A hive
+    partition's ``key=value`` folder names are columns, as text (``client_id=007`` is client
+    ``007``) but for keys whose every value is a number; when no file has the client column, each
+    file's name (``client_7.csv``: ``client_7``) is its rows' client. Files whose names start with
+    ``_`` or ``.`` (``_metadata``, ``_SUCCESS``) and files of no table format are left out."""
     from urllib.parse import unquote
 
     files = sorted(
@@ -161,19 +176,19 @@ def _read_parquet_folder(path: Path, client: str | None, features: Sequence[str]
         for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(("_", ".")) for part in p.relative_to(path).parts)
     )
-    parquet = [p for p in files if _suffix(p) in _PARQUET]
-    if not parquet:
+    kinds = sorted({k for k in map(_kind, files) if k is not None})
+    if len(kinds) != 1:
         found = ", ".join(sorted({p.suffix or p.name for p in files})[:5]) or "no files"
         raise DataLayoutError(
-            f"table: {path} is a folder without Parquet files (found {found}) or datasets' "
-            f"{', '.join(_HF_MARKERS)}; give a .parquet or .csv file, a folder of .parquet files, or a folder "
-            "written by datasets' save_to_disk"
+            f"table: {path} is a folder of {'files of several formats' if kinds else 'no table files'} (found "
+            f"{found}), and not from datasets' save_to_disk ({', '.join(_HF_MARKERS)}); give a file, or a folder "
+            "of .parquet, .csv or .jsonl files, or a folder written by save_to_disk"
         )
     pa: Any = require("pyarrow")
-    pq: Any = require("pyarrow.parquet")
-    tables = []
+    tables, named = [], []
+    tabular = [p for p in files if _kind(p) == kinds[0]]
     keys: list[str] | None = None
-    for file in parquet:
+    for file in tabular:
         folders = [seg.split("=", 1) for seg in file.relative_to(path).parts[:-1] if "=" in seg]
         partition = {unquote(k): unquote(v) for k, v in folders}
         if keys is None:
@@ -181,15 +196,11 @@ def _read_parquet_folder(path: Path, client: str | None, features: Sequence[str]
         elif list(partition) != keys:
             raise DataLayoutError(
                 f"table: {path}: {file.relative_to(path)} is in partition folders {list(partition)} but "
-                f"{parquet[0].relative_to(path)} in {keys}; give every file the same key=value folders"
+                f"{tabular[0].relative_to(path)} in {keys}; give every file the same key=value folders"
             )
-        try:
-            reader = pq.ParquetFile(file)
-            names = reader.schema_arrow.names
-            wanted = _wanted([*names, *keys], client, features)
-            table = reader.read(columns=None if wanted is None else [c for c in wanted if c in names])
-        except Exception as exc:  # pyarrow's ArrowInvalid and OSError for a file that is not Parquet
-            raise DataLayoutError(f"table: {file} is not a Parquet file ({exc})") from exc
+        table = _read_file(file, client, features, header=header)
+        names = table.column_names
+        wanted = _wanted([*names, *keys], client, features)
         for key, value in partition.items():
             if key in names:
                 raise DataLayoutError(
@@ -198,13 +209,23 @@ def _read_parquet_folder(path: Path, client: str | None, features: Sequence[str]
             if wanted is None or key in wanted:
                 held = None if value == "__HIVE_DEFAULT_PARTITION__" else value  # Hive's and Spark's null
                 table = table.append_column(key, pa.array([held] * table.num_rows, pa.string()))
+        if client is not None and client not in table.column_names:  # the file's name says whose rows they are
+            named.append(file)
+            stem = file.with_suffix("").stem if file.suffix.lower() in _COMPRESSED else file.stem
+            table = table.append_column(client, pa.array([stem] * table.num_rows, pa.string()))
         tables.append(table)
+    if named and len(named) != len(tabular):
+        have = next(p for p in tabular if p not in named)
+        raise DataLayoutError(
+            f"table: {path}: {have.relative_to(path)} has the client column {client!r} but {named[0].relative_to(path)} "
+            "has not; give it to every file, or to none (each file's name is then its rows' client)"
+        )
     first = tables[0].schema.remove_metadata()
-    for file, table in zip(parquet, tables):
+    for file, table in zip(tabular, tables):
         if not table.schema.remove_metadata().equals(first):
             raise DataLayoutError(
                 f"table: {path}: {file.relative_to(path)} has the columns {_schema(table.schema)} but "
-                f"{parquet[0].relative_to(path)} has {_schema(first)}; write every file with one schema"
+                f"{tabular[0].relative_to(path)} has {_schema(first)}; write every file with one schema"
             )
     table = pa.concat_tables(tables)
     for key in keys or ():

@@ -102,7 +102,7 @@ def test_files_that_are_not_tables_say_what_to_give(tmp_path: Path) -> None:
         load_table(tmp_path, client="c")  # a folder of Parquet files, one of them not Parquet
     (tmp_path / "json").mkdir()
     (tmp_path / "json" / "x.json").write_text("{}")
-    with pytest.raises(DataLayoutError, match=r"without Parquet files \(found \.json\) .*save_to_disk"):
+    with pytest.raises(DataLayoutError, match=r"is a folder of no table files \(found \.json\), .*save_to_disk"):
         load_table(tmp_path / "json", client="c")
 
 
@@ -606,3 +606,26 @@ def test_a_csv_written_with_a_space_after_each_comma_has_the_names_and_values_wi
     data = load_data(f"table:{tmp_path / 'spaced.csv'},client=user,test_split=clients,test_fraction=0.5")
     assert data.label == "label" and data.label_names == ("cat", "dog") and sorted(data.features) == ["label", "x"]
     assert sorted(data.client_ids + data.test_client_ids) == ["007", "7"] and data.features["x"].dtype == "float64"
+
+
+def test_a_folder_of_csv_files_one_a_client_takes_each_files_name_as_its_client(tmp_path: Path) -> None:
+    """Each client's own file, as many federated datasets ship; a client column in some files only is refused."""
+    import gzip
+
+    folder = tmp_path / "clients"
+    folder.mkdir()
+    (folder / "alice.csv").write_text("x,label\n0.5,1\n1.5,0\n")
+    with gzip.open(folder / "bob.v2.csv.gz", "wt") as out:
+        out.write("x,label\n2.5,1\n")
+    (folder / "README.md").write_text("not a table")
+    data = load_data(f"table:{folder},client=user,test_split=clients,test_fraction=0.5")
+    assert sorted(data.client_ids + data.test_client_ids) == ["alice", "bob.v2"]
+    assert sorted(data.features) == ["label", "x"]
+    assert {**data.train, **data.test}["alice"]["x"].tolist() == [0.5, 1.5]
+    (folder / "carol.csv").write_text("user,x,label\ncarol,0.5,1\n")
+    with pytest.raises(DataLayoutError, match=r"carol\.csv has the client column 'user' but alice\.csv has not"):
+        load_data(f"table:{folder},client=user")
+    (folder / "carol.csv").unlink()
+    (folder / "dave.jsonl").write_text('{"x": 1.0, "label": 0}\n')
+    with pytest.raises(DataLayoutError, match=r"is a folder of files of several formats"):
+        load_data(f"table:{folder},client=user")
