@@ -211,6 +211,17 @@ class Declared:
     dtype: np.dtype
     shape: tuple[int, ...]
 
+    def check(self, h5py: Any) -> Any:
+        """The base type of a variable-length dtype (``bytes`` or ``str`` for TFF's texts), or None;
+        variable-length numbers (ragged token ids) are refused, as no one shape holds them."""
+        vlen = h5py.check_vlen_dtype(self.dtype)
+        if vlen is not None and vlen not in (bytes, str):
+            raise DataLayoutError(
+                f"{self.where} holds sequences of {np.dtype(vlen)} of different lengths (an HDF5 variable-length "
+                "type); write each example padded to one length, as TFF's files hold fixed shapes and texts"
+            )
+        return vlen
+
     def read(self, h5py: Any) -> np.ndarray:
         """The array, once its declared size fits in memory (a dataset is declared with any shape:
         10**6 x 10**6 floats take no space unwritten, and reading one past memory was a
@@ -218,8 +229,9 @@ class Declared:
         table's are."""
         dtype, shape, dataset = self.dtype, self.shape, self.dataset
         size = check_fits(self.where, dtype, shape, dtype.itemsize)
+        vlen = self.check(h5py)
         low_level = isinstance(dataset, h5py.h5d.DatasetID)
-        text = low_level and h5py.check_vlen_dtype(dtype) in (bytes, str)  # TFF's strings
+        text = low_level and vlen in (bytes, str)  # TFF's strings
         try:
             if text or (low_level and dtype.kind in _PLAIN_KINDS and dtype.metadata is None):
                 values = np.empty(shape, dtype)  # read without h5py's Dataset around it
@@ -337,6 +349,7 @@ def _load_lazily(
             shapes = {}
             for name, d in declared.items():
                 check_fits(d.where, d.dtype, d.shape, d.dtype.itemsize)
+                d.check(h5py)
                 kind = names.get(d.dtype)
                 if kind is None:
                     kind = names[d.dtype] = _dtype_name(d.dtype, h5py)

@@ -276,3 +276,21 @@ def test_the_lazy_option_takes_yes_or_no(tmp_path: Path) -> None:
     path = write_emnist(tmp_path / "train.h5", {"a": 2})
     with pytest.raises(DataSpecError, match="tff-h5: lazy='later' is unknown; use yes or no"):
         load_data(f"tff-h5:{path},lazy=later")
+
+
+@pytest.mark.parametrize("options", ["", ",lazy=no", ",test_split=clients"])
+def test_variable_length_numbers_are_refused_up_front_naming_the_dataset(tmp_path: Path, options: str) -> None:
+    """Token ids written as an HDF5 variable-length type were read as text ('str', the feature's
+    dtype up front) and then refused as 'ragged or mixed' in a client named by the split only."""
+    path = tmp_path / "ids.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("metadata").attrs["version"] = 1  # a group beside examples is not read
+        for cid in ("a", "b", "c"):
+            ids = f.create_dataset(f"examples/{cid}/ids", (2,), dtype=h5py.vlen_dtype(np.int32))
+            ids[0], ids[1] = np.arange(1, dtype=np.int32), np.arange(3, dtype=np.int32)
+            f.create_dataset(f"examples/{cid}/label", data=np.array([0, 1]))
+    with pytest.raises(
+        DataLayoutError,
+        match=r"examples/a/ids holds sequences of int32 of different lengths .*write each example padded",
+    ):
+        load_data(f"tff-h5:{path}{options}")
