@@ -1,8 +1,8 @@
 """A table with a client-id column: Parquet, CSV (its delimiter found from the header line) or JSON
 Lines, a file or a folder of them (as ``write_to_dataset`` and Spark write Parquet, hive's
-``key=value`` folders included, or a file a client), or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (or a folder of them,
-a client each, as flwr-datasets' partitions are saved), read with pyarrow (and ``datasets`` for the
-saved folders).
+``key=value`` folders included, or a file a client), or a Hugging Face ``datasets`` dataset saved
+with ``save_to_disk`` (or a folder of them, a client each, as flwr-datasets' partitions are saved),
+read with pyarrow (and ``datasets`` for the saved folders).
 
 Each row is one example; the client column says whose it is (flwr-datasets' ``NaturalIdPartitioner``
 does the same with a column); every other column is a feature (``features=a+b`` keeps some, and
@@ -217,8 +217,9 @@ def _read_folder(path: Path, client: str | None, features: Sequence[str] | None,
     if named and len(named) != len(tabular):
         have = next(p for p in tabular if p not in named)
         raise DataLayoutError(
-            f"table: {path}: {have.relative_to(path)} has the client column {client!r} but {named[0].relative_to(path)} "
-            "has not; give it to every file, or to none (each file's name is then its rows' client)"
+            f"table: {path}: {have.relative_to(path)} has the client column {client!r} but "
+            f"{named[0].relative_to(path)} has not; give it to every file, or to none (each file's name is then "
+            "its rows' client)"
         )
     first = tables[0].schema.remove_metadata()
     for file, table in zip(tabular, tables):
@@ -274,9 +275,9 @@ def _delimiter(path: Path, line: str) -> str:
 def _read_csv(path: Path, client: str | None, *, header: bool) -> Any:
     """A CSV (or TSV) file: its delimiter found from the header line, a byte-order mark and Windows
     line ends taken as pyarrow takes them, the spaces around the header's names left out (``user,
-    x, label``), and then around its text values too, client ids kept as text ("007" is not 7); without a header line (``header=False``)
-    the columns are named f0, f1, ... A semicolon-separated file's numbers written with a decimal
-    comma (``2,5``, a European spreadsheet's) are read as numbers."""
+    x, label``) and then around its text values too, client ids kept as text ("007" is not 7);
+    without a header line (``header=False``) the columns are named f0, f1, ... A semicolon-separated
+    file's numbers written with a decimal comma (``2,5``, a European spreadsheet's) are numbers."""
     import csv as text_csv
 
     pa: Any = require("pyarrow")
@@ -489,7 +490,8 @@ def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarra
             )
     if col.null_count:
         raise DataLayoutError(
-            f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows, or leave the column out with features="
+            f"table: {where}: column {name!r} has {col.null_count} missing values; fill or drop those rows, "
+            "or leave the column out with features="
         )
     array = col.combine_chunks()
     if isinstance(array.type, pa.ExtensionType):  # datasets' Array2D..Array5D: lists of lists underneath
