@@ -304,6 +304,9 @@ def _read_csv(path: Path, client: str | None, *, header: bool) -> Any:
         ) from None
     except Exception as exc:
         raise DataLayoutError(f"table: {path} could not be read as CSV ({exc})") from exc
+    empty = {i for i, (n, c) in enumerate(zip(table.column_names, table.columns)) if not n and c.null_count == len(c)}
+    if empty:  # a spreadsheet's rows ending in delimiters ("a,b,c,"): columns of no name and no value
+        table = table.select([i for i in range(table.num_columns) if i not in empty])
     if spaced:  # its text values have the space too: " cat" and "cat" would be two classes
         pc: Any = require("pyarrow.compute")
         for i, column in enumerate(table.columns):

@@ -410,11 +410,13 @@ def test_a_pandas_index_is_not_a_feature_and_an_unnamed_csv_column_is_refused(tm
 def test_csvs_as_spreadsheets_write_them_semicolons_decimal_commas_tabs_bom_crlf_and_gzip(tmp_path: Path) -> None:
     """A European spreadsheet's export (semicolons, 2,5), a TSV, a BOM and Windows line ends, a
     gzipped CSV and quoted text with commas and line breaks all read as the same table; the
-    semicolon file was one column named 'user;x;note;label'."""
+    semicolon file was one column named 'user;x;note;label;;'."""
     import gzip
 
     rows = [("a", "0,5", "hi, there\nyou", 1), ("b", "1,25", "x", 0), ("a", "2", "y", 1)]
-    (tmp_path / "semi.csv").write_text("user;x;note;label\n" + "".join(f'{u};{x};"{n}";{y}\n' for u, x, n, y in rows))
+    (tmp_path / "semi.csv").write_text(  # a spreadsheet's trailing delimiters: two columns of no name and no value
+        "user;x;note;label;;\n" + "".join(f'{u};{x};"{n}";{y};;\n' for u, x, n, y in rows)
+    )
     comma = "".join(f'{u},{x.replace(",", ".")},"{n}",{y}\r\n' for u, x, n, y in rows)
     (tmp_path / "bom.csv").write_text("user,x,note,label\r\n" + comma, encoding="utf-8-sig")
     with gzip.open(tmp_path / "data.csv.gz", "wt", encoding="utf-8") as out:
