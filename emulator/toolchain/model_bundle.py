@@ -30,6 +30,7 @@ from device_runtime.plan import Plan
 from example_store import ExampleSelector, InvalidArgumentError
 from server_stub.schemas import NAME_RULE, is_name
 
+from . import ml_ops
 from .bundle import MANIFEST, SOURCE, TASK_FILE, build_bundle
 from .onnx_import import EVAL_MODE_WARNING
 from .tasks import DEFAULT_RUNTIMES, Task, TaskError, check_known_releases, onnx_import
@@ -117,6 +118,10 @@ def _prediction_shape(
 
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)  # a path reads its data
+    if any(n.domain == ml_ops.ML_DOMAIN for n in proto.graph.node):  # ZipMap's probabilities as the tensor a plan reads
+        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        ml_ops.standard_form(proto)
+        source = proto.SerializeToString()
     options = ort.SessionOptions()
     options.log_severity_level = 3  # an exporter's unused initializers are not the person's concern here
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])

@@ -29,7 +29,7 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, ir_version_for_opset
 from device_runtime.plan_builder import assemble_plan
 
-from . import loops, old_opsets, onnx_import, peephole
+from . import loops, ml_ops, old_opsets, onnx_import, peephole
 from .autodiff import (
     DEFAULT_DOMAINS,
     Emitter,
@@ -227,6 +227,8 @@ def read_model(
     lost = onnx_import.lost_parameters(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     buffers = onnx_import.constant_buffers(m)
+    ml_ops.standard_form(m)
+    buffers |= ml_ops.preprocessing_constants(m)
     _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
     _check_valid(m, target)
@@ -278,7 +280,7 @@ def read_model(
         old_opsets.unpin_batch(m, exported_batch, target)
         inits = {i.name: i for i in graph.initializer}
     if loss == "cross_entropy":
-        output = old_opsets.classes_last(m, output)
+        output = ml_ops.probabilities_as_logits(m, old_opsets.classes_last(m, output))
     if not set(names) & needed_for(graph.node, [output]):
         raise ValueError(
             f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
@@ -290,8 +292,8 @@ def read_model(
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
     """Refuse, in one line that says what to export, a prediction computed by ops outside the
-    standard domains (skl2onnx's trees and linear models are ``ai.onnx.ml`` ops: no gradient, and
-    no plan may hold them) or, at opset 13 and later, by ops of the standard domain that ONNX does
+    standard domains (skl2onnx's trees are ``ai.onnx.ml`` ops: no gradient, and no plan may hold
+    them; its linear models' ops were written in standard ops by :func:`.ml_ops.standard_form`) or, at opset 13 and later, by ops of the standard domain that ONNX does
     not define (what an exporter could not convert); such ops on a branch the loss does not read
     are pruned later."""
     graph = model.graph
@@ -314,10 +316,14 @@ def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
     )
     if others:
         ops = ", ".join(f"{d}.{op}" for d, op in others)
+        trees = " (a tree's prediction is piecewise constant: no gradient reaches its thresholds or leaves)" * any(
+            op.startswith("TreeEnsemble") for _, op in others
+        )
         raise ValueError(
             f"the output {output!r} is computed by {ops}: ops outside the standard ONNX domains have no gradient "
-            "and no place in a plan; export a differentiable model of standard ops (a neural network: "
-            "torch.onnx.export or `fedfleet plan from-torch`; skl2onnx of an MLPClassifier or MLPRegressor)"
+            f"and no place in a plan{trees}; export a differentiable model (skl2onnx of a linear model, whose "
+            f"{', '.join(ml_ops.TRANSLATED)} a plan writes in standard ops, or of an MLPClassifier or MLPRegressor; "
+            "a neural network by torch.onnx.export or `fedfleet plan from-torch`)"
         )
 
 
@@ -700,6 +706,7 @@ def initial_weights_from_onnx(model: ModelLike, plan: Plan) -> dict[str, np.ndar
     running statistics, zeros for the optimizer state."""
     loaded = load_model(model)
     onnx_import.split_deduplicated(loaded)  # the plan's names for parameters an exporter merged
+    ml_ops.standard_form(loaded)  # a linear model's weights, attributes of its ai.onnx.ml op
     inits = {i.name: numpy_helper.to_array(i) for i in loaded.graph.initializer}
     spec = PlanExecutor(plan).weight_spec()
     out = {}

@@ -161,13 +161,15 @@ def unpacked(name: str, folder: Path = EXPORTED) -> Path:
 
 
 def task_for(entry: dict[str, Any], manifest: dict[str, Any] = MANIFEST, folder: Path = EXPORTED) -> Task:
-    """The task ``fedfleet plan from-onnx MODEL --label y --lr LR --batch-size 4`` builds."""
+    """The task ``fedfleet plan from-onnx MODEL --label y --lr LR --batch-size 4`` builds (``--loss``
+    the entry's ``loss``, cross-entropy by default)."""
     return Task(
         name=entry["model"].removesuffix(".onnx.gz").replace(".", "_"),
         model=unpacked(entry["model"], folder),
         proxy=lambda: None,  # type: ignore[arg-type, return-value]
         hyperparameters={"lr": manifest["lr"]},
         label="y",
+        loss=entry.get("loss", "cross_entropy"),
         batch_size=manifest["batch"],
         selector=ExampleSelector("app:/exported"),
     )

@@ -42,10 +42,13 @@ MANIFEST = json.loads((FOLDER / "manifest.json").read_text())
 
 
 @cache
-def reference(name: str) -> tuple[dict[str, np.ndarray], float, dict[str, np.ndarray], dict[str, float]]:
-    """TensorFlow's step (``keras_<model>.npz``): the examples, the loss, every float initializer
-    of rank >= 1 after the step, and TensorFlow float32's own error on each."""
-    data = np.load(FOLDER / name)
+def reference(
+    name: str, folder: Path = FOLDER
+) -> tuple[dict[str, np.ndarray], float, dict[str, np.ndarray], dict[str, float]]:
+    """TensorFlow's step (``keras_<model>.npz``; in ``folder``, another framework's step saved the
+    same way): the examples, the loss, every float initializer of rank >= 1 after the step, and the
+    framework's float32 error on each."""
+    data = np.load(folder / name)
     index = json.loads(str(data["index"]))
     shapes = index["initializers"]
     ends = np.cumsum([int(np.prod(shape)) for _, shape in shapes])
