@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto
 
 from .autodiff import TensorInfo
-from .emitter import namer, node_reads
+from .emitter import namer, node_reads, subgraphs
 from .forward import is_float
 from .gradients import NO_GRADIENT
 
@@ -555,7 +555,8 @@ def nothing_to_train(
         return (
             "the model has nothing to train: no float32 initializer computes the output; export the model with its "
             "weights as float32 initializers (torch.onnx.export's default export_params=True, not as Constant nodes or "
-            "graph inputs), or name the tensors to train with trainable="
+            "graph inputs: an onnxscript model's weights go in graph.initializer, not among its arguments), or name "
+            "the tensors to train with trainable="
         )
     cut = sorted(
         {
@@ -795,3 +796,27 @@ def stochastic_depth_as_dropout(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(n for k, node in enumerate(nodes) for n in replaced.get(k, [node]))
     return sum(n.op_type == "Dropout" for ns in replaced.values() for n in ns)
+
+
+def local_functions_inlined(model: onnx.ModelProto) -> bool:
+    """Replace, in place, each call of a model-local function (onnxscript's ``@script`` functions
+    that a ``@script`` model calls, a ``FunctionProto`` a hand-written model holds) by the nodes
+    of its body, recursively, as ``onnx.inliner`` does: a plan differentiates standard ops, and a
+    call is a node of the function's own domain. Models that call none are left as they are
+    (the dynamo exporter's graphs keep their node metadata). Returns whether any call was inlined."""
+    local = {(f.domain, f.name) for f in model.functions}
+    if not local or not any((n.domain, n.op_type) in local for n in _all_nodes(model.graph)):
+        return False
+    import onnx.inliner
+
+    model.CopyFrom(onnx.inliner.inline_local_functions(model))
+    return True
+
+
+def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    out = []
+    for node in graph.node:
+        out.append(node)
+        for g in subgraphs(node):
+            out += _all_nodes(g)
+    return out

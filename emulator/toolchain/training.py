@@ -219,6 +219,7 @@ def read_model(
     """``model`` read for a plan at ``opset``; with the ``cross_entropy`` loss, a prediction of shape
     [N, classes, 1, ..., 1] is read as [N, classes] (:func:`.old_opsets.classes_last`)."""
     m = load_model(model)
+    onnx_import.local_functions_inlined(m)
     onnx_import.stochastic_depth_as_dropout(m)
     onnx_import.single_recurrent_bias(m)
     folded_batch_norms = onnx_import.tf2onnx_folded_batch_norms(m)

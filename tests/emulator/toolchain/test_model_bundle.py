@@ -341,3 +341,14 @@ def test_from_onnx_keeps_the_rows_frozen_rows_names_out_of_training(tmp_path, ca
         _from_onnx(tmp_path / "bag.onnx", tmp_path / "b2", "--frozen-rows", "emb")
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "give NAME:ROW[,ROW] (emb.weight:0), not 'emb'" in err
+
+
+def test_a_model_exported_at_batch_one_gets_its_classes_as_the_stubs_labels(tmp_path, capsys):
+    """The ONNX Model Zoo's files take one example (an input of shape [1, features]): the stub's
+    label is read from the model run on one random example instead of being a guess."""
+    m = mlp(5, 6, 4, softmax=True)
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    onnx.save_model(m, str(tmp_path / "zoo.onnx"))
+    assert _from_onnx(tmp_path / "zoo.onnx", tmp_path / "bundle") == 0
+    assert "did not run on random examples" not in capsys.readouterr().err
+    assert "'y': ('int64', (), 4)" in (tmp_path / "bundle" / "task.py").read_text()

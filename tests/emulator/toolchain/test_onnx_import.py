@@ -629,3 +629,54 @@ def test_buffers_the_programs_signature_declares_do_not_train_unless_named():
     assert _weights(m) == ("fc.weight",)
     assert _weights(m, trainable=["fc.weight", "final_bias"]) == ("fc.weight", "final_bias")
     assert _weights(m, trainable=["*"]) == ("fc.weight",)
+
+
+def _with_local_functions(flat: onnx.ModelProto) -> onnx.ModelProto:
+    """``flat``'s Gemm-Relu-Gemm with its layers as model-local functions, as onnxscript writes a
+    ``@script`` model that calls ``@script`` functions: ``dense_relu`` calls ``dense``, each in the
+    domain ``this``."""
+    dense = helper.make_function(
+        "this",
+        "dense",
+        ["x", "w", "b"],
+        ["y"],
+        [helper.make_node("Gemm", ["x", "w", "b"], ["y"])],
+        [helper.make_opsetid("", 17)],
+    )
+    dense_relu = helper.make_function(
+        "this",
+        "dense_relu",
+        ["x", "w", "b"],
+        ["y"],
+        [helper.make_node("dense", ["x", "w", "b"], ["z"], domain="this"), helper.make_node("Relu", ["z"], ["y"])],
+        [helper.make_opsetid("", 17), helper.make_opsetid("this", 1)],
+    )
+    graph = onnx.GraphProto()
+    graph.CopyFrom(flat.graph)
+    del graph.node[:]
+    graph.node.extend(
+        [
+            helper.make_node("dense_relu", ["x", "w0", "b0"], ["a0"], domain="this", name="layer0"),
+            helper.make_node("dense", ["a0", "w1", "b1"], ["logits"], domain="this", name="layer1"),
+        ]
+    )
+    m = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("this", 1)],
+        functions=[dense, dense_relu],
+        ir_version=8,
+    )
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_a_model_calling_its_own_functions_takes_the_step_of_the_same_model_written_flat():
+    """onnxscript's ``@script`` models call model-local functions (nodes of their own domain); the
+    plan inlines them, nested ones too, and trains what the flat graph trains."""
+    flat = mlp(4, 6, 3, seed=2)
+    flat.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.linspace(-1, 1, 6).astype(np.float32), "b0"))
+    called, written_flat = _one_step(_with_local_functions(flat)), _one_step(flat)
+    assert set(called) == set(written_flat) == {"w0", "b0", "w1", "b1"}
+    for name in written_flat:
+        np.testing.assert_array_equal(called[name], written_flat[name])
+    assert not np.array_equal(written_flat["w0"], onnx.numpy_helper.to_array(flat.graph.initializer[0]))
