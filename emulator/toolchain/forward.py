@@ -6,7 +6,8 @@ Exporters write models for inference; a training step computes some ops differen
   over the batch and spatial axes); its running mean and variance, when they are initializers,
   become state that the step updates with the op's momentum (the ONNX training-mode formula)
   and that the server averages like a weight. The running variance takes the unbiased batch
-  variance (times n/(n-1), n the elements per channel), as torch's does;
+  variance (times n/(n-1), n the elements per channel), as torch's and TensorFlow's do (a model
+  paddle2onnx exported: the population variance, as Paddle's does);
 * ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs (one
   of ratio 0 is the identity);
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
@@ -54,13 +55,20 @@ class TrainingForward:
 
 
 def training_forward(
-    e: Emitter, nodes: Sequence[onnx.NodeProto], initializers: set[str], dropout_seed: int | None = 0
+    e: Emitter,
+    nodes: Sequence[onnx.NodeProto],
+    initializers: set[str],
+    dropout_seed: int | None = 0,
+    *,
+    unbiased_running_variance: bool = True,
 ) -> TrainingForward:
     """Rewrite ``nodes`` for training (see the module docstring); new tensors come from ``e``.
 
     Each active ``Dropout`` without a seed of its own gets ``dropout_seed`` plus its position, so
     that a device's session is reproducible (onnxruntime draws a new mask every step from the
-    seeded generator); ``None`` leaves the masks to onnxruntime's own randomness."""
+    seeded generator); ``None`` leaves the masks to onnxruntime's own randomness. Without
+    ``unbiased_running_variance`` a ``BatchNormalization``'s running variance takes the batch's
+    population variance, as Paddle's does."""
     out = TrainingForward([])
     dropouts = 0
     nodes = slices_as_split(e, sequences_as_slices(e, nodes))
@@ -71,7 +79,7 @@ def training_forward(
             out.nodes.append(node)
             continue
         if node.op_type == "BatchNormalization":
-            out.nodes += _emitted(e, _batch_norm, e, node, initializers, out.state_updates)
+            out.nodes += _emitted(e, _batch_norm, e, node, initializers, out.state_updates, unbiased_running_variance)
         elif node.op_type in DECOMPOSED:
             out.nodes += decompose(e, [node])
         elif node.op_type == "Dropout" and _drops_nothing(e, node, read):
@@ -450,7 +458,9 @@ def _channel_shape(e: Emitter, x: str) -> tuple[int, list[int]]:
     return rank, [1, -1] + [1] * (rank - 2)
 
 
-def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], updates: dict[str, str]) -> None:
+def _batch_norm(
+    e: Emitter, node: onnx.NodeProto, initializers: set[str], updates: dict[str, str], unbiased: bool = True
+) -> None:
     x, scale, bias, mean_in, var_in = node.input[:5]
     eps = float(attr(node, "epsilon", 1e-5))
     momentum = float(attr(node, "momentum", 0.9))
@@ -464,7 +474,7 @@ def _batch_norm(e: Emitter, node: onnx.NodeProto, initializers: set[str], update
     inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
     gain = e.op("Mul", [inv, e.op("Reshape", [scale, e.ints(cshape)])])
     e.op("Add", [e.op("Mul", [centred, gain]), e.op("Reshape", [bias, e.ints(cshape)])], out=node.output[0])
-    if var_in in initializers:
+    if var_in in initializers and unbiased:
         var = _unbiased(e, x, mean, var, axes)
     for stat, batch in ((mean_in, mean), (var_in, var)):
         if stat in initializers:

@@ -2225,6 +2225,11 @@ def coverage_document() -> str:
             "constants staying constants; tree ensembles and the other `ai.onnx.ml` ops are refused where the loss",
             "reads them: they have no gradient.",
             "",
+            "PaddlePaddle models exported by paddle2onnx take Paddle's own step",
+            "(`tests/emulator/toolchain/test_paddle_exports.py`): an MLP, a CNN with `BatchNorm2D` (its running",
+            "variance moved with the population variance, as Paddle moves it) and `LayerNorm`, and an Embedding",
+            "text classifier with GELU.",
+            "",
             coverage_markdown(),
             "",
         ]

@@ -820,3 +820,11 @@ def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
         for g in subgraphs(node):
             out += _all_nodes(g)
     return out
+
+
+def exported_by_paddle(model: onnx.ModelProto) -> bool:
+    """Whether paddle2onnx wrote ``model``: its producer (older releases) or its graph's name
+    (``PaddlePaddle Graph in PIR mode``: paddle2onnx 2 leaves the producer empty) says so. Paddle
+    moves a BatchNorm's running variance with the batch's population variance, where torch and
+    TensorFlow take the unbiased one."""
+    return model.producer_name.startswith("PaddlePaddle") or model.graph.name.startswith("PaddlePaddle")

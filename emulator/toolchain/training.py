@@ -205,6 +205,8 @@ class ModelParts:
     buffers: set[str] = field(default_factory=set)
     # Keras layers whose BatchNormalization tf2onnx folded into constants (onnx_import.tf2onnx_folded_batch_norms)
     folded_batch_norms: list[str] = field(default_factory=list)
+    # a BatchNorm's running variance moves with the population variance (onnx_import.exported_by_paddle)
+    population_running_variance: bool = False
 
 
 def read_model(
@@ -228,6 +230,7 @@ def read_model(
     lost = onnx_import.lost_parameters(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     buffers = onnx_import.constant_buffers(m)
+    paddle = onnx_import.exported_by_paddle(m)
     ml_ops.standard_form(m)
     buffers |= ml_ops.preprocessing_constants(m)
     _refuse_other_domains(m, output)
@@ -288,7 +291,7 @@ def read_model(
             "model with the example tensors it computes from as inputs that reach the output (an input the "
             "exporter traced as a constant is folded into the graph)"
         )
-    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared, buffers, folded_batch_norms)
+    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared, buffers, folded_batch_norms, paddle)
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
@@ -529,7 +532,13 @@ def onnx_training_plan(
     )
     taken |= {"loss_sum", "count", "correct"}
     e = Emitter(parts.opset, infos, constant_values(graph, parts.opset, infos), taken)
-    fw = training_forward(e, list(graph.node), set(parts.initializers), dropout_seed)
+    fw = training_forward(
+        e,
+        list(graph.node),
+        set(parts.initializers),
+        dropout_seed,
+        unbiased_running_variance=not parts.population_running_variance,
+    )
     nodes = _live_nodes(fw.nodes, [parts.prediction, *fw.state_updates.values(), *e.saved_by_composites()])
     check_ops(nodes)
     # shapes of the rewritten forward (the rules read them)

@@ -1,0 +1,202 @@
+"""PaddlePaddle models exported by paddle2onnx, and Paddle's own training step for each: the fixtures
+of ``tests/emulator/toolchain/test_paddle_exports.py``, which never imports paddle.
+
+    PYTHONPATH=. /work/paddleenv/bin/python -m benchmarks.paddle_fixtures [--out DIR]
+
+in a virtualenv of its own, outside the repository::
+
+    python3 -m venv /work/paddleenv
+    /work/paddleenv/bin/pip install paddlepaddle paddle2onnx packaging onnx onnxruntime
+
+For each model of :data:`MODELS` (random weights, every parameter perturbed so that no two tensors
+are equal, nothing downloaded) it writes ``paddle_<name>.onnx.gz``: the model in eval mode exported
+as a Paddle user exports it, ``paddle.onnx.export(model, path, input_spec=[InputSpec([None, ...])],
+opset_version=17)``. Beside it, ``paddle_<name>.npz``: the batch (``input``, ``label``), Paddle's
+loss (``F.cross_entropy``, the batch's mean) and every float initializer of rank >= 1 after one SGD
+step of learning rate :data:`LR` of Paddle's autograd in float64 in train mode (``after``, in the
+order and shapes of ``index``, under the initializers' names; paddle2onnx names them as Paddle names
+its parameters, and a bias it reshaped for a ``Conv``, ``p2o.pd_op.reshape.*``, is found by its
+values), with Paddle float32's own error per initializer (``float32_error``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import platform
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import paddle
+import paddle2onnx
+from onnx import numpy_helper
+
+F = paddle.nn.functional
+OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain" / "paddle"
+LR = 0.5
+BATCH = 4
+OPSET = 17
+
+
+class MLP(paddle.nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = paddle.nn.Linear(6, 8), paddle.nn.Linear(8, 8), paddle.nn.Linear(8, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc3(F.tanh(self.fc2(F.relu(self.fc1(x)))))
+
+
+class CNN(paddle.nn.Layer):
+    """Conv2D, BatchNorm2D (train mode: batch statistics, running ones moved), max and average
+    pooling, LayerNorm over the flattened features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = paddle.nn.Conv2D(3, 4, 3, padding=1)
+        self.bn = paddle.nn.BatchNorm2D(4)
+        self.conv2 = paddle.nn.Conv2D(4, 6, 3, stride=2, padding=1)
+        self.norm = paddle.nn.LayerNorm(24)
+        self.fc = paddle.nn.Linear(24, 3)
+
+    def forward(self, x: Any) -> Any:
+        h = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        h = F.avg_pool2d(F.relu(self.conv2(h)), 1)
+        return self.fc(self.norm(paddle.flatten(h, 1)))
+
+
+class Text(paddle.nn.Layer):
+    """Embedding, then a mean over the sequence, GELU and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = paddle.nn.Embedding(20, 6)
+        self.fc1, self.fc2 = paddle.nn.Linear(6, 8), paddle.nn.Linear(8, 3)
+
+    def forward(self, tokens: Any) -> Any:
+        return self.fc2(F.gelu(self.fc1(self.emb(tokens).mean(axis=1))))
+
+
+#: name -> (model, one example's shape, dtype of the input)
+MODELS: dict[str, tuple[Callable[[], paddle.nn.Layer], list[int], str]] = {
+    "mlp": (MLP, [6], "float32"),
+    "cnn": (CNN, [3, 8, 8], "float32"),
+    "text": (Text, [5], "int64"),
+}
+
+
+def _perturbed(net: paddle.nn.Layer, seed: int) -> dict[str, np.ndarray]:
+    """Every parameter and buffer moved off its initial value (ones, zeros): distinct tensors."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for name, t in net.state_dict().items():
+        v = t.numpy().astype(np.float32)
+        v = v + rng.normal(scale=0.1, size=v.shape).astype(np.float32)
+        if name.endswith("_variance"):
+            v = np.abs(v) + 0.5
+        values[name] = v
+    return values
+
+
+def _step(
+    make: Callable[[], paddle.nn.Layer], state: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, dtype: str
+) -> tuple[float, dict[str, np.ndarray]]:
+    """One SGD step in train mode in ``dtype``: the loss and every parameter and buffer after it, by
+    its key in the state dict."""
+    paddle.set_default_dtype(dtype)
+    net = make()
+    net.set_state_dict({k: paddle.to_tensor(v.astype(dtype)) for k, v in state.items()})
+    net.train()
+    inputs = paddle.to_tensor(x if x.dtype.kind == "i" else x.astype(dtype))
+    loss = F.cross_entropy(net(inputs), paddle.to_tensor(y))
+    loss.backward()
+    with paddle.no_grad():
+        for p in net.parameters():
+            if not p.stop_gradient:  # a BatchNorm's running statistics are parameters that take none
+                p.set_value(p - LR * p.grad)
+    after = {key: t.numpy().astype(np.float64) for key, t in net.state_dict().items()}
+    paddle.set_default_dtype("float32")
+    return float(loss), after
+
+
+def make(out: Path) -> dict[str, Any]:
+    paddle.seed(0)
+    rng = np.random.default_rng(0)
+    fixtures = []
+    for k, (name, (build, shape, dtype)) in enumerate(MODELS.items()):
+        net = build()
+        state = _perturbed(net, k)
+        net.set_state_dict({n: paddle.to_tensor(v) for n, v in state.items()})
+        net.eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = [paddle.static.InputSpec(shape=[None, *shape], dtype=dtype, name="x")]
+            paddle.onnx.export(net, f"{tmp}/model", input_spec=spec, opset_version=OPSET)
+            model = onnx.load(f"{tmp}/model.onnx")
+        (out / f"paddle_{name}.onnx.gz").write_bytes(gzip.compress(model.SerializeToString(), mtime=0))
+        x = rng.integers(0, 20, size=(BATCH, *shape)) if dtype == "int64" else rng.normal(size=(BATCH, *shape))
+        x = x.astype(dtype)
+        y = rng.integers(0, 3, size=BATCH).astype(np.int64)
+        loss, after = _step(build, state, x, y, "float64")
+        _, after32 = _step(build, state, x, y, "float32")
+        key_of = {t.name: key for key, t in net.state_dict().items()}  # linear_0.w_0 -> fc1.weight
+        index, values, errors = [], [], []
+        for init in model.graph.initializer:
+            v = numpy_helper.to_array(init)
+            if v.dtype != np.float32 or v.ndim == 0:
+                continue
+            match = key_of.get(init.name)
+            if match is None:  # a parameter paddle2onnx reshaped (a Conv's bias): found by its values
+                match = next(
+                    (n for n, b in state.items() if b.size == v.size and np.array_equal(b.ravel(), v.ravel())), None
+                )
+            if match is None:
+                continue
+            index.append([init.name, list(v.shape)])
+            values.append(after[match].reshape(v.shape))
+            errors.append(float(np.abs(after32[match] - after[match]).max()))
+        np.savez_compressed(
+            out / f"paddle_{name}.npz",
+            input=x,
+            label=y,
+            loss=np.float64(loss),
+            after=np.concatenate([v.ravel() for v in values]),
+            float32_error=np.array(errors),
+            index=json.dumps({"input": model.graph.input[0].name, "initializers": index}),
+        )
+        ops = sorted({n.op_type for n in model.graph.node})
+        fixtures.append(
+            {"name": name, "model": f"paddle_{name}.onnx.gz", "reference": f"paddle_{name}.npz", "ops": ops}
+        )
+    return {
+        "regenerate": "PYTHONPATH=. python -m benchmarks.paddle_fixtures  (in a virtualenv with paddlepaddle and paddle2onnx)",
+        "versions": {
+            "paddlepaddle": paddle.__version__,
+            "paddle2onnx": paddle2onnx.__version__,
+            "onnx": onnx.__version__,
+            "python": platform.python_version(),
+        },
+        "export": f"paddle.onnx.export(model, path, input_spec=[InputSpec([None, ...])], opset_version={OPSET})",
+        "step": "Paddle autograd, F.cross_entropy, train mode, float64",
+        "batch": BATCH,
+        "lr": LR,
+        "fixtures": fixtures,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest = make(args.out)
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"{len(manifest['fixtures'])} fixtures in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
