@@ -154,7 +154,10 @@ def model_opset(model: onnx.ModelProto) -> int:
     opset = default_opset(model)
     if opset is not None:
         return opset
-    raise ValueError("the model imports no default-domain (ai.onnx) opset")
+    raise ValueError(
+        "the model imports no default-domain (ai.onnx) opset: it holds no standard ONNX op; export a model of "
+        "standard ops (a neural network by torch.onnx.export, or a linear model or MLP by skl2onnx)"
+    )
 
 
 def at_opset(model: onnx.ModelProto, opset: int | None) -> tuple[onnx.ModelProto, int]:
@@ -307,7 +310,9 @@ def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
     if output is None:
         return
     needed = needed_for(graph.node, [output])
-    current = model_opset(model) >= MIN_OPSET  # older files' experimental ops: written out by old_opsets
+    # older files' experimental ops: written out by old_opsets (a file of ai.onnx.ml ops alone, such as
+    # onnxmltools' XGBoost, imports no standard opset)
+    current = (default_opset(model) or MIN_OPSET) >= MIN_OPSET
     for node in graph.node:
         if current and node.domain in DEFAULT_DOMAINS and set(node.output) & needed and not onnx.defs.has(node.op_type):
             raise ValueError(

@@ -203,3 +203,52 @@ def test_a_zipmap_classifier_becomes_a_bundle_whose_examples_are_the_classes(tmp
     assert "LinearClassifier.coefficients  [5, 3]" in out.out or "LinearClassifier.coefficients" in out.out
     assert "did not run on random examples" not in out.err
     assert "'y': ('int64', (), 3)" in (tmp_path / "b" / "task.py").read_text()
+
+
+def test_a_tree_file_with_no_standard_opset_is_refused_as_trees_are(tmp_path, capsys):
+    """onnxmltools writes an XGBoost regressor as one ``TreeEnsembleRegressor`` and imports the
+    ``ai.onnx.ml`` opset alone: the refusal names the trees, not the missing opset."""
+    node = helper.make_node(
+        "TreeEnsembleRegressor",
+        ["X"],
+        ["variable"],
+        domain="ai.onnx.ml",
+        n_targets=1,
+        nodes_treeids=[0],
+        nodes_nodeids=[0],
+        nodes_featureids=[0],
+        nodes_modes=["LEAF"],
+        nodes_values=[0.0],
+        nodes_truenodeids=[0],
+        nodes_falsenodeids=[0],
+        target_treeids=[0],
+        target_nodeids=[0],
+        target_ids=[0],
+        target_weights=[0.5],
+    )
+    graph = helper.make_graph(
+        [node],
+        "xgb",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 3])],
+        [helper.make_tensor_value_info("variable", TensorProto.FLOAT, [None, 1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("ai.onnx.ml", 1)])
+    onnx.save_model(model, str(tmp_path / "xgb.onnx"))
+    assert (
+        main(
+            [
+                "plan",
+                "from-onnx",
+                str(tmp_path / "xgb.onnx"),
+                "--label",
+                "y",
+                "--loss",
+                "mse",
+                "-o",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ai.onnx.ml.TreeEnsembleRegressor" in err and "no gradient" in err
