@@ -7,7 +7,7 @@ Exporters write models for inference; a training step computes some ops differen
   become state that the step updates with the op's momentum (the ONNX training-mode formula)
   and that the server averages like a weight. The running variance takes the unbiased batch
   variance (times n/(n-1), n the elements per channel), as torch's and TensorFlow's do (a model
-  paddle2onnx exported: the population variance, as Paddle's does);
+  paddle2onnx or jax2onnx exported: the population variance, as Paddle's and Flax's do);
 * ``Dropout`` is active (training_mode=True) and returns its mask, which its gradient needs (one
   of ratio 0 is the identity);
 * ``MaxPool`` also returns its Indices, where its gradient goes, unless its windows tile the input
@@ -68,7 +68,7 @@ def training_forward(
     that a device's session is reproducible (onnxruntime draws a new mask every step from the
     seeded generator); ``None`` leaves the masks to onnxruntime's own randomness. Without
     ``unbiased_running_variance`` a ``BatchNormalization``'s running variance takes the batch's
-    population variance, as Paddle's does."""
+    population variance, as Paddle's and Flax's do."""
     out = TrainingForward([])
     dropouts = 0
     nodes = slices_as_split(e, sequences_as_slices(e, nodes))

@@ -822,9 +822,9 @@ def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return out
 
 
-def exported_by_paddle(model: onnx.ModelProto) -> bool:
-    """Whether paddle2onnx wrote ``model``: its producer (older releases) or its graph's name
-    (``PaddlePaddle Graph in PIR mode``: paddle2onnx 2 leaves the producer empty) says so. Paddle
-    moves a BatchNorm's running variance with the batch's population variance, where torch and
-    TensorFlow take the unbiased one."""
-    return model.producer_name.startswith("PaddlePaddle") or model.graph.name.startswith("PaddlePaddle")
+def population_running_variance(model: onnx.ModelProto) -> bool:
+    """Whether the framework ``model`` was exported from moves a BatchNorm's running variance with the
+    batch's population variance, where torch and TensorFlow take the unbiased one (n/(n-1)): Paddle
+    (paddle2onnx's producer in older releases, its graph's name ``PaddlePaddle Graph in PIR mode``
+    in paddle2onnx 2, which leaves the producer empty) and Flax (jax2onnx's producer)."""
+    return model.producer_name.startswith(("PaddlePaddle", "jax2onnx")) or model.graph.name.startswith("PaddlePaddle")

@@ -208,7 +208,7 @@ class ModelParts:
     buffers: set[str] = field(default_factory=set)
     # Keras layers whose BatchNormalization tf2onnx folded into constants (onnx_import.tf2onnx_folded_batch_norms)
     folded_batch_norms: list[str] = field(default_factory=list)
-    # a BatchNorm's running variance moves with the population variance (onnx_import.exported_by_paddle)
+    # a BatchNorm's running variance moves with the population variance (onnx_import.population_running_variance)
     population_running_variance: bool = False
 
 
@@ -233,7 +233,7 @@ def read_model(
     lost = onnx_import.lost_parameters(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     buffers = onnx_import.constant_buffers(m)
-    paddle = onnx_import.exported_by_paddle(m)
+    population = onnx_import.population_running_variance(m)
     ml_ops.standard_form(m)
     buffers |= ml_ops.preprocessing_constants(m)
     _refuse_other_domains(m, output)
@@ -294,7 +294,9 @@ def read_model(
             "model with the example tensors it computes from as inputs that reach the output (an input the "
             "exporter traced as a constant is folded into the graph)"
         )
-    return ModelParts(m, target, dict(inputs), output, inits, split, lost, shared, buffers, folded_batch_norms, paddle)
+    return ModelParts(
+        m, target, dict(inputs), output, inits, split, lost, shared, buffers, folded_batch_norms, population
+    )
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
