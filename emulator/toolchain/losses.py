@@ -131,6 +131,12 @@ def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: st
         raise ValueError(
             f"cross_entropy needs a prediction of shape [N, ..., classes] with a fixed number of classes, got {shape}"
         )
+    if shape[-1] == 1:  # the softmax of one score is 1 whatever the weights: the loss is 0 and nothing trains
+        raise ValueError(
+            f"cross_entropy needs at least two classes, and the prediction {prediction!r} has one score per example "
+            "(a regressor's, or a binary classifier's logit): use loss mse for a regressor, binary_cross_entropy "
+            "for one logit"
+        )
     logp = e.op("LogSoftmax", [logits], axis=-1, hint="logp")
     classes = e.const(np.arange(shape[-1], dtype=np.int64), "classes")
     onehot = e.op("Cast", [e.op("Equal", [e.unsqueeze(label, [-1]), classes])], to=e.elem_type(logits), hint="onehot")

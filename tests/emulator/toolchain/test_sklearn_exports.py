@@ -252,3 +252,14 @@ def test_a_tree_file_with_no_standard_opset_is_refused_as_trees_are(tmp_path, ca
     )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "ai.onnx.ml.TreeEnsembleRegressor" in err and "no gradient" in err
+
+
+def test_a_regressor_under_the_default_cross_entropy_is_refused_in_one_line_naming_mse(tmp_path, capsys):
+    """``plan from-onnx``'s default loss is cross_entropy: over a regressor's one output per example its
+    softmax is 1 whatever the weights, a loss of 0 that trains nothing."""
+    model = tmp_path / "ridge.onnx"
+    model.write_bytes(gzip.decompress((FOLDER / "sklearn_ridge.onnx.gz").read_bytes()))
+    assert main(["plan", "from-onnx", str(model), "--label", "y", "-o", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cross_entropy needs at least two classes" in err and "mse" in err
+    assert not (tmp_path / "b").exists()
