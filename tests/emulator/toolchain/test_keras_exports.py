@@ -35,7 +35,14 @@ import pytest
 
 from emulator.toolchain.onnx_import import EVAL_MODE_WARNING
 from emulator.toolchain.tasks import TaskError, onnx_import
-from tests.emulator.toolchain.test_exported_models import TOLERANCE, relative_differences, scales, task_for, work_step
+from tests.emulator.toolchain.test_exported_models import (
+    TOLERANCE,
+    Step,
+    relative_differences,
+    scales,
+    task_for,
+    work_step,
+)
 
 FOLDER = Path(__file__).with_name("keras")
 MANIFEST = json.loads((FOLDER / "manifest.json").read_text())
@@ -63,8 +70,17 @@ def test_a_plan_step_matches_tensorflows_step_for_every_initializer(entry):
     moving statistics, at ONNX's momentum 0.9: tf2onnx writes none), as TensorFlow's float64 step
     leaves it, within float32 noise; every initializer TensorFlow's step moved is a plan weight (an
     LSTM's bias trains as Keras's one bias, the recurrent half tf2onnx adds staying zero)."""
-    examples, loss, after, float32_error = reference(entry["reference"])
-    step = work_step(entry, examples, MANIFEST, FOLDER)
+    assert_step_matches(entry, MANIFEST, FOLDER, "TensorFlow")
+
+
+def assert_step_matches(entry: dict[str, Any], manifest: dict[str, Any], folder: Path, framework: str) -> Step:
+    """One step of ``entry``'s plan lands where ``framework``'s float64 step saved beside it does
+    (:func:`reference`): the loss, and every initializer the plan trains or keeps as state within
+    float32 noise (:data:`TOLERANCE`, or 4 times the framework's own float32 error where larger);
+    every initializer the framework's step moved is a plan weight, and the plan warns of nothing.
+    Returns the plan's step."""
+    examples, loss, after, float32_error = reference(entry["reference"], folder)
+    step = work_step(entry, examples, manifest, folder)
     assert step.loss == pytest.approx(loss, rel=1e-5)
     moved = {n for n, value in after.items() if n in step.before and not np.array_equal(value, step.before[n])}
     assert moved <= set(step.after), sorted(moved - set(step.after))
@@ -73,8 +89,9 @@ def test_a_plan_step_matches_tensorflows_step_for_every_initializer(entry):
     scale = scales(compared, step.before)
     noise = max(float32_error[w] / scale[w] for w in compared)
     worst = max(differences, key=differences.get)
-    assert differences[worst] <= max(TOLERANCE, 4 * noise), f"{worst}: {differences[worst]:.3g} of TensorFlow's change"
+    assert differences[worst] <= max(TOLERANCE, 4 * noise), f"{worst}: {differences[worst]:.3g} of {framework}'s change"
     assert not step.made.warnings
+    return step
 
 
 def _as_is(name: str) -> dict[str, Any]:

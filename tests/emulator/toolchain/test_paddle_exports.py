@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.emulator.toolchain.test_exported_models import TOLERANCE, relative_differences, scales, work_step
-from tests.emulator.toolchain.test_keras_exports import reference
+from tests.emulator.toolchain.test_keras_exports import assert_step_matches
 
 FOLDER = Path(__file__).with_name("paddle")
 MANIFEST = json.loads((FOLDER / "manifest.json").read_text())
@@ -30,15 +28,4 @@ def test_a_plan_step_matches_paddles_step_for_every_initializer(entry):
     """The loss and every initializer the plan trains or keeps as state, as Paddle's float64 step
     leaves it, within float32 noise; every initializer Paddle's step moved is a plan weight (a
     Conv's bias too, which paddle2onnx reshapes into a constant of its own)."""
-    examples, loss, after, float32_error = reference(entry["reference"], FOLDER)
-    step = work_step(entry, examples, MANIFEST, FOLDER)
-    assert step.loss == pytest.approx(loss, rel=1e-5)
-    moved = {n for n, value in after.items() if n in step.before and not np.array_equal(value, step.before[n])}
-    assert moved <= set(step.after), sorted(moved - set(step.after))
-    compared = {w: after[w] for w in step.after}
-    differences = relative_differences(step.after, compared, step.before)
-    scale = scales(compared, step.before)
-    noise = max(float32_error[w] / scale[w] for w in compared)
-    worst = max(differences, key=differences.get)
-    assert differences[worst] <= max(TOLERANCE, 4 * noise), f"{worst}: {differences[worst]:.3g} of Paddle's change"
-    assert not step.made.warnings
+    assert_step_matches(entry, MANIFEST, FOLDER, "Paddle")
