@@ -15,14 +15,16 @@ opset_version=17)``. Beside it, ``paddle_<name>.npz``: the batch (``input``, ``l
 loss (``F.cross_entropy``, the batch's mean) and every float initializer of rank >= 1 after one SGD
 step of learning rate :data:`LR` of Paddle's autograd in float64 in train mode (``after``, in the
 order and shapes of ``index``, under the initializers' names; paddle2onnx names them as Paddle names
-its parameters, and a bias it reshaped for a ``Conv``, ``p2o.pd_op.reshape.*``, is found by its
-values), with Paddle float32's own error per initializer (``float32_error``).
+its parameters; a bias it reshaped for a ``Conv``, ``p2o.pd_op.reshape.*``, and an RNN's weights whose
+gates it reordered and whose two biases it joined, ``helper.concat.*``, are found by their values),
+with Paddle float32's own error per initializer (``float32_error``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import platform
 import tempfile
@@ -82,11 +84,39 @@ class Text(paddle.nn.Layer):
         return self.fc2(F.gelu(self.fc1(self.emb(tokens).mean(axis=1))))
 
 
+class Recurrent(paddle.nn.Layer):
+    """Embedding, a one-layer LSTM or GRU (paddle2onnx writes the ONNX op), its last step, Linear."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.fc = paddle.nn.Embedding(20, 6), getattr(paddle.nn, kind)(6, 5), paddle.nn.Linear(5, 3)
+
+    def forward(self, tokens: Any) -> Any:
+        out, _ = self.rnn(self.emb(tokens))
+        return self.fc(out[:, -1])
+
+
+class Transformer(paddle.nn.Layer):
+    """Embedding, one TransformerEncoderLayer (two heads, LayerNorm, ReLU), mean over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = paddle.nn.Embedding(20, 8)
+        self.enc = paddle.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.fc = paddle.nn.Linear(8, 3)
+
+    def forward(self, tokens: Any) -> Any:
+        return self.fc(self.enc(self.emb(tokens)).mean(axis=1))
+
+
 #: name -> (model, one example's shape, dtype of the input)
 MODELS: dict[str, tuple[Callable[[], paddle.nn.Layer], list[int], str]] = {
     "mlp": (MLP, [6], "float32"),
     "cnn": (CNN, [3, 8, 8], "float32"),
     "text": (Text, [5], "int64"),
+    "lstm": (lambda: Recurrent("LSTM"), [7], "int64"),
+    "gru": (lambda: Recurrent("GRU"), [7], "int64"),
+    "transformer": (Transformer, [7], "int64"),
 }
 
 
@@ -124,6 +154,31 @@ def _step(
     return float(loss), after
 
 
+Layout = Callable[[dict[str, np.ndarray]], np.ndarray]
+
+
+def _laid_out(flat: np.ndarray, state: dict[str, np.ndarray]) -> Layout | None:
+    """How to lay the module's state out as the initializer ``flat`` (its values, flattened): one
+    tensor reshaped, or with its rows' blocks reordered (an RNN's gates, 3 or 4 blocks), or two such
+    tensors joined (an RNN's input and recurrent biases); None when no layout matches."""
+    for key, value in state.items():
+        if value.size != flat.size:
+            continue
+        for blocks in (1, 3, 4):
+            if value.shape[0] % blocks:
+                continue
+            for order in itertools.permutations(range(blocks)):
+                if np.array_equal(value.reshape(blocks, -1)[list(order)].ravel(), flat):
+                    return lambda values, key=key, blocks=blocks, order=order: (
+                        values[key].reshape(blocks, -1)[list(order)].ravel()
+                    )
+    if flat.size % 2 == 0 and flat.size > 2:
+        first, second = _laid_out(flat[: flat.size // 2], state), _laid_out(flat[flat.size // 2 :], state)
+        if first is not None and second is not None:
+            return lambda values: np.concatenate([first(values), second(values)])
+    return None
+
+
 def make(out: Path) -> dict[str, Any]:
     paddle.seed(0)
     rng = np.random.default_rng(0)
@@ -144,21 +199,21 @@ def make(out: Path) -> dict[str, Any]:
         loss, after = _step(build, state, x, y, "float64")
         _, after32 = _step(build, state, x, y, "float32")
         key_of = {t.name: key for key, t in net.state_dict().items()}  # linear_0.w_0 -> fc1.weight
+        named = {key: lambda values, key=key: values[key] for key in state}
         index, values, errors = [], [], []
         for init in model.graph.initializer:
             v = numpy_helper.to_array(init)
             if v.dtype != np.float32 or v.ndim == 0:
                 continue
-            match = key_of.get(init.name)
-            if match is None:  # a parameter paddle2onnx reshaped (a Conv's bias): found by its values
-                match = next(
-                    (n for n, b in state.items() if b.size == v.size and np.array_equal(b.ravel(), v.ravel())), None
-                )
-            if match is None:
+            key = key_of.get(init.name)
+            # else a parameter paddle2onnx laid out anew (a Conv's bias reshaped, an RNN's gates reordered
+            # and its two biases joined): found by its values
+            lay = named[key] if key is not None else _laid_out(v.ravel(), state)
+            if lay is None:
                 continue
             index.append([init.name, list(v.shape)])
-            values.append(after[match].reshape(v.shape))
-            errors.append(float(np.abs(after32[match] - after[match]).max()))
+            values.append(lay(after).reshape(v.shape))
+            errors.append(float(np.abs(lay(after32).reshape(v.shape) - values[-1]).max()))
         np.savez_compressed(
             out / f"paddle_{name}.npz",
             input=x,

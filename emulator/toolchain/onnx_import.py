@@ -95,14 +95,15 @@ def _size(init: onnx.TensorProto) -> int:
 
 
 def only_scales(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto]) -> set[str]:
-    """One-element initializers that every reader multiplies or divides by (an attention scale);
-    a one-element bias (a single-output regressor's) is a parameter and not among them."""
+    """One-element initializers that every reader multiplies or divides by (an attention scale) or
+    expands (a fill value: the zero paddle2onnx expands into an RNN's initial state); a one-element
+    bias (a single-output regressor's) is a parameter and not among them."""
     readers: dict[str, set[str]] = {}
     for node in nodes:
         for name in node.input:
             if name in inits:
                 readers.setdefault(name, set()).add(node.op_type)
-    return {n for n, ops in readers.items() if _size(inits[n]) == 1 and ops <= {"Mul", "Div"}}
+    return {n for n, ops in readers.items() if _size(inits[n]) == 1 and (ops <= {"Mul", "Div"} or ops == {"Expand"})}
 
 
 def default_trainable(

@@ -2,8 +2,9 @@
 
 The fixtures in ``paddle/`` (``benchmarks/paddle_fixtures.py`` makes them, in a virtualenv with
 paddlepaddle and paddle2onnx; the README there says how) are an MLP (ReLU, Tanh), a CNN (Conv2D,
-BatchNorm2D, max and average pooling, LayerNorm) and an Embedding + mean + GELU text classifier, random
-weights perturbed, exported with ``paddle.onnx.export`` in eval mode with the batch axis dynamic. Beside
+BatchNorm2D, max and average pooling, LayerNorm), an Embedding + mean + GELU text classifier, LSTM and
+GRU classifiers (the ONNX ops, their gates reordered by paddle2onnx, their initial state a zero it
+expands, which does not train) and a TransformerEncoderLayer, random weights perturbed, exported with ``paddle.onnx.export`` in eval mode with the batch axis dynamic. Beside
 each, every initializer after one step of Paddle's autograd in float64 in train mode (BatchNorm's
 batch statistics, its running ones moved). Each goes through what ``fedfleet plan from-onnx`` does and
 one step of the plan's work graph is compared with Paddle's, initializer by initializer. Nothing here
