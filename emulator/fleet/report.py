@@ -594,7 +594,7 @@ def plot_accuracy(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fi
             caption += (
                 f" The dashed line marks the first committed model at the target accuracy ({reached / 3600.0:.2f} h)."
             )
-        elif summary is not None and "time_to_target_accuracy_s" in summary:
+        elif summary is not None and "time_to_target_accuracy_s" in summary and not no_target(summary):
             caption += " No committed model reached the target accuracy."
         fig.legend(handles=lines, loc="upper right", fontsize="small")  # _fit keeps room for it
     else:
@@ -905,6 +905,7 @@ LOW_COMPLETION = 0.9
 
 #: Rows shown only when the summary holds them (other parts of the simulator add these keys).
 _OPTIONAL_ROWS = (
+    ("target_accuracy", "target accuracy"),
     ("time_to_target_accuracy_s", "time to target accuracy (simulated s)"),
     ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
     ("audit_epsilon", "audit: one-shot estimate of epsilon"),
@@ -996,7 +997,12 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
             "Share of rounds that committed a model; no round ran (a run needs a few simulated"
             " minutes for its first round to close: simulate more --hours)."
         )
-    if "time_to_target_accuracy_s" in summary:
+    if no_target(summary):
+        out["time_to_target_accuracy_s"] = (
+            "No target accuracy was set, so none was measured: give one with --target-accuracy (or [task]"
+            " target_accuracy) for the simulated time to the first committed model that reaches it."
+        )
+    elif "time_to_target_accuracy_s" in summary:
         reached = summary["time_to_target_accuracy_s"]
         if isinstance(reached, (int, float)):
             out["time_to_target_accuracy_s"] = (
@@ -1027,10 +1033,17 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
     return out
 
 
+def no_target(summary: Mapping[str, Any]) -> bool:
+    """The run set no target accuracy (its summary's ``target_accuracy`` is null), so its null
+    ``time_to_target_accuracy_s`` means nothing was asked, not that no model got there. A summary
+    written before the key existed reads as having had a target."""
+    return "target_accuracy" in summary and summary["target_accuracy"] is None
+
+
 def _headline(summary: Mapping[str, Any]) -> str:
     """Time-to-accuracy and per-client accuracy first, when the run measured them."""
     parts = []
-    if "time_to_target_accuracy_s" in summary:
+    if "time_to_target_accuracy_s" in summary and not no_target(summary):
         reached = summary["time_to_target_accuracy_s"]
         parts.append(
             f"Target accuracy reached after {reached / 3600.0:.2f} simulated hours."

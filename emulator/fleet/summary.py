@@ -260,7 +260,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
     - ``accuracy``, ``loss``: of the last committed round that measured them;
     - ``epsilon``, ``delta``, ``dp_rounds``, ``noise_multiplier`` (null without DP), and with the
       audit's canaries ``audit_canaries`` and ``audit_epsilon``: see :func:`privacy`;
-    - ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
+    - ``target_accuracy``: the run's ``[task] target_accuracy`` (``--target-accuracy``), null without one;
+      ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
       ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
       model), ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``: from the
       simulator (``FleetRun.extra``; null when it did not measure them);
@@ -311,6 +312,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "plan_cost": run.plan_cost,
         "accuracy": _finite(measured_acc[-1].accuracy) if measured_acc else None,
         "loss": _finite(measured_loss[-1].loss) if measured_loss else None,
+        "target_accuracy": _target_accuracy(run),
         "time_to_target_accuracy_s": time_to_target_accuracy_s(rounds, _target_accuracy(run)),
         **privacy(run),
         **{

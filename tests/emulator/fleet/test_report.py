@@ -492,6 +492,7 @@ from emulator.fleet.report import (  # noqa: E402
     build_report,
     explain_rates,
     hour_arc,
+    plot_accuracy,
     plot_client_accuracy,
     plot_dropout,
     render_html,
@@ -750,6 +751,7 @@ def test_per_client_accuracy_and_time_to_target_are_shown_when_the_summary_has_t
     )
     measured = {
         **summary,
+        "target_accuracy": 0.5,
         "time_to_target_accuracy_s": 4321.0,
         "client_accuracy_percentiles": {"p10": 0.25, "p50": 0.5, "p90": 0.875, "accuracy": 0.55, "clients": 40},
     }
@@ -763,8 +765,27 @@ def test_per_client_accuracy_and_time_to_target_are_shown_when_the_summary_has_t
     assert parsed.summary["client_accuracy_percentiles"]["p90"] == 0.875 and "client_accuracy.png" in parsed.images
     assert 'data-explains="time_to_target_accuracy_s"' in page and 'data-explains="client_accuracy_percentiles"' in page
     assert "Target accuracy reached after 1.20 simulated hours" in page
-    never = render_html({**summary, "time_to_target_accuracy_s": None}, figures, run)
+    never = render_html({**summary, "target_accuracy": 0.99, "time_to_target_accuracy_s": None}, figures, run)
     assert "Target accuracy not reached" in never
+
+
+def test_a_run_without_a_target_accuracy_says_none_was_set_and_one_with_a_target_draws_it(fleet_report, tmp_path):
+    """The summary carries the target: a null time to it is "none was set" when there was none (the
+    page said "Target accuracy not reached" of a run that never asked), and the accuracy figure
+    draws the target's line (it read a key the summary never had)."""
+    run, summary, figures, _out = fleet_report
+    assert summary["target_accuracy"] is None and summary["time_to_target_accuracy_s"] is None
+    page = render_html(summary, figures, run)
+    (tmp_path / "report.html").write_text(page)
+    assert _parse_report(tmp_path / "report.html").summary["target_accuracy"] is None
+    assert "Target accuracy not reached" not in page and "No committed model reached" not in page
+    assert "No target accuracy was set" in explain_rates(summary, run.rounds)["time_to_target_accuracy_s"]
+    assert "target" not in plot_accuracy(run, summary).caption
+    aimed = {**summary, "target_accuracy": 0.99}
+    assert "Target accuracy not reached" in render_html(aimed, figures, run)
+    drawn = plot_accuracy(run, aimed)
+    assert "No committed model reached the target accuracy" in drawn.caption
+    assert "target 0.99" in [h.get_label() for h in drawn.drawn.legends[0].legend_handles]
 
 
 @given(
