@@ -104,7 +104,14 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
     if peak_available >= seats:
         return None
     peak = max(0, int(peak_available))
-    more = f"simulate about {math.ceil(devices * seats / peak):,} --devices" if peak else "simulate more --devices"
+    if not peak:  # no device at all: more of the same may still be none, so the advice is where availability comes from
+        return (
+            f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices and none of the "
+            f"{devices:,} devices is available (idle, charging, unmetered) at any of the run's samples "
+            "(every 5 simulated minutes); check [availability] (its night and day windows, or its trace) and [fleet] start_utc_hour "
+            "against --hours, or simulate more --devices if only a few devices ever are"
+        )
+    more = f"simulate about {math.ceil(devices * seats / peak):,} --devices"
     goal = math.floor(peak / task.over_selection + 1e-9)
     fewer = f", or a --goal (task.goal_count) of at most {goal}" if goal >= 1 else ""
     return (

@@ -147,6 +147,25 @@ def test_a_fleet_that_cannot_fill_a_round_says_so_before_the_run_and_in_its_summ
     assert capsys.readouterr().err.count(expected) == 2
 
 
+def test_a_fleet_none_of_whose_devices_is_ever_available_is_pointed_at_its_availability(tmp_path, capsys):
+    """No night on the charger and no daytime charge: no device is ever available, whatever the
+    fleet's size, so the line names the availability settings instead of only asking for more
+    --devices (which it said alone)."""
+    fleet = tmp_path / "never.toml"
+    fleet.write_text(
+        "[fleet]\ndevices = 30\nhours = 0.25\n\n[availability.night]\nprobability = 0.0\n\n"
+        "[availability.day]\nsessions_per_day = 0.0\n\n[task]\ngoal_count = 8\n",
+        encoding="utf-8",
+    )
+    assert main(["simulate", str(fleet), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["available_peak"] == 0 and summary["rounds_committed"] == 0
+    said = summary["cannot_fill"]
+    assert said.startswith("no round can fill: each needs 8 reports from 11 selected devices and none of the 30")
+    assert "[availability]" in said and "start_utc_hour" in said and said in captured.err
+
+
 def test_a_fleet_that_can_fill_its_rounds_says_nothing_of_it(tmp_path):
     from emulator.fleet import FleetConfig, simulate
 
