@@ -13,6 +13,7 @@ the same bytes.
 from __future__ import annotations
 
 import base64
+import csv
 import html
 import json
 import math
@@ -23,6 +24,7 @@ from typing import Any
 
 from .heap import collector_paused
 from .report import (
+    _DP_ROWS,
     _OPTIONAL_ROWS,
     _SUMMARY_ROWS,
     SUMMARY_JSON,
@@ -69,6 +71,8 @@ class RunFolder:
     path: Path
     summary: dict[str, Any]
     rounds: list[RoundRow]
+    #: Its rounds.csv has the rounds' bytes (one written before they were recorded reads them as 0).
+    round_bytes: bool = True
 
     @property
     def span_s(self) -> float:
@@ -98,9 +102,12 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> RunFolder:
         raise FleetCompareError(f"{summary_path} is not a run's summary (no digest); {hint}")
     try:
         rounds = RoundRow.from_csv(rounds_path)
+        with rounds_path.open(encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f), [])
     except (FleetTableError, UnicodeDecodeError) as exc:
         raise FleetCompareError(f"{rounds_path} is not a run's rounds table ({exc})") from None
-    return RunFolder(label or folder.resolve().name or str(folder), folder, summary, rounds)
+    round_bytes = {"bytes_down", "bytes_up"} <= set(header)
+    return RunFolder(label or folder.resolve().name or str(folder), folder, summary, rounds, round_bytes)
 
 
 def load_runs(paths: list[str], labels: list[str] | None = None) -> list[RunFolder]:
@@ -123,7 +130,7 @@ def load_runs(paths: list[str], labels: list[str] | None = None) -> list[RunFold
             or r.label
             for r in runs
         ]
-        runs = [RunFolder(n, r.path, r.summary, r.rounds) for n, r in zip(names, runs)]
+        runs = [RunFolder(n, r.path, r.summary, r.rounds, r.round_bytes) for n, r in zip(names, runs)]
     if len({r.label for r in runs}) < len(runs):
         raise FleetCompareError(f"two runs share a label ({[r.label for r in runs]}); give each its own --label")
     return runs
@@ -140,10 +147,13 @@ def compare_quality(runs: list[RunFolder], metric: str) -> Figure:
     """``metric`` (accuracy or loss) of every run against simulated hours and against committed rounds."""
     fig, (ax_t, ax_r) = _new_figure(2)
     drawn = False
+    unmeasured = []
     for i, run in enumerate(runs):
         series = accuracy_series(run.rounds)
         by_hour, by_round = series[f"{metric}_by_hour"], series[f"{metric}_by_round"]
-        if by_round:
+        if not by_round:
+            unmeasured.append(run.label)
+        else:
             drawn = True
             ax_t.plot([x for x, _ in by_hour], [v for _, v in by_hour], marker=".", color=_colour(i), label=run.label)
             ax_r.plot([x for x, _ in by_round], [v for _, v in by_round], marker=".", color=_colour(i), label=run.label)
@@ -175,6 +185,8 @@ def compare_quality(runs: list[RunFolder], metric: str) -> Figure:
     )
     if metric == "accuracy":
         caption += " A dashed line marks when a run's first model reached its target accuracy."
+    if unmeasured:
+        caption += f" No committed round measured its {metric} in: {', '.join(unmeasured)}."
     return Figure(f"compare_{metric}.png", caption, _png(fig), fig)
 
 
@@ -203,8 +215,11 @@ def compare_rounds(runs: list[RunFolder]) -> Figure:
 def compare_bytes(runs: list[RunFolder]) -> Figure:
     """Bytes down (solid) and up (dashed) per round, every run on the same axes."""
     fig, (ax,) = _new_figure(1)
-    longest = max(len(r.rounds) for r in runs)
+    recorded = [r for r in runs if r.round_bytes]
+    longest = max((len(r.rounds) for r in recorded), default=0)
     for i, run in enumerate(runs):
+        if not run.round_bytes:
+            continue
         x = list(range(1, len(run.rounds) + 1))
         ax.plot(
             x,
@@ -232,12 +247,11 @@ def compare_bytes(runs: list[RunFolder]) -> Figure:
     ax.set_ylabel("MB")
     _integer_ticks(ax.xaxis)
     ax.grid(True, alpha=0.3)
-    return Figure(
-        "compare_bytes.png",
-        "Bytes each round's selected devices received (down, solid) and sent (up, dashed).",
-        _png(fig),
-        fig,
-    )
+    caption = "Bytes each round's selected devices received (down, solid) and sent (up, dashed)."
+    older = [r.label for r in runs if not r.round_bytes]
+    if older:
+        caption += f" Not recorded in: {', '.join(older)} (a rounds.csv written before rounds carried their bytes)."
+    return Figure("compare_bytes.png", caption, _png(fig), fig)
 
 
 def compare_client_accuracy(runs: list[RunFolder]) -> Figure | None:
@@ -290,8 +304,14 @@ body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0
 .table-wrap{overflow-x:auto;margin:1em 0}
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right;overflow-wrap:anywhere}
 th{background:#f3f3f3;position:sticky;top:0}td:first-child,th:first-child{text-align:left}code{font-family:monospace}
-figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}
+figure{margin:1.5em 0}img{max-width:100%}figcaption{color:#555}td.absent{color:#888;font-style:italic}
 """
+
+
+def _absent(key: str) -> str:
+    """The cell of a figure a run's summary does not hold (written before the figure existed):
+    said as such, not as an undefined value."""
+    return f'<td data-key="{html.escape(key)}" data-value="null" class="absent">not in this run\'s summary</td>'
 
 
 def render_compare(runs: list[RunFolder], figures: list[Figure]) -> str:
@@ -309,11 +329,12 @@ def render_compare(runs: list[RunFolder], figures: list[Figure]) -> str:
     ]
     out.extend(f'<th data-run="{html.escape(r.label)}">{html.escape(r.label)}</th>' for r in runs)
     out.append("</tr>")
-    rows = [*_SUMMARY_ROWS, *_OPTIONAL_ROWS]
+    dp_rows = _DP_ROWS if any(r.summary.get("delta") is not None for r in runs) else ()
+    rows = [*_SUMMARY_ROWS, *dp_rows, *_OPTIONAL_ROWS]
     for key, label in rows:
         if not any(key in r.summary for r in runs):
             continue
-        cells = "".join(_td(r.summary.get(key), key) for r in runs)
+        cells = "".join(_td(r.summary[key], key) if key in r.summary else _absent(key) for r in runs)
         out.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
     out.append("</table></div><h2>Figures</h2>")
     for fig in figures:

@@ -167,3 +167,72 @@ def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_run
     assert err.startswith("fedfleet compare: ") and err.count("\n") == 1 and "Traceback" not in err
     assert expected in err
     assert not (tmp_path / "c.html").exists()
+
+
+class _Captions(HTMLParser):
+    """Each figure's caption and each summary cell's text by key, as the page shows them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captions: dict[str, str] = {}
+        self.shown: dict[str, list[str]] = {}
+        self._figure: str | None = None
+        self._key: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "figure":
+            self._figure = a["id"]
+        elif tag == "td" and "data-key" in a:
+            self._key = a["data-key"]
+            self.shown.setdefault(self._key, []).append("")
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._key = None
+
+    def handle_data(self, data):
+        if self._key is not None:
+            self.shown[self._key][-1] += data
+        elif self._figure is not None and self.get_starttag_text().startswith("<figcaption"):
+            self.captions[self._figure] = self.captions.get(self._figure, "") + data
+
+
+def test_the_page_says_what_a_run_lacks_instead_of_drawing_or_showing_it_as_nothing(two_runs, tmp_path):
+    """A run that committed no round, one written before rounds carried their bytes and before its
+    summary held some figures, and a DP run: each gap is named on the page. The older run's bytes
+    were drawn as 0 MB a round, its missing figures shown as n/a like an undefined value, the run
+    without a committed round left out of the accuracy figure without a word, and no DP row shown."""
+    import dataclasses
+
+    from emulator.fleet.tables import RoundRow
+
+    base, _runs = two_runs
+    idle, older, private = tmp_path / "idle", tmp_path / "older", tmp_path / "private"
+    for folder in (idle, older, private):
+        shutil.copytree(base / "goal8", folder)
+    rounds = RoundRow.from_csv(base / "goal8" / "rounds.csv")
+    none_committed = [dataclasses.replace(r, committed=False, accuracy=float("nan"), loss=float("nan")) for r in rounds]
+    RoundRow.to_csv(none_committed, idle / "rounds.csv")
+    lines = (older / "rounds.csv").read_text().splitlines()
+    (older / "rounds.csv").write_text("\n".join(",".join(line.split(",")[:12]) for line in lines) + "\n")
+    summary = json.loads((older / "summary.json").read_text())
+    for key in ("plan_cost", "target_accuracy", "devices_short_of_memory"):
+        summary.pop(key, None)
+    (older / "summary.json").write_text(json.dumps(summary))
+    dp = json.loads((private / "summary.json").read_text())
+    dp.update(epsilon=2.5, delta=1e-5, dp_rounds=4, noise_multiplier=1.0)
+    (private / "summary.json").write_text(json.dumps(dp))
+
+    out = tmp_path / "c.html"
+    assert main(["compare", str(idle), str(older), str(private), "--out", str(out)]) == 0
+    page = _Captions()
+    page.feed(out.read_text(encoding="utf-8"))
+    assert page.captions["compare_accuracy.png"].strip().endswith("No committed round measured its accuracy in: idle.")
+    assert "No committed round measured its loss in: idle." in page.captions["compare_loss.png"]
+    assert "Not recorded in: older" in page.captions["compare_bytes.png"]
+    assert page.shown["plan_cost"][1] == "not in this run's summary" and page.shown["plan_cost"][0] != "n/a"
+    assert page.shown["epsilon"] == ["n/a", "n/a", "2.5"] and page.shown["dp_rounds"][2] == "4"
+    figures = {f.name: f.drawn for f in compare_figures(load_runs([str(idle), str(older)]))}
+    drawn = [line.get_label() for line in figures["compare_bytes.png"].axes[0].get_lines()]
+    assert drawn == ["idle down", "idle up"]  # the older run's bytes are not drawn as zeros
