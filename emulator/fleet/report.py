@@ -343,7 +343,7 @@ def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         if len(arc) < 24:
             caption += (
                 f" The hour-of-day axis spans the UTC hours the run covers, {arc[0]}:00 to {arc[-1]}:59"
-                f" ({len(arc)} of 24: the run is {run.span_s / 3600.0:g} simulated hours long)."
+                f" ({len(arc)} of 24: the run is {_hours(run.span_s, 'simulated ')} long)."
             )
     else:
         _no_data(ax_t, "timeline")
@@ -483,7 +483,7 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         if len(arc) < 24:
             caption += (
                 f" The axis spans local hours {arc[0]} to {arc[-1]}, the hours in which sessions started:"
-                f" a run of {run.span_s / 3600.0:g} simulated hours reaches only those hours of the devices' days."
+                f" a run of {_hours(run.span_s, 'simulated ')} reaches only those hours of the devices' days."
             )
         empty = [h for h in arc if h not in by_hour]
         if empty:
@@ -920,6 +920,12 @@ _DP_ROWS = (
 )
 
 
+def _hours(seconds: float, kind: str = "") -> str:
+    """``seconds`` as hours in words: '1 simulated hour', '2.5 simulated hours'."""
+    hours = seconds / 3600.0
+    return f"{hours:g} {kind}hour{'' if hours == 1 else 's'}"
+
+
 def _completion_sentence(summary: Mapping[str, Any], rounds: list[RoundRow]) -> str:
     """What the round completion rate measures and, when it is low, why rounds were abandoned and what
     to change (the summary's ``round_completion_note``, see :func:`completion_note`)."""
@@ -944,7 +950,7 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
     sim_s, wall_s = float(summary.get("simulated_s") or 0.0), float(summary.get("wall_s") or 0.0)
     speed = summary.get("sim_s_per_wall_s")
     out["sim_s_per_wall_s"] = (
-        f"Simulated seconds per second of wall time: {sim_s / 3600.0:g} simulated hours took {wall_s:.1f} s"
+        f"Simulated seconds per second of wall time: {_hours(sim_s, 'simulated ')} took {wall_s:.1f} s"
         f" ({speed:,.0f}x real time)."
         if speed is not None
         else "Simulated seconds per second of wall time (no wall time measured)."
@@ -982,13 +988,13 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
         out["availability_swing"] = "Busiest over quietest hour's available devices; the run has no timeline."
     else:
         out["availability_swing"] = (
-            f"Devices available to train (idle, charging, unmetered) ranged from {summary.get('available_trough', 0):,.0f} in the"
-            f" quietest hour to {summary.get('available_peak', 0):,.0f} in the busiest (hourly means), a {swing:.2g}x swing;"
-            " the paper saw about 4x over a day."
+            f"Devices available to train (idle, charging, unmetered) ranged from {_fmt(summary.get('available_trough', 0))}"
+            f" in the quietest hour to {_fmt(summary.get('available_peak', 0))} in the busiest (hourly means), a"
+            f" {_fmt(swing)}x swing; the paper saw about 4x over a day."
         )
         if 0 < sim_s < 86400.0:
             out["availability_swing"] += (
-                f" This run covers {sim_s / 3600.0:g} of a day's 24 hours, so it sees part of the swing."
+                f" This run covers {_hours(sim_s)} of a day's 24, so it sees part of the swing."
             )
     if rounds:
         out["round_completion_rate"] = _completion_sentence(summary, rounds)
@@ -1013,8 +1019,8 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
             last = summary.get("accuracy")
             came = f" (the last committed model's accuracy is {last:.3f})" if isinstance(last, float) else ""
             out["time_to_target_accuracy_s"] = (
-                f"No committed model reached the target accuracy in {sim_s / 3600.0:g} simulated"
-                f" hours{came}: simulate more --hours, or commit more rounds (see the round"
+                f"No committed model reached the target accuracy in {_hours(sim_s, 'simulated ')}"
+                f"{came}: simulate more --hours, or commit more rounds (see the round"
                 " completion rate)."
             )
     percentiles = summary.get("client_accuracy_percentiles")

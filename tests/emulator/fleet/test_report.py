@@ -799,3 +799,131 @@ def test_a_summary_embedded_as_json_cannot_leave_or_bend_its_script_element(note
     summary = {"round_completion_note": note, note: [note]}
     payload = script_json(summary, indent=1)
     assert not set(payload) & set("<>&") and json.loads(payload) == summary
+
+
+class _Shown(HTMLParser):
+    """What a reader of the page sees: each summary cell's text by key, each explanation by key, the
+    rounds table's cells as text; and the page's structure (open elements, ids) to check it is well formed."""
+
+    VOID = {"meta", "img", "br", "link", "hr", "input"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: dict[str, str] = {}
+        self.why: dict[str, str] = {}
+        self.rounds: list[list[str]] = []
+        self.ids: list[str] = []
+        self.stack: list[str] = []
+        self.misnested: list[tuple[str, list[str]]] = []
+        self._into: tuple[dict, str] | None = None
+        self._table: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag not in self.VOID:
+            self.stack.append(tag)
+        if "id" in a:
+            self.ids.append(a["id"])
+        if tag == "table":
+            self._table = a.get("id")
+        elif tag == "tr" and self._table == "rounds":
+            self.rounds.append([])
+        elif tag == "td" and "data-key" in a:
+            self._into = (self.cells, a["data-key"])
+            self.cells[a["data-key"]] = ""
+        elif tag == "td" and "data-explains" in a:
+            self._into = (self.why, a["data-explains"])
+            self.why[a["data-explains"]] = ""
+        elif tag == "td" and self._table == "rounds":
+            self.rounds[-1].append("")
+            self._into = None
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.misnested.append((tag, list(self.stack)))
+        else:
+            self.stack.pop()
+        if tag == "td":
+            self._into = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._into is not None:
+            target, key = self._into
+            target[key] += data
+        elif self._table == "rounds" and self.rounds and self.rounds[-1] and self.stack[-1] == "td":
+            self.rounds[-1][-1] += data
+
+
+def _shown_number(text: str) -> float:
+    return float(text.replace(",", "").removesuffix("%"))
+
+
+def test_every_figure_the_page_shows_is_the_one_its_tables_give(fleet_report):
+    """The page as read (its text, not its data-value attributes), against figures computed here from
+    sessions.csv, rounds.csv and timeline.csv: the summary cells, the numbers each rate's sentence
+    quotes (the swing's sentence quoted other roundings of the peak, trough and swing than their
+    cells: 180 beside 179.8), the rounds table; no NaN or infinity in the text; a well formed page."""
+    run, summary, _figures, out = fleet_report
+    page = _Shown()
+    page.feed((out / "report.html").read_text(encoding="utf-8"))
+    sessions = SessionRow.from_csv(out / "sessions.csv")
+    rounds = RoundRow.from_csv(out / "rounds.csv")
+    timeline = TimelineRow.from_csv(out / "timeline.csv")
+    accepted = [s for s in sessions if s.session_id]
+    dropped = sum(s.shape[-1] not in "^#" for s in accepted)
+    committed = sum(r.committed for r in rounds)
+    hours = np.floor(np.array([r.t_s for r in timeline]) / 3600.0).astype(int) % 24
+    available = np.array([r.available for r in timeline], dtype=float)
+    hourly = [available[hours == h].mean() for h in np.unique(hours)]
+
+    counts = {
+        "sessions": len(sessions),
+        "sessions_accepted": len(accepted),
+        "sessions_completed": sum(s.shape.endswith("^") for s in accepted),
+        "checkins_rejected": len(sessions) - len(accepted),
+        "rounds": len(rounds),
+        "rounds_committed": committed,
+        "rounds_abandoned": len(rounds) - committed,
+        "bytes_down": sum(s.bytes_down for s in sessions),
+        "bytes_up": sum(s.bytes_up for s in sessions),
+    }
+    for key, value in counts.items():
+        assert page.cells[key] == f"{value:,}", key
+    assert page.cells["dropout_rate"] == f"{100 * dropped / len(accepted):.2f}%"
+    assert page.cells["round_completion_rate"] == f"{100 * committed / len(rounds):.2f}%"
+    for key, value in (("available_peak", max(hourly)), ("available_trough", min(hourly))):
+        assert _shown_number(page.cells[key]) == pytest.approx(value, rel=5e-4, abs=0.05), key
+    assert _shown_number(page.cells["availability_swing"]) == pytest.approx(
+        max(hourly) / max(min(hourly), 1.0), rel=5e-4
+    )
+
+    assert page.why["dropout_rate"].startswith(
+        f"{100 * dropped / len(accepted):.1f}% of the {len(accepted):,} accepted sessions"
+    )
+    swing = page.why["availability_swing"]
+    assert f"from {page.cells['available_trough']} in the quietest hour" in swing
+    assert f"to {page.cells['available_peak']} in the busiest" in swing
+    assert f"a {page.cells['availability_swing']}x swing" in swing
+    assert page.why["round_completion_rate"].startswith(
+        f"{committed} of {len(rounds)} rounds committed ({100 * committed / len(rounds):.1f}%)"
+    )
+    assert f"{run.span_s / 3600.0:g} simulated hours took" in page.why["sim_s_per_wall_s"]
+
+    header, *rows = page.rounds
+    assert len(rows) == len(rounds)
+    for shown, r in zip(rows, rounds):
+        assert shown[0] == r.round_id and shown[5] == ("yes" if r.committed else "no")
+        assert [int(_shown_number(v)) for v in shown[6:10]] == [r.selected, r.reported, r.accepted, r.dropped]
+        assert [int(_shown_number(v)) for v in shown[12:14]] == [r.bytes_down, r.bytes_up]
+        for text, value in ((shown[2], r.start_s), (shown[3], r.end_s), (shown[4], r.duration_s)):
+            assert _shown_number(text) == pytest.approx(value, rel=5e-4, abs=0.5)
+        if math.isfinite(r.accuracy):
+            assert _shown_number(shown[10]) == pytest.approx(r.accuracy, rel=5e-4)
+        else:
+            assert shown[10] == shown[11] == "n/a"
+
+    text = " ".join([*page.cells.values(), *page.why.values(), *(c for row in rows for c in row)])
+    assert not {"nan", "NaN", "inf", "Infinity", "None"} & set(text.replace(",", " ").split())
+    assert page.stack == [] and page.misnested == [] and len(page.ids) == len(set(page.ids))
