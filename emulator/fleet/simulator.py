@@ -227,15 +227,12 @@ class FleetSimulator:
         self._seconds_per_example: dict[str, float] = {}
         self.compute_s_per_example = self._per_example(self.plan.name, self.cost)
         self.devices_short_of_memory = sum(1 for spec in self.specs if spec.takes_part and not self.takes_part(spec))
-        floor = self.config.fleet.min_memory_mb
-        most = max((c.memory_mb for c in self.config.device_classes if c.memory_mb >= floor), default=0)
-        if most < self.cost.memory_mb:
+        try:
+            refuse_a_plan_no_class_holds(self.config, self.cost)
+        except SimulationError:
             if self.runtime_pool is not None:
                 self.runtime_pool.close()
-            raise SimulationError(
-                f"no device class can hold the plan: it needs {self.cost.memory_mb:.4g} MB and the classes above "
-                f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model smaller"
-            )
+            raise
 
     def _per_example(self, name: str, cost: PlanCost) -> float:
         """``[task] compute_s_per_example`` if set, else the plan's FLOPs per example over
@@ -574,6 +571,18 @@ def _digest_view(record: dict) -> dict:
     return {**record, "metrics": metrics}
 
 
+def refuse_a_plan_no_class_holds(config: FleetConfig, cost: PlanCost) -> None:
+    """:class:`SimulationError` when no device class above ``fleet.min_memory_mb`` can hold a plan
+    of this ``cost``: no device would take part."""
+    floor = config.fleet.min_memory_mb
+    most = max((c.memory_mb for c in config.device_classes if c.memory_mb >= floor), default=0)
+    if most < cost.memory_mb:
+        raise SimulationError(
+            f"no device class can hold the plan: it needs {cost.memory_mb:.4g} MB and the classes above "
+            f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model smaller"
+        )
+
+
 def peak_available(specs: Sequence[Any], horizon_s: float) -> int:
     """The most devices of ``specs`` that take part available at once, at the timeline's samples
     (the figure the run's summary reads from its timeline)."""
@@ -645,7 +654,8 @@ def simulate(
     config = config or FleetConfig.default()
     workload = load_workload(config)
     specs = generate_population(config)
-    if notice is not None:
+    if notice is not None:  # a fleet refused outright is told that alone, before what its run would meet
+        refuse_a_plan_no_class_holds(config, plan_cost(workload.training[0].plan))
         unfillable = cannot_fill(
             config.fleet.devices, peak_available(specs, config.horizon_s), workload.training[0].rounds
         )

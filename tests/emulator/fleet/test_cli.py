@@ -207,3 +207,18 @@ def test_sessions_priced_by_the_plans_flops_are_told_the_rate_that_gives_a_phone
     assert said is not None and said.startswith("a session's training takes about 622 s on the median device")
     assert f"task.reference_flops_per_s = {task.reference_flops_per_s:.3g}" in said
     assert "set task.reference_flops_per_s = 1e9" in said and "lengthen task.report_timeout_s" in said
+
+
+def test_a_fleet_no_device_class_of_which_holds_the_plan_is_refused_in_one_line(tmp_path, capsys):
+    """The refusal alone: it came after a notice that the run's sessions would outlast the report
+    window, a run that was never going to start."""
+    fleet = tmp_path / "tiny.toml"
+    fleet.write_text(
+        "[fleet]\ndevices = 20\nhours = 0.5\nmin_memory_mb = 0\n\n[task]\nhidden = [2048, 2048]\ngoal_count = 5\n\n"
+        '[[device_classes]]\nname = "tiny"\nshare = 1.0\nspeed = 1.0\nmemory_mb = 1\n',
+        encoding="utf-8",
+    )
+    assert main(["simulate", str(fleet), "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedfleet simulate: no device class can hold the plan: it needs ") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
