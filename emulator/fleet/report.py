@@ -905,6 +905,7 @@ LOW_COMPLETION = 0.9
 
 #: Rows shown only when the summary holds them (other parts of the simulator add these keys).
 _OPTIONAL_ROWS = (
+    ("tasks_completed_s", "every task completed by (simulated s)"),
     ("target_accuracy", "target accuracy"),
     ("time_to_target_accuracy_s", "time to target accuracy (simulated s)"),
     ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
@@ -922,7 +923,7 @@ _DP_ROWS = (
 
 def _hours(seconds: float, kind: str = "") -> str:
     """``seconds`` as hours in words: '1 simulated hour', '2.5 simulated hours'."""
-    hours = seconds / 3600.0
+    hours = round(seconds / 3600.0, 2)
     return f"{hours:g} {kind}hour{'' if hours == 1 else 's'}"
 
 
@@ -998,6 +999,12 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
             )
     if rounds:
         out["round_completion_rate"] = _completion_sentence(summary, rounds)
+        done = summary.get("tasks_completed_s")
+        if isinstance(done, (int, float)) and sim_s - done >= 60.0:
+            out["round_completion_rate"] += (
+                f" Every task had completed (its max_rounds, or its privacy budget) {_hours(done)} into the run:"
+                f" the last {_hours(sim_s - done)} ran no round and only turned check-ins away."
+            )
     else:
         out["round_completion_rate"] = (
             "Share of rounds that committed a model; no round ran (a run needs a few simulated"

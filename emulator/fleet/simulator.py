@@ -465,9 +465,18 @@ class FleetSimulator:
                 if "secagg" in r["metrics"]
             },
             "dp": privacy_figures(trained.rounds.dp, dp_metrics),
+            "tasks_completed_s": self._completed_at(rows),
             **self._audit(trained, final, rows),
         }  # what the server ran, for the notes
         return with_round_bytes(rows, self.sessions), digest.hexdigest()
+
+    def _completed_at(self, rounds: list[RoundRow]) -> float | None:
+        """When the last of the fleet's tasks completed (its ``max_rounds``, or its privacy budget),
+        the end of the last round; None while a task is still running at the end of the run."""
+        states = self.service.task_states(self.population)
+        if not states or any(state.get("status") != "completed" for state in states.values()):
+            return None
+        return max((r.end_s for r in rounds), default=0.0)
 
     def _audit(self, trained: Any, final: bytes | None, rounds: list[RoundRow]) -> dict[str, Any]:
         """The one-shot audit of the training task's final model (``audit_epsilon``, and the

@@ -267,6 +267,9 @@ def summarize(run: RunTables) -> dict[str, Any]:
     - ``accuracy``, ``loss``: of the last committed round that measured them;
     - ``epsilon``, ``delta``, ``dp_rounds``, ``noise_multiplier`` (null without DP), and with the
       audit's canaries ``audit_canaries`` and ``audit_epsilon``: see :func:`privacy`;
+    - ``tasks_completed_s``: the simulated time every task of the fleet had completed by (its
+      ``max_rounds`` or its privacy budget reached: later check-ins were only turned away), null
+      while one still ran at the end;
     - ``target_accuracy``: the run's ``[task] target_accuracy`` (``--target-accuracy``), null without one;
       ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
       ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
@@ -325,6 +328,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         **{
             key: run.extra.get(key)
             for key in (
+                "tasks_completed_s",
                 "client_accuracy_percentiles",
                 "task_file",
                 "tasks",

@@ -927,3 +927,37 @@ def test_every_figure_the_page_shows_is_the_one_its_tables_give(fleet_report):
     text = " ".join([*page.cells.values(), *page.why.values(), *(c for row in rows for c in row)])
     assert not {"nan", "NaN", "inf", "Infinity", "None"} & set(text.replace(",", " ").split())
     assert page.stack == [] and page.misnested == [] and len(page.ids) == len(set(page.ids))
+
+
+def test_a_fleet_whose_tasks_complete_early_says_when_and_that_the_rest_of_the_run_idled(tmp_path):
+    """A task of two rounds in a run of an hour: the summary says when every task had completed and
+    the rounds' sentence that the rest of the run only turned check-ins away (200 hours of a
+    20-round task read as 20 of 23 rounds committed, nothing about why no round ran after hour 7)."""
+    config = FleetConfig.from_dict(
+        {
+            "fleet": {"devices": 60, "hours": 1.0, "start_utc_hour": 6.0, "seed": 1},
+            "task": {
+                "goal_count": 7,
+                "max_rounds": 2,
+                "compute_s_per_example": 0.2,
+                "report_timeout_s": 600.0,
+                "retry_min_s": 60.0,
+                "retry_max_s": 300.0,
+            },
+        }
+    )
+    run = simulate(config, progress=False)
+    summary = summarize(run)
+    assert sum(r.committed for r in run.rounds) == 2
+    last_end = max(r.end_s for r in run.rounds)
+    assert summary["tasks_completed_s"] == last_end < 3600.0 - 60.0
+    after = [s for s in run.sessions if s.start_s > last_end]
+    assert after and not any(s.session_id for s in after)  # check-ins went on, and were all turned away
+    why = explain_rates(summary, run.rounds)["round_completion_rate"]
+    assert (
+        f"Every task had completed (its max_rounds, or its privacy budget) {round(last_end / 3600.0, 2):g} hours" in why
+    )
+    assert "only turned check-ins away" in why
+    running = summarize(FleetRun(run.sessions, run.rounds, run.timeline, run.digest, config, extra={}))
+    assert running["tasks_completed_s"] is None
+    assert "Every task had completed" not in explain_rates(running, run.rounds)["round_completion_rate"]
