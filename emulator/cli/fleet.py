@@ -220,6 +220,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 2
     progress = None if args.no_progress else ProgressBar(config.horizon_s)
+
+    def notice(message: str) -> None:
+        print(f"fedfleet simulate: {message}", file=sys.stderr)
+
     try:
         if sharded:
             from ..fleet.ray_backend import simulate_sharded
@@ -231,6 +235,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 progress=progress or False,
                 ray=args.ray is not None,
                 address=args.ray or None,
+                notice=notice,
             )
         else:
             run = simulate(
@@ -238,7 +243,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 out_dir=out,
                 progress=progress or False,
                 http=args.http,
-                notice=lambda message: print(f"fedfleet simulate: {message}", file=sys.stderr),
+                notice=notice,
             )
     except (SimulationError, RayBackendError, TraceError) as exc:
         if out is not None:  # a refused run leaves nothing: its server's database is all it wrote

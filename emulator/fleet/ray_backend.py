@@ -63,7 +63,7 @@ from .events import EventLoop, Fiber, Fibers, SimulationError
 from .heap import long_lived_heap
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING
 from .sim_transport import WireRequest
-from .simulator import ORDER_SAMPLE, ORDER_SERVER, FleetSimulator, progress_reporter
+from .simulator import ORDER_SAMPLE, ORDER_SERVER, FleetSimulator, notify_before_run, progress_reporter
 from .tables import FleetRun, SessionRow
 
 #: A shard with nothing waiting: every request it will ever send is already reported (compare
@@ -348,13 +348,15 @@ def simulate_sharded(
     address: str | None = None,
     shard_cpus: float = 1.0,
     stats: dict[str, Any] | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> FleetRun:
     """Run the fleet with its devices over ``shards`` shards and the server here; the run equals
     ``simulate(config)`` bit for bit (digest, rounds, sessions, timeline). ``ray``: the shards are
     Ray actors (on the cluster at ``address``, or a local one); False runs them in this process.
     ``stats``, if given, is filled with the exchange's figures: ``windows`` (exchanges),
     ``requests`` (that crossed to the server), ``held`` (windows cut short by an event of a
-    device waiting for its answer) and ``shards``."""
+    device waiting for its answer) and ``shards``. ``notice`` is told what ``simulate``'s is, before
+    any shard starts."""
     from .population import generate_population
     from .workload import load_workload
 
@@ -364,6 +366,8 @@ def simulate_sharded(
     started = time.perf_counter()
     workload = load_workload(config)  # refuses a task file or data that cannot run before any shard starts
     specs = generate_population(config)
+    if notice is not None:
+        notify_before_run(config, workload, specs, notice)
     parts = split_positions(specs, shards)
     bar, callback = progress_reporter(progress, config.horizon_s)
     backend: _LocalShards | _RayShards

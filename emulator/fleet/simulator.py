@@ -657,24 +657,12 @@ def simulate(
     ``http``: the same fleet over real loopback HTTP (see ``FleetSimulator``). ``notice`` is told,
     before the run starts, when its fleet cannot fill a round at all (``report.cannot_fill``)."""
     from .population import generate_population
-    from .report import cannot_fill
-    from .summary import slow_sessions
 
     config = config or FleetConfig.default()
     workload = load_workload(config)
     specs = generate_population(config)
-    if notice is not None:  # a fleet refused outright is told that alone, before what its run would meet
-        refuse_a_plan_no_class_holds(config, plan_cost(workload.training[0].plan))
-        unfillable = cannot_fill(
-            config.fleet.devices, peak_available(specs, config.horizon_s), workload.training[0].rounds
-        )
-        if unfillable is not None:
-            notice(unfillable)
-        slow = slow_sessions(
-            *session_compute(workload, specs, config), config.task, workload.training[0].rounds.report_timeout_s
-        )
-        if slow is not None:
-            notice(slow)
+    if notice is not None:
+        notify_before_run(config, workload, specs, notice)
     bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
@@ -693,6 +681,25 @@ def simulate(
         else:
             run.write_tables(out_dir)
     return run
+
+
+def notify_before_run(
+    config: FleetConfig, workload: Workload, specs: Sequence[Any], notice: Callable[[str], None]
+) -> None:
+    """Tell ``notice``, before the run, what its fleet will meet: no round can fill
+    (``summary.cannot_fill``), or the median session outlasts the report window
+    (``summary.slow_sessions``). A fleet refused outright (no device class holds the plan) raises
+    :class:`SimulationError` first, and is told nothing else."""
+    from .summary import cannot_fill, slow_sessions
+
+    refuse_a_plan_no_class_holds(config, plan_cost(workload.training[0].plan))
+    rounds = workload.training[0].rounds
+    unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), rounds)
+    if unfillable is not None:
+        notice(unfillable)
+    slow = slow_sessions(*session_compute(workload, specs, config), config.task, rounds.report_timeout_s)
+    if slow is not None:
+        notice(slow)
 
 
 def seeded_noise(seed: int) -> Callable[[], np.random.Generator]:

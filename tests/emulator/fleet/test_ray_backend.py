@@ -254,3 +254,20 @@ def test_runs_fanned_out_as_ray_tasks_equal_the_same_runs_here(cluster, tmp_path
     assert main(["simulate", str(fleet), "--seeds", "1,2", "--ray", "--no-progress"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["backend"] == "ray" and last["digests"] == [s["digest"] for s in here]
+
+
+def test_a_sharded_fleet_is_told_before_its_run_what_a_single_process_one_is(capsys):
+    """--shards/--ray ran a fleet that could not fill a round (or whose sessions outlast the report
+    window) without the line a single-process run prints before it starts."""
+    config = FleetConfig.default().replace(devices=40, hours=0.25, goal=20)
+    alone: list[str] = []
+    simulate(config, progress=False, notice=alone.append)
+    sharded: list[str] = []
+    run = simulate_sharded(config, shards=2, ray=False, notice=sharded.append)
+    assert sharded == alone and len(alone) == 1 and alone[0].startswith("no round can fill")
+    assert run.summary()["cannot_fill"] == alone[0]
+    assert (
+        main(["simulate", "--devices", "40", "--hours", "0.25", "--goal", "20", "--shards", "2", "--no-progress"]) == 0
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("fedfleet simulate: no round can fill") and err.count("no round can fill") == 2
