@@ -152,8 +152,8 @@ class RoundRow(CsvTable):
     """One round as the server ran it.
 
     ``selected`` devices were accepted at check-in; ``reported`` sent a report (in time or not);
-    ``accepted`` reports were aggregated (none, in a round that was abandoned: it published
-    nothing); ``dropped`` selected devices never reported (interrupted, killed, lost their
+    ``accepted`` reports came in time and were summed (in a round that was abandoned too, short of
+    its threshold, though it published nothing of them); ``dropped`` selected devices never reported (interrupted, killed, lost their
     network). ``accuracy`` and ``loss`` are NaN when the round measured neither. ``bytes_down`` and
     ``bytes_up`` are what the sessions of the round's selected devices sent and received (see
     :func:`with_round_bytes`); a rejected check-in's bytes belong to no round. ``epsilon``: the
