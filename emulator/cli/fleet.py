@@ -367,16 +367,37 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
             file=sys.stderr,
         )
         return 2
-    dirs = [out / f"run-{i}" for i in range(len(runs))] if out is not None else None
+    dirs = [out / f"run-{i}" for i in range(len(runs))] if out is not None else [None] * len(runs)
     started = time.perf_counter()
-    try:
-        summaries = run_many([c for _, c in runs], ray=args.ray is not None, address=args.ray or None, out_dirs=dirs)
-    except (SimulationError, RayBackendError, TraceError) as exc:
-        print(f"fedfleet simulate: {exc}", file=sys.stderr)
-        return 2
-    for (params, _), summary in zip(runs, summaries):
-        _say_unfilled(summary, ", ".join(f"{key}={value}" for key, value in params.items()) + ": ")
+
+    def named(params: dict) -> str:
+        return ", ".join(f"{key}={value}" for key, value in params.items()) + ": "
+
+    def say(params: dict, summary: dict) -> None:
+        _say_unfilled(summary, named(params))
         print(json.dumps({"params": params, **summary}, separators=(",", ":")), flush=True)
+
+    summaries = []
+    if args.ray is None:  # one run after another: each line as its run ends, a refused run named
+        for (params, config_i), folder in zip(runs, dirs):
+            made = folder is not None and not folder.exists()
+            try:
+                (summary,) = run_many([config_i], ray=False, out_dirs=[folder])
+            except (SimulationError, TraceError) as exc:
+                if folder is not None:
+                    _remove_failed_run(folder, made)
+                print(f"fedfleet simulate: {named(params)}{exc}", file=sys.stderr)
+                return 2
+            say(params, summary)
+            summaries.append(summary)
+    else:
+        try:
+            summaries = run_many([c for _, c in runs], ray=True, address=args.ray or None, out_dirs=dirs)
+        except (SimulationError, RayBackendError, TraceError) as exc:
+            print(f"fedfleet simulate: {exc}", file=sys.stderr)
+            return 2
+        for (params, _), summary in zip(runs, summaries):
+            say(params, summary)
     last = {
         "runs": len(summaries),
         "params": [p for p, _ in runs],

@@ -199,6 +199,20 @@ def test_simulate_with_seeds_prints_one_line_per_run_then_their_digests(tmp_path
     assert "nosuch" in capsys.readouterr().err
 
 
+def test_a_sweep_run_the_server_refuses_is_named_and_leaves_no_folder(tmp_path, capsys):
+    """The refusal said which run of the sweep it was (only the server's sentence), and left the
+    refused run's half-made folder beside the finished ones, whose lines were never printed."""
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 20\nhours = 0.1\nstart_utc_hour = 6.0\n", encoding="utf-8")
+    out = tmp_path / "sweep"
+    assert main(["simulate", str(fleet), "--sweep", "goal_count=8,4", "--out", str(out), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    (line,) = [json.loads(x) for x in captured.out.strip().splitlines()]
+    assert line["params"] == {"task.goal_count": 8} and (out / "run-0" / "summary.json").is_file()
+    assert "fedfleet simulate: task.goal_count=4: the server refuses the fleet's [task]" in captured.err
+    assert not (out / "run-1").exists()
+
+
 # ------------------------------------------------------------------ on a real local Ray cluster
 @pytest.fixture(scope="module")
 def cluster():
