@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from device_runtime.versions import version_tuple
 from server_stub.dp_config import MAX_DELTA, MAX_NOISE_MULTIPLIER, DPConfig
@@ -333,6 +333,14 @@ class DataSection(_Section):
     examples_sigma: float = Field(0.6, ge=0.0, le=5.0)
     examples_min: int = Field(8, ge=1, le=1_000_000)
     examples_max: int = Field(400, ge=1, le=1_000_000)
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _switches(cls, options: Any) -> Any:
+        """TOML's ``true``/``false`` for the spec's yes/no options (``header = false``, ``lazy = true``)."""
+        if isinstance(options, dict):
+            return {k: ("yes" if v else "no") if isinstance(v, bool) else v for k, v in options.items()}
+        return options
 
     @model_validator(mode="after")
     def _bounds(self) -> Self:

@@ -195,3 +195,21 @@ def test_the_secure_group_size_a_round_aims_for_is_a_task_key_of_the_fleet():
     assert untouched.secagg_target_group_size == 50
     with pytest.raises(ValueError, match="secagg_target_group_size"):
         FleetConfig.from_dict({"task": {"secagg_target_group_size": 1}})
+
+
+def test_a_data_options_true_or_false_is_the_specs_yes_or_no(tmp_path):
+    """TOML's booleans for the data spec's yes/no options: a header-less CSV with ``header = false``."""
+    from emulator.fleet.data import data_spec_text, fleet_data
+
+    rows = "".join(f"c{i % 3},{i / 10},{i % 2}\n" for i in range(12))
+    (tmp_path / "rows.csv").write_text(rows, encoding="utf-8")
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[data]\nformat = "table"\npath = "rows.csv"\n'
+        'options = { client = "f0", label = "f2", header = false, test_split = "clients" }\n',
+        encoding="utf-8",
+    )
+    config = FleetConfig.load(path)
+    assert data_spec_text(config.data).endswith(",client=f0,label=f2,header=no,test_split=clients")
+    data = fleet_data(config)
+    assert sorted([*data.dataset.train, *data.dataset.test]) == ["c0", "c1", "c2"]
