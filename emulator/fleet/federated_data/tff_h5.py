@@ -179,7 +179,10 @@ class ClientFile:
         where = f"{self.where}/{cid}/{name}"
         member = _member(self._group(cid), name, h5py, where)
         if not isinstance(member, h5py.Dataset):
-            raise DataLayoutError(f"{where} is a group; each feature must be a dataset")
+            raise DataLayoutError(
+                f"{where} is a group; a TFF ClientData file holds examples/<client id>/<feature> with each "
+                f"feature a dataset: move the datasets inside it up to {EXAMPLES_GROUP}/{cid}/ (h5py's Group.move)"
+            )
         return member
 
     def datasets(self, cid: str) -> dict[str, Declared]:

@@ -84,6 +84,17 @@ def test_a_file_without_the_examples_group_names_what_it_found(tmp_path: Path) -
         load_tff_h5(path)
 
 
+def test_a_feature_nested_in_a_group_is_refused_saying_how_to_flatten_it(tmp_path: Path) -> None:
+    path = tmp_path / "nested.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/a/image/pixels", data=np.zeros((3, 4), dtype=np.float32))
+        f.create_dataset("examples/a/label", data=np.zeros(3, dtype=np.int32))
+    with pytest.raises(DataLayoutError) as info:
+        load_data(f"tff-h5:{path}", seed=0).examples("a")
+    assert "examples/a/image is a group" in str(info.value)
+    assert "move the datasets inside it up to examples/a/" in str(info.value)
+
+
 def test_ragged_features_and_clients_that_differ_are_refused(tmp_path: Path) -> None:
     ragged = tmp_path / "ragged.h5"
     with h5py.File(ragged, "w") as f:
