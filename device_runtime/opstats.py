@@ -19,17 +19,23 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sqlite3
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
-from example_store.sqlite_engine import sqlite_engine
+from example_store.sqlite_engine import sqlite_advice, sqlite_engine
+
+from .errors import RuntimeSdkError
 
 #: Event symbols of the paper's Table 1 ('*' is an error, as in the paper's text).
 SHAPE_SYMBOLS = {
@@ -72,6 +78,24 @@ resumption_table = Table(
     Column("token", Text, nullable=False),
     Column("saved_at", Float, nullable=False),
 )
+
+
+class AppDatabaseError(RuntimeSdkError):
+    """The app's database (opstats, scheduled jobs) cannot be opened or written: not an SQLite
+    file, damaged, its folder missing, locked past the wait, the disk full, or closed. The message
+    names the file and what to do."""
+
+
+@contextmanager
+def app_database_errors(path: str | os.PathLike, action: str) -> Iterator[None]:
+    """SQLite's and SQLAlchemy's errors while ``action`` on the app's database ``path`` as an
+    ``AppDatabaseError`` that says what happened and what to do."""
+    try:
+        yield
+    except (SQLAlchemyError, sqlite3.Error) as exc:
+        raise AppDatabaseError(
+            f"could not {action} in the app's database {os.fspath(path)}: {sqlite_advice(exc)}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -117,11 +141,33 @@ class OpStatsStore:
         if not (keep_s > 0 and keep_sessions >= 1):
             raise ValueError(f"keep_s must be > 0 and keep_sessions >= 1, not {keep_s!r} and {keep_sessions!r}")
         self.keep_s, self.keep_sessions = float(keep_s), int(keep_sessions)
+        self.path = database
+        self._closed = False
         self.engine: Engine = sqlite_engine(database)
-        _metadata.create_all(self.engine)
+        try:
+            with self._db("open the opstats log"):
+                _metadata.create_all(self.engine)
+        except BaseException:
+            self.engine.dispose()
+            raise
 
     def close(self) -> None:
+        """Closes the database's connections; the store cannot be used after (idempotent)."""
+        self._closed = True
         self.engine.dispose()
+
+    def __enter__(self) -> OpStatsStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _db(self, action: str) -> Iterator[None]:
+        if self._closed:
+            raise AppDatabaseError(f"the opstats store of {os.fspath(self.path)} is closed; open a new OpStatsStore")
+        with app_database_errors(self.path, action):
+            yield
 
     def record_session(self, session_id: str, population: str, task: str | None, events: list[Event]) -> None:
         """Keep the session's events, replacing what was kept of it before (its events so far)."""
@@ -137,7 +183,7 @@ class OpStatsStore:
             for e in events
         ]
         if rows:
-            with self.engine.begin() as conn:
+            with self._db("record a session"), self.engine.begin() as conn:
                 conn.execute(delete(events_table).where(events_table.c.session_id == session_id))
                 conn.execute(events_table.insert(), rows)
                 self._prune(conn, now=max(e.at for e in events))
@@ -178,7 +224,7 @@ class OpStatsStore:
         if since is not None:
             query = query.where(events_table.c.at >= since)
         grouped: dict[str, list] = {}
-        with self.engine.connect() as conn:
+        with self._db("read the sessions"), self.engine.connect() as conn:
             for row in conn.execute(query).mappings():
                 grouped.setdefault(row["session_id"], []).append(row)
         out = []
@@ -206,7 +252,7 @@ class OpStatsStore:
         """The token saved by the last completed session of this task and collection, if any."""
         t = resumption_table.c
         query = select(t.token).where(t.population == population, t.task == task, t.collection_uri == collection_uri)
-        with self.engine.connect() as conn:
+        with self._db("read a resumption token"), self.engine.connect() as conn:
             return conn.execute(query).scalar()
 
     def save_resumption_token(
@@ -221,7 +267,7 @@ class OpStatsStore:
             index_elements=["population", "task", "collection_uri"], set_={"token": token, "saved_at": at}
         )
         t = resumption_table.c
-        with self.engine.begin() as conn:
+        with self._db("save a resumption token"), self.engine.begin() as conn:
             conn.execute(stmt)
             # bounded as the log is: a server that named a new task in every session added a row each time
             conn.execute(delete(resumption_table).where(t.saved_at < at - self.keep_s))
@@ -240,7 +286,7 @@ class OpStatsStore:
     def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
         """Drop a saved token (the store refused it): the next session reads from the start."""
         t = resumption_table.c
-        with self.engine.begin() as conn:
+        with self._db("forget a resumption token"), self.engine.begin() as conn:
             conn.execute(
                 delete(resumption_table).where(
                     t.population == population, t.task == task, t.collection_uri == collection_uri

@@ -271,6 +271,10 @@ class InMemoryExampleStore(ExampleStore):
     def close(self) -> None:
         self._closed = True
 
+    def __enter__(self) -> InMemoryExampleStore:
+        self._check_open()  # a store closed by an earlier ``with`` is not opened again
+        return self
+
     def _check_open(self) -> None:
         if self._closed:
             raise ExampleStoreError("the in-memory example store is closed; create a new InMemoryExampleStore")

@@ -35,3 +35,26 @@ def sqlite_engine(
     )
     event.listen(engine, "connect", lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys))
     return engine
+
+
+#: What to do about an SQLite error on an app's database, by its primary result code.
+_ADVICE = {
+    sqlite3.SQLITE_FULL: "the disk is full: free space and retry (nothing of the failed write was kept)",
+    sqlite3.SQLITE_IOERR: "the disk failed the write, is full, or the process reached its file size limit: free "
+    "space and retry (nothing of the failed write was kept)",
+    sqlite3.SQLITE_BUSY: "another process holds it locked: retry later",
+    sqlite3.SQLITE_LOCKED: "another connection holds it locked: retry later",
+    sqlite3.SQLITE_CORRUPT: "the file is damaged: move it aside or delete it to start afresh",
+    sqlite3.SQLITE_NOTADB: "the file is not an SQLite database: give another path, or move it aside or delete it",
+    sqlite3.SQLITE_CANTOPEN: "it cannot be opened: create its folder first, or check its permissions",
+    sqlite3.SQLITE_READONLY: "it is read-only: check its permissions and its file system",
+}
+
+
+def sqlite_advice(exc: BaseException) -> str:
+    """The reason an SQLite (or SQLAlchemy over SQLite) error gives, and what to do about it."""
+    reason = getattr(exc, "orig", None) or exc
+    code = getattr(reason, "sqlite_errorcode", None)
+    advice = None if code is None else _ADVICE.get(code & 0xFF)
+    generic = "if the file is damaged, move it aside or delete it to start afresh; if it is locked, retry later"
+    return f"{reason}; {advice or generic}"

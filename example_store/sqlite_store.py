@@ -72,7 +72,7 @@ from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
 from .sealing import SEALING_AES_GCM, SEALING_NONE, Collection, RowSealer, b64, collection_record
 from .selector import ExampleSelector
-from .sqlite_engine import sqlite_engine
+from .sqlite_engine import sqlite_advice, sqlite_engine
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
 #: Written to ``PRAGMA user_version``. Version 1 files (no sealing, no persisted policies) are
@@ -201,12 +201,7 @@ class SQLiteExampleStore(ExampleStore):
             raise
         except (SQLAlchemyError, sqlite3.Error, OSError) as exc:
             engine.dispose()
-            reason = getattr(exc, "orig", None) or exc
-            raise ExampleStoreError(
-                f"cannot open the example store at {self.path}: {reason}. If the file is not an example "
-                f"store (or is damaged), move it aside or delete it to start a fresh one; if its directory "
-                f"does not exist, create it first."
-            ) from exc
+            raise ExampleStoreError(f"cannot open the example store at {self.path}: {sqlite_advice(exc)}") from exc
         except BaseException:
             engine.dispose()
             raise
@@ -617,6 +612,10 @@ class SQLiteExampleStore(ExampleStore):
             iterator.close()
         self._engine.dispose()
 
+    def __enter__(self) -> SQLiteExampleStore:
+        self._check_open()  # a store closed by an earlier ``with`` is not opened again
+        return self
+
     def _check_open(self) -> None:
         if self._closed:
             raise ExampleStoreError(f"the example store {self.path} is closed; open a new SQLiteExampleStore")
@@ -626,11 +625,7 @@ class SQLiteExampleStore(ExampleStore):
         try:
             yield
         except (SQLAlchemyError, sqlite3.Error) as exc:
-            reason = getattr(exc, "orig", None) or exc
-            raise ExampleStoreError(
-                f"could not {action} in {self.path}: {reason}. If the file is damaged, move it aside or "
-                f"delete it to start a fresh store; if it is locked, retry later."
-            ) from exc
+            raise ExampleStoreError(f"could not {action} in {self.path}: {sqlite_advice(exc)}") from exc
 
     def __repr__(self) -> str:
         return f"SQLiteExampleStore({str(self.path)!r}{', sealed' if self.sealed else ''})"

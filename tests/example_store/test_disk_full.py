@@ -1,0 +1,62 @@
+"""The app's database on a full disk (a process whose file size limit is reached, RLIMIT_FSIZE, in
+a process of its own): a write fails whole, with a typed error that says to free space (where it
+said to move the file aside or delete it, the app's data with it), and the store opens again
+with what was committed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support import ROOT
+
+FULL_DISK_APP = """
+import json, os, resource, sys
+sys.path.insert(0, sys.argv[2])  # the checkout
+import numpy as np
+from device_runtime import OpStatsStore
+from device_runtime.opstats import AppDatabaseError, Event
+from example_store import ExampleSelector, ExampleStoreError, FileKeyStore, SQLiteExampleStore
+
+folder = sys.argv[1]
+db = os.path.join(folder, "app.db")
+store = SQLiteExampleStore(db, key_store=FileKeyStore(os.path.join(folder, "keys.json")))
+store.add("app:/digits", [{"x": np.zeros(64, np.float32), "y": np.int64(1)}] * 10)
+opstats = OpStatsStore(db)
+used = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+resource.setrlimit(resource.RLIMIT_FSIZE, (used + 100_000, used + 100_000))  # a disk with 100 kB left
+errors = {}
+try:
+    store.add("app:/digits", [{"x": np.ones(64, np.float32), "y": np.int64(2)}] * 2000)
+except ExampleStoreError as exc:
+    errors["add"] = str(exc)
+try:
+    for i in range(100):
+        opstats.record_session(f"session-{i}", "digits", "train", [Event("checkin", 1.0, {"note": "x" * 10_000})])
+except AppDatabaseError as exc:
+    errors["opstats"] = str(exc)
+errors["count"] = store.count(ExampleSelector("app:/digits"))
+print(json.dumps(errors))
+"""
+
+
+def test_a_full_disk_fails_a_write_whole_and_says_to_free_space(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(FULL_DISK_APP)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert "free space and retry" in seen["add"] and "delete" not in seen["add"]
+    assert "free space and retry" in seen["opstats"] and str(tmp_path / "app.db") in seen["opstats"]
+    assert seen["count"] == 10
+
+    from device_runtime import OpStatsStore
+    from example_store import ExampleSelector, FileKeyStore, SQLiteExampleStore
+
+    with SQLiteExampleStore(tmp_path / "app.db", key_store=FileKeyStore(tmp_path / "keys.json")) as store:
+        assert [int(b["y"][0]) for b in store.query_batches(ExampleSelector("app:/digits"), 10)] == [1]
+    with OpStatsStore(tmp_path / "app.db") as opstats:
+        assert {len(s.events) for s in opstats.sessions()} <= {1}  # whole sessions or none
