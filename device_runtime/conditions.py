@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
+
+from .errors import InvalidSetting
 
 BATTERY_LOW_FRACTION = 0.15
 
@@ -67,10 +70,12 @@ class TrainingInterval:
     min_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.min_interval_s < 0:
-            raise ValueError("min_interval_s must not be negative")
+        if isinstance(self.min_interval_s, bool) or not isinstance(self.min_interval_s, (int, float)):
+            raise InvalidSetting(f"min_interval_s is a number of seconds, not {self.min_interval_s!r}")
+        if not (0 <= self.min_interval_s < math.inf):
+            raise InvalidSetting(f"min_interval_s must be finite and not negative, not {self.min_interval_s!r}")
         if self.recurrent and self.min_interval_s <= 0:
-            raise ValueError("a recurrent interval needs min_interval_s > 0")
+            raise InvalidSetting("a recurrent interval needs min_interval_s > 0")
 
 
 @dataclass

@@ -27,8 +27,9 @@ from apscheduler.triggers.date import DateTrigger
 
 from .clock import Clock, SystemClock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
-from .errors import RuntimeSdkError, SessionRejected
+from .errors import InvalidSetting, RuntimeSdkError, SessionRejected
 from .executor import stoppable_run_options
+from .opstats import AppDatabaseError, app_database_errors
 from .runtime import FLRuntime, Outcome, SessionResult
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,12 @@ class _StoredJobs:
 
     def __init__(self, database: str | os.PathLike, app: str) -> None:
         self._store = SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
-        self._store.start(_StoreHost(), app)
+        try:
+            with app_database_errors(database, "open the scheduled jobs"):
+                self._store.start(_StoreHost(), app)
+        except BaseException:
+            self._store.engine.dispose()
+            raise
         self._app = app
 
     def close(self) -> None:
@@ -254,6 +260,11 @@ class ParticipationScheduler:
         settings: SchedulerSettings = SchedulerSettings(),
         rng: random.Random | None = None,
     ) -> None:
+        if not callable(getattr(conditions, "current", None)):
+            raise InvalidSetting(
+                f"conditions must have a current() method giving the device's DeviceState (StaticConditions, or "
+                f"the app's own), got {type(conditions).__name__}"
+            )
         self.app = app
         self.conditions = conditions
         self.clock = clock or SystemClock()
@@ -264,14 +275,36 @@ class ParticipationScheduler:
         self._lock = threading.RLock()
         self.queue = queue or WorkerQueue(self.clock)
         self.queue.add(self)
+        self._closed = False
 
     def close(self) -> None:
+        """Leaves the worker queue and closes the job store (the jobs stay in the database for
+        the next app start); idempotent. Stop the queue first: a session in progress is then
+        interrupted (``WorkerQueue.stop``)."""
+        if self._closed:
+            return
+        self._closed = True
         self.queue.remove(self)
         self._jobs.close()
+
+    def __enter__(self) -> ParticipationScheduler:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AppDatabaseError(f"the participation scheduler of app {self.app!r} is closed; make a new one")
 
     # ----------------------------------------------------------------- app API
     def register_runtime(self, population: str, runtime: FLRuntime) -> None:
         """Called at every app start: which runtime serves a population's stored job."""
+        self._check_open()
+        _check_population(population)
+        if not isinstance(runtime, FLRuntime):
+            raise InvalidSetting(f"register_runtime takes an FLRuntime, got {type(runtime).__name__}")
         self._runtimes[population] = runtime
 
     def schedule(
@@ -284,7 +317,22 @@ class ParticipationScheduler:
     ) -> ScheduledJob:
         """Take part in ``population``; replaces an earlier schedule of the same population. The
         first run is at ``start_at`` (now by default), or once the constraints hold after it when
-        the conditions can tell (``first_satisfied``)."""
+        the conditions can tell (``first_satisfied``). Arguments of the wrong type are refused
+        with ``InvalidSetting`` before anything is stored (a job that cannot be read back would
+        fail every run of the app's worker)."""
+        self._check_open()
+        _check_population(population)
+        if not isinstance(constraints, TrainingConstraints) or not isinstance(interval, TrainingInterval):
+            raise InvalidSetting(
+                f"schedule(population, constraints, interval) takes a TrainingConstraints and a TrainingInterval, "
+                f"got {type(constraints).__name__} and {type(interval).__name__}"
+            )
+        if start_at is not None and (
+            isinstance(start_at, bool) or not isinstance(start_at, (int, float)) or not math.isfinite(start_at)
+        ):
+            raise InvalidSetting(
+                f"start_at must be a time in seconds on the scheduler's clock, or None, not {start_at!r}"
+            )
         now = self.clock.now()
         first = self._when_constraints_hold(now, now if start_at is None else start_at, constraints)
         with self._lock:
@@ -295,10 +343,12 @@ class ParticipationScheduler:
         return job
 
     def cancel(self, population: str) -> bool:
+        self._check_open()
         with self._lock:
             return self._jobs.remove(population)
 
     def jobs(self) -> list[ScheduledJob]:
+        self._check_open()
         with self._lock:
             return self._jobs.all()
 
@@ -424,22 +474,24 @@ class ParticipationScheduler:
         """Run a session while a watchdog polls the conditions: when they stop holding it asks the
         session to stop (checked between steps) and, after the grace period, ends the running
         step by force through onnxruntime's terminate flag."""
+        stopping = self.queue.stopping
         if not self.settings.watchdog:
-            return runtime.run_session(should_abort=self._unmet_check(constraints))
+            unmet = self._unmet_check(constraints)
+            return runtime.run_session(should_abort=lambda: stopping.is_set() or unmet())
         stop = threading.Event()
         done = threading.Event()
         run_options = stoppable_run_options()
 
         def watchdog() -> None:
             while not done.wait(self.settings.poll_s):
-                if not constraints.satisfied(self.conditions.current()):
+                if stopping.is_set() or not constraints.satisfied(self.conditions.current()):
                     stop.set()
                     if not done.wait(self.settings.grace_s):
                         run_options.terminate = True
                     return
 
         def should_abort() -> bool:
-            return stop.is_set() or not constraints.satisfied(self.conditions.current())
+            return stop.is_set() or stopping.is_set() or not constraints.satisfied(self.conditions.current())
 
         thread = threading.Thread(target=watchdog, name="fl-watchdog", daemon=True)
         thread.start()
@@ -448,6 +500,11 @@ class ParticipationScheduler:
         finally:
             done.set()
             thread.join()
+
+
+def _check_population(population: object) -> None:
+    if not isinstance(population, str) or not population:
+        raise InvalidSetting(f"a population is a non-empty string such as 'digits', not {population!r}")
 
 
 class WorkerQueue:
@@ -467,6 +524,8 @@ class WorkerQueue:
         self._worker = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        #: Set by ``stop``: a session in progress is interrupted as when its conditions stop holding.
+        self.stopping = self._stop
         self._thread: threading.Thread | None = None
         self.history: deque[JobRun] = deque(maxlen=history)
         self.on_run: Callable[[JobRun], None] | None = None
@@ -494,6 +553,8 @@ class WorkerQueue:
             due = [(s, when, pop) for s in list(self._schedulers) for when, pop in s.due(now)]
             due.sort(key=lambda item: (self._last_run.get((item[0].app, item[2]), float("-inf")), item[1]))
             for scheduler, _, population in due:
+                if self._stop.is_set():  # the app is stopping: no new session
+                    break
                 run = scheduler.run_job(population)
                 self._last_run[(scheduler.app, population)] = run.ended_at
                 self.history.append(run)
@@ -525,6 +586,9 @@ class WorkerQueue:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the worker: a session in progress is interrupted (the server is told, nothing is
+        sent, its job rescheduled) within ``SchedulerSettings.poll_s + grace_s`` and one step,
+        and no other starts. Waits up to ``timeout`` for that."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -536,8 +600,9 @@ class WorkerQueue:
             self._wake.clear()
             try:
                 self.run_pending()
-            except Exception:  # one failing job must not stop the device's worker
-                log.exception("participation job failed")
-            nxt = self.next_wakeup()
+                nxt = self.next_wakeup()
+            except Exception:  # one failing job (or job store) must not stop the device's worker
+                log.exception("participation job failed; the worker tries again in %s s", self.idle_poll_s)
+                nxt = None  # not at once: a job that fails as it is read would fail in a loop
             wait = self.idle_poll_s if nxt is None else max(0.0, min(self.idle_poll_s, nxt - self.clock.now()))
             self.clock.sleep(wait, self._wake)

@@ -1,0 +1,157 @@
+"""An app's lifecycle around the SDK, as a new app developer meets it: stopping the app while a
+session trains, arguments of the wrong type, objects used after they were closed, an app database
+that is not one, and a stored job that can no longer be read."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from device_runtime import FLRuntime, InvalidSetting, OpStatsStore
+from device_runtime.clock import VirtualClock
+from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
+from device_runtime.opstats import AppDatabaseError
+from device_runtime.scheduling import ParticipationScheduler, RunOutcome, ScheduledJob, WorkerQueue
+from example_store import ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
+from tests.support import COLLECTION, deploy, digits_plan
+
+GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
+
+
+class TrainingSeen(StaticConditions):
+    """Conditions that always hold and tell (``training``) once they are read between training
+    steps, which only a session in its training phase does so often."""
+
+    def __init__(self) -> None:
+        super().__init__(GOOD)
+        self.reads = 0
+        self.training = threading.Event()
+
+    def current(self) -> DeviceState:
+        self.reads += 1
+        if self.reads >= 20:
+            self.training.set()
+        return self.state
+
+
+def test_stopping_the_app_interrupts_the_session_it_is_training(tmp_path, server, admin, digits):
+    """``WorkerQueue.stop`` while a session trains (an app being closed): the session stops as when
+    its conditions stop holding, the server is told and takes no update, opstats keep an
+    interrupted session, and the job stays for the next app start. The worker let the session
+    train on (for ever here) past its timeout, with the app's database closed under it."""
+    deploy(admin, plan=digits_plan(epochs=100_000), goal_count=5)
+    db = tmp_path / "app.db"
+    store = SQLiteExampleStore(db)
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
+    opstats = OpStatsStore(db)
+    conditions = TrainingSeen()
+    scheduler = ParticipationScheduler(db, conditions)
+    scheduler.register_runtime("digits", FLRuntime("digits", server.url, store, opstats=opstats))
+    scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600))
+    scheduler.queue.start()
+    assert conditions.training.wait(60)
+    scheduler.queue.stop(timeout=60)
+    [run] = scheduler.queue.history
+    assert run.outcome is RunOutcome.INTERRUPTED and run.next_run_at is not None
+    current = admin.status("digits")["current_round"]
+    assert current["aborted"] == 1 and current["reported"] == 0
+    assert opstats.shape_counts() == {"-v[!": 1}
+    scheduler.close()
+    restarted = ParticipationScheduler(db, conditions)
+    assert [job.population for job in restarted.jobs()] == ["digits"]
+    restarted.close()
+    opstats.close()
+    store.close()
+
+
+def test_wrong_arguments_are_refused_before_anything_is_stored(tmp_path):
+    """Constraints and interval swapped were stored, and the job could not be read back: every
+    ``jobs()`` and every run of the worker raised a TypeError, after a restart too."""
+    db = tmp_path / "app.db"
+    scheduler = ParticipationScheduler(db, StaticConditions(GOOD))
+    with pytest.raises(InvalidSetting, match="TrainingConstraints and a TrainingInterval"):
+        scheduler.schedule("digits", TrainingInterval(True, 3600), TrainingConstraints())
+    with pytest.raises(InvalidSetting, match="population"):
+        scheduler.schedule(42)
+    with pytest.raises(InvalidSetting, match="start_at"):
+        scheduler.schedule("digits", start_at="now")
+    with pytest.raises(InvalidSetting, match="FLRuntime"):
+        scheduler.register_runtime("digits", SQLiteExampleStore(tmp_path / "ex.db"))
+    with pytest.raises(InvalidSetting, match="min_interval_s"):
+        TrainingInterval(True, "3600")
+    with pytest.raises(InvalidSetting, match="current"):
+        ParticipationScheduler(db, GOOD)
+    assert scheduler.jobs() == [] and scheduler.queue.run_pending() == []
+    scheduler.close()
+    restarted = ParticipationScheduler(db, StaticConditions(GOOD))
+    assert restarted.jobs() == []
+    restarted.close()
+
+
+def test_closed_objects_say_so(tmp_path):
+    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD))
+    scheduler.close()
+    scheduler.close()  # idempotent
+    with pytest.raises(AppDatabaseError, match="closed"):
+        scheduler.schedule("digits")
+    with pytest.raises(AppDatabaseError, match="closed"):
+        scheduler.jobs()
+    opstats = OpStatsStore(tmp_path / "app.db")
+    opstats.close()
+    with pytest.raises(AppDatabaseError, match="closed; open a new OpStatsStore"):
+        opstats.sessions()  # it opened the database again, silently
+    with SQLiteExampleStore(tmp_path / "ex.db") as store:
+        pass
+    with pytest.raises(ExampleStoreError, match="closed"), store:  # a closed store reused in a with
+        pass
+    memory = InMemoryExampleStore()
+    memory.close()
+    with pytest.raises(ExampleStoreError, match="closed"), memory:
+        pass
+
+
+@pytest.mark.parametrize("what", ["not sqlite", "no folder"])
+def test_an_app_database_that_cannot_be_opened_is_a_typed_error_naming_it(tmp_path, what):
+    db = tmp_path / "app.db"
+    if what == "not sqlite":
+        db.write_bytes(b"this is the app's settings, not a database\n" * 50)
+    else:
+        db = tmp_path / "missing" / "app.db"
+    with pytest.raises(AppDatabaseError, match=f"could not open the opstats log in the app's database {db}"):
+        OpStatsStore(db)
+    with pytest.raises(AppDatabaseError, match=f"could not open the scheduled jobs in the app's database {db}"):
+        ParticipationScheduler(db, StaticConditions(GOOD))
+
+
+def test_a_stored_job_that_cannot_be_read_fails_once_a_poll_not_in_a_loop(tmp_path, caplog):
+    """A job an earlier version stored with its constraints and interval swapped fails every time
+    it is read: the worker logs it and tries again ``idle_poll_s`` later, where it tried again at
+    once, for ever (a loop logging a traceback per turn). Scheduling it again replaces it."""
+    clock = VirtualClock()
+    queue = WorkerQueue(clock, idle_poll_s=60.0)
+    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock, queue=queue)
+    unreadable = ScheduledJob("digits", clock.now(), TrainingInterval(True, 60), TrainingConstraints())
+    scheduler._jobs.put(unreadable)
+    failed_at: list[float] = []
+    three = threading.Event()
+
+    class Failures(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            failed_at.append(clock.now())
+            if len(failed_at) >= 3:
+                three.set()
+
+    handler = Failures(level=logging.ERROR)
+    logging.getLogger("device_runtime.scheduling").addHandler(handler)
+    try:
+        queue.start()
+        assert three.wait(60)
+        queue.stop()
+    finally:
+        logging.getLogger("device_runtime.scheduling").removeHandler(handler)
+    assert failed_at[1] - failed_at[0] >= 60 and failed_at[2] - failed_at[1] >= 60
+    scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(True, 60))
+    assert [job.interval for job in scheduler.jobs()] == [TrainingInterval(True, 60)]
+    scheduler.close()
