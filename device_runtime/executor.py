@@ -173,7 +173,7 @@ class PlanExecutor(ServerOps):
             raw = batch[example_name]
             arr = np.asarray(raw, dtype=dtype, order="C")
             if graph_name in self.plan.device.class_ids and not _whole(raw, arr):
-                raise ValueError(
+                raise PlanError(
                     f"example tensor {example_name!r} holds fractions, but the plan reads class ids (whole numbers "
                     f"0 to {self.plan.device.class_ids[graph_name] - 1}); store the labels as integers"
                 )
@@ -195,7 +195,7 @@ class PlanExecutor(ServerOps):
         for graph_name, classes in self.plan.device.class_ids.items():
             ids = feeds[graph_name]
             if n and not _labels_within(ids, classes):
-                raise ValueError(
+                raise PlanError(
                     f"example tensor {self.plan.device.inputs[graph_name]!r} holds class ids from {ids.min()} to "
                     f"{ids.max()}, but the plan scores {classes} classes (ids 0 to {classes - 1}); number the classes "
                     "from 0, or train a model with an output per class"
@@ -205,7 +205,7 @@ class PlanExecutor(ServerOps):
             num_classes = self._num_classes()
             if y.ndim != 1 or not _labels_within(y, num_classes):
                 seen = f" from {y.min()} to {y.max()}" if y.ndim == 1 else ""
-                raise ValueError(
+                raise PlanError(
                     f"labels must be class ids in [0, {num_classes}) of shape [N], got shape {y.shape}{seen}"
                 )
         return feeds, n or 0

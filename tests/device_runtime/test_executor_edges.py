@@ -75,8 +75,11 @@ def test_one_example_trains_reports_its_loss_and_rebuilds_the_model():
 
 
 def test_labels_must_be_class_ids_below_the_class_count_in_one_dimension():
+    """An app's examples that do not fit the plan are one of the SDK's errors (PlanError, also a
+    ValueError), as a missing tensor or another shape are: a bare ValueError was logged by the
+    scheduler as an unexpected failure, with its traceback, at every run."""
     for bad in (np.full(4, C), np.full(4, 4), Y[:4].reshape(4, 1)):  # 4 < the hidden width 5
-        with pytest.raises(ValueError, match="class ids"):
+        with pytest.raises(PlanError, match="class ids"):
             EXECUTOR.run_device(WEIGHTS, lambda bad=bad: [{"pixels": X[:4], "label": bad}])
     EXECUTOR.run_device(WEIGHTS, lambda: [{"pixels": X[:4], "label": np.full(4, C - 1)}])
 
