@@ -20,6 +20,11 @@ class SystemClock:
     def now(self) -> float:
         return time.time()
 
+    def wall_offset(self) -> float:
+        """How far ``now`` is ahead of the monotonic clock: it changes when the wall clock is set
+        (by the user, or a time sync's step), which ``WorkerQueue`` follows."""
+        return self.now() - time.monotonic()
+
     def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
         if wake is None:
             time.sleep(max(0.0, seconds))

@@ -35,6 +35,9 @@ from .runtime import FLRuntime, Outcome, SessionResult
 log = logging.getLogger(__name__)
 
 JOB_TABLE = "fl_participation_jobs"
+#: A change of the wall clock against the monotonic one past this is the clock being set: the due
+#: times of a running app's jobs move with it (see ``WorkerQueue.follow_clock``).
+CLOCK_JUMP_S = 1.0
 
 
 class RunOutcome(enum.Enum):
@@ -321,6 +324,7 @@ class ParticipationScheduler:
         with ``InvalidSetting`` before anything is stored (a job that cannot be read back would
         fail every run of the app's worker)."""
         self._check_open()
+        self.queue.follow_clock()  # the jobs stored so far first, if the clock was set since
         _check_population(population)
         if not isinstance(constraints, TrainingConstraints) or not isinstance(interval, TrainingInterval):
             raise InvalidSetting(
@@ -346,6 +350,13 @@ class ParticipationScheduler:
         self._check_open()
         with self._lock:
             return self._jobs.remove(population)
+
+    def shift_jobs(self, seconds: float, *, skip: str | None = None) -> None:
+        """Move every job's due time by ``seconds`` (but ``skip``'s): the wall clock was set."""
+        with self._lock:
+            for job in self._jobs.all():
+                if job.next_run_at is not None and job.population != skip:
+                    self._jobs.reschedule(job.population, job.next_run_at + seconds)
 
     def jobs(self) -> list[ScheduledJob]:
         self._check_open()
@@ -529,6 +540,28 @@ class WorkerQueue:
         self._thread: threading.Thread | None = None
         self.history: deque[JobRun] = deque(maxlen=history)
         self.on_run: Callable[[JobRun], None] | None = None
+        self._read_offset: Callable[[], float] | None = getattr(self.clock, "wall_offset", None)
+        self._offset: float | None = None
+        self._offset_lock = threading.Lock()
+
+    def follow_clock(self, skip: tuple[ParticipationScheduler, str] | None = None) -> float:
+        """On a clock that tells its ``wall_offset`` (``SystemClock``): when the wall clock was
+        set since the last call (a user who moves it back a day, or a year ahead), move every
+        job's due time by as much, so that jobs keep their delays in elapsed time as Android's
+        JobScheduler does, instead of waiting a day longer or all running at once. ``skip``: a
+        job rescheduled on the new clock already. Returns the jump followed (0.0: none). A jump
+        while the app was not running is not seen."""
+        if self._read_offset is None:
+            return 0.0
+        with self._offset_lock:
+            before, self._offset = self._offset, self._read_offset()
+            if before is None or abs(self._offset - before) <= CLOCK_JUMP_S:
+                return 0.0
+            jump = self._offset - before
+            log.info("the wall clock was set %+.0f s: the due times of the jobs move with it", jump)
+            for scheduler in list(self._schedulers):
+                scheduler.shift_jobs(jump, skip=skip[1] if skip is not None and skip[0] is scheduler else None)
+            return jump
 
     def add(self, scheduler: ParticipationScheduler) -> None:
         self._schedulers.append(scheduler)
@@ -549,6 +582,7 @@ class WorkerQueue:
         """Run every job due now, one at a time, least recently run population first."""
         runs = []
         with self._worker:
+            self.follow_clock()
             now = self.clock.now()
             due = [(s, when, pop) for s in list(self._schedulers) for when, pop in s.due(now)]
             due.sort(key=lambda item: (self._last_run.get((item[0].app, item[2]), float("-inf")), item[1]))
@@ -556,6 +590,7 @@ class WorkerQueue:
                 if self._stop.is_set():  # the app is stopping: no new session
                     break
                 run = scheduler.run_job(population)
+                self.follow_clock(skip=(scheduler, population))  # a clock set while it ran
                 self._last_run[(scheduler.app, population)] = run.ended_at
                 self.history.append(run)
                 if self.on_run is not None:

@@ -10,10 +10,16 @@ import threading
 import pytest
 
 from device_runtime import FLRuntime, InvalidSetting, OpStatsStore
-from device_runtime.clock import VirtualClock
+from device_runtime.clock import SystemClock, VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import AppDatabaseError
-from device_runtime.scheduling import ParticipationScheduler, RunOutcome, ScheduledJob, WorkerQueue
+from device_runtime.scheduling import (
+    ParticipationScheduler,
+    RunOutcome,
+    ScheduledJob,
+    SchedulerSettings,
+    WorkerQueue,
+)
 from example_store import ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, deploy, digits_plan
 
@@ -154,4 +160,50 @@ def test_a_stored_job_that_cannot_be_read_fails_once_a_poll_not_in_a_loop(tmp_pa
     assert failed_at[1] - failed_at[0] >= 60 and failed_at[2] - failed_at[1] >= 60
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(True, 60))
     assert [job.interval for job in scheduler.jobs()] == [TrainingInterval(True, 60)]
+    scheduler.close()
+
+
+class SetClock(SystemClock):
+    """The system's clock, which the test sets as a user does in the phone's settings."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return super().now() + self.offset
+
+
+class SetWhileRead(StaticConditions):
+    """Conditions that do not hold, read while the user sets the clock a day back."""
+
+    def __init__(self, clock: SetClock) -> None:
+        super().__init__(DeviceState(idle=False, charging=True, battery_level=0.9, unmetered_network=True))
+        self.clock = clock
+
+    def current(self) -> DeviceState:
+        self.clock.offset -= 86_400
+        return self.state
+
+
+def test_jobs_keep_their_delays_when_the_user_sets_the_clock(tmp_path):
+    """A clock set a day back made a job due in an hour wait a day and an hour; set a year ahead,
+    every job ran at once. Due times now move with the clock, but a job rescheduled on the new
+    clock, and one scheduled after the change."""
+    clock = SetClock()
+    settings = SchedulerSettings(recheck_s=600.0)
+    scheduler = ParticipationScheduler(tmp_path / "app.db", SetWhileRead(clock), clock=clock, settings=settings)
+
+    def due_in() -> dict[str, float]:
+        return {job.population: job.next_run_at - clock.now() for job in scheduler.jobs()}  # type: ignore[operator]
+
+    scheduler.schedule("digits", start_at=clock.now() + 3600)
+    for offset in (-86_400.0, 365 * 86_400.0):
+        clock.offset = offset
+        assert scheduler.queue.run_pending() == []
+        assert 3500 < due_in()["digits"] <= 3600
+    scheduler.schedule("photos", start_at=clock.now())  # due now: set back a day while it runs
+    [run] = scheduler.queue.run_pending()
+    assert run.outcome is RunOutcome.CONSTRAINTS_UNMET
+    assert 600 <= due_in()["photos"] <= 600 * (1 + settings.jitter)  # rescheduled on the new clock
+    assert 3500 < due_in()["digits"] <= 3600
     scheduler.close()
