@@ -33,7 +33,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from example_store.sqlite_engine import sqlite_advice, sqlite_engine
+from example_store.sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 
 from .errors import RuntimeSdkError
 
@@ -145,8 +145,8 @@ class OpStatsStore:
         self._closed = False
         self.engine: Engine = sqlite_engine(database)
         try:
-            with self._db("open the opstats log"):
-                _metadata.create_all(self.engine)
+            with self._db("open the opstats log"), write_locked(self.engine) as conn:
+                _metadata.create_all(conn)
         except BaseException:
             self.engine.dispose()
             raise

@@ -25,6 +25,8 @@ from apscheduler.job import Job
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 
+from example_store.sqlite_engine import write_locked
+
 from .clock import Clock, SystemClock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
 from .errors import InvalidSetting, RuntimeSdkError, SessionRejected
@@ -124,6 +126,8 @@ class _StoredJobs:
         self._store = SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
         try:
             with app_database_errors(database, "open the scheduled jobs"):
+                with write_locked(self._store.engine) as conn:  # not raced by another process's first open
+                    self._store.jobs_t.create(conn, checkfirst=True)
                 self._store.start(_StoreHost(), app)
         except BaseException:
             self._store.engine.dispose()

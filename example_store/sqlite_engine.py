@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import URL, Engine, create_engine, event
+from sqlalchemy import URL, Connection, Engine, create_engine, event
 
 
 def configure_connection(dbapi_connection: sqlite3.Connection, *, foreign_keys: bool = False) -> None:
@@ -35,6 +37,17 @@ def sqlite_engine(
     )
     event.listen(engine, "connect", lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys))
     return engine
+
+
+@contextmanager
+def write_locked(engine: Engine) -> Iterator[Connection]:
+    """A transaction that holds the database's write lock from its start (``BEGIN IMMEDIATE``), so
+    that what it reads before it writes (the tables made on a first open, a store's metadata) is
+    not raced by another process opening the same file at the same moment: with a deferred
+    transaction two processes both found no table, and the second to create one failed."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        yield conn
 
 
 #: What to do about an SQLite error on an app's database, by its primary result code.

@@ -72,7 +72,7 @@ from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
 from .sealing import SEALING_AES_GCM, SEALING_NONE, Collection, RowSealer, b64, collection_record
 from .selector import ExampleSelector
-from .sqlite_engine import sqlite_advice, sqlite_engine
+from .sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
 #: Written to ``PRAGMA user_version``. Version 1 files (no sealing, no persisted policies) are
@@ -177,7 +177,7 @@ class SQLiteExampleStore(ExampleStore):
             max_overflow=-1,  # never block a reader waiting for a pooled connection
         )
         try:
-            with engine.begin() as conn:
+            with write_locked(engine) as conn:
                 version = conn.exec_driver_sql("PRAGMA user_version").scalar()
                 if version not in _READABLE_VERSIONS:
                     raise ExampleStoreError(
