@@ -36,13 +36,14 @@ class Collection:
     uri: str
     schema: Schema
     ad_prefix: bytes  # associated data shared by the collection's sealed rows
+    schema_text: str = ""  # as the database keeps it
 
 
 def collection_record(coll_id: int, uri: str, schema_text: str) -> Collection:
     digest = hashlib.sha256(
         _AD_DOMAIN + struct.pack("<q", coll_id) + uri.encode("utf-8") + b"\x00" + schema_text.encode("utf-8")
     ).digest()
-    return Collection(coll_id, uri, Schema.from_json(schema_text), digest)
+    return Collection(coll_id, uri, Schema.from_json(schema_text), digest, schema_text)
 
 
 def b64(data: bytes) -> str:

@@ -355,9 +355,9 @@ class SQLiteExampleStore(ExampleStore):
         self._policies.pop(collection_uri, None)
 
     def _lookup(self, uri: str, conn: Connection | None = None) -> Collection | None:
-        coll = self._collections.get(uri)
-        if coll is not None:
-            return coll
+        """The collection as the database holds it now: another process (or store) may have
+        deleted it, or made it again with another schema, since this store last saw it. The
+        cached record is reused while its id and schema are the database's."""
         query = select(collections_table.c.id, collections_table.c.schema).where(collections_table.c.uri == uri)
         if conn is None:
             with self._db_errors("look up a collection"), self._engine.connect() as own:
@@ -365,9 +365,11 @@ class SQLiteExampleStore(ExampleStore):
         else:
             row = conn.execute(query).first()
         if row is None:
+            self._collections.pop(uri, None)
             return None
-        coll = collection_record(row.id, uri, row.schema)
-        self._collections[uri] = coll
+        coll = self._collections.get(uri)
+        if coll is None or coll.id != row.id or coll.schema_text != row.schema:
+            coll = self._collections[uri] = collection_record(row.id, uri, row.schema)
         return coll
 
     def _require(self, uri: str) -> Collection:
@@ -404,7 +406,8 @@ class SQLiteExampleStore(ExampleStore):
         sealer = self._sealer
         total = 0
         created: Collection | None = None
-        with self._lock, self._db_errors("add examples"), self._engine.begin() as conn:
+        # under the write lock from the look-up on: no other process deletes the collection between
+        with self._lock, self._db_errors("add examples"), write_locked(self._engine) as conn:
             coll = self._lookup(collection_uri, conn)
             cursor = _cursor(conn.connection.driver_connection)
             try:
