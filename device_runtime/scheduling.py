@@ -25,7 +25,7 @@ from apscheduler.job import Job
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 
-from example_store.sqlite_engine import write_locked
+from example_store.sqlite_engine import sqlite_engine, write_locked
 
 from .clock import Clock, SystemClock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
@@ -123,7 +123,10 @@ class _StoredJobs:
     """The app's jobs in APScheduler's SQLAlchemy job store, inside its SQLite database."""
 
     def __init__(self, database: str | os.PathLike, app: str) -> None:
-        self._store = SQLAlchemyJobStore(url=f"sqlite:///{os.fspath(database)}", tablename=JOB_TABLE)
+        # the app database's engine (WAL, and a writer waits 30 s for another process's lock as
+        # the example store and opstats do): with its own, a job was not rescheduled after a
+        # session when an add of the app held the lock past 5 s, and ran again at the next poll
+        self._store = SQLAlchemyJobStore(engine=sqlite_engine(database), tablename=JOB_TABLE)
         try:
             with app_database_errors(database, "open the scheduled jobs"):
                 with write_locked(self._store.engine) as conn:  # not raced by another process's first open

@@ -5,6 +5,7 @@ that is not one, and a stored job that can no longer be read."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 
 import pytest
@@ -206,4 +207,24 @@ def test_jobs_keep_their_delays_when_the_user_sets_the_clock(tmp_path):
     assert run.outcome is RunOutcome.CONSTRAINTS_UNMET
     assert 600 <= due_in()["photos"] <= 600 * (1 + settings.jitter)  # rescheduled on the new clock
     assert 3500 < due_in()["digits"] <= 3600
+    scheduler.close()
+
+
+@pytest.mark.slow
+def test_the_job_store_waits_for_a_lock_another_process_holds_as_the_example_store_does(tmp_path):
+    """An add of the app's (another process) holds the database's write lock for 6 s: the job
+    store waits for it as the example store and opstats do (30 s), where it gave up after 5 s, and
+    a session's job was not rescheduled (it ran again at the worker's next poll)."""
+    db = tmp_path / "app.db"
+    scheduler = ParticipationScheduler(db, StaticConditions(GOOD))
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(6.0, holder.rollback)
+    release.start()
+    try:
+        scheduler.schedule("digits")
+    finally:
+        release.join()
+        holder.close()
+    assert [job.population for job in scheduler.jobs()] == ["digits"]
     scheduler.close()
