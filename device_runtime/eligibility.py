@@ -80,8 +80,10 @@ def evaluate(
             failed.append("min_separation_rounds")
         if policies.min_separation_s and now - last.at < policies.min_separation_s:
             failed.append("min_separation_s")
-        if policies.sampling_period_s and int(now // policies.sampling_period_s) == int(
-            last.at // policies.sampling_period_s
+        if policies.sampling_period_s and (
+            # a participation after now: the clock was set back past it, and the period it is in
+            # now says nothing (a user who set it back a day took part twice in one day)
+            last.at > now or int(now // policies.sampling_period_s) == int(last.at // policies.sampling_period_s)
         ):
             failed.append("sampling_period_s")
     return EligibilityVerdict(task, not failed, tuple(failed))

@@ -38,6 +38,20 @@ def test_a_device_is_never_sampled_twice_at_the_same_instant(case, last_round):
 
 
 @given(
+    period=st.integers(1, 30 * 86400).map(float),
+    at=st.floats(1e9, 2e9),
+    back=st.floats(1e-3, 365 * 86400.0),
+)
+def test_a_clock_set_back_before_the_last_participation_holds_the_device_out(period, at, back):
+    """The user set the clock back past the device's last participation: neither its sampling
+    period nor its separation admits it again until the clock is past it (set back a day, a device
+    that took part at 00:10 took part again in the day it thought was yesterday)."""
+    policies = EligibilityPolicies(sampling_period_s=period, min_separation_s=1.0)
+    verdict = evaluate("t", policies, examples_available=1, last=Participation(0, at), current_round=1, now=at - back)
+    assert verdict.failed == ("min_separation_s", "sampling_period_s")
+
+
+@given(
     min_examples=st.integers(0, 10**9),
     rounds=st.integers(0, 10**9),
     seconds=st.integers(0, 10 * 365 * 86400).map(float),
