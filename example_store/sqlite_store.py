@@ -157,7 +157,6 @@ class SQLiteExampleStore(ExampleStore):
         check_alias(key_alias)
         self.key_alias = key_alias
         self._default_policy = retention or RetentionPolicy()
-        self._policies: dict[str, RetentionPolicy] = {}
         self._clock = clock
         self._lock = threading.RLock()
         self._collections: dict[str, Collection] = {}
@@ -191,10 +190,6 @@ class SQLiteExampleStore(ExampleStore):
                     meta = self._init_meta(conn, key_store, key_alias)
                 if version != FORMAT_VERSION:
                     conn.exec_driver_sql(f"PRAGMA user_version = {FORMAT_VERSION}")
-                self._policies = {
-                    row.collection_uri: RetentionPolicy(row.ttl_seconds, row.max_bytes)
-                    for row in conn.execute(select(retention_table))
-                }
             self._setup_sealing(meta, key_store, key_alias)
         except ExampleStoreError:
             engine.dispose()
@@ -320,8 +315,22 @@ class SQLiteExampleStore(ExampleStore):
         return self._require(collection_uri).schema.as_dict()
 
     def retention_for(self, collection_uri: str) -> RetentionPolicy:
-        """The collection's own policy if one was set, else the store's default."""
-        return self._policies.get(collection_uri, self._default_policy)
+        """The collection's own policy if one was set, else the store's default. Read from the
+        database each time: another process of the app (or another store on the file) may have
+        set it since, and its examples past a TTL are not to be read."""
+        self._check_open()
+        return self._retention(collection_uri)
+
+    def _retention(self, collection_uri: str, conn: Connection | None = None) -> RetentionPolicy:
+        query = select(retention_table.c.ttl_seconds, retention_table.c.max_bytes).where(
+            retention_table.c.collection_uri == collection_uri
+        )
+        if conn is None:
+            with self._db_errors("read a retention policy"), self._engine.connect() as own:
+                row = own.execute(query).first()
+        else:
+            row = conn.execute(query).first()
+        return self._default_policy if row is None else RetentionPolicy(row.ttl_seconds, row.max_bytes)
 
     def set_retention(self, collection_uri: str, policy: RetentionPolicy) -> None:
         """Sets one collection's policy (over the store's default), saves it in the database so it
@@ -344,7 +353,6 @@ class SQLiteExampleStore(ExampleStore):
                     _apply_policy(cursor, coll, policy, self._clock())
                 finally:
                     cursor.close()
-        self._policies[collection_uri] = policy
 
     def clear_retention(self, collection_uri: str) -> None:
         """Forgets the collection's own policy: the store's default applies to it again."""
@@ -352,7 +360,6 @@ class SQLiteExampleStore(ExampleStore):
         self._check_open()
         with self._lock, self._db_errors("clear a retention policy"), self._engine.begin() as conn:
             conn.execute(retention_table.delete().where(retention_table.c.collection_uri == collection_uri))
-        self._policies.pop(collection_uri, None)
 
     def _lookup(self, uri: str, conn: Connection | None = None) -> Collection | None:
         """The collection as the database holds it now: another process (or store) may have
@@ -440,7 +447,7 @@ class SQLiteExampleStore(ExampleStore):
                 if ts_iter is not None and next(ts_iter, None) is not None:
                     raise InvalidArgumentError(f"more timestamps than examples ({total}) were given to add()")
                 if total and coll is not None:  # a collection exists once an example was added
-                    _apply_policy(cursor, coll, self.retention_for(collection_uri), self._clock())
+                    _apply_policy(cursor, coll, self._retention(collection_uri, conn), self._clock())
             finally:
                 cursor.close()
         if created is not None:  # only cache what was committed
@@ -466,7 +473,7 @@ class SQLiteExampleStore(ExampleStore):
         self._check_open()
         deleted = 0
         with self._lock, self._db_errors("apply retention"), self._engine.begin() as conn:
-            self._policies = {
+            saved = {
                 row.collection_uri: RetentionPolicy(row.ttl_seconds, row.max_bytes)
                 for row in conn.execute(select(retention_table))
             }
@@ -475,7 +482,7 @@ class SQLiteExampleStore(ExampleStore):
             try:
                 now = self._clock()
                 for uri in uris:
-                    policy = self.retention_for(uri)
+                    policy = saved.get(uri, self._default_policy)
                     if not policy.is_noop and (coll := self._lookup(uri, conn)) is not None:  # listed above
                         deleted += _apply_policy(cursor, coll, policy, now)
             finally:

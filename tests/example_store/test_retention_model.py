@@ -133,50 +133,53 @@ def test_the_examples_left_are_those_the_policies_allow(tmp_path_factory, defaul
         store.close()
 
 
-def test_apply_retention_rereads_the_policies_another_process_saved(tmp_path):
+def test_the_policies_another_process_saved_hold_at_once(tmp_path):
+    """A policy another process saved holds in this store from its next add or read, where this
+    store kept the policies it read when it opened until its own apply_retention (and read, for
+    as long, examples past a TTL the app had set)."""
     clock = FakeClock(100.0)
     path = tmp_path / "app.db"
     mine = SQLiteExampleStore(path, clock=clock)
-    mine.add(A, [{"t": np.float64(0)}] * 3, timestamps=[10.0, 50.0, 90.0])
-    mine.add(B, [{"t": np.float64(0)}] * 3, timestamps=[10.0, 50.0, 90.0])
+    for uri in (A, B):
+        mine.add(uri, [{"t": np.float64(t)} for t in (10, 50, 90)], timestamps=[10.0, 50.0, 90.0])
     other = SQLiteExampleStore(path, clock=clock)
     other.set_retention(A, RetentionPolicy(max_bytes=2 * RECORD))  # applied at once: one deleted
     other.set_retention(B, RetentionPolicy(max_bytes=RECORD))  # two deleted
     other.close()
-    # this store has not read the new policies yet: its adds apply none
-    mine.add(A, [{"t": np.float64(0)}], timestamps=[95.0])  # A: 50, 90, 95
-    mine.add(B, [{"t": np.float64(0)}], timestamps=[96.0])  # B: 90, 96
-    assert mine.retention_for(A) == RetentionPolicy()
-    assert mine.apply_retention() == 2  # one of each collection, counted together
     assert mine.retention_for(A) == RetentionPolicy(max_bytes=2 * RECORD)
-    assert mine.stats(A).count == 2 and mine.stats(B).count == 1
+    mine.add(A, [{"t": np.float64(95)}], timestamps=[95.0])  # A: 90, 95
+    mine.add(B, [{"t": np.float64(96)}], timestamps=[96.0])  # B: 96
+    assert stored(mine, A) == [90.0, 95.0] and stored(mine, B) == [96.0]
+    assert mine.apply_retention() == 0
     mine.close()
 
 
 def test_a_policy_with_both_rules_reports_everything_it_deleted(tmp_path):
-    """The TTL and then the cap, in one pass, both counted in what apply_retention returns."""
+    """The TTL and then the cap, in one pass, both counted in what apply_retention returns (here
+    the store's default policy, which another store on the file did not apply)."""
     clock = FakeClock(100.0)
-    mine = SQLiteExampleStore(tmp_path / "app.db", clock=clock)
     other = SQLiteExampleStore(tmp_path / "app.db", clock=clock)
-    other.set_retention(A, RetentionPolicy(ttl_seconds=50.0, max_bytes=2 * RECORD))  # saved; no collection yet
-    other.close()
-    mine.add(
+    other.add(
         A, [{"t": np.float64(t)} for t in (10, 20, 80, 90, 95, 99)], timestamps=[10.0, 20.0, 80.0, 90.0, 95.0, 99.0]
     )
-    assert mine.stats(A).count == 6  # this store had not read the policy
+    other.close()
+    mine = SQLiteExampleStore(
+        tmp_path / "app.db", clock=clock, retention=RetentionPolicy(ttl_seconds=50.0, max_bytes=2 * RECORD)
+    )
     assert mine.apply_retention() == 4  # 10 and 20 by age, then 80 and 90 by the cap
     assert stored(mine, A) == [95.0, 99.0]
     mine.close()
 
 
-def test_apply_retention_rereads_a_saved_ttl_as_well_as_a_saved_cap(tmp_path):
+def test_apply_retention_applies_a_ttl_as_well_as_a_cap(tmp_path):
     clock = FakeClock(100.0)
-    mine = SQLiteExampleStore(tmp_path / "app.db", clock=clock)
     other = SQLiteExampleStore(tmp_path / "app.db", clock=clock)
-    other.set_retention(A, RetentionPolicy(ttl_seconds=15.0, max_bytes=5 * RECORD))
-    other.close()
-    mine.add(
+    other.add(
         A, [{"t": np.float64(t)} for t in (10, 20, 80, 90, 95, 99)], timestamps=[10.0, 20.0, 80.0, 90.0, 95.0, 99.0]
+    )
+    other.close()
+    mine = SQLiteExampleStore(
+        tmp_path / "app.db", clock=clock, retention=RetentionPolicy(ttl_seconds=15.0, max_bytes=5 * RECORD)
     )
     assert mine.apply_retention() == 3  # older than 85 s; the cap of five alone would take one
     assert stored(mine, A) == [90.0, 95.0, 99.0]

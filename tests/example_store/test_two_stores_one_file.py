@@ -71,3 +71,21 @@ def test_two_stores_on_one_file_agree_with_one_model(two_stores, steps):
 
 def schema_of(version: str) -> dict:
     return {name: (np.asarray(v).dtype, np.asarray(v).shape) for name, v in SCHEMAS[version](0).items()}
+
+
+def test_a_retention_policy_set_by_one_store_holds_in_the_other_at_once(tmp_path):
+    """One process of the app sets a TTL on a collection; the other, open since before, no longer
+    reads (nor counts) the examples past it, where it kept the policies it read when it opened
+    until its own apply_retention."""
+    from example_store import RetentionPolicy
+
+    now = [1000.0]
+    path = tmp_path / "app.db"
+    with SQLiteExampleStore(path, clock=lambda: now[0]) as one, SQLiteExampleStore(path, clock=lambda: now[0]) as two:
+        one.add("app:/d", [SCHEMAS["v1"](i) for i in range(3)], timestamps=[100.0, 500.0, 900.0])
+        assert two.count(ExampleSelector("app:/d")) == 3
+        one.set_retention("app:/d", RetentionPolicy(ttl_seconds=200.0))
+        assert two.retention_for("app:/d") == RetentionPolicy(ttl_seconds=200.0)
+        assert [int(e["x"][0]) for e in two.query(ExampleSelector("app:/d"))] == [2]
+        one.clear_retention("app:/d")
+        assert two.retention_for("app:/d") == RetentionPolicy()
