@@ -9,6 +9,23 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _hypothesis_without_deadlines(config)
+    _refuse_split_groups(config)
+
+
+def _hypothesis_without_deadlines(config: pytest.Config) -> None:
+    """Property tests judge what a protocol does, never how fast: Hypothesis's 200 ms deadline per
+    example and its too-slow health check failed them on a loaded machine (timing belongs in
+    benchmarks/). A mutation run's own profile (``-p tests.mutation_profile``) is left in place."""
+    if config.pluginmanager.has_plugin("tests.mutation_profile"):
+        return
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("suite")
+
+
+def _refuse_split_groups(config: pytest.Config) -> None:
     """``--dist loadgroup`` (``./dev test``) keeps each xdist_group on one worker (a module's fleets
     built once, one Ray cluster) by extending the tests' node ids, which pytest 9.2 no longer reads:
     the groups would be split without a word (pytest-xdist #1386), so such a run stops and says why."""
