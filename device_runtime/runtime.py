@@ -35,7 +35,7 @@ from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import CorruptResource, InvalidSetting, NoExamples, OverBudget, ProtocolError, SessionRejected
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .influence import bound_update
-from .opstats import Event, OpStatsStore, shape_of
+from .opstats import AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import (
@@ -158,8 +158,17 @@ class FLRuntime:
         if not is_name(population):
             raise InvalidSetting(f"population {str(population)[:200]!r} refused: {NAME_RULE}")
         server_url = checked_server_url(server_url)  # before anything is made: a refusal leaves nothing
+        stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else example_stores
+        if not isinstance(stores, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, ExampleStore) for k, v in stores.items()
+        ):
+            raise InvalidSetting(
+                f"example_stores must be an example store (SQLiteExampleStore(path, key_store=...), "
+                f"InMemoryExampleStore()) or a mapping from collection URI prefix to one, not "
+                f"{type(example_stores).__name__} {str(example_stores)[:100]!r}"
+            )
         self.population = population
-        self.stores = {"": example_stores} if isinstance(example_stores, ExampleStore) else dict(example_stores)
+        self.stores = dict(stores)
         self._remove_own_cache: Callable[[], None] = lambda: None
         if cache_dir is None and plan_cache is None:
             # a cache of its own lives as long as the runtime: nothing is left in the temp folder
@@ -207,8 +216,10 @@ class FLRuntime:
         self._lock = threading.Lock()
         self.last_retry_window: tuple[float, float] | None = None
         self._verdict_needed = False  # from when a task with eligibility policies is seen
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self.client.close()
         self._remove_own_cache()
 
@@ -243,6 +254,8 @@ class FLRuntime:
         Every phase is recorded; the events go to ``opstats`` (if given) in one transaction when
         the session ends, whatever the way it ends. Setting ``run_options.terminate`` from another
         thread stops a training step in flight; make them with :func:`stoppable_run_options`."""
+        if self._closed:  # its HTTP client is closed and its own plan cache removed
+            raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
         with self._lock:  # one training session at a time per runtime
             rec = _Recorder(self)
             self._session_ends_in(CHECKIN_WINDOW_S)
@@ -255,7 +268,12 @@ class FLRuntime:
                 self.client.ends_at = None
                 if rec.reading is not None:
                     rec.reading.close()
-                rec.flush()
+                try:
+                    rec.flush()
+                except AppDatabaseError as exc:  # the session happened: its result (or error) is the app's to see
+                    log.warning(
+                        "population %s: this session's operational statistics were not kept: %s", self.population, exc
+                    )
 
     def _session_ends_in(self, seconds: float) -> None:
         """No request of this session goes on past ``seconds`` from now, however slowly a server
@@ -399,6 +417,9 @@ class FLRuntime:
             return rec.interrupted("interrupted")
         if secure is not None:
             return self._secure_report(rec, secure, session, plan, result)
+        invalid = self._invalid_update(rec, session, result)
+        if invalid is not None:
+            return invalid
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
         rec.save_so_far()  # an app killed once the update has left still knows it took part
@@ -496,14 +517,10 @@ class FLRuntime:
         the round's bounds from the check-in; the count also within what one encoding carries).
         An update that is not valid (training diverged to NaN, say) is not sent: the device drops
         out of its group, which goes on without it, as the server refuses such a plain report."""
-        executor = self._executors[session.plan_id]
         codec = self._codec(session.plan_id, plan)
-        try:
-            executor.validate_update(result.update)
-        except PlanError as exc:
-            rec.record("upload_rejected", code=INVALID_UPDATE, reason=str(exc)[:500])
-            self._abort_quietly(session, f"the update is not valid: {exc}"[:500], rec.stats())
-            return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, INVALID_UPDATE)
+        invalid = self._invalid_update(rec, session, result)
+        if invalid is not None:
+            return invalid
         if secure.ddp is not None:
             return self._ddp_report(rec, secure, plan, result)
         cap = min(session.max_examples_per_report or codec.max_count, codec.max_count)
@@ -518,6 +535,17 @@ class FLRuntime:
             "upload_started", bytes=int(vector.nbytes), secure=True, capped=bounded.capped, clipped=bounded.clipped
         )
         return self._masked_report(rec, secure, vector, result)
+
+    def _invalid_update(self, rec: _Recorder, session: CheckinAccepted, result: DeviceResult) -> SessionResult | None:
+        """An update that is not valid (training diverged to NaN, say) is not sent: the session is
+        aborted and ends as the server's refusal of it would (``INVALID_UPDATE``)."""
+        try:
+            self._executors[session.plan_id].validate_update(result.update)
+        except PlanError as exc:
+            rec.record("upload_rejected", code=INVALID_UPDATE, reason=str(exc)[:500])
+            self._abort_quietly(session, f"the update is not valid: {exc}"[:500], rec.stats())
+            return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, INVALID_UPDATE)
+        return None
 
     def _noise_generator(self) -> np.random.Generator:
         """The generator of a distributed-DP round's rounding and noise: from the app's seeded

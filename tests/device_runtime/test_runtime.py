@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import random
 import socket
@@ -25,6 +26,7 @@ from device_runtime import (
     CorruptResource,
     FLRuntime,
     NoExamples,
+    OpStatsStore,
     Outcome,
     RetryPolicy,
     ServerUnreachable,
@@ -34,7 +36,7 @@ from device_runtime.plan_cache import STALE_PARTIAL_S, DirectoryPlanCache
 from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from server_stub import free_port
-from tests.support import COLLECTION, deploy
+from tests.support import COLLECTION, deploy, digits_plan
 
 FAST_RETRY = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)
 
@@ -301,6 +303,38 @@ def test_interrupted_session_sends_no_update(server, admin, store):
     assert ok.outcome is Outcome.COMPLETED
     rounds = closed_rounds(admin, "digits")
     assert rounds[0]["status"] == "committed" and rounds[0]["metrics"]["aborted"] == 1
+
+
+def test_an_update_that_diverged_to_nan_is_not_sent_and_the_session_aborted(server, admin, store):
+    """A plain report as a secure one: the device does not send an update the server would refuse."""
+    told: list[str] = []
+    real_abort = server.service.abort
+
+    def abort(session_id, token, reason, stats=None):  # the real service's abort, heard
+        told.append(reason)
+        return real_abort(session_id, token, reason, stats)
+
+    server.service.abort = abort
+    deploy(admin, plan=digits_plan("softmax", learning_rate=1e38), goal_count=1, over_selection=2.0)
+    result = FLRuntime("digits", server.url, store, retry=FAST_RETRY).run_session()
+    assert (result.outcome, result.rejection_code) == (Outcome.REPORT_REJECTED, "INVALID_UPDATE")
+    kinds = [e.kind for e in result.events]
+    assert "training_completed" in kinds and "upload_started" not in kinds
+    (rejected,) = [e for e in result.events if e.kind == "upload_rejected"]
+    assert "NaN or infinite" in rejected.detail["reason"]
+    assert [r for r in told if r.startswith("the update is not valid")] == told and len(told) == 1
+
+
+def test_opstats_that_cannot_be_written_leave_the_sessions_result_to_the_app(server, admin, store, tmp_path, caplog):
+    """The session happened: the app sees its result, and a warning that its statistics were lost."""
+    deploy(admin, goal_count=1, over_selection=2.0, min_fraction=1.0)
+    opstats = OpStatsStore(tmp_path / "opstats.db")
+    opstats.close()  # as a full disk or a damaged file would refuse the write
+    runtime = FLRuntime("digits", server.url, store, retry=FAST_RETRY, opstats=opstats)
+    with caplog.at_level(logging.WARNING, logger="device_runtime"):
+        result = runtime.run_session(should_abort=lambda: True)
+    assert result.outcome is Outcome.INTERRUPTED and result.shape == "-v[!"
+    assert "this session's operational statistics were not kept" in caplog.text
 
 
 def closed_rounds(admin, population: str, timeout_s: float = 5.0) -> list[dict]:

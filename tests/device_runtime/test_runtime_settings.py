@@ -85,3 +85,17 @@ def test_a_bare_host_and_port_is_refused_with_the_url_to_give(store, tmp_path):
 def test_an_http_or_https_server_url_is_taken_without_its_trailing_slash(store, tmp_path, url):
     with FLRuntime("digits", url, store, cache_dir=tmp_path / "plans") as runtime:
         assert runtime.client.server_url == url.rstrip("/")
+
+
+@pytest.mark.parametrize("stores", ["app.db", None, {"": "app.db"}, {1: None}, [1, 2]])
+def test_an_example_store_that_is_not_one_is_refused_saying_what_to_give(tmp_path, stores):
+    with pytest.raises(InvalidSetting, match=r"^example_stores must be an example store \(SQLiteExampleStore"):
+        FLRuntime("digits", URL, stores, cache_dir=tmp_path / "plans")
+    assert not (tmp_path / "plans").exists()
+
+
+def test_a_closed_runtime_refuses_a_session_saying_to_make_a_new_one(store, tmp_path):
+    runtime = FLRuntime("digits", URL, store, cache_dir=tmp_path / "plans")
+    runtime.close()
+    with pytest.raises(InvalidSetting, match="this runtime of population 'digits' is closed; make a new FLRuntime"):
+        runtime.run_session()
