@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -340,6 +341,13 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_folder(index: int, params: dict) -> str:
+    """``run-1-seed=1,goal_count=8``: in order, and named by its parameters, the label ``fedfleet
+    compare`` gives the run by default."""
+    named = ",".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in params.items())
+    return f"run-{index}-" + re.sub(r"[^A-Za-z0-9._=,+-]", "_", named)[:150]
+
+
 def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) -> int:
     import time
 
@@ -367,7 +375,9 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
             file=sys.stderr,
         )
         return 2
-    dirs = [out / f"run-{i}" for i in range(len(runs))] if out is not None else [None] * len(runs)
+    dirs = (
+        [out / _run_folder(i, params) for i, (params, _) in enumerate(runs)] if out is not None else [None] * len(runs)
+    )
     started = time.perf_counter()
 
     def named(params: dict) -> str:

@@ -208,9 +208,11 @@ def test_a_sweep_run_the_server_refuses_is_named_and_leaves_no_folder(tmp_path, 
     assert main(["simulate", str(fleet), "--sweep", "goal_count=8,4", "--out", str(out), "--no-progress"]) == 2
     captured = capsys.readouterr()
     (line,) = [json.loads(x) for x in captured.out.strip().splitlines()]
-    assert line["params"] == {"task.goal_count": 8} and (out / "run-0" / "summary.json").is_file()
+    assert line["params"] == {"task.goal_count": 8}
     assert "fedfleet simulate: task.goal_count=4: the server refuses the fleet's [task]" in captured.err
-    assert not (out / "run-1").exists()
+    # each run's folder is named by its parameters, the label fedfleet compare gives it
+    assert [p.name for p in out.iterdir()] == ["run-0-goal_count=8"]
+    assert (out / "run-0-goal_count=8" / "summary.json").is_file()
 
 
 # ------------------------------------------------------------------ on a real local Ray cluster
