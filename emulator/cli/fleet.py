@@ -138,7 +138,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..fleet.ray_backend import RayBackendError
     from ..fleet.simulator import ProgressBar, simulate
     from ..fleet.workload import load_workload
-    from ..toolchain.bundle import TASK_FILE
+    from ..toolchain.bundle import TASK_FILE, bundle_task_file
 
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
         print(
@@ -147,7 +147,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 2
     if args.task is not None and (Path(args.task) / TASK_FILE).is_file():
-        args.task = str(Path(args.task) / TASK_FILE)  # a bundle (what plan test and deploy take): its task file
+        args.task = str(bundle_task_file(args.task))  # a bundle (what plan test and deploy take): the task file they load
     if args.task is not None and not Path(args.task).is_file():
         print(
             f"fedfleet simulate: --task {args.task}: {'a folder' if Path(args.task).is_dir() else 'no such file'}; "

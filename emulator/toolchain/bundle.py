@@ -43,6 +43,7 @@ __all__ = [
     "TaskBuild",
     "build_bundle",
     "build_task",
+    "bundle_task_file",
     "deploy_bundle",
     "read_bundle",
     "release_test_bundle",
@@ -204,9 +205,11 @@ def build_bundle(
     return roots
 
 
-def _task_file(directory: Path) -> Path:
-    """The task file to load: where it was built from while it is still there (a task file may
-    read files beside it), else the bundle's copy. The plans are checked against the manifest."""
+def bundle_task_file(directory: str | Path) -> Path:
+    """The task file of a bundle folder to load: where it was built from while it is still there (a
+    task file may read files beside it, such as its model), else the bundle's copy. ``plan test``,
+    ``deploy`` and ``simulate --task DIR`` load this one; the plans are checked against the manifest."""
+    directory = Path(directory)
     try:
         original = Path(json.loads((directory / SOURCE).read_text(encoding="utf-8"))["task_file"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -277,7 +280,7 @@ def read_bundle(directory: str | Path) -> list[BuiltTask]:
         raise TaskError(
             f"{directory} is not a built task (no {TASK_FILE}); run `fedfleet plan build TASK.py -o {directory}`"
         )
-    by_name = {t.name: t for t in load_tasks(_task_file(directory))}
+    by_name = {t.name: t for t in load_tasks(bundle_task_file(directory))}
     built = []
     for manifest_path in sorted(directory.glob(f"*/{MANIFEST}")):
         root = manifest_path.parent

@@ -169,6 +169,30 @@ def test_a_bundle_folder_runs_as_its_task_file(tmp_path, capsys):
     assert folder["digest"] == file["digest"] and folder["task_file"] == file["task_file"]
 
 
+def test_a_bundle_built_from_a_task_file_beside_its_model_runs_as_plan_test_loads_it(tmp_path, capsys):
+    """``plan build`` copies a task file into the bundle, not the model the file reads beside itself:
+    ``--task DIR`` loads the file the bundle was built from, as ``plan test`` and ``deploy`` do."""
+    from examples.tasks.digits_cnn_task import cnn_model
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "cnn.onnx").write_bytes(cnn_model())
+    (source / "mine.py").write_text(
+        "from pathlib import Path\n"
+        "from emulator.toolchain.tasks import ProxyData, Task\n"
+        "EXAMPLES = {'x': ('float32', (1, 8, 8)), 'y': ('int64', (), 10)}\n"
+        "task = Task(name='mine', model=Path(__file__).with_name('cnn.onnx'), runtimes=('1.24.4',),\n"
+        "            proxy=lambda: ProxyData.random(EXAMPLES, examples=8, devices=2, seed=0))\n"
+    )
+    bundle = tmp_path / "bundle"
+    assert main(["plan", "build", str(source / "mine.py"), "-o", str(bundle)]) == 0
+    capsys.readouterr()
+    fleet = FLEET.replace("hours = 2.0", "hours = 0.25")
+    code, summary, err = simulate(tmp_path, capsys, "--task", str(bundle), fleet=fleet)
+    assert code == 0, err
+    assert summary is not None and summary["tasks"] == ["mine"] and summary["task_file"] == str(source / "mine.py")
+
+
 def test_a_tff_h5_folder_runs_the_built_in_task_sized_to_its_images(tmp_path, capsys):
     data = write_tff(tmp_path / "tff")
     code, summary, err = simulate(tmp_path, capsys, "--data", f"tff-h5:{data}")
