@@ -147,7 +147,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         return 2
     if args.task is not None and (Path(args.task) / TASK_FILE).is_file():
-        args.task = str(bundle_task_file(args.task))  # a bundle (what plan test and deploy take): the task file they load
+        args.task = str(
+            bundle_task_file(args.task)
+        )  # a bundle (what plan test and deploy take): the task file they load
     if args.task is not None and not Path(args.task).is_file():
         print(
             f"fedfleet simulate: --task {args.task}: {'a folder' if Path(args.task).is_dir() else 'no such file'}; "

@@ -261,6 +261,16 @@ def _rename_hint(missing: list[str], unread: set[str]) -> str:
     )
 
 
+def _label_hint(data_source: str, label: str | None) -> str:
+    """A table or TFF file read without a label: the spec's option that names the column holding it."""
+    if label is not None or not data_source.startswith(("table:", "tff-h5:")):
+        return ""
+    return (
+        "; the data has no label (without the data spec's option label=NAME, a feature named label or y): "
+        "name the one holding it with label=NAME, which stack= then leaves out of its vector"
+    )
+
+
 def _check_features(
     inputs: Mapping[str, InputSpec],
     features: Mapping[str, Any],
@@ -278,6 +288,7 @@ def _check_features(
             f"the task's plans read features {described_inputs} but the data {data_source} has {described_data} "
             f"(missing: {', '.join(missing)}); use data with those features, or a task file whose plan inputs name "
             f"the data's features{_stack_hint(features, label)}{_rename_hint(missing, set(features) - set(inputs))}"
+            f"{_label_hint(data_source, label)}"
         )
     shapes = {}
     for name, want in inputs.items():

@@ -282,7 +282,18 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     if isinstance(spec, str):
         spec = parse_data_spec(spec, base_dir=base_dir)
     data = _load(spec, seed)
-    return data.renamed(renames(spec)) if "rename" in spec.options else data
+    if "rename" not in spec.options:
+        return data
+    names = renames(spec)
+    stacked = sorted(set(names) - set(data.features)) if data.label is None and "stack" in spec.options else []
+    if stacked:  # a label column the loader did not find is one of the stacked ones
+        raise DataLayoutError(
+            f"rename: {', '.join(map(repr, stacked))} is not a feature of {data.source}, whose features are "
+            f"{', '.join(data.features)}: stack={spec.options['stack']} holds every numeric column but the label, "
+            f"and without label= the label is a column named label or y, which it has not; if {stacked[0]!r} is "
+            f"the label, name it with label={stacked[0]}"
+        )
+    return data.renamed(names)
 
 
 def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:

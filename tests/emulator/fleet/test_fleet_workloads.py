@@ -449,6 +449,25 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "runs from 0 to 11, but the plan 'digits_cnn' ({cnn}) scores 10 classes (ids 0 to 9); use a task whose "
             "model has an output per class",
         ),
+        (  # a label column named neither label nor y: stack= takes it into the vector
+            ("--task", str(TASKS / "digits_task.py"), "--data", "table:{unlabelled},client=client,stack=x"),
+            "",
+            "(missing: y); use data with those features, or a task file whose plan inputs name the data's "
+            "features; the data has no label (without the data spec's option label=NAME, a feature named label or "
+            "y): name the one holding it with label=NAME, which stack= then leaves out of its vector",
+        ),
+        (
+            (
+                "--task",
+                str(TASKS / "digits_task.py"),
+                "--data",
+                "table:{unlabelled},client=client,stack=x,rename=cls:y",
+            ),
+            "",
+            "rename: 'cls' is not a feature of table:{unlabelled}, whose features are x: stack=x holds every numeric "
+            "column but the label, and without label= the label is a column named label or y, which it has not; if "
+            "'cls' is the label, name it with label=cls",
+        ),
         (
             ("--task", str(TASKS / "digits_cnn_task.py"), "--data", "table:{halves},client=client"),
             "",
@@ -481,10 +500,15 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     pq.write_table(
         pa.table({"client": [f"c{i % 4}" for i in range(24)], "x": [[0.5] * 64] * 24, "y": list(range(12)) * 2}), twelve
     )
+    unlabelled = tmp_path / "unlabelled.csv"  # the digits task's 64 pixels and a label called cls
+    unlabelled.write_text(
+        "client," + ",".join(f"p{i}" for i in range(64)) + ",cls\n" + "c0," + ",".join(["0.5"] * 64) + ",1\n"
+    )
     halves = tmp_path / "halves.parquet"
     pq.write_table(pa.table({"client": ["c0", "c1"] * 4, "x": [[0.5] * 64] * 8, "y": [0.5, 1.0] * 4}), halves)
     names = {
         "halves": halves,
+        "unlabelled": unlabelled,
         "twelve": twelve,
         "cnn": TASKS / "digits_cnn_task.py",
         "fraction": fraction,
