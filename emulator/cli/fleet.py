@@ -314,7 +314,12 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         "a summary table with a column per run, accuracy and loss against simulated hours and against rounds, rounds "
         "committed over time, bytes per round and per-client accuracy percentiles (when measured).",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders written by fedfleet simulate --out")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders written by fedfleet simulate --out (that of a --seeds/--sweep run: its runs)",
+    )
     p.add_argument("--out", default="compare.html", help="the page to write (default: compare.html)")
     p.add_argument(
         "--label",

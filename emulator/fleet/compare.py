@@ -110,8 +110,20 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> RunFolder:
     return RunFolder(label or folder.resolve().name or str(folder), folder, summary, rounds, round_bytes)
 
 
+def sweep_runs(path: str | os.PathLike) -> list[str]:
+    """The runs of a ``simulate --seeds/--sweep --out DIR`` folder, ``DIR/run-0``, ``DIR/run-1``, ... in
+    order ([] for a folder that is a run itself, or holds none)."""
+    folder = Path(path)
+    if not folder.is_dir() or (folder / SUMMARY_JSON).is_file():
+        return []
+    runs = [p for p in folder.glob("run-*") if p.name[4:].isdigit() and (p / SUMMARY_JSON).is_file()]
+    return [str(p) for p in sorted(runs, key=lambda p: int(p.name[4:]))]
+
+
 def load_runs(paths: list[str], labels: list[str] | None = None) -> list[RunFolder]:
-    """The runs in order; labels from ``labels`` or else the folder names (made unique by their parents)."""
+    """The runs in order, a ``--seeds``/``--sweep`` folder standing for its runs; labels from ``labels``
+    or else the folder names (made unique by their parents)."""
+    paths = [run for p in paths for run in (sweep_runs(p) or [p])]
     if len(paths) < 2:
         raise FleetCompareError(f"compare needs two or more run folders; got {len(paths)}")
     if labels and len(labels) != len(paths):
