@@ -75,7 +75,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "--dp",
         choices=("central", "distributed"),
         help="differential privacy for the training tasks: the server adds the noise (central) or the devices do, "
-        "under Secure Aggregation (distributed, needs --secure)",
+        "under Secure Aggregation (distributed, needs --secure, or a task file's secure_aggregation)",
     )
     p.add_argument(
         "--noise-multiplier",

@@ -374,9 +374,11 @@ def _build(config: FleetConfig) -> Workload:
             )
         refused = [k for k in BUILT_IN_KEYS if k in section.explicit]
         if refused:
+            named = ", ".join("secure (--secure)" if k == "secure" else k for k in refused)
             raise WorkloadError(
-                f"[task] {', '.join(refused)} shape the built-in digits MLP only; with a task file, set "
-                f"them in {path} (its model, hyperparameters and secure_aggregation are what it deploys)"
+                f"[task] {named} {'shapes' if len(refused) == 1 else 'shape'} the built-in digits MLP only; with a "
+                f"task file, set {'it' if len(refused) == 1 else 'them'} in {path} (its model, hyperparameters and "
+                "secure_aggregation are what it deploys: Task(..., secure_aggregation=True) for Secure Aggregation)"
             )
     try:
         tasks = load_tasks(path)

@@ -416,7 +416,12 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "features; or give the data's features (label, pixels go unread) the names the plan reads, x, y, with "
             "the data spec's option rename=OLD:NEW+OLD2:NEW2",
         ),
-        (("--task", str(TASKS / "digits_task.py")), "[task]\nhidden = [16]\n", "shape the built-in digits MLP only"),
+        (("--task", str(TASKS / "digits_task.py")), "[task]\nhidden = [16]\n", "shapes the built-in digits MLP only"),
+        (  # the flag a newcomer typed, not only the config key it sets
+            ("--task", str(TASKS / "digits_task.py"), "--secure"),
+            "",
+            "[task] secure (--secure) shapes the built-in digits MLP only; with a task file, set it in ",
+        ),
         (("--target-accuracy", "1.5"), "", "between 0 and 1"),
         (("--data", "table:{negative},client=client"), "", "goes down to -1; number the classes from 0"),
         (
