@@ -302,6 +302,10 @@ def _check_features(
             shapes[name] = tuple(want.shape)
         else:
             problem = f"has {list(have.shape)} values per example; the plan reads {want.describe()}"
+            if not want.shape and len(have.shape) == 1 and np.dtype(want.dtype).kind in "iu":
+                problem += (  # a Keras-style one-hot label, where the plan reads class ids
+                    f" (a class id per example: one-hot labels are saved as ids with {name}.argmax(axis=1))"
+                )
         if problem is not None:
             raise WorkloadError(
                 f"feature {name!r} of the data {data_source} {problem} (the plans read {described_inputs}; the data has "

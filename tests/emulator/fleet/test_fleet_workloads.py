@@ -474,6 +474,12 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "'cls' is the label, name it with label=cls",
         ),
         (
+            ("--task", str(TASKS / "digits_task.py"), "--data", "npz:{onehot},partition=iid,clients=4"),
+            "",
+            "feature 'y' of the data npz:{onehot},clients=4,partition=iid has [10] values per example; the plan reads "
+            "int64[] (a class id per example: one-hot labels are saved as ids with y.argmax(axis=1))",
+        ),
+        (
             ("--task", str(TASKS / "digits_cnn_task.py"), "--data", "table:{halves},client=client"),
             "",
             "holds fractions, but the plan 'digits_cnn'",
@@ -509,11 +515,14 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     unlabelled.write_text(
         "client," + ",".join(f"p{i}" for i in range(64)) + ",cls\n" + "c0," + ",".join(["0.5"] * 64) + ",1\n"
     )
+    onehot = tmp_path / "onehot.npz"  # Keras' to_categorical labels
+    np.savez(onehot, x=np.full((40, 64), 0.5, np.float32), y=np.eye(10, dtype=np.float32)[np.arange(40) % 10])
     halves = tmp_path / "halves.parquet"
     pq.write_table(pa.table({"client": ["c0", "c1"] * 4, "x": [[0.5] * 64] * 8, "y": [0.5, 1.0] * 4}), halves)
     names = {
         "halves": halves,
         "unlabelled": unlabelled,
+        "onehot": onehot,
         "twelve": twelve,
         "cnn": TASKS / "digits_cnn_task.py",
         "fraction": fraction,
