@@ -146,7 +146,8 @@ def slow_sessions(
     return (
         f"a session's training takes about {median_s:,.0f} s on the median device ({examples:,.0f} examples x "
         f"{epochs} epoch{'s' if epochs != 1 else ''} x {seconds_per_example:.3g} s per example, {rate}), longer than the {window_s:g} s report "
-        f"window (task.report_timeout_s): most reports will come late; {cheaper}, or lengthen task.report_timeout_s"
+        f"window (task.report_timeout_s): most reports will come late; {cheaper}, or lengthen task.report_timeout_s "
+        "(each a fleet config's [task] key, or --sweep KEY=VALUE for one run)"
     )
 
 

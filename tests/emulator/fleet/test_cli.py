@@ -207,6 +207,8 @@ def test_sessions_priced_by_the_plans_flops_are_told_the_rate_that_gives_a_phone
     assert said is not None and said.startswith("a session's training takes about 622 s on the median device")
     assert f"task.reference_flops_per_s = {task.reference_flops_per_s:.3g}" in said
     assert "set task.reference_flops_per_s = 1e9" in said and "lengthen task.report_timeout_s" in said
+    # where a newcomer who ran `simulate --task DIR --data SPEC` sets them: no config file in sight
+    assert said.endswith("(each a fleet config's [task] key, or --sweep KEY=VALUE for one run)")
 
 
 def test_a_fleet_no_device_class_of_which_holds_the_plan_is_refused_in_one_line(tmp_path, capsys):
