@@ -189,9 +189,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     except SimulationError as exc:
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
-    line = workload.mapping_line()
-    if line is not None:
-        print(f"fedfleet simulate: {line}", file=sys.stderr)
+    for line in (workload.mapping_line(), workload.cast_line()):
+        if line is not None:
+            print(f"fedfleet simulate: {line}", file=sys.stderr)
     out = Path(args.out) if args.out else None
     made_out = out is not None and not out.exists()
     if out is not None:

@@ -213,6 +213,30 @@ class Workload:
             "devices_per_client": round(devices / clients, 3) if clients else None,
         }
 
+    def cast_line(self) -> str | None:
+        """One line on whole-number images (uint8, or [H, W] of integers: pixels 0 to 255) a plan reads
+        as floats: cast, never scaled, where a model made for pixels in [0, 1] may learn nothing of
+        them (None when there are none)."""
+        features = self.data.features
+        cast = sorted(
+            name
+            for name, spec in self.inputs.items()
+            if np.dtype(spec.dtype).kind == "f"
+            and name != self.data.label
+            and features[name].dtype != "str"
+            and np.dtype(features[name].dtype).kind in "iu"
+            and (features[name].dtype == "uint8" or len(features[name].shape) >= 2)  # an image's [H, W]
+        )
+        if not cast:
+            return None
+        one = len(cast) == 1
+        described = ", ".join(f"{features[n].dtype} {n}" for n in cast)
+        return (
+            f"the data's {described} {'feeds' if one else 'feed'} the plan's float "
+            f"{'input' if one else 'inputs'} cast, not scaled (pixels stay 0 to 255): a model made for pixels in "
+            "[0, 1] needs the data saved divided by 255"
+        )
+
     def mapping_line(self) -> str | None:
         """One line on how the dataset's clients map to the fleet's devices (None for the default data)."""
         clients = self.data.clients

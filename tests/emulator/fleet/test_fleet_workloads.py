@@ -193,6 +193,26 @@ def test_a_bundle_built_from_a_task_file_beside_its_model_runs_as_plan_test_load
     assert summary is not None and summary["tasks"] == ["mine"] and summary["task_file"] == str(source / "mine.py")
 
 
+def test_uint8_pixels_a_plan_reads_as_floats_are_said_to_be_cast_not_scaled(tmp_path, capsys):
+    """A model made for pixels in [0, 1] fed 0 to 255 learns nothing and nothing said why."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(tmp_path / "u8.npz", x=(digits.data * 15).astype(np.uint8), y=digits.target)
+    fleet = "[fleet]\ndevices = 10\nhours = 0.1\n"
+    task = ("--task", str(TASKS / "digits_task.py"))
+    code, _, err = simulate(tmp_path, capsys, *task, "--data", f"npz:{tmp_path / 'u8.npz'},clients=10", fleet=fleet)
+    assert code == 0, err
+    said = "the data's uint8 x feeds the plan's float input cast, not scaled (pixels stay 0 to 255): a model made for"
+    assert f"fedfleet simulate: {said} pixels in [0, 1] needs the data saved divided by 255\n" in err
+    np.savez(tmp_path / "i64.npz", x=(digits.images * 15).astype(np.int64), y=digits.target)  # a table's [8, 8] ints
+    code, _, err = simulate(tmp_path, capsys, *task, "--data", f"npz:{tmp_path / 'i64.npz'},clients=10", fleet=fleet)
+    assert code == 0 and "the data's int64 x feeds the plan's float input cast, not scaled" in err
+    floats = write_npz(tmp_path / "floats.npz")
+    code, _, err = simulate(tmp_path, capsys, *task, "--data", f"npz:{floats},clients=10", fleet=fleet)
+    assert code == 0 and "cast, not scaled" not in err
+
+
 def test_a_tff_h5_folder_runs_the_built_in_task_sized_to_its_images(tmp_path, capsys):
     data = write_tff(tmp_path / "tff")
     code, summary, err = simulate(tmp_path, capsys, "--data", f"tff-h5:{data}")
