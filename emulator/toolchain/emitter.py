@@ -178,6 +178,10 @@ class Emitter:
     ) -> str:
         out = out or self.fresh(hint or op_type.lower())
         self._taken.add(out)
+        if op_type == "Transpose" and list(attrs.get("perm", [1, 0])) == list(range(len(attrs.get("perm", [])))):
+            # no transpose at all: onnxruntime 1.15's GemmTransposeFusion fuses Transpose(perm=[0, 1]) after a
+            # Gemm as if it swapped the axes, and the plan failed on that release
+            op_type, attrs = "Identity", {}
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.fresh(f"g_{op_type}"), **attrs))
         return out
 

@@ -352,3 +352,36 @@ def test_a_model_exported_at_batch_one_gets_its_classes_as_the_stubs_labels(tmp_
     assert _from_onnx(tmp_path / "zoo.onnx", tmp_path / "bundle") == 0
     assert "did not run on random examples" not in capsys.readouterr().err
     assert "'y': ('int64', (), 4)" in (tmp_path / "bundle" / "task.py").read_text()
+
+
+def test_the_last_step_of_a_sequence_read_by_a_gemm_trains_on_onnxruntime_1_15(tmp_path, capsys):
+    """A recurrent model's ``h[:, -1]`` into its output layer (Gather on axis 1 of a scalar index, then
+    Gemm): the gradient brings no axis to the front, and a Transpose of perm [0, 1] after the Gemm
+    was fused by onnxruntime 1.15's GemmTransposeFusion as if it swapped the axes (the ScatterND after
+    it refused its updates' shape, on that release alone): the plan writes no such Transpose."""
+    rng = np.random.default_rng(0)
+    net = model(
+        [
+            helper.make_node("Mul", ["x", "scale"], ["h"]),  # [N, T, H]: a trained weight before the Gather
+            helper.make_node("Gather", ["h", "last"], ["h_last"], axis=1),  # [N, H]
+            helper.make_node("Gemm", ["h_last", "w", "b"], ["logits"], transB=1),
+        ],
+        [helper.make_tensor_value_info("x", F, ["N", 3, 5])],
+        [helper.make_tensor_value_info("logits", F, ["N", 4])],
+        {
+            "scale": np.ones(5, np.float32),
+            "last": np.array(-1, np.int64),
+            "w": rng.normal(size=(4, 5)).astype(np.float32),
+            "b": np.zeros(4, np.float32),
+        },
+    )
+    path = tmp_path / "last_step.onnx"
+    path.write_bytes(net.SerializeToString())
+    out = tmp_path / "bundle"
+    assert main(["plan", "from-onnx", str(path), "--label", "y", "--runtimes", "1.15.1", "-o", str(out)]) == 0
+    plan = load_plan((out / "last_step" / "versions" / "1.15.1.fedplan").read_bytes())
+    transposes = [n for n in onnx.ModelProto.FromString(plan.work).graph.node if n.op_type == "Transpose"]
+    assert all(list(a.ints) != list(range(len(a.ints))) for n in transposes for a in n.attribute if a.name == "perm")
+    capsys.readouterr()
+    assert main(["plan", "test", str(out)]) == 0, capsys.readouterr()
+    assert "last_step: passed" in capsys.readouterr().out
