@@ -160,6 +160,10 @@ class ClientData:
     def labels(self) -> np.ndarray:
         return self.dataset.values(self.label or "y")
 
+    def values(self, feature: str) -> np.ndarray:
+        """One feature's values over both splits (a token feature's ids, checked against the plan)."""
+        return self.dataset.values(feature)
+
 
 def data_spec_text(section: DataSection) -> str:
     """``[data] format``/``path``/``options`` as the one-string data spec ``load_data`` reads."""

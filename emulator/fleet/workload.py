@@ -167,6 +167,7 @@ class Workload:
         self.inputs = inputs
         self._shapes = _check_features(inputs, data.features, data.source, source, data.label)
         _check_class_ids(tasks, data, source)
+        _check_lookup_ids(tasks, data, source)
 
     @property
     def collection(self) -> str:
@@ -365,6 +366,62 @@ def _check_class_ids(tasks: list[FleetTask], data: Any, task_source: str) -> Non
             f"{name!r} ({task_source}) scores {classes} classes (ids 0 to {classes - 1}); use a task whose model "
             f"has an output per class, or data labelled 0 to {classes - 1}"
         )
+
+
+#: Ops that pass an integer input's values on unchanged to the Gather that looks them up.
+_PASS_IDS = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose"})
+
+
+def _lookups(plan: Plan) -> list[tuple[str, str, int]]:
+    """(example name, looked-up tensor, its rows) of each Gather whose indices are one of the plan's
+    integer inputs (through ops that keep its values) and whose gathered axis has a static size."""
+    import onnx
+
+    work = onnx.ModelProto.FromString(plan.work)
+    graph = work.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    dims = {
+        vi.name: [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
+        for vi in [*graph.input, *graph.value_info]
+    }
+    dims.update({init.name: list(init.dims) for init in graph.initializer})
+    out = []
+    for node in graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2:
+            continue
+        source = node.input[1]
+        while source in producer and producer[source].op_type in _PASS_IDS:
+            source = producer[source].input[0]
+        example = plan.device.inputs.get(source)
+        shape = dims.get(node.input[0])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if example is not None and shape and -len(shape) <= axis < len(shape) and shape[axis] > 0:
+            out.append((example, node.input[0], int(shape[axis])))
+    return out
+
+
+def _check_lookup_ids(tasks: list[FleetTask], data: Any, task_source: str) -> None:
+    """A WorkloadError when a feature's ids fall outside the rows a plan looks them up in (an
+    embedding of 20 rows fed token 29): onnxruntime fails every session that meets one."""
+    values = getattr(data, "values", None)
+    if values is None:  # the default data: the digits, which no plan looks up
+        return
+    checked: dict[str, np.ndarray] = {}
+    for task in tasks:
+        for plan in (task.plan, task.eval_plan):
+            if plan is None:
+                continue
+            for example, table, rows in _lookups(plan):
+                if example not in data.features or data.features[example].dtype == "str":
+                    continue
+                ids = checked.setdefault(example, values(example))
+                if ids.size and (ids.max() >= rows or ids.min() < -rows):
+                    raise WorkloadError(
+                        f"feature {example!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the plan "
+                        f"{plan.name!r} ({task_source}) looks its values up in {table!r}, of {rows} rows (ids 0 to "
+                        f"{rows - 1}): every session meeting a larger id would fail; use a model with a row per id "
+                        f"(a vocabulary of at least {ids.max() + 1:g}), or data whose ids are below {rows}"
+                    )
 
 
 # ----------------------------------------------------------------------------- building

@@ -193,6 +193,48 @@ def test_a_bundle_built_from_a_task_file_beside_its_model_runs_as_plan_test_load
     assert summary is not None and summary["tasks"] == ["mine"] and summary["task_file"] == str(source / "mine.py")
 
 
+def test_token_ids_past_the_rows_of_the_embedding_that_looks_them_up_are_refused_before_the_run(tmp_path, capsys):
+    """Every session meeting token 7 in an embedding of 5 rows failed in onnxruntime, and the run
+    ended with no round committed: the line names the feature, the table, its rows and the ids."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = {"emb": rng.normal(size=(5, 3)), "w": rng.normal(size=(3, 2)), "b": np.zeros(2)}
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["emb", "tokens"], ["vectors"]),  # [N, 4, 3]
+            helper.make_node("ReduceMean", ["vectors"], ["mean"], axes=[1], keepdims=0),
+            helper.make_node("Gemm", ["mean", "w", "b"], ["logits"]),
+        ],
+        "bag",
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["N", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2])],
+        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    (tmp_path / "bag.onnx").write_bytes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    )
+    bundle = tmp_path / "bag"
+    assert (
+        main(
+            ["plan", "from-onnx", str(tmp_path / "bag.onnx"), "--label", "y", "--runtimes", "1.24.4", "-o", str(bundle)]
+        )
+        == 0
+    )
+    fleet = "[fleet]\ndevices = 10\nhours = 0.1\n"
+    for top, code_wanted in ((5, 0), (8, 2)):  # ids 0 to 4 fit the 5 rows; 0 to 7 do not
+        x = np.arange(160).reshape(40, 4) % top
+        np.savez(tmp_path / f"ids{top}.npz", x=x, y=x[:, 0] % 2)
+        spec = f"npz:{tmp_path / f'ids{top}.npz'},clients=4,rename=x:tokens"
+        code, _, err = simulate(tmp_path, capsys, "--task", str(bundle), "--data", spec, fleet=fleet)
+        assert code == code_wanted, err
+    assert (
+        f"feature 'tokens' of npz:{tmp_path / 'ids8.npz'},clients=4,rename=x:tokens runs from 0 to 7, but the plan 'bag' "
+        f"({bundle / 'task.py'}) looks its values up in 'emb', of 5 rows (ids 0 to 4): every session meeting a larger "
+        "id would fail; use a model with a row per id (a vocabulary of at least 8), or data whose ids are below 5"
+    ) in err
+
+
 def test_uint8_pixels_a_plan_reads_as_floats_are_said_to_be_cast_not_scaled(tmp_path, capsys):
     """A model made for pixels in [0, 1] fed 0 to 255 learns nothing and nothing said why."""
     from sklearn.datasets import load_digits
