@@ -18,6 +18,7 @@ import html
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,13 +112,13 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> RunFolder:
 
 
 def sweep_runs(path: str | os.PathLike) -> list[str]:
-    """The runs of a ``simulate --seeds/--sweep --out DIR`` folder, ``DIR/run-0``, ``DIR/run-1``, ... in
-    order ([] for a folder that is a run itself, or holds none)."""
+    """The runs of a ``simulate --seeds/--sweep --out DIR`` folder, ``DIR/run-0-seed=0``,
+    ``DIR/run-1-seed=1``, ... in their order ([] for a folder that is a run itself, or holds none)."""
     folder = Path(path)
     if not folder.is_dir() or (folder / SUMMARY_JSON).is_file():
         return []
-    runs = [p for p in folder.glob("run-*") if p.name[4:].isdigit() and (p / SUMMARY_JSON).is_file()]
-    return [str(p) for p in sorted(runs, key=lambda p: int(p.name[4:]))]
+    places = {p: re.match(r"run-(\d+)(?:-|$)", p.name) for p in folder.glob("run-*") if (p / SUMMARY_JSON).is_file()}
+    return [str(p) for p, _ in sorted(((p, m) for p, m in places.items() if m), key=lambda pm: int(pm[1][1]))]
 
 
 def load_runs(paths: list[str], labels: list[str] | None = None) -> list[RunFolder]:

@@ -138,15 +138,18 @@ def test_folders_of_the_same_name_are_told_apart_and_labels_must_match_the_runs(
 
 
 def test_a_seeds_or_sweep_folder_stands_for_its_runs_in_order(two_runs, tmp_path, capsys):
-    """``simulate --seeds 0,1 --out DIR`` writes DIR/run-0 and DIR/run-1, and ``compare DIR`` sets them side by side."""
+    """``simulate --seeds 0,1 --out DIR`` writes DIR/run-0-seed=0 and DIR/run-1-seed=1, and ``compare
+    DIR`` sets them side by side."""
     base, _runs = two_runs
+    seeds = tmp_path / "seeds"
     for i, name in enumerate(("goal8", "goal10")):  # run-10 after run-2: in the runs' order, not the names'
-        shutil.copytree(base / name, tmp_path / "seeds" / f"run-{10 * i}")
-    shutil.copytree(base / "goal8", tmp_path / "seeds" / "run-2")
-    assert main(["compare", str(tmp_path / "seeds"), "--out", str(tmp_path / "c.html")]) == 0
-    assert "3 runs (run-0, run-2, run-10)" in capsys.readouterr().out
-    runs = load_runs([str(tmp_path / "seeds"), str(base / "goal10")])
-    assert [r.label for r in runs] == ["run-0", "run-2", "run-10", "goal10"]
+        shutil.copytree(base / name, seeds / f"run-{10 * i}-seed={10 * i}")
+    shutil.copytree(base / "goal8", seeds / "run-2-seed=2")
+    (seeds / "notes").mkdir()  # not a run: left out
+    assert main(["compare", str(seeds), "--out", str(tmp_path / "c.html")]) == 0
+    assert "3 runs (run-0-seed=0, run-2-seed=2, run-10-seed=10)" in capsys.readouterr().out
+    runs = load_runs([str(seeds), str(base / "goal10")])
+    assert [r.label for r in runs] == ["run-0-seed=0", "run-2-seed=2", "run-10-seed=10", "goal10"]
 
 
 @pytest.mark.parametrize("make", ["empty", "missing", "file", "bad_json", "no_rounds", "one_run"])
