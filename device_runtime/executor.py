@@ -59,7 +59,9 @@ def make_session(model_bytes: bytes) -> ort.InferenceSession:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    opts.log_severity_level = 3
+    # fatal only: a step that fails raises with onnxruntime's message, which the runtime records; its
+    # log's copy on stderr repeated each failed session's error, thousands of lines in a fleet
+    opts.log_severity_level = 4
     return ort.InferenceSession(model_bytes, sess_options=opts, providers=["CPUExecutionProvider"])
 
 

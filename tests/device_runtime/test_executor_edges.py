@@ -91,7 +91,9 @@ def test_batch_tensors_must_agree_on_the_batch_size_and_an_empty_batch_is_skippe
     assert empty.num_examples == 0
 
 
-def test_a_step_that_fails_raises_a_plan_error_with_the_runtimes_words_and_a_forced_stop_is_an_interruption():
+def test_a_step_that_fails_raises_a_plan_error_with_the_runtimes_words_and_a_forced_stop_is_an_interruption(
+    capfd,
+):
     wrong_width = [{"pixels": np.zeros((4, F + 1), np.float32), "label": Y[:4]}]
     with pytest.raises(PlanError, match=rf"has shape \({F + 1},\) per example; the plan takes \({F},\)"):
         EXECUTOR.run_device(WEIGHTS, lambda: wrong_width)  # the executor sees it before the step
@@ -100,6 +102,7 @@ def test_a_step_that_fails_raises_a_plan_error_with_the_runtimes_words_and_a_for
     open_width = PlanExecutor(dataclasses.replace(PLAN, work=work.SerializeToString()))
     with pytest.raises(PlanError, match=r"the plan's 'work' graph failed at step 0: .*Gemm.*Dimension mismatch"):
         open_width.run_device(WEIGHTS, lambda: wrong_width)  # the SDK's error, onnxruntime's first line
+    assert "onnxruntime" not in capfd.readouterr().err  # said once, in the error: not again in its log on stderr
     stop = ort.RunOptions()
     stop.terminate = True
     with pytest.raises(TrainingInterrupted):
