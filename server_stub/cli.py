@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import re
@@ -11,11 +12,13 @@ from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from example_store.sqlite_engine import sqlite_advice
+
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .http_guards import GuardedServer, HttpLimits
-from .persistence import DamagedStore, ServerStore
+from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError
 from .release_trust import ReleaseTrustError, read_release_trust
 from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
@@ -162,6 +165,16 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> str:
     """Whose release reports the server accepts, said at start: a gated server that trusts no
     signer refuses every report, which the operator should learn now rather than at a deploy."""
@@ -213,7 +226,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         release_trust = read_release_trust(args.release_trust) if args.release_trust else frozenset()
         limits = HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections, args.max_header_bytes)
         store = ServerStore(args.db)
-    except (AdminKeyError, TrustAnchorError, ReleaseTrustError, ValueError) as exc:
+    except (AdminKeyError, TrustAnchorError, ReleaseTrustError, StoreLayoutError, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # a URL whose driver is not installed
@@ -224,12 +237,13 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         )
         return 2
     except (SQLAlchemyError, OSError) as exc:
-        reason = getattr(exc, "orig", None) or exc
-        print(
-            f"fedfleet server: cannot open the database {args.db} ({reason}); give --db a file in a folder that "
-            "exists and can be written",
-            file=sys.stderr,
-        )
+        print(f"fedfleet server: cannot open the database {args.db}: {sqlite_advice(exc)}", file=sys.stderr)
+        return 2
+    try:
+        store.hold()
+    except (DatabaseInUse, OSError) as exc:
+        store.close()
+        print(f"fedfleet server: {exc}", file=sys.stderr)
         return 2
     try:
         service = FLService(
@@ -238,6 +252,10 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except DamagedStore as exc:
         store.close()
         print(f"fedfleet server: {exc}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as exc:
+        store.close()
+        print(f"fedfleet server: cannot read the database {args.db}: {sqlite_advice(exc)}", file=sys.stderr)
         return 2
     server = GuardedServer(
         create_app(service, admin_keys=keys),
@@ -260,6 +278,13 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     attestation = (
         f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
     )
+    if not _loopback(args.host):
+        print(
+            f"fedfleet server: warning: listening on {args.host} in plain HTTP: admin keys, session tokens and "
+            "updates cross the network readable; put a TLS proxy in front and bind --host 127.0.0.1 behind it",
+            file=sys.stderr,
+            flush=True,
+        )
     print(f"fedfleet server listening on http://{args.host}:{args.port}", file=out)
     print(f"  database:    {args.db}", file=out)
     print(f"  attestation: {attestation}", file=out)

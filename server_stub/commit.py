@@ -22,6 +22,7 @@ import numpy as np
 from sqlalchemy.exc import SQLAlchemyError
 
 from device_runtime.checkpoint import encode_checkpoint
+from example_store.sqlite_engine import sqlite_advice
 
 from . import dp_rounds
 from .persistence import RoundRecord, ServerStore, resource_id
@@ -127,7 +128,7 @@ def write_quietly(write: Callable[..., _T], *args: object) -> _T | None:
     try:
         return write(*args)
     except (SQLAlchemyError, OSError) as exc:
-        log.error("a database write failed: %s", exc)
+        log.error("a database write failed: %s", sqlite_advice(exc))
         return None
 
 
@@ -252,7 +253,7 @@ class CommitPipeline:
                 "task %s round %d: the database write failed (%s); the round is abandoned",
                 run.record.name,
                 p.core.number,
-                exc,
+                sqlite_advice(exc),
             )
             was_commit = phase is Phase.COMMITTED
             phase = Phase.ABANDONED

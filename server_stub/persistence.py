@@ -7,8 +7,14 @@ import hashlib
 import json
 import os
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 from sqlalchemy import (
     Column,
@@ -22,6 +28,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    inspect,
     select,
     update,
 )
@@ -31,6 +38,18 @@ from sqlalchemy.exc import IntegrityError
 from example_store.sqlite_engine import sqlite_engine
 
 metadata = MetaData()
+
+#: The layout of the server's tables this server writes, kept in the table ``schema``. A layout
+#: change adds a migration from the one before and raises this by one; a database of a later
+#: layout (written by a newer server) is refused rather than written in a layout it does not know.
+SCHEMA_VERSION = 1
+
+schema = Table(
+    "schema",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", Integer, nullable=False),
+)
 
 populations = Table(
     "populations",
@@ -98,6 +117,16 @@ def _load_metrics(text: str) -> dict:
 class DamagedStore(Exception):
     """A stored plan or checkpoint whose bytes no longer match their content id (a storage fault,
     or the database edited by hand): the server refuses to build on it."""
+
+
+class StoreLayoutError(Exception):
+    """A database whose tables are not in a layout this server knows (written by a newer server, or
+    not the server's): it is refused before anything is read or written. The message says what to do."""
+
+
+class DatabaseInUse(Exception):
+    """Another server process holds the database: two servers on one database would each run the
+    same rounds and serve models the other does not know."""
 
 
 @dataclass(frozen=True)
@@ -180,10 +209,83 @@ class ServerStore:
                 )
         else:
             self.engine = sqlite_engine(self.path, foreign_keys=True, busy_timeout_s=busy_timeout_s)
+        self._lock_fd: int | None = None
+        try:
+            self._open_layout()
+        except BaseException:
+            self.engine.dispose()
+            raise
+
+    def _open_layout(self) -> None:
+        """Make the tables of a new database, or check an existing one's layout: a database of a
+        later layout, or tables of the server's names without their columns, are refused with
+        ``StoreLayoutError``; one from before the layout was recorded (the same tables) is stamped."""
+        existing = set(inspect(self.engine).get_table_names())
+        ours = {t.name for t in metadata.sorted_tables}
+        if existing & ours:
+            for table in metadata.sorted_tables:
+                if table.name not in existing:
+                    continue
+                have = {c["name"] for c in inspect(self.engine).get_columns(table.name)}
+                missing = [c.name for c in table.columns if c.name not in have]
+                if missing:
+                    raise StoreLayoutError(
+                        f"the database {self.path} is not in a layout this server knows: its table {table.name} "
+                        f"has no column {', '.join(missing)}; give --db another file, or run the server "
+                        "version that wrote it"
+                    )
+        if "schema" in existing:
+            with self.engine.connect() as conn:
+                version = conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
+            if version is not None and version > SCHEMA_VERSION:
+                raise StoreLayoutError(
+                    f"the database {self.path} has layout {version}, written by a newer server (this one knows "
+                    f"layouts up to {SCHEMA_VERSION}): run that server version, or restore a backup this one wrote"
+                )
         metadata.create_all(self.engine)
+        with self.engine.begin() as conn:
+            if conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar() is None:
+                with suppress(IntegrityError):  # another process stamped it meanwhile
+                    conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION))
+
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar_one())
+
+    def hold(self) -> None:
+        """Hold the database for this process until ``close``: another server process that calls
+        ``hold`` on the same SQLite file gets ``DatabaseInUse`` (naming this one's pid) instead of
+        running the same rounds beside it. An advisory lock on ``<file>.lock`` beside the database
+        (SQLite's own locks are per write, not per process's lifetime), released by the kernel when
+        the process ends, however it ends. Other databases (a server URL) are not held."""
+        if fcntl is None or self.engine.dialect.name != "sqlite":
+            return
+        database = self.engine.url.database
+        if not database or database == ":memory:":
+            return
+        lock_path = f"{database}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise DatabaseInUse(
+                f"the database {self.path} is in use by another server (pid {holder}, {lock_path}): stop it "
+                "first, or give --db another file; two servers on one database would run the same rounds twice"
+            ) from None
+        except OSError:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with the last descriptor
+            self._lock_fd = None
 
     # populations
     def create_population(self, name: str) -> bool:
