@@ -219,6 +219,12 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
         print(f"{_command(args)}: a runtime environment failed: {exc}", file=sys.stderr)
         return 2
     except AdminError as exc:
+        if exc.code == "MALFORMED_ANSWER":  # not a refusal: another server, or another version of it
+            print(
+                f"{_command(args)}: {exc}; is --server a fedfleet server of this version (GET /openapi.json)?",
+                file=sys.stderr,
+            )
+            return 2
         print(f"{_command(args)}: the server refused: {exc}", file=sys.stderr)
         return 1
     except ServerUnreachable as exc:

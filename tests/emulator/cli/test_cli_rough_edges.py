@@ -7,7 +7,9 @@ in plain text, and ``./dev`` says what it installs before the long quiet install
 from __future__ import annotations
 
 import argparse
+import http.server
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,39 @@ def test_every_server_command_says_in_one_line_that_the_server_does_not_answer_o
             assert "no answer from the server at http://127.0.0.1" in err
         else:
             assert "needs http:// or https://" in err and f"http://{url.format(port=port)}" in err
+
+
+class _OtherServer(http.server.BaseHTTPRequestHandler):
+    """A server that answers every request 200 with JSON no fedfleet server sends (another service
+    on the port, or a server of another API version)."""
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b'{"api_version": 99}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_every_server_command_says_an_answer_of_another_server_is_no_refusal(bundle, capsys):
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherServer) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        try:
+            for command in _server_commands(bundle):
+                code = cli.main([*command, "--server", f"http://127.0.0.1:{other.server_address[1]}"])
+                err = capsys.readouterr().err.strip()
+                assert code == 2 and len(err.splitlines()) == 1, (command, err)
+                assert "the server refused" not in err and "is not a" in err, err
+                assert "fedfleet server of this version" in err
+        finally:
+            other.shutdown()
 
 
 @pytest.mark.parametrize("population", ["a/b", "..", "my app", ""])
