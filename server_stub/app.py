@@ -58,6 +58,7 @@ from .errors import (
     ApiError,
     BodyTooLarge,
     ClientDisconnected,
+    DatabaseGone,
     MalformedBody,
     TooManyRequests,
     Unauthorized,
@@ -304,6 +305,7 @@ _STATUS_TEXT = {
     422: "a plan, checkpoint or update that does not fit",
     429: "rate limited",
     500: "an internal error (logged by the server)",
+    503: "the server cannot keep what it is sent",
 }
 #: The status of every stable error code a route sends. The attestation codes come from their
 #: errors (``device_runtime.attestation``), the deploy gate's from ``release_gate.RELEASE_CODES``.
@@ -347,6 +349,7 @@ _STATUS_OF: dict[str, int] = {
         422,
     ),
     "INTERNAL": 500,
+    "DATABASE_GONE": 503,
 }
 #: A body the route reads (``read_body``): a bad Content-Length, a client gone or too slow, too large.
 _BODY = ("MALFORMED_BODY", "CLIENT_DISCONNECTED", "BODY_TIMEOUT", "BODY_TOO_LARGE")
@@ -440,8 +443,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             return fn(*args)
         return await run_in_threadpool(fn, *args)
 
-    @app.get("/v1/health", tags=["health"], **_answers(Health), **_route())
+    @app.get("/v1/health", tags=["health"], **_answers(Health), **_route("DATABASE_GONE"))
     async def health() -> Health:
+        problem = service.database_problem
+        if problem is not None:  # a monitor must hear of it: every write from now on is lost at the stop
+            raise DatabaseGone(problem)
         return Health(status="ok")
 
     # ----------------------------------------------------------------- devices

@@ -175,6 +175,20 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _rounds_lines(service: FLService) -> list[str]:
+    """Where each population's active tasks go on from (a restart, an upgrade or a restored backup
+    shows here which round and model it continues with), one line per population."""
+    lines = []
+    for name in service.populations():
+        status = service.population_status(name)
+        tasks = [
+            f"{t['name']} round {t['round']} ({t['committed_rounds']} committed, model {str(t['checkpoint_id'])[:12]})"
+            for t in status["active_tasks"]
+        ]
+        lines.append(f"{name}: {', '.join(tasks) if tasks else 'no active task'}")
+    return lines or ["no population yet"]
+
+
 def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> str:
     """Whose release reports the server accepts, said at start: a gated server that trusts no
     signer refuses every report, which the operator should learn now rather than at a deploy."""
@@ -294,6 +308,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     )
     print(f"  signers:     {_release_trust_line(args, release_trust)}", file=out)
     print(f"  admin keys:  {source}", file=out)
+    for line in _rounds_lines(service):
+        print(f"  rounds:      {line}", file=out)
     cap = "" if args.max_connections is not None else " (under the file-descriptor limit)"
     print(
         f"  clients:     head within {limits.header_timeout_s:g} s, body within {limits.body_timeout_s:g} s (+1 s per KiB), "

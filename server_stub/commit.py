@@ -110,7 +110,7 @@ def run_server_part(p: PendingCommit, noise: Callable[[], np.random.Generator]) 
         new_state = {k: np.asarray(v, dtype=np.float32) for k, v in new_state.items()}
         _check_finite(new_state)
     except Exception as exc:
-        log.exception("task %s: the plan's server part failed; round %d is abandoned", run.record.name, p.core.number)
+        log.exception("task %s: the plan's server part failed; round %d is abandoned", run.label, p.core.number)
         metrics["error"] = f"{type(exc).__name__}: {exc}"[:300]
         return ServerPart(Phase.ABANDONED)
     if run.dp is None:  # with DP, the plan's loss and accuracy are exact sums of devices' data: withheld
@@ -251,7 +251,7 @@ class CommitPipeline:
         except (SQLAlchemyError, OSError) as exc:
             log.error(
                 "task %s round %d: the database write failed (%s); the round is abandoned",
-                run.record.name,
+                run.label,
                 p.core.number,
                 sqlite_advice(exc),
             )
@@ -279,7 +279,7 @@ class CommitPipeline:
                     )
                 log.error(
                     "task %s round %d attempt %d: its record is kept in memory and written again until on record",
-                    run.record.name,
+                    run.label,
                     p.core.number,
                     attempt,
                 )
@@ -312,14 +312,14 @@ class CommitPipeline:
                 run.committed_rounds += 1
                 run.round_number += 1
                 run.attempt = 1
-                log.info("task %s committed round %d: %s", run.record.name, p.core.number, _brief(metrics))
+                log.info("task %s committed round %d: %s", run.label, p.core.number, _brief(metrics))
             elif extended is not None:
                 # an idle spell is said at info as it doubles (2, 4, 8, ... timeouts), not once a timeout
                 timeouts = extended.metrics["idle_timeouts"]
                 log.log(
                     logging.INFO if timeouts & (timeouts - 1) == 0 else logging.DEBUG,
                     "task %s round %d attempt %d: nobody came again (%d selection timeouts in a row)",
-                    run.record.name,
+                    run.label,
                     p.core.number,
                     extended.attempt,
                     timeouts,
@@ -327,10 +327,11 @@ class CommitPipeline:
             else:
                 run.attempt += 1
                 log.info(
-                    "task %s abandoned round %d (attempt %d): %s",
-                    run.record.name,
+                    "task %s abandoned round %d (attempt %d): %s: %s",
+                    run.label,
                     p.core.number,
                     run.attempt - 1,
+                    _why_abandoned(metrics, run.config.commit_threshold),
                     _brief(metrics),
                 )
             run.idle_record = (extended or record) if idle else None
@@ -382,7 +383,7 @@ class CommitPipeline:
                     self.note_late(u.run, u.core)  # late reports that came after the copy above
             log.info(
                 "task %s round %d attempt %d is on record after %d tries",
-                u.run.record.name,
+                u.run.label,
                 u.core.number,
                 u.attempt,
                 u.tries + 1,
@@ -429,6 +430,16 @@ def _check_finite(state: dict[str, np.ndarray]) -> None:
 def _finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Only finite metrics are stored: a NaN or infinity would poison every later read."""
     return {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
+
+
+def _why_abandoned(metrics: dict, threshold: int) -> str:
+    """Why a round was abandoned, as the log says it: its error, or too few reports."""
+    if metrics.get("error"):
+        return str(metrics["error"])
+    return (
+        f"{metrics.get('reported', 0)} report(s) of the {threshold} it needs "
+        f"({metrics.get('selected', 0)} selected, {metrics.get('dropped', 0)} dropped) by its timeouts"
+    )
 
 
 def _brief(metrics: dict) -> dict:

@@ -124,3 +124,10 @@ class ServerBusy(ApiError):
     """Every connection the server allows is busy with a request; clients retry 5xx later."""
 
     status, code = 503, "SERVER_BUSY"
+
+
+class DatabaseGone(ApiError):
+    """The database file was deleted or replaced while the server runs: its writes are lost at
+    its stop (the health check says so, for a monitor or a load balancer)."""
+
+    status, code = 503, "DATABASE_GONE"

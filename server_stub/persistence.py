@@ -215,6 +215,37 @@ class ServerStore:
         except BaseException:
             self.engine.dispose()
             raise
+        self._file = self._database_file()
+        self._identity = self._file_identity()
+
+    def _database_file(self) -> str | None:
+        """The SQLite file the engine opens, or None (another database, or one in memory)."""
+        database = self.engine.url.database if self.engine.dialect.name == "sqlite" else None
+        return None if not database or database == ":memory:" else database
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        if self._file is None:
+            return None
+        try:
+            st = os.stat(self._file)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def gone(self) -> str | None:
+        """Why the database file the server writes is no longer at its path (deleted, or replaced
+        by another file), or None while it is: SQLite goes on writing into the file it opened, and
+        all of it is lost when the server stops."""
+        if self._identity is None:
+            return None
+        now = self._file_identity()
+        if now == self._identity:
+            return None
+        what = "deleted" if now is None else "replaced by another file"
+        return (
+            f"the database {self.path} was {what} while the server runs: what it writes now is lost when it "
+            "stops; stop the server, put the database (or its latest backup) back at its path, and start it again"
+        )
 
     def _open_layout(self) -> None:
         """Make the tables of a new database, or check an existing one's layout: a database of a
@@ -258,12 +289,9 @@ class ServerStore:
         running the same rounds beside it. An advisory lock on ``<file>.lock`` beside the database
         (SQLite's own locks are per write, not per process's lifetime), released by the kernel when
         the process ends, however it ends. Other databases (a server URL) are not held."""
-        if fcntl is None or self.engine.dialect.name != "sqlite":
+        if fcntl is None or self._file is None:
             return
-        database = self.engine.url.database
-        if not database or database == ":memory:":
-            return
-        lock_path = f"{database}.lock"
+        lock_path = f"{self._file}.lock"
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -34,7 +34,7 @@ def advance_secure(run: TaskRun, core: RoundCore, secure: SecureRound, now: floa
         if not secure.form_groups(selected, now, core.deadlines, devices):
             log.info(
                 "task %s round %d: %d devices, no SecAgg group of %d: %s",
-                run.record.name,
+                run.label,
                 core.number,
                 len(selected),
                 secure.settings.min_group_size,
@@ -60,7 +60,7 @@ def advance_secure(run: TaskRun, core: RoundCore, secure: SecureRound, now: floa
             if refused is not None:
                 log.warning(
                     "task %s round %d: the sum of SecAgg group %d is dropped: %s",
-                    run.record.name,
+                    run.label,
                     core.number,
                     group.index,
                     refused,
@@ -73,7 +73,7 @@ def advance_secure(run: TaskRun, core: RoundCore, secure: SecureRound, now: floa
         else:
             log.info(
                 "task %s round %d: SecAgg group %d aborted: %s",
-                run.record.name,
+                run.label,
                 core.number,
                 group.index,
                 group.server.abort_reason,

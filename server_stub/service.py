@@ -78,6 +78,9 @@ __all__ = ["LATE_METRICS_EVERY_S", "FLService", "TaskSpec"]
 
 log = logging.getLogger(__name__)
 
+#: How often a database deleted or replaced under the server is said again in the log.
+DATABASE_GONE_LOG_EVERY_S = 60.0
+
 #: Resources kept in memory after they were read (the active tasks' plans and checkpoints).
 RECENT_RESOURCES = 8
 
@@ -140,6 +143,9 @@ class FLService:
             activate=lambda population: self._activate(population),
         )
         self._late_written_at = -math.inf
+        #: Why the database can no longer keep what the server writes (``_check_database``), or None.
+        self.database_problem: str | None = None
+        self._database_problem_logged_at = -math.inf
         # The last resources read: every selected device downloads the same plan and checkpoint,
         # and resources are content-addressed, so a copy can never go stale.
         self._recent: dict[str, bytes] = {}
@@ -359,6 +365,7 @@ class FLService:
     def tick(self) -> None:
         """Let time-based transitions happen even when no device is talking to the server."""
         now = self.clock()
+        self._check_database(now)
         with self._lock:
             for pop in list(self._populations.values()):
                 self._advance(pop, now)
@@ -366,6 +373,19 @@ class FLService:
         if now - self._late_written_at >= self.late_metrics_every_s:
             self._late_written_at = now
             self.write_late_metrics()
+
+    def _check_database(self, now: float) -> None:
+        """Whether the database file is still the one the server writes: one deleted or replaced
+        under it is logged at once and every ``DATABASE_GONE_LOG_EVERY_S``, and the health check
+        answers 503 ``DATABASE_GONE`` until the server is restarted on a database at its path."""
+        problem = self.store.gone()
+        if problem is not None and (
+            self.database_problem is None or now - self._database_problem_logged_at >= DATABASE_GONE_LOG_EVERY_S
+        ):
+            log.error("%s", problem)
+            self._database_problem_logged_at = now
+        if problem is not None:
+            self.database_problem = problem
 
     def secagg_status(self, session_id: str, token: str) -> dict:
         """The device's view of its group; after the round closed, its group's final state."""

@@ -126,6 +126,11 @@ class TaskRun:
         return (self.record.id, self.round_number, self.attempt)
 
     @property
+    def label(self) -> str:
+        """The task as the log names it: ``population/task`` (task names are a population's own)."""
+        return f"{self.record.population}/{self.record.name}"
+
+    @property
     def is_training(self) -> bool:
         return self.plan.kind == "train"
 

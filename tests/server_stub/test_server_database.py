@@ -1,6 +1,8 @@
 """The server's database as an operator meets it: one server per database file, a database of a
 layout this server does not know refused in one line, one from before the layout was recorded
-opened as it is, and a server listening beyond loopback in plain HTTP said so."""
+opened as it is, a database file deleted or replaced under a running server said in its health
+check and log, a server listening beyond loopback in plain HTTP said so, and the log lines an
+operator reads."""
 
 from __future__ import annotations
 
@@ -10,15 +12,19 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from server_stub import ServerStore
+from device_runtime import encode_checkpoint, initial_weights, serialize_plan
+from server_stub import FLService, RoundConfig, ServerStore, ServerThread
 from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, StoreLayoutError
 from tests.server_stub.test_operators import REPO, _key_file, _Server
+from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
 from tests.server_stub.test_round_integrity import QuickToGiveUp, moving_updates
-from tests.support import server_command_exit
+from tests.support import digits_plan, server_command_exit
 
 
 def _refused(code: int, err: str, *words: str) -> None:
@@ -32,9 +38,11 @@ def _refused(code: int, err: str, *words: str) -> None:
 @pytest.mark.timeout(60)
 def test_a_second_server_on_one_database_is_refused_and_the_first_ones_kill_frees_it(tmp_path, capsys):
     """Two processes: the second would run the first's rounds again beside it. The lock goes with
-    the process however it ends (SIGKILL here), so a restart after a crash is not refused."""
+    the process however it ends (SIGKILL here), so a restart after a crash is not refused. The
+    first, bound beyond loopback, also says that it speaks plain HTTP there (one process fewer)."""
     db, keys = tmp_path / "fl.db", _key_file(tmp_path)
-    first = _Server("--db", str(db), "--port", "0", "--admin-key-file", str(keys))
+    # bound beyond loopback: it says in its first line that it speaks plain HTTP there
+    first = _Server("--db", str(db), "--host", "0.0.0.0", "--port", "0", "--admin-key-file", str(keys))
     try:
         first.banner()
         done = subprocess.run(
@@ -53,8 +61,10 @@ def test_a_second_server_on_one_database_is_refused_and_the_first_ones_kill_free
         )
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait(timeout=10)
+        warned = first.proc.stderr.read() if first.proc.stderr else ""
     finally:
         first.stop()
+    assert "warning: listening on 0.0.0.0 in plain HTTP" in warned and "TLS proxy" in warned, warned
     store = ServerStore(db)
     try:
         store.hold()  # free again
@@ -102,28 +112,6 @@ def test_a_database_from_before_the_layout_was_recorded_opens_with_its_rounds_an
         store.close()
 
 
-@pytest.mark.timeout(60)
-def test_a_server_listening_beyond_loopback_warns_that_it_speaks_plain_http(tmp_path):
-    server = _Server(
-        "--db",
-        str(tmp_path / "fl.db"),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "0",
-        "--admin-key-file",
-        str(_key_file(tmp_path)),
-    )
-    try:
-        server.banner()
-    finally:
-        server.proc.terminate()
-        server.proc.wait(timeout=10)
-        err = server.proc.stderr.read() if server.proc.stderr else ""
-        server.stop()
-    assert "warning: listening on 0.0.0.0 in plain HTTP" in err and "TLS proxy" in err, err
-
-
 def test_a_loopback_server_gives_no_plain_http_warning():
     from server_stub.cli import _loopback
 
@@ -162,3 +150,88 @@ def test_a_failed_database_write_is_logged_in_one_line_saying_what_to_do(tmp_pat
     for line in failures:
         assert "\n" not in line and "sqlalche.me" not in line, line
         assert "database is locked; another process holds it locked: retry later" in line, line
+
+
+def test_the_log_names_each_rounds_population_and_why_a_round_was_abandoned(tmp_path, caplog):
+    """Task names are a population's own: two populations' task ``t`` were one name in the log; and
+    an abandoned round said its metrics but not that too few devices had reported."""
+    service, clock = _service(tmp_path / "server.db")
+    plan = digits_plan()
+    service.create_population("p")
+    service.deploy_task(
+        "p", "t", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE)
+    )
+    with caplog.at_level(logging.INFO, logger="server_stub.commit"):
+        for _ in range(8):  # nobody checks in: the selection times out
+            clock.advance(2.5)
+            service.tick()
+        _one_round(service, clock, _update(plan))
+    said = [r.getMessage() for r in caplog.records if r.name == "server_stub.commit"]
+    assert any(m.startswith("task p/t abandoned round 1 (attempt 1): 0 report(s) of the 1 it needs") for m in said), (
+        said
+    )
+    assert any(m.startswith("task p/t committed round 1:") for m in said), said
+
+
+def test_the_banner_says_where_each_populations_tasks_go_on_from(tmp_path):
+    """After a restart, an upgrade or a restored backup the operator reads which round and model
+    the server continues with before any device comes."""
+    from server_stub.cli import _rounds_lines
+
+    service, clock = _service(tmp_path / "server.db")
+    assert _rounds_lines(service) == ["no population yet"]
+    plan = digits_plan()
+    service.create_population("p")
+    service.create_population("idle")
+    service.deploy_task(
+        "p", "t", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE)
+    )
+    _one_round(service, clock, _update(plan))
+    service.store.close()
+    again = FLService(ServerStore(tmp_path / "server.db"))
+    try:
+        model = again.population_status("p")["checkpoint_id"]
+        assert _rounds_lines(again) == [f"p: t round 2 (1 committed, model {model[:12]})", "idle: no active task"]
+    finally:
+        again.store.close()
+
+
+def _health_until(server: ServerThread, status: int) -> httpx.Response:
+    """The health check's answer once it is ``status`` (the ticker looks at the file every tick)."""
+    with httpx.Client(timeout=5) as http:
+        for _ in range(400):
+            answer = http.get(f"{server.url}/v1/health")
+            if answer.status_code == status:
+                return answer
+            time.sleep(0.025)
+    raise AssertionError(f"the health check never answered {status}: {answer.status_code} {answer.text}")
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_deleted_or_replaced_under_a_running_server_fails_its_health_check_and_is_logged(
+    tmp_path, caplog, how
+):
+    """SQLite writes on into the file it opened: a server whose file was deleted said ok to every
+    request and lost everything at its stop (and one whose file was replaced, by a restored backup
+    say, wrote past it)."""
+    db = tmp_path / "fl.db"
+    with caplog.at_level(logging.ERROR, logger="server_stub.service"), ServerThread(db) as server:
+        assert _health_until(server, 200).json() == {"status": "ok"}
+        with server.admin() as admin:
+            admin.create_population("digits")
+        if how == "deleted":
+            for path in tmp_path.glob("fl.db*"):
+                path.unlink()
+        else:
+            copy = tmp_path / "copy.db"
+            copy.write_bytes(db.read_bytes())
+            copy.replace(db)
+        answer = _health_until(server, 503)
+        assert answer.json()["error"]["code"] == "DATABASE_GONE"
+        assert (
+            f"was {'deleted' if how == 'deleted' else 'replaced by another file'}" in answer.json()["error"]["message"]
+        )
+    said = [
+        r.getMessage() for r in caplog.records if "was deleted" in r.getMessage() or "was replaced" in r.getMessage()
+    ]
+    assert len(said) == 1 and "put the database (or its latest backup) back" in said[0], said
