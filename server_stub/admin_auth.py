@@ -59,6 +59,11 @@ class AdminKeys:
     def __len__(self) -> int:
         return len(self._digests)
 
+    def replace_with(self, other: AdminKeys) -> None:
+        """Accept ``other``'s keys from now on, instead of these (a key file read again): one
+        assignment, so a request checked meanwhile sees the old keys or the new ones, never none."""
+        self._digests = other._digests
+
     def verify(self, presented: str | None) -> bool:
         if not presented:
             return False

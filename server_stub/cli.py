@@ -7,7 +7,9 @@ import ipaddress
 import logging
 import math
 import re
+import signal
 import sys
+import threading
 from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -22,6 +24,8 @@ from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutEr
 from .release_trust import ReleaseTrustError, read_release_trust
 from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
+
+log = logging.getLogger(__name__)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -111,7 +115,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (0 picks a free one)")
     p.add_argument(
         "--admin-key-file",
-        help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV}; else a key is generated and printed)",
+        help=f"operator keys, one per line, read again on SIGHUP (else ${ADMIN_KEYS_ENV}; else a key is generated "
+        "and printed)",
     )
     p.add_argument(
         "--attestation-trust",
@@ -163,6 +168,25 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="how much the server logs",
     )
+
+
+def reload_keys_on_hangup(keys: AdminKeys, path: str) -> None:
+    """Make SIGHUP read the admin key file again: keys added there are accepted and keys removed
+    refused from then on, without a restart (sessions and open rounds go on). A file that cannot be
+    used then (empty, unreadable, a bad key) is logged and the keys in use are kept."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return
+
+    def reload(_signum: int, _frame: object) -> None:
+        try:
+            fresh = AdminKeys.from_file(path)
+        except AdminKeyError as exc:
+            log.error("SIGHUP: the admin keys in use are kept: %s", exc)
+            return
+        keys.replace_with(fresh)
+        log.warning("SIGHUP: %d admin key(s) read again from %s; other keys are refused from now on", len(fresh), path)
+
+    signal.signal(signal.SIGHUP, reload)
 
 
 def _loopback(host: str) -> bool:
@@ -279,6 +303,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         log_level="warning" if args.log_level == "info" else args.log_level,
         access_log=False,
     )
+    if args.admin_key_file:
+        reload_keys_on_hangup(keys, args.admin_key_file)
     try:  # say so now, not after printing where it listens
         args.port = server.listen()
     except OSError as exc:

@@ -21,7 +21,7 @@ import pytest
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
 from server_stub import FLService, RoundConfig, ServerStore, ServerThread
 from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, StoreLayoutError
-from tests.server_stub.test_operators import REPO, _key_file, _Server
+from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
 from tests.server_stub.test_round_integrity import QuickToGiveUp, moving_updates
 from tests.support import digits_plan, server_command_exit
@@ -235,3 +235,42 @@ def test_a_database_deleted_or_replaced_under_a_running_server_fails_its_health_
         r.getMessage() for r in caplog.records if "was deleted" in r.getMessage() or "was replaced" in r.getMessage()
     ]
     assert len(said) == 1 and "put the database (or its latest backup) back" in said[0], said
+
+
+@pytest.mark.timeout(60)
+def test_sighup_reads_the_admin_key_file_again_without_a_restart(tmp_path):
+    """Rotating a key: the new one added to the file and the old one removed, then SIGHUP; a file
+    that cannot be used then keeps the keys in use, so a typo locks nobody out."""
+    keys = _key_file(tmp_path)
+    server = _Server("--db", str(tmp_path / "fl.db"), "--port", "0", "--admin-key-file", str(keys))
+    new_key = "rotated-key-" + "n" * 32
+    try:
+        url = server.banner().splitlines()[0].rsplit(" ", 1)[1]
+
+        def answers(key: str) -> int:
+            return httpx.get(f"{url}/v1/populations", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code
+
+        def after_hangup(key: str, status: int) -> None:
+            server.proc.send_signal(signal.SIGHUP)
+            for _ in range(400):
+                if answers(key) == status:
+                    return
+                time.sleep(0.025)
+            raise AssertionError(f"{key} never got {status}")
+
+        assert answers(KEY) == 200 and answers(new_key) == 401
+        keys.write_text(f"{new_key}\n", encoding="utf-8")
+        after_hangup(new_key, 200)
+        assert answers(KEY) == 401
+        keys.write_text("", encoding="utf-8")  # a mistake: no key at all
+        server.proc.send_signal(signal.SIGHUP)
+        keys.write_text("short\n", encoding="utf-8")
+        after_hangup(new_key, 200)  # still the keys in use
+        assert server.proc.poll() is None
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=10)
+        err = server.proc.stderr.read() if server.proc.stderr else ""
+        server.stop()
+    assert "SIGHUP: 1 admin key(s) read again" in err and "SIGHUP: the admin keys in use are kept" in err, err
+    assert KEY not in err and new_key not in err
