@@ -510,5 +510,17 @@ class ServerStore:
         return [_round_record(r) for r in rows]
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:
-        committed = [r for r in self.rounds(task_id) if r.status == "committed"]
-        return committed[-1] if committed else None
+        """The last committed round in the order ``rounds`` gives, read alone: the model an
+        operator fetches must not read a long-running task's every record (2 KB each) to find it."""
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(
+                    select(rounds)
+                    .where(rounds.c.task_id == task_id, rounds.c.status == "committed")
+                    .order_by(rounds.c.number.desc(), rounds.c.attempt.desc(), rounds.c.id.desc())
+                    .limit(1)
+                )
+                .mappings()
+                .first()
+            )
+        return None if row is None else _round_record(row)

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
 from server_stub import FLService, RoundConfig, ServerStore, ServerThread
-from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, StoreLayoutError
+from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, StoreLayoutError
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
 from tests.server_stub.test_round_integrity import QuickToGiveUp, moving_updates
@@ -274,3 +276,27 @@ def test_sighup_reads_the_admin_key_file_again_without_a_restart(tmp_path):
         server.stop()
     assert "SIGHUP: 1 admin key(s) read again" in err and "SIGHUP: the admin keys in use are kept" in err, err
     assert KEY not in err and new_key not in err
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(1, 3), st.sampled_from(["committed", "abandoned"])), max_size=12
+    )
+)
+def test_the_last_committed_round_is_the_last_committed_one_of_the_history(tmp_path_factory, records):
+    """Read by one query (the model an operator fetches), it is the round the whole history names,
+    records written in any order (a record kept in memory is written after later rounds')."""
+    store = ServerStore(tmp_path_factory.mktemp("last") / "fl.db")
+    try:
+        store.create_population("p")
+        plan = digits_plan()
+        (task,) = store.add_tasks(
+            "p", [NewTask("t", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), {})]
+        )
+        for number, attempt, status in records:
+            store.record_round(task.id, number, attempt, status, {}, 0.0, 1.0)
+        committed = [r for r in store.rounds(task.id) if r.status == "committed"]
+        assert store.last_committed_round(task.id) == (committed[-1] if committed else None)
+    finally:
+        store.close()
