@@ -204,8 +204,14 @@ class AdminClient:
     def status(self, population: str) -> dict[str, Any]:
         return self._answer(self._send("GET", f"/v1/populations/{population}"), PopulationStatus)
 
-    def rounds(self, population: str, task: str | None = None) -> list[dict[str, Any]]:
-        params = {"task": task} if task is not None else None
+    def rounds(self, population: str, task: str | None = None, last: int | None = None) -> list[dict[str, Any]]:
+        """Finished rounds, oldest first; ``last``: only the newest so many (a long run's history
+        is 2 KB a round)."""
+        params: dict[str, Any] = {}
+        if task is not None:
+            params["task"] = task
+        if last is not None:
+            params["last"] = last
         return self._answer(self._send("GET", f"/v1/populations/{population}/rounds", params=params), RoundList)[
             "rounds"
         ]

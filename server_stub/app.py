@@ -695,9 +695,14 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         **_answers(RoundList),
         **_route(*_ADMIN, "BAD_QUERY", "UNKNOWN_POPULATION", "UNKNOWN_TASK"),
     )
-    async def list_rounds(population: str, request: Request, task: str | None = Query(None, max_length=128)) -> dict:
+    async def list_rounds(
+        population: str,
+        request: Request,
+        task: str | None = Query(None, max_length=128),
+        last: int | None = Query(None, ge=1, le=1_000_000, description="only the newest so many rounds"),
+    ) -> dict:
         admin(request)
-        return {"rounds": await call(service.rounds, population, task)}  # checked against RoundList as it leaves
+        return {"rounds": await call(service.rounds, population, task, last)}  # checked against RoundList as it leaves
 
     @app.get(
         "/v1/populations/{population}/model",

@@ -501,12 +501,19 @@ class ServerStore:
             row = conn.execute(select(rounds).where(rounds.c.id == round_id)).mappings().one()
         return _round_record(row)
 
-    def rounds(self, task_id: int) -> list[RoundRecord]:
+    def rounds(self, task_id: int, last: int | None = None) -> list[RoundRecord]:
         """A task's rounds in the order they ran: a record kept in memory while the database was
-        locked is written after rounds that ran later."""
+        locked is written after rounds that ran later. ``last``: only the newest so many, read
+        alone (a long-running task's whole history is 2 KB a round)."""
         with self.engine.connect() as conn:
-            order = (rounds.c.number, rounds.c.attempt, rounds.c.id)
-            rows = conn.execute(select(rounds).where(rounds.c.task_id == task_id).order_by(*order)).mappings().all()
+            if last is None:
+                order = (rounds.c.number, rounds.c.attempt, rounds.c.id)
+                query = select(rounds).where(rounds.c.task_id == task_id).order_by(*order)
+                rows = list(conn.execute(query).mappings().all())
+            else:
+                newest = (rounds.c.number.desc(), rounds.c.attempt.desc(), rounds.c.id.desc())
+                query = select(rounds).where(rounds.c.task_id == task_id).order_by(*newest).limit(last)
+                rows = list(reversed(conn.execute(query).mappings().all()))
         return [_round_record(r) for r in rows]
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:

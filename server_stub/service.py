@@ -439,7 +439,8 @@ class FLService:
                 self._recent[rid] = data
         return data
 
-    def rounds(self, population: str, task: str | None = None) -> list[dict]:
+    def rounds(self, population: str, task: str | None = None, last: int | None = None) -> list[dict]:
+        """Finished rounds, oldest first across the tasks; ``last``: only the newest so many."""
         self.write_late_metrics()
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
@@ -447,12 +448,13 @@ class FLService:
         if task is not None and all(r.name != task for r in records):
             raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
         per_task = [
-            [{**r.to_json(), "task": record.name} for r in self.store.rounds(record.id)]
+            [{**r.to_json(), "task": record.name} for r in self.store.rounds(record.id, last)]
             for record in records
             if task is None or record.name == task
         ]
         # oldest first across tasks (each task's own order kept): an operator reads a history
-        return list(heapq.merge(*per_task, key=lambda item: item["started_at"]))
+        merged = list(heapq.merge(*per_task, key=lambda item: item["started_at"]))
+        return merged if last is None else merged[-last:]
 
     def population_status(self, population: str) -> dict:
         """The population as an operator sees it: its tasks, the active ones and the open round."""

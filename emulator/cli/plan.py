@@ -129,6 +129,9 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     rounds = sub.add_parser("rounds", help="a population's rounds on a server, oldest first, one line each")
     _server_options(rounds, "the population whose rounds to list")
     rounds.add_argument("--task", help="only this task's rounds (default: every task's)")
+    rounds.add_argument(
+        "--last", type=_round_count, help="only the newest so many rounds (default: every round on record)"
+    )
 
 
 def _server_options(cmd: argparse.ArgumentParser, population: str) -> None:
@@ -469,9 +472,20 @@ def _status(args: argparse.Namespace, say) -> int:
     return 0
 
 
+def _round_count(text: str) -> int:
+    """``--last``: a number of rounds the server takes (1 to 1,000,000)."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"give a number of rounds from 1 to 1000000, not {text!r}")
+    return count
+
+
 def _rounds(args: argparse.Namespace, say) -> int:
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
-        rounds = admin.rounds(args.population, args.task)
+        rounds = admin.rounds(args.population, args.task, args.last)
     say("task                 round  attempt  status      selected  reported  started (UTC)")
     for r in rounds:
         m = r.get("metrics", {})

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
-from server_stub import FLService, RoundConfig, ServerStore, ServerThread
+from server_stub import AdminError, FLService, RoundConfig, ServerStore, ServerThread
 from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, StoreLayoutError
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
@@ -300,3 +300,33 @@ def test_the_last_committed_round_is_the_last_committed_one_of_the_history(tmp_p
         assert store.last_committed_round(task.id) == (committed[-1] if committed else None)
     finally:
         store.close()
+
+
+def test_the_newest_rounds_are_read_alone_over_http_and_by_fedfleet_rounds(tmp_path, capsys):
+    """A long run's history is 2 KB a round; an operator who wants the latest asks for them."""
+    from emulator.cli import commands as cli
+
+    plan = digits_plan()
+    with ServerThread(tmp_path / "fl.db") as server, server.admin() as admin:
+        service = server.service
+        admin.create_population("p")
+        admin.deploy_task("p", "t", plan, encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE))
+        store, task_id = service.store, service.store.tasks("p")[0].id
+        for number in range(1, 8):  # seven rounds on record, as a running server writes them
+            store.record_round(task_id, number, 1, "abandoned", {"selected": 0}, float(number), number + 0.5)
+        every = admin.rounds("p")
+        assert [r["round"] for r in every] == list(range(1, 8))
+        assert admin.rounds("p", last=3) == every[-3:] and admin.rounds("p", "t", last=100) == every
+        with pytest.raises(AdminError) as refused:
+            admin.rounds("p", last=0)
+        assert refused.value.code == "BAD_QUERY"
+        key = tmp_path / "admin.key"
+        key.write_text(server.admin_key + "\n")
+        key.chmod(0o600)
+        common = ["--server", server.url, "--population", "p", "--admin-key-file", str(key)]
+        assert cli.main(["rounds", *common, "--last", "2"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split()[1] for line in lines[1:]] == ["6", "7"], lines
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["rounds", *common, "--last", "0"])
+        assert exit_.value.code == 2 and "give a number of rounds from 1 to 1000000" in capsys.readouterr().err
