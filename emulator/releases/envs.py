@@ -14,6 +14,17 @@ wheels side by side, which one interpreter cannot import at once, so each releas
   or was interrupted leaves no valid env: the next :meth:`RuntimeEnv.for_release` wipes the leftover
   and starts again. A per-release lock file serializes concurrent creators (two test workers, or a
   measurement running beside a test session).
+* An install that fails says why in one line (the index unreachable, a full disk, no wheel for this
+  Python) and keeps pip's whole output in ``<cache>/onnxruntime-1.17.3.failed.log``.
+* The env is made with this interpreter when the release has a wheel for it, else with a
+  ``python3.X`` on ``PATH`` that it has one for (:data:`WHEEL_PYTHONS`: onnxruntime 1.15 and 1.16
+  have none for Python 3.12): the env talks to the project only through pipes, so its Python need
+  not be the project's.
+* An env whose files were damaged after it was made (its onnxruntime no longer imports) is found by
+  :meth:`RuntimeEnv.problem` and made again by :meth:`RuntimeEnv.repaired`.
+
+:func:`cached_envs` lists the envs (release, state, Python, size) and :func:`remove_envs` deletes
+them, as ``python -m emulator.releases.cache list|remove`` does.
 
 Code runs in the env with ``python -I`` (isolated: neither the caller's working directory nor
 ``PYTHONPATH`` leaks in, so the project's packages cannot shadow the env's onnxruntime)::
@@ -24,6 +35,7 @@ Code runs in the env with ``python -I`` (isolated: neither the caller's working 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -32,7 +44,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +54,17 @@ __all__ = [
     "CACHE_ENV_VAR",
     "KNOWN_RELEASES",
     "MARKER_NAME",
+    "WHEEL_PYTHONS",
     "RuntimeEnv",
     "RuntimeEnvError",
     "available_releases",
     "cache_root",
+    "cached_envs",
     "child_environ",
+    "install_failure",
     "latest_patch_per_minor",
+    "python_for_release",
+    "remove_envs",
     "requirements_for",
 ]
 
@@ -79,8 +96,14 @@ KNOWN_RELEASES: tuple[str, ...] = (
     "1.32.0",
 )
 
+#: The onnxruntime minors (first, last) with a CPython 3.X wheel among the releases above, by X
+#: (`pip index versions onnxruntime --python-version 3.X --only-binary=:all:`, checked 2026-11-27
+#: for Linux x86_64): a release outside its Python's range is installed with another Python.
+WHEEL_PYTHONS: dict[int, tuple[int, int]] = {10: (15, 23), 11: (15, 32), 12: (17, 32), 13: (20, 32), 14: (24, 32)}
+
 _RELEASE = re.compile(r"^1\.(\d+)\.(\d+)$")
 _INSTALL_TIMEOUT = 1800.0
+_FAILED_LOG = "onnxruntime-{version}.failed.log"
 
 # Runs inside the env: reads {"code", "payload"} from stdin, runs the code with `payload` bound, and
 # writes the `result` it leaves to the file named by argv[1] (not stdout, which native libraries and
@@ -173,10 +196,113 @@ def _env_python(path: Path) -> Path:
     return path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def _python_version(python: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """(3, 11, 7) for an interpreter that runs and has ``venv``; None for one that does not (a
+    pyenv shim of a version not selected exits 127)."""
+    try:
+        completed = subprocess.run(
+            [str(python), "-c", "import sys, venv; print(*sys.version_info[:3])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    try:
+        return tuple(int(p) for p in completed.stdout.split()) if completed.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+def _span(minors: Sequence[int]) -> str:
+    low, high = min(minors), max(minors)
+    return f"3.{low}" if low == high else f"3.{low}-3.{high}"
+
+
+def python_for_release(version: str, *, current: tuple[int, int] | None = None, search_path: str | None = None) -> str:
+    """The interpreter to make the env of onnxruntime ``version`` with: this one (``current``, by
+    default its version) unless :data:`WHEEL_PYTHONS` says the release has no wheel for it, then the
+    newest ``python3.X`` on ``search_path`` (default ``$PATH``) that it has one for."""
+    minor = _minor(version)
+    here = current or (sys.version_info[0], sys.version_info[1])
+    fits = [py for py, (first, last) in sorted(WHEEL_PYTHONS.items(), reverse=True) if first <= minor <= last]
+    if here[0] != 3 or here[1] not in WHEEL_PYTHONS or not fits or here[1] in fits:
+        return sys.executable  # a wheel for it, or nothing known against it: pip decides
+    for py in fits:
+        found = shutil.which(f"python3.{py}", path=search_path)
+        if found is not None and (_python_version(found) or ())[:2] == (3, py):
+            return found
+    raise RuntimeEnvError(
+        f"onnxruntime {version} has wheels for Python {_span(fits)} only, not for this interpreter's "
+        f"{here[0]}.{here[1]}; put one of those on PATH (as python3.{fits[0]}) to make its env with, and run again"
+    )
+
+
+#: What pip prints when it cannot reach the index (urllib3's and the OS's words), shortest first.
+_UNREACHABLE = (
+    "Connection refused",
+    "Network is unreachable",
+    "No route to host",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Read timed out",
+    "ConnectTimeoutError",
+    "ProxyError",
+    "CERTIFICATE_VERIFY_FAILED",
+    "Failed to establish a new connection",
+)
+_NO_SPACE = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+
+
+def _disk_full(cache: Path) -> str:
+    return (
+        f"the disk holding {cache} is full (an env takes 150-250 MB): free space there, or set "
+        f"${CACHE_ENV_VAR} to a folder on a disk with room"
+    )
+
+
+def install_failure(output: str, version: str, *, python: str, cache: Path) -> str:
+    """Why pip could not install onnxruntime ``version`` (its ``output``), in one line that says what
+    to do: a full disk, an index that does not answer, no wheel for this ``python`` ('3.12')."""
+    if any(words in output for words in _NO_SPACE):
+        return _disk_full(cache)
+    unreachable = next((words for words in _UNREACHABLE if words in output), None)
+    if unreachable is not None:
+        return (
+            f"the package index could not be reached ({unreachable}): connect to it, or point pip at one "
+            "that answers (PIP_INDEX_URL), and run again"
+        )
+    listed = re.search(r"requirement onnxruntime==\S+ \(from versions: ([^)]*)\)", output)
+    if listed is not None and listed.group(1).strip() == "none":  # pip without retries says no more
+        return (
+            "the package index listed no onnxruntime at all (unreachable, or an index without it): check the "
+            "network and PIP_INDEX_URL, and run again"
+        )
+    if listed is not None:
+        minor = version.rsplit(".", 1)[0] + "."
+        same = [v.strip() for v in listed.group(1).split(",") if v.strip().startswith(minor)]
+        has = f"of {minor[:-1]} it has {', '.join(same)}" if same else f"it has no {minor[:-1]} release for it"
+        return f"the package index has no onnxruntime {version} for Python {python} on this platform ({has})"
+    errors = [ln.removeprefix("ERROR:").strip() for ln in output.splitlines() if ln.startswith("ERROR:")]
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return errors[0] if errors else (lines[-1] if lines else "pip said nothing")
+
+
+def _lock_path(root: Path, version: str) -> Path:
+    return root / f".onnxruntime-{version}.lock"
+
+
 @contextmanager
 def _locked(lock_path: Path):
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a")  # noqa: SIM115 - held for the with block below
+    except OSError as exc:
+        raise RuntimeEnvError(
+            f"cannot use the runtime env cache {lock_path.parent} ({exc.strerror or exc}); "
+            f"set ${CACHE_ENV_VAR} to a folder you can write"
+        ) from None
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -224,8 +350,8 @@ class RuntimeEnv:
     ) -> RuntimeEnv:
         """The env for onnxruntime ``version``, reused when valid, else (re)made.
 
-        ``base_python`` makes the venv (default: this interpreter). With ``create=False`` a missing
-        or invalid env raises instead of being installed.
+        ``base_python`` makes the venv (default: :func:`python_for_release`). With ``create=False``
+        a missing or invalid env raises instead of being installed.
         """
         requirements_for(version)  # validates the version string before touching the disk
         root = Path(cache).expanduser() if cache is not None else cache_root()
@@ -234,48 +360,102 @@ class RuntimeEnv:
             return env
         if not create:
             raise RuntimeEnvError(f"no valid env for onnxruntime {version} under {root}")
-        with _locked(root / f".onnxruntime-{version}.lock"):
+        with _locked(_lock_path(root, version)):
             if not env.is_valid():  # another process may have finished it while we waited
-                env._create(Path(base_python) if base_python is not None else Path(sys.executable))
+                env._create(base_python)
         return env
 
-    def _create(self, base_python: Path) -> None:
+    def problem(self) -> str | None:
+        """None when the env's interpreter imports numpy and its onnxruntime at this release, else
+        what went wrong (one line): files deleted or overwritten since the env was made."""
+        try:
+            completed = subprocess.run(
+                [str(self.python), "-I", "-c", "import numpy, onnxruntime; print(onnxruntime.__version__)"],
+                capture_output=True,
+                text=True,
+                env=child_environ(),
+                timeout=300,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"its interpreter {self.python} does not run ({exc})"
+        lines = completed.stdout.strip().splitlines()
+        if completed.returncode == 0 and lines and lines[-1] == self.version:
+            return None
+        if completed.returncode == 0:
+            return f"it imports onnxruntime {lines[-1] if lines else '?'!r}"
+        return _tail(completed.stderr, 1) or f"its interpreter exits with {completed.returncode}"
+
+    def repaired(self, *, base_python: str | os.PathLike[str] | None = None) -> RuntimeEnv:
+        """This env, made again if it is damaged (see :meth:`problem`). Checked under the env's lock,
+        so an env another process has just made again is kept."""
+        with _locked(_lock_path(self.path.parent, self.version)):
+            if not self.is_valid() or self.problem() is not None:
+                self._create(base_python)
+        return self
+
+    def _create(self, base_python: str | os.PathLike[str] | None) -> None:
         if self.path.exists():  # leftover of a failed or interrupted install: never reused
             shutil.rmtree(self.path)
+        base = str(base_python) if base_python is not None else python_for_release(self.version)
+        python_version = _python_version(base)
+        if python_version is None:
+            raise RuntimeEnvError(
+                f"cannot make the env of onnxruntime {self.version}: {base} is not a Python with venv that runs"
+            )
+        log = self.path.parent / _FAILED_LOG.format(version=self.version)
         try:
-            self._run_checked([str(base_python), "-m", "venv", str(self.path)], "python -m venv")
+            self._run_checked([base, "-m", "venv", str(self.path)], "python -m venv", log)
             requirements = requirements_for(self.version)
             self._run_checked(
                 [str(self.python), "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *requirements],
                 f"pip install {' '.join(requirements)}",
+                log,
+                python=".".join(map(str, python_version[:2])),
             )
             probe = self._run_checked(
                 [str(self.python), "-I", "-c", "import onnxruntime; print(onnxruntime.__version__)"],
                 "import onnxruntime",
+                log,
             )
             installed = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
             if installed != self.version:
                 raise RuntimeEnvError(f"env for onnxruntime {self.version} imports onnxruntime {installed!r}")
             marker = {"onnxruntime": self.version, "requirements": requirements}
             tmp = self.marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, self.marker)  # atomic: the env turns valid in one step
+            try:
+                tmp.write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
+                os.replace(tmp, self.marker)  # atomic: the env turns valid in one step
+            except OSError as exc:
+                why = _disk_full(self.path.parent) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
+                raise RuntimeEnvError(f"cannot finish the env of onnxruntime {self.version}: {why}") from None
+            log.unlink(missing_ok=True)
         except BaseException:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
 
-    def _run_checked(self, argv: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    def _run_checked(
+        self, argv: list[str], what: str, log: Path, *, python: str = ""
+    ) -> subprocess.CompletedProcess[str]:
+        """Run one install step; a failure is one line (``install_failure``) naming ``log``, which
+        keeps the step's whole output."""
         try:
             completed = subprocess.run(
                 argv, capture_output=True, text=True, env=child_environ(), timeout=_INSTALL_TIMEOUT
             )
         except subprocess.TimeoutExpired:
-            raise RuntimeEnvError(f"{what} for onnxruntime {self.version} timed out") from None
-        if completed.returncode != 0:
             raise RuntimeEnvError(
-                f"{what} for onnxruntime {self.version} failed (exit {completed.returncode}):\n"
-                f"{_tail(completed.stderr or completed.stdout)}"
-            )
+                f"cannot install onnxruntime {self.version}: {what} took over {_INSTALL_TIMEOUT:g} s"
+            ) from None
+        if completed.returncode != 0:
+            output = f"$ {' '.join(argv)}\n{completed.stdout}\n{completed.stderr}"
+            try:
+                log.write_text(output, encoding="utf-8")
+                where = f"; the whole output: {log}"
+            except OSError:  # a full disk, say: the line has to do without it
+                log.unlink(missing_ok=True)
+                where = ""
+            why = install_failure(output, self.version, python=python or "this", cache=self.path.parent)
+            raise RuntimeEnvError(f"cannot install onnxruntime {self.version} ({what} failed): {why}{where}")
         return completed
 
     def run_json(self, code: str, payload: Any = None, *, timeout: float = 600.0) -> Any:
@@ -306,3 +486,61 @@ class RuntimeEnv:
                     f"{_tail(completed.stderr)}"
                 )
             return json.loads(out.read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------- the cache as a whole
+
+
+def _size(path: Path) -> int:
+    """Bytes ``path`` takes on disk (allocated blocks, as ``du``), links not followed."""
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+            except OSError:  # removed while we walked
+                pass
+    return total
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+def cached_envs(cache: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The envs under ``cache`` (default :func:`cache_root`), oldest release first: ``release``,
+    ``path``, ``valid`` (finished installing; see :meth:`RuntimeEnv.is_valid`), ``python`` (the
+    version of the Python that made it) and ``bytes`` on disk."""
+    root = Path(cache).expanduser() if cache is not None else cache_root()
+    found = []
+    for path in root.glob("onnxruntime-*") if root.is_dir() else []:
+        version = path.name.removeprefix("onnxruntime-")
+        if not path.is_dir() or _RELEASE.match(version) is None:
+            continue
+        try:  # what `python -m venv` wrote: the version of the Python that made the env
+            config = (path / "pyvenv.cfg").read_text(encoding="utf-8")
+        except OSError:
+            config = ""
+        python = next((ln.split("=", 1)[1].strip() for ln in config.splitlines() if ln.startswith("version")), None)
+        valid = RuntimeEnv(version, path).is_valid()
+        found.append({"release": version, "path": str(path), "valid": valid, "python": python, "bytes": _size(path)})
+    return sorted(found, key=lambda e: _release_key(e["release"]))
+
+
+def remove_envs(releases: Sequence[str] | None = None, *, cache: str | os.PathLike[str] | None = None) -> list[str]:
+    """Delete the envs of ``releases`` (None: every env) under ``cache``, each under its lock so that
+    an install under way finishes first; the releases removed. A worker already running from a
+    removed env goes on (its files stay until it exits)."""
+    root = Path(cache).expanduser() if cache is not None else cache_root()
+    wanted = [e["release"] for e in cached_envs(root)] if releases is None else list(releases)
+    removed = []
+    for version in wanted:
+        requirements_for(version)  # a release string, not a path: nothing outside the cache goes
+        path = root / f"onnxruntime-{version}"
+        with _locked(_lock_path(root, version)):
+            if path.exists():
+                shutil.rmtree(path)
+                removed.append(version)
+            (root / _FAILED_LOG.format(version=version)).unlink(missing_ok=True)
+        _lock_path(root, version).unlink(missing_ok=True)
+    return removed
