@@ -22,19 +22,28 @@ messages are frames of a JSON header and raw array bytes over its stdin/stdout (
 
 Step timing and memory are measured inside the worker (``time.perf_counter`` around each step; the
 resident set over the worker's baseline after importing onnxruntime, sampled after each step).
+
+A request that gets no answer within the worker's ``timeout`` (``$FEDFLEET_WORKER_TIMEOUT``
+seconds, 300 by default: a graph that never ends, such as a ``Loop`` with a huge trip count) stops
+the worker, and a worker that died (killed, or crashed inside onnxruntime) is named with its signal;
+either way :class:`WorkerError`, and the pool starts a new worker for the release's next use. A
+worker that cannot start in its env because the env's files were damaged has the env made again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import os
 import random
 import select
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +59,7 @@ from device_runtime.plan_cache import LoadedPlans
 from .envs import RuntimeEnv, RuntimeEnvError, child_environ
 
 __all__ = [
+    "TIMEOUT_ENV_VAR",
     "ReleasePlans",
     "RuntimeWorker",
     "TrainResult",
@@ -62,6 +72,11 @@ __all__ = [
 #: How often a host waiting for a step polls its stop flag (a forced stop lands within this, plus
 #: the time onnxruntime takes to reach its next node).
 STOP_POLL_S = 0.005
+
+#: Seconds a worker may take to answer one request (a step, a forward run, a proxy shard's local
+#: epochs) before it is stopped: ``$FEDFLEET_WORKER_TIMEOUT``, else 300.
+TIMEOUT_ENV_VAR = "FEDFLEET_WORKER_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
 
 # Runs in the release's env (only onnxruntime and numpy there). The frame helpers are also
 # exec'd by the host, so both ends share one definition of the framing.
@@ -259,12 +274,44 @@ def _key(model: bytes) -> str:
     return hashlib.sha256(model).hexdigest()
 
 
+def _default_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV_VAR, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise WorkerError(
+            f"${TIMEOUT_ENV_VAR} is {raw!r}; give the seconds a release's worker may take to answer, such as 600"
+        )
+    return value
+
+
+def _ending(returncode: int) -> str:
+    """How a worker process ended, for a person: its signal by name."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if name == "SIGKILL":
+        return "was killed (SIGKILL: out of memory, or another process killed it)"
+    if name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL"):
+        return f"crashed ({name}) inside onnxruntime or numpy"
+    return f"was stopped by {name}"
+
+
 class RuntimeWorker:
     """One worker process running onnxruntime ``version`` (``python`` is its env's interpreter).
-    Calls are serialized; one worker may be shared by threads."""
+    Calls are serialized; one worker may be shared by threads. A request not answered within
+    ``timeout`` seconds (default ``$FEDFLEET_WORKER_TIMEOUT`` or 300) stops the worker."""
 
-    def __init__(self, version: str, python: str) -> None:
+    def __init__(self, version: str, python: str, *, timeout: float | None = None) -> None:
         self.version = version
+        self.timeout = timeout if timeout is not None else _default_timeout()
         control_read, self._control = os.pipe()  # stops for a step in flight (see ``step``)
         # A file, not a pipe: nobody reads stderr while the worker runs, and a full pipe would stall it.
         self._stderr = tempfile.TemporaryFile()
@@ -286,51 +333,84 @@ class RuntimeWorker:
         self._lock = threading.Lock()
         self._loaded: set[str] = set()
         self._runs = itertools.count(1)
-        hello, _ = self._call({"op": "hello"}, {})
+        try:
+            hello, _ = self._call({"op": "hello"}, {})
+        except BaseException:
+            self.close()
+            raise
         self.reported_version: str = hello["version"]
         if version != "host" and self.reported_version != version:
             self.close()
             raise WorkerError(f"the worker for onnxruntime {version} imports onnxruntime {self.reported_version}")
 
     @classmethod
-    def for_release(cls, version: str, **env_options: Any) -> RuntimeWorker:
-        """A worker in the cached env of ``version`` (made first if missing, see ``RuntimeEnv``)."""
-        return cls(version, str(RuntimeEnv.for_release(version, **env_options).python))
+    def for_release(
+        cls,
+        version: str,
+        *,
+        timeout: float | None = None,
+        cache: str | os.PathLike[str] | None = None,
+        base_python: str | os.PathLike[str] | None = None,
+        create: bool = True,
+    ) -> RuntimeWorker:
+        """A worker in the cached env of ``version`` (made first if missing, see ``RuntimeEnv``;
+        made again if its files were damaged so that no worker starts there)."""
+        env = RuntimeEnv.for_release(version, cache=cache, base_python=base_python, create=create)
+        try:
+            return cls(version, str(env.python), timeout=timeout)
+        except WorkerError:
+            problem = env.problem()
+            if problem is None:  # the env is sound: the worker failed for a reason of its own
+                raise
+            if not create:
+                raise RuntimeEnvError(
+                    f"the env of onnxruntime {version} at {env.path} is damaged ({problem}); remove it "
+                    f"(python -m emulator.releases.cache remove {version}) and run again"
+                ) from None
+        env = env.repaired(base_python=base_python)
+        return cls(version, str(env.python), timeout=timeout)
 
     @classmethod
-    def host(cls) -> RuntimeWorker:
+    def host(cls, *, timeout: float | None = None) -> RuntimeWorker:
         """A worker on this interpreter's onnxruntime: the reference the releases are compared with."""
-        worker = cls("host", sys.executable)
+        worker = cls("host", sys.executable, timeout=timeout)
         worker.version = worker.reported_version
         return worker
+
+    @property
+    def alive(self) -> bool:
+        """False once the process has ended (killed, crashed, stopped after a timeout, closed)."""
+        return self._proc.poll() is None
 
     def _call(
         self, header: dict, arrays: Mapping[str, np.ndarray], *, stop: Callable[[], bool] | None = None
     ) -> tuple[dict, dict]:
         """Send one request and read its reply. While waiting, ``stop()`` is polled every few
-        milliseconds; once it is true the worker is told to end the run's step in flight."""
+        milliseconds; once it is true the worker is told to end the run's step in flight. A reply
+        that does not come within ``timeout`` stops the worker."""
         with self._lock:
             if self._proc.poll() is not None:
                 raise WorkerError(
-                    f"the onnxruntime {self.version} worker has exited ({self._proc.returncode}); {self._stderr_tail()}"
+                    f"the onnxruntime {self.version} worker {_ending(self._proc.returncode)}; {self._stderr_tail()}"
                 )
             try:
                 assert self._proc.stdin is not None and self._proc.stdout is not None
                 _write_frame(self._proc.stdin, header, arrays)
-                if stop is not None:
-                    # One reply is outstanding and the last was read whole, so the buffer is empty
-                    # and the pipe's readiness is the reply's.
-                    while not select.select([self._proc.stdout], [], [], STOP_POLL_S)[0]:
-                        if stop():
-                            os.write(self._control, f"{header['run']}\n".encode())
-                            break
+                self._await_reply(header, stop)
                 reply, values = _read_frame(self._proc.stdout)
             except (BrokenPipeError, OSError, ValueError) as exc:
-                raise WorkerError(
-                    f"the onnxruntime {self.version} worker failed: {exc}; {self._stderr_tail()}"
-                ) from None
+                if self._died():
+                    reply, values = None, None
+                else:
+                    raise WorkerError(
+                        f"the onnxruntime {self.version} worker failed: {exc}; {self._stderr_tail()}"
+                    ) from None
             if reply is None:
-                raise WorkerError(f"the onnxruntime {self.version} worker died; {self._stderr_tail()}")
+                self._died()
+                raise WorkerError(
+                    f"the onnxruntime {self.version} worker {_ending(self._proc.returncode)} while it ran "
+                    f"{header['op']!r}; {self._stderr_tail()}"
+                )
             if reply.get("interrupted"):
                 raise TrainingInterrupted(
                     f"training was stopped by force while a step was running on onnxruntime {self.version}"
@@ -339,12 +419,43 @@ class RuntimeWorker:
                 raise WorkerError(f"onnxruntime {self.version}: {reply.get('error')}")
             return reply, values or {}
 
+    def _await_reply(self, header: dict, stop: Callable[[], bool] | None) -> None:
+        """Wait until the reply can be read: one reply is outstanding and the last was read whole,
+        so the buffer is empty and the pipe's readiness is the reply's."""
+        assert self._proc.stdout is not None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._proc.kill()
+                self._proc.wait()
+                raise WorkerError(
+                    f"onnxruntime {self.version} did not answer {header['op']!r} within {self.timeout:g} s (a graph "
+                    f"that does not end, such as a Loop with a huge trip count?); its worker was stopped "
+                    f"(${TIMEOUT_ENV_VAR} sets the limit)"
+                )
+            polling = stop is not None and "run" in header
+            if select.select([self._proc.stdout], [], [], min(left, STOP_POLL_S) if polling else left)[0]:
+                return
+            if polling and stop is not None and stop():
+                os.write(self._control, f"{header['run']}\n".encode())
+                stop = None  # said once; the reply (interrupted) follows
+
+    def _died(self) -> bool:
+        """Whether the process has ended, given a moment to (a broken pipe comes before its exit)."""
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def _stderr_tail(self) -> str:
         if self._proc.poll() is None or self._stderr.closed:
             return "it is still running"
         size = self._stderr.seek(0, os.SEEK_END)
         self._stderr.seek(max(0, size - 600))
-        return "stderr: " + self._stderr.read().decode(errors="replace")
+        tail = " ".join(self._stderr.read().decode(errors="replace").split())
+        return f"stderr: {tail}" if tail else "nothing on stderr"
 
     def _model(self, model: bytes) -> tuple[str, dict[str, np.ndarray]]:
         key = _key(model)
@@ -508,9 +619,12 @@ class WorkerExecutor(PlanExecutor):
 
 
 class WorkerPool:
-    """One worker per release, started on first use and shared by every device of that release."""
+    """One worker per release, started on first use and shared by every device of that release; a
+    worker that has died (or was stopped after a timeout) is replaced at the release's next use.
+    ``timeout`` and ``env_options`` (``cache``, ``base_python``, ``create``) go to each worker."""
 
-    def __init__(self, **env_options: Any) -> None:
+    def __init__(self, *, timeout: float | None = None, **env_options: Any) -> None:
+        self._timeout = timeout if timeout is not None else _default_timeout()
         self._env_options = env_options
         self._workers: dict[str, RuntimeWorker] = {}
         self._lock = threading.Lock()
@@ -519,14 +633,28 @@ class WorkerPool:
         weakref.finalize(self, _close_workers, self._workers)
 
     def worker(self, version: str) -> RuntimeWorker:
+        """The release's worker. Raises :class:`RuntimeEnvError` when its env cannot be made (the
+        index unreachable, a full disk: nothing the release did) and :class:`WorkerError` when the
+        worker does not start."""
         with self._lock:
             worker = self._workers.get(version)
+            if worker is not None and not worker.alive:
+                worker.close()
+                worker = None
             if worker is None:
-                try:
-                    worker = self._workers[version] = RuntimeWorker.for_release(version, **self._env_options)
-                except RuntimeEnvError as exc:
-                    raise WorkerError(f"no environment for onnxruntime {version}: {exc}") from None
+                worker = RuntimeWorker.for_release(version, timeout=self._timeout, **self._env_options)
+                self._workers[version] = worker
             return worker
+
+    def env_ready(self, version: str) -> bool:
+        """Whether the release's worker can start without installing its env first."""
+        if version in self._workers:
+            return True
+        try:
+            RuntimeEnv.for_release(version, cache=self._env_options.get("cache"), create=False)
+        except (RuntimeEnvError, ValueError):
+            return False
+        return True
 
     def close(self) -> None:
         with self._lock:

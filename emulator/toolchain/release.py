@@ -41,6 +41,7 @@ import numpy as np
 
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan
+from emulator.releases.envs import RuntimeEnvError
 from emulator.releases.workers import RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool
 from emulator.toolchain.tasks import Budget, ProxyData, Task, TaskError, Tolerance, Trial
 from emulator.toolchain.versioning import VersioningError, plan_sha256, versioned_plan
@@ -49,6 +50,7 @@ from server_stub.release_gate import REPORT_FORMAT
 __all__ = [
     "REPORT_FORMAT",
     "Check",
+    "ReleaseTestError",
     "budget_checks",
     "compare_outputs",
     "max_abs_difference",
@@ -64,6 +66,12 @@ class Check:
     name: str
     passed: bool
     detail: str = ""
+
+
+class ReleaseTestError(TaskError):
+    """The release tests cannot run at all, so there is no report to write: a release's env cannot
+    be made (the index unreachable, a full disk: nothing the release did) or the unversioned plan
+    fails on the reference. A :class:`TaskError`, so ``plan test`` and a fleet say it in one line."""
 
 
 def max_abs_difference(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray]) -> float | None:
@@ -331,28 +339,39 @@ def release_test(
         probe = _batches(ref_executor, proxy.shards[0], 1)[0][0]
         feeds = {**{k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}, **probe}
         outputs = [*plan.weight_outputs, *plan.metric_names]
-        reference_outputs = host.run(plan.work, feeds, outputs)
         extra: dict[str, Any] = {}
-        if task.evaluates is not None:
-            if trained is None:
-                trained_plan = task.evaluates.build_plan()
-                trained = (trained_plan, task.evaluates.weights(trained_plan))
-            say(f"{task.evaluates.name}: {task.simulated_rounds} simulated rounds whose models the evaluation measures")
-            models = list(
-                _simulated_rounds(
-                    trained[0],
-                    PlanExecutor(trained[0]),
-                    trained[1],
-                    proxy,
-                    WorkerExecutor(trained[0], host),
-                    task.simulated_rounds,
+        try:
+            reference_outputs = host.run(plan.work, feeds, outputs)
+            if task.evaluates is not None:
+                if trained is None:
+                    trained_plan = task.evaluates.build_plan()
+                    trained = (trained_plan, task.evaluates.weights(trained_plan))
+                say(
+                    f"{task.evaluates.name}: {task.simulated_rounds} simulated rounds whose models the evaluation "
+                    "measures"
                 )
-            )
-            run_on: Callable[[Plan, RuntimeWorker], _Run] = lambda p, w: _run_evaluation(p, server, models, proxy, w)  # noqa: E731
-            extra["evaluates"] = {"task": task.evaluates.name, "plan_sha256": plan_sha256(trained[0])}
-        else:
-            run_on = lambda p, w: _run_task(task, p, server, weights, proxy, w)  # noqa: E731
-        ref_run = run_on(plan, host)
+                models = list(
+                    _simulated_rounds(
+                        trained[0],
+                        PlanExecutor(trained[0]),
+                        trained[1],
+                        proxy,
+                        WorkerExecutor(trained[0], host),
+                        task.simulated_rounds,
+                    )
+                )
+                run_on: Callable[[Plan, RuntimeWorker], _Run] = lambda p, w: _run_evaluation(  # noqa: E731
+                    p, server, models, proxy, w
+                )
+                extra["evaluates"] = {"task": task.evaluates.name, "plan_sha256": plan_sha256(trained[0])}
+            else:
+                run_on = lambda p, w: _run_task(task, p, server, weights, proxy, w)  # noqa: E731
+            ref_run = run_on(plan, host)
+        except WorkerError as exc:  # the plan itself does not run: no release can be compared with it
+            raise ReleaseTestError(
+                f"task {task.name!r}: the unversioned plan does not run on the reference, this interpreter's "
+                f"onnxruntime {host.version} ({exc}); fix the plan and build it again"
+            ) from None
         report: dict[str, Any] = {
             "format": REPORT_FORMAT,
             "task": task.name,
@@ -371,24 +390,31 @@ def release_test(
             vplan: Plan | None = None
             run: _Run | None = None
             diff: float | None = None
+            checks: list[Check] = []
+            step = "versioned_plan"  # the check a failure of the release is recorded as
             try:
                 vplan = (
                     versioned[runtime]
                     if versioned is not None and runtime in versioned
                     else versioned_plan(plan, runtime)
                 )
-                worker = pool.worker(runtime)
+                step = "loads"
+                if not pool.env_ready(runtime):
+                    say(f"onnxruntime {runtime}: installing its env (once; a minute or two, 150-250 MB on disk)")
+                worker = pool.worker(runtime)  # an env that cannot be made is not the release's doing
                 worker.load(vplan.work)
-                checks = [Check("loads", True, f"opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}")]
+                checks.append(Check("loads", True, f"opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}"))
+                step = "equivalence"
                 candidate = worker.run(vplan.work, feeds, outputs)
                 checks.append(compare_outputs(reference_outputs, candidate, task.tolerance))
                 diff = max_abs_difference(reference_outputs, candidate)
+                step = "runs"  # local epochs, simulated rounds
                 run = run_on(vplan, worker)
                 checks += _judge(task, run)
-            except VersioningError as exc:
-                checks = [Check("versioned_plan", False, str(exc))]
-            except WorkerError as exc:
-                checks = [Check("loads", False, str(exc))]
+            except (VersioningError, WorkerError) as exc:
+                checks.append(Check(step, False, str(exc)))
+            except RuntimeEnvError as exc:
+                raise ReleaseTestError(str(exc)) from None
             report["results"][runtime] = _entry(vplan, runtime, checks, run, diff)
         report["passed"] = report_passed(report)
         return report

@@ -5,7 +5,11 @@ step, a forced stop inside a step in flight, and nothing of an interrupted run l
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -17,6 +21,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from onnx import TensorProto, helper
 
 from device_runtime import (
     FLRuntime,
@@ -30,7 +35,9 @@ from device_runtime import (
 )
 from device_runtime.clock import VirtualClock
 from emulator.devices.inprocess import InProcessTransport
+from emulator.releases.envs import RuntimeEnv, RuntimeEnvError, requirements_for
 from emulator.releases.workers import (
+    TIMEOUT_ENV_VAR,
     ReleasePlans,
     RuntimeWorker,
     WorkerError,
@@ -262,5 +269,92 @@ def test_a_worker_that_dies_is_reported_with_the_tail_of_its_stderr():
         worker.load(plan.work)
         worker._proc.kill()
         worker._proc.wait()
-        with pytest.raises(WorkerError, match=r"worker has exited \(-9\); stderr: "):
+        with pytest.raises(WorkerError, match=r"worker was killed \(SIGKILL: out of memory, or another process"):
             worker.load(build_mlp_plan(64, (8,), 10, opset=17, selector=ExampleSelector("app:/digits")).work)
+
+
+def endless_loop() -> bytes:
+    """y = x + 1, 2**62 times: a graph onnxruntime loads and then never ends."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["go"], ["go_on"]), helper.make_node("Add", ["v", "one"], ["v_next"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("go", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("go_on", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_next", TensorProto.FLOAT, [1]),
+        ],
+        initializer=[helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "go", "x"], ["y"], body=body)],
+        "endless",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        initializer=[
+            helper.make_tensor("trips", TensorProto.INT64, [], [2**62]),
+            helper.make_tensor("go", TensorProto.BOOL, [], [True]),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+def _answers(worker: RuntimeWorker) -> bool:
+    plan = build_mlp_plan(64, (), 10, opset=17, selector=ExampleSelector("app:/digits"))
+    worker.load(versioned_plan(plan, OLD).work)
+    return worker.alive
+
+
+@pytest.mark.timeout(1800)  # a cold cache installs the release first
+def test_a_worker_that_does_not_answer_in_time_is_stopped_and_its_pool_starts_another():
+    with WorkerPool() as pool:
+        hung = pool.worker(OLD)
+        hung.load(endless_loop())
+        hung.timeout = 1.0  # after it started: importing onnxruntime on a loaded machine may take longer
+        with pytest.raises(WorkerError) as stopped:
+            hung.run(endless_loop(), {"x": np.zeros(1, np.float32)}, ["y"])
+        assert f"onnxruntime {OLD} did not answer 'run' within 1 s" in str(stopped.value)
+        assert "\n" not in str(stopped.value) and not hung.alive
+        again = pool.worker(OLD)
+        assert again is not hung and _answers(again)
+
+
+@pytest.mark.timeout(1800)
+def test_a_worker_killed_mid_run_is_named_by_its_signal_and_replaced_at_its_next_use():
+    with WorkerPool() as pool:
+        killed = pool.worker(OLD)
+        killed.load(endless_loop())
+        crash = threading.Timer(0.3, lambda: os.kill(killed._proc.pid, signal.SIGSEGV))
+        crash.start()
+        with pytest.raises(
+            WorkerError, match=r"worker crashed \(SIGSEGV\) inside onnxruntime or numpy while it ran 'run'"
+        ):
+            killed.run(endless_loop(), {"x": np.zeros(1, np.float32)}, ["y"])
+        crash.join()
+        again = pool.worker(OLD)
+        assert again is not killed and _answers(again)
+
+
+def test_a_damaged_env_is_made_again_or_named_when_it_may_not_be(tmp_path):
+    env = RuntimeEnv(OLD, tmp_path / f"onnxruntime-{OLD}")
+    env.python.parent.mkdir(parents=True)
+    env.python.symlink_to(sys.executable)  # its interpreter, but none of its packages: site-packages deleted
+    env.marker.write_text(json.dumps({"onnxruntime": OLD, "requirements": requirements_for(OLD)}))
+    assert env.is_valid()
+    with pytest.raises(RuntimeEnvError) as named:
+        RuntimeWorker.for_release(OLD, cache=tmp_path, create=False)
+    assert f"the env of onnxruntime {OLD} at {env.path} is damaged (ModuleNotFoundError" in str(named.value)
+    assert f"python -m emulator.releases.cache remove {OLD}" in str(named.value)
+    with pytest.raises(RuntimeEnvError, match="is not a Python with venv that runs"):  # made again, with this base
+        RuntimeWorker.for_release(OLD, cache=tmp_path, base_python=tmp_path / "no-python")
+    assert not env.path.exists()
+
+
+def test_a_timeout_that_is_not_a_positive_number_is_refused(monkeypatch):
+    for raw in ("soon", "0", "-5", "nan", "inf"):
+        monkeypatch.setenv(TIMEOUT_ENV_VAR, raw)
+        with pytest.raises(WorkerError, match=f"FEDFLEET_WORKER_TIMEOUT is '{raw}'; give the seconds"):
+            WorkerPool()

@@ -5,6 +5,8 @@ plan that computes something else, and a plan with no form for a release each fa
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +17,27 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
 from device_runtime import build_mlp_plan
-from device_runtime.plan import ir_version_for_opset
+from device_runtime.plan import Plan, ir_version_for_opset
 from emulator.releases.envs import KNOWN_RELEASES
 from emulator.releases.workers import WorkerPool
 from emulator.toolchain import FedAvgM
-from emulator.toolchain.release import budget_checks, compare_outputs, release_table, release_test, report_passed
-from emulator.toolchain.tasks import Budget, Task, Tolerance, accuracy_after_rounds, evaluation_of, load_tasks
+from emulator.toolchain.release import (
+    ReleaseTestError,
+    budget_checks,
+    compare_outputs,
+    release_table,
+    release_test,
+    report_passed,
+)
+from emulator.toolchain.tasks import (
+    Budget,
+    Task,
+    TaskError,
+    Tolerance,
+    accuracy_after_rounds,
+    evaluation_of,
+    load_tasks,
+)
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.release_gate import ReleaseGateError, check_release_report
 
@@ -238,3 +255,63 @@ def test_the_release_table_has_a_row_per_release_and_names_the_first_failed_chec
     ]
     assert lines[4] == f"{NEWEST}: accuracy_after_4_rounds: accuracy 0.7 after 4 rounds (needs >= 0.8)"
     assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
+
+
+def _reshaping_to(plan: Plan, shape: list[int]) -> Plan:
+    """``plan`` whose work graph also reshapes its input ``x`` to ``shape`` (an output of its own,
+    computed at every run): a graph onnxruntime loads and refuses only when it runs."""
+    work = onnx.ModelProto.FromString(plan.work)
+    work.graph.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), "odd_shape"))
+    work.graph.node.append(helper.make_node("Reshape", ["x", "odd_shape"], ["x_reshaped"], name="odd"))
+    work.graph.output.append(helper.make_tensor_value_info("x_reshaped", onnx.TensorProto.FLOAT, None))
+    return dataclasses.replace(plan, work=work.SerializeToString())
+
+
+@pytest.mark.timeout(1800)
+def test_a_release_that_fails_once_it_runs_is_failed_at_the_step_that_failed(task, pool):
+    plan = task.build_plan()
+    broken = {MIDDLE: _reshaping_to(versioned_plan(plan, MIDDLE), [7, -1])}  # a batch of 16 x 64 is no 7 x n
+    report = release_test(task, pool=pool, plan=plan, versioned=broken, runtimes=[MIDDLE])
+    checks = report["results"][MIDDLE]["checks"]
+    assert [(c["name"], c["passed"]) for c in checks] == [("loads", True), ("equivalence", False)]
+    assert "Reshape node. Name:'odd'" in checks[1]["detail"]
+    with pytest.raises(ReleaseGateError) as refused:
+        check_release_report(report, plan_sha256(plan), {MIDDLE: report["results"][MIDDLE]["plan_sha256"]})
+    assert (refused.value.runtime, refused.value.check) == (MIDDLE, "equivalence")
+
+
+@pytest.mark.timeout(1800)
+def test_a_worker_that_crashes_while_training_fails_its_release_only_and_is_replaced(task, pool):
+    crashing = pool.worker(NEWEST)
+    train = crashing.train
+
+    def crash_then_train(*args, **kwargs):  # onnxruntime dies inside the local epochs
+        os.kill(crashing._proc.pid, signal.SIGSEGV)
+        return train(*args, **kwargs)
+
+    crashing.train = crash_then_train  # type: ignore[method-assign]
+    report = release_test(task, pool=pool, runtimes=[NEWEST, OLDEST])
+    checks = report["results"][NEWEST]["checks"]
+    assert [(c["name"], c["passed"]) for c in checks] == [("loads", True), ("equivalence", True), ("runs", False)]
+    assert "worker crashed (SIGSEGV) inside onnxruntime or numpy while it ran 'train'" in checks[2]["detail"]
+    assert report["results"][OLDEST]["passed"] and not report["passed"]
+    again = release_test(task, pool=pool, runtimes=[NEWEST])  # the release's next test gets a new worker
+    assert again["passed"] and pool.worker(NEWEST) is not crashing
+
+
+def test_a_plan_that_fails_on_the_reference_is_refused_before_any_release(task, tmp_path):
+    broken = _reshaping_to(task.build_plan(), [7, -1])
+    with WorkerPool(cache=tmp_path, create=False) as untouched:  # no release is reached: no env is needed
+        with pytest.raises(ReleaseTestError) as refused:
+            release_test(task, pool=untouched, plan=broken, runtimes=[OLDEST])
+    message = str(refused.value)
+    assert "the unversioned plan does not run on the reference, this interpreter's onnxruntime" in message
+    assert "Reshape node. Name:'odd'" in message and "fix the plan and build it again" in message
+
+
+def test_an_env_that_cannot_be_made_stops_the_release_tests_instead_of_failing_the_release(task, tmp_path):
+    with WorkerPool(cache=tmp_path, base_python=tmp_path / "no-python") as cannot_install:
+        with pytest.raises(ReleaseTestError) as stopped:  # not a failed release: nothing the release did
+            release_test(task, pool=cannot_install, runtimes=[OLDEST])
+    assert "\n" not in str(stopped.value) and f"cannot make the env of onnxruntime {OLDEST}" in str(stopped.value)
+    assert isinstance(stopped.value, TaskError)  # said in one line by `plan test` and by a fleet
