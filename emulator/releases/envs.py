@@ -542,5 +542,6 @@ def remove_envs(releases: Sequence[str] | None = None, *, cache: str | os.PathLi
                 shutil.rmtree(path)
                 removed.append(version)
             (root / _FAILED_LOG.format(version=version)).unlink(missing_ok=True)
-        _lock_path(root, version).unlink(missing_ok=True)
+        # the empty lock file stays: deleting it could let a process waiting on it and a newcomer
+        # locking a new file of that name install the release at once
     return removed

@@ -358,3 +358,14 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(monkeypatch):
         monkeypatch.setenv(TIMEOUT_ENV_VAR, raw)
         with pytest.raises(WorkerError, match=f"FEDFLEET_WORKER_TIMEOUT is '{raw}'; give the seconds"):
             WorkerPool()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_real_env_whose_onnxruntime_was_deleted_is_installed_again_when_a_worker_starts(tmp_path):
+    env = RuntimeEnv.for_release(OLD, cache=tmp_path)
+    native = next(env.path.glob("lib/python3*/site-packages/onnxruntime/capi/onnxruntime_pybind11_state*"))
+    native.unlink()
+    assert env.is_valid() and "onnxruntime_pybind11_state" in (env.problem() or "")
+    with RuntimeWorker.for_release(OLD, cache=tmp_path) as worker:
+        assert worker.reported_version == OLD and env.problem() is None
