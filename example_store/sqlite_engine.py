@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,15 +15,32 @@ from typing import Any
 from sqlalchemy import URL, Connection, Engine, create_engine, event
 
 
-def configure_connection(dbapi_connection: sqlite3.Connection, *, foreign_keys: bool = False) -> None:
+def configure_connection(
+    dbapi_connection: sqlite3.Connection, *, foreign_keys: bool = False, busy_timeout_s: float = 30.0
+) -> None:
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA journal_mode=WAL").fetchall()
+        _to_wal(cursor, busy_timeout_s)
         cursor.execute("PRAGMA synchronous=NORMAL")
         if foreign_keys:
             cursor.execute("PRAGMA foreign_keys=ON")
     finally:
         cursor.close()
+
+
+def _to_wal(cursor: sqlite3.Cursor, wait_s: float) -> None:
+    """``PRAGMA journal_mode=WAL``, waited for as a write is: on a new file, another process turning
+    it to WAL at the same moment holds a lock that SQLite's busy handler does not wait on, and the
+    pragma failed at once with 'database is locked'."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL").fetchall()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
 
 
 def sqlite_engine(
@@ -35,7 +53,11 @@ def sqlite_engine(
         connect_args={"check_same_thread": False, "timeout": busy_timeout_s},
         **engine_kwargs,
     )
-    event.listen(engine, "connect", lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys))
+    event.listen(
+        engine,
+        "connect",
+        lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys, busy_timeout_s=busy_timeout_s),
+    )
     return engine
 
 
