@@ -23,7 +23,6 @@ to a transpose.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.metadata
 import itertools
@@ -44,6 +43,8 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from flax import nnx  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
+
+from benchmarks.fixture_cli import make_fixtures  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain" / "jax"
 LR = 0.5
@@ -210,13 +211,8 @@ def make(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    manifest = make(args.out)
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{len(manifest['fixtures'])} fixtures in {args.out}")
+    manifest, out = make_fixtures(__doc__ or "", OUT, make)
+    print(f"{len(manifest['fixtures'])} fixtures in {out}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ with Paddle float32's own error per initializer (``float32_error``).
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import itertools
 import json
@@ -37,6 +36,8 @@ import onnx
 import paddle
 import paddle2onnx
 from onnx import numpy_helper
+
+from benchmarks.fixture_cli import make_fixtures
 
 F = paddle.nn.functional
 OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain" / "paddle"
@@ -244,13 +245,8 @@ def make(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    manifest = make(args.out)
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{len(manifest['fixtures'])} fixtures in {args.out}")
+    manifest, out = make_fixtures(__doc__ or "", OUT, make)
+    print(f"{len(manifest['fixtures'])} fixtures in {out}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ writes an ``ai.onnx.ml`` linear op in standard ops (``emulator/toolchain/ml_ops.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import platform
@@ -49,6 +48,8 @@ from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import MinMaxScaler, Normalizer, StandardScaler
 from sklearn.svm import LinearSVC
+
+from benchmarks.fixture_cli import make_fixtures
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "emulator" / "toolchain" / "sklearn"
 LR = 0.5
@@ -355,13 +356,8 @@ def make(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    manifest = make(args.out)
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{len(manifest['fixtures'])} fixtures and {len(manifest['as_is'])} refused models in {args.out}")
+    manifest, out = make_fixtures(__doc__ or "", OUT, make)
+    print(f"{len(manifest['fixtures'])} fixtures and {len(manifest['as_is'])} refused models in {out}")
 
 
 if __name__ == "__main__":
