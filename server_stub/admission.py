@@ -12,8 +12,15 @@ from device_runtime.wire import CheckinAccepted, CheckinRejected
 from .rounds import SessionState
 from .service_state import Population, SessionTable, TaskRun
 
-#: Retry window for devices of a population that has nothing to train.
+#: Retry window for devices of a population that has nothing to train, as it starts to be idle.
 IDLE_RETRY_WINDOW_S = (60.0, 180.0)
+#: Pace steering of an idle population (no task, or all of its tasks completed): devices are asked
+#: back after about this share of the time it has been idle, so that a population idle for an hour
+#: is checked on every quarter of an hour, not every two minutes ...
+IDLE_SHARE = 0.25
+#: ... and at the latest after this long: a task deployed into a population idle for long is learnt
+#: of within the hour (each device comes back at the time it drew in the last window it was told).
+IDLE_RETRY_MAX_S = 3600.0
 #: Retry window for a device whose onnxruntime release the task's plan does not serve: nothing
 #: changes for it until another task is deployed, so it comes back in half an hour to an hour
 #: (pace steering: as often as it may be needed, no more). A fleet in which a third of the
@@ -21,18 +28,29 @@ IDLE_RETRY_WINDOW_S = (60.0, 180.0)
 VERSION_RETRY_WINDOW_S = (1800.0, 3600.0)
 
 
-def no_open_round(pop: Population | None, now: float) -> CheckinRejected:
+def no_open_round(pop: Population | None, now: float, idle_since: float) -> CheckinRejected:
     """The answer while the population has no round open: it does not exist (answered as a
     population with no task, so devices cannot probe which names exist), it gathers for its next
-    selection, a round is being committed, or it has no task."""
+    selection, a round is being committed, or it has had no task since ``idle_since``."""
     if pop is None or not pop.runs:
-        return rejected(IDLE_RETRY_WINDOW_S, "NO_TASK")
+        return rejected(idle_window(now - idle_since), "NO_TASK")
     if pop.opens_at is not None:  # a small population gathers for the next selection
         return rejected(told(pop, pop.runs[0], now, pop.opens_at), "ROUND_NOT_OPEN")
     last = pop.runs[0]  # a round is being committed
     if small(pop, last, now):
         return rejected(told(pop, last, now, pop.rendezvous.aimed_at or now), "ROUND_FULL")
     return rejected(last.pace.retry_window(now, now, paced(pop, last, now), last.config.report_timeout_s), "ROUND_FULL")
+
+
+def idle_window(idle_s: float) -> tuple[float, float]:
+    """The retry window of a population that has had no task for ``idle_s`` seconds:
+    ``IDLE_RETRY_WINDOW_S`` at first, stretched so that its end is ``IDLE_SHARE`` of the time idle,
+    up to ``IDLE_RETRY_MAX_S``. A device then checks in about ``1 / IDLE_SHARE`` times per doubling of
+    the idle time (logarithmically, not at a steady rate) until the longest window, then once in
+    its span."""
+    lo, hi = IDLE_RETRY_WINDOW_S
+    stretch = min(IDLE_RETRY_MAX_S / hi, max(1.0, IDLE_SHARE * idle_s / hi))
+    return (lo * stretch, hi * stretch)
 
 
 def plan_for(run: TaskRun, device_version: tuple[int, ...], eligibility: dict | None) -> str | CheckinRejected:

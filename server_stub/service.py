@@ -132,6 +132,7 @@ class FLService:
         # the HTTP layer wakes its long polls with it.
         self.on_secagg_change: Callable[[], None] | None = None
         self._populations: dict[str, Population] = {}
+        self._started_at = clock()  # what a population without a task since the start is idle since
         self._sessions = SessionTable()
         self._commits = CommitPipeline(
             store,
@@ -259,13 +260,13 @@ class FLService:
             with self._lock:
                 pop = self._populations.get(population)
                 if pop is None:  # as a population with no task (see eligibility_info)
-                    return admission.no_open_round(None, now)
+                    return admission.no_open_round(None, now, self._started_at)
                 self._advance(pop, now)
                 pop.checkins.observe_checkin(now)
                 pop.rendezvous.observe_checkin(now)
                 run = pop.current
                 if run is None:
-                    return admission.no_open_round(pop, now)
+                    return admission.no_open_round(pop, now, self._idle_since(pop))
                 plan_id = admission.plan_for(run, device_version, eligibility)
                 if isinstance(plan_id, CheckinRejected):
                     return plan_id
@@ -509,6 +510,10 @@ class FLService:
             raise NotFound(f"population {name!r} does not exist", code="UNKNOWN_POPULATION")
         return pop
 
+    def _idle_since(self, pop: Population) -> float:
+        """Since when ``pop`` has had no task (the server's start if never since)."""
+        return pop.idle_since if pop.idle_since is not None else self._started_at
+
     def _authorize(self, session_id: str, token: str, *, revoked_ok: bool = False) -> Session:
         """The session ``token`` opens. An unknown id and a wrong token get one answer, and the
         token is compared in constant time either way, so neither ids nor tokens can be probed.
@@ -533,9 +538,14 @@ class FLService:
                 return
         loaded = load_group(self.store, population)
         with self._lock:
-            if pop.runs or pop.committing or loaded is None:
+            if pop.runs or pop.committing:
+                return
+            if loaded is None:  # its tasks completed (or it has none): idle from now on
+                if pop.idle_since is None:
+                    pop.idle_since = self.clock()
                 return
             pop.runs, pop.strategy, pop.turn = loaded
+            pop.idle_since = None
             self._start_next(pop, self.clock())
 
     def _start_next(self, pop: Population, now: float) -> None:

@@ -149,6 +149,10 @@ class Population:
     rendezvous: Rendezvous = field(default_factory=Rendezvous)  # ... and for a small population
     opens_at: float | None = None  # the next selection, deferred until its devices gather
     deferrals: int = 0  # how many times in a row that selection was put off
+    #: when its last task ended (its devices are asked back the less often the longer it is
+    #: idle, ``admission.idle_window``); None while it runs a task or never had one since the
+    #: server started (idle since the server's start, as a population that does not exist is)
+    idle_since: float | None = None
 
     def find(self, task: str) -> TaskRun | None:
         return next((r for r in self.runs if r.record.name == task), None)
