@@ -11,7 +11,10 @@ Concurrency rules, each from a failure seen under load:
 - a finished round becomes a pending commit, written outside the lock; only once the write
   succeeded does the new model replace the old one in memory, and a round whose record cannot be
   written is kept and written again until it is on record (``commit``);
-- one population runs one round at a time; with several tasks, a strategy picks the next one."""
+- one population runs one round at a time; with several tasks, a strategy picks the next one;
+- the clock is read once the lock is held: a check-in that waited while another request closed a
+  round and opened its retry is seated in the retry at a time after it opened (read before, its
+  report window was short by the wait and its selection dated in the attempt before)."""
 
 from __future__ import annotations
 
@@ -256,8 +259,8 @@ class FLService:
             except AttestationError as exc:
                 raise ApiError(exc.message, code=exc.code, status=exc.http_status) from None
         try:
-            now = self.clock()
             with self._lock:
+                now = self.clock()  # once in: a round that opened while it waited is dated after it
                 pop = self._populations.get(population)
                 if pop is None:  # as a population with no task (see eligibility_info)
                     return admission.no_open_round(None, now, self._started_at)
@@ -313,8 +316,8 @@ class FLService:
         checked = check_report(run, body, stats)
         shape = checked.shape
         try:
-            now = self.clock()
             with self._lock:
+                now = self.clock()
                 verdict = session.core.report(session_id, now)
                 if verdict is ReportVerdict.DUPLICATE:
                     raise DuplicateReport("this session has already reported")
@@ -368,6 +371,7 @@ class FLService:
         now = self.clock()
         self._check_database(now)
         with self._lock:
+            now = self.clock()
             for pop in list(self._populations.values()):
                 self._advance(pop, now)
         self._commits.flush(retry=True)
