@@ -7,6 +7,7 @@ import functools
 import ssl
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -28,6 +29,7 @@ from device_runtime.wire import (
 
 from .metrics import rounds_frame
 from .rounds import RoundConfig
+from .schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE
 
 
 def task_body(
@@ -205,16 +207,48 @@ class AdminClient:
         return self._answer(self._send("GET", f"/v1/populations/{population}"), PopulationStatus)
 
     def rounds(self, population: str, task: str | None = None, last: int | None = None) -> list[dict[str, Any]]:
-        """Finished rounds, oldest first; ``last``: only the newest so many (a long run's history
+        """Finished rounds, oldest first; ``last``: only the newest so many (1 to ``MAX_ROUNDS_PAGE``);
+        without it every round on record, read ``MAX_ROUNDS_PAGE`` at a time (a long run's history
         is 2 KB a round)."""
+        if last is not None:
+            return self.round_page(population, task, last)[0]
+        pages: list[list[dict[str, Any]]] = []
+        before: int | None = None
+        seen: set[int] = set()
+        while True:
+            page, before = self.round_page(population, task, MAX_ROUNDS_PAGE, before)
+            pages.append(page)
+            if before is None or before in seen:  # a server that pages in a circle stops here
+                return [r for older_first in reversed(pages) for r in older_first]
+            seen.add(before)
+
+    def round_page(
+        self, population: str, task: str | None = None, last: int | None = None, before: int | None = None
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        """One page of finished rounds, oldest first: the newest ``last`` (the server's default,
+        ``ROUNDS_PAGE``, without it) of those older than the round ``before`` names; and the
+        ``before`` of the page of older ones, None when none is on record."""
         params: dict[str, Any] = {}
         if task is not None:
             params["task"] = task
         if last is not None:
             params["last"] = last
-        return self._answer(self._send("GET", f"/v1/populations/{population}/rounds", params=params), RoundList)[
-            "rounds"
-        ]
+        if before is not None:
+            params["before"] = before
+        response = self._send("GET", f"/v1/populations/{population}/rounds", params=params)
+        rounds = self._answer(response, RoundList)["rounds"]
+        link = response.links.get("next", {}).get("url")
+        if link is None:
+            return rounds, None
+        older = parse_qs(urlsplit(link).query).get("before", [""])[-1]
+        if not older.isdigit() or not 1 <= int(older) <= MAX_ROUND_ID:
+            raise AdminError(
+                f"the server's answer to GET {response.request.url.path} names no round to page back from "
+                f"in its Link header: {link[:100]!r}",
+                response.status_code,
+                "MALFORMED_ANSWER",
+            )
+        return rounds, int(older)
 
     def rounds_frame(self, population: str, task: str | None = None):  # -> pandas.DataFrame
         """The rounds as a pandas DataFrame, one row per round (needs ``fedfleet[analysis]``)."""

@@ -66,7 +66,18 @@ from .errors import (
 )
 from .persistence import ServerStore
 from .release_gate import RELEASE_CODES
-from .schemas import NAME_RULE, REQUEST_SCHEMAS, Abort, Checkin, CreatePopulation, GroupDeploy, TaskDeploy
+from .schemas import (
+    MAX_ROUND_ID,
+    MAX_ROUNDS_PAGE,
+    NAME_RULE,
+    REQUEST_SCHEMAS,
+    ROUNDS_PAGE,
+    Abort,
+    Checkin,
+    CreatePopulation,
+    GroupDeploy,
+    TaskDeploy,
+)
 from .service import FLService, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -327,7 +338,10 @@ _STATUS_OF: dict[str, int] = {
     **dict.fromkeys(("ADMIN_KEY_REQUIRED", "BAD_ADMIN_KEY", "MISSING_TOKEN", "BAD_SESSION_TOKEN"), 401),
     "ATTESTATION_REQUIRED": 401,
     **_ATTESTATION,
-    **dict.fromkeys(("UNKNOWN_POPULATION", "UNKNOWN_TASK", "NO_TASK", "UNKNOWN_RESOURCE", "ATTESTATION_DISABLED"), 404),
+    **dict.fromkeys(
+        ("UNKNOWN_POPULATION", "UNKNOWN_TASK", "UNKNOWN_ROUND", "NO_TASK", "UNKNOWN_RESOURCE", "ATTESTATION_DISABLED"),
+        404,
+    ),
     "BODY_TIMEOUT": 408,
     **dict.fromkeys(
         (
@@ -693,16 +707,33 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         "/v1/populations/{population}/rounds",
         tags=["operators"],
         **_answers(RoundList),
-        **_route(*_ADMIN, "BAD_QUERY", "UNKNOWN_POPULATION", "UNKNOWN_TASK"),
+        **_route(*_ADMIN, "BAD_QUERY", "UNKNOWN_POPULATION", "UNKNOWN_TASK", "UNKNOWN_ROUND"),
     )
     async def list_rounds(
         population: str,
         request: Request,
+        response: Response,
         task: str | None = Query(None, max_length=128),
-        last: int | None = Query(None, ge=1, le=1_000_000, description="only the newest so many rounds"),
+        last: int = Query(
+            ROUNDS_PAGE, ge=1, le=MAX_ROUNDS_PAGE, description=f"the newest so many rounds (1 to {MAX_ROUNDS_PAGE})"
+        ),
+        before: int | None = Query(
+            None,
+            ge=1,
+            le=MAX_ROUND_ID,
+            description="only rounds older than the one this cursor names: the before of the Link header's "
+            "rel=next of the page after",
+        ),
     ) -> dict:
+        """Finished rounds, oldest first across the tasks: the newest ``last`` (by default 100). When
+        older ones are on record the answer has a ``Link: <...?last=N&before=C>; rel="next"`` header,
+        the same request for the page before this one."""
         admin(request)
-        return {"rounds": await call(service.rounds, population, task, last)}  # checked against RoundList as it leaves
+        rounds, older = await call(service.round_page, population, task, last, before)
+        if older is not None:
+            url = request.url.include_query_params(last=last, before=older)
+            response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
+        return {"rounds": rounds}  # checked against RoundList as it leaves
 
     @app.get(
         "/v1/populations/{population}/model",

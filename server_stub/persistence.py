@@ -30,6 +30,7 @@ from sqlalchemy import (
     create_engine,
     inspect,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.engine import Connection, CursorResult, Engine
@@ -515,6 +516,32 @@ class ServerStore:
                 query = select(rounds).where(rounds.c.task_id == task_id).order_by(*newest).limit(last)
                 rows = list(reversed(conn.execute(query).mappings().all()))
         return [_round_record(r) for r in rows]
+
+    def round_page(
+        self, task_ids: list[int], last: int | None = None, before: int | None = None
+    ) -> tuple[list[RoundRecord], bool] | None:
+        """The rounds of ``task_ids`` in the order they ran across the tasks (their start, then task,
+        number, attempt and id), oldest first: the newest ``last`` (every one with None) of those
+        before the round whose record id is ``before``; and whether older ones are on record. None
+        when ``before`` is the id of no round of these tasks. Only the page's rows are read whole
+        (a long-running task's whole history is 2 KB a round)."""
+        order = (rounds.c.started_at, rounds.c.task_id, rounds.c.number, rounds.c.attempt, rounds.c.id)
+        ids = select(rounds.c.id).where(rounds.c.task_id.in_(task_ids))
+        with self.engine.connect() as conn:
+            if before is not None:
+                cursor = conn.execute(
+                    select(*order).where(rounds.c.id == before, rounds.c.task_id.in_(task_ids))
+                ).first()
+                if cursor is None:
+                    return None
+                ids = ids.where(tuple_(*order) < tuple_(*cursor))
+            more = False
+            if last is not None:
+                newest = ids.order_by(*(c.desc() for c in order))
+                more = conn.execute(newest.offset(last).limit(1)).first() is not None
+                ids = newest.limit(last)
+            rows = conn.execute(select(rounds).where(rounds.c.id.in_(ids)).order_by(*order)).mappings().all()
+        return [_round_record(r) for r in rows], more
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:
         """The last committed round in the order ``rounds`` gives, read alone: the model an

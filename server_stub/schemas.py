@@ -28,6 +28,13 @@ from .release_gate import MAX_REPORT_BYTES
 from .rounds import RoundConfig
 from .task_choice import Strategy
 
+#: ``GET /v1/populations/{p}/rounds``: the rounds one answer holds when ``last`` is not given, and
+#: at most (a round's record is about 2 KB: an answer stays under 2 MB); older ones by ``before``.
+ROUNDS_PAGE = 100
+MAX_ROUNDS_PAGE = 1000
+#: The largest ``before`` (a round's record id): SQLite's integers are 64-bit.
+MAX_ROUND_ID = 2**63 - 1
+
 
 def _not_a_path_segment(name: str) -> str:
     """The pattern's engine has no look-ahead, so 'not only dots' is checked here, with the

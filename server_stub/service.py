@@ -18,7 +18,6 @@ Concurrency rules, each from a failure seen under load:
 
 from __future__ import annotations
 
-import heapq
 import hmac
 import logging
 import math
@@ -446,20 +445,31 @@ class FLService:
 
     def rounds(self, population: str, task: str | None = None, last: int | None = None) -> list[dict]:
         """Finished rounds, oldest first across the tasks; ``last``: only the newest so many."""
+        return self.round_page(population, task, last)[0]
+
+    def round_page(
+        self, population: str, task: str | None = None, last: int | None = None, before: int | None = None
+    ) -> tuple[list[dict], int | None]:
+        """Finished rounds in the order they ran across the tasks, oldest first: the newest ``last``
+        (every one with None) of those before the round whose record id is ``before``; and the
+        ``before`` that pages back to the older ones (the record id of this page's oldest round),
+        None when no older one is on record."""
         self.write_late_metrics()
         if self.store.population_id(population) is None:
             raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
         records = self.store.tasks(population)
         if task is not None and all(r.name != task for r in records):
             raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
-        per_task = [
-            [{**r.to_json(), "task": record.name} for r in self.store.rounds(record.id, last)]
-            for record in records
-            if task is None or record.name == task
-        ]
-        # oldest first across tasks (each task's own order kept): an operator reads a history
-        merged = list(heapq.merge(*per_task, key=lambda item: item["started_at"]))
-        return merged if last is None else merged[-last:]
+        names = {r.id: r.name for r in records if task is None or r.name == task}
+        page = self.store.round_page(list(names), last, before)
+        if page is None:
+            raise NotFound(
+                f"population {population!r} has no round {before}{f' of task {task!r}' if task else ''} to page back "
+                "from: give the before of an earlier answer's Link header",
+                code="UNKNOWN_ROUND",
+            )
+        found, more = page
+        return [{**r.to_json(), "task": names[r.task_id]} for r in found], (found[0].id if more else None)
 
     def population_status(self, population: str) -> dict:
         """The population as an operator sees it: its tasks, the active ones and the open round."""

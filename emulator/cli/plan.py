@@ -44,7 +44,7 @@ from device_runtime.plan import PlanError, serialize_plan
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
-from server_stub.schemas import NAME_RULE, is_name
+from server_stub.schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, NAME_RULE, ROUNDS_PAGE, is_name
 
 from ..releases.envs import RuntimeEnvError
 from ..releases.workers import WorkerError, WorkerPool
@@ -130,7 +130,15 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     _server_options(rounds, "the population whose rounds to list")
     rounds.add_argument("--task", help="only this task's rounds (default: every task's)")
     rounds.add_argument(
-        "--last", type=_round_count, help="only the newest so many rounds (default: every round on record)"
+        "--last",
+        type=_round_count,
+        help=f"the newest so many rounds, 1 to {MAX_ROUNDS_PAGE} (default: the server's {ROUNDS_PAGE})",
+    )
+    rounds.add_argument(
+        "--before",
+        type=_round_cursor,
+        metavar="ID",
+        help="only rounds older than those shown with this --before (the command names it when older ones are on record)",
     )
 
 
@@ -473,19 +481,26 @@ def _status(args: argparse.Namespace, say) -> int:
 
 
 def _round_count(text: str) -> int:
-    """``--last``: a number of rounds the server takes (1 to 1,000,000)."""
+    """``--last``: a number of rounds the server takes in one answer (1 to ``MAX_ROUNDS_PAGE``)."""
     try:
         count = int(text)
     except ValueError:
         count = 0
-    if not 1 <= count <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"give a number of rounds from 1 to 1000000, not {text!r}")
+    if not 1 <= count <= MAX_ROUNDS_PAGE:
+        raise argparse.ArgumentTypeError(f"give a number of rounds from 1 to {MAX_ROUNDS_PAGE}, not {text!r}")
     return count
+
+
+def _round_cursor(text: str) -> int:
+    """``--before``: the cursor a page of rounds names for the page of older ones (a round's record id)."""
+    if not text.isdigit() or not 1 <= int(text) <= MAX_ROUND_ID:
+        raise argparse.ArgumentTypeError(f"give the --before a rounds listing named, not {text!r}")
+    return int(text)
 
 
 def _rounds(args: argparse.Namespace, say) -> int:
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
-        rounds = admin.rounds(args.population, args.task, args.last)
+        rounds, older = admin.round_page(args.population, args.task, args.last, args.before)
     say("task                 round  attempt  status      selected  reported  started (UTC)")
     for r in rounds:
         m = r.get("metrics", {})
@@ -494,6 +509,8 @@ def _rounds(args: argparse.Namespace, say) -> int:
             f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', 0):>9} "
             f"{m.get('reported', 0):>9}  {started}"
         )
+    if older is not None:
+        say(f"older rounds are on record: add --before {older} to see them (--last up to {MAX_ROUNDS_PAGE} a page)")
     return 0
 
 

@@ -1,0 +1,136 @@
+"""``GET /v1/populations/{p}/rounds`` answers a page of the newest rounds (100 by default, at most
+1,000) and pages back through the older ones with ``before``: the pages of a history, followed by
+their cursors, hold every round once, in the order they ran across the tasks; and no query string,
+however odd, gets anything but a stable 4xx."""
+
+from __future__ import annotations
+
+import itertools
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from device_runtime import encode_checkpoint, initial_weights, serialize_plan
+from server_stub import AdminError, RoundConfig, ServerStore, ServerThread
+from server_stub.persistence import NewTask
+from server_stub.schemas import MAX_ROUNDS_PAGE, ROUNDS_PAGE
+from tests.server_stub.test_round_history import ONE_DEVICE
+from tests.support import digits_plan
+
+_populations = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    store = ServerStore(tmp_path_factory.mktemp("pages") / "fl.db")
+    yield store
+    store.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    starts=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), min_size=0, max_size=12),
+    per_page=st.integers(1, 5),
+)
+def test_pages_followed_by_their_cursors_hold_every_round_once_in_the_order_they_ran(store, starts, per_page):
+    """Two tasks' rounds, some starting at the same instant (the cursor orders ties by task, round, attempt)."""
+    population = f"p{next(_populations)}"
+    store.create_population(population)
+    plan = digits_plan()
+    tasks = store.add_tasks(
+        population,
+        [NewTask(name, serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), {}) for name in "ab"],
+    )
+    ids = [t.id for t in tasks]
+    numbers = [0, 0]
+    for which, start in starts:
+        numbers[which] += 1
+        store.record_round(ids[which], numbers[which], 1, "committed", {}, float(start), float(start) + 0.5)
+    every, more = store.round_page(ids)
+    assert not more and len(every) == len(starts)
+    key = [(r.started_at, r.task_id, r.number, r.attempt) for r in every]
+    assert key == sorted(key)
+    pages, before = [], None
+    while True:
+        page = store.round_page(ids, per_page, before)
+        assert page is not None
+        found, more = page
+        assert len(found) == min(per_page, len(every) - sum(len(p) for p in pages))
+        pages.append(found)
+        if not more:
+            break
+        before = found[0].id
+    assert [r for p in reversed(pages) for r in p] == every
+
+
+def test_an_answer_holds_the_newest_rounds_and_links_to_the_older_ones_and_odd_queries_get_a_4xx(tmp_path, capsys):
+    from emulator.cli import commands as cli
+
+    plan = digits_plan()
+    with ServerThread(tmp_path / "fl.db") as server, server.admin() as admin:
+        for population in ("p", "q"):
+            admin.create_population(population)
+            admin.deploy_task(
+                population, "t", plan, encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE)
+            )
+        store = server.service.store
+        task = {t.population: t.id for t in store.tasks()}
+        for number in range(1, ROUNDS_PAGE + 6):  # a history longer than one answer
+            store.record_round(task["p"], number, 1, "abandoned", {"selected": 0}, float(number), number + 0.5)
+        other = store.record_round(task["q"], 1, 1, "abandoned", {"selected": 0}, 1.0, 1.5)
+        headers = {"Authorization": f"Bearer {server.admin_key}"}
+        with httpx.Client(base_url=server.url, headers=headers) as http:
+            newest = http.get("/v1/populations/p/rounds")
+            assert newest.status_code == 200
+            assert [r["round"] for r in newest.json()["rounds"]] == list(range(6, ROUNDS_PAGE + 6))
+            older = http.get(newest.links["next"]["url"])
+            assert [r["round"] for r in older.json()["rounds"]] == list(range(1, 6)) and "next" not in older.links
+            assert "next" not in http.get("/v1/populations/p/rounds", params={"last": MAX_ROUNDS_PAGE}).links
+            for query, code in [
+                ("last=0", "BAD_QUERY"),
+                ("last=-1", "BAD_QUERY"),
+                (f"last={MAX_ROUNDS_PAGE + 1}", "BAD_QUERY"),
+                ("last=" + "9" * 400, "BAD_QUERY"),
+                ("last=1e3", "BAD_QUERY"),
+                ("last=", "BAD_QUERY"),
+                ("last=%00", "BAD_QUERY"),
+                ("before=0", "BAD_QUERY"),
+                ("before=-5", "BAD_QUERY"),
+                (f"before={2**63}", "BAD_QUERY"),
+                ("before=0x10", "BAD_QUERY"),
+                ("before=1.5", "BAD_QUERY"),
+                (f"before={2**63 - 1}", "UNKNOWN_ROUND"),
+                (f"before={other.id}", "UNKNOWN_ROUND"),  # a round of another population
+                (f"task=t&before={other.id}", "UNKNOWN_ROUND"),
+                ("task=" + "x" * 129, "BAD_QUERY"),
+                ("task=%00%ff", "UNKNOWN_TASK"),
+                ("task=nope&last=1", "UNKNOWN_TASK"),
+            ]:
+                answer = http.get(f"/v1/populations/p/rounds?{query}")
+                status = 400 if code == "BAD_QUERY" else 404
+                assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), (query, answer.text)
+            assert http.get("/v1/populations/p/rounds?last=2&last=3&before=5&zzz=1").status_code == 200
+        every = admin.rounds("p")  # the client reads page after page
+        assert [r["round"] for r in every] == list(range(1, ROUNDS_PAGE + 6))
+        assert admin.rounds("p", last=3) == every[-3:]
+        with pytest.raises(AdminError) as refused:
+            admin.round_page("p", before=other.id)
+        assert refused.value.code == "UNKNOWN_ROUND"
+        key = tmp_path / "admin.key"
+        key.write_text(server.admin_key + "\n")
+        key.chmod(0o600)
+        common = ["--server", server.url, "--population", "p", "--admin-key-file", str(key)]
+        assert cli.main(["rounds", *common, "--last", "2"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split()[1] for line in lines[1:3]] == [str(ROUNDS_PAGE + 4), str(ROUNDS_PAGE + 5)]
+        hint = lines[-1]
+        assert "--before" in hint
+        before = hint.split("--before ")[1].split()[0]
+        assert cli.main(["rounds", *common, "--last", "2", "--before", before]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split()[1] for line in lines[1:3]] == [str(ROUNDS_PAGE + 2), str(ROUNDS_PAGE + 3)]
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["rounds", *common, "--before", "-1"])
+        assert exit_.value.code == 2 and "give the --before a rounds listing named" in capsys.readouterr().err
