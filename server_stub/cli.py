@@ -6,10 +6,12 @@ import argparse
 import ipaddress
 import logging
 import math
+import os
 import re
 import signal
 import sys
 import threading
+import time
 from typing import TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -348,6 +350,68 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     finally:
         server.close_listener()
         store.close()
+    return 0
+
+
+def add_prune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", required=True, help="the server's SQLite file; no server may run on it")
+    p.add_argument(
+        "--older-than-days",
+        type=_days,
+        required=True,
+        metavar="DAYS",
+        help="drop the models of committed rounds that ended more than this many days ago "
+        "(each task's latest model is kept)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would be dropped, and drop nothing")
+
+
+def _days(text: str) -> float:
+    try:
+        days = float(text)
+    except ValueError:
+        days = math.nan
+    if not 0.0 <= days <= 100_000.0:
+        raise argparse.ArgumentTypeError(f"give a number of days from 0 to 100000, not {text!r}")
+    return days
+
+
+def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``fedfleet prune``: drop old rounds' models from a stopped server's database
+    (``ServerStore.prune_models``). Returns an exit status."""
+    out = out or sys.stdout
+    if "://" not in args.db and not os.path.isfile(args.db):
+        print(f"fedfleet prune: no database file {args.db}", file=sys.stderr)
+        return 2
+    try:
+        store = ServerStore(args.db)
+    except (StoreLayoutError, ImportError, SQLAlchemyError, OSError) as exc:
+        reason = sqlite_advice(exc) if isinstance(exc, (SQLAlchemyError, OSError)) else str(exc)
+        print(f"fedfleet prune: cannot open the database {args.db}: {reason}", file=sys.stderr)
+        return 2
+    try:
+        store.hold()
+        if not store.held:
+            print(
+                f"fedfleet prune: {args.db} is not a SQLite file this process can hold, so it cannot know that no "
+                "server runs on it; prune only a server's SQLite file",
+                file=sys.stderr,
+            )
+            return 2
+        cutoff = time.time() - args.older_than_days * 86_400.0
+        pruned = store.prune_models(cutoff, dry_run=args.dry_run)
+    except (DatabaseInUse, SQLAlchemyError, OSError) as exc:
+        reason = sqlite_advice(exc) if isinstance(exc, (SQLAlchemyError, OSError)) else str(exc)
+        print(f"fedfleet prune: {reason}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    verb = "would drop" if args.dry_run else "dropped"
+    print(
+        f"{verb} the models of {pruned.rounds} round(s) that ended more than {args.older_than_days:g} day(s) ago "
+        f"and {pruned.checkpoints} checkpoint(s) nothing names any more, {pruned.bytes} bytes",
+        file=out,
+    )
     return 0
 
 

@@ -28,6 +28,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    func,
     inspect,
     select,
     tuple_,
@@ -180,6 +181,16 @@ class RoundRecord:
         }
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """What ``ServerStore.prune_models`` dropped: the rounds whose model went, and the checkpoints
+    deleted and their bytes."""
+
+    rounds: int
+    checkpoints: int
+    bytes: int
+
+
 def _round_record(row: Any) -> RoundRecord:
     return RoundRecord(
         row["id"],
@@ -309,6 +320,11 @@ class ServerStore:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+    @property
+    def held(self) -> bool:
+        """Whether ``hold`` holds the database for this process (never for a database URL)."""
+        return self._lock_fd is not None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -542,6 +558,43 @@ class ServerStore:
                 ids = newest.limit(last)
             rows = conn.execute(select(rounds).where(rounds.c.id.in_(ids)).order_by(*order)).mappings().all()
         return [_round_record(r) for r in rows], more
+
+    def prune_models(self, ended_before: float, *, dry_run: bool = False) -> Pruned:
+        """Drop the models of committed rounds that ended before ``ended_before`` (unix seconds),
+        but each task's latest committed one (the model the task goes on from, or its final one):
+        their records stay, with no ``checkpoint_id``. Then drop every checkpoint created before
+        then that nothing on record names any more (those models, and what devices were sent of
+        them). Plans, initial checkpoints and the rounds' records (metrics and privacy figures) are
+        kept. Only for a database no server runs on: a running server's current model is in its
+        memory, and a server stores what devices are sent of it again when it starts. With
+        ``dry_run``, what would be dropped, and nothing is."""
+        kept = {r.id for t in self.tasks() if (r := self.last_committed_round(t.id)) is not None}
+        with self.engine.connect() as conn, conn.begin() as transaction:
+            old = select(rounds.c.id).where(rounds.c.checkpoint_id.is_not(None), rounds.c.ended_at < ended_before)
+            dropped = [rid for rid in conn.execute(old).scalars() if rid not in kept]
+            for start in range(0, len(dropped), 500):
+                chunk = dropped[start : start + 500]
+                conn.execute(update(rounds).where(rounds.c.id.in_(chunk)).values(checkpoint_id=None))
+            named = (
+                select(rounds.c.checkpoint_id.label("id"))
+                .where(rounds.c.checkpoint_id.is_not(None))
+                .union(select(tasks.c.initial_checkpoint_id), select(tasks.c.plan_id))
+            )
+            unnamed = (
+                resources.c.kind == "checkpoint",
+                resources.c.created_at < ended_before,
+                resources.c.id.not_in(named),
+            )
+            found = conn.execute(
+                select(func.count(), func.coalesce(func.sum(func.length(resources.c.data)), 0)).where(*unnamed)
+            ).one()
+            conn.execute(resources.delete().where(*unnamed))
+            if dry_run:
+                transaction.rollback()
+        if not dry_run and self.engine.dialect.name == "sqlite":
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.exec_driver_sql("VACUUM")  # the file gives the space back
+        return Pruned(len(dropped), int(found[0]), int(found[1]))
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:
         """The last committed round in the order ``rounds`` gives, read alone: the model an

@@ -1,5 +1,6 @@
 """The command line: ``fedfleet demo`` runs an emulated fleet against the embedded server,
-``fedfleet server`` runs the FL server, ``fedfleet authority`` makes an emulated attestation
+``fedfleet server`` runs the FL server, ``fedfleet prune`` drops old rounds' models from a stopped
+server's database, ``fedfleet authority`` makes an emulated attestation
 authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet compare`` sets runs side by
 side, ``fedfleet plan`` and ``fedfleet deploy`` build, test and ship FL plans, ``fedfleet status``
 and ``fedfleet rounds`` show what a server runs."""
@@ -18,7 +19,14 @@ from dataclasses import fields
 from pathlib import Path
 
 from server_stub import RoundConfig
-from server_stub.cli import add_server_arguments, read_negative_numbers, run_server, show_defaults
+from server_stub.cli import (
+    add_prune_arguments,
+    add_server_arguments,
+    read_negative_numbers,
+    run_prune,
+    run_server,
+    show_defaults,
+)
 
 from ..demo import DemoConfig, DemoConfigError, run_demo
 from ..devices.attestation_authority import AttestationAuthority
@@ -28,7 +36,7 @@ from .plan import add_toolchain_commands, run_toolchain_command
 #: ``fedfleet --help``'s description: plain text (the module docstring's markup would print as it is).
 DESCRIPTION = (
     "Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
-    "authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
+    "prune drops old rounds' models from a stopped server's database, authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
     "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
     "server runs."
 )
@@ -129,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
     add_server_arguments(sub.add_parser("server", help="run the FL server (HTTP, SQLite by default)"))
+    add_prune_arguments(
+        sub.add_parser(
+            "prune",
+            help="drop old rounds' models from a stopped server's SQLite file (their records and every task's "
+            "latest model stay)",
+        )
+    )
     _authority_parser(sub)
     add_simulate_parser(sub)
     add_compare_parser(sub)
@@ -146,6 +161,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return run_toolchain_command(args)
     if args.command == "server":
         return run_server(args)
+    if args.command == "prune":
+        return run_prune(args)
     if args.command == "simulate":
         return run_simulate(args)
     if args.command == "compare":
