@@ -63,6 +63,7 @@ __all__ = [
     "child_environ",
     "install_failure",
     "latest_patch_per_minor",
+    "measured_release",
     "python_for_release",
     "remove_envs",
     "requirements_for",
@@ -135,6 +136,29 @@ def _minor(version: str) -> int:
     if match is None:
         raise ValueError(f"{version!r} is not an onnxruntime release such as '1.17.3'")
     return int(match.group(1))
+
+
+def measured_release(version: str) -> str:
+    """The release of :data:`KNOWN_RELEASES` that onnxruntime ``version`` is measured as: itself, or
+    for an earlier patch the latest patch of its minor ('1.24.1' -> '1.24.4'). A patch of a minor
+    loads the opsets and IR versions, and lacks the kernels, of the minor's latest (measured on
+    1.15.0, 1.17.0 and 1.24.1), so its versioned plan is the minor's. Raises ValueError, in one
+    line naming the known releases, for anything else: not a release, a minor not measured, or a
+    patch newer than the measured one (which nobody has measured yet)."""
+    known = "; the known releases are " + ", ".join(KNOWN_RELEASES) + ", and the earlier patches of each"
+    match = _RELEASE.match(version) if isinstance(version, str) else None
+    if match is None:
+        raise ValueError(f"{str(version)[:40]!r} is not a release 1.X.Y{known}")
+    minor, patch = int(match.group(1)), int(match.group(2))
+    measured = next((r for r in KNOWN_RELEASES if _minor(r) == minor), None)
+    if measured is None:
+        raise ValueError(f"onnxruntime minor 1.{minor} was not measured{known}")
+    if patch > int(measured.rsplit(".", 1)[1]):
+        raise ValueError(
+            f"onnxruntime {version} is newer than {measured}, the patch of 1.{minor} measured (measure it: "
+            f"python -m emulator.releases.support --releases {version}){known}"
+        )
+    return measured
 
 
 def requirements_for(version: str) -> list[str]:

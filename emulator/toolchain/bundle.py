@@ -33,7 +33,7 @@ from device_runtime.plan import Plan, load_plan, serialize_plan
 from emulator.releases.workers import WorkerPool
 from emulator.toolchain.release import release_test, write_report
 from emulator.toolchain.release_signing import sign_report
-from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks
+from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks, measured_as
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, task_body
 from server_stub.rounds import RoundConfig
@@ -140,8 +140,13 @@ def build_task(task: Task, *, say: Callable[[str], None] = lambda _m: None) -> T
             "opset": vplan.metadata.opset,
             "ir_version": vplan.metadata.ir_version,
         }
+        measured = measured_as(release)
+        if measured is not None:
+            entries[release]["measured_as"] = measured
+        as_measured = f" (an earlier patch of {release.rsplit('.', 1)[0]}: versioned as {measured})" if measured else ""
         say(
-            f"{task.name}: onnxruntime {release}: opset {vplan.metadata.opset}, IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}"
+            f"{task.name}: onnxruntime {release}{as_measured}: opset {vplan.metadata.opset}, "
+            f"IR {vplan.metadata.ir_version}, {plan_sha256(data)[:12]}"
         )
     manifest = {
         "task": task.name,

@@ -43,7 +43,7 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan
 from emulator.releases.envs import RuntimeEnvError
 from emulator.releases.workers import RuntimeWorker, WorkerError, WorkerExecutor, WorkerPool
-from emulator.toolchain.tasks import Budget, ProxyData, Task, TaskError, Tolerance, Trial
+from emulator.toolchain.tasks import Budget, ProxyData, Task, TaskError, Tolerance, Trial, measured_as
 from emulator.toolchain.versioning import VersioningError, plan_sha256, versioned_plan
 from server_stub.release_gate import REPORT_FORMAT
 
@@ -416,6 +416,9 @@ def release_test(
             except RuntimeEnvError as exc:
                 raise ReleaseTestError(str(exc)) from None
             report["results"][runtime] = _entry(vplan, runtime, checks, run, diff)
+            measured = measured_as(runtime)
+            if measured is not None:  # tested on its own wheel, versioned as its minor's measured release
+                report["results"][runtime]["measured_as"] = measured
         report["passed"] = report_passed(report)
         return report
     finally:
@@ -426,9 +429,10 @@ def release_test(
 def release_table(report: Mapping[str, Any]) -> str:
     """The report as a table a person reads: one row per release (the reference first), whether it
     passed, the largest difference from the reference's outputs, the median step and peak memory;
-    then the first failed check of each release that failed."""
+    then the first failed check of each release that failed, and the measured release each earlier
+    patch (1.24.1) is versioned as."""
     rows = [("release", "passed", "max abs diff", "ms/step", "peak MB")]
-    failures = []
+    failures = []  # and the earlier patches' notes
     entries = [(f"reference {report['reference']['runtime']}", report["reference"]), *report["results"].items()]
     for name, entry in entries:
         measured = entry.get("measured") or {}
@@ -446,6 +450,10 @@ def release_table(report: Mapping[str, Any]) -> str:
         )
         if failed:
             failures.append(f"{name}: {failed[0]['name']}: {failed[0]['detail']}")
+        if entry.get("measured_as"):
+            failures.append(
+                f"{name}: an earlier patch, versioned as {entry['measured_as']} (its minor's measured release)"
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()

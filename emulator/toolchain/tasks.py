@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from device_runtime.plan import Plan
-from emulator.releases.envs import KNOWN_RELEASES
+from emulator.releases.envs import KNOWN_RELEASES, measured_release
 from example_store import ExampleSelector
 from server_stub.rounds import RoundConfig
 from server_stub.schemas import NAME_RULE, is_name
@@ -68,6 +68,7 @@ __all__ = [
     "loss_after_rounds",
     "loss_decreases",
     "loss_is_finite",
+    "measured_as",
     "predicate",
 ]
 
@@ -77,14 +78,27 @@ DEFAULT_RUNTIMES: tuple[str, ...] = (KNOWN_RELEASES[0], KNOWN_RELEASES[len(KNOWN
 
 def check_known_releases(task: Task) -> None:
     """Refuse a claimed release the release tests cannot install (``plan build --runtimes 9.9.9``)
-    when the plans are built, not as a traceback when ``plan test`` tries to install it. The fleet
-    simulator takes other releases and says itself which ones no plan can be written for."""
-    unknown = [r for r in task.runtimes if r not in KNOWN_RELEASES]
-    if unknown:
-        raise TaskError(
-            f"task {task.name!r} claims {', '.join(unknown)}, not an onnxruntime release the release tests "
-            f"know; claim some of {', '.join(KNOWN_RELEASES)}"
-        )
+    when the plans are built, not as a traceback when ``plan test`` tries to install it. A patch of
+    a measured minor (1.24.1, measured as 1.24.4: :func:`~emulator.releases.envs.measured_release`)
+    is claimed as it is: its versioned plan is its minor's, and its release tests run on it. The
+    fleet simulator takes other releases and says itself which ones no plan can be written for."""
+    for release in task.runtimes:
+        try:
+            measured_release(release)
+        except ValueError as exc:
+            raise TaskError(
+                f"task {task.name!r} claims {release}, not an onnxruntime release the release tests know: {exc}"
+            ) from None
+
+
+def measured_as(release: str) -> str | None:
+    """The measured release an earlier patch is claimed as ('1.24.1' -> '1.24.4'); None for a
+    measured release itself, or one the release tests do not know."""
+    try:
+        measured = measured_release(release)
+    except ValueError:
+        return None
+    return measured if measured != release else None
 
 
 class TaskError(ValueError):

@@ -28,10 +28,12 @@ from emulator.releases.envs import (
     cached_envs,
     install_failure,
     latest_patch_per_minor,
+    measured_release,
     python_for_release,
     remove_envs,
     requirements_for,
 )
+from server_stub.release_gate import known_release
 
 
 def fake_env(root: Path, version: str, *, marker: dict | None = None) -> RuntimeEnv:
@@ -68,6 +70,34 @@ def test_latest_patch_per_minor_keeps_the_highest_final_patch_in_range(versions)
 def test_known_releases_are_one_per_minor_15_to_32():
     assert available_releases() == latest_patch_per_minor(KNOWN_RELEASES) == list(KNOWN_RELEASES)
     assert [int(v.split(".")[1]) for v in KNOWN_RELEASES] == list(range(15, 33))
+
+
+def test_an_earlier_patch_of_a_measured_minor_is_measured_as_its_latest_patch():
+    assert measured_release("1.24.1") == measured_release("1.24.0") == measured_release("1.24.4") == "1.24.4"
+    assert [measured_release(r) for r in KNOWN_RELEASES] == list(KNOWN_RELEASES)
+    for release, says in [
+        ("1.33.0", "onnxruntime minor 1.33 was not measured"),
+        ("1.14.2", "onnxruntime minor 1.14 was not measured"),
+        ("1.24.5", "1.24.5 is newer than 1.24.4, the patch of 1.24 measured (measure it: python -m "),
+        ("9.9.9", "'9.9.9' is not a release 1.X.Y"),
+        ("1.24.1rc1", "is not a release 1.X.Y"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            measured_release(release)
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1 and says in message and ", ".join(KNOWN_RELEASES) in message
+
+
+@given(st.integers(0, 40), st.integers(0, 12))
+def test_the_release_tests_know_a_release_exactly_when_the_servers_gate_does(minor, patch):
+    """A claim the toolchain builds and tests is one the deploy gate lets through, and the other way round."""
+    release = f"1.{minor}.{patch}"
+    try:
+        measured_release(release)
+        known = True
+    except ValueError:
+        known = False
+    assert known == known_release(release)
 
 
 def test_cache_root_follows_the_environment_variable(monkeypatch, tmp_path):

@@ -17,6 +17,7 @@ import pytest
 from emulator.cli.commands import main
 from emulator.toolchain.bundle import build_bundle, read_bundle
 from emulator.toolchain.tasks import TaskError
+from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub import ServerThread
 
 TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
@@ -177,3 +178,31 @@ def test_ctrl_c_during_a_command_is_one_line_and_exit_code_130(tmp_path):
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip() == "fedfleet plan: interrupted" and done.stdout == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_an_earlier_patch_of_a_measured_minor_is_built_as_that_minors_plan_and_says_so(tmp_path, capsys):
+    """Devices on onnxruntime 1.24.1 are served the plan of minor 1.24: a task may claim 1.24.1, whose
+    versioned plan is the one built for 1.24.4 (the minor's measured release), byte for byte."""
+    out = tmp_path / "digits"
+    assert main(["plan", "build", str(TASK_FILE), "-o", str(out), "--runtimes", "1.24.1", "1.31.1"]) == 0
+    said = capsys.readouterr().out
+    assert "onnxruntime 1.24.1 (an earlier patch of 1.24: versioned as 1.24.4): opset 21" in said
+    (built,) = read_bundle(out)  # what `plan test` and `deploy` read
+    assert built.task.runtimes == ("1.24.1", "1.31.1")
+    assert built.manifest["versions"]["1.24.1"]["measured_as"] == "1.24.4"
+    assert "measured_as" not in built.manifest["versions"]["1.31.1"]
+    plan = built.task.build_plan()
+    assert plan_sha256(built.versions["1.24.1"]) == plan_sha256(versioned_plan(plan, "1.24.4"))
+
+
+@pytest.mark.parametrize(
+    ("release", "says"),
+    [("1.33.0", "minor 1.33 was not measured"), ("1.24.5", "newer than 1.24.4, the patch of 1.24 measured")],
+)
+def test_a_minor_never_measured_or_a_newer_patch_is_refused_in_one_line_naming_the_known_releases(
+    tmp_path, capsys, release, says
+):
+    assert main(["plan", "build", str(TASK_FILE), "-o", str(tmp_path / "b"), "--runtimes", release]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"claims {release}" in err and says in err
+    assert "1.15.1, 1.16.3" in err and "1.32.0" in err and not (tmp_path / "b").exists()

@@ -178,6 +178,21 @@ def test_the_task_passes_on_every_known_release(task_file, pool):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # installs onnxruntime 1.24.1's env on first use
+def test_an_earlier_patch_is_tested_on_its_own_wheel_with_its_minors_plan_and_the_gate_takes_it(task, pool):
+    plan = task.build_plan()
+    report = release_test(task, pool=pool, plan=plan, runtimes=["1.24.1"])
+    result = report["results"]["1.24.1"]
+    assert report["passed"] and result["trial"]["runtime"] == "1.24.1"  # run by the 1.24.1 wheel itself
+    assert result["measured_as"] == "1.24.4"
+    assert result["plan_sha256"] == plan_sha256(versioned_plan(plan, "1.24.4"))
+    assert check_release_report(report, plan_sha256(plan), {"1.24.1": result["plan_sha256"]}) == ["1.24.1"]
+    assert release_table(report).splitlines()[-1] == (
+        "1.24.1: an earlier patch, versioned as 1.24.4 (its minor's measured release)"
+    )
+
+
 @pytest.mark.timeout(1800)
 def test_simulated_rounds_carry_the_server_optimizers_state(pool):
     (cnn,) = load_tasks(TASK_FILE.with_name("digits_cnn_task.py"))
@@ -255,6 +270,10 @@ def test_the_release_table_has_a_row_per_release_and_names_the_first_failed_chec
     ]
     assert lines[4] == f"{NEWEST}: accuracy_after_4_rounds: accuracy 0.7 after 4 rounds (needs >= 0.8)"
     assert len({len(line) for line in lines[:4]}) == 1  # aligned columns
+    report["results"]["1.24.1"] = {**entry("1.24.1", True, 0.0, 0.02, 9.6), "measured_as": "1.24.4"}
+    assert release_table(report).splitlines()[-1] == (
+        "1.24.1: an earlier patch, versioned as 1.24.4 (its minor's measured release)"
+    )
 
 
 def _reshaping_to(plan: Plan, shape: list[int]) -> Plan:
