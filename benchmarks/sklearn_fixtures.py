@@ -23,7 +23,7 @@ have none) or the mean squared error of ``predict``, the mean over the batch. Th
 as the plan names them: skl2onnx's initializers where it writes standard ops (an MLP's
 ``coefficient``, ``intercepts``), ``<node>.coefficients`` and ``<node>.intercepts`` where the plan
 writes an ``ai.onnx.ml`` linear op in standard ops (``emulator/toolchain/ml_ops.py``).
-``sklearn_<name>.as_is.onnx.gz`` are tree models, refused without a step.
+``sklearn_<name>.as_is.onnx.gz`` are tree models and naive Bayes classifiers, refused without a step.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from skl2onnx import to_onnx
 from sklearn.ensemble import GradientBoostingRegressor, RandomForestClassifier
 from sklearn.linear_model import LinearRegression, LogisticRegression, Ridge, SGDClassifier
+from sklearn.naive_bayes import GaussianNB, MultinomialNB
 from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import MinMaxScaler, Normalizer, StandardScaler
@@ -269,6 +270,9 @@ AS_IS: dict[str, tuple[Callable[[], Any], str, str]] = {
         "cross_entropy",
     ),
     "gradient_boosting": (lambda: GradientBoostingRegressor(n_estimators=3, random_state=0), "target", "mse"),
+    "gaussian_nb": (GaussianNB, "three", "cross_entropy"),
+    # counts: the features made non-negative by a MinMaxScaler
+    "multinomial_nb": (lambda: make_pipeline(MinMaxScaler(), MultinomialNB()), "three", "cross_entropy"),
 }
 
 
@@ -336,7 +340,14 @@ def make(out: Path) -> dict[str, Any]:
                 options=_options(estimator, {"zipmap": False} if loss == "cross_entropy" else {}),
             )
             _write(out, f"sklearn_{name}.as_is.onnx.gz", model)
-            as_is.append({"name": name, "model": f"sklearn_{name}.as_is.onnx.gz", "loss": loss})
+            as_is.append(
+                {
+                    "name": name,
+                    "model": f"sklearn_{name}.as_is.onnx.gz",
+                    "loss": loss,
+                    "estimator": type(estimator.steps[-1][1] if hasattr(estimator, "steps") else estimator).__name__,
+                }
+            )
     return {
         "regenerate": "PYTHONPATH=. python -m benchmarks.sklearn_fixtures  (in a virtualenv with scikit-learn, skl2onnx and torch)",
         "versions": {

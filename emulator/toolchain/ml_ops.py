@@ -21,7 +21,9 @@ reference, outputs equal within float32 rounding):
 
 A form with no such translation (``post_transform`` ``PROBIT`` or ``SOFTMAX_ZERO``) is refused in
 one line; the other ``ai.onnx.ml`` ops (trees, SVMs with kernels, encoders) are refused by the
-plan where the loss reads them: they have no gradient.
+plan where the loss reads them: they have no gradient. A naive Bayes classifier, which skl2onnx
+writes in standard ops, is refused by :func:`refuse_naive_bayes`: a gradient step on its counted
+statistics trains no naive Bayes model.
 
 :func:`probabilities_as_logits` does the same for the probabilities skl2onnx writes in standard
 ops, which ``cross_entropy`` would otherwise read as logits: a binary ``MLPClassifier``'s or
@@ -31,6 +33,7 @@ ops, which ``cross_entropy`` would otherwise read as logits: a binary ``MLPClass
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -259,6 +262,36 @@ def _zipmap_output_as_tensor(graph: onnx.GraphProto, node: onnx.NodeProto) -> No
     for k, out in enumerate(graph.output):
         if out.name == node.output[0]:
             graph.output[k].CopyFrom(helper.make_tensor_value_info(out.name, _F32, ["N", classes or None]))
+
+
+#: The class prior every skl2onnx naive Bayes converter writes (``jointi`` for GaussianNB,
+#: ``class_log_prior`` for the others), numbered when a graph holds two.
+_NAIVE_BAYES_PRIOR = re.compile(r"(jointi|class_log_prior)\d*")
+
+
+def refuse_naive_bayes(model: onnx.ModelProto, prediction: str) -> None:
+    """Refuse, in one line saying what to export instead, a ``prediction`` skl2onnx computes from a
+    naive Bayes classifier (``GaussianNB``, ``MultinomialNB``, ``BernoulliNB``, ``ComplementNB``,
+    ``CategoricalNB``). Its weights are statistics counted from the data (class priors, per-class
+    feature means and variances or log-frequencies), some precomputed from others (GaussianNB's
+    ``sigma_sum_log``, the log-normalizer of ``sigma``), and its output is probabilities: a gradient
+    step moves them apart and trains neither a naive Bayes model nor a sound classifier."""
+    if model.producer_name != SKL2ONNX:
+        return
+    producers = {o: n for n in model.graph.node for o in n.output}
+    needed = _ancestors(producers, prediction) & {i.name for i in model.graph.initializer}
+    if not any(_NAIVE_BAYES_PRIOR.fullmatch(name) for name in needed):
+        return
+    gaussian = any(name.startswith("sigma_sum_log") for name in needed)
+    kind = "GaussianNB" if gaussian else "naive Bayes (MultinomialNB, BernoulliNB, ComplementNB or CategoricalNB)"
+    counted = "per-class feature means and variances" if gaussian else "per-class feature log-frequencies"
+    raise ValueError(
+        f"the output {prediction!r} is a scikit-learn {kind} classifier's: its class priors and {counted} are counted "
+        "from the data, not learned by gradient steps, which would train no naive Bayes model; export a classifier "
+        "that trains by gradient instead: skl2onnx of a LogisticRegression or SGDClassifier(loss='log_loss') (a "
+        "linear model a plan writes in standard ops) or an MLPClassifier, or a network by torch.onnx.export or "
+        "`fedfleet plan from-torch`"
+    )
 
 
 def probabilities_as_logits(model: onnx.ModelProto, prediction: str) -> str:

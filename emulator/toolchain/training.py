@@ -311,6 +311,7 @@ def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
         output = floats[0] if floats else None
     if output is None:
         return
+    ml_ops.refuse_naive_bayes(model, output)  # standard ops, but no model a gradient trains
     needed = needed_for(graph.node, [output])
     # older files' experimental ops: written out by old_opsets (a file of ai.onnx.ml ops alone, such as
     # onnxmltools' XGBoost, imports no standard opset)

@@ -174,7 +174,11 @@ def test_a_post_transform_with_no_standard_form_is_refused_in_one_line():
     assert "op 'ai.onnx.ml.LinearClassifier' (node 'svm') has post_transform PROBIT" in message and "export" in message
 
 
-@pytest.mark.parametrize("entry", MANIFEST["as_is"], ids=[e["name"] for e in MANIFEST["as_is"]])
+TREES = [e for e in MANIFEST["as_is"] if not e["estimator"].endswith("NB")]
+NAIVE_BAYES = [e for e in MANIFEST["as_is"] if e["estimator"].endswith("NB")]
+
+
+@pytest.mark.parametrize("entry", TREES, ids=[e["name"] for e in TREES])
 def test_a_tree_ensemble_is_refused_in_one_line_saying_it_has_no_gradient(entry):
     task = task_for(entry, MANIFEST, FOLDER)
     with pytest.raises(TaskError) as refused:
@@ -182,6 +186,20 @@ def test_a_tree_ensemble_is_refused_in_one_line_saying_it_has_no_gradient(entry)
     message = str(refused.value)
     assert len(message.splitlines()) == 1
     assert "ai.onnx.ml.TreeEnsemble" in message and "no gradient" in message and "skl2onnx of a linear model" in message
+
+
+@pytest.mark.parametrize("entry", NAIVE_BAYES, ids=[e["name"] for e in NAIVE_BAYES])
+def test_a_naive_bayes_classifier_is_refused_in_one_line_naming_it_and_what_to_export(entry):
+    """skl2onnx writes naive Bayes in standard ops, from statistics counted from the data (GaussianNB's
+    log-normalizer of its variances a constant of its own): a gradient step would train no such model."""
+    task = task_for(entry, MANIFEST, FOLDER)
+    with pytest.raises(TaskError) as refused:
+        onnx_import(task._model_source(), task)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    assert f"is a scikit-learn {'GaussianNB' if entry['estimator'] == 'GaussianNB' else 'naive Bayes'}" in message
+    assert "counted from the data, not learned by gradient steps" in message
+    assert "skl2onnx of a LogisticRegression" in message and "MLPClassifier" in message
 
 
 def test_a_zipmap_classifier_becomes_a_bundle_whose_examples_are_the_classes(tmp_path, capsys):
