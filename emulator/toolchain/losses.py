@@ -155,6 +155,19 @@ def _binary_cross_entropy(
     """One or several independent labels per example. ``correct`` sums, per example, the fraction
     of its labels predicted right, so that it is at most ``count`` (the server refuses a report
     whose ``correct`` exceeds its ``count``) and the accuracy is per label."""
+    softmax = next(
+        (op for op in ("Softmax", "LogSoftmax") if _before(e, producers, prediction, op, last_axis=True) is not None),
+        None,
+    )
+    if softmax is not None:  # its columns sum to 1: not independent labels' probabilities
+        shape = e.shape(prediction)
+        classes = f"{shape[-1]} " if shape and isinstance(shape[-1], int) else ""
+        raise ValueError(
+            f"binary_cross_entropy reads every column of the prediction {prediction!r} as an independent label's "
+            f"probability, but it is a {softmax} over {classes}classes, which sum to 1: a step would train another "
+            "objective (twice the loss for two classes, on one-hot labels); use loss cross_entropy, with one class id "
+            "per example, or export the model with one Sigmoid output for binary_cross_entropy"
+        )
     logits = _before(e, producers, prediction, "Sigmoid")
     target = e.op("Reshape", [_cast_like(e, label, prediction), e.shape_of(prediction)], hint="target")
     zero = e.scalar(0.0, prediction)

@@ -219,3 +219,19 @@ def test_cross_entropy_over_every_position_of_a_sequence():
         np.testing.assert_allclose((weights[w] - new[w]) / LR, ref[w], rtol=2e-3, atol=2e-4, err_msg=w)
     assert result.metrics["count"] == 30 and result.num_examples == 6
     assert result.metrics["loss_sum"] == pytest.approx(float(np.sum(per_position(weights))), rel=1e-4)
+
+
+@pytest.mark.parametrize(("head", "classes"), [("Softmax", 2), ("LogSoftmax", 2), ("Softmax", 5)])
+def test_binary_cross_entropy_over_a_softmax_is_refused_naming_cross_entropy(head, classes):
+    """A Softmax's columns sum to 1: binary cross-entropy would read them as independent labels'
+    probabilities and train another objective (for two classes and one-hot labels, twice the loss)."""
+    with pytest.raises(ValueError) as refused:
+        _one_step(
+            _linear(4, classes, 0, head),
+            "binary_cross_entropy",
+            np.zeros((3, 4), np.float32),
+            np.zeros((3, classes), np.float32),
+        )
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    assert f"is a {head} over {classes} classes" in message and "use loss cross_entropy" in message
