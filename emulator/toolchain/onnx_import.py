@@ -523,12 +523,19 @@ def exported_for_inference(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, 
     """Whether the graph looks exported in eval mode: convolutions with weights, and no
     ``BatchNormalization`` nor ``Dropout`` anywhere. Both torch exporters fold BatchNorm into the
     convolutions' weights and biases and drop Dropout by default, so such a plan trains a network
-    without them; a model that never had them looks the same, which is why this only warns."""
+    without them; a model that never had them looks the same, which is why this only warns. A
+    network normalized otherwise (GroupNorm and InstanceNorm, which exports keep in eval mode as
+    ``InstanceNormalization`` or ``GroupNormalization``; ConvNeXt's LayerNorm) was built without
+    BatchNorm: it is not warned of."""
     ops = {n.op_type for n in nodes}
     convolutions = any(
         n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1 and n.input[1] in inits for n in nodes
     )
-    return convolutions and not ops & {"BatchNormalization", "Dropout"}
+    return convolutions and not ops & {*_NORMALIZATIONS, "Dropout"}
+
+
+#: The normalization ops an export keeps in eval mode too (BatchNorm's is folded away).
+_NORMALIZATIONS = ("BatchNormalization", "InstanceNormalization", "GroupNormalization", "LayerNormalization")
 
 
 EVAL_MODE_WARNING = (

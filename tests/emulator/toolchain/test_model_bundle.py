@@ -186,6 +186,24 @@ def test_a_plan_file_path_writes_the_plan_alone_and_deploy_of_it_says_how_to_mak
     assert len(err.splitlines()) == 1 and "is a file, not a bundle directory" in err
 
 
+def _normalized_cnn(op: str) -> onnx.ModelProto:
+    """``cnn(batch_norm=False)`` with ``op`` (one group per channel: GroupNorm(4, 4)) after its first
+    convolution: a network torch exports in eval mode as it trains."""
+    model = cnn(batch_norm=False)
+    graph = model.graph
+    channels = numpy_helper.to_array(next(i for i in graph.initializer if i.name == "conv1_b")).shape[0]
+    for name, value in (("norm_scale", 1.0), ("norm_bias", 0.0)):
+        graph.initializer.append(numpy_helper.from_array(np.full(channels, value, np.float32), name))
+    extra = {"num_groups": channels} if op == "GroupNormalization" else {}
+    at = next(k for k, n in enumerate(graph.node) if n.op_type == "Conv") + 1
+    graph.node.insert(at, helper.make_node(op, ["c1", "norm_scale", "norm_bias"], ["c1_normalized"], **extra))
+    for node in graph.node[at + 1 :]:
+        node.input[:] = ["c1_normalized" if i == "c1" else i for i in node.input]
+    if op == "GroupNormalization":
+        model.opset_import[0].version = 21
+    return model
+
+
 @pytest.mark.parametrize(
     "graph, warned",
     [
@@ -193,8 +211,10 @@ def test_a_plan_file_path_writes_the_plan_alone_and_deploy_of_it_says_how_to_mak
         (cnn(batch_norm=True), False),
         (cnn(batch_norm=False, dropout=0.5), False),
         (mlp(6, 5, 3), False),  # no convolution: nothing says BatchNorm was folded
+        (_normalized_cnn("InstanceNormalization"), False),  # GroupNorm and InstanceNorm, as the exporters write them
+        (_normalized_cnn("GroupNormalization"), False),
     ],
-    ids=["conv_alone", "conv_batch_norm", "conv_dropout", "mlp"],
+    ids=["conv_alone", "conv_batch_norm", "conv_dropout", "mlp", "conv_instance_norm", "conv_group_norm"],
 )
 def test_from_onnx_warns_in_one_line_when_the_graph_looks_exported_in_eval_mode(tmp_path, capsys, graph, warned):
     onnx.save_model(graph, str(tmp_path / "m.onnx"))
