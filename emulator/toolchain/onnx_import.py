@@ -504,6 +504,29 @@ def lost_parameters_warning(lost: Sequence[str]) -> str:
     )
 
 
+def metadata_dropped(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is a dynamo export (torch's producer name, every node named ``node_...``)
+    without the exported program's signature: asked for an opset below 18, the exporter writes opset
+    18 and has onnx's version converter lower it, which drops all of its metadata. Then
+    :func:`lost_parameters` cannot name what the optimizer folded or dropped (its folded constants,
+    ``val_...``, train under those names, a dropped zero bias stays zero, without a word), nor
+    :func:`constant_buffers` the buffers torch never trains."""
+    return (
+        model.producer_name == "pytorch"
+        and len(model.graph.node) > 0
+        and all(n.name.startswith("node_") for n in model.graph.node)
+        and not any(p.key == _SIGNATURE for p in model.graph.metadata_props)
+    )
+
+
+METADATA_DROPPED_WARNING = (
+    "the model is torch's dynamo export lowered below opset 18 by onnx's version converter, which drops the "
+    "exporter's metadata: the plan cannot tell which parameters the exporter's optimizer folded into new "
+    "constants or dropped, nor which buffers torch never trains; export at opset_version 18 or later with "
+    "optimize=False, or with `fedfleet plan from-torch`"
+)
+
+
 def shared_weights(nodes: Sequence[onnx.NodeProto], weights: Sequence[str]) -> dict[str, int]:
     """Trained weights the model itself shares (tied embeddings): weight -> how many modules read
     it. A reader's module comes from the exporter (:func:`node_module`), so that a weight one

@@ -210,6 +210,8 @@ class ModelParts:
     folded_batch_norms: list[str] = field(default_factory=list)
     # a BatchNorm's running variance moves with the population variance (onnx_import.population_running_variance)
     population_running_variance: bool = False
+    # a dynamo export lowered below opset 18, without the exporter's metadata (onnx_import.metadata_dropped)
+    metadata_dropped: bool = False
 
 
 def read_model(
@@ -231,6 +233,7 @@ def read_model(
     split = onnx_import.split_deduplicated(m)
     onnx_import.refold_tied_transposes(m)
     lost = onnx_import.lost_parameters(m)
+    metadata_dropped = onnx_import.metadata_dropped(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     buffers = onnx_import.constant_buffers(m)
     population = onnx_import.population_running_variance(m)
@@ -295,7 +298,18 @@ def read_model(
             "exporter traced as a constant is folded into the graph)"
         )
     return ModelParts(
-        m, target, dict(inputs), output, inits, split, lost, shared, buffers, folded_batch_norms, population
+        m,
+        target,
+        dict(inputs),
+        output,
+        inits,
+        split,
+        lost,
+        shared,
+        buffers,
+        folded_batch_norms,
+        population,
+        metadata_dropped,
     )
 
 
@@ -678,6 +692,8 @@ def onnx_training_plan(
         warnings += (onnx_import.EVAL_MODE_WARNING,)
     if parts.lost:
         warnings += (onnx_import.lost_parameters_warning(parts.lost),)
+    elif parts.metadata_dropped:
+        warnings += (onnx_import.METADATA_DROPPED_WARNING,)
     return OnnxTrainingPlan(
         plan, {w: shapes[w] for w in weights}, dict(parts.split), shared_weights, warnings, tuple(parts.lost)
     )

@@ -224,6 +224,27 @@ def test_from_onnx_warns_in_one_line_when_the_graph_looks_exported_in_eval_mode(
     assert ("looks exported in eval mode" in err and "optimize=False" in err) == warned
 
 
+LOWERED = Path(__file__).with_name("exported") / "lowered"  # benchmarks/lowered_dynamo_fixtures.py
+
+
+@pytest.mark.parametrize(
+    ("opset", "says"),
+    [
+        (17, "torch's dynamo export lowered below opset 18 by onnx's version converter, which drops the exporter's"),
+        (18, "the exporter folded or dropped 2 of the module's parameters and running statistics (0.weight, 2.weight)"),
+    ],
+)
+def test_a_dynamo_export_lowered_below_opset_18_is_warned_that_its_folded_weights_cannot_be_named(
+    tmp_path, capsys, opset, says
+):
+    """Asked for opset 17, torch's dynamo exporter writes opset 18 and lowers it with onnx's version
+    converter, which drops the metadata that names the weights its optimizer folded (``val_0`` is
+    ``0.weight`` transposed): without a warning the plan trained them under those names unsaid."""
+    assert _from_onnx(LOWERED / f"mlp.dynamo.opset{opset}.onnx", tmp_path / "b") == 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err and "optimize=False" in err
+
+
 def test_a_bundle_from_torch_s_own_export_is_not_warned_of_eval_mode(tmp_path):
     # from-torch exports in training mode itself: a convolution without BatchNorm nor Dropout is
     # the module as written, not one folded by an eval-mode export
