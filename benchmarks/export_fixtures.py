@@ -98,6 +98,8 @@ KEPT = (
     "gpt2",
     "llama",
     "t5",
+    "gpt_sdpa",
+    "norm_cnn",
 )
 FAMILIES: dict[str, ModelSpec] = {
     **MODELS,

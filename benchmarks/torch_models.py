@@ -909,6 +909,74 @@ class Conv1dText(nn.Module):
         return self.fc(self.dropout(torch.amax(x, dim=2)))
 
 
+class CausalBlock(nn.Module):
+    """A GPT block written in plain torch: pre-LayerNorm attention through
+    ``F.scaled_dot_product_attention`` (causal: ``is_causal``, or a boolean lower-triangular
+    ``attn_mask``) on a packed query-key-value projection, then a tanh-GELU MLP."""
+
+    def __init__(self, hidden: int, heads: int, mask: bool) -> None:
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(h, -1)
+        )
+        if self.mask:
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        else:
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class SdpaGPT(nn.Module):
+    """A GPT-2-style causal language model in plain torch (as nanoGPT writes one): token and
+    learned position embeddings, :class:`CausalBlock` layers (the first with ``is_causal``, the
+    others with a boolean mask), a final LayerNorm and an output layer tied to the token embedding;
+    the next token at every position."""
+
+    def __init__(
+        self, vocab: int = 200, hidden: int = 16, layers: int = 2, heads: int = 2, positions: int = 16
+    ) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(positions, hidden)
+        self.blocks = nn.ModuleList([CausalBlock(hidden, heads, mask=i > 0) for i in range(layers)])
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class NormCNN(nn.Module):
+    """A CNN normalized without BatchNorm: convolutions with GroupNorm, InstanceNorm with affine
+    parameters and without (a residual connection around the last), ReLU and SiLU, global average
+    pooling and a linear classifier."""
+
+    def __init__(self, num_classes: int = 10, channels: int = 8, groups: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.gn = nn.Conv2d(3, channels, 3, padding=1), nn.GroupNorm(groups, channels)
+        self.conv2, self.inorm = nn.Conv2d(channels, channels, 3, padding=1), nn.InstanceNorm2d(channels, affine=True)
+        self.conv3, self.inorm_plain = nn.Conv2d(channels, channels, 3, padding=1), nn.InstanceNorm2d(channels)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.gn(self.conv1(x)))
+        x = nn.functional.silu(self.inorm(self.conv2(x)))
+        x = torch.relu(self.inorm_plain(self.conv3(x))) + x
+        return self.fc(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
 class _Logits(nn.Module):
     """A transformers model's logits alone (its forward returns an output object); ``keywords`` name
     the inputs where they are not its first positional arguments (an encoder-decoder's
@@ -1179,6 +1247,8 @@ MODELS: dict[str, ModelSpec] = {
         "torch.nn", partial(GRUNextToken, 200, 16, 16), partial(GRUNextToken, 200, 64, 128), _TOKENS, 200
     ),
     "conv1d_text": ModelSpec("torch.nn", Conv1dText, partial(Conv1dText, 1000, 64, 128), _TOKENS, 4),
+    "gpt_sdpa": ModelSpec("torch.nn", SdpaGPT, partial(SdpaGPT, 1000, 128, 4, 4), _TOKENS, 200, label_shape=(16,)),
+    "norm_cnn": ModelSpec("torch.nn", NormCNN, partial(NormCNN, 10, 64, 8), _IMAGE, 10),
     "efficientnet_b0": ModelSpec(
         "torchvision",
         partial(EfficientNet, 10, 0.1, 0.34),

@@ -341,8 +341,13 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     each read. A node whose FX node did not read the initializer it reads now reads a merged
     parameter: it gets an initializer of its own, named as torch names it (:func:`_merged_name`),
     with the merged value. A tied weight's readers all name its placeholder, so it stays one
-    weight, whatever its values. Relies on the ``pkg.torch.onnx.fx_node`` metadata torch's dynamo
-    exporter writes (torch 2.5 and later); a graph without it is left as it is."""
+    weight, whatever its values. A node whose FX node read no parameter the merged one could be
+    reads a constant of the exporter's that the optimizer merged into a parameter of equal value
+    (the ones and zeros an ``InstanceNormalization`` or ``LayerNormalization`` without affine
+    parameters needs as its scale and bias, merged into a fresh affine one's weight and bias): it
+    reads that value as a ``Constant`` node of its own again, which never trains. Relies on the
+    ``pkg.torch.onnx.fx_node`` metadata torch's dynamo exporter writes (torch 2.5 and later); a
+    graph without it is left as it is."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     names = _TorchNames(model)
@@ -353,22 +358,47 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     lifted = frozenset().union(*(r for r in reads if r), names.by_placeholder)
     original = set(inits)
     split: dict[str, str] = {}
+    constants: list[onnx.NodeProto] = []
+    fresh = namer(graph)
     for node, own in zip(nodes, reads):
-        if not own or _metadata(node, _REWRITTEN) is not None:
+        if own is None or _metadata(node, _REWRITTEN) is not None:
             continue  # a rewrite rule's node (a BatchNorm fused into a Conv) carries one of its sources' metadata
         for k, name in enumerate(node.input):
             if name not in original or not is_float(inits[name].data_type):
                 continue
             if not names.reads(name, lifted) or names.reads(name, own):
                 continue  # a constant of the exporter's own, or the node reads its own parameter
-            target = _merged_name(name, node_module(node), own, original, names)
+            target = _merged_name(name, node_module(node), own, original, names) if own else None
             if target is None:
+                if names.placeholder(name, "p") in lifted and not _reads_a_parameter_like(
+                    own, inits[name], names, inits
+                ):
+                    constant = fresh(f"{node.name or node.op_type}_constant")
+                    constants.append(
+                        onnx.helper.make_node("Constant", [], [constant], name=constant, value=inits[name])
+                    )
+                    node.input[k] = constant
                 continue
             if target not in inits:
                 inits[target] = _copy(inits[name], target, graph)
                 split[target] = name
             node.input[k] = target
+    for at, constant in enumerate(constants):
+        graph.node.insert(at, constant)
     return split
+
+
+def _reads_a_parameter_like(
+    own: frozenset[str], init: onnx.TensorProto, names: _TorchNames, inits: Mapping[str, onnx.TensorProto]
+) -> bool:
+    """Whether an FX node that read the placeholders ``own`` read one that ``init`` could stand for:
+    a parameter of the same shape with no initializer of its own (merged into ``init``, under a name
+    :func:`_merged_name` could not tell)."""
+    for placeholder in own:
+        name = names.by_placeholder.get(placeholder)
+        if name is None or name not in inits or list(inits[name].dims) == list(init.dims):
+            return True
+    return False
 
 
 def constant_buffers(model: onnx.ModelProto) -> set[str]:

@@ -5,7 +5,9 @@ how) are ResNet-18, MobileNetV2 and V3-small, ShuffleNetV2, torchvision's and tr
 DistilBERT, ALBERT (one layer's weights at every depth), an LSTM classifier, a GRU next-token model
 (also with tied embeddings), a Conv1d text model, and the language models GPT-2 (tied output layer),
 Llama (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP) and T5 (encoder-decoder,
-relative position buckets, one embedding shared three ways) scoring every position, at fixture
+relative position buckets, one embedding shared three ways) scoring every position, a GPT written in
+plain torch around ``F.scaled_dot_product_attention`` (tied output layer), a CNN normalized by GroupNorm
+and InstanceNorm (with and without affine parameters), at fixture
 size, each fresh (zero biases, unit gains: what exporters merge) and perturbed, exported with
 the classic exporter (training preserved), the dynamo exporter's default (``optimize=True``) and the
 dynamo exporter with ``optimize=False``. Beside each, torch's step in float64 from the same values.
@@ -72,6 +74,8 @@ DEFAULT = {
     "gpt2.perturbed.dynamo",
     "llama.fresh.dynamo_noopt",
     "t5.perturbed.dynamo_noopt",
+    "gpt_sdpa.perturbed.classic",
+    "norm_cnn.fresh.dynamo",
     "dropout.classic",
     "dropout_inplace.dynamo",
 }
