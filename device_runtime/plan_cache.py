@@ -36,6 +36,9 @@ class PlanCache(Protocol):
     def put(self, plan_id: str, data: bytes) -> None:
         """Keep ``data``; a cache that cannot be written costs a later download, never a session."""
 
+    # A cache may also ``discard(plan_id)``: the runtime calls it, where there is one, on a cached
+    # plan it refused (for this device's memory, or this runtime's version), which stays no longer.
+
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -104,6 +107,12 @@ class DirectoryPlanCache:
         except OSError as exc:
             log.warning("could not cache plan %s: %s", plan_id, exc)
 
+    def discard(self, plan_id: str) -> None:
+        """Remove ``plan_id``'s copy (the runtime refused it); a copy that cannot be removed stays."""
+        if _PLAN_ID.fullmatch(plan_id):
+            with contextlib.suppress(OSError):
+                (self.root / "plans" / plan_id).unlink()
+
     def _prune(self, *, keeping: str) -> None:
         """Remove the plans used longest ago past ``keep`` or ``max_bytes`` (never ``keeping``,
         just written), and partial copies older than ``STALE_PARTIAL_S`` (their writer was killed
@@ -151,6 +160,10 @@ class MemoryPlanCache:
         self._shared.setdefault(plan_id, data)
         self._ids.add(plan_id)
 
+    def discard(self, plan_id: str) -> None:
+        """This device no longer has ``plan_id``; the shared bytes are other devices' too and stay."""
+        self._ids.discard(plan_id)
+
 
 class LoadedPlans:
     """Plans parsed and ready to run, keyed by content id and runtime version (a plan is
@@ -187,3 +200,8 @@ class LoadedPlans:
             while self.keep is not None and len(self._loaded) > self.keep:
                 self._loaded.popitem(last=False)
             return kept
+
+    def forget(self, plan_id: str, runtime_version: str) -> None:
+        """Unload ``plan_id`` for ``runtime_version`` (a runtime refused it: nothing of it stays)."""
+        with self._lock:
+            self._loaded.pop((plan_id, runtime_version), None)

@@ -356,7 +356,6 @@ class FLRuntime:
         rec.record("checkin", round=session.round)
         try:
             plan = self._plan(session.plan_id, session.token)
-            self._check_budget(plan)
             executor = self._executors[session.plan_id]
             weights = self._checkpoint(session.checkpoint_id, session.token, executor)
             rec.record("plan_downloaded", plan_id=session.plan_id)
@@ -640,6 +639,9 @@ class FLRuntime:
             pass
 
     def _plan(self, plan_id: str, token: str) -> Plan:
+        """The plan ``plan_id``, loaded and within this device's budgets (``_check_budget``). A plan
+        refused leaves nothing of it: not cached, not loaded (in a runtime's own ``LoadedPlans``;
+        a simulation's shared ones are its devices' own), a cached copy of it discarded."""
         if plan_id in self._plans:
             self._plans.move_to_end(plan_id)
             return self._plans[plan_id]
@@ -647,7 +649,19 @@ class FLRuntime:
         cached = data is not None
         if data is None:
             data = self.client.fetch_resource(plan_id, token)
-        plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version)
+        try:
+            plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version)
+            try:
+                self._check_budget(plan)
+            except OverBudget:
+                if self.environment.loaded_plans is None:
+                    self.loaded_plans.forget(plan_id, self.runtime_version)
+                raise
+        except (CorruptResource, OverBudget):
+            discard = getattr(self.plan_cache, "discard", None)
+            if cached and discard is not None:
+                discard(plan_id)
+            raise
         if not cached:
             self.plan_cache.put(plan_id, data)
         self._plans[plan_id] = plan

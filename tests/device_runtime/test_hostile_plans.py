@@ -5,7 +5,8 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
   where the app runs) is refused when the plan loads: a plan carries all its data.
 - A graph that makes a tensor larger than a device gives (``MAX_TENSOR_BYTES``: a ConstantOfShape,
   Expand, Tile, Range or OneHot to 10^11-10^12 elements, in the graph or a Loop's body) is refused
-  when the plan loads, before onnxruntime allocates it; nothing of it is kept.
+  when the plan loads, before onnxruntime allocates it; nothing of it is kept, nor of a plan refused
+  for the device's memory (``OverBudget``), and a cached copy of a refused plan is removed.
 - A graph that asks onnxruntime for more memory than there is, in a size only its data tells,
   ends the session in the SDK's ``PlanError``; the server hears the abort and the same runtime
   trains an honest plan next.
@@ -266,6 +267,64 @@ def test_a_plan_whose_graph_makes_a_tensor_larger_than_the_device_gives_is_refus
         assert server.aborts == 1 and server.reports == 0
         assert all(not executor._sessions for executor in runtime._executors.values())  # nothing was run
         assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
+
+
+def _over_a_small_device():
+    """Plans a device of 64 MB refuses for memory: one that declares 128 MB, one whose graph makes
+    a 256 MB tensor before a step (and declares nothing)."""
+    declared = digits_plan()
+    declared = dataclasses.replace(declared, metadata=dataclasses.replace(declared.metadata, memory_budget_mb=128))
+    nodes = _sum_of(helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE))
+    return {"declared": declared, "made": _with_work(digits_plan(), nodes, [_ints([64 << 20], "shape")])}
+
+
+@pytest.mark.parametrize("how", ["declared", "made"])
+def test_a_plan_refused_for_the_devices_memory_leaves_nothing_behind(tmp_path, how):
+    """The refused plan stayed in the plan cache on disk and loaded in the runtime's memory (its
+    graphs, its executor), as many times as a server named a new one."""
+    refused = _over_a_small_device()[how]
+    server = HostileServer([refused, digits_plan()])
+    small = DeviceClass("small", memory_mb=64)
+    cache = tmp_path / "cache"
+    with FLRuntime(
+        "digits", "http://fl.test", _store(), transport=server, device_class=small, cache_dir=cache
+    ) as runtime:
+        with pytest.raises(OverBudget):
+            runtime.run_session()
+        assert server.aborts == 1
+        assert not runtime._plans and not runtime._executors and not runtime.loaded_plans._loaded
+        assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
+        assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
+        assert len(list((cache / "plans").iterdir())) == 1 and len(runtime.loaded_plans._loaded) == 1
+    assert server.reports == 1
+
+
+@pytest.mark.parametrize(
+    ("later", "refusal"),
+    [
+        (
+            {"device_class": DeviceClass("small", memory_mb=64)},
+            (OverBudget, "asks for 128 MB; a small device gives 64"),
+        ),
+        ({"runtime_version": "1.14.0"}, (CorruptResource, "was refused")),
+    ],
+    ids=["smaller-device", "older-runtime"],
+)
+def test_a_cached_plan_the_runtime_now_refuses_is_removed_from_the_cache(tmp_path, later, refusal):
+    """A plan cached by a runtime that could run it (an app whose settings or onnxruntime changed
+    since) is refused from the cache, and the copy goes with the refusal: it stayed, and was read
+    and refused again at each session the server named it."""
+    plan = _over_a_small_device()["declared"]
+    cache = tmp_path / "cache"
+    with FLRuntime("digits", "http://fl.test", _store(), transport=HostileServer([plan]), cache_dir=cache) as runtime:
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert len(list((cache / "plans").iterdir())) == 1
+    server = HostileServer([plan])
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, cache_dir=cache, **later) as runtime:
+        with pytest.raises(refusal[0], match=refusal[1]):
+            runtime.run_session()
+        assert not list((cache / "plans").iterdir()) and not runtime.loaded_plans._loaded
+    assert server.aborts == 1
 
 
 def test_a_graph_that_asks_for_more_memory_than_there_is_ends_in_the_sdks_error_and_the_app_goes_on(tmp_path):
