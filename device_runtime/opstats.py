@@ -3,7 +3,7 @@ database (paper, section 3: "OpStats"), and session shapes from them (paper, Tab
 
 The same database keeps the example resumption tokens of plans that resume reading (one per
 population, task and collection), so that they survive an app restart with the rest of the
-device's history.
+device's history; a completed session's token is written in the transaction of its last events.
 
 The log is bounded (``OpStatsStore(keep_s=..., keep_sessions=...)``): each session recorded drops
 the sessions that ended more than ``keep_s`` (30 days) before it, and all but the newest
@@ -169,8 +169,20 @@ class OpStatsStore:
         with app_database_errors(self.path, action):
             yield
 
-    def record_session(self, session_id: str, population: str, task: str | None, events: list[Event]) -> None:
-        """Keep the session's events, replacing what was kept of it before (its events so far)."""
+    def record_session(
+        self,
+        session_id: str,
+        population: str,
+        task: str | None,
+        events: list[Event],
+        *,
+        resumption: tuple[str, str, str, str] | None = None,
+    ) -> None:
+        """Keep the session's events, replacing what was kept of it before (its events so far).
+        ``resumption``: (population, task, collection URI, token) where the completed session
+        stopped reading, saved in the same transaction as its events (as of its last event): an
+        app killed while they are written has both or neither, never a token moved past examples
+        whose session its log does not show completed."""
         rows = [
             {
                 "session_id": session_id,
@@ -186,6 +198,8 @@ class OpStatsStore:
             with self._db("record a session"), self.engine.begin() as conn:
                 conn.execute(delete(events_table).where(events_table.c.session_id == session_id))
                 conn.execute(events_table.insert(), rows)
+                if resumption is not None:
+                    self._save_token(conn, *resumption, at=events[-1].at)
                 self._prune(conn, now=max(e.at for e in events))
 
     def _prune(self, conn: Any, *, now: float) -> None:
@@ -259,7 +273,10 @@ class OpStatsStore:
         self, population: str, task: str, collection_uri: str, token: str, at: float | None = None
     ) -> None:
         """Replace the saved token (one row per population, task and collection)."""
-        at = time.time() if at is None else at
+        with self._db("save a resumption token"), self.engine.begin() as conn:
+            self._save_token(conn, population, task, collection_uri, token, at=time.time() if at is None else at)
+
+    def _save_token(self, conn: Any, population: str, task: str, collection_uri: str, token: str, *, at: float) -> None:
         stmt = sqlite_insert(resumption_table).values(
             population=population, task=task, collection_uri=collection_uri, token=token, saved_at=at
         )
@@ -267,21 +284,18 @@ class OpStatsStore:
             index_elements=["population", "task", "collection_uri"], set_={"token": token, "saved_at": at}
         )
         t = resumption_table.c
-        with self._db("save a resumption token"), self.engine.begin() as conn:
-            conn.execute(stmt)
-            # bounded as the log is: a server that named a new task in every session added a row each time
-            conn.execute(delete(resumption_table).where(t.saved_at < at - self.keep_s))
-            beyond = conn.execute(
-                select(t.population, t.task, t.collection_uri)
-                .order_by(t.saved_at.desc(), t.population.desc(), t.task.desc(), t.collection_uri.desc())
-                .offset(self.keep_sessions)
-            ).all()
-            for population_, task_, uri in beyond:
-                conn.execute(
-                    delete(resumption_table).where(
-                        t.population == population_, t.task == task_, t.collection_uri == uri
-                    )
-                )
+        conn.execute(stmt)
+        # bounded as the log is: a server that named a new task in every session added a row each time
+        conn.execute(delete(resumption_table).where(t.saved_at < at - self.keep_s))
+        beyond = conn.execute(
+            select(t.population, t.task, t.collection_uri)
+            .order_by(t.saved_at.desc(), t.population.desc(), t.task.desc(), t.collection_uri.desc())
+            .offset(self.keep_sessions)
+        ).all()
+        for population_, task_, uri in beyond:
+            conn.execute(
+                delete(resumption_table).where(t.population == population_, t.task == task_, t.collection_uri == uri)
+            )
 
     def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
         """Drop a saved token (the store refused it): the next session reads from the start."""

@@ -10,7 +10,8 @@ Rules, chosen so that a device never loses data and never keeps partial state:
 
 * The token is saved only when the session completed (its update was accepted). An interrupted,
   rejected or failed session leaves the saved token as it was, so the next session reads those
-  examples again.
+  examples again. In an ``OpStatsStore`` it is saved in the transaction that records the session's
+  last events: an app killed then keeps both or neither.
 * Several epochs re-open the selection once each; the token kept is that of the last epoch's
   iterator, which was opened last (so it saw every example added meanwhile) and, in a completed
   session, was read to its end: it is the furthest position read.
@@ -183,10 +184,19 @@ class ExampleReading:
                 exc,
             )
 
+    def position(self) -> tuple[str, str, str, str] | None:
+        """(population, task, collection URI, token) where this session stopped, to save once it
+        completed (``commit``, or with its events: ``OpStatsStore.record_session(resumption=)``);
+        None when there is nothing to save."""
+        if self._key is None or self._stopped_at is None:
+            return None
+        return (*self._key, self._stopped_at)
+
     def commit(self, at: float | None = None) -> None:
         """Save where this session stopped: call only once the session completed."""
-        if self._key is not None and self._keeper is not None and self._stopped_at is not None:
-            self._keeper.save_resumption_token(*self._key, self._stopped_at, at if at is not None else time.time())
+        position = self.position()
+        if position is not None and self._keeper is not None:
+            self._keeper.save_resumption_token(*position, at if at is not None else time.time())
 
     def close(self) -> None:
         """Give back every cursor at once (an interrupted session leaves its iterators open)."""

@@ -262,7 +262,7 @@ class FLRuntime:
             try:
                 result = self._session(rec, should_abort, before_report, eligibility, run_options)
                 if result.outcome is Outcome.COMPLETED and rec.reading is not None:
-                    rec.reading.commit(self.clock())  # only a completed session moves the saved position
+                    rec.position = rec.reading.position()  # only a completed session moves the saved position
                 return result
             finally:
                 self.client.ends_at = None
@@ -720,6 +720,8 @@ class _Recorder:
         self.peak_memory_mb = self.base_memory_mb
         self.over_budget: str | None = None
         self.reading: ExampleReading | None = None
+        #: Where a completed session stopped reading, saved with its events by ``flush``.
+        self.position: tuple[str, str, str, str] | None = None
         self.sent0 = runtime.client.bytes_sent
         self.received0 = runtime.client.bytes_received
 
@@ -792,6 +794,14 @@ class _Recorder:
                 peak_memory_mb=round(self.peak_memory_mb, 1),
                 runtime_version=self.runtime.runtime_version,
             )
-        if self.runtime.opstats is not None and self.events:
-            task = self.session.task if self.session else None
-            self.runtime.opstats.record_session(self.local_id, self.runtime.population, task, self.events)
+        runtime, task = self.runtime, self.session.task if self.session else None
+        if isinstance(runtime.opstats, OpStatsStore) and self.events:
+            # the app's database: the events and the position read to in one transaction
+            runtime.opstats.record_session(
+                self.local_id, runtime.population, task, self.events, resumption=self.position
+            )
+            return
+        if self.position is not None:
+            runtime.resumption_tokens.save_resumption_token(*self.position, runtime.clock())
+        if runtime.opstats is not None and self.events:
+            runtime.opstats.record_session(self.local_id, runtime.population, task, self.events)
