@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -30,6 +31,22 @@ class SystemClock:
             time.sleep(max(0.0, seconds))
             return False
         return wake.wait(max(0.0, seconds))
+
+
+def is_system_time(clock: Callable[[], float]) -> bool:
+    """Whether ``clock`` reads the system's time: ``time.time``, ``time.monotonic``, or the
+    ``now`` of a ``SystemClock`` (what an app passes as ``RuntimeEnvironment(clock=...)``). A
+    runtime on it bounds its sessions in real time (deadlines, a watchdog on training); on any
+    other (a simulation's virtual time) it leaves that to the simulation."""
+    return clock in (time.time, time.monotonic) or isinstance(getattr(clock, "__self__", None), SystemClock)
+
+
+def elapsed_clock(clock: Callable[[], float]) -> Callable[[], float]:
+    """What durations and deadlines measured against ``clock`` are read on: the monotonic clock
+    when ``clock`` is the system's (the wall clock jumps when the user or a time sync sets it: a
+    day ahead ended every time budget at once, a day back let one run a day longer), else
+    ``clock`` itself (a virtual clock only moves forward)."""
+    return time.monotonic if is_system_time(clock) else clock
 
 
 class VirtualClock:

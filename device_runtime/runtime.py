@@ -12,7 +12,6 @@ import random
 import shutil
 import tempfile
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -28,6 +27,7 @@ from example_store import ExampleSelector, ExampleStore, ExampleStoreError, Unkn
 
 from .attestation import DeviceAttestor, PeerCertificateVerifier
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from .clock import elapsed_clock, is_system_time
 from .ddp import DDPError
 from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_update, update_dim
 from .eligibility import EligibilityPolicies, Participation, evaluate
@@ -280,7 +280,7 @@ class FLRuntime:
         answers (``ProtocolClient.ends_at``), on a device on the system's clock. A runtime on a
         simulation's clock leaves it to the simulation: its sessions interleave with others in
         real time, which says nothing of theirs."""
-        if self.clock in (time.time, time.monotonic):
+        if is_system_time(self.clock):
             self.client.ends_at = self.client.clock() + seconds
 
     @contextlib.contextmanager
@@ -289,7 +289,7 @@ class FLRuntime:
         ``max_training_s`` when the plan declares none, is stopped by force even inside a step
         (``run_options.terminate``): the budget is otherwise checked between steps, and a plan's
         one step can run for ever (an ONNX Loop of 10^15 iterations)."""
-        if self.clock not in (time.time, time.monotonic):  # a simulation's training takes its virtual time
+        if not is_system_time(self.clock):  # a simulation's training takes its virtual time
             yield
             return
         budget = plan.metadata.time_budget_s
@@ -474,7 +474,7 @@ class FLRuntime:
     ) -> tuple[SecureAggregation, SecureResult | None]:
         """The key rounds, before training (see ``secure_client``). Deadlines are measured on the
         runtime's clock, or on the monotonic one when that is the system's (which can jump)."""
-        clock = time.monotonic if self.clock is time.time else self.clock
+        clock = elapsed_clock(self.clock)
         polling: dict[str, Any] = (
             {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
         )
@@ -716,6 +716,9 @@ class _Recorder:
         self.local_id = (
             f"{runtime.rng.getrandbits(64):016x}"  # from the device's own random stream: a seeded run repeats
         )
+        #: Durations are measured on it (the system's wall clock can be set while a session runs).
+        self.elapsed = elapsed_clock(runtime.clock)
+        self._elapsed_at: dict[str, float] = {}
         self.base_memory_mb = runtime.memory_probe()
         self.peak_memory_mb = self.base_memory_mb
         self.over_budget: str | None = None
@@ -733,11 +736,12 @@ class _Recorder:
         self.peak_memory_mb = max(self.peak_memory_mb, self.runtime.memory_probe())
         kept = {k: v[: self.MAX_TEXT] if isinstance(v, str) else v for k, v in detail.items()}
         self.events.append(Event(kind, self.runtime.clock(), kept))
+        self._elapsed_at[kind] = self.elapsed()
 
     def watch(self, plan: Plan, should_abort: Callable[[], bool] | None) -> Callable[[], bool]:
         """The per-step check: the app's should_abort, and the plan's budgets, measured."""
         meta = plan.metadata
-        clock, probe = self.runtime.clock, self.runtime.memory_probe
+        clock, probe = self.elapsed, self.runtime.memory_probe
         started = clock()
         steps = 0
 
@@ -759,10 +763,10 @@ class _Recorder:
 
     def stats(self) -> dict:
         """Non-identifying statistics the server may see: the shape so far and the costs."""
-        training = [e.at for e in self.events if e.kind in ("training_started", "training_completed")]
+        started, completed = (self._elapsed_at.get(k) for k in ("training_started", "training_completed"))
         return {
             "shape": shape_of(self.events),
-            "training_s": round(training[1] - training[0], 3) if len(training) == 2 else None,
+            "training_s": round(completed - started, 3) if started is not None and completed is not None else None,
             "runtime_version": self.runtime.runtime_version,
         }
 
