@@ -6,7 +6,9 @@ they survive an app restart (an emulated device keeps them in memory, to the sam
 Due times are computed from the runtime's Clock rather than the wall clock, so the same code runs
 a real app and a device emulated in virtual time. All apps of one
 device share one WorkerQueue: never two training sessions at once, populations served in a fair
-(least recently run first) order."""
+(least recently run first) order. A job that saw its constraints unmet checks in again only once
+they have held for a quiet period (``SchedulerSettings.settle_s``): conditions that flap do not
+take a seat at each return."""
 
 from __future__ import annotations
 
@@ -66,12 +68,21 @@ class JobRun:
     session: SessionResult | None = None
 
 
+#: ``ScheduledJob.settle``: the job saw its constraints unmet since it last checked in; its next
+#: run that finds them holding starts a quiet period (``SchedulerSettings.settle_s``) instead.
+UNSETTLED = "unmet"
+#: ``ScheduledJob.settle``: the job's next run ends a quiet period over which its constraints held.
+SETTLING = "settling"
+
+
 @dataclass(frozen=True)
 class ScheduledJob:
     population: str
     next_run_at: float | None
     constraints: TrainingConstraints
     interval: TrainingInterval
+    #: "" (the job checks in when its constraints hold), ``UNSETTLED`` or ``SETTLING``.
+    settle: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,20 @@ class SchedulerSettings:
     #: The least a job waits after its check-in was turned away, whatever window the server named:
     #: a server that named (0, 0) had the device check in again at once, for ever.
     min_retry_s: float = 1.0
+    #: How long a job's constraints must hold again, once it saw them unmet (at a run, or a session
+    #: that stopped because they did), before it checks in: conditions that flap (a loose charger,
+    #: the screen on and off) took a seat at each return and dropped it at the next change. They
+    #: are looked at when they come back and ``settle_s`` later (and in between where the conditions
+    #: tell when they next stop holding, ``first_unsatisfied``); 0 checks in as soon as they hold.
+    settle_s: float = 60.0
 
 
 def run_participation(
-    population: str, constraints: dict, interval: dict, scheduler: ParticipationScheduler | None = None
+    population: str,
+    constraints: dict,
+    interval: dict,
+    scheduler: ParticipationScheduler | None = None,
+    settle: str = "",
 ) -> JobRun:
     """The function every stored job names: one participation attempt, run by the app's scheduler
     (which reads the job's constraints and interval from the store)."""
@@ -150,7 +171,11 @@ class _StoredJobs:
             func=f"{__name__}:run_participation",
             args=(job.population,),
             # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
-            kwargs={"constraints": dict(vars(job.constraints)), "interval": dict(vars(job.interval))},
+            kwargs={
+                "constraints": dict(vars(job.constraints)),
+                "interval": dict(vars(job.interval)),
+                "settle": job.settle,
+            },
             trigger=DateTrigger(at, timezone=UTC),
             executor="default",
             name=f"{self._app}:{job.population}",
@@ -173,10 +198,13 @@ class _StoredJobs:
         self._store.remove_job(population)
         return True
 
-    def reschedule(self, population: str, at: float) -> None:
+    def reschedule(self, population: str, at: float, settle: str | None = None) -> None:
         stored = self._store.lookup_job(population)
         if stored is not None:  # not cancelled meanwhile
-            stored._modify(next_run_time=_to_dt(at))
+            if settle is not None:
+                stored._modify(next_run_time=_to_dt(at), kwargs={**stored.kwargs, "settle": settle})
+            else:
+                stored._modify(next_run_time=_to_dt(at))
             self._store.update_job(stored)
 
     def due(self, now: float) -> list[tuple[float, str]]:
@@ -196,6 +224,7 @@ class _StoredJobs:
             job.next_run_time.timestamp() if job.next_run_time else None,
             TrainingConstraints(**job.kwargs["constraints"]),
             TrainingInterval(**job.kwargs["interval"]),
+            job.kwargs.get("settle", ""),  # a job stored before quiet periods has none
         )
 
 
@@ -212,7 +241,7 @@ class _MemoryJobs:
     def put(self, job: ScheduledJob) -> None:
         assert job.next_run_at is not None
         self._jobs[job.population] = ScheduledJob(
-            job.population, to_microsecond(job.next_run_at), job.constraints, job.interval
+            job.population, to_microsecond(job.next_run_at), job.constraints, job.interval, job.settle
         )
 
     def get(self, population: str) -> ScheduledJob | None:
@@ -221,10 +250,12 @@ class _MemoryJobs:
     def remove(self, population: str) -> bool:
         return self._jobs.pop(population, None) is not None
 
-    def reschedule(self, population: str, at: float) -> None:
+    def reschedule(self, population: str, at: float, settle: str | None = None) -> None:
         job = self._jobs.get(population)
         if job is not None:
-            self._jobs[population] = ScheduledJob(population, to_microsecond(at), job.constraints, job.interval)
+            self._jobs[population] = ScheduledJob(
+                population, to_microsecond(at), job.constraints, job.interval, job.settle if settle is None else settle
+            )
 
     def due(self, now: float) -> list[tuple[float, str]]:
         now = to_microsecond(now)
@@ -388,6 +419,9 @@ class ParticipationScheduler:
             return JobRun(self.app, population, RunOutcome.ERROR, started, started, None, "job was cancelled")
         constraints, interval = job.constraints, job.interval
         unmet = constraints.unmet(self.conditions.current())
+        if not unmet and job.settle == UNSETTLED and self.settings.settle_s > 0:
+            return self._settle(job, started)
+        settle = UNSETTLED if unmet else ""
         runtime = self._runtimes.get(population)
         session: SessionResult | None = None
         detail = ""
@@ -397,8 +431,9 @@ class ParticipationScheduler:
         elif runtime is None:
             outcome, delay, detail = RunOutcome.NO_RUNTIME, self.settings.recheck_s, "no runtime registered for it"
         else:
+            broke: list[bool] = []  # the session stopped because the constraints stopped holding
             try:
-                session = self._run_watched(runtime, constraints)
+                session = self._run_watched(runtime, constraints, broke)
             except SessionRejected as rejected:
                 outcome, delay, detail = RunOutcome.NOT_SELECTED, 0.0, rejected.reason
                 server_delay = max(runtime.next_retry_delay(), self.settings.min_retry_s)
@@ -410,6 +445,7 @@ class ParticipationScheduler:
                 outcome = RunOutcome(session.outcome.value)
                 if outcome is RunOutcome.INTERRUPTED:
                     delay = self.settings.recheck_s
+                    settle = UNSETTLED if broke else ""
                 else:
                     delay = interval.min_interval_s if interval.recurrent else self.settings.recheck_s
                     if interval.recurrent and session.retry_after_s is not None:
@@ -432,8 +468,26 @@ class ParticipationScheduler:
             if next_at is None:
                 self._jobs.remove(population)
             else:
-                self._jobs.reschedule(population, next_at)  # unless cancelled meanwhile
+                self._jobs.reschedule(population, next_at, settle)  # unless cancelled meanwhile
         return JobRun(self.app, population, outcome, started, ended, next_at, detail, session)
+
+    def _settle(self, job: ScheduledJob, now: float) -> JobRun:
+        """The constraints hold again after the job saw them unmet: no check-in yet, a quiet
+        period of ``settle_s`` first, at whose end the job checks in if they still hold. Where the
+        conditions tell when they next stop holding (``first_unsatisfied``) before its end, the job
+        wakes then instead, to find them unmet and wait for their return again."""
+        end = now + self.settings.settle_s
+        first_unsatisfied = getattr(self.conditions, "first_unsatisfied", None)
+        stop = first_unsatisfied(job.constraints, now) if first_unsatisfied is not None else None
+        if stop is not None and float(stop) < end:
+            # a hair after they stop (due times are kept to the microsecond): the look finds them so
+            next_at, settle = max(now, float(stop) + 1e-6), UNSETTLED
+        else:
+            next_at, settle = end, SETTLING
+        with self._lock:
+            self._jobs.reschedule(job.population, next_at, settle)
+        detail = f"settling: the constraints hold again; checking in after {self.settings.settle_s:g} s of them"
+        return JobRun(self.app, job.population, RunOutcome.CONSTRAINTS_UNMET, now, now, next_at, detail)
 
     def _when_conditions_change(self, now: float, fallback: float, constraints: TrainingConstraints) -> float:
         """The next moment ``constraints`` hold, or else the next moment the device's conditions
@@ -458,17 +512,27 @@ class ParticipationScheduler:
         when = first_satisfied(constraints, at, now)
         return at if when is None else max(at, float(when))
 
-    def _unmet_check(self, constraints: TrainingConstraints) -> Callable[[], bool]:
+    def _broken(self, constraints: TrainingConstraints, broke: list[bool] | None) -> Callable[[], bool]:
+        """Whether ``constraints`` no longer hold, read now; noted in ``broke`` when they do not."""
+        conditions = self.conditions
+
+        def unmet() -> bool:
+            if constraints.satisfied(conditions.current()):
+                return False
+            if broke is not None:
+                broke.append(True)
+            return True
+
+        return unmet
+
+    def _unmet_check(self, constraints: TrainingConstraints, broke: list[bool] | None = None) -> Callable[[], bool]:
         """The per-step check of a session run without a watchdog: whether ``constraints`` no
         longer hold. Conditions that know their future (``first_unsatisfied(constraints, now) ->
         float | None``, the first moment after ``now`` at which they stop holding) are read once
         and then only when the clock reaches that moment, where the check reads them again (it
         gives what reading them at every step gives: before that moment they hold)."""
         conditions = self.conditions
-
-        def unmet() -> bool:
-            return not constraints.satisfied(conditions.current())
-
+        unmet = self._broken(constraints, broke)
         first_unsatisfied = getattr(conditions, "first_unsatisfied", None)
         if first_unsatisfied is None:
             return unmet
@@ -488,28 +552,31 @@ class ParticipationScheduler:
 
         return check
 
-    def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints) -> SessionResult:
+    def _run_watched(self, runtime: FLRuntime, constraints: TrainingConstraints, broke: list[bool]) -> SessionResult:
         """Run a session while a watchdog polls the conditions: when they stop holding it asks the
         session to stop (checked between steps) and, after the grace period, ends the running
-        step by force through onnxruntime's terminate flag."""
+        step by force through onnxruntime's terminate flag. ``broke`` is appended to when the
+        constraints were found not to hold."""
         stopping = self.queue.stopping
         if not self.settings.watchdog:
-            unmet = self._unmet_check(constraints)
+            unmet = self._unmet_check(constraints, broke)
             return runtime.run_session(should_abort=lambda: stopping.is_set() or unmet())
         stop = threading.Event()
         done = threading.Event()
         run_options = stoppable_run_options()
 
+        unmet = self._broken(constraints, broke)
+
         def watchdog() -> None:
             while not done.wait(self.settings.poll_s):
-                if stopping.is_set() or not constraints.satisfied(self.conditions.current()):
+                if stopping.is_set() or unmet():
                     stop.set()
                     if not done.wait(self.settings.grace_s):
                         run_options.terminate = True
                     return
 
         def should_abort() -> bool:
-            return stop.is_set() or stopping.is_set() or not constraints.satisfied(self.conditions.current())
+            return stop.is_set() or stopping.is_set() or unmet()
 
         thread = threading.Thread(target=watchdog, name="fl-watchdog", daemon=True)
         thread.start()

@@ -1,5 +1,6 @@
 """What a simulation on virtual time needs of the SDK, against a real server: an in-memory job
-store, jobs woken when conditions change rather than re-checked, a work meter that hears every
+store, jobs woken when conditions change rather than re-checked (without the quiet period after
+their return, ``SchedulerSettings.settle_s``, which ``test_settling`` checks), a work meter that hears every
 trained batch, plan caches that download each plan once per device, and no wall-clock reads
 in a session's events."""
 
@@ -68,7 +69,7 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
     conditions = ChangingConditions(clock, free_at=clock.now() + 5000.0)
     queue = WorkerQueue(clock, history=1)
     scheduler = ParticipationScheduler(
-        None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False)
+        None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False, settle_s=0)
     )
     meter = CountingMeter()
     runtime = FLRuntime(
@@ -124,9 +125,8 @@ def test_conditions_that_know_when_constraints_hold_wake_the_job_only_then():
         clock = VirtualClock()
         conditions = kind(clock, free_at=clock.now() + 1000.0)
         queue = WorkerQueue(clock, history=0)
-        scheduler = ParticipationScheduler(
-            None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False)
-        )
+        settings = SchedulerSettings(recheck_s=60, watchdog=False, settle_s=0)
+        scheduler = ParticipationScheduler(None, conditions, clock=clock, queue=queue, settings=settings)
         scheduler.schedule("digits", TrainingConstraints(), TrainingInterval())  # no runtime: NO_RUNTIME once they hold
         runs = queue.run_until(conditions.free_at + 1.0)
         assert runs[-1].outcome is RunOutcome.NO_RUNTIME and runs[-1].started_at == conditions.free_at
@@ -173,7 +173,7 @@ def test_a_job_due_while_its_constraints_fail_sleeps_until_they_hold():
             conditions,
             clock=clock,
             queue=queue,
-            settings=SchedulerSettings(recheck_s=60, jitter=0.0, watchdog=False),
+            settings=SchedulerSettings(recheck_s=60, jitter=0.0, watchdog=False, settle_s=0),
         )
         first = scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(), start_at=t0 + 100.0)
         assert first.next_run_at == (t0 + 500.0 if kind is ForeseenBusyWindows else t0 + 100.0)
