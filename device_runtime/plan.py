@@ -35,7 +35,7 @@ import json
 import math
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import from_json
 
 from .errors import RuntimeSdkError
+from .shape_fold import fold_shape_values
 from .versions import version_tuple
 
 if TYPE_CHECKING:  # example_store is imported lazily at load time
@@ -579,6 +580,35 @@ def _remember_largest(plan: Plan, largest: tuple[str, int] | None) -> None:
         weakref.finalize(plan, _LARGEST_WORK.pop, id(plan), None)
 
 
+#: The largest tensor of each loaded plan's work graph at the input shapes a step is given
+#: (``largest_work_tensor_at``), by the plan's id() and those shapes, while it lives.
+_LARGEST_AT: dict[int, dict[tuple, tuple[str, int] | None]] = {}
+#: The most input shapes remembered per plan: a device's batches come in one or two (the last may
+#: be smaller), a fleet's devices in up to the batch size.
+MAX_SHAPES_REMEMBERED = 256
+
+
+def largest_work_tensor_at(plan: Plan, shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, int] | None:
+    """The largest tensor the plan's work graph makes when its inputs have ``shapes`` (graph
+    input name to dims: a batch's), as (name, bytes), where its size is known before the step
+    runs: from the shapes, and the values the graph computes from them (``shape_fold``). Found
+    once per plan and shapes."""
+    key = tuple(sorted((name, tuple(int(d) for d in dims)) for name, dims in shapes.items()))
+    found = _LARGEST_AT.get(id(plan))
+    if found is not None and key in found:
+        return found[key]
+    import onnx
+
+    largest = _largest_tensor(onnx.ModelProto.FromString(plan.work), plan.device, dict(key))
+    if found is None:
+        found = _LARGEST_AT[id(plan)] = {}
+        weakref.finalize(plan, _LARGEST_AT.pop, id(plan), None)
+    if len(found) >= MAX_SHAPES_REMEMBERED:
+        found.pop(next(iter(found)), None)  # the oldest remembered
+    found[key] = largest
+    return largest
+
+
 def largest_work_tensor(plan: Plan) -> tuple[str, int] | None:
     """The largest tensor the plan's work graph makes whose size is known before it runs, as (name,
     bytes) (see ``MAX_TENSOR_BYTES``): what a device compares with the memory it gives. Found once
@@ -590,11 +620,21 @@ def largest_work_tensor(plan: Plan) -> tuple[str, int] | None:
     return _LARGEST_WORK[id(plan)]
 
 
-def _largest_tensor(model: Any, device: DeviceConfig | None) -> tuple[str, int] | None:
+#: How many times the values computed from the work graph's shapes are folded and its shapes
+#: inferred again (a value folded can make another tensor's shape, and so another value, known).
+FOLD_ROUNDS = 3
+
+
+def _largest_tensor(
+    model: Any, device: DeviceConfig | None, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> tuple[str, int] | None:
     """The largest tensor ``model`` makes whose size ONNX shape inference knows before it runs, as
-    (name, bytes), with a dim it cannot tell (symbolic, or known only when the graph runs) counted
-    as 1: a size found is one the tensor has at least. For the work graph (``device`` given), the
-    first dim of each input the device feeds is its batch, taken at the plan's batch size.
+    (name, bytes), with a dim it cannot tell (symbolic, or known only from the examples' data)
+    counted as 1: a size found is one the tensor has at least. For the work graph (``device``
+    given), the first dim of each input the device feeds is its batch, taken at the plan's batch
+    size, or each input has the dims ``shapes`` gives it (a step's); the values the graph computes
+    from its tensors' shapes (``Shape(x) * 10^5``) are computed and folded in as constants
+    (``shape_fold``), so a tensor sized from them is sized too.
 
     Shape inference runs without data propagation: onnx's propagation of a Range over constants
     materializes the range (10^12 elements took the process's memory); inference alone reads the
@@ -602,11 +642,19 @@ def _largest_tensor(model: Any, device: DeviceConfig | None) -> tuple[str, int] 
     import onnx
 
     if device is not None:
-        model = _batch_pinned(model, device)
+        model = _pinned(model, device, shapes)
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:  # noqa: BLE001 - onnx's InferenceError and others: the declared shapes only
         inferred = model
+    for _ in range(FOLD_ROUNDS if device is not None else 0):
+        model, folded = fold_shape_values(model, _known_shapes(inferred))
+        if not folded:
+            break
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model)
+        except Exception:  # noqa: BLE001 - as above: what was inferred before
+            break
     largest: tuple[str, int] | None = None
     for graph in _subgraphs(inferred.graph):
         for value in (*graph.value_info, *graph.output):
@@ -616,17 +664,33 @@ def _largest_tensor(model: Any, device: DeviceConfig | None) -> tuple[str, int] 
     return largest
 
 
-def _batch_pinned(model: Any, device: DeviceConfig) -> Any:
-    """A copy of the work graph whose fed inputs' first dim, where symbolic, is the batch size."""
+def _pinned(model: Any, device: DeviceConfig, shapes: Mapping[str, tuple[int, ...]] | None = None) -> Any:
+    """A copy of the work graph whose inputs in ``shapes`` have those dims, or without ``shapes``
+    whose fed inputs' first dim, where symbolic, is the batch size."""
     import onnx
 
     pinned = onnx.ModelProto()
     pinned.CopyFrom(model)
     for value in pinned.graph.input:
         dims = value.type.tensor_type.shape.dim
-        if value.name in device.inputs and len(dims) > 0 and not dims[0].HasField("dim_value"):
+        if shapes is not None:
+            if value.name in shapes and len(dims) == len(shapes[value.name]):
+                for dim, size in zip(dims, shapes[value.name], strict=True):
+                    dim.dim_value = size
+        elif value.name in device.inputs and len(dims) > 0 and not dims[0].HasField("dim_value"):
             dims[0].dim_value = device.batch_size
     return pinned
+
+
+def _known_shapes(model: Any) -> dict[str, tuple[int | None, ...]]:
+    """Every tensor of ``model``'s graph whose rank is known, by name: its dims, None where unknown."""
+    graph = model.graph
+    out: dict[str, tuple[int | None, ...]] = {t.name: tuple(int(d) for d in t.dims) for t in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor = value.type.tensor_type
+        if value.type.HasField("tensor_type") and tensor.HasField("shape"):
+            out[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+    return out
 
 
 def _subgraphs(graph: Any) -> Iterator[Any]:

@@ -36,7 +36,7 @@ from .errors import CorruptResource, InvalidSetting, NoExamples, OverBudget, Pro
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .influence import bound_update
 from .opstats import AppDatabaseError, Event, OpStatsStore, shape_of
-from .plan import Plan, PlanError, largest_work_tensor
+from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache
 from .protocol import (
     MIN_ANSWER_BYTES_PER_S,
@@ -83,7 +83,8 @@ class Outcome(enum.Enum):
 class DeviceClass:
     """What a device can give a plan; a plan whose declared budget exceeds it is refused, and so is
     one whose work graph makes a tensor larger than ``memory_mb`` where its size is known before it
-    runs (``plan.largest_work_tensor``). On the system's clock, training stops by force after
+    runs (``plan.largest_work_tensor``), and checked again before each step at the batch's shapes
+    (``plan.largest_work_tensor_at``). On the system's clock, training stops by force after
     ``max_training_s`` when the plan declares no time budget of its own."""
 
     name: str = "default"
@@ -376,6 +377,7 @@ class FLRuntime:
             batches: Callable[[], Iterator[Mapping[str, np.ndarray]]] = executor.batches_from_examples(
                 reading.open_batches
             )
+            batches = _within_memory(batches, plan, self.device_class)
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
             run_options = run_options if run_options is not None else stoppable_run_options()
@@ -687,6 +689,37 @@ class FLRuntime:
                 f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values"
             )
         return weights
+
+
+def _within_memory(
+    open_batches: Callable[[], Iterator[Mapping[str, np.ndarray]]], plan: Plan, device: DeviceClass
+) -> Callable[[], Iterator[Mapping[str, np.ndarray]]]:
+    """Each batch is checked before its step: the largest tensor the work graph makes at the
+    batch's shapes (``largest_work_tensor_at``: a smaller last batch, an example's dims the plan
+    leaves open), where its size is known before the step, must fit the device's memory. A graph
+    that sizes a tensor from the batch's shape (``ConstantOfShape(10^9 / Shape(x)[0])``, small at
+    the plan's batch size that the load checked) was allocated by onnxruntime at the step."""
+    limit = device.memory_mb * (1 << 20)
+    fed = list(plan.device.inputs.items())
+    examples = [example for _, example in fed]
+
+    def open_checked() -> Iterator[Mapping[str, np.ndarray]]:
+        checked = None  # the batches' shapes checked last: most batches have the shapes of the one before
+        for batch in open_batches():
+            dims = tuple(np.shape(batch[example]) if example in batch else None for example in examples)
+            if dims != checked:
+                shapes = {name: d for (name, _), d in zip(fed, dims, strict=True) if d is not None}
+                largest = largest_work_tensor_at(plan, shapes)
+                if largest is not None and largest[1] > limit:
+                    raise OverBudget(
+                        f"plan {plan.name!r} makes tensor {largest[0][:100]!r} of {largest[1] / (1 << 20):,.0f} MB "
+                        f"at a batch of shapes {sorted(shapes.items())}; a {device.name} device gives "
+                        f"{device.memory_mb} MB"
+                    )
+                checked = dims
+            yield batch
+
+    return open_checked
 
 
 def _metered(

@@ -4,9 +4,12 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
 - A tensor kept in an external file (``/etc/passwd``, ``../..``, or a name that happens to exist
   where the app runs) is refused when the plan loads: a plan carries all its data.
 - A graph that makes a tensor larger than a device gives (``MAX_TENSOR_BYTES``: a ConstantOfShape,
-  Expand, Tile, Range or OneHot to 10^11-10^12 elements, in the graph or a Loop's body) is refused
+  Expand, Tile, Range or OneHot to 10^11-10^12 elements, in the graph or a Loop's body, or sized
+  from the batch's shape, ``Shape(x) * 10^5``) is refused
   when the plan loads, before onnxruntime allocates it; nothing of it is kept, nor of a plan refused
   for the device's memory (``OverBudget``), and a cached copy of a refused plan is removed.
+- A tensor sized from a batch's shape is checked before that batch's step (a last batch smaller
+  than the plan's, which the load checked).
 - A graph that asks onnxruntime for more memory than there is, in a size only its data tells,
   ends the session in the SDK's ``PlanError``; the server hears the abort and the same runtime
   trains an honest plan next.
@@ -145,6 +148,15 @@ HUGE_GRAPHS = {
         [_ints(10**11, "depth"), numpy_helper.from_array(np.array([0.0, 1.0], np.float32), "off_on")],
     ),
     "Loop": _LOOPED,
+    # sized from the batch's shape, 8 x 64, times 10^5 each: 5 x 10^11 elements
+    "Shape": (
+        _sum_of(
+            helper.make_node("Shape", ["x"], ["dims"]),
+            helper.make_node("Mul", ["dims", "factor"], ["shape"]),
+            helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE),
+        ),
+        [_ints([10**5, 10**5], "factor")],
+    ),
 }
 
 
@@ -325,6 +337,35 @@ def test_a_cached_plan_the_runtime_now_refuses_is_removed_from_the_cache(tmp_pat
             runtime.run_session()
         assert not list((cache / "plans").iterdir()) and not runtime.loaded_plans._loaded
     assert server.aborts == 1
+
+
+def _sized_by_the_batch(elements: int):
+    """A graph whose tensor has ``elements // batch`` float32s: ``ConstantOfShape(elements /
+    Shape(x)[0])``, small at the plan's batch size, which the load checks, and ``elements`` at a
+    last batch of one example."""
+    nodes = _sum_of(
+        helper.make_node("Shape", ["x"], ["dims"]),
+        helper.make_node("Gather", ["dims", "first"], ["batch"]),
+        helper.make_node("Div", ["elements", "batch"], ["how_many"]),
+        helper.make_node("ConstantOfShape", ["how_many"], ["big"], value=ONE),
+    )
+    return _with_work(digits_plan(), nodes, [_ints([0], "first"), _ints([elements], "elements")])
+
+
+def test_a_tensor_sized_from_a_batchs_shape_is_checked_before_that_batchs_step(tmp_path):
+    """16 MB at the plan's batch of 8, 128 MB at the last batch of one example, on a device that
+    gives 64 MB: the load passed it, and onnxruntime allocated it at that step. The session ends in
+    ``OverBudget`` before the step, the server hears the abort, and an honest plan trains next."""
+    plan = _sized_by_the_batch(32 << 20)
+    assert load_plan(serialize_plan(plan)) is not None  # under the device's memory at the batch size
+    server = HostileServer([plan, digits_plan()])
+    small = DeviceClass("small", memory_mb=64)
+    with FLRuntime("digits", "http://fl.test", _store(17), transport=server, device_class=small) as runtime:
+        with pytest.raises(OverBudget, match=r"makes tensor 'big' of 128 MB at a batch of shapes \[\('x', \(1, 64\)\)"):
+            runtime.run_session()
+        assert server.aborts == 1 and server.reports == 0
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert server.reports == 1
 
 
 def test_a_graph_that_asks_for_more_memory_than_there_is_ends_in_the_sdks_error_and_the_app_goes_on(tmp_path):
