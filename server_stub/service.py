@@ -133,6 +133,10 @@ class FLService:
         # Called (from any thread) when some device's Secure Aggregation state may have changed:
         # the HTTP layer wakes its long polls with it.
         self.on_secagg_change: Callable[[], None] | None = None
+        # Called (under the lock) with each session a round seats: its id, the task, the round's
+        # number and attempt, the round record that counts it among its selected devices. A device
+        # is told the round's number only; a fleet simulation credits the session to its attempt.
+        self.on_seated: Callable[[str, str, int, int], None] | None = None
         self._populations: dict[str, Population] = {}
         self._started_at = clock()  # what a population without a task since the start is idle since
         self._sessions = SessionTable()
@@ -280,6 +284,8 @@ class FLService:
                 assert run.core is not None
                 token = urlsafe(self.token_bytes(32))
                 self._sessions.add(Session(session_id, hash_token(token), run, run.core, (plan_id, run.broadcast_id)))
+                if self.on_seated is not None:
+                    self.on_seated(session_id, run.record.name, run.round_number, run.attempt)
                 return admission.accepted(run, session_id, token, plan_id)
         finally:
             self._commits.flush()

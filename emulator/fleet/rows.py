@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -121,7 +121,12 @@ class SessionRow(CsvTable):
 
     A rejected check-in is a session too (shape ``-``, empty ``session_id`` and ``round_id``), so
     the table also counts how often devices came back. Times are simulated seconds since the run
-    started; ``local_hour`` is the device's local hour of day at ``start_s``.
+    started; ``local_hour`` is the device's local hour of day at ``start_s``. ``round_id`` is the
+    round as the device was told it (``task/number``); ``attempt`` is the attempt of that round
+    that seated the device, as the server recorded it (the device is not told: a round abandoned
+    is tried again under its number), so ``round_attempt`` names the row of ``rounds.csv``. It is 0
+    where no round seated the device (a rejected check-in, a check-in whose answer never arrived)
+    and in a table written before the column.
     """
 
     device_id: str
@@ -140,11 +145,18 @@ class SessionRow(CsvTable):
     runtime_version: str
     device_class: str
     local_hour: float
+    attempt: int = 0
 
     @property
     def accepted(self) -> bool:
         """The server selected the device for a round (the check-in was not rejected)."""
         return self.session_id != ""
+
+    @property
+    def round_attempt(self) -> str:
+        """The round attempt that seated the device, as ``RoundRow.round_id`` names it
+        (``task/number/attempt``); empty when none did (``attempt`` is 0)."""
+        return f"{self.round_id}/{self.attempt}" if self.attempt and self.round_id else ""
 
 
 @dataclass(frozen=True)
@@ -178,31 +190,24 @@ class RoundRow(CsvTable):
     epsilon: float = math.nan
 
 
-def with_round_bytes(rounds: list[RoundRow], sessions: list[SessionRow]) -> list[RoundRow]:
-    """``rounds`` with ``bytes_down`` and ``bytes_up`` summed from the sessions of each round's devices.
+def with_attempts(sessions: list[SessionRow], seated: Mapping[str, int]) -> list[SessionRow]:
+    """``sessions`` with each accepted one's ``attempt`` from ``seated`` (the attempt that seated
+    each session, by session id, as the server recorded it); a session it does not name keeps its own."""
+    return [dataclasses.replace(s, attempt=seated[s.session_id]) if s.session_id in seated else s for s in sessions]
 
-    A session names its round without the attempt (``task/number``: the device is not told which
-    attempt selected it), while a round row is one attempt (``task/number/attempt``), and attempts
-    of one round follow each other in time. A session is counted in the last attempt of its round
-    that had started when the session did (the first attempt if none had).
-    """
-    attempts: dict[str, list[int]] = {}
-    for i, r in enumerate(rounds):
-        attempts.setdefault(r.round_id.rsplit("/", 1)[0], []).append(i)
-    for indices in attempts.values():
-        indices.sort(key=lambda i: rounds[i].start_s)
+
+def with_round_bytes(rounds: list[RoundRow], sessions: list[SessionRow]) -> list[RoundRow]:
+    """``rounds`` with ``bytes_down`` and ``bytes_up`` summed from the sessions each round attempt
+    seated (``SessionRow.round_attempt``). A session that names no attempt (a rejected check-in)
+    belongs to no round."""
+    index = {r.round_id: i for i, r in enumerate(rounds)}
     down = [0] * len(rounds)
     up = [0] * len(rounds)
     for s in sessions:
-        indices = attempts.get(s.round_id, []) if s.round_id else []
-        if not indices:
-            continue
-        chosen = indices[0]
-        for i in indices:
-            if rounds[i].start_s <= s.start_s:
-                chosen = i
-        down[chosen] += s.bytes_down
-        up[chosen] += s.bytes_up
+        i = index.get(s.round_attempt) if s.attempt else None
+        if i is not None:
+            down[i] += s.bytes_down
+            up[i] += s.bytes_up
     return [dataclasses.replace(r, bytes_down=d, bytes_up=u) for r, d, u in zip(rounds, down, up)]
 
 

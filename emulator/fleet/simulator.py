@@ -47,7 +47,7 @@ from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
-from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, with_round_bytes
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, with_attempts, with_round_bytes
 from .workload import Workload, load_workload, task_round_config  # noqa: F401 - task_round_config: re-exported
 
 #: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
@@ -173,6 +173,10 @@ class FleetSimulator:
             )
             keys, _ = AdminKeys.generate()
             self.caller = AsgiCaller(create_app(self.service, admin_keys=keys, offload=False, telemetry=False))
+        # the attempt that seated each session, as the server knows it (a device is told the round's
+        # number only): the session rows name their attempt with it (``with_attempts``)
+        self.seated: dict[str, int] = {}
+        self.service.on_seated = self._seated
         self.service.create_population(self.population)
         specs_to_deploy = []
         for fleet_task in workload.tasks:  # what `fedfleet deploy` sends for each task of the bundle
@@ -298,6 +302,9 @@ class FleetSimulator:
     def add_session(self, row: SessionRow) -> None:
         self.sessions.append(row)
 
+    def _seated(self, session_id: str, task: str, number: int, attempt: int) -> None:
+        self.seated[session_id] = attempt
+
     def count_error(self, kind: str) -> None:
         self.errors[kind] += 1
 
@@ -402,7 +409,9 @@ class FleetSimulator:
         """The round table, the committed models measured on the test split with their task's
         evaluation plan (all of them, or past ``MEASURED_ROUNDS`` a sample: ``MeasuredRounds``),
         and the digest; ``extra`` gets the last measured model's per-client accuracy on the test
-        clients, and what ran (``Workload.info``)."""
+        clients, and what ran (``Workload.info``). The session rows get the attempt that seated
+        each of them first (``with_attempts``), which the rounds' bytes and the audit read."""
+        self.sessions = with_attempts(self.sessions, self.seated)
         records = self.service.rounds(self.population)
         evaluators = {t.name: PlanExecutor(t.eval_plan) for t in self.workload.training if t.eval_plan is not None}
         test = self._test
@@ -487,11 +496,11 @@ class FleetSimulator:
         if not canaries:
             return {}
         dp = trained.rounds.dp
-        committed = {r.round_id.rsplit("/", 1)[0] for r in rounds if r.committed}
+        committed = {r.round_id for r in rounds if r.committed}
         counts = np.zeros(canaries)
         for session in self.sessions:
             if session.device_id.startswith(CANARY_PREFIX) and session.outcome == "completed":
-                if session.round_id in committed:
+                if session.round_attempt in committed:
                     counts[int(session.device_id.removeprefix(CANARY_PREFIX))] += 1
         estimate = None
         if final is not None and dp is not None and (counts > 0).sum() >= 2:

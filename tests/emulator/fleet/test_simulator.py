@@ -121,6 +121,23 @@ def test_every_upload_the_devices_saw_accepted_is_in_the_servers_rounds(runs):
     assert {n: uploads[n] for n in closed} == {n: accepted_by_round[n] for n in closed}
 
 
+def test_each_round_attempt_seated_the_sessions_that_name_it_as_the_server_counted_them(runs):
+    """The sessions each attempt seated, read from the devices' rows (``round_attempt``, the attempt
+    the server seated each session in), are as many as the server's record of the attempt selected,
+    its uploads as many as it accepted, and its bytes are theirs."""
+    for run in (runs["a"], runs["other"]):
+        seated = Counter(s.round_attempt for s in run.sessions if s.accepted)
+        uploads = Counter(s.round_attempt for s in run.sessions if s.shape.endswith("^"))
+        assert "" not in seated  # every accepted session names its attempt
+        assert {r.round_id: seated[r.round_id] for r in run.rounds} == {r.round_id: r.selected for r in run.rounds}
+        assert {r.round_id: uploads[r.round_id] for r in run.rounds} == {r.round_id: r.accepted for r in run.rounds}
+        down = Counter()
+        for s in run.sessions:
+            down[s.round_attempt] += s.bytes_down
+        assert all(r.bytes_down == down[r.round_id] for r in run.rounds)
+        assert sum(1 for r in run.rounds if r.round_id.endswith("/1")) < len(run.rounds)  # retried attempts too
+
+
 def test_sessions_cost_virtual_time_from_the_work_and_bytes_they_really_had(runs):
     run = runs["a"]
     config = run.config

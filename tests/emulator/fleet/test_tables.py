@@ -142,7 +142,7 @@ def test_a_rounds_table_written_before_its_byte_columns_reads_back_with_zero_byt
         RoundRow.from_csv(path)
 
 
-def _session(round_id: str, start: float, down: int, up: int) -> SessionRow:
+def _session(round_id: str, start: float, down: int, up: int, attempt: int = 0) -> SessionRow:
     return SessionRow(
         "d",
         "s" if round_id else "",
@@ -160,6 +160,7 @@ def _session(round_id: str, start: float, down: int, up: int) -> SessionRow:
         "1.31.1",
         "mid",
         0.0,
+        attempt if round_id else 0,
     )
 
 
@@ -171,21 +172,36 @@ def _round(round_id: str, start: float, end: float) -> RoundRow:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["", "t/1", "t/2", "t/9"]), st.floats(0, 1000), st.integers(0, 10**6), st.integers(0, 10**6)
+            st.sampled_from(["", "t/1", "t/2", "t/9"]),
+            st.floats(0, 1000),
+            st.integers(0, 10**6),
+            st.integers(0, 10**6),
+            st.integers(1, 3),
         ),
         max_size=30,
     )
 )
-def test_every_byte_of_a_selected_session_lands_in_exactly_one_attempt_of_its_round(rows):
+def test_every_byte_of_a_seated_session_lands_in_the_attempt_that_seated_it(rows):
     from emulator.fleet.tables import with_round_bytes
 
     rounds = [_round("t/1/1", 0.0, 300.0), _round("t/1/2", 300.0, 600.0), _round("t/2/1", 600.0, 900.0)]
     sessions = [_session(*r) for r in rows]
     out = with_round_bytes(rounds, sessions)
     assert [r.round_id for r in out] == [r.round_id for r in rounds]
-    known = [s for s in sessions if s.round_id in ("t/1", "t/2")]
-    assert sum(r.bytes_down for r in out) == sum(s.bytes_down for s in known)
-    assert sum(r.bytes_up for r in out) == sum(s.bytes_up for s in known)
-    # the second attempt of t/1 holds exactly the t/1 sessions that started once it had started
-    assert out[1].bytes_down == sum(s.bytes_down for s in known if s.round_id == "t/1" and s.start_s >= 300.0)
-    assert out[2].bytes_up == sum(s.bytes_up for s in known if s.round_id == "t/2")
+    for r in out:  # whenever the session started: a job started before a retry opens may be seated in it
+        seated = [s for s in sessions if s.round_attempt == r.round_id]
+        assert (r.bytes_down, r.bytes_up) == (sum(s.bytes_down for s in seated), sum(s.bytes_up for s in seated))
+    counted = {r.round_id for r in rounds}
+    lost = [s for s in sessions if s.round_attempt not in counted]
+    assert sum(r.bytes_down for r in out) + sum(s.bytes_down for s in lost) == sum(s.bytes_down for s in sessions)
+
+
+def test_a_session_started_before_a_retry_opened_counts_in_the_retry_that_seated_it():
+    """The glyphs hour's d000456: its job started 4 ms before attempt 2 opened and attempt 2 seated it."""
+    from emulator.fleet.tables import with_attempts, with_round_bytes
+
+    rounds = [_round("t/15/1", 676.3, 707.0), _round("t/15/2", 861.0, 891.0)]
+    row = _session("t/15", 860.996, 141_284, 129_283)
+    out = with_round_bytes(rounds, with_attempts([row], {"s": 2}))
+    assert [(r.bytes_down, r.bytes_up) for r in out] == [(0, 0), (141_284, 129_283)]
+    assert [(r.bytes_down, r.bytes_up) for r in with_round_bytes(rounds, [row])] == [(0, 0), (0, 0)]  # no attempt known
