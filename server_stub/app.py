@@ -413,7 +413,8 @@ _DESCRIPTION = (
     "Each route lists the error codes it sends. Any request may also be answered before it reaches "
     "a route: 400 MALFORMED_REQUEST (not an HTTP/1 request), 408 HEADER_TIMEOUT, 431 HEADERS_TOO_LARGE, "
     "503 SERVER_BUSY (every connection is busy with a request: try again shortly) or 505 "
-    "HTTP_VERSION_NOT_SUPPORTED by the HTTP server, 404 NOT_FOUND for a path the server does not have, "
+    "HTTP_VERSION_NOT_SUPPORTED by the HTTP server, 404 NOT_FOUND for a path the server does not have "
+    "(a route's path with a trailing slash too: it is not redirected), "
     "405 METHOD_NOT_ALLOWED for a method a path does not take."
 )
 
@@ -435,6 +436,9 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         openapi_url="/openapi.json",
         docs_url=None,
         redoc_url=None,
+        # a path with a slash too many is a path the server does not have (404 NOT_FOUND, as any
+        # other), not a 307 with an empty body to the path without it
+        redirect_slashes=False,
     )
     app.state.service = service
     # The routes reach the service through a weak proxy: FastAPI keeps the last few thousand endpoint

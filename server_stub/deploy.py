@@ -17,7 +17,7 @@ from device_runtime.plan import Plan, PlanError, load_plan
 from device_runtime.secure_sum import SecureSumCodec
 
 from . import ddp_rounds, dp_rounds
-from .errors import ApiError, BadRequest, Conflict, InvalidCheckpoint, InvalidPlan, NotFound
+from .errors import ApiError, BadRequest, Conflict, InvalidCheckpoint, InvalidPlan, NotFound, quoted
 from .persistence import NewTask, ServerStore, TaskRecord, resource_id
 from .release_gate import ReleaseGateError, check_release_report, minor_key
 from .rounds import RoundConfig
@@ -67,7 +67,7 @@ def new_tasks(
     if len(set(names)) != len(names):
         raise BadRequest("the tasks of one deploy need distinct names", code="BAD_CONFIG")
     if store.population_id(population) is None:
-        raise NotFound(f"population {population!r} does not exist; create it first", code="UNKNOWN_POPULATION")
+        raise NotFound(f"population {quoted(population)} does not exist; create it first", code="UNKNOWN_POPULATION")
     existing = {t.name: t for t in store.tasks(population)}
     taken = sorted(existing.keys() & set(names))
     if taken and (len(taken) < len(names) or any(existing[s.name].plan_id != resource_id(s.plan) for s in specs)):
@@ -124,7 +124,7 @@ def new_tasks(
 
 def task_exists(population: str, taken: list[str]) -> Conflict:
     return Conflict(
-        f"population {population!r} already has a task named {taken[0]!r}, deployed with other content; "
+        f"population {quoted(population)} already has a task named {taken[0]!r}, deployed with other content; "
         "deploy changed tasks under new names (the same deploy sent again is answered with the tasks it made)",
         code="TASK_EXISTS",
     )
@@ -276,7 +276,7 @@ def check_release(
 def check_name(name: str, what: str) -> None:
     """A name is safe in a URL path: a name of only dots would be the segment '.' or '..'."""
     if not is_name(name):
-        raise BadRequest(f"{what} name {str(name)[:130]!r} refused: {NAME_RULE}", code="BAD_NAME")
+        raise BadRequest(f"{what} name {quoted(name)} refused: {NAME_RULE}", code="BAD_NAME")
 
 
 def check_weights(executor: PlanExecutor, weights: dict[str, np.ndarray]) -> None:

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 #: Messages echo parts of the request (names, ids); a hostile one must not come back whole.
 MAX_MESSAGE_CHARS = 500
+#: How much of a name from the request a message quotes: any valid name whole (1-128 characters).
+QUOTED_NAME_CHARS = 128
+
+
+def quoted(name: object) -> str:
+    """``name`` as a message quotes it: its ``repr``, or for a longer one than any valid name (a
+    path segment of thousands of characters) the ``repr`` of its first ``QUOTED_NAME_CHARS``
+    characters and its length, so the message stays short and says all of what it says."""
+    text = str(name)
+    if len(text) <= QUOTED_NAME_CHARS:
+        return repr(text)
+    return f"{text[:QUOTED_NAME_CHARS]!r}... ({len(text):,} characters)"
 
 
 class ApiError(Exception):

@@ -56,6 +56,7 @@ from .errors import (
     SessionClosed,
     TooManyRequests,
     Unauthorized,
+    quoted,
 )
 from .pace import MAX_DEFERRALS
 from .persistence import ServerStore, TaskRecord
@@ -427,7 +428,7 @@ class FLService:
         """A plan or checkpoint by id: an operator may read any; a device only those of the
         session its bearer token belongs to."""
         if len(rid) != 64 or any(c not in "0123456789abcdef" for c in rid):
-            raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+            raise NotFound(f"no resource with id {quoted(rid)}", code="UNKNOWN_RESOURCE")
         if not admin:
             with self._lock:
                 session = self._sessions.by_token.get(hash_token(token)) if token else None
@@ -437,12 +438,12 @@ class FLService:
                     code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN",
                 )
             if rid not in session.resources:
-                raise NotFound(f"no resource with id {rid!r} for this session", code="UNKNOWN_RESOURCE")
+                raise NotFound(f"no resource with id {quoted(rid)} for this session", code="UNKNOWN_RESOURCE")
         data = self._recent.get(rid)
         if data is None:
             data = self.store.get_resource(rid)
             if data is None:
-                raise NotFound(f"no resource with id {rid!r}", code="UNKNOWN_RESOURCE")
+                raise NotFound(f"no resource with id {quoted(rid)}", code="UNKNOWN_RESOURCE")
             with self._lock:
                 if len(self._recent) >= RECENT_RESOURCES:
                     self._recent.pop(next(iter(self._recent)))
@@ -462,15 +463,15 @@ class FLService:
         None when no older one is on record."""
         self.write_late_metrics()
         if self.store.population_id(population) is None:
-            raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+            raise NotFound(f"population {quoted(population)} does not exist", code="UNKNOWN_POPULATION")
         records = self.store.tasks(population)
         if task is not None and all(r.name != task for r in records):
-            raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
+            raise NotFound(f"population {quoted(population)} has no task {quoted(task)}", code="UNKNOWN_TASK")
         names = {r.id: r.name for r in records if task is None or r.name == task}
         page = self.store.round_page(list(names), last, before)
         if page is None:
             raise NotFound(
-                f"population {population!r} has no round {before}{f' of task {task!r}' if task else ''} to page back "
+                f"population {quoted(population)} has no round {before}{f' of task {quoted(task)}' if task else ''} to page back "
                 "from: give the before of an earlier answer's Link header",
                 code="UNKNOWN_ROUND",
             )
@@ -496,14 +497,14 @@ class FLService:
         """The newest global model of a task (by default the population's current training
         task, else its latest one): bytes, round, task name."""
         if self.store.population_id(population) is None:
-            raise NotFound(f"population {population!r} does not exist", code="UNKNOWN_POPULATION")
+            raise NotFound(f"population {quoted(population)} does not exist", code="UNKNOWN_POPULATION")
         tasks = self.store.tasks(population)
         if not tasks:
-            raise NotFound(f"population {population!r} has no task yet", code="NO_TASK")
+            raise NotFound(f"population {quoted(population)} has no task yet", code="NO_TASK")
         if task is not None:
             chosen = next((t for t in tasks if t.name == task), None)
             if chosen is None:
-                raise NotFound(f"population {population!r} has no task {task!r}", code="UNKNOWN_TASK")
+                raise NotFound(f"population {quoted(population)} has no task {quoted(task)}", code="UNKNOWN_TASK")
         else:
             with self._lock:
                 pop = self._populations.get(population)
@@ -527,7 +528,7 @@ class FLService:
     def _population(self, name: str) -> Population:
         pop = self._populations.get(name)
         if pop is None:
-            raise NotFound(f"population {name!r} does not exist", code="UNKNOWN_POPULATION")
+            raise NotFound(f"population {quoted(name)} does not exist", code="UNKNOWN_POPULATION")
         return pop
 
     def _idle_since(self, pop: Population) -> float:

@@ -87,3 +87,46 @@ def test_names_of_dots_are_refused_over_http_and_unreachable_as_path_segments(se
     assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_NAME"
     assert admin.status("digits")["tasks"] == []
     assert admin.populations() == ["digits"]
+
+
+def test_a_name_longer_than_any_valid_one_is_quoted_cut_in_a_404_that_says_all_it_says(server, admin):
+    """A path segment of 5,000 characters names no population: the 404 quotes its first 128
+    characters and its length, and keeps the end of its sentence (cut at the message cap, it lost it)."""
+    http, name = admin.http, "x" * 5000
+    for path, code in (
+        (f"/v1/populations/{name}/rounds", "UNKNOWN_POPULATION"),
+        (f"/v1/populations/{name}/model", "UNKNOWN_POPULATION"),
+        (f"/v1/populations/{name}", "UNKNOWN_POPULATION"),
+        (f"/v1/populations/{name}/tasks", "UNKNOWN_POPULATION"),
+    ):
+        r = http.get(path) if not path.endswith("/tasks") else http.post(path, json=_one_task())
+        error = r.json()["error"]
+        assert (r.status_code, error["code"]) == (404, code), path
+        assert len(error["message"]) < 250 and "(5,000 characters)" in error["message"], error["message"]
+        assert error["message"].endswith(("does not exist", "create it first")), error["message"]
+    admin.create_population("digits")
+    r = http.get("/v1/populations/digits/rounds", params={"task": "t" * 128})  # a valid name is quoted whole
+    assert r.status_code == 404 and f"'{'t' * 128}'" in r.json()["error"]["message"]
+
+
+def _one_task() -> dict:
+    plan = digits_plan()
+    return task_body("train", plan, encode_checkpoint(initial_weights(plan, seed=0)), CONFIG)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_path_with_a_slash_too_many_is_a_path_the_server_does_not_have(server, admin, method):
+    """Every route's path with a trailing slash is answered as any unknown path (404 NOT_FOUND, a
+    JSON body), not redirected to the path without it (307, empty body)."""
+    admin.create_population("digits")
+    paths = [route["path"] for route in _routes(admin.http)]
+    assert "/v1/populations/{population}/rounds" in paths
+    for path in paths:
+        concrete = re.sub(r"\{[^}]+\}", lambda m: "digits" if m.group(0) == "{population}" else "x", path)
+        r = admin.http.request(method, concrete + "/")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND", (method, concrete, r.status_code)
+
+
+def _routes(http: httpx.Client) -> list[dict]:
+    spec = http.get("/openapi.json").json()
+    return [{"path": path} for path in spec["paths"]]
