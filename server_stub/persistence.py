@@ -20,6 +20,7 @@ from sqlalchemy import (
     Column,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -96,6 +97,11 @@ rounds = Table(
     Column("metrics", Text, nullable=False),
     Column("started_at", Float, nullable=False),
     Column("ended_at", Float, nullable=False),
+    # a task's rounds in the order pages of ``GET /rounds`` read them (``round_page``), and by
+    # number (a round's record is looked up before it is written, a task's history and its last
+    # committed round): without them each of those reads scanned every round of every task
+    Index("rounds_by_task_start", "task_id", "started_at", "number", "attempt"),
+    Index("rounds_by_task_number", "task_id", "number", "attempt"),
 )
 
 
@@ -287,6 +293,11 @@ class ServerStore:
                 )
         metadata.create_all(self.engine)
         with self.engine.begin() as conn:
+            # create_all makes a table's indexes only with the table: a database of an older server
+            # gets those it lacks here (the layout is the same: an index changes no row, and an
+            # older server still opens the file)
+            for index in rounds.indexes:
+                index.create(conn, checkfirst=True)
             if conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar() is None:
                 with suppress(IntegrityError):  # another process stamped it meanwhile
                     conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION))

@@ -114,6 +114,48 @@ def test_a_database_from_before_the_layout_was_recorded_opens_with_its_rounds_an
         store.close()
 
 
+def test_a_database_of_a_server_before_the_rounds_indexes_opens_gets_them_and_pages_through_them(tmp_path):
+    """A file an older server wrote (its rounds table without indexes) keeps its rounds, is given
+    the indexes when it opens, and a page of ``GET /rounds`` and the check before a round's write
+    read them instead of scanning every round (SQLite's plan names the index)."""
+    db = tmp_path / "fl.db"
+    store = ServerStore(db)
+    store.create_population("digits")
+    plan = digits_plan()
+    ckpt = encode_checkpoint(initial_weights(plan, seed=0))
+    (task,) = store.add_tasks("digits", [NewTask("train", serialize_plan(plan), ckpt, {"round": {}})])
+    for n in range(1, 6):
+        store.record_round(task.id, n, 1, "abandoned", {"selected": 0}, float(n), float(n) + 0.5)
+    store.close()
+    with sqlite3.connect(db) as conn:  # as the server wrote it before the indexes
+        names = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'rounds'").fetchall()
+        assert len(names) == 2
+        for (name,) in names:
+            conn.execute(f"DROP INDEX {name}")
+        assert _scans_rounds(conn)
+    store = ServerStore(db)
+    try:
+        page, more = store.round_page([task.id], last=2, before=store.rounds(task.id)[-1].id)
+        assert [r.number for r in page] == [3, 4] and more
+        assert store.schema_version() == SCHEMA_VERSION
+    finally:
+        store.close()
+    with sqlite3.connect(db) as conn:
+        assert not _scans_rounds(conn)
+
+
+def _scans_rounds(conn: sqlite3.Connection) -> bool:
+    """Whether SQLite would read a page of a task's rounds, or look a round up by its number, by
+    scanning the whole rounds table."""
+    queries = (
+        "SELECT id FROM rounds WHERE task_id IN (1) ORDER BY started_at DESC, task_id DESC, number DESC, "
+        "attempt DESC, id DESC LIMIT 100",
+        "SELECT id FROM rounds WHERE task_id = 1 AND number = 3 AND attempt = 1 ORDER BY id LIMIT 1",
+    )
+    plans = [" ".join(str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {q}")) for q in queries]
+    return any("SCAN rounds" in plan and "USING" not in plan for plan in plans)
+
+
 def test_a_loopback_server_gives_no_plain_http_warning():
     from server_stub.cli import _loopback
 
