@@ -266,7 +266,9 @@ class FleetShard:
         self._tmp.cleanup()
 
     def finish(self) -> dict[str, Any]:
-        """End the run: every fiber unwinds; the rows (with their keys) and errors go back."""
+        """End the run: the sessions it cuts get their rows, every fiber unwinds; the rows (with
+        their keys) and errors go back."""
+        self.sim.end_sessions()
         self.close()
         return {
             "sessions": self.sim.tagged,

@@ -37,7 +37,7 @@ from device_runtime.opstats import SHAPE_SYMBOLS
 # the headline figures live in the leaf module .summary (FleetRun.summary() computes them); the
 # report draws them, and they stay importable from here
 from .heap import collector_paused
-from .summary import _start_hour_utc, hour_of_day, is_dropout, shape_counts, summarize
+from .summary import _start_hour_utc, ended, hour_of_day, is_dropout, shape_counts, summarize
 from .summary import availability_swing as availability_swing
 from .summary import available_by_hour as available_by_hour
 from .summary import cannot_fill as cannot_fill
@@ -459,7 +459,7 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
     _integer_ticks(ax_o.xaxis)
     _integer_ticks(ax_o.yaxis)
     ax_o.grid(True, alpha=0.3)
-    accepted_s = [s for s in run.sessions if s.accepted]
+    accepted_s = [s for s in run.sessions if ended(s)]  # a session the run's end cut is neither
     if accepted_s:
         by_hour: dict[int, list[bool]] = {}
         for s in accepted_s:
@@ -867,6 +867,7 @@ _SUMMARY_ROWS = (
     ("sessions", "sessions (check-ins)"),
     ("sessions_accepted", "accepted sessions"),
     ("sessions_completed", "completed sessions (upload completed)"),
+    ("sessions_unfinished", "accepted sessions still under way at the run's end"),
     ("checkins_rejected", "rejected check-ins"),
     ("errors", "sessions ended in an error, by kind"),
     ("sessions_per_wall_s", "accepted sessions per wall second"),
@@ -975,10 +976,17 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
         )
     else:
         accepted = summary.get("sessions_accepted", 0)
+        unfinished = summary.get("sessions_unfinished") or 0
         out["dropout_rate"] = (
-            f"{100.0 * drop:.1f}% of the {accepted:,} accepted sessions never got their report to the"
-            " server (interrupted, app killed, network lost); the paper saw 6-10%."
+            f"{100.0 * drop:.1f}% of the {accepted - unfinished:,} accepted sessions that ended never got their"
+            " report to the server (interrupted, app killed, network lost); the paper saw 6-10%."
         )
+        if unfinished:
+            many = f"The {unfinished:,} sessions" if unfinished > 1 else "The one session"
+            out["dropout_rate"] += (
+                f" {many} still under way when the run ended {'are' if unfinished > 1 else 'is'} not counted"
+                " (outcome unfinished in sessions.csv)."
+            )
         if drop > 0.10:
             out["dropout_rate"] += (
                 " Above that, the [faults] hazards of the config drive it; rounds absorb drop-out by"

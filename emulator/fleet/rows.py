@@ -115,6 +115,11 @@ class CsvTable:
             return rows
 
 
+#: The outcome of a session the run's end cut: the device was seated and its report not yet
+#: answered when the simulation stopped (its row ends at the horizon).
+UNFINISHED = "unfinished"
+
+
 @dataclass(frozen=True)
 class SessionRow(CsvTable):
     """One check-in and what followed it, as the device saw it (paper, Table 1).
@@ -126,7 +131,10 @@ class SessionRow(CsvTable):
     that seated the device, as the server recorded it (the device is not told: a round abandoned
     is tried again under its number), so ``round_attempt`` names the row of ``rounds.csv``. It is 0
     where no round seated the device (a rejected check-in, a check-in whose answer never arrived)
-    and in a table written before the column.
+    and in a table written before the column. ``outcome`` is the participation job's
+    (``completed``, ``report_rejected``, ``interrupted``, ``error``; ``rejected`` for a rejected
+    check-in), ``app_killed`` for a session the OS ended, or ``unfinished`` (``UNFINISHED``) for
+    one the run's end cut.
     """
 
     device_id: str
@@ -161,16 +169,24 @@ class SessionRow(CsvTable):
 
 @dataclass(frozen=True)
 class RoundRow(CsvTable):
-    """One round as the server ran it.
+    """One round attempt as the server ran and recorded it (``round_id`` is ``task/number/attempt``).
 
-    ``selected`` devices were accepted at check-in; ``reported`` sent a report (in time or not);
+    ``selected`` devices were accepted at check-in (as many as the session rows that name the
+    attempt, ``SessionRow.round_attempt``); ``reported`` sent a report (in time or not);
     ``accepted`` reports came in time and were summed (in a round that was abandoned too, short of
-    its threshold, though it published nothing of them); ``dropped`` selected devices never reported (interrupted, killed, lost their
-    network). ``accuracy`` and ``loss`` are NaN when the round measured neither. ``bytes_down`` and
-    ``bytes_up`` are what the sessions of the round's selected devices sent and received (see
-    :func:`with_round_bytes`); a rejected check-in's bytes belong to no round. ``epsilon``: the
-    task's epsilon after the round (its accountant's, published by a DP task's committed rounds),
-    NaN without DP or for a round that added nothing to it; inf without noise.
+    its threshold, though it published nothing of them); ``dropped`` selected devices never
+    reported (interrupted, killed, lost their network). These are the server's counts, so
+    ``reported + dropped`` may fall short of ``selected``: a device still at work when the round
+    closed (it reached its goal, or was abandoned) is in neither until its report comes, and a
+    report that comes after the server has let the round's sessions go (its last 4 rounds are
+    kept) is refused as an unknown session and counted in no round, while the device's session
+    row shows it refused (shape ending ``#``). Under Secure Aggregation a device of a group that
+    aborted is counted as dropped: its masked input was never summed, though its session row may
+    show a report sent and refused. ``accuracy`` and ``loss`` are NaN when the round measured
+    neither. ``bytes_down`` and ``bytes_up`` are what the sessions the attempt seated sent and
+    received (see :func:`with_round_bytes`); a rejected check-in's bytes belong to no round.
+    ``epsilon``: the task's epsilon after the round (its accountant's, published by a DP task's
+    committed rounds), NaN without DP or for a round that added nothing to it; inf without noise.
     """
 
     round_id: str

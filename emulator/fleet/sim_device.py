@@ -46,7 +46,7 @@ from example_store import InMemoryExampleStore
 from .events import AppKilled, Fiber, SimulationError, Timer
 from .secure_fleet import SECAGG_POLL_S
 from .sim_transport import LeanClient, SimTransport, checkin_answer
-from .tables import SessionRow
+from .tables import UNFINISHED, SessionRow
 from .world import DeviceWorld
 
 #: How long a lost network or a broken condition (faults the availability model does not draw)
@@ -88,6 +88,7 @@ RELEASE_AFTER_JOBS = True
 #: turned away is told to come back within seconds while rounds fill at once): building its SDK
 #: again would cost more than it frees.
 KEEP_BUILT_S = 60.0
+
 
 STATUS_IDLE = "idle"
 STATUS_CHECKING_IN = "checking_in"
@@ -843,6 +844,16 @@ class SimDevice:
         if run.outcome is RunOutcome.ERROR:
             sim.count_error(run.detail.split(":", 1)[0] or "error")
         sim.add_session(self._row(start, end, shape, outcome, examples))
+
+    def record_unfinished(self, at: float) -> None:
+        """The run ends at ``at`` while the device is in a session (seated, its report not yet
+        answered): its row is cut there, outcome ``unfinished`` (the round that seated it counts
+        it among its selected devices, so the session table must hold it too)."""
+        if self.status != STATUS_PARTICIPATING or not self.materialized:
+            return
+        events = [e for e in self.opstats.last_events if e.kind != "error"]
+        shape = shape_of(events) if events else "-"
+        self.sim.add_session(self._row(self._job.started, at, shape, UNFINISHED, 0))
 
     def _record_killed(self) -> None:
         """The app died mid-run: its last session is cut where it stood (the SDK's dying error

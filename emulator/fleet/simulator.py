@@ -64,8 +64,9 @@ MEASURED_ROUNDS = 400
 TIMELINE_STEP_S = 300.0
 #: Devices start their participation job spread over this many seconds after the start.
 START_SPREAD_S = 600.0
-#: Event orders at one instant: the server's tick, then the timeline, then devices.
-ORDER_SERVER, ORDER_SAMPLE = -2, -1
+#: Event orders at one instant: the server's tick, then the timeline, then devices; at the
+#: horizon, after every event, the rows of the sessions the run's end cut (``end_sessions``).
+ORDER_SERVER, ORDER_SAMPLE, ORDER_END = -2, -1, 3
 
 
 class FleetSimulator:
@@ -334,6 +335,7 @@ class FleetSimulator:
                     self.loop.call_at(0.0, self._tick, order=ORDER_SERVER)
                     self.loop.call_at(0.0, self._sample, order=ORDER_SAMPLE)
                     self.loop.run_until(self.horizon_s)
+                    self.end_sessions()
                 self.service.tick()
                 if self.progress is not None:
                     status = self.service.population_status(self.population)
@@ -362,6 +364,16 @@ class FleetSimulator:
             devices_short_of_memory=self.devices_short_of_memory,
             plan_cost=self.plan_summary(),
         )
+
+    def end_sessions(self) -> None:
+        """The rows of the sessions the run's end cuts (devices seated and not yet answered their
+        report), one per device in the fleet's order, each as an event at the horizon after every
+        other (what a sharded run merges its shards' rows by)."""
+        loop = self.loop
+        for device in self.devices:
+            if device.status == STATUS_PARTICIPATING:
+                loop.now, loop.order, loop.key = self.horizon_s, ORDER_END, device.key
+                device.record_unfinished(self.horizon_s)
 
     def close(self) -> None:
         """Close the server's app loop, the release workers, the HTTP server and the database:

@@ -13,7 +13,7 @@ import statistics
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .rows import RoundRow, SessionRow, TimelineRow
+from .rows import UNFINISHED, RoundRow, SessionRow, TimelineRow
 
 if TYPE_CHECKING:
     from .config import FleetConfig
@@ -85,14 +85,20 @@ def is_dropout(session: SessionRow) -> bool:
     """A selected device that never got its report to the server: no completed (``^``) or
     rejected (``#``) upload (paper, section 9: drop-out from computation errors, network failures
     or changes in eligibility). A late report that the server rejected is not a drop-out: the
-    device finished, the round had closed."""
-    return session.accepted and not session.shape.endswith(("^", "#"))
+    device finished, the round had closed. Nor is a session the run's end cut (``unfinished``):
+    it had not ended."""
+    return ended(session) and not session.shape.endswith(("^", "#"))
+
+
+def ended(session: SessionRow) -> bool:
+    """An accepted session that ended within the run (not cut by its end: ``unfinished``)."""
+    return session.accepted and session.outcome != UNFINISHED
 
 
 def shape_counts(sessions: list[SessionRow]) -> dict[str, int]:
-    """Counts of the shapes of training sessions (accepted check-ins, as in the paper's Table 1),
-    most frequent first (ties by shape, so the order is stable)."""
-    counts = Counter(s.shape for s in sessions if s.accepted)
+    """Counts of the shapes of training sessions (accepted check-ins that ended within the run, as
+    in the paper's Table 1), most frequent first (ties by shape, so the order is stable)."""
+    counts = Counter(s.shape for s in sessions if ended(s))
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
@@ -252,15 +258,18 @@ def summarize(run: RunTables) -> dict[str, Any]:
 
     - ``digest``: the run's digest (round history and committed models); ``devices`` and
       ``seed`` from its config (``None`` without one);
-    - ``dropout_rate``: drop-outs (see :func:`is_dropout`) over accepted sessions;
+    - ``dropout_rate``: drop-outs (see :func:`is_dropout`) over the accepted sessions that ended
+      within the run;
     - ``availability_swing``, ``available_peak``, ``available_trough``: see :func:`availability_swing`;
-    - ``shapes`` and ``shape_shares``: training session shapes, counts and shares (Table 1);
+    - ``shapes`` and ``shape_shares``: the shapes of the training sessions that ended, counts and
+      shares (Table 1);
     - ``rounds``, ``rounds_committed``, ``rounds_abandoned``, ``round_completion_rate``,
       ``round_duration_median_s`` (committed rounds); ``round_completion_note``: the rate in a
       sentence (see :func:`completion_note`); ``cannot_fill``: why no round can fill when at most
       fewer devices than a round's seats were available at once (see :func:`cannot_fill`), else None;
-    - ``sessions`` (every check-in), ``sessions_accepted``, ``sessions_completed`` (upload
-      completed), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
+    - ``sessions`` (every check-in), ``sessions_accepted`` (as many as the rounds' ``selected``),
+      ``sessions_completed`` (upload completed), ``sessions_unfinished`` (accepted, cut by the
+      run's end: still training or reporting), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
     - ``devices_short_of_memory``: devices whose memory cannot hold the plan (they took no part);
       ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
@@ -282,6 +291,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
     sessions: list[SessionRow] = run.sessions
     rounds = run.rounds
     accepted = [s for s in sessions if s.accepted]
+    finished = sum(1 for s in accepted if ended(s))
     completed = sum(1 for s in accepted if s.shape.endswith("^"))
     dropouts = sum(1 for s in accepted if is_dropout(s))
     shapes = shape_counts(sessions)
@@ -299,12 +309,12 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "digest": run.digest,
         "devices": fleet.devices if fleet else None,
         "seed": fleet.seed if fleet else None,
-        "dropout_rate": _ratio(dropouts, len(accepted)),
+        "dropout_rate": _ratio(dropouts, finished),
         "availability_swing": swing,
         "available_peak": peak,
         "available_trough": trough,
         "shapes": shapes,
-        "shape_shares": {k: v / len(accepted) for k, v in shapes.items()},
+        "shape_shares": {k: v / finished for k, v in shapes.items()},
         "rounds": len(rounds),
         "rounds_committed": len(committed),
         "rounds_abandoned": len(rounds) - len(committed),
@@ -315,6 +325,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "sessions": len(sessions),
         "sessions_accepted": len(accepted),
         "sessions_completed": completed,
+        "sessions_unfinished": len(accepted) - finished,
         "checkins_rejected": len(sessions) - len(accepted),
         "errors": dict(run.errors),
         "bytes_down": sum(s.bytes_down for s in sessions),

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 # the rows and their CSV format live in the leaf module .rows; re-exported here, where the
 # simulator, the report and users have always imported them
-from .rows import CsvTable, FleetTableError, RoundRow, SessionRow, TimelineRow, with_attempts, with_round_bytes
+from .rows import (
+    UNFINISHED,
+    CsvTable,
+    FleetTableError,
+    RoundRow,
+    SessionRow,
+    TimelineRow,
+    with_attempts,
+    with_round_bytes,
+)
 from .summary import summarize
 
 if TYPE_CHECKING:  # the config module is the population model's; the tables only carry it
@@ -24,6 +33,7 @@ __all__ = [
     "ROUNDS_CSV",
     "SESSIONS_CSV",
     "TIMELINE_CSV",
+    "UNFINISHED",
     "CsvTable",
     "FleetRun",
     "FleetTableError",

@@ -189,7 +189,8 @@ def _has_colour(pixels: np.ndarray, hex_colour: str, *, at_least: int = 50) -> b
 
 def _expected(run: FleetRun) -> dict[str, object]:
     accepted = [s for s in run.sessions if s.session_id]
-    dropped = [s for s in accepted if s.shape[-1] not in "^#"]
+    ended = [s for s in accepted if s.outcome != "unfinished"]  # cut by the run's end: neither
+    dropped = [s for s in ended if s.shape[-1] not in "^#"]
     hours = np.floor(np.array([r.t_s for r in run.timeline]) / 3600.0).astype(int) % 24
     available = np.array([r.available for r in run.timeline], dtype=float)
     hourly = [available[hours == h].mean() for h in np.unique(hours)]
@@ -199,8 +200,8 @@ def _expected(run: FleetRun) -> dict[str, object]:
         "sessions_accepted": len(accepted),
         "checkins_rejected": len(run.sessions) - len(accepted),
         "sessions_completed": sum(s.shape.endswith("^") for s in accepted),
-        "dropout_rate": len(dropped) / len(accepted),
-        "shapes": dict(Counter(s.shape for s in accepted)),
+        "dropout_rate": len(dropped) / len(ended),
+        "shapes": dict(Counter(s.shape for s in ended)),
         "bytes_down": int(sum(s.bytes_down for s in run.sessions)),
         "bytes_up": int(sum(s.bytes_up for s in run.sessions)),
         "rounds": len(run.rounds),
@@ -872,7 +873,8 @@ def test_every_figure_the_page_shows_is_the_one_its_tables_give(fleet_report):
     rounds = RoundRow.from_csv(out / "rounds.csv")
     timeline = TimelineRow.from_csv(out / "timeline.csv")
     accepted = [s for s in sessions if s.session_id]
-    dropped = sum(s.shape[-1] not in "^#" for s in accepted)
+    ended = [s for s in accepted if s.outcome != "unfinished"]
+    dropped = sum(s.shape[-1] not in "^#" for s in ended)
     committed = sum(r.committed for r in rounds)
     hours = np.floor(np.array([r.t_s for r in timeline]) / 3600.0).astype(int) % 24
     available = np.array([r.available for r in timeline], dtype=float)
@@ -891,7 +893,7 @@ def test_every_figure_the_page_shows_is_the_one_its_tables_give(fleet_report):
     }
     for key, value in counts.items():
         assert page.cells[key] == f"{value:,}", key
-    assert page.cells["dropout_rate"] == f"{100 * dropped / len(accepted):.2f}%"
+    assert page.cells["dropout_rate"] == f"{100 * dropped / len(ended):.2f}%"
     assert page.cells["round_completion_rate"] == f"{100 * committed / len(rounds):.2f}%"
     for key, value in (("available_peak", max(hourly)), ("available_trough", min(hourly))):
         assert _shown_number(page.cells[key]) == pytest.approx(value, rel=5e-4, abs=0.05), key
@@ -900,7 +902,7 @@ def test_every_figure_the_page_shows_is_the_one_its_tables_give(fleet_report):
     )
 
     assert page.why["dropout_rate"].startswith(
-        f"{100 * dropped / len(accepted):.1f}% of the {len(accepted):,} accepted sessions"
+        f"{100 * dropped / len(ended):.1f}% of the {len(ended):,} accepted sessions that ended"
     )
     swing = page.why["availability_swing"]
     assert f"from {page.cells['available_trough']} in the quietest hour" in swing

@@ -138,6 +138,33 @@ def test_each_round_attempt_seated_the_sessions_that_name_it_as_the_server_count
         assert sum(1 for r in run.rounds if r.round_id.endswith("/1")) < len(run.rounds)  # retried attempts too
 
 
+def test_a_session_the_runs_end_cuts_has_its_row_and_is_no_drop_out():
+    """Devices still training at the horizon were selected by the server: their sessions are rows
+    (``unfinished``, ending at the horizon), so the sessions accepted are as many as the rounds
+    selected, and they count neither as drop-outs nor among the shapes of sessions that ended."""
+    run = simulate(
+        small_config(seed=3, compute_s_per_example=2.0, report_timeout_s=1800.0).model_copy(
+            update={"fleet": small_config(seed=3).fleet.model_copy(update={"hours": 0.25})}
+        ),
+        progress=False,
+    )
+    cut = [s for s in run.sessions if s.outcome == "unfinished"]
+    assert cut and all(s.end_s == run.simulated_s and s.attempt >= 1 for s in cut)
+    summary = run.summary()
+    assert summary["sessions_accepted"] == sum(r.selected for r in run.rounds) + _open_round_seats(run)
+    assert summary["sessions_unfinished"] == len(cut)
+    ended = [s for s in run.sessions if s.accepted and s.outcome != "unfinished"]
+    assert sum(summary["shapes"].values()) == len(ended)
+    drop_outs = sum(1 for s in ended if not s.shape.endswith(("^", "#")))
+    assert summary["dropout_rate"] == (drop_outs / len(ended) if ended else None)
+
+
+def _open_round_seats(run: FleetRun) -> int:
+    """Sessions seated in a round still open at the end (on no round's record yet)."""
+    recorded = {r.round_id for r in run.rounds}
+    return sum(1 for s in run.sessions if s.accepted and s.round_attempt not in recorded)
+
+
 def test_sessions_cost_virtual_time_from_the_work_and_bytes_they_really_had(runs):
     run = runs["a"]
     config = run.config
