@@ -141,13 +141,12 @@ def test_each_round_attempt_seated_the_sessions_that_name_it_as_the_server_count
 def test_a_session_the_runs_end_cuts_has_its_row_and_is_no_drop_out():
     """Devices still training at the horizon were selected by the server: their sessions are rows
     (``unfinished``, ending at the horizon), so the sessions accepted are as many as the rounds
-    selected, and they count neither as drop-outs nor among the shapes of sessions that ended."""
-    run = simulate(
-        small_config(seed=3, compute_s_per_example=2.0, report_timeout_s=1800.0).model_copy(
-            update={"fleet": small_config(seed=3).fleet.model_copy(update={"hours": 0.25})}
-        ),
-        progress=False,
-    )
+    selected, and they count neither as drop-outs nor among the shapes of sessions that ended. A
+    sharded run writes the same rows in the same order."""
+    config = small_config(seed=3, compute_s_per_example=2.0, report_timeout_s=1800.0)
+    config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"hours": 0.25})})
+    run = simulate(config, progress=False)
+    assert simulate_sharded(config, shards=3, ray=False, progress=False).sessions == run.sessions
     cut = [s for s in run.sessions if s.outcome == "unfinished"]
     assert cut and all(s.end_s == run.simulated_s and s.attempt >= 1 for s in cut)
     summary = run.summary()
