@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
+import difflib
 import importlib.metadata
 import logging
 import math
@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any, NoReturn
 
 from server_stub import RoundConfig
 from server_stub.cli import (
@@ -40,6 +41,38 @@ DESCRIPTION = (
     "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
     "server runs."
 )
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line naming the command and its ``--help``, as every
+    command's own refusals are (argparse prints the usage first, the whole top-level one for an
+    option it does not know). Subcommands' parsers are of the same class (``add_subparsers`` makes
+    them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """At the top, an argument no parser took is refused by the command it was given to, with
+        the option its name is closest to (``--hourz``: ``--hours``)."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog == "fedfleet":
+            command = _chosen(self, parsed)
+            options = [o for action in command._actions for o in action.option_strings]
+            close = [
+                m for x in extras if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], options, 1)
+            ]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed, extras
+
+
+def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand's parser ``parsed`` went through (``fedfleet plan build``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+            return _chosen(action.choices[getattr(parsed, action.dest)], parsed)
+    return parser
 
 
 def version() -> str:
@@ -100,9 +133,6 @@ def _save_authority(authority: AttestationAuthority, key: Path, trust: Path) -> 
     """Write the key and its trust anchor as a pair: both go to new files beside their places
     first and are renamed into them only once both are written, so a failure leaves the old pair
     (or nothing), never a new anchor beside an old key."""
-    for path in (key, trust):  # a folder takes the first file's rename and refuses the second's
-        if path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     key_new, trust_new = key.with_name(key.name + ".new"), trust.with_name(trust.name + ".new")
     try:
         authority.save(key_new)
@@ -132,7 +162,7 @@ def _authority_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedfleet", description=DESCRIPTION)
+    parser = CommandParser(prog="fedfleet", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
@@ -169,6 +199,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return run_compare(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "authority":
+        for given, path in (("--key", args.key), ("--trust", args.trust)):
+            # not "already exists ... --force" for a key, and before a write: a folder would take
+            # the first file's rename and refuse the second's
+            if Path(path).is_dir():
+                print(f"fedfleet authority: {given} {path} is a folder; name a file", file=sys.stderr)
+                return 2
         if Path(args.key).exists() and not args.force:
             print(
                 f"fedfleet authority: {args.key} already exists; a server trusting that authority would stop "

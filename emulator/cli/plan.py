@@ -251,6 +251,8 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _keygen(args: argparse.Namespace, say) -> int:
+    if Path(args.key).is_dir():  # not "already exists ... --force", which then fails on the folder
+        raise SigningKeyError(f"{args.key} is a folder; name a file for the key (KEY.pub is written beside it)")
     generate_signing_key(args.key, label=args.label, force=args.force)
     line = public_key_path(args.key).read_text(encoding="utf-8").strip()
     say(f"signing key: {args.key} (keep it secret; sign with `fedfleet plan test --signing-key {args.key}`)")

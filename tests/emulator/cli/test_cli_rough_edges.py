@@ -224,3 +224,35 @@ def test_dev_says_what_it_installs_before_the_first_install(tmp_path):
         ["./dev", "shell", "-c", "pass"], cwd=work, env=env, capture_output=True, text=True, timeout=60
     )
     assert "installing" not in second.stderr and "pip" not in second.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["simulate", "--hourz", "1"], "fedfleet simulate: unrecognized arguments: --hourz (did you mean --hours?)"),
+        (
+            ["plan", "build", "t.py", "-o", "b", "--runtime-s"],
+            "fedfleet plan build: unrecognized arguments: --runtime-s",
+        ),
+        (["plan", "build", "t.py"], "fedfleet plan build: the following arguments are required: -o/--out"),
+        (["simulate", "--hours", "abc"], "fedfleet simulate: argument --hours: invalid float value: 'abc'"),
+        (["server", "--port", "99999"], "fedfleet server: argument --port: 99999 is not a port"),
+    ],
+)
+def test_a_usage_mistake_is_one_line_naming_the_command_and_its_help(argv, line, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    command = line.split(":")[0]
+    assert exit_.value.code == 2 and err.startswith(line) and err.endswith(f"; see {command} --help\n"), err
+    assert err.count("\n") == 1 and "usage:" not in err
+
+
+@pytest.mark.parametrize("argv", [["plan", "keygen", "--key"], ["authority", "--trust", "t.json", "--key"]])
+def test_a_key_named_by_a_folder_is_refused_as_a_folder_not_as_an_existing_key(argv, tmp_path, capsys):
+    folder = tmp_path / "keys"
+    folder.mkdir()
+    assert cli.main([*argv, str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder; name a file" in err and "--force" not in err and err.count("\n") == 1, err
+    assert not any(folder.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["keys"]
