@@ -139,6 +139,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..fleet.simulator import ProgressBar, simulate
     from ..fleet.workload import load_workload
     from ..toolchain.bundle import TASK_FILE, bundle_task_file
+    from ..toolchain.tasks import TaskError
+    from .plan import check_task_file
 
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
         print(
@@ -156,6 +158,12 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"give the path of a task file (as `fedfleet plan build` takes) or a bundle folder holding {TASK_FILE}",
             file=sys.stderr,
         )
+        return 2
+    try:
+        if args.task is not None:
+            check_task_file(args.task)
+    except TaskError as exc:
+        print(f"fedfleet simulate: --task {exc}", file=sys.stderr)
         return 2
     try:
         config = FleetConfig.load(args.fleet) if args.fleet else FleetConfig.default()

@@ -213,6 +213,7 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
         if args.command == "rounds":
             return _rounds(args, say)
         if args.plan_command == "build":
+            check_task_file(args.task_file)
             build_bundle(args.task_file, args.out, runtimes=args.runtimes, say=say)
             return 0
         if args.plan_command == "test":
@@ -242,6 +243,24 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
         print(f"{_command(args)}: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+#: A model file given where a task file goes, and the command that makes a bundle (and its task file) of it.
+MODEL_FILES = {
+    ".onnx": "is an ONNX model, not a task file; `fedfleet plan from-onnx {path} --label LABEL -o DIR` makes a "
+    "bundle of it (DIR/task.py its task file)",
+    ".pt": "is a PyTorch checkpoint (torch.save), not a task file; `fedfleet plan from-torch MODULE:FACTORY --input "
+    "NAME:SHAPE --label LABEL -o DIR` exports the module that makes it",
+}
+MODEL_FILES[".pth"] = MODEL_FILES[".pt"]
+
+
+def check_task_file(path: str | Path) -> None:
+    """Refuse a model file given as a task file in one line naming the command that takes it, where
+    running it as Python said 'source code string cannot contain null bytes'."""
+    said = MODEL_FILES.get(Path(path).suffix.lower())
+    if said is not None and Path(path).is_file():
+        raise TaskError(f"{path} {said.format(path=path)}")
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -277,6 +296,7 @@ def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
 
 
 def _test(args: argparse.Namespace, say) -> int:
+    check_task_file(args.target)  # before the note of an unsigned report, which would not be written
     signing_key = _signing_key(args, say)
     directory = args.target
     if args.target.suffix == ".fedplan":

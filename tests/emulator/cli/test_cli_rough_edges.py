@@ -256,3 +256,25 @@ def test_a_key_named_by_a_folder_is_refused_as_a_folder_not_as_an_existing_key(a
     err = capsys.readouterr().err
     assert "is a folder; name a file" in err and "--force" not in err and err.count("\n") == 1, err
     assert not any(folder.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["keys"]
+
+
+@pytest.mark.parametrize(
+    ("command", "model", "maker"),
+    [
+        (["plan", "build", "-o", "out"], "model.onnx", "plan from-onnx"),
+        (["plan", "test"], "model.pth", "plan from-torch"),
+        (["simulate", "--no-progress", "--task"], "model.onnx", "plan from-onnx"),
+    ],
+)
+def test_a_model_file_given_as_a_task_file_names_the_command_that_takes_it(command, model, maker, tmp_path, capsys):
+    path = tmp_path / model
+    path.write_bytes(b"PK\x03\x04\x00binary")  # not Python: run as a task file it failed on null bytes
+    assert cli.main([*command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"fedfleet {command[0]}")
+        and f"{path} is a" in err
+        and f"`fedfleet {maker} " in err
+        and err.count("\n") == 1
+    ), err
+    assert "null bytes" not in err and not (tmp_path / "out").exists()
