@@ -425,10 +425,13 @@ def _say_bundle(made: ModelBundle, say) -> None:
     _say_trained(made, say, made.frozen_rows)
     features = ", ".join(dict.fromkeys([*made.inputs, made.label]))
     say("next:")
-    say(f"  fedfleet plan test {made.directory} --signing-key KEY")
+    say(f"  fedfleet plan test {made.directory} --signing-key KEY   (fedfleet plan keygen --key KEY makes one)")
     say(f"  fedfleet deploy {made.directory} --server URL --population P")
-    say(f"or first on a simulated fleet, with data whose features are {features} (--data's rename=OLD:NEW names them):")
-    say(f"  fedfleet simulate --task {made.directory} --data FORMAT:PATH --out run/")
+    say(
+        f"or first an hour of 1,000 simulated devices, in seconds, with data whose features are {features} "
+        "(--data's rename=OLD:NEW names them; a CSV of rows with a client-id column is table:FILE.csv,client=COLUMN):"
+    )
+    say(f"  fedfleet simulate --task {made.directory} --data FORMAT:PATH --devices 1000 --hours 1 --out run/")
 
 
 def _plan_only(args: argparse.Namespace, say) -> int:
