@@ -24,9 +24,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..fleet.config import FleetConfig, FleetConfigError
+from ..fleet.config import FleetConfig, FleetConfigError, FleetSection
 from ..fleet.events import SimulationError
 from ..fleet.traces import TraceError
+
+#: The size and length of a run without a fleet config, which --help names.
+DEFAULT_FLEET = FleetSection()
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +41,16 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("fleet", nargs="?", help="a fleet config (TOML); see examples/fleets/default.toml")
     p.add_argument(
-        "--out", help="where to write sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html"
+        "--out",
+        help="where to write sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html "
+        "(without it, only the summary line is written)",
     )
-    p.add_argument("--devices", type=int, help="override the number of devices")
-    p.add_argument("--hours", type=float, help="override the simulated hours")
+    p.add_argument(
+        "--devices", type=int, help=f"override the number of devices ({DEFAULT_FLEET.devices:,} without a fleet config)"
+    )
+    p.add_argument(
+        "--hours", type=float, help=f"override the simulated hours ({DEFAULT_FLEET.hours:g} without a fleet config)"
+    )
     p.add_argument("--seed", type=int, help="override the seed (the same seed gives the same run)")
     p.add_argument(
         "--goal",

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from device_runtime import encode_checkpoint, initial_weights
 from emulator.cli import commands as cli
 from emulator.cli.plan import deployed_line
+from emulator.fleet.config import FleetConfig
 from emulator.toolchain.bundle import REPORT
 from server_stub import RoundConfig, ServerThread, ServerUnreachable
 from server_stub.admin_client import AdminClient, check_server_url
@@ -278,3 +279,12 @@ def test_a_model_file_given_as_a_task_file_names_the_command_that_takes_it(comma
         and err.count("\n") == 1
     ), err
     assert "null bytes" not in err and not (tmp_path / "out").exists()
+
+
+def test_simulate_help_says_what_runs_without_a_config_and_without_out(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    fleet = FleetConfig.default().fleet
+    assert exit_.value.code == 0 and "(without it, only the summary line is written)" in text
+    assert f"({fleet.devices:,} without a fleet config)" in text and f"({fleet.hours:g} without a fleet config)" in text
