@@ -337,7 +337,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         metavar="RUN_DIR",
         help="run folders written by fedfleet simulate --out (that of a --seeds/--sweep run: its runs)",
     )
-    p.add_argument("--out", default="compare.html", help="the page to write (default: compare.html)")
+    p.add_argument("--out", default="compare.html", help="the HTML page to write (a .html file)")
     p.add_argument(
         "--label",
         action="append",
@@ -350,6 +350,11 @@ def run_compare(args: argparse.Namespace) -> int:
     from ..fleet.compare import FleetCompareError, write_compare
     from ..fleet.report import FleetReportError
 
+    if Path(args.out).suffix.lower() not in (".html", ".htm"):  # c.png, or a run folder's name, got HTML unsaid
+        print(
+            f"fedfleet compare: --out {args.out}: the comparison is one HTML page; name a .html file", file=sys.stderr
+        )
+        return 2
     try:
         runs = write_compare(args.runs, args.out, args.label or None)
     except (FleetCompareError, FleetReportError) as exc:

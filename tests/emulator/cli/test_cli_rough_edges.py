@@ -288,3 +288,11 @@ def test_simulate_help_says_what_runs_without_a_config_and_without_out(capsys):
     fleet = FleetConfig.default().fleet
     assert exit_.value.code == 0 and "(without it, only the summary line is written)" in text
     assert f"({fleet.devices:,} without a fleet config)" in text and f"({fleet.hours:g} without a fleet config)" in text
+
+
+@pytest.mark.parametrize("out", ["compare.png", "run3"])
+def test_compare_refuses_an_out_that_is_not_an_html_file_before_reading_the_runs(out, tmp_path, capsys):
+    assert cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"fedfleet compare: --out {tmp_path / out}: the comparison is one HTML page; name a .html file\n"
+    assert not any(tmp_path.iterdir())
