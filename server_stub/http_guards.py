@@ -124,9 +124,13 @@ def _option(name: str) -> str:
 
 class GuardedServer(uvicorn.Server):
     """uvicorn's server for ``app`` within ``limits``, on a listener of its own that keeps the
-    connection cap; ``options`` are uvicorn's (host, port, log level...)."""
+    connection cap; ``options`` are uvicorn's (host, port, log level...). Its log records go to
+    the process's own logging (no ``log_config`` of uvicorn's unless given): uvicorn's default
+    applies ``logging.config.dictConfig``, which closes every handler the process has, an app's
+    that embeds a ``ServerThread`` included."""
 
     def __init__(self, app: Any, limits: HttpLimits = HttpLimits(), **options: Any) -> None:
+        options.setdefault("log_config", None)
         self.admission = _Admission(limits.connections)
         protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "admission": self.admission})
         super().__init__(
