@@ -86,6 +86,23 @@ class DataSpec:
         return float(self.options.get(key, default))
 
 
+_BY_SUFFIX = {
+    **dict.fromkeys((".csv", ".tsv", ".parquet", ".jsonl", ".gz", ".arrow"), "table:{},client=COLUMN"),
+    ".json": "leaf:{}",
+    ".h5": "tff-h5:{}",
+    ".hdf5": "tff-h5:{}",
+    ".npz": "npz:{}",
+}
+
+
+def _as_spec(head: str) -> str:
+    """The spec a bare path or a file type given as the format most likely meant, or ''."""
+    fmt, sep, rest = head.strip().partition(":")
+    path = rest.strip() if sep and f".{fmt.lower()}" in _BY_SUFFIX else head.strip()
+    form = _BY_SUFFIX.get(Path(path).suffix.lower()) or _BY_SUFFIX.get(f".{fmt.lower()}")
+    return f"give the format before the path: {form.format(path)}" if form else ""
+
+
 def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpec:
     """Check a spec's format, path and options; the error names the first thing wrong."""
     text = text.strip()
@@ -96,7 +113,8 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     fmt = fmt.strip().lower()
     if fmt not in OPTIONS:
         raise DataSpecError(
-            f"unknown data format {fmt!r} in {text!r}; use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})"
+            f"unknown data format {fmt!r} in {text!r}; "
+            + (_as_spec(head) or f"use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})")
         )
     options: dict[str, str] = {}
     for pair in pairs:
