@@ -14,6 +14,8 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from .errors import unreadable
+
 log = logging.getLogger(__name__)
 
 #: The environment variable that may hold admin keys, separated by commas or whitespace.
@@ -81,7 +83,7 @@ class AdminKeys:
             text = Path(path).read_text(encoding="utf-8")
             mode = os.stat(path).st_mode
         except (OSError, UnicodeDecodeError) as exc:
-            raise AdminKeyError(f"cannot read the admin key file {os.fspath(path)!r}: {exc}") from None
+            raise AdminKeyError(f"cannot read the admin key file {os.fspath(path)!r}: {unreadable(exc)}") from None
         lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
         keys = cls(lines)
         if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import logging
 import math
@@ -12,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TextIO
+from typing import Any, NoReturn, TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -55,6 +56,42 @@ def shows_default(action: argparse.Action) -> bool:
         and action.default not in ([], ())
         and action.help is not argparse.SUPPRESS
     )
+
+
+#: The programs whose leftover arguments are refused by the subcommand they were given to.
+TOP_LEVEL = ("fedfleet", "python -m server_stub")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line naming the command and its ``--help``, as every
+    command's own refusals are (argparse prints the usage first, the whole top-level one for an
+    option it does not know). Subcommands' parsers are of the same class (``add_subparsers`` makes
+    them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """At the top, an argument no parser took is refused by the command it was given to, with
+        the option its name is closest to (``--hourz``: ``--hours``)."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog in TOP_LEVEL:
+            command = _chosen(self, parsed)
+            options = [o for action in command._actions for o in action.option_strings]
+            close = [
+                m for x in extras if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], options, 1)
+            ]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed, extras
+
+
+def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand's parser ``parsed`` went through (``fedfleet plan build``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+            return _chosen(action.choices[getattr(parsed, action.dest)], parsed)
+    return parser
 
 
 def parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
@@ -264,6 +301,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0)
             )
         release_trust = read_release_trust(args.release_trust) if args.release_trust else frozenset()
+        if os.path.isdir(args.db):
+            raise ValueError(f"--db {args.db} is a folder; give the database file's path (made if missing)")
         limits = HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections, args.max_header_bytes)
         store = ServerStore(args.db)
     except (AdminKeyError, TrustAnchorError, ReleaseTrustError, StoreLayoutError, ValueError) as exc:
@@ -381,7 +420,8 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
     (``ServerStore.prune_models``). Returns an exit status."""
     out = out or sys.stdout
     if "://" not in args.db and not os.path.isfile(args.db):
-        print(f"fedfleet prune: no database file {args.db}", file=sys.stderr)
+        why = "is a folder; give the server's database file" if os.path.isdir(args.db) else "does not exist"
+        print(f"fedfleet prune: {args.db} {why} (the --db the server ran with)", file=sys.stderr)
         return 2
     try:
         store = ServerStore(args.db)
@@ -416,7 +456,7 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server_stub", description="Run the FL server.")
+    parser = CommandParser(prog="python -m server_stub", description="Run the FL server.")
     add_server_arguments(parser)
     read_negative_numbers(show_defaults(parser))
     return run_server(parser.parse_args(argv))

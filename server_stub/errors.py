@@ -18,6 +18,19 @@ def quoted(name: object) -> str:
     return f"{text[:QUOTED_NAME_CHARS]!r}... ({len(text):,} characters)"
 
 
+def unreadable(exc: BaseException) -> str:
+    """Why a file an operator named could not be read, said so they know what to change."""
+    if isinstance(exc, IsADirectoryError):
+        return "it is a folder; give the file's path"
+    if isinstance(exc, FileNotFoundError):
+        return "no such file; check the path"
+    if isinstance(exc, PermissionError):
+        return "permission denied; make it readable by the user this runs as"
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not text (UTF-8); give the file that was written for this option"
+    return str(exc)
+
+
 class ApiError(Exception):
     """An error the API reports as JSON ``{"error": {"code", "message"}}`` with a 4xx status (a full server: 503)."""
 

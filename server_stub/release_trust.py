@@ -18,6 +18,7 @@ import base64
 import binascii
 import os
 
+from .errors import unreadable
 from .release_gate import PUBLIC_KEY_BYTES, SIGNATURE_ALGORITHM
 
 __all__ = ["ReleaseTrustError", "parse_release_trust", "read_release_trust", "trust_line"]
@@ -75,5 +76,5 @@ def read_release_trust(path: str | os.PathLike[str]) -> frozenset[bytes]:
             raise ReleaseTrustError(f"{where!r} is over {MAX_TRUST_FILE_BYTES} bytes: not a release trust file")
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ReleaseTrustError(f"cannot read the release trust file {where!r}: {exc}") from None
+        raise ReleaseTrustError(f"cannot read the release trust file {where!r}: {unreadable(exc)}") from None
     return parse_release_trust(text, repr(where))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from device_runtime.attestation import PUBLIC_KEY_BYTES, authority_key_id
 
+from .errors import unreadable
+
 TRUST_FORMAT = "fedfleet-attestation-trust"
 
 
@@ -37,7 +39,9 @@ def read_trust_anchor(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
     where = os.fspath(path)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TrustAnchorError(f"cannot read the trust anchor {where!r}: {unreadable(exc)}") from None
+    except (ValueError, RecursionError) as exc:
         raise TrustAnchorError(f"cannot read the trust anchor {where!r}: {exc}") from None
     if (
         not isinstance(data, dict)

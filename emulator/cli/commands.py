@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import importlib.metadata
 import logging
 import math
@@ -17,10 +16,10 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, NoReturn
 
 from server_stub import RoundConfig
 from server_stub.cli import (
+    CommandParser,
     add_prune_arguments,
     add_server_arguments,
     read_negative_numbers,
@@ -41,38 +40,6 @@ DESCRIPTION = (
     "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
     "server runs."
 )
-
-
-class CommandParser(argparse.ArgumentParser):
-    """A parser whose usage errors are one line naming the command and its ``--help``, as every
-    command's own refusals are (argparse prints the usage first, the whole top-level one for an
-    option it does not know). Subcommands' parsers are of the same class (``add_subparsers`` makes
-    them so)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        """At the top, an argument no parser took is refused by the command it was given to, with
-        the option its name is closest to (``--hourz``: ``--hours``)."""
-        parsed, extras = super().parse_known_args(args, namespace)
-        if extras and self.prog == "fedfleet":
-            command = _chosen(self, parsed)
-            options = [o for action in command._actions for o in action.option_strings]
-            close = [
-                m for x in extras if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], options, 1)
-            ]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
-        return parsed, extras
-
-
-def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
-    """The deepest subcommand's parser ``parsed`` went through (``fedfleet plan build``'s)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
-            return _chosen(action.choices[getattr(parsed, action.dest)], parsed)
-    return parser
 
 
 def version() -> str:

@@ -411,6 +411,14 @@ def _unusable(tmp_path: Path, problem: str) -> list[str]:
         args += ["--host", "999.1.1.1"]
     elif problem == "bad trust anchor":
         args += ["--attestation-trust", str(_bad_trust_files(tmp_path)["not json"])]
+    elif problem == "key file that is a folder":
+        args[5] = str(tmp_path)
+    elif problem == "release trust that is a folder":
+        args += ["--release-trust", str(tmp_path)]
+    elif problem == "trust anchor that is a folder":
+        args += ["--attestation-trust", str(tmp_path)]
+    elif problem == "database that is a folder":
+        args[1] = str(tmp_path)
     else:
         args += ["--attestation-trust", str(tmp_path / "nowhere.json")]
     return args
@@ -418,7 +426,7 @@ def _unusable(tmp_path: Path, problem: str) -> list[str]:
 
 def _refused_in_one_line(code: int, out: str, err: str) -> None:
     assert code == 2, (out, err)
-    assert err.startswith("fedfleet server: ") or "error: argument --port" in err, err
+    assert err.startswith(("fedfleet server: ", "python -m server_stub: ")) and len(err.splitlines()) == 1, err
     assert "Traceback" not in err and "listening" not in out
 
 
@@ -451,6 +459,22 @@ def test_the_command_refuses_unusable_files_with_status_2(tmp_path, capsys, prob
     code = server_command_exit(_unusable(tmp_path, problem))
     captured = capsys.readouterr()
     _refused_in_one_line(code, captured.out, captured.err)
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        "key file that is a folder",
+        "release trust that is a folder",
+        "trust anchor that is a folder",
+        "database that is a folder",
+    ],
+)
+def test_a_folder_given_for_a_file_is_named_as_one(tmp_path, capsys, problem):
+    code = server_command_exit(_unusable(tmp_path, problem))
+    captured = capsys.readouterr()
+    _refused_in_one_line(code, captured.out, captured.err)
+    assert "is a folder" in captured.err and "give the" in captured.err and "Errno" not in captured.err
 
 
 @pytest.mark.timeout(60)  # a command that served instead would fail here, not hang the run

@@ -112,7 +112,10 @@ def test_a_database_a_server_holds_a_missing_file_and_a_bad_age_are_refused_in_o
     finally:
         server.close()
     assert cli.main(["prune", "--db", str(tmp_path / "nothing.db"), "--older-than-days", "7"]) == 2
-    assert capsys.readouterr().err == f"fedfleet prune: no database file {tmp_path / 'nothing.db'}\n"
+    assert (
+        capsys.readouterr().err
+        == f"fedfleet prune: {tmp_path / 'nothing.db'} does not exist (the --db the server ran with)\n"
+    )
     assert not (tmp_path / "nothing.db").exists()
     for bad in ("-1", "nan", "inf", "x"):
         with pytest.raises(SystemExit) as exit_:
