@@ -52,8 +52,11 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(
     attested_server, attested_admin, authority, population
 ):
     server, admin = attested_server, attested_admin
-    # A device that drops holds its group's round until the round's deadline: three rounds wait one
-    # out, so they are 2 s here, not the helper's 3 s (the test sat out 9 s); live devices answer well within it
+    # A device that drops holds its group's round until the round's deadline: groups 0, 1 and 3 wait
+    # out a round timeout (2 s here, not the helper's 10 s), and group 2 waits for its masked inputs
+    # until the report window ends, which the test sat out: 7 s here, not the helper's 60 s (a deploy
+    # wants more than three round timeouts). The live devices answer each round within a tenth of a
+    # second even on a loaded machine, so groups 0 and 1 send their masked inputs some 4 s before it.
     plan, w0 = deploy_secure(
         admin,
         population,
@@ -61,6 +64,7 @@ def test_secure_round_is_exact_under_dropouts_at_every_secagg_round(
         min_fraction=0.5,
         secagg_min_group_size=K,
         secagg_round_timeout_s=2.0,
+        report_timeout_s=7.0,
     )
     codec = SecureSumCodec(plan)
     updates = _updates(codec, DEVICES, seed=1)
