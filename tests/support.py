@@ -119,15 +119,20 @@ def attested_server_thread(db_path: Path, authority: AttestationAuthority) -> Se
 
 
 #: ``deploy_secure``'s round unless a test says otherwise: its selection and report window, then its groups.
-SECURE_ROUND = {"over_selection": 1.0, "min_fraction": 0.2, "selection_timeout_s": 60, "report_timeout_s": 15.0}
-# groups of k + 1 = 6 (not the default 100), so that a test's few dozen devices make several groups
-SECURE_ROUND |= {"secagg_min_group_size": 5, "secagg_target_group_size": 6, "secagg_round_timeout_s": 3.0}
+SECURE_ROUND = {"over_selection": 1.0, "min_fraction": 0.2, "selection_timeout_s": 60, "report_timeout_s": 60.0}
+# groups of k + 1 = 6 (not the default 100), so that a test's few dozen devices make several groups;
+# rounds of 10 s: a group forms at its last check-in, and a runtime downloads the plan and builds its
+# training session before it advertises its keys. With rounds of 3 s, a device held up that long (its
+# thread starved on a machine at load 6-8) was left out of its group, and a test expecting all six
+# failed. Where no device drops, no round waits its timeout out, so a long one costs nothing; a test
+# whose devices drop sets a short one (and a report window just over three of them).
+SECURE_ROUND |= {"secagg_min_group_size": 5, "secagg_target_group_size": 6, "secagg_round_timeout_s": 10.0}
 
 
 def deploy_secure(admin: AdminClient, population: str = "digits", *, plan=None, **config) -> tuple:
     """``deploy`` of a secure softmax task as these tests run it: every device checked in is selected,
     selection waits long enough for a test's check-ins, and groups of six (at least five summed)
-    run rounds of 3 s; ``config`` overrides any of it (and must name ``goal_count``)."""
+    run rounds of 10 s; ``config`` overrides any of it (and must name ``goal_count``)."""
     plan = plan or digits_plan("softmax", secure_aggregation=True)
     return deploy(admin, population, plan=plan, **{**SECURE_ROUND, **config})
 

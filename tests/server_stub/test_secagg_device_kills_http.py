@@ -34,7 +34,7 @@ from tests.support import (
 
 GROUP = 6  # one group of k + 1 = 6, threshold 5: it survives one device killed, not two
 #: A killed device holds each key round after it, and Unmasking, for a round timeout (2 s, not the
-#: helper's 3 s) and the masked inputs until their deadline (the report window, 10 s, less three
+#: helper's 10 s) and the masked inputs until their deadline (the report window, 10 s, less three
 #: round timeouts): short tests, in which live devices on loopback still answer well within time
 ROUND = {"goal_count": GROUP, "secagg_round_timeout_s": 2.0, "report_timeout_s": 10.0}
 THRESHOLD = 5
