@@ -166,9 +166,12 @@ def test_a_build_interrupted_while_writing_a_task_keeps_the_task_it_had_and_buil
 
 
 def test_ctrl_c_during_a_command_is_one_line_and_exit_code_130(tmp_path):
-    """A real SIGINT while `plan build` loads the task file."""
+    """A real SIGINT while `plan build` loads the task file. Python's own handler is put back
+    first: a test run started in the background inherits SIGINT ignored, as a terminal's never is."""
     task = tmp_path / "task.py"
-    task.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    task.write_text(
+        "import os, signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\nos.kill(os.getpid(), signal.SIGINT)\n"
+    )
     done = subprocess.run(
         [sys.executable, "-m", "emulator.cli", "plan", "build", str(task), "-o", str(tmp_path / "out")],
         capture_output=True,
