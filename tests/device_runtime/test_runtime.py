@@ -67,7 +67,7 @@ class FaultyProxy:
         app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
         self.listener = socket.create_server(("127.0.0.1", 0))  # held from the pick: no other server takes it
         self.port = self.listener.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
 
     def __enter__(self) -> str:

@@ -107,7 +107,7 @@ def test_fedfleet_gives_the_shell_its_usage_error_and_a_failing_block_fails(
         _blocks(("bash", None, "set +e; fedfleet compare 2> err.txt; echo $? > status.txt")), tmp_path, fork_server
     )
     assert (tmp_path / "status.txt").read_text(encoding="utf-8").strip() == "2"
-    assert "usage: fedfleet compare" in (tmp_path / "err.txt").read_text(encoding="utf-8")
+    assert (tmp_path / "err.txt").read_text(encoding="utf-8").startswith("fedfleet compare: ")
     again = tmp_path / "again"
     again.mkdir()
     with pytest.raises(pytest.fail.Exception, match="exited 2"):
