@@ -366,18 +366,32 @@ def plot_rounds(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figu
     rounds = run.rounds
     if rounds:
         span = run.span_s
-        for committed, colour, label in ((True, _COMMITTED, "committed"), (False, _ABANDONED, "abandoned")):
-            ends = [r.end_s for r in rounds if r.committed is committed]
+        for closed, colour, label in (
+            ([r for r in rounds if r.committed], _COMMITTED, "committed"),
+            ([r for r in rounds if r.abandoned], _ABANDONED, "abandoned"),
+        ):
+            ends = [r.end_s for r in closed]
             edges, per_hour = _per_hour(ends, [1.0] * len(ends), span)
             ax_r.stairs(per_hour, edges, color=colour, linewidth=1.5, label=label)
             ax_d.scatter(
-                [r.start_s / 3600.0 for r in rounds if r.committed is committed],
-                [r.duration_s / 60.0 for r in rounds if r.committed is committed],
+                [r.start_s / 3600.0 for r in closed],
+                [r.duration_s / 60.0 for r in closed],
                 s=14,
                 alpha=0.7,
                 linewidths=0,
                 color=colour,
                 label=label,
+            )
+        open_ = [r for r in rounds if r.unfinished]  # no completion to count; its duration so far
+        if open_:
+            ax_d.scatter(
+                [r.start_s / 3600.0 for r in open_],
+                [r.duration_s / 60.0 for r in open_],
+                s=18,
+                marker="o",
+                facecolors="none",
+                edgecolors=_ABANDONED_ROUND,
+                label="unfinished (open at the end)",
             )
         _legend(ax_r)
         _legend(ax_d)
@@ -391,22 +405,34 @@ def plot_rounds(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figu
     ax_d.set_title("Round duration")
     ax_d.set_ylabel("minutes")
     _hours_axis(ax_d, run.span_s)
-    return Figure(
-        "rounds.png", "Round completions per hour and round durations (paper, Fig. 5, 6 and 8).", _png(fig), fig
-    )
+    caption = "Round completions per hour and round durations (paper, Fig. 5, 6 and 8)."
+    if any(r.unfinished for r in rounds):
+        caption += (
+            " A hollow circle is the round still open when the run ended: it completed neither way, and its"
+            " duration runs from its first seated check-in to the end of the run."
+        )
+    return Figure("rounds.png", caption, _png(fig), fig)
 
 
 def round_outcomes(rounds: list[RoundRow]) -> dict[str, list[int]]:
     """What each round's selected devices did, as the outcome chart stacks it: ``aggregated``,
     ``rejected`` (reported after the window) and ``dropped`` per round, all zero for an abandoned
     round, which aggregated nothing and is drawn as one mark at ``abandoned_selected`` instead
-    (its selected devices; 0 for a committed round)."""
-    out: dict[str, list[int]] = {"aggregated": [], "rejected": [], "dropped": [], "abandoned_selected": []}
+    (its selected devices; 0 for a committed round), and for the round still open when the run
+    ended (outcome unfinished), drawn as one mark at ``unfinished_selected``."""
+    out: dict[str, list[int]] = {
+        "aggregated": [],
+        "rejected": [],
+        "dropped": [],
+        "abandoned_selected": [],
+        "unfinished_selected": [],
+    }
     for r in rounds:
         out["aggregated"].append(r.accepted if r.committed else 0)
         out["rejected"].append(max(0, r.reported - r.accepted) if r.committed else 0)
         out["dropped"].append(r.dropped if r.committed else 0)
-        out["abandoned_selected"].append(0 if r.committed else r.selected)
+        out["abandoned_selected"].append(r.selected if r.abandoned else 0)
+        out["unfinished_selected"].append(r.selected if r.unfinished else 0)
     return out
 
 
@@ -418,6 +444,11 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         "Outcomes of each committed round's selected devices and drop-out by hour (paper, Fig. 7). "
         "An abandoned round aggregated nothing: it is an x at the number of devices it selected."
     )
+    if any(r.unfinished for r in rounds):
+        caption += (
+            " The round still open when the run ended (outcome unfinished) is a hollow circle at the number"
+            " of devices it had selected."
+        )
     if rounds:
         outcomes = round_outcomes(rounds)
         # Stacked steps, not bars: three polygons whatever the number of rounds (a day of a large
@@ -435,8 +466,22 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
             )
             bottom = top
         abandoned = [
-            (i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["abandoned_selected"]), start=1) if not r.committed
+            (i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["abandoned_selected"]), start=1) if r.abandoned
         ]
+        still_open = [
+            (i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["unfinished_selected"]), start=1) if r.unfinished
+        ]
+        if still_open:
+            ax_o.scatter(
+                [i for i, _ in still_open],
+                [n for _, n in still_open],
+                marker="o",
+                facecolors="none",
+                edgecolors=_ABANDONED_ROUND,
+                s=24,
+                zorder=3,
+                label="unfinished round: devices selected, open at the run's end",
+            )
         if abandoned:
             ax_o.scatter(
                 [i for i, _ in abandoned],
@@ -677,7 +722,7 @@ def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figur
             label="down (server to devices)",
         )
         ax.plot(x, [r.bytes_up / 1e6 for r in rounds], drawstyle="steps-mid", color=_UP, label="up (devices to server)")
-        abandoned = [(i, r) for i, r in zip(x, rounds) if not r.committed]
+        abandoned = [(i, r) for i, r in zip(x, rounds) if r.abandoned]
         if abandoned:
             ax.scatter(
                 [i for i, _ in abandoned],
@@ -879,6 +924,9 @@ _SUMMARY_ROWS = (
     ("rounds", "rounds"),
     ("rounds_committed", "rounds committed"),
     ("rounds_abandoned", "rounds abandoned"),
+    ("rounds_unfinished", "rounds still open at the run's end"),
+    ("round_goal", "reports a round commits with at once (task.goal_count)"),
+    ("round_reports_to_commit", "reports a round needs to commit once no more can come"),
     ("round_completion_rate", "round completion rate"),
     ("round_completion_note", "why (round completion)"),
     ("cannot_fill", "rounds that cannot fill"),
@@ -931,18 +979,48 @@ def _hours(seconds: float, kind: str = "") -> str:
 def _completion_sentence(summary: Mapping[str, Any], rounds: list[RoundRow]) -> str:
     """What the round completion rate measures and, when it is low, why rounds were abandoned and what
     to change (the summary's ``round_completion_note``, see :func:`completion_note`)."""
-    n, committed = len(rounds), sum(1 for r in rounds if r.committed)
+    closed = [r for r in rounds if not r.unfinished]
+    n, committed = len(closed), sum(1 for r in closed if r.committed)
+    if not n:
+        return "Share of the rounds that closed that committed a model; none closed: " + _unfinished_sentence(
+            rounds, summary
+        )
     rate = committed / n
+    goal, needed = summary.get("round_goal"), summary.get("round_reports_to_commit")
+    enough = (
+        f"{goal} (task.goal_count), or {needed} once no more can come (task.goal_count x task.min_fraction, rounded up)"
+        if goal is not None and needed is not None
+        else "goal_count, or goal_count x min_fraction once no more can"
+    )
     text = (
         f"{committed} of {n} rounds committed ({100.0 * rate:.1f}%): a round commits once enough of its selected devices"
-        " report in time (goal_count, or goal_count x min_fraction once no more can), and is abandoned otherwise."
+        f" report in time ({enough}), and is abandoned otherwise."
     )
+    if any(r.unfinished for r in rounds):
+        text += " " + _unfinished_sentence(rounds, summary)
     if rate >= LOW_COMPLETION:
         return text
     note = summary.get("round_completion_note")
     if note:
         return f"{text} {note[0].upper()}{note[1:]}."
     return text + " See the rounds table for how many devices each selected and how many reported in time."
+
+
+def _unfinished_sentence(rounds: list[RoundRow], summary: Mapping[str, Any]) -> str:
+    """The rounds still open when the run ended, in a sentence: what they had when it did, and
+    that the rate leaves them out."""
+    still = [r for r in rounds if r.unfinished]
+    needed = summary.get("round_reports_to_commit")
+    of = f" of the {needed} a commit needs" if needed is not None else ""
+    parts = ", ".join(
+        f"{r.round_id} (open {r.duration_s / 60.0:.1f} min: {r.selected} selected, {r.accepted} reported in time{of})"
+        for r in still
+    )
+    return (
+        f"{'The round' if len(still) == 1 else f'The {len(still)} rounds'} {parts} {'was' if len(still) == 1 else 'were'}"
+        " still open when the run ended: outcome unfinished in rounds.csv, neither committed nor abandoned, and"
+        " not in the rate."
+    )
 
 
 def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[str, str]:
@@ -1013,6 +1091,9 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
                 f" Every task had completed (its max_rounds, or its privacy budget) {_hours(done)} into the run:"
                 f" the last {_hours(sim_s - done)} ran no round and only turned check-ins away."
             )
+        gap = summary.get("round_gap_note")
+        if gap:
+            out["round_completion_rate"] += f" {gap[0].upper()}{gap[1:]}."
     else:
         out["round_completion_rate"] = (
             "Share of rounds that committed a model; no round ran (a run needs a few simulated"
@@ -1123,6 +1204,7 @@ _ROUND_COLUMNS = (
     "loss",
     "bytes_down",
     "bytes_up",
+    "outcome",
 )
 
 #: Every table sits in a ``table-wrap`` box that scrolls sideways when the table is wider than the

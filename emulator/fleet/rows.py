@@ -187,6 +187,11 @@ class RoundRow(CsvTable):
     received (see :func:`with_round_bytes`); a rejected check-in's bytes belong to no round.
     ``epsilon``: the task's epsilon after the round (its accountant's, published by a DP task's
     committed rounds), NaN without DP or for a round that added nothing to it; inf without noise.
+    ``outcome``: ``committed``, ``abandoned``, or ``unfinished`` (``UNFINISHED``) for the attempt
+    still open when the run ended, which the server has no record of: its row (see
+    :func:`unfinished_rounds`) counts its sessions as the session rows show them, starts at its
+    first seated check-in and ends at the horizon, and it is neither committed nor abandoned.
+    Empty in a table written before the column, whose rounds are all ``committed`` or not.
     """
 
     round_id: str
@@ -204,6 +209,53 @@ class RoundRow(CsvTable):
     bytes_down: int = 0
     bytes_up: int = 0
     epsilon: float = math.nan
+    outcome: str = ""
+
+    @property
+    def unfinished(self) -> bool:
+        """The attempt was still open when the run ended (neither committed nor abandoned)."""
+        return self.outcome == UNFINISHED
+
+    @property
+    def abandoned(self) -> bool:
+        """The server closed the attempt without committing it."""
+        return not self.committed and not self.unfinished
+
+
+def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizon_s: float) -> list[RoundRow]:
+    """A row of outcome ``unfinished`` for each round attempt that seated sessions (their
+    ``round_attempt``) but is not among ``rounds`` (the server's records of finished attempts):
+    the attempt still open when the run ended. Its counts are its sessions': ``selected`` all of
+    them, ``reported`` those that reported (``^`` in time, ``#`` refused), ``accepted`` the ``^``,
+    ``dropped`` those that ended without a report; it starts at its first seated check-in (the
+    server opened it at or before) and ends at ``horizon_s``. In the order the attempts first seated."""
+    known = {r.round_id for r in rounds}
+    seated: dict[str, list[SessionRow]] = {}
+    for s in sessions:
+        if s.attempt and s.accepted and s.round_attempt not in known:
+            seated.setdefault(s.round_attempt, []).append(s)
+    out = []
+    for round_id, group in seated.items():
+        start = min(s.start_s for s in group)
+        reported = [s for s in group if s.shape.endswith(("^", "#"))]
+        out.append(
+            RoundRow(
+                round_id=round_id,
+                task=group[0].task,
+                start_s=start,
+                end_s=horizon_s,
+                committed=False,
+                selected=len(group),
+                reported=len(reported),
+                accepted=sum(1 for s in reported if s.shape.endswith("^")),
+                dropped=sum(1 for s in group if s.outcome != UNFINISHED and not s.shape.endswith(("^", "#"))),
+                duration_s=horizon_s - start,
+                accuracy=math.nan,
+                loss=math.nan,
+                outcome=UNFINISHED,
+            )
+        )
+    return sorted(out, key=lambda r: r.start_s)
 
 
 def with_attempts(sessions: list[SessionRow], seated: Mapping[str, int]) -> list[SessionRow]:
@@ -233,7 +285,9 @@ class TimelineRow(CsvTable):
 
     ``available``: devices whose training conditions hold; ``checking_in``: devices with a
     check-in in flight or waiting to retry after a rejection; ``participating``: devices in a
-    round; ``active_sessions``: sessions open on the server.
+    round; ``active_sessions``: sessions open on the server; ``resting``: available devices that
+    will not check in yet, waiting out their participation job's interval after a session that
+    ended within it (the simulator's ``MIN_INTERVAL_S``; 0 in a table written before the column).
     """
 
     t_s: float
@@ -241,3 +295,4 @@ class TimelineRow(CsvTable):
     checking_in: int
     participating: int
     active_sessions: int
+    resting: int = 0

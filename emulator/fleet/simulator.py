@@ -10,6 +10,7 @@ event, and its digest (the round history and every committed model's bytes) with
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -45,9 +46,9 @@ from .plan_cost import PlanCost, plan_cost
 from .population import CANARY_PREFIX
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
-from .sim_device import STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
+from .sim_device import MIN_INTERVAL_S, STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
-from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, with_attempts, with_round_bytes
+from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, unfinished_rounds, with_attempts, with_round_bytes
 from .workload import Workload, load_workload, task_round_config  # noqa: F401 - task_round_config: re-exported
 
 #: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
@@ -412,17 +413,34 @@ class FleetSimulator:
     def _timeline(self) -> list[TimelineRow]:
         times = [row[0] for row in self.timeline_rows]
         available = _count_available([d.spec.availability for d in self.devices], times)
+        resting = self._resting(times)
         return [
-            TimelineRow(t_s=t, available=int(a), checking_in=c, participating=p, active_sessions=s)
-            for (t, c, p, s), a in zip(self.timeline_rows, available)
+            TimelineRow(t_s=t, available=int(a), checking_in=c, participating=p, active_sessions=s, resting=r)
+            for (t, c, p, s), a, r in zip(self.timeline_rows, available, resting)
         ]
+
+    def _resting(self, times: list[float]) -> list[int]:
+        """At each time, the available devices waiting out their participation job's interval
+        (``MIN_INTERVAL_S``) after a session that ended within it before: a completed one or one
+        whose report was refused (after an interruption or an error a job comes back sooner).
+        A floor: the scheduler jitters the interval longer."""
+        availability = {d.spec.device_id: d.spec.availability for d in self.devices}
+        ends = sorted((s.end_s, s.device_id) for s in self.sessions if s.accepted and s.outcome in WAITING_OUTCOMES)
+        keys = [e for e, _ in ends]
+        out = []
+        for t in times:
+            lo, hi = bisect.bisect_right(keys, t - MIN_INTERVAL_S), bisect.bisect_right(keys, t)
+            waiting = {device for _, device in ends[lo:hi]}
+            out.append(sum(1 for device in waiting if device in availability and _available(availability[device], t)))
+        return out
 
     def _rounds(self) -> tuple[list[RoundRow], str]:
         """The round table, the committed models measured on the test split with their task's
         evaluation plan (all of them, or past ``MEASURED_ROUNDS`` a sample: ``MeasuredRounds``),
         and the digest; ``extra`` gets the last measured model's per-client accuracy on the test
         clients, and what ran (``Workload.info``). The session rows get the attempt that seated
-        each of them first (``with_attempts``), which the rounds' bytes and the audit read."""
+        each of them first (``with_attempts``), which the rounds' bytes and the audit read; the
+        attempt still open at the end is a row of outcome unfinished (``unfinished_rounds``)."""
         self.sessions = with_attempts(self.sessions, self.seated)
         records = self.service.rounds(self.population)
         evaluators = {t.name: PlanExecutor(t.eval_plan) for t in self.workload.training if t.eval_plan is not None}
@@ -474,12 +492,14 @@ class FleetSimulator:
                     accuracy=accuracy,
                     loss=loss,
                     epsilon=_number(m.get("epsilon")),
+                    outcome=str(record["status"]),
                 )
             )
         self.extra = {
             **self.workload.info(),
             "client_accuracy_percentiles": self._per_client(last),
             "round_config": trained.rounds,
+            "device_min_interval_s": MIN_INTERVAL_S,
             "secure_rounds": {
                 f"{r['task']}/{r['round']}/{r['attempt']}": r["metrics"]["secagg"]
                 for r in records
@@ -489,6 +509,7 @@ class FleetSimulator:
             "tasks_completed_s": self._completed_at(rows),
             **self._audit(trained, final, rows),
         }  # what the server ran, for the notes
+        rows += unfinished_rounds(rows, self.sessions, self.horizon_s)  # the attempt the run's end cut
         return with_round_bytes(rows, self.sessions), digest.hexdigest()
 
     def _completed_at(self, rounds: list[RoundRow]) -> float | None:
@@ -645,6 +666,16 @@ def session_compute(workload: Workload, specs: Sequence[Any], config: FleetConfi
     return float(np.median(times)), float(np.median(sizes)), plan.device.epochs, per_example
 
 
+#: Session outcomes after which a device's participation job waits ``MIN_INTERVAL_S`` to run again.
+WAITING_OUTCOMES = ("completed", "report_rejected")
+
+
+def _available(availability: Any, t: float) -> bool:
+    """Idle, charging and unmetered at ``t`` (the paper's training conditions)."""
+    state = availability.state_at(t)
+    return bool(state.idle and state.charging and state.unmetered_network)
+
+
 def _count_available(availabilities: list[Any], times: list[float]) -> list[int]:
     """Devices whose availability (idle, charging, unmetered) holds at each time."""
     if not times:
@@ -658,8 +689,7 @@ def _count_available(availabilities: list[Any], times: list[float]) -> list[int]
         for t in times:
             n = 0
             for a in availabilities:
-                s = a.state_at(t)
-                n += s.idle and s.charging and s.unmetered_network
+                n += _available(a, t)
             out.append(n)
         return out
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .rows import UNFINISHED, RoundRow, SessionRow, TimelineRow
 
 if TYPE_CHECKING:
+    from server_stub.rounds import RoundConfig
+
     from .config import FleetConfig
 
 
@@ -102,28 +104,48 @@ def shape_counts(sessions: list[SessionRow]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def round_config(task: Any) -> RoundConfig:
+    """The server's round configuration of ``task``: a ``RoundConfig`` as it is, or the fleet's
+    ``[task]`` (a ``TaskSection``) as the simulated server is given it."""
+    from server_stub.rounds import RoundConfig
+
+    from .workload import task_round_config
+
+    return task if isinstance(task, RoundConfig) else task_round_config(task)
+
+
+def reports_to_commit(task: Any) -> int:
+    """The reports a round of ``task`` (a ``RoundConfig`` or a ``TaskSection``) needs to commit once
+    no more can come: the server's own ``RoundConfig.commit_threshold`` (``goal_count`` x
+    ``min_fraction``, rounded up), so what a run says is what its server decides by."""
+    return round_config(task).commit_threshold
+
+
 def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
-    """Why no round of ``task`` (a ``TaskSection``) can fill when at most ``peak_available`` of
-    ``devices`` are available at once, with the figures and the options to change; None when the
-    peak reaches a round's seats (``goal_count`` x ``over_selection`` devices selected)."""
-    seats = math.ceil(task.goal_count * task.over_selection - 1e-9)
+    """Why no round of ``task`` (a ``RoundConfig`` or a ``TaskSection``) can fill when at most
+    ``peak_available`` of ``devices`` are available at once, with the figures and the options to
+    change; None when the peak reaches a round's seats (``goal_count`` x ``over_selection`` devices
+    selected). It names the reports a commit needs (:func:`reports_to_commit`)."""
+    rounds = round_config(task)
+    seats, needed = rounds.selection_target, rounds.commit_threshold
     if peak_available >= seats:
         return None
     peak = max(0, int(peak_available))
+    each = f"each selects {seats} devices and needs {needed} of their reports to commit"
     if not peak:  # no device at all: more of the same may still be none, so the advice is where availability comes from
         return (
-            f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices and none of the "
+            f"no round can fill: {each}, and none of the "
             f"{devices:,} devices is available (idle, charging, unmetered) at any of the run's samples "
             "(every 5 simulated minutes); check [availability] (its night and day windows, or its trace) and [fleet] start_utc_hour "
             "against --hours, or simulate more --devices if only a few devices ever are"
         )
     more = f"simulate about {math.ceil(devices * seats / peak):,} --devices"
-    goal = math.floor(peak / task.over_selection + 1e-9)
+    goal = math.floor(peak / rounds.over_selection + 1e-9)
     fewer = f", or a --goal (task.goal_count) of at most {goal}" if goal >= 1 else ""
     return (
-        f"no round can fill: each needs {task.goal_count} reports from {seats} selected devices (task.goal_count "
-        f"{task.goal_count} x task.over_selection {task.over_selection:g}) and at most {peak} of the {devices:,} devices "
-        f"are available at once; {more}{fewer}"
+        f"no round can fill: each selects {seats} devices (task.goal_count {rounds.goal_count} x task.over_selection "
+        f"{rounds.over_selection:g}) and needs {needed} of their reports to commit (task.goal_count x task.min_fraction "
+        f"{rounds.min_fraction:g}), and at most {peak} of the {devices:,} devices are available at once; {more}{fewer}"
     )
 
 
@@ -168,6 +190,7 @@ def completion_note(
     ``task``: the rounds' configuration (a ``RoundConfig`` or the fleet's ``[task]``), None when
     unknown; ``secure``: each secure round's Secure Aggregation statistics (the round metrics'
     ``secagg``) by round id. None without rounds."""
+    rounds = [r for r in rounds if not getattr(r, "unfinished", False)]  # the attempt the run's end cut: neither
     if not rounds:
         return None
     total, committed = len(rounds), sum(1 for r in rounds if r.committed)
@@ -176,7 +199,7 @@ def completion_note(
     head = f"{total - committed} of {total} rounds were abandoned"
     if task is None:
         return f"{head}; see rounds.csv"
-    threshold = max(1, math.ceil(task.goal_count * task.min_fraction - 1e-9))
+    threshold = reports_to_commit(task)
     short = sum(1 for r in rounds if not r.committed and r.selected < threshold)
     reasons = []
     if summary.get("cannot_fill"):
@@ -253,6 +276,83 @@ def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[
     return len(lost) + len(unformed), "; ".join(parts)
 
 
+#: A stretch without an open round shorter than this many selection windows (and 10 minutes) is the
+#: server gathering devices for the next selection as it does every round; a longer one is explained.
+GAP_WINDOWS = 3.0
+
+
+def round_gaps(
+    rounds: list[RoundRow], timeline: list[TimelineRow], span_s: float, task: Any, until_s: float | None = None
+) -> list[dict[str, Any]]:
+    """The stretches of the run in which no round was open, of at least ``GAP_WINDOWS`` selection
+    windows of ``task`` (and 600 s), up to ``until_s`` (when every task had completed: after that
+    no round opens by design) or the run's end: each ``from_s``, ``to_s``, ``samples`` (timeline
+    samples within), and their mean ``available`` devices and ``resting`` (available, waiting out
+    their participation interval after taking part: see ``TimelineRow.resting``). None of them
+    without a config (``task`` None)."""
+    if task is None:
+        return []
+    end = span_s if until_s is None else min(span_s, until_s)
+    shortest = max(600.0, GAP_WINDOWS * float(task.selection_timeout_s))
+    spans = sorted((r.start_s, r.end_s) for r in rounds)
+    gaps, free_from = [], 0.0
+    for start, stop in [*spans, (end, end)]:
+        if min(start, end) - free_from >= shortest:
+            gaps.append((free_from, min(start, end)))
+        free_from = max(free_from, stop)
+    out = []
+    for lo, hi in gaps:
+        inside = [row for row in timeline if lo <= row.t_s <= hi]
+        out.append(
+            {
+                "from_s": lo,
+                "to_s": hi,
+                "samples": len(inside),
+                "available": statistics.fmean(r.available for r in inside) if inside else None,
+                "resting": statistics.fmean(r.resting for r in inside) if inside else None,
+            }
+        )
+    return out
+
+
+def gap_note(gaps: list[dict[str, Any]], task: Any, span_s: float, interval_s: float | None) -> str | None:
+    """The longest stretch without an open round (see :func:`round_gaps`) in a sentence, with the
+    devices available and those waiting out their participation interval (``interval_s``) then,
+    set against the devices a round selects; None without one."""
+    if not gaps:
+        return None
+    gap = max(gaps, key=lambda g: g["to_s"] - g["from_s"])
+    lo, hi = gap["from_s"], gap["to_s"]
+    more = f" (and {len(gaps) - 1} shorter stretch{'es' if len(gaps) > 2 else ''})" if len(gaps) > 1 else ""
+    text = (
+        f"no round was open from {lo / 3600.0:.2f} h to {hi / 3600.0:.2f} h"
+        f"{' (the end of the run)' if hi >= span_s else ''}, {hi - lo:,.0f} s{more}"
+    )
+    if not gap["samples"] or gap["available"] is None:
+        return text
+    available, resting = gap["available"], gap["resting"]
+    free = max(0.0, available - resting)
+    rounds = round_config(task)
+    seats = rounds.selection_target
+    wait = f"{interval_s:,.0f} s" if interval_s else "an interval"
+    text += (
+        f": at its {gap['samples']} timeline samples about {available:,.0f} devices were available and about "
+        f"{resting:,.0f} of them had taken part in a round and were waiting out their participation job's interval "
+        f"(the devices' TrainingInterval min_interval_s, {wait} after a session) before checking in again"
+    )
+    if free < seats:
+        from server_stub.pace import RENDEZVOUS_MARGIN
+
+        text += (
+            f", so at most about {free:,.0f} could check in, fewer than the {seats} devices a round selects "
+            f"(task.goal_count x task.over_selection); the server puts off opening a selection until it expects "
+            f"{RENDEZVOUS_MARGIN:g} times that many to check in"
+        )
+    else:
+        text += f", which left about {free:,.0f} free to check in, of the {seats} devices a round selects"
+    return text
+
+
 def summarize(run: RunTables) -> dict[str, Any]:
     """The run's headline figures, as JSON-ready values (``None`` where a figure is undefined).
 
@@ -263,10 +363,18 @@ def summarize(run: RunTables) -> dict[str, Any]:
     - ``availability_swing``, ``available_peak``, ``available_trough``: see :func:`availability_swing`;
     - ``shapes`` and ``shape_shares``: the shapes of the training sessions that ended, counts and
       shares (Table 1);
-    - ``rounds``, ``rounds_committed``, ``rounds_abandoned``, ``round_completion_rate``,
-      ``round_duration_median_s`` (committed rounds); ``round_completion_note``: the rate in a
+    - ``rounds`` (the rows of ``rounds.csv``: ``rounds_committed`` + ``rounds_abandoned`` +
+      ``rounds_unfinished``, the attempt still open when the run ended, neither committed nor
+      abandoned), ``round_completion_rate`` (committed over the rounds that closed: committed and
+      abandoned), ``round_duration_median_s`` (committed rounds); ``round_completion_note``: the rate in a
       sentence (see :func:`completion_note`); ``cannot_fill``: why no round can fill when at most
       fewer devices than a round's seats were available at once (see :func:`cannot_fill`), else None;
+      ``round_gaps`` (see :func:`round_gaps`) and ``round_gap_note``: the longest stretch without an
+      open round, with the devices available and those waiting out their participation interval
+      then (see :func:`gap_note`), None without one;
+      ``round_goal`` (``task.goal_count``: a round commits as soon as that many report) and
+      ``round_reports_to_commit`` (the reports a round needs to commit once no more can come, as the
+      server decides: see :func:`reports_to_commit`), null without the run's config;
     - ``sessions`` (every check-in), ``sessions_accepted`` (as many as the rounds' ``selected``),
       ``sessions_completed`` (upload completed), ``sessions_unfinished`` (accepted, cut by the
       run's end: still training or reporting), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
@@ -296,6 +404,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
     dropouts = sum(1 for s in accepted if is_dropout(s))
     shapes = shape_counts(sessions)
     committed = [r for r in rounds if r.committed]
+    unfinished = sum(1 for r in rounds if r.unfinished)
     swing, peak, trough = availability_swing(run.timeline, _start_hour_utc(run))
     measured_acc = [r for r in committed if math.isfinite(r.accuracy)]
     measured_loss = [r for r in committed if math.isfinite(r.loss)]
@@ -317,10 +426,13 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "shape_shares": {k: v / finished for k, v in shapes.items()},
         "rounds": len(rounds),
         "rounds_committed": len(committed),
-        "rounds_abandoned": len(rounds) - len(committed),
-        "round_completion_rate": _ratio(len(committed), len(rounds)),
+        "rounds_abandoned": len(rounds) - len(committed) - unfinished,
+        "rounds_unfinished": unfinished,
+        "round_completion_rate": _ratio(len(committed), len(rounds) - unfinished),
         "round_completion_note": None,
         "cannot_fill": unfillable,
+        "round_goal": task.goal_count if task is not None else None,
+        "round_reports_to_commit": reports_to_commit(task) if task is not None else None,
         "round_duration_median_s": _finite(statistics.median(r.duration_s for r in committed)) if committed else None,
         "sessions": len(sessions),
         "sessions_accepted": len(accepted),
@@ -356,6 +468,9 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
     }
     summary["round_completion_note"] = completion_note(summary, rounds, task, run.extra.get("secure_rounds"))
+    gaps = round_gaps(rounds, run.timeline, span_s, task, run.extra.get("tasks_completed_s")) if rounds else []
+    summary["round_gaps"] = gaps
+    summary["round_gap_note"] = gap_note(gaps, task, span_s, run.extra.get("device_min_interval_s"))
     return summary
 
 

@@ -21,6 +21,7 @@ from .rows import (
     RoundRow,
     SessionRow,
     TimelineRow,
+    unfinished_rounds,
     with_attempts,
     with_round_bytes,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "RoundRow",
     "SessionRow",
     "TimelineRow",
+    "unfinished_rounds",
     "with_attempts",
     "with_round_bytes",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from emulator.cli.commands import main
+from emulator.fleet import RoundRow
 
 
 def test_simulate_prints_the_summary_last_and_writes_the_run(tmp_path, capsys):
@@ -70,7 +71,11 @@ def test_a_fleet_too_small_for_its_goal_says_so(tmp_path, capsys):
     assert main(["simulate", "--devices", "40", "--hours", "0.5", "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["rounds_committed"] == 0
-    assert "no round can fill: each needs 100 reports" in captured.err and "--goal" in captured.err
+    assert (
+        "no round can fill: each selects 130 devices (task.goal_count 100 x task.over_selection 1.3) and needs 80 of"
+        in captured.err
+    )
+    assert "--goal" in captured.err
 
 
 def test_an_out_that_is_a_file_or_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
@@ -136,8 +141,9 @@ def test_a_fleet_that_cannot_fill_a_round_says_so_before_the_run_and_in_its_summ
     peak = max(r.available for r in run.timeline)
     assert peak < 26
     expected = (
-        f"no round can fill: each needs 20 reports from 26 selected devices (task.goal_count 20 x "
-        f"task.over_selection 1.3) and at most {peak} of the 40 devices are available at once"
+        f"no round can fill: each selects 26 devices (task.goal_count 20 x task.over_selection 1.3) and needs 16 of "
+        f"their reports to commit (task.goal_count x task.min_fraction 0.8), and at most {peak} of the 40 devices are "
+        "available at once"
     )
     assert first.startswith(expected) and "--devices" in first and "--goal" in first
     summary = run.summary()
@@ -162,8 +168,30 @@ def test_a_fleet_none_of_whose_devices_is_ever_available_is_pointed_at_its_avail
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["available_peak"] == 0 and summary["rounds_committed"] == 0
     said = summary["cannot_fill"]
-    assert said.startswith("no round can fill: each needs 8 reports from 11 selected devices and none of the 30")
+    assert said.startswith(
+        "no round can fill: each selects 11 devices and needs 7 of their reports to commit, and none of the 30"
+    )
     assert "[availability]" in said and "start_utc_hour" in said and said in captured.err
+
+
+def test_every_figure_of_the_reports_a_commit_needs_is_the_servers_own_threshold():
+    """A round of goal 8 commits with 7 reports (min_fraction 0.8): the cannot-fill line, the
+    summary and the report's completion sentence all say 7, as ``RoundConfig.commit_threshold``
+    decides, where the line said each round "needs 8 reports"."""
+    from emulator.fleet import FleetConfig
+    from emulator.fleet.report import explain_rates
+    from emulator.fleet.summary import cannot_fill
+    from emulator.fleet.workload import task_round_config
+
+    for fraction, needed in ((0.8, 7), (0.5, 4), (1.0, 8)):
+        task = FleetConfig.default().replace(goal=8).task.model_copy(update={"min_fraction": fraction})
+        assert task_round_config(task).commit_threshold == needed
+        for said in (cannot_fill(30, 5, task), cannot_fill(30, 0, task), cannot_fill(30, 5, task_round_config(task))):
+            assert said is not None and f"needs {needed} of their reports to commit" in said
+    summary = {"round_goal": 8, "round_reports_to_commit": 7}
+    rounds = [RoundRow("t/1/1", "t", 0.0, 60.0, True, 10, 8, 8, 0, 60.0, 0.5, 1.0)]
+    said = explain_rates(summary, rounds)["round_completion_rate"]
+    assert "report in time (8 (task.goal_count), or 7 once no more can come" in said
 
 
 def test_a_fleet_that_can_fill_its_rounds_says_nothing_of_it(tmp_path):

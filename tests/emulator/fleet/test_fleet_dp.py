@@ -199,7 +199,7 @@ def test_round_tables_written_before_the_epsilon_column_still_read(tmp_path):
     path = tmp_path / "rounds.csv"
     RoundRow.to_csv([row], path)
     text = path.read_text(encoding="utf-8").splitlines()
-    old = [",".join(line.split(",")[:-1]) for line in text]  # drop the last column
+    old = [",".join(line.split(",")[:-2]) for line in text]  # drop the last columns (epsilon, then outcome)
     path.write_text("\r\n".join(old) + "\r\n", encoding="utf-8")
     (back,) = RoundRow.from_csv(path)
     assert math.isnan(back.epsilon) and dataclasses.replace(back, epsilon=3.0) == row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import math
@@ -963,3 +964,43 @@ def test_a_fleet_whose_tasks_complete_early_says_when_and_that_the_rest_of_the_r
     running = summarize(FleetRun(run.sessions, run.rounds, run.timeline, run.digest, config, extra={}))
     assert running["tasks_completed_s"] is None
     assert "Every task had completed" not in explain_rates(running, run.rounds)["round_completion_rate"]
+
+
+def test_a_stretch_without_an_open_round_is_explained_by_the_devices_waiting_out_their_interval():
+    """Rounds ran for 40 minutes, then none opened for the last 20 while 154 of the 162 available
+    devices had taken part and were waiting out their hour: the summary and the report's rate say
+    when, how many devices were available and waiting, and that fewer than a round's 13 seats were
+    free to check in; a run whose rounds follow each other says nothing of it."""
+    from emulator.fleet.report import explain_rates
+
+    config = FleetConfig.default().replace(devices=300, hours=1.0, goal=10)  # 13 seats, 5-minute windows
+    rounds = [
+        RoundRow(f"t/{i}/1", "t", 600.0 * i, 600.0 * (i + 1), True, 13, 10, 10, 3, 600.0, 0.5, 1.0, outcome="committed")
+        for i in range(4)
+    ]
+    timeline = [TimelineRow(300.0 * k, 162, 5, 0, 0, 154 if k >= 8 else 20) for k in range(13)]
+    extra = {"device_min_interval_s": 3600.0}
+    run = FleetRun(
+        sessions=[], rounds=rounds, timeline=timeline, digest="", config=config, simulated_s=3600.0, extra=extra
+    )
+    summary = summarize(run)
+    assert summary["round_gaps"] == [
+        {"from_s": 2400.0, "to_s": 3600.0, "samples": 5, "available": 162.0, "resting": 154.0}
+    ]
+    note = summary["round_gap_note"]
+    assert note.startswith("no round was open from 0.67 h to 1.00 h (the end of the run), 1,200 s")
+    for said in (
+        "about 162 devices were available",
+        "about 154 of them had taken part",
+        "3,600 s after a session",
+        "min_interval_s",
+        "at most about 8 could check in, fewer than the 13 devices a round selects",
+    ):
+        assert said in note, said
+    assert note[1:] in explain_rates(summary, rounds)["round_completion_rate"]
+    back_to_back = summarize(
+        dataclasses.replace(
+            run, rounds=[*rounds, dataclasses.replace(rounds[0], round_id="t/5/1", start_s=2400.0, end_s=3600.0)]
+        )
+    )
+    assert back_to_back["round_gaps"] == [] and back_to_back["round_gap_note"] is None

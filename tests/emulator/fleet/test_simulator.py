@@ -150,7 +150,7 @@ def test_a_session_the_runs_end_cuts_has_its_row_and_is_no_drop_out():
     cut = [s for s in run.sessions if s.outcome == "unfinished"]
     assert cut and all(s.end_s == run.simulated_s and s.attempt >= 1 for s in cut)
     summary = run.summary()
-    assert summary["sessions_accepted"] == sum(r.selected for r in run.rounds) + _open_round_seats(run)
+    assert summary["sessions_accepted"] == sum(r.selected for r in run.rounds)  # the open round's too
     assert summary["sessions_unfinished"] == len(cut)
     ended = [s for s in run.sessions if s.accepted and s.outcome != "unfinished"]
     assert sum(summary["shapes"].values()) == len(ended)
@@ -158,10 +158,36 @@ def test_a_session_the_runs_end_cuts_has_its_row_and_is_no_drop_out():
     assert summary["dropout_rate"] == (drop_outs / len(ended) if ended else None)
 
 
-def _open_round_seats(run: FleetRun) -> int:
-    """Sessions seated in a round still open at the end (on no round's record yet)."""
-    recorded = {r.round_id for r in run.rounds}
-    return sum(1 for s in run.sessions if s.accepted and s.round_attempt not in recorded)
+def test_a_round_the_runs_end_cuts_is_a_row_of_outcome_unfinished_neither_committed_nor_abandoned(tmp_path):
+    """A round still open at the horizon is on no server record, yet its seated sessions are
+    accepted ones: it is a row of rounds.csv (outcome unfinished, from its first seated check-in to
+    the horizon, its counts its sessions'), counted in rounds_unfinished and in neither the
+    committed nor the abandoned rounds nor the completion rate, and the report says so. A
+    sharded run writes the same rows."""
+    from emulator.fleet.report import explain_rates
+    from emulator.fleet.tables import ROUNDS_CSV, RoundRow
+
+    config = FleetConfig.default().replace(devices=100, hours=0.1, goal=10)
+    run = simulate(config, progress=False)
+    still = [r for r in run.rounds if r.outcome == "unfinished"]
+    assert len(still) == 1 and still[0] is run.rounds[-1]
+    cut = still[0]
+    seated = [s for s in run.sessions if s.accepted and s.round_attempt == cut.round_id]
+    assert cut.selected == len(seated) > 0 and not cut.committed and not cut.abandoned
+    assert cut.end_s == run.simulated_s and cut.start_s == min(s.start_s for s in seated)
+    assert cut.accepted == sum(1 for s in seated if s.shape.endswith("^"))
+    closed = run.rounds[:-1]
+    assert all(r.outcome in ("committed", "abandoned") and r.committed == (r.outcome == "committed") for r in closed)
+    summary = run.summary()
+    assert summary["sessions_accepted"] == sum(r.selected for r in run.rounds)
+    assert summary["rounds"] == len(run.rounds) and summary["rounds_unfinished"] == 1
+    assert summary["rounds_committed"] + summary["rounds_abandoned"] == len(closed)
+    assert summary["round_completion_rate"] == summary["rounds_committed"] / len(closed)
+    said = explain_rates(summary, run.rounds)["round_completion_rate"]
+    assert f"{cut.round_id} (open " in said and "outcome unfinished in rounds.csv" in said
+    run.write_tables(tmp_path)
+    assert RoundRow.from_csv(tmp_path / ROUNDS_CSV)[-1].outcome == "unfinished"
+    assert simulate_sharded(config, shards=2, ray=False, progress=False).rounds == run.rounds
 
 
 def test_sessions_cost_virtual_time_from_the_work_and_bytes_they_really_had(runs):
@@ -342,3 +368,18 @@ def test_devices_training_ahead_of_the_loop_give_the_run_of_a_sleep_per_batch(tm
     shapes = Counter((s.shape, s.outcome) for s in ahead.sessions)
     assert shapes[("-v[", "app_killed")] > 0 and shapes[("-v[!", "interrupted")] > 0
     assert ahead_events < slept_events
+
+
+def test_the_timeline_counts_the_available_devices_waiting_out_their_interval(runs):
+    """``resting``: at each sample, the devices available then whose session (completed, or its
+    report refused) ended within the participation interval before: they do not check in yet."""
+    run = runs["a"]
+    specs = {s.device_id: s for s in generate_population(run.config)}
+    waited = [s for s in run.sessions if s.accepted and s.outcome in ("completed", "report_rejected")]
+    for row in run.timeline:
+        recent = {s.device_id for s in waited if row.t_s - simulator.MIN_INTERVAL_S < s.end_s <= row.t_s}
+        state = [specs[d].availability.state_at(row.t_s) for d in recent]
+        assert (
+            row.resting == sum(1 for st in state if st.idle and st.charging and st.unmetered_network) <= row.available
+        )
+    assert max(row.resting for row in run.timeline) > 0

@@ -51,9 +51,12 @@ def test_any_rows_round_trip_through_csv_exactly(cls, tmp_path_factory):
 def test_columns_follow_the_declared_fields_in_order(tmp_path):
     TimelineRow.to_csv([TimelineRow(0.0, 5, 2, 1, 1)], tmp_path / "t.csv")
     assert (tmp_path / "t.csv").read_text().splitlines() == [
-        "t_s,available,checking_in,participating,active_sessions",
-        "0.0,5,2,1,1",
+        "t_s,available,checking_in,participating,active_sessions,resting",
+        "0.0,5,2,1,1,0",
     ]
+    older = tmp_path / "older.csv"  # a timeline written before the resting column reads back with 0
+    older.write_text("t_s,available,checking_in,participating,active_sessions\r\n0.0,5,2,1,1\r\n")
+    assert TimelineRow.from_csv(older) == [TimelineRow(0.0, 5, 2, 1, 1)]
 
 
 def test_numpy_scalars_write_the_same_text_as_python_numbers(tmp_path):
@@ -89,9 +92,9 @@ def test_a_table_of_another_kind_is_refused_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan,0,0,nan", "'committed' holds a bool, got 'yes'"),
-        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan,0,0,nan", "'selected' holds a int"),
-        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan,0,0,nan", "'start_s' holds a float"),
+        ("r1,train,0.0,1.0,yes,1,1,1,0,1.0,nan,nan,0,0,nan,committed", "'committed' holds a bool, got 'yes'"),
+        ("r1,train,0.0,1.0,true,1.5,1,1,0,1.0,nan,nan,0,0,nan,committed", "'selected' holds a int"),
+        ("r1,train,soon,1.0,true,1,1,1,0,1.0,nan,nan,0,0,nan,committed", "'start_s' holds a float"),
         ("r1,train,0.0,1.0,true,1,1,1,0,1.0,nan,0,0,nan", "line 2 has 14 values"),
     ],
 )
@@ -132,12 +135,12 @@ def test_the_span_comes_from_the_run_then_its_config_then_its_tables():
 def test_a_rounds_table_written_before_its_byte_columns_reads_back_with_zero_bytes(tmp_path):
     path = tmp_path / "rounds.csv"
     names = [name for name, _ in RoundRow.columns()]
-    assert names[-3:] == ["bytes_down", "bytes_up", "epsilon"]  # epsilon came after the bytes
-    path.write_text(",".join(names[:-3]) + "\r\nr1,train,0.0,1.0,true,1,1,1,0,1.0,0.5,nan\r\n")
+    assert names[-4:] == ["bytes_down", "bytes_up", "epsilon", "outcome"]  # in the order they came
+    path.write_text(",".join(names[:-4]) + "\r\nr1,train,0.0,1.0,true,1,1,1,0,1.0,0.5,nan\r\n")
     (row,) = RoundRow.from_csv(path)
-    assert (row.round_id, row.accuracy, row.bytes_down, row.bytes_up) == ("r1", 0.5, 0, 0)
-    assert math.isnan(row.epsilon)
-    path.write_text(",".join(names[:-4]) + "\r\n")  # a column without a default is still required
+    assert (row.round_id, row.accuracy, row.bytes_down, row.bytes_up, row.outcome) == ("r1", 0.5, 0, 0, "")
+    assert math.isnan(row.epsilon) and not row.unfinished and not row.abandoned  # committed, from its column
+    path.write_text(",".join(names[:-5]) + "\r\n")  # a column without a default is still required
     with pytest.raises(FleetTableError, match="not a RoundRow table"):
         RoundRow.from_csv(path)
 
