@@ -1,7 +1,14 @@
 """How a device's examples become the plan's batches: chunks of examples (any size) are checked
 for the tensors the plan feeds, shuffled through a bounded buffer, and cut into batches of the
 plan's batch size. Memory stays bounded by the buffer plus one chunk, whatever the size of the
-collection."""
+collection.
+
+The buffer is the plan's ``shuffle_buffer``, but never more examples than fit in
+``SHUFFLE_MAX_BYTES`` (the device's own bound, not the plan's) at the largest size per example
+read so far: a hostile plan's buffer of 10^9 examples would otherwise hold every example of the
+collection at once. The bound depends only on the examples read, so the batches stay a function of
+the plan's seed and the device's data; an honest plan's buffer (1,024 examples by default) is
+below it and shuffles as it always did."""
 
 from __future__ import annotations
 
@@ -12,15 +19,22 @@ import numpy as np
 
 from .plan import DeviceConfig, PlanError
 
+#: The most bytes of examples a plan's shuffle buffer holds on a device, whatever the plan asks:
+#: an eighth of a default ``DeviceClass``'s 2,048 MB (1,024 images of 224 x 224 x 3 bytes take
+#: 147 MiB). Counted from the largest size per example of the chunks read so far.
+SHUFFLE_MAX_BYTES = 256 << 20
+
 
 def batches_from_examples(
     device: DeviceConfig,
     open_examples: Callable[[], Iterable[Mapping[str, np.ndarray]]],
     *,
     batched: bool = True,
+    max_held_bytes: int = SHUFFLE_MAX_BYTES,
 ) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
     """The ``open_batches`` callable ``PlanExecutor.run_device`` takes, over a source of examples
-    (see ``PlanExecutor.batches_from_examples``)."""
+    (see ``PlanExecutor.batches_from_examples``); the shuffle holds at most ``max_held_bytes`` of
+    examples, whatever the plan's ``shuffle_buffer``."""
     keys = list(dict.fromkeys(device.inputs.values()))
     epoch = [0]
     seed = device.shuffle_seed
@@ -33,7 +47,7 @@ def batches_from_examples(
         epoch[0] += 1
         chunks = _chunks(open_examples(), keys, batched)
         if device.shuffle_buffer > 1:
-            chunks = _shuffle(chunks, rng, device.shuffle_buffer)
+            chunks = _shuffle(chunks, rng, device.shuffle_buffer, max_held_bytes)
         return _rebatch(chunks, keys, device.batch_size)
 
     return open_batches
@@ -74,14 +88,22 @@ def _size(chunk: dict[str, np.ndarray]) -> int:
     return next(iter(chunk.values())).shape[0]
 
 
-def _shuffle(chunks: Iterator[dict], rng: np.random.Generator, capacity: int) -> Iterator[dict[str, np.ndarray]]:
+def _shuffle(
+    chunks: Iterator[dict], rng: np.random.Generator, capacity: int, max_bytes: int = SHUFFLE_MAX_BYTES
+) -> Iterator[dict[str, np.ndarray]]:
     # The pool is the chunks read since it last overflowed, joined only when it does (or at the
     # end): joining each small chunk as it came copied the pool once per chunk.
     parts: list[dict[str, np.ndarray]] = []
     size = 0
+    widest = 0  # the most bytes per example of any chunk read
     for chunk in chunks:
         parts.append(chunk)
-        size += _size(chunk)
+        n = _size(chunk)
+        size += n
+        per_example = -(-sum(v.nbytes for v in chunk.values()) // n)
+        if per_example > widest:
+            widest = per_example
+            capacity = min(capacity, max(1, max_bytes // widest))
         if size > capacity:
             pool = _join(parts)
             perm = rng.permutation(size)

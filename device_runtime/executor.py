@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .batching import batches_from_examples
+from .batching import SHUFFLE_MAX_BYTES, batches_from_examples
 from .plan import Plan, PlanError, UpdateMismatchError
 from .server_ops import ServerOps, f32
 
@@ -314,6 +314,7 @@ class PlanExecutor(ServerOps):
         open_examples: Callable[[], Iterable[Mapping[str, np.ndarray]]],
         *,
         batched: bool = True,
+        max_held_bytes: int = SHUFFLE_MAX_BYTES,
     ) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
         """Wrap a source of examples into the ``open_batches`` callable :meth:`run_device` takes.
 
@@ -330,8 +331,11 @@ class PlanExecutor(ServerOps):
         whatever the size of the collection. The order is a function of ``plan.device.shuffle_seed``,
         the epoch (the number of times the callable was called) and the chunking of the source;
         ``shuffle_seed=None`` draws a fresh seed from the OS; ``shuffle_buffer <= 1`` keeps order.
+        The buffer never holds more than ``max_held_bytes`` of examples (``SHUFFLE_MAX_BYTES``,
+        256 MiB, by default), at the largest size per example read so far, whatever the plan's
+        ``shuffle_buffer``: a plan cannot make a device hold its whole collection at once.
         """
-        return batches_from_examples(self.plan.device, open_examples, batched=batched)
+        return batches_from_examples(self.plan.device, open_examples, batched=batched, max_held_bytes=max_held_bytes)
 
     def evaluate(
         self, weights: Mapping[str, np.ndarray], batches: Iterable[Mapping[str, np.ndarray]]

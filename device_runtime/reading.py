@@ -46,6 +46,10 @@ from .plan import DeviceConfig
 
 log = logging.getLogger(__name__)
 
+#: The most examples a session reads in one chunk to shuffle them at once (an honest plan's
+#: default shuffle buffer); larger selections are read in batches of the plan's batch size.
+READ_AT_ONCE_MAX = 1024
+
 #: How a session chose its examples (the ``resume`` detail of its ``training_started`` event).
 READ_ALL = "all"  # the plan does not resume
 READ_CONTINUED = "continued"  # after the saved token
@@ -160,12 +164,14 @@ class ExampleReading:
         """The ``open_examples`` callable of ``PlanExecutor.batches_from_examples``: called once
         per epoch; the last iterator opened is the one whose position is kept. It reads in
         batches of the plan's batch size, or at once when the selection fits the plan's shuffle
-        buffer: the shuffle then permutes all of it at once however it came, so the batches
-        trained are the same, and one chunk costs less to check, pool and cut than dozens (a
-        text client's 280 examples in batches of 8: 0.5 ms a session)."""
+        buffer and holds at most ``READ_AT_ONCE_MAX`` examples: the shuffle then permutes all of
+        it at once however it came, so the batches trained are the same, and one chunk costs less
+        to check, pool and cut than dozens (a text client's 280 examples in batches of 8: 0.5 ms a
+        session). The bound keeps a hostile plan's buffer of 10^9 from reading a store of 100,000
+        images in one chunk."""
         device = self.device
         size = device.batch_size
-        if device.shuffle_buffer > 1 and self.available <= device.shuffle_buffer:
+        if device.shuffle_buffer > 1 and self.available <= min(device.shuffle_buffer, READ_AT_ONCE_MAX):
             size = max(size, self.available)
         iterator = self.store.query_batches(self.selector, size)
         self._opened.append(iterator)
