@@ -21,7 +21,7 @@ from device_runtime import (
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.executor import stoppable_run_options
-from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
+from device_runtime.scheduling import UNSETTLED, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from emulator.devices.conditions import DiurnalConditions
 from example_store import ExampleSelector, SQLiteExampleStore
 from tests.support import COLLECTION, deploy, digits_plan
@@ -80,29 +80,36 @@ def test_unmet_constraints_mean_no_session_and_a_later_recheck(tmp_path, server,
     assert scheduler.jobs() == []  # one-time participation is done
 
 
-def test_conditions_turning_false_stop_training_within_the_bound(tmp_path, server, admin, digits):
+class _TurnsBusyOnRead(SQLiteExampleStore):
+    """The app's store, whose device turns busy as the session starts reading its examples."""
+
+    def __init__(self, path, conditions: StaticConditions) -> None:
+        super().__init__(path)
+        self.conditions = conditions
+
+    def query_batches(self, selector, batch_size):
+        self.conditions.state = BUSY
+        return super().query_batches(selector, batch_size)
+
+
+def test_conditions_turning_false_stop_training_and_unsettle_the_job(tmp_path, server, admin, digits):
     plan = digits_plan("mlp", epochs=100_000)  # would train for a very long time
     deploy(admin, plan=plan, goal_count=5)
     conditions = StaticConditions(GOOD)
     settings = SchedulerSettings(poll_s=0.05, grace_s=0.5)
     scheduler = ParticipationScheduler(tmp_path / "app.db", conditions, settings=settings)
-    scheduler.register_runtime(
-        "digits", FLRuntime("digits", server.url, _store(tmp_path / "ex.db", digits), retry=FAST)
-    )
+    store = _TurnsBusyOnRead(tmp_path / "ex.db", conditions)
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
+    scheduler.register_runtime("digits", FLRuntime("digits", server.url, store, retry=FAST))
     scheduler.schedule("digits")
-    flipped = {}
-
-    def flip() -> None:
-        time.sleep(0.7)
-        flipped["at"] = time.monotonic()
-        conditions.state = BUSY
-
-    threading.Thread(target=flip).start()
     [run] = scheduler.queue.run_pending()
-    stopped = time.monotonic() - flipped["at"]
     assert run.outcome is RunOutcome.INTERRUPTED
-    assert run.session.shape == "-v[!"
-    assert stopped < settings.poll_s + settings.grace_s + 0.5
+    assert run.session.shape == "-v[!"  # training started, then was stopped
+    [stopped] = [e for e in run.session.events if e.kind == "interrupted"]
+    assert stopped.detail["reason"] == "interrupted"  # by the conditions, not a time or memory budget
+    # the conditions stopping to hold is what stopped it: the job waits for them to settle again
+    [job] = scheduler.jobs()
+    assert job.settle == UNSETTLED
     current = admin.status("digits")["current_round"]
     assert current["aborted"] == 1 and current["reported"] == 0
     assert admin.rounds("digits") == []  # no partial update was taken
@@ -116,12 +123,10 @@ def test_forced_stop_ends_a_running_step(digits):
     batch = {"x": rng.random((2048, 784), dtype=np.float32), "y": rng.integers(0, 10, 2048)}
     options = stoppable_run_options()  # what the scheduler and runtime make
     threading.Timer(0.3, lambda: setattr(options, "terminate", True)).start()
-    started = time.monotonic()
-    with pytest.raises(TrainingInterrupted, match="by force"):
+    with pytest.raises(TrainingInterrupted, match="by force"):  # the step in flight, not between steps
         executor.run_device(
             initial_weights(plan), lambda: iter([batch]), should_abort=lambda: False, run_options=options
         )
-    assert time.monotonic() - started < 5.0
 
 
 def test_two_apps_share_one_worker_and_never_train_at_once(tmp_path, server, admin, digits):
@@ -176,9 +181,7 @@ def test_a_virtual_day_of_scheduling_runs_in_seconds(tmp_path, server, admin, di
         ),
     )
     scheduler.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=3 * 3600))
-    started = time.monotonic()
     runs = scheduler.queue.run_until(clock.now() + 86_400)
-    assert time.monotonic() - started < 60
     sessions = [r for r in runs if r.session is not None]
     assert 1 <= len(sessions) <= 3  # every 3 hours within a ~5 hour night
     for run in runs:
