@@ -317,7 +317,11 @@ def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
     """Devices available / checking in / participating over time and by hour of day (Fig. 5-6)."""
     fig, (ax_t, ax_h) = _new_figure(2)
     tl = run.timeline
-    caption = "Devices available, checking in and participating (paper, Fig. 5-6)."
+    caption = (
+        "Devices available, checking in and participating (paper, Fig. 5-6). Participating: devices seated in a"
+        " round and not yet done with their session, including those still training or reporting for a round"
+        " that has closed (the server refuses their late report), so the line can stay above 0 between rounds."
+    )
     if tl:
         t = [r.t_s / 3600.0 for r in tl]
         ax_t.plot(t, [r.available for r in tl], color=_AVAILABLE, label="available")

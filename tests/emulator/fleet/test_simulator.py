@@ -383,3 +383,25 @@ def test_the_timeline_counts_the_available_devices_waiting_out_their_interval(ru
             row.resting == sum(1 for st in state if st.idle and st.charging and st.unmetered_network) <= row.available
         )
     assert max(row.resting for row in run.timeline) > 0
+
+
+def test_participating_counts_the_devices_still_training_for_a_round_that_has_closed(runs):
+    """``participating``: the devices seated in a round and not done with their session, a late
+    one whose round has closed included (its report will be refused), so the count can stand
+    above ``active_sessions`` (the round open now) and above 0 between rounds."""
+    run = runs["a"]
+    ended = {r.round_id: r.end_s for r in run.rounds}
+    seated = [s for s in run.sessions if s.accepted]
+    late_between_rounds = 0
+    for row in run.timeline:
+        t = row.t_s
+        open_ = [s for s in seated if s.start_s <= t < s.end_s]
+        # a session's row starts at its check-in, the device is participating from the answer
+        checked_in = [s for s in open_ if s.start_s <= t - 60.0]
+        assert len(checked_in) <= row.participating <= len(open_)
+        late = [s for s in open_ if ended.get(s.round_attempt, math.inf) <= t]
+        assert all(s.outcome != "completed" for s in late)
+        if row.active_sessions == 0 and row.participating > 0:
+            assert len(late) == row.participating
+            late_between_rounds += 1
+    assert late_between_rounds > 0
