@@ -134,7 +134,8 @@ class AsgiCaller:
             except Exception as exc:  # handed to the caller, raised there
                 result = exc
             caller, self._caller = self._caller, None
-            assert caller is not None
+            if caller is None:  # closed while the request was served (a Ctrl-C in the loop)
+                return
             request = caller.switch(result)
 
     def call(self, request: WireRequest) -> Answer:
@@ -191,8 +192,32 @@ class AsgiCaller:
             self._caller = greenlet.getcurrent()
             self._server.switch(None)
         if not self._loop.is_closed():
+            self._end_interrupted_request()
             self._loop.run_until_complete(self._loop.shutdown_default_executor())
             self._loop.close()
+
+    def _end_interrupted_request(self) -> None:
+        """After a Ctrl-C that landed in the app's loop (its ``KeyboardInterrupt`` left the loop
+        mid-request and ended the server's greenlet), the request's tasks are cancelled and run to
+        their end, so none is destroyed pending, nor its coroutine closed or never started, when
+        the process exits; and the interrupt a task kept as its exception is not logged as never
+        retrieved: the command says it was interrupted, in one line."""
+        loop = self._loop
+        pending = asyncio.all_tasks(loop)
+        if not pending:
+            return
+        loop.set_exception_handler(_quiet_interrupt)
+        self._caller = None  # the device that sent the request is gone
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
+def _quiet_interrupt(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler once a Ctrl-C interrupted it: the interrupt a task kept is
+    not reported again; anything else is, as the loop would."""
+    if not isinstance(context.get("exception"), KeyboardInterrupt):
+        loop.default_exception_handler(context)
 
 
 class HttpCaller:
