@@ -559,7 +559,7 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
                     f"or what onnxruntime {target} runs ({max_opset})"
                 )
         _check_graph_names(plan, field, model)
-        largest = _largest_tensor(model, plan.device if field == "work" else None)
+        largest = _largest_of(blob, plan.device if field == "work" else None, model=model)
         if largest is not None and largest[1] > MAX_TENSOR_BYTES:
             raise PlanError(
                 f"graph {field!r} makes tensor {largest[0][:100]!r} of {largest[1]:,} bytes before it has run a step, "
@@ -597,9 +597,7 @@ def largest_work_tensor_at(plan: Plan, shapes: Mapping[str, tuple[int, ...]]) ->
     found = _LARGEST_AT.get(id(plan))
     if found is not None and key in found:
         return found[key]
-    import onnx
-
-    largest = _largest_tensor(onnx.ModelProto.FromString(plan.work), plan.device, dict(key))
+    largest = _largest_of(plan.work, plan.device, dict(key))
     if found is None:
         found = _LARGEST_AT[id(plan)] = {}
         weakref.finalize(plan, _LARGEST_AT.pop, id(plan), None)
@@ -614,10 +612,39 @@ def largest_work_tensor(plan: Plan) -> tuple[str, int] | None:
     bytes) (see ``MAX_TENSOR_BYTES``): what a device compares with the memory it gives. Found once
     per plan, when it loads."""
     if id(plan) not in _LARGEST_WORK:
+        _remember_largest(plan, _largest_of(plan.work, plan.device))
+    return _LARGEST_WORK[id(plan)]
+
+
+#: ``_largest_tensor`` of each graph's bytes (by their digest), the batch size and fed inputs its
+#: work graph is pinned at, and a step's shapes: a fleet's devices each load the same plan's bytes
+#: into a Plan of their own, and inference and folding (milliseconds a graph) give the same answer.
+_LARGEST_BY_CONTENT: dict[tuple, tuple[str, int] | None] = {}
+#: The most graphs and shapes remembered by content; the oldest is forgotten first.
+MAX_CONTENT_REMEMBERED = 256
+
+
+def _largest_of(
+    blob: bytes,
+    device: DeviceConfig | None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    model: Any = None,
+) -> tuple[str, int] | None:
+    """``_largest_tensor`` of the graph serialized as ``blob`` (``model`` when parsed already),
+    found once per graph bytes, device batch and inputs, and shapes."""
+    pinned_at = None if device is None else (device.batch_size, tuple(sorted(device.inputs)))
+    key = (hashlib.sha256(blob).digest(), pinned_at, None if shapes is None else tuple(sorted(shapes.items())))
+    if key in _LARGEST_BY_CONTENT:
+        return _LARGEST_BY_CONTENT[key]
+    if model is None:
         import onnx
 
-        _remember_largest(plan, _largest_tensor(onnx.ModelProto.FromString(plan.work), plan.device))
-    return _LARGEST_WORK[id(plan)]
+        model = onnx.ModelProto.FromString(blob)
+    largest = _largest_tensor(model, device, shapes)
+    if len(_LARGEST_BY_CONTENT) >= MAX_CONTENT_REMEMBERED:
+        _LARGEST_BY_CONTENT.pop(next(iter(_LARGEST_BY_CONTENT)), None)  # the oldest remembered
+    _LARGEST_BY_CONTENT[key] = largest
+    return largest
 
 
 #: How many times the values computed from the work graph's shapes are folded and its shapes

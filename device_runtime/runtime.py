@@ -704,9 +704,13 @@ def _within_memory(
     examples = [example for _, example in fed]
 
     def open_checked() -> Iterator[Mapping[str, np.ndarray]]:
-        checked = None  # the batches' shapes checked last: most batches have the shapes of the one before
+        checked: list | None = None  # the batches' shapes checked last: most have the shapes of the one before
         for batch in open_batches():
-            dims = tuple(np.shape(batch[example]) if example in batch else None for example in examples)
+            dims: list[tuple[int, ...] | None]
+            try:  # a list of the arrays' own shapes: this runs at every step
+                dims = [batch[example].shape for example in examples]
+            except (KeyError, AttributeError):  # an input the batch lacks, or a value not an array
+                dims = [np.shape(batch[example]) if example in batch else None for example in examples]
             if dims != checked:
                 shapes = {name: d for (name, _), d in zip(fed, dims, strict=True) if d is not None}
                 largest = largest_work_tensor_at(plan, shapes)

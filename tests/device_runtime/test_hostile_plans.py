@@ -39,7 +39,7 @@ from device_runtime import (
     initial_weights,
 )
 from device_runtime.errors import CorruptResource, RuntimeSdkError
-from device_runtime.plan import MAX_TENSOR_BYTES, load_plan, serialize_plan
+from device_runtime.plan import MAX_TENSOR_BYTES, largest_work_tensor, load_plan, serialize_plan
 from device_runtime.plan_cache import MAX_CACHED_PLANS
 from example_store import InMemoryExampleStore
 from tests.support import COLLECTION, digits_plan
@@ -411,3 +411,14 @@ def test_a_report_after_the_sessions_window_is_still_sent_within_its_own_time(tm
     with FLRuntime("digits", "http://fl.test", _store(), transport=server, timeout_s=0.2) as runtime:
         result = runtime.run_session(before_report=lambda: time.sleep(0.3))  # past 0 s and one timeout
     assert result.outcome is Outcome.COMPLETED and server.reports == 1
+
+
+def test_a_work_graph_loaded_again_at_another_batch_size_is_sized_at_that_batch():
+    """The sizes found for a work graph are remembered by its bytes, for every plan that loads
+    them (a fleet's devices each load their own): a plan of the same graph whose batch is one
+    example is sized at that batch, 128 MB where the batch of 8 makes 16 MB."""
+    plan = _sized_by_the_batch(32 << 20)
+    one = dataclasses.replace(plan, device=dataclasses.replace(plan.device, batch_size=1))
+    assert one.work == plan.work
+    sized = [largest_work_tensor(load_plan(serialize_plan(p))) for p in (plan, one, plan)]
+    assert sized == [("big", 16 << 20), ("big", 128 << 20), ("big", 16 << 20)]
