@@ -284,8 +284,9 @@ class TimelineRow(CsvTable):
     """The fleet at one instant (sampled every few simulated minutes; paper, Fig. 5-6).
 
     ``available``: devices whose training conditions hold; ``checking_in``: devices with a
-    check-in in flight or waiting to retry after a rejection; ``participating``: devices in a
-    round; ``active_sessions``: sessions open on the server; ``resting``: available devices that
+    check-in in flight or waiting to retry after a rejection; ``participating``: devices seated
+    in a round and not done with their session, a late one whose round has closed included;
+    ``active_sessions``: sessions open on the server; ``resting``: available devices that
     will not check in yet, waiting out their participation job's interval after a session that
     ended within it (the simulator's ``MIN_INTERVAL_S``; 0 in a table written before the column).
     """
