@@ -466,8 +466,7 @@ class ServerProcess:
         self.folder, self.port = folder, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         authority.save_trust_anchor(folder / "trust.json")
-        (folder / "admin.key").write_text(PROCESS_ADMIN_KEY + "\n")
-        (folder / "admin.key").chmod(0o600)
+        admin_key_file(folder / "admin.key", PROCESS_ADMIN_KEY)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60.0, *, dies_in_commit: str | None = None) -> None:
@@ -550,6 +549,14 @@ def run_benchmark(name: str, *args: str, timeout_s: float = 280) -> list[dict]:
     assert lines and all(isinstance(line, dict) for line in lines), out.stdout[-2000:]
     assert lines[-1].get("summary") is True, lines[-1]
     return lines
+
+
+def admin_key_file(path: Path, key: str) -> Path:
+    """``key`` in a file as an operator keeps it: readable by its owner only (a file others can
+    read is warned of)."""
+    path.write_text(key + "\n", encoding="utf-8")
+    path.chmod(0o600)
+    return path
 
 
 def server_command_exit(args: Sequence[str], timeout_s: float = 30.0) -> int:

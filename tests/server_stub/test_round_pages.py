@@ -17,7 +17,7 @@ from server_stub import AdminError, RoundConfig, ServerStore, ServerThread
 from server_stub.persistence import NewTask
 from server_stub.schemas import MAX_ROUNDS_PAGE, ROUNDS_PAGE
 from tests.server_stub.test_round_history import ONE_DEVICE
-from tests.support import digits_plan
+from tests.support import admin_key_file, digits_plan
 
 _populations = itertools.count()
 
@@ -118,9 +118,7 @@ def test_an_answer_holds_the_newest_rounds_and_links_to_the_older_ones_and_odd_q
         with pytest.raises(AdminError) as refused:
             admin.round_page("p", before=other.id)
         assert refused.value.code == "UNKNOWN_ROUND"
-        key = tmp_path / "admin.key"
-        key.write_text(server.admin_key + "\n")
-        key.chmod(0o600)
+        key = admin_key_file(tmp_path / "admin.key", server.admin_key)
         common = ["--server", server.url, "--population", "p", "--admin-key-file", str(key)]
         assert cli.main(["rounds", *common, "--last", "2"]) == 0
         lines = capsys.readouterr().out.splitlines()

@@ -26,7 +26,7 @@ from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, Stor
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
 from tests.server_stub.test_round_integrity import QuickToGiveUp, moving_updates
-from tests.support import digits_plan, server_command_exit
+from tests.support import admin_key_file, digits_plan, server_command_exit
 
 
 def _refused(code: int, err: str, *words: str) -> None:
@@ -362,9 +362,7 @@ def test_the_newest_rounds_are_read_alone_over_http_and_by_fedfleet_rounds(tmp_p
         with pytest.raises(AdminError) as refused:
             admin.rounds("p", last=0)
         assert refused.value.code == "BAD_QUERY"
-        key = tmp_path / "admin.key"
-        key.write_text(server.admin_key + "\n")
-        key.chmod(0o600)
+        key = admin_key_file(tmp_path / "admin.key", server.admin_key)
         common = ["--server", server.url, "--population", "p", "--admin-key-file", str(key)]
         assert cli.main(["rounds", *common, "--last", "2"]) == 0
         lines = capsys.readouterr().out.splitlines()

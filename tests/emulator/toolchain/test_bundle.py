@@ -19,6 +19,7 @@ from emulator.toolchain.bundle import build_bundle, read_bundle
 from emulator.toolchain.tasks import TaskError
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub import ServerThread
+from tests.support import admin_key_file
 
 TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
 ADMIN_KEY = "operator-key-for-the-bundle-test-0123456789"
@@ -81,9 +82,7 @@ def test_a_tasks_folder_inside_a_bundle_is_refused_naming_the_bundle(built, caps
 
 
 def test_deploy_refuses_a_damaged_report_or_round_config_in_one_line_before_the_server(bundle, tmp_path, capsys):
-    keys = tmp_path / "admin.keys"
-    keys.write_text(ADMIN_KEY + "\n")
-    keys.chmod(0o600)
+    keys = admin_key_file(tmp_path / "admin.keys", ADMIN_KEY)
     report = bundle / "digits_mlp" / "release_report.json"
     with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server:
         deploy = [
