@@ -212,6 +212,8 @@ class AttestationVerifier:
     ) -> None:
         """``trusted_authorities``: raw Ed25519 public keys, or ``{key_id: public_key}`` (key ids checked)."""
         self._authorities: dict[bytes, Ed25519PublicKey] = {}
+        #: ``{key_id: public_key}`` of the trusted authorities, as devices hold it
+        self.trust_anchor: dict[bytes, bytes] = {}
         items = (
             trusted_authorities.items()
             if isinstance(trusted_authorities, Mapping)
@@ -225,6 +227,7 @@ class AttestationVerifier:
             if key_id is not None and bytes(key_id) != expected:
                 raise ValueError("an authority key id does not match its public key")
             self._authorities[expected] = Ed25519PublicKey.from_public_bytes(public)
+            self.trust_anchor[expected] = public
         if clock_skew_s < 0:
             raise ValueError("clock_skew_s must be >= 0")
         self.nonces = nonces

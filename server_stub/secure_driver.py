@@ -100,17 +100,16 @@ def status(session: Session, pop: Population, run: TaskRun, now: float) -> dict:
     return {"status": "closed"}
 
 
-def receive(session: Session, data: bytes, now: float) -> bool:
-    """Hand one Secure Aggregation message to the session's group; whether any device's state
-    may have changed. Raises a 4xx ``ApiError`` for a message its group does not take; the same
-    message again is taken again (``SecureGroup.receive``), another one for a round the device
-    answered is ``SECAGG_ALREADY_ANSWERED``."""
+def receive(session: Session, data: bytes, now: float) -> None:
+    """Hand one Secure Aggregation message to the session's group (which may move on, taken or
+    refused: ``SecureRound.version`` says so). Raises a 4xx ``ApiError`` for a message its group
+    does not take; the same message again is taken again (``SecureGroup.receive``), another one
+    for a round the device answered is ``SECAGG_ALREADY_ANSWERED``."""
     run = session.run
     if run.secure is None or session.core is not run.core:
         raise SessionClosed("this session's round is over")
     if session.session_id not in run.secure.by_session:
         raise Conflict("this session is in no Secure Aggregation group (yet)", code="NOT_IN_GROUP")
-    before = run.secure.version
     try:
         run.secure.receive(session.session_id, data, now)
     except DuplicateMessage as exc:  # another message for a round it answered: a device that restarted, say
@@ -122,4 +121,3 @@ def receive(session: Session, data: bytes, now: float) -> bool:
         raise Conflict(f"the group has moved past this message's round: {exc}", code="SECAGG_ROUND_CLOSED") from None
     except SecAggError as exc:
         raise BadRequest(f"the Secure Aggregation message was refused: {exc}", code="SECAGG_REJECTED") from None
-    return run.secure.version != before

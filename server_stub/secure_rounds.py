@@ -34,11 +34,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from device_runtime.attestation import device_key_hash
 from device_runtime.ddp import DDPError, DDPParams
 from device_runtime.dp_policy import releasable_minimum, rotation_seed, round_answer
 from device_runtime.secure_client import session_member_key
 from device_runtime.secure_sum import SecureSumCodec, config_to_json
-from secagg import Round, SecAggConfig, SecAggServer, assign_groups, group_seed, seed_commitment
+from secagg import (
+    DuplicateMessage,
+    OutOfOrder,
+    PeerVerifier,
+    Round,
+    SecAggConfig,
+    SecAggError,
+    SecAggServer,
+    UnexpectedClient,
+    assign_groups,
+    group_seed,
+    seed_commitment,
+)
 
 from .ddp_rounds import DistributedDP, decode_group
 from .rounds import RoundConfig
@@ -80,7 +93,10 @@ class SecureGroup:
     def receive(self, session_id: str, data: bytes, now: float) -> None:
         """Hand the member's message to the protocol. A message the group already took from it is
         taken again, changing nothing: a device whose answer was lost sends it again, and must not
-        be told it was refused (or that its group moved on) when its keys or masked input are in."""
+        be told it was refused (or that its group moved on) when its keys or masked input are in.
+        A member whose message the protocol refuses (malformed, badly signed, keys its peers would
+        refuse) is, like one that left, not waited for: an honest device ends its part on the
+        refusal, and a malicious one must not hold its group to the round's deadline."""
         member = self.members[session_id]
         digest = hashlib.sha256(data).digest()
         if digest in member.taken:
@@ -88,6 +104,12 @@ class SecureGroup:
         before = self.server.round
         try:
             self.server.receive(member.client_id, data)
+        except (DuplicateMessage, OutOfOrder, UnexpectedClient):
+            raise  # not this message's content: another one taken, or a round that moved on
+        except SecAggError:
+            self.gone.add(member.client_id)
+            self._close_if_complete(now)
+            raise
         finally:
             self._note_abort(before)
         member.taken.add(digest)
@@ -208,9 +230,17 @@ class SecureRound:
         *,
         random_bytes: Callable[[int], bytes] = os.urandom,
         ddp: DistributedDP | None = None,
+        certifies: PeerVerifier | None = None,
     ) -> None:
-        """``ddp``: the task's distributed-DP settings, when its devices add the noise."""
+        """``ddp``: the task's distributed-DP settings, when its devices add the noise.
+        ``certifies(public_key, credential)``: whether the attestation authority certified the key
+        (on a server that attests its devices). Each group's Aggregator then takes at
+        AdvertiseKeys only keys signed by an attested key of one of its members, with its
+        certificate: the keys every honest member checks its roster for, so that one device
+        advertising others (its certificate left out, a key of its own) is refused alone instead of
+        making every peer refuse the roster and the group abort."""
         self.codec = codec
+        self.certifies = certifies
         self.ddp = ddp
         self.ddp_params: DDPParams | None = None  # once the groups are formed
         self.ddp_error: str | None = None
@@ -276,7 +306,7 @@ class SecureRound:
         for index, (members, config) in enumerate(zip(parts, configs)):
             n = len(members)
             graph_seed = group_seed(self.seed, index)
-            server = self._aggregator(config, n, graph_seed)
+            server = self._aggregator(config, n, graph_seed, self._member_check([keys[sid] for sid in members]))
             group = SecureGroup(
                 index,
                 server,
@@ -299,8 +329,23 @@ class SecureRound:
         """The groups, as every device recomputes them from the revealed seed."""
         return assign_groups(self.seed, ordered_keys, self.settings.min_group_size, self.settings.spare)
 
-    def _aggregator(self, config: SecAggConfig, n: int, graph_seed: bytes) -> SecAggServer:
-        return SecAggServer(config, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
+    def _aggregator(
+        self, config: SecAggConfig, n: int, graph_seed: bytes, verify_peer: PeerVerifier | None = None
+    ) -> SecAggServer:
+        return SecAggServer(
+            config, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed, verify_peer=verify_peer
+        )
+
+    def _member_check(self, member_keys: list[bytes]) -> PeerVerifier | None:
+        """What a group's members check of each roster entry (``secure_client``: its key names a
+        member, and the authority certified it), when this server attests its devices."""
+        certifies = self.certifies
+        if certifies is None:
+            return None
+        members = frozenset(member_keys)
+        return lambda public_key, credential: (
+            device_key_hash(public_key) in members and certifies(public_key, credential)
+        )
 
     @property
     def version(self) -> int:

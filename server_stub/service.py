@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 from sqlalchemy.exc import IntegrityError
 
-from device_runtime.attestation import AttestationError, RateLimited
+from device_runtime.attestation import AttestationError, PeerCertificateVerifier, RateLimited
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.versions import version_tuple
 from device_runtime.wire import (
@@ -123,6 +123,13 @@ class FLService:
         self.require_release_reports = require_release_reports
         self.release_trust = frozenset(release_trust)
         self.verifier = verifier
+        # the check every member of a Secure Aggregation group makes of its peers' keys, made first
+        # by the server at AdvertiseKeys (``SecureRound``)
+        self._certifies = (
+            PeerCertificateVerifier(verifier.trust_anchor, lambda: self.wall_clock())
+            if verifier is not None and verifier.trust_anchor
+            else None
+        )
         self.clock = clock
         self.wall_clock = wall_clock
         self.rng = rng or random.Random()
@@ -416,9 +423,14 @@ class FLService:
         try:
             with self._lock:
                 now = self.clock()
-                if secure_driver.receive(session, data, now):
-                    self._secagg_changed()
-                self._advance(self._populations[session.run.record.population], now)
+                secure = session.run.secure
+                before = secure.version if secure is not None else 0
+                try:  # a refused message may close its group's round too (``SecureGroup.receive``)
+                    secure_driver.receive(session, data, now)
+                finally:
+                    if secure is not None and secure.version != before:
+                        self._secagg_changed()
+                    self._advance(self._populations[session.run.record.population], now)
                 return SecAggAccepted(status="accepted")
         finally:
             self._commits.flush()
@@ -576,7 +588,7 @@ class FLService:
             return
         run = pop.runs[choose_task(pop.strategy, [r.weight for r in pop.runs], pop.turn, self.rng)]
         pop.turn += 1
-        open_round(run, now, self.wall_clock(), self.secagg_random_bytes)
+        open_round(run, now, self.wall_clock(), self.secagg_random_bytes, self._certifies)
         pop.current = run
 
     def _open_next(self, pop: Population, run: TaskRun, now: float) -> None:

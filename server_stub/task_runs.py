@@ -13,6 +13,7 @@ from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import load_plan
 from device_runtime.secure_sum import SecureSumCodec
+from secagg import PeerVerifier
 
 from . import ddp_rounds
 from .dp_rounds import TaskDP, spends_privacy
@@ -103,10 +104,17 @@ def load_run(store: ServerStore, task: TaskRecord) -> TaskRun | None:
     )
 
 
-def open_round(run: TaskRun, now: float, wall_now: float, secagg_random_bytes: Callable[[int], bytes]) -> None:
+def open_round(
+    run: TaskRun,
+    now: float,
+    wall_now: float,
+    secagg_random_bytes: Callable[[int], bytes],
+    certifies: PeerVerifier | None = None,
+) -> None:
     """Open ``run``'s next round at ``now``: a fresh round core, Secure Aggregation round (whose
-    seeds come from ``secagg_random_bytes``), running sum and counts. An evaluation task measures
-    the model its training task has now."""
+    seeds come from ``secagg_random_bytes``, and whose groups take only keys ``certifies``
+    accepts, ``SecureRound``), running sum and counts. An evaluation task measures the model its
+    training task has now."""
     if run.evaluates is not None:
         run.state = run.evaluates.state
         run.broadcast_id = run.evaluates.broadcast_id
@@ -126,6 +134,7 @@ def open_round(run: TaskRun, now: float, wall_now: float, secagg_random_bytes: C
             f"{run.record.name}/{run.round_number}/{run.attempt}",
             random_bytes=secagg_random_bytes,
             ddp=run.ddp,
+            certifies=certifies,
         )
     run.accumulator = run.executor.zero()
     run.dp_round = run.dp.open_round(run.codec is not None) if run.dp is not None else None

@@ -42,7 +42,7 @@ def group_config(changed) -> dict:
     """``overrides`` of an attack whose groups run their aggregators on ``changed(config)``: the
     fields of the honest group configuration it replaces."""
 
-    def _aggregator(self, config, n, graph_seed):
+    def _aggregator(self, config, n, graph_seed, verify_peer=None):  # a malicious server checks no key
         config = dataclasses.replace(config, **changed(config))
         return SecAggServer(config, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
 
@@ -147,7 +147,7 @@ class Sybils(Attack):
                 out = super().close_round()
                 return {u: out[u] for u in out if u <= len(self.cohort) - attack.count}
 
-        def _aggregator(self, config, n, graph_seed):
+        def _aggregator(self, config, n, graph_seed, verify_peer=None):  # a malicious server checks no key
             ids = range(1, n + attack.count + 1)
             server = Careless(
                 dataclasses.replace(config, allow_unsafe=True),
@@ -204,7 +204,7 @@ class SplitSurvivors(Attack):
             def _receive_signature(self, client_id, msg):
                 return msg.signature if client_id == self.victim else super()._receive_signature(client_id, msg)
 
-        def _aggregator(self, config, n, graph_seed):
+        def _aggregator(self, config, n, graph_seed, verify_peer=None):  # a malicious server checks no key
             return Splitting(config, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
 
         return {"_aggregator": _aggregator}
@@ -261,7 +261,7 @@ class ForgedGraph(Attack):
                 )
                 return out
 
-        def _aggregator(self, config, n, graph_seed):
+        def _aggregator(self, config, n, graph_seed, verify_peer=None):  # a malicious server checks no key
             plus = dataclasses.replace(config, degree=4, threshold=4)
             return OwnGraph(plus, range(1, n + 1), random_bytes=self.random_bytes, graph_seed=graph_seed)
 
