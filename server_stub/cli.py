@@ -187,7 +187,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=limits.body_timeout_s,
         help="seconds the server waits for a request body in all, plus one per KiB received, and at most for any "
-        "one piece of it",
+        "one piece of it; and for a client to read some of an answer its socket cannot take",
     )
     p.add_argument(
         "--max-connections",

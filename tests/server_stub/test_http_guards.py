@@ -152,6 +152,51 @@ def test_a_request_head_over_the_limit_is_answered_431(guarded):
         assert http.get("/v1/health").status_code == 200
 
 
+#: 200 pipelined requests for the 53 KB OpenAPI document: 10 MB of answers, more than loopback's buffers hold
+_UNREAD = _head("GET", "/openapi.json") * 200
+
+
+def _not_reading(server: ServerThread) -> socket.socket:
+    """A client that asks for far more than the socket buffers hold and reads none of it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers
+    sock.settimeout(HANG_S)
+    sock.connect((server.host, server.port))
+    sock.sendall(_UNREAD)
+    return sock
+
+
+def test_a_client_that_reads_nothing_of_its_answer_is_cut_off(guarded):
+    """Writes to a client that reads nothing wait for it: the app's request was held for as long
+    as the socket stayed open, and such sockets at the cap held the server at 503 SERVER_BUSY."""
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    try:
+        stalled = _not_reading(guarded)
+        time.sleep(2.5)  # the guard's 1 s with nothing read, and time to spare on a loaded machine
+        received = _until_closed(stalled)  # reading now: it ends, where an open connection sent all 10 MB and waited
+        assert len(received) < len(_UNREAD) // len(_head("GET", "/openapi.json")) * 53_000
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    assert not [r for r in records.records if r.levelno >= logging.ERROR]
+    assert httpx.get(f"{guarded.url}/v1/health", timeout=HANG_S).json() == {"status": "ok"}
+
+
+def test_clients_that_read_nothing_of_their_answers_give_way_at_the_connection_cap(tmp_path):
+    limits = HttpLimits(body_timeout_s=60.0, max_connections=8)  # the timeout plays no part here
+    with ServerThread(tmp_path / "server.db", http_limits=limits) as server:
+        crowd = [_not_reading(server) for _ in range(8)]
+        # Each holds a request the app cannot finish until it reads; a new client is answered all the
+        # same, once they stall (503 SERVER_BUSY while the server is still writing to them).
+        deadline = time.monotonic() + HANG_S
+        while (status := httpx.get(f"{server.url}/v1/health", timeout=HANG_S).status_code) == 503:
+            assert time.monotonic() < deadline, "clients that read nothing kept the server busy"
+            time.sleep(0.1)
+        assert status == 200
+        for sock in crowd:
+            sock.close()
+
+
 @pytest.mark.parametrize("version", ["9.9", "2.0", "0.9", "3.1"])
 def test_a_request_of_another_major_http_version_is_answered_505(guarded, version):
     """h11 takes any digit.digit, and uvicorn answered 'GET /v1/health HTTP/9.9' 200."""
