@@ -29,8 +29,9 @@ class CheckedReport:
     clipped: bool
 
 
-def check_report(run: TaskRun, body: bytes, stats: dict | None) -> CheckedReport:
-    """Decode, validate and bound one report for ``run``'s plan; raises a 4xx ``ApiError``."""
+def check_report(run: TaskRun, body: bytes, stats: dict | None, session_age_s: float) -> CheckedReport:
+    """Decode, validate and bound one report for ``run``'s plan; raises a 4xx ``ApiError``.
+    ``session_age_s``: how long its round has been open, the most its device can have trained."""
     if run.codec is not None:
         raise Conflict(
             "this task aggregates with Secure Aggregation; use the session's secagg endpoint",
@@ -61,7 +62,7 @@ def check_report(run: TaskRun, body: bytes, stats: dict | None) -> CheckedReport
     # with DP, no summary of one device's update or metrics is published beside the noised model
     weights = run.plan.weight_names if run.is_training else ()
     observed = device_metrics(summed, weights) if run.config.dp is None else {}
-    observed.update(stats_metrics(stats))
+    observed.update(stats_metrics(stats, session_age_s))
     return CheckedReport(summed, observed, stats_shape(stats), bounded.capped or metrics_capped, bounded.clipped)
 
 
@@ -87,11 +88,13 @@ def stats_shape(stats: object) -> str | None:
     return None
 
 
-def stats_metrics(stats: object) -> dict[str, float]:
-    """Advisory costs a device reported with its update (its training time), for the summaries."""
+def stats_metrics(stats: object, session_age_s: float) -> dict[str, float]:
+    """Advisory costs a device reported with its update (its training time), for the summaries:
+    a training time is counted when it is one the session can have had, from 0 to
+    ``session_age_s`` (a device that claimed 1e308 s set the round's ``training_s`` summary)."""
     if not isinstance(stats, dict):
         return {}
     value = stats.get("training_s")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value) and value >= 0:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= session_age_s:
         return {"training_s": float(value)}
     return {}

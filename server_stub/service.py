@@ -326,7 +326,7 @@ class FLService:
         commit could not be written: a plain "accepted" would have claimed a commit)."""
         session = self._authorize(session_id, token)
         run = session.run
-        checked = check_report(run, body, stats)
+        checked = check_report(run, body, stats, self.clock() - session.core.started_at)
         shape = checked.shape
         try:
             with self._lock:

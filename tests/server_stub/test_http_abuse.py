@@ -11,6 +11,7 @@ import pytest
 
 from device_runtime import PlanExecutor, encode_checkpoint
 from device_runtime.clock import VirtualClock
+from device_runtime.protocol import STATS_HEADER
 from server_stub import ServerThread
 from tests.support import deploy
 
@@ -165,6 +166,42 @@ def test_report_after_deadline_is_rejected_and_round_goes_on(clocked, clock):
     rounds = _wait_for_rounds(admin, 2)
     assert [r["status"] for r in rounds] == ["abandoned", "committed"]
     assert rounds[1]["metrics"]["reported"] == 1 and rounds[1]["metrics"]["rejected_late"] == 1
+
+
+@pytest.mark.parametrize("claim", ["1e308", "1.9", "2.1", "-1", '"3"', "true"])
+def test_a_training_time_no_session_of_the_round_can_have_had_is_not_summarised(clocked, clock, claim):
+    """The advisory training time of a report's stats header is counted from 0 to how long its
+    round has been open (2 s here): one device claiming 1e308 s set the round's summary."""
+    server, admin = clocked
+    plan, _ = deploy(
+        admin, goal_count=2, over_selection=1.0, min_fraction=1.0, report_timeout_s=30, selection_timeout_s=60
+    )
+    good = encode_checkpoint(_valid_update(plan))
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        honest, other = _checkin(http), _checkin(http)
+        clock.advance(2.0)
+        stats = {STATS_HEADER: '{"training_s": 1.5}'}
+        assert (
+            http.post(
+                f"/v1/sessions/{honest['session_id']}/report",
+                content=good,
+                headers={**stats, "Authorization": f"Bearer {honest['token']}"},
+            ).status_code
+            == 200
+        )
+        stats = {STATS_HEADER: f'{{"training_s": {claim}}}'}
+        assert (
+            http.post(
+                f"/v1/sessions/{other['session_id']}/report",
+                content=good,
+                headers={**stats, "Authorization": f"Bearer {other['token']}"},
+            ).status_code
+            == 200
+        )
+    (record,) = _wait_for_rounds(admin, 1)
+    training = record["metrics"]["device_metrics"]["training_s"]
+    counted = [1.5, 1.9] if claim == "1.9" else [1.5]
+    assert (training["count"], training["max"]) == (len(counted), max(counted))
 
 
 def test_deploy_refuses_bad_plans_and_checkpoints(server, admin):
