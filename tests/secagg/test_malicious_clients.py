@@ -28,8 +28,17 @@ from secagg import (
     parse_message,
 )
 from secagg.crypto import SigningKey
-from secagg.messages import AdvertiseKeys, EncryptedShares, MaskedInput, ShareCheck, SharesForYou, UnmaskResponse
-from secagg.shamir import P
+from secagg.messages import (
+    KIND_B,
+    KIND_S,
+    AdvertiseKeys,
+    EncryptedShares,
+    MaskedInput,
+    ShareCheck,
+    SharesForYou,
+    UnmaskResponse,
+)
+from secagg.shamir import LIMBS, P
 from secagg.transcript import key_signing_payload, share_check_payload, unmask_payload
 from tests.secagg.secagg_helpers import Harness, exact_sum, make_inputs, seeded
 
@@ -52,6 +61,8 @@ BEHAVIOURS = [
     "honest_but_silent",
     "garbage_share_ciphertexts",
     "false_complaints",
+    "reveals_survivor_keys",  # the key shares of survivors, which unmask their inputs, for the self-mask ones
+    "copies_another_masked_input",  # the masked input another client sent, as its own
 ]
 
 
@@ -261,6 +272,7 @@ def _drive(cfg: SecAggConfig, inputs: dict[int, np.ndarray], bad: dict[int, str]
     old_masked = old.client_step()
     rng = random.Random(seed)
     outbox = {u: c.start() for u, c in clients.items()}
+    held: dict[int, dict[int, np.ndarray]] = {}  # the shares a client held, kept by one that reveals them
     for u, how in bad.items():
         if how == "low_order_key":
             adv = parse_message(outbox[u])
@@ -290,6 +302,19 @@ def _drive(cfg: SecAggConfig, inputs: dict[int, np.ndarray], bad: dict[int, str]
                 data = UnmaskResponse(
                     msg.session_tag, rev, crypto.sign(signers[u], unmask_payload(server.session_id, u, rev))
                 ).to_bytes()
+            elif rnd is Round.UNMASKING and how == "reveals_survivor_keys":
+                msg = parse_message(data)
+                rev = msg.reveals.copy()
+                survivors = rev["kind"] == KIND_B
+                rev["limbs"][survivors] = [held[u][int(v)][:LIMBS] for v in rev["peer"][survivors]]
+                rev["kind"][survivors] = KIND_S
+                data = UnmaskResponse(
+                    msg.session_tag, rev, crypto.sign(signers[u], unmask_payload(server.session_id, u, rev))
+                ).to_bytes()
+            elif rnd is Round.MASKED_INPUT_COLLECTION and how == "copies_another_masked_input":
+                others = [v for v in sorted(outbox) if v != u and outbox[v] is not None]
+                if others:
+                    data = outbox[rng.choice(others)]
             elif rnd is Round.UNMASKING and how == "honest_but_silent":
                 continue
             elif rnd is Round.SHARE_CHECK and how == "false_complaints":  # blames every sender
@@ -307,6 +332,9 @@ def _drive(cfg: SecAggConfig, inputs: dict[int, np.ndarray], bad: dict[int, str]
                 pass  # refused: that client is out of the round, nobody crashes
         incoming = server.close_round()
         outbox = {u: clients[u].handle(data) for u, data in incoming.items()}
+        for u, how in bad.items():
+            if how == "reveals_survivor_keys" and clients[u]._held:
+                held[u] = {v: limbs.copy() for v, limbs in clients[u]._held.items()}
     return server, clients
 
 
@@ -328,8 +356,13 @@ def test_with_malicious_clients_the_sum_is_exact_or_the_instance_aborts(data):
     if server.round is Round.COMPLETED:
         summed = server.summed_clients
         assert not summed & {
-            u for u, how in bad.items() if how in ("low_order_key", "replayed_masked_input", "altered_masked_input")
+            u
+            for u, how in bad.items()
+            if how in ("low_order_key", "replayed_masked_input", "altered_masked_input", "copies_another_masked_input")
         }
+        # a response revealing a survivor's key share is refused whole: the server never takes one
+        revealers = {u for u, how in bad.items() if how == "reveals_survivor_keys"}
+        assert not server.survivors[Round.UNMASKING] & revealers
         assert [int(v) for v in server.result()] == exact_sum(inputs, summed, modulus)
     else:
         assert server.abort_reason
