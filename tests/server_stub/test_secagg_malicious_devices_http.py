@@ -17,8 +17,8 @@ from device_runtime import ProtocolError
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secure_client import SecureOutcome
 from device_runtime.secure_sum import SecureSumCodec
-from secagg import crypto, parse_message
-from secagg.messages import AdvertiseKeys
+from secagg import Round, crypto, parse_message
+from secagg.messages import AdvertiseKeys, MaskedInput
 from secagg.transcript import key_signing_payload
 from tests.support import attested_checkins, deploy_secure, run_secure_aggregations
 
@@ -194,5 +194,49 @@ def test_one_deviant_device_gets_4xx_and_its_group_sums_exactly_or_aborts_on_rec
     assert record["metrics"]["reported"] == len(summed)
     model, _ = admin.model(population)
     total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in summed], axis=0), len(summed))
+    for name in plan.weight_names:
+        np.testing.assert_allclose(model[name], w0[name] + total[name] / total["num_examples"], rtol=1e-5, atol=1e-6)
+
+
+class LateMasker(ProtocolClient):
+    """A device that holds its masked input back until its group has moved past that round."""
+
+    code: str | None = None
+
+    def secagg_send(self, session, message: bytes):  # noqa: ANN001, ANN201 - ProtocolClient's own
+        if isinstance(parse_message(message), MaskedInput):
+            state = self.secagg_poll(session)
+            while state["status"] == "active" and state["round"] == Round.MASKED_INPUT_COLLECTION.value:
+                state = self.secagg_poll(session, after=state["seq"], wait_s=5.0)
+            try:
+                return super().secagg_send(session, message)
+            except ProtocolError as exc:
+                self.code = exc.code
+                raise
+        return super().secagg_send(session, message)
+
+
+def test_a_masked_input_after_its_rounds_deadline_is_refused_and_not_summed(
+    attested_server, attested_admin, authority, population
+):
+    server, admin = attested_server, attested_admin
+    # masked inputs are due 2 s after the group forms: the report window less three round timeouts
+    plan, w0 = deploy_secure(
+        admin, population, goal_count=K + 1, min_fraction=0.5, secagg_round_timeout_s=1.0, report_timeout_s=5.0
+    )
+    codec = SecureSumCodec(plan)
+    vectors = _vectors(codec, K + 1, seed=4)
+    late = LateMasker(server.url)
+    clients = [late] + [ProtocolClient(server.url) for _ in range(K)]
+    results = run_secure_aggregations(
+        attested_checkins(clients, authority, population), vectors, authority, deadline_s=20
+    )
+    # by the time it sends, its group may be done and its round with it
+    assert late.code in ("SECAGG_ROUND_CLOSED", "SESSION_CLOSED") and results[0].outcome is SecureOutcome.EXCLUDED
+    assert {results[i].outcome for i in range(1, K + 1)} == {SecureOutcome.INCLUDED}
+    (record,) = admin.rounds(population)
+    assert record["status"] == "committed" and record["metrics"]["reported"] == K
+    model, _ = admin.model(population)
+    total = codec.decode_sum(np.sum([vectors[i].astype(np.int64) for i in range(1, K + 1)], axis=0), K)
     for name in plan.weight_names:
         np.testing.assert_allclose(model[name], w0[name] + total[name] / total["num_examples"], rtol=1e-5, atol=1e-6)
