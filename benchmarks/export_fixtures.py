@@ -14,7 +14,8 @@ states,
   tensor's spread, 0.1 where it has none), so that no two tensors are equal,
 
 (and a GRU language model whose decoder ties the embedding, ``gru_tied``: one weight the model
-really shares) it writes the module exported three ways, as a model engineer calls ``torch.onnx.export``
+really shares; and a two-layer bidirectional ``nn.RNN`` classifier, ``birnn``, which the classic
+exporter writes as ONNX ``RNN`` ops) it writes the module exported three ways, as a model engineer calls ``torch.onnx.export``
 (gzipped, ``<family>.<state>.<exporter>.onnx.gz``: the folder stays a few MB):
 
 * ``classic``: ``dynamo=False, training=TrainingMode.PRESERVE, do_constant_folding=False,
@@ -100,9 +101,30 @@ KEPT = (
     "t5",
     "gpt_sdpa",
     "norm_cnn",
+    "birnn",
 )
+
+
+class BiRNNClassifier(nn.Module):
+    """A two-layer bidirectional ``nn.RNN`` (tanh) over embedded tokens, its outputs averaged over the
+    positions whose token is not 0 (padding): the classic exporter writes ONNX ``RNN`` ops, the
+    dynamo exporter the steps in elementary ops."""
+
+    def __init__(self, vocab: int = 200, embed: int = 8, hidden: int = 8, num_classes: int = 4) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.rnn = nn.RNN(embed, hidden, num_layers=2, bidirectional=True, batch_first=True)
+        self.fc = nn.Linear(2 * hidden, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embedding(tokens))
+        mask = (tokens != 0).unsqueeze(-1).to(out.dtype)
+        return self.fc((out * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+
+
 FAMILIES: dict[str, ModelSpec] = {
     **MODELS,
+    "birnn": ModelSpec("torch.nn", BiRNNClassifier, partial(BiRNNClassifier, 1000, 64, 128), MODELS["lstm"].inputs, 4),
     "gru_tied": ModelSpec(
         "torch.nn",
         partial(GRUNextToken, 200, 16, 16, tie_weights=True),

@@ -21,8 +21,8 @@ Exporters write models for inference; a training step computes some ops differen
   per example of a dense one on a small image: most of a MobileNet or ResNet step on 32x32 inputs;
 * ``Slice`` nodes that cut one tensor into consecutive pieces become one ``Split``
   (:func:`slices_as_split`), whose gradient is one ``Concat`` instead of a padded copy per piece;
-* ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``LRN``, ``GRU`` and
-  ``LSTM`` are written out in elementary ops whose gradients are known (:func:`decompose`; the same
+* ``LayerNormalization``, ``InstanceNormalization``, ``GroupNormalization``, ``LRN``, ``GRU``,
+  ``LSTM`` and ``RNN`` are written out in elementary ops whose gradients are known (:func:`decompose`; the same
   values, so the finite-difference checks of the ops run through it too). The recurrent ops are unrolled over their (static) sequence length: one
   product of the whole input sequence with the input weights, then per step a product with the
   recurrent weights and the gate arithmetic. An LSTM's steps are differentiated as a whole
@@ -107,7 +107,7 @@ def training_forward(
 
 
 def decompose(e: Emitter, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
-    """``nodes`` with each op of :data:`DECOMPOSED` (the normalizations, ``GRU`` and ``LSTM``) written
+    """``nodes`` with each op of :data:`DECOMPOSED` (the normalizations, ``GRU``, ``LSTM`` and ``RNN``) written
     out in elementary ops computing the same values (others unchanged)."""
     out: list[onnx.NodeProto] = []
     nodes = slices_as_split(e, sequences_as_slices(e, nodes))
@@ -598,9 +598,15 @@ def _default_activations(node: onnx.NodeProto, gates: int, direction: str) -> bo
     given = attr(node, "activations")
     if given is None:
         return True
-    defaults = ["sigmoid", "tanh", "tanh"] if gates == 4 else ["sigmoid", "tanh"]
     names = [a.decode() if isinstance(a, bytes) else str(a) for a in given]
+    if gates == 1:  # an RNN's one activation per direction: torch's nonlinearity, tanh or relu
+        return {a.lower() for a in names} <= {"tanh", "relu"} and len(names) == len(_directions(direction))
+    defaults = ["sigmoid", "tanh", "tanh"] if gates == 4 else ["sigmoid", "tanh"]
     return [a.lower() for a in names] == defaults * (2 if direction == "bidirectional" else 1)
+
+
+def _directions(direction: str) -> tuple[str, ...]:
+    return {"forward": ("forward",), "reverse": ("reverse",), "bidirectional": ("forward", "reverse")}[direction]
 
 
 def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurrent:
@@ -618,8 +624,10 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurren
         )
     if attr(node, "clip") is not None or not _default_activations(node, gates, direction):
         refuse(
-            "is unrolled without clip and with the default activations only (sigmoid gates, tanh: the defaults of "
-            "torch's and Keras's layers)"
+            "is unrolled without clip and with tanh or relu activations only (torch's nonlinearity)"
+            if gates == 1
+            else "is unrolled without clip and with the default activations only (sigmoid gates, tanh: the defaults "
+            "of torch's and Keras's layers)"
         )
     if len(node.input) > 4 and node.input[4]:
         refuse("is unrolled without sequence_lens only (every sequence has the full length; pad instead of packing)")
@@ -638,8 +646,7 @@ def _recurrent_checks(e: Emitter, node: onnx.NodeProto, gates: int) -> _Recurren
         hidden = wshape[1] // gates if wshape is not None and isinstance(wshape[1], int) else None
     if hidden is None:
         refuse("needs hidden_size")
-    directions = {"forward": ("forward",), "reverse": ("reverse",), "bidirectional": ("forward", "reverse")}[direction]
-    return _Recurrent(int(shape[0]), int(hidden), directions)
+    return _Recurrent(int(shape[0]), int(hidden), _directions(direction))
 
 
 def split(e: Emitter, x: str, sizes: Sequence[int], axis: int, hint: str = "part") -> list[str]:
@@ -780,6 +787,30 @@ def _gru(e: Emitter, node: onnx.NodeProto) -> None:
     _recurrent_outputs(e, node, rec, hs, [finals])
 
 
+def _rnn(e: Emitter, node: onnx.NodeProto) -> None:
+    """An RNN (torch's ``nn.RNN`` through the classic exporter): h = f(x W^T + h R^T + Wb + Rb) per
+    step, f each direction's activation (tanh, or relu: torch's ``nonlinearity``)."""
+    rec = _recurrent_checks(e, node, 1)
+    given = attr(node, "activations")
+    names = [a.decode() if isinstance(a, bytes) else str(a) for a in given] if given else ["Tanh"] * 2
+    hs, finals = [], []
+    for d, direction in enumerate(rec.directions):
+        activation = {"tanh": "Tanh", "relu": "Relu"}[names[d].lower()]
+        xw, rt, rb = _recurrent_setup(e, node, rec, 1, d)
+        if rb is not None:  # both biases are added at every step: once, to every step's input
+            xw = e.op("Add", [xw, rb])
+        h = _initial(e, node, rec, 5, d)
+        from_zero = h in e.zeros
+        states, inputs = {}, _step_inputs(e, xw, rec.seq)
+        for t in _steps(rec, direction):
+            pre = inputs[t] if from_zero else e.op("Add", [inputs[t], e.op("MatMul", [h, rt])])
+            h = states[t] = e.op(activation, [pre], hint="rnn_h")
+            from_zero = False
+        hs.append(_stacked(e, [states[t] for t in range(rec.seq)]))
+        finals.append(h)
+    _recurrent_outputs(e, node, rec, hs, [finals])
+
+
 def _lstm(e: Emitter, node: onnx.NodeProto) -> None:
     rec = _recurrent_checks(e, node, 4)
     hdim = rec.hidden
@@ -908,6 +939,7 @@ DECOMPOSED = {
     "LayerNormalization": _layer_norm,
     "GRU": _gru,
     "LSTM": _lstm,
+    "RNN": _rnn,
     "InstanceNormalization": _instance_norm,
     "GroupNormalization": _group_norm,
     "LRN": _lrn,

@@ -2153,6 +2153,9 @@ _DECOMPOSED = {
     "layout 0, default activations, also spelt out as tf2onnx writes them, no peepholes, no sequence_lens); its "
     "gradient is emitted for the unrolled steps as a whole, step by step; tf2onnx's zero recurrent half of the "
     "bias (Keras's LSTM has one bias) is kept at zero",
+    "RNN": "unrolled over its static sequence length into MatMul/Split/Tanh or Relu (forward, reverse or "
+    "bidirectional, layout 0, a tanh or relu activation per direction: torch's nonlinearity, no clip, no "
+    "sequence_lens)",
 }
 
 
@@ -2186,16 +2189,17 @@ def coverage_document() -> str:
             "the two equal. An op outside this table is refused with `UnsupportedOpError`, naming the op and the",
             "node. Every gradient rule is checked against finite differences over random shapes",
             "(`tests/emulator/toolchain/test_gradients.py`), the written-out ops (`LayerNormalization`,",
-            "`InstanceNormalization`, `GroupNormalization`, `LRN`, `GRU`, `LSTM`) against onnxruntime's own kernels",
+            "`InstanceNormalization`, `GroupNormalization`, `LRN`, `GRU`, `LSTM`, `RNN`) against onnxruntime's own kernels",
             "for them. A recurrent model may also come unrolled by its author (`Slice` and `Squeeze` per step, `MatMul`,",
             "`Sigmoid`, `Tanh`).",
             "",
             "Whole architectures, exported by torch's classic and dynamo exporters, take torch autograd's own SGD",
             "step parameter by parameter (`tests/emulator/toolchain/test_exported_models.py`): ResNet-18,",
             "MobileNetV2 and V3-small, ShuffleNetV2 (channel split and shuffle), torchvision's and transformers'",
-            "ViT, BERT, DistilBERT, ALBERT (one layer's weights at every depth), LSTM, GRU and Conv1d text models,",
-            "GPT-2 (tied output layer), Llama (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP)",
-            "and T5 (encoder-decoder, relative position buckets). EfficientNet-B0 (SiLU, squeeze-excite),",
+            "ViT, BERT, DistilBERT, ALBERT (one layer's weights at every depth), LSTM, GRU, bidirectional RNN and",
+            "Conv1d text models, GPT-2 (tied output layer), Llama (RMSNorm, rotary positions, grouped-query",
+            "attention, SiLU-gated MLP) and T5 (encoder-decoder, relative position buckets). EfficientNet-B0 (SiLU,",
+            "squeeze-excite),",
             "SqueezeNet, DenseNet (`Concat` of every layer before), ConvNeXt (LayerNorm over channels, depthwise",
             "7x7, GELU, layer scale), Swin (`torch.roll`, window partition, relative position bias), RoBERTa, Qwen2,",
             "BART and Whisper's encoder (`benchmarks/torch_models.py`) were checked the same way (`python -m",

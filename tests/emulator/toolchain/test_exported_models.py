@@ -7,7 +7,8 @@ DistilBERT, ALBERT (one layer's weights at every depth), an LSTM classifier, a G
 Llama (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP) and T5 (encoder-decoder,
 relative position buckets, one embedding shared three ways) scoring every position, a GPT written in
 plain torch around ``F.scaled_dot_product_attention`` (tied output layer), a CNN normalized by GroupNorm
-and InstanceNorm (with and without affine parameters), at fixture
+and InstanceNorm (with and without affine parameters), a two-layer bidirectional ``nn.RNN`` averaged over
+its unpadded positions (the classic exporter's ONNX ``RNN`` ops), at fixture
 size, each fresh (zero biases, unit gains: what exporters merge) and perturbed, exported with
 the classic exporter (training preserved), the dynamo exporter's default (``optimize=True``) and the
 dynamo exporter with ``optimize=False``. Beside each, torch's step in float64 from the same values.
@@ -76,6 +77,7 @@ DEFAULT = {
     "t5.perturbed.dynamo_noopt",
     "gpt_sdpa.perturbed.classic",
     "norm_cnn.fresh.dynamo",
+    "birnn.perturbed.classic",
     "dropout.classic",
     "dropout_inplace.dynamo",
 }

@@ -711,10 +711,14 @@ def case_layer_norm(draw):
     )
 
 
+#: the gates of each recurrent op's weights
+_GATES = {"GRU": 3, "LSTM": 4, "RNN": 1}
+
+
 def case_recurrent(op):
-    """GRU / LSTM (written out and unrolled) against onnxruntime's own kernel, in float32: forward,
-    reverse and bidirectional, initial states or none."""
-    gates = 3 if op == "GRU" else 4
+    """GRU / LSTM / RNN (written out and unrolled) against onnxruntime's own kernel, in float32: forward,
+    reverse and bidirectional, initial states or none (an RNN's activation tanh or relu per direction)."""
+    gates = _GATES[op]
 
     def draw_case(draw):
         seq, batch, features, hidden = draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(dims), draw(dims)
@@ -729,7 +733,7 @@ def case_recurrent(op):
         if draw(st.booleans()):
             inputs["b"] = _arr(draw, (d, 2 * gates * hidden), np.float32, -1, 1)
             order.append("b")
-        states = ["h0"] if op == "GRU" else draw(st.sampled_from([[], ["h0"], ["h0", "c0"]]))
+        states = ["h0"] if op in ("GRU", "RNN") else draw(st.sampled_from([[], ["h0"], ["h0", "c0"]]))
         if states and draw(st.booleans()):
             order += [""] * (5 - len(order))
             for name in states:
@@ -738,11 +742,13 @@ def case_recurrent(op):
         attrs = {
             "hidden_size": hidden,
             "order": order,
-            "outputs": ["y", "y_h"] if op == "GRU" else ["y", "y_h", "y_c"],
+            "outputs": ["y", "y_h"] if op in ("GRU", "RNN") else ["y", "y_h", "y_c"],
             "direction": direction,
         }
         if op == "GRU":
             attrs["linear_before_reset"] = draw(st.integers(0, 1))
+        if op == "RNN" and draw(st.booleans()):
+            attrs["activations"] = [draw(st.sampled_from(["Tanh", "Relu"])) for _ in range(d)]
         return op, inputs, {}, attrs, 17, F32_TOL
 
     return draw_case
@@ -829,6 +835,7 @@ CASES = {
     "LayerNormalization": case_layer_norm,
     "GRU": case_recurrent("GRU"),
     "LSTM": case_recurrent("LSTM"),
+    "RNN": case_recurrent("RNN"),
     "Conv": case_conv("dense"),
     "Conv(grouped)": case_conv("grouped"),
     "Conv(depthwise)": case_conv("depthwise"),
@@ -869,7 +876,7 @@ def _gradient_matches_finite_differences(case: str, data: st.DataObject) -> None
     model = single_op_model(op, inputs, constants, outputs=outputs, opset=opset, **attrs)
     # float32: a step large enough for float32 rounding, small enough for the curvature of the
     # unrolled recurrences (their error shrinks as eps^2: a truncation error, not a wrong rule)
-    eps = 1e-6 if tol == F64_TOL else (1e-3 if op in ("GRU", "LSTM") else 3e-3)
+    eps = 1e-6 if tol == F64_TOL else (1e-3 if op in _GATES else 3e-3)
     error = vjp_error(model, inputs, list(inputs), outputs=[outputs[0]] if op == "MaxPool" else outputs, eps=eps)
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
 
