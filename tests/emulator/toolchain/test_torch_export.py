@@ -6,12 +6,14 @@ marked slow and runs only where torch is installed (``pip install 'fedfleet[torc
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from onnx import numpy_helper
 
 from emulator.cli.commands import main
 from emulator.toolchain.tasks import TaskError
@@ -132,6 +134,19 @@ def test_an_export_that_computes_something_else_than_the_module_is_noted_in_one_
     assert note is not None and "'y'" in note and "1.0e-02" in note and "\n" not in note
     broken = export_mismatch(path, {"x": x.astype(np.float64)}, [2 * x])
     assert broken is not None and broken.startswith("the exported model did not run in onnxruntime")
+
+
+def test_an_export_that_onnxruntimes_optimizer_crashes_on_is_compared_as_written():
+    """nn.EmbeddingBag through the dynamo exporter (``data/make_embedding_bag.py``): a Loop over the
+    bags building a sequence, on which onnxruntime 1.32's constant folding ended the process with a
+    segmentation fault (``plan from-torch`` with it); the file itself runs and is compared."""
+    path = Path(__file__).with_name("data") / "embedding_bag.onnx"
+    weights = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
+    ids = np.array([[1, 2, 2, 5], [0, 3, 4, 1], [5, 5, 5, 0]], dtype=np.int64)
+    logits = weights["bag.weight"][ids].mean(1) @ weights["fc.weight"].T + weights["fc.bias"]
+    assert export_mismatch(path, {"ids": ids}, [logits]) is None
+    note = export_mismatch(path, {"ids": ids}, [logits + 1])
+    assert note is not None and note.startswith("the exported model's 'logits' differs")
 
 
 def test_a_failed_export_says_its_root_cause_in_one_line_and_the_way_round_it():
