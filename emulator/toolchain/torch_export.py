@@ -27,6 +27,9 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
   ``padding_idx`` row (``padding_rows``: no gradient there, as in torch), the float buffers torch
   never trains (``constant_buffers``) and the parameters whose ``requires_grad`` is off
   (``untrained_parameters``): frozen;
+* each ``nn.EmbeddingBag`` given one bag per row traced as its rows gathered and reduced
+  (:func:`_bags_as_embeddings`), where both exporters write a ``Loop`` over the bags that a plan
+  cannot unroll with the batch dynamic;
 * the file held to the module: run in onnxruntime on random examples and compared with the
   module's outputs in eval mode (:func:`export_mismatch`), a note where an exporter traced something else.
 """
@@ -183,6 +186,51 @@ def _quiet(name: str) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _bags_as_embeddings(torch: Any, module: Any) -> Iterator[None]:
+    """Each ``nn.EmbeddingBag`` of ``module`` (without ``max_norm``) traced, for the block, as the
+    rows of its bags gathered and summed, averaged or maximized over each bag's axis when its
+    input is one bag per row (2-D, no ``offsets``): the same values and gradient, where both
+    exporters write a ``Loop`` over the bags, which a plan cannot unroll with the batch known only at
+    run time. ``padding_idx`` entries are left out of a bag (its mean divides by the others, an
+    empty bag gives zeros), and ``per_sample_weights`` scale the rows of a sum, as torch does."""
+    functional = torch.nn.functional
+    patched = []
+
+    def as_embedding(bag: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(input: Any, offsets: Any = None, per_sample_weights: Any = None) -> Any:
+            if offsets is not None or input.dim() != 2:
+                return original(input, offsets, per_sample_weights)
+            rows = functional.embedding(input, bag.weight)  # [bags, bag size, dim]
+            if per_sample_weights is not None:
+                rows = rows * per_sample_weights.unsqueeze(-1)
+            keep = None if bag.padding_idx is None else (input != bag.padding_idx).unsqueeze(-1)
+            if bag.mode == "max":
+                if keep is None:
+                    return rows.amax(1)
+                largest = rows.masked_fill(~keep, float("-inf")).amax(1)
+                return torch.where(keep.any(1), largest, torch.zeros_like(largest))
+            if keep is not None:
+                rows = rows * keep.to(rows.dtype)
+            total = rows.sum(1)
+            if bag.mode == "sum":
+                return total
+            count = keep.sum(1).clamp(min=1) if keep is not None else input.shape[1]
+            return total / count
+
+        return forward
+
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.EmbeddingBag) and sub.max_norm is None and "forward" not in vars(sub):
+            sub.forward = as_embedding(sub, sub.forward)
+            patched.append(sub)
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub.forward
 
 
 #: The classic exporter's opset when the dynamo one failed: its newest that onnx converts from.
@@ -374,7 +422,12 @@ def export_torch(
         module.train()
         batch = torch.export.Dim("N")
         names = [s.name for s in inputs]
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet(REGISTRATION_LOGGER):
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            warnings.catch_warnings(),
+            _quiet(REGISTRATION_LOGGER),
+            _bags_as_embeddings(torch, module),
+        ):
             warnings.simplefilter("ignore")  # "exporting a model in training mode" is what is meant here
             exported = Path(tmp) / "model.onnx"
             common = {"input_names": names, "output_names": outputs}
@@ -501,7 +554,7 @@ def untrained_parameters(module: Any, initializers: set[str]) -> list[str]:
 
 
 def padding_rows(module: Any, initializers: set[str]) -> dict[str, tuple[int, ...]]:
-    """The rows torch never trains: each ``nn.Embedding``'s ``padding_idx`` (its gradient there is
+    """The rows torch never trains: each ``nn.Embedding``'s and ``nn.EmbeddingBag``'s ``padding_idx`` (its gradient there is
     zero), keyed by the name its weight has among the exported ``initializers`` (a weight the model
     ties is exported once, under one of its names). Exporters drop ``padding_idx``."""
     torch = _torch()
@@ -510,7 +563,7 @@ def padding_rows(module: Any, initializers: set[str]) -> dict[str, tuple[int, ..
         names.setdefault(id(param), []).append(name)
     rows: dict[str, set[int]] = {}
     for sub in module.modules():
-        if isinstance(sub, torch.nn.Embedding) and sub.padding_idx is not None:
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.padding_idx is not None:
             exported = [n for n in names.get(id(sub.weight), []) if n in initializers]
             if exported:
                 rows.setdefault(exported[0], set()).add(int(sub.padding_idx) % sub.num_embeddings)

@@ -347,6 +347,57 @@ def test_from_torch_trains_no_embedding_padding_row_buffer_or_frozen_parameter_a
         np.testing.assert_allclose(value, state[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+BAGS_FACTORY = '''
+import torch
+
+class Bags(torch.nn.Module):
+    """Bags of token ids to a class: nn.EmbeddingBag's three modes, row 0 padding in two of them,
+    the sum's rows weighted per token by a trained gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = torch.nn.EmbeddingBag(12, 4, mode="mean", padding_idx=0)
+        self.max = torch.nn.EmbeddingBag(12, 4, mode="max", padding_idx=0)
+        self.sum = torch.nn.EmbeddingBag(12, 4, mode="sum")
+        self.gate = torch.nn.Linear(1, 1)
+        self.fc = torch.nn.Linear(12, 3)
+
+    def forward(self, ids):
+        weights = torch.sigmoid(self.gate(ids.to(torch.float32).unsqueeze(-1))).squeeze(-1)
+        bags = [self.mean(ids), self.max(ids), self.sum(ids, per_sample_weights=weights)]
+        return self.fc(torch.cat(bags, dim=1))
+
+
+def make_bags():
+    torch.manual_seed(0)
+    return Bags()
+'''
+
+
+@pytest.mark.slow
+def test_from_torch_trains_an_embedding_bag_of_one_bag_per_row_as_torch_does(tmp_path, monkeypatch, capsys):
+    """Both exporters write nn.EmbeddingBag as a Loop over the bags, which a plan cannot unroll with
+    the batch known at run time only: bags of one length (a 2-D input) are exported as the rows
+    gathered and reduced, and the plan takes torch's step, padding rows and empty bags included."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    (tmp_path / "bags.py").write_text(BAGS_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "from-torch", "bags:make_bags", "--input", "ids:5:int64", "--label", "y", "--lr", "0.5"]
+    assert main([*args, "--runtimes", "1.31.1", "-o", "bundle"]) == 0, capsys.readouterr().err
+    assert "Loop" not in {n.op_type for n in onnx.load(str(tmp_path / "bundle" / "model.onnx")).graph.node}
+    ids = np.array([[3, 4, 0, 3, 0], [5, 11, 2, 7, 1], [0, 0, 0, 0, 0]], dtype=np.int64)  # an empty bag
+    labels = np.array([1, 2, 0])
+    stepped = _plan_step(tmp_path / "bundle", "make_bags", ids, labels)
+    net = _import_factory(tmp_path, "bags", "make_bags")()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
+    optimizer.step()
+    assert set(stepped) == set(net.state_dict())
+    for name, value in net.state_dict().items():
+        np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 T5_FACTORY = '''
 import torch
 from transformers import T5Config, T5EncoderModel
