@@ -28,7 +28,8 @@ Exporters (``--exporters``):
 Per model and exporter, one JSON line: ``ok`` when the loss is torch's (float64) within 1e-5 relative
 and every trained tensor and running statistic lands within :data:`TOLERANCE` of torch's change to
 it, or 4 times torch's own float32 error where that is larger (``no_verdict`` where that error is
-:data:`NO_VERDICT` or more); else the worst tensor, or the
+:data:`NO_VERDICT` or more), and the plan trains every parameter torch's step changes
+(``misses_parameters`` and their names otherwise); else the worst tensor, or the
 one-line error the toolchain gave (``refused``), or the traceback's last line (``crashed``).
 """
 
@@ -50,7 +51,7 @@ import onnx
 import torch
 from torch import nn
 
-from benchmarks.export_fixtures import BATCH, LR, export, perturb, reference_step, without_dropout
+from benchmarks.export_fixtures import BATCH, LR, export, perturb, reference_step, tied, without_dropout
 from device_runtime.executor import make_session
 from emulator.toolchain import TaskError, UnsupportedOpError
 from emulator.toolchain.tasks import Task, onnx_import
@@ -336,14 +337,18 @@ def step_check(
         worst, value, noise, compared = compare(before, after, reference, errors)
         loss_error = abs(plan_loss - loss) / abs(loss)
         missing = sorted(set(reference) - set(after))
+        untrained = _untrained(module, reference, set(after))
         ok = loss_error <= 1e-5 and value <= max(TOLERANCE, 4 * noise)
         return {
             **row,
             "result": ("ok" if not trained_buffers else "ok_but_trains_buffers")
+            if ok and not untrained
+            else "misses_parameters"
             if ok
             else "wrong_step"
             if noise < NO_VERDICT
             else "no_verdict",
+            **({"untrained": untrained[:8]} if untrained else {}),
             "loss_error": float(f"{loss_error:.3g}"),
             "worst": worst,
             "worst_error": float(f"{value:.3g}"),
@@ -352,6 +357,22 @@ def step_check(
             "not_in_plan": missing[:8],
             "warnings": [w[:200] for w in made.warnings],
         }
+
+
+def _untrained(module: nn.Module, reference: dict[str, np.ndarray], trained: set[str]) -> list[str]:
+    """The parameters torch's step changed that the plan does not train under any of their names
+    (a tied one's other name, which an exporter may keep, counts)."""
+    names = {n: [n] for n, _ in module.named_parameters()}
+    for group in tied(module):
+        names[group[0]] = group
+    values = dict(module.named_parameters())
+    return sorted(
+        n
+        for n, aliases in names.items()
+        if n in reference
+        and not trained.intersection(aliases)
+        and not np.array_equal(reference[n], values[n].detach().numpy())
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

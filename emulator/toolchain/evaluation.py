@@ -80,7 +80,9 @@ def evaluation_plan_from_onnx(
             if trainable is not None
             else [
                 w
-                for w in default_trainable(nodes, parts.initializers, parts.prediction, tensor_infos(parts.model))
+                for w in default_trainable(
+                    nodes, parts.initializers, parts.prediction, tensor_infos(parts.model), parts.parameters
+                )
                 if w not in parts.buffers
             ]
         )

@@ -107,12 +107,18 @@ def only_scales(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.Tensor
 
 
 def default_trainable(
-    inits: Mapping[str, onnx.TensorProto], reached: Set[str], scales: Set[str] = frozenset()
+    inits: Mapping[str, onnx.TensorProto],
+    reached: Set[str],
+    scales: Set[str] = frozenset(),
+    parameters: Set[str] = frozenset(),
 ) -> list[str]:
     """Float32 initializers of rank >= 1 on a float path to the prediction, less the one-element
-    ``scales`` (see :func:`only_scales`), which stay constants."""
+    ``scales`` (see :func:`only_scales`), which stay constants; and the module's declared
+    ``parameters`` there (see :func:`declared_parameters`) whatever their size."""
     return [
-        n for n, i in inits.items() if n in reached and i.data_type == _F32 and len(i.dims) >= 1 and n not in scales
+        n
+        for n, i in inits.items()
+        if n in reached and i.data_type == _F32 and (n in parameters or (len(i.dims) >= 1 and n not in scales))
     ]
 
 
@@ -134,6 +140,7 @@ def select_trainable(
     statistics: Set[str] = frozenset(),
     scales: Set[str] = frozenset(),
     buffers: Set[str] = frozenset(),
+    parameters: Set[str] = frozenset(),
 ) -> list[str]:
     """The initializers to train, in the model's order: ``trainable`` patterns (default: see
     :func:`default_trainable`) less ``frozen`` ones, less running ``statistics`` and less the
@@ -151,7 +158,9 @@ def select_trainable(
                     f"pattern for one; initializers: {_some(names)}"
                 )
     if trainable is None:
-        chosen = [n for n in default_trainable(inits, reached, scales) if n not in statistics and n not in buffers]
+        chosen = [
+            n for n in default_trainable(inits, reached, scales, parameters) if n not in statistics and n not in buffers
+        ]
     else:
         chosen = []
         for p in trainable:
@@ -285,6 +294,7 @@ def node_module(node: onnx.NodeProto) -> str | None:
 _SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 _SIGNATURE_LINE = re.compile(r"^(\w+): (?:PARAMETER|BUFFER) target='([^']+)'", re.M)
 _BUFFER_LINE = re.compile(r"^\w+: BUFFER target='([^']+)'", re.M)
+_PARAMETER_LINE = re.compile(r"^\w+: PARAMETER target='([^']+)'", re.M)
 
 
 class _TorchNames:
@@ -411,6 +421,17 @@ def constant_buffers(model: onnx.ModelProto) -> set[str]:
     present = {i.name for i in model.graph.initializer}
     found = {name for name in _BUFFER_LINE.findall(text) if name in present and not name.endswith(_STATISTICS)}
     return found | keras_preprocessing_constants(model)
+
+
+def declared_parameters(model: onnx.ModelProto) -> set[str]:
+    """Initializers the exported program declares parameters of the module (``p_...: PARAMETER
+    target='...'`` in the dynamo exporter's graph metadata): torch trains each whatever its size, so
+    a plan does by default too, where a one-element initializer otherwise stays a constant (a
+    learned temperature or ReZero's gate read by a ``Mul``, a 0-d ``nn.Parameter``). The classic
+    exporter writes none."""
+    text = next((p.value for p in model.graph.metadata_props if p.key == _SIGNATURE), "")
+    present = {i.name for i in model.graph.initializer}
+    return {name for name in _PARAMETER_LINE.findall(text) if name in present}
 
 
 #: The scope tf2onnx's names give the constants of Keras's ``Rescaling`` and ``Normalization``

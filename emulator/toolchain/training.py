@@ -14,7 +14,7 @@ and the graph is emitted at the requested opset with the IR version that carries
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -212,6 +212,9 @@ class ModelParts:
     population_running_variance: bool = False
     # a dynamo export lowered below opset 18, without the exporter's metadata (onnx_import.metadata_dropped)
     metadata_dropped: bool = False
+    # the module's parameters the exported program declares (onnx_import.declared_parameters): trained
+    # by default whatever their size
+    parameters: set[str] = field(default_factory=set)
 
 
 def read_model(
@@ -236,6 +239,7 @@ def read_model(
     metadata_dropped = onnx_import.metadata_dropped(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     buffers = onnx_import.constant_buffers(m)
+    parameters = onnx_import.declared_parameters(m)
     population = onnx_import.population_running_variance(m)
     ml_ops.standard_form(m)
     buffers |= ml_ops.preprocessing_constants(m)
@@ -310,6 +314,7 @@ def read_model(
         folded_batch_norms,
         population,
         metadata_dropped,
+        parameters,
     )
 
 
@@ -384,11 +389,12 @@ def default_trainable(
     inits: Mapping[str, onnx.TensorProto],
     prediction: str,
     infos: Mapping[str, TensorInfo] | None = None,
+    parameters: Set[str] = frozenset(),
 ) -> list[str]:
     """Float32 initializers of rank >= 1 on a differentiable float path to ``prediction``, less
-    one-element scales (see :mod:`.onnx_import`)."""
+    one-element scales, and the declared ``parameters`` there (see :mod:`.onnx_import`)."""
     reached = onnx_import.on_float_path(nodes, infos or {}, prediction)
-    return onnx_import.default_trainable(inits, reached, onnx_import.only_scales(nodes, inits))
+    return onnx_import.default_trainable(inits, reached, onnx_import.only_scales(nodes, inits), parameters)
 
 
 def _label_shape(loss, prediction_shape) -> list:
@@ -586,6 +592,7 @@ def onnx_training_plan(
         statistics=set(fw.state_updates),
         buffers=parts.buffers,
         scales=onnx_import.only_scales(nodes, parts.initializers),
+        parameters=parts.parameters,
     )
     if not weights:
         raise ValueError(onnx_import.nothing_to_train(nodes, e.infos, parts.initializers, parts.prediction))

@@ -631,6 +631,57 @@ def test_buffers_the_programs_signature_declares_do_not_train_unless_named():
     assert _weights(m, trainable=["*"]) == ("fc.weight",)
 
 
+def test_one_element_parameters_the_programs_signature_declares_train_as_torch_trains_them():
+    """A learned temperature (a 0-d ``nn.Parameter``) and ReZero's gate (one element, read by a
+    ``Mul``) look like constants to a file alone, and stay so without a signature; the dynamo
+    exporter's declares them parameters, and the plan's step on them is the loss's gradient."""
+    from device_runtime import PlanExecutor
+    from emulator.toolchain import initial_weights_from_onnx
+
+    from .models import model
+
+    rng = np.random.default_rng(12)
+    values = {
+        "fc.weight": rng.normal(size=(4, 3)).astype(np.float32),
+        "alpha": np.array([0.7], np.float32),
+        "temp": np.array(1.5, np.float32),
+    }
+    nodes = [
+        _dynamo_node("MatMul", ["x", "fc.weight"], ["h"], "fc", ["fc.weight"]),
+        _dynamo_node("Mul", ["h", "alpha"], ["gated"], "", ["alpha"]),
+        _dynamo_node("Mul", ["gated", "temp"], ["logits"], "", ["temp"]),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        values,
+        opset=18,
+    )
+    assert _weights(m) == ("fc.weight",)  # no signature: one-element scales stay constants
+    _with_signature(m, {"p_fc_weight": "fc.weight", "p_alpha": "alpha", "p_temp": "temp"})
+    plan = training_plan_from_onnx(
+        m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8, example_selector=SELECTOR
+    )
+    assert plan.weight_names == ("fc.weight", "alpha", "temp")
+    assert _weights(m, frozen=["temp"]) == ("fc.weight", "alpha")
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 3, 8)}
+    executor = PlanExecutor(plan)
+    weights = initial_weights_from_onnx(m, plan)
+    after = executor.final_weights(weights, executor.run_device(weights, lambda: [batch]))
+
+    def loss(alpha: float, temp: float) -> float:
+        z = batch["x"].astype(np.float64) @ values["fc.weight"] * alpha * temp
+        z -= z.max(axis=1, keepdims=True)
+        return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(8), batch["y"]]))
+
+    a, t, eps = 0.7, 1.5, 1e-6
+    d_alpha = (loss(a + eps, t) - loss(a - eps, t)) / (2 * eps)
+    d_temp = (loss(a, t + eps) - loss(a, t - eps)) / (2 * eps)
+    np.testing.assert_allclose(after["alpha"], [a - 0.5 * d_alpha], rtol=1e-5)
+    np.testing.assert_allclose(after["temp"], t - 0.5 * d_temp, rtol=1e-5)
+
+
 def _with_local_functions(flat: onnx.ModelProto) -> onnx.ModelProto:
     """``flat``'s Gemm-Relu-Gemm with its layers as model-local functions, as onnxscript writes a
     ``@script`` model that calls ``@script`` functions: ``dense_relu`` calls ``dense``, each in the
