@@ -14,7 +14,7 @@ Shapes come from ONNX shape inference; where a rule needs a shape that inference
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 import numpy as np
 import onnx
@@ -371,14 +371,18 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, tuple[int, ...]] = {"CastLike": (1,)}
 
 
 def differentiable(
-    nodes: Sequence[onnx.NodeProto], sources: Iterable[str], infos: Mapping[str, TensorInfo]
+    nodes: Sequence[onnx.NodeProto],
+    sources: Iterable[str],
+    infos: Mapping[str, TensorInfo],
+    detached: Set[str] = frozenset(),
 ) -> set[str]:
     """The tensors a gradient can reach from ``sources`` (themselves included), nodes in topological order.
 
     It follows float tensors only, through ops that carry a gradient (not every tensor computed from them):
     integer, boolean and shape paths (``Shape`` and the arithmetic on it, a boolean mask, an index
-    buffer) and the outputs of ops without a gradient stop it, so that they need no rule. A tensor
-    whose type inference could not fix counts as float (the rule decides)."""
+    buffer), the outputs of ops without a gradient and ``detached`` tensors (``Tensor.detach()``)
+    stop it, so that they need no rule. A tensor whose type inference could not fix counts as float
+    (the rule decides)."""
     reached = set(sources)
     for node in nodes:
         if node.domain in DEFAULT_DOMAINS and node.op_type in NO_GRADIENT:
@@ -388,6 +392,8 @@ def differentiable(
             continue
         for o in node.output:
             info = infos.get(o)
+            if o in detached:
+                continue
             if o and (info is None or info.elem_type in FLOAT_TYPES or info.elem_type == TensorProto.UNDEFINED):
                 reached.add(o)
     return reached
@@ -399,20 +405,22 @@ def backward(
     seeds: Mapping[str, str],
     wrt: Sequence[str],
     lookup_masks: Mapping[str, str] | None = None,
+    detached: Set[str] = frozenset(),
 ) -> dict[str, str | None]:
     """Emit the gradients of the seeded tensors' sum with respect to each of ``wrt``.
 
     ``lookup_masks`` (weight -> a tensor broadcasting over it) multiplies the gradient each row
     lookup of the weight (``Gather`` on its first axis) gives it, and no other: torch's
     ``nn.Embedding(padding_idx=...)`` keeps its padding row out of the lookup's gradient, while an
-    output layer tied to the embedding still trains that row.
+    output layer tied to the embedding still trains that row. No gradient flows through the
+    ``detached`` tensors (torch's ``Tensor.detach()``).
 
     ``seeds`` maps a forward tensor to the tensor holding the gradient flowing into it (for a
     scalar loss: a ones tensor, or 1/N for the mean). Only nodes on a path from ``wrt`` to a seed
     along which a gradient flows (:func:`differentiable`) are differentiated. Returns ``wrt`` name -> gradient tensor, or
     None where no seeded tensor depends on it (a zero gradient). Raises
     :class:`UnsupportedOpError` for the first node on the way that no rule covers."""
-    live = differentiable(nodes, wrt, emitter.infos)
+    live = differentiable(nodes, wrt, emitter.infos, detached)
     needed = needed_for(nodes, seeds)
     _refuse_control_flow(nodes, live, needed)
     gelus = erf_gelus(nodes, emitter, live)

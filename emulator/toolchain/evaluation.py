@@ -81,7 +81,12 @@ def evaluation_plan_from_onnx(
             else [
                 w
                 for w in default_trainable(
-                    nodes, parts.initializers, parts.prediction, tensor_infos(parts.model), parts.parameters
+                    nodes,
+                    parts.initializers,
+                    parts.prediction,
+                    tensor_infos(parts.model),
+                    parts.parameters,
+                    parts.detached,
                 )
                 if w not in parts.buffers
             ]

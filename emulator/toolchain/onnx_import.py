@@ -72,14 +72,20 @@ class TrainableError(ValueError):
     """A ``trainable`` or ``frozen`` pattern that selects nothing, or a tensor that cannot train."""
 
 
-def on_float_path(nodes: Sequence[onnx.NodeProto], infos: Mapping[str, TensorInfo], prediction: str) -> set[str]:
+def on_float_path(
+    nodes: Sequence[onnx.NodeProto],
+    infos: Mapping[str, TensorInfo],
+    prediction: str,
+    detached: Set[str] = frozenset(),
+) -> set[str]:
     """The tensors from which ``prediction`` is reached through differentiable float inputs
     (``nodes`` in topological order): a tensor outside it feeds only shape arithmetic, integer or
-    boolean paths, or branches the prediction does not read. What a subgraph reads of the outer
-    scope (an ``If`` branch's weights) reaches the node's outputs as its inputs do."""
+    boolean paths, ``detached`` tensors (see :func:`detached_tensors`), or branches the prediction
+    does not read. What a subgraph reads of the outer scope (an ``If`` branch's weights) reaches
+    the node's outputs as its inputs do."""
     reached = {prediction}
     for node in reversed(nodes):
-        if node.op_type in NO_GRADIENT or not any(o in reached for o in node.output if o):
+        if node.op_type in NO_GRADIENT or not any(o in reached and o not in detached for o in node.output if o):
             continue
         skip = NON_DIFFERENTIABLE_INPUTS.get(node.op_type, frozenset())
         read = [name for k, name in enumerate(node.input) if k not in skip]
@@ -421,6 +427,21 @@ def constant_buffers(model: onnx.ModelProto) -> set[str]:
     present = {i.name for i in model.graph.initializer}
     found = {name for name in _BUFFER_LINE.findall(text) if name in present and not name.endswith(_STATISTICS)}
     return found | keras_preprocessing_constants(model)
+
+
+def detached_tensors(model: onnx.ModelProto) -> set[str]:
+    """The outputs of the dynamo exporter's ``Identity`` nodes for ``Tensor.detach()`` (FX node
+    ``aten.detach.default``; ``optimize=False``, or its optimizer removes them): torch's step sends no
+    gradient through them (a stop-gradient, a straight-through estimator's ``(q - x).detach()``), nor
+    does a plan's. The classic exporter's trace drops ``detach`` without a trace, and no export marks
+    a ``torch.no_grad()`` block of ``forward``: its gradient flows in a plan."""
+    return {
+        node.output[0]
+        for node in model.graph.node
+        if node.op_type == "Identity"
+        and node.output
+        and (_metadata(node, _FX_NODE) or "").split("(args", 1)[0].endswith("target=torch.ops.aten.detach.default]")
+    }
 
 
 def declared_parameters(model: onnx.ModelProto) -> set[str]:

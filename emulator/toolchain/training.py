@@ -215,6 +215,8 @@ class ModelParts:
     # the module's parameters the exported program declares (onnx_import.declared_parameters): trained
     # by default whatever their size
     parameters: set[str] = field(default_factory=set)
+    # Tensor.detach()'s outputs (onnx_import.detached_tensors): no gradient flows through them
+    detached: set[str] = field(default_factory=set)
 
 
 def read_model(
@@ -240,6 +242,7 @@ def read_model(
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
     buffers = onnx_import.constant_buffers(m)
     parameters = onnx_import.declared_parameters(m)
+    detached = onnx_import.detached_tensors(m)
     population = onnx_import.population_running_variance(m)
     ml_ops.standard_form(m)
     buffers |= ml_ops.preprocessing_constants(m)
@@ -315,6 +318,7 @@ def read_model(
         population,
         metadata_dropped,
         parameters,
+        detached,
     )
 
 
@@ -390,10 +394,12 @@ def default_trainable(
     prediction: str,
     infos: Mapping[str, TensorInfo] | None = None,
     parameters: Set[str] = frozenset(),
+    detached: Set[str] = frozenset(),
 ) -> list[str]:
-    """Float32 initializers of rank >= 1 on a differentiable float path to ``prediction``, less
-    one-element scales, and the declared ``parameters`` there (see :mod:`.onnx_import`)."""
-    reached = onnx_import.on_float_path(nodes, infos or {}, prediction)
+    """Float32 initializers of rank >= 1 on a differentiable float path to ``prediction`` (not through
+    ``detached`` tensors), less one-element scales, and the declared ``parameters`` there (see
+    :mod:`.onnx_import`)."""
+    reached = onnx_import.on_float_path(nodes, infos or {}, prediction, detached)
     return onnx_import.default_trainable(inits, reached, onnx_import.only_scales(nodes, inits), parameters)
 
 
@@ -583,7 +589,7 @@ def onnx_training_plan(
     )
     refine_infos(e.infos, tensor_infos(probe))
 
-    reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction)
+    reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction, parts.detached)
     weights = onnx_import.select_trainable(
         parts.initializers,
         reached,
@@ -611,7 +617,7 @@ def onnx_training_plan(
     }
     looked_up = {n.input[0] for n in nodes if n.op_type == "Gather" and int(attr(n, "axis", 0)) == 0}
     lookup_masks = {w: m for w, m in row_masks.items() if w in looked_up}
-    grads = backward(e, [*nodes, *lg.nodes], lg.seeds, weights, lookup_masks)
+    grads = backward(e, [*nodes, *lg.nodes], lg.seeds, weights, lookup_masks, parts.detached)
     missing = [w for w, g in grads.items() if g is None]
     if missing:
         raise ValueError(f"the loss does not depend on {missing}; leave them out of trainable")

@@ -682,6 +682,68 @@ def test_one_element_parameters_the_programs_signature_declares_train_as_torch_t
     np.testing.assert_allclose(after["temp"], t - 0.5 * d_temp, rtol=1e-5)
 
 
+def test_no_gradient_flows_through_a_detach_the_dynamo_exporter_wrote():
+    """``logits = h * h.detach()``, ``h = x @ W``: the exporter writes the detach as an ``Identity``
+    (FX node ``aten.detach.default``), and the plan's step is torch's, the detached factor held
+    constant (differentiated through, the gradient would double); and a weight that reaches the
+    loss only through a detach does not train."""
+    from device_runtime import PlanExecutor
+    from emulator.toolchain import initial_weights_from_onnx
+
+    from .models import model
+
+    rng = np.random.default_rng(13)
+    w0, w1 = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32)
+
+    def detach(source: str, out: str) -> onnx.NodeProto:
+        node = helper.make_node("Identity", [source], [out])
+        node.metadata_props.add(
+            key="pkg.torch.onnx.fx_node",
+            value=f"%{out} : [num_users=1] = call_function[target=torch.ops.aten.detach.default]"
+            f"(args = (%{source},), kwargs = {{}})",
+        )
+        return node
+
+    nodes = [
+        _dynamo_node("MatMul", ["x", "fc.weight"], ["h"], "fc", ["fc.weight"]),
+        _dynamo_node("MatMul", ["x", "other.weight"], ["o"], "other", ["other.weight"]),
+        detach("h", "d"),
+        detach("o", "od"),
+        _dynamo_node("Mul", ["h", "d"], ["hd"], "", []),
+        _dynamo_node("Add", ["hd", "od"], ["logits"], "", []),
+    ]
+    m = model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        {"fc.weight": w0, "other.weight": w1},
+        opset=18,
+    )
+    plan = training_plan_from_onnx(
+        m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8, example_selector=SELECTOR
+    )
+    assert plan.weight_names == ("fc.weight",)  # other.weight reaches the loss only detached
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    batch = {"x": x, "y": rng.integers(0, 3, 8)}
+    executor = PlanExecutor(plan)
+    weights = initial_weights_from_onnx(m, plan)
+    after = executor.final_weights(weights, executor.run_device(weights, lambda: [batch]))["fc.weight"]
+    xd = x.astype(np.float64)
+    held, shift = xd @ w0, xd @ w1  # the detached factor and term: constants
+
+    def loss(w: np.ndarray) -> float:
+        z = (xd @ w) * held + shift
+        z -= z.max(axis=1, keepdims=True)
+        return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(8), batch["y"]]))
+
+    grad = np.zeros((4, 3))
+    for i in np.ndindex(4, 3):
+        step = np.zeros((4, 3))
+        step[i] = 1e-6
+        grad[i] = (loss(w0 + step) - loss(w0 - step)) / 2e-6
+    np.testing.assert_allclose(after, w0 - 0.5 * grad, rtol=1e-4, atol=1e-6)
+
+
 def _with_local_functions(flat: onnx.ModelProto) -> onnx.ModelProto:
     """``flat``'s Gemm-Relu-Gemm with its layers as model-local functions, as onnxscript writes a
     ``@script`` model that calls ``@script`` functions: ``dense_relu`` calls ``dense``, each in the
