@@ -55,8 +55,20 @@ _FIX = (
 )
 
 
+#: torch's nn.EmbeddingBag, which both exporters write as a Loop over its bags (the batch)
+_BAGS_FIX = (
+    "torch's nn.EmbeddingBag exports as this Loop over its bags: `fedfleet plan from-torch` exports bags of one "
+    "length (a 2-D input, no offsets) as a lookup and a reduction, or write them as nn.Embedding and "
+    ".sum(1), .mean(1) or .amax(1)"
+)
+
+
 def _refuse(node: onnx.NodeProto, why: str) -> UnsupportedOpError:
-    return UnsupportedOpError(node.op_type, node.name or node.output[0], f"{why}; {_FIX}")
+    """A refusal naming ``node`` and ``why``, with the way round it: the dynamo exporter's Loop for
+    ``aten.embedding_bag`` (its FX node in the node's metadata) has its own."""
+    origin = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+    fix = _BAGS_FIX if "torch.ops.aten.embedding_bag" in origin else _FIX
+    return UnsupportedOpError(node.op_type, node.name or node.output[0], f"{why}; {fix}")
 
 
 def _defined(graph: onnx.GraphProto) -> set[str]:

@@ -11,6 +11,8 @@ refused in one line naming it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -176,6 +178,19 @@ def test_a_loop_of_a_trip_count_unknown_when_the_plan_is_made_is_refused_in_one_
     message = str(refused.value)
     assert len(message.splitlines()) == 1
     assert message.startswith("op 'Loop' (node 'h_last') ") and why in message and "fixed sequence length" in message
+
+
+def test_the_loop_torch_writes_for_an_embedding_bag_is_refused_saying_how_to_export_the_bags():
+    """nn.EmbeddingBag through the dynamo exporter (``data/make_embedding_bag.py``): a Loop over the
+    bags, as many as the batch; the refusal names the module and the export that trains it."""
+    model = onnx.load(str(Path(__file__).with_name("data") / "embedding_bag.onnx"))
+    with pytest.raises(UnsupportedOpError) as refused:
+        onnx_training_plan(
+            model, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=N, example_selector=SELECTOR
+        )
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and "not known when the plan is made" in message
+    assert "nn.EmbeddingBag" in message and "plan from-torch" in message and "fixed sequence length" not in message
 
 
 def test_a_loop_longer_than_the_limit_is_refused():

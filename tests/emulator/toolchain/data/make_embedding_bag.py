@@ -54,11 +54,17 @@ def main() -> None:
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 
 
+#: node metadata dropped, as benchmarks/export_fixtures.py drops it (the exporting machine's source paths:
+#: most of the file); the FX node each came from stays
+_DROPPED = ("pkg.torch.onnx.stack_trace", "namespace", "pkg.torch.onnx.class_hierarchy")
+
+
 def _strip(graph: onnx.GraphProto) -> None:
-    """The nodes' metadata and doc strings dropped, in subgraphs too (the exporting machine's source
-    paths, most of the file)."""
+    """The nodes' :data:`_DROPPED` metadata and doc strings dropped, in subgraphs too."""
     for node in graph.node:
+        kept = [p for p in node.metadata_props if p.key not in _DROPPED]
         del node.metadata_props[:]
+        node.metadata_props.extend(kept)
         node.doc_string = ""
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
