@@ -51,7 +51,9 @@ import onnx
 import torch
 from torch import nn
 
-from benchmarks.export_fixtures import BATCH, LR, export, perturb, reference_step, tied, without_dropout
+from benchmarks import export_fixtures
+from benchmarks.export_fixtures import BATCH, LR, batch, export, perturb, reference_step, tied, without_dropout
+from benchmarks.torch_models import Input, ModelSpec
 from device_runtime.executor import make_session
 from emulator.toolchain import TaskError, UnsupportedOpError
 from emulator.toolchain.tasks import Task, onnx_import
@@ -197,6 +199,222 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], int]] = {
     "timm_poolformer_s12": (_timm("poolformerv2_s12"), 64),
     "timm_fastvit_t8": (_timm("fastvit_t8"), 64),
 }
+
+
+class _RecurrentClassifier(nn.Module):
+    """Tokens through a two-layer bidirectional ``kind`` (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), its
+    outputs averaged over the positions whose token is not 0 (padding)."""
+
+    def __init__(self, kind: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8)
+        self.rnn = getattr(nn, kind)(8, 8, num_layers=2, bidirectional=True, batch_first=True, **kwargs)
+        self.fc = nn.Linear(16, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embedding(tokens))
+        mask = (tokens != 0).unsqueeze(-1).to(out.dtype)
+        return self.fc((out * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+
+
+class _UNet(nn.Module):
+    """Two down and two up stages with skip concatenations; up by ``ConvTranspose2d`` or by
+    ``nn.Upsample(mode=up)`` and a 1x1 convolution."""
+
+    def __init__(self, up: str = "transpose", c: int = 4) -> None:
+        super().__init__()
+
+        def block(i: int, o: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())
+
+        def upsample(i: int, o: int) -> nn.Module:
+            if up == "transpose":
+                return nn.ConvTranspose2d(i, o, 2, stride=2)
+            corners = {} if up == "nearest" else {"align_corners": False}
+            return nn.Sequential(nn.Upsample(scale_factor=2, mode=up, **corners), nn.Conv2d(i, o, 1))
+
+        self.d1, self.d2, self.mid = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
+        self.u2, self.u1 = upsample(4 * c, 2 * c), upsample(2 * c, c)
+        self.c2, self.c1, self.out = block(4 * c, 2 * c), block(2 * c, c), nn.Conv2d(c, CLASSES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.d1(x)
+        b = self.d2(nn.functional.max_pool2d(a, 2))
+        m = self.mid(nn.functional.max_pool2d(b, 2))
+        y = self.c1(torch.cat([self.u1(self.c2(torch.cat([self.u2(m), b], 1))), a], 1))
+        return self.out(y).mean((2, 3))
+
+
+class _Bags(nn.Module):
+    """``nn.EmbeddingBag`` of one bag per row (mean, max with row 0 padding, sum weighted per token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = nn.EmbeddingBag(50, 8, mode="mean")
+        self.max = nn.EmbeddingBag(50, 8, mode="max", padding_idx=0)
+        self.sum = nn.EmbeddingBag(50, 8, mode="sum")
+        self.gate = nn.Linear(1, 1)
+        self.fc = nn.Linear(24, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        weights = torch.sigmoid(self.gate(tokens.to(self.gate.weight.dtype).unsqueeze(-1) / 50)).squeeze(-1)
+        return self.fc(
+            torch.cat([self.mean(tokens), self.max(tokens), self.sum(tokens, per_sample_weights=weights)], 1)
+        )
+
+
+class _TriuAttention(nn.Module):
+    """Causal self-attention written out, its mask built by ``torch.triu`` and ``masked_fill``,
+    scoring the next token at every position."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.embedding, self.position = nn.Embedding(vocab, dim), nn.Parameter(torch.randn(16, dim) * 0.1)
+        self.norm, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.head, self.heads = nn.Linear(dim, vocab, bias=False), heads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.embedding(tokens) + self.position[:length]
+        q, k, v = (
+            t.view(t.shape[0], length, self.heads, -1).transpose(1, 2) for t in self.qkv(self.norm(x)).chunk(3, -1)
+        )
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1), float("-inf"))
+        return self.head(x + self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape)))
+
+
+class _Audio(nn.Module):
+    """A wav2vec-like feature encoder: strided ``Conv1d`` with GroupNorm and GELU, then a linear head."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(1, c, 10, stride=5, bias=False), nn.GroupNorm(c, c), nn.GELU(),
+            nn.Conv1d(c, c, 3, stride=2, bias=False), nn.GELU(),
+            nn.Conv1d(c, c, 3, stride=2, groups=2), nn.GroupNorm(2, c), nn.GELU(),
+        )  # fmt: skip
+        self.fc = nn.Linear(c, CLASSES)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(wave.unsqueeze(1)).mean(2))
+
+
+class _Unpool(nn.Module):
+    """SegNet's decoder step: ``max_pool2d`` with indices, ``max_unpool2d`` back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec, self.fc = (
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.Conv2d(4, 3, 3, padding=1),
+            nn.Linear(3, CLASSES),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.enc(x))
+        pooled, indices = nn.functional.max_pool2d(h, 2, return_indices=True)
+        return self.fc(
+            self.dec(nn.functional.max_unpool2d(pooled, indices, (2, 2), output_size=h.shape[-2:])).mean((2, 3))
+        )
+
+
+class _Volume(nn.Module):
+    """``Conv3d`` with BatchNorm3d, ``avg_pool3d``, ``ConvTranspose3d`` and trilinear ``interpolate``."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv3d(1, c, 3, padding=1, stride=(1, 2, 2)), nn.BatchNorm3d(c)
+        self.up, self.fc = nn.ConvTranspose3d(c, c, 2, stride=2), nn.Linear(c, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.avg_pool3d(torch.relu(self.norm(self.conv(x.unsqueeze(1)))), 2)
+        return self.fc(nn.functional.interpolate(self.up(h), scale_factor=(1, 2, 2), mode="trilinear").amax((2, 3, 4)))
+
+
+class _PaddedAttention(nn.Module):
+    """``nn.MultiheadAttention`` with a key padding mask, then ``nn.TransformerDecoderLayer`` with
+    a causal mask (``torch.triu``) and the memory's padding mask."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embedding, self.attention = nn.Embedding(50, dim), nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.decoder = nn.TransformerDecoderLayer(dim, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+        self.fc = nn.Linear(dim, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, padding = self.embedding(tokens), tokens == 0
+        y, _ = self.attention(x, x, x, key_padding_mask=padding, need_weights=False)
+        causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
+        return self.fc(self.decoder(y, x, tgt_mask=causal, memory_key_padding_mask=padding).mean(1))
+
+
+class _Scalars(nn.Module):
+    """ReZero's one-element gate and a 0-d learned temperature: parameters torch trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.f, self.fc = nn.Linear(3, 8), nn.Linear(8, 8), nn.Linear(8, CLASSES)
+        self.alpha, self.temperature = nn.Parameter(torch.tensor([0.1])), nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x.mean((2, 3)))
+        return self.fc(h + self.alpha * torch.relu(self.f(h))) * self.temperature
+
+
+class _Detached(nn.Module):
+    """A straight-through rounding ``h + (round(h) - h).detach()`` and a detached gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.proj, self.fc = nn.Linear(3, 8), nn.Linear(8, 8), nn.Linear(8, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x.mean((2, 3)))
+        rounded = h + (torch.round(h * 4) / 4 - h).detach()
+        return self.fc(rounded * torch.sigmoid(self.proj(h).detach()) + self.proj(h))
+
+
+_TOKENS = (Input("tokens", (16,), "int64", 50),)
+_IMAGE16 = (Input("image", (3, 16, 16)),)
+
+
+#: torch.nn architectures (and torch's own recurrent, upsampling and masking idioms) at small
+#: sizes, beside the torchvision and timm models: run with ``--only NAME``
+def _nn(factory: Callable[[], nn.Module], inputs: tuple[Input, ...], classes: int = CLASSES, **kw: Any) -> ModelSpec:
+    return ModelSpec("torch.nn", factory, factory, inputs, classes, **kw)
+
+
+NN_ZOO: dict[str, ModelSpec] = {
+    "nn_bilstm": _nn(partial(_RecurrentClassifier, "LSTM"), _TOKENS),
+    "nn_bigru": _nn(partial(_RecurrentClassifier, "GRU"), _TOKENS),
+    "nn_birnn_relu": _nn(partial(_RecurrentClassifier, "RNN", nonlinearity="relu"), _TOKENS),
+    "nn_unet_transpose": _nn(_UNet, _IMAGE16),
+    "nn_unet_nearest": _nn(partial(_UNet, "nearest"), _IMAGE16),
+    "nn_unet_bilinear": _nn(partial(_UNet, "bilinear"), _IMAGE16),
+    "nn_unet_bicubic": _nn(partial(_UNet, "bicubic"), _IMAGE16),
+    "nn_embedding_bag": _nn(_Bags, _TOKENS),
+    "nn_triu_attention": _nn(_TriuAttention, _TOKENS, 50, label_shape=(16,)),
+    "nn_audio_conv1d": _nn(_Audio, (Input("wave", (400,)),)),
+    "nn_max_unpool": _nn(_Unpool, _IMAGE16),
+    "nn_conv3d": _nn(_Volume, (Input("volume", (4, 8, 8)),)),
+    "nn_padded_attention": _nn(_PaddedAttention, _TOKENS),
+    "nn_scalar_parameters": _nn(_Scalars, (Input("image", (3, 4, 4)),)),
+    "nn_detach": _nn(_Detached, (Input("image", (3, 4, 4)),)),
+}
+
+
+def run_nn(name: str, exporter: str, state: str = "perturbed") -> dict[str, Any]:
+    """:func:`step_check` on :data:`NN_ZOO`'s ``name``, ``fresh`` (as it initializes) or ``perturbed``."""
+    spec = NN_ZOO[name]
+    torch.manual_seed(0)
+    module = without_dropout(spec.small()).train()
+    generator = torch.Generator().manual_seed(1)
+    if state == "perturbed":
+        perturb(module, generator)
+    inputs, labels = batch(spec, generator)
+    specs = [TorchInput(i.name, i.shape, i.dtype) for i in spec.inputs]
+    return step_check(module, specs, inputs, labels, exporter, {"model": name, "exporter": exporter, "state": state})
 
 
 def no_stochastic_depth(module: nn.Module) -> nn.Module:
@@ -377,13 +595,26 @@ def _untrained(module: nn.Module, reference: dict[str, np.ndarray], trained: set
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(ZOO))
+    parser.add_argument("--only", nargs="+", choices=[*ZOO, *NN_ZOO])
     parser.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=["from_torch"])
     parser.add_argument("--side", type=int, help="the image side, for every model (default: each its own)")
+    parser.add_argument(
+        "--opset", type=int, help="the classic and dynamo_noopt exports' opset (default: export_fixtures')"
+    )
+    parser.add_argument("--fresh", action="store_true", help="torch.nn models as they initialize, not perturbed")
     args = parser.parse_args(argv)
+    if args.opset:
+        export_fixtures.CLASSIC_OPSET = export_fixtures.DYNAMO_OPSET = args.opset
     for name in args.only or list(ZOO):
         for exporter in args.exporters:
-            print(json.dumps(run(name, exporter, args.side)), flush=True)
+            if name in NN_ZOO:
+                row = run_nn(name, exporter, "fresh" if args.fresh else "perturbed")
+            else:
+                row = run(name, exporter, args.side)
+            print(
+                json.dumps({**row, **({"opset": args.opset} if args.opset and exporter != "from_torch" else {})}),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
