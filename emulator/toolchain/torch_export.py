@@ -402,7 +402,13 @@ def export_torch(
             try:
                 out = module(*args)
             except Exception as exc:  # noqa: BLE001 - the module's own code: any error is the inputs' mismatch
-                raise TaskError(forward_failure(exc, inputs)) from None
+                # integer inputs of zeros are all padding to a model whose padding id is 0 (an
+                # nn.TransformerEncoder's src_key_padding_mask then fails in eval): ones instead
+                ones = tuple(torch.ones_like(a) if not a.is_floating_point() else a for a in args)
+                try:
+                    out, args = module(*ones), ones
+                except Exception:  # noqa: BLE001 - the module's own code: the first error is the one to give
+                    raise TaskError(forward_failure(exc, inputs)) from None
             checks = tuple(_check_example(torch, spec) for spec in inputs)
             try:
                 expected = module(*checks)

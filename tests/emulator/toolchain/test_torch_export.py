@@ -398,6 +398,55 @@ def test_from_torch_trains_an_embedding_bag_of_one_bag_per_row_as_torch_does(tmp
         np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+PADDED_FACTORY = '''
+import torch
+
+class Padded(torch.nn.Module):
+    """Token ids whose 0 pads, through nn.TransformerEncoder with src_key_padding_mask: in eval mode
+    its fast path fails on a batch of padding alone, which zeros are."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(12, 8)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1)
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        padding = ids == 0
+        kept = (~padding).unsqueeze(-1).to(torch.float32)
+        hidden = self.encoder(self.emb(ids), src_key_padding_mask=padding) * kept
+        return self.fc(hidden.sum(1) / kept.sum(1).clamp(min=1.0))
+
+
+def make_padded():
+    torch.manual_seed(0)
+    return Padded()
+'''
+
+
+@pytest.mark.slow
+def test_from_torch_traces_integer_inputs_as_ones_where_the_module_fails_on_zeros(tmp_path, monkeypatch, capsys):
+    """The trace's integer examples are zeros, all padding to a model whose padding id is 0; where
+    its forward fails on them, ones are traced instead, and the plan takes torch's step."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    (tmp_path / "padded.py").write_text(PADDED_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "from-torch", "padded:make_padded", "--input", "ids:5:int64", "--label", "y", "--lr", "0.5"]
+    assert main([*args, "--runtimes", "1.31.1", "-o", "bundle"]) == 0, capsys.readouterr().err
+    ids = np.array([[3, 4, 0, 0, 0], [5, 11, 2, 7, 1], [6, 0, 9, 0, 0]], dtype=np.int64)
+    labels = np.array([1, 2, 0])
+    stepped = _plan_step(tmp_path / "bundle", "make_padded", ids, labels)
+    net = _import_factory(tmp_path, "padded", "make_padded")()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
+    optimizer.step()
+    assert set(stepped) == set(net.state_dict())
+    for name, value in net.state_dict().items():
+        np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 T5_FACTORY = '''
 import torch
 from transformers import T5Config, T5EncoderModel
