@@ -3,26 +3,55 @@ for the tensors the plan feeds, shuffled through a bounded buffer, and cut into 
 plan's batch size. Memory stays bounded by the buffer plus one chunk, whatever the size of the
 collection.
 
-The buffer is the plan's ``shuffle_buffer``, but never more examples than fit in
-``SHUFFLE_MAX_BYTES`` (the device's own bound, not the plan's) at the largest size per example
-read so far: a hostile plan's buffer of 10^9 examples would otherwise hold every example of the
-collection at once. The bound depends only on the examples read, so the batches stay a function of
+The buffer is the plan's ``shuffle_buffer``, but never more examples than fit in the device's
+share of its memory for examples (``examples_share``: an eighth of its ``DeviceClass.memory_mb``,
+``SHUFFLE_MAX_BYTES`` for a default device) at the largest size per example read so far: a hostile
+plan's buffer of 10^9 examples would otherwise hold every example of the collection at once. The
+bound depends only on the examples read and the device's memory, so the batches stay a function of
 the plan's seed and the device's data; an honest plan's buffer (1,024 examples by default) is
-below it and shuffles as it always did."""
+below it and shuffles as it always did.
+
+Examples are counted at the bytes they hold (``held_bytes``): an array of Python objects (strings,
+bytes) holds its objects as well as the pointers its ``nbytes`` counts."""
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from .plan import DeviceConfig, PlanError
 
-#: The most bytes of examples a plan's shuffle buffer holds on a device, whatever the plan asks:
-#: an eighth of a default ``DeviceClass``'s 2,048 MB (1,024 images of 224 x 224 x 3 bytes take
-#: 147 MiB). Counted from the largest size per example of the chunks read so far.
-SHUFFLE_MAX_BYTES = 256 << 20
+#: The part of a device's memory its examples may take at once, whatever the plan asks: its shuffle
+#: buffer, and one batch (``examples_share``).
+EXAMPLES_MEMORY_FRACTION = 8
+
+
+def examples_share(memory_mb: float) -> int:
+    """The most bytes of examples a device of ``memory_mb`` holds at once for a plan: in its shuffle
+    buffer, and in one batch (an eighth of its memory)."""
+    return int(memory_mb * (1 << 20)) // EXAMPLES_MEMORY_FRACTION
+
+
+#: The most bytes of examples a plan's shuffle buffer holds on a default ``DeviceClass`` (2,048
+#: MB), whatever the plan asks: 1,024 images of 224 x 224 x 3 bytes take 147 MiB. Counted from
+#: the largest size per example of the chunks read so far.
+SHUFFLE_MAX_BYTES = examples_share(2048)
+
+
+def held_bytes(value: np.ndarray) -> int:
+    """The bytes ``value`` holds: its ``nbytes``, and for an array of Python objects (strings,
+    bytes, arrays) each object's own size too, which ``nbytes`` (a pointer each) leaves out."""
+    if value.dtype.kind != "O":
+        return int(value.nbytes)
+    return int(value.nbytes) + sum(map(sys.getsizeof, value.flat))
+
+
+def chunk_bytes(chunk: Mapping[str, np.ndarray]) -> int:
+    """The bytes a chunk of examples holds (``held_bytes`` of each of its arrays)."""
+    return sum(held_bytes(v) for v in chunk.values())
 
 
 def batches_from_examples(
@@ -100,20 +129,21 @@ def _shuffle(
         parts.append(chunk)
         n = _size(chunk)
         size += n
-        per_example = -(-sum(v.nbytes for v in chunk.values()) // n)
+        per_example = -(-chunk_bytes(chunk) // n)
         if per_example > widest:
             widest = per_example
             capacity = min(capacity, max(1, max_bytes // widest))
         if size > capacity:
-            pool = _join(parts)
+            pool = join_chunks(parts)
             perm = rng.permutation(size)
             yield _take(pool, perm[: size - capacity])
             parts, size = [_take(pool, perm[size - capacity :])], capacity
     if size:
-        yield _take(_join(parts), rng.permutation(size))
+        yield _take(join_chunks(parts), rng.permutation(size))
 
 
-def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def join_chunks(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The examples of ``parts`` (chunks of the same tensors) in one chunk, in order."""
     if len(parts) == 1:
         return parts[0]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -122,7 +152,7 @@ def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     pending: dict[str, np.ndarray] | None = None
     for chunk in chunks:
-        pending = chunk if pending is None else _join([pending, chunk])
+        pending = chunk if pending is None else join_chunks([pending, chunk])
         size = _size(pending)
         if size < batch_size:
             continue

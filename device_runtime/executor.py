@@ -129,6 +129,16 @@ class PlanExecutor(ServerOps):
         inputs, _ = self._work_specs()
         return {w: (tuple(inputs[w][0]), np.dtype(inputs[w][1])) for w in self.plan.weight_names}
 
+    def example_bytes(self) -> int:
+        """The bytes one example takes at least as the work graph is fed it: each fed input's dims
+        after the batch's, a dim the graph leaves open counted as 1, times its dtype's size."""
+        inputs, _ = self._work_specs()
+        total = 0
+        for graph_name in dict.fromkeys(self.plan.device.inputs):
+            shape, dtype = inputs.get(graph_name, ((), np.float32))
+            total += int(np.prod([1 if d is None else d for d in shape[1:]], dtype=np.int64)) * np.dtype(dtype).itemsize
+        return total
+
     def client_update_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """What a valid client update holds: name -> (shape, dtype), read from the ``accumulate``
         graph's ``upd/`` inputs (the contract the server part actually runs)."""
@@ -332,7 +342,8 @@ class PlanExecutor(ServerOps):
         the epoch (the number of times the callable was called) and the chunking of the source;
         ``shuffle_seed=None`` draws a fresh seed from the OS; ``shuffle_buffer <= 1`` keeps order.
         The buffer never holds more than ``max_held_bytes`` of examples (``SHUFFLE_MAX_BYTES``,
-        256 MiB, by default), at the largest size per example read so far, whatever the plan's
+        256 MiB, by default; a runtime gives its device's ``examples_share``), at the largest size
+        per example read so far, whatever the plan's
         ``shuffle_buffer``: a plan cannot make a device hold its whole collection at once.
         """
         return batches_from_examples(self.plan.device, open_examples, batched=batched, max_held_bytes=max_held_bytes)

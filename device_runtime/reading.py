@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from example_store import (
     ExampleIterator,
@@ -42,12 +45,15 @@ from example_store import (
     UnknownCollectionError,
 )
 
+from .batching import chunk_bytes, join_chunks
+from .errors import OverBudget
 from .plan import DeviceConfig
 
 log = logging.getLogger(__name__)
 
-#: The most examples a session reads in one chunk to shuffle them at once (an honest plan's
-#: default shuffle buffer); larger selections are read in batches of the plan's batch size.
+#: The most examples a session reads in one chunk: to shuffle them at once (an honest plan's
+#: default shuffle buffer), or as one batch; larger selections are read in batches of the plan's
+#: batch size, and a larger batch in pieces of this many examples, counted as they come.
 READ_AT_ONCE_MAX = 1024
 
 #: How a session chose its examples (the ``resume`` detail of its ``training_started`` event).
@@ -108,6 +114,7 @@ class ExampleReading:
         mode: str,
         key: tuple[str, str, str] | None = None,
         keeper: ResumptionTokenKeeper | None = None,
+        max_batch_bytes: int | None = None,
     ) -> None:
         self.store = store
         self.device = device
@@ -116,6 +123,7 @@ class ExampleReading:
         self.mode = mode
         self._key = key
         self._keeper = keeper
+        self.max_batch_bytes = max_batch_bytes
         self._opened: list[ExampleIterator] = []
         self._stopped_at: str | None = None
 
@@ -128,11 +136,13 @@ class ExampleReading:
         population: str,
         task: str,
         keeper: ResumptionTokenKeeper,
+        max_batch_bytes: int | None = None,
     ) -> ExampleReading:
-        """Choose what this session reads (see the module docstring for the rules)."""
+        """Choose what this session reads (see the module docstring for the rules). A batch that
+        holds more than ``max_batch_bytes`` ends the session in ``OverBudget`` (``open_batches``)."""
         base = device.selector
         if not device.resume:
-            return cls(store, device, base, _count(store, base), READ_ALL)
+            return cls(store, device, base, _count(store, base), READ_ALL, max_batch_bytes=max_batch_bytes)
         key = (population, task, base.collection_uri)
         mode = READ_FROM_START
         token = keeper.resumption_token(*key)
@@ -152,15 +162,15 @@ class ExampleReading:
                 keeper.forget_resumption_token(*key)
             else:
                 if available > 0:
-                    return cls(store, device, resumed, available, READ_CONTINUED, key, keeper)
+                    return cls(store, device, resumed, available, READ_CONTINUED, key, keeper, max_batch_bytes)
                 mode = READ_WRAPPED
-        return cls(store, device, base.resuming(None), _count(store, base), mode, key, keeper)
+        return cls(store, device, base.resuming(None), _count(store, base), mode, key, keeper, max_batch_bytes)
 
     @property
     def resumes(self) -> bool:
         return self._key is not None
 
-    def open_batches(self) -> ExampleIterator:
+    def open_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """The ``open_examples`` callable of ``PlanExecutor.batches_from_examples``: called once
         per epoch; the last iterator opened is the one whose position is kept. It reads in
         batches of the plan's batch size, or at once when the selection fits the plan's shuffle
@@ -168,14 +178,23 @@ class ExampleReading:
         it at once however it came, so the batches trained are the same, and one chunk costs less
         to check, pool and cut than dozens (a text client's 280 examples in batches of 8: 0.5 ms a
         session). The bound keeps a hostile plan's buffer of 10^9 from reading a store of 100,000
-        images in one chunk."""
+        images in one chunk.
+
+        A batch of more than ``READ_AT_ONCE_MAX`` examples is read in pieces of that many, joined
+        into the batches the store would have given (so it trains the same), and counted as they
+        come: one that holds more than ``max_batch_bytes`` ends the session in ``OverBudget`` with
+        at most one piece read past it (a plan's batch of 10^9 examples read everything at once)."""
         device = self.device
         size = device.batch_size
         if device.shuffle_buffer > 1 and self.available <= min(device.shuffle_buffer, READ_AT_ONCE_MAX):
             size = max(size, self.available)
-        iterator = self.store.query_batches(self.selector, size)
-        self._opened.append(iterator)
-        return iterator
+        if size <= READ_AT_ONCE_MAX:
+            iterator = self.store.query_batches(self.selector, size)
+            self._opened.append(iterator)
+            return iterator
+        pieces = self.store.query_batches(self.selector, READ_AT_ONCE_MAX)
+        self._opened.append(pieces)
+        return _joined(pieces, size, self.max_batch_bytes)
 
     def training_completed(self) -> None:
         """Note where reading stopped (after every epoch ran to its end); nothing is saved yet."""
@@ -208,3 +227,31 @@ class ExampleReading:
         """Give back every cursor at once (an interrupted session leaves its iterators open)."""
         for iterator in self._opened:
             iterator.close()
+
+
+def _joined(pieces: ExampleIterator, size: int, max_bytes: int | None) -> Iterator[dict[str, np.ndarray]]:
+    """The pieces' examples in batches of ``size`` (the last one may be smaller), in order; raises
+    ``OverBudget`` as soon as the pieces of one batch hold more than ``max_bytes``."""
+    parts: list[dict[str, np.ndarray]] = []
+    count = held = 0
+    for piece in pieces:
+        if not piece:
+            continue
+        n = len(next(iter(piece.values())))
+        parts.append(piece)
+        count += n
+        held += chunk_bytes(piece)
+        if max_bytes is not None and held > max_bytes:
+            raise OverBudget(
+                f"a batch of {size:,} examples holds more than this device gives a plan's examples at once "
+                f"({max_bytes / (1 << 20):,.0f} MB): {held / (1 << 20):,.0f} MB in its first {count:,} examples"
+            )
+        if count >= size:
+            whole = join_chunks(parts)
+            yield {k: v[:size] for k, v in whole.items()}
+            rest = {k: v[size:] for k, v in whole.items()}
+            count -= size
+            parts = [rest] if count else []
+            held = chunk_bytes(rest) if count else 0
+    if parts:
+        yield join_chunks(parts)

@@ -26,6 +26,7 @@ import onnxruntime
 from example_store import ExampleSelector, ExampleStore, ExampleStoreError, UnknownCollectionError
 
 from .attestation import DeviceAttestor, PeerCertificateVerifier
+from .batching import examples_share
 from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .clock import elapsed_clock, is_system_time
 from .ddp import DDPError
@@ -84,7 +85,9 @@ class DeviceClass:
     """What a device can give a plan; a plan whose declared budget exceeds it is refused, and so is
     one whose work graph makes a tensor larger than ``memory_mb`` where its size is known before it
     runs (``plan.largest_work_tensor``), and checked again before each step at the batch's shapes
-    (``plan.largest_work_tensor_at``). On the system's clock, training stops by force after
+    (``plan.largest_work_tensor_at``). A plan's examples take at most an eighth of ``memory_mb``
+    at once (``batching.examples_share``): its shuffle buffer is cut to it, and a plan whose one
+    batch cannot fit is refused. On the system's clock, training stops by force after
     ``max_training_s`` when the plan declares no time budget of its own."""
 
     name: str = "default"
@@ -362,7 +365,12 @@ class FLRuntime:
             rec.record("plan_downloaded", plan_id=session.plan_id)
             store = self.store_for(plan.device.selector.collection_uri)
             reading = rec.reading = ExampleReading.start(
-                store, plan.device, population=self.population, task=session.task, keeper=self.resumption_tokens
+                store,
+                plan.device,
+                population=self.population,
+                task=session.task,
+                keeper=self.resumption_tokens,
+                max_batch_bytes=examples_share(self.device_class.memory_mb),
             )
             available = reading.available
             if available == 0:
@@ -375,7 +383,7 @@ class FLRuntime:
             resume = {"resume": reading.mode} if reading.resumes else {}
             rec.record("training_started", examples_available=available, **resume)
             batches: Callable[[], Iterator[Mapping[str, np.ndarray]]] = executor.batches_from_examples(
-                reading.open_batches
+                reading.open_batches, max_held_bytes=examples_share(self.device_class.memory_mb)
             )
             batches = _within_memory(batches, plan, self.device_class)
             if self.work_meter is not None:
@@ -601,7 +609,7 @@ class FLRuntime:
             self._abort_quietly(rec.session, outcome.detail[:500], rec.stats())
         return rec.result(Outcome.REPORT_REJECTED, metrics, examples, code)
 
-    def _check_budget(self, plan: Plan) -> None:
+    def _check_budget(self, plan: Plan, executor: PlanExecutor) -> None:
         meta, device = plan.metadata, self.device_class
         if meta.memory_budget_mb is not None and meta.memory_budget_mb > device.memory_mb:
             raise OverBudget(
@@ -613,6 +621,14 @@ class FLRuntime:
             raise OverBudget(
                 f"plan {plan.name!r} makes tensor {largest[0][:100]!r} of {largest[1] / (1 << 20):,.0f} MB before it "
                 f"has run a step; a {device.name} device gives {device.memory_mb} MB"
+            )
+        # one batch is read, held and fed at once: its examples' share of the memory bounds it
+        batch, share = plan.device.batch_size * executor.example_bytes(), examples_share(device.memory_mb)
+        if batch > share:
+            raise OverBudget(
+                f"plan {plan.name!r} trains on batches of {plan.device.batch_size:,} examples, "
+                f"{batch / (1 << 20):,.0f} MB at least; a {device.name} device holds "
+                f"{share / (1 << 20):,.0f} MB of examples at once (an eighth of its {device.memory_mb} MB)"
             )
         if meta.time_budget_s is not None and meta.time_budget_s > device.max_training_s:
             raise OverBudget(
@@ -654,7 +670,7 @@ class FLRuntime:
         try:
             plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version)
             try:
-                self._check_budget(plan)
+                self._check_budget(plan, executor)
             except OverBudget:
                 if self.environment.loaded_plans is None:
                     self.loaded_plans.forget(plan_id, self.runtime_version)

@@ -422,3 +422,63 @@ def test_a_work_graph_loaded_again_at_another_batch_size_is_sized_at_that_batch(
     assert one.work == plan.work
     sized = [largest_work_tensor(load_plan(serialize_plan(p))) for p in (plan, one, plan)]
     assert sized == [("big", 16 << 20), ("big", 128 << 20), ("big", 16 << 20)]
+
+
+def _sized_in_a_loop_by_the_data():
+    """A Loop whose trips are the batch's largest pixel and whose body makes ``i * 10^12`` floats:
+    nothing for a batch of zeros, 4 TB at the first batch whose pixels reach 2, a size no check
+    before the step can know (it is the loop's counter, from the examples' values)."""
+    state = [helper.make_tensor_value_info(n, t, []) for n, t in (("c", TensorProto.BOOL), ("v", TensorProto.FLOAT))]
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["c"], ["c_out"]),
+            helper.make_node("Mul", ["i", "trillion"], ["how_many"]),
+            helper.make_node("Reshape", ["how_many", "one_dim"], ["shape"]),
+            helper.make_node("ConstantOfShape", ["shape"], ["big"], value=ONE),
+            helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0),
+            helper.make_node("Add", ["v", "total"], ["v_out"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), *state],
+        [
+            helper.make_tensor_value_info(n, t, [])
+            for n, t in (("c_out", TensorProto.BOOL), ("v_out", TensorProto.FLOAT))
+        ],
+        [_ints(10**12, "trillion"), _ints([1], "one_dim")],
+    )
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
+        helper.make_node("Cast", ["peak"], ["trips"], to=TensorProto.INT64),
+        helper.make_node("Loop", ["trips", "go", "zero"], ["extra"], body=body),
+    ]
+    initializers = [
+        numpy_helper.from_array(np.array(True), "go"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+    ]
+    return nodes, initializers
+
+
+def test_a_size_from_the_data_inside_a_loop_ends_the_session_cleanly_after_steps_that_ran(tmp_path):
+    """Three batches of zeros train, the fourth makes the loop's second trip allocate 4 TB: the step
+    fails in the SDK's ``PlanError``, the server hears the abort, the session is recorded as an
+    error, where it stopped reading is not kept (the next session of the task reads from the
+    start), and the same runtime trains an honest plan next."""
+    resuming = {"resume_examples": True, "shuffle_buffer": 0, "epochs": 1}
+    hostile = _with_work(digits_plan(**resuming), *_sized_in_a_loop_by_the_data())
+    assert load_plan(serialize_plan(hostile)) is not None  # nothing to refuse before it runs
+    store = InMemoryExampleStore(clock=lambda: 100.0)
+    x = np.zeros((40, 64), np.float32)
+    x[24:] = 2.0
+    store.add_columns(COLLECTION, {"x": x, "y": np.arange(40) % 10})
+    server = HostileServer([hostile, digits_plan(**resuming)])
+    opstats = OpStatsStore(tmp_path / "app.db")
+    with FLRuntime("digits", "http://fl.test", store, transport=server, opstats=opstats) as runtime:
+        with pytest.raises(PlanError, match=r"the plan's 'work' graph failed at step 3: .*no update was made"):
+            runtime.run_session()
+        assert server.aborts == 1 and server.reports == 0
+        assert opstats.resumption_token("digits", "train", COLLECTION) is None
+        honest = runtime.run_session()
+    assert honest.outcome is Outcome.COMPLETED and honest.num_examples == 40
+    assert next(e.detail["resume"] for e in honest.events if e.kind == "training_started") == "from_start"
+    assert opstats.resumption_token("digits", "train", COLLECTION) is not None
+    assert [s.shape for s in opstats.sessions()] == ["-v[*", "-v[]+^"]
