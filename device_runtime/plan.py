@@ -465,6 +465,10 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
     )
 
 
+#: The largest value an ONNX dimension (an int64) holds: a plan's batch size is its inputs' first dim.
+MAX_DIM = 2**63 - 1
+
+
 def _check_plan(plan: Plan, runtime_version: str | None) -> None:
     import onnx
 
@@ -473,6 +477,20 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
     dev = plan.device
     if dev.batch_size < 1 or dev.epochs < 1 or dev.shuffle_buffer < 0:
         raise PlanError("plan's batch_size and epochs must be >= 1 and shuffle_buffer >= 0")
+    if dev.batch_size > MAX_DIM:
+        raise PlanError(f"plan's batch_size {dev.batch_size:,} is past what an ONNX dimension holds ({MAX_DIM:,})")
+    if dev.shuffle_seed is not None and dev.shuffle_seed < 0:
+        raise PlanError(f"plan's shuffle_seed must be >= 0 or null, got {dev.shuffle_seed}")
+    if dev.selector.resume_after is not None:
+        raise PlanError(
+            "plan's example selector names a resumption token (resume_after); a device keeps its own "
+            "(device.resume), a plan carries none"
+        )
+    weights_fed = sorted(set(dev.inputs) & set(plan.weight_names))
+    if weights_fed:
+        raise PlanError(
+            f"plan's device.inputs feeds examples to its weight {weights_fed[0]!r}; the plan is corrupt or was edited"
+        )
     if plan.kind == "train" and len(plan.weight_outputs) != len(plan.weight_names):
         raise PlanError("a training plan needs one weight output per weight name")
     if plan.kind == "eval" and plan.weight_outputs:

@@ -482,3 +482,36 @@ def test_a_size_from_the_data_inside_a_loop_ends_the_session_cleanly_after_steps
     assert next(e.detail["resume"] for e in honest.events if e.kind == "training_started") == "from_start"
     assert opstats.resumption_token("digits", "train", COLLECTION) is not None
     assert [s.shape for s in opstats.sessions()] == ["-v[*", "-v[]+^"]
+
+
+HOSTILE_DEVICE_FIELDS = {
+    # SeedSequence raised a ValueError at the first batch, not one of the SDK's errors
+    "negative-seed": ({"shuffle_seed": -1}, "shuffle_seed must be >= 0 or null, got -1"),
+    # onnx raised a ValueError pinning the batch into the graph's int64 dim
+    "batch-past-int64": ({"batch_size": 10**30}, "batch_size 1,000,000,000,000,000,000,000,000,000,000 is past"),
+    # the example store's InvalidResumptionTokenError reached the app
+    "selector-token": (
+        {"selector": {"collection_uri": COLLECTION, "resume_after": "garbage"}},
+        r"names a resumption token \(resume_after\)",
+    ),
+    # the examples were bound over the weights the checkpoint gave
+    "examples-as-weights": ({"inputs": {"x": "x", "y": "y", "b0": "y"}}, "feeds examples to its weight 'b0'"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(HOSTILE_DEVICE_FIELDS))
+def test_hostile_device_fields_are_refused_when_the_plan_loads(field, tmp_path):
+    from tests.device_runtime.test_resume_examples import _rewrite_device
+
+    fields, words = HOSTILE_DEVICE_FIELDS[field]
+    honest = digits_plan("mlp")
+    data = _rewrite_device(serialize_plan(honest), **fields)
+    with pytest.raises(PlanError, match=words):
+        load_plan(data)
+    server = HostileServer([honest, honest])
+    server.plans[0] = data
+    server.by_id[hashlib.sha256(data).hexdigest()] = data
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, cache_dir=tmp_path) as runtime:
+        with pytest.raises(CorruptResource, match=words):
+            runtime.run_session()
+        assert server.aborts == 1 and runtime.run_session().outcome is Outcome.COMPLETED
