@@ -166,7 +166,8 @@ class PlanExecutor(ServerOps):
             raise PlanError(f"weights {missing} are missing; the plan needs {sorted(spec)}")
         out = {}
         for name, (shape, _dtype) in spec.items():
-            arr = f32(weights[name])
+            with np.errstate(over="ignore"):  # a float64 past float32's range is infinite: the caller's to refuse
+                arr = f32(weights[name])
             if arr.shape != shape:
                 raise PlanError(f"weight {name!r} has shape {arr.shape}, the plan needs {shape}")
             out[name] = arr

@@ -693,16 +693,16 @@ class FLRuntime:
     def _checkpoint(self, checkpoint_id: str, token: str, executor: PlanExecutor) -> dict:
         data = self.client.fetch_resource(checkpoint_id, token)
         try:
-            weights = decode_checkpoint(data)
-            executor.check_weights(weights)
+            weights = executor.check_weights(decode_checkpoint(data))
         except (CheckpointError, PlanError) as exc:
             raise CorruptResource(f"checkpoint {checkpoint_id} was refused: {exc}") from exc
         # a server commits only finite models: NaN or infinite weights would train to an update the
-        # server refuses, the device's work for nothing
+        # server refuses, the device's work for nothing. Checked as the float32 the plan trains: a
+        # float64 of 1e300 is finite, and infinite once cast.
         broken = next((w for w in executor.plan.weight_names if not np.isfinite(weights[w]).all()), None)
         if broken is not None:
             raise CorruptResource(
-                f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values"
+                f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values as float32"
             )
         return weights
 

@@ -285,12 +285,15 @@ def test_a_checkpoint_that_is_not_the_plans_or_not_a_checkpoint_is_refused_as_co
         {**initial_weights(plan, seed=0), first: np.full_like(initial_weights(plan)[first], x)}
         for x in (np.nan, -np.inf)
     )
+    # a float64 of 1e300 is finite, and infinite as the float32 the plan trains: it trained too
+    past = {**initial_weights(plan, seed=0), first: np.full(initial_weights(plan)[first].shape, 1e300)}
     for checkpoint, says in [
         (encode_checkpoint(initial_weights(other, seed=0)), "has shape"),
         (good[:-5], "refused"),
         (b"\x00" * 40, "refused"),
         (encode_checkpoint(nan), f"weight {first!r} holds NaN or infinite values"),
         (encode_checkpoint(inf), f"weight {first!r} holds NaN or infinite values"),
+        (encode_checkpoint(past), f"weight {first!r} holds NaN or infinite values as float32"),
     ]:
         with FLRuntime(
             "p",
