@@ -577,6 +577,7 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
                     f"or what onnxruntime {target} runs ({max_opset})"
                 )
         _check_graph_names(plan, field, model)
+        _check_tensor_types(field, model)
         largest = _largest_of(blob, plan.device if field == "work" else None, model=model)
         if largest is not None and largest[1] > MAX_TENSOR_BYTES:
             raise PlanError(
@@ -815,6 +816,25 @@ def _is_version(v: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _check_tensor_types(field: str, model: Any) -> None:
+    """Refuse a graph whose inputs or outputs are not tensors of a type numpy holds (a sequence, an
+    optional, a map, an undefined type): a device reads its inputs' shapes and dtypes to feed it."""
+    import onnx
+
+    for value in (*model.graph.input, *model.graph.output):
+        kind = value.type.WhichOneof("value")
+        if kind == "tensor_type":
+            try:
+                onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+                continue
+            except (KeyError, ValueError, TypeError):
+                kind = f"tensor of element type {value.type.tensor_type.elem_type}"
+        raise PlanError(
+            f"graph {field!r} takes or gives {value.name[:100]!r} as a {kind or 'value of no type'}; "
+            "a plan's graphs take and give tensors"
+        )
 
 
 def _check_graph_names(plan: Plan, field: str, model: Any) -> None:

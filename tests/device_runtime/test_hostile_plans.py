@@ -484,6 +484,15 @@ def test_a_size_from_the_data_inside_a_loop_ends_the_session_cleanly_after_steps
     assert [s.shape for s in opstats.sessions()] == ["-v[*", "-v[]+^"]
 
 
+def _serving_first(data: bytes, honest):
+    """A HostileServer whose first session gets the plan ``data`` (bytes no Plan serializes to),
+    with ``honest``'s weights, and every later one ``honest``."""
+    server = HostileServer([honest, honest])
+    server.plans[0] = data
+    server.by_id[hashlib.sha256(data).hexdigest()] = data
+    return server
+
+
 HOSTILE_DEVICE_FIELDS = {
     # SeedSequence raised a ValueError at the first batch, not one of the SDK's errors
     "negative-seed": ({"shuffle_seed": -1}, "shuffle_seed must be >= 0 or null, got -1"),
@@ -508,10 +517,38 @@ def test_hostile_device_fields_are_refused_when_the_plan_loads(field, tmp_path):
     data = _rewrite_device(serialize_plan(honest), **fields)
     with pytest.raises(PlanError, match=words):
         load_plan(data)
-    server = HostileServer([honest, honest])
-    server.plans[0] = data
-    server.by_id[hashlib.sha256(data).hexdigest()] = data
+    server = _serving_first(data, honest)
     with FLRuntime("digits", "http://fl.test", _store(), transport=server, cache_dir=tmp_path) as runtime:
         with pytest.raises(CorruptResource, match=words):
+            runtime.run_session()
+        assert server.aborts == 1 and runtime.run_session().outcome is Outcome.COMPLETED
+
+
+def _typed(name: str, kind: str):
+    """The digits plan whose work graph takes or gives ``name`` as a ``kind`` other than a tensor."""
+    plan = digits_plan()
+    model = onnx.ModelProto.FromString(plan.work)
+    element = helper.make_tensor_type_proto(TensorProto.FLOAT, None)
+    made = {
+        "sequence": lambda: helper.make_sequence_type_proto(element),
+        "optional": lambda: helper.make_optional_type_proto(element),
+    }[kind]()
+    for value in (*model.graph.input, *model.graph.output):
+        if value.name == name:
+            value.type.CopyFrom(made)
+    return dataclasses.replace(plan, work=model.SerializeToString())
+
+
+@pytest.mark.parametrize("name", ["x", "w0", "loss_sum"])
+@pytest.mark.parametrize("kind", ["sequence", "optional"])
+def test_a_graph_that_takes_or_gives_other_than_tensors_is_refused_when_the_plan_loads(name, kind, tmp_path):
+    """The checker passes a graph input or output of a sequence or optional type; the device read
+    its dtype to feed it and failed with a KeyError, not one of the SDK's errors."""
+    plan = _typed(name, kind)
+    with pytest.raises(PlanError, match=rf"graph 'work' takes or gives '{name}' as a {kind}_type"):
+        load_plan(serialize_plan(plan))
+    server = _serving_first(serialize_plan(plan), digits_plan())
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, cache_dir=tmp_path) as runtime:
+        with pytest.raises(CorruptResource, match="a plan's graphs take and give tensors"):
             runtime.run_session()
         assert server.aborts == 1 and runtime.run_session().outcome is Outcome.COMPLETED
