@@ -523,8 +523,10 @@ class _Workspace:
         train = plan.kind == "train"
         self.sets = [{w: ort.OrtValue.ortvalue_from_numpy(initial[w].copy()) for w in plan.weight_names}]
         if train:
+            # zeros, not the uninitialized memory of ortvalue_from_shape_and_type: a buffer the
+            # graph would not write must not carry the app's old memory into an update
             self.sets.append(
-                {w: ort.OrtValue.ortvalue_from_shape_and_type(initial[w].shape, np.float32) for w in plan.weight_names}
+                {w: ort.OrtValue.ortvalue_from_numpy(np.zeros(initial[w].shape, np.float32)) for w in plan.weight_names}
             )
         self.metric_arrays = {m: np.zeros((), dtype=np.float32) for m in plan.metric_names}
         metric_values = {m: ort.OrtValue.ortvalue_from_numpy(a) for m, a in self.metric_arrays.items()}

@@ -486,6 +486,11 @@ def _check_plan(plan: Plan, runtime_version: str | None) -> None:
             "plan's example selector names a resumption token (resume_after); a device keeps its own "
             "(device.resume), a plan carries none"
         )
+    both = sorted(set(plan.weight_outputs) & set(plan.metric_names))
+    if both:
+        raise PlanError(
+            f"plan's output {both[0]!r} is both a weight output and a metric; the plan is corrupt or was edited"
+        )
     weights_fed = sorted(set(dev.inputs) & set(plan.weight_names))
     if weights_fed:
         raise PlanError(

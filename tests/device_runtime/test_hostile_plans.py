@@ -552,3 +552,35 @@ def test_a_graph_that_takes_or_gives_other_than_tensors_is_refused_when_the_plan
         with pytest.raises(CorruptResource, match="a plan's graphs take and give tensors"):
             runtime.run_session()
         assert server.aborts == 1 and runtime.run_session().outcome is Outcome.COMPLETED
+
+
+def _rewrite_header(data: bytes, **fields: object) -> bytes:
+    """The plan ``data`` with its header's top-level ``fields`` changed, re-sealed."""
+    import json
+
+    from device_runtime.plan import _PREFIX, MAGIC
+
+    _, version, header_len, total = _PREFIX.unpack_from(data, 0)
+    header = json.loads(data[_PREFIX.size : _PREFIX.size + header_len])
+    header.update(fields)
+    header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    body = data[_PREFIX.size + header_len : total - 32]
+    content = _PREFIX.pack(MAGIC, version, len(header_bytes), _PREFIX.size + len(header_bytes) + len(body) + 32)
+    content += header_bytes + body
+    return content + hashlib.sha256(content).digest()
+
+
+def test_a_plan_whose_weight_output_is_also_a_metric_is_refused_and_sends_nothing(tmp_path):
+    """The metric's binding took the output, so the weight's buffer was never written: the device
+    reported an update made of that buffer's uninitialized memory (the app's memory, to the server)."""
+    honest = digits_plan()
+    outputs = [honest.metric_names[0], *honest.weight_outputs[1:]]
+    data = _rewrite_header(serialize_plan(honest), weight_outputs=outputs)
+    with pytest.raises(PlanError, match="output 'loss_sum' is both a weight output and a metric"):
+        load_plan(data)
+    server = _serving_first(data, honest)
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, cache_dir=tmp_path) as runtime:
+        with pytest.raises(CorruptResource, match="is both a weight output and a metric"):
+            runtime.run_session()
+        assert server.reports == 0 and server.aborts == 1
+        assert runtime.run_session().outcome is Outcome.COMPLETED
