@@ -17,6 +17,8 @@ from .errors import InvalidArgumentError
 ORDERS = ("oldest", "newest")
 _FIELDS = ("collection_uri", "start_time", "end_time", "limit", "order", "resume_after")
 _MAX_TOKEN_CHARS = 4096
+#: The largest limit: what a store's SQL takes (an SQLite INTEGER, int64).
+MAX_LIMIT = 2**63 - 1
 
 
 def _check_time(name: str, value: Any) -> float | None:
@@ -26,7 +28,10 @@ def _check_time(name: str, value: Any) -> float | None:
         raise InvalidArgumentError(
             f"ExampleSelector.{name} must be a number of unix seconds or None, got {value!r} ({type(value).__name__})"
         )
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range (a plan's JSON can hold 10^400)
+        value = math.inf
     if not math.isfinite(value):
         raise InvalidArgumentError(f"ExampleSelector.{name} must be finite, got {value!r}; use None for no bound")
     return value
@@ -61,9 +66,11 @@ class ExampleSelector:
         object.__setattr__(self, "start_time", _check_time("start_time", self.start_time))
         object.__setattr__(self, "end_time", _check_time("end_time", self.end_time))
         if self.limit is not None and (
-            isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0
+            isinstance(self.limit, bool) or not isinstance(self.limit, int) or not 0 <= self.limit <= MAX_LIMIT
         ):
-            raise InvalidArgumentError(f"ExampleSelector.limit must be a non-negative int or None, got {self.limit!r}")
+            raise InvalidArgumentError(
+                f"ExampleSelector.limit must be an int from 0 to 2^63 - 1 or None, got {self.limit!r:.80}"
+            )
         if self.order not in ORDERS:
             raise InvalidArgumentError(f"ExampleSelector.order must be one of {ORDERS}, got {self.order!r}")
         token = self.resume_after

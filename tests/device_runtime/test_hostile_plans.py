@@ -503,6 +503,15 @@ HOSTILE_DEVICE_FIELDS = {
         {"selector": {"collection_uri": COLLECTION, "resume_after": "garbage"}},
         r"names a resumption token \(resume_after\)",
     ),
+    # SQLite's OverflowError when the store counted, float()'s when the plan loaded
+    "selector-limit-past-int64": (
+        {"selector": {"collection_uri": COLLECTION, "limit": 2**63}},
+        "example selector is invalid: ExampleSelector.limit must be an int from 0 to 2",
+    ),
+    "selector-time-past-float": (
+        {"selector": {"collection_uri": COLLECTION, "end_time": -(10**400)}},
+        "example selector is invalid: ExampleSelector.end_time must be finite",
+    ),
     # the examples were bound over the weights the checkpoint gave
     "examples-as-weights": ({"inputs": {"x": "x", "y": "y", "b0": "y"}}, "feeds examples to its weight 'b0'"),
 }

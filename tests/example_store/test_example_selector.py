@@ -9,6 +9,14 @@ import pytest
 from example_store import ExampleSelector, ExampleStoreError, InvalidArgumentError, RetentionPolicy
 
 
+def test_the_largest_limit_an_sqlite_store_takes_selects_everything(tmp_path):
+    from example_store import SQLiteExampleStore
+
+    with SQLiteExampleStore(tmp_path / "examples.db") as store:
+        store.add("app:/x", [{"v": 1.0}, {"v": 2.0}])
+        assert store.count(ExampleSelector("app:/x", limit=2**63 - 1)) == 2
+
+
 def test_defaults_and_round_trip_through_json():
     sel = ExampleSelector("app:/digits", start_time=10, end_time=20.5, limit=3, order="newest")
     assert sel.start_time == 10.0 and isinstance(sel.start_time, float)
@@ -28,6 +36,9 @@ def test_defaults_and_round_trip_through_json():
         {"start_time": "yesterday"},
         {"end_time": float("nan")},
         {"start_time": float("inf")},
+        # past what a store's SQL takes (SQLite's OverflowError) and past a float (float()'s)
+        {"limit": 2**63},
+        {"end_time": -(10**400)},
     ],
 )
 def test_bad_values_raise_value_error_that_is_an_example_store_error(kwargs):
