@@ -124,6 +124,9 @@ class ExampleReading:
         self._key = key
         self._keeper = keeper
         self.max_batch_bytes = max_batch_bytes
+        #: The iterator the last epoch opened (the one whose position is kept), and no other: an
+        #: epoch opens its iterator once the one before read its last batch, and a plan of 10^9
+        #: epochs over one example kept a closed iterator per epoch, 1 MB a second.
         self._opened: list[ExampleIterator] = []
         self._stopped_at: str | None = None
 
@@ -188,12 +191,13 @@ class ExampleReading:
         size = device.batch_size
         if device.shuffle_buffer > 1 and self.available <= min(device.shuffle_buffer, READ_AT_ONCE_MAX):
             size = max(size, self.available)
+        self.close()
         if size <= READ_AT_ONCE_MAX:
             iterator = self.store.query_batches(self.selector, size)
-            self._opened.append(iterator)
+            self._opened = [iterator]
             return iterator
         pieces = self.store.query_batches(self.selector, READ_AT_ONCE_MAX)
-        self._opened.append(pieces)
+        self._opened = [pieces]
         return _joined(pieces, size, self.max_batch_bytes)
 
     def training_completed(self) -> None:
