@@ -47,7 +47,7 @@ from example_store import (
 
 from .batching import chunk_bytes, join_chunks
 from .errors import OverBudget
-from .plan import DeviceConfig
+from .plan import DeviceConfig, PlanError
 
 log = logging.getLogger(__name__)
 
@@ -251,11 +251,18 @@ def _joined(pieces: ExampleIterator, size: int, max_bytes: int | None) -> Iterat
                 f"({max_bytes / (1 << 20):,.0f} MB): {held / (1 << 20):,.0f} MB in its first {count:,} examples"
             )
         if count >= size:
-            whole = join_chunks(parts)
+            whole = _joined_parts(parts)
             yield {k: v[:size] for k, v in whole.items()}
             rest = {k: v[size:] for k, v in whole.items()}
             count -= size
             parts = [rest] if count else []
             held = chunk_bytes(rest) if count else 0
     if parts:
-        yield join_chunks(parts)
+        yield _joined_parts(parts)
+
+
+def _joined_parts(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    try:
+        return join_chunks(parts)
+    except (KeyError, ValueError) as exc:  # a store's pieces of other tensors, or other shapes
+        raise PlanError(f"the examples of one batch disagree on their tensors or shapes ({exc!s:.200})") from None

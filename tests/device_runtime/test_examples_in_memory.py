@@ -211,3 +211,19 @@ def test_a_session_of_many_epochs_keeps_one_iterator_not_one_per_epoch(tmp_path)
         reading.training_completed()
         assert reading.position() is not None  # the last epoch's iterator, read to its end
         reading.close()
+
+
+def test_a_large_batch_whose_pieces_disagree_in_shape_ends_in_the_sdks_error():
+    """An app's store whose examples change shape between two pieces of one batch: numpy's
+    ValueError joining them, not one of the SDK's errors."""
+    from device_runtime import PlanError
+    from tests.device_runtime.test_app_example_stores import ListExampleStore
+
+    wide = [(float(i), {"x": np.zeros(64, np.float32), "y": np.int64(1)}) for i in range(READ_AT_ONCE_MAX)]
+    narrow = [(float(i), {"x": np.zeros(32, np.float32), "y": np.int64(1)}) for i in range(READ_AT_ONCE_MAX, 1500)]
+    store = ListExampleStore(COLLECTION, wide + narrow)
+    plan = digits_plan(batch_size=1500, epochs=1)
+    reading = ExampleReading.start(store, plan.device, population="p", task="t", keeper=MemoryResumptionTokens())
+    with pytest.raises(PlanError, match="the examples of one batch disagree on their tensors or shapes"):
+        next(iter(reading.open_batches()))
+    reading.close()
