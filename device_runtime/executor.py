@@ -21,6 +21,7 @@ batch pointers and three scalars.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -136,7 +137,8 @@ class PlanExecutor(ServerOps):
         total = 0
         for graph_name in dict.fromkeys(self.plan.device.inputs):
             shape, dtype = inputs.get(graph_name, ((), np.float32))
-            total += int(np.prod([1 if d is None else d for d in shape[1:]], dtype=np.int64)) * np.dtype(dtype).itemsize
+            # Python ints: a hostile graph's dims of 10^10 x 10^10 would wrap around in int64
+            total += math.prod(1 if d is None else max(d, 0) for d in shape[1:]) * np.dtype(dtype).itemsize
         return total
 
     def client_update_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -227,3 +227,17 @@ def test_a_large_batch_whose_pieces_disagree_in_shape_ends_in_the_sdks_error():
     with pytest.raises(PlanError, match="the examples of one batch disagree on their tensors or shapes"):
         next(iter(reading.open_batches()))
     reading.close()
+
+
+def test_an_examples_bytes_are_counted_without_wrapping_around():
+    """Dims of 2^32 x 2^32 made 0 in int64: a plan's batch of them passed the device's check."""
+    import onnx
+
+    plan = digits_plan()
+    assert PlanExecutor(plan).example_bytes() == PER_EXAMPLE
+    model = onnx.ModelProto.FromString(plan.work)
+    x = next(v for v in model.graph.input if v.name == "x")
+    x.type.tensor_type.shape.dim[1].dim_value = 2**32
+    x.type.tensor_type.shape.dim.add().dim_value = 2**32
+    wide = dataclasses.replace(plan, work=model.SerializeToString())
+    assert PlanExecutor(wide).example_bytes() == 2**64 * 4 + 8
