@@ -51,9 +51,21 @@ class DeviceResult:
     num_examples: int
 
 
-def make_session(model_bytes: bytes) -> ort.InferenceSession:
-    """One onnxruntime session on the CPU provider with one thread, no spinning, sequential."""
+#: onnxruntime's optimizers a session runs without: constant folding computes a graph's constant
+#: subgraphs when the session is made, where a forced stop (``RunOptions.terminate``) does not
+#: reach; a plan's chain of products of constant 2,000 x 2,000 matrices kept a device past its
+#: training time for as long as they took (a plan's graphs read their weights as inputs, so an
+#: honest plan has little to fold).
+DISABLED_OPTIMIZERS = ("ConstantFolding",)
+
+
+def make_session(model_bytes: bytes, *, optimized_to: str | None = None) -> ort.InferenceSession:
+    """One onnxruntime session on the CPU provider with one thread, no spinning, sequential, and
+    none of ``DISABLED_OPTIMIZERS``; ``optimized_to`` names a file where onnxruntime writes the
+    graph it runs (a look at what it made of a plan)."""
     opts = ort.SessionOptions()
+    if optimized_to is not None:
+        opts.optimized_model_filepath = optimized_to
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -63,7 +75,12 @@ def make_session(model_bytes: bytes) -> ort.InferenceSession:
     # fatal only: a step that fails raises with onnxruntime's message, which the runtime records; its
     # log's copy on stderr repeated each failed session's error, thousands of lines in a fleet
     opts.log_severity_level = 4
-    return ort.InferenceSession(model_bytes, sess_options=opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        model_bytes,
+        sess_options=opts,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=list(DISABLED_OPTIMIZERS),
+    )
 
 
 def stoppable_run_options() -> ort.RunOptions:

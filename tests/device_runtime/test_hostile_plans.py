@@ -593,3 +593,32 @@ def test_a_plan_whose_weight_output_is_also_a_metric_is_refused_and_sends_nothin
             runtime.run_session()
         assert server.reports == 0 and server.aborts == 1
         assert runtime.run_session().outcome is Outcome.COMPLETED
+
+
+def _products_of_constants(n: int, chained: int):
+    """A work graph that multiplies a constant n x n matrix by itself ``chained`` times."""
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["m0"], value=ONE)]
+    nodes += [helper.make_node("MatMul", [f"m{i}", f"m{i}"], [f"m{i + 1}"]) for i in range(chained)]
+    nodes.append(helper.make_node("ReduceSum", [f"m{chained}"], ["extra"], keepdims=0))
+    return _with_work(digits_plan(), nodes, [_ints([n, n], "shape")])
+
+
+def test_a_graph_of_constant_products_is_computed_in_its_steps_where_a_forced_stop_reaches(tmp_path):
+    """onnxruntime's constant folding computed the products when the session was made, which the
+    device's forced stop at its training time does not reach: 400 products of 2,000 x 2,000
+    matrices kept it for minutes. The session's graph keeps them as steps, and the device's
+    training time stops the first one."""
+    from device_runtime.executor import make_session
+
+    plan = _products_of_constants(4, 3)
+    optimized = tmp_path / "optimized.onnx"
+    make_session(plan.work, optimized_to=str(optimized))
+    ran = onnx.load(str(optimized))
+    assert sum(node.op_type == "MatMul" for node in ran.graph.node) == 3  # not folded into a constant
+    server = HostileServer([_products_of_constants(2_000, 400), digits_plan()])
+    device = DeviceClass("small", max_training_s=0.3)
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, device_class=device) as runtime:
+        result = runtime.run_session()
+        assert result.outcome is Outcome.INTERRUPTED and server.aborts == 1
+        assert "over the device's training time (0.3 s" in result.events[-1].detail["reason"]
+        assert runtime.run_session().outcome is Outcome.COMPLETED
