@@ -622,3 +622,18 @@ def test_a_graph_of_constant_products_is_computed_in_its_steps_where_a_forced_st
         assert result.outcome is Outcome.INTERRUPTED and server.aborts == 1
         assert "over the device's training time (0.3 s" in result.events[-1].detail["reason"]
         assert runtime.run_session().outcome is Outcome.COMPLETED
+
+
+def test_a_graph_whose_constant_folding_crashed_onnxruntime_makes_a_session():
+    """The Loop the dynamo exporter writes for nn.EmbeddingBag: onnxruntime's constant folding ends
+    the process in a segmentation fault when it makes a session of it (the app, for a plan whose
+    graph holds it); the device's sessions fold no constants. Made in a process of its own, which
+    the fault would end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    graph = Path(__file__).parents[1] / "emulator" / "toolchain" / "data" / "embedding_bag.onnx"
+    code = "import sys; from device_runtime.executor import make_session; make_session(open(sys.argv[1], 'rb').read())"
+    made = subprocess.run([sys.executable, "-c", code, str(graph)], capture_output=True, timeout=60)
+    assert made.returncode == 0, made.stderr.decode()[-500:]
