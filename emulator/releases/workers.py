@@ -52,7 +52,13 @@ from typing import IO, Any
 import numpy as np
 import onnxruntime as ort
 
-from device_runtime.executor import DeviceResult, PlanExecutor, TrainingInterrupted, device_result
+from device_runtime.executor import (
+    DISABLED_OPTIMIZERS,
+    DeviceResult,
+    PlanExecutor,
+    TrainingInterrupted,
+    device_result,
+)
 from device_runtime.plan import Plan
 from device_runtime.plan_cache import LoadedPlans
 
@@ -152,7 +158,9 @@ def serve(control_fd):
             opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             opts.log_severity_level = 3
-            sessions[key] = ort.InferenceSession(arrays["model"].tobytes(), opts, providers=["CPUExecutionProvider"])
+            sessions[key] = ort.InferenceSession(
+                arrays["model"].tobytes(), opts, providers=["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+            )
         return sessions[key]
     def step(run_id, feeds):
         run = runs[run_id]
@@ -247,7 +255,7 @@ def serve(control_fd):
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]) if len(sys.argv) > 1 else -1)
-"""
+""".replace("DISABLED_OPTIMIZERS", repr(list(DISABLED_OPTIMIZERS)))  # the device's sessions' own
 
 _FRAMING: dict[str, Any] = {"__name__": "fedfleet_worker_framing"}
 exec(compile(WORKER_SOURCE, "<fedfleet worker>", "exec"), _FRAMING)  # noqa: S102 - our own constant

@@ -16,12 +16,13 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime import (
     FLRuntime,
@@ -271,6 +272,19 @@ def test_a_worker_that_dies_is_reported_with_the_tail_of_its_stderr():
         worker._proc.wait()
         with pytest.raises(WorkerError, match=r"worker was killed \(SIGKILL: out of memory, or another process"):
             worker.load(build_mlp_plan(64, (8,), 10, opset=17, selector=ExampleSelector("app:/digits")).work)
+
+
+def test_a_worker_makes_its_sessions_as_the_device_does_without_folding_constants():
+    """The Loop the dynamo exporter writes for nn.EmbeddingBag ends onnxruntime 1.32 in a segmentation
+    fault when its constant folding runs; a release's worker runs a plan's graphs as the device does
+    (``DISABLED_OPTIMIZERS``), so it computes this one rather than dying."""
+    graph = Path(__file__).parents[1] / "toolchain" / "data" / "embedding_bag.onnx"
+    weights = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(graph)).graph.initializer}
+    ids = np.array([[1, 2, 2, 5], [0, 3, 4, 1]], dtype=np.int64)
+    with RuntimeWorker.host() as worker:
+        (logits,) = worker.run(graph.read_bytes(), {"ids": ids}, ["logits"]).values()
+    want = weights["bag.weight"][ids].mean(1) @ weights["fc.weight"].T + weights["fc.bias"]
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6)
 
 
 def endless_loop() -> bytes:
