@@ -1,0 +1,84 @@
+"""The ``fedfleet`` command's entry point (pyproject.toml's ``[project.scripts]``): a Ctrl-C is one
+line and exit 130 from the first moment to the last, not only while a command runs.
+
+The command's modules take a second or two to import (numpy, onnxruntime, SQLAlchemy, FastAPI, all
+below ``emulator/__init__.py``), and a Ctrl-C there printed a KeyboardInterrupt traceback; this
+module imports none of them at its top, so that the one line is in place before they start. Once
+the command has ended, a Ctrl-C while the interpreter exits (joining threads, running exit
+callbacks) is the same line at once, and in the teardown after the last exit callback, which only
+frees memory, it is ignored: the process ends with the command's own status, where the interpreter
+had put back the signal's default and the process died of it without a word."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+
+#: The exit status of a command stopped by Ctrl-C, as a shell gives one (128 + SIGINT).
+INTERRUPTED = 130
+
+
+def interrupted_line(argv: list[str]) -> str:
+    """``fedfleet plan: interrupted``: the command named as typed (its first word), as every
+    command's own Ctrl-C line does."""
+    named = argv[0] if argv and not argv[0].startswith("-") else ""
+    return f"fedfleet {named}".rstrip() + ": interrupted"
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr after what stdout holds (a pipe's buffer included), on a line of its own
+    after the ``^C`` the terminal echoed."""
+    with contextlib.suppress(Exception):  # a stream closed or mid-write: the exit status still says it
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print(f"\n{line}", file=sys.stderr, flush=True)
+
+
+def _quit_interrupted(line: str | None) -> Callable[[int, FrameType | None], None]:
+    """A SIGINT handler that says ``line`` (unless None) and ends the process at once with 130."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if line is not None:
+            _say(line)
+        os._exit(INTERRUPTED)
+
+    return handler
+
+
+def _ignore_ctrl_c() -> None:
+    """Registered first, so run as the last exit callback: past it the interpreter tears its modules
+    down with the signal's default action, which would kill the process without a line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background: it stays ignored
+        from emulator.cli.commands import main as run
+
+        return run()
+    atexit.register(_ignore_ctrl_c)
+    exiting: str | None = f"{interrupted_line(argv)} as it exited; the command had finished"
+    try:
+        from emulator.cli.commands import main as run
+
+        status = run()
+        if status == INTERRUPTED:  # the command said it was interrupted
+            exiting = None
+        return status
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, _quit_interrupted(None))  # a second Ctrl-C while saying it: no traceback
+        _say(interrupted_line(argv))
+        exiting = None
+        return INTERRUPTED
+    finally:  # from here on the interpreter exits: a Ctrl-C says so in one line and ends it at once
+        signal.signal(signal.SIGINT, _quit_interrupted(exiting))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""A Ctrl-C anywhere in the life of the installed ``fedfleet`` command is one line and exit 130: while
+its modules still import, while the command runs, and while the interpreter exits after it; in the
+teardown after the last exit callback it is ignored and the command's own status stands.
+
+Each case runs the real console script (``fedfleet_entry``) and sends SIGINT at a point the test
+sees, never after a guessed delay: the import is under way once numpy's extension is mapped into
+the process, and a task file tells by a file that the command runs or that the interpreter exits.
+Python's own handler is put back in the child: a test run started in the background inherits
+SIGINT ignored, as a terminal's never is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FEDFLEET = Path(sys.executable).with_name("fedfleet")
+#: The longest any step of a case waits for the next (a guard against a hang, not a measure).
+PATIENCE_S = 120.0
+
+#: A task file that says by ``<name>.started`` in $PROBE_DIR where the process is, then waits there
+#: until ``<name>.go`` appears: while the command loads it ("running"), in an exit callback
+#: ("exiting"), or at teardown, when the interpreter frees its modules ("teardown"). It defines no
+#: task, so that the command then ends at once (exit 2, in one line).
+PROBE_TASK = """
+import atexit, os, sys, time, types
+
+def wait(name, sleep=time.sleep, exists=os.path.exists, join=os.path.join, opened=open, probe=os.environ["PROBE_DIR"]):
+    opened(join(probe, name + ".started"), "w").close()
+    for _ in range(2400):
+        if exists(join(probe, name + ".go")):
+            return
+        sleep(0.05)
+
+class AtTeardown:
+    def __del__(self, wait=wait):
+        wait("teardown")
+
+at = os.environ["PROBE_AT"]
+if at == "running":
+    wait("running")
+elif at == "exiting":
+    atexit.register(wait, "exiting")
+elif at == "teardown":
+    kept = types.ModuleType("teardown_probe")
+    kept.value = AtTeardown()
+    sys.modules["teardown_probe"] = kept
+"""
+
+NO_TASK = "fedfleet plan build: task file task.py defines no `task` (a Task) or `tasks` (a TaskGroup or a list of Task)"
+
+
+def _start(tmp_path: Path, at: str) -> subprocess.Popen[str]:
+    (tmp_path / "task.py").write_text(PROBE_TASK, encoding="utf-8")
+    return subprocess.Popen(
+        [str(FEDFLEET), "plan", "build", "task.py", "-o", "out"],
+        cwd=tmp_path,
+        env={**os.environ, "PROBE_DIR": str(tmp_path), "PROBE_AT": at},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _wait_until(process: subprocess.Popen[str], ready) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not ready():
+        if process.poll() is not None or time.monotonic() > deadline:
+            out, err = process.communicate()
+            pytest.fail(f"the command ended ({process.returncode}) or hung before the point to interrupt: {err}")
+        time.sleep(0.005)
+
+
+def _importing(process: subprocess.Popen[str]) -> bool:
+    """numpy's extension is mapped: the entry point runs, and the imports below it have a second to go."""
+    try:
+        return "_multiarray_umath" in Path(f"/proc/{process.pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps to see the import under way")
+@pytest.mark.parametrize("at", ["importing", "running"])
+def test_ctrl_c_while_the_command_imports_or_runs_is_one_line_and_exit_130(tmp_path, at):
+    process = _start(tmp_path, at)
+    try:
+        if at == "importing":
+            _wait_until(process, lambda: _importing(process))
+        else:
+            _wait_until(process, (tmp_path / "running.started").exists)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=PATIENCE_S)
+    finally:
+        process.kill()
+        process.wait()
+    assert (process.returncode, err.strip(), out) == (130, "fedfleet plan: interrupted", ""), err
+
+
+@pytest.mark.parametrize(
+    "at, code, said",
+    [
+        ("exiting", 130, f"{NO_TASK}\n\nfedfleet plan: interrupted as it exited; the command had finished\n"),
+        ("teardown", 2, f"{NO_TASK}\n"),  # ignored: the command's own status and line stand
+    ],
+    ids=["exiting", "teardown"],
+)
+def test_ctrl_c_after_the_command_ended_is_one_line_or_nothing_never_a_traceback_or_death_by_signal(
+    tmp_path, at, code, said
+):
+    process = _start(tmp_path, at)
+    try:
+        _wait_until(process, (tmp_path / f"{at}.started").exists)
+        process.send_signal(signal.SIGINT)  # an ignored signal is dropped as it is sent
+        (tmp_path / f"{at}.go").touch()
+        out, err = process.communicate(timeout=PATIENCE_S)
+    finally:
+        process.kill()
+        process.wait()
+    assert (process.returncode, err, out) == (code, said, "")
