@@ -19,7 +19,6 @@ from pathlib import Path
 
 from server_stub import RoundConfig
 from server_stub.cli import (
-    CommandParser,
     add_prune_arguments,
     add_server_arguments,
     read_negative_numbers,
@@ -32,6 +31,7 @@ from ..demo import DemoConfig, DemoConfigError, run_demo
 from ..devices.attestation_authority import AttestationAuthority
 from .fleet import add_compare_parser, add_simulate_parser, run_compare, run_simulate
 from .plan import add_toolchain_commands, run_toolchain_command
+from .usage import FleetParser
 
 #: ``fedfleet --help``'s description: plain text (the module docstring's markup would print as it is).
 DESCRIPTION = (
@@ -129,7 +129,7 @@ def _authority_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(prog="fedfleet", description=DESCRIPTION)
+    parser = FleetParser(prog="fedfleet", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
