@@ -245,26 +245,30 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"fedfleet simulate: {message}", file=sys.stderr)
 
     try:
-        if sharded:
-            from ..fleet.ray_backend import simulate_sharded
+        try:
+            if sharded:
+                from ..fleet.ray_backend import simulate_sharded
 
-            run = simulate_sharded(
-                config,
-                shards=args.shards or 2,
-                out_dir=out,
-                progress=progress or False,
-                ray=args.ray is not None,
-                address=args.ray or None,
-                notice=notice,
-            )
-        else:
-            run = simulate(
-                config,
-                out_dir=out,
-                progress=progress or False,
-                http=args.http,
-                notice=notice,
-            )
+                run = simulate_sharded(
+                    config,
+                    shards=args.shards or 2,
+                    out_dir=out,
+                    progress=progress or False,
+                    ray=args.ray is not None,
+                    address=args.ray or None,
+                    notice=notice,
+                )
+            else:
+                run = simulate(
+                    config,
+                    out_dir=out,
+                    progress=progress or False,
+                    http=args.http,
+                    notice=notice,
+                )
+        finally:  # the bar drawn for the last time before a line below says how the run ended
+            if progress is not None:
+                progress.close()
     except (SimulationError, RayBackendError, TraceError) as exc:
         if out is not None:  # a refused run leaves nothing: its server's database is all it wrote
             _remove_failed_run(out, made_out)
@@ -274,9 +278,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         where = f"; {out} holds only the server's database of the rounds so far" if out is not None else ""
         print(f"\nfedfleet simulate: interrupted, no tables or report written{where}", file=sys.stderr)
         return 130
-    finally:
-        if progress is not None:
-            progress.close()
     summary = run.summary()
     if out is not None and not (out / "summary.json").exists():
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -315,3 +315,20 @@ def test_compare_refuses_an_out_that_is_not_an_html_file_before_reading_the_runs
     err = capsys.readouterr().err
     assert err == f"fedfleet compare: --out {tmp_path / out}: the comparison is one HTML page; name a .html file\n"
     assert not any(tmp_path.iterdir())
+
+
+def test_a_simulation_interrupted_under_its_progress_bar_ends_with_the_interrupted_line(tmp_path, capsys, monkeypatch):
+    """The bar is drawn for the last time before the line, which stays the last on the screen."""
+    from emulator.fleet.simulator import ProgressBar
+
+    draw = ProgressBar.__call__
+
+    def draw_then_interrupt(self, t_s: float, rounds: int, active: int) -> None:
+        draw(self, t_s, rounds, active)
+        raise KeyboardInterrupt  # Ctrl-C with the bar on the screen
+
+    monkeypatch.setattr(ProgressBar, "__call__", draw_then_interrupt)
+    assert cli.main(["simulate", "--devices", "40", "--hours", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "simulated" in err  # the bar was drawn
+    assert err.rstrip().splitlines()[-1] == "fedfleet simulate: interrupted, no tables or report written", err
