@@ -149,7 +149,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..fleet.workload import load_workload
     from ..toolchain.bundle import TASK_FILE, bundle_task_file
     from ..toolchain.tasks import TaskError
-    from .plan import check_task_file
+    from .plan import check_task_file, refuse_file_kind
 
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
         print(
@@ -173,6 +173,12 @@ def run_simulate(args: argparse.Namespace) -> int:
             check_task_file(args.task)
     except TaskError as exc:
         print(f"fedfleet simulate: --task {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.fleet is not None:
+            refuse_file_kind(args.fleet, "a fleet config", ".py", ".onnx", ".pt", ".pth")
+    except TaskError as exc:
+        print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
     try:
         config = FleetConfig.load(args.fleet) if args.fleet else FleetConfig.default()

@@ -245,22 +245,56 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
     return 2
 
 
-#: A model file given where a task file goes, and the command that makes a bundle (and its task file) of it.
-MODEL_FILES = {
-    ".onnx": "is an ONNX model, not a task file; `fedfleet plan from-onnx {path} --label LABEL -o DIR` makes a "
-    "bundle of it (DIR/task.py its task file)",
-    ".pt": "is a PyTorch checkpoint (torch.save), not a task file; `fedfleet plan from-torch MODULE:FACTORY --input "
-    "NAME:SHAPE --label LABEL -o DIR` exports the module that makes it",
+#: What a file of each kind is, by its suffix, and the command that takes it ({path}: the file given):
+#: said when one is given where another kind goes.
+FILE_KINDS = {
+    ".onnx": (
+        "an ONNX model",
+        "`fedfleet plan from-onnx {path} --label LABEL -o DIR` makes a bundle of it (DIR/task.py its task file)",
+    ),
+    ".pt": (
+        "a PyTorch checkpoint (torch.save)",
+        "`fedfleet plan from-torch MODULE:FACTORY --input NAME:SHAPE --label LABEL -o DIR` exports the module that "
+        "makes it",
+    ),
+    ".toml": ("a fleet config", "`fedfleet simulate {path}` runs it"),
+    ".py": (
+        "a task file",
+        "`fedfleet plan build {path} -o DIR` builds it, `fedfleet simulate --task {path}` simulates it",
+    ),
 }
-MODEL_FILES[".pth"] = MODEL_FILES[".pt"]
+FILE_KINDS[".pth"] = FILE_KINDS[".pt"]
+
+
+def refuse_file_kind(path: str | Path, wanted: str, *suffixes: str) -> None:
+    """Refuse a file of one of ``FILE_KINDS``'s ``suffixes`` given where ``wanted`` goes, in one
+    line naming the command that takes it (where reading it as ``wanted`` said 'source code string
+    cannot contain null bytes', or 'not valid TOML; fix the syntax' of a task file)."""
+    suffix = Path(path).suffix.lower()
+    if suffix in suffixes and Path(path).is_file():
+        kind, how = FILE_KINDS[suffix]
+        raise TaskError(f"{path} is {kind}, not {wanted}; {how.format(path=path)}")
+
+
+def bundle_holding(path: str | Path) -> Path | None:
+    """The bundle folder a file of it is in (its task file, a task's plan, manifest or report), if any."""
+    for folder in list(Path(path).parents)[:3]:
+        if (folder / TASK_FILE).is_file() and (folder / SOURCE).is_file():
+            return folder
+    return None
 
 
 def check_task_file(path: str | Path) -> None:
-    """Refuse a model file given as a task file in one line naming the command that takes it, where
-    running it as Python said 'source code string cannot contain null bytes'."""
-    said = MODEL_FILES.get(Path(path).suffix.lower())
-    if said is not None and Path(path).is_file():
-        raise TaskError(f"{path} {said.format(path=path)}")
+    """Refuse a model, fleet config or plan given as a task file in one line naming what takes it."""
+    refuse_file_kind(path, "a task file", ".onnx", ".pt", ".pth", ".toml")
+    if Path(path).suffix.lower() == ".fedplan":
+        bundle = bundle_holding(path)
+        if bundle is not None:
+            raise TaskError(
+                f"{path} is a plan built into the bundle {bundle}; give {bundle} (plan build: its task file, "
+                f"{bundle / TASK_FILE})"
+            )
+        check_bundle_path(path)  # a plan alone (plan from-onnx -o PLAN.fedplan): how to make a bundle
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -299,8 +333,6 @@ def _test(args: argparse.Namespace, say) -> int:
     check_task_file(args.target)  # before the note of an unsigned report, which would not be written
     signing_key = _signing_key(args, say)
     directory = args.target
-    if args.target.suffix == ".fedplan":
-        check_bundle_path(args.target)
     if args.target.is_file():
         directory = args.out or _default_build_dir(args.target)
         build_bundle(args.target, directory, runtimes=args.runtimes, say=say)
@@ -335,6 +367,12 @@ def _default_build_dir(task_file: Path) -> Path:
 
 
 def _from_onnx(args: argparse.Namespace, say) -> int:
+    refuse_file_kind(args.model, "an ONNX model", ".py", ".toml", ".pt", ".pth")
+    if not args.model.is_file():  # not the library's "pass a path to a .onnx file, its bytes, or a ModelProto"
+        raise TaskError(
+            f"{args.model}: {'a folder' if args.model.is_dir() else 'no such file'}; give the path of the ONNX model "
+            "file (.onnx) to make a bundle of"
+        )
     if args.out.suffix == ".fedplan":
         return _plan_only(args, say)
     made = bundle_from_onnx(args.model, args.out, **_bundle_options(args), say=say)
@@ -481,7 +519,12 @@ def _admin_key(args: argparse.Namespace) -> str:
 
 
 def _deploy(args: argparse.Namespace, say) -> int:
-    check_bundle_path(args.directory)  # before the operator key: the first thing a newcomer gets wrong
+    # the path before the operator key: the first thing a newcomer gets wrong
+    bundle = bundle_holding(args.directory) if args.directory.is_file() else None
+    if bundle is not None:
+        raise TaskError(f"{args.directory} is a file of the bundle {bundle}; give {bundle}")
+    refuse_file_kind(args.directory, "a bundle folder", ".onnx", ".pt", ".pth", ".toml", ".py")
+    check_bundle_path(args.directory)
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
         result = deploy_bundle(args.directory, admin, args.population)
     for task in result.get("tasks", [result]):

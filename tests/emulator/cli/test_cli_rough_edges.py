@@ -332,3 +332,69 @@ def test_a_simulation_interrupted_under_its_progress_bar_ends_with_the_interrupt
     err = capsys.readouterr().err
     assert "simulated" in err  # the bar was drawn
     assert err.rstrip().splitlines()[-1] == "fedfleet simulate: interrupted, no tables or report written", err
+
+
+SERVER = ["--server", "http://127.0.0.1:9", "--population", "p"]  # never asked: the path is refused first
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["plan", "build", "day.toml", "-o", "out"],
+            "fedfleet plan build: day.toml is a fleet config, not a task file; `fedfleet simulate day.toml` runs it",
+        ),
+        (
+            ["simulate", "--no-progress", "--task", "day.toml"],
+            "fedfleet simulate: --task day.toml is a fleet config, not a task file; `fedfleet simulate day.toml` runs it",
+        ),
+        (
+            ["simulate", "--no-progress", "task.py"],
+            "fedfleet simulate: task.py is a task file, not a fleet config; `fedfleet plan build task.py -o DIR` builds "
+            "it, `fedfleet simulate --task task.py` simulates it",
+        ),
+        (
+            ["plan", "from-onnx", "task.py", "--label", "y", "-o", "out"],
+            "fedfleet plan from-onnx: task.py is a task file, not an ONNX model; `fedfleet plan build task.py -o DIR`",
+        ),
+        (
+            ["plan", "from-onnx", "model.pt", "--label", "y", "-o", "out"],
+            "fedfleet plan from-onnx: model.pt is a PyTorch checkpoint (torch.save), not an ONNX model; "
+            "`fedfleet plan from-torch MODULE:FACTORY",
+        ),
+        (
+            ["plan", "from-onnx", "model.onnx", "--label", "y", "-o", "out"],
+            "fedfleet plan from-onnx: model.onnx: no such file; give the path of the ONNX model file (.onnx)",
+        ),
+        (
+            ["plan", "from-onnx", "bundle", "--label", "y", "-o", "out.fedplan"],
+            "fedfleet plan from-onnx: bundle: a folder; give the path of the ONNX model file (.onnx)",
+        ),
+        (["deploy", "task.py", *SERVER], "fedfleet deploy: task.py is a task file, not a bundle folder; "),
+        (
+            ["deploy", "bundle/t/manifest.json", *SERVER],
+            "fedfleet deploy: bundle/t/manifest.json is a file of the bundle bundle; give bundle",
+        ),
+        (
+            ["plan", "test", "bundle/t/plan.fedplan"],
+            "fedfleet plan test: bundle/t/plan.fedplan is a plan built into the bundle bundle; give bundle (plan "
+            "build: its task file, bundle/task.py)",
+        ),
+    ],
+)
+def test_a_file_of_another_kind_is_refused_in_one_line_naming_the_command_that_takes_it(
+    argv, line, tmp_path, capsys, monkeypatch
+):
+    """Where a task file ran as TOML ('fix the syntax'), a fleet config or plan as Python ('name
+    'fleet' is not defined', 'null bytes'), and a bundle's own file was 'a file, not a bundle'."""
+    monkeypatch.chdir(tmp_path)
+    Path("day.toml").write_text("[fleet]\ndevices = 10\n", encoding="utf-8")
+    Path("task.py").write_text("raise SystemExit('a task file run as a fleet config or model')\n", encoding="utf-8")
+    Path("model.pt").write_bytes(b"PK\x03\x04\x00binary")
+    Path("bundle/t").mkdir(parents=True)
+    for part in ("bundle/task.py", "bundle/source.json", "bundle/t/manifest.json", "bundle/t/plan.fedplan"):
+        Path(part).write_bytes(b"\x00")
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(line) and captured.err.count("\n") == 1 and captured.out == "", captured.err
+    assert not Path("out").exists() and not Path("out.fedplan").exists()
