@@ -2,12 +2,14 @@
 line and exit 130 from the first moment to the last, not only while a command runs.
 
 The command's modules take a second or two to import (numpy, onnxruntime, SQLAlchemy, FastAPI, all
-below ``emulator/__init__.py``), and a Ctrl-C there printed a KeyboardInterrupt traceback; this
-module imports none of them at its top, so that the one line is in place before they start. Once
-the command has ended, a Ctrl-C while the interpreter exits (joining threads, running exit
-callbacks) is the same line at once, and in the teardown after the last exit callback, which only
-frees memory, it is ignored: the process ends with the command's own status, where the interpreter
-had put back the signal's default and the process died of it without a word."""
+below ``emulator/__init__.py``), and a Ctrl-C there printed a KeyboardInterrupt traceback, or an
+ImportError's where it landed in a compiled module's initialisation; this module imports none of
+them at its top, so that the one line is in place before they start. Once the command has ended, a
+Ctrl-C while the interpreter exits (joining threads, running exit callbacks) is the same line at
+once, and in the teardown after the last exit callback, which only frees memory, it is ignored: the
+process ends with the command's own status, where the interpreter had put back the signal's default
+and the process died of it without a word. Only the interpreter's own start (some tens of
+milliseconds, before this module runs) is left to Python."""
 
 from __future__ import annotations
 
@@ -56,6 +58,33 @@ def _ignore_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _import_command(line: str) -> Callable[[], int]:
+    """``emulator.cli.commands.main``, imported under a SIGINT handler that notes the Ctrl-C it
+    raises: one in the middle of a compiled module's initialisation comes out as that module's
+    ImportError ("initialization failed"), or is swallowed by an import that falls back to another.
+    Either way the process then says the line and ends at once, without the interpreter's teardown,
+    which a half-initialised extension module can crash."""
+    pressed = []
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        pressed.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        from emulator.cli.commands import main as run
+    except BaseException:
+        if not pressed:
+            raise
+    else:
+        if not pressed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # asyncio.run, for one, looks for it
+            return run
+    signal.signal(signal.SIGINT, _quit_interrupted(None))  # a second Ctrl-C while saying it: no traceback
+    _say(line)
+    os._exit(INTERRUPTED)
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background: it stays ignored
@@ -65,14 +94,12 @@ def main() -> int:
     atexit.register(_ignore_ctrl_c)
     exiting: str | None = f"{interrupted_line(argv)} as it exited; the command had finished"
     try:
-        from emulator.cli.commands import main as run
-
-        status = run()
+        status = _import_command(interrupted_line(argv))()
         if status == INTERRUPTED:  # the command said it was interrupted
             exiting = None
         return status
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, _quit_interrupted(None))  # a second Ctrl-C while saying it: no traceback
+    except KeyboardInterrupt:  # while the arguments are read
+        signal.signal(signal.SIGINT, _quit_interrupted(None))
         _say(interrupted_line(argv))
         exiting = None
         return INTERRUPTED

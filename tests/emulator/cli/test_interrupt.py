@@ -102,6 +102,47 @@ def test_ctrl_c_while_the_command_imports_or_runs_is_one_line_and_exit_130(tmp_p
     assert (process.returncode, err.strip(), out) == (130, "fedfleet plan: interrupted", ""), err
 
 
+#: Python that starts ``fedfleet plan`` as its console script does, with a Ctrl-C landing while the
+#: first of the project's modules loads, the way one does inside a compiled module's initialisation:
+#: pybind11's modules turn it into ImportError("initialization failed"), and an import that falls
+#: back to another when one fails takes that in its stride.
+CTRL_C_IN_AN_EXTENSION = """
+import os, signal, sys, time
+
+FAILS = sys.argv[1] == "fails"
+
+class CtrlCInAnExtension:
+    def find_spec(self, name, path=None, target=None):
+        if name != "emulator":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            if FAILS:
+                raise ImportError("initialization failed") from None
+        return None  # the import goes on as if nothing happened
+
+sys.meta_path.insert(0, CtrlCInAnExtension())
+sys.argv[1:] = ["plan"]
+from fedfleet_entry import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("import_", ["fails", "falls back"])
+def test_ctrl_c_that_an_import_turns_into_an_import_error_or_swallows_is_still_one_line_and_exit_130(import_):
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_AN_EXTENSION, import_],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE_S,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert (done.returncode, done.stderr, done.stdout) == (130, "\nfedfleet plan: interrupted\n", "")
+
+
 @pytest.mark.parametrize(
     "at, code, said",
     [
