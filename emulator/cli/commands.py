@@ -209,6 +209,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     f"--goal {config.goal_count} lets a round commit with fewer than {floor} devices, so a published "
                     f"model could give back a few devices' updates; use --goal {math.ceil(floor / config.min_fraction)} or more"
                 )
+            seats = min(config.devices, math.ceil(config.goal_count * config.over_selection - 1e-9))
+            if config.secure and seats <= config.secagg_group_size:  # every round abandoned until --time-limit
+                raise DemoConfigError(
+                    f"--secagg-group {config.secagg_group_size}: a Secure Aggregation group holds more than that many "
+                    f"devices, and a round of --goal {config.goal_count} seats {seats}, so no round could commit; use a "
+                    f"smaller --secagg-group (default {DemoConfig().secagg_group_size}) or a larger --goal"
+                )
             summary = run_demo(config)
         except DemoConfigError as exc:  # one line, as every command's: not the top-level parser's usage
             print(f"fedfleet demo: {exc}", file=sys.stderr)

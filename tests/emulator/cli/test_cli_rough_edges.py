@@ -398,3 +398,13 @@ def test_a_file_of_another_kind_is_refused_in_one_line_naming_the_command_that_t
     captured = capsys.readouterr()
     assert captured.err.startswith(line) and captured.err.count("\n") == 1 and captured.out == "", captured.err
     assert not Path("out").exists() and not Path("out.fedplan").exists()
+
+
+def test_a_secure_demo_whose_rounds_seat_too_few_devices_for_a_group_is_refused_before_it_runs(capsys):
+    """Where each round was abandoned, without a word why, until the time limit (10 minutes)."""
+    argv = ["demo", "--secure", "--devices", "20", "--goal", "10", "--secagg-group", "13"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "fedfleet demo: --secagg-group 13: a Secure Aggregation group holds more than that many devices, and a "
+        "round of --goal 10 seats 13, so no round could commit; use a smaller --secagg-group (default 5) or a larger --goal\n"
+    )
