@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import re
 import shutil
@@ -216,6 +217,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         if line is not None:
             print(f"fedfleet simulate: {line}", file=sys.stderr)
     out = Path(args.out) if args.out else None
+    if out is not None and importlib.util.find_spec("matplotlib") is None:  # else a traceback after the whole run
+        print(
+            f"fedfleet simulate: --out {args.out} gets the run's plots, which need matplotlib: pip install "
+            "'fedfleet[sim]' (or leave out --out for the summary line alone)",
+            file=sys.stderr,
+        )
+        return 2
     made_out = out is not None and not out.exists()
     if out is not None:
         if out.exists() and not out.is_dir():

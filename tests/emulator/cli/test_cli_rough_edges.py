@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import http.server
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -408,3 +409,16 @@ def test_a_secure_demo_whose_rounds_seat_too_few_devices_for_a_group_is_refused_
         "fedfleet demo: --secagg-group 13: a Secure Aggregation group holds more than that many devices, and a "
         "round of --goal 10 seats 13, so no round could commit; use a smaller --secagg-group (default 5) or a larger --goal\n"
     )
+
+
+def test_simulate_out_without_matplotlib_is_refused_before_the_run_naming_the_extra(tmp_path, capsys, monkeypatch):
+    """Where the run went to its end and its report's first plot was a FleetReportError traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the sim extra is not installed
+    out = tmp_path / "run"
+    assert cli.main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(out), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"fedfleet simulate: --out {out} gets the run's plots, which need matplotlib: pip install 'fedfleet[sim]' "
+        "(or leave out --out for the summary line alone)\n"
+    )
+    assert captured.out == "" and not out.exists()
