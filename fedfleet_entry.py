@@ -5,11 +5,12 @@ The command's modules take a second or two to import (numpy, onnxruntime, SQLAlc
 below ``emulator/__init__.py``), and a Ctrl-C there printed a KeyboardInterrupt traceback, or an
 ImportError's where it landed in a compiled module's initialisation; this module imports none of
 them at its top, so that the one line is in place before they start. Once the command has ended, a
-Ctrl-C while the interpreter exits (joining threads, running exit callbacks) is the same line at
-once, and in the teardown after the last exit callback, which only frees memory, it is ignored: the
-process ends with the command's own status, where the interpreter had put back the signal's default
-and the process died of it without a word. Only the interpreter's own start (some tens of
-milliseconds, before this module runs) is left to Python."""
+Ctrl-C while the interpreter exits (joining threads, running exit callbacks) is the same line, the
+callbacks' cleanup goes on and the process then ends with 130 (a second Ctrl-C ends it at once); in
+the teardown after the last exit callback, which only frees memory, it is ignored and the command's
+own status stands, where the interpreter had put back the signal's default and the process died of
+it without a word. Only the interpreter's own start (some tens of milliseconds, before this module
+runs) is left to Python."""
 
 from __future__ import annotations
 
@@ -52,10 +53,36 @@ def _quit_interrupted(line: str | None) -> Callable[[int, FrameType | None], Non
     return handler
 
 
-def _ignore_ctrl_c() -> None:
-    """Registered first, so run as the last exit callback: past it the interpreter tears its modules
-    down with the signal's default action, which would kill the process without a line."""
+#: The Ctrl-Cs that came while the interpreter exits (see ``_while_exiting``).
+_PRESSED_WHILE_EXITING: list[int] = []
+
+
+def _while_exiting(line: str | None) -> Callable[[int, FrameType | None], None]:
+    """The SIGINT handler once the command has ended: a first Ctrl-C says ``line`` (unless None) and
+    lets the exit callbacks finish their cleanup (a Ray cluster's, a process pool's), after which
+    the process ends with 130; a second ends it at once, a hung thread or callback or not."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if _PRESSED_WHILE_EXITING:
+            os._exit(INTERRUPTED)
+        _PRESSED_WHILE_EXITING.append(signum)
+        if line is not None:
+            _say(line)
+
+    return handler
+
+
+def _last_exit_callback() -> None:
+    """Registered first, so run last: past it the interpreter tears its modules down with the
+    signal's default action, which would kill the process without a line, so a Ctrl-C is ignored
+    from here; and after one that came during the exit, the process ends with 130 without that
+    teardown, which only frees memory (a second or more once torch is loaded)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _PRESSED_WHILE_EXITING:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(INTERRUPTED)
 
 
 def _import_command(line: str) -> Callable[[], int]:
@@ -91,7 +118,7 @@ def main() -> int:
         from emulator.cli.commands import main as run
 
         return run()
-    atexit.register(_ignore_ctrl_c)
+    atexit.register(_last_exit_callback)
     exiting: str | None = f"{interrupted_line(argv)} as it exited; the command had finished"
     try:
         status = _import_command(interrupted_line(argv))()
@@ -103,8 +130,8 @@ def main() -> int:
         _say(interrupted_line(argv))
         exiting = None
         return INTERRUPTED
-    finally:  # from here on the interpreter exits: a Ctrl-C says so in one line and ends it at once
-        signal.signal(signal.SIGINT, _quit_interrupted(exiting))
+    finally:  # from here on the interpreter exits
+        signal.signal(signal.SIGINT, _while_exiting(exiting))
 
 
 if __name__ == "__main__":

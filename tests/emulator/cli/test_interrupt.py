@@ -24,9 +24,9 @@ FEDFLEET = Path(sys.executable).with_name("fedfleet")
 PATIENCE_S = 120.0
 
 #: A task file that says by ``<name>.started`` in $PROBE_DIR where the process is, then waits there
-#: until ``<name>.go`` appears: while the command loads it ("running"), in an exit callback
-#: ("exiting"), or at teardown, when the interpreter frees its modules ("teardown"). It defines no
-#: task, so that the command then ends at once (exit 2, in one line).
+#: until ``<name>.go`` appears (and says by ``<name>.done`` that it went on): while the command loads
+#: it ("running"), in an exit callback ("exiting"), or at teardown, when the interpreter frees its
+#: modules ("teardown"). It defines no task, so that the command then ends at once (exit 2, in one line).
 PROBE_TASK = """
 import atexit, os, sys, time, types
 
@@ -34,6 +34,7 @@ def wait(name, sleep=time.sleep, exists=os.path.exists, join=os.path.join, opene
     opened(join(probe, name + ".started"), "w").close()
     for _ in range(2400):
         if exists(join(probe, name + ".go")):
+            opened(join(probe, name + ".done"), "w").close()  # its cleanup finished
             return
         sleep(0.05)
 
@@ -164,3 +165,21 @@ def test_ctrl_c_after_the_command_ended_is_one_line_or_nothing_never_a_traceback
         process.kill()
         process.wait()
     assert (process.returncode, err, out) == (code, said, "")
+    assert (tmp_path / f"{at}.done").exists()  # the exit's cleanup was not cut short
+
+
+def test_a_second_ctrl_c_while_the_exit_waits_on_cleanup_ends_it_at_once(tmp_path):
+    """The first lets the exit callbacks finish (they clean up); a second does not wait for one that hangs."""
+    process = _start(tmp_path, "exiting")
+    try:
+        _wait_until(process, (tmp_path / "exiting.started").exists)
+        process.send_signal(signal.SIGINT)
+        assert process.stderr is not None
+        said = [process.stderr.readline() for _ in range(3)]  # the command's line, then the interrupted one
+        process.send_signal(signal.SIGINT)  # the exit callback still waits for exiting.go, which never comes
+        out, err = process.communicate(timeout=PATIENCE_S)
+    finally:
+        process.kill()
+        process.wait()
+    assert said[2] == "fedfleet plan: interrupted as it exited; the command had finished\n", said
+    assert (process.returncode, err, out) == (130, "", "") and not (tmp_path / "exiting.done").exists()
