@@ -239,6 +239,18 @@ CLASSIC_OPSET = 20
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _refuse_misexported(torch: Any, module: Any) -> None:
+    """Modules torch's exporters write as a graph that computes something else or does not load:
+    refused before the export, naming the module and the way round it."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0:
+            raise TaskError(
+                f"nn.LSTM {name or 'the module'!r} has proj_size={sub.proj_size}, which torch's exporters do not "
+                "write right (the dynamo exporter leaves out its weight_hr, the classic one refuses it): give it proj_size=0, and an nn.Linear after it if its outputs must be "
+                f"{sub.proj_size} wide (that projects its outputs, not its recurrent state)"
+            )
+
+
 def export_failure(exc: BaseException) -> str:
     """One line for a failed ``torch.onnx.export``: the innermost cause's first line (the dynamo
     exporter wraps what failed in an error whose first line only says which of its steps it was),
@@ -392,6 +404,7 @@ def export_torch(
         raise TaskError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
     if not inputs:
         raise TaskError("give the module's inputs (--input NAME:SHAPE[:DTYPE] for each argument of forward)")
+    _refuse_misexported(torch, module)
     path = Path(path)
     args = tuple(_example(torch, spec) for spec in inputs)
     state = _saved_state(module)

@@ -447,6 +447,43 @@ def test_from_torch_traces_integer_inputs_as_ones_where_the_module_fails_on_zero
         np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+PROJECTED_LSTM_FACTORY = """
+import torch
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.rnn = torch.nn.LSTM(8, 16, num_layers=2, batch_first=True, proj_size=4)
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.emb(ids))[0][:, -1])
+
+
+def make():
+    return Tagger()
+"""
+
+
+@pytest.mark.slow
+def test_from_torch_refuses_an_lstm_with_projections_in_one_line_naming_it_and_the_way_round(
+    tmp_path, monkeypatch, capsys
+):
+    """torch's dynamo exporter leaves out an nn.LSTM's weight_hr (the plan failed in onnxruntime,
+    or its release rewrite was invalid ONNX) and the classic one refuses it: from-torch names the
+    module before exporting, and writes nothing."""
+    pytest.importorskip("torch")
+    (tmp_path / "projected.py").write_text(PROJECTED_LSTM_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", "from-torch", "projected:make", "--input", "ids:6:int64", "--label", "y", "-o", "bundle"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "nn.LSTM 'rnn' has proj_size=4" in err and "give it proj_size=0" in err
+    assert not (tmp_path / "bundle").exists()
+
+
 T5_FACTORY = '''
 import torch
 from transformers import T5Config, T5EncoderModel
