@@ -38,6 +38,11 @@ new set (``device_runtime.executor``), one batch of examples, and every intermed
 step held at once (no buffer reuse); at least the plan's own ``metadata.memory_budget_mb``, which
 the runtime refuses on a device that gives less (``FLRuntime._check_budget``).
 
+A device also refuses a plan whose one batch cannot fit its share of memory for examples (an
+eighth of its memory, ``device_runtime.batching.examples_share``), counted as the device counts it
+when it loads the plan: the batch size times ``PlanExecutor.example_bytes`` (``PlanCost.fed_batch_bytes``).
+``PlanCost.fits`` says whether a device of some memory holds the plan, by both checks.
+
 Bytes: the serialized plan, the checkpoint of its weights (what a device downloads each
 session) and a plain client update (what it uploads), exactly as ``encode_checkpoint`` writes
 them (a checkpoint's size does not depend on its values)."""
@@ -54,6 +59,7 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
+from device_runtime.batching import EXAMPLES_MEMORY_FRACTION, examples_share
 from device_runtime.checkpoint import encode_checkpoint
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, serialize_plan
@@ -119,6 +125,9 @@ class PlanCost:
     plan_bytes: int
     checkpoint_bytes: int
     update_bytes: int
+    #: One batch's bytes as a device counts them when it loads the plan (``FLRuntime._check_budget``):
+    #: the batch size times ``PlanExecutor.example_bytes``.
+    fed_batch_bytes: int
     unresolved: tuple[str, ...] = field(default=())
 
     @property
@@ -129,6 +138,17 @@ class PlanCost:
     def compute_s_per_example(self, flops_per_s: float) -> float:
         """Seconds of one example for one epoch on a device of ``flops_per_s`` sustained FLOPs."""
         return self.flops_per_example / flops_per_s
+
+    def fits(self, memory_mb: float) -> bool:
+        """Whether a device of ``memory_mb`` holds the plan: its peak memory, and one batch within
+        the device's share of its memory for examples (the device refuses the plan otherwise)."""
+        return memory_mb >= self.memory_mb and self.fed_batch_bytes <= examples_share(memory_mb)
+
+    @property
+    def least_memory_mb(self) -> float:
+        """The least ``memory_mb`` of a device that holds the plan (``fits``): its peak memory, or
+        the memory of which one batch is the examples' share, whichever is more."""
+        return max(self.memory_mb, self.fed_batch_bytes * EXAMPLES_MEMORY_FRACTION / MB)
 
     def summary(self) -> dict[str, Any]:
         """The figures a run's summary shows (JSON-ready)."""
@@ -177,6 +197,7 @@ def plan_cost(plan: Plan) -> PlanCost:
         plan_bytes=len(serialize_plan(plan)),
         checkpoint_bytes=len(encode_checkpoint(weights)),
         update_bytes=len(encode_checkpoint(update)),
+        fed_batch_bytes=batch * executor.example_bytes(),
         unresolved=tuple(unresolved),
     )
 

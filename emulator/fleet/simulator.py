@@ -42,7 +42,7 @@ from .config import FleetConfig
 from .events import EventLoop, Fibers, SimulationError
 from .federated_data import client_accuracy_percentiles
 from .heap import long_lived_heap
-from .plan_cost import PlanCost, plan_cost
+from .plan_cost import MB, PlanCost, plan_cost
 from .population import CANARY_PREFIX
 from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
@@ -265,9 +265,9 @@ class FleetSimulator:
 
     def takes_part(self, spec: Any) -> bool:
         """The device runs the FL runtime (above the fleet's memory floor) and its memory holds
-        the plan (the runtime would refuse a plan whose declared budget exceeds it, and one whose
-        peak exceeds it would not run)."""
-        return bool(spec.takes_part) and spec.memory_mb >= self.cost.memory_mb
+        the plan (``PlanCost.fits``: the runtime refuses a plan whose declared budget exceeds it or
+        whose one batch exceeds its share for examples, and one whose peak exceeds it would not run)."""
+        return bool(spec.takes_part) and self.cost.fits(spec.memory_mb)
 
     def plan_summary(self) -> dict[str, Any]:
         """The plan's cost as the run's summary shows it."""
@@ -627,10 +627,17 @@ def refuse_a_plan_no_class_holds(config: FleetConfig, cost: PlanCost) -> None:
     of this ``cost``: no device would take part."""
     floor = config.fleet.min_memory_mb
     most = max((c.memory_mb for c in config.device_classes if c.memory_mb >= floor), default=0)
-    if most < cost.memory_mb:
+    if not cost.fits(most):
+        batch = (
+            f" (one batch of {cost.batch_size:,} examples takes {cost.fed_batch_bytes / MB:.4g} MB, and a device "
+            "gives a batch an eighth of its memory)"
+            if cost.least_memory_mb > cost.memory_mb
+            else ""
+        )
         raise SimulationError(
-            f"no device class can hold the plan: it needs {cost.memory_mb:.4g} MB and the classes above "
-            f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model smaller"
+            f"no device class can hold the plan: it needs {cost.least_memory_mb:.4g} MB{batch} and the classes above "
+            f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model "
+            f"{'or the batch ' if batch else ''}smaller"
         )
 
 

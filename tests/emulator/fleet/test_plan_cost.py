@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from device_runtime import PlanExecutor, build_mlp_plan, encode_checkpoint, initial_weights
+from device_runtime.batching import examples_share
 from emulator.fleet import FleetConfig, FleetRun, device_examples, generate_population, simulate
 from emulator.fleet.config import REFERENCE_FLOPS_PER_S
 from emulator.fleet.plan_cost import graph_flops, plan_cost
@@ -261,6 +262,33 @@ def test_the_sharded_run_leaves_out_the_same_devices(short_of_memory):
     assert sharded.digest == short_of_memory.digest
     assert sharded.timeline == short_of_memory.timeline
     assert sharded.devices_short_of_memory == short_of_memory.devices_short_of_memory
+
+
+def test_a_device_class_that_holds_the_plan_but_not_one_batch_of_it_takes_no_part_and_is_counted():
+    """A device refuses a plan whose one batch takes more than an eighth of its memory (OverBudget
+    at load, ``device_runtime.batching.examples_share``): batches of 600 digits (158,400 bytes as
+    the device counts them) fit the tiny class's 1 MB peak (0.66 MB) but not its 128 KiB for
+    examples, so its devices are counted short of memory, as the device would refuse them, and
+    none is seated to fail."""
+    config = fleet(seed=2, classes=SHORT, fleet_extra={"min_memory_mb": 1}, batch_size=600)
+    cost = plan_cost(mlp((32,), batch_size=600))
+    assert cost.memory_mb < 1 and cost.fed_batch_bytes == 600 * (64 * 4 + 8) > examples_share(1)
+    assert not cost.fits(1) and cost.fits(4096) and cost.least_memory_mb == 600 * 264 * 8 / 2**20
+    run = simulate(config, progress=False)
+    tiny = [s.device_id for s in generate_population(config) if s.device_class == "tiny"]
+    assert tiny and run.devices_short_of_memory == len(tiny)
+    assert run.summary()["devices_short_of_memory"] == len(tiny)
+    assert not [s for s in run.sessions if s.device_class == "tiny"]
+    assert run.errors == {}
+    assert [s for s in run.sessions if s.device_class == "mid" and s.shape.endswith("^")]
+
+
+def test_a_fleet_none_of_whose_classes_holds_one_batch_is_refused_saying_so():
+    from emulator.fleet.events import SimulationError
+
+    tiny = [{"name": "tiny", "share": 1.0, "speed": 1.0, "memory_mb": 1}]
+    with pytest.raises(SimulationError, match=r"needs 1\.2\d* MB \(one batch of 600 examples takes 0\.151\d* MB"):
+        simulate(fleet(classes=tiny, fleet_extra={"min_memory_mb": 1}, batch_size=600), progress=False)
 
 
 def test_the_same_seed_gives_the_same_digest_with_the_plans_cost(by_hidden):
