@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment
+from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment, TrainingInterrupted
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import Event, SessionSummary, shape_of
 from device_runtime.plan import Plan
@@ -272,6 +272,10 @@ class _JobStats:
 
     started: float = 0.0
     compute_s: float = 0.0
+    #: When the session's training began (the device's instant of its first batch), None between
+    #: trainings, and the examples it has trained since.
+    training_from: float | None = None
+    trained: int = 0
     session_id: str = ""
     task: str = ""
     round: str = ""
@@ -589,21 +593,65 @@ class SimDevice:
         clock, conditions and network read, until the training ends (``settle``) or its next
         batch would reach one of its own events (its app killed) or the run's end, where it
         sleeps as it would have. Its instants are the same sums either way, so the run is the
-        same, bit for bit."""
-        cost = examples * self.sim.seconds_per_example(plan) * self.spec.speed
-        self._job.compute_s += cost
+        same, bit for bit.
+
+        A device stops training by force once it has trained for the plan's time budget, or its
+        class's ``max_training_s`` when the plan declares none (``FLRuntime``'s watchdog, on the
+        system's clock): here in virtual time, at that instant exactly, and the session ends
+        interrupted (``TrainingInterrupted``). A session that cannot end in time (its epochs over
+        the examples it reads take longer, ``_examples_left``) is not trained for real to its end:
+        its clock moves at once to where it stops, or to the first moment its conditions stop
+        holding before that (where the runtime's next check interrupts it, as it would have at the
+        end of the batch running then), so a plan of 10^9 epochs costs a batch, not the epochs."""
+        job = self._job
+        per_example = self.sim.seconds_per_example(plan) * self.spec.speed
         if self.killed:
+            job.compute_s += examples * per_example
             raise AppKilled()
-        until = self.now() + cost
+        now = self.now()
+        if job.training_from is None:
+            job.training_from = now
+        job.trained += examples
+        until = now + examples * per_example
+        stop_at = job.training_from + training_limit_s(plan, self.sim.max_training_s)
+        left = self._examples_left(plan)
+        if left is not None and until + left * per_example > stop_at and until < stop_at:
+            broken = self.conditions.first_unsatisfied(CONSTRAINTS, self.sim.epoch + until)
+            jump = stop_at if broken is None else min(stop_at, broken - self.sim.epoch)
+            if self._kill_timer is not None:  # killed on the way: it trained until then
+                jump = min(jump, self._kill_timer.at)
+            until = max(until, min(jump, self.sim.horizon_s))
+        stopped = until >= stop_at
+        if stopped:
+            until = stop_at
+        job.compute_s += until - now
         kill = self._kill_timer
         if RUN_AHEAD and until <= self.sim.horizon_s and (kill is None or until < kill.at):
             self.ahead = until
         else:
             self._sleep_until(until)
+        if stopped:
+            raise TrainingInterrupted(
+                f"training was stopped by force after {stop_at - job.training_from:g} s, the plan's time budget "
+                "or the device's max_training_s"
+            )
+
+    def _examples_left(self, plan: Plan) -> int | None:
+        """The examples the session still trains on if it runs to its end: its epochs over the
+        examples its selector matches, less those trained; None for a plan that resumes where its
+        last session stopped (it may read fewer)."""
+        if plan.device.resume:
+            return None
+        try:
+            per_epoch = self.store.count(plan.device.selector)
+        except Exception:  # noqa: BLE001 - the runtime reads the store itself and says what is wrong
+            return None
+        return max(0, plan.device.epochs * per_epoch - self._job.trained)
 
     def settle(self) -> None:
         """``WorkMeter``: training ended; a device ahead of the loop sleeps until its own time,
         the instant its last batch's sleep would have woken it."""
+        self._job.training_from, self._job.trained = None, 0
         if self.ahead is not None:
             self.wait(0.0)
 
@@ -864,6 +912,14 @@ class SimDevice:
             return
         shape = shape_of(events) if events else "-"
         self.sim.add_session(self._row(self._job.started, now, shape, "app_killed", 0))
+
+
+def training_limit_s(plan: Plan, max_training_s: float) -> float:
+    """How long a device trains ``plan`` before it is stopped by force: the plan's time budget, or
+    the device's ``max_training_s`` when it declares none (a device refuses a plan whose budget
+    is longer)."""
+    budget = plan.metadata.time_budget_s
+    return float(budget) if budget is not None else max_training_s
 
 
 def _no_memory() -> float:

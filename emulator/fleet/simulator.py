@@ -122,7 +122,7 @@ class FleetSimulator:
         self.population = task.population
         self.collection_uri = workload.collection
         self.server_url = "http://fl.sim"
-        self.max_training_s = max(600.0, *(t.rounds.report_timeout_s for t in workload.tasks))
+        self.max_training_s = device_max_training_s(workload)
         self.plan_bytes: dict[str, bytes] = {}
         # fleet.real_runtimes: one worker process per release, shared by its devices (see ``releases``)
         self.runtime_pool: WorkerPool | None = WorkerPool() if config.fleet.real_runtimes else None
@@ -648,6 +648,17 @@ def peak_available(specs: Sequence[Any], horizon_s: float) -> int:
     return max(_count_available([s.availability for s in specs if s.takes_part], times), default=0)
 
 
+#: A device's ``DeviceClass.max_training_s`` in a fleet whose report windows are all shorter.
+MAX_TRAINING_S = 600.0
+
+
+def device_max_training_s(workload: Workload) -> float:
+    """How long the fleet's devices train before they are stopped by force (their
+    ``DeviceClass.max_training_s``, for a plan that declares no time budget): ``MAX_TRAINING_S``,
+    or the longest report window of the workload's tasks if longer."""
+    return max(MAX_TRAINING_S, *(t.rounds.report_timeout_s for t in workload.tasks))
+
+
 #: Devices sampled for :func:`session_compute`'s median.
 COMPUTE_SAMPLE = 101
 
@@ -755,7 +766,12 @@ def notify_before_run(
     unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), rounds)
     if unfillable is not None:
         notice(unfillable)
-    slow = slow_sessions(*session_compute(workload, specs, config), config.task, rounds.report_timeout_s)
+    slow = slow_sessions(
+        *session_compute(workload, specs, config),
+        config.task,
+        rounds.report_timeout_s,
+        device_max_training_s(workload),
+    )
     if slow is not None:
         notice(slow)
 

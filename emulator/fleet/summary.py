@@ -150,11 +150,19 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
 
 
 def slow_sessions(
-    median_s: float, examples: float, epochs: int, seconds_per_example: float, task: Any, window_s: float
+    median_s: float,
+    examples: float,
+    epochs: int,
+    seconds_per_example: float,
+    task: Any,
+    window_s: float,
+    max_training_s: float = math.inf,
 ) -> str | None:
     """Why most reports will come late when the median device's training (``median_s`` simulated
     seconds: ``examples`` x ``epochs`` x ``seconds_per_example`` x its class's speed) outlasts the
-    report window ``window_s``, with the figures and the options to change; None when it fits.
+    report window ``window_s``, or why most sessions will report nothing when it outlasts the
+    devices' ``max_training_s`` (they are stopped there), with the figures and the options to
+    change; None when it fits.
     ``task``: the fleet's ``[task]``, whose ``reference_flops_per_s`` or ``compute_s_per_example``
     set the seconds per example."""
     if median_s <= window_s:
@@ -165,6 +173,12 @@ def slow_sessions(
         else f"the plan's FLOPs at task.reference_flops_per_s = {task.reference_flops_per_s:.3g}, which makes the "
         "default digits MLP train one example per second"
     )
+    outcome = (
+        f"most sessions will be stopped at the devices' {max_training_s:g} s of training (their max_training_s, "
+        "the longer of 600 s and the report window) and report nothing"
+        if median_s > max_training_s
+        else "most reports will come late"
+    )
     cheaper = (
         "lower task.compute_s_per_example (it overrides the plan's cost)"
         if task.compute_s_per_example is not None
@@ -174,7 +188,7 @@ def slow_sessions(
     return (
         f"a session's training takes about {median_s:,.0f} s on the median device ({examples:,.0f} examples x "
         f"{epochs} epoch{'s' if epochs != 1 else ''} x {seconds_per_example:.3g} s per example, {rate}), longer than the {window_s:g} s report "
-        f"window (task.report_timeout_s): most reports will come late; {cheaper}, or lengthen task.report_timeout_s "
+        f"window (task.report_timeout_s): {outcome}; {cheaper}, or lengthen task.report_timeout_s "
         "(each a fleet config's [task] key, or --sweep KEY=VALUE for one run)"
     )
 

@@ -208,13 +208,14 @@ def test_a_fleet_whose_sessions_outlast_the_report_window_says_so_before_the_run
     from emulator.fleet import FleetConfig, simulate
 
     fleet = tmp_path / "slow.toml"
-    fleet.write_text("[task]\ngoal_count = 8\ncompute_s_per_example = 30.0\nreport_timeout_s = 60.0\n")
+    # about 40 examples x 2 epochs x 3 s: longer than the window, within the devices' 600 s
+    fleet.write_text("[task]\ngoal_count = 8\ncompute_s_per_example = 3.0\nreport_timeout_s = 60.0\n")
     config = FleetConfig.load(fleet).replace(devices=200, hours=2)
     said: list[str] = []
     run = simulate(config, progress=False, notice=said.append)
     slow = [m for m in said if m.startswith("a session's training takes about ")]
-    assert len(slow) == 1 and "x 30 s per example, task.compute_s_per_example = 30)" in slow[0]
-    assert "longer than the 60 s report window (task.report_timeout_s)" in slow[0]
+    assert len(slow) == 1 and "x 3 s per example, task.compute_s_per_example = 3)" in slow[0]
+    assert "longer than the 60 s report window (task.report_timeout_s): most reports will come late" in slow[0]
     assert "lower task.compute_s_per_example (it overrides the plan's cost)" in slow[0]
     assert "reference_flops_per_s" not in slow[0]  # the explicit cost overrides it: no use naming it
     shapes = run.summary()["shapes"]
@@ -223,6 +224,20 @@ def test_a_fleet_whose_sessions_outlast_the_report_window_says_so_before_the_run
     # the command line says it on stderr, before the summary
     assert main(["simulate", str(fleet), "--devices", "200", "--hours", "2", "--no-progress"]) == 0
     assert "fedfleet simulate: a session's training takes about" in capsys.readouterr().err
+
+
+def test_sessions_past_the_devices_max_training_s_are_said_to_be_stopped_and_the_run_bears_it_out(tmp_path):
+    from emulator.fleet import FleetConfig, simulate
+
+    fleet = tmp_path / "slower.toml"
+    fleet.write_text("[task]\ngoal_count = 8\ncompute_s_per_example = 30.0\nreport_timeout_s = 60.0\n")
+    said: list[str] = []
+    run = simulate(FleetConfig.load(fleet).replace(devices=60, hours=1), progress=False, notice=said.append)
+    slow = [m for m in said if m.startswith("a session's training takes about ")]
+    assert len(slow) == 1 and "most sessions will be stopped at the devices' 600 s of training" in slow[0]
+    trained = [s for s in run.sessions if s.compute_s > 0]
+    assert trained and not [s for s in trained if s.shape.startswith("-v[]")]
+    assert abs(max(s.compute_s for s in trained) - 600.0) < 1e-6
 
 
 def test_sessions_priced_by_the_plans_flops_are_told_the_rate_that_gives_a_phones_pace():
