@@ -243,10 +243,18 @@ def completion_note(
                 "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"
             )
         else:
+            stopped = shapes.get("-v[!", 0)  # interrupted while training
+            interrupted = (
+                f", {stopped} of them interrupted while training (shape -v[!: their conditions broke, or they trained "
+                "for the plan's time budget or the devices' max_training_s, the longer of 600 s and the report "
+                "window, and were stopped)"
+                if stopped and stopped >= summary.get("sessions_accepted", 0) / 4
+                else ""
+            )
             reasons.append(
                 f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
-                f"sessions were accepted and {summary.get('sessions_completed', 0)} reported in time); see rounds.csv "
-                "and sessions.csv"
+                f"sessions were accepted{interrupted} and {summary.get('sessions_completed', 0)} reported in time); see "
+                "rounds.csv and sessions.csv"
             )
     return f"{head}: " + "; ".join(reasons)
 

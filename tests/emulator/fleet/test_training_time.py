@@ -87,6 +87,10 @@ def test_a_plan_of_a_billion_epochs_is_stopped_at_max_training_s_after_a_batch(t
     # a batch or two for real per session, not the 37,500 batches of 600 s
     assert len(counted_batches) <= 2 * len(trained)
     assert run.errors == {}
+    # the report says why no round committed
+    note = run.summary()["round_completion_note"]
+    assert f"{len([s for s in trained if s.shape == '-v[!'])} of them interrupted while training" in note
+    assert "the devices' max_training_s" in note
 
 
 def test_a_session_that_ends_in_time_is_trained_to_its_end_and_the_same_seed_repeats_it():
