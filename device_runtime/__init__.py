@@ -53,7 +53,7 @@ from .plan_builder import (
     initial_weights,
 )
 from .protocol import RetryPolicy
-from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult
+from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult, training_limit
 from .scheduling import (
     JobRun,
     ParticipationScheduler,
@@ -80,6 +80,7 @@ __all__ = [
     "OpStatsStore",
     "Outcome",
     "SessionResult",
+    "training_limit",
     "SessionSummary",
     "Event",
     "shape_of",

@@ -41,7 +41,12 @@ _T = TypeVar("_T")
 
 
 class TrainingInterrupted(Exception):
-    """``should_abort()`` returned True between batches; the partial result was discarded."""
+    """``should_abort()`` returned True between batches; the partial result was discarded.
+    ``reason``, where the one who stopped it knows why, is what the session records."""
+
+    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -296,15 +296,10 @@ class FLRuntime:
         if not is_system_time(self.clock):  # a simulation's training takes its virtual time
             yield
             return
-        budget = plan.metadata.time_budget_s
-        limit = budget if budget is not None else self.device_class.max_training_s
+        limit, reason = training_limit(plan, self.device_class.max_training_s)
 
         def stop() -> None:
-            rec.over_budget = (
-                f"over time budget ({budget} s)"
-                if budget is not None
-                else f"over the device's training time ({self.device_class.max_training_s} s, max_training_s)"
-            )
+            rec.over_budget = reason
             run_options.terminate = True
 
         timer = threading.Timer(limit, stop)
@@ -402,8 +397,8 @@ class FLRuntime:
                     self.work_meter.settle()
             reading.training_completed()
             rec.record("training_completed", examples=result.num_examples)
-        except TrainingInterrupted:
-            return rec.interrupted(rec.over_budget or "interrupted")
+        except TrainingInterrupted as stopped:
+            return rec.interrupted(rec.over_budget or stopped.reason or "interrupted")
         except BaseException as exc:
             if isinstance(exc, ProtocolError) and exc.status == 401:
                 # the server no longer knows the session (BAD_SESSION_TOKEN: it restarted during
@@ -705,6 +700,16 @@ class FLRuntime:
                 f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values as float32"
             )
         return weights
+
+
+def training_limit(plan: Plan, max_training_s: float) -> tuple[float, str]:
+    """How long a device trains ``plan`` before it is stopped by force, and the reason its session
+    records: the plan's time budget, or the device's ``max_training_s`` when it declares none (a
+    device refuses a plan whose budget is longer)."""
+    budget = plan.metadata.time_budget_s
+    if budget is not None:
+        return float(budget), f"over time budget ({budget} s)"
+    return max_training_s, f"over the device's training time ({max_training_s} s, max_training_s)"
 
 
 def _within_memory(

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment, TrainingInterrupted
+from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment, TrainingInterrupted, training_limit
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import Event, SessionSummary, shape_of
 from device_runtime.plan import Plan
@@ -613,7 +613,8 @@ class SimDevice:
             job.training_from = now
         job.trained += examples
         until = now + examples * per_example
-        stop_at = job.training_from + training_limit_s(plan, self.sim.max_training_s)
+        limit, reason = training_limit(plan, self.sim.max_training_s)
+        stop_at = job.training_from + limit
         left = self._examples_left(plan)
         if left is not None and until + left * per_example > stop_at and until < stop_at:
             broken = self.conditions.first_unsatisfied(CONSTRAINTS, self.sim.epoch + until)
@@ -631,10 +632,7 @@ class SimDevice:
         else:
             self._sleep_until(until)
         if stopped:
-            raise TrainingInterrupted(
-                f"training was stopped by force after {stop_at - job.training_from:g} s, the plan's time budget "
-                "or the device's max_training_s"
-            )
+            raise TrainingInterrupted(f"training was stopped by force after {limit:g} s", reason=reason)
 
     def _examples_left(self, plan: Plan) -> int | None:
         """The examples the session still trains on if it runs to its end: its epochs over the
@@ -912,14 +910,6 @@ class SimDevice:
             return
         shape = shape_of(events) if events else "-"
         self.sim.add_session(self._row(self._job.started, now, shape, "app_killed", 0))
-
-
-def training_limit_s(plan: Plan, max_training_s: float) -> float:
-    """How long a device trains ``plan`` before it is stopped by force: the plan's time budget, or
-    the device's ``max_training_s`` when it declares none (a device refuses a plan whose budget
-    is longer)."""
-    budget = plan.metadata.time_budget_s
-    return float(budget) if budget is not None else max_training_s
 
 
 def _no_memory() -> float:

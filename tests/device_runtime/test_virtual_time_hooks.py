@@ -13,7 +13,7 @@ import random
 import httpx
 import pytest
 
-from device_runtime import FLRuntime, RetryPolicy, RuntimeEnvironment
+from device_runtime import FLRuntime, Outcome, RetryPolicy, RuntimeEnvironment, TrainingInterrupted, training_limit
 from device_runtime.checkpoint import encode_checkpoint
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
@@ -199,6 +199,36 @@ def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits)
             plan_cache=MemoryPlanCache(),
             environment=RuntimeEnvironment(work_meter=OnlyTrained()),
         )
+
+
+class StoppingMeter(CountingMeter):
+    """Stops training by force at its second batch, as a simulation does at the device's time limit."""
+
+    def trained(self, plan: Plan, examples: int) -> None:
+        super().trained(plan, examples)
+        if len(self.batches) == 2:
+            _, reason = training_limit(plan, 600.0)
+            raise TrainingInterrupted("stopped by force", reason=reason)
+
+
+def test_training_a_work_meter_stops_is_interrupted_for_the_reason_it_gives(server, admin, digits):
+    """A simulation stops a device's training at its time limit in virtual time (where no watchdog
+    runs): the session records why, as a device stopped by its watchdog does, and tells the server."""
+    deploy(admin, goal_count=5)
+    clock = VirtualClock()
+    meter = StoppingMeter()
+    runtime = FLRuntime(
+        "digits",
+        server.url,
+        _store(digits, 37, clock),
+        retry=FAST,
+        plan_cache=MemoryPlanCache(),
+        environment=RuntimeEnvironment(clock=clock.now, work_meter=meter),
+    )
+    result = runtime.run_session()
+    assert result.outcome is Outcome.INTERRUPTED and len(meter.batches) == 2 and meter.settles == [2]
+    assert result.events[-1].kind == "interrupted"
+    assert result.events[-1].detail["reason"] == "over the device's training time (600.0 s, max_training_s)"
 
 
 def test_devices_sharing_loaded_plans_still_each_download_the_plan_once(server, admin, digits):
