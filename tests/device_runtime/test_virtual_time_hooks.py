@@ -63,6 +63,18 @@ def _store(digits, n: int, clock: VirtualClock) -> InMemoryExampleStore:
     return store
 
 
+def _metered_runtime(server, digits, clock: VirtualClock, meter: CountingMeter) -> FLRuntime:
+    """A device of 37 examples on ``clock`` whose trained batches ``meter`` hears."""
+    return FLRuntime(
+        "digits",
+        server.url,
+        _store(digits, 37, clock),
+        retry=FAST,
+        plan_cache=MemoryPlanCache(),
+        environment=RuntimeEnvironment(clock=clock.now, work_meter=meter),
+    )
+
+
 def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server, admin, digits):
     deploy(admin, goal_count=5)
     clock = VirtualClock()
@@ -72,14 +84,7 @@ def test_a_job_with_unmet_constraints_sleeps_until_its_conditions_change(server,
         None, conditions, clock=clock, queue=queue, settings=SchedulerSettings(recheck_s=60, watchdog=False, settle_s=0)
     )
     meter = CountingMeter()
-    runtime = FLRuntime(
-        "digits",
-        server.url,
-        _store(digits, 37, clock),
-        retry=FAST,
-        plan_cache=MemoryPlanCache(),
-        environment=RuntimeEnvironment(clock=clock.now, work_meter=meter),
-    )
+    runtime = _metered_runtime(server, digits, clock, meter)
     scheduler.register_runtime("digits", runtime)
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval())
     runs = queue.run_until(clock.now() + 10_000.0)
@@ -217,14 +222,7 @@ def test_training_a_work_meter_stops_is_interrupted_for_the_reason_it_gives(serv
     deploy(admin, goal_count=5)
     clock = VirtualClock()
     meter = StoppingMeter()
-    runtime = FLRuntime(
-        "digits",
-        server.url,
-        _store(digits, 37, clock),
-        retry=FAST,
-        plan_cache=MemoryPlanCache(),
-        environment=RuntimeEnvironment(clock=clock.now, work_meter=meter),
-    )
+    runtime = _metered_runtime(server, digits, clock, meter)
     result = runtime.run_session()
     assert result.outcome is Outcome.INTERRUPTED and len(meter.batches) == 2 and meter.settles == [2]
     assert result.events[-1].kind == "interrupted"
