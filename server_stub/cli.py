@@ -86,6 +86,26 @@ class CommandParser(argparse.ArgumentParser):
         return parsed, extras
 
 
+class _NoInterrupts(logging.Filter):
+    """Drops a record that carries a Ctrl-C: SQLAlchemy's pool logs the KeyboardInterrupt it passes
+    on ("Exception during reset or similar") as an ERROR with its traceback, before the command's
+    one interrupted line says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
+NO_INTERRUPTS = _NoInterrupts()
+
+
+def log_interrupts_once() -> None:
+    """Keep Ctrl-C's out of the log: every handler the root logger has now (``basicConfig``'s: call
+    this after it) and the one Python writes with when there is none."""
+    for handler in [*logging.getLogger().handlers, logging.lastResort]:
+        if handler is not None:
+            handler.addFilter(NO_INTERRUPTS)
+
+
 def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
     """The deepest subcommand's parser ``parsed`` went through (``fedfleet plan build``'s)."""
     for action in parser._actions:
@@ -283,6 +303,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
             )
             return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_interrupts_once()
     try:
         if args.admin_key_file:
             keys, source = AdminKeys.from_file(args.admin_key_file), f"from {args.admin_key_file}"

@@ -21,6 +21,7 @@ from server_stub import RoundConfig
 from server_stub.cli import (
     add_prune_arguments,
     add_server_arguments,
+    log_interrupts_once,
     read_negative_numbers,
     run_prune,
     run_server,
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     add_compare_parser(sub)
     add_toolchain_commands(sub)
     args = read_negative_numbers(show_defaults(parser)).parse_args(argv)
+    log_interrupts_once()  # the commands that set no logging up write with Python's own handler
     try:
         return _run(parser, args)
     except KeyboardInterrupt:  # Ctrl-C while a command loads, builds or waits: one line, not a traceback
@@ -165,6 +167,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "compare":
         return run_compare(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log_interrupts_once()
     if args.command == "authority":
         for given, path in (("--key", args.key), ("--trust", args.trust)):
             # not "already exists ... --force" for a key, and before a write: a folder would take

@@ -78,6 +78,17 @@ def _wait_until(process: subprocess.Popen[str], ready) -> None:
         time.sleep(0.005)
 
 
+def _interrupt(process: subprocess.Popen[str], ready) -> tuple[str, str]:
+    """Ctrl-C to ``process`` once ``ready()``; what it then wrote to stdout and stderr."""
+    try:
+        _wait_until(process, ready)
+        process.send_signal(signal.SIGINT)
+        return process.communicate(timeout=PATIENCE_S)
+    finally:
+        process.kill()
+        process.wait()
+
+
 def _importing(process: subprocess.Popen[str]) -> bool:
     """numpy's extension is mapped: the entry point runs, and the imports below it have a second to go."""
     try:
@@ -90,16 +101,8 @@ def _importing(process: subprocess.Popen[str]) -> bool:
 @pytest.mark.parametrize("at", ["importing", "running"])
 def test_ctrl_c_while_the_command_imports_or_runs_is_one_line_and_exit_130(tmp_path, at):
     process = _start(tmp_path, at)
-    try:
-        if at == "importing":
-            _wait_until(process, lambda: _importing(process))
-        else:
-            _wait_until(process, (tmp_path / "running.started").exists)
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=PATIENCE_S)
-    finally:
-        process.kill()
-        process.wait()
+    ready = (lambda: _importing(process)) if at == "importing" else (tmp_path / "running.started").exists
+    out, err = _interrupt(process, ready)
     assert (process.returncode, err.strip(), out) == (130, "fedfleet plan: interrupted", ""), err
 
 
@@ -183,3 +186,37 @@ def test_a_second_ctrl_c_while_the_exit_waits_on_cleanup_ends_it_at_once(tmp_pat
         process.wait()
     assert said[2] == "fedfleet plan: interrupted as it exited; the command had finished\n", said
     assert (process.returncode, err, out) == (130, "", "") and not (tmp_path / "exiting.done").exists()
+
+
+#: A ``sitecustomize`` for ``fedfleet demo`` that says by ``reset.started`` in $PROBE_DIR that the
+#: main thread is handing an SQLite connection back to SQLAlchemy's pool (the devices' example
+#: stores do, as the demo makes its fleet) and waits there: a Ctrl-C then lands where the pool
+#: catches it, logs it as an ERROR with its traceback and passes it on.
+POOL_RESET_PROBE = """
+import os, threading, time
+from sqlalchemy import event
+from sqlalchemy.pool import Pool
+
+def reset(*args, probe=os.environ["PROBE_DIR"]):
+    started = os.path.join(probe, "reset.started")
+    if threading.current_thread() is threading.main_thread() and not os.path.exists(started):
+        open(started, "w").close()
+        time.sleep(120)
+
+event.listen(Pool, "reset", reset)
+"""
+
+
+def test_ctrl_c_while_the_demo_hands_a_connection_back_to_its_pool_is_the_one_line(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(POOL_RESET_PROBE, encoding="utf-8")
+    process = subprocess.Popen(
+        [str(FEDFLEET), "demo", "--devices", "20", "--goal", "8"],
+        cwd=tmp_path,
+        env={**os.environ, "PROBE_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    out, err = _interrupt(process, (tmp_path / "reset.started").exists)
+    assert (process.returncode, err.strip()) == (130, "fedfleet demo: interrupted"), err
