@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import ipaddress
 import logging
 import math
@@ -22,6 +21,7 @@ from example_store.sqlite_engine import sqlite_advice
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
+from .errors import closest, key_file_mistake
 from .http_guards import GuardedServer, HttpLimits
 from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError
 from .release_trust import ReleaseTrustError, read_release_trust
@@ -77,13 +77,29 @@ class CommandParser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(args, namespace)
         if extras and self.prog in TOP_LEVEL:
             command = _chosen(self, parsed)
-            options = [o for action in command._actions for o in action.option_strings]
-            close = [
-                m for x in extras if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], options, 1)
-            ]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+            command.error(f"unrecognized arguments: {' '.join(extras)}{meant_options(command, extras)}")
         return parsed, extras
+
+
+def meant_options(parser: argparse.ArgumentParser, typed: list[str]) -> str:
+    """ " (did you mean --a, --b?)" naming the option of ``parser`` closest to each of ``typed``
+    that is one (``--hourz=3``: ``--hours``), or that a positional argument is given without its
+    name as an option (``--fleet F``: ``fedfleet simulate F``); "" when none is close."""
+    options = [o for action in parser._actions for o in action.option_strings]
+    positional = {  # each positional by its name and its name's first word (``--task`` for task_file)
+        word: a
+        for a in parser._actions
+        if not a.option_strings
+        for word in (a.dest.replace("_", "-"), a.dest.split("_")[0], str(a.metavar or "").lower())
+    }
+    close = []
+    for name in (x.split("=")[0] for x in typed if x.startswith("-")):
+        if (action := positional.get(name.lstrip("-"))) is not None and name.lstrip("-"):
+            shown = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+            return f" ({action.dest.replace('_', ' ')} is given without {name}: {parser.prog} {shown} ...)"
+        if (meant := closest(name, options)) is not None:
+            close.append(meant)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 class _NoInterrupts(logging.Filter):
@@ -304,6 +320,14 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
             return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_interrupts_once()
+    for option, path in (
+        ("--admin-key-file", args.admin_key_file),
+        ("--attestation-trust", args.attestation_trust),
+        ("--release-trust", args.release_trust),
+    ):
+        if path and (mistake := key_file_mistake(option, path)) is not None:
+            print(f"fedfleet server: {mistake}", file=sys.stderr)
+            return 2
     try:
         if args.admin_key_file:
             keys, source = AdminKeys.from_file(args.admin_key_file), f"from {args.admin_key_file}"

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import json
+import os
+from collections.abc import Iterable
+
 #: Messages echo parts of the request (names, ids); a hostile one must not come back whole.
 MAX_MESSAGE_CHARS = 500
 #: How much of a name from the request a message quotes: any valid name whole (1-128 characters).
@@ -29,6 +34,80 @@ def unreadable(exc: BaseException) -> str:
     if isinstance(exc, UnicodeDecodeError):
         return "it is not text (UTF-8); give the file that was written for this option"
     return str(exc)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The one of ``choices`` that ``word`` was most likely meant as (a typo of it), or None."""
+    found = difflib.get_close_matches(word, list(choices), 1)
+    return found[0] if found else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """ " (did you mean X?)" for the choice closest to ``word``, to end a message that refuses it;
+    "" when no choice is close."""
+    meant = closest(word, choices)
+    return f" (did you mean {meant}?)" if meant else ""
+
+
+#: The key files the project writes, by their JSON ``format`` or the first word of their line:
+#: what each is, and what to give in its place to the options that take another kind.
+KEY_FILES = {
+    "fedfleet-release-signing-key": ("the private signing key of `fedfleet plan keygen`", "{path}.pub"),
+    "ed25519": ("a release trust file (testers' public keys, `fedfleet plan keygen`'s KEY.pub)", "{path}"),
+    "fedfleet-attestation-authority": (
+        "the attestation authority's private key (`fedfleet authority --key`)",
+        "the trust anchor `fedfleet authority --trust FILE` wrote with it",
+    ),
+    "fedfleet-attestation-trust": ("an attestation trust anchor (`fedfleet authority --trust`)", "{path}"),
+}
+#: The kinds of ``KEY_FILES`` each option takes, and what it takes said for a file of another kind.
+KEY_OPTIONS = {
+    "--release-trust": (
+        "ed25519",
+        "a release trust file",
+        "the testers' trust lines (`fedfleet plan keygen --key KEY` writes KEY.pub)",
+    ),
+    "--attestation-trust": (
+        "fedfleet-attestation-trust",
+        "a trust anchor",
+        "the trust anchor `fedfleet authority --trust FILE` wrote",
+    ),
+    "--admin-key-file": (None, "an admin key file", "a file of operator keys, one per line"),
+}
+
+
+def key_file_mistake(option: str, path: str | os.PathLike[str]) -> str | None:
+    """What to give ``option`` (one of ``KEY_OPTIONS``) when ``path`` is another of the project's
+    key files (``--release-trust tester.key``: "this is the private key; give tester.key.pub"),
+    None when it is not one (the option's own reader then checks it)."""
+    kind = _key_file_kind(path)
+    takes, noun, wanted = KEY_OPTIONS[option]
+    if kind is None or kind == takes:
+        return None
+    what, instead = KEY_FILES[kind]
+    if (
+        kind == "fedfleet-release-signing-key"
+        and option == "--release-trust"
+        or (kind == "fedfleet-attestation-authority" and option == "--attestation-trust")
+    ):
+        return f"{option} {os.fspath(path)} is {what}, which stays secret; give {instead.format(path=os.fspath(path))}"
+    return f"{option} {os.fspath(path)} is {what}, not {noun}; give {wanted}"
+
+
+def _key_file_kind(path: str | os.PathLike[str]) -> str | None:
+    """Which of ``KEY_FILES`` the file at ``path`` is, None for another file or one that cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 16).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        lines = [ln.split() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        return "ed25519" if lines and all(ln[0] == "ed25519" and len(ln) >= 2 for ln in lines) else None
+    kind = data.get("format") if isinstance(data, dict) else None
+    return kind if kind in KEY_FILES else None
 
 
 class ApiError(Exception):

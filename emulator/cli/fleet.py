@@ -194,6 +194,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             data=data,
             secure=args.secure,
             dp=_dp_overrides(args),
+            named=OPTION_KEYS | {f"dp.{key}": f"--{flag.replace('_', '-')}" for flag, key in DP_FLAGS.items()},
         )
     except FederatedDataError as exc:
         print(f"fedfleet simulate: --data {args.data}: {exc}", file=sys.stderr)
@@ -322,6 +323,14 @@ def _remove_failed_run(out: Path, made_out: bool) -> None:
 
 
 #: ``fedfleet simulate``'s differential privacy flags and the ``[dp]`` keys they set.
+#: The fleet config key each of simulate's options sets, as an error names it.
+OPTION_KEYS = {
+    "fleet.devices": "--devices",
+    "fleet.hours": "--hours",
+    "fleet.seed": "--seed",
+    "task.goal_count": "--goal",
+    "task.target_accuracy": "--target-accuracy",
+}
 DP_FLAGS = {
     "dp": "mode",
     "noise_multiplier": "noise_multiplier",

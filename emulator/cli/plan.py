@@ -29,12 +29,13 @@ fedfleet rounds --server URL --population P [--task T]   its rounds, oldest firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import os
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -44,11 +45,20 @@ from device_runtime.plan import PlanError, serialize_plan
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
+from server_stub.errors import did_you_mean, key_file_mistake
 from server_stub.schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, NAME_RULE, ROUNDS_PAGE, is_name
 
 from ..releases.envs import RuntimeEnvError
 from ..releases.workers import WorkerError, WorkerPool
-from ..toolchain.bundle import SOURCE, TASK_FILE, build_bundle, check_bundle_path, deploy_bundle, release_test_bundle
+from ..toolchain.bundle import (
+    SOURCE,
+    TASK_FILE,
+    build_bundle,
+    bundle_holding,
+    check_bundle_path,
+    deploy_bundle,
+    release_test_bundle,
+)
 from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx
 from ..toolchain.onnx_import import trainable_table
 from ..toolchain.release import release_table
@@ -276,24 +286,18 @@ def refuse_file_kind(path: str | Path, wanted: str, *suffixes: str) -> None:
         raise TaskError(f"{path} is {kind}, not {wanted}; {how.format(path=path)}")
 
 
-def bundle_holding(path: str | Path) -> Path | None:
-    """The bundle folder a file of it is in (its task file, a task's plan, manifest or report), if any."""
-    for folder in list(Path(path).parents)[:3]:
-        if (folder / TASK_FILE).is_file() and (folder / SOURCE).is_file():
-            return folder
-    return None
-
-
 def check_task_file(path: str | Path) -> None:
-    """Refuse a model, fleet config or plan given as a task file in one line naming what takes it."""
+    """Refuse a model, fleet config, plan or a bundle's file given as a task file in one line naming
+    what takes it (a bundle's manifest or checkpoint ran as Python: 'null' is not defined)."""
     refuse_file_kind(path, "a task file", ".onnx", ".pt", ".pth", ".toml")
-    if Path(path).suffix.lower() == ".fedplan":
-        bundle = bundle_holding(path)
-        if bundle is not None:
-            raise TaskError(
-                f"{path} is a plan built into the bundle {bundle}; give {bundle} (plan build: its task file, "
-                f"{bundle / TASK_FILE})"
-            )
+    plan = Path(path).suffix.lower() == ".fedplan"
+    bundle = bundle_holding(path) if Path(path).is_file() else None
+    if bundle is not None and Path(path).resolve() != (bundle / TASK_FILE).resolve():
+        raise TaskError(
+            f"{path} is {'a plan built into' if plan else 'a file of'} the bundle {bundle}; give {bundle} (plan "
+            f"build: its task file, {bundle / TASK_FILE})"
+        )
+    if plan:
         check_bundle_path(path)  # a plan alone (plan from-onnx -o PLAN.fedplan): how to make a bundle
 
 
@@ -506,6 +510,8 @@ def _plan_only(args: argparse.Namespace, say) -> int:
 def _admin_key(args: argparse.Namespace) -> str:
     """The first operator key of --admin-key-file or $FEDFLEET_ADMIN_KEYS (checked like the server does)."""
     if args.admin_key_file:
+        if (mistake := key_file_mistake("--admin-key-file", args.admin_key_file)) is not None:
+            raise AdminKeyError(mistake)
         AdminKeys.from_file(args.admin_key_file)
         text = Path(args.admin_key_file).read_text(encoding="utf-8")
         lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -520,9 +526,8 @@ def _admin_key(args: argparse.Namespace) -> str:
 
 def _deploy(args: argparse.Namespace, say) -> int:
     # the path before the operator key: the first thing a newcomer gets wrong
-    bundle = bundle_holding(args.directory) if args.directory.is_file() else None
-    if bundle is not None:
-        raise TaskError(f"{args.directory} is a file of the bundle {bundle}; give {bundle}")
+    if bundle_holding(args.directory) is not None:
+        check_bundle_path(args.directory)  # a file of a bundle (its task.py too): names the bundle
     refuse_file_kind(args.directory, "a bundle folder", ".onnx", ".pt", ".pth", ".toml", ".py")
     check_bundle_path(args.directory)
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
@@ -533,8 +538,22 @@ def _deploy(args: argparse.Namespace, say) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _naming_populations(admin: AdminClient, population: str) -> Iterator[None]:
+    """A population the server does not have, refused with the one of its populations closest to
+    it (``digit``: ``digits``) and the ones it has."""
+    try:
+        yield
+    except AdminError as exc:
+        if exc.code != "UNKNOWN_POPULATION":
+            raise
+        names = admin.populations()
+        has = f"it has {', '.join(names)}" if names else "it has no population yet (fedfleet deploy makes one)"
+        raise AdminError(f"{exc}{did_you_mean(population, names)}; {has}", exc.status, exc.code) from None
+
+
 def _status(args: argparse.Namespace, say) -> int:
-    with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
+    with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
         status = admin.status(args.population)
     say(f"population {status['population']}" + (f" (strategy {status['strategy']})" if status.get("strategy") else ""))
     for task in status["tasks"]:
@@ -567,7 +586,7 @@ def _round_cursor(text: str) -> int:
 
 
 def _rounds(args: argparse.Namespace, say) -> int:
-    with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
+    with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
         rounds, older = admin.round_page(args.population, args.task, args.last, args.before)
     say("task                 round  attempt  status      selected  reported  started (UTC)")
     for r in rounds:

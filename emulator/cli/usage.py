@@ -11,11 +11,11 @@ not that the one typed is unknown. ``FleetParser`` words these instead."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from typing import Any, NoReturn
 
-from server_stub.cli import CommandParser, parsers
+from server_stub.cli import CommandParser, meant_options, parsers
+from server_stub.errors import closest, did_you_mean
 
 #: The options every parser has, which name no command.
 HELP = ("-h", "--help")
@@ -61,7 +61,7 @@ def _group_mistake(parser: argparse.ArgumentParser, commands: argparse._SubParse
         takers: dict[str, list[str]] = {}  # each option close to the one typed, and the commands that take it
         for sub in parsers(parser)[1:]:
             if _commands(sub) is None:
-                for close in difflib.get_close_matches(typed, _options(sub), 1):
+                if (close := closest(typed, _options(sub))) is not None:
                     takers.setdefault(close, []).append(sub.prog.removeprefix(parser.prog).strip())
         if not takers:
             return f"{typed} is an option of neither {parser.prog} nor its commands ({every} --help lists theirs)"
@@ -70,8 +70,7 @@ def _group_mistake(parser: argparse.ArgumentParser, commands: argparse._SubParse
         return f"{typed} comes after a command: {parser.prog} {'|'.join(taken_by)} ... {option}{meant}"
     if word is None:
         return f"name a command: {every} ..."
-    named = difflib.get_close_matches(word, list(commands.choices), 1)
-    return f"{word} is not a command{f' (did you mean {named[0]}?)' if named else ''}: {every} ..."
+    return f"{word} is not a command{did_you_mean(word, commands.choices)}: {every} ..."
 
 
 def _unknown_options(parser: argparse.ArgumentParser, given: list[str]) -> str:
@@ -88,6 +87,4 @@ def _unknown_options(parser: argparse.ArgumentParser, given: list[str]) -> str:
     ]
     if not unknown:
         return ""
-    close = [m for token in unknown for m in difflib.get_close_matches(token.split("=")[0], known, 1)]
-    meant = f" (did you mean {', '.join(close)}?)" if close else ""
-    return f"unrecognized arguments: {' '.join(unknown)}{meant}"
+    return f"unrecognized arguments: {' '.join(unknown)}{meant_options(parser, unknown)}"

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from device_runtime.versions import version_tuple
 from server_stub.dp_config import MAX_DELTA, MAX_NOISE_MULTIPLIER, DPConfig
+from server_stub.errors import did_you_mean
 from server_stub.rounds import MAX_TIMEOUT_S
 
 #: Shares of a mixture must sum to one within this tolerance (TOML users write 0.1 + 0.2 ...).
@@ -553,12 +556,15 @@ class FleetConfig(_Section):
         return cls()
 
     @classmethod
-    def from_dict(cls, data: object, *, source: str = "fleet config") -> FleetConfig:
-        """Validate ``data``; errors become one :class:`FleetConfigError` naming every bad field."""
+    def from_dict(
+        cls, data: object, *, source: str = "fleet config", named: Mapping[str, str] | None = None
+    ) -> FleetConfig:
+        """Validate ``data``; errors become one :class:`FleetConfigError` naming every bad field, by
+        the name ``named`` gives its dotted key (a command-line option) or else by its key."""
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise FleetConfigError(_describe(exc, source)) from None
+            raise FleetConfigError(_describe(exc, source, named)) from None
 
     @classmethod
     def load(cls, path: str | Path) -> FleetConfig:
@@ -597,11 +603,13 @@ class FleetConfig(_Section):
         data: Any = None,
         secure: bool | None = None,
         dp: dict[str, Any] | None = None,
+        named: Mapping[str, str] | None = None,
     ) -> FleetConfig:
         """The same fleet with the command line's overrides (``None`` keeps the value). Keys left at
         their defaults stay unset (``TaskSection.explicit``). ``data`` is a parsed data spec
         (``federated_data.DataSpec``) whose paths are already resolved; ``secure`` sets ``task.secure``;
-        ``dp``: ``[dp]`` keys (``--dp``, ``--noise-multiplier``, ...) over the file's."""
+        ``dp``: ``[dp]`` keys (``--dp``, ``--noise-multiplier``, ...) over the file's. ``named``: the
+        option that set each dotted key (``{"fleet.hours": "--hours"}``), which an error names it by."""
         out = self.dump()
         fleet = out.setdefault("fleet", {})
         for key, value in (("devices", devices), ("hours", hours), ("seed", seed)):
@@ -624,7 +632,7 @@ class FleetConfig(_Section):
             section.pop("path", None)
             if data.path is not None:
                 section["path"] = str(Path(data.path).resolve())
-        return FleetConfig.from_dict(out, source="override")
+        return FleetConfig.from_dict(out, source="the fleet config with the command line's options", named=named)
 
     def dump(self) -> dict[str, Any]:
         """The config as plain data with only the keys that were set: ``from_dict`` of it is this
@@ -648,20 +656,88 @@ def _resolve(data: dict, section: str, key: str, folder: Path) -> None:
         table[key] = str((folder / Path(value).expanduser()).resolve())
 
 
-def _describe(exc: ValidationError, source: str) -> str:
-    lines = []
+def _describe(exc: ValidationError, source: str, named: Mapping[str, str] | None = None) -> str:
+    """One line naming every bad field, each as the user wrote it: its key, or the command-line
+    option ``named`` maps its dotted key to. ``source`` heads the line unless every field was named."""
+    lines, only_named = [], True
     for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        where = ".".join(str(p) for p in err["loc"])
+        only_named = only_named and where in (named or {})
         if err["type"] == "extra_forbidden":
-            msg = "unknown field; check its spelling against FleetConfig's sections"
-        if err["type"] == "value_error":  # a validator's own sentence names its fields already
-            msg = msg.removeprefix("Value error, ")
-            if not err["loc"]:
-                lines.append(msg)
-                continue
-        lines.append(f"{where}: {msg}")
-    return f"{source} is invalid: " + "; ".join(lines)
+            lines.append(unknown_key(err["loc"]))
+        elif err["type"] == "value_error":  # a validator's own sentence names its fields already
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}" if where else msg)
+            only_named = only_named and bool(where)
+        elif (plain := _plain(err)) is not None:
+            lines.append(f"{(named or {}).get(where, where)} {plain}")
+        else:
+            lines.append(f"{where or '(top level)'}: {err['msg']}")
+    return "; ".join(lines) if only_named else f"{source} is invalid: " + "; ".join(lines)
+
+
+def _plain(err: Any) -> str | None:
+    """What a field must be, said without the validator's words ("Input should be greater than 0":
+    "must be above 0 (got -1)"); None for an error this does not know."""
+    ctx, given = err.get("ctx", {}), err.get("input")
+    kind = err["type"]
+    if kind in LIMITS:
+        words, bound = LIMITS[kind]
+        limit = ctx[bound]
+        return f"must be {words} {f'{limit:g}' if isinstance(limit, float) else limit} (got {given!r})"
+    if kind in KINDS:
+        return f"must be {KINDS[kind]} (got {given!r})"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return f"must be a table ([{'.'.join(str(p) for p in err['loc'] if not isinstance(p, int))}])"
+    if kind == "list_type":
+        return f"must be an array of tables ([[{'.'.join(str(p) for p in err['loc'])}]])"
+    if kind == "missing":
+        return "is missing; add it"
+    if kind == "literal_error":
+        return f"must be {ctx['expected']} (got {given!r})"
+    return None
+
+
+#: A number's bounds as the user reads them, by pydantic's type: the words and the bound's ``ctx`` key.
+LIMITS = {
+    "greater_than": ("above", "gt"),
+    "greater_than_equal": ("at least", "ge"),
+    "less_than": ("below", "lt"),
+    "less_than_equal": ("at most", "le"),
+}
+#: The kinds of value a field takes, by pydantic's type for a value of another kind.
+KINDS = {
+    "int_type": "a whole number",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "true or false",
+    "string_type": "text (in quotes)",
+}
+
+
+def _table_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys the table at ``loc`` takes (``("fleet",)``: ``[fleet]``'s; ``()``: the sections)."""
+    model: Any = FleetConfig
+    for part in loc:
+        if isinstance(part, int):  # an item of an array of tables: the item's model is the list's
+            continue
+        annotation = model.model_fields[part].annotation
+        model = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
+    return list(model.model_fields)
+
+
+def unknown_key(loc: tuple[int | str, ...]) -> str:
+    """What to do about the unknown key at ``loc``: the key it is closest to and the keys its table takes."""
+    *table, key = loc
+    keys = _table_keys(tuple(table))
+    where = ".".join(str(p) for p in loc)
+    if not table:
+        return (
+            f"{where}: not a section of a fleet config{did_you_mean(str(key), keys)}; the sections are "
+            f"{', '.join(keys)} (examples/fleets/default.toml shows them)"
+        )
+    named = ".".join(str(p) for p in table if not isinstance(p, int))
+    return f"{where}: [{named}] has no key {key!r}{did_you_mean(str(key), keys)}; it takes {', '.join(keys)}"
 
 
 def _toml_value(value: object) -> str:

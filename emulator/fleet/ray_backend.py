@@ -58,6 +58,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from server_stub.errors import did_you_mean
+
 from .config import FleetConfig, FleetConfigError
 from .events import EventLoop, Fiber, Fibers, SimulationError
 from .heap import long_lived_heap
@@ -527,12 +529,18 @@ def sweep_configs(
         for key, value in params.items():
             *path, last = key.split(".")
             node, model = data, full
-            for part in path:
+            for depth, part in enumerate(path):
                 if not isinstance(model, dict) or part not in model or not isinstance(model[part], dict):
-                    raise FleetConfigError(f"--sweep: the config has no section {part!r} (in {key!r})")
+                    sections = [".".join([*path[:depth], k]) for k, v in model.items() if isinstance(v, dict)]
+                    meant = did_you_mean(".".join(path[: depth + 1]), sections)
+                    raise FleetConfigError(f"--sweep {key}: the config has no section {part!r}{meant}")
                 node, model = node.setdefault(part, {}), model[part]
             if not isinstance(model, dict) or last not in model:
-                raise FleetConfigError(f"--sweep: the config has no field {key!r}; see examples/fleets/default.toml")
+                fields = [".".join([*path, k]) for k, v in model.items() if not isinstance(v, dict | list)]
+                raise FleetConfigError(
+                    f"--sweep {key}: the config has no such field{did_you_mean(key, fields)}; "
+                    "examples/fleets/default.toml lists the fields"
+                )
             node[last] = value
         out.append((params, FleetConfig.from_dict(data, source=f"--sweep {params}")))
     return out

@@ -222,9 +222,20 @@ def bundle_task_file(directory: str | Path) -> Path:
     return original if original.is_file() else directory / TASK_FILE
 
 
+def bundle_holding(path: str | Path) -> Path | None:
+    """The bundle folder a file of it is in (its task file, a task's plan, manifest or report), if any."""
+    for folder in list(Path(path).parents)[:3]:
+        if (folder / TASK_FILE).is_file() and (folder / SOURCE).is_file():
+            return folder
+    return None
+
+
 def check_bundle_path(path: str | Path) -> None:
-    """Refuse a file where a bundle directory is wanted, saying how to make one (a newcomer's plan
-    file from ``plan from-onnx -o X.fedplan`` has no checkpoint nor task to test)."""
+    """Refuse a file where a bundle directory is wanted: one of a bundle's own files by naming the
+    bundle, any other by saying how to make one (a newcomer's plan file from ``plan from-onnx -o
+    X.fedplan`` has no checkpoint nor task to test)."""
+    if Path(path).is_file() and (bundle := bundle_holding(path)) is not None:
+        raise TaskError(f"{path} is a file of the bundle {bundle}; give the bundle folder {bundle}")
     if Path(path).is_file():
         raise TaskError(
             f"{path} is a file, not a bundle directory; `fedfleet plan from-onnx MODEL.onnx --label y -o DIR` "

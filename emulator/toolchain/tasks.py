@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import runpy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -354,6 +355,15 @@ class Task:
 
         try:
             return load_model(self.model)
+        except FileNotFoundError:  # not the library's "pass ... its bytes, or a ModelProto"
+            path = Path(self.model)
+            relative = (
+                "" if path.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+            )
+            raise TaskError(
+                f"task {self.name!r}: its model {os.fspath(path)!r} is no file{relative}; give the .onnx file's path, "
+                "e.g. Path(__file__).parent / 'model.onnx' for one beside the task file"
+            ) from None
         except (ValueError, OSError) as exc:  # PlanError is a ValueError
             raise TaskError(f"task {self.name!r}: {exc}") from None
 

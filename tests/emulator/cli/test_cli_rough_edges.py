@@ -205,9 +205,7 @@ def test_a_negative_number_in_any_notation_is_an_options_value_not_an_option(val
 
 def test_a_negative_delta_is_one_line_naming_the_field(tmp_path, capsys):
     assert cli.main(["simulate", "--dp", "central", "--delta", "-1e-5", "--out", str(tmp_path / "run")]) == 2
-    assert (
-        capsys.readouterr().err == "fedfleet simulate: override is invalid: dp.delta: Input should be greater than 0\n"
-    )
+    assert capsys.readouterr().err == "fedfleet simulate: --delta must be above 0 (got -1e-05)\n"
 
 
 def test_dev_says_what_it_installs_before_the_first_install(tmp_path):
@@ -374,7 +372,7 @@ SERVER = ["--server", "http://127.0.0.1:9", "--population", "p"]  # never asked:
         (["deploy", "task.py", *SERVER], "fedfleet deploy: task.py is a task file, not a bundle folder; "),
         (
             ["deploy", "bundle/t/manifest.json", *SERVER],
-            "fedfleet deploy: bundle/t/manifest.json is a file of the bundle bundle; give bundle",
+            "fedfleet deploy: bundle/t/manifest.json is a file of the bundle bundle; give the bundle folder bundle",
         ),
         (
             ["plan", "test", "bundle/t/plan.fedplan"],
