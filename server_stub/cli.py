@@ -21,7 +21,7 @@ from example_store.sqlite_engine import sqlite_advice
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
-from .errors import closest, key_file_mistake
+from .errors import closest, did_you_mean, key_file_mistake
 from .http_guards import GuardedServer, HttpLimits
 from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError
 from .release_trust import ReleaseTrustError, read_release_trust
@@ -70,6 +70,15 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """A value outside an option's choices, with the choice it is closest to (``--dp centrl``)."""
+        if action.choices is not None and value not in action.choices and isinstance(value, str):
+            choices = [str(choice) for choice in action.choices]
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{did_you_mean(value, choices)}; choose from {', '.join(choices)}"
+            )
+        super()._check_value(action, value)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         """At the top, an argument no parser took is refused by the command it was given to, with

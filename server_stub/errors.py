@@ -110,6 +110,19 @@ def _key_file_kind(path: str | os.PathLike[str]) -> str | None:
     return kind if kind in KEY_FILES else None
 
 
+def did_you_mean_path(path: str | os.PathLike[str]) -> str:
+    """ " (did you mean DIR/NAME?)" for the file or folder beside a missing ``path`` whose name is
+    closest to its name (``digits_taks.py``: ``digits_task.py``); "" when none is close."""
+    missing = os.fspath(path)
+    folder, name = os.path.split(missing)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return ""
+    meant = closest(name, names)
+    return f" (did you mean {os.path.join(folder, meant)}?)" if meant else ""
+
+
 class ApiError(Exception):
     """An error the API reports as JSON ``{"error": {"code", "message"}}`` with a 4xx status (a full server: 503)."""
 

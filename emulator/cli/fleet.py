@@ -25,6 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from server_stub.errors import did_you_mean_path
+
 from ..fleet.config import FleetConfig, FleetConfigError, FleetSection
 from ..fleet.events import SimulationError
 from ..fleet.traces import TraceError
@@ -164,7 +166,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         )  # a bundle (what plan test and deploy take): the task file they load
     if args.task is not None and not Path(args.task).is_file():
         print(
-            f"fedfleet simulate: --task {args.task}: {'a folder' if Path(args.task).is_dir() else 'no such file'}; "
+            f"fedfleet simulate: --task {args.task}: "
+            f"{'a folder' if Path(args.task).is_dir() else 'no such file' + did_you_mean_path(args.task)}; "
             f"give the path of a task file (as `fedfleet plan build` takes) or a bundle folder holding {TASK_FILE}",
             file=sys.stderr,
         )

@@ -45,7 +45,7 @@ from device_runtime.plan import PlanError, serialize_plan
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
-from server_stub.errors import did_you_mean, key_file_mistake
+from server_stub.errors import did_you_mean, did_you_mean_path, key_file_mistake
 from server_stub.schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, NAME_RULE, ROUNDS_PAGE, is_name
 
 from ..releases.envs import RuntimeEnvError
@@ -297,7 +297,7 @@ def check_task_file(path: str | Path) -> None:
             f"{path} is {'a plan built into' if plan else 'a file of'} the bundle {bundle}; give {bundle} (plan "
             f"build: its task file, {bundle / TASK_FILE})"
         )
-    if plan:
+    if plan and Path(path).is_file():
         check_bundle_path(path)  # a plan alone (plan from-onnx -o PLAN.fedplan): how to make a bundle
 
 
@@ -334,6 +334,10 @@ def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
 
 
 def _test(args: argparse.Namespace, say) -> int:
+    if not args.target.exists():
+        raise TaskError(
+            f"{args.target}: no such file or folder{did_you_mean_path(args.target)}; give a task file or a bundle folder"
+        )
     check_task_file(args.target)  # before the note of an unsigned report, which would not be written
     signing_key = _signing_key(args, say)
     directory = args.target
@@ -374,7 +378,8 @@ def _from_onnx(args: argparse.Namespace, say) -> int:
     refuse_file_kind(args.model, "an ONNX model", ".py", ".toml", ".pt", ".pth")
     if not args.model.is_file():  # not the library's "pass a path to a .onnx file, its bytes, or a ModelProto"
         raise TaskError(
-            f"{args.model}: {'a folder' if args.model.is_dir() else 'no such file'}; give the path of the ONNX model "
+            f"{args.model}: {'a folder' if args.model.is_dir() else 'no such file' + did_you_mean_path(args.model)}; "
+            "give the path of the ONNX model "
             "file (.onnx) to make a bundle of"
         )
     if args.out.suffix == ".fedplan":

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from device_runtime.versions import version_tuple
 from server_stub.dp_config import MAX_DELTA, MAX_NOISE_MULTIPLIER, DPConfig
-from server_stub.errors import did_you_mean
+from server_stub.errors import did_you_mean, did_you_mean_path
 from server_stub.rounds import MAX_TIMEOUT_S
 
 #: Shares of a mixture must sum to one within this tolerance (TOML users write 0.1 + 0.2 ...).
@@ -573,7 +573,9 @@ class FleetConfig(_Section):
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise FleetConfigError(f"no fleet config at {path}; pass an existing TOML file") from None
+            raise FleetConfigError(
+                f"no fleet config at {path}{did_you_mean_path(path)}; pass an existing TOML file"
+            ) from None
         except OSError as exc:  # a folder, a file without read permission
             raise FleetConfigError(
                 f"cannot read the fleet config {path} ({exc.strerror or exc}); pass a TOML file"

@@ -36,6 +36,7 @@ from emulator.toolchain.release_signing import sign_report
 from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks, measured_as
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, task_body
+from server_stub.errors import did_you_mean_path
 from server_stub.rounds import RoundConfig
 
 __all__ = [
@@ -233,7 +234,9 @@ def bundle_holding(path: str | Path) -> Path | None:
 def check_bundle_path(path: str | Path) -> None:
     """Refuse a file where a bundle directory is wanted: one of a bundle's own files by naming the
     bundle, any other by saying how to make one (a newcomer's plan file from ``plan from-onnx -o
-    X.fedplan`` has no checkpoint nor task to test)."""
+    X.fedplan`` has no checkpoint nor task to test); a missing path by the one its name is closest to."""
+    if not Path(path).exists():
+        raise TaskError(f"{path}: no such folder{did_you_mean_path(path)}; give a bundle folder (plan build makes one)")
     if Path(path).is_file() and (bundle := bundle_holding(path)) is not None:
         raise TaskError(f"{path} is a file of the bundle {bundle}; give the bundle folder {bundle}")
     if Path(path).is_file():

@@ -51,6 +51,7 @@ import numpy as np
 from device_runtime.plan import Plan
 from emulator.releases.envs import KNOWN_RELEASES, measured_release
 from example_store import ExampleSelector
+from server_stub.errors import did_you_mean_path
 from server_stub.rounds import RoundConfig
 from server_stub.schemas import NAME_RULE, is_name
 
@@ -526,7 +527,8 @@ def load_tasks(path: str | Path) -> list[Task]:
     path = Path(path)
     if not path.is_file():
         raise TaskError(
-            f"task file {path} {'is a folder' if path.is_dir() else 'does not exist'}; give a task file's path"
+            f"task file {path} {'is a folder' if path.is_dir() else 'does not exist' + did_you_mean_path(path)}; "
+            "give a task file's path"
         )
     try:
         namespace = runpy.run_path(str(path), run_name="__fedfleet_task__")

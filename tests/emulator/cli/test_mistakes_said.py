@@ -201,3 +201,40 @@ def test_a_tasks_missing_model_says_where_its_path_is_read_from(tmp_path, capsys
         f"its model 'missing.onnx' is no file (a relative path is read from the working directory, {tmp_path})" in err
     )
     assert "Path(__file__).parent / 'model.onnx'" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["plan", "build", "digits_taks.py", "-o", "out"],
+            "task file digits_taks.py does not exist (did you mean digits_task.py?)",
+        ),
+        (
+            ["plan", "test", "digits_taks.py"],
+            "digits_taks.py: no such file or folder (did you mean digits_task.py?); give a task file or",
+        ),
+        (["simulate", "--no-progress", "--task", "digits_taks.py"], "no such file (did you mean digits_task.py?)"),
+        (["simulate", "--no-progress", "smal.toml"], "no fleet config at smal.toml (did you mean small.toml?)"),
+        (
+            ["deploy", "bundel", "--server", "http://127.0.0.1:9", "--population", "p"],
+            "bundel: no such folder (did you mean bundle?); give a bundle folder",
+        ),
+    ],
+)
+def test_a_misspelt_path_names_the_file_beside_it_that_it_is_closest_to(argv, said, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+    (tmp_path / "digits_task.py").write_text("", encoding="utf-8")
+    (tmp_path / "small.toml").write_text("", encoding="utf-8")
+    _bundle(tmp_path / "bundle")
+    assert cli.main(argv) == 2
+    assert said in _one_line(capsys.readouterr().err)
+
+
+def test_a_misspelt_choice_names_the_choice_it_is_closest_to(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["simulate", "--dp", "centrl"])
+    assert "invalid choice: 'centrl' (did you mean central?); choose from central, distributed" in _one_line(
+        capsys.readouterr().err
+    )
