@@ -28,7 +28,7 @@ def unreadable(exc: BaseException) -> str:
     if isinstance(exc, IsADirectoryError):
         return "it is a folder; give the file's path"
     if isinstance(exc, FileNotFoundError):
-        return "no such file; check the path"
+        return f"no such file{did_you_mean_path(exc.filename) if exc.filename else ''}; check the path"
     if isinstance(exc, PermissionError):
         return "permission denied; make it readable by the user this runs as"
     if isinstance(exc, UnicodeDecodeError):

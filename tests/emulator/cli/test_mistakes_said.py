@@ -238,3 +238,9 @@ def test_a_misspelt_choice_names_the_choice_it_is_closest_to(capsys):
     assert "invalid choice: 'centrl' (did you mean central?); choose from central, distributed" in _one_line(
         capsys.readouterr().err
     )
+
+
+def test_a_misspelt_key_file_names_the_file_beside_it(keys, tmp_path, capsys):
+    assert cli.main(["server", "--db", str(tmp_path / "s.db"), "--attestation-trust", str(keys / "trst.json")]) == 2
+    said = f"cannot read the trust anchor '{keys / 'trst.json'}': no such file (did you mean {keys / 'trust.json'}?)"
+    assert said in _one_line(capsys.readouterr().err)
