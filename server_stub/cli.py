@@ -91,9 +91,10 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def meant_options(parser: argparse.ArgumentParser, typed: list[str]) -> str:
-    """ " (did you mean --a, --b?)" naming the option of ``parser`` closest to each of ``typed``
-    that is one (``--hourz=3``: ``--hours``), or that a positional argument is given without its
-    name as an option (``--fleet F``: ``fedfleet simulate F``); "" when none is close."""
+    """A message's ending that names the option of ``parser`` closest to each of ``typed`` that is
+    one, " (did you mean --a, --b?)" (``--hourz=3``: ``--hours``), or says that a positional
+    argument is given without its name as an option (``--fleet F``: ``fedfleet simulate F``); ""
+    when none is close."""
     options = [o for action in parser._actions for o in action.option_strings]
     positional = {  # each positional by its name and its name's first word (``--task`` for task_file)
         word: a

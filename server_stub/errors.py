@@ -43,8 +43,8 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """ " (did you mean X?)" for the choice closest to ``word``, to end a message that refuses it;
-    "" when no choice is close."""
+    """A message's ending that names the choice closest to ``word``, " (did you mean X?)", for a
+    message that refuses it; "" when no choice is close."""
     meant = closest(word, choices)
     return f" (did you mean {meant}?)" if meant else ""
 
@@ -111,12 +111,14 @@ def _key_file_kind(path: str | os.PathLike[str]) -> str | None:
 
 
 def did_you_mean_path(path: str | os.PathLike[str]) -> str:
-    """ " (did you mean DIR/NAME?)" for the file or folder beside a missing ``path`` whose name is
-    closest to its name (``digits_taks.py``: ``digits_task.py``); "" when none is close."""
+    """A message's ending that names the file or folder beside a missing ``path`` whose name is
+    closest to its name and ends as it does, " (did you mean DIR/NAME?)" (``digits_taks.py``:
+    ``digits_task.py``; not ``model.onnx``: ``model.pt``, a file of another kind); "" when none is."""
     missing = os.fspath(path)
     folder, name = os.path.split(missing)
+    suffix = os.path.splitext(name)[1].lower()
     try:
-        names = os.listdir(folder or ".")
+        names = [n for n in os.listdir(folder or ".") if os.path.splitext(n)[1].lower() == suffix]
     except OSError:
         return ""
     meant = closest(name, names)

@@ -334,12 +334,12 @@ def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
 
 
 def _test(args: argparse.Namespace, say) -> int:
+    check_task_file(args.target)  # before the note of an unsigned report, which would not be written
+    signing_key = _signing_key(args, say)  # a missing key file is said before a missing target
     if not args.target.exists():
         raise TaskError(
             f"{args.target}: no such file or folder{did_you_mean_path(args.target)}; give a task file or a bundle folder"
         )
-    check_task_file(args.target)  # before the note of an unsigned report, which would not be written
-    signing_key = _signing_key(args, say)
     directory = args.target
     if args.target.is_file():
         directory = args.out or _default_build_dir(args.target)
