@@ -537,12 +537,24 @@ def sweep_configs(
                 node, model = node.setdefault(part, {}), model[part]
             if not isinstance(model, dict) or last not in model:
                 fields = [".".join([*path, k]) for k, v in model.items() if not isinstance(v, dict | list)]
+                elsewhere = [f for f in _fields(full) if f.rsplit(".", 1)[-1] == last]  # hours: fleet.hours
+                meant = f" (did you mean {elsewhere[0]}?)" if len(elsewhere) == 1 else did_you_mean(key, fields)
                 raise FleetConfigError(
-                    f"--sweep {key}: the config has no such field{did_you_mean(key, fields)}; "
-                    "examples/fleets/default.toml lists the fields"
+                    f"--sweep {key}: the config has no such field{meant}; examples/fleets/default.toml lists the fields"
                 )
             node[last] = value
         out.append((params, FleetConfig.from_dict(data, source=f"--sweep {params}")))
+    return out
+
+
+def _fields(table: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted key of every field of ``table`` that holds a value (not a table nor a list)."""
+    out = []
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            out.extend(_fields(value, f"{prefix}{key}."))
+        elif not isinstance(value, list):
+            out.append(f"{prefix}{key}")
     return out
 
 

@@ -63,6 +63,7 @@ def test_a_fleet_config_mistake_names_the_key_it_is_closest_to_and_what_the_tabl
             "--sweep task.goal_cont: the config has no such field (did you mean task.goal_count?)",
         ),
         (["--sweep", "fleet.device=8,16"], "(did you mean fleet.devices?)"),
+        (["--sweep", "hours=1,2"], "--sweep task.hours: the config has no such field (did you mean fleet.hours?)"),
         (["--sweep", "fleett.devices=8,16"], "the config has no section 'fleett' (did you mean fleet?)"),
     ],
 )
