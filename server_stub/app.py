@@ -16,7 +16,7 @@ import json
 import logging
 import urllib.parse
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Query, Request
@@ -60,6 +60,7 @@ from .errors import (
     ClientDisconnected,
     DatabaseGone,
     MalformedBody,
+    PollSuperseded,
     TooManyRequests,
     Unauthorized,
     UploadSuperseded,
@@ -114,6 +115,28 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Newest:
+    """Per session, the one request of a kind that may wait on its client or on the round (an
+    upload whose body is arriving, a long poll): a newer one of the same session drops the one
+    before it. Held once the session's token is checked: a stranger cannot drop a session's request."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, asyncio.Event] = {}
+
+    @contextlib.contextmanager
+    def hold(self, sid: str) -> Iterator[asyncio.Event]:
+        """The event set when a newer request of the session takes this one's place."""
+        previous = self._held.get(sid)
+        if previous is not None:
+            previous.set()
+        dropped = self._held[sid] = asyncio.Event()
+        try:
+            yield dropped
+        finally:
+            if self._held.get(sid) is dropped:
+                del self._held[sid]
+
+
 class _Uploads:
     """The upload of each session whose body is arriving (a report or a Secure Aggregation message):
     one at a time, the newest. A device sends its uploads one after another, and sends one again
@@ -123,30 +146,30 @@ class _Uploads:
     connection the server allows, each for 30 s plus a second per KiB it had sent."""
 
     def __init__(self) -> None:
-        self._arriving: dict[str, asyncio.Event] = {}
+        self._newest = _Newest()
 
     async def read(self, sid: str, request: Request, limit: int) -> bytes:
         """The body of the session's upload (``read_body``), or ``UploadSuperseded`` when a newer
-        upload of the session begins before it is all in. Called once the token is checked: a
-        stranger cannot drop a session's upload."""
-        previous = self._arriving.get(sid)
-        if previous is not None:
-            previous.set()
-        dropped = self._arriving[sid] = asyncio.Event()
-        reading = asyncio.ensure_future(read_body(request, limit))
-        waiting = asyncio.ensure_future(dropped.wait())
-        try:
-            await asyncio.wait((reading, waiting), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
-            if not reading.done():
-                reading.cancel()
-                await asyncio.wait((reading,))  # its end, without raising what it raised
-            if self._arriving.get(sid) is dropped:
-                del self._arriving[sid]
-        if reading.cancelled():
-            raise UploadSuperseded("a newer upload of this session began; this one was dropped")
-        return reading.result()
+        upload of the session begins before it is all in. Called once the token is checked."""
+        with self._newest.hold(sid) as dropped:
+            reading = asyncio.ensure_future(read_body(request, limit))
+            if not await _first(reading, dropped):
+                raise UploadSuperseded("a newer upload of this session began; this one was dropped")
+            return reading.result()
+
+
+async def _first(work: asyncio.Future, dropped: asyncio.Event, timeout: float | None = None) -> bool:
+    """Wait for ``work`` until ``dropped`` is set or ``timeout`` passes: False when dropped (``work``
+    then cancelled), True otherwise (``work`` cancelled too if it is not done by the timeout)."""
+    waiting = asyncio.ensure_future(dropped.wait())
+    try:
+        await asyncio.wait((work, waiting), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait((work,))  # its end, without raising what it raised
+    return not (work.cancelled() and dropped.is_set())
 
 
 def parse(model: type[Model], raw: bytes) -> Model:
@@ -354,6 +377,7 @@ _STATUS_OF: dict[str, int] = {
             "SECAGG_ROUND_CLOSED",
             "SECAGG_ALREADY_ANSWERED",
             "UPLOAD_SUPERSEDED",
+            "POLL_SUPERSEDED",
         ),
         409,
     ),
@@ -448,6 +472,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     service = weakref.proxy(service)
     secagg_signal = _Broadcast()
     uploads = _Uploads()
+    polls = _Newest()  # the long polls of the sessions' Secure Aggregation states
 
     def admin(request: Request) -> None:
         key = bearer(request)
@@ -554,7 +579,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         "/v1/sessions/{sid}/secagg",
         tags=["devices"],
         **_answers(SecAggState),
-        **_route(*_SESSION, "BAD_QUERY", "SESSION_CLOSED"),
+        **_route(*_SESSION, "BAD_QUERY", "SESSION_CLOSED", "POLL_SUPERSEDED"),
     )
     async def secagg_poll(
         sid: str,
@@ -569,15 +594,19 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         token = session_token(request)
         loop = asyncio.get_running_loop()
         until = loop.time() + min(wait, MAX_SECAGG_WAIT_S)
-        while True:
-            changed = secagg_signal.event()
-            state = await call(service.secagg_status, sid, token)
-            settled = state["status"] == "waiting" or (state["status"] == "active" and int(state["seq"]) <= after)
-            remaining = until - loop.time()
-            if not settled or remaining <= 0:
-                return JSONResponse(state)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+        with contextlib.ExitStack() as held:
+            superseded: asyncio.Event | None = None
+            while True:
+                changed = secagg_signal.event()
+                state = await call(service.secagg_status, sid, token)
+                settled = state["status"] == "waiting" or (state["status"] == "active" and int(state["seq"]) <= after)
+                remaining = until - loop.time()
+                if not settled or remaining <= 0:
+                    return JSONResponse(state)
+                if superseded is None:  # the token is checked: the session holds one poll, the newest
+                    superseded = held.enter_context(polls.hold(sid))
+                if not await _first(asyncio.ensure_future(changed.wait()), superseded, remaining):
+                    raise PollSuperseded("a newer poll of this session's Secure Aggregation state began")
 
     @app.post(
         "/v1/sessions/{sid}/secagg",

@@ -183,6 +183,12 @@ class UploadSuperseded(ApiError):
     status, code = 409, "UPLOAD_SUPERSEDED"
 
 
+class PollSuperseded(ApiError):
+    """A newer long poll of the same session's Secure Aggregation state began while this one waited."""
+
+    status, code = 409, "POLL_SUPERSEDED"
+
+
 class BodyTooLarge(ApiError):
     status, code = 413, "BODY_TOO_LARGE"
 

@@ -148,6 +148,49 @@ def test_a_secagg_message_is_bounded_by_what_its_group_can_need(server, admin):
     assert _upload_head(server, path, sessions[0]["token"], limit + 1) == (413, "BODY_TOO_LARGE")
 
 
+def test_a_sessions_newer_long_poll_drops_the_one_waiting(server, admin):
+    """A session's long polls of its Secure Aggregation state were each held up to 10 s, any
+    number of them: one device held a connection per poll. Now a newer poll of the session drops
+    the one waiting, 409 ``POLL_SUPERSEDED`` (a device polls one at a time), and the newest is
+    answered when the state moves on."""
+    deploy(
+        admin,
+        plan=digits_plan("softmax", secure_aggregation=True),
+        goal_count=3,
+        over_selection=1.0,
+        selection_timeout_s=60,
+        report_timeout_s=60,
+        secagg_min_group_size=3,
+    )
+    with httpx.Client(base_url=server.url, timeout=HANG_S) as http:
+        mine = _checkin(http)
+        head = (
+            f"GET /v1/sessions/{mine['session_id']}/secagg?after=-1&wait=10 HTTP/1.1\r\nHost: fl\r\n"
+            f"Authorization: Bearer {mine['token']}\r\n\r\n"
+        ).encode()
+        polls = [socket.create_connection((server.host, server.port)) for _ in range(5)]
+        try:
+            for sock in polls:
+                sock.settimeout(HANG_S)
+                sock.sendall(head)
+            # whichever the server held last is the newest: the others are answered at once
+            answered: dict[socket.socket, tuple[int, dict]] = {}
+            while len(answered) < len(polls) - 1:
+                ready, _, _ = select.select([s for s in polls if s not in answered], [], [], HANG_S)
+                assert ready, f"{len(answered)} of {len(polls) - 1} older polls answered within {HANG_S} s"
+                for sock in ready:
+                    answered[sock] = _answer(sock)
+            codes = {(status, body["error"]["code"]) for status, body in answered.values()}
+            assert codes == {(409, "POLL_SUPERSEDED")}
+            [newest] = [sock for sock in polls if sock not in answered]
+            _checkin(http), _checkin(http)  # the round is full: the group forms, the state moves on
+            status, body = _answer(newest)
+            assert status == 200 and body["status"] == "active", body
+        finally:
+            for sock in polls:
+                sock.close()
+
+
 def _run_recording_sizes(
     config: SecAggConfig, inputs: dict[int, np.ndarray], drops: dict[Round, set[int]]
 ) -> list[int]:
