@@ -22,10 +22,15 @@ middleware) add, set by ``HttpLimits``:
   then stall for near three hours on the second per KiB it had earned). What is left of a body the app answered without
   reading it (a refused report, say) is read and dropped for at most ``body_timeout_s``;
 - at most ``max_connections`` connections are open: one more takes the place of the connection
-  idle longest (waiting for a head, or draining an answered body), or, when every one is busy with
-  a request, is answered 503 ``SERVER_BUSY`` and closed. The cap is kept where connections are
-  accepted: asyncio accepts a whole burst before any protocol runs, so a cap kept by the protocols
-  let 300 sockets at once exhaust 256 descriptors. By default it keeps descriptors to spare under
+  idle longest (waiting for a head, or draining an answered body), else of the one whose request
+  body has come slowest since its head came in, once it has arrived for ``BODY_GRACE_S`` (answered
+  408 ``BODY_TIMEOUT``), or, when every one is busy with a request whose body is in or new, is
+  answered 503 ``SERVER_BUSY`` and closed. Without the second, 4096 check-ins that sent their heads
+  and no body held every connection for ``body_timeout_s``; now an attacker keeps its connections
+  only by opening them anew every ``BODY_GRACE_S`` or by sending each body faster than the honest
+  uploads arriving, and a cap per address would refuse the devices behind one NAT. The cap is kept
+  where connections are accepted: asyncio accepts a whole burst before any protocol runs, so a
+  cap kept by the protocols let 300 sockets at once exhaust 256 descriptors. By default it keeps descriptors to spare under
   the process's limit, so ``accept`` never fails for want of one;
 - a head larger than ``max_header_bytes`` is answered 431 ``HEADERS_TOO_LARGE``;
 - an answer the client stops reading (the socket's buffers full, so that asyncio pauses the
@@ -77,6 +82,9 @@ MAX_DEFAULT_CONNECTIONS = 4096
 #: Connections closed to make room but not closed yet (asyncio closes a socket on its loop's next
 #: turn) beyond which the listener waits for that turn before it accepts more.
 EVICTIONS_IN_FLIGHT = 16
+#: Seconds a request body arrives before a new connection, at the cap, may take its place if it
+#: is the slowest.
+BODY_GRACE_S = 1.0
 #: Seconds between two warnings that new connections are refused.
 BUSY_WARNING_EVERY_S = 10.0
 #: Orders connections that became idle at the same clock reading: the first gives way first.
@@ -245,6 +253,14 @@ class _Admission:
             )
             oldest.transport.abort()
             return "yes"
+        arriving = [
+            (rate, p) for p in self.protocols if (rate := p.body_rate()) is not None and not p.transport.is_closing()
+        ]
+        if arriving:
+            rate, slowest = min(arriving, key=lambda pair: pair[0])
+            log.debug("connection cap %d reached: closing %s, its body at %.0f bytes/s", self.cap, slowest.client, rate)
+            slowest.give_way()
+            return "yes"
         if open_now > len(self.protocols):
             return "later"
         now = time.monotonic()
@@ -353,6 +369,9 @@ class GuardedH11Protocol(H11Protocol):
         self.idle_order = 0
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for: str | None = None  # "head", "drain" or "linger"
+        #: since when the app waits for the request body (None: it does not), and its bytes since
+        self.body_since: float | None = None
+        self.body_bytes = 0
         #: since when the client reads nothing of what the server writes (None: writes go through)
         self.stalled_since: float | None = None
         self._stall_order = 0
@@ -374,6 +393,8 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._waiting_for == "linger":
             return  # dropped: the connection was answered and is closing
+        if self.body_since is not None:
+            self.body_bytes += len(data)
         super().data_received(data)
 
     def handle_events(self) -> None:
@@ -422,6 +443,24 @@ class GuardedH11Protocol(H11Protocol):
         ]
         return min(waits) if waits else None
 
+    def body_rate(self) -> float | None:
+        """The bytes a second the request body arriving has come at since its head came in, once it
+        has arrived for ``BODY_GRACE_S``; else None. At the cap, the slowest gives way."""
+        if self.body_since is None or (elapsed := self.loop.time() - self.body_since) <= BODY_GRACE_S:
+            return None
+        return self.body_bytes / elapsed
+
+    def give_way(self) -> None:
+        """Close the connection for a new one at the cap, its body the slowest: 408 ``BODY_TIMEOUT``,
+        and the app's request ends as one whose client went away."""
+        self.transport.write(
+            answer_bytes(BodyTimeout("the request body was the slowest to arrive while every connection was busy"))
+        )
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # what the app sends goes nowhere
+            self.cycle.message_event.set()
+        self._close()
+
     def shutdown(self) -> None:
         if self._waiting_for == "linger":
             self._close()
@@ -441,6 +480,11 @@ class GuardedH11Protocol(H11Protocol):
             waiting_for, timeout = "drain", self.limits.body_timeout_s
         else:
             waiting_for, timeout = None, 0.0
+        awaits_body = theirs is h11.SEND_BODY and ours is h11.SEND_RESPONSE
+        if not awaits_body:
+            self.body_since = None
+        elif self.body_since is None:
+            self.body_since, self.body_bytes = self.loop.time(), 0
         if waiting_for == self._waiting_for:
             return
         self._cancel_timer()
@@ -481,7 +525,7 @@ class GuardedH11Protocol(H11Protocol):
         """Close once what was written is sent, or in ``LINGER_S`` all the same (a client that
         does not read must not keep the connection)."""
         self._cancel_timer()
-        self.idle_since = None
+        self.idle_since = self.body_since = None
         if not self.transport.is_closing():
             self.transport.close()
             self.loop.call_later(LINGER_S, self.transport.abort)

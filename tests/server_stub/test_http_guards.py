@@ -24,7 +24,7 @@ import pytest
 from server_stub import AdminKeys, FLService, HttpLimits, ServerStore, ServerThread, free_port
 from server_stub.app import create_app
 from server_stub.cli import add_server_arguments, run_server
-from server_stub.http_guards import GuardedServer
+from server_stub.http_guards import BODY_GRACE_S, GuardedServer
 
 REPO = Path(__file__).resolve().parents[2]
 #: How long a test waits for the server to act before it calls the server stuck (never reached
@@ -134,6 +134,34 @@ def test_the_connection_cap_makes_room_by_closing_the_longest_idle(tmp_path):
         for sock in crowd[:12]:
             _until_closed(sock)
         for sock in crowd[12:]:
+            sock.close()
+
+
+def test_slow_bodies_at_the_connection_cap_give_way_to_honest_clients(tmp_path):
+    """Every connection held by a check-in whose body does not come (each for up to
+    ``body_timeout_s``) answered everyone else 503 SERVER_BUSY (a cap per address would refuse the
+    devices behind one NAT). Now, at the cap, the body that has come slowest gives way to a new
+    connection, answered 408 ``BODY_TIMEOUT``."""
+    limits = HttpLimits(body_timeout_s=60.0, max_connections=8)  # the timeout plays no part here
+    with ServerThread(tmp_path / "server.db", http_limits=limits) as server:
+        with httpx.Client(base_url=server.url, timeout=HANG_S) as admin:
+            headers = {"Authorization": f"Bearer {server.admin_key}"}
+            assert admin.post("/v1/populations", json={"name": "digits"}, headers=headers).status_code == 201
+        slow = []
+        for _ in range(8):
+            sock = _connect(server)
+            sock.sendall(_head("POST", "/v1/populations/digits/checkin", "Content-Length: 1000") + b"{")
+            slow.append(sock)
+        time.sleep(BODY_GRACE_S + 0.5)  # every slow body has arrived for longer than its grace
+        for _ in range(8):  # new clients, each on a connection of its own, get their answers
+            with httpx.Client(base_url=server.url, timeout=HANG_S) as device:
+                answer = device.post("/v1/populations/digits/checkin", json={"runtime_version": "1.0.0"})
+                assert answer.status_code == 200, answer.text
+        closed, _, _ = select.select(slow, [], [], HANG_S)
+        assert closed, "no slow body gave way"
+        for sock in slow:
+            if sock in closed:
+                assert _answer(_until_closed(sock)) == (408, "BODY_TIMEOUT")
             sock.close()
 
 
