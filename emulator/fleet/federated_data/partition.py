@@ -26,7 +26,10 @@ parameters mean what they mean in flwr-datasets (``flwr_datasets.partitioner``):
 - ``quantity_skew``: IID labels, client sizes proportional to log-normal(0, ``sigma``) draws (as
   LEAF's synthetic data sizes its users), each at least ``min_size``.
 
-Every partitioner but ``pathological`` with unused classes assigns every example exactly once.
+Every partitioner but ``pathological`` with unused classes assigns every example exactly once;
+``partition_arrays`` says in the dataset's ``source`` (which a fleet run prints and records) how many
+examples of which classes no client holds. How each compares with flwr-datasets 0.6.1 on the same
+labels: docs/howto/datasets.md.
 """
 
 from __future__ import annotations
@@ -85,8 +88,15 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int, *, 
             idx = np.flatnonzero(labels == c)
             rng.shuffle(idx)
             shares = rng.dirichlet(np.full(num_clients, float(alpha)))
-            if not np.all(np.isfinite(shares)):  # a tiny alpha can underflow every gamma draw
-                shares = np.eye(num_clients)[rng.integers(num_clients)]
+            if not (np.all(np.isfinite(shares)) and abs(shares.sum() - 1) < 1e-6):
+                # a tiny alpha can underflow every gamma draw (the limit: the class on one client), a
+                # huge one overflow them (numpy then gives NaN or zeros; the limit: equal shares, where
+                # alpha=1.7e308 put each class on one client and said "raise alpha")
+                shares = (
+                    np.eye(num_clients)[rng.integers(num_clients)]
+                    if alpha < 1
+                    else np.full(num_clients, 1 / num_clients)
+                )
             cuts = (np.cumsum(shares) * len(idx)).astype(np.int64)[:-1]
             # the chunks go to the clients in an order drawn per class: cutting at floor(cumsum) gives
             # the same clients the empty chunks of every class when the shares are nearly equal (a
@@ -97,9 +107,12 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int, *, 
         smallest = min(len(p) for p in merged)
         if smallest >= min_size:
             return _shuffled(merged, rng)
+    # at a large alpha every class is cut in nearly equal shares, so a class of fewer examples than
+    # clients leaves most clients none of it whatever alpha is: raising it does not help then
+    fixes = "raise alpha, lower min_size" if alpha < 1 else "lower min_size"
     raise PartitionError(
-        f"after {MAX_DIRICHLET_DRAWS} Dirichlet draws (alpha={alpha}) some client still had {smallest} examples, "
-        f"under min_size={min_size}; raise alpha, lower min_size or use fewer clients"
+        f"after {MAX_DIRICHLET_DRAWS} Dirichlet draws (alpha={alpha:g}) some client still had {smallest} examples, "
+        f"under min_size={min_size}; {fixes} or use fewer clients"
     )
 
 
@@ -246,6 +259,11 @@ def partition_arrays(
     parts = partitioner.assign(arrays[label], seed)
     clients = {cid: take(arrays, idx) for cid, idx in zip(client_names(len(parts)), parts)}
     source = source or f"{partitioner.scheme} partition into {partitioner.num_clients} clients"
+    dealt = sum(len(p) for p in parts)
+    if dealt < n:  # pathological classes no client drew: said where the run prints and records its data
+        left = np.setdiff1d(np.unique(arrays[label]), np.unique(arrays[label][np.concatenate(parts)]))
+        named = ", ".join(str(c.item()) for c in left[:10]) + (", ..." if len(left) > 10 else "")
+        source += f" ({n - dealt} of {n} examples left out: no client has class {named})"
     if test_split == "none" and test is None:
         return FederatedDataset(clients, {}, label=label, test_split="none", source=source, vocabulary=vocabulary)
     if test_split not in ("examples", "clients", "none"):

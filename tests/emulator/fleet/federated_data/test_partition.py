@@ -1,6 +1,7 @@
 """The partitioners' promises for any labels, client count and seed: the disjoint ones deal every
 example exactly once, a seed gives the same cut, label skew shrinks as alpha grows, pathological
-clients hold at most k classes, and shards hold at most k labels when shards do not straddle."""
+clients hold exactly k classes, and shards hold at most k labels when shards do not straddle. The
+flwr-datasets comparison behind these is in docs/howto/datasets.md; flwr-datasets is not imported."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_pathological_clients_hold_at_most_k_classes_and_no_example_twice(
     parts = pathological(labels, clients, seed, classes_per_client=k)
     joined = np.concatenate(parts)
     assert len(np.unique(joined)) == len(joined)  # disjoint
-    assert all(len(np.unique(labels[p])) <= k for p in parts)
+    assert all(len(np.unique(labels[p])) == k for p in parts)  # each holder of a class gets some of it
     if clients >= classes:  # first-deterministic uses every class, so every example is dealt
         _exactly_once(parts, len(labels))
 
@@ -125,9 +126,66 @@ def test_quantity_skew_gives_every_client_at_least_min_size(n: int, clients: int
     _exactly_once(parts, n)
 
 
-def test_iid_sizes_differ_by_at_most_one() -> None:
-    sizes = [len(p) for p in iid(103, 10, seed=3)]
+@FAST
+@given(labelled(), st.integers(1, 3))
+def test_iid_sizes_differ_by_at_most_one_and_shard_sizes_by_at_most_the_shards_a_client_holds(
+    case: tuple[np.ndarray, int, int], k: int
+) -> None:
+    labels, clients, seed = case
+    sizes = [len(p) for p in iid(len(labels), clients, seed)]
     assert max(sizes) - min(sizes) <= 1
+    k = min(k, len(labels) // clients)
+    sizes = [len(p) for p in shards(labels, clients, seed, shards_per_client=k)]
+    assert max(sizes) - min(sizes) <= k  # k shards each, shards differ by at most one example
+
+
+@FAST
+@given(labelled(), st.floats(0.01, 1000.0), st.integers(0, 3))
+def test_a_dirichlet_cut_gives_every_client_min_size_or_says_what_to_change(
+    case: tuple[np.ndarray, int, int], alpha: float, min_size: int
+) -> None:
+    labels, clients, seed = case
+    try:
+        parts = dirichlet(labels, clients, alpha, seed, min_size=min_size)
+    except PartitionError as e:
+        assert str(e).endswith("or use fewer clients") and ("raise alpha" in str(e)) == (alpha < 1)
+        return
+    assert min(len(p) for p in parts) >= min_size
+    _exactly_once(parts, len(labels))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.floats(1e300, 1.7976931348623157e308), st.integers(0, 2**32 - 1))
+def test_an_alpha_that_overflows_numpy_s_gamma_draws_cuts_near_equal_shares(alpha: float, seed: int) -> None:
+    """numpy's Dirichlet at alpha=1.7e308 is all zeros (NaN in other versions); such draws put each
+    class on one client, and the cut failed saying "raise alpha". The limit is equal shares."""
+    labels = np.repeat(np.arange(10), 50)
+    parts = dirichlet(labels, 10, alpha, seed)
+    _exactly_once(parts, len(labels))
+    assert all(len(np.unique(labels[p])) == 10 for p in parts)
+    assert max(len(p) for p in parts) <= 60
+
+
+@FAST
+@given(labelled(), st.sampled_from(["random", "deterministic", "first-deterministic"]))
+def test_pathological_examples_no_client_holds_are_named_in_the_dataset_source(
+    case: tuple[np.ndarray, int, int], mode: str
+) -> None:
+    labels, clients, seed = case
+    clients = min(clients, int(np.bincount(labels).min()))
+    x = np.arange(len(labels), dtype=np.float32)  # the example's own index, to find it again
+    partitioner = Partitioner("pathological", clients, classes_per_client=1, mode=mode)  # type: ignore[arg-type]
+    data = partition_arrays({"x": x, "y": labels}, partitioner, label="y", seed=seed, test_split="none")
+    held = np.concatenate([examples["x"] for _, examples in data]).astype(np.int64)
+    assert len(np.unique(held)) == len(held)
+    left = np.setdiff1d(np.arange(len(labels)), held)
+    if len(left) == 0:
+        assert "left out" not in data.source
+    else:
+        missing = np.unique(labels[left])
+        assert not np.isin(missing, labels[held]).any()  # whole classes are left out, nothing else
+        assert f"({len(left)} of {len(labels)} examples left out: no client has class " in data.source
+        assert data.source.endswith(", ".join(str(c) for c in missing[:10]) + (", ...)" if len(missing) > 10 else ")"))
 
 
 def test_impossible_cuts_say_what_to_change() -> None:
@@ -137,6 +195,8 @@ def test_impossible_cuts_say_what_to_change() -> None:
         pathological(np.array([0, 1, 0, 1]), 2, 0, classes_per_client=3)
     with pytest.raises(PartitionError, match="raise alpha"):
         dirichlet(np.repeat(np.arange(2), 10), 10, 0.01, 0, min_size=2)
+    with pytest.raises(PartitionError, match=r"alpha=1e\+09\) .*; lower min_size or use fewer clients$"):
+        dirichlet(np.repeat(np.arange(10), 50), 200, 1e9, 0)  # classes of 50 over 200 clients: alpha is not why
     with pytest.raises(PartitionError, match="alpha must be"):
         dirichlet(np.zeros(4), 2, 0.0, 0)
     labels = np.r_[np.zeros(20, np.int64), [10**12]]  # one example of class 10**12, and 20 clients that want it
