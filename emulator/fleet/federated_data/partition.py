@@ -187,7 +187,12 @@ def quantity_skew(
         raise PartitionError(f"min_size must not be negative, got {min_size}")
     _check_clients(num_examples, num_clients, max(min_size, 1))
     rng = np.random.default_rng(seed)
-    weights = rng.lognormal(0.0, float(sigma), size=num_clients)
+    # log-normal(0, sigma) weights over the largest, from the normal draws rng.lognormal makes (over
+    # 12,000 seeds and sigmas the same sizes as its weights gave), so that a large sigma does not
+    # overflow them: sigma=1000 made NaN shares and a ValueError
+    normal = rng.standard_normal(num_clients)
+    with np.errstate(over="ignore"):  # a product past float's range is -inf, a weight of 0
+        weights = np.exp(float(sigma) * (normal - normal.max()))
     sizes = rng.multinomial(num_examples - num_clients * min_size, weights / weights.sum()) + min_size
     order = rng.permutation(num_examples)
     return [np.asarray(p, dtype=np.int64) for p in np.split(order, np.cumsum(sizes)[:-1])]
