@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from emulator.datasets import digits_arrays
+from server_stub.errors import did_you_mean
 
 from ._dataset import FederatedDataset
 from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits
@@ -113,7 +114,7 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
     fmt = fmt.strip().lower()
     if fmt not in OPTIONS:
         raise DataSpecError(
-            f"unknown data format {fmt!r} in {text!r}; "
+            f"unknown data format {fmt!r}{did_you_mean(fmt, FORMATS)} in {text!r}; "
             + (_as_spec(head) or f"use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})")
         )
     options: dict[str, str] = {}
@@ -123,7 +124,10 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         if not eq or not key or not value:
             raise DataSpecError(f"{fmt}: option {pair.strip()!r} is not KEY=VALUE; paths cannot contain commas")
         if key not in OPTIONS[fmt]:
-            raise DataSpecError(f"{fmt}: unknown option {key!r}; {fmt} takes {', '.join(sorted(OPTIONS[fmt]))}")
+            raise DataSpecError(
+                f"{fmt}: unknown option {key!r}{did_you_mean(key, OPTIONS[fmt])}; "
+                f"{fmt} takes {', '.join(sorted(OPTIONS[fmt]))}"
+            )
         if key in options:
             raise DataSpecError(f"{fmt}: option {key!r} is given twice")
         options[key] = value
