@@ -67,16 +67,16 @@ def test_without_dp_the_round_config_has_none_and_the_summary_nulls():
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--dp", "central", "--noise-multiplier", "-1"], "dp.noise_multiplier"),
-        (["--dp", "central", "--noise-multiplier", "nan"], "dp.noise_multiplier"),
-        (["--dp", "central", "--noise-multiplier", "inf"], "dp.noise_multiplier"),
+        (["--dp", "central", "--noise-multiplier", "-1"], "--noise-multiplier must be at least 0 (got -1.0)"),
+        (["--dp", "central", "--noise-multiplier", "nan"], "--noise-multiplier must be a finite number (got nan)"),
+        (["--dp", "central", "--noise-multiplier", "inf"], "--noise-multiplier must be a finite number (got inf)"),
         (["--dp", "central", "--noise-multiplier", "1e-300"], "dp.noise_multiplier 1e-300 is above 0 but below"),
-        (["--dp", "central", "--delta=-1e-5"], "dp.delta"),
-        (["--dp", "central", "--dp-clip", "0"], "dp.clip"),
-        (["--dp", "central", "--delta", "0.5"], "dp.delta"),
-        (["--dp", "central", "--max-epsilon", "-2"], "dp.max_epsilon"),
-        (["--dp", "central", "--audit-canaries", "-1"], "dp.audit_canaries"),
-        (["--dp", "central", "--dp-tree-rounds", "0"], "dp.tree_rounds"),
+        (["--dp", "central", "--delta=-1e-5"], "--delta must be above 0 (got -1e-05)"),
+        (["--dp", "central", "--dp-clip", "0"], "--dp-clip must be above 0 (got 0.0)"),
+        (["--dp", "central", "--delta", "0.5"], "--delta must be at most 0.1 (got 0.5)"),
+        (["--dp", "central", "--max-epsilon", "-2"], "--max-epsilon must be above 0 (got -2.0)"),
+        (["--dp", "central", "--audit-canaries", "-1"], "--audit-canaries must be at least 0 (got -1)"),
+        (["--dp", "central", "--dp-tree-rounds", "0"], "--dp-tree-rounds must be at least 1 (got 0)"),
         (["--dp", "distributed", "--secure", "--dp-tree-rounds", "4"], "dp.tree_rounds"),
         (["--dp-tree-rounds", "4"], "dp.mode (central or distributed; --dp)"),
         (["--noise-multiplier", "1"], "add --dp central|distributed"),
@@ -85,7 +85,7 @@ def test_without_dp_the_round_config_has_none_and_the_summary_nulls():
         (["--audit-canaries", "4"], "--dp central|distributed"),
     ],
 )
-def test_bad_dp_values_are_refused_in_one_line_naming_the_field(flags, named, capsys):
+def test_bad_dp_values_are_refused_in_one_line_naming_the_option_or_field(flags, named, capsys):
     assert main(["simulate", "--devices", "40", "--hours", "0.1", "--no-progress", *flags]) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
