@@ -203,9 +203,9 @@ class AvailabilitySection(_Section):
 class DeviceClass(_Section):
     """``speed`` multiplies compute time (> 1 is slower than the reference phone). ``memory_mb``
     is what the device gives a plan: a class below ``fleet.min_memory_mb`` never runs the FL
-    runtime, and one whose memory cannot hold the task's plan (its peak estimate, or one batch in
-    the eighth of its memory a device gives examples: ``PlanCost.fits``) does not take part in that
-    run; the summary counts those devices as ``devices_short_of_memory``."""
+    runtime, and one whose memory cannot hold every plan the fleet serves (each training and
+    evaluation task's: its peak estimate, or one batch in the eighth of its memory a device gives
+    examples, ``PlanCost.fits``) does not take part in that run; the summary counts those devices as ``devices_short_of_memory``."""
 
     name: Name
     share: Share

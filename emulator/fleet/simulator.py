@@ -25,7 +25,7 @@ from typing import Any
 import greenlet
 import numpy as np
 
-from device_runtime import PlanExecutor
+from device_runtime import PlanExecutor, training_limit
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.executor import NUM_EXAMPLES
 from device_runtime.plan_cache import LoadedPlans
@@ -227,14 +227,16 @@ class FleetSimulator:
     def _cost_plan(self) -> None:
         """What ``self.plan`` costs a device (whatever plan the simulator holds): its simulated
         seconds per example and epoch on the reference phone, its peak memory, and the devices
-        that cannot hold it (they do not take part; the summary counts them). A fleet none of
-        whose classes can hold it is refused before it starts."""
+        that cannot hold it or another plan the fleet serves (``served_costs``: a device refuses
+        each at load; they do not take part, and the summary counts them). A fleet none of whose
+        classes can hold them all is refused before it starts."""
         self.cost = plan_cost(self.plan)
+        self.served = served_costs(self.workload, {self.plan.name: self.cost})
         self._seconds_per_example: dict[str, float] = {}
         self.compute_s_per_example = self._per_example(self.plan.name, self.cost)
         self.devices_short_of_memory = sum(1 for spec in self.specs if spec.takes_part and not self.takes_part(spec))
         try:
-            refuse_a_plan_no_class_holds(self.config, self.cost)
+            refuse_a_plan_no_class_holds(self.config, self.served)
         except SimulationError:
             if self.runtime_pool is not None:
                 self.runtime_pool.close()
@@ -265,9 +267,10 @@ class FleetSimulator:
 
     def takes_part(self, spec: Any) -> bool:
         """The device runs the FL runtime (above the fleet's memory floor) and its memory holds
-        the plan (``PlanCost.fits``: the runtime refuses a plan whose declared budget exceeds it or
-        whose one batch exceeds its share for examples, and one whose peak exceeds it would not run)."""
-        return bool(spec.takes_part) and self.cost.fits(spec.memory_mb)
+        every plan the fleet serves (``PlanCost.fits``: the runtime refuses a plan whose declared
+        budget exceeds it or whose one batch exceeds its share for examples, and one whose peak
+        exceeds it would not run), so that no device is seated for a task whose plan it refuses."""
+        return bool(spec.takes_part) and all(cost.fits(spec.memory_mb) for cost in self.served.values())
 
     def plan_summary(self) -> dict[str, Any]:
         """The plan's cost as the run's summary shows it."""
@@ -622,23 +625,45 @@ def _digest_view(record: dict) -> dict:
     return {**record, "metrics": metrics}
 
 
-def refuse_a_plan_no_class_holds(config: FleetConfig, cost: PlanCost) -> None:
-    """:class:`SimulationError` when no device class above ``fleet.min_memory_mb`` can hold a plan
-    of this ``cost``: no device would take part."""
+def served_costs(workload: Workload, known: Mapping[str, PlanCost] | None = None) -> dict[str, PlanCost]:
+    """What each plan the fleet serves costs a device, by task name: every task's plan (training
+    and evaluation tasks, every task of a group), each of which a device checks against its memory
+    when it loads it. ``known``: costs already counted, by plan name."""
+    by_plan = dict(known or {})
+    out = {}
+    for fleet_task in workload.tasks:
+        plan = fleet_task.plan
+        if plan.name not in by_plan:
+            by_plan[plan.name] = plan_cost(plan)
+        out[fleet_task.name] = by_plan[plan.name]
+    return out
+
+
+def refuse_a_plan_no_class_holds(config: FleetConfig, costs: Mapping[str, PlanCost]) -> None:
+    """:class:`SimulationError` when no device class above ``fleet.min_memory_mb`` can hold every
+    plan of these ``costs`` (by task name, ``served_costs``): no device would take part. A class
+    that holds a plan holds it with more memory too, so the class of the most memory is the one
+    to ask."""
     floor = config.fleet.min_memory_mb
     most = max((c.memory_mb for c in config.device_classes if c.memory_mb >= floor), default=0)
-    if not cost.fits(most):
-        batch = (
-            f" (one batch of {cost.batch_size:,} examples takes {cost.fed_batch_bytes / MB:.4g} MB, and a device "
-            "gives a batch an eighth of its memory)"
-            if cost.least_memory_mb > cost.memory_mb
-            else ""
-        )
-        raise SimulationError(
-            f"no device class can hold the plan: it needs {cost.least_memory_mb:.4g} MB{batch} and the classes above "
-            f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model "
-            f"{'or the batch ' if batch else ''}smaller"
-        )
+    for name, cost in costs.items():
+        if not cost.fits(most):
+            _refuse(cost, most, f" of task {name!r}" if len(costs) > 1 else "")
+
+
+def _refuse(cost: PlanCost, most: int, which: str) -> None:
+    """The refusal of a plan of ``cost`` (``which``: the task it is of) that ``most`` MB cannot hold."""
+    batch = (
+        f" (one batch of {cost.batch_size:,} examples takes {cost.fed_batch_bytes / MB:.4g} MB, and a device "
+        "gives a batch an eighth of its memory)"
+        if cost.least_memory_mb > cost.memory_mb
+        else ""
+    )
+    raise SimulationError(
+        f"no device class can hold the plan{which}: it needs {cost.least_memory_mb:.4g} MB{batch} and the classes above "
+        f"fleet.min_memory_mb give at most {most} MB; add a class with more memory_mb or make the model "
+        f"{'or the batch ' if batch else ''}smaller"
+    )
 
 
 def peak_available(specs: Sequence[Any], horizon_s: float) -> int:
@@ -757,20 +782,23 @@ def notify_before_run(
 ) -> None:
     """Tell ``notice``, before the run, what its fleet will meet: no round can fill
     (``summary.cannot_fill``), or the median session outlasts the report window
-    (``summary.slow_sessions``). A fleet refused outright (no device class holds the plan) raises
+    (``summary.slow_sessions``: a session's training as long as a device trains before it is
+    stopped, ``device_runtime.training_limit``). A fleet refused outright (no device class holds the plan) raises
     :class:`SimulationError` first, and is told nothing else."""
     from .summary import cannot_fill, slow_sessions
 
-    refuse_a_plan_no_class_holds(config, plan_cost(workload.training[0].plan))
+    refuse_a_plan_no_class_holds(config, served_costs(workload))
     rounds = workload.training[0].rounds
     unfillable = cannot_fill(config.fleet.devices, peak_available(specs, config.horizon_s), rounds)
     if unfillable is not None:
         notice(unfillable)
+    plan = workload.training[0].plan
     slow = slow_sessions(
         *session_compute(workload, specs, config),
         config.task,
         rounds.report_timeout_s,
-        device_max_training_s(workload),
+        training_limit(plan, device_max_training_s(workload))[0],
+        plan.metadata.time_budget_s is not None,
     )
     if slow is not None:
         notice(slow)

@@ -157,15 +157,20 @@ def slow_sessions(
     task: Any,
     window_s: float,
     max_training_s: float = math.inf,
+    budgeted: bool = False,
 ) -> str | None:
-    """Why most reports will come late when the median device's training (``median_s`` simulated
-    seconds: ``examples`` x ``epochs`` x ``seconds_per_example`` x its class's speed) outlasts the
-    report window ``window_s``, or why most sessions will report nothing when it outlasts the
-    devices' ``max_training_s`` (they are stopped there), with the figures and the options to
-    change; None when it fits.
+    """Why most reports will come late when the median device's session outlasts the report window
+    ``window_s``, or why most sessions will report nothing when its training is stopped first, with
+    the figures and the options to change; None when it fits. ``median_s``: the median device's
+    training to its end in simulated seconds (``examples`` x ``epochs`` x ``seconds_per_example`` x
+    its class's speed); a device stops training at ``max_training_s`` (``device_runtime.training_limit``:
+    the plan's time budget when ``budgeted``, else the devices' ``max_training_s``), so a session
+    lasts the shorter of the two, and one stopped reports nothing.
     ``task``: the fleet's ``[task]``, whose ``reference_flops_per_s`` or ``compute_s_per_example``
     set the seconds per example."""
-    if median_s <= window_s:
+    session_s = min(median_s, max_training_s)
+    stopped = median_s > max_training_s
+    if session_s <= window_s and not stopped:
         return None
     rate = (
         f"task.compute_s_per_example = {task.compute_s_per_example:g}"
@@ -173,11 +178,18 @@ def slow_sessions(
         else f"the plan's FLOPs at task.reference_flops_per_s = {task.reference_flops_per_s:.3g}, which makes the "
         "default digits MLP train one example per second"
     )
+    limit = (
+        f"the plan's time budget of {max_training_s:g} s"
+        if budgeted
+        else f"the devices' {max_training_s:g} s of training (their max_training_s, the longer of 600 s and the report window)"
+    )
     outcome = (
-        f"most sessions will be stopped at the devices' {max_training_s:g} s of training (their max_training_s, "
-        "the longer of 600 s and the report window) and report nothing"
-        if median_s > max_training_s
-        else "most reports will come late"
+        f"most sessions will be stopped at {limit} and report nothing" if stopped else "most reports will come late"
+    )
+    longer = (
+        f"longer than the {window_s:g} s report window (task.report_timeout_s)"
+        if session_s > window_s
+        else f"longer than {limit}"
     )
     cheaper = (
         "lower task.compute_s_per_example (it overrides the plan's cost)"
@@ -185,11 +197,16 @@ def slow_sessions(
         else "for a phone's real pace set task.reference_flops_per_s = 1e9 (a mid-range phone sustains 1e9 to 1e10 "
         "FLOP/s), or set task.compute_s_per_example"
     )
+    keys = "(each a fleet config's [task] key, or --sweep KEY=VALUE for one run)"
+    options = (
+        f"{cheaper} {keys}, or give the plan a longer time_budget_s in its task file"
+        if budgeted and stopped
+        else f"{cheaper}, or lengthen task.report_timeout_s {keys}"
+    )
     return (
         f"a session's training takes about {median_s:,.0f} s on the median device ({examples:,.0f} examples x "
-        f"{epochs} epoch{'s' if epochs != 1 else ''} x {seconds_per_example:.3g} s per example, {rate}), longer than the {window_s:g} s report "
-        f"window (task.report_timeout_s): {outcome}; {cheaper}, or lengthen task.report_timeout_s "
-        "(each a fleet config's [task] key, or --sweep KEY=VALUE for one run)"
+        f"{epochs} epoch{'s' if epochs != 1 else ''} x {seconds_per_example:.3g} s per example, {rate}), {longer}: "
+        f"{outcome}; {options}"
     )
 
 
@@ -401,7 +418,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
       ``sessions_completed`` (upload completed), ``sessions_unfinished`` (accepted, cut by the
       run's end: still training or reporting), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
-    - ``devices_short_of_memory``: devices whose memory cannot hold the plan (they took no part);
+    - ``devices_short_of_memory``: devices whose memory cannot hold a plan the fleet serves (a training or an evaluation task's; they took no part);
       ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
       checkpoint and update bytes, and the simulated seconds per example on the reference phone;
     - ``accuracy``, ``loss``: of the last committed round that measured them;

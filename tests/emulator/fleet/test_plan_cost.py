@@ -309,3 +309,58 @@ def test_a_fleet_none_of_whose_classes_can_hold_the_plan_is_refused_before_it_st
     tiny = [{"name": "tiny", "share": 1.0, "speed": 1.0, "memory_mb": 1}]
     with pytest.raises(SimulationError, match=r"no device class can hold the plan: it needs 1\.\d+ MB .* at most 1 MB"):
         simulate(fleet(classes=tiny, fleet_extra={"min_memory_mb": 1}, hidden=[2048]), progress=False)
+
+
+EVAL_TASK = """
+import runpy
+
+from emulator.toolchain.tasks import evaluation_of
+from example_store import ExampleSelector
+
+task = runpy.run_path(TASK_FILE)["task"]
+# batches of 600 digits: 158,400 bytes as a device counts them, more than a 1 MB device's 128 KiB
+evaluation = evaluation_of(task, selector=ExampleSelector("app:/digits_heldout"), batch_size=600)
+tasks = [task, evaluation]
+"""
+
+
+def eval_fleet(tmp_path: Path, classes: list[dict]) -> FleetConfig:
+    """A small fleet of the digits MLP (batches of 16) and an evaluation of it in batches of 600."""
+    task_file = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
+    (tmp_path / "eval_task.py").write_text(EVAL_TASK.replace("TASK_FILE", repr(str(task_file))), encoding="utf-8")
+    return FleetConfig.from_dict(
+        {
+            "fleet": {"devices": 40, "hours": 1.0, "seed": 2, "start_utc_hour": 6.0, "min_memory_mb": 1},
+            "task": {"file": str(tmp_path / "eval_task.py"), "goal_count": 6, "compute_s_per_example": 0.2},
+            "data": {"format": "digits", "options": {"partition": "dirichlet", "alpha": 0.5, "clients": 30}},
+            "device_classes": classes,
+        }
+    )
+
+
+def test_a_device_class_that_holds_the_training_plan_but_not_the_evaluation_plan_takes_no_part(tmp_path):
+    """A device checks every plan it is served at load (OverBudget): a class that holds the
+    training plan but not the evaluation task's would be seated for evaluation rounds only to fail
+    each one, so it is counted short of memory and takes no part, as a class short of the training
+    plan's memory is."""
+    from emulator.fleet.simulator import served_costs
+    from emulator.fleet.workload import load_workload
+
+    config = eval_fleet(tmp_path, SHORT)
+    costs = served_costs(load_workload(config))
+    assert costs["digits_mlp"].fits(1) and not costs["digits_mlp_eval"].fits(1) and costs["digits_mlp_eval"].fits(4096)
+    run = simulate(config, progress=False)
+    tiny = [s.device_id for s in generate_population(config) if s.device_class == "tiny"]
+    assert tiny and run.devices_short_of_memory == len(tiny)
+    assert run.summary()["devices_short_of_memory"] == len(tiny)
+    assert not [s for s in run.sessions if s.device_class == "tiny"]
+    assert run.errors == {}
+    assert [s for s in run.sessions if s.task == "digits_mlp_eval" and s.shape.endswith("^")]
+
+
+def test_a_fleet_none_of_whose_classes_holds_the_evaluation_plan_is_refused_naming_its_task(tmp_path):
+    from emulator.fleet.events import SimulationError
+
+    tiny = [{"name": "tiny", "share": 1.0, "speed": 1.0, "memory_mb": 1}]
+    with pytest.raises(SimulationError, match=r"no device class can hold the plan of task 'digits_mlp_eval': it needs"):
+        simulate(eval_fleet(tmp_path, tiny), progress=False)

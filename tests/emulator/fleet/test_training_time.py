@@ -145,3 +145,50 @@ def test_a_plan_that_declares_a_time_budget_is_stopped_at_it(tmp_path, counted_b
     stopped = [s for s in trained if s.compute_s == pytest.approx(120.0)]
     assert stopped and all(s.outcome == "interrupted" and s.shape == "-v[!" for s in stopped)
     assert len(counted_batches) <= 2 * len(trained)
+
+
+@pytest.mark.parametrize(
+    ("time_budget_s", "says"),
+    [
+        # stopped before the 60 s report window closes: the session is 30 s long, and reports nothing
+        (30.0, "longer than the plan's time budget of 30 s: most sessions will be stopped at the plan's time budget"),
+        # stopped after it, at the plan's budget and not at the devices' 600 s
+        (
+            120.0,
+            "longer than the 60 s report window (task.report_timeout_s): most sessions will be stopped at the plan's",
+        ),
+        # no budget: stopped at the devices' max_training_s
+        (None, "most sessions will be stopped at the devices' 600 s of training"),
+    ],
+)
+def test_the_warning_before_the_run_counts_a_session_as_long_as_the_device_trains_before_it_is_stopped(
+    tmp_path, time_budget_s, says
+):
+    """A billion epochs would train for years; the devices stop at the plan's time budget (or their
+    max_training_s), and the warning before the run says where, not that sessions outlast the window
+    by years of training."""
+    from emulator.fleet.simulator import notify_before_run
+    from emulator.fleet.workload import load_workload
+
+    config = absurd_fleet(tmp_path, time_budget_s=time_budget_s, compute_s_per_example=0.001)
+    said: list[str] = []
+    notify_before_run(config, load_workload(config), generate_population(config), said.append)
+    slow = [m for m in said if m.startswith("a session's training takes about ")]
+    assert len(slow) == 1 and says in slow[0] and "report nothing" in slow[0]
+    assert ("time_budget_s in its task file" in slow[0]) == (time_budget_s is not None)
+    assert ("lengthen task.report_timeout_s" in slow[0]) == (time_budget_s is None)
+
+
+def test_a_session_stopped_after_it_ends_within_the_window_is_not_said_to_come_late():
+    from emulator.fleet.config import TaskSection
+    from emulator.fleet.summary import slow_sessions
+
+    task = TaskSection()
+    # training to its end would take 1,000 s; the plan's budget of 50 s stops it within the window: nothing reported
+    said = slow_sessions(1000.0, 500, 2, 1.0, task, 60.0, 50.0, True)
+    assert said is not None and "report window" not in said and "stopped at the plan's time budget of 50 s" in said
+    # a session that ends within its budget and the window: nothing to say
+    assert slow_sessions(40.0, 20, 2, 1.0, task, 60.0, 50.0, True) is None
+    # a budget longer than the window, training ended before it: the report comes late
+    late = slow_sessions(100.0, 50, 2, 1.0, task, 60.0, 120.0, True)
+    assert late is not None and "most reports will come late" in late and "lengthen task.report_timeout_s" in late
