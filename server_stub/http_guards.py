@@ -30,8 +30,9 @@ middleware) add, set by ``HttpLimits``:
   only by opening them anew every ``BODY_GRACE_S`` or by sending each body faster than the honest
   uploads arriving, and a cap per address would refuse the devices behind one NAT. The cap is kept
   where connections are accepted: asyncio accepts a whole burst before any protocol runs, so a
-  cap kept by the protocols let 300 sockets at once exhaust 256 descriptors. By default it keeps descriptors to spare under
-  the process's limit, so ``accept`` never fails for want of one;
+  cap kept by the protocols let 300 sockets at once exhaust 256 descriptors. A connection counts
+  from its accept, and room is made only for one waiting to be accepted. By default it keeps
+  descriptors to spare under the process's limit, so ``accept`` never fails for want of one;
 - a head larger than ``max_header_bytes`` is answered 431 ``HEADERS_TOO_LARGE``;
 - an answer the client stops reading (the socket's buffers full, so that asyncio pauses the
   writes) holds up the app's request: after ``body_timeout_s`` in which the socket took no more
@@ -51,8 +52,10 @@ import itertools
 import json
 import logging
 import math
+import select
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -235,10 +238,13 @@ class _Admission:
             self._accepted = [s for s in self._accepted if s.fileno() != -1]
         return len(self._accepted)
 
-    def make_room(self) -> str:
+    def make_room(self, waiting: Callable[[], bool]) -> str:
         """Before the next accept: ``"yes"`` when there is room (made, at the cap, by closing the
         connection idle longest), ``"later"`` when connections closing or accepted but not yet
-        set up must be waited for (asyncio's next turn), ``"no"`` when every one is busy."""
+        set up must be waited for (asyncio's next turn) or no connection ``waiting`` to be
+        accepted, ``"no"`` when every one is busy. asyncio calls ``accept`` until it finds none
+        waiting: room made for that call closed a connection for nothing, and a cap of 256
+        filled by 256 stalled check-ins held 255, the last place free for anyone."""
         open_now = self.open_sockets()
         if open_now < self.cap:
             return "yes"
@@ -247,6 +253,8 @@ class _Admission:
         closing = sum(1 for p in self.protocols if p.transport.is_closing())
         if open_now - closing < self.cap:
             return "yes"
+        if not waiting():
+            return "later"
         victim = self._victim()
         if victim is not None:
             if victim.waits_since is not None:
@@ -297,7 +305,7 @@ class _Listener(socket.socket):
     admission: _Admission
 
     def accept(self) -> tuple[socket.socket, Any]:
-        room = self.admission.make_room()
+        room = self.admission.make_room(self._waiting)
         if room == "later":
             raise BlockingIOError  # asyncio tries again on its next turn
         conn, address = super().accept()
@@ -314,6 +322,14 @@ class _Listener(socket.socket):
             raise ConnectionAbortedError  # asyncio skips it
         self.admission.admitted(conn)
         return conn, address
+
+    def _waiting(self) -> bool:
+        """Whether a connection waits to be accepted (the listener reads as ready)."""
+        if not hasattr(select, "poll"):  # Windows
+            return bool(select.select([self], [], [], 0)[0])
+        poll = select.poll()
+        poll.register(self, select.POLLIN)
+        return bool(poll.poll(0))
 
 
 def answer_bytes(error: ApiError) -> bytes:

@@ -137,6 +137,39 @@ def test_the_connection_cap_makes_room_by_closing_the_longest_idle(tmp_path):
             sock.close()
 
 
+def _ask_health(sock: socket.socket) -> int:
+    """The status of ``GET /v1/health`` asked on a kept-alive connection (0: the server had closed it)."""
+    try:
+        sock.sendall(_head("GET", "/v1/health"))
+        received = b""
+        while b"\r\n\r\n" not in received or not received.endswith(b"}"):
+            if not (chunk := sock.recv(65536)):
+                return 0
+            received += chunk
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+    return int(received.split(b" ", 2)[1])
+
+
+def test_the_connection_cap_closes_a_connection_only_for_one_that_waits(tmp_path):
+    """asyncio calls ``accept`` until none is waiting, and the cap made room before each call:
+    the call that found none had closed the longest idle all the same, so a cap of 256 filled by
+    256 stalled check-ins held 255 (the last place free for everyone else), and an idle device
+    lost its kept-alive connection whenever the last place was taken."""
+    limits = HttpLimits(header_timeout_s=60.0, max_connections=8)  # the timeout plays no part here
+    with ServerThread(tmp_path / "server.db", http_limits=limits) as server:
+        devices = []
+        for _ in range(8):  # one at a time, each answered once and then idle: the cap is just full
+            sock = _connect(server)
+            assert _ask_health(sock) == 200
+            devices.append(sock)
+        try:
+            assert [_ask_health(sock) for sock in devices] == [200] * 8
+        finally:
+            for sock in devices:
+                sock.close()
+
+
 def test_slow_bodies_at_the_connection_cap_give_way_to_honest_clients(tmp_path):
     """Every connection held by a check-in whose body does not come (each for up to
     ``body_timeout_s``) answered everyone else 503 SERVER_BUSY (a cap per address would refuse the
