@@ -280,13 +280,20 @@ def test_a_device_class_that_holds_the_plan_but_not_one_batch_of_it_takes_no_par
     cost = plan_cost(mlp((32,), batch_size=600))
     assert cost.memory_mb < 1 and cost.fed_batch_bytes == 600 * (64 * 4 + 8) > examples_share(1)
     assert not cost.fits(1) and cost.fits(4096) and cost.least_memory_mb == 600 * 264 * 8 / 2**20
+    run = _tiny_left_out(config)
+    assert [s for s in run.sessions if s.device_class == "mid" and s.shape.endswith("^")]
+
+
+def _tiny_left_out(config: FleetConfig) -> FleetRun:
+    """The run of ``config``, held to having counted every device of its "tiny" class short of
+    memory, seated none of them, and met no error."""
     run = simulate(config, progress=False)
     tiny = [s.device_id for s in generate_population(config) if s.device_class == "tiny"]
     assert tiny and run.devices_short_of_memory == len(tiny)
     assert run.summary()["devices_short_of_memory"] == len(tiny)
     assert not [s for s in run.sessions if s.device_class == "tiny"]
     assert run.errors == {}
-    assert [s for s in run.sessions if s.device_class == "mid" and s.shape.endswith("^")]
+    return run
 
 
 def test_a_fleet_none_of_whose_classes_holds_one_batch_is_refused_saying_so():
@@ -349,12 +356,7 @@ def test_a_device_class_that_holds_the_training_plan_but_not_the_evaluation_plan
     config = eval_fleet(tmp_path, SHORT)
     costs = served_costs(load_workload(config))
     assert costs["digits_mlp"].fits(1) and not costs["digits_mlp_eval"].fits(1) and costs["digits_mlp_eval"].fits(4096)
-    run = simulate(config, progress=False)
-    tiny = [s.device_id for s in generate_population(config) if s.device_class == "tiny"]
-    assert tiny and run.devices_short_of_memory == len(tiny)
-    assert run.summary()["devices_short_of_memory"] == len(tiny)
-    assert not [s for s in run.sessions if s.device_class == "tiny"]
-    assert run.errors == {}
+    run = _tiny_left_out(config)
     assert [s for s in run.sessions if s.task == "digits_mlp_eval" and s.shape.endswith("^")]
 
 

@@ -294,6 +294,18 @@ def _import_factory(folder, module: str, factory: str):
         sys.path.remove(str(folder))
 
 
+def _torch_stepped(folder, module: str, factory: str, ids: np.ndarray, labels: np.ndarray, lr: float = 0.5):
+    """The factory's module after one torch SGD step (mean cross-entropy) on the batch: what the
+    bundle's plan step is held to."""
+    import torch
+
+    net = _import_factory(folder, module, factory)()
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
+    optimizer.step()
+    return net
+
+
 EMBEDDING_FACTORY = '''
 import torch
 
@@ -323,7 +335,7 @@ def make_bag():
 def test_from_torch_trains_no_embedding_padding_row_buffer_or_frozen_parameter_as_torch_does(
     tmp_path, monkeypatch, capsys
 ):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
     (tmp_path / "bag.py").write_text(EMBEDDING_FACTORY)  # not models.py: the other test imports that name
     monkeypatch.chdir(tmp_path)
@@ -336,10 +348,7 @@ def test_from_torch_trains_no_embedding_padding_row_buffer_or_frozen_parameter_a
     ids = np.array([[3, 4, 0, 0, 0], [5, 0, 0, 0, 0]], dtype=np.int64)  # padded with 0
     labels = np.array([1, 2])
     stepped = _plan_step(tmp_path / "bundle", "make_bag", ids, labels)
-    net = _import_factory(tmp_path, "bag", "make_bag")()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
-    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
-    optimizer.step()
+    net = _torch_stepped(tmp_path, "bag", "make_bag", ids, labels)
     # neither the buffer nor the frozen parameter is a plan weight: they stay constants of the plan
     assert set(stepped) == set(net.state_dict()) - {"shift"}
     state = net.state_dict()
@@ -379,7 +388,7 @@ def test_from_torch_trains_an_embedding_bag_of_one_bag_per_row_as_torch_does(tmp
     """Both exporters write nn.EmbeddingBag as a Loop over the bags, which a plan cannot unroll with
     the batch known at run time only: bags of one length (a 2-D input) are exported as the rows
     gathered and reduced, and the plan takes torch's step, padding rows and empty bags included."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
     (tmp_path / "bags.py").write_text(BAGS_FACTORY)
     monkeypatch.chdir(tmp_path)
@@ -389,10 +398,7 @@ def test_from_torch_trains_an_embedding_bag_of_one_bag_per_row_as_torch_does(tmp
     ids = np.array([[3, 4, 0, 3, 0], [5, 11, 2, 7, 1], [0, 0, 0, 0, 0]], dtype=np.int64)  # an empty bag
     labels = np.array([1, 2, 0])
     stepped = _plan_step(tmp_path / "bundle", "make_bags", ids, labels)
-    net = _import_factory(tmp_path, "bags", "make_bags")()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
-    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
-    optimizer.step()
+    net = _torch_stepped(tmp_path, "bags", "make_bags", ids, labels)
     assert set(stepped) == set(net.state_dict())
     for name, value in net.state_dict().items():
         np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
@@ -429,7 +435,7 @@ def make_padded():
 def test_from_torch_traces_integer_inputs_as_ones_where_the_module_fails_on_zeros(tmp_path, monkeypatch, capsys):
     """The trace's integer examples are zeros, all padding to a model whose padding id is 0; where
     its forward fails on them, ones are traced instead, and the plan takes torch's step."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
     (tmp_path / "padded.py").write_text(PADDED_FACTORY)
     monkeypatch.chdir(tmp_path)
@@ -438,10 +444,7 @@ def test_from_torch_traces_integer_inputs_as_ones_where_the_module_fails_on_zero
     ids = np.array([[3, 4, 0, 0, 0], [5, 11, 2, 7, 1], [6, 0, 9, 0, 0]], dtype=np.int64)
     labels = np.array([1, 2, 0])
     stepped = _plan_step(tmp_path / "bundle", "make_padded", ids, labels)
-    net = _import_factory(tmp_path, "padded", "make_padded")()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
-    torch.nn.functional.cross_entropy(net(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
-    optimizer.step()
+    net = _torch_stepped(tmp_path, "padded", "make_padded", ids, labels)
     assert set(stepped) == set(net.state_dict())
     for name, value in net.state_dict().items():
         np.testing.assert_allclose(stepped[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
