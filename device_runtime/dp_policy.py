@@ -9,7 +9,8 @@ really releases, or a modulus the group's sum wraps. Before it advertises a key 
 recomputes everything that follows from the parameters and refuses:
 
 - ``DP_PARAMS_INVALID``: parameters that are not self-consistent (not a valid ``DDPParams``, a
-  rotation seed that is not the one the round's commitment gives, a dimension that is not this
+  group session that does not commit to them (``bound_label``), a rotation seed that is not the
+  one the round's commitment gives, a dimension that is not this
   device's update, a secure sum whose modulus is not ``2^bitwidth`` or whose length is not the
   padded dimension, a group larger than ``max_devices``, a modulus the group's noisy sum could wrap
   beyond the policy's ``max_wrap_probability``);
@@ -24,6 +25,16 @@ recomputes everything that follows from the parameters and refuses:
   always 0; Skellam noise large beside its sensitivity). A secure round with no DP at all is
   refused too when the policy sets a floor.
 
+The shares add up to the noise the floor counts only if every member of the group encodes with the
+same parameters. A server could send each member its own: one member an honest set, the others a
+tiny gamma (their sensitivity, and so their shares, nearly nothing) that each passes its own check,
+so that the group's sum carries little more than the first member's own share. So the group's
+Secure Aggregation session label ends with a digest of the parameters (``bound_label``), which the
+device checks against the ones it was sent: the label is in the session tag that every member signs
+its keys under and checks its peers' signatures with, so members sent different parameters fail
+each other's signatures (under the attested cohort, ``SecAggPolicy``'s default) and none of them
+sends a masked input.
+
 Pure: values in, verdicts out; the layout of a plan's update as the flat vector the mechanism
 encodes is here too, so that the device and the server lay it out the same way.
 """
@@ -31,6 +42,7 @@ encodes is here too, so that the device and the server lay it out the same way.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -98,6 +110,24 @@ def rotation_seed(commitment: bytes) -> int:
     """The round's public rotation seed, from the commitment the server showed before it knew its
     cohort (``secagg_commitment``): every device and the server derive the same one."""
     return int.from_bytes(hashlib.sha256(b"fedfleet/ddp-rotation\x00" + commitment).digest()[:8], "little")
+
+
+#: What a distributed-DP group's session label ends with, before the hex digest of its DP parameters.
+LABEL_MARK = b"/ddp="
+
+
+def params_digest(answer: Mapping[str, object] | DDPRoundParams) -> bytes:
+    """SHA-256 of the round's DP parameters as the devices receive them (``round_answer``), over
+    their canonical JSON: the server and each device compute it from the same values."""
+    wire = answer if isinstance(answer, DDPRoundParams) else DDPRoundParams.model_validate(answer)
+    text = json.dumps(wire.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(b"fedfleet/ddp-params\x00" + text.encode()).digest()
+
+
+def bound_label(label: bytes, answer: Mapping[str, object] | DDPRoundParams) -> bytes:
+    """A group's Secure Aggregation session label that commits to the round's DP parameters (the
+    server's side of the check in ``check_round``; see the module docstring)."""
+    return label + LABEL_MARK + params_digest(answer).hex().encode()
 
 
 def releasable_minimum(config: SecAggConfig) -> int:
@@ -189,6 +219,13 @@ def check_round(
         params.check_modulus()
     except DDPError as exc:
         raise DPRefusal(DP_PARAMS_INVALID, str(exc)) from None
+    # last: parameters below the floor are named as such, whatever the label
+    if not config.session_label.endswith(LABEL_MARK + params_digest(wire).hex().encode()):
+        raise DPRefusal(
+            DP_PARAMS_INVALID,
+            "the group's Secure Aggregation session does not commit to these DP parameters: the other members "
+            "may have been sent others",
+        )
     return DDPRound(params, wire.rotation_seed)
 
 
@@ -248,10 +285,13 @@ __all__ = [
     "DPRefusal",
     "DP_NOISE_BELOW_FLOOR",
     "DP_PARAMS_INVALID",
+    "LABEL_MARK",
+    "bound_label",
     "check_round",
     "encode_update",
     "mean_delta",
     "noise_problem",
+    "params_digest",
     "releasable_minimum",
     "rotation_seed",
     "round_answer",

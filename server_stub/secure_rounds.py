@@ -36,7 +36,7 @@ import numpy as np
 
 from device_runtime.attestation import device_key_hash
 from device_runtime.ddp import DDPError, DDPParams
-from device_runtime.dp_policy import releasable_minimum, rotation_seed, round_answer
+from device_runtime.dp_policy import bound_label, releasable_minimum, rotation_seed, round_answer
 from device_runtime.secure_client import session_member_key
 from device_runtime.secure_sum import SecureSumCodec, config_to_json
 from secagg import (
@@ -303,6 +303,8 @@ class SecureRound:
             except DDPError as exc:  # a deploy refuses what cannot fit; a task stored earlier may not
                 self.ddp_error = str(exc)
                 return []
+            answer = round_answer(self.ddp_params, self.rotation_seed)  # every member's session commits to it
+            configs = [dataclasses.replace(c, session_label=bound_label(c.session_label, answer)) for c in configs]
         for index, (members, config) in enumerate(zip(parts, configs)):
             n = len(members)
             graph_seed = group_seed(self.seed, index)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from device_runtime import ddp
 from device_runtime.dp_policy import (
@@ -19,13 +21,17 @@ from device_runtime.dp_policy import (
     DP_PARAMS_INVALID,
     DPPolicy,
     DPRefusal,
+    bound_label,
     check_round,
     noise_problem,
     releasable_minimum,
     rotation_seed,
     round_answer,
 )
-from secagg import SecAggConfig, complete_graph_threshold
+from secagg import SecAggClient, SecAggConfig, SecAggServer, UncertifiedPeer, complete_graph_threshold, parse_message
+from secagg import server as secagg_server
+from secagg.crypto import SigningKey
+from secagg.transcript import key_signing_payload
 
 COMMITMENT = bytes(range(32))
 SEED = rotation_seed(COMMITMENT)
@@ -55,8 +61,15 @@ def honest(z: float = 1.0, k: int = 5, n: int = 6, bitwidth: int = 32, **kw) -> 
 
 
 def check(params: ddp.DDPParams, config: SecAggConfig, n: int = 6, policy: DPPolicy = DEFAULT_DP_POLICY, **wire):
+    """``check_round`` of ``params`` (with ``wire``'s fields changed) as one server sends them to
+    every member alike: the group's session label commits to them, as ``secure_rounds`` binds it."""
+    answer = {**round_answer(params, SEED), **wire}
+    try:
+        config = dataclasses.replace(config, session_label=bound_label(config.session_label, answer))
+    except ValidationError:
+        pass  # parameters no device takes: check_round refuses them whatever the label
     return check_round(
-        {**round_answer(params, SEED), **wire},
+        answer,
         config=config,
         group_size=n,
         dim=DIM,
@@ -274,3 +287,92 @@ def test_any_params_a_server_sends_pass_with_noise_above_the_floor_on_every_rele
     assert config.modulus == params.modulus and config.vector_length == params.padded_dim
     assert params.wrap_probability <= policy.max_wrap_probability
     params.check_modulus(n)  # the group's noisy sum fits the modulus
+
+
+def _thinned(params: ddp.DDPParams, config: SecAggConfig, shrink: float) -> ddp.DDPParams:
+    """The round's parameters with a gamma ``shrink`` times smaller and shares resized to it: as
+    self-consistent as the honest ones, and as far above the floor for their own sensitivity."""
+    gamma = params.gamma / shrink
+    small = dataclasses.replace(params, gamma=gamma, local_variance=1.0)
+    need = (params.noise_multiplier * small.sensitivity) ** 2 / releasable_minimum(config)
+    return dataclasses.replace(small, local_variance=need * (1 + 1e-6))
+
+
+def test_members_sent_different_parameters_fail_each_others_signatures_before_any_input(monkeypatch) -> None:
+    """Equivocation: the server sends one member the honest parameters and the other five a gamma
+    10,000 times smaller with shares resized to it. Each set passes its own device's floor, yet the
+    group's sum would carry the first member's update (sensitivity ~gamma clip) with about its own
+    share of noise only: noise multiplier z / sqrt(5) instead of z. Each group's session label
+    commits to the parameters, so the two sets give two session tags; a member checks its peers'
+    key signatures under its own tag, and the target refuses the roster (``UncertifiedPeer``)
+    before any masked input exists."""
+    params, config = honest(z=1.0, k=5, n=6)
+    thin = _thinned(params, config, 1e4)
+    for p in (params, thin):  # each set alone passes the device that receives it
+        assert check(p, config) is not None
+    m = releasable_minimum(config)
+    mixed = math.sqrt(params.local_variance + (m - 1) * thin.local_variance) / params.sensitivity
+    assert mixed < 0.5  # what the target's update would carry in the group's sum (z = 1 asked)
+
+    answers = {p: round_answer(p, SEED) for p in (params, thin)}
+    bound = {p: dataclasses.replace(config, session_label=bound_label(b"", a)) for p, a in answers.items()}
+    with pytest.raises(DPRefusal, match="does not commit") as refused:  # the other set's session, its own params
+        check_round(answers[params], config=bound[thin], group_size=6, dim=DIM, commitment=COMMITMENT)
+    assert refused.value.code == DP_PARAMS_INVALID
+
+    # the protocol itself: the target joins under its parameters' session, the others under theirs;
+    # the server relays their keys under the target's tag (a message's header is not signed) and
+    # skips its own check of their signatures (``key_signing_payload`` under each one's own tag)
+    small = {p: dataclasses.replace(c, vector_length=4) for p, c in bound.items()}
+
+    def target_takes_roster(others: ddp.DDPParams) -> Exception | None:
+        configs = {u: small[params if u == 1 else others] for u in range(1, 7)}
+        rb = random.Random(0).randbytes
+        clients = {
+            u: SecAggClient(
+                u,
+                configs[u],
+                np.zeros(4, dtype=np.uint64),
+                random_bytes=rb,
+                signer=SigningKey(rb),
+                verify_peer=lambda key, credential: True,
+            )
+            for u in range(1, 7)
+        }
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                secagg_server,
+                "key_signing_payload",
+                lambda tag, u, c_pk, s_pk: key_signing_payload(configs[u].session_tag, u, c_pk, s_pk),
+            )
+            server = SecAggServer(configs[1], range(1, 7), random_bytes=rb)
+            for u, c in clients.items():
+                message = parse_message(c.start())
+                server.receive(u, dataclasses.replace(message, session_tag=configs[1].session_tag).to_bytes())
+            roster = server.close_round()
+        assert (clients[1].handle(roster[1]) is None) == clients[1].aborted  # it shares its keys or aborts
+        return clients[1].error
+
+    assert target_takes_roster(params) is None  # one set for every member: the keys check out
+    assert small[params].session_tag != small[thin].session_tag
+    refused = target_takes_roster(thin)
+    assert isinstance(refused, UncertifiedPeer) and "not signed" in str(refused)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    field=st.sampled_from(["gamma", "local_variance", "clip", "noise_multiplier", "min_devices"]),
+    factor=st.floats(1.001, 1e4),
+)
+def test_a_device_takes_only_the_parameters_its_groups_session_commits_to(field: str, factor: float) -> None:
+    """Any change to any parameter after the server bound the group's session to the honest set
+    is refused by the device that receives it (and the honest set still passes)."""
+    params, config = honest(z=1.0, k=5, n=6)
+    answer = round_answer(params, SEED)
+    config = dataclasses.replace(config, session_label=bound_label(b"task/group-0", answer))
+    assert check_round(answer, config=config, group_size=6, dim=DIM, commitment=COMMITMENT) is not None
+    value = answer[field] * factor
+    changed = {**answer, field: int(math.ceil(value)) if field == "min_devices" else value}
+    changed["max_devices"] = max(changed["max_devices"], changed["min_devices"])
+    with pytest.raises(DPRefusal):
+        check_round(changed, config=config, group_size=6, dim=DIM, commitment=COMMITMENT)
