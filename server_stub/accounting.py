@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import numbers
 import threading
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -81,6 +82,13 @@ def _check_noise(noise_multiplier: float) -> None:
 def _check_sampling(q: float | None) -> None:
     if q is not None and not (0.0 < q <= 1.0):
         raise AccountingError(f"sampling_probability must be in (0, 1], got {q!r}")
+
+
+def _check_count(name: str, value: object) -> None:
+    """A number of rounds: an int >= 0 (a float, NaN among them, or a bool is refused: NaN rounds
+    once read as no rounds at all, epsilon 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise AccountingError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 def _check_method(method: str) -> None:
@@ -178,13 +186,17 @@ def _epsilon(rounds: dict[float, int], delta: float, q: float | None, method: Me
         acc = rdp_lib.RdpAccountant()
         acc.compose(dp_accounting.GaussianDpEvent(z_eff))
         return float(acc.get_epsilon(delta))
-    if method == "rdp":
-        acc = rdp_lib.RdpAccountant()
-        for z, count in sorted(live.items()):
-            event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
-            acc.compose(event, count)
-        return float(acc.get_epsilon(delta))
-    return float(_sampled_pld(live, q).get_epsilon_for_delta(delta))
+    pld = math.inf if method == "rdp" else float(_sampled_pld(live, q).get_epsilon_for_delta(delta))
+    if math.isfinite(pld):
+        return pld
+    # RDP, asked for, or where the PLD has none: its grid moves the mass of the tails it truncates
+    # (about 1e-15 a round) to infinity, so a delta below that mass had epsilon inf, published as
+    # null, which reads as no noise at all. RDP's bound holds at any delta.
+    acc = rdp_lib.RdpAccountant()
+    for z, count in sorted(live.items()):
+        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+        acc.compose(event, count)
+    return float(acc.get_epsilon(delta))
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,9 +207,10 @@ def tree_epsilon(trees: tuple[tuple[float, int], ...], delta: float) -> float:
     from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
     _check_delta(delta)
-    live = [(z, n) for z, n in trees if n > 0]
-    for z, _ in live:
+    for z, n in trees:
         _check_noise(z)
+        _check_count("a tree's rounds", n)
+    live = [(z, n) for z, n in trees if n > 0]
     if not live:
         return 0.0
     if any(z == 0 for z, _ in live):
@@ -223,8 +236,7 @@ def epsilon(
     _check_noise(noise_multiplier)
     _check_sampling(sampling_probability)
     _check_method(method)
-    if rounds < 0:
-        raise AccountingError(f"rounds must be >= 0, got {rounds}")
+    _check_count("rounds", rounds)
     return _epsilon({noise_multiplier: rounds}, delta, sampling_probability, method)
 
 
@@ -313,10 +325,9 @@ class PrivacyLedger:
         _check_method(self.method)
         if self.max_epsilon is not None and not (self.max_epsilon > 0 and math.isfinite(self.max_epsilon)):
             raise AccountingError(f"max_epsilon must be a positive finite number, got {self.max_epsilon!r}")
-        for z, c in self.counts:
+        for z, c in (*self.counts, *self.trees):
             _check_noise(z)
-            if c < 0:
-                raise AccountingError(f"a round count must be >= 0, got {c}")
+            _check_count("a round count", c)
         if self.tree_rounds is not None and self.tree_rounds < 1:
             raise AccountingError(f"tree_rounds must be >= 1, got {self.tree_rounds}")
 
@@ -327,8 +338,7 @@ class PrivacyLedger:
     def add_round(self, noise_multiplier: float, count: int = 1) -> PrivacyLedger:
         """The ledger after ``count`` more committed rounds at ``noise_multiplier``."""
         _check_noise(noise_multiplier)
-        if count < 0:
-            raise AccountingError(f"count must be >= 0, got {count}")
+        _check_count("count", count)
         merged = dict(self.counts)
         merged[noise_multiplier] = merged.get(noise_multiplier, 0) + count
         return replace(self, counts=tuple(sorted(merged.items())))

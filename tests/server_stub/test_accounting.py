@@ -226,3 +226,78 @@ def test_a_dp_ftrl_ledger_accounts_each_tree_as_dp_accountings_tree_aggregation_
     assert not spent.allows(z, new_tree=True)
     assert dataclasses.replace(ledger, max_epsilon=ledger.epsilon * 2).allows(z, new_tree=True)
     assert acc.tree_epsilon(((0.0, 1),), delta) == math.inf and acc.tree_epsilon((), delta) == 0.0
+
+
+#: Moments accountant orders (Abadi et al. 2016 computed the log moments for lambda = 1..32).
+MA_ORDERS = list(range(2, 33))
+
+
+def moments_accountant_epsilon(q: float, z: float, rounds: int, delta: float) -> float:
+    """Epsilon as Abadi et al. 2016 and McMahan et al. 2018 computed it: the Renyi divergence (log
+    moments) of the Poisson-sampled Gaussian, the event the ledger composes for a sampled round, at
+    orders 2..32, converted by their tail bound eps = min_a RDP(a) + log(1/delta) / (a - 1).
+    dp-accounting's own conversion (Balle et al. 2020; Canonne, Kamath and Steinke 2020) is tighter."""
+    acc_ = rdp_privacy_accountant.RdpAccountant(MA_ORDERS)
+    acc_.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
+    return min(r + math.log(1 / delta) / (a - 1) for a, r in zip(MA_ORDERS, acc_._rdp, strict=True))
+
+
+#: McMahan et al. 2018, Table 1: users K, expected users a round C (q = C / K), noise multiplier z,
+#: delta = K^-1.1, and the epsilon they published after 1, 10, ..., 10^6 rounds.
+MCMAHAN_2018 = [
+    (10**5, 10**2, 1.0, (0.97, 0.98, 1.00, 1.07, 1.18, 2.21, 7.50)),
+    (10**6, 10**1, 1.0, (0.68, 0.69, 0.69, 0.69, 0.69, 0.72, 0.73)),
+    (10**6, 10**3, 1.0, (1.17, 1.17, 1.20, 1.28, 1.39, 2.44, 8.13)),
+    (10**6, 10**4, 1.0, (1.73, 1.92, 2.08, 3.06, 8.49, 32.38, 187.01)),
+    (10**9, 10**3, 1.0, (0.84, 0.84, 0.84, 0.85, 0.88, 0.88, 0.88)),
+]
+ROUNDS = (1, 10, 100, 10**3, 10**4, 10**5, 10**6)
+
+
+def test_the_sampled_round_reproduces_the_published_moments_accountant_figures() -> None:
+    """Abadi et al. 2016, section 3.1: q = 0.01, sigma = 4, delta = 1e-5, 10,000 steps give epsilon
+    1.26 by the moments accountant; McMahan et al. 2018, Table 1, to its two decimals. The ledger's
+    RDP epsilon is dp-accounting's on the same event (above), tighter than the published figure by
+    the conversion only; its PLD epsilon (the default) is tighter still."""
+    assert moments_accountant_epsilon(0.01, 4.0, 10_000, 1e-5) == pytest.approx(1.26, abs=0.005)
+    assert acc.epsilon(4.0, 10_000, 1e-5, sampling_probability=0.01, method="rdp") == pytest.approx(1.035, abs=1e-3)
+    for users, sampled, z, published in MCMAHAN_2018:
+        q, delta = sampled / users, users**-1.1
+        for rounds, figure in zip(ROUNDS, published, strict=True):
+            assert moments_accountant_epsilon(q, z, rounds, delta) == pytest.approx(figure, abs=0.005)
+            assert acc.epsilon(z, rounds, delta, sampling_probability=q, method="rdp") < figure
+    assert acc.epsilon(4.0, 10_000, 1e-5, sampling_probability=0.01) == pytest.approx(0.947, abs=1e-3)
+    q, delta = 1e-3, 1e5**-1.1  # the first row's PLD, where it is quick
+    pld = [acc.epsilon(1.0, k, delta, sampling_probability=q) for k in (1, 100, 10**4)]
+    assert pld == pytest.approx([0.01, 0.07, 0.52], abs=0.005)
+
+
+@pytest.mark.slow
+def test_the_pld_epsilon_of_every_published_row_is_below_the_published_figure() -> None:
+    """The default accountant over the whole of McMahan et al.'s Table 1 (10 s or more of PLD)."""
+    for users, sampled, z, published in MCMAHAN_2018:
+        q, delta = sampled / users, users**-1.1
+        for rounds, figure in zip(ROUNDS, published, strict=True):
+            assert acc.epsilon(z, rounds, delta, sampling_probability=q) < figure
+
+
+@pytest.mark.parametrize("rounds", [math.nan, 1.5, True, -1, "3"])
+def test_a_number_of_rounds_that_is_not_a_count_is_refused(rounds: object) -> None:
+    """NaN rounds once read as no round at all (epsilon 0), 1.5 as a fraction of one."""
+    with pytest.raises(acc.AccountingError, match="rounds must be an integer"):
+        acc.epsilon(1.0, rounds, 1e-5)  # type: ignore[arg-type]
+    with pytest.raises(acc.AccountingError, match="count must be an integer"):
+        acc.PrivacyLedger(delta=1e-5).add_round(1.0, rounds)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("delta", [1e-15, 1e-30, 1e-300])
+def test_a_sampled_task_at_a_delta_below_the_plds_truncated_tails_still_reports_a_finite_epsilon(delta: float) -> None:
+    """The PLD's grid moves about 1e-15 of each round's tails to infinity: at a delta below that its
+    epsilon was inf, which the round's metrics publish as null, as for no noise at all. RDP's
+    bound, finite at any delta, stands in; above that delta the PLD's (tighter) figure is kept."""
+    z, q, k = 1.0, 0.01, 100
+    reference = rdp_privacy_accountant.RdpAccountant()
+    reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), k)
+    assert acc.epsilon(z, k, delta, sampling_probability=q) == pytest.approx(reference.get_epsilon(delta))
+    assert acc.PrivacyLedger(delta=delta, sampling_probability=q).add_round(z, k).epsilon < math.inf
+    assert acc.epsilon(z, k, 1e-12, sampling_probability=q) < reference.get_epsilon(1e-12)
