@@ -226,3 +226,44 @@ def test_canary_devices_take_part_through_the_real_protocol_and_the_run_is_audit
     # the canaries' reports reached the models: the same run with canaries that report what they trained differs
     monkeypatch.setattr(FleetSimulator, "canary_report", lambda self, k: lambda plan, update: update)
     assert simulate(config, progress=False).digest != run.digest
+
+
+def _repro_config(mode: str, z: float = 1.0) -> FleetConfig:
+    return FleetConfig.from_dict(
+        {
+            "fleet": {"devices": 60, "hours": 0.75 if mode == "central" else 2.0, "start_utc_hour": 6.0, "seed": 3},
+            "task": {
+                "goal_count": 10,
+                "secure": mode == "distributed",
+                "secagg_group_size": 5,
+                "selection_timeout_s": 300.0,
+                "retry_min_s": 60.0,
+                "retry_max_s": 300.0,
+                "compute_s_per_example": 0.2,
+            },
+            "dp": {"mode": mode, "noise_multiplier": z},
+        }
+    )
+
+
+def _same_digest_repeated_and_sharded(mode: str) -> None:
+    from emulator.fleet.ray_backend import simulate_sharded
+
+    config = _repro_config(mode)
+    run = simulate(config, progress=False)
+    assert run.summary()["dp_rounds"] >= 2  # the noise entered committed models
+    assert simulate_sharded(config, shards=2, ray=False).digest == run.digest  # run again, over two shards
+    assert simulate(_repro_config(mode, z=1.5), progress=False).digest != run.digest  # the noise is in the digest
+
+
+def test_a_central_dp_fleet_repeats_its_digest_with_its_seed_in_one_process_or_over_shards():
+    """The server's noise comes from generators spawned from the fleet's seed (``seeded_noise``), not
+    from the operating system's entropy as a deployed server's: so a DP run repeats, in one
+    process or with its devices over shards (the server stays in the driving process)."""
+    _same_digest_repeated_and_sharded("central")
+
+
+@pytest.mark.slow
+def test_a_distributed_dp_fleet_repeats_its_digest_with_its_seed_in_one_process_or_over_shards():
+    """Each device seeds its noise shares and rounding from its own seeded stream."""
+    _same_digest_repeated_and_sharded("distributed")
