@@ -176,3 +176,50 @@ def test_a_round_that_released_nothing_spends_nothing() -> None:
     assert spends_privacy("abandoned", _secure_record("abandoned", 1, 0)[1])
     assert spends_privacy("abandoned", _secure_record("abandoned", 0, 1)[1])
     assert spends_privacy("committed", {})
+
+
+def test_an_adaptive_rounds_commit_noises_the_sum_at_z_delta_c_and_the_count_at_its_stddev() -> None:
+    """Through rounds as the service runs them (``take`` each report, ``close`` at commit), with a
+    fixed seed: the summed weight tensors carry noise of std z_delta C whatever the number of
+    reports (the sum's sensitivity is C; the plan's report divides by ``num_examples``, set to the
+    reports), z_delta = 1.81 for z = 1 once the count takes its share, and the count of unclipped
+    reports noise of std sigma_b, read back from the clip each commit hands on
+    (C exp(-eta (b - target)), b the noised fraction)."""
+    z, clip, sigma_b, eta, target, n = 1.0, 0.5, 0.6, 0.2, 0.5, 7
+    dp = DPConfig(
+        mode="central",
+        noise_multiplier=z,
+        clip=clip,
+        target_quantile=target,
+        clip_learning_rate=eta,
+        clipped_count_stddev=sigma_b,
+    )
+    task = TaskDP.load(RoundConfig(goal_count=n, dp=dp), [])
+    assert task is not None
+    rng = np.random.default_rng(11)
+
+    def commit(shape: tuple[int, ...]) -> tuple[np.ndarray, float]:
+        central = task.open_round(secure=False)
+        assert central is not None
+        total = {"w": np.zeros(shape, np.float32), "b": np.zeros(3, np.float32), NUM_EXAMPLES: np.float32(0)}
+        for i in range(n):  # three reports within the clip, four beyond it
+            update = {"w": np.full(shape, 0.001 if i < 3 else 1.0, np.float32), "b": np.zeros(3, np.float32)}
+            part = central.take({**update, NUM_EXAMPLES: np.float32(2.0)}, WEIGHTS, max_examples=10)
+            total = {key: total[key] + part[key] for key in total}
+        out, next_clip = central.close(total, WEIGHTS, rng)
+        assert float(out[NUM_EXAMPLES]) == n and next_clip is not None
+        size = math.prod(shape)  # the clipped sum: 3 reports at 0.001 / 2, 4 at the clip along the ones
+        signal = 3 * 0.0005 + 4 * clip / math.sqrt(size)
+        count_noise = (target - math.log(next_clip / clip) / eta) * n - 3
+        return np.asarray(out["w"], np.float64).reshape(-1) - signal, count_noise
+
+    noise, _ = commit((200, 250))
+    z_delta = cdp.update_noise_multiplier(z, sigma_b)
+    assert z_delta == pytest.approx(1.809, abs=1e-3)
+    assert noise.mean() == pytest.approx(0.0, abs=5 * z_delta * clip / math.sqrt(noise.size))
+    assert noise.std() == pytest.approx(z_delta * clip, rel=5 * math.sqrt(2 / noise.size))
+    counts = [commit((2,))[1] for _ in range(200)]  # the count's noise, round by round ...
+    assert np.std(counts) == pytest.approx(sigma_b, rel=4 * math.sqrt(2 / len(counts)))
+    assert np.mean(counts) == pytest.approx(0.0, abs=5 * sigma_b / math.sqrt(len(counts)))
+    many = [cdp.noised_fraction(3, n, sigma_b, rng) * n - 3 for _ in range(20_000)]  # ... and the step alone
+    assert np.std(many) == pytest.approx(sigma_b, rel=5 * math.sqrt(2 / len(many)))
