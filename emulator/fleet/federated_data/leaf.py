@@ -88,6 +88,10 @@ def _read_file(path: Path) -> Mapping[str, Any]:
         raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
     except UnicodeDecodeError as exc:
         raise DataLayoutError(f"{path}: not UTF-8 text; a LEAF file is JSON") from exc
+    except ValueError:  # an integer of more digits than Python converts (4,300): no LEAF value is one
+        raise DataLayoutError(f"{path}: holds an integer of thousands of digits; LEAF's values are floats") from None
+    except RecursionError:  # lists nested deeper than the parser recurses: no LEAF x is more than 3 deep
+        raise DataLayoutError(f"{path}: holds lists nested thousands deep; a LEAF x is a list of numbers") from None
     if not isinstance(data, dict):
         raise DataLayoutError(
             f"{path}: a LEAF file is a JSON object with users, num_samples and user_data, not a {type(data).__name__}"
@@ -132,6 +136,10 @@ def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
             if len(x) != len(y):
                 raise DataLayoutError(
                     f"{path}: user {user!r} has {len(x)} x but {len(y)} y; each example needs one of each"
+                )
+            if counts is not None and (not isinstance(counts[i], numbers.Real) or isinstance(counts[i], bool)):
+                raise DataLayoutError(
+                    f"{path}: num_samples gives user {user!r} {counts[i]!r} examples; a count is a JSON number"
                 )
             if counts is not None and counts[i] != len(y):
                 raise DataLayoutError(
@@ -191,8 +199,15 @@ def _text_of(item: Any, user: str, path: Path) -> str:
 def _labels(y: list[Any], user: str, path: Path) -> np.ndarray:
     if not all(isinstance(v, numbers.Number) and not isinstance(v, bool) for v in y):
         raise DataLayoutError(f"{path}: user {user!r} has a y that is not a number")
-    arr = np.asarray(y)
-    if arr.dtype.kind in "iu" or (arr.dtype.kind == "f" and np.all(np.mod(arr, 1) == 0)):
+    try:
+        arr = np.asarray(y, dtype=np.int64) if all(isinstance(v, int) for v in y) else np.asarray(y, dtype=np.float64)
+    except OverflowError:  # an integer past int64's range
+        arr = np.asarray([float("inf")])
+    if arr.dtype.kind == "f" and not (np.isfinite(arr).all() and np.abs(arr).max(initial=0) < 2**63):
+        raise DataLayoutError(
+            f"{path}: user {user!r} has a y that is NaN, infinite or past int64's range; fix or drop that example"
+        )
+    if arr.dtype.kind == "i" or np.all(np.mod(arr, 1) == 0):
         return arr.astype(np.int64)
     return arr.astype(np.float32)
 

@@ -149,6 +149,24 @@ def test_without_test_files_users_can_be_held_out_whole(tmp_path: Path) -> None:
             )
             for v in (float("nan"), float("inf"), -1e39, 10**400)  # 10**400: OverflowError, 1e39: float32's inf
         ),
+        *(  # a NaN label was a float32 class that every device trained on; 10**20 and 1e400 the same
+            (json.dumps({"users": ["a"], "user_data": {"a": {"x": [[1.0]], "y": [v]}}}), "a y that is NaN, infinite")
+            for v in (float("nan"), float("inf"), 10**20)
+        ),
+        pytest.param(  # Python's json refuses to convert an integer of over 4,300 digits: a ValueError traceback
+            '{"users": ["a"], "user_data": {"a": {"x": [[1' + "0" * 5000 + ']], "y": [0]}}}',
+            "an integer of thousands of digits",
+            id="5000-digit-integer",
+        ),
+        pytest.param(  # a RecursionError traceback
+            '{"users": ["a"], "user_data": {"a": {"x": ' + "[" * 100_000 + "]" * 100_000,
+            "nested thousands deep",
+            id="lists-nested-100000-deep",
+        ),
+        (  # a count given as text was said to differ from itself ("has 4 examples but user_data holds 4")
+            json.dumps({"users": ["a"], "num_samples": ["1"], "user_data": {"a": {"x": [[1.0]], "y": [0]}}}),
+            "num_samples gives user 'a' '1' examples; a count is a JSON number",
+        ),
         (  # LEAF's CelebA: file names of images kept elsewhere, which were read as a text's words
             json.dumps({"users": ["a"], "user_data": {"a": {"x": ["000001.jpg"], "y": [1]}}}),
             "x holds image file names",
