@@ -186,6 +186,7 @@ def _read_folder(path: Path, client: str | None, features: Sequence[str] | None,
         )
     pa: Any = require("pyarrow")
     tables, named = [], []
+    by_name: dict[str, Path] = {}  # the files named as clients, by the client their name gives
     tabular = [p for p in files if _kind(p) == kinds[0]]
     keys: list[str] | None = None
     for file in tabular:
@@ -210,8 +211,15 @@ def _read_folder(path: Path, client: str | None, features: Sequence[str] | None,
                 held = None if value == "__HIVE_DEFAULT_PARTITION__" else value  # Hive's and Spark's null
                 table = table.append_column(key, pa.array([held] * table.num_rows, pa.string()))
         if client is not None and client not in table.column_names:  # the file's name says whose rows they are
-            named.append(file)
             stem = file.with_suffix("").stem if file.suffix.lower() in _COMPRESSED else file.stem
+            same = by_name.setdefault(stem, file)
+            if same is not file:  # write_to_dataset names every folder's file alike: all rows one client
+                raise DataLayoutError(
+                    f"table: {path} has no column {client!r} (its columns: {', '.join(table.column_names)}), and "
+                    f"its files' names cannot stand for clients: {same.relative_to(path)} and "
+                    f"{file.relative_to(path)} are both named {stem}; name the client column with client=COLUMN"
+                )
+            named.append(file)
             table = table.append_column(client, pa.array([stem] * table.num_rows, pa.string()))
         tables.append(table)
     if named and len(named) != len(tabular):
@@ -751,6 +759,8 @@ def load_table(
             "(partition=iid|dirichlet|shards|pathological|quantity)"
         )
     train_table, test_table = _read_arrow(path, client, features, header=header)
+    if not train_table.num_rows:  # before its columns, which a CSV's header alone types as null
+        raise DataLayoutError(f"table: {path} has no rows")
     if label is None:
         columns = list(train_table.column_names)
         kept = _expand(features, columns, str(path)) if features is not None else columns
@@ -807,8 +817,6 @@ def load_table(
         else None
     )
     del train_table, test_table  # the clients' arrays are copies in client order: the tables' memory is freed
-    if not train:
-        raise DataLayoutError(f"table: {path} has no rows")
     if cut:
         source = f"table:{path}"
         return _with_class_names(

@@ -104,6 +104,9 @@ def test_files_that_are_not_tables_say_what_to_give(tmp_path: Path) -> None:
     (tmp_path / "json" / "x.json").write_text("{}")
     with pytest.raises(DataLayoutError, match=r"is a folder of no table files \(found \.json\), .*save_to_disk"):
         load_table(tmp_path / "json", client="c")
+    (tmp_path / "header.csv").write_text("user,x,label\n")  # its columns typed null: 'x has type null' was said
+    with pytest.raises(DataLayoutError, match=r"header\.csv has no rows$"):
+        load_table(tmp_path / "header.csv", client="user")
 
 
 def test_a_column_named_twice_or_a_csv_that_is_not_utf8_is_refused_saying_so(tmp_path: Path) -> None:
@@ -352,6 +355,11 @@ def test_a_folder_of_parquet_files_is_one_table_and_a_hive_folders_client_ids_st
     everything = {**data.train, **data.test}
     assert sorted(everything) == ["007", "12", "7"] and sorted(data.features) == ["x", "y"]
     assert everything["007"]["x"].tolist() == [[0.5, 1.0], [2.5, 3.0]] and everything["7"]["y"].tolist() == [1]
+    # a misspelt client column: each folder's file has one name, and all rows were one client of that name
+    with pytest.raises(
+        DataLayoutError, match=r"has no column 'client' \(its columns: x, y, client_id\), and its files'"
+    ):
+        load_table(tmp_path / "hive", client="client")
     parts = tmp_path / "parts"
     parts.mkdir()
     for i in range(2):
