@@ -223,6 +223,12 @@ class Declared:
                 f"{self.where} holds sequences of {np.dtype(vlen)} of different lengths (an HDF5 variable-length "
                 "type); write each example padded to one length, as TFF's files hold fixed shapes and texts"
             )
+        text = vlen is not None or h5py.check_string_dtype(self.dtype) is not None or self.dtype.kind == "S"
+        if not text and self.dtype.kind not in "biuf":  # a compound's fields, complex numbers, references
+            raise DataLayoutError(
+                f"{self.where} holds {_described(self.dtype)} values; a feature holds numbers or text, as a "
+                "plan's inputs do: write each field (or the real and imaginary parts) as a feature of its own"
+            )
         return vlen
 
     def read(self, h5py: Any) -> np.ndarray:
@@ -254,6 +260,12 @@ class Declared:
                 f"{self.where} holds text that is not UTF-8 ({exc.reason} at byte {exc.start})"
             ) from None
         return check_finite(values, self.where)
+
+
+def _described(dtype: np.dtype) -> str:
+    if dtype.names:
+        return f"compound ({', '.join(dtype.names)})"
+    return {"O": "object reference", "V": f"opaque {dtype}"}.get(dtype.kind, dtype.name)
 
 
 def read_tff_h5(path: Path) -> dict[str, dict[str, np.ndarray]]:

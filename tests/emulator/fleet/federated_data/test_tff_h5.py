@@ -305,3 +305,27 @@ def test_variable_length_numbers_are_refused_up_front_naming_the_dataset(tmp_pat
         match=r"examples/a/ids holds sequences of int32 of different lengths .*write each example padded",
     ):
         load_data(f"tff-h5:{path}{options}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "says"),
+    [
+        (np.dtype([("a", "<i4"), ("b", "<f4")]), r"compound \(a, b\)"),
+        (np.dtype("complex64"), "complex64"),
+        (h5py.ref_dtype, "object reference"),
+    ],
+)
+@pytest.mark.parametrize("options", ["", ",lazy=no"])
+def test_a_feature_of_no_number_or_text_type_is_refused_naming_its_dataset(
+    tmp_path: Path, dtype: np.dtype, says: str, options: str
+) -> None:
+    """A compound label (in every client) was a feature of dtype void64 and a complex one
+    complex128, each loaded until a plan or the fleet's checks failed on it."""
+    path = write_emnist(tmp_path / "train.h5", {"a": 2, "b": 2})
+    with h5py.File(path, "a") as f:
+        del f["examples/b/label"]
+        f.create_dataset("examples/b/label", (2,), dtype=dtype)
+    with pytest.raises(
+        DataLayoutError, match=rf"examples/b/label holds {says} values; a feature holds numbers or text"
+    ):
+        load_data(f"tff-h5:{path}{options}")
