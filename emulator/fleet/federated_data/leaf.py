@@ -47,7 +47,7 @@ from .text import (
 LeafKind = Literal["auto", "vectors", "characters", "words"]
 KINDS: tuple[str, ...] = ("auto", "vectors", "characters", "words")
 
-_Raw = dict[str, tuple[list[Any], list[Any], Path]]
+_Raw = dict[str, tuple[list[Any] | np.ndarray, list[Any], Path]]
 _IMAGE_FILES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 
 
@@ -80,10 +80,27 @@ def leaf_files(path: Path, test: Path | None = None) -> tuple[list[Path], list[P
     return train, test_files
 
 
+def _packed(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as it is parsed, a user's ``x`` of number lists as one array: a file's floats as
+    Python objects (32 bytes each) were all held until the whole file was parsed, now one user's.
+    An ``x`` of text (Sent140's rows), or of lists that are ragged or hold an integer past int64,
+    stays as parsed, to be converted or refused with its user named."""
+    out = dict(pairs)
+    x = out.get("x")
+    if isinstance(x, list) and x and isinstance(x[0], list) and "y" in out:
+        try:
+            array = np.array(x)
+        except (ValueError, TypeError, OverflowError):  # ragged
+            return out
+        if array.ndim > 1 and array.dtype.kind in "biuf":
+            out["x"] = array
+    return out
+
+
 def _read_file(path: Path) -> Mapping[str, Any]:
     try:
         with path.open("r", encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=_packed)
     except json.JSONDecodeError as exc:
         raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
     except UnicodeDecodeError as exc:
@@ -131,7 +148,7 @@ def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
             if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
                 raise DataLayoutError(f"{path}: user_data[{user!r}] must be an object with 'x' and 'y' lists")
             x, y = entry["x"], entry["y"]
-            if not isinstance(x, list) or not isinstance(y, list):
+            if not isinstance(x, (list, np.ndarray)) or not isinstance(y, list):
                 raise DataLayoutError(f"{path}: user_data[{user!r}]'s 'x' and 'y' must be lists")
             if len(x) != len(y):
                 raise DataLayoutError(
@@ -156,7 +173,11 @@ def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
             if y:
                 raw[user] = (x, y, path)
         for user, entry in user_data.items():
-            if user not in listed and isinstance(entry, dict) and (entry.get("y") or entry.get("x")):
+            if (
+                user not in listed
+                and isinstance(entry, dict)
+                and (len(entry.get("y") or ()) or len(entry.get("x", ())))
+            ):
                 raise DataLayoutError(
                     f"{path}: user_data holds user {user!r} that 'users' does not list; add it to users"
                 )
@@ -166,7 +187,7 @@ def _read_split(files: Sequence[Path]) -> Iterator[_Raw]:
 
 def _detect(raw: _Raw) -> str:
     for x, y, path in raw.values():
-        x0, y0 = x[0], y[0]
+        x0, y0 = (list(x[0]) if isinstance(x, np.ndarray) else x[0]), y[0]
         if isinstance(x0, str) and x0.lower().endswith(_IMAGE_FILES):
             raise DataLayoutError(
                 f"{path}: x holds image file names ({x0!r}, as LEAF's CelebA writes them), not the images; write "
