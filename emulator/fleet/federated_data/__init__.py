@@ -17,10 +17,11 @@ from .leaf import load_leaf
 from .partition import Partitioner, dirichlet, iid, partition_arrays, pathological, quantity_skew, shards
 from .spec import DataSpec, load_data, parse_data_spec
 from .table import load_table
-from .text import LEAF_CHARACTERS, WordIds, build_vocabulary, encode_characters, encode_words, split_words
+from .text import LEAF_CHARACTERS, CharWindows, WordIds, build_vocabulary, encode_characters, encode_words, split_words
 from .tff_h5 import load_tff_h5
 
 __all__ = [
+    "CharWindows",
     "ClientAccuracy",
     "DataLayoutError",
     "DataSpec",

@@ -6,7 +6,9 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``test=PATH``, ``kind=auto|vectors|characters|words``, ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
   ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``,
-  ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now);
+  ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now),
+  ``chars=FEATURE``, ``window=N`` (80), ``step=N`` (1) (a text feature cut into next-character
+  examples x and y as LEAF cuts Shakespeare: TFF's Shakespeare, ``chars=snippets``);
 - ``table:PATH,client=COLUMN`` (a .parquet, .csv, .tsv or .jsonl file, gzipped too, or a folder of
   them, a ``save_to_disk`` folder or a folder of them, a client each), or ``table:PATH,partition=...``
   (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
@@ -43,7 +45,7 @@ from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits
 from .leaf import load_leaf
 from .partition import SCHEMES, Partitioner, partition_arrays
 from .table import load_table
-from .text import DEFAULT_VOCAB_SIZE, LEAF_MAX_WORDS, WordIds
+from .text import DEFAULT_VOCAB_SIZE, LEAF_MAX_WORDS, LEAF_WINDOW, CharWindows, WordIds
 from .tff_h5 import load_tff_h5
 
 _COMMON = frozenset({"test_split", "test_fraction", "seed", "rename"})
@@ -52,7 +54,7 @@ _PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "m
 OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
-        "tff-h5": _COMMON | _WORDS | {"test", "label", "lazy"},
+        "tff-h5": _COMMON | _WORDS | {"test", "label", "lazy", "chars", "window", "step"},
         "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack", "header", "pad"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
@@ -60,7 +62,7 @@ OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
 )
 FORMATS: tuple[str, ...] = tuple(OPTIONS)
 _PATH_OPTIONS = ("test", "vocab")
-_INTS = ("vocab_size", "max_words", "clients", "shards", "classes", "min_size", "seed")
+_INTS = ("vocab_size", "max_words", "clients", "shards", "classes", "min_size", "seed", "window", "step")
 _FLOATS = ("alpha", "sigma", "test_fraction")
 EXAMPLE = (
     "leaf:data/femnist, tff-h5:fed_emnist_train.h5, table:data.parquet,client=user_id, "
@@ -185,6 +187,8 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         renames(DataSpec(fmt, path, MappingProxyType(options)))  # says now what is wrong with it
     if "pad" in options:
         pads(DataSpec(fmt, path, MappingProxyType(options)))
+    if "chars" not in options and {"window", "step"} & set(options):
+        raise DataSpecError(f"{fmt}: window= and step= cut the text chars=FEATURE names; give chars= too")
     if "partition" in options and options["partition"] not in SCHEMES:
         raise DataSpecError(f"{fmt}: partition={options['partition']!r} is unknown; use one of {', '.join(SCHEMES)}")
     for key in ("lazy", "header"):
@@ -348,7 +352,20 @@ def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
     )
     if spec.format == "tff-h5":
         lazy = opts.get("lazy", "yes") == "yes"
-        return load_tff_h5(spec.path, test=opts.get("test"), label=opts.get("label"), words=words, lazy=lazy, **common)  # type: ignore[arg-type]
+        chars = (
+            CharWindows(opts["chars"], spec.int_option("window", LEAF_WINDOW), spec.int_option("step", 1))
+            if "chars" in opts
+            else None
+        )
+        return load_tff_h5(
+            spec.path,  # type: ignore[arg-type]
+            test=opts.get("test"),
+            label=opts.get("label"),
+            words=words,
+            lazy=lazy,
+            chars=chars,
+            **common,
+        )
     if spec.format == "table":
         columns = opts["features"].split("+") if "features" in opts else None
         assert spec.path is not None

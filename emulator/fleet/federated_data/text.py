@@ -31,6 +31,8 @@ LEAF_CHARACTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdef
 UNKNOWN_CHARACTER = len(LEAF_CHARACTERS)
 #: LEAF's Sent140 models read 25 words of a tweet.
 LEAF_MAX_WORDS = 25
+#: LEAF's Shakespeare examples are 80 characters, and the next one.
+LEAF_WINDOW = 80
 DEFAULT_VOCAB_SIZE = 10_000
 
 _CHAR_IDS = np.full(128, UNKNOWN_CHARACTER, dtype=np.int64)  # every LEAF character is ASCII
@@ -161,3 +163,37 @@ class WordIds:
             if texts.ndim != 1:
                 raise DataLayoutError(f"{where}words={name}: feature {name!r} holds more than one text per example")
             examples[name] = encode_words([str(t) for t in texts], words, self.max_words)
+
+
+@dataclass(frozen=True)
+class CharWindows:
+    """A text feature cut as LEAF cuts Shakespeare (``chars=snippets`` in a data spec, for TFF's
+    Shakespeare, whose ``snippets`` are a role's lines as byte strings): a client's texts joined by
+    line ends, each ``window`` characters (80, LEAF's) from every ``step``-th (1, LEAF's) an example
+    ``x`` with the character after them its label ``y``, both ids in ``LEAF_CHARACTERS`` (int64, as
+    ``load_leaf`` reads LEAF's own Shakespeare). A client of no more than ``window`` characters has
+    no example; the client's other features are left out, as they are not per window."""
+
+    feature: str
+    window: int = LEAF_WINDOW
+    step: int = 1
+
+    def cut(self, clients: Mapping[str, Mapping[str, np.ndarray]], where: str = "") -> dict[str, dict[str, np.ndarray]]:
+        """Each client's windows and next characters, as ``x`` and ``y``."""
+        for name, value in (("window", self.window), ("step", self.step)):
+            if value < 1:
+                raise DataSpecError(f"{where}{name} must be at least 1, got {value}")
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for client, examples in clients.items():
+            if self.feature not in examples:
+                raise DataSpecError(
+                    f"{where}chars={self.feature}: no such feature; the features are {', '.join(sorted(examples))}"
+                )
+            texts = examples[self.feature]
+            if texts.dtype != object:
+                raise DataSpecError(f"{where}chars={self.feature}: feature {self.feature!r} is {texts.dtype}, not text")
+            ids = encode_characters("\n".join(str(t) for t in texts.ravel()))
+            starts = np.arange(0, len(ids) - self.window, self.step)
+            if len(starts):
+                out[client] = {"x": ids[starts[:, None] + np.arange(self.window)], "y": ids[starts + self.window]}
+        return out

@@ -44,7 +44,7 @@ from ._dataset import (
     with_test_split,
 )
 from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, require
-from .text import WordIds, count_words
+from .text import LEAF_CHARACTERS, CharWindows, WordIds, count_words
 
 EXAMPLES_GROUP = "examples"
 #: Numeric dtype kinds read through the low-level API (strings and the rest go through h5py's
@@ -285,6 +285,7 @@ def load_tff_h5(
     test_fraction: float = 0.1,
     seed: int = 0,
     lazy: bool = True,
+    chars: CharWindows | None = None,
 ) -> FederatedDataset:
     """A TFF ClientData HDF5 file (or a folder with a ``*train*.h5`` and a ``*test*.h5``).
 
@@ -292,13 +293,38 @@ def load_tff_h5(
     features to read as word ids (StackOverflow's ``tokens``, ``title``: ``text.WordIds``).
     Without a test file the test split is cut from the training clients, as ``load_leaf`` does.
     ``lazy``: the training clients' examples are read when first asked for (the same arrays as
-    ``lazy=False``, which reads them all now); the test split is read now either way.
+    ``lazy=False``, which reads them all now); the test split is read now either way. ``chars``
+    cuts a text feature into next-character examples ``x`` and ``y`` (TFF's Shakespeare snippets:
+    ``text.CharWindows``), its texts read now.
     """
     path = Path(path)
     test_path = Path(test) if test is not None else None
     if path.is_dir():
         path, found = _pair_in_folder(path)
         test_path = test_path or found
+    if chars is not None:
+        if label is not None or words is not None:
+            raise DataSpecError(
+                f"tff-h5: chars={chars.feature} makes the features x and y (the next character, the label); "
+                "leave out label= and words="
+            )
+        where = "tff-h5: "
+        windows = chars.cut(read_tff_h5(path), where)
+        if not windows:
+            raise DataLayoutError(
+                f"tff-h5: {path}: no client's {chars.feature} hold more than {chars.window} characters; lower window="
+            )
+        test_windows = chars.cut(read_tff_h5(test_path), where) if test_path is not None else None
+        return with_test_split(
+            windows,
+            test=test_windows,
+            how=test_split,
+            fraction=test_fraction,
+            seed=seed,
+            label="y",
+            source=f"tff-h5:{path} ({chars.feature} as {chars.window}-character windows)",
+            vocabulary=tuple(LEAF_CHARACTERS),
+        )
     if lazy:
         return _load_lazily(path, test_path, label, words, test_split, test_fraction, seed)
     train = read_tff_h5(path)

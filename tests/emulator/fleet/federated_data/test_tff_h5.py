@@ -9,7 +9,14 @@ import h5py
 import numpy as np
 import pytest
 
-from emulator.fleet.federated_data import DataLayoutError, DataSpecError, encode_words, load_data, load_tff_h5
+from emulator.fleet.federated_data import (
+    DataLayoutError,
+    DataSpecError,
+    FederatedDataError,
+    encode_words,
+    load_data,
+    load_tff_h5,
+)
 
 
 def write_emnist(path: Path, clients: dict[str, int], seed: int = 0) -> Path:
@@ -329,3 +336,34 @@ def test_a_feature_of_no_number_or_text_type_is_refused_naming_its_dataset(
         DataLayoutError, match=rf"examples/b/label holds {says} values; a feature holds numbers or text"
     ):
         load_data(f"tff-h5:{path}{options}")
+
+
+def test_shakespeare_snippets_become_leafs_next_character_windows_with_chars(tmp_path: Path) -> None:
+    """TFF's Shakespeare holds each role's lines as byte strings (snippets) and nothing else: no
+    plan reads text, so it loaded with no label and could not be trained on."""
+    from emulator.fleet.federated_data import LEAF_CHARACTERS, encode_characters
+
+    lines = {"KING_LEAR_KING": [b"Attend the lords of France", b"Give me the map."], "LEAR_FOOL": [b"Nuncle!"]}
+    for split in ("train", "test"):
+        with h5py.File(tmp_path / f"shakespeare_{split}.h5", "w") as f:
+            for role, snippets in lines.items():
+                f.create_dataset(
+                    f"examples/{role}/snippets", data=np.array(snippets, dtype=object), dtype=h5py.string_dtype()
+                )
+    data = load_data(f"tff-h5:{tmp_path},chars=snippets,window=10")
+    text = "Attend the lords of France\nGive me the map."
+    assert data.client_ids == ("KING_LEAR_KING",) and data.test_split == "files"  # the fool's 7 characters: none
+    assert data.label == "y" and data.vocabulary == tuple(LEAF_CHARACTERS) and data.features["x"].shape == (10,)
+    king = data.train["KING_LEAR_KING"]
+    assert king["x"].tolist() == [encode_characters(text[i : i + 10]).tolist() for i in range(len(text) - 10)]
+    assert king["y"].tolist() == encode_characters(text[10:]).tolist()
+    sparse = load_data(f"tff-h5:{tmp_path / 'shakespeare_train.h5'},chars=snippets,window=10,step=8")
+    assert sparse.num_examples() + sparse.num_examples("test") == 5  # starts 0, 8, ..., 32 of 43 characters
+    for options, says in [
+        ("chars=snippet", "chars=snippet: no such feature; the features are snippets"),
+        ("chars=snippets,label=snippets", "leave out label= and words="),
+        ("window=10", "window= and step= cut the text chars=FEATURE names"),
+        ("chars=snippets,window=80", "no client's snippets hold more than 80 characters; lower window="),
+    ]:
+        with pytest.raises(FederatedDataError, match=says):
+            load_data(f"tff-h5:{tmp_path},{options}")
