@@ -681,8 +681,13 @@ def _grouped(
         raise DataSpecError(
             f"table: {where} has no client column {client!r}; its columns are {shown}" + _header_hint(columns)
         )
-    if table.column(client).null_count:
-        raise DataLayoutError(f"table: {where}: client column {client!r} has missing values; every row needs a client")
+    ids = table.column(client)
+    pa: Any = require("pyarrow")
+    nan = 0 if not pa.types.is_floating(ids.type) else int(pa.compute.sum(pa.compute.is_nan(ids)).as_py() or 0)
+    if ids.null_count or nan:  # a float column's NaN (not null in Parquet) was a client named 'nan'
+        raise DataLayoutError(
+            f"table: {where}: client column {client!r} has {ids.null_count + nan} missing values; every row needs a client"
+        )
     names, codes = _client_codes(table.column(client), client, where)
     if "" in names:  # a CSV's empty cell: text, not null, but no client's id either
         empty = int((codes == names.index("")).sum())

@@ -384,6 +384,14 @@ def test_an_integer_and_a_float_client_id_are_one_client(tmp_path: Path) -> None
     pq.write_table(pa.table({"client_id": [7.0, 9.5], "x": [0.25, 0.5], "y": [1, 1]}), tmp_path / "test.parquet")
     data = load_data(f"table:{tmp_path / 'train.parquet'},client=client_id,test={tmp_path / 'test.parquet'}")
     assert data.client_ids == ("7", "8") and data.test_client_ids == ("7", "9.5")
+    # a float column's NaN is no null to Parquet: its rows were the client 'nan'
+    pq.write_table(
+        pa.table({"client_id": [7.0, float("nan")], "x": [0.25, 0.5], "y": [1, 1]}), tmp_path / "nan.parquet"
+    )
+    with pytest.raises(
+        DataLayoutError, match=r"client column 'client_id' has 1 missing values; every row needs a client"
+    ):
+        load_data(f"table:{tmp_path / 'nan.parquet'},client=client_id")
 
 
 def test_a_pandas_index_is_not_a_feature_and_an_unnamed_csv_column_is_refused(tmp_path: Path) -> None:
