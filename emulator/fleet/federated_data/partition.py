@@ -66,6 +66,21 @@ def _shuffled(parts: list[np.ndarray], rng: np.random.Generator) -> list[np.ndar
     return out
 
 
+def _class_ids(labels: np.ndarray, scheme: str) -> np.ndarray:
+    """Labels as one class id per example, for a partitioner that cuts by class: Keras' CIFAR
+    labels are [N, 1] (sorted along their single column, every shard held one example N/shards
+    times); one-hot rows are refused, as each row's values are no class id."""
+    labels = np.asarray(labels)
+    if labels.ndim > 1 and all(d == 1 for d in labels.shape[1:]):
+        return labels.reshape(len(labels))
+    if labels.ndim != 1:
+        raise PartitionError(
+            f"{scheme} cuts by class, one id per example, but the labels are {list(labels.shape[1:])} per example; "
+            "give class ids (one-hot rows: np.argmax(y, axis=1))"
+        )
+    return labels
+
+
 def iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
     """A seeded permutation cut into ``num_clients`` parts whose sizes differ by at most one."""
     _check_clients(num_examples, num_clients)
@@ -75,7 +90,7 @@ def iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
 
 def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int, *, min_size: int = 1) -> list[np.ndarray]:
     """Per class, shares over the clients drawn from a symmetric Dirichlet(alpha)."""
-    labels = np.asarray(labels)
+    labels = _class_ids(labels, "dirichlet")
     if not alpha > 0 or not np.isfinite(alpha):
         raise PartitionError(f"alpha must be a positive number, got {alpha}")
     _check_clients(len(labels), num_clients, max(min_size, 1))
@@ -118,7 +133,7 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int, *, 
 
 def shards(labels: np.ndarray, num_clients: int, seed: int, *, shards_per_client: int = 2) -> list[np.ndarray]:
     """McMahan et al.'s split: sort by label, cut into shards, deal ``shards_per_client`` to each."""
-    labels = np.asarray(labels)
+    labels = _class_ids(labels, "shards")
     if shards_per_client < 1:
         raise PartitionError(f"shards_per_client must be at least 1, got {shards_per_client}")
     _check_clients(len(labels), num_clients, shards_per_client)
@@ -139,7 +154,7 @@ def pathological(
     mode: Literal["random", "deterministic", "first-deterministic"] = "first-deterministic",
 ) -> list[np.ndarray]:
     """Each client gets ``classes_per_client`` classes; a class's examples are split evenly among its clients."""
-    labels = np.asarray(labels)
+    labels = _class_ids(labels, "pathological")
     _check_clients(len(labels), num_clients)
     classes = np.unique(labels)
     if not 1 <= classes_per_client <= len(classes):

@@ -294,6 +294,9 @@ def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
             raise DataLayoutError(
                 f"npz: {path} has no array {key!r} (arrays: {found}); save x and y (or x_train and y_train)"
             )
+    for key in ("y", "y_test"):  # Keras' CIFAR labels are [N, 1]: class ids, one per example
+        if key in arrays and arrays[key].ndim == 2 and arrays[key].shape[1] == 1:
+            arrays[key] = arrays[key][:, 0]
     return arrays
 
 

@@ -56,6 +56,19 @@ def test_every_example_goes_to_exactly_one_client_and_the_seed_fixes_the_cut(
 
 
 @FAST
+@given(labelled(), st.sampled_from(["dirichlet", "shards", "pathological"]))
+def test_labels_of_one_column_are_cut_as_the_class_ids_they_hold(
+    case: tuple[np.ndarray, int, int], scheme: str
+) -> None:
+    """Keras' CIFAR labels are [N, 1]: shards sorted along that one column and dealt one example
+    over and over."""
+    labels, clients, seed = case
+    partitioner = Partitioner(scheme, clients, shards_per_client=1, classes_per_client=1, min_size=0)  # type: ignore[arg-type]
+    flat, column = partitioner.assign(labels, seed), partitioner.assign(labels[:, None], seed)
+    assert all(np.array_equal(a, b) for a, b in zip(flat, column, strict=True))
+
+
+@FAST
 @given(labelled(), st.integers(1, 4))
 def test_pathological_clients_hold_at_most_k_classes_and_no_example_twice(
     case: tuple[np.ndarray, int, int], k: int
@@ -204,6 +217,8 @@ def test_impossible_cuts_say_what_to_change() -> None:
         dirichlet(np.repeat(np.arange(10), 50), 200, 1e9, 0)  # classes of 50 over 200 clients: alpha is not why
     with pytest.raises(PartitionError, match="alpha must be"):
         dirichlet(np.zeros(4), 2, 0.0, 0)
+    with pytest.raises(PartitionError, match=r"labels are \[3\] per example; give class ids \(one-hot rows"):
+        shards(np.eye(3)[[0, 1, 2, 0]], 2, 0)  # an IndexError from dirichlet, nonsense cuts from the others
     labels = np.r_[np.zeros(20, np.int64), [10**12]]  # one example of class 10**12, and 20 clients that want it
     with pytest.raises(PartitionError, match=r"^class 1000000000000 has 1 examples but \d+ clients need some"):
         pathological(labels, 20, 0, classes_per_client=2)

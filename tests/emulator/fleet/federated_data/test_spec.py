@@ -83,6 +83,21 @@ def test_an_npz_in_keras_layout_trains_on_x_train_and_tests_on_x_test(tmp_path: 
     assert data.num_examples() == 40 and data.test_client_ids == ("central",) and data.features["x"].dtype == "uint8"
 
 
+def test_an_npz_in_keras_cifar_layout_reads_its_n_by_1_labels_as_class_ids(tmp_path: Path) -> None:
+    """Keras' cifar10 arrays hold y_train as [N, 1]: shards sorted that one column, and every shard
+    was one example repeated (a client of 25 copies of one image)."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 5, (100, 1)).astype(np.uint8)
+    np.savez(
+        tmp_path / "cifar.npz", x_train=np.arange(100)[:, None], y_train=y, x_test=np.zeros((4, 1), int), y_test=y[:4]
+    )
+    data = load_data(f"npz:{tmp_path / 'cifar.npz'},partition=shards,clients=4")
+    assert data.features["y"].shape == () and data.central_test()["y"].shape == (4,)
+    every = np.concatenate([data.train[c]["x"][:, 0] for c in data.client_ids])
+    assert sorted(every.tolist()) == list(range(100))  # each example once (the test split: x_test)
+    assert all(len(np.unique(data.train[c]["y"])) < 5 for c in data.client_ids)  # two shards: not every class
+
+
 def test_an_npz_with_nan_values_is_refused_naming_the_array(tmp_path: Path) -> None:
     np.savez(tmp_path / "nan.npz", x=np.array([[0.5, np.nan], [0.1, 0.2]]), y=np.array([0, 1]))
     with pytest.raises(DataLayoutError, match=r"array 'x' holds values that are NaN, infinite .* first in example 0"):
