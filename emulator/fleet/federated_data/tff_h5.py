@@ -181,7 +181,8 @@ class ClientFile:
         if not isinstance(member, h5py.Dataset):
             raise DataLayoutError(
                 f"{where} is a group; a TFF ClientData file holds examples/<client id>/<feature> with each "
-                f"feature a dataset: move the datasets inside it up to {EXAMPLES_GROUP}/{cid}/ (h5py's Group.move)"
+                f"feature a dataset: move the datasets inside it up to {EXAMPLES_GROUP}/{cid}/ (h5py's Group.move), "
+                f"or, if {cid}/{name} is one client's id, write it without '/', which HDF5 reads as a group's path"
             )
         return member
 

@@ -100,6 +100,12 @@ def test_a_feature_nested_in_a_group_is_refused_saying_how_to_flatten_it(tmp_pat
         load_data(f"tff-h5:{path}", seed=0).examples("a")
     assert "examples/a/image is a group" in str(info.value)
     assert "move the datasets inside it up to examples/a/" in str(info.value)
+    # a client id with '/' (written unescaped) is such a group too; h5py cannot name a link with '/'
+    with h5py.File(path, "w") as f:
+        f.create_dataset("examples/f0001/session/pixels", data=np.zeros((3, 4), dtype=np.float32))
+        f.create_dataset("examples/f0001/session/label", data=np.zeros(3, dtype=np.int32))
+    with pytest.raises(DataLayoutError, match="if f0001/session is one client's id, write it without '/'"):
+        load_data(f"tff-h5:{path}")
 
 
 def test_ragged_features_and_clients_that_differ_are_refused(tmp_path: Path) -> None:
