@@ -87,7 +87,8 @@ def _packed(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     stays as parsed, to be converted or refused with its user named."""
     out = dict(pairs)
     x = out.get("x")
-    if isinstance(x, list) and x and isinstance(x[0], list) and "y" in out:
+    row = x[0] if isinstance(x, list) and x else None
+    if isinstance(row, list) and not (row and isinstance(row[-1], str)) and "y" in out:  # not Sent140's rows
         try:
             array = np.array(x)
         except (ValueError, TypeError, OverflowError):  # ragged
