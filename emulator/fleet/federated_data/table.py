@@ -688,7 +688,10 @@ def _grouped(
         raise DataLayoutError(
             f"table: {where}: client column {client!r} has {ids.null_count + nan} missing values; every row needs a client"
         )
-    names, codes = _client_codes(table.column(client), client, where)
+    described = _hf_features(table).get(client)
+    if isinstance(described, dict) and described.get("_type") == "ClassLabel" and pa.types.is_integer(ids.type):
+        ids = _class_names(ids, described.get("names") or [], client, where)
+    names, codes = _client_codes(ids, client, where)
     if "" in names:  # a CSV's empty cell: text, not null, but no client's id either
         empty = int((codes == names.index("")).sum())
         raise DataLayoutError(
@@ -714,6 +717,19 @@ def _grouped(
         if cuts[i] < bounds[i + 1]:
             test[name] = {n: a[cuts[i] : bounds[i + 1]] for n, a in arrays.items()}
     return train, test
+
+
+def _class_names(ids: Any, names: Sequence[str], client: str, where: str) -> Any:
+    """A ``ClassLabel`` client column's names for its ids (a client is its name, not its number)."""
+    pa: Any = require("pyarrow")
+    bounds = pa.compute.min_max(ids).as_py()
+    low, high = bounds["min"], bounds["max"]
+    if low is not None and (low < 0 or high >= len(names)):
+        raise DataLayoutError(
+            f"table: {where}: client column {client!r} (a ClassLabel of {len(names)} names) holds the id "
+            f"{low if low < 0 else high}; give every row a client"
+        )
+    return pa.compute.take(pa.array(list(names), pa.string()), ids)
 
 
 def _client_codes(column: Any, client: str, where: str) -> tuple[list[str], np.ndarray]:

@@ -511,6 +511,15 @@ def test_a_classlabel_names_its_classes_and_its_missing_label_minus_one_is_refus
         load_data(f"table:{tmp_path / 'holes'},client=user")
 
 
+def test_a_classlabel_client_column_names_its_clients(tmp_path: Path) -> None:
+    """A client column saved as a ClassLabel (writer ids numbered by class_encode_column) gave
+    clients named by the numbers, 0 and 1, instead of the writers' ids."""
+    rows = classlabel_rows([0, 1, 2, 0]).class_encode_column("user")  # type: ignore[attr-defined]
+    rows.save_to_disk(str(tmp_path / "writers"))
+    data = load_data(f"table:{tmp_path / 'writers'},client=user,test_split=clients,test_fraction=0.5")
+    assert sorted(data.client_ids + data.test_client_ids) == ["u0", "u1"]
+
+
 def test_audio_columns_and_ragged_token_lists_are_refused_saying_what_to_save(tmp_path: Path) -> None:
     """An Audio column (a struct of the file's bytes and path, as an Image's) was decoded as an
     image and refused as 'not an image PIL reads'; ragged token ids (a tokenizer without padding)
