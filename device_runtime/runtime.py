@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import os
 import random
 import shutil
@@ -23,7 +24,12 @@ import httpx
 import numpy as np
 import onnxruntime
 
-from example_store import ExampleSelector, ExampleStore, ExampleStoreError, UnknownCollectionError
+from example_store import (
+    ExampleSelector,
+    ExampleStore,
+    InvalidArgumentError,
+    UnknownCollectionError,
+)
 
 from .attestation import DeviceAttestor, PeerCertificateVerifier
 from .batching import examples_share
@@ -158,7 +164,9 @@ class FLRuntime:
         included; without one, a distributed-DP round's noise and rounding are seeded from the
         operating system's entropy, never from a stream whose draws the server sees as timings.
         A ``population`` that breaks ``NAME_RULE`` (it is a path segment of the device's requests)
-        or a ``server_url`` that is not http(s) is refused here with ``InvalidSetting``."""
+        or a ``server_url`` that is not http(s) is refused here with ``InvalidSetting``, as are
+        settings of the wrong kind (a path for ``opstats``, a number for ``device_class``, a
+        ``timeout_s`` that is not a positive number of seconds)."""
         if not is_name(population):
             raise InvalidSetting(f"population {str(population)[:200]!r} refused: {NAME_RULE}")
         server_url = checked_server_url(server_url)  # before anything is made: a refusal leaves nothing
@@ -171,6 +179,16 @@ class FLRuntime:
                 f"InMemoryExampleStore()) or a mapping from collection URI prefix to one, not "
                 f"{type(example_stores).__name__} {str(example_stores)[:100]!r}"
             )
+        _check_settings(
+            cache_dir=cache_dir,
+            runtime_version=runtime_version,
+            timeout_s=timeout_s,
+            retry=retry,
+            rng=rng,
+            opstats=opstats,
+            device_class=device_class,
+            environment=environment,
+        )
         self.population = population
         self.stores = dict(stores)
         self._remove_own_cache: Callable[[], None] = lambda: None
@@ -260,6 +278,14 @@ class FLRuntime:
         thread stops a training step in flight; make them with :func:`stoppable_run_options`."""
         if self._closed:  # its HTTP client is closed and its own plan cache removed
             raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
+        for name, hook in (("should_abort", should_abort), ("before_report", before_report)):
+            if hook is not None and not callable(hook):
+                raise InvalidSetting(f"run_session's {name} is a function of no arguments or None, not {hook!r:.100}")
+        if eligibility is not None and not isinstance(eligibility, dict):
+            raise InvalidSetting(
+                f"run_session's eligibility is a verdict dict (FLRuntime.evaluate_eligibility()) or None, "
+                f"not {type(eligibility).__name__}"
+            )
         with self._lock:  # one training session at a time per runtime
             rec = _Recorder(self)
             self._session_ends_in(CHECKIN_WINDOW_S)
@@ -415,9 +441,15 @@ class FLRuntime:
             return rec.interrupted(rec.over_budget)
         if self.environment.report_update is not None:  # a simulated audit's canary (see RuntimeEnvironment)
             result = dataclasses.replace(result, update=self.environment.report_update(plan, result.update))
-        if before_report is not None:
-            before_report()
-        if should_abort is not None and should_abort():
+        try:  # the app's own code: a hook that raises ends the session as an error does, the server told
+            if before_report is not None:
+                before_report()
+            aborted = should_abort is not None and should_abort()
+        except BaseException as exc:
+            rec.record("error", error=type(exc).__name__)
+            self._abort_quietly(session, f"error: {type(exc).__name__}", rec.stats())
+            raise
+        if aborted:
             return rec.interrupted("interrupted")
         if secure is not None:
             return self._secure_report(rec, secure, session, plan, result)
@@ -456,14 +488,15 @@ class FLRuntime:
         self._verdict_needed = task is None or not policies.empty
         if task is None or policies.empty:
             return None
-        available = 0
         try:
             selector = ExampleSelector.from_dict(info.selector)  # type: ignore[arg-type]  # None is refused
             available = self.store_for(selector.collection_uri).count(selector)
         except (UnknownCollectionError, NoExamples):
             available = 0
-        except ExampleStoreError as exc:
+        except InvalidArgumentError as exc:  # the selector's fields, or a resumption token the server sent
             raise ProtocolError(f"the server sent an example selector this runtime cannot use: {exc}") from None
+        # any other error of the store is the app's (a store it closed, its database locked or
+        # damaged), raised as the store said it, not blamed on the server's selector
         last = None
         if self.opstats is not None:
             summary = self.opstats.last_participation(self.population, task)
@@ -759,6 +792,38 @@ def _metered(
             meter.trained(plan, len(next(iter(batch.values()))) if batch else 0)
 
     return open_metered
+
+
+def _check_settings(**settings: Any) -> None:
+    """``FLRuntime``'s settings of the wrong kind, refused with ``InvalidSetting`` before anything is
+    made: each was taken as it came and failed deep in a session (a path as ``opstats`` once the
+    session ended, its events lost), or never (a ``timeout_s`` of "10")."""
+    cache_dir, timeout_s, opstats, rng = (settings[k] for k in ("cache_dir", "timeout_s", "opstats", "rng"))
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise InvalidSetting(f"cache_dir is a folder's path or None, not {type(cache_dir).__name__} {cache_dir!r:.100}")
+    if not isinstance(settings["runtime_version"], str) or not settings["runtime_version"]:
+        raise InvalidSetting(
+            f"runtime_version is a version string such as '1.17.3', not {settings['runtime_version']!r}"
+        )
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise InvalidSetting(f"timeout_s is a positive number of seconds, not {timeout_s!r:.100}")
+    # the app's own keepers and random streams (the emulator's) are taken by what they do
+    if opstats is not None and not all(
+        callable(getattr(opstats, m, None)) for m in ("record_session", "last_participation", "resumption_token")
+    ):
+        raise InvalidSetting(
+            f"opstats is an OpStatsStore (OpStatsStore(path) on the app's database) or None, "
+            f"not {type(opstats).__name__} {opstats!r:.100}"
+        )
+    if rng is not None and not all(callable(getattr(rng, m, None)) for m in ("uniform", "getrandbits")):
+        raise InvalidSetting(
+            f"rng is a random.Random (random.Random(seed)) or None, not {type(rng).__name__} {rng!r:.100}"
+        )
+    for name, kind in (("retry", RetryPolicy), ("device_class", DeviceClass), ("environment", RuntimeEnvironment)):
+        if not isinstance(settings[name], kind):
+            raise InvalidSetting(
+                f"{name} is a {kind.__name__}, not {type(settings[name]).__name__} {settings[name]!r:.100}"
+            )
 
 
 class _Recorder:

@@ -1,0 +1,103 @@
+"""An app developer's mistakes with the runtime's calls, and the app's own code failing inside a
+session: each is refused with ``InvalidSetting`` saying what is expected before anything is sent,
+or ends the session as an error does (the server told, opstats keeping it), never blamed on the
+server."""
+
+from __future__ import annotations
+
+import pytest
+
+from device_runtime import (
+    DeviceClass,
+    EligibilityPolicies,
+    FLRuntime,
+    InvalidSetting,
+    OpStatsStore,
+    ProtocolError,
+    encode_checkpoint,
+    initial_weights,
+)
+from example_store import ExampleStoreError, SQLiteExampleStore
+from server_stub import RoundConfig
+from tests.support import COLLECTION, deploy, digits_plan
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"opstats": "app.db"}, "opstats is an OpStatsStore"),
+        ({"device_class": "big"}, "device_class is a DeviceClass"),
+        ({"retry": 3}, "retry is a RetryPolicy"),
+        ({"timeout_s": "10"}, "timeout_s is a positive number"),
+        ({"timeout_s": -1.0}, "timeout_s is a positive number"),
+        ({"timeout_s": float("nan")}, "timeout_s is a positive number"),
+        ({"cache_dir": 3}, "cache_dir is a folder's path"),
+        ({"rng": 42}, r"rng is a random.Random \(random.Random\(seed\)\)"),
+        ({"runtime_version": 1.17}, "runtime_version is a version string"),
+        ({"environment": None}, "environment is a RuntimeEnvironment"),
+    ],
+)
+def test_settings_of_the_wrong_kind_are_refused_when_the_runtime_is_made(tmp_path, setting, match):
+    """A path given as ``opstats`` was taken, and the session's events were lost when it ended (a
+    warning in the log); a timeout of "10", a retry policy of 3 or a device class "big" failed in
+    the middle of a session, or never."""
+    with SQLiteExampleStore(tmp_path / "app.db") as store:
+        with pytest.raises(InvalidSetting, match=match):
+            FLRuntime("digits", "http://127.0.0.1:9", store, **setting)
+        FLRuntime("digits", "http://127.0.0.1:9", store, device_class=DeviceClass("small", 512.0)).close()
+
+
+def _digits_store(path, digits, n=40):
+    store = SQLiteExampleStore(path)
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:n], digits.y_train[:n])))
+    return store
+
+
+def test_run_session_hooks_of_the_wrong_kind_are_refused_before_check_in(tmp_path, server, admin, digits):
+    """``should_abort=True`` (a flag where a function goes) trained and then failed with a bare
+    TypeError; an eligibility verdict of "yes" went to the server and came back a ProtocolError."""
+    deploy(admin, goal_count=5)
+    with _digits_store(tmp_path / "app.db", digits) as store, FLRuntime("digits", server.url, store) as runtime:
+        with pytest.raises(InvalidSetting, match="should_abort is a function of no arguments or None, not True"):
+            runtime.run_session(should_abort=True)
+        with pytest.raises(InvalidSetting, match="before_report is a function"):
+            runtime.run_session(before_report="later")
+        with pytest.raises(InvalidSetting, match="eligibility is a verdict dict"):
+            runtime.run_session(eligibility="yes")
+    assert admin.status("digits")["current_round"]["selected"] == 0
+
+
+def test_a_before_report_hook_that_raises_ends_the_session_as_an_error_the_server_told(tmp_path, server, admin, digits):
+    """The app's ``before_report`` raised after training: the error reached the app, but the
+    server was never told (it held the device's seat until the report window closed) and opstats
+    kept the session as if it were still training to report ('-v[]')."""
+    deploy(admin, goal_count=5)
+    db = tmp_path / "app.db"
+
+    def broken() -> None:
+        raise RuntimeError("the app's hook failed")
+
+    with _digits_store(db, digits) as store, OpStatsStore(db) as opstats:
+        with FLRuntime("digits", server.url, store, opstats=opstats) as runtime:
+            with pytest.raises(RuntimeError, match="the app's hook failed"):
+                runtime.run_session(before_report=broken)
+        assert opstats.shape_counts() == {"-v[]*": 1}
+    current = admin.status("digits")["current_round"]
+    assert current["aborted"] == 1 and current["reported"] == 0
+
+
+def test_an_example_store_failing_at_eligibility_is_the_apps_error_not_the_servers(tmp_path, server, admin, digits):
+    """A store the app had closed (or whose database was locked or damaged) failed the eligibility
+    check as a ProtocolError saying the server sent a selector this runtime cannot use."""
+    plan = digits_plan()
+    admin.create_population("digits")
+    config = RoundConfig(goal_count=5, min_reports=1)
+    admin.deploy_task(
+        "digits", "train", plan, encode_checkpoint(initial_weights(plan)), config, EligibilityPolicies(min_examples=5)
+    )
+    store = _digits_store(tmp_path / "app.db", digits)
+    store.close()
+    with FLRuntime("digits", server.url, store) as runtime:
+        with pytest.raises(ExampleStoreError, match="is closed; open a new SQLiteExampleStore") as raised:
+            runtime.run_session()
+    assert not isinstance(raised.value, ProtocolError)
