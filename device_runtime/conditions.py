@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from .errors import InvalidSetting
 
@@ -18,6 +21,24 @@ class DeviceState:
     battery_level: float
     unmetered_network: bool
     network_available: bool = True
+
+
+def check_state(state: object) -> DeviceState:
+    """``state`` if it is a ``DeviceState`` an app's conditions may give, else ``InvalidSetting``
+    saying what is wrong with it: a flag of "no" (true, being a non-empty string) had a device
+    train on a metered network."""
+    if not isinstance(state, DeviceState):
+        raise InvalidSetting(
+            f"the device's conditions gave {type(state).__name__} {state!r:.100}, not a DeviceState: current() "
+            f"returns DeviceState(idle=..., charging=..., battery_level=..., unmetered_network=...)"
+        )
+    for name in ("idle", "charging", "unmetered_network", "network_available"):
+        if not isinstance(getattr(state, name), (bool, np.bool_)):  # a sensor's numpy flag is one
+            raise InvalidSetting(f"DeviceState.{name} is True or False, not {getattr(state, name)!r:.100}")
+    level = state.battery_level
+    if isinstance(level, (bool, np.bool_)) or not isinstance(level, numbers.Real) or not 0.0 <= level <= 1.0:
+        raise InvalidSetting(f"DeviceState.battery_level is a fraction from 0.0 to 1.0, not {level!r:.100}")
+    return state
 
 
 class DeviceConditions(Protocol):
@@ -36,8 +57,17 @@ class TrainingConstraints:
     requires_battery_not_low: bool = False
     requires_unmetered_network: bool = True
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, bool):  # "no" or 0.5 held as true, and the job stored them so
+                raise InvalidSetting(f"TrainingConstraints.{name} is True or False, not {value!r:.100}")
+
     def unmet(self, state: DeviceState) -> list[str]:
-        """Names of the constraints that do not hold now (empty: training may run)."""
+        """Names of the constraints that do not hold now (empty: training may run). Raises
+        ``InvalidSetting`` for a state that is not a ``DeviceState`` of bools and a battery level
+        from 0 to 1 (the app's ``current()`` is read here once a run, so a wrong one is named at
+        the job's first run; between training steps ``satisfied`` trusts it)."""
+        check_state(state)
         out = []
         if not state.network_available:
             out.append("network")

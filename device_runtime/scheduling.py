@@ -108,6 +108,18 @@ class SchedulerSettings:
     #: tell when they next stop holding, ``first_unsatisfied``); 0 checks in as soon as they hold.
     settle_s: float = 60.0
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if name == "watchdog":
+                if not isinstance(value, bool):
+                    raise InvalidSetting(f"SchedulerSettings.watchdog is True or False, not {value!r:.100}")
+            # a negative poll_s had the watchdog spin on a core for the whole session
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise InvalidSetting(
+                    f"SchedulerSettings.{name} is a finite number of seconds (a fraction for jitter) from 0 up, "
+                    f"not {value!r:.100}"
+                )
+
 
 def run_participation(
     population: str,
@@ -613,6 +625,8 @@ class WorkerQueue:
         self.stopping = self._stop
         self._thread: threading.Thread | None = None
         self.history: deque[JobRun] = deque(maxlen=history)
+        #: The app's callback, given each job run as it ends (in the worker's thread); one that
+        #: raises is logged, and the jobs due after it still run.
         self.on_run: Callable[[JobRun], None] | None = None
         self._read_offset: Callable[[], float] | None = getattr(self.clock, "wall_offset", None)
         self._offset: float | None = None
@@ -668,7 +682,12 @@ class WorkerQueue:
                 self._last_run[(scheduler.app, population)] = run.ended_at
                 self.history.append(run)
                 if self.on_run is not None:
-                    self.on_run(run)
+                    try:
+                        self.on_run(run)
+                    except Exception:  # the app's callback: the jobs due after this one still run now
+                        log.exception(
+                            "the app's WorkerQueue.on_run failed on the %s run; the worker goes on", population
+                        )
                 runs.append(run)
         return runs
 

@@ -5,6 +5,8 @@ server."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from device_runtime import (
@@ -17,6 +19,9 @@ from device_runtime import (
     encode_checkpoint,
     initial_weights,
 )
+from device_runtime.clock import VirtualClock
+from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints
+from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from example_store import ExampleStoreError, SQLiteExampleStore
 from server_stub import RoundConfig
 from tests.support import COLLECTION, deploy, digits_plan
@@ -101,3 +106,50 @@ def test_an_example_store_failing_at_eligibility_is_the_apps_error_not_the_serve
         with pytest.raises(ExampleStoreError, match="is closed; open a new SQLiteExampleStore") as raised:
             runtime.run_session()
     assert not isinstance(raised.value, ProtocolError)
+
+
+GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
+
+
+def test_constraints_settings_and_device_states_of_the_wrong_kind_are_refused():
+    """``requires_unmetered_network="no"`` (a non-empty string, so true) was stored with the job and
+    held; a negative ``poll_s`` had the watchdog spin for the whole session."""
+    with pytest.raises(InvalidSetting, match="TrainingConstraints.requires_unmetered_network is True or False"):
+        TrainingConstraints(requires_unmetered_network="no")  # type: ignore[arg-type]
+    for bad in ({"poll_s": -1.0}, {"grace_s": float("inf")}, {"settle_s": "60"}, {"watchdog": "yes"}):
+        with pytest.raises(InvalidSetting, match=f"SchedulerSettings.{next(iter(bad))} is"):
+            SchedulerSettings(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        (DeviceState(idle="no", charging=True, battery_level=0.9, unmetered_network=True), "DeviceState.idle is"),  # type: ignore[arg-type]
+        (DeviceState(True, True, 90, True), "battery_level is a fraction from 0.0 to 1.0, not 90"),
+        ({"idle": True}, "the device's conditions gave dict"),
+    ],
+)
+def test_conditions_that_give_a_state_of_the_wrong_kind_are_named_at_the_jobs_first_run(state, match):
+    """An app's ``current()`` that said idle="no" had the device train while the user used it."""
+    scheduler = ParticipationScheduler(None, StaticConditions(state), clock=VirtualClock(0.0))  # type: ignore[arg-type]
+    scheduler.schedule("digits")
+    with pytest.raises(InvalidSetting, match=match):
+        scheduler.queue.run_pending()
+
+
+def test_an_on_run_callback_that_raises_is_logged_and_the_other_apps_jobs_still_run(caplog):
+    """The app's ``on_run`` raised into the worker: the jobs due after the first were left for a
+    minute (``idle_poll_s``), and ``run_pending`` raised to its caller."""
+    queue = WorkerQueue(VirtualClock(0.0))
+    for app in ("mail", "keyboard"):
+        ParticipationScheduler(None, StaticConditions(GOOD), app=app, clock=queue.clock, queue=queue).schedule("digits")
+
+    def broken(run: object) -> None:
+        raise RuntimeError("the app's callback failed")
+
+    queue.on_run = broken
+    with caplog.at_level(logging.ERROR, logger="device_runtime.scheduling"):
+        runs = queue.run_pending()
+    assert sorted(run.app for run in runs) == ["keyboard", "mail"]
+    assert all(run.outcome is RunOutcome.NO_RUNTIME for run in runs)
+    assert caplog.text.count("the app's WorkerQueue.on_run failed") == 2
