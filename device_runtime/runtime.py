@@ -395,7 +395,10 @@ class FLRuntime:
             )
             available = reading.available
             if available == 0:
-                raise NoExamples(f"the selector {plan.device.selector} matched no examples in this app's stores")
+                raise NoExamples(
+                    f"the selector {plan.device.selector} matched no examples in this app's stores"
+                    f"{_why_none(store, plan.device.selector)}"
+                )
             secure = None
             if session.aggregation == "secure_sum":
                 secure, prepared = self._secure_prepare(session, plan, should_abort)
@@ -792,6 +795,17 @@ def _metered(
             meter.trained(plan, len(next(iter(batch.values()))) if batch else 0)
 
     return open_metered
+
+
+def _why_none(store: ExampleStore, selector: ExampleSelector) -> str:
+    """Why ``store`` holds nothing for ``selector`` when it holds no such collection (its error
+    names the one it most likely meant: the app added to 'app:/digit' and the plan reads
+    'app:/digits'), as a message's ending; "" otherwise."""
+    try:
+        store.count(selector)
+    except UnknownCollectionError as exc:
+        return f": {exc}"
+    return ""
 
 
 def _check_settings(**settings: Any) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnknownCollectionError
 from .retention import RetentionPolicy
 from .selector import ExampleSelector
+from .spelling import closest
 
 
 def check_uri(uri: Any) -> str:
@@ -55,3 +57,44 @@ def take_timestamps(ts_iter: Iterator[float], n: int) -> list[float]:
     if arr.ndim != 1 or not np.isfinite(arr).all():
         raise InvalidArgumentError("timestamps must be finite numbers of unix seconds, one per example")
     return arr.tolist()
+
+
+def check_clock(clock: Any) -> Callable[[], float]:
+    if not callable(clock):
+        raise InvalidArgumentError(
+            f"clock is a function giving unix seconds (time.time, the default), not {type(clock).__name__} {clock!r:.100}"
+        )
+    return clock
+
+
+def iterate(values: Any, what: str) -> Iterator[Any]:
+    """An iterator over ``add()``'s examples or timestamps, or ``InvalidArgumentError`` saying what
+    they are: one example (a dict) iterated as its tensor names, and None or a number failed with
+    a bare TypeError."""
+    if isinstance(values, Mapping):
+        raise InvalidArgumentError(
+            f"add() takes an iterable of {what}, got one dict: to add one example, pass [example]"
+        )
+    if isinstance(values, (str, bytes)):
+        raise InvalidArgumentError(f"add() takes an iterable of {what}, got {type(values).__name__} {values!r:.100}")
+    try:
+        return iter(values)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"add() takes an iterable of {what} (a list or a generator), got {type(values).__name__} {values!r:.100}"
+        ) from None
+
+
+def unknown_collection(store: str, uri: str, known: Iterable[str]) -> UnknownCollectionError:
+    """The error for a selector or call naming a collection ``store`` does not hold, naming the
+    collection it most likely meant (a typo of its URI) and those it has."""
+    known = list(known)
+    # compared past what every URI shares ('app:/'): the scheme alone made 'app:/photos' read as 'app:/contacts'
+    prefix = os.path.commonprefix([uri, *known])
+    shared = max(prefix.rfind("/"), prefix.rfind(":")) + 1  # whole segments: 'app:/digit' is a typo of 'digits'
+    meant = closest(uri[shared:], [k[shared:] for k in known])
+    hint = f"did you mean {uri[:shared] + meant!r}? " if meant is not None else ""
+    return UnknownCollectionError(
+        f"{store} has no collection {uri!r} ({hint}it has {known}); add examples with store.add({uri!r}, examples) "
+        f"first, or fix the selector's collection_uri"
+    )

@@ -19,9 +19,18 @@ from itertools import count, islice
 
 import numpy as np
 
-from ._util import check_policy, check_selector, check_timestamp, check_uri, take_timestamps
+from ._util import (
+    check_clock,
+    check_policy,
+    check_selector,
+    check_timestamp,
+    check_uri,
+    iterate,
+    take_timestamps,
+    unknown_collection,
+)
 from .codec import Example, Schema
-from .errors import ExampleStoreError, InvalidArgumentError, UnknownCollectionError
+from .errors import ExampleStoreError, InvalidArgumentError
 from .interface import ExampleIterator, ExampleStore, check_batch_size
 from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
@@ -46,7 +55,7 @@ class InMemoryExampleStore(ExampleStore):
             raise InvalidArgumentError(f"retention must be a RetentionPolicy or None, got {type(retention).__name__}")
         self._default_policy = retention or RetentionPolicy()
         self._policies: dict[str, RetentionPolicy] = {}
-        self._clock = clock
+        self._clock = check_clock(clock)
         self._lock = threading.RLock()
         self._collections: dict[str, _MemCollection] = {}
         self._ids = count(1)
@@ -85,10 +94,7 @@ class InMemoryExampleStore(ExampleStore):
         check_uri(uri)
         coll = self._collections.get(uri)
         if coll is None:
-            raise UnknownCollectionError(
-                f"the in-memory example store has no collection {uri!r} (it has {self.collections()}); add "
-                f"examples with store.add({uri!r}, examples) first, or fix the selector's collection_uri"
-            )
+            raise unknown_collection("the in-memory example store", uri, self.collections())
         return coll
 
     # -- writing -----------------------------------------------------------------------------
@@ -99,9 +105,9 @@ class InMemoryExampleStore(ExampleStore):
         """Adds examples (all or none) and returns how many; see :meth:`SQLiteExampleStore.add`."""
         self._check_open()
         check_uri(collection_uri)
+        example_iter = iterate(examples, "examples (dicts of tensor name -> numpy array)")
+        ts_iter = None if timestamps is None else iterate(timestamps, "timestamps, one per example")
         now = self._clock()
-        example_iter = iter(examples)
-        ts_iter = None if timestamps is None else iter(timestamps)
         with self._lock:
             coll = self._collections.get(collection_uri)
             schema = None if coll is None else coll.schema

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
+from .selector import MAX_LIMIT
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class RetentionPolicy:
                 )
             object.__setattr__(self, "ttl_seconds", float(ttl))
         cap = self.max_bytes
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise InvalidArgumentError(f"RetentionPolicy.max_bytes must be an int >= 0 or None, got {cap!r}")
+        # at most the largest integer a store's SQL takes: a larger cap failed with an OverflowError when saved
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= MAX_LIMIT):
+            raise InvalidArgumentError(
+                f"RetentionPolicy.max_bytes must be an int from 0 to 2^63 - 1 (None: no cap), got {cap!r}"
+            )
 
     @property
     def is_noop(self) -> bool:

@@ -56,21 +56,38 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import QueuePool
 
-from ._util import check_policy, check_selector, check_timestamp, check_uri, take_timestamps
+from ._util import (
+    check_clock,
+    check_policy,
+    check_selector,
+    check_timestamp,
+    check_uri,
+    iterate,
+    take_timestamps,
+    unknown_collection,
+)
 from .codec import Example, Schema
 from .errors import (
     ExampleStoreError,
     InvalidArgumentError,
     KeyStoreError,
     SealingModeError,
-    UnknownCollectionError,
     WrongKeyError,
 )
 from .interface import ExampleIterator, ExampleStore, check_batch_size
 from .keystore import KeyStore, check_alias, check_key
 from .resumption import Position, ResumptionTokens
 from .retention import CollectionStats, RetentionPolicy
-from .sealing import SEALING_AES_GCM, SEALING_NONE, Collection, RowSealer, b64, collection_record
+from .sealing import (
+    NONCE_BYTES,
+    SEALING_AES_GCM,
+    SEALING_NONE,
+    TAG_BYTES,
+    Collection,
+    RowSealer,
+    b64,
+    collection_record,
+)
 from .selector import ExampleSelector
 from .sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
@@ -157,7 +174,7 @@ class SQLiteExampleStore(ExampleStore):
         check_alias(key_alias)
         self.key_alias = key_alias
         self._default_policy = retention or RetentionPolicy()
-        self._clock = clock
+        self._clock = check_clock(clock)
         self._lock = threading.RLock()
         self._collections: dict[str, Collection] = {}
         self._iterators: weakref.WeakSet[SQLiteIterator] = weakref.WeakSet()
@@ -384,11 +401,7 @@ class SQLiteExampleStore(ExampleStore):
         check_uri(uri)
         coll = self._lookup(uri)
         if coll is None:
-            known = self.collections()
-            raise UnknownCollectionError(
-                f"the example store {self.path} has no collection {uri!r} (it has {known}); add examples "
-                f"with store.add({uri!r}, examples) first, or fix the selector's collection_uri"
-            )
+            raise unknown_collection(f"the example store {self.path}", uri, self.collections())
         return coll
 
     # -- writing -----------------------------------------------------------------------------
@@ -407,9 +420,9 @@ class SQLiteExampleStore(ExampleStore):
         to the collection in the same transaction."""
         self._check_open()
         check_uri(collection_uri)
+        example_iter = iterate(examples, "examples (dicts of tensor name -> numpy array)")
+        ts_iter = None if timestamps is None else iterate(timestamps, "timestamps, one per example")
         now = self._clock()
-        example_iter = iter(examples)
-        ts_iter = None if timestamps is None else iter(timestamps)
         sealer = self._sealer
         total = 0
         created: Collection | None = None
@@ -420,9 +433,9 @@ class SQLiteExampleStore(ExampleStore):
             try:
                 while chunk := list(islice(example_iter, INSERT_CHUNK)):
                     if coll is None:
-                        coll = created = self._create_collection(
-                            conn, collection_uri, Schema.from_example(chunk[0]), now
-                        )
+                        schema = Schema.from_example(chunk[0])
+                        _check_row_fits(schema, cursor, sealed=sealer is not None)
+                        coll = created = self._create_collection(conn, collection_uri, schema, now)
                     payload = coll.schema.encode(chunk, collection_uri)
                     n = len(chunk)
                     if sealer is None:
@@ -645,6 +658,20 @@ def _cursor(driver_connection: object) -> sqlite3.Cursor:
     """A cursor on the pysqlite connection under SQLAlchemy's (the engine is always SQLite's), where
     rows are inserted and read in bulk without SQLAlchemy's per-row cost."""
     return cast(sqlite3.Connection, driver_connection).cursor()
+
+
+def _check_row_fits(schema: Schema, cursor: sqlite3.Cursor, *, sealed: bool) -> None:
+    """``InvalidArgumentError`` for examples larger than SQLite keeps in one row (10^9 bytes by
+    default), said before any is encoded: they were copied into one payload, then refused by
+    SQLite with advice to delete the database."""
+    size = schema.record_size + (NONCE_BYTES + TAG_BYTES if sealed else 0)
+    limit = cursor.connection.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+    if size > limit:
+        raise InvalidArgumentError(
+            f"an example of {schema.describe()} takes {size:,} bytes, more than the {limit:,} the example store keeps "
+            f"in one row: split it into examples of smaller tensors, or keep large data (media, say) outside the "
+            f"example store and store what the plan reads of it"
+        )
 
 
 def _apply_policy(cursor: sqlite3.Cursor, coll: Collection, policy: RetentionPolicy, now: float) -> int:

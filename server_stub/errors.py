@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-from collections.abc import Iterable
+
+# one did-you-mean for the project, at its bottom package (the example store's refusals say it too)
+from example_store.spelling import closest as closest
+from example_store.spelling import did_you_mean as did_you_mean
 
 #: Messages echo parts of the request (names, ids); a hostile one must not come back whole.
 MAX_MESSAGE_CHARS = 500
@@ -34,19 +36,6 @@ def unreadable(exc: BaseException) -> str:
     if isinstance(exc, UnicodeDecodeError):
         return "it is not text (UTF-8); give the file that was written for this option"
     return str(exc)
-
-
-def closest(word: str, choices: Iterable[str]) -> str | None:
-    """The one of ``choices`` that ``word`` was most likely meant as (a typo of it), or None."""
-    found = difflib.get_close_matches(word, list(choices), 1)
-    return found[0] if found else None
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """A message's ending that names the choice closest to ``word``, " (did you mean X?)", for a
-    message that refuses it; "" when no choice is close."""
-    meant = closest(word, choices)
-    return f" (did you mean {meant}?)" if meant else ""
 
 
 #: The key files the project writes, by their JSON ``format`` or the first word of their line:

@@ -14,6 +14,7 @@ from device_runtime import (
     EligibilityPolicies,
     FLRuntime,
     InvalidSetting,
+    NoExamples,
     OpStatsStore,
     ProtocolError,
     encode_checkpoint,
@@ -106,6 +107,16 @@ def test_an_example_store_failing_at_eligibility_is_the_apps_error_not_the_serve
         with pytest.raises(ExampleStoreError, match="is closed; open a new SQLiteExampleStore") as raised:
             runtime.run_session()
     assert not isinstance(raised.value, ProtocolError)
+
+
+def test_a_plan_reading_a_collection_the_app_misspelt_says_which_it_meant(tmp_path, server, admin, digits):
+    """The app added its examples to 'app:/digit' and the plan reads 'app:/digits': the session
+    ended in NoExamples saying only that the selector matched nothing."""
+    deploy(admin, goal_count=5)
+    with SQLiteExampleStore(tmp_path / "app.db") as store, FLRuntime("digits", server.url, store) as runtime:
+        store.add("app:/digit", ({"x": x, "y": y} for x, y in zip(digits.x_train[:8], digits.y_train[:8])))
+        with pytest.raises(NoExamples, match=f"no collection '{COLLECTION}' \\(did you mean 'app:/digit'\\?"):
+            runtime.run_session()
 
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)

@@ -1,0 +1,96 @@
+"""An app developer's mistakes with the example store's calls, on every store: each is refused
+with a typed error (an ``ExampleStoreError``) saying what to give, and nothing is written."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from example_store import (
+    ExampleSelector,
+    ExampleStoreError,
+    InMemoryExampleStore,
+    InMemoryKeyStore,
+    InvalidArgumentError,
+    RetentionPolicy,
+    SQLiteExampleStore,
+    UnknownCollectionError,
+)
+from tests.example_store.store_helpers import URI, make_examples
+
+
+@pytest.mark.parametrize(
+    ("examples", "timestamps", "match"),
+    [
+        (None, None, "add\\(\\) takes an iterable of examples .* got NoneType None"),
+        (5, None, "got int 5"),
+        (make_examples(1)[0], None, "got one dict: to add one example, pass \\[example\\]"),
+        (make_examples(2), 1000.0, "add\\(\\) takes an iterable of timestamps, one per example .* got float"),
+    ],
+)
+def test_examples_and_timestamps_that_are_not_iterables_are_refused(any_store, examples, timestamps, match):
+    """None, a number or one example where an iterable of them goes failed with a bare TypeError
+    (one dict: 'an example must be a dict..., got str', its first tensor name)."""
+    with pytest.raises(InvalidArgumentError, match=match):
+        any_store.add(URI, examples, timestamps=timestamps)
+    assert any_store.collections() == []
+
+
+def test_a_clock_that_is_not_a_function_is_refused_when_the_store_is_made(tmp_path):
+    """A clock of 1000.0 (the time instead of what gives it) was taken, and the first add failed
+    with "'float' object is not callable"."""
+    with pytest.raises(InvalidArgumentError, match="clock is a function giving unix seconds"):
+        SQLiteExampleStore(tmp_path / "app.db", clock=1000.0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="clock is a function giving unix seconds"):
+        InMemoryExampleStore(clock=1000.0)  # type: ignore[arg-type]
+
+
+def test_a_misspelt_collection_names_the_one_meant(any_store):
+    any_store.add(URI, make_examples(2))
+    with pytest.raises(UnknownCollectionError, match=f"no collection 'app:/digit' \\(did you mean '{URI}'\\?"):
+        any_store.count(ExampleSelector("app:/digit"))
+    any_store.add("app:/contacts", make_examples(2))
+    with pytest.raises(UnknownCollectionError, match=f"no collection 'app:/digts' \\(did you mean '{URI}'\\?"):
+        any_store.query(ExampleSelector("app:/digts"))
+    with pytest.raises(UnknownCollectionError, match=r"no collection 'app:/photos' \(it has \['app:/contacts'"):
+        any_store.stats("app:/photos")  # none close: no guess
+
+
+def test_a_size_cap_past_the_largest_integer_the_store_keeps_is_refused(tmp_path):
+    """``max_bytes=2**64`` passed the policy's checks and failed with an OverflowError when saved."""
+    with pytest.raises(InvalidArgumentError, match="max_bytes must be an int from 0 to 2\\^63 - 1"):
+        RetentionPolicy(max_bytes=2**63)
+    with SQLiteExampleStore(tmp_path / "app.db") as store:
+        store.set_retention(URI, RetentionPolicy(max_bytes=2**63 - 1))
+        assert store.retention_for(URI).max_bytes == 2**63 - 1
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_an_example_larger_than_a_row_is_refused_before_it_is_copied(tmp_path, sealed):
+    """An example past SQLite's 10^9 bytes a row was copied into one payload (a second GB of memory),
+    then refused by SQLite with advice to move the database aside or delete it. A broadcast view
+    stands for it here without taking the memory."""
+    store = SQLiteExampleStore(tmp_path / "app.db", key_store=InMemoryKeyStore() if sealed else None)
+    huge = np.broadcast_to(np.zeros(1, np.uint8), (1_000_000_001,))
+    with store:
+        with pytest.raises(InvalidArgumentError, match="more than the 1,000,000,000 .* split it into examples"):
+            store.add("app:/media", [{"image": huge}])
+        assert store.collections() == []
+
+
+def test_a_store_a_newer_version_wrote_is_refused_in_one_line_saying_what_to_do(tmp_path):
+    """The app downgraded: what its newer version wrote is not read as if it were this version's."""
+    from example_store.sqlite_store import FORMAT_VERSION
+
+    SQLiteExampleStore(tmp_path / "app.db").close()
+    with sqlite3.connect(tmp_path / "app.db") as conn:
+        conn.execute(f"PRAGMA user_version = {FORMAT_VERSION + 1}")
+    with pytest.raises(ExampleStoreError) as refused:
+        SQLiteExampleStore(tmp_path / "app.db")
+    message = str(refused.value)
+    assert "\n" not in message and f"format version {FORMAT_VERSION + 1}" in message
+    assert message.endswith("open it with the matching fedfleet version, or move it aside")
+    with sqlite3.connect(tmp_path / "app.db") as conn:  # left as it was
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION + 1
