@@ -33,7 +33,7 @@ from .clock import Clock, SystemClock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
 from .errors import InvalidSetting, RuntimeSdkError, SessionRejected
 from .executor import stoppable_run_options
-from .opstats import AppDatabaseError, app_database_errors
+from .opstats import AppDatabaseError, SessionSummary, app_database_errors
 from .runtime import FLRuntime, Outcome, SessionResult
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,9 @@ class ScheduledJob:
     interval: TrainingInterval
     #: "" (the job checks in when its constraints hold), ``UNSETTLED`` or ``SETTLING``.
     settle: str = ""
+    #: When a session of the job started that the job was not rescheduled after: the app was
+    #: stopped (killed) during that run. Kept by stored jobs only (see ``ParticipationScheduler``).
+    running: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ def run_participation(
     interval: dict,
     scheduler: ParticipationScheduler | None = None,
     settle: str = "",
+    running: float | None = None,
 ) -> JobRun:
     """The function every stored job names: one participation attempt, run by the app's scheduler
     (which reads the job's constraints and interval from the store)."""
@@ -210,13 +214,25 @@ class _StoredJobs:
         self._store.remove_job(population)
         return True
 
-    def reschedule(self, population: str, at: float, settle: str | None = None) -> None:
+    def reschedule(self, population: str, at: float, settle: str | None = None, *, ran: bool = False) -> None:
+        """``ran``: after the job's session, whose ``running`` mark it drops."""
         stored = self._store.lookup_job(population)
         if stored is not None:  # not cancelled meanwhile
-            if settle is not None:
-                stored._modify(next_run_time=_to_dt(at), kwargs={**stored.kwargs, "settle": settle})
+            if settle is not None or ran:
+                kwargs = {k: v for k, v in stored.kwargs.items() if not (ran and k == "running")}
+                stored._modify(
+                    next_run_time=_to_dt(at), kwargs=kwargs if settle is None else {**kwargs, "settle": settle}
+                )
             else:
                 stored._modify(next_run_time=_to_dt(at))
+            self._store.update_job(stored)
+
+    def mark_running(self, population: str, at: float) -> None:
+        """Before the job's session: a session started at ``at``, until the job is rescheduled
+        after it (``ran``), so that an app killed in between knows the run it was stopped in."""
+        stored = self._store.lookup_job(population)
+        if stored is not None:
+            stored._modify(kwargs={**stored.kwargs, "running": at})
             self._store.update_job(stored)
 
     def due(self, now: float) -> list[tuple[float, str]]:
@@ -237,6 +253,7 @@ class _StoredJobs:
             TrainingConstraints(**job.kwargs["constraints"]),
             TrainingInterval(**job.kwargs["interval"]),
             job.kwargs.get("settle", ""),  # a job stored before quiet periods has none
+            job.kwargs.get("running"),
         )
 
 
@@ -262,12 +279,15 @@ class _MemoryJobs:
     def remove(self, population: str) -> bool:
         return self._jobs.pop(population, None) is not None
 
-    def reschedule(self, population: str, at: float, settle: str | None = None) -> None:
+    def reschedule(self, population: str, at: float, settle: str | None = None, *, ran: bool = False) -> None:
         job = self._jobs.get(population)
         if job is not None:
             self._jobs[population] = ScheduledJob(
                 population, to_microsecond(at), job.constraints, job.interval, job.settle if settle is None else settle
             )
+
+    def mark_running(self, population: str, at: float) -> None:
+        """Nothing: jobs in memory do not outlive the app that would be killed during their run."""
 
     def due(self, now: float) -> list[tuple[float, str]]:
         now = to_microsecond(now)
@@ -430,11 +450,15 @@ class ParticipationScheduler:
         if job is None:
             return JobRun(self.app, population, RunOutcome.ERROR, started, started, None, "job was cancelled")
         constraints, interval = job.constraints, job.interval
+        runtime = self._runtimes.get(population)
+        if job.running is not None and runtime is not None:
+            took_part = _took_part_since(runtime, job.running)
+            if took_part is not None:
+                return self._ran_before_a_stop(job, started, took_part)
         unmet = constraints.unmet(self.conditions.current())
         if not unmet and job.settle == UNSETTLED and self.settings.settle_s > 0:
             return self._settle(job, started)
         settle = UNSETTLED if unmet else ""
-        runtime = self._runtimes.get(population)
         session: SessionResult | None = None
         detail = ""
         server_delay = 0.0  # a delay drawn in the server's retry window, taken as it is
@@ -444,6 +468,8 @@ class ParticipationScheduler:
             outcome, delay, detail = RunOutcome.NO_RUNTIME, self.settings.recheck_s, "no runtime registered for it"
         else:
             broke: list[bool] = []  # the session stopped because the constraints stopped holding
+            with self._lock:
+                self._jobs.mark_running(population, started)
             try:
                 session = self._run_watched(runtime, constraints, broke)
             except SessionRejected as rejected:
@@ -480,8 +506,28 @@ class ParticipationScheduler:
             if next_at is None:
                 self._jobs.remove(population)
             else:
-                self._jobs.reschedule(population, next_at, settle)  # unless cancelled meanwhile
+                self._jobs.reschedule(population, next_at, settle, ran=True)  # unless cancelled meanwhile
         return JobRun(self.app, population, outcome, started, ended, next_at, detail, session)
+
+    def _ran_before_a_stop(self, job: ScheduledJob, now: float, took_part: SessionSummary) -> JobRun:
+        """The app was stopped after the session of the job's last run took part (its update sent)
+        and before the job was rescheduled: that run is finished as a completed one, the job done
+        or due an interval after the session, instead of training and reporting again at once."""
+        interval = job.interval
+        next_at = None
+        if interval.recurrent:
+            delay = interval.min_interval_s * (1.0 + self.rng.uniform(0.0, self.settings.jitter))
+            next_at = self._when_constraints_hold(now, max(now, took_part.started_at + delay), job.constraints)
+        with self._lock:
+            if next_at is None:
+                self._jobs.remove(job.population)
+            else:
+                self._jobs.reschedule(job.population, next_at, "", ran=True)
+        detail = (
+            f"the app was stopped after this job's session of {took_part.started_at:.0f} took part "
+            f"({took_part.shape}): not run again"
+        )
+        return JobRun(self.app, job.population, RunOutcome.COMPLETED, now, now, next_at, detail)
 
     def _settle(self, job: ScheduledJob, now: float) -> JobRun:
         """The constraints hold again after the job saw them unmet: no check-in yet, a quiet
@@ -597,6 +643,16 @@ class ParticipationScheduler:
         finally:
             done.set()
             thread.join()
+
+
+def _took_part_since(runtime: FLRuntime, since: float) -> SessionSummary | None:
+    """The newest session of ``runtime``'s population since ``since`` that took part (its update
+    sent, ``^`` or ``+``), as its opstats log keeps them; None without one."""
+    sessions = getattr(runtime.opstats, "sessions", None)
+    if sessions is None:  # no log (or the emulator's): nothing to tell, the run is run again
+        return None
+    took = [s for s in sessions(runtime.population, since=since) if s.shape.endswith(("^", "+"))]
+    return took[-1] if took else None
 
 
 def _check_population(population: object) -> None:

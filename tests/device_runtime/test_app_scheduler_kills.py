@@ -1,0 +1,128 @@
+"""An app whose participation scheduler runs its job is killed (SIGKILL, in a process of its own)
+during the job's run, then started again on the same database: the job picks up, and a session
+that took part before the kill is neither trained nor reported again."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from device_runtime import FLRuntime, OpStatsStore
+from device_runtime.conditions import DeviceState, StaticConditions
+from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, _StoredJobs
+from example_store import SQLiteExampleStore
+from tests.support import COLLECTION, ROOT, deploy
+
+GOOD = StaticConditions(DeviceState(True, True, 1.0, True))
+
+KILLED_APP = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[4])  # the checkout
+from device_runtime import FLRuntime, OpStatsStore
+from device_runtime.conditions import DeviceState, StaticConditions, TrainingInterval
+from device_runtime import scheduling
+from example_store import SQLiteExampleStore
+
+folder, url, phase = sys.argv[1], sys.argv[2], sys.argv[3]
+db = os.path.join(folder, "app.db")
+
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Conditions(StaticConditions):  # read between training steps: the kill of phase 'training'
+    reads = 0
+
+    def current(self):
+        self.reads += 1
+        if phase == "training" and self.reads > 3:
+            die()
+        return self.state
+
+
+if phase == "after-session":  # the session recorded in opstats, the job not yet rescheduled after it
+    scheduling._StoredJobs.reschedule = scheduling._StoredJobs.remove = die
+store, opstats = SQLiteExampleStore(db), OpStatsStore(db)
+scheduler = scheduling.ParticipationScheduler(
+    db, Conditions(DeviceState(True, True, 1.0, True)), settings=scheduling.SchedulerSettings(watchdog=False)
+)
+scheduler.register_runtime("digits", FLRuntime("digits", url, store, opstats=opstats))
+scheduler.schedule("digits", interval=TrainingInterval(recurrent=sys.argv[5] == "recurrent", min_interval_s=3600))
+scheduler.queue.run_pending()
+"""
+
+
+def _prepared(admin, db, digits) -> None:
+    deploy(admin, goal_count=5)
+    with SQLiteExampleStore(db) as store:
+        store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:40], digits.y_train[:40])))
+
+
+def _restarted(db, server, admin, *, took_part: bool, interval: str) -> None:
+    """The app started again on ``db``: its job picks up, and runs no session that took part twice."""
+    with SQLiteExampleStore(db) as store, OpStatsStore(db) as opstats:
+        assert [s.shape for s in opstats.sessions()] == (["-v[]+^"] if took_part else [])
+        with ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False)) as scheduler:
+            [job] = scheduler.jobs()
+            assert job.running is not None  # the run the app was killed in
+            scheduler.register_runtime("digits", FLRuntime("digits", server.url, store, opstats=opstats))
+            [run] = scheduler.queue.run_pending()
+            assert run.outcome is RunOutcome.COMPLETED
+            assert (run.session is None) is took_part  # not trained again
+            assert [s.shape for s in opstats.sessions()] == ["-v[]+^"]
+            jobs = scheduler.jobs()
+            if interval == "recurrent":  # due an interval after the session, not at once
+                assert [j.running for j in jobs] == [None] and jobs[0].next_run_at >= run.started_at + 3600
+            else:
+                assert jobs == []
+    assert admin.status("digits")["current_round"]["reported"] == 1
+
+
+class _Stopped(BaseException):
+    """The app's process ending at this point, in the process of the test."""
+
+
+def test_an_app_stopped_after_its_session_took_part_does_not_train_or_report_again(
+    tmp_path, server, admin, digits, monkeypatch
+):
+    """Stopped between the session's record in opstats and the job's rescheduling, the app found
+    its job still due at its old time on restart: the session trained and reported again at once,
+    a one-time job's too. (The lighter twin of the SIGKILL tests below.)"""
+    db = tmp_path / "app.db"
+    _prepared(admin, db, digits)
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise _Stopped
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_StoredJobs, "reschedule", stop)
+        patched.setattr(_StoredJobs, "remove", stop)
+        with SQLiteExampleStore(db) as store, OpStatsStore(db) as opstats:
+            app = ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False))
+            app.register_runtime("digits", FLRuntime("digits", server.url, store, opstats=opstats))
+            app.schedule("digits")
+            with pytest.raises(_Stopped):
+                app.queue.run_pending()
+            app.close()
+    _restarted(db, server, admin, took_part=True, interval="once")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "interval"), [("after-session", "once"), ("after-session", "recurrent"), ("training", "once")]
+)
+def test_an_app_killed_during_its_jobs_run_picks_up_without_taking_part_twice(
+    tmp_path, server, admin, digits, phase, interval
+):
+    db = tmp_path / "app.db"
+    _prepared(admin, db, digits)
+    script = tmp_path / "app.py"
+    script.write_text(KILLED_APP)
+    args = [sys.executable, str(script), str(tmp_path), server.url, phase, str(ROOT), interval]
+    done = subprocess.run(args, timeout=120, capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    _restarted(db, server, admin, took_part=phase == "after-session", interval=interval)
