@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
+
 
 class RuntimeSdkError(Exception):
     """Base class of the device runtime's errors."""
@@ -9,6 +13,38 @@ class RuntimeSdkError(Exception):
 
 class InvalidSetting(RuntimeSdkError, ValueError):
     """An argument the app gave the runtime that it cannot work with; the message says what is allowed."""
+
+
+def check_number(name: str, value: object, *, positive: bool = False, unit: str = "seconds") -> float:
+    """``value`` as a float if it is a finite number (not a bool) from 0 up, or above 0 with
+    ``positive``; else ``InvalidSetting`` naming the setting: a negative poll or a timeout of "10"
+    was taken and failed far from where it was given (a watchdog spinning on a core)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        bound = "above 0" if positive else "from 0 up"
+        raise InvalidSetting(f"{name} is a finite number of {unit} {bound}, not {value!r:.100}")
+    return float(value)
+
+
+def check_count(name: str, value: object, *, least: int = 0) -> int:
+    """``value`` if it is an int (not a bool) of at least ``least``; else ``InvalidSetting``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise InvalidSetting(f"{name} is a whole number from {least} up, not {value!r:.100}")
+    return int(value)
+
+
+def check_path(name: str, value: object, *, of: str = "file") -> str | os.PathLike:
+    """``value`` if it is a path (a str or an os.PathLike) of a ``of``; else ``InvalidSetting``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise InvalidSetting(
+            f"{name} is a {of}'s path (a str or a pathlib.Path), not {type(value).__name__} {value!r:.100}"
+        )
+    return value
 
 
 class ServerUnreachable(RuntimeSdkError):

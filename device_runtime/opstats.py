@@ -35,7 +35,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from example_store.sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 
-from .errors import RuntimeSdkError
+from .errors import RuntimeSdkError, check_count, check_number, check_path
 
 #: Event symbols of the paper's Table 1 ('*' is an error, as in the paper's text).
 SHAPE_SYMBOLS = {
@@ -138,9 +138,9 @@ class OpStatsStore:
     ) -> None:
         """``keep_s`` and ``keep_sessions`` bound the log (see the module's doc); the newest
         participation of each population and task is kept beyond them."""
-        if not (keep_s > 0 and keep_sessions >= 1):
-            raise ValueError(f"keep_s must be > 0 and keep_sessions >= 1, not {keep_s!r} and {keep_sessions!r}")
-        self.keep_s, self.keep_sessions = float(keep_s), int(keep_sessions)
+        check_path("OpStatsStore's database", database)  # InvalidSetting, a ValueError as it was
+        self.keep_s = check_number("keep_s", keep_s, positive=True)
+        self.keep_sessions = check_count("keep_sessions", keep_sessions, least=1)
         self.path = database
         self._closed = False
         self.engine: Engine = sqlite_engine(database)

@@ -27,7 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import from_json
 
 from .attestation import AttestationError, decode_nonce
-from .errors import CorruptResource, InvalidSetting, ProtocolError, ServerUnreachable
+from .errors import CorruptResource, InvalidSetting, ProtocolError, ServerUnreachable, check_count, check_number
 from .wire import (
     AGGREGATIONS,
     CHECKIN_ANSWER,
@@ -365,6 +365,11 @@ class RetryPolicy:
     attempts: int = 4
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_count("RetryPolicy.attempts", self.attempts, least=1)  # 0 made no request at all
+        check_number("RetryPolicy.base_delay_s", self.base_delay_s)
+        check_number("RetryPolicy.max_delay_s", self.max_delay_s)
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import math
 import os
 import random
 import shutil
@@ -39,7 +38,16 @@ from .ddp import DDPError
 from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_update, update_dim
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
-from .errors import CorruptResource, InvalidSetting, NoExamples, OverBudget, ProtocolError, SessionRejected
+from .errors import (
+    CorruptResource,
+    InvalidSetting,
+    NoExamples,
+    OverBudget,
+    ProtocolError,
+    SessionRejected,
+    check_number,
+    check_path,
+)
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .influence import bound_update
 from .opstats import AppDatabaseError, Event, OpStatsStore, shape_of
@@ -99,6 +107,12 @@ class DeviceClass:
     name: str = "default"
     memory_mb: float = 2048.0
     max_training_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise InvalidSetting(f"DeviceClass.name is a string such as 'default', not {self.name!r:.100}")
+        check_number("DeviceClass.memory_mb", self.memory_mb, positive=True, unit="MB")
+        check_number("DeviceClass.max_training_s", self.max_training_s, positive=True)
 
 
 @dataclass
@@ -813,14 +827,13 @@ def _check_settings(**settings: Any) -> None:
     made: each was taken as it came and failed deep in a session (a path as ``opstats`` once the
     session ended, its events lost), or never (a ``timeout_s`` of "10")."""
     cache_dir, timeout_s, opstats, rng = (settings[k] for k in ("cache_dir", "timeout_s", "opstats", "rng"))
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-        raise InvalidSetting(f"cache_dir is a folder's path or None, not {type(cache_dir).__name__} {cache_dir!r:.100}")
+    if cache_dir is not None:
+        check_path("cache_dir", cache_dir, of="folder")
     if not isinstance(settings["runtime_version"], str) or not settings["runtime_version"]:
         raise InvalidSetting(
             f"runtime_version is a version string such as '1.17.3', not {settings['runtime_version']!r}"
         )
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
-        raise InvalidSetting(f"timeout_s is a positive number of seconds, not {timeout_s!r:.100}")
+    check_number("timeout_s", timeout_s, positive=True)
     # the app's own keepers and random streams (the emulator's) are taken by what they do
     if opstats is not None and not all(
         callable(getattr(opstats, m, None)) for m in ("record_session", "last_participation", "resumption_token")

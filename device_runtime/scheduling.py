@@ -31,7 +31,7 @@ from example_store.sqlite_engine import sqlite_engine, write_locked
 
 from .clock import Clock, SystemClock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
-from .errors import InvalidSetting, RuntimeSdkError, SessionRejected
+from .errors import InvalidSetting, RuntimeSdkError, SessionRejected, check_count, check_number, check_path
 from .executor import stoppable_run_options
 from .opstats import AppDatabaseError, SessionSummary, app_database_errors
 from .runtime import FLRuntime, Outcome, SessionResult
@@ -116,12 +116,8 @@ class SchedulerSettings:
             if name == "watchdog":
                 if not isinstance(value, bool):
                     raise InvalidSetting(f"SchedulerSettings.watchdog is True or False, not {value!r:.100}")
-            # a negative poll_s had the watchdog spin on a core for the whole session
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise InvalidSetting(
-                    f"SchedulerSettings.{name} is a finite number of seconds (a fraction for jitter) from 0 up, "
-                    f"not {value!r:.100}"
-                )
+            else:  # a negative poll_s had the watchdog spin on a core for the whole session
+                check_number(f"SchedulerSettings.{name}", value, unit="a fraction" if name == "jitter" else "seconds")
 
 
 def run_participation(
@@ -333,6 +329,16 @@ class ParticipationScheduler:
         settings: SchedulerSettings = SchedulerSettings(),
         rng: random.Random | None = None,
     ) -> None:
+        if database is not None:
+            check_path("database", database)
+        if not isinstance(app, str) or not app:
+            raise InvalidSetting(f"app is a non-empty name such as 'mail', not {app!r:.100}")
+        if clock is not None and not callable(getattr(clock, "now", None)):
+            raise InvalidSetting(f"clock is a Clock (SystemClock(), VirtualClock(t)) or None, not {clock!r:.100}")
+        if queue is not None and not isinstance(queue, WorkerQueue):
+            raise InvalidSetting(f"queue is the device's WorkerQueue or None, not {type(queue).__name__}")
+        if not isinstance(settings, SchedulerSettings):
+            raise InvalidSetting(f"settings is a SchedulerSettings, not {type(settings).__name__} {settings!r:.100}")
         if not callable(getattr(conditions, "current", None)):
             raise InvalidSetting(
                 f"conditions must have a current() method giving the device's DeviceState (StaticConditions, or "
@@ -671,7 +677,10 @@ class WorkerQueue:
         """``history``: how many past job runs ``history`` keeps, the last ones (``HISTORY`` by
         default, all with None; a simulated device that runs for days keeps none)."""
         self.clock = clock or SystemClock()
-        self.idle_poll_s = idle_poll_s
+        # a negative one had the worker poll without pause whenever no job was due
+        self.idle_poll_s = check_number("WorkerQueue.idle_poll_s", idle_poll_s, positive=True)
+        if history is not None:
+            check_count("WorkerQueue.history", history)
         self._schedulers: list[ParticipationScheduler] = []
         self._last_run: dict[tuple[str, str], float] = {}
         self._worker = threading.Lock()

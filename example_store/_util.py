@@ -59,6 +59,14 @@ def take_timestamps(ts_iter: Iterator[float], n: int) -> list[float]:
     return arr.tolist()
 
 
+def check_path(name: str, path: Any) -> str | os.PathLike:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"{name} is a file's path (a str or a pathlib.Path), not {type(path).__name__} {path!r:.100}"
+        )
+    return path
+
+
 def check_clock(clock: Any) -> Callable[[], float]:
     if not callable(clock):
         raise InvalidArgumentError(

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ._util import check_path
 from .errors import KeyStoreError
 
 #: Length of the keys the built-in key stores create (AES-256).
@@ -96,7 +97,7 @@ class FileKeyStore(KeyStore):
     on ``<path>.lock`` so that two processes cannot each create a different key for one alias."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+        self.path = Path(check_path("FileKeyStore's path", path))
         self._lock = threading.Lock()
 
     def get_or_create_key(self, alias: str) -> bytes:

@@ -58,6 +58,7 @@ from sqlalchemy.pool import QueuePool
 
 from ._util import (
     check_clock,
+    check_path,
     check_policy,
     check_selector,
     check_timestamp,
@@ -162,7 +163,7 @@ class SQLiteExampleStore(ExampleStore):
         key_store: KeyStore | None = None,
         key_alias: str = DEFAULT_KEY_ALIAS,
     ) -> None:
-        self.path = Path(path)
+        self.path = Path(check_path("SQLiteExampleStore's path", path))
         if str(path) == ":memory:" or str(path) == "":
             raise InvalidArgumentError(
                 "SQLiteExampleStore needs a file path (one database file per app), not ':memory:'"

@@ -17,6 +17,7 @@ from device_runtime import (
     NoExamples,
     OpStatsStore,
     ProtocolError,
+    RetryPolicy,
     encode_checkpoint,
     initial_weights,
 )
@@ -34,9 +35,9 @@ from tests.support import COLLECTION, deploy, digits_plan
         ({"opstats": "app.db"}, "opstats is an OpStatsStore"),
         ({"device_class": "big"}, "device_class is a DeviceClass"),
         ({"retry": 3}, "retry is a RetryPolicy"),
-        ({"timeout_s": "10"}, "timeout_s is a positive number"),
-        ({"timeout_s": -1.0}, "timeout_s is a positive number"),
-        ({"timeout_s": float("nan")}, "timeout_s is a positive number"),
+        ({"timeout_s": "10"}, "timeout_s is a finite number of seconds above 0"),
+        ({"timeout_s": -1.0}, "timeout_s is a finite number"),
+        ({"timeout_s": float("nan")}, "timeout_s is a finite number"),
         ({"cache_dir": 3}, "cache_dir is a folder's path"),
         ({"rng": 42}, r"rng is a random.Random \(random.Random\(seed\)\)"),
         ({"runtime_version": 1.17}, "runtime_version is a version string"),
@@ -120,6 +121,7 @@ def test_a_plan_reading_a_collection_the_app_misspelt_says_which_it_meant(tmp_pa
 
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
+GOOD_NOW = StaticConditions(GOOD)
 
 
 def test_constraints_settings_and_device_states_of_the_wrong_kind_are_refused():
@@ -164,3 +166,28 @@ def test_an_on_run_callback_that_raises_is_logged_and_the_other_apps_jobs_still_
     assert sorted(run.app for run in runs) == ["keyboard", "mail"]
     assert all(run.outcome is RunOutcome.NO_RUNTIME for run in runs)
     assert caplog.text.count("the app's WorkerQueue.on_run failed") == 2
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda db: ParticipationScheduler(db, GOOD_NOW, settings={"poll_s": 1.0}), "settings is a SchedulerSettings"),
+        (lambda db: ParticipationScheduler(db, GOOD_NOW, queue="worker"), "queue is the device's WorkerQueue"),
+        (lambda db: ParticipationScheduler(db, GOOD_NOW, app=7), "app is a non-empty name"),
+        (lambda db: ParticipationScheduler(db, GOOD_NOW, clock=1000.0), "clock is a Clock"),
+        (lambda db: ParticipationScheduler(7, GOOD_NOW), "database is a file's path"),
+        (lambda db: WorkerQueue(idle_poll_s=-1.0), "WorkerQueue.idle_poll_s is a finite number of seconds above 0"),
+        (lambda db: WorkerQueue(history="10"), "WorkerQueue.history is a whole number"),
+        (lambda db: OpStatsStore(None), "OpStatsStore's database is a file's path"),
+        (lambda db: OpStatsStore(db, keep_sessions="10"), "keep_sessions is a whole number from 1 up"),
+        (lambda db: DeviceClass("small", memory_mb="512"), "DeviceClass.memory_mb is a finite number of MB"),
+        (lambda db: DeviceClass("small", max_training_s=-1.0), "DeviceClass.max_training_s is a finite number"),
+        (lambda db: RetryPolicy(attempts=0), "RetryPolicy.attempts is a whole number from 1 up"),
+    ],
+)
+def test_scheduler_queue_opstats_and_policies_refuse_settings_of_the_wrong_kind(tmp_path, make, match):
+    """Each was taken and failed later, far from where it was given: settings as a dict at the
+    first job run, a negative idle_poll_s as a worker polling without pause, memory_mb "512" at
+    the first plan, RetryPolicy(attempts=0) as a session that never checked in."""
+    with pytest.raises(InvalidSetting, match=match):
+        make(tmp_path / "app.db")

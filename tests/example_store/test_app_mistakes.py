@@ -11,6 +11,7 @@ import pytest
 from example_store import (
     ExampleSelector,
     ExampleStoreError,
+    FileKeyStore,
     InMemoryExampleStore,
     InMemoryKeyStore,
     InvalidArgumentError,
@@ -94,3 +95,11 @@ def test_a_store_a_newer_version_wrote_is_refused_in_one_line_saying_what_to_do(
     assert message.endswith("open it with the matching fedfleet version, or move it aside")
     with sqlite3.connect(tmp_path / "app.db") as conn:  # left as it was
         assert conn.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION + 1
+
+
+def test_a_path_that_is_not_one_is_refused_saying_what_to_give():
+    """``SQLiteExampleStore(7)`` failed with a bare TypeError from pathlib."""
+    with pytest.raises(InvalidArgumentError, match="SQLiteExampleStore's path is a file's path .* not int 7"):
+        SQLiteExampleStore(7)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="FileKeyStore's path is a file's path .* not NoneType"):
+        FileKeyStore(None)  # type: ignore[arg-type]
