@@ -81,7 +81,9 @@ _ADVICE = {
     sqlite3.SQLITE_LOCKED: "another connection holds it locked: retry later",
     sqlite3.SQLITE_CORRUPT: "the file is damaged: move it aside or delete it to start afresh",
     sqlite3.SQLITE_NOTADB: "the file is not an SQLite database: give another path, or move it aside or delete it",
-    sqlite3.SQLITE_CANTOPEN: "it cannot be opened: create its folder first, or check its permissions",
+    # a folder given for the file came here too, and was told to create its folder
+    sqlite3.SQLITE_CANTOPEN: "it cannot be opened: give the path of a file (not a folder) in a folder that exists, "
+    "and check its permissions",
     sqlite3.SQLITE_READONLY: "it is read-only: check its permissions and its file system",
 }
 

@@ -103,3 +103,10 @@ def test_a_path_that_is_not_one_is_refused_saying_what_to_give():
         SQLiteExampleStore(7)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="FileKeyStore's path is a file's path .* not NoneType"):
         FileKeyStore(None)  # type: ignore[arg-type]
+
+
+def test_a_folder_given_for_the_app_database_is_said_to_be_one(tmp_path):
+    """The app gave its data folder for the database file, and was told to create its folder (the
+    advice the app's opstats and scheduled jobs give too, from the same engine)."""
+    with pytest.raises(ExampleStoreError, match="give the path of a file \\(not a folder\\) in a folder that exists"):
+        SQLiteExampleStore(tmp_path)
