@@ -630,25 +630,36 @@ class ParticipationScheduler:
         run_options = stoppable_run_options()
 
         unmet = self._broken(constraints, broke)
+        failed: list[Exception] = []  # the app's conditions raised in the watchdog
 
         def watchdog() -> None:
             while not done.wait(self.settings.poll_s):
-                if stopping.is_set() or unmet():
+                try:
+                    ending = stopping.is_set() or unmet()
+                except Exception as exc:  # the session ends in the app's error, as without a watchdog
+                    failed.append(exc)
+                    ending = True
+                if ending:
                     stop.set()
                     if not done.wait(self.settings.grace_s):
                         run_options.terminate = True
                     return
 
         def should_abort() -> bool:
+            if failed:
+                raise failed[0]
             return stop.is_set() or stopping.is_set() or unmet()
 
         thread = threading.Thread(target=watchdog, name="fl-watchdog", daemon=True)
         thread.start()
         try:
-            return runtime.run_session(should_abort=should_abort, run_options=run_options)
+            session = runtime.run_session(should_abort=should_abort, run_options=run_options)
         finally:
             done.set()
             thread.join()
+        if failed and session.outcome is Outcome.INTERRUPTED:  # its step stopped by force: the app's error
+            raise failed[0]
+        return session
 
 
 def _took_part_since(runtime: FLRuntime, since: float) -> SessionSummary | None:

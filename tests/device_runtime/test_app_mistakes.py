@@ -6,6 +6,7 @@ server."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -191,3 +192,38 @@ def test_scheduler_queue_opstats_and_policies_refuse_settings_of_the_wrong_kind(
     the first plan, RetryPolicy(attempts=0) as a session that never checked in."""
     with pytest.raises(InvalidSetting, match=match):
         make(tmp_path / "app.db")
+
+
+class _FailingConditions(StaticConditions):
+    """The app's conditions, whose service dies once the session trains."""
+
+    def __init__(self) -> None:
+        super().__init__(GOOD)
+        self.reads = 0
+
+    def current(self) -> DeviceState:
+        self.reads += 1
+        if self.reads > 2:
+            raise OSError("the battery service died")
+        return self.state
+
+
+def test_conditions_that_raise_while_the_watchdog_reads_them_end_the_session_in_their_error(
+    tmp_path, server, admin, digits, monkeypatch
+):
+    """The watchdog thread died of the app's exception ("Exception in thread fl-watchdog"), after
+    which nothing would stop a step in flight when the conditions changed."""
+    deploy(admin, plan=digits_plan(epochs=100_000), goal_count=5)
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    db = tmp_path / "app.db"
+    with _digits_store(db, digits) as store, OpStatsStore(db) as opstats:
+        settings = SchedulerSettings(poll_s=0.01, grace_s=0.05)
+        with ParticipationScheduler(db, _FailingConditions(), settings=settings) as scheduler:
+            scheduler.register_runtime("digits", FLRuntime("digits", server.url, store, opstats=opstats))
+            scheduler.schedule("digits")
+            [run] = scheduler.queue.run_pending()
+        assert run.outcome is RunOutcome.ERROR and run.detail == "OSError: the battery service died"
+        assert [s.shape[-1] for s in opstats.sessions()] in (["*"], ["!"])  # its error, or stopped by force
+    assert died == []
+    assert admin.status("digits")["current_round"]["aborted"] == 1
