@@ -3,7 +3,10 @@ with a typed error (an ``ExampleStoreError``) saying what to give, and nothing i
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
+import subprocess
 
 import numpy as np
 import pytest
@@ -110,3 +113,31 @@ def test_a_folder_given_for_the_app_database_is_said_to_be_one(tmp_path):
     advice the app's opstats and scheduled jobs give too, from the same engine)."""
     with pytest.raises(ExampleStoreError, match="give the path of a file \\(not a folder\\) in a folder that exists"):
         SQLiteExampleStore(tmp_path)
+
+
+@contextlib.contextmanager
+def _read_only(path):
+    """``path`` made read-only for this process: its mode for a user, its immutable flag for root
+    (whom modes do not stop); skips where neither holds."""
+    os.chmod(path, 0o444)
+    immutable = (
+        os.access(path, os.W_OK) and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    )
+    try:
+        if os.access(path, os.W_OK) and not immutable:
+            pytest.skip("this process writes to read-only files, and chattr cannot make one immutable here")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        os.chmod(path, 0o644)
+
+
+def test_a_read_only_store_reads_and_refuses_writes_saying_so(tmp_path):
+    with SQLiteExampleStore(tmp_path / "app.db") as store:
+        store.add(URI, make_examples(3))
+    with _read_only(tmp_path / "app.db"), SQLiteExampleStore(tmp_path / "app.db") as store:
+        assert store.count(ExampleSelector(URI)) == 3
+        with pytest.raises(ExampleStoreError, match="it is read-only: check its permissions and its file system"):
+            store.add(URI, make_examples(1))
+        assert store.count(ExampleSelector(URI)) == 3
