@@ -27,6 +27,7 @@ from apscheduler.job import Job
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 
+from example_store.spelling import closest
 from example_store.sqlite_engine import sqlite_engine, write_locked
 
 from .clock import Clock, SystemClock
@@ -384,6 +385,11 @@ class ParticipationScheduler:
         _check_population(population)
         if not isinstance(runtime, FLRuntime):
             raise InvalidSetting(f"register_runtime takes an FLRuntime, got {type(runtime).__name__}")
+        if runtime.population != population:  # the job of one population would train another's plans
+            raise InvalidSetting(
+                f"register_runtime({population!r}, ...) was given the runtime of population {runtime.population!r}; "
+                f"register each runtime under its own population: register_runtime(runtime.population, runtime)"
+            )
         self._runtimes[population] = runtime
 
     def schedule(
@@ -471,7 +477,13 @@ class ParticipationScheduler:
         if unmet:
             outcome, delay, detail = RunOutcome.CONSTRAINTS_UNMET, self.settings.recheck_s, ",".join(unmet)
         elif runtime is None:
-            outcome, delay, detail = RunOutcome.NO_RUNTIME, self.settings.recheck_s, "no runtime registered for it"
+            meant = closest(population, self._runtimes)  # the population scheduled misspelt
+            hint = f" (runtimes are registered for {sorted(self._runtimes)}: did you mean {meant!r}?)" if meant else ""
+            outcome, delay, detail = (
+                RunOutcome.NO_RUNTIME,
+                self.settings.recheck_s,
+                f"no runtime registered for it{hint}",
+            )
         else:
             broke: list[bool] = []  # the session stopped because the constraints stopped holding
             with self._lock:

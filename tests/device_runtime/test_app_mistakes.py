@@ -25,7 +25,7 @@ from device_runtime import (
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
-from example_store import ExampleStoreError, SQLiteExampleStore
+from example_store import ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
 from server_stub import RoundConfig
 from tests.support import COLLECTION, deploy, digits_plan
 
@@ -227,3 +227,20 @@ def test_conditions_that_raise_while_the_watchdog_reads_them_end_the_session_in_
         assert [s.shape[-1] for s in opstats.sessions()] in (["*"], ["!"])  # its error, or stopped by force
     assert died == []
     assert admin.status("digits")["current_round"]["aborted"] == 1
+
+
+def test_a_runtime_registered_under_another_population_or_a_misspelt_job_is_named(tmp_path):
+    """A runtime registered under a name not its population's had one population's job train
+    another's plans; a job scheduled for 'digit' beside the runtime of 'digits' said only 'no
+    runtime registered for it' at each run, every recheck_s, for ever."""
+    scheduler = ParticipationScheduler(None, GOOD_NOW, clock=VirtualClock(0.0))
+    with InMemoryExampleStore() as store, FLRuntime("digits", "http://127.0.0.1:9", store) as runtime:
+        with pytest.raises(
+            InvalidSetting, match="register_runtime\\('digit', ...\\) was given the runtime of population"
+        ):
+            scheduler.register_runtime("digit", runtime)
+        scheduler.register_runtime("digits", runtime)
+        scheduler.schedule("digit")
+        [run] = scheduler.queue.run_pending()
+    assert run.outcome is RunOutcome.NO_RUNTIME
+    assert run.detail == "no runtime registered for it (runtimes are registered for ['digits']: did you mean 'digits'?)"
