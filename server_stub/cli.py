@@ -25,6 +25,7 @@ from .errors import closest, did_you_mean, key_file_mistake
 from .http_guards import GuardedServer, HttpLimits
 from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError
 from .release_trust import ReleaseTrustError, read_release_trust
+from .retention import Retention
 from .service import FLService
 from .trust_anchor import TrustAnchorError, read_trust_anchor
 
@@ -248,6 +249,19 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="the largest request head (request line and headers); a larger one is answered 431",
     )
     p.add_argument(
+        "--keep-rounds",
+        type=int,
+        metavar="N",
+        help="keep each task's newest N round records (each attempt is one) and remove older ones while serving "
+        "(default: every record is kept)",
+    )
+    p.add_argument(
+        "--keep-days",
+        type=float,
+        metavar="DAYS",
+        help="remove round records that ended more than DAYS days ago while serving (default: every record is kept)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -359,8 +373,9 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if os.path.isdir(args.db):
             raise ValueError(f"--db {args.db} is a folder; give the database file's path (made if missing)")
         limits = HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections, args.max_header_bytes)
-        store = ServerStore(args.db)
-    except (AdminKeyError, TrustAnchorError, ReleaseTrustError, StoreLayoutError, ValueError) as exc:
+        retention = Retention(args.keep_rounds, args.keep_days)
+        store = ServerStore(args.db, hold=True)
+    except (AdminKeyError, TrustAnchorError, ReleaseTrustError, StoreLayoutError, DatabaseInUse, ValueError) as exc:
         print(f"fedfleet server: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # a URL whose driver is not installed
@@ -374,14 +389,12 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"fedfleet server: cannot open the database {args.db}: {sqlite_advice(exc)}", file=sys.stderr)
         return 2
     try:
-        store.hold()
-    except (DatabaseInUse, OSError) as exc:
-        store.close()
-        print(f"fedfleet server: {exc}", file=sys.stderr)
-        return 2
-    try:
         service = FLService(
-            store, verifier=verifier, require_release_reports=not args.allow_untested_plans, release_trust=release_trust
+            store,
+            verifier=verifier,
+            require_release_reports=not args.allow_untested_plans,
+            release_trust=release_trust,
+            retention=retention,
         )
     except DamagedStore as exc:
         store.close()
@@ -432,6 +445,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     print(f"  admin keys:  {source}", file=out)
     for line in _rounds_lines(service):
         print(f"  rounds:      {line}", file=out)
+    print(f"  keeps:       {retention.describe()}", file=out)
     cap = "" if args.max_connections is not None else " (under the file-descriptor limit)"
     print(
         f"  clients:     head within {limits.header_timeout_s:g} s, body within {limits.body_timeout_s:g} s (+1 s per KiB), "
@@ -479,13 +493,15 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"fedfleet prune: {args.db} {why} (the --db the server ran with)", file=sys.stderr)
         return 2
     try:
-        store = ServerStore(args.db)
+        store = ServerStore(args.db, hold=True)
+    except DatabaseInUse as exc:
+        print(f"fedfleet prune: {exc}", file=sys.stderr)
+        return 2
     except (StoreLayoutError, ImportError, SQLAlchemyError, OSError) as exc:
         reason = sqlite_advice(exc) if isinstance(exc, (SQLAlchemyError, OSError)) else str(exc)
         print(f"fedfleet prune: cannot open the database {args.db}: {reason}", file=sys.stderr)
         return 2
     try:
-        store.hold()
         if not store.held:
             print(
                 f"fedfleet prune: {args.db} is not a SQLite file this process can hold, so it cannot know that no "
@@ -495,9 +511,8 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
             return 2
         cutoff = time.time() - args.older_than_days * 86_400.0
         pruned = store.prune_models(cutoff, dry_run=args.dry_run)
-    except (DatabaseInUse, SQLAlchemyError, OSError) as exc:
-        reason = sqlite_advice(exc) if isinstance(exc, (SQLAlchemyError, OSError)) else str(exc)
-        print(f"fedfleet prune: {reason}", file=sys.stderr)
+    except (SQLAlchemyError, OSError) as exc:
+        print(f"fedfleet prune: {sqlite_advice(exc)}", file=sys.stderr)
         return 2
     finally:
         store.close()

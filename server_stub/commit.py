@@ -11,10 +11,11 @@ became of it. Late reports change closed rounds' metrics, written in batches (``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -172,6 +173,14 @@ class CommitPipeline:
         if not hasattr(self._closed_here, "commits"):
             self._closed_here.commits = []
         self._closed_here.commits.append(pending)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the commits' write turn: no round's record is written, and no model replaces
+        another in memory, until the block ends (what the service reads of its live models in it
+        stays true)."""
+        with self._write_lock:
+            yield
 
     def closing(self, core: RoundCore) -> PendingCommit | None:
         """The pending commit of the round ``core`` ran, if it is still waiting (under the lock)."""

@@ -7,7 +7,8 @@ import hashlib
 import json
 import os
 import time
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,24 +29,29 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
     create_engine,
     func,
     inspect,
+    or_,
     select,
     tuple_,
     update,
 )
 from sqlalchemy.engine import Connection, CursorResult, Engine
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.elements import ColumnElement
 
-from example_store.sqlite_engine import sqlite_engine
+from example_store.sqlite_engine import sqlite_engine, write_locked
 
 metadata = MetaData()
 
 #: The layout of the server's tables this server writes, kept in the table ``schema``. A layout
-#: change adds a migration from the one before and raises this by one; a database of a later
-#: layout (written by a newer server) is refused rather than written in a layout it does not know.
-SCHEMA_VERSION = 1
+#: change adds a migration from the one before (``MIGRATIONS``) and raises this by one; a database
+#: of a later layout (written by a newer server) is refused rather than written in a layout it does
+#: not know. 1: populations, resources, tasks, rounds. 2: the rounds' indexes, and ``pruned_rounds``
+#: (what retention removed of each task's history, which a server of layout 1 would not count).
+SCHEMA_VERSION = 2
 
 schema = Table(
     "schema",
@@ -103,6 +109,29 @@ rounds = Table(
     Index("rounds_by_task_start", "task_id", "started_at", "number", "attempt"),
     Index("rounds_by_task_number", "task_id", "number", "attempt"),
 )
+
+# What retention (``ServerStore.prune_rounds``) removed of a task's rounds: how many records, and
+# how many of them had committed. A task's committed rounds count towards its ``max_rounds``, and
+# the turns of tasks that take turns count every record, after a restart as before it.
+pruned_rounds = Table(
+    "pruned_rounds",
+    metadata,
+    Column("task_id", Integer, ForeignKey("tasks.id"), primary_key=True),
+    Column("rounds", Integer, nullable=False),
+    Column("committed", Integer, nullable=False),
+)
+
+
+def _layout_2(conn: Connection) -> None:
+    """Layout 1 to 2: the rounds' indexes (a server of layout 1 made them, unrecorded, from a
+    point on) and the table of pruned rounds."""
+    for index in rounds.indexes:
+        index.create(conn, checkfirst=True)
+    pruned_rounds.create(conn, checkfirst=True)
+
+
+#: The migration from each layout to the next, by the layout it starts from.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _layout_2}
 
 
 def _inserted_id(result: CursorResult[Any]) -> int:
@@ -188,6 +217,25 @@ class RoundRecord:
 
 
 @dataclass(frozen=True)
+class PrunedRounds:
+    """What ``ServerStore.prune_rounds`` removed: round records (and how many of them had
+    committed), and the checkpoints nothing names any more and their bytes."""
+
+    rounds: int = 0
+    committed: int = 0
+    checkpoints: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: PrunedRounds) -> PrunedRounds:
+        return PrunedRounds(
+            self.rounds + other.rounds,
+            self.committed + other.committed,
+            self.checkpoints + other.checkpoints,
+            self.bytes + other.bytes,
+        )
+
+
+@dataclass(frozen=True)
 class Pruned:
     """What ``ServerStore.prune_models`` dropped: the rounds whose model went, and the checkpoints
     deleted and their bytes."""
@@ -214,9 +262,11 @@ def _round_record(row: Any) -> RoundRecord:
 class ServerStore:
     """The server's database. One instance per server process."""
 
-    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 5.0) -> None:
+    def __init__(self, path: str | os.PathLike, *, busy_timeout_s: float = 5.0, hold: bool = False) -> None:
         """``path``: a SQLite file, or a SQLAlchemy URL such as ``sqlite:///fl.db`` or
-        ``postgresql+psycopg://...`` (with its driver installed)."""
+        ``postgresql+psycopg://...`` (with its driver installed). ``hold``: ``hold`` the database
+        before its layout is read or upgraded, so that a database another server runs on is
+        refused (``DatabaseInUse``) untouched."""
         self.path = os.fspath(path)
         if "://" in self.path:
             self.engine: Engine = create_engine(self.path, pool_pre_ping=True)
@@ -228,12 +278,14 @@ class ServerStore:
         else:
             self.engine = sqlite_engine(self.path, foreign_keys=True, busy_timeout_s=busy_timeout_s)
         self._lock_fd: int | None = None
+        self._file = self._database_file()
         try:
+            if hold and (self._file is None or os.path.isdir(os.path.dirname(os.path.abspath(self._file)))):
+                self.hold()  # (a file in no folder is no other server's: SQLite says what to do about it)
             self._open_layout()
         except BaseException:
-            self.engine.dispose()
+            self.close()
             raise
-        self._file = self._database_file()
         self._identity = self._file_identity()
 
     def _database_file(self) -> str | None:
@@ -266,16 +318,29 @@ class ServerStore:
         )
 
     def _open_layout(self) -> None:
-        """Make the tables of a new database, or check an existing one's layout: a database of a
-        later layout, or tables of the server's names without their columns, are refused with
-        ``StoreLayoutError``; one from before the layout was recorded (the same tables) is stamped."""
-        existing = set(inspect(self.engine).get_table_names())
-        ours = {t.name for t in metadata.sorted_tables}
-        if existing & ours:
+        """Make the tables of a new database, or check an existing one's layout and bring it up to
+        this server's (``MIGRATIONS``), in one transaction that holds the write lock from its start:
+        a file this process cannot write (read-only, or locked by another process past the busy
+        timeout) fails here, before the server serves, and an upgrade is all done or not at all. A
+        database of a later layout, or tables of the server's names without their columns, are
+        refused with ``StoreLayoutError`` before anything is written; one from before the layout
+        was recorded (the tables of layout 1) is upgraded as layout 1."""
+        with self._write_transaction() as conn:
+            existing = set(inspect(conn).get_table_names())
+            version = (
+                conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
+                if "schema" in existing
+                else None
+            )
+            if version is not None and version > SCHEMA_VERSION:
+                raise StoreLayoutError(
+                    f"the database {self.path} has layout {version}, written by a newer server (this one knows "
+                    f"layouts up to {SCHEMA_VERSION}): run that server version, or restore a backup this one wrote"
+                )
             for table in metadata.sorted_tables:
                 if table.name not in existing:
                     continue
-                have = {c["name"] for c in inspect(self.engine).get_columns(table.name)}
+                have = {c["name"] for c in inspect(conn).get_columns(table.name)}
                 missing = [c.name for c in table.columns if c.name not in have]
                 if missing:
                     raise StoreLayoutError(
@@ -283,24 +348,27 @@ class ServerStore:
                         f"has no column {', '.join(missing)}; give --db another file, or run the server "
                         "version that wrote it"
                     )
-        if "schema" in existing:
-            with self.engine.connect() as conn:
-                version = conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
-            if version is not None and version > SCHEMA_VERSION:
-                raise StoreLayoutError(
-                    f"the database {self.path} has layout {version}, written by a newer server (this one knows "
-                    f"layouts up to {SCHEMA_VERSION}): run that server version, or restore a backup this one wrote"
-                )
-        metadata.create_all(self.engine)
-        with self.engine.begin() as conn:
-            # create_all makes a table's indexes only with the table: a database of an older server
-            # gets those it lacks here (the layout is the same: an index changes no row, and an
-            # older server still opens the file)
-            for index in rounds.indexes:
-                index.create(conn, checkfirst=True)
-            if conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar() is None:
-                with suppress(IntegrityError):  # another process stamped it meanwhile
-                    conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION))
+            if version is None and existing & {t.name for t in metadata.sorted_tables}:
+                version = 1  # the tables every server wrote before the layout was recorded
+            if version is not None:
+                for step in range(version, SCHEMA_VERSION):
+                    MIGRATIONS[step](conn)
+            metadata.create_all(conn)  # a new database's tables (and any table a layout's migration made)
+            if "schema" in existing and conn.execute(select(schema.c.id).where(schema.c.id == 1)).scalar():
+                conn.execute(update(schema).where(schema.c.id == 1).values(version=SCHEMA_VERSION))
+            else:
+                conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION))
+
+    @contextmanager
+    def _write_transaction(self) -> Iterator[Connection]:
+        """A transaction that holds the write lock from its start on SQLite (``BEGIN IMMEDIATE``):
+        what it reads before it writes is not changed by another process meanwhile."""
+        if self.engine.dialect.name == "sqlite":
+            with write_locked(self.engine) as conn:
+                yield conn
+        else:
+            with self.engine.begin() as conn:
+                yield conn
 
     def schema_version(self) -> int:
         with self.engine.connect() as conn:
@@ -368,9 +436,15 @@ class ServerStore:
 
     @staticmethod
     def _put(conn: Connection, data: bytes, kind: str) -> str:
+        """Store ``data`` (once: resources are content-addressed). ``created_at`` is when it was
+        last stored: a model stored again (the same bytes as an old one) is as new as its round, and
+        no pruning of old resources takes it from under the round that stored it."""
         rid = resource_id(data)
+        now = time.time()
         if conn.execute(select(resources.c.id).where(resources.c.id == rid)).scalar() is None:
-            conn.execute(resources.insert().values(id=rid, kind=kind, data=data, created_at=time.time()))
+            conn.execute(resources.insert().values(id=rid, kind=kind, data=data, created_at=now))
+        else:
+            conn.execute(update(resources).where(resources.c.id == rid).values(created_at=now))
         return rid
 
     def get_resource(self, rid: str) -> bytes | None:
@@ -606,6 +680,106 @@ class ServerStore:
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 conn.exec_driver_sql("VACUUM")  # the file gives the space back
         return Pruned(len(dropped), int(found[0]), int(found[1]))
+
+    def pruned_counts(self, task_id: int) -> tuple[int, int]:
+        """How many of a task's round records retention removed, and how many of them had committed."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(pruned_rounds.c.rounds, pruned_rounds.c.committed).where(pruned_rounds.c.task_id == task_id)
+            ).first()
+        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+    def prune_rounds(
+        self,
+        *,
+        keep_rounds: int | None,
+        ended_before: float | None,
+        limit: int,
+        keep_ids: Iterable[int] = (),
+        keep_resources: Iterable[str] = (),
+        resources_before: float | None = None,
+        private: Callable[[str, dict], bool] = lambda _status, _metrics: False,
+    ) -> PrunedRounds:
+        """Remove at most ``limit`` round records, oldest first, in one transaction: of each task,
+        those beyond its newest ``keep_rounds`` records (each attempt is one) or that ended before
+        ``ended_before`` (unix seconds); either limit None keeps everything it would remove. Never
+        removed: each task's last committed round (the model it goes on from) and its newest record
+        (the attempt its next round follows), the records ``keep_ids`` names, and, of a task with
+        differential privacy, every record ``private(status, metrics)`` says spent privacy (its
+        ledger is read from them). Each task's count of removed records (and of removed commits) is
+        kept in ``pruned_rounds``. Then, if records went, the checkpoints stored before
+        ``resources_before`` that no round or task names any more and ``keep_resources`` does not
+        list (the models of removed rounds, what devices were sent of old models) go too."""
+        if keep_rounds is None and ended_before is None:
+            return PrunedRounds()
+        newest = (rounds.c.number.desc(), rounds.c.attempt.desc(), rounds.c.id.desc())
+        oldest = (rounds.c.number, rounds.c.attempt, rounds.c.id)
+        kept_ids = set(keep_ids)
+        chosen: list[tuple[int, int, bool]] = []  # task, record id, committed
+        with self._write_transaction() as conn:
+            for task_id, config in conn.execute(select(tasks.c.id, tasks.c.config).order_by(tasks.c.id)).all():
+                if len(chosen) >= limit:
+                    break
+                of_task = rounds.c.task_id == task_id
+                protected = set(kept_ids)
+                for query in (
+                    select(rounds.c.id).where(of_task).order_by(*newest).limit(1),
+                    select(rounds.c.id).where(of_task, rounds.c.status == "committed").order_by(*newest).limit(1),
+                ):
+                    protected.update(conn.execute(query).scalars())
+                beyond: list[ColumnElement[bool]] = []
+                if keep_rounds is not None:
+                    beyond.append(
+                        rounds.c.id.in_(select(rounds.c.id).where(of_task).order_by(*newest).offset(keep_rounds))
+                    )
+                if ended_before is not None:
+                    beyond.append(rounds.c.ended_at < ended_before)
+                has_dp = json.loads(config).get("round", {}).get("dp") is not None
+                columns = (rounds.c.id, rounds.c.status, rounds.c.metrics) if has_dp else (rounds.c.id, rounds.c.status)
+                query = select(*columns).where(of_task, or_(*beyond), rounds.c.id.not_in(protected)).order_by(*oldest)
+                if has_dp:  # a committed round spent privacy; an abandoned one may have
+                    query = query.where(rounds.c.status != "committed")
+                for row in conn.execute(query if has_dp else query.limit(limit - len(chosen))).all():
+                    rid, status = row[0], row[1]
+                    if has_dp and private(status, _load_metrics(row[2])):
+                        continue
+                    chosen.append((task_id, rid, status == "committed"))
+                    if len(chosen) >= limit:
+                        break
+            if not chosen:
+                return PrunedRounds()
+            by_task: dict[int, list[tuple[int, bool]]] = {}
+            for task_id, rid, committed in chosen:
+                by_task.setdefault(task_id, []).append((rid, committed))
+            for task_id, removed in by_task.items():
+                conn.execute(rounds.delete().where(rounds.c.id.in_([rid for rid, _ in removed])))
+                count, commits = len(removed), sum(committed for _, committed in removed)
+                if conn.execute(select(pruned_rounds.c.task_id).where(pruned_rounds.c.task_id == task_id)).first():
+                    conn.execute(
+                        update(pruned_rounds)
+                        .where(pruned_rounds.c.task_id == task_id)
+                        .values(rounds=pruned_rounds.c.rounds + count, committed=pruned_rounds.c.committed + commits)
+                    )
+                else:
+                    conn.execute(pruned_rounds.insert().values(task_id=task_id, rounds=count, committed=commits))
+            found = (0, 0)
+            if resources_before is not None:
+                named = (
+                    select(rounds.c.checkpoint_id.label("id"))
+                    .where(rounds.c.checkpoint_id.is_not(None))
+                    .union(select(tasks.c.initial_checkpoint_id), select(tasks.c.plan_id))
+                )
+                unnamed = and_(
+                    resources.c.kind == "checkpoint",
+                    resources.c.created_at < resources_before,
+                    resources.c.id.not_in(named),
+                    resources.c.id.not_in(list(set(keep_resources))),
+                )
+                found = conn.execute(
+                    select(func.count(), func.coalesce(func.sum(func.length(resources.c.data)), 0)).where(unnamed)
+                ).one()
+                conn.execute(resources.delete().where(unnamed))
+        return PrunedRounds(len(chosen), sum(c for _, _, c in chosen), int(found[0]), int(found[1]))
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:
         """The last committed round in the order ``rounds`` gives, read alone: the model an

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from device_runtime.attestation import AttestationError, PeerCertificateVerifier, RateLimited
 from device_runtime.eligibility import EligibilityPolicies
@@ -42,6 +42,7 @@ from device_runtime.wire import (
     ReportAnswer,
     SecAggAccepted,
 )
+from example_store.sqlite_engine import sqlite_advice
 
 from . import admission, dp_rounds, secure_driver
 from .attestation import AttestationVerifier
@@ -59,8 +60,9 @@ from .errors import (
     quoted,
 )
 from .pace import MAX_DEFERRALS
-from .persistence import ServerStore, TaskRecord
+from .persistence import PrunedRounds, ServerStore, TaskRecord
 from .reports import check_report, stats_shape, take_report
+from .retention import RESOURCE_GRACE_S, RETENTION_BATCH, RETENTION_EVERY_S, Retention
 from .rounds import ReportVerdict, RoundConfig
 from .secagg_limits import SECAGG_SLACK_BYTES, secagg_upload_limit
 from .service_state import (
@@ -106,6 +108,7 @@ class FLService:
         token_bytes: Callable[[int], bytes] = secrets.token_bytes,
         late_metrics_every_s: float = LATE_METRICS_EVERY_S,
         dp_random: Callable[[], np.random.Generator] = dp_rounds.secure_generator,
+        retention: Retention | None = None,
     ) -> None:
         """``require_release_reports``: accept only tasks whose release report covers every runtime
         they claim (see ``release_gate``); a task deployed with a report is checked either way.
@@ -118,8 +121,12 @@ class FLService:
         ``late_metrics_every_s``: how often, on ``clock``, ``tick`` writes what late reports
         changed (a simulation, whose clock runs a day in a minute, writes far less often).
         ``dp_random``: a new noise source for each central DP round's commit (cryptographically
-        seeded by default; a seeded one only where a run must repeat, never in a deployment)."""
+        seeded by default; a seeded one only where a run must repeat, never in a deployment).
+        ``retention``: how much of each task's round history ``tick`` keeps (every record by
+        default; ``apply_retention``)."""
         self.store = store
+        self.retention = retention or Retention()
+        self._retained_at = -math.inf
         self.require_release_reports = require_release_reports
         self.release_trust = frozenset(release_trust)
         self.verifier = verifier
@@ -391,6 +398,59 @@ class FLService:
         if now - self._late_written_at >= self.late_metrics_every_s:
             self._late_written_at = now
             self.write_late_metrics()
+        if not self.retention.keeps_everything and now - self._retained_at >= RETENTION_EVERY_S:
+            self._retained_at = now
+            self.apply_retention()
+
+    def apply_retention(self) -> PrunedRounds:
+        """Remove the round records ``retention`` no longer keeps, and the models nothing names any
+        more, a batch of ``RETENTION_BATCH`` records per transaction, while no commit is written
+        (each batch holds the commits' write turn): what a running task serves, what its open
+        sessions may download and its idle record (which grows) are never removed. A database
+        that refuses the write is logged in one line, and tried again at the next pass."""
+        total = PrunedRounds()
+        while True:
+            with self._commits.writing():
+                with self._lock:
+                    live: set[str] = set()
+                    keep_ids: set[int] = set()
+                    for pop in self._populations.values():
+                        for run in pop.runs:
+                            live.add(run.broadcast_id)
+                            if run.idle_record is not None:
+                                keep_ids.add(run.idle_record.id)
+                    for session in self._sessions.by_id.values():
+                        live.update(session.resources)
+                wall_now = self.wall_clock()
+                try:
+                    done = self.store.prune_rounds(
+                        keep_rounds=self.retention.keep_rounds,
+                        ended_before=self.retention.ended_before(wall_now),
+                        limit=RETENTION_BATCH,
+                        keep_ids=keep_ids,
+                        keep_resources=live,
+                        resources_before=wall_now - RESOURCE_GRACE_S,
+                        private=dp_rounds.spends_privacy,
+                    )
+                except (SQLAlchemyError, OSError) as exc:
+                    log.error(
+                        "retention: the database refused to remove old rounds (%s); tried again in %g s",
+                        sqlite_advice(exc),
+                        RETENTION_EVERY_S,
+                    )
+                    break
+            total += done
+            if done.rounds < RETENTION_BATCH:
+                break
+        if total.rounds:
+            log.info(
+                "retention: removed %d round record(s) (%d committed) and %d checkpoint(s) nothing names any more, %d bytes",
+                total.rounds,
+                total.committed,
+                total.checkpoints,
+                total.bytes,
+            )
+        return total
 
     def _check_database(self, now: float) -> None:
         """Whether the database file is still the one the server writes: one deleted or replaced

@@ -56,7 +56,7 @@ def load_group(store: ServerStore, population: str) -> tuple[list[TaskRun], Stra
                     runs[task.name].evaluates = runs[evaluated]
         if runs:
             strategy = Strategy(members[0].config.get("group", {}).get("strategy", Strategy.ALTERNATE.value))
-            turn = sum(len(store.rounds(task.id)) for task in members)
+            turn = sum(len(store.rounds(task.id)) + store.pruned_counts(task.id)[0] for task in members)
             return list(runs.values()), strategy, turn
     return None
 
@@ -70,7 +70,8 @@ def load_run(store: ServerStore, task: TaskRecord) -> TaskRun | None:
     eligibility = EligibilityPolicies.from_dict(task.config["eligibility"])
     history = store.rounds(task.id)
     committed = [r for r in history if r.status == "committed"]
-    if config.max_rounds is not None and len(committed) >= config.max_rounds:
+    committed_count = len(committed) + store.pruned_counts(task.id)[1]  # with those retention removed
+    if config.max_rounds is not None and committed_count >= config.max_rounds:
         return None
     dp = TaskDP.load(config, [r.metrics for r in history if spends_privacy(r.status, r.metrics)])
     if dp is not None and not dp.allows_next():  # its privacy budget is spent
@@ -94,7 +95,7 @@ def load_run(store: ServerStore, task: TaskRecord) -> TaskRun | None:
         broadcast_id=store.put_resource(encode_checkpoint(executor.prepare(state)), "checkpoint"),
         round_number=number,
         attempt=attempt,
-        committed_rounds=len(committed),
+        committed_rounds=committed_count,
         report_limit=limit,
         weight=float(task.config.get("group", {}).get("weight", 1.0)),
         codec=SecureSumCodec(plan, executor) if plan.server.secure_sum else None,

@@ -6,14 +6,20 @@ server writes it); only the moment of the kill is chosen:
 - ``model_written``: the round's new model is written in the commit's transaction, not committed;
 - ``record_written``: its round record is too, the transaction not committed yet;
 - ``committed``: the transaction is committed, and nothing of it is applied in memory or told to a device.
+
+``killed_at_statement`` is the same for any of the store's writes (a deploy, a retention pass), in a
+process that runs only them.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
@@ -57,6 +63,34 @@ def install(point: str) -> None:
             _die()
 
     ServerStore.record_round = record_round  # type: ignore[method-assign]
+
+
+def killed_at_statement(db: str | os.PathLike, statement: str, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` (Python, with ``store``, a ``ServerStore`` on ``db``) in a process of its own that
+    kills itself (SIGKILL) right after the first SQL statement that starts with ``statement`` (in
+    its transaction, before that commits); its exit status is -9 when it did."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from sqlalchemy import event
+        from sqlalchemy.engine import Engine
+        from server_stub.persistence import ServerStore
+
+        @event.listens_for(Engine, "after_cursor_execute")
+        def die(conn, cursor, statement, *args):
+            if statement.startswith({statement!r}):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        store = ServerStore({os.fspath(db)!r})
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script + textwrap.dedent(code)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ operator reads."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import signal
@@ -19,10 +21,14 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
-from server_stub import AdminError, FLService, RoundConfig, ServerStore, ServerThread
+from example_store.sqlite_engine import sqlite_advice
+from server_stub import AdminError, FLService, RoundConfig, ServerStore, ServerThread, persistence
 from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, StoreLayoutError
+from tests.dying_server import killed_at_statement
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
 from tests.server_stub.test_round_integrity import QuickToGiveUp, moving_updates
@@ -114,34 +120,219 @@ def test_a_database_from_before_the_layout_was_recorded_opens_with_its_rounds_an
         store.close()
 
 
-def test_a_database_of_a_server_before_the_rounds_indexes_opens_gets_them_and_pages_through_them(tmp_path):
-    """A file an older server wrote (its rounds table without indexes) keeps its rounds, is given
-    the indexes when it opens, and a page of ``GET /rounds`` and the check before a round's write
-    read them instead of scanning every round (SQLite's plan names the index)."""
-    db = tmp_path / "fl.db"
-    store = ServerStore(db)
-    store.create_population("digits")
+#: The tables of layout 1, as a server of that layout made them (before the rounds' indexes, and
+#: before ``pruned_rounds``), and its stamp.
+LAYOUT_1 = """
+CREATE TABLE schema (id INTEGER NOT NULL, version INTEGER NOT NULL, PRIMARY KEY (id));
+CREATE TABLE populations (id INTEGER NOT NULL, name VARCHAR(128) NOT NULL, created_at FLOAT NOT NULL,
+    PRIMARY KEY (id), UNIQUE (name));
+CREATE TABLE resources (id VARCHAR(64) NOT NULL, kind VARCHAR(16) NOT NULL, data BLOB NOT NULL,
+    created_at FLOAT NOT NULL, PRIMARY KEY (id));
+CREATE TABLE tasks (id INTEGER NOT NULL, population_id INTEGER NOT NULL, name VARCHAR(128) NOT NULL,
+    plan_id VARCHAR(64) NOT NULL, initial_checkpoint_id VARCHAR(64) NOT NULL, config TEXT NOT NULL,
+    status VARCHAR(16) NOT NULL, created_at FLOAT NOT NULL, PRIMARY KEY (id), UNIQUE (population_id, name),
+    FOREIGN KEY(population_id) REFERENCES populations (id), FOREIGN KEY(plan_id) REFERENCES resources (id),
+    FOREIGN KEY(initial_checkpoint_id) REFERENCES resources (id));
+CREATE TABLE rounds (id INTEGER NOT NULL, task_id INTEGER NOT NULL, number INTEGER NOT NULL,
+    attempt INTEGER NOT NULL, status VARCHAR(16) NOT NULL, checkpoint_id VARCHAR(64), metrics TEXT NOT NULL,
+    started_at FLOAT NOT NULL, ended_at FLOAT NOT NULL, PRIMARY KEY (id), FOREIGN KEY(task_id) REFERENCES tasks (id),
+    FOREIGN KEY(checkpoint_id) REFERENCES resources (id));
+INSERT INTO schema VALUES (1, 1);
+"""
+
+
+def _layout_1(db: Path) -> list[bytes]:
+    """A database of layout 1 with a task and its rounds 1-3 committed (and an abandoned attempt
+    of round 2), written as a server of that layout wrote it; the task's models, initial first."""
     plan = digits_plan()
-    ckpt = encode_checkpoint(initial_weights(plan, seed=0))
-    (task,) = store.add_tasks("digits", [NewTask("train", serialize_plan(plan), ckpt, {"round": {}})])
-    for n in range(1, 6):
-        store.record_round(task.id, n, 1, "abandoned", {"selected": 0}, float(n), float(n) + 0.5)
-    store.close()
-    with sqlite3.connect(db) as conn:  # as the server wrote it before the indexes
-        names = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'rounds'").fetchall()
-        assert len(names) == 2
-        for (name,) in names:
-            conn.execute(f"DROP INDEX {name}")
+    models = [encode_checkpoint(initial_weights(plan, seed=seed)) for seed in range(4)]
+    config = '{"round": {"goal_count": 1, "over_selection": 1.0, "min_reports": 1}, "eligibility": {}}'
+    with sqlite3.connect(db) as conn:
+        conn.executescript(LAYOUT_1)
+        conn.execute("INSERT INTO populations VALUES (1, 'digits', 1.0)")
+        for data, kind in [(serialize_plan(plan), "plan"), *((m, "checkpoint") for m in models)]:
+            conn.execute("INSERT INTO resources VALUES (?, ?, ?, 1.0)", (hashlib.sha256(data).hexdigest(), kind, data))
+        ids = [hashlib.sha256(m).hexdigest() for m in models]
+        plan_id = hashlib.sha256(serialize_plan(plan)).hexdigest()
+        conn.execute("INSERT INTO tasks VALUES (1, 1, 'train', ?, ?, ?, 'active', 1.0)", (plan_id, ids[0], config))
+        for rid, (number, attempt, status, model) in enumerate(
+            [
+                (1, 1, "committed", ids[1]),
+                (2, 1, "abandoned", None),
+                (2, 2, "committed", ids[2]),
+                (3, 1, "committed", ids[3]),
+            ],
+            start=1,
+        ):
+            conn.execute(
+                "INSERT INTO rounds VALUES (?, 1, ?, ?, ?, ?, '{\"selected\": 1}', ?, ?)",
+                (rid, number, attempt, status, model, float(rid), rid + 0.5),
+            )
         assert _scans_rounds(conn)
+    return models
+
+
+def test_a_database_of_layout_1_is_upgraded_in_place_and_goes_on_from_its_last_round(tmp_path):
+    """The rounds' indexes and the table of pruned rounds are added, the stamp says layout 2 and
+    every row is as it was: a server started on it goes on with round 4 from round 3's model, and a
+    page of ``GET /rounds`` reads the index instead of scanning every round."""
+    db = tmp_path / "fl.db"
+    models = _layout_1(db)
+    with sqlite3.connect(db) as conn:
+        rows = {t: conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("populations", "tasks", "rounds")}
     store = ServerStore(db)
     try:
-        page, more = store.round_page([task.id], last=2, before=store.rounds(task.id)[-1].id)
-        assert [r.number for r in page] == [3, 4] and more
-        assert store.schema_version() == SCHEMA_VERSION
+        assert store.schema_version() == SCHEMA_VERSION == 2
+        service = FLService(store)
+        [task] = service.population_status("digits")["active_tasks"]
+        assert (task["round"], task["committed_rounds"]) == (4, 3)
+        assert service.current_model("digits")[:2] == (models[3], 3)
+        page, more = store.round_page([1], last=2)
+        assert [(r.number, r.attempt) for r in page] == [(2, 2), (3, 1)] and more
     finally:
         store.close()
     with sqlite3.connect(db) as conn:
         assert not _scans_rounds(conn)
+        assert conn.execute("SELECT count(*) FROM pruned_rounds").fetchone() == (0,)
+        for table, before in rows.items():
+            assert conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall() == before
+
+
+def test_an_upgrade_that_fails_leaves_the_database_as_it_was(tmp_path, monkeypatch):
+    """A migration that fails half way (here after its first step) changes nothing: the upgrade is
+    one transaction, and the next start upgrades the file whole."""
+    db = tmp_path / "fl.db"
+    _layout_1(db)
+
+    def half(conn) -> None:
+        persistence.pruned_rounds.create(conn)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(persistence.MIGRATIONS, 1, half)
+    with pytest.raises(OSError):
+        ServerStore(db)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version FROM schema").fetchone() == (1,)
+        assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'pruned_rounds'").fetchone() is None
+    monkeypatch.undo()
+    store = ServerStore(db)
+    try:
+        assert store.schema_version() == 2 and len(store.rounds(1)) == 4
+    finally:
+        store.close()
+
+
+def test_a_database_another_server_runs_on_is_refused_before_it_is_upgraded(tmp_path, capsys):
+    """A newer server started on the file an older one serves is refused as a second server is,
+    and leaves the file in the layout the running server knows."""
+    db = tmp_path / "fl.db"
+    _layout_1(db)
+    lock = os.open(f"{db}.lock", os.O_RDWR | os.O_CREAT, 0o644)  # the running server's hold
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(lock, b"4242\n")
+        code = server_command_exit(["--db", str(db), "--port", "0", "--admin-key-file", str(_key_file(tmp_path))])
+        _refused(code, capsys.readouterr().err, "in use by another server (pid 4242")
+    finally:
+        os.close(lock)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version FROM schema").fetchone() == (1,)
+        assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'pruned_rounds'").fetchone() is None
+
+
+def test_a_database_locked_by_another_process_is_refused_when_it_opens_not_at_its_first_write(tmp_path):
+    """A server opens its database in a transaction that takes the write lock: one held by another
+    process past the busy timeout fails there, saying to retry, rather than at the first round."""
+    db = tmp_path / "fl.db"
+    ServerStore(db).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(OperationalError) as refused:
+            ServerStore(db, busy_timeout_s=0.1)
+        assert "another process holds it locked: retry later" in sqlite_advice(refused.value)
+    finally:
+        holder.close()
+    ServerStore(db, busy_timeout_s=0.1).close()
+
+
+def test_a_file_that_is_not_sqlite_is_refused_in_one_line_and_left_as_it_is(tmp_path, capsys):
+    db = tmp_path / "fl.db"
+    db.write_bytes(b"these are an operator's notes, not a database" * 100)
+    code = server_command_exit(["--db", str(db), "--port", "0", "--admin-key-file", str(_key_file(tmp_path))])
+    _refused(code, capsys.readouterr().err, "not an SQLite database")
+    assert db.read_bytes() == b"these are an operator's notes, not a database" * 100
+
+
+def _two_tasks() -> list[NewTask]:
+    plan = digits_plan()
+    return [
+        NewTask(name, serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=i)), {"round": {}})
+        for i, name in enumerate(["a", "b"])
+    ]
+
+
+# killed (SIGKILL, a process of its own: -m slow), or failed in this process (the write refused)
+@pytest.mark.parametrize("how", [pytest.param("killed", marks=pytest.mark.slow), "failed"])
+def test_a_deploy_killed_or_failed_leaves_nothing_of_it_and_can_be_made_again(tmp_path, how):
+    """A deploy of two tasks stores both with their plans and models in one transaction: stopped
+    once the first task's row is written, the database has neither task, and no plan or model of
+    them."""
+    db = tmp_path / "fl.db"
+    store = ServerStore(db)
+    store.create_population("digits")
+    if how == "killed":
+        store.close()
+        deploy = (
+            "from tests.server_stub.test_server_database import _two_tasks\nstore.add_tasks('digits', _two_tasks())"
+        )
+        done = killed_at_statement(db, "INSERT INTO tasks", deploy)
+        assert done.returncode == -9, done.stderr
+    else:
+
+        def refuse(conn, cursor, statement, *args) -> None:
+            if statement.startswith("INSERT INTO tasks"):
+                raise OSError(28, "No space left on device")
+
+        event.listen(store.engine, "after_cursor_execute", refuse)
+        with pytest.raises(OSError):
+            store.add_tasks("digits", _two_tasks())
+        store.close()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM tasks").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM resources").fetchone() == (0,)
+    store = ServerStore(db)
+    try:
+        assert FLService(store).population_status("digits")["active_tasks"] == []
+        assert [t.name for t in store.add_tasks("digits", _two_tasks())] == ["a", "b"]
+    finally:
+        store.close()
+
+
+def _read_only_mount() -> bool:
+    """Whether this machine lets a process make a read-only bind mount of its own (a user and mount
+    namespace, no root needed): a read-only file system refuses writes to root too."""
+    try:
+        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _read_only_mount(), reason="needs unshare -Urm (user and mount namespaces)")
+@pytest.mark.timeout(60)
+def test_a_read_only_database_is_refused_in_one_line_before_the_server_serves(tmp_path):
+    """A database on a read-only file system (a bind mount remounted read-only): the server said it
+    listened, then failed every deploy and round; it refuses to start, saying the file is read-only."""
+    db = tmp_path / "fl.db"
+    ServerStore(db).close()
+    keys = _key_file(tmp_path)
+    script = (
+        f'mount --bind "{db}" "{db}" && mount -o remount,bind,ro "{db}" && '
+        f'exec "{sys.executable}" -m server_stub --db "{db}" --port 0 --admin-key-file "{keys}"'
+    )
+    done = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30)
+    _refused(done.returncode, done.stderr, "read-only", str(db))
+    assert "listening" not in done.stdout
 
 
 def _scans_rounds(conn: sqlite3.Connection) -> bool:
