@@ -25,6 +25,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from pydantic_core import from_json
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -59,13 +60,14 @@ from .errors import (
     BodyTooLarge,
     ClientDisconnected,
     DatabaseGone,
+    DatabaseUnavailable,
     MalformedBody,
     PollSuperseded,
     TooManyRequests,
     Unauthorized,
     UploadSuperseded,
 )
-from .persistence import ServerStore
+from .persistence import ServerStore, store_advice
 from .release_gate import RELEASE_CODES
 from .schemas import (
     MAX_ROUND_ID,
@@ -388,6 +390,7 @@ _STATUS_OF: dict[str, int] = {
     ),
     "INTERNAL": 500,
     "DATABASE_GONE": 503,
+    "DATABASE_UNAVAILABLE": 503,
 }
 #: A body the route reads (``read_body``): a bad Content-Length, a client gone or too slow, too large.
 _BODY = ("MALFORMED_BODY", "CLIENT_DISCONNECTED", "BODY_TIMEOUT", "BODY_TOO_LARGE")
@@ -409,12 +412,13 @@ _DEPLOY = (
 )
 
 
-def _errors(*codes: str) -> dict[int | str, dict[str, Any]]:
+def _errors(*codes: str, database: bool = True) -> dict[int | str, dict[str, Any]]:
     """A route's error answers: one per status its ``codes`` have (listed in the description and
-    as ``x-error-codes``), and the 500 every route may send. The answers the HTTP server gives
+    as ``x-error-codes``), the 500 every route may send and, for a route that reads or writes the
+    database (``database``), its 503 ``DATABASE_UNAVAILABLE``. The answers the HTTP server gives
     before a request reaches any route are in the app's description instead."""
     by_status: dict[int, list[str]] = {}
-    for code in (*codes, "INTERNAL"):
+    for code in (*codes, *(("DATABASE_UNAVAILABLE",) if database else ()), "INTERNAL"):
         by_status.setdefault(_STATUS_OF[code], []).append(code)
     return {
         status: {
@@ -426,9 +430,9 @@ def _errors(*codes: str) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def _route(*codes: str, more: dict[int | str, Any] | None = None) -> dict[str, Any]:
+def _route(*codes: str, more: dict[int | str, Any] | None = None, database: bool = True) -> dict[str, Any]:
     """The ``responses`` of a route that sends ``codes`` (and ``more``, its other answers)."""
-    return {"responses": {**(more or {}), **_errors(*codes)}}
+    return {"responses": {**(more or {}), **_errors(*codes, database=database)}}
 
 
 _REDEPLOYED = "the same deploy, stored before as it is (sent again after its answer was lost): the tasks it made"
@@ -486,7 +490,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
             return fn(*args)
         return await run_in_threadpool(fn, *args)
 
-    @app.get("/v1/health", tags=["health"], **_answers(Health), **_route("DATABASE_GONE"))
+    @app.get("/v1/health", tags=["health"], **_answers(Health), **_route("DATABASE_GONE", database=False))
     async def health() -> Health:
         problem = service.database_problem
         if problem is not None:  # a monitor must hear of it: every write from now on is lost at the stop
@@ -511,13 +515,18 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         "/v1/attestation/nonce",
         tags=["devices"],
         **_answers(AttestationChallenge),
-        **_route(*_BODY, "ATTESTATION_DISABLED"),
+        **_route(*_BODY, "ATTESTATION_DISABLED", database=False),
     )
     async def attestation_nonce(request: Request) -> AttestationChallenge:
         await read_body(request, MAX_JSON_BYTES)
         return await call(service.attestation_challenge)
 
-    @app.get("/v1/populations/{population}/eligibility", tags=["devices"], **_answers(EligibilityInfo), **_route())
+    @app.get(
+        "/v1/populations/{population}/eligibility",
+        tags=["devices"],
+        **_answers(EligibilityInfo),
+        **_route(database=False),
+    )
     async def eligibility_info(population: str) -> EligibilityInfo:
         return await call(service.eligibility_info, population)
 
@@ -814,6 +823,16 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         # Not the app's fault, and nobody reads the answer: one line, no traceback.
         log.debug("the client of %s %s disconnected before its request body was in", request.method, request.url.path)
         error = ClientDisconnected("the client disconnected before its request body was in")
+        return JSONResponse(error.to_json(), status_code=error.status)
+
+    @app.exception_handler(OperationalError)
+    async def database_unavailable(request: Request, exc: OperationalError) -> Response:
+        # Not a bug: the database refused (a full disk, a lock past the busy timeout, a read-only
+        # file). One line saying what to do, no traceback; the client is told to come back.
+        log.error("%s %s: the database refused it: %s", request.method, request.url.path, store_advice(exc))
+        error = DatabaseUnavailable(
+            "the server cannot use its database now; nothing of the request was kept: try again later"
+        )
         return JSONResponse(error.to_json(), status_code=error.status)
 
     @app.exception_handler(Exception)

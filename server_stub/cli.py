@@ -16,14 +16,12 @@ from typing import Any, NoReturn, TextIO
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from example_store.sqlite_engine import sqlite_advice
-
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .errors import closest, did_you_mean, key_file_mistake
 from .http_guards import GuardedServer, HttpLimits
-from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError
+from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError, store_advice
 from .release_trust import ReleaseTrustError, read_release_trust
 from .retention import Retention
 from .service import FLService
@@ -386,7 +384,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         )
         return 2
     except (SQLAlchemyError, OSError) as exc:
-        print(f"fedfleet server: cannot open the database {args.db}: {sqlite_advice(exc)}", file=sys.stderr)
+        print(f"fedfleet server: cannot open the database {args.db}: {store_advice(exc)}", file=sys.stderr)
         return 2
     try:
         service = FLService(
@@ -402,7 +400,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     except SQLAlchemyError as exc:
         store.close()
-        print(f"fedfleet server: cannot read the database {args.db}: {sqlite_advice(exc)}", file=sys.stderr)
+        print(f"fedfleet server: cannot read the database {args.db}: {store_advice(exc)}", file=sys.stderr)
         return 2
     server = GuardedServer(
         create_app(service, admin_keys=keys),
@@ -498,7 +496,7 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"fedfleet prune: {exc}", file=sys.stderr)
         return 2
     except (StoreLayoutError, ImportError, SQLAlchemyError, OSError) as exc:
-        reason = sqlite_advice(exc) if isinstance(exc, (SQLAlchemyError, OSError)) else str(exc)
+        reason = store_advice(exc) if isinstance(exc, (SQLAlchemyError, OSError)) else str(exc)
         print(f"fedfleet prune: cannot open the database {args.db}: {reason}", file=sys.stderr)
         return 2
     try:
@@ -512,7 +510,7 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
         cutoff = time.time() - args.older_than_days * 86_400.0
         pruned = store.prune_models(cutoff, dry_run=args.dry_run)
     except (SQLAlchemyError, OSError) as exc:
-        print(f"fedfleet prune: {sqlite_advice(exc)}", file=sys.stderr)
+        print(f"fedfleet prune: {store_advice(exc)}", file=sys.stderr)
         return 2
     finally:
         store.close()

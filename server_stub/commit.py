@@ -23,10 +23,9 @@ import numpy as np
 from sqlalchemy.exc import SQLAlchemyError
 
 from device_runtime.checkpoint import encode_checkpoint
-from example_store.sqlite_engine import sqlite_advice
 
 from . import dp_rounds
-from .persistence import RoundRecord, ServerStore, resource_id
+from .persistence import RoundRecord, ServerStore, resource_id, store_advice
 from .rounds import Phase, RoundCore
 from .service_state import ClosedRound, PendingCommit, Population, SessionTable, TaskRun, UnwrittenRound
 
@@ -129,7 +128,7 @@ def write_quietly(write: Callable[..., _T], *args: object) -> _T | None:
     try:
         return write(*args)
     except (SQLAlchemyError, OSError) as exc:
-        log.error("a database write failed: %s", sqlite_advice(exc))
+        log.error("a database write failed: %s", store_advice(exc))
         return None
 
 
@@ -262,7 +261,7 @@ class CommitPipeline:
                 "task %s round %d: the database write failed (%s); the round is abandoned",
                 run.label,
                 p.core.number,
-                sqlite_advice(exc),
+                store_advice(exc),
             )
             was_commit = phase is Phase.COMMITTED
             phase = Phase.ABANDONED

@@ -245,3 +245,10 @@ class DatabaseGone(ApiError):
     its stop (the health check says so, for a monitor or a load balancer)."""
 
     status, code = 503, "DATABASE_GONE"
+
+
+class DatabaseUnavailable(ApiError):
+    """The database refused a write or a read the request needs (a full disk, a lock held past the
+    busy timeout, a read-only or failing file): nothing of the request was kept; try again later."""
+
+    status, code = 503, "DATABASE_UNAVAILABLE"

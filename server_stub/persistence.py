@@ -3,6 +3,7 @@ and checkpoints) and rounds. Individual device updates are never stored here."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ from sqlalchemy.engine import Connection, CursorResult, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
-from example_store.sqlite_engine import sqlite_engine, write_locked
+from example_store.sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 
 metadata = MetaData()
 
@@ -149,6 +150,25 @@ def _json(value: object) -> str:
 def _load_metrics(text: str) -> dict:
     """Metrics as stored; a NaN or infinity written by an older server reads as null."""
     return json.loads(text, parse_constant=lambda _constant: None)
+
+
+#: What to do about an operating system's error on the database's files (its lock file, a file
+#: SQLite could not make), by its errno: SQLite's own errors say theirs (``sqlite_advice``).
+_OS_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space and retry (nothing of the failed write was kept)",
+    errno.EDQUOT: "the disk quota is used up: free space and retry (nothing of the failed write was kept)",
+    errno.EROFS: "its file system is read-only: give --db a file on a writable one",
+    errno.EACCES: "permission denied: check the permissions of the file and its folder",
+    errno.EPERM: "permission denied: check the permissions of the file and its folder",
+}
+
+
+def store_advice(exc: BaseException) -> str:
+    """The reason a database error gives and what to do about it, in one line: SQLite's and
+    SQLAlchemy's (``sqlite_advice``), and the operating system's on the files beside the database."""
+    if isinstance(exc, OSError) and exc.errno in _OS_ADVICE:
+        return f"{exc.strerror or exc}; {_OS_ADVICE[exc.errno]}"
+    return sqlite_advice(exc)
 
 
 class DamagedStore(Exception):

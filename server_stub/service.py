@@ -42,7 +42,6 @@ from device_runtime.wire import (
     ReportAnswer,
     SecAggAccepted,
 )
-from example_store.sqlite_engine import sqlite_advice
 
 from . import admission, dp_rounds, secure_driver
 from .attestation import AttestationVerifier
@@ -60,7 +59,7 @@ from .errors import (
     quoted,
 )
 from .pace import MAX_DEFERRALS
-from .persistence import PrunedRounds, ServerStore, TaskRecord
+from .persistence import PrunedRounds, ServerStore, TaskRecord, store_advice
 from .reports import check_report, stats_shape, take_report
 from .retention import RESOURCE_GRACE_S, RETENTION_BATCH, RETENTION_EVERY_S, Retention
 from .rounds import ReportVerdict, RoundConfig
@@ -435,7 +434,7 @@ class FLService:
                 except (SQLAlchemyError, OSError) as exc:
                     log.error(
                         "retention: the database refused to remove old rounds (%s); tried again in %g s",
-                        sqlite_advice(exc),
+                        store_advice(exc),
                         RETENTION_EVERY_S,
                     )
                     break

@@ -428,7 +428,13 @@ def test_each_route_documents_only_the_error_codes_it_can_send():
     codes = _documented_codes(_app().openapi())
     assert codes[("GET", "/v1/health")] == {"DATABASE_GONE", "INTERNAL"}
     assert codes[("GET", "/v1/populations/{population}/eligibility")] == {"INTERNAL"}
-    assert codes[("GET", "/v1/populations")] == {"ADMIN_KEY_REQUIRED", "BAD_ADMIN_KEY", "INTERNAL"}
+    assert codes[("GET", "/v1/populations")] == {
+        "ADMIN_KEY_REQUIRED",
+        "BAD_ADMIN_KEY",
+        "DATABASE_UNAVAILABLE",
+        "INTERNAL",
+    }
+    assert "DATABASE_UNAVAILABLE" not in codes[("POST", "/v1/attestation/nonce")]
     devices = {c for (_, path), found in codes.items() if "/sessions/" in path or "/checkin" in path for c in found}
     operators = codes[("POST", "/v1/populations/{population}/tasks")]
     assert not devices & {"ADMIN_KEY_REQUIRED", "TASK_EXISTS", "INVALID_PLAN", "RELEASE_TEST_FAILED"}

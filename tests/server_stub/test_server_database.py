@@ -25,9 +25,8 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
-from example_store.sqlite_engine import sqlite_advice
 from server_stub import AdminError, FLService, RoundConfig, ServerStore, ServerThread, persistence
-from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, StoreLayoutError
+from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, StoreLayoutError, store_advice
 from tests.dying_server import killed_at_statement
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
@@ -250,7 +249,7 @@ def test_a_database_locked_by_another_process_is_refused_when_it_opens_not_at_it
         holder.execute("BEGIN IMMEDIATE")
         with pytest.raises(OperationalError) as refused:
             ServerStore(db, busy_timeout_s=0.1)
-        assert "another process holds it locked: retry later" in sqlite_advice(refused.value)
+        assert "another process holds it locked: retry later" in store_advice(refused.value)
     finally:
         holder.close()
     ServerStore(db, busy_timeout_s=0.1).close()
@@ -270,6 +269,52 @@ def _two_tasks() -> list[NewTask]:
         NewTask(name, serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=i)), {"round": {}})
         for i, name in enumerate(["a", "b"])
     ]
+
+
+def _own_mounts() -> bool:
+    """Whether this machine lets a process mount file systems of its own (a user and mount
+    namespace, no root needed): a read-only bind mount refuses writes to root too, and a tiny tmpfs
+    fills up."""
+    try:
+        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_said_as_one_and_what_to_do(tmp_path):
+    """The operating system's ENOSPC (the lock file beside the database on a full disk; /dev/full
+    gives the same error) is said as a full disk, not as a damaged or locked file."""
+    with pytest.raises(OSError) as full, open("/dev/full", "wb") as device:
+        device.write(b"x")
+        device.flush()
+    assert store_advice(full.value) == (
+        "No space left on device; the disk is full: free space and retry (nothing of the failed write was kept)"
+    )
+
+
+@pytest.mark.slow  # a tmpfs of its own (unshare); the error it says: the test above
+@pytest.mark.skipif(not _own_mounts(), reason="needs unshare -Urm (user and mount namespaces)")
+def test_a_server_started_on_a_full_disk_says_so_in_one_line(tmp_path):
+    """A database on a full file system (a 256 KiB tmpfs filled up), new or already there."""
+    mount, keys = tmp_path / "disk", _key_file(tmp_path)
+    mount.mkdir()
+    db = mount / "fl.db"
+    for existing in (False, True):
+        script = (
+            f'mount -t tmpfs -o size=256k tmpfs "{mount}" && '
+            + (
+                f'"{sys.executable}" -c "from server_stub import ServerStore; ServerStore(\'{db}\').close()" && '
+                if existing
+                else ""
+            )
+            + f'(dd if=/dev/zero of="{mount}/filler" bs=4k 2>/dev/null; true) && '
+            f'exec "{sys.executable}" -m server_stub --db "{db}" --port 0 --admin-key-file "{keys}"'
+        )
+        done = subprocess.run(
+            ["unshare", "-Urm", "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        _refused(done.returncode, done.stderr, "the disk is full: free space and retry")
 
 
 # killed (SIGKILL, a process of its own: -m slow), or failed in this process (the write refused)
@@ -309,16 +354,7 @@ def test_a_deploy_killed_or_failed_leaves_nothing_of_it_and_can_be_made_again(tm
         store.close()
 
 
-def _read_only_mount() -> bool:
-    """Whether this machine lets a process make a read-only bind mount of its own (a user and mount
-    namespace, no root needed): a read-only file system refuses writes to root too."""
-    try:
-        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _read_only_mount(), reason="needs unshare -Urm (user and mount namespaces)")
+@pytest.mark.skipif(not _own_mounts(), reason="needs unshare -Urm (user and mount namespaces)")
 @pytest.mark.timeout(60)
 def test_a_read_only_database_is_refused_in_one_line_before_the_server_serves(tmp_path):
     """A database on a read-only file system (a bind mount remounted read-only): the server said it
@@ -385,6 +421,29 @@ def test_a_failed_database_write_is_logged_in_one_line_saying_what_to_do(tmp_pat
     for line in failures:
         assert "\n" not in line and "sqlalche.me" not in line, line
         assert "database is locked; another process holds it locked: retry later" in line, line
+
+
+def test_a_request_the_database_refuses_is_a_503_saying_to_retry_and_one_log_line(tmp_path, caplog):
+    """A write the database refuses (here a lock another process holds past the busy timeout; a
+    full disk is the same error) is not a server fault: 503 ``DATABASE_UNAVAILABLE``, nothing kept,
+    and one log line with SQLite's reason and what to do, where it was a 500 ``INTERNAL`` and two
+    tracebacks. The same request goes through once the database takes writes again."""
+    db = tmp_path / "fl.db"
+    with ServerThread(db, busy_timeout_s=0.1) as server:
+        headers = {"Authorization": f"Bearer {server.admin_key}"}
+        holder = sqlite3.connect(db, isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with caplog.at_level(logging.ERROR):
+                answer = httpx.post(f"{server.url}/v1/populations", json={"name": "p"}, headers=headers)
+        finally:
+            holder.close()
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "DATABASE_UNAVAILABLE", answer.text
+        [line] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert line.exc_info is None and "\n" not in line.getMessage()
+        assert "POST /v1/populations: the database refused it: database is locked; another process" in line.getMessage()
+        again = httpx.post(f"{server.url}/v1/populations", json={"name": "p"}, headers=headers)
+        assert (again.status_code, again.json()) == (201, {"name": "p", "created": True})
 
 
 def test_the_log_names_each_rounds_population_and_why_a_round_was_abandoned(tmp_path, caplog):
