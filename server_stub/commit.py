@@ -177,9 +177,11 @@ class CommitPipeline:
     def writing(self) -> Iterator[None]:
         """Hold the commits' write turn: no round's record is written, and no model replaces
         another in memory, until the block ends (what the service reads of its live models in it
-        stays true)."""
+        stays true). The commits queued meanwhile are written as it ends: their threads, which
+        found the turn taken, wait for them, and would otherwise wait for the next tick."""
         with self._write_lock:
             yield
+        self.flush()
 
     def closing(self, core: RoundCore) -> PendingCommit | None:
         """The pending commit of the round ``core`` ran, if it is still waiting (under the lock)."""

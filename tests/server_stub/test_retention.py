@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from server_stub.retention import RETENTION_EVERY_S, Retention, RetentionError
 from server_stub.service import TaskSpec
 from tests.dying_server import killed_at_statement
 from tests.server_stub.test_operators import _key_file
-from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _update
+from tests.server_stub.test_round_history import ONE_DEVICE, _checked_in, _one_round, _update
 from tests.server_stub.test_server_database import _refused
 from tests.support import digits_plan, server_command_exit
 
@@ -190,6 +191,32 @@ def test_a_serving_server_applies_retention_and_a_restart_counts_what_it_removed
         assert [(t["round"], t["committed_rounds"]) for t in status["active_tasks"]] == [(7, 6)]
         _one_round(service, clock, update)  # round 7 is its last: max_rounds counts the removed ones
         assert service.task_states("p")["t"]["status"] == "completed"
+    finally:
+        service.store.close()
+
+
+def test_a_commit_queued_while_a_pass_holds_the_write_turn_is_written_as_the_pass_ends(tmp_path):
+    """The report that completes a round while a retention batch holds the commits' write turn
+    waits for its commit; the commit is written as the batch ends, not at some later tick (this
+    service has no ticker: the report would wait for ever)."""
+    plan = digits_plan()
+    service, clock = _served(tmp_path / "fl.db", retention={"keep_rounds": 1})
+    try:
+        service.create_population("p")
+        checkpoint = encode_checkpoint(initial_weights(plan))
+        service.deploy_tasks("p", [TaskSpec("t", serialize_plan(plan), checkpoint, RoundConfig(**ONE_DEVICE))])
+        answer = _checked_in(service, clock)
+        answered = []
+        device = threading.Thread(
+            target=lambda: answered.append(service.report(answer.session_id, answer.token, _update(plan))),
+            daemon=True,
+        )
+        with service._commits.writing():
+            device.start()
+            device.join(0.5)
+            assert not answered  # its round's commit waits for the write turn
+        device.join(60)
+        assert [a.round_status for a in answered] == ["committed"]
     finally:
         service.store.close()
 

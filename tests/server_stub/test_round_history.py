@@ -34,16 +34,22 @@ def _update(plan) -> bytes:
     return encode_checkpoint(update)
 
 
-def _one_round(service: FLService, clock: VirtualClock, update: bytes) -> str:
-    """One device checks in (waiting out a deferred opening) and reports; the task it served."""
+def _checked_in(service: FLService, clock: VirtualClock) -> CheckinAccepted:
+    """One device's accepted check-in (waiting out a deferred opening)."""
     for _ in range(100):
         answer = service.checkin("p", "1.31.1")
         if isinstance(answer, CheckinAccepted):
-            service.report(answer.session_id, answer.token, update)
-            return answer.task
+            return answer
         clock.advance(5.0)
         service.tick()
     raise AssertionError("no check-in was accepted")
+
+
+def _one_round(service: FLService, clock: VirtualClock, update: bytes) -> str:
+    """One device checks in (waiting out a deferred opening) and reports; the task it served."""
+    answer = _checked_in(service, clock)
+    service.report(answer.session_id, answer.token, update)
+    return answer.task
 
 
 @settings(max_examples=8, deadline=None)
