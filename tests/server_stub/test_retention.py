@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 
@@ -15,12 +16,12 @@ import pytest
 from sqlalchemy import event
 
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
-from server_stub import FLService, RoundConfig, ServerStore
+from server_stub import AdminClient, FLService, RoundConfig, ServerStore
 from server_stub.persistence import NewTask
 from server_stub.retention import RETENTION_EVERY_S, Retention, RetentionError
 from server_stub.service import TaskSpec
 from tests.dying_server import killed_at_statement
-from tests.server_stub.test_operators import _key_file
+from tests.server_stub.test_operators import KEY, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _checked_in, _one_round, _update
 from tests.server_stub.test_server_database import _refused
 from tests.support import digits_plan, server_command_exit
@@ -262,3 +263,31 @@ def test_a_pass_killed_or_failed_while_it_removes_a_batch_has_all_of_it_removed_
         assert _kept(store, ids["a"]) == [(4, 1), (5, 2)] and store.pruned_counts(ids["a"]) == (5, 3)
     finally:
         store.close()
+
+
+@pytest.mark.slow  # a server process of its own; the same pass in this process: the tests above
+@pytest.mark.timeout(90)
+def test_the_server_command_removes_old_rounds_as_it_starts_and_serves_the_last_committed_model(tmp_path):
+    db = tmp_path / "fl.db"
+    ids, models = _history(db)
+    store = ServerStore(db)
+    store.set_task_status(ids["b"], "completed")  # its DP config is a stand-in: only a goes on
+    store.close()
+    server = _Server("--db", str(db), "--port", "0", "--admin-key-file", str(_key_file(tmp_path)), "--keep-rounds", "1")
+    try:
+        banner = server.banner()
+        assert "keeps:       the newest 1 round record(s) of each task, checked every 60 s" in banner, banner
+        found = re.search(r"listening on (http://\S+)", banner)
+        assert found is not None
+        server.wait_healthy(found[1])
+        with AdminClient(found[1], admin_key=KEY) as admin:
+            deadline = time.monotonic() + 30
+            while len(admin.rounds("p", task="a")) > 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            kept = admin.rounds("p", task="a")
+            assert [(r["round"], r["attempt"]) for r in kept] == [(4, 1), (5, 2)]
+            assert admin.model("p", task="a")[1] == 4
+            assert kept[0]["checkpoint_id"] == resource(models[4])
+            assert admin.status("p")["active_tasks"][0]["committed_rounds"] == 4
+    finally:
+        server.stop()
