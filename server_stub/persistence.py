@@ -32,6 +32,7 @@ from sqlalchemy import (
     UniqueConstraint,
     and_,
     create_engine,
+    exists,
     func,
     inspect,
     or_,
@@ -50,8 +51,9 @@ metadata = MetaData()
 #: The layout of the server's tables this server writes, kept in the table ``schema``. A layout
 #: change adds a migration from the one before (``MIGRATIONS``) and raises this by one; a database
 #: of a later layout (written by a newer server) is refused rather than written in a layout it does
-#: not know. 1: populations, resources, tasks, rounds. 2: the rounds' indexes, and ``pruned_rounds``
-#: (what retention removed of each task's history, which a server of layout 1 would not count).
+#: not know. 1: populations, resources, tasks, rounds. 2: the rounds' indexes (by task, and by the
+#: model they name), and ``pruned_rounds`` (what retention removed of each task's history, which a
+#: server of layout 1 would not count).
 SCHEMA_VERSION = 2
 
 schema = Table(
@@ -109,6 +111,9 @@ rounds = Table(
     # committed round): without them each of those reads scanned every round of every task
     Index("rounds_by_task_start", "task_id", "started_at", "number", "attempt"),
     Index("rounds_by_task_number", "task_id", "number", "attempt"),
+    # the rounds that name a model: deleting a checkpoint (retention, ``fedfleet prune``) has SQLite
+    # check that no round names it (a foreign key), which scanned every round for each checkpoint
+    Index("rounds_by_checkpoint", "checkpoint_id"),
 )
 
 # What retention (``ServerStore.prune_rounds``) removed of a task's rounds: how many records, and
@@ -124,8 +129,8 @@ pruned_rounds = Table(
 
 
 def _layout_2(conn: Connection) -> None:
-    """Layout 1 to 2: the rounds' indexes (a server of layout 1 made them, unrecorded, from a
-    point on) and the table of pruned rounds."""
+    """Layout 1 to 2: the rounds' indexes (a server of layout 1 made the first two, unrecorded,
+    from a point on) and the table of pruned rounds."""
     for index in rounds.indexes:
         index.create(conn, checkfirst=True)
     pruned_rounds.create(conn, checkfirst=True)
@@ -727,9 +732,9 @@ class ServerStore:
         (the attempt its next round follows), the records ``keep_ids`` names, and, of a task with
         differential privacy, every record ``private(status, metrics)`` says spent privacy (its
         ledger is read from them). Each task's count of removed records (and of removed commits) is
-        kept in ``pruned_rounds``. Then, if records went, the checkpoints stored before
-        ``resources_before`` that no round or task names any more and ``keep_resources`` does not
-        list (the models of removed rounds, what devices were sent of old models) go too."""
+        kept in ``pruned_rounds``. Then the models of the removed records go too, those stored
+        before ``resources_before`` that no round or task names any more and ``keep_resources``
+        does not list (``drop_unnamed_checkpoints`` finds the others)."""
         if keep_rounds is None and ended_before is None:
             return PrunedRounds()
         newest = (rounds.c.number.desc(), rounds.c.attempt.desc(), rounds.c.id.desc())
@@ -771,6 +776,12 @@ class ServerStore:
             by_task: dict[int, list[tuple[int, bool]]] = {}
             for task_id, rid, committed in chosen:
                 by_task.setdefault(task_id, []).append((rid, committed))
+            ids = [rid for _, rid, _ in chosen]
+            models = list(
+                conn.execute(
+                    select(rounds.c.checkpoint_id).where(rounds.c.id.in_(ids), rounds.c.checkpoint_id.is_not(None))
+                ).scalars()
+            )
             for task_id, removed in by_task.items():
                 conn.execute(rounds.delete().where(rounds.c.id.in_([rid for rid, _ in removed])))
                 count, commits = len(removed), sum(committed for _, committed in removed)
@@ -783,23 +794,36 @@ class ServerStore:
                 else:
                     conn.execute(pruned_rounds.insert().values(task_id=task_id, rounds=count, committed=commits))
             found = (0, 0)
-            if resources_before is not None:
-                named = (
-                    select(rounds.c.checkpoint_id.label("id"))
-                    .where(rounds.c.checkpoint_id.is_not(None))
-                    .union(select(tasks.c.initial_checkpoint_id), select(tasks.c.plan_id))
-                )
-                unnamed = and_(
-                    resources.c.kind == "checkpoint",
-                    resources.c.created_at < resources_before,
-                    resources.c.id.not_in(named),
-                    resources.c.id.not_in(list(set(keep_resources))),
-                )
-                found = conn.execute(
-                    select(func.count(), func.coalesce(func.sum(func.length(resources.c.data)), 0)).where(unnamed)
-                ).one()
-                conn.execute(resources.delete().where(unnamed))
+            if resources_before is not None and models:
+                found = self._drop_checkpoints(conn, resources_before, keep_resources, resources.c.id.in_(models))
         return PrunedRounds(len(chosen), sum(c for _, _, c in chosen), int(found[0]), int(found[1]))
+
+    def drop_unnamed_checkpoints(self, resources_before: float, keep_resources: Iterable[str] = ()) -> tuple[int, int]:
+        """Delete the checkpoints stored before ``resources_before`` that no round or task names
+        and ``keep_resources`` does not list (what devices were sent of models no longer current,
+        the models of records removed before): how many, and their bytes."""
+        with self._write_transaction() as conn:
+            return self._drop_checkpoints(conn, resources_before, keep_resources)
+
+    @staticmethod
+    def _drop_checkpoints(
+        conn: Connection, before: float, keep: Iterable[str], *among: ColumnElement[bool]
+    ) -> tuple[int, int]:
+        """``drop_unnamed_checkpoints`` in ``conn``'s transaction, of the checkpoints ``among`` says."""
+        unnamed = and_(
+            resources.c.kind == "checkpoint",
+            resources.c.created_at < before,
+            ~exists().where(rounds.c.checkpoint_id == resources.c.id),  # through rounds_by_checkpoint
+            ~exists().where(or_(tasks.c.initial_checkpoint_id == resources.c.id, tasks.c.plan_id == resources.c.id)),
+            resources.c.id.not_in(list(set(keep))),
+            *among,
+        )
+        count, size = conn.execute(
+            select(func.count(), func.coalesce(func.sum(func.length(resources.c.data)), 0)).where(unnamed)
+        ).one()
+        if count:
+            conn.execute(resources.delete().where(unnamed))
+        return int(count), int(size)
 
     def last_committed_round(self, task_id: int) -> RoundRecord | None:
         """The last committed round in the order ``rounds`` gives, read alone: the model an

@@ -410,16 +410,9 @@ class FLService:
         total = PrunedRounds()
         while True:
             with self._commits.writing():
+                live = self._live_resources()
                 with self._lock:
-                    live: set[str] = set()
-                    keep_ids: set[int] = set()
-                    for pop in self._populations.values():
-                        for run in pop.runs:
-                            live.add(run.broadcast_id)
-                            if run.idle_record is not None:
-                                keep_ids.add(run.idle_record.id)
-                    for session in self._sessions.by_id.values():
-                        live.update(session.resources)
+                    keep_ids = {r.idle_record.id for p in self._populations.values() for r in p.runs if r.idle_record}
                 wall_now = self.wall_clock()
                 try:
                     done = self.store.prune_rounds(
@@ -441,6 +434,15 @@ class FLService:
             total += done
             if done.rounds < RETENTION_BATCH:
                 break
+        if total.rounds:  # and what was sent of models no longer current, once a pass (it reads every checkpoint)
+            with self._commits.writing():
+                live = self._live_resources()
+                try:
+                    count, size = self.store.drop_unnamed_checkpoints(self.wall_clock() - RESOURCE_GRACE_S, live)
+                except (SQLAlchemyError, OSError) as exc:
+                    log.error("retention: the database refused to remove old checkpoints (%s)", store_advice(exc))
+                else:
+                    total += PrunedRounds(checkpoints=count, bytes=size)
         if total.rounds:
             log.info(
                 "retention: removed %d round record(s) (%d committed) and %d checkpoint(s) nothing names any more, %d bytes",
@@ -596,6 +598,15 @@ class FLService:
         self._commits.write_late_metrics()
 
     # ----------------------------------------------------------------- internals
+    def _live_resources(self) -> set[str]:
+        """What the running tasks serve and what their sessions (of open rounds and of the last
+        closed ones) may still download: no retention removes it."""
+        with self._lock:
+            live = {run.broadcast_id for pop in self._populations.values() for run in pop.runs}
+            for session in self._sessions.by_id.values():
+                live.update(session.resources)
+        return live
+
     def _population(self, name: str) -> Population:
         pop = self._populations.get(name)
         if pop is None:

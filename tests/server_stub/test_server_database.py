@@ -192,6 +192,11 @@ def test_a_database_of_layout_1_is_upgraded_in_place_and_goes_on_from_its_last_r
         store.close()
     with sqlite3.connect(db) as conn:
         assert not _scans_rounds(conn)
+        # deleting a model (retention, fedfleet prune) looks its rounds up (the foreign key's check) by index
+        plan = " ".join(
+            str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN SELECT 1 FROM rounds WHERE checkpoint_id = 'x'")
+        )
+        assert "USING COVERING INDEX rounds_by_checkpoint" in plan, plan
         assert conn.execute("SELECT count(*) FROM pruned_rounds").fetchone() == (0,)
         for table, before in rows.items():
             assert conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall() == before
