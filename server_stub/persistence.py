@@ -284,6 +284,10 @@ def _round_record(row: Any) -> RoundRecord:
     )
 
 
+#: How often (seconds of real time) the server looks whether its database file is still at its path.
+GONE_CHECK_EVERY_S = 1.0
+
+
 class ServerStore:
     """The server's database. One instance per server process."""
 
@@ -312,6 +316,8 @@ class ServerStore:
             self.close()
             raise
         self._identity = self._file_identity()
+        self._gone: str | None = None
+        self._gone_checked_at = time.monotonic()
 
     def _database_file(self) -> str | None:
         """The SQLite file the engine opens, or None (another database, or one in memory)."""
@@ -333,14 +339,23 @@ class ServerStore:
         all of it is lost when the server stops."""
         if self._identity is None:
             return None
+        # at most one stat a second of real time: the server asks on every tick, and a simulated
+        # fleet's server ticks every simulated second, thousands of times a wall second
+        checked = time.monotonic()
+        if self._gone is None and checked - self._gone_checked_at < GONE_CHECK_EVERY_S:
+            return None
+        self._gone_checked_at = checked
         now = self._file_identity()
         if now == self._identity:
-            return None
-        what = "deleted" if now is None else "replaced by another file"
-        return (
-            f"the database {self.path} was {what} while the server runs: what it writes now is lost when it "
-            "stops; stop the server, put the database (or its latest backup) back at its path, and start it again"
-        )
+            self._gone = None
+        else:
+            what = "deleted" if now is None else "replaced by another file"
+            self._gone = (
+                f"the database {self.path} was {what} while the server runs: what it writes now is lost when "
+                "it stops; stop the server, put the database (or its latest backup) back at its path, and start "
+                "it again"
+            )
+        return self._gone
 
     def _open_layout(self) -> None:
         """Make the tables of a new database, or check an existing one's layout and bring it up to
