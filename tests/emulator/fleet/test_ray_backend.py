@@ -256,6 +256,10 @@ def test_the_sharded_run_of_a_larger_fleet_on_two_ray_workers_equals_the_single_
     assert stats["windows"] > 1
 
 
+# slow: the Ray tasks' worker processes each import the simulator again; the lighter twins are the
+# runs fanned out here (test_simulate_with_seeds_prints_one_line_per_run_then_their_digests) and the
+# sharded run on this cluster above
+@pytest.mark.slow
 @needs_ray
 @on_the_cluster
 def test_runs_fanned_out_as_ray_tasks_equal_the_same_runs_here(cluster, tmp_path, capsys):
