@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
@@ -11,7 +13,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError, UnknownCollectionError
 from .retention import RetentionPolicy
-from .selector import ExampleSelector
+from .selector import MAX_TIMESTAMP, ExampleSelector, check_seconds
 from .spelling import closest
 
 
@@ -37,13 +39,15 @@ def check_policy(policy: Any) -> RetentionPolicy:
 
 
 def check_timestamp(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float, np.integer, np.floating))
-        or not np.isfinite(value)
-    ):
-        raise InvalidArgumentError(f"{name} must be a finite number of unix seconds, got {value!r}")
-    return float(value)
+    seconds = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past float's range: np.isfinite failed on it with a TypeError
+            pass
+    if not math.isfinite(seconds):
+        raise InvalidArgumentError(f"{name} must be a finite number of unix seconds, got {value!r:.100}")
+    return check_seconds(name, seconds)
 
 
 def take_timestamps(ts_iter: Iterator[float], n: int) -> list[float]:
@@ -52,10 +56,12 @@ def take_timestamps(ts_iter: Iterator[float], n: int) -> list[float]:
         raise InvalidArgumentError("fewer timestamps than examples were given to add(); pass one per example")
     try:
         arr = np.asarray(chunk, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # an int past float's range: OverflowError
         raise InvalidArgumentError(f"timestamps must be numbers of unix seconds ({exc})") from exc
     if arr.ndim != 1 or not np.isfinite(arr).all():
         raise InvalidArgumentError("timestamps must be finite numbers of unix seconds, one per example")
+    if len(arr) and arr.max() > MAX_TIMESTAMP:
+        check_seconds("add()'s timestamp", float(arr.max()))
     return arr.tolist()
 
 
@@ -68,11 +74,18 @@ def check_path(name: str, path: Any) -> str | os.PathLike:
 
 
 def check_clock(clock: Any) -> Callable[[], float]:
+    """``clock`` as the store reads it: each time it gives is refused when it is milliseconds."""
     if not callable(clock):
         raise InvalidArgumentError(
             f"clock is a function giving unix seconds (time.time, the default), not {type(clock).__name__} {clock!r:.100}"
         )
-    return clock
+    if clock is time.time:
+        return clock
+
+    def now() -> float:
+        return check_seconds("the store's clock() time", clock())
+
+    return now
 
 
 def iterate(values: Any, what: str) -> Iterator[Any]:

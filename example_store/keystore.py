@@ -15,7 +15,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,6 +66,8 @@ class InMemoryKeyStore(KeyStore):
     """Keys in a dict, gone with the process: for tests and for throw-away stores."""
 
     def __init__(self, keys: dict[str, bytes] | None = None) -> None:
+        if keys is not None and not isinstance(keys, Mapping):  # failed with "has no attribute 'items'"
+            raise KeyStoreError(f"InMemoryKeyStore takes a dict of alias -> key bytes or None, not {keys!r:.100}")
         self._lock = threading.Lock()
         self._keys = {check_alias(a): check_key(k, a) for a, k in (keys or {}).items()}
 

@@ -134,6 +134,11 @@ class InMemoryExampleStore(ExampleStore):
         self._check_open()
         check_uri(collection_uri)
         stamp = self._clock() if timestamp is None else check_timestamp("timestamp", timestamp)
+        if not isinstance(columns, Mapping):  # a list or an array failed with "has no attribute 'items'"
+            raise InvalidArgumentError(
+                f"add_columns takes a dict of tensor name -> array (its first axis over the examples), "
+                f"not {type(columns).__name__} {columns!r:.100}"
+            )
         arrays = {name: np.asarray(col) for name, col in columns.items()}
         counts = {a.shape[0] if a.ndim else -1 for a in arrays.values()}
         if len(counts) > 1 or -1 in counts:

@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from .errors import InvalidResumptionTokenError
+from .errors import InvalidArgumentError, InvalidResumptionTokenError
 
 #: The position of an example in its collection's order: (timestamp, insertion id).
 Position = tuple[float, int]
@@ -38,7 +38,10 @@ class ResumptionTokens:
 
     def __init__(self, key: bytes) -> None:
         if not isinstance(key, bytes) or len(key) < 16:
-            raise ValueError("a resumption token key needs at least 16 bytes")
+            raise InvalidArgumentError(
+                f"a resumption token key is at least 16 secret bytes (secrets.token_bytes(32)), not "
+                f"{f'{len(key)} bytes' if isinstance(key, bytes) else type(key).__name__}"
+            )
         self._key = key
 
     def _tag(self, body: bytes) -> bytes:

@@ -19,6 +19,20 @@ _FIELDS = ("collection_uri", "start_time", "end_time", "limit", "order", "resume
 _MAX_TOKEN_CHARS = 4096
 #: The largest limit: what a store's SQL takes (an SQLite INTEGER, int64).
 MAX_LIMIT = 2**63 - 1
+#: The latest time a store takes, 3000-01-01T00:00:00Z in unix seconds. A time past it is
+#: milliseconds taken for seconds (Android's ``System.currentTimeMillis()`` is about 1.7e12): an
+#: example stamped so would never expire under a TTL, and a window so bounded would hold nothing.
+MAX_TIMESTAMP = 32_503_680_000.0
+
+
+def check_seconds(name: str, value: float) -> float:
+    """``value`` (a finite float) if it is a time of seconds since the epoch, not milliseconds."""
+    if value > MAX_TIMESTAMP:
+        raise InvalidArgumentError(
+            f"{name} {value!r} is past the year 3000: the example store takes seconds since the epoch "
+            f"(time.time()), and this looks like milliseconds (System.currentTimeMillis()); divide it by 1000"
+        )
+    return value
 
 
 def _check_time(name: str, value: Any) -> float | None:
@@ -34,7 +48,7 @@ def _check_time(name: str, value: Any) -> float | None:
         value = math.inf
     if not math.isfinite(value):
         raise InvalidArgumentError(f"ExampleSelector.{name} must be finite, got {value!r}; use None for no bound")
-    return value
+    return check_seconds(f"ExampleSelector.{name}", value)
 
 
 @dataclass(frozen=True)

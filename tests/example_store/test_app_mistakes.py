@@ -18,6 +18,8 @@ from example_store import (
     InMemoryExampleStore,
     InMemoryKeyStore,
     InvalidArgumentError,
+    KeyStoreError,
+    ResumptionTokens,
     RetentionPolicy,
     SQLiteExampleStore,
     UnknownCollectionError,
@@ -49,6 +51,50 @@ def test_a_clock_that_is_not_a_function_is_refused_when_the_store_is_made(tmp_pa
         SQLiteExampleStore(tmp_path / "app.db", clock=1000.0)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="clock is a function giving unix seconds"):
         InMemoryExampleStore(clock=1000.0)  # type: ignore[arg-type]
+
+
+MILLIS = 1_767_225_600_000.0  # 2026-01-01 in milliseconds: Android's System.currentTimeMillis()
+SAYS_MILLIS = "past the year 3000: the example store takes seconds since the epoch .* looks like milliseconds"
+
+
+def test_times_in_milliseconds_are_refused_wherever_the_app_gives_a_time(make_store):
+    """Milliseconds were taken for seconds, 55,000 years ahead: such examples never expired under a
+    TTL, and sorted after every example stamped in seconds."""
+    store = make_store()
+    with pytest.raises(InvalidArgumentError, match=f"add\\(\\)'s timestamp {MILLIS!r} is {SAYS_MILLIS}"):
+        store.add(URI, make_examples(2), timestamps=[1_767_225_600.0, MILLIS])
+    assert store.collections() == []
+    store.add(URI, make_examples(1), timestamps=[32_503_679_999.0])  # 2999-12-31: seconds still
+    with pytest.raises(InvalidArgumentError, match=f"timestamp {MILLIS!r} is {SAYS_MILLIS}"):
+        store.delete_before(URI, MILLIS)
+    with pytest.raises(InvalidArgumentError, match=f"ExampleSelector.end_time {MILLIS!r} is {SAYS_MILLIS}"):
+        ExampleSelector(URI, end_time=MILLIS)
+    in_millis = make_store(clock=lambda: MILLIS, fresh=True)
+    with pytest.raises(InvalidArgumentError, match=f"the store's clock\\(\\) time {MILLIS!r} is {SAYS_MILLIS}"):
+        in_millis.add(URI, make_examples(1))
+    if isinstance(store, InMemoryExampleStore):
+        with pytest.raises(InvalidArgumentError, match=f"timestamp {MILLIS!r} is {SAYS_MILLIS}"):
+            store.add_columns("app:/columns", {"y": np.arange(2)}, timestamp=MILLIS)
+
+
+def test_times_columns_and_keys_of_the_wrong_kind_are_refused_saying_what_to_give(any_store):
+    """An int past float's range as a timestamp failed with an OverflowError (add) or a TypeError
+    from numpy (delete_before, add_columns); columns as a list, keys as a number and a resumption
+    key as a str failed with an AttributeError or a bare ValueError."""
+    with pytest.raises(InvalidArgumentError, match="timestamps must be numbers of unix seconds"):
+        any_store.add(URI, make_examples(1), timestamps=[2**2000])
+    with pytest.raises(InvalidArgumentError, match="timestamp must be a finite number of unix seconds, got 1"):
+        any_store.delete_before(URI, 2**2000)
+    if isinstance(any_store, InMemoryExampleStore):
+        with pytest.raises(InvalidArgumentError, match="timestamp must be a finite number of unix seconds"):
+            any_store.add_columns(URI, {"y": np.arange(2)}, timestamp=2**2000)
+        with pytest.raises(InvalidArgumentError, match="add_columns takes a dict of tensor name -> array"):
+            any_store.add_columns(URI, [np.arange(2)])  # type: ignore[arg-type]
+    assert any_store.collections() == []
+    with pytest.raises(KeyStoreError, match="InMemoryKeyStore takes a dict of alias -> key bytes or None"):
+        InMemoryKeyStore(5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="a resumption token key is at least 16 secret bytes .* not str"):
+        ResumptionTokens("a secret of 32 characters, a str")  # type: ignore[arg-type]
 
 
 def test_a_misspelt_collection_names_the_one_meant(any_store):
