@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .errors import InvalidSetting, check_number
+
 
 class Clock(Protocol):
     def now(self) -> float:
@@ -49,11 +51,20 @@ def elapsed_clock(clock: Callable[[], float]) -> Callable[[], float]:
     return time.monotonic if is_system_time(clock) else clock
 
 
+def check_clock(name: str, clock: object) -> None:
+    """``InvalidSetting`` unless ``clock`` is a ``Clock``: ``time.time``, which
+    ``RuntimeEnvironment(clock=...)`` takes, failed at the first job with no attribute 'now'."""
+    if not callable(getattr(clock, "now", None)):
+        raise InvalidSetting(
+            f"{name} is a Clock (SystemClock(), VirtualClock(t)) or None, not {type(clock).__name__} {clock!r:.100}"
+        )
+
+
 class VirtualClock:
     """Time moves only when the driver says so; ``sleep`` advances it at once (single driver)."""
 
     def __init__(self, start: float = 1_767_225_600.0) -> None:  # 2026-01-01T00:00:00Z
-        self._now = float(start)
+        self._now = check_number("VirtualClock's start", start, signed=True, unit="unix seconds")
         self._lock = threading.Lock()
 
     def now(self) -> float:
@@ -61,15 +72,15 @@ class VirtualClock:
             return self._now
 
     def advance(self, seconds: float) -> float:
-        if seconds < 0:
-            raise ValueError("virtual time only moves forward")
+        seconds = check_number("VirtualClock.advance's seconds (virtual time only moves forward)", seconds)
         with self._lock:
             self._now += seconds
             return self._now
 
     def advance_to(self, when: float) -> float:
+        when = check_number("VirtualClock.advance_to's time", when, signed=True, unit="unix seconds")
         with self._lock:
-            self._now = max(self._now, float(when))
+            self._now = max(self._now, when)
             return self._now
 
     def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import InvalidSetting, check_number
 from .opstats import rss_mb
 from .plan import Plan
 from .plan_cache import LoadedPlans
@@ -55,13 +56,26 @@ class RuntimeEnvironment:
     report_update: Callable[[Plan, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
+        """Settings of the wrong kind raise ``InvalidSetting`` here: a clock of ``SystemClock()``
+        (where its ``now`` goes) failed at the first session with "object is not callable"."""
+        for name, such in (
+            ("clock", "time.time, or a Clock's now"),
+            ("sleep", "time.sleep, or a Clock's sleep"),
+            ("memory_probe", "of no arguments giving MB"),
+            ("report_update", "or None"),
+        ):
+            value = getattr(self, name)
+            if not callable(value) and not (name == "report_update" and value is None):
+                raise InvalidSetting(
+                    f"RuntimeEnvironment's {name} is a function ({such}), not {type(value).__name__} {value!r:.100}"
+                )
         meter = self.work_meter
         if meter is not None and not all(callable(getattr(meter, m, None)) for m in ("trained", "settle")):
-            raise TypeError(
+            raise InvalidSetting(
                 f"work_meter {type(meter).__name__} needs trained(plan, examples) and settle() (see WorkMeter)"
             )
-        if self.secagg_poll_s is not None and not self.secagg_poll_s > 0:
-            raise ValueError("secagg_poll_s must be > 0 (or None for the server's long polls)")
+        if self.secagg_poll_s is not None:  # None: the server's long polls
+            check_number("RuntimeEnvironment's secagg_poll_s", self.secagg_poll_s, positive=True)
 
 
 #: The system's own clock, sleep and memory: what a runtime on a phone uses.

@@ -15,20 +15,23 @@ class InvalidSetting(RuntimeSdkError, ValueError):
     """An argument the app gave the runtime that it cannot work with; the message says what is allowed."""
 
 
-def check_number(name: str, value: object, *, positive: bool = False, unit: str = "seconds") -> float:
-    """``value`` as a float if it is a finite number (not a bool) from 0 up, or above 0 with
-    ``positive``; else ``InvalidSetting`` naming the setting: a negative poll or a timeout of "10"
-    was taken and failed far from where it was given (a watchdog spinning on a core)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        bound = "above 0" if positive else "from 0 up"
-        raise InvalidSetting(f"{name} is a finite number of {unit} {bound}, not {value!r:.100}")
-    return float(value)
+def check_number(
+    name: str, value: object, *, positive: bool = False, signed: bool = False, unit: str = "seconds"
+) -> float:
+    """``value`` as a float if it is a finite number (not a bool) from 0 up, above 0 with
+    ``positive``, of either sign with ``signed`` (a time); else ``InvalidSetting`` naming the
+    setting: a negative poll or a timeout of "10" was taken and failed far from where it was given
+    (a watchdog spinning on a core)."""
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range (math.isfinite raised it)
+            pass
+    if not math.isfinite(number) or (number < 0 and not signed) or (positive and number <= 0):
+        bound = "" if signed else " above 0" if positive else " from 0 up"
+        raise InvalidSetting(f"{name} is a finite number of {unit}{bound}, not {value!r:.100}")
+    return number
 
 
 def check_count(name: str, value: object, *, least: int = 0) -> int:

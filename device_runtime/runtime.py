@@ -202,6 +202,10 @@ class FLRuntime:
             opstats=opstats,
             device_class=device_class,
             environment=environment,
+            attestor=attestor,
+            trust_anchor=trust_anchor,
+            secagg_policy=secagg_policy,
+            dp_policy=dp_policy,
         )
         self.population = population
         self.stores = dict(stores)
@@ -225,7 +229,7 @@ class FLRuntime:
         # attestation authorities whose certified devices it accepts as peers.
         self.secagg_policy = secagg_policy
         self.dp_policy = dp_policy
-        self.peer_verifier = PeerCertificateVerifier(trust_anchor, clock) if trust_anchor is not None else None
+        self.peer_verifier = _peer_verifier(trust_anchor, clock) if trust_anchor is not None else None
         self.client = ProtocolClient(
             server_url,
             timeout_s=timeout_s,
@@ -272,6 +276,12 @@ class FLRuntime:
         return self.rng.uniform(lo, hi)
 
     def store_for(self, collection_uri: str) -> ExampleStore:
+        """The example store registered for ``collection_uri`` (the longest matching prefix)."""
+        if not isinstance(collection_uri, str):  # 5.startswith failed with an AttributeError
+            raise InvalidSetting(
+                f"store_for takes a collection URI such as 'app:/digits' (a str), not "
+                f"{type(collection_uri).__name__} {collection_uri!r:.100}"
+            )
         best = max((p for p in self.stores if collection_uri.startswith(p)), key=len, default=None)
         if best is None:
             raise NoExamples(f"no example store is registered for collection {collection_uri!r}")
@@ -822,6 +832,17 @@ def _why_none(store: ExampleStore, selector: ExampleSelector) -> str:
     return ""
 
 
+def _peer_verifier(trust_anchor: Mapping[bytes, bytes], clock: Callable[[], float]) -> PeerCertificateVerifier:
+    """The verifier of the anchor's certificates, or ``InvalidSetting`` for an anchor that is not one."""
+    try:
+        return PeerCertificateVerifier(trust_anchor, clock)
+    except (ValueError, TypeError) as exc:  # a key that is not one, a key id not its key's, a str for bytes
+        raise InvalidSetting(
+            f"trust_anchor is not the authority's {{key id: public key}} (AttestationAuthority.trust_anchor(), "
+            f"or server_stub.read_trust_anchor(path)): {exc}"
+        ) from None
+
+
 def _check_settings(**settings: Any) -> None:
     """``FLRuntime``'s settings of the wrong kind, refused with ``InvalidSetting`` before anything is
     made: each was taken as it came and failed deep in a session (a path as ``opstats`` once the
@@ -846,7 +867,24 @@ def _check_settings(**settings: Any) -> None:
         raise InvalidSetting(
             f"rng is a random.Random (random.Random(seed)) or None, not {type(rng).__name__} {rng!r:.100}"
         )
-    for name, kind in (("retry", RetryPolicy), ("device_class", DeviceClass), ("environment", RuntimeEnvironment)):
+    attestor, anchor = settings["attestor"], settings["trust_anchor"]
+    if attestor is not None and not all(callable(getattr(attestor, m, None)) for m in ("attest", "secagg_signer")):
+        raise InvalidSetting(
+            f"attestor is this device's DeviceAttestor (from the attestation authority) or None, "
+            f"not {type(attestor).__name__} {attestor!r:.100}"
+        )
+    if anchor is not None and not isinstance(anchor, Mapping):  # failed with "has no attribute 'items'"
+        raise InvalidSetting(
+            f"trust_anchor is the authority's {{key id: public key}} (AttestationAuthority.trust_anchor()) or None, "
+            f"not {type(anchor).__name__} {anchor!r:.100}"
+        )
+    for name, kind in (
+        ("retry", RetryPolicy),
+        ("device_class", DeviceClass),
+        ("environment", RuntimeEnvironment),
+        ("secagg_policy", SecAggPolicy),
+        ("dp_policy", DPPolicy),
+    ):
         if not isinstance(settings[name], kind):
             raise InvalidSetting(
                 f"{name} is a {kind.__name__}, not {type(settings[name]).__name__} {settings[name]!r:.100}"

@@ -30,7 +30,7 @@ from apscheduler.triggers.date import DateTrigger
 from example_store.spelling import closest
 from example_store.sqlite_engine import sqlite_engine, write_locked
 
-from .clock import Clock, SystemClock
+from .clock import Clock, SystemClock, check_clock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
 from .errors import InvalidSetting, RuntimeSdkError, SessionRejected, check_count, check_number, check_path
 from .executor import stoppable_run_options
@@ -301,12 +301,19 @@ class _MemoryJobs:
         return sorted(self._jobs.values(), key=lambda j: (j.next_run_at, j.population))
 
 
+def _both_system(one: Clock, other: Clock) -> bool:
+    """Whether two clocks both read the system's time (two ``SystemClock()`` read the same)."""
+    return type(one) is SystemClock and type(other) is SystemClock
+
+
 class ParticipationScheduler:
     """One per app: the populations it takes part in, their constraints and intervals.
 
     ``database``: the app's SQLite file, where jobs survive a restart; None keeps them in memory
     (an emulated device in a simulation, where a job store's five transactions per run were most
-    of the scheduler's cost). Conditions that can tell when they next change
+    of the scheduler's cost). ``clock``: its ``queue``'s when left out (the system's without a
+    queue); one that is not the queue's is refused, as the queue's worker reads due times on its
+    own. Conditions that can tell when they next change
     (``next_change(now) -> float | None``, times on the scheduler's clock) wake a job
     whose constraints are unmet at that moment, as Android's JobScheduler does, instead of
     re-checking every ``recheck_s``. Conditions that know their future (a simulation, a replayed
@@ -334,8 +341,8 @@ class ParticipationScheduler:
             check_path("database", database)
         if not isinstance(app, str) or not app:
             raise InvalidSetting(f"app is a non-empty name such as 'mail', not {app!r:.100}")
-        if clock is not None and not callable(getattr(clock, "now", None)):
-            raise InvalidSetting(f"clock is a Clock (SystemClock(), VirtualClock(t)) or None, not {clock!r:.100}")
+        if clock is not None:
+            check_clock("clock", clock)
         if queue is not None and not isinstance(queue, WorkerQueue):
             raise InvalidSetting(f"queue is the device's WorkerQueue or None, not {type(queue).__name__}")
         if not isinstance(settings, SchedulerSettings):
@@ -347,7 +354,14 @@ class ParticipationScheduler:
             )
         self.app = app
         self.conditions = conditions
-        self.clock = clock or SystemClock()
+        if clock is None:  # the queue's: due times read on the system clock would never come on a VirtualClock
+            clock = queue.clock if queue is not None else SystemClock()
+        elif queue is not None and clock is not queue.clock and not _both_system(clock, queue.clock):
+            raise InvalidSetting(
+                f"clock {clock!r:.100} is not the clock of the queue {queue.clock!r:.100}: its worker reads due "
+                f"times on its own clock; pass clock=queue.clock, or leave clock out to follow the queue's"
+            )
+        self.clock = clock
         self.settings = settings
         self.rng = rng or random.Random()
         self._runtimes: dict[str, FLRuntime] = {}
@@ -413,12 +427,8 @@ class ParticipationScheduler:
                 f"schedule(population, constraints, interval) takes a TrainingConstraints and a TrainingInterval, "
                 f"got {type(constraints).__name__} and {type(interval).__name__}"
             )
-        if start_at is not None and (
-            isinstance(start_at, bool) or not isinstance(start_at, (int, float)) or not math.isfinite(start_at)
-        ):
-            raise InvalidSetting(
-                f"start_at must be a time in seconds on the scheduler's clock, or None, not {start_at!r}"
-            )
+        if start_at is not None:  # 2**2000 failed with an OverflowError
+            check_number("start_at", start_at, signed=True, unit="seconds on the scheduler's clock (or None)")
         now = self.clock.now()
         first = self._when_constraints_hold(now, now if start_at is None else start_at, constraints)
         with self._lock:
@@ -699,6 +709,8 @@ class WorkerQueue:
     def __init__(self, clock: Clock | None = None, *, idle_poll_s: float = 60.0, history: int | None = HISTORY) -> None:
         """``history``: how many past job runs ``history`` keeps, the last ones (``HISTORY`` by
         default, all with None; a simulated device that runs for days keeps none)."""
+        if clock is not None:  # time.time (RuntimeEnvironment's kind of clock) failed at the first run
+            check_clock("WorkerQueue's clock", clock)
         self.clock = clock or SystemClock()
         # a negative one had the worker poll without pause whenever no job was due
         self.idle_poll_s = check_number("WorkerQueue.idle_poll_s", idle_poll_s, positive=True)
@@ -783,7 +795,11 @@ class WorkerQueue:
         """Drive a VirtualClock: jump from one due time to the next until ``end``."""
         advance_to = getattr(self.clock, "advance_to", None)
         if advance_to is None:
-            raise TypeError("run_until needs a clock with advance_to (a VirtualClock)")
+            raise InvalidSetting(
+                "run_until drives virtual time: it needs a queue on a VirtualClock (WorkerQueue(VirtualClock())); "
+                "on the system's clock, run the worker with start()"
+            )
+        end = check_number("run_until's end", end, signed=True, unit="seconds on the queue's clock")
         runs: list[JobRun] = []
         while True:
             nxt = self.next_wakeup()

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from secagg import SecAggConfig, complete_graph_threshold, secagg_plus_parameters
 from secagg.graphs import binom_tail_ge
 
+from .errors import InvalidSetting, check_count
+
 
 @dataclass(frozen=True)
 class SecAggPolicy:
@@ -56,12 +58,21 @@ class SecAggPolicy:
     require_graph_commitment: bool = True
 
     def __post_init__(self) -> None:
-        if self.min_group_size < 2:
-            raise ValueError("min_group_size must be >= 2: a sum of one device is that device's update")
-        if not 0.0 <= self.corrupt_fraction < 1.0 or not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError("corrupt_fraction and dropout_rate must be in [0, 1)")
-        if self.sigma < 1:
-            raise ValueError("sigma must be >= 1")
+        """Values of the wrong kind raise ``InvalidSetting`` (a ``ValueError``): a ``min_group_size``
+        of "5" failed with a bare TypeError, a flag of "no" would hold."""
+        # a sum of one device is that device's update
+        check_count("SecAggPolicy.min_group_size", self.min_group_size, least=2)
+        for name in ("sigma", "eta"):
+            check_count(f"SecAggPolicy.{name}", getattr(self, name), least=1)
+        for name in ("corrupt_fraction", "dropout_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise InvalidSetting(
+                    f"SecAggPolicy.{name} is a fraction from 0 up to (not including) 1, not {value!r:.100}"
+                )
+        for name in ("require_consistency_check", "require_attested_cohort", "require_graph_commitment"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSetting(f"SecAggPolicy.{name} is True or False, not {getattr(self, name)!r:.100}")
 
     def violation(self, config: SecAggConfig, group_size: int) -> str | None:
         """Why ``config`` for a group of ``group_size`` devices is below this floor, or None.

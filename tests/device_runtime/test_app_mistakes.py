@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -19,10 +20,12 @@ from device_runtime import (
     OpStatsStore,
     ProtocolError,
     RetryPolicy,
+    RuntimeEnvironment,
+    SecAggPolicy,
     encode_checkpoint,
     initial_weights,
 )
-from device_runtime.clock import VirtualClock
+from device_runtime.clock import SystemClock, VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from example_store import ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
@@ -43,6 +46,12 @@ from tests.support import COLLECTION, deploy, digits_plan
         ({"rng": 42}, r"rng is a random.Random \(random.Random\(seed\)\)"),
         ({"runtime_version": 1.17}, "runtime_version is a version string"),
         ({"environment": None}, "environment is a RuntimeEnvironment"),
+        ({"timeout_s": 2**2000}, "timeout_s is a finite number"),  # an OverflowError
+        ({"secagg_policy": {"min_group_size": 5}}, "secagg_policy is a SecAggPolicy"),
+        ({"dp_policy": 1.0}, "dp_policy is a DPPolicy"),
+        ({"attestor": "phone-key.pem"}, "attestor is this device's DeviceAttestor"),
+        ({"trust_anchor": "trust.json"}, "trust_anchor is the authority's \\{key id: public key\\}"),
+        ({"trust_anchor": {b"id": b"not a key"}}, "trust_anchor is not the authority's .* does not match"),
     ],
 )
 def test_settings_of_the_wrong_kind_are_refused_when_the_runtime_is_made(tmp_path, setting, match):
@@ -244,3 +253,59 @@ def test_a_runtime_registered_under_another_population_or_a_misspelt_job_is_name
         [run] = scheduler.queue.run_pending()
     assert run.outcome is RunOutcome.NO_RUNTIME
     assert run.detail == "no runtime registered for it (runtimes are registered for ['digits']: did you mean 'digits'?)"
+
+
+def test_a_scheduler_given_a_queue_alone_follows_the_queues_clock():
+    """``ParticipationScheduler(queue=q)`` read due times on the system clock while ``q`` ran on
+    a VirtualClock at 0: its jobs, due some 1.7e9 s ahead, never ran under ``run_until``."""
+    queue = WorkerQueue(VirtualClock(0.0))
+    scheduler = ParticipationScheduler(None, GOOD_NOW, queue=queue)
+    assert scheduler.clock is queue.clock
+    assert scheduler.schedule("digits").next_run_at == 0.0
+    assert [run.outcome for run in queue.run_until(10.0)] == [RunOutcome.NO_RUNTIME]
+    with pytest.raises(InvalidSetting, match="is not the clock of the queue .* pass clock=queue.clock"):
+        ParticipationScheduler(None, GOOD_NOW, clock=VirtualClock(0.0), queue=queue)
+    ParticipationScheduler(None, GOOD_NOW, clock=SystemClock(), queue=WorkerQueue(SystemClock())).close()
+
+
+def test_a_store_asked_for_with_a_collection_that_is_not_a_string_is_refused_saying_what_to_give():
+    """``store_for(5)`` failed with "'int' object has no attribute 'startswith'"."""
+    with InMemoryExampleStore() as store, FLRuntime("digits", "http://127.0.0.1:9", store) as runtime:
+        with pytest.raises(InvalidSetting, match="store_for takes a collection URI such as 'app:/digits' .* not int 5"):
+            runtime.store_for(5)  # type: ignore[arg-type]
+        assert runtime.store_for(COLLECTION) is store
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: WorkerQueue(time.time), "WorkerQueue's clock is a Clock \\(SystemClock\\(\\), VirtualClock\\(t\\)\\)"),
+        (lambda: WorkerQueue().run_until(60.0), "run_until drives virtual time: it needs a queue on a VirtualClock"),
+        (lambda: WorkerQueue(VirtualClock(0.0)).run_until("60"), "run_until's end is a finite number"),
+        (lambda: VirtualClock("2026-01-01"), "VirtualClock's start is a finite number of unix seconds"),
+        (lambda: VirtualClock().advance(float("nan")), "VirtualClock.advance's seconds .* is a finite number"),
+        (lambda: VirtualClock().advance_to(None), "VirtualClock.advance_to's time is a finite number"),
+        (
+            lambda: ParticipationScheduler(None, GOOD_NOW, clock=VirtualClock(0.0)).schedule(
+                "digits", start_at=2**2000
+            ),
+            "start_at is a finite number of seconds on the scheduler's clock",
+        ),
+        (lambda: RuntimeEnvironment(clock=SystemClock()), "RuntimeEnvironment's clock is a function \\(time.time"),
+        (lambda: RuntimeEnvironment(sleep=None), "RuntimeEnvironment's sleep is a function"),
+        (lambda: RuntimeEnvironment(secagg_poll_s="1"), "RuntimeEnvironment's secagg_poll_s is a finite number"),
+        (lambda: RuntimeEnvironment(work_meter=object()), "work_meter object needs trained"),
+        (lambda: SecAggPolicy(min_group_size="5"), "SecAggPolicy.min_group_size is a whole number from 2 up"),
+        (lambda: SecAggPolicy(min_group_size=1), "SecAggPolicy.min_group_size is a whole number from 2 up"),
+        (lambda: SecAggPolicy(eta=2.5), "SecAggPolicy.eta is a whole number from 1 up"),
+        (lambda: SecAggPolicy(dropout_rate=float("nan")), "SecAggPolicy.dropout_rate is a fraction from 0 up to"),
+        (lambda: SecAggPolicy(require_attested_cohort="no"), "SecAggPolicy.require_attested_cohort is True or False"),
+    ],
+)
+def test_clocks_environments_and_secagg_policies_refuse_values_of_the_wrong_kind(make, match):
+    """Each failed with a bare TypeError, ValueError or OverflowError, or later: ``time.time`` as
+    a queue's clock at the first job ("no attribute 'now'"), ``SystemClock()`` as an environment's
+    clock at the first session, a NaN advance as a virtual clock stuck at NaN, a policy's flag of
+    "no" held as true."""
+    with pytest.raises(InvalidSetting, match=match):
+        make()

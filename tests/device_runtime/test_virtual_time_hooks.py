@@ -13,7 +13,15 @@ import random
 import httpx
 import pytest
 
-from device_runtime import FLRuntime, Outcome, RetryPolicy, RuntimeEnvironment, TrainingInterrupted, training_limit
+from device_runtime import (
+    FLRuntime,
+    InvalidSetting,
+    Outcome,
+    RetryPolicy,
+    RuntimeEnvironment,
+    TrainingInterrupted,
+    training_limit,
+)
 from device_runtime.checkpoint import encode_checkpoint
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, TrainingConstraints, TrainingInterval
@@ -196,7 +204,7 @@ def test_a_work_meter_without_settle_is_refused_when_the_runtime_is_made(digits)
             pass
 
     clock = VirtualClock()
-    with pytest.raises(TypeError, match="settle"):
+    with pytest.raises(InvalidSetting, match="settle"):
         FLRuntime(
             "digits",
             "http://fl.test",
