@@ -296,6 +296,34 @@ def _label_hint(data_source: str, label: str | None) -> str:
     )
 
 
+def _text_hint(
+    data_source: str, features: Mapping[str, Any], label: str | None, inputs: Mapping[str, InputSpec]
+) -> str:
+    """What the data spec's options make of text features no plan reads as text: tff-h5's
+    ``chars=`` cuts a text without a label into next-character examples, ``words=`` (tff-h5 and
+    tables) reads texts as word ids."""
+    texts = sorted(n for n, f in features.items() if f.dtype == "str" and n != label)
+    if not texts or not data_source.startswith(("tff-h5:", "table:")):
+        return ""
+    words = f"words={'+'.join(texts)} reads {'it' if len(texts) == 1 else 'them'} as word ids"
+    labelled = label is not None and label in features
+    if not data_source.startswith("tff-h5:") or labelled:
+        return (
+            f"; plans read numbers, not text: the data spec's option {words}{'' if labelled else ', with label=NAME'}"
+        )
+    x = inputs.get("x")
+    width = x.shape[0] if x is not None and len(x.shape) == 1 and x.shape[0] > 0 else None
+    fits = (
+        f"window={width} fits the plan's x"
+        if width
+        else f"chars={texts[0]},window=20 fits --task examples/tasks/shakespeare_task.py"
+    )
+    return (
+        f"; plans read numbers, not text: the data spec's option chars={texts[0]} cuts it into next-character examples "
+        f"x and y as LEAF cuts Shakespeare ({fits}), and {words} (with label=NAME)"
+    )
+
+
 def _check_features(
     inputs: Mapping[str, InputSpec],
     features: Mapping[str, Any],
@@ -309,11 +337,14 @@ def _check_features(
     described_data = describe_features(features)
     missing = sorted(set(inputs) - set(features))
     if missing:
+        hints = _text_hint(data_source, features, label, inputs) or (  # renaming a text would not feed a number
+            f"{_stack_hint(features, label)}{_rename_hint(missing, set(features) - set(inputs))}"
+            f"{_label_hint(data_source, label)}"
+        )
         raise WorkloadError(
             f"the task's plans read features {described_inputs} but the data {data_source} has {described_data} "
             f"(missing: {', '.join(missing)}); use data with those features, or a task file whose plan inputs name "
-            f"the data's features{_stack_hint(features, label)}{_rename_hint(missing, set(features) - set(inputs))}"
-            f"{_label_hint(data_source, label)}"
+            f"the data's features{hints}"
         )
     shapes = {}
     for name, want in inputs.items():
@@ -339,16 +370,21 @@ def _check_features(
     return shapes
 
 
+#: Ops that pass an integer input's values on unchanged to the op that reads them (a Gather's lookup, a loss's one-hot).
+_PASS_IDS = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose"})
+
+
 def _check_class_ids(tasks: list[FleetTask], data: Any, task_source: str) -> None:
     """A WorkloadError when the data's labels fall outside the classes a plan scores: every device
-    would refuse its batches (``DeviceConfig.class_ids``), so the run says so before it starts."""
+    would refuse its batches (``DeviceConfig.class_ids``, or for a plan that names none, the width
+    of its loss's logits: :func:`graph_classes`), so the run says so before it starts."""
     label = data.label or "y"
     scoring = [
         (classes, plan.name)
         for task in tasks
         for plan in (task.plan, task.eval_plan)
         if plan is not None
-        for graph_name, classes in plan.device.class_ids.items()
+        for graph_name, classes in {**graph_classes(plan), **plan.device.class_ids}.items()
         if plan.device.inputs[graph_name] == label
     ]
     if not scoring:
@@ -360,16 +396,54 @@ def _check_class_ids(tasks: list[FleetTask], data: Any, task_source: str) -> Non
             f"the label {label!r} of {data.source} holds fractions, but the plan {name!r} ({task_source}) reads "
             f"class ids 0 to {classes - 1}; use whole-number labels, or a task with a loss for numbers (mse)"
         )
-    if ids.size and (ids.min() < 0 or ids.max() >= classes):
+    outside = ids[(ids < 0) | (ids >= classes)]
+    if outside.size:
+        values, counts = np.unique(outside, return_counts=True)
+        order = sorted(range(len(values)), key=lambda i: (-counts[i], -abs(float(values[i]))))
+        named = [f"{values[i]:g} in {counts[i]:,} example{'s' if counts[i] != 1 else ''}" for i in order[:3]]
+        rest = sum(int(counts[i]) for i in order[3:])
+        more = f" and {len(order) - 3} more ids in {rest:,} examples" if len(order) > 3 else ""
         raise WorkloadError(
             f"the label {label!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the plan "
-            f"{name!r} ({task_source}) scores {classes} classes (ids 0 to {classes - 1}); use a task whose model "
-            f"has an output per class, or data labelled 0 to {classes - 1}"
+            f"{name!r} ({task_source}) scores {classes} classes (ids 0 to {classes - 1}), and the data holds "
+            f"{', '.join(named)}{more} outside them; use a task whose model has an output per class, or data "
+            f"labelled 0 to {classes - 1}"
         )
 
 
-#: Ops that pass an integer input's values on unchanged to the Gather that looks them up.
-_PASS_IDS = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose"})
+def graph_classes(plan: Plan) -> dict[str, int]:
+    """Graph input -> the classes the plan's loss scores it against, read from its work graph: the
+    class ids a label is compared with (``Equal`` against ``arange(K)``, K the width of the loss's
+    logits) to make its one-hot, as ``build_mlp_plan`` and the toolchain's cross-entropy write it;
+    empty for a plan whose loss takes no class ids."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.ModelProto.FromString(plan.work).graph
+    producer = {out: node for node in graph.node for out in node.output}
+    constants = {init.name: init for init in graph.initializer}
+    constants.update(
+        {
+            node.output[0]: a.t
+            for node in graph.node
+            if node.op_type == "Constant"
+            for a in node.attribute
+            if a.name == "value"
+        }
+    )
+    out: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type != "Equal" or len(node.input) != 2:
+            continue
+        for side, other in (node.input, node.input[::-1]):
+            while side in producer and producer[side].op_type in _PASS_IDS:
+                side = producer[side].input[0]
+            if side not in plan.device.inputs or other not in constants:
+                continue
+            ids = numpy_helper.to_array(constants[other]).ravel()
+            if ids.size >= 2 and ids.dtype.kind in "iu" and np.array_equal(ids, np.arange(ids.size)):
+                out[side] = max(out.get(side, 0), int(ids.size))
+    return out
 
 
 def _lookups(plan: Plan) -> list[tuple[str, str, int]]:
@@ -551,11 +625,12 @@ def _built_in(task: Any, config: FleetConfig, data: Any) -> Any:
     label = data.label or "y"
     numeric = [n for n, f in data.features.items() if n != label and f.dtype != "str"]
     if label not in data.features or len(numeric) != 1:
+        text = _text_hint(data.source, data.features, data.label, {})
         raise WorkloadError(
             f"the built-in task reads one numeric feature and an integer label, but {data.source} has "
             f"{describe_features(data.features)} ({f'label {data.label}' if data.label else 'no label: name it with label=NAME'}); "
-            "name a task file that reads them (--task or "
-            f"[task] file){_stack_hint(data.features, data.label)}"
+            f"{text[2:] if text else 'name a task file that reads them (--task or [task] file)'}"
+            f"{_stack_hint(data.features, data.label)}"
         )
     feature = numeric[0]
     labels = data.labels()

@@ -513,8 +513,13 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
         (  # every device would refuse its batches: said before the run, not as 0 rounds after it
             ("--task", str(TASKS / "digits_cnn_task.py"), "--data", "table:{twelve},client=client"),
             "",
-            "runs from 0 to 11, but the plan 'digits_cnn' ({cnn}) scores 10 classes (ids 0 to 9); use a task whose "
-            "model has an output per class",
+            "runs from 0 to 11, but the plan 'digits_cnn' ({cnn}) scores 10 classes (ids 0 to 9), and the data holds "
+            "11 in 2 examples, 10 in 2 examples outside them; use a task whose model has an output per class",
+        ),
+        (  # a plan whose header names no class count: the classes are its loss's logits' width
+            ("--task", str(TASKS / "digits_task.py"), "--data", "table:{twelve},client=client"),
+            "",
+            "scores 10 classes (ids 0 to 9), and the data holds 11 in 2 examples, 10 in 2 examples outside them",
         ),
         (  # a label column named neither label nor y: stack= takes it into the vector
             ("--task", str(TASKS / "digits_task.py"), "--data", "table:{unlabelled},client=client,stack=x"),
@@ -541,6 +546,24 @@ def test_a_task_files_round_config_holds_but_for_the_task_keys_the_fleet_config_
             "feature 'y' of the data npz:{onehot},clients=4,partition=iid has [10] values per example; the plan reads "
             "int64[] (a class id per example: one-hot labels are saved as ids with y.argmax(axis=1))",
         ),
+        (  # TFF's Shakespeare: text and no label, which no plan reads as it is
+            ("--data", "tff-h5:{lines}"),
+            "",
+            "plans read numbers, not text: the data spec's option chars=snippets cuts it into next-character examples "
+            "x and y as LEAF cuts Shakespeare (chars=snippets,window=20 fits --task examples/tasks/shakespeare_task.py)",
+        ),
+        (
+            ("--task", str(TASKS / "shakespeare_task.py"), "--data", "tff-h5:{lines}"),
+            "",
+            "(missing: x, y); use data with those features, or a task file whose plan inputs name the data's "
+            "features; plans read numbers, not text: the data spec's option chars=snippets cuts it into "
+            "next-character examples x and y as LEAF cuts Shakespeare (window=20 fits the plan's x)",
+        ),
+        (
+            ("--data", "table:{text},client=client"),
+            "",
+            "(label y); plans read numbers, not text: the data spec's option words=x reads it as word ids",
+        ),
         (
             ("--task", str(TASKS / "digits_cnn_task.py"), "--data", "table:{halves},client=client"),
             "",
@@ -557,6 +580,12 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
         "task = Task(name='t', model=lambda hp: 42, proxy=lambda: None)\n"
     )
     tff = write_tff(tmp_path / "tff") if any("{tff}" in a for a in args) else None
+    lines = tmp_path / "lines.h5"  # TFF's Shakespeare: each role's lines as byte strings, nothing else
+    with h5py.File(lines, "w") as f:
+        for role in ("ROMEO", "JULIET"):
+            f.create_dataset(
+                f"examples/{role}/snippets", data=np.array(["What light"] * 3, object), dtype=h5py.string_dtype()
+            )
     negative = tmp_path / "negative.csv"  # labels -1 and 1: each device's training would refuse them
     negative.write_text("client,x,y\n" + "".join(f"c{i % 4},{i / 8},{1 if i % 2 else -1}\n" for i in range(64)))
     huge = tmp_path / "huge.csv"  # one label id of 10**12: the built-in task's output layer would be 7 TiB
@@ -583,6 +612,7 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     pq.write_table(pa.table({"client": ["c0", "c1"] * 4, "x": [[0.5] * 64] * 8, "y": [0.5, 1.0] * 4}), halves)
     names = {
         "halves": halves,
+        "lines": lines,
         "unlabelled": unlabelled,
         "onehot": onehot,
         "twelve": twelve,
