@@ -156,7 +156,12 @@ def generate_population(config: FleetConfig, *, indices: Sequence[int] | range |
     horizon_s = config.horizon_s
     traces = None
     if config.availability.trace is not None:
-        traces = load_traces(config.availability.trace, devices=fleet.devices, battery=config.availability.battery)
+        traces = load_traces(
+            config.availability.trace,
+            devices=fleet.devices,
+            battery=config.availability.battery,
+            horizon_s=config.horizon_s,
+        )
     out: list[DeviceSpec] = []
     for index in indices:
         if not 0 <= index < fleet.devices:

@@ -359,8 +359,8 @@ def simulate_sharded(
     Ray actors (on the cluster at ``address``, or a local one); False runs them in this process.
     ``stats``, if given, is filled with the exchange's figures: ``windows`` (exchanges),
     ``requests`` (that crossed to the server), ``held`` (windows cut short by an event of a
-    device waiting for its answer) and ``shards``. ``notice`` is told what ``simulate``'s is, before
-    any shard starts."""
+    device waiting for its answer) and ``shards``. ``notice`` is told what ``simulate``'s is, once the
+    server has taken the tasks and before the run starts."""
     from .population import generate_population
     from .workload import load_workload
 
@@ -370,8 +370,6 @@ def simulate_sharded(
     started = time.perf_counter()
     workload = load_workload(config)  # refuses a task file or data that cannot run before any shard starts
     specs = generate_population(config)
-    if notice is not None:
-        notify_before_run(config, workload, specs, notice)
     parts = split_positions(specs, shards)
     bar, callback = progress_reporter(progress, config.horizon_s)
     backend: _LocalShards | _RayShards
@@ -384,6 +382,8 @@ def simulate_sharded(
             workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
             driver = _DriverSimulator(config, [], workdir=workdir, progress=callback, workload=workload)
             try:
+                if notice is not None:  # once the server took the tasks: a [task] it refuses is the one line
+                    notify_before_run(config, workload, specs, notice)
                 run = _drive(driver, backend, len(parts), specs, started, stats if stats is not None else {})
             finally:  # also when the run is interrupted (Ctrl-C)
                 driver.close()

@@ -755,13 +755,14 @@ def simulate(
     config = config or FleetConfig.default()
     workload = load_workload(config)
     specs = generate_population(config)
-    if notice is not None:
-        notify_before_run(config, workload, specs, notice)
     bar, callback = progress_reporter(progress, config.horizon_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
-        sim = FleetSimulator(config, specs, workdir=workdir, progress=callback, http=http, workload=workload)
         try:
+            # the server takes the tasks first: a [task] it refuses is the one line, not after a notice
+            sim = FleetSimulator(config, specs, workdir=workdir, progress=callback, http=http, workload=workload)
+            if notice is not None:
+                notify_before_run(config, workload, specs, notice)
             run = sim.run()
         finally:
             if bar is not None:
@@ -858,7 +859,9 @@ def progress_reporter(
 
 class ProgressBar:
     """A rich progress bar on stderr in simulated hours, with rounds committed and devices
-    active; stdout stays free for the run's summary. Call it as ``simulate``'s ``progress``."""
+    active; stdout stays free for the run's summary. Call it as ``simulate``'s ``progress``. It is
+    drawn from the run's first tick: a fleet refused while it is set up (a trace that does not
+    read, a [task] the server refuses) ends in its one line, not after an empty bar."""
 
     def __init__(self, horizon_s: float) -> None:
         from rich.console import Console
@@ -872,10 +875,14 @@ class ProgressBar:
             console=Console(stderr=True),
         )
         self._task = self._progress.add_task("simulate", total=horizon_s, hours=0.0, rounds=0, active=0)
-        self._progress.start()
+        self.started = False
 
     def __call__(self, t_s: float, rounds: int, active: int) -> None:
+        if not self.started:
+            self._progress.start()
+            self.started = True
         self._progress.update(self._task, completed=t_s, hours=t_s / 3600.0, rounds=rounds, active=active)
 
     def close(self) -> None:
-        self._progress.stop()
+        if self.started:
+            self._progress.stop()

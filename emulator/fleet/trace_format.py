@@ -77,13 +77,15 @@ def parse_state(text: str) -> int:
 
 
 def load_traces(
-    path: str | Path, *, devices: int | None = None, battery: Battery = Battery()
+    path: str | Path, *, devices: int | None = None, battery: Battery = Battery(), horizon_s: float | None = None
 ) -> dict[str, TraceAvailability]:
     """Read a trace file into each device's availability. With ``devices``, a row naming a device
-    outside a fleet of that size is an error (the trace was made for a bigger fleet)."""
+    outside a fleet of that size is an error (the trace was made for a bigger fleet); with
+    ``horizon_s``, so is a trace every span of which starts after the run (Unix times, say, where
+    the format counts seconds from the run's start). A spreadsheet's byte order mark is read past."""
     path = Path(path)
     try:
-        handle = path.open(newline="", encoding="utf-8")
+        handle = path.open(newline="", encoding="utf-8-sig")
     except FileNotFoundError:
         raise TraceError(
             f"no availability trace at {path}; fix availability.trace or write one with write_traces"
@@ -94,14 +96,29 @@ def load_traces(
         ) from None
     try:
         with handle:
-            return _read_traces(path, handle, devices=devices, battery=battery)
+            return _read_traces(path, handle, devices=devices, battery=battery, horizon_s=horizon_s)
     except UnicodeDecodeError as exc:
         raise TraceError(
             f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); a trace is a CSV file"
         ) from None
 
 
-def _read_traces(path: Path, handle: TextIO, *, devices: int | None, battery: Battery) -> dict[str, TraceAvailability]:
+def _seconds(text: str, where: str, column: str) -> float:
+    """A start or end column's seconds; a date and time (what a log records) is told to be made one."""
+    try:
+        return float(text)
+    except ValueError:
+        if re.search(r"\d[-/]\d", text) and ":" in text:
+            raise TraceError(
+                f"{where}: {column} {text.strip()!r} is a date and time; a trace's times are seconds since the run's "
+                "start (subtract the run's first instant, time zones included, and write the difference in seconds)"
+            ) from None
+        raise TraceError(f"{where}: {column} {text.strip()!r} is not a number of seconds") from None
+
+
+def _read_traces(
+    path: Path, handle: TextIO, *, devices: int | None, battery: Battery, horizon_s: float | None = None
+) -> dict[str, TraceAvailability]:
     """``load_traces`` past opening the file: its rows checked line by line, then each device's spans."""
     spans: dict[str, list[tuple[float, float, int]]] = {}
     reader = csv.reader(handle)
@@ -121,14 +138,21 @@ def _read_traces(path: Path, handle: TextIO, *, devices: int | None, battery: Ba
             raise TraceError(
                 f"{path}:{line}: device {device} is outside a fleet of {devices} devices; raise fleet.devices"
             )
+        start, end = _seconds(start_text, f"{path}:{line}", "start"), _seconds(end_text, f"{path}:{line}", "end")
         try:
-            start, end = float(start_text), float(end_text)
             flags = parse_state(state)
         except ValueError as exc:
             raise TraceError(f"{path}:{line}: {exc}") from None
         if not (0.0 <= start < end < float("inf")):
             raise TraceError(f"{path}:{line}: need 0 <= start < end (finite seconds); got {start_text}, {end_text}")
         spans.setdefault(device, []).append((start, end, flags))
+    first = min((rows[0][0] for rows in spans.values()), default=None)
+    if horizon_s is not None and first is not None and first >= horizon_s:
+        raise TraceError(
+            f"{path}: every span starts after the run's {horizon_s / 3600:g} hours (the first at {first:.15g} s, "
+            f"{first / 86400:,.0f} days in); a trace's times are seconds since the run's start: Unix times need the "
+            "run's first instant subtracted"
+        )
     out: dict[str, TraceAvailability] = {}
     for device, rows in spans.items():
         rows.sort()

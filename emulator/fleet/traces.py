@@ -9,7 +9,8 @@ The format is CSV with a header and one row per span in which a device's conditi
 
 - ``device``: the device id (``d`` and the six-digit index: ``d000042`` is device 42 of the
   fleet, whose other properties the fleet config still draws);
-- ``start``, ``end``: simulated seconds since the run's start, ``0 <= start < end``;
+- ``start``, ``end``: simulated seconds since the run's start, ``0 <= start < end`` (not dates
+  and times, nor Unix times: a trace every span of which starts after the run is refused);
 - ``state``: the conditions that hold, ``+``-joined from ``idle``, ``charging``, ``unmetered``
   (in any order), or ``none``.
 

@@ -98,6 +98,23 @@ def test_a_malformed_trace_is_refused_naming_its_file_and_line(tmp_path, capsys)
         assert f"{trace}:2" in err and "Traceback" not in err
 
 
+def test_a_run_refused_while_it_is_set_up_says_one_line_and_draws_no_progress_bar(tmp_path, capsys):
+    trace = tmp_path / "day.csv"
+    trace.write_text("device,start,end,state\nd000001,0,soon,idle\n")
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(f'[fleet]\ndevices = 4\nhours = 0.1\n[availability]\ntrace = "{trace}"\n')
+    assert main(["simulate", str(fleet)]) == 2  # the progress bar on, as a user runs it
+    assert capsys.readouterr().err.splitlines() == [
+        f"fedfleet simulate: {trace}:2: end 'soon' is not a number of seconds"
+    ]
+    trace.write_text("device,start,end,state\n")  # no device ever available, and a goal the server refuses
+    fleet.write_text(fleet.read_text() + "[task]\ngoal_count = 5\n")
+    for sharded in ([], ["--shards", "2"]):
+        assert main(["simulate", str(fleet), *sharded]) == 2
+        (line,) = capsys.readouterr().err.splitlines()  # not first a notice that no round can fill
+        assert "the server refuses the fleet's [task]" in line and "fewer than min_reports" in line
+
+
 def test_no_shards_is_refused(capsys):
     assert main(["simulate", "--devices", "20", "--hours", "0.1", "--shards", "0", "--no-progress"]) == 2
     assert "at least 1 shard" in capsys.readouterr().err

@@ -90,14 +90,29 @@ def test_states_are_written_and_read_back(flags):
         ("device,start,end,state\nd000001,0,ten,idle\n", ":2:"),
         ("device,start,end,state\nd000001,0,10,asleep\n", ":2: unknown condition 'asleep'"),
         ("device,start,end,state\nd000009,0,10,idle\n", ":2: device d000009 is outside a fleet of 5"),
+        (  # a log's datetimes, time zone and all: the format counts seconds from the run's start
+            "device,start,end,state\nd000001,2026-11-27T08:00:00+01:00,2026-11-27T09:00:00+01:00,idle\n",
+            ":2: start '2026-11-27T08:00:00+01:00' is a date and time; a trace's times are seconds since the run's start",
+        ),
+        ("device,start,end,state\nd000001,0,soon,idle\n", ":2: end 'soon' is not a number of seconds"),
+        (  # Unix times: every span after the run, where the run would have met no device at all
+            "device,start,end,state\nd000001,1764230400,1764234000,idle\nd000002,1764231000,1764234000,idle\n",
+            "every span starts after the run's 2 hours (the first at 1764230400 s, 20,419 days in)",
+        ),
     ],
 )
 def test_a_malformed_trace_is_refused_saying_where(tmp_path, text, where):
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(TraceError) as info:
-        load_traces(path, devices=5)
+        load_traces(path, devices=5, horizon_s=7200.0)
     assert where in str(info.value)
+
+
+def test_a_trace_saved_by_a_spreadsheet_reads_past_its_byte_order_mark(tmp_path):
+    path = tmp_path / "day.csv"
+    path.write_bytes("device,start,end,state\r\nd000001,0,10,idle\r\n".encode("utf-8-sig"))
+    assert load_traces(path)["d000001"].flags_at(5.0) & AVAILABLE == parse_state("idle")
 
 
 def test_a_missing_trace_file_says_how_to_make_one(tmp_path):
