@@ -220,10 +220,21 @@ def completion_note(
     their reports to drop-outs and to reports after the window (``task.report_timeout_s``).
     ``task``: the rounds' configuration (a ``RoundConfig`` or the fleet's ``[task]``), None when
     unknown; ``secure``: each secure round's Secure Aggregation statistics (the round metrics'
-    ``secagg``) by round id. None without rounds."""
+    ``secagg``) by round id. None without rounds; a run whose only round was still open when it
+    ended says so (its rate is of no round)."""
+    open_rounds = [r for r in rounds if getattr(r, "unfinished", False)]
     rounds = [r for r in rounds if not getattr(r, "unfinished", False)]  # the attempt the run's end cut: neither
     if not rounds:
-        return None
+        if not open_rounds:
+            return None
+        ended, cut = summary.get("simulated_s"), open_rounds[0]
+        window = f" (task.report_timeout_s = {task.report_timeout_s:g} s from check-in)" if task is not None else ""
+        head = (
+            f"the run ended{f' at {ended / 3600:.3g} simulated hours' if ended else ''} with its first round still "
+            f"open, {cut.selected} device{'' if cut.selected == 1 else 's'} selected and {cut.reported} reported"
+        )
+        why = summary.get("cannot_fill")  # the round could not have filled in any run's length
+        return f"{head}: {why}" if why else f"{head}{window}; simulate more --hours"
     total, committed = len(rounds), sum(1 for r in rounds if r.committed)
     if committed == total:
         return f"all {total} rounds committed" if total > 1 else "the one round committed"

@@ -6,12 +6,13 @@ with too few devices and was abandoned (2,000 devices: 3 of 70 rounds in 6 hours
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from emulator.fleet import FleetConfig, simulate
-from emulator.fleet.tables import RoundRow
+from emulator.fleet.tables import UNFINISHED, RoundRow
 from server_stub.rounds import RoundConfig
 
 
@@ -91,6 +92,14 @@ def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_
         completion_note(summary, [_round(1, True, 130), _round(2, True, 130)], config.task) == "all 2 rounds committed"
     )
     assert completion_note(summary, [], config.task) is None
+    cut = dataclasses.replace(_round(1, False, 130), reported=91, outcome=UNFINISHED)  # a million devices' 3 minutes
+    assert completion_note({**summary, "simulated_s": 180.0}, [cut], config.task) == (
+        "the run ended at 0.05 simulated hours with its first round still open, 130 devices selected and 91 "
+        "reported (task.report_timeout_s = 180 s from check-in); simulate more --hours"
+    )
+    assert completion_note(
+        {"cannot_fill": "no round can fill: ..."}, [dataclasses.replace(cut, selected=1, reported=0)], None
+    ) == ("the run ended with its first round still open, 1 device selected and 0 reported: no round can fill: ...")
     # sessions selected into a round that was abandoned before they trained (-v#) are not late reports
     untrained = {**summary, "shapes": {**summary["shapes"], "-v#": 500}}
     assert "40 of the 130 sessions that trained reported after" in completion_note(untrained, rounds, config.task)
