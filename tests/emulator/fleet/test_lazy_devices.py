@@ -149,3 +149,18 @@ def test_a_released_devices_sdk_is_freed_at_once_without_the_collector(tmp_path,
             gc.enable()
     assert len(dropped) > 300
     assert alive < 0.05 * len(dropped), f"{alive} of {len(dropped)} dropped SDK objects are still alive"
+
+
+def test_a_fleet_is_told_its_memory_before_the_run_and_refused_past_the_machines():
+    from emulator.fleet.simulator import fleet_memory_line
+
+    assert fleet_memory_line(10_000, 16 * 10**9) is None  # a fleet of the default size: nothing to say
+    assert fleet_memory_line(1_000_000, 16 * 10**9) == (
+        "1,000,000 devices take about 2.79 GB of memory and minutes to set up before the run starts (about 2.6 kB "
+        "a device, and 2.8 kB more for each that has taken part)"
+    )
+    assert fleet_memory_line(10_000_000, 16 * 10**9) == (
+        "a fleet of 10,000,000 devices needs about 26.2 GB of memory before its first round (about 2.6 kB a device), "
+        "more than this machine's 16 GB; simulate at most about 6,081,000 --devices here"
+    )
+    assert fleet_memory_line(10_000_000, None).startswith("10,000,000 devices take about 26.2 GB")  # memory unknown
