@@ -50,7 +50,7 @@ MAX_DIRICHLET_DRAWS = 100  # flwr stops at 10; a draw is cheap, and many clients
 
 def _check_clients(n: int, num_clients: int, per_client: int = 1) -> None:
     if num_clients < 1:
-        raise PartitionError(f"num_clients must be at least 1, got {num_clients}")
+        raise PartitionError(f"num_clients (the data spec's clients=) must be at least 1, got {num_clients}")
     if n < num_clients * per_client:
         raise PartitionError(
             f"{n} examples cannot give {num_clients} clients {per_client} each; use at most {n // per_client} clients"

@@ -209,6 +209,8 @@ def test_pathological_examples_no_client_holds_are_named_in_the_dataset_source(
 def test_impossible_cuts_say_what_to_change() -> None:
     with pytest.raises(PartitionError, match="use at most 5 clients"):
         iid(5, 6, seed=0)
+    with pytest.raises(PartitionError, match=r"^num_clients \(the data spec's clients=\) must be at least 1, got -3$"):
+        iid(5, -3, seed=0)  # what --data digits,clients=-3 is told
     with pytest.raises(PartitionError, match="classes_per_client"):
         pathological(np.array([0, 1, 0, 1]), 2, 0, classes_per_client=3)
     with pytest.raises(PartitionError, match="raise alpha"):
