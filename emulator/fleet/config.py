@@ -50,6 +50,9 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Hour = Annotated[float, Field(ge=0.0, le=24.0)]
 #: how long a daily window lasts: a night of more than a day would run into the next one
 DayLength = Annotated[float, Field(gt=0.0, le=24.0)]
+#: a spread or a lead in hours around a daily window: more than a day would move it past the next
+#: day's (and a device's windows are drawn day by day over the span they reach: 1e9 hours took minutes)
+Spread = Annotated[float, Field(ge=0.0, le=24.0)]
 Rate = Annotated[float, Field(ge=0.0, le=1e6)]
 NonNegative = Annotated[float, Field(ge=0.0, le=1e9)]
 Positive = Annotated[float, Field(gt=0.0, le=1e9)]
@@ -122,14 +125,14 @@ class NightWindow(_Section):
 
     probability: Probability = 0.85
     start_h: Hour = 23.0
-    start_device_sd_h: NonNegative = 1.5
-    start_daily_sd_h: NonNegative = 0.5
+    start_device_sd_h: Spread = 1.5
+    start_daily_sd_h: Spread = 0.5
     duration_h: DayLength = 7.0
-    duration_sd_h: NonNegative = 1.0
+    duration_sd_h: Spread = 1.0
     min_duration_h: Annotated[float, Field(ge=0.0, le=24.0)] = 1.0
     home_wifi_share: Probability = 0.85
-    wifi_before_h: NonNegative = 3.0
-    wifi_after_h: NonNegative = 0.75
+    wifi_before_h: Spread = 3.0
+    wifi_after_h: Spread = 0.75
 
 
 class DayCharging(_Section):
@@ -141,10 +144,10 @@ class DayCharging(_Section):
     available devices of a day swing 4.1-4.2x (10,000 devices, seeds 0 and 1, sampled every
     5 minutes), peaking at about 60% of the fleet in the US night."""
 
-    sessions_per_day: Rate = 3.5
+    sessions_per_day: Annotated[float, Field(ge=0.0, le=1440.0)] = 3.5  # at most one a minute
     from_h: Hour = 7.0
     to_h: Hour = 22.0
-    mean_duration_h: Positive = 1.5
+    mean_duration_h: DayLength = 1.5
     unmetered_prob: Probability = 0.75
     idle_prob: Probability = 0.7
 
@@ -160,7 +163,7 @@ class ScreenOn(_Section):
     the phone would be idle, each lasting an exponential time of mean ``mean_minutes``. The
     runtime must abort then (paper sec. 3): the source of ``-v[!`` sessions (Table 1)."""
 
-    per_hour: Rate = 0.2
+    per_hour: Annotated[float, Field(ge=0.0, le=60.0)] = 0.2  # at most one a minute
     mean_minutes: Positive = 3.0
 
 

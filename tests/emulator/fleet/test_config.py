@@ -94,6 +94,12 @@ def test_replace_applies_overrides_and_validates_them():
         ("[availability.night]\nprobability = 1.5", "availability.night.probability"),
         ("[availability.night]\nduration_h = 30", "availability.night.duration_h"),  # would run into the next night
         ("[availability.night]\nmin_duration_h = 25", "availability.night.min_duration_h"),
+        # spreads and rates past a day's: a device's windows were drawn day by day for minutes
+        ("[availability.night]\nstart_device_sd_h = 1e9", "availability.night.start_device_sd_h must be at most 24"),
+        ("[availability.night]\nwifi_before_h = 25", "availability.night.wifi_before_h must be at most 24"),
+        ("[availability.day]\nmean_duration_h = 1e9", "availability.day.mean_duration_h must be at most 24"),
+        ("[availability.day]\nsessions_per_day = 1e6", "availability.day.sessions_per_day must be at most 1440"),
+        ("[availability.screen_on]\nper_hour = 61", "availability.screen_on.per_hour must be at most 60"),
         ("[availability.day]\nfrom_h = 20.0\nto_h = 8.0", "from_h"),
         ("[availability.battery]\nstart_min = 0.9\nstart_max = 0.2", "start_min"),
         ("[[availability.time_zones]]\nutc_offset_h = -5.0\nshare = 0.5", "availability.time_zones"),

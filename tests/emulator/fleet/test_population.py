@@ -122,3 +122,19 @@ def test_local_hour_follows_the_time_zone():
     for spec in generate_population(config):
         assert spec.local_hour(0.0) == pytest.approx((config.fleet.start_utc_hour + spec.utc_offset_h) % 24)
         assert spec.local_hour(3 * 3600.0) == pytest.approx((spec.local_hour(0.0) + 3) % 24)
+
+
+@pytest.mark.parametrize(
+    "section, limits",
+    [
+        ("night", dict.fromkeys(("start_device_sd_h", "start_daily_sd_h", "duration_sd_h", "wifi_before_h"), 24.0)),
+        ("day", {"sessions_per_day": 1440.0}),
+        ("day", {"mean_duration_h": 24.0}),
+        ("screen_on", {"per_hour": 60.0}),
+    ],
+)
+def test_a_population_at_the_availability_models_limits_is_drawn(section, limits):
+    """A spread or rate at its bound: a device's windows are drawn over the days they reach (a
+    bedtime spread of 1e9 hours drew windows for minutes)."""
+    config = FleetConfig.from_dict({"fleet": {"devices": 3, "hours": 2.0}, "availability": {section: limits}})
+    assert [d.availability.state_at(3600.0) is not None for d in generate_population(config)] == [True] * 3
