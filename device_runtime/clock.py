@@ -29,6 +29,7 @@ class SystemClock:
         return self.now() - time.monotonic()
 
     def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        seconds = check_number("SystemClock.sleep's seconds", seconds, signed=True)  # "5" failed with a TypeError
         if wake is None:
             time.sleep(max(0.0, seconds))
             return False
@@ -84,6 +85,7 @@ class VirtualClock:
             return self._now
 
     def sleep(self, seconds: float, wake: threading.Event | None = None) -> bool:
+        seconds = check_number("VirtualClock.sleep's seconds", seconds, signed=True)  # "5" failed with a TypeError
         if wake is not None and wake.is_set():
             return True
         self.advance(max(0.0, seconds))

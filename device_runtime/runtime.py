@@ -180,7 +180,8 @@ class FLRuntime:
         A ``population`` that breaks ``NAME_RULE`` (it is a path segment of the device's requests)
         or a ``server_url`` that is not http(s) is refused here with ``InvalidSetting``, as are
         settings of the wrong kind (a path for ``opstats``, a number for ``device_class``, a
-        ``timeout_s`` that is not a positive number of seconds)."""
+        ``timeout_s`` that is not a positive number of seconds, a ``transport``, ``http_client`` or
+        ``plan_cache`` that is not one)."""
         if not is_name(population):
             raise InvalidSetting(f"population {str(population)[:200]!r} refused: {NAME_RULE}")
         server_url = checked_server_url(server_url)  # before anything is made: a refusal leaves nothing
@@ -206,6 +207,9 @@ class FLRuntime:
             trust_anchor=trust_anchor,
             secagg_policy=secagg_policy,
             dp_policy=dp_policy,
+            transport=transport,
+            http_client=http_client,
+            plan_cache=plan_cache,
         )
         self.population = population
         self.stores = dict(stores)
@@ -878,6 +882,15 @@ def _check_settings(**settings: Any) -> None:
             f"trust_anchor is the authority's {{key id: public key}} (AttestationAuthority.trust_anchor()) or None, "
             f"not {type(anchor).__name__} {anchor!r:.100}"
         )
+    # taken by what they do, as above: the emulator's lean client and in-memory cache are not httpx's or a file's
+    for name, methods, what in (
+        ("transport", ("handle_request",), "an httpx transport (httpx.BaseTransport)"),
+        ("http_client", ("request", "close"), "an httpx.Client"),
+        ("plan_cache", ("get", "put"), "a PlanCache (DirectoryPlanCache(path), MemoryPlanCache())"),
+    ):
+        value = settings[name]
+        if value is not None and not all(callable(getattr(value, m, None)) for m in methods):
+            raise InvalidSetting(f"{name} is {what} or None, not {type(value).__name__} {value!r:.100}")
     for name, kind in (
         ("retry", RetryPolicy),
         ("device_class", DeviceClass),

@@ -52,6 +52,10 @@ from tests.support import COLLECTION, deploy, digits_plan
         ({"attestor": "phone-key.pem"}, "attestor is this device's DeviceAttestor"),
         ({"trust_anchor": "trust.json"}, "trust_anchor is the authority's \\{key id: public key\\}"),
         ({"trust_anchor": {b"id": b"not a key"}}, "trust_anchor is not the authority's .* does not match"),
+        ({"plan_cache": 5}, r"plan_cache is a PlanCache \(DirectoryPlanCache\(path\), MemoryPlanCache\(\)\)"),
+        ({"plan_cache": "plans/"}, "plan_cache is a PlanCache"),
+        ({"transport": 5}, r"transport is an httpx transport \(httpx.BaseTransport\) or None, not int 5"),
+        ({"http_client": 5}, "http_client is an httpx.Client or None, not int 5"),
     ],
 )
 def test_settings_of_the_wrong_kind_are_refused_when_the_runtime_is_made(tmp_path, setting, match):
@@ -285,6 +289,10 @@ def test_a_store_asked_for_with_a_collection_that_is_not_a_string_is_refused_say
         (lambda: VirtualClock("2026-01-01"), "VirtualClock's start is a finite number of unix seconds"),
         (lambda: VirtualClock().advance(float("nan")), "VirtualClock.advance's seconds .* is a finite number"),
         (lambda: VirtualClock().advance_to(None), "VirtualClock.advance_to's time is a finite number"),
+        (lambda: VirtualClock().sleep("5"), "VirtualClock.sleep's seconds is a finite number of seconds"),
+        (lambda: VirtualClock().sleep(float("nan")), "VirtualClock.sleep's seconds is a finite number"),
+        (lambda: SystemClock().sleep("5"), "SystemClock.sleep's seconds is a finite number of seconds"),
+        (lambda: SystemClock().sleep(None, threading.Event()), "SystemClock.sleep's seconds is a finite number"),
         (
             lambda: ParticipationScheduler(None, GOOD_NOW, clock=VirtualClock(0.0)).schedule(
                 "digits", start_at=2**2000
