@@ -72,6 +72,7 @@ class InMemoryExampleStore(ExampleStore):
         return self._require(collection_uri).schema.as_dict()
 
     def retention_for(self, collection_uri: str) -> RetentionPolicy:
+        check_uri(collection_uri)  # 5 read as a collection with no policy of its own, and got the default
         return self._policies.get(collection_uri, self._default_policy)
 
     def set_retention(self, collection_uri: str, policy: RetentionPolicy) -> None:

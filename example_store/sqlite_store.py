@@ -336,6 +336,7 @@ class SQLiteExampleStore(ExampleStore):
         """The collection's own policy if one was set, else the store's default. Read from the
         database each time: another process of the app (or another store on the file) may have
         set it since, and its examples past a TTL are not to be read."""
+        check_uri(collection_uri)  # 5 read as a collection with no policy of its own, and got the default
         self._check_open()
         return self._retention(collection_uri)
 

@@ -97,6 +97,14 @@ def test_times_columns_and_keys_of_the_wrong_kind_are_refused_saying_what_to_giv
         ResumptionTokens("a secret of 32 characters, a str")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("uri", [5, None, b"app:/digits", ""])
+def test_a_retention_query_of_a_collection_that_is_not_a_uri_is_refused(any_store, uri):
+    """``retention_for(5)`` answered with the store's default policy, as if 5 were a collection
+    with no policy of its own (a list failed with "unhashable type" on the memory store)."""
+    with pytest.raises(InvalidArgumentError, match="a collection URI must be a non-empty string"):
+        any_store.retention_for(uri)
+
+
 def test_a_misspelt_collection_names_the_one_meant(any_store):
     any_store.add(URI, make_examples(2))
     with pytest.raises(UnknownCollectionError, match=f"no collection 'app:/digit' \\(did you mean '{URI}'\\?"):
