@@ -56,9 +56,10 @@ def new_tasks(
     require_release_reports: bool,
     release_trust: frozenset[bytes],
 ) -> list[NewTask]:
-    """The tasks of one deploy as they are to be stored, once every check passed (the versioned
-    plans and release reports are then stored as resources, which the tasks' configs name).
-    Raises a 4xx ``ApiError``; the caller stores the tasks."""
+    """The tasks of one deploy as they are to be stored, once every check passed: each carries its
+    versioned plans and release report as resources its config names, stored with the task in
+    one transaction (``ServerStore.add_tasks``), so a server killed meanwhile keeps none of them.
+    Nothing is written here. Raises a 4xx ``ApiError``; the caller stores the tasks."""
     if not specs or len(specs) > MAX_TASKS_PER_GROUP:
         raise BadRequest(f"a deploy holds 1 to {MAX_TASKS_PER_GROUP} tasks", code="BAD_CONFIG")
     names = [s.name for s in specs]
@@ -101,25 +102,17 @@ def new_tasks(
         )
         for s in specs
     }
-    return [
-        NewTask(
-            s.name,
-            s.plan,
-            checked[s.name][1],
-            {
-                "round": s.config.to_dict(),
-                "eligibility": s.eligibility.to_dict(),
-                "group": {
-                    "strategy": strategy.value,
-                    "weight": s.weight,
-                    "evaluates": s.evaluates,
-                    "first": specs[0].name,
-                },
-                **store_release(store, s, releases[s.name]),
-            },
-        )
-        for s in specs
-    ]
+    items = []
+    for s in specs:
+        release, resources = release_resources(s, releases[s.name])
+        config = {
+            "round": s.config.to_dict(),
+            "eligibility": s.eligibility.to_dict(),
+            "group": {"strategy": strategy.value, "weight": s.weight, "evaluates": s.evaluates, "first": specs[0].name},
+            **release,
+        }
+        items.append(NewTask(s.name, s.plan, checked[s.name][1], config, resources))
+    return items
 
 
 def task_exists(population: str, taken: list[str]) -> Conflict:
@@ -149,18 +142,19 @@ def stored_before(store: ServerStore, population: str, items: list[NewTask]) -> 
     return [existing[i.name] for i in items]
 
 
-def store_release(store: ServerStore, spec: TaskSpec, versions: dict[str, tuple[str, bytes]]) -> dict:
-    """The versioned plans and the report as resources; the task's config keeps their ids."""
+def release_resources(
+    spec: TaskSpec, versions: dict[str, tuple[str, bytes]]
+) -> tuple[dict, tuple[tuple[bytes, str], ...]]:
+    """What the task's config says of its release (the ids of its versioned plans and report, and
+    the releases claimed), and those resources as (bytes, kind), to be stored with the task."""
     if spec.release_report is None:
-        return {}
+        return {}, ()
     report = json.dumps(spec.release_report, sort_keys=True, separators=(",", ":")).encode()
-    return {
-        "versions": {key: store.put_resource(data, "plan") for key, (_, data) in versions.items()},
-        "release": {
-            "report_id": store.put_resource(report, "release_report"),
-            "claimed": sorted(release for release, _ in versions.values()),
-        },
+    names = {
+        "versions": {key: resource_id(data) for key, (_, data) in versions.items()},
+        "release": {"report_id": resource_id(report), "claimed": sorted(release for release, _ in versions.values())},
     }
+    return names, (*((data, "plan") for _, data in versions.values()), (report, "release_report"))
 
 
 def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Plan:

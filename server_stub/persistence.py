@@ -193,12 +193,14 @@ class DatabaseInUse(Exception):
 
 @dataclass(frozen=True)
 class NewTask:
-    """A task to store: its name, plan and initial checkpoint bytes, and its config (JSON)."""
+    """A task to store: its name, plan and initial checkpoint bytes, its config (JSON), and the
+    other resources its config names as (bytes, kind) (a release's versioned plans and report)."""
 
     name: str
     plan: bytes
     checkpoint: bytes
     config: dict
+    resources: tuple[tuple[bytes, str], ...] = ()
 
 
 def resource_id(data: bytes) -> str:
@@ -508,8 +510,9 @@ class ServerStore:
 
     # tasks
     def add_tasks(self, population: str, items: list[NewTask]) -> list[TaskRecord]:
-        """Store tasks deployed together, with their plans and checkpoints, in one transaction:
-        a refused deploy (a name taken meanwhile, a full disk) leaves nothing behind."""
+        """Store tasks deployed together, with their plans, checkpoints and the resources their
+        configs name, in one transaction: a refused deploy (a name taken meanwhile, a full disk)
+        or a server killed during it leaves nothing behind."""
         pid = self.population_id(population)
         if pid is None:
             raise KeyError(population)
@@ -518,6 +521,8 @@ class ServerStore:
             for item in items:
                 plan_id = self._put(conn, item.plan, "plan")
                 ckpt_id = self._put(conn, item.checkpoint, "checkpoint")
+                for data, kind in item.resources:
+                    self._put(conn, data, kind)
                 tid = _inserted_id(
                     conn.execute(
                         tasks.insert().values(

@@ -26,7 +26,16 @@ from sqlalchemy.exc import OperationalError
 
 from device_runtime import encode_checkpoint, initial_weights, serialize_plan
 from server_stub import AdminError, FLService, RoundConfig, ServerStore, ServerThread, persistence
-from server_stub.persistence import SCHEMA_VERSION, DatabaseInUse, NewTask, StoreLayoutError, store_advice
+from server_stub.deploy import TaskSpec
+from server_stub.persistence import (
+    SCHEMA_VERSION,
+    DatabaseInUse,
+    NewTask,
+    StoreLayoutError,
+    resource_id,
+    store_advice,
+)
+from server_stub.release_gate import REPORT_FORMAT
 from tests.dying_server import killed_at_statement
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
@@ -322,20 +331,15 @@ def test_a_server_started_on_a_full_disk_says_so_in_one_line(tmp_path):
         _refused(done.returncode, done.stderr, "the disk is full: free space and retry")
 
 
-# killed (SIGKILL, a process of its own: -m slow), or failed in this process (the write refused)
-@pytest.mark.parametrize("how", [pytest.param("killed", marks=pytest.mark.slow), "failed"])
-def test_a_deploy_killed_or_failed_leaves_nothing_of_it_and_can_be_made_again(tmp_path, how):
-    """A deploy of two tasks stores both with their plans and models in one transaction: stopped
-    once the first task's row is written, the database has neither task, and no plan or model of
-    them."""
-    db = tmp_path / "fl.db"
+def _stopped_at_the_task_row(db: Path, how: str, deploy: str) -> None:
+    """Run ``deploy`` (Python, with ``store``, a ``ServerStore`` on ``db`` with the population
+    "digits") stopped once its first task's row is written: killed (SIGKILL, in a process of its
+    own), or failed in this process (the write refused as on a full disk). Then the database holds
+    no task and no resource."""
     store = ServerStore(db)
     store.create_population("digits")
     if how == "killed":
         store.close()
-        deploy = (
-            "from tests.server_stub.test_server_database import _two_tasks\nstore.add_tasks('digits', _two_tasks())"
-        )
         done = killed_at_statement(db, "INSERT INTO tasks", deploy)
         assert done.returncode == -9, done.stderr
     else:
@@ -346,15 +350,78 @@ def test_a_deploy_killed_or_failed_leaves_nothing_of_it_and_can_be_made_again(tm
 
         event.listen(store.engine, "after_cursor_execute", refuse)
         with pytest.raises(OSError):
-            store.add_tasks("digits", _two_tasks())
+            exec(deploy, {"store": store})
         store.close()
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM tasks").fetchone() == (0,)
-        assert conn.execute("SELECT count(*) FROM resources").fetchone() == (0,)
+        assert conn.execute("SELECT kind FROM resources").fetchall() == []
+
+
+# killed (SIGKILL, a process of its own: -m slow), or failed in this process (the write refused)
+@pytest.mark.parametrize("how", [pytest.param("killed", marks=pytest.mark.slow), "failed"])
+def test_a_deploy_killed_or_failed_leaves_nothing_of_it_and_can_be_made_again(tmp_path, how):
+    """A deploy of two tasks stores both with their plans and models in one transaction: stopped
+    once the first task's row is written, the database has neither task, and no plan or model of
+    them."""
+    db = tmp_path / "fl.db"
+    _stopped_at_the_task_row(
+        db,
+        how,
+        "from tests.server_stub.test_server_database import _two_tasks\nstore.add_tasks('digits', _two_tasks())",
+    )
     store = ServerStore(db)
     try:
         assert FLService(store).population_status("digits")["active_tasks"] == []
         assert [t.name for t in store.add_tasks("digits", _two_tasks())] == ["a", "b"]
+    finally:
+        store.close()
+
+
+def _released_task() -> TaskSpec:
+    """A task deployed with a versioned plan and its release report (unsigned: the server neither
+    requires reports nor trusts a signer), which the deploy stores as resources its config names."""
+    plan = digits_plan()
+    data = serialize_plan(plan)
+
+    def result(runtime: str) -> dict:
+        return {
+            "runtime": runtime,
+            "plan_sha256": resource_id(data),
+            "passed": True,
+            "checks": [{"name": "loads", "passed": True, "detail": ""}],
+        }
+
+    report = {
+        "format": REPORT_FORMAT,
+        "task": "a",
+        "plan_sha256": resource_id(data),
+        "claimed": ["1.31.1"],
+        "reference": result("host"),
+        "results": {"1.31.1": result("1.31.1")},
+    }
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    return TaskSpec("a", data, checkpoint, versioned_plans={"1.31.1": data}, release_report=report)
+
+
+@pytest.mark.parametrize("how", [pytest.param("killed", marks=pytest.mark.slow), "failed"])
+def test_a_deploy_with_a_release_killed_or_failed_leaves_no_resource_and_can_be_made_again(tmp_path, how):
+    """A deploy's versioned plans and release report are stored in its task's transaction:
+    stopped as the task's row is written, the database keeps no resource that nothing names (a
+    restart would find them named by nothing, and nothing would remove them), and the same deploy
+    made again stores the task with its release."""
+    db = tmp_path / "fl.db"
+    _stopped_at_the_task_row(
+        db,
+        how,
+        "from server_stub import FLService\n"
+        "from tests.server_stub.test_server_database import _released_task\n"
+        "FLService(store).deploy('digits', [_released_task()])",
+    )
+    store = ServerStore(db)
+    try:
+        (task,), stored = FLService(store).deploy("digits", [_released_task()])
+        assert stored and store.resource(task.config["release"]["report_id"])
+        assert all(store.resource(rid) for rid in task.config["versions"].values())
     finally:
         store.close()
 
