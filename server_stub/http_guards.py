@@ -40,7 +40,8 @@ middleware) add, set by ``HttpLimits``:
   sockets that each pipelined 200 requests for the 53 KB OpenAPI document and read nothing held a
   server allowed eight connections at 503 ``SERVER_BUSY`` for as long as they stayed open.
 A refused request closes lingeringly: the server half-closes, reads and drops what the client
-still sends for ``LINGER_S``, then closes, so that the client reads the answer, not a reset."""
+still sends for ``LINGER_S``, then closes, so that the client reads the answer, not a reset.
+``AnsweredErrorGuard`` keeps uvicorn from logging again an error the app answered 500 and logged."""
 
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ class GuardedServer(uvicorn.Server):
         protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "admission": self.admission})
         super().__init__(
             uvicorn.Config(
-                SlowBodyGuard(app, limits.body_timeout_s),
+                AnsweredErrorGuard(SlowBodyGuard(app, limits.body_timeout_s)),
                 http=protocol,
                 h11_max_incomplete_event_size=limits.max_header_bytes,
                 **options,
@@ -655,4 +656,44 @@ class SlowBodyGuard:
         await self.app(scope, guarded_receive, guarded_send)
 
 
-__all__ = ["GuardedH11Protocol", "GuardedServer", "HttpLimits", "SlowBodyGuard", "default_max_connections"]
+class AnsweredErrorGuard:
+    """ASGI middleware: an ``Exception`` the app raises after a whole 500 answer went out ends the
+    request here. Starlette answers an unhandled exception 500 through the app's own handler (which
+    logs it with the method and path) and then raises it again, which uvicorn would log a second
+    time. Anything else goes on to uvicorn: an exception raised before a whole answer was sent or
+    after one that was not a 500 (a failure nobody logged yet), and what is not an ``Exception``
+    (a cancellation, an interrupt)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        answered = False
+
+        async def watched_send(message: dict) -> None:
+            nonlocal status, answered
+            await send(message)
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception:
+            if not (answered and status == 500):
+                raise
+
+
+__all__ = [
+    "AnsweredErrorGuard",
+    "GuardedH11Protocol",
+    "GuardedServer",
+    "HttpLimits",
+    "SlowBodyGuard",
+    "default_max_connections",
+]
