@@ -517,7 +517,8 @@ def run_prune(args: argparse.Namespace, out: TextIO | None = None) -> int:
     verb = "would drop" if args.dry_run else "dropped"
     print(
         f"{verb} the models of {pruned.rounds} round(s) that ended more than {args.older_than_days:g} day(s) ago "
-        f"and {pruned.checkpoints} checkpoint(s) nothing names any more, {pruned.bytes} bytes",
+        f"and {pruned.checkpoints} checkpoint(s), plan(s) and release report(s) nothing names any more, "
+        f"{pruned.bytes} bytes",
         file=out,
     )
     return 0

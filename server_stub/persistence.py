@@ -265,7 +265,7 @@ class PrunedRounds:
 @dataclass(frozen=True)
 class Pruned:
     """What ``ServerStore.prune_models`` dropped: the rounds whose model went, and the checkpoints
-    deleted and their bytes."""
+    (with the plans and release reports no task names) deleted and their bytes."""
 
     rounds: int
     checkpoints: int
@@ -694,7 +694,9 @@ class ServerStore:
         but each task's latest committed one (the model the task goes on from, or its final one):
         their records stay, with no ``checkpoint_id``. Then drop every checkpoint created before
         then that nothing on record names any more (those models, and what devices were sent of
-        them). Plans, initial checkpoints and the rounds' records (metrics and privacy figures) are
+        them), and the plans and release reports stored before then that no task names (what a
+        server killed during a deploy kept, before a deploy was stored in one transaction). Tasks'
+        plans, initial checkpoints and the rounds' records (metrics and privacy figures) are
         kept. Only for a database no server runs on: a running server's current model is in its
         memory, and a server stores what devices are sent of it again when it starts. With
         ``dry_run``, what would be dropped, and nothing is."""
@@ -719,12 +721,13 @@ class ServerStore:
                 select(func.count(), func.coalesce(func.sum(func.length(resources.c.data)), 0)).where(*unnamed)
             ).one()
             conn.execute(resources.delete().where(*unnamed))
+            releases = self._drop_unnamed_releases(conn, ended_before)
             if dry_run:
                 transaction.rollback()
         if not dry_run and self.engine.dialect.name == "sqlite":
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 conn.exec_driver_sql("VACUUM")  # the file gives the space back
-        return Pruned(len(dropped), int(found[0]), int(found[1]))
+        return Pruned(len(dropped), int(found[0]) + releases[0], int(found[1]) + releases[1])
 
     def pruned_counts(self, task_id: int) -> tuple[int, int]:
         """How many of a task's round records retention removed, and how many of them had committed."""
@@ -821,9 +824,35 @@ class ServerStore:
     def drop_unnamed_checkpoints(self, resources_before: float, keep_resources: Iterable[str] = ()) -> tuple[int, int]:
         """Delete the checkpoints stored before ``resources_before`` that no round or task names
         and ``keep_resources`` does not list (what devices were sent of models no longer current,
-        the models of records removed before): how many, and their bytes."""
+        the models of records removed before), and the plans and release reports stored before then
+        that no task names (``_drop_unnamed_releases``): how many, and their bytes."""
         with self._write_transaction() as conn:
-            return self._drop_checkpoints(conn, resources_before, keep_resources)
+            count, size = self._drop_checkpoints(conn, resources_before, keep_resources)
+            releases = self._drop_unnamed_releases(conn, resources_before)
+        return count + releases[0], size + releases[1]
+
+    @staticmethod
+    def _drop_unnamed_releases(conn: Connection, before: float) -> tuple[int, int]:
+        """Delete, in ``conn``'s transaction, the resources of kind ``plan`` and ``release_report``
+        stored before ``before`` that no task names (as its plan, or in its config's ``versions``
+        and ``release.report_id``): what a server killed during a deploy kept, when a release's
+        versioned plans and report were stored apart from its task. How many, and their bytes."""
+        named: set[str] = set()
+        for plan_id, config in conn.execute(select(tasks.c.plan_id, tasks.c.config)).all():
+            loaded = json.loads(config)
+            named.add(plan_id)
+            named.update(loaded.get("versions", {}).values())
+            if (report := loaded.get("release", {}).get("report_id")) is not None:
+                named.add(report)
+        unnamed = (resources.c.kind.in_(("plan", "release_report")), resources.c.created_at < before)
+        orphans = [
+            (rid, size)
+            for rid, size in conn.execute(select(resources.c.id, func.length(resources.c.data)).where(*unnamed))
+            if rid not in named
+        ]
+        for start in range(0, len(orphans), 500):
+            conn.execute(resources.delete().where(resources.c.id.in_([rid for rid, _ in orphans[start : start + 500]])))
+        return len(orphans), sum(int(size) for _, size in orphans)
 
     @staticmethod
     def _drop_checkpoints(

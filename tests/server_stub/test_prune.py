@@ -121,3 +121,40 @@ def test_a_database_a_server_holds_a_missing_file_and_a_bad_age_are_refused_in_o
         with pytest.raises(SystemExit) as exit_:
             cli.main(["prune", "--db", str(db), "--older-than-days", bad])
         assert exit_.value.code == 2 and "give a number of days from 0 to 100000" in capsys.readouterr().err
+
+
+def test_plans_and_release_reports_no_task_names_go_once_old_and_a_tasks_stay(tmp_path, capsys):
+    """A server killed during a deploy, before a deploy was stored in one transaction, kept a
+    release's versioned plan and report with no task naming them."""
+    db = tmp_path / "fl.db"
+    ids = {name: hashlib.sha256(name).hexdigest() for name in (b"plan", b"v2", b"report", b"lost v2", b"lost report")}
+    config = {"versions": {"v2": ids[b"v2"]}, "release": {"report_id": ids[b"report"], "claimed": ["r2"]}}
+    store = ServerStore(db)
+    try:
+        store.create_population("p")
+        resources = ((b"v2", "plan"), (b"report", "release_report"))
+        store.add_tasks("p", [NewTask("a", b"plan", b"model", config, resources)])
+        store.put_resource(b"lost v2", "plan")
+        store.put_resource(b"lost report", "release_report")
+    finally:
+        store.close()
+    with sqlite3.connect(db) as raw:  # all stored two days ago
+        raw.execute("UPDATE resources SET created_at = created_at - 2 * 86400")
+    store = ServerStore(db)
+    try:  # a deploy in progress: a lost plan stored within the grace period stays
+        store.put_resource(b"lost v2", "plan")
+        assert store.drop_unnamed_checkpoints(time.time() - 60.0) == (1, len(b"lost report"))
+        assert store.get_resource(ids[b"lost report"]) is None and store.get_resource(ids[b"lost v2"]) == b"lost v2"
+    finally:
+        store.close()
+    with sqlite3.connect(db) as raw:
+        raw.execute("UPDATE resources SET created_at = created_at - 2 * 86400 WHERE id = ?", (ids[b"lost v2"],))
+    assert cli.main(["prune", "--db", str(db), "--older-than-days", "1"]) == 0
+    assert "and 1 checkpoint(s), plan(s) and release report(s) nothing names" in capsys.readouterr().out
+    store = ServerStore(db)
+    try:
+        gone = [name for name, rid in ids.items() if store.get_resource(rid) is None]
+        assert gone == [b"lost v2", b"lost report"]
+        assert store.get_resource(hashlib.sha256(b"model").hexdigest()) == b"model"
+    finally:
+        store.close()
