@@ -445,7 +445,8 @@ class FLService:
                     total += PrunedRounds(checkpoints=count, bytes=size)
         if total.rounds:
             log.info(
-                "retention: removed %d round record(s) (%d committed) and %d checkpoint(s) nothing names any more, %d bytes",
+                "retention: removed %d round record(s) (%d committed) and %d checkpoint(s), plan(s) and release report(s) "
+                "nothing names any more, %d bytes",
                 total.rounds,
                 total.committed,
                 total.checkpoints,
