@@ -181,19 +181,23 @@ class CommitPipeline:
         found the turn taken, wait for them, and would otherwise wait for the next tick."""
         with self._write_lock:
             yield
-        self.flush()
+        self.flush(others=True)
 
     def closing(self, core: RoundCore) -> PendingCommit | None:
         """The pending commit of the round ``core`` ran, if it is still waiting (under the lock)."""
         return next((p for p in self.pending if p.core is core), None)
 
-    def flush(self, *, retry: bool = False) -> None:
+    def flush(self, *, retry: bool = False, others: bool = False) -> None:
         """Write pending commits, outside the service lock. One thread writes at a time; a thread
         that finds another writing leaves the work to it. A call that closed a round returns only
         once that round's commit was tried (by whichever thread): the round is on record, or was
         abandoned and its record waits for a retry; so the device whose report completed a round,
-        or a test, learns its outcome. Calls that closed nothing never wait for a write. With
-        ``retry`` (the ticker), records whose backoff is over are written again first."""
+        or a test, learns its outcome. A call that closed nothing returns at once, writing nothing:
+        a device's answer never waits for another device's commit, which the thread that closed it
+        writes (it calls ``flush`` too). With ``retry`` (the ticker), records whose backoff is over
+        are written again first; ``retry`` and ``others`` write what others closed."""
+        if not (retry or others or getattr(self._closed_here, "commits", None)):
+            return
         while True:
             with self._lock:
                 if not self.pending and not (retry and self._due_unwritten()):

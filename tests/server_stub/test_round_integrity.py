@@ -11,6 +11,7 @@ import contextlib
 import math
 import sqlite3
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -549,3 +550,58 @@ def test_after_a_restart_the_next_attempt_follows_the_last_one_on_record_even_pa
     model = decode_checkpoint(restarted.current_model(POP)[0])
     for w in plan.weight_names:
         np.testing.assert_allclose(model[w], start[w] + mean[w], rtol=1e-5, atol=1e-6)
+
+
+# 11: a device's answer and another device's commit --------------------------------------------
+
+
+def test_a_report_that_closed_nothing_is_answered_without_writing_the_commit_another_report_closed(server):
+    """Device A's report is accepted; before A's call reaches its write step, device B's report
+    closes the round. A is answered without writing B's commit, which B's own call writes: A's
+    answer never waits for a commit (nor is lost with a server killed while writing one)."""
+    plan, _ = server.deploy(config=RoundConfig(goal_count=2, over_selection=1.0, min_fraction=1.0, min_reports=2))
+    a, b = server.checkin(2)
+    commits = server.service._commits
+    flush = commits.flush
+    a_waits, b_closed, a_done = threading.Event(), threading.Event(), threading.Event()
+    writers: list[str] = []
+
+    def ordered_flush(**kw) -> None:
+        name = threading.current_thread().name
+        if name == "A":
+            a_waits.set()
+            assert b_closed.wait(30)
+            flush(**kw)
+            a_done.set()
+        elif name == "B" and getattr(commits._closed_here, "commits", None):
+            b_closed.set()
+            a_done.wait(30)
+            flush(**kw)
+        else:
+            flush(**kw)
+
+    record_round = server.store.record_round
+
+    def noted_record_round(*args, **kw):
+        writers.append(threading.current_thread().name)
+        return record_round(*args, **kw)
+
+    commits.flush = ordered_flush
+    server.store.record_round = noted_record_round
+    answers: dict[str, object] = {}
+
+    def send(name: str, session: CheckinAccepted) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: answers.__setitem__(name, server.report(session, update_of(plan))), name=name, daemon=True
+        )
+        thread.start()
+        return thread
+
+    device_a = send("A", a)
+    assert a_waits.wait(30)  # A's report is in the round
+    device_b = send("B", b)
+    device_a.join(30)
+    device_b.join(30)
+    assert (answers["A"].round_status, answers["B"].round_status) == ("open", "committed")
+    assert writers == ["B"]
+    assert server.statuses() == ["committed"]
