@@ -128,10 +128,10 @@ def _prediction_shape(
     outputs = [o for o in proto.graph.output if is_float(o.type.tensor_type.elem_type)]
     examples = _two_examples(features)
     feeds = {g: examples[e] for g, e in plan.device.inputs.items() if e in examples}
-    for vi in proto.graph.input:  # a batch fixed at export (the Model Zoo's files take one example)
+    for vi in proto.graph.input:  # a batch fixed at export: the Model Zoo's files take one example, torch's default 2+
         dims = vi.type.tensor_type.shape.dim
         if vi.name in feeds and len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
-            feeds[vi.name] = feeds[vi.name][: dims[0].dim_value]
+            feeds[vi.name] = np.take(feeds[vi.name], np.arange(dims[0].dim_value) % len(feeds[vi.name]), axis=0)
     (value,) = session.run([outputs[0].name], feeds)
     return tuple(int(d) for d in np.shape(value)[1:])
 

@@ -931,3 +931,79 @@ def population_running_variance(model: onnx.ModelProto) -> bool:
     (paddle2onnx's producer in older releases, its graph's name ``PaddlePaddle Graph in PIR mode``
     in paddle2onnx 2, which leaves the producer empty) and Flax (jax2onnx's producer)."""
     return model.producer_name.startswith(("PaddlePaddle", "jax2onnx")) or model.graph.name.startswith("PaddlePaddle")
+
+
+def zero_copies_the_batch(model: onnx.ModelProto, reshapes: Sequence[str]) -> None:
+    """The ``Reshape`` nodes named (by name, or first output) whose constant shape now starts with 0
+    for the batch it is given (:func:`.old_opsets.unpin_batch`) without ``allowzero``, in place:
+    the dynamo exporter writes every ``Reshape`` with ``allowzero=1``, which reads that 0 as a
+    dimension of zero (the plan's step then failed at every batch size). Their shapes hold no other
+    0, so nothing else changes."""
+    named = set(reshapes)
+    for node in model.graph.node:
+        if node.op_type == "Reshape" and (node.name or node.output[0]) in named:
+            kept = [a for a in node.attribute if a.name != "allowzero"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+
+
+#: onnxruntime's words for the node a run failed at.
+_FAILED_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)'")
+
+
+def pinned_batch(model: onnx.ModelProto, exported: Mapping[str, int]) -> str | None:
+    """Where a model exported at a fixed batch size (``exported``: data input -> that size; the
+    default ``torch.onnx.export(model, args, path)`` fixes it) still computes with that size after
+    its inputs' batch axes are made dynamic and its ``Reshape`` nodes to the batch are rewritten
+    (:func:`.old_opsets.unpin_batch`): the dynamo exporter writes ``as_strided`` as a ``Gather``
+    of indices into the flattened batch, and an ``Expand`` or ``Reshape`` to a shape it computed as
+    constants holds the batch too. Such a plan fails on a device at its first batch of another size
+    (an epoch's last batch is short), or computes another batch's examples. The model runs in
+    onnxruntime on zeros at its own batch size, one less and one more: returns the node a run failed
+    at, or the output that kept the exported batch size (``None`` where every run keeps its batch, or
+    where the first does not run either, which says nothing about the batch)."""
+    import onnxruntime as ort
+
+    sizes = set(exported.values())
+    if len(sizes) != 1:
+        return None
+    (size,) = sizes
+
+    def zeros(batch: int) -> dict[str, np.ndarray]:
+        feeds = {}
+        for vi in model.graph.input:
+            dims = [
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in vi.type.tensor_type.shape.dim
+            ]
+            if dims:
+                dims[0] = batch
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+            feeds[vi.name] = np.zeros(dims, dtype=dtype)
+        return feeds
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # the failure is reported below; declared output shapes are no concern here
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session.run(None, zeros(size))
+    except Exception:  # noqa: BLE001 - a model that does not run as it is says nothing about its batch
+        return None
+    for batch in sorted({max(size - 1, 1), size + 1} - {size}):
+        try:
+            outputs = session.run(None, zeros(batch))
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises several kinds
+            found = _FAILED_NODE.search(str(exc))
+            return f"node {found.group(2)!r} ({found.group(1)})" if found else str(exc).splitlines()[0][:200]
+        if np.ndim(outputs[0]) and np.shape(outputs[0])[0] != batch:
+            return f"the output {session.get_outputs()[0].name!r}"
+    return None
+
+
+def pinned_batch_error(size: int, where: str) -> str:
+    """One line for a person: what the export fixed and how to export instead."""
+    return (
+        f"the model was exported at a fixed batch size of {size}, and {where} computes with that size: the plan "
+        f"would fail on a device at any other (an epoch's last batch is short); export it with a dynamic batch axis "
+        "(torch.onnx.export(..., dynamo=True, dynamic_shapes=...), or dynamic_axes={'x': {0: 'batch'}} with "
+        "dynamo=False), or with `fedfleet plan from-torch`"
+    )

@@ -294,8 +294,11 @@ def read_model(
     if loops.unroll_control_flow(m, output):  # before the Loop's, Scan's and If's outputs are read for their shapes
         inits = {i.name: i for i in graph.initializer}
     if exported_batch:  # a Reshape to the one batch size the model was exported at (CNTK's MNIST-8)
-        old_opsets.unpin_batch(m, exported_batch, target)
+        onnx_import.zero_copies_the_batch(m, old_opsets.unpin_batch(m, exported_batch, target))
         inits = {i.name: i for i in graph.initializer}
+        pinned = onnx_import.pinned_batch(m, exported_batch)
+        if pinned:
+            raise PlanError(onnx_import.pinned_batch_error(max(exported_batch.values()), pinned))
     if loss == "cross_entropy":
         output = ml_ops.probabilities_as_logits(m, old_opsets.classes_last(m, output))
     if not set(names) & needed_for(graph.node, [output]):

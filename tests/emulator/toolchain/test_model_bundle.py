@@ -312,6 +312,27 @@ def _unconverted_op(path: Path) -> None:
     onnx.save_model(m, str(path))
 
 
+def _pinned_batch(path: Path) -> None:
+    """The features read through a Gather of indices into the flattened batch and reshaped to it, as
+    the dynamo exporter writes ``as_strided`` (ConvNeXt's pooling) when exported without dynamic
+    shapes: the graph holds its batch of 4 beyond any Reshape of the batch."""
+    m = mlp(5, 6, 3)
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
+    gemm = next(n for n in m.graph.node if n.op_type == "Gemm")
+    gemm.input[0] = "strided"
+    constants = {"flat": [-1], "indices": list(range(20)), "batch_shape": [4, 5]}
+    m.graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in constants.items())
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["x_flat"]),
+        helper.make_node("Gather", ["x_flat", "indices"], ["gathered"], name="node_as_strided"),
+        helper.make_node("Reshape", ["gathered", "batch_shape"], ["strided"]),
+    ]
+    rest = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend([*nodes, *rest])  # before the first Gemm
+    onnx.save_model(m, str(path))
+
+
 def _torch_checkpoint(path: Path) -> None:
     path.write_bytes(b"PK\x03\x04" + bytes(60))  # torch.save writes a zip archive
 
@@ -325,8 +346,17 @@ def _torch_checkpoint(path: Path) -> None:
         (_weights_as_constants, "not as Constant nodes or graph inputs"),
         (_torch_checkpoint, "as torch.save writes a PyTorch checkpoint"),
         (_unconverted_op, "op 'Erfc' (node 'dense_1/Gelu/Erfc') is no ONNX op"),
+        (_pinned_batch, "exported at a fixed batch size of 4, and node 'node_as_strided' (Gather) computes with"),
     ],
-    ids=["sklearn_tree", "argmax", "constant_output", "weights_as_constants", "torch_checkpoint", "unconverted_op"],
+    ids=[
+        "sklearn_tree",
+        "argmax",
+        "constant_output",
+        "weights_as_constants",
+        "torch_checkpoint",
+        "unconverted_op",
+        "pinned_batch",
+    ],
 )
 def test_a_model_that_cannot_train_is_refused_in_one_line_saying_what_to_export(tmp_path, capsys, make, says):
     make(tmp_path / "m.onnx")
@@ -391,6 +421,17 @@ def test_a_model_exported_at_batch_one_gets_its_classes_as_the_stubs_labels(tmp_
     m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
     onnx.save_model(m, str(tmp_path / "zoo.onnx"))
     assert _from_onnx(tmp_path / "zoo.onnx", tmp_path / "bundle") == 0
+    assert "did not run on random examples" not in capsys.readouterr().err
+    assert "'y': ('int64', (), 4)" in (tmp_path / "bundle" / "task.py").read_text()
+
+
+def test_a_model_exported_at_a_batch_of_four_runs_on_four_examples_for_the_stubs_labels(tmp_path, capsys):
+    """``torch.onnx.export(model, args, path)`` without dynamic shapes fixes the batch the example
+    args had: the model that reads the stub's labels off it is given that many examples."""
+    m = mlp(5, 6, 4)
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
+    onnx.save_model(m, str(tmp_path / "fixed.onnx"))
+    assert _from_onnx(tmp_path / "fixed.onnx", tmp_path / "bundle") == 0
     assert "did not run on random examples" not in capsys.readouterr().err
     assert "'y': ('int64', (), 4)" in (tmp_path / "bundle" / "task.py").read_text()
 

@@ -474,3 +474,26 @@ def test_a_plan_whose_class_ids_are_corrupt_is_refused(class_ids, says):
     data = serialize_plan(dataclasses.replace(plan, device=dataclasses.replace(plan.device, class_ids=class_ids)))
     with pytest.raises(PlanError, match=says):
         load_plan(data)
+
+
+def test_a_reshape_to_the_exported_batch_with_allowzero_takes_any_batch():
+    """The dynamo exporter writes every ``Reshape`` with ``allowzero=1``; exported at a fixed batch of 4
+    (``torch.onnx.export(model, args, path)``), its ``x.view(4, -1)`` is a constant ``[4, 6]`` that the
+    plan rewrites to copy the batch it is given: with ``allowzero`` that copy would be a zero, and the
+    plan's step fails at every batch size, 4 too."""
+    rng = np.random.default_rng(0)
+    source = model(
+        [
+            helper.make_node("Reshape", ["x", "flat"], ["features"], allowzero=1),
+            helper.make_node("MatMul", ["features", "w"], ["logits"]),
+        ],
+        [helper.make_tensor_value_info("x", F, [4, 2, 3])],
+        [helper.make_tensor_value_info("logits", F, [4, 3])],
+        {"flat": np.array([4, 6], np.int64), "w": rng.normal(size=(6, 3)).astype(np.float32)},
+    )
+    plan = training_plan_from_onnx(
+        source, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR
+    )
+    x, y = rng.normal(size=(7, 2, 3)).astype(np.float32), np.array([0, 1, 2, 0, 1, 2, 0])
+    result = PlanExecutor(plan).run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 4))
+    assert result.num_examples == 7 and np.isfinite(result.metrics["loss"])
