@@ -27,7 +27,9 @@ exporter writes as ONNX ``RNN`` ops) it writes the module exported three ways, a
   constants (the plan warns of the parameters it cannot find),
 * ``dynamo_noopt``: ``dynamo=True, optimize=False`` (what the warning and ``plan from-torch`` ask for),
 
-all with the batch axis dynamic and the weights inside the file (``external_data=False``). The
+all with the batch axis dynamic (and for the families of :data:`STATIC`, ``dynamo_static``: as
+``dynamo`` without ``dynamic_shapes``, the batch fixed at the example args', as the exporter's
+default call leaves it) and the weights inside the file (``external_data=False``). The
 classic exporter's trace runs the train-mode module once, which moves BatchNorm's running
 statistics by the example batch, and writes the moved ones: they are set back to the module's. Of the
 dynamo exports' node metadata, ``pkg.torch.onnx.stack_trace`` (source paths and lines of the
@@ -74,6 +76,13 @@ LR = 1.0
 BATCH = 4
 STATES = ("fresh", "perturbed")
 EXPORTERS = ("classic", "dynamo", "dynamo_noopt")
+#: The families also exported as ``dynamo_static`` (their perturbed state): the exporter's default
+#: call, ``torch.onnx.export(module, args, path, dynamo=True)`` without ``dynamic_shapes``, which
+#: fixes the batch the example args had in the file. DenseNet's plan takes any batch (its flattening
+#: ``Reshape`` to [4, C] is rewritten to copy the batch, ``allowzero=1`` and all), ConvNeXt's cannot
+#: (its average pool becomes ``as_strided``, a ``Gather`` of indices into the flattened batch of 4):
+#: that plan is refused (``refused`` in the manifest: the words the test expects of the refusal).
+STATIC = {"densenet": None, "convnext": "exported at a fixed batch size of 4, and node 'node_as_strided' (Gather)"}
 CLASSIC_OPSET = 17
 DYNAMO_OPSET = 20
 DROPOUT_RATE = 0.5
@@ -102,6 +111,8 @@ KEPT = (
     "gpt_sdpa",
     "norm_cnn",
     "birnn",
+    "densenet",
+    "convnext",
 )
 
 
@@ -188,10 +199,11 @@ def export_call(exporter: str) -> str:
             f"torch.onnx.export(module.train(), args, path, dynamo=False, training=TrainingMode.PRESERVE, "
             f"do_constant_folding=False, opset_version={CLASSIC_OPSET}, dynamic_axes=<batch>)"
         )
-    optimize = "" if exporter == "dynamo" else ", optimize=False"
+    optimize = "" if exporter in ("dynamo", "dynamo_static") else ", optimize=False"
+    shapes = "" if exporter == "dynamo_static" else "dynamic_shapes=<batch>, "
     return (
         f"torch.onnx.export(module.train(), args, path, dynamo=True{optimize}, opset_version={DYNAMO_OPSET}, "
-        f"dynamic_shapes=<batch>, external_data=False)"
+        f"{shapes}external_data=False)"
     )
 
 
@@ -221,11 +233,13 @@ def export(module: nn.Module, args: list[torch.Tensor], names: list[str], export
                 tuple(args),
                 str(path),
                 dynamo=True,
-                optimize=exporter == "dynamo",
+                optimize=exporter in ("dynamo", "dynamo_static"),
                 opset_version=DYNAMO_OPSET,
                 input_names=names,
                 output_names=["logits"],
-                dynamic_shapes=dynamic_batch(module, len(args), torch.export.Dim("batch")),
+                dynamic_shapes=None
+                if exporter == "dynamo_static"
+                else dynamic_batch(module, len(args), torch.export.Dim("batch")),
                 external_data=False,
                 verbose=False,
             )
@@ -367,14 +381,16 @@ def family_fixtures(
             raise SystemExit(f"{family}: two train-mode forward passes differ; some dropout is still active")
         reference = f"{family}.{state}.npz"
         save_reference(out / reference, module, spec, inputs, labels)
-        for exporter in EXPORTERS:
+        static = ("dynamo_static",) if family in STATIC and state == "perturbed" else ()
+        for exporter in (*EXPORTERS, *static):
             path = out / f"{family}.{state}.{exporter}.onnx.gz"
             if not references_only:
                 export(module, inputs, [i.name for i in spec.inputs], exporter, path)
                 say(f"  {path.name}: {path.stat().st_size // 1024} KB")
-            entries.append(
-                {"family": family, "state": state, "exporter": exporter, "model": path.name, "reference": reference}
-            )
+            entry = {"family": family, "state": state, "exporter": exporter, "model": path.name, "reference": reference}
+            if static and exporter in static and STATIC[family]:
+                entry["refused"] = STATIC[family]
+            entries.append(entry)
     return entries
 
 
@@ -446,7 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     order = [*KEPT, *(f for f in FAMILIES if f not in KEPT), "dropout"]
-    entries.sort(key=lambda e: (order.index(e["family"]), e.get("state", ""), EXPORTERS.index(e["exporter"])))
+    exporters = [*EXPORTERS, "dynamo_static"]
+    entries.sort(key=lambda e: (order.index(e["family"]), e.get("state", ""), exporters.index(e["exporter"])))
     manifest = {
         "regenerate": "PYTHONPATH=. python -m benchmarks.export_fixtures  (needs the bench extra)",
         "versions": {
@@ -456,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             "onnx": onnx.__version__,
             "python": platform.python_version(),
         },
-        "exporters": {e: export_call(e) for e in EXPORTERS},
+        "exporters": {e: export_call(e) for e in exporters},
         "batch": BATCH,
         "lr": LR,
         "fixtures": entries,

@@ -8,10 +8,12 @@ Llama (RMSNorm, rotary positions, grouped-query attention, SiLU-gated MLP) and T
 relative position buckets, one embedding shared three ways) scoring every position, a GPT written in
 plain torch around ``F.scaled_dot_product_attention`` (tied output layer), a CNN normalized by GroupNorm
 and InstanceNorm (with and without affine parameters), a two-layer bidirectional ``nn.RNN`` averaged over
-its unpadded positions (the classic exporter's ONNX ``RNN`` ops), at fixture
+its unpadded positions (the classic exporter's ONNX ``RNN`` ops), DenseNet (``Concat`` of every layer
+before) and ConvNeXt (LayerNorm over channels, depthwise 7x7, layer scale), at fixture
 size, each fresh (zero biases, unit gains: what exporters merge) and perturbed, exported with
 the classic exporter (training preserved), the dynamo exporter's default (``optimize=True``) and the
-dynamo exporter with ``optimize=False``. Beside each, torch's step in float64 from the same values.
+dynamo exporter with ``optimize=False`` (DenseNet and ConvNeXt also without dynamic shapes, their batch
+fixed at 4). Beside each, torch's step in float64 from the same values.
 
 Each model goes through what ``fedfleet plan from-onnx`` does (``tasks.onnx_import`` on the loaded
 file, the initial weights from its initializers); one step of the plan's work graph runs in
@@ -37,7 +39,7 @@ import pytest
 
 from device_runtime.executor import make_session
 from emulator.toolchain import OnnxTrainingPlan
-from emulator.toolchain.tasks import Task, onnx_import
+from emulator.toolchain.tasks import Task, TaskError, onnx_import
 from example_store import ExampleSelector
 
 #: Each fixture's step is built once per process (``plan_step``) for both tests that read it: they go
@@ -46,12 +48,18 @@ pytestmark = pytest.mark.xdist_group("test_exported_models")
 
 EXPORTED = Path(__file__).with_name("exported")
 MANIFEST = json.loads((EXPORTED / "manifest.json").read_text())
-STEPPED = [e for e in MANIFEST["fixtures"] if e["family"] != "dropout"]
+STEPPED = [e for e in MANIFEST["fixtures"] if e["family"] != "dropout" and "refused" not in e]
+#: Exports whose plan is refused (``refused``: the words of the refusal).
+REFUSED = [e for e in MANIFEST["fixtures"] if "refused" in e]
+#: Exports of a fixed batch (``dynamo_static``), and the same module's export with a dynamic one.
+STATIC = [e for e in STEPPED if e["exporter"] == "dynamo_static"]
 DROPOUT = [e for e in MANIFEST["fixtures"] if e["family"] == "dropout"]
 #: The dynamo exporter's optimizer folds BatchNorm into the convolutions (in its inference form):
 #: that network is not the module's in training, so its step cannot be torch's (a warning says so).
-WITH_BATCH_NORM = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2")
-MATCHED = [e for e in STEPPED if not (e["exporter"] == "dynamo" and e["family"] in WITH_BATCH_NORM)]
+WITH_BATCH_NORM = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2", "densenet")
+#: The dynamo exporter's default, ``optimize=True`` (``dynamo_static``: without dynamic shapes too).
+OPTIMIZED = ("dynamo", "dynamo_static")
+MATCHED = [e for e in STEPPED if not (e["exporter"] in OPTIMIZED and e["family"] in WITH_BATCH_NORM)]
 #: The step's error, relative to the largest change torch made to the tensor (float32 noise: the
 #: plan computes in float32, the reference in float64; the tester saw 1e-6..3e-5).
 TOLERANCE = 2e-4
@@ -78,12 +86,17 @@ DEFAULT = {
     "gpt_sdpa.perturbed.classic",
     "norm_cnn.fresh.dynamo",
     "birnn.perturbed.classic",
+    "densenet.fresh.classic",
+    "densenet.perturbed.dynamo_static",
+    "convnext.fresh.dynamo",
+    "convnext.perturbed.dynamo_static",
     "dropout.classic",
     "dropout_inplace.dynamo",
 }
 
 
 def _params(entries: list[dict[str, Any]]) -> list[Any]:
+    """``entries`` as test parameters, those outside :data:`DEFAULT` marked slow."""
     out = []
     for e in entries:
         name = e["model"].removesuffix(".onnx.gz")
@@ -253,7 +266,7 @@ def test_a_plan_step_matches_torch_autograds_step_for_every_parameter_by_name(en
     assert differences[worst] <= max(TOLERANCE, 4 * noise), (
         f"{worst}: {differences[worst]:.3g} of torch's change (torch float32: {noise:.3g})"
     )
-    if entry["exporter"] != "dynamo":
+    if entry["exporter"] not in OPTIMIZED:
         assert {torch_name(w) for w in compared} == set(ref.parameters) | set(ref.running)
 
 
@@ -269,12 +282,12 @@ def test_every_parameter_keeps_its_own_weight_and_only_real_ties_are_shared(entr
     tied = {group[0] for group in ref.tied} | (set(ref.reused) if entry["exporter"] == "classic" else set())
     trained = {ref.torch_name(w) for w in made.trainable}
     shared = [{ref.torch_name(w) for w in made.plan.metadata.shared_weights}, {ref.torch_name(w) for w in made.shared}]
-    if entry["exporter"] == "dynamo":  # and constants it folded that several modules read (a rotary table)
+    if entry["exporter"] in OPTIMIZED:  # and constants it folded that several modules read (a rotary table)
         shared = [names & set(ref.parameters) for names in shared]
     assert shared == [tied & trained] * 2
     weights = {ref.torch_name(w) for w in made.plan.weight_names}
     lost = [w for w in made.warnings if "folded or dropped" in w]
-    if entry["exporter"] != "dynamo":
+    if entry["exporter"] not in OPTIMIZED:
         assert trained == set(ref.parameters), "the plan trains other tensors than the module's parameters"
         assert set(ref.running) <= weights
         assert not made.lost and not lost
@@ -313,6 +326,35 @@ def test_the_plans_dropout_drops_at_its_rate_and_scales_what_it_keeps(entry):
     logits = w @ inputs
     g = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum() - np.eye(len(logits))[y[0]]
     np.testing.assert_allclose(delta, lr * np.outer(g, inputs), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("entry", _params(STATIC))
+def test_a_plan_of_an_export_at_a_fixed_batch_takes_a_short_batch_as_the_dynamic_exports_plan_does(entry):
+    """``torch.onnx.export(module, args, path)`` without dynamic shapes fixes the batch of 4 in the file
+    (DenseNet's flattening ``Reshape`` to [4, C], written with ``allowzero=1``); the plan takes any
+    batch, as a device's short last batch of an epoch needs: on the first 3 examples, the loss and
+    step of the same module exported with its batch dynamic (``dynamo``, also ``optimize=True``)."""
+    dynamic = next(e for e in STEPPED if e["exporter"] == "dynamo" and e["reference"] == entry["reference"])
+    examples = {n: v[:3] for n, v in reference(entry["reference"]).examples.items()}
+    fixed, ours = work_step(entry, examples), work_step(dynamic, examples)
+    assert fixed.loss == pytest.approx(ours.loss, rel=1e-5)
+    scale = max(float(np.abs(ours.after[w] - ours.before[w]).max()) for w in ours.after)
+    for w, value in fixed.after.items():
+        np.testing.assert_allclose(value, ours.after[w], rtol=1e-4, atol=1e-5 * scale, err_msg=w)
+
+
+@pytest.mark.parametrize("entry", _params(REFUSED))
+def test_an_export_whose_graph_holds_its_fixed_batch_is_refused_in_one_line_naming_the_node(entry):
+    """ConvNeXt exported without dynamic shapes: the dynamo exporter writes its pooling's
+    ``as_strided`` as a ``Gather`` of indices into the flattened batch of 4, which no other batch
+    fits. A plan would fail on a device at its first short batch; it is refused instead, in one line
+    naming the node and saying how to export."""
+    task = task_for(entry)
+    with pytest.raises(TaskError) as refused:
+        onnx_import(task._model_source(), task)
+    message = str(refused.value)
+    assert entry["refused"] in message and "dynamic_shapes" in message and "plan from-torch" in message
+    assert len(message.splitlines()) == 1
 
 
 def test_a_training_export_of_zero_dropouts_draws_no_mask():
