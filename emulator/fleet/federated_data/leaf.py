@@ -333,7 +333,7 @@ def load_leaf(
             texts = (_text_of(i, u, p) for raw in pending for u, (x, _, p) in raw.items() for i in x)
             words = build_vocabulary(texts, vocab_size)
         elif isinstance(vocab, (str, Path)):
-            words = read_vocabulary(Path(vocab))
+            words = read_vocabulary(Path(vocab), vocab_size)
         else:
             words = tuple(vocab)
     pending.reverse()

@@ -6,6 +6,7 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``test=PATH``, ``kind=auto|vectors|characters|words``, ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``;
 - ``tff-h5:PATH`` (a .h5 file, or a folder with ``*train*.h5`` and ``*test*.h5``): ``test=PATH``, ``label=NAME``,
   ``words=A+B`` (text features read as word ids), ``vocab=FILE``, ``vocab_size=N``, ``max_words=N``,
+  ``split=leaf|space`` (words as LEAF's tokenizer finds them, or between spaces as TFF splits them),
   ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now),
   ``chars=FEATURE``, ``window=N`` (80), ``step=N`` (1) (a text feature cut into next-character
   examples x and y as LEAF cuts Shakespeare: TFF's Shakespeare, ``chars=snippets``);
@@ -15,7 +16,7 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``label=NAME``, ``features=A+B+C`` (a name or a pattern, ``pixel*``), ``stack=NAME`` (the numeric
   columns but the label as one vector), ``header=yes|no`` (a CSV without a header line: columns f0,
   f1, ...), ``pad=NAME:LENGTH[:VALUE]+...`` (lists of numbers of different lengths padded with the
-  value, 0 unless given, or cut), and ``words``, ``vocab``, ``vocab_size``, ``max_words`` as for tff-h5;
+  value, 0 unless given, or cut), and ``words``, ``vocab``, ``vocab_size``, ``max_words``, ``split`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
   if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
@@ -45,11 +46,11 @@ from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits
 from .leaf import load_leaf
 from .partition import SCHEMES, Partitioner, partition_arrays
 from .table import load_table
-from .text import DEFAULT_VOCAB_SIZE, LEAF_MAX_WORDS, LEAF_WINDOW, CharWindows, WordIds
+from .text import DEFAULT_VOCAB_SIZE, LEAF_MAX_WORDS, LEAF_WINDOW, SPLITS, CharWindows, WordIds
 from .tff_h5 import load_tff_h5
 
 _COMMON = frozenset({"test_split", "test_fraction", "seed", "rename"})
-_WORDS = frozenset({"words", "vocab", "vocab_size", "max_words"})
+_WORDS = frozenset({"words", "vocab", "vocab_size", "max_words", "split"})
 _PARTITION = frozenset({"partition", "clients", "alpha", "shards", "classes", "mode", "sigma", "min_size"})
 OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
@@ -187,6 +188,12 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         renames(DataSpec(fmt, path, MappingProxyType(options)))  # says now what is wrong with it
     if "pad" in options:
         pads(DataSpec(fmt, path, MappingProxyType(options)))
+    if "words" not in options and "split" in options:
+        raise DataSpecError(f"{fmt}: split= cuts the texts words=A+B names into words; give words= too")
+    if options.get("split", "leaf") not in SPLITS:
+        raise DataSpecError(
+            f"{fmt}: split={options['split']!r} is unknown; use leaf (LEAF's tokenizer) or space (TFF's)"
+        )
     if "chars" not in options and {"window", "step"} & set(options):
         raise DataSpecError(f"{fmt}: window= and step= cut the text chars=FEATURE names; give chars= too")
     if "partition" in options and options["partition"] not in SCHEMES:
@@ -349,6 +356,7 @@ def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
             vocab=opts.get("vocab"),
             vocab_size=spec.int_option("vocab_size", DEFAULT_VOCAB_SIZE),
             max_words=spec.int_option("max_words", LEAF_MAX_WORDS),
+            split=opts.get("split", "leaf"),  # type: ignore[arg-type]
         )
         if "words" in opts
         else None

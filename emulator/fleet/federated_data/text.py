@@ -4,11 +4,13 @@
   LEAF's ``models/utils/language_utils.py``); a character's id is its position in the set, and any
   other character gets id 80 (``len(LEAF_CHARACTERS)``; LEAF itself would give -1, which no
   embedding takes), so a model over these ids needs 81 rows.
-- Words (LEAF's Sent140, any text column): LEAF's tokenizer (``[\\w']+|[.,!?;]``, case kept), ids
-  from a vocabulary list (position = id); unknown words get ``len(vocab)``, and a text is cut or
-  padded to ``max_words`` ids with that same id, as LEAF's ``line_to_indices`` does. The vocabulary
-  is a file (LEAF's ``embs.json`` with its ``vocab`` list, a JSON list, or one word per line), or is
-  built from the training split: the ``vocab_size`` most frequent words, ties in alphabetical order.
+- Words (LEAF's Sent140, any text column): LEAF's tokenizer (``[\\w']+|[.,!?;]``, case kept), or
+  the pieces between spaces (``split="space"``, as TFF splits StackOverflow's tokens), ids from a
+  vocabulary list (position = id); unknown words get ``len(vocab)``, and a text is cut or padded to
+  ``max_words`` ids with that same id, as LEAF's ``line_to_indices`` does. The vocabulary is a file
+  (LEAF's ``embs.json`` with its ``vocab`` list, a JSON list, one word per line, GloVe's text file,
+  or TFF's ``stackoverflow.word_count``/``tag_count`` cut to their ``vocab_size`` most frequent), or
+  is built from the training split: the ``vocab_size`` most frequent words, ties in alphabetical order.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -34,6 +37,8 @@ LEAF_MAX_WORDS = 25
 #: LEAF's Shakespeare examples are 80 characters, and the next one.
 LEAF_WINDOW = 80
 DEFAULT_VOCAB_SIZE = 10_000
+Split = Literal["leaf", "space"]
+SPLITS: tuple[str, ...] = ("leaf", "space")
 
 _CHAR_IDS = np.full(128, UNKNOWN_CHARACTER, dtype=np.int64)  # every LEAF character is ASCII
 for _i, _c in enumerate(LEAF_CHARACTERS):
@@ -50,9 +55,11 @@ def encode_characters(text: str) -> np.ndarray:
     return out
 
 
-def split_words(text: str) -> list[str]:
-    """LEAF's tokenizer: runs of word characters and apostrophes, and the marks . , ! ? ; alone."""
-    return _WORDS.findall(text)
+def split_words(text: str, split: Split = "leaf") -> list[str]:
+    """LEAF's tokenizer: runs of word characters and apostrophes, and the marks . , ! ? ; alone; or,
+    with ``split="space"``, the text's pieces between spaces, as TFF splits StackOverflow's
+    already tokenized ``tokens`` (``(``, ``c++`` and ``node.js`` are words there, not in LEAF's)."""
+    return text.split() if split == "space" else _WORDS.findall(text)
 
 
 def build_vocabulary(texts: Iterable[str], size: int = DEFAULT_VOCAB_SIZE) -> tuple[str, ...]:
@@ -60,10 +67,10 @@ def build_vocabulary(texts: Iterable[str], size: int = DEFAULT_VOCAB_SIZE) -> tu
     return most_frequent(count_words(texts), size)
 
 
-def count_words(texts: Iterable[str], counts: Counter[str] | None = None) -> Counter[str]:
+def count_words(texts: Iterable[str], counts: Counter[str] | None = None, split: Split = "leaf") -> Counter[str]:
     """How often each word occurs in ``texts`` (added to ``counts``, when given)."""
     counts = Counter() if counts is None else counts
-    counts.update(w for t in texts for w in split_words(t))
+    counts.update(w for t in texts for w in split_words(t, split))
     return counts
 
 
@@ -74,8 +81,11 @@ def most_frequent(counts: Counter[str], size: int = DEFAULT_VOCAB_SIZE) -> tuple
     return tuple(w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size])
 
 
-def read_vocabulary(path: Path) -> tuple[str, ...]:
-    """A vocabulary file: LEAF's ``embs.json`` (its ``vocab`` list), a JSON list, or one word a line."""
+def read_vocabulary(path: Path, size: int | None = None) -> tuple[str, ...]:
+    """A vocabulary file: LEAF's ``embs.json`` (its ``vocab`` list), a JSON list, or one word a line,
+    every word of it; or a file of counts, most frequent first, its first ``size`` words: TFF's
+    ``stackoverflow.word_count`` (a word and its count a line) or ``stackoverflow.tag_count`` (a JSON
+    object of counts), cut as TFF's ``load_word_counts(vocab_size)`` and its tag tasks cut them."""
     if not path.is_file():
         raise DataSpecError(f"vocabulary file {path} does not exist")
     text = path.read_text(encoding="utf-8")
@@ -84,16 +94,49 @@ def read_vocabulary(path: Path) -> tuple[str, ...]:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); give a word list") from exc
+        if _counts(data):
+            return tuple(data)[:size]
         words = data.get("vocab") if isinstance(data, dict) else data
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
             raise DataLayoutError(
-                f"{path}: expected a JSON list of words or an object with a 'vocab' list (LEAF's embs.json)"
+                f"{path}: expected a JSON list of words, an object with a 'vocab' list (LEAF's embs.json) "
+                "or an object of counts (TFF's stackoverflow.tag_count)"
             )
         return tuple(words)
-    return tuple(line.strip() for line in text.splitlines() if line.strip())
+    lines = [line.split() for line in text.splitlines() if line.strip()]
+    if lines and all(len(fields) == 2 and fields[1].isdigit() for fields in lines):  # stackoverflow.word_count
+        return tuple(fields[0] for fields in lines)[:size]
+    if lines and all(len(fields) > 1 and all(map(_is_number, fields[1:])) for fields in lines):
+        return tuple(fields[0] for fields in lines)  # GloVe's text file: a word and its vector a line
+    for number, fields in enumerate(lines, 1):
+        if len(fields) > 1:  # a word never holds a space: no text would ever match this line
+            raise DataLayoutError(
+                f"{path}: line {number} holds {' '.join(fields[:3])!r}; a vocabulary file is one word a line, "
+                "a word and its count a line (TFF's stackoverflow.word_count) or a word and its vector (GloVe's)"
+            )
+    return tuple(fields[0] for fields in lines)
 
 
-def encode_words(texts: Sequence[str], vocab: Sequence[str], max_words: int = LEAF_MAX_WORDS) -> np.ndarray:
+def _is_number(field: str) -> bool:
+    try:
+        float(field)
+    except ValueError:
+        return False
+    return True
+
+
+def _counts(data: object) -> bool:
+    """A JSON object of word counts (TFF's ``stackoverflow.tag_count``), not LEAF's ``embs.json``."""
+    return (
+        isinstance(data, dict)
+        and bool(data)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in data.values())
+    )
+
+
+def encode_words(
+    texts: Sequence[str], vocab: Sequence[str], max_words: int = LEAF_MAX_WORDS, split: Split = "leaf"
+) -> np.ndarray:
     """``[len(texts), max_words]`` int64 ids; unknown words and padding are ``len(vocab)``."""
     if max_words < 1:
         raise DataSpecError(f"max_words must be at least 1, got {max_words}")
@@ -101,7 +144,7 @@ def encode_words(texts: Sequence[str], vocab: Sequence[str], max_words: int = LE
     unknown = len(vocab)
     out = np.full((len(texts), max_words), unknown, dtype=np.int64)
     for row, text in enumerate(texts):
-        ids = [index.get(w, unknown) for w in split_words(text)[:max_words]]
+        ids = [index.get(w, unknown) for w in split_words(text, split)[:max_words]]
         out[row, : len(ids)] = ids
     return out
 
@@ -122,6 +165,12 @@ class WordIds:
     vocab: str | Path | Sequence[str] | None = None
     vocab_size: int = DEFAULT_VOCAB_SIZE
     max_words: int = LEAF_MAX_WORDS
+    #: How a text is cut into words (``split_words``): LEAF's tokenizer, or at spaces as TFF does.
+    split: Split = "leaf"
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise DataSpecError(f"split must be {' or '.join(SPLITS)}, got {self.split!r}")
 
     def encode(
         self, train: dict[str, dict[str, np.ndarray]], test: dict[str, dict[str, np.ndarray]], where: str = ""
@@ -130,7 +179,9 @@ class WordIds:
         first = next(iter(train.values()), {})
         self.check({name: "str" if a.dtype == object else str(a.dtype) for name, a in first.items()}, where)
         words = self.vocabulary(
-            lambda: count_words(str(t) for ex in train.values() for n in self.features for t in ex[n].ravel())
+            lambda: count_words(
+                (str(t) for ex in train.values() for n in self.features for t in ex[n].ravel()), split=self.split
+            )
         )
         for clients in (train, test):
             for examples in clients.values():
@@ -153,7 +204,7 @@ class WordIds:
         if self.vocab is None:
             return most_frequent(counts(), self.vocab_size)
         if isinstance(self.vocab, (str, Path)):
-            return read_vocabulary(Path(self.vocab))
+            return read_vocabulary(Path(self.vocab), self.vocab_size)
         return tuple(self.vocab)
 
     def encode_examples(self, examples: dict[str, np.ndarray], words: Sequence[str], where: str = "") -> None:
@@ -162,7 +213,7 @@ class WordIds:
             texts = examples[name]
             if texts.ndim != 1:
                 raise DataLayoutError(f"{where}words={name}: feature {name!r} holds more than one text per example")
-            examples[name] = encode_words([str(t) for t in texts], words, self.max_words)
+            examples[name] = encode_words([str(t) for t in texts], words, self.max_words, self.split)
 
 
 @dataclass(frozen=True)

@@ -417,7 +417,7 @@ def _load_lazily(
                 read_now |= set(words.features) if words is not None and words.vocab is None else set()
             examples = {n: d.read(h5py) for n, d in declared.items() if cut_examples or n in read_now}
             if words is not None and words.vocab is None:
-                count_words((str(t) for n in words.features for t in examples[n].ravel()), counts)
+                count_words((str(t) for n in words.features for t in examples[n].ravel()), counts, words.split)
             kept = None
             if cut_examples:
                 kept, held = example_split(cid, sizes[cid], fraction, seed)

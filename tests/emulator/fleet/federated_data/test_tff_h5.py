@@ -83,6 +83,34 @@ def test_words_reads_stackoverflows_byte_strings_as_word_ids_of_the_training_voc
         load_data(f"tff-h5:{tmp_path},words=text")
 
 
+def test_stackoverflows_word_count_file_and_space_split_give_tffs_word_ids(tmp_path: Path) -> None:
+    """TFF's ``stackoverflow.word_count`` is a word and its count a line, most frequent first, cut to
+    ``vocab_size`` (``load_word_counts``); its ``tokens`` are split at spaces, so ``(`` and ``c++``
+    are words. Each line was read as one word ("the\t900"), which no text holds: every id unknown."""
+    path = tmp_path / "stackoverflow_train.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("examples/00000001")
+        g.create_dataset("tokens", data=[b"the c++ ( ) question", b"the end"], dtype=h5py.vlen_dtype(bytes))
+    (tmp_path / "stackoverflow.word_count").write_text("the\t900\n(\t800\n)\t700\nc++\t5\nquestion\t4\n")
+    spec = f"tff-h5:{path},words=tokens,vocab={tmp_path / 'stackoverflow.word_count'},max_words=5"
+    data = load_data(spec + ",vocab_size=4,split=space")
+    ids = sorted(np.concatenate([data.train["00000001"]["tokens"], data.test["00000001"]["tokens"]]).tolist())
+    assert data.vocabulary == ("the", "(", ")", "c++") and ids == [[0, 3, 1, 2, 4], [0, 4, 4, 4, 4]]
+    leaf = load_data(spec)  # LEAF's tokenizer finds c, no brackets; the default vocab_size keeps all five
+    assert leaf.vocabulary == ("the", "(", ")", "c++", "question")
+    assert sorted(leaf.train["00000001"]["tokens"].tolist() + leaf.test["00000001"]["tokens"].tolist())[0][:2] == [0, 5]
+    (tmp_path / "tag_count.json").write_text('{"python": 30, "java": 20, "c++": 10}')
+    assert load_data(f"tff-h5:{path},words=tokens,vocab={tmp_path / 'tag_count.json'},vocab_size=2").vocabulary == (
+        "python",
+        "java",
+    )
+    (tmp_path / "phrases.txt").write_text("good movie\nbad\n")
+    with pytest.raises(DataLayoutError, match="line 1 holds 'good movie'; a vocabulary file is one word a line"):
+        load_data(f"tff-h5:{path},words=tokens,vocab={tmp_path / 'phrases.txt'}")
+    with pytest.raises(DataSpecError, match="split='tab' is unknown"):
+        load_data(f"tff-h5:{path},words=tokens,split=tab")
+
+
 def test_a_file_without_the_examples_group_names_what_it_found(tmp_path: Path) -> None:
     path = tmp_path / "bad.h5"
     with h5py.File(path, "w") as f:
