@@ -16,7 +16,9 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``label=NAME``, ``features=A+B+C`` (a name or a pattern, ``pixel*``), ``stack=NAME`` (the numeric
   columns but the label as one vector), ``header=yes|no`` (a CSV without a header line: columns f0,
   f1, ...), ``pad=NAME:LENGTH[:VALUE]+...`` (lists of numbers of different lengths padded with the
-  value, 0 unless given, or cut), and ``words``, ``vocab``, ``vocab_size``, ``max_words``, ``split`` as for tff-h5;
+  value, 0 unless given, or cut), ``characters=A+B`` (text columns of one length as ids in LEAF's
+  80 characters, as leaf: reads Shakespeare: flwrlabs/shakespeare's ``characters=x+y``), and ``words``,
+  ``vocab``, ``vocab_size``, ``max_words``, ``split`` as for tff-h5;
 - ``npz:PATH`` (arrays ``x`` and ``y``, or Keras' ``x_train`` and ``y_train``, and ``x_test``/``y_test``
   if the file has them) and ``digits``
   (scikit-learn's 1,797 digits, no path), cut by a partitioner: ``partition=iid|dirichlet|shards|
@@ -56,7 +58,10 @@ OPTIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
         "leaf": _COMMON | {"test", "kind", "vocab", "vocab_size", "max_words"},
         "tff-h5": _COMMON | _WORDS | {"test", "label", "lazy", "chars", "window", "step"},
-        "table": _COMMON | _WORDS | _PARTITION | {"client", "test", "label", "features", "stack", "header", "pad"},
+        "table": _COMMON
+        | _WORDS
+        | _PARTITION
+        | {"client", "test", "label", "features", "stack", "header", "pad", "characters"},
         "npz": _COMMON | _PARTITION,
         "digits": _COMMON | _PARTITION,
     }
@@ -391,6 +396,7 @@ def _load(spec: DataSpec, seed: int | None) -> FederatedDataset:
             words=words,
             header=opts.get("header", "yes") == "yes",
             pad=pads(spec),
+            characters=tuple(opts["characters"].split("+")) if "characters" in opts else (),
             **common,
         )
     if spec.format == "npz":

@@ -32,7 +32,7 @@ import numpy as np
 from ._dataset import FederatedDataset, TestSplit, check_fraction, example_split, named_labels, with_test_split
 from ._errors import DataLayoutError, DataSpecError, check_finite, require
 from .partition import Partitioner, partition_arrays
-from .text import WordIds
+from .text import LEAF_CHARACTERS, WordIds, encode_characters
 
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 #: A table's own file suffixes (a compressed CSV too, which pyarrow decompresses by its suffix).
@@ -543,6 +543,23 @@ def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarra
     )
 
 
+def _character_ids(texts: np.ndarray, name: str, where: str) -> np.ndarray:
+    """A text column of one length as ids in ``LEAF_CHARACTERS`` (others: 80): int64 [N, length], or
+    [N] for single characters (a next-character label)."""
+    if texts.dtype != object:
+        raise DataSpecError(f"table: characters={name}: column {name!r} is {texts.dtype}, not text")
+    lengths = np.fromiter((len(t) for t in texts), np.int64, len(texts))
+    if len(lengths) and lengths.min() != lengths.max():
+        row = int(np.flatnonzero(lengths != lengths[0])[0])
+        raise DataLayoutError(
+            f"table: {where}: characters={name}: column {name!r} holds texts of {lengths[0]} characters (row 0) "
+            f"and {lengths[row]} (row {row}); every text needs one length (LEAF's Shakespeare: 80, and 1 for y)"
+        )
+    length = int(lengths[0]) if len(lengths) else 1
+    ids = encode_characters("".join(texts)).reshape(len(texts), length)
+    return ids[:, 0] if length == 1 else ids
+
+
 def _number_dtype(kind: Any, pa: Any) -> np.dtype | None:
     """The numpy dtype ``_column`` reads a column of Arrow type ``kind`` as, when it is a scalar
     number (a decimal: float64; a category: its values'); None otherwise."""
@@ -634,9 +651,10 @@ def _columns(
     label: str | None,
     stack: str | None,
     order: np.ndarray | None = None,
+    characters: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
     """The feature columns (all but the client column and a pandas index, or ``features``) as
-    arrays, rows in ``order``."""
+    arrays, rows in ``order``; those ``characters`` names as ids in LEAF's characters."""
     columns = _column_names(table, where)
     if features is None:
         names = [c for c in columns if c != client and not _PANDAS_INDEX.fullmatch(c)]
@@ -649,12 +667,18 @@ def _columns(
         names = _expand(features, columns, where)
     if not names:
         raise DataLayoutError(f"table: {where} has no feature column besides the client column {client!r}")
+    for name in characters:
+        if name not in names:
+            raise DataSpecError(
+                f"table: characters={name}: {where} has no feature column {name!r}; its features are {', '.join(names)}"
+            )
     described = _hf_features(table)
     numeric = _stacked(table, names, stack, label, where) if stack is not None else {}
     arrays: dict[str, np.ndarray] = {}
     matrix = np.empty((table.num_rows, len(numeric)), np.result_type(*numeric.values())) if numeric else None
     for n in names:  # one column at a time in client order, a stacked one into its place in the matrix
         array = _column(table, n, where, described.get(n))
+        array = _character_ids(array, n, where) if n in characters else array
         array = array[order] if order is not None else array
         if matrix is not None and n in numeric:
             matrix[:, list(numeric).index(n)] = array
@@ -671,10 +695,11 @@ def group_by_client(
     *,
     label: str | None = None,
     stack: str | None = None,
+    characters: Sequence[str] = (),
 ) -> dict[str, dict[str, np.ndarray]]:
     """Rows grouped by the client column, keeping their order within each client; with ``stack``,
     the numeric scalar columns but ``label`` become one vector feature of that name."""
-    return _grouped(table, client, features, where, label=label, stack=stack)[0]
+    return _grouped(table, client, features, where, label=label, stack=stack, characters=characters)[0]
 
 
 def _grouped(
@@ -686,6 +711,7 @@ def _grouped(
     label: str | None,
     stack: str | None,
     held_out: tuple[float, int] | None = None,
+    characters: Sequence[str] = (),
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
     """``group_by_client``'s clients, and with ``held_out`` (a fraction and a seed) each client's
     examples cut as ``split_examples`` cuts them, in the same one copy of the columns in client
@@ -725,7 +751,7 @@ def _grouped(
             parts += [rows[kept], rows[held]]
             ends.append(bounds[i] + len(kept))
         order, cuts = np.concatenate(parts) if parts else order, np.asarray(ends, dtype=np.int64)
-    arrays = _columns(table, client, features, where, label=label, stack=stack, order=order)
+    arrays = _columns(table, client, features, where, label=label, stack=stack, order=order, characters=characters)
     train, test = {}, {}
     for i, name in enumerate(names):
         train[name] = {n: a[bounds[i] : cuts[i]] for n, a in arrays.items()}
@@ -781,14 +807,19 @@ def load_table(
     seed: int = 0,
     header: bool = True,
     pad: Mapping[str, tuple[int, float]] | None = None,
+    characters: Sequence[str] = (),
 ) -> FederatedDataset:
     """A table of examples with a client column (``client``) as a federated dataset, or a table of
     one centralized dataset (``client`` None) cut into clients by ``partition`` (flwr-datasets'
     way with a Hugging Face dataset); ``stack=NAME`` makes its numeric scalar columns (of
     ``features``, if given) but the label one vector feature, and ``words`` text columns word ids,
     as ``load_tff_h5`` reads them. ``header=False``: a CSV without a header line, its columns
-    named f0, f1, ... ``pad``: list columns padded or cut to one length (``pad_lists``)."""
+    named f0, f1, ... ``pad``: list columns padded or cut to one length (``pad_lists``).
+    ``characters``: text columns of one length (LEAF's Shakespeare as flwrlabs/shakespeare holds it:
+    ``x`` 80 characters, ``y`` the next one) as ids in ``LEAF_CHARACTERS``, as ``load_leaf`` reads them."""
     path = Path(path)
+    if characters and words is not None:
+        raise DataSpecError("table: characters= and words= each make a vocabulary; give one of them")
     if client is None and partition is None:
         raise DataSpecError(
             f"table: name the client-id column (table:{path},client=COLUMN), or cut the rows into clients "
@@ -815,10 +846,15 @@ def load_table(
             raise DataSpecError(
                 f"table: {path} has no column 'label' or 'y'; name the label to partition by, label=COLUMN"
             )
-        arrays = _columns(train_table, None, features, str(path), label=label, stack=stack)
-        held = _columns(test_table, None, features, test_where, label=label, stack=stack) if test_table else None
+        arrays = _columns(train_table, None, features, str(path), label=label, stack=stack, characters=characters)
+        held = (
+            _columns(test_table, None, features, test_where, label=label, stack=stack, characters=characters)
+            if test_table
+            else None
+        )
         del train_table, test_table  # the arrays are what is kept
         vocabulary = words.encode({"": arrays}, {"": held} if held else {}, "table: ") if words is not None else ()
+        vocabulary = tuple(LEAF_CHARACTERS) if characters else vocabulary
         return _with_class_names(
             partition_arrays(
                 arrays,
@@ -846,9 +882,10 @@ def load_table(
         label=label,
         stack=stack,
         held_out=(test_fraction, seed) if cut else None,
+        characters=characters,
     )
     test_clients = (
-        group_by_client(test_table, client, features, test_where, label=label, stack=stack)
+        group_by_client(test_table, client, features, test_where, label=label, stack=stack, characters=characters)
         if test_table is not None
         else None
     )
@@ -856,11 +893,19 @@ def load_table(
     if cut:
         source = f"table:{path}"
         return _with_class_names(
-            FederatedDataset(train, examples_held, label=label, test_split="examples", source=source),
+            FederatedDataset(
+                train,
+                examples_held,
+                label=label,
+                test_split="examples",
+                source=source,
+                vocabulary=tuple(LEAF_CHARACTERS) if characters else (),
+            ),
             label,
             class_names,
         )
     vocabulary = words.encode(train, test_clients or {}, "table: ") if words is not None else ()
+    vocabulary = tuple(LEAF_CHARACTERS) if characters else vocabulary
     data = with_test_split(
         train,
         test=test_clients,

@@ -259,7 +259,7 @@ def test_an_image_column_is_decoded_into_one_array_without_a_copy_per_image(tmp_
         encoded = io.BytesIO()
         Image.fromarray(pixels).save(encoded, format="PNG")
         files.append((encoded.getvalue(), pixels))
-    rows = 1500
+    rows = 1000
     struct = pa.StructArray.from_arrays(
         [pa.array([files[i % 16][0] for i in range(rows)], pa.binary()), pa.nulls(rows, pa.string())],
         names=["bytes", "path"],
@@ -274,6 +274,35 @@ def test_an_image_column_is_decoded_into_one_array_without_a_copy_per_image(tmp_
     assert peak < 2.5 * rows * 28 * 28  # an array and bytes per image, and the stack: 3 times
     assert data.features["image"].shape == (28, 28)
     assert np.array_equal({**data.train, **data.test}["c17"]["image"][1], files[57 % 16][1])
+
+
+def test_shakespeare_as_flwr_datasets_ships_it_reads_as_leafs_own_with_characters(tmp_path: Path) -> None:
+    """flwrlabs/shakespeare is LEAF's Shakespeare as one CSV (character_id, x, y); read as a table its
+    x was text no plan reads and its y ids of the characters present (14 here), not LEAF's ids."""
+    import csv
+
+    text = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n"
+    windows = {
+        "HAMLET": [(text[i : i + 20], text[i + 20]) for i in range(0, 40)],
+        "OPHELIA": [("O, what a noble mind", "~")],
+    }
+    with (tmp_path / "shakespeare.csv").open("w", newline="") as f:  # as pandas' to_csv writes it
+        writer = csv.writer(f)
+        writer.writerow(["character_id", "x", "y"])
+        writer.writerows([role, x, y] for role, pairs in windows.items() for x, y in pairs)
+    leaf = {"users": list(windows), "num_samples": [len(p) for p in windows.values()], "user_data": {}}
+    leaf["user_data"] = {u: {"x": [x for x, _ in p], "y": [y for _, y in p]} for u, p in windows.items()}
+    (tmp_path / "shakespeare.json").write_text(json.dumps(leaf))
+    table = load_data(f"table:{tmp_path / 'shakespeare.csv'},client=character_id,characters=x+y")
+    same = load_data(f"leaf:{tmp_path / 'shakespeare.json'}")
+    assert table.features == same.features and table.vocabulary == same.vocabulary and table.label == "y"
+    for split in ("train", "test"):
+        for role, examples in getattr(same, split).items():
+            assert all(np.array_equal(getattr(table, split)[role][n], examples[n]) for n in ("x", "y"))
+    assert table.train["OPHELIA"]["y"].tolist() == [80]  # a character outside LEAF's 80
+    (tmp_path / "ragged.csv").write_text("character_id,x,y\nA,abc,d\nA,ab,c\n")
+    with pytest.raises(DataLayoutError, match=r"characters=x: column 'x' holds texts of 3 characters \(row 0\) and 2"):
+        load_data(f"table:{tmp_path / 'ragged.csv'},client=character_id,characters=x+y")
 
 
 def test_text_labels_become_class_ids_in_sorted_order_over_both_splits(tmp_path: Path) -> None:
