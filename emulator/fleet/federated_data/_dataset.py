@@ -24,8 +24,12 @@ from ._errors import DataLayoutError, PartitionError
 
 Examples = Mapping[str, np.ndarray]
 #: How the test split came about: files of its own (LEAF's test/ folder, TFF's test file, a test
-#: table), clients held out whole, a share of each client's examples, or no test split at all.
-TestSplit = Literal["files", "clients", "examples", "none"]
+#: table), clients held out whole, a share of each client's examples, one central test set of no
+#: client's (an npz's x_test, a DatasetDict's test split, beside a partitioner's clients: the one
+#: test client ``CENTRAL``), or no test split at all.
+TestSplit = Literal["files", "clients", "examples", "central", "none"]
+#: The one test client of a central test set.
+CENTRAL = "central"
 
 STR = "str"  # the dtype name of a text feature (a numpy object array of Python str)
 

@@ -40,7 +40,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._dataset import FederatedDataset, TestSplit, take, with_test_split
+from ._dataset import CENTRAL, FederatedDataset, TestSplit, take, with_test_split
 from ._errors import PartitionError
 
 Scheme = Literal["iid", "dirichlet", "shards", "pathological", "quantity"]
@@ -266,7 +266,8 @@ def partition_arrays(
 
     The test split is, by default, a seeded share of each client's examples (so that per-client
     accuracy means something); ``test_split="clients"`` holds out whole clients instead, and a
-    ``test`` set of arrays, if given, becomes one central test client named ``"central"``.
+    ``test`` set of arrays, if given, becomes one central test client named ``"central"`` (the
+    dataset's ``test_split`` is then ``"central"``: no client has test examples of its own).
     """
     if label not in features:
         raise PartitionError(f"label {label!r} is not among the arrays {sorted(features)}")
@@ -288,9 +289,12 @@ def partition_arrays(
         return FederatedDataset(clients, {}, label=label, test_split="none", source=source, vocabulary=vocabulary)
     if test_split not in ("examples", "clients", "none"):
         raise PartitionError(f"test_split must be 'examples', 'clients' or 'none', got {test_split!r}")
+    if test is not None:  # no client's own test examples: per-client accuracy has nothing to measure
+        return FederatedDataset(
+            clients, {CENTRAL: dict(test)}, label=label, test_split="central", source=source, vocabulary=vocabulary
+        )
     return with_test_split(
         clients,
-        test={"central": dict(test)} if test is not None else None,
         how="clients" if test_split == "clients" else "examples",
         fraction=test_fraction,
         seed=seed,

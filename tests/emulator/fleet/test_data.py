@@ -58,3 +58,24 @@ def test_label_mixes_are_skewed_unlike_an_iid_sample(fleet):
     assert skewed > 0.45 and iid < 0.3
     mixed = config.model_copy(update={"data": config.data.model_copy(update={"label_alpha": 1000.0})})
     assert np.mean([dominant_share(device_examples(mixed, spec)[1]) for spec in devices[:300]]) < 0.3
+
+
+def test_a_central_test_set_has_no_test_clients_to_take_percentiles_over(tmp_path):
+    """An npz's x_test (or a DatasetDict's test split) beside a partitioner's clients is one central
+    test set: its one accuracy was reported as p10, p50 and p90 over 'each client's own test
+    examples'. Clients with test examples of their own are still the test clients."""
+    from emulator.fleet.data import ClientData
+    from emulator.fleet.federated_data import load_data
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((60, 4)), np.arange(60) % 3
+    np.savez(tmp_path / "keras.npz", x_train=x, y_train=y, x_test=x[:9], y_test=y[:9])
+    central = load_data(f"npz:{tmp_path / 'keras.npz'},partition=iid,clients=5")
+    assert central.test_split == "central" and central.test_client_ids == ("central",)
+    assert ClientData(central, devices=10, seed=0).test_clients() == {}
+    assert len(ClientData(central, devices=10, seed=0).central_test()["y"]) == 9  # still the model's accuracy
+    np.savez(tmp_path / "plain.npz", x=x, y=y)
+    own = load_data(f"npz:{tmp_path / 'plain.npz'},partition=iid,clients=5")
+    assert own.test_split == "examples" and sorted(ClientData(own, devices=10, seed=0).test_clients()) == list(
+        own.test_client_ids
+    )
