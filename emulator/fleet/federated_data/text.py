@@ -20,7 +20,6 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -149,10 +148,20 @@ def encode_words(
     return out
 
 
-@lru_cache(maxsize=4)
+#: The last vocabularies' word -> id, found by identity: a cache keyed by the tuple hashed all of
+#: it on every call (2.7 ms for LEAF's 400,000 GloVe words), once per user or client encoded.
+_INDEXES: list[tuple[tuple[str, ...], dict[str, int]]] = []
+
+
 def _index(vocab: tuple[str, ...]) -> dict[str, int]:
     """Word -> id of a vocabulary, built once for the clients it encodes one after another."""
-    return {w: i for i, w in enumerate(vocab)}
+    for known, index in _INDEXES:
+        if known is vocab:
+            return index
+    index = {w: i for i, w in enumerate(vocab)}
+    _INDEXES.insert(0, (vocab, index))
+    del _INDEXES[4:]
+    return index
 
 
 @dataclass(frozen=True)
