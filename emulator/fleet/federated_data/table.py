@@ -380,7 +380,9 @@ def _images(column: Any, name: str, where: str) -> np.ndarray:
                 if blob is None:
                     raise DataLayoutError(
                         f"table: {where}: column {name!r}, row {row}: the image is not in the table (only its path "
-                        f"{source!r}); save the dataset with its images embedded (datasets' save_to_disk and to_parquet do)"
+                        f"{source!r}); datasets' save_to_disk embeds the files, to_parquet keeps their paths: save "
+                        "the dataset with save_to_disk, or embed them first (dataset.with_format('arrow')"
+                        ".map(datasets.table.embed_table_storage, batched=True))"
                     )
                 try:
                     with pil.open(io.BytesIO(blob)) as image:

@@ -234,6 +234,14 @@ def test_images_of_different_sizes_or_not_images_are_refused_naming_the_row(tmp_
         DataLayoutError, match=r"column 'image' holds images of different sizes .* uint8\[7, 7\] in row 2\); resize"
     ):
         load_data(f"table:{tmp_path / 'sizes'},client=writer_id")
+    by_path = pa.array(  # what datasets' to_parquet writes of images loaded from files: their paths alone
+        [{"bytes": None, "path": "/data/0.png"}], type=pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    )
+    pq.write_table(pa.table({"c": ["a"], "image": by_path, "y": [0]}), tmp_path / "paths.parquet")
+    with pytest.raises(
+        DataLayoutError, match=r"only its path '/data/0.png'\); datasets' save_to_disk embeds the files, "
+    ):
+        load_table(tmp_path / "paths.parquet", client="c")
     struct = pa.array(
         [{"bytes": b"not a png", "path": "x.png"}], type=pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     )
