@@ -96,6 +96,8 @@ def test_stackoverflows_word_count_file_and_space_split_give_tffs_word_ids(tmp_p
     data = load_data(spec + ",vocab_size=4,split=space")
     ids = sorted(np.concatenate([data.train["00000001"]["tokens"], data.test["00000001"]["tokens"]]).tolist())
     assert data.vocabulary == ("the", "(", ")", "c++") and ids == [[0, 3, 1, 2, 4], [0, 4, 4, 4, 4]]
+    counted = load_data(f"tff-h5:{path},words=tokens,split=space")  # lazily read: its words counted as split
+    assert counted.vocabulary == ("the", "(", ")", "c++", "end", "question")
     leaf = load_data(spec)  # LEAF's tokenizer finds c, no brackets; the default vocab_size keeps all five
     assert leaf.vocabulary == ("the", "(", ")", "c++", "question")
     assert sorted(leaf.train["00000001"]["tokens"].tolist() + leaf.test["00000001"]["tokens"].tolist())[0][:2] == [0, 5]
