@@ -10,7 +10,7 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
   ``lazy=yes|no`` (the training clients' examples read when a device needs them, the default, or now),
   ``chars=FEATURE``, ``window=N`` (80), ``step=N`` (1) (a text feature cut into next-character
   examples x and y as LEAF cuts Shakespeare: TFF's Shakespeare, ``chars=snippets``);
-- ``table:PATH,client=COLUMN`` (a .parquet, .csv, .tsv or .jsonl file, gzipped too, or a folder of
+- ``table:PATH,client=COLUMN`` (a .parquet, .csv, .tsv, .jsonl or .arrow file, gzipped too, or a folder of
   them, a ``save_to_disk`` folder or a folder of them, a client each), or ``table:PATH,partition=...``
   (a centralized table cut as npz is, with the partitioner options below): ``test=PATH``,
   ``label=NAME``, ``features=A+B+C`` (a name or a pattern, ``pixel*``), ``stack=NAME`` (the numeric
@@ -96,7 +96,7 @@ class DataSpec:
 
 
 _BY_SUFFIX = {
-    **dict.fromkeys((".csv", ".tsv", ".parquet", ".jsonl", ".gz", ".arrow"), "table:{},client=COLUMN"),
+    **dict.fromkeys((".csv", ".tsv", ".parquet", ".jsonl", ".gz", ".arrow", ".feather"), "table:{},client=COLUMN"),
     ".json": "leaf:{}",
     ".h5": "tff-h5:{}",
     ".hdf5": "tff-h5:{}",

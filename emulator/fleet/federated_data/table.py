@@ -1,8 +1,9 @@
-"""A table with a client-id column: Parquet, CSV (its delimiter found from the header line) or JSON
-Lines, a file or a folder of them (as ``write_to_dataset`` and Spark write Parquet, hive's
-``key=value`` folders included, or a file a client), or a Hugging Face ``datasets`` dataset saved
-with ``save_to_disk`` (or a folder of them, a client each, as flwr-datasets' partitions are saved),
-read with pyarrow (and ``datasets`` for the saved folders).
+"""A table with a client-id column: Parquet, CSV (its delimiter found from the header line), JSON
+Lines or Arrow IPC, a file or a folder of them (as ``write_to_dataset`` and Spark write Parquet,
+hive's ``key=value`` folders included, or a file a client), or a Hugging Face ``datasets`` dataset
+saved with ``save_to_disk`` (or a folder of them, a client each, as flwr-datasets' partitions are
+saved) or in its cache (what ``load_dataset`` leaves), read with pyarrow (and ``datasets`` for the
+saved folders).
 
 Each row is one example; the client column says whose it is (flwr-datasets' ``NaturalIdPartitioner``
 does the same with a column); every other column is a feature (``features=a+b`` keeps some, and
@@ -39,6 +40,9 @@ _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _PARQUET = (".parquet", ".pq")
 _CSV = (".csv", ".tsv", ".txt")
 _JSON_LINES = (".jsonl", ".ndjson")
+#: Arrow's IPC files: datasets' cache (what load_dataset, and so flwr-datasets, leave on disk) and
+#: save_to_disk's shards are streams; Feather v2 is the file format.
+_ARROW = (".arrow", ".feather")
 _COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 #: The delimiters a CSV's header line is looked at for (a spreadsheet's semicolons, a TSV's tabs).
 _DELIMITERS = (",", ";", "\t", "|")
@@ -62,6 +66,8 @@ def _read_arrow(
     if not path.exists():
         raise DataSpecError(f"table: {path} does not exist")
     if path.is_dir():
+        if _is_cache(path):
+            return _read_cache(path, client, features)
         if _is_saved(path):
             return _read_saved(path)
         saved = sorted(p for p in path.iterdir() if p.is_dir() and _is_saved(p))
@@ -70,16 +76,16 @@ def _read_arrow(
         return _read_folder(path, client, features, header=header), None
     if _kind(path) is None:
         raise DataSpecError(
-            f"table: {path} is neither .parquet, .csv (.tsv), .jsonl (any of them gzipped) nor a folder of such "
-            "files or from datasets' save_to_disk; convert it to one of them"
+            f"table: {path} is neither .parquet, .csv (.tsv), .jsonl (any of them gzipped), .arrow nor a folder of "
+            "such files, from datasets' save_to_disk or its cache; convert it to one of them"
         )
     return _read_file(path, client, features, header=header), None
 
 
 def _kind(path: Path) -> str | None:
-    """The table format of a file by its suffix: parquet, csv, jsonl, or None."""
+    """The table format of a file by its suffix: parquet, csv, jsonl, arrow, or None."""
     suffix = _suffix(path)
-    for kind, suffixes in (("parquet", _PARQUET), ("csv", _CSV), ("jsonl", _JSON_LINES)):
+    for kind, suffixes in (("parquet", _PARQUET), ("csv", _CSV), ("jsonl", _JSON_LINES), ("arrow", _ARROW)):
         if suffix in suffixes:
             return kind
     return None
@@ -97,11 +103,65 @@ def _read_file(path: Path, client: str | None, features: Sequence[str] | None, *
             raise DataLayoutError(f"table: {path} is not a Parquet file ({exc})") from exc
     if kind == "csv":
         return _read_csv(path, client, header=header)
+    if kind == "arrow":
+        table = _read_ipc(path)
+        wanted = _wanted(table.column_names, client, features)
+        return table.select(wanted) if wanted is not None else table
     json: Any = require("pyarrow.json")
     try:  # one object a line, as datasets' to_json and pandas' to_json(lines=True) write them
         return json.read_json(path)
     except Exception as exc:  # ArrowInvalid: not JSON, or a field that is a number here and text there
         raise DataLayoutError(f"table: {path} could not be read as JSON Lines ({exc})") from exc
+
+
+def _read_ipc(path: Path) -> Any:
+    """An Arrow IPC file, memory-mapped: a stream (as ``datasets`` writes its cache and its saved
+    shards) or the file format (Feather v2)."""
+    pa: Any = require("pyarrow")
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                return pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all()
+    except Exception as exc:  # ArrowInvalid for a file that is neither
+        raise DataLayoutError(f"table: {path} is not an Arrow IPC file ({exc})") from exc
+
+
+def _is_cache(path: Path) -> bool:
+    """A folder of ``datasets``' cache (``load_dataset``'s, flwr-datasets' download): its
+    ``dataset_info.json`` and ``<name>-<split>.arrow`` files, without ``save_to_disk``'s state."""
+    return (
+        (path / "dataset_info.json").is_file()
+        and not any((path / m).is_file() for m in ("state.json", "dataset_dict.json"))
+        and any(path.glob("*.arrow"))
+    )
+
+
+def _read_cache(path: Path, client: str | None, features: Sequence[str] | None) -> tuple[Any, Any | None]:
+    """A ``datasets`` cache folder's ``train`` split and its ``test`` (or ``validation``): the files
+    ``<name>-<split>.arrow`` or ``<name>-<split>-00000-of-00002.arrow`` (``cache-*.arrow``, what a
+    ``map`` wrote, is no split's)."""
+    pa: Any = require("pyarrow")
+    by_split: dict[str, list[Path]] = {}
+    for file in sorted(path.glob("*.arrow")):
+        found = re.fullmatch(r".+?-([^-]+)(?:-\d+-of-\d+)?\.arrow", file.name)
+        if found and not file.name.startswith("cache-"):
+            by_split.setdefault(found.group(1), []).append(file)
+    if "train" not in by_split:
+        raise DataLayoutError(
+            f"table: {path} is a datasets cache folder whose splits are {sorted(by_split) or 'none'}, with no "
+            "'train'; give the .arrow file of the split to train on"
+        )
+    held = next((s for s in _TEST_SPLITS if s in by_split), None)
+    train, test = (
+        pa.concat_tables([_read_file(f, client, features, header=True) for f in by_split[split]])
+        if split is not None
+        else None
+        for split in ("train", held)
+    )
+    return train, test
 
 
 def _wanted(names: Sequence[str], client: str | None, features: Sequence[str] | None) -> list[str] | None:

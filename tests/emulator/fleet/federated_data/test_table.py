@@ -218,6 +218,42 @@ def test_a_saved_datasetdict_of_images_and_class_labels_decodes_the_pixels(tmp_p
     assert np.array_equal({**from_hub.train, **from_hub.test}["w1"]["image"], splits["train"]["pixels"][1::4])
 
 
+def test_datasets_cache_folder_as_load_dataset_and_flwr_datasets_leave_it_reads_its_splits(tmp_path: Path) -> None:
+    """load_dataset (and so flwr-datasets' FederatedDataset) turns the Hub's Parquet files into a cache
+    folder of dataset_info.json and <name>-<split>.arrow files; it was refused as a damaged
+    save_to_disk folder, and its .arrow files (which the data spec's hint names table: for) as no table."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=["a", "b", "c"]),
+            "writer_id": datasets.Value("string"),
+        }
+    )
+    splits = {name: images(n, seed) for name, n, seed in (("train", 24, 0), ("test", 8, 1))}
+    for name, split in splits.items():  # the Hub's Parquet files
+        dataset = datasets.Dataset.from_dict({k: v for k, v in split.items() if k != "pixels"}, features=features)
+        dataset.to_parquet(str(tmp_path / f"{name}.parquet"))
+    files = {name: str(tmp_path / f"{name}.parquet") for name in splits}
+    datasets.load_dataset("parquet", data_files=files, cache_dir=str(tmp_path / "cache")).map(lambda row: row)
+    [cache] = {p.parent for p in (tmp_path / "cache").rglob("dataset_info.json")}  # beside it a map's cache-*.arrow
+    data = load_data(f"table:{cache},client=writer_id")
+    assert data.test_split == "files" and data.label_names == ("a", "b", "c") and data.features["image"].shape == (6, 6)
+    assert np.array_equal(data.train["w1"]["image"], splits["train"]["pixels"][1::4])
+    assert np.array_equal(data.test["w2"]["image"], splits["test"]["pixels"][2::4])
+    [train_file] = cache.glob("*-train*.arrow")
+    alone = load_table(train_file, client="writer_id", test_split="clients")
+    assert np.array_equal({**alone.train, **alone.test}["w3"]["image"], splits["train"]["pixels"][3::4])
+    import pyarrow.feather as feather
+
+    feather.write_feather(pa.table(rows()), str(tmp_path / "rows.feather"))  # Arrow's file format
+    assert load_table(tmp_path / "rows.feather", client="user_id").sizes() == {"u1": 1, "u2": 1, "u3": 1}
+    (tmp_path / "junk.arrow").write_bytes(b"not arrow")
+    with pytest.raises(DataLayoutError, match="junk.arrow is not an Arrow IPC file"):
+        load_table(tmp_path / "junk.arrow", client="c")
+
+
 def test_images_of_different_sizes_or_not_images_are_refused_naming_the_row(tmp_path: Path) -> None:
     import datasets
 
