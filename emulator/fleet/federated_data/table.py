@@ -73,6 +73,14 @@ def _read_arrow(
         saved = sorted(p for p in path.iterdir() if p.is_dir() and _is_saved(p))
         if saved:
             return _read_saved_folders(path, saved, client)
+        caches = sorted(p.parent for p in path.rglob("dataset_info.json") if _is_cache(p.parent))
+        if len(caches) == 1:  # the cache's root (~/.cache/huggingface/datasets/owner___name): its one version
+            return _read_cache(caches[0], client, features)
+        if caches:  # read as one folder of .arrow files, every version's splits and map caches were one table
+            raise DataLayoutError(
+                f"table: {path} holds {len(caches)} datasets cache folders ({caches[0].relative_to(path)}, "
+                f"{caches[1].relative_to(path)}, ...); give the one to read"
+            )
         return _read_folder(path, client, features, header=header), None
     if _kind(path) is None:
         raise DataSpecError(

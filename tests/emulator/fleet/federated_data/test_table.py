@@ -242,6 +242,8 @@ def test_datasets_cache_folder_as_load_dataset_and_flwr_datasets_leave_it_reads_
     assert data.test_split == "files" and data.label_names == ("a", "b", "c") and data.features["image"].shape == (6, 6)
     assert np.array_equal(data.train["w1"]["image"], splits["train"]["pixels"][1::4])
     assert np.array_equal(data.test["w2"]["image"], splits["test"]["pixels"][2::4])
+    root = load_data(f"table:{tmp_path / 'cache'},client=writer_id")  # the cache's root: its one dataset
+    assert root.num_examples() == 24 and root.num_examples("test") == 8
     [train_file] = cache.glob("*-train*.arrow")
     alone = load_table(train_file, client="writer_id", test_split="clients")
     assert np.array_equal({**alone.train, **alone.test}["w3"]["image"], splits["train"]["pixels"][3::4])
