@@ -323,6 +323,15 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     if isinstance(spec, str):
         spec = parse_data_spec(spec, base_dir=base_dir)
     data = _load(spec, seed)
+    cutting = [k for k in ("test_split", "test_fraction") if k in spec.options]
+    if cutting and data.test_split in ("files", "central"):  # an option that would have been ignored
+        given = ", ".join(f"{k}={spec.options[k]}" for k in cutting)
+        own = {"leaf": "its test/ folder", "tff-h5": "the *test*.h5 file beside it", "npz": "x_test and y_test"}
+        held = f"test={spec.options['test']}" if "test" in spec.options else own.get(spec.format, "its test split")
+        raise DataSpecError(
+            f"{spec.format}: {given} would cut a test split from the training data, but {spec.path} brings its own "
+            f"({held}), which is the test split; leave {' and '.join(cutting)} out, or give the training data alone"
+        )
     if "rename" not in spec.options:
         return data
     names = renames(spec)

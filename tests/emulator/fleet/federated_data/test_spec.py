@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,21 @@ def test_rename_names_features_and_the_label_as_the_plan_reads_them(tmp_path: Pa
         load_data(f"table:{csv},client=user,rename=label:pixels")
     swapped = load_data(f"table:{csv},client=user,label=label,rename=label:pixels+pixels:label")
     assert swapped.features["pixels"].dtype == "int64" and swapped.label == "pixels"
+
+
+def test_test_split_options_beside_the_files_own_test_split_are_refused_not_ignored(tmp_path: Path) -> None:
+    """A LEAF folder's test/ (by sample), or an npz's x_test, is the test split: test_split=clients
+    (LEAF's by-user split) or test_fraction= beside it were silently ignored."""
+    for split, users in (("train", ["a", "b", "c"]), ("test", ["a", "b", "c"])):
+        (tmp_path / "leaf" / split).mkdir(parents=True)
+        data = {u: {"x": [[0.5, 0.5]] * 2, "y": [0, 1]} for u in users}
+        (tmp_path / "leaf" / split / "d.json").write_text(
+            json.dumps({"users": users, "num_samples": [2] * 3, "user_data": data})
+        )
+    with pytest.raises(DataSpecError, match=r"test_split=clients would cut .* brings its own \(its test/ folder\)"):
+        load_data(f"leaf:{tmp_path / 'leaf'},test_split=clients")
+    assert load_data(f"leaf:{tmp_path / 'leaf' / 'train'},test_split=clients").test_split == "clients"
+    x, y = np.zeros((20, 2)), np.arange(20) % 2
+    np.savez(tmp_path / "k.npz", x_train=x, y_train=y, x_test=x[:4], y_test=y[:4])
+    with pytest.raises(DataSpecError, match=r"test_fraction=0.5 would cut .*\(x_test and y_test\)"):
+        load_data(f"npz:{tmp_path / 'k.npz'},partition=iid,clients=2,test_fraction=0.5")
