@@ -107,7 +107,7 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
         "from-onnx", help="a deployable bundle (plans, initial checkpoint, task file) from an ONNX inference model"
     )
     onnx_cmd.add_argument("model", type=Path, help="the ONNX inference model")
-    _model_options(onnx_cmd)
+    _model_options(onnx_cmd, plan_alone=True)
     torch_cmd = plan_sub.add_parser(
         "from-torch", help="export a PyTorch module so that it trains right, then as from-onnx (needs the torch extra)"
     )
@@ -127,7 +127,7 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
         help="each input of forward(), in order: one example's shape without the batch axis, dims "
         "joined by x (1x28x28; empty for a scalar), dtype float32 (default), int64, bool, ...",
     )
-    _model_options(torch_cmd)
+    _model_options(torch_cmd, plan_alone=False)
     deploy = sub.add_parser("deploy", help="send a tested task's plans and release report to a server")
     deploy.add_argument("directory", type=Path, help="a bundle directory that plan build and plan test wrote")
     _server_options(deploy, "the population to deploy into (created if missing)")
@@ -159,8 +159,9 @@ def _server_options(cmd: argparse.ArgumentParser, population: str) -> None:
     cmd.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
 
 
-def _model_options(cmd: argparse.ArgumentParser) -> None:
-    """The options from-onnx and from-torch share: how the plan trains and where it goes."""
+def _model_options(cmd: argparse.ArgumentParser, *, plan_alone: bool) -> None:
+    """The options from-onnx and from-torch share: how the plan trains and where it goes (from-onnx
+    also writes a plan alone: ``plan_alone``)."""
     cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
     cmd.add_argument("--loss", default="cross_entropy", help="cross_entropy, binary_cross_entropy or mse")
     cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"], help="the device's optimizer")
@@ -204,7 +205,8 @@ def _model_options(cmd: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         required=True,
-        help="the bundle directory to write (a path ending in .fedplan writes the training plan alone)",
+        help="the bundle directory to write"
+        + (" (a path ending in .fedplan writes the training plan alone)" if plan_alone else ""),
     )
 
 

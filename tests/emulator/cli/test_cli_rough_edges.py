@@ -420,3 +420,12 @@ def test_simulate_out_without_matplotlib_is_refused_before_the_run_naming_the_ex
         "(or leave out --out for the summary line alone)\n"
     )
     assert captured.out == "" and not out.exists()
+
+
+@pytest.mark.parametrize(("command", "plan_alone"), [("from-onnx", True), ("from-torch", False)])
+def test_plan_alone_is_offered_only_by_the_command_that_writes_one(command, plan_alone, capsys):
+    """from-torch refuses -o PLAN.fedplan (it writes a bundle), so its help does not offer it."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0 and ("a path ending in .fedplan writes the training plan alone" in text) is plan_alone
