@@ -12,6 +12,7 @@ take a seat at each return."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -170,77 +171,92 @@ class _StoredJobs:
             self._store.engine.dispose()
             raise
         self._app = app
+        self._database = database
+
+    def _db(self, action: str) -> contextlib.AbstractContextManager[None]:
+        """SQLite's errors while ``action`` as an ``AppDatabaseError`` that says what to do (a full
+        disk: free space and retry), as opstats' are: APScheduler's job store let SQLAlchemy's
+        ``OperationalError`` reach the app from ``schedule``, ``cancel`` and a job's run."""
+        return app_database_errors(self._database, action)
 
     def close(self) -> None:
         self._store.shutdown()
 
     def put(self, job: ScheduledJob) -> None:
         """Store ``job``, replacing the population's earlier one."""
-        assert job.next_run_at is not None
-        at = _to_dt(job.next_run_at)
-        stored = Job(
-            _StoreHost(),
-            id=job.population,
-            func=f"{__name__}:run_participation",
-            args=(job.population,),
-            # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
-            kwargs={
-                "constraints": dict(vars(job.constraints)),
-                "interval": dict(vars(job.interval)),
-                "settle": job.settle,
-            },
-            trigger=DateTrigger(at, timezone=UTC),
-            executor="default",
-            name=f"{self._app}:{job.population}",
-            misfire_grace_time=None,
-            coalesce=True,
-            max_instances=1,
-            next_run_time=at,
-        )
-        if self._store.lookup_job(job.population) is not None:
-            self._store.remove_job(job.population)
-        self._store.add_job(stored)
+        with self._db("store a scheduled job"):
+            assert job.next_run_at is not None
+            at = _to_dt(job.next_run_at)
+            stored = Job(
+                _StoreHost(),
+                id=job.population,
+                func=f"{__name__}:run_participation",
+                args=(job.population,),
+                # flat frozen dataclasses: their fields as a plain dict (what asdict gives, without its deep copy)
+                kwargs={
+                    "constraints": dict(vars(job.constraints)),
+                    "interval": dict(vars(job.interval)),
+                    "settle": job.settle,
+                },
+                trigger=DateTrigger(at, timezone=UTC),
+                executor="default",
+                name=f"{self._app}:{job.population}",
+                misfire_grace_time=None,
+                coalesce=True,
+                max_instances=1,
+                next_run_time=at,
+            )
+            if self._store.lookup_job(job.population) is not None:
+                self._store.remove_job(job.population)
+            self._store.add_job(stored)
 
     def get(self, population: str) -> ScheduledJob | None:
-        stored = self._store.lookup_job(population)
-        return None if stored is None else self._view(stored)
+        with self._db("read a scheduled job"):
+            stored = self._store.lookup_job(population)
+            return None if stored is None else self._view(stored)
 
     def remove(self, population: str) -> bool:
-        if self._store.lookup_job(population) is None:
-            return False
-        self._store.remove_job(population)
-        return True
+        with self._db("remove a scheduled job"):
+            if self._store.lookup_job(population) is None:
+                return False
+            self._store.remove_job(population)
+            return True
 
     def reschedule(self, population: str, at: float, settle: str | None = None, *, ran: bool = False) -> None:
         """``ran``: after the job's session, whose ``running`` mark it drops."""
-        stored = self._store.lookup_job(population)
-        if stored is not None:  # not cancelled meanwhile
-            if settle is not None or ran:
-                kwargs = {k: v for k, v in stored.kwargs.items() if not (ran and k == "running")}
-                stored._modify(
-                    next_run_time=_to_dt(at), kwargs=kwargs if settle is None else {**kwargs, "settle": settle}
-                )
-            else:
-                stored._modify(next_run_time=_to_dt(at))
-            self._store.update_job(stored)
+        with self._db("reschedule a job"):
+            stored = self._store.lookup_job(population)
+            if stored is not None:  # not cancelled meanwhile
+                if settle is not None or ran:
+                    kwargs = {k: v for k, v in stored.kwargs.items() if not (ran and k == "running")}
+                    stored._modify(
+                        next_run_time=_to_dt(at), kwargs=kwargs if settle is None else {**kwargs, "settle": settle}
+                    )
+                else:
+                    stored._modify(next_run_time=_to_dt(at))
+                self._store.update_job(stored)
 
     def mark_running(self, population: str, at: float) -> None:
         """Before the job's session: a session started at ``at``, until the job is rescheduled
         after it (``ran``), so that an app killed in between knows the run it was stopped in."""
-        stored = self._store.lookup_job(population)
-        if stored is not None:
-            stored._modify(kwargs={**stored.kwargs, "running": at})
-            self._store.update_job(stored)
+        with self._db("mark a job's run"):
+            stored = self._store.lookup_job(population)
+            if stored is not None:
+                stored._modify(kwargs={**stored.kwargs, "running": at})
+                self._store.update_job(stored)
 
     def due(self, now: float) -> list[tuple[float, str]]:
-        return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
+        with self._db("read the due jobs"):
+            return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
 
     def next_run_at(self) -> float | None:
-        nxt = self._store.get_next_run_time()
-        return nxt.timestamp() if nxt is not None else None
+        with self._db("read the next due time"):
+            nxt = self._store.get_next_run_time()
+            return nxt.timestamp() if nxt is not None else None
 
     def all(self) -> list[ScheduledJob]:
-        return [self._view(j) for j in self._store.get_all_jobs()]
+        with self._db("read the scheduled jobs"):
+            return [self._view(j) for j in self._store.get_all_jobs()]
 
     @staticmethod
     def _view(job: Job) -> ScheduledJob:

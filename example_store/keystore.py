@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import base64
 import binascii
+import errno
 import json
 import os
 import secrets
@@ -197,7 +198,19 @@ class FileKeyStore(KeyStore):
                 tmp.unlink(missing_ok=True)
                 raise
         except OSError as exc:
-            raise KeyStoreError(f"cannot write the key store {self.path}: {exc}; does its directory exist?") from exc
+            raise KeyStoreError(f"cannot write the key store {self.path}: {exc}; {_write_advice(exc)}") from exc
 
     def __repr__(self) -> str:
         return f"FileKeyStore({str(self.path)!r})"
+
+
+#: A write that failed for want of space: a full disk, a quota, or the process's file size limit.
+_NO_SPACE = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, name))
+
+
+def _write_advice(exc: OSError) -> str:
+    """What to do about a key store that could not be written: on a full disk it asked whether its
+    directory existed, which sent the app looking in the wrong place."""
+    if exc.errno in _NO_SPACE:
+        return "the disk is full: free space and retry (the key store is unchanged)"
+    return "does its directory exist, and may this app write to it?"

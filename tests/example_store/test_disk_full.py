@@ -16,7 +16,9 @@ import json, os, resource, sys
 sys.path.insert(0, sys.argv[2])  # the checkout
 import numpy as np
 from device_runtime import OpStatsStore
+from device_runtime.conditions import DeviceState, StaticConditions
 from device_runtime.opstats import AppDatabaseError, Event
+from device_runtime.scheduling import ParticipationScheduler, SchedulerSettings
 from example_store import ExampleSelector, ExampleStoreError, FileKeyStore, SQLiteExampleStore
 
 folder = sys.argv[1]
@@ -24,6 +26,8 @@ db = os.path.join(folder, "app.db")
 store = SQLiteExampleStore(db, key_store=FileKeyStore(os.path.join(folder, "keys.json")))
 store.add("app:/digits", [{"x": np.zeros(64, np.float32), "y": np.int64(1)}] * 10)
 opstats = OpStatsStore(db)
+scheduler = ParticipationScheduler(db, StaticConditions(DeviceState(True, True, 1.0, True)), settings=SchedulerSettings(watchdog=False))
+scheduler.schedule("digits")
 used = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
 resource.setrlimit(resource.RLIMIT_FSIZE, (used + 100_000, used + 100_000))  # a disk with 100 kB left
 errors = {}
@@ -37,6 +41,19 @@ try:
 except AppDatabaseError as exc:
     errors["opstats"] = str(exc)
 errors["count"] = store.count(ExampleSelector("app:/digits"))
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no file may grow now: the disk is full
+for name, call in [
+    ("schedule", lambda: scheduler.schedule("other")),
+    ("cancel", lambda: scheduler.cancel("digits")),
+    ("job run", scheduler.queue.run_pending),  # the job's run is kept as it ends
+    ("new key", lambda: FileKeyStore(os.path.join(folder, "other-keys.json")).get_or_create_key("example_store")),
+]:
+    try:
+        call()
+    except ExampleStoreError as exc:  # a KeyStoreError
+        errors[name] = str(exc)
+    except AppDatabaseError as exc:
+        errors[name] = str(exc)
 print(json.dumps(errors))
 """
 
@@ -52,6 +69,10 @@ def test_a_full_disk_fails_a_write_whole_and_says_to_free_space(tmp_path):
     assert "free space and retry" in seen["add"] and "delete" not in seen["add"]
     assert "free space and retry" in seen["opstats"] and str(tmp_path / "app.db") in seen["opstats"]
     assert seen["count"] == 10
+    # the scheduler's job store raised SQLAlchemy's OperationalError, and a key store that could not
+    # write a new key asked whether its directory existed
+    for name in ("schedule", "cancel", "job run", "new key"):
+        assert "free space and retry" in seen[name], (name, seen)
 
     from device_runtime import OpStatsStore
     from example_store import ExampleSelector, FileKeyStore, SQLiteExampleStore
@@ -60,3 +81,8 @@ def test_a_full_disk_fails_a_write_whole_and_says_to_free_space(tmp_path):
         assert [int(b["y"][0]) for b in store.query_batches(ExampleSelector("app:/digits"), 10)] == [1]
     with OpStatsStore(tmp_path / "app.db") as opstats:
         assert {len(s.events) for s in opstats.sessions()} <= {1}  # whole sessions or none
+    from device_runtime.conditions import DeviceState, StaticConditions
+    from device_runtime.scheduling import ParticipationScheduler
+
+    with ParticipationScheduler(tmp_path / "app.db", StaticConditions(DeviceState(True, True, 1.0, True))) as jobs:
+        assert [job.population for job in jobs.jobs()] == ["digits"]  # as it was before the disk filled
