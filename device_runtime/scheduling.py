@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from apscheduler.job import Job
+from apscheduler.jobstores.base import JobLookupError
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 
@@ -206,9 +207,12 @@ class _StoredJobs:
                 max_instances=1,
                 next_run_time=at,
             )
-            if self._store.lookup_job(job.population) is not None:
-                self._store.remove_job(job.population)
-            self._store.add_job(stored)
+            # replaced in one statement: removed and added again in two transactions, an app killed
+            # between them lost the job it was rescheduling
+            try:
+                self._store.update_job(stored)
+            except JobLookupError:
+                self._store.add_job(stored)
 
     def get(self, population: str) -> ScheduledJob | None:
         with self._db("read a scheduled job"):

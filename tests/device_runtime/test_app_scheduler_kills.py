@@ -126,3 +126,36 @@ def test_an_app_killed_during_its_jobs_run_picks_up_without_taking_part_twice(
     done = subprocess.run(args, timeout=120, capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
     _restarted(db, server, admin, took_part=phase == "after-session", interval=interval)
+
+
+def test_an_app_stopped_while_it_reschedules_a_job_keeps_the_old_job_or_the_new(tmp_path):
+    """``schedule`` of a population already scheduled (a new interval, say) replaced its job in two
+    transactions, removing it then adding the new one: an app stopped between them found no job at
+    its next start, and never took part again."""
+    from sqlalchemy import event
+
+    from device_runtime.conditions import TrainingInterval
+
+    db = tmp_path / "app.db"
+    app = ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False))
+    app.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=3600))
+    engine = app._jobs._store.engine  # type: ignore[union-attr]  # a stored scheduler's
+    wrote, kept = [], []
+
+    @event.listens_for(engine, "commit")
+    def committed(conn: object) -> None:
+        kept.extend(wrote)
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def next_statement(conn, cursor, statement, *args):  # the app's process ends once a write is kept
+        if kept:
+            raise _Stopped
+        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            wrote.append(statement)
+
+    with pytest.raises(_Stopped):
+        app.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=7200))
+    app.close()
+    with ParticipationScheduler(db, GOOD) as restarted:
+        jobs = restarted.jobs()
+        assert len(jobs) == 1 and jobs[0].interval.min_interval_s in (3600, 7200)
