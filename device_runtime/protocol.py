@@ -54,6 +54,8 @@ __all__ = [
 
 #: The header a report carries its session statistics in (shape so far, training time).
 STATS_HEADER = "X-FL-Session-Stats"
+#: The server's refusal of a second report of one session: to a retried report, its first was taken.
+DUPLICATE_REPORT = "DUPLICATE_REPORT"
 
 
 @functools.lru_cache(maxsize=1)
@@ -376,6 +378,16 @@ class RetryPolicy:
         return rng.uniform(0.0, min(self.max_delay_s, self.base_delay_s * (2**attempt)))
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    """The stable code of an error answer, when it is one: what the server says goes into the
+    app's logs and opstats (a hostile server's code was any JSON value)."""
+    try:
+        code = _json(response)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) and re.fullmatch(r"[\x21-\x7e]{1,64}", code) else None
+
+
 def _answer(response: httpx.Response, model: Any, what: str) -> Any:
     """The answer of a success parsed by its wire model (``model`` a model class or a ``TypeAdapter``):
     a broken or hostile server's answer is a ``ProtocolError`` naming the field, never a value that
@@ -462,15 +474,24 @@ class ProtocolClient:
             self.http.close()
 
     def _request(
-        self, method: str, path: str, *, json_body: Callable[[], Any] | None = None, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Callable[[], Any] | None = None,
+        retried: list[bool] | None = None,
+        **kwargs: Any,
     ) -> httpx.Response:
         """``json_body``: builds the JSON body afresh for each attempt (a signed nonce must not
-        be sent twice: the server refuses a replay)."""
+        be sent twice: the server refuses a replay). ``retried``: set to ``[True]`` once a second
+        attempt is sent (an earlier one may have reached the server, its answer lost)."""
         url = self.server_url + path
         last_error: Exception | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
                 self.sleep(self.retry.delay(attempt, self.rng))
+                if retried is not None:
+                    retried[:] = [True]
             if self.ends_at is not None and self.clock() >= self.ends_at:
                 raise ProtocolError(
                     f"the session's deadline passed before {method} {path[:100]} could be sent"
@@ -501,15 +522,11 @@ class ProtocolClient:
     def _raise_for_error(response: httpx.Response) -> None:
         if response.status_code < 400:
             return
-        code, message = None, response.content[:200].decode("utf-8", "replace")
+        code, message = _error_code(response), response.content[:200].decode("utf-8", "replace")
         try:
-            err = _json(response)["error"]
-            code, message = err["code"], err["message"]
+            message = _json(response)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             pass
-        # what the server says goes into the app's logs and opstats: a short line, and a code only
-        # when it is one (a hostile server's code was any JSON value, its message any length)
-        code = code if isinstance(code, str) and re.fullmatch(r"[\x21-\x7e]{1,64}", code) else None
         message = "".join(c if c.isprintable() else " " for c in str(message)[:200])
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 
@@ -571,7 +588,15 @@ class ProtocolClient:
         headers = {"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"}
         if stats:
             headers[STATS_HEADER] = json.dumps(stats, separators=(",", ":"))
-        response = self._request("POST", f"/v1/sessions/{session.session_id}/report", content=update, headers=headers)
+        retried: list[bool] = []
+        response = self._request(
+            "POST", f"/v1/sessions/{session.session_id}/report", content=update, headers=headers, retried=retried
+        )
+        if retried and response.status_code == 409 and _error_code(response) == DUPLICATE_REPORT:
+            # an earlier attempt was taken and its answer lost (only this device holds the session's
+            # token): the update is the server's, once. Read as a refusal, the session was kept as
+            # rejected ('#'), not counted as taking part, and its examples trained and sent again.
+            return ReportAnswer()
         self._raise_for_error(response)
         if not 200 <= response.status_code < 300:
             raise ProtocolError(

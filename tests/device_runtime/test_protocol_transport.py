@@ -82,3 +82,48 @@ def test_before_any_rejection_the_retry_delay_is_jittered_inside_the_default_win
     runtime.close()
     lo, hi = DEFAULT_RETRY_WINDOW_S
     assert all(lo <= d <= hi for d in delays) and max(delays) - min(delays) > (hi - lo) / 2
+
+
+class LoseFirstReportAnswer(httpx.HTTPTransport):
+    """Real HTTP, except that the first report's answer is lost after the server took the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports: list[int] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path.endswith("/report"):
+            response.read()
+            self.reports.append(response.status_code)
+            if len(self.reports) == 1:
+                raise httpx.ReadError("the connection dropped before the answer", request=request)
+        return response
+
+
+def test_a_report_whose_answer_was_lost_completes_once(tmp_path, server, admin, digits):
+    """The server took the update and the answer was lost: the retry was refused as a second
+    report of the session (409 DUPLICATE_REPORT), and the device kept the session as rejected
+    (``-v[]+#``): not counted as taking part by its eligibility policies, its resumption token not
+    moved, its examples trained and reported again in the next session."""
+    from device_runtime import OpStatsStore
+
+    deploy(admin, goal_count=5)
+    store = SQLiteExampleStore(tmp_path / "app.db")
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:20], digits.y_train[:20])))
+    transport = LoseFirstReportAnswer()
+    with OpStatsStore(tmp_path / "app.db") as opstats:
+        with FLRuntime(
+            "digits",
+            server.url,
+            store,
+            opstats=opstats,
+            transport=transport,
+            retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.02),
+        ) as runtime:
+            result = runtime.run_session()
+        assert [s.shape for s in opstats.sessions()] == ["-v[]+^"]
+    store.close()
+    assert transport.reports == [200, 409]  # the server took one update, and refused it again
+    assert result.outcome is Outcome.COMPLETED and result.rejection_code is None
+    assert admin.status("digits")["current_round"]["reported"] == 1
