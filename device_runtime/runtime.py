@@ -489,7 +489,7 @@ class FLRuntime:
             return invalid
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
-        rec.save_so_far()  # an app killed once the update has left still knows it took part
+        self._save_before_upload(rec, session)  # an app killed once the update has left still knows it took part
         try:
             with self._one_request_more(len(payload)):
                 reported = self.client.report(session, payload, rec.stats())
@@ -644,8 +644,22 @@ class FLRuntime:
         """Send the masked input of ``vector`` and answer the rounds after it. The session so far is
         kept first, as before a plain report: an app killed once its masked input has left still
         knows it took part (its peers' shares recover that input, and the group's sum holds it)."""
-        rec.save_so_far()
+        assert rec.session is not None
+        self._save_before_upload(rec, rec.session)
         return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
+
+    def _save_before_upload(self, rec: _Recorder, session: CheckinAccepted) -> None:
+        """Keep the session so far before its update leaves. When it cannot be kept (a full disk),
+        the update is not sent, since an app killed after sending it would not know the session
+        took part and would train and report again: the server is told, as after any error, and
+        the ``AppDatabaseError`` reaches the app. The server was told nothing, and held the
+        device's seat in its round until the report window closed."""
+        try:
+            rec.save_so_far()
+        except AppDatabaseError as exc:
+            rec.record("error", error=type(exc).__name__)
+            self._abort_quietly(session, f"error: {type(exc).__name__}", rec.stats())
+            raise
 
     def _secure_outcome(self, rec: _Recorder, outcome: SecureResult, metrics: dict, examples: int) -> SessionResult:
         if outcome.outcome is SecureOutcome.INTERRUPTED:
