@@ -9,6 +9,7 @@ import enum
 import logging
 import os
 import random
+import secrets
 import shutil
 import tempfile
 import threading
@@ -928,9 +929,11 @@ class _Recorder:
         self.runtime = runtime
         self.events: list[Event] = []
         self.session: CheckinAccepted | None = None
-        self.local_id = (
-            f"{runtime.rng.getrandbits(64):016x}"  # from the device's own random stream: a seeded run repeats
-        )
+        self.local_id = f"{runtime.rng.getrandbits(64):016x}"  # from the device's own stream: a seeded run repeats
+        if isinstance(runtime.opstats, OpStatsStore):
+            # the app's database outlives the process: an app that seeds its stream drew the same
+            # ids after each start, and a new session's record replaced an earlier one's
+            self.local_id += secrets.token_hex(8)
         #: Durations are measured on it (the system's wall clock can be set while a session runs).
         self.elapsed = elapsed_clock(runtime.clock)
         self._elapsed_at: dict[str, float] = {}

@@ -202,3 +202,19 @@ def test_resumption_tokens_are_bounded_as_the_log_is(tmp_path_factory, saves, ke
         expected = f"{task}@{at}" if (at, task) in recent else None
         assert opstats.resumption_token("p", task, "app:/c") == expected
     opstats.close()
+
+
+def test_an_app_started_again_with_the_same_seed_keeps_its_earlier_sessions(tmp_path, server, admin, digits):
+    """A session's id in the log was drawn from the runtime's random stream alone: an app that seeds
+    it (``FLRuntime(rng=random.Random(seed))``, for runs that repeat) drew the same ids after each
+    start, and its first session replaced the record of the last start's first one, a session
+    that took part included (what its eligibility policies and scheduler read)."""
+    import random
+
+    deploy(admin, goal_count=5)
+    opstats = OpStatsStore(tmp_path / "app.db")
+    for _ in range(2):  # the app, then the app started again
+        with _runtime(tmp_path, server, digits, opstats=opstats, rng=random.Random(7)) as runtime:
+            assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert [s.shape for s in opstats.sessions("digits")] == ["-v[]+^", "-v[]+^"]
+    opstats.close()
