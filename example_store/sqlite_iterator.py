@@ -135,9 +135,15 @@ class SQLiteIterator(ExampleIterator):
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def where_clause(coll: Collection, selector: ExampleSelector, after: Position | None) -> tuple[str, list[Any]]:
+def where_clause(
+    coll: Collection, selector: ExampleSelector, after: Position | None, not_before: float | None = None
+) -> tuple[str, list[Any]]:
+    """``not_before``: a TTL's cutoff whose expired examples are still in the file (not deleted)."""
     clauses: list[str] = ["collection_id = ?"]
     params: list[Any] = [coll.id]
+    if not_before is not None:
+        clauses.append("timestamp >= ?")
+        params.append(not_before)
     if selector.start_time is not None:
         clauses.append("timestamp >= ?")
         params.append(selector.start_time)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 import secrets
 import sqlite3
@@ -92,6 +93,8 @@ from .sealing import (
 from .selector import ExampleSelector
 from .sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
+
+log = logging.getLogger(__name__)
 
 #: Written to ``PRAGMA user_version``. Version 1 files (no sealing, no persisted policies) are
 #: upgraded in place when opened; a file with another non-zero version is refused.
@@ -538,12 +541,12 @@ class SQLiteExampleStore(ExampleStore):
     def stats(self, collection_uri: str) -> CollectionStats:
         """Count, bytes and timestamp range of a collection (after expiring what its TTL drops)."""
         coll = self._require(collection_uri)
-        self._expire(coll)
+        not_before = self._expire(coll)
         with self._db_errors("read collection statistics"), self._engine.connect() as conn:
             n, oldest, newest, stored = conn.exec_driver_sql(
                 "SELECT COUNT(*), MIN(timestamp), MAX(timestamp), COALESCE(SUM(LENGTH(payload)), 0) "
-                "FROM examples WHERE collection_id = ?",
-                (coll.id,),
+                "FROM examples WHERE collection_id = ? AND timestamp >= ?",
+                (coll.id, float("-inf") if not_before is None else not_before),
             ).one()
         return CollectionStats(
             collection_uri=collection_uri,
@@ -555,24 +558,37 @@ class SQLiteExampleStore(ExampleStore):
             retention=self.retention_for(collection_uri),
         )
 
-    def _expire(self, coll: Collection) -> None:
+    def _expire(self, coll: Collection) -> float | None:
         """The cheap part of retention that runs before reads: TTL only, and a write transaction
-        only when an index probe finds an expired example."""
+        only when an index probe finds an expired example. Returns None, or the TTL's cutoff when
+        the expired examples could not be deleted (a full disk, where SQLite needs room even to
+        delete; a read-only file): the read then leaves them out itself. The delete's error made
+        the whole collection unreadable, a session's training included, until space was freed."""
         ttl = self.retention_for(coll.uri).ttl_seconds
         if ttl is None:
-            return
+            return None
         cutoff = self._clock() - ttl
-        with self._db_errors("expire examples"):
-            with self._engine.connect() as conn:
-                expired = conn.exec_driver_sql(
-                    "SELECT 1 FROM examples WHERE collection_id = ? AND timestamp < ? LIMIT 1", (coll.id, cutoff)
-                ).first()
-            if expired is None:
-                return
+        with self._db_errors("expire examples"), self._engine.connect() as conn:
+            expired = conn.exec_driver_sql(
+                "SELECT 1 FROM examples WHERE collection_id = ? AND timestamp < ? LIMIT 1", (coll.id, cutoff)
+            ).first()
+        if expired is None:
+            return None
+        try:
             with self._lock, self._engine.begin() as conn:
                 conn.exec_driver_sql(
                     "DELETE FROM examples WHERE collection_id = ? AND timestamp < ?", (coll.id, cutoff)
                 )
+        except (SQLAlchemyError, sqlite3.Error) as exc:
+            log.warning(
+                "could not delete the examples of %s past their TTL in %s (%s); they are not read, and are "
+                "deleted at a later read",
+                coll.uri,
+                self.path,
+                sqlite_advice(exc),
+            )
+            return cutoff
+        return None
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -584,8 +600,8 @@ class SQLiteExampleStore(ExampleStore):
     def count(self, selector: ExampleSelector) -> int:
         coll = self._require(check_selector(selector).collection_uri)
         after = self._resume_position(selector)
-        self._expire(coll)
-        where, params = where_clause(coll, selector, after)
+        not_before = self._expire(coll)
+        where, params = where_clause(coll, selector, after, not_before)
         with self._db_errors("count examples"), self._engine.connect() as conn:
             n = int(conn.exec_driver_sql(f"SELECT COUNT(*) FROM examples WHERE {where}", tuple(params)).scalar_one())
         return n if selector.limit is None else min(n, selector.limit)
@@ -601,8 +617,8 @@ class SQLiteExampleStore(ExampleStore):
     def _open_iterator(self, selector: ExampleSelector, batch_size: int | None) -> SQLiteIterator:
         coll = self._require(check_selector(selector).collection_uri)
         after = self._resume_position(selector)
-        self._expire(coll)
-        where, params = where_clause(coll, selector, after)
+        not_before = self._expire(coll)
+        where, params = where_clause(coll, selector, after, not_before)
         direction = "ASC" if selector.order == "oldest" else "DESC"
         sql = (
             f"SELECT payload, id, timestamp FROM examples WHERE {where} ORDER BY timestamp {direction}, id {direction}"

@@ -19,12 +19,17 @@ from device_runtime import OpStatsStore
 from device_runtime.conditions import DeviceState, StaticConditions
 from device_runtime.opstats import AppDatabaseError, Event
 from device_runtime.scheduling import ParticipationScheduler, SchedulerSettings
-from example_store import ExampleSelector, ExampleStoreError, FileKeyStore, SQLiteExampleStore
+from example_store import ExampleSelector, ExampleStoreError, FileKeyStore, RetentionPolicy, SQLiteExampleStore
 
 folder = sys.argv[1]
 db = os.path.join(folder, "app.db")
 store = SQLiteExampleStore(db, key_store=FileKeyStore(os.path.join(folder, "keys.json")))
 store.add("app:/digits", [{"x": np.zeros(64, np.float32), "y": np.int64(1)}] * 10)
+now = [1.8e9]  # the clock of a store whose examples age while the disk is full
+aging = SQLiteExampleStore(db, key_store=FileKeyStore(os.path.join(folder, "keys.json")), clock=lambda: now[0])
+aging.set_retention("app:/recent", RetentionPolicy(ttl_seconds=1000))
+aging.add("app:/recent", [{"x": np.zeros(4, np.float32)}] * 30, timestamps=[now[0] - 500] * 30)
+aging.add("app:/recent", [{"x": np.ones(4, np.float32)}] * 20, timestamps=[now[0]] * 20)
 opstats = OpStatsStore(db)
 scheduler = ParticipationScheduler(db, StaticConditions(DeviceState(True, True, 1.0, True)), settings=SchedulerSettings(watchdog=False))
 scheduler.schedule("digits")
@@ -42,6 +47,13 @@ except AppDatabaseError as exc:
     errors["opstats"] = str(exc)
 errors["count"] = store.count(ExampleSelector("app:/digits"))
 resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # no file may grow now: the disk is full
+now[0] += 600  # the older 30 are past their TTL, and SQLite has no room to delete them
+try:
+    errors["recent"] = [aging.count(ExampleSelector("app:/recent")), aging.stats("app:/recent").count] + [
+        int(b["x"].sum()) for b in aging.query_batches(ExampleSelector("app:/recent"), 100)
+    ]
+except ExampleStoreError as exc:
+    errors["recent"] = str(exc)
 for name, call in [
     ("schedule", lambda: scheduler.schedule("other")),
     ("cancel", lambda: scheduler.cancel("digits")),
@@ -71,6 +83,9 @@ def test_a_full_disk_fails_a_write_whole_and_says_to_free_space(tmp_path):
     assert seen["count"] == 10
     # the scheduler's job store raised SQLAlchemy's OperationalError, and a key store that could not
     # write a new key asked whether its directory existed
+    # read on a full disk without the examples past their TTL, where the failed delete of those made
+    # the collection unreadable (a session's training included) until space was freed
+    assert seen["recent"] == [20, 20, 20 * 4], seen["recent"]
     for name in ("schedule", "cancel", "job run", "new key"):
         assert "free space and retry" in seen[name], (name, seen)
 
