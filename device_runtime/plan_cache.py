@@ -13,10 +13,12 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -140,6 +142,74 @@ class DirectoryPlanCache:
                 continue
             with contextlib.suppress(OSError):
                 (self.root / "plans" / name).unlink()
+
+
+#: The temp folder's plan caches of runtimes given no ``cache_dir`` (``own_cache_folder``).
+OWN_CACHE_PREFIX = "fl-plan-cache-"
+#: Held locked (``flock``) by the process whose runtime owns the folder, for the runtime's life.
+_OWNER_LOCK = ".owner.lock"
+
+try:  # POSIX advisory locks: a lock is released when its process ends, however it ends
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+
+def own_cache_folder() -> tuple[str, Callable[[], None]]:
+    """A plan cache folder in the temp folder for a runtime given no ``cache_dir``, and what
+    removes it (at the runtime's ``close``, or when it is collected). The folder stays locked while
+    its runtime lives; first, the folders of runtimes whose process was killed (SIGKILL, the OS
+    ending an app: no ``close`` ran) are removed. Each such kill left its plans, up to
+    ``MAX_CACHED_PLAN_BYTES``, in the temp folder for good."""
+    root = tempfile.gettempdir()
+    if fcntl is None:  # pragma: no cover - no lock to tell a live owner by
+        path = tempfile.mkdtemp(prefix=OWN_CACHE_PREFIX)
+        return path, lambda: shutil.rmtree(path, ignore_errors=True)
+    _remove_orphans(root)
+    # made and locked under another name, then renamed: a folder of the prefix is never unlocked
+    # while its owner lives, so another process's sweep cannot take one being made
+    making = tempfile.mkdtemp(prefix=f".{OWN_CACHE_PREFIX}new-")
+    fd = os.open(os.path.join(making, _OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    path = os.path.join(root, OWN_CACHE_PREFIX + os.path.basename(making).rsplit("-", 1)[-1])
+    try:
+        os.rename(making, path)
+    except OSError:
+        os.close(fd)
+        shutil.rmtree(making, ignore_errors=True)
+        raise
+
+    def remove() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+    return path, remove
+
+
+def _remove_orphans(root: str) -> None:
+    """Remove the own cache folders in ``root`` whose owner's lock is free (its process ended)."""
+    assert fcntl is not None
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(OWN_CACHE_PREFIX):
+            continue
+        try:
+            fd = os.open(os.path.join(entry.path, _OWNER_LOCK), os.O_RDWR)
+        except OSError:  # no lock: not a folder this made (or one made before folders were locked)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its runtime lives
+            os.close(fd)
+            continue
+        try:
+            log.info("removing the plan cache %s of a runtime whose app was killed", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 class MemoryPlanCache:

@@ -10,8 +10,6 @@ import logging
 import os
 import random
 import secrets
-import shutil
-import tempfile
 import threading
 import weakref
 from collections import OrderedDict
@@ -53,7 +51,7 @@ from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable
 from .influence import bound_update
 from .opstats import AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at
-from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache
+from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache, own_cache_folder
 from .protocol import (
     MIN_ANSWER_BYTES_PER_S,
     CheckinAccepted,
@@ -217,8 +215,9 @@ class FLRuntime:
         self._remove_own_cache: Callable[[], None] = lambda: None
         if cache_dir is None and plan_cache is None:
             # a cache of its own lives as long as the runtime: nothing is left in the temp folder
-            cache_dir = tempfile.mkdtemp(prefix="fl-plan-cache-")
-            self._remove_own_cache = weakref.finalize(self, shutil.rmtree, cache_dir, ignore_errors=True)
+            # (a killed app's is removed by the next runtime that makes one)
+            cache_dir, remove = own_cache_folder()
+            self._remove_own_cache = weakref.finalize(self, remove)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.runtime_version = runtime_version
         self.rng = rng or random.Random()

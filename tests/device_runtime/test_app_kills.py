@@ -144,3 +144,74 @@ def test_an_app_killed_while_training_or_reporting_starts_again_cleanly(tmp_path
 @pytest.mark.parametrize("phase", [phase for phase in KEPT if phase not in LIGHT])
 def test_an_app_killed_at_any_phase_starts_again_cleanly(tmp_path, resuming_server, digits, phase):
     _killed_then_restarted(tmp_path, resuming_server, digits, phase)
+
+
+KILLED_WITH_ITS_OWN_CACHE = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])  # the checkout
+from device_runtime import FLRuntime
+from example_store import InMemoryExampleStore
+
+runtime = FLRuntime("digits", "http://127.0.0.1:9", InMemoryExampleStore())  # no cache_dir: one of its own
+(runtime.cache_dir / "plans").mkdir()
+(runtime.cache_dir / "plans" / ("0" * 64)).write_bytes(b"a plan")
+print(runtime.cache_dir, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _own_caches(folder) -> list[str]:
+    from device_runtime.plan_cache import OWN_CACHE_PREFIX
+
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(OWN_CACHE_PREFIX))
+
+
+def test_the_plan_cache_of_a_runtime_killed_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A runtime given no ``cache_dir`` keeps its plans in a folder of its own in the temp folder,
+    removed when it is closed or collected: an app killed (no ``close`` ran) left the folder, plans
+    and all, for good, one more at each kill. (The lighter twin of the SIGKILL test below: the
+    folder as a killed process leaves it, its owner's lock free.)"""
+    import fcntl
+    import tempfile
+
+    from device_runtime.plan_cache import OWN_CACHE_PREFIX
+    from example_store import InMemoryExampleStore
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    alive, dead = (tmp_path / f"{OWN_CACHE_PREFIX}{name}" for name in ("alive", "dead"))
+    for folder in (alive, dead):
+        (folder / "plans").mkdir(parents=True)
+        (folder / ".owner.lock").touch()
+    with open(alive / ".owner.lock", "rb") as held:  # another process's runtime, living
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with FLRuntime("digits", "http://127.0.0.1:9", InMemoryExampleStore()) as runtime:
+            assert runtime.cache_dir is not None
+            assert _own_caches(tmp_path) == sorted([alive.name, runtime.cache_dir.name])
+    assert _own_caches(tmp_path) == [alive.name]
+
+
+@pytest.mark.slow
+def test_the_plan_cache_of_an_app_killed_with_sigkill_is_removed_by_its_next_start(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from example_store import InMemoryExampleStore
+
+    script = tmp_path / "app.py"
+    script.write_text(KILLED_WITH_ITS_OWN_CACHE)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(script), str(ROOT)],
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    left = done.stdout.strip()
+    assert _own_caches(temp) == [os.path.basename(left)]
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with FLRuntime("digits", "http://127.0.0.1:9", InMemoryExampleStore()) as runtime:
+        assert runtime.cache_dir is not None and _own_caches(temp) == [runtime.cache_dir.name]
+    assert _own_caches(temp) == []
