@@ -13,11 +13,12 @@ import binascii
 import errno
 import json
 import os
+import re
 import secrets
 import stat
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ._util import check_path
@@ -182,6 +183,8 @@ class FileKeyStore(KeyStore):
             ) from exc
 
     def _write(self, keys: dict[str, bytes]) -> None:
+        """Under the file lock (``_file_lock``): written aside, then renamed over the key store."""
+        self._remove_partial_copies()
         doc = {"version": _FILE_VERSION, "keys": {a: base64.b64encode(k).decode("ascii") for a, k in keys.items()}}
         tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.tmp")
         try:
@@ -199,6 +202,22 @@ class FileKeyStore(KeyStore):
                 raise
         except OSError as exc:
             raise KeyStoreError(f"cannot write the key store {self.path}: {exc}; {_write_advice(exc)}") from exc
+
+    def _remove_partial_copies(self) -> None:
+        """Remove the copies that writers killed before their rename left beside the file: each held
+        keys, a new one among them, in a file nobody removed. Every writer writes its copy under the
+        file lock this one holds, so any copy found now is a dead writer's."""
+        if fcntl is None:  # pragma: no cover - no lock: another writer may be writing its copy
+            return
+        partial = re.compile(rf"\.{re.escape(self.path.name)}\.[0-9a-f]{{8}}\.tmp")
+        try:
+            entries = list(os.scandir(self.path.parent))
+        except OSError:
+            return
+        for entry in entries:
+            if partial.fullmatch(entry.name):
+                with suppress(OSError):
+                    os.unlink(entry.path)
 
     def __repr__(self) -> str:
         return f"FileKeyStore({str(self.path)!r})"

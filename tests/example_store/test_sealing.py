@@ -361,3 +361,18 @@ def test_a_custom_key_store_and_its_failures(tmp_path):
         SQLiteExampleStore(tmp_path / "app.db", key_store=Minimal(RuntimeError("keystore locked")))
     with pytest.raises(ExampleStoreError, match="KeyStore"):
         SQLiteExampleStore(tmp_path / "x.db", key_store=object())  # type: ignore[arg-type]
+
+
+def test_a_key_store_write_removes_the_copies_of_writers_killed_before_their_rename(tmp_path):
+    """A FileKeyStore writes its keys aside and renames the copy over the file: an app killed
+    between the two (SIGKILL, a power cut) left the copy, keys and all, beside the file for good."""
+    path = tmp_path / "keys.json"
+    FileKeyStore(path).get_or_create_key("app")
+    left = tmp_path / ".keys.json.0123abcd.tmp"  # what a writer killed before its rename leaves
+    left.write_text('{"version": 1, "keys": {}}')
+    os.chmod(left, 0o600)
+    other = tmp_path / ".other.json.0123abcd.tmp"  # another key store's: not this one's to remove
+    other.write_text("{}")
+    FileKeyStore(path).get_or_create_key("another")
+    assert not left.exists() and other.exists()
+    assert FileKeyStore(path).aliases() == ["another", "app"]
