@@ -143,7 +143,10 @@ class OpStatsStore:
         self.keep_sessions = check_count("keep_sessions", keep_sessions, least=1)
         self.path = database
         self._closed = False
-        self.engine: Engine = sqlite_engine(database)
+        # durable: the session kept before its update leaves is what tells the app, after a power
+        # cut as after a kill, that the update may be the server's (not to train and report it
+        # again); at synchronous=NORMAL a power cut could roll that commit back after the upload
+        self.engine: Engine = sqlite_engine(database, durable=True)
         try:
             with self._db("open the opstats log"), write_locked(self.engine) as conn:
                 _metadata.create_all(conn)

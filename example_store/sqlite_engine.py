@@ -1,7 +1,8 @@
 """One way to open an SQLite database for the project: the app's database (example store, opstats,
 scheduler jobs) and the server's. WAL so that readers and the writer do not block each other;
 synchronous=NORMAL because in WAL mode it is still crash-safe (only the last commits may roll back
-on power loss)."""
+on power loss), and FULL (``durable``) for the records that must survive a power cut too: opstats'
+record that a session's update is about to leave."""
 
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ from sqlalchemy import URL, Connection, Engine, create_engine, event
 
 
 def configure_connection(
-    dbapi_connection: sqlite3.Connection, *, foreign_keys: bool = False, busy_timeout_s: float = 30.0
+    dbapi_connection: sqlite3.Connection,
+    *,
+    foreign_keys: bool = False,
+    busy_timeout_s: float = 30.0,
+    durable: bool = False,
 ) -> None:
+    """``durable``: every commit is on disk when it returns (``synchronous=FULL``: the WAL is
+    synced at each commit), for records that must outlive a power cut, not only a killed process."""
     cursor = dbapi_connection.cursor()
     try:
         _to_wal(cursor, busy_timeout_s)
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         if foreign_keys:
             cursor.execute("PRAGMA foreign_keys=ON")
     finally:
@@ -44,10 +51,16 @@ def _to_wal(cursor: sqlite3.Cursor, wait_s: float) -> None:
 
 
 def sqlite_engine(
-    path: str | os.PathLike, *, foreign_keys: bool = False, busy_timeout_s: float = 30.0, **engine_kwargs: Any
+    path: str | os.PathLike,
+    *,
+    foreign_keys: bool = False,
+    busy_timeout_s: float = 30.0,
+    durable: bool = False,
+    **engine_kwargs: Any,
 ) -> Engine:
     """An engine over the SQLite file ``path``, shared across threads, every connection in WAL.
-    A writer waits up to ``busy_timeout_s`` for another process's lock, then fails."""
+    A writer waits up to ``busy_timeout_s`` for another process's lock, then fails. ``durable``:
+    each commit is synced to disk before it returns (see ``configure_connection``)."""
     engine = create_engine(
         URL.create("sqlite", database=os.fspath(path)),
         connect_args={"check_same_thread": False, "timeout": busy_timeout_s},
@@ -56,7 +69,9 @@ def sqlite_engine(
     event.listen(
         engine,
         "connect",
-        lambda conn, _record: configure_connection(conn, foreign_keys=foreign_keys, busy_timeout_s=busy_timeout_s),
+        lambda conn, _record: configure_connection(
+            conn, foreign_keys=foreign_keys, busy_timeout_s=busy_timeout_s, durable=durable
+        ),
     )
     return engine
 

@@ -218,3 +218,15 @@ def test_an_app_started_again_with_the_same_seed_keeps_its_earlier_sessions(tmp_
             assert runtime.run_session().outcome is Outcome.COMPLETED
     assert [s.shape for s in opstats.sessions("digits")] == ["-v[]+^", "-v[]+^"]
     opstats.close()
+
+
+def test_the_log_is_synced_to_disk_at_each_commit(tmp_path):
+    """The session kept before its update leaves tells a restarted app that the update may be the
+    server's: at ``synchronous=NORMAL`` (the app database's default, crash-safe against a kill) a
+    power cut could roll that commit back after the upload, and the session was trained and
+    reported again. The log's commits are synced (FULL); the example store's stay NORMAL."""
+    with OpStatsStore(tmp_path / "app.db") as opstats, SQLiteExampleStore(tmp_path / "app.db") as store:
+        with opstats.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+        with store._engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
