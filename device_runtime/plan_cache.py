@@ -26,6 +26,11 @@ from .errors import CorruptResource
 from .executor import PlanExecutor
 from .plan import Plan, PlanError, load_plan
 
+try:  # POSIX advisory locks: a lock is released when its process ends, however it ends
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 
@@ -98,9 +103,12 @@ class DirectoryPlanCache:
             # a name of its own per writer: runtimes sharing the folder never write one partial copy
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{plan_id}.", suffix=".tmp")
             try:
+                if fcntl is not None:  # held until renamed: a partial copy whose lock is free is a dead writer's
+                    fcntl.flock(fd, fcntl.LOCK_EX)
                 with os.fdopen(fd, "wb") as out:
                     out.write(data)
-                os.replace(tmp, path)
+                    out.flush()
+                    os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -117,8 +125,10 @@ class DirectoryPlanCache:
 
     def _prune(self, *, keeping: str) -> None:
         """Remove the plans used longest ago past ``keep`` or ``max_bytes`` (never ``keeping``,
-        just written), and partial copies older than ``STALE_PARTIAL_S`` (their writer was killed
-        mid-write)."""
+        just written), and the partial copies of writers killed mid-write: those whose writer's
+        lock is free, and any older than ``STALE_PARTIAL_S``. By age alone, the partial copy (up to
+        a plan's 1 GiB) of an app killed mid-download and started again within the hour stayed
+        until another plan was written, which could be weeks."""
         plans = []
         total = 0
         stale = time.time() - STALE_PARTIAL_S
@@ -132,7 +142,7 @@ class DirectoryPlanCache:
                         plans.append((info.st_mtime_ns, info.st_size, entry.name))
             elif entry.name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
-                    if entry.stat().st_mtime < stale:
+                    if entry.stat().st_mtime < stale or _abandoned(entry):
                         os.unlink(entry.path)
         kept, full = 1, False
         for _, size, name in sorted(plans, reverse=True):  # used last first: once one is over, the rest go
@@ -144,15 +154,25 @@ class DirectoryPlanCache:
                 (self.root / "plans" / name).unlink()
 
 
+def _abandoned(entry: os.DirEntry) -> bool:
+    """Whether ``entry`` is a partial copy (``.<id>.<random>.tmp``) whose writer's lock is free:
+    the writer's process ended before renaming it (a writer holds the lock until it renames)."""
+    if fcntl is None or not (entry.name.startswith(".") and _PLAN_ID.fullmatch(entry.name[1:65])):
+        return False
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a live writer's
+    finally:
+        os.close(fd)
+    return True
+
+
 #: The temp folder's plan caches of runtimes given no ``cache_dir`` (``own_cache_folder``).
 OWN_CACHE_PREFIX = "fl-plan-cache-"
 #: Held locked (``flock``) by the process whose runtime owns the folder, for the runtime's life.
 _OWNER_LOCK = ".owner.lock"
-
-try:  # POSIX advisory locks: a lock is released when its process ends, however it ends
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 
 def own_cache_folder() -> tuple[str, Callable[[], None]]:

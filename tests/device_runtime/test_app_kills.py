@@ -130,6 +130,7 @@ def _killed_then_restarted(tmp_path, server, digits, phase: str) -> None:
         assert [s.shape for s in sessions] == [*KEPT[phase], "-v[]+^"]
         assert len({s.session_id for s in sessions}) == len(sessions)
         assert opstats.resumption_token("digits", "train", COLLECTION) is not None
+        assert [p.name for p in (tmp_path / "cache" / "plans").iterdir() if p.name.endswith(".tmp")] == []
     finally:
         opstats.close()
         store.close()

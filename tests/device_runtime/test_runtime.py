@@ -141,7 +141,11 @@ def test_a_cached_plan_changed_on_disk_is_downloaded_again_and_replaced(server, 
 
 def test_a_partial_plan_copy_left_by_a_killed_writer_is_removed(tmp_path):
     """A device killed while writing a plan leaves a partial copy under a temporary name: never
-    read as a plan, and removed by a later write once it is older than any live write."""
+    read as a plan, and removed by a later write once its writer's lock is free (its process
+    ended), or once it is older than any live write. By age alone, the partial copy of an app
+    killed mid-download and started again within the hour stayed until another plan was written."""
+    import fcntl
+
     cache = DirectoryPlanCache(tmp_path)
     plans = [bytes([i]) * 100 for i in range(2)]
     ids = [hashlib.sha256(p).hexdigest() for p in plans]
@@ -151,12 +155,16 @@ def test_a_partial_plan_copy_left_by_a_killed_writer_is_removed(tmp_path):
     old_style = tmp_path / "plans" / f"{ids[1]}.tmp"
     old_style.write_bytes(plans[1][:10])
     assert cache.get(ids[1]) is None
-    fresh = tmp_path / "plans" / f".{ids[1]}.def.tmp"  # a write still going on
+    fresh = tmp_path / "plans" / f".{ids[1]}.def.tmp"  # a write still going on, its lock held
     fresh.write_bytes(b"")
+    killed = tmp_path / "plans" / f".{ids[1]}.ghi.tmp"  # a writer killed a moment ago: its lock free
+    killed.write_bytes(plans[1][:10])
     old = time.time() - STALE_PARTIAL_S - 10
     os.utime(partial, (old, old))
     os.utime(old_style, (old, old))
-    cache.put(ids[1], plans[1])
+    with open(fresh, "rb") as writing:
+        fcntl.flock(writing, fcntl.LOCK_EX)
+        cache.put(ids[1], plans[1])
     assert sorted(p.name for p in (tmp_path / "plans").iterdir()) == sorted([ids[0], ids[1], fresh.name])
     assert cache.get(ids[1]) == plans[1]
 
