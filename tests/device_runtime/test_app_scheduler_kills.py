@@ -159,3 +159,39 @@ def test_an_app_stopped_while_it_reschedules_a_job_keeps_the_old_job_or_the_new(
     with ParticipationScheduler(db, GOOD) as restarted:
         jobs = restarted.jobs()
         assert len(jobs) == 1 and jobs[0].interval.min_interval_s in (3600, 7200)
+
+
+RESCHEDULING_APP = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])  # the checkout
+from sqlalchemy import event
+from device_runtime.conditions import DeviceState, StaticConditions, TrainingInterval
+from device_runtime.scheduling import ParticipationScheduler
+
+app = ParticipationScheduler(os.path.join(sys.argv[1], "app.db"), StaticConditions(DeviceState(True, True, 1.0, True)))
+app.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=3600))
+wrote, kept = [], []
+event.listen(app._jobs._store.engine, "commit", lambda conn: kept.extend(wrote))
+
+
+@event.listens_for(app._jobs._store.engine, "before_cursor_execute")
+def next_statement(conn, cursor, statement, *args):  # killed once a write of the new schedule is kept
+    if kept:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+        wrote.append(statement)
+
+
+app.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=7200))
+"""
+
+
+@pytest.mark.slow
+def test_an_app_killed_while_it_reschedules_a_job_keeps_the_old_job_or_the_new(tmp_path):
+    script = tmp_path / "app.py"
+    script.write_text(RESCHEDULING_APP)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(ROOT)], timeout=120, capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    with ParticipationScheduler(tmp_path / "app.db", GOOD) as restarted:
+        jobs = restarted.jobs()
+        assert len(jobs) == 1 and jobs[0].interval.min_interval_s in (3600, 7200)
