@@ -17,6 +17,7 @@ import enum
 import logging
 import math
 import os
+import pickle
 import random
 import threading
 from collections import deque
@@ -28,6 +29,7 @@ from apscheduler.job import Job
 from apscheduler.jobstores.base import JobLookupError
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
+from apscheduler.util import datetime_to_utc_timestamp
 
 from example_store.spelling import closest
 from example_store.sqlite_engine import sqlite_engine, write_locked
@@ -249,6 +251,24 @@ class _StoredJobs:
                 stored._modify(kwargs={**stored.kwargs, "running": at})
                 self._store.update_job(stored)
 
+    def shift(self, seconds: float, skip: str | None) -> None:
+        """Move every job's due time by ``seconds`` (but ``skip``'s) in one transaction: job by job,
+        an app killed partway kept some jobs on the old clock and the others on the new one."""
+        store = self._store
+        with self._db("move the due times of the jobs"):
+            jobs = [j for j in store.get_all_jobs() if j.next_run_time is not None and j.id != skip]
+            with store.engine.begin() as conn:
+                for job in jobs:
+                    job._modify(next_run_time=_to_dt(job.next_run_time.timestamp() + seconds))
+                    conn.execute(  # what the store's update_job writes, in this transaction
+                        store.jobs_t.update()
+                        .values(
+                            next_run_time=datetime_to_utc_timestamp(job.next_run_time),
+                            job_state=pickle.dumps(job.__getstate__(), store.pickle_protocol),
+                        )
+                        .where(store.jobs_t.c.id == job.id)
+                    )
+
     def due(self, now: float) -> list[tuple[float, str]]:
         with self._db("read the due jobs"):
             return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
@@ -305,6 +325,11 @@ class _MemoryJobs:
 
     def mark_running(self, population: str, at: float) -> None:
         """Nothing: jobs in memory do not outlive the app that would be killed during their run."""
+
+    def shift(self, seconds: float, skip: str | None) -> None:
+        for job in list(self._jobs.values()):
+            if job.next_run_at is not None and job.population != skip:
+                self.reschedule(job.population, job.next_run_at + seconds)
 
     def due(self, now: float) -> list[tuple[float, str]]:
         now = to_microsecond(now)
@@ -466,9 +491,7 @@ class ParticipationScheduler:
     def shift_jobs(self, seconds: float, *, skip: str | None = None) -> None:
         """Move every job's due time by ``seconds`` (but ``skip``'s): the wall clock was set."""
         with self._lock:
-            for job in self._jobs.all():
-                if job.next_run_at is not None and job.population != skip:
-                    self._jobs.reschedule(job.population, job.next_run_at + seconds)
+            self._jobs.shift(seconds, skip)
 
     def jobs(self) -> list[ScheduledJob]:
         self._check_open()

@@ -161,6 +161,37 @@ def test_an_app_stopped_while_it_reschedules_a_job_keeps_the_old_job_or_the_new(
         assert len(jobs) == 1 and jobs[0].interval.min_interval_s in (3600, 7200)
 
 
+def test_an_app_stopped_while_it_moves_its_jobs_with_the_clock_moves_all_or_none(tmp_path):
+    """The wall clock set while the app runs moves every job's due time (``follow_clock``): moved
+    job by job, an app stopped partway kept some jobs on the old clock and the others on the new
+    one, a day apart, which its next start could not tell."""
+    from sqlalchemy import event
+
+    db = tmp_path / "app.db"
+    app = ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False))
+    for population in ("digits", "text", "speech"):
+        app.schedule(population, start_at=2.0e9)
+    engine = app._jobs._store.engine  # type: ignore[union-attr]  # a stored scheduler's
+    wrote, kept = [], []
+
+    @event.listens_for(engine, "commit")
+    def committed(conn: object) -> None:
+        kept.extend(wrote)
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def next_statement(conn, cursor, statement, *args):  # the app's process ends once a write is kept
+        if kept or len(wrote) == 2:
+            raise _Stopped
+        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            wrote.append(statement)
+
+    with pytest.raises(_Stopped):
+        app.shift_jobs(86_400.0)
+    app.close()
+    with ParticipationScheduler(db, GOOD) as restarted:
+        assert len({job.next_run_at for job in restarted.jobs()}) == 1
+
+
 RESCHEDULING_APP = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])  # the checkout
