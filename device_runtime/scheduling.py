@@ -200,6 +200,7 @@ class _StoredJobs:
                     "constraints": dict(vars(job.constraints)),
                     "interval": dict(vars(job.interval)),
                     "settle": job.settle,
+                    **({} if job.running is None else {"running": job.running}),
                 },
                 trigger=DateTrigger(at, timezone=UTC),
                 executor="default",
@@ -250,6 +251,14 @@ class _StoredJobs:
             if stored is not None:
                 stored._modify(kwargs={**stored.kwargs, "running": at})
                 self._store.update_job(stored)
+
+    def running_mark(self, population: str) -> float | None:
+        """The job's ``running`` mark, read from a job whose other fields may not be (one an earlier
+        version stored differently, which scheduling again replaces)."""
+        with self._db("read a scheduled job"):
+            stored = self._store.lookup_job(population)
+            running = None if stored is None else stored.kwargs.get("running")
+            return float(running) if isinstance(running, (int, float)) else None
 
     def shift(self, seconds: float, skip: str | None) -> None:
         """Move every job's due time by ``seconds`` (but ``skip``'s) in one transaction: job by job,
@@ -325,6 +334,9 @@ class _MemoryJobs:
 
     def mark_running(self, population: str, at: float) -> None:
         """Nothing: jobs in memory do not outlive the app that would be killed during their run."""
+
+    def running_mark(self, population: str) -> float | None:
+        return None
 
     def shift(self, seconds: float, skip: str | None) -> None:
         for job in list(self._jobs.values()):
@@ -459,7 +471,8 @@ class ParticipationScheduler:
         *,
         start_at: float | None = None,
     ) -> ScheduledJob:
-        """Take part in ``population``; replaces an earlier schedule of the same population. The
+        """Take part in ``population``; replaces an earlier schedule of the same population (but
+        not the mark of a run the app was killed in: see ``run_job``). The
         first run is at ``start_at`` (now by default), or once the constraints hold after it when
         the conditions can tell (``first_satisfied``). Arguments of the wrong type are refused
         with ``InvalidSetting`` before anything is stored (a job that cannot be read back would
@@ -477,7 +490,11 @@ class ParticipationScheduler:
         now = self.clock.now()
         first = self._when_constraints_hold(now, now if start_at is None else start_at, constraints)
         with self._lock:
-            self._jobs.put(ScheduledJob(population, first, constraints, interval))
+            # the mark of a run the app was killed in stays with the new schedule: replaced, it left
+            # an app that schedules at each start (the sample app) to train and report again a
+            # session that took part before the kill
+            running = self._jobs.running_mark(population)
+            self._jobs.put(ScheduledJob(population, first, constraints, interval, running=running))
             job = self._jobs.get(population)
         self.queue.wake()
         assert job is not None

@@ -62,11 +62,14 @@ def _prepared(admin, db, digits) -> None:
         store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:40], digits.y_train[:40])))
 
 
-def _restarted(db, server, admin, *, took_part: bool, interval: str) -> None:
-    """The app started again on ``db``: its job picks up, and runs no session that took part twice."""
+def _restarted(db, server, admin, *, took_part: bool, interval: str, schedules_again: bool = False) -> None:
+    """The app started again on ``db``: its job picks up, and runs no session that took part twice.
+    ``schedules_again``: the app schedules its population at each start, as the sample app does."""
     with SQLiteExampleStore(db) as store, OpStatsStore(db) as opstats:
         assert [s.shape for s in opstats.sessions()] == (["-v[]+^"] if took_part else [])
         with ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False)) as scheduler:
+            if schedules_again:
+                scheduler.schedule("digits")
             [job] = scheduler.jobs()
             assert job.running is not None  # the run the app was killed in
             scheduler.register_runtime("digits", FLRuntime("digits", server.url, store, opstats=opstats))
@@ -86,12 +89,15 @@ class _Stopped(BaseException):
     """The app's process ending at this point, in the process of the test."""
 
 
+@pytest.mark.parametrize("schedules_again", [False, True])
 def test_an_app_stopped_after_its_session_took_part_does_not_train_or_report_again(
-    tmp_path, server, admin, digits, monkeypatch
+    tmp_path, server, admin, digits, monkeypatch, schedules_again
 ):
     """Stopped between the session's record in opstats and the job's rescheduling, the app found
     its job still due at its old time on restart: the session trained and reported again at once,
-    a one-time job's too. (The lighter twin of the SIGKILL tests below.)"""
+    a one-time job's too. An app that schedules its population at each start (the sample app)
+    replaced the job, and with it the mark of the run it was stopped in: trained and reported
+    again too. (The lighter twin of the SIGKILL tests below.)"""
     db = tmp_path / "app.db"
     _prepared(admin, db, digits)
 
@@ -108,7 +114,7 @@ def test_an_app_stopped_after_its_session_took_part_does_not_train_or_report_aga
             with pytest.raises(_Stopped):
                 app.queue.run_pending()
             app.close()
-    _restarted(db, server, admin, took_part=True, interval="once")
+    _restarted(db, server, admin, took_part=True, interval="once", schedules_again=schedules_again)
 
 
 @pytest.mark.slow
