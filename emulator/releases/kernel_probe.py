@@ -5,10 +5,13 @@ kernel of an op's newest version at that opset (onnxruntime 1.15 loads opset 19 
 ``Equal``-19 kernel). :data:`emulator.releases.missing_kernels.MISSING_KERNELS` is that record; this
 module re-measures it on the real wheels: a one-node model per op at each opset from 18 to the
 release's maximum, built here and sent to the release's env (:mod:`emulator.releases.envs`), counts
-as missing when session creation fails with NOT_IMPLEMENTED.
+as missing when session creation fails with NOT_IMPLEMENTED. The ops of :data:`PROBED_TYPES` are
+also probed in each element type they list, at opset 18, against
+:data:`~emulator.releases.missing_kernels.MISSING_TYPE_KERNELS`.
 
 Run ``python -m emulator.releases.kernel_probe [--releases 1.15.1 1.16.3]``: one JSON line per
-release with its missing ``{op: version}``, and a last line comparing them with the record.
+release with its missing ``{op: version}`` and ``{op: [types]}``, and a last line comparing them
+with the record.
 """
 
 from __future__ import annotations
@@ -27,9 +30,17 @@ from device_runtime.plan import ir_version_for_opset, max_opset_for_runtime
 from device_runtime.versions import version_tuple
 from emulator.releases.envs import RuntimeEnv, available_releases
 
-from .missing_kernels import MISSING_KERNELS
+from .missing_kernels import MISSING_KERNELS, MISSING_TYPE_KERNELS
 
-__all__ = ["PROBED_OPS", "main", "missing_kernels", "probe_model"]
+__all__ = [
+    "PROBED_OPS",
+    "PROBED_TYPES",
+    "main",
+    "missing_kernels",
+    "missing_type_kernels",
+    "probe_model",
+    "typed_probe_model",
+]
 
 FIRST_OPSET = 18
 _F = TensorProto.FLOAT
@@ -61,6 +72,12 @@ PROBED_OPS: dict[str, tuple] = {
     "Relu": (["x"], {}, {}, _F, [2, 3], [2, 3]),
     "AveragePool": (["x"], {}, {"kernel_shape": [2, 2]}, _F, [1, 1, 4, 4], [1, 1, 3, 3]),
     "QuantizeLinear": (["x", "s"], {"s": np.array(0.1, np.float32)}, {}, TensorProto.UINT8, [2, 3], [2, 3]),
+}
+
+#: Ops probed per element type (``TensorProto`` names), each a one-node model at opset 18 whose
+#: first input and output take the type: op -> (types, extra inputs, initializers, attributes, shape).
+PROBED_TYPES: dict[str, tuple] = {
+    "Trilu": (("BOOL", "INT32"), [], {}, {"upper": 0}, [3, 3]),
 }
 
 _PROBE = """\
@@ -96,6 +113,39 @@ def probe_model(op: str, opset: int) -> bytes:
     return model.SerializeToString()
 
 
+def typed_probe_model(op: str, type_name: str) -> bytes:
+    """A one-node model of ``op`` at opset 18 whose input ``x`` and output have element type ``type_name``."""
+    _types, extra, initializers, attributes, shape = PROBED_TYPES[op]
+    elem = TensorProto.DataType.Value(type_name)
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", *extra], ["y"], **attributes)],
+        f"probe_{op}_{type_name.lower()}",
+        [helper.make_tensor_value_info("x", elem, shape)],
+        [helper.make_tensor_value_info("y", elem, shape)],
+        initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", FIRST_OPSET)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def missing_type_kernels(release: str, env: RuntimeEnv | None = None) -> dict[str, tuple[str, ...]]:
+    """The probed ops of :data:`PROBED_TYPES` whose kernel in ``release`` does not take some of the
+    listed element types: op -> those types (in the listed order)."""
+    env = env or RuntimeEnv.for_release(release)
+    payload = {
+        f"{op}@{name}": base64.b64encode(typed_probe_model(op, name)).decode()
+        for op, (types, *_rest) in PROBED_TYPES.items()
+        for name in types
+    }
+    found = env.run_json(_PROBE, payload)
+    return {
+        op: tuple(name for name in types if f"{op}@{name}" in found)
+        for op, (types, *_rest) in PROBED_TYPES.items()
+        if any(f"{op}@{name}" in found for name in types)
+    }
+
+
 def missing_kernels(release: str, env: RuntimeEnv | None = None) -> dict[str, int]:
     """The probed ops whose version at some opset in [18, the release's max] has no kernel in
     ``release``: op -> the first such version (the op's ``since_version`` at that opset)."""
@@ -120,9 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     differs = []
     for release in args.releases:
         measured = missing_kernels(release)
-        recorded = {op: v for op, v in MISSING_KERNELS.get(version_tuple(release)[:2], {}).items() if op in PROBED_OPS}
-        print(json.dumps({"release": release, "missing": measured}), flush=True)
-        if measured != recorded:
+        measured_types = missing_type_kernels(release)
+        minor = version_tuple(release)[:2]
+        recorded = {op: v for op, v in MISSING_KERNELS.get(minor, {}).items() if op in PROBED_OPS}
+        recorded_types = {op: t for op, t in MISSING_TYPE_KERNELS.get(minor, {}).items() if op in PROBED_TYPES}
+        line = {"release": release, "missing": measured, "missing_types": measured_types}
+        print(json.dumps(line), flush=True)
+        if measured != recorded or measured_types != recorded_types:
             differs.append(release)
     print(json.dumps({"summary": "matches MISSING_KERNELS" if not differs else "differs", "releases": differs}))
     return 1 if differs else 0

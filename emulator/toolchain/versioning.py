@@ -12,6 +12,10 @@ rewritten here, node by node, directly at the target opset:
   rewrite keeps the 13+ meaning (one axis) by moving that axis last around the op;
 * ops newer than the target are decomposed into older ones (``LayerNormalization`` below 17,
   ``Gelu`` below 20);
+* a node of an element type the release's kernel for the op does not take (``Trilu`` on ``bool``
+  below onnxruntime 1.19: :data:`~emulator.releases.missing_kernels.MISSING_TYPE_KERNELS`) is
+  computed in a type it takes, cast to it and back (exact: ``bool`` and ``int32`` into ``int64``),
+  whether or not the opset changes;
 * any other op whose definition differs between the two opsets is kept only when the node fits
   the older definition (its attributes, inputs, outputs and input types); otherwise, and for ops
   with no rewrite (``Attention`` below 23, say), :class:`VersioningError` names the op, the node
@@ -26,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -45,7 +49,7 @@ from device_runtime.plan import (
 )
 from device_runtime.versions import version_tuple
 
-from ..releases.missing_kernels import MISSING_KERNELS
+from ..releases.missing_kernels import MISSING_KERNELS, MISSING_TYPE_KERNELS
 
 __all__ = [
     "MIN_TARGET_OPSET",
@@ -102,6 +106,7 @@ class _Context:
     target: int
     types: dict[str, tuple[int, int | None, tuple]]  # name -> (elem type, rank, dims)
     constants: dict[str, np.ndarray]
+    missing_types: Mapping[str, Collection[str]] = field(default_factory=dict)  # op -> types without a kernel
     initializers: list[onnx.TensorProto] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
     counter: int = 0
@@ -343,6 +348,29 @@ _RULES: dict[str, Callable[[onnx.NodeProto, _Context], list[onnx.NodeProto]]] = 
 }
 
 
+#: The type a node of these ops is computed in where the release's kernel lacks the node's own
+#: (both casts exact for the types recorded missing: bool and int32).
+_TYPE_CARRIERS = {"Trilu": TensorProto.INT64}
+
+
+def _type_rule(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
+    """The node computed in its op's carrier type when the release has no kernel for its own."""
+    missing = ctx.missing_types.get(node.op_type, ())
+    carrier = _TYPE_CARRIERS.get(node.op_type)
+    elem = ctx.types.get(node.input[0], (0, None, ()))[0] if node.input and node.input[0] else 0
+    if carrier is None or not elem or TensorProto.DataType.Name(elem) not in missing:
+        return [node]
+    wide, result = ctx.fresh(f"{node.input[0]}_{TensorProto.DataType.Name(carrier).lower()}"), ctx.fresh("result")
+    computed = _copy(node, inputs=[wide, *node.input[1:]])
+    del computed.output[:]
+    computed.output.append(result)
+    return [
+        _node("Cast", [node.input[0]], [wide], ctx.fresh("cast"), to=carrier),
+        computed,
+        _node("Cast", [result], [node.output[0]], ctx.fresh("cast"), to=elem),
+    ]
+
+
 def _type_string(elem: int) -> str:
     return f"tensor({TensorProto.DataType.Name(elem).lower()})"
 
@@ -376,6 +404,8 @@ def _convert_node(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     if node.domain not in ("", "ai.onnx"):
         raise _refuse(node, ctx, f"domain {node.domain!r} is not standard ONNX")
     node = _convert_subgraphs(node, ctx)
+    if ctx.target == ctx.source:
+        return _type_rule(node, ctx)
     rule = _RULES.get(node.op_type)
     if rule is not None:
         converted = rule(node, ctx)
@@ -387,12 +417,11 @@ def _convert_node(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     source, target = _schema(node.op_type, ctx.source), _schema(node.op_type, ctx.target)
     if target is None:
         raise _refuse(node, ctx, "the op does not exist there and has no rewrite into older ops")
-    if source is not None and source.since_version == target.since_version:
-        return [node]
-    why = _fits(node, target, ctx)
-    if why is not None:
-        raise _refuse(node, ctx, why)
-    return [node]
+    if source is not None and source.since_version != target.since_version:
+        why = _fits(node, target, ctx)
+        if why is not None:
+            raise _refuse(node, ctx, why)
+    return _type_rule(node, ctx)
 
 
 def _convert_subgraphs(node: onnx.NodeProto, ctx: _Context) -> onnx.NodeProto:
@@ -444,16 +473,26 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return versions[0]
 
 
-def convert_model(model_bytes: bytes, target_opset: int, *, ir_version: int | None = None) -> bytes:
+def convert_model(
+    model_bytes: bytes,
+    target_opset: int,
+    *,
+    ir_version: int | None = None,
+    missing_types: Mapping[str, Collection[str]] | None = None,
+) -> bytes:
     """The model rewritten at ``target_opset`` (a model already at or below it keeps its opset),
-    with ``ir_version`` (default: the lowest IR version that carries the resulting opset)."""
+    with ``ir_version`` (default: the lowest IR version that carries the resulting opset).
+    ``missing_types`` (op -> ``TensorProto`` type names, a release's
+    :data:`~emulator.releases.missing_kernels.MISSING_TYPE_KERNELS`) has nodes of those ops and
+    types computed in a type the release takes."""
     if target_opset < MIN_TARGET_OPSET:
         raise VersioningError(f"opset {target_opset} is below the lowest supported target ({MIN_TARGET_OPSET})")
     model = onnx.ModelProto.FromString(model_bytes)
     source = _default_opset(model)
     target = min(source, target_opset)
-    if target < source:
-        ctx = _Context(source, target, _known_types(model), _graph_constants(model.graph, source))
+    missing = {op: set(types) for op, types in (missing_types or {}).items() if types}
+    if target < source or {n.op_type for n in _all_nodes(model.graph)} & set(missing):
+        ctx = _Context(source, target, _known_types(model), _graph_constants(model.graph, source), missing)
         ctx.used = {n for node in model.graph.node for n in (*node.input, *node.output)}
         ctx.used |= {i.name for i in model.graph.initializer} | {i.name for i in model.graph.input}
         nodes = [out for node in model.graph.node for out in _convert_node(node, ctx)]
@@ -511,11 +550,12 @@ def versioned_plan(plan: Plan, runtime_version: str, *, opset: int | None = None
     if target > max_opset:
         raise VersioningError(f"onnxruntime {runtime_version} runs at most opset {max_opset}, not {target}")
     ir = min(ir_version_for_opset(target), max_ir_version_for_runtime(runtime_version))
+    missing_types = MISSING_TYPE_KERNELS.get(version_tuple(runtime_version)[:2], {})
     graphs = plan.graphs()
     converted: dict[str, bytes] = {}
     for name in GRAPH_FIELDS:
         try:
-            converted[name] = convert_model(graphs[name], target, ir_version=ir)
+            converted[name] = convert_model(graphs[name], target, ir_version=ir, missing_types=missing_types)
         except VersioningError as exc:
             raise VersioningError(
                 f"plan {plan.name!r}, graph {name!r}, for onnxruntime {runtime_version}: {exc}"

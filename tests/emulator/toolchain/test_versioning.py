@@ -4,6 +4,7 @@ form at the target opset is refused naming the op and the version."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -237,3 +238,40 @@ def test_generated_training_steps_compute_the_same_at_every_lower_opset(task_fil
         converted = make_session(convert_model(plan.work, target)).run(outputs, feeds)
         for want, got in zip(reference, converted):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"opset {target}")
+
+
+def _causal_mask_plan():
+    """A plan whose work graph also masks its input with torch's ``tril`` of a bool causal mask, as the
+    dynamo exporter writes ``scaled_dot_product_attention(is_causal=True)``: ``Trilu`` on ``bool``."""
+    plan = build_mlp_plan(64, (), 10, opset=21, selector=ExampleSelector("app:/d"))
+    work = onnx.ModelProto.FromString(plan.work)
+    work.graph.initializer.append(numpy_helper.from_array(np.ones((8, 64), bool), "ones"))
+    work.graph.node.extend(
+        [
+            helper.make_node("Trilu", ["ones"], ["causal"], name="node_tril", upper=0),
+            helper.make_node("Cast", ["causal"], ["causal_f"], to=F32),
+            helper.make_node("Mul", ["x", "causal_f"], ["masked"], name="mask"),
+        ]
+    )
+    work.graph.output.append(helper.make_tensor_value_info("masked", F32, [8, 64]))
+    return dataclasses.replace(plan, work=work.SerializeToString()), [*plan.weight_outputs, "masked"]
+
+
+def test_a_bool_trilu_is_computed_in_int64_for_releases_without_its_kernel():
+    """onnxruntime 1.15-1.18 have no Trilu kernel for bool (MISSING_TYPE_KERNELS): their plans cast
+    the mask to int64 and back around it, and compute what the unversioned plan does."""
+    plan, outputs = _causal_mask_plan()
+    weights = initial_weights(plan, seed=0)
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    feeds = {**weights, "x": x, "y": np.arange(8, dtype=np.int64)}
+    reference = make_session(plan.work).run(outputs, feeds)
+    np.testing.assert_array_equal(reference[-1], np.tril(np.ones((8, 64), bool)) * x)
+    for release, typed in [("1.15.1", TensorProto.INT64), ("1.18.1", TensorProto.INT64), ("1.19.2", TensorProto.BOOL)]:
+        work = versioned_plan(plan, release).work
+        m = onnx.shape_inference.infer_shapes(onnx.ModelProto.FromString(work))
+        types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.value_info, *m.graph.input]}
+        types |= {i.name: i.data_type for i in m.graph.initializer}
+        (trilu,) = [n for n in m.graph.node if n.op_type == "Trilu"]
+        assert types[trilu.input[0]] == typed, release
+        for want, got in zip(reference, make_session(work).run(outputs, feeds)):
+            np.testing.assert_array_equal(got, want)
