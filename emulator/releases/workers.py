@@ -25,7 +25,7 @@ resident set over the worker's baseline after importing onnxruntime, sampled aft
 
 A request that gets no answer within the worker's ``timeout`` (``$FEDFLEET_WORKER_TIMEOUT``
 seconds, 300 by default: a graph that never ends, such as a ``Loop`` with a huge trip count) stops
-the worker, and a worker that died (killed, or crashed inside onnxruntime) is named with its signal;
+the worker (the release tests' local epochs, one request of N steps, have N times as long), and a worker that died (killed, or crashed inside onnxruntime) is named with its signal;
 either way :class:`WorkerError`, and the pool starts a new worker for the release's next use. A
 worker that cannot start in its env because the env's files were damaged has the env made again.
 """
@@ -315,7 +315,8 @@ def _ending(returncode: int) -> str:
 class RuntimeWorker:
     """One worker process running onnxruntime ``version`` (``python`` is its env's interpreter).
     Calls are serialized; one worker may be shared by threads. A request not answered within
-    ``timeout`` seconds (default ``$FEDFLEET_WORKER_TIMEOUT`` or 300) stops the worker."""
+    ``timeout`` seconds (default ``$FEDFLEET_WORKER_TIMEOUT`` or 300) stops the worker; a
+    :meth:`train` request of N steps has N times as long."""
 
     def __init__(self, version: str, python: str, *, timeout: float | None = None) -> None:
         self.version = version
@@ -431,14 +432,17 @@ class RuntimeWorker:
         """Wait until the reply can be read: one reply is outstanding and the last was read whole,
         so the buffer is empty and the pipe's readiness is the reply's."""
         assert self._proc.stdout is not None
-        deadline = time.monotonic() + self.timeout
+        # a `train` request runs many steps (a release's local epochs): the limit holds for each of them
+        steps = int(header.get("steps", 1)) if header["op"] == "train" else 1
+        deadline = time.monotonic() + self.timeout * max(1, steps)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._proc.kill()
                 self._proc.wait()
                 raise WorkerError(
-                    f"onnxruntime {self.version} did not answer {header['op']!r} within {self.timeout:g} s (a graph "
+                    f"onnxruntime {self.version} did not answer {header['op']!r} within {self.timeout * max(1, steps):g} s"
+                    f"{f' ({steps} steps)' if steps > 1 else ''} (a graph "
                     f"that does not end, such as a Loop with a huge trip count?); its worker was stopped "
                     f"(${TIMEOUT_ENV_VAR} sets the limit)"
                 )

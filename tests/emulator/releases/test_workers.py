@@ -383,3 +383,16 @@ def test_a_real_env_whose_onnxruntime_was_deleted_is_installed_again_when_a_work
     assert env.is_valid() and "onnxruntime_pybind11_state" in (env.problem() or "")
     with RuntimeWorker.for_release(OLD, cache=tmp_path) as worker:
         assert worker.reported_version == OLD and env.problem() is None
+
+
+def test_the_timeout_holds_for_each_step_of_local_epochs_not_for_all_of_them(digits):
+    """The release tests send a release's local epochs as one request of many steps: a model whose
+    steps each take a fraction of the timeout, but all of them together several times it, trains to
+    the end (it was stopped as if its graph never ended)."""
+    plan = build_mlp_plan(64, (1536, 1536), 10, opset=17, batch_size=128, selector=ExampleSelector("app:/digits"))
+    weights = initial_weights(plan, seed=0)
+    batch = {"x": digits.x_train[:128].astype(np.float32), "y": digits.y_train[:128].astype(np.int64)}
+    with RuntimeWorker.host() as worker:
+        worker.timeout = 6 * max(worker.train(plan, weights, [batch] * 3).step_s)
+        trained = worker.train(plan, weights, [batch] * 24)  # about four times the timeout in all
+        assert worker.alive and len(trained.step_s) == 24
