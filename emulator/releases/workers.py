@@ -20,8 +20,11 @@ messages are frames of a JSON header and raw array bytes over its stdin/stdout (
 * :class:`WorkerPool` keeps one worker per release, shared by the devices of that release;
 * :func:`assign_releases` gives a fleet its version mix from the shares a config names.
 
-Step timing and memory are measured inside the worker (``time.perf_counter`` around each step; the
-resident set over the worker's baseline after importing onnxruntime, sampled after each step).
+Step timing and memory are measured inside the worker: the CPU time of each step of :meth:`RuntimeWorker.train`
+(``time.thread_time``: the session runs on the calling thread alone, one intra-op thread as on
+devices, so other processes on the machine do not change it, where its wall time under a load of 8
+on two cores was 1-25 times as long), and the resident set over the worker's baseline after
+importing onnxruntime, sampled after each step.
 
 A request that gets no answer within the worker's ``timeout`` (``$FEDFLEET_WORKER_TIMEOUT``
 seconds, 300 by default: a graph that never ends, such as a ``Loop`` with a huge trip count) stops
@@ -234,9 +237,9 @@ def serve(control_fd):
                 for step_number in range(request["steps"]):
                     feeds = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("b%d/" % step_number)}
                     feeds.update(weights)
-                    started = time.perf_counter()
+                    started = time.thread_time()  # the step's CPU: its one thread's, whatever else runs
                     result = sess.run(outs + metrics, feeds)
-                    times.append(time.perf_counter() - started)
+                    times.append(time.thread_time() - started)
                     if outs:  # an evaluation plan leaves the weights as they are
                         weights = dict(zip(names, result[:len(outs)]))
                     values.append([float(v) for v in result[len(outs):]])
@@ -270,7 +273,7 @@ class WorkerError(RuntimeError):
 @dataclass(frozen=True)
 class TrainResult:
     """What a worker's training loop measured: the final weights and, per step, the metric
-    values (in the plan's ``metric_names`` order) and the time; peak memory over its baseline."""
+    values (in the plan's ``metric_names`` order) and the CPU time (seconds); peak memory over its baseline."""
 
     weights: dict[str, np.ndarray]
     metric_values: list[list[float]]

@@ -393,6 +393,31 @@ def test_the_timeout_holds_for_each_step_of_local_epochs_not_for_all_of_them(dig
     weights = initial_weights(plan, seed=0)
     batch = {"x": digits.x_train[:128].astype(np.float32), "y": digits.y_train[:128].astype(np.int64)}
     with RuntimeWorker.host() as worker:
-        worker.timeout = 6 * max(worker.train(plan, weights, [batch] * 3).step_s)
+        worker.train(plan, weights, [batch])  # the session is made
+        started = time.monotonic()
+        worker.train(plan, weights, [batch] * 3)
+        worker.timeout = 2 * (time.monotonic() - started)  # about six steps, in wall time
         trained = worker.train(plan, weights, [batch] * 24)  # about four times the timeout in all
         assert worker.alive and len(trained.step_s) == 24
+
+
+def test_step_times_are_the_steps_cpu_not_the_wall_time_another_process_takes(digits):
+    """ms/step and budget.step_ms measure the release's step, not the machine's load: a worker held
+    still (SIGSTOP, as a busy machine's scheduler does) for 0.6 s during its steps reports no step
+    of that length (the wall time made one release's steps look several times another's)."""
+    plan = build_mlp_plan(64, (1024, 1024), 10, opset=17, batch_size=64, selector=ExampleSelector("app:/digits"))
+    weights = initial_weights(plan, seed=0)
+    batch = {"x": digits.x_train[:64].astype(np.float32), "y": digits.y_train[:64].astype(np.int64)}
+    with RuntimeWorker.host() as worker:
+        worker.train(plan, weights, [batch])  # the session is made
+        pid = worker._proc.pid
+        pause = threading.Timer(
+            0.05, lambda: (os.kill(pid, signal.SIGSTOP), time.sleep(0.6), os.kill(pid, signal.SIGCONT))
+        )
+        pause.start()
+        started = time.monotonic()
+        trained = worker.train(plan, weights, [batch] * 40)
+        wall = time.monotonic() - started
+        pause.join()
+    assert wall > 0.6 and len(trained.step_s) == 40
+    assert max(trained.step_s) < 0.3, max(trained.step_s)
