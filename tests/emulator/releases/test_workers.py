@@ -421,3 +421,19 @@ def test_step_times_are_the_steps_cpu_not_the_wall_time_another_process_takes(di
         pause.join()
     assert wall > 0.6 and len(trained.step_s) == 40
     assert max(trained.step_s) < 0.3, max(trained.step_s)
+
+
+def test_peak_memory_counts_the_step_in_flight_batch_not_every_batch_of_the_request():
+    """A release's local epochs arrive as one request holding all their batches; a device reads one
+    at a time, so more proxy examples (40 batches of 1 MB here) do not raise the peak (they did,
+    by all their bytes: a memory budget then measured the proxy set, not the model)."""
+    plan = build_mlp_plan(1024, (), 10, opset=17, batch_size=256, selector=ExampleSelector("app:/d"))
+    weights = initial_weights(plan, seed=0)
+    batch = {
+        "x": np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32),
+        "y": np.zeros(256, np.int64),
+    }
+    with RuntimeWorker.host() as worker:
+        few = worker.train(plan, weights, [batch] * 2).peak_memory_mb
+        many = worker.train(plan, weights, [batch] * 40).peak_memory_mb  # 40 MB of batches in the request
+    assert many - few < 12, (few, many)
