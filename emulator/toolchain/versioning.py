@@ -17,7 +17,9 @@ rewritten here, node by node, directly at the target opset:
   computed in a type it takes, cast to it and back (exact: ``bool`` and ``int32`` into ``int64``),
   whether or not the opset changes;
 * any other op whose definition differs between the two opsets is kept only when the node fits
-  the older definition (its attributes, inputs, outputs and input types); otherwise, and for ops
+  the older definition (its attributes, inputs, outputs and input types), once the attributes the
+  older one lacks are dropped where they hold the newer one's default (``Cast``'s ``saturate=1``,
+  ``AveragePool``'s ``dilations`` of ones, ``Resize``'s ``antialias=0``); otherwise, and for ops
   with no rewrite (``Attention`` below 23, say), :class:`VersioningError` names the op, the node
   and the version.
 
@@ -371,6 +373,24 @@ def _type_rule(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     ]
 
 
+def _without_default_attributes(node: onnx.NodeProto, newer, older) -> onnx.NodeProto:
+    """The node without the attributes the older version lacks that it sets to what the newer
+    version does by default (``Cast``'s ``saturate=1``, ``Resize``'s ``antialias=0``,
+    ``AveragePool``'s ``dilations`` of ones): exporters write them out, and the older version
+    computes the same without them."""
+    dropped = []
+    for a in node.attribute:
+        if a.name in older.attributes or a.name not in newer.attributes:
+            continue
+        value = helper.get_attribute_value(a)
+        default = newer.attributes[a.name].default_value
+        if default.name and helper.get_attribute_value(default) == value:
+            dropped.append(a.name)
+        elif a.name == "dilations" and list(value) and all(d == 1 for d in value):
+            dropped.append(a.name)
+    return _copy(node, drop=dropped) if dropped else node
+
+
 def _type_string(elem: int) -> str:
     return f"tensor({TensorProto.DataType.Name(elem).lower()})"
 
@@ -418,6 +438,7 @@ def _convert_node(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     if target is None:
         raise _refuse(node, ctx, "the op does not exist there and has no rewrite into older ops")
     if source is not None and source.since_version != target.since_version:
+        node = _without_default_attributes(node, source, target)
         why = _fits(node, target, ctx)
         if why is not None:
             raise _refuse(node, ctx, why)

@@ -275,3 +275,30 @@ def test_a_bool_trilu_is_computed_in_int64_for_releases_without_its_kernel():
         assert types[trilu.input[0]] == typed, release
         for want, got in zip(reference, make_session(work).run(outputs, feeds)):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "op, attributes, opset, target",
+    [
+        ("AveragePool", {"kernel_shape": [2, 2], "dilations": [1, 1]}, 19, 18),  # onnxruntime 1.15's opset
+        ("Cast", {"to": TensorProto.FLOAT16, "saturate": 1}, 19, 18),
+        ("Resize", {"mode": "linear", "antialias": 0, "keep_aspect_ratio_policy": "stretch"}, 18, 17),
+    ],
+)
+def test_attributes_a_newer_version_adds_are_dropped_where_they_hold_its_default(op, attributes, opset, target):
+    """Exporters write such attributes out; the older version computes the same without them (they
+    were refused as attributes that do not exist there)."""
+    x = helper.make_tensor_value_info("x", F32, [1, 1, 4, 4])
+    inputs = ["x", "", "scales"] if op == "Resize" else ["x"]
+    scales = [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")] if op == "Resize" else []
+    m = model([helper.make_node(op, inputs, ["y"], name="n", **attributes)], [x], ["y"], opset, scales)
+    converted = assert_same(m, target, {"x": np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)})
+    (node,) = onnx.ModelProto.FromString(converted).graph.node
+    assert not {a.name for a in node.attribute} - set(onnx.defs.get_schema(op, target, "").attributes)
+
+
+def test_an_attribute_the_older_version_lacks_set_otherwise_than_by_default_is_still_refused():
+    x = helper.make_tensor_value_info("x", F32, [1, 1, 5, 5])
+    node = helper.make_node("AveragePool", ["x"], ["y"], name="dilated", kernel_shape=[2, 2], dilations=[2, 2])
+    with pytest.raises(VersioningError, match=r"AveragePool \(node 'dilated'\).*opset 18.*dilations"):
+        convert_model(model([node], [x], ["y"], 19), 18)
