@@ -74,12 +74,15 @@ def example_features(
 ) -> tuple[dict[str, tuple], str | None]:
     """Random-example specs for ``ProxyData.random``: each example tensor the plan reads, its dtype
     and one example's shape (a symbolic dimension other than the batch's gets ``SYMBOLIC_DIM``;
-    integers are drawn from [0, 2), a valid token id, mask or type id of any model), and the
-    label's, read from the model's prediction on two such examples (class ids below the number of
-    classes for ``cross_entropy``, 0/1 for ``binary_cross_entropy``). Returns the specs and, when the
+    integers are drawn below the rows of the tables they index, a token id's vocabulary, else from
+    [0, 2), a valid mask or type id of any model), and the label's, read from the model's prediction
+    on two such examples (class ids below the number of classes for ``cross_entropy``, 0/1 for
+    ``binary_cross_entropy``). Returns the specs and, when the
     model does not run on random examples, why (the label's spec is then a guess to edit)."""
     work = onnx.ModelProto.FromString(plan.work)
     by_name = {vi.name: vi for vi in work.graph.input}
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+    bounds = index_bounds(proto.graph)
     features: dict[str, tuple] = {}
     label_input = None
     for graph_input, example in plan.device.inputs.items():
@@ -90,7 +93,7 @@ def example_features(
         shape = tuple(d if isinstance(d, int) and d > 0 else SYMBOLIC_DIM for d in _dims(vi)[1:])
         dtype = _np_dtype(vi.type.tensor_type.elem_type)
         whole = not np.issubdtype(np.dtype(dtype), np.floating) and dtype != "bool"
-        features[example] = (dtype, shape, 2) if whole else (dtype, shape)
+        features[example] = (dtype, shape, bounds.get(graph_input, 2)) if whole else (dtype, shape)
     assert label_input is not None
     label_dtype = _np_dtype(label_input.type.tensor_type.elem_type)
     try:
@@ -106,6 +109,41 @@ def example_features(
     else:
         features[label] = (label_dtype, prediction)
     return features, None
+
+
+#: ops an integer input goes through unchanged on its way to a Gather's indices
+_INDEX_PASSTHROUGH = frozenset({"Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Expand"})
+_INTEGER_TYPES = frozenset({onnx.TensorProto.INT32, onnx.TensorProto.INT64})
+
+
+def index_bounds(graph: onnx.GraphProto) -> dict[str, int]:
+    """The integer graph inputs that index Gathers from initializers (token ids into an embedding),
+    each with the fewest rows of those tables: random examples drawn below it reach every row, where
+    [0, 2) tried a language model on two tokens. An input no such Gather reads (a mask) is left out;
+    other uses of one that is (its shape, a comparison with the padding id) take any valid id."""
+    tables = {t.name: list(t.dims) for t in graph.initializer}
+    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node, i))
+
+    def rows(name: str, depth: int = 0) -> int | None:
+        found: list[int] = []
+        for node, i in uses.get(name, []) if depth <= 16 else []:
+            if node.op_type == "Gather" and i == 1 and node.input[0] in tables:
+                table = tables[node.input[0]]
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                if -len(table) <= axis < len(table) and table[axis] >= 1:
+                    found.append(table[axis])
+            elif node.op_type in _INDEX_PASSTHROUGH and i == 0 and (n := rows(node.output[0], depth + 1)):
+                found.append(n)
+        return min(found, default=None)
+
+    return {
+        vi.name: n
+        for vi in graph.input
+        if vi.type.tensor_type.elem_type in _INTEGER_TYPES and (n := rows(vi.name)) is not None
+    }
 
 
 def _prediction_shape(
@@ -192,7 +230,8 @@ from example_store import ExampleSelector
 
 MODEL = Path(__file__).with_name({MODEL_FILE!r})
 # One example's tensors: dtype, shape without the batch axis, and for whole numbers the bound of the
-# values drawn, [0, high): the number of classes of a cross-entropy label.{guess}
+# values drawn, [0, high): the number of classes of a cross-entropy label, the rows of the embedding a
+# token id indexes.{guess}
 EXAMPLES = {{
 {rows}}}
 

@@ -5,6 +5,7 @@ that cannot train is refused in one line that says what to export; an eval-mode 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -467,3 +468,14 @@ def test_the_last_step_of_a_sequence_read_by_a_gemm_trains_on_onnxruntime_1_15(t
     capsys.readouterr()
     assert main(["plan", "test", str(out)]) == 0, capsys.readouterr()
     assert "last_step: passed" in capsys.readouterr().out
+
+
+def test_a_language_models_stub_draws_token_ids_over_its_whole_vocabulary(tmp_path, capsys):
+    """A tiny GPT-2 as the dynamo exporter writes it (tokens read by a Shape and a Reshape before
+    the embedding's Gather): the stub's random tokens take every id of its 200-word vocabulary, not
+    the two that [0, 2) gave, so plan test compares the releases over the whole embedding."""
+    from .test_exported_models import unpacked
+
+    assert _from_onnx(unpacked("gpt2.fresh.dynamo.onnx.gz"), tmp_path / "bundle", "--name", "gpt") == 0
+    stub = (tmp_path / "bundle" / "task.py").read_text()
+    assert re.search(r"'tokens': \('int64', \(\d+,\), 200\)", stub), stub
