@@ -253,38 +253,62 @@ def completion_note(
             "--devices, a smaller --goal, or a longer task.selection_timeout_s"
         )
     rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
+    filled = [r for r in rounds if not r.committed and r.selected >= threshold]
     if rest > 0 and secure:
-        filled = [r for r in rounds if not r.committed and r.selected >= threshold]
         why = secure_note(filled, secure, task)
         if why is not None:
             reasons.append(why[1])
             rest -= why[0]
+            filled = [r for r in filled if not _lost_groups(secure.get(r.round_id))]
     if rest > 0:
+        counts = _report_counts(filled)
         shapes = summary.get("shapes", {})
         trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
         late = sum(n for shape, n in trained.items() if shape.endswith("#"))  # of those that trained
         trained_n = sum(trained.values())
         if trained_n and late >= trained_n / 4:
             reasons.append(
-                f"{rest} had too few reports in time: {late} of the {trained_n} sessions that trained reported after "
+                f"{rest} had too few reports in time ({counts}): {late} of the {trained_n} sessions that trained reported after "
                 f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
                 "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"
             )
         else:
             stopped = shapes.get("-v[!", 0)  # interrupted while training
             interrupted = (
-                f", {stopped} of them interrupted while training (shape -v[!: their conditions broke, or they trained "
+                f"; {stopped} of the run's {summary.get('sessions_accepted', 0)} accepted sessions were interrupted "
+                "while training (shape -v[!: their conditions broke, or they trained "
                 "for the plan's time budget or the devices' max_training_s, the longer of 600 s and the report "
                 "window, and were stopped)"
                 if stopped and stopped >= summary.get("sessions_accepted", 0) / 4
                 else ""
             )
             reasons.append(
-                f"{rest} had too few reports in time (each needs {threshold}; {summary.get('sessions_accepted', 0)} "
-                f"sessions were accepted{interrupted} and {summary.get('sessions_completed', 0)} reported in time); see "
+                f"{rest} had too few reports in time (each needs {threshold}; {counts}{interrupted}); see "
                 "rounds.csv and sessions.csv"
             )
     return f"{head}: " + "; ".join(reasons)
+
+
+def _lost_groups(stats: dict | None) -> bool:
+    """A secure round's statistics say it lost a group or formed none (what :func:`secure_note` explains)."""
+    return stats is not None and bool(stats.get("aborted") or not stats.get("groups"))
+
+
+def _report_counts(rounds: list[Any]) -> str:
+    """What became of the devices ``rounds`` selected, from their rows: reported in time, late,
+    dropped out, and the rest (still training or reporting when the round closed, which the
+    server counts as neither), so that the figures add up to the selected devices."""
+    selected = sum(r.selected for r in rounds)
+    in_time = sum(r.accepted for r in rounds)
+    late = sum(r.reported - r.accepted for r in rounds)
+    dropped = sum(r.dropped for r in rounds)
+    busy = selected - in_time - late - dropped
+    still = f", {busy:,} still at work when the round closed" if busy > 0 else ""
+    which = "it" if len(rounds) == 1 else "they"
+    return (
+        f"{which} selected {selected:,} devices: {in_time:,} reported in time, {late:,} late, "
+        f"{dropped:,} dropped out{still}"
+    )
 
 
 #: The Secure Aggregation rounds from the devices' masked inputs on, as ``secagg.Round`` names them.

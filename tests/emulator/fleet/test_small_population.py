@@ -86,7 +86,10 @@ def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_
         "3 of 4 rounds were abandoned: 2 closed their selection window (task.selection_timeout_s = 300 s)"
     )
     assert "fewer than the 80 devices a commit needs, for lack of check-ins" in note and "--devices" in note
-    assert "1 had too few reports in time: 40 of the 130 sessions that trained reported after" in note
+    assert (
+        "1 had too few reports in time (it selected 120 devices: 0 reported in time, 120 late, 0 dropped out): "
+        "40 of the 130 sessions that trained reported after" in note
+    )
     assert "task.report_timeout_s = 180 s" in note
     assert (
         completion_note(summary, [_round(1, True, 130), _round(2, True, 130)], config.task) == "all 2 rounds committed"
@@ -103,3 +106,40 @@ def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_
     # sessions selected into a round that was abandoned before they trained (-v#) are not late reports
     untrained = {**summary, "shapes": {**summary["shapes"], "-v#": 500}}
     assert "40 of the 130 sessions that trained reported after" in completion_note(untrained, rounds, config.task)
+
+
+def test_rounds_short_of_reports_are_told_with_their_own_devices_which_add_up_to_those_selected():
+    """A round that filled its seats and was abandoned is told by what became of its own devices
+    (reported in time, late, dropped out, still at work when it closed: together its selected), not
+    by the run's totals, which the committed rounds swell: 1,000 devices' three secure hours lost
+    their first round with 62 of 92 in time while 319 of the run's 482 sessions reported in time."""
+    from emulator.fleet.report import completion_note
+
+    config = FleetConfig.default()
+    first = dataclasses.replace(_round(1, False, 92), reported=62, accepted=62, dropped=30)
+    late = dataclasses.replace(_round(3, False, 130), reported=90, accepted=70, dropped=25)  # 15 still at work
+    rounds = [first, _round(2, True, 130), late, _round(4, True, 130)]
+    summary = {"cannot_fill": None, "shapes": {"-v[]+^": 319, "-v[]+#": 76}, "sessions_accepted": 482}
+    note = completion_note(summary, rounds, config.task)
+    assert note.startswith("2 of 4 rounds were abandoned: 2 had too few reports in time (each needs 80; ")
+    assert (
+        "they selected 222 devices: 132 reported in time, 20 late, 55 dropped out, 15 still at work when the round "
+        "closed" in note
+    )
+    assert "482" not in note and "319" not in note
+    assert "it selected 92 devices: 62 reported in time, 0 late, 30 dropped out)" in completion_note(
+        summary, rounds[:2], config.task
+    )
+    # past a quarter of the trained sessions late, the same counts lead the late reports' clause
+    many_late = {**summary, "shapes": {"-v[]+^": 90, "-v[]+#": 40}}
+    assert "2 had too few reports in time (they selected 222 devices: 132 reported in time, 20 late" in (
+        completion_note(many_late, rounds, config.task)
+    )
+    # a secure round explained by its lost group is not among them
+    secure = {
+        "train/1/1": {"groups": 1, "completed": 0, "aborted": 1, "aborted_in": {"MaskedInputCollection": 1}},
+        "train/3/1": {"groups": 1, "completed": 1, "aborted": 0, "aborted_in": {}},
+    }
+    note = completion_note(summary, rounds, config.task, secure)
+    assert "1 lost 1 of their 1 Secure Aggregation groups" in note
+    assert "1 had too few reports in time (each needs 80; it selected 130 devices: 70 reported in time" in note

@@ -88,8 +88,10 @@ def test_a_plan_of_a_billion_epochs_is_stopped_at_max_training_s_after_a_batch(t
     assert len(counted_batches) <= 2 * len(trained)
     assert run.errors == {}
     # the report says why no round committed
-    note = run.summary()["round_completion_note"]
-    assert f"{len([s for s in trained if s.shape == '-v[!'])} of them interrupted while training" in note
+    summary = run.summary()
+    note = summary["round_completion_note"]
+    stopped_n = len([s for s in trained if s.shape == "-v[!"])
+    assert f"; {stopped_n} of the run's {summary['sessions_accepted']} accepted sessions were interrupted while" in note
     assert "the devices' max_training_s" in note
 
 
