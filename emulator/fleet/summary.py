@@ -261,7 +261,7 @@ def completion_note(
             rest -= why[0]
             filled = [r for r in filled if not _lost_groups(secure.get(r.round_id))]
     if rest > 0:
-        counts = _report_counts(filled)
+        counts = _report_counts(filled, secure=bool(secure))
         shapes = summary.get("shapes", {})
         trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
         late = sum(n for shape, n in trained.items() if shape.endswith("#"))  # of those that trained
@@ -294,10 +294,12 @@ def _lost_groups(stats: dict | None) -> bool:
     return stats is not None and bool(stats.get("aborted") or not stats.get("groups"))
 
 
-def _report_counts(rounds: list[Any]) -> str:
+def _report_counts(rounds: list[Any], secure: bool = False) -> str:
     """What became of the devices ``rounds`` selected, from their rows: reported in time, late,
     dropped out, and the rest (still training or reporting when the round closed, which the
-    server counts as neither), so that the figures add up to the selected devices."""
+    server counts as neither), so that the figures add up to the selected devices. Under Secure
+    Aggregation (``secure``) the server counts a device whose masked input missed its group's
+    collection as dropped, not late: the clause says so."""
     selected = sum(r.selected for r in rounds)
     in_time = sum(r.accepted for r in rounds)
     late = sum(r.reported - r.accepted for r in rounds)
@@ -307,7 +309,7 @@ def _report_counts(rounds: list[Any]) -> str:
     which = "it" if len(rounds) == 1 else "they"
     return (
         f"{which} selected {selected:,} devices: {in_time:,} reported in time, {late:,} late, "
-        f"{dropped:,} dropped out{still}"
+        f"{dropped:,} dropped out{' or sent their masked input too late for their group' if secure else ''}{still}"
     )
 
 

@@ -142,4 +142,7 @@ def test_rounds_short_of_reports_are_told_with_their_own_devices_which_add_up_to
     }
     note = completion_note(summary, rounds, config.task, secure)
     assert "1 lost 1 of their 1 Secure Aggregation groups" in note
-    assert "1 had too few reports in time (each needs 80; it selected 130 devices: 70 reported in time" in note
+    assert (
+        "1 had too few reports in time (each needs 80; it selected 130 devices: 70 reported in time, 20 late, 25 "
+        "dropped out or sent their masked input too late for their group, 15 still at work" in note
+    )
