@@ -416,16 +416,17 @@ def gap_note(gaps: list[dict[str, Any]], task: Any, span_s: float, interval_s: f
         f"{resting:,.0f} of them had taken part in a round and were waiting out their participation job's interval "
         f"(the devices' TrainingInterval min_interval_s, {wait} after a session) before checking in again"
     )
-    if free < seats:
-        from server_stub.pace import RENDEZVOUS_MARGIN
+    from server_stub.pace import RENDEZVOUS_MARGIN
 
+    needed = RENDEZVOUS_MARGIN * seats  # what the server waits for before it opens a selection
+    if free < needed:
         text += (
-            f", so at most about {free:,.0f} could check in, fewer than the {seats} devices a round selects "
-            f"(task.goal_count x task.over_selection); the server puts off opening a selection until it expects "
-            f"{RENDEZVOUS_MARGIN:g} times that many to check in"
+            f", so at most about {math.floor(free):,} could check in, fewer than the {needed:,.4g} the server "
+            f"expects before it opens a selection ({RENDEZVOUS_MARGIN:g} times the {seats} devices a round selects, "
+            "task.goal_count x task.over_selection)"
         )
     else:
-        text += f", which left about {free:,.0f} free to check in, of the {seats} devices a round selects"
+        text += f", which left about {free:,.0f} free to check in, of the {needed:,.4g} a selection waits for"
     return text
 
 
