@@ -22,8 +22,12 @@ import importlib.util
 import json
 import re
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from server_stub.errors import did_you_mean_path
 
@@ -145,7 +149,38 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch scheduler's stop, ``kill``) during a run: it unwinds as Ctrl-C does, so the
+    run's server, workers and database are closed, and the command exits with 143."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM raises :class:`Terminated`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        with _sigterm_as_interrupt():
+            return _run_simulate(args)
+    except Terminated:  # while the run was set up, or between a sweep's runs
+        print("\nfedfleet simulate: terminated (SIGTERM)", file=sys.stderr)
+        return 143
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
     from ..fleet.federated_data import FederatedDataError, parse_data_spec
     from ..fleet.ray_backend import RayBackendError
     from ..fleet.simulator import ProgressBar, simulate
@@ -292,16 +327,30 @@ def run_simulate(args: argparse.Namespace) -> int:
             _remove_failed_run(out, made_out)
         print(f"fedfleet simulate: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        where = f"; {out} holds only the server's database of the rounds so far" if out is not None else ""
-        print(f"\nfedfleet simulate: interrupted, no tables or report written{where}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"\nfedfleet simulate: {how}, {_left_behind(out)}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     summary = run.summary()
     if out is not None and not (out / "summary.json").exists():
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     _say_unfilled(summary)
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0
+
+
+def _left_behind(out: Path | None) -> str:
+    """What a run stopped by Ctrl-C or SIGTERM left in ``out``: the run ended, its tables and
+    summary are written before its plots, which take longest to draw."""
+    if out is not None and (out / "summary.json").exists():
+        return (
+            f"while its report was drawn: {out} holds the run's tables and summary.json (which fedfleet compare "
+            "reads), not its plots or report.html"
+        )
+    if out is not None and (out / "rounds.csv").exists():
+        return f"while its tables were written: {out} holds some of them and no summary.json"
+    where = f"; {out} holds only the server's database of the rounds so far" if out is not None else ""
+    return f"no tables or report written{where}"
 
 
 def _say_unfilled(summary: dict, run: str = "") -> None:

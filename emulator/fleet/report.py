@@ -1304,8 +1304,10 @@ def write_report(run: FleetRun, out_dir: str | os.PathLike) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     run.write_tables(out)
-    summary, figures, page = build_report(run)
+    summary = summarize(run)  # before the figures, which take longest: a run stopped then has its summary
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    figures = report_figures(run, summary)
+    page = render_html(summary, figures, run)
     for fig in figures:
         (out / fig.name).write_bytes(fig.png)
     (out / REPORT_HTML).write_text(page, encoding="utf-8")

@@ -138,6 +138,68 @@ def test_ctrl_c_ends_the_run_with_a_line_and_exit_code_130(tmp_path, capsys, mon
     assert not (out / "summary.json").exists() and not (out / "report.html").exists()
 
 
+def test_sigterm_ends_the_run_as_ctrl_c_does_with_a_line_and_exit_code_143(tmp_path, capsys, monkeypatch):
+    """A batch scheduler's stop (SIGTERM) mid-run unwinds as Ctrl-C does: one line, exit code 143,
+    no traceback, the server's database closed (it killed the process where it stood, before)."""
+    import os
+    import signal
+
+    from emulator.fleet.simulator import FleetSimulator
+
+    class Killed(Exception):
+        pass
+
+    def killed(signum, frame):  # what the test sees if the command leaves SIGTERM to its caller
+        raise Killed
+
+    real = FleetSimulator._sample
+
+    def sample_then_terminate(self):
+        real(self)
+        if self.loop.now >= 600.0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(FleetSimulator, "_sample", sample_then_terminate)
+    before = signal.signal(signal.SIGTERM, killed)
+    try:
+        out = tmp_path / "run"
+        assert main(["simulate", "--devices", "40", "--hours", "1", "--out", str(out), "--no-progress"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is killed  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == (
+        f"fedfleet simulate: terminated (SIGTERM), no tables or report written; {out} holds only the server's "
+        "database of the rounds so far"
+    )
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert sorted(p.name for p in out.iterdir()) == ["server"]
+
+
+def test_a_run_stopped_while_its_report_is_drawn_keeps_its_tables_and_summary_for_compare(
+    tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C after the run, while its plots are drawn (the longest part of writing it): the
+    folder holds the tables and summary.json, which compare reads, and the line says so (it said
+    that no tables were written, and the folder had no summary.json)."""
+    from emulator.fleet import report
+
+    def interrupted(run, summary):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "report_figures", interrupted)
+    out = tmp_path / "run"
+    assert main(["simulate", "--devices", "40", "--hours", "0.5", "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"fedfleet simulate: interrupted, while its report was drawn: {out} holds the run's tables and summary.json "
+        "(which fedfleet compare reads), not its plots or report.html"
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["devices"] == 40 and len(summary["digest"]) == 64
+    assert (out / "rounds.csv").exists() and not (out / "report.html").exists()
+
+
 def test_reports_that_all_come_too_late_are_named_as_the_reason(tmp_path, capsys):
     fleet = tmp_path / "late.toml"
     fleet.write_text("[task]\ngoal_count = 10\nreport_timeout_s = 1e-6\nselection_timeout_s = 600.0\n")
