@@ -420,8 +420,9 @@ def gap_note(gaps: list[dict[str, Any]], task: Any, span_s: float, interval_s: f
 
     needed = RENDEZVOUS_MARGIN * seats  # what the server waits for before it opens a selection
     if free < needed:
+        shown = round(free) if round(free) < needed else math.floor(free)  # never "about 10, fewer than 10"
         text += (
-            f", so at most about {math.floor(free):,} could check in, fewer than the {needed:,.4g} the server "
+            f", so at most about {shown:,} could check in, fewer than the {needed:,.4g} the server "
             f"expects before it opens a selection ({RENDEZVOUS_MARGIN:g} times the {seats} devices a round selects, "
             "task.goal_count x task.over_selection)"
         )

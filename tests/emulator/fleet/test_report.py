@@ -1010,18 +1010,20 @@ def test_a_stretch_without_an_open_round_is_explained_by_the_devices_waiting_out
 def test_a_stretch_without_a_round_is_measured_against_what_the_server_waits_for_and_never_rounded_past_it():
     """The server opens a selection once it expects 1.25 times a round's seats: 14 devices free to
     check in for 13 seats leave no round open, and the note says so (it told of 14 free "of the 13"
-    and no reason); 12.6 free for 13 seats is at most 12, never "about 13, fewer than the 13"."""
-    config = FleetConfig.default().replace(devices=300, hours=1.0, goal=10)  # 13 seats, 16.25 awaited
-    rounds = [
-        RoundRow(f"t/{i}/1", "t", 600.0 * i, 600.0 * (i + 1), True, 13, 10, 10, 3, 600.0, 0.5, 1.0, outcome="committed")
-        for i in range(4)
-    ]
+    and no reason); 12.6 free for 13 seats was "about 13, fewer than the 13 devices a round selects",
+    and 9.6 for 8 seats (10 awaited) is at most 9, never "about 10, fewer than the 10"."""
 
-    def note(resting: float) -> str:
+    def note(resting: float, goal: int = 10) -> str:
+        config = FleetConfig.default().replace(devices=300, hours=1.0, goal=goal)  # 10: 13 seats, 16.25 awaited
         timeline = [TimelineRow(300.0 * k, 162, 5, 0, 0, resting if k >= 8 else 20) for k in range(13)]
         run = FleetRun([], rounds, timeline, "", config, simulated_s=3600.0, extra={"device_min_interval_s": 3600.0})
         return summarize(run)["round_gap_note"]
 
+    rounds = [
+        RoundRow(f"t/{i}/1", "t", 600.0 * i, 600.0 * (i + 1), True, 13, 10, 10, 3, 600.0, 0.5, 1.0, outcome="committed")
+        for i in range(4)
+    ]
     assert "so at most about 14 could check in, fewer than the 16.25 the server expects before it opens" in note(148)
-    assert "so at most about 12 could check in, fewer than the 16.25" in note(149.4)
+    assert "so at most about 13 could check in, fewer than the 16.25" in note(149.4)
+    assert "so at most about 9 could check in, fewer than the 10 the server expects" in note(152.4, goal=6)
     assert "which left about 20 free to check in, of the 16.25 a selection waits for" in note(142)
