@@ -50,7 +50,9 @@ import dataclasses
 import itertools
 import json
 import math
+import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -98,12 +100,17 @@ def ensure_ray(address: str | None = None, **init: Any) -> Any:
     if not ray.is_initialized():
         init.setdefault("include_dashboard", False)
         init.setdefault("log_to_driver", False)
+        main = threading.current_thread() is threading.main_thread()
+        term = signal.getsignal(signal.SIGTERM) if main else None
         try:
             ray.init(address=address, **init)
         except (ConnectionError, ValueError, RuntimeError) as exc:  # what ray.init raises for a bad address
             raise RayBackendError(
                 f"could not reach the Ray cluster at {address!r}: {exc}; start one with `ray start --head`"
             ) from exc
+        finally:
+            if callable(term):  # ray.init puts its core's crash handler (a stack dump) in place of the caller's
+                signal.signal(signal.SIGTERM, term)
     return ray
 
 

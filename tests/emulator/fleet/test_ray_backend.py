@@ -291,3 +291,27 @@ def test_a_sharded_fleet_is_told_before_its_run_what_a_single_process_one_is(cap
     )
     err = capsys.readouterr().err
     assert err.startswith("fedfleet simulate: no round can fill") and err.count("no round can fill") == 2
+
+
+# slow: a Ray cluster of its own, started in a fresh process (ray.init's handlers are the process's)
+@pytest.mark.slow
+@needs_ray
+def test_starting_ray_keeps_the_callers_sigterm_handler():
+    """ray.init puts its core's crash handler in place of SIGTERM's: `fedfleet simulate --ray`
+    stopped by SIGTERM dumped a native stack and exited 15, where a run in one process exits 143
+    with one line."""
+    import subprocess
+    import sys
+
+    code = (
+        "import signal\n"
+        "def mine(signum, frame): pass\n"
+        "signal.signal(signal.SIGTERM, mine)\n"
+        "from emulator.fleet.ray_backend import ensure_ray\n"
+        "ray = ensure_ray('local', num_cpus=1, configure_logging=False)\n"
+        "print(signal.getsignal(signal.SIGTERM) is mine)\n"
+        "ray.shutdown()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
