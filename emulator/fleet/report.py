@@ -963,7 +963,11 @@ _OPTIONAL_ROWS = (
     ("time_to_target_accuracy_s", "time to target accuracy (simulated s)"),
     ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
     ("audit_epsilon", "audit: one-shot estimate of epsilon"),
+    ("secure_groups", "Secure Aggregation groups (formed, completed, aborted by protocol round, inputs summed)"),
 )
+
+#: Optional rows of a secure run only (null in a plain run's summary, and not shown in its report).
+_SECURE_ROWS = ("secure_groups",)
 
 #: A DP run's rows (its summary's ``delta`` is set; without DP these keys are null and not shown).
 _DP_ROWS = (
@@ -1238,7 +1242,11 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
     ]
     why = explain_rates(summary, run.rounds)
     dp_rows = _DP_ROWS if summary.get("delta") is not None else ()
-    rows = [*_SUMMARY_ROWS, *dp_rows, *((k, label) for k, label in _OPTIONAL_ROWS if k in summary)]
+    rows = [
+        *_SUMMARY_ROWS,
+        *dp_rows,
+        *((k, label) for k, label in _OPTIONAL_ROWS if k in summary and not (k in _SECURE_ROWS and summary[k] is None)),
+    ]
     for key, label in rows:
         note = (
             f'<td class="why" data-explains="{html.escape(key)}">{html.escape(why[key])}</td>'

@@ -352,6 +352,30 @@ def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[
     return len(lost) + len(unformed), "; ".join(parts)
 
 
+#: The Secure Aggregation protocol's rounds in their order, as ``secagg.Round`` names them.
+_PROTOCOL_ROUNDS = ("AdvertiseKeys", "ShareKeys", "ShareCheck", *_INPUT_ROUNDS)
+
+
+def secure_groups(secure: dict[str, dict]) -> dict[str, Any]:
+    """A secure run's Secure Aggregation groups over its rounds (``secure``: each round's ``secagg``
+    statistics by round id): ``rounds`` that ran the protocol, ``groups`` formed, ``completed`` (their
+    sums used), ``aborted`` and, by the protocol round each aborted in, ``aborted_in`` (a group
+    still running at the run's end is neither), and ``summed_devices``: the masked inputs the
+    completed groups summed."""
+    aborted_in: Counter[str] = Counter()
+    for st in secure.values():
+        aborted_in.update(st.get("aborted_in", {}))
+    order = {name: i for i, name in enumerate(_PROTOCOL_ROUNDS)}
+    return {
+        "rounds": len(secure),
+        "groups": sum(st.get("groups", 0) for st in secure.values()),
+        "completed": sum(st.get("completed", 0) for st in secure.values()),
+        "aborted": sum(st.get("aborted", 0) for st in secure.values()),
+        "aborted_in": dict(sorted(aborted_in.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))),
+        "summed_devices": sum(st.get("summed_devices", 0) for st in secure.values()),
+    }
+
+
 #: A stretch without an open round shorter than this many selection windows (and 10 minutes) is the
 #: server gathering devices for the next selection as it does every round; a longer one is explained.
 GAP_WINDOWS = 3.0
@@ -449,7 +473,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
       fewer devices than a round's seats were available at once (see :func:`cannot_fill`), else None;
       ``round_gaps`` (see :func:`round_gaps`) and ``round_gap_note``: the longest stretch without an
       open round, with the devices available and those waiting out their participation interval
-      then (see :func:`gap_note`), None without one;
+      then (see :func:`gap_note`), None without one; ``secure_groups`` (None in a plain run): a secure run's
+      Secure Aggregation groups, completed and aborted by protocol round (see :func:`secure_groups`);
       ``round_goal`` (``task.goal_count``: a round commits as soon as that many report) and
       ``round_reports_to_commit`` (the reports a round needs to commit once no more can come, as the
       server decides: see :func:`reports_to_commit`), null without the run's config;
@@ -546,6 +571,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
     }
     summary["round_completion_note"] = completion_note(summary, rounds, task, run.extra.get("secure_rounds"))
+    secure = run.extra.get("secure_rounds")
+    summary["secure_groups"] = secure_groups(secure) if secure else None
     gaps = round_gaps(rounds, run.timeline, span_s, task, run.extra.get("tasks_completed_s")) if rounds else []
     summary["round_gaps"] = gaps
     summary["round_gap_note"] = gap_note(gaps, task, span_s, run.extra.get("device_min_interval_s"))

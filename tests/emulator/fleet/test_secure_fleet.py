@@ -293,3 +293,48 @@ def test_the_completion_rate_names_secure_groups_that_aborted_and_what_to_change
     assert "1 formed no Secure Aggregation group: dp.bitwidth 8 is too small" in note
     assert "too few reports in time" not in note  # every abandoned round is explained above
     assert "Secure Aggregation" not in completion_note(summary, rounds, config.task)  # a plain run's note
+
+
+def test_a_secure_runs_summary_counts_its_groups_by_the_protocol_round_they_aborted_in():
+    """The summary (and the report's table) hold a secure run's groups: formed, completed, aborted
+    by the protocol round they stopped in, in the protocol's order, and the masked inputs summed;
+    they were only in the note of a run whose rounds were abandoned. A plain run's are null, and its
+    report has no such row."""
+    from emulator.fleet.report import render_html
+    from emulator.fleet.summary import summarize
+
+    rounds = [_round(1, True, 130), _round(2, False, 130), _round(3, True, 130)]
+    secure = {
+        "train/1/1": {"groups": 2, "completed": 2, "aborted": 0, "aborted_in": {}, "summed_devices": 100},
+        "train/2/1": {
+            "groups": 2,
+            "completed": 0,
+            "aborted": 2,
+            "aborted_in": {"MaskedInputCollection": 1, "ShareKeys": 1},
+            "summed_devices": 0,
+        },
+        "train/3/1": {
+            "groups": 2,
+            "completed": 1,
+            "aborted": 1,
+            "aborted_in": {"Unmasking": 1},
+            "summed_devices": 48,
+        },
+    }
+    config = FleetConfig.default()
+    run = FleetRun([], rounds, [], "", config, simulated_s=3600.0, extra={"secure_rounds": secure})
+    summary = summarize(run)
+    assert summary["secure_groups"] == {
+        "rounds": 3,
+        "groups": 6,
+        "completed": 3,
+        "aborted": 3,
+        "aborted_in": {"ShareKeys": 1, "MaskedInputCollection": 1, "Unmasking": 1},
+        "summed_devices": 148,
+    }
+    assert list(summary["secure_groups"]["aborted_in"]) == ["ShareKeys", "MaskedInputCollection", "Unmasking"]
+    page = render_html(summary, [], run)
+    assert 'data-key="secure_groups"' in page and "aborted_in: ShareKeys: 1, MaskedInputCollection: 1" in page
+    plain = FleetRun([], rounds, [], "", config, simulated_s=3600.0, extra={})
+    assert summarize(plain)["secure_groups"] is None
+    assert 'data-key="secure_groups"' not in render_html(summarize(plain), [], plain)
