@@ -359,19 +359,27 @@ _PROTOCOL_ROUNDS = ("AdvertiseKeys", "ShareKeys", "ShareCheck", *_INPUT_ROUNDS)
 def secure_groups(secure: dict[str, dict]) -> dict[str, Any]:
     """A secure run's Secure Aggregation groups over its rounds (``secure``: each round's ``secagg``
     statistics by round id): ``rounds`` that ran the protocol, ``groups`` formed, ``completed`` (their
-    sums used), ``aborted`` and, by the protocol round each aborted in, ``aborted_in`` (a group
-    still running at the run's end is neither), and ``summed_devices``: the masked inputs the
+    sums used), ``aborted`` and, by the protocol round each aborted in, ``aborted_in``,
+    ``refused`` (completed, but the server refused their sum: ``dropped`` in a round's statistics)
+    and ``cut`` (still running when their round closed, which another group's abort, or the run's
+    end, had decided): together the groups formed; and ``summed_devices``, the masked inputs the
     completed groups summed."""
     aborted_in: Counter[str] = Counter()
     for st in secure.values():
         aborted_in.update(st.get("aborted_in", {}))
     order = {name: i for i, name in enumerate(_PROTOCOL_ROUNDS)}
+    groups = sum(st.get("groups", 0) for st in secure.values())
+    completed = sum(st.get("completed", 0) for st in secure.values())
+    aborted = sum(st.get("aborted", 0) for st in secure.values())
+    refused = sum(len(st.get("dropped", [])) for st in secure.values())
     return {
         "rounds": len(secure),
-        "groups": sum(st.get("groups", 0) for st in secure.values()),
-        "completed": sum(st.get("completed", 0) for st in secure.values()),
-        "aborted": sum(st.get("aborted", 0) for st in secure.values()),
+        "groups": groups,
+        "completed": completed,
+        "aborted": aborted,
         "aborted_in": dict(sorted(aborted_in.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))),
+        "refused": refused,
+        "cut": groups - completed - aborted - refused,
         "summed_devices": sum(st.get("summed_devices", 0) for st in secure.values()),
     }
 

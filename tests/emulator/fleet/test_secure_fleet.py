@@ -297,7 +297,8 @@ def test_the_completion_rate_names_secure_groups_that_aborted_and_what_to_change
 
 def test_a_secure_runs_summary_counts_its_groups_by_the_protocol_round_they_aborted_in():
     """The summary (and the report's table) hold a secure run's groups: formed, completed, aborted
-    by the protocol round they stopped in, in the protocol's order, and the masked inputs summed;
+    by the protocol round they stopped in (in the protocol's order), refused, cut by their round's
+    close (which add up to those formed), and the masked inputs summed;
     they were only in the note of a run whose rounds were abandoned. A plain run's are null, and its
     report has no such row."""
     from emulator.fleet.report import render_html
@@ -314,27 +315,37 @@ def test_a_secure_runs_summary_counts_its_groups_by_the_protocol_round_they_abor
             "summed_devices": 0,
         },
         "train/3/1": {
-            "groups": 2,
+            "groups": 3,
             "completed": 1,
             "aborted": 1,
             "aborted_in": {"Unmasking": 1},
             "summed_devices": 48,
+            "dropped": [{"group": 2, "reason": "its sum is out of range"}],
         },
+        "train/4/1": {
+            "groups": 2,
+            "completed": 0,
+            "aborted": 1,
+            "aborted_in": {"MaskedInputCollection": 1},
+            "summed_devices": 0,
+        },  # its other group was still running when the abort closed the round
     }
     config = FleetConfig.default()
     run = FleetRun([], rounds, [], "", config, simulated_s=3600.0, extra={"secure_rounds": secure})
     summary = summarize(run)
     assert summary["secure_groups"] == {
-        "rounds": 3,
-        "groups": 6,
+        "rounds": 4,
+        "groups": 9,
         "completed": 3,
-        "aborted": 3,
-        "aborted_in": {"ShareKeys": 1, "MaskedInputCollection": 1, "Unmasking": 1},
+        "aborted": 4,
+        "aborted_in": {"ShareKeys": 1, "MaskedInputCollection": 2, "Unmasking": 1},
+        "refused": 1,
+        "cut": 1,
         "summed_devices": 148,
     }
     assert list(summary["secure_groups"]["aborted_in"]) == ["ShareKeys", "MaskedInputCollection", "Unmasking"]
     page = render_html(summary, [], run)
-    assert 'data-key="secure_groups"' in page and "aborted_in: ShareKeys: 1, MaskedInputCollection: 1" in page
+    assert 'data-key="secure_groups"' in page and "aborted_in: ShareKeys: 1, MaskedInputCollection: 2" in page
     plain = FleetRun([], rounds, [], "", config, simulated_s=3600.0, extra={})
     assert summarize(plain)["secure_groups"] is None
     assert 'data-key="secure_groups"' not in render_html(summarize(plain), [], plain)
