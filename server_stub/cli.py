@@ -106,9 +106,32 @@ def meant_options(parser: argparse.ArgumentParser, typed: list[str]) -> str:
         if (action := positional.get(name.lstrip("-"))) is not None and name.lstrip("-"):
             shown = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
             return f" ({action.dest.replace('_', ' ')} is given without {name}: {parser.prog} {shown} ...)"
-        if (meant := closest(name, options)) is not None:
+        meant = closest(name, options)
+        if takers := _taken_by(parser, name):  # an option of another command (``status --last``)
+            also = f"; or did you mean {meant}?" if meant is not None else ""
+            return f" ({name} is an option of {_listed(takers)}, not of {parser.prog}{also})"
+        if meant is not None:
             close.append(meant)
     return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def _listed(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+def _taken_by(parser: argparse.ArgumentParser, option: str) -> list[str]:
+    """The other commands of ``parser``'s program that take ``option`` as it is typed."""
+    root = getattr(parser, "_root", None)
+    if root is None or not option.startswith("--"):
+        return []
+    return [
+        p.prog
+        for p in parsers(root)
+        if p is not parser
+        and not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)
+        and any(option in a.option_strings for a in p._actions)
+    ]
 
 
 class _NoInterrupts(logging.Filter):
@@ -153,6 +176,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make every ``--help`` of the tree under ``parser`` show the defaults (subparsers do not
     inherit their parent's formatter, so each is set here, in one place)."""
     for p in parsers(parser):
+        p._root = parser  # type: ignore[attr-defined]  # what ``meant_options`` looks through for another command's option
         raw = isinstance(p.formatter_class, type) and issubclass(
             p.formatter_class, argparse.RawDescriptionHelpFormatter
         )

@@ -88,6 +88,38 @@ def test_an_option_named_like_a_positional_argument_says_it_is_given_without_it(
     assert said in _one_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["status", "--server", "http://127.0.0.1:1", "--population", "p", "--last", "5"],
+            "--last 5 (--last is an option of fedfleet rounds, not of fedfleet status)",
+        ),
+        (
+            ["plan", "build", "t.py", "--signing-key", "k"],
+            "(--signing-key is an option of fedfleet plan test, not of fedfleet plan build)",
+        ),
+        (  # a required option left out: the error is still the option given to the wrong command
+            ["deploy", "b", "--server", "http://127.0.0.1:1", "--signing-key", "k"],
+            "(--signing-key is an option of fedfleet plan test, not of fedfleet deploy)",
+        ),
+        (
+            ["server", "--population", "digits"],
+            "(--population is an option of fedfleet deploy, fedfleet status and fedfleet rounds, not of fedfleet server)",
+        ),
+        (
+            ["demo", "--hours", "1"],
+            "(--hours is an option of fedfleet simulate, not of fedfleet demo; or did you mean --rounds?)",
+        ),
+    ],
+)
+def test_an_option_of_another_command_names_the_command_that_takes_it(argv, said, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert said in _one_line(capsys.readouterr().err)
+
+
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     """A tester's signing key and its trust line, and an attestation authority's key and trust anchor,
