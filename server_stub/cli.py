@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, NoReturn, TextIO
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
@@ -199,6 +199,12 @@ def read_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+def listen_url(host: str, port: int) -> str:
+    """The URL a server listening on ``host`` and ``port`` answers at: an IPv6 address in brackets
+    (``http://[::1]:8000``), as a URL writes it."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -364,6 +370,14 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    if "://" in args.host or args.host.count(":") == 1:  # a URL or host:port, where an address goes
+        address = args.host.split("://")[-1].split("/")[0].rsplit(":", 1)[0] or "127.0.0.1"
+        print(
+            f"fedfleet server: --host {args.host} is not an address to listen on; give the address alone "
+            f"(--host {address}) and the port with --port",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_interrupts_once()
     for option, path in (
@@ -404,6 +418,14 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(
             f"fedfleet server: cannot open the database {args.db} ({exc}); install the driver its URL names into "
             "this Python, or give --db a SQLite file",
+            file=sys.stderr,
+        )
+        return 2
+    except ArgumentError as exc:  # a URL SQLAlchemy cannot read, said over lines with its valid forms
+        said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()).replace(":;", ":")
+        print(
+            f"fedfleet server: --db {args.db} is not a database URL SQLAlchemy takes ({said}); give a SQLite "
+            "file's path, or a URL such as sqlite:///fl.db",
             file=sys.stderr,
         )
         return 2
@@ -456,7 +478,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    print(f"fedfleet server listening on http://{args.host}:{args.port}", file=out)
+    base = listen_url(args.host, args.port)
+    print(f"fedfleet server listening on {base}", file=out)
     print(f"  database:    {args.db}", file=out)
     print(f"  attestation: {attestation}", file=out)
     print(
@@ -474,7 +497,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
         f"{limits.connections} connections{cap}, headers up to {limits.max_header_bytes} bytes",
         file=out,
     )
-    print(f"  OpenAPI:     http://{args.host}:{args.port}/openapi.json", file=out, flush=True)
+    print(f"  OpenAPI:     {base}/openapi.json", file=out, flush=True)
     try:
         server.run()
     finally:

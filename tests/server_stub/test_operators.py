@@ -26,7 +26,7 @@ from device_runtime import PlanExecutor, encode_checkpoint, initial_weights
 from emulator import AttestationAuthority
 from server_stub import AdminClient, AdminKeyError, AdminKeys, RoundConfig, ServerThread, free_port, task_body
 from server_stub.admin_auth import ADMIN_KEYS_ENV, MIN_KEY_CHARS
-from server_stub.cli import add_server_arguments, run_server
+from server_stub.cli import add_server_arguments, listen_url, run_server
 from tests.support import deploy, digits_plan, server_command_exit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -466,6 +466,32 @@ def test_the_command_refuses_unusable_files_with_status_2(tmp_path, capsys, prob
     _refused_in_one_line(code, captured.out, captured.err)
     if problem.endswith("that is a folder"):
         assert "is a folder" in captured.err and "give the" in captured.err and "Errno" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--db", "sqlite://s.db"], "--db sqlite://s.db is not a database URL SQLAlchemy takes (Invalid SQLite URL"),
+        (
+            ["--host", "http://127.0.0.1"],
+            "--host http://127.0.0.1 is not an address to listen on; give the address alone (--host 127.0.0.1) and the port with --port",
+        ),
+        (["--host", "localhost:8000"], "give the address alone (--host localhost) and the port with --port"),
+    ],
+)
+def test_a_url_where_a_path_or_an_address_goes_is_said_in_one_line(tmp_path, capsys, monkeypatch, given, said):
+    """A SQLite URL with two slashes (SQLAlchemy's error spans five lines, with advice about damaged
+    files), a server URL given to ``--host`` (which was looked up as a host name)."""
+    monkeypatch.chdir(tmp_path)
+    code = server_command_exit(["--db", "s.db", "--port", "0", "--admin-key-file", str(_key_file(tmp_path)), *given])
+    captured = capsys.readouterr()
+    _refused_in_one_line(code, captured.out, captured.err)
+    assert said in captured.err and "damaged" not in captured.err
+
+
+def test_the_url_a_server_listens_at_puts_an_ipv6_address_in_brackets():
+    assert listen_url("::1", 8000) == "http://[::1]:8000"
+    assert listen_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
 
 
 @pytest.mark.timeout(60)  # a command that served instead would fail here, not hang the run
