@@ -93,7 +93,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=defaults.time_limit_s,
         dest="time_limit_s",
-        help="seconds the demo may run before it stops",
+        help="seconds the demo may run before it stops, saying how many rounds it committed",
     )
 
 
@@ -223,6 +223,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except DemoConfigError as exc:  # one line, as every command's: not the top-level parser's usage
             print(f"fedfleet demo: {exc}", file=sys.stderr)
             return 2
+        if summary["rounds_committed"] < config.rounds:  # the time limit ended it, which the table does not say
+            print(
+                f"fedfleet demo: stopped at --time-limit {config.time_limit_s:g} s with {summary['rounds_committed']} "
+                f"of {config.rounds} rounds committed; give a longer --time-limit, or fewer --rounds",
+                file=sys.stderr,
+            )
         return 0 if summary["rounds_committed"] > 0 else 1
     parser.error(f"unknown command {args.command}")
     return 2

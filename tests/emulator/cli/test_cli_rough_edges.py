@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import re
 import subprocess
 import sys
 import threading
@@ -429,3 +430,13 @@ def test_plan_alone_is_offered_only_by_the_command_that_writes_one(command, plan
         cli.main(["plan", command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert exit_.value.code == 0 and ("a path ending in .fedplan writes the training plan alone" in text) is plan_alone
+
+
+def test_a_demo_stopped_by_its_time_limit_says_so_and_how_many_rounds_it_committed(capsys):
+    """The table and the summary end as a finished demo's do; the line says why it has fewer rounds."""
+    argv = ["demo", "--devices", "10", "--goal", "7", "--rounds", "50", "--time-limit", "0.3"]
+    assert cli.main(argv) in (0, 1)
+    err = capsys.readouterr().err
+    assert re.search(
+        r"^fedfleet demo: stopped at --time-limit 0.3 s with \d+ of 50 rounds committed; give a longer", err, re.M
+    )
