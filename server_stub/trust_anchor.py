@@ -41,8 +41,11 @@ def read_trust_anchor(path: str | os.PathLike[str]) -> dict[bytes, bytes]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise TrustAnchorError(f"cannot read the trust anchor {where!r}: {unreadable(exc)}") from None
-    except (ValueError, RecursionError) as exc:
-        raise TrustAnchorError(f"cannot read the trust anchor {where!r}: {exc}") from None
+    except (ValueError, RecursionError):  # an admin key file, say: the parser's words would not say what to give
+        raise TrustAnchorError(
+            f"{where!r} is not a trust anchor file (it is not JSON); give the trust anchor `fedfleet authority "
+            "--trust FILE` wrote"
+        ) from None
     if (
         not isinstance(data, dict)
         or data.get("format") != TRUST_FORMAT

@@ -512,6 +512,21 @@ def test_a_port_in_use_is_refused_before_the_server_says_it_listens(tmp_path, ca
     assert err.startswith(f"fedfleet server: cannot listen on 127.0.0.1:{port}") and "Traceback" not in err
 
 
+def test_a_file_that_is_not_json_given_as_the_trust_anchor_says_what_to_give(tmp_path, capsys):
+    """An admin key file given to --attestation-trust: not the JSON parser's "Expecting value"."""
+    keys = _key_file(tmp_path)
+    code = server_command_exit(
+        ["--db", str(tmp_path / "s.db"), "--admin-key-file", str(keys), "--attestation-trust", str(keys)]
+    )
+    captured = capsys.readouterr()
+    _refused_in_one_line(code, captured.out, captured.err)
+    assert (
+        "is not a trust anchor file (it is not JSON); give the trust anchor `fedfleet authority --trust FILE` wrote"
+        in captured.err
+    )
+    assert "Expecting" not in captured.err
+
+
 @pytest.mark.parametrize("name", ["not a trust anchor", "no authority", "bad key"])
 def test_unusable_trust_anchors_are_refused_before_the_server_starts(tmp_path, name):
     parser = argparse.ArgumentParser()
