@@ -136,6 +136,11 @@ class AdminClient:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             reason = str(exc) or type(exc).__name__
+            if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
+                raise ServerUnreachable(
+                    f"no TLS answer from the server at {self.url} ({reason}); fedfleet server speaks plain HTTP: "
+                    f"give {'http://' + self.url.removeprefix('https://')}, or the URL of the TLS proxy in front of it"
+                ) from None
             raise ServerUnreachable(
                 f"no answer from the server at {self.url} ({reason}); check that fedfleet server "
                 "runs there and the URL's host and port"

@@ -105,6 +105,19 @@ def test_every_server_command_says_an_answer_of_another_server_is_no_refusal(bun
             other.shutdown()
 
 
+def test_every_server_command_given_https_for_a_plain_http_server_says_to_give_http(bundle, capsys):
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherServer) as plain:
+        threading.Thread(target=plain.serve_forever, daemon=True).start()
+        try:
+            for command in _server_commands(bundle):
+                code = cli.main([*command, "--server", f"https://127.0.0.1:{plain.server_address[1]}"])
+                err = capsys.readouterr().err.strip()
+                assert code == 2 and len(err.splitlines()) == 1, (command, err)
+                assert f"fedfleet server speaks plain HTTP: give http://127.0.0.1:{plain.server_address[1]}" in err
+        finally:
+            plain.shutdown()
+
+
 @pytest.mark.parametrize("population", ["a/b", "..", "my app", ""])
 def test_every_server_command_refuses_a_population_no_server_takes_in_one_line_before_any_request(
     bundle, capsys, population
