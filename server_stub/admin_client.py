@@ -153,7 +153,11 @@ class AdminClient:
                 # pydantic-core's parser: json.loads (httpx's) recursed once per bracket, and a refusal
                 # of 100,000 nested '[' raised RecursionError, not an AdminError
                 err = from_json(response.content)["error"]
-                raise AdminError(f"{err['message']} ({err['code']})", response.status_code, err["code"])
+                message = f"{err['message']} ({err['code']})"
+                if err["code"] == "NOT_FOUND" and (path := httpx.URL(self.url).path.rstrip("/")):
+                    # a route no server has: the URL carries a path of the server's own (``.../v1``)
+                    message += f"; {self.url} has no such route: give the server's URL without {path}"
+                raise AdminError(message, response.status_code, err["code"])
             except (ValueError, KeyError, TypeError):
                 raise AdminError(response.text[:300], response.status_code, None) from None
         return response

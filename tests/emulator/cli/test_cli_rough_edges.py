@@ -118,6 +118,15 @@ def test_every_server_command_given_https_for_a_plain_http_server_says_to_give_h
             plain.shutdown()
 
 
+def test_a_server_url_with_the_apis_own_path_says_to_give_it_without(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+    with ServerThread(tmp_path / "s.db", admin_key=ADMIN_KEY) as server:
+        code = cli.main(["status", "--server", f"{server.url}/v1", "--population", "p"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"(NOT_FOUND); {server.url}/v1 has no such route: give the server's URL without /v1" in err
+
+
 @pytest.mark.parametrize("population", ["a/b", "..", "my app", ""])
 def test_every_server_command_refuses_a_population_no_server_takes_in_one_line_before_any_request(
     bundle, capsys, population
