@@ -595,6 +595,15 @@ def _round_cursor(text: str) -> int:
 def _rounds(args: argparse.Namespace, say) -> int:
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
         rounds, older = admin.round_page(args.population, args.task, args.last, args.before)
+    if not rounds:  # not a bare header
+        which = f"task {args.task} of {args.population}" if args.task else args.population
+        said = (
+            "before that round"
+            if args.before is not None
+            else "yet: a round is on record once it commits or is abandoned"
+        )
+        say(f"no rounds of {which} on record {said}")
+        return 0
     say("task                 round  attempt  status      selected  reported  started (UTC)")
     for r in rounds:
         m = r.get("metrics", {})

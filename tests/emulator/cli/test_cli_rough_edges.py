@@ -462,3 +462,18 @@ def test_a_demo_stopped_by_its_time_limit_says_so_and_how_many_rounds_it_committ
     assert re.search(
         r"^fedfleet demo: stopped at --time-limit 0.3 s with \d+ of 50 rounds committed; give a longer", err, re.M
     )
+
+
+def test_rounds_of_a_population_with_none_on_record_says_so_instead_of_a_bare_header(tmp_path, capsys, monkeypatch):
+    plan = digits_plan()
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        admin.deploy_task("p", "t", plan, encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig())
+        monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+        assert cli.main(["rounds", "--server", server.url, "--population", "p"]) == 0
+        assert cli.main(["rounds", "--server", server.url, "--population", "p", "--task", "t"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        "no rounds of p on record yet: a round is on record once it commits or is abandoned",
+        "no rounds of task t of p on record yet: a round is on record once it commits or is abandoned",
+    ]
