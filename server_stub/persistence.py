@@ -35,6 +35,7 @@ from sqlalchemy import (
     exists,
     func,
     inspect,
+    literal,
     or_,
     select,
     tuple_,
@@ -53,8 +54,9 @@ metadata = MetaData()
 #: of a later layout (written by a newer server) is refused rather than written in a layout it does
 #: not know. 1: populations, resources, tasks, rounds. 2: the rounds' indexes (by task, and by the
 #: model they name), and ``pruned_rounds`` (what retention removed of each task's history, which a
-#: server of layout 1 would not count).
-SCHEMA_VERSION = 2
+#: server of layout 1 would not count). 3: ``removed_rounds`` (where in the order of ``GET /rounds``
+#: the records retention removed were, so that a page's cursor naming one still pages back).
+SCHEMA_VERSION = 3
 
 schema = Table(
     "schema",
@@ -128,6 +130,25 @@ pruned_rounds = Table(
 )
 
 
+# Where each round record retention removed was in the order of ``round_page`` (its start, task,
+# number and attempt), kept ``REMOVED_CURSOR_S`` after its removal: an operator paging back through
+# a history whose cursor's round was removed between two pages goes on from where it was.
+removed_rounds = Table(
+    "removed_rounds",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("task_id", Integer, ForeignKey("tasks.id"), nullable=False),
+    Column("number", Integer, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("removed_at", Float, nullable=False),
+)
+
+#: Seconds a removed round's place in the order of pages is kept (a day: far longer than an
+#: operator takes between two pages, about 40 bytes a removed record).
+REMOVED_CURSOR_S = 86_400.0
+
+
 def _layout_2(conn: Connection) -> None:
     """Layout 1 to 2: the rounds' indexes (a server of layout 1 made the first two, unrecorded,
     from a point on) and the table of pruned rounds."""
@@ -136,8 +157,13 @@ def _layout_2(conn: Connection) -> None:
     pruned_rounds.create(conn, checkfirst=True)
 
 
+def _layout_3(conn: Connection) -> None:
+    """Layout 2 to 3: the table of removed rounds' places in the order of pages."""
+    removed_rounds.create(conn, checkfirst=True)
+
+
 #: The migration from each layout to the next, by the layout it starts from.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _layout_2}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _layout_2, 2: _layout_3}
 
 
 def _inserted_id(result: CursorResult[Any]) -> int:
@@ -668,8 +694,9 @@ class ServerStore:
     ) -> tuple[list[RoundRecord], bool] | None:
         """The rounds of ``task_ids`` in the order they ran across the tasks (their start, then task,
         number, attempt and id), oldest first: the newest ``last`` (every one with None) of those
-        before the round whose record id is ``before``; and whether older ones are on record. None
-        when ``before`` is the id of no round of these tasks. Only the page's rows are read whole
+        before the round whose record id is ``before``; and whether older ones are on record. A round
+        retention removed (within ``REMOVED_CURSOR_S``) pages from where it was; None when ``before``
+        is the id of no round of these tasks. Only the page's rows are read whole
         (a long-running task's whole history is 2 KB a round)."""
         order = (rounds.c.started_at, rounds.c.task_id, rounds.c.number, rounds.c.attempt, rounds.c.id)
         ids = select(rounds.c.id).where(rounds.c.task_id.in_(task_ids))
@@ -678,6 +705,13 @@ class ServerStore:
                 cursor = conn.execute(
                     select(*order).where(rounds.c.id == before, rounds.c.task_id.in_(task_ids))
                 ).first()
+                if cursor is None:  # a round retention removed since the page that named it
+                    gone = removed_rounds.c
+                    cursor = conn.execute(
+                        select(gone.started_at, gone.task_id, gone.number, gone.attempt, gone.id).where(
+                            gone.id == before, gone.task_id.in_(task_ids)
+                        )
+                    ).first()
                 if cursor is None:
                     return None
                 ids = ids.where(tuple_(*order) < tuple_(*cursor))
@@ -747,6 +781,7 @@ class ServerStore:
         keep_resources: Iterable[str] = (),
         resources_before: float | None = None,
         private: Callable[[str, dict], bool] = lambda _status, _metrics: False,
+        removed_at: float | None = None,
     ) -> PrunedRounds:
         """Remove at most ``limit`` round records, oldest first, in one transaction: of each task,
         those beyond its newest ``keep_rounds`` records (each attempt is one) or that ended before
@@ -755,7 +790,9 @@ class ServerStore:
         (the attempt its next round follows), the records ``keep_ids`` names, and, of a task with
         differential privacy, every record ``private(status, metrics)`` says spent privacy (its
         ledger is read from them). Each task's count of removed records (and of removed commits) is
-        kept in ``pruned_rounds``. Then the models of the removed records go too, those stored
+        kept in ``pruned_rounds``, and each removed record's place in the order of pages in
+        ``removed_rounds`` (those removed ``REMOVED_CURSOR_S`` before ``removed_at``, unix seconds, now
+        without it, go). Then the models of the removed records go too, those stored
         before ``resources_before`` that no round or task names any more and ``keep_resources``
         does not list (``drop_unnamed_checkpoints`` finds the others)."""
         if keep_rounds is None and ended_before is None:
@@ -804,6 +841,16 @@ class ServerStore:
                 conn.execute(
                     select(rounds.c.checkpoint_id).where(rounds.c.id.in_(ids), rounds.c.checkpoint_id.is_not(None))
                 ).scalars()
+            )
+            now = time.time() if removed_at is None else removed_at
+            conn.execute(removed_rounds.delete().where(removed_rounds.c.removed_at < now - REMOVED_CURSOR_S))
+            conn.execute(removed_rounds.delete().where(removed_rounds.c.id.in_(ids)))  # an id SQLite gave again
+            place = (rounds.c.id, rounds.c.task_id, rounds.c.number, rounds.c.attempt, rounds.c.started_at)
+            conn.execute(
+                removed_rounds.insert().from_select(
+                    ["id", "task_id", "number", "attempt", "started_at", "removed_at"],
+                    select(*place, literal(now, Float)).where(rounds.c.id.in_(ids)),
+                )
             )
             for task_id, removed in by_task.items():
                 conn.execute(rounds.delete().where(rounds.c.id.in_([rid for rid, _ in removed])))

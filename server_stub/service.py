@@ -423,6 +423,7 @@ class FLService:
                         keep_resources=live,
                         resources_before=wall_now - RESOURCE_GRACE_S,
                         private=dp_rounds.spends_privacy,
+                        removed_at=wall_now,
                     )
                 except (SQLAlchemyError, OSError) as exc:
                     log.error(

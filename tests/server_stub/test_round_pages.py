@@ -132,3 +132,36 @@ def test_an_answer_holds_the_newest_rounds_and_links_to_the_older_ones_and_odd_q
         with pytest.raises(SystemExit) as exit_:
             cli.main(["rounds", *common, "--before", "-1"])
         assert exit_.value.code == 2 and "give the --before a rounds listing named" in capsys.readouterr().err
+
+
+def test_a_cursor_whose_round_retention_removed_between_two_pages_pages_on_from_where_it_was(tmp_path):
+    """Retention removing the round a Link header's cursor names, before the operator asks for the
+    page it links to, does not stop the paging: the next page holds the rounds still on record that
+    ran before it. A removed round's place is kept a day; a cursor naming no round stays 404."""
+    plan = digits_plan()
+    with ServerThread(tmp_path / "fl.db") as server, server.admin() as admin:
+        admin.create_population("p")
+        admin.deploy_task("p", "t", plan, encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig(**ONE_DEVICE))
+        store = server.service.store
+        [task] = store.tasks("p")
+        made = [store.record_round(task.id, n, 1, "abandoned", {"selected": 0}, float(n), n + 0.5) for n in range(1, 9)]
+        headers = {"Authorization": f"Bearer {server.admin_key}"}
+        with httpx.Client(base_url=server.url, headers=headers) as http:
+            newest = http.get("/v1/populations/p/rounds?last=2")
+            assert [r["round"] for r in newest.json()["rounds"]] == [7, 8]
+            kept = {made[0].id, made[2].id}  # rounds 1 and 3 stay, 2 and 4 to 7 (the cursor's) go
+            done = store.prune_rounds(keep_rounds=1, ended_before=None, limit=100, keep_ids=kept, removed_at=1e9)
+            assert done.rounds == 5 and [r.number for r in store.rounds(task.id)] == [1, 3, 8]
+            older = http.get(newest.links["next"]["url"])
+            assert older.status_code == 200, older.text
+            assert [r["round"] for r in older.json()["rounds"]] == [1, 3] and "next" not in older.links
+            one = http.get(newest.links["next"]["url"].replace("last=2", "last=1"))
+            assert [r["round"] for r in one.json()["rounds"]] == [3] and "next" in one.links
+            never = http.get(f"/v1/populations/p/rounds?before={made[-1].id + 100}")
+            assert (never.status_code, never.json()["error"]["code"]) == (404, "UNKNOWN_ROUND")
+        # a day after its removal a removed round's place goes, at the next removal
+        store.record_round(task.id, 9, 1, "abandoned", {"selected": 0}, 9.0, 9.5)
+        store.prune_rounds(keep_rounds=1, ended_before=None, limit=100, removed_at=1e9 + 86_401)
+        assert store.round_page([task.id], 2, made[6].id) is None
+        assert [r.number for r in store.rounds(task.id)] == [9]
+        assert store.round_page([task.id], 2, made[7].id) == ([], False)  # removed just now: nothing before it
