@@ -39,6 +39,13 @@ _Float = Annotated[float, Strict()]
 MAX_NOISE_MULTIPLIER = 1e4
 #: The largest delta taken: a delta near 1/population or below is what the guarantee needs.
 MAX_DELTA = 0.1
+#: The least delta taken: below 1/population^2 of any population (1e15 devices) no guarantee is
+#: meant; down to 5e-324 the accountant would report an epsilon for it all the same.
+MIN_DELTA = 1e-30
+#: The least ``sampling_probability`` taken: a round's cohort is a larger share of any population
+#: than one device in a million; below it the accountant's RDP underflows to an epsilon of 0 (which
+#: reads as perfect privacy) with a warning a Renyi order, and at 1e-300 so does the PLD.
+MIN_SAMPLING_PROBABILITY = 1e-6
 
 DPMode = Literal["central", "distributed"]
 Weighting = Literal["unweighted", "capped"]
@@ -54,7 +61,7 @@ class DPConfig:
     0 turns the noise off (epsilon is then infinite: for audits and tests, never a deployment);
     otherwise at least ``MIN_NOISE_MULTIPLIER`` (``MIN_SAMPLED_NOISE_MULTIPLIER`` with sampling).
     ``clip``: each device's update is clipped to this L2 norm (with ``target_quantile``, the
-    starting clip). ``delta``: the delta epsilon is reported at. ``max_epsilon``: the task stops
+    starting clip). ``delta``: the delta epsilon is reported at (``MIN_DELTA`` to ``MAX_DELTA``). ``max_epsilon``: the task stops
     (completes) before a round would take it past this. ``weighting`` (central): every report
     weighs 1 (``unweighted``, the mean divides by the number of reports, which is treated as public)
     or min(examples, max_examples_per_report) / max_examples_per_report (``capped``, divided by the
@@ -62,7 +69,7 @@ class DPConfig:
     (central): adaptive clipping; the count's std defaults to goal_count / 20, as in TFF.
     ``mechanism`` / ``bitwidth`` (distributed): the devices' discrete noise and the modulus 2^bitwidth
     of the secure sum. ``sampling_probability``: opt in to amplification by sampling at this
-    probability (see the module docstring). ``accountant``: ``pld`` or ``rdp``. ``tree_rounds``
+    probability (``MIN_SAMPLING_PROBABILITY`` to 1, see the module docstring). ``accountant``: ``pld`` or ``rdp``. ``tree_rounds``
     (central): DP-FTRL with tree aggregation instead of fresh noise each round, a new tree every
     ``tree_rounds`` rounds (``central_dp.tree_step``); it assumes each device takes part in at most
     one round of a tree, and is accounted by RDP whatever ``accountant`` says."""
@@ -83,6 +90,18 @@ class DPConfig:
     tree_rounds: Annotated[_Int, Field(ge=1, le=1 << 20)] | None = None
 
     def __post_init__(self) -> None:
+        if self.delta < MIN_DELTA:
+            raise ValueError(
+                f"dp.delta {self.delta:g} is below {MIN_DELTA:g}, smaller than any guarantee means (delta is meant "
+                f"near 1/population or below); use {MIN_DELTA:g} to {MAX_DELTA:g}"
+            )
+        q = self.sampling_probability
+        if q is not None and q < MIN_SAMPLING_PROBABILITY:
+            raise ValueError(
+                f"dp.sampling_probability {q:g} is below {MIN_SAMPLING_PROBABILITY:g}, one device in a million of the "
+                "population a round (the accountant reports epsilon 0 there, which reads as perfect privacy); use "
+                f"{MIN_SAMPLING_PROBABILITY:g} to 1, or leave it out to account without sampling"
+            )
         z = self.noise_multiplier
         if 0.0 < z < MIN_NOISE_MULTIPLIER:
             raise ValueError(
@@ -112,4 +131,13 @@ class DPConfig:
             raise ValueError("dp.clipped_count_stddev is for adaptive clipping: set dp.target_quantile too")
 
 
-__all__ = ["DDPMechanism", "DPConfig", "DPMode", "MAX_DELTA", "MAX_NOISE_MULTIPLIER", "Weighting"]
+__all__ = [
+    "DDPMechanism",
+    "DPConfig",
+    "DPMode",
+    "MAX_DELTA",
+    "MAX_NOISE_MULTIPLIER",
+    "MIN_DELTA",
+    "MIN_SAMPLING_PROBABILITY",
+    "Weighting",
+]

@@ -49,6 +49,10 @@ def test_dp_settings_survive_the_task_record(z: float, clip: float, delta: float
         ("weighting", "weighted"),
         ("sampling_probability", 0.0),
         ("sampling_probability", 1.5),
+        ("sampling_probability", 1e-300),
+        ("sampling_probability", 9e-7),
+        ("delta", 5e-324),
+        ("delta", 1e-31),
         ("target_quantile", 1.0),
         ("clip_learning_rate", 0.0),
         ("mechanism", "laplace"),
@@ -119,3 +123,14 @@ def test_any_dp_setting_is_taken_or_refused_as_a_value_error_naming_dp(values: d
         assert "dp" in str(exc)
         return
     assert config.dp is not None and RoundConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_delta_or_sampling_probability_too_small_to_be_meant_is_refused_with_its_range() -> None:
+    """At 5e-324 the accountant still reports an epsilon, and at a sampling probability of 1e-300
+    it reports 0 (perfect privacy) with a warning a Renyi order: neither is a setting anyone means."""
+    for field, value, range_ in [("delta", 5e-324, "1e-30 to 0.1"), ("sampling_probability", 1e-300, "1e-06 to 1")]:
+        dp = {"mode": "central", "noise_multiplier": 1.0, "clip": 1.0, field: value}
+        with pytest.raises(ValueError, match=rf"dp\.{field} {value:g} is below .* use {range_}"):
+            RoundConfig.from_dict({"dp": dp})
+    edge = DPConfig(mode="central", noise_multiplier=1.0, clip=1.0, delta=1e-30, sampling_probability=1e-6)
+    assert (edge.delta, edge.sampling_probability) == (1e-30, 1e-6)
