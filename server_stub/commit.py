@@ -161,7 +161,8 @@ class CommitPipeline:
         self.unwritten: list[UnwrittenRound] = []  # closed rounds not yet on record, oldest first
         #: closed rounds' metrics changed by late reports, by round record id: written every
         #: ``late_metrics_every_s`` and on a read of the rounds, once per round however many came
-        self.late_due: dict[int, dict] = {}
+        #: (with the task's label)
+        self.late_due: dict[int, tuple[ClosedRound, str]] = {}
         self._closed_here = threading.local()  # commits the current thread's call created
 
     def close(self, pop: Population, run: TaskRun, core: RoundCore, phase: Phase, now: float, wall_now: float) -> None:
@@ -298,6 +299,7 @@ class CommitPipeline:
                     attempt,
                 )
         record_id = record.id if record is not None else None
+        record_key = (record.task_id, record.number, record.attempt) if record is not None else None
         dp_after = None
         if not dp_rounds.spends_privacy(phase.value, metrics):
             dp_rounds.strip(metrics)  # an abandoned round that released nothing spends no privacy
@@ -315,7 +317,7 @@ class CommitPipeline:
             p.outcome = phase
             for closed in run.closed:
                 if closed.core is p.core:
-                    closed.record_id = record_id
+                    closed.record_id, closed.record_key = record_id, record_key
             del run.closed[:-CLOSED_ROUNDS_KEPT]
             self._sessions.forget_closed(run)
             run.dp = dp_after if dp_after is not None else run.dp
@@ -392,7 +394,7 @@ class CommitPipeline:
                 self.unwritten.remove(u)
                 for closed in u.run.closed:
                     if closed.core is u.core:
-                        closed.record_id = record.id
+                        closed.record_id, closed.record_key = record.id, (record.task_id, record.number, record.attempt)
                 if u.core.late_reports:
                     self.note_late(u.run, u.core)  # late reports that came after the copy above
             log.info(
@@ -409,7 +411,7 @@ class CommitPipeline:
             if closed.core is core and closed.record_id is not None:
                 assert core.ended_at is not None
                 closed.metrics.update(core.stats(core.ended_at))
-                self.late_due[closed.record_id] = closed.metrics  # copied once, when written
+                self.late_due[closed.record_id] = (closed, run.label)  # its metrics copied once, when written
                 return
 
     def write_unwritten(self) -> int:
@@ -429,10 +431,22 @@ class CommitPipeline:
         """Write the metrics late reports changed since the last write (outside the lock); the
         ticker does every ``late_metrics_every_s``, a server that stops does once more."""
         with self._lock:
-            due = {record_id: dict(metrics) for record_id, metrics in self.late_due.items()}
+            due = {rid: (c, c.record_key, label, dict(c.metrics)) for rid, (c, label) in self.late_due.items()}
             self.late_due = {}
-        for record_id, metrics in due.items():
-            write_quietly(self.store.update_round_metrics, record_id, metrics)
+        for record_id, (closed, key, label, metrics) in due.items():
+            written = write_quietly(self.store.update_round_metrics, record_id, metrics, key)
+            if written is False and key is not None:  # logged once: its later late reports are not noted
+                with self._lock:
+                    if closed.record_id == record_id:
+                        closed.record_id = None
+                log.info(
+                    "%s: the late reports of round %d (attempt %d), %s in all, are not recorded: retention removed "
+                    "its record",
+                    label,
+                    key[1],
+                    key[2],
+                    metrics.get("rejected_late"),
+                )
 
 
 def _check_finite(state: dict[str, np.ndarray]) -> None:

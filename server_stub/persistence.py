@@ -660,9 +660,15 @@ class ServerStore:
             )
         return RoundRecord(rid, task_id, number, attempt, status, checkpoint_id, metrics, started_at, ended_at)
 
-    def update_round_metrics(self, round_id: int, metrics: dict) -> None:
+    def update_round_metrics(self, round_id: int, metrics: dict, key: tuple[int, int, int] | None = None) -> bool:
+        """Make the round record ``round_id`` say ``metrics``; with ``key`` (its task, number and
+        attempt) only if the record of that id is still that round's. Whether one was changed: not
+        when retention removed the record (and SQLite may have given its id to a newer one)."""
+        match = [rounds.c.id == round_id]
+        if key is not None:
+            match += [rounds.c.task_id == key[0], rounds.c.number == key[1], rounds.c.attempt == key[2]]
         with self.engine.begin() as conn:
-            conn.execute(update(rounds).where(rounds.c.id == round_id).values(metrics=_json(metrics)))
+            return bool(conn.execute(update(rounds).where(*match).values(metrics=_json(metrics))).rowcount)
 
     def extend_round(self, round_id: int, metrics: dict, ended_at: float) -> RoundRecord:
         """Make a round on record end later and say ``metrics``: the selection timeouts of an idle

@@ -4,7 +4,9 @@
 transactions while the server serves, the records beyond the newest ``keep_rounds`` of each task and
 those that ended more than ``keep_days`` ago, and the models nothing names any more; what a task
 needs to go on (its last committed round, its newest record, a DP task's rounds that spent privacy)
-is never removed, and what was removed is counted (``ServerStore.prune_rounds``)."""
+is never removed, and what was removed is counted (``ServerStore.prune_rounds``). A removed round
+still named by a page's cursor pages on from where it was (``removed_rounds``, kept a day); late
+reports of a removed round are logged once (how many), not written."""
 
 from __future__ import annotations
 

@@ -82,6 +82,9 @@ class ClosedRound:
     record_id: int | None
     metrics: dict
     secure: SecureRound | None = None
+    #: the record's task, number and attempt: late metrics are written to it, never to a record
+    #: that took its id after retention removed it (SQLite gives a removed newest id again)
+    record_key: tuple[int, int, int] | None = None
 
 
 @dataclass

@@ -114,3 +114,30 @@ def test_session_ids_and_tokens_come_from_the_services_token_source(tmp_path):
     drawn = sessions(None, "d") + sessions(None, "e")
     assert len({s for s, _ in drawn}) == len(drawn) == 6
     assert all(len(s) == 22 and len(t) == 43 for s, t in seeded + drawn)  # 16 and 32 bytes, URL-safe base64
+
+
+def test_late_reports_of_a_round_retention_removed_are_logged_once_and_never_written_to_another_record(
+    round_with_stragglers, caplog
+):
+    """Retention may remove a closed round's record while its stragglers still report. Their count
+    has nowhere to go: it is logged once, and never written over the record that took the removed
+    one's id (SQLite gives the id of a removed newest row to the next one)."""
+    from server_stub.persistence import rounds
+
+    service, store, now, stragglers, late = round_with_stragglers
+    [task] = store.tasks("pop")
+    [removed] = store.rounds(task.id)
+    with store.engine.begin() as conn:  # as retention does, here to the round it would keep
+        conn.execute(rounds.delete().where(rounds.c.id == removed.id))
+    newer = store.record_round(task.id, 99, 1, "abandoned", {"selected": 0}, 1.0, 2.0)
+    assert newer.id == removed.id
+    late(stragglers[0])
+    with caplog.at_level("INFO", logger="server_stub.commit"):
+        service.write_late_metrics()
+        late(stragglers[1])
+        service.write_late_metrics()
+    assert store.rounds(task.id)[0].metrics == {"selected": 0}
+    said = [r.getMessage() for r in caplog.records if "late reports" in r.getMessage()]
+    assert said == [
+        "pop/train: the late reports of round 1 (attempt 1), 1 in all, are not recorded: retention removed its record"
+    ], said
