@@ -92,15 +92,15 @@ def _killed_in_commit(point: str, server: ServerProcess, attested_runtimes, *, s
             assert (on_record, number) == ([], 0)
             assert np.array_equal(_flat(model), _flat(w0))
         # the device whose report closed the round met the restarted server, which no longer knows
-        # its session; the others' answers wait for no commit (a report that closes nothing writes
-        # none), yet one still on its way when the server died is lost the same way
+        # its session; so did any other whose answer was still on its way when the server died (a
+        # report that closes nothing waits for no commit, but on a loaded machine all of a round's
+        # answers can still be in flight at the kill): each is told its session is unknown
         # what devices of the next round download is the model on record
         sent = admin.checkpoint(admin.status("digits")["checkpoint_id"])
         assert np.array_equal(_flat(sent), _flat(model))
         outcomes = _outcomes(ended)
         lost = [o for o in outcomes if o[0] != Outcome.COMPLETED.value]
         assert set(lost) == {(Outcome.REPORT_REJECTED.value, "BAD_SESSION_TOKEN")}, outcomes
-        assert secure or 1 <= len(lost) < count, outcomes
         assert max(max(s.statuses, default=0) for s in switches) < 500
 
         # the next round commits once, and counts each of its devices once
