@@ -89,6 +89,25 @@ class _Stopped(BaseException):
     """The app's process ending at this point, in the process of the test."""
 
 
+def _stops_after_writes(engine, writes: int | None = None) -> None:
+    """Make the app's process end (``_Stopped``) at the statement after its first kept write, or
+    after ``writes`` writes in one transaction, before they are kept."""
+    from sqlalchemy import event
+
+    wrote, kept = [], []
+
+    @event.listens_for(engine, "commit")
+    def committed(conn: object) -> None:
+        kept.extend(wrote)
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def next_statement(conn, cursor, statement, *args):
+        if kept or len(wrote) == writes:
+            raise _Stopped
+        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            wrote.append(statement)
+
+
 @pytest.mark.parametrize("schedules_again", [False, True])
 def test_an_app_stopped_after_its_session_took_part_does_not_train_or_report_again(
     tmp_path, server, admin, digits, monkeypatch, schedules_again
@@ -138,27 +157,12 @@ def test_an_app_stopped_while_it_reschedules_a_job_keeps_the_old_job_or_the_new(
     """``schedule`` of a population already scheduled (a new interval, say) replaced its job in two
     transactions, removing it then adding the new one: an app stopped between them found no job at
     its next start, and never took part again."""
-    from sqlalchemy import event
-
     from device_runtime.conditions import TrainingInterval
 
     db = tmp_path / "app.db"
     app = ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False))
     app.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=3600))
-    engine = app._jobs._store.engine  # type: ignore[union-attr]  # a stored scheduler's
-    wrote, kept = [], []
-
-    @event.listens_for(engine, "commit")
-    def committed(conn: object) -> None:
-        kept.extend(wrote)
-
-    @event.listens_for(engine, "before_cursor_execute")
-    def next_statement(conn, cursor, statement, *args):  # the app's process ends once a write is kept
-        if kept:
-            raise _Stopped
-        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
-            wrote.append(statement)
-
+    _stops_after_writes(app._jobs._store.engine)  # type: ignore[union-attr]  # a stored scheduler's
     with pytest.raises(_Stopped):
         app.schedule("digits", interval=TrainingInterval(recurrent=True, min_interval_s=7200))
     app.close()
@@ -171,26 +175,11 @@ def test_an_app_stopped_while_it_moves_its_jobs_with_the_clock_moves_all_or_none
     """The wall clock set while the app runs moves every job's due time (``follow_clock``): moved
     job by job, an app stopped partway kept some jobs on the old clock and the others on the new
     one, a day apart, which its next start could not tell."""
-    from sqlalchemy import event
-
     db = tmp_path / "app.db"
     app = ParticipationScheduler(db, GOOD, settings=SchedulerSettings(watchdog=False))
     for population in ("digits", "text", "speech"):
         app.schedule(population, start_at=2.0e9)
-    engine = app._jobs._store.engine  # type: ignore[union-attr]  # a stored scheduler's
-    wrote, kept = [], []
-
-    @event.listens_for(engine, "commit")
-    def committed(conn: object) -> None:
-        kept.extend(wrote)
-
-    @event.listens_for(engine, "before_cursor_execute")
-    def next_statement(conn, cursor, statement, *args):  # the app's process ends once a write is kept
-        if kept or len(wrote) == 2:
-            raise _Stopped
-        if statement.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
-            wrote.append(statement)
-
+    _stops_after_writes(app._jobs._store.engine, writes=2)  # type: ignore[union-attr]  # a stored scheduler's
     with pytest.raises(_Stopped):
         app.shift_jobs(86_400.0)
     app.close()
