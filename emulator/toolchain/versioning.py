@@ -22,6 +22,12 @@ rewritten here, node by node, directly at the target opset:
   ``AveragePool``'s ``dilations`` of ones, ``Resize``'s ``antialias=0``); otherwise, and for ops
   with no rewrite (``Attention`` below 23, say), :class:`VersioningError` names the op, the node
   and the version.
+* where a version gave an existing attribute new values or another meaning, the node is written in
+  the older values that mean the same (``GridSample``-20's ``linear``/``cubic`` as -16's
+  ``bilinear``/``bicubic`` on 4-D inputs, ``DFT``-20's ``axis`` input as -17's attribute,
+  ``RoiAlign``'s ``output_half_pixel`` below 16) or refused naming the value
+  (:data:`_VALUES_SINCE`, ``RoiAlign``'s half-pixel default below 16, ``GroupNormalization``-21's
+  per-channel scale, floating-point ``Mod`` with ``fmod=0`` below 28).
 
 A rewrite that changes a value is a bug the release tests catch: they run the versioned work graph
 on the real release and compare its outputs with the unversioned plan's reference run.
@@ -134,11 +140,11 @@ class _Context:
         return self.types.get(name, (TensorProto.FLOAT, None, ()))[0] or TensorProto.FLOAT
 
 
-def _refuse(node: onnx.NodeProto, ctx: _Context, why: str) -> VersioningError:
+def _refuse(node: onnx.NodeProto, ctx: _Context, why: str, needed: int | None = None) -> VersioningError:
     label = f" {node.name!r}" if node.name else ""
     return VersioningError(
         f"op {node.op_type} (node{label}) cannot be expressed at opset {ctx.target}: {why}; "
-        f"claim only runtimes that run opset {_needed(node, ctx)} or build the plan without this op"
+        f"claim only runtimes that run opset {needed or _needed(node, ctx)} or build the plan without this op"
     )
 
 
@@ -373,6 +379,82 @@ def _type_rule(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     ]
 
 
+#: Attribute values a version added to an attribute its predecessors already had: below that opset
+#: the value means nothing (and a release's kernel for the older version may refuse it or compute
+#: otherwise), so a node holding one is refused.
+_VALUES_SINCE: dict[tuple[str, str], dict[str, int]] = {
+    ("Resize", "coordinate_transformation_mode"): {"half_pixel_symmetric": 19},
+    ("Pad", "mode"): {"wrap": 19},
+    ("ScatterND", "reduction"): {"max": 18, "min": 18},
+    ("ScatterElements", "reduction"): {"max": 18, "min": 18},
+}
+
+_FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+#: GridSample's mode names before opset 20 (4-D inputs only there).
+_GRID_SAMPLE_MODES_BEFORE_20 = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest"}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _older_values(node: onnx.NodeProto, ctx: _Context, older) -> onnx.NodeProto:
+    """The node in the values the older version ``older`` gives its attributes the same meaning
+    with, where a newer version renamed a value or changed what one means; refused where the
+    older version has no value that means the same."""
+    for a in node.attribute:
+        since = _VALUES_SINCE.get((node.op_type, a.name), {}).get(_text(helper.get_attribute_value(a)))
+        if since is not None and ctx.target < since <= ctx.source:
+            value = _text(helper.get_attribute_value(a))
+            raise _refuse(node, ctx, f"{a.name}={value!r} exists only from opset {since} on", since)
+    if node.op_type == "GridSample" and older.since_version < 20 <= ctx.source:
+        mode = _text(_attr(node, "mode", "linear"))
+        rank = ctx.rank(node.input[0])
+        if rank != 4:
+            shown = "unknown" if rank is None else str(rank)
+            raise _refuse(node, ctx, f"before opset 20 it samples 4-D inputs only, and its input's rank is {shown}", 20)
+        if mode not in _GRID_SAMPLE_MODES_BEFORE_20:
+            raise _refuse(node, ctx, f"mode={mode!r} has no form there", 20)
+        return _copy(node, mode=_GRID_SAMPLE_MODES_BEFORE_20[mode])
+    if node.op_type == "RoiAlign" and older.since_version < 16 <= ctx.source:
+        mode = _text(_attr(node, "coordinate_transformation_mode", "half_pixel"))
+        if mode != "output_half_pixel":
+            raise _refuse(
+                node,
+                ctx,
+                f"coordinate_transformation_mode={mode!r} (the default from opset 16) shifts the input coordinates "
+                "by half a pixel, which no version before 16 does",
+                16,
+            )
+        return _copy(node, drop=("coordinate_transformation_mode",))
+    if node.op_type == "DFT" and older.since_version < 20 <= ctx.source:
+        return _dft_axis_attribute(node, ctx)
+    if node.op_type == "Mod" and older.since_version < 28 <= ctx.source and not _attr(node, "fmod", 0):
+        if ctx.types.get(node.input[0], (0, None, ()))[0] in _FLOAT_TYPES:
+            raise _refuse(
+                node, ctx, "fmod=0 on floating-point inputs (floored, from opset 28) does not exist there", 28
+            )
+    if node.op_type == "GroupNormalization" and older.since_version < 21 <= ctx.source:
+        raise _refuse(node, ctx, "before opset 21 its scale and bias are per group, from 21 per channel", 21)
+    return node
+
+
+def _dft_axis_attribute(node: onnx.NodeProto, ctx: _Context) -> onnx.NodeProto:
+    """DFT's ``axis`` input (opset 20, default -2) as the attribute of opsets 17-19 (default 1)."""
+    given = _constant_input(node, 2, ctx, "axis")
+    axis = -2 if given is None else int(given.reshape(-1)[0])
+    rank = ctx.rank(node.input[0])
+    if axis < 0:
+        if rank is None:
+            raise _refuse(node, ctx, f"axis {axis} needs the input's rank, which is unknown", 20)
+        axis += rank
+    inputs = list(node.input[:2])
+    while inputs and not inputs[-1]:
+        inputs.pop()
+    return _copy(node, inputs=inputs, axis=axis)
+
+
 def _without_default_attributes(node: onnx.NodeProto, newer, older) -> onnx.NodeProto:
     """The node without the attributes the older version lacks that it sets to what the newer
     version does by default (``Cast``'s ``saturate=1``, ``Resize``'s ``antialias=0``,
@@ -417,6 +499,14 @@ def _fits(node: onnx.NodeProto, schema, ctx: _Context) -> str | None:
         have = _type_string(ctx.types[name][0])
         if ctx.types[name][0] and have not in kinds:
             return f"input {name!r} is {have}, which that version does not take"
+    outputs = list(schema.outputs)
+    for i, name in enumerate(node.output):
+        if not name or name not in ctx.types or not outputs or not ctx.types[name][0]:
+            continue
+        param = outputs[min(i, len(outputs) - 1)].type_str
+        have = _type_string(ctx.types[name][0])
+        if have not in allowed.get(param, {param}):
+            return f"output {name!r} is {have}, which that version does not make"
     return None
 
 
@@ -438,6 +528,7 @@ def _convert_node(node: onnx.NodeProto, ctx: _Context) -> list[onnx.NodeProto]:
     if target is None:
         raise _refuse(node, ctx, "the op does not exist there and has no rewrite into older ops")
     if source is not None and source.since_version != target.since_version:
+        node = _older_values(node, ctx, target)
         node = _without_default_attributes(node, source, target)
         why = _fits(node, target, ctx)
         if why is not None:

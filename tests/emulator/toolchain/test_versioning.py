@@ -302,3 +302,123 @@ def test_an_attribute_the_older_version_lacks_set_otherwise_than_by_default_is_s
     node = helper.make_node("AveragePool", ["x"], ["y"], name="dilated", kernel_shape=[2, 2], dilations=[2, 2])
     with pytest.raises(VersioningError, match=r"AveragePool \(node 'dilated'\).*opset 18.*dilations"):
         convert_model(model([node], [x], ["y"], 19), 18)
+
+
+@pytest.mark.parametrize("mode, older", [("linear", "bilinear"), ("cubic", "bicubic")])
+def test_grid_sample_modes_take_their_older_names_below_opset_20(mode, older):
+    """GridSample-20 renamed its modes; kept as they were, a release's GridSample-16 kernel refused them."""
+    inputs = [
+        helper.make_tensor_value_info("x", F32, [1, 2, 4, 4]),
+        helper.make_tensor_value_info("g", F32, [1, 3, 3, 2]),
+    ]
+    m = model([helper.make_node("GridSample", ["x", "g"], ["y"], mode=mode)], inputs, ["y"], 20)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32),
+        "g": rng.uniform(-1, 1, (1, 3, 3, 2)).astype(np.float32),
+    }
+    (node,) = onnx.ModelProto.FromString(assert_same(m, 16, feeds)).graph.node
+    assert helper.get_attribute_value(node.attribute[0]) == older.encode()
+
+
+def test_grid_sample_of_a_volume_is_refused_below_opset_20():
+    inputs = [
+        helper.make_tensor_value_info("x", F32, [1, 1, 3, 3, 3]),
+        helper.make_tensor_value_info("g", F32, [1, 2, 2, 2, 3]),
+    ]
+    m = model([helper.make_node("GridSample", ["x", "g"], ["y"], name="warp")], inputs, ["y"], 20)
+    with pytest.raises(VersioningError, match=r"GridSample \(node 'warp'\).*opset 19: .*4-D inputs only.*rank is 5"):
+        convert_model(m, 19)
+
+
+@pytest.mark.parametrize(
+    "op, attribute, value, opset, target",
+    [
+        ("Resize", "coordinate_transformation_mode", "half_pixel_symmetric", 19, 18),
+        ("Pad", "mode", "wrap", 19, 18),  # onnxruntime 1.15's Pad-18 kernel refuses it
+        ("ScatterND", "reduction", "max", 18, 16),
+        ("ScatterElements", "reduction", "min", 18, 17),
+    ],
+)
+def test_an_attribute_value_a_later_version_added_is_refused_below_it(op, attribute, value, opset, target):
+    """These nodes fit the older definition's attributes by name, but not by value: they were kept."""
+    x = helper.make_tensor_value_info("x", F32, [2, 4])
+    inputs, initializers = {
+        "Resize": (["x", "", "s"], [numpy_helper.from_array(np.array([1, 2], np.float32), "s")]),
+        "Pad": (["x", "p"], [numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64), "p")]),
+        "ScatterND": (["x", "i", "u"], [numpy_helper.from_array(np.array([[0, 1]], np.int64), "i")]),
+        "ScatterElements": (["x", "i", "u"], [numpy_helper.from_array(np.array([[0], [3]], np.int64), "i")]),
+    }[op]
+    if op.startswith("Scatter"):
+        shape = [1] if op == "ScatterND" else [2, 1]
+        initializers.append(numpy_helper.from_array(np.full(shape, 5.0, np.float32), "u"))
+    node = helper.make_node(op, inputs, ["y"], name="n", **{attribute: value})
+    m = model([node], [x], ["y"], opset, initializers)
+    with pytest.raises(
+        VersioningError, match=rf"{op} \(node 'n'\).*opset {target}: {attribute}='{value}'.*from opset {opset}"
+    ):
+        convert_model(m, target)
+
+
+def test_roi_align_keeps_its_coordinates_below_opset_16_or_is_refused():
+    """RoiAlign-16's default shifts by half a pixel, which RoiAlign-10 does not: it was kept and
+    computed otherwise; the older behaviour, named, was refused."""
+    x = helper.make_tensor_value_info("x", F32, [1, 1, 6, 6])
+    rois = numpy_helper.from_array(np.array([[0.3, 0.7, 4.2, 5.1]], np.float32), "rois")
+    batch = numpy_helper.from_array(np.array([0], np.int64), "batch")
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 1, 6, 6)).astype(np.float32)}
+
+    def roi_align(**mode) -> bytes:
+        node = helper.make_node(
+            "RoiAlign", ["x", "rois", "batch"], ["y"], name="pool", output_height=2, output_width=2, **mode
+        )
+        return model([node], [x], ["y"], 16, [rois, batch])
+
+    assert_same(roi_align(coordinate_transformation_mode="output_half_pixel"), 13, feeds)
+    for refused in (roi_align(), roi_align(coordinate_transformation_mode="half_pixel")):
+        with pytest.raises(VersioningError, match=r"RoiAlign \(node 'pool'\).*opset 13: .*'half_pixel'.*opset 16"):
+            convert_model(refused, 13)
+
+
+@pytest.mark.parametrize("axis", [None, 1, -3])
+def test_dft_axis_input_becomes_the_older_attribute_with_its_own_default(axis):
+    """DFT-20 takes its axis as an input defaulting to -2, DFT-17 as an attribute defaulting to 1:
+    without the axis the node was kept and transformed another axis of a rank-4 input."""
+    x = helper.make_tensor_value_info("x", F32, [1, 4, 6, 1])
+    inputs, initializers = ["x"], []
+    if axis is not None:
+        inputs, initializers = ["x", "", "axis"], [numpy_helper.from_array(np.array(axis, np.int64), "axis")]
+    m = model([helper.make_node("DFT", inputs, ["y"])], [x], ["y"], 20, initializers)
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 4, 6, 1)).astype(np.float32)}
+    assert_same(m, 17, feeds)
+
+
+def test_group_normalization_of_opset_21_is_refused_below_it():
+    """GroupNormalization-21 scales per channel where 18 scaled per group."""
+    x = helper.make_tensor_value_info("x", F32, [2, 4, 3, 3])
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
+    bias = numpy_helper.from_array(np.zeros(4, np.float32), "bias")
+    node = helper.make_node("GroupNormalization", ["x", "scale", "bias"], ["y"], name="gn", num_groups=2)
+    m = model([node], [x], [helper.make_tensor_value_info("y", F32, [2, 4, 3, 3])], 21, [scale, bias])
+    with pytest.raises(VersioningError, match=r"GroupNormalization \(node 'gn'\).*opset 18: .*per channel.*opset 21"):
+        convert_model(m, 18)
+
+
+def test_floored_float_mod_of_opset_28_is_refused_below_it():
+    """Mod-28 floors on floats by default; kept, a release's Mod-13 kernel failed on its first run."""
+    inputs = [helper.make_tensor_value_info(n, F32, [3]) for n in "ab"]
+    m = model([helper.make_node("Mod", ["a", "b"], ["y"], name="wrap")], inputs, ["y"], 28)
+    with pytest.raises(VersioningError, match=r"Mod \(node 'wrap'\).*opset 26: fmod=0 on floating-point.*opset 28"):
+        convert_model(m, 26)
+    truncated = model([helper.make_node("Mod", ["a", "b"], ["y"], fmod=1)], inputs, ["y"], 28)
+    feeds = {"a": np.array([5.5, -5.5, 3], np.float32), "b": np.array([2, 2, -2], np.float32)}
+    assert_same(truncated, 26, feeds)
+
+
+def test_a_cast_to_a_type_the_older_version_lacks_is_refused_naming_the_node():
+    x = helper.make_tensor_value_info("x", F32, [3])
+    m = model([helper.make_node("Cast", ["x"], ["y"], name="to_fp8", to=TensorProto.FLOAT8E4M3FN)], [x], ["y"], 19)
+    with pytest.raises(
+        VersioningError, match=r"Cast \(node 'to_fp8'\).*opset 18: output 'y' is tensor\(float8e4m3fn\)"
+    ):
+        convert_model(m, 18)
