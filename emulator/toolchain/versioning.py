@@ -25,7 +25,8 @@ rewritten here, node by node, directly at the target opset:
 * where a version gave an existing attribute new values or another meaning, the node is written in
   the older values that mean the same (``GridSample``-20's ``linear``/``cubic`` as -16's
   ``bilinear``/``bicubic`` on 4-D inputs, ``DFT``-20's ``axis`` input as -17's attribute,
-  ``RoiAlign``'s ``output_half_pixel`` below 16) or refused naming the value
+  ``RoiAlign``'s ``output_half_pixel`` below 16, a ``ceil_mode`` pool of opset 22 whose extra
+  last window starts in the right padding, which 22 drops, as ``ceil_mode=0``) or refused naming the value
   (:data:`_VALUES_SINCE`, ``RoiAlign``'s half-pixel default below 16, ``GroupNormalization``-21's
   per-channel scale, floating-point ``Mod`` with ``fmod=0`` below 28).
 
@@ -430,6 +431,12 @@ def _older_values(node: onnx.NodeProto, ctx: _Context, older) -> onnx.NodeProto:
         return _copy(node, drop=("coordinate_transformation_mode",))
     if node.op_type == "DFT" and older.since_version < 20 <= ctx.source:
         return _dft_axis_attribute(node, ctx)
+    if (
+        node.op_type in ("AveragePool", "MaxPool")
+        and older.since_version < 22 <= ctx.source
+        and _attr(node, "ceil_mode", 0)
+    ):
+        return _ceil_windows_before_22(node, ctx)
     if node.op_type == "Mod" and older.since_version < 28 <= ctx.source and not _attr(node, "fmod", 0):
         if ctx.types.get(node.input[0], (0, None, ()))[0] in _FLOAT_TYPES:
             raise _refuse(
@@ -437,6 +444,47 @@ def _older_values(node: onnx.NodeProto, ctx: _Context, older) -> onnx.NodeProto:
             )
     if node.op_type == "GroupNormalization" and older.since_version < 21 <= ctx.source:
         raise _refuse(node, ctx, "before opset 21 its scale and bias are per group, from 21 per channel", 21)
+    return node
+
+
+def _ceil_windows_before_22(node: onnx.NodeProto, ctx: _Context) -> onnx.NodeProto:
+    """A ``ceil_mode`` pool of opset 22, which drops a last window that would start in the right
+    padding, for versions that keep it: where every such extra window is dropped the pool is the
+    ``ceil_mode=0`` one; where none is, it is the same; otherwise, or with spatial sizes unknown,
+    refused."""
+    auto_pad = _text(_attr(node, "auto_pad", "NOTSET"))
+    if auto_pad not in ("NOTSET", "VALID"):
+        return node
+    kernel = [int(k) for k in _attr(node, "kernel_shape", [])]
+    n = len(kernel)
+    _, rank, dims = ctx.types.get(node.input[0], (0, None, ()))
+    spatial = list(dims[2:]) if rank else []
+    if len(spatial) != n or not all(isinstance(d, int) and d > 0 for d in spatial):
+        raise _refuse(
+            node,
+            ctx,
+            "ceil_mode=1 over spatial sizes that are unknown: from opset 22 a last window that would start in the "
+            "right padding is dropped, which older versions keep",
+            22,
+        )
+    strides = [int(v) for v in _attr(node, "strides", [1] * n)]
+    dilations = [int(v) for v in _attr(node, "dilations", [1] * n)]
+    pads = [int(v) for v in _attr(node, "pads", [0] * 2 * n)] if auto_pad == "NOTSET" else [0] * 2 * n
+    dropped = []
+    for i in range(n):
+        span = spatial[i] + pads[i] + pads[i + n] - ((kernel[i] - 1) * dilations[i] + 1)
+        if span >= 0 and span % strides[i]:  # ceil_mode adds a window here
+            dropped.append((span // strides[i] + 1) * strides[i] >= pads[i] + spatial[i])
+    if dropped and all(dropped):
+        return _copy(node, ceil_mode=0)
+    if any(dropped):
+        raise _refuse(
+            node,
+            ctx,
+            "ceil_mode=1 adds a last window that opset 22 drops (it starts in the right padding) along some "
+            "spatial axes only",
+            22,
+        )
     return node
 
 

@@ -422,3 +422,26 @@ def test_a_cast_to_a_type_the_older_version_lacks_is_refused_naming_the_node():
         VersioningError, match=r"Cast \(node 'to_fp8'\).*opset 18: output 'y' is tensor\(float8e4m3fn\)"
     ):
         convert_model(m, 18)
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+def test_a_ceil_mode_pool_of_opset_22_keeps_its_windows_below_it(op):
+    """Opset 22 drops a last ceil_mode window that starts in the right padding, which older versions
+    (and onnxruntime 1.15's kernels) keep: the pool is the floor one there, or refused where not."""
+    x = helper.make_tensor_value_info("x", F32, ["n", 1, 4, 4])
+    pool = helper.make_node(op, ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], pads=[0, 0, 1, 1], ceil_mode=1)
+    feeds = {"x": np.arange(32, dtype=np.float32).reshape(2, 1, 4, 4)}
+    (node,) = onnx.ModelProto.FromString(assert_same(model([pool], [x], ["y"], 22), 21, feeds)).graph.node
+    assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "ceil_mode")) == 0
+    inside = helper.make_node(op, ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)
+    assert_same(model([inside], [x], ["y"], 22), 21, feeds)  # its last window starts inside: kept as it is
+    mixed = helper.make_node(
+        op, ["x"], ["y"], name="p", kernel_shape=[2, 3], strides=[2, 2], pads=[0, 1, 1, 1], ceil_mode=1
+    )
+    with pytest.raises(VersioningError, match=rf"{op} \(node 'p'\).*opset 21: ceil_mode=1 .*some spatial axes only"):
+        convert_model(model([mixed], [x], ["y"], 22), 21)
+    unknown = helper.make_tensor_value_info("x", F32, ["n", 1, "h", "w"])
+    with pytest.raises(
+        VersioningError, match=rf"{op} \(node 'p'\).*opset 21: ceil_mode=1 over spatial sizes that are unknown"
+    ):
+        convert_model(model([mixed], [unknown], ["y"], 22), 21)
