@@ -70,12 +70,17 @@ def sign_report(report: Mapping[str, Any], key: Ed25519PrivateKey) -> dict[str, 
 
 def generate_signing_key(path: str | os.PathLike[str], *, label: str = "", force: bool = False) -> Ed25519PrivateKey:
     """A new key: the private key to ``path`` (mode 0600; an existing file is kept unless
-    ``force``) and its trust line to ``KEY.pub``."""
+    ``force``; its folder must exist) and its trust line to ``KEY.pub``."""
     path = Path(path)
     if path.exists() and not force:
         raise SigningKeyError(
             f"{path} already exists; servers may trust it. Name a new file, or pass --force to "
             "replace it (reports signed with the old key stop being accepted where only it is trusted)"
+        )
+    if not path.parent.is_dir():  # as `fedfleet authority`: a mistyped folder is said, not made
+        raise SigningKeyError(
+            f"cannot write the signing key {path}: there is no folder {path.parent}; make it first "
+            f"(mkdir -p {path.parent}) or name a file in a folder that exists"
         )
     key = Ed25519PrivateKey.generate()
     body = json.dumps(
@@ -87,7 +92,6 @@ def generate_signing_key(path: str | os.PathLike[str], *, label: str = "", force
         }
     ).encode("utf-8")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT

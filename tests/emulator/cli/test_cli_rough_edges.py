@@ -477,3 +477,18 @@ def test_rounds_of_a_population_with_none_on_record_says_so_instead_of_a_bare_he
         "no rounds of p on record yet: a round is on record once it commits or is abandoned",
         "no rounds of task t of p on record yet: a round is on record once it commits or is abandoned",
     ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plan", "keygen", "--key", "{d}/tester.key"], ["authority", "--trust", "{d}/t.json", "--key", "{d}/a.key"]],
+)
+def test_a_key_in_a_folder_that_does_not_exist_is_refused_naming_the_folder_and_none_is_made(argv, tmp_path, capsys):
+    folder = tmp_path / "keys"  # mistyped: plan keygen made it and wrote the key there, authority refused
+    assert cli.main([a.format(d=folder) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedfleet {' '.join(argv[:2]) if argv[0] == 'plan' else 'authority'}: cannot write ")
+    assert "folder" in err and err.count("\n") == 1, err
+    assert not folder.exists()
+    if argv[0] == "plan":
+        assert f"there is no folder {folder}; make it first (mkdir -p {folder})" in err, err

@@ -33,6 +33,7 @@ ADMIN_KEY = "operator-key-for-the-cli-test-0123456789"
 @pytest.fixture
 def tester_key(tmp_path) -> Path:
     """A tester's signing key made with `fedfleet plan keygen`; a server trusts its KEY.pub."""
+    (tmp_path / "keys").mkdir()  # keygen makes no folder, as `fedfleet authority` makes none
     key = tmp_path / "keys" / "tester.key"
     assert main(["plan", "keygen", "--key", str(key), "--label", "cli-test"]) == 0
     return key
