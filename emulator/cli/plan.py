@@ -276,6 +276,35 @@ FILE_KINDS = {
     ),
 }
 FILE_KINDS[".pth"] = FILE_KINDS[".pt"]
+#: Files a newcomer gives as a task file, which ran as Python and failed on their content ('name
+#: 'null' is not defined', 'invalid syntax'); refused by ``check_task_file`` before they run.
+FILE_KINDS.update(
+    {
+        ".key": (
+            "a key file",
+            "`fedfleet plan test DIR --signing-key {path}` takes a signing key (`fedfleet plan keygen` makes one), "
+            "`--admin-key-file {path}` a file of operator keys",
+        ),
+        ".pub": (
+            "a release trust line (`fedfleet plan keygen`'s KEY.pub)",
+            "`fedfleet server --release-trust {path}` takes it",
+        ),
+        ".json": (
+            "a JSON file",
+            "a release report goes with its bundle folder (`fedfleet deploy DIR`), an attestation trust anchor to "
+            "`fedfleet server --attestation-trust {path}`",
+        ),
+        ".data": (
+            "an ONNX model's external weights",
+            "`fedfleet plan from-onnx MODEL.onnx --label LABEL -o DIR` reads them beside the model",
+        ),
+        ".npz": ("a NumPy archive", "`fedfleet simulate --data npz:{path}` takes one as a fleet's data"),
+        ".csv": ("a table", "`fedfleet simulate --data table:{path},client=COLUMN` takes one as a fleet's data"),
+        ".parquet": ("a table", "`fedfleet simulate --data table:{path},client=COLUMN` takes one as a fleet's data"),
+    }
+)
+#: What ``check_task_file`` says a task file is, where a file of another kind is given.
+TASK_FILE_KIND = "a task file (Python, .py)"
 
 
 def refuse_file_kind(path: str | Path, wanted: str, *suffixes: str) -> None:
@@ -290,8 +319,9 @@ def refuse_file_kind(path: str | Path, wanted: str, *suffixes: str) -> None:
 
 def check_task_file(path: str | Path) -> None:
     """Refuse a model, fleet config, plan or a bundle's file given as a task file in one line naming
-    what takes it (a bundle's manifest or checkpoint ran as Python: 'null' is not defined)."""
-    refuse_file_kind(path, "a task file", ".onnx", ".pt", ".pth", ".toml")
+    what takes it (a bundle's manifest or checkpoint ran as Python: 'null' is not defined; a key,
+    trust line, JSON file or data set: a SyntaxError or NameError of its content)."""
+    refuse_file_kind(path, TASK_FILE_KIND, ".onnx", ".pt", ".pth", ".toml")
     plan = Path(path).suffix.lower() == ".fedplan"
     bundle = bundle_holding(path) if Path(path).is_file() else None
     if bundle is not None and Path(path).resolve() != (bundle / TASK_FILE).resolve():
@@ -301,6 +331,16 @@ def check_task_file(path: str | Path) -> None:
         )
     if plan and Path(path).is_file():
         check_bundle_path(path)  # a plan alone (plan from-onnx -o PLAN.fedplan): how to make a bundle
+    refuse_file_kind(path, TASK_FILE_KIND, ".key", ".pub", ".json", ".data", ".npz", ".csv", ".parquet")
+    if Path(path).suffix.lower() != ".py" and Path(path).is_file():  # a text or binary file of any other name
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+        try:
+            if len(head) < 1 << 20 or b"\x00" in head:
+                compile(head, str(path), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:  # ValueError: null bytes
+            why = f"{type(exc).__name__}: {exc.msg}" if isinstance(exc, SyntaxError) else "it holds null bytes"
+            raise TaskError(f"{path} is not a task file (Python, .py): it does not parse as Python ({why})") from None
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -322,22 +362,16 @@ def _keygen(args: argparse.Namespace, say) -> int:
     return 0
 
 
-def _signing_key(args: argparse.Namespace, say) -> Ed25519PrivateKey | None:
-    """The key of --signing-key or $FEDFLEET_SIGNING_KEY, loaded before any test runs; None (said
-    out loud) when neither is given."""
+def _signing_key(args: argparse.Namespace) -> Ed25519PrivateKey | None:
+    """The key of --signing-key or $FEDFLEET_SIGNING_KEY, loaded before any test runs; None when
+    neither is given (``_test`` says so once the task file has loaded)."""
     path = args.signing_key or os.environ.get(SIGNING_KEY_ENV)
-    if not path:
-        say(
-            f"note: the release reports will not be signed; a server that requires release reports refuses unsigned "
-            f"ones. Sign with --signing-key KEY (`fedfleet plan keygen --key KEY` makes a key) or ${SIGNING_KEY_ENV}"
-        )
-        return None
-    return load_signing_key(path)
+    return load_signing_key(path) if path else None
 
 
 def _test(args: argparse.Namespace, say) -> int:
-    check_task_file(args.target)  # before the note of an unsigned report, which would not be written
-    signing_key = _signing_key(args, say)  # a missing key file is said before a missing target
+    check_task_file(args.target)
+    signing_key = _signing_key(args)  # a missing key file is said before a missing target
     if not args.target.exists():
         raise TaskError(
             f"{args.target}: no such file or folder{did_you_mean_path(args.target)}; give a task file or a bundle folder"
@@ -348,7 +382,12 @@ def _test(args: argparse.Namespace, say) -> int:
         build_bundle(args.target, directory, runtimes=args.runtimes, say=say)
     elif args.runtimes:
         raise TaskError("--runtimes applies when building; build the directory again with `plan build --runtimes ...`")
-    passed = True
+    if signing_key is None:  # after the build: a file that is no task file is its one line
+        say(
+            f"note: the release reports will not be signed; a server that requires release reports refuses unsigned "
+            f"ones. Sign with --signing-key KEY (`fedfleet plan keygen --key KEY` makes a key) or ${SIGNING_KEY_ENV}"
+        )
+    results: dict[str, bool] = {}
     with WorkerPool() as pool:
         for built in release_test_bundle(directory, pool, say=say, signing_key=signing_key):
             report = built.report()
@@ -356,7 +395,15 @@ def _test(args: argparse.Namespace, say) -> int:
             say(textwrap.indent(release_table(report), "  "))
             signed = " (signed)" if signing_key is not None else " (unsigned)"
             say(f"{built.task.name}: {'passed' if report['passed'] else 'FAILED'}; report {built.report_path}{signed}")
-            passed = passed and report["passed"]
+            results[built.task.name] = bool(report["passed"])
+    passed = all(results.values())
+    if len(results) > 1:  # a group: its verdict last, not the last variant's own
+        failed = [name for name, ok in results.items() if not ok]
+        say(
+            f"{len(failed)} of {len(results)} tasks failed: {', '.join(failed)}"
+            if failed
+            else f"all {len(results)} tasks passed"
+        )
     if passed:
         say(
             f"next: fedfleet deploy {directory} --server URL --population P"
@@ -387,7 +434,7 @@ def _from_onnx(args: argparse.Namespace, say) -> int:
     if args.out.suffix == ".fedplan":
         return _plan_only(args, say)
     made = bundle_from_onnx(args.model, args.out, **_bundle_options(args), say=say)
-    _say_bundle(made, say)
+    _say_bundle(made, say, _command(args))
     return 0
 
 
@@ -397,7 +444,7 @@ def _from_torch(args: argparse.Namespace, say) -> int:
     made = from_torch(
         args.factory, [parse_input(spec) for spec in args.inputs], args.out, **_bundle_options(args), say=say
     )
-    _say_bundle(made, say)
+    _say_bundle(made, say, _command(args))
     return 0
 
 
@@ -439,7 +486,8 @@ def _bundle_options(args: argparse.Namespace) -> dict:
     )
 
 
-def _say_trained(made, say, frozen_rows: Mapping[str, tuple[int, ...]]) -> None:
+def _say_trained(made, say, frozen_rows: Mapping[str, tuple[int, ...]], command: str) -> None:
+    """What a made plan trains, and its warnings on stderr, each starting with ``command`` as typed."""
     say("trains:")
     for line in trainable_table(made.trainable):
         say(line)
@@ -457,10 +505,10 @@ def _say_trained(made, say, frozen_rows: Mapping[str, tuple[int, ...]]) -> None:
             f"no gradient reaches row {', '.join(map(str, rows))} of {weight} (an embedding's padding_idx, as in torch)"
         )
     for warning in made.warnings:
-        print(f"fedfleet: warning: {warning}", file=sys.stderr, flush=True)
+        print(f"{command}: warning: {warning}", file=sys.stderr, flush=True)
 
 
-def _say_bundle(made: ModelBundle, say) -> None:
+def _say_bundle(made: ModelBundle, say, command: str) -> None:
     say(
         f"wrote {made.directory}: {made.directory / 'task.py'} (a stub to edit), the model, task {made.task}'s plans and "
         "initial checkpoint"
@@ -471,7 +519,7 @@ def _say_bundle(made: ModelBundle, say) -> None:
         + f"; label: {made.label}"
     )
     say(f"reads collection: {made.collection}")
-    _say_trained(made, say, made.frozen_rows)
+    _say_trained(made, say, made.frozen_rows, command)
     features = ", ".join(dict.fromkeys([*made.inputs, made.label]))
     say("next:")
     say(f"  fedfleet plan test {made.directory} --signing-key KEY   (fedfleet plan keygen --key KEY makes one)")
@@ -506,7 +554,7 @@ def _plan_only(args: argparse.Namespace, say) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(serialize_plan(plan))
     say(f"wrote {args.out}: opset {plan.metadata.opset}, weights {', '.join(plan.weight_names)}")
-    _say_trained(made, say, task.frozen_rows)
+    _say_trained(made, say, task.frozen_rows, _command(args))
     say(
         "note: a plan file alone cannot be tested or deployed; -o DIR (a directory) writes a bundle with the initial "
         "checkpoint and a task file that `plan test DIR` and `deploy DIR` take"

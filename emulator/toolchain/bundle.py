@@ -372,7 +372,11 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
     for built in read_bundle(directory):
         report = built.report()
         if report is None:
-            raise TaskError(f"{built.root} has no release report; run `fedfleet plan test {directory}` first")
+            raise TaskError(
+                f"{built.root} has no release report; run `fedfleet plan test {directory} --signing-key KEY` first "
+                "(KEY: a key whose KEY.pub line is in the server's --release-trust file; without --signing-key, "
+                "only a server started with --allow-untested-plans takes the report)"
+            )
         try:
             config = RoundConfig.from_dict(built.manifest["round_config"])
         except ValidationError as exc:

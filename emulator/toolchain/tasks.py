@@ -530,11 +530,19 @@ def load_tasks(path: str | Path) -> list[Task]:
             f"task file {path} {'is a folder' if path.is_dir() else 'does not exist' + did_you_mean_path(path)}; "
             "give a task file's path"
         )
+    # a file of another kind (a key, a text file, a data set) runs as Python and fails on its
+    # content; without the .py of a task file, that is said first, not its NameError alone
+    other = path.suffix.lower() != ".py"
     try:
         namespace = runpy.run_path(str(path), run_name="__fedfleet_task__")
     except TaskError:
         raise
     except Exception as exc:  # noqa: BLE001 - the file is user code; say where it failed
+        if other:
+            raise TaskError(
+                f"{path} is not a task file (Python, .py): it does not run as Python: "
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+            ) from exc
         raise TaskError(f"task file {path} failed to run: {type(exc).__name__}: {exc}") from exc
     except SystemExit as exc:  # sys.exit() or argparse at the file's top level: the command ended there, as a success
         raise TaskError(
@@ -550,7 +558,10 @@ def load_tasks(path: str | Path) -> list[Task]:
     elif isinstance(found, (list, tuple)) and found and all(isinstance(t, (Task, TaskGroup)) for t in found):
         tasks = [t for item in found for t in (item.tasks() if isinstance(item, TaskGroup) else [item])]
     else:
-        raise TaskError(f"task file {path} defines no `task` (a Task) or `tasks` (a TaskGroup or a list of Task)")
+        raise TaskError(
+            f"task file {path} defines no `task` (a Task) or `tasks` (a TaskGroup or a list of Task)"
+            + (" (a task file is Python, named .py)" if other else "")
+        )
     names = [t.name for t in tasks]
     if len(set(names)) != len(names):
         raise TaskError(f"task file {path} defines two tasks with one name: {names}")

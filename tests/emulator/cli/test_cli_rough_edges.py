@@ -364,11 +364,11 @@ SERVER = ["--server", "http://127.0.0.1:9", "--population", "p"]  # never asked:
     [
         (
             ["plan", "build", "day.toml", "-o", "out"],
-            "fedfleet plan build: day.toml is a fleet config, not a task file; `fedfleet simulate day.toml` runs it",
+            "fedfleet plan build: day.toml is a fleet config, not a task file (Python, .py); `fedfleet simulate day.toml` runs it",
         ),
         (
             ["simulate", "--no-progress", "--task", "day.toml"],
-            "fedfleet simulate: --task day.toml is a fleet config, not a task file; `fedfleet simulate day.toml` runs it",
+            "fedfleet simulate: --task day.toml is a fleet config, not a task file (Python, .py); `fedfleet simulate day.toml` runs it",
         ),
         (
             ["simulate", "--no-progress", "task.py"],
@@ -480,6 +480,38 @@ def test_rounds_of_a_population_with_none_on_record_says_so_instead_of_a_bare_he
 
 
 @pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        ("admin.key", b"c2VjcmV0LW9wZXJhdG9yLWtleQ==\n", "`--admin-key-file admin.key`"),
+        ("tester.key.pub", b"ed25519 AAAA tester\n", "`fedfleet server --release-trust tester.key.pub`"),
+        ("report.json", b'{"passed": null}\n', "`fedfleet deploy DIR`"),
+        ("model.onnx.data", b"\x00\x00\x80?", "`fedfleet plan from-onnx MODEL.onnx"),
+        ("digits.npz", b"PK\x03\x04\x00", "`fedfleet simulate --data npz:digits.npz`"),
+        ("notes.txt", b"the lr sweep: 0.1 was too slow\n", "it does not parse as Python (SyntaxError"),
+        ("words.txt", b"sweep\n", "it does not run as Python: NameError: name 'sweep' is not defined"),
+    ],
+)
+def test_a_file_that_is_no_python_given_as_a_task_file_says_a_task_file_is_python_in_one_line(
+    name, content, said, tmp_path, capsys, monkeypatch
+):
+    """Where the key, trust line, JSON, weights or text ran as Python, a SyntaxError or NameError of its content."""
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_bytes(content)
+    assert cli.main(["plan", "test", name]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"fedfleet plan test: {name} is ") and captured.err.count("\n") == 1, captured.err
+    assert "not a task file (Python, .py)" in captured.err and said in captured.err, captured.err
+    assert captured.out == "" and not Path("build").exists()
+
+
+def test_a_task_file_without_the_py_suffix_still_builds(tmp_path, capsys):
+    task_file = tmp_path / "digits_task"  # Python under another name runs as before
+    task_file.write_text(TASK_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    assert cli.main(["plan", "build", str(task_file), "-o", str(tmp_path / "out"), "--runtimes", "1.31.1"]) == 0
+    assert (tmp_path / "out" / "digits_mlp" / "plan.fedplan").is_file()
+
+
+@pytest.mark.parametrize(
     "argv",
     [["plan", "keygen", "--key", "{d}/tester.key"], ["authority", "--trust", "{d}/t.json", "--key", "{d}/a.key"]],
 )
@@ -492,3 +524,27 @@ def test_a_key_in_a_folder_that_does_not_exist_is_refused_naming_the_folder_and_
     assert not folder.exists()
     if argv[0] == "plan":
         assert f"there is no folder {folder}; make it first (mkdir -p {folder})" in err, err
+
+
+def test_plan_test_of_a_group_ends_with_how_many_tasks_failed_and_which(tmp_path, capsys):
+    task_file = tmp_path / "pair.py"  # the failed task first: the last task's "passed" was the last line
+    task_file.write_text(f"""
+import dataclasses, runpy
+from emulator.toolchain.tasks import Budget
+base = dataclasses.replace(runpy.run_path({str(TASK_FILE)!r})["task"], predicates=())
+tasks = [dataclasses.replace(base, name="narrow", budget=Budget(step_ms=1e-9)), dataclasses.replace(base, name="roomy")]
+""")
+    assert cli.main(["plan", "test", str(task_file), "-o", str(tmp_path / "out"), "--runtimes", "1.31.1"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("roomy: passed") and lines[-1] == "1 of 2 tasks failed: narrow", lines
+
+
+def test_deploy_of_an_untested_bundle_gives_the_plan_test_command_with_its_signing_key(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bundle"
+    assert cli.main(["plan", "build", str(TASK_FILE), "-o", str(out), "--runtimes", "1.31.1"]) == 0
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+    capsys.readouterr()
+    assert cli.main(["deploy", str(out), "--server", "http://127.0.0.1:9", "--population", "p"]) == 2
+    err = capsys.readouterr().err
+    assert f"run `fedfleet plan test {out} --signing-key KEY` first" in err and err.count("\n") == 1, err
+    assert "--allow-untested-plans" in err  # where a report tested without a key goes

@@ -463,7 +463,7 @@ def test_parameters_the_exporter_folded_or_dropped_are_warned_of_in_one_line_nam
     onnx.save_model(m, str(tmp_path / "m.onnx"))
     assert _from_onnx(tmp_path / "m.onnx", tmp_path / "m.fedplan") == 0
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "folded or dropped" in line]
-    assert err.startswith("fedfleet: warning:")
+    assert err.startswith("fedfleet plan from-onnx: warning:")  # the command as typed, as its other lines
     named = err.split("(", 1)[1].split(")", 1)[0]
     assert set(named.split(", ")) == {"bn.weight", "bn.bias", "fc.bias"}
     assert "optimize=False" in err and "from-torch" in err
