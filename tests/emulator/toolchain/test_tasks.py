@@ -227,3 +227,17 @@ tasks = [task, evaluation_of(task, runtimes=("1.31.1",))]
 def test_loss_after_rounds_reads_the_round_it_names(losses, rounds, limit):
     passed, _ = loss_after_rounds(rounds, limit).check(Trial("1.31.1", (), tuple(0.5 for _ in losses), tuple(losses)))
     assert passed == (len(losses) > rounds and losses[rounds] <= limit)
+
+
+def test_a_file_without_the_py_suffix_loads_when_it_is_python_and_is_said_no_task_file_when_not(tmp_path):
+    words = tmp_path / "notes.txt"  # ran as Python: "task file notes.txt failed to run: NameError: ..."
+    words.write_text("sweep lr\n")
+    with pytest.raises(TaskError, match=r"notes\.txt is not a task file \(Python, \.py\): it does not run as Python"):
+        load_tasks(words)
+    data = tmp_path / "x.cfg"
+    data.write_text("x = 1\n")
+    with pytest.raises(TaskError, match=r"defines no `task`.* \(a task file is Python, named \.py\)"):
+        load_tasks(data)
+    renamed = tmp_path / "digits_task"  # Python under another name: its task, as before
+    renamed.write_text(TASK_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    assert [t.name for t in load_tasks(renamed)] == [t.name for t in load_tasks(TASK_FILE)]
