@@ -11,7 +11,9 @@ Gaussian, and Gaussians compose by adding their means and variances), whose epsi
 ``dp_accounting.get_epsilon_gaussian`` gives exactly (Balle and Wang 2018, the analytic Gaussian
 mechanism): that is the PLD answer without discretization, which ``PLDAccountant`` approaches from
 above, at a cost per round that does not grow with the rounds. ``method="rdp"`` uses
-``RdpAccountant`` instead (looser, for comparison with papers that report RDP).
+``RdpAccountant`` instead (looser, for comparison with papers that report RDP); a Renyi divergence
+it computes below 0 (cancellation, at a tiny sampling probability and a large multiplier) is left
+out of its conversion to epsilon, which would read it as epsilon 0 (``_rdp_epsilon``).
 
 The opt-in ``sampling_probability`` q assumes that each device takes part in each round
 independently with probability q (Poisson sampling) and that nobody, the server included, can
@@ -49,6 +51,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # dp_accounting (and the scipy it loads) is imported where used: about a second of
     # start-up that every server and CLI process without a DP task would pay
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 Method = Literal["pld", "rdp"]
 
@@ -162,6 +165,22 @@ def _sampled_pld(live: dict[float, int], q: float) -> pld_lib.PrivacyLossDistrib
     return composed
 
 
+def _rdp_epsilon(acc: rdp_lib.RdpAccountant, delta: float) -> float:
+    """``acc``'s epsilon at ``delta`` over the orders whose Renyi divergence it computed as a number
+    >= 0. For a tiny sampling probability at a large multiplier (q 1e-7 at z 4000, say) its sum for
+    the divergence cancels to below 0 at some orders, and dp-accounting converts a negative
+    divergence to epsilon 0 whatever the delta: an epsilon of 0 where the mechanism is not
+    (0, delta)-DP. The conversion at each order is a bound on its own, so the least over the others
+    still is; inf if none is left."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    rdp, orders = acc.rdp, acc.orders
+    sound = rdp >= 0  # NaN compares False
+    if not sound.any():
+        return math.inf
+    return float(rdp_lib.compute_epsilon(orders[sound], rdp[sound], delta)[0])
+
+
 @functools.lru_cache(maxsize=1024)
 def _cached_epsilon(counts: _Counts, delta: float, q: float | None, method: Method) -> float:
     """``_epsilon`` per counts: a round's budget check and its metrics read the same ledger value."""
@@ -185,7 +204,7 @@ def _epsilon(rounds: dict[float, int], delta: float, q: float | None, method: Me
             return float(dp_accounting.get_epsilon_gaussian(z_eff, delta))
         acc = rdp_lib.RdpAccountant()
         acc.compose(dp_accounting.GaussianDpEvent(z_eff))
-        return float(acc.get_epsilon(delta))
+        return _rdp_epsilon(acc, delta)
     pld = math.inf if method == "rdp" else float(_sampled_pld(live, q).get_epsilon_for_delta(delta))
     if math.isfinite(pld):
         return pld
@@ -196,7 +215,7 @@ def _epsilon(rounds: dict[float, int], delta: float, q: float | None, method: Me
     for z, count in sorted(live.items()):
         event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
         acc.compose(event, count)
-    return float(acc.get_epsilon(delta))
+    return _rdp_epsilon(acc, delta)
 
 
 @functools.lru_cache(maxsize=256)
@@ -218,7 +237,7 @@ def tree_epsilon(trees: tuple[tuple[float, int], ...], delta: float) -> float:
     acc = rdp_lib.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
     for z, n in live:
         acc.compose(dp_accounting.SingleEpochTreeAggregationDpEvent(z, n))
-    return float(acc.get_epsilon(delta))
+    return _rdp_epsilon(acc, delta)
 
 
 def epsilon(

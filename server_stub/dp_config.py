@@ -43,8 +43,9 @@ MAX_DELTA = 0.1
 #: meant; down to 5e-324 the accountant would report an epsilon for it all the same.
 MIN_DELTA = 1e-30
 #: The least ``sampling_probability`` taken: a round's cohort is a larger share of any population
-#: than one device in a million; below it the accountant's RDP underflows to an epsilon of 0 (which
-#: reads as perfect privacy) with a warning a Renyi order, and at 1e-300 so does the PLD.
+#: than one device in a million; below it dp-accounting's Renyi divergences lose their precision
+#: (some cancel to below 0 at a large multiplier, which the accountant leaves out) and the epsilons
+#: are 0 or near it, a setting nobody means.
 MIN_SAMPLING_PROBABILITY = 1e-6
 
 DPMode = Literal["central", "distributed"]
@@ -99,7 +100,7 @@ class DPConfig:
         if q is not None and q < MIN_SAMPLING_PROBABILITY:
             raise ValueError(
                 f"dp.sampling_probability {q:g} is below {MIN_SAMPLING_PROBABILITY:g}, one device in a million of the "
-                "population a round (the accountant reports epsilon 0 there, which reads as perfect privacy); use "
+                "population a round (the accountant's figures there are 0 or near it); use "
                 f"{MIN_SAMPLING_PROBABILITY:g} to 1, or leave it out to account without sampling"
             )
         z = self.noise_multiplier

@@ -301,3 +301,58 @@ def test_a_sampled_task_at_a_delta_below_the_plds_truncated_tails_still_reports_
     assert acc.epsilon(z, k, delta, sampling_probability=q) == pytest.approx(reference.get_epsilon(delta))
     assert acc.PrivacyLedger(delta=delta, sampling_probability=q).add_round(z, k).epsilon < math.inf
     assert acc.epsilon(z, k, 1e-12, sampling_probability=q) < reference.get_epsilon(1e-12)
+
+
+def _one_round_total_variation(z: float, q: float) -> float:
+    """The total variation between one round's outputs with and without a device: q times that of
+    N(1, z^2) and N(0, z^2), 2 Phi(1 / (2z)) - 1 (the sampled output is the mixture). k rounds'
+    joint output holds the first round's, so their total variation is at least this: at a delta
+    below it no number of rounds is (0, delta)-DP, and epsilon must be above 0."""
+    with mpmath.workdps(40):
+        return float(mpmath.mpf(q) * mpmath.erf(1 / (2 * mpmath.sqrt(2) * mpmath.mpf(z))))
+
+
+@pytest.mark.parametrize(
+    ("z", "q", "k", "delta", "method"),
+    [(3000.0, 1e-8, 1, 1e-30, "rdp"), (1e4, 1e-7, 1, 1e-20, "rdp"), (1e4, 1e-7, 100, 1e-30, "pld")],
+)
+def test_an_rdp_divergence_that_cancels_below_zero_never_reads_as_epsilon_0(
+    z: float, q: float, k: int, delta: float, method: acc.Method
+) -> None:
+    """At a tiny q and a large z dp-accounting's Renyi divergence cancels to below 0 at some orders
+    and converts to epsilon 0 at any delta (the PLD falls back to RDP below its truncated tails):
+    0 where the mechanism is provably not (0, delta)-DP. Those orders are left out."""
+    reference = rdp_privacy_accountant.RdpAccountant()
+    reference.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), k)
+    assert (reference.rdp < 0).any() and reference.get_epsilon(delta) == 0  # the library's failure
+    assert delta < _one_round_total_variation(z, q)
+    assert acc.epsilon(z, k, delta, sampling_probability=q, method=method) > 0
+
+
+def test_an_rdp_epsilon_of_0_is_kept_where_the_mechanism_is_0_delta_dp() -> None:
+    """z 1, q 1e-7, 1000 rounds: RDP says 0 and the PLD 7.7e-5, below its grid of 1e-4. RDP is right:
+    the rounds' KL divergence is at most their order-2 Renyi divergence, 1000 log(1 + q^2 (e^(1/z^2)
+    - 1)) (exact for the sampled Gaussian), so their total variation is at most
+    sqrt(1 - e^-KL) (Bretagnolle and Huber), 2.9e-6, below delta 1e-5."""
+    z, q, k, delta = 1.0, 1e-7, 1000, 1e-5
+    with mpmath.workdps(40):
+        kl = k * mpmath.log1p(mpmath.mpf(q) ** 2 * mpmath.expm1(1 / mpmath.mpf(z) ** 2))
+        assert mpmath.sqrt(-mpmath.expm1(-kl)) < delta
+    assert acc.epsilon(z, k, delta, sampling_probability=q, method="rdp") == 0
+    assert 0 < acc.epsilon(z, k, delta, sampling_probability=q) <= acc.PLD_DISCRETIZATION
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    z=st.floats(0.3, 1e4),
+    q=st.floats(1e-9, 1.0),
+    k=st.integers(1, 100_000),
+    share=st.floats(1e-20, 0.99),
+)
+def test_epsilon_is_above_0_wherever_the_mechanism_is_not_0_delta_dp(z: float, q: float, k: int, share: float) -> None:
+    delta = max(1e-30, share * _one_round_total_variation(z, q))
+    if not delta < _one_round_total_variation(z, q):
+        return
+    assert acc.epsilon(z, k, delta, sampling_probability=q, method="rdp") > 0
+    assert acc.epsilon(z, k, delta, method="rdp") > 0

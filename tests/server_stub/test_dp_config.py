@@ -127,7 +127,7 @@ def test_any_dp_setting_is_taken_or_refused_as_a_value_error_naming_dp(values: d
 
 def test_a_delta_or_sampling_probability_too_small_to_be_meant_is_refused_with_its_range() -> None:
     """At 5e-324 the accountant still reports an epsilon, and at a sampling probability of 1e-300
-    it reports 0 (perfect privacy) with a warning a Renyi order: neither is a setting anyone means."""
+    an epsilon of 0: neither is a setting anyone means."""
     for field, value, range_ in [("delta", 5e-324, "1e-30 to 0.1"), ("sampling_probability", 1e-300, "1e-06 to 1")]:
         dp = {"mode": "central", "noise_multiplier": 1.0, "clip": 1.0, field: value}
         with pytest.raises(ValueError, match=rf"dp\.{field} {value:g} is below .* use {range_}"):
