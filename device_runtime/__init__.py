@@ -22,6 +22,7 @@ from .dp_policy import DEFAULT_DP_POLICY, DPPolicy
 from .eligibility import EligibilityPolicies
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
+    CacheUnavailable,
     CorruptResource,
     InvalidSetting,
     NoExamples,
@@ -107,6 +108,7 @@ __all__ = [
     "ProtocolError",
     "NoExamples",
     "OverBudget",
+    "CacheUnavailable",
     "CorruptResource",
     "TrainingInterrupted",
     # the task author: plans, checkpoints, running a plan

@@ -80,5 +80,10 @@ class NoExamples(RuntimeSdkError):
     """The plan's example selector matched no examples in this app's stores."""
 
 
+class CacheUnavailable(RuntimeSdkError, OSError):
+    """A runtime given no ``cache_dir`` could not make its plan cache folder in the temp folder (a
+    full disk, an unwritable or missing ``TMPDIR``); the message says what to do."""
+
+
 class OverBudget(RuntimeSdkError):
     """A plan declares, or reaches while running, more memory or time than this device gives."""

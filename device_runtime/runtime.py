@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import errno
 import logging
 import os
 import random
 import secrets
+import tempfile
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,6 +40,7 @@ from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_up
 from .eligibility import EligibilityPolicies, Participation, evaluate
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
+    CacheUnavailable,
     CorruptResource,
     InvalidSetting,
     NoExamples,
@@ -216,7 +219,7 @@ class FLRuntime:
         if cache_dir is None and plan_cache is None:
             # a cache of its own lives as long as the runtime: nothing is left in the temp folder
             # (a killed app's is removed by the next runtime that makes one)
-            cache_dir, remove = own_cache_folder()
+            cache_dir, remove = _own_cache_folder()
             self._remove_own_cache = weakref.finalize(self, remove)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.runtime_version = runtime_version
@@ -859,6 +862,25 @@ def _peer_verifier(trust_anchor: Mapping[bytes, bytes], clock: Callable[[], floa
             f"trust_anchor is not the authority's {{key id: public key}} (AttestationAuthority.trust_anchor(), "
             f"or server_stub.read_trust_anchor(path)): {exc}"
         ) from None
+
+
+#: A folder not made for want of space: a full disk or a quota.
+_NO_SPACE = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(errno, name))
+
+
+def _own_cache_folder() -> tuple[str, Callable[[], None]]:
+    """``own_cache_folder``, its ``OSError`` as a ``CacheUnavailable`` that says what to do: a full
+    disk or an unwritable ``TMPDIR`` reached the app as a bare ``OSError`` from ``FLRuntime()``."""
+    try:
+        return own_cache_folder()
+    except OSError as exc:
+        where = getattr(tempfile, "tempdir", None) or os.environ.get("TMPDIR") or "the temp folder"
+        if exc.errno in _NO_SPACE:
+            advice = "the disk is full: free space and retry, or give FLRuntime a cache_dir= on another disk"
+        else:
+            advice = "give FLRuntime a cache_dir= this app may write, or set TMPDIR to a folder it may write"
+        reason = exc.strerror or str(exc)
+        raise CacheUnavailable(f"cannot make the plan cache folder in {where} ({reason}): {advice}") from exc
 
 
 def _check_settings(**settings: Any) -> None:

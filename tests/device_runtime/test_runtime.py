@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import socket
+import tempfile
 import threading
 import time
 
@@ -23,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from device_runtime import (
+    CacheUnavailable,
     CorruptResource,
     FLRuntime,
     NoExamples,
@@ -192,6 +194,21 @@ def test_a_runtime_without_a_cache_dir_leaves_no_folder_behind(server, admin, st
     dropped = FLRuntime("digits", server.url, store).cache_dir
     gc.collect()
     assert dropped.exists() is False
+
+
+def test_a_runtime_that_cannot_make_its_own_cache_folder_says_what_to_do(tmp_path, monkeypatch):
+    """An unusable temp folder (here a file where a folder should be, refused whoever runs it) was
+    a bare OSError out of FLRuntime(); now a typed error naming the folder and what to do."""
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(not_a_folder / "tmp"))
+    store = InMemoryExampleStore()
+    with pytest.raises(
+        CacheUnavailable, match=r"cannot make the plan cache folder in .*a-file/tmp .*cache_dir="
+    ) as err:
+        FLRuntime("digits", "http://127.0.0.1:9", store)
+    assert isinstance(err.value, OSError) and "Traceback" not in str(err.value)
+    assert FLRuntime("digits", "http://127.0.0.1:9", store, cache_dir=tmp_path / "cache").cache_dir is not None
 
 
 def test_a_given_cache_dir_outlives_its_runtime(server, admin, store, tmp_path):
