@@ -197,6 +197,7 @@ class FileKeyStore(KeyStore):
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
+                _sync_folder(self.path.parent)  # the rename itself on disk: else a power cut may undo it
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -221,6 +222,24 @@ class FileKeyStore(KeyStore):
 
     def __repr__(self) -> str:
         return f"FileKeyStore({str(self.path)!r})"
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries to disk (the rename of a file into it), where the platform can
+    open a folder to sync it (not Windows); a file system that cannot sync a folder is passed."""
+    if not hasattr(os, "O_DIRECTORY"):  # pragma: no cover - Windows: renames are not synced this way
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:  # a folder this app may write but not list (mode -wx): nothing to sync it by
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 #: A write that failed for want of space: a full disk, a quota, or the process's file size limit.

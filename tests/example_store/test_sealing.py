@@ -376,3 +376,21 @@ def test_a_key_store_write_removes_the_copies_of_writers_killed_before_their_ren
     FileKeyStore(path).get_or_create_key("another")
     assert not left.exists() and other.exists()
     assert FileKeyStore(path).aliases() == ["another", "app"]
+
+
+def test_a_key_store_write_syncs_the_file_then_its_folder_after_the_rename(tmp_path, monkeypatch):
+    """The rename of the key file into place is on disk only once its folder is synced: without
+    that, a power cut could undo the write of a new key, and the examples sealed with it be lost."""
+    path = tmp_path / "keys.json"
+    synced: list[tuple[str, bool]] = []  # (what the descriptor is, whether the key file was in place)
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        is_folder = stat.S_ISDIR(st.st_mode) and os.path.samestat(st, os.stat(tmp_path))
+        synced.append(("folder" if is_folder else "file", path.exists()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    FileKeyStore(path).get_or_create_key("app")
+    assert synced == [("file", False), ("folder", True)]
