@@ -56,6 +56,7 @@ from .errors import (
     SessionClosed,
     TooManyRequests,
     Unauthorized,
+    did_you_mean,
     quoted,
 )
 from .pace import MAX_DEFERRALS
@@ -87,6 +88,23 @@ DATABASE_GONE_LOG_EVERY_S = 60.0
 
 #: Resources kept in memory after they were read (the active tasks' plans and checkpoints).
 RECENT_RESOURCES = 8
+
+#: How many of a population's tasks a refused task name lists (the rest are counted).
+LISTED_TASKS = 5
+
+
+def _no_task(population: str, task: str, records: list[TaskRecord]) -> NotFound:
+    """A task name the population does not have, refused with the one of its tasks closest to it
+    (``trian``: ``train``) and the tasks it has, sorted (the first ``LISTED_TASKS`` and a count)."""
+    names = sorted({r.name for r in records})
+    listed = ", ".join(names[:LISTED_TASKS]) + (
+        f" and {len(names) - LISTED_TASKS} more" if len(names) > LISTED_TASKS else ""
+    )
+    has = f"it has {listed}" if names else "it has no task yet"
+    return NotFound(
+        f"population {quoted(population)} has no task {quoted(task)}{did_you_mean(task, names)}; {has}",
+        code="UNKNOWN_TASK",
+    )
 
 
 class FLService:
@@ -541,7 +559,7 @@ class FLService:
             raise NotFound(f"population {quoted(population)} does not exist", code="UNKNOWN_POPULATION")
         records = self.store.tasks(population)
         if task is not None and all(r.name != task for r in records):
-            raise NotFound(f"population {quoted(population)} has no task {quoted(task)}", code="UNKNOWN_TASK")
+            raise _no_task(population, task, records)
         names = {r.id: r.name for r in records if task is None or r.name == task}
         page = self.store.round_page(list(names), last, before)
         if page is None:
@@ -579,7 +597,7 @@ class FLService:
         if task is not None:
             chosen = next((t for t in tasks if t.name == task), None)
             if chosen is None:
-                raise NotFound(f"population {quoted(population)} has no task {quoted(task)}", code="UNKNOWN_TASK")
+                raise _no_task(population, task, tasks)
         else:
             with self._lock:
                 pop = self._populations.get(population)

@@ -130,3 +130,29 @@ def test_a_path_with_a_slash_too_many_is_a_path_the_server_does_not_have(server,
 def _routes(http: httpx.Client) -> list[dict]:
     spec = http.get("/openapi.json").json()
     return [{"path": path} for path in spec["paths"]]
+
+
+def test_an_unknown_task_names_the_close_one_and_the_tasks_the_population_has(service):
+    """``trian`` is refused naming ``train`` and the population's tasks, sorted; past a few, the
+    rest are counted; a population without tasks says so."""
+    plan = digits_plan()
+    plan_bytes, checkpoint = serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0))
+    service.create_population("digits-tasks")
+    with pytest.raises(ApiError) as refused:
+        service.rounds("digits-tasks", "train")
+    assert refused.value.message == "population 'digits-tasks' has no task 'train'; it has no task yet"
+    for name in ("train", "eval", "b", "c", "d", "e", "f"):
+        service.deploy_task("digits-tasks", name, plan_bytes, checkpoint, CONFIG)
+    for ask in (
+        lambda task: service.rounds("digits-tasks", task),
+        lambda task: service.current_model("digits-tasks", task),
+    ):
+        with pytest.raises(ApiError) as refused:
+            ask("trian")
+        assert (refused.value.code, refused.value.message) == (
+            "UNKNOWN_TASK",
+            "population 'digits-tasks' has no task 'trian' (did you mean train?); it has b, c, d, e, eval and 2 more",
+        )
+    with pytest.raises(ApiError) as refused:
+        service.rounds("digits-tasks", "zzzz")
+    assert refused.value.message.endswith("has no task 'zzzz'; it has b, c, d, e, eval and 2 more")
