@@ -9,3 +9,19 @@ def test_property_tests_run_without_a_deadline_or_the_too_slow_check():
     """A loaded machine must not fail a property (tests/conftest.py's ``suite`` profile)."""
     assert settings().deadline is None
     assert HealthCheck.too_slow in settings().suppress_health_check
+
+
+def test_a_mistyped_dev_subcommand_is_answered_with_the_one_meant_and_nothing_installed(tmp_path):
+    """``./dev demoo`` names ``demo`` above the usage and exits 2, before and without a venv or pip
+    (its Python is a stand-in that says each call); an unknown word close to none is named alone."""
+    import subprocess
+
+    from tests.support import checkout_with_stand_in_python
+
+    work, env = checkout_with_stand_in_python(tmp_path)
+    for typed, said in (("demoo", "demoo is not a command (did you mean demo?)"), ("x", "x is not a command")):
+        done = subprocess.run(["./dev", typed], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+        first, usage = done.stderr.splitlines()
+        assert (done.returncode, done.stdout, first) == (2, "", f"./dev: {said}")
+        assert usage.startswith("usage: ./dev demo")
+    assert not (work / ".venv").exists() and not (tmp_path / "calls.log").exists()
