@@ -28,7 +28,13 @@ COLLECTION = "app:/digits"
 
 
 class DemoConfigError(ValueError):
-    """A demo setting out of its range; the message names it and what to use instead."""
+    """A demo setting out of its range; the message names it and what to use instead. ``field``:
+    the DemoConfig field it refuses (None for a refusal of several), and ``says`` what the message
+    says of it, so that a command line can name the field by its own option (``--devices``)."""
+
+    def __init__(self, message: str, *, field: str | None = None, says: str = "") -> None:
+        super().__init__(message)
+        self.field, self.says = field, says
 
 
 @dataclass(frozen=True)
@@ -54,24 +60,27 @@ class DemoConfig:
     secagg_round_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
+        def need(ok: bool, field: str, says: str) -> None:
             if not ok:
-                raise DemoConfigError(message)
+                raise DemoConfigError(f"{field} {says}", field=field, says=says)
 
-        need(self.devices >= 1, f"devices must be at least 1, got {self.devices}")
-        need(self.rounds >= 1, f"rounds must be at least 1, got {self.rounds}")
+        need(self.devices >= 1, "devices", f"must be at least 1 (got {self.devices})")
+        need(self.rounds >= 1, "rounds", f"must be at least 1 (got {self.rounds})")
         need(
             1 <= self.goal_count <= self.devices,
-            f"goal {self.goal_count} must be between 1 and the number of devices ({self.devices}): a round needs that many reports",
+            "goal_count",
+            f"must be between 1 and the number of devices ({self.devices}): a round needs that many reports "
+            f"(got {self.goal_count})",
         )
         for name in ("dropout_prob", "late_prob"):
             value = getattr(self, name)
-            need(0.0 <= value <= 1.0, f"{name.removesuffix('_prob')} is a chance between 0 and 1, got {value}")
-        need(self.epochs >= 1, f"epochs must be at least 1, got {self.epochs}")
-        need(self.time_limit_s > 0, f"time limit must be positive seconds, got {self.time_limit_s}")
+            need(0.0 <= value <= 1.0, name, f"is a chance between 0 and 1 (got {value})")
+        need(self.epochs >= 1, "epochs", f"must be at least 1 (got {self.epochs})")
+        need(self.time_limit_s > 0, "time_limit_s", f"must be positive seconds (got {self.time_limit_s})")
         need(
             self.secagg_group_size >= 2,
-            f"a Secure Aggregation group needs at least 2 devices, got {self.secagg_group_size}",
+            "secagg_group_size",
+            f"must be at least 2: a Secure Aggregation group needs at least 2 devices (got {self.secagg_group_size})",
         )
 
 

@@ -52,6 +52,20 @@ def version() -> str:
         return "unknown (not installed; pip install -e . in the checkout)"
 
 
+#: The demo's options by the DemoConfig field each sets: a refused field is said by its option.
+DEMO_OPTIONS = {
+    "devices": "--devices",
+    "rounds": "--rounds",
+    "goal_count": "--goal",
+    "dropout_prob": "--dropout",
+    "late_prob": "--late",
+    "secagg_group_size": "--secagg-group",
+    "epochs": "--epochs",
+    "seed": "--seed",
+    "time_limit_s": "--time-limit",
+}
+
+
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train a digit classifier with an emulated fleet over real HTTP")
     defaults = DemoConfig()
@@ -221,7 +235,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 )
             summary = run_demo(config)
         except DemoConfigError as exc:  # one line, as every command's: not the top-level parser's usage
-            print(f"fedfleet demo: {exc}", file=sys.stderr)
+            # a field's refusal said by the option the user typed (--goal, not goal_count)
+            said = f"{DEMO_OPTIONS[exc.field]} {exc.says}" if exc.field in DEMO_OPTIONS else str(exc)
+            print(f"fedfleet demo: {said}", file=sys.stderr)
             return 2
         if summary["rounds_committed"] < config.rounds:  # the time limit ended it, which the table does not say
             print(

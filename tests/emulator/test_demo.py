@@ -66,18 +66,24 @@ def test_small_demo_with_secure_aggregation(tmp_path):
     "args, says",
     [
         (["--devices", "800"], "fedfleet simulate --devices 800"),  # more than the digits can be dealt to
-        (["--devices", "0"], "devices must be at least 1"),
-        (["--rounds", "0"], "rounds must be at least 1"),
-        (["--goal", "500"], "goal 500 must be between 1 and the number of devices"),
+        (["--devices", "0"], "fedfleet demo: --devices must be at least 1 (got 0)\n"),
+        (["--rounds", "0"], "fedfleet demo: --rounds must be at least 1 (got 0)\n"),
+        (["--goal", "500"], "fedfleet demo: --goal must be between 1 and the number of devices (100)"),
         (["--goal", "5"], "--goal 5 lets a round commit with fewer than 5 devices"),
-        (["--dropout", "2"], "dropout is a chance between 0 and 1"),
-        (["--late", "nan"], "late is a chance between 0 and 1"),
-        (["--epochs", "0"], "epochs must be at least 1"),
-        (["--time-limit", "-5"], "time limit must be positive"),
-        (["--secure", "--secagg-group", "1"], "at least 2 devices"),
+        (["--dropout", "2"], "fedfleet demo: --dropout is a chance between 0 and 1 (got 2.0)\n"),
+        (["--late", "nan"], "fedfleet demo: --late is a chance between 0 and 1 (got nan)\n"),
+        (["--epochs", "0"], "fedfleet demo: --epochs must be at least 1 (got 0)\n"),
+        (["--time-limit", "-5"], "fedfleet demo: --time-limit must be positive seconds (got -5.0)\n"),
+        (["--secure", "--secagg-group", "1"], "fedfleet demo: --secagg-group must be at least 2"),
     ],
 )
 def test_a_demo_setting_out_of_range_is_refused_in_one_line_with_what_to_use(args, says, capsys):
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedfleet demo: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_a_demo_config_out_of_range_is_said_by_its_field_to_a_python_caller():
+    with pytest.raises(ValueError, match=r"^goal_count must be between 1 and the number of devices \(4\)") as refused:
+        DemoConfig(devices=4, goal_count=5)
+    assert (refused.value.field, refused.value.says.endswith("(got 5)")) == ("goal_count", True)

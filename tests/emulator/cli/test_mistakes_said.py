@@ -277,3 +277,26 @@ def test_a_misspelt_key_file_names_the_file_beside_it(keys, tmp_path, capsys):
     assert cli.main(["server", "--db", str(tmp_path / "s.db"), "--attestation-trust", str(keys / "trst.json")]) == 2
     said = f"cannot read the trust anchor '{keys / 'trst.json'}': no such file (did you mean {keys / 'trust.json'}?)"
     assert said in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--devices", "0"], "fedfleet demo: --devices must be at least 1 (got 0)\n"),
+        (["--goal", "0"], "fedfleet demo: --goal must be between 1 and the number of devices (100): "),
+        (["--time-limit", "0"], "fedfleet demo: --time-limit must be positive seconds (got 0.0)\n"),
+        (["--secagg-group", "1"], "fedfleet demo: --secagg-group must be at least 2: "),
+    ],
+)
+def test_a_demo_option_out_of_range_is_said_by_the_option_as_typed(argv, said, capsys):
+    assert cli.main(["demo", *argv]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(said)
+
+
+def test_the_demo_options_a_refusal_names_are_the_demo_parser_s():
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli._demo_parser(sub)
+    parsed = {a.dest: a.option_strings[0] for a in sub.choices["demo"]._actions if a.dest != "help"}
+    assert {k: v for k, v in parsed.items() if k != "secure"} == cli.DEMO_OPTIONS
