@@ -185,10 +185,26 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from ..fleet.ray_backend import RayBackendError
     from ..fleet.simulator import ProgressBar, simulate
     from ..fleet.workload import load_workload
-    from ..toolchain.bundle import TASK_FILE, bundle_task_file
+    from ..toolchain.bundle import MANIFEST, SOURCE, TASK_FILE, bundle_task_file
     from ..toolchain.tasks import TaskError
     from .plan import check_task_file, refuse_file_kind
 
+    out = Path(args.out) if args.out else None
+    # a bundle's own folders (what plan build, from-onnx and from-torch wrote) keep the run's files out
+    if out is not None and (out / TASK_FILE).is_file() and ((out / SOURCE).is_file() or any(out.glob(f"*/{MANIFEST}"))):
+        print(
+            f"fedfleet simulate: --out {args.out} is a bundle folder (`fedfleet plan build` wrote it); give another "
+            "folder for the run's tables and report",
+            file=sys.stderr,
+        )
+        return 2
+    if out is not None and (out / MANIFEST).is_file() and (out.parent / TASK_FILE).is_file():
+        print(
+            f"fedfleet simulate: --out {args.out} is one task's folder of the bundle {out.parent}; give another "
+            "folder for the run's tables and report",
+            file=sys.stderr,
+        )
+        return 2
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
         print(
             f"fedfleet simulate: --target-accuracy {args.target_accuracy}: give an accuracy between 0 and 1",
@@ -255,7 +271,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
     for line in (workload.mapping_line(), workload.cast_line()):
         if line is not None:
             print(f"fedfleet simulate: {line}", file=sys.stderr)
-    out = Path(args.out) if args.out else None
     if out is not None and importlib.util.find_spec("matplotlib") is None:  # else a traceback after the whole run
         print(
             f"fedfleet simulate: --out {args.out} gets the run's plots, which need matplotlib: pip install "

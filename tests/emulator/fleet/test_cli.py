@@ -4,9 +4,13 @@ are refused with a message that names the problem."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from emulator.cli.commands import main
 from emulator.fleet import RoundRow
+from emulator.toolchain.bundle import build_bundle
+
+DIGITS_TASK = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
 
 
 def test_simulate_prints_the_summary_last_and_writes_the_run(tmp_path, capsys):
@@ -85,6 +89,22 @@ def test_an_out_that_is_a_file_or_cannot_be_made_is_refused_before_the_run(tmp_p
     assert "is a file" in capsys.readouterr().err and taken.read_text() == "keep me"
     assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(taken / "under"), "--no-progress"]) == 2
     assert "cannot write the run to --out" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_bundle_or_its_task_folder_is_refused_before_the_run(tmp_path, capsys):
+    """The run's tables and report would land among the plans `plan test` and `deploy` read."""
+    bundle = tmp_path / "digits"
+    build_bundle(DIGITS_TASK, bundle, runtimes=["1.31.1"])
+    before = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
+    for out, says in [
+        (bundle, f"--out {bundle} is a bundle folder (`fedfleet plan build` wrote it); give another folder"),
+        (bundle / "digits_mlp", f"--out {bundle / 'digits_mlp'} is one task's folder of the bundle {bundle}; give"),
+    ]:
+        run = ["simulate", "--devices", "20", "--hours", "0.1", "--task", str(bundle), "--out", str(out)]
+        assert main([*run, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == before
 
 
 def test_a_malformed_trace_is_refused_naming_its_file_and_line(tmp_path, capsys):
