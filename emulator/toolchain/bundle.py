@@ -77,10 +77,22 @@ class BuiltTask:
         except FileNotFoundError:
             return None
         except ValueError as exc:  # not JSON, not UTF-8
-            raise TaskError(f"{self.report_path} is damaged ({exc}); run `fedfleet plan test` again") from None
+            raise TaskError(
+                f"{self.report_path} is damaged ({exc}); {retest_hint(self.root.parent, 'again')}"
+            ) from None
         if not isinstance(report, dict):
-            raise TaskError(f"{self.report_path} is not a release report; run `fedfleet plan test` again")
+            raise TaskError(f"{self.report_path} is not a release report; {retest_hint(self.root.parent, 'again')}")
         return report
+
+
+def retest_hint(directory: str | Path, when: str) -> str:
+    """What to run for a bundle's missing or damaged release reports (``when``: first, again): the
+    test with the signing key a server that requires signed reports takes."""
+    return (
+        f"run `fedfleet plan test {directory} --signing-key KEY` {when} (KEY: a key whose KEY.pub line is in the "
+        "server's --release-trust file; without --signing-key, only a server started with --allow-untested-plans "
+        "takes the report)"
+    )
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -372,11 +384,7 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
     for built in read_bundle(directory):
         report = built.report()
         if report is None:
-            raise TaskError(
-                f"{built.root} has no release report; run `fedfleet plan test {directory} --signing-key KEY` first "
-                "(KEY: a key whose KEY.pub line is in the server's --release-trust file; without --signing-key, "
-                "only a server started with --allow-untested-plans takes the report)"
-            )
+            raise TaskError(f"{built.root} has no release report; {retest_hint(directory, 'first')}")
         try:
             config = RoundConfig.from_dict(built.manifest["round_config"])
         except ValidationError as exc:

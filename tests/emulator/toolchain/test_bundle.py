@@ -102,7 +102,9 @@ def test_deploy_refuses_a_damaged_report_or_round_config_in_one_line_before_the_
             report.write_text(text)
             assert main(deploy) == 2
             err = capsys.readouterr().err
-            assert err.count("\n") == 1 and says in err and "run `fedfleet plan test` again" in err, err
+            assert err.count("\n") == 1 and says in err, err
+            # the command to run, with the key a server that requires signed reports takes
+            assert f"run `fedfleet plan test {bundle} --signing-key KEY` again (KEY: a key whose KEY.pub" in err, err
         report.write_text("{}")
         _edit_manifest(lambda m: m["round_config"].update(goal_count=-5))(bundle / "digits_mlp")
         assert main(deploy) == 2
