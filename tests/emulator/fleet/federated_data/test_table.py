@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from emulator.fleet.federated_data import (
     DataSpecError,
     FeatureSpec,
     FederatedDataError,
+    FederatedDataset,
     load_data,
     load_table,
 )
@@ -138,23 +140,26 @@ def test_list_columns_keep_their_dtype_and_nested_lists_their_shape(tmp_path: Pa
     )
 
 
+def _loaded_with_peak(path: Path) -> tuple[FederatedDataset, int]:
+    """The table at ``path`` read by client ``c``, and the peak of what Python allocated meanwhile."""
+    tracemalloc.start()
+    try:
+        data = load_table(path, client="c", test_split="clients")
+        return data, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_list_column_is_read_without_a_python_object_per_value(tmp_path: Path) -> None:
     """200,000 rows of 784 floats took 10 GB and 40 s as Python floats; tracemalloc sees numpy's
     arrays and Python's objects, so the peak over the final arrays bounds what reading made."""
-    import tracemalloc
-
     rows, width = 4000, 256
     values = pa.array(np.random.default_rng(0).random(rows * width, dtype=np.float32))
     pq.write_table(
         pa.table({"c": [f"c{i % 40}" for i in range(rows)], "x": pa.FixedSizeListArray.from_arrays(values, width)}),
         tmp_path / "wide.parquet",
     )
-    tracemalloc.start()
-    try:
-        data = load_table(tmp_path / "wide.parquet", client="c", test_split="clients")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    data, peak = _loaded_with_peak(tmp_path / "wide.parquet")
     size = rows * width * 4
     assert data.features["x"].dtype == "float32" and peak < 4 * size  # as Python floats: over 8 times
 
@@ -294,7 +299,6 @@ def test_an_image_column_is_decoded_into_one_array_without_a_copy_per_image(tmp_
     MB of pixels); the images are decoded into their rows of one array. The load's own peak is the
     pixels and their copy in client order."""
     import io
-    import tracemalloc
 
     from PIL import Image
 
@@ -311,12 +315,7 @@ def test_an_image_column_is_decoded_into_one_array_without_a_copy_per_image(tmp_
         names=["bytes", "path"],
     )
     pq.write_table(pa.table({"c": [f"c{i % 40}" for i in range(rows)], "image": struct}), tmp_path / "femnist.parquet")
-    tracemalloc.start()
-    try:
-        data = load_table(tmp_path / "femnist.parquet", client="c", test_split="clients")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    data, peak = _loaded_with_peak(tmp_path / "femnist.parquet")
     assert peak < 2.5 * rows * 28 * 28  # an array and bytes per image, and the stack: 3 times
     assert data.features["image"].shape == (28, 28)
     assert np.array_equal({**data.train, **data.test}["c17"]["image"][1], files[57 % 16][1])
