@@ -3,7 +3,8 @@
 
 The figures follow the paper's: devices available / checking in / participating over the day
 (Fig. 5-6), round completions and durations (Fig. 5, 6 and 8), how the devices of a round ended up
-(Fig. 7; an abandoned round aggregated nothing and is drawn as a mark, not as outcome bars),
+(Fig. 7; an abandoned round published nothing and is drawn as a mark at its selected devices,
+over the reports it had summed, in grey: under Secure Aggregation its completed groups' masked inputs),
 drop-out by hour of day (Fig. 7's day/night contrast), traffic down and up per hour (Fig. 9) and
 per round, session shapes (Table 1), the model's accuracy and loss against simulated hours and
 against committed rounds, and per-client accuracy percentiles when the summary has them. Axes span
@@ -54,8 +55,10 @@ _ABANDONED = "#d62728"
 _LATE = "#ff7f0e"
 _DOWN = "#1f77b4"
 _UP = "#ff7f0e"
-#: An abandoned round (nothing aggregated): a dark x, apart from the outcome colours.
+#: An abandoned round (nothing published): a dark x, apart from the outcome colours.
 _ABANDONED_ROUND = "#444444"
+#: The reports an abandoned round summed and did not publish (a completed Secure Aggregation group's).
+_ABANDONED_SUMMED = "#bbbbbb"
 
 SUMMARY_JSON = "summary.json"
 REPORT_HTML = "report.html"
@@ -421,14 +424,17 @@ def plot_rounds(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figu
 def round_outcomes(rounds: list[RoundRow]) -> dict[str, list[int]]:
     """What each round's selected devices did, as the outcome chart stacks it: ``aggregated``,
     ``rejected`` (reported after the window) and ``dropped`` per round, all zero for an abandoned
-    round, which aggregated nothing and is drawn as one mark at ``abandoned_selected`` instead
-    (its selected devices; 0 for a committed round), and for the round still open when the run
+    round, which published nothing and is drawn as one mark at ``abandoned_selected`` instead
+    (its selected devices; 0 for a committed round) over ``abandoned_summed``, the reports it took
+    and summed all the same (its ``accepted``: under Secure Aggregation the masked inputs of its
+    groups that completed, which the server unmasked), and for the round still open when the run
     ended (outcome unfinished), drawn as one mark at ``unfinished_selected``."""
     out: dict[str, list[int]] = {
         "aggregated": [],
         "rejected": [],
         "dropped": [],
         "abandoned_selected": [],
+        "abandoned_summed": [],
         "unfinished_selected": [],
     }
     for r in rounds:
@@ -436,6 +442,7 @@ def round_outcomes(rounds: list[RoundRow]) -> dict[str, list[int]]:
         out["rejected"].append(max(0, r.reported - r.accepted) if r.committed else 0)
         out["dropped"].append(r.dropped if r.committed else 0)
         out["abandoned_selected"].append(r.selected if r.abandoned else 0)
+        out["abandoned_summed"].append(r.accepted if r.abandoned else 0)
         out["unfinished_selected"].append(r.selected if r.unfinished else 0)
     return out
 
@@ -446,7 +453,8 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
     rounds = run.rounds
     caption = (
         "Outcomes of each committed round's selected devices and drop-out by hour (paper, Fig. 7). "
-        "An abandoned round aggregated nothing: it is an x at the number of devices it selected."
+        "An abandoned round published nothing: it is an x at the number of devices it selected, over the "
+        "reports it had summed in grey (under Secure Aggregation, the masked inputs of its groups that completed)."
     )
     if any(r.unfinished for r in rounds):
         caption += (
@@ -455,15 +463,18 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         )
     if rounds:
         outcomes = round_outcomes(rounds)
-        # Stacked steps, not bars: three polygons whatever the number of rounds (a day of a large
-        # fleet has thousands, and a bar each took matplotlib seconds).
+        # Stacked steps, not bars: a polygon per outcome whatever the number of rounds (a day of a
+        # large fleet has thousands, and a bar each took matplotlib seconds).
         edges = [i + 0.5 for i in range(len(rounds) + 1)]  # round i spans [i - 0.5, i + 0.5]
         bottom = [0] * len(rounds)
         for key, colour, label in (
             ("aggregated", _COMMITTED, "reported, aggregated"),
             ("rejected", _LATE, "reported, rejected (late)"),
             ("dropped", _ABANDONED, "dropped out"),
+            ("abandoned_summed", _ABANDONED_SUMMED, "reported, summed, round abandoned"),
         ):
+            if key == "abandoned_summed" and not any(outcomes[key]):
+                continue  # no abandoned round had summed reports: no grey in the legend
             top = [b + c for b, c in zip(bottom, outcomes[key])]
             ax_o.fill_between(
                 edges, bottom + bottom[-1:], top + top[-1:], step="post", color=colour, linewidth=0, label=label
@@ -495,7 +506,7 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
                 linewidths=1.2,
                 s=24,
                 zorder=3,
-                label="abandoned round: devices selected, nothing aggregated",
+                label="abandoned round: devices selected, nothing published",
             )
         ax_o.set_xlim(edges[0], edges[-1])
         ax_o.set_ylim(bottom=0)

@@ -322,8 +322,10 @@ def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[
     Aggregation groups, and why in a clause with the options to change; None if none did. A group
     releases its sum only when more than two thirds of its devices (its threshold, and at least
     ``task.secagg_group_size``) send their masked inputs in time and answer the rounds after: a
-    device's privacy floor, which no option lowers. A round whose groups never formed (fewer than
-    k devices, or distributed-DP parameters that do not fit) says so."""
+    device's privacy floor, which no option lowers. The groups of those rounds that completed are
+    said too, with the masked inputs they summed: the server counted those devices as reported,
+    and the round published nothing of them. A round whose groups never formed (fewer than k
+    devices, or distributed-DP parameters that do not fit) says so."""
     stats = [(r, secure.get(r.round_id)) for r in rounds]
     lost = [st for _, st in stats if st and st.get("aborted")]
     unformed = [st for _, st in stats if st is not None and not st.get("groups")]
@@ -336,9 +338,18 @@ def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[
         late = sum(n for st in lost for where, n in st.get("aborted_in", {}).items() if where in _INPUT_ROUNDS)
         k = getattr(task, "secagg_group_size", None) or getattr(task, "secagg_min_group_size", None)
         floor = f", and at least task.secagg_group_size = {k}," if k else ""
+        completed = sum(st.get("completed", 0) for st in lost)
+        kept = (
+            f"; their {completed} other group{'s' if completed != 1 else ''} completed, and the "
+            f"{sum(st.get('summed_devices', 0) for st in lost)} masked inputs {'they' if completed != 1 else 'it'} "
+            f"summed count as reported (rounds.csv accepted), short of the {reports_to_commit(task)} a round needs "
+            "to commit, and were not published"
+            if completed
+            else ""
+        )
         parts.append(
             f"{len(lost)} lost {aborted} of their {groups} Secure Aggregation groups ({late} short of masked inputs or "
-            f"of answers after them): a group releases its sum only when more than two thirds of its devices{floor} "
+            f"of answers after them{kept}): a group releases its sum only when more than two thirds of its devices{floor} "
             f"send their masked inputs within task.report_timeout_s = {task.report_timeout_s:g} s of the round's "
             "selection closing (the devices' privacy floor, which no option lowers); lengthen task.report_timeout_s, "
             "or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"

@@ -659,21 +659,45 @@ def test_an_abandoned_round_has_no_outcome_bars_only_its_mark(rounds):
         bars = (out["aggregated"][i], out["rejected"][i], out["dropped"][i])
         if r.committed:
             assert bars == (r.accepted, r.reported - r.accepted, r.dropped) and out["abandoned_selected"][i] == 0
+            assert out["abandoned_summed"][i] == 0
         else:
             assert bars == (0, 0, 0) and out["abandoned_selected"][i] == r.selected
+            assert out["abandoned_summed"][i] == r.accepted  # what it summed and did not publish
 
 
 def test_the_outcome_chart_marks_each_abandoned_round_and_stacks_nothing_there(fleet_report):
     run, _summary, figures, _out = fleet_report
     ax = next(f for f in figures if f.name == "dropout.png").drawn.axes[0]
     abandoned = [(i, r.selected) for i, r in enumerate(run.rounds, start=1) if not r.committed]
-    (marks,) = [c for c in ax.collections if "abandoned" in c.get_label()]
+    (marks,) = [c for c in ax.collections if "abandoned round" in c.get_label()]
     assert [tuple(p) for p in marks.get_offsets()] == [(float(i), float(n)) for i, n in abandoned]
-    aggregated = next(c for c in ax.collections if c.get_label() == "reported, aggregated")
-    top = aggregated.get_paths()[0].vertices
-    for i, _n in abandoned:  # the polygon's height over round i (x in (i - 0.5, i + 0.5)) is zero
-        inside = top[(top[:, 0] > i - 0.5) & (top[:, 0] < i + 0.5)]
-        assert (inside[:, 1] == 0).all()
+    aggregated = next(c for c in ax.collections if c.get_label() == "reported, aggregated").get_paths()[0]
+    for i, _n in abandoned:  # the polygon has no height over round i
+        assert not aggregated.contains_point((i, 0.5))
+
+
+def test_an_abandoned_secure_round_is_drawn_with_the_reports_its_completed_groups_summed():
+    """Seed 1's 300 secure devices for 2 hours in groups of 8 (goal 20): round 2's first attempt
+    was abandoned with 7 of its 26 devices summed by the one of its three groups that completed
+    (rounds.csv accepted 7, the round's secagg summed_devices 7); the chart drew it as nothing
+    aggregated, an x over zero. It is an x over a grey step of 7, and its caption says so."""
+    from emulator.fleet.report import plot_dropout
+
+    nan = math.nan
+    rounds = [
+        RoundRow("t/1/1", "t", 0.0, 305.0, True, 26, 22, 22, 4, 305.0, 0.4, 2.0, outcome="committed"),
+        RoundRow("t/2/1", "t", 305.0, 567.0, False, 26, 7, 7, 12, 262.0, nan, nan, outcome="abandoned"),
+        RoundRow("t/2/2", "t", 567.0, 1047.0, False, 20, 0, 0, 10, 480.0, nan, nan, outcome="abandoned"),
+    ]
+    figure = plot_dropout(FleetRun(sessions=[], rounds=rounds, timeline=[], digest=""))
+    ax = figure.drawn.axes[0]
+    (grey,) = [c for c in ax.collections if c.get_label() == "reported, summed, round abandoned"]
+    (marks,) = [c for c in ax.collections if "abandoned round" in c.get_label()]
+    assert [tuple(p) for p in marks.get_offsets()] == [(2.0, 26.0), (3.0, 20.0)]
+    path = grey.get_paths()[0]
+    assert path.contains_point((2, 0.5)) and path.contains_point((2, 6.5)) and not path.contains_point((2, 7.5))
+    assert not any(path.contains_point((i, y)) for i in (1, 3) for y in (0.5, 25.5, 26.5))
+    assert "published nothing" in figure.caption and "groups that completed" in figure.caption
 
 
 def test_every_rate_in_the_summary_table_has_its_explanation(fleet_report):

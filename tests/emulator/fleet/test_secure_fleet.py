@@ -272,6 +272,29 @@ def _round(n: int, committed: bool, selected: int) -> RoundRow:
     )
 
 
+def test_the_completion_rate_counts_the_masked_inputs_of_the_groups_an_abandoned_round_completed():
+    """Seed 1's 300 secure devices for 2 hours in groups of 8 (goal 20): round 2's first attempt lost
+    one of its three groups short of masked inputs, and the one that completed summed 7 masked
+    inputs, which the server counted as reported (rounds.csv accepted 7); the note said only that
+    the round lost a group, as if it had nothing. It says what the completed groups summed (here
+    against this module's task, whose rounds commit with 8 reports)."""
+    config = secure_config()
+    nan = float("nan")
+    rounds = [
+        RoundRow("train/2/1", "train", 305.0, 567.0, False, 26, 7, 7, 12, 262.0, nan, nan, outcome="abandoned"),
+        RoundRow("train/2/2", "train", 567.0, 1047.0, False, 20, 0, 0, 10, 480.0, nan, nan, outcome="abandoned"),
+    ]
+    lost = {"aborted": 1, "aborted_in": {"MaskedInputCollection": 1}, "dropped": []}
+    secure = {
+        "train/2/1": {"groups": 3, "completed": 1, "summed_devices": 7, **lost},
+        "train/2/2": {"groups": 2, "completed": 0, "summed_devices": 0, **lost},
+    }
+    note = completion_note({"cannot_fill": None, "shapes": {}}, rounds, config.task, secure)
+    assert "2 lost 2 of their 5 Secure Aggregation groups (2 short of masked inputs or of answers after them; " in note
+    assert "their 1 other group completed, and the 7 masked inputs it summed count as reported (rounds.csv " in note
+    assert f"short of the {math.ceil(config.task.goal_count * config.task.min_fraction)} a round needs" in note
+
+
 def test_the_completion_rate_names_secure_groups_that_aborted_and_what_to_change():
     """A secure round that filled its seats and lost its groups is not 'short of reports': the
     note says a group needs more than two thirds of its masked inputs (a floor no option lowers),
