@@ -6,6 +6,7 @@ the service's lock; the caller wakes long polls when ``SecureRound.version`` mov
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from secagg import DuplicateMessage, OutOfOrder, Round, SecAggError, UnexpectedClient
 
@@ -20,9 +21,16 @@ from .service_state import Population, Session, TaskRun
 log = logging.getLogger(__name__)
 
 
-def advance_secure(run: TaskRun, core: RoundCore, secure: SecureRound, now: float) -> None:
+def advance_secure(
+    run: TaskRun,
+    core: RoundCore,
+    secure: SecureRound,
+    now: float,
+    on_reported: Callable[[list[str]], None] | None = None,
+) -> None:
     """Form the groups once selection is over; add each finished group's sum (the Master
-    Aggregator), count its summed devices as reported and the rest of the group as dropped,
+    Aggregator), count its summed devices as reported (``on_reported`` is told which: a device
+    interrupted after its masked input went in among them) and the rest of the group as dropped,
     so that the round need not wait for their deadlines. A sum outside the bounds honest
     devices keep (``check_group_sum``; under distributed DP ``ddp_rounds.sum_problem``) is
     dropped, its devices with it, and the reason kept for the round's metrics: one device's
@@ -70,6 +78,8 @@ def advance_secure(run: TaskRun, core: RoundCore, secure: SecureRound, now: floa
             elif core.confirm_group(summed, now):
                 assert run.accumulator is not None
                 run.accumulator = run.executor.accumulate(run.accumulator, total)
+                if on_reported is not None:
+                    on_reported(summed)
         else:
             log.info(
                 "task %s round %d: SecAgg group %d aborted: %s",

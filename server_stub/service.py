@@ -169,6 +169,11 @@ class FLService:
         # number and attempt, the round record that counts it among its selected devices. A device
         # is told the round's number only; a fleet simulation credits the session to its attempt.
         self.on_seated: Callable[[str, str, int, int], None] | None = None
+        # Called (under the lock) with the sessions a round has just counted as reported: a plain
+        # report taken in time, or the masked inputs a Secure Aggregation group summed (a device
+        # interrupted after its masked input went in included: its peers' shares recover its masks).
+        # A fleet simulation marks their session rows with it, whatever the device saw.
+        self.on_reported: Callable[[list[str]], None] | None = None
         self._populations: dict[str, Population] = {}
         self._started_at = clock()  # what a population without a task since the start is idle since
         self._sessions = SessionTable()
@@ -367,6 +372,8 @@ class FLService:
                 take_report(run, checked)
                 session.core.note_shape(shape and shape + "^")
                 session.core.confirm_report(session_id, now)
+                if self.on_reported is not None:
+                    self.on_reported([session_id])
                 pop = self._populations[run.record.population]
                 self._advance(pop, now)
                 number = session.core.number
@@ -719,7 +726,7 @@ class FLService:
         core = run.core
         if run.secure is not None and core.open:
             before = run.secure.version
-            secure_driver.advance_secure(run, core, run.secure, now)
+            secure_driver.advance_secure(run, core, run.secure, now, self.on_reported)
             if run.secure.version != before:
                 self._secagg_changed()
         phase = core.advance(now)

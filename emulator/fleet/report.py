@@ -1084,6 +1084,12 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
                 f" {many} still under way when the run ended {'are' if unfinished > 1 else 'is'} not counted"
                 " (outcome unfinished in sessions.csv)."
             )
+        if summary.get("secure_groups"):
+            out["dropout_rate"] += (
+                " Under Secure Aggregation a device interrupted after its group took its masked input is not"
+                " counted when the group summed it (summed in sessions.csv): its peers' shares recover its"
+                " masks, and the server counts it as reported."
+            )
         if drop > 0.10:
             out["dropout_rate"] += (
                 " Above that, the [faults] hazards of the config drive it; rounds absorb drop-out by"

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -134,7 +134,17 @@ class SessionRow(CsvTable):
     and in a table written before the column. ``outcome`` is the participation job's
     (``completed``, ``report_rejected``, ``interrupted``, ``error``; ``rejected`` for a rejected
     check-in), ``app_killed`` for a session the OS ended, or ``unfinished`` (``UNFINISHED``) for
-    one the run's end cut.
+    one the run's end cut. ``summed``: the server counted the session's report in its round (a
+    plain report taken in time, or a masked input its Secure Aggregation group summed), as
+    ``RoundRow.accepted`` counts it; under Secure Aggregation a device interrupted or killed after
+    its masked input went in (shape ``-v[]+!`` or ``-v[]+``) is summed all the same, its masks
+    recovered from its peers' shares. False in a table written before the column.
+
+    One row per seat: a device that checked in again while the server still held its seat (its app
+    killed, say) got that same session back (one of the round's ``selected``), and its row
+    covers both check-ins (``one_row_per_seat``): it starts at the first, ends with the last's
+    outcome, its shape is both check-ins' events in order (``-v[`` then ``-v[]+^`` is
+    ``-v[-v[]+^``), and its bytes and times add up.
     """
 
     device_id: str
@@ -154,6 +164,7 @@ class SessionRow(CsvTable):
     device_class: str
     local_hour: float
     attempt: int = 0
+    summed: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -182,7 +193,9 @@ class RoundRow(CsvTable):
     kept) is refused as an unknown session and counted in no round, while the device's session
     row shows it refused (shape ending ``#``). Under Secure Aggregation a device of a group that
     aborted is counted as dropped: its masked input was never summed, though its session row may
-    show a report sent and refused. ``accuracy`` and ``loss`` are NaN when the round measured
+    show a report sent and refused; a device of a group that completed is counted as reported
+    (``accepted``) when its masked input was summed, an interruption during the rounds after it
+    (ConsistencyCheck, Unmasking) included, and its session row is ``summed``. ``accuracy`` and ``loss`` are NaN when the round measured
     neither. ``bytes_down`` and ``bytes_up`` are what the sessions the attempt seated sent and
     received (see :func:`with_round_bytes`); a rejected check-in's bytes belong to no round.
     ``epsilon``: the task's epsilon after the round (its accountant's, published by a DP task's
@@ -226,7 +239,8 @@ def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizo
     """A row of outcome ``unfinished`` for each round attempt that seated sessions (their
     ``round_attempt``) but is not among ``rounds`` (the server's records of finished attempts):
     the attempt still open when the run ended. Its counts are its sessions': ``selected`` all of
-    them, ``reported`` those that reported (``^`` in time, ``#`` refused), ``accepted`` the ``^``,
+    them, ``reported`` those that reported (``^`` in time or ``summed``, ``#`` refused), ``accepted``
+    the ``^`` and ``summed``,
     ``dropped`` those that ended without a report; it starts at its first seated check-in (the
     server opened it at or before) and ends at ``horizon_s``. In the order the attempts first seated."""
     known = {r.round_id for r in rounds}
@@ -237,7 +251,7 @@ def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizo
     out = []
     for round_id, group in seated.items():
         start = min(s.start_s for s in group)
-        reported = [s for s in group if s.shape.endswith(("^", "#"))]
+        reported = [s for s in group if s.summed or s.shape.endswith(("^", "#"))]
         out.append(
             RoundRow(
                 round_id=round_id,
@@ -247,8 +261,8 @@ def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizo
                 committed=False,
                 selected=len(group),
                 reported=len(reported),
-                accepted=sum(1 for s in reported if s.shape.endswith("^")),
-                dropped=sum(1 for s in group if s.outcome != UNFINISHED and not s.shape.endswith(("^", "#"))),
+                accepted=sum(1 for s in reported if s.summed or s.shape.endswith("^")),
+                dropped=sum(1 for s in group if s.outcome != UNFINISHED and s not in reported),
                 duration_s=horizon_s - start,
                 accuracy=math.nan,
                 loss=math.nan,
@@ -258,10 +272,53 @@ def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizo
     return sorted(out, key=lambda r: r.start_s)
 
 
-def with_attempts(sessions: list[SessionRow], seated: Mapping[str, int]) -> list[SessionRow]:
+def with_attempts(
+    sessions: list[SessionRow], seated: Mapping[str, int], summed: Collection[str] = ()
+) -> list[SessionRow]:
     """``sessions`` with each accepted one's ``attempt`` from ``seated`` (the attempt that seated
-    each session, by session id, as the server recorded it); a session it does not name keeps its own."""
-    return [dataclasses.replace(s, attempt=seated[s.session_id]) if s.session_id in seated else s for s in sessions]
+    each session, by session id, as the server recorded it; a session it does not name keeps its
+    own), and ``summed`` set on the sessions whose reports the server counted (``summed``: their ids)."""
+    summed = summed if isinstance(summed, set | frozenset) else set(summed)
+    return [
+        dataclasses.replace(s, attempt=seated[s.session_id], summed=s.summed or s.session_id in summed)
+        if s.session_id in seated
+        else s
+        for s in sessions
+    ]
+
+
+def one_row_per_seat(sessions: list[SessionRow]) -> list[SessionRow]:
+    """``sessions`` with the rows of one seat made one (see ``SessionRow``): a device killed and
+    checked in again while the server held its seat has one row per check-in under the same session
+    id. The merged row stands where the seat's last row stood (the rows are in the order they ended)."""
+    rows: dict[str, list[SessionRow]] = {}
+    for s in sessions:
+        if s.session_id:
+            rows.setdefault(s.session_id, []).append(s)
+    if all(len(group) == 1 for group in rows.values()):
+        return sessions
+    out = []
+    for s in sessions:
+        group = rows.get(s.session_id) if s.session_id else None
+        if group is None or len(group) == 1:
+            out.append(s)
+        elif s is group[-1]:
+            first = group[0]
+            out.append(
+                dataclasses.replace(
+                    s,
+                    start_s=first.start_s,
+                    shape="".join(r.shape for r in group),
+                    bytes_down=sum(r.bytes_down for r in group),
+                    bytes_up=sum(r.bytes_up for r in group),
+                    examples=sum(r.examples for r in group),
+                    compute_s=round(sum(r.compute_s for r in group), 6),
+                    network_s=round(sum(r.network_s for r in group), 6),
+                    local_hour=first.local_hour,
+                    summed=any(r.summed for r in group),
+                )
+            )
+    return out
 
 
 def with_round_bytes(rounds: list[RoundRow], sessions: list[SessionRow]) -> list[RoundRow]:

@@ -48,7 +48,16 @@ from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import MIN_INTERVAL_S, STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
-from .tables import FleetRun, RoundRow, SessionRow, TimelineRow, unfinished_rounds, with_attempts, with_round_bytes
+from .tables import (
+    FleetRun,
+    RoundRow,
+    SessionRow,
+    TimelineRow,
+    one_row_per_seat,
+    unfinished_rounds,
+    with_attempts,
+    with_round_bytes,
+)
 from .workload import Workload, load_workload, task_round_config  # noqa: F401 - task_round_config: re-exported
 
 #: Simulated time 0 is midnight UTC of this day plus the config's ``start_utc_hour``.
@@ -179,6 +188,10 @@ class FleetSimulator:
         # number only): the session rows name their attempt with it (``with_attempts``)
         self.seated: dict[str, int] = {}
         self.service.on_seated = self._seated
+        # the sessions whose reports the server counted (a masked input summed by a group whose
+        # device was interrupted afterwards among them): their rows are ``summed``
+        self.summed: set[str] = set()
+        self.service.on_reported = self.summed.update
         self.service.create_population(self.population)
         specs_to_deploy = []
         for fleet_task in workload.tasks:  # what `fedfleet deploy` sends for each task of the bundle
@@ -442,9 +455,11 @@ class FleetSimulator:
         evaluation plan (all of them, or past ``MEASURED_ROUNDS`` a sample: ``MeasuredRounds``),
         and the digest; ``extra`` gets the last measured model's per-client accuracy on the test
         clients, and what ran (``Workload.info``). The session rows get the attempt that seated
-        each of them first (``with_attempts``), which the rounds' bytes and the audit read; the
+        each of them first (``with_attempts``, which also marks those whose reports the server
+        counted), and a seat's rows become one (``one_row_per_seat``: a device killed and checked
+        in again to its seat), which the rounds' bytes and the audit read; the
         attempt still open at the end is a row of outcome unfinished (``unfinished_rounds``)."""
-        self.sessions = with_attempts(self.sessions, self.seated)
+        self.sessions = one_row_per_seat(with_attempts(self.sessions, self.seated, self.summed))
         records = self.service.rounds(self.population)
         evaluators = {t.name: PlanExecutor(t.eval_plan) for t in self.workload.training if t.eval_plan is not None}
         test = self._test

@@ -85,11 +85,14 @@ def availability_swing(timeline: list[TimelineRow], start_hour_utc: float = 0.0)
 
 def is_dropout(session: SessionRow) -> bool:
     """A selected device that never got its report to the server: no completed (``^``) or
-    rejected (``#``) upload (paper, section 9: drop-out from computation errors, network failures
-    or changes in eligibility). A late report that the server rejected is not a drop-out: the
-    device finished, the round had closed. Nor is a session the run's end cut (``unfinished``):
-    it had not ended."""
-    return ended(session) and not session.shape.endswith(("^", "#"))
+    rejected (``#``) upload, and no report the server counted (``summed``) (paper, section 9:
+    drop-out from computation errors, network failures or changes in eligibility). A late report
+    that the server rejected is not a drop-out: the device finished, the round had closed. Nor is a
+    session the run's end cut (``unfinished``): it had not ended. Nor, under Secure Aggregation, is
+    a device interrupted after its group took its masked input, when the group summed it (shape
+    ``-v[]+!``, ``summed``): it contributed, its masks recovered from its peers' shares, and the
+    server counts it as reported, as the paper's protocol does (Bonawitz et al. 2017)."""
+    return ended(session) and not session.summed and not session.shape.endswith(("^", "#"))
 
 
 def ended(session: SessionRow) -> bool:

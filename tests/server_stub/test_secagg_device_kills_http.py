@@ -63,6 +63,8 @@ def test_a_device_killed_once_its_masked_input_left_is_summed_knows_it_took_part
 ):
     server, admin = attested_server, attested_admin
     deploy_secure(admin, population, **ROUND)
+    reported: list[str] = []  # the sessions the server counts as reported, as it tells a fleet simulation
+    server.service.on_reported = reported.extend
     switches = [KillSwitch() for _ in range(GROUP - 1)]
     others = attested_runtimes(server.url, population, GROUP - 1, transport=lambda i: switches[i])
     app = KilledApp(tmp_path / "killed", digits, authority, server.url, population)
@@ -82,6 +84,9 @@ def test_a_device_killed_once_its_masked_input_left_is_summed_knows_it_took_part
         [session] = opstats.sessions(population)
         assert session.shape == "-v[]+"
         assert opstats.last_participation(population) == session
+        # counted as reported with the survivors, as the round's metrics count it: it contributed
+        assert len(set(reported)) == len(reported) == GROUP == first["metrics"]["reported"]
+        server.service.on_reported = None
         assert _files_are_whole(app.folder / "cache")
         # the next round: the restarted app with fresh keys, its group exact and whole
         results = _sessions([restarted, *others.runtimes])

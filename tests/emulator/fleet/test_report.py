@@ -1051,3 +1051,14 @@ def test_a_stretch_without_a_round_is_measured_against_what_the_server_waits_for
     assert "so at most about 13 could check in, fewer than the 16.25" in note(149.4)
     assert "so at most about 9 could check in, fewer than the 10 the server expects" in note(152.4, goal=6)
     assert "which left about 20 free to check in, of the 16.25 a selection waits for" in note(142)
+
+
+def test_a_secure_runs_drop_out_rate_says_a_summed_masked_input_is_not_a_drop_out():
+    """The sentence under the drop-out rate of a secure run says which interrupted devices it does
+    not count: those whose masked input their group summed (``summed`` in sessions.csv)."""
+    from emulator.fleet.report import explain_rates
+
+    base = {"dropout_rate": 0.05, "sessions_accepted": 100, "sessions_unfinished": 0, "secure_groups": None}
+    secure = {**base, "secure_groups": {"rounds": 1, "groups": 1, "completed": 1}}
+    assert "summed in sessions.csv" in explain_rates(secure, [])["dropout_rate"]
+    assert "summed" not in explain_rates(base, [])["dropout_rate"]

@@ -208,3 +208,47 @@ def test_a_session_started_before_a_retry_opened_counts_in_the_retry_that_seated
     out = with_round_bytes(rounds, with_attempts([row], {"s": 2}))
     assert [(r.bytes_down, r.bytes_up) for r in out] == [(0, 0), (141_284, 129_283)]
     assert [(r.bytes_down, r.bytes_up) for r in with_round_bytes(rounds, [row])] == [(0, 0), (0, 0)]  # no attempt known
+
+
+def test_a_device_killed_and_seated_again_is_one_row_with_its_final_outcome():
+    """Seed 0's 400 secure devices for 3 hours (goal 20): d000059 was killed after sending its
+    masked input, checked in again 76 s later while the server held its seat, got the same session
+    back and was interrupted; the round selected it once, and its rows were two. One row now, as
+    the round counts it: from its first check-in, both check-ins' events, the last one's outcome,
+    the bytes of both; rows of other seats stay as they were, in their order."""
+    from emulator.fleet.tables import one_row_per_seat, unfinished_rounds, with_attempts
+
+    killed = dataclasses.replace(
+        _session("t/13", 7017.17, 5_000, 2_000), end_s=7128.71, shape="-v[]+", outcome="app_killed", compute_s=30.0
+    )
+    again = dataclasses.replace(
+        _session("t/13", 7205.16, 300, 100), end_s=7205.67, shape="-v!", outcome="interrupted", compute_s=0.5
+    )
+    other = dataclasses.replace(_session("t/13", 7100.0, 1, 1), device_id="e", session_id="s2")
+    rows = with_attempts([killed, other, again], {"s": 2, "s2": 2})
+    merged = one_row_per_seat(rows)
+    assert [(r.device_id, r.session_id) for r in merged] == [("e", "s2"), ("d", "s")]
+    seat = merged[1]
+    assert (seat.start_s, seat.end_s, seat.shape, seat.outcome) == (7017.17, 7205.67, "-v[]+-v!", "interrupted")
+    assert (seat.bytes_down, seat.bytes_up, seat.compute_s, seat.attempt) == (5_300, 2_100, 30.5, 2)
+    (open_round,) = unfinished_rounds([], merged, 8000.0)  # as many sessions as the round selected
+    assert open_round.selected == 2 and open_round.round_id == "t/13/2"
+    assert one_row_per_seat([killed, other]) == [killed, other]
+
+
+def test_a_masked_input_summed_before_its_device_was_interrupted_is_no_drop_out():
+    """Under Secure Aggregation a device interrupted during Unmasking (``-v[]+!``) whose group
+    summed its masked input contributed: the server counts it as reported, and the session-based
+    drop-out rate does not count it (it did, while the round's ``accepted`` counted it)."""
+    from emulator.fleet.summary import is_dropout, summarize
+    from emulator.fleet.tables import unfinished_rounds, with_attempts
+
+    row = dataclasses.replace(_session("t/1", 10.0, 1, 1), shape="-v[]+!", outcome="interrupted")
+    dropped = dataclasses.replace(row, session_id="s2")
+    seated = with_attempts([row, dropped], {"s": 1, "s2": 1}, summed={"s"})
+    assert [s.summed for s in seated] == [True, False]
+    assert [is_dropout(s) for s in seated] == [False, True]
+    run = FleetRun(sessions=seated, rounds=[], timeline=[], digest="")
+    assert run.summary()["dropout_rate"] == 0.5 == summarize(run)["dropout_rate"]
+    (open_round,) = unfinished_rounds([], seated, 100.0)
+    assert (open_round.selected, open_round.reported, open_round.accepted, open_round.dropped) == (2, 1, 1, 1)
