@@ -16,6 +16,7 @@ from typing import Any, NoReturn, TextIO
 
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from . import backup
 from .admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
@@ -68,6 +69,7 @@ class CommandParser(argparse.ArgumentParser):
     them so)."""
 
     def error(self, message: str) -> NoReturn:
+        message = _value_taken_for_a_command(self, message) or message
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
@@ -82,11 +84,36 @@ class CommandParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         """At the top, an argument no parser took is refused by the command it was given to, with
         the option its name is closest to (``--hourz``: ``--hours``)."""
+        self._typed = list(sys.argv[1:] if args is None else args)  # what ``error`` reads
         parsed, extras = super().parse_known_args(args, namespace)
         if extras and self.prog in TOP_LEVEL:
             command = _chosen(self, parsed)
             command.error(f"unrecognized arguments: {' '.join(extras)}{meant_options(command, extras)}")
         return parsed, extras
+
+
+def _value_taken_for_a_command(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """A command that also runs without one of its commands (``fedfleet server``, beside ``server
+    backup``) reads the value of an option it does not take as a command: ``fedfleet server
+    --population digits`` said "invalid choice: 'digits'". Said instead as the option it does not
+    take, with the commands that take it; None for any other mistake."""
+    commands = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction) and not a.required), None)
+    typed = getattr(parser, "_typed", None)
+    if commands is None or typed is None or "invalid choice" not in message:
+        return None
+    known = [o for action in parser._actions for o in action.option_strings]
+    unknown = [
+        token
+        for token in typed
+        if token.startswith("--") and not any(option.startswith(token.split("=")[0]) for option in known)
+    ]
+    if unknown:
+        return f"unrecognized arguments: {' '.join(unknown)}{meant_options(parser, unknown)}"
+    word = message.split("invalid choice: ", 1)[1].split("'")[1] if "invalid choice: '" in message else "?"
+    return (
+        f"{word} is not a command{did_you_mean(word, list(commands.choices))}: {parser.prog} "
+        f"{'|'.join(commands.choices)} ..., or {parser.prog} with options alone to run it"
+    )
 
 
 def meant_options(parser: argparse.ArgumentParser, typed: list[str]) -> str:
@@ -129,7 +156,7 @@ def _taken_by(parser: argparse.ArgumentParser, option: str) -> list[str]:
         p.prog
         for p in parsers(root)
         if p is not parser
-        and not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)
+        and not any(isinstance(a, argparse._SubParsersAction) and a.required for a in p._actions)
         and any(option in a.option_strings for a in p._actions)
     ]
 
@@ -295,6 +322,30 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="how much the server logs",
     )
+    commands = p.add_subparsers(
+        dest="server_command",
+        metavar="{backup,restore}",
+        title="other commands (without one, the server runs)",
+    )
+    backup = commands.add_parser(
+        "backup",
+        help="copy the server's SQLite file while it serves: one consistent snapshot, integrity-checked",
+        description="Copy a server's SQLite database, online (SQLite's backup API: one consistent snapshot while "
+        "the server goes on serving), into one self-contained file, checked with PRAGMA integrity_check and "
+        "written whole or not at all.",
+    )
+    backup.add_argument("--db", required=True, help="the server's SQLite file (a server may run on it)")
+    backup.add_argument("--out", required=True, help="the backup file to write (not the database itself)")
+    backup.add_argument("--force", action="store_true", help="replace --out if it exists (no server may run on it)")
+    restore = commands.add_parser(
+        "restore",
+        help="put a backup in place of a stopped server's SQLite file",
+        description="Put a backup in place of a server's SQLite database: refused while a server holds the "
+        "database (which it holds meanwhile, so that none starts on it); the replaced file's -wal and -shm are "
+        "removed and the checked copy renamed into place.",
+    )
+    restore.add_argument("--backup", required=True, help="the backup file (fedfleet server backup --out)")
+    restore.add_argument("--db", required=True, help="the server's SQLite file to replace; no server may run on it")
 
 
 def reload_keys_on_hangup(keys: AdminKeys, path: str) -> None:
@@ -357,6 +408,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     ``out`` defaults to the ``sys.stdout`` of the call, not of the import: a caller that swaps
     stdout (a test's capture, a redirect) after importing this module gets its own stream."""
     out = out or sys.stdout
+    if getattr(args, "server_command", None) is not None:
+        return run_server_command(args, out)
     if not args.attestation_trust:
         given = [
             f"--{dest.replace('_', '-')}"
@@ -503,6 +556,27 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     finally:
         server.close_listener()
         store.close()
+    return 0
+
+
+def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``fedfleet server backup`` and ``restore`` (``server_stub.backup``). Returns an exit status."""
+    out = out or sys.stdout
+    command = f"fedfleet server {args.server_command}"
+    try:
+        if args.server_command == "backup":
+            contents = backup.backup(args.db, args.out, force=args.force)
+            said = f"backed up {args.db} to {args.out}: {contents.describe()}; integrity check ok"
+        else:
+            contents = backup.restore(args.backup, args.db)
+            said = (
+                f"restored {args.db} from {args.backup}: {contents.describe()}; integrity check ok; a server started "
+                "on it goes on from each task's last committed round in the backup"
+            )
+    except backup.BackupError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+    print(said, file=out)
     return 0
 
 

@@ -185,7 +185,7 @@ def _load_metrics(text: str) -> dict:
 
 #: What to do about an operating system's error on the database's files (its lock file, a file
 #: SQLite could not make), by its errno: SQLite's own errors say theirs (``sqlite_advice``).
-_OS_ADVICE = {
+OS_ADVICE = {
     errno.ENOSPC: "the disk is full: free space and retry (nothing of the failed write was kept)",
     errno.EDQUOT: "the disk quota is used up: free space and retry (nothing of the failed write was kept)",
     errno.EROFS: "its file system is read-only: give --db a file on a writable one",
@@ -197,8 +197,8 @@ _OS_ADVICE = {
 def store_advice(exc: BaseException) -> str:
     """The reason a database error gives and what to do about it, in one line: SQLite's and
     SQLAlchemy's (``sqlite_advice``), and the operating system's on the files beside the database."""
-    if isinstance(exc, OSError) and exc.errno in _OS_ADVICE:
-        return f"{exc.strerror or exc}; {_OS_ADVICE[exc.errno]}"
+    if isinstance(exc, OSError) and exc.errno in OS_ADVICE:
+        return f"{exc.strerror or exc}; {OS_ADVICE[exc.errno]}"
     return sqlite_advice(exc)
 
 
@@ -310,6 +310,33 @@ def _round_record(row: Any) -> RoundRecord:
         row["started_at"],
         row["ended_at"],
     )
+
+
+def hold_file(file: str, shown: str | None = None, *, probe: bool = False) -> int:
+    """Take the advisory lock a server holds its SQLite ``file`` by (``ServerStore.hold``): a
+    descriptor of ``<file>.lock`` whose closing releases it, with this process's id written in it.
+    ``DatabaseInUse`` (naming ``shown``, the holder's pid and the lock file) when another process
+    holds it. With ``probe``, the lock is released at once, nothing is written, and -1 returned."""
+    lock_path = f"{file}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise DatabaseInUse(
+            f"the database {shown or file} is in use by another server (pid {holder}, {lock_path})"
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    if probe:
+        os.close(fd)
+        return -1
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 #: How often (seconds of real time) the server looks whether its database file is still at its path.
@@ -450,23 +477,13 @@ class ServerStore:
         the process ends, however it ends. Other databases (a server URL) are not held."""
         if fcntl is None or self._file is None:
             return
-        lock_path = f"{self._file}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
+            self._lock_fd = hold_file(self._file, self.path)
+        except DatabaseInUse as exc:
             raise DatabaseInUse(
-                f"the database {self.path} is in use by another server (pid {holder}, {lock_path}): stop it "
-                "first, or give --db another file; two servers on one database would run the same rounds twice"
+                f"{exc}: stop it first, or give --db another file; two servers on one database would run the "
+                "same rounds twice"
             ) from None
-        except OSError:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
 
     @property
     def held(self) -> bool:

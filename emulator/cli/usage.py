@@ -40,8 +40,9 @@ class FleetParser(CommandParser):
 
 
 def _commands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
-    """The group of commands ``parser`` chooses from, if it has one."""
-    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    """The group of commands ``parser`` chooses from, if it is one: a command that runs without one
+    of its commands (``fedfleet server``, beside ``server backup``) takes options of its own."""
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction) and a.required), None)
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:

@@ -1,0 +1,268 @@
+"""Backing a server's SQLite database up while it serves, and restoring one onto a stopped server's
+path (``fedfleet server backup`` / ``restore``).
+
+Why not a file copy: the database is in WAL mode, and its latest writes are in ``fl.db-wal``
+beside it; ``cp fl.db`` while the server runs copies a file without them, torn if a checkpoint
+writes it meanwhile. SQLite's backup API reads one consistent snapshot (in one step: a reader in
+WAL mode blocks no writer, and a backup in several steps starts again at each write of another
+process, so under a busy server it might never end). The copy is written beside its destination,
+checked (``PRAGMA integrity_check``, and the server's tables) and only then renamed into place, so
+a failed or killed backup leaves no half file under the name an operator restores from. The copy is
+one self-contained file (rollback journal, not WAL): it can be moved and copied as it is.
+
+Why a restore command: the steps by hand have three ways to go wrong that it rules out. A server
+still running on the file goes on writing into the file it opened, and what it writes is lost
+(restore holds the database as a server does, and refuses one a server holds); ``fl.db-wal`` left
+from the replaced file would be applied to the restored one (restore removes it and ``fl.db-shm``
+first); and a copy cut short would be started on (restore renames a checked copy into place)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from .persistence import OS_ADVICE, DatabaseInUse, hold_file, store_advice
+
+
+def _os_reason(exc: OSError) -> str:
+    """An operating system's error on a file this module writes, with what to do about it."""
+    if exc.errno in OS_ADVICE:  # a full disk, a read-only file system, permissions
+        return store_advice(exc)
+    return f"{exc.strerror or exc}; check that the folder exists and is on a file system this user may write"
+
+
+#: The tables every server database has, from the first layout on.
+SERVER_TABLES = ("populations", "resources", "tasks", "rounds")
+
+
+class BackupError(Exception):
+    """A backup or restore that cannot be made; the message says why and what to do, in one line."""
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a server database holds, as the operator checks a backup by it."""
+
+    populations: int
+    tasks: int
+    rounds: int
+    bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.populations} population(s), {self.tasks} task(s), {self.rounds} round record(s), {self.bytes} bytes"
+        )
+
+
+def _connect(path: str, what: str) -> sqlite3.Connection:
+    """An existing SQLite file opened for reading and writing (never created: a missing file is
+    refused before, a file that vanished since fails here)."""
+    try:
+        return sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=rw", uri=True, timeout=5.0)
+    except sqlite3.Error as exc:
+        raise BackupError(f"cannot open {what} {path}: {store_advice(exc)}") from None
+
+
+def _server_contents(conn: sqlite3.Connection, path: str, what: str) -> Contents:
+    """The counts of a server database, or ``BackupError`` for a file that is not one (``what``
+    names it: the option it was given to)."""
+    advice = "give a file fedfleet server backup wrote" if what == "--backup" else "give the --db a server runs with"
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        missing = [t for t in SERVER_TABLES if t not in tables]
+        if missing:
+            raise BackupError(
+                f"{what} {path} is not a server database (it has no table {', '.join(missing)}); {advice}"
+            )
+        count = {
+            t: int(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]) for t in ("populations", "tasks", "rounds")
+        }
+        size = conn.execute("PRAGMA page_count").fetchone()[0] * conn.execute("PRAGMA page_size").fetchone()[0]
+    except sqlite3.OperationalError as exc:  # locked past the busy timeout, unreadable
+        raise BackupError(f"cannot read {what} {path}: {store_advice(exc)}") from None
+    except sqlite3.DatabaseError as exc:  # not an SQLite file at all
+        raise BackupError(f"{what} {path} is not a server database ({exc}); {advice}") from None
+    return Contents(count["populations"], count["tasks"], count["rounds"], int(size))
+
+
+def server_database(path: str, option: str = "--db") -> Contents:
+    """What the server database at ``path`` holds; ``BackupError`` for a file that does not exist
+    or is not one (checked without writing to it: a server's store would make its tables there)."""
+    _check_file(path, "server database", option)
+    conn = _connect(path, "the database")
+    try:
+        return _server_contents(conn, path, option)
+    finally:
+        conn.close()
+
+
+def _check_file(path: str, what: str, option: str) -> None:
+    if "://" in path:
+        raise BackupError(
+            f"{option} {path} is a URL; give the SQLite file's path (a database server has its own backups)"
+        )
+    if os.path.isdir(path):
+        raise BackupError(f"{option} {path} is a folder; give the {what}'s file")
+    if not os.path.exists(path):
+        raise BackupError(f"{option} {path} does not exist; give the {what}'s file")
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _checked_copy(source: sqlite3.Connection, source_path: str, dest: str, option: str) -> tuple[str, Contents]:
+    """Copy ``source`` (one snapshot, SQLite's backup API) into a new file beside ``dest``, check it
+    and make it durable: its path (the caller renames it into place, or removes it) and what it holds."""
+    folder = os.path.dirname(os.path.abspath(dest))
+    if not os.path.isdir(folder):
+        raise BackupError(f"{option} {dest}: its folder {folder} does not exist; make it first, or give another path")
+    try:
+        fd, part = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(dest)}.", suffix=".part")
+    except OSError as exc:
+        raise BackupError(f"cannot write in {folder} ({option}): {_os_reason(exc)}") from None
+    os.close(fd)
+    try:
+        copy = sqlite3.connect(part)
+        try:
+            source.backup(copy)  # in one step: one consistent snapshot, however busy the server is
+            copy.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+            verdict = copy.execute("PRAGMA integrity_check").fetchone()[0]
+            if verdict != "ok":
+                raise BackupError(
+                    f"the copy of {source_path} fails SQLite's integrity check ({verdict}): {source_path} itself is "
+                    "damaged; keep it as it is and restore an earlier backup"
+                )
+            contents = _server_contents(copy, source_path, "the copy of")
+        finally:
+            copy.close()
+        with open(part, "rb+") as written:
+            os.fsync(written.fileno())
+    except BaseException as exc:
+        os.unlink(part)
+        if isinstance(exc, sqlite3.Error):
+            raise BackupError(f"cannot copy {source_path} to {dest}: {store_advice(exc)}") from None
+        if isinstance(exc, OSError):
+            raise BackupError(f"cannot write {dest}: {_os_reason(exc)}") from None
+        raise
+    return part, contents
+
+
+def _put_in_place(part: str, dest: str, before: tuple[str, ...] = ()) -> None:
+    """Rename the checked copy ``part`` to ``dest`` once the files ``before`` are removed (the
+    replaced database's -wal and -shm); ``part`` is removed if that fails."""
+    try:
+        for leftover in before:
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+        os.replace(part, dest)
+    except OSError as exc:
+        os.unlink(part)
+        raise BackupError(f"cannot write {dest}: {_os_reason(exc)}") from None
+    _sync_folder(os.path.dirname(os.path.abspath(dest)))
+
+
+def _sync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable (a power cut after it keeps the new name)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _keep_owner(part: str, db: str) -> None:
+    """Give the restored copy the replaced database's permissions and, where this user may, its
+    owner: a server that runs as another user opens it as it opened the file it replaces."""
+    try:
+        st = os.stat(db)
+    except OSError:
+        return  # none replaced: the copy stays readable by this user only, as a backup is
+    os.chmod(part, st.st_mode & 0o777)
+    try:
+        os.chown(part, st.st_uid, st.st_gid)
+    except OSError:
+        pass  # not this user's to give: the copy is this user's, with the replaced file's permissions
+
+
+def _refuse_held(path: str, what: str) -> None:
+    """``BackupError`` when a server holds ``path`` (its lock file, as ``ServerStore.hold`` takes it)."""
+    if not os.path.exists(f"{path}.lock"):
+        return  # no server ever ran on it
+    try:
+        hold_file(path, probe=True)
+    except DatabaseInUse as exc:
+        raise BackupError(f"{what}: {exc}; stop it first, or give another path") from None
+
+
+def backup(db: str, out: str, *, force: bool = False) -> Contents:
+    """Copy the server database ``db`` to ``out`` while a server may run on it: one consistent
+    snapshot, integrity-checked, written whole or not at all. ``out`` must not exist unless
+    ``force`` (and no server may run on it)."""
+    _check_file(db, "server database", "--db")
+    if "://" in out:
+        raise BackupError(f"--out {out} is a URL; give the path of the backup file to write")
+    if _same_file(db, out):
+        raise BackupError(f"--out {out} is the database itself; give another path for the backup")
+    if os.path.isdir(out):
+        raise BackupError(f"--out {out} is a folder; give the path of the backup file to write")
+    if os.path.exists(out):
+        if not force:
+            raise BackupError(f"--out {out} exists; give another path, or --force to replace it")
+        _refuse_held(out, f"--out {out}")
+    source = _connect(db, "the database")
+    try:
+        _server_contents(source, db, "--db")
+        part, contents = _checked_copy(source, db, out, "--out")
+    finally:
+        source.close()
+    if not force and os.path.exists(out):  # made meanwhile
+        os.unlink(part)
+        raise BackupError(f"--out {out} exists; give another path, or --force to replace it")
+    _put_in_place(part, out)
+    return contents
+
+
+def restore(backup_path: str, db: str) -> Contents:
+    """Put the backup ``backup_path`` in place of the database ``db`` of a stopped server: refused
+    while a server holds ``db``, which is held meanwhile so that none starts on it; ``db-wal`` and
+    ``db-shm`` of the replaced file are removed before the checked copy is renamed into place."""
+    _check_file(backup_path, "backup", "--backup")
+    if "://" in db:
+        raise BackupError(f"--db {db} is a URL; give the path of the server's SQLite file")
+    if os.path.isdir(db):
+        raise BackupError(f"--db {db} is a folder; give the server's database file")
+    if _same_file(backup_path, db):
+        raise BackupError(f"--backup {backup_path} is the database itself; give the backup file")
+    folder = os.path.dirname(os.path.abspath(db))
+    if not os.path.isdir(folder):
+        raise BackupError(f"--db {db}: its folder {folder} does not exist; make it first, or give another path")
+    try:
+        lock = hold_file(db)
+    except DatabaseInUse as exc:
+        raise BackupError(f"{exc}: stop it before restoring, and restore again") from None
+    except OSError as exc:
+        raise BackupError(f"cannot write in {folder} (--db): {_os_reason(exc)}") from None
+    try:
+        source = _connect(backup_path, "the backup")
+        try:
+            _server_contents(source, backup_path, "--backup")
+            part, contents = _checked_copy(source, backup_path, db, "--db")
+        finally:
+            source.close()
+        _keep_owner(part, db)
+        # the replaced file's journals go first: applied to the restored file, they would damage it
+        _put_in_place(part, db, before=(f"{db}-wal", f"{db}-shm", f"{db}-journal"))
+        return contents
+    finally:
+        os.close(lock)
