@@ -287,11 +287,14 @@ class PopulationCreated(Answer):
 
 
 class TaskState(Answer):
-    """``active`` (its rounds run), ``queued`` behind the running tasks it waits for, or ``completed``."""
+    """``active`` (its rounds run), ``queued`` behind the running tasks it waits for, ``completed``,
+    ``refused`` (stored by an older server with a config this one refuses, not run: ``reason``
+    says which field and what to do) or ``retired`` (a refused task an operator retired)."""
 
     name: str
     status: str
     queued_behind: list[str] | None = None
+    reason: str | None = None
 
 
 class ActiveTask(Answer):
@@ -334,6 +337,7 @@ class DeployedTask(Answer):
     checkpoint_id: str
     status: str
     queued_behind: list[str] | None = None
+    reason: str | None = None
     #: True when this deploy was stored before, as it is (sent again after its answer was lost)
     already_deployed: bool | None = None
 

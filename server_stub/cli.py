@@ -26,6 +26,7 @@ from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutEr
 from .release_trust import ReleaseTrustError, read_release_trust
 from .retention import Retention
 from .service import FLService
+from .task_runs import NotRetired, retire_refused
 from .trust_anchor import TrustAnchorError, read_trust_anchor
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     )
     commands = p.add_subparsers(
         dest="server_command",
-        metavar="{backup,restore}",
+        metavar="{backup,restore,retire}",
         title="other commands (without one, the server runs)",
     )
     backup = commands.add_parser(
@@ -346,6 +347,16 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     )
     restore.add_argument("--backup", required=True, help="the backup file (fedfleet server backup --out)")
     restore.add_argument("--db", required=True, help="the server's SQLite file to replace; no server may run on it")
+    retire = commands.add_parser(
+        "retire",
+        help="stop a task the server refuses to run (stored by an older release) from being said at each start",
+        description="Mark a task the server refuses to run (stored by an older release with settings this one "
+        "refuses) as retired: no server runs it, and the refusal is no longer said at each start. Its record, "
+        "rounds, models and privacy ledger stay, and its name stays taken. Only with no server running on --db.",
+    )
+    retire.add_argument("--db", required=True, help="the server's SQLite file; no server may run on it")
+    retire.add_argument("--population", required=True, help="the task's population")
+    retire.add_argument("--task", required=True, help="the refused task (fedfleet status lists it as refused)")
 
 
 def reload_keys_on_hangup(keys: AdminKeys, path: str) -> None:
@@ -389,6 +400,12 @@ def _rounds_lines(service: FLService) -> list[str]:
         ]
         lines.append(f"{name}: {', '.join(tasks) if tasks else 'no active task'}")
     return lines or ["no population yet"]
+
+
+def _refused_lines(service: FLService) -> list[str]:
+    """Each task on record the server refuses to run (stored by an older release with a config this
+    one refuses), one line each: the task, the field, its stored value and what to do."""
+    return [f"{task}: {reason}" for task, reason in service.refused_tasks()]
 
 
 def _release_trust_line(args: argparse.Namespace, trusted: frozenset[bytes]) -> str:
@@ -543,6 +560,8 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     print(f"  admin keys:  {source}", file=out)
     for line in _rounds_lines(service):
         print(f"  rounds:      {line}", file=out)
+    for line in _refused_lines(service):
+        print(f"  refused:     {line}", file=out)
     print(f"  keeps:       {retention.describe()}", file=out)
     cap = "" if args.max_connections is not None else " (under the file-descriptor limit)"
     print(
@@ -560,9 +579,11 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """``fedfleet server backup`` and ``restore`` (``server_stub.backup``). Returns an exit status."""
+    """``fedfleet server backup``, ``restore`` (``server_stub.backup``) and ``retire``. Returns an exit status."""
     out = out or sys.stdout
     command = f"fedfleet server {args.server_command}"
+    if args.server_command == "retire":
+        return _retire(args, command, out)
     try:
         if args.server_command == "backup":
             contents = backup.backup(args.db, args.out, force=args.force)
@@ -577,6 +598,35 @@ def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         print(f"{command}: {exc}", file=sys.stderr)
         return 2
     print(said, file=out)
+    return 0
+
+
+def _retire(args: argparse.Namespace, command: str, out: TextIO) -> int:
+    """``fedfleet server retire``: ``task_runs.retire_refused`` on a stopped server's database."""
+    try:
+        backup.server_database(args.db)  # (a store would make its tables in a file of another kind)
+        store = ServerStore(args.db, hold=True)
+    except (backup.BackupError, DatabaseInUse, StoreLayoutError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+    except (SQLAlchemyError, OSError) as exc:
+        print(f"{command}: cannot open the database {args.db}: {store_advice(exc)}", file=sys.stderr)
+        return 2
+    try:
+        rounds = retire_refused(store, args.population, args.task)
+    except NotRetired as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+    except (SQLAlchemyError, OSError) as exc:
+        print(f"{command}: {store_advice(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    print(
+        f"retired task {args.population}/{args.task}: no server runs it; its {rounds} round record(s), models and "
+        "privacy figures stay on record, and its name stays taken",
+        file=out,
+    )
     return 0
 
 

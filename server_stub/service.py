@@ -588,10 +588,22 @@ class FLService:
     def task_states(self, population: str) -> dict[str, dict]:
         """Each task's state as an operator sees it: ``active`` (its rounds run), ``queued`` with
         ``queued_behind`` (the running tasks it waits for: a population runs one deploy at a time,
-        and a task without ``max_rounds`` never ends), or ``completed``."""
+        and a task without ``max_rounds`` never ends), ``completed``, or ``refused`` with its
+        ``reason`` (stored by an older server with a config this one refuses: not run), or ``retired``
+        (a refused task an operator retired, ``task_runs.retire_refused``)."""
         tasks = self.store.tasks(population)
         with self._lock:
             return task_states(self._population(population), tasks)
+
+    def refused_tasks(self) -> list[tuple[str, str]]:
+        """Each task on record this server refuses to run, as ``population/task`` and the reason
+        (its field, stored value and what to do): said once at start, and in its status."""
+        with self._lock:
+            return [
+                (f"{pop.name}/{task}", reason)
+                for pop in self._populations.values()
+                for task, reason in pop.refused.items()
+            ]
 
     def current_model(self, population: str, task: str | None = None) -> tuple[bytes, int, str]:
         """The newest global model of a task (by default the population's current training
@@ -666,8 +678,9 @@ class FLService:
             pop = self._populations.setdefault(population, Population(population))
             if pop.runs or pop.committing:
                 return
-        loaded = load_group(self.store, population)
+        loaded, refused = load_group(self.store, population)
         with self._lock:
+            pop.refused = refused
             if pop.runs or pop.committing:
                 return
             if loaded is None:  # its tasks completed (or it has none): idle from now on

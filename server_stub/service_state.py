@@ -156,6 +156,8 @@ class Population:
     #: idle, ``admission.idle_window``); None while it runs a task or never had one since the
     #: server started (idle since the server's start, as a population that does not exist is)
     idle_since: float | None = None
+    #: its active tasks whose stored config this server refuses, each with the reason (``task_runs.refused_tasks``)
+    refused: dict[str, str] = field(default_factory=dict)
 
     def find(self, task: str) -> TaskRun | None:
         return next((r for r in self.runs if r.record.name == task), None)
@@ -201,7 +203,9 @@ def task_states(pop: Population, tasks: list[TaskRecord]) -> dict[str, dict]:
     running = [r.record.name for r in pop.runs]
     states: dict[str, dict] = {}
     for t in tasks:
-        if t.status != "active" or t.name in running or not running:
+        if t.status == "active" and t.name in pop.refused:
+            states[t.name] = {"status": "refused", "reason": pop.refused[t.name]}
+        elif t.status != "active" or t.name in running or not running:
             states[t.name] = {"status": t.status}
         else:
             states[t.name] = {"status": "queued", "queued_behind": running}

@@ -5,8 +5,10 @@ with the state the round keeps (the round core, Secure Aggregation, the running 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
+from pydantic import ValidationError
 
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
@@ -28,18 +30,106 @@ from .task_choice import Strategy
 REPORT_SLACK_BYTES = 64 * 1024
 
 
-def load_group(store: ServerStore, population: str) -> tuple[list[TaskRun], Strategy, int] | None:
-    """The first deploy (group of tasks) with an active task, continuing after each task's
-    last committed round (and, for alternating tasks, with the turn after the last round
-    run); tasks that reached ``max_rounds`` are marked completed."""
+def _advice(task: TaskRecord) -> str:
+    """What a refused task's reason tells the operator to do."""
+    return (
+        "it is kept on record and not run: deploy it again under a new task name with values in range, or stop "
+        f"the server and retire it (fedfleet server retire --db DB --population {task.population} --task {task.name})"
+    )
+
+
+class StoredTaskRefused(ValueError):
+    """A task on record whose config this server no longer takes (an older release accepted it):
+    the reason names the field, its stored value and what to do."""
+
+
+class NotRetired(ValueError):
+    """A task ``retire_refused`` leaves as it is: there is none of that name, or it is not refused."""
+
+
+class Group(NamedTuple):
+    """A population's tasks as a server loads them: the first deploy with a task to run (its runs,
+    strategy and turn; None when none has one), and each active task it refuses, with the reason."""
+
+    runs: tuple[list[TaskRun], Strategy, int] | None
+    refused: dict[str, str]
+
+
+def _config_problem(exc: ValidationError) -> str:
+    """A stored config's first refusal in one line that names its field and value: a check across
+    fields says both itself (``dp.delta 1e-40 is below 1e-30 ...; use ...``), a range names the
+    field, the value and the bound."""
+    first: dict[str, Any] = dict(exc.errors(include_url=False)[0])
+    message = str(first.get("msg", "not valid"))
+    if first.get("type") == "value_error":
+        return message.removeprefix("Value error, ")
+    field = ".".join(str(part) for part in first.get("loc", ()))
+    return f"{field} {first.get('input')!r}: {message}"
+
+
+def stored_config(task: TaskRecord) -> tuple[RoundConfig, EligibilityPolicies]:
+    """The task's round config and eligibility policies as stored, validated as a deploy is today;
+    ``StoredTaskRefused`` when they no longer pass (what the deploy checked then is on record: it
+    is never rewritten to pass)."""
+    try:
+        return RoundConfig.from_dict(task.config["round"]), EligibilityPolicies.from_dict(task.config["eligibility"])
+    except ValidationError as exc:
+        where = "eligibility" if exc.title == EligibilityPolicies.__name__ else "config"
+        raise StoredTaskRefused(
+            f"its stored {where} no longer passes: {_config_problem(exc)}; {_advice(task)}"
+        ) from None
+
+
+def refused_tasks(tasks: list[TaskRecord]) -> dict[str, str]:
+    """Each active task this server refuses to run, with the reason: its stored config no longer
+    passes, or it evaluates a task refused."""
+    refused: dict[str, str] = {}
+    for task in tasks:
+        if task.status == "active":
+            try:
+                stored_config(task)
+            except StoredTaskRefused as exc:
+                refused[task.name] = str(exc)
+    for task in tasks:
+        evaluated = task.config.get("group", {}).get("evaluates")
+        if task.status == "active" and task.name not in refused and evaluated in refused:
+            refused[task.name] = f"it evaluates task {evaluated!r}, which is refused; {_advice(task)}"
+    return refused
+
+
+def retire_refused(store: ServerStore, population: str, name: str) -> int:
+    """Mark the population's task ``name``, one this server refuses (``refused_tasks``), as
+    ``retired``: no server runs it again, and the refusal is no longer said at each start. Its
+    record, rounds, models and privacy ledger stay, and its name stays taken. Only for a database
+    no server runs on (a running server has its tasks in memory). Returns its round records."""
+    records = store.tasks(population)
+    task = next((t for t in records if t.name == name), None)
+    if task is None:
+        has = ", ".join(t.name for t in records) or "none"
+        raise NotRetired(f"population {population!r} has no task {name!r} (its tasks: {has})")
+    if name not in refused_tasks(records):
+        state = task.status if task.status != "active" else "active or queued: this server runs it"
+        raise NotRetired(f"task {population}/{name} is not refused ({state}); only a refused task is retired")
+    store.set_task_status(task.id, "retired")
+    return len(store.rounds(task.id))
+
+
+def load_group(store: ServerStore, population: str) -> Group:
+    """The first deploy (group of tasks) with an active task it can run, continuing after each
+    task's last committed round (and, for alternating tasks, with the turn after the last round
+    run); tasks that reached ``max_rounds`` are marked completed. A task whose stored config
+    this server refuses is left as it is on record and not run (``refused_tasks``): the other
+    tasks of its deploy run, and a deploy with no other task is passed over."""
+    records = store.tasks(population)
+    refused = refused_tasks(records)
     groups: dict[str, list[TaskRecord]] = {}
-    for task in store.tasks(population):
+    for task in records:
         group = task.config.get("group", {})
         groups.setdefault(group.get("first", task.name), []).append(task)
     for members in groups.values():
         runs: dict[str, TaskRun] = {}
         for task in members:
-            if task.status != "active":
+            if task.status != "active" or task.name in refused:
                 continue
             run = load_run(store, task)
             if run is None:
@@ -57,17 +147,16 @@ def load_group(store: ServerStore, population: str) -> tuple[list[TaskRun], Stra
         if runs:
             strategy = Strategy(members[0].config.get("group", {}).get("strategy", Strategy.ALTERNATE.value))
             turn = sum(len(store.rounds(task.id)) + store.pruned_counts(task.id)[0] for task in members)
-            return list(runs.values()), strategy, turn
-    return None
+            return Group((list(runs.values()), strategy, turn), refused)
+    return Group(None, refused)
 
 
 def load_run(store: ServerStore, task: TaskRecord) -> TaskRun | None:
     """The task as it stands after its last committed round; None once it has run its course
     (``max_rounds`` committed, or its privacy budget spent)."""
+    config, eligibility = stored_config(task)
     plan = load_plan(store.resource(task.plan_id))
     executor = PlanExecutor(plan)
-    config = RoundConfig.from_dict(task.config["round"])
-    eligibility = EligibilityPolicies.from_dict(task.config["eligibility"])
     history = store.rounds(task.id)
     committed = [r for r in history if r.status == "committed"]
     committed_count = len(committed) + store.pruned_counts(task.id)[1]  # with those retention removed

@@ -613,7 +613,8 @@ def _status(args: argparse.Namespace, say) -> int:
     say(f"population {status['population']}" + (f" (strategy {status['strategy']})" if status.get("strategy") else ""))
     for task in status["tasks"]:
         behind = f" behind {', '.join(task['queued_behind'])}" if task.get("queued_behind") else ""
-        say(f"  {task['name']}: {task['status']}{behind}")
+        why = f": {task['reason']}" if task.get("reason") else ""
+        say(f"  {task['name']}: {task['status']}{behind}{why}")
     if status.get("active_task"):
         say(
             f"open round: {status['active_task']} round {status['round']} ({status['phase']}), "
