@@ -59,7 +59,7 @@ from ..toolchain.bundle import (
     deploy_bundle,
     release_test_bundle,
 )
-from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx
+from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx, onnx_output
 from ..toolchain.onnx_import import trainable_table
 from ..toolchain.release import release_table
 from ..toolchain.release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
@@ -164,6 +164,16 @@ def _model_options(cmd: argparse.ArgumentParser, *, plan_alone: bool) -> None:
     also writes a plan alone: ``plan_alone``)."""
     cmd.add_argument("--label", required=True, help="name of the label input (it becomes a plan input)")
     cmd.add_argument("--loss", default="cross_entropy", help="cross_entropy, binary_cross_entropy or mse")
+    cmd.add_argument(
+        "--output",
+        help=(
+            "the graph output the loss reads, where the model has several (default: the only float one with a "
+            "batch axis; refused where there are more)"
+            if plan_alone
+            else "the value of forward's the loss reads, where forward returns several (a tuple's index, a dict's "
+            "key or an output object's attribute, such as logits; default: the only float one with a batch axis)"
+        ),
+    )
     cmd.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"], help="the device's optimizer")
     cmd.add_argument("--lr", type=float, default=0.1, help="the device optimizer's learning rate")
     cmd.add_argument("--batch-size", type=int, default=32, help="examples per training step")
@@ -483,6 +493,7 @@ def _bundle_options(args: argparse.Namespace) -> dict:
         frozen=args.frozen,
         runtimes=args.runtimes,
         name=args.name,
+        output=args.output,
     )
 
 
@@ -549,7 +560,12 @@ def _plan_only(args: argparse.Namespace, say) -> int:
         frozen=tuple(args.frozen),
         frozen_rows=_rows_of(args),
     )
-    made = onnx_import(task._model_source(), task)
+    source = task._model_source()
+    output, chosen = onnx_output(source, args.output, loss=args.loss)
+    if chosen:
+        say(chosen)
+    task = dataclasses.replace(task, output=output)
+    made = onnx_import(source, task)
     plan = dataclasses.replace(made.plan, name=task.name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(serialize_plan(plan))

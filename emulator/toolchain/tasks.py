@@ -299,6 +299,8 @@ class Task:
     frozen: tuple[str, ...] = ()  # ONNX models: names or glob patterns kept constant
     # ONNX models: trained weights -> rows no gradient reaches (an embedding's padding_idx row)
     frozen_rows: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # ONNX models: the tensor the loss reads (None: the model's first float output)
+    output: str | None = None
     evaluates: Task | None = None  # set by evaluation_of: this task measures that training task's model
 
     def __post_init__(self) -> None:
@@ -397,6 +399,7 @@ class Task:
                 training_plan=trained,
                 example_selector=self.selector,
                 batch_size=self.batch_size,
+                output=self.output,
                 name=self.name,
             )
         except (TypeError, ValueError) as exc:
@@ -456,6 +459,7 @@ def onnx_import(model: Any, task: Task) -> Any:
             trainable=None if task.trainable is None else list(task.trainable),
             frozen=list(task.frozen),
             frozen_rows=dict(task.frozen_rows),
+            output=task.output,
             label=task.label,
             loss=task.loss,
             optimizer=optimizers[task.optimizer](),

@@ -16,9 +16,9 @@ LayerNorm and zero biases, comparing one SGD step of the plan with torch autogra
   the convolution); the file is then made an inference model again (``Dropout`` inactive, as
   evaluation plans and other runtimes read it), which the training plan rewrites for training;
 * a dynamic batch axis on every input (the last batch of an epoch is short), traced at batch 2, in
-  the structure of ``forward``'s signature (one tuple for ``*inputs``: :func:`dynamic_batch`); a
-  forward returning a mapping (a transformers model's output, holding its key-value cache) exported
-  as the tensors in it;
+  the structure of ``forward``'s signature (one tuple for ``*inputs``: :func:`dynamic_batch`); of a
+  forward returning several values (a transformers model's output, holding its key-value cache;
+  GoogLeNet's auxiliary logits), the one the loss reads alone, chosen as :func:`export_torch` says;
 * the module's own weights and buffers as the initial checkpoint: its state is restored after the
   export and written over any initializer of the same name, so nothing the tracing ran moves the
   running statistics (the classic exporter's train-mode trace updated them by one batch);
@@ -56,7 +56,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .model_bundle import ModelBundle, bundle_from_onnx
+from .model_bundle import ModelBundle, NamedOutput, bundle_from_onnx, loss_output
 from .onnx_import import inference_form
 from .tasks import TaskError
 
@@ -66,6 +66,8 @@ __all__ = [
     "dynamic_batch",
     "export_mismatch",
     "export_torch",
+    "forward_choice",
+    "forward_outputs",
     "from_torch",
     "load_factory",
     "padding_rows",
@@ -330,16 +332,62 @@ def dynamic_batch(module: Any, count: int, axis: Any) -> tuple:
     return (shapes,) if any(p.kind == p.VAR_POSITIONAL for p in params) else shapes
 
 
-def _tensor_outputs(module: Any, keys: Sequence[str]) -> Any:
+def forward_outputs(value: Any) -> list[tuple[int | str, NamedOutput]] | None:
+    """The values of what a forward returned, each with the key that picks it (a tuple's index, a
+    mapping's key) and its :class:`NamedOutput` (a named tuple's by its field names, a tuple's by
+    its indices), a tensor's axis 0 batched where it is the trace's batch; None for one tensor."""
+    if isinstance(value, Mapping):
+        items: list[tuple[int | str, str, Any]] = [(k, str(k), v) for k, v in value.items()]
+    elif isinstance(value, (tuple, list)):
+        fields = getattr(value, "_fields", None)  # a named tuple: torchvision's GoogLeNetOutputs
+        items = [(i, str(fields[i]) if fields else str(i), v) for i, v in enumerate(value)]
+    else:
+        return None
+    found: list[tuple[int | str, NamedOutput]] = []
+    for key, name, v in items:
+        shape = getattr(v, "shape", None)
+        dtype = getattr(v, "dtype", None)
+        if shape is None or dtype is None or isinstance(v, (tuple, list, Mapping)):
+            found.append((key, NamedOutput(name, type(v).__name__, tensor=False)))
+            continue
+        dims = tuple(int(d) for d in shape)
+        batched = bool(dims) and dims[0] == TRACE_BATCH
+        dtype_name = str(dtype).removeprefix("torch.")
+        found.append((key, NamedOutput(name, dtype_name, ("N", *dims[1:]) if batched else dims, batched=batched)))
+    return found
+
+
+def forward_choice(
+    values: Sequence[tuple[int | str, NamedOutput]], output: str | int | None, *, loss: str
+) -> tuple[int | str, str, str | None]:
+    """The value of :func:`forward_outputs` the loss reads: its key, its name and the line saying
+    it was chosen (:func:`~emulator.toolchain.model_bundle.loss_output`); ``output`` is a name, or an
+    index (a named tuple's value may be given by either)."""
+    keys = {o.name: k for k, o in values}
+    picked = None if output is None else str(output)
+    if picked is not None and picked not in keys and picked.isdigit() and int(picked) < len(values):
+        picked = values[int(picked)][1].name
+    chosen, line = loss_output([o for _, o in values], picked, loss=loss, source="forward")
+    return keys[chosen], chosen, line
+
+
+def _picked(out: Any, key: int | str) -> Any:
+    """The value ``key`` of what a forward returned; a lone tensor as it is (torchvision's GoogLeNet
+    returns its auxiliary logits in training mode only)."""
+    if isinstance(out, Mapping):
+        return out[key]
+    return out[int(key)] if isinstance(out, (tuple, list)) else out
+
+
+def _one_output(module: Any, key: int | str) -> Any:
     """``module`` (the same parameters, buffers and submodules, under the same names) as a module
-    whose forward returns the tensors ``keys`` of the mapping its own returns, in order: a
-    transformers model's output holds a key-value cache object besides its logits, which no
-    exporter can return."""
+    whose forward returns the value ``key`` of what its own returns: the export then holds the
+    output the loss reads alone (not a transformers model's key-value cache object, which no
+    exporter can return, nor an auxiliary head the plan would carry unread)."""
     base = type(module)
 
-    def forward(self: Any, *args: Any) -> tuple:
-        out = base.forward(self, *args)
-        return tuple(out[k] for k in keys)
+    def forward(self: Any, *args: Any) -> Any:
+        return _picked(base.forward(self, *args), key)
 
     view = copy.copy(module)  # shares the parameter and submodule tables: the export names them as torch does
     view.__class__ = type(base.__name__, (base,), {"forward": forward})
@@ -393,12 +441,21 @@ def export_torch(
     *,
     opset: int | None = None,
     notes: list[str] | None = None,
+    output: str | int | None = None,
+    loss: str = "cross_entropy",
+    say: Callable[[str], None] | None = None,
 ) -> Path:
     """Export ``module`` to ``path`` so that it trains right (see the module docstring) and return
     the path; its weights and train/eval mode are left as they were. Where the dynamo exporter
     fails, the classic one is tried in training mode, and ``notes`` gets a line saying so. The
     file is then run in onnxruntime on random examples and held to the module's outputs in eval mode
-    (:func:`export_mismatch`): ``notes`` says where it differs."""
+    (:func:`export_mismatch`): ``notes`` says where it differs.
+
+    Where forward returns several values in training mode (a tuple, a dict, a transformers output
+    object, torchvision's GoogLeNet with its auxiliary logits), the file holds one: ``output`` (an
+    index, key or attribute name), else the only float tensor with a batch axis of the rank
+    ``loss`` reads (``say`` says which); more than one such is refused in one line listing them
+    (:func:`~emulator.toolchain.model_bundle.loss_output`)."""
     torch = _torch()
     if not isinstance(module, torch.nn.Module):
         raise TaskError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")
@@ -427,17 +484,32 @@ def export_torch(
                 expected = module(*checks)
             except Exception:  # noqa: BLE001 - the module's own code: then only the export is not checked
                 expected = None
-        traced = module
-        if isinstance(out, Mapping):  # a transformers ModelOutput: its tensors, not its cache objects
-            keys = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
-            traced = _tensor_outputs(module, keys)
-            out = tuple(out[k] for k in keys)
-            if isinstance(expected, Mapping):
-                expected = tuple(expected[k] for k in keys)
-        outputs = [f"output_{i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else ["output"]
-        outs = expected if isinstance(expected, (tuple, list)) else [expected]
+            module.train()  # what is traced: a model may return more in training mode (auxiliary logits)
+            try:
+                out = module(*args)
+            except Exception:  # noqa: BLE001 - the module's own code: the export says what fails
+                pass
+            module.load_state_dict(state)  # the running statistics that forward moved
+        traced, name = module, "output"
+        values = forward_outputs(out)
+        if values is not None:
+            key, chosen, line = forward_choice(values, output, loss=loss)
+            if say is not None and line:
+                say(line)
+            traced = _one_output(module, key)
+            if forward_outputs(expected) is not None:
+                expected = _picked(expected, key)
+            elif chosen != values[0][1].name:  # eval mode's lone tensor is the main (first) value, as GoogLeNet's
+                expected = None
+            if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", chosen) and chosen not in {s.name for s in inputs}:
+                name = chosen  # the file's output as the module names it (logits)
+        elif output is not None:
+            raise TaskError(
+                f"--output {output!r}: forward returns one tensor, which the loss reads; leave --output out"
+            )
+        outputs = [name]
         feeds = {spec.name: a.numpy() for spec, a in zip(inputs, checks)}
-        wanted = [o.numpy() for o in outs] if all(isinstance(o, torch.Tensor) for o in outs) else None
+        wanted = [expected.numpy()] if isinstance(expected, torch.Tensor) else None
         module.train()
         batch = torch.export.Dim("N")
         names = [s.name for s in inputs]
@@ -507,12 +579,15 @@ def from_torch(
     label: str,
     name: str | None = None,
     opset: int = 21,
+    output: str | int | None = None,
     **options: Any,
 ) -> ModelBundle:
     """Export ``module`` (an ``nn.Module``, or ``"MODULE:FACTORY"`` naming the function that
     returns one) with :func:`export_torch` and write its bundle into ``out`` as ``plan from-onnx``
-    does; ``options`` are :func:`~emulator.toolchain.model_bundle.bundle_from_onnx`'s (loss,
-    optimizer, lr, batch_size, epochs, collection, trainable, frozen, runtimes, say)."""
+    does; ``output`` picks the value of forward's the loss reads where it returns several (an
+    index, a key or an attribute name: ``"logits"``); ``options`` are
+    :func:`~emulator.toolchain.model_bundle.bundle_from_onnx`'s (loss, optimizer, lr, batch_size,
+    epochs, collection, trainable, frozen, runtimes, say)."""
     specs = [parse_input(s) if isinstance(s, str) else s for s in inputs]
     if isinstance(module, str):
         _torch()  # before the user's file, which imports torch itself
@@ -527,7 +602,15 @@ def from_torch(
     name = name or type(module).__name__
     with tempfile.TemporaryDirectory() as tmp:
         notes: list[str] = []
-        exported = export_torch(module, specs, Path(tmp) / "model.onnx", notes=notes)
+        exported = export_torch(
+            module,
+            specs,
+            Path(tmp) / "model.onnx",
+            notes=notes,
+            output=output,
+            loss=options.get("loss", "cross_entropy"),
+            say=options.get("say"),
+        )
         initializers = {i.name for i in onnx.load(str(exported), load_external_data=False).graph.initializer}
         rows = padding_rows(module, initializers)
         if rows:

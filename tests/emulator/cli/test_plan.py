@@ -153,6 +153,8 @@ def test_from_onnx_makes_a_plan_that_trains(tmp_path, capsys, digits):
         "16",
         "--collection",
         "app:/digits",
+        "--output",
+        "logits",  # its other output is the probabilities
         "-o",
         str(plan_path),
     ]

@@ -479,3 +479,57 @@ def test_a_language_models_stub_draws_token_ids_over_its_whole_vocabulary(tmp_pa
     assert _from_onnx(unpacked("gpt2.fresh.dynamo.onnx.gz"), tmp_path / "bundle", "--name", "gpt") == 0
     stub = (tmp_path / "bundle" / "task.py").read_text()
     assert re.search(r"'tokens': \('int64', \(\d+,\), 200\)", stub), stub
+
+
+TWO_HEADS = Path(__file__).with_name("data") / "two_heads.onnx"  # torch's export of (logits [N, 3], features [N, 16])
+AUX_FIRST = Path(__file__).with_name("data") / "aux_first.onnx"  # (aux_loss [], logits [N, 3])
+
+
+def test_a_model_with_two_predictions_is_refused_in_one_line_listing_them_until_output_names_one(tmp_path, capsys):
+    """Two float outputs with a batch and a class axis: which the label is compared with is the
+    person's to say; the plan, the stub and the plan its rebuild makes read the one named."""
+    for out in (tmp_path / "b", tmp_path / "two.fedplan"):
+        assert _from_onnx(TWO_HEADS, out, "--runtimes", "1.31.1") == 2
+        assert capsys.readouterr().err == (
+            "fedfleet plan from-onnx: the model has 2 outputs (logits float32 [N, 3], features float32 [N, 16]); "
+            "give --output with the name of the one the loss reads\n"
+        )
+        assert not out.exists()
+    assert _from_onnx(TWO_HEADS, tmp_path / "b", "--runtimes", "1.31.1", "--output", "logit") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--output 'logit' names no tensor of the model's outputs (logits" in err
+    bundle = tmp_path / "b"
+    assert _from_onnx(TWO_HEADS, bundle, "--runtimes", "1.31.1", "--output", "features", "--loss", "mse") == 0
+    printed = capsys.readouterr().out
+    assert "body.weight" in printed and "head.weight" not in printed  # the features' layers alone train
+    assert "    output='features',  # the model output the loss reads\n" in (bundle / "task.py").read_text()
+    assert "'y': ('float32', (16,))" in (bundle / "task.py").read_text()  # labels of the features' shape
+    assert main(["plan", "build", str(bundle / "task.py"), "-o", str(tmp_path / "again")]) == 0
+    assert _manifest(bundle, "two_heads")["plan"] == _manifest(tmp_path / "again", "two_heads")["plan"]
+    assert _from_onnx(TWO_HEADS, tmp_path / "two.fedplan", "--output", "logits") == 0
+    plan = load_plan((tmp_path / "two.fedplan").read_bytes())
+    assert sorted(plan.weight_names) == ["body.bias", "body.weight", "head.bias", "head.weight"]
+
+
+def test_the_only_float_output_with_a_batch_axis_is_the_prediction_and_said_to_be(tmp_path, capsys):
+    """(aux_loss, logits): a scalar before the logits, which the first float output would have been;
+    the logits are chosen, in a printed line, and written into the stub; the Python API alike."""
+    from emulator.toolchain import bundle_from_onnx
+    from emulator.toolchain.tasks import TaskError
+
+    assert _from_onnx(AUX_FIRST, tmp_path / "b", "--runtimes", "1.31.1") == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(
+        "the model has 2 outputs (aux_loss float32 [], logits float32 [N, 3]): the loss reads 'logits', the only "
+        "float one with a batch axis and a class axis (--output picks another)\n"
+    )
+    assert "'y': ('int64', (), 3)" in (tmp_path / "b" / "task.py").read_text()  # three classes: the logits'
+    assert "output='logits'" in (tmp_path / "b" / "task.py").read_text()
+    said: list[str] = []
+    made = bundle_from_onnx(
+        TWO_HEADS, tmp_path / "api", label="y", output="logits", runtimes=["1.31.1"], say=said.append
+    )
+    assert made.trainable.keys() == {"body.weight", "body.bias", "head.weight", "head.bias"}
+    assert not any("outputs" in line for line in said)
+    with pytest.raises(TaskError, match=r"the model has 2 outputs \(logits float32 \[N, 3\], features"):
+        bundle_from_onnx(TWO_HEADS, tmp_path / "api2", label="y", runtimes=["1.31.1"])

@@ -5,6 +5,7 @@ marked slow and runs only where torch is installed (``pip install 'fedfleet[torc
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -87,11 +88,11 @@ def test_the_batch_axis_follows_forwards_signature_one_entry_per_argument_or_one
     assert dynamic_batch(Wrapper(), 1, "N") == (({0: "N"},),)
 
 
-def test_a_model_returning_a_mapping_is_exported_as_its_tensors_under_the_same_names():
+def test_a_model_returning_a_mapping_is_exported_as_the_value_the_loss_reads():
     """A transformers model returns an output object (a mapping) holding, besides its logits, a
     key-value cache no exporter can return: it is traced through a view of it whose forward returns
-    the tensors alone, sharing its weights and submodules, so that the export names them as torch does."""
-    from emulator.toolchain.torch_export import _tensor_outputs
+    the logits alone, sharing its weights and submodules, so that the export names them as torch does."""
+    from emulator.toolchain.torch_export import _one_output
 
     class LanguageModel:
         def __init__(self):
@@ -102,12 +103,56 @@ def test_a_model_returning_a_mapping_is_exported_as_its_tensors_under_the_same_n
             return {"logits": logits, "past_key_values": object(), "hidden": logits + 1}
 
     model = LanguageModel()
-    view = _tensor_outputs(model, ["logits", "hidden"])
-    logits, hidden = view.forward(np.array([0, 2]))
-    assert logits.shape == (2, 2) and (hidden == logits + 1).all()
+    view = _one_output(model, "hidden")
+    hidden = view.forward(np.array([0, 2]))
+    assert hidden.shape == (2, 2) and (hidden == 2).all()
     assert isinstance(view, LanguageModel) and view.weights is model.weights
     assert dynamic_batch(view, 1, "N") == (({0: "N"},),)
     assert model.forward(np.array([1]))["past_key_values"] is not None  # the model itself is unchanged
+
+
+def _batch(*shape, dtype="float32"):
+    return np.zeros((2, *shape), dtype=dtype)  # the trace's batch of 2
+
+
+class _Cache:
+    """A key-value cache object, as transformers' DynamicCache: no tensor."""
+
+
+GOOGLENET = collections.namedtuple("GoogLeNetOutputs", ["logits", "aux_logits2", "aux_logits1"])
+
+
+def test_of_several_values_forward_returns_the_loss_reads_the_one_named_or_the_only_prediction():
+    """``--output`` picks by name or index; without it, the only float tensor with a batch and a
+    class axis is taken and said to be; several such are refused in one line listing them all."""
+    from emulator.toolchain.torch_export import forward_choice, forward_outputs
+
+    googlenet = forward_outputs(GOOGLENET(_batch(5), _batch(5), _batch(5)))
+    with pytest.raises(TaskError) as refused:
+        forward_choice(googlenet, None, loss="cross_entropy")
+    assert str(refused.value) == (
+        "forward returns 3 values (logits float32 [N, 5], aux_logits2 float32 [N, 5], aux_logits1 float32 [N, 5]); "
+        "give --output with the index or name of the one the loss reads"
+    )
+    assert forward_choice(googlenet, "logits", loss="cross_entropy") == (0, "logits", None)
+    assert forward_choice(googlenet, 2, loss="cross_entropy") == (2, "aux_logits1", None)
+    with pytest.raises(TaskError, match=r"--output 'aux' names no tensor forward returns \(logits float32"):
+        forward_choice(googlenet, "aux", loss="cross_entropy")
+    language_model = forward_outputs({"logits": _batch(8, 50), "past_key_values": _Cache()})
+    key, name, line = forward_choice(language_model, None, loss="cross_entropy")
+    assert (key, name) == ("logits", "logits") and line == (
+        "forward returns 2 values (logits float32 [N, 8, 50], past_key_values (_Cache)): the loss reads 'logits', "
+        "the only float one with a batch axis and a class axis (--output picks another)"
+    )
+    with pytest.raises(TaskError, match="names no tensor"):
+        forward_choice(language_model, "past_key_values", loss="cross_entropy")
+    with_aux_loss = forward_outputs((np.float32(0.5), _batch(3)))  # (aux_loss, logits)
+    assert forward_choice(with_aux_loss, None, loss="mse")[:2] == (1, "1")
+    with pytest.raises(TaskError, match=r"forward returns 2 values \(0 float32 \[N, 3\], 1 float32 \[N, 4, 16\]\)"):
+        forward_choice(forward_outputs((_batch(3), _batch(4, 16))), None, loss="cross_entropy")
+    ids = forward_outputs((_batch(3), _batch(dtype="int64")))  # (scores, predicted ids)
+    assert forward_choice(ids, None, loss="binary_cross_entropy")[:2] == (0, "0")
+    assert forward_outputs(_batch(3)) is None  # one tensor: nothing to choose
 
 
 def test_an_export_that_computes_something_else_than_the_module_is_noted_in_one_line(tmp_path):
@@ -641,3 +686,68 @@ def test_a_module_that_reads_its_state_version_when_loaded_is_exported(tmp_path)
         == 0
     )
     assert any(out.iterdir())
+
+
+HEADS_FACTORY = '''
+import collections
+
+import torch
+
+Outputs = collections.namedtuple("Outputs", ["logits", "aux_logits"])
+
+
+class WithAux(torch.nn.Module):
+    """As torchvision's GoogLeNet and Inception: auxiliary logits besides the logits in training mode
+    alone, the logits alone in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.bn = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16)
+        self.fc, self.aux = torch.nn.Linear(16, 3), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.body(x)))
+        return Outputs(self.fc(h), self.aux(h)) if self.training else self.fc(h)
+
+
+class Dict(WithAux):
+    def forward(self, x):
+        h = torch.relu(self.bn(self.body(x)))
+        return {"features": h, "logits": self.fc(h)}
+
+
+def with_aux():
+    torch.manual_seed(0)
+    return WithAux()
+
+
+def with_dict():
+    torch.manual_seed(0)
+    return Dict()
+'''
+
+
+@pytest.mark.slow
+def test_from_torch_exports_the_value_of_forwards_that_output_names_alone(tmp_path, monkeypatch, capsys):
+    """Auxiliary logits returned in training mode only, and a dict: refused without ``--output``,
+    listing them; with it (a name or an index), the file holds that output alone, under its name,
+    and the plan trains no weight of another head."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    (tmp_path / "heads.py").write_text(HEADS_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    args = ["--input", "x:8", "--label", "y", "--runtimes", "1.31.1"]
+    assert main(["plan", "from-torch", "heads:with_aux", *args, "-o", "aux"]) == 2
+    assert capsys.readouterr().err == (
+        "fedfleet plan from-torch: forward returns 2 values (logits float32 [N, 3], aux_logits float32 [N, 3]); "
+        "give --output with the index or name of the one the loss reads\n"
+    )
+    for factory, output in (("heads:with_aux", "0"), ("heads:with_dict", "logits")):
+        assert main(["plan", "from-torch", factory, *args, "--output", output, "-o", "bundle"]) == 0, (
+            capsys.readouterr().err
+        )
+        printed = capsys.readouterr()
+        assert "differs from the module's" not in printed.err and "fc.weight" in printed.out
+        model = onnx.load(str(tmp_path / "bundle" / "model.onnx"))
+        assert [o.name for o in model.graph.output] == ["logits"]
+        assert not {i.name for i in model.graph.initializer} & {"aux.weight", "aux.bias"}
