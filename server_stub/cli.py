@@ -582,6 +582,14 @@ def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> i
     """``fedfleet server backup``, ``restore`` (``server_stub.backup``) and ``retire``. Returns an exit status."""
     out = out or sys.stdout
     command = f"fedfleet server {args.server_command}"
+    given = _serving_options_given(args)
+    if given:  # (before the command's name they parse as the server's, which this command does not run)
+        print(
+            f"{command}: {' and '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of running the "
+            f"server, which {args.server_command} does not do; leave {'it' if len(given) == 1 else 'them'} out",
+            file=sys.stderr,
+        )
+        return 2
     if args.server_command == "retire":
         return _retire(args, command, out)
     try:
@@ -599,6 +607,20 @@ def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         return 2
     print(said, file=out)
     return 0
+
+
+def _serving_options_given(args: argparse.Namespace) -> list[str]:
+    """The options of running the server given with another of its commands, each as written."""
+    serving = argparse.ArgumentParser(add_help=False)
+    add_server_arguments(serving)
+    defaults = vars(serving.parse_args([]))
+    return [
+        action.option_strings[0]
+        for action in serving._actions
+        if action.dest in defaults
+        and action.dest not in ("db", "server_command")  # every other command has a --db of its own
+        and vars(args).get(action.dest, defaults[action.dest]) != defaults[action.dest]
+    ]
 
 
 def _retire(args: argparse.Namespace, command: str, out: TextIO) -> int:

@@ -219,3 +219,20 @@ def test_a_server_command_mistake_is_one_line(argv, said, capsys):
         cli.main(["server", *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and said in err, err
+
+
+def test_the_options_of_running_the_server_given_before_another_command_are_refused(tmp_path, capsys):
+    """``fedfleet server --keep-rounds 3 backup ...`` parses ``--keep-rounds`` as the server's option:
+    backup would go on without it, as if it had been read."""
+    db = tmp_path / "fl.db"
+    ServerStore(str(db)).close()
+    argv = ["--keep-rounds", "3", "--port", "0", "backup", "--db", str(db), "--out", str(tmp_path / "b.db")]
+    code, out, err = _command(capsys, *argv)
+    assert code == 2 and not out, (code, out, err)
+    assert err.strip() == (
+        "fedfleet server backup: --port and --keep-rounds are options of running the server, which backup does not "
+        "do; leave them out"
+    ), err
+    assert not (tmp_path / "b.db").exists()
+    code, out, err = _command(capsys, "backup", "--db", str(db), "--out", str(tmp_path / "b.db"))
+    assert code == 0, err
