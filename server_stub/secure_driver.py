@@ -20,6 +20,9 @@ from .service_state import Population, Session, TaskRun
 
 log = logging.getLogger(__name__)
 
+#: Why a completed group's sum is left out of a round that closed before it came.
+ROUND_CLOSED = "the round closed before its sum"
+
 
 def advance_secure(
     run: TaskRun,
@@ -31,7 +34,10 @@ def advance_secure(
     """Form the groups once selection is over; add each finished group's sum (the Master
     Aggregator), count its summed devices as reported (``on_reported`` is told which: a device
     interrupted after its masked input went in among them) and the rest of the group as dropped,
-    so that the round need not wait for their deadlines. A sum outside the bounds honest
+    so that the round need not wait for their deadlines. The groups that completed in this tick
+    come first, so that another's aborts cannot close the round before their sums count; a sum
+    that comes after its round closed all the same is dropped (``ROUND_CLOSED``), so that the
+    round's statistics never count a sum it did not use. A sum outside the bounds honest
     devices keep (``check_group_sum``; under distributed DP ``ddp_rounds.sum_problem``) is
     dropped, its devices with it, and the reason kept for the round's metrics: one device's
     update is never seen, so its group answers for it."""
@@ -50,7 +56,10 @@ def advance_secure(
             )
             for sid in selected:
                 core.abort(sid, now)
-    for group in secure.tick(now):
+    # the completed groups first: their devices count as reported before the others' aborts, which
+    # may leave the round short of its threshold and close it
+    finished = sorted(secure.tick(now), key=lambda g: g.server.round is not Round.COMPLETED)
+    for group in finished:
         summed: list[str] = []
         if group.server.round is Round.COMPLETED:
             total, summed = secure.group_sum(group)
@@ -80,6 +89,9 @@ def advance_secure(
                 run.accumulator = run.executor.accumulate(run.accumulator, total)
                 if on_reported is not None:
                     on_reported(summed)
+            else:  # the round closed first (its devices' deadlines, or another group reached its goal)
+                secure.drop(group, ROUND_CLOSED)
+                summed = []
         else:
             log.info(
                 "task %s round %d: SecAgg group %d aborted: %s",

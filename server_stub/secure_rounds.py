@@ -3,8 +3,8 @@ server instance (Aggregator) per group, mailboxes the devices poll over HTTP, pe
 deadlines; the Master Aggregator adds the groups' sums. Driven with ``now``; no I/O here.
 
 The server only ever holds masked inputs and each group's sum: never one device's update. A sum
-outside the round's bounds (``influence.check_group_sum``) is dropped: its devices are told why,
-and the round's statistics list it.
+outside the round's bounds (``influence.check_group_sum``), or one that completes after its round
+closed, is dropped: its devices are told why, and the round's statistics list it.
 
 Nobody picks a group alone: when the round opens the server draws a seed and shows every waiting
 device its commitment H(seed); when selection ends it reveals the seed, and the groups follow
@@ -76,7 +76,7 @@ class SecureGroup:
     round_started_at: float
     masked_input_deadline: float
     harvested: bool = False
-    dropped: str | None = None  # why its completed sum was left out of the round (out of bounds)
+    dropped: str | None = None  # why its completed sum was left out of the round (out of bounds, came too late)
     aborted_in: str | None = None  # the protocol round it aborted in (too few answers, a refused message)
     closes: int = 0
     gone: set[int] = field(default_factory=set)
@@ -392,7 +392,8 @@ class SecureRound:
     def stats(self) -> dict:
         """Groups formed, completed (their sums used) and aborted (a group still running counts
         as neither), with the protocol round each aborted in (``aborted_in``: counts by round
-        name), and the groups whose sums were dropped, with why."""
+        name), and the groups whose sums were dropped, with why (out of bounds, or the round closed
+        before them): ``summed_devices`` are the devices the round counted as reported."""
         used = [g for g in self.groups if g.server.round is Round.COMPLETED and g.dropped is None]
         aborted = [g for g in self.groups if g.server.round is Round.ABORTED]
         return {
