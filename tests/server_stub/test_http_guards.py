@@ -14,6 +14,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -463,3 +464,28 @@ def test_a_port_the_system_picks_is_held_from_the_pick_until_the_server_is_done(
     with contextlib.closing(again):
         again.bind(("127.0.0.1", port))
     store.close()
+
+
+def test_a_request_in_flight_when_the_server_stops_is_answered_and_an_idle_connection_closed(tmp_path):
+    """Stopping does not wait out a fixed pause for connections that are idle, but one whose request
+    is under way (half its body in when the stop came) still gets its answer before the server goes."""
+    server = ServerThread(tmp_path / "server.db").start()
+    idle, busy = _connect(server), _connect(server)
+    idle.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    answered = b""
+    while not answered.endswith(b'{"status":"ok"}'):
+        answered += idle.recv(65536)
+    assert answered.startswith(b"HTTP/1.1 200")
+    body = b'{"runtime_version": "1.31.1"}'
+    busy.sendall(
+        b"POST /v1/populations/none/checkin HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10])
+    )
+    stopping = threading.Thread(target=server.stop)
+    stopping.start()
+    assert _until_closed(idle) == b""  # closed by the stop, with nothing more said
+    busy.sendall(body[10:])
+    answer = _until_closed(busy)
+    stopping.join(HANG_S)
+    assert not stopping.is_alive()
+    assert answer.startswith(b"HTTP/1.1 200") and b"NO_TASK" in answer, answer[:300]
