@@ -288,13 +288,30 @@ class PopulationCreated(Answer):
 
 class TaskState(Answer):
     """``active`` (its rounds run), ``queued`` behind the running tasks it waits for, ``completed``,
-    ``refused`` (stored by an older server with a config this one refuses, not run: ``reason``
-    says which field and what to do) or ``retired`` (a refused task an operator retired)."""
+    ``stopped`` (an operator stopped it before it completed), ``refused`` (stored by an older server
+    with a config this one refuses, not run: ``reason`` says which field and what to do) or
+    ``retired`` (a refused task an operator retired)."""
 
     name: str
     status: str
     queued_behind: list[str] | None = None
     reason: str | None = None
+
+
+class TaskStopped(Answer):
+    """What stopping a task did: ``stopped`` names it and the evaluation tasks of its deploy that
+    evaluate it (stopped with it); ``abandoned_round`` the number of the round of one of them that
+    was open, closed without committing (None when none was open); ``committed_rounds`` its rounds
+    on record, the last one's model its final one; ``running`` the population's tasks that run now
+    (the rest of its deploy, or the next deploy)."""
+
+    population: str
+    task: str
+    status: Literal["stopped"]
+    stopped: list[str]
+    abandoned_round: int | None = None
+    committed_rounds: int
+    running: list[str]
 
 
 class ActiveTask(Answer):

@@ -25,6 +25,7 @@ from device_runtime.wire import (
     PopulationList,
     PopulationStatus,
     RoundList,
+    TaskStopped,
 )
 
 from .metrics import rounds_frame
@@ -214,6 +215,13 @@ class AdminClient:
 
     def status(self, population: str) -> dict[str, Any]:
         return self._answer(self._send("GET", f"/v1/populations/{population}"), PopulationStatus)
+
+    def stop_task(self, population: str, task: str) -> dict[str, Any]:
+        """Stop a task on the running server for good (its open round closed without committing,
+        the rest of its deploy or the next deploy runs): what was stopped (``TaskStopped``).
+        ``AdminError`` with ``TASK_STOPPED`` when it is stopped already, ``TASK_NOT_RUNNING`` when
+        it completed, was retired or is refused."""
+        return self._answer(self._send("POST", f"/v1/populations/{population}/tasks/{task}/stop"), TaskStopped)
 
     def rounds(self, population: str, task: str | None = None, last: int | None = None) -> list[dict[str, Any]]:
         """Finished rounds, oldest first; ``last``: only the newest so many (1 to ``MAX_ROUNDS_PAGE``);

@@ -51,6 +51,7 @@ from device_runtime.wire import (
     RoundList,
     SecAggAccepted,
     SecAggState,
+    TaskStopped,
 )
 
 from .admin_auth import MAX_KEY_CHARS, AdminKeys
@@ -371,6 +372,8 @@ _STATUS_OF: dict[str, int] = {
     **dict.fromkeys(
         (
             "TASK_EXISTS",
+            "TASK_STOPPED",
+            "TASK_NOT_RUNNING",
             "REPORT_LATE",
             "DUPLICATE_REPORT",
             "SESSION_CLOSED",
@@ -744,6 +747,19 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         tasks = await call(_deployed, population, records, created)
         answer = DeployedGroup(strategy=group.strategy.value, tasks=tasks)
         return JSONResponse(answer.model_dump(mode="json", exclude_unset=True), status_code=201 if created else 200)
+
+    @app.post(
+        "/v1/populations/{population}/tasks/{task}/stop",
+        tags=["operators"],
+        **_answers(TaskStopped),
+        **_route(*_ADMIN, "UNKNOWN_POPULATION", "UNKNOWN_TASK", "TASK_STOPPED", "TASK_NOT_RUNNING"),
+    )
+    async def stop_task(population: str, task: str, request: Request) -> TaskStopped:
+        """Stop a task for good: its open round is closed without committing, it is marked
+        ``stopped`` (on record before the answer), and the rest of its deploy, or the next deploy,
+        runs. The body is empty."""
+        admin(request)
+        return await call(service.stop_task, population, task)
 
     @app.get(
         "/v1/populations/{population}/rounds",

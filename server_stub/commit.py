@@ -45,11 +45,14 @@ WRITE_RETRY_MAX_S = 60.0
 
 
 def close_round(
-    pop: Population, run: TaskRun, core: RoundCore, phase: Phase, now: float, wall_now: float
+    pop: Population, run: TaskRun, core: RoundCore, phase: Phase, now: float, wall_now: float, error: str | None = None
 ) -> PendingCommit:
     """Turn a finished round into a pending commit (under the lock): the round's state leaves
-    ``run``, and the population opens no round until the commit is written."""
+    ``run``, and the population opens no round until the commit is written. ``error``: why the
+    round ended short of its outcome (its task was stopped), kept in its metrics."""
     metrics = core.stats(now)
+    if error is not None:
+        metrics["error"] = error
     metrics["duration_s"] = round(now - core.started_at, 4)
     if run.secure is not None:
         metrics["secagg"] = run.secure.stats()
@@ -165,10 +168,19 @@ class CommitPipeline:
         self.late_due: dict[int, tuple[ClosedRound, str]] = {}
         self._closed_here = threading.local()  # commits the current thread's call created
 
-    def close(self, pop: Population, run: TaskRun, core: RoundCore, phase: Phase, now: float, wall_now: float) -> None:
+    def close(
+        self,
+        pop: Population,
+        run: TaskRun,
+        core: RoundCore,
+        phase: Phase,
+        now: float,
+        wall_now: float,
+        error: str | None = None,
+    ) -> None:
         """``close_round``, queued for ``flush`` (under the lock); the calling thread's ``flush``
         waits for it."""
-        pending = close_round(pop, run, core, phase, now, wall_now)
+        pending = close_round(pop, run, core, phase, now, wall_now, error)
         self.pending.append(pending)
         if not hasattr(self._closed_here, "commits"):
             self._closed_here.commits = []
@@ -310,6 +322,8 @@ class CommitPipeline:
             and run.config.max_rounds is not None
             and run.committed_rounds + 1 >= run.config.max_rounds
         ) or (dp_after is not None and not dp_after.allows_next())  # the budget would not take one more round
+        with self._lock:  # a task stopped meanwhile (``FLService.stop_task``) is stopped, not completed
+            completes = completes and run in p.population.runs
         finished = [run] + [r for r in p.population.runs if r.evaluates is run] if completes else []
         for done in finished:
             write_quietly(self.store.set_task_status, done.record.id, "completed")

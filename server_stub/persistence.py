@@ -602,8 +602,12 @@ class ServerStore:
         ]
 
     def set_task_status(self, task_id: int, status: str) -> None:
+        self.set_tasks_status([task_id], status)
+
+    def set_tasks_status(self, task_ids: list[int], status: str) -> None:
+        """Give the tasks ``status``, all of them or none (one transaction)."""
         with self.engine.begin() as conn:
-            conn.execute(update(tasks).where(tasks.c.id == task_id).values(status=status))
+            conn.execute(update(tasks).where(tasks.c.id.in_(task_ids)).values(status=status))
 
     # rounds
     def record_round(

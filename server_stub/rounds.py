@@ -256,6 +256,14 @@ class RoundCore:
                 return self._finish(Phase.ABANDONED, now)
         return self.phase
 
+    def stop(self, now: float) -> bool:
+        """Close the round now, whatever it holds, without committing it (its task was stopped):
+        abandoned; False when it was closed already."""
+        if not self.open:
+            return False
+        self._finish(Phase.ABANDONED, now)
+        return True
+
     def next_event_at(self) -> float | None:
         """When ``advance`` could next change something without any message arriving."""
         if not self.open:

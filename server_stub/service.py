@@ -41,6 +41,7 @@ from device_runtime.wire import (
     EligibilityInfo,
     ReportAnswer,
     SecAggAccepted,
+    TaskStopped,
 )
 
 from . import admission, dp_rounds, secure_driver
@@ -50,6 +51,7 @@ from .deploy import TaskSpec, check_name, new_tasks, stored_before, task_exists
 from .errors import (
     ApiError,
     BadRequest,
+    Conflict,
     DuplicateReport,
     NotFound,
     ReportLate,
@@ -63,7 +65,7 @@ from .pace import MAX_DEFERRALS
 from .persistence import PrunedRounds, ServerStore, TaskRecord, store_advice
 from .reports import check_report, stats_shape, take_report
 from .retention import RESOURCE_GRACE_S, RETENTION_BATCH, RETENTION_EVERY_S, Retention
-from .rounds import ReportVerdict, RoundConfig
+from .rounds import Phase, ReportVerdict, RoundConfig
 from .secagg_limits import SECAGG_SLACK_BYTES, secagg_upload_limit
 from .service_state import (
     NO_SESSION,
@@ -251,6 +253,92 @@ class FLService:
             raise task_exists(population, [s.name for s in specs]) from None
         self._activate(population)
         return records, True
+
+    def stop_task(self, population: str, task: str) -> TaskStopped:
+        """Stop the population's task ``task``, active or queued, for good: its open round is
+        closed at once without committing (abandoned, ``error`` saying so: its devices get the
+        answers of a closed round), it is marked ``stopped`` in one transaction before the answer
+        leaves, and what it has on record (rounds, models, privacy ledger) stays, its last
+        committed model its final one. The evaluation tasks of its deploy that evaluate it stop
+        with it; the other tasks of its deploy go on, and once none is left the next deploy starts.
+        ``TASK_STOPPED`` when it is stopped already, ``TASK_NOT_RUNNING`` when it completed, was
+        retired or is refused."""
+        if self.store.population_id(population) is None:
+            raise NotFound(f"population {quoted(population)} does not exist", code="UNKNOWN_POPULATION")
+        abandoned: int | None = None
+        secure = False
+        with self._commits.writing():  # no round's commit is written (nor a task completed) meanwhile
+            records = self.store.tasks(population)
+            record = next((r for r in records if r.name == task), None)
+            if record is None:
+                raise _no_task(population, task, records)
+            with self._lock:
+                pop = self._population(population)
+                state = task_states(pop, records)[task]
+            said = f"task {quoted(task)} of population {quoted(population)}"
+            if state["status"] == "stopped":
+                raise Conflict(f"{said} is stopped already", code="TASK_STOPPED")
+            if state["status"] not in ("active", "queued"):
+                why = {
+                    "completed": "it ran its max_rounds (or spent its privacy budget)",
+                    "retired": "an operator retired it",
+                    "refused": "this server refuses its stored config and does not run it; "
+                    f"fedfleet server retire --db DB --population {population} --task {task} retires it",
+                }.get(state["status"], "it does not run")
+                raise Conflict(
+                    f"{said} is {state['status']}, not running: {why}; only an active or queued task is stopped",
+                    code="TASK_NOT_RUNNING",
+                )
+            stopping = [record] + [
+                r
+                for r in records
+                if r.status == "active"
+                and r.name not in pop.refused
+                and r.config.get("group", {}).get("evaluates") == task
+            ]
+            self.store.set_tasks_status([r.id for r in stopping], "stopped")  # on record before anything else
+            names = [r.name for r in stopping]
+            with self._lock:
+                now = self.clock()
+                self._advance(pop, now)  # a round its deadlines closed already ends as they say
+                runs = [r for r in pop.runs if r.record.name in names]
+                run = pop.current
+                if run is not None and run in runs and run.core is not None and run.core.stop(now):
+                    abandoned = run.round_number
+                    secure = run.secure is not None
+                    self._commits.close(
+                        pop, run, run.core, Phase.ABANDONED, now, self.wall_clock(), error="its task was stopped"
+                    )
+                pop.runs = [r for r in pop.runs if r not in runs]
+                if pop.current in runs:
+                    pop.current = None
+                idle = not pop.runs and not pop.committing
+                if idle:
+                    pop.opens_at, pop.deferrals = None, 0
+        if secure:
+            self._secagg_changed()  # its groups' state is final: their long polls answer now
+        if idle:  # else the rest of its deploy goes on, or the commit of the round closed here loads the next
+            self._activate(population)
+        with self._lock:
+            running = [r.record.name for r in pop.runs]
+        committed = sum(r.status == "committed" for r in self.store.rounds(record.id))
+        committed += self.store.pruned_counts(record.id)[1]
+        log.info(
+            "population %s: task %s stopped by an operator%s; %d committed round(s) on record",
+            population,
+            " and ".join(names),
+            f" (its round {abandoned} abandoned)" if abandoned is not None else "",
+            committed,
+        )
+        return TaskStopped(
+            population=population,
+            task=task,
+            status="stopped",
+            stopped=names,
+            abandoned_round=abandoned,
+            committed_rounds=committed,
+            running=running,
+        )
 
     # ----------------------------------------------------------------- device protocol
     def eligibility_info(self, population: str) -> EligibilityInfo:
@@ -589,8 +677,8 @@ class FLService:
         """Each task's state as an operator sees it: ``active`` (its rounds run), ``queued`` with
         ``queued_behind`` (the running tasks it waits for: a population runs one deploy at a time,
         and a task without ``max_rounds`` never ends), ``completed``, or ``refused`` with its
-        ``reason`` (stored by an older server with a config this one refuses: not run), or ``retired``
-        (a refused task an operator retired, ``task_runs.retire_refused``)."""
+        ``reason`` (stored by an older server with a config this one refuses: not run), ``retired``
+        (a refused task an operator retired, ``task_runs.retire_refused``) or ``stopped`` (``stop_task``)."""
         tasks = self.store.tasks(population)
         with self._lock:
             return task_states(self._population(population), tasks)

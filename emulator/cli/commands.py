@@ -39,7 +39,7 @@ DESCRIPTION = (
     "Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
     "prune drops old rounds' models from a stopped server's database, authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
     "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
-    "server runs."
+    "server runs, stop stops a task on it."
 )
 
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.command in ("plan", "deploy", "status", "rounds"):
+    if args.command in ("plan", "deploy", "status", "rounds", "stop"):
         return run_toolchain_command(args)
     if args.command == "server":
         return run_server(args)

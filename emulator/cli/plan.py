@@ -22,8 +22,11 @@ fedfleet plan from-torch MODULE:FACTORY --input NAME:SHAPE[:DTYPE] ... --label y
                                             as from-onnx; needs the torch extra
 fedfleet deploy DIR --server URL --population P   the plans and the release report, to the server; says
                                             whether each task runs now or is queued behind another
-fedfleet status --server URL --population P   the population's tasks (active, queued, completed)
+fedfleet status --server URL --population P   the population's tasks (active, queued, completed, stopped)
 fedfleet rounds --server URL --population P [--task T]   its rounds, oldest first
+fedfleet stop --server URL --population P --task T   stop a task on the running server for good: its open
+                                            round closed without committing, its deploy's other tasks
+                                            or the next deploy run on
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ SIGNING_KEY_ENV = "FEDFLEET_SIGNING_KEY"
 
 
 def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``plan``, ``deploy``, ``status`` and ``rounds`` on the ``fedfleet`` command's subparsers."""
+    """Register ``plan``, ``deploy``, ``status``, ``rounds`` and ``stop`` on the ``fedfleet`` command's subparsers."""
     plan = sub.add_parser("plan", help="build, test and make FL plans (the model engineer's workflow)")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     build = plan_sub.add_parser("build", help="build a task file's plans: unversioned and one per claimed runtime")
@@ -150,10 +153,17 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
         metavar="ID",
         help="only rounds older than those shown with this --before (the command names it when older ones are on record)",
     )
+    stop = sub.add_parser(
+        "stop",
+        help="stop a task on a running server for good (one without max_rounds, diverging or deployed by mistake): "
+        "its open round is closed without committing, its models and rounds stay, the next deploy starts",
+    )
+    _server_options(stop, "the population of the task")
+    stop.add_argument("--task", required=True, help="the task to stop (its evaluation tasks stop with it)")
 
 
 def _server_options(cmd: argparse.ArgumentParser, population: str) -> None:
-    """The options of every command that talks to a server (deploy, status, rounds)."""
+    """The options of every command that talks to a server (deploy, status, rounds, stop)."""
     cmd.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     cmd.add_argument("--population", required=True, help=population)
     cmd.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
@@ -221,11 +231,16 @@ def _model_options(cmd: argparse.ArgumentParser, *, plan_alone: bool) -> None:
 
 
 def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run a parsed ``plan ...``, ``deploy``, ``status`` or ``rounds`` command; returns the exit status.
+    """Run a parsed ``plan ...``, ``deploy``, ``status``, ``rounds`` or ``stop`` command; returns the exit status.
     A server that does not answer, or a URL without http://, is one line on stderr (exit 2)."""
     say = lambda message: print(message, file=out or sys.stdout, flush=True)  # noqa: E731
-    if args.command in ("deploy", "status", "rounds") and not is_name(args.population):  # else a bare 404 Not Found
+    if args.command in ("deploy", "status", "rounds", "stop") and not is_name(
+        args.population
+    ):  # else a bare 404 Not Found
         print(f"{_command(args)}: --population {args.population!r} refused: {NAME_RULE}", file=sys.stderr)
+        return 2
+    if args.command == "stop" and not is_name(args.task):
+        print(f"{_command(args)}: --task {args.task!r} refused: {NAME_RULE}", file=sys.stderr)
         return 2
     try:
         if args.command == "deploy":
@@ -234,6 +249,8 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
             return _status(args, say)
         if args.command == "rounds":
             return _rounds(args, say)
+        if args.command == "stop":
+            return _stop(args, say)
         if args.plan_command == "build":
             check_task_file(args.task_file)
             build_bundle(args.task_file, args.out, runtimes=args.runtimes, say=say)
@@ -636,6 +653,30 @@ def _status(args: argparse.Namespace, say) -> int:
             f"open round: {status['active_task']} round {status['round']} ({status['phase']}), "
             f"{status['committed_rounds']} committed"
         )
+    return 0
+
+
+def _stop(args: argparse.Namespace, say) -> int:
+    with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
+        stopped = admin.stop_task(args.population, args.task)
+    also = [name for name in stopped["stopped"] if name != stopped["task"]]
+    said = f"stopped task {stopped['task']} of population {stopped['population']}"
+    if also:
+        said += f" and {', '.join(also)}, which evaluate{'s' if len(also) == 1 else ''} it"
+    round_said = (
+        f"its round {stopped['abandoned_round']} abandoned"
+        if stopped.get("abandoned_round") is not None
+        else "no round of it was open"
+    )
+    say(f"{said}: {round_said}; {stopped['committed_rounds']} committed round(s) on record")
+    if stopped["running"]:
+        say(f"running now: {', '.join(stopped['running'])}")
+    else:
+        say("no task of the population runs now")
+    say(
+        f"its final model: GET /v1/populations/{stopped['population']}/model?task={stopped['task']}; "
+        f"its rounds: fedfleet rounds --server {args.server} --population {stopped['population']} --task {stopped['task']}"
+    )
     return 0
 
 

@@ -56,13 +56,16 @@ def _operator_requests(document: dict) -> list[tuple[str, str, dict | None]]:
         "/v1/populations/{population}/task-groups": {
             "tasks": [task_body("new-group-task", plan, checkpoint, RoundConfig(min_reports=1))]
         },
+        "/v1/populations/{population}/tasks/{task}/stop": None,
     }
     requests = []
     for path, item in document["paths"].items():
         for method, operation in item.items():
             if operation.get("security") == [{"adminKey": []}]:
                 body = bodies[path] if method == "post" else None
-                requests.append((method.upper(), path.replace("{population}", "digits"), body))
+                requests.append(
+                    (method.upper(), path.replace("{population}", "digits").replace("{task}", "new-task"), body)
+                )
     return requests
 
 
@@ -77,6 +80,7 @@ def test_every_operator_operation_refuses_a_missing_or_wrong_key(fleet):
             ("GET", "/v1/populations/digits"),
             ("POST", "/v1/populations/digits/tasks"),
             ("POST", "/v1/populations/digits/task-groups"),
+            ("POST", "/v1/populations/digits/tasks/new-task/stop"),
             ("GET", "/v1/populations/digits/rounds"),
             ("GET", "/v1/populations/digits/model"),
         }
@@ -102,6 +106,7 @@ def test_every_operator_operation_refuses_a_missing_or_wrong_key(fleet):
     # The refused requests changed nothing; the accepted ones did.
     assert sorted(admin.populations()) == ["digits", "new-population", "other"]
     assert [t["name"] for t in admin.status("digits")["tasks"]] == ["train", "new-task", "new-group-task"]
+    assert admin.status("digits")["tasks"][1]["status"] == "stopped"
 
 
 def test_device_operations_need_no_admin_key_and_the_admin_key_is_no_session_token(fleet):

@@ -169,6 +169,12 @@ def test_the_servers_answers_are_their_routes_models_field_for_field(tmp_path):
         send("GET", "/v1/populations", "/v1/populations", headers=recorder.admin)
         send("GET", "/v1/populations/{population}", "/v1/populations/pop", headers=recorder.admin)
         send("GET", "/v1/populations/{population}/rounds", "/v1/populations/pop/rounds", headers=recorder.admin)
+        send(
+            "POST",
+            "/v1/populations/{population}/tasks/{task}/stop",
+            "/v1/populations/pop/tasks/train/stop",
+            headers=recorder.admin,
+        )
         # the operators' answers the service builds as dicts: FastAPI would drop a field the model
         # lacks on its way out, so the dicts themselves are compared with the models
         for built, model in (

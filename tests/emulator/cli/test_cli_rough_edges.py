@@ -41,6 +41,7 @@ def _server_commands(directory: Path) -> list[list[str]]:
         ["deploy", str(directory), "--population", "p"],
         ["status", "--population", "p"],
         ["rounds", "--population", "p"],
+        ["stop", "--population", "p", "--task", "t"],
     ]
 
 
@@ -171,6 +172,37 @@ def test_a_deploy_behind_a_task_that_never_ends_is_said_queued_and_the_status_sh
         assert cli.main(["status", "--server", server.url, "--population", "p"]) == 0
     printed = capsys.readouterr().out
     assert "next: queued behind forever" in printed and "forever: active" in printed
+
+
+def test_stop_stops_a_task_that_never_ends_and_the_queued_deploy_runs(tmp_path, capsys, monkeypatch):
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        admin.deploy_task("p", "forever", plan, checkpoint, RoundConfig())  # no max_rounds: it never ends
+        admin.deploy_task("p", "next", plan, checkpoint, RoundConfig())
+        stop = ["stop", "--server", server.url, "--population", "p", "--task", "forever"]
+        assert cli.main(stop) == 0
+        said = capsys.readouterr().out
+        assert "stopped task forever of population p: its round 1 abandoned; 0 committed round(s) on record" in said
+        assert "running now: next" in said
+        assert cli.main(["status", "--server", server.url, "--population", "p"]) == 0
+        printed = capsys.readouterr().out
+        assert "forever: stopped" in printed and "next: active" in printed and "open round: next round 1" in printed
+        for argv, code, err in (
+            (
+                stop,
+                1,
+                "fedfleet stop: the server refused: task 'forever' of population 'p' is stopped already (TASK_STOPPED)",
+            ),
+            ([*stop[:-1], "nxet"], 1, "has no task 'nxet' (did you mean next?)"),
+            ([*stop[:4], "q", *stop[5:]], 1, "population 'q' does not exist"),
+            ([*stop[:-1], "../x"], 2, "fedfleet stop: --task '../x' refused: "),
+        ):
+            assert cli.main(argv) == code, argv
+            captured = capsys.readouterr().err.strip()
+            assert len(captured.splitlines()) == 1 and err in captured, captured
 
 
 def test_version_prints_the_installed_version(capsys):
