@@ -62,11 +62,11 @@ from ..toolchain.bundle import (
     deploy_bundle,
     release_test_bundle,
 )
-from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx, onnx_output
+from ..toolchain.model_bundle import ModelBundle, bundle_from_onnx
 from ..toolchain.onnx_import import trainable_table
 from ..toolchain.release import release_table
 from ..toolchain.release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
-from ..toolchain.tasks import Task, TaskError, onnx_import
+from ..toolchain.tasks import Task, TaskError, onnx_import, onnx_output
 from ..toolchain.torch_export import from_torch, parse_input
 
 __all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]

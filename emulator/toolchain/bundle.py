@@ -138,7 +138,7 @@ class TaskBuild:
 def build_task(task: Task, *, say: Callable[[str], None] = lambda _m: None) -> TaskBuild:
     """Build one task: its plan, initial model and a versioned plan for each claimed runtime;
     raises VersioningError naming the op and the release when a claimed release cannot run it."""
-    plan = task.build_plan()
+    plan = task.build_plan(say=say)
     plan_bytes = serialize_plan(plan)
     versioned: dict[str, Plan] = {}
     versions: dict[str, bytes] = {}

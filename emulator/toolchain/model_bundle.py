@@ -33,17 +33,9 @@ from server_stub.schemas import NAME_RULE, is_name
 from . import ml_ops
 from .bundle import MANIFEST, SOURCE, TASK_FILE, build_bundle
 from .onnx_import import EVAL_MODE_WARNING
-from .tasks import DEFAULT_RUNTIMES, Task, TaskError, check_known_releases, onnx_import
+from .tasks import DEFAULT_RUNTIMES, Task, TaskError, _np_dtype, check_known_releases, onnx_import, onnx_output
 
-__all__ = [
-    "ModelBundle",
-    "NamedOutput",
-    "bundle_from_onnx",
-    "example_features",
-    "graph_outputs",
-    "loss_output",
-    "task_stub",
-]
+__all__ = ["ModelBundle", "bundle_from_onnx", "example_features", "task_stub"]
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA = "model.onnx.data"
@@ -69,114 +61,8 @@ class ModelBundle:
     frozen_rows: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # rows no gradient reaches
 
 
-def _np_dtype(elem_type: int) -> str:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).name
-
-
 def _dims(vi: onnx.ValueInfoProto) -> list[int | str]:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in vi.type.tensor_type.shape.dim]
-
-
-@dataclass(frozen=True)
-class NamedOutput:
-    """One value a model gives: a graph output, or one of the values a torch module's forward
-    returns (its index, key or attribute name), with its dtype (for a value that is no tensor, its
-    type's name) and shape, the batch axis written ``N``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int | str, ...] | None = None  # None where the file does not say, or no tensor
-    tensor: bool = True
-    batched: bool | None = None  # whether axis 0 is the batch's; None where the file does not say
-
-    def __str__(self) -> str:
-        if not self.tensor:
-            return f"{self.name} ({self.dtype})"
-        return f"{self.name} {self.dtype}" + ("" if self.shape is None else f" [{', '.join(map(str, self.shape))}]")
-
-    @property
-    def is_float(self) -> bool:
-        return self.tensor and self.dtype.startswith(("float", "bfloat"))
-
-    def fits(self, loss: str) -> bool:
-        """Whether the loss could read it: a float tensor with a batch axis, and a class axis after
-        it for ``cross_entropy``."""
-        if not self.is_float or self.batched is False:
-            return False
-        return self.shape is None or len(self.shape) >= (2 if loss == "cross_entropy" else 1)
-
-
-def loss_output(
-    outputs: Sequence[NamedOutput], output: str | None, *, loss: str, source: str = "the model"
-) -> tuple[str, str | None]:
-    """The output the loss reads, and a line to print where it was chosen for the person: ``output``
-    where given (it must be one of ``outputs``, a tensor), the only one where there is one, else the
-    only float one with a batch axis and the rank the loss needs. Several such outputs are refused in
-    one line listing them: training the first of a model's (logits, hidden states) or (logits,
-    auxiliary logits) silently is a model that learns something else than meant."""
-    listing = ", ".join(map(str, outputs))
-    which = "the index or name" if source == "forward" else "the name"
-    if output is not None:
-        found = next((o for o in outputs if o.name == output), None)
-        if found is None or not found.tensor:
-            gives = "forward returns" if source == "forward" else f"of {source}'s outputs"
-            raise TaskError(f"--output {output!r} names no tensor {gives} ({listing}); give {which} of one")
-        return found.name, None
-    if len(outputs) == 1:
-        return outputs[0].name, None
-    candidates = [o for o in outputs if o.fits(loss)]
-    given = f"{source} returns {len(outputs)} values" if source == "forward" else f"{source} has {len(outputs)} outputs"
-    if len(candidates) == 1:
-        axes = "a batch axis and a class axis" if loss == "cross_entropy" else "a batch axis"
-        return candidates[0].name, (
-            f"{given} ({listing}): the loss reads {candidates[0].name!r}, the only float one with {axes} "
-            f"(--output picks another)"
-        )
-    raise TaskError(f"{given} ({listing}); give --output with {which} of the one the loss reads")
-
-
-def graph_outputs(model: onnx.ModelProto) -> list[NamedOutput]:
-    """The graph outputs of ``model`` as :class:`NamedOutput` (a ``ZipMap``'s sequence of maps as
-    the probabilities it is given as), each batched where its first dimension is symbolic or the
-    batch an input was exported at."""
-    if any(n.domain == ml_ops.ML_DOMAIN for n in model.graph.node):
-        model = onnx.ModelProto.FromString(model.SerializeToString())
-        ml_ops.standard_form(model)
-    initializers = {i.name for i in model.graph.initializer}
-    batches = {
-        dims[0].dim_value
-        for vi in model.graph.input
-        if vi.name not in initializers and len(dims := vi.type.tensor_type.shape.dim) and dims[0].HasField("dim_value")
-    }
-    found = []
-    for vi in model.graph.output:
-        if not vi.type.HasField("tensor_type"):
-            found.append(
-                NamedOutput(vi.name, (vi.type.WhichOneof("value") or "value").removesuffix("_type"), tensor=False)
-            )
-            continue
-        t = vi.type.tensor_type
-        dtype = _np_dtype(t.elem_type) if t.elem_type else "float32"
-        if not t.HasField("shape"):
-            found.append(NamedOutput(vi.name, dtype))
-            continue
-        dims = list(t.shape.dim)
-        batched = bool(dims) and (not dims[0].HasField("dim_value") or dims[0].dim_value in batches)
-        shape = tuple(
-            "N" if k == 0 and batched else (d.dim_value if d.HasField("dim_value") else (d.dim_param or "?"))
-            for k, d in enumerate(dims)
-        )
-        found.append(NamedOutput(vi.name, dtype, shape, batched=batched))
-    return found
-
-
-def onnx_output(model: onnx.ModelProto, output: str | None, *, loss: str) -> tuple[str | None, str | None]:
-    """The graph output the loss of a plan from ``model`` reads (None: its only output) and the
-    line saying which where it was chosen (:func:`loss_output`)."""
-    outputs = graph_outputs(model)
-    if output is None and (len(outputs) == 1 or not any(o.is_float for o in outputs)):
-        return None, None  # one output, or no float one: the plan's own refusal says what to export
-    return loss_output(outputs, output, loss=loss)
 
 
 def example_features(
@@ -441,7 +327,8 @@ def bundle_from_onnx(
     """Write the bundle of the ONNX model at ``model`` into ``out`` (see the module docstring):
     the plan is made first, so a model that cannot become one leaves nothing behind. ``output``
     names the graph output the loss reads; a model with several takes the only float one with a
-    batch axis (and ``say`` says so), and is refused where it has more (:func:`loss_output`)."""
+    batch axis (and ``say`` says so), and is refused where it has more
+    (:func:`~emulator.toolchain.tasks.loss_output`)."""
     model, out = Path(model), Path(out)
     if name is None and not is_name(model.stem):
         raise TaskError(f"the model file's name {model.stem!r} is no task name ({NAME_RULE}); give one with --name")

@@ -44,7 +44,7 @@ import runpy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,8 +55,12 @@ from server_stub.errors import did_you_mean_path
 from server_stub.rounds import RoundConfig
 from server_stub.schemas import NAME_RULE, is_name
 
+if TYPE_CHECKING:
+    import onnx
+
 __all__ = [
     "Budget",
+    "NamedOutput",
     "Predicate",
     "ProxyData",
     "Task",
@@ -66,12 +70,16 @@ __all__ = [
     "Trial",
     "accuracy_after_rounds",
     "evaluation_of",
+    "graph_outputs",
     "load_tasks",
     "loss_after_rounds",
     "loss_decreases",
     "loss_is_finite",
+    "loss_output",
     "measured_as",
+    "onnx_output",
     "predicate",
+    "task_output",
 ]
 
 #: The oldest, a middle and the newest release: what a task claims when it names none.
@@ -105,6 +113,130 @@ def measured_as(release: str) -> str | None:
 
 class TaskError(ValueError):
     """A task file or task declaration is unusable; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class NamedOutput:
+    """One value a model gives: a graph output, or one of the values a torch module's forward
+    returns (its index, key or attribute name), with its dtype (for a value that is no tensor, its
+    type's name) and shape, the batch axis written ``N``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...] | None = None  # None where the file does not say, or no tensor
+    tensor: bool = True
+    batched: bool | None = None  # whether axis 0 is the batch's; None where the file does not say
+
+    def __str__(self) -> str:
+        if not self.tensor:
+            return f"{self.name} ({self.dtype})"
+        return f"{self.name} {self.dtype}" + ("" if self.shape is None else f" [{', '.join(map(str, self.shape))}]")
+
+    @property
+    def is_float(self) -> bool:
+        return self.tensor and self.dtype.startswith(("float", "bfloat"))
+
+    def fits(self, loss: str) -> bool:
+        """Whether the loss could read it: a float tensor with a batch axis, and a class axis after
+        it for ``cross_entropy``."""
+        if not self.is_float or self.batched is False:
+            return False
+        return self.shape is None or len(self.shape) >= (2 if loss == "cross_entropy" else 1)
+
+
+def loss_output(
+    outputs: Sequence[NamedOutput],
+    output: str | None,
+    *,
+    loss: str,
+    source: str = "the model",
+    in_task: bool = False,
+) -> tuple[str, str | None]:
+    """The output the loss reads, and a line to print where it was chosen for the person: ``output``
+    where given (it must be one of ``outputs``, a tensor), the only one where there is one, else the
+    only float one with a batch axis and the rank the loss needs. Several such outputs are refused in
+    one line listing them: training the first of a model's (logits, hidden states) or (logits,
+    auxiliary logits) silently is a model that learns something else than meant. The lines name
+    ``--output``, or with ``in_task`` the task's ``output=`` (a Task written by hand)."""
+    listing = ", ".join(map(str, outputs))
+    which = "the index or name" if source == "forward" else "the name"
+    if output is not None:
+        found = next((o for o in outputs if o.name == output), None)
+        if found is None or not found.tensor:
+            gives = "forward returns" if source == "forward" else f"of {source}'s outputs"
+            named = f"output={output!r}" if in_task else f"--output {output!r}"
+            raise TaskError(f"{named} names no tensor {gives} ({listing}); give {which} of one")
+        return found.name, None
+    if len(outputs) == 1:
+        return outputs[0].name, None
+    candidates = [o for o in outputs if o.fits(loss)]
+    given = f"{source} returns {len(outputs)} values" if source == "forward" else f"{source} has {len(outputs)} outputs"
+    if len(candidates) == 1:
+        axes = "a batch axis and a class axis" if loss == "cross_entropy" else "a batch axis"
+        other = "output= in the Task" if in_task else "--output"
+        return candidates[0].name, (
+            f"{given} ({listing}): the loss reads {candidates[0].name!r}, the only float one with {axes} "
+            f"({other} picks another)"
+        )
+    ask = "set output= in the Task to" if in_task else "give --output with"
+    raise TaskError(f"{given} ({listing}); {ask} {which} of the one the loss reads")
+
+
+def _np_dtype(elem_type: int) -> str:
+    """The numpy name of an ONNX tensor element type (``float32``)."""
+    import onnx
+
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def graph_outputs(model: onnx.ModelProto) -> list[NamedOutput]:
+    """The graph outputs of ``model`` as :class:`NamedOutput` (a ``ZipMap``'s sequence of maps as
+    the probabilities it is given as), each batched where its first dimension is symbolic or the
+    batch an input was exported at."""
+    import onnx
+
+    from . import ml_ops
+
+    if any(n.domain == ml_ops.ML_DOMAIN for n in model.graph.node):
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        ml_ops.standard_form(model)
+    initializers = {i.name for i in model.graph.initializer}
+    batches = {
+        dims[0].dim_value
+        for vi in model.graph.input
+        if vi.name not in initializers and len(dims := vi.type.tensor_type.shape.dim) and dims[0].HasField("dim_value")
+    }
+    found = []
+    for vi in model.graph.output:
+        if not vi.type.HasField("tensor_type"):
+            found.append(
+                NamedOutput(vi.name, (vi.type.WhichOneof("value") or "value").removesuffix("_type"), tensor=False)
+            )
+            continue
+        t = vi.type.tensor_type
+        dtype = _np_dtype(t.elem_type) if t.elem_type else "float32"
+        if not t.HasField("shape"):
+            found.append(NamedOutput(vi.name, dtype))
+            continue
+        dims = list(t.shape.dim)
+        batched = bool(dims) and (not dims[0].HasField("dim_value") or dims[0].dim_value in batches)
+        shape = tuple(
+            "N" if k == 0 and batched else (d.dim_value if d.HasField("dim_value") else (d.dim_param or "?"))
+            for k, d in enumerate(dims)
+        )
+        found.append(NamedOutput(vi.name, dtype, shape, batched=batched))
+    return found
+
+
+def onnx_output(
+    model: onnx.ModelProto, output: str | None, *, loss: str, in_task: bool = False
+) -> tuple[str | None, str | None]:
+    """The graph output the loss of a plan from ``model`` reads (None: its only output) and the
+    line saying which where it was chosen (:func:`loss_output`)."""
+    outputs = graph_outputs(model)
+    if output is None and (len(outputs) == 1 or not any(o.is_float for o in outputs)):
+        return None, None  # one output, or no float one: the plan's own refusal says what to export
+    return loss_output(outputs, output, loss=loss, in_task=in_task)
 
 
 @dataclass(frozen=True)
@@ -299,7 +431,8 @@ class Task:
     frozen: tuple[str, ...] = ()  # ONNX models: names or glob patterns kept constant
     # ONNX models: trained weights -> rows no gradient reaches (an embedding's padding_idx row)
     frozen_rows: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    # ONNX models: the tensor the loss reads (None: the model's first float output)
+    # ONNX models: the output the loss reads (None: the model's only output, or the only float one with a
+    # batch axis where it has several; more such are refused, listing them)
     output: str | None = None
     evaluates: Task | None = None  # set by evaluation_of: this task measures that training task's model
 
@@ -336,16 +469,17 @@ class Task:
         """``train``, or ``eval`` for a task made by :func:`evaluation_of`."""
         return "train" if self.evaluates is None else "eval"
 
-    def build_plan(self) -> Plan:
-        """The unversioned plan."""
+    def build_plan(self, say: Callable[[str], None] | None = None) -> Plan:
+        """The unversioned plan; ``say`` gets the line saying which output of an ONNX model with
+        several the loss reads, where it was chosen (:func:`task_output`)."""
         if self.evaluates is not None:
-            return self._evaluation_plan()
+            return self._evaluation_plan(say)
         if callable(self.model):
             plan = self.model(dict(self.hyperparameters))
             if not isinstance(plan, Plan):
                 raise TaskError(f"task {self.name!r}: its model function returned {type(plan).__name__}, not a Plan")
             return dataclasses.replace(plan, name=self.name)
-        return dataclasses.replace(plan_from_onnx(self._model_source(), self), name=self.name)
+        return dataclasses.replace(onnx_import(self._model_source(), self, say=say).plan, name=self.name)
 
     def _model_source(self) -> Any:
         """The ONNX model as bytes or a loaded ModelProto: a path is loaded with its external data
@@ -370,7 +504,7 @@ class Task:
         except (ValueError, OSError) as exc:  # PlanError is a ValueError
             raise TaskError(f"task {self.name!r}: {exc}") from None
 
-    def _evaluation_plan(self) -> Plan:
+    def _evaluation_plan(self, say: Callable[[str], None] | None = None) -> Plan:
         assert self.evaluates is not None
         trained = self.evaluates.build_plan()
         if callable(self.model):
@@ -391,15 +525,17 @@ class Task:
             return dataclasses.replace(plan, name=self.name, device=device)
         from .evaluation import evaluation_plan_from_onnx
 
+        model = self._model_source()
+        output = task_output(self, model, say=say)
         try:
             return evaluation_plan_from_onnx(
-                self._model_source(),
+                model,
                 label=self.label,
                 loss=self.loss,
                 training_plan=trained,
                 example_selector=self.selector,
                 batch_size=self.batch_size,
-                output=self.output,
+                output=output,
                 name=self.name,
             )
         except (TypeError, ValueError) as exc:
@@ -434,13 +570,39 @@ class Task:
         return max([0, *(p.rounds for p in self.predicates)])
 
 
-def plan_from_onnx(model: Any, task: Task) -> Plan:
-    """A training plan from an ONNX inference model through the toolchain's autodiff."""
-    return onnx_import(model, task).plan
+def task_output(task: Task, model: Any, *, say: Callable[[str], None] | None = None) -> str | None:
+    """The tensor the loss of ``task``'s plan from the ONNX ``model`` reads, chosen as ``plan
+    from-onnx`` chooses (:func:`onnx_output`): the task's ``output``, else the model's only output,
+    else the only float one with a batch axis (``say`` gets a line saying so, the library saying
+    nothing); several such, or an ``output`` that names no tensor of the model, are refused in one
+    line listing the model's outputs. None where the model has one output or no float one (the
+    plan's own refusal then says what to export). An ``output`` naming a tensor inside the graph
+    (the logits before an ``ArgMax`` output) is taken as it is."""
+    import onnx
+
+    try:
+        if isinstance(model, onnx.ModelProto):
+            proto = model
+        elif isinstance(model, (bytes, bytearray, memoryview)):
+            proto = onnx.ModelProto.FromString(bytes(model))
+        else:
+            proto = onnx.load(os.fspath(model), load_external_data=False)
+    except Exception:  # noqa: BLE001 - no ONNX model: the plan's own refusal says what it is
+        return task.output
+    if task.output is not None and task.output in {o for n in proto.graph.node for o in n.output}:
+        return task.output
+    try:
+        output, line = onnx_output(proto, task.output, loss=task.loss, in_task=True)
+    except TaskError as exc:
+        raise TaskError(f"task {task.name!r}: {exc}") from None
+    if line and say is not None:
+        say(f"{task.name}: {line}")
+    return output
 
 
-def onnx_import(model: Any, task: Task) -> Any:
-    """The task's :class:`~emulator.toolchain.OnnxTrainingPlan`: the plan and the tensors it trains."""
+def onnx_import(model: Any, task: Task, *, say: Callable[[str], None] | None = None) -> Any:
+    """The task's :class:`~emulator.toolchain.OnnxTrainingPlan`: the plan and the tensors it trains,
+    from the model output :func:`task_output` chooses (``say`` gets the line saying which)."""
     from .optimizers import SGD, Adam, Momentum
     from .training import onnx_training_plan
 
@@ -453,13 +615,14 @@ def onnx_import(model: Any, task: Task) -> Any:
     if task.optimizer not in optimizers:
         raise TaskError(f"task {task.name!r}: optimizer {task.optimizer!r} is not one of {sorted(optimizers)}")
     server = {} if task.server_optimizer is None else {"server_optimizer": task.server_optimizer}
+    output = task_output(task, model, say=say)
     try:
         return onnx_training_plan(
             model,
             trainable=None if task.trainable is None else list(task.trainable),
             frozen=list(task.frozen),
             frozen_rows=dict(task.frozen_rows),
-            output=task.output,
+            output=output,
             label=task.label,
             loss=task.loss,
             optimizer=optimizers[task.optimizer](),

@@ -56,9 +56,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .model_bundle import ModelBundle, NamedOutput, bundle_from_onnx, loss_output
+from .model_bundle import ModelBundle, bundle_from_onnx
 from .onnx_import import inference_form
-from .tasks import TaskError
+from .tasks import NamedOutput, TaskError, loss_output
 
 __all__ = [
     "TorchInput",
@@ -361,7 +361,7 @@ def forward_choice(
     values: Sequence[tuple[int | str, NamedOutput]], output: str | int | None, *, loss: str
 ) -> tuple[int | str, str, str | None]:
     """The value of :func:`forward_outputs` the loss reads: its key, its name and the line saying
-    it was chosen (:func:`~emulator.toolchain.model_bundle.loss_output`); ``output`` is a name, or an
+    it was chosen (:func:`~emulator.toolchain.tasks.loss_output`); ``output`` is a name, or an
     index (a named tuple's value may be given by either)."""
     keys = {o.name: k for k, o in values}
     picked = None if output is None else str(output)
@@ -455,7 +455,7 @@ def export_torch(
     object, torchvision's GoogLeNet with its auxiliary logits), the file holds one: ``output`` (an
     index, key or attribute name), else the only float tensor with a batch axis of the rank
     ``loss`` reads (``say`` says which); more than one such is refused in one line listing them
-    (:func:`~emulator.toolchain.model_bundle.loss_output`)."""
+    (:func:`~emulator.toolchain.tasks.loss_output`)."""
     torch = _torch()
     if not isinstance(module, torch.nn.Module):
         raise TaskError(f"the factory returned {type(module).__name__}, not a torch.nn.Module")

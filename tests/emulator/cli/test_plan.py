@@ -172,6 +172,33 @@ def test_from_onnx_makes_a_plan_that_trains(tmp_path, capsys, digits):
     assert second.metrics["loss"] < first.metrics["loss"]
 
 
+def test_plan_build_of_a_task_over_a_model_with_several_outputs_says_which_the_loss_reads_or_refuses(tmp_path, capsys):
+    """A task file's Task with no output=: (logits, features) is refused in one line listing them;
+    of (aux_loss, logits) the logits are built, said in a line."""
+    data = Path(__file__).resolve().parents[1] / "toolchain" / "data"
+    task_file = tmp_path / "task.py"
+    for model in ("two_heads", "aux_first"):
+        task_file.write_text(
+            "from emulator.toolchain.tasks import ProxyData, Task\n"
+            f"task = Task(name='heads', model={str(data / f'{model}.onnx')!r}, proxy=lambda: ProxyData((), {{}}))\n"
+        )
+        code = main(["plan", "build", str(task_file), "-o", str(tmp_path / model), "--runtimes", "1.31.1"])
+        printed = capsys.readouterr()
+        if model == "two_heads":
+            assert (code, printed.out) == (2, "")
+            assert printed.err == (
+                "fedfleet plan build: task 'heads': the model has 2 outputs (logits float32 [N, 3], features float32 "
+                "[N, 16]); set output= in the Task to the name of the one the loss reads\n"
+            )
+            assert not (tmp_path / model / "heads").exists()
+        else:
+            assert (code, printed.err) == (0, "")
+            assert printed.out.splitlines()[0] == (
+                "heads: the model has 2 outputs (aux_loss float32 [], logits float32 [N, 3]): the loss reads "
+                "'logits', the only float one with a batch axis and a class axis (output= in the Task picks another)"
+            )
+
+
 @pytest.mark.timeout(1800)
 def test_a_task_from_an_onnx_file_passes_release_tests_on_real_releases(tmp_path, capsys):
     model = logistic_regression(tmp_path / "digits_lr.onnx")
@@ -180,7 +207,9 @@ def test_a_task_from_an_onnx_file_passes_release_tests_on_real_releases(tmp_path
 import dataclasses, runpy
 from emulator.toolchain.tasks import Budget
 base = runpy.run_path({str(TASK_FILE)!r})["task"]
-task = dataclasses.replace(base, name="digits_lr", model={str(model)!r}, hyperparameters={{"lr": 0.5}}, budget=Budget())
+task = dataclasses.replace(
+    base, name="digits_lr", model={str(model)!r}, output="logits", hyperparameters={{"lr": 0.5}}, budget=Budget()
+)
 """)
     assert main(["plan", "test", str(task_file), "-o", str(tmp_path / "out"), "--runtimes", "1.15.1", "1.31.1"]) == 0, (
         capsys.readouterr()

@@ -241,3 +241,53 @@ def test_a_file_without_the_py_suffix_loads_when_it_is_python_and_is_said_no_tas
     renamed = tmp_path / "digits_task"  # Python under another name: its task, as before
     renamed.write_text(TASK_FILE.read_text(encoding="utf-8"), encoding="utf-8")
     assert [t.name for t in load_tasks(renamed)] == [t.name for t in load_tasks(TASK_FILE)]
+
+
+DATA = Path(__file__).with_name("data")
+TWO_HEADS = DATA / "two_heads.onnx"  # torch's export of (logits [N, 3], features [N, 16])
+AUX_FIRST = DATA / "aux_first.onnx"  # (aux_loss [], logits [N, 3])
+
+
+def _onnx_task(model: Path, **fields) -> Task:
+    return Task(name="heads", model=model, proxy=lambda: ProxyData((), {}), runtimes=("1.31.1",), **fields)
+
+
+def test_a_task_over_a_model_with_two_predictions_is_refused_in_one_line_until_its_output_names_one():
+    """A Task written by hand chooses as ``plan from-onnx`` does: the first of (logits, features)
+    is not taken silently, for training, its evaluation and each variant of a group alike."""
+    task = _onnx_task(TWO_HEADS)
+    listing = "logits float32 [N, 3], features float32 [N, 16]"
+    variant = TaskGroup(task, {"lr": [0.1, 0.2]}).tasks()[1]
+    for made, name in ((task, "heads"), (evaluation_of(task), "heads"), (variant, "heads-lr0.2")):
+        with pytest.raises(TaskError) as caught:
+            made.build_plan()
+        assert str(caught.value) == (
+            f"task {name!r}: the model has 2 outputs ({listing}); set output= in the Task to the name of the one the "
+            "loss reads"
+        )
+    with pytest.raises(TaskError) as caught:
+        _onnx_task(TWO_HEADS, output="logit").build_plan()
+    assert str(caught.value) == (
+        f"task 'heads': output='logit' names no tensor of the model's outputs ({listing}); give the name of one"
+    )
+    features = _onnx_task(TWO_HEADS, output="features", loss="mse")
+    assert sorted(features.build_plan().weight_names) == ["body.bias", "body.weight"]  # the features' layer alone
+    assert evaluation_of(features).build_plan().kind == "eval"
+    inside = _onnx_task(TWO_HEADS, output="linear", loss="mse")  # a tensor inside the graph, as before
+    assert sorted(inside.build_plan().weight_names) == ["body.bias", "body.weight"]
+
+
+def test_a_task_over_a_model_with_one_prediction_among_its_outputs_trains_it_and_says_so_where_asked(capsys):
+    """(aux_loss, logits): the scalar first would have been read as the prediction; the logits are,
+    in a line for the one who asks (``plan build``), and the library itself prints nothing."""
+    task = _onnx_task(AUX_FIRST)
+    said: list[str] = []
+    assert sorted(task.build_plan(say=said.append).weight_names) == ["head.bias", "head.weight"]
+    evaluation_of(task).build_plan(say=said.append)
+    line = (
+        "the model has 2 outputs (aux_loss float32 [], logits float32 [N, 3]): the loss reads 'logits', the only "
+        "float one with a batch axis and a class axis (output= in the Task picks another)"
+    )
+    assert said == [f"heads: {line}", f"heads_eval: {line}"]
+    task.build_plan()
+    assert capsys.readouterr() == ("", "")
