@@ -130,6 +130,8 @@ class ClientData:
         self.features = dict(dataset.features)
         self.label = dataset.label
         self.source = dataset.source
+        #: The tokens of the dataset's id features (characters, words), if it has some.
+        self.vocabulary: tuple[str, ...] = tuple(getattr(dataset, "vocabulary", ()))
         self.devices = devices
         self._ids = dataset.client_ids
         self._test_ids = dataset.test_client_ids

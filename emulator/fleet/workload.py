@@ -175,7 +175,8 @@ class Workload:
         return self.training[0].collection
 
     def adapt(self, examples: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The features the plans read, in their dtype and per-example shape."""
+        """The features the plans read, in their dtype (character and word ids, held as uint8 or uint16,
+        become the int64 a plan reads here: the same values) and per-example shape."""
         out = {}
         for name, spec in self.inputs.items():
             array = np.asarray(examples[name])
@@ -219,6 +220,7 @@ class Workload:
         as floats: cast, never scaled, where a model made for pixels in [0, 1] may learn nothing of
         them (None when there are none)."""
         features = self.data.features
+        tokens = bool(getattr(self.data, "vocabulary", ()))  # uint8 [80] is character ids there, not pixels
         cast = sorted(
             name
             for name, spec in self.inputs.items()
@@ -226,7 +228,10 @@ class Workload:
             and name != self.data.label
             and features[name].dtype != "str"
             and np.dtype(features[name].dtype).kind in "iu"
-            and (features[name].dtype == "uint8" or len(features[name].shape) >= 2)  # an image's [H, W]
+            and (
+                (features[name].dtype == "uint8" and not (tokens and len(features[name].shape) < 2))
+                or len(features[name].shape) >= 2  # an image's [H, W]
+            )
         )
         if not cast:
             return None
@@ -489,12 +494,15 @@ def _check_lookup_ids(tasks: list[FleetTask], data: Any, task_source: str) -> No
                 if example not in data.features or data.features[example].dtype == "str":
                     continue
                 ids = checked.setdefault(example, values(example))
-                if ids.size and (ids.max() >= rows or ids.min() < -rows):
+                if not ids.size:
+                    continue
+                low, high = ids.min().item(), ids.max().item()  # Python numbers: uint8 ids + 1 would wrap
+                if high >= rows or low < -rows:
                     raise WorkloadError(
-                        f"feature {example!r} of {data.source} runs from {ids.min():g} to {ids.max():g}, but the plan "
+                        f"feature {example!r} of {data.source} runs from {low:g} to {high:g}, but the plan "
                         f"{plan.name!r} ({task_source}) looks its values up in {table!r}, of {rows} rows (ids 0 to "
                         f"{rows - 1}): every session meeting a larger id would fail; use a model with a row per id "
-                        f"(a vocabulary of at least {ids.max() + 1:g}), or data whose ids are below {rows}"
+                        f"(a vocabulary of at least {high + 1:g}), or data whose ids are below {rows}"
                     )
 
 

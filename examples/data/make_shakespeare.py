@@ -23,7 +23,7 @@ LEAF's ``preprocess_shakespeare.py`` and ``gen_all_data.py`` (Caldas et al. 2018
    several times the targets per byte (the task's model reads the last 10 characters).
 
 The files are LEAF's JSON layout (``examples/data/shakespeare/{train,test}/data.json``), read by
-``load_leaf`` / ``load_data("leaf:examples/data/shakespeare")`` into ``x`` int64 [20] ids in LEAF's
+``load_leaf`` / ``load_data("leaf:examples/data/shakespeare")`` into ``x`` uint8 [20] ids in LEAF's
 80-character set and ``y`` the next character's id.
 """
 

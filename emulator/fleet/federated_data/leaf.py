@@ -10,9 +10,12 @@ becomes the features ``x`` and ``y`` (``y`` is the label):
 - FEMNIST: ``x`` lists of 784 floats in [0, 1] (28x28 images), ``y`` class ids 0-61 ->
   ``x`` float32 [784], ``y`` int64; LEAF's synthetic data the same with ``num_dim`` floats.
 - Shakespeare: ``x`` strings of 80 characters, ``y`` the next character -> both as ids in LEAF's
-  80-character set (``text.LEAF_CHARACTERS``): ``x`` int64 [80], ``y`` int64.
+  80-character set (``text.LEAF_CHARACTERS``): ``x`` uint8 [80], ``y`` uint8.
 - Sent140: ``x`` the tweet's CSV row without its polarity (id, date, query, user, text), ``y`` 0 or
-  1 -> ``x`` int64 [max_words] word ids of the text (the row's last field), ``y`` int64.
+  1 -> ``x`` [max_words] word ids of the text (the row's last field), ``y`` int64; the ids are
+  uint16 for a vocabulary of up to 65,535 words (``text.id_dtype``), int32 for GloVe's 400,000.
+
+Ids are held narrow (a fleet casts them to the dtype its plan reads as it feeds them).
 
 ``kind="auto"`` tells these apart by the first training example: a string ``y`` is the next
 character; a string ``x`` (or a row ending in one) with a numeric ``y`` is a text to classify; lists of

@@ -614,7 +614,7 @@ def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarra
 
 
 def _character_ids(texts: np.ndarray, name: str, where: str) -> np.ndarray:
-    """A text column of one length as ids in ``LEAF_CHARACTERS`` (others: 80): int64 [N, length], or
+    """A text column of one length as ids in ``LEAF_CHARACTERS`` (others: 80): uint8 [N, length], or
     [N] for single characters (a next-character label)."""
     if texts.dtype != object:
         raise DataSpecError(f"table: characters={name}: column {name!r} is {texts.dtype}, not text")

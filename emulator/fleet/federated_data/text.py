@@ -39,16 +39,30 @@ DEFAULT_VOCAB_SIZE = 10_000
 Split = Literal["leaf", "space"]
 SPLITS: tuple[str, ...] = ("leaf", "space")
 
-_CHAR_IDS = np.full(128, UNKNOWN_CHARACTER, dtype=np.int64)  # every LEAF character is ASCII
+
+def id_dtype(ids: int) -> np.dtype:
+    """The smallest integer dtype holding the ids 0 to ``ids - 1``: uint8 up to 256 ids (LEAF's
+    characters), uint16 up to 65,536 (a vocabulary of 10,000 words and its unknown id), else int32."""
+    if ids <= 1 << 8:
+        return np.dtype(np.uint8)
+    if ids <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+#: The dtype of character ids: ``LEAF_CHARACTERS`` and the unknown id.
+CHARACTER_DTYPE = id_dtype(UNKNOWN_CHARACTER + 1)
+_CHAR_IDS = np.full(128, UNKNOWN_CHARACTER, dtype=CHARACTER_DTYPE)  # every LEAF character is ASCII
 for _i, _c in enumerate(LEAF_CHARACTERS):
     _CHAR_IDS[ord(_c)] = _i
 _WORDS = re.compile(r"[\w']+|[.,!?;]")
 
 
 def encode_characters(text: str) -> np.ndarray:
-    """Ids of ``text``'s characters in LEAF's 80-character set (others: ``UNKNOWN_CHARACTER``)."""
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
-    out = np.full(len(codes), UNKNOWN_CHARACTER, dtype=np.int64)
+    """Ids of ``text``'s characters in LEAF's 80-character set (others: ``UNKNOWN_CHARACTER``), as
+    ``CHARACTER_DTYPE`` (uint8)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    out = np.full(len(codes), UNKNOWN_CHARACTER, dtype=CHARACTER_DTYPE)
     ascii_ = codes < 128
     out[ascii_] = _CHAR_IDS[codes[ascii_]]
     return out
@@ -136,12 +150,13 @@ def _counts(data: object) -> bool:
 def encode_words(
     texts: Sequence[str], vocab: Sequence[str], max_words: int = LEAF_MAX_WORDS, split: Split = "leaf"
 ) -> np.ndarray:
-    """``[len(texts), max_words]`` int64 ids; unknown words and padding are ``len(vocab)``."""
+    """``[len(texts), max_words]`` ids, ``id_dtype(len(vocab) + 1)``; unknown words and padding are
+    ``len(vocab)``."""
     if max_words < 1:
         raise DataSpecError(f"max_words must be at least 1, got {max_words}")
     index = _index(vocab) if isinstance(vocab, tuple) else {w: i for i, w in enumerate(vocab)}
     unknown = len(vocab)
-    out = np.full((len(texts), max_words), unknown, dtype=np.int64)
+    out = np.full((len(texts), max_words), unknown, dtype=id_dtype(unknown + 1))
     for row, text in enumerate(texts):
         ids = [index.get(w, unknown) for w in split_words(text, split)[:max_words]]
         out[row, : len(ids)] = ids
@@ -230,7 +245,7 @@ class CharWindows:
     """A text feature cut as LEAF cuts Shakespeare (``chars=snippets`` in a data spec, for TFF's
     Shakespeare, whose ``snippets`` are a role's lines as byte strings): a client's texts joined by
     line ends, each ``window`` characters (80, LEAF's) from every ``step``-th (1, LEAF's) an example
-    ``x`` with the character after them its label ``y``, both ids in ``LEAF_CHARACTERS`` (int64, as
+    ``x`` with the character after them its label ``y``, both ids in ``LEAF_CHARACTERS`` (uint8, as
     ``load_leaf`` reads LEAF's own Shakespeare). A client of no more than ``window`` characters has
     no example; the client's other features are left out, as they are not per window."""
 

@@ -44,7 +44,7 @@ from ._dataset import (
     with_test_split,
 )
 from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, require
-from .text import LEAF_CHARACTERS, CharWindows, WordIds, count_words
+from .text import LEAF_CHARACTERS, CharWindows, WordIds, count_words, id_dtype
 
 EXAMPLES_GROUP = "examples"
 #: Numeric dtype kinds read through the low-level API (strings and the rest go through h5py's
@@ -443,7 +443,8 @@ def _load_lazily(
             words.encode_examples(examples, vocabulary, "tff-h5: ")
     features = dict(schema)
     if words is not None:
-        features.update({name: FeatureSpec("int64", (words.max_words,)) for name in words.features})
+        held_as = id_dtype(len(vocabulary) + 1).name  # as encode_words holds them
+        features.update({name: FeatureSpec(held_as, (words.max_words,)) for name in words.features})
     classes: tuple[str, ...] = ()
     if label is not None and schema[label].dtype == STR:
         classes = label_names(label, {c: {label: v} for c, v in labels.items()}, test)

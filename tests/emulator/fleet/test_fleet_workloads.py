@@ -222,17 +222,21 @@ def test_token_ids_past_the_rows_of_the_embedding_that_looks_them_up_are_refused
         == 0
     )
     fleet = "[fleet]\ndevices = 10\nhours = 0.1\n"
-    for top, code_wanted in ((5, 0), (8, 2)):  # ids 0 to 4 fit the 5 rows; 0 to 7 do not
-        x = np.arange(160).reshape(40, 4) % top
+    errs: dict[int, str] = {}
+    for top, code_wanted in ((5, 0), (8, 2), (256, 2)):  # ids 0 to 4 fit the 5 rows; 0 to 7 do not
+        x = (np.arange(1024).reshape(256, 4) % top).astype(
+            np.uint8 if top == 256 else np.int64
+        )  # uint8: 255 + 1 wrapped
         np.savez(tmp_path / f"ids{top}.npz", x=x, y=x[:, 0] % 2)
         spec = f"npz:{tmp_path / f'ids{top}.npz'},clients=4,rename=x:tokens"
-        code, _, err = simulate(tmp_path, capsys, "--task", str(bundle), "--data", spec, fleet=fleet)
-        assert code == code_wanted, err
+        code, _, errs[top] = simulate(tmp_path, capsys, "--task", str(bundle), "--data", spec, fleet=fleet)
+        assert code == code_wanted, errs[top]
     assert (
         f"feature 'tokens' of npz:{tmp_path / 'ids8.npz'},clients=4,rename=x:tokens runs from 0 to 7, but the plan 'bag' "
         f"({bundle / 'task.py'}) looks its values up in 'emb', of 5 rows (ids 0 to 4): every session meeting a larger "
         "id would fail; use a model with a row per id (a vocabulary of at least 8), or data whose ids are below 5"
-    ) in err
+    ) in errs[8]
+    assert "runs from 0 to 255, but" in errs[256] and "(a vocabulary of at least 256)" in errs[256]
 
 
 def test_uint8_pixels_a_plan_reads_as_floats_are_said_to_be_cast_not_scaled(tmp_path, capsys):
@@ -635,3 +639,40 @@ def test_input_the_fleet_cannot_run_gets_one_line_and_exit_code_2(tmp_path, caps
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+
+
+def test_character_ids_are_held_as_uint8_and_fed_to_the_plan_as_its_int64_with_the_same_values(tmp_path):
+    """LEAF's full Shakespeare (4.2 million windows of 80 characters) took 2.7 GB as int64 ids: they
+    are held as uint8 now, and the batches the plan trains on are its int64, id for id."""
+    from device_runtime.batching import batches_from_examples
+    from emulator.fleet import generate_population
+    from emulator.fleet.federated_data import encode_characters
+
+    text = "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer~"
+    users = {
+        role: {"x": [text[i : i + 20] for i in starts], "y": [text[i + 20] for i in starts]}
+        for role, starts in (("HAMLET", range(30)), ("OPHELIA", range(30, 60)))
+    }
+    body = {"users": list(users), "num_samples": [30, 30], "user_data": users}
+    (tmp_path / "shakespeare.json").write_text(json.dumps(body))
+    config = FleetConfig.default().replace(
+        data=parse_data_spec(f"leaf:{tmp_path / 'shakespeare.json'}"),
+        task_file=TASKS / "shakespeare_task.py",
+        devices=2,
+    )
+    workload = load_workload(config)
+    assert {n: s.dtype for n, s in workload.data.features.items()} == {"x": "uint8", "y": "uint8"}
+    held = workload.data.dataset.train["HAMLET"]
+    assert held["x"].dtype == np.uint8 and held["y"].dtype == np.uint8 and len(held["y"]) == 27
+    assert {tuple(r) for r in held["x"].tolist()} <= {
+        tuple(encode_characters(w).tolist()) for w in users["HAMLET"]["x"]
+    }
+    spec = next(s for s in generate_population(config) if workload.data.client_of(s.index) == "HAMLET")
+    examples = workload.device_examples(spec)[workload.collection]
+    batches = list(batches_from_examples(workload.training[0].plan.device, lambda: [examples])())
+    fed = {n: np.concatenate([b[n] for b in batches]) for n in ("x", "y")}
+    assert workload.inputs["x"].dtype == workload.inputs["y"].dtype == "int64"
+    assert fed["x"].dtype == np.int64 and fed["y"].dtype == np.int64
+    assert sorted(zip(map(tuple, fed["x"].tolist()), fed["y"].tolist())) == sorted(
+        zip(map(tuple, held["x"].tolist()), held["y"].tolist())
+    )

@@ -61,7 +61,7 @@ def test_shakespeare_windows_become_ids_in_leafs_80_characters(tmp_path: Path) -
     x = np.concatenate(
         [data.examples("THE_TRAGEDY_OF_HAMLET_HAMLET")["x"], data.test["THE_TRAGEDY_OF_HAMLET_HAMLET"]["x"]]
     )
-    assert x.shape == (5, 80) and x.dtype == np.int64
+    assert x.shape == (5, 80) and x.dtype == np.uint8
     decoded = {"".join(LEAF_CHARACTERS[i] if i < 80 else "?" for i in row) for row in x}
     assert decoded == {w.replace("~", "?") for w in windows}
     assert len(LEAF_CHARACTERS) == 80

@@ -380,7 +380,7 @@ def test_words_reads_text_columns_as_word_ids_of_the_training_splits_vocabulary(
     (tmp_path / "train.csv").write_text("c,text,y\na,good day,1\nb,bad day,0\nb,good good,1\n")
     (tmp_path / "test.csv").write_text("c,text,y\na,awful day,0\n")
     data = load_data(f"table:{tmp_path / 'train.csv'},client=c,test={tmp_path / 'test.csv'},words=text,max_words=3")
-    assert data.vocabulary == ("good", "day", "bad") and data.features["text"] == FeatureSpec("int64", (3,))
+    assert data.vocabulary == ("good", "day", "bad") and data.features["text"] == FeatureSpec("uint8", (3,))
     assert data.train["b"]["text"].tolist() == [[2, 1, 3], [0, 0, 3]] and data.test["a"]["text"].tolist() == [[3, 1, 3]]
     with pytest.raises(DataSpecError, match="words=y: feature 'y' is int64, not text"):
         load_data(f"table:{tmp_path / 'train.csv'},client=c,words=y")

@@ -55,7 +55,7 @@ def test_stackoverflow_strings_decode_to_text_features(tmp_path: Path) -> None:
     tokens = [*data.train["00000001"]["tokens"], *data.test["00000001"]["tokens"]]
     assert sorted(tokens) == ["how do i sort a list ?", "use sorted ( ) ."]
     ids = encode_words(tokens, ["sort", "list"], max_words=3)
-    assert ids.dtype == np.int64 and ids.shape == (2, 3)
+    assert ids.dtype == np.uint8 and ids.shape == (2, 3)
 
 
 def test_words_reads_stackoverflows_byte_strings_as_word_ids_of_the_training_vocabulary(tmp_path: Path) -> None:
