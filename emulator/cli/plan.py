@@ -276,6 +276,13 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
                 file=sys.stderr,
             )
             return 2
+        if exc.code is None:  # an answer with no fedfleet error in it: another service, a proxy's page
+            print(
+                f"{_command(args)}: {args.server} answered {exc.status} with no fedfleet error in it; is --server a "
+                "fedfleet server of this version (GET /openapi.json)?",
+                file=sys.stderr,
+            )
+            return 2
         print(f"{_command(args)}: the server refused: {exc}", file=sys.stderr)
         return 1
     except ServerUnreachable as exc:

@@ -106,6 +106,35 @@ def test_every_server_command_says_an_answer_of_another_server_is_no_refusal(bun
             other.shutdown()
 
 
+class _ErrorPages(http.server.BaseHTTPRequestHandler):
+    """Another service on the port that answers with its HTML error pages (a 404, a 501 to POST)."""
+
+    def do_POST(self) -> None:
+        self.send_error(501, "Unsupported method ('POST')")
+
+    def do_GET(self) -> None:
+        self.send_error(404, "File not found")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_every_server_command_says_an_error_page_of_another_server_is_no_refusal_in_one_line(bundle, capsys):
+    """The page was printed whole, a dozen lines of HTML after "the server refused:", exit status 1."""
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ErrorPages) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{other.server_address[1]}"
+        try:
+            for command in _server_commands(bundle):
+                code = cli.main([*command, "--server", url])
+                err = capsys.readouterr().err.strip()
+                assert code == 2 and len(err.splitlines()) == 1, (command, err)
+                assert err.startswith(f"fedfleet {command[0]}: {url} answered ") and "<" not in err, err
+                assert "with no fedfleet error in it; is --server a fedfleet server of this version" in err
+        finally:
+            other.shutdown()
+
+
 def test_every_server_command_given_https_for_a_plain_http_server_says_to_give_http(bundle, capsys):
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherServer) as plain:
         threading.Thread(target=plain.serve_forever, daemon=True).start()
