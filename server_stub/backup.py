@@ -18,6 +18,7 @@ first); and a copy cut short would be started on (restore renames a checked copy
 
 from __future__ import annotations
 
+import glob
 import os
 import sqlite3
 import tempfile
@@ -25,6 +26,11 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 from .persistence import OS_ADVICE, DatabaseInUse, hold_file, store_advice
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows has no flock: a part left there stays
+    fcntl = None  # type: ignore[assignment]
 
 
 def _os_reason(exc: OSError) -> str:
@@ -110,23 +116,78 @@ def _check_file(path: str, what: str, option: str) -> None:
         raise BackupError(f"{option} {path} does not exist; give the {what}'s file")
 
 
+#: The files SQLite and a server keep beside a database ``fl.db``, by what they are.
+COMPANIONS = {
+    "-wal": "write-ahead log",
+    "-shm": "shared memory index",
+    "-journal": "rollback journal",
+    ".lock": "lock file",
+}
+
+
+def _refuse_companion(path: str, option: str) -> None:
+    """``BackupError`` for ``path`` that is a file SQLite or a server keeps beside a database
+    (``fl.db-wal`` beside ``fl.db``): written there, it would be applied to that database."""
+    for suffix, what in COMPANIONS.items():
+        base = path[: -len(suffix)]
+        if path.endswith(suffix) and base and os.path.isfile(base):
+            raise BackupError(
+                f"{option} {path} is the {what} of the database {base}, where SQLite would apply it; give another path"
+            )
+
+
 def _same_file(a: str, b: str) -> bool:
     if os.path.exists(a) and os.path.exists(b):
         return os.path.samefile(a, b)
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _checked_copy(source: sqlite3.Connection, source_path: str, dest: str, option: str) -> tuple[str, Contents]:
+def _remove_stale_parts(folder: str, name: str) -> None:
+    """Remove the copies a killed backup or restore of ``name`` left in ``folder`` (SIGKILL, a power
+    cut): a copy being written is locked (``flock``) by its process, so only those of no live one go."""
+    if fcntl is None:
+        return
+    for part in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.part")):
+        try:
+            fd = os.open(part, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # another backup writes it
+        finally:
+            os.close(fd)
+        for leftover in (part, f"{part}-journal"):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+
+
+def _checked_copy(source: sqlite3.Connection, source_path: str, dest: str, option: str) -> tuple[str, Contents, int]:
     """Copy ``source`` (one snapshot, SQLite's backup API) into a new file beside ``dest``, check it
-    and make it durable: its path (the caller renames it into place, or removes it) and what it holds."""
+    and make it durable: its path (the caller renames it into place, or removes it), what it holds,
+    and a descriptor holding it as this process's (the caller closes it once the copy is in place)."""
     folder = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(folder):
         raise BackupError(f"{option} {dest}: its folder {folder} does not exist; make it first, or give another path")
+    _remove_stale_parts(folder, os.path.basename(dest))
     try:
         fd, part = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(dest)}.", suffix=".part")
     except OSError as exc:
         raise BackupError(f"cannot write in {folder} ({option}): {_os_reason(exc)}") from None
-    os.close(fd)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the copy is in place or removed: not a stale one
+        part, contents = _write_copy(source, source_path, dest, part)
+    except BaseException:
+        os.close(fd)
+        raise
+    return part, contents, fd
+
+
+def _write_copy(source: sqlite3.Connection, source_path: str, dest: str, part: str) -> tuple[str, Contents]:
     try:
         copy = sqlite3.connect(part)
         try:
@@ -144,7 +205,9 @@ def _checked_copy(source: sqlite3.Connection, source_path: str, dest: str, optio
         with open(part, "rb+") as written:
             os.fsync(written.fileno())
     except BaseException as exc:
-        os.unlink(part)
+        for leftover in (part, f"{part}-journal"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
         if isinstance(exc, sqlite3.Error):
             raise BackupError(f"cannot copy {source_path} to {dest}: {store_advice(exc)}") from None
         if isinstance(exc, OSError):
@@ -214,6 +277,7 @@ def backup(db: str, out: str, *, force: bool = False) -> Contents:
         raise BackupError(f"--out {out} is a URL; give the path of the backup file to write")
     if _same_file(db, out):
         raise BackupError(f"--out {out} is the database itself; give another path for the backup")
+    _refuse_companion(out, "--out")
     if os.path.isdir(out):
         raise BackupError(f"--out {out} is a folder; give the path of the backup file to write")
     if os.path.exists(out):
@@ -223,13 +287,16 @@ def backup(db: str, out: str, *, force: bool = False) -> Contents:
     source = _connect(db, "the database")
     try:
         _server_contents(source, db, "--db")
-        part, contents = _checked_copy(source, db, out, "--out")
+        part, contents, held = _checked_copy(source, db, out, "--out")
     finally:
         source.close()
-    if not force and os.path.exists(out):  # made meanwhile
-        os.unlink(part)
-        raise BackupError(f"--out {out} exists; give another path, or --force to replace it")
-    _put_in_place(part, out)
+    try:
+        if not force and os.path.exists(out):  # made meanwhile
+            os.unlink(part)
+            raise BackupError(f"--out {out} exists; give another path, or --force to replace it")
+        _put_in_place(part, out)
+    finally:
+        os.close(held)
     return contents
 
 
@@ -244,9 +311,11 @@ def restore(backup_path: str, db: str) -> Contents:
         raise BackupError(f"--db {db} is a folder; give the server's database file")
     if _same_file(backup_path, db):
         raise BackupError(f"--backup {backup_path} is the database itself; give the backup file")
+    _refuse_companion(db, "--db")
     folder = os.path.dirname(os.path.abspath(db))
     if not os.path.isdir(folder):
         raise BackupError(f"--db {db}: its folder {folder} does not exist; make it first, or give another path")
+    server_database(backup_path, "--backup")  # (before the hold: a refused restore makes no lock file)
     try:
         lock = hold_file(db)
     except DatabaseInUse as exc:
@@ -257,12 +326,15 @@ def restore(backup_path: str, db: str) -> Contents:
         source = _connect(backup_path, "the backup")
         try:
             _server_contents(source, backup_path, "--backup")
-            part, contents = _checked_copy(source, backup_path, db, "--db")
+            part, contents, held = _checked_copy(source, backup_path, db, "--db")
         finally:
             source.close()
-        _keep_owner(part, db)
-        # the replaced file's journals go first: applied to the restored file, they would damage it
-        _put_in_place(part, db, before=(f"{db}-wal", f"{db}-shm", f"{db}-journal"))
+        try:
+            _keep_owner(part, db)
+            # the replaced file's journals go first: applied to the restored file, they would damage it
+            _put_in_place(part, db, before=(f"{db}-wal", f"{db}-shm", f"{db}-journal"))
+        finally:
+            os.close(held)
         return contents
     finally:
         os.close(lock)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import math
@@ -12,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn, TextIO
 
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -592,6 +594,38 @@ def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         return 2
     if args.server_command == "retire":
         return _retire(args, command, out)
+    written = args.out if args.server_command == "backup" else args.db
+    try:
+        with _terminated_as_interrupt():
+            return _backup_or_restore(args, command, out)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the copy under way is removed, nothing is put in place
+        print(
+            f"\n{command}: interrupted; its copy under way is removed ({written} is only ever replaced by a "
+            "checked copy): run it again",
+            file=sys.stderr,
+        )
+        return 130
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``KeyboardInterrupt`` meanwhile, so that a backup or restore it ends removes
+    its copy under way as Ctrl-C does (the default action would end the process and leave it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _backup_or_restore(args: argparse.Namespace, command: str, out: TextIO) -> int:
     try:
         if args.server_command == "backup":
             contents = backup.backup(args.db, args.out, force=args.force)
