@@ -651,6 +651,8 @@ def _status(args: argparse.Namespace, say) -> int:
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
         status = admin.status(args.population)
     say(f"population {status['population']}" + (f" (strategy {status['strategy']})" if status.get("strategy") else ""))
+    if not status["tasks"]:
+        say(f"  no task yet: fedfleet deploy BUNDLE --server {args.server} --population {args.population} deploys one")
     for task in status["tasks"]:
         behind = f" behind {', '.join(task['queued_behind'])}" if task.get("queued_behind") else ""
         why = f": {task['reason']}" if task.get("reason") else ""

@@ -540,6 +540,18 @@ def test_rounds_of_a_population_with_none_on_record_says_so_instead_of_a_bare_he
     ]
 
 
+def test_status_of_a_population_without_a_task_says_so_and_how_to_deploy_one(tmp_path, capsys, monkeypatch):
+    """It printed the population's name alone, as if the answer had been cut short."""
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+        assert cli.main(["status", "--server", server.url, "--population", "p"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "population p",
+        f"  no task yet: fedfleet deploy BUNDLE --server {server.url} --population p deploys one",
+    ]
+
+
 @pytest.mark.parametrize(
     ("name", "content", "said"),
     [
