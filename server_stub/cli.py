@@ -72,7 +72,7 @@ class CommandParser(argparse.ArgumentParser):
     them so)."""
 
     def error(self, message: str) -> NoReturn:
-        message = _value_taken_for_a_command(self, message) or message
+        message = _value_taken_for_a_command(self, message) or message + _given_before_the_command(self, message)
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
@@ -88,6 +88,10 @@ class CommandParser(argparse.ArgumentParser):
         """At the top, an argument no parser took is refused by the command it was given to, with
         the option its name is closest to (``--hourz``: ``--hours``)."""
         self._typed = list(sys.argv[1:] if args is None else args)  # what ``error`` reads
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for command in action.choices.values():
+                    command._outer_typed = self._typed  # (what ``_given_before_the_command`` reads)
         parsed, extras = super().parse_known_args(args, namespace)
         if extras and self.prog in TOP_LEVEL:
             command = _chosen(self, parsed)
@@ -117,6 +121,21 @@ def _value_taken_for_a_command(parser: argparse.ArgumentParser, message: str) ->
         f"{word} is not a command{did_you_mean(word, list(commands.choices))}: {parser.prog} "
         f"{'|'.join(commands.choices)} ..., or {parser.prog} with options alone to run it"
     )
+
+
+def _given_before_the_command(parser: argparse.ArgumentParser, message: str) -> str:
+    """A message's ending for a required option of a command given before the command's name
+    (``fedfleet server --db fl.db backup --out b.db``: ``--db`` is read as the server's own there);
+    "" for any other mistake."""
+    typed, word = getattr(parser, "_outer_typed", None), parser.prog.split()[-1]
+    if typed is None or word not in typed or "the following arguments are required: " not in message:
+        return ""
+    missing = message.split("the following arguments are required: ", 1)[1].split(", ")
+    before = typed[: typed.index(word)]
+    given = [m for m in missing if any(t == m or t.startswith(f"{m}=") for t in before)]
+    if not given:
+        return ""
+    return f" ({_listed(given)} came before {word}: put {'it' if len(given) == 1 else 'them'} after {word})"
 
 
 def meant_options(parser: argparse.ArgumentParser, typed: list[str]) -> str:

@@ -213,6 +213,16 @@ def test_a_backup_into_a_folder_that_cannot_be_written_is_refused_in_one_line(tm
             "fedfleet server: unrecognized arguments: --out (--out is an option of fedfleet server backup",
         ),
         (["--port", "99999"], "fedfleet server: argument --port: 99999 is not a port"),
+        (
+            ["--db", "fl.db", "backup", "--out", "b.db"],
+            "fedfleet server backup: the following arguments are required: --db (--db came before backup: put it "
+            "after backup); see fedfleet server backup --help",
+        ),
+        (
+            ["--db=fl.db", "retire", "--population", "p", "--task", "t"],
+            "fedfleet server retire: the following arguments are required: --db (--db came before retire: put it "
+            "after retire)",
+        ),
     ],
 )
 def test_a_server_command_mistake_is_one_line(argv, said, capsys):
