@@ -607,16 +607,29 @@ def _admin_key(args: argparse.Namespace) -> str:
     if args.admin_key_file:
         if (mistake := key_file_mistake("--admin-key-file", args.admin_key_file)) is not None:
             raise AdminKeyError(mistake)
-        AdminKeys.from_file(args.admin_key_file)
+        with _naming_the_key_source(f"--admin-key-file {args.admin_key_file}", args.admin_key_file):
+            AdminKeys.from_file(args.admin_key_file)
         text = Path(args.admin_key_file).read_text(encoding="utf-8")
         lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     else:
         raw = os.environ.get(ADMIN_KEYS_ENV)
         if raw is None:
             raise AdminKeyError(f"give an operator key with --admin-key-file or ${ADMIN_KEYS_ENV}")
-        AdminKeys.from_env()
+        with _naming_the_key_source(f"${ADMIN_KEYS_ENV}", ADMIN_KEYS_ENV):
+            AdminKeys.from_env()
         lines = raw.replace(",", " ").split()
     return lines[0]
+
+
+@contextlib.contextmanager
+def _naming_the_key_source(source: str, name: str) -> Iterator[None]:
+    """An ``AdminKeyError`` that does not say where the keys came from starts with ``source``."""
+    try:
+        yield
+    except AdminKeyError as exc:
+        if name in str(exc):
+            raise
+        raise AdminKeyError(f"{source}: {exc}") from None
 
 
 def _deploy(args: argparse.Namespace, say) -> int:

@@ -540,6 +540,31 @@ def test_rounds_of_a_population_with_none_on_record_says_so_instead_of_a_bare_he
     ]
 
 
+@pytest.mark.parametrize(
+    ("content", "env", "said"),
+    [
+        ("short\n", None, "--admin-key-file {file}: admin keys must be 16-512 printable ASCII characters"),
+        ("", None, "--admin-key-file {file}: no admin key was given"),
+        (None, "short", "$FEDFLEET_ADMIN_KEYS: admin keys must be 16-512 printable ASCII characters"),
+    ],
+)
+def test_an_unusable_operator_key_is_said_with_where_it_came_from(content, env, said, tmp_path, capsys, monkeypatch):
+    """The key's rule alone did not say which file or variable broke it (the server is not asked)."""
+    key = tmp_path / "operator.key"
+    argv = ["status", "--server", f"http://127.0.0.1:{free_port()}", "--population", "p"]
+    if content is not None:
+        key.write_text(content)
+        key.chmod(0o600)
+        argv += ["--admin-key-file", str(key)]
+    if env is not None:
+        monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", env)
+    for command in (argv, ["stop", *argv[1:], "--task", "t"]):
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"fedfleet {command[0]}: " + said.format(file=key)), err
+
+
 def test_status_of_a_population_without_a_task_says_so_and_how_to_deploy_one(tmp_path, capsys, monkeypatch):
     """It printed the population's name alone, as if the answer had been cut short."""
     with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
