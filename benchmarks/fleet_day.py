@@ -31,7 +31,6 @@ from pathlib import Path
 from device_runtime import build_mlp_plan, encode_checkpoint, initial_weights
 from emulator.datasets import load_digits_dataset, partition_by_shards
 from emulator.devices.device import DeviceProfile, EmulatedDevice, RealTimeFleet
-from emulator.fleet import FleetConfig, simulate, write_report
 from example_store import ExampleSelector
 from server_stub import RoundConfig, ServerThread
 
@@ -54,6 +53,8 @@ def _peak_rss_mb() -> float:
 
 
 def run_simulation(devices: int, hours: float, seed: int, out: str | None = None) -> dict:
+    from emulator.fleet import FleetConfig, simulate, write_report  # not imported by a baseline's process
+
     config = FleetConfig.default().replace(devices=devices, hours=hours, seed=seed)
     started, cpu0 = time.perf_counter(), time.process_time()
     run = simulate(config, progress=False)
@@ -144,6 +145,7 @@ def run_baseline(seconds: float, seed: int, devices: int = BASELINE_DEVICES) -> 
             fleet.stop()
             ran = time.perf_counter() - started
             rounds = admin.rounds("digits")
+            fleet.remove_folders()
     outcomes = fleet.outcomes()
     completed = outcomes.get("completed", 0)
     return {

@@ -236,6 +236,8 @@ def run_demo(config: DemoConfig = DemoConfig(), out: TextIO | None = None) -> di
                 fleet.stop()
             admin.close()
             server.stop()
+            if fleet is not None:  # its devices are closed: their folders go now, many at once
+                fleet.remove_folders()
         summary = {
             "rounds_committed": committed,
             "rounds_abandoned": sum(1 for r in history if r["status"] == "abandoned"),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,25 +86,23 @@ class EmulatedDevice:
     def add_examples(self, x: np.ndarray, y: np.ndarray) -> None:
         self.store.add(self.collection_uri, ({"x": xi, "y": yi} for xi, yi in zip(x, y)))
 
-    def _report_late(self) -> None:
-        """Before reporting: wait past the deadline, as a device whose upload is slow would."""
-        threading.Event().wait(self.profile.late_delay_s)
-
-    def step(self) -> float:
-        """One attempt at a session; returns how long to wait before the next one."""
+    def step(self, stop: threading.Event | None = None) -> float:
+        """One attempt at a session; returns how long to wait before the next one. ``stop`` (the
+        fleet's) cuts short a late device's wait before its report: that session then ends
+        interrupted, the server told, instead of holding the fleet's stop for the rest of the wait."""
         drop = self.rng.random() < self.profile.dropout_prob
         late_drop = not drop and self.rng.random() < self.profile.late_dropout_prob
         late = not drop and not late_drop and self.rng.random() < self.profile.late_prob
         should_abort = None
+        before_report = None
         if drop:
             should_abort = lambda: True  # noqa: E731
         elif late_drop:
             should_abort = _after(self.rng.uniform(0.0, self.profile.late_dropout_within_s))
+        elif late:
+            should_abort, before_report = _late_report(self.profile.late_delay_s, stop or threading.Event())
         try:
-            result = self.runtime.run_session(
-                should_abort=should_abort,
-                before_report=self._report_late if late else None,
-            )
+            result = self.runtime.run_session(should_abort=should_abort, before_report=before_report)
         except SessionRejected as rejected:
             self.outcomes[f"rejected:{rejected.reason}"] += 1
             return self.runtime.next_retry_delay()
@@ -121,12 +121,25 @@ class EmulatedDevice:
     def run(self, stop: threading.Event) -> None:
         stop.wait(self.rng.uniform(0.0, 0.5))
         while not stop.is_set():
-            delay = self.step()
+            delay = self.step(stop)
             stop.wait(delay)
 
     def close(self) -> None:
         self.runtime.close()
         self.store.close()
+
+
+def _late_report(delay_s: float, stop: threading.Event) -> tuple[Callable[[], bool], Callable[[], None]]:
+    """A late device's ``should_abort`` and ``before_report``: before reporting, wait ``delay_s``
+    past the deadline, as a device whose upload is slow would, unless ``stop`` is set first; the
+    session is then aborted, not reported."""
+    stopped: list[bool] = []
+
+    def wait() -> None:
+        if stop.wait(delay_s):
+            stopped.append(True)
+
+    return (lambda: bool(stopped)), wait
 
 
 def _after(seconds: float):
@@ -139,6 +152,10 @@ def _after(seconds: float):
         return time.monotonic() - start[0] >= seconds
 
     return check
+
+
+#: Threads that close a stopped fleet's devices, or delete their folders.
+CLOSERS = 8
 
 
 class RealTimeFleet:
@@ -156,11 +173,23 @@ class RealTimeFleet:
             thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stops every device's loop: a session under way ends first (reported, or aborted with
+        the server told: a late device's wait before its report is cut short); then the devices
+        are closed, several at once (each closes its own SQLite databases, a few milliseconds each)."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout)
-        for device in self.devices:
-            device.close()
+        self._each(EmulatedDevice.close)
+
+    def remove_folders(self) -> None:
+        """Deletes the stopped fleet's device folders (app databases, keystores, plan caches),
+        several at once: deleting a file can take a millisecond or more, and a fleet's devices
+        have hundreds."""
+        self._each(lambda device: shutil.rmtree(device.root))
+
+    def _each(self, do: Callable[[EmulatedDevice], object]) -> None:
+        with ThreadPoolExecutor(max_workers=min(CLOSERS, max(len(self.devices), 1))) as pool:
+            list(pool.map(do, self.devices))
 
     def outcomes(self) -> Counter[str]:
         total: Counter[str] = Counter()
