@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from .persistence import OS_ADVICE, DatabaseInUse, hold_file, store_advice
+from .persistence import OS_ADVICE, DatabaseInUse, hold_file, lock_path, store_advice
 
 try:
     import fcntl
@@ -260,7 +260,7 @@ def _keep_owner(part: str, db: str) -> None:
 
 def _refuse_held(path: str, what: str) -> None:
     """``BackupError`` when a server holds ``path`` (its lock file, as ``ServerStore.hold`` takes it)."""
-    if not os.path.exists(f"{path}.lock"):
+    if not os.path.exists(lock_path(path)):
         return  # no server ever ran on it
     try:
         hold_file(path, probe=True)

@@ -312,13 +312,20 @@ def _round_record(row: Any) -> RoundRecord:
     )
 
 
+def lock_path(file: str) -> str:
+    """The lock file of the SQLite ``file``: beside the file its path leads to, so that a server
+    started on a symbolic link to a database and a command given the database itself (or another
+    link) take one lock."""
+    return f"{os.path.realpath(file)}.lock"
+
+
 def hold_file(file: str, shown: str | None = None, *, probe: bool = False) -> int:
     """Take the advisory lock a server holds its SQLite ``file`` by (``ServerStore.hold``): a
     descriptor of ``<file>.lock`` whose closing releases it, with this process's id written in it.
     ``DatabaseInUse`` (naming ``shown``, the holder's pid and the lock file) when another process
     holds it. With ``probe``, the lock is released at once, nothing is written, and -1 returned."""
-    lock_path = f"{file}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = lock_path(file)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -326,7 +333,7 @@ def hold_file(file: str, shown: str | None = None, *, probe: bool = False) -> in
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
         raise DatabaseInUse(
-            f"the database {shown or file} is in use by another server (pid {holder}, {lock_path})"
+            f"the database {shown or file} is in use by another server (pid {holder}, {lock})"
         ) from None
     except OSError:
         os.close(fd)

@@ -20,6 +20,7 @@ import pytest
 from device_runtime import PlanExecutor, encode_checkpoint, initial_weights
 from emulator.cli import commands as cli
 from server_stub import RoundConfig, ServerStore, ServerThread
+from server_stub.persistence import DatabaseInUse
 from tests.support import digits_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -330,3 +331,23 @@ def test_a_backup_ended_by_sigterm_or_ctrl_c_removes_its_copy_and_says_so_in_one
             "by a checked copy): run it again".replace("fl-backup.db", str(out))
         ], err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["fl.db"]
+
+
+def test_a_server_on_a_link_to_the_database_holds_the_database_itself(tmp_path, capsys):
+    """A server started on ``link.db`` (a symbolic link to ``fl.db``) must keep ``restore --db fl.db``
+    and a second server on ``fl.db`` off the file it writes: one lock, beside the file itself."""
+    db, link = tmp_path / "fl.db", tmp_path / "link.db"
+    ServerStore(str(db)).close()
+    assert _command(capsys, "backup", "--db", str(db), "--out", str(tmp_path / "b.db"))[0] == 0
+    link.symlink_to(db)
+    running = ServerStore(str(link), hold=True)  # as fedfleet server --db link.db holds it
+    try:
+        assert "in use by another server" in _refused(
+            capsys, "restore", "--backup", str(tmp_path / "b.db"), "--db", str(db)
+        )
+        with pytest.raises(DatabaseInUse):
+            ServerStore(str(db), hold=True)
+    finally:
+        running.close()
+    assert not Path(f"{link}.lock").exists()
+    assert _command(capsys, "restore", "--backup", str(tmp_path / "b.db"), "--db", str(db))[0] == 0
