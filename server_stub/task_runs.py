@@ -102,6 +102,9 @@ def retire_refused(store: ServerStore, population: str, name: str) -> int:
     ``retired``: no server runs it again, and the refusal is no longer said at each start. Its
     record, rounds, models and privacy ledger stay, and its name stays taken. Only for a database
     no server runs on (a running server has its tasks in memory). Returns its round records."""
+    if store.population_id(population) is None:
+        has = ", ".join(store.population_names()) or "none"
+        raise NotRetired(f"there is no population {population!r} (populations: {has})")
     records = store.tasks(population)
     task = next((t for t in records if t.name == name), None)
     if task is None:

@@ -128,6 +128,8 @@ def test_a_task_stored_with_dp_settings_refused_today_is_not_run_and_the_server_
         running.close()
     code, said = retire("fine", "train")
     assert code == 2 and "is not refused (active or queued" in said
+    code, said = retire("tiny-deltaa", "private")
+    assert code == 2 and "there is no population 'tiny-deltaa' (populations: fine, " in said
     code, said = retire("tiny-delta", "private")
     assert code == 0 and said.startswith("retired task tiny-delta/private: no server runs it; its 0 round record(s)")
     with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
