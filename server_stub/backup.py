@@ -18,6 +18,7 @@ first); and a copy cut short would be started on (restore renames a checked copy
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sqlite3
@@ -165,10 +166,11 @@ def _remove_stale_parts(folder: str, name: str) -> None:
                 pass
 
 
-def _checked_copy(source: sqlite3.Connection, source_path: str, dest: str, option: str) -> tuple[str, Contents, int]:
-    """Copy ``source`` (one snapshot, SQLite's backup API) into a new file beside ``dest``, check it
-    and make it durable: its path (the caller renames it into place, or removes it), what it holds,
-    and a descriptor holding it as this process's (the caller closes it once the copy is in place)."""
+def _checked_copy(source_path: str, what: str, dest: str, option: str) -> tuple[str, Contents, int]:
+    """Copy the database ``source_path`` (``what`` it is; one snapshot, SQLite's backup API) into a
+    new file beside ``dest``, check it and make it durable: its path (the caller renames it into
+    place, or removes it), what it holds, and a descriptor holding it as this process's (the caller
+    closes it once the copy is in place)."""
     folder = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(folder):
         raise BackupError(f"{option} {dest}: its folder {folder} does not exist; make it first, or give another path")
@@ -180,17 +182,19 @@ def _checked_copy(source: sqlite3.Connection, source_path: str, dest: str, optio
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until the copy is in place or removed: not a stale one
-        part, contents = _write_copy(source, source_path, dest, part)
+        part, contents = _write_copy(source_path, what, dest, part)
     except BaseException:
         os.close(fd)
         raise
     return part, contents, fd
 
 
-def _write_copy(source: sqlite3.Connection, source_path: str, dest: str, part: str) -> tuple[str, Contents]:
+def _write_copy(source_path: str, what: str, dest: str, part: str) -> tuple[str, Contents]:
     try:
-        copy = sqlite3.connect(part)
-        try:
+        with (
+            contextlib.closing(_connect(source_path, what)) as source,
+            contextlib.closing(sqlite3.connect(part)) as copy,
+        ):
             source.backup(copy)  # in one step: one consistent snapshot, however busy the server is
             copy.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
             verdict = copy.execute("PRAGMA integrity_check").fetchone()[0]
@@ -200,8 +204,6 @@ def _write_copy(source: sqlite3.Connection, source_path: str, dest: str, part: s
                     "damaged; keep it as it is and restore an earlier backup"
                 )
             contents = _server_contents(copy, source_path, "the copy of")
-        finally:
-            copy.close()
         with open(part, "rb+") as written:
             os.fsync(written.fileno())
     except BaseException as exc:
@@ -284,12 +286,8 @@ def backup(db: str, out: str, *, force: bool = False) -> Contents:
         if not force:
             raise BackupError(f"--out {out} exists; give another path, or --force to replace it")
         _refuse_held(out, f"--out {out}")
-    source = _connect(db, "the database")
-    try:
-        _server_contents(source, db, "--db")
-        part, contents, held = _checked_copy(source, db, out, "--out")
-    finally:
-        source.close()
+    server_database(db)
+    part, contents, held = _checked_copy(db, "the database", out, "--out")
     try:
         if not force and os.path.exists(out):  # made meanwhile
             os.unlink(part)
@@ -323,12 +321,7 @@ def restore(backup_path: str, db: str) -> Contents:
     except OSError as exc:
         raise BackupError(f"cannot write in {folder} (--db): {_os_reason(exc)}") from None
     try:
-        source = _connect(backup_path, "the backup")
-        try:
-            _server_contents(source, backup_path, "--backup")
-            part, contents, held = _checked_copy(source, backup_path, db, "--db")
-        finally:
-            source.close()
+        part, contents, held = _checked_copy(backup_path, "the backup", db, "--db")
         try:
             _keep_owner(part, db)
             # the replaced file's journals go first: applied to the restored file, they would damage it
