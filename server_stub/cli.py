@@ -615,7 +615,7 @@ def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         return _retire(args, command, out)
     written = args.out if args.server_command == "backup" else args.db
     try:
-        with _terminated_as_interrupt():
+        with sigterm_as_interrupt():
             return _backup_or_restore(args, command, out)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the copy under way is removed, nothing is put in place
         print(
@@ -626,18 +626,22 @@ def run_server_command(args: argparse.Namespace, out: TextIO | None = None) -> i
         return 130
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a batch scheduler's stop, ``kill``) while a command runs: it unwinds as Ctrl-C does,
+    so what the command has open is closed and what it has half written removed."""
+
+
 @contextlib.contextmanager
-def _terminated_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises ``KeyboardInterrupt`` meanwhile, so that a backup or restore it ends removes
-    its copy under way as Ctrl-C does (the default action would end the process and leave it)."""
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM raises :class:`Terminated`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def interrupt(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
+    def terminate(_signum: int, _frame: object) -> None:
+        raise Terminated
 
-    before = signal.signal(signal.SIGTERM, interrupt)
+    before = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
     finally:

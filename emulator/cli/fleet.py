@@ -22,13 +22,10 @@ import importlib.util
 import json
 import re
 import shutil
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from server_stub.cli import Terminated, sigterm_as_interrupt
 from server_stub.errors import did_you_mean_path
 
 from ..fleet.config import FleetConfig, FleetConfigError, FleetSection
@@ -149,31 +146,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a batch scheduler's stop, ``kill``) during a run: it unwinds as Ctrl-C does, so the
-    run's server, workers and database are closed, and the command exits with 143."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """While the block runs (in the main thread), SIGTERM raises :class:`Terminated`."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, frame: Any) -> None:
-        raise Terminated
-
-    before = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
 def run_simulate(args: argparse.Namespace) -> int:
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             return _run_simulate(args)
     except Terminated:  # while the run was set up, or between a sweep's runs
         print("\nfedfleet simulate: terminated (SIGTERM)", file=sys.stderr)
