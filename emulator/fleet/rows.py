@@ -235,6 +235,11 @@ class RoundRow(CsvTable):
         return not self.committed and not self.unfinished
 
 
+def _reported(s: SessionRow) -> bool:
+    """Whether the session's report reached its round: sent (``^`` in time, ``#`` refused) or summed."""
+    return s.summed or s.shape.endswith(("^", "#"))
+
+
 def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizon_s: float) -> list[RoundRow]:
     """A row of outcome ``unfinished`` for each round attempt that seated sessions (their
     ``round_attempt``) but is not among ``rounds`` (the server's records of finished attempts):
@@ -251,7 +256,7 @@ def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizo
     out = []
     for round_id, group in seated.items():
         start = min(s.start_s for s in group)
-        reported = [s for s in group if s.summed or s.shape.endswith(("^", "#"))]
+        reported = [s for s in group if _reported(s)]
         out.append(
             RoundRow(
                 round_id=round_id,
@@ -262,7 +267,7 @@ def unfinished_rounds(rounds: list[RoundRow], sessions: list[SessionRow], horizo
                 selected=len(group),
                 reported=len(reported),
                 accepted=sum(1 for s in reported if s.summed or s.shape.endswith("^")),
-                dropped=sum(1 for s in group if s.outcome != UNFINISHED and s not in reported),
+                dropped=sum(1 for s in group if s.outcome != UNFINISHED and not _reported(s)),
                 duration_s=horizon_s - start,
                 accuracy=math.nan,
                 loss=math.nan,
@@ -278,7 +283,7 @@ def with_attempts(
     """``sessions`` with each accepted one's ``attempt`` from ``seated`` (the attempt that seated
     each session, by session id, as the server recorded it; a session it does not name keeps its
     own), and ``summed`` set on the sessions whose reports the server counted (``summed``: their ids)."""
-    summed = summed if isinstance(summed, set | frozenset) else set(summed)
+    summed = set(summed)
     return [
         dataclasses.replace(s, attempt=seated[s.session_id], summed=s.summed or s.session_id in summed)
         if s.session_id in seated
