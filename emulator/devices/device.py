@@ -100,7 +100,14 @@ class EmulatedDevice:
         elif late_drop:
             should_abort = _after(self.rng.uniform(0.0, self.profile.late_dropout_within_s))
         elif late:
-            should_abort, before_report = _late_report(self.profile.late_delay_s, stop or threading.Event())
+            # before reporting, wait past the deadline as a device whose upload is slow would, unless
+            # the fleet stops first: the session is then aborted, not reported
+            stopping, delay_s = stop or threading.Event(), self.profile.late_delay_s
+
+            def wait_past_deadline() -> None:
+                stopping.wait(delay_s)
+
+            should_abort, before_report = stopping.is_set, wait_past_deadline
         try:
             result = self.runtime.run_session(should_abort=should_abort, before_report=before_report)
         except SessionRejected as rejected:
@@ -127,19 +134,6 @@ class EmulatedDevice:
     def close(self) -> None:
         self.runtime.close()
         self.store.close()
-
-
-def _late_report(delay_s: float, stop: threading.Event) -> tuple[Callable[[], bool], Callable[[], None]]:
-    """A late device's ``should_abort`` and ``before_report``: before reporting, wait ``delay_s``
-    past the deadline, as a device whose upload is slow would, unless ``stop`` is set first; the
-    session is then aborted, not reported."""
-    stopped: list[bool] = []
-
-    def wait() -> None:
-        if stop.wait(delay_s):
-            stopped.append(True)
-
-    return (lambda: bool(stopped)), wait
 
 
 def _after(seconds: float):
