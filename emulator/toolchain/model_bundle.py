@@ -157,6 +157,12 @@ def _prediction_shape(
         proto = onnx.ModelProto.FromString(proto.SerializeToString())
         ml_ops.standard_form(proto)
         source = proto.SerializeToString()
+    if output is not None and output not in {o.name for o in proto.graph.output}:  # a tensor inside the graph
+        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        if not isinstance(model, onnx.ModelProto):
+            onnx.load_external_data_for_model(proto, str(Path(model).parent))
+        proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(output))
+        source = proto.SerializeToString()
     options = ort.SessionOptions()
     options.log_severity_level = 3  # an exporter's unused initializers are not the person's concern here
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])

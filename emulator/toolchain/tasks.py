@@ -231,8 +231,11 @@ def graph_outputs(model: onnx.ModelProto) -> list[NamedOutput]:
 def onnx_output(
     model: onnx.ModelProto, output: str | None, *, loss: str, in_task: bool = False
 ) -> tuple[str | None, str | None]:
-    """The graph output the loss of a plan from ``model`` reads (None: its only output) and the
-    line saying which where it was chosen (:func:`loss_output`)."""
+    """The tensor the loss of a plan from ``model`` reads (None: its only output) and the line
+    saying which where it was chosen (:func:`loss_output`). An ``output`` naming a tensor inside the
+    graph (the logits an ``ArgMax`` output is computed from) is taken as it is."""
+    if output is not None and output in {o for n in model.graph.node for o in n.output}:
+        return output, None
     outputs = graph_outputs(model)
     if output is None and (len(outputs) == 1 or not any(o.is_float for o in outputs)):
         return None, None  # one output, or no float one: the plan's own refusal says what to export
@@ -576,8 +579,7 @@ def task_output(task: Task, model: Any, *, say: Callable[[str], None] | None = N
     else the only float one with a batch axis (``say`` gets a line saying so, the library saying
     nothing); several such, or an ``output`` that names no tensor of the model, are refused in one
     line listing the model's outputs. None where the model has one output or no float one (the
-    plan's own refusal then says what to export). An ``output`` naming a tensor inside the graph
-    (the logits before an ``ArgMax`` output) is taken as it is."""
+    plan's own refusal then says what to export)."""
     import onnx
 
     try:
@@ -588,8 +590,6 @@ def task_output(task: Task, model: Any, *, say: Callable[[str], None] | None = N
         else:
             proto = onnx.load(os.fspath(model), load_external_data=False)
     except Exception:  # noqa: BLE001 - no ONNX model: the plan's own refusal says what it is
-        return task.output
-    if task.output is not None and task.output in {o for n in proto.graph.node for o in n.output}:
         return task.output
     try:
         output, line = onnx_output(proto, task.output, loss=task.loss, in_task=True)

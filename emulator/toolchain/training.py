@@ -285,7 +285,8 @@ def read_model(
             raise ValueError(
                 "the model has no float output to compute a loss from (outputs: "
                 f"{', '.join(o.name for o in graph.output)}); export the model up to its float prediction "
-                "(logits or scores, before ArgMax or a cast), or name a float tensor with output="
+                "(logits or scores, before ArgMax or a cast), or name the float tensor the loss reads "
+                "(--output of plan from-onnx, output= in a Task)"
             )
         output = floats[0]
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)

@@ -533,3 +533,27 @@ def test_the_only_float_output_with_a_batch_axis_is_the_prediction_and_said_to_b
     assert not any("outputs" in line for line in said)
     with pytest.raises(TaskError, match=r"the model has 2 outputs \(logits float32 \[N, 3\], features"):
         bundle_from_onnx(TWO_HEADS, tmp_path / "api2", label="y", runtimes=["1.31.1"])
+
+
+def test_a_classifier_exported_with_its_argmax_trains_the_logits_its_output_names(tmp_path, capsys):
+    """A model whose only output is the ArgMax of its logits: refused in one line naming
+    ``--output``; ``--output logits`` (a tensor inside the graph, as a Task's ``output=`` may name)
+    makes the bundle, its stub's label drawn over the logits' 3 classes, the weights beside the
+    model in a data file read for it; the stub builds the same plan again."""
+    m = mlp(6, 5, 3)
+    m.graph.node.append(helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0))
+    del m.graph.output[:]
+    m.graph.output.append(helper.make_tensor_value_info("label", onnx.TensorProto.INT64, ["N"]))
+    (tmp_path / "export").mkdir()
+    path = tmp_path / "export" / "argmax.onnx"
+    onnx.save_model(m, str(path), save_as_external_data=True, location="argmax.onnx.data", size_threshold=0)
+    assert _from_onnx(path, tmp_path / "refused") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "before ArgMax" in err and "--output" in err
+    bundle = tmp_path / "bundle"
+    assert _from_onnx(path, bundle, "--output", "logits") == 0, capsys.readouterr().err
+    assert "warning" not in capsys.readouterr().err
+    stub = (bundle / "task.py").read_text()
+    assert "'y': ('int64', (), 3)" in stub and "output='logits'," in stub
+    assert main(["plan", "build", str(bundle / "task.py"), "-o", str(tmp_path / "again")]) == 0
+    assert _manifest(bundle, "argmax")["plan"] == _manifest(tmp_path / "again", "argmax")["plan"]
