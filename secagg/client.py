@@ -8,7 +8,8 @@ to Aborted with ``abort_reason`` and ``error`` set, and it then answers nothing.
 Checks an honest client makes before answering (Bonawitz et al. 2017, Fig. 4 / 6): the session
 tag and session id; parameters at or above the safe floor (t > 2n/3 over the complete graph,
 a majority of each SecAgg+ neighbourhood, at least ``min_summed`` clients); at least t peers in
-every list; no duplicate ids; every list a subset of the previous round's and containing
+every list, and at least ``min_summed`` survivors in a survivor list it sees whole (over the
+complete graph, and under SecAgg+ with ConsistencyCheck); no duplicate ids; every list a subset of the previous round's and containing
 ourselves; our own advertised keys echoed unchanged; distinct, usable (not low-order) keys;
 every entry's keys signed by its signing key, that key certified by ``verify_peer`` and used by
 one entry only (no sybils); under SecAgg+ our neighbourhood is the one the revealed seed and
@@ -473,7 +474,9 @@ class SecAggClient:
             raise InconsistentSurvivors("survivor list is not a subset of the clients that shared keys")
         if len(local) < t:
             raise TooFewSurvivors(f"{len(local)} survivors < threshold {t}")
-        if not self._sparse and len(u3) < self.config.min_summed:
+        # the whole survivor list is seen over the complete graph, and under SecAgg+ with
+        # ConsistencyCheck (without it a client is shown its neighbourhood's part only)
+        if (not self._sparse or self.config.consistency_check) and len(u3) < self.config.min_summed:
             raise TooFewSurvivors(f"{len(u3)} survivors < the minimum of {self.config.min_summed} inputs in a sum")
         return u3
 

@@ -19,6 +19,7 @@ from secagg import (
     SecAggClient,
     SecAggConfig,
     SecAggServer,
+    TooFewSurvivors,
     UncertifiedPeer,
     UnsafeConfiguration,
     assign_groups,
@@ -216,6 +217,42 @@ def test_a_seed_that_does_not_open_the_commitment_is_refused():
     other_seed = KeyRoster(mine.session_tag, mine.session_id, mine.entries, bytes(32), mine.credentials, mine.directory)
     assert cohort.clients[1].handle(other_seed.to_bytes()) is None
     assert isinstance(cohort.clients[1].error, ForgedGraph) and "commitment" in cohort.clients[1].abort_reason
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(8, 14), seed=st.integers(0, 200), short=st.integers(1, 3))
+def test_a_secagg_plus_client_refuses_a_signed_survivor_list_shorter_than_min_summed(n, seed, short):
+    """Under SecAgg+ with ConsistencyCheck each client is shown all of U3, so it holds the floor
+    on a sum's size as over the complete graph: a server that names fewer survivors than
+    ``min_summed`` (leaving out clients outside this one's neighbourhood, so that its own
+    neighbours still reach t) gets no signature, and so no sum of that size."""
+    graph_seed = bytes([seed]) * 32
+    cfg = SecAggConfig(
+        L,
+        R,
+        PLUS["threshold"],
+        session_label=b"plus-floor",
+        degree=PLUS["degree"],
+        graph_commitment=seed_commitment(graph_seed),
+        consistency_check=True,
+        min_summed=n,
+    )
+    cohort = Cohort(cfg, n, seed, graph_seed=graph_seed)
+    to_clients = cohort.rosters()
+    for _ in range(3):  # ShareKeys, ShareCheck, MaskedInputCollection: every client takes part
+        for u, data in to_clients.items():
+            cohort.server.receive(u, cohort.clients[u].handle(data))
+        to_clients = cohort.server.close_round()
+    assert cohort.server.round is Round.CONSISTENCY_CHECK
+    request = parse_message(to_clients[1])
+    neighbours = set(cohort.clients[1]._peers)
+    strangers = [u for u in request.survivors.tolist() if u not in neighbours][:short]
+    survivors = request.survivors[~np.isin(request.survivors, strangers)]
+    forged = type(request)(request.session_tag, survivors).to_bytes()
+    assert cohort.clients[1].handle(forged) is None
+    assert isinstance(cohort.clients[1].error, TooFewSurvivors)
+    assert f"minimum of {n} inputs" in cohort.clients[1].abort_reason
+    assert cohort.clients[2].handle(to_clients[2]) is not None  # the true list of all n passes
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
