@@ -55,7 +55,7 @@ def close_round(
         metrics["error"] = error
     metrics["duration_s"] = round(now - core.started_at, 4)
     if run.secure is not None:
-        metrics["secagg"] = run.secure.stats()
+        metrics["secagg"] = run.secure.stats(committed=phase is Phase.COMMITTED)
     metrics["device_metrics"] = run.device_metrics.to_json()
     if run.dp is None:  # with DP, which reports were clipped is what adaptive clipping noises
         metrics["bounded_reports"] = dict(run.bounded)
@@ -245,6 +245,8 @@ class CommitPipeline:
         run, metrics, attempt = p.run, p.metrics, p.run.attempt
         part = run_server_part(p, self._noise)
         phase = part.phase
+        if p.secure is not None and phase is not p.phase:  # its server part abandoned it: no sum was used
+            metrics["secagg"] = p.secure.stats(committed=False)
         ledger_after = None
         if run.dp is not None and dp_rounds.spends_privacy(phase.value, metrics):
             # committed, or abandoned once the server had unmasked a group's noisy sum (distributed DP)
@@ -285,11 +287,15 @@ class CommitPipeline:
             was_commit = phase is Phase.COMMITTED
             phase = Phase.ABANDONED
             metrics["error"] = f"database write failed: {type(exc).__name__}"
+            if p.secure is not None:
+                metrics["secagg"] = p.secure.stats(committed=False)
             record = write_quietly(write, phase.value)
             if was_commit and record is not None and record.status == Phase.COMMITTED.value:
                 # the failed write had gone through after all (the retry found it): the round committed
                 phase = Phase.COMMITTED
                 metrics.pop("error")
+                if p.secure is not None:
+                    metrics["secagg"] = p.secure.stats()
             elif record is None:
                 with self._lock:
                     self.unwritten.append(

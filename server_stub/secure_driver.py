@@ -40,8 +40,14 @@ def advance_secure(
     round's statistics never count a sum it did not use. A sum outside the bounds honest
     devices keep (``check_group_sum``; under distributed DP ``ddp_rounds.sum_problem``) is
     dropped, its devices with it, and the reason kept for the round's metrics: one device's
-    update is never seen, so its group answers for it."""
-    core.advance(now)
+    update is never seen, so its group answers for it.
+
+    The groups are ticked before the round moves on: a group counts at the moment it ended (its
+    last message, or the due time that closed it), so that a tick long after it (a server busy, or
+    a process that was stopped) finds its round as it was then, not closed by the devices' deadlines
+    that passed since. The round itself moves on afterwards (the caller's ``core.advance``)."""
+    if not secure.formed:
+        core.advance(now)
     if core.phase is Phase.REPORTING and not secure.formed:
         selected = [sid for sid, st in core.sessions.items() if st is SessionState.SELECTED]
         devices = {sid: device for device, sid in run.seats.get(run.seat_key, {}).items()}  # attested key hashes
@@ -58,7 +64,10 @@ def advance_secure(
                 core.abort(sid, now)
     # the completed groups first: their devices count as reported before the others' aborts, which
     # may leave the round short of its threshold and close it
-    finished = sorted(secure.tick(now), key=lambda g: g.server.round is not Round.COMPLETED)
+    finished = sorted(
+        secure.tick(now),
+        key=lambda g: (g.server.round is not Round.COMPLETED, g.ended_at if g.ended_at is not None else now),
+    )
     for group in finished:
         summed: list[str] = []
         if group.server.round is Round.COMPLETED:
@@ -84,7 +93,7 @@ def advance_secure(
                 )
                 secure.drop(group, refused)
                 summed = []
-            elif core.confirm_group(summed, now):
+            elif core.confirm_group(summed, min(now, group.ended_at if group.ended_at is not None else now)):
                 assert run.accumulator is not None
                 run.accumulator = run.executor.accumulate(run.accumulator, total)
                 if on_reported is not None:

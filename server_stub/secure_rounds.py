@@ -56,6 +56,9 @@ from secagg import (
 from .ddp_rounds import DistributedDP, decode_group
 from .rounds import RoundConfig
 
+#: Why a completed group's sum, counted in its round, went unused: the round was abandoned all the same.
+ROUND_ABANDONED = "its round was abandoned: the sum went unused"
+
 
 @dataclass
 class _Member:
@@ -78,6 +81,7 @@ class SecureGroup:
     harvested: bool = False
     dropped: str | None = None  # why its completed sum was left out of the round (out of bounds, came too late)
     aborted_in: str | None = None  # the protocol round it aborted in (too few answers, a refused message)
+    ended_at: float | None = None  # when it completed or aborted: its last message, or the due time that closed it
     closes: int = 0
     gone: set[int] = field(default_factory=set)
     by_client: dict[int, str] = field(default_factory=dict)
@@ -143,13 +147,17 @@ class SecureGroup:
             place = 2 if current is Round.UNMASKING and self.server.config.consistency_check else 1
             due = min(due, self.masked_input_deadline + place * self.round_timeout_s)
         if now >= due:
-            self.close(now)
+            self.close(now, due)
 
-    def close(self, now: float) -> None:
+    def close(self, now: float, due: float | None = None) -> None:
+        """Close the protocol round at ``now``, the next one timed from then; ``due``: when it was
+        due, the moment the group ends if this close ends it (a tick long after it counts then)."""
         self.closes += 1
         before = self.server.round
         outgoing = self.server.close_round()
         self._note_abort(before)
+        if self.terminal:
+            self.ended_at = now if due is None else min(now, due)
         for client_id, data in outgoing.items():
             member = self.members[self.by_client[client_id]]
             member.seq += 1
@@ -389,20 +397,24 @@ class SecureRound:
                 done.append(group)
         return done
 
-    def stats(self) -> dict:
-        """Groups formed, completed (their sums used) and aborted (a group still running counts
-        as neither), with the protocol round each aborted in (``aborted_in``: counts by round
-        name), and the groups whose sums were dropped, with why (out of bounds, or the round closed
-        before them): ``summed_devices`` are the devices the round counted as reported."""
-        used = [g for g in self.groups if g.server.round is Round.COMPLETED and g.dropped is None]
+    def stats(self, committed: bool = True) -> dict:
+        """Groups formed, completed (their sums used: none when the round was not ``committed``)
+        and aborted (a group still running counts as neither), with the protocol round each
+        aborted in (``aborted_in``: counts by round name), and the groups whose sums were dropped,
+        with why (out of bounds, the round closed before them, or the round was abandoned after
+        them: ``ROUND_ABANDONED``): ``summed_devices`` are the devices the round counted as reported."""
+        counted = [g for g in self.groups if g.server.round is Round.COMPLETED and g.dropped is None]
         aborted = [g for g in self.groups if g.server.round is Round.ABORTED]
+        dropped = [(g.index, g.dropped) for g in self.groups if g.dropped is not None]
+        if not committed:
+            dropped = sorted(dropped + [(g.index, ROUND_ABANDONED) for g in counted])
         return {
             "groups": len(self.groups),
-            "completed": len(used),
+            "completed": len(counted) if committed else 0,
             "aborted": len(aborted),
             "aborted_in": dict(sorted(Counter(g.aborted_in or "unknown" for g in aborted).items())),
-            "summed_devices": sum(len(g.server.summed_clients) for g in used),
-            "dropped": [{"group": g.index, "reason": g.dropped} for g in self.groups if g.dropped is not None],
+            "summed_devices": sum(len(g.server.summed_clients) for g in counted),
+            "dropped": [{"group": index, "reason": reason} for index, reason in dropped],
             **({"ddp": dict(round_answer(self.ddp_params, self.rotation_seed))} if self.ddp_params is not None else {}),
             **({"ddp_error": self.ddp_error} if self.ddp_error is not None else {}),
         }

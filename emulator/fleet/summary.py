@@ -13,6 +13,8 @@ import statistics
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
+from server_stub.secure_rounds import ROUND_ABANDONED
+
 from .rows import UNFINISHED, RoundRow, SessionRow, TimelineRow
 
 if TYPE_CHECKING:
@@ -341,7 +343,8 @@ def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[
         late = sum(n for st in lost for where, n in st.get("aborted_in", {}).items() if where in _INPUT_ROUNDS)
         k = getattr(task, "secagg_group_size", None) or getattr(task, "secagg_min_group_size", None)
         floor = f", and at least task.secagg_group_size = {k}," if k else ""
-        completed = sum(st.get("completed", 0) for st in lost)
+        # these rounds were abandoned: their completed groups are among the dropped (their sums went unused)
+        completed = sum(1 for st in lost for d in st.get("dropped", []) if d.get("reason") == ROUND_ABANDONED)
         kept = (
             f"; their {completed} other group{'s' if completed != 1 else ''} completed, and the "
             f"{sum(st.get('summed_devices', 0) for st in lost)} masked inputs {'they' if completed != 1 else 'it'} "

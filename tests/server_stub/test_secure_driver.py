@@ -16,7 +16,7 @@ from device_runtime.wire import CheckinAccepted
 from secagg import SecAggClient
 from server_stub.persistence import ServerStore
 from server_stub.rounds import RoundConfig
-from server_stub.secure_driver import ROUND_CLOSED
+from server_stub.secure_rounds import ROUND_ABANDONED
 from server_stub.service import FLService
 from tests.server_stub.test_secure_rounds_http import _updates
 from tests.support import digits_plan
@@ -94,14 +94,15 @@ class Devices:
                     self.send(i, reply)
 
 
-@pytest.mark.parametrize("closes_at", ["masked-inputs-deadline", "devices-deadline"])
-def test_a_group_completing_in_the_tick_another_aborts_in_is_counted_as_the_round_counts_it(tmp_path, closes_at):
+@pytest.mark.parametrize("closes_at", ["masked-inputs-deadline", "devices-deadline", "hours-later"])
+def test_a_group_that_completed_in_time_counts_however_late_the_tick_that_finds_it(tmp_path, closes_at):
     """Group 0 never sends its masked inputs: it aborts at their deadline, and its aborts leave the
     round short of its threshold. Group 1 sums all four of its masked inputs and waits in Unmasking
-    for one silent device: its round closes in the same tick. Its devices count as reported before
-    group 0's aborts close the round, and the round's SecAgg statistics say so too. A tick that
-    comes only after the devices' deadlines finds the round closed before either group: group 1's
-    sum is then left out of the round, and its statistics say that instead of a sum used."""
+    for one silent device, until its Unmasking round is due (5 s after the masked inputs' deadline,
+    10 s before the devices'). Whenever the tick that finds both comes (at once, or only after the
+    devices' deadlines passed: a busy or paused server), group 1 ended before the round closed: its
+    devices count as reported before group 0's aborts close the round. The round is abandoned all
+    the same, so group 1's sum went unused: its statistics count no completed group, and say why."""
     d = Devices(tmp_path)
     aborting, completing = d.groups[0], d.groups[1]
     d.silent_in = {i: "MaskedInputCollection" for i in aborting} | {completing[0]: "Unmasking"}
@@ -111,7 +112,7 @@ def test_a_group_completing_in_the_tick_another_aborts_in_is_counted_as_the_roun
     assert d.reported == []
 
     # the masked inputs' deadline is 60 s after selection, the devices' 15 s later (three round timeouts)
-    d.now = 61.0 if closes_at == "masked-inputs-deadline" else 76.0
+    d.now = {"masked-inputs-deadline": 61.0, "devices-deadline": 76.0}.get(closes_at, 7200.0)
     d.service.tick()
 
     (record,) = d.service.rounds("pop")
@@ -120,14 +121,19 @@ def test_a_group_completing_in_the_tick_another_aborts_in_is_counted_as_the_roun
     secagg = metrics["secagg"]
     assert secagg["groups"] == 2 and secagg["aborted"] == 1
     assert secagg["aborted_in"] == {"MaskedInputCollection": 1}
-    if closes_at == "masked-inputs-deadline":
-        assert sorted(d.reported) == sorted(d.sessions[i].session_id for i in completing)
-        assert secagg["completed"] == 1 and secagg["dropped"] == []
-        assert {d.status(i)["status"] for i in completing} == {"completed"}
-    else:
-        assert d.reported == []
-        assert secagg["completed"] == 0
-        assert secagg["dropped"] == [{"group": 1, "reason": ROUND_CLOSED}]
-        assert {d.status(i)["status"] for i in completing} == {"aborted"}
+    assert sorted(d.reported) == sorted(d.sessions[i].session_id for i in completing)
+    assert {d.status(i)["status"] for i in completing} == {"completed"}
+    # the round was abandoned: no group's sum was used, and the one counted says so
+    assert secagg["completed"] == 0 and secagg["dropped"] == [{"group": 1, "reason": ROUND_ABANDONED}]
     # what the round counts as reported is what its completed groups summed
-    assert metrics["reported"] == secagg["summed_devices"] == len(d.reported)
+    assert metrics["reported"] == secagg["summed_devices"] == len(d.reported) == 4
+
+
+def test_a_committed_rounds_groups_count_as_completed(tmp_path):
+    """Both groups sum all their masked inputs, the second one completing the round: both sums are used."""
+    d = Devices(tmp_path)
+    d.run()
+    (record,) = d.service.rounds("pop")
+    assert record["status"] == "committed"
+    secagg = record["metrics"]["secagg"]
+    assert secagg["completed"] == 2 and secagg["dropped"] == [] and secagg["summed_devices"] == DEVICES

@@ -23,7 +23,7 @@ from emulator.fleet.report import completion_note
 from emulator.fleet.simulator import FleetSimulator
 from emulator.fleet.tables import RoundRow
 from secagg import Quantizer
-from server_stub.secure_rounds import SecureRound
+from server_stub.secure_rounds import ROUND_ABANDONED, SecureRound
 
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
 #: are session-scoped, so that no test run between two of them makes the worker build them again.
@@ -284,10 +284,10 @@ def test_the_completion_rate_counts_the_masked_inputs_of_the_groups_an_abandoned
         RoundRow("train/2/1", "train", 305.0, 567.0, False, 26, 7, 7, 12, 262.0, nan, nan, outcome="abandoned"),
         RoundRow("train/2/2", "train", 567.0, 1047.0, False, 20, 0, 0, 10, 480.0, nan, nan, outcome="abandoned"),
     ]
-    lost = {"aborted": 1, "aborted_in": {"MaskedInputCollection": 1}, "dropped": []}
-    secure = {
-        "train/2/1": {"groups": 3, "completed": 1, "summed_devices": 7, **lost},
-        "train/2/2": {"groups": 2, "completed": 0, "summed_devices": 0, **lost},
+    lost = {"aborted": 1, "aborted_in": {"MaskedInputCollection": 1}, "completed": 0}
+    secure = {  # an abandoned round's completed group is dropped: its sum went unused
+        "train/2/1": {"groups": 3, "summed_devices": 7, **lost, "dropped": [{"group": 2, "reason": ROUND_ABANDONED}]},
+        "train/2/2": {"groups": 2, "summed_devices": 0, **lost, "dropped": []},
     }
     note = completion_note({"cannot_fill": None, "shapes": {}}, rounds, config.task, secure)
     assert "2 lost 2 of their 5 Secure Aggregation groups (2 short of masked inputs or of answers after them; " in note
