@@ -370,14 +370,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     restore.add_argument("--db", required=True, help="the server's SQLite file to replace; no server may run on it")
     retire = commands.add_parser(
         "retire",
-        help="stop a task the server refuses to run (stored by an older release) from being said at each start",
-        description="Mark a task the server refuses to run (stored by an older release with settings this one "
-        "refuses) as retired: no server runs it, and the refusal is no longer said at each start. Its record, "
-        "rounds, models and privacy ledger stay, and its name stays taken. Only with no server running on --db.",
+        help="mark a refused task (stored by an older release) or a stopped one retired",
+        description="Mark a task the server refuses to run (stored by an older release with settings or a plan this "
+        "one refuses), or a task stopped with fedfleet stop, as retired: no server runs it, and a refusal is no "
+        "longer said at each start. Its record, rounds, models and privacy ledger stay, and its name stays taken. "
+        "Only with no server running on --db.",
     )
     retire.add_argument("--db", required=True, help="the server's SQLite file; no server may run on it")
     retire.add_argument("--population", required=True, help="the task's population")
-    retire.add_argument("--task", required=True, help="the refused task (fedfleet status lists it as refused)")
+    retire.add_argument("--task", required=True, help="the refused or stopped task (as fedfleet status lists it)")
 
 
 def reload_keys_on_hangup(keys: AdminKeys, path: str) -> None:

@@ -282,7 +282,7 @@ class FLService:
                 why = {
                     "completed": "it ran its max_rounds (or spent its privacy budget)",
                     "retired": "an operator retired it",
-                    "refused": "this server refuses its stored config and does not run it; "
+                    "refused": "this server refuses its stored config or plan and does not run it; "
                     f"fedfleet server retire --db DB --population {population} --task {task} retires it",
                 }.get(state["status"], "it does not run")
                 raise Conflict(

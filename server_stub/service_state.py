@@ -156,7 +156,7 @@ class Population:
     #: idle, ``admission.idle_window``); None while it runs a task or never had one since the
     #: server started (idle since the server's start, as a population that does not exist is)
     idle_since: float | None = None
-    #: its active tasks whose stored config this server refuses, each with the reason (``task_runs.refused_tasks``)
+    #: its active tasks whose stored config or plan this server refuses, each with the reason (``task_runs.refusals``)
     refused: dict[str, str] = field(default_factory=dict)
 
     def find(self, task: str) -> TaskRun | None:

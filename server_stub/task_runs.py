@@ -8,12 +8,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+import onnxruntime as ort
 from pydantic import ValidationError
 
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
-from device_runtime.plan import load_plan
+from device_runtime.plan import PlanError, load_plan
 from device_runtime.secure_sum import SecureSumCodec
 from secagg import PeerVerifier
 
@@ -30,10 +31,10 @@ from .task_choice import Strategy
 REPORT_SLACK_BYTES = 64 * 1024
 
 
-def _advice(task: TaskRecord) -> str:
+def _advice(task: TaskRecord, fix: str = "values in range") -> str:
     """What a refused task's reason tells the operator to do."""
     return (
-        "it is kept on record and not run: deploy it again under a new task name with values in range, or stop "
+        f"it is kept on record and not run: deploy it again under a new task name with {fix}, or stop "
         f"the server and retire it (fedfleet server retire --db DB --population {task.population} --task {task.name})"
     )
 
@@ -80,16 +81,53 @@ def stored_config(task: TaskRecord) -> tuple[RoundConfig, EligibilityPolicies]:
         ) from None
 
 
-def refused_tasks(tasks: list[TaskRecord]) -> dict[str, str]:
+#: Why the installed onnxruntime cannot run each stored plan checked in this process (None: it
+#: can), by plan id: the id is the plan's SHA-256, so the same bytes always get the same answer,
+#: and a server checks a plan once however often its population's tasks are loaded.
+_PLAN_PROBLEMS: dict[str, str | None] = {}
+
+
+def plan_problem(store: ServerStore, task: TaskRecord) -> str | None:
+    """Why this server cannot run the task's stored plan, None when it can: an older release
+    stored a plan whose opset or IR version the installed onnxruntime refuses, or a graph it
+    cannot make a session of or run. The deploy checked the plan on the onnxruntime of its day
+    (``PlanExecutor.smoke_test``); an upgrade may refuse it, and a server that found out at its
+    first round would stop at every start. The same check runs here, on zeros of the plan's
+    weights (only their shapes matter to it): a few milliseconds for a small plan."""
+    if task.plan_id not in _PLAN_PROBLEMS:
+        problem: str | None = None
+        try:
+            executor = PlanExecutor(load_plan(store.resource(task.plan_id)))
+            executor.smoke_test(
+                {name: np.zeros(shape, dtype) for name, (shape, dtype) in executor.weight_spec().items()}
+            )
+        except PlanError as exc:
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - onnx and onnxruntime raise their own classes
+            problem = " ".join(str(exc).split())[:500] or type(exc).__name__
+        _PLAN_PROBLEMS[task.plan_id] = problem
+    return _PLAN_PROBLEMS[task.plan_id]
+
+
+def refusals(store: ServerStore, tasks: list[TaskRecord]) -> dict[str, str]:
     """Each active task this server refuses to run, with the reason: its stored config no longer
-    passes, or it evaluates a task refused."""
+    passes (``stored_config``), the installed onnxruntime cannot run its stored plan
+    (``plan_problem``), or it evaluates a task refused."""
     refused: dict[str, str] = {}
     for task in tasks:
-        if task.status == "active":
-            try:
-                stored_config(task)
-            except StoredTaskRefused as exc:
-                refused[task.name] = str(exc)
+        if task.status != "active":
+            continue
+        try:
+            stored_config(task)
+        except StoredTaskRefused as exc:
+            refused[task.name] = str(exc)
+            continue
+        problem = plan_problem(store, task)
+        if problem is not None:
+            refused[task.name] = (
+                f"its stored plan does not run on onnxruntime {ort.__version__}: {problem}; "
+                f"{_advice(task, 'a plan this onnxruntime runs')}"
+            )
     for task in tasks:
         evaluated = task.config.get("group", {}).get("evaluates")
         if task.status == "active" and task.name not in refused and evaluated in refused:
@@ -98,10 +136,11 @@ def refused_tasks(tasks: list[TaskRecord]) -> dict[str, str]:
 
 
 def retire_refused(store: ServerStore, population: str, name: str) -> int:
-    """Mark the population's task ``name``, one this server refuses (``refused_tasks``), as
-    ``retired``: no server runs it again, and the refusal is no longer said at each start. Its
-    record, rounds, models and privacy ledger stay, and its name stays taken. Only for a database
-    no server runs on (a running server has its tasks in memory). Returns its round records."""
+    """Mark the population's task ``name``, one this server refuses (``refusals``) or one an
+    operator stopped (``FLService.stop_task``), as ``retired``: no server runs it again, and a
+    refusal is no longer said at each start. Its record, rounds, models and privacy ledger stay,
+    and its name stays taken. Only for a database no server runs on (a running server has its
+    tasks in memory). Returns its round records."""
     if store.population_id(population) is None:
         has = ", ".join(store.population_names()) or "none"
         raise NotRetired(f"there is no population {population!r} (populations: {has})")
@@ -110,9 +149,14 @@ def retire_refused(store: ServerStore, population: str, name: str) -> int:
     if task is None:
         has = ", ".join(t.name for t in records) or "none"
         raise NotRetired(f"population {population!r} has no task {name!r} (its tasks: {has})")
-    if name not in refused_tasks(records):
+    if task.status != "stopped" and name not in refusals(store, records):
         state = task.status if task.status != "active" else "active or queued: this server runs it"
-        raise NotRetired(f"task {population}/{name} is not refused ({state}); only a refused task is retired")
+        raise NotRetired(
+            f"task {population}/{name} is {state}; only a refused or a stopped task is retired"
+            if task.status == "retired"
+            else f"task {population}/{name} is not refused or stopped ({state}); only a refused or a stopped task "
+            "is retired (fedfleet stop stops a running one)"
+        )
     store.set_task_status(task.id, "retired")
     return len(store.rounds(task.id))
 
@@ -121,10 +165,10 @@ def load_group(store: ServerStore, population: str) -> Group:
     """The first deploy (group of tasks) with an active task it can run, continuing after each
     task's last committed round (and, for alternating tasks, with the turn after the last round
     run); tasks that reached ``max_rounds`` are marked completed. A task whose stored config
-    this server refuses is left as it is on record and not run (``refused_tasks``): the other
+    this server refuses is left as it is on record and not run (``refusals``): the other
     tasks of its deploy run, and a deploy with no other task is passed over."""
     records = store.tasks(population)
-    refused = refused_tasks(records)
+    refused = refusals(store, records)
     groups: dict[str, list[TaskRecord]] = {}
     for task in records:
         group = task.config.get("group", {})

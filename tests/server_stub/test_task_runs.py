@@ -4,18 +4,22 @@ one line at start and in the population's status, while the server serves its ot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from pathlib import Path
 
 import httpx
+import onnxruntime as ort
 import pytest
 
-from device_runtime import build_eval_plan, encode_checkpoint, initial_weights
+from device_runtime import build_eval_plan, encode_checkpoint, initial_weights, serialize_plan
 from emulator.cli import commands as cli
 from server_stub import DPConfig, RoundConfig, ServerStore, ServerThread
 from server_stub.admin_client import task_body
 from server_stub.cli import _refused_lines
+from server_stub.persistence import resource_id
+from tests.device_runtime.test_executor_smoke import broken_zero_plan
 from tests.support import digits_plan
 
 KEY = "operator-key-" + "r" * 32
@@ -127,7 +131,7 @@ def test_a_task_stored_with_dp_settings_refused_today_is_not_run_and_the_server_
     finally:
         running.close()
     code, said = retire("fine", "train")
-    assert code == 2 and "is not refused (active or queued" in said
+    assert code == 2 and "is not refused or stopped (active or queued" in said
     code, said = retire("tiny-deltaa", "private")
     assert code == 2 and "there is no population 'tiny-deltaa' (populations: fine, " in said
     code, said = retire("tiny-delta", "private")
@@ -152,3 +156,96 @@ def test_a_stored_config_refused_today_names_where_its_field_is(field):
     said = str(refused.value)
     assert ("stored eligibility" if field == "eligibility" else "stored config") in said
     assert ("min_examples -1" if field == "eligibility" else "goal_count 0") in said
+
+
+def _with_stored_plan(db: Path, population: str, task: str, plan: bytes) -> None:
+    """The population's task ``task`` pointed at ``plan``, as an older release stored it: the
+    server's own tables, through SQLite alone."""
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "INSERT OR IGNORE INTO resources (id, kind, data, created_at) VALUES (?, 'plan', ?, 0)",
+            (resource_id(plan), plan),
+        )
+        changed = conn.execute(
+            "UPDATE tasks SET plan_id = ? WHERE name = ? AND population_id = "
+            "(SELECT id FROM populations WHERE name = ?)",
+            (resource_id(plan), task, population),
+        ).rowcount
+        assert changed == 1
+    conn.close()
+
+
+def test_a_task_whose_stored_plan_this_onnxruntime_refuses_is_refused_and_the_server_serves_the_others(
+    tmp_path, capsys
+):
+    """One plan stored at an opset above what the installed onnxruntime runs (load_plan refuses
+    it), one whose ``zero`` graph onnxruntime cannot run: the server starts, runs the
+    fine population, lists both (and the evaluation of the second) as refused with onnxruntime's
+    reason, and ``fedfleet server retire`` retires them."""
+    db = tmp_path / "fl.db"
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
+        for population in ("fine", "opset", "graph"):
+            admin.create_population(population)
+        admin.deploy_task("fine", "train", plan, checkpoint, CONFIG)
+        admin.deploy_task("opset", "train", plan, checkpoint, CONFIG)
+        admin.deploy_tasks(
+            "graph",
+            [
+                task_body("train", plan, checkpoint, CONFIG),
+                task_body("eval", build_eval_plan(plan), None, CONFIG, evaluates="train"),
+            ],
+        )
+    too_new = dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, opset=99))
+    _with_stored_plan(db, "opset", "train", serialize_plan(too_new))
+    _with_stored_plan(db, "graph", "train", serialize_plan(broken_zero_plan(plan)))
+
+    with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
+        lines = sorted(_refused_lines(server.service))
+        assert len(lines) == 3, lines
+        assert lines[0].startswith("graph/eval: it evaluates task 'train', which is refused")
+        assert lines[1].startswith(f"graph/train: its stored plan does not run on onnxruntime {ort.__version__}: ")
+        assert "'zero'" in lines[1] and "a plan this onnxruntime runs" in lines[1]
+        assert lines[2].startswith("opset/train: its stored plan does not run on onnxruntime ")
+        assert "plan opset 99 is above" in lines[2] and "fedfleet server retire" in lines[2]
+        for population in ("opset", "graph"):
+            assert {t["status"] for t in admin.status(population)["tasks"]} == {"refused"}
+            assert admin.status(population)["active_task"] is None
+        assert admin.status("fine")["phase"] == "selecting"
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            answer = http.post("/v1/populations/opset/checkin", json={"runtime_version": ort.__version__})
+            assert (answer.json()["status"], answer.json()["reason"]) == ("rejected", "NO_TASK")
+
+    for population, task in (("opset", "train"), ("graph", "eval"), ("graph", "train")):
+        assert cli.main(["server", "retire", "--db", str(db), "--population", population, "--task", task]) == 0
+    assert capsys.readouterr().out.count("retired task ") == 3
+    with ServerThread(db, admin_key=KEY) as server:
+        assert _refused_lines(server.service) == []
+
+
+def test_a_stopped_task_is_retired_and_a_running_or_retired_one_is_not(tmp_path, capsys):
+    db = tmp_path / "fl.db"
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        admin.deploy_task("p", "old", plan, checkpoint, CONFIG)
+        admin.deploy_task("p", "new", plan, checkpoint, CONFIG)  # queued behind it
+        admin.stop_task("p", "old")
+
+    def retire(task: str) -> tuple[int, str]:
+        code = cli.main(["server", "retire", "--db", str(db), "--population", "p", "--task", task])
+        said = capsys.readouterr()
+        assert len((said.out + said.err).strip().splitlines()) == 1, said
+        return code, said.out + said.err
+
+    code, said = retire("old")
+    assert code == 0 and said.startswith("retired task p/old: no server runs it; its 1 round record(s)"), said
+    code, said = retire("old")
+    assert code == 2 and "task p/old is retired; only a refused or a stopped task is retired" in said
+    code, said = retire("new")
+    assert code == 2 and "is not refused or stopped (active or queued" in said and "fedfleet stop" in said
+    with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
+        states = {t["name"]: t["status"] for t in admin.status("p")["tasks"]}
+        assert states == {"old": "retired", "new": "active"}
