@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from .persistence import OS_ADVICE, DatabaseInUse, hold_file, lock_path, store_advice
+from .persistence import OS_ADVICE, DatabaseInUse, hold_data, hold_file, lock_path, release_file, store_advice
 
 try:
     import fcntl
@@ -262,10 +262,13 @@ def _keep_owner(part: str, db: str) -> None:
 
 def _refuse_held(path: str, what: str) -> None:
     """``BackupError`` when a server holds ``path`` (its lock file, as ``ServerStore.hold`` takes it)."""
-    if not os.path.exists(lock_path(path)):
-        return  # no server ever ran on it
     try:
-        hold_file(path, probe=True)
+        if os.path.exists(lock_path(path)):
+            hold_file(path, probe=True)
+        else:  # no server ran on this name; one may run on another (a hard link): the file's own lock
+            held = hold_data(path, None)
+            if held is not None:
+                os.close(held)
     except DatabaseInUse as exc:
         raise BackupError(f"{what}: {exc}; stop it first, or give another path") from None
 
@@ -330,4 +333,4 @@ def restore(backup_path: str, db: str) -> Contents:
             os.close(held)
         return contents
     finally:
-        os.close(lock)
+        release_file(lock)

@@ -319,11 +319,20 @@ def lock_path(file: str) -> str:
     return f"{os.path.realpath(file)}.lock"
 
 
+#: The database file's own descriptor that each held lock file's descriptor keeps (``hold_file``).
+_DATABASE_FDS: dict[int, int] = {}
+
+
 def hold_file(file: str, shown: str | None = None, *, probe: bool = False) -> int:
     """Take the advisory lock a server holds its SQLite ``file`` by (``ServerStore.hold``): a
-    descriptor of ``<file>.lock`` whose closing releases it, with this process's id written in it.
-    ``DatabaseInUse`` (naming ``shown``, the holder's pid and the lock file) when another process
-    holds it. With ``probe``, the lock is released at once, nothing is written, and -1 returned."""
+    descriptor of ``<file>.lock`` whose closing (``release_file``) releases it, with this process's
+    id written in it. ``DatabaseInUse`` (naming ``shown``, the holder's pid and the lock file) when
+    another process holds it. With ``probe``, the lock is released at once, nothing is written, and
+    -1 returned.
+
+    The database file itself is locked too (``flock``, which SQLite's own byte-range locks do not
+    touch): a hard link to it is another name with a lock file of its own, and two servers started
+    on two names of one file would otherwise each hold a lock and run the same rounds."""
     lock = lock_path(file)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -338,12 +347,53 @@ def hold_file(file: str, shown: str | None = None, *, probe: bool = False) -> in
     except OSError:
         os.close(fd)
         raise
+    try:
+        data_fd = hold_data(file, shown)
+    except BaseException:
+        os.close(fd)
+        raise
     if probe:
+        if data_fd is not None:
+            os.close(data_fd)
         os.close(fd)
         return -1
+    if data_fd is not None:
+        _DATABASE_FDS[fd] = data_fd
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def hold_data(file: str, shown: str | None) -> int | None:
+    """The database file's own lock (``hold_file``): its descriptor, None for a file not made yet
+    (a new database has no other name) or without ``fcntl``."""
+    if fcntl is None:
+        return None
+    try:
+        data_fd = os.open(file, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(data_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        links = os.fstat(data_fd).st_nlink
+        os.close(data_fd)
+        raise DatabaseInUse(
+            f"the database {shown or file} is in use by another server, started on another of its {links} names "
+            "(a hard link to the file: its lock file is beside that name)"
+        ) from None
+    except OSError:
+        os.close(data_fd)
+        raise
+    return data_fd
+
+
+def release_file(fd: int) -> None:
+    """Release a lock ``hold_file`` took: its lock file's descriptor and the database file's."""
+    data_fd = _DATABASE_FDS.pop(fd, None)
+    if data_fd is not None:
+        os.close(data_fd)
+    os.close(fd)
 
 
 #: How often (seconds of real time) the server looks whether its database file is still at its path.
@@ -500,7 +550,7 @@ class ServerStore:
     def close(self) -> None:
         self.engine.dispose()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # the lock goes with the last descriptor
+            release_file(self._lock_fd)  # the lock goes with the last descriptor
             self._lock_fd = None
 
     # populations

@@ -351,3 +351,23 @@ def test_a_server_on_a_link_to_the_database_holds_the_database_itself(tmp_path, 
         running.close()
     assert not Path(f"{link}.lock").exists()
     assert _command(capsys, "restore", "--backup", str(tmp_path / "b.db"), "--db", str(db))[0] == 0
+
+
+def test_a_server_on_a_hard_link_to_the_database_keeps_others_off_the_file(tmp_path, capsys):
+    """``other.db``, a hard link to ``fl.db``, is another name of one file with a lock file of its
+    own: a server on either name keeps a second server on the other, and a restore onto it, off."""
+    db, other = tmp_path / "fl.db", tmp_path / "other.db"
+    ServerStore(str(db)).close()
+    assert _command(capsys, "backup", "--db", str(db), "--out", str(tmp_path / "b.db"))[0] == 0
+    os.link(db, other)
+    for first, second in ((db, other), (other, db)):
+        running = ServerStore(str(first), hold=True)  # as fedfleet server --db FIRST holds it
+        try:
+            with pytest.raises(DatabaseInUse, match="started on another of its 2 names"):
+                ServerStore(str(second), hold=True)
+            said = _refused(capsys, "restore", "--backup", str(tmp_path / "b.db"), "--db", str(second))
+            assert "in use by another server" in said
+        finally:
+            running.close()
+    ServerStore(str(other), hold=True).close()  # released with the server
+    assert _command(capsys, "restore", "--backup", str(tmp_path / "b.db"), "--db", str(other))[0] == 0
