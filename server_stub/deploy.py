@@ -16,7 +16,7 @@ from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan, PlanError, load_plan
 from device_runtime.secure_sum import SecureSumCodec
 
-from . import ddp_rounds, dp_rounds
+from . import ddp_rounds, dp_rounds, task_runs
 from .errors import ApiError, BadRequest, Conflict, InvalidCheckpoint, InvalidPlan, NotFound, quoted
 from .persistence import NewTask, ServerStore, TaskRecord, resource_id
 from .release_gate import ReleaseGateError, check_release_report, minor_key
@@ -178,6 +178,7 @@ def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Pl
         executor.smoke_test(weights)
     except PlanError as exc:
         raise InvalidPlan(f"task {spec.name!r}: {exc}") from None
+    task_runs.plan_runs(resource_id(spec.plan))  # the check a server makes of a stored plan at start
     config = spec.config
     if config.commit_threshold < config.min_reports:  # every kind publishes: a model, or metrics and totals
         raise BadRequest(

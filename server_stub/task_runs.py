@@ -109,6 +109,12 @@ def plan_problem(store: ServerStore, task: TaskRecord) -> str | None:
     return _PLAN_PROBLEMS[task.plan_id]
 
 
+def plan_runs(plan_id: str) -> None:
+    """Note that the plan ``plan_id`` passed this process's check at deploy: ``plan_problem``
+    need not run it again when the server loads its task."""
+    _PLAN_PROBLEMS[plan_id] = None
+
+
 def refusals(store: ServerStore, tasks: list[TaskRecord]) -> dict[str, str]:
     """Each active task this server refuses to run, with the reason: its stored config no longer
     passes (``stored_config``), the installed onnxruntime cannot run its stored plan
