@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from emulator.releases.workers import WorkerPool
 from emulator.toolchain.bundle import BuiltTask, build_bundle, release_test_bundle
 from emulator.toolchain.release_signing import public_key_bytes, sign_report
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
-from server_stub import AdminClient, AdminError, RoundConfig, ServerThread, free_port
+from server_stub import AdminClient, AdminError, RoundConfig, ServerThread
 from server_stub.admin_client import task_body
 from server_stub.persistence import resource_id
 from server_stub.release_gate import canonical_json
@@ -161,7 +162,7 @@ def test_the_server_command_requires_release_reports_unless_told_otherwise(tmp_p
     (tmp_path / "admin.keys").write_text(key + "\n")
     verdicts = {}
     for flags in ([], ["--allow-untested-plans"]):
-        proc, url = start_server(tmp_path, f"s{len(flags)}.db", *flags)
+        proc, url, printed = start_server(tmp_path, f"s{len(flags)}.db", *flags)
         try:
             with AdminClient(url, admin_key=key) as admin:
                 admin.create_population("digits")
@@ -176,7 +177,7 @@ def test_the_server_command_requires_release_reports_unless_told_otherwise(tmp_p
                         verdicts[tuple(flags), kind] = exc.code
         finally:
             proc.terminate()
-            out, _ = proc.communicate(timeout=10)
+            out = printed + proc.communicate(timeout=10)[0]
         if not flags:
             assert "--release-trust FILE" in out
     assert verdicts[(), "no report"] == "RELEASE_REPORT_REQUIRED"
@@ -284,8 +285,10 @@ def test_a_report_signed_by_a_key_the_server_does_not_trust_is_refused(gated, bu
         assert err.code == code and "fedfleet server --release-trust FILE" in str(err)
 
 
-def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str, str]:
+    """``python -m server_stub`` on a port of its own choosing, read from its banner: a port picked
+    free beforehand could be taken by another test's server before this one bound it, and the
+    admin calls then reached that server. Returns the process, its URL and its banner."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -294,7 +297,7 @@ def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str]
             "--db",
             str(tmp_path / db),
             "--port",
-            str(port),
+            "0",
             "--admin-key-file",
             str(tmp_path / "admin.keys"),
             *flags,
@@ -303,17 +306,24 @@ def start_server(tmp_path, db: str, *flags: str) -> tuple[subprocess.Popen, str]
         stderr=subprocess.PIPE,
         text=True,
     )
-    url = f"http://127.0.0.1:{port}"
-    with httpx.Client(timeout=1) as http:  # one client for every poll: each new one costs ~60 ms of CPU
+    assert proc.stdout is not None
+    url, printed = None, ""
+    for line in proc.stdout:  # the banner's last line is flushed
+        printed += line
+        if found := re.search(r"listening on (http://\S+)", line):
+            url = found.group(1)
+        if "OpenAPI:" in line:
+            break
+    assert url is not None, f"the server printed no URL: {printed}"
+    with httpx.Client(timeout=1) as http:  # the banner comes as the server binds, before it answers
         for _ in range(400):
             try:
                 if http.get(f"{url}/v1/health").status_code == 200:
                     break
-            except httpx.HTTPError:
-                if proc.poll() is not None:
-                    break
+            except httpx.TransportError:
+                assert proc.poll() is None, f"the server exited: {printed}"
                 time.sleep(0.05)
-    return proc, url
+    return proc, url, printed
 
 
 @pytest.mark.timeout(1800)
@@ -327,14 +337,14 @@ def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, 
         "# testers whose release reports we deploy\n\n"
         f"ed25519 {built.report()['signature']['public_key']} alice@model-team\n"
     )
-    proc, url = start_server(tmp_path, "s.db", "--release-trust", str(trust))
+    proc, url, printed = start_server(tmp_path, "s.db", "--release-trust", str(trust))
     try:
         with AdminClient(url, admin_key=key) as admin:
             admin.create_population("digits")
             admin.deploy_body("digits", body(built))
     finally:
         proc.terminate()
-        out, _ = proc.communicate(timeout=10)
+        out = printed + proc.communicate(timeout=10)[0]
     assert "signed by one of the 1 key(s)" in out
     trust.write_text("ed25519 not-a-key\n")
     args = ["--db", str(tmp_path / "bad.db"), "--port", "0", "--admin-key-file", str(tmp_path / "admin.keys")]
