@@ -591,7 +591,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         "/v1/sessions/{sid}/secagg",
         tags=["devices"],
         **_answers(SecAggState),
-        **_route(*_SESSION, "BAD_QUERY", "SESSION_CLOSED", "POLL_SUPERSEDED"),
+        **_route(*_SESSION, "BAD_QUERY", "SESSION_CLOSED", "NOT_IN_GROUP", "POLL_SUPERSEDED"),
     )
     async def secagg_poll(
         sid: str,

@@ -113,8 +113,19 @@ def advance_secure(
             core.abort(sid, now)
 
 
+def require_secure(run: TaskRun) -> None:
+    """Refuse a Secure Aggregation call for a task without it, where its open round read as over."""
+    if run.codec is None:
+        raise Conflict(
+            f"task {run.record.name!r} does not run Secure Aggregation, so this session is in no group: "
+            "its update goes to /v1/sessions/{id}/report",
+            code="NOT_IN_GROUP",
+        )
+
+
 def status(session: Session, pop: Population, run: TaskRun, now: float) -> dict:
     """The device's view of its group; after the round closed, its group's final state."""
+    require_secure(run)
     if session.core is run.core and run.secure is not None:
         state = run.secure.status(session.session_id)
         state["deadline_in_s"] = round(max(0.0, session.core.deadline_of(session.session_id) - now), 3)
@@ -137,6 +148,7 @@ def receive(session: Session, data: bytes, now: float) -> None:
     does not take; the same message again is taken again (``SecureGroup.receive``), another one
     for a round the device answered is ``SECAGG_ALREADY_ANSWERED``."""
     run = session.run
+    require_secure(run)
     if run.secure is None or session.core is not run.core:
         raise SessionClosed("this session's round is over")
     if session.session_id not in run.secure.by_session:

@@ -73,6 +73,19 @@ def test_an_upload_is_authorized_and_bounded_before_its_body_is_read(server, adm
         assert _upload_head(server, f"/v1/sessions/{sid}/{endpoint}", token) == (413, "BODY_TOO_LARGE")
 
 
+def test_secure_aggregation_calls_for_a_task_without_it_say_so_while_its_round_is_open(server, admin):
+    """A plain task's session is in no group: its poll answered {"status": "closed"} and its message
+    SESSION_CLOSED ("this session's round is over") while the round it reports to was open."""
+    deploy(admin, goal_count=3, over_selection=1.0, report_timeout_s=60, selection_timeout_s=60)
+    with httpx.Client(base_url=server.url, timeout=HANG_S) as http:
+        mine = _checkin(http)
+        path, auth = f"/v1/sessions/{mine['session_id']}/secagg", {"Authorization": f"Bearer {mine['token']}"}
+        for answer in (http.get(path, headers=auth), http.post(path, content=b"\x01", headers=auth)):
+            assert answer.status_code == 409, answer.text
+            assert answer.json()["error"]["code"] == "NOT_IN_GROUP", answer.text
+            assert "does not run Secure Aggregation" in answer.json()["error"]["message"]
+
+
 def _answer(sock: socket.socket) -> tuple[int, dict]:
     """The status and JSON body of the answer on ``sock``."""
     received = b""
