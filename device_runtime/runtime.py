@@ -264,9 +264,22 @@ class FLRuntime:
         self.last_retry_window: tuple[float, float] | None = None
         self._verdict_needed = False  # from when a task with eligibility policies is seen
         self._closed = False
+        self._session_thread: int | None = None  # the thread of the session in progress
 
     def close(self) -> None:
+        """Close the runtime. A session in progress on another thread is interrupted as by its
+        ``should_abort`` (at its next check, a training step at most: the server is told, nothing
+        is sent, opstats keep it as interrupted), and ``close`` returns once it has ended: the
+        HTTP client and the runtime's own plan cache were closed under it, and it trained on to
+        fail at its report with an error that was not the SDK's, the server not told. Called from
+        the session's own thread (one of its hooks), the session closes the runtime as it ends."""
         self._closed = True
+        if self._session_thread == threading.get_ident():
+            return
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         self.client.close()
         self._remove_own_cache()
 
@@ -318,14 +331,23 @@ class FLRuntime:
                 f"not {type(eligibility).__name__}"
             )
         with self._lock:  # one training session at a time per runtime
+            if self._closed:  # closed while this call waited for the session before it
+                raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
+            app_abort = should_abort
+
+            def stop_asked() -> bool:  # the app's should_abort, or the runtime closed (``close``)
+                return self._closed or (app_abort is not None and app_abort())
+
             rec = _Recorder(self)
             self._session_ends_in(CHECKIN_WINDOW_S)
+            self._session_thread = threading.get_ident()
             try:
-                result = self._session(rec, should_abort, before_report, eligibility, run_options)
+                result = self._session(rec, stop_asked, before_report, eligibility, run_options)
                 if result.outcome is Outcome.COMPLETED and rec.reading is not None:
                     rec.position = rec.reading.position()  # only a completed session moves the saved position
                 return result
             finally:
+                self._session_thread = None
                 self.client.ends_at = None
                 if rec.reading is not None:
                     rec.reading.close()
@@ -335,6 +357,8 @@ class FLRuntime:
                     log.warning(
                         "population %s: this session's operational statistics were not kept: %s", self.population, exc
                     )
+                if self._closed:  # closed by one of its own hooks
+                    self._release()
 
     def _session_ends_in(self, seconds: float) -> None:
         """No request of this session goes on past ``seconds`` from now, however slowly a server

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from device_runtime import FLRuntime, InvalidSetting, OpStatsStore
+from device_runtime import FLRuntime, InvalidSetting, OpStatsStore, Outcome
 from device_runtime.clock import SystemClock, VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import AppDatabaseError
@@ -71,6 +71,50 @@ def test_stopping_the_app_interrupts_the_session_it_is_training(tmp_path, server
     restarted.close()
     opstats.close()
     store.close()
+
+
+@pytest.mark.parametrize("closer", ["another thread", "the session's own hook"])
+def test_closing_a_runtime_while_its_session_trains_interrupts_it_the_server_told(
+    tmp_path, server, admin, digits, closer
+):
+    """An app that closes its runtime (shutting down) while a session trains on another thread:
+    the session stops at its next step as by ``should_abort``, the server is told and takes no
+    update, opstats keep it interrupted, and ``close`` returns once it has ended. The session
+    trained on with its HTTP client and plan cache closed under it, and failed at its report in
+    httpx's RuntimeError, the server not told."""
+    deploy(admin, plan=digits_plan(epochs=100_000), goal_count=5)
+    store = InMemoryExampleStore()
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
+    opstats = OpStatsStore(tmp_path / "app.db")
+    runtime = FLRuntime("digits", server.url, store, opstats=opstats)  # a plan cache of its own
+    steps = 0
+    training = threading.Event()
+
+    def step() -> bool:
+        nonlocal steps
+        steps += 1
+        if steps == 20:
+            training.set()
+            if closer == "the session's own hook":
+                runtime.close()
+        return False
+
+    ended: list = []
+    session = threading.Thread(target=lambda: ended.append(runtime.run_session(should_abort=step)), daemon=True)
+    session.start()
+    assert training.wait(60)
+    runtime.close()
+    assert not session.is_alive() or closer != "another thread"  # close returned once the session had ended
+    session.join(60)
+    [result] = ended
+    assert result.outcome is Outcome.INTERRUPTED and result.shape == "-v[!"
+    current = admin.status("digits")["current_round"]
+    assert current["aborted"] == 1 and current["reported"] == 0
+    assert opstats.shape_counts() == {"-v[!": 1}
+    assert runtime.cache_dir is not None and not runtime.cache_dir.exists()
+    with pytest.raises(InvalidSetting, match="closed"):
+        runtime.run_session()
+    opstats.close()
 
 
 def test_wrong_arguments_are_refused_before_anything_is_stored(tmp_path):
