@@ -27,7 +27,15 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import from_json
 
 from .attestation import AttestationError, decode_nonce
-from .errors import CorruptResource, InvalidSetting, ProtocolError, ServerUnreachable, check_count, check_number
+from .errors import (
+    CorruptResource,
+    InvalidSetting,
+    OverBudget,
+    ProtocolError,
+    ServerUnreachable,
+    check_count,
+    check_number,
+)
 from .wire import (
     AGGREGATIONS,
     CHECKIN_ANSWER,
@@ -126,9 +134,17 @@ class _BoundedAnswer(httpx.SyncByteStream):
     held and no answer is awaited for ever."""
 
     def __init__(
-        self, raw: Any, limit: int, encoding: str, what: str, clock: Callable[[], float], timeout_s: float
+        self,
+        raw: Any,
+        limit: int,
+        encoding: str,
+        what: str,
+        clock: Callable[[], float],
+        timeout_s: float,
+        device_bound: str | None = None,
     ) -> None:
         self.raw, self.limit, self.encoding, self.what = raw, limit, encoding, what
+        self.device_bound = device_bound  # why this device reads less than the protocol's bound (OverBudget)
         self.clock, self.timeout_s = clock, timeout_s
         deadline: _Deadline | None = getattr(_this_request, "deadline", None)
         self.ends_at = None if deadline is None else deadline.ends_at  # the session's end, on any transport
@@ -158,6 +174,8 @@ class _BoundedAnswer(httpx.SyncByteStream):
                     pending = decoder.unconsumed_tail
                 total += len(out)
                 if total > self.limit:
+                    if self.device_bound is not None:
+                        raise OverBudget(f"{self.what} is larger than {self.limit} bytes: {self.device_bound}")
                     raise ProtocolError(f"{self.what} is larger than {self.limit} bytes, the most a device reads")
                 yield out
 
@@ -349,14 +367,21 @@ def _answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[htt
     def bound(response: httpx.Response) -> None:
         path = response.request.url.path
         limit = MAX_RESOURCE_BYTES if path.startswith("/v1/resources/") else MAX_ANSWER_BYTES
+        device_limit, device_bound = getattr(_this_request, "resource_bound", None) or (limit, None)
+        if device_limit < limit:
+            limit = device_limit
+        else:
+            device_bound = None
         what = f"the server's answer to {response.request.method} {path[:100]}"
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("identity", "gzip", "deflate"):
             raise ProtocolError(f"{what} is encoded as {encoding[:40]!r}, which the device did not ask for")
         declared = response.headers.get("content-length", "")
         if encoding == "identity" and declared.isdigit() and int(declared) > limit:
+            if device_bound is not None:
+                raise OverBudget(f"{what} is {declared} bytes: {device_bound}; it was not read")
             raise ProtocolError(f"{what} is {declared} bytes, more than the {limit} a device reads")
-        response.stream = _BoundedAnswer(response.stream, limit, encoding, what, clock, timeout_s)
+        response.stream = _BoundedAnswer(response.stream, limit, encoding, what, clock, timeout_s, device_bound)
         response.headers.pop("content-encoding", None)
 
     return bound
@@ -566,10 +591,18 @@ class ProtocolClient:
         self._raise_for_error(response)
         return _answer(response, EligibilityInfo, "eligibility answer")
 
-    def fetch_resource(self, resource_id: str, token: str) -> bytes:
+    def fetch_resource(self, resource_id: str, token: str, bound: tuple[int, str] | None = None) -> bytes:
         """Download a content-addressed resource of the session whose bearer ``token`` is given
-        and check that it is what its id names."""
-        response = self._request("GET", f"/v1/resources/{resource_id}", headers={"Authorization": f"Bearer {token}"})
+        and check that it is what its id names. ``bound``: the most this device holds of it, when
+        less than ``MAX_RESOURCE_BYTES``, and why; past it the download stops in ``OverBudget``
+        saying so (on the client made here; one given as ``client`` reads it whole)."""
+        _this_request.resource_bound = bound
+        try:
+            response = self._request(
+                "GET", f"/v1/resources/{resource_id}", headers={"Authorization": f"Bearer {token}"}
+            )
+        finally:
+            _this_request.resource_bound = None
         self._raise_for_error(response)
         if not 200 <= response.status_code < 300:  # a redirect (never followed): no bytes of the resource came
             raise ProtocolError(

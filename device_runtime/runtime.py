@@ -117,6 +117,26 @@ class DeviceClass:
         check_number("DeviceClass.max_training_s", self.max_training_s, positive=True)
 
 
+#: The share of its ``DeviceClass.memory_mb`` a device gives one plan and one checkpoint it
+#: downloads (``resource_bound``). A plan's bytes are held about eight times over while it loads
+#: (measured: one carrying 200 MB of weights peaks 1.6 GB above its bytes, parsed, checked and made
+#: into onnxruntime's session); a checkpoint's weights are held twice while they train (the
+#: weights and their update, as the fleet's ``plan_cost`` counts them). The protocol's own bound is
+#: 1 GiB (``MAX_RESOURCE_BYTES``): a server that declared a plan's memory budget small and sent
+#: 1 GiB of it ran a 2 GB device out of memory before the budget was read.
+RESOURCE_SHARE = {"plan": 8, "checkpoint": 2}
+
+
+def resource_bound(device: DeviceClass, what: str) -> tuple[int, str]:
+    """The most bytes of one ``what`` ("plan" or "checkpoint") ``device`` downloads, and why."""
+    share = RESOURCE_SHARE[what]
+    most = int(device.memory_mb * (1 << 20)) // share
+    return most, (
+        f"a {device.name} device of {device.memory_mb:g} MB takes a {what} of at most "
+        f"{most / (1 << 20):,.1f} MB (1/{share} of its memory, as it holds one {share} times over)"
+    )
+
+
 @dataclass
 class SessionResult:
     outcome: Outcome
@@ -765,9 +785,12 @@ class FLRuntime:
             return self._plans[plan_id]
         data = self.plan_cache.get(plan_id)
         cached = data is not None
+        bound = resource_bound(self.device_class, "plan")
         if data is None:
-            data = self.client.fetch_resource(plan_id, token)
+            data = self.client.fetch_resource(plan_id, token, bound)
         try:
+            if len(data) > bound[0]:  # cached by a larger device's runtime, or read whole by the app's http_client
+                raise OverBudget(f"plan {plan_id} is {len(data)} bytes: {bound[1]}")
             plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version)
             try:
                 self._check_budget(plan, executor)
@@ -791,7 +814,10 @@ class FLRuntime:
         return plan
 
     def _checkpoint(self, checkpoint_id: str, token: str, executor: PlanExecutor) -> dict:
-        data = self.client.fetch_resource(checkpoint_id, token)
+        bound = resource_bound(self.device_class, "checkpoint")
+        data = self.client.fetch_resource(checkpoint_id, token, bound)
+        if len(data) > bound[0]:  # read whole by the app's own http_client
+            raise OverBudget(f"checkpoint {checkpoint_id} is {len(data)} bytes: {bound[1]}")
         try:
             weights = executor.check_weights(decode_checkpoint(data))
         except (CheckpointError, PlanError) as exc:

@@ -10,6 +10,8 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
   for the device's memory (``OverBudget``), and a cached copy of a refused plan is removed.
 - A tensor sized from a batch's shape is checked before that batch's step (a last batch smaller
   than the plan's, which the load checked).
+- A plan larger than an eighth of the device's memory, whatever budget it declares, is refused
+  (``OverBudget``) as it downloads, before it is loaded, which holds it some eight times over.
 - A graph that asks onnxruntime for more memory than there is, in a size only its data tells,
   ends the session in the SDK's ``PlanError``; the server hears the abort and the same runtime
   trains an honest plan next.
@@ -279,6 +281,50 @@ def test_a_plan_whose_graph_makes_a_tensor_larger_than_the_device_gives_is_refus
         assert server.aborts == 1 and server.reports == 0
         assert all(not executor._sessions for executor in runtime._executors.values())  # nothing was run
         assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
+
+
+def _padded(megabytes: float):
+    """The digits plan carrying ``megabytes`` of weights more in its work graph, declaring the
+    memory budget of a small plan (1 MB)."""
+    pad = numpy_helper.from_array(np.ones(int(megabytes * (1 << 18)), np.float32), "pad")
+    plan = _with_work(digits_plan(), [helper.make_node("ReduceSum", ["pad"], ["extra"], keepdims=0)], [pad])
+    return dataclasses.replace(plan, metadata=dataclasses.replace(plan.metadata, memory_budget_mb=1))
+
+
+@pytest.mark.parametrize("sent", ["declared", "streamed"])
+def test_a_plan_larger_than_the_device_takes_is_refused_unread_whatever_budget_it_declares(tmp_path, sent):
+    """A plan of 2 MB that declares a budget of 1 MB, on a device of 8 MB: the device took any plan
+    up to the protocol's 1 GiB and loaded it, holding it some eight times over, before any budget
+    was read (a 1 GiB plan on a 2 GB device). Past an eighth of its memory the download stops in
+    ``OverBudget`` (its size declared: before a byte of it is read), nothing is cached, the server
+    hears the abort, and an honest plan trains next."""
+    server = HostileServer([_padded(2), digits_plan()])
+    if sent == "streamed":  # no content-length: cut off as it comes
+        served = server.handle_request
+
+        def handle_request(request: httpx.Request) -> httpx.Response:
+            answer = served(request)
+            if not request.url.path.startswith("/v1/resources/"):
+                return answer
+            body = answer.content
+            return httpx.Response(
+                200, stream=httpx.ByteStream(body), headers={"content-type": "application/octet-stream"}
+            )
+
+        server.handle_request = handle_request  # type: ignore[method-assign]
+    tiny = DeviceClass("tiny", memory_mb=8)
+    cache = tmp_path / "cache"
+    with FLRuntime(
+        "digits", "http://fl.test", _store(), transport=server, device_class=tiny, cache_dir=cache
+    ) as runtime:
+        with pytest.raises(
+            OverBudget, match=r"a tiny device of 8 MB takes a plan of at most 1.0 MB \(1/8 of its memory"
+        ):
+            runtime.run_session()
+        assert server.aborts == 1 and not runtime._plans
+        assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert server.reports == 1
 
 
 def _over_a_small_device():
