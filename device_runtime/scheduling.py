@@ -21,9 +21,14 @@ import pickle
 import random
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+
+try:  # POSIX advisory locks: a lock is released when its process ends, however it ends
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 from apscheduler.job import Job
 from apscheduler.jobstores.base import JobLookupError
@@ -47,6 +52,8 @@ JOB_TABLE = "fl_participation_jobs"
 #: A change of the wall clock against the monotonic one past this is the clock being set: the due
 #: times of a running app's jobs move with it (see ``WorkerQueue.follow_clock``).
 CLOCK_JUMP_S = 1.0
+#: How often a worker looks again while another process of its app runs one of the app's jobs.
+OTHER_PROCESS_POLL_S = 1.0
 
 
 class RunOutcome(enum.Enum):
@@ -175,6 +182,7 @@ class _StoredJobs:
             raise
         self._app = app
         self._database = database
+        self._run_lock = _open_run_lock(database)
 
     def _db(self, action: str) -> contextlib.AbstractContextManager[None]:
         """SQLite's errors while ``action`` as an ``AppDatabaseError`` that says what to do (a full
@@ -184,6 +192,29 @@ class _StoredJobs:
 
     def close(self) -> None:
         self._store.shutdown()
+        if self._run_lock is not None:
+            os.close(self._run_lock)
+            self._run_lock = None
+
+    @contextlib.contextmanager
+    def run_lock(self) -> Iterator[bool]:
+        """Whether this process holds the app's run lock (``flock`` on a file beside its database,
+        freed when its holder's process ends however it ends), held until the block ends; False
+        while another process of the app runs one of its jobs. Two processes of one app (the app
+        and its background service) each ran a due job: the device took part twice in one round."""
+        fd = self._run_lock
+        if fd is None or fcntl is None:
+            yield True
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def put(self, job: ScheduledJob) -> None:
         """Store ``job``, replacing the population's earlier one."""
@@ -342,6 +373,10 @@ class _MemoryJobs:
         for job in list(self._jobs.values()):
             if job.next_run_at is not None and job.population != skip:
                 self.reschedule(job.population, job.next_run_at + seconds)
+
+    @contextlib.contextmanager
+    def run_lock(self) -> Iterator[bool]:
+        yield True  # jobs in memory belong to this process alone
 
     def due(self, now: float) -> list[tuple[float, str]]:
         now = to_microsecond(now)
@@ -516,6 +551,19 @@ class ParticipationScheduler:
             return self._jobs.all()
 
     # ----------------------------------------------------------------- driven by the WorkerQueue
+    @contextlib.contextmanager
+    def claim(self, population: str) -> Iterator[str]:
+        """The right to run ``population``'s job now, across the app's processes: "run", held until
+        the block ends; "busy" while another process of the app runs one of its jobs; "done" when
+        the job is no longer due (another process ran it while this one looked)."""
+        with self._jobs.run_lock() as held:
+            if not held:
+                yield "busy"
+            elif any(p == population for _, p in self.due(self.clock.now())):
+                yield "run"
+            else:
+                yield "done"
+
     def due(self, now: float) -> list[tuple[float, str]]:
         with self._lock:
             return self._jobs.due(now)
@@ -754,6 +802,17 @@ def _took_part_since(runtime: FLRuntime, since: float) -> SessionSummary | None:
     return took[-1] if took else None
 
 
+def _open_run_lock(database: str | os.PathLike) -> int | None:
+    """The descriptor of the app's run lock file, beside the database its path leads to (a
+    symbolic link's target's); None where it cannot be made (a read-only folder: no lock, as before)."""
+    if fcntl is None or str(database) == ":memory:":
+        return None
+    try:
+        return os.open(os.path.realpath(database) + ".run.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+
+
 def _check_population(population: object) -> None:
     if not isinstance(population, str) or not population:
         raise InvalidSetting(f"a population is a non-empty string such as 'digits', not {population!r}")
@@ -791,6 +850,8 @@ class WorkerQueue:
         self._read_offset: Callable[[], float] | None = getattr(self.clock, "wall_offset", None)
         self._offset: float | None = None
         self._offset_lock = threading.Lock()
+        #: Whether the last ``run_pending`` left a due job to another process of its app.
+        self._busy_elsewhere = False
 
     def follow_clock(self, skip: tuple[ParticipationScheduler, str] | None = None) -> float:
         """On a clock that tells its ``wall_offset`` (``SystemClock``): when the wall clock was
@@ -834,10 +895,15 @@ class WorkerQueue:
             now = self.clock.now()
             due = [(s, when, pop) for s in list(self._schedulers) for when, pop in s.due(now)]
             due.sort(key=lambda item: (self._last_run.get((item[0].app, item[2]), float("-inf")), item[1]))
+            self._busy_elsewhere = False
             for scheduler, _, population in due:
                 if self._stop.is_set():  # the app is stopping: no new session
                     break
-                run = scheduler.run_job(population)
+                with scheduler.claim(population) as claim:  # not while another process of the app runs a job
+                    self._busy_elsewhere |= claim == "busy"
+                    if claim != "run":
+                        continue
+                    run = scheduler.run_job(population)
                 self.follow_clock(skip=(scheduler, population))  # a clock set while it ran
                 self._last_run[(scheduler.app, population)] = run.ended_at
                 self.history.append(run)
@@ -897,4 +963,6 @@ class WorkerQueue:
                 log.exception("participation job failed; the worker tries again in %s s", self.idle_poll_s)
                 nxt = None  # not at once: a job that fails as it is read would fail in a loop
             wait = self.idle_poll_s if nxt is None else max(0.0, min(self.idle_poll_s, nxt - self.clock.now()))
+            if self._busy_elsewhere:  # its due job is another process's for now: look again in a while
+                wait = max(wait, min(self.idle_poll_s, OTHER_PROCESS_POLL_S))
             self.clock.sleep(wait, self._wake)
