@@ -52,6 +52,9 @@ SHAPE_SYMBOLS = {
 SHAPE_ALPHABET = frozenset(SHAPE_SYMBOLS.values())
 #: The last event of a session that took part (shape ending in '^' or '+', see ``last_participation``).
 PARTICIPATED = ("upload_completed", "upload_started")
+#: The ``upload_started`` detail of a session of a plan that resumes reading: [collection URI,
+#: token] where its reading stopped (see ``OpStatsStore.resumption_token``).
+READ_TO = "read_to"
 #: How long the log keeps a session (from its last event), and how many sessions at most.
 KEEP_S = 30 * 86_400.0
 KEEP_SESSIONS = 1_000
@@ -266,11 +269,36 @@ class OpStatsStore:
     # -- resumption tokens (device_runtime.reading.ResumptionTokenKeeper) -------------------------
 
     def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None:
-        """The token saved by the last completed session of this task and collection, if any."""
-        t = resumption_table.c
-        query = select(t.token).where(t.population == population, t.task == task, t.collection_uri == collection_uri)
+        """The token saved by the last completed session of this task and collection, or, when a
+        later session of theirs was killed once its update had started to leave (its last event
+        ``upload_started``, shape ``-v[]+``), where that session stopped reading (``READ_TO``): the
+        server may hold its update, and the session counts as taking part, so its examples count
+        as read. Read from the saved token alone, the next session trained and sent that slice again."""
+        t, e = resumption_table.c, events_table.c
+        query = select(t.token, t.saved_at).where(
+            t.population == population, t.task == task, t.collection_uri == collection_uri
+        )
+        ends = (
+            select(func.max(e.id).label("last_id"))
+            .where(e.population == population, e.task == task)
+            .group_by(e.session_id)
+            .subquery()
+        )
+        killed = (
+            select(e.at, e.detail)
+            .join(ends, e.id == ends.c.last_id)
+            .where(e.kind == "upload_started")
+            .order_by(e.id.desc())
+        )
         with self._db("read a resumption token"), self.engine.connect() as conn:
-            return conn.execute(query).scalar()
+            saved = conn.execute(query).first()
+            for at, detail in conn.execute(killed):
+                if saved is not None and at <= saved.saved_at:
+                    break
+                read_to = json.loads(detail).get(READ_TO)
+                if isinstance(read_to, list) and len(read_to) == 2 and read_to[0] == collection_uri:
+                    return str(read_to[1])
+        return saved.token if saved is not None else None
 
     def save_resumption_token(
         self, population: str, task: str, collection_uri: str, token: str, at: float | None = None

@@ -11,7 +11,11 @@ Rules, chosen so that a device never loses data and never keeps partial state:
 * The token is saved only when the session completed (its update was accepted). An interrupted,
   rejected or failed session leaves the saved token as it was, so the next session reads those
   examples again. In an ``OpStatsStore`` it is saved in the transaction that records the session's
-  last events: an app killed then keeps both or neither.
+  last events: an app killed then keeps both or neither. An app killed once the update had
+  started to leave keeps the session as taking part (``-v[]+``: the server may hold its update),
+  and with it where it stopped reading (``opstats.READ_TO``, written before the upload): the next
+  session reads on from there (``OpStatsStore.resumption_token``) rather than sending that slice
+  again.
 * Several epochs re-open the selection once each; the token kept is that of the last epoch's
   iterator, which was opened last (so it saw every example added meanwhile) and, in a completed
   session, was read to its end: it is the furthest position read.

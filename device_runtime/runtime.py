@@ -52,7 +52,7 @@ from .errors import (
 )
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
 from .influence import bound_update
-from .opstats import AppDatabaseError, Event, OpStatsStore, shape_of
+from .opstats import READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache, own_cache_folder
 from .protocol import (
@@ -701,6 +701,9 @@ class FLRuntime:
         took part and would train and report again: the server is told, as after any error, and
         the ``AppDatabaseError`` reaches the app. The server was told nothing, and held the
         device's seat in its round until the report window closed."""
+        position = rec.reading.position() if rec.reading is not None else None
+        if position is not None:  # where an app killed after the upload reads on from (OpStatsStore.resumption_token)
+            rec.events[-1].detail[READ_TO] = [position[2], position[3]]
         try:
             rec.save_so_far()
         except AppDatabaseError as exc:
