@@ -528,6 +528,11 @@ class ProtocolClient:
                 _this_request.deadline = _Deadline(self.clock, self.timeout_s, self.ends_at)
                 response = self.http.request(method, url, **kwargs)
             except httpx.TransportError as exc:
+                refusal = _tls_refusal(exc)
+                if refusal is not None:  # the app's configuration or the server's: no retry changes it
+                    raise ServerUnreachable(
+                        f"the FL server at {self.server_url} could not be reached over TLS: {refusal} ({exc})"
+                    ) from None
                 last_error = exc
                 continue
             finally:
@@ -682,6 +687,24 @@ class ProtocolClient:
             headers={"Authorization": f"Bearer {session.token}"},
         )
         self._raise_for_error(response)
+
+
+def _tls_refusal(exc: BaseException) -> str | None:
+    """What a failed TLS handshake says about the server's URL or certificate, or None when the
+    failure was not one. It ended as any lost connection did, after every retry, in "did not answer"."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # httpx's error, httpcore's, then ssl's
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return (
+                "its certificate is not one this device trusts (self-signed, expired or for another name); "
+                "give the server a certificate a trusted authority issued for this name"
+            )
+        if isinstance(seen, ssl.SSLError) and seen.reason == "WRONG_VERSION_NUMBER":
+            return "it does not speak TLS on this port: is its URL http://, not https://?"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def retry_window(answer: object) -> tuple[float, float] | None:

@@ -1,11 +1,13 @@
 """The protocol client's transport is pluggable, and a retried attested check-in signs a fresh
-nonce: a check-in whose answer was lost (the server consumed the nonce) is not refused as a replay."""
+nonce: a check-in whose answer was lost (the server consumed the nonce) is not refused as a replay.
+A TLS mistake (an untrusted certificate, https:// to a plain HTTP server) is said at the first attempt."""
 
 from __future__ import annotations
 
 import time
 
 import httpx
+import pytest
 
 from device_runtime import FLRuntime, Outcome
 from device_runtime.protocol import RetryPolicy, shared_tls_context
@@ -127,3 +129,73 @@ def test_a_report_whose_answer_was_lost_completes_once(tmp_path, server, admin, 
     assert transport.reports == [200, 409]  # the server took one update, and refused it again
     assert result.outcome is Outcome.COMPLETED and result.rejection_code is None
     assert admin.status("digits")["current_round"]["reported"] == 1
+
+
+def _self_signed_tls_server(folder) -> tuple[str, list[int]]:
+    """A TLS server on a loopback port whose certificate no authority issued; the list counts the
+    handshakes it was offered."""
+    import datetime
+    import http.server
+    import ipaddress
+    import ssl
+    import threading
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    offered: list[int] = []
+
+    class Server(http.server.HTTPServer):
+        def get_request(self):
+            offered.append(1)
+            sock, address = self.socket.accept()
+            return context.wrap_socket(sock, server_side=True), address
+
+        def handle_error(self, request, client_address) -> None:  # the device's refused handshakes
+            pass
+
+    server = Server(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"https://127.0.0.1:{server.server_address[1]}", offered
+
+
+def test_a_tls_mistake_in_the_servers_url_or_certificate_is_said_at_once(tmp_path, server):
+    """A server whose certificate the device does not trust, or an https:// URL of a plain HTTP
+    server: each attempt failed alike and the app read, after every retry, that the server 'did
+    not answer'. The first attempt says what is wrong."""
+    from device_runtime import ServerUnreachable
+    from device_runtime.protocol import ProtocolClient
+
+    untrusted, offered = _self_signed_tls_server(tmp_path)
+    cases = [
+        (untrusted, "its certificate is not one this device trusts"),
+        (server.url.replace("http://", "https://"), "it does not speak TLS on this port: is its URL http://"),
+    ]
+    for url, said in cases:
+        client = ProtocolClient(url, retry=RetryPolicy(attempts=4))
+        with pytest.raises(ServerUnreachable, match=f"could not be reached over TLS: {said}"):
+            client.checkin("digits", "1.31.1")
+        client.close()
+    assert len(offered) == 1  # one handshake: a certificate no retry changes is not tried again
