@@ -76,6 +76,25 @@ def sqlite_engine(
     return engine
 
 
+#: The first four bytes of a write-ahead log SQLite wrote (big-endian; the last bit is its
+#: checksums' byte order).
+_WAL_MAGIC = (0x377F0682, 0x377F0683)
+
+
+def damaged_wal(path: str | os.PathLike) -> bool:
+    """Whether ``path``'s write-ahead log holds bytes that are not one SQLite wrote: zeroed or
+    garbled, as a power cut can leave it. SQLite takes such a log for an empty one and opens the
+    database as its last checkpoint left it, saying nothing of the commits the log held. SQLite
+    writes a log's header before any of its frames, and a reset rewrites it in place with the same
+    magic, so a log of some bytes without it is never one that SQLite is writing."""
+    try:
+        with open(os.fspath(path) + "-wal", "rb") as wal:
+            head = wal.read(4)
+    except OSError:  # no log: the database was closed cleanly, or never written
+        return False
+    return len(head) > 0 and (len(head) < 4 or int.from_bytes(head, "big") not in _WAL_MAGIC)
+
+
 @contextmanager
 def write_locked(engine: Engine) -> Iterator[Connection]:
     """A transaction that holds the database's write lock from its start (``BEGIN IMMEDIATE``), so

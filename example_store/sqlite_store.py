@@ -91,7 +91,7 @@ from .sealing import (
     collection_record,
 )
 from .selector import ExampleSelector
-from .sqlite_engine import sqlite_advice, sqlite_engine, write_locked
+from .sqlite_engine import damaged_wal, sqlite_advice, sqlite_engine, write_locked
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,14 @@ class SQLiteExampleStore(ExampleStore):
     # -- setup -------------------------------------------------------------------------------
 
     def _open_engine(self, key_store: KeyStore | None, key_alias: str) -> Engine:
+        if damaged_wal(self.path):
+            log.warning(
+                "the write-ahead log of the example store %s (%s-wal) is damaged (zeroed or garbled, as a power "
+                "cut can leave it): the examples added since the store's last checkpoint are lost, and it opens "
+                "with those written before",
+                self.path,
+                self.path,
+            )
         engine = sqlite_engine(
             self.path,
             poolclass=QueuePool,

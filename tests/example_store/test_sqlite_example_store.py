@@ -179,6 +179,39 @@ def test_persistence_across_reopen_and_wal_mode(tmp_path):
         raw.close()
 
 
+@pytest.mark.parametrize("damage", ["zeroed", "garbled", "intact"])
+def test_a_store_whose_write_ahead_log_a_power_cut_damaged_says_what_it_lost(tmp_path, caplog, damage):
+    """The files as a power cut leaves them while the app runs: the database as of its last
+    checkpoint (one collection, 3 examples) and a log holding the adds since (4 more, and a
+    second collection). Zeroed or garbled, SQLite took the log for an empty one and the store
+    opened without those adds, saying nothing; it still opens with the rest, and says so."""
+    import shutil
+
+    live, cut = tmp_path / "live", tmp_path / "cut"
+    live.mkdir(), cut.mkdir()
+    with SQLiteExampleStore(live / "app.db") as store:  # closed: its log checkpointed into the file
+        store.add(URI, make_examples(3))
+    store = SQLiteExampleStore(live / "app.db")
+    store.add(URI, make_examples(4)), store.add("app:/other", make_examples(2))
+    for name in ("app.db", "app.db-wal"):  # the disk as the cut leaves it, the app still running
+        shutil.copyfile(live / name, cut / name)
+    store.close()
+    wal = cut / "app.db-wal"
+    size = wal.stat().st_size
+    wal.write_bytes(
+        {"zeroed": b"\0" * size, "garbled": bytes(range(256)) * (size // 256), "intact": wal.read_bytes()}[damage]
+    )
+    with caplog.at_level("WARNING", logger="example_store"), SQLiteExampleStore(cut / "app.db") as reopened:
+        kept = reopened.count(ExampleSelector(URI))
+        assert kept == (7 if damage == "intact" else 3)
+    said = [r.getMessage() for r in caplog.records if "write-ahead log" in r.getMessage()]
+    assert len(said) == (0 if damage == "intact" else 1)
+    assert damage == "intact" or "app.db-wal) is damaged" in said[0] and "added since" in said[0]
+    with caplog.at_level("WARNING", logger="example_store"), SQLiteExampleStore(cut / "app.db"):
+        pass  # said once: the log is SQLite's again from the first open on
+    assert len([r for r in caplog.records if "write-ahead log" in r.getMessage()]) == len(said)
+
+
 @pytest.mark.parametrize("content", [b"this is not a database" * 100, b"SQLite format 3\x00" + b"\xff" * 200])
 def test_corrupt_file_raises_example_store_error_naming_the_path(tmp_path, content):
     path = tmp_path / "broken.db"
