@@ -136,6 +136,11 @@ def shards(labels: np.ndarray, num_clients: int, seed: int, *, shards_per_client
     labels = _class_ids(labels, "shards")
     if shards_per_client < 1:
         raise PartitionError(f"shards_per_client must be at least 1, got {shards_per_client}")
+    if 1 <= num_clients <= len(labels) < num_clients * shards_per_client:  # the shards are what to cut down
+        raise PartitionError(
+            f"{len(labels)} examples cannot be cut into {num_clients} clients x {shards_per_client} shards of one "
+            f"example or more; give at most {len(labels) // num_clients} shards a client (shards=), or fewer clients"
+        )
     _check_clients(len(labels), num_clients, shards_per_client)
     rng = np.random.default_rng(seed)
     perm = rng.permutation(len(labels))  # which examples of a class share a shard is drawn too

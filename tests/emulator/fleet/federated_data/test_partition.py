@@ -213,6 +213,8 @@ def test_impossible_cuts_say_what_to_change() -> None:
         iid(5, -3, seed=0)  # what --data digits,clients=-3 is told
     with pytest.raises(PartitionError, match="classes_per_client"):
         pathological(np.array([0, 1, 0, 1]), 2, 0, classes_per_client=3)
+    with pytest.raises(PartitionError, match=r"into 10 clients x 1000 shards .*; give at most 179 shards a client"):
+        shards(np.arange(1797) % 10, 10, 0, shards_per_client=1000)  # was "use at most 1 clients"
     with pytest.raises(PartitionError, match="raise alpha"):
         dirichlet(np.repeat(np.arange(2), 10), 10, 0.01, 0, min_size=2)
     with pytest.raises(PartitionError, match=r"alpha=1e\+09\) .*; lower min_size or use fewer clients$"):
