@@ -255,7 +255,10 @@ class Workload:
             how = f"each client is reused by about {devices / clients:.3g} devices (devices_per_client)"
         else:
             how = f"{devices} of them, drawn with the seed, one per device"
-        return f"data {self.data.source}: {clients} training clients for {devices} devices: {how}"
+        note = getattr(getattr(self.data, "dataset", None), "test_note", "")  # a test split that is not there
+        return f"data {self.data.source}: {clients} training clients for {devices} devices: {how}" + (
+            f"; {note}" if note else ""
+        )
 
 
 #: A data set's features named in a one-line error: a CSV of 700 columns listed them all.

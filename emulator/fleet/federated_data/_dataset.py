@@ -228,6 +228,9 @@ class FederatedDataset:
     #: A label given as text (``"cat"``, ``"dog"``) becomes class ids: the name of each id, the sorted
     #: names of both splits (as ``datasets``' ``class_encode_column`` numbers them); empty otherwise.
     label_names: tuple[str, ...] = field(init=False, default=())
+    #: Why a test split asked for is not there ("" when it is): ``test_split="examples"`` over clients
+    #: of one example, which each keep it for training; ``describe()`` and a fleet run say it.
+    test_note: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         lazy = self.train if isinstance(self.train, LazyClients) else None
@@ -253,6 +256,15 @@ class FederatedDataset:
             object.__setattr__(self, "train", MappingProxyType({c: MappingProxyType(e) for c, e in train.items()}))
         object.__setattr__(self, "test", MappingProxyType({c: MappingProxyType(e) for c, e in test.items()}))
         object.__setattr__(self, "features", MappingProxyType(dict(sorted(schema.items()))))
+        if not test and self.test_split == "examples":  # said where a fleet run prints and records its data
+            largest = max(lazy.sizes.values() if lazy is not None else map(_num_examples, train.values()))
+            why = (
+                "each client's one example stays for training"
+                if largest == 1
+                else f"test_fraction holds out none of a client's examples, {largest} at most"
+            )
+            note = f"no test split, so no accuracy: {why}; test_split=clients holds out whole clients"
+            object.__setattr__(self, "test_note", note)
         if not test and self.test_split != "none":
             object.__setattr__(self, "test_split", "none")
 
@@ -326,6 +338,7 @@ class FederatedDataset:
             vocabulary=self.vocabulary,
         )
         object.__setattr__(out, "label_names", self.label_names)  # the label's ids are already encoded
+        object.__setattr__(out, "test_note", self.test_note)
         return out
 
     def values(self, feature: str) -> np.ndarray:
@@ -348,6 +361,7 @@ class FederatedDataset:
             f"features {feats}"
             + (f"; label {self.label}" if self.label else "")
             + (f" ({len(self.label_names)} classes named in the files)" if self.label_names else "")
+            + (f"; {self.test_note}" if self.test_note else "")
         )
 
 

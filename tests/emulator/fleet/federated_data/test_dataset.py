@@ -52,3 +52,18 @@ def test_text_features_are_python_strings_whether_given_as_bytes_or_unicode() ->
     assert list(data.examples("a")["t"]) == ["café", "x"] and data.examples("a")["u"].dtype == object
     with pytest.raises(DataLayoutError, match="ragged or mixed"):
         FederatedDataset({"a": {"t": np.array([None, "x"], dtype=object)}})
+
+
+def test_a_test_split_of_examples_that_holds_out_none_says_so() -> None:
+    """Clients of one example keep it for training: the run measured no accuracy and said nothing."""
+    from emulator.fleet.federated_data import load_data
+
+    single = load_data("digits,partition=iid,clients=1797")
+    says = (
+        "no test split, so no accuracy: each client's one example stays for training; "
+        "test_split=clients holds out whole clients"
+    )
+    assert single.test_split == "none" and single.test_note == says and single.describe().endswith(f"; {says}")
+    assert single.renamed({"x": "pixels"}).test_note == says and says not in single.source
+    assert not load_data("digits,partition=iid,clients=1797,test_split=none").test_note
+    assert not load_data("digits,partition=iid,clients=10").test_note
