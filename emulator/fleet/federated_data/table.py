@@ -613,6 +613,18 @@ def _column(table: Any, name: str, where: str, feature: Any = None) -> np.ndarra
     )
 
 
+def _check_named(labels: np.ndarray, name: str, where: str) -> None:
+    """A text label whose every value names a class: an empty one is a missing label (a CSV's empty
+    cell, which pyarrow reads as empty text), not a class named ""."""
+    empty = int((labels == "").sum())
+    if empty:
+        row = int(np.flatnonzero(labels == "")[0])
+        raise DataLayoutError(
+            f"table: {where}: label column {name!r} is empty in {empty} rows (the first: row {row}), a missing "
+            "label, not a class; label or drop those rows"
+        )
+
+
 def _character_ids(texts: np.ndarray, name: str, where: str) -> np.ndarray:
     """A text column of one length as ids in ``LEAF_CHARACTERS`` (others: 80): uint8 [N, length], or
     [N] for single characters (a next-character label)."""
@@ -749,6 +761,8 @@ def _columns(
     for n in names:  # one column at a time in client order, a stacked one into its place in the matrix
         array = _column(table, n, where, described.get(n))
         array = _character_ids(array, n, where) if n in characters else array
+        if n == label and array.dtype == object:
+            _check_named(array, n, where)
         array = array[order] if order is not None else array
         if matrix is not None and n in numeric:
             matrix[:, list(numeric).index(n)] = array

@@ -764,3 +764,20 @@ def test_a_folder_of_csv_files_one_a_client_takes_each_files_name_as_its_client(
     (folder / "dave.jsonl").write_text('{"x": 1.0, "label": 0}\n')
     with pytest.raises(DataLayoutError, match=r"is a folder of files of several formats"):
         load_data(f"table:{folder},client=user")
+
+
+def test_an_empty_text_label_is_a_missing_label_not_a_class(tmp_path: Path) -> None:
+    """A CSV's empty label cell is empty text to pyarrow: it became a class named "", trained on."""
+    csv = tmp_path / "people.csv"
+    csv.write_bytes(
+        b'\xef\xbb\xbf"user","age","label"\r\n"u1",31,"cat"\r\n"u1",40,\r\n"u2",22,"dog"\r\n"u2",35,"cat"\r\n'
+    )
+    with pytest.raises(
+        DataLayoutError, match=r"label column 'label' is empty in 1 rows \(the first: row 1\), a missing"
+    ):
+        load_data(f"table:{csv},client=user")
+    with pytest.raises(DataLayoutError, match=r"label column 'label' is empty in 1 rows"):
+        load_data(f"table:{csv},partition=iid,clients=2")
+    pq.write_table(pa.table({"user": ["a", "b"], "text": ["", "hi"], "label": ["x", "y"]}), tmp_path / "t.parquet")
+    texts = load_data(f"table:{tmp_path / 't.parquet'},client=user,test_split=clients,test_fraction=0.5")
+    assert texts.label_names == ("x", "y")  # an empty text feature is a text, and stays one
