@@ -72,6 +72,23 @@ def check_finite(values: np.ndarray, where: str, unit: str = "example") -> np.nd
     return values
 
 
+def check_readable(path: object, where: str) -> None:
+    """A ``DataSpecError`` naming ``path`` when this user may not read it (a file) or list it (a
+    folder): pyarrow and h5py say so only inside "not a Parquet file" or "not an HDF5 file"."""
+    import os
+
+    if not os.path.exists(str(path)):  # the caller says what is missing
+        return
+    folder = os.path.isdir(str(path))
+    if not os.access(str(path), os.R_OK | (os.X_OK if folder else 0)):
+        raise DataSpecError(f"{where}{path} cannot be read: permission denied; {readable_fix(path, folder)}")
+
+
+def readable_fix(path: object, folder: bool = False) -> str:
+    """What to do about a path this user may not read."""
+    return f"make it readable to this user (chmod a+r{'x' if folder else ''} {path}) or give a copy that is"
+
+
 #: Import names whose package on PyPI is named otherwise.
 PACKAGES = {"PIL": "pillow"}
 

@@ -27,6 +27,7 @@ are skipped.
 
 from __future__ import annotations
 
+import codecs
 import json
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._dataset import FederatedDataset, with_test_split
-from ._errors import DataLayoutError, DataSpecError
+from ._errors import DataLayoutError, DataSpecError, check_readable
 from .text import (
     DEFAULT_VOCAB_SIZE,
     LEAF_CHARACTERS,
@@ -61,6 +62,7 @@ def _json_files(path: Path) -> list[Path]:
         raise DataSpecError(f"leaf: {path} does not exist")
     if not path.is_dir():  # a device or a pipe: read, /dev/zero would never end
         raise DataSpecError(f"leaf: {path} is neither a file nor a folder; give a .json file or a folder of them")
+    check_readable(path, "leaf: ")
     files = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
     if not files:
         raise DataLayoutError(
@@ -72,6 +74,7 @@ def _json_files(path: Path) -> list[Path]:
 
 def leaf_files(path: Path, test: Path | None = None) -> tuple[list[Path], list[Path]]:
     """The training and test files a path names: a file, a folder of files, or train/ and test/."""
+    check_readable(path, "leaf: ")
     if path.is_dir() and (path / "train").is_dir():
         train = _json_files(path / "train")
         test_files = _json_files(path / "test") if (path / "test").is_dir() and test is None else []
@@ -101,12 +104,35 @@ def _packed(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _start(path: Path) -> str:
+    """The file's encoding, once it starts as a JSON object does: a file of anything else (2 GB of
+    zeros, a CSV named .json) was parsed whole, 10 s and 4 GB of memory, to say it is not JSON. A
+    byte-order mark (what Windows' editors and PowerShell write) is read past."""
+    with path.open("rb") as f:
+        head = f.read(1 << 12)
+    bom = head.startswith(codecs.BOM_UTF8)
+    start = head.removeprefix(codecs.BOM_UTF8).lstrip(b" \t\r\n")
+    if not start.startswith((b"{", b"[")):
+        shown = repr(start[:16])[2:-1] + ("..." if len(start) > 16 else "") if start else "nothing"
+        raise DataLayoutError(
+            f"{path}: not a LEAF file: it starts with {shown}, where a LEAF file is one JSON object "
+            "(users, num_samples, user_data); give LEAF's JSON files"
+        )
+    return "utf-8-sig" if bom else "utf-8"
+
+
 def _read_file(path: Path) -> Mapping[str, Any]:
+    check_readable(path, "leaf: ")
+    encoding = _start(path)
     try:
-        with path.open("r", encoding="utf-8") as f:
+        with path.open("r", encoding=encoding) as f:
             data = json.load(f, object_pairs_hook=_packed)
     except json.JSONDecodeError as exc:
-        raise DataLayoutError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+        ends = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated string")
+        raise DataLayoutError(
+            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+            + ("; it ends in the middle of its data, as a copy cut short does: copy or write it again" if ends else "")
+        ) from None
     except UnicodeDecodeError as exc:
         raise DataLayoutError(f"{path}: not UTF-8 text; a LEAF file is JSON") from exc
     except ValueError:  # an integer of more digits than Python converts (4,300): no LEAF value is one

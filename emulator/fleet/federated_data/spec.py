@@ -28,11 +28,16 @@ Formats and their options (paths are relative to ``base_dir``, the config file's
 Every format also takes ``test_split=examples|clients|none`` (how to cut a test split when the files
 bring none; ``none`` only for npz and digits), ``test_fraction=F``, ``seed=N`` and
 ``rename=OLD:NEW+OLD2:NEW2`` (features named as the task's plan reads them, the label included).
+A path may hold commas: a piece that is no option is the rest of the path when the two name an
+existing file or folder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import zipfile
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -44,7 +49,7 @@ from emulator.datasets import digits_arrays
 from server_stub.errors import did_you_mean
 
 from ._dataset import FederatedDataset
-from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, check_readable, readable_fix
 from .leaf import load_leaf
 from .partition import SCHEMES, Partitioner, partition_arrays
 from .table import load_table
@@ -112,25 +117,68 @@ def _as_spec(head: str) -> str:
     return f"give the format before the path: {form.format(path)}" if form else ""
 
 
+def _missing(path: Path) -> str:
+    """Why ``path`` cannot be opened, said as what to do ("" when it can): a link to nothing or a
+    link that loops (which ``exists()`` calls missing alike), a folder on its way this user may not enter."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            return f"is a symbolic link to {os.readlink(path)}, which does not exist; link it to the data"
+        return "does not exist"
+    except PermissionError:
+        return "cannot be reached: permission denied on a folder on its way; make the folders above it searchable (chmod a+x)"
+    except OSError as exc:  # ELOOP: a link to itself, or links in a circle
+        return f"cannot be opened ({exc.strerror}: a symbolic link that loops); link it to the data itself"
+    return ""
+
+
+def _pieces(text: str, options: frozenset[str], resolve: Callable[[str], Path]) -> list[str]:
+    """The spec cut at its commas, but for the commas of a path: a piece that is no option of the
+    format (``d`` or ``d/t.parquet`` of ``leaf:runs/c,d/t.parquet``) is the rest of the path (or
+    of a path option's value, ``test=``) before it when together they name a file or folder."""
+    pieces: list[str] = []
+    for piece in text.split(","):
+        if pieces and piece.partition("=")[0].strip() not in options:
+            joined = f"{pieces[-1]},{piece}"
+            value = joined.partition(":")[2] if len(pieces) == 1 else joined.partition("=")[2]
+            if value.strip() and os.path.lexists(resolve(value.strip())):
+                pieces[-1] = joined
+                continue
+        pieces.append(piece)
+    return pieces
+
+
 def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpec:
     """Check a spec's format, path and options; the error names the first thing wrong."""
     text = text.strip()
     if not text:
         raise DataSpecError(f"empty data spec; give FORMAT:PATH[,KEY=VALUE...], e.g. {EXAMPLE}")
-    head, *pairs = text.split(",")
-    fmt, sep, raw_path = head.partition(":")
-    fmt = fmt.strip().lower()
+    base = Path(base_dir) if base_dir is not None else None
+
+    def resolve(p: str) -> Path:
+        path = Path(p).expanduser()
+        return base / path if base is not None and not path.is_absolute() else path
+
+    fmt = text.partition(":")[0].partition(",")[0].strip().lower()
     if fmt not in OPTIONS:
+        head = text.split(",")[0]
         raise DataSpecError(
             f"unknown data format {fmt!r}{did_you_mean(fmt, FORMATS)} in {text!r}; "
             + (_as_spec(head) or f"use one of {', '.join(FORMATS)} (e.g. {EXAMPLE})")
         )
+    head, *pairs = _pieces(text, OPTIONS[fmt], resolve)
+    raw_path = head.partition(":")[2]
+    sep = ":" if ":" in head else ""
     options: dict[str, str] = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
         key, value = key.strip(), value.strip()
         if not eq or not key or not value:
-            raise DataSpecError(f"{fmt}: option {pair.strip()!r} is not KEY=VALUE; paths cannot contain commas")
+            raise DataSpecError(
+                f"{fmt}: option {pair.strip()!r} is not KEY=VALUE; a comma parts the options, and one in a path is "
+                "read as the path's only when the path with it exists"
+            )
         if key not in OPTIONS[fmt]:
             raise DataSpecError(
                 f"{fmt}: unknown option {key!r}{did_you_mean(key, OPTIONS[fmt])}; "
@@ -139,12 +187,6 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         if key in options:
             raise DataSpecError(f"{fmt}: option {key!r} is given twice")
         options[key] = value
-    base = Path(base_dir) if base_dir is not None else None
-
-    def resolve(p: str) -> Path:
-        path = Path(p).expanduser()
-        return base / path if base is not None and not path.is_absolute() else path
-
     path: Path | None = None
     if fmt == "digits":
         if raw_path.strip():
@@ -155,13 +197,15 @@ def parse_data_spec(text: str, *, base_dir: str | Path | None = None) -> DataSpe
         if not sep or not raw_path.strip():
             raise DataSpecError(f"{fmt}: give a path, as {fmt}:PATH")
         path = resolve(raw_path.strip())
-        if not path.exists():
-            raise DataSpecError(f"{fmt}: {path} does not exist")
+        missing = _missing(path)
+        if missing:
+            raise DataSpecError(f"{fmt}: {path} {missing}")
     for key in _PATH_OPTIONS:
         if key in options:
             resolved = resolve(options[key])
-            if not resolved.exists():
-                raise DataSpecError(f"{fmt}: {key}={resolved} does not exist")
+            missing = _missing(resolved)
+            if missing:
+                raise DataSpecError(f"{fmt}: {key}={resolved} {missing}")
             options[key] = str(resolved)
     for key in _INTS:
         if key in options:
@@ -274,23 +318,35 @@ def _npz_array(data: Any, key: str, path: Path) -> np.ndarray:
                 np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             )
             shape, _, dtype = read_header(member)
-    except (KeyError, ValueError, OSError):  # a header numpy reads on its own (3.0), or not one: np.load says
-        pass
+    except (KeyError, ValueError, OSError, zipfile.BadZipFile, zlib.error, EOFError):  # a header numpy reads on
+        pass  # its own (3.0), or not one, or damaged bytes: reading the array says which
     else:
         check_fits(where, dtype, shape, dtype.itemsize)
     try:
         return data[key]
     except ValueError as exc:
+        if "pickle" not in str(exc):  # a header numpy cannot parse: bytes of the file overwritten
+            raise DataLayoutError(f"{where} is damaged ({str(exc)[:120]}); copy or save the file again") from None
         raise DataLayoutError(
             f"{where} cannot be read without running pickled code ({exc}); save plain arrays"
         ) from None
     except MemoryError:
         raise DataLayoutError(f"{where} does not fit in memory") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # a bad CRC, a deflated stream cut short
+        raise DataLayoutError(
+            f"{where} is damaged ({exc or type(exc).__name__}); copy or save the file again"
+        ) from None
 
 
 def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
+    check_readable(path, "npz: ")
     try:
         loaded = np.load(path, allow_pickle=False)
+    except zipfile.BadZipFile as exc:  # a zip's start without its end (the directory): a copy cut short
+        raise DataLayoutError(
+            f"npz: {path} is not a whole .npz file ({exc}: its end is missing, as in a copy cut short); copy or save "
+            "it again"
+        ) from None
     except (OSError, ValueError) as exc:
         why = "it reads as a pickle, which is never loaded" if "pickle" in str(exc) else str(exc)
         raise DataLayoutError(f"npz: {path} is not a .npz file of arrays ({why})") from exc
@@ -322,7 +378,15 @@ def load_data(spec: str | DataSpec, *, seed: int | None = None, base_dir: str | 
     """The federated dataset a spec names; ``seed`` is used unless the spec sets its own."""
     if isinstance(spec, str):
         spec = parse_data_spec(spec, base_dir=base_dir)
-    data = _load(spec, seed)
+    try:
+        data = _load(spec, seed)
+    except PermissionError as exc:  # a file or folder inside the path, which the readers did not check first
+        name = Path(exc.filename or str(spec.path))
+        while name.parent != name and not os.access(name.parent, os.X_OK):  # the folder that keeps it out
+            name = name.parent
+        raise DataSpecError(
+            f"{spec.format}: {name} cannot be read: permission denied; {readable_fix(name, os.path.isdir(name))}"
+        ) from None
     cutting = [k for k in ("test_split", "test_fraction") if k in spec.options]
     if cutting and data.test_split in ("files", "central"):  # an option that would have been ignored
         given = ", ".join(f"{k}={spec.options[k]}" for k in cutting)

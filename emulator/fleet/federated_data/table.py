@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._dataset import FederatedDataset, TestSplit, check_fraction, example_split, named_labels, with_test_split
-from ._errors import DataLayoutError, DataSpecError, check_finite, require
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_readable, require
 from .partition import Partitioner, partition_arrays
 from .text import LEAF_CHARACTERS, WordIds, encode_characters
 
@@ -65,6 +65,7 @@ def _read_arrow(
     ``features`` are read when they are given (a file's other columns stay on disk)."""
     if not path.exists():
         raise DataSpecError(f"table: {path} does not exist")
+    check_readable(path, "table: ")
     if path.is_dir():
         if _is_cache(path):
             return _read_cache(path, client, features)
@@ -101,6 +102,7 @@ def _kind(path: Path) -> str | None:
 
 def _read_file(path: Path, client: str | None, features: Sequence[str] | None, *, header: bool) -> Any:
     """One table file as a pyarrow Table (of Parquet, only the columns ``_wanted`` names)."""
+    check_readable(path, "table: ")
     kind = _kind(path)
     if kind == "parquet":
         pq: Any = require("pyarrow.parquet")
@@ -215,6 +217,8 @@ def _read_saved(path: Path) -> tuple[Any, Any | None]:
     """A folder from ``datasets``' ``save_to_disk``: a ``Dataset``, or a ``DatasetDict``'s ``train``
     and its ``test`` (or, without one, ``validation``) split."""
     datasets: Any = require("datasets")
+    for file in sorted(path.rglob("*")):  # datasets says a file it may not read is not a saved folder
+        check_readable(file, "table: ")
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as exc:  # datasets raises many types for a damaged folder

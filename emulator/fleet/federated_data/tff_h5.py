@@ -18,6 +18,7 @@ client at a time, and a client's examples are read again when first asked for (a
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from ._dataset import (
     take,
     with_test_split,
 )
-from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, require
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, check_readable, require
 from .text import LEAF_CHARACTERS, CharWindows, WordIds, count_words, id_dtype
 
 EXAMPLES_GROUP = "examples"
@@ -53,6 +54,7 @@ _PLAIN_KINDS = frozenset("biufc")
 
 
 def _pair_in_folder(folder: Path) -> tuple[Path, Path | None]:
+    check_readable(folder, "tff-h5: ")
     files = sorted(p for p in folder.iterdir() if p.suffix in (".h5", ".hdf5"))
     train = [p for p in files if "train" in p.stem]
     test = [p for p in files if "test" in p.stem]
@@ -101,6 +103,7 @@ class ClientFile:
                 f"tff-h5: {path} {'is not a regular file' if path.exists() else 'does not exist'}; give an .h5 file or "
                 "a folder with *train*.h5"
             )
+        check_readable(path, "tff-h5: ")
         self._file: Any = None
         with self:
             self.clients = self._walk()
@@ -112,6 +115,12 @@ class ClientFile:
         try:
             self._file = h5py.File(self.path, "r")
         except OSError as exc:
+            cut = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", str(exc))
+            if cut:  # HDF5 knows the size it wrote: a copy or download that stopped early
+                raise DataLayoutError(
+                    f"tff-h5: {self.path} is cut short: {int(cut[1]):,} of the {int(cut[2]):,} bytes HDF5 wrote; copy "
+                    "or download it again"
+                ) from None
             raise DataLayoutError(
                 f"tff-h5: {self.path} is not an HDF5 file ({exc}); TFF's ClientData files are HDF5"
             ) from exc

@@ -270,3 +270,27 @@ def test_each_file_is_converted_before_the_next_is_read(tmp_path: Path) -> None:
         tracemalloc.stop()
     arrays = sum(a.nbytes for split in (data.train, data.test) for ex in split.values() for a in ex.values())
     assert len(data) == 36 and peak < 0.5 * one_file + 2 * arrays  # all six files at once: over 6 * one_file
+
+
+def test_a_file_that_does_not_start_as_json_is_refused_before_it_is_read_whole(tmp_path: Path) -> None:
+    """2 GB of zeros named .json was parsed whole (10 s, 4 GB of memory) to say it was not JSON."""
+    import os
+    import tracemalloc
+
+    zeros = tmp_path / "zeros.json"
+    with zeros.open("wb") as f:
+        os.truncate(f.fileno(), 64 * 2**20)  # sparse: no disk written
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataLayoutError, match=r"zeros\.json: not a LEAF file: it starts with \\x00.*give LEAF's"):
+            load_leaf(zeros)
+        assert tracemalloc.get_traced_memory()[1] < 2**20
+    finally:
+        tracemalloc.stop()
+    data = {"users": ["a"], "num_samples": [2], "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0, 1]}}}
+    text = json.dumps(data)
+    (tmp_path / "cut.json").write_text(text[: len(text) - 9])
+    with pytest.raises(DataLayoutError, match=r"cut\.json: not valid JSON .*ends in the middle of its data"):
+        load_leaf(tmp_path / "cut.json")
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode())  # what PowerShell and Notepad write
+    assert load_leaf(tmp_path / "bom.json").client_ids == ("a",)

@@ -172,3 +172,67 @@ def test_test_split_options_beside_the_files_own_test_split_are_refused_not_igno
     np.savez(tmp_path / "k.npz", x_train=x, y_train=y, x_test=x[:4], y_test=y[:4])
     with pytest.raises(DataSpecError, match=r"test_fraction=0.5 would cut .*\(x_test and y_test\)"):
         load_data(f"npz:{tmp_path / 'k.npz'},partition=iid,clients=2,test_fraction=0.5")
+
+
+def test_a_path_holding_commas_or_colons_is_read_when_it_exists(tmp_path: Path) -> None:
+    """A comma parts a spec's options, so ``runs/c,d`` was option ``d`` and no path could hold one."""
+    folder = tmp_path / "exports, 2024:q1"
+    folder.mkdir()
+    leaf = {"users": ["a"], "num_samples": [2], "user_data": {"a": {"x": [[1.0], [2.0]], "y": [0, 1]}}}
+    (folder / "all.json").write_text(json.dumps(leaf))
+    spec = parse_data_spec(f"leaf:{folder}/all.json,seed=3,test_split=examples")
+    assert spec.path == folder / "all.json" and dict(spec.options) == {"seed": "3", "test_split": "examples"}
+    assert parse_data_spec(str(spec)) == spec  # as a fleet config's [data] is turned back into a spec
+    assert load_data(f"leaf:{folder}").client_ids == ("a",)
+    with pytest.raises(DataSpecError, match=r"option 'q2' is not KEY=VALUE; .* only when the path with it exists"):
+        parse_data_spec(f"leaf:{tmp_path}/exports,q2")
+
+
+def test_a_link_that_loops_or_points_nowhere_says_which(tmp_path: Path) -> None:
+    (tmp_path / "loop.json").symlink_to(tmp_path / "loop.json")
+    (tmp_path / "gone.h5").symlink_to(tmp_path / "moved.h5")
+    with pytest.raises(DataSpecError, match=r"loop\.json cannot be opened \(.*a symbolic link that loops\)"):
+        parse_data_spec(f"leaf:{tmp_path / 'loop.json'}")
+    with pytest.raises(DataSpecError, match=r"gone\.h5 is a symbolic link to .*moved\.h5, which does not exist"):
+        parse_data_spec(f"tff-h5:{tmp_path / 'gone.h5'}")
+
+
+def test_an_npz_cut_short_or_damaged_is_one_line_saying_to_copy_it_again(tmp_path: Path) -> None:
+    """A cut .npz was zipfile's BadZipFile traceback; a header with bytes overwritten was called a pickle."""
+    np.savez(tmp_path / "whole.npz", x=np.ones((20, 4)), y=np.arange(20))
+    whole = (tmp_path / "whole.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataLayoutError, match=r"cut\.npz is not a whole \.npz file .*; copy or save it again$"):
+        load_data(f"npz:{tmp_path / 'cut.npz'}")
+    damaged = bytearray(whole)
+    start = whole.index(b"{'descr'")
+    damaged[start + 20 : start + 40] = b"\xff" * 20
+    (tmp_path / "damaged.npz").write_bytes(bytes(damaged))
+    with pytest.raises(DataLayoutError, match=r"array 'x' is (damaged|not).*"):
+        load_data(f"npz:{tmp_path / 'damaged.npz'}")
+
+
+@pytest.mark.parametrize(
+    ("name", "spec"),
+    [
+        ("all.json", "leaf:{}"),
+        ("t.parquet", "table:{},client=user"),
+        ("t.csv", "table:{},client=user"),
+        ("t.h5", "tff-h5:{}"),
+        ("t.npz", "npz:{}"),
+        ("leaf/all.json", "leaf:{}"),
+    ],
+)
+def test_a_file_this_user_may_not_read_is_one_line_naming_it(tmp_path: Path, name: str, spec: str) -> None:
+    """A LEAF file was a PermissionError traceback; a Parquet, CSV or HDF5 file "not a Parquet file"."""
+    import os
+
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"")
+    path.chmod(0)
+    if os.access(path, os.R_OK):
+        pytest.skip("this user reads every file (root)")
+    target = path.parent if name.startswith("leaf/") else path
+    with pytest.raises(DataSpecError, match=rf"{path.name} cannot be read: permission denied; .*chmod a\+r "):
+        load_data(spec.format(target))

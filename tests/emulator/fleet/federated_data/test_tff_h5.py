@@ -403,3 +403,14 @@ def test_shakespeare_snippets_become_leafs_next_character_windows_with_chars(tmp
     ]:
         with pytest.raises(FederatedDataError, match=says):
             load_data(f"tff-h5:{tmp_path},{options}")
+
+
+def test_a_file_cut_short_says_how_much_of_it_there_is(tmp_path: Path) -> None:
+    """A copy that stopped early was "not an HDF5 file", which sent its user looking for another format."""
+    with h5py.File(tmp_path / "whole.h5", "w") as f:
+        f.create_dataset("examples/f0000_14/pixels", data=np.zeros((4, 28, 28), np.float32))
+        f.create_dataset("examples/f0000_14/label", data=np.arange(4, dtype=np.int32))
+    whole = (tmp_path / "whole.h5").read_bytes()
+    (tmp_path / "cut.h5").write_bytes(whole[:5000])
+    with pytest.raises(DataLayoutError, match=rf"cut\.h5 is cut short: 5,000 of the {len(whole):,} bytes HDF5 wrote"):
+        load_tff_h5(tmp_path / "cut.h5")
