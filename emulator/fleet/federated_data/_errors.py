@@ -84,6 +84,24 @@ def check_readable(path: object, where: str) -> None:
         raise DataSpecError(f"{where}{path} cannot be read: permission denied; {readable_fix(path, folder)}")
 
 
+def check_link(path: object, where: str) -> None:
+    """A ``DataSpecError`` when ``path`` is a symbolic link to nothing (its target moved) or one that
+    loops: a folder's files are picked by ``is_file()``, which calls such a link no file, and a
+    dataset of links (as a cluster's shared data) lost the examples of every broken one unsaid."""
+    import os
+
+    if os.path.islink(str(path)) and not os.path.exists(str(path)):
+        try:
+            os.stat(str(path))
+        except FileNotFoundError:
+            why = f"a symbolic link to {os.readlink(str(path))}, which does not exist; link it to the data or remove it"
+        except OSError as exc:
+            why = f"a symbolic link that loops ({exc.strerror}); link it to the data or remove it"
+        else:  # pragma: no cover - exists() and stat() disagree only in a race
+            return
+        raise DataSpecError(f"{where}{path} is {why}")
+
+
 def readable_fix(path: object, folder: bool = False) -> str:
     """What to do about a path this user may not read."""
     return f"make it readable to this user (chmod a+r{'x' if folder else ''} {path}) or give a copy that is"

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._dataset import FederatedDataset, with_test_split
-from ._errors import DataLayoutError, DataSpecError, check_readable
+from ._errors import DataLayoutError, DataSpecError, check_link, check_readable
 from .text import (
     DEFAULT_VOCAB_SIZE,
     LEAF_CHARACTERS,
@@ -63,6 +63,9 @@ def _json_files(path: Path) -> list[Path]:
     if not path.is_dir():  # a device or a pipe: read, /dev/zero would never end
         raise DataSpecError(f"leaf: {path} is neither a file nor a folder; give a .json file or a folder of them")
     check_readable(path, "leaf: ")
+    for p in path.iterdir():
+        if p.suffix == ".json":
+            check_link(p, "leaf: ")
     files = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
     if not files:
         raise DataLayoutError(

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._dataset import FederatedDataset, TestSplit, check_fraction, example_split, named_labels, with_test_split
-from ._errors import DataLayoutError, DataSpecError, check_finite, check_readable, require
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_link, check_readable, require
 from .partition import Partitioner, partition_arrays
 from .text import LEAF_CHARACTERS, WordIds, encode_characters
 
@@ -243,11 +243,11 @@ def _read_folder(path: Path, client: str | None, features: Sequence[str] | None,
     ``_`` or ``.`` (``_metadata``, ``_SUCCESS``) and files of no table format are left out."""
     from urllib.parse import unquote
 
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(("_", ".")) for part in p.relative_to(path).parts)
-    )
+    listed = [p for p in path.rglob("*") if not any(part.startswith(("_", ".")) for part in p.relative_to(path).parts)]
+    for p in listed:
+        if _kind(p) is not None:
+            check_link(p, "table: ")
+    files = sorted(p for p in listed if p.is_file())
     kinds = sorted({k for k in map(_kind, files) if k is not None})
     if len(kinds) != 1:
         found = ", ".join(sorted({p.suffix or p.name for p in files})[:5]) or "no files"

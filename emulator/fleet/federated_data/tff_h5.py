@@ -44,7 +44,7 @@ from ._dataset import (
     take,
     with_test_split,
 )
-from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, check_readable, require
+from ._errors import DataLayoutError, DataSpecError, check_finite, check_fits, check_link, check_readable, require
 from .text import LEAF_CHARACTERS, CharWindows, WordIds, count_words, id_dtype
 
 EXAMPLES_GROUP = "examples"
@@ -56,6 +56,8 @@ _PLAIN_KINDS = frozenset("biufc")
 def _pair_in_folder(folder: Path) -> tuple[Path, Path | None]:
     check_readable(folder, "tff-h5: ")
     files = sorted(p for p in folder.iterdir() if p.suffix in (".h5", ".hdf5"))
+    for p in files:
+        check_link(p, "tff-h5: ")
     train = [p for p in files if "train" in p.stem]
     test = [p for p in files if "test" in p.stem]
     if len(train) != 1 or len(test) > 1:

@@ -294,3 +294,11 @@ def test_a_file_that_does_not_start_as_json_is_refused_before_it_is_read_whole(t
         load_leaf(tmp_path / "cut.json")
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode())  # what PowerShell and Notepad write
     assert load_leaf(tmp_path / "bom.json").client_ids == ("a",)
+
+
+def test_a_folder_file_that_is_a_broken_link_is_named_not_skipped(tmp_path: Path) -> None:
+    """A split of links (a cluster's shared data) whose target moved lost those users' examples unsaid."""
+    write_leaf(tmp_path / "train" / "all_data_0.json", {"a": ([[1.0], [2.0]], [0, 1])})
+    (tmp_path / "train" / "all_data_1.json").symlink_to(tmp_path / "moved" / "all_data_1.json")
+    with pytest.raises(DataSpecError, match=r"all_data_1\.json is a symbolic link to .*moved/all_data_1\.json, which"):
+        load_leaf(tmp_path)

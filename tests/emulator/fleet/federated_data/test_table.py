@@ -781,3 +781,10 @@ def test_an_empty_text_label_is_a_missing_label_not_a_class(tmp_path: Path) -> N
     pq.write_table(pa.table({"user": ["a", "b"], "text": ["", "hi"], "label": ["x", "y"]}), tmp_path / "t.parquet")
     texts = load_data(f"table:{tmp_path / 't.parquet'},client=user,test_split=clients,test_fraction=0.5")
     assert texts.label_names == ("x", "y")  # an empty text feature is a text, and stays one
+
+
+def test_a_folder_file_that_is_a_broken_link_is_named_not_skipped(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"user": ["a", "b"], "x": [1.0, 2.0], "label": [0, 1]}), tmp_path / "part-0.parquet")
+    (tmp_path / "part-1.parquet").symlink_to(tmp_path / "part-1.parquet")
+    with pytest.raises(DataSpecError, match=r"part-1\.parquet is a symbolic link that loops"):
+        load_data(f"table:{tmp_path},client=user")
