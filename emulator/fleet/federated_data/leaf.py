@@ -374,6 +374,12 @@ def load_leaf(
     if not train:
         raise DataLayoutError(f"leaf: {path} has no user with training examples")
     test_clients = _convert_all(_read_split(test_files), kind, words, max_words)
+    if test_files and not test_clients:  # cutting the training users instead would put test/ aside unsaid
+        raise DataLayoutError(
+            f"leaf: the test files ({', '.join(p.name for p in test_files[:3])}{', ...' if len(test_files) > 3 else ''} "
+            f"in {test_files[0].parent}) hold no user with examples; write the test examples there, or leave the test "
+            "files out to cut a test split from the training users (test_split=, test_fraction=)"
+        )
     return with_test_split(
         train,
         test=test_clients or None,

@@ -302,3 +302,11 @@ def test_a_folder_file_that_is_a_broken_link_is_named_not_skipped(tmp_path: Path
     (tmp_path / "train" / "all_data_1.json").symlink_to(tmp_path / "moved" / "all_data_1.json")
     with pytest.raises(DataSpecError, match=r"all_data_1\.json is a symbolic link to .*moved/all_data_1\.json, which"):
         load_leaf(tmp_path)
+
+
+def test_a_test_folder_of_no_examples_is_refused_not_replaced_by_a_cut_of_training_users(tmp_path: Path) -> None:
+    """Its users all empty, test/ was put aside unsaid and a tenth of each training user cut instead."""
+    write_leaf(tmp_path / "train" / "a.json", {"u1": ([[1.0]] * 3, [0, 1, 0]), "u2": ([[1.0]] * 3, [1, 0, 1])})
+    write_leaf(tmp_path / "test" / "a.json", {"u1": ([], [])})
+    with pytest.raises(DataLayoutError, match=r"the test files \(a\.json in .*test\) hold no user with examples"):
+        load_leaf(tmp_path)
