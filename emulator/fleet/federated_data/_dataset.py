@@ -265,6 +265,11 @@ class FederatedDataset:
             )
             note = f"no test split, so no accuracy: {why}; test_split=clients holds out whole clients"
             object.__setattr__(self, "test_note", note)
+        if not test and self.test_split in ("files", "central"):  # put aside, a run measured no accuracy
+            raise DataLayoutError(
+                f"{self.source or 'the dataset'}: its test split holds no example; write the test examples, or leave "
+                "the test split out to cut one from the training clients (test_split=, test_fraction=)"
+            )
         if not test and self.test_split != "none":
             object.__setattr__(self, "test_split", "none")
 

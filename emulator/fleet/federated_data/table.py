@@ -925,6 +925,11 @@ def load_table(
     if test is not None:
         test_table, _ = _read_arrow(Path(test), client, features, header=header)
     test_where = str(test or path)
+    if test_table is not None and not test_table.num_rows:  # its header alone types its columns as null
+        raise DataLayoutError(
+            f"table: the test split of {test_where} has no rows; write the test rows, or leave the test split out "
+            "to cut one from the training rows (test_split=, test_fraction=)"
+        )
     if pad:
         train_table = pad_lists(train_table, pad, str(path))
         test_table = pad_lists(test_table, pad, test_where) if test_table is not None else None

@@ -341,6 +341,8 @@ def load_tff_h5(
         return _load_lazily(path, test_path, label, words, test_split, test_fraction, seed)
     train = read_tff_h5(path)
     test_clients = read_tff_h5(test_path) if test_path is not None else None
+    if test_clients is not None and not check_clients(test_clients, "test")[0]:
+        raise DataLayoutError(_no_test_examples(test_path))
     features = next(iter(train.values()))
     if label is None:
         label = next((n for n in ("label", "y") if n in features), None)
@@ -354,6 +356,13 @@ def load_tff_h5(
         label=label,
         source=f"tff-h5:{path}",
         vocabulary=vocabulary,
+    )
+
+
+def _no_test_examples(path: Path | None) -> str:
+    return (
+        f"tff-h5: the test file {path} holds no client with examples; write the test examples there, or leave it "
+        "out to cut a test split from the training clients (test_split=, test_fraction=)"
     )
 
 
@@ -446,7 +455,10 @@ def _load_lazily(
                 labels.pop(cid, None)
     test = test_clients if test_clients is not None else cut
     if test_clients is not None:  # before its text is encoded: the files' own features
-        check_test_schema(check_clients(test_clients, "test")[1], schema)
+        read_test, test_schema = check_clients(test_clients, "test")
+        if not read_test:
+            raise DataLayoutError(_no_test_examples(test_path))
+        check_test_schema(test_schema, schema)
     vocabulary: tuple[str, ...] = ()
     if words is not None:
         vocabulary = words.vocabulary(lambda: counts)

@@ -236,3 +236,10 @@ def test_a_file_this_user_may_not_read_is_one_line_naming_it(tmp_path: Path, nam
     target = path.parent if name.startswith("leaf/") else path
     with pytest.raises(DataSpecError, match=rf"{path.name} cannot be read: permission denied; .*chmod a\+r "):
         load_data(spec.format(target))
+
+
+def test_an_npz_x_test_of_no_examples_is_refused(tmp_path: Path) -> None:
+    """The central test set was dropped and the run measured no accuracy, unsaid."""
+    np.savez(tmp_path / "d.npz", x=np.ones((10, 2)), y=np.arange(10) % 2, x_test=np.ones((0, 2)), y_test=np.zeros(0))
+    with pytest.raises(DataLayoutError, match=r"d\.npz,clients=2: its test split holds no example"):
+        load_data(f"npz:{tmp_path / 'd.npz'},clients=2")

@@ -788,3 +788,11 @@ def test_a_folder_file_that_is_a_broken_link_is_named_not_skipped(tmp_path: Path
     (tmp_path / "part-1.parquet").symlink_to(tmp_path / "part-1.parquet")
     with pytest.raises(DataSpecError, match=r"part-1\.parquet is a symbolic link that loops"):
         load_data(f"table:{tmp_path},client=user")
+
+
+def test_a_test_table_of_no_rows_is_refused_naming_it(tmp_path: Path) -> None:
+    """A header-only test CSV was "column 'x' has type null"."""
+    (tmp_path / "train.csv").write_text("user,x,label\na,1,0\nb,2,1\n")
+    (tmp_path / "test.csv").write_text("user,x,label\n")
+    with pytest.raises(DataLayoutError, match=r"the test split of .*test\.csv has no rows; write the test rows"):
+        load_data(f"table:{tmp_path / 'train.csv'},client=user,test={tmp_path / 'test.csv'}")

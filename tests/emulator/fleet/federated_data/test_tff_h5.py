@@ -414,3 +414,14 @@ def test_a_file_cut_short_says_how_much_of_it_there_is(tmp_path: Path) -> None:
     (tmp_path / "cut.h5").write_bytes(whole[:5000])
     with pytest.raises(DataLayoutError, match=rf"cut\.h5 is cut short: 5,000 of the {len(whole):,} bytes HDF5 wrote"):
         load_tff_h5(tmp_path / "cut.h5")
+
+
+@pytest.mark.parametrize("lazy", ["yes", "no"])
+def test_a_test_file_of_no_examples_is_refused_naming_it(tmp_path: Path, lazy: str) -> None:
+    """Read lazily it was "the test split's features {} differ"; read at once, no test split unsaid."""
+    for split, n in (("train", 3), ("test", 0)):
+        with h5py.File(tmp_path / f"fed_emnist_{split}.h5", "w") as f:
+            f.create_dataset("examples/f0000_14/pixels", data=np.zeros((n, 28, 28), np.float32))
+            f.create_dataset("examples/f0000_14/label", data=np.zeros(n, np.int32))
+    with pytest.raises(DataLayoutError, match=r"the test file .*fed_emnist_test\.h5 holds no client with examples"):
+        load_data(f"tff-h5:{tmp_path},lazy={lazy}")
