@@ -30,6 +30,7 @@ from device_runtime import (
     initial_weights,
 )
 from device_runtime.attestation import DeviceAttestor, PeerCertificateVerifier
+from device_runtime.conditions import DeviceState, StaticConditions
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secure_client import SecureResult, run_secure_aggregation
 from device_runtime.wire import CheckinAccepted
@@ -185,6 +186,22 @@ def in_threads(count: int, work: Callable[[int], T], timeout_s: float) -> list[T
 
 
 @dataclass
+class TrainingSeen(StaticConditions):
+    """Conditions that always hold in ``state`` and tell (``training``) once they are read between
+    training steps, which only a session in its training phase does so often."""
+
+    def __init__(self, state: DeviceState) -> None:
+        super().__init__(state)
+        self.reads = 0
+        self.training = threading.Event()
+
+    def current(self) -> DeviceState:
+        self.reads += 1
+        if self.reads >= 20:
+            self.training.set()
+        return self.state
+
+
 class AttestedClient:
     """A protocol-level device: its client, its attested key and the session its check-in opened."""
 

@@ -22,25 +22,9 @@ from device_runtime.scheduling import (
     WorkerQueue,
 )
 from example_store import ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
-from tests.support import COLLECTION, deploy, digits_plan
+from tests.support import COLLECTION, TrainingSeen, deploy, digits_plan
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
-
-
-class TrainingSeen(StaticConditions):
-    """Conditions that always hold and tell (``training``) once they are read between training
-    steps, which only a session in its training phase does so often."""
-
-    def __init__(self) -> None:
-        super().__init__(GOOD)
-        self.reads = 0
-        self.training = threading.Event()
-
-    def current(self) -> DeviceState:
-        self.reads += 1
-        if self.reads >= 20:
-            self.training.set()
-        return self.state
 
 
 def test_stopping_the_app_interrupts_the_session_it_is_training(tmp_path, server, admin, digits):
@@ -53,7 +37,7 @@ def test_stopping_the_app_interrupts_the_session_it_is_training(tmp_path, server
     store = SQLiteExampleStore(db)
     store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
     opstats = OpStatsStore(db)
-    conditions = TrainingSeen()
+    conditions = TrainingSeen(GOOD)
     scheduler = ParticipationScheduler(db, conditions)
     scheduler.register_runtime("digits", FLRuntime("digits", server.url, store, opstats=opstats))
     scheduler.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=3600))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from device_runtime import FLRuntime, OpStatsStore
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.scheduling import ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from example_store import SQLiteExampleStore
-from tests.support import COLLECTION, ROOT, deploy, digits_plan
+from tests.support import COLLECTION, ROOT, TrainingSeen, deploy, digits_plan
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=1.0, unmetered_network=True)
 
@@ -72,21 +71,6 @@ def test_processes_opening_a_new_app_database_at_once_all_open_it(tmp_path, mode
         assert store.sealed == (mode == "sealed")
 
 
-class TrainingSeen(StaticConditions):
-    """Conditions that always hold and tell (``training``) once read often, as between training steps."""
-
-    def __init__(self) -> None:
-        super().__init__(GOOD)
-        self.reads = 0
-        self.training = threading.Event()
-
-    def current(self) -> DeviceState:
-        self.reads += 1
-        if self.reads >= 20:
-            self.training.set()
-        return self.state
-
-
 def _app(db, url: str, conditions) -> tuple[ParticipationScheduler, OpStatsStore]:
     """One process's view of the app: its scheduler (with a worker of its own) and runtime on ``db``."""
     opstats = OpStatsStore(db)
@@ -103,7 +87,7 @@ def test_a_job_another_process_of_the_app_runs_is_left_to_it(tmp_path, server, a
     db = tmp_path / "app.db"
     store = SQLiteExampleStore(db)
     store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:64], digits.y_train[:64])))
-    seen = TrainingSeen()
+    seen = TrainingSeen(GOOD)
     first, first_log = _app(db, server.url, seen)
     second, second_log = _app(db, server.url, StaticConditions(GOOD))
     first.schedule("digits", TrainingConstraints(), TrainingInterval(recurrent=False))
