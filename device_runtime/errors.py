@@ -23,7 +23,8 @@ def check_number(
     setting: a negative poll or a timeout of "10" was taken and failed far from where it was given
     (a watchdog spinning on a core)."""
     number = math.nan
-    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+    # a float or an int spares the look-up of numbers.Real (a device's build checks a dozen)
+    if type(value) is float or type(value) is int or (not isinstance(value, bool) and isinstance(value, numbers.Real)):
         try:
             number = float(value)
         except OverflowError:  # an int past float's range (math.isfinite raised it)

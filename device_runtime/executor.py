@@ -190,12 +190,12 @@ class PlanExecutor(ServerOps):
         if missing:
             raise PlanError(f"weights {missing} are missing; the plan needs {sorted(spec)}")
         out = {}
-        for name, (shape, _dtype) in spec.items():
-            with np.errstate(over="ignore"):  # a float64 past float32's range is infinite: the caller's to refuse
+        with np.errstate(over="ignore"):  # a float64 past float32's range is infinite: the caller's to refuse
+            for name, (shape, _dtype) in spec.items():
                 arr = f32(weights[name])
-            if arr.shape != shape:
-                raise PlanError(f"weight {name!r} has shape {arr.shape}, the plan needs {shape}")
-            out[name] = arr
+                if arr.shape != shape:
+                    raise PlanError(f"weight {name!r} has shape {arr.shape}, the plan needs {shape}")
+                out[name] = arr
         return out
 
     def _feeds(self, batch: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
@@ -476,8 +476,22 @@ class PlanExecutor(ServerOps):
     def validate_update(self, update: Mapping[str, np.ndarray]) -> None:
         """Raise :class:`UpdateMismatchError` naming the offending tensor if ``update`` does not
         hold exactly the client-update tensors with their shapes and dtype, with finite values and a
-        non-negative ``num_examples``."""
+        non-negative ``num_examples``.
+
+        A device checks its own update before it leaves, and the server each report: the usual
+        update (the plan's arrays, finite: ``all_finite``) passes in one look per tensor; anything
+        else is looked at tensor by tensor below, which names what is wrong."""
         spec = self.client_update_spec()
+        if len(update) == len(spec):
+            for name, (shape, dtype) in spec.items():
+                value = update.get(name)
+                if type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape:
+                    break
+                if not all_finite(value):
+                    break
+            else:
+                if NUM_EXAMPLES not in spec or float(update[NUM_EXAMPLES]) >= 0:
+                    return
         missing = sorted(set(spec) - set(update))
         extra = sorted(set(update) - set(spec))
         if missing:
@@ -498,6 +512,19 @@ class PlanExecutor(ServerOps):
                 raise UpdateMismatchError(f"update tensor {name!r} holds NaN or infinite values")
         if NUM_EXAMPLES in spec and float(update[NUM_EXAMPLES]) < 0:
             raise UpdateMismatchError(f"update tensor {NUM_EXAMPLES!r} is negative")
+
+
+_SUM = np.add.reduce
+
+
+def all_finite(value: np.ndarray) -> bool:
+    """Whether every value of the numeric array ``value`` is finite. A float32 (or smaller)
+    array's sum in float64 says it in one pass without a temporary array: the sum cannot
+    overflow, and one NaN or infinity makes it NaN or infinite (a device checks each update and
+    checkpoint, the server each report)."""
+    if value.dtype.kind == "f" and value.itemsize <= 4:
+        return math.isfinite(_SUM(value, axis=None, dtype=np.float64))
+    return bool(np.isfinite(value).all())
 
 
 #: Batches up to this size have their labels checked in Python: a device's batches are a few

@@ -50,7 +50,7 @@ from .errors import (
     check_number,
     check_path,
 )
-from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, stoppable_run_options
+from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, all_finite, stoppable_run_options
 from .influence import bound_update
 from .opstats import READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at
@@ -828,7 +828,7 @@ class FLRuntime:
         # a server commits only finite models: NaN or infinite weights would train to an update the
         # server refuses, the device's work for nothing. Checked as the float32 the plan trains: a
         # float64 of 1e300 is finite, and infinite once cast.
-        broken = next((w for w in executor.plan.weight_names if not np.isfinite(weights[w]).all()), None)
+        broken = next((w for w in executor.plan.weight_names if not all_finite(weights[w])), None)
         if broken is not None:
             raise CorruptResource(
                 f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values as float32"

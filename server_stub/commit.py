@@ -135,6 +135,13 @@ def write_quietly(write: Callable[..., _T], *args: object) -> _T | None:
         return None
 
 
+class _ClosedHere(threading.local):
+    """The commits the current thread's call created; None in a thread that closed none (read at
+    every device call's end, where a missing attribute's lookup raised and caught an error)."""
+
+    commits: list[PendingCommit] | None = None
+
+
 class CommitPipeline:
     """The closed rounds on their way to the store, and the records and late metrics still to
     write. It shares the service's ``lock`` (memory only: no write happens while it is held) and
@@ -166,7 +173,7 @@ class CommitPipeline:
         #: ``late_metrics_every_s`` and on a read of the rounds, once per round however many came
         #: (with the task's label)
         self.late_due: dict[int, tuple[ClosedRound, str]] = {}
-        self._closed_here = threading.local()  # commits the current thread's call created
+        self._closed_here = _ClosedHere()  # commits the current thread's call created
 
     def close(
         self,
@@ -182,7 +189,7 @@ class CommitPipeline:
         waits for it."""
         pending = close_round(pop, run, core, phase, now, wall_now, error)
         self.pending.append(pending)
-        if not hasattr(self._closed_here, "commits"):
+        if self._closed_here.commits is None:
             self._closed_here.commits = []
         self._closed_here.commits.append(pending)
 
@@ -209,7 +216,7 @@ class CommitPipeline:
         a device's answer never waits for another device's commit, which the thread that closed it
         writes (it calls ``flush`` too). With ``retry`` (the ticker), records whose backoff is over
         are written again first; ``retry`` and ``others`` write what others closed."""
-        if not (retry or others or getattr(self._closed_here, "commits", None)):
+        if not (retry or others or self._closed_here.commits):
             return
         while True:
             with self._lock:
@@ -235,7 +242,7 @@ class CommitPipeline:
                         pending.written.set()
             finally:
                 self._write_lock.release()
-        closed = getattr(self._closed_here, "commits", None)
+        closed = self._closed_here.commits
         if closed:
             self._closed_here.commits = []
             for pending in closed:

@@ -64,6 +64,17 @@ CONSTRAINTS = TrainingConstraints()
 MIN_JOB_GAP_S = 1.0
 #: The SDK's own retry of a failed request, in virtual time.
 DEVICE_RETRY = RetryPolicy(attempts=3, base_delay_s=1.0, max_delay_s=10.0)
+#: Every device's scheduler settings: one frozen value, checked once instead of at each build.
+SCHEDULER_SETTINGS = SchedulerSettings(watchdog=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_class(name: str, memory_mb: float, max_training_s: float) -> DeviceClass:
+    """The frozen ``DeviceClass`` of a device class's name, memory and training limit: a fleet's
+    devices share a handful, built and checked once each instead of at each device build."""
+    return DeviceClass(name, memory_mb=memory_mb, max_training_s=max_training_s)
+
+
 #: How many changes of its conditions a device looks ahead for the next moment its constraints
 #: hold; past them it wakes there and looks again.
 MAX_CHANGES_SCANNED = 10_000
@@ -276,6 +287,11 @@ class _JobStats:
     #: trainings, and the examples it has trained since.
     training_from: float | None = None
     trained: int = 0
+    #: The selector the session trains on and the examples it matches (``_examples_left``): the
+    #: device's store is filled once, without a TTL, so the count holds for the job run.
+    counted: tuple[Any, int] | None = None
+    #: The plan the session trains and its ``training_limit`` (a batch reads it at each step).
+    limited: tuple[Plan, float, str] | None = None
     session_id: str = ""
     task: str = ""
     round: str = ""
@@ -491,9 +507,7 @@ class SimDevice:
             retry=DEVICE_RETRY,
             rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]  # random.Random's methods
             opstats=self.opstats,  # type: ignore[arg-type]  # the in-memory twin of OpStatsStore
-            device_class=DeviceClass(
-                spec.device_class, memory_mb=float(spec.memory_mb), max_training_s=sim.max_training_s
-            ),
+            device_class=_device_class(spec.device_class, float(spec.memory_mb), sim.max_training_s),
             http_client=LeanClient(self.transport),  # type: ignore[arg-type]  # request() and close() of httpx.Client
             plan_cache=MemoryPlanCache(sim.plan_bytes),
             attestor=attestation.attestor(spec, sim.epoch) if attestation is not None else None,
@@ -515,7 +529,7 @@ class SimDevice:
             app="sim",
             clock=self.clock,
             queue=self.queue,
-            settings=SchedulerSettings(watchdog=False),
+            settings=SCHEDULER_SETTINGS,
             rng=StreamRandom(seeds.getrandbits(64)),  # type: ignore[arg-type]
         )
         self.scheduler.register_runtime(sim.population, self.runtime)
@@ -613,7 +627,10 @@ class SimDevice:
             job.training_from = now
         job.trained += examples
         until = now + examples * per_example
-        limit, reason = training_limit(plan, self.sim.max_training_s)
+        limited = job.limited
+        if limited is None or limited[0] is not plan:
+            limited = job.limited = (plan, *training_limit(plan, self.sim.max_training_s))
+        _, limit, reason = limited
         stop_at = job.training_from + limit
         left = self._examples_left(plan)
         if left is not None and until + left * per_example > stop_at and until < stop_at:
@@ -640,11 +657,17 @@ class SimDevice:
         last session stopped (it may read fewer)."""
         if plan.device.resume:
             return None
-        try:
-            per_epoch = self.store.count(plan.device.selector)
-        except Exception:  # noqa: BLE001 - the runtime reads the store itself and says what is wrong
-            return None
-        return max(0, plan.device.epochs * per_epoch - self._job.trained)
+        job, selector = self._job, plan.device.selector
+        counted = job.counted
+        if counted is not None and counted[0] is selector:
+            per_epoch = counted[1]
+        else:
+            try:
+                per_epoch = self.store.count(selector)
+            except Exception:  # noqa: BLE001 - the runtime reads the store itself and says what is wrong
+                return None
+            job.counted = (selector, per_epoch)
+        return max(0, plan.device.epochs * per_epoch - job.trained)
 
     def settle(self) -> None:
         """``WorkMeter``: training ended; a device ahead of the loop sleeps until its own time,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from device_runtime.executor import DeviceResult, PlanExecutor, TrainingInterrupted, make_session
+from device_runtime.executor import DeviceResult, PlanExecutor, TrainingInterrupted, all_finite, make_session
 from device_runtime.plan import PlanError, UpdateMismatchError
 from device_runtime.plan_builder import build_eval_plan, build_mlp_plan, initial_weights
 from example_store import ExampleSelector
@@ -142,6 +144,37 @@ def test_validate_update_names_the_offending_tensor():
         with pytest.raises(UpdateMismatchError, match=pattern):
             executor.validate_update(update)
     assert issubclass(UpdateMismatchError, PlanError)
+
+
+_SPECIAL = st.sampled_from([np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 6.5e4, 1e-45, 0.0, -0.0, 1.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    shape=st.sampled_from([(), (1,), (7,), (3, 4)]),
+    placed=st.lists(st.tuples(st.integers(0, 11), _SPECIAL), max_size=6),
+)
+def test_all_finite_says_what_numpy_elementwise_says(dtype, shape, placed):
+    """Float32's and float16's one-pass check (their sum in float64) against np.isfinite: values
+    near the type's largest, whose float32 sum overflows, are finite; one NaN or infinity is not."""
+    value = np.ones(shape, dtype)
+    flat = value.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for at, special in placed:
+            if flat.size:
+                flat[at % flat.size] = special
+    assert all_finite(value) == bool(np.isfinite(value).all())
+
+
+def test_validate_update_takes_finite_values_whose_float32_sum_overflows():
+    plan = _plan()
+    executor = PlanExecutor(plan)
+    big = {k: np.full(s, 3.4e38, dtype=d) for k, (s, d) in executor.client_update_spec().items()}
+    executor.validate_update(big)
+    big["w0"][1, 2] = np.nan
+    with pytest.raises(UpdateMismatchError, match="'w0' holds NaN"):
+        executor.validate_update(big)
 
 
 def test_should_abort_raises_between_batches():

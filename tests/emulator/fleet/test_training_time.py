@@ -67,6 +67,20 @@ def counted_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.fixture
+def counted_store_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each time a device's example store counted what a selector matches."""
+    calls: list[int] = []
+    count = sim_device.LazyExampleStore.count
+
+    def counting(self: sim_device.LazyExampleStore, selector: object) -> int:
+        calls.append(1)
+        return count(self, selector)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_device.LazyExampleStore, "count", counting)
+    return calls
+
+
 def _trained(run: FleetRun) -> list:
     return [s for s in run.sessions if s.compute_s > 0]
 
@@ -95,10 +109,13 @@ def test_a_plan_of_a_billion_epochs_is_stopped_at_max_training_s_after_a_batch(t
     assert "the devices' max_training_s" in note
 
 
-def test_a_session_that_ends_in_time_is_trained_to_its_end_and_the_same_seed_repeats_it():
+def test_a_session_that_ends_in_time_is_trained_to_its_end_and_the_same_seed_repeats_it(
+    counted_batches, counted_store_counts
+):
     """Ten epochs of the digits MLP at the default pace (about 400 s a session, more on slower
     devices) in a 15-minute report window, which is then the devices' max_training_s: none is
-    stopped, every epoch is charged, and a run twice gives one digest."""
+    stopped, every epoch is charged, and a run twice gives one digest. A device counts the
+    examples its session has left from one count of its store per job run, not one per batch."""
     config = FleetConfig.from_dict(
         {
             "fleet": {"devices": 40, "hours": 1.0, "seed": 3, "start_utc_hour": 6.0},
@@ -111,6 +128,10 @@ def test_a_session_that_ends_in_time_is_trained_to_its_end_and_the_same_seed_rep
     assert completed and max(s.compute_s for s in completed) > MAX_TRAINING_S
     for s in completed:
         assert s.compute_s == pytest.approx(10 * s.examples * specs[s.device_id].speed, rel=1e-6)
+    trained = _trained(run)
+    assert len(counted_batches) > 10 * len(trained)  # ten epochs of a batch or more each
+    # the runtime counts twice as a session starts, the device once as its training starts
+    assert len(counted_store_counts) <= 3 * len(trained)
     assert simulate(config, progress=False).digest == run.digest
 
 
