@@ -154,7 +154,6 @@ def test_the_servers_answers_are_their_routes_models_field_for_field(tmp_path):
         update = encode_checkpoint(update_of(plan))
         for s in sessions[:2]:
             auth = {"Authorization": f"Bearer {s['token']}"}
-            send("GET", "/v1/sessions/{sid}/secagg", f"/v1/sessions/{s['session_id']}/secagg", headers=auth)
             send(
                 "POST",
                 "/v1/sessions/{sid}/report",
@@ -193,7 +192,10 @@ def test_the_servers_answers_are_their_routes_models_field_for_field(tmp_path):
         model = models[(route, method)]
         assert model.dump_python(model.validate_json(body), mode="json", exclude_unset=True) == answer, (route, answer)
         checked.add((route, method))
-    assert checked == set(models) - {("/v1/attestation/nonce", "post"), ("/v1/sessions/{sid}/secagg", "post")}
+    # a plain task's session is in no Secure Aggregation group (409 NOT_IN_GROUP): the states of a
+    # secure round are held to their model by the next test
+    secagg = {("/v1/sessions/{sid}/secagg", "get"), ("/v1/sessions/{sid}/secagg", "post")}
+    assert checked == set(models) - {("/v1/attestation/nonce", "post"), *secagg}
 
 
 def _b64(data: bytes) -> str:
