@@ -94,6 +94,10 @@ def load_run(path: str | os.PathLike, label: str | None = None) -> RunFolder:
     summary_path, rounds_path = folder / SUMMARY_JSON, folder / ROUNDS_CSV
     missing = [p.name for p in (summary_path, rounds_path) if not p.is_file()]
     if missing:
+        inside = sorted(p for p in folder.iterdir() if (p / SUMMARY_JSON).is_file() and (p / ROUNDS_CSV).is_file())
+        if inside:  # a folder of runs: name them, where "write one with simulate --out" would bury them
+            named = ", ".join(p.name for p in inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
+            hint = f"it holds {len(inside)} run{'s' if len(inside) > 1 else ''} ({named}): name each, as {inside[0]}"
         raise FleetCompareError(f"{folder} is not a fleet run: it has no {' and no '.join(missing)}; {hint}")
     try:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))

@@ -152,7 +152,7 @@ def test_a_seeds_or_sweep_folder_stands_for_its_runs_in_order(two_runs, tmp_path
     assert [r.label for r in runs] == ["run-0-seed=0", "run-2-seed=2", "run-10-seed=10", "goal10"]
 
 
-@pytest.mark.parametrize("make", ["empty", "missing", "file", "bad_json", "no_rounds", "one_run"])
+@pytest.mark.parametrize("make", ["empty", "missing", "file", "bad_json", "no_rounds", "one_run", "parent"])
 def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_runs, tmp_path, capsys, make):
     base, _runs = two_runs
     other = tmp_path / "other"
@@ -163,6 +163,8 @@ def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_run
         "bad_json": "not JSON",
         "no_rounds": "no rounds.csv",
         "one_run": "two or more run folders",
+        # a folder of runs (not named run-N, as --seeds writes) was told "write one with simulate --out"
+        "parent": "it has no summary.json and no rounds.csv; it holds 2 runs (goal10, goal8): name each, as ",
     }[make]
     if make == "empty":
         other.mkdir()
@@ -174,6 +176,9 @@ def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_run
     elif make == "no_rounds":
         shutil.copytree(base / "goal8", other)
         (other / "rounds.csv").unlink()
+    elif make == "parent":
+        for name in ("goal8", "goal10"):
+            shutil.copytree(base / name, other / name)
     argv = ["compare", str(base / "goal8"), "--out", str(tmp_path / "c.html")]
     if make != "one_run":
         argv.insert(2, str(other))
