@@ -38,7 +38,7 @@ from device_runtime.opstats import SHAPE_SYMBOLS
 # the headline figures live in the leaf module .summary (FleetRun.summary() computes them); the
 # report draws them, and they stay importable from here
 from .heap import collector_paused
-from .summary import _start_hour_utc, ended, hour_of_day, is_dropout, shape_counts, summarize
+from .summary import _start_hour_utc, ended, is_dropout, sample_hour, shape_counts, summarize
 from .summary import availability_swing as availability_swing
 from .summary import available_by_hour as available_by_hour
 from .summary import cannot_fill as cannot_fill
@@ -332,7 +332,7 @@ def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         ax_t.plot(t, [r.participating for r in tl], color=_PARTICIPATING, label="participating")
         _legend(ax_t)
         start_h = _start_hour_utc(run)
-        arc = hour_arc(hour_of_day(r.t_s, start_h) for r in tl)
+        arc = hour_arc(sample_hour(r.t_s, start_h, run.span_s) for r in tl)
         position = {h: i for i, h in enumerate(arc)}
         for name, colour, label in (
             ("available", _AVAILABLE, "available"),
@@ -341,7 +341,7 @@ def plot_devices(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         ):
             groups: dict[int, list[int]] = {}
             for r in tl:
-                groups.setdefault(hour_of_day(r.t_s, start_h), []).append(getattr(r, name))
+                groups.setdefault(sample_hour(r.t_s, start_h, run.span_s), []).append(getattr(r, name))
             hours = sorted(groups, key=position.__getitem__)
             means = [statistics.fmean(groups[h]) for h in hours]
             ax_h.plot([position[h] for h in hours], means, marker="o", color=colour, label=label)

@@ -61,15 +61,29 @@ def hour_of_day(t_s: float, start_hour_utc: float = 0.0) -> int:
     return int(math.floor(start_hour_utc + t_s / 3600.0)) % 24
 
 
-def available_by_hour(timeline: list[TimelineRow], start_hour_utc: float = 0.0) -> dict[int, float]:
-    """Mean number of available devices in each UTC hour of day the timeline covers."""
+def sample_hour(t_s: float, start_hour_utc: float = 0.0, span_s: float | None = None) -> int:
+    """The UTC hour of day a timeline sample at ``t_s`` speaks for: its own, except the sample a run
+    takes at its end (``t_s`` at ``span_s``), which closes the hour it ends rather than opening the
+    next: a run of one hour from 0:00 covers hour 0 alone, not 0:00 to 1:59 with a lone sample in 1."""
+    if span_s is not None and span_s > 0 and t_s >= span_s:
+        t_s = span_s - 1e-3
+    return hour_of_day(t_s, start_hour_utc)
+
+
+def available_by_hour(
+    timeline: list[TimelineRow], start_hour_utc: float = 0.0, span_s: float | None = None
+) -> dict[int, float]:
+    """Mean number of available devices in each UTC hour of day the timeline covers (the sample at
+    the run's end ``span_s`` in the hour it closes, see :func:`sample_hour`)."""
     sums: dict[int, list[float]] = {}
     for row in timeline:
-        sums.setdefault(hour_of_day(row.t_s, start_hour_utc), []).append(row.available)
+        sums.setdefault(sample_hour(row.t_s, start_hour_utc, span_s), []).append(row.available)
     return {h: statistics.fmean(v) for h, v in sorted(sums.items())}
 
 
-def availability_swing(timeline: list[TimelineRow], start_hour_utc: float = 0.0) -> tuple[float | None, float, float]:
+def availability_swing(
+    timeline: list[TimelineRow], start_hour_utc: float = 0.0, span_s: float | None = None
+) -> tuple[float | None, float, float]:
     """(swing, peak, trough) of available devices over the day (paper, Fig. 5-6).
 
     Peak and trough are hourly means (the samples of each UTC hour of day averaged over every day
@@ -78,7 +92,7 @@ def availability_swing(timeline: list[TimelineRow], start_hour_utc: float = 0.0)
     itself instead of infinity (JSON has no infinity), a fleet that never had a device available
     reads as 1 (no swing), and the swing is never below 1. It is ``None`` without a timeline.
     """
-    hourly = available_by_hour(timeline, start_hour_utc)
+    hourly = available_by_hour(timeline, start_hour_utc, span_s)
     if not hourly:
         return None, 0.0, 0.0
     peak, trough = max(hourly.values()), min(hourly.values())
@@ -533,7 +547,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
     shapes = shape_counts(sessions)
     committed = [r for r in rounds if r.committed]
     unfinished = sum(1 for r in rounds if r.unfinished)
-    swing, peak, trough = availability_swing(run.timeline, _start_hour_utc(run))
+    swing, peak, trough = availability_swing(run.timeline, _start_hour_utc(run), run.span_s)
     measured_acc = [r for r in committed if math.isfinite(r.accuracy)]
     measured_loss = [r for r in committed if math.isfinite(r.loss)]
     wall_s = float(run.wall_s)

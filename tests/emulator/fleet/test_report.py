@@ -496,6 +496,7 @@ from emulator.fleet.report import (  # noqa: E402
     hour_arc,
     plot_accuracy,
     plot_client_accuracy,
+    plot_devices,
     plot_dropout,
     render_html,
     round_outcomes,
@@ -587,7 +588,8 @@ def test_time_axes_span_the_run_and_no_more(fleet_report):
 def test_hour_of_day_axes_span_only_the_hours_with_data(fleet_report):
     run, _summary, figures, _out = fleet_report
     by_name = {f.name: f for f in figures}
-    utc_hours = {int(t.t_s // 3600) % 24 for t in run.timeline}  # the config starts at 00:00 UTC
+    # the config starts at 00:00 UTC; the sample at the run's end counts in the hour it closes
+    utc_hours = {int(min(t.t_s, run.span_s - 1e-3) // 3600) % 24 for t in run.timeline}
     local_hours = {int(s.local_hour) % 24 for s in run.sessions if s.accepted}
     for name, hours in (("devices.png", utc_hours), ("dropout.png", local_hours)):
         ax = by_name[name].drawn.axes[-1] if name == "devices.png" else by_name[name].drawn.axes[1]
@@ -901,7 +903,8 @@ def test_every_figure_the_page_shows_is_the_one_its_tables_give(fleet_report):
     ended = [s for s in accepted if s.outcome != "unfinished"]
     dropped = sum(s.shape[-1] not in "^#" for s in ended)
     committed = sum(r.committed for r in rounds)
-    hours = np.floor(np.array([r.t_s for r in timeline]) / 3600.0).astype(int) % 24
+    # the sample at the run's end in the hour it closes (a lone sample in the next was a peak of its own)
+    hours = np.floor(np.minimum([r.t_s for r in timeline], run.span_s - 1e-3) / 3600.0).astype(int) % 24
     available = np.array([r.available for r in timeline], dtype=float)
     hourly = [available[hours == h].mean() for h in np.unique(hours)]
 
@@ -1062,3 +1065,22 @@ def test_a_secure_runs_drop_out_rate_says_a_summed_masked_input_is_not_a_drop_ou
     secure = {**base, "secure_groups": {"rounds": 1, "groups": 1, "completed": 1}}
     assert "summed in sessions.csv" in explain_rates(secure, [])["dropout_rate"]
     assert "summed" not in explain_rates(base, [])["dropout_rate"]
+
+
+def test_the_sample_at_a_runs_end_closes_its_last_hour_rather_than_opening_another():
+    """A run of one hour from 0:00 samples its timeline at 0, 300, ..., 3,600 s; the sample at its
+    end was taken for hour 1: the devices figure said the run covered 0:00 to 1:59, "2 of 24", and
+    the swing set hour 0's mean against that lone sample (a 1.021x swing of one hour's fleet)."""
+    config = FleetConfig.default().replace(devices=300, hours=1.0)
+    timeline = [TimelineRow(300.0 * k, 180 if k < 12 else 176, 0, 0, 0) for k in range(13)]
+    run = FleetRun([], [], timeline, "", config, simulated_s=3600.0)
+    summary = summarize(run)
+    assert (summary["available_trough"], summary["available_peak"]) == (
+        pytest.approx(179.6923),
+        pytest.approx(179.6923),
+    )
+    assert summary["availability_swing"] == 1.0
+    caption = plot_devices(run).caption
+    assert "0:00 to 0:59 (1 of 24: the run is 1 simulated hour long)" in caption and "1:59" not in caption
+    longer = FleetRun([], [], [TimelineRow(300.0 * k, 180, 0, 0, 0) for k in range(19)], "", config, simulated_s=5400.0)
+    assert "0:00 to 1:59 (2 of 24" in plot_devices(longer).caption  # an hour and a half reaches into hour 1
