@@ -821,7 +821,7 @@ def plot_client_accuracy(summary: Mapping[str, Any]) -> Figure | None:
     clients = percentiles.get("clients")
     who = f" over {clients:,} clients" if isinstance(clients, int) else ""
     caption = (
-        f"Per-client accuracy{who}: the 10th percentile is the accuracy nine in ten clients beat; a wide"
+        f"Per-client accuracy{who}: the 10th percentile is the accuracy nine in ten clients reach; a wide"
         " spread means the model serves some clients' data poorly."
     )
     return Figure("client_accuracy.png", caption, _png(fig), fig)
@@ -1149,9 +1149,9 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
         marks = dict(_percentile_marks(percentiles))
         if {"p10", "p50", "p90"} <= set(marks):
             out["client_accuracy_percentiles"] = (
-                f"Accuracy of the last model on each client's own test examples: one client in ten is below {marks['p10']:.3f},"
-                f" half are below {marks['p50']:.3f}, nine in ten below {marks['p90']:.3f}; a wide spread means the model"
-                " serves some clients' data poorly."
+                "Accuracy of the last model on each client's own test examples: one client in ten is at or below"
+                f" {marks['p10']:.3f}, half are at or below {marks['p50']:.3f}, nine in ten at or below"
+                f" {marks['p90']:.3f}; a wide spread means the model serves some clients' data poorly."
             )
         else:
             out["client_accuracy_percentiles"] = (

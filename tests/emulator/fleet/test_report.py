@@ -1084,3 +1084,16 @@ def test_the_sample_at_a_runs_end_closes_its_last_hour_rather_than_opening_anoth
     assert "0:00 to 0:59 (1 of 24: the run is 1 simulated hour long)" in caption and "1:59" not in caption
     longer = FleetRun([], [], [TimelineRow(300.0 * k, 180, 0, 0, 0) for k in range(19)], "", config, simulated_s=5400.0)
     assert "0:00 to 1:59 (2 of 24" in plot_devices(longer).caption  # an hour and a half reaches into hour 1
+
+
+def test_per_client_percentiles_are_read_as_at_or_below_so_a_p90_of_one_is_not_nine_in_ten_below_it():
+    """A p90 of 1.000 is reached when many clients score every test example: the sentence said
+    "nine in ten below 1.000", and the figure's caption that nine in ten clients "beat" the p10."""
+    from emulator.fleet.report import explain_rates
+
+    summary = {"client_accuracy_percentiles": {"p10": 0.25, "p50": 1.0, "p90": 1.0, "accuracy": 0.8, "clients": 40}}
+    said = explain_rates(summary, [])["client_accuracy_percentiles"]
+    assert "one client in ten is at or below 0.250, half are at or below 1.000, nine in ten at or below 1.000" in said
+    assert " below 1.000" not in said.replace("at or below 1.000", "")
+    caption = plot_client_accuracy(summary).caption
+    assert "the accuracy nine in ten clients reach" in caption and "beat" not in caption
