@@ -490,7 +490,10 @@ def gap_note(gaps: list[dict[str, Any]], task: Any, span_s: float, interval_s: f
             "task.goal_count x task.over_selection)"
         )
     else:
-        text += f", which left about {free:,.0f} free to check in, of the {needed:,.4g} a selection waits for"
+        text += (
+            f", which left about {free:,.0f} free to check in, no fewer than the {needed:,.4g} a selection waits for,"
+            " so the devices waiting out their interval do not explain the stretch"
+        )
     return text
 
 

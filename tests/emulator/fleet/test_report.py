@@ -1053,7 +1053,10 @@ def test_a_stretch_without_a_round_is_measured_against_what_the_server_waits_for
     assert "so at most about 14 could check in, fewer than the 16.25 the server expects before it opens" in note(148)
     assert "so at most about 13 could check in, fewer than the 16.25" in note(149.4)
     assert "so at most about 9 could check in, fewer than the 10 the server expects" in note(152.4, goal=6)
-    assert "which left about 20 free to check in, of the 16.25 a selection waits for" in note(142)
+    assert (
+        "which left about 20 free to check in, no fewer than the 16.25 a selection waits for, so the devices"
+        " waiting out their interval do not explain the stretch" in note(142)
+    )  # it said "about 20 free to check in, of the 16.25", as if 20 were a part of 16.25
 
 
 def test_a_secure_runs_drop_out_rate_says_a_summed_masked_input_is_not_a_drop_out():
