@@ -23,6 +23,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from server_stub.cli import Terminated, sigterm_as_interrupt
@@ -263,10 +264,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
             return 2
         try:
             out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):  # a folder that exists may still refuse files (read-only)
+                pass
         except OSError as exc:
             print(
                 f"fedfleet simulate: cannot write the run to --out {args.out} ({exc.strerror or exc}); name a directory "
-                "that can be created",
+                "that can be created and written",
                 file=sys.stderr,
             )
             return 2

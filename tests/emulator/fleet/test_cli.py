@@ -4,7 +4,11 @@ are refused with a message that names the problem."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from emulator.cli.commands import main
 from emulator.fleet import RoundRow
@@ -89,6 +93,32 @@ def test_an_out_that_is_a_file_or_cannot_be_made_is_refused_before_the_run(tmp_p
     assert "is a file" in capsys.readouterr().err and taken.read_text() == "keep me"
     assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(taken / "under"), "--no-progress"]) == 2
     assert "cannot write the run to --out" in capsys.readouterr().err
+
+
+def test_an_out_folder_that_exists_but_refuses_files_is_refused_in_one_line_before_the_run(tmp_path, capsys):
+    """An --out folder on a read-only file system (here an immutable folder: root writes past modes)
+    ended in a traceback from the run's server folder; it is one line before the run, as a folder that
+    cannot be made is."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
+        os.chmod(locked, 0o555)
+    try:
+        try:
+            (locked / "probe").write_text("")
+        except OSError:
+            pass
+        else:
+            (locked / "probe").unlink()
+            pytest.skip("this process writes to read-only folders, and chattr cannot make one immutable here")
+        assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(locked), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write the run to --out {locked} (" in err and "that can be created and written" in err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fedfleet simulate: cannot write")
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
+        os.chmod(locked, 0o755)
+    assert list(locked.iterdir()) == []
 
 
 def test_an_out_that_is_a_bundle_or_its_task_folder_is_refused_before_the_run(tmp_path, capsys):
