@@ -1144,6 +1144,19 @@ def explain_rates(summary: Mapping[str, Any], rounds: list[RoundRow]) -> dict[st
                 f"{came}: simulate more --hours, or commit more rounds (see the round"
                 " completion rate)."
             )
+    errors = summary.get("errors")
+    if isinstance(errors, Mapping) and errors:
+        total = sum(int(n) for n in errors.values())
+        out["errors"] = (
+            f"{total:,} session{'s' if total != 1 else ''} ended in an error, by its kind (outcome"
+            " error in sessions.csv)"
+            + (
+                ": ServerUnreachable is a device whose network failed mid-request, one of the fleet's simulated"
+                " faults, not the server down."
+                if "ServerUnreachable" in errors
+                else "."
+            )
+        )
     percentiles = summary.get("client_accuracy_percentiles")
     if isinstance(percentiles, Mapping):
         marks = dict(_percentile_marks(percentiles))

@@ -1100,3 +1100,15 @@ def test_per_client_percentiles_are_read_as_at_or_below_so_a_p90_of_one_is_not_n
     assert " below 1.000" not in said.replace("at or below 1.000", "")
     caption = plot_client_accuracy(summary).caption
     assert "the accuracy nine in ten clients reach" in caption and "beat" not in caption
+
+
+def test_sessions_ended_in_an_error_are_said_to_be_the_fleets_faults_not_the_server_down():
+    """The summary row "sessions ended in an error, by kind ServerUnreachable: 2" had no sentence, and
+    a run against an in-process server seemed to have lost it."""
+    from emulator.fleet.report import explain_rates
+
+    said = explain_rates({"errors": {"ServerUnreachable": 2, "CorruptResource": 1}}, [])["errors"]
+    assert said.startswith("3 sessions ended in an error, by its kind (outcome error in sessions.csv)")
+    assert "network failed mid-request, one of the fleet's simulated faults, not the server down" in said
+    assert explain_rates({"errors": {"CorruptResource": 1}}, [])["errors"].endswith("sessions.csv).")
+    assert "errors" not in explain_rates({"errors": {}}, [])
