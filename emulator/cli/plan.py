@@ -263,8 +263,18 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
             return _from_onnx(args, say)
         if args.plan_command == "from-torch":
             return _from_torch(args, say)
-    except (TaskError, PlanError, AdminKeyError, SigningKeyError, OSError) as exc:
+    except (TaskError, PlanError, AdminKeyError, SigningKeyError) as exc:
         print(f"{_command(args)}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the system's words alone ("[Errno 30] Read-only file system: 'out'") say not what to do
+        if exc.filename is None:
+            print(f"{_command(args)}: {exc}", file=sys.stderr)
+        else:
+            print(
+                f"{_command(args)}: cannot use {exc.filename} ({exc.strerror or exc}); give files that can be read "
+                "and an output folder that can be written",
+                file=sys.stderr,
+            )
         return 2
     except (WorkerError, RuntimeEnvError) as exc:
         print(f"{_command(args)}: a runtime environment failed: {exc}", file=sys.stderr)
