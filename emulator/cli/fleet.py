@@ -409,9 +409,12 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="compare.html", help="the HTML page to write (a .html file)")
     p.add_argument(
         "--label",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
-        help="a run's name on the page, once per run in order (default: the folders' names)",
+        metavar="NAME",
+        help="the runs' names on the page, one per run in order: --label A B, or --label A --label B"
+        " (default: the folders' names)",
     )
 
 

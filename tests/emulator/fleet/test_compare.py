@@ -137,6 +137,17 @@ def test_folders_of_the_same_name_are_told_apart_and_labels_must_match_the_runs(
         load_runs([str(tmp_path / "a" / "run"), str(tmp_path / "a" / ".." / "a" / "run")])
 
 
+def test_labels_are_given_after_one_label_option_or_each_after_its_own(two_runs, tmp_path, capsys):
+    """The page documents ``[--label NAME ...]``: ``--label a b`` was refused as "unrecognized
+    arguments: b", only ``--label a --label b`` was taken."""
+    base, _runs = two_runs
+    runs = [str(base / "goal8"), str(base / "goal10")]
+    assert main(["compare", *runs, "--label", "eight", "ten", "--out", str(tmp_path / "c.html")]) == 0
+    assert "2 runs (eight, ten)" in capsys.readouterr().out  # as --label eight --label ten is
+    assert main(["compare", *runs, "--label", "eight", "ten", "more", "--out", str(tmp_path / "c.html")]) == 2
+    assert "3 --label for 2 runs" in capsys.readouterr().err
+
+
 def test_a_seeds_or_sweep_folder_stands_for_its_runs_in_order(two_runs, tmp_path, capsys):
     """``simulate --seeds 0,1 --out DIR`` writes DIR/run-0-seed=0 and DIR/run-1-seed=1, and ``compare
     DIR`` sets them side by side."""
