@@ -140,6 +140,7 @@ class FleetSimulator:
         self.errors: Counter[str] = Counter()
         self.status_counts: Counter[str] = Counter()
         self.timeline_rows: list[tuple[float, int, int, int]] = []
+        self.committed_seen: dict[str, int] = {}  # the progress bar's: each training task's rounds at the last sample
         self.devices: list[SimDevice] = []
         self.extra: dict[str, Any] = {}
 
@@ -354,14 +355,14 @@ class FleetSimulator:
                     self.loop.run_until(self.horizon_s)
                     self.end_sessions()
                 self.service.tick()
-                if self.progress is not None:
-                    status = self.service.population_status(self.population)
+                if self.progress is not None:  # the count on record: a task may have completed since the last sample
                     counts = self.status_counts
-                    self.progress(
-                        self.horizon_s,
-                        int(status.get("committed_rounds", 0) or 0),
-                        counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING],
+                    training = {t.name for t in self.workload.training}
+                    committed = sum(
+                        r["status"] == "committed" and r["task"] in training
+                        for r in self.service.rounds(self.population)
                     )
+                    self.progress(self.horizon_s, committed, counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
             finally:
                 self.fibers.close()
             wall = time.perf_counter() - started
@@ -419,7 +420,10 @@ class FleetSimulator:
         counts = self.status_counts
         self.timeline_rows.append((now, counts[STATUS_CHECKING_IN], counts[STATUS_PARTICIPATING], active))
         if self.progress is not None:
-            committed = int(status.get("committed_rounds", 0) or 0)
+            for task in status.get("active_tasks", ()):  # a completed task keeps the count it was last seen at
+                if task["kind"] == "train":
+                    self.committed_seen[task["name"]] = task["committed_rounds"]
+            committed = sum(self.committed_seen.values())
             self.progress(now, committed, counts[STATUS_CHECKING_IN] + counts[STATUS_PARTICIPATING])
         nxt = now + TIMELINE_STEP_S
         if nxt <= self.horizon_s:

@@ -405,3 +405,12 @@ def test_participating_counts_the_devices_still_training_for_a_round_that_has_cl
             assert len(late) == row.participating
             late_between_rounds += 1
     assert late_between_rounds > 0
+
+
+def test_the_progress_bar_ends_at_the_rounds_committed_after_its_task_completed():
+    """A task of 2 rounds completes mid-run: its rounds left the population's open-round status,
+    and the bar ended at 0 rounds committed where the summary said 2."""
+    seen: list[int] = []
+    run = simulate(small_config(seed=1, max_rounds=2), progress=lambda t_s, rounds, active: seen.append(rounds))
+    assert run.summary()["rounds_committed"] == 2
+    assert seen[-1] == 2 and max(seen) == 2
