@@ -269,7 +269,8 @@ def completion_note(
         reasons.append(
             f"{short} closed their selection window (task.selection_timeout_s = {task.selection_timeout_s:g} s) "
             f"with fewer than the {threshold} devices a commit needs, for lack of check-ins; simulate more "
-            "--devices, a smaller --goal, or a longer task.selection_timeout_s"
+            f"--devices, a smaller --goal, or a longer window (--sweep selection_timeout_s={4 * task.selection_timeout_s:g}, "
+            "or [task] selection_timeout_s in a fleet config)"
         )
     rest = total - committed - (total - committed if summary.get("cannot_fill") else short)
     filled = [r for r in rounds if not r.committed and r.selected >= threshold]

@@ -86,6 +86,7 @@ def test_the_completion_rate_names_rounds_short_of_check_ins_and_the_options_to_
         "3 of 4 rounds were abandoned: 2 closed their selection window (task.selection_timeout_s = 300 s)"
     )
     assert "fewer than the 80 devices a commit needs, for lack of check-ins" in note and "--devices" in note
+    assert "a longer window (--sweep selection_timeout_s=1200, or [task] selection_timeout_s in a fleet config)" in note
     assert (
         "1 had too few reports in time (it selected 120 devices: 0 reported in time, 120 late, 0 dropped out): "
         "40 of the 130 sessions that trained reported after" in note
