@@ -118,9 +118,10 @@ class DeviceClass:
 
 
 #: The share of its ``DeviceClass.memory_mb`` a device gives one plan and one checkpoint it
-#: downloads (``resource_bound``). A plan's bytes are held about eight times over while it loads
-#: (measured: one carrying 200 MB of weights peaks 1.6 GB above its bytes, parsed, checked and made
-#: into onnxruntime's session); a checkpoint's weights are held twice while they train (the
+#: downloads (``resource_bound``). A plan takes about three times its bytes more while it loads
+#: (measured: one carrying 64 MiB of weights peaks 200 MiB above its bytes, parsed, checked and made
+#: into onnxruntime's session; 515 MiB, eight times, before ``load_plan`` checked its graphs without
+#: their weights); a checkpoint's weights are held twice while they train (the
 #: weights and their update, as the fleet's ``plan_cost`` counts them). The protocol's own bound is
 #: 1 GiB (``MAX_RESOURCE_BYTES``): a server that declared a plan's memory budget small and sent
 #: 1 GiB of it ran a 2 GB device out of memory before the budget was read.

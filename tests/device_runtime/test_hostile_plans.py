@@ -11,7 +11,7 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
 - A tensor sized from a batch's shape is checked before that batch's step (a last batch smaller
   than the plan's, which the load checked).
 - A plan larger than an eighth of the device's memory, whatever budget it declares, is refused
-  (``OverBudget``) as it downloads, before it is loaded, which holds it some eight times over.
+  (``OverBudget``) as it downloads, before it is loaded, which takes some three times its size more.
 - A graph that asks onnxruntime for more memory than there is, in a size only its data tells,
   ends the session in the SDK's ``PlanError``; the server hears the abort and the same runtime
   trains an honest plan next.
