@@ -78,6 +78,33 @@ SERVER_URL_RULE = (
 )
 
 
+def redacted_url(url: str) -> str:
+    """``url`` as a message or log line may show it: the password of its userinfo
+    (``https://user:secret@host/``) replaced by ``***``, the rest as given. Every message that
+    names a server URL prints it through here: the URL of a server behind basic auth is what
+    operators paste into scripts and devices' settings, and its password went into error
+    messages, logs and bug reports."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:  # a bare ``user:secret@host:port`` (refused as no URL, and named in the refusal)
+        scheme, rest = "", url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, _ = rest[:end].rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if not at or not colon:
+        return url
+    return f"{scheme}{sep}{user}:***@{rest[len(userinfo) + 1 :]}"
+
+
+def url_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """``url`` without its userinfo, and the basic auth the userinfo gave (what httpx sends for
+    it), or None: requests go to the URL without it, so that httpx's log of each request
+    (``HTTP Request: GET URL``) does not carry the password."""
+    parsed = httpx.URL(url)
+    if not (parsed.username or parsed.password):
+        return url, None
+    return str(parsed.copy_with(userinfo=b"")), httpx.BasicAuth(parsed.username, parsed.password)
+
+
 def checked_server_url(url: object) -> str:
     """``url`` without its trailing '/', once it names a server a client can send requests to
     (``SERVER_URL_RULE``); else ``InvalidSetting`` saying so, with the URL to give for a bare
@@ -108,9 +135,9 @@ def _checked_url(url: str) -> str:
         fits = False
     if not fits:
         scheme = url.split("://", 1)[0].lower() if "://" in url else None
-        bare = url.split("://", 1)[-1]
+        bare = redacted_url(url).split("://", 1)[-1]
         example = f", e.g. http://{bare or '127.0.0.1:8000'}" if scheme is None and bare.isprintable() else ""
-        raise InvalidSetting(f"{url[:200]!r} is not a server URL: {SERVER_URL_RULE}{example}")
+        raise InvalidSetting(f"{redacted_url(url)[:200]!r} is not a server URL: {SERVER_URL_RULE}{example}")
     return url.rstrip("/")
 
 
@@ -472,6 +499,7 @@ class ProtocolClient:
         ``MAX_RESOURCE_BYTES`` and ``MIN_ANSWER_BYTES_PER_S`` hold on the client made here, timed
         by ``clock``)."""
         self.server_url = checked_server_url(server_url)
+        self._base_url, self._auth = url_credentials(self.server_url)
         self.retry = retry
         self.rng = rng or random.Random()
         self.sleep = sleep
@@ -510,7 +538,9 @@ class ProtocolClient:
         """``json_body``: builds the JSON body afresh for each attempt (a signed nonce must not
         be sent twice: the server refuses a replay). ``retried``: set to ``[True]`` once a second
         attempt is sent (an earlier one may have reached the server, its answer lost)."""
-        url = self.server_url + path
+        url = self._base_url + path
+        if self._auth is not None:
+            kwargs.setdefault("auth", self._auth)
         last_error: Exception | None = None
         for attempt in range(self.retry.attempts):
             if attempt:
@@ -531,7 +561,7 @@ class ProtocolClient:
                 refusal = _tls_refusal(exc)
                 if refusal is not None:  # the app's configuration or the server's: no retry changes it
                     raise ServerUnreachable(
-                        f"the FL server at {self.server_url} could not be reached over TLS: {refusal} ({exc})"
+                        f"the FL server at {redacted_url(self.server_url)} could not be reached over TLS: {refusal} ({exc})"
                     ) from None
                 last_error = exc
                 continue
@@ -545,7 +575,7 @@ class ProtocolClient:
                 continue
             return response
         raise ServerUnreachable(
-            f"the FL server at {self.server_url} did not answer {method} {path} after {self.retry.attempts} attempts: {last_error}"
+            f"the FL server at {redacted_url(self.server_url)} did not answer {method} {path} after {self.retry.attempts} attempts: {last_error}"
         )
 
     @staticmethod

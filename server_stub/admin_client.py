@@ -17,7 +17,7 @@ from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.errors import InvalidSetting
 from device_runtime.plan import Plan, serialize_plan
-from device_runtime.protocol import checked_server_url
+from device_runtime.protocol import checked_server_url, redacted_url, url_credentials
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -113,8 +113,10 @@ class AdminClient:
         self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None
     ) -> None:
         self.url = check_server_url(server_url)
+        base_url, auth = url_credentials(self.url)  # not in the URL: httpx logs each request's
         self.http = httpx.Client(
-            base_url=self.url,
+            base_url=base_url,
+            auth=auth,
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {admin_key}"},
             transport=transport,
@@ -139,11 +141,11 @@ class AdminClient:
             reason = str(exc) or type(exc).__name__
             if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
                 raise ServerUnreachable(
-                    f"no TLS answer from the server at {self.url} ({reason}); fedfleet server speaks plain HTTP: "
-                    f"give {'http://' + self.url.removeprefix('https://')}, or the URL of the TLS proxy in front of it"
+                    f"no TLS answer from the server at {redacted_url(self.url)} ({reason}); fedfleet server speaks plain HTTP: "
+                    f"give {'http://' + redacted_url(self.url).removeprefix('https://')}, or the URL of the TLS proxy in front of it"
                 ) from None
             raise ServerUnreachable(
-                f"no answer from the server at {self.url} ({reason}); check that fedfleet server "
+                f"no answer from the server at {redacted_url(self.url)} ({reason}); check that fedfleet server "
                 "runs there and the URL's host and port"
             ) from None
         return self._check(response)
@@ -157,7 +159,7 @@ class AdminClient:
                 message = f"{err['message']} ({err['code']})"
                 if err["code"] == "NOT_FOUND" and (path := httpx.URL(self.url).path.rstrip("/")):
                     # a route no server has: the URL carries a path of the server's own (``.../v1``)
-                    message += f"; {self.url} has no such route: give the server's URL without {path}"
+                    message += f"; {redacted_url(self.url)} has no such route: give the server's URL without {path}"
                 raise AdminError(message, response.status_code, err["code"])
             except (ValueError, KeyError, TypeError):
                 raise AdminError(response.text[:300], response.status_code, None) from None

@@ -45,6 +45,7 @@ from typing import TextIO
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_runtime.plan import PlanError, serialize_plan
+from device_runtime.protocol import redacted_url
 from example_store import ExampleSelector
 from server_stub.admin_auth import ADMIN_KEYS_ENV, AdminKeyError, AdminKeys
 from server_stub.admin_client import AdminClient, AdminError, ServerUnreachable
@@ -288,7 +289,7 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
             return 2
         if exc.code is None:  # an answer with no fedfleet error in it: another service, a proxy's page
             print(
-                f"{_command(args)}: {args.server} answered {exc.status} with no fedfleet error in it; is --server a "
+                f"{_command(args)}: {redacted_url(args.server)} answered {exc.status} with no fedfleet error in it; is --server a "
                 "fedfleet server of this version (GET /openapi.json)?",
                 file=sys.stderr,
             )
@@ -651,8 +652,10 @@ def _deploy(args: argparse.Namespace, say) -> int:
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
         result = deploy_bundle(args.directory, admin, args.population)
     for task in result.get("tasks", [result]):
-        say(f"deployed to {args.server} population {args.population}: {deployed_line(task)}")
-    say(f"next: fedfleet status --server {args.server} --population {args.population} (its tasks and open round)")
+        say(f"deployed to {redacted_url(args.server)} population {args.population}: {deployed_line(task)}")
+    say(
+        f"next: fedfleet status --server {redacted_url(args.server)} --population {args.population} (its tasks and open round)"
+    )
     return 0
 
 
@@ -675,7 +678,9 @@ def _status(args: argparse.Namespace, say) -> int:
         status = admin.status(args.population)
     say(f"population {status['population']}" + (f" (strategy {status['strategy']})" if status.get("strategy") else ""))
     if not status["tasks"]:
-        say(f"  no task yet: fedfleet deploy BUNDLE --server {args.server} --population {args.population} deploys one")
+        say(
+            f"  no task yet: fedfleet deploy BUNDLE --server {redacted_url(args.server)} --population {args.population} deploys one"
+        )
     for task in status["tasks"]:
         behind = f" behind {', '.join(task['queued_behind'])}" if task.get("queued_behind") else ""
         why = f": {task['reason']}" if task.get("reason") else ""
@@ -707,7 +712,7 @@ def _stop(args: argparse.Namespace, say) -> int:
         say("no task of the population runs now")
     say(
         f"its final model: GET /v1/populations/{stopped['population']}/model?task={stopped['task']}; "
-        f"its rounds: fedfleet rounds --server {args.server} --population {stopped['population']} --task {stopped['task']}"
+        f"its rounds: fedfleet rounds --server {redacted_url(args.server)} --population {stopped['population']} --task {stopped['task']}"
     )
     return 0
 

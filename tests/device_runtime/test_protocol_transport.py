@@ -4,12 +4,15 @@ A TLS mistake (an untrusted certificate, https:// to a plain HTTP server) is sai
 
 from __future__ import annotations
 
+import http.server
+import logging
+import threading
 import time
 
 import httpx
 import pytest
 
-from device_runtime import FLRuntime, Outcome
+from device_runtime import FLRuntime, Outcome, ProtocolError
 from device_runtime.protocol import RetryPolicy, shared_tls_context
 from emulator import AttestationAuthority
 from example_store import SQLiteExampleStore
@@ -199,3 +202,48 @@ def test_a_tls_mistake_in_the_servers_url_or_certificate_is_said_at_once(tmp_pat
             client.checkin("digits", "1.31.1")
         client.close()
     assert len(offered) == 1  # one handshake: a certificate no retry changes is not tried again
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    """Any server: every request is answered 404 (the device logs it, and says what it was told)."""
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_password_in_the_server_url_is_in_no_message_and_no_log_line(tmp_path, caplog):
+    """``https://user:secret@host/``: the device's messages and logs named the URL whole."""
+    from device_runtime import InvalidSetting, ServerUnreachable
+    from device_runtime.protocol import ProtocolClient
+    from server_stub.serve import free_port
+
+    caplog.set_level(logging.DEBUG)
+    fast = RetryPolicy(attempts=2, base_delay_s=0.001, max_delay_s=0.001)
+    url = f"http://operator:hunter2@127.0.0.1:{free_port()}/"  # nothing listens there
+    with (
+        FLRuntime("p", url, SQLiteExampleStore(tmp_path / "a.db"), cache_dir=tmp_path / "cache", retry=fast) as runtime,
+        pytest.raises(ServerUnreachable) as unreachable,
+    ):
+        runtime.run_session()
+    assert "at http://operator:***@127.0.0.1:" in str(unreachable.value)
+    with pytest.raises(InvalidSetting) as not_a_url:  # no http://: the refusal names the URL, and the one to give
+        ProtocolClient("operator:hunter2@127.0.0.1:8000")
+    assert "'operator:***@127.0.0.1:8000' is not a server URL" in str(not_a_url.value)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = ProtocolClient(f"http://operator:hunter2@127.0.0.1:{server.server_address[1]}", retry=fast)
+    try:
+        with pytest.raises(ProtocolError):  # answered: httpx logs the request, URL and all
+            client.checkin("p", "1.31.1")
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    assert any("HTTP Request: POST http://127.0.0.1:" in r.getMessage() for r in caplog.records)
+    for said in (str(unreachable.value), str(not_a_url.value), *(r.getMessage() for r in caplog.records)):
+        assert "hunter2" not in said, said

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import logging
 import re
 import subprocess
 import sys
@@ -646,3 +647,25 @@ def test_deploy_of_an_untested_bundle_gives_the_plan_test_command_with_its_signi
     err = capsys.readouterr().err
     assert f"run `fedfleet plan test {out} --signing-key KEY` first" in err and err.count("\n") == 1, err
     assert "--allow-untested-plans" in err  # where a report tested without a key goes
+
+
+def test_a_password_in_the_server_url_is_in_no_message_and_no_log_line(bundle, capsys, caplog):
+    """``--server https://user:secret@host/``: the one line saying the server does not answer, or
+    that the URL is not one, named the URL whole."""
+    caplog.set_level(logging.DEBUG)
+    port = free_port()  # nothing listens there
+    for url, said in [
+        (
+            f"http://operator:hunter2@127.0.0.1:{port}/",
+            f"no answer from the server at http://operator:***@127.0.0.1:{port}",
+        ),
+        (f"operator:hunter2@127.0.0.1:{port}", f"e.g. http://operator:***@127.0.0.1:{port}"),
+    ]:
+        for command in _server_commands(bundle):
+            assert cli.main([*command, "--server", url]) == 2, command
+            err = capsys.readouterr().err
+            assert said in err and "hunter2" not in err, err
+    with pytest.raises(ServerUnreachable) as unreachable:
+        AdminClient(f"https://operator:hunter2@127.0.0.1:{port}", admin_key=ADMIN_KEY).status("p")
+    assert "hunter2" not in str(unreachable.value) and "operator:***@" in str(unreachable.value)
+    assert not [r for r in caplog.records if "hunter2" in r.getMessage()]
