@@ -185,7 +185,6 @@ def in_threads(count: int, work: Callable[[int], T], timeout_s: float) -> list[T
     return results
 
 
-@dataclass
 class TrainingSeen(StaticConditions):
     """Conditions that always hold in ``state`` and tell (``training``) once they are read between
     training steps, which only a session in its training phase does so often."""
@@ -202,6 +201,7 @@ class TrainingSeen(StaticConditions):
         return self.state
 
 
+@dataclass
 class AttestedClient:
     """A protocol-level device: its client, its attested key and the session its check-in opened."""
 
