@@ -30,6 +30,7 @@ from .errors import (
     ProtocolError,
     RuntimeSdkError,
     ServerUnreachable,
+    SessionInProgress,
     SessionRejected,
 )
 from .executor import PlanExecutor, TrainingInterrupted, stoppable_run_options
@@ -103,6 +104,7 @@ __all__ = [
     # the errors an app catches
     "RuntimeSdkError",
     "InvalidSetting",
+    "SessionInProgress",
     "SessionRejected",
     "ServerUnreachable",
     "ProtocolError",

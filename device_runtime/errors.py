@@ -64,6 +64,11 @@ class SessionRejected(RuntimeSdkError):
         self.retry_after_s = retry_after_s
 
 
+class SessionInProgress(RuntimeSdkError):
+    """Another ``FLRuntime`` of the same population is running a session over the same example
+    store in this process: the device takes part once at a time, and this call sent nothing."""
+
+
 class ProtocolError(RuntimeSdkError):
     """The server answered with an error or with something this runtime does not understand."""
 

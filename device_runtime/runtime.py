@@ -28,6 +28,7 @@ from example_store import (
     ExampleSelector,
     ExampleStore,
     InvalidArgumentError,
+    SQLiteExampleStore,
     UnknownCollectionError,
 )
 
@@ -46,6 +47,7 @@ from .errors import (
     NoExamples,
     OverBudget,
     ProtocolError,
+    SessionInProgress,
     SessionRejected,
     check_number,
     check_path,
@@ -236,6 +238,7 @@ class FLRuntime:
         )
         self.population = population
         self.stores = dict(stores)
+        self._claims = _store_claims(population, self.stores.values())
         self._remove_own_cache: Callable[[], None] = lambda: None
         if cache_dir is None and plan_cache is None:
             # a cache of its own lives as long as the runtime: nothing is left in the temp folder
@@ -340,7 +343,10 @@ class FLRuntime:
 
         Every phase is recorded; the events go to ``opstats`` (if given) in one transaction when
         the session ends, whatever the way it ends. Setting ``run_options.terminate`` from another
-        thread stops a training step in flight; make them with :func:`stoppable_run_options`."""
+        thread stops a training step in flight; make them with :func:`stoppable_run_options`.
+        While another runtime of this population runs a session over one of this runtime's example
+        stores in this process, raises ``SessionInProgress`` at once, having sent nothing (a second
+        call on this runtime waits for its own session instead)."""
         if self._closed:  # its HTTP client is closed and its own plan cache removed
             raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
         for name, hook in (("should_abort", should_abort), ("before_report", before_report)):
@@ -359,7 +365,12 @@ class FLRuntime:
             def stop_asked() -> bool:  # the app's should_abort, or the runtime closed (``close``)
                 return self._closed or (app_abort is not None and app_abort())
 
-            rec = _Recorder(self)
+            self._claim()
+            try:
+                rec = _Recorder(self)
+            except BaseException:
+                self._unclaim()
+                raise
             self._session_ends_in(CHECKIN_WINDOW_S)
             self._session_thread = threading.get_ident()
             try:
@@ -369,6 +380,7 @@ class FLRuntime:
                 return result
             finally:
                 self._session_thread = None
+                self._unclaim()
                 self.client.ends_at = None
                 if rec.reading is not None:
                     rec.reading.close()
@@ -380,6 +392,31 @@ class FLRuntime:
                     )
                 if self._closed:  # closed by one of its own hooks
                     self._release()
+
+    def _claim(self) -> None:
+        """Claim this runtime's stores for its population's session in this process, or raise
+        ``SessionInProgress`` having claimed nothing: two runtimes of one population over one store
+        (an app that builds one per screen) each checked in from its own thread, and the server
+        counted the device twice in one round. A claim is one ``dict.setdefault`` per store, atomic
+        without a lock, so a fleet simulation's devices (a store of their own each, in greenlets of
+        one thread) never wait on each other."""
+        for i, key in enumerate(self._claims):
+            holder = _RUNNING.setdefault(key, self)
+            if holder is not self:
+                for held in self._claims[:i]:
+                    _RUNNING.pop(held, None)
+                where = f" ({key[1][1]})" if key[1][0] == "file" else ""
+                raise SessionInProgress(
+                    f"another FLRuntime of population {self.population!r} is running a session over the same "
+                    f"example store{where} in this process; the device takes part once at a time, so this "
+                    "call sent nothing: skip it and try again when that session has ended (an app keeps one "
+                    "FLRuntime per population, whose run_session waits for its own session)"
+                )
+
+    def _unclaim(self) -> None:
+        for key in self._claims:
+            if _RUNNING.get(key) is self:
+                del _RUNNING[key]
 
     def _session_ends_in(self, seconds: float) -> None:
         """No request of this session goes on past ``seconds`` from now, however slowly a server
@@ -835,6 +872,23 @@ class FLRuntime:
                 f"checkpoint {checkpoint_id} was refused: weight {broken!r} holds NaN or infinite values as float32"
             )
         return weights
+
+
+#: The runtimes running a session in this process, by (population, store): see ``FLRuntime._claim``.
+_RUNNING: dict[tuple[str, tuple[str, object]], FLRuntime] = {}
+
+
+def _store_claims(population: str, stores: Iterable[ExampleStore]) -> tuple[tuple[str, tuple[str, object]], ...]:
+    """The keys a session of ``population`` over ``stores`` claims: an SQLite store by its file's
+    real path (two objects opened on one database, or through a link, are one store), any other by
+    the object itself (its id, which cannot be reused while a session holds the store)."""
+    keys: dict[tuple[str, tuple[str, object]], None] = {}
+    for store in stores:
+        if isinstance(store, SQLiteExampleStore):
+            keys[(population, ("file", os.path.realpath(store.path)))] = None
+        else:
+            keys[(population, ("object", id(store)))] = None
+    return tuple(keys)
 
 
 def training_limit(plan: Plan, max_training_s: float) -> tuple[float, str]:

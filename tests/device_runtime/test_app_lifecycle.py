@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from device_runtime import FLRuntime, InvalidSetting, OpStatsStore, Outcome
+from device_runtime import FLRuntime, InvalidSetting, OpStatsStore, Outcome, SessionInProgress
 from device_runtime.clock import SystemClock, VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import AppDatabaseError
@@ -256,3 +256,51 @@ def test_the_job_store_waits_for_a_lock_another_process_holds_as_the_example_sto
         holder.close()
     assert [job.population for job in scheduler.jobs()] == ["digits"]
     scheduler.close()
+
+
+def test_two_runtimes_of_one_population_over_one_store_take_part_once_at_a_time(tmp_path, server, admin, digits):
+    """An app that builds a runtime per screen: two runtimes of one population over one store, the
+    second's ``run_session`` called while the first's session trains. Both checked in and took
+    part in one round, the server counting the device twice; the second is now refused at once
+    (``SessionInProgress``, nothing sent), and so is one over the same SQLite file opened again
+    through a link. A runtime of another population over that store, and one of the same
+    population over another store (a simulated fleet's devices), take part as before."""
+    deploy(admin, goal_count=5)
+    deploy(admin, "other", goal_count=5)
+    path = tmp_path / "app.db"
+    store = SQLiteExampleStore(path)
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:32], digits.y_train[:32])))
+    (tmp_path / "link.db").symlink_to(path)
+    elsewhere = InMemoryExampleStore()
+    elsewhere.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:32], digits.y_train[:32])))
+    first = FLRuntime("digits", server.url, store)
+    training, go = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        training.set()
+        return not go.wait(60)
+
+    ended: list = []
+    session = threading.Thread(target=lambda: ended.append(first.run_session(should_abort=hold)), daemon=True)
+    session.start()
+    assert training.wait(60)
+    try:
+        linked = SQLiteExampleStore(tmp_path / "link.db")
+        for screen_store in (store, linked, {"app:/": linked}):
+            with FLRuntime("digits", server.url, screen_store) as second:
+                with pytest.raises(SessionInProgress, match="another FLRuntime of population 'digits'.*app.db"):
+                    second.run_session()
+        with FLRuntime("other", server.url, store) as other, FLRuntime("digits", server.url, elsewhere) as own:
+            assert other.run_session(should_abort=lambda: True).shape == "-v[!"
+            assert own.run_session(should_abort=lambda: True).shape == "-v[!"
+        linked.close()
+    finally:
+        go.set()
+        session.join(60)
+    [result] = ended
+    assert result.outcome is Outcome.COMPLETED
+    current = admin.status("digits")["current_round"]
+    assert current["reported"] == 1 and current["aborted"] == 1  # the first's report, the own store's abort
+    with first:
+        assert first.run_session(should_abort=lambda: True).shape == "-v[!"  # the claim ended with the session
+    store.close()
