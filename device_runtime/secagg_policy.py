@@ -30,7 +30,11 @@ class SecAggPolicy:
     ``min_group_size``: k, the fewest devices whose sum may be released (the group, and every
     completed sum); ``corrupt_fraction`` / ``dropout_rate`` / ``sigma`` / ``eta``: the
     assumptions and the security / correctness parameters behind the SecAgg+ bounds;
-    ``require_consistency_check``: the ConsistencyCheck round must run;
+    ``require_consistency_check``: the ConsistencyCheck round must run (with False, a group
+    without it is still refused under a SecAgg+ graph, whose devices would see only their
+    neighbourhood's survivors and could not hold ``min_group_size`` on the sum; over the complete
+    graph it is taken, each device refusing a survivor list shorter than ``min_group_size``, but
+    not seeing whether its peers were shown the same list);
     ``require_attested_cohort``: this device signs its keys with its attested device key and
     accepts only peers certified by the attestation authority, each device once, from the group
     the committed seed gives it; ``require_graph_commitment``: groups and graphs must derive from
@@ -88,6 +92,14 @@ class SecAggPolicy:
             )
         if self.require_consistency_check and not config.consistency_check:
             return "ConsistencyCheck is off; this device requires it"
+        if not config.consistency_check and k is not None and k < n - 1:
+            # without it a SecAgg+ client is shown only its neighbourhood's part of the survivor
+            # list (secagg.client._check_u3): nothing it sees bounds how many inputs the sum holds
+            return (
+                f"SecAgg+ (degree {k}) without ConsistencyCheck: this device would see only its "
+                f"neighbourhood's survivors and could not hold the minimum of {self.min_group_size} "
+                "inputs in a sum"
+            )
         if self.require_graph_commitment and not config.graph_commitment:
             return "the server committed to no seed before selection; this device requires it"
         if t > n:

@@ -79,3 +79,32 @@ def test_the_library_refuses_unsafe_parameters_unless_asked():
         SecAggConfig(10, 2**16, 6).check_cohort(9)
     SecAggConfig(10, 2**16, 7).check_cohort(9)
     SecAggConfig(10, 2**16, 6, allow_unsafe=True).check_cohort(9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(5, 600),
+    require_check=st.booleans(),
+    min_group=st.integers(2, 5),
+    sparse=st.booleans(),
+    check=st.booleans(),
+)
+def test_a_policy_accepts_only_groups_whose_devices_see_the_whole_survivor_list(
+    n, require_check, min_group, sparse, check
+):
+    """A device holds ``min_group_size`` on a released sum by counting the survivor list it is
+    shown, which is the whole list over the complete graph and under ConsistencyCheck; a SecAgg+
+    device without ConsistencyCheck is shown its neighbourhood's part only. So no policy, not even
+    ``require_consistency_check=False``, accepts a sparse graph without ConsistencyCheck, and that
+    policy still takes the library's own parameters in every other case."""
+    policy = SecAggPolicy(min_group_size=min_group, require_consistency_check=require_check)
+    cfg = SecAggConfig.for_cohort(
+        n, 10, consistency_check=check, min_summed=5, graph_commitment=COMMIT, secagg_plus=sparse and n > 40
+    )
+    seen_whole = cfg.degree is None or cfg.degree >= n - 1 or cfg.consistency_check
+    reason = policy.violation(cfg, n)
+    if not seen_whole:
+        assert reason is not None
+        assert ("ConsistencyCheck is off" if require_check else f"minimum of {min_group} inputs") in reason
+    else:
+        assert (reason is None) == (check or not require_check)
