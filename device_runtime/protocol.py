@@ -5,6 +5,7 @@ answers are final and raised as ProtocolError with the server's stable error cod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import ipaddress
@@ -15,6 +16,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,6 +223,7 @@ class _Deadline:
         self.clock, self.timeout_s, self.ends_at = clock, timeout_s, ends_at
         self.started = clock()
         self.moved = 0
+        self.interrupted = False  # by ``ProtocolClient.interrupt``: no wait of it starts again
 
     def left(self, credit: int = 0) -> float:
         """Seconds left, counting ``credit`` bytes about to be moved."""
@@ -241,6 +244,8 @@ def _waited(call: Callable[[float | None], Any], timeout: float | None, late: ty
     deadline: _Deadline | None = getattr(_this_request, "deadline", None)
     if deadline is None:
         return call(timeout)
+    if deadline.interrupted:
+        raise late(INTERRUPTED)
     left = deadline.left(credit)
     if left > 0:
         try:
@@ -256,15 +261,29 @@ def _waited(call: Callable[[float | None], Any], timeout: float | None, late: ty
     )
 
 
+#: Why a request ``ProtocolClient.interrupt`` cut short failed.
+INTERRUPTED = "the request was interrupted: its runtime is closing"
+
+
 class _DeadlineStream(httpcore.NetworkStream):
-    """A socket whose every wait is cut to the request's deadline (``_waited``)."""
+    """A socket whose every wait is cut to the request's deadline (``_waited``), known to its
+    backend until it is dropped, so that ``shut`` can end a wait on it from another thread."""
 
     #: Writes go out in pieces of this size, each waiting no longer than the deadline allows: one
     #: ``send`` loop over a whole upload waited a full timeout per byte a slow reader took.
     PIECE = 1 << 16
 
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self.inner = inner
+    def __init__(self, inner: httpcore.NetworkStream, backend: _DeadlineBackend) -> None:
+        self.inner, self.backend = inner, backend
+        backend.streams.add(self)
+
+    def shut(self) -> None:
+        """Shut the socket both ways: a read or write another thread waits in returns at once (a
+        socket's ``close`` does not wake a thread waiting on it)."""
+        sock = self.inner.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _count(self, n: int) -> None:
         deadline: _Deadline | None = getattr(_this_request, "deadline", None)
@@ -289,7 +308,7 @@ class _DeadlineStream(httpcore.NetworkStream):
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
         tls = _waited(lambda t: self.inner.start_tls(ssl_context, server_hostname, t), timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(tls)
+        return _DeadlineStream(tls, self.backend)
 
     def get_extra_info(self, info: str) -> Any:
         return self.inner.get_extra_info(info)
@@ -338,6 +357,12 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
     def __init__(self) -> None:
         self.inner = httpcore.SyncBackend()
+        self.streams: weakref.WeakSet[_DeadlineStream] = weakref.WeakSet()
+
+    def shut(self) -> None:
+        """End every wait on this backend's sockets now (``_DeadlineStream.shut``)."""
+        for stream in list(self.streams):
+            stream.shut()
 
     def connect_tcp(
         self,
@@ -357,7 +382,9 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
         for address in addresses:  # each in turn, as socket.create_connection tries them
             try:
-                return _DeadlineStream(_waited(functools.partial(reach, address), timeout, httpcore.ConnectTimeout))
+                return _DeadlineStream(
+                    _waited(functools.partial(reach, address), timeout, httpcore.ConnectTimeout), self
+                )
             except httpcore.ConnectError as exc:
                 error = exc
         raise error or httpcore.ConnectError(f"{host!r} resolved to no address")
@@ -366,7 +393,9 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         self, path: str, timeout: float | None = None, socket_options: Any = None
     ) -> httpcore.NetworkStream:
         connect = self.inner.connect_unix_socket
-        return _DeadlineStream(_waited(lambda t: connect(path, t, socket_options), timeout, httpcore.ConnectTimeout))
+        return _DeadlineStream(
+            _waited(lambda t: connect(path, t, socket_options), timeout, httpcore.ConnectTimeout), self
+        )
 
     def sleep(self, seconds: float) -> None:
         self.inner.sleep(seconds)
@@ -378,12 +407,13 @@ class _DeadlineTransport(httpx.HTTPTransport):
 
     def __init__(self, ssl_context: ssl.SSLContext) -> None:
         super().__init__(verify=ssl_context)
+        self.backend = _DeadlineBackend()
         self._pool = httpcore.ConnectionPool(
             ssl_context=ssl_context,
             max_connections=100,  # httpx's default limits
             max_keepalive_connections=20,
             keepalive_expiry=5.0,
-            network_backend=_DeadlineBackend(),
+            network_backend=self.backend,
         )
 
 
@@ -504,11 +534,14 @@ class ProtocolClient:
         self.rng = rng or random.Random()
         self.sleep = sleep
         self._owns_client = client is None
+        own = _DeadlineTransport(shared_tls_context()) if client is None and transport is None else None
+        #: The sockets ``interrupt`` shuts: those of the transport made here (not an app's or a simulation's).
+        self._backend = own.backend if own is not None else None
         # One TLS context for every device of the process: building one loads the CA bundle
         # (about 18 ms and 0.8 MB each), which a fleet of emulated devices paid per device.
         self.http = client or httpx.Client(
             timeout=httpx.Timeout(timeout_s),
-            transport=transport if transport is not None else _DeadlineTransport(shared_tls_context()),
+            transport=transport if transport is not None else own,
             verify=shared_tls_context(),  # also for a proxy's transport, which httpx makes from the environment
             # what ``_BoundedAnswer`` decodes, and no more (httpx asks for br and zstd too once their
             # packages are installed, and the device would then refuse an honest server's answer)
@@ -521,6 +554,25 @@ class ProtocolClient:
         self.ends_at: float | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._interrupts = 0  # how many times ``interrupt`` was called
+        self._wake = threading.Event()  # set by the next ``interrupt``: ends a retry's wait
+        self._in_flight: set[_Deadline] = set()
+        self._refusing = False
+
+    def interrupt(self, *, for_good: bool = False) -> None:
+        """Cut short, from any thread, the requests this client has in flight: their sockets are
+        shut (on the transport made here; an app's ``client`` or ``transport`` goes on until its
+        own timeout), a wait between retries ends, and each raises ``ProtocolError`` saying so
+        instead of trying again. Requests sent after it run as before; with ``for_good`` none is
+        sent any more. A runtime's ``close`` calls it."""
+        self._refusing = self._refusing or for_good
+        self._interrupts += 1
+        wake, self._wake = self._wake, threading.Event()
+        wake.set()
+        for deadline in list(self._in_flight):
+            deadline.interrupted = True
+        if self._backend is not None:
+            self._backend.shut()
 
     def close(self) -> None:
         if self._owns_client:
@@ -542,11 +594,18 @@ class ProtocolClient:
         if self._auth is not None:
             kwargs.setdefault("auth", self._auth)
         last_error: Exception | None = None
+        generation, wake = self._interrupts, self._wake
         for attempt in range(self.retry.attempts):
             if attempt:
-                self.sleep(self.retry.delay(attempt, self.rng))
+                delay = self.retry.delay(attempt, self.rng)
+                if self.sleep is time.sleep:  # the system's time: ``interrupt`` ends the wait
+                    wake.wait(delay)
+                else:
+                    self.sleep(delay)
                 if retried is not None:
                     retried[:] = [True]
+            if self._refusing or self._interrupts != generation:
+                raise ProtocolError(f"{method} {path[:100]}: {INTERRUPTED}")
             if self.ends_at is not None and self.clock() >= self.ends_at:
                 raise ProtocolError(
                     f"the session's deadline passed before {method} {path[:100]} could be sent"
@@ -555,9 +614,13 @@ class ProtocolClient:
             try:
                 if json_body is not None:
                     kwargs["json"] = json_body()
-                _this_request.deadline = _Deadline(self.clock, self.timeout_s, self.ends_at)
+                deadline = _this_request.deadline = _Deadline(self.clock, self.timeout_s, self.ends_at)
+                self._in_flight.add(deadline)
+                deadline.interrupted = self._interrupts != generation  # interrupted as it was made
                 response = self.http.request(method, url, **kwargs)
             except httpx.TransportError as exc:
+                if self._interrupts != generation:
+                    raise ProtocolError(f"{method} {path[:100]}: {INTERRUPTED}") from None
                 refusal = _tls_refusal(exc)
                 if refusal is not None:  # the app's configuration or the server's: no retry changes it
                     raise ServerUnreachable(
@@ -566,6 +629,7 @@ class ProtocolClient:
                 last_error = exc
                 continue
             finally:
+                self._in_flight.discard(_this_request.deadline)
                 _this_request.deadline = None
             body = kwargs.get("content") or b""
             self.bytes_sent += len(body) if isinstance(body, (bytes, bytearray)) else 0

@@ -296,12 +296,27 @@ class FLRuntime:
         is sent, opstats keep it as interrupted), and ``close`` returns once it has ended: the
         HTTP client and the runtime's own plan cache were closed under it, and it trained on to
         fail at its report with an error that was not the SDK's, the server not told. Called from
-        the session's own thread (one of its hooks), the session closes the runtime as it ends."""
+        the session's own thread (one of its hooks), the session closes the runtime as it ends.
+
+        A request of the session in flight is cut short at once (its socket shut, its retries
+        dropped: ``ProtocolClient.interrupt``) and the session ends interrupted, the server told
+        where it had accepted the session; one still checking in raises ``InvalidSetting``. It
+        waited for the request (a server that held it kept ``close`` for ``timeout_s`` and every
+        retry). ``close`` waits at most ``timeout_s`` (the time the session's abort is given) for
+        the session to end; past it, no request of the runtime is sent any more, and the session
+        releases the HTTP client and the plan cache itself as it ends (a training step in flight
+        first)."""
         self._closed = True
         if self._session_thread == threading.get_ident():
             return
-        with self._lock:
+        self.client.interrupt()
+        if not self._lock.acquire(timeout=self.client.timeout_s):
+            self.client.interrupt(for_good=True)  # its last word too; it releases what it holds as it ends
+            return
+        try:
             self._release()
+        finally:
+            self._lock.release()
 
     def _release(self) -> None:
         self.client.close()
@@ -378,6 +393,14 @@ class FLRuntime:
                 if result.outcome is Outcome.COMPLETED and rec.reading is not None:
                     rec.position = rec.reading.position()  # only a completed session moves the saved position
                 return result
+            except Exception as exc:
+                # its check-in cut short by ``close`` (a server's answer to it is no such thing)
+                if self._closed and rec.session is None and not isinstance(exc, SessionRejected):
+                    raise InvalidSetting(
+                        f"this runtime of population {self.population!r} was closed while it checked in "
+                        f"({str(exc)[:200]}); make a new FLRuntime"
+                    ) from exc
+                raise
             finally:
                 self._session_thread = None
                 self._unclaim()
@@ -542,6 +565,8 @@ class FLRuntime:
         except TrainingInterrupted as stopped:
             return rec.interrupted(rec.over_budget or stopped.reason or "interrupted")
         except BaseException as exc:
+            if self._closed and isinstance(exc, Exception):  # a request cut short by ``close``
+                return rec.interrupted("interrupted")
             if isinstance(exc, ProtocolError) and exc.status == 401:
                 # the server no longer knows the session (BAD_SESSION_TOKEN: it restarted during
                 # selection and lost the round): over, as when it refuses a report; any other
@@ -582,9 +607,13 @@ class FLRuntime:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
                 return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, exc.code)
+            if self._closed:  # the upload cut short by ``close``
+                return rec.interrupted("interrupted")
             rec.record("error", error=type(exc).__name__)
             raise
         except Exception as exc:  # the server unreachable at upload: the session's shape ends in an error
+            if self._closed:
+                return rec.interrupted("interrupted")
             rec.record("error", error=type(exc).__name__)
             raise
         rec.record("upload_completed")
@@ -731,7 +760,13 @@ class FLRuntime:
         knows it took part (its peers' shares recover that input, and the group's sum holds it)."""
         assert rec.session is not None
         self._save_before_upload(rec, rec.session)
-        return self._secure_outcome(rec, secure.finish(vector), result.metrics, result.num_examples)
+        try:
+            outcome = secure.finish(vector)
+        except Exception:
+            if self._closed:  # a request of its rounds cut short by ``close``
+                return rec.interrupted("interrupted")
+            raise
+        return self._secure_outcome(rec, outcome, result.metrics, result.num_examples)
 
     def _save_before_upload(self, rec: _Recorder, session: CheckinAccepted) -> None:
         """Keep the session so far before its update leaves. When it cannot be kept (a full disk),

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from device_runtime import FLRuntime, ProtocolError, RetryPolicy, ServerUnreachable
+from device_runtime import FLRuntime, InvalidSetting, Outcome, ProtocolError, RetryPolicy, ServerUnreachable
 from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore
 
@@ -132,7 +132,7 @@ def test_an_answer_at_once_is_read_as_before(dribbling):
     client.close()
 
 
-def _accepted(plan_id: str) -> bytes:
+def _accepted(plan_id: str, report_deadline_s: float = 0.5) -> bytes:
     return json.dumps(
         {
             "status": "accepted",
@@ -143,7 +143,7 @@ def _accepted(plan_id: str) -> bytes:
             "plan_id": plan_id,
             "checkpoint_id": "b" * 64,
             "aggregation": "simple",
-            "report_deadline_s": 0.5,
+            "report_deadline_s": report_deadline_s,
         }
     ).encode()
 
@@ -214,3 +214,66 @@ def test_a_name_is_resolved_and_its_address_reached(dribbling):
     finally:
         client.close()
     assert server.paths == ["/v1/populations/pop/checkin"]
+
+
+@pytest.mark.parametrize("held", ["the check-in", "the plan's download", "the download and the abort"])
+def test_closing_a_runtime_cuts_short_a_request_the_server_holds(dribbling, tmp_path, held):
+    """An app that closes its runtime while the server holds a request of its session (no byte of
+    an answer): ``close`` waited for the request's timeout and every retry, the session going on
+    under it. Now the request is cut short at once: a session the server accepted ends
+    interrupted (``-!``), the server told through its abort, and one still checking in raises
+    ``InvalidSetting`` saying the runtime was closed. A server that holds the abort too keeps
+    ``close`` for ``timeout_s`` at most, and the session ends right after, its abort cut short."""
+    plan_id = "a" * 64
+    waiting, release = threading.Event(), threading.Event()
+    holds = {"the check-in": ("/checkin",), "the plan's download": ("/v1/resources/",)}.get(
+        held, ("/v1/resources/", "/abort")
+    )
+
+    def answer(path: str) -> tuple[bytes, float | None]:
+        if any(part in path for part in holds):
+            waiting.set()
+            release.wait(30)
+            return b"", None
+        if path.endswith("/checkin"):
+            return _answer(_accepted(plan_id, report_deadline_s=60.0)), None
+        return _answer(b'{"status": "aborted"}'), None
+
+    server = dribbling(answer)
+    store = InMemoryExampleStore()
+    store.add("app:/digits", [{"x": [0.0] * 64, "y": 1}])
+    timeout_s = 1.0 if held == "the download and the abort" else 3.0
+    runtime = FLRuntime(
+        "p", server.url, store, timeout_s=timeout_s, retry=RetryPolicy(attempts=3), cache_dir=tmp_path / "cache"
+    )
+    ended: list = []
+
+    def run() -> None:
+        try:
+            ended.append(runtime.run_session())
+        except InvalidSetting as exc:
+            ended.append(exc)
+
+    session = threading.Thread(target=run, daemon=True)
+    try:
+        session.start()
+        assert waiting.wait(30)
+        started = time.monotonic()
+        runtime.close()
+        took = time.monotonic() - started
+        session.join(1.0)
+        assert not session.is_alive()
+    finally:
+        release.set()
+    [result] = ended
+    if held == "the check-in":
+        assert isinstance(result, InvalidSetting) and "was closed while it checked in" in str(result)
+        assert took < 1.0 and server.paths == ["/v1/populations/p/checkin"]
+        return
+    assert result.outcome is Outcome.INTERRUPTED and result.shape == "-!"
+    assert server.paths[-1] == "/v1/sessions/s1/abort"
+    if held == "the plan's download":
+        assert took < 1.0
+    else:  # the abort held: close gave it the runtime's timeout_s, then cut it short too
+        assert timeout_s - 0.1 < took < timeout_s + 0.5
+    assert not list((tmp_path / "cache").glob("*"))
