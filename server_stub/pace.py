@@ -207,6 +207,16 @@ class Rendezvous:
         else:
             self.natural.observe_checkin(now)
 
+    def watch(self, now: float) -> None:
+        """The server starts watching the population's check-ins at ``now`` (a selection opens),
+        unless it already has: ``small`` counts the time watched from here, not from the first
+        check-in, which comes a device's latency later. Counted from that check-in, a fleet whose
+        first selection timed out short (opened at 0, its first device in at 1 s) had been watched
+        for a second less than a selection window when it closed, and its second round opened at
+        once and was abandoned too: 52 of 500 devices' participation spent for nothing."""
+        if self.natural._first is None:
+            self.natural._decay_to(now)
+
     def natural_arrivals(self, selection_s: float) -> float:
         """Check-ins expected of themselves within a selection window of ``selection_s``."""
         return self.natural.rate * selection_s
@@ -214,13 +224,14 @@ class Rendezvous:
     def small(self, now: float, seats: int, selection_s: float) -> bool:
         """Whether a round opened now would rely on luck: the check-ins that come of themselves in
         its selection window fall short of ``RENDEZVOUS_MARGIN`` times its seats. Never before a
-        whole selection window of check-ins was watched: a fresh server opens its rounds at once,
-        and a handful of check-ins in a few seconds says nothing yet about the population."""
+        whole selection window of check-ins was watched (from ``watch`` or the first check-in): a
+        fresh server opens its rounds at once, and a handful of check-ins in a few seconds says
+        nothing yet about the population."""
         self.natural._decay_to(now)
         first = self.natural._first
-        watched_s = now - first if first is not None else 0.0
         return (
-            watched_s >= selection_s
+            first is not None
+            and now >= first + selection_s  # as a selection's deadline is reckoned: no rounding short
             and self.natural._weight > 0.0
             and self.natural_arrivals(selection_s) < RENDEZVOUS_MARGIN * seats
         )

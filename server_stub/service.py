@@ -786,6 +786,7 @@ class FLService:
             return
         run = pop.runs[choose_task(pop.strategy, [r.weight for r in pop.runs], pop.turn, self.rng)]
         pop.turn += 1
+        pop.rendezvous.watch(now)  # its check-ins are watched from the first selection's opening
         open_round(run, now, self.wall_clock(), self.secagg_random_bytes, self._certifies)
         pop.current = run
 

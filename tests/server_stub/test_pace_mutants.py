@@ -231,6 +231,26 @@ def test_a_server_that_saw_no_check_in_does_not_call_its_population_small(first,
     assert not r.small(float(first + 2 * sel), SEATS, float(sel))
 
 
+@given(
+    start=st.floats(0.0, 1e6),
+    sel=st.floats(10.0, 3600.0),
+    lag=st.floats(0.01, 5.0),
+    n=st.integers(1, SEATS // 2),
+)
+def test_a_trickle_watched_from_its_selections_opening_is_small_when_that_selection_closes(start, sel, lag, n):
+    """The first round opens at ``start`` and its first device comes a moment later: when its
+    selection window closes short, the server has watched one whole window of check-ins (it used
+    to count from the first check-in, was short by that moment, and opened the next round at once
+    on the same trickle)."""
+    r = Rendezvous()
+    r.watch(start)
+    for k in range(n):  # half the seats, evenly from a device's latency on
+        r.observe_checkin(start + lag + (sel - lag) * k / n)
+    assert r.small(start + sel, SEATS, sel)
+    r.watch(start + sel)  # the next opening does not restart the watch
+    assert r.small(start + sel, SEATS, sel)
+
+
 def test_check_ins_of_exactly_the_margin_times_the_seats_are_not_small():
     # the state is set directly: 0.25 check-ins a second bring 25 = 1.25 * 20 in 100 s
     natural = CheckinPace(memory_s=600.0, _weight=25.0, _seen_for=100.0, _first=0.0, _last=1000.0)

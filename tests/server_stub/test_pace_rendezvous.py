@@ -161,3 +161,32 @@ def test_a_population_that_never_gathers_its_seats_still_opens_rounds(tmp_path):
     assert deferred > 0  # it is a small population: selections were put off
     assert len(opened) >= 3 * 3600.0 / (longest_s + config.report_timeout_s)
     store.close()
+
+
+def test_a_first_selection_that_closed_short_is_not_followed_at_once_by_another(tmp_path):
+    """The server opens its first selection at 0 and its first device comes a second later: a
+    trickle of five for 13 seats, the round times out short and the next selection waits for
+    devices to gather (the devices turned away are told ROUND_NOT_OPEN), where it opened at once on
+    the same trickle because the second before the first check-in was not counted as watched."""
+    from device_runtime import encode_checkpoint, initial_weights, serialize_plan
+    from device_runtime.plan import installed_runtime_version
+    from device_runtime.wire import CheckinAccepted, CheckinRejected
+    from server_stub import FLService, RoundConfig, ServerStore
+    from tests.support import digits_plan
+
+    clock = [0.0]
+    store = ServerStore(tmp_path / "s.db")
+    service = FLService(store, clock=lambda: clock[0], wall_clock=lambda: 1.7e9 + clock[0])
+    plan = digits_plan()
+    config = RoundConfig(goal_count=10, selection_timeout_s=60.0, report_timeout_s=60.0)
+    service.create_population("p")
+    service.deploy_task("p", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config)
+    version = installed_runtime_version()
+    for at in (1.0, 12.0, 24.0, 36.0, 48.0):  # seated, then silent: the round closes at its selection's end
+        clock[0] = at
+        assert isinstance(service.checkin("p", version), CheckinAccepted)
+    clock[0] = 60.0
+    service.tick()
+    answer = service.checkin("p", version)
+    store.close()
+    assert isinstance(answer, CheckinRejected) and answer.reason == "ROUND_NOT_OPEN", answer
