@@ -3,14 +3,16 @@ devices running secure rounds against it, and the benchmarks run as documented."
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -595,3 +597,25 @@ def server_command_exit(args: Sequence[str], timeout_s: float = 30.0) -> int:
         return codes.get(timeout=timeout_s)
     except queue.Empty:
         pytest.fail(f"the server command started serving instead of refusing {list(args)}")
+
+
+@contextlib.contextmanager
+def read_only_folder(folder: Path) -> Iterator[Path]:
+    """``folder`` made, then refusing files as a read-only file system's does (immutable with
+    ``chattr +i``: root writes past modes; else mode 0555), for the body of the ``with``; the test
+    is skipped where this process can write to it all the same."""
+    folder.mkdir()
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        os.chmod(folder, 0o555)
+    try:
+        try:
+            (folder / "probe").write_text("")
+        except OSError:
+            pass
+        else:
+            (folder / "probe").unlink()
+            pytest.skip("this process writes to read-only folders, and chattr cannot make one immutable here")
+        yield folder
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+        os.chmod(folder, 0o755)

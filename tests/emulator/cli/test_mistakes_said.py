@@ -16,6 +16,7 @@ from emulator.cli import commands as cli
 from emulator.toolchain.bundle import SOURCE, TASK_FILE, check_bundle_path
 from emulator.toolchain.tasks import TaskError
 from server_stub import ServerThread
+from tests.support import read_only_folder
 
 ADMIN_KEY = "operator-key-for-the-mistakes-0123456789"
 #: Words of the validator and the classes behind the config, which a command line never shows.
@@ -308,26 +309,9 @@ def test_the_demo_options_a_refusal_names_are_the_demo_parser_s():
 def test_an_output_folder_that_refuses_files_is_said_with_what_to_give(tmp_path, capsys):
     """``plan build -o`` a folder on a read-only file system (here immutable: root writes past modes)
     said the system's words alone, "[Errno 30] Read-only file system: 'ro/task.py'"."""
-    import os
-    import subprocess
-
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
-        os.chmod(locked, 0o555)
-    try:
-        try:
-            (locked / "probe").write_text("")
-        except OSError:
-            pass
-        else:
-            (locked / "probe").unlink()
-            pytest.skip("this process writes to read-only folders, and chattr cannot make one immutable here")
+    with read_only_folder(tmp_path / "locked") as locked:
         task = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
         assert cli.main(["plan", "build", str(task), "-o", str(locked)]) == 2
-    finally:
-        subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
-        os.chmod(locked, 0o755)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"fedfleet plan build: cannot use {locked}")
     assert "; give files that can be read and an output folder that can be written" in err and "[Errno" not in err

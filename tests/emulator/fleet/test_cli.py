@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
-
-import pytest
 
 from emulator.cli.commands import main
 from emulator.fleet import RoundRow
 from emulator.toolchain.bundle import build_bundle
+from tests.support import read_only_folder
 
 DIGITS_TASK = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
 
@@ -99,25 +97,11 @@ def test_an_out_folder_that_exists_but_refuses_files_is_refused_in_one_line_befo
     """An --out folder on a read-only file system (here an immutable folder: root writes past modes)
     ended in a traceback from the run's server folder; it is one line before the run, as a folder that
     cannot be made is."""
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
-        os.chmod(locked, 0o555)
-    try:
-        try:
-            (locked / "probe").write_text("")
-        except OSError:
-            pass
-        else:
-            (locked / "probe").unlink()
-            pytest.skip("this process writes to read-only folders, and chattr cannot make one immutable here")
+    with read_only_folder(tmp_path / "locked") as locked:
         assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(locked), "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert f"cannot write the run to --out {locked} (" in err and "that can be created and written" in err
         assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("fedfleet simulate: cannot write")
-    finally:
-        subprocess.run(["chattr", "-i", str(locked)], capture_output=True)
-        os.chmod(locked, 0o755)
     assert list(locked.iterdir()) == []
 
 
@@ -191,7 +175,6 @@ def test_ctrl_c_ends_the_run_with_a_line_and_exit_code_130(tmp_path, capsys, mon
 def test_sigterm_ends_the_run_as_ctrl_c_does_with_a_line_and_exit_code_143(tmp_path, capsys, monkeypatch):
     """A batch scheduler's stop (SIGTERM) mid-run unwinds as Ctrl-C does: one line, exit code 143,
     no traceback, the server's database closed (it killed the process where it stood, before)."""
-    import os
     import signal
 
     from emulator.fleet.simulator import FleetSimulator
