@@ -208,7 +208,7 @@ def test_round_tables_written_before_the_epsilon_column_still_read(tmp_path):
 def test_canary_devices_take_part_through_the_real_protocol_and_the_run_is_audited(monkeypatch):
     config = FleetConfig.from_dict(
         {
-            "fleet": {"devices": 40, "hours": 4.0, "start_utc_hour": 6.0, "seed": 3},
+            "fleet": {"devices": 40, "hours": 4.0, "start_utc_hour": 6.0, "seed": 1},
             "task": {"goal_count": 10, "compute_s_per_example": 0.2, "retry_min_s": 60.0, "retry_max_s": 300.0},
             "dp": {"mode": "central", "audit_canaries": 8},
         }

@@ -458,10 +458,11 @@ def test_a_small_simulated_fleet_writes_a_report_of_its_own_numbers(simulated):
     assert _same_rows(RoundRow.from_csv(out / "rounds.csv"), run.rounds)
     assert _same_rows(TimelineRow.from_csv(out / "timeline.csv"), run.timeline)
     summary = json.loads((out / "summary.json").read_text())
-    accepted = [s for s in run.sessions if s.session_id]
+    accepted = [s for s in run.sessions if s.session_id and s.outcome != "unfinished"]  # ended: the cut ones apart
     assert summary["digest"] == run.digest and summary["devices"] == 120 and summary["simulated_s"] == 7200.0
     assert summary["shapes"] == dict(Counter(s.shape for s in accepted))
     assert summary["dropout_rate"] == pytest.approx(sum(s.shape[-1] not in "^#" for s in accepted) / len(accepted))
+    assert summary["sessions_unfinished"] == sum(s.session_id != "" and s.outcome == "unfinished" for s in run.sessions)
     assert summary["rounds_committed"] == sum(r.committed for r in run.rounds)
     assert sum(summary["errors"].values()) == sum(s.outcome == "error" for s in run.sessions)
     page = _parse_report(out / "report.html")
