@@ -289,14 +289,22 @@ class FLRuntime:
         self._verdict_needed = False  # from when a task with eligibility policies is seen
         self._closed = False
         self._session_thread: int | None = None  # the thread of the session in progress
+        # the run options of the session's training in progress, and those whose step ``close``
+        # stopped by force (cleared again as the session ends: an app's may serve another runtime)
+        self._stopping = threading.Lock()
+        self._training: onnxruntime.RunOptions | None = None
+        self._terminated: onnxruntime.RunOptions | None = None
 
     def close(self) -> None:
         """Close the runtime. A session in progress on another thread is interrupted as by its
-        ``should_abort`` (at its next check, a training step at most: the server is told, nothing
-        is sent, opstats keep it as interrupted), and ``close`` returns once it has ended: the
-        HTTP client and the runtime's own plan cache were closed under it, and it trained on to
-        fail at its report with an error that was not the SDK's, the server not told. Called from
-        the session's own thread (one of its hooks), the session closes the runtime as it ends.
+        ``should_abort`` (the server is told, nothing is sent, opstats keep it as interrupted), and
+        ``close`` returns once it has ended: the HTTP client and the runtime's own plan cache were
+        closed under it, and it trained on to fail at its report with an error that was not the
+        SDK's, the server not told. A training step in flight is stopped by force through the
+        session's run options (``run_options.terminate``: the runtime's own, or the app's given to
+        ``run_session``, whose flag is cleared again as the session ends); it ran to its end, for
+        as long as a large model's step on a slow device takes. Called from the session's own
+        thread (one of its hooks), the session closes the runtime as it ends.
 
         A request of the session in flight is cut short at once (its socket shut, its retries
         dropped: ``ProtocolClient.interrupt``) and the session ends interrupted, the server told
@@ -304,11 +312,14 @@ class FLRuntime:
         waited for the request (a server that held it kept ``close`` for ``timeout_s`` and every
         retry). ``close`` waits at most ``timeout_s`` (the time the session's abort is given) for
         the session to end; past it, no request of the runtime is sent any more, and the session
-        releases the HTTP client and the plan cache itself as it ends (a training step in flight
-        first)."""
+        releases the HTTP client and the plan cache itself as it ends."""
         self._closed = True
         if self._session_thread == threading.get_ident():
             return
+        with self._stopping:
+            if self._training is not None and not self._training.terminate:
+                self._training.terminate = True
+                self._terminated = self._training
         self.client.interrupt()
         if not self._lock.acquire(timeout=self.client.timeout_s):
             self.client.interrupt(for_good=True)  # its last word too; it releases what it holds as it ends
@@ -317,6 +328,14 @@ class FLRuntime:
             self._release()
         finally:
             self._lock.release()
+
+    def _training_ended(self) -> None:
+        """The session's training is over: ``close`` stops no step any more, and run options it
+        stopped one through run again (an app's given to ``run_session`` serve its next runtime)."""
+        with self._stopping:
+            if self._terminated is not None:
+                self._terminated.terminate = False
+            self._training = self._terminated = None
 
     def _release(self) -> None:
         self.client.close()
@@ -358,7 +377,8 @@ class FLRuntime:
 
         Every phase is recorded; the events go to ``opstats`` (if given) in one transaction when
         the session ends, whatever the way it ends. Setting ``run_options.terminate`` from another
-        thread stops a training step in flight; make them with :func:`stoppable_run_options`.
+        thread stops a training step in flight (``close`` sets it); make them with
+        :func:`stoppable_run_options`.
         While another runtime of this population runs a session over one of this runtime's example
         stores in this process, raises ``SessionInProgress`` at once, having sent nothing (a second
         call on this runtime waits for its own session instead)."""
@@ -549,6 +569,7 @@ class FLRuntime:
             if self.work_meter is not None:
                 batches = _metered(batches, plan, self.work_meter)
             run_options = run_options if run_options is not None else stoppable_run_options()
+            self._training = run_options  # a step in flight stops at ``close``; closed before, at its first check
             try:
                 with self._training_watchdog(plan, run_options, rec):
                     result = executor.run_device(
@@ -558,6 +579,7 @@ class FLRuntime:
                         run_options=run_options,
                     )
             finally:
+                self._training_ended()
                 if self.work_meter is not None:
                     self.work_meter.settle()
             reading.training_completed()

@@ -7,13 +7,17 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import time
 
+import numpy as np
+import onnxruntime
 import pytest
 
-from device_runtime import FLRuntime, InvalidSetting, OpStatsStore, Outcome, SessionInProgress
+from device_runtime import FLRuntime, InvalidSetting, OpStatsStore, Outcome, SessionInProgress, stoppable_run_options
 from device_runtime.clock import SystemClock, VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import AppDatabaseError
+from device_runtime.plan_builder import build_mlp_plan
 from device_runtime.scheduling import (
     ParticipationScheduler,
     RunOutcome,
@@ -21,7 +25,7 @@ from device_runtime.scheduling import (
     SchedulerSettings,
     WorkerQueue,
 )
-from example_store import ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
+from example_store import ExampleSelector, ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, TrainingSeen, deploy, digits_plan
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
@@ -98,6 +102,58 @@ def test_closing_a_runtime_while_its_session_trains_interrupts_it_the_server_tol
     assert runtime.cache_dir is not None and not runtime.cache_dir.exists()
     with pytest.raises(InvalidSetting, match="closed"):
         runtime.run_session()
+    opstats.close()
+
+
+def _closed_in_first_step(runtime: FLRuntime, run_options: onnxruntime.RunOptions | None) -> tuple:
+    """The session's result and the seconds ``close`` took, called from this thread while the
+    session's first training step runs on another."""
+    training = threading.Event()
+
+    def first_step() -> bool:  # asked before every step: the first starts right after
+        training.set()
+        return False
+
+    ended: list = []
+    session = threading.Thread(
+        target=lambda: ended.append(runtime.run_session(should_abort=first_step, run_options=run_options)),
+        daemon=True,
+    )
+    session.start()
+    assert training.wait(60)
+    time.sleep(0.1)  # well inside the first step
+    started = time.monotonic()
+    runtime.close()
+    closing_s = time.monotonic() - started
+    session.join(60)
+    [result] = ended
+    return result, closing_s
+
+
+def test_closing_a_runtime_stops_a_training_step_in_flight(tmp_path, server, admin, digits):
+    """``close`` while one long training step runs (a large batch here; a big model on a slow
+    device): the step is stopped by force through the session's run options (the runtime's own,
+    then the app's), ``close`` returns at once, the session ends interrupted with the server told
+    and no update taken, and the app's run options run again after. The step ran to its end
+    (seconds here) before ``close`` returned."""
+    batch = 32768  # one step of about 3 s on a laptop's core
+    plan = build_mlp_plan(64, (512, 512), 10, batch_size=batch, epochs=1000, selector=ExampleSelector(COLLECTION))
+    deploy(admin, plan=plan, goal_count=5)
+    store = InMemoryExampleStore()
+    rows = np.arange(batch) % len(digits.x_train)
+    store.add(COLLECTION, ({"x": digits.x_train[i], "y": digits.y_train[i]} for i in rows))
+    opstats = OpStatsStore(tmp_path / "app.db")
+    for run_options in (None, stoppable_run_options()):
+        runtime = FLRuntime("digits", server.url, store, opstats=opstats)
+        result, closing_s = _closed_in_first_step(runtime, run_options)
+        assert closing_s < 0.5
+        assert result.outcome is Outcome.INTERRUPTED and result.shape == "-v[!"
+        [stopped] = [e for e in result.events if e.kind == "interrupted"]
+        assert stopped.detail["reason"] == "interrupted"
+        assert run_options is None or not run_options.terminate  # the app's run again
+    current = admin.status("digits")["current_round"]
+    assert current["aborted"] == 2 and current["reported"] == 0
+    assert opstats.shape_counts() == {"-v[!": 2}
     opstats.close()
 
 
