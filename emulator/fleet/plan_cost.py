@@ -43,6 +43,13 @@ eighth of its memory, ``device_runtime.batching.examples_share``), counted as th
 when it loads the plan: the batch size times ``PlanExecutor.example_bytes`` (``PlanCost.fed_batch_bytes``).
 ``PlanCost.fits`` says whether a device of some memory holds the plan, by both checks.
 
+Parameters (``PlanCost.parameters``): the values training fits, counted as ``fedfleet plan
+from-torch`` and ``from-onnx`` print them (their "N parameters"): the weights of a training plan
+its metrics (the loss) read, as of an evaluation plan, less a ``BatchNormalization``'s running
+mean and variance. The checkpoint's other values (``PlanCost.untrained_values``) are the
+running statistics of ``BatchNormalization``, which a training step moves but no gradient does, and
+the client optimizer's state (momentum, Adam's moments); a device downloads and keeps them all.
+
 Bytes: the serialized plan, the checkpoint of its weights (what a device downloads each
 session) and a plain client update (what it uploads), exactly as ``encode_checkpoint`` writes
 them (a checkpoint's size does not depend on its values)."""
@@ -117,6 +124,8 @@ class PlanCost:
     batch_size: int
     flops_per_batch: int
     flops_by_op: Mapping[str, int]
+    #: Values training fits (the toolchain's "N parameters"); ``untrained_values``: the checkpoint's
+    #: others (running statistics, the client optimizer's state).
     parameters: int
     state_bytes: int
     batch_bytes: int
@@ -129,6 +138,7 @@ class PlanCost:
     #: the batch size times ``PlanExecutor.example_bytes``.
     fed_batch_bytes: int
     unresolved: tuple[str, ...] = field(default=())
+    untrained_values: int = 0
 
     @property
     def flops_per_example(self) -> float:
@@ -155,6 +165,7 @@ class PlanCost:
         return {
             "flops_per_example": self.flops_per_example,
             "parameters": self.parameters,
+            "untrained_values": self.untrained_values,
             "memory_mb": round(self.memory_mb, 3),
             "plan_bytes": self.plan_bytes,
             "checkpoint_bytes": self.checkpoint_bytes,
@@ -185,11 +196,13 @@ def plan_cost(plan: Plan) -> PlanCost:
     executor = PlanExecutor(plan)  # reads the graphs' declared inputs; makes no session
     weights = {n: np.zeros(s, d) for n, (s, d) in executor.weight_spec().items()}
     update = {n: np.zeros(s, d) for n, (s, d) in executor.client_update_spec().items()}
+    trained = trained_weights(plan, model)
     return PlanCost(
         batch_size=batch,
         flops_per_batch=sum(flops.values()),
         flops_by_op=dict(sorted(flops.items())),
-        parameters=int(sum(w.size for w in weights.values())),
+        parameters=int(sum(w.size for n, w in weights.items() if n in trained)),
+        untrained_values=int(sum(w.size for n, w in weights.items() if n not in trained)),
         state_bytes=state,
         batch_bytes=batch_bytes,
         activation_bytes=activations,
@@ -200,6 +213,37 @@ def plan_cost(plan: Plan) -> PlanCost:
         fed_batch_bytes=batch * executor.example_bytes(),
         unresolved=tuple(unresolved),
     )
+
+
+def trained_weights(plan: Plan, model: onnx.ModelProto) -> set[str]:
+    """The plan's weights that training fits (see the module's docstring): those its metrics read
+    (a training plan's loss reads every weight it trains; a step's update of running statistics
+    and of the optimizer's state reaches no metric, and an evaluation plan reads no optimizer
+    state), less the running mean and variance a ``BatchNormalization`` reads."""
+    graph = model.graph
+    statistics = {
+        n.input[i] for n in graph.node if n.op_type == "BatchNormalization" for i in (3, 4) if i < len(n.input)
+    }
+    producer = {o: node for node in graph.node for o in node.output if o}
+    seen: set[str] = set()
+    todo = list(plan.metric_names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is not None:
+            todo += [i for i in node.input if i]
+            for a in node.attribute:
+                for g in (*([a.g] if a.HasField("g") else []), *a.graphs):
+                    todo += _read(g)
+    return set(plan.weight_names) & seen - statistics
+
+
+def _read(graph: onnx.GraphProto) -> set[str]:
+    """Every name a graph's nodes read, its subgraphs' included (an outer scope's values among them)."""
+    return {i for g in _graphs(graph) for node in g.node for i in node.input if i}
 
 
 # ----------------------------------------------------------------------------- counting

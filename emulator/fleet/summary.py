@@ -526,8 +526,10 @@ def summarize(run: RunTables) -> dict[str, Any]:
       run's end: still training or reporting), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
       ``bytes_down``, ``bytes_up``;
     - ``devices_short_of_memory``: devices whose memory cannot hold a plan the fleet serves (a training or an evaluation task's; they took no part);
-      ``plan_cost``: the plan's FLOPs per example, parameters, peak memory estimate, plan,
-      checkpoint and update bytes, and the simulated seconds per example on the reference phone;
+      ``plan_cost``: the plan's FLOPs per example, parameters (the trained values, as the toolchain
+      prints them) and the checkpoint's untrained values (running statistics, optimizer state), peak
+      memory estimate, plan, checkpoint and update bytes, and the simulated seconds per example on
+      the reference phone;
     - ``accuracy``, ``loss``: of the last committed round that measured them;
     - ``epsilon``, ``delta``, ``dp_rounds``, ``noise_multiplier`` (null without DP), and with the
       audit's canaries ``audit_canaries`` and ``audit_epsilon``: see :func:`privacy`;

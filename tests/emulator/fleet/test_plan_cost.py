@@ -18,7 +18,10 @@ from emulator.fleet import FleetConfig, FleetRun, device_examples, generate_popu
 from emulator.fleet.config import REFERENCE_FLOPS_PER_S
 from emulator.fleet.plan_cost import graph_flops, plan_cost
 from emulator.fleet.ray_backend import simulate_sharded
+from emulator.toolchain import SGD, Momentum, evaluation_plan_from_onnx, onnx_training_plan
+from emulator.toolchain.onnx_import import trainable_table
 from example_store import ExampleSelector
+from tests.emulator.toolchain.models import model as toolchain_model
 
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
 #: are session-scoped, so that no test run between two of them makes the worker build them again.
@@ -128,6 +131,57 @@ def test_the_flops_of_batched_matmul_conv_transpose_einsum_and_lstm_are_their_ha
     }
     assert _one_node("Relu", {"x": [3, 5]}, [3, 5]) == {"Relu": 15}
     assert _one_node("Reshape", {"x": [3, 5], "s": [2]}, [15]) == {}
+
+
+def _conv_batch_norm_model():
+    """A CNN with a BatchNorm (the kind ``plan from-torch`` exports): Conv 4x1x3x3 on 8x8 images,
+    BatchNormalization over its 4 channels, Flatten, MatMul 144 -> 10."""
+    rng = np.random.default_rng(0)
+    inits = {
+        "conv": rng.normal(0, 0.3, (4, 1, 3, 3)).astype(np.float32),
+        "scale": np.ones(4, np.float32),
+        "bias": np.zeros(4, np.float32),
+        "running_mean": np.zeros(4, np.float32),
+        "running_var": np.ones(4, np.float32),
+        "fc": rng.normal(0, 0.1, (144, 10)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "conv"], ["c"]),
+        helper.make_node("BatchNormalization", ["c", "scale", "bias", "running_mean", "running_var"], ["bn"]),
+        helper.make_node("Relu", ["bn"], ["r"]),
+        helper.make_node("Flatten", ["r"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "fc"], ["y"]),
+    ]
+    return toolchain_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+        inits,
+    )
+
+
+@pytest.mark.parametrize("optimizer", [SGD(0.1), Momentum(0.1)])
+def test_the_parameters_are_the_trained_ones_the_toolchain_prints_and_the_rest_of_the_checkpoint_apart(optimizer):
+    """A plan of a model with a BatchNorm: ``parameters`` is what the toolchain trains and prints
+    (its "N parameters"), of the training and the evaluation plan alike; the running statistics
+    and the optimizer's state are ``untrained_values``. The running statistics were counted as
+    parameters: 1,506 in the summary where ``plan from-torch`` had printed 1,498."""
+    source = _conv_batch_norm_model()
+    options = dict(label="y", loss="cross_entropy", batch_size=8, example_selector=ExampleSelector("app:/examples"))
+    made = onnx_training_plan(source, optimizer=optimizer, **options)
+    plan = made.plan
+    assert made.trainable == {"conv": (4, 1, 3, 3), "scale": (4,), "bias": (4,), "fc": (144, 10)}
+    printed = trainable_table(made.trainable)[-1]  # what from-torch and from-onnx print of it
+    cost = plan_cost(plan)
+    assert printed.endswith(f"{cost.parameters:,} parameters") and cost.parameters == 36 + 4 + 4 + 1440
+    momentum = cost.parameters if isinstance(optimizer, Momentum) else 0
+    assert cost.untrained_values == 4 + 4 + momentum
+    assert cost.summary()["parameters"] == cost.parameters
+    assert cost.summary()["untrained_values"] == cost.untrained_values
+    weights = PlanExecutor(plan).weight_spec()
+    assert cost.parameters + cost.untrained_values == sum(int(np.prod(s)) for s, _ in weights.values())
+    evaluation = plan_cost(evaluation_plan_from_onnx(source, training_plan=plan, **options))
+    assert (evaluation.parameters, evaluation.untrained_values) == (cost.parameters, cost.untrained_values)
 
 
 def test_memory_is_the_state_twice_a_batch_and_the_activations_at_least_the_declared_budget():
