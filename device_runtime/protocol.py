@@ -89,8 +89,10 @@ def redacted_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:  # a bare ``user:secret@host:port`` (refused as no URL, and named in the refusal)
         scheme, rest = "", url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    userinfo, at, _ = rest[:end].rpartition("@")
+    # the userinfo runs to the last '@', not to the first '/', '?' or '#': a password holding one as
+    # typed (user:pa/ss@host) is cut there as a URL is read, and was shown whole in its refusal (a
+    # server URL with an '@' past its host is refused: ``_checked_url``)
+    userinfo, at, _ = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")
     if not at or not colon:
         return url
@@ -132,6 +134,7 @@ def _checked_url(url: str) -> str:
             and not parsed.fragment
             and not url.endswith(("?", "#"))
             and not any(c.isspace() or not c.isprintable() for c in url)
+            and "@" not in parsed.path  # the rest of a password holding '/' (user:12/34@host), read as a path
         )
     except (httpx.InvalidURL, TypeError):
         fits = False
@@ -139,6 +142,8 @@ def _checked_url(url: str) -> str:
         scheme = url.split("://", 1)[0].lower() if "://" in url else None
         bare = redacted_url(url).split("://", 1)[-1]
         example = f", e.g. http://{bare or '127.0.0.1:8000'}" if scheme is None and bare.isprintable() else ""
+        if "@" in url and not example:
+            example += "; a password holding / ? # or @ is written percent-encoded (%2F %3F %23 %40)"
         raise InvalidSetting(f"{redacted_url(url)[:200]!r} is not a server URL: {SERVER_URL_RULE}{example}")
     return url.rstrip("/")
 

@@ -11,6 +11,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_runtime import FLRuntime, Outcome, ProtocolError
 from device_runtime.protocol import RetryPolicy, shared_tls_context
@@ -247,3 +249,22 @@ def test_a_password_in_the_server_url_is_in_no_message_and_no_log_line(tmp_path,
     assert any("HTTP Request: POST http://127.0.0.1:" in r.getMessage() for r in caplog.records)
     for said in (str(unreachable.value), str(not_a_url.value), *(r.getMessage() for r in caplog.records)):
         assert "hunter2" not in said, said
+
+
+@settings(max_examples=150, deadline=None)
+@given(password=st.text(alphabet="ab1/?#@:%.", min_size=1, max_size=12))
+def test_a_password_holding_a_url_delimiter_is_shown_as_stars_or_refused_without_it(password):
+    """A password typed with '/', '?', '#' or '@' in it (``https://op:pa/ss@host``) cut the URL's
+    host short as it is read, and the refusal, or the device's messages about a URL read with the
+    rest of the password as its path, showed it."""
+    from device_runtime import InvalidSetting
+    from device_runtime.protocol import checked_server_url, redacted_url
+
+    url = f"https://operator:Zq{password}@fl.example:8443/"
+    assert redacted_url(url) == "https://operator:***@fl.example:8443/"
+    try:
+        checked = checked_server_url(url)
+    except InvalidSetting as exc:
+        assert f"Zq{password}" not in str(exc) and "operator:***@fl.example:8443/" in str(exc), str(exc)
+    else:  # taken only as the URL of fl.example, with the password its userinfo
+        assert httpx.URL(checked).host == "fl.example"
