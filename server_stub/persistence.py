@@ -388,6 +388,16 @@ def hold_data(file: str, shown: str | None) -> int | None:
     return data_fd
 
 
+def hold_data_made(fd: int, file: str, shown: str | None) -> None:
+    """Take the database file's own lock for the lock ``fd`` that ``hold_file`` took before the
+    file was made (``hold_data`` had nothing to lock): a server that made its database held no lock
+    on it until it restarted, and a second server on a hard link made meanwhile ran beside it."""
+    if fd not in _DATABASE_FDS:
+        data_fd = hold_data(file, shown)
+        if data_fd is not None:
+            _DATABASE_FDS[fd] = data_fd
+
+
 def release_file(fd: int) -> None:
     """Release a lock ``hold_file`` took: its lock file's descriptor and the database file's."""
     data_fd = _DATABASE_FDS.pop(fd, None)
@@ -424,6 +434,8 @@ class ServerStore:
             if hold and (self._file is None or os.path.isdir(os.path.dirname(os.path.abspath(self._file)))):
                 self.hold()  # (a file in no folder is no other server's: SQLite says what to do about it)
             self._open_layout()
+            if self._lock_fd is not None and self._file is not None:  # a database made just now: its file's lock
+                hold_data_made(self._lock_fd, self._file, self.path)
         except BaseException:
             self.close()
             raise

@@ -371,3 +371,17 @@ def test_a_server_on_a_hard_link_to_the_database_keeps_others_off_the_file(tmp_p
             running.close()
     ServerStore(str(other), hold=True).close()  # released with the server
     assert _command(capsys, "restore", "--backup", str(tmp_path / "b.db"), "--db", str(other))[0] == 0
+
+
+def test_a_server_that_made_its_database_keeps_a_server_on_a_hard_link_to_it_off(tmp_path):
+    """A server started on a database not made yet had no file to lock: until it restarted, a
+    second server on a hard link made to the file meanwhile ran beside it."""
+    db, other = tmp_path / "fl.db", tmp_path / "other.db"
+    running = ServerStore(str(db), hold=True)  # as fedfleet server --db fl.db makes it
+    try:
+        os.link(db, other)
+        with pytest.raises(DatabaseInUse, match="started on another of its 2 names"):
+            ServerStore(str(other), hold=True)
+    finally:
+        running.close()
+    ServerStore(str(other), hold=True).close()  # released with the server
