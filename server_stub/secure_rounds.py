@@ -210,11 +210,14 @@ class SecureSettings:
     @classmethod
     def for_config(cls, config: RoundConfig) -> SecureSettings:
         """A task's settings: its k, round timeout and ConsistencyCheck, and groups of
-        ``secagg_target_group_size`` (at least k + 1)."""
+        ``secagg_target_group_size`` (at least k + 1). Without ConsistencyCheck every group takes
+        the complete graph: devices refuse a SecAgg+ group without it under any policy
+        (``SecAggPolicy.violation``), and groups of some 370 devices or more were SecAgg+."""
         k = config.secagg_min_group_size
         return cls(
             k,
             config.secagg_round_timeout_s,
+            secagg_plus=None if config.secagg_consistency_check else False,
             consistency_check=config.secagg_consistency_check,
             spare=max(1, config.secagg_target_group_size - k),
         )

@@ -202,3 +202,22 @@ def test_a_secure_rounds_masked_inputs_are_due_at_its_report_window_and_its_last
     assert core.phase is Phase.REPORTING and set(core.deadlines.values()) == {16.0 + 180.0 + 30.0}
     without_check = SecureSettings.for_config(RoundConfig(secagg_consistency_check=False, secagg_round_timeout_s=4.0))
     assert without_check.finalization_s == 8.0
+
+
+def test_groups_without_consistency_check_take_the_graph_devices_accept():
+    """A task with ``secagg_consistency_check`` off and groups of 370 devices or more made them
+    SecAgg+ groups, which every device refuses without ConsistencyCheck: no such group summed."""
+    from device_runtime.secagg_policy import SecAggPolicy
+    from secagg import SecAggConfig
+
+    for check in (False, True):
+        settings = SecureSettings.for_config(RoundConfig(secagg_consistency_check=check, secagg_target_group_size=400))
+        config = SecAggConfig.for_cohort(  # as SecureRound makes each group's
+            400,
+            8,
+            secagg_plus=settings.secagg_plus,
+            consistency_check=settings.consistency_check,
+            min_summed=settings.min_group_size,
+            graph_commitment=bytes(32),
+        )
+        assert SecAggPolicy(require_consistency_check=check).violation(config, 400) is None
