@@ -183,6 +183,8 @@ class _StoredJobs:
         self._app = app
         self._database = database
         self._run_lock = _open_run_lock(database)
+        self._run_lock_guard = threading.Lock()
+        self._run_lock_held = False  # by a job of this process: ``close`` leaves the lock to its end
 
     def _db(self, action: str) -> contextlib.AbstractContextManager[None]:
         """SQLite's errors while ``action`` as an ``AppDatabaseError`` that says what to do (a full
@@ -192,9 +194,10 @@ class _StoredJobs:
 
     def close(self) -> None:
         self._store.shutdown()
-        if self._run_lock is not None:
-            os.close(self._run_lock)
-            self._run_lock = None
+        with self._run_lock_guard:
+            if self._run_lock is not None and not self._run_lock_held:
+                os.close(self._run_lock)
+            self._run_lock = None  # a job that holds it closes it as it ends (``run_lock``)
 
     @contextlib.contextmanager
     def run_lock(self) -> Iterator[bool]:
@@ -202,19 +205,32 @@ class _StoredJobs:
         freed when its holder's process ends however it ends), held until the block ends; False
         while another process of the app runs one of its jobs. Two processes of one app (the app
         and its background service) each ran a due job: the device took part twice in one round."""
-        fd = self._run_lock
+        with self._run_lock_guard:
+            fd = self._run_lock
+            if fd is not None and fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    fd = -1
+                else:
+                    self._run_lock_held = True
         if fd is None or fcntl is None:
             yield True
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if fd == -1:
             yield False
             return
         try:
             yield True
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            # a ``close`` meanwhile left the descriptor to this job: closing it under the job had
+            # let another process of the app run the job beside it, and unlocked a closed descriptor
+            with self._run_lock_guard:
+                self._run_lock_held = False
+                if self._run_lock is None:
+                    os.close(fd)
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
 
     def put(self, job: ScheduledJob) -> None:
         """Store ``job``, replacing the population's earlier one."""

@@ -192,3 +192,23 @@ def test_a_virtual_day_of_scheduling_runs_in_seconds(tmp_path, server, admin, di
             assert run.detail
     assert sum(r.outcome is RunOutcome.CONSTRAINTS_UNMET for r in runs) > 20
     assert clock.now() == pytest.approx(1_767_225_600.0 + 86_400)
+
+
+def test_closing_the_scheduler_while_its_job_runs_keeps_the_run_lock_until_the_job_ends(tmp_path):
+    """``close`` during a job's run closed the run lock's descriptor under it: another process of
+    the app (here a second scheduler on the database, with a descriptor of its own) ran the job
+    beside it, and the job's end unlocked a closed descriptor (OSError)."""
+    db, clock = tmp_path / "app.db", VirtualClock()
+    app = ParticipationScheduler(db, StaticConditions(GOOD), clock=clock)
+    other = ParticipationScheduler(db, StaticConditions(GOOD), clock=clock)
+    app.schedule("keyboard")
+    try:
+        with app.claim("keyboard") as claim:
+            assert claim == "run"
+            app.close()  # from another thread of the app, as its job runs
+            with other.claim("keyboard") as elsewhere:
+                assert elsewhere == "busy"
+        with other.claim("keyboard") as elsewhere:
+            assert elsewhere == "run"
+    finally:
+        other.close()
