@@ -82,7 +82,8 @@ SERVER_URL_RULE = (
 
 def redacted_url(url: str) -> str:
     """``url`` as a message or log line may show it: the password of its userinfo
-    (``https://user:secret@host/``) replaced by ``***``, the rest as given. Every message that
+    (``https://user:secret@host/``) replaced by ``***``, or a user name given alone (a token,
+    ``https://TOKEN@host/``) by ``***``, the rest as given. Every message that
     names a server URL prints it through here: the URL of a server behind basic auth is what
     operators paste into scripts and devices' settings, and its password went into error
     messages, logs and bug reports."""
@@ -94,8 +95,10 @@ def redacted_url(url: str) -> str:
     # server URL with an '@' past its host is refused: ``_checked_url``)
     userinfo, at, _ = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")
-    if not at or not colon:
+    if not at:
         return url
+    if not colon:  # a token given as the user name alone (https://TOKEN@host/), as basic auth sends it
+        return f"{scheme}{sep}***@{rest[len(userinfo) + 1 :]}"
     return f"{scheme}{sep}{user}:***@{rest[len(userinfo) + 1 :]}"
 
 

@@ -262,6 +262,7 @@ def test_a_password_holding_a_url_delimiter_is_shown_as_stars_or_refused_without
 
     url = f"https://operator:Zq{password}@fl.example:8443/"
     assert redacted_url(url) == "https://operator:***@fl.example:8443/"
+    assert redacted_url("https://ghp_Zq0token@fl.example/") == "https://***@fl.example/"  # a token as the user
     try:
         checked = checked_server_url(url)
     except InvalidSetting as exc:
