@@ -52,7 +52,9 @@ def check_path(name: str, value: object, *, of: str = "file") -> str | os.PathLi
 
 
 class ServerUnreachable(RuntimeSdkError):
-    """The FL server could not be reached after all retries; try again later."""
+    """The FL server could not be reached after all retries; try again later. A TLS handshake
+    that fails for a reason no retry changes (a server certificate the device does not trust, an
+    ``https://`` URL of a plain HTTP server) raises it at the first attempt, saying which."""
 
 
 class SessionRejected(RuntimeSdkError):
@@ -92,4 +94,6 @@ class CacheUnavailable(RuntimeSdkError, OSError):
 
 
 class OverBudget(RuntimeSdkError):
-    """A plan declares, or reaches while running, more memory or time than this device gives."""
+    """A plan declares, or reaches while running, more memory or time than this device gives; or
+    a plan larger than an eighth of its ``DeviceClass.memory_mb``, or a checkpoint larger than half,
+    came to download (refused as it arrives, unread when its size is declared)."""

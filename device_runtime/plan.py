@@ -177,8 +177,10 @@ class DeviceConfig:
     """How a device feeds the work graph: which examples, in what batches, how many epochs.
 
     ``resume`` asks the runtime to continue reading where this device's last completed session of
-    the same task and collection stopped (a resumption token kept on the device), so that
-    successive sessions of a selector with a ``limit`` train on successive slices of the data."""
+    the same task and collection stopped (a resumption token kept on the device), or where a later
+    one stopped that the app was killed in once its update had started to leave (the server may
+    hold that update), so that successive sessions of a selector with a ``limit`` train on
+    successive slices of the data."""
 
     selector: ExampleSelector
     batch_size: int

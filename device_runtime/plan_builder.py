@@ -359,7 +359,7 @@ def build_mlp_plan(
     batch, mean cross-entropy). ``hidden_sizes=()`` is softmax regression.
 
     ``resume_examples`` makes each device continue reading where its last completed session of
-    this task stopped (``DeviceConfig.resume``); with a selector ``limit`` successive sessions then
+    this task stopped, or one killed once its update had started to leave (``DeviceConfig.resume``); with a selector ``limit`` successive sessions then
     train on successive slices of the device's data instead of the same first ``limit`` examples.
 
     ``secure_aggregation`` sends the whole client update through Secure Aggregation: each entry

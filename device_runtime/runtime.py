@@ -297,22 +297,17 @@ class FLRuntime:
 
     def close(self) -> None:
         """Close the runtime. A session in progress on another thread is interrupted as by its
-        ``should_abort`` (the server is told, nothing is sent, opstats keep it as interrupted), and
-        ``close`` returns once it has ended: the HTTP client and the runtime's own plan cache were
-        closed under it, and it trained on to fail at its report with an error that was not the
-        SDK's, the server not told. A training step in flight is stopped by force through the
-        session's run options (``run_options.terminate``: the runtime's own, or the app's given to
-        ``run_session``, whose flag is cleared again as the session ends); it ran to its end, for
-        as long as a large model's step on a slow device takes. Called from the session's own
-        thread (one of its hooks), the session closes the runtime as it ends.
-
-        A request of the session in flight is cut short at once (its socket shut, its retries
-        dropped: ``ProtocolClient.interrupt``) and the session ends interrupted, the server told
-        where it had accepted the session; one still checking in raises ``InvalidSetting``. It
-        waited for the request (a server that held it kept ``close`` for ``timeout_s`` and every
-        retry). ``close`` waits at most ``timeout_s`` (the time the session's abort is given) for
-        the session to end; past it, no request of the runtime is sent any more, and the session
-        releases the HTTP client and the plan cache itself as it ends."""
+        ``should_abort`` (the server is told, nothing more is sent, opstats keep it as
+        interrupted): a training step in flight is stopped by force through the session's run
+        options (``run_options.terminate``: the runtime's own, or the app's given to
+        ``run_session``, whose flag is cleared again as the session ends), and a request in flight
+        is cut short at once (its socket shut, its retries and their waits dropped:
+        ``ProtocolClient.interrupt``), the session ending interrupted, the server told where it had
+        accepted the session; one still checking in raises ``InvalidSetting``. ``close`` returns
+        once the session has ended, waiting at most ``timeout_s`` (the time the session's abort is
+        given); past it, no request of the runtime is sent any more, and the session releases the
+        HTTP client and the runtime's own plan cache itself as it ends. Called from the session's
+        own thread (one of its hooks), the session closes the runtime as it ends."""
         self._closed = True
         if self._session_thread == threading.get_ident():
             return

@@ -419,7 +419,10 @@ class ParticipationScheduler:
 
     ``database``: the app's SQLite file, where jobs survive a restart; None keeps them in memory
     (an emulated device in a simulation, where a job store's five transactions per run were most
-    of the scheduler's cost). ``clock``: its ``queue``'s when left out (the system's without a
+    of the scheduler's cost). The app's processes on one ``database`` (the app and its background
+    service) run its jobs one at a time: a job's run holds a lock on a file beside it
+    (``app.db.run.lock``, freed when its process ends, however it ends), and a worker that finds it
+    held leaves the due job and looks again a second later (``claim``). ``clock``: its ``queue``'s when left out (the system's without a
     queue); one that is not the queue's is refused, as the queue's worker reads due times on its
     own. Conditions that can tell when they next change
     (``next_change(now) -> float | None``, times on the scheduler's clock) wake a job
