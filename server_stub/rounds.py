@@ -45,7 +45,9 @@ class RoundConfig:
     that device's own update or values back to anyone who reads what it published.
 
     Under Secure Aggregation a round's devices are split into groups of ``secagg_target_group_size``
-    when it has them (else fewer, larger ones; never below ``secagg_min_group_size`` + 1), one
+    when it has them (taken as at least ``secagg_min_group_size`` + 1; else fewer, larger ones, and
+    one group of them all when it has fewer than twice that, down to ``secagg_min_group_size``
+    devices, below which no group forms), one
     Aggregator each (paper, section 6: the protocol's costs grow quadratically with a group, which
     limits one to hundreds of devices). A group releases its sum only when more than two thirds of
     its devices, and at least ``secagg_min_group_size``, send their masked inputs in time: a group of

@@ -677,8 +677,9 @@ class FLService:
         """Each task's state as an operator sees it: ``active`` (its rounds run), ``queued`` with
         ``queued_behind`` (the running tasks it waits for: a population runs one deploy at a time,
         and a task without ``max_rounds`` never ends), ``completed``, or ``refused`` with its
-        ``reason`` (stored by an older server with a config this one refuses: not run), ``retired``
-        (a refused task an operator retired, ``task_runs.retire_refused``) or ``stopped`` (``stop_task``)."""
+        ``reason`` (stored by an older server with a config or a plan this one refuses: not run),
+        ``retired`` (a refused or stopped task an operator retired, ``task_runs.retire_refused``) or
+        ``stopped`` (``stop_task``)."""
         tasks = self.store.tasks(population)
         with self._lock:
             return task_states(self._population(population), tasks)
