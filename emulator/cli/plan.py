@@ -178,8 +178,9 @@ def _model_options(cmd: argparse.ArgumentParser, *, plan_alone: bool) -> None:
     cmd.add_argument(
         "--output",
         help=(
-            "the graph output the loss reads, where the model has several (default: the only float one with a "
-            "batch axis; refused where there are more)"
+            "the graph output the loss reads, where the model has several, or a tensor inside the graph (the logits "
+            "of a classifier exported with its ArgMax; default: the only float output with a batch axis; refused "
+            "where there are more)"
             if plan_alone
             else "the value of forward's the loss reads, where forward returns several (a tuple's index, a dict's "
             "key or an output object's attribute, such as logits; default: the only float one with a batch axis)"

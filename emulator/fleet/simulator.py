@@ -82,7 +82,8 @@ ORDER_SERVER, ORDER_SAMPLE, ORDER_END = -2, -1, 3
 class FleetSimulator:
     """One run: build with the fleet's devices (``specs``) and how to get each one's examples,
     then ``run()``. ``progress(t_s, rounds_committed, devices_active)`` is called every
-    simulated few minutes."""
+    simulated few minutes and once at the end, ``rounds_committed`` the training tasks' committed
+    rounds (a task that completed keeps its count; at the end, those on record)."""
 
     def __init__(
         self,

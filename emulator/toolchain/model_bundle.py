@@ -332,9 +332,10 @@ def bundle_from_onnx(
 ) -> ModelBundle:
     """Write the bundle of the ONNX model at ``model`` into ``out`` (see the module docstring):
     the plan is made first, so a model that cannot become one leaves nothing behind. ``output``
-    names the graph output the loss reads; a model with several takes the only float one with a
-    batch axis (and ``say`` says so), and is refused where it has more
-    (:func:`~emulator.toolchain.tasks.loss_output`)."""
+    names the graph output the loss reads, or a tensor inside the graph (the logits of a classifier
+    exported with its ``ArgMax``), which the stub's label is drawn over; a model with several
+    takes the only float one with a batch axis (and ``say`` says so), and is refused where it has
+    more (:func:`~emulator.toolchain.tasks.loss_output`)."""
     model, out = Path(model), Path(out)
     if name is None and not is_name(model.stem):
         raise TaskError(f"the model file's name {model.stem!r} is no task name ({NAME_RULE}); give one with --name")
