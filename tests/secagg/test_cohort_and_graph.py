@@ -175,6 +175,7 @@ PLUS = dict(degree=4, threshold=3)
 
 def _plus_cohort(n: int, seed: int = 0, **kw) -> Cohort:
     graph_seed = bytes([seed]) * 32
+    floor = {"min_summed": kw.pop("min_summed")} if "min_summed" in kw else {}
     cfg = SecAggConfig(
         L,
         R,
@@ -183,6 +184,7 @@ def _plus_cohort(n: int, seed: int = 0, **kw) -> Cohort:
         degree=PLUS["degree"],
         graph_commitment=seed_commitment(graph_seed),
         consistency_check=kw.pop("cc", False),
+        **floor,
     )
     return Cohort(cfg, n, seed, graph_seed=graph_seed, **kw)
 
@@ -226,18 +228,7 @@ def test_a_secagg_plus_client_refuses_a_signed_survivor_list_shorter_than_min_su
     on a sum's size as over the complete graph: a server that names fewer survivors than
     ``min_summed`` (leaving out clients outside this one's neighbourhood, so that its own
     neighbours still reach t) gets no signature, and so no sum of that size."""
-    graph_seed = bytes([seed]) * 32
-    cfg = SecAggConfig(
-        L,
-        R,
-        PLUS["threshold"],
-        session_label=b"plus-floor",
-        degree=PLUS["degree"],
-        graph_commitment=seed_commitment(graph_seed),
-        consistency_check=True,
-        min_summed=n,
-    )
-    cohort = Cohort(cfg, n, seed, graph_seed=graph_seed)
+    cohort = _plus_cohort(n, seed=seed, cc=True, min_summed=n)
     to_clients = cohort.rosters()
     for _ in range(3):  # ShareKeys, ShareCheck, MaskedInputCollection: every client takes part
         for u, data in to_clients.items():
