@@ -26,7 +26,7 @@ from device_runtime.checkpoint import encode_checkpoint
 
 from . import dp_rounds
 from .persistence import RoundRecord, ServerStore, resource_id, store_advice
-from .rounds import Phase, RoundCore
+from .rounds import Phase, RoundCore, SessionState
 from .service_state import ClosedRound, PendingCommit, Population, SessionTable, TaskRun, UnwrittenRound
 
 log = logging.getLogger(__name__)
@@ -262,9 +262,19 @@ class CommitPipeline:
             if part.next_clip is not None:
                 metrics[dp_rounds.NEXT_CLIP_KEY] = part.next_clip
 
+        summed = self._summed(p) if phase is Phase.COMMITTED else []
+
         def write(status: str, *resources: bytes | None) -> RoundRecord:
             return self.store.record_round(
-                run.record.id, p.core.number, attempt, status, metrics, p.started_wall, p.ended_wall, *resources
+                run.record.id,
+                p.core.number,
+                attempt,
+                status,
+                metrics,
+                p.started_wall,
+                p.ended_wall,
+                *resources,
+                summed=summed if status == Phase.COMMITTED.value else (),
             )
 
         # A selection nobody came to, after another: the record of the first grows (its end, its
@@ -385,6 +395,17 @@ class CommitPipeline:
                 self._reopen(pop, run if run in pop.runs else pop.runs[0])
         if not pop.runs:
             self._activate(pop.name)
+
+    def _summed(self, p: PendingCommit) -> list[tuple[str, bytes]]:
+        """The sessions (id, token hash) whose updates the committed round ``p`` holds, kept with
+        its record: a device that asks after a restart is told its update is in it."""
+        with self._lock:
+            if p.secure is not None:
+                ids = p.secure.summed_sessions()
+            else:
+                ids = [sid for sid, state in p.core.sessions.items() if state is SessionState.REPORTED]
+            known = self._sessions.by_id
+            return [(sid, known[sid].token_hash) for sid in ids if sid in known]
 
     def _due_unwritten(self) -> list[UnwrittenRound]:
         """Records whose backoff is over (under the lock)."""

@@ -55,8 +55,9 @@ metadata = MetaData()
 #: not know. 1: populations, resources, tasks, rounds. 2: the rounds' indexes (by task, and by the
 #: model they name), and ``pruned_rounds`` (what retention removed of each task's history, which a
 #: server of layout 1 would not count). 3: ``removed_rounds`` (where in the order of ``GET /rounds``
-#: the records retention removed were, so that a page's cursor naming one still pages back).
-SCHEMA_VERSION = 3
+#: the records retention removed were, so that a page's cursor naming one still pages back). 4:
+#: ``summed_sessions`` (the sessions whose updates each task's last committed round holds).
+SCHEMA_VERSION = 4
 
 schema = Table(
     "schema",
@@ -144,6 +145,22 @@ removed_rounds = Table(
     Column("removed_at", Float, nullable=False),
 )
 
+# The sessions whose updates each task's last committed round holds (their tokens' SHA-256), written
+# in the commit's transaction and replaced by the task's next commit. A server killed once a round
+# committed and before its devices heard so (the device whose report or Secure Aggregation message
+# closed it waits for its commit) forgot their sessions: asked again, it told them their sessions
+# were unknown, and each kept its session as refused, not as taking part, and trained and sent the
+# same examples again though the model held them. The restarted server tells them their updates
+# are in the round (``FLService``: a report already taken, a secure group completed).
+summed_sessions = Table(
+    "summed_sessions",
+    metadata,
+    Column("token_hash", LargeBinary(32), primary_key=True),
+    Column("session_id", String(64), nullable=False),
+    Column("task_id", Integer, ForeignKey("tasks.id"), nullable=False, index=True),
+    Column("number", Integer, nullable=False),
+)
+
 #: Seconds a removed round's place in the order of pages is kept (a day: far longer than an
 #: operator takes between two pages, about 40 bytes a removed record).
 REMOVED_CURSOR_S = 86_400.0
@@ -162,8 +179,13 @@ def _layout_3(conn: Connection) -> None:
     removed_rounds.create(conn, checkfirst=True)
 
 
+def _layout_4(conn: Connection) -> None:
+    """Layout 3 to 4: the table of the sessions each task's last committed round holds."""
+    summed_sessions.create(conn, checkfirst=True)
+
+
 #: The migration from each layout to the next, by the layout it starts from.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _layout_2, 2: _layout_3}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _layout_2, 2: _layout_3, 3: _layout_4}
 
 
 def _inserted_id(result: CursorResult[Any]) -> int:
@@ -692,6 +714,7 @@ class ServerStore:
         broadcast: bytes | None = None,
         *,
         overwrite: bool = False,
+        summed: Iterable[tuple[str, bytes]] = (),
     ) -> RoundRecord:
         """Store a finished round, with its new model (and what devices are sent of it) for a
         committed one, in one transaction: either all of it is durable or none of it is.
@@ -700,7 +723,10 @@ class ServerStore:
         not written again. A write whose error came after its transaction had committed, then
         written again, must not leave the round twice. With ``overwrite`` the round on record is
         made to say what is written now (status, metrics, model): the server has acted on this
-        outcome, e.g. abandoned a round whose commit it could not see go through."""
+        outcome, e.g. abandoned a round whose commit it could not see go through.
+
+        ``summed``: for a committed round, the sessions (id, token hash) whose updates it holds;
+        they replace the task's earlier ones (``summed_session``)."""
         with self.engine.begin() as conn:
             existing = (
                 conn.execute(
@@ -717,6 +743,10 @@ class ServerStore:
             checkpoint_id = self._put(conn, checkpoint, "checkpoint") if checkpoint is not None else None
             if broadcast is not None:
                 self._put(conn, broadcast, "checkpoint")
+            rows = [{"token_hash": h, "session_id": sid, "task_id": task_id, "number": number} for sid, h in summed]
+            if rows and status == "committed":
+                conn.execute(summed_sessions.delete().where(summed_sessions.c.task_id == task_id))
+                conn.execute(summed_sessions.insert(), rows)
             if existing is not None:
                 conn.execute(
                     update(rounds)
@@ -749,6 +779,14 @@ class ServerStore:
                 )
             )
         return RoundRecord(rid, task_id, number, attempt, status, checkpoint_id, metrics, started_at, ended_at)
+
+    def summed_session(self, session_id: str, token_hash: bytes) -> int | None:
+        """The number of the committed round that holds the update of the session ``session_id``
+        whose token hashes to ``token_hash``, if it is its task's last committed round; else None."""
+        c = summed_sessions.c
+        with self.engine.connect() as conn:
+            row = conn.execute(select(c.session_id, c.number).where(c.token_hash == token_hash)).first()
+        return int(row.number) if row is not None and row.session_id == session_id else None
 
     def update_round_metrics(self, round_id: int, metrics: dict, key: tuple[int, int, int] | None = None) -> bool:
         """Make the round record ``round_id`` say ``metrics``; with ``key`` (its task, number and

@@ -422,6 +422,11 @@ class SecureRound:
             **({"ddp_error": self.ddp_error} if self.ddp_error is not None else {}),
         }
 
+    def summed_sessions(self) -> list[str]:
+        """The sessions whose inputs the sums of the round's counted groups hold (see ``stats``)."""
+        counted = [g for g in self.groups if g.server.round is Round.COMPLETED and g.dropped is None]
+        return [sid for g in counted for sid in g.summed_sessions()]
+
     def drop(self, group: SecureGroup, reason: str) -> None:
         """Leave a completed group's sum out of the round; its devices are told why."""
         group.dropped = reason

@@ -418,13 +418,18 @@ class FLService:
     def report_limit(self, session_id: str, token: str) -> int:
         """The largest report body the session may send, once its token is checked: asked before
         the body is read, so that a stranger's upload is refused unread."""
-        return self._authorize(session_id, token).run.report_limit
+        return self._authorize_report(session_id, token).run.report_limit
 
     def secagg_limit(self, session_id: str, token: str) -> int:
         """The largest Secure Aggregation message the session may send, once its token is checked:
         the largest its group can need (``secagg_limits``); a session in no group of the open round
         has nothing to send, and gets room for a refusal only."""
-        session = self._authorize(session_id, token)
+        try:
+            session = self._authorize(session_id, token)
+        except Unauthorized:
+            if self._summed_before(session_id, token) is None:
+                raise
+            return SECAGG_SLACK_BYTES  # its last message again (see ``secagg_message``)
         with self._lock:
             run = session.run
             group = (
@@ -441,7 +446,7 @@ class FLService:
         (it goes on), or, for the report that closed it, ``committed`` (on record with the new
         model) or ``abandoned`` (the update is discarded with the round, e.g. because the
         commit could not be written: a plain "accepted" would have claimed a commit)."""
-        session = self._authorize(session_id, token)
+        session = self._authorize_report(session_id, token)
         run = session.run
         checked = check_report(run, body, stats, self.clock() - session.core.started_at)
         shape = checked.shape
@@ -582,8 +587,15 @@ class FLService:
             self.database_problem = problem
 
     def secagg_status(self, session_id: str, token: str) -> dict:
-        """The device's view of its group; after the round closed, its group's final state."""
-        session = self._authorize(session_id, token)
+        """The device's view of its group; after the round closed, its group's final state. A
+        session this server no longer knows whose input its task's last committed round holds
+        (``_summed_before``) is told so, as its group's final state said."""
+        try:
+            session = self._authorize(session_id, token)
+        except Unauthorized:
+            if self._summed_before(session_id, token) is None:
+                raise
+            return {"status": "completed", "included": True}
         try:
             with self._lock:
                 run = session.run
@@ -595,7 +607,16 @@ class FLService:
             self._commits.flush()
 
     def secagg_message(self, session_id: str, token: str, data: bytes) -> SecAggAccepted:
-        session = self._authorize(session_id, token)
+        """A session this server no longer knows whose input its task's last committed round
+        holds (``_summed_before``) sends again the message whose answer it lost when the server
+        was killed writing that commit (the message that completed its group): it was taken
+        then, and is again, unread."""
+        try:
+            session = self._authorize(session_id, token)
+        except Unauthorized:
+            if self._summed_before(session_id, token) is None:
+                raise
+            return SecAggAccepted(status="accepted")
         try:
             with self._lock:
                 now = self.clock()
@@ -759,6 +780,33 @@ class FLService:
         if session.revoked and not revoked_ok:
             raise SessionClosed("the device aborted this session; it must check in again")
         return session
+
+    def _authorize_report(self, session_id: str, token: str) -> Session:
+        """``_authorize`` for a report: a session this server no longer knows whose update its
+        task's last committed round holds (``_summed_before``) is told its report was taken
+        (``DUPLICATE_REPORT``, what a device that sends its report again hears), not that it is
+        unknown."""
+        try:
+            return self._authorize(session_id, token)
+        except Unauthorized:
+            number = self._summed_before(session_id, token)
+            if number is None:
+                raise
+            raise DuplicateReport(
+                f"this session has already reported: its update is in round {number}, committed"
+            ) from None
+
+    def _summed_before(self, session_id: str, token: str) -> int | None:
+        """The committed round that holds the update of a session this server does not know,
+        when it is its task's last (``ServerStore.summed_session``): the server was killed once
+        the round was on record and before the session's device heard so (or has forgotten the
+        round's sessions since); None otherwise."""
+        if not token:
+            return None
+        try:
+            return self.store.summed_session(session_id, hash_token(token))
+        except (SQLAlchemyError, OSError):  # the answer stays the one it was: the session is unknown
+            return None
 
     def _activate(self, population: str) -> None:
         """Load the population's first group of active tasks if it has none running. The

@@ -181,16 +181,17 @@ def _layout_1(db: Path) -> list[bytes]:
 
 
 def test_a_database_of_layout_1_is_upgraded_in_place_and_goes_on_from_its_last_round(tmp_path):
-    """The rounds' indexes and the tables of pruned and removed rounds are added, the stamp says layout 3 and
-    every row is as it was: a server started on it goes on with round 4 from round 3's model, and a
-    page of ``GET /rounds`` reads the index instead of scanning every round."""
+    """The rounds' indexes and the tables of pruned and removed rounds and of the sessions of committed
+    rounds are added, the stamp says layout 4 and every row is as it was: a server started on it
+    goes on with round 4 from round 3's model, and a page of ``GET /rounds`` reads the index
+    instead of scanning every round."""
     db = tmp_path / "fl.db"
     models = _layout_1(db)
     with sqlite3.connect(db) as conn:
         rows = {t: conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("populations", "tasks", "rounds")}
     store = ServerStore(db)
     try:
-        assert store.schema_version() == SCHEMA_VERSION == 3
+        assert store.schema_version() == SCHEMA_VERSION == 4
         service = FLService(store)
         [task] = service.population_status("digits")["active_tasks"]
         assert (task["round"], task["committed_rounds"]) == (4, 3)
@@ -230,7 +231,7 @@ def test_an_upgrade_that_fails_leaves_the_database_as_it_was(tmp_path, monkeypat
     monkeypatch.undo()
     store = ServerStore(db)
     try:
-        assert store.schema_version() == 3 and len(store.rounds(1)) == 4
+        assert store.schema_version() == SCHEMA_VERSION == 4 and len(store.rounds(1)) == 4
     finally:
         store.close()
 

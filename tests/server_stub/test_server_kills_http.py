@@ -91,16 +91,23 @@ def _killed_in_commit(point: str, server: ServerProcess, attested_runtimes, *, s
         else:  # the transaction never committed: neither the round nor its model is on record
             assert (on_record, number) == ([], 0)
             assert np.array_equal(_flat(model), _flat(w0))
-        # the device whose report closed the round met the restarted server, which no longer knows
-        # its session; so did any other whose answer was still on its way when the server died (a
-        # report that closes nothing waits for no commit, but on a loaded machine all of a round's
-        # answers can still be in flight at the kill): each is told its session is unknown
         # what devices of the next round download is the model on record
         sent = admin.checkpoint(admin.status("digits")["checkpoint_id"])
         assert np.array_equal(_flat(sent), _flat(model))
+        # the device whose report (or Secure Aggregation message) closed the round met the restarted
+        # server, which no longer knows its session; so did any other whose answer was still on its
+        # way when the server died (on a loaded machine all of a round's answers can still be in
+        # flight at the kill)
         outcomes = _outcomes(ended)
         lost = [o for o in outcomes if o[0] != Outcome.COMPLETED.value]
-        assert set(lost) == {(Outcome.REPORT_REJECTED.value, "BAD_SESSION_TOKEN")}, outcomes
+        if committed:
+            # the round on record names the sessions it holds: each is told its update is in it, and
+            # keeps its session as taking part (told its session was unknown, it kept it as refused,
+            # and trained and sent its examples again in the next round)
+            assert lost == [], outcomes
+            assert all(opstats.last_participation("digits") is not None for opstats in fleet.opstats)
+        else:  # its update is in no model: each is told its session is unknown
+            assert set(lost) == {(Outcome.REPORT_REJECTED.value, "BAD_SESSION_TOKEN")}, outcomes
         assert max(max(s.statuses, default=0) for s in switches) < 500
 
         # the next round commits once, and counts each of its devices once
