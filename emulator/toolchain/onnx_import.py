@@ -1007,3 +1007,76 @@ def pinned_batch_error(size: int, where: str) -> str:
         "(torch.onnx.export(..., dynamo=True, dynamic_shapes=...), or dynamic_axes={'x': {0: 'batch'}} with "
         "dynamo=False), or with `fedfleet plan from-torch`"
     )
+
+
+def dilated_same_padding_written_out(model: onnx.ModelProto) -> list[str]:
+    """Give each ``Conv`` of ``auto_pad`` ``SAME_UPPER`` or ``SAME_LOWER`` with a dilation above 1 the
+    pads it stands for, in place, and return the nodes' names. torch's classic exporter writes
+    ``padding="same"`` with a ``dilation`` so, and onnxruntime's Conv refuses it at its first run
+    ("Dilation not supported for AutoPadType::SAME_UPPER"): a plan (and the model itself) would fail
+    on every device. Each axis pads ``(out - 1) * stride + (kernel - 1) * dilation + 1 - size`` in
+    all, half on each side and the odd one at the end (``SAME_UPPER``) or the start; with a stride of
+    1 that is ``(kernel - 1) * dilation`` whatever the size, otherwise the input's spatial size comes
+    from shape inference, and a Conv whose size is not known is left as it is (its gradient is
+    refused for it, naming the node)."""
+    graph = model.graph
+    convs = [
+        n
+        for n in graph.node
+        if n.op_type == "Conv"
+        and n.domain in ("", "ai.onnx")
+        and _text_attr(n, "auto_pad") in ("SAME_UPPER", "SAME_LOWER")
+        and any(d != 1 for d in _ints_attr(n, "dilations"))
+    ]
+    if not convs:
+        return []
+    inits = {i.name: i for i in graph.initializer}
+    sizes: dict[str, list[int | None]] = {}
+    if any(any(s != 1 for s in _ints_attr(n, "strides")) for n in convs):
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for vi in [*inferred.graph.input, *inferred.graph.value_info]:
+            dims = vi.type.tensor_type.shape.dim
+            sizes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    done = []
+    for node in convs:
+        kernel = _ints_attr(node, "kernel_shape") or (
+            [int(d) for d in inits[node.input[1]].dims[2:]] if node.input[1] in inits else []
+        )
+        nd = len(kernel)
+        if not nd:
+            continue
+        strides = _ints_attr(node, "strides") or [1] * nd
+        dilations = _ints_attr(node, "dilations") or [1] * nd
+        spatial = sizes.get(node.input[0], [None] * (nd + 2))[2:]
+        pads = [0] * (2 * nd)
+        for i in range(nd):
+            if strides[i] == 1:
+                total = (kernel[i] - 1) * dilations[i]
+            elif i < len(spatial) and spatial[i] is not None:
+                size = int(spatial[i])  # type: ignore[arg-type]
+                total = max((-(-size // strides[i]) - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - size, 0)
+            else:
+                break
+            small, big = total // 2, total - total // 2
+            upper = _text_attr(node, "auto_pad") == "SAME_UPPER"
+            pads[i], pads[nd + i] = (small, big) if upper else (big, small)
+        else:
+            kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("pads", pads)])
+            done.append(node.name)
+    return done
+
+
+def _text_attr(node: onnx.NodeProto, name: str) -> str:
+    for a in node.attribute:
+        if a.name == name:
+            return a.s.decode()
+    return "NOTSET"
+
+
+def _ints_attr(node: onnx.NodeProto, name: str) -> list[int]:
+    for a in node.attribute:
+        if a.name == name:
+            return [int(v) for v in a.ints]
+    return []

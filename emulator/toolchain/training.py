@@ -249,6 +249,7 @@ def read_model(
     _refuse_other_domains(m, output)
     m, target = at_opset(m, opset)
     _check_valid(m, target)
+    onnx_import.dilated_same_padding_written_out(m)
     graph = m.graph
     inits = {i.name: i for i in graph.initializer}
     data = [i for i in graph.input if i.name not in inits]

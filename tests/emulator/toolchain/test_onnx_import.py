@@ -249,12 +249,12 @@ def _two_layers(deduplicated: bool, tied: bool = False) -> onnx.ModelProto:
     )
 
 
-def _one_step(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+def _one_step(m: onnx.ModelProto, output: str | None = None) -> dict[str, np.ndarray]:
     from device_runtime import PlanExecutor
     from emulator.toolchain import initial_weights_from_onnx
 
     plan = training_plan_from_onnx(
-        m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8, example_selector=SELECTOR
+        m, label="y", loss="cross_entropy", optimizer=SGD(0.5), batch_size=8, example_selector=SELECTOR, output=output
     )
     weights = initial_weights_from_onnx(m, plan)
     rng = np.random.default_rng(4)
@@ -793,3 +793,70 @@ def test_a_model_calling_its_own_functions_takes_the_step_of_the_same_model_writ
     for name in written_flat:
         np.testing.assert_array_equal(called[name], written_flat[name])
     assert not np.array_equal(written_flat["w0"], onnx.numpy_helper.to_array(flat.graph.initializer[0]))
+
+
+def _dilated_conv(padding: dict[str, object], kernel: int, stride: int, side: int = 7) -> onnx.ModelProto:
+    """A dilated Conv (dilation 2) over a [N, 2, side, side] image, mean-pooled to 3 classes: padded as
+    ``padding`` says (``auto_pad`` SAME, as torch's classic exporter writes ``padding="same"``, or
+    the explicit ``pads`` that stand for it)."""
+    from .models import model
+
+    rng = np.random.default_rng(5)
+    out = -(-side // stride)
+    ramp = (np.arange(1, 1 + out * out, dtype=np.float32) / out).reshape(out, out)
+    conv = helper.make_node(
+        "Conv", ["x", "w", "b"], ["h"], kernel_shape=[kernel, kernel], dilations=[2, 2], strides=[stride] * 2, **padding
+    )
+    return model(
+        [
+            conv,
+            helper.make_node("Constant", [], ["ramp"], value=onnx.numpy_helper.from_array(ramp)),
+            helper.make_node("Tanh", ["h"], ["t"]),
+            helper.make_node("Mul", ["t", "ramp"], ["r"]),  # so that every position's value counts apart
+            helper.make_node("ReduceMean", ["r"], ["logits"], axes=[2, 3], keepdims=0),
+        ],
+        [helper.make_tensor_value_info("x", F, ["N", 2, side, side])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        {
+            "w": rng.normal(size=(3, 2, kernel, kernel)).astype(np.float32),
+            "b": rng.normal(size=3).astype(np.float32),
+        },
+    )
+
+
+def _conv_step(m: onnx.ModelProto, side: int = 7) -> dict[str, np.ndarray]:
+    from device_runtime import PlanExecutor
+    from emulator.toolchain import initial_weights_from_onnx
+
+    plan = training_plan_from_onnx(
+        m, label="y", loss="mse", optimizer=SGD(0.5), batch_size=4, example_selector=SELECTOR
+    )
+    weights = initial_weights_from_onnx(m, plan)
+    rng = np.random.default_rng(6)
+    batch = {
+        "x": rng.normal(size=(4, 2, side, side)).astype(np.float32),
+        "y": rng.normal(size=(4, 3)).astype(np.float32),
+    }
+    executor = PlanExecutor(plan)
+    return executor.final_weights(weights, executor.run_device(weights, lambda: [batch]))
+
+
+@pytest.mark.parametrize(
+    ("auto_pad", "kernel", "stride", "side", "pads"),
+    [
+        ("SAME_UPPER", 3, 1, 7, [2, 2, 2, 2]),  # torch's padding="same", dilation=2: (3 - 1) * 2 in all
+        ("SAME_LOWER", 4, 1, 7, [3, 3, 3, 3]),  # (4 - 1) * 2 = 6 in all
+        # a stride of 2 over 8: 4 out, (4 - 1) * 2 + (3 - 1) * 2 + 1 - 8 = 3 in all, the odd one at the end
+        ("SAME_UPPER", 3, 2, 8, [1, 1, 2, 2]),
+        ("SAME_LOWER", 3, 2, 8, [2, 2, 1, 1]),  # or at the start
+    ],
+)
+def test_a_dilated_conv_of_same_padding_takes_the_step_of_its_explicit_pads(auto_pad, kernel, stride, side, pads):
+    """onnxruntime refuses a Conv of auto_pad SAME with dilations at its first run (torch's classic
+    exporter writes padding="same" with dilation=2 so): the plan writes the pads out, and its step
+    is that of the same Conv written with them."""
+    same = _conv_step(_dilated_conv({"auto_pad": auto_pad}, kernel, stride, side), side)
+    explicit = _conv_step(_dilated_conv({"pads": pads}, kernel, stride, side), side)
+    assert set(same) == {"w", "b"}
+    for name in explicit:
+        np.testing.assert_allclose(same[name], explicit[name], rtol=1e-6, atol=1e-6, err_msg=name)
