@@ -245,6 +245,15 @@ def _refuse_misexported(torch: Any, module: Any) -> None:
     """Modules torch's exporters write as a graph that computes something else or does not load:
     refused before the export, naming the module and the way round it."""
     for name, sub in module.named_modules():
+        kind = type(sub).__name__
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.max_norm is not None:
+            raise TaskError(
+                f"nn.{kind} {name or 'the module'!r} has max_norm={sub.max_norm:g}, which renormalizes the rows "
+                "forward reads in the weight itself, in place, and torch's exporters write no training step of it (the "
+                "dynamo exporter reads the weight through a detach, so a plan would not train it; the classic one "
+                "leaves the renormalization out): give it max_norm=None, and to keep the rows short scale them in "
+                "forward, rows * (max_norm / rows.norm(dim=-1, keepdim=True)).clamp(max=1)"
+            )
         if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0:
             raise TaskError(
                 f"nn.LSTM {name or 'the module'!r} has proj_size={sub.proj_size}, which torch's exporters do not "

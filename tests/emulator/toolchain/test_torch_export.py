@@ -532,6 +532,43 @@ def test_from_torch_refuses_an_lstm_with_projections_in_one_line_naming_it_and_t
     assert not (tmp_path / "bundle").exists()
 
 
+MAX_NORM_FACTORY = """
+import torch
+
+
+class Bag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.words = torch.nn.Embedding(50, 8, max_norm=1.0)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.words(ids).mean(1))
+
+
+def make():
+    return Bag()
+"""
+
+
+@pytest.mark.slow
+def test_from_torch_refuses_an_embedding_with_max_norm_in_one_line_naming_it_and_the_way_round(
+    tmp_path, monkeypatch, capsys
+):
+    """An nn.Embedding with max_norm renormalizes the rows it reads in its weight, in place: the
+    dynamo exporter reads the weight through a detach (the plan trained the head alone, 36 of 436
+    values, without a word) and the classic one leaves the renormalization out. from-torch names
+    the module before exporting, and writes nothing."""
+    pytest.importorskip("torch")
+    (tmp_path / "bag.py").write_text(MAX_NORM_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", "from-torch", "bag:make", "--input", "ids:6:int64", "--label", "y", "-o", "bundle"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "nn.Embedding 'words' has max_norm=1" in err and "give it max_norm=None" in err
+    assert not (tmp_path / "bundle").exists()
+
+
 T5_FACTORY = '''
 import torch
 from transformers import T5Config, T5EncoderModel
