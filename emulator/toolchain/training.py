@@ -217,6 +217,8 @@ class ModelParts:
     parameters: set[str] = field(default_factory=set)
     # Tensor.detach()'s outputs (onnx_import.detached_tensors): no gradient flows through them
     detached: set[str] = field(default_factory=set)
+    # the model's inputs fed the label that the prediction does not read (a loss computed in forward)
+    label_inputs: list[str] = field(default_factory=list)
 
 
 def read_model(
@@ -275,11 +277,6 @@ def read_model(
         raise ValueError(
             f"inputs must map each of the model's inputs {names} to an example tensor name, got {dict(inputs)}"
         )
-    if label in inputs.values():  # one example tensor would be read as the features and as the label
-        raise ValueError(
-            f"the label {label!r} is an example tensor the model reads as an input; the label is a tensor of its own "
-            "beside the inputs (the plan adds it): give it another name, such as 'y'"
-        )
     if output is None:
         floats = [o.name for o in graph.output if is_float(o.type.tensor_type.elem_type)]
         if not floats:
@@ -293,6 +290,7 @@ def read_model(
     produced = {o for n in graph.node for o in n.output} | set(names) | set(inits)
     if output not in produced:
         raise ValueError(f"output {output!r} is no tensor of the model")
+    inputs, names, label_inputs = _label_input_dropped(graph, dict(inputs), label, output)
     if loops.unroll_control_flow(m, output):  # before the Loop's, Scan's and If's outputs are read for their shapes
         inits = {i.name: i for i in graph.initializer}
     if exported_batch:  # a Reshape to the one batch size the model was exported at (CNTK's MNIST-8)
@@ -324,7 +322,35 @@ def read_model(
         metadata_dropped,
         parameters,
         detached,
+        label_inputs,
     )
+
+
+def _label_input_dropped(
+    graph: onnx.GraphProto, inputs: dict[str, str], label: str, output: str
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """``inputs`` (and the graph's data inputs' names) without the one fed the label where the
+    prediction does not read it: a module whose forward takes the labels to compute its own loss
+    beside the logits (``forward(x, y) -> (loss, logits)``, transformers' ``labels=``) reads them
+    for that loss alone, and the plan's label takes their place. One the prediction reads is
+    refused: one example tensor would be read as the features and as the label. Returns the inputs,
+    the data inputs' names and the inputs dropped."""
+    fed = [name for name, example in inputs.items() if example == label]
+    if fed:
+        needed = needed_for(graph.node, [output]) | {output}
+        if any(name in needed for name in fed):
+            other = "label" if label != "label" else "y"
+            raise ValueError(
+                f"the label {label!r} is an example tensor the model reads as an input, and the output "
+                f"{output!r} is computed from it (a loss computed in forward?); a plan computes the loss itself from "
+                "the prediction: export the model up to its logits (forward returning them, alone or beside its own "
+                f"loss: --output or output= names them), or give the label a name of its own, such as {other!r}"
+            )
+        kept = [vi for vi in graph.input if vi.name not in fed]
+        del graph.input[:]
+        graph.input.extend(kept)
+        inputs = {name: example for name, example in inputs.items() if name not in fed}
+    return inputs, [vi.name for vi in graph.input], fed
 
 
 def _refuse_other_domains(model: onnx.ModelProto, output: str | None) -> None:
@@ -708,6 +734,13 @@ def onnx_training_plan(
         graph.node, parts.initializers
     ):
         warnings += (onnx_import.EVAL_MODE_WARNING,)
+    if parts.label_inputs:
+        own = f"its {loss} loss" if isinstance(loss, str) else "the task's loss graph"
+        warnings += (
+            f"the model's input {parts.label_inputs[0]!r} is the label {label!r}, which the prediction "
+            f"{parts.prediction!r} does not read (the model computes a loss of its own from it?): the plan trains "
+            f"{parts.prediction!r} with {own} on the label, not with the model's",
+        )
     if parts.lost:
         warnings += (onnx_import.lost_parameters_warning(parts.lost),)
     elif parts.metadata_dropped:

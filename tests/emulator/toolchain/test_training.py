@@ -19,6 +19,7 @@ from emulator.toolchain import (
     Momentum,
     UnsupportedOpError,
     initial_weights_from_onnx,
+    onnx_training_plan,
     training_plan_from_onnx,
 )
 from example_store import ExampleSelector
@@ -497,3 +498,76 @@ def test_a_reshape_to_the_exported_batch_with_allowzero_takes_any_batch():
     x, y = rng.normal(size=(7, 2, 3)).astype(np.float32), np.array([0, 1, 2, 0, 1, 2, 0])
     result = PlanExecutor(plan).run_device(initial_weights_from_onnx(source, plan), _batches(x, y, 4))
     assert result.num_examples == 7 and np.isfinite(result.metrics["loss"])
+
+
+def _own_loss_model(with_labels: bool) -> onnx.ModelProto:
+    """A linear classifier of 4 features into 3 classes; ``with_labels``: as ``forward(x, y)`` returning
+    ``(loss, logits)`` exports, the labels an input of its own that a loss output reads (a loss of
+    the model's own: the logits' row sums times the label), beside the logits."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["logits"]),
+    ]
+    inputs = [helper.make_tensor_value_info("x", F, ["N", 4])]
+    outputs = [helper.make_tensor_value_info("logits", F, ["N", 3])]
+    if with_labels:
+        nodes += [
+            helper.make_node("Cast", ["y"], ["yf"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("ReduceSum", ["logits", "one"], ["rows"], keepdims=0),
+            helper.make_node("Mul", ["rows", "yf"], ["scaled"]),
+            helper.make_node("ReduceMean", ["scaled"], ["own_loss"], keepdims=0),
+        ]
+        inputs.append(helper.make_tensor_value_info("y", onnx.TensorProto.INT64, ["N"]))
+        outputs.insert(0, helper.make_tensor_value_info("own_loss", F, []))
+    return model(
+        nodes,
+        inputs,
+        outputs,
+        {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": np.zeros(3, np.float32), "one": np.array([1])},
+    )
+
+
+def test_labels_the_model_reads_for_its_own_loss_alone_become_the_plans_label_and_the_plan_says_so():
+    """``forward(x, y) -> (loss, logits)`` exported: the loss reads the logits (``output``), which do
+    not read ``y``; the plan's label takes that input's place and its step is the classifier's
+    without it, where the plan was refused (the label taken for a feature). The line says the model's
+    own loss is not the one trained."""
+    from .test_onnx_import import _one_step
+
+    stepped = _one_step(_own_loss_model(with_labels=True), output="logits")
+    alone = _one_step(_own_loss_model(with_labels=False))
+    assert set(stepped) == set(alone) == {"w", "b"}
+    for name in alone:
+        np.testing.assert_array_equal(stepped[name], alone[name])
+    made = onnx_training_plan(
+        _own_loss_model(with_labels=True),
+        label="y",
+        loss="cross_entropy",
+        output="logits",
+        optimizer=SGD(0.5),
+        batch_size=8,
+        example_selector=ExampleSelector("app:/m"),
+    )
+    assert made.plan.device.inputs == {"x": "x", "label": "y"}  # y once, as the label
+    (line,) = made.warnings
+    assert "input 'y' is the label 'y'" in line and "with its cross_entropy loss" in line
+
+
+def test_a_prediction_computed_from_the_label_is_refused_in_one_line_saying_to_export_the_logits():
+    """The model's own loss as the prediction (``forward(x, y)`` returning its loss): one line naming
+    the label and the output, saying what to export."""
+    with pytest.raises(ValueError) as refused:
+        onnx_training_plan(
+            _own_loss_model(with_labels=True),
+            label="y",
+            loss="mse",
+            output="own_loss",
+            optimizer=SGD(0.5),
+            batch_size=8,
+            example_selector=ExampleSelector("app:/m"),
+        )
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    assert "the label 'y'" in message and "'own_loss' is computed from it" in message and "logits" in message
+    assert "such as 'label'" in message  # not the label's own name
