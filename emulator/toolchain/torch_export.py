@@ -245,7 +245,7 @@ def _refuse_misexported(torch: Any, module: Any) -> None:
     """Modules torch's exporters write as a graph that computes something else or does not load:
     refused before the export, naming the module and the way round it."""
     for name, sub in module.named_modules():
-        kind = type(sub).__name__
+        kind = type(sub).__name__.removeprefix("Parametrized")  # a parametrized nn.Linear's class
         if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.max_norm is not None:
             raise TaskError(
                 f"nn.{kind} {name or 'the module'!r} has max_norm={sub.max_norm:g}, which renormalizes the rows "
@@ -254,12 +254,34 @@ def _refuse_misexported(torch: Any, module: Any) -> None:
                 "leaves the renormalization out): give it max_norm=None, and to keep the rows short scale them in "
                 "forward, rows * (max_norm / rows.norm(dim=-1, keepdim=True)).clamp(max=1)"
             )
+        if isinstance(sub, torch.nn.Embedding) and sub.scale_grad_by_freq:
+            raise TaskError(
+                f"nn.Embedding {name or 'the module'!r} has scale_grad_by_freq=True, which divides each row's "
+                "gradient by how often the batch reads it, and torch's exporters write no gradient (the dynamo "
+                "exporter leaves it out, so a plan would take another step, the classic one refuses it): give it "
+                "scale_grad_by_freq=False"
+            )
+        normed = [p for p, ps in getattr(sub, "parametrizations", {}).items() if _spectral(ps)] + [
+            hook.name for hook in sub._forward_pre_hooks.values() if type(hook).__name__ == "SpectralNorm"
+        ]
+        if normed:
+            raise TaskError(
+                f"{name or 'the module'!r} ({kind}) has spectral_norm on its {normed[0]}, whose power iteration moves its "
+                "_u and _v in place at each training forward, which torch's exporters write no step of (the plan's "
+                "step would not be torch's): remove it (torch.nn.utils.parametrize.remove_parametrizations, or "
+                "remove_spectral_norm of the older hook), or "
+                "constrain the weight with a parametrization a plan trains (weight_norm)"
+            )
         if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0:
             raise TaskError(
                 f"nn.LSTM {name or 'the module'!r} has proj_size={sub.proj_size}, which torch's exporters do not "
                 "write right (the dynamo exporter leaves out its weight_hr, the classic one refuses it): give it proj_size=0, and an nn.Linear after it if its outputs must be "
                 f"{sub.proj_size} wide (that projects its outputs, not its recurrent state)"
             )
+
+
+def _spectral(parametrizations: Any) -> bool:
+    return any(type(p).__name__ == "_SpectralNorm" for p in parametrizations)
 
 
 def export_failure(exc: BaseException) -> str:
