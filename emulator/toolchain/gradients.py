@@ -649,6 +649,63 @@ def _cos(e, node, dys, wants):
     return [e.op("Neg", [e.op("Mul", [_dy(dys, e, node), e.op("Sin", [node.input[0]])])])]
 
 
+@rule("Tan", note="dy*(1+y^2)")
+def _tan(e, node, dys, wants):
+    y = node.output[0]
+    return _local(e, node, dys, e.op("Add", [e.scalar(1.0, y), e.op("Mul", [y, y])]))
+
+
+@rule("Sinh", note="dy*cosh(x)")
+def _sinh(e, node, dys, wants):
+    return _local(e, node, dys, e.op("Cosh", [node.input[0]]))
+
+
+@rule("Cosh", note="dy*sinh(x)")
+def _cosh(e, node, dys, wants):
+    return _local(e, node, dys, e.op("Sinh", [node.input[0]]))
+
+
+def _inverse_root(e: Emitter, node: onnx.NodeProto, dys: list[str | None], x: str, square_first: bool) -> str:
+    """dy/sqrt(1 - x^2) (``square_first`` False) or dy/sqrt(x^2 - 1)."""
+    squared = e.op("Mul", [x, x])
+    one = e.scalar(1.0, x)
+    inside = e.op("Sub", [squared, one] if square_first else [one, squared])
+    return e.op("Div", [_dy(dys, e, node), e.op("Sqrt", [inside])])
+
+
+@rule("Asin", note="dy/sqrt(1-x^2)")
+def _asin(e, node, dys, wants):
+    return [_inverse_root(e, node, dys, node.input[0], square_first=False)]
+
+
+@rule("Acos", note="-dy/sqrt(1-x^2)")
+def _acos(e, node, dys, wants):
+    return [e.op("Neg", [_inverse_root(e, node, dys, node.input[0], square_first=False)])]
+
+
+@rule("Acosh", note="dy/sqrt(x^2-1)")
+def _acosh(e, node, dys, wants):
+    return [_inverse_root(e, node, dys, node.input[0], square_first=True)]
+
+
+@rule("Asinh", note="dy/sqrt(x^2+1)")
+def _asinh(e, node, dys, wants):
+    x = node.input[0]
+    return [e.op("Div", [_dy(dys, e, node), e.op("Sqrt", [e.op("Add", [e.op("Mul", [x, x]), e.scalar(1.0, x)])])])]
+
+
+@rule("Atan", note="dy/(1+x^2)")
+def _atan(e, node, dys, wants):
+    x = node.input[0]
+    return [e.op("Div", [_dy(dys, e, node), e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x, x])])])]
+
+
+@rule("Atanh", note="dy/(1-x^2)")
+def _atanh(e, node, dys, wants):
+    x = node.input[0]
+    return [e.op("Div", [_dy(dys, e, node), e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [x, x])])])]
+
+
 # ---------------------------------------------------------------------------- more shapes and indexing
 
 
@@ -780,6 +837,16 @@ def _gather_elements(e, node, dys, wants):
         )
     axis = int(attr(node, "axis", 0))
     return [e.op("ScatterElements", [e.zeros_like(data), idx, _dy(dys, e, node)], axis=axis, reduction="add"), None]
+
+
+@rule("TopK", note="values: dy written into zeros of x's shape at the Indices output (torch.topk, torch.sort)")
+def _topk(e, node, dys, wants):
+    if len(node.output) < 2 or not node.output[1]:
+        raise UnsupportedOpError(node.op_type, node.name, "is differentiated with its Indices output only")
+    x, indices = node.input[0], node.output[1]
+    axis = int(attr(node, "axis", -1))
+    # each slice's indices are distinct: a plain scatter writes every value's gradient at its place
+    return [e.op("ScatterElements", [e.zeros_like(x), indices, _dy(dys, e, node)], axis=axis), None]
 
 
 @rule("GatherND", note="dy scattered-added into zeros of x's shape at the indices (batch_dims 0)")

@@ -331,6 +331,29 @@ def case_activation(op, kinks=lambda attrs: [0.0], opset=17, **choices):
     return draw_case
 
 
+def case_inverse_trigonometric(op):
+    """An inverse (or hyperbolic) trigonometric function in float32, inside its domain and off its edges:
+    |x| < 0.8 for Asin, Acos and Atanh, x > 1.2 for Acosh."""
+
+    def draw_case(draw):
+        x = _arr(draw, _shape(draw), np.float32, low=-0.8, high=0.8)
+        if op == "Acosh":
+            x = np.abs(x) * 2 + np.float32(1.2)
+        return op, {"x": x.astype(np.float32)}, {}, {}, 17, F32_TOL
+
+    return draw_case
+
+
+def case_topk(draw):
+    """TopK's values (torch.topk; torch.sort as the dynamo exporter writes it, k the whole axis), of
+    distinct inputs: no finite-difference step reorders them."""
+    shape = _shape(draw)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    k = draw(st.integers(1, shape[axis]))
+    attrs = {"axis": axis, "largest": draw(st.integers(0, 1)), "outputs": ["y", "i"]}
+    return "TopK", {"x": _distinct(draw, shape)}, {"k": np.array([k], np.int64)}, attrs, 17, F32_TOL
+
+
 def case_prelu(draw):
     shape = _shape(draw, draw(st.integers(1, 4)))
     slope = _broadcast_partner(draw, shape)
@@ -813,6 +836,11 @@ CASES = {
     "Softsign": case_activation("Softsign"),
     "Sin": case_activation("Sin"),
     "Cos": case_activation("Cos"),
+    "Tan": case_inverse_trigonometric("Tan"),
+    "Sinh": case_activation("Sinh"),
+    "Cosh": case_activation("Cosh"),
+    **{op: case_inverse_trigonometric(op) for op in ("Asin", "Acos", "Atan", "Asinh", "Acosh", "Atanh")},
+    "TopK": case_topk,
     "PRelu": case_prelu,
     "Tile": case_tile,
     "Pad": case_pad,
@@ -877,7 +905,9 @@ def _gradient_matches_finite_differences(case: str, data: st.DataObject) -> None
     # float32: a step large enough for float32 rounding, small enough for the curvature of the
     # unrolled recurrences (their error shrinks as eps^2: a truncation error, not a wrong rule)
     eps = 1e-6 if tol == F64_TOL else (1e-3 if op in _GATES else 3e-3)
-    error = vjp_error(model, inputs, list(inputs), outputs=[outputs[0]] if op == "MaxPool" else outputs, eps=eps)
+    error = vjp_error(
+        model, inputs, list(inputs), outputs=[outputs[0]] if op in ("MaxPool", "TopK") else outputs, eps=eps
+    )
     assert error < tol, (op, {k: v.shape for k, v in inputs.items()}, constants, attrs, error)
 
 
