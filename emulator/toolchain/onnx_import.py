@@ -251,6 +251,9 @@ def _copy(init: onnx.TensorProto, name: str, graph: onnx.GraphProto) -> onnx.Ten
 _FX_NODE = "pkg.torch.onnx.fx_node"
 _NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _REWRITTEN = "pkg.onnxscript.rewriter.rule_name"
+#: The optimizer's rules that leave a node reading what its FX node read (less a zero bias, or with
+#: its shape input computed): the node's metadata still names its own parameters.
+_SAME_READS = ("RemoveOptionalBiasFrom", "MaterializeReshapeShape")
 _PLACEHOLDER = re.compile(r"%([pb]_\w+)")
 #: Buffers that train as plan state (BatchNorm's running statistics); other buffers are index tables.
 _STATISTICS = ("running_mean", "running_var")
@@ -377,7 +380,7 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     constants: list[onnx.NodeProto] = []
     fresh = namer(graph)
     for node, own in zip(nodes, reads):
-        if own is None or _metadata(node, _REWRITTEN) is not None:
+        if own is None or not _reads_as_its_fx_node(node):
             continue  # a rewrite rule's node (a BatchNorm fused into a Conv) carries one of its sources' metadata
         for k, name in enumerate(node.input):
             if name not in original or not is_float(inits[name].data_type):
@@ -402,6 +405,15 @@ def split_by_fx_origin(model: onnx.ModelProto) -> dict[str, str]:
     for at, constant in enumerate(constants):
         graph.node.insert(at, constant)
     return split
+
+
+def _reads_as_its_fx_node(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` reads the parameters its FX node read: it is the exporter's own, or every
+    optimizer rule that rewrote it is one of :data:`_SAME_READS` (a Gemm whose zero bias was dropped:
+    the second of an ``nn.TransformerEncoder``'s layers, deep copies of one that are equal at
+    initialization, then reads the first's merged weight, which must be split back)."""
+    rules = _metadata(node, _REWRITTEN)
+    return rules is None or all(rule.strip().startswith(_SAME_READS) for rule in rules.split(","))
 
 
 def _reads_a_parameter_like(

@@ -380,6 +380,43 @@ def test_parameters_the_dynamo_exporter_merged_by_value_take_their_own_step_unde
     assert not np.allclose(separate["ln.bias"], separate["fc.bias"])  # each took its own update
 
 
+def _cloned_layers(merged: bool) -> onnx.ModelProto:
+    """Two linear layers of equal initial weights, as ``nn.TransformerEncoder`` deep-copies one layer
+    (zero biases, dropped). ``merged``: as the dynamo exporter's optimizer writes them, the second
+    layer's Gemm reading the first's weight, rewritten by ``RemoveOptionalBiasFromGemm`` (its
+    metadata still names the placeholders its FX node read)."""
+    from .models import model
+
+    weight = np.random.default_rng(7).normal(size=(4, 4)).astype(np.float32)
+    inits = {"layers.0.fc.weight": weight} | ({} if merged else {"layers.1.fc.weight": weight.copy()})
+    second = "layers.0.fc.weight" if merged else "layers.1.fc.weight"
+    reads = lambda k: [f"layers.{k}.fc.weight", f"layers.{k}.fc.bias"]  # noqa: E731
+    rule = "RemoveOptionalBiasFromGemm"
+    nodes = [
+        _dynamo_node("Gemm", ["x", "layers.0.fc.weight"], ["h0"], "layers.0.fc", reads(0), rule=rule, transB=1),
+        helper.make_node("Tanh", ["h0"], ["h1"]),
+        _dynamo_node("Gemm", ["h1", second], ["logits"], "layers.1.fc", reads(1), rule=rule, transB=1),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 4])],
+        [helper.make_tensor_value_info("logits", F, ["N", 4])],
+        inits,
+        opset=18,
+    )
+
+
+def test_a_layers_clone_merged_into_the_first_through_a_gemm_without_its_bias_takes_its_own_step():
+    """nn.TransformerEncoder's layers are equal at initialization; the optimizer merged the second's
+    weights into the first's and dropped the Gemms' zero biases: the rewritten Gemm's metadata still
+    names its own parameter, so it gets its own weight again (it trained as one weight with the
+    first: 1.45 times torch's change off)."""
+    merged, separate = _one_step(_cloned_layers(merged=True)), _one_step(_cloned_layers(merged=False))
+    assert set(merged) == set(separate) == {"layers.0.fc.weight", "layers.1.fc.weight"}
+    for name in separate:
+        np.testing.assert_array_equal(merged[name], separate[name])
+
+
 def test_without_the_exporters_metadata_a_merged_initializer_stays_one_weight():
     """Nothing says which parameter a node reads once the metadata is gone: no guess is made."""
     assert set(_one_step(_two_layer_norms(merged=True, metadata=False))) == {"ln.weight", "ln.bias", "fc.weight"}
