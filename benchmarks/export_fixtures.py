@@ -113,6 +113,10 @@ KEPT = (
     "birnn",
     "densenet",
     "convnext",
+    "nn_transformer_encoder",
+    "conv_nd",
+    "activations",
+    "ranked_trig",
 )
 
 

@@ -6,7 +6,9 @@ so that a test fixture stays under 200 KB of weights (``small``: 10-150 KB each)
 ``VisionTransformer`` (``nn.MultiheadAttention``, a class token, GELU MLPs). BERT, DistilBERT and
 ViT come from Hugging Face ``transformers`` with tiny configs. The recurrent and 1-D convolutional
 text models are the small classifiers a model engineer writes around ``nn.LSTM``, ``nn.GRU`` and
-``nn.Conv1d``. Random weights only: nothing is downloaded.
+``nn.Conv1d``; torch.nn's own layers (``nn.TransformerEncoder``, ``nn.Transformer``, ``Conv1d`` and
+``Conv3d``, the activations, ``torch.topk`` and the inverse trigonometric functions) have small
+families of their own. Random weights only: nothing is downloaded.
 
 Needs the ``bench`` extra (torch and transformers); the tests never import this module.
 """
@@ -1185,6 +1187,126 @@ def whisper_encoder(hidden: int = 32, layers: int = 2, heads: int = 2, mels: int
     return _Logits(WhisperForAudioClassification(config))
 
 
+# ----------------------------------------------------------------------------- torch.nn's own layers
+
+
+class TransformerClassifier(nn.Module):
+    """``nn.TransformerEncoder`` (post-norm ReLU layers, a final LayerNorm) over embedded tokens with
+    learned positions, token 0 masked as padding (``src_key_padding_mask``), mean-pooled."""
+
+    def __init__(
+        self, vocab: int = 200, hidden: int = 16, layers: int = 2, heads: int = 2, num_classes: int = 4
+    ) -> None:
+        super().__init__()
+        self.embedding, self.position = nn.Embedding(vocab, hidden), nn.Parameter(torch.randn(16, hidden) * 0.02)
+        layer = nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(hidden), enable_nested_tensor=False)
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens) + self.position[: tokens.shape[1]]
+        return self.fc(self.encoder(x, src_key_padding_mask=tokens == 0).mean(1))
+
+
+class Seq2SeqTransformer(nn.Module):
+    """``nn.Transformer`` (pre-norm GELU layers): the target tokens' logits given the source, the
+    target causally masked (``generate_square_subsequent_mask``), the source's token 0 masked as
+    padding, one embedding for both and an output layer tied to it."""
+
+    def __init__(self, vocab: int = 200, hidden: int = 16, layers: int = 1, heads: int = 2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.transformer = nn.Transformer(
+            hidden, heads, layers, layers, 2 * hidden, dropout=0.1, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(target.shape[1], dtype=self.embedding.weight.dtype)
+        padding = source == 0
+        y = self.transformer(
+            self.embedding(source),
+            self.embedding(target),
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            src_key_padding_mask=padding,
+            memory_key_padding_mask=padding,
+        )
+        return self.head(y)
+
+
+class ConvND(nn.Module):
+    """``Conv1d`` and ``Conv3d`` over one image: a strided Conv1d, a depthwise one of ``padding="same"``
+    with dilation 2 (the classic exporter's ``auto_pad=SAME_UPPER``, which onnxruntime runs only
+    with the pads written out), InstanceNorm1d; a Conv3d, a grouped strided one, GroupNorm and
+    InstanceNorm3d; ELU and Softplus between them."""
+
+    def __init__(self, channels: int = 4, num_classes: int = 10) -> None:
+        super().__init__()
+        c = channels
+        self.line = nn.Conv1d(3, c, 5, stride=2, padding=2)
+        self.line_same = nn.Conv1d(c, c, 3, padding="same", dilation=2, groups=c)
+        self.line_norm = nn.InstanceNorm1d(c, affine=True)
+        self.volume = nn.Conv3d(1, c, 3, padding=1)
+        self.volume_norm = nn.GroupNorm(2, c)
+        self.volume_grouped = nn.Conv3d(c, c, 3, stride=2, groups=2)
+        self.volume_instance = nn.InstanceNorm3d(c)
+        self.fc = nn.Linear(2 * c, num_classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        a = self.line_norm(self.line_same(nn.functional.elu(self.line(image.flatten(2)))))
+        b = self.volume(image.unsqueeze(1))
+        b = self.volume_instance(self.volume_grouped(nn.functional.softplus(self.volume_norm(b))))
+        return self.fc(torch.cat([a.mean(2), b.mean((2, 3, 4))], 1))
+
+
+class Activations(nn.Module):
+    """torch.nn's activations in a row: PReLU (one slope, and one per feature), ELU, Softplus, Mish,
+    GLU, then the sum of SELU, CELU, Hardtanh, LogSigmoid, Softsign, Tanhshrink, SiLU, ReLU6,
+    Hardswish, LeakyReLU and a Softplus of beta 2 and threshold 1."""
+
+    def __init__(self, features: int = 48, hidden: int = 16, num_classes: int = 10) -> None:
+        super().__init__()
+        self.inp, self.prelu = nn.Linear(features, hidden), nn.PReLU()
+        self.l2, self.prelu2 = nn.Linear(hidden, hidden), nn.PReLU(hidden)
+        self.l3, self.l4, self.l5 = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.l6, self.fc = nn.Linear(hidden, 2 * hidden), nn.Linear(hidden, num_classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        f = nn.functional
+        h = self.prelu2(self.l2(self.prelu(self.inp(image.flatten(1)))))
+        h = f.glu(self.l6(f.mish(self.l5(f.softplus(self.l4(f.elu(self.l3(h))))))))
+        h = f.selu(h) + f.celu(h) + f.hardtanh(h) + f.logsigmoid(h) + f.softsign(h) + f.tanhshrink(h)
+        h = h + f.silu(h) + f.relu6(h) + f.hardswish(h) + f.leaky_relu(h, 0.1) + f.softplus(h, beta=2.0, threshold=1.0)
+        return self.fc(h)
+
+
+class RankedTrig(nn.Module):
+    """``torch.topk`` and ``torch.sort`` of features (ONNX ``TopK``), ``torch.atan2``, ``asin``,
+    ``acos`` and ``tan`` of others (``Atan``, ``Asin``, ``Acos``, ``Tan``; the classic exporter has no
+    ``sinh`` or ``cosh``), a linear classifier."""
+
+    def __init__(self, features: int = 48, hidden: int = 16, num_classes: int = 10) -> None:
+        super().__init__()
+        self.inp, self.fc = (
+            nn.Linear(features, 2 * hidden),
+            nn.Linear(hidden // 2 + hidden // 4 + hidden // 4, num_classes),
+        )
+        self.hidden = hidden
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        h = self.inp(image.flatten(1))
+        q = self.hidden // 4
+        a, b = h[:, : self.hidden], h[:, self.hidden :]
+        top = a.topk(self.hidden // 2, dim=1).values
+        ranked = b.sort(dim=1, descending=True).values[:, :q]
+        angles = torch.atan2(b[:, :q], b[:, q : 2 * q]) + torch.asin(torch.tanh(b[:, 2 * q : 3 * q]))
+        return self.fc(
+            torch.cat([top, ranked * torch.acos(torch.tanh(ranked) * 0.9), angles + torch.tan(angles * 0.3)], 1)
+        )
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -1307,6 +1429,20 @@ MODELS: dict[str, ModelSpec] = {
     "bart": ModelSpec(
         "transformers", partial(bart, 16), partial(bart, 128, 2, 2, 1000), _SEQ2SEQ, 200, label_shape=(16,)
     ),
+    "nn_transformer_encoder": ModelSpec(
+        "torch.nn", TransformerClassifier, partial(TransformerClassifier, 1000, 128, 4, 4), _TOKENS, 4
+    ),
+    "nn_transformer": ModelSpec(
+        "torch.nn",
+        Seq2SeqTransformer,
+        partial(Seq2SeqTransformer, 1000, 128, 2, 4),
+        (Input("source", (16,), "int64", 200), Input("target", (16,), "int64", 200)),
+        200,
+        label_shape=(16,),
+    ),
+    "conv_nd": ModelSpec("torch.nn", ConvND, partial(ConvND, 32), (Input("image", (3, 8, 8)),), 10),
+    "activations": ModelSpec("torch.nn", Activations, partial(Activations, 48, 256), (Input("image", (3, 4, 4)),), 10),
+    "ranked_trig": ModelSpec("torch.nn", RankedTrig, partial(RankedTrig, 48, 256), (Input("image", (3, 4, 4)),), 10),
 }
 
 

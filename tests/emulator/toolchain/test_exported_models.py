@@ -9,8 +9,11 @@ relative position buckets, one embedding shared three ways) scoring every positi
 plain torch around ``F.scaled_dot_product_attention`` (tied output layer), a CNN normalized by GroupNorm
 and InstanceNorm (with and without affine parameters), a two-layer bidirectional ``nn.RNN`` averaged over
 its unpadded positions (the classic exporter's ONNX ``RNN`` ops), DenseNet (``Concat`` of every layer
-before) and ConvNeXt (LayerNorm over channels, depthwise 7x7, layer scale), at fixture
-size, each fresh (zero biases, unit gains: what exporters merge) and perturbed, exported with
+before) and ConvNeXt (LayerNorm over channels, depthwise 7x7, layer scale), and of torch.nn's own
+layers ``nn.TransformerEncoder`` with a padding mask (its layers copies of one, equal when fresh),
+``Conv1d`` and ``Conv3d`` (strided, grouped, depthwise of ``padding="same"`` with dilation; GroupNorm,
+InstanceNorm1d and 3d), its activations (PReLU, ELU, Softplus, Mish, GLU, SELU, CELU, ...) and
+``torch.topk``, ``torch.sort`` and inverse trigonometric functions, at fixture size, each fresh (zero biases, unit gains: what exporters merge) and perturbed, exported with
 the classic exporter (training preserved), the dynamo exporter's default (``optimize=True``) and the
 dynamo exporter with ``optimize=False`` (DenseNet and ConvNeXt also without dynamic shapes, their batch
 fixed at 4). Beside each, torch's step in float64 from the same values.
@@ -90,6 +93,10 @@ DEFAULT = {
     "densenet.perturbed.dynamo_static",
     "convnext.fresh.dynamo",
     "convnext.perturbed.dynamo_static",
+    "nn_transformer_encoder.fresh.dynamo",
+    "conv_nd.perturbed.classic",
+    "activations.fresh.dynamo_noopt",
+    "ranked_trig.perturbed.classic",
     "dropout.classic",
     "dropout_inplace.dynamo",
 }
