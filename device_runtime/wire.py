@@ -254,6 +254,21 @@ class DDPRoundParams(Answer):
     rotation_seed: Annotated[int, Strict(), Field(ge=0, lt=1 << 64, description="of the randomized Hadamard rotation")]
 
 
+class SecAggAssignment(Answer):
+    """How the server split a round's devices into Secure Aggregation groups, revealed when
+    selection ends: the seed whose hash it showed before (base64), every member's key (base64), the
+    least group size and the spare seats it split by, and the index of this device's group. The
+    device recomputes its group from them (``secagg.assign_groups``). Integers are strict: a
+    hostile ``Infinity`` or ``1e400`` (JSON the device parses) raised ``OverflowError`` out of the
+    device's session where it was turned into a count."""
+
+    seed: Annotated[str, Strict()]
+    members: list[Annotated[str, Strict()]]
+    min_group_size: Annotated[int, Strict(), Field(ge=1)]
+    group: Count
+    spare: Count = 0
+
+
 class SecAggState(Answer):
     """A session's Secure Aggregation state: ``waiting`` (groups not formed; ``commitment`` is
     H(seed)), ``excluded``, ``closed``, ``active`` (its group's round and the server's latest
@@ -267,7 +282,7 @@ class SecAggState(Answer):
     round: str | None = None
     seq: Count | None = None
     message: str | None = Field(None, description="the server's latest Secure Aggregation message, base64")
-    assignment: dict[str, Any] | None = None
+    assignment: SecAggAssignment | None = None
     group_size: Count | None = None
     included: bool | None = None
     reason: str | None = None

@@ -1,0 +1,282 @@
+"""A hostile FL server on a real loopback port (uvicorn): what it sends in a Secure Aggregation
+state ends the device's part in a typed refusal, never in an exception that is not the SDK's, a
+hang or memory the device never gives.
+
+- A group assignment whose counts are not integers (``Infinity``, ``1e400``, ``NaN``, which the
+  device's JSON parser reads as floats) is refused before a key is advertised, naming the field:
+  ``Infinity`` raised ``OverflowError`` out of the app's ``run_session``.
+- A SecAgg+ degree past ``MAX_SECAGG_PLUS_DEGREE`` is refused before it is judged: judging it sums
+  binomial tails over degree + 1 terms, and a degree of 2^24 held the device for minutes."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from device_runtime import (
+    FLRuntime,
+    OpStatsStore,
+    Outcome,
+    RetryPolicy,
+    encode_checkpoint,
+    initial_weights,
+)
+from device_runtime.plan import load_plan, serialize_plan
+from device_runtime.protocol import ProtocolClient
+from device_runtime.secagg_policy import SecAggPolicy
+from device_runtime.secure_client import (
+    MAX_SECAGG_PLUS_DEGREE,
+    REFUSED,
+    SecureAggregation,
+    SecureOutcome,
+    SecureResult,
+    session_member_key,
+)
+from device_runtime.secure_sum import config_to_json
+from device_runtime.wire import CheckinAccepted
+from example_store import InMemoryExampleStore
+from secagg import Round, SecAggConfig, assign_groups, group_seed, seed_commitment
+from tests.support import COLLECTION, digits_plan
+
+SEED = b"hostile seed of thirty-two bytes!"
+FAST = RetryPolicy(attempts=1)
+
+
+class HostileServer:
+    """An FL server on a loopback port (uvicorn) that accepts every check-in with ``checkin``
+    (its ``plan_id`` and ``checkpoint_id`` those of ``plans[n]`` for the n-th session, the last one
+    thereafter), serves them, answers every Secure Aggregation poll with ``secagg`` and takes
+    reports and aborts, counting them (``aborts`` keeps their reasons). Once a device has sent a
+    Secure Aggregation message, its round is over (``closed``)."""
+
+    def __init__(self) -> None:
+        self.plans: list[bytes] = []
+        self.checkpoints: list[bytes] = []
+        self.by_id: dict[str, bytes] = {}
+        self.checkin: dict = {}
+        self.secagg: str = json.dumps({"status": "waiting"})
+        self.sessions = self.reports = self.secagg_sent = 0
+        self.aborts: list[str] = []
+        app = Starlette(routes=[Route("/{path:path}", self._answer, methods=["GET", "POST"])])
+        self.listener = socket.create_server(("127.0.0.1", 0))  # held from the pick: no other server takes it
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+
+    def serve(self, *plans) -> None:
+        """Serve ``plans`` (wire bytes or ``Plan``s), each with its initial weights, from the next session on."""
+        self.plans = [p if isinstance(p, bytes) else serialize_plan(p) for p in plans]
+        self.checkpoints = [
+            encode_checkpoint(initial_weights(p if not isinstance(p, bytes) else load_plan(p), seed=0)) for p in plans
+        ]
+        self.by_id = {hashlib.sha256(b).hexdigest(): b for b in self.plans + self.checkpoints}
+        self.sessions = self.reports = self.secagg_sent = 0
+        self.aborts = []
+
+    async def _answer(self, request: Request) -> Response:
+        path = request.url.path
+        body = await request.body()
+        if path.endswith("/checkin"):
+            n = min(self.sessions, len(self.plans) - 1)
+            self.sessions += 1
+            answer = {
+                "status": "accepted",
+                "session_id": f"s{self.sessions}",
+                "token": "t0k3n",
+                "task": "train",
+                "round": self.sessions,
+                "aggregation": "simple",
+                "report_deadline_s": 60.0,
+                **self.checkin,
+                "plan_id": hashlib.sha256(self.plans[n]).hexdigest(),
+                "checkpoint_id": hashlib.sha256(self.checkpoints[n]).hexdigest(),
+            }
+            return _json(json.dumps(answer))
+        if path.startswith("/v1/resources/"):
+            return Response(self.by_id[path.rsplit("/", 1)[1]], media_type="application/octet-stream")
+        if path.endswith("/secagg"):
+            if request.method == "POST":
+                self.secagg_sent += 1
+                return _json('{"status": "accepted"}')
+            return _json('{"status": "closed"}' if self.secagg_sent else self.secagg)
+        if path.endswith("/abort"):
+            self.aborts.append(json.loads(body)["reason"])
+            return _json('{"status": "aborted"}')
+        if path.endswith("/report"):
+            self.reports += 1
+        return _json('{"status": "accepted"}')
+
+    def __enter__(self) -> HostileServer:
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.listener.close()
+
+
+def _json(text: str) -> Response:
+    """``text`` as it is: JSON that Python's encoder would not write (``Infinity``, ``1e400``)."""
+    return Response(text.encode(), media_type="application/json")
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileServer]:
+    with HostileServer() as server:
+        yield server
+
+
+def _store(n: int = 16) -> InMemoryExampleStore:
+    store = InMemoryExampleStore()
+    rng = np.random.default_rng(0)
+    store.add(COLLECTION, [{"x": rng.random(64).astype(np.float32), "y": int(i % 10)} for i in range(n)])
+    return store
+
+
+# ----------------------------------------------------------------------------- Secure Aggregation
+SESSION = CheckinAccepted(
+    session_id="s1",
+    token="t0k3n",
+    task="train",
+    round=1,
+    plan_id="0" * 64,
+    checkpoint_id="1" * 64,
+    aggregation="secure_sum",
+    report_deadline_s=60.0,
+    max_examples_per_report=100,
+    clip_update_norm=1.0,
+    secagg_commitment=base64.b64encode(seed_commitment(SEED)).decode(),
+)
+#: Four other members and this device (by its session, as the server names an unattested device).
+MEMBERS = [hashlib.sha256(bytes([i])).digest() for i in range(4)] + [session_member_key(SESSION.session_id)]
+
+
+def _honest_state(vector_length: int = 4, **config_changes) -> dict:
+    """AdvertiseKeys as an honest server sends it to this device under the default floor (but an
+    unattested cohort): its group and seat from the revealed seed, the group's graph committed."""
+    [group] = assign_groups(SEED, MEMBERS, 5)
+    config = SecAggConfig(
+        vector_length=vector_length,
+        modulus=2**32,
+        threshold=4,
+        consistency_check=True,
+        min_summed=5,
+        graph_commitment=seed_commitment(group_seed(SEED, 0)),
+        allow_unsafe=True,
+    )
+    return {
+        "status": "active",
+        "round": Round.ADVERTISE_KEYS.value,
+        "seq": 1,
+        "client_id": group.index(MEMBERS[-1]) + 1,
+        "group_size": 5,
+        "config": {**config_to_json(config), **config_changes},
+        "assignment": {
+            "seed": base64.b64encode(SEED).decode(),
+            "members": [base64.b64encode(m).decode() for m in MEMBERS],
+            "min_group_size": 5,
+            "group": 0,
+        },
+    }
+
+
+def _prepare(server: HostileServer, state: str, policy: SecAggPolicy) -> SecureResult | None:
+    """This device's key rounds against ``server`` answering every poll with ``state``."""
+    server.secagg, server.secagg_sent = state, 0
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += max(seconds, 0.01)
+
+    client = ProtocolClient(server.url, retry=FAST)
+    try:
+        secure = SecureAggregation(
+            client, SESSION, deadline=1.0, sleep=sleep, clock=lambda: now[0], long_poll_s=0.0, policy=policy
+        )
+        return secure.prepare()
+    finally:
+        client.close()
+
+
+UNATTESTED = SecAggPolicy(require_attested_cohort=False)
+
+
+def test_an_honest_assignment_is_taken_and_the_device_advertises_its_keys(hostile):
+    """The state the tests below bend, as it is: the device joins and sends its keys."""
+    result = _prepare(hostile, json.dumps(_honest_state()), UNATTESTED)
+    assert hostile.secagg_sent == 1
+    assert result is not None and result.outcome is SecureOutcome.EXCLUDED and not result.refused
+
+
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "1e400", "NaN", "5.5", "true", '"5"'])
+@pytest.mark.parametrize("field", ["min_group_size", "group", "spare"])
+def test_an_assignment_whose_counts_are_not_integers_is_refused_before_a_key_is_advertised(hostile, field, value):
+    """The device's JSON parser reads ``Infinity`` and ``1e400`` as float infinity: turned into a
+    count, it raised ``OverflowError`` out of the device's session (and ``5.5`` was taken as 5)."""
+    state = (
+        json.dumps(_honest_state())
+        .replace('"group": 0', '"group": 0, "spare": 0')
+        .replace(f'"{field}": {5 if field == "min_group_size" else 0}', f'"{field}": {value}')
+    )
+    assert value in state
+    result = _prepare(hostile, state, UNATTESTED)
+    assert result is not None and result.refused and result.code == REFUSED
+    assert f"assignment.{field}" in result.detail and hostile.secagg_sent == 0
+
+
+def test_a_session_whose_assignment_holds_infinity_ends_refused_and_the_server_hears_why(hostile, tmp_path):
+    """The same, through the app's ``run_session``: it raised ``OverflowError``; now the session ends
+    as refused (``SECAGG_REFUSED``), in opstats, and the server hears the abort with the reason."""
+    hostile.serve(digits_plan(secure_aggregation=True))
+    hostile.checkin = {
+        "aggregation": "secure_sum",
+        "max_examples_per_report": 100,
+        "clip_update_norm": 1.0,
+        "secagg_commitment": SESSION.secagg_commitment,
+    }
+    hostile.secagg = json.dumps(_honest_state()).replace('"min_group_size": 5', '"min_group_size": Infinity')
+    opstats = OpStatsStore(tmp_path / "app.db")
+    try:
+        with FLRuntime(
+            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
+        ) as runtime:
+            result = runtime.run_session()
+    finally:
+        hostile.checkin = {}
+    assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
+    assert hostile.secagg_sent == 0 and len(hostile.aborts) == 1
+    assert "assignment.min_group_size" in hostile.aborts[0]
+    assert [s.shape for s in opstats.sessions()] == ["-v#"]
+
+
+@pytest.mark.parametrize("degree", [MAX_SECAGG_PLUS_DEGREE, 2 * MAX_SECAGG_PLUS_DEGREE, 1 << 18])
+def test_a_secagg_plus_degree_past_what_a_device_judges_is_refused_before_it_is_judged(hostile, degree):
+    """A group said to be 2^64 devices with a SecAgg+ degree of 2^18 and a threshold of every
+    neighbour: judging it summed binomial tails over 2^18 + 1 terms (a second; 2^24 took minutes and
+    gigabytes, kept for later judgements), and the floor took it. Up to ``MAX_SECAGG_PLUS_DEGREE``
+    a degree is judged as before (this one passes the floor, and the device advertises its keys)."""
+    state = _honest_state(degree=degree, threshold=degree + 1)
+    del state["assignment"]
+    state["group_size"] = 2**64
+    policy = SecAggPolicy(require_attested_cohort=False, require_graph_commitment=False)
+    result = _prepare(hostile, json.dumps(state), policy)
+    if degree <= MAX_SECAGG_PLUS_DEGREE:
+        assert hostile.secagg_sent == 1 and result is not None and result.outcome is SecureOutcome.EXCLUDED
+        return
+    assert result is not None and result.refused and result.code == REFUSED and hostile.secagg_sent == 0
+    assert f"SecAgg+ degree {degree} is above the {MAX_SECAGG_PLUS_DEGREE} this device judges" in result.detail
