@@ -1,39 +1,52 @@
 """A hostile FL server on a real loopback port (uvicorn): what it sends in a Secure Aggregation
-state ends the device's part in a typed refusal, never in an exception that is not the SDK's, a
-hang or memory the device never gives.
+state or in a plan that is valid ONNX ends the device's part in a typed refusal, never in an
+exception that is not the SDK's, a hang or memory the device never gives.
 
 - A group assignment whose counts are not integers (``Infinity``, ``1e400``, ``NaN``, which the
   device's JSON parser reads as floats) is refused before a key is advertised, naming the field:
   ``Infinity`` raised ``OverflowError`` out of the app's ``run_session``.
 - A SecAgg+ degree past ``MAX_SECAGG_PLUS_DEGREE`` is refused before it is judged: judging it sums
-  binomial tails over degree + 1 terms, and a degree of 2^24 held the device for minutes."""
+  binomial tails over degree + 1 terms, and a degree of 2^24 held the device for minutes.
+- A small tensor whose data does not fit its type and shape (too long, in segments) is refused
+  when the plan loads (``PlanError``; ``CorruptResource`` in a session): numpy's ``ValueError``
+  came out of the plan's load.
+- A sparse initializer is counted at its dense size, which onnxruntime allocates when it makes the
+  session: one value declared 10^5 x 10^5 is refused when the plan loads, one over the device's
+  memory before it runs (``OverBudget``)."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
+import onnx
 import pytest
 import uvicorn
+from onnx import TensorProto, helper, numpy_helper
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from device_runtime import (
+    DeviceClass,
     FLRuntime,
     OpStatsStore,
     Outcome,
+    OverBudget,
+    PlanError,
     RetryPolicy,
     encode_checkpoint,
     initial_weights,
 )
-from device_runtime.plan import load_plan, serialize_plan
+from device_runtime.errors import CorruptResource
+from device_runtime.plan import MAX_TENSOR_BYTES, load_plan, serialize_plan
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secagg_policy import SecAggPolicy
 from device_runtime.secure_client import (
@@ -280,3 +293,118 @@ def test_a_secagg_plus_degree_past_what_a_device_judges_is_refused_before_it_is_
         return
     assert result is not None and result.refused and result.code == REFUSED and hostile.secagg_sent == 0
     assert f"SecAgg+ degree {degree} is above the {MAX_SECAGG_PLUS_DEGREE} this device judges" in result.detail
+
+
+# ----------------------------------------------------------------------------- plans
+def _with_work(plan, nodes, initializers=(), sparse=()):
+    """``plan`` whose work graph also runs ``nodes``, their result ('extra') added to its first metric."""
+    model = onnx.ModelProto.FromString(plan.work)
+    metric = plan.metric_names[0]
+    for node in model.graph.node:
+        node.output[:] = [f"{metric}_before" if o == metric else o for o in node.output]
+    model.graph.node.extend([*nodes, helper.make_node("Add", [f"{metric}_before", "extra"], [metric])])
+    model.graph.initializer.extend(initializers)
+    model.graph.sparse_initializer.extend(sparse)
+    return dataclasses.replace(plan, work=model.SerializeToString())
+
+
+ONE = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+#: Shape vectors of two int64s whose data does not fit them, which the ONNX checker lets through.
+UNFIT: dict[str, Callable[[], TensorProto]] = {
+    "raw data too long": lambda: TensorProto(
+        name="shape", data_type=TensorProto.INT64, dims=[2], raw_data=np.array([4, 4, 4], "<i8").tobytes()
+    ),
+    "values too many": lambda: TensorProto(name="shape", data_type=TensorProto.INT64, dims=[2], int64_data=[4, 4, 4]),
+    "in segments": lambda: TensorProto(
+        name="shape", data_type=TensorProto.INT64, dims=[2], int64_data=[4, 4], segment=TensorProto.Segment(end=1)
+    ),
+}
+
+
+def _unfit(how: str):
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["filled"], value=ONE),
+        helper.make_node("ReduceSum", ["filled"], ["extra"], keepdims=0),
+    ]
+    return _with_work(digits_plan(), nodes, [UNFIT[how]()])
+
+
+@pytest.mark.parametrize("how", sorted(UNFIT))
+def test_a_tensor_whose_data_does_not_fit_its_shape_is_refused_when_the_plan_loads(how):
+    with pytest.raises(PlanError, match=r"graph 'work' holds tensor 'shape', whose data does not fit its type"):
+        load_plan(serialize_plan(_unfit(how)))
+
+
+def test_a_session_whose_plan_holds_a_tensor_that_does_not_fit_ends_in_the_sdks_error(hostile, tmp_path):
+    """numpy's ``ValueError`` ("cannot reshape array of size 3 into shape (2,)") came out of the
+    app's ``run_session``; now the plan is refused as corrupt, not cached, the server hears the
+    abort, and the same runtime trains an honest plan next."""
+    hostile.serve(_unfit("raw data too long"), digits_plan())
+    cache = tmp_path / "cache"
+    with FLRuntime("digits", hostile.url, _store(), cache_dir=cache, retry=FAST) as runtime:
+        with pytest.raises(CorruptResource, match="whose data does not fit its type and shape"):
+            runtime.run_session()
+        assert len(hostile.aborts) == 1 and not runtime._plans and not runtime.loaded_plans._loaded
+        assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert hostile.reports == 1
+
+
+def _sparse(rows: int, cols: int) -> onnx.SparseTensorProto:
+    """One float32 value at [0, 0] of a ``rows`` x ``cols`` tensor named 'big': a few bytes of a plan."""
+    values = numpy_helper.from_array(np.array([1.0], np.float32), "big")
+    return helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0], np.int64), "big_at"), [rows, cols])
+
+
+def _sparse_in_a_loop(rows: int, cols: int):
+    body = helper.make_graph(
+        [helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0), helper.make_node("Identity", ["c"], ["c_out"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("total", TensorProto.FLOAT, None),
+        ],
+        sparse_initializer=[_sparse(rows, cols)],
+    )
+    trips = [numpy_helper.from_array(np.array(1, np.int64), "trips"), numpy_helper.from_array(np.array(True), "go")]
+    nodes = [
+        helper.make_node("Loop", ["trips", "go"], ["totals"], body=body),
+        helper.make_node("ReduceSum", ["totals"], ["extra"], keepdims=0),
+    ]
+    return _with_work(digits_plan(), nodes, trips)
+
+
+def _sparse_plan(rows: int, cols: int, where: str = "graph"):
+    if where == "loop":
+        return _sparse_in_a_loop(rows, cols)
+    return _with_work(
+        digits_plan(), [helper.make_node("ReduceSum", ["big"], ["extra"], keepdims=0)], sparse=[_sparse(rows, cols)]
+    )
+
+
+@pytest.mark.parametrize("where", ["graph", "loop"])
+def test_a_sparse_initializer_larger_than_a_device_gives_dense_is_refused_when_the_plan_loads(where):
+    """One value declared 10^5 x 10^5: 40 GB that onnxruntime allocated when it made the session."""
+    with pytest.raises(
+        PlanError, match=r"makes tensor 'big' of 40,000,000,000 bytes before it has run a step"
+    ) as refused:
+        load_plan(serialize_plan(_sparse_plan(100_000, 100_000, where)))
+    assert f"more than the {MAX_TENSOR_BYTES:,} a device gives one tensor" in str(refused.value)
+
+
+def test_a_sparse_initializer_over_the_devices_memory_is_refused_before_it_runs(hostile, tmp_path):
+    """128 MB dense on a device that gives 64 MB: the device counted it as nothing, and onnxruntime
+    made it dense (twice, at its peak) when the session was made."""
+    hostile.serve(_sparse_plan(8192, 4096), digits_plan())
+    small = DeviceClass("small", memory_mb=64)
+    with FLRuntime("digits", hostile.url, _store(), device_class=small, retry=FAST) as runtime:
+        with pytest.raises(OverBudget, match=r"makes tensor 'big' of 128 MB before it has run a step; a small device"):
+            runtime.run_session()
+        assert len(hostile.aborts) == 1 and hostile.reports == 0
+        assert all(not executor._sessions for executor in runtime._executors.values())  # nothing was run
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert hostile.reports == 1
