@@ -64,6 +64,9 @@ DEADLINE_GRACE_S = 1.0
 #: in the other rounds, which close as soon as every member has answered, it polls every ``poll_s``.
 IDLE_POLL_MAX_S = 4.0
 
+#: The rounds of a device's client once its masked input has left: only then can its group's sum hold it.
+_INPUT_SENT = frozenset({Round.MASKED_INPUT_COLLECTION, Round.CONSISTENCY_CHECK, Round.COMPLETED})
+
 #: ``SecureResult.code`` of a refusal: the server's request fell below the floor or failed a check
 REFUSED = "SECAGG_REFUSED"
 #: ``SecureResult.code`` of a refusal: the policy requires an attested cohort that this device
@@ -283,6 +286,10 @@ class SecureAggregation:
             if status == "completed":
                 if not state.included:
                     return SecureResult(SecureOutcome.EXCLUDED)
+                if self._secagg.round not in _INPUT_SENT:
+                    # a session recorded as taking part (its eligibility policies read it) with
+                    # nothing trained or sent
+                    return self._refused("the server says this device's input was summed, but it has sent none")
                 return SecureResult(SecureOutcome.INCLUDED, retry_after_s=state.retry_after_s)
             if status == "aborted":
                 return SecureResult(SecureOutcome.ABORTED, state.reason or "")

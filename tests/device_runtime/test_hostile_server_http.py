@@ -5,6 +5,8 @@ exception that is not the SDK's, a hang or memory the device never gives.
 - A group assignment whose counts are not integers (``Infinity``, ``1e400``, ``NaN``, which the
   device's JSON parser reads as floats) is refused before a key is advertised, naming the field:
   ``Infinity`` raised ``OverflowError`` out of the app's ``run_session``.
+- A group said to have summed the device's input before the device sent one is refused: the
+  session ended as completed, taking part, with nothing trained nor sent.
 - A SecAgg+ degree past ``MAX_SECAGG_PLUS_DEGREE`` is refused before it is judged: judging it sums
   binomial tails over degree + 1 terms, and a degree of 2^24 held the device for minutes.
 - A small tensor whose data does not fit its type and shape (too long, in segments) is refused
@@ -57,7 +59,7 @@ from device_runtime.secure_client import (
     SecureResult,
     session_member_key,
 )
-from device_runtime.secure_sum import config_to_json
+from device_runtime.secure_sum import SecureSumCodec, config_to_json
 from device_runtime.wire import CheckinAccepted
 from example_store import InMemoryExampleStore
 from secagg import Round, SecAggConfig, assign_groups, group_seed, seed_commitment
@@ -72,7 +74,7 @@ class HostileServer:
     (its ``plan_id`` and ``checkpoint_id`` those of ``plans[n]`` for the n-th session, the last one
     thereafter), serves them, answers every Secure Aggregation poll with ``secagg`` and takes
     reports and aborts, counting them (``aborts`` keeps their reasons). Once a device has sent a
-    Secure Aggregation message, its round is over (``closed``)."""
+    Secure Aggregation message, polls are answered with ``after_sent`` (by default: its round closed)."""
 
     def __init__(self) -> None:
         self.plans: list[bytes] = []
@@ -80,6 +82,7 @@ class HostileServer:
         self.by_id: dict[str, bytes] = {}
         self.checkin: dict = {}
         self.secagg: str = json.dumps({"status": "waiting"})
+        self.after_sent = json.dumps({"status": "closed"})
         self.sessions = self.reports = self.secagg_sent = 0
         self.aborts: list[str] = []
         app = Starlette(routes=[Route("/{path:path}", self._answer, methods=["GET", "POST"])])
@@ -123,7 +126,7 @@ class HostileServer:
             if request.method == "POST":
                 self.secagg_sent += 1
                 return _json('{"status": "accepted"}')
-            return _json('{"status": "closed"}' if self.secagg_sent else self.secagg)
+            return _json(self.after_sent if self.secagg_sent else self.secagg)
         if path.endswith("/abort"):
             self.aborts.append(json.loads(body)["reason"])
             return _json('{"status": "aborted"}')
@@ -274,6 +277,34 @@ def test_a_session_whose_assignment_holds_infinity_ends_refused_and_the_server_h
     assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
     assert hostile.secagg_sent == 0 and len(hostile.aborts) == 1
     assert "assignment.min_group_size" in hostile.aborts[0]
+    assert [s.shape for s in opstats.sessions()] == ["-v#"]
+
+
+def test_a_group_said_to_have_summed_an_input_the_device_never_sent_is_refused(hostile, tmp_path):
+    """Told its group completed with its input summed right after it advertised its keys, the device
+    ended its session as completed (``-v^``: taking part, which its eligibility policies read) with
+    nothing trained nor sent. Its input can be in a sum only once its masked input has left."""
+    plan = digits_plan(secure_aggregation=True)
+    hostile.serve(plan)
+    hostile.checkin = {
+        "aggregation": "secure_sum",
+        "max_examples_per_report": 100,
+        "clip_update_norm": 1.0,
+        "secagg_commitment": SESSION.secagg_commitment,
+    }
+    hostile.secagg = json.dumps(_honest_state(vector_length=SecureSumCodec(plan).vector_length))
+    hostile.after_sent = json.dumps({"status": "completed", "included": True})
+    opstats = OpStatsStore(tmp_path / "app.db")
+    try:
+        with FLRuntime(
+            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
+        ) as runtime:
+            result = runtime.run_session()
+    finally:
+        hostile.checkin, hostile.after_sent = {}, json.dumps({"status": "closed"})
+    assert hostile.secagg_sent == 1  # its keys
+    assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
+    assert "the server says this device's input was summed, but it has sent none" in hostile.aborts[0]
     assert [s.shape for s in opstats.sessions()] == ["-v#"]
 
 
