@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from .errors import CorruptResource
+from .errors import CorruptResource, OverBudget
 from .executor import PlanExecutor
-from .plan import Plan, PlanError, load_plan
+from .plan import Plan, PlanError, load_plan, plan_nodes
 
 try:  # POSIX advisory locks: a lock is released when its process ends, however it ends
     import fcntl
@@ -271,17 +271,26 @@ class LoadedPlans:
         self._loaded: OrderedDict[tuple[str, str], tuple[Plan, PlanExecutor]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def load(self, plan_id: str, data: bytes, runtime_version: str) -> tuple[Plan, PlanExecutor]:
-        """Raises CorruptResource when the plan is refused (malformed, or not for this version)."""
+    def load(
+        self, plan_id: str, data: bytes, runtime_version: str, *, max_nodes: tuple[int, str] | None = None
+    ) -> tuple[Plan, PlanExecutor]:
+        """Raises CorruptResource when the plan is refused (malformed, or not for this version), and
+        ``OverBudget`` when its graphs hold more nodes than ``max_nodes`` allows (``plan.nodes_bound``:
+        a loaded plan is checked again for each device that asks, as the devices of a simulation
+        that share their loaded plans have memories of their own)."""
         key = (plan_id, runtime_version)
         with self._lock:
             found = self._loaded.get(key)
             if found is not None:
                 self._loaded.move_to_end(key)
         if found is not None:
+            if max_nodes is not None and plan_nodes(found[0]) > max_nodes[0]:
+                raise OverBudget(
+                    f"plan {found[0].name!r} holds more than {max_nodes[0]:,} nodes in its graphs: {max_nodes[1]}"
+                )
             return found
         try:
-            plan = load_plan(data, runtime_version=runtime_version)
+            plan = load_plan(data, runtime_version=runtime_version, max_nodes=max_nodes)
         except PlanError as exc:
             raise CorruptResource(f"plan {plan_id} was refused: {exc}") from exc
         loaded = (plan, PlanExecutor(plan))

@@ -55,7 +55,7 @@ from .errors import (
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, all_finite, stoppable_run_options
 from .influence import bound_update
 from .opstats import READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
-from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at
+from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at, nodes_bound
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache, own_cache_folder
 from .protocol import (
     MIN_ANSWER_BYTES_PER_S,
@@ -884,7 +884,8 @@ class FLRuntime:
         try:
             if len(data) > bound[0]:  # cached by a larger device's runtime, or read whole by the app's http_client
                 raise OverBudget(f"plan {plan_id} is {len(data)} bytes: {bound[1]}")
-            plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version)
+            nodes = nodes_bound(self.device_class.memory_mb, self.device_class.name)
+            plan, executor = self.loaded_plans.load(plan_id, data, self.runtime_version, max_nodes=nodes)
             try:
                 self._check_budget(plan, executor)
             except OverBudget:

@@ -706,8 +706,10 @@ class ReleasePlans(LoadedPlans):
         self.pool = pool
         self._executors: dict[tuple[str, str], WorkerExecutor] = {}
 
-    def load(self, plan_id: str, data: bytes, runtime_version: str) -> tuple[Plan, PlanExecutor]:
-        plan, _ = super().load(plan_id, data, runtime_version)
+    def load(
+        self, plan_id: str, data: bytes, runtime_version: str, *, max_nodes: tuple[int, str] | None = None
+    ) -> tuple[Plan, PlanExecutor]:
+        plan, _ = super().load(plan_id, data, runtime_version, max_nodes=max_nodes)
         key = (plan_id, runtime_version)
         if key not in self._executors:
             self._executors[key] = WorkerExecutor(plan, self.pool.worker(runtime_version))

@@ -12,6 +12,9 @@ exception that is not the SDK's, a hang or memory the device never gives.
 - A small tensor whose data does not fit its type and shape (too long, in segments) is refused
   when the plan loads (``PlanError``; ``CorruptResource`` in a session): numpy's ``ValueError``
   came out of the plan's load.
+- A plan of more graph nodes than a device's ``nodes_bound`` is refused before its graphs are
+  checked (``OverBudget``): each node took some 3 KB to check and as much to run, and a plan of
+  300,000 nodes, 8 MB, took 842 MB and 29 s to load, then 781 MB and 59 s to make its session.
 - A sparse initializer is counted at its dense size, which onnxruntime allocates when it makes the
   session: one value declared 10^5 x 10^5 is refused when the plan loads, one over the device's
   memory before it runs (``OverBudget``)."""
@@ -47,8 +50,17 @@ from device_runtime import (
     encode_checkpoint,
     initial_weights,
 )
+from device_runtime.environment import RuntimeEnvironment
 from device_runtime.errors import CorruptResource
-from device_runtime.plan import MAX_TENSOR_BYTES, load_plan, serialize_plan
+from device_runtime.plan import (
+    MAX_TENSOR_BYTES,
+    NODE_BYTES,
+    NODES_SHARE,
+    load_plan,
+    nodes_bound,
+    serialize_plan,
+)
+from device_runtime.plan_cache import LoadedPlans
 from device_runtime.protocol import ProtocolClient
 from device_runtime.secagg_policy import SecAggPolicy
 from device_runtime.secure_client import (
@@ -439,3 +451,49 @@ def test_a_sparse_initializer_over_the_devices_memory_is_refused_before_it_runs(
         assert all(not executor._sessions for executor in runtime._executors.values())  # nothing was run
         assert runtime.run_session().outcome is Outcome.COMPLETED
     assert hostile.reports == 1
+
+
+def _many_nodes(count: int):
+    """The digits plan whose work graph also passes the batch through ``count`` Identity nodes."""
+    nodes = [helper.make_node("Identity", ["x"], ["n0"])]
+    nodes += [helper.make_node("Identity", [f"n{i}"], [f"n{i + 1}"]) for i in range(count)]
+    return _with_work(digits_plan(), [*nodes, helper.make_node("ReduceSum", [f"n{count}"], ["extra"], keepdims=0)])
+
+
+def test_a_plan_of_more_nodes_than_the_device_checks_and_runs_is_refused_before_its_graphs_are_checked(
+    hostile, tmp_path
+):
+    """Each node of a plan took some 2.8 KB and 0.1 ms of the device to check as the plan loaded,
+    then as much again in onnxruntime's session: the 256 MB a default device downloads hold ten
+    million nodes (300,000 took 842 MB and 29 s, then 781 MB and 59 s). A device of 16 MB takes
+    1,365 nodes (``nodes_bound``): a plan of 1,400 is refused in ``OverBudget``, not kept, the
+    server hears the abort, and an honest plan trains next; a runtime sharing the loaded plan with
+    a larger device's (a simulation's) refuses it too."""
+    most, _ = nodes_bound(16, "tiny")
+    assert most == 16 * (1 << 20) // (NODES_SHARE * NODE_BYTES) == 1365
+    hostile.serve(_many_nodes(1400), digits_plan())
+    tiny = DeviceClass("tiny", memory_mb=16)
+    cache = tmp_path / "cache"
+    with FLRuntime("digits", hostile.url, _store(), device_class=tiny, cache_dir=cache, retry=FAST) as runtime:
+        with pytest.raises(OverBudget, match=r"holds more than 1,365 nodes in its graphs: a tiny device of 16 MB"):
+            runtime.run_session()
+        assert len(hostile.aborts) == 1 and not runtime._plans and not runtime.loaded_plans._loaded
+        assert not (cache / "plans").exists() or not list((cache / "plans").iterdir())
+        assert runtime.run_session().outcome is Outcome.COMPLETED
+    assert hostile.reports == 1
+    shared = LoadedPlans()
+    hostile.serve(_many_nodes(1400))
+    with FLRuntime(
+        "digits", hostile.url, _store(), retry=FAST, environment=RuntimeEnvironment(loaded_plans=shared)
+    ) as runtime:
+        assert runtime.run_session().outcome is Outcome.COMPLETED  # a default device takes 174,762
+    with FLRuntime(
+        "digits",
+        hostile.url,
+        _store(),
+        device_class=tiny,
+        retry=FAST,
+        environment=RuntimeEnvironment(loaded_plans=shared),
+    ) as runtime:
+        with pytest.raises(OverBudget, match="holds more than 1,365 nodes"):
+            runtime.run_session()
