@@ -297,6 +297,12 @@ class SecureAggregation:
             if seq > self._seen_seq and message:
                 round_name = state.round or ""
                 if until_input and round_name == Round.MASKED_INPUT_COLLECTION.value:
+                    if self._secagg.round is not Round.SHARE_CHECK:
+                        # its client would refuse the request once the device had trained for it
+                        return self._refused(
+                            f"the server asked for its masked input during {self._secagg.round.value}, "
+                            "before its key rounds ended"
+                        )
                     return None  # the reply is the masked input: it waits for training
                 self._seen_seq = seq
                 if self._entering(round_name):

@@ -7,6 +7,7 @@ exception that is not the SDK's, a hang or memory the device never gives.
   ``Infinity`` raised ``OverflowError`` out of the app's ``run_session``.
 - A group said to have summed the device's input before the device sent one is refused: the
   session ended as completed, taking part, with nothing trained nor sent.
+- A masked input asked for before the key rounds ended is refused before the device trains for it.
 - A SecAgg+ degree past ``MAX_SECAGG_PLUS_DEGREE`` is refused before it is judged: judging it sums
   binomial tails over degree + 1 terms, and a degree of 2^24 held the device for minutes.
 - A small tensor whose data does not fit its type and shape (too long, in segments) is refused
@@ -318,6 +319,36 @@ def test_a_group_said_to_have_summed_an_input_the_device_never_sent_is_refused(h
     assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
     assert "the server says this device's input was summed, but it has sent none" in hostile.aborts[0]
     assert [s.shape for s in opstats.sessions()] == ["-v#"]
+
+
+def test_a_masked_input_asked_for_before_the_key_rounds_ended_is_refused_before_training(hostile, tmp_path):
+    """Asked for its masked input right after it advertised its keys (no ShareKeys, no ShareCheck),
+    the device trained for it, then its client refused the request as out of order: the training
+    was for nothing. It refuses before it trains."""
+    plan = digits_plan(secure_aggregation=True)
+    hostile.serve(plan)
+    hostile.checkin = {
+        "aggregation": "secure_sum",
+        "max_examples_per_report": 100,
+        "clip_update_norm": 1.0,
+        "secagg_commitment": SESSION.secagg_commitment,
+    }
+    state = _honest_state(vector_length=SecureSumCodec(plan).vector_length)
+    hostile.secagg = json.dumps(state)
+    hostile.after_sent = json.dumps(
+        {**state, "round": Round.MASKED_INPUT_COLLECTION.value, "seq": 2, "message": "AAAA"}
+    )
+    opstats = OpStatsStore(tmp_path / "app.db")
+    try:
+        with FLRuntime(
+            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
+        ) as runtime:
+            result = runtime.run_session()
+    finally:
+        hostile.checkin, hostile.after_sent = {}, json.dumps({"status": "closed"})
+    assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
+    assert "asked for its masked input during AdvertiseKeys, before its key rounds ended" in hostile.aborts[0]
+    assert [s.shape for s in opstats.sessions()] == ["-v#"]  # no training ('[')
 
 
 @pytest.mark.parametrize("degree", [MAX_SECAGG_PLUS_DEGREE, 2 * MAX_SECAGG_PLUS_DEGREE, 1 << 18])
