@@ -252,6 +252,30 @@ def test_an_honest_assignment_is_taken_and_the_device_advertises_its_keys(hostil
     assert result is not None and result.outcome is SecureOutcome.EXCLUDED and not result.refused
 
 
+def _secure_session(hostile: HostileServer, tmp_path, state: str, after_sent: str | None = None):
+    """A secure-sum session of the app's ``run_session`` against ``hostile``, which answers the
+    device's first poll with ``state`` (and, with ``after_sent``, what follows its first message):
+    its result and the sessions its opstats kept. The server's honest answers are put back after."""
+    hostile.checkin = {
+        "aggregation": "secure_sum",
+        "max_examples_per_report": 100,
+        "clip_update_norm": 1.0,
+        "secagg_commitment": SESSION.secagg_commitment,
+    }
+    hostile.secagg = state
+    if after_sent is not None:
+        hostile.after_sent = after_sent
+    opstats = OpStatsStore(tmp_path / "app.db")
+    try:
+        with FLRuntime(
+            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
+        ) as runtime:
+            result = runtime.run_session()
+    finally:
+        hostile.checkin, hostile.after_sent = {}, json.dumps({"status": "closed"})
+    return result, [s.shape for s in opstats.sessions()]
+
+
 @pytest.mark.parametrize("value", ["Infinity", "-Infinity", "1e400", "NaN", "5.5", "true", '"5"'])
 @pytest.mark.parametrize("field", ["min_group_size", "group", "spare"])
 def test_an_assignment_whose_counts_are_not_integers_is_refused_before_a_key_is_advertised(hostile, field, value):
@@ -272,25 +296,12 @@ def test_a_session_whose_assignment_holds_infinity_ends_refused_and_the_server_h
     """The same, through the app's ``run_session``: it raised ``OverflowError``; now the session ends
     as refused (``SECAGG_REFUSED``), in opstats, and the server hears the abort with the reason."""
     hostile.serve(digits_plan(secure_aggregation=True))
-    hostile.checkin = {
-        "aggregation": "secure_sum",
-        "max_examples_per_report": 100,
-        "clip_update_norm": 1.0,
-        "secagg_commitment": SESSION.secagg_commitment,
-    }
-    hostile.secagg = json.dumps(_honest_state()).replace('"min_group_size": 5', '"min_group_size": Infinity')
-    opstats = OpStatsStore(tmp_path / "app.db")
-    try:
-        with FLRuntime(
-            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
-        ) as runtime:
-            result = runtime.run_session()
-    finally:
-        hostile.checkin = {}
+    state = json.dumps(_honest_state()).replace('"min_group_size": 5', '"min_group_size": Infinity')
+    result, shapes = _secure_session(hostile, tmp_path, state)
     assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
     assert hostile.secagg_sent == 0 and len(hostile.aborts) == 1
     assert "assignment.min_group_size" in hostile.aborts[0]
-    assert [s.shape for s in opstats.sessions()] == ["-v#"]
+    assert shapes == ["-v#"]
 
 
 def test_a_group_said_to_have_summed_an_input_the_device_never_sent_is_refused(hostile, tmp_path):
@@ -299,26 +310,12 @@ def test_a_group_said_to_have_summed_an_input_the_device_never_sent_is_refused(h
     nothing trained nor sent. Its input can be in a sum only once its masked input has left."""
     plan = digits_plan(secure_aggregation=True)
     hostile.serve(plan)
-    hostile.checkin = {
-        "aggregation": "secure_sum",
-        "max_examples_per_report": 100,
-        "clip_update_norm": 1.0,
-        "secagg_commitment": SESSION.secagg_commitment,
-    }
-    hostile.secagg = json.dumps(_honest_state(vector_length=SecureSumCodec(plan).vector_length))
-    hostile.after_sent = json.dumps({"status": "completed", "included": True})
-    opstats = OpStatsStore(tmp_path / "app.db")
-    try:
-        with FLRuntime(
-            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
-        ) as runtime:
-            result = runtime.run_session()
-    finally:
-        hostile.checkin, hostile.after_sent = {}, json.dumps({"status": "closed"})
+    state = json.dumps(_honest_state(vector_length=SecureSumCodec(plan).vector_length))
+    result, shapes = _secure_session(hostile, tmp_path, state, json.dumps({"status": "completed", "included": True}))
     assert hostile.secagg_sent == 1  # its keys
     assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
     assert "the server says this device's input was summed, but it has sent none" in hostile.aborts[0]
-    assert [s.shape for s in opstats.sessions()] == ["-v#"]
+    assert shapes == ["-v#"]
 
 
 def test_a_masked_input_asked_for_before_the_key_rounds_ended_is_refused_before_training(hostile, tmp_path):
@@ -327,28 +324,12 @@ def test_a_masked_input_asked_for_before_the_key_rounds_ended_is_refused_before_
     was for nothing. It refuses before it trains."""
     plan = digits_plan(secure_aggregation=True)
     hostile.serve(plan)
-    hostile.checkin = {
-        "aggregation": "secure_sum",
-        "max_examples_per_report": 100,
-        "clip_update_norm": 1.0,
-        "secagg_commitment": SESSION.secagg_commitment,
-    }
     state = _honest_state(vector_length=SecureSumCodec(plan).vector_length)
-    hostile.secagg = json.dumps(state)
-    hostile.after_sent = json.dumps(
-        {**state, "round": Round.MASKED_INPUT_COLLECTION.value, "seq": 2, "message": "AAAA"}
-    )
-    opstats = OpStatsStore(tmp_path / "app.db")
-    try:
-        with FLRuntime(
-            "digits", hostile.url, _store(), opstats=opstats, retry=FAST, secagg_policy=UNATTESTED
-        ) as runtime:
-            result = runtime.run_session()
-    finally:
-        hostile.checkin, hostile.after_sent = {}, json.dumps({"status": "closed"})
+    asked = {**state, "round": Round.MASKED_INPUT_COLLECTION.value, "seq": 2, "message": "AAAA"}
+    result, shapes = _secure_session(hostile, tmp_path, json.dumps(state), json.dumps(asked))
     assert result.outcome is Outcome.REPORT_REJECTED and result.rejection_code == REFUSED
     assert "asked for its masked input during AdvertiseKeys, before its key rounds ended" in hostile.aborts[0]
-    assert [s.shape for s in opstats.sessions()] == ["-v#"]  # no training ('[')
+    assert shapes == ["-v#"]  # no training ('[')
 
 
 @pytest.mark.parametrize("degree", [MAX_SECAGG_PLUS_DEGREE, 2 * MAX_SECAGG_PLUS_DEGREE, 1 << 18])
