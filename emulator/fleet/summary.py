@@ -159,8 +159,16 @@ def cannot_fill(devices: int, peak_available: int, task: Any) -> str | None:
             "against --hours, or simulate more --devices if only a few devices ever are"
         )
     more = f"simulate about {math.ceil(devices * seats / peak):,} --devices"
-    goal = math.floor(peak / rounds.over_selection + 1e-9)
-    fewer = f", or a --goal (task.goal_count) of at most {goal}" if goal >= 1 else ""
+    from .workload import smallest_goal
+
+    goal, floor = math.floor(peak / rounds.over_selection + 1e-9), smallest_goal(rounds)
+    # a goal below the server's floor is refused before a run: no --goal to offer then, and why
+    fewer = (
+        f", or a --goal (task.goal_count) of at most {goal}"
+        if goal >= floor
+        else f" (no smaller --goal would do: the server refuses a goal below {floor}, whose rounds could commit with "
+        f"fewer than {rounds.min_reports} reports, RoundConfig.min_reports)"
+    )
     return (
         f"no round can fill: each selects {seats} devices (task.goal_count {rounds.goal_count} x task.over_selection "
         f"{rounds.over_selection:g}) and needs {needed} of their reports to commit (task.goal_count x task.min_fraction "

@@ -567,8 +567,35 @@ def _build(config: FleetConfig) -> Workload:
             f"the task file {path} holds no training task; a fleet trains a model (list one in `tasks`)"
         )
     secure = section.secure if built_in else any(bool(t.plan.server.secure_sum) for t in fleet_tasks)
+    _check_goal(fleet_tasks)
     _check_dp(config, fleet_tasks, path)
     return Workload(config, "built-in" if built_in else str(path), fleet_tasks, data, secure)
+
+
+def smallest_goal(rounds: RoundConfig) -> int:
+    """The smallest ``goal_count`` the server deploys ``rounds`` with: its commit threshold
+    (``goal_count`` x ``min_fraction``, rounded up) at least ``min_reports``, so that what a round
+    publishes never gives back a few devices' own values."""
+    goal = max(1, math.floor((rounds.min_reports - 1) / rounds.min_fraction))  # the floor lies past it
+    while dataclasses.replace(rounds, goal_count=goal).commit_threshold < rounds.min_reports:
+        goal += 1
+    return goal
+
+
+def _check_goal(tasks: list[FleetTask]) -> None:
+    """A goal whose rounds could commit with fewer than ``min_reports`` reports, which the server
+    refuses at deploy: said before the run with the ``--goal`` that fixes it, where the server's own
+    refusal names ``min_reports``, which no ``[task]`` key sets."""
+    for task in tasks:
+        rounds = task.rounds
+        if rounds.commit_threshold < rounds.min_reports:
+            raise WorkloadError(
+                f"task {task.name!r}: a round of task.goal_count {rounds.goal_count} could commit with "
+                f"{rounds.commit_threshold} report(s) (x task.min_fraction {rounds.min_fraction:g}), fewer than the "
+                f"{rounds.min_reports} the server requires (RoundConfig.min_reports) so that what a round publishes "
+                f"never gives back a few devices' own values; use a --goal of at least {smallest_goal(rounds)} "
+                "(task.goal_count), or a larger task.min_fraction"
+            )
 
 
 def _check_dp(config: FleetConfig, tasks: list[FleetTask], path: Path) -> None:

@@ -58,11 +58,12 @@ def test_a_secure_aggregation_task_commits_rounds_of_attested_groups(tmp_path, c
 def test_a_goal_the_server_refuses_exits_with_its_reason(capsys):
     assert main(["simulate", "--devices", "20", "--hours", "0.1", "--goal", "4", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "refuses the fleet's [task]" in err and "min_reports" in err and "Traceback" not in err
+    assert "could commit with 4 report(s)" in err and "min_reports" in err and "Traceback" not in err
 
 
 def test_a_run_the_server_refuses_leaves_nothing_in_its_out_folder(tmp_path, capsys):
-    refused = ["simulate", "--devices", "20", "--hours", "0.1", "--goal", "4", "--no-progress", "--out"]
+    refused = ["simulate", "--devices", "20", "--hours", "0.1", "--goal", "8", "--no-progress"]
+    refused += ["--dp", "central", "--max-epsilon", "0.01", "--out"]  # a budget one round would spend
     assert main([*refused, str(tmp_path / "new")]) == 2
     assert "refuses the fleet's [task]" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # the folder the run made, with its server's database, is gone
@@ -146,7 +147,7 @@ def test_a_run_refused_while_it_is_set_up_says_one_line_and_draws_no_progress_ba
     for sharded in ([], ["--shards", "2"]):
         assert main(["simulate", str(fleet), *sharded]) == 2
         (line,) = capsys.readouterr().err.splitlines()  # not first a notice that no round can fill
-        assert "the server refuses the fleet's [task]" in line and "fewer than min_reports" in line
+        assert "could commit with 4 report(s)" in line and "(RoundConfig.min_reports)" in line
 
 
 def test_no_shards_is_refused(capsys):
@@ -306,6 +307,37 @@ def test_every_figure_of_the_reports_a_commit_needs_is_the_servers_own_threshold
     assert "report in time (8 (task.goal_count), or 7 once no more can come" in said
 
 
+def test_a_fleet_too_small_for_the_smallest_goal_the_server_takes_is_offered_no_goal_it_refuses():
+    """At most 3 devices available at once: a goal of 2 would seat them, but the server refuses any
+    goal below 6 (its rounds could commit with fewer than min_reports 5 reports), so the line offers
+    devices alone, where it offered "a --goal of at most 2", which the next run had refused."""
+    from emulator.fleet import FleetConfig
+    from emulator.fleet.summary import cannot_fill
+    from emulator.fleet.workload import smallest_goal, task_round_config
+
+    task = FleetConfig.default().replace(goal=20).task
+    assert smallest_goal(task_round_config(task)) == 6
+    said = cannot_fill(10, 3, task)
+    assert said is not None and "of at most" not in said and "--devices" in said
+    assert "no smaller --goal would do: the server refuses a goal below 6" in said
+    offered = cannot_fill(100, 9, task)  # 9 devices seat a goal of 6: offered
+    assert offered is not None and offered.endswith("or a --goal (task.goal_count) of at most 6")
+
+
+def test_a_goal_the_server_would_refuse_is_told_before_the_run_with_the_smallest_it_takes(tmp_path, capsys):
+    """The server refuses a round that could commit with fewer than min_reports reports; the fleet
+    said so in the server's words ("lower min_reports knowingly"), which no [task] key or option
+    sets. Now the line names --goal and the smallest goal the server takes."""
+    out = tmp_path / "run"
+    assert (
+        main(["simulate", "--devices", "10", "--hours", "0.1", "--goal", "5", "--out", str(out), "--no-progress"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "min_reports knowingly" not in err
+    assert "a round of task.goal_count 5 could commit with 4 report(s)" in err
+    assert "use a --goal of at least 6 (task.goal_count)" in err and not out.exists()
+
+
 def test_a_fleet_that_can_fill_its_rounds_says_nothing_of_it(tmp_path):
     from emulator.fleet import FleetConfig, simulate
 
@@ -371,7 +403,7 @@ def test_a_fleet_no_device_class_of_which_holds_the_plan_is_refused_in_one_line(
     window, a run that was never going to start."""
     fleet = tmp_path / "tiny.toml"
     fleet.write_text(
-        "[fleet]\ndevices = 20\nhours = 0.5\nmin_memory_mb = 0\n\n[task]\nhidden = [2048, 2048]\ngoal_count = 5\n\n"
+        "[fleet]\ndevices = 20\nhours = 0.5\nmin_memory_mb = 0\n\n[task]\nhidden = [2048, 2048]\ngoal_count = 8\n\n"
         '[[device_classes]]\nname = "tiny"\nshare = 1.0\nspeed = 1.0\nmemory_mb = 1\n',
         encoding="utf-8",
     )

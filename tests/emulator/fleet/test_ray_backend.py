@@ -209,7 +209,7 @@ def test_a_sweep_run_the_server_refuses_is_named_and_leaves_no_folder(tmp_path, 
     captured = capsys.readouterr()
     (line,) = [json.loads(x) for x in captured.out.strip().splitlines()]
     assert line["params"] == {"task.goal_count": 8}
-    assert "fedfleet simulate: task.goal_count=4: the server refuses the fleet's [task]" in captured.err
+    assert "fedfleet simulate: task.goal_count=4: task 'fleet_mlp': a round of task.goal_count 4" in captured.err
     # each run's folder is named by its parameters, the label fedfleet compare gives it
     assert [p.name for p in out.iterdir()] == ["run-0-goal_count=8"]
     assert (out / "run-0-goal_count=8" / "summary.json").is_file()
