@@ -342,6 +342,10 @@ def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
     check_readable(path, "npz: ")
     try:
         loaded = np.load(path, allow_pickle=False)
+    except EOFError:  # numpy's word for a file of no bytes, which is neither a zip nor an array
+        raise DataLayoutError(
+            f"npz: {path} is empty (0 bytes); save x and y with np.savez(path, x=..., y=...), or copy the file again"
+        ) from None
     except zipfile.BadZipFile as exc:  # a zip's start without its end (the directory): a copy cut short
         raise DataLayoutError(
             f"npz: {path} is not a whole .npz file ({exc}: its end is missing, as in a copy cut short); copy or save "
@@ -362,6 +366,14 @@ def _read_npz(path: Path) -> Mapping[str, np.ndarray]:
             raise DataLayoutError(
                 f"npz: {path} has no array {key!r} (arrays: {found}); save x and y (or x_train and y_train)"
             )
+    for key in ("x", "y", "x_test", "y_test"):  # len() of a 0-d array is a TypeError
+        if key in arrays and arrays[key].ndim == 0:
+            raise DataLayoutError(
+                f"npz: {path}: array {key!r} is a single value (shape ()), not one per example; save "
+                f"an array whose first axis runs over the examples"
+            )
+    if len(arrays["x"]) == 0:  # else partitioned into "at most 0 clients"
+        raise DataLayoutError(f"npz: {path}: array 'x' holds no example; save the examples to train on")
     for key in ("y", "y_test"):  # Keras' CIFAR labels are [N, 1]: class ids, one per example
         if key in arrays and arrays[key].ndim == 2 and arrays[key].shape[1] == 1:
             arrays[key] = arrays[key][:, 0]

@@ -238,6 +238,23 @@ def test_a_file_this_user_may_not_read_is_one_line_naming_it(tmp_path: Path, nam
         load_data(spec.format(target))
 
 
+def test_an_empty_npz_or_one_of_no_examples_or_single_values_is_one_line_saying_what_to_save(tmp_path: Path) -> None:
+    """A file of no bytes was numpy's EOFError traceback, a 0-d array (np.savez(x=3.0)) a TypeError
+    traceback from len(), and an x of no rows "use at most 0 clients"."""
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(DataLayoutError, match=r"empty\.npz is empty \(0 bytes\); save x and y with np\.savez"):
+        load_data(f"npz:{tmp_path / 'empty.npz'}")
+    np.savez(tmp_path / "none.npz", x=np.zeros((0, 4)), y=np.zeros(0, dtype=np.int64))
+    with pytest.raises(DataLayoutError, match=r"none\.npz: array 'x' holds no example; save the examples"):
+        load_data(f"npz:{tmp_path / 'none.npz'}")
+    for key in ("x", "y", "x_test", "y_test"):
+        arrays = {"x": np.zeros((6, 2)), "y": np.arange(6) % 2, "x_test": np.zeros((2, 2)), "y_test": np.arange(2)}
+        arrays[key] = np.float64(3.0) if key.startswith("x") else np.int64(1)
+        np.savez(tmp_path / f"{key}.npz", **arrays)
+        with pytest.raises(DataLayoutError, match=rf"array '{key}' is a single value \(shape \(\)\), not one per"):
+            load_data(f"npz:{tmp_path / key}.npz,clients=2")
+
+
 def test_an_npz_x_test_of_no_examples_is_refused(tmp_path: Path) -> None:
     """The central test set was dropped and the run measured no accuracy, unsaid."""
     np.savez(tmp_path / "d.npz", x=np.ones((10, 2)), y=np.arange(10) % 2, x_test=np.ones((0, 2)), y_test=np.zeros(0))
