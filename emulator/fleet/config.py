@@ -59,7 +59,9 @@ Positive = Annotated[float, Field(gt=0.0, le=1e9)]
 #: The server's timeouts and retry windows: at most a week (``server_stub.rounds.MAX_TIMEOUT_S``).
 Timeout = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S)]
 Wait = Annotated[float, Field(ge=0.0, le=MAX_TIMEOUT_S)]
-Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.+-]+$")]
+#: What a name (a device class's, a population's) may hold: it ends up in file names and URLs.
+NAME_PATTERN = r"^[A-Za-z0-9_.+-]+$"
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=NAME_PATTERN)]
 
 
 class FleetConfigError(ValueError):
@@ -665,7 +667,7 @@ def _describe(exc: ValidationError, source: str, named: Mapping[str, str] | None
     """One line naming every bad field, each as the user wrote it: its key, or the command-line
     option ``named`` maps its dotted key to. ``source`` heads the line unless every field was named."""
     lines, only_named = [], True
-    for err in exc.errors(include_url=False):
+    for err in _union_errors(exc.errors(include_url=False)):
         where = ".".join(str(p) for p in err["loc"])
         only_named = only_named and where in (named or {})
         if err["type"] == "extra_forbidden":
@@ -681,6 +683,28 @@ def _describe(exc: ValidationError, source: str, named: Mapping[str, str] | None
     return "; ".join(lines) if only_named else f"{source} is invalid: " + "; ".join(lines)
 
 
+def _union_errors(errors: list[Any]) -> list[Any]:
+    """A value that fits none of a union's kinds (``[data] options``' text or numbers) is one error
+    naming them all, where pydantic gives one per kind, each at a key with the kind's tag added
+    (``data.options.clients.str``, ``.int``, ``.float``)."""
+    out: list[Any] = []
+    for err in errors:
+        loc, kind = tuple(err["loc"]), err["type"]
+        if kind in KINDS and loc and loc[-1] in UNION_TAGS:
+            last = out[-1] if out else None
+            if last is not None and last.get("kinds") and last["loc"] == loc[:-1]:
+                last["kinds"].append(KINDS[kind])
+                continue
+            out.append({"loc": loc[:-1], "type": "union_kinds", "kinds": [KINDS[kind]], "input": err.get("input")})
+            continue
+        out.append(err)
+    return out
+
+
+#: The tags pydantic adds to a key for each kind of a union it tried.
+UNION_TAGS = ("str", "int", "float", "bool")
+
+
 def _plain(err: Any) -> str | None:
     """What a field must be, said without the validator's words ("Input should be greater than 0":
     "must be above 0 (got -1)"); None for an error this does not know."""
@@ -692,8 +716,20 @@ def _plain(err: Any) -> str | None:
         return f"must be {words} {f'{limit:g}' if isinstance(limit, float) else limit} (got {given!r})"
     if kind in KINDS:
         return f"must be {KINDS[kind]} (got {given!r})"
+    if kind == "union_kinds":
+        kinds = err["kinds"]
+        said = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+        return f"must be {said} (got {given!r})"
+    if kind == "string_too_short":
+        return f"must not be empty (got {given!r})" if ctx["min_length"] == 1 else None
+    if kind == "string_too_long":
+        return f"must be at most {ctx['max_length']} characters long (got {len(given)})"
+    if kind == "string_pattern_mismatch" and ctx["pattern"] == NAME_PATTERN:
+        return f"may hold only ASCII letters, digits and _ . + - (got {given!r})"
     if kind in ("model_type", "dict_type", "model_attributes_type"):
         return f"must be a table ([{'.'.join(str(p) for p in err['loc'] if not isinstance(p, int))}])"
+    if kind == "list_type" and not _holds_tables(tuple(err["loc"])):
+        return f"must be an array in brackets (got {given!r})"
     if kind == "list_type":
         return f"must be an array of tables ([[{'.'.join(str(p) for p in err['loc'])}]])"
     if kind == "missing":
@@ -718,6 +754,21 @@ KINDS = {
     "bool_type": "true or false",
     "string_type": "text (in quotes)",
 }
+
+
+def _holds_tables(loc: tuple[int | str, ...]) -> bool:
+    """Whether the list at ``loc`` holds tables (``[[device_classes]]``) rather than values (``hidden``)."""
+    *table, key = loc
+    model: Any = FleetConfig
+    for part in table:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        model = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else annotation
+    if not isinstance(model, type) or not issubclass(model, BaseModel) or key not in model.model_fields:
+        return True
+    items = typing.get_args(model.model_fields[str(key)].annotation)
+    return bool(items) and isinstance(items[0], type) and issubclass(items[0], BaseModel)
 
 
 def _table_keys(loc: tuple[int | str, ...]) -> list[str]:

@@ -508,7 +508,15 @@ def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
         if not sep or not name or not values.strip():
             raise FleetConfigError(f"--sweep {item!r}: write KEY=V1,V2 (e.g. goal_count=8,16 or fleet.devices=100,200)")
         key = name if "." in name else f"task.{name}"
+        if key in grid:  # the later one replaced the earlier, its runs dropped unsaid
+            raise FleetConfigError(
+                f"--sweep {item!r}: {key} is swept twice; give its values in one --sweep, as {name}=V1,V2,V3"
+            )
         grid[key] = [_value(v.strip()) for v in values.split(",")]
+        seen = [json.dumps(v, sort_keys=True) for v in grid[key]]
+        twice = [v for i, v in enumerate(seen) if v in seen[:i]]
+        if twice:  # the same run twice, which --seeds refuses too
+            raise FleetConfigError(f"--sweep {item!r}: {twice[0]} is given twice; name each value once")
     return grid
 
 
@@ -527,6 +535,8 @@ def sweep_configs(
     axes: dict[str, Sequence[Any]] = {}
     if seeds:
         axes["fleet.seed"] = list(seeds)
+        if "fleet.seed" in (grid or {}):
+            raise FleetConfigError("--sweep fleet.seed and --seeds both give the seeds; give them once, with --seeds")
     axes.update(grid or {})
     out = []
     for combo in itertools.product(*axes.values()):
@@ -550,7 +560,8 @@ def sweep_configs(
                     f"--sweep {key}: the config has no such field{meant}; examples/fleets/default.toml lists the fields"
                 )
             node[last] = value
-        out.append((params, FleetConfig.from_dict(data, source=f"--sweep {params}")))
+        said = ", ".join(f"{key}={json.dumps(value)}" for key, value in params.items())
+        out.append((params, FleetConfig.from_dict(data, source=f"--sweep {said}")))
     return out
 
 

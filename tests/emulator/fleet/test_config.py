@@ -124,6 +124,38 @@ def test_an_invalid_config_is_refused_naming_the_field(tmp_path, toml, field):
     assert field in str(info.value) and str(path) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        ('[task]\nfile = ""', "task.file must not be empty (got '')"),
+        ('[data]\nformat = "leaf"\npath = ""', "data.path must not be empty (got '')"),
+        (
+            '[[device_classes]]\nname = "mid range"\nshare = 1.0\nspeed = 1.0\nmemory_mb = 4096',
+            "device_classes.0.name may hold only ASCII letters, digits and _ . + - (got 'mid range')",
+        ),
+        (f'[task]\npopulation = "{"p" * 65}"', "task.population must be at most 64 characters long (got 65)"),
+        ("[task]\nhidden = 32", "task.hidden must be an array in brackets (got 32)"),
+        (
+            '[runtime_versions]\nversion = "1.31.1"',
+            "runtime_versions must be an array of tables ([[runtime_versions]])",
+        ),
+        (
+            '[data]\nformat = "digits"\noptions = { clients = [1, 2] }',
+            "data.options.clients must be text (in quotes), a whole number or a number (got [1, 2])",
+        ),
+    ],
+)
+def test_a_wrong_string_list_or_option_is_said_in_the_configs_words(tmp_path, toml, said):
+    """These were pydantic's own words ("String should have at least 1 character", "String should
+    match pattern '^[A-Za-z0-9_.+-]+$'"), hidden = 32 was told to be "an array of tables
+    ([[task.hidden]])", and an option of the wrong kind three lines, one per kind tried."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(toml, encoding="utf-8")
+    with pytest.raises(FleetConfigError) as info:
+        FleetConfig.load(path)
+    assert str(info.value) == f"{path} is invalid: {said}"
+
+
 def test_unreadable_files_are_refused_with_what_to_do(tmp_path):
     with pytest.raises(FleetConfigError, match="no fleet config"):
         FleetConfig.load(tmp_path / "missing.toml")

@@ -159,6 +159,29 @@ def test_a_sweep_is_the_grid_of_its_values_and_refuses_unknown_keys_by_name():
         sweep_configs(tiny_config(), grid=parse_sweep(["goal_count=-3"]))
 
 
+def test_a_sweep_runs_each_combination_once_and_names_a_bad_value_as_it_was_typed():
+    """goal_count=10,10 ran the same fleet twice; a key in two --sweep options (or fleet.seed beside
+    --seeds) kept the later values and dropped the others' runs unsaid; a refused value was named
+    as a Python dict, "--sweep {'task.goal_count': 'a'} is invalid"."""
+    with pytest.raises(
+        FleetConfigError, match=r"^--sweep 'goal_count=10,10': 10 is given twice; name each value once$"
+    ):
+        parse_sweep(["goal_count=10,10"])
+    with pytest.raises(FleetConfigError, match=r"task\.goal_count is swept twice; give its values in one --sweep"):
+        parse_sweep(["goal_count=8", "task.goal_count=16"])
+    with pytest.raises(FleetConfigError, match=r"--sweep fleet\.seed and --seeds both give the seeds"):
+        sweep_configs(tiny_config(), seeds=[1, 2], grid=parse_sweep(["fleet.seed=3"]))
+    with pytest.raises(FleetConfigError) as info:
+        sweep_configs(tiny_config(), grid=parse_sweep(["goal_count=a"]))
+    assert str(info.value).startswith('--sweep task.goal_count="a" is invalid: task.goal_count must be a whole number')
+    assert [c.task.hidden for _, c in sweep_configs(tiny_config(), grid=parse_sweep(["hidden=[32],[64]"]))] == [
+        [32],
+        [64],
+    ]
+    with pytest.raises(FleetConfigError, match=r"\[32\] is given twice"):
+        parse_sweep(["hidden=[32],[32]"])
+
+
 def test_simulate_with_shards_prints_the_digest_of_the_single_process_run(tmp_path, capsys):
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(
