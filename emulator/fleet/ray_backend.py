@@ -391,6 +391,10 @@ def simulate_sharded(
             try:
                 if notice is not None:  # once the server took the tasks: a [task] it refuses is the one line
                     notify_before_run(config, workload, specs, notice)
+                if out_dir is not None:  # the run replaces an earlier one's files (see simulate)
+                    from .report import clear_run
+
+                    clear_run(out_dir)
                 run = _drive(driver, backend, len(parts), specs, started, stats if stats is not None else {})
             finally:  # also when the run is interrupted (Ctrl-C)
                 driver.close()

@@ -62,6 +62,32 @@ _ABANDONED_SUMMED = "#bbbbbb"
 
 SUMMARY_JSON = "summary.json"
 REPORT_HTML = "report.html"
+#: Every plot a report may draw (a run draws some of them: privacy.png only with DP, ...).
+FIGURE_FILES = (
+    "devices.png",
+    "rounds.png",
+    "dropout.png",
+    "shapes.png",
+    "traffic.png",
+    "accuracy.png",
+    "privacy.png",
+    "bytes.png",
+    "client_accuracy.png",
+    "durations.png",
+)
+
+
+def clear_run(out_dir: str | os.PathLike) -> None:
+    """Remove what an earlier run wrote in ``out_dir`` (its tables, summary, plots and report; other
+    files stay), as a run starts there: else a run stopped before its summary left the earlier run's
+    ``summary.json`` beside its own tables, which ``fedfleet compare`` read as one run, and a run
+    without DP the earlier one's ``privacy.png``."""
+    from .tables import ROUNDS_CSV, SESSIONS_CSV, TIMELINE_CSV
+
+    for name in (SESSIONS_CSV, ROUNDS_CSV, TIMELINE_CSV, SUMMARY_JSON, REPORT_HTML, *FIGURE_FILES):
+        path = Path(out_dir) / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
 
 
 class FleetReportError(RuntimeError):

@@ -789,6 +789,10 @@ def simulate(
             sim = FleetSimulator(config, specs, workdir=workdir, progress=callback, http=http, workload=workload)
             if notice is not None:
                 notify_before_run(config, workload, specs, notice)
+            if out_dir is not None:  # the server took the tasks: the run replaces an earlier one's files
+                from .report import clear_run
+
+                clear_run(out_dir)
             run = sim.run()
         finally:
             if bar is not None:

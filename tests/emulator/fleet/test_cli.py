@@ -210,6 +210,35 @@ def test_sigterm_ends_the_run_as_ctrl_c_does_with_a_line_and_exit_code_143(tmp_p
     assert sorted(p.name for p in out.iterdir()) == ["server"]
 
 
+def test_a_run_into_an_earlier_runs_folder_replaces_its_files_so_a_stopped_run_leaves_none_of_them(
+    tmp_path, capsys, monkeypatch
+):
+    """A second run into the same --out, stopped mid-run, left the first run's summary.json, tables
+    and plots (its privacy.png too) beside its own server database, and the line said the run had
+    been stopped "while its report was drawn", its tables and summary.json there for compare."""
+    from emulator.fleet.simulator import FleetSimulator
+
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = ("summary.json", "rounds.csv", "sessions.csv", "timeline.csv", "report.html", "privacy.png")
+    for name in (*earlier, "notes.txt"):
+        (out / name).write_text("the earlier run's")
+    real = FleetSimulator._sample
+
+    def sample_then_interrupt(self):
+        real(self)
+        if self.loop.now >= 600.0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FleetSimulator, "_sample", sample_then_interrupt)
+    assert main(["simulate", "--devices", "40", "--hours", "1", "--out", str(out), "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"fedfleet simulate: interrupted, no tables or report written; {out} holds only the server's database of "
+        "the rounds so far"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "server"]  # what no run writes stays
+
+
 def test_a_run_stopped_while_its_report_is_drawn_keeps_its_tables_and_summary_for_compare(
     tmp_path, capsys, monkeypatch
 ):

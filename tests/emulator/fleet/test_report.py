@@ -28,7 +28,7 @@ from emulator.fleet import (
     write_report,
 )
 from emulator.fleet.config import FleetConfig
-from emulator.fleet.report import PLOTS, available_by_hour, script_json
+from emulator.fleet.report import FIGURE_FILES, PLOTS, available_by_hour, script_json
 
 pytest.importorskip("matplotlib")
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
@@ -244,6 +244,8 @@ def test_the_report_writes_its_tables_summary_plots_and_page(report_dir):
     names |= {f"{p.__name__.removeprefix('plot_')}.png" for p in PLOTS}
     assert names <= {p.name for p in report_dir.iterdir()}
     assert all((report_dir / n).stat().st_size > 0 for n in names)
+    # the plots a later run into the folder removes first (report.clear_run): every one it may draw
+    assert {p.name for p in report_dir.iterdir() if p.suffix == ".png"} <= set(FIGURE_FILES)
 
 
 def test_the_images_are_real_plots_of_the_run(run, report_dir):
