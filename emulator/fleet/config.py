@@ -576,7 +576,11 @@ class FleetConfig(_Section):
         """Read a TOML file; a relative ``availability.trace`` is resolved against its folder."""
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            raw = path.read_bytes()
+            if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # Notepad's "Unicode", PowerShell 5's Out-File
+                raise FleetConfigError(f"{path} is UTF-16 text; TOML is UTF-8: save it as UTF-8") from None
+            # a byte order mark, as Windows editors and PowerShell write UTF-8, is read past as in a trace
+            data = tomllib.loads(raw.decode("utf-8-sig"))
         except FileNotFoundError:
             raise FleetConfigError(
                 f"no fleet config at {path}{did_you_mean_path(path)}; pass an existing TOML file"

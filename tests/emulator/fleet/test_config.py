@@ -156,6 +156,18 @@ def test_a_wrong_string_list_or_option_is_said_in_the_configs_words(tmp_path, to
     assert str(info.value) == f"{path} is invalid: {said}"
 
 
+def test_a_config_saved_with_a_byte_order_mark_is_read_and_one_saved_as_utf16_is_told_to_be_utf8(tmp_path):
+    """Windows editors and PowerShell save UTF-8 with a byte order mark: the config was "not valid
+    TOML (Invalid statement (at line 1, column 1)); fix the syntax", of a file that looks right in
+    every editor; UTF-16 ("Unicode" in Notepad) was a UnicodeDecodeError's words."""
+    text = "[fleet]\ndevices = 50\nhours = 0.5\n"
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert FleetConfig.load(tmp_path / "bom.toml") == FleetConfig.from_dict({"fleet": {"devices": 50, "hours": 0.5}})
+    (tmp_path / "wide.toml").write_bytes(text.encode("utf-16"))
+    with pytest.raises(FleetConfigError, match=r"^.*wide\.toml is UTF-16 text; TOML is UTF-8: save it as UTF-8$"):
+        FleetConfig.load(tmp_path / "wide.toml")
+
+
 def test_unreadable_files_are_refused_with_what_to_do(tmp_path):
     with pytest.raises(FleetConfigError, match="no fleet config"):
         FleetConfig.load(tmp_path / "missing.toml")
