@@ -1016,8 +1016,11 @@ _DP_ROWS = (
 
 
 def _hours(seconds: float, kind: str = "") -> str:
-    """``seconds`` as hours in words: '1 simulated hour', '2.5 simulated hours'."""
+    """``seconds`` as hours in words: '1 simulated hour', '2.5 simulated hours'; under 18 s, which
+    would round to '0 hours', as seconds: '0.36 simulated seconds'."""
     hours = round(seconds / 3600.0, 2)
+    if hours == 0 and seconds > 0:
+        return f"{seconds:.3g} {kind}second{'' if seconds == 1 else 's'}"
     return f"{hours:g} {kind}hour{'' if hours == 1 else 's'}"
 
 
@@ -1212,7 +1215,11 @@ def _headline(summary: Mapping[str, Any]) -> str:
     if "time_to_target_accuracy_s" in summary and not no_target(summary):
         reached = summary["time_to_target_accuracy_s"]
         parts.append(
-            f"Target accuracy reached after {reached / 3600.0:.2f} simulated hours."
+            (
+                f"Target accuracy reached after {reached / 3600.0:.2f} simulated hours."
+                if reached >= 18.0
+                else f"Target accuracy reached after {_hours(reached, 'simulated ')}."  # not "0.00 hours"
+            )
             if isinstance(reached, (int, float))
             else "Target accuracy not reached."
         )

@@ -492,6 +492,8 @@ def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatc
 
 from emulator.fleet.report import (  # noqa: E402
     RATE_KEYS,
+    _headline,
+    _hours,
     _png_rgb,
     accuracy_series,
     build_report,
@@ -1115,3 +1117,15 @@ def test_sessions_ended_in_an_error_are_said_to_be_the_fleets_faults_not_the_ser
     assert "network failed mid-request, one of the fleet's simulated faults, not the server down" in said
     assert explain_rates({"errors": {"CorruptResource": 1}}, [])["errors"].endswith("sessions.csv).")
     assert "errors" not in explain_rates({"errors": {}}, [])
+
+
+def test_a_span_of_seconds_is_said_in_seconds_never_as_zero_hours():
+    """A run of --hours 0.0001 was "the run is 0 simulated hours long", and a target reached 10 s
+    in "reached after 0.00 simulated hours"."""
+    assert _hours(0.36, "simulated ") == "0.36 simulated seconds" and _hours(1.0) == "1 second"
+    assert _hours(17.9) == "17.9 seconds" and _hours(18.0) == "0.01 hours" and _hours(3600.0) == "1 hour"
+    assert _hours(0.0) == "0 hours"
+    said = _headline({"time_to_target_accuracy_s": 10.0, "target_accuracy": 0.5})
+    assert "Target accuracy reached after 10 simulated seconds." in said
+    said = _headline({"time_to_target_accuracy_s": 4320.0, "target_accuracy": 0.5})
+    assert "Target accuracy reached after 1.20 simulated hours." in said
