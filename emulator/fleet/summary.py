@@ -385,10 +385,19 @@ def secure_note(rounds: list[Any], secure: dict[str, dict], task: Any) -> tuple[
         )
     if unformed:
         errors = sorted({st["ddp_error"] for st in unformed if st.get("ddp_error")})
-        parts.append(
-            f"{len(unformed)} formed no Secure Aggregation group"
-            + (f": {errors[0]}" if errors else " (fewer selected devices than task.secagg_group_size)")
-        )
+        k = getattr(task, "secagg_group_size", None) or getattr(task, "secagg_min_group_size", None) or 0
+        few = [r for r, st in stats if st is not None and not st.get("groups") and r.selected < k]
+        if errors:
+            why = f": {errors[0]}"
+        elif len(few) == len(unformed):
+            why = " (fewer selected devices than task.secagg_group_size)"
+        else:  # it seated enough, and some gave their seats up before the window closed
+            why = (
+                f" (devices it had selected dropped out while its selection window was open, so fewer than the "
+                f"{reports_to_commit(task)} a commit needs were still in it when the window closed; a longer "
+                "task.selection_timeout_s or more --devices seats more)"
+            )
+        parts.append(f"{len(unformed)} formed no Secure Aggregation group{why}")
     return len(lost) + len(unformed), "; ".join(parts)
 
 

@@ -372,3 +372,22 @@ def test_a_secure_runs_summary_counts_its_groups_by_the_protocol_round_they_abor
     plain = FleetRun([], rounds, [], "", config, simulated_s=3600.0, extra={})
     assert summarize(plain)["secure_groups"] is None
     assert 'data-key="secure_groups"' not in render_html(summarize(plain), [], plain)
+
+
+def test_a_secure_round_that_seated_enough_devices_and_formed_no_group_is_not_said_to_have_seated_too_few():
+    """16 selected for a goal of 20 (16 reports commit), one of whom dropped out while the window
+    was open: the server abandoned the round as its selection closed, before forming groups. The
+    note said "(fewer selected devices than task.secagg_group_size)", 5, of a round of 16."""
+    task = FleetConfig.default().replace(goal=20, secure=True).task
+    rounds = [_round(1, True, 26), _round(2, False, 16)]
+    secure = {"train/1/1": {"groups": 1, "completed": 1, "aborted": 0, "aborted_in": {}}, "train/2/1": {"groups": 0}}
+    note = completion_note({"cannot_fill": None, "shapes": {}}, rounds, task, secure)
+    assert "fewer selected devices than task.secagg_group_size" not in note
+    assert (
+        "1 formed no Secure Aggregation group (devices it had selected dropped out while its selection window" in note
+    )
+    assert "fewer than the 16 a commit needs were still in it when the window closed" in note
+    few = completion_note(
+        {"cannot_fill": None, "shapes": {}}, rounds, task.model_copy(update={"secagg_group_size": 20}), secure
+    )
+    assert "1 formed no Secure Aggregation group (fewer selected devices than task.secagg_group_size)" in few
