@@ -276,6 +276,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.shards is not None and args.shards < 1:
         print(f"fedfleet simulate: --shards {args.shards}: a run needs at least 1 shard", file=sys.stderr)
         return 2
+    if args.shards is not None and args.shards > config.fleet.devices:  # empty shards, each costing every window
+        print(
+            f"fedfleet simulate: --shards {args.shards}: more shards than the fleet's {config.fleet.devices:,} "
+            f"devices; use at most {config.fleet.devices:,} (a shard per core or Ray worker is what speeds a run up)",
+            file=sys.stderr,
+        )
+        return 2
     if args.seeds is not None or args.sweep:  # --seeds "" is a mistake to say, not a single run
         return _run_sweep(args, config, out)
     sharded = args.ray is not None or args.shards is not None

@@ -374,6 +374,11 @@ def simulate_sharded(
     if shards < 1:
         raise SimulationError(f"shards must be at least 1, got {shards}")
     config = config or FleetConfig.default()
+    if shards > config.fleet.devices:  # every shard costs each exchange window: 100,000 for 50 devices ran for hours
+        raise SimulationError(
+            f"shards: {shards} for a fleet of {config.fleet.devices:,} devices leaves shards with no device; use at "
+            f"most {config.fleet.devices:,}"
+        )
     started = time.perf_counter()
     workload = load_workload(config)  # refuses a task file or data that cannot run before any shard starts
     specs = generate_population(config)

@@ -142,6 +142,22 @@ def test_a_shard_count_below_one_is_refused():
         simulate_sharded(tiny_config(), shards=0, ray=False)
 
 
+def test_more_shards_than_devices_are_refused_before_the_run(capsys):
+    """--shards 100000 for 50 devices ran on for hours, every empty shard costing each exchange
+    window (200 shards: 30 times the single-process run)."""
+    config = tiny_config()
+    devices = config.fleet.devices
+    with pytest.raises(SimulationError, match=rf"shards: {devices + 1} for a fleet of {devices} devices"):
+        simulate_sharded(config, shards=devices + 1, ray=False)
+    assert (
+        main(["simulate", "--devices", "50", "--hours", "0.1", "--goal", "8", "--shards", "51", "--no-progress"]) == 2
+    )
+    assert capsys.readouterr().err == (
+        "fedfleet simulate: --shards 51: more shards than the fleet's 50 devices; use at most 50 (a shard per core "
+        "or Ray worker is what speeds a run up)\n"
+    )
+
+
 def test_a_sweep_is_the_grid_of_its_values_and_refuses_unknown_keys_by_name():
     grid = parse_sweep(["goal_count=6,8", "fleet.devices=20,30,40"])
     assert grid == {"task.goal_count": [6, 8], "fleet.devices": [20, 30, 40]}
