@@ -486,6 +486,15 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
     dirs = (
         [out / _run_folder(i, params) for i, (params, _) in enumerate(runs)] if out is not None else [None] * len(runs)
     )
+    stale = sorted(p.name for p in out.glob("run-*") if p.is_dir() and p not in dirs) if out is not None else []
+    if stale:  # fedfleet compare OUT reads every run-* folder: an earlier sweep's would stand beside this one's
+        print(
+            f"fedfleet simulate: --out {args.out} holds runs this sweep does not make ({', '.join(stale[:3])}"
+            f"{f' and {len(stale) - 3} more' if len(stale) > 3 else ''}), which fedfleet compare {args.out} would set "
+            "beside its own; name a new folder, or remove them",
+            file=sys.stderr,
+        )
+        return 2
     started = time.perf_counter()
 
     def named(params: dict) -> str:

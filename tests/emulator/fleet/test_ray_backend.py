@@ -175,6 +175,21 @@ def test_a_sweep_is_the_grid_of_its_values_and_refuses_unknown_keys_by_name():
         sweep_configs(tiny_config(), grid=parse_sweep(["goal_count=-3"]))
 
 
+def test_a_sweep_into_a_folder_of_an_earlier_sweeps_other_runs_is_refused_before_it_runs(tmp_path, capsys):
+    """--seeds 0 into the folder of an earlier --seeds 0,1 left run-1-seed=1 there, which
+    `fedfleet compare OUT` then set beside the new run-0 as if one sweep had made both."""
+    out = tmp_path / "sweep"
+    (out / "run-1-seed=1").mkdir(parents=True)
+    (out / "run-1-seed=1" / "summary.json").write_text("{}")
+    argv = ["simulate", "--devices", "20", "--hours", "0.1", "--goal", "8", "--seeds", "0", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"fedfleet simulate: --out {out} holds runs this sweep does not make (run-1-seed=1), which fedfleet compare "
+        f"{out} would set beside its own; name a new folder, or remove them\n"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["run-1-seed=1"]
+
+
 def test_a_sweep_runs_each_combination_once_and_names_a_bad_value_as_it_was_typed():
     """goal_count=10,10 ran the same fleet twice; a key in two --sweep options (or fleet.seed beside
     --seeds) kept the later values and dropped the others' runs unsaid; a refused value was named
