@@ -434,6 +434,18 @@ def run_compare(args: argparse.Namespace) -> int:
             f"fedfleet compare: --out {args.out}: the comparison is one HTML page; name a .html file", file=sys.stderr
         )
         return 2
+    from ..fleet.report import REPORT_HTML
+
+    target = Path(args.out).resolve()
+    folders = [Path(run) for run in args.runs] + [p for run in args.runs for p in Path(run).glob("run-*")]
+    mine = [folder for folder in folders if target == (folder / REPORT_HTML).resolve()]
+    if mine:  # the page would replace the run's own report, which only a new run draws again
+        print(
+            f"fedfleet compare: --out {args.out} is the report of the run {mine[0]}; name another .html file "
+            "(compare.html, say)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         runs = write_compare(args.runs, args.out, args.label or None)
     except (FleetCompareError, FleetReportError) as exc:

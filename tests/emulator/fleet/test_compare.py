@@ -148,6 +148,29 @@ def test_labels_are_given_after_one_label_option_or_each_after_its_own(two_runs,
     assert "3 --label for 2 runs" in capsys.readouterr().err
 
 
+def test_a_runs_own_report_is_refused_as_the_pages_out(two_runs, tmp_path, capsys):
+    """--out RUN/report.html replaced the run's report with the comparison, which only a new run of
+    it could draw again; so did a run's of a folder of runs."""
+    base, _runs = two_runs
+    for name in ("goal8", "goal10"):
+        shutil.copytree(base / name, tmp_path / name)
+        (tmp_path / name / "report.html").write_text(f"<p>{name}'s own report</p>")  # as simulate --out draws one
+    runs = [str(tmp_path / "goal8"), str(tmp_path / "goal10")]
+    before = (tmp_path / "goal8" / "report.html").read_bytes()
+    out = tmp_path / "goal10" / ".." / "goal8" / "report.html"
+    assert main(["compare", *runs, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"fedfleet compare: --out {out} is the report of the run {tmp_path / 'goal8'}; name another .html file "
+        "(compare.html, say)\n"
+    )
+    assert (tmp_path / "goal8" / "report.html").read_bytes() == before
+    (tmp_path / "seeds").mkdir()
+    shutil.move(tmp_path / "goal10", tmp_path / "seeds" / "run-0-seed=0")
+    out = tmp_path / "seeds" / "run-0-seed=0" / "report.html"
+    assert main(["compare", str(tmp_path / "goal8"), str(tmp_path / "seeds"), "--out", str(out)]) == 2
+    assert "is the report of the run" in capsys.readouterr().err
+
+
 def test_a_seeds_or_sweep_folder_stands_for_its_runs_in_order(two_runs, tmp_path, capsys):
     """``simulate --seeds 0,1 --out DIR`` writes DIR/run-0-seed=0 and DIR/run-1-seed=1, and ``compare
     DIR`` sets them side by side."""
