@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import json
 import math
@@ -459,7 +460,10 @@ class DeviceAttestor:
     # -- keystore ------------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write key and certificate as JSON, mode 0600, atomically (a crash leaves the old file or the new)."""
+        """Write key and certificate as JSON, mode 0600, atomically: a crash or a power cut leaves the
+        old file or the new (the copy is synced, then renamed over the file, then the folder synced).
+        The copies that writers killed before their rename left beside the file, each holding a
+        private key, are removed first (``remove_partial_copies``)."""
         path = Path(path)
         body = json.dumps(
             {
@@ -469,6 +473,7 @@ class DeviceAttestor:
                 "certificate": self._certificate.to_dict(),
             }
         ).encode("utf-8")
+        remove_partial_copies(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
@@ -485,11 +490,15 @@ class DeviceAttestor:
             except FileNotFoundError:
                 pass
             raise
+        _sync_folder(path.parent)  # the rename itself on disk: else a power cut may bring the old key back
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> DeviceAttestor:
-        """Read a keystore written by ``save``; MALFORMED if it is not one (OSError if it cannot be read)."""
+        """Read a keystore written by ``save``; MALFORMED if it is not one (OSError if it cannot be read).
+        Copies a killed ``save`` left beside it are removed (``remove_partial_copies``): an app that
+        saves its key once and loads it at every start would otherwise keep them for ever."""
         raw = Path(path).read_bytes()
+        remove_partial_copies(path)
         try:
             d = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -504,6 +513,67 @@ class DeviceAttestor:
             return cls(key, certificate)
         except ValueError as exc:
             raise MalformedAttestation(f"{path}: {exc}") from exc
+
+
+def remove_partial_copies(path: str | os.PathLike[str]) -> list[str]:
+    """Remove the copies of the keystore ``path`` that ``DeviceAttestor.save`` calls killed before
+    their rename left beside it (``.NAME.PID.tmp``, each holding a private key, perhaps one the
+    device never used), and return their names. A copy whose writer still runs (its process id is
+    alive, this process's excepted: a save of its own is not running now) is left alone. A folder
+    that cannot be listed or written is passed: nothing can be removed there."""
+    path = Path(path)
+    partial = re.compile(rf"\.{re.escape(path.name)}\.([0-9]+)\.tmp")
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        match = partial.fullmatch(entry.name)
+        if match is None or _writer_alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(entry.name)
+    return removed
+
+
+def _writer_alive(pid: int) -> bool:
+    """Whether process ``pid`` (a copy's writer, not this process) is alive; where that cannot be
+    told (no ``os.kill`` probe), it is taken as alive and its copy kept."""
+    if pid == os.getpid():
+        return False
+    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) kills on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OverflowError:  # no process has so large an id
+        return False
+    return True
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (the rename of a file into it) to disk, where the platform can
+    open a folder to sync it (not Windows); a file system that cannot sync a folder is passed."""
+    if not hasattr(os, "O_DIRECTORY"):  # pragma: no cover - Windows: renames are not synced this way
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:  # a folder this app may write but not list (mode -wx): nothing to sync it by
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ Secure Aggregation

@@ -6,6 +6,8 @@ import base64
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -272,3 +274,38 @@ def test_authority_issue_validates_and_persists(tmp_path):
 
     cert = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0).certificate
     Ed25519PublicKey.from_public_bytes(configured).verify(cert.signature, cert.signed_payload())
+
+
+def test_a_save_killed_before_its_rename_leaves_no_private_key_behind(tmp_path):
+    """A process killed between writing its copy and renaming it left ``.device.key.PID.tmp``,
+    holding a private key, for ever; the next save or load removes it (a live writer's is kept)."""
+    device = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0)
+    path = tmp_path / "device.key"
+    device.save(path)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a process id that is no longer alive, as a killed writer's
+    dead = tmp_path / f".device.key.{child.pid}.tmp"
+    live = tmp_path / f".device.key.{os.getppid()}.tmp"  # a writer still running
+    for copy in (dead, live):
+        copy.write_bytes(b"a private key")
+    assert DeviceAttestor.load(path).public_key_bytes == device.public_key_bytes
+    assert not dead.exists() and live.exists()
+    dead.write_bytes(b"a private key")
+    device.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["device.key", live.name])
+
+
+def test_save_syncs_the_folder_after_its_rename(tmp_path, monkeypatch):
+    """The rename is on disk before ``save`` returns: the folder is synced after it."""
+    device = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0)
+    path = tmp_path / "device.key"
+    synced: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode) and path.exists())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    device.save(path)
+    assert synced[-1] is True
