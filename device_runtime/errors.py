@@ -67,8 +67,9 @@ class SessionRejected(RuntimeSdkError):
 
 
 class SessionInProgress(RuntimeSdkError):
-    """Another ``FLRuntime`` of the same population is running a session over the same example
-    store in this process: the device takes part once at a time, and this call sent nothing."""
+    """This ``FLRuntime`` is running a session (a call from another thread or one of its hooks), or
+    another of the same population is, over the same example store in this process: the device
+    takes part once at a time, and this call sent nothing."""
 
 
 class ProtocolError(RuntimeSdkError):

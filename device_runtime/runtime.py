@@ -374,9 +374,10 @@ class FLRuntime:
         the session ends, whatever the way it ends. Setting ``run_options.terminate`` from another
         thread stops a training step in flight (``close`` sets it); make them with
         :func:`stoppable_run_options`.
-        While another runtime of this population runs a session over one of this runtime's example
-        stores in this process, raises ``SessionInProgress`` at once, having sent nothing (a second
-        call on this runtime waits for its own session instead)."""
+        While this runtime runs a session (a call from another thread), or another runtime of this
+        population runs one over one of this runtime's example stores in this process, raises
+        ``SessionInProgress`` at once, having sent nothing: a second call that waited for the first
+        checked in as it ended, and the device took part twice in one round."""
         if self._closed:  # its HTTP client is closed and its own plan cache removed
             raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
         for name, hook in (("should_abort", should_abort), ("before_report", before_report)):
@@ -387,9 +388,7 @@ class FLRuntime:
                 f"run_session's eligibility is a verdict dict (FLRuntime.evaluate_eligibility()) or None, "
                 f"not {type(eligibility).__name__}"
             )
-        with self._lock:  # one training session at a time per runtime
-            if self._closed:  # closed while this call waited for the session before it
-                raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
+        with self._one_session():
             app_abort = should_abort
 
             def stop_asked() -> bool:  # the app's should_abort, or the runtime closed (``close``)
@@ -431,6 +430,26 @@ class FLRuntime:
                 if self._closed:  # closed by one of its own hooks
                     self._release()
 
+    @contextlib.contextmanager
+    def _one_session(self) -> Iterator[None]:
+        """This runtime's session lock, or ``SessionInProgress`` at once while it is held (by a
+        session of another thread; by ``close`` releasing the runtime: ``InvalidSetting``)."""
+        if not self._lock.acquire(blocking=False):
+            if self._closed:
+                raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
+            raise SessionInProgress(
+                f"this FLRuntime of population {self.population!r} is running a session (called from another "
+                "thread or from one of its hooks); the device takes part once at a time, so this call sent nothing: "
+                "skip it and try "
+                "again when that session has ended"
+            )
+        try:
+            if self._closed:  # closed since the check above
+                raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
+            yield
+        finally:
+            self._lock.release()
+
     def _claim(self) -> None:
         """Claim this runtime's stores for its population's session in this process, or raise
         ``SessionInProgress`` having claimed nothing: two runtimes of one population over one store
@@ -448,7 +467,7 @@ class FLRuntime:
                     f"another FLRuntime of population {self.population!r} is running a session over the same "
                     f"example store{where} in this process; the device takes part once at a time, so this "
                     "call sent nothing: skip it and try again when that session has ended (an app keeps one "
-                    "FLRuntime per population, whose run_session waits for its own session)"
+                    "FLRuntime per population)"
                 )
 
     def _unclaim(self) -> None:

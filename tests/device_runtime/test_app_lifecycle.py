@@ -315,7 +315,9 @@ def test_the_job_store_waits_for_a_lock_another_process_holds_as_the_example_sto
 
 
 def test_two_runtimes_of_one_population_over_one_store_take_part_once_at_a_time(tmp_path, server, admin, digits):
-    """An app that builds a runtime per screen: two runtimes of one population over one store, the
+    """A second call on a runtime whose session runs (from another thread) is refused at once
+    (``SessionInProgress``): it waited, checked in as the first ended and could join its round.
+    An app that builds a runtime per screen: two runtimes of one population over one store, the
     second's ``run_session`` called while the first's session trains. Both checked in and took
     part in one round, the server counting the device twice; the second is now refused at once
     (``SessionInProgress``, nothing sent), and so is one over the same SQLite file opened again
@@ -341,6 +343,20 @@ def test_two_runtimes_of_one_population_over_one_store_take_part_once_at_a_time(
     session.start()
     assert training.wait(60)
     try:
+        again: list = []
+
+        def second_call() -> None:
+            try:
+                first.run_session()
+            except SessionInProgress as exc:
+                again.append(exc)
+
+        # the same runtime called again from another thread: it waited and checked in as the first ended
+        caller = threading.Thread(target=second_call, daemon=True)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive() and len(again) == 1
+        assert "this FLRuntime of population 'digits' is running a session" in str(again[0])
         linked = SQLiteExampleStore(tmp_path / "link.db")
         for screen_store in (store, linked, {"app:/": linked}):
             with FLRuntime("digits", server.url, screen_store) as second:
