@@ -58,6 +58,7 @@ from .opstats import READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at, nodes_bound
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache, own_cache_folder
 from .protocol import (
+    INTERRUPTED,
     MIN_ANSWER_BYTES_PER_S,
     CheckinAccepted,
     ProtocolClient,
@@ -332,6 +333,13 @@ class FLRuntime:
                 self._terminated.terminate = False
             self._training = self._terminated = None
 
+    def _cut_short(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a request of this runtime's cut short by ``close``
+        (``ProtocolClient.interrupt``). Any other error of a session closed meanwhile (an example
+        the store cannot read, a hook of the app's that raised, a server's refusal) is raised as
+        itself: read as the close's, it ended the session as interrupted and the app never saw it."""
+        return self._closed and isinstance(exc, ProtocolError) and exc.status is None and INTERRUPTED in str(exc)
+
     def _release(self) -> None:
         self.client.close()
         self._remove_own_cache()
@@ -409,7 +417,7 @@ class FLRuntime:
                 return result
             except Exception as exc:
                 # its check-in cut short by ``close`` (a server's answer to it is no such thing)
-                if self._closed and rec.session is None and not isinstance(exc, SessionRejected):
+                if rec.session is None and self._cut_short(exc):
                     raise InvalidSetting(
                         f"this runtime of population {self.population!r} was closed while it checked in "
                         f"({str(exc)[:200]}); make a new FLRuntime"
@@ -601,7 +609,7 @@ class FLRuntime:
         except TrainingInterrupted as stopped:
             return rec.interrupted(rec.over_budget or stopped.reason or "interrupted")
         except BaseException as exc:
-            if self._closed and isinstance(exc, Exception):  # a request cut short by ``close``
+            if self._cut_short(exc):  # a request cut short by ``close``; any other error is raised as itself
                 return rec.interrupted("interrupted")
             if isinstance(exc, ProtocolError) and exc.status == 401:
                 # the server no longer knows the session (BAD_SESSION_TOKEN: it restarted during
@@ -643,13 +651,11 @@ class FLRuntime:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
                 return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, exc.code)
-            if self._closed:  # the upload cut short by ``close``
+            if self._cut_short(exc):  # the upload cut short by ``close``
                 return rec.interrupted("interrupted")
             rec.record("error", error=type(exc).__name__)
             raise
         except Exception as exc:  # the server unreachable at upload: the session's shape ends in an error
-            if self._closed:
-                return rec.interrupted("interrupted")
             rec.record("error", error=type(exc).__name__)
             raise
         rec.record("upload_completed")
@@ -798,8 +804,8 @@ class FLRuntime:
         self._save_before_upload(rec, rec.session)
         try:
             outcome = secure.finish(vector)
-        except Exception:
-            if self._closed:  # a request of its rounds cut short by ``close``
+        except Exception as exc:
+            if self._cut_short(exc):  # a request of its rounds cut short by ``close``
                 return rec.interrupted("interrupted")
             raise
         return self._secure_outcome(rec, outcome, result.metrics, result.num_examples)

@@ -330,6 +330,24 @@ def test_interrupted_session_sends_no_update(server, admin, store):
     assert rounds[0]["status"] == "committed" and rounds[0]["metrics"]["aborted"] == 1
 
 
+def test_an_error_of_a_session_closed_meanwhile_reaches_the_app_as_itself(server, admin, store, tmp_path):
+    """Only what ``close`` cut short ends a session as interrupted: the app's hook that closed the
+    runtime and then failed ended it as ``-v[!`` (a result, no error), and the app never saw its bug."""
+    deploy(admin, goal_count=1, over_selection=2.0, min_fraction=1.0)
+    opstats = OpStatsStore(tmp_path / "opstats.db")
+    runtime = FLRuntime("digits", server.url, store, retry=FAST_RETRY, opstats=opstats)
+
+    def should_abort() -> bool:
+        runtime.close()  # the app shutting down, from the session's own thread
+        raise KeyError("the app's own bug")
+
+    with pytest.raises(KeyError, match="the app's own bug"):
+        runtime.run_session(should_abort=should_abort)
+    [session] = opstats.sessions("digits")
+    assert session.shape == "-v[*"
+    opstats.close()
+
+
 def test_an_update_that_diverged_to_nan_is_not_sent_and_the_session_aborted(server, admin, store):
     """A plain report as a secure one: the device does not send an update the server would refuse."""
     told: list[str] = []
