@@ -52,6 +52,11 @@ SHAPE_SYMBOLS = {
 SHAPE_ALPHABET = frozenset(SHAPE_SYMBOLS.values())
 #: The last event of a session that took part (shape ending in '^' or '+', see ``last_participation``).
 PARTICIPATED = ("upload_completed", "upload_started")
+#: In the detail of the last event of a session whose report failed once an attempt of it may
+#: have reached the server (its answer lost, then the server unreachable or the runtime closed:
+#: shape ``-v[]+*`` or ``-v[]+!``): the server may hold its update, and the session takes part as
+#: one killed during its upload does (``took_part``).
+MAY_BE_HELD = "may_be_held"
 #: The ``upload_started`` detail of a session of a plan that resumes reading: [collection URI,
 #: token] where its reading stopped (see ``OpStatsStore.resumption_token``).
 READ_TO = "read_to"
@@ -110,6 +115,13 @@ class Event:
 
 def shape_of(events: list[Event]) -> str:
     return "".join(SHAPE_SYMBOLS[e.kind] for e in events)
+
+
+def took_part(last: Event) -> bool:
+    """Whether a session whose last event is ``last`` took part: its update was taken ('^'), its
+    upload started and nothing followed ('+': the app was killed), or its report failed once it may
+    have reached the server (``MAY_BE_HELD``)."""
+    return last.kind in PARTICIPATED or last.detail.get(MAY_BE_HELD) is True
 
 
 def rss_mb() -> float:
@@ -219,7 +231,7 @@ class OpStatsStore:
             .subquery()
         )
         sessions = conn.execute(
-            select(ends.c.session_id, ends.c.population, ends.c.task, ends.c.ended, t.kind)
+            select(ends.c.session_id, ends.c.population, ends.c.task, ends.c.ended, t.kind, t.detail)
             .join(events_table, t.id == ends.c.last_id)
             .order_by(ends.c.last_id.desc())
         ).all()
@@ -227,8 +239,9 @@ class OpStatsStore:
             return
         dropped, kept, participations = [], 0, set()
         for row in sessions:  # newest first
-            newest_participation = row.kind in PARTICIPATED and (row.population, row.task) not in participations
-            if row.kind in PARTICIPATED:
+            participated = row.kind in PARTICIPATED or (MAY_BE_HELD in row.detail and _held(row.detail))
+            newest_participation = participated and (row.population, row.task) not in participations
+            if participated:
                 participations.add((row.population, row.task))
             if newest_participation or (kept < self.keep_sessions and row.ended >= now - self.keep_s):
                 kept += 1
@@ -260,10 +273,9 @@ class OpStatsStore:
 
     def last_participation(self, population: str, task: str | None = None) -> SessionSummary | None:
         """The newest session that uploaded an accepted update (for eligibility policies), or
-        whose upload started and nothing followed (the app was killed: the server may have it)."""
-        done = [
-            s for s in self.sessions(population) if s.shape.endswith(("^", "+")) and (task is None or s.task == task)
-        ]
+        whose upload started and nothing followed (the app was killed: the server may have it), or
+        whose report failed once it may have reached the server (``took_part``)."""
+        done = [s for s in self.sessions(population) if took_part(s.events[-1]) and (task is None or s.task == task)]
         return done[-1] if done else None
 
     # -- resumption tokens (device_runtime.reading.ResumptionTokenKeeper) -------------------------
@@ -271,9 +283,10 @@ class OpStatsStore:
     def resumption_token(self, population: str, task: str, collection_uri: str) -> str | None:
         """The token saved by the last completed session of this task and collection, or, when a
         later session of theirs was killed once its update had started to leave (its last event
-        ``upload_started``, shape ``-v[]+``), where that session stopped reading (``READ_TO``): the
-        server may hold its update, and the session counts as taking part, so its examples count
-        as read. Read from the saved token alone, the next session trained and sent that slice again."""
+        ``upload_started``, shape ``-v[]+``), or its report failed once it may have reached the
+        server (``MAY_BE_HELD``), where that session stopped reading (``READ_TO``): the server may
+        hold its update, and the session counts as taking part, so its examples count as read.
+        Read from the saved token alone, the next session trained and sent that slice again."""
         t, e = resumption_table.c, events_table.c
         query = select(t.token, t.saved_at).where(
             t.population == population, t.task == task, t.collection_uri == collection_uri
@@ -285,16 +298,18 @@ class OpStatsStore:
             .subquery()
         )
         killed = (
-            select(e.at, e.detail)
+            select(e.at, e.kind, e.detail)
             .join(ends, e.id == ends.c.last_id)
-            .where(e.kind == "upload_started")
+            .where(e.kind.in_(("upload_started", "error", "interrupted")))
             .order_by(e.id.desc())
         )
         with self._db("read a resumption token"), self.engine.connect() as conn:
             saved = conn.execute(query).first()
-            for at, detail in conn.execute(killed):
+            for at, kind, detail in conn.execute(killed):
                 if saved is not None and at <= saved.saved_at:
                     break
+                if kind != "upload_started" and not _held(detail):
+                    continue
                 read_to = json.loads(detail).get(READ_TO)
                 if isinstance(read_to, list) and len(read_to) == 2 and read_to[0] == collection_uri:
                     return str(read_to[1])
@@ -337,3 +352,11 @@ class OpStatsStore:
                     t.population == population, t.task == task, t.collection_uri == collection_uri
                 )
             )
+
+
+def _held(detail: str) -> bool:
+    """Whether an event's stored detail (JSON) says the server may hold the session's update."""
+    try:
+        return json.loads(detail).get(MAY_BE_HELD) is True
+    except (ValueError, AttributeError):
+        return False

@@ -54,7 +54,7 @@ from .errors import (
 )
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, all_finite, stoppable_run_options
 from .influence import bound_update
-from .opstats import READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
+from .opstats import MAY_BE_HELD, READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at, nodes_bound
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache, own_cache_folder
 from .protocol import (
@@ -644,22 +644,33 @@ class FLRuntime:
         payload = encode_checkpoint(result.update)
         rec.record("upload_started", bytes=len(payload))
         self._save_before_upload(rec, session)  # an app killed once the update has left still knows it took part
+        delivery = _DeliveryWatch(self.client.http)
         try:
-            with self._one_request_more(len(payload)):
+            with self._one_request_more(len(payload)), self._watching(delivery):
                 reported = self.client.report(session, payload, rec.stats())
         except ProtocolError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 rec.record("upload_rejected", code=exc.code)
                 return rec.result(Outcome.REPORT_REJECTED, result.metrics, result.num_examples, exc.code)
             if self._cut_short(exc):  # the upload cut short by ``close``
-                return rec.interrupted("interrupted")
-            rec.record("error", error=type(exc).__name__)
+                return rec.interrupted("interrupted", **delivery.held(rec.events))
+            rec.record("error", error=type(exc).__name__, **delivery.held(rec.events))
             raise
         except Exception as exc:  # the server unreachable at upload: the session's shape ends in an error
-            rec.record("error", error=type(exc).__name__)
+            rec.record("error", error=type(exc).__name__, **delivery.held(rec.events))
             raise
         rec.record("upload_completed")
         return self._paced(rec.result(Outcome.COMPLETED, result.metrics, result.num_examples), retry_window(reported))
+
+    @contextlib.contextmanager
+    def _watching(self, delivery: _DeliveryWatch) -> Iterator[None]:
+        """The client's requests go through ``delivery`` (``ProtocolClient`` asks of its ``http``
+        only ``request`` and ``close``), the app's or simulation's own client included."""
+        self.client.http = cast(httpx.Client, delivery)
+        try:
+            yield
+        finally:
+            self.client.http = cast(httpx.Client, delivery.http)
 
     def _paced(self, completed: SessionResult, window: tuple[float, float] | None) -> SessionResult:
         """A completed session with the pace-steering window its server named, if it named one."""
@@ -1126,6 +1137,51 @@ def _check_settings(**settings: Any) -> None:
             )
 
 
+class _DeliveryWatch:
+    """A session's HTTP client as its report sees it: whether an attempt of the report may have
+    reached the server. An attempt that failed before its connection was made (no network, a
+    refused connection, a proxy that could not connect) sent nothing; one that failed after (the
+    connection lost while sending or before the answer, an answer that never came) may have been
+    taken, its answer lost. A report that failed so may be the server's: its session takes part
+    (``opstats.MAY_BE_HELD``), as an app killed during the upload does, and its examples are not
+    trained on and sent again (the server would count them twice)."""
+
+    #: What fails before a byte of the request is sent.
+    NOT_SENT = (
+        httpx.ConnectError,
+        httpx.ConnectTimeout,
+        httpx.PoolTimeout,
+        httpx.ProxyError,
+        httpx.UnsupportedProtocol,
+    )
+
+    def __init__(self, http: Any) -> None:
+        self.http = http
+        self.may_have_arrived = False
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self.http.request(method, url, **kwargs)
+        except self.NOT_SENT:
+            raise
+        except BaseException:
+            self.may_have_arrived = True
+            raise
+
+    def close(self) -> None:
+        self.http.close()
+
+    def held(self, events: list[Event]) -> dict[str, object]:
+        """The detail of the failed report's last event: that the server may hold the update, and
+        where its session stopped reading (``READ_TO`` of its ``upload_started``); none when no
+        attempt can have reached the server."""
+        if not self.may_have_arrived:
+            return {}
+        started = next(e for e in reversed(events) if e.kind == "upload_started")
+        read_to = started.detail.get(READ_TO)
+        return {MAY_BE_HELD: True, **({READ_TO: read_to} if read_to is not None else {})}
+
+
 class _Recorder:
     """One session's events, its measured time and memory, and its budget watch."""
 
@@ -1195,8 +1251,8 @@ class _Recorder:
             "runtime_version": self.runtime.runtime_version,
         }
 
-    def interrupted(self, reason: str) -> SessionResult:
-        self.record("interrupted", reason=reason)
+    def interrupted(self, reason: str, **detail: object) -> SessionResult:
+        self.record("interrupted", reason=reason, **detail)
         assert self.session is not None
         self.runtime._abort_quietly(self.session, reason, self.stats())
         return self.result(Outcome.INTERRUPTED)

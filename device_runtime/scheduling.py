@@ -43,7 +43,7 @@ from .clock import Clock, SystemClock, check_clock
 from .conditions import DeviceConditions, TrainingConstraints, TrainingInterval
 from .errors import InvalidSetting, RuntimeSdkError, SessionRejected, check_count, check_number, check_path
 from .executor import stoppable_run_options
-from .opstats import AppDatabaseError, SessionSummary, app_database_errors
+from .opstats import AppDatabaseError, SessionSummary, app_database_errors, took_part
 from .runtime import FLRuntime, Outcome, SessionResult
 
 log = logging.getLogger(__name__)
@@ -813,11 +813,12 @@ class ParticipationScheduler:
 
 def _took_part_since(runtime: FLRuntime, since: float) -> SessionSummary | None:
     """The newest session of ``runtime``'s population since ``since`` that took part (its update
-    sent, ``^`` or ``+``), as its opstats log keeps them; None without one."""
+    sent, ``^`` or ``+``, or perhaps taken before its answer was lost: ``opstats.took_part``), as
+    its opstats log keeps them; None without one."""
     sessions = getattr(runtime.opstats, "sessions", None)
     if sessions is None:  # no log (or the emulator's): nothing to tell, the run is run again
         return None
-    took = [s for s in sessions(runtime.population, since=since) if s.shape.endswith(("^", "+"))]
+    took = [s for s in sessions(runtime.population, since=since) if took_part(s.events[-1])]
     return took[-1] if took else None
 
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from device_runtime import DeviceClass, FLRuntime, OpStatsStore, Outcome, OverBudget, RetryPolicy
-from device_runtime.opstats import Event
+from device_runtime.opstats import MAY_BE_HELD, READ_TO, Event
 from example_store import SQLiteExampleStore
 from tests.support import COLLECTION, deploy, digits_plan
 
@@ -122,7 +122,15 @@ SHAPES = {  # a session's events by its shape (what a hostile or a busy server l
     "-v[]+": ["checkin", "plan_downloaded", "training_started", "training_completed", "upload_started"],
     "-v[!": ["checkin", "plan_downloaded", "training_started", "interrupted"],
     "-*": ["checkin", "error"],
+    "-v[]+*": ["checkin", "plan_downloaded", "training_started", "training_completed", "upload_started", "error"],
+    "-v[]+* held": ["checkin", "plan_downloaded", "training_started", "training_completed", "upload_started", "error"],
 }
+
+
+def took_part(name: str) -> bool:
+    """Whether a session of ``SHAPES[name]`` took part: its update taken, its upload the last thing
+    it did (the app killed), or its report failed once it may have reached the server ("held")."""
+    return name.endswith(("^", "+", "held"))
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +171,8 @@ def test_the_log_keeps_recent_sessions_up_to_its_bounds_and_every_tasks_last_par
     for i, (population, task, shape, gap) in enumerate(sessions):
         now += gap
         events = [Event(kind, now + j * 0.001) for j, kind in enumerate(SHAPES[shape])]
+        if shape.endswith("held"):
+            events[-1].detail[MAY_BE_HELD] = True
         opstats.record_session(f"s{i}", population, task, events)
         recorded.append((f"s{i}", population, task, shape, events[-1].at))
     kept = {s.session_id for s in opstats.sessions()}
@@ -170,11 +180,35 @@ def test_the_log_keeps_recent_sessions_up_to_its_bounds_and_every_tasks_last_par
     recent = [r[0] for r in recorded if r[4] >= end - keep_s][-keep_sessions:]
     last = {}
     for sid, population, task, shape, _ in recorded:
-        if shape.endswith(("^", "+")):
+        if took_part(shape):
             last[(population, task)] = sid
     assert kept == set(recent) | set(last.values())
     for (population, task), sid in last.items():
         assert opstats.last_participation(population, task).session_id == sid
+
+
+def test_a_report_that_may_have_reached_the_server_moves_the_reading_on(tmp_path):
+    """A session whose report failed once it may have reached the server (its answer lost, then
+    the server unreachable) keeps where it stopped reading: the next session reads on from there,
+    as after an app killed during the upload, and does not train on and send the same examples
+    again. One whose report never left reads from the token saved before it."""
+    with OpStatsStore(tmp_path / "app.db") as opstats:
+        opstats.save_resumption_token("p", "t", "app:/c", "saved", at=10.0)
+        kinds = ["checkin", "plan_downloaded", "training_started", "training_completed", "upload_started", "error"]
+
+        def failed_report(sid: str, at: float, held: bool) -> None:
+            events = [Event(kind, at + i) for i, kind in enumerate(kinds)]
+            events[4].detail[READ_TO] = ["app:/c", f"after-{sid}"]
+            if held:
+                events[-1].detail.update({MAY_BE_HELD: True, READ_TO: ["app:/c", f"after-{sid}"]})
+            opstats.record_session(sid, "p", "t", events)
+
+        failed_report("never-sent", 20.0, held=False)
+        assert opstats.resumption_token("p", "t", "app:/c") == "saved"
+        assert opstats.last_participation("p", "t") is None
+        failed_report("answer-lost", 40.0, held=True)
+        assert opstats.resumption_token("p", "t", "app:/c") == "after-answer-lost"
+        assert opstats.last_participation("p", "t").session_id == "answer-lost"
 
 
 def test_the_bounds_of_the_log_are_checked():

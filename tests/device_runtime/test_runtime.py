@@ -228,6 +228,48 @@ def test_unreachable_server_raises_after_retries(store):
     assert all(0 <= s <= FAST_RETRY.max_delay_s for s in slept)
 
 
+class LosingReports(httpx.HTTPTransport):
+    """Real HTTP, but once the network goes (``lost``) a report never leaves (ConnectError), or,
+    with ``first_arrives``, the first one reaches the server and its answer is lost (ReadError)."""
+
+    def __init__(self, *, first_arrives: bool) -> None:
+        super().__init__()
+        self.first_arrives = first_arrives
+        self.reports = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/report"):
+            return super().handle_request(request)
+        self.reports += 1
+        if self.first_arrives and self.reports == 1:
+            super().handle_request(request).close()  # the server took it
+            raise httpx.ReadError("the network went before the answer arrived", request=request)
+        raise httpx.ConnectError("the device has no network", request=request)
+
+
+@pytest.mark.parametrize("first_arrives", [True, False], ids=["answer-lost", "never-sent"])
+def test_a_report_whose_answer_was_lost_counts_as_taking_part(server, admin, store, tmp_path, first_arrives):
+    """A report that reached the server and whose answer was lost, the server unreachable for its
+    retries, ended ``-v[]+*`` as if it had never left: not taking part, its examples trained on
+    and sent again in the next session (the server counting them twice). It now takes part as an
+    app killed during its upload does; one whose every attempt failed to connect still does not."""
+    deploy(admin, goal_count=2, over_selection=1.0, min_fraction=1.0)
+    opstats = OpStatsStore(tmp_path / "opstats.db")
+    transport = LosingReports(first_arrives=first_arrives)
+    runtime = FLRuntime("digits", server.url, store, retry=FAST_RETRY, opstats=opstats, transport=transport)
+    with pytest.raises(ServerUnreachable):
+        runtime.run_session()
+    assert transport.reports == FAST_RETRY.attempts
+    assert admin.status("digits")["current_round"]["reported"] == (1 if first_arrives else 0)
+    [session] = opstats.sessions("digits")
+    assert session.shape == "-v[]+*"
+    assert session.events[-1].detail.get("may_be_held", False) is first_arrives
+    took = opstats.last_participation("digits")
+    assert (took.session_id if took else None) == (session.session_id if first_arrives else None)
+    runtime.close()
+    opstats.close()
+
+
 def assert_spread_over(draws: list[float], lo: float, hi: float) -> None:
     """``draws`` look uniform on [lo, hi]: inside it, reaching both ends, half of them in each
     half. A constant (no jitter) or a draw from the wrong interval fails; with 1000 draws a
