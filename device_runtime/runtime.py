@@ -308,7 +308,11 @@ class FLRuntime:
         once the session has ended, waiting at most ``timeout_s`` (the time the session's abort is
         given); past it, no request of the runtime is sent any more, and the session releases the
         HTTP client and the runtime's own plan cache itself as it ends. Called from the session's
-        own thread (one of its hooks), the session closes the runtime as it ends."""
+        own thread (one of its hooks), the session closes the runtime as it ends. Called again
+        (the session's hook closed it, then the app's shutdown), it cuts no request short: what
+        was in flight the first time was cut then, and the session's last word (its abort) is
+        waited for as above, where it was cut and the server not told."""
+        first = not self._closed
         self._closed = True
         if self._session_thread == threading.get_ident():
             return
@@ -316,7 +320,8 @@ class FLRuntime:
             if self._training is not None and not self._training.terminate:
                 self._training.terminate = True
                 self._terminated = self._training
-        self.client.interrupt()
+        if first:
+            self.client.interrupt()
         if not self._lock.acquire(timeout=self.client.timeout_s):
             self.client.interrupt(for_good=True)  # its last word too; it releases what it holds as it ends
             return

@@ -9,6 +9,7 @@ import sqlite3
 import threading
 import time
 
+import httpx
 import numpy as np
 import onnxruntime
 import pytest
@@ -376,3 +377,35 @@ def test_two_runtimes_of_one_population_over_one_store_take_part_once_at_a_time(
     with first:
         assert first.run_session(should_abort=lambda: True).shape == "-v[!"  # the claim ended with the session
     store.close()
+
+
+def test_closing_a_runtime_its_own_hook_closed_lets_the_session_tell_the_server(tmp_path, server, admin, digits):
+    """The session's hook closes the runtime and the app's shutdown closes it again while the
+    session sends its abort: the second close cut that request short, and the server was not told."""
+    deploy(admin, goal_count=5)
+    store = InMemoryExampleStore()
+    store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:32], digits.y_train[:32])))
+    runtime = FLRuntime("digits", server.url, store)
+    aborting, closing = threading.Event(), threading.Event()
+
+    def on_request(request: httpx.Request) -> None:  # the runtime's own client, before it sends
+        if request.url.path.endswith("/abort"):
+            aborting.set()
+            closing.wait(10)
+            time.sleep(0.1)  # the app's close has run by now
+
+    runtime.client.http.event_hooks["request"].append(on_request)
+
+    def hook() -> bool:
+        runtime.close()
+        return False
+
+    ended: list = []
+    session = threading.Thread(target=lambda: ended.append(runtime.run_session(should_abort=hook)), daemon=True)
+    session.start()
+    assert aborting.wait(60)
+    closing.set()
+    runtime.close()
+    session.join(60)
+    assert ended[0].shape == "-v[!"
+    assert admin.status("digits")["current_round"]["aborted"] == 1
