@@ -137,8 +137,8 @@ def test_closing_a_runtime_stops_a_training_step_in_flight(tmp_path, server, adm
     then the app's), ``close`` returns at once, the session ends interrupted with the server told
     and no update taken, and the app's run options run again after. The step ran to its end
     (seconds here) before ``close`` returned."""
-    batch = 32768  # one step of about 3 s on a laptop's core
-    plan = build_mlp_plan(64, (512, 512), 10, batch_size=batch, epochs=1000, selector=ExampleSelector(COLLECTION))
+    batch = 32768  # one step of 3-5 s on one core: a close that waited for it would take seconds
+    plan = build_mlp_plan(64, (1024, 1024), 10, batch_size=batch, epochs=1000, selector=ExampleSelector(COLLECTION))
     deploy(admin, plan=plan, goal_count=5)
     store = InMemoryExampleStore()
     rows = np.arange(batch) % len(digits.x_train)
@@ -147,7 +147,7 @@ def test_closing_a_runtime_stops_a_training_step_in_flight(tmp_path, server, adm
     for run_options in (None, stoppable_run_options()):
         runtime = FLRuntime("digits", server.url, store, opstats=opstats)
         result, closing_s = _closed_in_first_step(runtime, run_options)
-        assert closing_s < 0.5
+        assert closing_s < 1.5  # a close on a loaded machine takes tenths of a second (the abort's request)
         assert result.outcome is Outcome.INTERRUPTED and result.shape == "-v[!"
         [stopped] = [e for e in result.events if e.kind == "interrupted"]
         assert stopped.detail["reason"] == "interrupted"
