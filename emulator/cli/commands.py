@@ -2,8 +2,8 @@
 ``fedfleet server`` runs the FL server, ``fedfleet prune`` drops old rounds' models from a stopped
 server's database, ``fedfleet authority`` makes an emulated attestation
 authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet compare`` sets runs side by
-side, ``fedfleet plan`` and ``fedfleet deploy`` build, test and ship FL plans, ``fedfleet status``
-and ``fedfleet rounds`` show what a server runs."""
+side, ``fedfleet report`` draws a run's report again, ``fedfleet plan`` and ``fedfleet deploy`` build,
+test and ship FL plans, ``fedfleet status`` and ``fedfleet rounds`` show what a server runs."""
 
 from __future__ import annotations
 
@@ -30,7 +30,14 @@ from server_stub.cli import (
 
 from ..demo import DemoConfig, DemoConfigError, run_demo
 from ..devices.attestation_authority import AttestationAuthority
-from .fleet import add_compare_parser, add_simulate_parser, run_compare, run_simulate
+from .fleet import (
+    add_compare_parser,
+    add_report_parser,
+    add_simulate_parser,
+    run_compare,
+    run_report,
+    run_simulate,
+)
 from .plan import add_toolchain_commands, run_toolchain_command
 from .usage import FleetParser
 
@@ -38,7 +45,7 @@ from .usage import FleetParser
 DESCRIPTION = (
     "Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
     "prune drops old rounds' models from a stopped server's database, authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
-    "sets runs side by side, plan and deploy build, test and ship FL plans, status and rounds show what a "
+    "sets runs side by side, report draws a run's report again, plan and deploy build, test and ship FL plans, status and rounds show what a "
     "server runs, stop stops a task on it."
 )
 
@@ -159,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     _authority_parser(sub)
     add_simulate_parser(sub)
     add_compare_parser(sub)
+    add_report_parser(sub)
     add_toolchain_commands(sub)
     args = read_negative_numbers(show_defaults(parser)).parse_args(argv)
     log_interrupts_once()  # the commands that set no logging up write with Python's own handler
@@ -180,6 +188,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return run_simulate(args)
     if args.command == "compare":
         return run_compare(args)
+    if args.command == "report":
+        return run_report(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log_interrupts_once()
     if args.command == "authority":

@@ -47,7 +47,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("fleet", nargs="?", help="a fleet config (TOML); see examples/fleets/default.toml")
     p.add_argument(
         "--out",
-        help="where to write sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html "
+        help="where to write config.toml (the config the run ran: fedfleet simulate DIR/config.toml runs it again), "
+        "sessions.csv, rounds.csv, timeline.csv, summary.json, the plots and report.html "
         "(without it, only the summary line is written)",
     )
     p.add_argument(
@@ -180,6 +181,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
             "folder for the run's tables and report",
             file=sys.stderr,
         )
+        return 2
+    if out is not None and (refused := _own_config(out)) is not None:
+        print(f"fedfleet simulate: --out {args.out} {refused}", file=sys.stderr)
         return 2
     if args.target_accuracy is not None and not 0.0 <= args.target_accuracy <= 1.0:
         print(
@@ -337,6 +341,27 @@ def _run_simulate(args: argparse.Namespace) -> int:
     _say_unfilled(summary)
     print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0
+
+
+def _own_config(out: Path) -> str | None:
+    """Why a run may not write its ``config.toml`` into ``out``: one there that no run wrote (a
+    config file of the user's, which the run's would replace), else None."""
+    from ..fleet.report import CONFIG_HEADER, CONFIG_TOML
+
+    path = out / CONFIG_TOML
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            first = f.readline().decode("utf-8", "replace")
+    except OSError:  # unreadable: not one a run wrote, which it could not replace either
+        first = ""
+    if first.startswith(CONFIG_HEADER):
+        return None
+    return (
+        f"holds {CONFIG_TOML}, where the run records the config it ran, which would replace it; name another "
+        "folder, or move the file"
+    )
 
 
 def _left_behind(out: Path | None) -> str:
@@ -545,4 +570,41 @@ def _run_sweep(args: argparse.Namespace, config: FleetConfig, out: Path | None) 
         "wall_s": round(time.perf_counter() - started, 3),
     }
     print(json.dumps(last, separators=(",", ":")), flush=True)
+    return 0
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="draw a simulated run's plots and report.html again from its tables",
+        description="Draw the plots and report.html of a run folder (as fedfleet simulate --out writes it) again from "
+        "its tables, summary.json and config.toml: a run stopped while its plots were drawn, or one an older release "
+        "drew. The recorded summary is the page's; with --out only the page is written there (its plots inline).",
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="a run folder written by fedfleet simulate --out")
+    p.add_argument("--out", metavar="FILE", help="write the page here (a .html file) instead of RUN_DIR/report.html")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ..fleet.report import FleetReportError, redraw_report
+
+    if args.out is not None and Path(args.out).suffix.lower() not in (".html", ".htm"):
+        print(f"fedfleet report: --out {args.out}: the report is one HTML page; name a .html file", file=sys.stderr)
+        return 2
+    if args.out is not None and Path(args.out).is_dir():
+        print(f"fedfleet report: --out {args.out} is a folder; name a .html file", file=sys.stderr)
+        return 2
+    try:
+        page = redraw_report(args.run, args.out)
+    except FleetReportError as exc:
+        print(f"fedfleet report: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = args.out if args.out is not None else args.run
+        print(
+            f"fedfleet report: cannot write to {where} ({exc.strerror or exc}); name a place that can be written",
+            file=sys.stderr,
+        )
+        return 2
+    print(page)
     return 0

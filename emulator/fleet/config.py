@@ -651,8 +651,9 @@ class FleetConfig(_Section):
         return self.model_dump(mode="json", exclude_unset=True)
 
     def to_toml(self) -> str:
-        """TOML that :meth:`load` reads back to an equal config."""
-        return _to_toml(self.model_dump())
+        """TOML that :meth:`load` reads back to an equal config, with only the keys that were set (as
+        :meth:`dump`): a task file's RoundConfig holds for the ``[task]`` keys left unset."""
+        return _to_toml(self.dump())
 
     @property
     def horizon_s(self) -> float:

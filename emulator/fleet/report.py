@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from device_runtime.opstats import SHAPE_SYMBOLS
 
@@ -45,6 +45,9 @@ from .summary import cannot_fill as cannot_fill
 from .summary import completion_note as completion_note
 from .summary import time_to_target_accuracy_s as time_to_target_accuracy_s
 from .tables import FleetRun, RoundRow
+
+if TYPE_CHECKING:
+    from .config import FleetConfig
 
 #: Colours kept across figures: the paper's Fig. 6 draws participating devices blue, waiting purple.
 _AVAILABLE = "#2ca02c"
@@ -62,6 +65,10 @@ _ABANDONED_SUMMED = "#bbbbbb"
 
 SUMMARY_JSON = "summary.json"
 REPORT_HTML = "report.html"
+#: The fleet config the run ran, as ``fedfleet simulate`` takes it (:func:`write_config`).
+CONFIG_TOML = "config.toml"
+#: The first line of a run's ``config.toml``: what tells it from a config file of the user's own.
+CONFIG_HEADER = "# The fleet config of the run in this folder"
 #: Every plot a report may draw (a run draws some of them: privacy.png only with DP, ...).
 FIGURE_FILES = (
     "devices.png",
@@ -88,6 +95,33 @@ def clear_run(out_dir: str | os.PathLike) -> None:
         path = Path(out_dir) / name
         if path.is_file() or path.is_symlink():
             path.unlink()
+
+
+#: The keys of a fleet config that name files: a run's ``config.toml`` holds them absolute, so that
+#: the folder reruns from anywhere (``FleetConfig.load`` reads a relative one against its own folder).
+_PATH_KEYS = (("availability", "trace"), ("task", "file"), ("data", "path"))
+
+
+def write_config(config: FleetConfig, out_dir: str | os.PathLike) -> None:
+    """``config.toml`` in ``out_dir``: the config the run ran (its file with the command line's
+    options applied, a sweep's run with its own values), only the keys that were set, so that
+    ``fedfleet simulate out_dir/config.toml`` runs the same fleet to the same digest (with the
+    versions the summary's ``versions`` names)."""
+    data = config.dump()
+    options = data.get("data", {}).get("options")
+    places = [(data.get(section), key) for section, key in _PATH_KEYS] + [(options, "test"), (options, "vocab")]
+    for table, key in places:
+        value = table.get(key) if isinstance(table, dict) else None
+        if isinstance(table, dict) and isinstance(value, str) and not Path(value).expanduser().is_absolute():
+            table[key] = str(Path(value).expanduser().resolve())  # as the run read it: from the working folder
+    from .config import _to_toml
+
+    text = (
+        f"{CONFIG_HEADER}: its config file with the command line's options (a sweep's: this run's values)\n"
+        "# applied. fedfleet simulate config.toml runs it again, to the digest of its summary.json, with the\n"
+        "# releases its versions name.\n\n"
+    )
+    Path(out_dir, CONFIG_TOML).write_text(text + _to_toml(data).lstrip("\n"), encoding="utf-8")
 
 
 class FleetReportError(RuntimeError):
@@ -1001,6 +1035,7 @@ _OPTIONAL_ROWS = (
     ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
     ("audit_epsilon", "audit: one-shot estimate of epsilon"),
     ("secure_groups", "Secure Aggregation groups (formed, completed, aborted by protocol round, inputs summed)"),
+    ("versions", "made with (the digest depends on these releases)"),
 )
 
 #: Optional rows of a secure run only (null in a plain run's summary, and not shown in its report).
@@ -1374,6 +1409,8 @@ def write_report(run: FleetRun, out_dir: str | os.PathLike) -> dict[str, Any]:
     ``summary.json``, the PNG plots and ``report.html`` into ``out_dir``; return the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if run.config is not None:
+        write_config(run.config, out)
     run.write_tables(out)
     summary = summarize(run)  # before the figures, which take longest: a run stopped then has its summary
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
@@ -1383,3 +1420,70 @@ def write_report(run: FleetRun, out_dir: str | os.PathLike) -> dict[str, Any]:
         (out / fig.name).write_bytes(fig.png)
     (out / REPORT_HTML).write_text(page, encoding="utf-8")
     return summary
+
+
+def redraw_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Draw a run's plots and ``report.html`` again from what it left in ``run_dir``: its tables,
+    ``summary.json`` and ``config.toml`` (a run stopped while its plots were drawn, or one an older
+    release drew). The recorded summary is the page's; figures it predates are computed from the
+    tables. Without ``config.toml`` (an older run) the hours of day are counted from 0:00 UTC. With
+    ``out`` only the page is written there (its plots are inline); else the plots and
+    ``report.html`` go into ``run_dir``. Returns the page's path; :class:`FleetReportError` says
+    what a folder that is not a run lacks."""
+    from server_stub.errors import did_you_mean_path
+
+    from .config import FleetConfig, FleetConfigError
+    from .tables import ROUNDS_CSV, SESSIONS_CSV, TIMELINE_CSV, FleetTableError, SessionRow, TimelineRow
+
+    folder = Path(run_dir)
+    hint = "give a run folder (what fedfleet simulate --out wrote)"
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else f": no such folder{did_you_mean_path(folder)}"
+        raise FleetReportError(f"{folder}{'' if what.startswith(':') else ' '}{what}; {hint}")
+    names = (SUMMARY_JSON, ROUNDS_CSV, SESSIONS_CSV, TIMELINE_CSV)
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        runs = sorted(p.name for p in folder.iterdir() if all((p / name).is_file() for name in names))
+        if runs:  # a --seeds/--sweep folder: its runs are drawn one by one
+            more = f" and {len(runs) - 3} more" if len(runs) > 3 else ""
+            hint = f"it holds {len(runs)} runs ({', '.join(runs[:3])}{more}): name each, as {folder / runs[0]}"
+        elif (folder / CONFIG_TOML).is_file():  # stopped before its tables were all written
+            hint = f"run it again: fedfleet simulate {folder / CONFIG_TOML} --out {folder}"
+        raise FleetReportError(f"{folder} is not a fleet run: it has no {' and no '.join(missing)}; {hint}")
+    try:
+        recorded = json.loads((folder / SUMMARY_JSON).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FleetReportError(f"{folder / SUMMARY_JSON} is not a run's summary (not JSON: {exc})") from None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("digest"), str):
+        raise FleetReportError(f"{folder / SUMMARY_JSON} is not a run's summary (no digest)")
+    try:
+        config = FleetConfig.load(folder / CONFIG_TOML) if (folder / CONFIG_TOML).is_file() else None
+    except FleetConfigError as exc:
+        raise FleetReportError(f"{folder / CONFIG_TOML} is not the run's config: {exc}") from None
+    try:
+        run = FleetRun(
+            sessions=SessionRow.from_csv(folder / SESSIONS_CSV),
+            rounds=RoundRow.from_csv(folder / ROUNDS_CSV),
+            timeline=TimelineRow.from_csv(folder / TIMELINE_CSV),
+            digest=recorded["digest"],
+            config=config,
+            wall_s=float(recorded.get("wall_s") or 0.0),
+            simulated_s=recorded.get("simulated_s"),
+            errors=dict(recorded.get("errors") or {}),
+            devices_short_of_memory=recorded.get("devices_short_of_memory"),
+            plan_cost=recorded.get("plan_cost"),
+        )
+    except (FleetTableError, UnicodeDecodeError, TypeError, ValueError) as exc:
+        raise FleetReportError(f"{folder} is not a fleet run: its tables cannot be read ({exc})") from None
+    computed = summarize(run)
+    if "versions" not in recorded:  # this install's releases did not make an older run
+        computed.pop("versions")
+    summary = {**computed, **recorded}
+    figures = report_figures(run, summary)
+    page = render_html(summary, figures, run)
+    target = Path(out) if out is not None else folder / REPORT_HTML
+    if out is None:
+        for fig in figures:
+            (folder / fig.name).write_bytes(fig.png)
+    target.write_text(page, encoding="utf-8")
+    return target

@@ -51,6 +51,29 @@ def _ratio(num: float, den: float) -> float | None:
     return _finite(num / den) if den else None
 
 
+def versions() -> dict[str, str | None]:
+    """What a run's digest depends on besides its config: fedfleet's release (the server, the runtime
+    and the simulator), onnxruntime's (training and the plans' bytes), numpy's (the population and
+    the data drawn from the seed) and Python's. A run folder records them, so that who reruns it knows
+    whether a different digest is a different install."""
+    import importlib.metadata
+    import platform
+
+    import numpy
+    import onnxruntime
+
+    try:
+        fedfleet: str | None = importlib.metadata.version("fedfleet")
+    except importlib.metadata.PackageNotFoundError:  # the sources on sys.path, not installed
+        fedfleet = None
+    return {
+        "fedfleet": fedfleet,
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+    }
+
+
 def _start_hour_utc(run: RunTables) -> float:
     """The UTC hour of day simulated time 0 falls at (0 when the run carries no config)."""
     return 0.0 if run.config is None else float(run.config.fleet.start_utc_hour)
@@ -631,6 +654,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "sim_s_per_wall_s": _ratio(span_s, wall_s),
         "sessions_per_wall_s": _ratio(len(accepted), wall_s),
         "completed_sessions_per_wall_s": _ratio(completed, wall_s),
+        "versions": versions(),
     }
     summary["round_completion_note"] = completion_note(summary, rounds, task, run.extra.get("secure_rounds"))
     secure = run.extra.get("secure_rounds")

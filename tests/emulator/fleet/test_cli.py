@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from emulator.cli.commands import main
 from emulator.fleet import RoundRow
 from emulator.toolchain.bundle import build_bundle
@@ -33,6 +35,12 @@ def test_simulate_prints_the_summary_last_and_writes_the_run(tmp_path, capsys):
         assert key in summary
     for name in ("sessions.csv", "rounds.csv", "timeline.csv"):
         assert (out / name).stat().st_size > 0
+    # the folder records what it ran, the file with the options applied, and the releases it ran on
+    assert set(on_disk["versions"]) == {"fedfleet", "onnxruntime", "numpy", "python"}
+    recorded = (out / "config.toml").read_text(encoding="utf-8")
+    assert "devices = 40" in recorded and "hours = 0.5" in recorded and "seed = 4" in recorded
+    assert main(["simulate", str(out / "config.toml"), "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["digest"] == summary["digest"]
 
 
 def test_a_config_with_an_unknown_field_is_refused_by_name(tmp_path, capsys):
@@ -440,3 +448,67 @@ def test_a_fleet_no_device_class_of_which_holds_the_plan_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("fedfleet simulate: no device class can hold the plan: it needs ") and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # two reports drawn (3-4 s); the default run has its twins: the first test and test_report's redraw
+def test_a_run_folder_reruns_from_its_config_to_the_same_digest_and_redraws_its_report(tmp_path, capsys):
+    """A run folder held no record of the config it ran nor of the releases that made its digest, and
+    a run stopped while its plots were drawn had no way to get them: the folder now holds config.toml
+    (the file with the command line's options applied), which simulate takes as it is to the same
+    digest, summary.json names the versions, and fedfleet report draws the plots and page again."""
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[fleet]\ndevices = 30\nhours = 1.0\nstart_utc_hour = 6.0\n", encoding="utf-8")
+    out = tmp_path / "run"
+    run = ["simulate", str(fleet), "--hours", "0.25", "--seed", "4", "--goal", "6", "--no-progress"]
+    assert main([*run, "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["versions"]) == {"fedfleet", "onnxruntime", "numpy", "python"}
+    assert json.loads((out / "summary.json").read_text())["versions"] == summary["versions"]
+    recorded = (out / "config.toml").read_text(encoding="utf-8")
+    assert "hours = 0.25" in recorded and "seed = 4" in recorded and "goal_count = 6" in recorded
+    assert "start_utc_hour = 6.0" in recorded  # the file's, beside the options'
+
+    assert main(["simulate", str(out / "config.toml"), "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["digest"] == summary["digest"]
+
+    page = (out / "report.html").read_bytes()
+    plots = {p.name: p.read_bytes() for p in out.glob("*.png")}
+    for drawn in (out / "report.html", *(out / name for name in plots)):  # stopped while the plots were drawn
+        drawn.unlink()
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out / "report.html")
+    assert (out / "report.html").read_bytes() == page  # the same page, from the tables, summary and config
+    assert {p.name: p.read_bytes() for p in out.glob("*.png")} == plots
+
+
+def test_report_refuses_a_folder_that_is_not_a_run_in_one_line(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for name in ("run-0-seed=0", "run-1-seed=1"):
+        for table in ("summary.json", "rounds.csv", "sessions.csv", "timeline.csv"):
+            (sweep / name).mkdir(parents=True, exist_ok=True)
+            (sweep / name / table).write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "empty").mkdir()
+    for given, says in [
+        ("missing", "missing: no such folder; give a run folder (what fedfleet simulate --out wrote)"),
+        ("notes.txt", "notes.txt is a file; give a run folder"),
+        ("empty", "empty is not a fleet run: it has no summary.json and no rounds.csv and no sessions.csv and no"),
+        ("sweep", "no timeline.csv; it holds 2 runs (run-0-seed=0, run-1-seed=1): name each, as "),
+        ("sweep/run-0-seed=0", "is not a run's summary (not JSON"),
+    ]:
+        assert main(["report", str(tmp_path / given)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("fedfleet report: ") and says in err, err
+    assert main(["report", str(sweep / "run-0-seed=0"), "--out", str(tmp_path / "page.png")]) == 2
+    assert "name a .html file" in capsys.readouterr().err
+
+
+def test_a_config_toml_of_the_users_own_in_out_is_not_replaced_by_the_runs(tmp_path, capsys):
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "config.toml").write_text("# my fleet, with notes\n[fleet]\ndevices = 20\n")
+    assert main(["simulate", "--devices", "20", "--hours", "0.1", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out} holds config.toml, where the run records the config it ran" in err
+    assert (out / "config.toml").read_text() == "# my fleet, with notes\n[fleet]\ndevices = 20\n"
+    assert sorted(p.name for p in out.iterdir()) == ["config.toml"]

@@ -263,3 +263,14 @@ def test_a_data_options_true_or_false_is_the_specs_yes_or_no(tmp_path):
     assert data_spec_text(config.data).endswith(",client=f0,label=f2,header=no,test_split=clients")
     data = fleet_data(config)
     assert sorted([*data.dataset.train, *data.dataset.test]) == ["c0", "c1", "c2"]
+
+
+def test_toml_holds_only_the_keys_that_were_set_so_a_task_files_round_config_holds_for_the_others(tmp_path):
+    """A written-out config set every [task] key, which with a task file overrides the task's own
+    RoundConfig: a run's recorded config then ran another fleet."""
+    config = FleetConfig.default().replace(goal=6, hours=0.5)
+    path = tmp_path / "fleet.toml"
+    path.write_text(config.to_toml(), encoding="utf-8")
+    loaded = FleetConfig.load(path)
+    assert loaded == config and loaded.task.explicit == {"goal_count"}
+    assert loaded.dump() == {"fleet": {"hours": 0.5}, "task": {"goal_count": 6}}

@@ -481,6 +481,20 @@ def test_sessions_that_end_in_errors_are_counted_by_kind(simulated):
     assert _parse_report(out / "report.html").summary["errors"] == run.errors
 
 
+def test_fedfleet_report_draws_the_same_page_again_from_what_the_run_left(simulated, tmp_path, capsys):
+    """A run stopped while its plots were drawn, or one an older release drew, had no way to get its
+    report: ``fedfleet report RUN_DIR`` draws it from the tables, summary.json and config.toml, the
+    very page the run drew (``--out``: the page alone, its plots inline)."""
+    from emulator.cli.commands import main
+
+    _, out = simulated
+    page = tmp_path / "again.html"
+    assert main(["report", str(out), "--out", str(page)]) == 0
+    assert capsys.readouterr().out.strip() == str(page)
+    assert page.read_bytes() == (out / "report.html").read_bytes()
+    assert not list(tmp_path.glob("*.png"))
+
+
 def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure now fails
     with pytest.raises(FleetReportError, match=r"pip install 'fedfleet\[sim\]'"):
