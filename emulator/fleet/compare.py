@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import json
 import math
 import os
 import re
@@ -39,6 +38,7 @@ from .report import (
     _png,
     _td,
     accuracy_series,
+    read_run_summary,
     script_json,
 )
 from .tables import ROUNDS_CSV, FleetTableError, RoundRow
@@ -87,24 +87,10 @@ class RunFolder:
 def load_run(path: str | os.PathLike, label: str | None = None) -> RunFolder:
     """Read a run folder; :class:`FleetCompareError` names what is missing."""
     folder = Path(path)
-    hint = f"write one with fedfleet simulate --out {folder}"
-    if not folder.is_dir():
-        what = "it is a file, not a folder" if folder.exists() else "no such folder"
-        raise FleetCompareError(f"{folder} is not a fleet run: {what}; {hint}")
-    summary_path, rounds_path = folder / SUMMARY_JSON, folder / ROUNDS_CSV
-    missing = [p.name for p in (summary_path, rounds_path) if not p.is_file()]
-    if missing:
-        inside = sorted(p for p in folder.iterdir() if (p / SUMMARY_JSON).is_file() and (p / ROUNDS_CSV).is_file())
-        if inside:  # a folder of runs: name them, where "write one with simulate --out" would bury them
-            named = ", ".join(p.name for p in inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
-            hint = f"it holds {len(inside)} run{'s' if len(inside) > 1 else ''} ({named}): name each, as {inside[0]}"
-        raise FleetCompareError(f"{folder} is not a fleet run: it has no {' and no '.join(missing)}; {hint}")
-    try:
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FleetCompareError(f"{summary_path} is not a run's summary (not JSON: {exc}); {hint}") from None
-    if not isinstance(summary, dict) or "digest" not in summary:
-        raise FleetCompareError(f"{summary_path} is not a run's summary (no digest); {hint}")
+    rounds_path = folder / ROUNDS_CSV
+    summary = read_run_summary(
+        folder, (SUMMARY_JSON, ROUNDS_CSV), FleetCompareError, f"write one with fedfleet simulate --out {folder}"
+    )
     try:
         rounds = RoundRow.from_csv(rounds_path)
         with rounds_path.open(encoding="utf-8", newline="") as f:

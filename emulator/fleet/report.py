@@ -28,7 +28,7 @@ import os
 import statistics
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1422,6 +1422,37 @@ def write_report(run: FleetRun, out_dir: str | os.PathLike) -> dict[str, Any]:
     return summary
 
 
+def read_run_summary(folder: Path, needs: Sequence[str], error: type[Exception], hint: str) -> dict[str, Any]:
+    """The recorded summary of the run in ``folder``, which must hold the files ``needs`` (its
+    summary first); else ``error`` says what the folder is and what to give instead of it: the runs
+    a folder of runs holds (a ``--seeds``/``--sweep`` folder), the rerun of a run stopped before its
+    tables were written, or ``hint``."""
+    from server_stub.errors import did_you_mean_path
+
+    if not folder.is_dir():
+        what = "it is a file, not a folder" if folder.exists() else f"no such folder{did_you_mean_path(folder)}"
+        raise error(f"{folder} is not a fleet run: {what}; {hint}")
+    missing = [name for name in needs if not (folder / name).is_file()]
+    if missing:
+        runs = sorted(p for p in folder.iterdir() if all((p / name).is_file() for name in needs))
+        if runs:  # a folder of runs: name them, where the hint would bury them
+            more = f" and {len(runs) - 4} more" if len(runs) > 4 else ""
+            named = ", ".join(p.name for p in runs[:4])
+            hint = f"it holds {len(runs)} run{'s' if len(runs) > 1 else ''} ({named}{more}): name each, as {runs[0]}"
+        elif (folder / CONFIG_TOML).is_file():  # stopped before its tables were all written
+            hint = f"run it again: fedfleet simulate {folder / CONFIG_TOML} --out {folder}"
+        listed = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} or {missing[-1]}"
+        raise error(f"{folder} is not a fleet run: it has no {listed}; {hint}")
+    summary_path = folder / needs[0]
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{summary_path} is not a run's summary (not JSON: {exc}); {hint}") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("digest"), str):
+        raise error(f"{summary_path} is not a run's summary (no digest); {hint}")
+    return summary
+
+
 def redraw_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Draw a run's plots and ``report.html`` again from what it left in ``run_dir``: its tables,
     ``summary.json`` and ``config.toml`` (a run stopped while its plots were drawn, or one an older
@@ -1430,32 +1461,14 @@ def redraw_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = No
     ``out`` only the page is written there (its plots are inline); else the plots and
     ``report.html`` go into ``run_dir``. Returns the page's path; :class:`FleetReportError` says
     what a folder that is not a run lacks."""
-    from server_stub.errors import did_you_mean_path
-
     from .config import FleetConfig, FleetConfigError
     from .tables import ROUNDS_CSV, SESSIONS_CSV, TIMELINE_CSV, FleetTableError, SessionRow, TimelineRow
 
     folder = Path(run_dir)
-    hint = "give a run folder (what fedfleet simulate --out wrote)"
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else f": no such folder{did_you_mean_path(folder)}"
-        raise FleetReportError(f"{folder}{'' if what.startswith(':') else ' '}{what}; {hint}")
     names = (SUMMARY_JSON, ROUNDS_CSV, SESSIONS_CSV, TIMELINE_CSV)
-    missing = [name for name in names if not (folder / name).is_file()]
-    if missing:
-        runs = sorted(p.name for p in folder.iterdir() if all((p / name).is_file() for name in names))
-        if runs:  # a --seeds/--sweep folder: its runs are drawn one by one
-            more = f" and {len(runs) - 3} more" if len(runs) > 3 else ""
-            hint = f"it holds {len(runs)} runs ({', '.join(runs[:3])}{more}): name each, as {folder / runs[0]}"
-        elif (folder / CONFIG_TOML).is_file():  # stopped before its tables were all written
-            hint = f"run it again: fedfleet simulate {folder / CONFIG_TOML} --out {folder}"
-        raise FleetReportError(f"{folder} is not a fleet run: it has no {' and no '.join(missing)}; {hint}")
-    try:
-        recorded = json.loads((folder / SUMMARY_JSON).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FleetReportError(f"{folder / SUMMARY_JSON} is not a run's summary (not JSON: {exc})") from None
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("digest"), str):
-        raise FleetReportError(f"{folder / SUMMARY_JSON} is not a run's summary (no digest)")
+    recorded = read_run_summary(
+        folder, names, FleetReportError, "give a run folder (what fedfleet simulate --out wrote)"
+    )
     try:
         config = FleetConfig.load(folder / CONFIG_TOML) if (folder / CONFIG_TOML).is_file() else None
     except FleetConfigError as exc:

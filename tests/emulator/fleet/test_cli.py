@@ -490,10 +490,13 @@ def test_report_refuses_a_folder_that_is_not_a_run_in_one_line(tmp_path, capsys)
     (tmp_path / "notes.txt").write_text("")
     (tmp_path / "empty").mkdir()
     for given, says in [
-        ("missing", "missing: no such folder; give a run folder (what fedfleet simulate --out wrote)"),
-        ("notes.txt", "notes.txt is a file; give a run folder"),
-        ("empty", "empty is not a fleet run: it has no summary.json and no rounds.csv and no sessions.csv and no"),
-        ("sweep", "no timeline.csv; it holds 2 runs (run-0-seed=0, run-1-seed=1): name each, as "),
+        (
+            "missing",
+            "missing is not a fleet run: no such folder; give a run folder (what fedfleet simulate --out wrote)",
+        ),
+        ("notes.txt", "notes.txt is not a fleet run: it is a file, not a folder; give a run folder"),
+        ("empty", "empty is not a fleet run: it has no summary.json, rounds.csv, sessions.csv or timeline.csv; give"),
+        ("sweep", "or timeline.csv; it holds 2 runs (run-0-seed=0, run-1-seed=1): name each, as "),
         ("sweep/run-0-seed=0", "is not a run's summary (not JSON"),
     ]:
         assert main(["report", str(tmp_path / given)]) == 2

@@ -191,14 +191,14 @@ def test_a_folder_that_is_not_a_run_gets_one_line_saying_what_is_missing(two_run
     base, _runs = two_runs
     other = tmp_path / "other"
     expected = {
-        "empty": "no summary.json and no rounds.csv",
+        "empty": "no summary.json or rounds.csv",
         "missing": "no such folder",
         "file": "a file, not a folder",
         "bad_json": "not JSON",
         "no_rounds": "no rounds.csv",
         "one_run": "two or more run folders",
         # a folder of runs (not named run-N, as --seeds writes) was told "write one with simulate --out"
-        "parent": "it has no summary.json and no rounds.csv; it holds 2 runs (goal10, goal8): name each, as ",
+        "parent": "it has no summary.json or rounds.csv; it holds 2 runs (goal10, goal8): name each, as ",
     }[make]
     if make == "empty":
         other.mkdir()
