@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import errno
 import hashlib
 import json
 import math
@@ -30,6 +29,7 @@ from typing import Any, ClassVar
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
+from example_store.keystore import sync_folder
 from secagg.crypto import ed25519_valid
 
 ATTESTATION_VERSION = 1
@@ -490,7 +490,7 @@ class DeviceAttestor:
             except FileNotFoundError:
                 pass
             raise
-        _sync_folder(path.parent)  # the rename itself on disk: else a power cut may bring the old key back
+        sync_folder(path.parent)  # the rename itself on disk: else a power cut may bring the old key back
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> DeviceAttestor:
@@ -556,24 +556,6 @@ def _writer_alive(pid: int) -> bool:
     except OverflowError:  # no process has so large an id
         return False
     return True
-
-
-def _sync_folder(folder: Path) -> None:
-    """Flush ``folder``'s entries (the rename of a file into it) to disk, where the platform can
-    open a folder to sync it (not Windows); a file system that cannot sync a folder is passed."""
-    if not hasattr(os, "O_DIRECTORY"):  # pragma: no cover - Windows: renames are not synced this way
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except PermissionError:  # a folder this app may write but not list (mode -wx): nothing to sync it by
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ Secure Aggregation

@@ -197,7 +197,7 @@ class FileKeyStore(KeyStore):
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
-                _sync_folder(self.path.parent)  # the rename itself on disk: else a power cut may undo it
+                sync_folder(self.path.parent)  # the rename itself on disk: else a power cut may undo it
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -224,9 +224,11 @@ class FileKeyStore(KeyStore):
         return f"FileKeyStore({str(self.path)!r})"
 
 
-def _sync_folder(folder: Path) -> None:
-    """Flush ``folder``'s entries to disk (the rename of a file into it), where the platform can
-    open a folder to sync it (not Windows); a file system that cannot sync a folder is passed."""
+def sync_folder(folder: str | os.PathLike[str]) -> None:
+    """Flush ``folder``'s entries to disk (the rename of a file into it: else a power cut may undo
+    it), where the platform can open a folder to sync it (not Windows); a file system that cannot
+    sync a folder is passed. The key stores', the device's attestation key's and the server's
+    backups' renames all go through it."""
     if not hasattr(os, "O_DIRECTORY"):  # pragma: no cover - Windows: renames are not synced this way
         return
     try:

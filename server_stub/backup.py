@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from example_store.keystore import sync_folder
+
 from .persistence import OS_ADVICE, DatabaseInUse, hold_data, hold_file, lock_path, release_file, store_advice
 
 try:
@@ -229,21 +231,10 @@ def _put_in_place(part: str, dest: str, before: tuple[str, ...] = ()) -> None:
     except OSError as exc:
         os.unlink(part)
         raise BackupError(f"cannot write {dest}: {_os_reason(exc)}") from None
-    _sync_folder(os.path.dirname(os.path.abspath(dest)))
-
-
-def _sync_folder(folder: str) -> None:
-    """Make a rename in ``folder`` durable (a power cut after it keeps the new name)."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        sync_folder(os.path.dirname(os.path.abspath(dest)))
+    except OSError as exc:  # the copy is in place; its name may not survive a power cut
+        raise BackupError(f"wrote {dest} but could not sync its folder: {_os_reason(exc)}") from None
 
 
 def _keep_owner(part: str, db: str) -> None:
