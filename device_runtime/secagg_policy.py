@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from secagg import SecAggConfig, complete_graph_threshold, secagg_plus_parameters
+from secagg import SecAggConfig, complete_graph_threshold, least_secagg_plus_degree
 from secagg.graphs import binom_tail_ge
 
 from .errors import InvalidSetting, check_count
@@ -108,9 +108,15 @@ class SecAggPolicy:
             if 3 * t <= 2 * n:
                 return f"threshold {t} is not above 2n/3 for a group of {n} (at least {complete_graph_threshold(n)})"
             return None
-        floor = secagg_plus_parameters(n, self.corrupt_fraction, self.dropout_rate, sigma=self.sigma, eta=self.eta)
-        if k < floor.degree:
-            return f"SecAgg+ degree {k} is below {floor.degree}, the least for n = {n} under these assumptions"
+        # k is below secagg_plus_parameters(n).degree exactly when no even degree up to k meets the
+        # bounds: looking no further than k bounds the device's cost by what the server sent
+        least = least_secagg_plus_degree(
+            n, self.corrupt_fraction, self.dropout_rate, sigma=self.sigma, eta=self.eta, up_to=k
+        )
+        if least is None:
+            return (
+                f"SecAgg+ degree {k} is below the least for n = {n} under these assumptions (none up to {k} meets them)"
+            )
         if 2 * t <= k + 1:
             return f"SecAgg+ threshold {t} is not a majority of a neighbourhood of {k + 1}"
         bound = 2.0**-self.sigma / n

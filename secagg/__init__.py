@@ -46,6 +46,7 @@ from .graphs import (
     complete_graph_threshold,
     group_seed,
     harary_neighbours,
+    least_secagg_plus_degree,
     secagg_plus_parameters,
     seeded_harary,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "modulus_for",
     "parse_message",
     "run_protocol",
+    "least_secagg_plus_degree",
     "secagg_plus_parameters",
     "seed_commitment",
     "seeded_harary",

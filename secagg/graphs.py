@@ -42,6 +42,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -55,35 +56,146 @@ def _log_binom_pmf(k: int, i: int, p: float) -> float:
     return math.lgamma(k + 1) - math.lgamma(i + 1) - math.lgamma(k - i + 1) + i * math.log(p) + (k - i) * math.log1p(-p)
 
 
-@functools.lru_cache(maxsize=1024)
+_lgamma_table = np.zeros(1)  # lgamma(i + 1) for i = 0.., grown on demand
+
+
+def _lgammas(k: int) -> np.ndarray:
+    """math.lgamma(i + 1) for i = 0..k (the same floats, computed once each)."""
+    global _lgamma_table
+    have = len(_lgamma_table)
+    if have <= k:
+        more = [math.lgamma(i + 1) for i in range(have, max(k + 1, 2 * have))]
+        _lgamma_table = np.concatenate([_lgamma_table, np.asarray(more)])
+    return _lgamma_table[: k + 1]
+
+
+@functools.lru_cache(maxsize=64)
 def _binom_pmf(k: int, p: float) -> tuple[float, ...]:
-    """P[Bin(k, p) = i] for i = 0..k: the parameter search asks for every threshold of each k,
-    so the k + 1 terms are computed once, not once per threshold (O(k^2) lgammas per k)."""
-    return tuple(math.exp(_log_binom_pmf(k, i, p)) for i in range(k + 1))
+    """P[Bin(k, p) = i] for i = 0..k: every tail of one (k, p) sums these, so the k + 1 terms are
+    computed once, not once per threshold. (64 entries: at most 64 (k + 1) floats held.) The logs
+    are ``_log_binom_pmf``'s, bit for bit: the same lgammas, subtracted and added in the same
+    order, one array operation each; the exponentials are math.exp's, as numpy's may differ in
+    the last bit."""
+    if not 0.0 < p < 1.0:
+        return tuple(math.exp(_log_binom_pmf(k, i, p)) for i in range(k + 1))
+    lg = _lgammas(k)
+    i = np.arange(k + 1, dtype=np.float64)
+    logs = lg[k] - lg - lg[::-1] + i * math.log(p) + (k - i) * math.log1p(-p)
+    return tuple(map(math.exp, logs.tolist()))
 
 
 def binom_tail_ge(k: int, t: int, p: float) -> float:
-    """P[Bin(k, p) >= t] (the terms summed from i = t up, in that order)."""
+    """P[Bin(k, p) >= t] (the terms summed from i = t up, in that order).
+
+    As computed it never grows with t: each partial sum of the longer tail is at least the
+    shorter tail's (rounding to nearest is monotone), which is what lets the parameter search
+    bisect on t instead of trying each threshold."""
     if t <= 0:
         return 1.0
     return min(1.0, sum(_binom_pmf(k, p)[t:]))
 
 
+#: How far above the correctness bound a single term of the survivors' lower tail must be before
+#: it proves that bound fails: the computed tail (k + 1 terms, each within lgamma's few ulps of
+#: k log k of its log, summed with k rounding errors) is off by less than 2^-20 for k < 2^26.
+_MARGIN = 2.0**-16
+_CERTIFIED_UP_TO = 2**26
+
+
+def _certainly_too_few_survivors(
+    k: int, gamma: float, q: float, sec_bound: float, cor_bound: float, malicious_server: bool
+) -> bool:
+    """True only if degree ``k`` has no threshold (O(log k) terms instead of the k + 1 a search
+    for t needs). A single term bounds a computed tail from below, bit for bit: if
+    P[Bin(k, gamma) = i] > sec_bound, every threshold t <= i (and with ``malicious_server`` every
+    t with 2t - (k + 1) <= i) fails the security or the split bound, so the least t meeting both
+    is at least ``least``; if even there a single term of the survivors' lower tail is far above
+    any correctness bound, that t fails correctness, and so does every larger one."""
+    if not (0.0 < gamma < 1.0 and 0.0 < q < 1.0 and k < _CERTIFIED_UP_TO):
+        return False
+    mode = min(k, int((k + 1) * gamma))
+    if math.exp(_log_binom_pmf(k, mode, gamma)) <= sec_bound:
+        return False
+    lo, hi = mode, k + 1  # the term at lo is above the bound; past the mode the terms fall
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if math.exp(_log_binom_pmf(k, mid, gamma)) > sec_bound:
+            lo = mid
+        else:
+            hi = mid
+    least = max(k // 2 + 1, (lo + k + 3) // 2 if malicious_server else lo + 1)
+    i = min(least - 2, int((k + 1) * q))  # the lower tail's largest term at or below t - 2
+    return i >= 0 and math.exp(_log_binom_pmf(k, i, q)) > cor_bound + _MARGIN
+
+
 def _smallest_threshold(
     k: int, n: int, gamma: float, delta: float, sigma: int, eta: int, malicious_server: bool = True
 ) -> int | None:
+    """The least t >= k/2 + 1 meeting the security and split bounds, if it meets correctness.
+    Both tails fall as t grows (see ``binom_tail_ge``) and correctness only worsens, so the least
+    t is found by bisecting for the first index j whose tail is within the bound: O(log k) tails,
+    where trying each t summed O(k) tails of O(k) terms."""
     sec_bound = 2.0**-sigma / n
     cor_bound = 2.0**-eta / n
     t_min = k // 2 + 1  # majority of the k + 1 holders (the client and its k neighbours)
-    for t in range(t_min, k + 2):
-        if binom_tail_ge(k, t, gamma) > sec_bound:
+    lo, hi = 0, k + 1  # tail(0) = 1 is above the bound, tail(k + 1) = 0 is within it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if binom_tail_ge(k, mid, gamma) > sec_bound:
+            lo = mid
+        else:
+            hi = mid
+    t = max(t_min, hi, -(-(hi + k + 1) // 2) if malicious_server else hi)
+    # survivors among the k neighbours plus the client itself must reach t
+    if 1.0 - binom_tail_ge(k, t - 1, 1.0 - delta) > cor_bound:
+        return None  # larger t only makes correctness worse
+    return t
+
+
+def _never_above(gamma: float, delta: float, malicious_server: bool) -> int | None:
+    """A degree no feasible k exceeds, or None. A binomial's median lies between the floor and
+    the ceiling of its mean, so a tail from either side of it is at least 1/2, far above any
+    bound. Correctness then needs t - 2 < ceil(k q) (q = 1 - delta), so t < k q + 2; the
+    majority needs t >= k/2 + 1, security t > floor(k gamma), so t > k gamma, and the split
+    bound 2t - (k + 1) > floor(k gamma). Together: k (1/2 - q) < 1, k (gamma - q) < 2 and, with
+    ``malicious_server``, k (1 + gamma - 2q) < 3. (In exact fractions of the floats the tails
+    use.)"""
+    g, q = Fraction(gamma), Fraction(1.0 - delta)
+    limits = [(Fraction(1, 2) - q, 1), (g - q, 2)] + ([(1 + g - 2 * q, 3)] if malicious_server else [])
+    bounds = [math.floor(c / slack) for slack, c in limits if slack > 0]
+    return min(bounds) if bounds else None
+
+
+def least_secagg_plus_degree(
+    n: int,
+    corrupt_fraction: float = 1 / 3,
+    dropout_rate: float = 0.05,
+    sigma: int = 40,
+    eta: int = 30,
+    *,
+    malicious_server: bool = True,
+    up_to: int | None = None,
+) -> tuple[int, int] | None:
+    """The smallest even degree k < n (and its threshold) meeting the bounds of the module
+    docstring, looking no further than ``up_to``; None if there is none.
+
+    A device judging a server's degree k only asks whether some degree up to k qualifies, so
+    its cost is bounded by the k it was sent, not by n. Degrees are skipped without their
+    k + 1 terms when a few terms prove they have no threshold, and not tried at all past the
+    degree where the bounds contradict each other (``_never_above``)."""
+    last = n - 1 if up_to is None else min(n - 1, up_to)
+    never = _never_above(corrupt_fraction, dropout_rate, malicious_server)
+    if never is not None:
+        last = min(last, never)
+    sec_bound = 2.0**-sigma / n
+    cor_bound = 2.0**-eta / n
+    q = 1.0 - dropout_rate
+    for k in range(2, last + 1, 2):
+        if _certainly_too_few_survivors(k, corrupt_fraction, q, sec_bound, cor_bound, malicious_server):
             continue
-        if malicious_server and binom_tail_ge(k, 2 * t - (k + 1), gamma) > sec_bound:
-            continue
-        # survivors among the k neighbours plus the client itself must reach t
-        if 1.0 - binom_tail_ge(k, t - 1, 1.0 - delta) > cor_bound:
-            return None  # larger t only makes correctness worse
-        return t
+        t = _smallest_threshold(k, n, corrupt_fraction, dropout_rate, sigma, eta, malicious_server)
+        if t is not None:
+            return k, t
     return None
 
 
@@ -118,10 +230,9 @@ def secagg_plus_parameters(
     """Degree and threshold for a cohort of ``n`` (see the module docstring for the formula)."""
     if n < 2:
         raise ValueError("need at least 2 clients")
-    for k in range(2, n, 2):
-        t = _smallest_threshold(k, n, corrupt_fraction, dropout_rate, sigma, eta, malicious_server)
-        if t is not None:
-            return GraphParameters(n, k, t)
+    least = least_secagg_plus_degree(n, corrupt_fraction, dropout_rate, sigma, eta, malicious_server=malicious_server)
+    if least is not None:
+        return GraphParameters(n, *least)
     return GraphParameters(n, n - 1, complete_graph_threshold(n))
 
 
