@@ -33,6 +33,9 @@ with ``malicious_server``, the default: Bell et al.'s semi-honest parameters omi
 exponentially in k while the union bound grows with n, so k = O(log n). When that k is >= n - 1
 the complete graph is used with t = max(majority, smallest t meeting the same bounds over n - 1).
 Defaults: gamma = 1/3 corrupt, delta = 5% drop-out, sigma = 40, eta = 30.
+The search (``least_secagg_plus_degree``) bisects on t for each k, skips a k when a few binomial
+terms prove it has no threshold, and stops at the degree past which the bounds contradict each
+other; a device judging a server's degree searches no further than that degree.
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ _lgamma_table = np.zeros(1)  # lgamma(i + 1) for i = 0.., grown on demand
 def _lgammas(k: int) -> np.ndarray:
     """math.lgamma(i + 1) for i = 0..k (the same floats, computed once each)."""
     global _lgamma_table
-    have = len(_lgamma_table)
+    table = _lgamma_table  # one read: another thread may replace it meanwhile
+    have = len(table)
     if have <= k:
         more = [math.lgamma(i + 1) for i in range(have, max(k + 1, 2 * have))]
-        _lgamma_table = np.concatenate([_lgamma_table, np.asarray(more)])
-    return _lgamma_table[: k + 1]
+        table = np.concatenate([table, np.asarray(more)])
+        if len(table) > len(_lgamma_table):
+            _lgamma_table = table
+    return table[: k + 1]
 
 
 @functools.lru_cache(maxsize=64)
