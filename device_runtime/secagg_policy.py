@@ -6,7 +6,9 @@ sparse graph whose neighbourhoods colluders could fill) could rebuild one device
 device checks the server's parameters against this floor before it advertises a key and refuses
 anything below it. The bounds are those the ``secagg`` library uses to choose parameters:
 t > 2n/3 over the complete graph (Bonawitz et al. 2017: a malicious server colluding with fewer
-than n/3 clients learns nothing beyond the sum), and for SecAgg+ (Bell et al. 2020) a degree at
+than n/3 clients learns nothing beyond the sum), and t > n(1 + c)/2 where the app assumes a corrupt
+fraction c above 1/3 (a server showing two halves of the honest members two survivor lists needs t
+shares from each half with its colluders': 2t <= n + cn), and for SecAgg+ (Bell et al. 2020) a degree at
 least the one ``secagg_plus_parameters`` gives for the assumed corrupt fraction and drop-out rate,
 with a threshold that no neighbourhood's colluders reach except with probability 2^-sigma / n,
 that is a majority of the neighbourhood, and that leaves a server splitting survivor lists too
@@ -15,6 +17,7 @@ few corrupt holders to answer both ways (see ``secagg.graphs``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from secagg import SecAggConfig, complete_graph_threshold, least_secagg_plus_degree
@@ -107,6 +110,13 @@ class SecAggPolicy:
         if k is None or k >= n - 1:
             if 3 * t <= 2 * n:
                 return f"threshold {t} is not above 2n/3 for a group of {n} (at least {complete_graph_threshold(n)})"
+            if 2 * t <= n * (1 + self.corrupt_fraction):  # past 2n/3 only where more than n/3 collude
+                lowest = math.floor(n * (1 + self.corrupt_fraction) / 2) + 1
+                return (
+                    f"threshold {t} is too low for a group of {n} of which a fraction {self.corrupt_fraction:g} may "
+                    "collude with the server: splitting the survivor list, they could collect both shares of a device "
+                    f"(t > n(1 + c)/2: at least {lowest})"
+                )
             return None
         # k is below secagg_plus_parameters(n).degree exactly when no even degree up to k meets the
         # bounds: looking no further than k bounds the device's cost by what the server sent

@@ -36,6 +36,22 @@ def test_a_complete_graph_threshold_at_or_below_two_thirds_is_refused(n, data):
         assert f"threshold {t} is not above 2n/3" in reason and str(complete_graph_threshold(n)) in reason
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(5, 200), gamma=st.floats(0.0, 0.95), data=st.data())
+def test_a_complete_graph_threshold_holds_the_colluders_the_app_assumes(n, gamma, data):
+    """Over the complete graph a server that shows two halves of the honest members two survivor
+    lists (one with a device, one without) needs t shares from each half, its colluders giving
+    theirs to both: secure only where 2t > n + cn. The floor was 2n/3 whatever the app assumed, so a
+    policy of c = 0.8 took t = 7 of 10, which 8 colluders and one honest member reach both ways."""
+    t = data.draw(st.integers(2, n))
+    cfg = dataclasses.replace(good(n, secagg_plus=False), threshold=t, allow_unsafe=True)
+    reason = SecAggPolicy(corrupt_fraction=gamma).violation(cfg, n)
+    assert (reason is None) == (3 * t > 2 * n and 2 * t > n * (1 + gamma))
+    if reason is not None and 3 * t > 2 * n:
+        assert f"threshold {t} is too low for a group of {n}" in reason and "t > n(1 + c)/2" in reason
+    assert SecAggPolicy(corrupt_fraction=0.8).violation(dataclasses.replace(cfg, threshold=n), n) is None
+
+
 @pytest.mark.parametrize(
     "change,words",
     [
