@@ -17,7 +17,6 @@ few corrupt holders to answer both ways (see ``secagg.graphs``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from secagg import SecAggConfig, complete_graph_threshold, least_secagg_plus_degree
@@ -110,8 +109,8 @@ class SecAggPolicy:
         if k is None or k >= n - 1:
             if 3 * t <= 2 * n:
                 return f"threshold {t} is not above 2n/3 for a group of {n} (at least {complete_graph_threshold(n)})"
-            if 2 * t <= n * (1 + self.corrupt_fraction):  # past 2n/3 only where more than n/3 collude
-                lowest = math.floor(n * (1 + self.corrupt_fraction) / 2) + 1
+            lowest = complete_graph_threshold(n, self.corrupt_fraction)
+            if t < lowest:  # past 2n/3 only where more than n/3 collude
                 return (
                     f"threshold {t} is too low for a group of {n} of which a fraction {self.corrupt_fraction:g} may "
                     "collude with the server: splitting the survivor list, they could collect both shares of a device "

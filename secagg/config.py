@@ -122,7 +122,7 @@ class SecAggConfig:
         return cls(
             vector_length,
             modulus,
-            complete_graph_threshold(n),
+            complete_graph_threshold(n, corrupt_fraction),
             session_label,
             None,
             consistency_check=consistency_check,

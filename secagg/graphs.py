@@ -31,7 +31,10 @@ sampling of a neighbourhood approximated by a binomial and a union bound over th
 We take the smallest even k (and for it the smallest t) meeting all four (the split bound only
 with ``malicious_server``, the default: Bell et al.'s semi-honest parameters omit it); the tails shrink
 exponentially in k while the union bound grows with n, so k = O(log n). When that k is >= n - 1
-the complete graph is used with t = max(majority, smallest t meeting the same bounds over n - 1).
+the complete graph is used with t past 2n/3 and past n(1 + gamma)/2 (``complete_graph_threshold``:
+with ConsistencyCheck, a server splitting the survivor list gets t shares from each half of the
+honest clients with its colluders' unless 2t > n + gamma n; Bonawitz et al.'s t > 2n/3 is that
+at gamma = 1/3).
 Defaults: gamma = 1/3 corrupt, delta = 5% drop-out, sigma = 40, eta = 30.
 The search (``least_secagg_plus_degree``) bisects on t for each k, skips a k when a few binomial
 terms prove it has no threshold, and stops at the degree past which the bounds contradict each
@@ -218,10 +221,13 @@ class GraphParameters:
         return self.degree >= self.n - 1
 
 
-def complete_graph_threshold(n: int) -> int:
+def complete_graph_threshold(n: int, corrupt_fraction: float = 1 / 3) -> int:
     """Default t for the complete graph: more than 2n/3 (Bonawitz et al.: secure against an
-    actively malicious server colluding with up to n/3 clients), at least 2."""
-    return max(2, min(n, (2 * n) // 3 + 1))
+    actively malicious server colluding with up to n/3 clients), at least 2; with a larger
+    ``corrupt_fraction`` c, more than n(1 + c)/2: a server showing two halves of the honest clients
+    two survivor lists (one holding a client, one not) gets t shares from each half with its
+    colluders', who give theirs to both, unless 2t > n + cn."""
+    return max(2, min(n, max((2 * n) // 3, math.floor(n * (1 + corrupt_fraction) / 2)) + 1))
 
 
 def secagg_plus_parameters(
@@ -239,7 +245,7 @@ def secagg_plus_parameters(
     least = least_secagg_plus_degree(n, corrupt_fraction, dropout_rate, sigma, eta, malicious_server=malicious_server)
     if least is not None:
         return GraphParameters(n, *least)
-    return GraphParameters(n, n - 1, complete_graph_threshold(n))
+    return GraphParameters(n, n - 1, complete_graph_threshold(n, corrupt_fraction))
 
 
 def harary_neighbours(

@@ -50,6 +50,9 @@ def test_a_complete_graph_threshold_holds_the_colluders_the_app_assumes(n, gamma
     if reason is not None and 3 * t > 2 * n:
         assert f"threshold {t} is too low for a group of {n}" in reason and "t > n(1 + c)/2" in reason
     assert SecAggPolicy(corrupt_fraction=0.8).violation(dataclasses.replace(cfg, threshold=n), n) is None
+    # and the library's complete graph for that fraction is what such a device takes
+    chosen = good(n, secagg_plus=False, corrupt_fraction=gamma)
+    assert SecAggPolicy(corrupt_fraction=gamma).violation(chosen, n) is None
 
 
 @pytest.mark.parametrize(

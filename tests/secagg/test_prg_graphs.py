@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from secagg import complete_graph_threshold, harary_neighbours, secagg_plus_parameters
+from secagg import harary_neighbours, secagg_plus_parameters
 from secagg.crypto import hkdf_sha256
 from secagg.graphs import _log_binom_pmf, binom_tail_ge
 from secagg.prg import MaskAccumulator, expand
@@ -126,7 +126,8 @@ def _parameters_by_scan(n, gamma, delta, sigma, eta, malicious_server):
             if 1.0 - tail(k, t - 1, 1.0 - delta) <= cor:
                 return k, t
             break
-    return n - 1, complete_graph_threshold(n)
+    # the complete graph: the least t past 2n/3 and past n(1 + gamma)/2 (colluders answering both ways)
+    return n - 1, next((t for t in range(2, n) if 3 * t > 2 * n and 2 * t > n * (1 + gamma)), n)
 
 
 @settings(max_examples=40, deadline=None)
