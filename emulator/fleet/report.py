@@ -1453,6 +1453,18 @@ def read_run_summary(folder: Path, needs: Sequence[str], error: type[Exception],
     return summary
 
 
+def _kind(value: object) -> str | None:
+    """The JSON kind of a summary's value ('number', 'text', 'list', 'table', 'yes/no'); None for null."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "yes/no"
+    if isinstance(value, (int, float)):
+        return "number"
+    kinds: dict[type, str] = {str: "text", list: "list", dict: "table"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def redraw_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Draw a run's plots and ``report.html`` again from what it left in ``run_dir``: its tables,
     ``summary.json`` and ``config.toml`` (a run stopped while its plots were drawn, or one an older
@@ -1488,12 +1500,25 @@ def redraw_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = No
         )
     except (FleetTableError, UnicodeDecodeError, TypeError, ValueError) as exc:
         raise FleetReportError(f"{folder} is not a fleet run: its tables cannot be read ({exc})") from None
-    computed = summarize(run)
+    wrong = f"{folder / SUMMARY_JSON} is not the run's summary"
+    try:
+        computed = summarize(run)
+    except (TypeError, ValueError) as exc:  # simulated_s, wall_s: read from the summary
+        raise FleetReportError(f"{wrong}: {exc}; give a run folder (what fedfleet simulate --out wrote)") from None
     if "versions" not in recorded:  # this install's releases did not make an older run
         computed.pop("versions")
+    for key, value in recorded.items():  # a value of another kind than the run's (a hand-edited file)
+        if _kind(value) not in (None, _kind(computed.get(key)) or _kind(value)):
+            raise FleetReportError(
+                f"{wrong}: its {key} is {type(value).__name__} {json.dumps(value)[:40]}, "
+                f"where a run writes a {_kind(computed[key])}"
+            )
     summary = {**computed, **recorded}
-    figures = report_figures(run, summary)
-    page = render_html(summary, figures, run)
+    try:
+        figures = report_figures(run, summary)
+        page = render_html(summary, figures, run)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise FleetReportError(f"{wrong}: a value of it cannot be drawn ({type(exc).__name__}: {exc})") from None
     target = Path(out) if out is not None else folder / REPORT_HTML
     if out is None:
         for fig in figures:

@@ -495,6 +495,36 @@ def test_fedfleet_report_draws_the_same_page_again_from_what_the_run_left(simula
     assert not list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("shapes", ["-v[]+^"], "its shapes is list"),  # a value of another kind than a run writes
+        ("dropout_rate", "0.3", "its dropout_rate is str"),
+        ("simulated_s", "two hours", "could not convert"),  # read by the summary's own figures
+        ("shape_shares", {"-v[!": 1.0}, "cannot be drawn"),  # the right kind, not the run's shapes
+    ],
+)
+def test_fedfleet_report_of_a_summary_with_values_of_the_wrong_kind_is_one_line(
+    simulated, tmp_path, capsys, key, value, says
+):
+    """A summary.json edited by hand (or another program's) reached the drawing: a value of another
+    kind than the run wrote was a TypeError, AttributeError or KeyError traceback; it is one line."""
+    from emulator.cli.commands import main
+
+    _, out = simulated
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("rounds.csv", "sessions.csv", "timeline.csv", "config.toml"):
+        (folder / name).write_bytes((out / name).read_bytes())
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    (folder / "summary.json").write_text(json.dumps({**summary, key: value}), encoding="utf-8")
+    assert main(["report", str(folder), "--out", str(tmp_path / "page.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedfleet report: {folder / 'summary.json'} is not the run's summary: ")
+    assert says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "page.html").exists()
+
+
 def test_without_matplotlib_the_report_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure now fails
     with pytest.raises(FleetReportError, match=r"pip install 'fedfleet\[sim\]'"):
