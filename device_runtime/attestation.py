@@ -21,6 +21,7 @@ import math
 import os
 import re
 import struct
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,23 +474,24 @@ class DeviceAttestor:
                 "certificate": self._certificate.to_dict(),
             }
         ).encode("utf-8")
-        remove_partial_copies(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        try:
-            if hasattr(os, "fchmod"):
-                os.fchmod(fd, 0o600)  # O_CREAT's mode only applies to a new file
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
+        with _SAVING:  # this process's copy is its own save's until renamed: no load or save removes it
+            _remove_partial_copies(path)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+                if hasattr(os, "fchmod"):
+                    os.fchmod(fd, 0o600)  # O_CREAT's mode only applies to a new file
+                with os.fdopen(fd, "wb") as f:
+                    f.write(body)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
         sync_folder(path.parent)  # the rename itself on disk: else a power cut may bring the old key back
 
     @classmethod
@@ -520,7 +522,19 @@ def remove_partial_copies(path: str | os.PathLike[str]) -> list[str]:
     their rename left beside it (``.NAME.PID.tmp``, each holding a private key, perhaps one the
     device never used), and return their names. A copy whose writer still runs (its process id is
     alive, this process's excepted: a save of its own is not running now) is left alone. A folder
-    that cannot be listed or written is passed: nothing can be removed there."""
+    that cannot be listed or written is passed: nothing can be removed there. A save of this
+    process's own running in another thread is waited for, and its copy is not one to remove."""
+    with _SAVING:
+        return _remove_partial_copies(path)
+
+
+#: Held by ``DeviceAttestor.save`` from its copy's creation to its rename, and by a removal of
+#: copies: a copy bearing this process's id is then never a save's in flight (another thread's).
+_SAVING = threading.Lock()
+
+
+def _remove_partial_copies(path: str | os.PathLike[str]) -> list[str]:
+    """``remove_partial_copies``, with ``_SAVING`` held."""
     path = Path(path)
     partial = re.compile(rf"\.{re.escape(path.name)}\.([0-9]+)\.tmp")
     try:

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -293,6 +294,30 @@ def test_a_save_killed_before_its_rename_leaves_no_private_key_behind(tmp_path):
     dead.write_bytes(b"a private key")
     device.save(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["device.key", live.name])
+
+
+def test_a_load_while_another_thread_saves_leaves_that_save_its_copy(tmp_path, monkeypatch):
+    """A copy bearing this process's id is taken as a killed earlier process's; a load in one thread
+    while another's save wrote its copy removed it, and that save's rename failed (FileNotFoundError).
+    The load now waits for the save, and both end well."""
+    device = AUTHORITY.new_device_attestor("emulated-pixel", NOW, 60.0)
+    path = tmp_path / "device.key"
+    device.save(path)
+    loaded: list[bytes] = []
+    loader = threading.Thread(target=lambda: loaded.append(DeviceAttestor.load(path).public_key_bytes))
+    real_fsync = os.fsync
+
+    def fsync(fd):  # the save's copy is written: a load runs meanwhile, in another thread
+        if stat.S_ISREG(os.fstat(fd).st_mode) and not loader.is_alive() and not loaded:
+            loader.start()
+            loader.join(0.2)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    device.save(path)
+    loader.join(5.0)
+    assert loaded == [device.public_key_bytes]
+    assert [p.name for p in tmp_path.iterdir()] == ["device.key"]
 
 
 def test_save_syncs_the_folder_after_its_rename(tmp_path, monkeypatch):
