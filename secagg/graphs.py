@@ -226,8 +226,11 @@ def complete_graph_threshold(n: int, corrupt_fraction: float = 1 / 3) -> int:
     actively malicious server colluding with up to n/3 clients), at least 2; with a larger
     ``corrupt_fraction`` c, more than n(1 + c)/2: a server showing two halves of the honest clients
     two survivor lists (one holding a client, one not) gets t shares from each half with its
-    colluders', who give theirs to both, unless 2t > n + cn."""
-    return max(2, min(n, max((2 * n) // 3, math.floor(n * (1 + corrupt_fraction) / 2)) + 1))
+    colluders', who give theirs to both, unless 2t > n + cn. Counted exactly, as the fraction
+    written (0.4 is 2/5): in floats 90 x 1.4 / 2 is 62.99..., and t = 63 let 36 colluders reach it
+    with either half."""
+    half = n * (1 + Fraction(str(corrupt_fraction))) / 2
+    return max(2, min(n, max((2 * n) // 3, math.floor(half)) + 1))
 
 
 def secagg_plus_parameters(

@@ -1,13 +1,14 @@
 import functools
 import math
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from secagg import harary_neighbours, secagg_plus_parameters
+from secagg import complete_graph_threshold, harary_neighbours, secagg_plus_parameters
 from secagg.crypto import hkdf_sha256
 from secagg.graphs import _log_binom_pmf, binom_tail_ge
 from secagg.prg import MaskAccumulator, expand
@@ -177,3 +178,16 @@ def test_many_colluders_cost_a_search_well_under_a_second():
     assert secagg_plus_parameters(3000, 0.8).complete
     assert secagg_plus_parameters(10**7, 0.9, 0.1).complete
     assert time.process_time() - start < 3.0
+
+
+@pytest.mark.parametrize(
+    ("n", "c"),
+    [(90, "0.4"), (170, "0.4"), (20, "0.6"), (100, "0.7"), (50, "0.8"), (10, "0.8"), (3000, "0.9"), (30, "0.5")],
+)
+def test_the_complete_graph_threshold_is_past_n_1_plus_c_over_2_where_that_is_whole(n, c):
+    """With n(1 + c)/2 a whole number, 2t = n + cn let the colluders reach t with either half of a
+    split survivor list; in floats 90 x 1.4 / 2 was 62.99... and t came out 63 for n = 90, c = 0.4."""
+    t = complete_graph_threshold(n, float(c))
+    assert 2 * t > n * (1 + Fraction(c)) or t == n
+    assert 3 * t > 2 * n
+    assert t == min(n, max(2 * n // 3, n * (1 + Fraction(c)) // 2) + 1)  # the least past both
