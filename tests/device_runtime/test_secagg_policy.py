@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -46,7 +47,7 @@ def test_a_complete_graph_threshold_holds_the_colluders_the_app_assumes(n, gamma
     t = data.draw(st.integers(2, n))
     cfg = dataclasses.replace(good(n, secagg_plus=False), threshold=t, allow_unsafe=True)
     reason = SecAggPolicy(corrupt_fraction=gamma).violation(cfg, n)
-    assert (reason is None) == (3 * t > 2 * n and 2 * t > n * (1 + gamma))
+    assert (reason is None) == (3 * t > 2 * n and 2 * t > n * (1 + Fraction(str(gamma))))  # as the fraction written
     if reason is not None and 3 * t > 2 * n:
         assert f"threshold {t} is too low for a group of {n}" in reason and "t > n(1 + c)/2" in reason
     assert SecAggPolicy(corrupt_fraction=0.8).violation(dataclasses.replace(cfg, threshold=n), n) is None

@@ -128,7 +128,7 @@ def _parameters_by_scan(n, gamma, delta, sigma, eta, malicious_server):
                 return k, t
             break
     # the complete graph: the least t past 2n/3 and past n(1 + gamma)/2 (colluders answering both ways)
-    return n - 1, next((t for t in range(2, n) if 3 * t > 2 * n and 2 * t > n * (1 + gamma)), n)
+    return n - 1, next((t for t in range(2, n) if 3 * t > 2 * n and 2 * t > n * (1 + Fraction(str(gamma)))), n)
 
 
 @settings(max_examples=40, deadline=None)
