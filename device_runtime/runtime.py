@@ -714,7 +714,10 @@ class FLRuntime:
         self, session: CheckinAccepted, plan: Plan, should_abort: Callable[[], bool] | None
     ) -> tuple[SecureAggregation, SecureResult | None]:
         """The key rounds, before training (see ``secure_client``). Deadlines are measured on the
-        runtime's clock, or on the monotonic one when that is the system's (which can jump)."""
+        runtime's clock, or on the monotonic one when that is the system's (which can jump). A plan
+        that sends nothing to secure sum is refused here (``PlanError``), before a key is advertised
+        or a step trained: its report could not be encoded."""
+        codec = self._codec(session.plan_id, plan)
         clock = elapsed_clock(self.clock)
         polling: dict[str, Any] = (
             {} if self.secagg_poll_s is None else {"long_poll_s": 0.0, "poll_s": self.secagg_poll_s}
@@ -729,7 +732,7 @@ class FLRuntime:
             verify_peer=self.peer_verifier,
             dp_policy=self.dp_policy,
             update_dim=self._update_dim(session.plan_id, plan),
-            input_length=self._codec(session.plan_id, plan).vector_length if plan.server.secure_sum else None,
+            input_length=codec.vector_length,
             sleep=self.sleep,
             clock=clock,
             **polling,

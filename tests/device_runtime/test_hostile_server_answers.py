@@ -560,8 +560,8 @@ def test_a_secure_session_whose_server_names_a_report_window_of_years_waits_an_h
     from device_runtime.secure_client import MAX_DEADLINE_S
     from tests.support import digits_plan
 
-    plan = serialize_plan(digits_plan())
-    checkpoint = encode_checkpoint(initial_weights(digits_plan(), seed=0))
+    plan = serialize_plan(digits_plan(secure_aggregation=True))
+    checkpoint = encode_checkpoint(initial_weights(digits_plan(secure_aggregation=True), seed=0))
     ids = {hashlib.sha256(b).hexdigest(): b for b in (plan, checkpoint)}
     answer = {
         **GOOD_ANSWER,

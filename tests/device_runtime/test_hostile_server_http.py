@@ -509,3 +509,16 @@ def test_a_plan_of_more_nodes_than_the_device_checks_and_runs_is_refused_before_
     ) as runtime:
         with pytest.raises(OverBudget, match="holds more than 1,365 nodes"):
             runtime.run_session()
+
+
+def test_a_secure_session_whose_plan_sends_nothing_to_secure_sum_is_refused_before_its_keys(hostile, tmp_path):
+    """A server that names ``secure_sum`` for a plan that sends nothing to it: the device
+    advertised its keys and trained, then failed on the plan at its report. It refuses before its
+    keys, untrained."""
+    hostile.serve(digits_plan())
+    aborts = len(hostile.aborts)
+    with pytest.raises(PlanError, match="sends nothing to secure sum"):  # a broken server's, as the SDK raises them
+        _secure_session(hostile, tmp_path, json.dumps(_honest_state()))
+    assert hostile.secagg_sent == 0  # no key advertised
+    assert hostile.aborts[aborts:] == ["error: PlanError"]  # the server told
+    assert [s.shape for s in OpStatsStore(tmp_path / "app.db").sessions()] == ["-v*"]  # nothing trained
