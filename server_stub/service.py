@@ -424,11 +424,8 @@ class FLService:
         """The largest Secure Aggregation message the session may send, once its token is checked:
         the largest its group can need (``secagg_limits``); a session in no group of the open round
         has nothing to send, and gets room for a refusal only."""
-        try:
-            session = self._authorize(session_id, token)
-        except Unauthorized:
-            if self._summed_before(session_id, token) is None:
-                raise
+        session = self._authorize_or_summed(session_id, token)
+        if not isinstance(session, Session):
             return SECAGG_SLACK_BYTES  # its last message again (see ``secagg_message``)
         with self._lock:
             run = session.run
@@ -589,12 +586,9 @@ class FLService:
     def secagg_status(self, session_id: str, token: str) -> dict:
         """The device's view of its group; after the round closed, its group's final state. A
         session this server no longer knows whose input its task's last committed round holds
-        (``_summed_before``) is told so, as its group's final state said."""
-        try:
-            session = self._authorize(session_id, token)
-        except Unauthorized:
-            if self._summed_before(session_id, token) is None:
-                raise
+        (``_authorize_or_summed``) is told so, as its group's final state said."""
+        session = self._authorize_or_summed(session_id, token)
+        if not isinstance(session, Session):
             return {"status": "completed", "included": True}
         try:
             with self._lock:
@@ -608,14 +602,11 @@ class FLService:
 
     def secagg_message(self, session_id: str, token: str, data: bytes) -> SecAggAccepted:
         """A session this server no longer knows whose input its task's last committed round
-        holds (``_summed_before``) sends again the message whose answer it lost when the server
+        holds (``_authorize_or_summed``) sends again the message whose answer it lost when the server
         was killed writing that commit (the message that completed its group): it was taken
         then, and is again, unread."""
-        try:
-            session = self._authorize(session_id, token)
-        except Unauthorized:
-            if self._summed_before(session_id, token) is None:
-                raise
+        session = self._authorize_or_summed(session_id, token)
+        if not isinstance(session, Session):
             return SecAggAccepted(status="accepted")
         try:
             with self._lock:
@@ -783,30 +774,31 @@ class FLService:
 
     def _authorize_report(self, session_id: str, token: str) -> Session:
         """``_authorize`` for a report: a session this server no longer knows whose update its
-        task's last committed round holds (``_summed_before``) is told its report was taken
+        task's last committed round holds (``_authorize_or_summed``) is told its report was taken
         (``DUPLICATE_REPORT``, what a device that sends its report again hears), not that it is
         unknown."""
+        session = self._authorize_or_summed(session_id, token)
+        if not isinstance(session, Session):
+            raise DuplicateReport(f"this session has already reported: its update is in round {session}, committed")
+        return session
+
+    def _authorize_or_summed(self, session_id: str, token: str) -> Session | int:
+        """``_authorize``, or, for a session this server does not know, the committed round that
+        holds its update when that is its task's last (``ServerStore.summed_session``): the server
+        was killed once the round was on record and before the session's device heard so.
+        ``Unauthorized`` otherwise, as ``_authorize`` raises it."""
         try:
             return self._authorize(session_id, token)
         except Unauthorized:
-            number = self._summed_before(session_id, token)
+            if not token:
+                raise
+            try:
+                number = self.store.summed_session(session_id, hash_token(token))
+            except (SQLAlchemyError, OSError):  # the answer stays the one it was: the session is unknown
+                number = None
             if number is None:
                 raise
-            raise DuplicateReport(
-                f"this session has already reported: its update is in round {number}, committed"
-            ) from None
-
-    def _summed_before(self, session_id: str, token: str) -> int | None:
-        """The committed round that holds the update of a session this server does not know,
-        when it is its task's last (``ServerStore.summed_session``): the server was killed once
-        the round was on record and before the session's device heard so (or has forgotten the
-        round's sessions since); None otherwise."""
-        if not token:
-            return None
-        try:
-            return self.store.summed_session(session_id, hash_token(token))
-        except (SQLAlchemyError, OSError):  # the answer stays the one it was: the session is unknown
-            return None
+            return number
 
     def _activate(self, population: str) -> None:
         """Load the population's first group of active tasks if it has none running. The
