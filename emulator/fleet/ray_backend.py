@@ -521,7 +521,11 @@ def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
             raise FleetConfigError(
                 f"--sweep {item!r}: {key} is swept twice; give its values in one --sweep, as {name}=V1,V2,V3"
             )
-        grid[key] = [_value(v.strip()) for v in values.split(",")]
+        grid[key] = _values(values)
+        if "" in grid[key]:
+            raise FleetConfigError(
+                f"--sweep {item!r}: a value is empty; write KEY=V1,V2 with no empty value between commas"
+            )
         seen = [json.dumps(v, sort_keys=True) for v in grid[key]]
         twice = [v for i, v in enumerate(seen) if v in seen[:i]]
         if twice:  # the same run twice, which --seeds refuses too
@@ -529,11 +533,26 @@ def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _values(text: str) -> list[Any]:
+    """``V1,V2,...``, each value JSON where it reads as JSON (so ``[64,32],[128]`` is two lists),
+    else the text up to the next comma."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while text[i : i + 1].isspace():
+            i += 1
+        try:
+            value, end = decoder.raw_decode(text, i)
+            if text[end:].lstrip()[:1] not in ("", ","):
+                raise ValueError("more follows before the comma")
+        except ValueError:
+            end = text.find(",", i)
+            end = len(text) if end < 0 else end
+            value = text[i:end].strip()
+        out.append(value)
+        end = text.find(",", end)
+        if end < 0:
+            return out
+        i = end + 1
 
 
 def sweep_configs(

@@ -175,6 +175,19 @@ def test_a_sweep_is_the_grid_of_its_values_and_refuses_unknown_keys_by_name():
         sweep_configs(tiny_config(), grid=parse_sweep(["goal_count=-3"]))
 
 
+def test_a_sweep_value_is_read_as_json_so_a_list_of_several_sizes_is_one_value():
+    """`--sweep hidden=[64,32]` was split at every comma, into the texts "[64" and "32]"."""
+    grid = parse_sweep(["hidden=[64,32],[128]", "lr=0.1, 0.2", "optimizer=adam,sgd", 'x={"a":1,"b":2},3'])
+    assert grid == {
+        "task.hidden": [[64, 32], [128]],
+        "task.lr": [0.1, 0.2],
+        "task.optimizer": ["adam", "sgd"],
+        "task.x": [{"a": 1, "b": 2}, 3],
+    }
+    with pytest.raises(FleetConfigError, match="a value is empty"):
+        parse_sweep(["goal_count=6,"])
+
+
 def test_a_sweep_into_a_folder_of_an_earlier_sweeps_other_runs_is_refused_before_it_runs(tmp_path, capsys):
     """--seeds 0 into the folder of an earlier --seeds 0,1 left run-1-seed=1 there, which
     `fedfleet compare OUT` then set beside the new run-0 as if one sweep had made both."""
