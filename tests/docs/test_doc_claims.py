@@ -221,3 +221,39 @@ def test_the_readmes_relative_links_name_files_that_exist() -> None:
     assert targets
     missing = sorted(t for t in targets if not (ROOT / t).exists())
     assert not missing, missing
+
+
+def test_the_architecture_pages_opsets_per_release_are_the_measured_records() -> None:
+    """``device_runtime/ort_support.json``: each release's highest opset, said per run of minors
+    (``26 (1.25-1.31)``); 1.32's 28 was left out where the record has it."""
+    import json
+
+    measured: dict[int, list[str]] = {}
+    for entry in json.loads((ROOT / "device_runtime" / "ort_support.json").read_text()):
+        measured.setdefault(entry["max_opset"], []).append(entry["release"].rsplit(".", 1)[0])
+    stated = re.search(
+        r"measured max opset (.*?)\. `device_runtime/ort_support.json`", _text("docs/explanation/architecture.md")
+    )
+    assert stated, "the architecture page no longer says the measured opsets"
+    said = {
+        int(opset): [first, last] if last else [first]
+        for opset, first, last in re.findall(r"(\d+) \((1\.\d+)(?:-(1\.\d+))?[,;)]", stated.group(1))
+    }
+    assert said == {opset: [m[0]] if len(m) == 1 else [m[0], m[-1]] for opset, m in measured.items()}
+
+
+def test_the_model_engineers_tutorial_names_every_option_of_the_bundle_commands() -> None:
+    """Its list of the options of ``plan from-onnx`` and ``plan from-torch`` (``--frozen-rows`` was
+    missing from it, and the page said to write ``frozen_rows`` into the task by hand)."""
+    page = _text("docs/tutorials/model-engineer.md")
+    (plan,) = [sub for name, _help, sub in HOOKS._subparsers(HOOKS.cli_parser()) if name == "plan"]
+    missing = [
+        f"{name} {action.option_strings[-1]}"
+        for name, _help, command in HOOKS._subparsers(plan)
+        if name in ("from-onnx", "from-torch")
+        for action in command._actions
+        if action.option_strings
+        and action.dest != "help"
+        and not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", page) for o in action.option_strings)
+    ]
+    assert not missing, missing
