@@ -25,7 +25,9 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = print) -> int:
     """List or remove the envs; 2 with one line on stderr for a release string that is not one."""
     parser = argparse.ArgumentParser(prog="python -m emulator.releases.cache", description=__doc__.split("\n")[0])
-    parser.add_argument("--cache", default=None, help=f"the env cache (default: ${CACHE_ENV_VAR} or ~/.cache)")
+    parser.add_argument(
+        "--cache", default=None, help=f"the env cache (default: ${CACHE_ENV_VAR} or ~/.cache/fedfleet/runtimes)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="each env: release, size on disk, the Python that made it, state; the total")
     remove = sub.add_parser("remove", help="delete envs (a release test that needs one installs it again)")

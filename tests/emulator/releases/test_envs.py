@@ -107,6 +107,14 @@ def test_cache_root_follows_the_environment_variable(monkeypatch, tmp_path):
     assert cache_root() == Path.home() / ".cache" / "fedfleet" / "runtimes"
 
 
+def test_the_cache_commands_help_names_the_folder_it_uses_without_the_variable(monkeypatch, capsys):
+    """``--cache``'s help said ``~/.cache``, where the envs are kept under ``~/.cache/fedfleet/runtimes``."""
+    monkeypatch.delenv(CACHE_ENV_VAR, raising=False)
+    with pytest.raises(SystemExit):
+        cache_main(["--help"])
+    assert f"~/{cache_root().relative_to(Path.home())})" in " ".join(capsys.readouterr().out.split())
+
+
 def test_a_finished_env_is_reused_without_installing(tmp_path):
     env = fake_env(tmp_path, "1.17.3", marker=finished_marker("1.17.3"))
     stamp = env.marker.stat().st_mtime_ns
