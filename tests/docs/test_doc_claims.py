@@ -257,3 +257,26 @@ def test_the_model_engineers_tutorial_names_every_option_of_the_bundle_commands(
         and not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", page) for o in action.option_strings)
     ]
     assert not missing, missing
+
+
+def test_the_http_pages_table_of_callers_has_every_route_with_its_credential() -> None:
+    """ "Who may call what": each route of /openapi.json once, its "who" the credential the route
+    declares (operator: the admin key; session: the session token; device, anyone: none)."""
+    document = HOOKS.openapi_document()
+
+    def path(text: str) -> str:
+        return re.sub(r"\{[^}]+\}", "{}", text.split("?")[0])
+
+    declared = {
+        (method.upper(), path(route)): {name for need in operation.get("security", []) for name in need}
+        for route, item in document["paths"].items()
+        for method, operation in item.items()
+        if method in ("get", "post", "put", "patch", "delete")
+    }
+    page = (ROOT / "docs" / "reference" / "http.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(GET|POST|PUT|PATCH|DELETE) ([^` ]+)`[^|]*\| ([^|]+) \|", page, re.M)
+    said = {(method, path(route)): who.strip() for method, route, who in rows if route != "/openapi.json"}
+    assert sorted(said) == sorted(declared)
+    credential = {"operator": {"adminKey"}, "session": {"sessionToken"}, "device": set(), "anyone": set()}
+    for route, who in said.items():
+        assert set().union(*(credential[w] for w in who.split(", "))) == declared[route], (route, who)
