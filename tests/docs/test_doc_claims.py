@@ -280,3 +280,19 @@ def test_the_http_pages_table_of_callers_has_every_route_with_its_credential() -
     credential = {"operator": {"adminKey"}, "session": {"sessionToken"}, "device": set(), "anyone": set()}
     for route, who in said.items():
         assert set().union(*(credential[w] for w in who.split(", "))) == declared[route], (route, who)
+
+
+def test_every_file_of_the_repository_a_page_names_exists() -> None:
+    """A path in backticks under one of the project's folders (``emulator/fleet/plan_cost.py``,
+    ``tests/docs/forkserver.py``, ``examples/fleets/*.toml``) names a file or folder that is there."""
+    folders = {*PACKAGES, "benchmarks", "docs", "examples", "tests"}
+    named = re.compile(r"`([A-Za-z_][\w.-]*/[\w./*-]*)`")
+    missing = sorted(
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in PAGES
+        for path in {m.group(1) for m in named.finditer(page.read_text(encoding="utf-8"))}
+        if path.split("/")[0] in folders
+        and not path.endswith("...")
+        and not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())
+    )
+    assert not missing, missing
