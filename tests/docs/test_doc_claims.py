@@ -27,7 +27,8 @@ def _text(page: str) -> str:
 
 
 def _table(page: str, heading: str) -> dict[str, list[str]]:
-    """The rows of the first table under ``heading`` on ``page``: first cell -> the other cells."""
+    """The rows of the first table under the line ``heading`` (a heading, or the table's header row)
+    on ``page``: first cell -> the other cells."""
     lines = (ROOT / page).read_text(encoding="utf-8").splitlines()
     start = lines.index(heading)
     rows: dict[str, list[str]] = {}
@@ -102,10 +103,7 @@ def test_the_http_page_lists_every_error_code_the_server_sends_under_its_status(
                 sent.setdefault(status, set()).update(answer.get("x-error-codes", []))
     for status, code in re.findall(r"\b(\d{3}) ([A-Z][A-Z_]{3,})\b", document["info"]["description"]):
         sent.setdefault(status, set()).add(code)
-    table = _table(
-        "docs/reference/http.md",
-        'Errors are `{"error": {"code": "...", "message": "..."}}` with a stable code; bad input is a 4xx and',
-    )
+    table = _table("docs/reference/http.md", "| status | codes |")
     listed = {status: set(re.findall(r"`([A-Z][A-Z_*]+)`", cells[0])) for status, cells in table.items()}
     prose = _text("docs/reference/http.md")
     missing = []
