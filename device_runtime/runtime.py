@@ -362,13 +362,15 @@ class FLRuntime:
         return self.rng.uniform(lo, hi)
 
     def store_for(self, collection_uri: str) -> ExampleStore:
-        """The example store registered for ``collection_uri`` (the longest matching prefix)."""
+        """The example store registered for ``collection_uri``: under that URI, or under the longest
+        registered URI it continues past a ``/`` (``app:/digits`` serves ``app:/digits/recent``, not
+        ``app:/digits_heldout``: a scope is a folder, not the first letters of a name)."""
         if not isinstance(collection_uri, str):  # 5.startswith failed with an AttributeError
             raise InvalidSetting(
                 f"store_for takes a collection URI such as 'app:/digits' (a str), not "
                 f"{type(collection_uri).__name__} {collection_uri!r:.100}"
             )
-        best = max((p for p in self.stores if collection_uri.startswith(p)), key=len, default=None)
+        best = max((p for p in self.stores if _within(collection_uri, p)), key=len, default=None)
         if best is None:
             raise NoExamples(f"no example store is registered for collection {collection_uri!r}")
         return self.stores[best]
@@ -986,6 +988,16 @@ def _store_claims(population: str, stores: Iterable[ExampleStore]) -> tuple[tupl
         else:
             keys[(population, ("object", id(store)))] = None
     return tuple(keys)
+
+
+def _within(collection_uri: str, registered: str) -> bool:
+    """``collection_uri`` is ``registered`` or lies under it (past a ``/``, ``?`` or ``#``, or
+    ``registered`` itself ends a folder or scheme: ``app:/`` and ``app:`` hold every ``app:`` URI;
+    a store given alone is registered under ``""`` and holds every URI)."""
+    if not collection_uri.startswith(registered):
+        return False
+    rest = collection_uri[len(registered) :]
+    return not rest or not registered or registered.endswith(("/", ":")) or rest[0] in "/?#"
 
 
 def training_limit(plan: Plan, max_training_s: float) -> tuple[float, str]:

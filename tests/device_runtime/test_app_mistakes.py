@@ -280,6 +280,23 @@ def test_a_store_asked_for_with_a_collection_that_is_not_a_string_is_refused_say
         assert runtime.store_for(COLLECTION) is store
 
 
+def test_a_store_registered_under_a_uri_serves_the_uris_under_it_not_those_that_begin_alike():
+    """``{"app:/digits": store}`` served a plan reading ``app:/digits_heldout`` (the held-out
+    collection the shipped evaluation task names): registration matched the first letters."""
+    with InMemoryExampleStore() as digits, InMemoryExampleStore() as every:
+        stores = {"app:/digits": digits, "app:/": every}
+        with FLRuntime("digits", "http://127.0.0.1:9", stores) as runtime:
+            for uri in ("app:/digits", "app:/digits/recent", "app:/digits?since=0", "app:/digits#a"):
+                assert runtime.store_for(uri) is digits, uri
+            for uri in ("app:/digits_heldout", "app:/digitsx", "app:/other"):
+                assert runtime.store_for(uri) is every, uri
+        with FLRuntime("digits", "http://127.0.0.1:9", {"app:/digits": digits}) as runtime:
+            with pytest.raises(NoExamples, match="no example store is registered for collection 'app:/digits_heldout'"):
+                runtime.store_for("app:/digits_heldout")
+        with FLRuntime("digits", "http://127.0.0.1:9", {"app:": every}) as runtime:
+            assert runtime.store_for("app:/anything") is every
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
