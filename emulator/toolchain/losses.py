@@ -152,9 +152,12 @@ def _cross_entropy(e: Emitter, prediction: str, label: str, producers, scale: st
 def _binary_cross_entropy(
     e: Emitter, prediction: str, label: str, producers, count: str, scale: str | None
 ) -> LossGraph:
-    """One or several independent labels per example. ``correct`` sums, per example, the fraction
-    of its labels predicted right, so that it is at most ``count`` (the server refuses a report
-    whose ``correct`` exceeds its ``count``) and the accuracy is per label."""
+    """One or several independent labels per example. An example's loss is the mean of its labels'
+    (torch's ``BCEWithLogitsLoss`` and Keras' ``binary_crossentropy``, whose batch loss is the mean
+    over every label), as ``mse`` averages an example's outputs: a sum over k labels trained k times
+    the step and reported k times the loss. ``correct`` sums, per example, the fraction of its labels
+    predicted right, so that it is at most ``count`` (the server refuses a report whose ``correct``
+    exceeds its ``count``) and the accuracy is per label."""
     softmax = next(
         (op for op in ("Softmax", "LogSoftmax") if _before(e, producers, prediction, op, last_axis=True) is not None),
         None,
@@ -164,12 +167,17 @@ def _binary_cross_entropy(
         classes = f"{shape[-1]} " if shape and isinstance(shape[-1], int) else ""
         raise ValueError(
             f"binary_cross_entropy reads every column of the prediction {prediction!r} as an independent label's "
-            f"probability, but it is a {softmax} over {classes}classes, which sum to 1: a step would train another "
-            "objective (twice the loss for two classes, on one-hot labels); use loss cross_entropy, with one class id "
+            f"probability, but it is a {softmax} over {classes}classes, which sum to 1: over more than two classes a "
+            "step would train another objective, and over two cross-entropy from clipped probabilities; use loss "
+            "cross_entropy, with one class id "
             "per example, or export the model with one Sigmoid output for binary_cross_entropy"
         )
     logits = _before(e, producers, prediction, "Sigmoid")
     target = e.op("Reshape", [_cast_like(e, label, prediction), e.shape_of(prediction)], hint="target")
+    shape = e.shape(prediction)
+    labels = None if _example_size(shape) == 1 else _per_example_size(e, prediction, count)
+    if scale is not None and labels is not None:  # the mean over an example's labels
+        scale = e.op("Div", [scale, _as_f32(e, labels)])
     zero = e.scalar(0.0, prediction)
     one = e.scalar(1.0, prediction)
     half = e.scalar(0.5, prediction)
@@ -184,7 +192,7 @@ def _binary_cross_entropy(
             ],
         )
         positive = e.op("Greater", [logits, zero])
-        out = LossGraph(_as_f32(e, e.op("ReduceSum", [per], keepdims=0)), {})
+        out = LossGraph(_example_mean(e, per, labels), {})
         if scale is not None:
             out.seeds[logits] = e.op("Mul", [e.op("Sub", [prediction, target]), scale], hint="d_logits")
     else:
@@ -204,20 +212,20 @@ def _binary_cross_entropy(
             ],
         )
         positive = e.op("Greater", [prediction, half])
-        out = LossGraph(_as_f32(e, e.op("ReduceSum", [per], keepdims=0)), {})
+        out = LossGraph(_example_mean(e, per, labels), {})
         if scale is not None:
             local = e.op("Div", [e.op("Sub", [p, target]), e.op("Mul", [p, e.op("Sub", [one, p])])])
             out.seeds[prediction] = e.op("Mul", [local, scale], hint="d_prediction")
     agree = e.op("Equal", [positive, e.op("Greater", [target, half])])
-    shape = e.shape(prediction)
-    if _example_size(shape) == 1:
-        out.metrics["correct"] = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct")
-    else:
-        hits = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0)
-        out.metrics["correct"] = e.op(
-            "Div", [hits, _as_f32(e, _per_example_size(e, prediction, count))], hint="correct"
-        )
+    hits = e.op("ReduceSum", [e.op("Cast", [agree], to=_F32)], keepdims=0, hint="correct" if labels is None else None)
+    out.metrics["correct"] = hits if labels is None else e.op("Div", [hits, _as_f32(e, labels)], hint="correct")
     return out
+
+
+def _example_mean(e: Emitter, per: str, labels: str | None) -> str:
+    """The batch's sum over examples of each example's mean over its ``labels`` (None: one each)."""
+    total = e.op("ReduceSum", [per], keepdims=0)
+    return _as_f32(e, total if labels is None else e.op("Div", [total, labels]))
 
 
 def _cast_like(e: Emitter, t: str, like: str) -> str:

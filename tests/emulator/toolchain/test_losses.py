@@ -224,7 +224,8 @@ def test_cross_entropy_over_every_position_of_a_sequence():
 @pytest.mark.parametrize(("head", "classes"), [("Softmax", 2), ("LogSoftmax", 2), ("Softmax", 5)])
 def test_binary_cross_entropy_over_a_softmax_is_refused_naming_cross_entropy(head, classes):
     """A Softmax's columns sum to 1: binary cross-entropy would read them as independent labels'
-    probabilities and train another objective (for two classes and one-hot labels, twice the loss)."""
+    probabilities and train another objective (over two classes and one-hot labels, cross-entropy
+    from clipped probabilities, where the logits' log-sum-exp is stable)."""
     with pytest.raises(ValueError) as refused:
         _one_step(
             _linear(4, classes, 0, head),
