@@ -93,9 +93,9 @@ def dp_mean(
 
     ``weights``: each in [0, 1] (``capped_weights``); None is unweighted (all 1). ``denominator``:
     None divides by the sum of the weights (for unweighted, the number of reports; this treats the
-    count of reports as public, as TFF's unweighted DP mean does); pass a fixed one (McMahan et
-    al.'s expected total weight) to keep the count private. Noise of std z * C on the sum is
-    std z * C / denominator on the mean."""
+    count of reports as public, as Flower's DP wrappers, whose inner FedAvg averages the reports it
+    got, do); pass a fixed one (McMahan et al.'s expected total weight, TFF's ``clients_per_round``)
+    to keep the count private. Noise of std z * C on the sum is std z * C / denominator on the mean."""
     _positive("clip", clip)
     _non_negative("noise_multiplier", noise_multiplier)
     rows = [np.asarray(u, dtype=np.float64).reshape(-1) for u in updates]
@@ -185,7 +185,9 @@ def unclipped_fraction(norms: npt.ArrayLike, clip: float, count_stddev: float, r
 
 def noised_fraction(unclipped: int, reports: int, count_stddev: float, rng: np.random.Generator) -> float:
     """``unclipped_fraction`` from a count kept as reports arrive (a server that sums each report
-    and keeps no norm): (count + N(0, sigma_b^2)) / reports."""
+    and keeps no norm): (count + N(0, sigma_b^2)) / reports. Divided by the reports the round got,
+    as Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` does; TFF's quantile estimator
+    divides by the expected number (``expected_num_records``)."""
     if reports <= 0:
         raise CentralDPError("no reports to count")
     if not 0 <= unclipped <= reports:
@@ -252,8 +254,10 @@ def noised_sum(total: npt.ArrayLike, *, clip: float, noise_multiplier: float, rn
 
 def denominator(weighting: str, reports: int, goal_count: int) -> float:
     """What the noised sum is divided by (``DPConfig``): the number of reports for
-    ``unweighted`` (treated as public), the fixed ``goal_count`` for ``capped`` (the expected
-    total weight: dividing by the noiseless total weight would publish it)."""
+    ``unweighted`` (treated as public), the fixed ``goal_count`` for ``capped`` (McMahan et al.'s
+    expected total weight q W when every report weighs 1; reports of fewer examples than the cap
+    weigh less and the mean comes out smaller by their mean weight; dividing by the noiseless total
+    weight would publish it)."""
     if weighting == "unweighted":
         if reports <= 0:
             raise CentralDPError("no reports to average")

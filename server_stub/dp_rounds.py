@@ -35,6 +35,7 @@ the distributed mode's discrete samplers (``device_runtime.ddp``) do not have th
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -74,6 +75,16 @@ def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
             "so only training tasks take dp (remove dp.mode from this task)",
             code="BAD_CONFIG",
         )
+    state = client_optimizer_state(plan.weight_names)
+    if state:
+        shown = ", ".join(state[:3]) + (", ..." if len(state) > 3 else "")
+        raise BadRequest(
+            f"task {name!r}: dp clips and noises each device's whole update, and this plan's holds its client "
+            f"optimizer's state ({shown}): the step count and moments would take the clip's share from the model's "
+            "change (5 steps outweigh most models' deltas), and a noised second moment below zero makes every "
+            "device's next step NaN; build the plan with SGD (DP-FedAvg's clients), whose update is the model's alone",
+            code="BAD_CONFIG",
+        )
     if dp.mode == "central" and plan.server.secure_sum:
         raise BadRequest(
             f"task {name!r}: dp.mode 'central' needs the server to see each update, but this task runs under "
@@ -96,6 +107,20 @@ def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
             f"{dp.noise_multiplier:g} (delta {dp.delta:g}); raise dp.noise_multiplier or dp.max_epsilon",
             code="BAD_CONFIG",
         )
+
+
+#: The toolchain's names for a client optimizer's state held as plan weights (``adam_step``,
+#: ``<weight>.adam_m``, ``<weight>.adam_v``, ``<weight>.momentum``; ``emulator.toolchain.optimizers``).
+_OPTIMIZER_STATE = re.compile(r"(?:^|\.)(?:adam_step|adam_m|adam_v|momentum)$")
+
+
+def client_optimizer_state(weight_names: Iterable[str]) -> list[str]:
+    """The plan weights that hold a client optimizer's state rather than the model's.
+
+    DP-FedAvg (McMahan et al. 2018; TFF's and Flower's DP aggregators) clips and noises the model's
+    change alone, with clients that run SGD or start their optimizer afresh each round; a plan whose
+    update carries the optimizer's state would put it in the clipped norm and the noised sum."""
+    return [w for w in weight_names if _OPTIMIZER_STATE.search(w)]
 
 
 def count_stddev(dp: DPConfig, goal_count: int) -> float:

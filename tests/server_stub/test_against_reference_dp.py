@@ -1,0 +1,88 @@
+"""Central and distributed DP against DP-FedAvg as McMahan et al. 2018 ("Learning Differentially
+Private Recurrent Language Models", Algorithm 1) and TFF's and Flower's DP aggregators apply it:
+what is clipped and noised is the model's change, which clients make with SGD (or with an optimizer
+started afresh each round whose state stays on the device). A plan whose update carries its client
+optimizer's state is refused at deploy: that state would share the clip with the model and take
+the noise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from device_runtime import PlanExecutor
+from emulator.toolchain import SGD, Adam, Momentum, initial_weights_from_onnx, training_plan_from_onnx
+from example_store import ExampleSelector
+from server_stub import DPConfig, RoundConfig
+from server_stub.dp_rounds import CentralRound, TaskDP, check_deploy, client_optimizer_state
+from server_stub.errors import BadRequest
+from tests.emulator.toolchain.models import mlp
+
+SOURCE = mlp(5, 4, 3, seed=1)
+
+
+def _plan(optimizer):
+    return training_plan_from_onnx(
+        SOURCE,
+        label="y",
+        loss="cross_entropy",
+        optimizer=optimizer,
+        batch_size=8,
+        example_selector=ExampleSelector("app:/o"),
+    )
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [Adam(0.01), Adam(0.01, carry_state=False), Momentum(0.1), Momentum(0.1, carry_state=False)],
+    ids=repr,
+)
+def test_a_dp_task_whose_update_holds_client_optimizer_state_is_refused_naming_it(mode, optimizer):
+    plan = _plan(optimizer)
+    config = RoundConfig(goal_count=10, dp=DPConfig(mode=mode, noise_multiplier=1.0, clip=1.0))
+    with pytest.raises(BadRequest) as refused:
+        check_deploy("t", plan, config)
+    message = str(refused.value)
+    assert refused.value.code == "BAD_CONFIG" and "\n" not in message
+    assert client_optimizer_state(plan.weight_names)[0] in message and "SGD" in message
+
+
+def test_a_dp_task_of_an_sgd_plan_is_taken():
+    plan = _plan(SGD(0.1))
+    assert client_optimizer_state(plan.weight_names) == []
+    check_deploy("t", plan, RoundConfig(goal_count=10, dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)))
+
+
+def test_what_the_refusal_prevents_a_noised_adam_state_makes_the_next_round_nan():
+    """Why the refusal: ten devices' Adam updates through one central DP round (z = 1, C = 1) as the
+    server sums them, then a device's next session from the model the round made. The step count's
+    delta (5 steps) outweighs the model's (about 0.1 a weight) in the clipped norm, and the noise on
+    the averaged second moment leaves entries below zero, whose square root is NaN."""
+    plan = _plan(Adam(0.01))
+    executor = PlanExecutor(plan)
+    weights = initial_weights_from_onnx(SOURCE, plan)
+    rng = np.random.default_rng(0)
+    task = TaskDP.load(RoundConfig(goal_count=10, dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)), [])
+    assert task is not None
+    central = task.open_round(secure=False)
+    assert isinstance(central, CentralRound)
+
+    def batches():
+        x, y = rng.standard_normal((40, 5)).astype(np.float32), rng.integers(0, 3, 40)
+        return [{"x": x[i : i + 8], "y": y[i : i + 8]} for i in range(0, 40, 8)]
+
+    total: dict[str, np.ndarray] = {}
+    for _ in range(10):
+        data = batches()
+        taken = central.take(executor.run_device(weights, lambda data=data: data).update, plan.weight_names, 1000)
+        total = {k: total.get(k, 0) + np.asarray(v, np.float64) for k, v in taken.items()}
+    noised, _ = central.close(total, plan.weight_names, np.random.default_rng(1))
+    n = float(noised["num_examples"])
+    aggregate = {w: noised[w] / n for w in plan.weight_names}
+    aggregate.update(train_loss=1.0, train_accuracy=0.5, num_examples=n)
+    state, _ = executor.update(weights, aggregate)
+    assert min(float(state[w].min()) for w in plan.weight_names if w.endswith(".adam_v")) < 0
+    data = batches()
+    after = executor.run_device(state, lambda: data).update
+    assert not all(np.isfinite(v).all() for v in after.values())
