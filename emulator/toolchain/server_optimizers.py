@@ -16,6 +16,11 @@ the server keeps them in its checkpoint, devices never see them. The optimizer m
 trainable weights; running statistics and client optimizer state are averaged (FedAvg with rate 1)
 or, for client optimizer state that does not carry over, reset to zero.
 
+These are the paper's Algorithm 2 as written: no bias correction, and ``m`` and ``v`` start at zero
+(the paper allows any ``v`` at or above ``tau^2``). Flower's ``FedAvg``, ``FedAvgM`` and ``FedYogi``
+take the same steps; its ``FedAdam`` also multiplies ``lr`` by Adam's bias correction
+``sqrt(1 - b2^t) / (1 - b1^t)`` (t the round plus one), 0.74 in round 1 at the defaults here.
+
 Sums are float64 (no sum of finite float32 reports can overflow); weights and state are float32.
 """
 
