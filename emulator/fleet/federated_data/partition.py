@@ -7,8 +7,10 @@ parameters mean what they mean in flwr-datasets (``flwr_datasets.partitioner``):
 - ``iid``: a seeded permutation cut into ``num_clients`` nearly equal parts (``IidPartitioner``).
 - ``dirichlet``: for each class, the shares of its examples over the clients are drawn from
   Dirichlet(``alpha``) (``DirichletPartitioner``, after Yurochkin et al. 2019); small alpha: a few
-  dominant classes per client, large alpha: close to IID. As in flwr, a draw that leaves a client
-  below ``min_size`` examples is redrawn (here up to 100 times, flwr 10); flwr's default
+  dominant classes per client, large alpha: close to IID. Not Hsu et al. 2019's scheme, which gives
+  each client the same size and draws its class mix from Dirichlet(alpha p): over C balanced classes
+  their alpha / C skews about as ``alpha`` does here. As in flwr, a draw that leaves a client
+  below ``min_size`` examples is redrawn (here up to 100 draws, flwr 11); flwr's default
   ``min_size`` is 10, here it is 1, so that small datasets cut into many clients work. No
   self-balancing (flwr's ``self_balancing`` is off by default too).
 - ``shards``: McMahan et al. 2017's pathological non-IID split (``ShardPartitioner``): sort by label,
@@ -45,7 +47,7 @@ from ._errors import PartitionError
 
 Scheme = Literal["iid", "dirichlet", "shards", "pathological", "quantity"]
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "pathological", "quantity")
-MAX_DIRICHLET_DRAWS = 100  # flwr stops at 10; a draw is cheap, and many clients at a small alpha need more
+MAX_DIRICHLET_DRAWS = 100  # flwr stops after 11; a draw is cheap, and many clients at a small alpha need more
 
 
 def _check_clients(n: int, num_clients: int, per_client: int = 1) -> None:
