@@ -7,6 +7,8 @@ the noise."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from device_runtime import PlanExecutor
 from emulator.toolchain import SGD, Adam, Momentum, initial_weights_from_onnx, training_plan_from_onnx
 from example_store import ExampleSelector
 from server_stub import DPConfig, RoundConfig
+from server_stub import central_dp as cdp
 from server_stub.dp_rounds import CentralRound, TaskDP, check_deploy, client_optimizer_state
 from server_stub.errors import BadRequest
 from tests.emulator.toolchain.models import mlp
@@ -86,3 +89,19 @@ def test_what_the_refusal_prevents_a_noised_adam_state_makes_the_next_round_nan(
     data = batches()
     after = executor.run_device(state, lambda: data).update
     assert not all(np.isfinite(v).all() for v in after.values())
+
+
+def test_adaptive_clipping_grows_a_clip_every_update_exceeds_as_andrew_et_al_write_it():
+    """Andrew et al. 2021 (Algorithm 1): b is the fraction of updates at or below the clip and
+    C <- C exp(-eta (b - gamma)). Four updates of norm 17.3 against a clip of 0.1 (b = 0, gamma 0.5,
+    eta 0.2, no noise) grow it by exp(0.1) a round. Flower 1.42's
+    DifferentialPrivacyServerSideAdaptiveClipping, given the same (FedAvg inside, noise_multiplier 0,
+    initial_clipping_norm 0.1, target_clipped_quantile 0.5, clip_norm_lr 0.2), counted the clipped
+    updates in b's place and recorded 0.0904837, 0.0818731, 0.0740818, 0.0670320, 0.0606531: the
+    clip shrank away from every update."""
+    state = cdp.AdaptiveClip(clip=0.1, target_quantile=0.5, learning_rate=0.2, noise_multiplier=0.0)
+    clips = []
+    for _ in range(5):
+        _, state = cdp.adaptive_dp_mean([np.full(3, 10.0)] * 4, state, np.random.default_rng(0))
+        clips.append(state.clip)
+    np.testing.assert_allclose(clips, [0.1 * math.exp(0.1 * r) for r in range(1, 6)], rtol=1e-12)
