@@ -28,7 +28,16 @@ from urllib.parse import quote
 
 from example_store.keystore import sync_folder
 
-from .persistence import OS_ADVICE, DatabaseInUse, hold_data, hold_file, lock_path, release_file, store_advice
+from .persistence import (
+    OS_ADVICE,
+    SCHEMA_VERSION,
+    DatabaseInUse,
+    hold_data,
+    hold_file,
+    lock_path,
+    release_file,
+    store_advice,
+)
 
 try:
     import fcntl
@@ -106,6 +115,25 @@ def server_database(path: str, option: str = "--db") -> Contents:
         return _server_contents(conn, path, option)
     finally:
         conn.close()
+
+
+def _refuse_newer(backup_path: str) -> None:
+    """``BackupError`` for a backup of a layout later than this server's (``SCHEMA_VERSION``): put
+    in place, it was said to go on from its last committed rounds, and this server then refused to
+    start on it; the file it would have replaced was gone."""
+    conn = _connect(backup_path, "the backup")
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        row = conn.execute("SELECT version FROM schema WHERE id = 1").fetchone() if "schema" in tables else None
+    except sqlite3.Error as exc:
+        raise BackupError(f"cannot read --backup {backup_path}: {store_advice(exc)}") from None
+    finally:
+        conn.close()
+    if row is not None and isinstance(row[0], int) and row[0] > SCHEMA_VERSION:
+        raise BackupError(
+            f"--backup {backup_path} has layout {row[0]}, written by a newer server (this one knows layouts up to "
+            f"{SCHEMA_VERSION}): restore it with that version's fedfleet, or give a backup of layout {SCHEMA_VERSION} or earlier"
+        )
 
 
 def _check_file(path: str, what: str, option: str) -> None:
@@ -308,6 +336,7 @@ def restore(backup_path: str, db: str) -> Contents:
     if not os.path.isdir(folder):
         raise BackupError(f"--db {db}: its folder {folder} does not exist; make it first, or give another path")
     server_database(backup_path, "--backup")  # (before the hold: a refused restore makes no lock file)
+    _refuse_newer(backup_path)
     try:
         lock = hold_file(db)
     except DatabaseInUse as exc:

@@ -1,0 +1,79 @@
+"""The backups of an upgrade, as an operator takes them: ``fedfleet server backup`` of a database of
+an earlier layout copies it as it is (neither the database nor its copy is upgraded, so restoring
+the copy goes back to the release that wrote it), and ``restore`` refuses, in one line and before
+it replaces anything, a backup of a layout later than this server's, which this server would then
+refuse to start on."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from emulator.cli import commands as cli
+from server_stub import ServerStore
+from server_stub.persistence import SCHEMA_VERSION
+
+#: The tables of layout 1 as a server of that layout made them (``git show b54c23e:server_stub/persistence.py``:
+#: no rounds' indexes, no ``pruned_rounds``), stamped 1, with a population and a task.
+LAYOUT_1 = """
+CREATE TABLE schema (id INTEGER NOT NULL, version INTEGER NOT NULL, PRIMARY KEY (id));
+CREATE TABLE populations (id INTEGER NOT NULL, name VARCHAR(128) NOT NULL, created_at FLOAT NOT NULL,
+    PRIMARY KEY (id), UNIQUE (name));
+CREATE TABLE resources (id VARCHAR(64) NOT NULL, kind VARCHAR(16) NOT NULL, data BLOB NOT NULL,
+    created_at FLOAT NOT NULL, PRIMARY KEY (id));
+CREATE TABLE tasks (id INTEGER NOT NULL, population_id INTEGER NOT NULL, name VARCHAR(128) NOT NULL,
+    plan_id VARCHAR(64) NOT NULL, initial_checkpoint_id VARCHAR(64) NOT NULL, config TEXT NOT NULL,
+    status VARCHAR(16) NOT NULL, created_at FLOAT NOT NULL, PRIMARY KEY (id), UNIQUE (population_id, name),
+    FOREIGN KEY(population_id) REFERENCES populations (id), FOREIGN KEY(plan_id) REFERENCES resources (id),
+    FOREIGN KEY(initial_checkpoint_id) REFERENCES resources (id));
+CREATE TABLE rounds (id INTEGER NOT NULL, task_id INTEGER NOT NULL, number INTEGER NOT NULL,
+    attempt INTEGER NOT NULL, status VARCHAR(16) NOT NULL, checkpoint_id VARCHAR(64), metrics TEXT NOT NULL,
+    started_at FLOAT NOT NULL, ended_at FLOAT NOT NULL, PRIMARY KEY (id), FOREIGN KEY(task_id) REFERENCES tasks (id),
+    FOREIGN KEY(checkpoint_id) REFERENCES resources (id));
+INSERT INTO schema VALUES (1, 1);
+INSERT INTO populations VALUES (1, 'digits', 1.0);
+INSERT INTO resources VALUES ('p', 'plan', x'00', 1.0);
+INSERT INTO tasks VALUES (1, 1, 'train', 'p', 'p', '{}', 'active', 1.0);
+INSERT INTO rounds VALUES (1, 1, 1, 1, 'committed', 'p', '{}', 1.0, 2.0);
+"""
+
+
+def _server(capsys, *args: str) -> tuple[int, str]:
+    code = cli.main(["server", *args])
+    return code, capsys.readouterr().err
+
+
+def _tables(db: Path) -> tuple[int, list[str]]:
+    with sqlite3.connect(db) as conn:
+        names = sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')"))
+        return conn.execute("SELECT version FROM schema").fetchone()[0], names
+
+
+def test_a_backup_of_an_earlier_layout_is_that_layout_and_leaves_the_database_in_it(tmp_path, capsys):
+    """Back the database up, then start the new server: the steps the operator's page gives. The
+    backup is the file as the earlier release wrote it, which that release starts on again."""
+    db, out = tmp_path / "fl.db", tmp_path / "fl-backup.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(LAYOUT_1)
+    before = _tables(db)
+    assert before[0] == 1
+    assert _server(capsys, "backup", "--db", str(db), "--out", str(out))[0] == 0
+    assert _tables(db) == before and _tables(out) == before
+
+
+def test_a_backup_of_a_newer_layout_is_refused_by_restore_in_one_line_and_replaces_nothing(tmp_path, capsys):
+    db, newer, out = tmp_path / "fl.db", tmp_path / "newer.db", tmp_path / "newer-backup.db"
+    ServerStore(newer).close()
+    assert _server(capsys, "backup", "--db", str(newer), "--out", str(out))[0] == 0
+    with sqlite3.connect(out) as conn:  # as a server of the next layout stamps its database
+        conn.execute("UPDATE schema SET version = ?", (SCHEMA_VERSION + 1,))
+    with sqlite3.connect(db) as conn:
+        conn.executescript(LAYOUT_1)
+    kept = db.read_bytes()
+    code, err = _server(capsys, "restore", "--backup", str(out), "--db", str(db))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"has layout {SCHEMA_VERSION + 1}, written by a newer server" in err and "Traceback" not in err
+    assert db.read_bytes() == kept and not list(tmp_path.glob("*.part")) and not (tmp_path / "fl.db.lock").exists()
+    # a backup of this layout is put in place
+    assert _server(capsys, "restore", "--backup", str(newer), "--db", str(db))[0] == 0
+    assert _tables(db)[0] == SCHEMA_VERSION
