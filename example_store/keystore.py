@@ -28,6 +28,8 @@ from .errors import KeyStoreError
 KEY_BYTES = 32
 _VALID_KEY_LENGTHS = (16, 24, 32)
 _FILE_VERSION = 1
+#: What to do about a key store file that cannot be read.
+_RESTORE = "restore it from a backup: without its keys the sealed example stores cannot be read"
 
 try:  # POSIX advisory locks, so that two processes never create two keys for one alias
     import fcntl
@@ -170,17 +172,25 @@ class FileKeyStore(KeyStore):
             data = f.read()
         try:
             doc = json.loads(data)
-            if doc.get("version") != _FILE_VERSION:
-                raise ValueError(f"unsupported version {doc.get('version')!r}")
+            version = doc.get("version")
+        except (ValueError, AttributeError) as exc:
+            raise KeyStoreError(f"the key store {self.path} is damaged ({exc}); {_RESTORE}") from exc
+        if isinstance(version, int) and not isinstance(version, bool) and version > _FILE_VERSION:
+            # a newer release's file is whole: said to be damaged, it was restored from a backup (or
+            # deleted), and the keys of every store sealed since that backup were lost with it
+            raise KeyStoreError(
+                f"the key store {self.path} has format version {version}, written by a newer fedfleet version "
+                f"(this one reads version {_FILE_VERSION}): open it with that version; it is left as it is"
+            )
+        try:
+            if version != _FILE_VERSION:
+                raise ValueError(f"unsupported version {version!r}")
             keys = {check_alias(a): base64.b64decode(k, validate=True) for a, k in doc["keys"].items()}
             for alias, key in keys.items():
                 check_key(key, alias)
             return keys
         except (ValueError, KeyError, TypeError, AttributeError, binascii.Error, KeyStoreError) as exc:
-            raise KeyStoreError(
-                f"the key store {self.path} is damaged ({exc}); restore it from a backup: without its keys "
-                f"the sealed example stores cannot be read"
-            ) from exc
+            raise KeyStoreError(f"the key store {self.path} is damaged ({exc}); {_RESTORE}") from exc
 
     def _write(self, keys: dict[str, bytes]) -> None:
         """Under the file lock (``_file_lock``): written aside, then renamed over the key store."""
