@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 try:  # POSIX advisory locks: a lock is released when its process ends, however it ends
     import fcntl
@@ -35,6 +36,8 @@ from apscheduler.jobstores.base import JobLookupError
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.util import datetime_to_utc_timestamp
+from sqlalchemy import and_, select
+from sqlalchemy.exc import SQLAlchemyError
 
 from example_store.spelling import closest
 from example_store.sqlite_engine import sqlite_engine, write_locked
@@ -164,6 +167,49 @@ def to_microsecond(ts: float) -> float:
     return (int(whole) * 1_000_000 + round(frac * 1e6)) / 1_000_000
 
 
+@contextlib.contextmanager
+def _job_errors(database: str | os.PathLike, action: str) -> Iterator[None]:
+    """``app_database_errors``, and a stored job this version cannot read as one line saying what to
+    do: another version's job was a TypeError out of the scheduler, or deleted unsaid."""
+    with app_database_errors(database, action):
+        try:
+            yield
+        except _UnreadableJob as exc:
+            raise AppDatabaseError(
+                f"could not {action} in the app's database {os.fspath(database)}: the job of {exc.job_id!r} was stored "
+                f"by another fedfleet version, which this one cannot read ({exc.reason}); run that version, or "
+                f"schedule (or cancel) {exc.job_id!r} with this one to replace it; it is left as it is"
+            ) from None
+
+
+class _UnreadableJob(Exception):
+    """A stored job this version cannot read back (``_JobStore``): its id, and why."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(job_id, reason)
+        self.job_id, self.reason = job_id, reason
+
+
+class _JobStore(SQLAlchemyJobStore):
+    """APScheduler's SQLAlchemy job store, where a job that cannot be read back (one another
+    fedfleet version stored) is refused as the jobs are listed, not deleted: APScheduler's own
+    removed it with a logged traceback, and an app that ran an earlier version over a newer one's
+    database lost the schedule without a word."""
+
+    def _get_jobs(self, *conditions: Any) -> list[Job]:
+        query = select(self.jobs_t.c.id, self.jobs_t.c.job_state).order_by(self.jobs_t.c.next_run_time)
+        if conditions:
+            query = query.where(and_(*conditions))
+        jobs = []
+        with self.engine.begin() as conn:
+            for job_id, state in conn.execute(query):
+                try:
+                    jobs.append(self._reconstitute_job(state))
+                except Exception as exc:
+                    raise _UnreadableJob(job_id, f"{type(exc).__name__}: {exc}") from exc
+        return jobs
+
+
 class _StoredJobs:
     """The app's jobs in APScheduler's SQLAlchemy job store, inside its SQLite database."""
 
@@ -171,7 +217,7 @@ class _StoredJobs:
         # the app database's engine (WAL, and a writer waits 30 s for another process's lock as
         # the example store and opstats do): with its own, a job was not rescheduled after a
         # session when an add of the app held the lock past 5 s, and ran again at the next poll
-        self._store = SQLAlchemyJobStore(engine=sqlite_engine(database), tablename=JOB_TABLE)
+        self._store = _JobStore(engine=sqlite_engine(database), tablename=JOB_TABLE)
         try:
             with app_database_errors(database, "open the scheduled jobs"):
                 with write_locked(self._store.engine) as conn:  # not raced by another process's first open
@@ -190,7 +236,7 @@ class _StoredJobs:
         """SQLite's errors while ``action`` as an ``AppDatabaseError`` that says what to do (a full
         disk: free space and retry), as opstats' are: APScheduler's job store let SQLAlchemy's
         ``OperationalError`` reach the app from ``schedule``, ``cancel`` and a job's run."""
-        return app_database_errors(self._database, action)
+        return _job_errors(self._database, action)
 
     def close(self) -> None:
         self._store.shutdown()
@@ -266,20 +312,21 @@ class _StoredJobs:
 
     def get(self, population: str) -> ScheduledJob | None:
         with self._db("read a scheduled job"):
-            stored = self._store.lookup_job(population)
+            stored = self._lookup(population)
             return None if stored is None else self._view(stored)
 
     def remove(self, population: str) -> bool:
         with self._db("remove a scheduled job"):
-            if self._store.lookup_job(population) is None:
+            try:
+                self._store.remove_job(population)  # without reading it: one another version stored goes too
+            except JobLookupError:
                 return False
-            self._store.remove_job(population)
             return True
 
     def reschedule(self, population: str, at: float, settle: str | None = None, *, ran: bool = False) -> None:
         """``ran``: after the job's session, whose ``running`` mark it drops."""
         with self._db("reschedule a job"):
-            stored = self._store.lookup_job(population)
+            stored = self._lookup(population)
             if stored is not None:  # not cancelled meanwhile
                 if settle is not None or ran:
                     kwargs = {k: v for k, v in stored.kwargs.items() if not (ran and k == "running")}
@@ -294,7 +341,7 @@ class _StoredJobs:
         """Before the job's session: a session started at ``at``, until the job is rescheduled
         after it (``ran``), so that an app killed in between knows the run it was stopped in."""
         with self._db("mark a job's run"):
-            stored = self._store.lookup_job(population)
+            stored = self._lookup(population)
             if stored is not None:
                 stored._modify(kwargs={**stored.kwargs, "running": at})
                 self._store.update_job(stored)
@@ -303,7 +350,10 @@ class _StoredJobs:
         """The job's ``running`` mark, read from a job whose other fields may not be (one an earlier
         version stored differently, which scheduling again replaces)."""
         with self._db("read a scheduled job"):
-            stored = self._store.lookup_job(population)
+            try:
+                stored = self._lookup(population)
+            except _UnreadableJob:
+                return None  # another version's job, which scheduling again replaces
             running = None if stored is None else stored.kwargs.get("running")
             return float(running) if isinstance(running, (int, float)) else None
 
@@ -338,16 +388,27 @@ class _StoredJobs:
         with self._db("read the scheduled jobs"):
             return [self._view(j) for j in self._store.get_all_jobs()]
 
+    def _lookup(self, population: str) -> Job | None:
+        try:
+            return self._store.lookup_job(population)
+        except SQLAlchemyError:
+            raise
+        except Exception as exc:  # unpickled: APScheduler's own checks, a class or field another version has
+            raise _UnreadableJob(population, f"{type(exc).__name__}: {exc}") from exc
+
     @staticmethod
     def _view(job: Job) -> ScheduledJob:
-        return ScheduledJob(
-            job.id,
-            job.next_run_time.timestamp() if job.next_run_time else None,
-            TrainingConstraints(**job.kwargs["constraints"]),
-            TrainingInterval(**job.kwargs["interval"]),
-            job.kwargs.get("settle", ""),  # a job stored before quiet periods has none
-            job.kwargs.get("running"),
-        )
+        try:
+            return ScheduledJob(
+                job.id,
+                job.next_run_time.timestamp() if job.next_run_time else None,
+                TrainingConstraints(**job.kwargs["constraints"]),
+                TrainingInterval(**job.kwargs["interval"]),
+                job.kwargs.get("settle", ""),  # a job stored before quiet periods has none
+                job.kwargs.get("running"),
+            )
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:  # a field another version has, or lacks
+            raise _UnreadableJob(job.id, f"{type(exc).__name__}: {exc}") from exc
 
 
 class _MemoryJobs:
