@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +47,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
 from example_store.sqlite_engine import sqlite_advice, sqlite_engine, write_locked
+
+log = logging.getLogger(__name__)
 
 metadata = MetaData()
 
@@ -534,6 +537,7 @@ class ServerStore:
                         f"has no column {', '.join(missing)}; give --db another file, or run the server "
                         "version that wrote it"
                     )
+            recorded = version
             if version is None and existing & {t.name for t in metadata.sorted_tables}:
                 version = 1  # the tables every server wrote before the layout was recorded
             if version is not None:
@@ -544,6 +548,16 @@ class ServerStore:
                 conn.execute(update(schema).where(schema.c.id == 1).values(version=SCHEMA_VERSION))
             else:
                 conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION))
+        if version is not None and version < SCHEMA_VERSION:  # once the upgrade is on record
+            # said once, as it happens: the server of the release that wrote the file refuses it
+            # from now on (or, from before the layout was recorded, runs on it without a word)
+            log.info(
+                "upgraded the database %s from layout %s to layout %d, every row kept; to go back to the "
+                "release that wrote it, restore a backup taken before this start",
+                self.path,
+                version if recorded is not None else f"{version} (not recorded)",
+                SCHEMA_VERSION,
+            )
 
     @contextmanager
     def _write_transaction(self) -> Iterator[Connection]:

@@ -1,4 +1,5 @@
-"""The backups of an upgrade, as an operator takes them: ``fedfleet server backup`` of a database of
+"""An upgrade of the server's database as an operator makes it: the server says in its log that it
+upgraded the file, from which layout to which; ``fedfleet server backup`` of a database of
 an earlier layout copies it as it is (neither the database nor its copy is upgraded, so restoring
 the copy goes back to the release that wrote it), and ``restore`` refuses, in one line and before
 it replaces anything, a backup of a layout later than this server's, which this server would then
@@ -6,6 +7,7 @@ refuse to start on."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -77,3 +79,28 @@ def test_a_backup_of_a_newer_layout_is_refused_by_restore_in_one_line_and_replac
     # a backup of this layout is put in place
     assert _server(capsys, "restore", "--backup", str(newer), "--db", str(db))[0] == 0
     assert _tables(db)[0] == SCHEMA_VERSION
+
+
+def test_a_server_says_once_in_its_log_that_it_upgraded_its_database_and_from_which_layout(tmp_path, caplog):
+    db = tmp_path / "fl.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(LAYOUT_1)
+    caplog.set_level(logging.INFO, logger="server_stub.persistence")
+    for _ in range(2):  # the second start finds its own layout: nothing to say
+        ServerStore(db, hold=True).close()
+    said = [r.getMessage() for r in caplog.records if r.name == "server_stub.persistence"]
+    assert said == [
+        f"upgraded the database {db} from layout 1 to layout {SCHEMA_VERSION}, every row kept; to go back to the "
+        "release that wrote it, restore a backup taken before this start"
+    ], said
+    caplog.clear()
+    with sqlite3.connect(db) as conn:
+        conn.execute("DROP TABLE schema")  # as every server wrote it before the layout was recorded
+    ServerStore(db).close()
+    assert [r.getMessage() for r in caplog.records if r.name == "server_stub.persistence"] == [
+        f"upgraded the database {db} from layout 1 (not recorded) to layout {SCHEMA_VERSION}, every row kept; to go "
+        "back to the release that wrote it, restore a backup taken before this start"
+    ]
+    caplog.clear()
+    ServerStore(tmp_path / "new.db").close()  # a new database is made, not upgraded
+    assert not [r for r in caplog.records if r.name == "server_stub.persistence"]
