@@ -16,6 +16,7 @@ one saved drops those saved more than ``keep_s`` before it and all but the newes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -262,11 +263,31 @@ class OpStatsStore:
                 grouped.setdefault(row["session_id"], []).append(row)
         out = []
         for sid, rows in grouped.items():
-            events = [Event(r["kind"], r["at"], json.loads(r["detail"])) for r in rows]
+            events = [self._event(sid, r) for r in rows]
             out.append(
                 SessionSummary(sid, rows[0]["population"], rows[0]["task"], events[0].at, shape_of(events), events)
             )
         return out
+
+    def _event(self, session_id: str, row: Any) -> Event:
+        """A stored event, or ``AppDatabaseError`` for one this version cannot read (a kind or
+        detail another version wrote, then this one run over its database): a KeyError or an
+        AttributeError out of every session's check of the app's last participation."""
+        kind, detail = row["kind"], None
+        with contextlib.suppress(ValueError, TypeError):
+            detail = json.loads(row["detail"])
+        if kind in SHAPE_SYMBOLS and isinstance(detail, dict):
+            return Event(kind, row["at"], detail)
+        what = (
+            f"an event of kind {kind!r}"
+            if kind not in SHAPE_SYMBOLS
+            else f"an event {kind!r} of detail {row['detail']!r:.60}"
+        )
+        raise AppDatabaseError(
+            f"could not read the sessions in the app's database {os.fspath(self.path)}: session {session_id!r} has "
+            f"{what}, which another fedfleet version wrote and this one cannot read; run that version (the log is "
+            f"left as it is)"
+        )
 
     def shape_counts(self, population: str | None = None, since: float | None = None) -> Counter[str]:
         return Counter(s.shape for s in self.sessions(population, since))
