@@ -654,18 +654,89 @@ EVAL_MODE_WARNING = (
 )
 
 
+#: The standard ops of a quantized model (onnxruntime.quantization's QDQ and QOperator formats,
+#: torch.ao's converted modules): an integer tensor between a weight and the prediction, which no
+#: gradient crosses.
+QUANTIZATION_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "DynamicQuantizeLinear",
+        "QLinearConv",
+        "QLinearMatMul",
+        "MatMulInteger",
+        "ConvInteger",
+    }
+)
+#: Their inputs that are scales and zero points, not data.
+_QUANTIZATION_PARAMETERS = frozenset({1, 2})
+_OTHER_PRECISIONS: dict[int, str] = {
+    TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
+    TensorProto.DOUBLE: "float64",
+}
+
+
+def quantized_weight(
+    nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto], prediction: str
+) -> str | None:
+    """Why a quantized model does not train, for a person, or None: a quantization op that the
+    prediction needs reads a weight (an initializer of rank >= 1: a float one a QuantizeLinear
+    rounds, an int8 one a DequantizeLinear scales) through its data input. A plan trains float32
+    weights with gradients, and rounding to integers has none: such a weight would never train, and
+    the layers before it neither. A quantized input (the features rounded before the first layer)
+    trains, since no weight is behind it."""
+    from .autodiff import needed_for
+
+    needed = needed_for(nodes, [prediction])
+    behind: dict[str, str] = {n: n for n, i in inits.items() if len(i.dims) >= 1}  # tensor -> a weight it reads
+    for node in nodes:
+        skip = (
+            _QUANTIZATION_PARAMETERS
+            if node.op_type in QUANTIZATION_OPS
+            else NON_DIFFERENTIABLE_INPUTS.get(node.op_type, frozenset())
+        )
+        weight = next((behind[t] for k, t in enumerate(node.input) if k not in skip and t in behind), None)
+        if weight is None:
+            continue
+        if node.op_type in QUANTIZATION_OPS and set(node.output) & needed:
+            return (
+                f"the model is quantized: its {node.op_type} node {node.name or node.output[0]!r} reads the weight "
+                f"{weight!r}, and a plan trains float32 weights by their gradients, which no rounding to integers "
+                "has; export the float model (before onnxruntime.quantization's quantize_static or quantize_dynamic, "
+                "or torch.ao's convert), train that, and quantize the trained model; or name the float layers to "
+                "train with trainable="
+            )
+        for out in node.output:
+            behind.setdefault(out, weight)
+    return None
+
+
 def nothing_to_train(
     nodes: Sequence[onnx.NodeProto],
     infos: Mapping[str, TensorInfo],
     inits: Mapping[str, onnx.TensorProto],
     prediction: str,
 ) -> str:
-    """Why no weight trains by default, for a person: the weights are not initializers at all, or
-    the float path from them to ``prediction`` is cut (an ArgMax, a comparison, a cast to integers)."""
+    """Why no weight trains by default, for a person: the model is quantized, its weights are of
+    another float type, the weights are not initializers at all, or the float path from them to
+    ``prediction`` is cut (an ArgMax, a comparison, a cast to integers)."""
     from .autodiff import needed_for
 
+    quantized = quantized_weight(nodes, inits, prediction)
+    if quantized is not None:
+        return quantized
     needed = needed_for(nodes, [prediction])
     weights = [n for n, i in inits.items() if n in needed and i.data_type == _F32 and len(i.dims) >= 1]
+    others = [n for n, i in inits.items() if n in needed and i.data_type in _OTHER_PRECISIONS and len(i.dims) >= 1]
+    if not weights and others:
+        precision = _OTHER_PRECISIONS[inits[others[0]].data_type]
+        return (
+            f"the model's weights are {precision} ({_some(others, 4)}), and a plan trains float32 weights; export "
+            "the model in float32 (in torch, model.float() before torch.onnx.export, not model.half(), "
+            "model.bfloat16() or model.double(); a float16 ONNX file is the float32 one before "
+            "onnxconverter_common's float16 conversion)"
+        )
     if not weights:
         return (
             "the model has nothing to train: no float32 initializer computes the output; export the model with its "

@@ -621,6 +621,9 @@ def onnx_training_plan(
     refine_infos(e.infos, tensor_infos(probe))
 
     reached = onnx_import.on_float_path(nodes, e.infos, parts.prediction, parts.detached)
+    quantized = onnx_import.quantized_weight(nodes, parts.initializers, parts.prediction) if trainable is None else None
+    if quantized is not None:  # its layers behind the rounding would be left out of training without a word
+        raise ValueError(quantized)
     weights = onnx_import.select_trainable(
         parts.initializers,
         reached,
