@@ -146,7 +146,17 @@ def join_chunks(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The examples of ``parts`` (chunks of the same tensors) in one chunk, in order."""
     if len(parts) == 1:
         return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    joined = {}
+    for k in parts[0]:
+        try:
+            joined[k] = np.concatenate([p[k] for p in parts])
+        except ValueError:  # numpy's words name no tensor: sequences of varied length in one store, say
+            shapes = " and ".join(str(s) for s in dict.fromkeys(p[k].shape[1:] for p in parts))
+            raise PlanError(
+                f"example tensor {k!r} holds examples of shape {shapes}, which no batch stacks; store its examples "
+                "at one shape (pad sequences to one length)"
+            ) from None
+    return joined
 
 
 def _rebatch(chunks: Iterator[dict], keys: list[str], batch_size: int) -> Iterator[dict[str, np.ndarray]]:

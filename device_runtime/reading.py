@@ -268,5 +268,7 @@ def _joined(pieces: ExampleIterator, size: int, max_bytes: int | None) -> Iterat
 def _joined_parts(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     try:
         return join_chunks(parts)
+    except PlanError:  # it names the tensor and its shapes
+        raise
     except (KeyError, ValueError) as exc:  # a store's pieces of other tensors, or other shapes
         raise PlanError(f"the examples of one batch disagree on their tensors or shapes ({exc!s:.200})") from None
