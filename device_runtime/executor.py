@@ -21,6 +21,7 @@ batch pointers and three scalars.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -198,9 +199,21 @@ class PlanExecutor(ServerOps):
                 out[name] = arr
         return out
 
+    @functools.cached_property
+    def _builder_labels(self) -> str | None:
+        """``y`` where it holds the class ids of a plan that records none in ``class_ids``
+        (``plan_builder``'s plans, and plans written before the field existed): an integer input
+        ``y`` of a plan without ``class_ids``. A model's input named ``y`` beside the toolchain's
+        own label input, which ``class_ids`` names, is a feature like any other."""
+        inputs, _ = self._work_specs()
+        if self.plan.device.class_ids or "y" not in self.plan.device.inputs or "y" not in inputs:
+            return None
+        return "y" if np.dtype(inputs["y"][1]).kind in "iu" else None
+
     def _feeds(self, batch: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
         feeds = {}
         inputs, _ = self._work_specs()
+        labels = self._builder_labels
         n = None
         for graph_name, example_name in self.plan.device.inputs.items():
             if example_name not in batch:
@@ -209,18 +222,26 @@ class PlanExecutor(ServerOps):
                 )
             expected, dtype = inputs[graph_name]
             raw = batch[example_name]
-            arr = np.asarray(raw, dtype=dtype, order="C")
-            if graph_name in self.plan.device.class_ids and not _whole(raw, arr):
+            arr = _as_fed(example_name, raw, dtype)
+            if arr.dtype.kind in "iu" and not _held_exactly(raw, arr):
+                if graph_name in self.plan.device.class_ids or graph_name == labels:
+                    classes = self.plan.device.class_ids.get(graph_name) or self._num_classes()
+                    raise PlanError(
+                        f"example tensor {example_name!r} holds fractions, but the plan reads class ids (whole numbers "
+                        f"0 to {classes - 1}); store the labels as integers ({_first_changed(raw, arr)})"
+                    )
+                limits = np.iinfo(arr.dtype)
                 raise PlanError(
-                    f"example tensor {example_name!r} holds fractions, but the plan reads class ids (whole numbers "
-                    f"0 to {self.plan.device.class_ids[graph_name] - 1}); store the labels as integers"
+                    f"example tensor {example_name!r} holds values that the plan's {arr.dtype} input {graph_name!r} "
+                    f"cannot hold exactly ({_first_changed(raw, arr)}); store whole numbers from {limits.min} to "
+                    f"{limits.max}"
                 )
             if n is None:
                 n = arr.shape[0] if arr.ndim else 0
             elif arr.ndim == 0 or arr.shape[0] != n:
                 raise PlanError(f"batch tensors disagree on the batch size ({example_name!r} has shape {arr.shape})")
             if (
-                graph_name != "y"  # the labels' own check below says more
+                graph_name != labels  # the labels' own check below says more
                 and expected
                 and arr.ndim
                 and (arr.ndim != len(expected) or any(d not in (None, a) for d, a in zip(expected[1:], arr.shape[1:])))
@@ -238,8 +259,8 @@ class PlanExecutor(ServerOps):
                     f"{ids.max()}, but the plan scores {classes} classes (ids 0 to {classes - 1}); number the classes "
                     "from 0, or train a model with an output per class"
                 )
-        if "y" in feeds and n and "y" not in self.plan.device.class_ids:
-            y = feeds["y"]
+        if labels is not None and n:
+            y = feeds[labels]
             num_classes = self._num_classes()
             if y.ndim != 1 or not _labels_within(y, num_classes):
                 seen = f" from {y.min()} to {y.max()}" if y.ndim == 1 else ""
@@ -532,12 +553,44 @@ def all_finite(value: np.ndarray) -> bool:
 _SMALL_BATCH = 64
 
 
-def _whole(raw: object, ids: np.ndarray) -> bool:
-    """Whether ``raw``, as ``ids`` (its integer cast), lost no fraction: a float label of 7.5 would
-    train as class 7."""
-    if not isinstance(raw, np.ndarray) or raw.dtype.kind != "f":
+def _as_fed(example_name: str, raw: object, dtype: np.dtype) -> np.ndarray:
+    """``raw`` as the work graph's input of ``dtype``; raises :class:`PlanError` naming the example
+    tensor when numpy cannot convert it (strings for a float input). A float's cast to an integer
+    or a narrower float type says nothing here of the NaN or the overflow it meets: ``_held_exactly``
+    refuses the ones an integer type meets."""
+    try:
+        if isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and raw.dtype != dtype:
+            with np.errstate(invalid="ignore", over="ignore"):
+                return np.asarray(raw, dtype=dtype, order="C")
+        return np.asarray(raw, dtype=dtype, order="C")
+    except (TypeError, ValueError, OverflowError) as exc:
+        held = raw.dtype if isinstance(raw, np.ndarray) else type(raw).__name__
+        raise PlanError(
+            f"example tensor {example_name!r} ({held}) cannot be read as the plan's {np.dtype(dtype)}: {_first_line(exc)}"
+        ) from None
+
+
+def _held_exactly(raw: object, fed: np.ndarray) -> bool:
+    """Whether ``fed``, ``raw`` cast to an integer type, holds each of its values: a cast that
+    numpy cannot do without loss (a float to an integer, int64 to int32 or uint8) would train a
+    float label of 7.5 as class 7, a feature of 300 fed to uint8 as 44 and a token id of 2^32 + 3
+    fed to int32 as 3. A safe cast (int32 to int64, the usual same dtype) is not looked at."""
+    if isinstance(raw, np.ndarray) and np.can_cast(raw.dtype, fed.dtype, "safe"):
         return True
-    return bool(np.array_equal(raw, ids))
+    return bool(np.array_equal(fed, np.asarray(raw)))
+
+
+def _first_changed(raw: object, fed: np.ndarray) -> str:
+    """The first value of ``raw`` that ``fed`` does not hold, and where: for an error message."""
+    held = np.asarray(raw)
+    if held.shape != fed.shape:
+        return "after the cast"
+    changed = np.argwhere(held != fed)
+    if not len(changed):
+        return "after the cast"
+    at = tuple(int(i) for i in changed[0])
+    where = f"example {at[0]} of the batch" if at else "the value"
+    return f"{where} holds {held[at].item()!r}, which becomes {fed[at].item()!r}"
 
 
 class _NotLoaded(PlanError):

@@ -1,17 +1,26 @@
 """What the executor feeds a plan of a device's examples, and what it does when the numbers go
-wrong: examples of one tensor at shapes that no batch stacks are a PlanError naming the tensor."""
+wrong: values the plan's input type cannot hold, values that are no numbers, and examples of one
+tensor at shapes that no batch stacks are each a PlanError naming the example tensor (and the
+example); never a step on silently changed values."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import PlanError
+from device_runtime.plan_builder import initial_weights
 from emulator.toolchain import SGD, initial_weights_from_onnx, training_plan_from_onnx
 from example_store import ExampleSelector
+from tests.device_runtime.test_executor import _plan
+from tests.emulator.toolchain.models import mlp
 
 SELECTOR = ExampleSelector("app:/numbers")
 
@@ -21,6 +30,123 @@ def _toolchain_plan(model: onnx.ModelProto, loss: str = "cross_entropy"):
         model, label="y", loss=loss, optimizer=SGD(0.1), batch_size=4, epochs=1, example_selector=SELECTOR
     )
     return PlanExecutor(plan), initial_weights_from_onnx(model, plan)
+
+
+def _cast_input(model: onnx.ModelProto, elem_type: int, name: str = "x") -> onnx.ModelProto:
+    """``model`` taking its input ``name`` as ``elem_type``, cast to float32 first."""
+    for value in model.graph.input:
+        if value.name == name:
+            value.type.tensor_type.elem_type = elem_type
+    for node in model.graph.node:
+        node.input[:] = [f"{name}_float" if i == name else i for i in node.input]
+    model.graph.node.insert(0, helper.make_node("Cast", [name], [f"{name}_float"], to=TensorProto.FLOAT))
+    onnx.checker.check_model(model)
+    return model
+
+
+UINT8, UINT8_WEIGHTS = _toolchain_plan(_cast_input(mlp(4, 5, 3), TensorProto.UINT8))
+INT32, INT32_WEIGHTS = _toolchain_plan(_cast_input(mlp(4, 5, 3), TensorProto.INT32))
+Y = np.array([0, 1, 2, 0])
+
+
+def _batch(x, y=Y):
+    return lambda: [{"x": x, "y": y}]
+
+
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(st.integers(-300, 600), min_size=16, max_size=16))
+def test_a_uint8_feature_trains_on_the_values_it_holds_and_refuses_the_rest(values):
+    """Stored as int64 (what an app's store gives back of Python ints), the values 0-255 train as
+    the same values stored as uint8; any other is refused naming the first one, where numpy's cast
+    fed -5 as 251 and 300 as 44."""
+    x = np.array(values, np.int64).reshape(4, 4)
+    if all(0 <= v <= 255 for v in values):
+        got = UINT8.run_device(UINT8_WEIGHTS, _batch(x))
+        want = UINT8.run_device(UINT8_WEIGHTS, _batch(x.astype(np.uint8)))
+        for name in want.update:
+            np.testing.assert_array_equal(got.update[name], want.update[name])
+        return
+    first = next(i for i, v in enumerate(values) if not 0 <= v <= 255)
+    with pytest.raises(PlanError) as refused:
+        UINT8.run_device(UINT8_WEIGHTS, _batch(x))
+    assert str(refused.value).startswith(
+        f"example tensor 'x' holds values that the plan's uint8 input 'x' cannot hold exactly (example {first // 4} "
+        f"of the batch holds {values[first]}, which becomes {values[first] % 256}); store whole numbers from 0 to 255"
+    )
+
+
+@pytest.mark.parametrize(
+    "executor, weights, x, says",
+    [
+        (UINT8, UINT8_WEIGHTS, np.full((4, 4), 1.5), "example 0 of the batch holds 1.5, which becomes 1"),
+        (
+            UINT8,
+            UINT8_WEIGHTS,
+            np.where(np.arange(16).reshape(4, 4) == 9, np.nan, 3.0),
+            "example 2 of the batch holds nan",
+        ),
+        (INT32, INT32_WEIGHTS, np.full((4, 4), 2**32 + 3), "holds 4294967299, which becomes 3"),
+        (INT32, INT32_WEIGHTS, np.full((4, 4), 7.25, np.float32), "holds 7.25, which becomes 7"),
+    ],
+    ids=["uint8-fraction", "uint8-nan", "int32-past-its-range", "int32-fraction"],
+)
+def test_an_integer_feature_is_refused_where_the_cast_would_change_a_value(executor, weights, x, says):
+    with pytest.raises(PlanError, match=rf"example tensor 'x' holds values that the plan's .* \(.*{re.escape(says)}"):
+        executor.run_device(weights, _batch(x))
+    # the same type's values, and values a wider type holds exactly, train
+    executor.run_device(weights, _batch(np.full((4, 4), 7.0)))
+
+
+def test_a_class_id_stored_as_a_fraction_is_refused_by_a_plan_of_the_builder_too():
+    """The builder's plans name their labels ``y`` without ``class_ids``: a label of 1.5 trained
+    as class 1."""
+    executor = PlanExecutor(_plan(epochs=1))
+    weights = initial_weights(executor.plan, seed=0)
+    x = np.zeros((4, 6), np.float32)
+    executor.run_device(weights, lambda: [{"pixels": x, "label": np.array([0.0, 1.0, 2.0, 0.0])}])
+    with pytest.raises(
+        PlanError, match=r"'label' holds fractions, .*\(example 1 of the batch holds 1.5, which becomes 1\)"
+    ):
+        executor.run_device(weights, lambda: [{"pixels": x, "label": np.array([0.0, 1.5, 2.0, 0.0])}])
+
+
+def test_text_where_the_plan_reads_numbers_is_a_plan_error_naming_the_tensor():
+    x = np.array([["a", "b", "c", "d"]] * 4)
+    with pytest.raises(PlanError, match=r"example tensor 'x' \(<U1\) cannot be read as the plan's uint8"):
+        UINT8.run_device(UINT8_WEIGHTS, _batch(x))
+
+
+def test_a_models_input_named_y_is_a_feature_beside_the_plans_own_labels():
+    """The executor read any input ``y`` as the builder's labels: a model of inputs ``x`` and ``y``
+    was refused as holding no class ids ('labels must be class ids ... got shape (4, 4)')."""
+    rng = np.random.default_rng(0)
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Add", ["x", "y"], ["sum"]), helper.make_node("MatMul", ["sum", "w"], ["logits"])],
+            "two_inputs",
+            [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 4]) for name in ("x", "y")],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+            initializer=[helper.make_tensor("w", TensorProto.FLOAT, [4, 3], rng.normal(size=12).tolist())],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
+    )
+    plan = training_plan_from_onnx(
+        model, label="label", loss="cross_entropy", optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR
+    )
+    executor = PlanExecutor(plan)
+    x, y = rng.normal(size=(4, 4)), rng.normal(size=(4, 4))
+    result = executor.run_device(
+        initial_weights_from_onnx(model, plan), lambda: [{"x": x, "y": y, "label": np.array([0, 1, 2, 0])}]
+    )
+    assert result.num_examples == 4
+    with pytest.raises(PlanError, match=r"example tensor 'label' holds class ids from 0 to 3"):
+        executor.run_device(
+            initial_weights_from_onnx(model, plan), lambda: [{"x": x, "y": y, "label": np.array([0, 1, 3, 0])}]
+        )
+
+
+FLOAT, FLOAT_WEIGHTS = _toolchain_plan(mlp(4, 5, 3))
 
 
 def _sequences() -> tuple[PlanExecutor, dict]:
