@@ -328,10 +328,22 @@ class PlanExecutor(ServerOps):
                         if train and step == 0:
                             for w in plan.weight_names:
                                 binding.bind_ortvalue_input(w, space.sets[0][w])
+                    finite = True
                     for m, arr in metric_arrays.items():
-                        sums[m] += float(arr)
+                        value = float(arr)
+                        sums[m] += value
+                        finite = finite and math.isfinite(value)
                     total += n
                     step += 1
+                    if not finite:
+                        # a step's NaN or infinite loss makes an update no one may send: the batch's
+                        # own NaN or infinite values are the data's fault, said here; else training
+                        # diverged, and it stops here rather than train on to an update it drops
+                        _refuse_non_finite(feeds, plan.device.inputs, step - 1)
+                        break
+                else:
+                    continue
+                break
             # views of the workspace's buffers: the result is made from them before it is given back
             final = {w: space.sets[step % 2][w].numpy() for w in plan.weight_names} if train and step else {}
             if train and not step:
@@ -557,7 +569,8 @@ def _as_fed(example_name: str, raw: object, dtype: np.dtype) -> np.ndarray:
     """``raw`` as the work graph's input of ``dtype``; raises :class:`PlanError` naming the example
     tensor when numpy cannot convert it (strings for a float input). A float's cast to an integer
     or a narrower float type says nothing here of the NaN or the overflow it meets: ``_held_exactly``
-    refuses the ones an integer type meets."""
+    refuses the ones an integer type meets, and a float32 past its range is an infinity that the
+    step's loss shows (``_refuse_non_finite``)."""
     try:
         if isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and raw.dtype != dtype:
             with np.errstate(invalid="ignore", over="ignore"):
@@ -568,6 +581,21 @@ def _as_fed(example_name: str, raw: object, dtype: np.dtype) -> np.ndarray:
         raise PlanError(
             f"example tensor {example_name!r} ({held}) cannot be read as the plan's {np.dtype(dtype)}: {_first_line(exc)}"
         ) from None
+
+
+def _refuse_non_finite(feeds: Mapping[str, np.ndarray], inputs: Mapping[str, str], step: int) -> None:
+    """Raise :class:`PlanError` naming the first float input of a step's batch that holds a NaN or
+    an infinity (a feature, a regression label; a float64 past float32's range became one), the
+    example and the step; nothing when the batch is finite."""
+    for graph_name, example_name in inputs.items():
+        value = feeds[graph_name]
+        if value.dtype.kind == "f" and not all_finite(value):
+            at = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+            raise PlanError(
+                f"example tensor {example_name!r} holds {value[at].item()} (example {at[0] if at else 0} of the batch "
+                f"at step {step}, as the plan's {value.dtype}), and the step's loss was not finite; no update was made: "
+                "drop or fix the example in the app's store"
+            )
 
 
 def _held_exactly(raw: object, fed: np.ndarray) -> bool:

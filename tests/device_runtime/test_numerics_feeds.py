@@ -1,7 +1,8 @@
 """What the executor feeds a plan of a device's examples, and what it does when the numbers go
-wrong: values the plan's input type cannot hold, values that are no numbers, and examples of one
-tensor at shapes that no batch stacks are each a PlanError naming the example tensor (and the
-example); never a step on silently changed values."""
+wrong: values the plan's input type cannot hold, values that are no numbers, NaN and infinite
+features and regression labels, and training that diverges. Each is a PlanError naming the example
+tensor (and the example and step), or a session that stops at its first non-finite step; never a
+step on silently changed values."""
 
 from __future__ import annotations
 
@@ -147,6 +148,58 @@ def test_a_models_input_named_y_is_a_feature_beside_the_plans_own_labels():
 
 
 FLOAT, FLOAT_WEIGHTS = _toolchain_plan(mlp(4, 5, 3))
+REGRESSION, REGRESSION_WEIGHTS = _toolchain_plan(mlp(4, 5, 3), loss="mse")
+
+
+class _Counted:
+    """Batches of ``x`` and ``y`` four at a time, counting how many were taken."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.taken = x, y, 0
+
+    def __call__(self):
+        for i in range(0, len(self.y), 4):
+            self.taken += 1
+            yield {"x": self.x[i : i + 4], "y": self.y[i : i + 4]}
+
+
+@pytest.mark.parametrize(
+    "executor, weights, tensor, bad, says",
+    [
+        (FLOAT, FLOAT_WEIGHTS, "x", np.nan, "example tensor 'x' holds nan"),
+        (FLOAT, FLOAT_WEIGHTS, "x", 1e39, "example tensor 'x' holds inf"),  # float64 past float32's range
+        (REGRESSION, REGRESSION_WEIGHTS, "y", np.inf, "example tensor 'y' holds inf"),
+        (REGRESSION, REGRESSION_WEIGHTS, "y", np.nan, "example tensor 'y' holds nan"),
+    ],
+    ids=["nan-feature", "float64-overflow", "infinite-label", "nan-label"],
+)
+def test_a_non_finite_feature_or_label_is_named_with_its_example_and_step(executor, weights, tensor, bad, says):
+    """The update was refused as NaN weights after the whole session, without a word of which
+    example made them."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 4))
+    y = rng.normal(size=(12, 3)) if executor is REGRESSION else np.arange(12) % 3
+    data = {"x": x, "y": y.astype(np.float64)}
+    data[tensor][6] = bad  # the third example of the second batch
+    batches = _Counted(data["x"], data["y"] if executor is REGRESSION else y)
+    with pytest.raises(PlanError, match=rf"{says} \(example 2 of the batch at step 1, .*no update was made"):
+        executor.run_device(weights, batches)
+    assert batches.taken == 2
+
+
+def test_training_that_diverges_stops_at_its_first_non_finite_step_and_its_update_is_not_valid():
+    """Weights of 1e38 overflow the logits at the first step: the session stops there (it ran
+    all its batches before) and its update is refused as the device and the server refuse it."""
+    rng = np.random.default_rng(0)
+    batches = _Counted(rng.normal(size=(20, 4)), np.arange(20) % 3)
+    huge = {name: np.full_like(value, 1e38) for name, value in FLOAT_WEIGHTS.items()}
+    result = FLOAT.run_device(huge, batches)
+    assert batches.taken == 1 and not np.isfinite(result.metrics["loss_sum"])
+    with pytest.raises(PlanError, match="holds NaN or infinite values"):
+        FLOAT.validate_update(result.update)
+    healthy = _Counted(rng.normal(size=(20, 4)), np.arange(20) % 3)
+    FLOAT.validate_update(FLOAT.run_device(FLOAT_WEIGHTS, healthy).update)
+    assert healthy.taken == 5
 
 
 def _sequences() -> tuple[PlanExecutor, dict]:
