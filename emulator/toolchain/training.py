@@ -42,7 +42,7 @@ from .autodiff import (
     refine_infos,
     tensor_infos,
 )
-from .emitter import default_opset, node_reads
+from .emitter import default_opset, namer, node_reads
 from .forward import is_float, training_forward
 from .losses import check_loss, emit_loss, label_type, loss_metric_names
 from .optimizers import SGD, Adam, Momentum, Optimizer
@@ -301,6 +301,7 @@ def read_model(
             raise PlanError(onnx_import.pinned_batch_error(max(exported_batch.values()), pinned))
     if loss == "cross_entropy":
         output = ml_ops.probabilities_as_logits(m, old_opsets.classes_last(m, output))
+    output = _read_as_float32(m, output)
     if not set(names) & needed_for(graph.node, [output]):
         raise ValueError(
             f"the output {output!r} does not depend on the model's inputs ({', '.join(names)}); export the "
@@ -324,6 +325,30 @@ def read_model(
         detached,
         label_inputs,
     )
+
+
+_OTHER_FLOATS = (TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def _read_as_float32(m: onnx.ModelProto, output: str) -> str:
+    """The prediction the loss reads, as float32: a float64, float16 or bfloat16 ``output`` (float32
+    weights whose model casts its prediction, a last ``Cast`` or a mixed-precision export) is
+    read through a ``Cast`` to float32 added to the graph, whose gradient casts back. The loss
+    computed in the output's own type gave metrics of that type where the plan declares float32,
+    a work graph onnxruntime did not load. Its type is the one the graph declares, or the ``to``
+    of the ``Cast`` that makes it."""
+    graph = m.graph
+    declared = {v.name: v.type.tensor_type.elem_type for v in [*graph.output, *graph.value_info, *graph.input]}
+    elem = declared.get(output)
+    if elem is None:
+        producer = next((n for n in graph.node if output in n.output), None)
+        if producer is not None and producer.op_type == "Cast" and producer.domain in DEFAULT_DOMAINS:
+            elem = next((int(a.i) for a in producer.attribute if a.name == "to"), None)
+    if elem not in _OTHER_FLOATS:
+        return output
+    cast = namer(graph)(f"{output}_float32")
+    graph.node.append(helper.make_node("Cast", [output], [cast], to=_F32, name=cast))
+    return cast
 
 
 def _label_input_dropped(

@@ -159,3 +159,42 @@ def test_a_feature_the_model_casts_to_float_trains_as_the_float_values_would(fea
         updates.append(result.update)
     for name in updates[0]:
         np.testing.assert_allclose(updates[1][name], updates[0][name], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize(
+    "prediction_type, tolerance",
+    [(TensorProto.DOUBLE, 1e-6), (TensorProto.FLOAT16, 2e-3)],
+    ids=["float64", "float16"],
+)
+def test_a_float32_model_whose_prediction_is_cast_to_another_float_trains_and_evaluates_as_float32(
+    prediction_type, tolerance, loss
+):
+    """The loss read through a Cast to float32: computed in the prediction's type, it gave metrics
+    that onnxruntime refused to load as the plan's float32 outputs (a work graph that did not load)."""
+    from emulator.toolchain import evaluation_plan_from_onnx
+
+    plain = mlp(4, 5, 3)
+    cast = mlp(4, 5, 3)
+    cast.graph.node.append(helper.make_node("Cast", ["logits"], ["prediction"], to=prediction_type))
+    cast.graph.output[0].name = "prediction"
+    cast.graph.output[0].type.tensor_type.elem_type = prediction_type
+    onnx.checker.check_model(cast)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = np.arange(8) % 3 if loss == "cross_entropy" else rng.normal(size=(8, 3)).astype(np.float32)
+    results = []
+    for model in (plain, cast):
+        plan = training_plan_from_onnx(
+            model, label="y", loss=loss, optimizer=SGD(0.1), batch_size=4, epochs=1, example_selector=SELECTOR
+        )
+        weights = initial_weights_from_onnx(model, plan)
+        trained = PlanExecutor(plan).run_device(weights, lambda: [{"x": x[:4], "y": y[:4]}, {"x": x[4:], "y": y[4:]}])
+        evaluation = evaluation_plan_from_onnx(
+            model, label="y", loss=loss, batch_size=8, example_selector=SELECTOR, training_plan=plan
+        )
+        results.append((trained.update, PlanExecutor(evaluation).evaluate(weights, [{"x": x, "y": y}])))
+    (want, want_eval), (got, got_eval) = results
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=tolerance, atol=tolerance)
+    assert got_eval == pytest.approx(want_eval, rel=tolerance, abs=tolerance)
