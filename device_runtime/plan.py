@@ -432,7 +432,10 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
     )
     server = _field(header, "server", dict, "")
     bitwidth = _field(server, "bitwidth", int, "server.", optional=True)
-    clip_range = _field(server, "clip_range", (int, float), "server.", optional=True)
+    # absent in plans written before the field existed (as an unclipped plan's null)
+    clip_range = (
+        _field(server, "clip_range", (int, float), "server.", optional=True) if "clip_range" in server else None
+    )
     meta = _field(header, "metadata", dict, "")
     time_budget = _field(meta, "time_budget_s", (int, float), "metadata.", optional=True)
     metadata = PlanMetadata(
