@@ -507,8 +507,22 @@ def round_outcomes(rounds: list[RoundRow]) -> dict[str, list[int]]:
     return out
 
 
+#: The most steps a per-round line draws: past it (a run of days with rounds every few minutes) a
+#: step per round is narrower than a pixel and two lines fill the axes as a solid band, so each step
+#: is the mean of as many consecutive rounds as keep the steps within it.
+MAX_ROUND_STEPS = 300
+
+
+def round_bins(count: int) -> list[range]:
+    """Rounds 1 to ``count`` in consecutive groups, at most ``MAX_ROUND_STEPS`` of them and all of one
+    size but the last (one round each when they fit)."""
+    size = max(1, math.ceil(count / MAX_ROUND_STEPS))
+    return [range(start, min(start + size, count + 1)) for start in range(1, count + 1, size)]
+
+
 def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
-    """How each round's selected devices ended (Fig. 7) and drop-out by local hour of day."""
+    """How each round's selected devices ended (Fig. 7; past ``MAX_ROUND_STEPS`` rounds, the means of
+    groups of consecutive rounds, ``round_bins``) and drop-out by local hour of day."""
     fig, (ax_o, ax_h) = _new_figure(2)
     rounds = run.rounds
     caption = (
@@ -525,8 +539,11 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         outcomes = round_outcomes(rounds)
         # Stacked steps, not bars: a polygon per outcome whatever the number of rounds (a day of a
         # large fleet has thousands, and a bar each took matplotlib seconds).
-        edges = [i + 0.5 for i in range(len(rounds) + 1)]  # round i spans [i - 0.5, i + 0.5]
-        bottom = [0] * len(rounds)
+        # round i spans [i - 0.5, i + 0.5]; past MAX_ROUND_STEPS rounds a step is a group's mean
+        bins = round_bins(len(rounds))
+        edges = [b[0] - 0.5 for b in bins] + [len(rounds) + 0.5]
+        per = "" if len(bins) == len(rounds) else f" (mean of {len(bins[0])} rounds)"
+        bottom: list[float] = [0.0] * len(bins)
         for key, colour, label in (
             ("aggregated", _COMMITTED, "reported, aggregated"),
             ("rejected", _LATE, "reported, rejected (late)"),
@@ -535,11 +552,17 @@ def plot_dropout(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Fig
         ):
             if key == "abandoned_summed" and not any(outcomes[key]):
                 continue  # no abandoned round had summed reports: no grey in the legend
-            top = [b + c for b, c in zip(bottom, outcomes[key])]
+            counts = [statistics.fmean(outcomes[key][i - 1] for i in b) for b in bins]
+            top = [b + c for b, c in zip(bottom, counts)]
             ax_o.fill_between(
-                edges, bottom + bottom[-1:], top + top[-1:], step="post", color=colour, linewidth=0, label=label
+                edges, bottom + bottom[-1:], top + top[-1:], step="post", color=colour, linewidth=0, label=label + per
             )
             bottom = top
+        if per:
+            caption += (
+                f" With {len(rounds):,} rounds, each step of the outcomes is the mean of {len(bins[0])} consecutive rounds"
+                " (rounds.csv has each); the marks are each round's own."
+            )
         abandoned = [
             (i, n) for i, (r, n) in enumerate(zip(rounds, outcomes["abandoned_selected"]), start=1) if r.abandoned
         ]
@@ -783,20 +806,24 @@ def plot_privacy(run: FleetRun, summary: Mapping[str, Any]) -> Figure | None:
 
 def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figure:
     """Bytes down and up per round (from ``rounds.csv``'s byte columns: the sessions of each
-    round's selected devices), abandoned rounds marked."""
+    round's selected devices), abandoned rounds marked; past ``MAX_ROUND_STEPS`` rounds each step
+    is the mean of a group of consecutive rounds (``round_bins``)."""
     fig, (ax,) = _new_figure(1)
     rounds = run.rounds
     caption = "Bytes down and up per round: what the sessions of each round's selected devices received and sent."
     if rounds:
         x = list(range(1, len(rounds) + 1))
-        ax.plot(
-            x,
-            [r.bytes_down / 1e6 for r in rounds],
-            drawstyle="steps-mid",
-            color=_DOWN,
-            label="down (server to devices)",
-        )
-        ax.plot(x, [r.bytes_up / 1e6 for r in rounds], drawstyle="steps-mid", color=_UP, label="up (devices to server)")
+        bins = round_bins(len(rounds))
+        centres = [(b[0] + b[-1]) / 2.0 for b in bins]
+        per = "" if len(bins) == len(rounds) else f", mean of {len(bins[0])} rounds"
+        for side, color, label in (
+            ("bytes_down", _DOWN, "down (server to devices)"),
+            ("bytes_up", _UP, "up (devices to server)"),
+        ):
+            values = [statistics.fmean(getattr(rounds[i - 1], side) for i in b) / 1e6 for b in bins]
+            ax.plot(centres, values, drawstyle="steps-mid", color=color, label=label + per)
+        if per:
+            caption += f" Each step is the mean of {len(bins[0])} consecutive rounds (of {len(rounds):,}; rounds.csv has each)."
         abandoned = [(i, r) for i, r in zip(x, rounds) if r.abandoned]
         if abandoned:
             ax.scatter(

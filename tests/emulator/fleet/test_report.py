@@ -1173,3 +1173,46 @@ def test_a_span_of_seconds_is_said_in_seconds_never_as_zero_hours():
     assert "Target accuracy reached after 10 simulated seconds." in said
     said = _headline({"time_to_target_accuracy_s": 4320.0, "target_accuracy": 0.5})
     assert "Target accuracy reached after 1.20 simulated hours." in said
+
+
+def test_a_long_run_draws_its_per_round_figures_as_steps_of_consecutive_rounds_means():
+    """A month of a small fleet is thousands of rounds: a step per round was narrower than a pixel,
+    the down and up lines of 4,850 rounds filled the traffic axes as one band, and the outcomes
+    one solid green. Past ``MAX_ROUND_STEPS`` each step is the mean of a group of consecutive
+    rounds (the groups add up to the run's bytes and devices), the legends and captions say how
+    many, and every abandoned round keeps its own mark."""
+    from emulator.fleet.report import MAX_ROUND_STEPS, plot_bytes, plot_dropout, round_outcomes
+
+    nan = math.nan
+    rounds = [
+        RoundRow(
+            f"t/{i}/1", "t", 60.0 * i, 60.0 * i + 50.0, i % 50 != 0, 8, 7 - i % 3, 6 - i % 3, 1 + i % 2, 50.0, nan, nan,
+            bytes_down=1000 * (i % 7) + 50_000, bytes_up=500 * (i % 5) + 20_000,
+            outcome="committed" if i % 50 else "abandoned",
+        )
+        for i in range(1, 1201)
+    ]  # fmt: skip
+    run = FleetRun(sessions=[], rounds=rounds, timeline=[], digest="")
+    figure = plot_bytes(run)
+    ax = figure.drawn.axes[0]
+    down, up = (next(line for line in ax.get_lines() if line.get_label().startswith(side)) for side in ("down", "up"))
+    assert len(down.get_xdata()) == len(up.get_xdata()) == MAX_ROUND_STEPS
+    assert down.get_label().endswith("mean of 4 rounds") and "mean of 4 consecutive rounds" in figure.caption
+    assert down.get_xdata()[:2].tolist() == [2.5, 6.5]
+    assert sum(down.get_ydata()) * 4 * 1e6 == pytest.approx(sum(r.bytes_down for r in rounds))
+    assert sum(up.get_ydata()) * 4 * 1e6 == pytest.approx(sum(r.bytes_up for r in rounds))
+    (marks,) = [c for c in ax.collections if c.get_label() == "abandoned round"]
+    assert [x for x, _ in marks.get_offsets()] == [float(i) for i in range(50, 1201, 50)]
+
+    figure = plot_dropout(run)
+    ax = figure.drawn.axes[0]
+    outcomes = round_outcomes(rounds)
+    for key, label in (("aggregated", "reported, aggregated"), ("dropped", "dropped out")):
+        (fill,) = [c for c in ax.collections if c.get_label() == f"{label} (mean of 4 rounds)"]
+        xy = fill.get_paths()[0].vertices
+        area = 0.5 * abs(sum(x0 * y1 - x1 * y0 for (x0, y0), (x1, y1) in zip(xy, [*xy[1:], xy[0]])))
+        assert area == pytest.approx(sum(outcomes[key]))  # each group as wide as its rounds, at their mean
+        assert len({x for x, _ in xy}) <= MAX_ROUND_STEPS + 1
+    (marks,) = [c for c in ax.collections if "abandoned round" in c.get_label()]
+    assert [x for x, _ in marks.get_offsets()] == [float(i) for i in range(50, 1201, 50)]
+    assert "mean of 4 consecutive rounds" in figure.caption
