@@ -21,8 +21,10 @@ test split, and per test client, unless the test split is one central test set (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -185,16 +187,54 @@ def fleet_data(config: FleetConfig) -> DigitsSampling | ClientData:
     ``FederatedDataError`` with a one-line message when it cannot be read)."""
     if config.data.format is None:
         return DigitsSampling(config)
+    spec = data_spec_text(config.data)
     return ClientData(
-        _federated(data_spec_text(config.data), config.fleet.seed), config.fleet.devices, config.fleet.seed
+        _federated(spec, config.fleet.seed, data_stamp(config.data)), config.fleet.devices, config.fleet.seed
     )
 
 
 @lru_cache(maxsize=2)
-def _federated(spec: str, seed: int) -> Any:
+def _federated(spec: str, seed: int, stamp: tuple[Any, ...]) -> Any:
     from .federated_data import load_data
 
     return load_data(spec, seed=seed)
+
+
+#: The data spec's options that name a file or folder beside ``[data] path``.
+PATH_OPTIONS = ("test", "vocab")
+
+Stamp = tuple[tuple[str, int, int, int, int], ...]
+
+
+def files_stamp(paths: Iterable[str | os.PathLike[str]], *, recursive: bool = True) -> Stamp:
+    """What the file system says of the files at ``paths`` without reading them: each one's path,
+    inode, size, and modification and change times (a folder's files, those in its subfolders too
+    when ``recursive``), in sorted order; a path that cannot be read is left out (its loader says
+    why). The caches of what was read from files are keyed by it beside the config's text, so that
+    a file changed in place (a task file's model made larger, a dataset's labels corrected, a copy
+    put over it with its old modification time) is read again by the next run in the process: the
+    cache gave it the run of the old file, digest and all. Only the cache sees it: a run's digest
+    depends on what the files hold, never on where they are or when they were written."""
+    out = []
+    for given in paths:
+        root = Path(given)
+        try:
+            if root.is_dir():
+                files = [p for p in (root.rglob("*") if recursive else root.iterdir()) if not p.is_dir()]
+            else:
+                files = [root]
+            for path in files:
+                info = path.stat()
+                out.append((str(path), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+        except OSError:
+            continue
+    return tuple(sorted(out))
+
+
+def data_stamp(section: DataSection) -> Stamp:
+    """``files_stamp`` of the federated dataset ``section`` names: its path and its options' paths."""
+    named = [section.path, *(section.options.get(k) for k in PATH_OPTIONS)]
+    return files_stamp(p for p in named if isinstance(p, str) and p)
 
 
 def devices_per_client(devices: int, clients: Mapping[str, Any] | int) -> float:

@@ -514,12 +514,20 @@ def _check_lookup_ids(tasks: list[FleetTask], data: Any, task_source: str) -> No
 
 def load_workload(config: FleetConfig) -> Workload:
     """The fleet's tasks (built) and data (read), checked against each other; the same config gives
-    the same object (a sharded run's driver and shards in one process build it once)."""
-    return _cached(json.dumps(config.dump(), sort_keys=True))
+    the same object (a sharded run's driver and shards in one process build it once) while its files
+    are unchanged: the task file and the files beside it (its helper modules, the ``model.onnx`` of
+    ``plan from-onnx``'s bundle), and the dataset (``data.files_stamp``)."""
+    from .data import data_stamp, files_stamp
+
+    task = config.task.file
+    stamp = data_stamp(config.data)
+    if task is not None:
+        stamp += files_stamp([Path(task).parent], recursive=False)
+    return _cached(json.dumps(config.dump(), sort_keys=True), stamp)
 
 
 @lru_cache(maxsize=2)
-def _cached(key: str) -> Workload:
+def _cached(key: str, stamp: tuple[Any, ...]) -> Workload:
     return _build(FleetConfig.from_dict(json.loads(key)))
 
 
