@@ -124,7 +124,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--http",
         action="store_true",
-        help="send the devices' requests over real loopback HTTP (uvicorn) instead of into the app in process",
+        help="send the devices' requests over real loopback HTTP (uvicorn) instead of into the app in process "
+        "(not bit-identical from one run to the next: its digest is not the in-process run's)",
     )
     p.add_argument(
         "--ray",

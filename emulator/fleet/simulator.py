@@ -105,7 +105,10 @@ class FleetSimulator:
 
         ``http``: devices reach the server over real loopback HTTP (uvicorn in a thread of
         this process) instead of calling its ASGI app in process. The server's own ticker then
-        runs beside the loop, so such a run is not bit-identical from one time to the next.
+        runs beside the loop, the server draws its session ids, tokens, Secure Aggregation seeds and
+        DP noise from ``secrets``, and uvicorn's ``date`` and ``server`` headers lengthen every
+        response (more simulated transfer time), so such a run is not bit-identical from one time
+        to the next, and its digest is not the in-process run's.
         ``serves=False``: another simulator's server answers these devices (a shard's), so the
         plans of ``real_runtimes`` are not release-tested here; the devices' workers still run.
 

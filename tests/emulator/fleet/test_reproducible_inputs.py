@@ -5,6 +5,7 @@ whatever modification time it was given."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from device_runtime.checkpoint import decode_checkpoint
-from emulator.fleet import FleetConfig
+from emulator.fleet import FleetConfig, simulate
 from emulator.fleet.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,3 +63,14 @@ def test_a_dataset_changed_in_place_is_read_again_by_the_next_run_of_its_config(
     again = load_workload(config)
     assert again is not first
     assert 9 in again.data.labels() and 9 not in first.data.labels()
+
+
+def test_a_run_in_which_no_round_finished_has_the_digest_of_nothing_whatever_it_ran():
+    """The digest covers the finished rounds and the committed models, not the run's inputs (the
+    fleet user's guide says so): a run too short for a round has SHA-256 of no bytes, whatever
+    its seed, task or model; its summary's other keys say what ran."""
+    short = {"fleet": {"devices": 20, "hours": 0.05}}
+    one = simulate(FleetConfig.from_dict({**short, "fleet": {**short["fleet"], "seed": 1}}), progress=False)
+    wider = simulate(FleetConfig.from_dict({**short, "task": {"hidden": [48]}}), progress=False)
+    assert {r.outcome for r in [*one.rounds, *wider.rounds]} <= {"unfinished"}
+    assert one.digest == wider.digest == hashlib.sha256().hexdigest()

@@ -320,17 +320,26 @@ def test_an_interrupted_run_leaves_no_thread_socket_or_database_open(tmp_path, h
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_another_process_with_another_hash_seed_gives_the_same_digest(runs):
-    """Nothing in the run depends on the process: not set order (string hashing), not ids."""
+def test_another_process_with_another_hash_seed_gives_the_same_digest(runs, tmp_path):
+    """Nothing in the run depends on the process: not set order (string hashing), not ids, not the
+    time zone, the locale, the threads numpy's libraries may take, nor the working directory."""
     code = (
         "from tests.emulator.fleet.test_simulator import small_config\n"
         "from emulator.fleet import simulate\n"
         "print(simulate(small_config(seed=1), progress=False).digest)\n"
     )
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": "12345",
+        "PYTHONPATH": root,
+        "TZ": "Asia/Kolkata",
+        "LANG": "C",
+        "LC_ALL": "C",
+        "OMP_NUM_THREADS": "1",
+    }
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == runs["a"].digest
 
