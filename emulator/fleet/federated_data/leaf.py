@@ -56,6 +56,8 @@ _IMAGE_FILES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 
 
 def _json_files(path: Path) -> list[Path]:
+    """A file, or a folder's ``.json`` files in sorted order but those whose names start with ``.``
+    (the ``._name.json`` macOS writes beside each file it copies to another file system)."""
     if path.is_file():
         return [path]
     if not path.exists():
@@ -63,10 +65,10 @@ def _json_files(path: Path) -> list[Path]:
     if not path.is_dir():  # a device or a pipe: read, /dev/zero would never end
         raise DataSpecError(f"leaf: {path} is neither a file nor a folder; give a .json file or a folder of them")
     check_readable(path, "leaf: ")
-    for p in path.iterdir():
-        if p.suffix == ".json":
-            check_link(p, "leaf: ")
-    files = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
+    listed = [p for p in path.iterdir() if p.suffix == ".json" and not p.name.startswith(".")]
+    for p in listed:
+        check_link(p, "leaf: ")
+    files = sorted(p for p in listed if p.is_file())
     if not files:
         raise DataLayoutError(
             f"leaf: {path} holds no .json files; a LEAF dataset is a .json file, a folder of them, "

@@ -55,7 +55,7 @@ _PLAIN_KINDS = frozenset("biufc")
 
 def _pair_in_folder(folder: Path) -> tuple[Path, Path | None]:
     check_readable(folder, "tff-h5: ")
-    files = sorted(p for p in folder.iterdir() if p.suffix in (".h5", ".hdf5"))
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".h5", ".hdf5") and not p.name.startswith("."))
     for p in files:
         check_link(p, "tff-h5: ")
     train = [p for p in files if "train" in p.stem]
