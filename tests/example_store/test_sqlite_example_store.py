@@ -19,6 +19,7 @@ from example_store import (
     SchemaMismatchError,
     SQLiteExampleStore,
 )
+from example_store.sqlite_engine import WAL_SIZE_LIMIT
 from tests.example_store.store_helpers import URI, FakeClock, labels, make_examples
 
 
@@ -177,6 +178,20 @@ def test_persistence_across_reopen_and_wal_mode(tmp_path):
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         raw.close()
+
+
+def test_the_write_ahead_log_shrinks_back_after_a_large_write(tmp_path):
+    """The log kept the size of the largest transaction ever written (12 MB of examples added at
+    once: 12 MB beside the database for as long as the app ran)."""
+    path = tmp_path / "app.db"
+    with SQLiteExampleStore(path) as store:
+        big = [{"x": np.full(1 << 16, i, np.float32), "y": np.int64(i)} for i in range(48)]  # 12 MiB
+        store.add(URI, big, timestamps=range(48))
+        assert (tmp_path / "app.db-wal").stat().st_size > 3 * WAL_SIZE_LIMIT
+        for t in range(48, 52):
+            store.add(URI, [{"x": np.zeros(1 << 16, np.float32), "y": np.int64(0)}], timestamps=[t])
+        assert (tmp_path / "app.db-wal").stat().st_size <= WAL_SIZE_LIMIT
+        assert store.count(ExampleSelector(URI)) == 52
 
 
 @pytest.mark.parametrize("damage", ["zeroed", "garbled", "intact"])
