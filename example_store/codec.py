@@ -90,7 +90,14 @@ class Schema:
     def from_json(cls, text: str) -> Schema:
         try:
             doc = json.loads(text)
-            if doc.get("version") != _FORMAT_VERSION:
+            version = doc.get("version")
+            if type(version) is int and version > _FORMAT_VERSION:  # nothing here is damaged: keep the file
+                raise ExampleStoreError(
+                    f"a collection's recorded schema is of version {version}, written by a newer version of the "
+                    f"example store than this one (which reads version {_FORMAT_VERSION}); open the database with "
+                    "that version, the file is left as it is"
+                )
+            if version != _FORMAT_VERSION:
                 raise ValueError(f"unsupported schema version {doc.get('version')!r}")
             return cls([TensorSpec(t["name"], np.dtype(t["dtype"]), tuple(t["shape"])) for t in doc["tensors"]])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -194,6 +194,27 @@ def test_the_write_ahead_log_shrinks_back_after_a_large_write(tmp_path):
         assert store.count(ExampleSelector(URI)) == 52
 
 
+def test_a_collection_schema_a_newer_version_wrote_is_refused_as_such_and_the_file_kept(tmp_path):
+    """It was called damaged, with the advice to delete the file: the app's examples, gone."""
+    path = tmp_path / "app.db"
+    with SQLiteExampleStore(path) as store:
+        store.add(URI, make_examples(3))
+    raw = sqlite3.connect(path)
+    try:
+        raw.execute("UPDATE collections SET schema = replace(schema, '\"version\": 1', '\"version\": 2')")
+        raw.commit()
+    finally:
+        raw.close()
+    kept = path.read_bytes()
+    with pytest.raises(ExampleStoreError) as refused:
+        with SQLiteExampleStore(path) as store:
+            store.count(ExampleSelector(URI))
+    said = str(refused.value)
+    assert "version 2, written by a newer version of the example store" in said, said
+    assert "delete" not in said and "damaged" not in said
+    assert path.read_bytes() == kept
+
+
 @pytest.mark.parametrize("damage", ["zeroed", "garbled", "intact"])
 def test_a_store_whose_write_ahead_log_a_power_cut_damaged_says_what_it_lost(tmp_path, caplog, damage):
     """The files as a power cut leaves them while the app runs: the database as of its last
