@@ -99,6 +99,7 @@ def new_tasks(
             require_release_reports,
             by_name[s.evaluates] if s.evaluates is not None else None,
             trusted=release_trust,
+            checkpoint=checked[s.name][1],
         )
         for s in specs
     }
@@ -172,7 +173,13 @@ def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Pl
     executor = PlanExecutor(plan)
     try:
         executor.client_update_spec()
-        check_weights(executor, weights)
+        try:
+            check_weights(executor, weights)
+        except InvalidCheckpoint as exc:  # named as every other refusal of a deploy: which task's checkpoint
+            raise InvalidCheckpoint(
+                f"task {spec.name!r}: the initial checkpoint does not fit its plan (a checkpoint of another task "
+                f"or model?): {exc.message}"
+            ) from None
         if trained is not None and PlanExecutor(trained).weight_spec() != executor.weight_spec():
             raise InvalidPlan(f"task {spec.name!r}: its model's weights differ from those of the task it evaluates")
         executor.smoke_test(weights)
@@ -221,11 +228,13 @@ def check_release(
     trained: TaskSpec | None = None,
     *,
     trusted: frozenset[bytes] = frozenset(),
+    checkpoint: bytes | None = None,
 ) -> dict[str, tuple[str, bytes]]:
     """The versioned plans by minor release, once the release report lets the task through (an
     evaluation's report also has to match ``trained``, the training task it measures). Its
     signature is checked against ``trusted`` unless the server neither requires reports nor
-    trusts any signer (``--allow-untested-plans`` without ``--release-trust``)."""
+    trusts any signer (``--allow-untested-plans`` without ``--release-trust``). ``checkpoint`` is
+    the deploy's initial checkpoint, which a report naming the one it tested from must match."""
     if spec.release_report is None:
         if spec.versioned_plans or required:
             raise ApiError(
@@ -247,6 +256,7 @@ def check_release(
             trusted_keys=trusted if trusted or required else None,
             evaluates_plan_sha256=resource_id(trained.plan) if trained is not None else None,
             evaluates_runtimes=trained_claimed if isinstance(trained_claimed, list) else None,
+            checkpoint_sha256=resource_id(checkpoint) if checkpoint is not None else None,
         )
     except ReleaseGateError as exc:
         raise ApiError(f"task {spec.name!r}: {exc.message}", code=exc.code, status=422) from None

@@ -217,13 +217,16 @@ def check_release_report(
     known_releases: Collection[str] = RECORDED_RELEASES,
     evaluates_plan_sha256: str | None = None,
     evaluates_runtimes: Sequence[str] | None = None,
+    checkpoint_sha256: str | None = None,
 ) -> list[str]:
     """The claimed releases, once ``report`` covers each of them with a passed result bound to the
     uploaded versioned plan (``versioned``: release -> sha256) and to the unversioned plan, signed
     by one of ``trusted_keys`` (``None``: the signature is not checked, for a server that takes
     untested plans and trusts no signer), and each claimed release is one of ``known_releases``.
     For an evaluation task, ``evaluates_plan_sha256`` / ``evaluates_runtimes`` are the plan id and
-    claimed releases of the training task it measures."""
+    claimed releases of the training task it measures. ``checkpoint_sha256`` is the id of the
+    deploy's initial checkpoint: a report that names the one it tested from (``plan test`` does,
+    for a training task) must name this one, as its predicates were judged from that model."""
     _check_size(report)
     if not isinstance(report, Mapping) or report.get("format") != REPORT_FORMAT:
         raise _malformed(f"is not in format {REPORT_FORMAT!r}")
@@ -254,6 +257,14 @@ def check_release_report(
             "RELEASE_REPORT_MISMATCH",
             f"the release report tested plan {str(report.get('plan_sha256'))[:12]}..., not the uploaded plan "
             f"{plan_sha256[:12]}...; run `fedfleet plan test` on the plans you deploy",
+        )
+    tested_from = report.get("checkpoint_sha256")
+    if tested_from is not None and checkpoint_sha256 is not None and tested_from != checkpoint_sha256:
+        raise ReleaseGateError(
+            "RELEASE_REPORT_MISMATCH",
+            f"the release report tested initial checkpoint {str(tested_from)[:12]}..., not the uploaded one "
+            f"{checkpoint_sha256[:12]}... (replaced after `fedfleet plan test`, or from another build); "
+            "deploy the checkpoint the bundle was tested with, or run `fedfleet plan test` on the bundle again",
         )
     if set(versioned) != set(claimed):
         missing, extra = sorted(set(claimed) - set(versioned)), sorted(set(versioned) - set(claimed))

@@ -28,6 +28,7 @@ ids); ``server_stub.release_gate`` checks it at deploy. The judging is pure (:fu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from device_runtime.checkpoint import encode_checkpoint
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan
 from emulator.releases.envs import RuntimeEnvError
@@ -366,6 +368,8 @@ def release_test(
                 extra["evaluates"] = {"task": task.evaluates.name, "plan_sha256": plan_sha256(trained[0])}
             else:
                 run_on = lambda p, w: _run_task(task, p, server, weights, proxy, w)  # noqa: E731
+                # the initial model the predicates were judged from: a deploy with another is not what was tested
+                extra["checkpoint_sha256"] = hashlib.sha256(encode_checkpoint(weights)).hexdigest()
             ref_run = run_on(plan, host)
         except WorkerError as exc:  # the plan itself does not run: no release can be compared with it
             raise ReleaseTestError(

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
 from device_runtime.plan import load_plan, serialize_plan
 from emulator.releases.workers import WorkerPool
 from emulator.toolchain.bundle import BuiltTask, build_bundle, release_test_bundle
@@ -351,3 +353,20 @@ def test_the_server_command_trusts_the_keys_of_its_release_trust_file(tmp_path, 
     assert server_command_exit([*args, "--release-trust", str(trust)]) == 2
     err = capsys.readouterr().err
     assert "line 1" in err and "fedfleet plan keygen" in err
+
+
+@pytest.mark.timeout(1800)
+def test_an_initial_checkpoint_other_than_the_tested_one_is_refused(gated, built):
+    """The predicates were judged from the bundle's initial model: one replaced after `plan test`
+    (a stale file, another task's model of the same shapes, a model that diverges) is not what the
+    signed report vouches for, so the deploy is refused naming both ids, and nothing is stored."""
+    server, admin = gated
+    assert built.report()["checkpoint_sha256"] == resource_id(built.checkpoint)
+    weights = decode_checkpoint(built.checkpoint)
+    diverging = encode_checkpoint({name: np.full_like(w, 50.0) for name, w in weights.items()})
+    payload = body(built)
+    payload["checkpoint"] = base64.b64encode(diverging).decode()
+    err = refused_and_nothing_stored(server, admin, payload)
+    assert err.code == "RELEASE_REPORT_MISMATCH" and "initial checkpoint" in str(err)
+    assert resource_id(built.checkpoint)[:12] in str(err) and resource_id(diverging)[:12] in str(err)
+    admin.deploy_body("digits", body(built))  # the tested one goes through

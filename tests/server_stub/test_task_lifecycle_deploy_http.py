@@ -1,0 +1,68 @@
+"""A task's life after its first deploy, over real HTTP: a checkpoint that does not fit the plan is
+refused naming the task, and a stopped task's committed model goes on as a new task's initial
+checkpoint (how a task is resumed, rolled back or given a new round config: there is no restart of
+a stopped task and no change of a deployed one, by design)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from device_runtime import PlanExecutor, encode_checkpoint, initial_weights
+from server_stub import AdminError, RoundConfig
+from tests.support import digits_plan
+
+ONE_DEVICE = RoundConfig(goal_count=1, over_selection=1.0, min_reports=1, selection_timeout_s=60, report_timeout_s=60)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_task(admin):
+    """Another task's checkpoint (an MLP's weights for a softmax plan) is one line naming the task
+    deployed, as every other refusal of a deploy is, and nothing is stored."""
+    admin.create_population("digits")
+    other = encode_checkpoint(initial_weights(digits_plan("mlp")))
+    with pytest.raises(AdminError) as err:
+        admin.deploy_task("digits", "softmax-v2", digits_plan(), other, ONE_DEVICE)
+    assert err.value.status == 422 and err.value.code == "INVALID_CHECKPOINT"
+    message = str(err.value)
+    assert "task 'softmax-v2'" in message and "another task" in message and "\n" not in message
+    assert admin.status("digits")["tasks"] == []
+
+
+def _report_one(http: httpx.Client, plan) -> None:
+    spec = PlanExecutor(plan).client_update_spec()
+    update = {name: np.full(shape, 0.01, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    update["num_examples"] = np.array(4, dtype=update["num_examples"].dtype)
+    session = http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json()
+    assert session["status"] == "accepted", session
+    r = http.post(
+        f"/v1/sessions/{session['session_id']}/report",
+        content=encode_checkpoint(update),
+        headers={"Authorization": f"Bearer {session['token']}"},
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_task_goes_on_from_its_committed_model_as_a_new_task(server, admin):
+    """Stop, export, deploy again: the new task's round 0 model is the stopped task's committed
+    one, byte for byte, and a round of an earlier model (a roll back) is read by its checkpoint id."""
+    plan = digits_plan()
+    admin.create_population("digits")
+    admin.deploy_task("digits", "v1", plan, encode_checkpoint(initial_weights(plan)), ONE_DEVICE)
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        _report_one(http, plan)
+    deadline = time.monotonic() + 5  # the commit is written just after the report that closes the round
+    while not admin.rounds("digits", "v1") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (first,) = admin.rounds("digits", "v1")
+    assert admin.stop_task("digits", "v1")["committed_rounds"] == 1
+    model, number = admin.model("digits", task="v1")
+    assert number == 1
+    rolled = admin.checkpoint(first["checkpoint_id"])
+    assert all(np.array_equal(model[k], rolled[k]) for k in model)
+    admin.deploy_task("digits", "v1-resumed", plan, encode_checkpoint(model), ONE_DEVICE)
+    resumed, number = admin.model("digits", task="v1-resumed")
+    assert number == 0 and all(np.array_equal(model[k], resumed[k]) for k in model)
