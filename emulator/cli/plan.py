@@ -652,12 +652,27 @@ def _deploy(args: argparse.Namespace, say) -> int:
     check_bundle_path(args.directory)
     with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
         result = deploy_bundle(args.directory, admin, args.population)
-    for task in result.get("tasks", [result]):
+    tasks = result.get("tasks", [result])
+    over = [t for t in tasks if t.get("already_deployed") and t.get("status") in _NOT_RUN_AGAIN]
+    if over:  # the same deploy sent again after its task ended: nothing runs, though the server took it as sent
+        said = ", ".join(f"{t['task']} is {t['status']}" for t in over)
+        print(
+            f"{_command(args)}: population {args.population} has this bundle's tasks already, as they are, and "
+            f"{said}: a task does not run again. To go on from its last committed model, deploy it under a new "
+            "name with that model as its initial checkpoint (docs/tutorials/model-engineer.md, After the deploy)",
+            file=sys.stderr,
+        )
+        return 1
+    for task in tasks:
         say(f"deployed to {redacted_url(args.server)} population {args.population}: {deployed_line(task)}")
     say(
         f"next: fedfleet status --server {redacted_url(args.server)} --population {args.population} (its tasks and open round)"
     )
     return 0
+
+
+#: A task in one of these states has run for good (or never will): deploying it again runs nothing.
+_NOT_RUN_AGAIN = ("stopped", "completed", "retired", "refused")
 
 
 @contextlib.contextmanager

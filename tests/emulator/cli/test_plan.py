@@ -106,6 +106,11 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
         assert "digits_mlp (plan " in (again := capsys.readouterr().out) and "already deployed as it is" in again
         with server.admin() as admin:
             status = admin.status("digits")
+            admin.stop_task("digits", "digits_mlp")
+        assert main(deploy) == 1  # the same bundle again to start it again: said in one line, not "deployed"
+        said = capsys.readouterr()
+        assert said.out == "" and len(said.err.splitlines()) == 1
+        assert "digits_mlp is stopped: a task does not run again" in said.err and "under a new name" in said.err
     assert [t["name"] for t in status["tasks"]] == ["digits_mlp"]
     assert status["active_tasks"][0]["runtimes"] == ["1.15.1", "1.31.1"]
 
