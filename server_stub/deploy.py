@@ -67,8 +67,6 @@ def new_tasks(
         check_name(spec.name, "task")
     if len(set(names)) != len(names):
         raise BadRequest("the tasks of one deploy need distinct names", code="BAD_CONFIG")
-    if store.population_id(population) is None:
-        raise NotFound(f"population {quoted(population)} does not exist; create it first", code="UNKNOWN_POPULATION")
     existing = {t.name: t for t in store.tasks(population)}
     taken = sorted(existing.keys() & set(names))
     if taken and (len(taken) < len(names) or any(existing[s.name].plan_id != resource_id(s.plan) for s in specs)):
@@ -103,6 +101,10 @@ def new_tasks(
         )
         for s in specs
     }
+    # checked last: a client that creates the population on this answer (fedfleet deploy) then knows
+    # the deploy would be taken, and never leaves behind a population whose deploy was refused
+    if store.population_id(population) is None:
+        raise NotFound(f"population {quoted(population)} does not exist; create it first", code="UNKNOWN_POPULATION")
     items = []
     for s in specs:
         release, resources = release_resources(s, releases[s.name])

@@ -35,7 +35,7 @@ from emulator.toolchain.release import release_test, write_report
 from emulator.toolchain.release_signing import sign_report
 from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks, measured_as
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
-from server_stub.admin_client import AdminClient, task_body
+from server_stub.admin_client import AdminClient, AdminError, task_body
 from server_stub.errors import did_you_mean_path
 from server_stub.rounds import RoundConfig
 
@@ -404,8 +404,15 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
                 evaluates=evaluates,
             )
         )
-    if population not in admin.populations():
-        admin.create_population(population)
-    if len(bodies) == 1:
-        return admin.deploy_body(population, bodies[0])
-    return admin.deploy_tasks(population, bodies)
+    send = (
+        (lambda: admin.deploy_body(population, bodies[0]))
+        if len(bodies) == 1
+        else (lambda: admin.deploy_tasks(population, bodies))
+    )
+    try:
+        return send()
+    except AdminError as exc:  # the server checks the tasks first: a refused deploy creates no population
+        if exc.code != "UNKNOWN_POPULATION":
+            raise
+    admin.create_population(population)
+    return send()

@@ -89,6 +89,8 @@ def test_build_test_and_deploy_to_a_server_that_requires_reports(tmp_path, capsy
         )
         assert main(deploy) == 1
         assert "RELEASE_REPORT_UNSIGNED" in capsys.readouterr().err
+        with server.admin() as admin:
+            assert admin.populations() == []  # a refused deploy leaves no population behind
         assert main(["plan", "test", str(out), "--signing-key", str(tester_key)]) == 0
         printed = capsys.readouterr().out
         assert all(
@@ -246,7 +248,7 @@ def test_a_task_group_is_tested_per_variant_and_deployed_only_if_all_pass(tmp_pa
         err = capsys.readouterr().err
         assert "RELEASE_TEST_FAILED" in err and "accuracy_after_4_rounds" in err and "digits_mlp-lr0.1" in err
         with server.admin() as admin:
-            assert admin.status("sweep")["tasks"] == []  # nothing of the group was stored
+            assert admin.populations() == []  # nothing of the group was stored, not even its population
 
 
 @pytest.mark.timeout(1800)
