@@ -788,5 +788,8 @@ def deployed_line(task: dict) -> str:
         line += " already deployed as it is, nothing changed;"
     if task.get("status") == "queued":
         behind = ", ".join(task.get("queued_behind", []))
-        return f"{line} queued behind {behind}; it starts once {behind} completes"
+        return (
+            f"{line} queued behind {behind}; it starts once {behind} completes (reaches its max_rounds: one "
+            "without never does) or is stopped (fedfleet stop --task)"
+        )
     return f"{line} {task.get('status', 'deployed')}"

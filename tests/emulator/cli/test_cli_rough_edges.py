@@ -196,6 +196,9 @@ def test_a_deploy_behind_a_task_that_never_ends_is_said_queued_and_the_status_sh
         assert first["status"] == "active" and "queued_behind" not in first
         assert second["status"] == "queued" and second["queued_behind"] == ["forever"]
         assert "queued behind forever" in deployed_line(second) and "active" in deployed_line(first)
+        assert "or is stopped (fedfleet stop --task)" in deployed_line(
+            second
+        )  # how it starts behind a task that never ends
         status = admin.status("p")
         assert {t["name"]: t["status"] for t in status["tasks"]} == {"forever": "active", "next": "queued"}
         monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
