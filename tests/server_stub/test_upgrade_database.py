@@ -14,30 +14,19 @@ from pathlib import Path
 from emulator.cli import commands as cli
 from server_stub import ServerStore
 from server_stub.persistence import SCHEMA_VERSION
+from tests.server_stub.test_server_database import LAYOUT_1 as LAYOUT_1_TABLES
 
-#: The tables of layout 1 as a server of that layout made them (``git show b54c23e:server_stub/persistence.py``:
-#: no rounds' indexes, no ``pruned_rounds``), stamped 1, with a population and a task.
-LAYOUT_1 = """
-CREATE TABLE schema (id INTEGER NOT NULL, version INTEGER NOT NULL, PRIMARY KEY (id));
-CREATE TABLE populations (id INTEGER NOT NULL, name VARCHAR(128) NOT NULL, created_at FLOAT NOT NULL,
-    PRIMARY KEY (id), UNIQUE (name));
-CREATE TABLE resources (id VARCHAR(64) NOT NULL, kind VARCHAR(16) NOT NULL, data BLOB NOT NULL,
-    created_at FLOAT NOT NULL, PRIMARY KEY (id));
-CREATE TABLE tasks (id INTEGER NOT NULL, population_id INTEGER NOT NULL, name VARCHAR(128) NOT NULL,
-    plan_id VARCHAR(64) NOT NULL, initial_checkpoint_id VARCHAR(64) NOT NULL, config TEXT NOT NULL,
-    status VARCHAR(16) NOT NULL, created_at FLOAT NOT NULL, PRIMARY KEY (id), UNIQUE (population_id, name),
-    FOREIGN KEY(population_id) REFERENCES populations (id), FOREIGN KEY(plan_id) REFERENCES resources (id),
-    FOREIGN KEY(initial_checkpoint_id) REFERENCES resources (id));
-CREATE TABLE rounds (id INTEGER NOT NULL, task_id INTEGER NOT NULL, number INTEGER NOT NULL,
-    attempt INTEGER NOT NULL, status VARCHAR(16) NOT NULL, checkpoint_id VARCHAR(64), metrics TEXT NOT NULL,
-    started_at FLOAT NOT NULL, ended_at FLOAT NOT NULL, PRIMARY KEY (id), FOREIGN KEY(task_id) REFERENCES tasks (id),
-    FOREIGN KEY(checkpoint_id) REFERENCES resources (id));
-INSERT INTO schema VALUES (1, 1);
+#: Layout 1 as a server of that layout made it (``test_server_database.LAYOUT_1``), with a
+#: population, a task and a committed round.
+LAYOUT_1 = (
+    LAYOUT_1_TABLES
+    + """
 INSERT INTO populations VALUES (1, 'digits', 1.0);
 INSERT INTO resources VALUES ('p', 'plan', x'00', 1.0);
 INSERT INTO tasks VALUES (1, 1, 'train', 'p', 'p', '{}', 'active', 1.0);
 INSERT INTO rounds VALUES (1, 1, 1, 1, 'committed', 'p', '{}', 1.0, 2.0);
 """
+)
 
 
 def _server(capsys, *args: str) -> tuple[int, str]:
