@@ -380,12 +380,14 @@ def _left_behind(out: Path | None) -> str:
 
 
 def _say_unfilled(summary: dict, run: str = "") -> None:
-    """On stderr, a run that committed no round or could not fill one, and why (``run``: which
-    run of a sweep, by its parameters)."""
+    """On stderr, a run that committed no round or could not fill one, and why, and each cause its
+    sessions failed by (``failure_notes``; ``run``: which run of a sweep, by its parameters)."""
     if summary.get("rounds") and not summary.get("rounds_committed"):
         print(f"fedfleet simulate: {run}no round committed: {summary.get('round_completion_note')}", file=sys.stderr)
     elif summary.get("cannot_fill"):
         print(f"fedfleet simulate: {run}{summary['cannot_fill']}", file=sys.stderr)
+    for note in summary.get("failure_notes") or ():  # why sessions failed, each cause with its option
+        print(f"fedfleet simulate: {run}{note}", file=sys.stderr)
 
 
 def _remove_failed_run(out: Path, made_out: bool) -> None:

@@ -1017,6 +1017,9 @@ _SUMMARY_ROWS = (
     ("sessions_unfinished", "accepted sessions still under way at the run's end"),
     ("checkins_rejected", "rejected check-ins"),
     ("errors", "sessions ended in an error, by kind"),
+    ("reports_refused", "reports refused, by the server's code"),
+    ("checkins_rejected_by", "check-ins turned away, by the server's reason"),
+    ("sessions_interrupted", "sessions interrupted, by reason"),
     ("sessions_per_wall_s", "accepted sessions per wall second"),
     ("completed_sessions_per_wall_s", "completed sessions per wall second"),
     ("dropout_rate", "drop-out rate"),
@@ -1060,6 +1063,7 @@ _OPTIONAL_ROWS = (
     ("target_accuracy", "target accuracy"),
     ("time_to_target_accuracy_s", "time to target accuracy (simulated s)"),
     ("client_accuracy_percentiles", "per-client accuracy (last evaluation)"),
+    ("chance_accuracy", "accuracy at chance (always the test set's most frequent class)"),
     ("audit_epsilon", "audit: one-shot estimate of epsilon"),
     ("secure_groups", "Secure Aggregation groups (formed, completed, aborted by protocol round, inputs summed)"),
     ("versions", "made with (the digest depends on these releases)"),
@@ -1296,6 +1300,20 @@ def _headline(summary: Mapping[str, Any]) -> str:
     return f'<p class="headline">{html.escape(" ".join(parts))}</p>' if parts else ""
 
 
+def _failures(summary: Mapping[str, Any]) -> str:
+    """The summary's ``failure_notes`` as a list under "Why sessions failed": each cause the run's
+    sessions ended by (a server's code, a device's typed error), its count and the option to change;
+    nothing when none failed but by the fleet's ordinary life."""
+    notes = summary.get("failure_notes") or []
+    if not notes:
+        return ""
+    items = "".join(f"<li>{html.escape(n[0].upper() + n[1:])}.</li>" for n in notes)
+    return (
+        '<h2>Why sessions failed</h2><ul id="failures">'
+        f"{items}</ul><p>The code column of sessions.csv names what ended each session.</p>"
+    )
+
+
 def _privacy_sentences(summary: Mapping[str, Any]) -> list[str]:
     """A DP run's epsilon and, with canaries, the audit's estimate beside it, in words."""
     if summary.get("delta") is None:
@@ -1362,6 +1380,7 @@ def render_html(summary: Mapping[str, Any], figures: list[Figure], run: FleetRun
         "<h1>Fleet simulation report</h1>",
         f"<p>Run digest <code>{html.escape(str(summary['digest']))}</code>.</p>",
         _headline(summary),
+        _failures(summary),
         '<h2>Summary</h2><div class="table-wrap"><table id="summary">',
         "<tr><th>figure</th><th>value</th><th>what it means</th></tr>",
     ]

@@ -139,6 +139,16 @@ class SessionRow(CsvTable):
     ``RoundRow.accepted`` counts it; under Secure Aggregation a device interrupted or killed after
     its masked input went in (shape ``-v[]+!`` or ``-v[]+``) is summed all the same, its masks
     recovered from its peers' shares. False in a table written before the column.
+    ``code``: why the session ended as it did, in the words of whoever ended it: for a refused
+    report (shape ending ``#``, outcome ``report_rejected``) the server's error code
+    (``INVALID_UPDATE``, ``ROUND_CLOSED``, ...; the device's own refusal of an update that is not
+    valid, trained to NaN, is ``INVALID_UPDATE`` as the server's would be); for a rejected check-in
+    the server's reason (``RUNTIME_VERSION_UNSUPPORTED``, ``INELIGIBLE:POLICY``, its pace
+    steering's ``ROUND_FULL`` or ``ROUND_NOT_OPEN`` ...); for an ``error`` the device's typed error (``PlanError``,
+    ``NoExamples``, ``OverBudget``, ``ServerUnreachable`` ...); for an ``interrupted`` session the
+    reason it was stopped (``over the device's training time (600.0 s, max_training_s)``, or
+    ``interrupted`` when its conditions stopped holding). Empty for a completed, killed or
+    unfinished session, and in a table written before the column.
 
     One row per seat: a device that checked in again while the server still held its seat (its app
     killed, say) got that same session back (one of the round's ``selected``), and its row
@@ -165,6 +175,7 @@ class SessionRow(CsvTable):
     local_hour: float
     attempt: int = 0
     summed: bool = False
+    code: str = ""
 
     @property
     def accepted(self) -> bool:

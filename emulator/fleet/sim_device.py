@@ -877,7 +877,7 @@ class SimDevice:
         self.fiber.kill(AppKilled())
 
     # ----------------------------------------------------------------- rows
-    def _row(self, start: float, end: float, shape: str, outcome: str, examples: int) -> SessionRow:
+    def _row(self, start: float, end: float, shape: str, outcome: str, examples: int, code: str = "") -> SessionRow:
         job, meter, spec = self._job, self.transport.meter, self.spec
         return SessionRow(
             device_id=spec.device_id,
@@ -896,6 +896,7 @@ class SimDevice:
             runtime_version=spec.runtime_version,
             device_class=spec.device_class,
             local_hour=round(spec.local_hour(start), 6),
+            code=code,
         )
 
     def _record_row(self, run: JobRun, *, error: bool = False) -> None:
@@ -904,15 +905,17 @@ class SimDevice:
             return
         start, end = run.started_at - sim.epoch, run.ended_at - sim.epoch
         if run.outcome is RunOutcome.NOT_SELECTED:
-            sim.add_session(self._row(start, end, "-", "rejected", 0))
+            sim.add_session(self._row(start, end, "-", "rejected", 0, run.detail))
             return
         events = self.opstats.last_events
         shape = shape_of(events) if events else "*"
         examples = run.session.num_examples if run.session is not None else 0
         outcome = run.outcome.value
+        code = _why_ended(events)
         if run.outcome is RunOutcome.ERROR:
-            sim.count_error(run.detail.split(":", 1)[0] or "error")
-        sim.add_session(self._row(start, end, shape, outcome, examples))
+            code = run.detail.split(":", 1)[0] or "error"
+            sim.count_error(code)
+        sim.add_session(self._row(start, end, shape, outcome, examples, code))
 
     def record_unfinished(self, at: float) -> None:
         """The run ends at ``at`` while the device is in a session (seated, its report not yet
@@ -933,6 +936,16 @@ class SimDevice:
             return
         shape = shape_of(events) if events else "-"
         self.sim.add_session(self._row(self._job.started, now, shape, "app_killed", 0))
+
+
+def _why_ended(events: list[Event]) -> str:
+    """The ``SessionRow.code`` of a session that ended with ``events``: what its last event names
+    (the server's code of a refused report, the reason an interruption gives, the error's type)."""
+    if not events:
+        return ""
+    last = events[-1]
+    key = {"upload_rejected": "code", "interrupted": "reason", "error": "error"}.get(last.kind)
+    return str(last.detail.get(key) or "") if key else ""
 
 
 def _no_memory() -> float:

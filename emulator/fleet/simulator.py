@@ -48,6 +48,7 @@ from .releases import ReleasedPlans, release_tested_plans
 from .secure_fleet import FleetAttestation
 from .sim_device import MIN_INTERVAL_S, STATUS_CHECKING_IN, STATUS_IDLE, STATUS_PARTICIPATING, SimDevice
 from .sim_transport import AsgiCaller, HttpCaller
+from .summary import majority_share
 from .tables import (
     FleetRun,
     RoundRow,
@@ -533,6 +534,7 @@ class FleetSimulator:
             },
             "dp": privacy_figures(trained.rounds.dp, dp_metrics),
             "tasks_completed_s": self._completed_at(rows),
+            "chance_accuracy": majority_share(self._test.get(getattr(self.workload.data, "label", "y"))),
             **self._audit(trained, final, rows),
         }  # what the server ran, for the notes
         rows += unfinished_rounds(rows, self.sessions, self.horizon_s)  # the attempt the run's end cut

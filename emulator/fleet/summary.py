@@ -146,6 +146,263 @@ def shape_counts(sessions: list[SessionRow]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+#: The device's Secure Aggregation outcomes that leave its masked input out of its group's sum
+#: (``device_runtime.secure_client.SecureOutcome``: ``SECAGG_`` and the outcome's name).
+SECAGG_LOST = ("SECAGG_ABORTED", "SECAGG_EXCLUDED", "SECAGG_TIMED_OUT")
+
+#: A check-in turned away for one of these reasons met the server's pace steering or a round's own
+#: turn (full, not open yet, no task, already seated, its policies' verdict first asked for): the
+#: fleet's ordinary life, not a cause the run failed by.
+PACING = frozenset({"ROUND_FULL", "ROUND_NOT_OPEN", "NO_TASK", "ALREADY_SELECTED", "ELIGIBILITY_REQUIRED"})
+
+
+def _most_first(counts: Counter[str]) -> dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def ended_by(sessions: list[SessionRow]) -> dict[str, dict[str, int]]:
+    """What ended the sessions that did not complete, by the code of each (``SessionRow.code``),
+    most frequent first: ``reports_refused`` (the server's code for each report it refused, the
+    device's own refusal of an update that is not valid as ``INVALID_UPDATE``),
+    ``checkins_rejected_by`` (the server's reason for each check-in it turned away, pace steering's
+    ``ROUND_FULL`` and ``ROUND_NOT_OPEN`` included) and ``sessions_interrupted`` (the reason each
+    interrupted session was stopped). Empty in tables written before ``code``, whose rows carry none."""
+    refused: Counter[str] = Counter()
+    rejected: Counter[str] = Counter()
+    interrupted: Counter[str] = Counter()
+    for s in sessions:
+        if not s.code:
+            continue
+        if s.outcome == "report_rejected":
+            refused[s.code] += 1
+        elif s.outcome == "rejected":
+            rejected[s.code] += 1
+        elif s.outcome == "interrupted":
+            interrupted[s.code] += 1
+    return {
+        "reports_refused": _most_first(refused),
+        "checkins_rejected_by": _most_first(rejected),
+        "sessions_interrupted": _most_first(interrupted),
+    }
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
+
+def _num(x: float) -> str:
+    """``x`` as a command line takes it, short: 1e9 rather than 1e+09."""
+    return f"{x:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
+def _which(sessions: list[SessionRow], column: str) -> str:
+    """The values of ``column`` among ``sessions``, most frequent first (at most five named)."""
+    counts = Counter(getattr(s, column) for s in sessions)
+    names = [name for name, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def majority_share(labels: Any) -> float | None:
+    """The accuracy of a model that always answers the most frequent class of ``labels`` (the
+    test set's class ids): what "at chance" means for the run's accuracy. None without labels, or
+    for labels that are not class ids (a regression's numbers)."""
+    import numpy as np
+
+    if labels is None:
+        return None
+    y = np.asarray(labels).reshape(-1)
+    if not y.size or y.dtype.kind not in "iuf" or (y.dtype.kind == "f" and not np.all(np.mod(y, 1) == 0)):
+        return None
+    _, counts = np.unique(y, return_counts=True)
+    return float(counts.max() / y.size)
+
+
+#: A model whose accuracy is within this much of ``majority_share`` learned nothing the noise left.
+AT_CHANCE = 0.05
+
+
+def _at_chance(run: RunTables, summary_accuracy: float | None) -> str | None:
+    """Why a DP run's model is no better than chance: the noise the server (central) or the
+    devices (distributed) add, with the noise multiplier, the clip and the reports a round sums;
+    None without DP, without a measured model, or with one clearly above chance."""
+    dp = run.extra.get("dp")
+    chance = run.extra.get("chance_accuracy")
+    if not dp or dp.get("noise_multiplier") is None or summary_accuracy is None or chance is None:
+        return None
+    if summary_accuracy > chance + AT_CHANCE:
+        return None
+    config = run.config
+    z = dp["noise_multiplier"]
+    clip = f", dp.clip {config.dp.clip:g}" if config is not None else ""
+    goal = f" (task.goal_count {config.task.goal_count})" if config is not None else ""
+    return (
+        f"the last committed model's accuracy {summary_accuracy:.3f} is at chance (always answering the test set's most "
+        f"frequent class scores {chance:.3f}): the DP noise (noise multiplier {z:g}{clip}) swamps the reports a round "
+        f"sums{goal}; lower --noise-multiplier, or sum more reports a round (a larger --goal: the noise on their mean "
+        "falls as they grow), each at a cost in epsilon or devices"
+    )
+
+
+def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
+    """Why the run's sessions failed, one sentence per cause with its count and the option to
+    change, from what the run knows: the code each session ended with (``SessionRow.code``: the
+    server's error code of a refused report or its reason for a rejected check-in, the device's
+    typed error, the reason an interruption gives) and the devices the plan's memory left out.
+    Empty when no session failed but by the fleet's ordinary life: pace steering, a device whose
+    conditions broke now and then, its network lost, a few of its reports late (``[faults]``; fewer
+    than a quarter of the reports sent, or of the sessions accepted). ``unfillable``: no round can
+    fill (:func:`cannot_fill`), so a report comes "late" to a round abandoned for want of devices,
+    which that sentence explains and a longer report window would not change."""
+    sessions: list[SessionRow] = run.sessions
+    config = run.config
+    task = config.task if config is not None else None
+    builtin = task is not None and task.file is None and run.extra.get("task_file") in (None, "built-in")
+    notes: list[str] = []
+    by_code: dict[tuple[str, str], list[SessionRow]] = {}
+    for s in sessions:
+        if s.code:
+            by_code.setdefault((s.outcome, s.code), []).append(s)
+    accepted = sum(1 for s in sessions if s.accepted)
+
+    def refused(code: str) -> list[SessionRow]:
+        return by_code.get(("report_rejected", code), [])
+
+    if invalid := refused("INVALID_UPDATE"):
+        lr = (
+            f"lower task.learning_rate ({_num(task.learning_rate)} now: --sweep learning_rate={_num(task.learning_rate / 1000)}, "
+            "or [task] learning_rate in a fleet config)"
+            if builtin and task is not None
+            else "lower the task file's learning rate (its client optimizer's)"
+        )
+        notes.append(
+            f"{_plural(len(invalid), 'session')} trained an update that is not valid (not finite, as training that "
+            f"diverges leaves it, or not of the model's shapes), refused as INVALID_UPDATE; {lr}"
+        )
+    late = refused("REPORT_LATE")
+    sent = sum(1 for s in sessions if s.shape.endswith(("^", "#")))
+    if (
+        late and len(late) >= sent / 4 and not unfillable
+    ):  # fewer are the fleet's late devices ([faults] late_report_prob)
+        window = f" (task.report_timeout_s = {task.report_timeout_s:g} s from check-in)" if task is not None else ""
+        notes.append(
+            f"{_plural(len(late), 'report')} came after their round's window had closed{window} and "
+            "{} refused (REPORT_LATE); lengthen the window, or make sessions cheaper (task.reference_flops_per_s, "
+            "task.compute_s_per_example, fewer examples or epochs)".format("was" if len(late) == 1 else "were")
+        )
+    lost = {
+        code: len(rows)
+        for (outcome, code), rows in by_code.items()
+        if outcome == "report_rejected" and code in SECAGG_LOST
+    }
+    if lost:
+        total = sum(lost.values())
+        codes = ", ".join(f"{code} {k}" for code, k in _most_first(Counter(lost)).items())
+        notes.append(
+            f"{_plural(total, 'masked input')} {'was' if total == 1 else 'were'} never summed ({codes}): the device's Secure "
+            "Aggregation group aborted (SECAGG_ABORTED: too few masked inputs in time, more than two thirds of the group "
+            "and at least task.secagg_group_size), went on without it (SECAGG_EXCLUDED), or it waited past the protocol's "
+            "time (SECAGG_TIMED_OUT); round_completion_note says what to change for the rounds lost"
+        )
+    for (outcome, code), rows in sorted(by_code.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if outcome == "report_rejected" and code not in ("INVALID_UPDATE", "REPORT_LATE", *SECAGG_LOST):
+            notes.append(
+                f"{_plural(len(rows), 'report')} {'was' if len(rows) == 1 else 'were'} refused by the server ({code}); "
+                "sessions.csv's code column names each"
+            )
+    for code in ("RUNTIME_VERSION_UNSUPPORTED", "RUNTIME_VERSION_NOT_CLAIMED"):
+        if turned := by_code.get(("rejected", code)):
+            devices = len({s.device_id for s in turned})
+            notes.append(
+                f"{_plural(devices, 'device')} on onnxruntime {_which(turned, 'runtime_version')} "
+                f"{'was' if devices == 1 else 'were'} turned away {_plural(len(turned), 'time')} ({code}): "
+                + (
+                    "their release is outside the plan's runtime versions (its opset sets the oldest release that "
+                    "runs it); build the task at a lower opset (a task file's Task.opset), or serve each release its "
+                    "own versioned plan ([fleet] real_runtimes = true)"
+                    if code == "RUNTIME_VERSION_UNSUPPORTED"
+                    else "the task's versioned plans cover no plan for their release; add it to the task's "
+                    "release tests (a task file's Task.runtimes)"
+                )
+            )
+    ineligible = [
+        rows for (outcome, code), rows in by_code.items() if outcome == "rejected" and code.startswith("INELIGIBLE")
+    ]
+    if ineligible:
+        rows = [s for group in ineligible for s in group]
+        reasons = ", ".join(sorted({s.code for s in rows}))
+        devices = len({s.device_id for s in rows})
+        notes.append(
+            f"{_plural(devices, 'device')} {'was' if devices == 1 else 'were'} turned away as ineligible "
+            f"{_plural(len(rows), 'time')} ({reasons}): they fail the policies the server names (min_examples: fewer "
+            "examples in their stores than the task asks for); give the devices more examples ([data] examples_min, "
+            "examples_median), or deploy the task with less asked of them (its EligibilityPolicies)"
+        )
+    for (outcome, code), rows in sorted(by_code.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if outcome == "rejected" and code not in PACING and not code.startswith(("INELIGIBLE", "RUNTIME_VERSION_")):
+            notes.append(
+                f"{_plural(len(rows), 'check-in')} {'was' if len(rows) == 1 else 'were'} turned away by the server ({code})"
+            )
+    errors = {code: rows for (outcome, code), rows in by_code.items() if outcome == "error"}
+    for code, rows in sorted(errors.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        n = _plural(len(rows), "session")
+        where = f"on onnxruntime {_which(rows, 'runtime_version')} ({_which(rows, 'device_class')} devices)"
+        if code == "PlanError":
+            notes.append(
+                f"{n} failed {where} with PlanError: the device could not load or run the plan, or feed it its "
+                "examples (a feature of another shape or type than the plan's inputs); check the task file against the "
+                "data (fedfleet plan test on the releases named)"
+            )
+        elif code == "OverBudget":
+            notes.append(
+                f"{n} ended on {_which(rows, 'device_class')} devices with OverBudget: the plan needs more memory or training time than those devices "
+                "give; make the model or task.batch_size smaller, or leave the classes out (a higher fleet.min_memory_mb)"
+            )
+        elif code == "NoExamples":
+            notes.append(
+                f"{n} ended {where} with NoExamples: the plan's example selector matched none of the device's "
+                "examples; check its collection and criteria against the data"
+            )
+        elif code == "ServerUnreachable":  # the devices' network outages: [faults] network_lost_per_h
+            continue
+        else:
+            notes.append(f"{n} ended {where} with {code}; sessions.csv's code column names each")
+    over = [
+        rows
+        for (outcome, code), rows in by_code.items()
+        if outcome == "interrupted" and code.startswith(("over the device's training time", "over time budget"))
+    ]
+    if over:
+        rows = [s for group in over for s in group]
+        limits = "; ".join(sorted({s.code for s in rows}))
+        longer = (
+            "or give the plan a longer time budget"
+            if any(s.code.startswith("over time budget") for s in rows)
+            else "or lengthen task.report_timeout_s (the devices' max_training_s is the longer of 600 s and the "
+            "report window)"
+        )
+        notes.append(
+            f"{_plural(len(rows), 'session')} trained past {'its' if len(rows) == 1 else 'their'} time limit and "
+            f"{'was' if len(rows) == 1 else 'were'} stopped, reporting nothing ({limits}); make sessions cheaper "
+            f"(task.reference_flops_per_s, task.compute_s_per_example, fewer examples or epochs), {longer}"
+        )
+    broke = len(by_code.get(("interrupted", "interrupted"), []))
+    if broke and broke >= accepted / 4:
+        notes.append(
+            f"{_plural(broke, 'session')} of {accepted:,} accepted {'was' if broke == 1 else 'were'} interrupted when "
+            "their devices' conditions stopped holding (idle, charging, unmetered: [availability], [faults] "
+            "conditions_change_per_h); shorter sessions (fewer examples or epochs) finish more often"
+        )
+    chance = _at_chance(run, _last_accuracy(run.rounds))
+    if chance is not None:
+        notes.append(chance)
+    if run.devices_short_of_memory:
+        notes.append(
+            f"{_plural(run.devices_short_of_memory, 'device')} above fleet.min_memory_mb cannot hold the plan in "
+            "memory and took no part; make the model or task.batch_size smaller"
+        )
+    return notes
+
+
 def round_config(task: Any) -> RoundConfig:
     """The server's round configuration of ``task``: a ``RoundConfig`` as it is, or the fleet's
     ``[task]`` (a ``TaskSection``) as the simulated server is given it."""
@@ -299,7 +556,8 @@ def completion_note(
     elif short:
         reasons.append(
             f"{short} closed their selection window (task.selection_timeout_s = {task.selection_timeout_s:g} s) "
-            f"with fewer than the {threshold} devices a commit needs, for lack of check-ins; simulate more "
+            f"with fewer than the {threshold} devices a commit needs, for lack of check-ins"
+            f"{_failed_by(summary, checkins=True)}; simulate more "
             f"--devices, a smaller --goal, or a longer window (--sweep selection_timeout_s={4 * task.selection_timeout_s:g}, "
             "or [task] selection_timeout_s in a fleet config)"
         )
@@ -316,12 +574,16 @@ def completion_note(
         shapes = summary.get("shapes", {})
         trained = {shape: n for shape, n in shapes.items() if shape.startswith("-v[]+")}
         late = sum(n for shape, n in trained.items() if shape.endswith("#"))  # of those that trained
+        refused = summary.get("reports_refused") or {}
+        if refused:  # the server's codes say which refusals were late ones (INVALID_UPDATE is not)
+            late = min(late, refused.get("REPORT_LATE", 0))
         trained_n = sum(trained.values())
         if trained_n and late >= trained_n / 4:
             reasons.append(
                 f"{rest} had too few reports in time ({counts}): {late} of the {trained_n} sessions that trained reported after "
                 f"their round's window closed (task.report_timeout_s = {task.report_timeout_s:g} s from check-in); "
                 "lengthen it, or make sessions cheaper (raise task.reference_flops_per_s or set task.compute_s_per_example)"
+                f"{_failed_by(summary)}"
             )
         else:
             stopped = shapes.get("-v[!", 0)  # interrupted while training
@@ -334,10 +596,41 @@ def completion_note(
                 else ""
             )
             reasons.append(
-                f"{rest} had too few reports in time (each needs {threshold}; {counts}{interrupted}); see "
-                "rounds.csv and sessions.csv"
+                f"{rest} had too few reports in time (each needs {threshold}; {counts}{interrupted}"
+                f"{_failed_by(summary)}); see rounds.csv and sessions.csv"
             )
     return f"{head}: " + "; ".join(reasons)
+
+
+def _failed_by(summary: dict[str, Any], checkins: bool = False) -> str:
+    """The causes beyond the fleet's ordinary life that sessions ended by, as a clause of
+    :func:`completion_note` ("; the server turned away 40 check-ins as RUNTIME_VERSION_UNSUPPORTED
+    (failure_notes say why)"), "" when there are none: with ``checkins``, the server's reasons for
+    the check-ins it turned away (not pace steering's, ``PACING``); else the codes of the reports it
+    refused (not ``REPORT_LATE``, which the note names itself) and the devices' errors (not
+    ``ServerUnreachable``, the fleet's network faults)."""
+
+    def each(counts: dict[str, int], what: str) -> list[str]:
+        return [f"{n} {what}{'' if n == 1 else 's'} as {code}" for code, n in counts.items()]
+
+    if checkins:
+        turned = {c: n for c, n in (summary.get("checkins_rejected_by") or {}).items() if c not in PACING}
+        parts = [f"the server turned away {p}" for p in [", ".join(each(turned, "check-in"))] if turned]
+    else:
+        refused = {c: n for c, n in (summary.get("reports_refused") or {}).items() if c != "REPORT_LATE"}
+        errors = {c: n for c, n in (summary.get("errors") or {}).items() if c != "ServerUnreachable"}
+        parts = [f"the server refused {', '.join(each(refused, 'report'))}"] if refused else []
+        parts += (
+            [
+                ", ".join(
+                    f"{n} session{'' if n == 1 else 's'} ended in {code}"
+                    for code, n in _most_first(Counter(errors)).items()
+                )
+            ]
+            if errors
+            else []
+        )
+    return f"; {', and '.join(parts)} (failure_notes say why)" if parts else ""
 
 
 def _lost_groups(stats: dict | None) -> bool:
@@ -564,6 +857,9 @@ def summarize(run: RunTables) -> dict[str, Any]:
     - ``sessions`` (every check-in), ``sessions_accepted`` (as many as the rounds' ``selected``),
       ``sessions_completed`` (upload completed), ``sessions_unfinished`` (accepted, cut by the
       run's end: still training or reporting), ``checkins_rejected``; ``errors``: sessions that ended in an error, by kind;
+      ``reports_refused``, ``checkins_rejected_by``, ``sessions_interrupted``: the sessions by the code
+      that ended them (see :func:`ended_by`); ``failure_notes``: why sessions failed, one sentence per
+      cause with its count and the option to change (see :func:`failure_notes`);
       ``bytes_down``, ``bytes_up``;
     - ``devices_short_of_memory``: devices whose memory cannot hold a plan the fleet serves (a training or an evaluation task's; they took no part);
       ``plan_cost``: the plan's FLOPs per example, parameters (the trained values, as the toolchain
@@ -578,7 +874,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
       while one still ran at the end;
     - ``target_accuracy``: the run's ``[task] target_accuracy`` (``--target-accuracy``), null without one;
       ``time_to_target_accuracy_s``: see :func:`time_to_target_accuracy_s` (null without a target);
-      ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
+      ``chance_accuracy`` (the accuracy of always answering the test set's most frequent class, see
+      :func:`majority_share`), ``client_accuracy_percentiles`` (p10/p50/p90 over the test clients of the last measured
       model), ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``: from the
       simulator (``FleetRun.extra``; null when it did not measure them);
     - ``simulated_s``, ``wall_s``, ``sim_s_per_wall_s``, ``sessions_per_wall_s`` (accepted
@@ -628,6 +925,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "sessions_unfinished": len(accepted) - finished,
         "checkins_rejected": len(sessions) - len(accepted),
         "errors": dict(run.errors),
+        **ended_by(sessions),
         "bytes_down": sum(s.bytes_down for s in sessions),
         "bytes_up": sum(s.bytes_up for s in sessions),
         "devices_short_of_memory": run.devices_short_of_memory,
@@ -641,6 +939,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
             key: run.extra.get(key)
             for key in (
                 "tasks_completed_s",
+                "chance_accuracy",
                 "client_accuracy_percentiles",
                 "task_file",
                 "tasks",
@@ -657,6 +956,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "versions": versions(),
     }
     summary["round_completion_note"] = completion_note(summary, rounds, task, run.extra.get("secure_rounds"))
+    summary["failure_notes"] = failure_notes(run, unfillable is not None)
     secure = run.extra.get("secure_rounds")
     summary["secure_groups"] = secure_groups(secure) if secure else None
     gaps = round_gaps(rounds, run.timeline, span_s, task, run.extra.get("tasks_completed_s")) if rounds else []
@@ -680,6 +980,12 @@ def privacy(run: RunTables) -> dict[str, Any]:
         out["audit_reports"] = run.extra.get("audit_reports")
         out["audit_epsilon"] = run.extra.get("audit_epsilon")
     return out
+
+
+def _last_accuracy(rounds: list[RoundRow]) -> float | None:
+    """The accuracy of the last committed round that measured one (the summary's ``accuracy``)."""
+    measured = [r.accuracy for r in rounds if r.committed and math.isfinite(r.accuracy)]
+    return float(measured[-1]) if measured else None
 
 
 def _target_accuracy(run: RunTables) -> float | None:

@@ -77,7 +77,7 @@ class FleetRun:
     simulated_s: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
     #: What the simulator measured beyond the tables (the summary's ``client_accuracy_percentiles``,
-    #: ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``).
+    #: ``task_file``, ``tasks``, ``data``, ``data_clients``, ``devices_per_client``, ``chance_accuracy``).
     extra: dict[str, Any] = field(default_factory=dict)
     devices_short_of_memory: int | None = None
     plan_cost: dict[str, Any] | None = None
