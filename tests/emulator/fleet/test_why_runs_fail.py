@@ -138,6 +138,7 @@ def test_sessions_stopped_at_the_training_limit_say_so_with_the_limit():
     assert limit in note and "task.compute_s_per_example" in note
 
 
+@pytest.mark.slow
 def test_dp_noise_that_leaves_the_model_at_chance_says_so_with_the_noise_and_the_options():
     config = _config(fleet={"hours": 0.5}, dp={"mode": "central", "noise_multiplier": 20.0})
     run = simulate(config, progress=False)
@@ -222,6 +223,25 @@ def test_secure_aggregation_outcomes_are_one_sentence_with_each_code_counted():
 
     (note,) = failure_notes(Run())  # type: ignore[arg-type]
     assert note.startswith("4 masked inputs were never summed (SECAGG_ABORTED 3, SECAGG_TIMED_OUT 1)")
+
+
+def test_a_dp_model_is_said_to_be_at_chance_only_when_it_is():
+    """The light twin of the DP fleet's test (marked slow): the noise is named as the cause only
+    when the last committed model is within ``AT_CHANCE`` of always answering the commonest class."""
+
+    def notes(accuracy: float, dp: dict | None) -> list[str]:
+        class Run:
+            sessions: list = []
+            config = None
+            extra = {"dp": dp, "chance_accuracy": 0.103}
+            devices_short_of_memory = 0
+            rounds = [RoundRow("t/1/1", "t", 0.0, 1.0, True, 8, 8, 8, 0, 1.0, accuracy, 1.0)]
+
+        return failure_notes(Run())  # type: ignore[arg-type]
+
+    (note,) = notes(0.1, {"noise_multiplier": 20.0})
+    assert note.startswith("the last committed model's accuracy 0.100 is at chance") and "noise multiplier 20" in note
+    assert notes(0.7, {"noise_multiplier": 20.0}) == [] and notes(0.1, None) == []  # learned; or no DP to blame
 
 
 def test_reports_late_to_rounds_that_cannot_fill_are_not_told_to_lengthen_the_window():
