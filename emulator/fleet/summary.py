@@ -243,6 +243,13 @@ def _at_chance(run: RunTables, summary_accuracy: float | None) -> str | None:
     )
 
 
+#: The server's codes for a report that came after its round's window: ``REPORT_LATE``, and
+#: ``BAD_SESSION_TOKEN`` for one so late that the server no longer kept its session (it keeps those
+#: of the open rounds and of the last closed one); a fleet has no other device that sends a token
+#: the server does not know.
+LATE = ("REPORT_LATE", "BAD_SESSION_TOKEN")
+
+
 def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
     """Why the run's sessions failed, one sentence per cause with its count and the option to
     change, from what the run knows: the code each session ended with (``SessionRow.code``: the
@@ -278,7 +285,8 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
             f"{_plural(len(invalid), 'session')} trained an update that is not valid (not finite, as training that "
             f"diverges leaves it, or not of the model's shapes), refused as INVALID_UPDATE; {lr}"
         )
-    late = refused("REPORT_LATE")
+    late = [s for code in LATE for s in refused(code)]
+    forgotten = len(refused("BAD_SESSION_TOKEN"))
     sent = sum(1 for s in sessions if s.shape.endswith(("^", "#")))
     if (
         late and len(late) >= sent / 4 and not unfillable
@@ -286,8 +294,14 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
         window = f" (task.report_timeout_s = {task.report_timeout_s:g} s from check-in)" if task is not None else ""
         notes.append(
             f"{_plural(len(late), 'report')} came after their round's window had closed{window} and "
-            "{} refused (REPORT_LATE); lengthen the window, or make sessions cheaper (task.reference_flops_per_s, "
-            "task.compute_s_per_example, fewer examples or epochs)".format("was" if len(late) == 1 else "were")
+            "{} refused (REPORT_LATE{}); lengthen the window, or make sessions cheaper (task.reference_flops_per_s, "
+            "task.compute_s_per_example, fewer examples or epochs)".format(
+                "was" if len(late) == 1 else "were",
+                f"; BAD_SESSION_TOKEN for {forgotten}, whose rounds had closed before the last one, so that the "
+                "server no longer kept their sessions"
+                if forgotten
+                else "",
+            )
         )
     lost = {
         code: len(rows)
@@ -304,7 +318,7 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
             "time (SECAGG_TIMED_OUT); round_completion_note says what to change for the rounds lost"
         )
     for (outcome, code), rows in sorted(by_code.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        if outcome == "report_rejected" and code not in ("INVALID_UPDATE", "REPORT_LATE", *SECAGG_LOST):
+        if outcome == "report_rejected" and code not in ("INVALID_UPDATE", *LATE, *SECAGG_LOST):
             notes.append(
                 f"{_plural(len(rows), 'report')} {'was' if len(rows) == 1 else 'were'} refused by the server ({code}); "
                 "sessions.csv's code column names each"
@@ -576,7 +590,7 @@ def completion_note(
         late = sum(n for shape, n in trained.items() if shape.endswith("#"))  # of those that trained
         refused = summary.get("reports_refused") or {}
         if refused:  # the server's codes say which refusals were late ones (INVALID_UPDATE is not)
-            late = min(late, refused.get("REPORT_LATE", 0))
+            late = min(late, sum(refused.get(code, 0) for code in LATE))
         trained_n = sum(trained.values())
         if trained_n and late >= trained_n / 4:
             reasons.append(
@@ -607,7 +621,7 @@ def _failed_by(summary: dict[str, Any], checkins: bool = False) -> str:
     :func:`completion_note` ("; the server turned away 40 check-ins as RUNTIME_VERSION_UNSUPPORTED
     (failure_notes say why)"), "" when there are none: with ``checkins``, the server's reasons for
     the check-ins it turned away (not pace steering's, ``PACING``); else the codes of the reports it
-    refused (not ``REPORT_LATE``, which the note names itself) and the devices' errors (not
+    refused (not the late ones, ``LATE``, which the note names itself) and the devices' errors (not
     ``ServerUnreachable``, the fleet's network faults)."""
 
     def each(counts: dict[str, int], what: str) -> list[str]:
@@ -617,7 +631,7 @@ def _failed_by(summary: dict[str, Any], checkins: bool = False) -> str:
         turned = {c: n for c, n in (summary.get("checkins_rejected_by") or {}).items() if c not in PACING}
         parts = [f"the server turned away {p}" for p in [", ".join(each(turned, "check-in"))] if turned]
     else:
-        refused = {c: n for c, n in (summary.get("reports_refused") or {}).items() if c != "REPORT_LATE"}
+        refused = {c: n for c, n in (summary.get("reports_refused") or {}).items() if c not in LATE}
         errors = {c: n for c, n in (summary.get("errors") or {}).items() if c != "ServerUnreachable"}
         parts = [f"the server refused {', '.join(each(refused, 'report'))}"] if refused else []
         parts += (

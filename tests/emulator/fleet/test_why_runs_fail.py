@@ -208,6 +208,39 @@ def test_a_plan_the_devices_cannot_load_or_feed_is_named_with_the_releases_and_c
     assert notes[0].startswith("2 sessions failed on onnxruntime 1.15.1, 1.16.3 (low devices) with PlanError")
 
 
+def test_a_report_so_late_that_the_server_forgot_its_session_is_counted_as_late():
+    """The server keeps the sessions of its open rounds and of the last closed one: a report later
+    than that is answered BAD_SESSION_TOKEN, which the notes gave as a refusal of its own ("refused by
+    the server (BAD_SESSION_TOKEN)") beside the late ones, as if a device had sent a forged token."""
+
+    class Run:
+        sessions = [
+            *(_row("REPORT_LATE", "report_rejected", shape="-v[]+#") for _ in range(3)),
+            _row("BAD_SESSION_TOKEN", "report_rejected", shape="-v[]+#"),
+            _row("", "completed", shape="-v[]+^"),
+        ]
+        config = _config()
+        extra: dict = {}
+        devices_short_of_memory = 0
+        rounds: list = []
+
+    notes = failure_notes(Run())  # type: ignore[arg-type]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("4 reports came after their round's window had closed"), notes
+    assert "BAD_SESSION_TOKEN for 1, whose rounds had closed before the last one" in notes[0]
+    task = _config().task
+    lost = RoundRow("t/1/1", "t", 0.0, 200.0, False, 8, 8, 2, 0, 200.0, math.nan, math.nan, outcome="abandoned")
+    summary = {
+        "shapes": {"-v[]+#": 6, "-v[]+^": 2},
+        "sessions_accepted": 8,
+        "errors": {},
+        "reports_refused": {"REPORT_LATE": 4, "BAD_SESSION_TOKEN": 2},
+    }
+    note = completion_note(summary, [lost], task)
+    assert "6 of the 8 sessions that trained reported after their round's window closed" in note, note
+    assert "BAD_SESSION_TOKEN" not in note
+
+
 def test_secure_aggregation_outcomes_are_one_sentence_with_each_code_counted():
     """The light twin of the secure fleet's test (marked slow): its devices' outcomes from rows."""
 
