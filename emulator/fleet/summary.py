@@ -257,7 +257,8 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
     typed error, the reason an interruption gives) and the devices the plan's memory left out.
     Empty when no session failed but by the fleet's ordinary life: pace steering, a device whose
     conditions broke now and then, its network lost, a few of its reports late (``[faults]``; fewer
-    than a quarter of the reports sent, or of the sessions accepted). ``unfillable``: no round can
+    than a quarter of the reports sent, or of the sessions accepted), its slowest devices stopped at
+    their training time limit (fewer than one in twenty sessions accepted). ``unfillable``: no round can
     fill (:func:`cannot_fill`), so a report comes "late" to a round abandoned for want of devices,
     which that sentence explains and a longer report window would not change."""
     sessions: list[SessionRow] = run.sessions
@@ -385,8 +386,8 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
         for (outcome, code), rows in by_code.items()
         if outcome == "interrupted" and code.startswith(("over the device's training time", "over time budget"))
     ]
-    if over:
-        rows = [s for group in over for s in group]
+    rows = [s for group in over for s in group]
+    if rows and len(rows) >= accepted / 20:  # fewer are the fleet's slowest devices at their limit
         limits = "; ".join(sorted({s.code for s in rows}))
         longer = (
             "or give the plan a longer time budget"

@@ -138,6 +138,25 @@ def test_sessions_stopped_at_the_training_limit_say_so_with_the_limit():
     assert limit in note and "task.compute_s_per_example" in note
 
 
+def test_a_few_slow_devices_at_their_time_limit_are_the_fleets_ordinary_life_not_a_failure():
+    """A default 2,000-device run printed "2 sessions trained past their time limit" of its thousands."""
+    limit = "over the device's training time (600.0 s, max_training_s)"
+    done = [_row("", "completed", shape="-v[]+^") for _ in range(40)]
+
+    def notes(stopped: int) -> list[str]:
+        class Run:
+            sessions = [*done, *(_row(limit, "interrupted", shape="-v[!") for _ in range(stopped))]
+            config = _config()
+            extra: dict = {}
+            devices_short_of_memory = 0
+            rounds: list = []
+
+        return failure_notes(Run())  # type: ignore[arg-type]
+
+    assert notes(1) == []  # 1 of 41 accepted
+    assert len(notes(3)) == 1 and notes(3)[0].startswith("3 sessions trained past their time limit")
+
+
 @pytest.mark.slow
 def test_dp_noise_that_leaves_the_model_at_chance_says_so_with_the_noise_and_the_options():
     config = _config(fleet={"hours": 0.5}, dp={"mode": "central", "noise_multiplier": 20.0})
