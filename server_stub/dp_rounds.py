@@ -110,17 +110,23 @@ def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
 
 
 #: The toolchain's names for a client optimizer's state held as plan weights (``adam_step``,
-#: ``<weight>.adam_m``, ``<weight>.adam_v``, ``<weight>.momentum``; ``emulator.toolchain.optimizers``).
-_OPTIMIZER_STATE = re.compile(r"(?:^|\.)(?:adam_step|adam_m|adam_v|momentum)$")
+#: ``<weight>.adam_m``, ``<weight>.adam_v``, ``<weight>.momentum``; ``emulator.toolchain.optimizers``),
+#: with the ``__<n>`` its emitter adds to a name the model already uses.
+_OPTIMIZER_STATE = re.compile(r"(?:(?P<weight>.+)\.(?:adam_m|adam_v|momentum)|adam_step)(?:__\d+)?")
 
 
 def client_optimizer_state(weight_names: Iterable[str]) -> list[str]:
-    """The plan weights that hold a client optimizer's state rather than the model's.
+    """The plan weights that hold a client optimizer's state rather than the model's: ``adam_step``
+    and the moments or momentum of another of the plan's weights (a model's own weight called
+    ``momentum`` or ``head.momentum`` is the model's).
 
     DP-FedAvg (McMahan et al. 2018; TFF's and Flower's DP aggregators) clips and noises the model's
     change alone, with clients that run SGD or start their optimizer afresh each round; a plan whose
     update carries the optimizer's state would put it in the clipped norm and the noised sum."""
-    return [w for w in weight_names if _OPTIMIZER_STATE.search(w)]
+    names = list(weight_names)
+    model = set(names) | {w.replace("/", "_") for w in names}  # a fresh name's "/" is "_"
+    found = (_OPTIMIZER_STATE.fullmatch(w) for w in names)
+    return [m.string for m in found if m and (m["weight"] is None or m["weight"] in model)]
 
 
 def count_stddev(dp: DPConfig, goal_count: int) -> float:

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from onnx import helper
 
 from device_runtime import PlanExecutor
 from emulator.toolchain import SGD, Adam, Momentum, initial_weights_from_onnx, training_plan_from_onnx
@@ -19,14 +20,14 @@ from server_stub import DPConfig, RoundConfig
 from server_stub import central_dp as cdp
 from server_stub.dp_rounds import CentralRound, TaskDP, check_deploy, client_optimizer_state
 from server_stub.errors import BadRequest
-from tests.emulator.toolchain.models import mlp
+from tests.emulator.toolchain.models import F, glorot, mlp, model
 
 SOURCE = mlp(5, 4, 3, seed=1)
 
 
-def _plan(optimizer):
+def _plan(optimizer, source=SOURCE):
     return training_plan_from_onnx(
-        SOURCE,
+        source,
         label="y",
         loss="cross_entropy",
         optimizer=optimizer,
@@ -55,6 +56,29 @@ def test_a_dp_task_of_an_sgd_plan_is_taken():
     plan = _plan(SGD(0.1))
     assert client_optimizer_state(plan.weight_names) == []
     check_deploy("t", plan, RoundConfig(goal_count=10, dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0)))
+
+
+def test_a_models_own_weight_named_momentum_is_the_models_and_its_sgd_dp_task_is_taken():
+    """A model's weights called ``momentum`` and ``head.momentum`` (an SGD plan's, no optimizer
+    state at all) were refused at deploy as its client optimizer's state."""
+    rng = np.random.default_rng(0)
+    names = ("encoder.weight", "momentum", "head.momentum", "head.bias")
+    source = model(
+        [
+            helper.make_node("Gemm", ["x", names[0], names[1]], ["z0"]),
+            helper.make_node("Relu", ["z0"], ["a0"]),
+            helper.make_node("Gemm", ["a0", names[2], names[3]], ["logits"]),
+        ],
+        [helper.make_tensor_value_info("x", F, ["N", 5])],
+        [helper.make_tensor_value_info("logits", F, ["N", 3])],
+        dict(zip(names, [glorot(rng, 5, 4), np.zeros(4, np.float32), glorot(rng, 4, 3), np.zeros(3, np.float32)])),
+    )
+    config = RoundConfig(goal_count=10, dp=DPConfig(mode="central", noise_multiplier=1.0, clip=1.0))
+    plan = _plan(SGD(0.1), source)
+    assert client_optimizer_state(plan.weight_names) == []
+    check_deploy("t", plan, config)
+    state = client_optimizer_state(_plan(Momentum(0.1), source).weight_names)
+    assert sorted(state) == sorted(f"{w}.momentum" for w in names)
 
 
 def test_what_the_refusal_prevents_a_noised_adam_state_makes_the_next_round_nan():
