@@ -151,7 +151,8 @@ def join_chunks(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         try:
             joined[k] = np.concatenate([p[k] for p in parts])
         except ValueError:  # numpy's words name no tensor: sequences of varied length in one store, say
-            shapes = " and ".join(str(s) for s in dict.fromkeys(p[k].shape[1:] for p in parts))
+            seen = list(dict.fromkeys(p[k].shape[1:] for p in parts))
+            shapes = " and ".join(str(s) for s in seen[:3]) + (f" and {len(seen) - 3} more" if len(seen) > 3 else "")
             raise PlanError(
                 f"example tensor {k!r} holds examples of shape {shapes}, which no batch stacks; store its examples "
                 "at one shape (pad sequences to one length)"

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
+from device_runtime.batching import join_chunks
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import PlanError
 from device_runtime.plan_builder import initial_weights
@@ -238,3 +239,14 @@ def test_sequences_of_varied_length_are_refused_naming_the_tensor_and_its_shapes
         executor.run_device(weights, executor.batches_from_examples(lambda: examples, batched=False))
     same = [{"tokens": np.arange(5) % 20, "y": np.int64(k % 3)} for k in range(6)]
     assert executor.run_device(weights, executor.batches_from_examples(lambda: same, batched=False)).num_examples == 6
+
+
+def test_sequences_of_many_lengths_are_refused_in_a_line_naming_three_of_them():
+    """Every length was listed: 400 lengths in a shuffle's buffer made a message of 4,400 characters."""
+    parts = [{"tokens": (np.arange(n) % 20)[None], "y": np.array([n % 3])} for n in range(1, 401)]
+    with pytest.raises(PlanError) as refused:
+        join_chunks(parts)
+    assert str(refused.value).startswith(
+        "example tensor 'tokens' holds examples of shape (1,) and (2,) and (3,) and 397 more, which no batch"
+    )
+    assert len(str(refused.value)) < 200
