@@ -338,9 +338,11 @@ class PlanExecutor(ServerOps):
                     if not finite:
                         # a step's NaN or infinite loss makes an update no one may send: the batch's
                         # own NaN or infinite values are the data's fault, said here; else training
-                        # diverged, and it stops here rather than train on to an update it drops
+                        # diverged, and it stops here rather than train on to an update it drops.
+                        # An evaluation goes on: its other batches' metrics and count are still true
                         _refuse_non_finite(feeds, plan.device.inputs, step - 1)
-                        break
+                        if train:
+                            break
                 else:
                     continue
                 break

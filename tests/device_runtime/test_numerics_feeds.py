@@ -19,7 +19,7 @@ from device_runtime.batching import join_chunks
 from device_runtime.executor import PlanExecutor
 from device_runtime.plan import PlanError
 from device_runtime.plan_builder import initial_weights
-from emulator.toolchain import SGD, initial_weights_from_onnx, training_plan_from_onnx
+from emulator.toolchain import SGD, evaluation_plan_from_onnx, initial_weights_from_onnx, training_plan_from_onnx
 from example_store import ExampleSelector
 from tests.device_runtime.test_executor import _plan
 from tests.emulator.toolchain.models import mlp
@@ -201,6 +201,22 @@ def test_training_that_diverges_stops_at_its_first_non_finite_step_and_its_updat
     healthy = _Counted(rng.normal(size=(20, 4)), np.arange(20) % 3)
     FLOAT.validate_update(FLOAT.run_device(FLOAT_WEIGHTS, healthy).update)
     assert healthy.taken == 5
+
+
+def test_an_evaluation_whose_loss_overflows_in_one_batch_goes_on_and_counts_every_example():
+    """A finite label of 1e30 overflows the squared error in float32: the evaluation stopped at
+    that batch and reported 8 of its 20 examples, as if the others were not there."""
+    tp = REGRESSION.plan
+    ep = evaluation_plan_from_onnx(
+        mlp(4, 5, 3), label="y", loss="mse", batch_size=4, example_selector=SELECTOR, training_plan=tp
+    )
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype(np.float32), rng.normal(size=(20, 3)).astype(np.float32)
+    y[5] = 1e30
+    batches = _Counted(x, y)
+    result = PlanExecutor(ep).run_device(REGRESSION_WEIGHTS, batches)
+    assert batches.taken == 5 and result.num_examples == 20 and result.metrics["count"] == 20
+    assert not np.isfinite(result.metrics["loss_sum"])
 
 
 def _sequences() -> tuple[PlanExecutor, dict]:
