@@ -202,11 +202,13 @@ class PlanExecutor(ServerOps):
     @functools.cached_property
     def _builder_labels(self) -> str | None:
         """``y`` where it holds the class ids of a plan that records none in ``class_ids``
-        (``plan_builder``'s plans, and plans written before the field existed): an integer input
-        ``y`` of a plan without ``class_ids``. A model's input named ``y`` beside the toolchain's
-        own label input, which ``class_ids`` names, is a feature like any other."""
+        (``plan_builder``'s plans, and plans written before the field existed): the integer input
+        ``y`` of a plan without ``class_ids`` whose inputs are the builder's ``x`` and ``y``. A
+        model's input named ``y`` beside the toolchain's own label input (``label``, which
+        ``class_ids`` names for cross-entropy and nothing names for mse or binary cross-entropy) is
+        a feature like any other."""
         inputs, _ = self._work_specs()
-        if self.plan.device.class_ids or "y" not in self.plan.device.inputs or "y" not in inputs:
+        if self.plan.device.class_ids or set(self.plan.device.inputs) != {"x", "y"} or "y" not in inputs:
             return None
         return "y" if np.dtype(inputs["y"][1]).kind in "iu" else None
 

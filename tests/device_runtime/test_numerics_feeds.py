@@ -148,6 +148,41 @@ def test_a_models_input_named_y_is_a_feature_beside_the_plans_own_labels():
         )
 
 
+@pytest.mark.parametrize("loss", ["mse", "binary_cross_entropy"])
+def test_a_models_integer_input_named_y_is_a_feature_of_a_plan_whose_loss_has_no_class_ids(loss):
+    """Token ids in an input ``y`` of an mse or binary cross-entropy plan (whose labels are
+    ``label``, and which records no ``class_ids``) were refused as the builder's labels: 'labels
+    must be class ids in [0, 3) of shape [N], got shape (4, 5)'."""
+    rng = np.random.default_rng(0)
+    head = [helper.make_node("Sigmoid", ["scores"], ["out"])] if loss == "binary_cross_entropy" else []
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Gather", ["embedding", "y"], ["embedded"]),
+                helper.make_node("ReduceMean", ["embedded"], ["mean"], axes=[1], keepdims=0),
+                helper.make_node("MatMul", ["mean", "w"], ["scores" if head else "out"]),
+                *head,
+            ],
+            "tokens_named_y",
+            [helper.make_tensor_value_info("y", TensorProto.INT64, ["N", 5])],
+            [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 3])],
+            initializer=[
+                helper.make_tensor("embedding", TensorProto.FLOAT, [20, 4], rng.normal(size=80).tolist()),
+                helper.make_tensor("w", TensorProto.FLOAT, [4, 3], rng.normal(size=12).tolist()),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
+    )
+    plan = training_plan_from_onnx(
+        model, label="target", loss=loss, optimizer=SGD(0.1), batch_size=4, example_selector=SELECTOR
+    )
+    assert "y" in plan.device.inputs and not plan.device.class_ids
+    target = (rng.random((4, 3)) > 0.5).astype(np.float32)
+    batch = {"y": rng.integers(0, 20, (4, 5)), "target": target}
+    assert PlanExecutor(plan).run_device(initial_weights_from_onnx(model, plan), lambda: [batch]).num_examples == 4
+
+
 FLOAT, FLOAT_WEIGHTS = _toolchain_plan(mlp(4, 5, 3))
 REGRESSION, REGRESSION_WEIGHTS = _toolchain_plan(mlp(4, 5, 3), loss="mse")
 
