@@ -78,11 +78,18 @@ def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
     state = client_optimizer_state(plan.weight_names)
     if state:
         shown = ", ".join(state[:3]) + (", ..." if len(state) > 3 else "")
+        harm = (
+            "the step count and moments would take the clip's share from the model's change (5 steps outweigh "
+            "most models' deltas), and where the state carries over a noised second moment below zero makes "
+            "every device's next step NaN"
+            if any(_ADAM_STATE.fullmatch(w) for w in state)
+            else "the momentum would take the clip's share from the model's change, and where the state carries "
+            "over its noise moves every device's next steps"
+        )
         raise BadRequest(
             f"task {name!r}: dp clips and noises each device's whole update, and this plan's holds its client "
-            f"optimizer's state ({shown}): the step count and moments would take the clip's share from the model's "
-            "change (5 steps outweigh most models' deltas), and a noised second moment below zero makes every "
-            "device's next step NaN; build the plan with SGD (DP-FedAvg's clients), whose update is the model's alone",
+            f"optimizer's state ({shown}): {harm}; build the plan with SGD (DP-FedAvg's clients), whose update is "
+            "the model's alone",
             code="BAD_CONFIG",
         )
     if dp.mode == "central" and plan.server.secure_sum:
@@ -113,6 +120,7 @@ def check_deploy(name: str, plan: Plan, config: RoundConfig) -> None:
 #: ``<weight>.adam_m``, ``<weight>.adam_v``, ``<weight>.momentum``; ``emulator.toolchain.optimizers``),
 #: with the ``__<n>`` its emitter adds to a name the model already uses.
 _OPTIMIZER_STATE = re.compile(r"(?:(?P<weight>.+)\.(?:adam_m|adam_v|momentum)|adam_step)(?:__\d+)?")
+_ADAM_STATE = re.compile(r"(?:.+\.(?:adam_m|adam_v)|adam_step)(?:__\d+)?")
 
 
 def client_optimizer_state(weight_names: Iterable[str]) -> list[str]:

@@ -50,6 +50,8 @@ def test_a_dp_task_whose_update_holds_client_optimizer_state_is_refused_naming_i
     message = str(refused.value)
     assert refused.value.code == "BAD_CONFIG" and "\n" not in message
     assert client_optimizer_state(plan.weight_names)[0] in message and "SGD" in message
+    # a momentum plan has no step count nor second moment, which its refusal said it had
+    assert ("second moment" in message) == isinstance(optimizer, Adam), message
 
 
 def test_a_dp_task_of_an_sgd_plan_is_taken():
