@@ -194,20 +194,27 @@ class _JobStore(SQLAlchemyJobStore):
     """APScheduler's SQLAlchemy job store, where a job that cannot be read back (one another
     fedfleet version stored) is refused as the jobs are listed, not deleted: APScheduler's own
     removed it with a logged traceback, and an app that ran an earlier version over a newer one's
-    database lost the schedule without a word."""
+    database lost the schedule without a word. The worker's look for due jobs passes over it
+    (``_StoredJobs.runnable``), left where it is, so that the app's other jobs still run."""
 
     def _get_jobs(self, *conditions: Any) -> list[Job]:
+        jobs, unreadable = self.read_jobs(*conditions)
+        if unreadable:
+            raise unreadable[0]
+        return jobs
+
+    def read_jobs(self, *conditions: Any) -> tuple[list[Job], list[_UnreadableJob]]:
         query = select(self.jobs_t.c.id, self.jobs_t.c.job_state).order_by(self.jobs_t.c.next_run_time)
         if conditions:
             query = query.where(and_(*conditions))
-        jobs = []
+        jobs, unreadable = [], []
         with self.engine.begin() as conn:
             for job_id, state in conn.execute(query):
                 try:
                     jobs.append(self._reconstitute_job(state))
                 except Exception as exc:
-                    raise _UnreadableJob(job_id, f"{type(exc).__name__}: {exc}") from exc
-        return jobs
+                    unreadable.append(_UnreadableJob(job_id, f"{type(exc).__name__}: {exc}"))
+        return jobs, unreadable
 
 
 class _StoredJobs:
@@ -228,6 +235,7 @@ class _StoredJobs:
             raise
         self._app = app
         self._database = database
+        self._passed_over: set[str] = set()  # the jobs ``_runnable`` said it cannot read
         self._run_lock = _open_run_lock(database)
         self._run_lock_guard = threading.Lock()
         self._run_lock_held = False  # by a job of this process: ``close`` leaves the lock to its end
@@ -362,7 +370,8 @@ class _StoredJobs:
         an app killed partway kept some jobs on the old clock and the others on the new one."""
         store = self._store
         with self._db("move the due times of the jobs"):
-            jobs = [j for j in store.get_all_jobs() if j.next_run_time is not None and j.id != skip]
+            # another version's jobs stay as they are (``_runnable``): refused, they stopped every pass
+            jobs = [j for j in store.read_jobs()[0] if j.next_run_time is not None and j.id != skip]
             with store.engine.begin() as conn:
                 for job in jobs:
                     job._modify(next_run_time=_to_dt(job.next_run_time.timestamp() + seconds))
@@ -377,12 +386,38 @@ class _StoredJobs:
 
     def due(self, now: float) -> list[tuple[float, str]]:
         with self._db("read the due jobs"):
-            return [(j.next_run_time.timestamp(), j.id) for j in self._store.get_due_jobs(_to_dt(now))]
+            due = self._store.jobs_t.c.next_run_time <= datetime_to_utc_timestamp(_to_dt(now))
+            return [(j.next_run_time.timestamp(), j.id) for j in self._runnable(due)]
 
     def next_run_at(self) -> float | None:
-        with self._db("read the next due time"):
-            nxt = self._store.get_next_run_time()
-            return nxt.timestamp() if nxt is not None else None
+        with self._db("read the next due time"):  # of a job that runs: another version's would wake the worker at once
+            times = [j.next_run_time for j in self._runnable(self._store.jobs_t.c.next_run_time.isnot(None))]
+            return min(times).timestamp() if times else None
+
+    def _runnable(self, condition: Any) -> list[Job]:
+        """The jobs of ``condition`` this version can read and run, saying once in the log which it
+        cannot (another version's, left as they are): one such job (of a population only a later
+        version of the app schedules) failed every pass of the worker, and no job of any app ran."""
+        jobs, unreadable = self._store.read_jobs(condition)
+        runnable = []
+        for job in jobs:
+            try:
+                self._view(job)
+                runnable.append(job)
+            except _UnreadableJob as exc:
+                unreadable.append(exc)
+        for bad in unreadable:
+            if bad.job_id not in self._passed_over:
+                self._passed_over.add(bad.job_id)
+                log.warning(
+                    "the job of %r in the app's database %s was stored by another fedfleet version, which this one "
+                    "cannot read (%s); it is left as it is and does not run: schedule (or cancel) %r to replace it",
+                    bad.job_id,
+                    os.fspath(self._database),
+                    bad.reason,
+                    bad.job_id,
+                )
+        return runnable
 
     def all(self) -> list[ScheduledJob]:
         with self._db("read the scheduled jobs"):

@@ -6,6 +6,7 @@ listed. Scheduling the population again replaces such a job, and cancelling it r
 
 from __future__ import annotations
 
+import logging
 import pickle
 import sqlite3
 
@@ -14,7 +15,7 @@ import pytest
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.opstats import AppDatabaseError
-from device_runtime.scheduling import JOB_TABLE, ParticipationScheduler
+from device_runtime.scheduling import JOB_TABLE, ParticipationScheduler, WorkerQueue
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
 START = 1.0e9
@@ -50,17 +51,45 @@ def test_jobs_another_version_stored_are_refused_in_one_line_and_kept_until_sche
     kept = _rows(db)
     scheduler = ParticipationScheduler(db, StaticConditions(GOOD), clock=VirtualClock(START + 3600))
     try:
-        for read in (scheduler.jobs, lambda: scheduler.due(START + 3600), lambda: scheduler.run_job("digits")):
+        for read in (scheduler.jobs, lambda: scheduler.run_job("digits")):
             with pytest.raises(AppDatabaseError) as refused:
                 read()
             said = str(refused.value)
             assert "stored by another fedfleet version" in said and "\n" not in said, said
             assert "schedule (or cancel)" in said and str(db) in said
+        assert scheduler.due(START + 3600) == [] and scheduler.next_run_at() is None  # passed over, not run
         assert _rows(db) == kept  # nothing deleted, nothing rewritten
         # the app schedules its populations again at its start: each is replaced by this version's job
         scheduler.schedule("digits", TrainingConstraints(requires_charging=False))
         assert scheduler.cancel("text")
         [job] = scheduler.jobs()
         assert job.population == "digits" and not job.constraints.requires_charging
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("change", ["constraint", "state"])
+def test_a_job_another_version_stored_is_passed_over_by_the_worker_and_the_apps_other_jobs_run(
+    tmp_path, caplog, change
+):
+    """A population only a later version of the app schedules ('text'), after the app went back to
+    this version: its job failed every pass of the worker ('could not read the due jobs'), and the
+    app's own 'digits' never ran again."""
+    db = tmp_path / "app.db"
+    _stored_by_a_newer_version(db)
+    clock = VirtualClock(START + 3600)
+    scheduler = ParticipationScheduler(db, StaticConditions(GOOD), clock=clock)
+    try:
+        other = "digits" if change == "constraint" else "text"  # the one this version cannot read
+        own = "text" if other == "digits" else "digits"
+        scheduler.schedule(own, TrainingConstraints(), TrainingInterval(recurrent=True, min_interval_s=60.0))
+        queue = WorkerQueue(clock)
+        queue.add(scheduler)
+        with caplog.at_level(logging.WARNING, logger="device_runtime.scheduling"):
+            runs = queue.run_until(START + 3600 + 600)
+        assert runs and {run.population for run in runs} == {own}
+        said = [r.getMessage() for r in caplog.records if "stored by another fedfleet version" in r.getMessage()]
+        assert len(said) == 1 and repr(other) in said[0], said  # once, not at every pass
+        assert [row[0] for row in _rows(db)] == ["digits", "text"]  # left as it is
     finally:
         scheduler.close()
