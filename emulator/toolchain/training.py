@@ -336,19 +336,40 @@ def _read_as_float32(m: onnx.ModelProto, output: str) -> str:
     read through a ``Cast`` to float32 added to the graph, whose gradient casts back. The loss
     computed in the output's own type gave metrics of that type where the plan declares float32,
     a work graph onnxruntime did not load. Its type is the one the graph declares, or the ``to``
-    of the ``Cast`` that makes it."""
+    of the ``Cast`` that makes it. A ``Cast`` of a float32 tensor is read before it instead: the
+    loss then finds the ``Softmax`` or ``Sigmoid`` that makes the prediction."""
     graph = m.graph
     declared = {v.name: v.type.tensor_type.elem_type for v in [*graph.output, *graph.value_info, *graph.input]}
     elem = declared.get(output)
-    if elem is None:
-        producer = next((n for n in graph.node if output in n.output), None)
-        if producer is not None and producer.op_type == "Cast" and producer.domain in DEFAULT_DOMAINS:
-            elem = next((int(a.i) for a in producer.attribute if a.name == "to"), None)
+    producer = next((n for n in graph.node if output in n.output), None)
+    cast = (
+        producer if producer is not None and producer.op_type == "Cast" and producer.domain in DEFAULT_DOMAINS else None
+    )
+    if elem is None and cast is not None:
+        elem = next((int(a.i) for a in cast.attribute if a.name == "to"), None)
     if elem not in _OTHER_FLOATS:
         return output
+    if cast is not None and _elem_type(m, cast.input[0], declared) == _F32:
+        # a last Cast of a float32 prediction: read before it, where the loss sees the Softmax or
+        # Sigmoid that makes it (through two Casts, cross_entropy read probabilities as logits)
+        return cast.input[0]
     cast = namer(graph)(f"{output}_float32")
     graph.node.append(helper.make_node("Cast", [output], [cast], to=_F32, name=cast))
     return cast
+
+
+def _elem_type(m: onnx.ModelProto, tensor: str, declared: Mapping[str, int]) -> int | None:
+    """``tensor``'s element type: declared, an initializer's, or as ONNX's shape inference finds it."""
+    if tensor in declared:
+        return declared[tensor]
+    init = next((i for i in m.graph.initializer if i.name == tensor), None)
+    if init is not None:
+        return int(init.data_type)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m)
+    except Exception:  # a model the inference cannot follow: its prediction is read through a Cast
+        return None
+    return next((v.type.tensor_type.elem_type for v in inferred.graph.value_info if v.name == tensor), None)
 
 
 def _label_input_dropped(

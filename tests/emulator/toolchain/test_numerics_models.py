@@ -198,3 +198,31 @@ def test_a_float32_model_whose_prediction_is_cast_to_another_float_trains_and_ev
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=tolerance, atol=tolerance)
     assert got_eval == pytest.approx(want_eval, rel=tolerance, abs=tolerance)
+
+
+def test_a_softmax_cast_to_float64_trains_as_the_softmax_and_is_refused_as_binary_labels():
+    """A last Cast after a Softmax was read through a second Cast to float32, past which the loss
+    saw no Softmax: cross_entropy took the probabilities for logits (a loss of 1.23 where the model's
+    is 1.76), and binary_cross_entropy trained the Softmax's columns as independent labels."""
+    plain = mlp(4, 5, 3, softmax=True)
+    cast = mlp(4, 5, 3, softmax=True)
+    cast.graph.node.append(helper.make_node("Cast", ["probs"], ["prediction"], to=TensorProto.DOUBLE))
+    cast.graph.output[0].name = "prediction"
+    cast.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), np.arange(8) % 3
+    results = []
+    for model in (plain, cast):
+        plan = training_plan_from_onnx(
+            model, label="y", loss="cross_entropy", optimizer=SGD(0.1), batch_size=8, example_selector=SELECTOR
+        )
+        results.append(
+            PlanExecutor(plan).run_device(initial_weights_from_onnx(model, plan), lambda: [{"x": x, "y": y}])
+        )
+    assert results[1].metrics["loss"] == pytest.approx(results[0].metrics["loss"], rel=1e-6)
+    for name in ("w0", "w1"):
+        np.testing.assert_allclose(results[1].update[name], results[0].update[name], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="binary_cross_entropy reads every column .* but it is a Softmax"):
+        training_plan_from_onnx(
+            cast, label="y", loss="binary_cross_entropy", optimizer=SGD(0.1), batch_size=8, example_selector=SELECTOR
+        )
