@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import sqlite3
@@ -37,6 +38,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from example_store.sqlite_engine import sqlite_advice, sqlite_engine, write_locked
 
 from .errors import RuntimeSdkError, check_count, check_number, check_path
+
+logger = logging.getLogger(__name__)
 
 #: Event symbols of the paper's Table 1 ('*' is an error, as in the paper's text).
 SHAPE_SYMBOLS = {
@@ -159,6 +162,7 @@ class OpStatsStore:
         self.keep_sessions = check_count("keep_sessions", keep_sessions, least=1)
         self.path = database
         self._closed = False
+        self._unreadable_said = False  # events another version wrote: said once in the log
         # durable: the session kept before its update leaves is what tells the app, after a power
         # cut as after a kill, that the update may be the server's (not to train and report it
         # again); at synchronous=NORMAL a power cut could roll that commit back after the upload
@@ -244,31 +248,40 @@ class OpStatsStore:
                 grouped.setdefault(row["session_id"], []).append(row)
         out = []
         for sid, rows in grouped.items():
-            events = [self._event(sid, r) for r in rows]
+            events = [e for e in (self._event(sid, r) for r in rows) if e is not None]
+            if not events:
+                continue
             out.append(
                 SessionSummary(sid, rows[0]["population"], rows[0]["task"], events[0].at, shape_of(events), events)
             )
         return out
 
-    def _event(self, session_id: str, row: Any) -> Event:
-        """A stored event, or ``AppDatabaseError`` for one this version cannot read (a kind or
-        detail another version wrote, then this one run over its database): a KeyError or an
-        AttributeError out of every session's check of the app's last participation."""
+    def _event(self, session_id: str, row: Any) -> Event | None:
+        """A stored event, or None for one this version cannot read (a kind or detail another
+        version wrote, then this one run over its database), said once a store in the log and left
+        as it is: the session is read from its other events. Refused, it stopped every session of
+        the population (their check of the app's last participation) until the log's pruning
+        dropped it, up to 30 days later."""
         kind, detail = row["kind"], None
         with contextlib.suppress(ValueError, TypeError):
             detail = json.loads(row["detail"])
         if kind in SHAPE_SYMBOLS and isinstance(detail, dict):
             return Event(kind, row["at"], detail)
-        what = (
-            f"an event of kind {kind!r}"
-            if kind not in SHAPE_SYMBOLS
-            else f"an event {kind!r} of detail {row['detail']!r:.60}"
-        )
-        raise AppDatabaseError(
-            f"could not read the sessions in the app's database {os.fspath(self.path)}: session {session_id!r} has "
-            f"{what}, which another fedfleet version wrote and this one cannot read; run that version (the log is "
-            f"left as it is)"
-        )
+        if not self._unreadable_said:
+            self._unreadable_said = True
+            what = (
+                f"an event of kind {kind!r}"
+                if kind not in SHAPE_SYMBOLS
+                else f"an event {kind!r} of detail {row['detail']!r:.60}"
+            )
+            logger.warning(
+                "the app's database %s holds events another fedfleet version wrote, which this one passes over "
+                "(session %r has %s); the sessions are read from their other events and the log is left as it is",
+                os.fspath(self.path),
+                session_id,
+                what,
+            )
+        return None
 
     def shape_counts(self, population: str | None = None, since: float | None = None) -> Counter[str]:
         return Counter(s.shape for s in self.sessions(population, since))
