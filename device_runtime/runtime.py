@@ -991,13 +991,13 @@ def _store_claims(population: str, stores: Iterable[ExampleStore]) -> tuple[tupl
 
 
 def _within(collection_uri: str, registered: str) -> bool:
-    """``collection_uri`` is ``registered`` or lies under it (past a ``/``, ``?`` or ``#``, or
+    """``collection_uri`` is ``registered`` or lies under it (past a ``:``, ``/``, ``?`` or ``#``, or
     ``registered`` itself ends a folder or scheme: ``app:/`` and ``app:`` hold every ``app:`` URI;
     a store given alone is registered under ``""`` and holds every URI)."""
     if not collection_uri.startswith(registered):
         return False
     rest = collection_uri[len(registered) :]
-    return not rest or not registered or registered.endswith(("/", ":")) or rest[0] in "/?#"
+    return not rest or not registered or registered.endswith(("/", ":")) or rest[0] in ":/?#"
 
 
 def training_limit(plan: Plan, max_training_s: float) -> tuple[float, str]:

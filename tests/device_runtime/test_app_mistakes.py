@@ -293,8 +293,11 @@ def test_a_store_registered_under_a_uri_serves_the_uris_under_it_not_those_that_
         with FLRuntime("digits", "http://127.0.0.1:9", {"app:/digits": digits}) as runtime:
             with pytest.raises(NoExamples, match="no example store is registered for collection 'app:/digits_heldout'"):
                 runtime.store_for("app:/digits_heldout")
-        with FLRuntime("digits", "http://127.0.0.1:9", {"app:": every}) as runtime:
-            assert runtime.store_for("app:/anything") is every
+        for scheme in ("app:", "app"):
+            with FLRuntime("digits", "http://127.0.0.1:9", {scheme: every}) as runtime:
+                assert runtime.store_for("app:/anything") is every
+                with pytest.raises(NoExamples):
+                    runtime.store_for("apps:/anything")
 
 
 @pytest.mark.parametrize(
