@@ -18,8 +18,9 @@ from device_runtime.plan import PlanError, load_plan
 from device_runtime.secure_sum import SecureSumCodec
 from secagg import PeerVerifier
 
-from . import ddp_rounds
+from . import ddp_rounds, dp_rounds
 from .dp_rounds import TaskDP, spends_privacy
+from .errors import BadRequest
 from .metrics import RoundMetrics
 from .persistence import ServerStore, TaskRecord
 from .rounds import RoundConfig, RoundCore
@@ -124,7 +125,7 @@ def refusals(store: ServerStore, tasks: list[TaskRecord]) -> dict[str, str]:
         if task.status != "active":
             continue
         try:
-            stored_config(task)
+            config, _ = stored_config(task)
         except StoredTaskRefused as exc:
             refused[task.name] = str(exc)
             continue
@@ -134,6 +135,13 @@ def refusals(store: ServerStore, tasks: list[TaskRecord]) -> dict[str, str]:
                 f"its stored plan does not run on onnxruntime {ort.__version__}: {problem}; "
                 f"{_advice(task, 'a plan this onnxruntime runs')}"
             )
+            continue
+        if config.dp is not None:  # what a deploy refuses today of its plan and dp together
+            try:
+                dp_rounds.check_deploy(task.name, load_plan(store.resource(task.plan_id)), config)
+            except BadRequest as exc:
+                said = str(exc).removeprefix(f"task {task.name!r}: ")
+                refused[task.name] = f"its stored plan and dp no longer pass: {said}; {_advice(task, 'such a plan')}"
     for task in tasks:
         evaluated = task.config.get("group", {}).get("evaluates")
         if task.status == "active" and task.name not in refused and evaluated in refused:

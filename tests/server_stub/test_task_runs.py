@@ -15,11 +15,13 @@ import pytest
 
 from device_runtime import build_eval_plan, encode_checkpoint, initial_weights, serialize_plan
 from emulator.cli import commands as cli
+from emulator.toolchain import SGD, Adam, initial_weights_from_onnx
 from server_stub import DPConfig, RoundConfig, ServerStore, ServerThread
 from server_stub.admin_client import task_body
 from server_stub.cli import _refused_lines
 from server_stub.persistence import resource_id
 from tests.device_runtime.test_executor_smoke import broken_zero_plan
+from tests.server_stub.test_against_reference_dp import SOURCE, _plan
 from tests.support import digits_plan
 
 KEY = "operator-key-" + "r" * 32
@@ -222,6 +224,24 @@ def test_a_task_whose_stored_plan_this_onnxruntime_refuses_is_refused_and_the_se
     assert capsys.readouterr().out.count("retired task ") == 3
     with ServerThread(db, admin_key=KEY) as server:
         assert _refused_lines(server.service) == []
+
+
+def test_a_dp_task_an_older_release_stored_with_an_adam_plan_is_refused_when_loaded(tmp_path):
+    """A deploy refuses DP over a plan whose update carries its client optimizer's state; a task an
+    older release stored so went on running after the upgrade, each round's noised moments making
+    the next step NaN."""
+    db = tmp_path / "fl.db"
+    sgd, adam = _plan(SGD(0.1)), _plan(Adam(0.01))
+    private = dataclasses.replace(CONFIG, dp=DP)
+    with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
+        admin.create_population("digits")
+        admin.deploy_task("digits", "private", sgd, encode_checkpoint(initial_weights_from_onnx(SOURCE, sgd)), private)
+    _with_stored_plan(db, "digits", "private", serialize_plan(adam))
+    with ServerThread(db, admin_key=KEY) as server, server.admin() as admin:
+        lines = _refused_lines(server.service)
+        assert len(lines) == 1 and lines[0].startswith("digits/private: its stored plan and dp no longer pass: "), lines
+        assert "adam_step" in lines[0] and "fedfleet server retire" in lines[0]
+        assert admin.status("digits")["active_task"] is None
 
 
 def test_a_stopped_task_is_retired_and_a_running_or_retired_one_is_not(tmp_path, capsys):
