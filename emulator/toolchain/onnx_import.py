@@ -677,19 +677,27 @@ _OTHER_PRECISIONS: dict[int, str] = {
 }
 
 
+#: The integer types a quantized weight is stored in (QDQ's int8 and uint8, and the 4-bit ones).
+_QUANTIZED = frozenset(
+    {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4, TensorProto.INT16, TensorProto.UINT16}
+)
+
+
 def quantized_weight(
     nodes: Sequence[onnx.NodeProto], inits: Mapping[str, onnx.TensorProto], prediction: str
 ) -> str | None:
     """Why a quantized model does not train, for a person, or None: a quantization op that the
     prediction needs reads a weight (an initializer of rank >= 1: a float one a QuantizeLinear
-    rounds, an int8 one a DequantizeLinear scales) through its data input. A plan trains float32
+    rounds, an 8- or 4-bit integer one a DequantizeLinear scales; not an int64 or boolean mask or
+    index) through its data input. A plan trains float32
     weights with gradients, and rounding to integers has none: such a weight would never train, and
     the layers before it neither. A quantized input (the features rounded before the first layer)
     trains, since no weight is behind it."""
     from .autodiff import needed_for
 
     needed = needed_for(nodes, [prediction])
-    behind: dict[str, str] = {n: n for n, i in inits.items() if len(i.dims) >= 1}  # tensor -> a weight it reads
+    weights = {n for n, i in inits.items() if len(i.dims) >= 1 and (is_float(i.data_type) or i.data_type in _QUANTIZED)}
+    behind: dict[str, str] = {n: n for n in weights}  # tensor -> a weight it reads
     for node in nodes:
         skip = (
             _QUANTIZATION_PARAMETERS

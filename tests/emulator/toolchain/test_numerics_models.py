@@ -52,11 +52,12 @@ def test_a_model_whose_weights_are_another_float_type_is_refused_naming_it_and_t
     assert "\n" not in str(refused.value)
 
 
-def _quantized(*, weight: str, input_rounded: bool = False) -> onnx.ModelProto:
+def _quantized(*, weight: str, input_rounded: bool = False, masked: bool = False) -> onnx.ModelProto:
     """x [N, 4] -> MatMul(w1) -> Relu -> MatMul(w2) -> logits [N, 3], where ``weight`` says what
     the first layer's weight is: ``int8`` (a DequantizeLinear of int8 values, QDQ's weights),
     ``fake`` (a float32 weight through QuantizeLinear and DequantizeLinear, a QAT export) or
-    ``float``; ``input_rounded`` rounds the features to uint8 and back before the first layer."""
+    ``float``; ``input_rounded`` rounds the features to uint8 and back before the first layer,
+    ``masked`` first multiplies them by an int64 mask cast to float."""
     rng = np.random.default_rng(0)
     w1 = rng.normal(size=(4, 5)).astype(np.float32)
     inits = {
@@ -68,9 +69,16 @@ def _quantized(*, weight: str, input_rounded: bool = False) -> onnx.ModelProto:
     }
     nodes = []
     x = "x"
+    if masked:
+        inits["mask"] = np.array([1, 0, 1, 1], np.int64)
+        nodes += [
+            helper.make_node("Cast", ["mask"], ["mask_f"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["x", "mask_f"], ["x_m"]),
+        ]
+        x = "x_m"
     if input_rounded:
         nodes += [
-            helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["x_q"], name="x_q"),
+            helper.make_node("QuantizeLinear", [x, "x_scale", "x_zero"], ["x_q"], name="x_q"),
             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero"], ["x_d"], name="x_d"),
         ]
         x = "x_d"
@@ -118,8 +126,10 @@ def test_a_quantized_model_is_refused_naming_the_node_that_rounds_a_weight_unles
     assert _plan(_quantized(weight=weight), trainable=["w2"]).weight_names == ("w2",)
 
 
-def test_a_model_that_rounds_its_features_alone_trains_every_weight():
-    plan = _plan(_quantized(weight="float", input_rounded=True))
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_model_that_rounds_its_features_alone_trains_every_weight(masked):
+    """Masked by an int64 constant first, the features were taken for a weight the rounding reads."""
+    plan = _plan(_quantized(weight="float", input_rounded=True, masked=masked))
     assert sorted(plan.weight_names) == ["w1", "w2"]
 
 
