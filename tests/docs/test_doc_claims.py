@@ -285,12 +285,16 @@ def test_every_file_of_the_repository_a_page_names_exists() -> None:
     ``tests/docs/forkserver.py``, ``examples/fleets/*.toml``) names a file or folder that is there."""
     folders = {*PACKAGES, "benchmarks", "docs", "examples", "tests"}
     named = re.compile(r"`([A-Za-z_][\w.-]*/[\w./*-]*)`")
-    missing = sorted(
-        f"{page.relative_to(ROOT)}: {path}"
+    paths = [
+        (page, path)
         for page in PAGES
         for path in {m.group(1) for m in named.finditer(page.read_text(encoding="utf-8"))}
-        if path.split("/")[0] in folders
-        and not path.endswith("...")
-        and not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())
+        if path.split("/")[0] in folders and not path.endswith("...")
+    ]
+    assert len(paths) > 100, "the pages name the repository's files; none found means the pattern broke"
+    missing = sorted(
+        f"{page.relative_to(ROOT)}: {path}"
+        for page, path in paths
+        if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())
     )
     assert not missing, missing
