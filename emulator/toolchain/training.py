@@ -221,6 +221,18 @@ class ModelParts:
     label_inputs: list[str] = field(default_factory=list)
 
 
+def as_trained(m: onnx.ModelProto) -> dict[str, str]:
+    """``m`` in place, in the form whose initializers a plan trains, each parameter its own (the
+    first steps of :func:`read_model`; a trained checkpoint goes back into a model through them,
+    ``trained_model``): returns each split copy -> the initializer it was copied from."""
+    onnx_import.local_functions_inlined(m)
+    onnx_import.stochastic_depth_as_dropout(m)
+    onnx_import.single_recurrent_bias(m)
+    split = onnx_import.split_deduplicated(m)
+    onnx_import.refold_tied_transposes(m)
+    return split
+
+
 def read_model(
     model: ModelLike,
     *,
@@ -233,12 +245,8 @@ def read_model(
     """``model`` read for a plan at ``opset``; with the ``cross_entropy`` loss, a prediction of shape
     [N, classes, 1, ..., 1] is read as [N, classes] (:func:`.old_opsets.classes_last`)."""
     m = load_model(model)
-    onnx_import.local_functions_inlined(m)
-    onnx_import.stochastic_depth_as_dropout(m)
-    onnx_import.single_recurrent_bias(m)
     folded_batch_norms = onnx_import.tf2onnx_folded_batch_norms(m)
-    split = onnx_import.split_deduplicated(m)
-    onnx_import.refold_tied_transposes(m)
+    split = as_trained(m)
     lost = onnx_import.lost_parameters(m)
     metadata_dropped = onnx_import.metadata_dropped(m)
     shared = onnx_import.shared_weights(m.graph.node, [i.name for i in m.graph.initializer])
