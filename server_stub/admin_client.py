@@ -7,7 +7,7 @@ import functools
 import ssl
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -275,9 +275,27 @@ class AdminClient:
 
     def checkpoint(self, resource_id: str) -> dict:
         """A checkpoint resource, e.g. the model a given round committed."""
-        return decode_checkpoint(self._send("GET", f"/v1/resources/{resource_id}").content)
+        return decode_checkpoint(self.checkpoint_bytes(resource_id))
+
+    def checkpoint_bytes(self, resource_id: str) -> bytes:
+        """A checkpoint resource as the server stores it (what ``decode_checkpoint`` reads)."""
+        return self._send("GET", f"/v1/resources/{resource_id}").content
 
     def model(self, population: str, task: str | None = None) -> tuple[dict, int]:
+        data, number, _ = self.model_bytes(population, task)
+        return decode_checkpoint(data), number
+
+    def model_bytes(self, population: str, task: str | None = None) -> tuple[bytes, int, str]:
+        """The newest model of ``task`` (default: the running deploy's first training task) as
+        checkpoint bytes, the round that committed it (0: none has, it is the initial model) and
+        the task's name."""
         params = {"task": task} if task is not None else None
         response = self._send("GET", f"/v1/populations/{population}/model", params=params)
-        return decode_checkpoint(response.content), int(response.headers["X-Round"])
+        number = response.headers.get("X-Round", "")
+        if not number.isdigit():
+            raise AdminError(
+                f"the server's answer to GET {response.request.url.path} is not a model: it names no round (X-Round)",
+                response.status_code,
+                "MALFORMED_ANSWER",
+            )
+        return response.content, int(number), unquote(response.headers.get("X-Task", task or ""))

@@ -3,7 +3,8 @@
 server's database, ``fedfleet authority`` makes an emulated attestation
 authority, ``fedfleet simulate`` runs a fleet in virtual time, ``fedfleet compare`` sets runs side by
 side, ``fedfleet report`` draws a run's report again, ``fedfleet plan`` and ``fedfleet deploy`` build,
-test and ship FL plans, ``fedfleet status`` and ``fedfleet rounds`` show what a server runs."""
+test and ship FL plans, ``fedfleet status`` and ``fedfleet rounds`` show what a server runs, ``fedfleet
+model`` writes a task's trained model out of a server or a simulated run."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ DESCRIPTION = (
     "Federated learning on an emulated fleet: demo trains over real HTTP, server runs the FL server, "
     "prune drops old rounds' models from a stopped server's database, authority makes an emulated attestation authority, simulate runs a fleet in virtual time, compare "
     "sets runs side by side, report draws a run's report again, plan and deploy build, test and ship FL plans, status and rounds show what a "
-    "server runs, stop stops a task on it."
+    "server runs, stop stops a task on it, model writes a task's trained model out of a server or a simulated run."
 )
 
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if args.command in ("plan", "deploy", "status", "rounds", "stop"):
+    if args.command in ("plan", "deploy", "status", "rounds", "stop", "model"):
         return run_toolchain_command(args)
     if args.command == "server":
         return run_server(args)

@@ -27,6 +27,9 @@ fedfleet rounds --server URL --population P [--task T]   its rounds, oldest firs
 fedfleet stop --server URL --population P --task T   stop a task on the running server for good: its open
                                             round closed without committing, its deploy's other tasks
                                             or the next deploy run on
+fedfleet model --server URL --population P --task T [--round N] [--onnx BUNDLE] -o FILE
+                                            its trained model (``emulator.cli.model``; --run RUN: of a
+                                            simulated run)
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from ..toolchain.release import release_table
 from ..toolchain.release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
 from ..toolchain.tasks import Task, TaskError, onnx_import, onnx_output
 from ..toolchain.torch_export import from_torch, parse_input
+from .model import add_model_parser, model_command
 
 __all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]
 
@@ -77,7 +81,7 @@ SIGNING_KEY_ENV = "FEDFLEET_SIGNING_KEY"
 
 
 def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``plan``, ``deploy``, ``status``, ``rounds`` and ``stop`` on the ``fedfleet`` command's subparsers."""
+    """Register ``plan``, ``deploy``, ``status``, ``rounds``, ``stop`` and ``model`` on the ``fedfleet`` command's subparsers."""
     plan = sub.add_parser("plan", help="build, test and make FL plans (the model engineer's workflow)")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     build = plan_sub.add_parser("build", help="build a task file's plans: unversioned and one per claimed runtime")
@@ -161,13 +165,18 @@ def add_toolchain_commands(sub: argparse._SubParsersAction) -> None:
     )
     _server_options(stop, "the population of the task")
     stop.add_argument("--task", required=True, help="the task to stop (its evaluation tasks stop with it)")
+    add_model_parser(sub, ADMIN_KEY_HELP)
 
 
 def _server_options(cmd: argparse.ArgumentParser, population: str) -> None:
     """The options of every command that talks to a server (deploy, status, rounds, stop)."""
     cmd.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     cmd.add_argument("--population", required=True, help=population)
-    cmd.add_argument("--admin-key-file", help=f"operator keys, one per line (else ${ADMIN_KEYS_ENV})")
+    cmd.add_argument("--admin-key-file", help=ADMIN_KEY_HELP)
+
+
+#: ``--admin-key-file``'s help, of every command that talks to a server.
+ADMIN_KEY_HELP = f"operator keys, one per line (else ${ADMIN_KEYS_ENV})"
 
 
 def _model_options(cmd: argparse.ArgumentParser, *, plan_alone: bool) -> None:
@@ -253,6 +262,8 @@ def run_toolchain_command(args: argparse.Namespace, out: TextIO | None = None) -
             return _rounds(args, say)
         if args.command == "stop":
             return _stop(args, say)
+        if args.command == "model":
+            return model_command(args, say, lambda: _admin_key(args), _naming_populations)
         if args.plan_command == "build":
             check_task_file(args.task_file)
             build_bundle(args.task_file, args.out, runtimes=args.runtimes, say=say)
@@ -726,10 +737,10 @@ def _stop(args: argparse.Namespace, say) -> int:
         say(f"running now: {', '.join(stopped['running'])}")
     else:
         say("no task of the population runs now")
-    say(
-        f"its final model: GET /v1/populations/{stopped['population']}/model?task={stopped['task']}; "
-        f"its rounds: fedfleet rounds --server {redacted_url(args.server)} --population {stopped['population']} --task {stopped['task']}"
-    )
+    where = f"--server {redacted_url(args.server)} --population {stopped['population']}"
+    key = f" --admin-key-file {args.admin_key_file}" if args.admin_key_file else ""
+    say(f"its final model: fedfleet model {where} --task {stopped['task']}{key} -o {stopped['task']}.ckpt")
+    say(f"its rounds: fedfleet rounds {where} --task {stopped['task']}{key}")
     return 0
 
 
@@ -763,17 +774,26 @@ def _rounds(args: argparse.Namespace, say) -> int:
         )
         say(f"no rounds of {which} on record {said}")
         return 0
-    say("task                 round  attempt  status      selected  reported  started (UTC)")
+    say("task                 round  attempt  status      selected  reported  started (UTC)        model")
     for r in rounds:
         m = r.get("metrics", {})
         started = _utc(r["started_at"])
         say(
             f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', 0):>9} "
-            f"{m.get('reported', 0):>9}  {started}"
+            f"{m.get('reported', 0):>9}  {started}  {_model_said(r)}"
         )
     if older is not None:
         say(f"older rounds are on record: add --before {older} to see them (--last up to {MAX_ROUNDS_PAGE} a page)")
     return 0
+
+
+def _model_said(r: dict) -> str:
+    """A round's model as ``rounds`` shows it: the first 12 characters of a committed round's
+    checkpoint id (``admin.checkpoint(id)`` reads it, ``fedfleet model --round N`` writes it),
+    ``pruned`` where ``fedfleet prune`` dropped it, ``-`` for a round that committed none."""
+    if r["status"] != "committed" or "evaluated_checkpoint_id" in r.get("metrics", {}):
+        return "-"
+    return str(r["checkpoint_id"])[:12] if r.get("checkpoint_id") else "pruned"
 
 
 def _utc(t: float) -> str:

@@ -43,6 +43,7 @@ def _server_commands(directory: Path) -> list[list[str]]:
         ["status", "--population", "p"],
         ["rounds", "--population", "p"],
         ["stop", "--population", "p", "--task", "t"],
+        ["model", "--population", "p", "--task", "t", "-o", str(directory.parent / "t.ckpt")],
     ]
 
 
@@ -223,6 +224,16 @@ def test_stop_stops_a_task_that_never_ends_and_the_queued_deploy_runs(tmp_path, 
         assert cli.main(["status", "--server", server.url, "--population", "p"]) == 0
         printed = capsys.readouterr().out
         assert "forever: stopped" in printed and "next: active" in printed and "open round: next round 1" in printed
+        model_line = next(line for line in said.splitlines() if line.startswith("its final model: "))
+        assert model_line == (
+            f"its final model: fedfleet model --server {server.url} --population p --task forever -o forever.ckpt"
+        )
+        monkeypatch.chdir(tmp_path)  # the command as printed runs: forever committed no round, which it says
+        assert cli.main(model_line.removeprefix("its final model: fedfleet ").split()) == 2
+        assert capsys.readouterr().err == (
+            "fedfleet model: task forever of population p has no committed round yet: its model is still the initial "
+            "one (its bundle's initial.ckpt)\n"
+        )
         for argv, code, err in (
             (
                 stop,

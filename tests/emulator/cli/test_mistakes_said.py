@@ -108,8 +108,8 @@ def test_an_option_named_like_a_positional_argument_says_it_is_given_without_it(
         ),
         (
             ["server", "--population", "digits"],
-            "(--population is an option of fedfleet server retire, fedfleet deploy, fedfleet status, fedfleet rounds "
-            "and fedfleet stop, not of fedfleet server)",
+            "(--population is an option of fedfleet server retire, fedfleet deploy, fedfleet status, fedfleet rounds, "
+            "fedfleet stop and fedfleet model, not of fedfleet server)",
         ),
         (
             ["demo", "--hours", "1"],
