@@ -11,6 +11,7 @@ otherwise. Pure functions over the graph: nodes, initializers and tensor types i
 from __future__ import annotations
 
 import ast
+import os
 import re
 from collections.abc import Mapping, Sequence, Set
 from fnmatch import fnmatchcase
@@ -767,6 +768,22 @@ def nothing_to_train(
         f"through ops without one ({', '.join(cut) or 'none found'}); export the model up to its float prediction "
         "(logits or scores, before ArgMax, a comparison or a cast to integers)"
     )
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike, *, data_file: str | None = None) -> None:
+    """Write ``model`` to ``path``; with ``data_file``, its tensors of 1 KiB or more go to that file
+    beside it (a name relative to the model's folder), as protobuf caps a model file at 2 GiB."""
+    if data_file is None:
+        onnx.save_model(model, os.fspath(path))
+    else:
+        onnx.save_model(
+            model,
+            os.fspath(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data_file,
+            size_threshold=1024,
+        )
 
 
 def inference_form(model: onnx.ModelProto) -> None:

@@ -57,7 +57,7 @@ import onnx
 from onnx import numpy_helper
 
 from .model_bundle import ModelBundle, bundle_from_onnx
-from .onnx_import import inference_form
+from .onnx_import import inference_form, save_onnx
 from .tasks import NamedOutput, TaskError, loss_output
 
 __all__ = [
@@ -442,17 +442,7 @@ def _save(model: onnx.ModelProto, state: Any, path: Path) -> None:
                 )
     inference_form(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if model.ByteSize() < 1 << 30:
-        onnx.save_model(model, str(path))
-    else:  # protobuf caps a file at 2 GiB
-        onnx.save_model(
-            model,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=f"{path.name}.data",
-            size_threshold=1024,
-        )
+    save_onnx(model, path, data_file=None if model.ByteSize() < 1 << 30 else f"{path.name}.data")
 
 
 def _saved_state(module: Any) -> Any:

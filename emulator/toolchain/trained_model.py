@@ -141,14 +141,7 @@ def write_trained_onnx(
     large = sum(np.prod(i.dims, dtype=np.int64) * 4 for i in model.graph.initializer) > EXTERNAL_DATA_BYTES
     try:
         if large:
-            onnx.save_model(
-                model,
-                str(aside),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=f"{out.name}.data",
-                size_threshold=1024,
-            )
+            onnx_import.save_onnx(model, aside, data_file=f"{out.name}.data")
         else:
             aside.write_bytes(model.SerializeToString())
         os.replace(aside, out)

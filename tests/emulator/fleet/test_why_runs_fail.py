@@ -64,21 +64,21 @@ def test_a_diverging_learning_rate_is_named_as_invalid_update_in_the_rows_summar
     assert header.endswith(",summed,code")
 
 
+def _round_note(refused: dict[str, int]) -> str:
+    """The completion note of one abandoned round of 8 seated devices, 6 of whose reports the
+    server refused by ``refused``'s codes after training, 2 summed."""
+    lost = RoundRow("t/1/1", "t", 0.0, 200.0, False, 8, 8, 2, 0, 200.0, math.nan, math.nan, outcome="abandoned")
+    summary = {"shapes": {"-v[]+#": 6, "-v[]+^": 2}, "sessions_accepted": 8, "errors": {}, "reports_refused": refused}
+    return completion_note(summary, [lost], _config().task)
+
+
 def test_a_refused_report_never_counts_as_late_unless_the_server_said_so():
     """Before the codes, every report refused after training (shape ``-v[]+#``) was said to have
     come late: a round lost to updates the server refused as INVALID_UPDATE was told to lengthen
     its report window."""
-    task = _config().task
-    lost = RoundRow("t/1/1", "t", 0.0, 200.0, False, 8, 8, 2, 0, 200.0, math.nan, math.nan, outcome="abandoned")
-    summary = {
-        "shapes": {"-v[]+#": 6, "-v[]+^": 2},
-        "sessions_accepted": 8,
-        "errors": {},
-        "reports_refused": {"INVALID_UPDATE": 6},
-    }
-    note = completion_note(summary, [lost], task)
+    note = _round_note({"INVALID_UPDATE": 6})
     assert "window closed" not in note and "the server refused 6 reports as INVALID_UPDATE" in note
-    late = completion_note({**summary, "reports_refused": {"REPORT_LATE": 6}}, [lost], task)
+    late = _round_note({"REPORT_LATE": 6})
     assert "6 of the 8 sessions that trained reported after their round's window closed" in late
 
 
@@ -247,15 +247,7 @@ def test_a_report_so_late_that_the_server_forgot_its_session_is_counted_as_late(
     assert len(notes) == 1, notes
     assert notes[0].startswith("4 reports came after their round's window had closed"), notes
     assert "BAD_SESSION_TOKEN for 1, whose rounds had closed before the last one" in notes[0]
-    task = _config().task
-    lost = RoundRow("t/1/1", "t", 0.0, 200.0, False, 8, 8, 2, 0, 200.0, math.nan, math.nan, outcome="abandoned")
-    summary = {
-        "shapes": {"-v[]+#": 6, "-v[]+^": 2},
-        "sessions_accepted": 8,
-        "errors": {},
-        "reports_refused": {"REPORT_LATE": 4, "BAD_SESSION_TOKEN": 2},
-    }
-    note = completion_note(summary, [lost], task)
+    note = _round_note({"REPORT_LATE": 4, "BAD_SESSION_TOKEN": 2})
     assert "6 of the 8 sessions that trained reported after their round's window closed" in note, note
     assert "BAD_SESSION_TOKEN" not in note
 
