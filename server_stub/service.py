@@ -708,7 +708,8 @@ class FLService:
 
     def current_model(self, population: str, task: str | None = None) -> tuple[bytes, int, str]:
         """The newest global model of a task (by default the population's current training
-        task, else its latest one): bytes, round, task name."""
+        task, else its latest one; for an evaluation task, the task it evaluates): bytes, round,
+        and the name of the task that trained it."""
         if self.store.population_id(population) is None:
             raise NotFound(f"population {quoted(population)} does not exist", code="UNKNOWN_POPULATION")
         tasks = self.store.tasks(population)
@@ -718,6 +719,10 @@ class FLService:
             chosen = next((t for t in tasks if t.name == task), None)
             if chosen is None:
                 raise _no_task(population, task, tasks)
+            evaluated = chosen.config.get("group", {}).get("evaluates")
+            # an evaluation task trains no model: the one it measures is its training task's (its
+            # own record holds the initial checkpoint, which its round numbers would have labelled)
+            chosen = next((t for t in tasks if t.name == evaluated), chosen)
         else:
             with self._lock:
                 pop = self._populations.get(population)

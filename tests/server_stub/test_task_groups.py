@@ -96,6 +96,9 @@ def test_alternating_training_and_evaluation_evaluates_the_model_just_committed(
     expected = {w: weights[w] + 2 * np.float32(0.01) for w in train.weight_names}
     for name, value in decode_checkpoint(model).items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-6)
+    # Asked for by the evaluation task's name: the model it measures, named as its training task's
+    # (it was the initial model, labelled with the evaluation's own round 2).
+    assert h.service.current_model(POP, "eval") == (model, 2, "train")
 
 
 def test_weighted_tasks_run_in_proportion_and_keep_their_own_models(tmp_path):
