@@ -23,7 +23,7 @@ import glob
 import os
 import sqlite3
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import quote
 
 from example_store.keystore import sync_folder
@@ -68,6 +68,9 @@ class Contents:
     tasks: int
     rounds: int
     bytes: int
+    #: The database layout a restored backup was stamped with (None: from before layouts were
+    #: recorded, or not read).
+    layout: int | None = None
 
     def describe(self) -> str:
         return (
@@ -117,10 +120,10 @@ def server_database(path: str, option: str = "--db") -> Contents:
         conn.close()
 
 
-def _refuse_newer(backup_path: str) -> None:
-    """``BackupError`` for a backup of a layout later than this server's (``SCHEMA_VERSION``): put
-    in place, it was said to go on from its last committed rounds, and this server then refused to
-    start on it; the file it would have replaced was gone."""
+def _refuse_newer(backup_path: str) -> int | None:
+    """The backup's layout (None: none recorded), or ``BackupError`` for one later than this
+    server's (``SCHEMA_VERSION``): put in place, it was said to go on from its last committed
+    rounds, and this server then refused to start on it; the file it would have replaced was gone."""
     conn = _connect(backup_path, "the backup")
     try:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -134,6 +137,7 @@ def _refuse_newer(backup_path: str) -> None:
             f"--backup {backup_path} has layout {row[0]}, written by a newer server (this one knows layouts up to "
             f"{SCHEMA_VERSION}): restore it with that version's fedfleet, or give a backup of layout {SCHEMA_VERSION} or earlier"
         )
+    return row[0] if row is not None and isinstance(row[0], int) else None
 
 
 def _check_file(path: str, what: str, option: str) -> None:
@@ -336,7 +340,7 @@ def restore(backup_path: str, db: str) -> Contents:
     if not os.path.isdir(folder):
         raise BackupError(f"--db {db}: its folder {folder} does not exist; make it first, or give another path")
     server_database(backup_path, "--backup")  # (before the hold: a refused restore makes no lock file)
-    _refuse_newer(backup_path)
+    layout = _refuse_newer(backup_path)
     try:
         lock = hold_file(db)
     except DatabaseInUse as exc:
@@ -351,6 +355,6 @@ def restore(backup_path: str, db: str) -> Contents:
             _put_in_place(part, db, before=(f"{db}-wal", f"{db}-shm", f"{db}-journal"))
         finally:
             os.close(held)
-        return contents
+        return replace(contents, layout=layout)
     finally:
         release_file(lock)

@@ -24,7 +24,7 @@ from .app import create_app
 from .attestation import AttestationVerifier, NonceRegistry, RateLimiter
 from .errors import closest, did_you_mean, key_file_mistake
 from .http_guards import GuardedServer, HttpLimits
-from .persistence import DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError, store_advice
+from .persistence import SCHEMA_VERSION, DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError, store_advice
 from .release_trust import ReleaseTrustError, read_release_trust
 from .retention import Retention
 from .service import FLService
@@ -660,6 +660,11 @@ def _backup_or_restore(args: argparse.Namespace, command: str, out: TextIO) -> i
                 f"restored {args.db} from {args.backup}: {contents.describe()}; integrity check ok; a server started "
                 "on it goes on from each task's last committed round in the backup"
             )
+            if contents.layout != SCHEMA_VERSION:  # what the upgrade at that start does to the file
+                said += (
+                    f", upgrading it first from {'a layout older than layouts are recorded' if contents.layout is None else f'layout {contents.layout}'} "
+                    f"to layout {SCHEMA_VERSION}, which older servers refuse (the backup stays as it is, to go back)"
+                )
     except backup.BackupError as exc:
         print(f"{command}: {exc}", file=sys.stderr)
         return 2

@@ -70,6 +70,23 @@ def test_a_backup_of_a_newer_layout_is_refused_by_restore_in_one_line_and_replac
     assert _tables(db)[0] == SCHEMA_VERSION
 
 
+def test_a_restored_backup_of_an_earlier_layout_says_the_next_start_upgrades_it(tmp_path, capsys):
+    """Restore said only that a server started on it goes on from its rounds, not that the start
+    upgrades the file, after which the release that wrote it refuses it."""
+    old, db = tmp_path / "old.db", tmp_path / "fl.db"
+    with sqlite3.connect(old) as conn:
+        conn.executescript(LAYOUT_1)
+    ServerStore(db).close()
+    assert cli.main(["server", "restore", "--backup", str(old), "--db", str(db)]) == 0
+    said = capsys.readouterr().out
+    assert f"upgrading it first from layout 1 to layout {SCHEMA_VERSION}, which older servers refuse" in said, said
+    assert _tables(db)[0] == 1  # upgraded at the start, not by the restore
+    ServerStore(old).close()  # this layout's backup: nothing to say
+    assert cli.main(["server", "restore", "--backup", str(old), "--db", str(db)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"restored {db}") and "upgrading" not in said
+
+
 def test_a_server_says_once_in_its_log_that_it_upgraded_its_database_and_from_which_layout(tmp_path, caplog):
     db = tmp_path / "fl.db"
     with sqlite3.connect(db) as conn:
