@@ -8,6 +8,7 @@ run and :mod:`.report` draws the figures, so the tables and the report need not 
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import Counter
@@ -788,9 +789,11 @@ def round_gaps(
         if min(start, end) - free_from >= shortest:
             gaps.append((free_from, min(start, end)))
         free_from = max(free_from, stop)
+    samples = sorted(timeline, key=lambda row: row.t_s)
+    times = [row.t_s for row in samples]
     out = []
-    for lo, hi in gaps:
-        inside = [row for row in timeline if lo <= row.t_s <= hi]
+    for lo, hi in gaps:  # the samples within each by bisection: a scan of the whole timeline per gap
+        inside = samples[bisect.bisect_left(times, lo) : bisect.bisect_right(times, hi)]  # grew as a run's square
         out.append(
             {
                 "from_s": lo,

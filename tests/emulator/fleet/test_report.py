@@ -1083,6 +1083,30 @@ def test_a_stretch_without_an_open_round_is_explained_by_the_devices_waiting_out
     assert back_to_back["round_gaps"] == [] and back_to_back["round_gap_note"] is None
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    starts=st.lists(st.integers(0, 40), max_size=8),
+    times=st.lists(st.integers(0, 48), max_size=30),
+)
+def test_each_stretch_without_a_round_holds_the_timeline_samples_within_it(starts, times):
+    """The samples of each stretch are found by bisection (a scan of the whole timeline for each
+    stretch grew as the square of a run's length): the same ones, ends included, in any order."""
+    from emulator.fleet.summary import round_gaps
+
+    task = FleetConfig.default().task  # 300 s windows: stretches of 600 s or more
+    rounds = [
+        RoundRow(f"t/{i}/1", "t", 300.0 * a, 300.0 * a + 200.0, True, 1, 1, 1, 0, 200.0, 0.5, 1.0, outcome="committed")
+        for i, a in enumerate(starts)
+    ]
+    timeline = [TimelineRow(150.0 * k, k, 0, 0, 0, k % 3) for k in times]
+    for gap in round_gaps(rounds, timeline, 7200.0, task):
+        inside = [r for r in timeline if gap["from_s"] <= r.t_s <= gap["to_s"]]
+        assert gap["samples"] == len(inside)
+        if inside:
+            assert gap["available"] == pytest.approx(sum(r.available for r in inside) / len(inside))
+            assert gap["resting"] == pytest.approx(sum(r.resting for r in inside) / len(inside))
+
+
 def test_a_stretch_without_a_round_is_measured_against_what_the_server_waits_for_and_never_rounded_past_it():
     """The server opens a selection once it expects 1.25 times a round's seats: 14 devices free to
     check in for 13 seats leave no round open, and the note says so (it told of 14 free "of the 13"
