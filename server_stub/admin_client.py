@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import functools
 import ssl
+import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -15,9 +16,9 @@ from pydantic_core import from_json
 
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
-from device_runtime.errors import InvalidSetting
+from device_runtime.errors import InvalidSetting, ProtocolError
 from device_runtime.plan import Plan, serialize_plan
-from device_runtime.protocol import checked_server_url, redacted_url, url_credentials
+from device_runtime.protocol import _answer_bound, checked_server_url, redacted_url, url_credentials
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -70,6 +71,12 @@ def task_body(
     return body
 
 
+def _is_round(text: str) -> bool:
+    """Whether ``text`` is a round number a server gives (ASCII digits, 1 to ``MAX_ROUND_ID``):
+    ``int`` refuses ``'²'``, which ``isdigit`` takes, and a number of over 4,300 digits."""
+    return text.isascii() and text.isdigit() and len(text) <= 19 and 1 <= int(text) <= MAX_ROUND_ID
+
+
 class AdminError(Exception):
     """The server refused an operator request; ``code`` is its stable error code."""
 
@@ -118,9 +125,12 @@ class AdminClient:
             base_url=base_url,
             auth=auth,
             timeout=timeout_s,
-            headers={"Authorization": f"Bearer {admin_key}"},
+            # what the device's bound decodes: each answer is read through it, so that a hostile or
+            # broken server's endless answer (a model of gigabytes) is cut off, not held in memory
+            headers={"Authorization": f"Bearer {admin_key}", "Accept-Encoding": "gzip, deflate"},
             transport=transport,
             verify=_tls_context(),
+            event_hooks={"response": [_answer_bound(time.monotonic, timeout_s)]},
         )
 
     def close(self) -> None:
@@ -137,6 +147,8 @@ class AdminClient:
         ``ServerUnreachable`` whatever the call, and a refusal one ``AdminError``."""
         try:
             response = self.http.request(method, path, **kwargs)
+        except ProtocolError as exc:  # an answer past the bounds a device reads (MAX_RESOURCE_BYTES)
+            raise AdminError(str(exc), 200, "MALFORMED_ANSWER") from None
         except httpx.TransportError as exc:
             reason = str(exc) or type(exc).__name__
             if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
@@ -260,9 +272,10 @@ class AdminClient:
         if link is None:
             return rounds, None
         older = parse_qs(urlsplit(link).query).get("before", [""])[-1]
-        if not older.isdigit() or not 1 <= int(older) <= MAX_ROUND_ID:
+        # older than the page asked for: a server that pages in a circle, or forward, would be read for ever
+        if not _is_round(older) or (before is not None and int(older) >= before):
             raise AdminError(
-                f"the server's answer to GET {response.request.url.path} names no round to page back from "
+                f"the server's answer to GET {response.request.url.path} names no older round to page back from "
                 f"in its Link header: {link[:100]!r}",
                 response.status_code,
                 "MALFORMED_ANSWER",
@@ -292,7 +305,7 @@ class AdminClient:
         params = {"task": task} if task is not None else None
         response = self._send("GET", f"/v1/populations/{population}/model", params=params)
         number = response.headers.get("X-Round", "")
-        if not number.isdigit():
+        if not (number == "0" or _is_round(number)):
             raise AdminError(
                 f"the server's answer to GET {response.request.url.path} is not a model: it names no round (X-Round)",
                 response.status_code,

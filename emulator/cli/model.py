@@ -34,6 +34,7 @@ from server_stub.errors import did_you_mean
 from server_stub.persistence import DamagedStore, ServerStore, StoreLayoutError
 from server_stub.schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, NAME_RULE, is_name
 
+from ..toolchain.model_bundle import MODEL_FILE
 from ..toolchain.tasks import TaskError
 from ..toolchain.trained_model import write_trained_onnx
 
@@ -243,8 +244,15 @@ def model_command(
             f"-o {out} names an ONNX model, and without --onnx BUNDLE a checkpoint is written: give --onnx with the "
             "bundle the task was deployed from, or -o FILE.ckpt"
         )
+    if not out.parent.is_dir():  # else said of the file written aside first, at the end
+        raise ModelError(f"-o {out}: no folder {out.parent}; make it, or name a file in a folder that exists")
     if args.onnx is not None and not args.onnx.is_dir():
         raise ModelError(f"--onnx {args.onnx}: no such folder; give the bundle folder plan from-onnx wrote")
+    if args.onnx is not None and out.resolve().parent == args.onnx.resolve() and out.name.startswith(MODEL_FILE):
+        raise ModelError(
+            f"-o {out} is the bundle's own {MODEL_FILE} (or its data), which the trained model is made from, and "
+            "--onnx would read a trained one next time; name a file outside the bundle"
+        )
     for option, value in (("--population", args.population), ("--task", args.task)):
         if value is not None and not is_name(value):
             raise ModelError(f"--{option.lstrip('-')} {value!r} refused: {NAME_RULE}")

@@ -3,12 +3,21 @@ file or the bundle's ONNX model with its trained weights, and one line for each 
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from device_runtime import PlanExecutor, decode_checkpoint, encode_checkpoint, load_plan
 from emulator.cli import commands as cli
@@ -199,3 +208,95 @@ def test_a_from_onnx_bundle_trained_by_a_simulated_fleet_exports_the_model_onnxr
     plan = load_plan((bundle / "mlp" / "plan.fedplan").read_bytes())
     evaluated = PlanExecutor(plan).evaluate(weights, [{"x": x, "y": y}])
     assert float(np.mean(logits.argmax(axis=1) == y)) == pytest.approx(evaluated["eval_accuracy"], abs=1e-12)
+
+
+class HostileOperatorServer:
+    """A server on a loopback port (uvicorn) answering the operator endpoints ``fedfleet model``
+    reads as ``mode`` says: rounds paged back in a circle or forward, a model whose round is not a
+    number, a model of 3 GiB declared."""
+
+    def __init__(self) -> None:
+        self.mode = ""
+        app = Starlette(routes=[Route("/{path:path}", self._answer)])
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+
+    async def _answer(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/v1/populations":
+            return Response(json.dumps({"populations": ["p"]}), media_type="application/json")
+        if path.endswith("/model"):
+            head = {"X-Round": {"superscript": "\u00b2", "digits": "9" * 5000}.get(self.mode, "5"), "X-Task": "t"}
+            return Response(b"", headers=head)
+        if path.endswith("/rounds"):
+            before = int(request.query_params.get("before", "100"))
+            older = {"circle": 100, "forward": before + 1}.get(self.mode)
+            link = {"Link": f'</v1/populations/p/rounds?before={older}>; rel="next"'} if older else {}
+            record = {"round": 5, "task": "t", "attempt": 1, "status": "committed", "checkpoint_id": "ab" * 32}
+            rounds = [] if older else [{**record, "metrics": {}, "started_at": 1.0, "ended_at": 2.0}]
+            return Response(json.dumps({"rounds": rounds}), media_type="application/json", headers=link)
+        return Response(b"\0" * 16, headers={"Content-Length": str(3 << 30)})  # a resource, and cut off after
+
+    def __enter__(self) -> HostileOperatorServer:
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[HostileOperatorServer]:
+    with HostileOperatorServer() as server:
+        yield server
+
+
+@pytest.mark.parametrize(
+    "mode, round_, says",
+    [
+        ("circle", "3", "rounds names no older round to page back from in its Link header"),
+        ("forward", "3", "rounds names no older round to page back from in its Link header"),
+        ("superscript", None, "/model is not a model: it names no round (X-Round)"),
+        ("digits", None, "/model is not a model: it names no round (X-Round)"),
+        ("huge", "5", f"is {3 << 30} bytes, more than the {1 << 30} a device reads"),
+    ],
+)
+def test_a_hostile_servers_model_answer_is_one_line_never_a_hang_a_traceback_or_gigabytes_held(
+    hostile, mode, round_, says, tmp_path, capsys, monkeypatch
+):
+    """Rounds paged in a circle or forward were read for ever; a round of '²' or of 5,000 digits
+    raised ValueError out of int(); a model of gigabytes was read whole into memory."""
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+    hostile.mode = mode
+    argv = ["model", "--server", hostile.url, "--population", "p", "--task", "t", "-o", str(tmp_path / "m.ckpt")]
+    assert cli.main(argv + (["--round", round_] if round_ else [])) == 2
+    _one_line(capsys, says)
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_output_is_refused_in_a_missing_folder_or_as_the_bundles_own_model(bundle, tmp_path, capsys):
+    """-o in a missing folder was said of the hidden file written aside; -o BUNDLE/model.onnx --force
+    replaced the model the bundle's plan was made from with a trained one."""
+    run = tmp_path / "run"
+    (run / RUN_DATABASE).parent.mkdir(parents=True)
+    store = ServerStore(run / RUN_DATABASE)
+    store.create_population("digits")
+    plan = (bundle / "mlp" / "plan.fedplan").read_bytes()
+    initial = (bundle / "mlp" / "initial.ckpt").read_bytes()
+    (task,) = store.add_tasks("digits", [NewTask("mlp", plan, initial, {})])
+    _record(store, task.id, {1: ("committed", decode_checkpoint(initial))})
+    store.close()
+    source = (bundle / "model.onnx").read_bytes()
+    base = ["model", "--run", str(run)]
+    assert cli.main([*base, "-o", str(tmp_path / "no" / "m.ckpt")]) == 2
+    _one_line(capsys, f"-o {tmp_path / 'no' / 'm.ckpt'}: no folder {tmp_path / 'no'}; make it")
+    assert cli.main([*base, "--onnx", str(bundle), "-o", str(bundle / "model.onnx"), "--force"]) == 2
+    _one_line(capsys, f"-o {bundle / 'model.onnx'} is the bundle's own model.onnx")
+    assert (bundle / "model.onnx").read_bytes() == source
+    assert cli.main([*base, "--onnx", str(bundle), "-o", str(tmp_path / "m.onnx")]) == 0
