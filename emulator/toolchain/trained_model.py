@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
 from device_runtime.executor import PlanExecutor
@@ -95,12 +96,29 @@ def trained_onnx(
         for w in plan.weight_names
         if w in weights and tuple(np.shape(weights[w])) != tuple(spec[w][0])
     ]
-    if missing or wrong:
-        said = f"lacks {', '.join(missing[:4])}" if missing else f"has {', '.join(wrong[:4])} of another shape"
+    typed = [
+        f"{w} of {np.asarray(weights[w]).dtype}"
+        for w in plan.weight_names
+        if w in weights and np.asarray(weights[w]).dtype != spec[w][1]
+    ]
+    if missing or wrong or typed:
+        said = (
+            f"lacks {', '.join(missing[:4])}"
+            if missing
+            else f"has {', '.join(wrong[:4])} of another shape"
+            if wrong
+            else f"has {', '.join(typed[:4])}, where the plan trains another type"
+        )
         raise TaskError(
             f"the model does not fit task {name} of {bundle}: it {said}; give the bundle the task was deployed from"
         )
-    model = onnx.load(str(source))  # with its external data, read beside it
+    try:
+        model = onnx.load(str(source))  # with its external data, read beside it
+    except (OSError, ValueError, DecodeError, onnx.checker.ValidationError) as exc:
+        raise TaskError(
+            f"{source} does not read as an ONNX model ({str(exc).splitlines()[0][:200]}): put back the model the "
+            "bundle was made from, with its data file, or build the bundle again"
+        ) from None
     split = as_trained(model)
     onnx_import.inference_form(model)
     onnx_import.dilated_same_padding_written_out(model)  # else onnxruntime refuses the model's first run
@@ -108,6 +126,12 @@ def trained_onnx(
     kept = 0
     for i, init in enumerate(model.graph.initializer):
         if init.name in weights and init.name in plan.weight_names:
+            if tuple(init.dims) != tuple(np.shape(weights[init.name])):  # else reshaped into it, a transposed weight
+                raise TaskError(
+                    f"{source}'s initializer {init.name} is {tuple(init.dims)}, the trained one "
+                    f"{tuple(np.shape(weights[init.name]))}: the plan was not made from this model as it is; put back "
+                    "the model the bundle was made from"
+                )
             dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
             value = np.asarray(weights[init.name]).astype(dtype).reshape(tuple(init.dims))
             model.graph.initializer[i].CopyFrom(numpy_helper.from_array(value, init.name))

@@ -4,6 +4,7 @@ its own trained value, frozen and untrained initializers as they were."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from device_runtime import PlanExecutor, decode_checkpoint, load_plan
+from emulator.toolchain.evaluation import evaluation_plan_from_onnx
 from emulator.toolchain.model_bundle import bundle_from_onnx
 from emulator.toolchain.tasks import TaskError
 from emulator.toolchain.trained_model import trained_onnx, write_trained_onnx
@@ -112,3 +114,77 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_it_lacks(bundle, d
 def test_a_bundle_without_its_model_says_which_bundles_keep_one(tmp_path):
     with pytest.raises(TaskError, match="has no model.onnx: --onnx takes a bundle folder `plan from-onnx`"):
         trained_onnx(tmp_path, {})
+
+
+def test_a_bundle_whose_model_was_replaced_damaged_or_lost_its_data_is_refused_in_one_line(bundle, tmp_path):
+    """A model.onnx whose w1 is (10, 64) where the plan's is (64, 10) had the trained w1 reshaped into
+    it, a model that ran to other outputs; one that is not ONNX, or whose data file is gone, raised
+    protobuf's DecodeError and onnx's ValidationError."""
+    weights = decode_checkpoint((bundle / "mlp" / "initial.ckpt").read_bytes())
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    model = onnx.load(str(copy / "model.onnx"))
+    (w1,) = [i for i in model.graph.initializer if i.name == "w1"]
+    w1.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w1).T), "w1"))
+    onnx.save_model(model, str(copy / "model.onnx"))
+    with pytest.raises(TaskError, match=r"model.onnx's initializer w1 is \(10, 64\), the trained one \(64, 10\)"):
+        trained_onnx(copy, weights)
+    onnx.save_model(model, str(copy / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    (copy / "model.onnx.data").unlink()
+    with pytest.raises(TaskError, match=r"model.onnx does not read as an ONNX model \(Data of TensorProto"):
+        trained_onnx(copy, weights)
+    (copy / "model.onnx").write_bytes(b"not an ONNX model")
+    with pytest.raises(TaskError, match=r"model.onnx does not read as an ONNX model \(Error parsing"):
+        trained_onnx(copy, weights)
+    with pytest.raises(TaskError, match="it has w1 of float64, where the plan trains another type"):
+        trained_onnx(bundle, {**weights, "w1": weights["w1"].astype(np.float64)})
+
+
+def test_a_train_mode_exports_batchnorm_and_dropout_run_as_its_evaluation_plan_evaluates(tmp_path, digits):
+    """A model exported in train mode (BatchNormalization with training_mode=1 and its statistics as
+    outputs, Dropout with training_mode=True): the trained ONNX model runs as the evaluation plan of
+    the same weights does, with the running statistics the plan trained and no dropout, the same
+    outputs on every run. (A training plan's forward pass normalizes by each batch's statistics.)"""
+    rng = np.random.default_rng(0)
+    w = 0.1 * rng.standard_normal((64, 16)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h0"]),
+        helper.make_node(
+            "BatchNormalization", ["h0", "gamma", "beta", "mean", "var"], ["h1", "mean_out", "var_out"], training_mode=1
+        ),
+        helper.make_node("Relu", ["h1"], ["h2"]),
+        helper.make_node("Dropout", ["h2", "ratio", "train"], ["h3"]),
+        helper.make_node("MatMul", ["h3", "w2"], ["logits"]),
+    ]
+    values = {"w": w, "gamma": np.ones(16), "beta": np.zeros(16), "mean": np.zeros(16), "var": np.ones(16)}
+    values.update({"ratio": np.asarray(0.3), "w2": 0.1 * rng.standard_normal((16, 10))})
+    inits = [numpy_helper.from_array(np.asarray(v, dtype=np.float32), k) for k, v in values.items()]
+    graph = helper.make_graph(
+        nodes,
+        "bn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        initializer=[*inits, numpy_helper.from_array(np.array(True), "train")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    (tmp_path / "mlp.onnx").write_bytes(model.SerializeToString())
+    bundle_from_onnx(tmp_path / "mlp.onnx", tmp_path / "bundle", label="y", runtimes=["1.31.1"])
+    weights = trained(tmp_path / "bundle", digits, steps=1)
+    assert not np.allclose(weights["mean"], 0.0)  # the running statistics moved in training
+    write_trained_onnx(tmp_path / "bundle", weights, tmp_path / "trained.onnx")
+
+    x, y = digits.x_test, digits.y_test
+    session = ort.InferenceSession(str(tmp_path / "trained.onnx"))
+    (logits,), (again,) = session.run(["logits"], {"x": x}), session.run(["logits"], {"x": x})
+    np.testing.assert_array_equal(logits, again)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    loss = float(np.mean(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(y)), y]))
+    plan = load_plan((tmp_path / "bundle" / "mlp" / "plan.fedplan").read_bytes())
+    evaluation = evaluation_plan_from_onnx(
+        tmp_path / "mlp.onnx", label="y", loss="cross_entropy", example_selector=None, batch_size=64, training_plan=plan
+    )
+    evaluated = PlanExecutor(evaluation).evaluate(
+        weights, [{"x": x[i : i + 64], "y": y[i : i + 64]} for i in range(0, len(y), 64)]
+    )
+    assert float(np.mean(logits.argmax(axis=1) == y)) == pytest.approx(evaluated["eval_accuracy"], abs=1e-12)
+    assert loss == pytest.approx(evaluated["eval_loss"], rel=1e-5)
