@@ -36,7 +36,7 @@ from server_stub.schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, NAME_RULE, is_nam
 
 from ..toolchain.model_bundle import MODEL_FILE
 from ..toolchain.tasks import TaskError
-from ..toolchain.trained_model import write_trained_onnx
+from ..toolchain.trained_model import DATA_SUFFIX, write_trained_onnx
 
 __all__ = ["RUN_DATABASE", "add_model_parser", "model_command"]
 
@@ -239,6 +239,12 @@ def model_command(
         raise ModelError(f"-o {out} is a folder; name the file to write")
     if out.exists() and not args.force:
         raise ModelError(f"-o {out} exists; name a new file, or pass --force to replace it")
+    data = out.with_name(f"{out.name}.{DATA_SUFFIX}")  # where a large model's tensors go
+    if args.onnx is not None and data.exists() and not args.force:
+        raise ModelError(
+            f"{data} exists, where a large model's tensors are written beside -o {out}; name a new file, or pass "
+            "--force to replace both"
+        )
     if args.onnx is None and out.suffix.lower() == ".onnx":
         raise ModelError(
             f"-o {out} names an ONNX model, and without --onnx BUNDLE a checkpoint is written: give --onnx with the "

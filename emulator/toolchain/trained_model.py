@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ __all__ = ["TrainedModel", "trained_onnx", "write_trained_onnx"]
 #: Above this many bytes of initializers the model is written with its weights in ``FILE.data``
 #: beside it (protobuf refuses a message over 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
+#: The suffix of that file's name (``FILE.onnx.data``).
+DATA_SUFFIX = "data"
 
 
 @dataclass(frozen=True)
@@ -158,17 +161,25 @@ def _optimizer_state(name: str, trained: list[str]) -> bool:
 def write_trained_onnx(
     bundle: str | Path, weights: Mapping[str, np.ndarray], out: str | Path, *, task: str | None = None
 ) -> TrainedModel:
-    """:func:`trained_onnx` written to ``out`` (written aside and renamed into place)."""
+    """:func:`trained_onnx` written to ``out`` (written aside and renamed into place); a large model's
+    tensors to ``out.data`` beside it, written aside too: onnx appends them to a file of that name,
+    and an earlier export's data file grew by the whole model each time it was written again."""
     model, made = trained_onnx(bundle, weights, task=task)
     out = Path(out)
     aside = out.with_name(f".{out.name}.part")
     large = sum(np.prod(i.dims, dtype=np.int64) * 4 for i in model.graph.initializer) > EXTERNAL_DATA_BYTES
     try:
         if large:
-            onnx_import.save_onnx(model, aside, data_file=f"{out.name}.data")
+            aside.mkdir()
+            onnx_import.save_onnx(model, aside / out.name, data_file=f"{out.name}.{DATA_SUFFIX}")
+            os.replace(aside / f"{out.name}.{DATA_SUFFIX}", out.with_name(f"{out.name}.{DATA_SUFFIX}"))
+            os.replace(aside / out.name, out)
         else:
             aside.write_bytes(model.SerializeToString())
-        os.replace(aside, out)
+            os.replace(aside, out)
     finally:
-        aside.unlink(missing_ok=True)
+        if aside.is_dir():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.unlink(missing_ok=True)
     return made

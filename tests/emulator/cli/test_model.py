@@ -22,6 +22,7 @@ from starlette.routing import Route
 from device_runtime import PlanExecutor, decode_checkpoint, encode_checkpoint, load_plan
 from emulator.cli import commands as cli
 from emulator.cli.model import RUN_DATABASE
+from emulator.toolchain import trained_model
 from emulator.toolchain.model_bundle import bundle_from_onnx
 from server_stub import RoundConfig, ServerThread
 from server_stub.persistence import NewTask, ServerStore
@@ -300,3 +301,36 @@ def test_the_output_is_refused_in_a_missing_folder_or_as_the_bundles_own_model(b
     _one_line(capsys, f"-o {bundle / 'model.onnx'} is the bundle's own model.onnx")
     assert (bundle / "model.onnx").read_bytes() == source
     assert cli.main([*base, "--onnx", str(bundle), "-o", str(tmp_path / "m.onnx")]) == 0
+
+
+def test_a_large_models_data_file_is_written_anew_and_not_over_another_file_without_force(
+    bundle, tmp_path, capsys, monkeypatch
+):
+    """Over ``EXTERNAL_DATA_BYTES`` (here every model) the tensors go to FILE.onnx.data: onnx appended
+    them to a file of that name, so each --force grew it by the whole model, and a file of that name
+    that was not the export's own was written into without --force."""
+    monkeypatch.setattr(trained_model, "EXTERNAL_DATA_BYTES", 0)
+    run = tmp_path / "run"
+    (run / RUN_DATABASE).parent.mkdir(parents=True)
+    store = ServerStore(run / RUN_DATABASE)
+    store.create_population("digits")
+    initial = (bundle / "mlp" / "initial.ckpt").read_bytes()
+    (task,) = store.add_tasks("digits", [NewTask("mlp", (bundle / "mlp" / "plan.fedplan").read_bytes(), initial, {})])
+    _record(store, task.id, {1: ("committed", decode_checkpoint(initial))})
+    store.close()
+    out, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
+    argv = ["model", "--run", str(run), "--onnx", str(bundle), "-o", str(out)]
+    assert cli.main(argv) == 0
+    size = data.stat().st_size
+    assert cli.main([*argv, "--force"]) == 0
+    assert data.stat().st_size == size and sorted(p.name for p in tmp_path.iterdir()) == [
+        "m.onnx",
+        "m.onnx.data",
+        "run",
+    ]
+    (x,) = ort.InferenceSession(str(out)).run(["logits"], {"x": np.zeros((1, 64), np.float32)})
+    assert x.shape == (1, 10)
+    out.unlink()
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    _one_line(capsys, f"{data} exists, where a large model's tensors are written beside -o {out}")
