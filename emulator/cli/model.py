@@ -17,6 +17,7 @@ committed round and a given round's model; the command around them is one.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -124,7 +125,13 @@ class ServerModels:
                 break
         _round_said(task, number, sorted(found), self.where)
         assert checkpoint is not None
-        return Committed(task, number, self.admin.checkpoint_bytes(checkpoint))
+        data = self.admin.checkpoint_bytes(checkpoint)
+        if hashlib.sha256(data).hexdigest() != checkpoint:  # a model's id is its bytes' SHA-256, as devices check
+            raise ModelError(
+                f"the model {self.where} sent for round {number} of task {task} is not the one its round committed "
+                f"(its bytes do not hash to {checkpoint[:12]}); is --server a fedfleet server of this version?"
+            )
+        return Committed(task, number, data)
 
 
 class RunModels:

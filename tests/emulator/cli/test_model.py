@@ -214,7 +214,7 @@ def test_a_from_onnx_bundle_trained_by_a_simulated_fleet_exports_the_model_onnxr
 class HostileOperatorServer:
     """A server on a loopback port (uvicorn) answering the operator endpoints ``fedfleet model``
     reads as ``mode`` says: rounds paged back in a circle or forward, a model whose round is not a
-    number, a model of 3 GiB declared."""
+    number, a model of 3 GiB declared, a checkpoint other than the one the round names."""
 
     def __init__(self) -> None:
         self.mode = ""
@@ -238,6 +238,8 @@ class HostileOperatorServer:
             record = {"round": 5, "task": "t", "attempt": 1, "status": "committed", "checkpoint_id": "ab" * 32}
             rounds = [] if older else [{**record, "metrics": {}, "started_at": 1.0, "ended_at": 2.0}]
             return Response(json.dumps({"rounds": rounds}), media_type="application/json", headers=link)
+        if self.mode == "another":  # a checkpoint, but not the one whose id the round names
+            return Response(encode_checkpoint({"w": np.zeros(3, np.float32)}))
         return Response(b"\0" * 16, headers={"Content-Length": str(3 << 30)})  # a resource, and cut off after
 
     def __enter__(self) -> HostileOperatorServer:
@@ -266,13 +268,15 @@ def hostile() -> Iterator[HostileOperatorServer]:
         ("superscript", None, "/model is not a model: it names no round (X-Round)"),
         ("digits", None, "/model is not a model: it names no round (X-Round)"),
         ("huge", "5", f"is {3 << 30} bytes, more than the {1 << 30} a device reads"),
+        ("another", "5", "sent for round 5 of task t is not the one its round committed (its bytes do not hash"),
     ],
 )
 def test_a_hostile_servers_model_answer_is_one_line_never_a_hang_a_traceback_or_gigabytes_held(
     hostile, mode, round_, says, tmp_path, capsys, monkeypatch
 ):
     """Rounds paged in a circle or forward were read for ever; a round of '²' or of 5,000 digits
-    raised ValueError out of int(); a model of gigabytes was read whole into memory."""
+    raised ValueError out of int(); a model of gigabytes was read whole into memory; another
+    checkpoint than the round's was written as its model."""
     monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
     hostile.mode = mode
     argv = ["model", "--server", hostile.url, "--population", "p", "--task", "t", "-o", str(tmp_path / "m.ckpt")]
