@@ -31,7 +31,7 @@ from device_runtime.wire import (
 
 from .metrics import rounds_frame
 from .rounds import RoundConfig
-from .schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE
+from .schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, is_name
 
 
 def task_body(
@@ -311,4 +311,11 @@ class AdminClient:
                 response.status_code,
                 "MALFORMED_ANSWER",
             )
-        return response.content, int(number), unquote(response.headers.get("X-Task", task or ""))
+        name = unquote(response.headers.get("X-Task", task or ""))
+        if not is_name(name):  # said in the caller's messages, and asked for again as a task
+            raise AdminError(
+                f"the server's answer to GET {response.request.url.path} is not a model: it names no task (X-Task)",
+                response.status_code,
+                "MALFORMED_ANSWER",
+            )
+        return response.content, int(number), name

@@ -214,7 +214,7 @@ def test_a_from_onnx_bundle_trained_by_a_simulated_fleet_exports_the_model_onnxr
 class HostileOperatorServer:
     """A server on a loopback port (uvicorn) answering the operator endpoints ``fedfleet model``
     reads as ``mode`` says: rounds paged back in a circle or forward, a model whose round is not a
-    number, a model of 3 GiB declared, a checkpoint other than the one the round names."""
+    number or whose task is not a name, a model of 3 GiB declared, a checkpoint other than the one the round names."""
 
     def __init__(self) -> None:
         self.mode = ""
@@ -229,7 +229,8 @@ class HostileOperatorServer:
         if path == "/v1/populations":
             return Response(json.dumps({"populations": ["p"]}), media_type="application/json")
         if path.endswith("/model"):
-            head = {"X-Round": {"superscript": "\u00b2", "digits": "9" * 5000}.get(self.mode, "5"), "X-Task": "t"}
+            head = {"X-Round": {"superscript": "\u00b2", "digits": "9" * 5000}.get(self.mode, "5")}
+            head["X-Task"] = "t%0Aand%20a%20second%20line" if self.mode == "task" else "t"
             return Response(b"", headers=head)
         if path.endswith("/rounds"):
             before = int(request.query_params.get("before", "100"))
@@ -267,6 +268,7 @@ def hostile() -> Iterator[HostileOperatorServer]:
         ("forward", "3", "rounds names no older round to page back from in its Link header"),
         ("superscript", None, "/model is not a model: it names no round (X-Round)"),
         ("digits", None, "/model is not a model: it names no round (X-Round)"),
+        ("task", None, "/model is not a model: it names no task (X-Task)"),
         ("huge", "5", f"is {3 << 30} bytes, more than the {1 << 30} a device reads"),
         ("another", "5", "sent for round 5 of task t is not the one its round committed (its bytes do not hash"),
     ],
@@ -275,7 +277,7 @@ def test_a_hostile_servers_model_answer_is_one_line_never_a_hang_a_traceback_or_
     hostile, mode, round_, says, tmp_path, capsys, monkeypatch
 ):
     """Rounds paged in a circle or forward were read for ever; a round of '²' or of 5,000 digits
-    raised ValueError out of int(); a model of gigabytes was read whole into memory; another
+    raised ValueError out of int(); a task of two lines was said in two; a model of gigabytes was read whole into memory; another
     checkpoint than the round's was written as its model."""
     monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
     hostile.mode = mode
