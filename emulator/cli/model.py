@@ -143,6 +143,10 @@ class RunModels:
             raise ModelError(
                 f"{run} is no run folder (no {RUN_DATABASE}): give the folder `fedfleet simulate --out RUN` wrote"
             )
+        if database.stat().st_size == 0:  # else opening it would write a new server's tables into the run
+            raise ModelError(
+                f"{database} is empty: no server ran on it; give the folder `fedfleet simulate --out RUN` wrote"
+            )
         try:
             self.store = ServerStore(database)
         except (SQLAlchemyError, StoreLayoutError, ValueError) as exc:  # not SQLite, or of a newer layout
@@ -151,6 +155,9 @@ class RunModels:
                 "folder `fedfleet simulate --out RUN` wrote"
             ) from None
         names = self.store.population_names()
+        if not names:
+            self.store.close()
+            raise ModelError(f"the run {run} has no population: its server recorded no deploy")
         if population is None and len(names) == 1:
             population = names[0]
         if population not in names:

@@ -179,6 +179,13 @@ def test_the_model_of_a_run_folder_is_read_from_the_database_its_server_kept(bun
     (tmp_path / "no_run" / RUN_DATABASE).write_text("not a database")
     assert cli.main(["model", "--run", str(tmp_path / "no_run"), "-o", str(tmp_path / "x.ckpt")]) == 2
     _one_line(capsys, "does not read as a run's server database ((sqlite3.DatabaseError) file is not a database)")
+    (tmp_path / "no_run" / RUN_DATABASE).write_bytes(b"")  # was given a new server's tables, then "the populations ;"
+    assert cli.main(["model", "--run", str(tmp_path / "no_run"), "-o", str(tmp_path / "x.ckpt")]) == 2
+    _one_line(capsys, f"{tmp_path / 'no_run' / RUN_DATABASE} is empty: no server ran on it")
+    assert (tmp_path / "no_run" / RUN_DATABASE).stat().st_size == 0
+    ServerStore(tmp_path / "no_run" / RUN_DATABASE).close()  # a server's tables, no population
+    assert cli.main(["model", "--run", str(tmp_path / "no_run"), "-o", str(tmp_path / "x.ckpt")]) == 2
+    _one_line(capsys, f"the run {tmp_path / 'no_run'} has no population: its server recorded no deploy")
     assert cli.main(["model", "--run", str(tmp_path), "-o", str(tmp_path / "x.ckpt")]) == 2
     _one_line(capsys, f"{tmp_path} is no run folder (no {RUN_DATABASE}): give the folder `fedfleet simulate --out RUN`")
 
