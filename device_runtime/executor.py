@@ -417,7 +417,9 @@ class PlanExecutor(ServerOps):
         """Loss and accuracy of ``weights`` over ``batches`` (keyed by example tensor names) with
         the work graph's forward pass: ``eval_loss``, ``num_examples`` and, when the plan counts
         ``correct`` predictions (classification), ``eval_accuracy``; a regression plan (mse) has
-        no accuracy. Meant for evaluation plans; on a training plan the weights are not updated either."""
+        no accuracy. Meant for evaluation plans; on a training plan the weights are not updated either,
+        but its forward pass is the training step's (BatchNorm by each batch's statistics, Dropout
+        dropping units), so a model with them scores otherwise than its evaluation plan."""
         w = self.check_weights(weights)
         sess = self._session("work")
         outputs = list(self.plan.metric_names)
