@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence, Set
 from fnmatch import fnmatchcase
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -772,10 +773,13 @@ def nothing_to_train(
 
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike, *, data_file: str | None = None) -> None:
     """Write ``model`` to ``path``; with ``data_file``, its tensors of 1 KiB or more go to that file
-    beside it (a name relative to the model's folder), as protobuf caps a model file at 2 GiB."""
+    beside it (a name relative to the model's folder), as protobuf caps a model file at 2 GiB. A
+    data file already there is replaced: onnx appends to it, and each writing over a bundle grew it
+    by the whole model."""
     if data_file is None:
         onnx.save_model(model, os.fspath(path))
     else:
+        (Path(path).parent / data_file).unlink(missing_ok=True)
         onnx.save_model(
             model,
             os.fspath(path),

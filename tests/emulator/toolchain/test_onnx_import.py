@@ -897,3 +897,22 @@ def test_a_dilated_conv_of_same_padding_takes_the_step_of_its_explicit_pads(auto
     assert set(same) == {"w", "b"}
     for name in explicit:
         np.testing.assert_allclose(same[name], explicit[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_a_model_written_again_with_its_tensors_beside_it_replaces_its_data_file(tmp_path):
+    """onnx appends the tensors to a data file of that name already there: a bundle's model written
+    over again grew its data file by the whole model each time (from-torch of a large model, or
+    fedfleet model --onnx --force)."""
+    import onnxruntime as ort
+
+    from emulator.toolchain.onnx_import import save_onnx
+
+    model = mlp(64, 32, 3, seed=0)
+    path = tmp_path / "model.onnx"
+    for _ in range(3):  # (saving moves a model's tensors out of it: each time a model of its own)
+        save_onnx(mlp(64, 32, 3, seed=0), path, data_file="model.onnx.data")
+    weights = sum(np.prod(i.dims) * 4 for i in model.graph.initializer if np.prod(i.dims) * 4 >= 1024)
+    assert (tmp_path / "model.onnx.data").stat().st_size == weights
+    x = np.ones((2, 64), np.float32)
+    got = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    assert got.shape == (2, 3) and np.isfinite(got).all()
