@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Iterator, Mapping
@@ -737,10 +738,12 @@ def _stop(args: argparse.Namespace, say) -> int:
         say(f"running now: {', '.join(stopped['running'])}")
     else:
         say("no task of the population runs now")
-    where = f"--server {redacted_url(args.server)} --population {stopped['population']}"
-    key = f" --admin-key-file {args.admin_key_file}" if args.admin_key_file else ""
-    say(f"its final model: fedfleet model {where} --task {stopped['task']}{key} -o {stopped['task']}.ckpt")
-    say(f"its rounds: fedfleet rounds {where} --task {stopped['task']}{key}")
+    # commands to paste into a shell: a name or path with a space or a quote is quoted as the shell reads it
+    task, q = stopped["task"], shlex.quote
+    where = f"--server {q(redacted_url(args.server))} --population {q(stopped['population'])}"
+    key = f" --admin-key-file {q(args.admin_key_file)}" if args.admin_key_file else ""
+    say(f"its final model: fedfleet model {where} --task {q(task)}{key} -o {q(task + '.ckpt')}")
+    say(f"its rounds: fedfleet rounds {where} --task {q(task)}{key}")
     return 0
 
 

@@ -10,6 +10,7 @@ import argparse
 import http.server
 import logging
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -247,6 +248,26 @@ def test_stop_stops_a_task_that_never_ends_and_the_queued_deploy_runs(tmp_path, 
             assert cli.main(argv) == code, argv
             captured = capsys.readouterr().err.strip()
             assert len(captured.splitlines()) == 1 and err in captured, captured
+
+
+def test_the_commands_stop_prints_run_as_pasted_with_a_key_file_whose_path_has_a_space(tmp_path, capsys):
+    """The printed `fedfleet model ... --admin-key-file PATH` split a path with a space in two."""
+    plan = digits_plan()
+    keys = tmp_path / "my keys" / "admin.key"
+    keys.parent.mkdir()
+    keys.write_text(ADMIN_KEY + "\n")
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        admin.deploy_task("p", "t", plan, encode_checkpoint(initial_weights(plan, seed=0)), RoundConfig())
+        argv = ["stop", "--server", server.url, "--population", "p", "--task", "t", "--admin-key-file", str(keys)]
+        assert cli.main(argv) == 0
+        said = capsys.readouterr().out
+        for prefix in ("its final model: fedfleet ", "its rounds: fedfleet "):
+            line = next(line for line in said.splitlines() if line.startswith(prefix))
+            args = shlex.split(line.removeprefix(prefix))
+            assert args[args.index("--admin-key-file") + 1] == str(keys), line
+        assert cli.main(args) == 0  # the rounds command, pasted
+        assert "t" in capsys.readouterr().out
 
 
 def test_version_prints_the_installed_version(capsys):
