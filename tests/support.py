@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,12 +16,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx
 import numpy as np
 import onnxruntime
 import pytest
+import uvicorn
 
 from device_runtime import (
     FLRuntime,
@@ -470,6 +472,28 @@ class ThroughRestart(KillSwitch):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         assert self.up.wait(120)
         return super().handle_request(request)
+
+
+class LoopbackApp:
+    """An ASGI app served by uvicorn in a thread on a loopback port, held from its pick so that no
+    other server takes it; ``url`` reaches it between ``__enter__`` and ``__exit__``."""
+
+    def __init__(self, app: Any) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.listener.close()
 
 
 #: The admin key of a ``ServerProcess``.

@@ -26,14 +26,11 @@ import base64
 import dataclasses
 import hashlib
 import json
-import socket
-import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
 import pytest
-import uvicorn
 from onnx import TensorProto, helper, numpy_helper
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -76,13 +73,13 @@ from device_runtime.secure_sum import SecureSumCodec, config_to_json
 from device_runtime.wire import CheckinAccepted
 from example_store import InMemoryExampleStore
 from secagg import Round, SecAggConfig, assign_groups, group_seed, seed_commitment
-from tests.support import COLLECTION, digits_plan
+from tests.support import COLLECTION, LoopbackApp, digits_plan
 
 SEED = b"hostile seed of thirty-two bytes!"
 FAST = RetryPolicy(attempts=1)
 
 
-class HostileServer:
+class HostileServer(LoopbackApp):
     """An FL server on a loopback port (uvicorn) that accepts every check-in with ``checkin``
     (its ``plan_id`` and ``checkpoint_id`` those of ``plans[n]`` for the n-th session, the last one
     thereafter), serves them, answers every Secure Aggregation poll with ``secagg`` and takes
@@ -99,10 +96,7 @@ class HostileServer:
         self.sessions = self.reports = self.secagg_sent = 0
         self.aborts: list[str] = []
         app = Starlette(routes=[Route("/{path:path}", self._answer, methods=["GET", "POST"])])
-        self.listener = socket.create_server(("127.0.0.1", 0))  # held from the pick: no other server takes it
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+        super().__init__(app)
 
     def serve(self, *plans) -> None:
         """Serve ``plans`` (wire bytes or ``Plan``s), each with its initial weights, from the next session on."""
@@ -146,17 +140,6 @@ class HostileServer:
         if path.endswith("/report"):
             self.reports += 1
         return _json('{"status": "accepted"}')
-
-    def __enter__(self) -> HostileServer:
-        self.thread.start()
-        while not self.server.started:
-            threading.Event().wait(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.listener.close()
 
 
 def _json(text: str) -> Response:

@@ -8,14 +8,11 @@ import hashlib
 import logging
 import os
 import random
-import socket
 import tempfile
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -38,7 +35,7 @@ from device_runtime.plan_cache import STALE_PARTIAL_S, DirectoryPlanCache
 from device_runtime.protocol import ProtocolClient
 from example_store import InMemoryExampleStore, SQLiteExampleStore
 from server_stub import free_port
-from tests.support import COLLECTION, deploy, digits_plan
+from tests.support import COLLECTION, LoopbackApp, deploy, digits_plan
 
 FAST_RETRY = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)
 
@@ -66,22 +63,13 @@ class FaultyProxy:
                 content = bytes([content[0] ^ 1]) + content[1:]
             return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
 
-        app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
-        self.listener = socket.create_server(("127.0.0.1", 0))  # held from the pick: no other server takes it
-        self.port = self.listener.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+        self.loopback = LoopbackApp(Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])]))
 
     def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            threading.Event().wait(0.01)
-        return f"http://127.0.0.1:{self.port}"
+        return self.loopback.__enter__().url
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.listener.close()
+        self.loopback.__exit__()
         self.http.close()
 
 

@@ -4,8 +4,6 @@ file or the bundle's ONNX model with its trained weights, and one line for each 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,6 +24,7 @@ from emulator.toolchain.model_bundle import bundle_from_onnx
 from server_stub import RoundConfig, ServerThread
 from server_stub.persistence import NewTask, ServerStore
 from tests.emulator.toolchain.test_trained_model import mlp_with_a_merged_bias, trained
+from tests.support import LoopbackApp
 
 ADMIN_KEY = "operator-key-for-the-model-command-0123456789"
 
@@ -218,7 +216,7 @@ def test_a_from_onnx_bundle_trained_by_a_simulated_fleet_exports_the_model_onnxr
     assert float(np.mean(logits.argmax(axis=1) == y)) == pytest.approx(evaluated["eval_accuracy"], abs=1e-12)
 
 
-class HostileOperatorServer:
+class HostileOperatorServer(LoopbackApp):
     """A server on a loopback port (uvicorn) answering the operator endpoints ``fedfleet model``
     reads as ``mode`` says: rounds paged back in a circle or forward, a model whose round is not a
     number or whose task is not a name, a model of 3 GiB declared, a checkpoint other than the one the round names."""
@@ -226,10 +224,7 @@ class HostileOperatorServer:
     def __init__(self) -> None:
         self.mode = ""
         app = Starlette(routes=[Route("/{path:path}", self._answer)])
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+        super().__init__(app)
 
     async def _answer(self, request: Request) -> Response:
         path = request.url.path
@@ -249,17 +244,6 @@ class HostileOperatorServer:
         if self.mode == "another":  # a checkpoint, but not the one whose id the round names
             return Response(encode_checkpoint({"w": np.zeros(3, np.float32)}))
         return Response(b"\0" * 16, headers={"Content-Length": str(3 << 30)})  # a resource, and cut off after
-
-    def __enter__(self) -> HostileOperatorServer:
-        self.thread.start()
-        while not self.server.started:
-            threading.Event().wait(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.listener.close()
 
 
 @pytest.fixture(scope="module")
