@@ -46,6 +46,23 @@ def _record(store: ServerStore, task_id: int, rounds: dict[int, tuple[str, dict 
         store.record_round(task_id, number, 1, status, metrics, now - 100 + number, now - 99 + number, checkpoint)
 
 
+def _run_folder(
+    tmp_path: Path, bundle: Path, rounds: dict[int, tuple[str, dict | None]] | None = None
+) -> tuple[Path, ServerStore]:
+    """A run folder whose server kept the bundle's task ``mlp`` of population ``digits`` and its
+    ``rounds`` (``_record``; by default round 1 committed its initial model): the folder, its store
+    (open)."""
+    run = tmp_path / "run"
+    (run / RUN_DATABASE).parent.mkdir(parents=True)
+    store = ServerStore(run / RUN_DATABASE)
+    store.create_population("digits")
+    plan = (bundle / "mlp" / "plan.fedplan").read_bytes()
+    initial = (bundle / "mlp" / "initial.ckpt").read_bytes()
+    (task,) = store.add_tasks("digits", [NewTask("mlp", plan, initial, {})])
+    _record(store, task.id, rounds if rounds is not None else {1: ("committed", decode_checkpoint(initial))})
+    return run, store
+
+
 @pytest.fixture(scope="module")
 def models(bundle, digits) -> dict[int, dict]:
     first = trained(bundle, digits, steps=1)
@@ -143,14 +160,11 @@ def test_the_model_of_a_servers_committed_round_is_written_as_a_checkpoint_and_a
 
 
 def test_the_model_of_a_run_folder_is_read_from_the_database_its_server_kept(bundle, models, tmp_path, capsys):
-    run = tmp_path / "run"
-    (run / RUN_DATABASE).parent.mkdir(parents=True)
-    store = ServerStore(run / RUN_DATABASE)
-    store.create_population("digits")
+    run, store = _run_folder(
+        tmp_path, bundle, {1: ("committed", models[1]), 2: ("abandoned", None), 3: ("committed", models[2])}
+    )
     plan = (bundle / "mlp" / "plan.fedplan").read_bytes()
     initial = (bundle / "mlp" / "initial.ckpt").read_bytes()
-    (task,) = store.add_tasks("digits", [NewTask("mlp", plan, initial, {})])
-    _record(store, task.id, {1: ("committed", models[1]), 2: ("abandoned", None), 3: ("committed", models[2])})
     (evaluation,) = store.add_tasks("digits", [NewTask("mlp_eval", plan, initial, {"group": {"evaluates": "mlp"}})])
     store.record_round(evaluation.id, 1, 1, "committed", {"evaluated_checkpoint_id": "ab" * 32}, 1.0, 2.0)
     store.close()
@@ -281,14 +295,7 @@ def test_a_hostile_servers_model_answer_is_one_line_never_a_hang_a_traceback_or_
 def test_the_output_is_refused_in_a_missing_folder_or_as_the_bundles_own_model(bundle, tmp_path, capsys):
     """-o in a missing folder was said of the hidden file written aside; -o BUNDLE/model.onnx --force
     replaced the model the bundle's plan was made from with a trained one."""
-    run = tmp_path / "run"
-    (run / RUN_DATABASE).parent.mkdir(parents=True)
-    store = ServerStore(run / RUN_DATABASE)
-    store.create_population("digits")
-    plan = (bundle / "mlp" / "plan.fedplan").read_bytes()
-    initial = (bundle / "mlp" / "initial.ckpt").read_bytes()
-    (task,) = store.add_tasks("digits", [NewTask("mlp", plan, initial, {})])
-    _record(store, task.id, {1: ("committed", decode_checkpoint(initial))})
+    run, store = _run_folder(tmp_path, bundle)
     store.close()
     source = (bundle / "model.onnx").read_bytes()
     base = ["model", "--run", str(run)]
@@ -307,13 +314,7 @@ def test_a_large_models_data_file_is_written_anew_and_not_over_another_file_with
     them to a file of that name, so each --force grew it by the whole model, and a file of that name
     that was not the export's own was written into without --force."""
     monkeypatch.setattr(trained_model, "EXTERNAL_DATA_BYTES", 0)
-    run = tmp_path / "run"
-    (run / RUN_DATABASE).parent.mkdir(parents=True)
-    store = ServerStore(run / RUN_DATABASE)
-    store.create_population("digits")
-    initial = (bundle / "mlp" / "initial.ckpt").read_bytes()
-    (task,) = store.add_tasks("digits", [NewTask("mlp", (bundle / "mlp" / "plan.fedplan").read_bytes(), initial, {})])
-    _record(store, task.id, {1: ("committed", decode_checkpoint(initial))})
+    run, store = _run_folder(tmp_path, bundle)
     store.close()
     out, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
     argv = ["model", "--run", str(run), "--onnx", str(bundle), "-o", str(out)]
