@@ -58,6 +58,7 @@ __all__ = [
     "CheckinRejected",
     "ProtocolClient",
     "RetryPolicy",
+    "answer_bound",
     "retry_window",
     "shared_tls_context",
 ]
@@ -425,7 +426,7 @@ class _DeadlineTransport(httpx.HTTPTransport):
         )
 
 
-def _answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[httpx.Response], None]:
+def answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[httpx.Response], None]:
     """httpx's response hook, run once the head is in: the body is read through ``_BoundedAnswer``
     (httpx decodes nothing more), and an answer that declares itself too large is refused unread."""
 
@@ -554,7 +555,7 @@ class ProtocolClient:
             # what ``_BoundedAnswer`` decodes, and no more (httpx asks for br and zstd too once their
             # packages are installed, and the device would then refuse an honest server's answer)
             headers={"Accept-Encoding": "gzip, deflate"},
-            event_hooks={"response": [_answer_bound(clock, timeout_s)]},
+            event_hooks={"response": [answer_bound(clock, timeout_s)]},
         )
         self.clock, self.timeout_s = clock, timeout_s
         #: A reading of ``clock`` past which no request of this client starts or goes on (the

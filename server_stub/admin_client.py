@@ -18,7 +18,7 @@ from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.errors import InvalidSetting, ProtocolError
 from device_runtime.plan import Plan, serialize_plan
-from device_runtime.protocol import _answer_bound, checked_server_url, redacted_url, url_credentials
+from device_runtime.protocol import answer_bound, checked_server_url, redacted_url, url_credentials
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -130,7 +130,7 @@ class AdminClient:
             headers={"Authorization": f"Bearer {admin_key}", "Accept-Encoding": "gzip, deflate"},
             transport=transport,
             verify=_tls_context(),
-            event_hooks={"response": [_answer_bound(time.monotonic, timeout_s)]},
+            event_hooks={"response": [answer_bound(time.monotonic, timeout_s)]},
         )
 
     def close(self) -> None:
