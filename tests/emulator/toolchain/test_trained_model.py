@@ -188,3 +188,41 @@ def test_a_train_mode_exports_batchnorm_and_dropout_run_as_its_evaluation_plan_e
     )
     assert float(np.mean(logits.argmax(axis=1) == y)) == pytest.approx(evaluated["eval_accuracy"], abs=1e-12)
     assert loss == pytest.approx(evaluated["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family, exporter", [("gru_tied", "classic"), ("gpt_sdpa", "dynamo")])
+def test_a_tied_embedding_and_output_layer_is_exported_as_the_one_weight_the_plan_trained(family, exporter, tmp_path):
+    """A next-token model whose output layer is its embedding (``head.weight is wte.weight``), as
+    torch's exporters wrote it (the dynamo exporter folds the output layer's transpose of the
+    tied weight into a constant of its own): the plan trains the pair as one weight, and the
+    exported model reads that trained weight in both places (onnxruntime's outputs give the
+    evaluation plan's loss)."""
+    from tests.emulator.toolchain.test_exported_models import reference, unpacked
+
+    ref = reference(f"{family}.perturbed.npz")
+    shutil.copy(unpacked(f"{family}.perturbed.{exporter}.onnx.gz"), tmp_path / "lm.onnx")
+    bundle_from_onnx(tmp_path / "lm.onnx", tmp_path / "bundle", label="y", batch_size=4, lr=1.0, runtimes=["1.31.1"])
+    plan = load_plan((tmp_path / "bundle" / "lm" / "plan.fedplan").read_bytes())
+    initial = decode_checkpoint((tmp_path / "bundle" / "lm" / "initial.ckpt").read_bytes())
+    tied = [name for name in plan.weight_names if initial[name].shape in ((200, 16), (16, 200))]
+    assert len(tied) == 1, tied  # one weight stands for the embedding and the output layer
+
+    rng = np.random.default_rng(1)
+    tokens, y = ref.examples["tokens"], ref.examples["y"]
+    batches = [{"tokens": rng.integers(0, 200, tokens.shape), "y": rng.integers(0, 200, y.shape)} for _ in range(4)]
+    executor = PlanExecutor(plan)
+    weights = executor.final_weights(initial, executor.run_device(initial, lambda: iter(batches)))
+    assert not np.allclose(weights[tied[0]], initial[tied[0]])
+    write_trained_onnx(tmp_path / "bundle", weights, tmp_path / "trained.onnx")
+
+    (logits,) = ort.InferenceSession(str(tmp_path / "trained.onnx")).run(["logits"], {"tokens": tokens})
+    logits, labels = logits.reshape(-1, 200), y.reshape(-1)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    loss = float(np.mean(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(labels)), labels]))
+    evaluation = evaluation_plan_from_onnx(
+        tmp_path / "lm.onnx", label="y", loss="cross_entropy", example_selector=None, batch_size=4, training_plan=plan
+    )
+    evaluated = PlanExecutor(evaluation).evaluate(weights, [{"tokens": tokens, "y": y}])
+    assert loss == pytest.approx(evaluated["eval_loss"], rel=1e-5)
+    before = PlanExecutor(evaluation).evaluate(initial, [{"tokens": tokens, "y": y}])
+    assert evaluated["eval_loss"] != pytest.approx(before["eval_loss"], rel=1e-3)  # the trained weights are what ran
