@@ -102,8 +102,59 @@ def stoppable_run_options() -> ort.RunOptions:
 
 def _io_specs(model_bytes: bytes) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(inputs, outputs) of a model: name -> (shape with None for symbolic dims, numpy dtype)."""
-    model = onnx.ModelProto.FromString(model_bytes)
+    return _specs(onnx.ModelProto.FromString(model_bytes))
 
+
+#: Ops that pass an integer input's values on unchanged (their first input), in another shape or type.
+_PASSING_IDS = frozenset(
+    {"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Expand", "Slice"}
+)
+
+
+def lookup_tables(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:
+    """The graph's integer inputs that index a table's rows (an embedding's token ids) -> the
+    table with the fewest rows they index, and its rows: each input whose values reach the indices
+    of a ``Gather`` unchanged, on a tensor whose gathered axis has a static size. ONNX's Gather
+    reads -1 as the last row, where torch's embedding refuses it: a padding id of -1 would silently
+    train the table's last row."""
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    producers = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, i))
+        for name in node.output:
+            producers[name] = node
+    dims = {
+        v.name: tuple(d.dim_value if d.HasField("dim_value") else 0 for d in v.type.tensor_type.shape.dim)
+        for v in [*graph.input, *graph.value_info]
+    }
+    dims.update((t.name, tuple(t.dims)) for t in graph.initializer)
+    tables: dict[str, tuple[str, int]] = {}
+    for value in graph.input:
+        if value.type.tensor_type.elem_type not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+            continue
+        seen, todo = set(), [value.name]
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for node, i in consumers.get(name, ()):
+                if node.op_type in _PASSING_IDS and i == 0:
+                    todo.extend(node.output)
+                elif node.op_type == "Gather" and i == 1:
+                    table = node.input[0]
+                    while table not in dims and table in producers and producers[table].op_type == "Identity":
+                        table = producers[table].input[0]
+                    shape = dims.get(table, ())
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    rows = shape[axis] if -len(shape) <= axis < len(shape) else 0
+                    if rows > 0 and rows < tables.get(value.name, ("", rows + 1))[1]:
+                        tables[value.name] = (node.input[0], int(rows))
+    return tables
+
+
+def _specs(model: onnx.ModelProto) -> tuple[dict[str, tuple], dict[str, tuple]]:
     def spec(values) -> dict[str, tuple]:
         out = {}
         for v in values:
@@ -126,6 +177,7 @@ class PlanExecutor(ServerOps):
         self._io: dict[str, tuple[list[tuple[str, bool, list]], list[str]]] = {}
         self._lock = threading.Lock()
         self._work_io: tuple[dict, dict] | None = None
+        self._lookups: dict[str, int] = {}  # see lookup_tables: read with _work_io
         self._update_spec: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
         self._free_workspaces: list[_Workspace] = []
 
@@ -146,7 +198,9 @@ class PlanExecutor(ServerOps):
 
     def _work_specs(self) -> tuple[dict, dict]:
         if self._work_io is None:
-            self._work_io = _io_specs(self.plan.work)
+            model = onnx.ModelProto.FromString(self.plan.work)
+            self._lookups = {name: rows for name, (_, rows) in lookup_tables(model.graph).items()}
+            self._work_io = _specs(model)
         return self._work_io
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -260,6 +314,16 @@ class PlanExecutor(ServerOps):
                     f"example tensor {self.plan.device.inputs[graph_name]!r} holds class ids from {ids.min()} to "
                     f"{ids.max()}, but the plan scores {classes} classes (ids 0 to {classes - 1}); number the classes "
                     "from 0, or train a model with an output per class"
+                )
+        for graph_name, rows in self._lookups.items():
+            if graph_name not in feeds or not n or graph_name in self.plan.device.class_ids or graph_name == labels:
+                continue
+            if not _labels_within(token_ids := feeds[graph_name], rows):
+                raise PlanError(
+                    f"example tensor {self.plan.device.inputs[graph_name]!r} holds ids from {token_ids.min()} to "
+                    f"{token_ids.max()}, "
+                    f"but the plan looks them up in a table of {rows} rows (ids 0 to {rows - 1}); store ids in that "
+                    "range (a padding id of -1 would read the table's last row), or grow the model's table"
                 )
         if labels is not None and n:
             y = feeds[labels]

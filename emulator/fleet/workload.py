@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from device_runtime.executor import lookup_tables
 from device_runtime.plan import Plan, PlanError
 from server_stub.rounds import RoundConfig
 from server_stub.task_choice import Strategy
@@ -455,31 +456,14 @@ def graph_classes(plan: Plan) -> dict[str, int]:
 
 
 def _lookups(plan: Plan) -> list[tuple[str, str, int]]:
-    """(example name, looked-up tensor, its rows) of each Gather whose indices are one of the plan's
-    integer inputs (through ops that keep its values) and whose gathered axis has a static size."""
+    """(example name, looked-up tensor, its rows) of each of the plan's integer inputs that a Gather
+    reads as row ids (the device's own reading: ``lookup_tables``)."""
     import onnx
 
-    work = onnx.ModelProto.FromString(plan.work)
-    graph = work.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    dims = {
-        vi.name: [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
-        for vi in [*graph.input, *graph.value_info]
-    }
-    dims.update({init.name: list(init.dims) for init in graph.initializer})
-    out = []
-    for node in graph.node:
-        if node.op_type != "Gather" or len(node.input) < 2:
-            continue
-        source = node.input[1]
-        while source in producer and producer[source].op_type in _PASS_IDS:
-            source = producer[source].input[0]
-        example = plan.device.inputs.get(source)
-        shape = dims.get(node.input[0])
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if example is not None and shape and -len(shape) <= axis < len(shape) and shape[axis] > 0:
-            out.append((example, node.input[0], int(shape[axis])))
-    return out
+    tables = lookup_tables(onnx.ModelProto.FromString(plan.work).graph)
+    return [
+        (plan.device.inputs[name], table, rows) for name, (table, rows) in tables.items() if name in plan.device.inputs
+    ]
 
 
 def _check_lookup_ids(tasks: list[FleetTask], data: Any, task_source: str) -> None:
@@ -500,7 +484,14 @@ def _check_lookup_ids(tasks: list[FleetTask], data: Any, task_source: str) -> No
                 if not ids.size:
                     continue
                 low, high = ids.min().item(), ids.max().item()  # Python numbers: uint8 ids + 1 would wrap
-                if high >= rows or low < -rows:
+                if low < 0:
+                    raise WorkloadError(
+                        f"feature {example!r} of {data.source} runs from {low:g} to {high:g}, but the plan "
+                        f"{plan.name!r} ({task_source}) looks its values up in {table!r}, of {rows} rows (ids 0 to "
+                        f"{rows - 1}), and a device refuses a negative id (ONNX's Gather would read -1 as the last "
+                        "row and train it): give padding an id of its own in the model's vocabulary"
+                    )
+                if high >= rows:
                     raise WorkloadError(
                         f"feature {example!r} of {data.source} runs from {low:g} to {high:g}, but the plan "
                         f"{plan.name!r} ({task_source}) looks its values up in {table!r}, of {rows} rows (ids 0 to "

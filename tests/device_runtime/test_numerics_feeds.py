@@ -301,3 +301,58 @@ def test_sequences_of_many_lengths_are_refused_in_a_line_naming_three_of_them():
         "example tensor 'tokens' holds examples of shape (1,) and (2,) and (3,) and 397 more, which no batch"
     )
     assert len(str(refused.value)) < 200
+
+
+def _bag_of_tokens(*, guard: bool = False) -> onnx.ModelProto:
+    """A classifier over the mean of 4 tokens' embeddings (a table of 6 rows); ``guard`` maps
+    negative ids to row 0 first, as a model that handles its own padding does."""
+    ids = "tokens"
+    nodes = []
+    if guard:
+        nodes += [
+            helper.make_node("Less", ["tokens", "zero"], ["negative"]),
+            helper.make_node("Where", ["negative", "zero", "tokens"], ["ids"]),
+        ]
+        ids = "ids"
+    nodes += [
+        helper.make_node("Unsqueeze", [ids, "last"], ["ids_3d"]),
+        helper.make_node("Squeeze", ["ids_3d", "last"], ["ids_2d"]),
+        helper.make_node("Gather", ["table", "ids_2d"], ["embedded"]),
+        helper.make_node("ReduceMean", ["embedded", "one"], ["pooled"], keepdims=0),
+        helper.make_node("MatMul", ["pooled", "w"], ["logits"]),
+    ]
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        nodes,
+        "bag",
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["N", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        initializer=[
+            onnx.numpy_helper.from_array(rng.standard_normal((6, 5)).astype(np.float32), "table"),
+            onnx.numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "w"),
+            onnx.numpy_helper.from_array(np.array(0, dtype=np.int64), "zero"),
+            onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64), "last"),
+            onnx.numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("bad", [-1, 6])
+def test_token_ids_outside_the_embedding_table_are_refused_before_they_train_its_last_row(bad):
+    """ONNX's Gather reads id -1 as the table's last row (torch's embedding refuses it): a store whose
+    padding id is -1 would train that row without a word. The device refuses the batch, naming the
+    tensor and the table's rows; ids in range train, and so does a model that maps its own padding."""
+    executor, weights = _toolchain_plan(_bag_of_tokens())
+    good = np.array([[0, 1, 2, 5], [5, 4, 3, 2], [0, 0, 0, 0], [1, 1, 1, 1]])
+    trained = executor.final_weights(weights, executor.run_device(weights, lambda: [{"tokens": good, "y": Y}]))
+    assert not np.allclose(trained["table"], weights["table"])
+
+    padded = good.copy()
+    padded[2, 3] = bad
+    with pytest.raises(PlanError, match=rf"'tokens' holds ids from {min(bad, 0)} to {max(bad, 5)}.*table of 6 rows"):
+        executor.run_device(weights, lambda: [{"tokens": padded, "y": Y}])
+
+    guarded, guarded_weights = _toolchain_plan(_bag_of_tokens(guard=True))
+    negative = np.where(padded < 0, padded, np.minimum(padded, 5))
+    guarded.run_device(guarded_weights, lambda: [{"tokens": negative, "y": Y}])  # its own Where maps -1 to row 0

@@ -223,10 +223,12 @@ def test_token_ids_past_the_rows_of_the_embedding_that_looks_them_up_are_refused
     )
     fleet = "[fleet]\ndevices = 10\nhours = 0.1\n"
     errs: dict[int, str] = {}
-    for top, code_wanted in ((5, 0), (8, 2), (256, 2)):  # ids 0 to 4 fit the 5 rows; 0 to 7 do not
-        x = (np.arange(1024).reshape(256, 4) % top).astype(
+    for top, code_wanted in ((5, 0), (8, 2), (256, 2), (-1, 2)):  # ids 0 to 4 fit the 5 rows; 0 to 7 do not
+        x = (np.arange(1024).reshape(256, 4) % abs(top)).astype(
             np.uint8 if top == 256 else np.int64
         )  # uint8: 255 + 1 wrapped
+        if top == -1:  # ids 0 to 4, padded with -1, which onnxruntime reads as the last row
+            x = np.where(np.arange(4) == 3, -1, np.arange(1024).reshape(256, 4) % 5)
         np.savez(tmp_path / f"ids{top}.npz", x=x, y=x[:, 0] % 2)
         spec = f"npz:{tmp_path / f'ids{top}.npz'},clients=4,rename=x:tokens"
         code, _, errs[top] = simulate(tmp_path, capsys, "--task", str(bundle), "--data", spec, fleet=fleet)
@@ -237,6 +239,7 @@ def test_token_ids_past_the_rows_of_the_embedding_that_looks_them_up_are_refused
         "id would fail; use a model with a row per id (a vocabulary of at least 8), or data whose ids are below 5"
     ) in errs[8]
     assert "runs from 0 to 255, but" in errs[256] and "(a vocabulary of at least 256)" in errs[256]
+    assert "runs from -1 to 4, but" in errs[-1] and "a device refuses a negative id" in errs[-1]
 
 
 def test_uint8_pixels_a_plan_reads_as_floats_are_said_to_be_cast_not_scaled(tmp_path, capsys):
