@@ -208,6 +208,7 @@ class FleetSimulator:
                     rel.plan if rel is not None else build.plan_bytes,
                     None if fleet_task.evaluates else build.checkpoint,
                     fleet_task.rounds,
+                    fleet_task.eligibility,
                     evaluates=fleet_task.evaluates,
                     versioned_plans=rel.versioned if rel is not None else {},
                     release_report=rel.report if rel is not None else None,

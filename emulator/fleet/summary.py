@@ -351,7 +351,7 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
             f"{_plural(devices, 'device')} {'was' if devices == 1 else 'were'} turned away as ineligible "
             f"{_plural(len(rows), 'time')} ({reasons}): they fail the policies the server names (min_examples: fewer "
             "examples in their stores than the task asks for); give the devices more examples ([data] examples_min, "
-            "examples_median), or deploy the task with less asked of them (its EligibilityPolicies)"
+            "examples_median), or deploy the task with less asked of them (the task file's Task.eligibility)"
         )
     for (outcome, code), rows in sorted(by_code.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         if outcome == "rejected" and code not in PACING and not code.startswith(("INELIGIBLE", "RUNTIME_VERSION_")):

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import lookup_tables
 from device_runtime.plan import Plan, PlanError
 from server_stub.rounds import RoundConfig
@@ -139,6 +140,13 @@ class FleetTask:
     @property
     def evaluates(self) -> str | None:
         return self.build.manifest["evaluates"]
+
+    @property
+    def eligibility(self) -> EligibilityPolicies:
+        """The task's eligibility policies, as ``fedfleet deploy`` sends them."""
+        from emulator.toolchain.bundle import manifest_eligibility
+
+        return manifest_eligibility(self.build)
 
     @property
     def collection(self) -> str:

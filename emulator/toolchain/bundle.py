@@ -29,11 +29,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from device_runtime.checkpoint import decode_checkpoint, encode_checkpoint
+from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan, load_plan, serialize_plan
 from emulator.releases.workers import WorkerPool
 from emulator.toolchain.release import release_test, write_report
 from emulator.toolchain.release_signing import sign_report
-from emulator.toolchain.tasks import Task, TaskError, check_known_releases, load_tasks, measured_as
+from emulator.toolchain.tasks import Task, TaskError, check_known_releases, fields_said, load_tasks, measured_as
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub.admin_client import AdminClient, AdminError, task_body
 from server_stub.errors import did_you_mean_path
@@ -176,6 +177,8 @@ def build_task(task: Task, *, say: Callable[[str], None] = lambda _m: None) -> T
         "kind": plan.kind,
         "evaluates": task.evaluates.name if task.evaluates is not None else None,
     }
+    if not task.eligibility.empty:  # absent: none (bundles written before the field existed)
+        manifest["eligibility"] = task.eligibility.to_dict()
     return TaskBuild(task, plan, plan_bytes, versioned, versions, encode_checkpoint(task.weights(plan)), manifest)
 
 
@@ -376,6 +379,18 @@ def release_test_bundle(
     return built_tasks
 
 
+def manifest_eligibility(built: BuiltTask | TaskBuild) -> EligibilityPolicies:
+    """The eligibility policies a built task deploys with, refused in one line when edited into
+    something the server would refuse."""
+    try:
+        return EligibilityPolicies.from_dict(built.manifest.get("eligibility", {}))
+    except ValidationError as exc:
+        where = getattr(built, "root", built.task.name)
+        raise TaskError(
+            f"{where}: the manifest's eligibility is invalid ({fields_said(exc)}); build the bundle again"
+        ) from None
+
+
 def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) -> dict[str, Any]:
     """Send every task of a bundle with its versioned plans and release report (one task, or a
     group that shares the population's rounds; an evaluation task goes without a checkpoint of
@@ -388,9 +403,8 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
         try:
             config = RoundConfig.from_dict(built.manifest["round_config"])
         except ValidationError as exc:
-            where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
             raise TaskError(
-                f"{built.root}: the manifest's round_config is invalid ({where}); build the bundle again"
+                f"{built.root}: the manifest's round_config is invalid ({fields_said(exc)}); build the bundle again"
             ) from None
         evaluates = built.manifest.get("evaluates")  # an evaluation takes its training task's model
         bodies.append(
@@ -399,6 +413,7 @@ def deploy_bundle(directory: str | Path, admin: AdminClient, population: str) ->
                 built.plan,
                 None if evaluates else built.checkpoint,
                 config,
+                manifest_eligibility(built),
                 versioned_plans=built.versions,
                 release_report=report,
                 evaluates=evaluates,

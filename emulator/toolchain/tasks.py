@@ -47,7 +47,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import ValidationError
 
+from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.plan import Plan
 from emulator.releases.envs import KNOWN_RELEASES, measured_release
 from example_store import ExampleSelector
@@ -405,6 +407,11 @@ def loss_after_rounds(rounds: int, at_most: float) -> Predicate:
 ModelSource = Callable[[Mapping[str, Any]], Plan] | str | Path | bytes
 
 
+def fields_said(exc: ValidationError) -> str:
+    """pydantic's refusal in one line: each field and what is wrong with it."""
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))[:300]
+
+
 @dataclass(frozen=True)
 class Task:
     """One task: model and how it trains, where its data comes from, how rounds run, what it
@@ -423,6 +430,9 @@ class Task:
     epochs: int = 1
     opset: int = 21
     rounds: RoundConfig = field(default_factory=RoundConfig)
+    # which devices may take part: their examples, and how often one joins (``device_runtime.EligibilityPolicies``;
+    # the device judges them on its own data, and a deploy or fleet run sends them with the task)
+    eligibility: EligibilityPolicies = field(default_factory=EligibilityPolicies)
     budget: Budget = field(default_factory=Budget)
     runtimes: tuple[str, ...] = DEFAULT_RUNTIMES
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -453,6 +463,15 @@ class Task:
             )
         if self.batch_size < 1 or self.epochs < 1:
             raise TaskError(f"task {self.name!r}: batch_size and epochs must be >= 1")
+        if not isinstance(self.eligibility, EligibilityPolicies):
+            try:  # a mapping of its fields, as a manifest holds them
+                object.__setattr__(self, "eligibility", EligibilityPolicies.from_dict(self.eligibility))
+            except ValidationError as exc:
+                raise TaskError(
+                    f"task {self.name!r}: eligibility is invalid ({fields_said(exc)}); give "
+                    "EligibilityPolicies(min_examples=..., min_separation_rounds=..., min_separation_s=..., "
+                    "sampling_period_s=...)"
+                ) from None
         if self.evaluates is not None:
             if self.evaluates.evaluates is not None:
                 raise TaskError(
@@ -648,10 +667,12 @@ def evaluation_of(
     budget: Budget | None = None,
     runtimes: Sequence[str] | None = None,
     model: ModelSource | None = None,
+    eligibility: EligibilityPolicies | None = None,
 ) -> Task:
     """An evaluation task for ``task``'s model, named ``<task>_eval`` by default; it reads
-    ``selector``'s examples (default: the training task's) and claims the same runtimes unless
-    told otherwise. ``model`` replaces the plan source (a function returning an evaluation plan)."""
+    ``selector``'s examples (default: the training task's) and claims the same runtimes and
+    eligibility policies unless told otherwise. ``model`` replaces the plan source (a function
+    returning an evaluation plan)."""
     if task.evaluates is not None:
         raise TaskError(f"task {task.name!r} is itself an evaluation; evaluate a training task")
     return dataclasses.replace(
@@ -665,6 +686,7 @@ def evaluation_of(
         rounds=rounds or task.rounds,
         budget=budget or task.budget,
         runtimes=tuple(runtimes) if runtimes is not None else task.runtimes,
+        eligibility=task.eligibility if eligibility is None else eligibility,
         evaluates=task,
     )
 

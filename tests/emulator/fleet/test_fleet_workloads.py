@@ -679,3 +679,23 @@ def test_character_ids_are_held_as_uint8_and_fed_to_the_plan_as_its_int64_with_t
     assert sorted(zip(map(tuple, fed["x"].tolist()), fed["y"].tolist())) == sorted(
         zip(map(tuple, held["x"].tolist()), held["y"].tolist())
     )
+
+
+def test_a_task_files_eligibility_policies_are_what_the_simulated_server_and_devices_judge(tmp_path, capsys):
+    """``Task.eligibility`` goes with the task to the fleet's server, as ``fedfleet deploy`` sends it:
+    devices whose stores hold fewer examples than the task asks for are turned away, and the note
+    says where to ask less."""
+    (tmp_path / "task.py").write_text(
+        "import dataclasses, runpy\n"
+        "from device_runtime import EligibilityPolicies\n"
+        f"base = runpy.run_path({str(TASKS / 'digits_task.py')!r})['task']\n"
+        "task = dataclasses.replace(base, eligibility=EligibilityPolicies(min_examples=10**6))\n",
+        encoding="utf-8",
+    )
+    fleet = FLEET.replace("hours = 2.0", "hours = 0.3")
+    code, summary, err = simulate(tmp_path, capsys, "--task", str(tmp_path / "task.py"), fleet=fleet)
+    assert code == 0, err
+    assert summary is not None and summary["sessions_accepted"] == 0
+    assert set(summary["checkins_rejected_by"]) <= {"INELIGIBLE:min_examples", "RUNTIME_VERSION_UNSUPPORTED"}
+    assert summary["checkins_rejected_by"]["INELIGIBLE:min_examples"] > 0
+    assert "(the task file's Task.eligibility)" in err

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from emulator.cli.commands import main
-from emulator.toolchain.bundle import build_bundle, read_bundle
+from emulator.releases.workers import WorkerPool
+from emulator.toolchain.bundle import build_bundle, read_bundle, release_test_bundle
 from emulator.toolchain.tasks import TaskError
 from emulator.toolchain.versioning import plan_sha256, versioned_plan
 from server_stub import ServerThread
@@ -210,3 +211,52 @@ def test_a_minor_never_measured_or_a_newer_patch_is_refused_in_one_line_naming_t
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"claims {release}" in err and says in err
     assert "1.15.1, 1.16.3" in err and "1.32.0" in err and not (tmp_path / "b").exists()
+
+
+def test_a_tasks_eligibility_policies_reach_the_server_its_deploy_and_its_evaluation(built, tmp_path, capsys):
+    """A task file's ``Task.eligibility`` (how many examples a device needs, how often it may join)
+    is built into the bundle and sent by ``fedfleet deploy``: the server publishes it to devices.
+    A mapping is taken as its fields; a field the server would refuse is a TaskError naming it."""
+    import dataclasses
+    import runpy
+
+    from device_runtime import EligibilityPolicies
+    from emulator.toolchain.tasks import Task, evaluation_of
+
+    (tmp_path / "task.py").write_text(
+        "import dataclasses, runpy\n"
+        "from device_runtime import EligibilityPolicies\n"
+        f"base = runpy.run_path({str(TASK_FILE)!r})['task']\n"
+        "task = dataclasses.replace(base, eligibility=EligibilityPolicies(min_examples=20, min_separation_rounds=3))\n",
+        encoding="utf-8",
+    )
+    build_bundle(tmp_path / "task.py", tmp_path / "bundle", runtimes=["1.31.1"])
+    manifest = json.loads((tmp_path / "bundle" / "digits_mlp" / "manifest.json").read_text())
+    assert manifest["eligibility"]["min_examples"] == 20 and manifest["eligibility"]["min_separation_rounds"] == 3
+    with WorkerPool() as pool:
+        release_test_bundle(tmp_path / "bundle", pool)
+    keys = admin_key_file(tmp_path / "admin.keys", ADMIN_KEY)
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server:
+        deploy = ["deploy", str(tmp_path / "bundle"), "--server", server.url, "--population", "digits"]
+        assert main([*deploy, "--admin-key-file", str(keys)]) == 0, capsys.readouterr().err
+        import httpx
+
+        published = httpx.get(f"{server.url}/v1/populations/digits/eligibility").json()
+        _edit_manifest(lambda m: m["eligibility"].update(min_examples="20"))(tmp_path / "bundle" / "digits_mlp")
+        assert main([*deploy, "--admin-key-file", str(keys)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the manifest's eligibility is invalid (min_examples: Input should be" in err
+    assert published["policies"] == EligibilityPolicies(min_examples=20, min_separation_rounds=3).to_dict()
+
+    base = runpy.run_path(str(TASK_FILE))["task"]
+    task = dataclasses.replace(base, eligibility={"sampling_period_s": 86400.0})
+    assert task.eligibility == EligibilityPolicies(sampling_period_s=86400.0)
+    assert evaluation_of(task).eligibility == task.eligibility  # unless told otherwise
+    assert evaluation_of(task, eligibility=EligibilityPolicies()).eligibility.empty
+    with pytest.raises(
+        TaskError,
+        match=r"task 'digits_mlp': eligibility is invalid \(min_examples: Input should be greater than or equal to 0\); give EligibilityPolicies\(",
+    ):
+        dataclasses.replace(base, eligibility={"min_examples": -1})
+    assert isinstance(base, Task) and base.eligibility.empty
+    assert "eligibility" not in json.loads((built / "digits_mlp" / "manifest.json").read_text())  # none: as before
