@@ -225,7 +225,8 @@ The proxy examples are random, with the model's input shapes and labels of the l
 tests then show that every claimed onnxruntime release loads the plan, runs its steps with a finite loss and
 agrees with the reference run, not that the model learns. Give real examples (``ProxyData.split({{"x": ..., "y": ...}},
 devices=4)``) and predicates (``loss_decreases(epochs=3)``, ``accuracy_after_rounds(rounds=4,
-at_least=0.8)``) to test that, a ``Budget`` for what devices give a session, and a ``RoundConfig``.
+at_least=0.8)``) to test that, a ``Budget`` for what devices give a session, ``EligibilityPolicies`` (from
+``device_runtime``: the examples a device needs, how often it may join) and a ``RoundConfig``.
 """
 
 from pathlib import Path
