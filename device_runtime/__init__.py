@@ -34,7 +34,7 @@ from .errors import (
     SessionRejected,
 )
 from .executor import PlanExecutor, TrainingInterrupted, stoppable_run_options
-from .opstats import Event, OpStatsStore, SessionSummary, shape_of
+from .opstats import AppDatabaseError, Event, OpStatsStore, SessionSummary, shape_of
 from .plan import (
     PLAN_FORMAT_VERSION,
     DeviceConfig,
@@ -111,6 +111,7 @@ __all__ = [
     "NoExamples",
     "OverBudget",
     "CacheUnavailable",
+    "AppDatabaseError",
     "CorruptResource",
     "TrainingInterrupted",
     # the task author: plans, checkpoints, running a plan

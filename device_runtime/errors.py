@@ -8,7 +8,18 @@ import os
 
 
 class RuntimeSdkError(Exception):
-    """Base class of the device runtime's errors."""
+    """Base class of the device runtime's errors; each message says what happened and what to do.
+
+    ``retryable`` tells an app what to do next without reading the message: True when the same
+    call, made again later with nothing changed on the device, may succeed (the server was
+    unreachable or busy, did not select the device, another session of the population was
+    running): try again after ``FLRuntime.next_retry_delay()``, as a scheduled job does. False
+    when it fails the same way until the app, its data or the device changes (a wrong setting, no
+    examples for the plan, a plan past this device's budget, a full disk): retrying sooner only
+    spends the battery, so log the message and fix what it names."""
+
+    #: Whether trying the same call again later, with nothing changed, may succeed (see the class).
+    retryable: bool = False
 
 
 class InvalidSetting(RuntimeSdkError, ValueError):
@@ -54,11 +65,20 @@ def check_path(name: str, value: object, *, of: str = "file") -> str | os.PathLi
 class ServerUnreachable(RuntimeSdkError):
     """The FL server could not be reached after all retries; try again later. A TLS handshake
     that fails for a reason no retry changes (a server certificate the device does not trust, an
-    ``https://`` URL of a plain HTTP server) raises it at the first attempt, saying which."""
+    ``https://`` URL of a plain HTTP server) raises it at the first attempt, saying which; that one
+    is not ``retryable`` (the device's trust store or the URL must change), the others are."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class SessionRejected(RuntimeSdkError):
-    """The server did not select this device; come back within ``retry_after_s`` = (min, max) seconds."""
+    """The server did not select this device (``reason``, the server's code: ``NO_TASK``, a round
+    full, pace steering, ``INELIGIBLE:<policy>``); come back within ``retry_after_s`` = (min, max)
+    seconds, as ``FLRuntime.next_retry_delay()`` draws. Always ``retryable``."""
+
+    retryable = True
 
     def __init__(self, reason: str, retry_after_s: tuple[float, float]) -> None:
         super().__init__(f"check-in rejected ({reason}); retry in {retry_after_s[0]:.0f}-{retry_after_s[1]:.0f} s")
@@ -69,24 +89,39 @@ class SessionRejected(RuntimeSdkError):
 class SessionInProgress(RuntimeSdkError):
     """This ``FLRuntime`` is running a session (a call from another thread or one of its hooks), or
     another of the same population is, over the same example store in this process: the device
-    takes part once at a time, and this call sent nothing."""
+    takes part once at a time, and this call sent nothing. ``retryable``: skip this call and
+    try again once that session has ended."""
+
+    retryable = True
 
 
 class ProtocolError(RuntimeSdkError):
-    """The server answered with an error or with something this runtime does not understand."""
+    """The server answered with an error or with something this runtime does not understand.
+
+    ``status`` and ``code`` are the server's HTTP status and error code when it answered with an
+    error. ``retryable`` unless the server refused the request as the device made it (a 4xx
+    answer but 408 and 429: an attestation it requires, a runtime it no longer serves), which no
+    retry changes; an answer cut off, too large, too slow or malformed may be a network's or a
+    server's passing fault."""
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.retryable = status is None or not 400 <= status < 500 or status in (408, 429)
 
 
 class CorruptResource(RuntimeSdkError):
-    """A downloaded plan or checkpoint does not match its id or cannot be parsed; it was not used."""
+    """A downloaded plan or checkpoint does not match its id or cannot be parsed; it was not used,
+    nor kept. ``retryable``: the next session downloads it again."""
+
+    retryable = True
 
 
 class NoExamples(RuntimeSdkError):
-    """The plan's example selector matched no examples in this app's stores."""
+    """The plan's example selector matched no examples in this app's stores (or names a
+    collection no store is registered for); the message names the collection. Not ``retryable``
+    until the app adds examples to that collection."""
 
 
 class CacheUnavailable(RuntimeSdkError, OSError):

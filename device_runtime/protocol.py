@@ -633,7 +633,8 @@ class ProtocolClient:
                 refusal = _tls_refusal(exc)
                 if refusal is not None:  # the app's configuration or the server's: no retry changes it
                     raise ServerUnreachable(
-                        f"the FL server at {redacted_url(self.server_url)} could not be reached over TLS: {refusal} ({exc})"
+                        f"the FL server at {redacted_url(self.server_url)} could not be reached over TLS: {refusal} ({exc})",
+                        retryable=False,
                     ) from None
                 last_error = exc
                 continue

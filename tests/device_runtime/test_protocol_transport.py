@@ -200,8 +200,9 @@ def test_a_tls_mistake_in_the_servers_url_or_certificate_is_said_at_once(tmp_pat
     ]
     for url, said in cases:
         client = ProtocolClient(url, retry=RetryPolicy(attempts=4))
-        with pytest.raises(ServerUnreachable, match=f"could not be reached over TLS: {said}"):
+        with pytest.raises(ServerUnreachable, match=f"could not be reached over TLS: {said}") as refused:
             client.checkin("digits", "1.31.1")
+        assert not refused.value.retryable  # the trust store or the URL must change first
         client.close()
     assert len(offered) == 1  # one handshake: a certificate no retry changes is not tried again
 

@@ -1,0 +1,70 @@
+"""The SDK as an app developer meets it: what the errors tell the app to do, how the objects it
+holds print, and what a call made on an event loop says."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+import device_runtime
+from device_runtime import (
+    AppDatabaseError,
+    FLRuntime,
+    NoExamples,
+    ProtocolError,
+    RetryPolicy,
+    RuntimeSdkError,
+    ServerUnreachable,
+    SessionRejected,
+)
+from example_store import InMemoryExampleStore
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_an_app_tells_a_failure_to_retry_later_from_one_to_fix_by_the_errors_retryable(server):
+    """Catching ``RuntimeSdkError`` alone, an app could not tell a server that was down (try again
+    later) from a plan this device can never run or a collection it never filled (retrying spends
+    the battery for nothing) without matching class names or messages."""
+    store = InMemoryExampleStore()
+    failures: list[RuntimeSdkError] = []
+    for url in (server.url, _closed_port_url()):  # no task deployed yet; nothing listening
+        with FLRuntime("digits", url, store, retry=RetryPolicy(attempts=2, base_delay_s=0.01)) as runtime:
+            with pytest.raises(RuntimeSdkError) as failed:
+                runtime.run_session()
+            failures.append(failed.value)
+    scoped = FLRuntime("digits", server.url, {"app:/digits": store})
+    with pytest.raises(RuntimeSdkError) as unregistered:
+        scoped.store_for("app:/contacts")
+    scoped.close()
+    failures.append(unregistered.value)
+    assert [(type(f), f.retryable) for f in failures] == [
+        (SessionRejected, True),
+        (ServerUnreachable, True),
+        (NoExamples, False),
+    ]
+
+
+@pytest.mark.parametrize("status", [None, 400, 401, 403, 404, 408, 409, 426, 429, 500, 503])
+def test_a_protocol_error_is_retryable_unless_the_server_refused_the_request_as_made(status):
+    error = ProtocolError("said", status=status)
+    assert error.retryable is (status is None or status >= 500 or status in (408, 429))
+
+
+def test_every_error_an_app_catches_is_importable_from_the_package_and_says_whether_to_retry():
+    """``AppDatabaseError`` (a full disk before an upload, a damaged app database) was named by the
+    tutorial but importable only from ``device_runtime.opstats``."""
+    errors = [
+        getattr(device_runtime, name)
+        for name in device_runtime.__all__
+        if isinstance(getattr(device_runtime, name), type) and issubclass(getattr(device_runtime, name), Exception)
+    ]
+    assert AppDatabaseError in errors
+    for error in errors:
+        if issubclass(error, RuntimeSdkError):
+            assert isinstance(error.retryable, bool), error
