@@ -12,6 +12,9 @@ from .errors import InvalidSetting, check_number
 
 
 class Clock(Protocol):
+    """Where scheduling, conditions and opstats read the time: ``SystemClock`` on a device,
+    ``VirtualClock`` in a simulation, or the app's own object with these two methods."""
+
     def now(self) -> float:
         """Unix seconds."""
 
@@ -20,6 +23,11 @@ class Clock(Protocol):
 
 
 class SystemClock:
+    """The device's own time: ``now`` is ``time.time()``, and ``sleep`` waits in real time."""
+
+    def __repr__(self) -> str:
+        return "SystemClock()"
+
     def now(self) -> float:
         return time.time()
 
@@ -67,6 +75,9 @@ class VirtualClock:
     def __init__(self, start: float = 1_767_225_600.0) -> None:  # 2026-01-01T00:00:00Z
         self._now = check_number("VirtualClock's start", start, signed=True, unit="unix seconds")
         self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"VirtualClock({self.now()!r})"
 
     def now(self) -> float:
         with self._lock:

@@ -141,12 +141,15 @@ def rss_mb() -> float:
 
 @dataclass(frozen=True)
 class SessionSummary:
+    """One session as the opstats log keeps it (``OpStatsStore.sessions``): its id, population,
+    task, when it started and its ``shape``, with every event (whose repr leaves them out)."""
+
     session_id: str
     population: str
     task: str | None
     started_at: float
     shape: str
-    events: list[Event]
+    events: list[Event] = field(repr=False)
 
 
 class OpStatsStore:
@@ -173,6 +176,9 @@ class OpStatsStore:
         except BaseException:
             self.engine.dispose()
             raise
+
+    def __repr__(self) -> str:
+        return f"OpStatsStore({os.fspath(self.path)!r}{', closed' if self._closed else ''})"
 
     def close(self) -> None:
         """Closes the database's connections; the store cannot be used after (idempotent)."""

@@ -64,6 +64,7 @@ from .protocol import (
     ProtocolClient,
     RetryPolicy,
     checked_server_url,
+    redacted_url,
     retry_window,
 )
 from .reading import ExampleReading, MemoryResumptionTokens, ResumptionTokenKeeper
@@ -94,6 +95,11 @@ INVALID_UPDATE = "INVALID_UPDATE"
 
 
 class Outcome(enum.Enum):
+    """How a session the server accepted ended: ``COMPLETED`` (the update was sent and taken),
+    ``REPORT_REJECTED`` (the server refused it, or the device did not send an update that was not
+    valid: ``SessionResult.rejection_code`` says why), ``INTERRUPTED`` (``should_abort``, the
+    conditions or ``close`` stopped it: the server was told, nothing was sent)."""
+
     COMPLETED = "completed"
     REPORT_REJECTED = "report_rejected"
     INTERRUPTED = "interrupted"
@@ -143,6 +149,12 @@ def resource_bound(device: DeviceClass, what: str) -> tuple[int, str]:
 
 @dataclass
 class SessionResult:
+    """How one session that the server accepted ended (``run_session``'s result; a session the
+    server turned away raises ``SessionRejected`` instead). ``metrics`` are the plan's (a training
+    plan's ``loss`` and ``accuracy`` on this device's examples), ``num_examples`` the examples it
+    trained on, ``events`` every phase as recorded in opstats; ``rejection_code`` is the server's
+    code when it refused the report (``Outcome.REPORT_REJECTED``)."""
+
     outcome: Outcome
     task: str
     round: int
@@ -155,7 +167,25 @@ class SessionResult:
 
     @property
     def shape(self) -> str:
+        """The session's events as the symbols of the paper's Table 1 (``-v[]+^``: checked in,
+        downloaded, trained, uploaded, accepted; ``device_runtime.opstats.SHAPE_SYMBOLS``)."""
         return shape_of(self.events)
+
+    def __repr__(self) -> str:
+        # the events, each with its detail, made a screen of text: their shape says where it ended
+        said = [
+            f"outcome=Outcome.{self.outcome.name}",
+            f"task={self.task!r}",
+            f"round={self.round}",
+            f"shape={self.shape!r}",
+            f"num_examples={self.num_examples}",
+            "metrics={" + ", ".join(f"{k!r}: {v:.4g}" for k, v in self.metrics.items()) + "}",
+        ]
+        if self.rejection_code is not None:
+            said.append(f"rejection_code={self.rejection_code!r}")
+        if self.retry_after_s is not None:
+            said.append(f"retry_after_s={self.retry_after_s!r}")
+        return f"SessionResult({', '.join(said)})"
 
 
 class FLRuntime:
@@ -348,6 +378,11 @@ class FLRuntime:
     def _release(self) -> None:
         self.client.close()
         self._remove_own_cache()
+
+    def __repr__(self) -> str:
+        stores = self.stores[""] if list(self.stores) == [""] else self.stores
+        state = ", closed" if self._closed else ", in a session" if self._session_thread is not None else ""
+        return f"FLRuntime({self.population!r}, {redacted_url(self.client.server_url)!r}, {stores!r}{state})"
 
     def __enter__(self) -> FLRuntime:
         return self

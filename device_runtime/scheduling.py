@@ -60,6 +60,12 @@ OTHER_PROCESS_POLL_S = 1.0
 
 
 class RunOutcome(enum.Enum):
+    """What one run of a scheduled job did (``JobRun.outcome``): a session ``COMPLETED``,
+    ``REPORT_REJECTED`` or ``INTERRUPTED`` (as ``Outcome``); ``NOT_SELECTED`` (the server turned
+    the device away: the job comes back in its retry window); ``CONSTRAINTS_UNMET`` (not idle,
+    charging or on Wi-Fi: ``JobRun.detail`` names which); ``NO_RUNTIME`` (no ``register_runtime``
+    for the population at this app start); ``ERROR`` (``JobRun.detail`` says which error)."""
+
     COMPLETED = "completed"
     REPORT_REJECTED = "report_rejected"
     INTERRUPTED = "interrupted"
@@ -560,6 +566,7 @@ class ParticipationScheduler:
                 f"the app's own), got {type(conditions).__name__}"
             )
         self.app = app
+        self.database = database
         self.conditions = conditions
         if clock is None:  # the queue's: due times read on the system clock would never come on a VirtualClock
             clock = queue.clock if queue is not None else SystemClock()
@@ -587,6 +594,13 @@ class ParticipationScheduler:
         self._closed = True
         self.queue.remove(self)
         self._jobs.close()
+
+    def __repr__(self) -> str:
+        where = "in memory" if self.database is None else repr(os.fspath(self.database))
+        return (
+            f"ParticipationScheduler(app={self.app!r}, {where}, runtimes={sorted(self._runtimes)!r}"
+            f"{', closed' if self._closed else ''})"
+        )
 
     def __enter__(self) -> ParticipationScheduler:
         self._check_open()
@@ -971,6 +985,11 @@ class WorkerQueue:
         self._offset_lock = threading.Lock()
         #: Whether the last ``run_pending`` left a due job to another process of its app.
         self._busy_elsewhere = False
+
+    def __repr__(self) -> str:
+        apps = sorted({s.app for s in list(self._schedulers)})
+        state = "running" if self._thread is not None else "stopped"
+        return f"WorkerQueue({self.clock!r}, apps={apps!r}, {state}, {len(self.history)} runs in history)"
 
     def follow_clock(self, skip: tuple[ParticipationScheduler, str] | None = None) -> float:
         """On a clock that tells its ``wall_offset`` (``SystemClock``): when the wall clock was

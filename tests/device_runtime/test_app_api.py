@@ -68,3 +68,45 @@ def test_every_error_an_app_catches_is_importable_from_the_package_and_says_whet
     for error in errors:
         if issubclass(error, RuntimeSdkError):
             assert isinstance(error.retryable, bool), error
+
+
+def test_what_an_app_holds_prints_what_it_is_and_a_session_result_fits_a_line(tmp_path, server, admin, digits):
+    """The runtime, the scheduler, its worker and the opstats log printed as ``<... object at
+    0x7f...>``, and a session's result as every event with its detail (a screen of text)."""
+    from device_runtime import (
+        OpStatsStore,
+        ParticipationScheduler,
+        StaticConditions,
+        SystemClock,
+        VirtualClock,
+    )
+    from device_runtime.conditions import DeviceState
+    from tests.support import COLLECTION, deploy
+
+    deploy(admin)
+    store = InMemoryExampleStore()
+    store.add(COLLECTION, [{"x": x, "y": y} for x, y in zip(digits.x_train[:40], digits.y_train[:40])])
+    db = tmp_path / "app.db"
+    opstats = OpStatsStore(db)
+    with FLRuntime("digits", server.url.replace("http://", "http://user:secret@"), store) as other:
+        assert repr(other) == f"FLRuntime('digits', {server.url.replace('http://', 'http://user:***@')!r}, {store!r})"
+    runtime = FLRuntime("digits", server.url, {COLLECTION: store}, opstats=opstats)
+    assert repr(runtime) == f"FLRuntime('digits', {server.url!r}, {{{COLLECTION!r}: {store!r}}})"
+    result = runtime.run_session()
+    said = repr(result)
+    assert said.startswith("SessionResult(outcome=Outcome.COMPLETED, task='train', round=1, shape='-v[]+^', ")
+    assert "num_examples=40" in said and "'loss': " in said and "Event(" not in said, said
+    (summary,) = opstats.sessions()
+    assert "Event(" not in repr(summary) and "shape='-v[]+^'" in repr(summary)
+    assert repr(opstats) == f"OpStatsStore({str(db)!r})"
+    state = DeviceState(idle=True, charging=True, battery_level=1.0, unmetered_network=True)
+    scheduler = ParticipationScheduler(db, StaticConditions(state), app="mail")
+    scheduler.register_runtime("digits", runtime)
+    assert repr(scheduler) == f"ParticipationScheduler(app='mail', {str(db)!r}, runtimes=['digits'])"
+    assert repr(scheduler.queue) == "WorkerQueue(SystemClock(), apps=['mail'], stopped, 0 runs in history)"
+    scheduler.close()
+    runtime.close()
+    opstats.close()
+    assert repr(runtime).endswith(", closed)") and repr(opstats).endswith(", closed)")
+    assert repr(scheduler).endswith("runtimes=['digits'], closed)")
+    assert repr(VirtualClock(5.0)) == "VirtualClock(5.0)" and repr(SystemClock()) == "SystemClock()"
