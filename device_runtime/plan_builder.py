@@ -340,7 +340,7 @@ def build_mlp_plan(
     learning_rate: float = 0.1,
     batch_size: int = 32,
     epochs: int = 1,
-    selector,
+    selector: ExampleSelector,
     inputs: Mapping[str, str] = {"x": "x", "y": "y"},  # noqa: B006 - never mutated
     shuffle_seed: int | None = 0,
     shuffle_buffer: int = 1024,
@@ -405,16 +405,52 @@ def _secure(server: ServerPart, weights: Sequence[str], on: bool, bitwidth: int,
 
 
 def build_softmax_regression_plan(
-    num_features: int, num_classes: int, *, name: str | None = None, resume_examples: bool = False, **kwargs
+    num_features: int,
+    num_classes: int,
+    *,
+    selector: ExampleSelector,
+    inputs: Mapping[str, str] = {"x": "x", "y": "y"},  # noqa: B006 - never mutated
+    learning_rate: float = 0.1,
+    batch_size: int = 32,
+    epochs: int = 1,
+    shuffle_seed: int | None = 0,
+    shuffle_buffer: int = 1024,
+    opset: int = 17,
+    name: str | None = None,
+    min_runtime_version: str | None = None,
+    max_runtime_version: str | None = None,
+    memory_budget_mb: int | None = None,
+    time_budget_s: float | None = None,
+    secure_aggregation: bool = False,
+    bitwidth: int = 24,
+    clip_range: float = 1024.0,
+    resume_examples: bool = False,
 ) -> Plan:
-    """A training plan for multinomial logistic regression (same keyword arguments as build_mlp_plan)."""
+    """A training plan for multinomial logistic regression: ``build_mlp_plan`` without hidden
+    layers, whose docstring says what each keyword does. They are spelled out (not ``**kwargs``)
+    so that a type checker and an IDE know them: a misspelt one, or a selector given as its URI
+    string, is said where it is written."""
     return build_mlp_plan(
         num_features,
         (),
         num_classes,
+        learning_rate=learning_rate,
+        batch_size=batch_size,
+        epochs=epochs,
+        selector=selector,
+        inputs=inputs,
+        shuffle_seed=shuffle_seed,
+        shuffle_buffer=shuffle_buffer,
+        opset=opset,
         name=name or f"softmax_{num_features}_{num_classes}",
+        min_runtime_version=min_runtime_version,
+        max_runtime_version=max_runtime_version,
+        memory_budget_mb=memory_budget_mb,
+        time_budget_s=time_budget_s,
+        secure_aggregation=secure_aggregation,
+        bitwidth=bitwidth,
+        clip_range=clip_range,
         resume_examples=resume_examples,
-        **kwargs,
     )
 
 

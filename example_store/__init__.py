@@ -11,7 +11,7 @@ package knows nothing about plans or servers.
 runtime's and the server's databases share is imported from ``example_store.sqlite_engine``.
 """
 
-from .codec import Example, Schema, TensorSpec
+from .codec import Example, ExampleLike, Schema, TensorSpec
 from .errors import (
     ExampleStoreError,
     InvalidArgumentError,
@@ -35,6 +35,7 @@ from .sqlite_store import SQLiteExampleStore
 __all__ = [
     "CollectionStats",
     "Example",
+    "ExampleLike",
     "ExampleIterator",
     "ExampleSelector",
     "ExampleStore",

@@ -13,11 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .errors import ExampleStoreError, InvalidArgumentError, SchemaMismatchError
 
-#: One example: named tensors.
+#: One example as a store gives it back: named tensors.
 Example = dict[str, np.ndarray]
+#: One example as an app adds it: named tensors, each an array or anything ``np.asarray`` makes a
+#: numeric one of (a numpy scalar such as ``np.int64(label)``, a Python number, a nested list).
+#: Typed ``Example``, ``add`` refused a label given as ``np.int64(3)`` under a type checker, as the
+#: tutorials give it.
+ExampleLike = Mapping[str, ArrayLike]
 
 _NUMERIC_KINDS = frozenset("biufc")  # bool, int, uint, float, complex
 _FORMAT_VERSION = 1

@@ -29,7 +29,7 @@ from ._util import (
     take_timestamps,
     unknown_collection,
 )
-from .codec import Example, Schema
+from .codec import Example, ExampleLike, Schema
 from .errors import ExampleStoreError, InvalidArgumentError
 from .interface import ExampleIterator, ExampleStore, check_batch_size
 from .resumption import Position, ResumptionTokens
@@ -101,7 +101,7 @@ class InMemoryExampleStore(ExampleStore):
     # -- writing -----------------------------------------------------------------------------
 
     def add(
-        self, collection_uri: str, examples: Iterable[Example], *, timestamps: Iterable[float] | None = None
+        self, collection_uri: str, examples: Iterable[ExampleLike], *, timestamps: Iterable[float] | None = None
     ) -> int:
         """Adds examples (all or none) and returns how many; see :meth:`SQLiteExampleStore.add`."""
         self._check_open()

@@ -68,7 +68,7 @@ from ._util import (
     take_timestamps,
     unknown_collection,
 )
-from .codec import Example, Schema
+from .codec import ExampleLike, Schema
 from .errors import (
     ExampleStoreError,
     InvalidArgumentError,
@@ -422,7 +422,7 @@ class SQLiteExampleStore(ExampleStore):
     def add(
         self,
         collection_uri: str,
-        examples: Iterable[Example],
+        examples: Iterable[ExampleLike],
         *,
         timestamps: Iterable[float] | None = None,
     ) -> int:
