@@ -60,6 +60,7 @@ from .scheduling import (
     JobRun,
     ParticipationScheduler,
     RunOutcome,
+    ScheduledJob,
     SchedulerSettings,
     WorkerQueue,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "ParticipationScheduler",
     "WorkerQueue",
     "SchedulerSettings",
+    "ScheduledJob",
     "JobRun",
     "RunOutcome",
     "TrainingConstraints",

@@ -16,6 +16,10 @@ BATTERY_LOW_FRACTION = 0.15
 
 @dataclass(frozen=True)
 class DeviceState:
+    """The device as the app's ``DeviceConditions.current()`` sees it now: ``idle`` (the screen
+    off, no user activity), ``charging``, ``battery_level`` (a fraction from 0.0 to 1.0),
+    ``unmetered_network`` (Wi-Fi rather than mobile data) and ``network_available``."""
+
     idle: bool
     charging: bool
     battery_level: float

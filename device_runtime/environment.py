@@ -7,6 +7,7 @@ population, server, stores, policies) stay ``FLRuntime``'s arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,17 @@ class RuntimeEnvironment:
     loaded_plans: LoadedPlans | None = None
     secagg_poll_s: float | None = None
     report_update: Callable[[Plan, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+
+    def __repr__(self) -> str:
+        # the fields given, functions by name: help(FLRuntime) showed the default's as
+        # ``<function rss_mb at 0x7f...>`` and every field at its default, in the runtime's signature
+        given = []
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if value is not spec.default:
+                shown = getattr(value, "__qualname__", None) if callable(value) else None
+                given.append(f"{spec.name}={shown or repr(value)}")
+        return f"RuntimeEnvironment({', '.join(given)})"
 
     def __post_init__(self) -> None:
         """Settings of the wrong kind raise ``InvalidSetting`` here: a clock of ``SystemClock()``

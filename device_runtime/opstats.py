@@ -112,12 +112,18 @@ def app_database_errors(path: str | os.PathLike, action: str) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Event:
+    """One phase of a session as opstats records it: ``kind`` (a key of ``SHAPE_SYMBOLS``:
+    ``checkin``, ``plan_downloaded``, ...), when (``at``, on the runtime's clock) and what it
+    measured (``detail``: example counts, bytes, the server's codes)."""
+
     kind: str
     at: float
     detail: dict = field(default_factory=dict)
 
 
 def shape_of(events: list[Event]) -> str:
+    """The events' symbols in order (``SHAPE_SYMBOLS``): ``-v[]+^`` is a session that checked in,
+    downloaded its plan, trained, uploaded and had its update accepted."""
     return "".join(SHAPE_SYMBOLS[e.kind] for e in events)
 
 

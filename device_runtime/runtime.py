@@ -3,6 +3,7 @@ report) and records its events, whose symbols give the session's shape (paper, T
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import enum
@@ -13,6 +14,7 @@ import random
 import secrets
 import tempfile
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -430,6 +432,17 @@ class FLRuntime:
         checked in as it ended, and the device took part twice in one round."""
         if self._closed:  # its HTTP client is closed and its own plan cache removed
             raise InvalidSetting(f"this runtime of population {self.population!r} is closed; make a new FLRuntime")
+        # said, not refused: a notebook's cells run on its kernel's loop; and not in a simulation on
+        # virtual time, whose devices run their sessions as fibers of its own loop by design
+        if is_system_time(self.clock) and _on_event_loop():
+            warnings.warn(
+                f"FLRuntime.run_session (population {self.population!r}) was called on a running asyncio event "
+                "loop: it blocks until the session ends (seconds, minutes for a large plan), and the loop serves "
+                "nothing meanwhile (a server on that loop never answers it); run it in a thread instead: "
+                "await asyncio.to_thread(runtime.run_session)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         for name, hook in (("should_abort", should_abort), ("before_report", before_report)):
             if hook is not None and not callable(hook):
                 raise InvalidSetting(f"run_session's {name} is a function of no arguments or None, not {hook!r:.100}")
@@ -1010,6 +1023,15 @@ class FLRuntime:
 
 #: The runtimes running a session in this process, by (population, store): see ``FLRuntime._claim``.
 _RUNNING: dict[tuple[str, tuple[str, object]], FLRuntime] = {}
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop (the caller is one of its coroutines or callbacks)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _store_claims(population: str, stores: Iterable[ExampleStore]) -> tuple[tuple[str, tuple[str, object]], ...]:

@@ -98,6 +98,10 @@ SETTLING = "settling"
 
 @dataclass(frozen=True)
 class ScheduledJob:
+    """A population's participation as the scheduler keeps it (``schedule``'s result, and
+    ``jobs()``): when it next runs (None: a one-time job that is done), under which constraints
+    and how often."""
+
     population: str
     next_run_at: float | None
     constraints: TrainingConstraints

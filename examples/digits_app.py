@@ -15,16 +15,20 @@ from pathlib import Path
 
 import numpy as np
 
-from device_runtime import FLRuntime, OpStatsStore, RuntimeEnvironment
-from device_runtime.clock import Clock, SystemClock
-from device_runtime.conditions import (
+from device_runtime import (
+    Clock,
     DeviceConditions,
     DeviceState,
+    FLRuntime,
+    OpStatsStore,
+    ParticipationScheduler,
+    RuntimeEnvironment,
     StaticConditions,
+    SystemClock,
     TrainingConstraints,
     TrainingInterval,
+    WorkerQueue,
 )
-from device_runtime.scheduling import ParticipationScheduler, WorkerQueue
 from example_store import FileKeyStore, KeyStore, RetentionPolicy, SQLiteExampleStore
 
 POPULATION = "digits"

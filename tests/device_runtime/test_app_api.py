@@ -141,3 +141,54 @@ def test_every_parameter_of_the_public_api_is_annotated(package):
                 f"{where}({p.name})" for p in parameters[1 if "." in where else 0 :] if p.annotation is p.empty
             ]
     assert unannotated == []
+
+
+def test_run_session_on_an_event_loop_says_to_run_it_in_a_thread(server):
+    """Called from a coroutine, ``run_session`` blocked the loop for the whole session without a
+    word (and hung until its timeouts where the server answered on that same loop)."""
+    import asyncio
+    import warnings
+
+    runtime = FLRuntime("digits", server.url, InMemoryExampleStore())
+
+    async def app() -> None:
+        with pytest.warns(RuntimeWarning, match=r"await asyncio.to_thread\(runtime.run_session\)"):
+            with pytest.raises(SessionRejected):  # no task yet: the call still runs
+                runtime.run_session()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(SessionRejected):
+                await asyncio.to_thread(runtime.run_session)
+
+    asyncio.run(app())
+    runtime.close()
+
+
+def test_help_on_the_runtime_shows_no_object_addresses():
+    """``help(FLRuntime)`` showed its environment's default as every field, a function as ``<function
+    rss_mb at 0x7f...>``."""
+    import pydoc
+
+    from device_runtime import DEVICE_ENVIRONMENT, RuntimeEnvironment, VirtualClock
+
+    assert " at 0x" not in pydoc.render_doc(FLRuntime, renderer=pydoc.plaintext)
+    clock = VirtualClock()
+    assert repr(DEVICE_ENVIRONMENT) == "RuntimeEnvironment()"
+    assert repr(RuntimeEnvironment(clock=clock.now, secagg_poll_s=1.0)) == (
+        "RuntimeEnvironment(clock=VirtualClock.now, secagg_poll_s=1.0)"
+    )
+
+
+def test_what_an_app_annotates_is_exported_and_says_what_it_holds():
+    """``schedule()`` and ``jobs()`` gave a ``ScheduledJob`` an app could annotate only from
+    ``device_runtime.scheduling``, and ``help()`` of a result or a state the app reads said only
+    its fields (a dataclass's generated ``DeviceState(idle: bool, ...)``) or "An enumeration."."""
+    import inspect
+
+    from device_runtime import ParticipationScheduler
+
+    assert inspect.signature(ParticipationScheduler.schedule).return_annotation == "ScheduledJob"
+    for name in ("ScheduledJob", "JobRun", "RunOutcome", "SessionResult", "Outcome", "DeviceState", "Event"):
+        assert name in device_runtime.__all__, name
+        doc = inspect.getdoc(getattr(device_runtime, name)) or ""
+        assert not doc.startswith((f"{name}(", "An enumeration")), f"{name}: {doc[:60]}"
