@@ -54,6 +54,7 @@ __all__ = [
     "AGGREGATIONS",
     "MAX_RETRY_WINDOW_S",
     "STATS_HEADER",
+    "TOKEN_HEADER",
     "CheckinAccepted",
     "CheckinRejected",
     "ProtocolClient",
@@ -61,6 +62,7 @@ __all__ = [
     "answer_bound",
     "retry_window",
     "shared_tls_context",
+    "token_headers",
 ]
 
 #: The header a report carries its session statistics in (shape so far, training time).
@@ -101,6 +103,18 @@ def redacted_url(url: str) -> str:
     if not colon:  # a token given as the user name alone (https://TOKEN@host/), as basic auth sends it
         return f"{scheme}{sep}***@{rest[len(userinfo) + 1 :]}"
     return f"{scheme}{sep}{user}:***@{rest[len(userinfo) + 1 :]}"
+
+
+#: The header a request carries its bearer token in (a session's token, an operator's admin key)
+#: when the server URL's own credentials take ``Authorization`` (``https://user:secret@host/``, as
+#: a gateway in front of the server asks for): one request cannot send both in that header.
+TOKEN_HEADER = "X-FL-Token"
+
+
+def token_headers(token: str, url_auth: httpx.Auth | None) -> dict[str, str]:
+    """The header that carries ``token``: ``Authorization: Bearer``, or ``TOKEN_HEADER`` where the
+    URL's credentials (``url_auth``, from :func:`url_credentials`) take ``Authorization``."""
+    return {"Authorization": f"Bearer {token}"} if url_auth is None else {TOKEN_HEADER: token}
 
 
 def url_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
@@ -707,9 +721,7 @@ class ProtocolClient:
         saying so (on the client made here; one given as ``client`` reads it whole)."""
         _this_request.resource_bound = bound
         try:
-            response = self._request(
-                "GET", f"/v1/resources/{resource_id}", headers={"Authorization": f"Bearer {token}"}
-            )
+            response = self._request("GET", f"/v1/resources/{resource_id}", headers=token_headers(token, self._auth))
         finally:
             _this_request.resource_bound = None
         self._raise_for_error(response)
@@ -727,7 +739,7 @@ class ProtocolClient:
         return data
 
     def report(self, session: CheckinAccepted, update: bytes, stats: dict | None = None) -> ReportAnswer:
-        headers = {"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"}
+        headers = {**token_headers(session.token, self._auth), "Content-Type": "application/octet-stream"}
         if stats:
             headers[STATS_HEADER] = json.dumps(stats, separators=(",", ":"))
         retried: list[bool] = []
@@ -759,7 +771,7 @@ class ProtocolClient:
             "GET",
             f"/v1/sessions/{session.session_id}/secagg",
             params=params,
-            headers={"Authorization": f"Bearer {session.token}"},
+            headers=token_headers(session.token, self._auth),
         )
         self._raise_for_error(response)
         # Read as a JSON object only: the Secure Aggregation client reads it as ``wire.SecAggState``
@@ -779,7 +791,7 @@ class ProtocolClient:
             "POST",
             f"/v1/sessions/{session.session_id}/secagg",
             content=message,
-            headers={"Authorization": f"Bearer {session.token}", "Content-Type": "application/octet-stream"},
+            headers={**token_headers(session.token, self._auth), "Content-Type": "application/octet-stream"},
         )
         self._raise_for_error(response)
 
@@ -788,7 +800,7 @@ class ProtocolClient:
             "POST",
             f"/v1/sessions/{session.session_id}/abort",
             json={"reason": reason, "stats": stats or {}},
-            headers={"Authorization": f"Bearer {session.token}"},
+            headers=token_headers(session.token, self._auth),
         )
         self._raise_for_error(response)
 

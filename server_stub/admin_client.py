@@ -18,7 +18,7 @@ from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.errors import InvalidSetting, ProtocolError
 from device_runtime.plan import Plan, serialize_plan
-from device_runtime.protocol import answer_bound, checked_server_url, redacted_url, url_credentials
+from device_runtime.protocol import answer_bound, checked_server_url, redacted_url, token_headers, url_credentials
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -127,7 +127,7 @@ class AdminClient:
             timeout=timeout_s,
             # what the device's bound decodes: each answer is read through it, so that a hostile or
             # broken server's endless answer (a model of gigabytes) is cut off, not held in memory
-            headers={"Authorization": f"Bearer {admin_key}", "Accept-Encoding": "gzip, deflate"},
+            headers={**token_headers(admin_key, auth), "Accept-Encoding": "gzip, deflate"},
             transport=transport,
             verify=_tls_context(),
             event_hooks={"response": [answer_bound(time.monotonic, timeout_s)]},

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from device_runtime.attestation import AttestationError
 from device_runtime.opstats import SHAPE_ALPHABET
-from device_runtime.protocol import STATS_HEADER
+from device_runtime.protocol import STATS_HEADER, TOKEN_HEADER
 from device_runtime.wire import (
     AbortAnswer,
     AttestationChallenge,
@@ -216,10 +216,14 @@ def b64(value: str | None, name: str) -> bytes | None:
 
 
 def bearer(request: Request) -> str | None:
+    """The request's bearer token: ``Authorization: Bearer``, or ``TOKEN_HEADER`` where the
+    client's URL credentials took ``Authorization`` (a gateway's basic auth, passed on)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        token = request.headers.get(TOKEN_HEADER, "")
     token = token.strip()
-    if scheme.lower() != "bearer" or not token or len(token) > MAX_KEY_CHARS:
+    if not token or len(token) > MAX_KEY_CHARS:
         return None
     return token
 
@@ -227,7 +231,10 @@ def bearer(request: Request) -> str | None:
 def session_token(request: Request) -> str:
     token = bearer(request)
     if token is None:
-        raise Unauthorized("send the session token as 'Authorization: Bearer <token>'", code="MISSING_TOKEN")
+        raise Unauthorized(
+            "send the session token as 'Authorization: Bearer <token>' (or X-FL-Token behind a gateway that takes Authorization)",
+            code="MISSING_TOKEN",
+        )
     return token
 
 
@@ -484,7 +491,10 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     def admin(request: Request) -> None:
         key = bearer(request)
         if key is None:
-            raise Unauthorized("operator endpoints need 'Authorization: Bearer <admin key>'", code="ADMIN_KEY_REQUIRED")
+            raise Unauthorized(
+                "operator endpoints need 'Authorization: Bearer <admin key>' (or X-FL-Token behind a gateway that takes Authorization)",
+                code="ADMIN_KEY_REQUIRED",
+            )
         if not admin_keys.verify(key):
             raise Unauthorized("the admin key is not one this server accepts", code="BAD_ADMIN_KEY")
 

@@ -634,7 +634,7 @@ class FLService:
                 session = self._sessions.by_token.get(hash_token(token)) if token else None
             if session is None or session.revoked:
                 raise Unauthorized(
-                    "send the token of an open session (or an admin key) as 'Authorization: Bearer <token>'",
+                    "send the token of an open session (or an admin key) as 'Authorization: Bearer <token>' (or X-FL-Token behind a gateway that takes Authorization)",
                     code="MISSING_TOKEN" if not token else "BAD_SESSION_TOKEN",
                 )
             if rid not in session.resources:

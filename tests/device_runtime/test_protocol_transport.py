@@ -270,3 +270,51 @@ def test_a_password_holding_a_url_delimiter_is_shown_as_stars_or_refused_without
         assert f"Zq{password}" not in str(exc) and "operator:***@fl.example:8443/" in str(exc), str(exc)
     else:  # taken only as the URL of fl.example, with the password its userinfo
         assert httpx.URL(checked).host == "fl.example"
+
+
+class _BasicAuthGateway:
+    """A gateway in front of the server that lets through only requests with its basic-auth
+    credentials and passes ``Authorization`` on, as nginx's ``auth_basic`` does."""
+
+    def __init__(self, app, user: str, password: str) -> None:
+        import base64
+
+        self.app = app
+        self.expected = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
+            await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.app(scope, receive, send)
+
+
+def test_a_device_and_an_operator_reach_a_server_behind_a_gateway_that_takes_the_urls_credentials(tmp_path, digits):
+    """``http://user:secret@gateway/``: the URL's credentials go as basic auth in ``Authorization``,
+    where every session request carries its token too; the token then went nowhere (the basic auth
+    replaced it) and every session ended at its plan download, MISSING_TOKEN, as did every operator
+    call. The token now goes in ``X-FL-Token`` beside the gateway's credentials."""
+    from server_stub import AdminClient, AdminKeys, FLService, ServerStore
+    from server_stub.app import create_app
+    from tests.support import LoopbackApp
+
+    admin_key = "gateway-test-admin-key-0123456789abcdef"
+    store_of_server = ServerStore(f"sqlite:///{tmp_path / 'server.db'}")
+    service = FLService(store_of_server)
+    app = _BasicAuthGateway(create_app(service, admin_keys=AdminKeys([admin_key])), "device", "s3cret")
+    with LoopbackApp(app) as gateway:
+        behind = gateway.url.replace("http://", "http://device:s3cret@")
+        with AdminClient(behind, admin_key=admin_key) as admin:
+            deploy(admin)
+            assert admin.status("digits")["tasks"]
+        store = SQLiteExampleStore(tmp_path / "app.db")
+        store.add(COLLECTION, [{"x": x, "y": y} for x, y in zip(digits.x_train[:40], digits.y_train[:40])])
+        with FLRuntime("digits", behind, store, cache_dir=tmp_path / "cache") as runtime:
+            result = runtime.run_session()
+        assert result.outcome is Outcome.COMPLETED, result
+        fast = RetryPolicy(attempts=1, base_delay_s=0.001, max_delay_s=0.001)
+        with FLRuntime("digits", gateway.url, store, cache_dir=tmp_path / "c2", retry=fast) as stranger:
+            with pytest.raises(ProtocolError, match="401"):  # the gateway's own refusal: no credentials
+                stranger.run_session()
+    store_of_server.close()
