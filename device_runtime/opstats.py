@@ -28,14 +28,14 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from example_store.sqlite_engine import sqlite_advice, sqlite_engine, write_locked
+from example_store.sqlite_engine import scrub_wal, sqlite_advice, sqlite_engine, write_locked
 
 from .errors import RuntimeSdkError, check_count, check_number, check_path
 
@@ -175,7 +175,7 @@ class OpStatsStore:
         # durable: the session kept before its update leaves is what tells the app, after a power
         # cut as after a kill, that the update may be the server's (not to train and report it
         # again); at synchronous=NORMAL a power cut could roll that commit back after the upload
-        self.engine: Engine = sqlite_engine(database, durable=True)
+        self.engine: Engine = sqlite_engine(database, durable=True, private=True)
         try:
             with self._db("open the opstats log"), write_locked(self.engine) as conn:
                 _metadata.create_all(conn)
@@ -369,6 +369,23 @@ class OpStatsStore:
             conn.execute(
                 delete(resumption_table).where(t.population == population_, t.task == task_, t.collection_uri == uri)
             )
+
+    def delete_all(self) -> int:
+        """Deletes every session's events and every resumption token (an app's "delete my data"):
+        the device's eligibility policies then see no earlier participation, and plans that resume
+        reading start from the beginning. Returns how many events were deleted. As the example
+        store's ``delete_all``, the rows are overwritten on disk and the write-ahead log is cut to
+        0 bytes when no read of another connection holds it."""
+        with self._db("delete the opstats log"), self.engine.begin() as conn:
+            deleted = conn.execute(delete(events_table)).rowcount
+            conn.execute(delete(resumption_table))
+        with self._db("delete the opstats log"):
+            raw = self.engine.raw_connection()
+            try:
+                scrub_wal(cast(sqlite3.Connection, raw.driver_connection))
+            finally:
+                raw.close()
+        return int(deleted)
 
     def forget_resumption_token(self, population: str, task: str, collection_uri: str) -> None:
         """Drop a saved token (the store refused it): the next session reads from the start."""

@@ -234,7 +234,7 @@ class _StoredJobs:
         # the app database's engine (WAL, and a writer waits 30 s for another process's lock as
         # the example store and opstats do): with its own, a job was not rescheduled after a
         # session when an add of the app held the lock past 5 s, and ran again at the next poll
-        self._store = _JobStore(engine=sqlite_engine(database), tablename=JOB_TABLE)
+        self._store = _JobStore(engine=sqlite_engine(database, private=True), tablename=JOB_TABLE)
         try:
             with app_database_errors(database, "open the scheduled jobs"):
                 with write_locked(self._store.engine) as conn:  # not raced by another process's first open

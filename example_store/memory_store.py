@@ -205,6 +205,15 @@ class InMemoryExampleStore(ExampleStore):
             coll = self._collections.pop(collection_uri, None)
             return 0 if coll is None else len(coll.keys)
 
+    def delete_all(self) -> int:
+        """Deletes every collection and every retention policy set; how many examples were deleted."""
+        self._check_open()
+        with self._lock:
+            deleted = sum(len(coll.keys) for coll in self._collections.values())
+            self._collections.clear()
+            self._policies.clear()
+            return deleted
+
     def delete_before(self, collection_uri: str, timestamp: float) -> int:
         self._check_open()
         check_uri(collection_uri)

@@ -2,7 +2,10 @@
 scheduler jobs) and the server's. WAL so that readers and the writer do not block each other;
 synchronous=NORMAL because in WAL mode it is still crash-safe (only the last commits may roll back
 on power loss), and FULL (``durable``) for the records that must survive a power cut too: opstats'
-record that a session's update is about to leave."""
+record that a session's update is about to leave.
+
+The app's database holds its users' data: it is opened ``private`` (see ``sqlite_engine``), made
+readable by its owner only and with the rows it deletes overwritten with zeros."""
 
 from __future__ import annotations
 
@@ -28,13 +31,19 @@ def configure_connection(
     foreign_keys: bool = False,
     busy_timeout_s: float = 30.0,
     durable: bool = False,
+    secure_delete: bool = False,
 ) -> None:
     """``durable``: every commit is on disk when it returns (``synchronous=FULL``: the WAL is
-    synced at each commit), for records that must outlive a power cut, not only a killed process."""
+    synced at each commit), for records that must outlive a power cut, not only a killed process.
+    ``secure_delete``: SQLite overwrites what it deletes with zeros (``PRAGMA secure_delete``), where
+    builds without ``SQLITE_SECURE_DELETE`` (the default of SQLite's own sources) leave a deleted
+    row's bytes in the file's free pages until they are reused."""
     cursor = dbapi_connection.cursor()
     try:
         _to_wal(cursor, busy_timeout_s)
         cursor.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        if secure_delete:
+            cursor.execute("PRAGMA secure_delete=ON")
         cursor.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         if foreign_keys:
             cursor.execute("PRAGMA foreign_keys=ON")
@@ -63,11 +72,18 @@ def sqlite_engine(
     foreign_keys: bool = False,
     busy_timeout_s: float = 30.0,
     durable: bool = False,
+    private: bool = False,
     **engine_kwargs: Any,
 ) -> Engine:
     """An engine over the SQLite file ``path``, shared across threads, every connection in WAL.
     A writer waits up to ``busy_timeout_s`` for another process's lock, then fails. ``durable``:
-    each commit is synced to disk before it returns (see ``configure_connection``)."""
+    each commit is synced to disk before it returns (see ``configure_connection``). ``private``
+    (the app's database, which holds its users' examples and history): a missing file is made
+    readable and writable by its owner only (SQLite gives its ``-wal`` and ``-shm`` files the
+    database's mode), where SQLite made it 0644 under the usual umask, readable by every user
+    of the machine; and deleted rows are overwritten with zeros (``secure_delete``)."""
+    if private:
+        _create_private(path)
     engine = create_engine(
         URL.create("sqlite", database=os.fspath(path)),
         connect_args={"check_same_thread": False, "timeout": busy_timeout_s},
@@ -77,10 +93,40 @@ def sqlite_engine(
         engine,
         "connect",
         lambda conn, _record: configure_connection(
-            conn, foreign_keys=foreign_keys, busy_timeout_s=busy_timeout_s, durable=durable
+            conn, foreign_keys=foreign_keys, busy_timeout_s=busy_timeout_s, durable=durable, secure_delete=private
         ),
     )
     return engine
+
+
+def _create_private(path: str | os.PathLike) -> None:
+    """Creates ``path`` empty with mode 0600 if it is missing (SQLite takes an empty file for a new
+    database); an existing file, or one that cannot be made here, is left for SQLite to open or
+    to refuse with its own error."""
+    try:
+        os.close(os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:
+        pass
+
+
+def scrub_wal(dbapi_connection: sqlite3.Connection, busy_timeout_s: float = 30.0) -> bool:
+    """Copies the write-ahead log into the database and truncates it to 0 bytes (``PRAGMA
+    wal_checkpoint(TRUNCATE)``), so that the log keeps no earlier copy of the pages a delete just
+    overwrote; without it a deleted example's bytes stayed in ``-wal`` until SQLite happened to
+    write over them. Does not wait: False when a read that began before the delete (a session's
+    iterator, another process) still holds an older snapshot, and the log could not be cut yet."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA busy_timeout=0")
+        try:
+            busy, _, _ = cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+    except sqlite3.Error:
+        return False
+    finally:
+        cursor.close()
+    return not busy
 
 
 #: The first four bytes of a write-ahead log SQLite wrote (big-endian; the last bit is its

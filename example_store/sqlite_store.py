@@ -15,6 +15,15 @@ another collection, an edited timestamp or schema all fail authentication
 (:class:`TamperedExampleError`). What stays readable on disk: collection URIs, schemas,
 timestamps and counts. Deleting rows (or restoring deleted ones) is not detected.
 
+Deleting at rest: the database file is made readable by its owner only, SQLite overwrites the rows
+it deletes with zeros (``secure_delete``), and each delete an app asks for (``delete_collection``,
+``delete_before``, ``delete_all``, ``apply_retention``, ``set_retention``) then cuts the
+write-ahead log to 0 bytes, where the log kept its earlier copies of the deleted rows' pages. A
+read that began before the delete holds the log until it ends; it is cut then at the store's next
+write or at ``close``. The rows that retention deletes as examples are added or read are zeroed in
+the database too, and leave the log at the next of those calls or at ``close`` (cutting the log
+syncs the disk, some 15 ms: too much for every add).
+
 Concurrency: writes are serialized by a lock inside the process (SQLite has one writer anyway);
 reads take a pooled connection of their own and no lock, and WAL lets them run while an add()
 commits. Connections are created with ``check_same_thread=False`` so one store can be shared with
@@ -91,7 +100,7 @@ from .sealing import (
     collection_record,
 )
 from .selector import ExampleSelector
-from .sqlite_engine import damaged_wal, sqlite_advice, sqlite_engine, write_locked
+from .sqlite_engine import damaged_wal, scrub_wal, sqlite_advice, sqlite_engine, write_locked
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
 log = logging.getLogger(__name__)
@@ -183,6 +192,8 @@ class SQLiteExampleStore(ExampleStore):
         self._collections: dict[str, Collection] = {}
         self._iterators: weakref.WeakSet[SQLiteIterator] = weakref.WeakSet()
         self._closed = False
+        # a delete's earlier copies are still in the write-ahead log: cut it at the next write or close
+        self._scrub_pending = False
         self._sealer: RowSealer | None = None
         self._tokens: ResumptionTokens
         self._engine = self._open_engine(key_store, key_alias)
@@ -203,6 +214,7 @@ class SQLiteExampleStore(ExampleStore):
             poolclass=QueuePool,
             pool_size=4,
             max_overflow=-1,  # never block a reader waiting for a pooled connection
+            private=True,
         )
         try:
             with write_locked(engine) as conn:
@@ -377,12 +389,14 @@ class SQLiteExampleStore(ExampleStore):
                 (collection_uri, policy.ttl_seconds, policy.max_bytes),
             )
             coll = self._lookup(collection_uri, conn)
+            deleted = 0
             if coll is not None and not policy.is_noop:
                 cursor = _cursor(conn.connection.driver_connection)
                 try:
-                    _apply_policy(cursor, coll, policy, self._clock())
+                    deleted = _apply_policy(cursor, coll, policy, self._clock())
                 finally:
                     cursor.close()
+        self._scrub(deleted)
 
     def clear_retention(self, collection_uri: str) -> None:
         """Forgets the collection's own policy: the store's default applies to it again."""
@@ -478,6 +492,8 @@ class SQLiteExampleStore(ExampleStore):
                 cursor.close()
         if created is not None:  # only cache what was committed
             self._collections[collection_uri] = created
+        if self._scrub_pending:
+            self._scrub(1)
         return total
 
     def _create_collection(self, conn: Connection, uri: str, schema: Schema, now: float) -> Collection:
@@ -513,6 +529,7 @@ class SQLiteExampleStore(ExampleStore):
                         deleted += _apply_policy(cursor, coll, policy, now)
             finally:
                 cursor.close()
+        self._scrub(deleted)
         return deleted
 
     def delete_collection(self, collection_uri: str) -> int:
@@ -528,7 +545,39 @@ class SQLiteExampleStore(ExampleStore):
             deleted = conn.exec_driver_sql("DELETE FROM examples WHERE collection_id = ?", (coll.id,)).rowcount
             conn.exec_driver_sql("DELETE FROM collections WHERE id = ?", (coll.id,))
             self._collections.pop(collection_uri, None)
+        self._scrub(1)
         return int(deleted)
+
+    def delete_all(self) -> int:
+        """Deletes every collection's examples, its schema and URI, and every saved retention
+        policy: what an app's "delete my data" asks for. Returns how many examples were deleted.
+        The store stays open and usable, sealed under the same key; the rows are overwritten on
+        disk and the write-ahead log cut (see the module's docstring), so that the file keeps none
+        of the deleted examples' bytes, nor their collections' names."""
+        self._check_open()
+        with self._lock, self._db_errors("delete every collection"), self._engine.begin() as conn:
+            deleted = conn.exec_driver_sql("DELETE FROM examples").rowcount
+            conn.exec_driver_sql("DELETE FROM collections")
+            conn.exec_driver_sql("DELETE FROM retention_policies")
+            self._collections.clear()
+        self._scrub(1)
+        return int(deleted)
+
+    def _scrub(self, deleted: int) -> None:
+        """After a commit that deleted ``deleted`` rows: cut the write-ahead log, which holds the
+        pages as they were before the delete, or leave it for the next write or ``close`` when a
+        read still holds an older snapshot."""
+        if deleted <= 0 and not self._scrub_pending:
+            return
+        try:
+            proxied = self._engine.raw_connection()
+        except (SQLAlchemyError, sqlite3.Error):
+            self._scrub_pending = True
+            return
+        try:
+            self._scrub_pending = not scrub_wal(cast(sqlite3.Connection, proxied.driver_connection))
+        finally:
+            proxied.close()
 
     def delete_before(self, collection_uri: str, timestamp: float) -> int:
         """Deletes the collection's examples with ``timestamp < timestamp``; returns how many
@@ -540,11 +589,13 @@ class SQLiteExampleStore(ExampleStore):
             coll = self._lookup(collection_uri, conn)
             if coll is None:
                 return 0
-            return int(
+            deleted = int(
                 conn.exec_driver_sql(
                     "DELETE FROM examples WHERE collection_id = ? AND timestamp < ?", (coll.id, cutoff)
                 ).rowcount
             )
+        self._scrub(deleted)
+        return deleted
 
     def stats(self, collection_uri: str) -> CollectionStats:
         """Count, bytes and timestamp range of a collection (after expiring what its TTL drops)."""
@@ -659,6 +710,8 @@ class SQLiteExampleStore(ExampleStore):
         self._closed = True
         for iterator in list(self._iterators):
             iterator.close()
+        if self._scrub_pending:  # a read held the log at a delete; this store's reads have ended now
+            self._scrub(1)
         self._engine.dispose()
 
     def __enter__(self) -> SQLiteExampleStore:

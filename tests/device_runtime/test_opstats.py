@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -292,3 +295,25 @@ def test_the_log_is_synced_to_disk_at_each_commit(tmp_path):
             assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
         with store._engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+
+
+def test_delete_all_leaves_no_session_nor_token_in_the_file_or_its_log(tmp_path):
+    mark = "ZQXHISTORY"
+    path = tmp_path / "app.db"
+    opstats = OpStatsStore(path)
+    for i in range(10):
+        opstats.record_session(
+            f"s{i}",
+            "digits",
+            "t",
+            [Event("checkin", 100.0 + i, {"reason": f"{mark}{i}"}), Event("upload_completed", 101.0 + i)],
+        )
+    opstats.save_resumption_token("digits", "t", "app:/digits", f"{mark}-token", at=200.0)
+    assert opstats.delete_all() == 20
+    assert opstats.sessions() == [] and opstats.resumption_token("digits", "t", "app:/digits") is None
+    on_disk = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name in ("app.db", "app.db-wal"))
+    assert mark.encode() not in on_disk  # the app still running, its database open
+    assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
+    opstats.record_session("later", "digits", "t", [Event("checkin", 300.0)])  # the log goes on
+    assert [s.session_id for s in opstats.sessions()] == ["later"]
+    opstats.close()

@@ -3,6 +3,8 @@ within the bound when conditions change, one session at a time across apps, a vi
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 
@@ -35,6 +37,18 @@ def _store(path, digits, n=64):
     store = SQLiteExampleStore(path)
     store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:n], digits.y_train[:n])))
     return store
+
+
+def test_the_app_database_the_scheduler_makes_is_its_owners_only(tmp_path):
+    old = os.umask(0o022)  # the usual umask, under which SQLite made the file 0644
+    try:
+        scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=VirtualClock())
+        scheduler.schedule("keyboard")  # a job written: the log and its index made too
+        made = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+        scheduler.close()
+    finally:
+        os.umask(old)
+    assert made == dict.fromkeys(made, 0o600) and "app.db" in made
 
 
 def test_jobs_survive_an_app_restart(tmp_path):
