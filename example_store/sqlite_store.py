@@ -20,7 +20,7 @@ it deletes with zeros (``secure_delete``), and each delete an app asks for (``de
 ``delete_before``, ``delete_all``, ``apply_retention``, ``set_retention``) then cuts the
 write-ahead log to 0 bytes, where the log kept its earlier copies of the deleted rows' pages. A
 read that began before the delete holds the log until it ends; it is cut then at the store's next
-write or at ``close``. The rows that retention deletes as examples are added or read are zeroed in
+write or at ``close``, and an app killed before that has it cut when it opens the store again. The rows that retention deletes as examples are added or read are zeroed in
 the database too, and leave the log at the next of those calls or at ``close`` (cutting the log
 syncs the disk, some 15 ms: too much for every add).
 
@@ -197,6 +197,10 @@ class SQLiteExampleStore(ExampleStore):
         self._sealer: RowSealer | None = None
         self._tokens: ResumptionTokens
         self._engine = self._open_engine(key_store, key_alias)
+        if _wal_holds_frames(self.path):
+            # an app killed between a delete and the cut of the log (or while a read held it) left
+            # the deleted rows' earlier pages in it, and nothing else would cut it
+            self._scrub(1)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -731,6 +735,15 @@ class SQLiteExampleStore(ExampleStore):
 
     def __repr__(self) -> str:
         return f"SQLiteExampleStore({str(self.path)!r}{', sealed' if self.sealed else ''})"
+
+
+def _wal_holds_frames(path: Path) -> bool:
+    """Whether ``path``'s write-ahead log holds more than its 32-byte header: pages that no
+    checkpoint cut away since (a log of 0 bytes, or none, is what a cut or a clean close leaves)."""
+    try:
+        return os.path.getsize(f"{path}-wal") > 32
+    except OSError:
+        return False
 
 
 def _cursor(driver_connection: object) -> sqlite3.Cursor:

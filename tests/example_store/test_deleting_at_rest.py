@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from example_store import ExampleSelector, InMemoryKeyStore, RetentionPolicy, SQLiteExampleStore
+from example_store import ExampleSelector, RetentionPolicy, SQLiteExampleStore
 from example_store.sqlite_iterator import READ_CHUNK
 from tests.example_store.store_helpers import FakeClock
 
@@ -107,21 +107,6 @@ def test_close_cuts_a_log_that_a_read_held_at_the_delete(tmp_path):
     other.close()
 
 
-def test_delete_all_forgets_collections_and_policies_and_the_store_goes_on(tmp_path):
-    keys = InMemoryKeyStore()
-    store = SQLiteExampleStore(tmp_path / "app.db", key_store=keys)
-    store.add(URI, _examples(5))
-    store.add("app:/other", [{"y": np.int64(1)}])
-    store.set_retention(URI, RetentionPolicy(max_bytes=1 << 20))
-    assert store.delete_all() == 6
-    assert store.collections() == [] and store.retention_for(URI) == RetentionPolicy()
-    assert store.delete_all() == 0
-    store.add(URI, [{"y": np.int64(7)}])  # another schema: the old one went with its collection
-    store.close()
-    with SQLiteExampleStore(tmp_path / "app.db", key_store=keys) as again:
-        assert [int(e["y"]) for e in again.query(ExampleSelector(URI))] == [7]
-
-
 def test_the_database_and_its_log_are_readable_by_their_owner_only(tmp_path):
     old = os.umask(0o022)  # the usual umask, under which SQLite made the file 0644
     try:
@@ -134,3 +119,22 @@ def test_the_database_and_its_log_are_readable_by_their_owner_only(tmp_path):
     finally:
         os.umask(old)
     assert modes == dict.fromkeys(modes, 0o600)
+
+
+def test_an_app_killed_before_the_log_was_cut_has_it_cut_when_it_opens_the_store(tmp_path):
+    app, after_kill = tmp_path / "app", tmp_path / "after-kill"
+    app.mkdir()
+    after_kill.mkdir()
+    store = SQLiteExampleStore(app / "app.db")
+    store.add(URI, _examples(READ_CHUNK + 1))
+    reading = store.query(ExampleSelector(URI))  # holds the log past the delete
+    next(reading)
+    store.delete_collection(URI)
+    for name in ("app.db", "app.db-wal"):  # the disk as a kill at this moment leaves it
+        (after_kill / name).write_bytes((app / name).read_bytes())
+    reading.close()
+    store.close()
+    assert _on_disk(after_kill / "app.db") > 0
+    with SQLiteExampleStore(after_kill / "app.db") as again:
+        assert again.collections() == []
+        assert _on_disk(after_kill / "app.db") == 0

@@ -307,3 +307,15 @@ def test_in_memory_store_serves_the_runtime_interface():
     store.close()
     with pytest.raises(Exception, match="closed"):
         store.query(ExampleSelector(URI))
+
+
+def test_delete_all_leaves_no_collection_nor_policy_and_the_store_goes_on(any_store):
+    any_store.add(URI, make_examples(4))
+    any_store.add("app:/other", [{"y": np.int64(1)}])
+    any_store.set_retention(URI, RetentionPolicy(ttl_seconds=60))
+    assert any_store.delete_all() == 5
+    assert any_store.collections() == [] and any_store.retention_for(URI) == RetentionPolicy()
+    with pytest.raises(UnknownCollectionError):
+        any_store.count(ExampleSelector(URI))
+    any_store.add(URI, [{"y": np.int64(7)}])  # a new schema: the old one went with its collection
+    assert labels(any_store.query(ExampleSelector(URI))) == [7]
