@@ -65,7 +65,8 @@ STALE_PARTIAL_S = 3600.0
 
 class DirectoryPlanCache:
     """Plans as files named by their id in ``root/plans`` (the app's cache directory): at most
-    ``keep`` of them and ``max_bytes`` of theirs, those used last (a hit counts as a use)."""
+    ``keep`` of them and ``max_bytes`` of theirs, those used last (a hit counts as a use). The
+    files are 0600, and the folders it makes 0700."""
 
     def __init__(
         self, root: str | os.PathLike, *, keep: int = MAX_CACHED_PLANS, max_bytes: int = MAX_CACHED_PLAN_BYTES
@@ -99,7 +100,7 @@ class DirectoryPlanCache:
         if path.exists():
             return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _private_folders(path.parent)
             # a name of its own per writer: runtimes sharing the folder never write one partial copy
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{plan_id}.", suffix=".tmp")
             try:
@@ -152,6 +153,20 @@ class DirectoryPlanCache:
                 continue
             with contextlib.suppress(OSError):
                 (self.root / "plans" / name).unlink()
+
+
+def _private_folders(folder: Path) -> None:
+    """Makes ``folder`` and its missing parents readable by their owner only (0700): their names
+    are the ids of the plans the device downloaded, which say what tasks it took part in, and the
+    folders were 0755 under the usual umask, listable by every user of the machine. A folder that
+    exists is left as it is: the app chose it."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another runtime's writer made it meanwhile
+            made.mkdir(mode=0o700)
 
 
 def _abandoned(entry: os.DirEntry) -> bool:

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import random
+import stat
 import tempfile
 import time
 
@@ -127,6 +128,19 @@ def test_a_cached_plan_changed_on_disk_is_downloaded_again_and_replaced(server, 
     paths.clear()
     session()
     assert f"/v1/resources/{cached.name}" not in paths  # from the cache again
+
+
+def test_the_plan_cache_folders_it_makes_are_its_owners_only(tmp_path):
+    """Their names are the plans' ids, which say what tasks the device took part in."""
+    data = b"plan"
+    old = os.umask(0o022)  # the usual umask, under which the folders were 0755
+    try:
+        DirectoryPlanCache(tmp_path / "app" / "fl-cache").put(hashlib.sha256(data).hexdigest(), data)
+    finally:
+        os.umask(old)
+    made = [tmp_path / "app", tmp_path / "app" / "fl-cache", tmp_path / "app" / "fl-cache" / "plans"]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in made] == [0o700] * 3
+    assert stat.S_IMODE(next((tmp_path / "app" / "fl-cache" / "plans").iterdir()).stat().st_mode) == 0o600
 
 
 def test_a_partial_plan_copy_left_by_a_killed_writer_is_removed(tmp_path):
