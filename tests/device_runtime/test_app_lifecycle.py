@@ -5,7 +5,10 @@ that is not one, and a stored job that can no longer be read."""
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
+import stat
+import tempfile
 import threading
 import time
 
@@ -26,7 +29,7 @@ from device_runtime.scheduling import (
     SchedulerSettings,
     WorkerQueue,
 )
-from example_store import ExampleSelector, ExampleStoreError, InMemoryExampleStore, SQLiteExampleStore
+from example_store import ExampleSelector, ExampleStoreError, FileKeyStore, InMemoryExampleStore, SQLiteExampleStore
 from tests.support import COLLECTION, TrainingSeen, deploy, digits_plan
 
 GOOD = DeviceState(idle=True, charging=True, battery_level=0.9, unmetered_network=True)
@@ -397,3 +400,38 @@ def test_closing_a_runtime_its_own_hook_closed_lets_the_session_tell_the_server(
     session.join(60)
     assert ended[0].shape == "-v[!"
     assert admin.status("digits")["current_round"]["aborted"] == 1
+
+
+def test_an_app_that_took_part_writes_only_the_files_the_tutorial_lists_and_each_its_owners_only(
+    tmp_path, server, admin, digits, monkeypatch
+):
+    """What docs/tutorials/app-developer.md (Deleting what the app keeps) tells an app to remove
+    when it is uninstalled is every file the SDK wrote: nothing in the temp folder but
+    onnxruntime's own, nothing else in the app's folder; and no other user may read any of them."""
+    deploy(admin)
+    temp, app = tmp_path / "temp", tmp_path / "app"
+    temp.mkdir()
+    app.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    old = os.umask(0o022)
+    try:
+        store = SQLiteExampleStore(app / "app.db", key_store=FileKeyStore(app / "keystore.json"))
+        store.add(COLLECTION, ({"x": x, "y": y} for x, y in zip(digits.x_train[:20], digits.y_train[:20])))
+        opstats = OpStatsStore(app / "app.db")
+        runtime = FLRuntime("digits", server.url, store, cache_dir=app / "fl-cache", opstats=opstats)
+        scheduler = ParticipationScheduler(app / "app.db", StaticConditions(GOOD), clock=VirtualClock())
+        scheduler.register_runtime("digits", runtime)
+        scheduler.schedule("digits")
+        assert scheduler.run_job("digits").outcome is RunOutcome.COMPLETED
+        written = {p.relative_to(app).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in app.rglob("*")}
+        scheduler.close()
+        runtime.close()
+        opstats.close()
+        store.close()
+    finally:
+        os.umask(old)
+    [plan] = [name for name in written if name.startswith("fl-cache/plans/")]
+    listed = ("app.db", "app.db-wal", "app.db-shm", "app.db.run.lock", "keystore.json", "keystore.json.lock")
+    assert set(written) == {*listed, "fl-cache", "fl-cache/plans", plan}
+    assert {name: mode for name, mode in written.items() if mode & 0o077} == {}
+    assert [p.name for p in temp.iterdir()] in ([], [".ses"])  # onnxruntime's, once per process
