@@ -6,9 +6,12 @@ config and seed. The defaults and where they come from:
 
 - Availability (sec. 3, sec. 9, Fig. 5-6): the runtime trains only when the phone is idle,
   charging and on an unmetered network, which happens mostly at night in the device's own time
-  zone; the paper saw a 4x swing between the day's low and high for a US-centric population.
-  The defaults mix the four US time zones and add daytime top-up charges, so that the number of
-  available devices swings 3-5x between peak and trough (``tests/emulator/fleet`` checks it).
+  zone; the paper saw a 4x swing between the day's low and high numbers of participating devices
+  for a US-centric population. The defaults mix the four US time zones and add daytime top-up
+  charges, so that the number of available devices swings 3-5x between peak and trough
+  (``tests/emulator/fleet`` checks it); a round seats at most its goal times its over-selection,
+  so participating devices follow the day only when the rounds wait for devices (a fleet of
+  1,000 devices, not one of 10,000: ``docs/explanation/fidelity.md``).
 - Device classes (sec. 11 "Bias"): only phones with at least 2 GB of memory take part.
 - Faults (sec. 9, Appendix A, Fig. 7, Table 1): 6-10% of participants drop out (computation
   errors, network failures, changes in eligibility), and sessions end 75% ``-v[]+^``,
@@ -142,7 +145,7 @@ class DayCharging(_Section):
     ``sessions_per_day`` between ``from_h`` and ``to_h`` local time, each lasting an exponential
     time of mean ``mean_duration_h``; a charge is on an unmetered network with
     ``unmetered_prob`` and left idle with ``idle_prob``. They keep the day's trough at about a
-    quarter of the night's peak (paper sec. 9: a 4x swing) instead of none: with the defaults the
+    quarter of the night's peak (paper sec. 9: a 4x swing of participating devices) instead of none: with the defaults the
     available devices of a day swing 4.1-4.2x (10,000 devices, seeds 0 and 1, sampled every
     5 minutes), peaking at about 60% of the fleet in the US night."""
 
@@ -293,9 +296,10 @@ class FaultSection(_Section):
     session is exposed gives about 4% drop-out; screen-on interruptions and the end of a charge
     (the availability model) add about 3%. Measured with the fleet simulator over a day:
 
-    - 10,000 devices, seed 0: drop-out 7.3%; shapes 72.4% ``-v[]+^``, 20.4% ``-v[]+#``,
-      4.7% ``-v[!``; 276 of 277 rounds committed, 237 of them on their reporting window with
-      fewer than 100 reports;
+    - 10,000 devices, seed 0: drop-out 7.4%; shapes 72.2% ``-v[]+^``, 20.4% ``-v[]+#``,
+      4.9% ``-v[!``; 275 of the 278 rounds that closed committed, 235 of them on their reporting
+      window with fewer than 100 reports; 6.6% of sessions starting between 00:00 and 06:00 local
+      time dropped out, 8.0% between 06:00 and 18:00 and 7.0% in the evening;
     - 3,000 devices, seed 3: drop-out 7.5%, 6.4% of sessions starting between 00:00 and 06:00
       local time, 8.9% between 06:00 and 18:00 and 7.2% in the evening: higher by day as in
       Appendix A (Fig. 7), because daytime charges are short. Only 66 of 261 rounds committed

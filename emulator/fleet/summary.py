@@ -95,13 +95,14 @@ def sample_hour(t_s: float, start_hour_utc: float = 0.0, span_s: float | None = 
 
 
 def available_by_hour(
-    timeline: list[TimelineRow], start_hour_utc: float = 0.0, span_s: float | None = None
+    timeline: list[TimelineRow], start_hour_utc: float = 0.0, span_s: float | None = None, column: str = "available"
 ) -> dict[int, float]:
-    """Mean number of available devices in each UTC hour of day the timeline covers (the sample at
-    the run's end ``span_s`` in the hour it closes, see :func:`sample_hour`)."""
+    """Mean number of available devices (or of the timeline's ``column``: ``participating``, ...) in
+    each UTC hour of day the timeline covers (the sample at the run's end ``span_s`` in the hour it
+    closes, see :func:`sample_hour`)."""
     sums: dict[int, list[float]] = {}
     for row in timeline:
-        sums.setdefault(sample_hour(row.t_s, start_hour_utc, span_s), []).append(row.available)
+        sums.setdefault(sample_hour(row.t_s, start_hour_utc, span_s), []).append(getattr(row, column))
     return {h: statistics.fmean(v) for h, v in sorted(sums.items())}
 
 
@@ -121,6 +122,21 @@ def availability_swing(
         return None, 0.0, 0.0
     peak, trough = max(hourly.values()), min(hourly.values())
     return max(peak, 1.0) / max(trough, 1.0), peak, trough
+
+
+def participating_range(
+    timeline: list[TimelineRow], start_hour_utc: float = 0.0, span_s: float | None = None
+) -> tuple[float | None, float | None]:
+    """(peak, trough) of the devices participating in a round (the timeline's ``participating``),
+    hourly means as :func:`availability_swing` takes them; ``(None, None)`` without a timeline.
+
+    The paper's 4x over a day (sec. 9) is of participating devices: a round seats at most its goal
+    times its over-selection, so with devices to spare their number follows the rounds, not the
+    hour, while the available devices follow the day."""
+    hourly = available_by_hour(timeline, start_hour_utc, span_s, column="participating")
+    if not hourly:
+        return None, None
+    return max(hourly.values()), min(hourly.values())
 
 
 def is_dropout(session: SessionRow) -> bool:
@@ -857,6 +873,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
     - ``dropout_rate``: drop-outs (see :func:`is_dropout`) over the accepted sessions that ended
       within the run;
     - ``availability_swing``, ``available_peak``, ``available_trough``: see :func:`availability_swing`;
+    - ``participating_peak``, ``participating_trough``: see :func:`participating_range` (null
+      without a timeline);
     - ``shapes`` and ``shape_shares``: the shapes of the training sessions that ended, counts and
       shares (Table 1);
     - ``rounds`` (the rows of ``rounds.csv``: ``rounds_committed`` + ``rounds_abandoned`` +
@@ -909,6 +927,7 @@ def summarize(run: RunTables) -> dict[str, Any]:
     committed = [r for r in rounds if r.committed]
     unfinished = sum(1 for r in rounds if r.unfinished)
     swing, peak, trough = availability_swing(run.timeline, _start_hour_utc(run), run.span_s)
+    participating_peak, participating_trough = participating_range(run.timeline, _start_hour_utc(run), run.span_s)
     measured_acc = [r for r in committed if math.isfinite(r.accuracy)]
     measured_loss = [r for r in committed if math.isfinite(r.loss)]
     wall_s = float(run.wall_s)
@@ -925,6 +944,8 @@ def summarize(run: RunTables) -> dict[str, Any]:
         "availability_swing": swing,
         "available_peak": peak,
         "available_trough": trough,
+        "participating_peak": participating_peak,
+        "participating_trough": participating_trough,
         "shapes": shapes,
         "shape_shares": {k: v / finished for k, v in shapes.items()},
         "rounds": len(rounds),

@@ -1240,3 +1240,50 @@ def test_a_long_run_draws_its_per_round_figures_as_steps_of_consecutive_rounds_m
     (marks,) = [c for c in ax.collections if "abandoned round" in c.get_label()]
     assert [x for x, _ in marks.get_offsets()] == [float(i) for i in range(50, 1201, 50)]
     assert "mean of 4 consecutive rounds" in figure.caption
+
+
+def test_the_papers_four_times_swing_is_set_against_participating_devices_not_available_ones():
+    """The paper's 4x over a day (sec. 9) is of participating devices; the report set it against the
+    available devices' swing alone. A day whose available devices swing 4x while its rounds keep
+    some 40 devices seated at every hour (the default day: 1,467 to 6,014 available, 35 to 90
+    participating) now says both, and why a round's seats cap the second."""
+    available = [400 if 6 <= h < 12 else 100 for h in range(24)]
+    timeline = [
+        TimelineRow(h * 3600.0 + k * 300.0, n, 0, 40 if h % 2 else 30, 0)
+        for h, n in enumerate(available)
+        for k in range(12)
+    ]
+    summary = summarize(FleetRun([], [], timeline, "", simulated_s=86400.0))
+    assert (summary["available_peak"], summary["available_trough"]) == (400.0, 100.0)
+    assert (summary["participating_peak"], summary["participating_trough"]) == (40.0, 30.0)
+    swing = explain_rates(summary, [])["availability_swing"]
+    assert "ranged from 100 in the quietest hour to 400 in the busiest (hourly means), a 4x swing." in swing
+    assert "The paper's 4x over a day (sec. 9) counts participating devices" in swing
+    assert "ranged from 30 in their quietest hour to 40 in their busiest" in swing
+    assert "goal times its over-selection" in swing
+    assert "the paper saw about 4x over a day." not in swing
+    empty = summarize(FleetRun([], [], [], ""))
+    assert empty["participating_peak"] is None and empty["participating_trough"] is None
+
+
+def test_the_devices_figure_says_which_hours_of_the_devices_own_day_its_utc_hours_are():
+    """The devices figure's hours are UTC, the paper's (Fig. 5) the devices' own: the caption turns
+    the busiest and quietest hours into the clocks of the fleet's time zones, so that the US
+    population's peak at 8:00 UTC reads as the night it is (0:00 to 3:00)."""
+    from emulator.fleet.report import _local_hours
+
+    config = FleetConfig.default().replace(devices=300)
+    available = [100 + (500 if h == 8 else 0) - (50 if h == 17 else 0) for h in range(24)]
+    timeline = [TimelineRow(h * 3600.0 + k * 300.0, n, 0, 0, 0) for h, n in enumerate(available) for k in range(12)]
+    caption = plot_devices(FleetRun([], [], timeline, "", config, simulated_s=86400.0)).caption
+    assert (
+        "Hours are UTC; on the devices' own clocks (availability.time_zones) the busiest hour of available devices,"
+        " 8:00 UTC, is 0:00 (UTC-8) to 3:00 (UTC-5), and the quietest, 17:00 UTC, 9:00 (UTC-8) to 12:00 (UTC-5)."
+    ) in caption
+    india = FleetConfig.from_dict(
+        {"fleet": {"devices": 300}, "availability": {"time_zones": [{"utc_offset_h": 5.5, "share": 1.0}]}}
+    )
+    hourly = available_by_hour(timeline)
+    sentence = _local_hours(FleetRun([], [], timeline, "", india, simulated_s=86400.0), hourly)
+    assert sentence.endswith("8:00 UTC, is 13:30 (UTC+5:30), and the quietest, 17:00 UTC, 22:30 (UTC+5:30).")
+    assert _local_hours(FleetRun([], [], timeline, "", simulated_s=86400.0), hourly) == ""  # no config: no zones
