@@ -246,7 +246,9 @@ class NetworkClass(_Section):
 
 
 def _network_classes() -> list[NetworkClass]:
-    # Home Wi-Fi upload is a fraction of download (paper Fig. 9's asymmetry is in the bytes).
+    # Home Wi-Fi upload is a fraction of download. Paper Fig. 9's asymmetry is in the bytes, and small
+    # here: a device keeps its plan in its plan cache and uploads its update uncompressed, so a
+    # completed session moves about as many bytes up as down (docs/explanation/fidelity.md).
     return [
         NetworkClass(name="wifi-slow", share=0.25, down_mbps=5.0, up_mbps=1.0, latency_ms=60.0),
         NetworkClass(name="wifi", share=0.50, down_mbps=30.0, up_mbps=8.0, latency_ms=25.0),
