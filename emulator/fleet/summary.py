@@ -787,14 +787,21 @@ GAP_WINDOWS = 3.0
 
 
 def round_gaps(
-    rounds: list[RoundRow], timeline: list[TimelineRow], span_s: float, task: Any, until_s: float | None = None
+    rounds: list[RoundRow],
+    timeline: list[TimelineRow],
+    span_s: float,
+    task: Any,
+    until_s: float | None = None,
+    sessions: list[SessionRow] | None = None,
 ) -> list[dict[str, Any]]:
     """The stretches of the run in which no round was open, of at least ``GAP_WINDOWS`` selection
     windows of ``task`` (and 600 s), up to ``until_s`` (when every task had completed: after that
     no round opens by design) or the run's end: each ``from_s``, ``to_s``, ``samples`` (timeline
     samples within), and their mean ``available`` devices and ``resting`` (available, waiting out
-    their participation interval after taking part: see ``TimelineRow.resting``). None of them
-    without a config (``task`` None)."""
+    their participation interval after taking part: see ``TimelineRow.resting``), and
+    ``gathered``: the check-ins of ``sessions`` in it that the server turned away as
+    ``ROUND_NOT_OPEN``, its pace steering gathering the population for its next selection. None
+    of them without a config (``task`` None)."""
     if task is None:
         return []
     end = span_s if until_s is None else min(span_s, until_s)
@@ -807,6 +814,7 @@ def round_gaps(
         free_from = max(free_from, stop)
     samples = sorted(timeline, key=lambda row: row.t_s)
     times = [row.t_s for row in samples]
+    gathering = sorted(s.start_s for s in sessions or () if s.outcome == "rejected" and s.code == "ROUND_NOT_OPEN")
     out = []
     for lo, hi in gaps:  # the samples within each by bisection: a scan of the whole timeline per gap
         inside = samples[bisect.bisect_left(times, lo) : bisect.bisect_right(times, hi)]  # grew as a run's square
@@ -817,6 +825,7 @@ def round_gaps(
                 "samples": len(inside),
                 "available": statistics.fmean(r.available for r in inside) if inside else None,
                 "resting": statistics.fmean(r.resting for r in inside) if inside else None,
+                "gathered": bisect.bisect_right(gathering, hi) - bisect.bisect_left(gathering, lo),
             }
         )
     return out
@@ -861,6 +870,13 @@ def gap_note(gaps: list[dict[str, Any]], task: Any, span_s: float, interval_s: f
         text += (
             f", which left about {free:,.0f} free to check in, no fewer than the {needed:,.4g} a selection waits for,"
             " so the devices waiting out their interval do not explain the stretch"
+        )
+    gathered = gap.get("gathered") or 0
+    if gathered:
+        text += (
+            f"; the server turned {gathered:,} check-in{'s' if gathered != 1 else ''} in it away as ROUND_NOT_OPEN:"
+            " its pace steering gathered the devices for a later selection, as it gathers a population whose"
+            " check-ins come too slowly to fill a selection window (task.selection_timeout_s) of themselves"
         )
     return text
 
@@ -998,7 +1014,9 @@ def summarize(run: RunTables) -> dict[str, Any]:
     summary["failure_notes"] = failure_notes(run, unfillable is not None)
     secure = run.extra.get("secure_rounds")
     summary["secure_groups"] = secure_groups(secure) if secure else None
-    gaps = round_gaps(rounds, run.timeline, span_s, task, run.extra.get("tasks_completed_s")) if rounds else []
+    gaps = (
+        round_gaps(rounds, run.timeline, span_s, task, run.extra.get("tasks_completed_s"), sessions) if rounds else []
+    )
     summary["round_gaps"] = gaps
     summary["round_gap_note"] = gap_note(gaps, task, span_s, run.extra.get("device_min_interval_s"))
     return summary

@@ -1061,7 +1061,7 @@ def test_a_stretch_without_an_open_round_is_explained_by_the_devices_waiting_out
     )
     summary = summarize(run)
     assert summary["round_gaps"] == [
-        {"from_s": 2400.0, "to_s": 3600.0, "samples": 5, "available": 162.0, "resting": 154.0}
+        {"from_s": 2400.0, "to_s": 3600.0, "samples": 5, "available": 162.0, "resting": 154.0, "gathered": 0}
     ]
     note = summary["round_gap_note"]
     assert note.startswith("no round was open from 0.67 h to 1.00 h (the end of the run), 1,200 s")
@@ -1287,3 +1287,34 @@ def test_the_devices_figure_says_which_hours_of_the_devices_own_day_its_utc_hour
     sentence = _local_hours(FleetRun([], [], timeline, "", india, simulated_s=86400.0), hourly)
     assert sentence.endswith("8:00 UTC, is 13:30 (UTC+5:30), and the quietest, 17:00 UTC, 22:30 (UTC+5:30).")
     assert _local_hours(FleetRun([], [], timeline, "", simulated_s=86400.0), hourly) == ""  # no config: no zones
+
+
+def test_a_stretch_without_a_round_names_the_check_ins_the_server_turned_away_to_gather_them():
+    """A day of 3,000 devices over the world's time zones had no round open for 1,226 s while about
+    202 devices were free to check in, more than a selection waits for: the note said only that the
+    devices waiting out their interval did not explain it. The server had turned 392 check-ins away
+    as ROUND_NOT_OPEN in it, gathering them for a later selection; the note now says so, counting
+    only those within the stretch."""
+    config = FleetConfig.default().replace(devices=300, hours=1.0, goal=10)
+    rounds = [
+        RoundRow(f"t/{i}/1", "t", 600.0 * i, 600.0 * (i + 1), True, 13, 10, 10, 3, 600.0, 0.5, 1.0, outcome="committed")
+        for i in range(4)
+    ]
+    timeline = [TimelineRow(300.0 * k, 162, 5, 0, 0, 20) for k in range(13)]
+
+    def turned_away(t: float, code: str) -> SessionRow:
+        return SessionRow(
+            "d1", "", "", "", t, t + 0.1, "-", "rejected", 200, 200, 0, 0.0, 0.1, "1.31.1", "mid", 3.0, code=code
+        )
+
+    sessions = [turned_away(t, "ROUND_NOT_OPEN") for t in (100.0, 2500.0, 2600.0, 3500.0)] + [
+        turned_away(2700.0, "ROUND_FULL")
+    ]
+    run = FleetRun(sessions, rounds, timeline, "", config, simulated_s=3600.0, extra={"device_min_interval_s": 3600.0})
+    summary = summarize(run)
+    assert summary["round_gaps"][0]["gathered"] == 3  # not the one before the stretch, nor ROUND_FULL
+    assert summary["round_gap_note"].endswith(
+        "; the server turned 3 check-ins in it away as ROUND_NOT_OPEN: its pace steering gathered the devices"
+        " for a later selection, as it gathers a population whose check-ins come too slowly to fill a selection"
+        " window (task.selection_timeout_s) of themselves"
+    )
