@@ -5,7 +5,7 @@ for bit, as the run whose devices are all built at the start and kept built."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import gc
 import tracemalloc
 import weakref
@@ -79,7 +79,7 @@ def test_releasing_devices_between_job_runs_changes_nothing_for_a_task_with_elig
     from emulator.fleet import sim_device, simulator
 
     eligibility = EligibilityPolicies(min_examples=5, min_separation_rounds=2)
-    monkeypatch.setattr(simulator, "TaskSpec", functools.partial(TaskSpec, eligibility=eligibility))
+    monkeypatch.setattr(simulator, "TaskSpec", _deployed_with(eligibility))
     config = _faulty(7, retry_min_s=30.0, retry_max_s=120.0)
     released, _ = _run(config, tmp_path, "released")
     monkeypatch.setattr(sim_device, "RELEASE_AFTER_JOBS", False)
@@ -164,3 +164,13 @@ def test_a_fleet_is_told_its_memory_before_the_run_and_refused_past_the_machines
         "more than this machine's 16 GB; simulate at most about 6,081,000 --devices here"
     )
     assert fleet_memory_line(10_000_000, None).startswith("10,000,000 devices take about 26.2 GB")  # memory unknown
+
+
+def _deployed_with(eligibility: EligibilityPolicies):
+    """The simulator's ``TaskSpec``, every task it deploys given ``eligibility`` (whatever the
+    workload's own tasks say: the simulator passes theirs)."""
+
+    def spec(*args, **kwargs) -> TaskSpec:
+        return dataclasses.replace(TaskSpec(*args, **kwargs), eligibility=eligibility)
+
+    return spec

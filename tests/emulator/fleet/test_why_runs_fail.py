@@ -7,7 +7,6 @@ say the same. Each run here is a real fleet of 60 devices for a simulated hour (
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 
@@ -116,7 +115,7 @@ def test_ineligible_devices_are_named_with_the_policy_they_fail(monkeypatch):
     from emulator.fleet import simulator
 
     eligibility = EligibilityPolicies(min_examples=60)
-    monkeypatch.setattr(simulator, "TaskSpec", functools.partial(TaskSpec, eligibility=eligibility))
+    monkeypatch.setattr(simulator, "TaskSpec", _deployed_with(eligibility))
     run = simulate(_config(fleet={"devices": 30, "hours": 0.5}), progress=False)
     assert "INELIGIBLE:min_examples" in _codes(run, "rejected")
     summary = run.summary()
@@ -315,3 +314,13 @@ def test_a_table_written_before_the_code_column_reads_with_no_codes(tmp_path):
         "checkins_rejected_by": {},
         "sessions_interrupted": {},
     }
+
+
+def _deployed_with(eligibility: EligibilityPolicies):
+    """The simulator's ``TaskSpec``, every task it deploys given ``eligibility`` (whatever the
+    workload's own tasks say: the simulator passes theirs)."""
+
+    def spec(*args, **kwargs) -> TaskSpec:
+        return dataclasses.replace(TaskSpec(*args, **kwargs), eligibility=eligibility)
+
+    return spec
