@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from device_runtime.attestation import AttestationError
 from device_runtime.opstats import SHAPE_ALPHABET
-from device_runtime.protocol import STATS_HEADER, TOKEN_HEADER
+from device_runtime.protocol import MAX_RESOURCE_BYTES, STATS_HEADER, TOKEN_HEADER
 from device_runtime.wire import (
     AbortAnswer,
     AttestationChallenge,
@@ -87,7 +87,16 @@ from .service import FLService, TaskSpec
 log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 64 * 1024
-MAX_DEPLOY_BYTES = 512 * 1024 * 1024
+#: A deploy's JSON carries its initial checkpoint in base64 (4/3 of its bytes) beside its plans: the
+#: bound takes a checkpoint as large as a device downloads (``MAX_RESOURCE_BYTES``, 1 GiB), with 512
+#: MiB for the plans and the rest. At 512 MiB in all, a checkpoint over about 380 MB was refused
+#: (BERT-base's 440 MB, GPT-2's 500 MB), though devices of 1 GB take it.
+MAX_DEPLOY_BYTES = 4 * MAX_RESOURCE_BYTES // 3 + (512 << 20)
+#: What a deploy refused for its size is told to change.
+DEPLOY_SIZE_ADVICE = (
+    "a deploy carries its plans and its initial checkpoint in base64, and the checkpoint is at most "
+    f"{MAX_RESOURCE_BYTES:,} bytes, the most a device downloads: train fewer weights or a smaller model"
+)
 MAX_SECAGG_WAIT_S = 10.0
 MAX_STATS_HEADER = 2048
 MAX_SHAPE = 16
@@ -98,8 +107,10 @@ API_VERSION = "1"
 Model = TypeVar("Model", bound=BaseModel)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """Read at most ``limit`` bytes; a larger body is refused before it is all in memory."""
+async def read_body(request: Request, limit: int, advice: str = "") -> bytes:
+    """Read at most ``limit`` bytes; a larger body is refused before it is all in memory, its
+    message ending with ``advice`` (what to change) where given."""
+    more = f"; {advice}" if advice else ""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -107,13 +118,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise MalformedBody("Content-Length is not a number") from None
         if size > limit:
-            raise BodyTooLarge(f"the body is {declared} bytes; the limit here is {limit}")
+            raise BodyTooLarge(f"the body is {declared} bytes; the limit here is {limit}{more}")
     chunks = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge(f"the body is larger than the limit of {limit} bytes")
+            raise BodyTooLarge(f"the body is larger than the limit of {limit} bytes{more}")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -731,8 +742,8 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     )
     async def deploy_task(population: str, request: Request) -> Response:
         admin(request)
-        raw = await read_body(request, MAX_DEPLOY_BYTES)
-        task = await call(parse, TaskDeploy, raw)
+        # the body is let go once parsed: a deploy near its bound is 1.8 GB of JSON, its parsed copy as much again
+        task = await call(parse, TaskDeploy, await read_body(request, MAX_DEPLOY_BYTES, DEPLOY_SIZE_ADVICE))
         if task.evaluates is not None:
             raise MalformedBody("'evaluates' names a task of the same deploy: use /task-groups", code="BAD_CONFIG")
         spec = await call(_spec, task)
@@ -750,8 +761,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     )
     async def deploy_group(population: str, request: Request) -> Response:
         admin(request)
-        raw = await read_body(request, MAX_DEPLOY_BYTES)
-        group = await call(parse, GroupDeploy, raw)
+        group = await call(parse, GroupDeploy, await read_body(request, MAX_DEPLOY_BYTES, DEPLOY_SIZE_ADVICE))
         specs = [await call(_spec, t) for t in group.tasks]
         records, created = await call(service.deploy, population, specs, group.strategy)
         tasks = await call(_deployed, population, records, created)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from device_runtime import protocol
 from device_runtime.checkpoint import CheckpointError, decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.executor import PlanExecutor
@@ -65,6 +66,7 @@ def new_tasks(
     names = [s.name for s in specs]
     for spec in specs:
         check_name(spec.name, "task")
+        check_config(spec)  # before any plan is loaded and run: a large model's takes tens of seconds
     if len(set(names)) != len(names):
         raise BadRequest("the tasks of one deploy need distinct names", code="BAD_CONFIG")
     existing = {t.name: t for t in store.tasks(population)}
@@ -161,7 +163,14 @@ def release_resources(
 
 
 def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Plan:
-    """Everything a deploy checks before anything is stored; raises a 4xx ``ApiError``."""
+    """What a deploy checks of one task's plan and checkpoint before anything is stored (its round
+    config is checked before, by ``check_config``); raises a 4xx ``ApiError``."""
+    if len(checkpoint) > protocol.MAX_RESOURCE_BYTES:
+        raise InvalidCheckpoint(
+            f"task {spec.name!r}: the initial checkpoint is {len(checkpoint):,} bytes, more than a device downloads "
+            f"({protocol.MAX_RESOURCE_BYTES:,} bytes, and a device half its memory); no device could take part: "
+            "train fewer weights or a smaller model"
+        )
     try:
         plan = load_plan(spec.plan)
     except PlanError as exc:
@@ -189,16 +198,6 @@ def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Pl
         raise InvalidPlan(f"task {spec.name!r}: {exc}") from None
     task_runs.plan_runs(resource_id(spec.plan))  # the check a server makes of a stored plan at start
     config = spec.config
-    if config.commit_threshold < config.min_reports:  # every kind publishes: a model, or metrics and totals
-        raise BadRequest(
-            f"task {spec.name!r}: a round could commit with {config.commit_threshold} device(s) "
-            f"(goal_count {config.goal_count} x min_fraction {config.min_fraction}), fewer than min_reports "
-            f"({config.min_reports}); what a round publishes (a model, an evaluation's loss and accuracy, an "
-            "analytics total) would give back so few devices' own values. Raise goal_count, or lower min_reports knowingly",
-            code="BAD_CONFIG",
-        )
-    if not (spec.weight > 0 and np.isfinite(spec.weight)):
-        raise BadRequest(f"task {spec.name!r}: weight must be a positive number", code="BAD_CONFIG")
     dp_rounds.check_deploy(spec.name, plan, config)
     if plan.server.secure_sum:
         try:
@@ -221,6 +220,24 @@ def validate_task(spec: TaskSpec, checkpoint: bytes, trained: Plan | None) -> Pl
             )
     ddp_rounds.check_deploy(spec.name, plan, executor, config, SecureSettings.for_config(config).spare)
     return plan
+
+
+def check_config(spec: TaskSpec) -> None:
+    """The round config and weight of one task, read without its plan; raises ``BadRequest``.
+    Checked for every task of a deploy before any plan: loading and running a large model's plan
+    takes the server tens of seconds (a ResNet-50's, 40 s on 2 busy cores), which an operator
+    waited for to learn of a round config refused at a glance."""
+    config = spec.config
+    if config.commit_threshold < config.min_reports:  # every kind publishes: a model, or metrics and totals
+        raise BadRequest(
+            f"task {spec.name!r}: a round could commit with {config.commit_threshold} device(s) "
+            f"(goal_count {config.goal_count} x min_fraction {config.min_fraction}), fewer than min_reports "
+            f"({config.min_reports}); what a round publishes (a model, an evaluation's loss and accuracy, an "
+            "analytics total) would give back so few devices' own values. Raise goal_count, or lower min_reports knowingly",
+            code="BAD_CONFIG",
+        )
+    if not (spec.weight > 0 and np.isfinite(spec.weight)):
+        raise BadRequest(f"task {spec.name!r}: weight must be a positive number", code="BAD_CONFIG")
 
 
 def check_release(

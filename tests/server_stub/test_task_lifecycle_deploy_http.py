@@ -66,3 +66,52 @@ def test_a_stopped_task_goes_on_from_its_committed_model_as_a_new_task(server, a
     admin.deploy_task("digits", "v1-resumed", plan, encode_checkpoint(model), ONE_DEVICE)
     resumed, number = admin.model("digits", task="v1-resumed")
     assert number == 0 and all(np.array_equal(model[k], resumed[k]) for k in model)
+
+
+def test_a_round_config_refused_at_a_glance_is_refused_before_the_plan_is_run(admin):
+    """A round that could commit with fewer devices than ``min_reports`` is refused before the
+    plan is loaded and run (tens of seconds for a large model): here the plan is no plan at all,
+    and the answer is still the config's refusal."""
+    admin.create_population("glance")
+    checkpoint = encode_checkpoint(initial_weights(digits_plan()))
+    few = RoundConfig(goal_count=3, min_fraction=1.0, min_reports=5)
+    with pytest.raises(AdminError) as err:
+        admin.deploy_task("glance", "v1", b"not a plan", checkpoint, few)
+    assert err.value.status == 400 and err.value.code == "BAD_CONFIG"
+    assert "min_reports (5)" in str(err.value)
+
+
+def test_a_deploy_takes_a_checkpoint_as_large_as_a_device_downloads():
+    """The deploy's JSON carries the checkpoint in base64: a checkpoint of the most a device
+    downloads fits, with room for the plans (at 512 MiB, one of 380 MB did not)."""
+    from device_runtime.protocol import MAX_RESOURCE_BYTES
+    from server_stub import app
+
+    assert app.MAX_DEPLOY_BYTES >= 4 * -(-MAX_RESOURCE_BYTES // 3) + (256 << 20)
+
+
+def test_a_checkpoint_larger_than_a_device_downloads_is_refused_at_deploy(admin, monkeypatch):
+    """No device could download it, so no round could run: refused naming the bound, nothing stored."""
+    from device_runtime import protocol
+
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan))
+    monkeypatch.setattr(protocol, "MAX_RESOURCE_BYTES", len(checkpoint) - 1)
+    admin.create_population("huge")
+    with pytest.raises(AdminError) as err:
+        admin.deploy_task("huge", "v1", plan, checkpoint, ONE_DEVICE)
+    assert err.value.status == 422 and err.value.code == "INVALID_CHECKPOINT"
+    assert f"{len(checkpoint):,} bytes, more than a device downloads ({len(checkpoint) - 1:,} bytes" in str(err.value)
+    assert admin.status("huge")["tasks"] == []
+
+
+def test_a_deploy_over_the_size_limit_says_what_to_change(admin, monkeypatch):
+    from server_stub import app
+
+    plan = digits_plan()
+    monkeypatch.setattr(app, "MAX_DEPLOY_BYTES", 1024)
+    admin.create_population("oversize")
+    with pytest.raises(AdminError) as err:
+        admin.deploy_task("oversize", "v1", plan, encode_checkpoint(initial_weights(plan)), ONE_DEVICE)
+    assert err.value.status == 413 and err.value.code == "BODY_TOO_LARGE"
+    assert "the checkpoint is at most" in str(err.value) and "smaller model" in str(err.value)
