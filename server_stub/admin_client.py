@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import json
 import ssl
 import time
 from collections.abc import Mapping
@@ -32,6 +33,14 @@ from device_runtime.wire import (
 from .metrics import rounds_frame
 from .rounds import RoundConfig
 from .schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, is_name
+
+#: The least pace at which a server checks a deploy, in bytes of its JSON a second: a deploy is
+#: answered once its plans loaded and ran on its checkpoint and it is stored, which takes a server
+#: tens of seconds for a large model (measured on 2 busy cores: ResNet-50's 137 MB of JSON in 40 to
+#: 80 s, DistilBERT's 360 MB in about 100 s). A deploy waits ``timeout_s`` plus a second per this
+#: many bytes for its answer; with ``timeout_s`` alone, 30 s, ``fedfleet deploy`` of DistilBERT said
+#: the server did not answer while the server went on and took it.
+DEPLOY_CHECK_BYTES_PER_S = 1 << 20
 
 
 def task_body(
@@ -120,6 +129,7 @@ class AdminClient:
         self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None
     ) -> None:
         self.url = check_server_url(server_url)
+        self.timeout_s = timeout_s
         base_url, auth = url_credentials(self.url)  # not in the URL: httpx logs each request's
         self.http = httpx.Client(
             base_url=base_url,
@@ -149,18 +159,37 @@ class AdminClient:
             response = self.http.request(method, path, **kwargs)
         except ProtocolError as exc:  # an answer past the bounds a device reads (MAX_RESOURCE_BYTES)
             raise AdminError(str(exc), 200, "MALFORMED_ANSWER") from None
-        except httpx.TransportError as exc:
-            reason = str(exc) or type(exc).__name__
-            if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
+        except httpx.TimeoutException as exc:
+            if method == "POST" and path.endswith(("/tasks", "/task-groups")):
+                waited = kwargs.get("timeout", self.timeout_s)
                 raise ServerUnreachable(
-                    f"no TLS answer from the server at {redacted_url(self.url)} ({reason}); fedfleet server speaks plain HTTP: "
-                    f"give {'http://' + redacted_url(self.url).removeprefix('https://')}, or the URL of the TLS proxy in front of it"
+                    f"the server at {redacted_url(self.url)} did not answer the deploy within {waited:g} s; it may "
+                    "still be checking it: fedfleet status shows whether it was taken (the same deploy sent again "
+                    "is taken once)"
                 ) from None
-            raise ServerUnreachable(
-                f"no answer from the server at {redacted_url(self.url)} ({reason}); check that fedfleet server "
-                "runs there and the URL's host and port"
-            ) from None
+            raise self._unreachable(exc) from None
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
         return self._check(response)
+
+    def _deploy(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST a deploy, waiting for its answer as long as the server may take to check it
+        (``DEPLOY_CHECK_BYTES_PER_S``)."""
+        content = json.dumps(body, separators=(",", ":")).encode()
+        wait = self.timeout_s + len(content) / DEPLOY_CHECK_BYTES_PER_S
+        return self._send("POST", path, content=content, headers={"Content-Type": "application/json"}, timeout=wait)
+
+    def _unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
+        reason = str(exc) or type(exc).__name__
+        if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
+            return ServerUnreachable(
+                f"no TLS answer from the server at {redacted_url(self.url)} ({reason}); fedfleet server speaks plain HTTP: "
+                f"give {'http://' + redacted_url(self.url).removeprefix('https://')}, or the URL of the TLS proxy in front of it"
+            )
+        return ServerUnreachable(
+            f"no answer from the server at {redacted_url(self.url)} ({reason}); check that fedfleet server "
+            "runs there and the URL's host and port"
+        )
 
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 400:
@@ -215,17 +244,17 @@ class AdminClient:
         body = task_body(
             name, plan, checkpoint, config, eligibility, versioned_plans=versioned_plans, release_report=release_report
         )
-        return self._answer(self._send("POST", f"/v1/populations/{population}/tasks", json=body), DeployedTask)
+        return self._answer(self._deploy(f"/v1/populations/{population}/tasks", body), DeployedTask)
 
     def deploy_body(self, population: str, body: dict[str, Any]) -> dict[str, Any]:
         """Deploy one task given as its JSON (``task_body`` makes it)."""
-        return self._answer(self._send("POST", f"/v1/populations/{population}/tasks", json=body), DeployedTask)
+        return self._answer(self._deploy(f"/v1/populations/{population}/tasks", body), DeployedTask)
 
     def deploy_tasks(self, population: str, tasks: list[dict[str, Any]], strategy: str = "alternate") -> dict[str, Any]:
         """Deploy tasks that share the population's rounds (``task_body`` makes each item);
         ``strategy`` is ``alternate`` (take turns) or ``weighted`` (draw by each task's weight)."""
         body = {"strategy": strategy, "tasks": tasks}
-        return self._answer(self._send("POST", f"/v1/populations/{population}/task-groups", json=body), DeployedGroup)
+        return self._answer(self._deploy(f"/v1/populations/{population}/task-groups", body), DeployedGroup)
 
     def status(self, population: str) -> dict[str, Any]:
         return self._answer(self._send("GET", f"/v1/populations/{population}"), PopulationStatus)

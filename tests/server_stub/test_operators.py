@@ -606,3 +606,48 @@ def test_attestation_limits_without_a_trust_anchor_are_refused_not_ignored(tmp_p
     assert err.count("\n") == 1 and "--attestation-trust FILE" in err
     assert all(flag in err for flag in given if flag.startswith("--"))
     assert not (tmp_path / "s.db").exists()  # refused before anything was opened
+
+
+def _slow_deploys(monkeypatch, seconds: float) -> None:
+    """The server takes ``seconds`` to check each task of a deploy, as it does a large model's."""
+    from server_stub import deploy as deploy_module
+
+    checked = deploy_module.validate_task
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(deploy_module, "validate_task", slow)
+
+
+def test_a_deploy_waits_for_its_answer_as_long_as_the_server_takes_to_check_its_size(server, monkeypatch):
+    """A server checks a deploy at some megabytes a second (a DistilBERT's in 100 s): the client
+    waits its timeout plus a second per DEPLOY_CHECK_BYTES_PER_S, where its 30 s alone said the
+    server did not answer while it went on and took the deploy. Scaled down here: 0.3 s of
+    timeout, a checking that takes 0.6 s, and a pace that gives this deploy seconds more."""
+    from server_stub import admin_client
+
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan))
+    _slow_deploys(monkeypatch, 0.6)
+    monkeypatch.setattr(admin_client, "DEPLOY_CHECK_BYTES_PER_S", len(checkpoint) // 4, raising=False)
+    with server.admin(timeout_s=0.3) as admin:
+        admin.create_population("slow")
+        assert admin.deploy_task("slow", "v1", plan, checkpoint, RoundConfig(min_reports=1))["status"] == "active"
+
+
+def test_a_deploy_not_answered_in_time_says_it_may_have_been_taken(server, monkeypatch):
+    from server_stub import ServerUnreachable, admin_client
+
+    plan = digits_plan()
+    _slow_deploys(monkeypatch, 0.6)
+    monkeypatch.setattr(admin_client, "DEPLOY_CHECK_BYTES_PER_S", 1 << 40, raising=False)
+    with server.admin(timeout_s=0.2) as admin:
+        admin.create_population("slower")
+        with pytest.raises(ServerUnreachable) as err:
+            admin.deploy_task(
+                "slower", "v1", plan, encode_checkpoint(initial_weights(plan)), RoundConfig(min_reports=1)
+            )
+    message = str(err.value)
+    assert "did not answer the deploy within 0.2 s" in message and "fedfleet status" in message
