@@ -104,7 +104,9 @@ def compare_outputs(
             return Check(
                 "equivalence",
                 False,
-                f"output {name!r} differs by up to {err:.3g} (rtol {tolerance.rtol:g}, atol {tolerance.atol:g})",
+                f"output {name!r} differs by up to {err:.3g} (rtol {tolerance.rtol:g}, atol {tolerance.atol:g}); "
+                "where that is float rounding you accept (a deep model's sums are added up in another order on "
+                "another release), set the task's tolerance=Tolerance(rtol=..., atol=...)",
             )
         err = float(np.max(np.abs(got - want))) if got.size else 0.0
         if err >= worst:
