@@ -13,7 +13,7 @@ from secagg import DuplicateMessage, OutOfOrder, Round, SecAggError, UnexpectedC
 from . import ddp_rounds
 from .admission import with_window
 from .errors import BadRequest, Conflict, SessionClosed
-from .influence import check_group_sum
+from .influence import check_group_sum, hold_metric_sums
 from .rounds import Phase, RoundCore, SessionState
 from .secure_rounds import SecureRound
 from .service_state import Population, Session, TaskRun
@@ -95,7 +95,7 @@ def advance_secure(
                 summed = []
             elif core.confirm_group(summed, min(now, group.ended_at if group.ended_at is not None else now)):
                 assert run.accumulator is not None
-                run.accumulator = run.executor.accumulate(run.accumulator, total)
+                run.accumulator = run.executor.accumulate(run.accumulator, hold_metric_sums(total))
                 if on_reported is not None:
                     on_reported(summed)
             else:  # the round closed first (its devices' deadlines, or another group reached its goal)

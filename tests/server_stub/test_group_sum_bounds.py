@@ -4,7 +4,8 @@ real codec and the real plan's server graphs.
 Two properties make the bound: a group of devices that bound their own updates (``bound_update``)
 always passes, whatever their updates were and however quantization rounded them; and a sum that
 passes, whatever one member sent, moves the committed model by at most ``clip_update_norm`` (up to
-the codec's rounding), no more than one honest device could move it."""
+the codec's rounding), no more than one honest device could move it, and once its metric sums are
+held to their meaning (``hold_metric_sums``) publishes an accuracy in [0, 1] and a loss of at least 0."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from device_runtime import PlanExecutor, initial_weights
 from device_runtime.secure_sum import SecureSumCodec
-from server_stub.influence import FLOAT32_SLACK, NUM_EXAMPLES, bound_update, check_group_sum
+from server_stub.influence import FLOAT32_SLACK, NUM_EXAMPLES, bound_update, check_group_sum, hold_metric_sums
 from tests.support import digits_plan
 
 PLANS = {bits: digits_plan("softmax", secure_aggregation=True, bitwidth=bits) for bits in (24, 12)}
@@ -32,16 +33,28 @@ clips = st.floats(1e-3, 1e3)
 max_examples = st.integers(1, 1000)
 
 
-def raw_update(rng: np.random.Generator, codec: SecureSumCodec, n: float, delta_norm: float) -> dict[str, np.ndarray]:
-    """What a device's training could produce: weights delta * n with a mean delta of any norm, metric sums over n."""
+def raw_update(
+    rng: np.random.Generator,
+    codec: SecureSumCodec,
+    n: float,
+    delta_norm: float,
+    *,
+    loss: float = 2.3,
+    accuracy: float = 0.5,
+    per_example: float = 1.0,
+) -> dict[str, np.ndarray]:
+    """What a device's training could produce: weights delta * n with a mean delta of any norm,
+    metric sums over n examples of ``per_example`` positions each (a sequence's labels), right in
+    the share ``accuracy`` of them at a mean ``loss``."""
     delta = {w: rng.normal(size=codec.shapes[w]) for w in WEIGHTS}
     scale = delta_norm / math.sqrt(sum(float(np.sum(d**2)) for d in delta.values()))
     update = {w: (d * scale * n).astype(np.float32) for w, d in delta.items()}
+    count = np.float32(n * per_example)
     update.update(
         {
-            "loss_sum": np.float32(2.3 * n),
-            "correct": np.float32(0.5 * n),
-            "count": np.float32(n),
+            "loss_sum": np.float32(loss * count),
+            "correct": min(np.float32(accuracy * count), count),
+            "count": count,
             NUM_EXAMPLES: np.float32(n),
         }
     )
@@ -56,7 +69,12 @@ def honest_groups(draw, bits: int, clip: float, most: int):
     vectors = []
     for _ in range(draw(st.integers(1, 8))):
         n = draw(st.sampled_from([0.0, 0.5, 1.0]) | st.floats(1.0, 5000.0))
-        raw = raw_update(rng, codec, n, draw(st.floats(0.0, 1e4)))
+        metrics = dict(
+            loss=draw(st.sampled_from([0.0]) | st.floats(0.0, 50.0)),
+            accuracy=draw(st.sampled_from([0.0, 1.0]) | st.floats(0.0, 1.0)),
+            per_example=draw(st.sampled_from([1.0]) | st.floats(1.0, 20.0)),
+        )
+        raw = raw_update(rng, codec, n, draw(st.floats(0.0, 1e4)), **metrics)
         bounded = bound_update(raw, WEIGHTS, max_examples=min(most, codec.max_count), clip_norm=clip)
         vectors.append(codec.encode(bounded.update, rng))
     return vectors
@@ -94,7 +112,8 @@ def attacks(draw, codec: SecureSumCodec):
             update[name] = (rng.uniform(-1, 1, codec.shapes[name]) * level).astype(np.float32)
         else:
             update[name] = np.where(rng.random(codec.shapes[name]) < 0.01, level, 0.0).astype(np.float32)
-    update[NUM_EXAMPLES] = np.float32(draw(st.floats(-1.0, 1.0)) * clip_range)
+    for name in (NUM_EXAMPLES, "loss_sum", "correct", "count"):
+        update[name] = np.float32(draw(st.sampled_from([0.0]) | st.floats(-1.0, 1.0)) * clip_range)
     return codec.encode(update, rng)
 
 
@@ -110,10 +129,13 @@ def test_whatever_one_member_sends_a_passing_sum_moves_the_model_at_most_the_cli
     if verdict(bits, total, members, most, clip) is not None:
         return
     executor = EXECUTORS[bits]
-    model, _ = executor.update(STATE, executor.report(executor.accumulate(executor.zero(), total)))
+    model, metrics = executor.update(
+        STATE, executor.report(executor.accumulate(executor.zero(), hold_metric_sums(total)))
+    )
     moved = math.sqrt(sum(float(np.sum((np.asarray(model[w], np.float64) - STATE[w]) ** 2)) for w in WEIGHTS))
     tol = CODECS[bits].sum_error(members)
     assert moved <= clip * (1 + FLOAT32_SLACK) * (1 + tol) + tol * math.sqrt(SIZE) + 1e-5
+    assert 0.0 <= metrics["train_accuracy"] <= 1.0 and metrics["train_loss"] >= 0.0, metrics
 
 
 def test_a_device_may_spend_the_budget_its_group_leaves_but_no_more():
@@ -153,11 +175,16 @@ def test_a_device_may_spend_the_budget_its_group_leaves_but_no_more():
         ({"w0": math.inf}, "NaN or infinite"),
         ({"loss_sum": math.nan}, "NaN or infinite"),
         ({"w0": 1024.0 * 5}, "norm of the sum's weight tensors"),
+        ({"correct": 1224.0}, "correct (1224) exceeds its count (200)"),  # one member's 1,024 over its count of 0
+        ({"correct": 401.0, "count": math.nan}, "NaN or infinite"),
+        ({"loss_sum": -1024.0}, "loss_sum is -1024, but it sums non-negative"),
+        ({"count": -0.5, "correct": 0.0}, "count is -0.5"),
     ],
 )
 def test_a_sum_outside_the_bounds_is_refused_with_the_reason(change, words):
     total = {name: np.zeros(shape, np.float32) for name, shape in CODECS[24].shapes.items()}
     total[NUM_EXAMPLES] = np.float32(400.0)
+    total.update(count=np.float32(200.0), correct=np.float32(100.0))
     for name, value in change.items():
         total[name] = np.full(CODECS[24].shapes[name], value, np.float32)
     reason = verdict(24, total, 5, 1000, 10.0)
@@ -172,3 +199,35 @@ def test_without_a_clip_norm_or_weights_only_the_count_and_finiteness_are_checke
         check_group_sum({**total, NUM_EXAMPLES: np.float32(51)}, (), members=5, max_examples=10, clip_norm=1.0)
         is not None
     )
+
+
+def test_without_a_count_the_right_answers_are_held_to_the_examples():
+    total = {"w0": np.zeros((64, 10), np.float32), "correct": np.float32(11.0), NUM_EXAMPLES: np.float32(10.0)}
+    reason = check_group_sum(total, WEIGHTS, members=1, max_examples=10, clip_norm=1.0)
+    assert reason is not None and "exceeds its num_examples (10)" in reason
+    assert (
+        check_group_sum({**total, "correct": np.float32(10.0)}, WEIGHTS, members=1, max_examples=10, clip_norm=1.0)
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("sums", "held"),
+    [
+        (dict(loss_sum=-0.001, correct=-0.001, count=-0.001), dict(loss_sum=0.0, correct=0.0, count=0.0)),
+        (dict(loss_sum=3.0, correct=10.002, count=10.0), dict(loss_sum=3.0, correct=10.0, count=10.0)),
+        (dict(loss_sum=3.0, correct=0.001, count=-0.001), dict(loss_sum=3.0, correct=0.0, count=0.0)),
+        (dict(loss_sum=3.0, correct=4.0, count=10.0), dict(loss_sum=3.0, correct=4.0, count=10.0)),
+    ],
+)
+def test_a_passing_sums_metric_sums_are_held_to_their_meaning_and_nothing_else_changes(sums, held):
+    """Within the codec's rounding (0.0012 per entry for five members at 24 bits) a sum passes
+    (``correct`` a hair above its count, a count a hair below 0): held, its accuracy is in [0, 1] however small the count, and every other tensor is as it came."""
+    total = {name: np.full(shape, 0.25, np.float32) for name, shape in CODECS[24].shapes.items()}
+    total[NUM_EXAMPLES] = np.float32(10.0)
+    total.update({name: np.float32(value) for name, value in sums.items()})
+    assert verdict(24, total, 5, 1000, 10.0) is None
+    out = hold_metric_sums(total)
+    assert {name: float(out[name]) for name in held} == held
+    assert all(out[name].dtype == np.float32 for name in out)
+    assert all(np.array_equal(out[name], total[name]) for name in total if name not in held)

@@ -50,6 +50,8 @@ def _vectors(codec: SecureSumCodec, count: int, seed: int) -> list[np.ndarray]:
     for _ in range(count):
         update = {name: rng.uniform(-1, 1, codec.shapes[name]).astype(np.float32) for name in codec.names}
         update["num_examples"] = update["count"] = np.array(10, dtype=np.float32)
+        for name in ("loss_sum", "correct"):  # sums of non-negative values, as every honest device's
+            update[name] = np.abs(update[name])
         out.append(codec.encode(update))
     return out
 

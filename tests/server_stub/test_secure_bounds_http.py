@@ -143,6 +143,36 @@ def test_a_round_commits_from_its_honest_group_and_moves_no_more_than_one_honest
     assert {outcomes[i][0] for i in groups[good]} == {SecureOutcome.INCLUDED}
 
 
+def test_a_device_whose_metric_sums_no_honest_device_computes_gets_its_group_dropped_and_nothing_published(
+    attested_server, attested_admin, authority, population
+):
+    """The tester's round: four honest devices at accuracy 0.5 and loss 0.5, and one that follows
+    every bound on its weights but sends ``correct`` 1,024 over a ``count`` of 0 and ``loss_sum``
+    -1,024. Before the check the round committed and published a ``train_accuracy`` of 26 and a
+    ``train_loss`` of -24.6; now the group is dropped with the reason and nothing is published."""
+    server, admin = attested_server, attested_admin
+    plan, w0 = deploy_secure(admin, population, goal_count=5)
+    codec = SecureSumCodec(plan)
+    rng = np.random.default_rng(9)
+    clip_range = codec.quantizer.clip
+
+    def pick(i: int, _: list[int]) -> np.ndarray:
+        update = _honest(codec, plan.weight_names, rng)
+        if i == 0:
+            update.update(
+                {"correct": np.float32(clip_range), "count": np.float32(0.0), "loss_sum": np.float32(-clip_range)}
+            )
+        return codec.encode(update, rng)
+
+    outcomes, _ = _run_round(server, authority, population, 5, pick)
+    (record,) = admin.rounds(population)
+    assert record["status"] == "abandoned" and "train_accuracy" not in record["metrics"]
+    (dropped,) = record["metrics"]["secagg"]["dropped"]
+    assert "loss_sum" in dropped["reason"] and "sums non-negative values" in dropped["reason"]
+    assert {o for o, _ in outcomes.values()} == {SecureOutcome.ABORTED}
+    assert admin.model(population)[1] == 0
+
+
 def test_a_secure_training_task_without_a_clip_norm_is_refused_at_deploy(server, admin):
     """Without ``clip_update_norm`` no sum could be checked for one device's influence: the deploy
     says what to set, and leaves nothing behind."""

@@ -44,6 +44,8 @@ def _updates(codec: SecureSumCodec, count: int, seed: int) -> list[dict[str, np.
         upd = {name: rng.uniform(-3.0, 3.0, codec.shapes[name]).astype(np.float32) for name in codec.names}
         upd["num_examples"] = np.array(n, dtype=np.float32)
         upd["count"] = np.array(n, dtype=np.float32)
+        for name in ("loss_sum", "correct"):  # sums of non-negative values, as every honest device's
+            upd[name] = np.abs(upd[name])
         out.append(upd)
     return out
 
