@@ -83,6 +83,25 @@ def usable_public_key(raw: bytes) -> bool:
     return True
 
 
+_P = 2**255 - 19
+#: The y coordinates of the eight Ed25519 points of small order (orders 1, 2, 4 and 8): the
+#: identity (1), its negative (p - 1), the two points of order 4 (0) and the four of order 8.
+_ORDER_8_Y = 2707385501144840649318225287225658788936804267575313519463743609750303402022
+_SMALL_ORDER_Y = frozenset({0, 1, _P - 1, _ORDER_8_Y, _P - _ORDER_8_Y})
+
+
+def usable_signing_key(raw: bytes) -> bool:
+    """False for a key that is not 32 bytes or encodes an Ed25519 point of small order, whatever
+    its sign bit and however it is encoded (y at or above p). Verification (OpenSSL's, as RFC 8032
+    asks) does not refuse such a key, and signatures under it need no secret: with the identity as
+    the key, the signature (R = the identity, S = 0) verifies every message, and under the others
+    one in two to eight messages. Refused at AdvertiseKeys, so that what a client signs binds it."""
+    if len(raw) != KEY_BYTES:
+        return False
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    return y % _P not in _SMALL_ORDER_Y
+
+
 def share_key(shared: bytes, session_id: bytes, sender: int, receiver: int) -> bytes:
     """AES-GCM key for the share pair sent from ``sender`` to ``receiver`` (one per direction)."""
     return hkdf_sha256(shared, session_id, b"secagg/share" + _PAIR.pack(sender, receiver))

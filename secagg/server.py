@@ -300,6 +300,8 @@ class SecAggServer:
         for what, key in (("encryption", msg.c_pk), ("masking", msg.s_pk)):
             if not crypto.usable_public_key(key):
                 raise InvalidKeys(f"the {what} key is not a usable X25519 key (low order)")
+        if not crypto.usable_signing_key(msg.sig_pk):
+            raise InvalidKeys("the signing key is an Ed25519 point of small order, for which anyone can sign")
         if msg.c_pk in self._advertised or msg.s_pk in self._advertised:
             raise InvalidKeys("public key already advertised by another client")
         payload = key_signing_payload(self._tag, client_id, msg.c_pk, msg.s_pk)

@@ -90,6 +90,52 @@ def test_a_low_order_key_is_refused_at_advertise_keys_and_the_rest_complete(poin
     assert not any(c.aborted for u, c in h.clients.items() if u != 5)
 
 
+ED25519_P = 2**255 - 19
+ORDER_8_Y = 2707385501144840649318225287225658788936804267575313519463743609750303402022
+#: every encoding of an Ed25519 point of small order: y in {1, p - 1, 0, the order-8 pair}, either
+#: sign bit, and y + p where it fits in 255 bits
+SMALL_ORDER = [
+    (y | sign << 255).to_bytes(32, "little")
+    for y in (1, ED25519_P - 1, 0, ORDER_8_Y, ED25519_P - ORDER_8_Y, ED25519_P, ED25519_P + 1)
+    for sign in (0, 1)
+]
+IDENTITY_SIGNATURE = bytes([1]) + bytes(63)  # R = the identity, S = 0
+
+
+def test_under_the_identity_as_signing_key_one_signature_verifies_every_message():
+    """Why the signing key is checked: verification alone does not refuse a small-order key."""
+    identity = SMALL_ORDER[0]
+    assert all(crypto.verify_signature(identity, IDENTITY_SIGNATURE, bytes([i]) * i) for i in range(1, 50))
+    assert not crypto.usable_signing_key(identity)
+
+
+def test_a_small_order_signing_key_is_refused_at_advertise_keys_and_the_rest_complete():
+    """A client advertising keys under a signing key anyone can sign for (each encoding of each
+    small-order point in turn), with the identity's signature, which verifies under the identity
+    and under the others one time in two to eight: refused each time, and the others complete."""
+    cfg = SecAggConfig(3, 2**16, 4, session_label=b"small")
+    h = Harness(cfg, make_inputs(5, 3, 2**16, 1), seed=1)
+    honest = parse_message(h.outbox[5])
+    for key in SMALL_ORDER:
+        assert not crypto.usable_signing_key(key)
+        advert = AdvertiseKeys(cfg.session_tag, honest.c_pk, honest.s_pk, key, IDENTITY_SIGNATURE).to_bytes()
+        with pytest.raises(InvalidKeys, match="small order"):
+            h.server.receive(5, advert)
+    assert h.server.responded == frozenset()
+    del h.outbox[5]
+    h.run_to(Round.UNMASKING)
+    h.client_step()
+    h.server_step()
+    assert h.server.round is Round.COMPLETED
+    assert [int(v) for v in h.server.result()] == exact_sum(h.inputs, [1, 2, 3, 4], 2**16)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.binary(min_size=32, max_size=32))
+def test_every_signing_key_a_client_makes_is_usable(seed):
+    assert crypto.usable_signing_key(SigningKey(lambda n: seed[:n]).public_key)
+
+
 def test_a_client_handed_a_low_order_key_aborts_with_a_typed_reason():
     """A server that forwards a signed low-order key (it should have refused it) gets a typed
     abort from the honest clients, never a bare ValueError."""

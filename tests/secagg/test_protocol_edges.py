@@ -153,8 +153,10 @@ def test_the_server_refuses_keys_that_repeat_another_clients_or_lack_a_signature
         h.server.receive(2, AdvertiseKeys(tag, one.c_pk, two.s_pk, two.sig_pk).to_bytes())
     with pytest.raises(InvalidKeys):  # reuses only the masking key of client 1
         h.server.receive(2, AdvertiseKeys(tag, two.c_pk, one.s_pk, two.sig_pk).to_bytes())
-    with pytest.raises(UncertifiedPeer):  # no signing key
+    with pytest.raises(InvalidKeys, match="small order"):  # no signing key: all zero, a point anyone can sign for
         h.server.receive(2, AdvertiseKeys(tag, two.c_pk, two.s_pk, bytes(32), two.key_sig).to_bytes())
+    with pytest.raises(UncertifiedPeer):  # a signing key that did not sign them
+        h.server.receive(2, AdvertiseKeys(tag, two.c_pk, two.s_pk, one.sig_pk[::-1], two.key_sig).to_bytes())
     with pytest.raises(UncertifiedPeer):  # the keys signed for another id
         h.server.receive(3, AdvertiseKeys(tag, two.c_pk, two.s_pk, two.sig_pk, two.key_sig).to_bytes())
     three = parse_message(h.outbox[3])
