@@ -40,6 +40,12 @@ class OutOfOrder(ProtocolViolation):
     """A message for another round than the current one (replayed or reordered)."""
 
 
+class PrematureMessage(ProtocolViolation):
+    """A client's message for a round the protocol has not reached or does not run (an Unmasking
+    response during ShareKeys), or a message only a server sends. No honest client sends one: it
+    answers the request of the round it is in, so its answer is never ahead of the server's round."""
+
+
 class DuplicateMessage(ProtocolViolation):
     """A second message from the same client in the same round (a replay)."""
 

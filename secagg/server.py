@@ -61,6 +61,7 @@ from .errors import (
     InvalidKeys,
     MessageFormatError,
     OutOfOrder,
+    PrematureMessage,
     ProtocolAborted,
     UncertifiedPeer,
     UnexpectedClient,
@@ -114,6 +115,8 @@ _EXPECTED_MESSAGE = {
     Round.CONSISTENCY_CHECK: ConsistencySignature,
     Round.UNMASKING: UnmaskResponse,
 }
+
+_ROUND_OF = {kind: r for r, kind in _EXPECTED_MESSAGE.items()}
 
 
 class _Rosters(Mapping[int, bytes]):
@@ -224,7 +227,7 @@ class SecAggServer:
             raise WrongSession("message for another session")
         expected = _EXPECTED_MESSAGE[self.round]
         if type(msg) is not expected:
-            raise OutOfOrder(f"got {type(msg).__name__} during {self.round.value}")
+            raise self._misplaced(type(msg).__name__, _ROUND_OF.get(type(msg)))
         handlers: dict[Round, Callable[[int, Any], object]] = {
             Round.ADVERTISE_KEYS: self._receive_keys,
             Round.SHARE_KEYS: self._receive_shares,
@@ -273,6 +276,17 @@ class SecAggServer:
         return self._keys[client_id][2]
 
     # -- helpers ------------------------------------------------------------------------------
+    def _misplaced(self, kind: str, its_round: Round | None) -> OutOfOrder | PrematureMessage:
+        """The refusal of a message of another round: ``OutOfOrder`` for one of a round this
+        instance has moved past (an answer that came late), ``PrematureMessage`` for anything else
+        (a round not reached or not run, a server's message), which no honest client sends."""
+        rounds = list(_EXPECTED_MESSAGE)
+        runs = its_round is not None and (its_round is not Round.CONSISTENCY_CHECK or self.config.consistency_check)
+        if runs and its_round is not None and rounds.index(its_round) < rounds.index(self.round):
+            return OutOfOrder(f"got {kind} during {self.round.value}")
+        what = f"a message of {its_round.value}" if its_round is not None else "a message only a server sends"
+        return PrematureMessage(f"got {kind} ({what}) during {self.round.value}: no client sends one now")
+
     def _abort(self, reason: str) -> dict[int, bytes]:
         self.round = Round.ABORTED
         self.abort_reason = reason

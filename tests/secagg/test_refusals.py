@@ -12,6 +12,7 @@ from secagg import (
     InvalidKeys,
     MessageFormatError,
     OutOfOrder,
+    PrematureMessage,
     Round,
     SecAggConfig,
     SecAggError,
@@ -297,6 +298,47 @@ def test_server_rejections_leave_state_unchanged():
     assert h.server.round is Round.UNMASKING
     h.client_step()
     h.server_step()
+    assert h.server.round is Round.COMPLETED
+    want = sum(x.astype(object) for x in h.inputs.values())
+    assert [int(v) for v in h.server.result()] == [int(v) % R for v in want]
+
+
+@pytest.mark.parametrize("cc", [False, True])
+def test_a_message_of_another_round_is_out_of_order_only_when_the_server_moved_past_it(cc):
+    """Every message client 1 sends in a run, and every one the server sends it, delivered in every
+    round of an identical run: one of a round the server has moved past (an answer that came late)
+    is ``OutOfOrder``; one of a round it has not reached or does not run, or a server's message, is
+    ``PrematureMessage`` (no honest client sends one); either leaves the server as it was, and the
+    run then sums exactly."""
+    sent: list[bytes] = []  # client 1's messages, then the server's messages to it
+    reference = harness(cc)
+    sent.append(reference.outbox[1])
+    while not reference.server.round.terminal:
+        reference.server_step()
+        if 1 in reference.to_clients:
+            sent.append(reference.to_clients[1])
+        reference.client_step()
+        if reference.outbox.get(1) is not None:
+            sent.append(reference.outbox[1])
+    rounds = [r for r in Round if not r.terminal and (cc or r is not Round.CONSISTENCY_CHECK)]
+    kinds = {type(parse_message(data)).__name__ for data in sent}
+    assert len(sent) == len(kinds) == len(rounds) + len(rounds) - 1  # one of each, the server's too
+    h = harness(cc)
+    seen: list[str] = []
+    while not h.server.round.terminal:
+        now = h.server.round
+        for data in sent:
+            if data == h.outbox.get(1):
+                continue
+            kind = type(parse_message(data)).__name__
+            with pytest.raises((OutOfOrder, PrematureMessage)) as refused:
+                h.server.receive(1, data)
+            late = kind in seen
+            assert isinstance(refused.value, OutOfOrder if late else PrematureMessage), (now, kind, refused.value)
+            assert h.server.round is now and h.server.responded == frozenset()
+        seen.append(type(parse_message(h.outbox[1])).__name__)
+        h.server_step()
+        h.client_step()
     assert h.server.round is Round.COMPLETED
     want = sum(x.astype(object) for x in h.inputs.values())
     assert [int(v) for v in h.server.result()] == [int(v) % R for v in want]

@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import base64
 
+import numpy as np
 import onnxruntime
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from device_runtime import encode_checkpoint, initial_weights
+from device_runtime import decode_checkpoint, encode_checkpoint, initial_weights
 from device_runtime.plan import serialize_plan
 from device_runtime.secure_sum import SecureSumCodec, config_from_json
 from device_runtime.wire import CheckinAccepted
-from secagg import SecAggClient
+from secagg import SecAggClient, parse_message
+from secagg.messages import (
+    AdvertiseKeys,
+    ConsistencySignature,
+    EncryptedShares,
+    MaskedInput,
+    ShareCheck,
+    UnmaskResponse,
+)
+from server_stub.errors import ApiError
 from server_stub.persistence import ServerStore
 from server_stub.rounds import RoundConfig
 from server_stub.secure_rounds import ROUND_ABANDONED
@@ -35,7 +47,7 @@ class Devices:
         self.reported: list[str] = []
         self.service.on_reported = self.reported.extend
         self.service.create_population("pop")
-        plan = digits_plan("softmax", secure_aggregation=True)
+        plan = self.plan = digits_plan("softmax", secure_aggregation=True)
         config = RoundConfig(
             goal_count=DEVICES,
             over_selection=1.0,
@@ -47,9 +59,8 @@ class Devices:
             secagg_round_timeout_s=5.0,
             min_reports=1,
         )
-        self.service.deploy_task(
-            "pop", "train", serialize_plan(plan), encode_checkpoint(initial_weights(plan, seed=0)), config
-        )
+        self.start = initial_weights(plan, seed=0)
+        self.service.deploy_task("pop", "train", serialize_plan(plan), encode_checkpoint(self.start), config)
         self.sessions = [self.service.checkin("pop", VERSION) for _ in range(DEVICES)]
         assert all(isinstance(s, CheckinAccepted) for s in self.sessions)
         codec = SecureSumCodec(plan)
@@ -78,6 +89,10 @@ class Devices:
         """Every device answers what its group sent it until none has anything more to answer."""
         for i, client in enumerate(self.clients):
             self.send(i, client.start())
+        self.answer()
+
+    def answer(self) -> None:
+        """Every device answers what its group sent it since (``run``)."""
         moved = True
         while moved:
             moved = False
@@ -137,3 +152,141 @@ def test_a_committed_rounds_groups_count_as_completed(tmp_path):
     assert record["status"] == "committed"
     secagg = record["metrics"]["secagg"]
     assert secagg["completed"] == 2 and secagg["dropped"] == [] and secagg["summed_devices"] == DEVICES
+
+
+#: the messages a device sends, in the order of the rounds it sends them in (ConsistencyCheck on)
+SENT = {
+    "AdvertiseKeys": lambda tag: AdvertiseKeys(tag, bytes(range(1, 33)), bytes(range(2, 34))),
+    "ShareKeys": EncryptedShares,
+    "ShareCheck": ShareCheck,
+    "MaskedInputCollection": lambda tag: MaskedInput(tag, bytes(8)),
+    "ConsistencyCheck": lambda tag: ConsistencySignature(tag, bytes(64)),
+    "Unmasking": UnmaskResponse,
+}
+ROUNDS = list(SENT)
+#: what the meddler sends before its answer (or instead of it): a stand-in message of any round's
+#: kind, its answer again, or the answer of a peer of its group or of a device of the other group
+MEDDLES = [*ROUNDS, "replay", "peer", "other group"]
+
+
+class Meddled(Devices):
+    """``Devices`` in which the last of group 0 to answer sends ``meddle`` in protocol round
+    ``at``, then its answer (``answers``) or nothing more; every answer it gets is kept."""
+
+    def __init__(self, tmp_path, at: str, meddle: str, answers: bool) -> None:
+        super().__init__(tmp_path)
+        self.meddler = max(self.groups[0])
+        self.at, self.meddle, self.answers = at, meddle, answers
+        self.last: dict[int, bytes] = {}  # each device's last answer
+        self.answered: list[tuple[int, str]] = []  # (status, code) of each of its messages from round ``at`` on
+        self.meddled = self.silent = False
+
+    def send(self, i: int, data: bytes) -> None:
+        if i != self.meddler:
+            super().send(i, data)
+            self.last[i] = data
+            return
+        if self.silent:
+            return
+        if self.status(i)["round"] == self.at and not self.meddled:  # the meddling, then its answer
+            self.meddled = True
+            self.tell(self.meddling(data))
+            self.silent = not self.answers
+            if self.silent:
+                return
+        self.tell(data)
+
+    def meddling(self, answer: bytes) -> bytes:
+        if self.meddle == "replay":
+            return answer
+        if self.meddle == "peer":  # a peer of its group answered this round before it
+            return self.last[next(i for i in self.groups[0] if i != self.meddler)]
+        if self.meddle == "other group":  # this round's message for the other group's session
+            tag = config_from_json(self.status(self.groups[1][0])["config"]).session_tag
+            return SENT[self.at](tag).to_bytes()
+        return SENT[self.meddle](parse_message(answer).session_tag).to_bytes()
+
+    def tell(self, data: bytes) -> None:
+        s = self.sessions[self.meddler]
+        try:
+            self.service.secagg_message(s.session_id, s.token, data)
+            answer = (200, "accepted")
+        except ApiError as exc:
+            answer = (exc.status, exc.code)
+        if self.meddled:
+            self.answered.append(answer)
+
+    def settle(self) -> None:
+        """Run the devices, moving the clock a second at a time while they wait, until the round is on record."""
+        self.run()
+        while not self.service.rounds("pop") and self.now < 90.0:
+            self.now += 1.0
+            self.service.tick()
+            self.answer()
+
+
+def expected_answer(at: str, meddle: str) -> tuple[int, str]:
+    """What the meddler is told: a message of a round its group has moved past is late (409); any
+    other it sends before its answer is refused (400), its own answer again is taken again."""
+    if meddle == "replay":
+        return 200, "accepted"
+    if meddle in ROUNDS and ROUNDS.index(meddle) < ROUNDS.index(at):
+        return 409, "SECAGG_ROUND_CLOSED"
+    return 400, "SECAGG_REJECTED"
+
+
+meddles = dict(at=st.sampled_from(ROUNDS), meddle=st.sampled_from(MEDDLES), answers=st.booleans())
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**meddles)
+@example(at="ShareKeys", meddle="Unmasking", answers=True)  # an unmasking response before any masked input
+@example(at="Unmasking", meddle="MaskedInputCollection", answers=True)  # a masked input after its round
+@example(at="MaskedInputCollection", meddle="other group", answers=False)
+def test_a_meddling_device_is_told_why_and_every_honest_device_is_summed_exactly(tmp_path_factory, at, meddle, answers):
+    _one_meddling_device(tmp_path_factory, at, meddle, answers)
+
+
+@pytest.mark.slow
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**meddles)
+def test_a_meddling_device_is_told_why_and_every_honest_device_is_summed_exactly_long_run(
+    tmp_path_factory, at, meddle, answers
+):
+    _one_meddling_device(tmp_path_factory, at, meddle, answers)
+
+
+def _one_meddling_device(tmp_path_factory, at: str, meddle: str, answers: bool) -> None:
+    """One device of group 0, once its group is in round ``at``, sends one well-formed message that
+    is not its answer (a stand-in of any round's kind, a peer's answer, another group's), or its
+    answer twice, then its answer or nothing more. It is told a stable 4xx that says whether its
+    group moved past that message, never a 5xx; every honest device is summed, and the round
+    commits exactly the sum of the devices its groups say they summed."""
+    d = Meddled(tmp_path_factory.mktemp("meddled"), at, meddle, answers)
+    d.settle()
+    told = expected_answer(at, meddle)
+    assert d.answered[0] == told and all(s == 200 or 400 <= s < 500 for s, _ in d.answered), (at, meddle, d.answered)
+    record = d.service.rounds("pop")[0]
+    states = [d.status(i) for i in range(DEVICES)]
+    included = [i for i, s in enumerate(states) if s["status"] == "completed" and s["included"]]
+    honest = [i for g in d.groups.values() for i in g if i != d.meddler]
+    # a group of four goes on with three: every honest device is summed, and the round commits
+    assert set(honest) <= set(included), states
+    assert record["status"] == "committed" and record["metrics"]["reported"] == len(included)
+    # the meddler answers last in its group: refused (400), it is not waited for, and its group's
+    # round closes without it; its masked input is summed when it was in before
+    masked = ROUNDS.index(at) - ROUNDS.index("MaskedInputCollection")  # > 0: its masked input was in
+    if meddle == "replay":  # its answer, sent twice: then it answers the rest, or stops there
+        summed = answers or masked >= 0
+    else:
+        summed = masked > 0 or (answers and told[0] != 400)
+    assert (d.meddler in included) == summed, (at, meddle, answers, d.answered)
+    body, number, _ = d.service.current_model("pop")
+    assert number == 1
+    model = decode_checkpoint(body)
+    codec = SecureSumCodec(d.plan)
+    total = codec.decode_sum(np.sum([d.vectors[i].astype(np.int64) for i in included], axis=0), len(included))
+    for name in d.plan.weight_names:
+        np.testing.assert_allclose(
+            model[name], d.start[name] + total[name] / total["num_examples"], rtol=1e-5, atol=1e-6
+        )
