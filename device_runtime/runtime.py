@@ -79,6 +79,7 @@ from .secure_client import (
     SecureAggregation,
     SecureOutcome,
     SecureResult,
+    identity_problem,
 )
 from .secure_sum import SecureSumCodec
 from .wire import NAME_RULE, is_name
@@ -612,6 +613,13 @@ class FLRuntime:
         session = rec.session = answer
         self._session_ends_in(self._session_window_s(session))
         rec.record("checkin", round=session.round)
+        if session.aggregation == "secure_sum":  # said before the plan and checkpoint are downloaded for nothing
+            problem = identity_problem(self.secagg_policy, self.attestor, self.peer_verifier)
+            if problem is not None:
+                refused = f"this device cannot take part in Secure Aggregation: {problem}"
+                return self._secure_outcome(
+                    rec, SecureResult(SecureOutcome.ABORTED, refused, refused=True, code=NEEDS_ATTESTATION), {}, 0
+                )
         try:
             plan = self._plan(session.plan_id, session.token)
             executor = self._executors[session.plan_id]

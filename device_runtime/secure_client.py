@@ -113,6 +113,30 @@ class _Refusal(Exception):
         self.code = code
 
 
+def identity_problem(policy: SecAggPolicy, signer: object, verify_peer: object) -> str | None:
+    """Why a device with ``signer`` (its attested key's signer, or None) and ``verify_peer`` (its
+    check of peers' certificates, or None) cannot meet ``policy``'s attested cohort, or None: known
+    at check-in, before the plan and checkpoint are downloaded."""
+    if not policy.require_attested_cohort:
+        return None
+    missing = [
+        what
+        for what, have in (
+            ("no attested device key (FLRuntime(attestor=...))", signer),
+            ("no trust anchor of the attestation authority (FLRuntime(trust_anchor=...))", verify_peer),
+        )
+        if have is None
+    ]
+    if not missing:
+        return None
+    return (
+        "its policy requires an attested cohort, but it has "
+        + " and ".join(missing)
+        + "; pass them, or choose SecAggPolicy(require_attested_cohort=False) explicitly to accept "
+        "peers it cannot check"
+    )
+
+
 class SecureAggregation:
     """One device's part in its group's protocol for one session.
 
@@ -208,24 +232,7 @@ class SecureAggregation:
 
     def identity_problem(self) -> str | None:
         """Why this device cannot meet its policy's attested cohort, or None."""
-        if not self.policy.require_attested_cohort:
-            return None
-        missing = [
-            what
-            for what, have in (
-                ("no attested device key (FLRuntime(attestor=...))", self.signer),
-                ("no trust anchor of the attestation authority (FLRuntime(trust_anchor=...))", self.verify_peer),
-            )
-            if have is None
-        ]
-        if not missing:
-            return None
-        return (
-            "its policy requires an attested cohort, but it has "
-            + " and ".join(missing)
-            + "; pass them, or choose SecAggPolicy(require_attested_cohort=False) explicitly to accept "
-            "peers it cannot check"
-        )
+        return identity_problem(self.policy, self.signer, self.verify_peer)
 
     def _run(self, *, until_input: bool) -> SecureResult | None:
         client, session = self.client, self.session

@@ -78,7 +78,8 @@ def _told_to_server(server) -> list[str]:
 def _check_refusals(runtimes: list[FLRuntime], results: list, told: list[str], *, key_missing: bool) -> None:
     for runtime, res in zip(runtimes, results):
         assert res.outcome is Outcome.REPORT_REJECTED and res.rejection_code == "SECAGG_NEEDS_ATTESTATION"
-        assert "training_started" not in [e.kind for e in res.events]  # refused before any work or key
+        # refused at check-in: no plan or checkpoint downloaded for nothing (a model of 100 MB), no work, no key
+        assert not {"plan_downloaded", "training_started"} & {e.kind for e in res.events}, res.events
         (event,) = [e for e in res.events if e.detail.get("code") == "SECAGG_NEEDS_ATTESTATION"]
         reason = event.detail["reason"]
         assert "no trust anchor" in reason and "require_attested_cohort=False" in reason
