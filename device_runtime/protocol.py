@@ -10,6 +10,7 @@ import functools
 import hashlib
 import ipaddress
 import json
+import os
 import random
 import re
 import socket
@@ -71,10 +72,25 @@ STATS_HEADER = "X-FL-Session-Stats"
 DUPLICATE_REPORT = "DUPLICATE_REPORT"
 
 
-@functools.lru_cache(maxsize=1)
 def shared_tls_context() -> ssl.SSLContext:
-    """The default verifying TLS context, built once per process and shared by every client."""
-    return ssl.create_default_context(cafile=certifi.where())
+    """The default verifying TLS context, built once per process and shared by every client: the
+    authorities of ``$SSL_CERT_FILE`` (a PEM file) or ``$SSL_CERT_DIR`` (a hashed folder) when
+    either is set, as httpx, Python and the operators' client read them, else certifi's bundle.
+    A server whose certificate comes from the operator's own authority was unreachable from every
+    device (certifi's bundle alone) while ``fedfleet status`` reached it."""
+    cafile, capath = os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None
+    return _tls_context(cafile, capath)
+
+
+@functools.lru_cache(maxsize=4)
+def _tls_context(cafile: str | None, capath: str | None) -> ssl.SSLContext:
+    if cafile is None and capath is None:
+        return ssl.create_default_context(cafile=certifi.where())
+    try:
+        return ssl.create_default_context(cafile=cafile, capath=capath)
+    except (OSError, ssl.SSLError) as exc:
+        named = " and ".join(f"{k}={v}" for k, v in (("SSL_CERT_FILE", cafile), ("SSL_CERT_DIR", capath)) if v)
+        raise InvalidSetting(f"the authorities of {named} could not be read: {exc}") from None
 
 
 SERVER_URL_RULE = (
@@ -644,7 +660,7 @@ class ProtocolClient:
             except httpx.TransportError as exc:
                 if self._interrupts != generation:
                     raise ProtocolError(f"{method} {path[:100]}: {INTERRUPTED}") from None
-                refusal = _tls_refusal(exc)
+                refusal = tls_refusal(exc)
                 if refusal is not None:  # the app's configuration or the server's: no retry changes it
                     raise ServerUnreachable(
                         f"the FL server at {redacted_url(self.server_url)} could not be reached over TLS: {refusal} ({exc})",
@@ -805,7 +821,25 @@ class ProtocolClient:
         self._raise_for_error(response)
 
 
-def _tls_refusal(exc: BaseException) -> str | None:
+#: What a certificate refused by OpenSSL's verify code (``X509_V_ERR_*``) means for the operator.
+#: Every refusal was once one sentence, "self-signed, expired or for another name", and which of the
+#: three was left to the reader of OpenSSL's own words in the parenthesis.
+_CERTIFICATE_REFUSALS = {
+    9: "its certificate is not valid yet (is this machine's clock behind?)",
+    10: "its certificate has expired: renew the server's certificate (or is this machine's clock ahead?)",
+    18: "its certificate is self-signed: give this client the authority that signed it ($SSL_CERT_FILE)",
+    19: "its certificate was issued by an authority not trusted here: give this client that authority ($SSL_CERT_FILE)",
+    20: "its certificate was issued by an authority not trusted here: give this client that authority ($SSL_CERT_FILE)",
+    62: "its certificate is for another name than the URL's host: "
+    "give the URL with a name the certificate holds, or the server a certificate for this one",
+}
+
+
+#: ``tls_refusal``'s answer for a server that answered a TLS hello in plain HTTP.
+NO_TLS = "it does not speak TLS on this port: is its URL http://, not https://?"
+
+
+def tls_refusal(exc: BaseException) -> str | None:
     """What a failed TLS handshake says about the server's URL or certificate, or None when the
     failure was not one. It ended as any lost connection did, after every retry, in "did not answer"."""
     seen: BaseException | None = exc
@@ -813,12 +847,13 @@ def _tls_refusal(exc: BaseException) -> str | None:
         if seen is None:
             return None
         if isinstance(seen, ssl.SSLCertVerificationError):
-            return (
-                "its certificate is not one this device trusts (self-signed, expired or for another name); "
-                "give the server a certificate a trusted authority issued for this name"
+            return _CERTIFICATE_REFUSALS.get(
+                seen.verify_code,
+                "its certificate is not trusted here; give the server a certificate a trusted "
+                "authority issued for this name",
             )
         if isinstance(seen, ssl.SSLError) and seen.reason == "WRONG_VERSION_NUMBER":
-            return "it does not speak TLS on this port: is its URL http://, not https://?"
+            return NO_TLS
         seen = seen.__cause__ or seen.__context__
     return None
 

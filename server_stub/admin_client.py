@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import os
 import ssl
 import time
 from collections.abc import Mapping
@@ -19,7 +20,15 @@ from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.errors import InvalidSetting, ProtocolError
 from device_runtime.plan import Plan, serialize_plan
-from device_runtime.protocol import answer_bound, checked_server_url, redacted_url, token_headers, url_credentials
+from device_runtime.protocol import (
+    NO_TLS,
+    answer_bound,
+    checked_server_url,
+    redacted_url,
+    tls_refusal,
+    token_headers,
+    url_credentials,
+)
 from device_runtime.wire import (
     DeployedGroup,
     DeployedTask,
@@ -110,11 +119,16 @@ def check_server_url(url: str) -> str:
         raise ServerUnreachable(str(exc)) from None
 
 
-@functools.lru_cache(maxsize=1)
 def _tls_context() -> ssl.SSLContext:
     """httpx's default verifying TLS context (``SSL_CERT_FILE``/``SSL_CERT_DIR`` honoured as httpx
-    honours them), built once per process: building one loads the CA bundle, about 60 ms of CPU,
-    which every operator client (each test's, the CLI's) paid."""
+    honours them, read at each call as a device's ``shared_tls_context`` reads them), built once
+    per process and setting: building one loads the CA bundle, about 60 ms of CPU, which every
+    operator client (each test's, the CLI's) paid."""
+    return _context_for(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.lru_cache(maxsize=4)
+def _context_for(cafile: str | None, capath: str | None) -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
@@ -181,6 +195,12 @@ class AdminClient:
 
     def _unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
         reason = str(exc) or type(exc).__name__
+        refusal = tls_refusal(exc)
+        if refusal not in (None, NO_TLS):
+            # a certificate refused: said as the device says it, where it was "speaks plain HTTP"
+            return ServerUnreachable(
+                f"the server at {redacted_url(self.url)} could not be reached over TLS: {refusal} ({reason})"
+            )
         if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
             return ServerUnreachable(
                 f"no TLS answer from the server at {redacted_url(self.url)} ({reason}); fedfleet server speaks plain HTTP: "

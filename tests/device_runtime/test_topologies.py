@@ -1,0 +1,215 @@
+"""Devices and operators reach the server through what stands in front of it in a deployment: a
+TLS proxy whose certificate comes from the operator's own authority, at a path prefix
+(``https://host/fl/`` to the app at ``/``). The authority and certificates are made here with
+``cryptography``, the proxy is an ASGI app served by uvicorn over TLS on loopback."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from device_runtime import FLRuntime, Outcome, ServerUnreachable
+from device_runtime.protocol import RetryPolicy
+from example_store import SQLiteExampleStore
+from server_stub import AdminClient, ServerThread
+from server_stub import ServerUnreachable as OperatorUnreachable
+from tests.support import COLLECTION, deploy
+
+FAST = RetryPolicy(attempts=2, base_delay_s=0.001, max_delay_s=0.002)
+
+
+def _pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def make_authority(folder: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """An operator's own certificate authority, written to ``folder/ca.pem``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "operators' test CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=30))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    (folder / "ca.pem").write_bytes(_pem(cert))
+    return key, cert
+
+
+def issue(folder: Path, authority, name: str, *, days: tuple[int, int] = (-1, 30)) -> tuple[Path, Path]:
+    """A server certificate for ``name`` (and 127.0.0.1) valid ``days`` from today, and its key."""
+    ca_key, ca_cert = authority
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + datetime.timedelta(days=days[0]))
+        .not_valid_after(now + datetime.timedelta(days=days[1]))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(name), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / f"{name}{days}.pem", folder / f"{name}{days}.key"
+    cert_file.write_bytes(_pem(cert))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_file, key_file
+
+
+class PrefixProxy:
+    """A reverse proxy: ``/fl/...`` to the upstream's ``/...``, anything else its own 404 page;
+    ``seen`` holds the path of every request it took."""
+
+    def __init__(self, upstream: str, prefix: str = "/fl") -> None:
+        self.upstream, self.prefix = upstream, prefix
+        self.seen: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        path, query = scope["path"], scope["query_string"].decode()
+        self.seen.append(path)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if not path.startswith(self.prefix + "/"):
+            status, headers, content = 404, [(b"content-type", b"text/html")], b"<html>404 Not Found</html>"
+        else:
+            forwarded = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
+            async with httpx.AsyncClient(base_url=self.upstream) as client:
+                answer = await client.request(
+                    scope["method"],
+                    path[len(self.prefix) :] + (f"?{query}" if query else ""),
+                    headers=forwarded,
+                    content=body,
+                )
+            status, content = answer.status_code, answer.content
+            drop = ("content-length", "content-encoding", "transfer-encoding", "connection")
+            headers = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in drop]
+        headers.append((b"content-length", str(len(content)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+
+class TlsApp:
+    """``app`` served by uvicorn over TLS with ``cert`` on a loopback port (``port``)."""
+
+    def __init__(self, app, cert: tuple[Path, Path]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level="warning", log_config=None, lifespan="off", ssl_certfile=cert[0], ssl_keyfile=cert[1]
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
+
+    def __enter__(self) -> TlsApp:
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def authority(tmp_path_factory) -> Iterator[tuple[Path, tuple]]:
+    folder = tmp_path_factory.mktemp("ca")
+    yield folder, make_authority(folder)
+
+
+def _store(tmp_path: Path, digits) -> SQLiteExampleStore:
+    store = SQLiteExampleStore(tmp_path / "app.db")
+    store.add(COLLECTION, [{"x": x, "y": y} for x, y in zip(digits.x_train[:40], digits.y_train[:40])])
+    return store
+
+
+def test_a_device_and_an_operator_trust_the_operators_authority_behind_a_tls_proxy_at_a_path_prefix(
+    tmp_path, digits, authority, monkeypatch
+):
+    """``$SSL_CERT_FILE`` names the authority that issued the proxy's certificate: the device read
+    certifi's bundle alone, so every session failed at its check-in ("not one this device trusts")
+    while ``fedfleet status`` with the same environment reached the server. Every request keeps
+    the URL's path prefix (check-in, downloads, report)."""
+    folder, ca = authority
+    with ServerThread(tmp_path / "server.db") as server:
+        with server.admin() as admin:
+            deploy(admin, goal_count=1)
+        proxy = PrefixProxy(server.url)
+        with TlsApp(proxy, issue(folder, ca, "localhost")) as front:
+            url = f"https://localhost:{front.port}/fl/"
+            store = _store(tmp_path, digits)
+            with FLRuntime("digits", url, store, cache_dir=tmp_path / "c0", retry=FAST) as stranger:
+                with pytest.raises(ServerUnreachable, match="an authority not trusted here") as refused:
+                    stranger.run_session()
+            assert not refused.value.retryable and proxy.seen == []
+            monkeypatch.setenv("SSL_CERT_FILE", str(folder / "ca.pem"))
+            with FLRuntime("digits", url, store, cache_dir=tmp_path / "c1", retry=FAST) as runtime:
+                result = runtime.run_session()
+            assert result.outcome is Outcome.COMPLETED, result
+            with AdminClient(url, admin_key=server.admin_key) as admin:
+                assert admin.status("digits")["tasks"]
+    assert len(proxy.seen) >= 5 and all(path.startswith("/fl/v1/") for path in proxy.seen), proxy.seen
+
+
+@pytest.mark.parametrize(
+    ("name", "days", "said"),
+    [
+        ("localhost", (-10, -1), "its certificate has expired"),
+        ("other.example", (-1, 30), "its certificate is for another name than the URL's host"),
+    ],
+)
+def test_a_refused_certificate_is_said_for_what_it_is_by_the_device_and_the_operators_client(
+    tmp_path, authority, monkeypatch, name, days, said
+):
+    """Each refusal said "self-signed, expired or for another name" on a device, and "fedfleet
+    server speaks plain HTTP: give http://..." in the operators' client: now each says which, at
+    the first attempt, in one line."""
+    folder, ca = authority
+    monkeypatch.setenv("SSL_CERT_FILE", str(folder / "ca.pem"))
+    proxy = PrefixProxy("http://127.0.0.1:9")
+    with TlsApp(proxy, issue(folder, ca, name, days=days)) as front:
+        url = f"https://localhost:{front.port}/fl"
+        with FLRuntime("digits", url, SQLiteExampleStore(tmp_path / "a.db"), retry=FAST) as runtime:
+            with pytest.raises(ServerUnreachable, match=said) as refused:
+                runtime.run_session()
+        assert not refused.value.retryable and "\n" not in str(refused.value)
+        with AdminClient(url, admin_key="k" * 32) as admin, pytest.raises(OperatorUnreachable, match=said) as cli:
+            admin.status("digits")
+        assert "plain HTTP" not in str(cli.value)
+    assert proxy.seen == []
