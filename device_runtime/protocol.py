@@ -462,7 +462,9 @@ def answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[http
 
     def bound(response: httpx.Response) -> None:
         path = response.request.url.path
-        limit = MAX_RESOURCE_BYTES if path.startswith("/v1/resources/") else MAX_ANSWER_BYTES
+        # a server behind a proxy at a path prefix (``https://host/fl/``) is asked for ``/fl/v1/resources/``:
+        # its plans and checkpoints were held to the 64 MiB of any other answer
+        limit = MAX_RESOURCE_BYTES if "/v1/resources/" in path else MAX_ANSWER_BYTES
         device_limit, device_bound = getattr(_this_request, "resource_bound", None) or (limit, None)
         if device_limit < limit:
             limit = device_limit

@@ -213,3 +213,25 @@ def test_a_refused_certificate_is_said_for_what_it_is_by_the_device_and_the_oper
             admin.status("digits")
         assert "plain HTTP" not in str(cli.value)
     assert proxy.seen == []
+
+
+@pytest.mark.parametrize("base", ["https://fl.example", "https://gateway.example/fl"])
+def test_a_model_download_is_held_to_the_resource_bound_behind_a_path_prefix(base):
+    """A plan or checkpoint may be up to ``MAX_RESOURCE_BYTES``; behind a proxy at a path prefix
+    its download (``/fl/v1/resources/ID``) was held to the 64 MiB of any other answer, and a
+    100 MiB model was refused unread on every device of that deployment."""
+    from device_runtime import ProtocolError
+    from device_runtime.protocol import MAX_ANSWER_BYTES, MAX_RESOURCE_BYTES, answer_bound
+
+    bound = answer_bound(lambda: 0.0, 10.0)
+    size = str(100 << 20)
+    assert MAX_ANSWER_BYTES < int(size) < MAX_RESOURCE_BYTES
+    bound(
+        httpx.Response(200, headers={"content-length": size}, request=httpx.Request("GET", f"{base}/v1/resources/ab"))
+    )
+    with pytest.raises(ProtocolError, match="more than the"):
+        bound(
+            httpx.Response(
+                200, headers={"content-length": size}, request=httpx.Request("GET", f"{base}/v1/populations")
+            )
+        )
