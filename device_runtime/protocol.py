@@ -529,6 +529,35 @@ def _answer(response: httpx.Response, model: Any, what: str) -> Any:
         raise ProtocolError(f"the server's {what} is malformed: {_first_error(exc)}") from None
 
 
+def foreign_answer(response: httpx.Response) -> str:
+    """One line on an error answer that is not the FL server's (whose body is its JSON error): a
+    proxy's or gateway's page in front of it (nginx's ``413 Request Entity Too Large``, ``502 Bad
+    Gateway``), or another server at the URL. Such a page was shown as its first 200 characters of
+    HTML, or as "server error 502" alone, and a proxy at a path prefix the URL left out looked
+    like a server without the route."""
+    kind = response.headers.get("content-type", "").split(";")[0].strip()[:60] or "no content type"
+    text = response.content[:4096].decode("utf-8", "replace")
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+    said = title.group(1) if title else next((line for line in text.splitlines() if line.strip()), "")
+    said = " ".join("".join(c if c.isprintable() else " " for c in said).split())[:100]
+    return (
+        f"HTTP {response.status_code} came from something other than the FL server ({kind}"
+        + (f": {said!r}" if said else "")
+        + f"): a proxy or gateway in front of it, or another server at this URL{_FOREIGN_HINTS.get(response.status_code, '')}"
+    )
+
+
+#: What a proxy's error page most likely means, by its status.
+_FOREIGN_HINTS = {
+    404: " (is the URL's path the proxy's prefix for the server, e.g. https://host/fl?)",
+    405: " (is the URL's path the proxy's prefix for the server, e.g. https://host/fl?)",
+    413: " (the proxy's limit on request bodies is below the upload's size: nginx's client_max_body_size)",
+    502: " (is the server behind it down or restarting?)",
+    503: " (is the server behind it down or restarting?)",
+    504: " (the server behind it answered slower than the proxy waits: its proxy_read_timeout)",
+}
+
+
 def _json(response: httpx.Response) -> Any:
     """An answer's body as JSON; ``ValueError`` when it is not JSON, not UTF-8, or nested deeper than
     pydantic-core's parser goes. httpx's ``Response.json`` is ``json.loads``, which recurses once per
@@ -677,7 +706,10 @@ class ProtocolClient:
             self.bytes_sent += len(body) if isinstance(body, (bytes, bytearray)) else 0
             self.bytes_received += len(response.content)
             if response.status_code >= 500:
-                last_error = ProtocolError(f"server error {response.status_code}", status=response.status_code)
+                said = f"server error {response.status_code}"
+                if _error_code(response) is None:  # a proxy's page (502 Bad Gateway, 504 Gateway Time-out)
+                    said = foreign_answer(response)
+                last_error = ProtocolError(said, status=response.status_code)
                 continue
             return response
         raise ServerUnreachable(
@@ -692,7 +724,7 @@ class ProtocolClient:
         try:
             message = _json(response)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            pass
+            message = foreign_answer(response)
         message = "".join(c if c.isprintable() else " " for c in str(message)[:200])
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 

@@ -24,6 +24,7 @@ from device_runtime.protocol import (
     NO_TLS,
     answer_bound,
     checked_server_url,
+    foreign_answer,
     redacted_url,
     tls_refusal,
     token_headers,
@@ -222,8 +223,8 @@ class AdminClient:
                     # a route no server has: the URL carries a path of the server's own (``.../v1``)
                     message += f"; {redacted_url(self.url)} has no such route: give the server's URL without {path}"
                 raise AdminError(message, response.status_code, err["code"])
-            except (ValueError, KeyError, TypeError):
-                raise AdminError(response.text[:300], response.status_code, None) from None
+            except (ValueError, KeyError, TypeError):  # a proxy's page, or another server's
+                raise AdminError(foreign_answer(response), response.status_code, None) from None
         return response
 
     @staticmethod

@@ -85,12 +85,20 @@ def issue(folder: Path, authority, name: str, *, days: tuple[int, int] = (-1, 30
     return cert_file, key_file
 
 
+NGINX_PAGE = (
+    "<html>\r\n<head><title>{status}</title></head>\r\n<body>\r\n<center><h1>{status}</h1></center>\r\n"
+    "<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+)
+
+
 class PrefixProxy:
     """A reverse proxy: ``/fl/...`` to the upstream's ``/...``, anything else its own 404 page;
     ``seen`` holds the path of every request it took."""
 
-    def __init__(self, upstream: str, prefix: str = "/fl") -> None:
-        self.upstream, self.prefix = upstream, prefix
+    def __init__(self, upstream: str, prefix: str = "/fl", bad_gateway: str | None = None) -> None:
+        """``bad_gateway``: requests whose path ends so get nginx's 502 page, as when the server
+        behind is down."""
+        self.upstream, self.prefix, self.bad_gateway = upstream, prefix, bad_gateway
         self.seen: list[str] = []
 
     async def __call__(self, scope, receive, send) -> None:
@@ -104,8 +112,11 @@ class PrefixProxy:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        page = [(b"content-type", b"text/html")]
         if not path.startswith(self.prefix + "/"):
-            status, headers, content = 404, [(b"content-type", b"text/html")], b"<html>404 Not Found</html>"
+            status, headers, content = 404, page, NGINX_PAGE.format(status="404 Not Found").encode()
+        elif self.bad_gateway is not None and path.endswith(self.bad_gateway):
+            status, headers, content = 502, page, NGINX_PAGE.format(status="502 Bad Gateway").encode()
         else:
             forwarded = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"content-length")]
             async with httpx.AsyncClient(base_url=self.upstream) as client:
@@ -235,3 +246,32 @@ def test_a_model_download_is_held_to_the_resource_bound_behind_a_path_prefix(bas
                 200, headers={"content-length": size}, request=httpx.Request("GET", f"{base}/v1/populations")
             )
         )
+
+
+def test_a_proxys_error_page_is_said_as_one_and_not_as_the_servers_answer(tmp_path, digits):
+    """A URL without the proxy's path prefix reached the proxy's own 404 page, and a server down
+    behind the proxy its 502 page: the device said the page's first 200 characters of HTML (or
+    "server error 502" alone), the operators' client its 300; each now says in one line that the
+    answer did not come from the FL server, the page's title, and what to check."""
+    from device_runtime import ProtocolError
+    from server_stub import AdminError
+    from tests.support import LoopbackApp
+
+    with ServerThread(tmp_path / "server.db") as server:
+        with server.admin() as admin:
+            deploy(admin, goal_count=1)
+        with LoopbackApp(PrefixProxy(server.url, bad_gateway="/report")) as front:
+            store = _store(tmp_path, digits)
+            with FLRuntime("digits", front.url, store, cache_dir=tmp_path / "c0", retry=FAST) as runtime:
+                with pytest.raises(
+                    ProtocolError, match="HTTP 404 came from something other than the FL server"
+                ) as lost:
+                    runtime.run_session()
+            assert "'404 Not Found'" in str(lost.value) and "prefix" in str(lost.value) and "<" not in str(lost.value)
+            with AdminClient(front.url, admin_key=server.admin_key) as admin, pytest.raises(AdminError) as refused:
+                admin.status("digits")
+            assert "'404 Not Found'" in str(refused.value) and "<" not in str(refused.value)
+            with FLRuntime("digits", front.url + "/fl", store, cache_dir=tmp_path / "c1", retry=FAST) as runtime:
+                with pytest.raises(ServerUnreachable, match="'502 Bad Gateway'") as down:
+                    runtime.run_session()
+            assert "down or restarting" in str(down.value) and "\n" not in str(down.value)
