@@ -72,7 +72,9 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """``http://HOST:PORT``, an IPv6 address in brackets (``http://[::1]:PORT``): written bare, it
+        was no URL, and ``admin()`` and every device given it were refused."""
+        return f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> ServerThread:
         self.port = self._server.listen()  # bound here: a port picked free stays ours

@@ -275,3 +275,28 @@ def test_a_proxys_error_page_is_said_as_one_and_not_as_the_servers_answer(tmp_pa
                 with pytest.raises(ServerUnreachable, match="'502 Bad Gateway'") as down:
                     runtime.run_session()
             assert "down or restarting" in str(down.value) and "\n" not in str(down.value)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_server_on_the_ipv6_loopback_is_reached_at_its_bracketed_url(tmp_path):
+    """``ServerThread(host="::1")`` gave ``http://::1:PORT``, which is no URL: its ``admin()`` and
+    every device given its ``url`` were refused as such."""
+    from device_runtime.protocol import ProtocolClient
+
+    with ServerThread(tmp_path / "server.db", host="::1") as server:
+        assert server.url == f"http://[::1]:{server.port}"
+        with server.admin() as admin:
+            admin.create_population("digits")
+        client = ProtocolClient(server.url + "/", retry=FAST)
+        try:
+            assert client.eligibility_info("digits").task is None
+        finally:
+            client.close()
