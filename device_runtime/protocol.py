@@ -612,7 +612,9 @@ class ProtocolClient:
         self.http = client or httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             transport=transport if transport is not None else own,
-            verify=shared_tls_context(),  # also for a proxy's transport, which httpx makes from the environment
+            # the environment's proxies ($HTTPS_PROXY...) are not followed: httpx mounts them only
+            # for a client without a transport, and this one has its own sockets (``_DeadlineTransport``)
+            verify=shared_tls_context(),
             # what ``_BoundedAnswer`` decodes, and no more (httpx asks for br and zstd too once their
             # packages are installed, and the device would then refuse an honest server's answer)
             headers={"Accept-Encoding": "gzip, deflate"},

@@ -8,6 +8,7 @@ import json
 import os
 import ssl
 import time
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -133,6 +134,19 @@ def _context_for(cafile: str | None, capath: str | None) -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def _environment_proxy(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (``$HTTPS_PROXY``, ``$HTTP_PROXY``, ``$ALL_PROXY``
+    and ``$NO_PROXY``, which httpx follows), as a message names it, or None. A proxy that did not
+    answer was said as "no answer from the server ... check that fedfleet server runs there", for
+    a server that ran there."""
+    parsed = httpx.URL(url)
+    found = urllib.request.getproxies_environment()
+    scheme = parsed.scheme if parsed.scheme in found else "all"
+    if scheme not in found or urllib.request.proxy_bypass(parsed.host):
+        return None
+    return f"{redacted_url(found[scheme])} (${scheme.upper()}_PROXY)"
+
+
 class AdminClient:
     """An operator's client: every request carries the admin key as a bearer token.
 
@@ -146,6 +160,7 @@ class AdminClient:
         self.url = check_server_url(server_url)
         self.timeout_s = timeout_s
         base_url, auth = url_credentials(self.url)  # not in the URL: httpx logs each request's
+        self._env_proxies = transport is None  # httpx follows the environment's proxies only then
         self.http = httpx.Client(
             base_url=base_url,
             auth=auth,
@@ -206,6 +221,12 @@ class AdminClient:
             return ServerUnreachable(
                 f"no TLS answer from the server at {redacted_url(self.url)} ({reason}); fedfleet server speaks plain HTTP: "
                 f"give {'http://' + redacted_url(self.url).removeprefix('https://')}, or the URL of the TLS proxy in front of it"
+            )
+        proxy = _environment_proxy(self.url) if self._env_proxies else None
+        if proxy is not None:  # httpx went through it (trust_env): the proxy did not answer, or refused
+            return ServerUnreachable(
+                f"no answer from the server at {redacted_url(self.url)} through the proxy {proxy} ({reason}); "
+                "check that proxy, or name the server's host in $NO_PROXY to reach it directly"
             )
         return ServerUnreachable(
             f"no answer from the server at {redacted_url(self.url)} ({reason}); check that fedfleet server "

@@ -300,3 +300,29 @@ def test_a_server_on_the_ipv6_loopback_is_reached_at_its_bracketed_url(tmp_path)
             assert client.eligibility_info("digits").task is None
         finally:
             client.close()
+
+
+def test_the_environments_proxy_is_named_by_the_operators_client_and_not_taken_by_a_device(tmp_path, monkeypatch):
+    """``$HTTP_PROXY`` naming a proxy that does not answer: the operators' client (httpx's, which
+    follows it) said "no answer from the server ... check that fedfleet server runs there" for a
+    server that ran there; it names the proxy now. A device's requests go straight to the server's
+    URL whatever the environment names (its own sockets, bounded by its deadlines)."""
+    from device_runtime.protocol import ProtocolClient
+
+    for name in ("NO_PROXY", "no_proxy", "http_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as closed:  # nothing listens there once it is closed
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with ServerThread(tmp_path / "server.db") as server:
+        monkeypatch.setenv("HTTP_PROXY", dead)
+        with server.admin() as admin, pytest.raises(OperatorUnreachable, match="through the proxy") as refused:
+            admin.populations()
+        assert f"{dead} ($HTTP_PROXY)" in str(refused.value) and "$NO_PROXY" in str(refused.value)
+        client = ProtocolClient(server.url, retry=FAST)
+        try:
+            assert client.eligibility_info("digits").task is None
+        finally:
+            client.close()
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        with server.admin() as admin:
+            assert admin.populations() == []
