@@ -722,11 +722,20 @@ class ProtocolClient:
     def _raise_for_error(response: httpx.Response) -> None:
         if response.status_code < 400:
             return
-        code, message = _error_code(response), response.content[:200].decode("utf-8", "replace")
+        code = _error_code(response)
         try:
             message = _json(response)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = foreign_answer(response)
+            said = foreign_answer(response)  # bounded: a title of at most 100 characters
+            if response.status_code == 413:
+                # a proxy's limit on bodies, below the upload's size: the server never saw it, and
+                # the same upload is refused again until the proxy changes. Taken as the server's
+                # refusal, a report ended REPORT_REJECTED with no code and nothing said why.
+                raise ServerUnreachable(
+                    f"{response.request.method} {response.request.url.path[:100]} did not reach the FL server: {said}",
+                    retryable=False,
+                ) from None
+            raise ProtocolError(said, status=response.status_code, code=code) from None
         message = "".join(c if c.isprintable() else " " for c in str(message)[:200])
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 

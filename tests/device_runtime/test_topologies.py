@@ -25,7 +25,7 @@ from device_runtime.protocol import RetryPolicy
 from example_store import SQLiteExampleStore
 from server_stub import AdminClient, ServerThread
 from server_stub import ServerUnreachable as OperatorUnreachable
-from tests.support import COLLECTION, deploy
+from tests.support import COLLECTION, LoopbackApp, deploy
 
 FAST = RetryPolicy(attempts=2, base_delay_s=0.001, max_delay_s=0.002)
 
@@ -95,10 +95,13 @@ class PrefixProxy:
     """A reverse proxy: ``/fl/...`` to the upstream's ``/...``, anything else its own 404 page;
     ``seen`` holds the path of every request it took."""
 
-    def __init__(self, upstream: str, prefix: str = "/fl", bad_gateway: str | None = None) -> None:
+    def __init__(
+        self, upstream: str, prefix: str = "/fl", bad_gateway: str | None = None, max_body: int | None = None
+    ) -> None:
         """``bad_gateway``: requests whose path ends so get nginx's 502 page, as when the server
-        behind is down."""
-        self.upstream, self.prefix, self.bad_gateway = upstream, prefix, bad_gateway
+        behind is down; ``max_body``: a larger request body gets its 413 (nginx's
+        ``client_max_body_size``)."""
+        self.upstream, self.prefix, self.bad_gateway, self.max_body = upstream, prefix, bad_gateway, max_body
         self.seen: list[str] = []
 
     async def __call__(self, scope, receive, send) -> None:
@@ -115,6 +118,8 @@ class PrefixProxy:
         page = [(b"content-type", b"text/html")]
         if not path.startswith(self.prefix + "/"):
             status, headers, content = 404, page, NGINX_PAGE.format(status="404 Not Found").encode()
+        elif self.max_body is not None and len(body) > self.max_body:
+            status, headers, content = 413, page, NGINX_PAGE.format(status="413 Request Entity Too Large").encode()
         elif self.bad_gateway is not None and path.endswith(self.bad_gateway):
             status, headers, content = 502, page, NGINX_PAGE.format(status="502 Bad Gateway").encode()
         else:
@@ -255,7 +260,6 @@ def test_a_proxys_error_page_is_said_as_one_and_not_as_the_servers_answer(tmp_pa
     answer did not come from the FL server, the page's title, and what to check."""
     from device_runtime import ProtocolError
     from server_stub import AdminError
-    from tests.support import LoopbackApp
 
     with ServerThread(tmp_path / "server.db") as server:
         with server.admin() as admin:
@@ -326,3 +330,22 @@ def test_the_environments_proxy_is_named_by_the_operators_client_and_not_taken_b
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         with server.admin() as admin:
             assert admin.populations() == []
+
+
+def test_a_report_larger_than_a_proxys_body_limit_is_said_and_not_taken_for_the_servers_refusal(tmp_path, digits):
+    """A proxy's 413 page for a report past its body limit (nginx's default is 1 MiB) ended the
+    session ``REPORT_REJECTED`` with no code, as if the server had refused the update, and nothing
+    said why; the server never saw it. The session now ends in ``ServerUnreachable`` saying so,
+    not retryable: the same upload is refused until the proxy's limit changes."""
+    with ServerThread(tmp_path / "server.db") as server:
+        with server.admin() as admin:
+            deploy(admin, goal_count=1)
+        proxy = PrefixProxy(server.url, max_body=1024)  # a check-in's body passes; the update does not
+        with LoopbackApp(proxy) as front:
+            store = _store(tmp_path, digits)
+            with FLRuntime("digits", front.url + "/fl", store, cache_dir=tmp_path / "c", retry=FAST) as runtime:
+                with pytest.raises(ServerUnreachable, match="'413 Request Entity Too Large'") as refused:
+                    runtime.run_session()
+    assert not refused.value.retryable and "client_max_body_size" in str(refused.value)
+    assert "/report" in str(refused.value) and "\n" not in str(refused.value)
+    assert sum(path.endswith("/report") for path in proxy.seen) == 1
