@@ -463,8 +463,10 @@ def answer_bound(clock: Callable[[], float], timeout_s: float) -> Callable[[http
     def bound(response: httpx.Response) -> None:
         path = response.request.url.path
         # a server behind a proxy at a path prefix (``https://host/fl/``) is asked for ``/fl/v1/resources/``:
-        # its plans and checkpoints were held to the 64 MiB of any other answer
-        limit = MAX_RESOURCE_BYTES if "/v1/resources/" in path else MAX_ANSWER_BYTES
+        # its plans and checkpoints were held to the 64 MiB of any other answer; a task's model
+        # (``/v1/populations/P/model``, which operators read) is a checkpoint as large as a device's
+        models = "/v1/resources/" in path or ("/v1/populations/" in path and path.endswith("/model"))
+        limit = MAX_RESOURCE_BYTES if models else MAX_ANSWER_BYTES
         device_limit, device_bound = getattr(_this_request, "resource_bound", None) or (limit, None)
         if device_limit < limit:
             limit = device_limit

@@ -332,3 +332,20 @@ def test_a_large_models_data_file_is_written_anew_and_not_over_another_file_with
     capsys.readouterr()
     assert cli.main(argv) == 2
     _one_line(capsys, f"{data} exists, where a large model's tensors are written beside -o {out}")
+
+
+def test_a_servers_model_larger_than_its_other_answers_is_read_to_the_bound_of_a_devices_checkpoint(
+    tmp_path, monkeypatch
+):
+    """The operators' client held ``/v1/populations/P/model`` to the 64 MiB of a JSON answer, so the
+    model of a ResNet-50 (100 MB), which every device downloads, could not be fetched by its operator;
+    here the bound of other answers is made smaller than the digits model to show the same."""
+    from device_runtime import protocol
+    from tests.support import deploy
+
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        _, weights = deploy(admin)
+        monkeypatch.setattr(protocol, "MAX_ANSWER_BYTES", 1024)
+        data, number, task = admin.model_bytes("digits")
+    assert len(data) > 1024 and number == 0 and task == "train"
+    assert all(np.array_equal(v, weights[k]) for k, v in decode_checkpoint(data).items())
