@@ -242,7 +242,10 @@ class AdminClient:
                 message = f"{err['message']} ({err['code']})"
                 if err["code"] == "NOT_FOUND" and (path := httpx.URL(self.url).path.rstrip("/")):
                     # a route no server has: the URL carries a path of the server's own (``.../v1``)
-                    message += f"; {redacted_url(self.url)} has no such route: give the server's URL without {path}"
+                    message += (
+                        f"; {redacted_url(self.url)} has no such route: give the server's URL without {path} (behind a "
+                        f"proxy that serves it at {path}, have the proxy strip {path} before it passes a request on)"
+                    )
                 raise AdminError(message, response.status_code, err["code"])
             except (ValueError, KeyError, TypeError):  # a proxy's page, or another server's
                 raise AdminError(foreign_answer(response), response.status_code, None) from None

@@ -157,7 +157,8 @@ def test_a_server_url_with_the_apis_own_path_says_to_give_it_without(tmp_path, c
         code = cli.main(["status", "--server", f"{server.url}/v1", "--population", "p"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
-    assert f"(NOT_FOUND); {server.url}/v1 has no such route: give the server's URL without /v1" in err
+    assert f"(NOT_FOUND); {server.url}/v1 has no such route: give the server's URL without /v1 (behind a proxy" in err
+    assert "have the proxy strip /v1 before it passes a request on)" in err
 
 
 @pytest.mark.parametrize("population", ["a/b", "..", "my app", ""])
