@@ -194,6 +194,8 @@ class SQLiteExampleStore(ExampleStore):
         self._closed = False
         # a delete's earlier copies are still in the write-ahead log: cut it at the next write or close
         self._scrub_pending = False
+        # retention deleted rows as examples were added or read: cut the log at the next delete call
+        self._retention_in_log = False
         self._sealer: RowSealer | None = None
         self._tokens: ResumptionTokens
         self._engine = self._open_engine(key_store, key_alias)
@@ -491,7 +493,8 @@ class SQLiteExampleStore(ExampleStore):
                 if ts_iter is not None and next(ts_iter, None) is not None:
                     raise InvalidArgumentError(f"more timestamps than examples ({total}) were given to add()")
                 if total and coll is not None:  # a collection exists once an example was added
-                    _apply_policy(cursor, coll, self._retention(collection_uri, conn), self._clock())
+                    if _apply_policy(cursor, coll, self._retention(collection_uri, conn), self._clock()):
+                        self._retention_in_log = True
             finally:
                 cursor.close()
         if created is not None:  # only cache what was committed
@@ -571,8 +574,9 @@ class SQLiteExampleStore(ExampleStore):
         """After a commit that deleted ``deleted`` rows: cut the write-ahead log, which holds the
         pages as they were before the delete, or leave it for the next write or ``close`` when a
         read still holds an older snapshot."""
-        if deleted <= 0 and not self._scrub_pending:
+        if deleted <= 0 and not self._scrub_pending and not self._retention_in_log:
             return
+        self._retention_in_log = False
         try:
             proxied = self._engine.raw_connection()
         except (SQLAlchemyError, sqlite3.Error):
@@ -642,6 +646,7 @@ class SQLiteExampleStore(ExampleStore):
                 conn.exec_driver_sql(
                     "DELETE FROM examples WHERE collection_id = ? AND timestamp < ?", (coll.id, cutoff)
                 )
+            self._retention_in_log = True
         except (SQLAlchemyError, sqlite3.Error) as exc:
             log.warning(
                 "could not delete the examples of %s past their TTL in %s (%s); they are not read, and are "

@@ -111,6 +111,29 @@ def test_close_cuts_a_log_that_a_read_held_at_the_delete(tmp_path):
     other.close()
 
 
+@pytest.mark.parametrize("policy", ["max_bytes", "ttl"])
+def test_apply_retention_on_a_schedule_cuts_what_retention_deleted_as_examples_were_added_or_read(
+    tmp_path, build_without_secure_delete, policy
+):
+    """Retention's deletes as examples are added (past max_bytes) or read (past their TTL) leave the
+    log for the next delete call: the scheduled apply_retention() the tutorial names, which then
+    finds nothing left to delete, still cuts it."""
+    clock = FakeClock(1_000_000.0)
+    path = tmp_path / "app.db"
+    retention = RetentionPolicy(max_bytes=2_000) if policy == "max_bytes" else RetentionPolicy(ttl_seconds=600)
+    store = SQLiteExampleStore(path, clock=clock, retention=retention)
+    store.add(URI, _examples(100))
+    if policy == "max_bytes":
+        store.add(URI, [{"note": np.zeros(len(MARK) + 6, np.uint8), "y": np.int64(0)}] * 100)
+    else:
+        clock.now += 3600
+    assert store.count(ExampleSelector(URI)) < 100
+    assert _on_disk(path) > 0  # in the log until a delete call
+    assert store.apply_retention() == 0
+    assert _on_disk(path) == 0
+    store.close()
+
+
 def test_the_database_and_its_log_are_readable_by_their_owner_only(tmp_path):
     old = os.umask(0o022)  # the usual umask, under which SQLite made the file 0644
     try:
