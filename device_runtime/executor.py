@@ -105,10 +105,10 @@ def _io_specs(model_bytes: bytes) -> tuple[dict[str, tuple], dict[str, tuple]]:
     return _specs(onnx.ModelProto.FromString(model_bytes))
 
 
-#: Ops that pass an integer input's values on unchanged (their first input), in another shape or type.
-_PASSING_IDS = frozenset(
-    {"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Expand", "Slice"}
-)
+#: Ops that pass an integer input's values on unchanged (their first input), in another shape or type:
+#: every value, so that each is checked as an id. Not ``Slice``: the columns it drops may be no ids at
+#: all (a count beside the tokens), and refusing them refused an honest model's examples.
+_PASSING_IDS = frozenset({"Identity", "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Transpose", "Expand"})
 
 
 def lookup_tables(graph: onnx.GraphProto) -> dict[str, tuple[str, int]]:

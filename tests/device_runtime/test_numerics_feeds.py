@@ -356,3 +356,37 @@ def test_token_ids_outside_the_embedding_table_are_refused_before_they_train_its
     guarded, guarded_weights = _toolchain_plan(_bag_of_tokens(guard=True))
     negative = np.where(padded < 0, padded, np.minimum(padded, 5))
     guarded.run_device(guarded_weights, lambda: [{"tokens": negative, "y": Y}])  # its own Where maps -1 to row 0
+
+
+def test_an_integer_input_whose_other_columns_a_slice_drops_before_the_table_is_not_refused():
+    """Only the first 4 columns of ``tokens`` are looked up (a Slice keeps them); the 5th is a count
+    the model reads as a number. A count past the table's rows is the model's honest input: the
+    batch trains, where the id check read every column as a token id and refused it."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Slice", ["tokens", "start", "four", "axis"], ["ids"]),
+            helper.make_node("Gather", ["table", "ids"], ["embedded"]),
+            helper.make_node("ReduceMean", ["embedded", "axis"], ["pooled"], keepdims=0),
+            helper.make_node("Gather", ["tokens", "four"], ["length"], axis=1),
+            helper.make_node("Cast", ["length"], ["length_float"], to=TensorProto.FLOAT),
+            helper.make_node("Concat", ["pooled", "length_float"], ["features"], axis=1),
+            helper.make_node("MatMul", ["features", "w"], ["logits"]),
+        ],
+        "bag_and_count",
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["N", 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        initializer=[
+            onnx.numpy_helper.from_array(rng.standard_normal((6, 5)).astype(np.float32), "table"),
+            onnx.numpy_helper.from_array(rng.standard_normal((6, 3)).astype(np.float32) * 0.01, "w"),
+            *(
+                onnx.numpy_helper.from_array(np.array([v], dtype=np.int64), n)
+                for n, v in [("start", 0), ("four", 4), ("axis", 1)]
+            ),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    executor, weights = _toolchain_plan(model)
+    tokens = np.array([[0, 1, 2, 5, 40], [5, 4, 3, 2, 7], [0, 0, 0, 0, 12], [1, 1, 1, 1, 3]])
+    trained = executor.final_weights(weights, executor.run_device(weights, lambda: [{"tokens": tokens, "y": Y}]))
+    assert not np.allclose(trained["table"], weights["table"])
