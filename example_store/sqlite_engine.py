@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,10 +79,10 @@ def sqlite_engine(
     """An engine over the SQLite file ``path``, shared across threads, every connection in WAL.
     A writer waits up to ``busy_timeout_s`` for another process's lock, then fails. ``durable``:
     each commit is synced to disk before it returns (see ``configure_connection``). ``private``
-    (the app's database, which holds its users' examples and history): a missing file is made
-    readable and writable by its owner only (SQLite gives its ``-wal`` and ``-shm`` files the
-    database's mode), where SQLite made it 0644 under the usual umask, readable by every user
-    of the machine; and deleted rows are overwritten with zeros (``secure_delete``)."""
+    (the app's database, which holds its users' examples and history): the file is made
+    readable and writable by its owner only, a missing one as it is made and an existing one too
+    (SQLite gives its ``-wal`` and ``-shm`` files the database's mode), where SQLite made it 0644
+    under the usual umask, readable by every user of the machine; and deleted rows are overwritten with zeros (``secure_delete``)."""
     if private:
         _create_private(path)
     engine = create_engine(
@@ -101,12 +102,25 @@ def sqlite_engine(
 
 def _create_private(path: str | os.PathLike) -> None:
     """Creates ``path`` empty with mode 0600 if it is missing (SQLite takes an empty file for a new
-    database); an existing file, or one that cannot be made here, is left for SQLite to open or
-    to refuse with its own error."""
+    database), or takes the group's and others' access away from an existing one and its ``-wal``
+    and ``-shm`` (an app's database from before, made 0644); a file that cannot be made or changed
+    here (another user's, a read-only folder) is left for SQLite to open or to refuse with its own
+    error. ``:memory:`` is no file: it made one of that name in the working folder."""
+    name = os.fspath(path)
+    if name in ("", ":memory:"):
+        return
     try:
-        os.close(os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return
     except OSError:
         pass
+    for existing in (name, f"{name}-wal", f"{name}-shm"):
+        try:
+            mode = stat.S_IMODE(os.stat(existing).st_mode)
+            if mode & 0o077:
+                os.chmod(existing, mode & 0o700)
+        except OSError:
+            pass
 
 
 def scrub_wal(dbapi_connection: sqlite3.Connection, busy_timeout_s: float = 30.0) -> bool:

@@ -317,3 +317,10 @@ def test_delete_all_leaves_no_session_nor_token_in_the_file_or_its_log(tmp_path)
     opstats.record_session("later", "digits", "t", [Event("checkin", 300.0)])  # the log goes on
     assert [s.session_id for s in opstats.sessions()] == ["later"]
     opstats.close()
+
+
+def test_a_log_in_memory_makes_no_file_of_that_name(tmp_path, monkeypatch):
+    """``:memory:`` is no file: opening the log made an empty one of that name in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    OpStatsStore(":memory:").close()
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ pages or its write-ahead log, whatever SQLite's build defaults to; and files onl
 from __future__ import annotations
 
 import os
+import sqlite3
 import stat
 
 import numpy as np
@@ -143,6 +144,27 @@ def test_the_database_and_its_log_are_readable_by_their_owner_only(tmp_path):
             name: stat.S_IMODE(os.stat(tmp_path / name).st_mode) for name in ("app.db", "app.db-wal", "app.db-shm")
         }
         store.close()
+    finally:
+        os.umask(old)
+    assert modes == dict.fromkeys(modes, 0o600)
+
+
+def test_an_earlier_apps_database_readable_by_every_user_is_made_its_owners_only(tmp_path):
+    """An app's database from before (0644 under the usual umask, its log too) is the one an
+    updated app opens: it was left readable by every user of the machine."""
+    old = os.umask(0o022)
+    try:
+        earlier = sqlite3.connect(tmp_path / "app.db")
+        earlier.execute("PRAGMA journal_mode=WAL")
+        earlier.execute("CREATE TABLE earlier (x)")
+        earlier.commit()  # -wal and -shm stay while it is open
+        store = SQLiteExampleStore(tmp_path / "app.db")
+        store.add(URI, _examples(3))
+        modes = {
+            name: stat.S_IMODE(os.stat(tmp_path / name).st_mode) for name in ("app.db", "app.db-wal", "app.db-shm")
+        }
+        store.close()
+        earlier.close()
     finally:
         os.umask(old)
     assert modes == dict.fromkeys(modes, 0o600)
