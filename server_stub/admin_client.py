@@ -190,8 +190,10 @@ class AdminClient:
         except ProtocolError as exc:  # an answer past the bounds a device reads (MAX_RESOURCE_BYTES)
             raise AdminError(str(exc), 200, "MALFORMED_ANSWER") from None
         except httpx.TimeoutException as exc:
-            if method == "POST" and path.endswith(("/tasks", "/task-groups")):
-                waited = kwargs.get("timeout", self.timeout_s)
+            # only a deploy sent whole and not answered may have been taken: one that found no
+            # server (ConnectTimeout) or was not read (WriteTimeout) never arrived
+            if isinstance(exc, httpx.ReadTimeout) and method == "POST" and path.endswith(("/tasks", "/task-groups")):
+                waited = httpx.Timeout(kwargs.get("timeout", self.timeout_s)).read
                 raise ServerUnreachable(
                     f"the server at {redacted_url(self.url)} did not answer the deploy within {waited:g} s; it may "
                     "still be checking it: fedfleet status shows whether it was taken (the same deploy sent again "
@@ -207,7 +209,13 @@ class AdminClient:
         (``DEPLOY_CHECK_BYTES_PER_S``)."""
         content = json.dumps(body, separators=(",", ":")).encode()
         wait = self.timeout_s + len(content) / DEPLOY_CHECK_BYTES_PER_S
-        return self._send("POST", path, content=content, headers={"Content-Type": "application/json"}, timeout=wait)
+        return self._send(
+            "POST",
+            path,
+            content=content,
+            headers={"Content-Type": "application/json"},
+            timeout=httpx.Timeout(wait, connect=self.timeout_s),  # a server not there is said as soon as ever
+        )
 
     def _unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
         reason = str(exc) or type(exc).__name__

@@ -11,6 +11,7 @@ import argparse
 import io
 import os
 import queue
+import socket
 import ssl
 import subprocess
 import sys
@@ -651,3 +652,32 @@ def test_a_deploy_not_answered_in_time_says_it_may_have_been_taken(server, monke
             )
     message = str(err.value)
     assert "did not answer the deploy within 0.2 s" in message and "fedfleet status" in message
+
+
+def test_a_deploy_that_reaches_no_server_says_so_in_the_timeout_not_that_it_may_have_been_taken():
+    """A server whose queue of connections is full (or a host that drops them) takes no deploy: the
+    client waited the deploy's whole allowance (minutes for a large model) and then said the server
+    might still be checking it."""
+    from server_stub import ServerUnreachable
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        waiting = []
+        for _ in range(4):  # fill the queue: the kernel drops the next connection's SYNs
+            pending = socket.socket()
+            pending.setblocking(False)
+            pending.connect_ex(("127.0.0.1", port))
+            waiting.append(pending)
+        try:
+            with AdminClient(f"http://127.0.0.1:{port}", admin_key="k" * 32, timeout_s=0.3) as admin:
+                started = time.monotonic()
+                with pytest.raises(ServerUnreachable) as err:
+                    admin.deploy_task("p", "v1", digits_plan(), b"\0" * (4 << 20), RoundConfig(min_reports=1))
+                took = time.monotonic() - started
+        finally:
+            for pending in waiting:
+                pending.close()
+    assert "no answer from the server" in str(err.value) and "may still be checking" not in str(err.value)
+    assert took < 2.0  # the 0.3 s timeout, not 0.3 s + 5.6 MB of JSON at a second a MiB
