@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -101,6 +102,9 @@ class DirectoryPlanCache:
             return
         try:
             _private_folders(path.parent)
+            with contextlib.suppress(OSError):  # its own folder, which an earlier version made 0755
+                if (mode := stat.S_IMODE(path.parent.stat().st_mode)) & 0o077:
+                    os.chmod(path.parent, mode & 0o700)
             # a name of its own per writer: runtimes sharing the folder never write one partial copy
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{plan_id}.", suffix=".tmp")
             try:

@@ -143,6 +143,19 @@ def test_the_plan_cache_folders_it_makes_are_its_owners_only(tmp_path):
     assert stat.S_IMODE(next((tmp_path / "app" / "fl-cache" / "plans").iterdir()).stat().st_mode) == 0o600
 
 
+def test_a_plans_folder_an_earlier_version_made_listable_is_made_its_owners_only(tmp_path):
+    """An updated app's cache keeps its ``plans`` folder: made 0755 before, it listed the ids of the
+    plans the device downloaded to every user of the machine."""
+    cache_dir = tmp_path / "fl-cache"
+    (cache_dir / "plans").mkdir(parents=True)
+    for folder in (cache_dir, cache_dir / "plans"):
+        os.chmod(folder, 0o755)
+    data = b"plan"
+    DirectoryPlanCache(cache_dir).put(hashlib.sha256(data).hexdigest(), data)
+    assert stat.S_IMODE((cache_dir / "plans").stat().st_mode) == 0o700
+    assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o755  # the app's own folder: as it chose it
+
+
 def test_a_partial_plan_copy_left_by_a_killed_writer_is_removed(tmp_path):
     """A device killed while writing a plan leaves a partial copy under a temporary name: never
     read as a plan, and removed by a later write once its writer's lock is free (its process
