@@ -227,12 +227,14 @@ def b64(value: str | None, name: str) -> bytes | None:
 
 
 def bearer(request: Request) -> str | None:
-    """The request's bearer token: ``Authorization: Bearer``, or ``TOKEN_HEADER`` where the
-    client's URL credentials took ``Authorization`` (a gateway's basic auth, passed on)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
-        token = request.headers.get(TOKEN_HEADER, "")
+    """The request's bearer token: ``TOKEN_HEADER`` where the client sent one (its URL's
+    credentials took ``Authorization``, which a gateway may pass on as it came or rewrite into a
+    bearer token of its own), else ``Authorization: Bearer``."""
+    token = request.headers.get(TOKEN_HEADER, "")
+    if not token:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = ""
     token = token.strip()
     if not token or len(token) > MAX_KEY_CHARS:
         return None

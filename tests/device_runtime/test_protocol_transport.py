@@ -274,23 +274,31 @@ def test_a_password_holding_a_url_delimiter_is_shown_as_stars_or_refused_without
 
 class _BasicAuthGateway:
     """A gateway in front of the server that lets through only requests with its basic-auth
-    credentials and passes ``Authorization`` on, as nginx's ``auth_basic`` does."""
+    credentials and passes ``Authorization`` on, as nginx's ``auth_basic`` does, or with
+    ``rewrite`` replaces it by a bearer token of its own, as an identity proxy does."""
 
-    def __init__(self, app, user: str, password: str) -> None:
+    def __init__(self, app, user: str, password: str, *, rewrite: bool = False) -> None:
         import base64
 
         self.app = app
         self.expected = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
+        self.rewrite = rewrite
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
             await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
             return
+        if scope["type"] == "http" and self.rewrite:
+            headers = [(k, v) for k, v in scope["headers"] if k != b"authorization"]
+            scope = {**scope, "headers": [*headers, (b"authorization", b"Bearer the-gateways-own-identity-token")]}
         await self.app(scope, receive, send)
 
 
-def test_a_device_and_an_operator_reach_a_server_behind_a_gateway_that_takes_the_urls_credentials(tmp_path, digits):
+@pytest.mark.parametrize("rewrite", [False, True], ids=["passes-authorization-on", "rewrites-it"])
+def test_a_device_and_an_operator_reach_a_server_behind_a_gateway_that_takes_the_urls_credentials(
+    tmp_path, digits, rewrite
+):
     """``http://user:secret@gateway/``: the URL's credentials go as basic auth in ``Authorization``,
     where every session request carries its token too; the token then went nowhere (the basic auth
     replaced it) and every session ended at its plan download, MISSING_TOKEN, as did every operator
@@ -302,7 +310,7 @@ def test_a_device_and_an_operator_reach_a_server_behind_a_gateway_that_takes_the
     admin_key = "gateway-test-admin-key-0123456789abcdef"
     store_of_server = ServerStore(f"sqlite:///{tmp_path / 'server.db'}")
     service = FLService(store_of_server)
-    app = _BasicAuthGateway(create_app(service, admin_keys=AdminKeys([admin_key])), "device", "s3cret")
+    app = _BasicAuthGateway(create_app(service, admin_keys=AdminKeys([admin_key])), "device", "s3cret", rewrite=rewrite)
     with LoopbackApp(app) as gateway:
         behind = gateway.url.replace("http://", "http://device:s3cret@")
         with AdminClient(behind, admin_key=admin_key) as admin:
