@@ -25,7 +25,7 @@ class CheckedReport:
     """A report that passed its checks, bounded: the update to sum and what the round counts of it."""
 
     update: dict[str, np.ndarray]
-    observed: dict[str, float]  # the per-device summaries (none of the update's with DP on)
+    observed: dict[str, float]  # the per-device summaries (none with DP on)
     shape: str | None  # the session's shape so far, as the device sent it
     capped: bool
     clipped: bool
@@ -75,10 +75,12 @@ def _check_report(run: TaskRun, body: bytes, stats: dict | None, session_age_s: 
         clip_norm=None if central else run.config.clip_update_norm,  # central DP clips to its own clip below
     )
     summed, metrics_capped = cap_metric_weight(bounded.update, run.config.max_examples_per_report)
-    # with DP, no summary of one device's update or metrics is published beside the noised model
-    weights = run.plan.weight_names if run.is_training else ()
-    observed = device_metrics(summed, weights) if run.config.dp is None else {}
-    observed.update(stats_metrics(stats, session_age_s))
+    # with DP, no summary of one device's values is published beside the noised model: neither of its
+    # update and metric sums nor of its training time, which grows with its number of examples
+    observed: dict[str, float] = {}
+    if run.config.dp is None:
+        observed = device_metrics(summed, run.plan.weight_names if run.is_training else ())
+        observed.update(stats_metrics(stats, session_age_s))
     return CheckedReport(summed, observed, stats_shape(stats), bounded.capped or metrics_capped, bounded.clipped)
 
 

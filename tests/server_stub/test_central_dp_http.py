@@ -19,6 +19,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from device_runtime import PlanExecutor, build_eval_plan, encode_checkpoint, initial_weights
+from device_runtime.protocol import STATS_HEADER
 from server_stub import AdminClient, AdminError, DPConfig, RoundConfig, ServerThread
 from server_stub import accounting as acc
 from server_stub.admin_client import task_body
@@ -62,7 +63,9 @@ def _clipped_mean(plan, updates: list[dict[str, np.ndarray]], weights: list[floa
     return {w: t / denominator for w, t in total.items()}
 
 
-def _run_round(server, updates: list[dict[str, np.ndarray]]) -> None:
+def _run_round(server, updates: list[dict[str, np.ndarray]], stats: str | None = None) -> None:
+    """Each update reported by a session of its own; ``stats``: the session statistics header each sends."""
+    headers = {} if stats is None else {STATS_HEADER: stats}
     with httpx.Client(base_url=server.url, timeout=30) as http:
         sessions = [
             http.post("/v1/populations/digits/checkin", json={"runtime_version": "1.31.1"}).json() for _ in updates
@@ -72,7 +75,7 @@ def _run_round(server, updates: list[dict[str, np.ndarray]]) -> None:
             r = http.post(
                 f"/v1/sessions/{session['session_id']}/report",
                 content=encode_checkpoint(update),
-                headers={"Authorization": f"Bearer {session['token']}"},
+                headers={**headers, "Authorization": f"Bearer {session['token']}"},
             )
             assert r.status_code == 200, r.text
 
@@ -152,25 +155,31 @@ def test_adaptive_clipping_moves_the_clip_and_the_round_records_it(server, admin
     assert second["metrics"]["epsilon"] == pytest.approx(dp_accounting.get_epsilon_gaussian(0.5 / math.sqrt(2), 1e-5))
 
 
-def test_a_dp_rounds_metrics_hold_no_per_device_update_norm_or_training_loss(server, admin) -> None:
+#: The session statistics each device sends with its report: a training time is one device's value (it grows
+#: with the device's examples), which a summary's min and max publish as it is.
+TRAINED = '{"shape": "-v[]+", "training_s": 0.0}'
+
+
+def test_a_dp_rounds_metrics_hold_no_per_device_update_norm_training_time_or_training_loss(server, admin) -> None:
     n = 4
     plan, _ = deploy(admin, **_config(n, DPConfig(mode="central", noise_multiplier=1.0, clip=CLIP)))
-    _run_round(server, _updates(plan, n, seed=6, examples=[5.0] * n))
+    _run_round(server, _updates(plan, n, seed=6, examples=[5.0] * n), stats=TRAINED)
     (record,) = admin.rounds("digits")
     m = record["metrics"]
-    assert "update_norm" not in m["device_metrics"]
-    assert not any(name in m["device_metrics"] for name in ("loss", "accuracy", "loss_sum", "correct", "num_examples"))
+    assert m["device_metrics"] == {}  # no update norm, loss, accuracy, example count or training time
     assert not {"train_loss", "train_accuracy", "num_examples", "bounded_reports"} & set(m)
-    assert m["reported"] == n  # counts are public
+    assert m["reported"] == n and m["shapes"] == {"-v[]+^": n}  # counts are public
 
 
 def test_without_dp_the_same_round_publishes_update_norms(server, admin) -> None:
     """The contrast that keeps the test above honest: the same round without dp shows them."""
     n = 4
     plan, _ = deploy(admin, **{**_config(n, None), "dp": None})
-    _run_round(server, _updates(plan, n, seed=6, examples=[5.0] * n))
+    _run_round(server, _updates(plan, n, seed=6, examples=[5.0] * n), stats=TRAINED)
     (record,) = admin.rounds("digits")
     assert "update_norm" in record["metrics"]["device_metrics"]
+    assert record["metrics"]["device_metrics"]["training_s"]["count"] == n
+    assert record["metrics"]["shapes"] == {"-v[]+^": n}  # a session's shape counts in either round
     assert "train_loss" in record["metrics"]
 
 
