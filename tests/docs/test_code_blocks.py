@@ -136,6 +136,46 @@ def test_the_readme_is_at_most_8000_bytes() -> None:
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move detail to docs/ and link it"
 
 
+def _refused_at_the_prompt(code: str) -> list[str]:
+    """The lines of a block that Python's interactive prompt refuses when the block is pasted into
+    it whole (``./dev shell``): the prompt runs a compound statement only at the blank line after
+    it, so a line that goes on at the left margin right after an indented one is a SyntaxError, and
+    so is an indented line after a blank one. Compiled the way ``code.InteractiveConsole`` reads
+    lines, nothing run."""
+    import codeop
+
+    refused, pending = [], []
+    for line in [*code.splitlines(), ""]:
+        pending.append(line)
+        try:
+            compiled = codeop.compile_command("\n".join(pending), "<stdin>", "single")
+        except SyntaxError:
+            refused.append(line)
+            pending = []
+            continue
+        if compiled is not None:
+            pending = []
+    return refused
+
+
+def test_the_python_blocks_can_be_pasted_into_the_interactive_prompt() -> None:
+    refused = [
+        f"{b.where}: {lines[0]!r}"
+        for blocks in BLOCKS.values()
+        for b in blocks
+        if b.lang == "python" and b.title is None and (lines := _refused_at_the_prompt(b.code))
+    ]
+    assert not refused, (
+        f"a reader pasting these blocks gets a SyntaxError (leave a blank line after an indented block): {refused}"
+    )
+
+
+def test_the_prompt_check_refuses_what_the_prompt_refuses() -> None:
+    assert _refused_at_the_prompt("for i in range(2):\n    print(i)\nprint('done')\n") == ["print('done')"]
+    assert _refused_at_the_prompt("def f():\n    x = 1\n\n    return x\n") == ["    return x"]
+    assert _refused_at_the_prompt("for i in range(2):\n    print(i)\n\nprint('done')\nx = (\n    1,\n)\n") == []
+
+
 def test_a_marker_binds_the_block_after_it_only(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
