@@ -677,8 +677,12 @@ def _deploy(args: argparse.Namespace, say) -> int:
         return 1
     for task in tasks:
         say(f"deployed to {redacted_url(args.server)} population {args.population}: {deployed_line(task)}")
+    # a command to paste into a shell, with the key file deploy was given (status needs it too)
+    q = shlex.quote
+    key = f" --admin-key-file {q(args.admin_key_file)}" if args.admin_key_file else ""
     say(
-        f"next: fedfleet status --server {redacted_url(args.server)} --population {args.population} (its tasks and open round)"
+        f"next: fedfleet status --server {q(redacted_url(args.server))} --population {q(args.population)}{key} "
+        "(its tasks and open round)"
     )
     return 0
 

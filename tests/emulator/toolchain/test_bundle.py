@@ -6,6 +6,7 @@ replaces only what a build wrote."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -239,6 +240,12 @@ def test_a_tasks_eligibility_policies_reach_the_server_its_deploy_and_its_evalua
     with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server:
         deploy = ["deploy", str(tmp_path / "bundle"), "--server", server.url, "--population", "digits"]
         assert main([*deploy, "--admin-key-file", str(keys)]) == 0, capsys.readouterr().err
+        # the status command deploy prints next runs as pasted: with the key file deploy was given
+        line = capsys.readouterr().out.splitlines()[-1]
+        status = shlex.split(line.removeprefix("next: fedfleet ").removesuffix(" (its tasks and open round)"))
+        assert status[:1] == ["status"] and status[status.index("--admin-key-file") + 1] == str(keys), line
+        assert main(status) == 0, capsys.readouterr().err
+        assert "digits_mlp: active" in capsys.readouterr().out
         import httpx
 
         published = httpx.get(f"{server.url}/v1/populations/digits/eligibility").json()
