@@ -588,8 +588,9 @@ class FleetConfig(_Section):
             # a byte order mark, as Windows editors and PowerShell write UTF-8, is read past as in a trace
             data = tomllib.loads(raw.decode("utf-8-sig"))
         except FileNotFoundError:
+            here = "" if path.is_absolute() else f" (from {Path.cwd()})"  # a relative path: from where it was looked up
             raise FleetConfigError(
-                f"no fleet config at {path}{did_you_mean_path(path)}; pass an existing TOML file"
+                f"no fleet config at {path}{did_you_mean_path(path)}{here}; pass an existing TOML file"
             ) from None
         except OSError as exc:  # a folder, a file without read permission
             raise FleetConfigError(

@@ -266,7 +266,10 @@ def test_a_misspelt_path_names_the_file_beside_it_that_it_is_closest_to(argv, sa
     (tmp_path / "small.toml").write_text("", encoding="utf-8")
     _bundle(tmp_path / "bundle")
     assert cli.main(argv) == 2
-    assert said in _one_line(capsys.readouterr().err)
+    err = _one_line(capsys.readouterr().err)
+    assert said in err
+    if argv[1:2] == ["--no-progress"] and argv[2].endswith(".toml"):  # and from where a relative path was looked up
+        assert f"(from {tmp_path}); pass an existing TOML file" in err
 
 
 def test_a_misspelt_choice_names_the_choice_it_is_closest_to(capsys):
