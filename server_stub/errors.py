@@ -15,6 +15,13 @@ MAX_MESSAGE_CHARS = 500
 QUOTED_NAME_CHARS = 128
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional extra: by name where fedfleet came from a wheel, and in a checkout
+    into ``./dev``'s environment (a plain ``pip install 'fedfleet[X]'`` there fetches whatever an
+    index calls fedfleet instead)."""
+    return f"pip install 'fedfleet[{extra}]' (in a checkout: .venv/bin/pip install -e '.[{extra}]')"
+
+
 def quoted(name: object) -> str:
     """``name`` as a message quotes it: its ``repr``, or for a longer one than any valid name (a
     path segment of thousands of characters) the ``repr`` of its first ``QUOTED_NAME_CHARS``

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from datasketches import kll_doubles_sketch
 
+from .errors import install_hint
+
 if TYPE_CHECKING:
     import pandas
 
@@ -401,7 +403,7 @@ def rounds_frame(rounds: list[dict]) -> pandas.DataFrame:
     try:
         import pandas as pd
     except ImportError as exc:
-        raise ImportError("rounds_frame needs pandas: pip install 'fedfleet[analysis]'") from exc
+        raise ImportError(f"rounds_frame needs pandas: {install_hint('analysis')}") from exc
     frame = pd.DataFrame([_round_row(item) for item in rounds])
     shape_columns = [c for c in frame.columns if c.startswith("shape.")]
     if shape_columns:

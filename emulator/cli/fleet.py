@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from server_stub.cli import Terminated, sigterm_as_interrupt
-from server_stub.errors import did_you_mean_path
+from server_stub.errors import did_you_mean_path, install_hint
 
 from ..fleet.config import FleetConfig, FleetConfigError, FleetSection
 from ..fleet.events import SimulationError
@@ -254,8 +254,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             print(f"fedfleet simulate: {line}", file=sys.stderr)
     if out is not None and importlib.util.find_spec("matplotlib") is None:  # else a traceback after the whole run
         print(
-            f"fedfleet simulate: --out {args.out} gets the run's plots, which need matplotlib: pip install "
-            "'fedfleet[sim]' (or leave out --out for the summary line alone)",
+            f"fedfleet simulate: --out {args.out} gets the run's plots, which need matplotlib: {install_hint('sim')}; "
+            "or leave out --out for the summary line alone",
             file=sys.stderr,
         )
         return 2

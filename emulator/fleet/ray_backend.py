@@ -60,7 +60,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from server_stub.errors import did_you_mean
+from server_stub.errors import did_you_mean, install_hint
 
 from .config import FleetConfig, FleetConfigError
 from .events import EventLoop, Fiber, Fibers, SimulationError
@@ -88,7 +88,7 @@ def _ray() -> Any:
         import ray
     except ImportError:
         raise RayBackendError(
-            "Ray is not installed: install the optional extra with `pip install 'fedfleet[ray]'` (or run without --ray)"
+            f"Ray is not installed: install the optional extra with {install_hint('ray')}, or run without --ray"
         ) from None
     return ray
 

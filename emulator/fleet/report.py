@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from device_runtime.opstats import SHAPE_SYMBOLS
+from server_stub.errors import install_hint
 
 # the headline figures live in the leaf module .summary (FleetRun.summary() computes them); the
 # report draws them, and they stay importable from here
@@ -155,7 +156,7 @@ def _new_figure(rows: int = 1, height: float = 4.0) -> tuple[Any, list[Any]]:
         from matplotlib.figure import Figure as MplFigure
     except ModuleNotFoundError:
         raise FleetReportError(
-            "the fleet report's plots need matplotlib; install it with pip install 'fedfleet[sim]'"
+            f"the fleet report's plots need matplotlib; install it with {install_hint('sim')}"
         ) from None
 
     fig = MplFigure(figsize=(9.0, height * rows), dpi=100)

@@ -56,6 +56,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from server_stub.errors import install_hint
+
 from .model_bundle import ModelBundle, bundle_from_onnx
 from .onnx_import import inference_form, save_onnx
 from .tasks import NamedOutput, TaskError, loss_output
@@ -75,7 +77,7 @@ __all__ = [
     "untrained_parameters",
 ]
 
-INSTALL_HINT = "pip install 'fedfleet[torch]' (torch is needed to export a model, not to run plans)"
+INSTALL_HINT = f"{install_hint('torch')}; torch is needed to export a model, not to run plans"
 #: The batch size the module is traced at: 0 and 1 would be specialized by torch.export.
 TRACE_BATCH = 2
 

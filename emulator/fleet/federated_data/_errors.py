@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from server_stub.errors import install_hint
+
 
 class FederatedDataError(ValueError):
     """A dataset that cannot be read or cut as asked; the message says what is wrong and the fix."""
@@ -121,5 +123,5 @@ def require(module: str, *, extra: str = "data") -> object:
         top = module.split(".")[0]
         package = PACKAGES.get(top, top)
         raise MissingDependencyError(
-            f"this format needs the '{package}' package: pip install 'fedfleet[{extra}]' (or pip install {package})"
+            f"this format needs the '{package}' package: {install_hint(extra)}, or pip install {package}"
         ) from exc

@@ -538,7 +538,7 @@ def test_simulate_out_without_matplotlib_is_refused_before_the_run_naming_the_ex
     captured = capsys.readouterr()
     assert captured.err == (
         f"fedfleet simulate: --out {out} gets the run's plots, which need matplotlib: pip install 'fedfleet[sim]' "
-        "(or leave out --out for the summary line alone)\n"
+        "(in a checkout: .venv/bin/pip install -e '.[sim]'); or leave out --out for the summary line alone\n"
     )
     assert captured.out == "" and not out.exists()
 
