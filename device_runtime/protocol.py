@@ -739,6 +739,13 @@ class ProtocolClient:
                 ) from None
             raise ProtocolError(said, status=response.status_code, code=code) from None
         message = "".join(c if c.isprintable() else " " for c in str(message)[:200])
+        if code == "MISSING_TOKEN" and TOKEN_HEADER in response.request.headers:
+            # the server read only ``Authorization`` (the URL's basic auth): it asked for a bearer
+            # token there, which this device cannot send beside the URL's credentials
+            message = (
+                f"the server did not read the session token sent in {TOKEN_HEADER} beside the URL's credentials: "
+                f"a server of a release before {TOKEN_HEADER} (upgrade it) or a gateway that drops the header"
+            )
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 
     def attestation_nonce(self) -> bytes:

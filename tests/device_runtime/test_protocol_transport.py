@@ -277,12 +277,15 @@ class _BasicAuthGateway:
     credentials and passes ``Authorization`` on, as nginx's ``auth_basic`` does, or with
     ``rewrite`` replaces it by a bearer token of its own, as an identity proxy does."""
 
-    def __init__(self, app, user: str, password: str, *, rewrite: bool = False) -> None:
+    def __init__(self, app, user: str, password: str, *, rewrite: bool = False, drop_token: bool = False) -> None:
+        """``drop_token``: the request goes on without ``X-FL-Token``, as a server of a release
+        before it read it (only ``Authorization``, here the gateway's basic auth)."""
         import base64
 
         self.app = app
         self.expected = b"Basic " + base64.b64encode(f"{user}:{password}".encode())
         self.rewrite = rewrite
+        self.drop_token = drop_token
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
@@ -292,6 +295,8 @@ class _BasicAuthGateway:
         if scope["type"] == "http" and self.rewrite:
             headers = [(k, v) for k, v in scope["headers"] if k != b"authorization"]
             scope = {**scope, "headers": [*headers, (b"authorization", b"Bearer the-gateways-own-identity-token")]}
+        if scope["type"] == "http" and self.drop_token:
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"x-fl-token"]}
         await self.app(scope, receive, send)
 
 
@@ -326,3 +331,33 @@ def test_a_device_and_an_operator_reach_a_server_behind_a_gateway_that_takes_the
             with pytest.raises(ProtocolError, match="401"):  # the gateway's own refusal: no credentials
                 stranger.run_session()
     store_of_server.close()
+
+
+def test_a_device_whose_token_the_server_does_not_read_beside_the_urls_credentials_is_told_why(tmp_path, digits):
+    """A server of a release before ``X-FL-Token`` reads the token in ``Authorization`` only, which
+    the URL's credentials take (here a gateway drops the header, as such a server ignores it): its
+    MISSING_TOKEN asked for 'Authorization: Bearer', which the device cannot send there. The
+    session's rejection says which header the server did not read, and why."""
+    from server_stub import AdminClient, AdminKeys, FLService, ServerStore
+    from server_stub.app import create_app
+    from tests.support import LoopbackApp
+
+    admin_key = "gateway-test-admin-key-0123456789abcdef"
+    store_of_server = ServerStore(f"sqlite:///{tmp_path / 'server.db'}")
+    app = create_app(FLService(store_of_server), admin_keys=AdminKeys([admin_key]))
+    with (
+        LoopbackApp(app) as server,
+        LoopbackApp(_BasicAuthGateway(app, "device", "s3cret", drop_token=True)) as gateway,
+    ):
+        with AdminClient(server.url, admin_key=admin_key) as admin:
+            deploy(admin)
+        store = SQLiteExampleStore(tmp_path / "app.db")
+        store.add(COLLECTION, [{"x": x, "y": y} for x, y in zip(digits.x_train[:40], digits.y_train[:40])])
+        behind = gateway.url.replace("http://", "http://device:s3cret@")
+        with FLRuntime("digits", behind, store, cache_dir=tmp_path / "cache") as runtime:
+            result = runtime.run_session()
+    store_of_server.close()
+    assert (result.outcome, result.rejection_code) == (Outcome.REPORT_REJECTED, "MISSING_TOKEN")
+    said = result.events[-1].detail["detail"]
+    assert "did not read the session token sent in X-FL-Token" in said, said
+    assert "a server of a release before X-FL-Token" in said and "Authorization: Bearer" not in said
