@@ -94,6 +94,7 @@ class DirectoryPlanCache:
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # used now: the last to go
+        _own_folder(path.parent)  # an updated app may run its cached plan for weeks before another comes
         return data
 
     def put(self, plan_id: str, data: bytes) -> None:
@@ -102,9 +103,7 @@ class DirectoryPlanCache:
             return
         try:
             _private_folders(path.parent)
-            with contextlib.suppress(OSError):  # its own folder, which an earlier version made 0755
-                if (mode := stat.S_IMODE(path.parent.stat().st_mode)) & 0o077:
-                    os.chmod(path.parent, mode & 0o700)
+            _own_folder(path.parent)
             # a name of its own per writer: runtimes sharing the folder never write one partial copy
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{plan_id}.", suffix=".tmp")
             try:
@@ -157,6 +156,14 @@ class DirectoryPlanCache:
                 continue
             with contextlib.suppress(OSError):
                 (self.root / "plans" / name).unlink()
+
+
+def _own_folder(folder: Path) -> None:
+    """Makes the ``plans`` folder, which an earlier version made 0755, its owner's only: listable by
+    every user, it named the plans the device downloaded."""
+    with contextlib.suppress(OSError):
+        if (mode := stat.S_IMODE(folder.stat().st_mode)) & 0o077:
+            os.chmod(folder, mode & 0o700)
 
 
 def _private_folders(folder: Path) -> None:

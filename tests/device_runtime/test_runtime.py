@@ -156,6 +156,20 @@ def test_a_plans_folder_an_earlier_version_made_listable_is_made_its_owners_only
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o755  # the app's own folder: as it chose it
 
 
+def test_a_plans_folder_an_earlier_version_made_listable_is_made_its_owners_only_when_its_plan_is_read(tmp_path):
+    """An updated app whose task goes on runs the plan it cached before the update, for as long as the
+    task runs: its ``plans`` folder, made 0755 then, listed the plan's id to every user until another
+    plan came. It is made the owner's only at the first read of a plan in it."""
+    data = b"plan"
+    plan_id = hashlib.sha256(data).hexdigest()
+    plans = tmp_path / "fl-cache" / "plans"
+    plans.mkdir(parents=True)
+    (plans / plan_id).write_bytes(data)
+    os.chmod(plans, 0o755)
+    assert DirectoryPlanCache(tmp_path / "fl-cache").get(plan_id) == data
+    assert stat.S_IMODE(plans.stat().st_mode) == 0o700
+
+
 def test_a_partial_plan_copy_left_by_a_killed_writer_is_removed(tmp_path):
     """A device killed while writing a plan leaves a partial copy under a temporary name: never
     read as a plan, and removed by a later write once its writer's lock is free (its process
