@@ -23,6 +23,7 @@ from device_runtime.errors import InvalidSetting, ProtocolError
 from device_runtime.plan import Plan, serialize_plan
 from device_runtime.protocol import (
     NO_TLS,
+    TOKEN_HEADER,
     answer_bound,
     checked_server_url,
     foreign_answer,
@@ -253,6 +254,13 @@ class AdminClient:
                     message += (
                         f"; {redacted_url(self.url)} has no such route: give the server's URL without {path} (behind a "
                         f"proxy that serves it at {path}, have the proxy strip {path} before it passes a request on)"
+                    )
+                if err["code"] == "ADMIN_KEY_REQUIRED" and TOKEN_HEADER in response.request.headers:
+                    # the server read only ``Authorization``, which the URL's credentials take
+                    message = (
+                        f"the server did not read the admin key sent in {TOKEN_HEADER} beside the URL's credentials: "
+                        f"a server of a release before {TOKEN_HEADER} (upgrade it) or a gateway that drops the header "
+                        f"({err['code']})"
                     )
                 raise AdminError(message, response.status_code, err["code"])
             except (ValueError, KeyError, TypeError):  # a proxy's page, or another server's

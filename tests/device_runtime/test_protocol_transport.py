@@ -338,7 +338,7 @@ def test_a_device_whose_token_the_server_does_not_read_beside_the_urls_credentia
     the URL's credentials take (here a gateway drops the header, as such a server ignores it): its
     MISSING_TOKEN asked for 'Authorization: Bearer', which the device cannot send there. The
     session's rejection says which header the server did not read, and why."""
-    from server_stub import AdminClient, AdminKeys, FLService, ServerStore
+    from server_stub import AdminClient, AdminError, AdminKeys, FLService, ServerStore
     from server_stub.app import create_app
     from tests.support import LoopbackApp
 
@@ -356,7 +356,11 @@ def test_a_device_whose_token_the_server_does_not_read_beside_the_urls_credentia
         behind = gateway.url.replace("http://", "http://device:s3cret@")
         with FLRuntime("digits", behind, store, cache_dir=tmp_path / "cache") as runtime:
             result = runtime.run_session()
+        with AdminClient(behind, admin_key=admin_key) as operator, pytest.raises(AdminError) as refused:
+            operator.status("digits")
     store_of_server.close()
+    assert refused.value.code == "ADMIN_KEY_REQUIRED"
+    assert "did not read the admin key sent in X-FL-Token" in str(refused.value), refused.value
     assert (result.outcome, result.rejection_code) == (Outcome.REPORT_REJECTED, "MISSING_TOKEN")
     said = result.events[-1].detail["detail"]
     assert "did not read the session token sent in X-FL-Token" in said, said
