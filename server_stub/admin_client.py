@@ -22,6 +22,7 @@ from device_runtime.eligibility import EligibilityPolicies
 from device_runtime.errors import InvalidSetting, ProtocolError
 from device_runtime.plan import Plan, serialize_plan
 from device_runtime.protocol import (
+    MAX_RESOURCE_BYTES,
     NO_TLS,
     TOKEN_HEADER,
     answer_bound,
@@ -45,6 +46,10 @@ from device_runtime.wire import (
 from .metrics import rounds_frame
 from .rounds import RoundConfig
 from .schemas import MAX_ROUND_ID, MAX_ROUNDS_PAGE, is_name
+
+#: The largest deploy a server of this release takes (``server_stub.app.MAX_DEPLOY_BYTES``): an
+#: initial checkpoint of up to the 1 GiB a device downloads, in base64, and 512 MiB for the plans.
+DEPLOY_BYTES = 4 * MAX_RESOURCE_BYTES // 3 + (512 << 20)
 
 #: The least pace at which a server checks a deploy, in bytes of its JSON a second: a deploy is
 #: answered once its plans loaded and ran on its checkpoint and it is stored, which takes a server
@@ -210,13 +215,25 @@ class AdminClient:
         (``DEPLOY_CHECK_BYTES_PER_S``)."""
         content = json.dumps(body, separators=(",", ":")).encode()
         wait = self.timeout_s + len(content) / DEPLOY_CHECK_BYTES_PER_S
-        return self._send(
-            "POST",
-            path,
-            content=content,
-            headers={"Content-Type": "application/json"},
-            timeout=httpx.Timeout(wait, connect=self.timeout_s),  # a server not there is said as soon as ever
-        )
+        try:
+            return self._send(
+                "POST",
+                path,
+                content=content,
+                headers={"Content-Type": "application/json"},
+                timeout=httpx.Timeout(wait, connect=self.timeout_s),  # a server not there is said as soon as ever
+            )
+        except AdminError as exc:
+            if exc.code != "BODY_TOO_LARGE" or len(content) > DEPLOY_BYTES:
+                raise
+            # a server of this release takes it: the server that refused it is of an earlier one
+            raise AdminError(
+                f"{exc}; a deploy of {len(content):,} bytes is within this release's bound ({DEPLOY_BYTES:,} bytes, "
+                "a checkpoint of up to 1 GiB): the server is of an earlier release, which takes 512 MiB; "
+                "upgrade the server, or deploy a smaller model",
+                exc.status,
+                exc.code,
+            ) from None
 
     def _unreachable(self, exc: httpx.TransportError) -> ServerUnreachable:
         reason = str(exc) or type(exc).__name__

@@ -115,3 +115,21 @@ def test_a_deploy_over_the_size_limit_says_what_to_change(admin, monkeypatch):
         admin.deploy_task("oversize", "v1", plan, encode_checkpoint(initial_weights(plan)), ONE_DEVICE)
     assert err.value.status == 413 and err.value.code == "BODY_TOO_LARGE"
     assert "the checkpoint is at most" in str(err.value) and "smaller model" in str(err.value)
+
+
+def test_a_deploy_an_earlier_releases_server_refuses_as_too_large_says_the_server_is_older(admin, monkeypatch):
+    """A server of the release before took deploys of 512 MiB (a checkpoint of about 380 MB); this
+    release's client sends up to the bound of its own server. Refused as BODY_TOO_LARGE by a server
+    of a smaller bound (here 1 KiB, for the earlier 512 MiB), a deploy within this release's bound is
+    said to have met an older server, where the operator was told only the server's limit."""
+    from server_stub import admin_client, app
+
+    assert admin_client.DEPLOY_BYTES == app.MAX_DEPLOY_BYTES  # the client knows its own server's bound
+    plan = digits_plan()
+    monkeypatch.setattr(app, "MAX_DEPLOY_BYTES", 1024)
+    admin.create_population("older")
+    with pytest.raises(AdminError) as err:
+        admin.deploy_task("older", "v1", plan, encode_checkpoint(initial_weights(plan)), ONE_DEVICE)
+    assert err.value.code == "BODY_TOO_LARGE"
+    assert "the server is of an earlier release, which takes 512 MiB; upgrade the server" in str(err.value)
+    assert "\n" not in str(err.value)
