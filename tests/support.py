@@ -476,12 +476,16 @@ class ThroughRestart(KillSwitch):
 
 class LoopbackApp:
     """An ASGI app served by uvicorn in a thread on a loopback port, held from its pick so that no
-    other server takes it; ``url`` reaches it between ``__enter__`` and ``__exit__``."""
+    other server takes it; ``url`` reaches it between ``__enter__`` and ``__exit__``. With ``cert``
+    (certificate and key files) it is served over TLS, its ``url`` https."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, cert: tuple[Path, Path] | None = None, lifespan: str = "auto") -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"{'https' if cert else 'http'}://127.0.0.1:{self.port}"
+        tls = {"ssl_certfile": cert[0], "ssl_keyfile": cert[1]} if cert else {}
+        config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan=lifespan, **tls)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
 
     def __enter__(self) -> Self:

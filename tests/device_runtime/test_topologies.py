@@ -8,13 +8,11 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -139,30 +137,6 @@ class PrefixProxy:
         await send({"type": "http.response.body", "body": content})
 
 
-class TlsApp:
-    """``app`` served by uvicorn over TLS with ``cert`` on a loopback port (``port``)."""
-
-    def __init__(self, app, cert: tuple[Path, Path]) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        config = uvicorn.Config(
-            app, log_level="warning", log_config=None, lifespan="off", ssl_certfile=cert[0], ssl_keyfile=cert[1]
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True)
-
-    def __enter__(self) -> TlsApp:
-        self.thread.start()
-        while not self.server.started:
-            threading.Event().wait(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.listener.close()
-
-
 @pytest.fixture(scope="module")
 def authority(tmp_path_factory) -> Iterator[tuple[Path, tuple]]:
     folder = tmp_path_factory.mktemp("ca")
@@ -187,7 +161,7 @@ def test_a_device_and_an_operator_trust_the_operators_authority_behind_a_tls_pro
         with server.admin() as admin:
             deploy(admin, goal_count=1)
         proxy = PrefixProxy(server.url)
-        with TlsApp(proxy, issue(folder, ca, "localhost")) as front:
+        with LoopbackApp(proxy, cert=issue(folder, ca, "localhost"), lifespan="off") as front:
             url = f"https://localhost:{front.port}/fl/"
             store = _store(tmp_path, digits)
             with FLRuntime("digits", url, store, cache_dir=tmp_path / "c0", retry=FAST) as stranger:
@@ -219,7 +193,7 @@ def test_a_refused_certificate_is_said_for_what_it_is_by_the_device_and_the_oper
     folder, ca = authority
     monkeypatch.setenv("SSL_CERT_FILE", str(folder / "ca.pem"))
     proxy = PrefixProxy("http://127.0.0.1:9")
-    with TlsApp(proxy, issue(folder, ca, name, days=days)) as front:
+    with LoopbackApp(proxy, cert=issue(folder, ca, name, days=days), lifespan="off") as front:
         url = f"https://localhost:{front.port}/fl"
         with FLRuntime("digits", url, SQLiteExampleStore(tmp_path / "a.db"), retry=FAST) as runtime:
             with pytest.raises(ServerUnreachable, match=said) as refused:
