@@ -35,7 +35,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from example_store.sqlite_engine import scrub_wal, sqlite_advice, sqlite_engine, write_locked
+from example_store.sqlite_engine import scrub_wal, sqlite_advice, sqlite_engine, sqlite_locked, write_locked
 
 from .errors import RuntimeSdkError, check_count, check_number, check_path
 
@@ -95,7 +95,8 @@ resumption_table = Table(
 class AppDatabaseError(RuntimeSdkError):
     """The app's database (opstats, scheduled jobs) cannot be opened or written: not an SQLite
     file, damaged, its folder missing, locked past the wait, the disk full, or closed. The message
-    names the file and what to do."""
+    names the file and what to do. ``retryable`` only where another process held it locked past
+    the wait."""
 
 
 @contextmanager
@@ -105,9 +106,9 @@ def app_database_errors(path: str | os.PathLike, action: str) -> Iterator[None]:
     try:
         yield
     except (SQLAlchemyError, sqlite3.Error) as exc:
-        raise AppDatabaseError(
-            f"could not {action} in the app's database {os.fspath(path)}: {sqlite_advice(exc)}"
-        ) from exc
+        failed = AppDatabaseError(f"could not {action} in the app's database {os.fspath(path)}: {sqlite_advice(exc)}")
+        failed.retryable = sqlite_locked(exc)
+        raise failed from exc
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 
 class ExampleStoreError(Exception):
-    """Base of every error this package raises on purpose."""
+    """Base of every error this package raises on purpose. ``retryable``, as on the device
+    runtime's errors: True only where the same call, made later with nothing changed, may succeed
+    (another process or connection held the database locked); False where the app, its data or
+    its disk must change first (the message says which)."""
+
+    retryable: bool = False
+
+    def __init__(self, *args: object, retryable: bool | None = None) -> None:
+        super().__init__(*args)
+        if retryable is not None:
+            self.retryable = retryable
 
 
 class InvalidArgumentError(ExampleStoreError, ValueError):

@@ -123,19 +123,21 @@ def _create_private(path: str | os.PathLike) -> None:
             pass
 
 
-def scrub_wal(dbapi_connection: sqlite3.Connection, busy_timeout_s: float = 30.0) -> bool:
+def scrub_wal(dbapi_connection: sqlite3.Connection) -> bool:
     """Copies the write-ahead log into the database and truncates it to 0 bytes (``PRAGMA
     wal_checkpoint(TRUNCATE)``), so that the log keeps no earlier copy of the pages a delete just
     overwrote; without it a deleted example's bytes stayed in ``-wal`` until SQLite happened to
     write over them. Does not wait: False when a read that began before the delete (a session's
-    iterator, another process) still holds an older snapshot, and the log could not be cut yet."""
+    iterator, another process) still holds an older snapshot, and the log could not be cut yet.
+    The connection's own wait for locks is put back after (it was set to 30 s whatever the engine's)."""
     cursor = dbapi_connection.cursor()
     try:
+        (waited_ms,) = cursor.execute("PRAGMA busy_timeout").fetchone()
         cursor.execute("PRAGMA busy_timeout=0")
         try:
             busy, _, _ = cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         finally:
-            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+            cursor.execute(f"PRAGMA busy_timeout={int(waited_ms)}")
     except sqlite3.Error:
         return False
     finally:
@@ -187,6 +189,14 @@ _ADVICE = {
     "and check its permissions",
     sqlite3.SQLITE_READONLY: "it is read-only: check its permissions and its file system",
 }
+
+
+def sqlite_locked(exc: BaseException) -> bool:
+    """Whether an SQLite (or SQLAlchemy over SQLite) error is another holder's lock, which waiting
+    ends (``SQLITE_BUSY``, ``SQLITE_LOCKED``): the one failure a later retry of the same call mends."""
+    reason = getattr(exc, "orig", None) or exc
+    code = getattr(reason, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def sqlite_advice(exc: BaseException) -> str:

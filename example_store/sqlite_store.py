@@ -100,7 +100,7 @@ from .sealing import (
     collection_record,
 )
 from .selector import ExampleSelector
-from .sqlite_engine import damaged_wal, scrub_wal, sqlite_advice, sqlite_engine, write_locked
+from .sqlite_engine import damaged_wal, scrub_wal, sqlite_advice, sqlite_engine, sqlite_locked, write_locked
 from .sqlite_iterator import READ_CHUNK, SQLiteIterator, where_clause
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,9 @@ class SQLiteExampleStore(ExampleStore):
             raise
         except (SQLAlchemyError, sqlite3.Error, OSError) as exc:
             engine.dispose()
-            raise ExampleStoreError(f"cannot open the example store at {self.path}: {sqlite_advice(exc)}") from exc
+            raise ExampleStoreError(
+                f"cannot open the example store at {self.path}: {sqlite_advice(exc)}", retryable=sqlite_locked(exc)
+            ) from exc
         except BaseException:
             engine.dispose()
             raise
@@ -736,7 +738,9 @@ class SQLiteExampleStore(ExampleStore):
         try:
             yield
         except (SQLAlchemyError, sqlite3.Error) as exc:
-            raise ExampleStoreError(f"could not {action} in {self.path}: {sqlite_advice(exc)}") from exc
+            raise ExampleStoreError(
+                f"could not {action} in {self.path}: {sqlite_advice(exc)}", retryable=sqlite_locked(exc)
+            ) from exc
 
     def __repr__(self) -> str:
         return f"SQLiteExampleStore({str(self.path)!r}{', sealed' if self.sealed else ''})"

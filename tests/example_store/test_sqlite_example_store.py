@@ -340,3 +340,55 @@ def test_abandoned_iterator_gives_its_connection_back(store):
     gc.collect()
     assert store._engine.pool.checkedout() == 0
     assert store.add(URI, make_examples(1)) == 1
+
+
+def test_a_store_locked_by_another_process_says_a_retry_may_succeed_and_a_damaged_one_says_it_will_not(
+    tmp_path, monkeypatch
+):
+    """``retryable``, as on the runtime's errors: True only where another holder's lock made the
+    call fail (the same call later succeeds, as here once the lock is let go), False for a file
+    that is no database. Before, a store's errors had no ``retryable`` beside the runtime's."""
+    import functools
+
+    from device_runtime import AppDatabaseError, OpStatsStore
+    from device_runtime import opstats as opstats_module
+    from example_store import sqlite_store
+    from example_store.sqlite_engine import sqlite_engine
+
+    quick = functools.partial(sqlite_engine, busy_timeout_s=0.05)  # not the 30 s an app waits
+    monkeypatch.setattr(sqlite_store, "sqlite_engine", quick)
+    monkeypatch.setattr(opstats_module, "sqlite_engine", quick)
+    store = SQLiteExampleStore(tmp_path / "app.db")
+    log = OpStatsStore(tmp_path / "app.db")
+    other = sqlite3.connect(tmp_path / "app.db", isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another process of the app, in the middle of a write
+    with pytest.raises(ExampleStoreError) as locked:
+        store.add(URI, make_examples(3))
+    assert locked.value.retryable and "retry later" in str(locked.value)
+    with pytest.raises(AppDatabaseError) as busy:
+        log.delete_all()
+    assert busy.value.retryable
+    other.execute("ROLLBACK")
+    store.add(URI, make_examples(3))  # the same call, later: taken
+    assert store.stats(URI).count == 3
+    store.close()
+
+    (tmp_path / "text.db").write_bytes(b"not a database, " * 512)
+    with pytest.raises(ExampleStoreError) as damaged:
+        SQLiteExampleStore(tmp_path / "text.db")
+    assert not damaged.value.retryable and "not an SQLite database" in str(damaged.value)
+    assert not ExampleStoreError("a mistake of the app's").retryable
+
+
+def test_cutting_the_log_after_a_delete_keeps_the_connections_own_wait_for_locks(tmp_path):
+    """The cut waits for no lock, then put every connection it ran on back to a 30 s wait, whatever
+    its engine's: an engine made to wait 50 ms then waited 30 s on its next write."""
+    from example_store.sqlite_engine import scrub_wal
+
+    connection = sqlite3.connect(tmp_path / "app.db", timeout=0.05)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("CREATE TABLE t (x)")
+    connection.execute("INSERT INTO t VALUES (1)")
+    connection.commit()
+    assert scrub_wal(connection)
+    assert connection.execute("PRAGMA busy_timeout").fetchone() == (50,)
