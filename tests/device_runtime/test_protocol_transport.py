@@ -137,39 +137,17 @@ def test_a_report_whose_answer_was_lost_completes_once(tmp_path, server, admin, 
 
 
 def _self_signed_tls_server(folder) -> tuple[str, list[int]]:
-    """A TLS server on a loopback port whose certificate no authority issued; the list counts the
+    """A TLS server on a loopback port whose certificate no authority the device trusts issued; the list counts the
     handshakes it was offered."""
-    import datetime
     import http.server
-    import ipaddress
     import ssl
     import threading
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from tests.tls import issue, make_authority
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(1)
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .sign(key, hashes.SHA256())
-    )
-    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "key.pem").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    cert_file, key_file = issue(folder, make_authority(folder), "127.0.0.1")  # an authority the device never met
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    context.load_cert_chain(cert_file, key_file)
     offered: list[int] = []
 
     class Server(http.server.HTTPServer):
