@@ -879,8 +879,8 @@ def plot_bytes(run: FleetRun, summary: Mapping[str, Any] | None = None) -> Figur
             per_device_down = statistics.median(r.bytes_down / r.selected for r in committed)
             per_device_up = statistics.median(r.bytes_up / r.selected for r in committed)
             caption += (
-                f" A committed round's selected device received {per_device_down / 1e3:,.1f} KB and sent"
-                f" {per_device_up / 1e3:,.1f} KB (medians)."
+                f" A committed round's selected device received {per_device_down / 1e3:,.1f} kB and sent"
+                f" {per_device_up / 1e3:,.1f} kB (medians)."
             )
         unattributed = sum(s.bytes_down + s.bytes_up for s in run.sessions) - sum(
             r.bytes_down + r.bytes_up for r in rounds
