@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from html.parser import HTMLParser
@@ -17,9 +18,11 @@ from emulator.fleet.report import accuracy_series
 #: The module's fleets are built once per run: its tests go to one pytest-xdist worker, and its fixtures
 #: are session-scoped, so that no test run between two of them makes the worker build them again; the
 #: goal-8 fleet is the report tests' (``goal8_fleet``), in their group.
-pytestmark = pytest.mark.xdist_group("fleet_reports")
-
-pytest.importorskip("matplotlib")
+#: matplotlib is looked for, not imported, as each pytest worker collects the module (about 1 s of CPU).
+pytestmark = [
+    pytest.mark.xdist_group("fleet_reports"),
+    pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed"),
+]
 
 
 def _run_folder(path, run: FleetRun) -> FleetRun:

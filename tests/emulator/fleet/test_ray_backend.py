@@ -7,6 +7,7 @@ them), then on a real local Ray cluster of two workers."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 
@@ -21,14 +22,13 @@ from emulator.fleet.ray_backend import parse_sweep, run_many, simulate_sharded, 
 
 from .test_simulator import small_config
 
-try:
-    import ray
-except ImportError:  # an optional extra; in CI its absence is a failure, not a skip
-    if os.environ.get("CI"):
-        raise
-    ray = None
+#: Ray, an optional extra, is imported by the cluster fixture, not as each pytest worker collects the
+#: module (about 1 s of CPU); in CI its absence is a failure, not a skip.
+HAS_RAY = importlib.util.find_spec("ray") is not None
+if not HAS_RAY and os.environ.get("CI"):
+    raise ImportError("Ray is not installed: pip install -e '.[ray]'")
 
-needs_ray = pytest.mark.skipif(ray is None, reason="Ray is not installed: pip install -e '.[ray]'")
+needs_ray = pytest.mark.skipif(not HAS_RAY, reason="Ray is not installed: pip install -e '.[ray]'")
 
 
 def tiny_config(seed: int = 1, **task: object) -> FleetConfig:
@@ -289,8 +289,7 @@ def cluster():
     run on the machine (another pytest worker, ``ray start``) left in /tmp/ray, where
     ``num_cpus`` would be refused. Its tests share one xdist worker (``xdist_group``), so a run
     starts one cluster."""
-    if ray is None:
-        pytest.skip("Ray is not installed: pip install -e '.[ray]'")
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
