@@ -152,6 +152,7 @@ def requests(draw, target: Target) -> tuple[bytes, bool]:
         "population": draw(st.one_of(st.sampled_from(["digits", "idle"]), IDS), label="population"),
         "sid": draw(st.one_of(st.sampled_from([sid for sid, _ in target.sessions]), IDS), label="sid"),
         "rid": draw(st.one_of(st.sampled_from(target.resources), IDS), label="rid"),
+        "task": draw(st.one_of(st.sampled_from(["train", "again"]), IDS), label="task"),
     }
     url = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
     query = draw(
