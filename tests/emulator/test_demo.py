@@ -20,16 +20,16 @@ TIME_LIMIT_S = 40.0
 def test_small_demo_prints_table_and_json_summary(tmp_path):
     out = io.StringIO()
     config = DemoConfig(
-        devices=30, rounds=3, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path), time_limit_s=TIME_LIMIT_S
+        devices=30, rounds=2, goal_count=8, report_timeout_s=1.5, workdir=str(tmp_path), time_limit_s=TIME_LIMIT_S
     )
     summary = run_demo(config, out=out)
     lines = out.getvalue().strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(summary))
-    assert summary["rounds_committed"] == 3
+    assert summary["rounds_committed"] == 2
     assert summary["elapsed_s"] < TIME_LIMIT_S  # it ended because the task completed
     assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
     assert any(line.split()[:2] == ["1", "committed"] for line in lines)
-    assert summary["session_outcomes"]["completed"] >= 3 * 7
+    assert summary["session_outcomes"]["completed"] >= 2 * 7
     assert list(tmp_path.iterdir()) == []  # the demo cleans up its temporary folder
 
 
@@ -46,7 +46,7 @@ def test_small_demo_with_secure_aggregation(tmp_path):
     out = io.StringIO()
     config = DemoConfig(
         devices=30,
-        rounds=3,
+        rounds=2,
         goal_count=10,
         late_prob=0.0,
         dropout_prob=0.05,
@@ -56,10 +56,10 @@ def test_small_demo_with_secure_aggregation(tmp_path):
     )
     summary = run_demo(config, out=out)
     assert "Secure Aggregation: attested groups" in out.getvalue()  # the SDK's default policy, with the trust anchor
-    assert summary["rounds_committed"] == 3
+    assert summary["rounds_committed"] == 2
     assert summary["elapsed_s"] < TIME_LIMIT_S
     assert summary["final_test_accuracy"] > summary["initial_test_accuracy"]
-    assert summary["session_outcomes"]["completed"] >= 3 * 8
+    assert summary["session_outcomes"]["completed"] >= 2 * 8
 
 
 @pytest.mark.parametrize(

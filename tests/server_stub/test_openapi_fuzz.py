@@ -70,6 +70,9 @@ ROUTES = sorted(
     for method in route.methods - {"HEAD"}
 )
 
+#: The module's shared fixture is built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("openapi_fuzz")
+
 
 def _fuzz_cases() -> list:
     """Every documented operation with valid input; and with invalid input where it takes any

@@ -32,6 +32,9 @@ from server_stub.persistence import resource_id
 from server_stub.release_gate import canonical_json
 from tests.support import server_command_exit
 
+#: The module's shared fixture is built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("release_gate_http")
+
 TASK_FILE = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "digits_task.py"
 CLAIMED = ["1.15.1", "1.31.1"]
 CONFIG = RoundConfig(goal_count=4, min_reports=1)

@@ -7,6 +7,9 @@ import pytest
 
 from emulator.fleet import FleetConfig, device_examples, fleet_dataset, generate_population
 
+#: The module's shared fixture is built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("fleet_data")
+
 
 @pytest.fixture(scope="module")
 def fleet():

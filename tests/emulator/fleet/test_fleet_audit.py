@@ -13,6 +13,9 @@ import pytest
 
 from emulator.fleet import FleetConfig, simulate
 
+#: The module's shared fixture is built once per run: its tests go to one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("fleet_audit")
+
 
 def _audited(noise_multiplier: float) -> dict:
     config = FleetConfig.from_dict(
