@@ -19,7 +19,7 @@ from .conditions import (
     TrainingInterval,
 )
 from .dp_policy import DEFAULT_DP_POLICY, DPPolicy
-from .eligibility import EligibilityPolicies
+from .eligibility import EligibilityPolicies, VerdictJSON
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
     CacheUnavailable,
@@ -103,6 +103,7 @@ __all__ = [
     "SystemClock",
     "VirtualClock",
     "EligibilityPolicies",
+    "VerdictJSON",
     # the errors an app catches
     "RuntimeSdkError",
     "InvalidSetting",

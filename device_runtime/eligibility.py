@@ -4,7 +4,7 @@ either leaves the device: only the verdict travels with the check-in)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Annotated
+from typing import Annotated, TypedDict
 
 from pydantic import ConfigDict, Field, Strict, TypeAdapter
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -53,13 +53,21 @@ class Participation:
     at: float
 
 
+class VerdictJSON(TypedDict):
+    """A verdict as the check-in carries it (``evaluate_eligibility``, ``run_session(eligibility=...)``)."""
+
+    task: str
+    eligible: bool
+    failed: list[str]
+
+
 @dataclass(frozen=True)
 class EligibilityVerdict:
     task: str
     eligible: bool
     failed: tuple[str, ...] = field(default=())
 
-    def to_json(self) -> dict:
+    def to_json(self) -> VerdictJSON:
         return {"task": self.task, "eligible": self.eligible, "failed": list(self.failed)}
 
 

@@ -30,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import from_json
 
 from .attestation import AttestationError, decode_nonce
+from .eligibility import VerdictJSON
 from .errors import (
     CorruptResource,
     InvalidSetting,
@@ -761,7 +762,7 @@ class ProtocolClient:
         self,
         population: str,
         runtime_version: str,
-        eligibility: dict | None = None,
+        eligibility: VerdictJSON | None = None,
         attestation: dict | Callable[[], dict] | None = None,
     ) -> CheckinAccepted | CheckinRejected:
         """Returns the session (``CheckinAccepted``), or ``CheckinRejected`` with ``reason`` and

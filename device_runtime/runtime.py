@@ -40,7 +40,7 @@ from .checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .clock import elapsed_clock, is_system_time
 from .ddp import DDPError
 from .dp_policy import DEFAULT_DP_POLICY, DP_PARAMS_INVALID, DPPolicy, encode_update, update_dim
-from .eligibility import EligibilityPolicies, Participation, evaluate
+from .eligibility import EligibilityPolicies, Participation, VerdictJSON, evaluate
 from .environment import DEVICE_ENVIRONMENT, RuntimeEnvironment, WorkMeter
 from .errors import (
     CacheUnavailable,
@@ -418,7 +418,7 @@ class FLRuntime:
         *,
         should_abort: Callable[[], bool] | None = None,
         before_report: Callable[[], None] | None = None,
-        eligibility: dict | None = None,
+        eligibility: VerdictJSON | None = None,
         run_options: onnxruntime.RunOptions | None = None,
     ) -> SessionResult:
         """Run one session; raises SessionRejected when not selected (see ``last_retry_window``).
@@ -584,7 +584,7 @@ class FLRuntime:
         rec: _Recorder,
         should_abort: Callable[[], bool] | None,
         before_report: Callable[[], None] | None,
-        eligibility: dict | None,
+        eligibility: VerdictJSON | None,
         run_options: onnxruntime.RunOptions | None,
     ) -> SessionResult:
         # The task's policies are fetched only while the last ones seen were not empty (a fresh
@@ -742,7 +742,7 @@ class FLRuntime:
             self.last_retry_window = window
         return completed
 
-    def evaluate_eligibility(self) -> dict | None:
+    def evaluate_eligibility(self) -> VerdictJSON | None:
         """Evaluate the active task's policies here, on the device; only the verdict is sent."""
         info = self.client.eligibility_info(self.population)
         task, policies = info.task, info.policies or EligibilityPolicies()  # both checked by the wire model
