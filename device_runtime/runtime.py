@@ -14,6 +14,7 @@ import random
 import secrets
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -116,7 +117,8 @@ class DeviceClass:
     (``plan.largest_work_tensor_at``). A plan's examples take at most an eighth of ``memory_mb``
     at once (``batching.examples_share``): its shuffle buffer is cut to it, and a plan whose one
     batch cannot fit is refused. On the system's clock, training stops by force after
-    ``max_training_s`` when the plan declares no time budget of its own."""
+    ``max_training_s`` when the plan declares no time budget of its own, and once the process has
+    grown by more than ``memory_mb`` since training began."""
 
     name: str = "default"
     memory_mb: float = 2048.0
@@ -138,6 +140,10 @@ class DeviceClass:
 #: 1 GiB (``MAX_RESOURCE_BYTES``): a server that declared a plan's memory budget small and sent
 #: 1 GiB of it ran a 2 GB device out of memory before the budget was read.
 RESOURCE_SHARE = {"plan": 8, "checkpoint": 2}
+#: How often a training step's memory is sampled while it runs (s); see ``_training_watchdog``.
+MEMORY_WATCH_S = 0.01
+#: How a session stopped for the memory its training took begins its reason.
+OVER_MEMORY = "over the device's memory"
 
 
 def resource_bound(device: DeviceClass, what: str) -> tuple[int, str]:
@@ -550,25 +556,45 @@ class FLRuntime:
     @contextlib.contextmanager
     def _training_watchdog(self, plan: Plan, run_options: onnxruntime.RunOptions, rec: _Recorder) -> Iterator[None]:
         """On the system's clock, training that outlasts the plan's time budget, or the device's
-        ``max_training_s`` when the plan declares none, is stopped by force even inside a step
-        (``run_options.terminate``): the budget is otherwise checked between steps, and a plan's
-        one step can run for ever (an ONNX Loop of 10^15 iterations)."""
+        ``max_training_s`` when the plan declares none, or whose process grows by more than the
+        device's ``memory_mb`` (sampled every ``MEMORY_WATCH_S``), is stopped by force even inside
+        a step (``run_options.terminate``): the budget is otherwise checked between steps, and a
+        plan's one step can run for ever (an ONNX Loop of 10^15 iterations) or take memory without
+        end in a size only its data tells (a Loop whose every trip keeps a tensor); onnxruntime
+        stops at the next node, so a device holds at most its memory and one node's tensors more.
+        The plan's session, whose memory arena holds what its steps took, is not kept."""
         if not is_system_time(self.clock):  # a simulation's training takes its virtual time
             yield
             return
         limit, reason = training_limit(plan, self.device_class.max_training_s)
+        memory_mb, probe = self.device_class.memory_mb, self.memory_probe
+        done = threading.Event()
 
-        def stop() -> None:
-            rec.over_budget = reason
-            run_options.terminate = True
+        def watch() -> None:
+            base, ends = probe(), time.monotonic() + limit
+            while not done.wait(max(0.0, min(MEMORY_WATCH_S, ends - time.monotonic()))):
+                if time.monotonic() >= ends:
+                    rec.over_budget = reason
+                elif (grown := probe() - base) > memory_mb:
+                    rec.over_budget = f"{OVER_MEMORY} ({memory_mb:g} MB, memory_mb): training took {grown:,.0f} MB"
+                else:
+                    continue
+                run_options.terminate = True
+                return
 
-        timer = threading.Timer(limit, stop)
-        timer.daemon = True
-        timer.start()
+        watcher = threading.Thread(target=watch, name="fl-training-watchdog", daemon=True)
+        watcher.start()
         try:
             yield
         finally:
-            timer.cancel()
+            done.set()
+            watcher.join()
+            if rec.over_budget is not None and rec.over_budget.startswith(OVER_MEMORY) and rec.session is not None:
+                plan_id = rec.session.plan_id
+                for kept in (self._plans, self._executors, self._codecs):
+                    kept.pop(plan_id, None)
+                if self.environment.loaded_plans is None:
+                    self.loaded_plans.forget(plan_id, self.runtime_version)
 
     def _session_window_s(self, session: CheckinAccepted) -> float:
         """How long an accepted session may take: the server's report window (at most an hour,

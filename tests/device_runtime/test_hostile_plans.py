@@ -17,6 +17,9 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
   trains an honest plan next.
 - A graph whose one step never ends (a Loop of 10^15 iterations) is stopped by force at the
   device's ``max_training_s``.
+- A step that takes memory without end in a size only the run tells (a Loop that keeps a tensor a
+  trip) is stopped by force once the process has grown by the device's ``memory_mb``, and the
+  plan's session is dropped.
 - A new plan per session: the runtime keeps at most ``MAX_CACHED_PLANS`` loaded."""
 
 from __future__ import annotations
@@ -433,6 +436,48 @@ def test_a_step_that_never_ends_is_stopped_at_the_devices_training_time(tmp_path
         result = runtime.run_session()
     assert result.outcome is Outcome.INTERRUPTED and server.aborts == 1
     assert "over the device's training time (0.3 s" in result.events[-1].detail["reason"]
+
+
+def _hoarding(trips: int):
+    """A Loop of ``trips`` whose every trip keeps a 1 MB tensor (its scan output): memory that only
+    the run tells, as a trip count computed from the examples would be."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["c"], ["c_out"]),
+            helper.make_node("ConstantOfShape", ["chunk_shape"], ["chunk"], value=ONE),
+        ],
+        "hoard",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("chunk", TensorProto.FLOAT, [256, 1024]),
+        ],
+        [_ints([256, 1024], "chunk_shape")],
+    )
+    nodes = [
+        helper.make_node("Loop", ["trips", "go"], ["chunks"], body=body),
+        helper.make_node("ReduceSum", ["chunks"], ["extra"], keepdims=0),
+    ]
+    return _with_work(digits_plan(), nodes, [_ints(trips, "trips"), numpy_helper.from_array(np.array(True), "go")])
+
+
+def test_a_step_that_takes_more_memory_than_the_device_has_is_stopped_and_its_session_dropped(tmp_path):
+    """A step that kept 1 MB a trip for 1,000 trips (2 GB with the Loop's output) on a device of
+    64 MB: no check before the run can size it, and the device gave it whatever the machine had
+    (10^12 trips ended only at the machine's limit). It is stopped as it passes the device's
+    memory, the server hears the abort, the plan's session (whose arena kept what the step took) is
+    dropped, and an honest plan trains next."""
+    server = HostileServer([_hoarding(1_000), digits_plan()])
+    small = DeviceClass("small", memory_mb=64)
+    with FLRuntime("digits", "http://fl.test", _store(), transport=server, device_class=small) as runtime:
+        result = runtime.run_session()
+        assert result.outcome is Outcome.INTERRUPTED and server.aborts == 1 and server.reports == 0
+        assert result.events[-1].detail["reason"].startswith("over the device's memory (64 MB, memory_mb)")
+        assert not runtime._plans and not runtime.loaded_plans._loaded  # its session's arena held 64 MB and more
+        assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
 
 
 def test_a_new_plan_per_session_leaves_at_most_the_cached_plans_loaded(tmp_path):
