@@ -474,6 +474,21 @@ def _plan_from_header(header: dict, body: memoryview, format_version: int) -> Pl
 
 #: The largest value an ONNX dimension (an int64) holds: a plan's batch size is its inputs' first dim.
 MAX_DIM = 2**63 - 1
+#: Standard ONNX operators a plan may not use, and why: one node's run, which a forced stop
+#: (``RunOptions.terminate``, checked between nodes) does not reach, takes a time that neither
+#: the sizes the device bounds nor the plan's time budget bound. No training plan the toolchain
+#: builds holds them (``emulator/toolchain/OP_COVERAGE.md``).
+UNSTOPPABLE_OPS = {
+    "NonMaxSuppression": (
+        "whose one run takes the square of its boxes' count, where no forced stop reaches (16,000 boxes "
+        "took 0.6 s, 4 million of 64 MB some 10 hours); plans may not use it"
+    ),
+    "RoiAlign": (
+        "whose one run takes the square of its sampling ratio for each output, a count set by an attribute "
+        "or the regions' sizes, where no forced stop reaches (a ratio of 1,000 took 0.1 s for one output "
+        "value, 100,000 some 16 minutes); plans may not use it"
+    ),
+}
 
 
 def _check_plan(plan: Plan, runtime_version: str | None, max_nodes: tuple[int, str] | None = None) -> None:
@@ -601,6 +616,11 @@ def _check_plan(plan: Plan, runtime_version: str | None, max_nodes: tuple[int, s
                     f"graph {field!r} imports opset {opset.version}, above the plan's opset {meta.opset} "
                     f"or what onnxruntime {target} runs ({max_opset})"
                 )
+        unstoppable = next(
+            (n.op_type for g in _subgraphs(model.graph) for n in g.node if n.op_type in UNSTOPPABLE_OPS), None
+        )
+        if unstoppable is not None:
+            raise PlanError(f"graph {field!r} uses {unstoppable}, {UNSTOPPABLE_OPS[unstoppable]}")
         _check_graph_names(plan, field, model)
         _check_tensor_types(field, model)
         largest = _largest_of(blob, plan.device if field == "work" else None, model=model)

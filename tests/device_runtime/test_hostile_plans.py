@@ -20,6 +20,8 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
 - A step that takes memory without end in a size only the run tells (a Loop that keeps a tensor a
   trip) is stopped by force once the process has grown by the device's ``memory_mb``, and the
   plan's session is dropped.
+- An operator whose one run no forced stop reaches, for a time no size the device bounds limits
+  (NonMaxSuppression, RoiAlign), is refused when the plan loads.
 - A new plan per session: the runtime keeps at most ``MAX_CACHED_PLANS`` loaded."""
 
 from __future__ import annotations
@@ -478,6 +480,43 @@ def test_a_step_that_takes_more_memory_than_the_device_has_is_stopped_and_its_se
         assert result.events[-1].detail["reason"].startswith("over the device's memory (64 MB, memory_mb)")
         assert not runtime._plans and not runtime.loaded_plans._loaded  # its session's arena held 64 MB and more
         assert runtime.run_session().outcome is Outcome.COMPLETED  # the next session, an honest plan
+
+
+#: Nodes of one run no forced stop reaches, whose time the device cannot bound: small here.
+UNSTOPPABLE = {
+    "NonMaxSuppression": (
+        [
+            helper.make_node("NonMaxSuppression", ["boxes", "scores", "most"], ["picked"]),
+            helper.make_node("Cast", ["picked"], ["big"], to=TensorProto.FLOAT),
+        ],
+        [
+            numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(1, 4, 4), "boxes"),
+            numpy_helper.from_array(np.ones((1, 1, 4), np.float32), "scores"),
+            _ints([4], "most"),
+        ],
+    ),
+    "RoiAlign": (
+        [
+            helper.make_node("Reshape", ["x", "image"], ["images"]),
+            helper.make_node("RoiAlign", ["images", "rois", "which"], ["big"], sampling_ratio=2),
+        ],
+        [
+            _ints([-1, 1, 8, 8], "image"),
+            numpy_helper.from_array(np.array([[0, 0, 7, 7]], np.float32), "rois"),
+            _ints([0], "which"),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("op", sorted(UNSTOPPABLE))
+def test_an_operator_whose_one_run_no_forced_stop_reaches_is_refused_when_the_plan_loads(op):
+    """Each held a device past its training time in one node, where the forced stop, checked
+    between nodes, does not reach: 4 million boxes (64 MB, made by a Range) some 10 hours in
+    NonMaxSuppression, a RoiAlign of sampling ratio 100,000 some 16 minutes per output value."""
+    nodes, initializers = UNSTOPPABLE[op]
+    with pytest.raises(PlanError, match=rf"graph 'work' uses {op}, whose one run takes the square of"):
+        load_plan(serialize_plan(_with_work(digits_plan(), _sum_of(*nodes), initializers)))
 
 
 def test_a_new_plan_per_session_leaves_at_most_the_cached_plans_loaded(tmp_path):
