@@ -616,11 +616,17 @@ def _check_plan(plan: Plan, runtime_version: str | None, max_nodes: tuple[int, s
                     f"graph {field!r} imports opset {opset.version}, above the plan's opset {meta.opset} "
                     f"or what onnxruntime {target} runs ({max_opset})"
                 )
-        unstoppable = next(
-            (n.op_type for g in _subgraphs(model.graph) for n in g.node if n.op_type in UNSTOPPABLE_OPS), None
-        )
-        if unstoppable is not None:
-            raise PlanError(f"graph {field!r} uses {unstoppable}, {UNSTOPPABLE_OPS[unstoppable]}")
+        for graph in _subgraphs(model.graph):
+            for node in graph.node:
+                if node.op_type in UNSTOPPABLE_OPS:
+                    raise PlanError(f"graph {field!r} uses {node.op_type}, {UNSTOPPABLE_OPS[node.op_type]}")
+                overlap = _pool_overlap(node)
+                if overlap is not None and overlap[0] > MAX_POOL_OVERLAP:
+                    raise PlanError(
+                        f"graph {field!r} uses a {node.op_type} of window {overlap[1]}, which reads each input "
+                        f"value about {overlap[0]:,.0f} times in one node, where no forced stop reaches (a 512 x 512 "
+                        f"window over 1 MB took 75 s); a device takes at most {MAX_POOL_OVERLAP:,}"
+                    )
         _check_graph_names(plan, field, model)
         _check_tensor_types(field, model)
         largest = _largest_of(blob, plan.device if field == "work" else None, model=model)
@@ -871,6 +877,28 @@ def _known_shapes(model: Any) -> dict[str, tuple[int | None, ...]]:
         if value.type.HasField("tensor_type") and tensor.HasField("shape"):
             out[value.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
     return out
+
+
+#: The most times a pooling node (``MaxPool``, ``AveragePool``, ``LpPool``) may read each value of its
+#: input: its window's size over its strides' product (3 x 3 at stride 1 reads each 9 times, a
+#: window that tiles its input once). Its run is one node, which a forced stop does not reach.
+MAX_POOL_OVERLAP = 4096
+_POOLS = frozenset(("MaxPool", "AveragePool", "LpPool"))
+
+
+def _pool_overlap(node: Any) -> tuple[float, str] | None:
+    """How many times the pooling ``node`` reads each input value, about, and its window as said
+    (``512 x 512 at strides 1 x 1``); None for another node."""
+    if node.op_type not in _POOLS or node.domain not in ("", "ai.onnx"):
+        return None
+    ints = {a.name: list(a.ints) for a in node.attribute if a.name in ("kernel_shape", "strides")}
+    kernel = ints.get("kernel_shape", [])
+    strides = ints.get("strides") or [1] * len(kernel)
+    overlap = 1.0
+    for k, s in zip(kernel, strides, strict=False):
+        overlap *= max(k, 1) / max(s, 1)
+    shown = " x ".join(map(str, kernel)) + " at strides " + " x ".join(map(str, strides))
+    return overlap, shown
 
 
 def _subgraphs(graph: Any) -> Iterator[Any]:

@@ -21,7 +21,8 @@ crash the app with onnxruntime's own errors, run for ever or fill the app's memo
   trip) is stopped by force once the process has grown by the device's ``memory_mb``, and the
   plan's session is dropped.
 - An operator whose one run no forced stop reaches, for a time no size the device bounds limits
-  (NonMaxSuppression, RoiAlign), is refused when the plan loads.
+  (NonMaxSuppression, RoiAlign), is refused when the plan loads, and so is a pooling window that
+  reads each input value more than ``MAX_POOL_OVERLAP`` times.
 - A new plan per session: the runtime keeps at most ``MAX_CACHED_PLANS`` loaded."""
 
 from __future__ import annotations
@@ -517,6 +518,29 @@ def test_an_operator_whose_one_run_no_forced_stop_reaches_is_refused_when_the_pl
     nodes, initializers = UNSTOPPABLE[op]
     with pytest.raises(PlanError, match=rf"graph 'work' uses {op}, whose one run takes the square of"):
         load_plan(serialize_plan(_with_work(digits_plan(), _sum_of(*nodes), initializers)))
+
+
+def _pooled(op: str, window: int):
+    """``op`` over the batch as 8 x 8 images, of a ``window`` x ``window`` at stride 1, padded to it."""
+    half = window // 2
+    nodes = [
+        helper.make_node("Reshape", ["x", "image"], ["images"]),
+        helper.make_node(op, ["images"], ["big"], kernel_shape=[window, window], pads=[half, half, half, half]),
+    ]
+    return _with_work(digits_plan(), _sum_of(*nodes), [_ints([-1, 1, 8, 8], "image")])
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool", "LpPool"])
+def test_a_pooling_window_that_reads_each_value_past_the_bound_is_refused_when_the_plan_loads(op):
+    """A MaxPool of a 512 x 512 window at stride 1 over 1 MB ran 75 s in one node, where the forced
+    stop does not reach (2,048 x 2,048 over 16 MB, at that pace, some 5 hours); 64 x 64 is the most."""
+    with pytest.raises(
+        PlanError,
+        match=rf"graph 'work' uses a {op} of window 65 x 65 at strides 1 x 1, which reads each input value "
+        r"about 4,225 times in one node, where no forced stop reaches .* a device takes at most 4,096",
+    ):
+        load_plan(serialize_plan(_pooled(op, 65)))
+    load_plan(serialize_plan(_pooled(op, 64)))
 
 
 def test_a_new_plan_per_session_leaves_at_most_the_cached_plans_loaded(tmp_path):
