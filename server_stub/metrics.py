@@ -298,10 +298,41 @@ def device_metrics(update: Mapping[str, np.ndarray], weight_names: Iterable[str]
         # Per-tensor norms in float64, combined by hypot (which scales, so no overflow in between). A sum of
         # squares, not np.linalg.norm: that is BLAS's dot, which above 10,000 entries wakes OpenBLAS's worker
         # threads, and they spin on the other cores after it (in a fleet simulation, as much CPU as the whole run).
-        norms = [math.sqrt(float(np.square(np.asarray(update[w], dtype=np.float64)).sum())) for w in sorted(present)]
+        norms = [math.sqrt(sum_of_squares(update[w])) for w in sorted(present)]
         n = out.get("num_examples", 1.0)
         out["update_norm"] = math.hypot(*norms) / (n if n > 1.0 else 1.0)
     return out
+
+
+#: Values ``sum_of_squares`` holds in float64 at a time (8 MB), and numpy's pairwise block (its
+#: ``PW_BLOCKSIZE``: a sum of at most this many values is one unrolled loop, never split).
+SQUARES_AT_ONCE = 1 << 20
+_PAIRWISE_BLOCK = 128
+
+
+def sum_of_squares(tensor: np.ndarray, scale: float | None = None, divisor: float | None = None) -> float:
+    """``float(np.sum(np.square(t)))`` for ``t`` the tensor in float64, times ``scale`` and divided by
+    ``divisor`` where given, to the last bit, holding at most ``SQUARES_AT_ONCE`` float64 values: numpy
+    sums a contiguous array pairwise (two halves, the first's length rounded down to a multiple of 8,
+    each summed the same way down to blocks of 128), so each half is summed here by ``np.sum`` of its
+    own once it fits, and the halves are added as numpy adds them. Whole, a tensor of 16 million
+    weights held 128 MB of float64 for its norm, twice (its copy and its square), in every report's
+    check. ``tests/server_stub/test_reports.py`` holds the two equal."""
+    return float(_pairwise_squares(np.asarray(tensor).reshape(-1), scale, divisor))
+
+
+def _pairwise_squares(flat: np.ndarray, scale: float | None, divisor: float | None) -> np.floating:
+    if flat.size <= max(SQUARES_AT_ONCE, _PAIRWISE_BLOCK):
+        work = flat.astype(np.float64)  # a copy, whatever the dtype: it is written below
+        if scale is not None:
+            work *= scale
+        if divisor is not None:
+            work /= divisor
+        np.square(work, out=work)
+        return np.sum(work)
+    half = flat.size // 2
+    half -= half % 8
+    return _pairwise_squares(flat[:half], scale, divisor) + _pairwise_squares(flat[half:], scale, divisor)
 
 
 class MetricsOutOfRange(ValueError):

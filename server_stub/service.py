@@ -437,12 +437,13 @@ class FLService:
             config = group.server.config
             return secagg_upload_limit(len(group.members), config.vector_length, config.modulus)
 
-    def report(self, session_id: str, token: str, body: bytes, stats: dict | None = None) -> ReportAnswer:
+    def report(self, session_id: str, token: str, body: bytes | memoryview, stats: dict | None = None) -> ReportAnswer:
         """Aggregate one device's update; nothing of it is kept apart from the running sum. The
         answer's ``round_status`` says what became of the round as the answer leaves: ``open``
         (it goes on), or, for the report that closed it, ``committed`` (on record with the new
         model) or ``abandoned`` (the update is discarded with the round, e.g. because the
-        commit could not be written: a plain "accepted" would have claimed a commit)."""
+        commit could not be written: a plain "accepted" would have claimed a commit). ``body``: the
+        update's bytes, or a view of them (the HTTP app's spool file, mapped: ``reports.BodySpool``)."""
         session = self._authorize_report(session_id, token)
         run = session.run
         checked = check_report(run, body, stats, self.clock() - session.core.started_at)
