@@ -212,6 +212,14 @@ def task_states(pop: Population, tasks: list[TaskRecord]) -> dict[str, dict]:
     return states
 
 
+def _last_strategy(tasks: list[TaskRecord]) -> str | None:
+    """The strategy of the newest deploy on record (None before the first): an idle population's
+    status named none, as if its tasks had never shared rounds, where a running one named it."""
+    if not tasks:
+        return None
+    return str(tasks[-1].config.get("group", {}).get("strategy", Strategy.ALTERNATE.value))
+
+
 def population_status(pop: Population, tasks: list[TaskRecord], now: float) -> dict:
     """The population as an operator sees it (``FLService.population_status``): its tasks' states,
     the active tasks, and the open round's counts so far."""
@@ -230,7 +238,7 @@ def population_status(pop: Population, tasks: list[TaskRecord], now: float) -> d
     states = task_states(pop, tasks)
     status: dict[str, Any] = {
         "population": pop.name,
-        "strategy": pop.strategy.value if pop.runs else None,
+        "strategy": pop.strategy.value if pop.runs else _last_strategy(tasks),
         "active_task": run.record.name if run is not None else None,
         "active_tasks": active,
         "tasks": [{"name": t.name, **states[t.name]} for t in tasks],

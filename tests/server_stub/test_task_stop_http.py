@@ -211,6 +211,29 @@ def test_stopping_one_task_of_a_deploy_stops_its_evaluation_and_leaves_the_other
     assert answer["running"] == ["later"] and admin.status("p")["active_task"] == "later"
 
 
+def test_an_idle_populations_status_names_the_strategy_of_its_last_deploy(server, admin, capsys, monkeypatch):
+    """Shown while a round runs and dropped once none did: ``fedfleet status`` of a population whose
+    weighted deploy was stopped said no strategy, as if its tasks had never shared rounds."""
+    from emulator.cli import commands as cli
+
+    plan = digits_plan()
+    checkpoint = encode_checkpoint(initial_weights(plan, seed=0))
+    admin.create_population("p")
+    assert admin.status("p")["strategy"] is None  # no deploy yet
+    config = RoundConfig(**TWO_DEVICES)
+    admin.deploy_tasks(
+        "p", [task_body("a", plan, checkpoint, config), task_body("b", plan, checkpoint, config)], "weighted"
+    )
+    assert admin.status("p")["strategy"] == "weighted"
+    admin.stop_task("p", "a")
+    assert admin.stop_task("p", "b")["running"] == []
+    status = admin.status("p")
+    assert (status["active_task"], status["strategy"]) == (None, "weighted")
+    monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", server.admin_key)
+    assert cli.main(["status", "--server", server.url, "--population", "p"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "population p (strategy weighted)"
+
+
 def test_a_round_closed_just_before_the_stop_is_written_as_it_ended_and_its_task_stays_stopped(tmp_path, monkeypatch):
     """The last round of a task with ``max_rounds`` closes, and the stop comes before its commit is
     written: the round commits, and the commit does not mark the stopped task completed."""
