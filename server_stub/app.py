@@ -856,13 +856,17 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         ),
     ) -> dict:
         """Finished rounds, oldest first across the tasks: the newest ``last`` (by default 100). When
-        older ones are on record the answer has a ``Link: <...?last=N&before=C>; rel="next"`` header,
-        the same request for the page before this one."""
+        older ones are on record the answer has a ``Link: <rounds?last=N&before=C>; rel="next"``
+        header, the same request for the page before this one, as a reference relative to the
+        request's URL (RFC 8288 section 3.2, resolved as RFC 3986 section 5 says)."""
         admin(request)
         rounds, older = await call(service.round_page, population, task, last, before)
         if older is not None:
             url = request.url.include_query_params(last=last, before=older)
-            response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
+            # relative: behind a proxy at a path prefix (https://host/fl/ to the app's /) the path
+            # the app sees lacks the prefix, and a root-relative link resolved to https://host/v1/...,
+            # the proxy's 404; this one resolves against the URL the client asked, prefix and all
+            response.headers["Link"] = f'<{url.path.rsplit("/", 1)[-1]}?{url.query}>; rel="next"'
         return {"rounds": rounds}  # checked against RoundList as it leaves
 
     @app.get(

@@ -145,6 +145,34 @@ def test_a_refused_certificate_is_said_for_what_it_is_by_the_device_and_the_oper
     assert proxy.seen == []
 
 
+def test_a_rounds_listings_next_page_link_leads_to_the_older_rounds_behind_a_path_prefix(tmp_path):
+    """The ``Link`` of a page with older rounds named the app's own path, ``/v1/populations/...``:
+    a script that resolved it against the URL it asked (``https://host/fl/v1/...``) was sent to
+    ``https://host/v1/...``, the proxy's 404. A reference relative to the request's URL keeps the
+    prefix, and the query's ``task`` too."""
+    with ServerThread(tmp_path / "server.db") as server:
+        with server.admin() as admin:
+            deploy(admin, "p", goal_count=1)
+        store = server.service.store
+        task = store.tasks("p")[0].id
+        for number in range(1, 6):
+            store.record_round(task, number, 1, "abandoned", {"selected": 0}, float(number), number + 0.5)
+        proxy = PrefixProxy(server.url)
+        with LoopbackApp(proxy, lifespan="off") as front:
+            headers = {"Authorization": f"Bearer {server.admin_key}"}
+            with httpx.Client(headers=headers, timeout=10) as http:
+                page = http.get(f"{front.url}/fl/v1/populations/p/rounds", params={"task": "train", "last": 2})
+                seen = [[r["round"] for r in page.json()["rounds"]]]
+                while "next" in page.links:
+                    page = http.get(page.url.join(page.links["next"]["url"]))  # as RFC 3986 resolves it
+                    assert page.status_code == 200, page.text
+                    seen.append([r["round"] for r in page.json()["rounds"]])
+            assert seen == [[4, 5], [2, 3], [1]]
+            with AdminClient(f"{front.url}/fl", admin_key=server.admin_key) as operator:
+                assert [r["round"] for r in operator.rounds("p", last=1)] == [5]
+    assert all(path.startswith("/fl/v1/") for path in proxy.seen), proxy.seen
+
+
 @pytest.mark.parametrize("base", ["https://fl.example", "https://gateway.example/fl"])
 def test_a_model_download_is_held_to_the_resource_bound_behind_a_path_prefix(base):
     """A plan or checkpoint may be up to ``MAX_RESOURCE_BYTES``; behind a proxy at a path prefix
