@@ -95,20 +95,42 @@ class SessionInProgress(RuntimeSdkError):
     retryable = True
 
 
+#: The server's 4xx codes that end a request or its session while a later session may succeed:
+#: the round closed under the session (an operator's stop, its deadline: ``REPORT_LATE``), the
+#: session is over (``SESSION_CLOSED``, ``DUPLICATE_REPORT``: its report was taken), its Secure
+#: Aggregation group went on without it, a newer request of the same session took its place, or
+#: the server no longer knows the session (``BAD_SESSION_TOKEN``: it restarted). None is the
+#: device's mistake: the next check-in starts afresh.
+RETRY_LATER_CODES = frozenset(
+    {
+        "REPORT_LATE",
+        "SESSION_CLOSED",
+        "DUPLICATE_REPORT",
+        "SECAGG_ROUND_CLOSED",
+        "SECAGG_ALREADY_ANSWERED",
+        "UPLOAD_SUPERSEDED",
+        "POLL_SUPERSEDED",
+        "BAD_SESSION_TOKEN",
+    }
+)
+
+
 class ProtocolError(RuntimeSdkError):
     """The server answered with an error or with something this runtime does not understand.
 
     ``status`` and ``code`` are the server's HTTP status and error code when it answered with an
     error. ``retryable`` unless the server refused the request as the device made it (a 4xx
-    answer but 408 and 429: an attestation it requires, a runtime it no longer serves), which no
-    retry changes; an answer cut off, too large, too slow or malformed may be a network's or a
-    server's passing fault."""
+    answer: an attestation it requires, a runtime it no longer serves, a malformed update), which
+    no retry changes; but 408, 429 and the codes of ``RETRY_LATER_CODES`` (a round that closed
+    mid-session, a session the server no longer knows) are retryable: a later session may
+    succeed. An answer cut off, too large, too slow or malformed may be a network's or a server's
+    passing fault."""
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
-        self.retryable = status is None or not 400 <= status < 500 or status in (408, 429)
+        self.retryable = status is None or not 400 <= status < 500 or status in (408, 429) or code in RETRY_LATER_CODES
 
 
 class CorruptResource(RuntimeSdkError):

@@ -136,6 +136,38 @@ def test_a_report_whose_answer_was_lost_completes_once(tmp_path, server, admin, 
     assert admin.status("digits")["current_round"]["reported"] == 1
 
 
+def test_a_refusal_a_later_session_may_not_meet_is_retryable_and_one_it_would_meet_again_is_not(server, admin):
+    """A round closed under the session (here an operator's stop; a deadline alike) answers its
+    report 409 ``REPORT_LATE``, and an aborted session ``SESSION_CLOSED``: every 4xx was read as
+    final, so an app that branches on ``retryable`` logged them as needing a fix. The device's own
+    mistakes (a malformed update) stay final."""
+    import numpy as np
+
+    from device_runtime import PlanExecutor, encode_checkpoint
+    from device_runtime.protocol import ProtocolClient
+
+    plan, _ = deploy(admin, goal_count=3, over_selection=1.0, selection_timeout_s=60, report_timeout_s=60)
+    update = {name: np.zeros(shape, dtype) for name, (shape, dtype) in PlanExecutor(plan).client_update_spec().items()}
+    update["num_examples"] = update["count"] = np.array(10, np.float32)
+    client = ProtocolClient(server.url, retry=RetryPolicy(attempts=1))
+    late, aborted, malformed = (client.checkin("digits", "1.31.1") for _ in range(3))
+
+    def refused(call) -> ProtocolError:
+        with pytest.raises(ProtocolError) as caught:
+            call()
+        return caught.value
+
+    client.abort(aborted, "the app was closed")
+    said = refused(lambda: client.report(aborted, encode_checkpoint(update)))
+    assert (said.status, said.code, said.retryable) == (409, "SESSION_CLOSED", True)
+    said = refused(lambda: client.report(malformed, b"not a checkpoint"))
+    assert (said.status, said.retryable) == (422, False)
+    admin.stop_task("digits", "train")  # the round closes with the session mid-way
+    said = refused(lambda: client.report(late, encode_checkpoint(update)))
+    assert (said.status, said.code, said.retryable) == (409, "REPORT_LATE", True)
+    client.close()
+
+
 def _self_signed_tls_server(folder) -> tuple[str, list[int]]:
     """A TLS server on a loopback port whose certificate no authority the device trusts issued; the list counts the
     handshakes it was offered."""
