@@ -54,7 +54,7 @@ from .plan_builder import (
     build_softmax_regression_plan,
     initial_weights,
 )
-from .protocol import RetryPolicy
+from .protocol import ClientTLS, RetryPolicy
 from .runtime import DeviceClass, FLRuntime, Outcome, SessionResult, training_limit
 from .scheduling import (
     JobRun,
@@ -74,6 +74,7 @@ __all__ = [
     "DEVICE_ENVIRONMENT",
     "WorkMeter",
     "RetryPolicy",
+    "ClientTLS",
     "DeviceClass",
     "SecAggPolicy",
     "DEFAULT_SECAGG_POLICY",

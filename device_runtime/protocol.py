@@ -54,6 +54,8 @@ from .wire import (
 
 __all__ = [
     "AGGREGATIONS",
+    "REFUSED_CERTIFICATE",
+    "ClientTLS",
     "MAX_RETRY_WINDOW_S",
     "STATS_HEADER",
     "TOKEN_HEADER",
@@ -62,6 +64,7 @@ __all__ = [
     "ProtocolClient",
     "RetryPolicy",
     "answer_bound",
+    "closed_unsaid",
     "retry_window",
     "shared_tls_context",
     "token_headers",
@@ -92,6 +95,50 @@ def _tls_context(cafile: str | None, capath: str | None) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as exc:
         named = " and ".join(f"{k}={v}" for k, v in (("SSL_CERT_FILE", cafile), ("SSL_CERT_DIR", capath)) if v)
         raise InvalidSetting(f"the authorities of {named} could not be read: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """What a client's TLS holds beyond the default (``shared_tls_context``): ``cert_file`` and
+    ``key_file``, its own certificate (PEM, the certificate first; the key in ``cert_file`` too when
+    ``key_file`` is None) for a server that admits only clients with one (``fedfleet server
+    --tls-client-ca``, mutual TLS), as httpx's ``cert=``; and ``ca_file``, the authorities (PEM) that
+    issue the server's certificate, trusted in place of ``$SSL_CERT_FILE`` or certifi's bundle."""
+
+    cert_file: str | os.PathLike | None = None
+    key_file: str | os.PathLike | None = None
+    ca_file: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "ca_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise InvalidSetting(f"ClientTLS.{name} is a file's path (a str or a pathlib.Path), not {value!r:.100}")
+        if self.key_file is not None and self.cert_file is None:
+            raise InvalidSetting("ClientTLS.key_file is the key of cert_file: give cert_file too")
+
+    def context(self) -> ssl.SSLContext:
+        """A verifying context with these settings; ``InvalidSetting`` naming the file it cannot use."""
+        if self.ca_file is None:
+            env = os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None
+            cafile, capath = env if any(env) else (certifi.where(), None)
+        else:
+            cafile, capath = os.fspath(self.ca_file), None
+        try:
+            context = ssl.create_default_context(cafile=cafile, capath=capath)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidSetting(f"the authorities of {cafile or capath} could not be read: {exc}") from None
+        if self.cert_file is not None:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                files = " and ".join(os.fspath(f) for f in (self.cert_file, self.key_file) if f is not None)
+                said = "the key is not the certificate's" if "KEY_VALUES_MISMATCH" in str(exc) else str(exc)
+                raise InvalidSetting(
+                    f"the client certificate {files} could not be used ({said}); give the PEM certificate this "
+                    "client was issued and its unencrypted key"
+                ) from None
+        return context
 
 
 SERVER_URL_RULE = (
@@ -595,19 +642,23 @@ class ProtocolClient:
         client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tls: ClientTLS | None = None,
     ) -> None:
         """``transport``: how requests travel (httpx's, e.g. an in-process one in a simulation);
         by default real HTTP. ``client``: an httpx client to share between devices instead (its
         answers are read as it reads them: the bounds of ``MAX_ANSWER_BYTES``,
         ``MAX_RESOURCE_BYTES`` and ``MIN_ANSWER_BYTES_PER_S`` hold on the client made here, timed
-        by ``clock``)."""
+        by ``clock``). ``tls``: a client certificate, or the server's authority (``ClientTLS``)."""
         self.server_url = checked_server_url(server_url)
         self._base_url, self._auth = url_credentials(self.server_url)
         self.retry = retry
         self.rng = rng or random.Random()
         self.sleep = sleep
         self._owns_client = client is None
-        own = _DeadlineTransport(shared_tls_context()) if client is None and transport is None else None
+        tls_context = tls.context() if tls is not None else shared_tls_context()
+        #: Whether this client gives a certificate: a server that refuses it closes the connection unsaid.
+        self.gives_certificate = tls is not None and tls.cert_file is not None
+        own = _DeadlineTransport(tls_context) if client is None and transport is None else None
         #: The sockets ``interrupt`` shuts: those of the transport made here (not an app's or a simulation's).
         self._backend = own.backend if own is not None else None
         # One TLS context for every device of the process: building one loads the CA bundle
@@ -617,7 +668,7 @@ class ProtocolClient:
             transport=transport if transport is not None else own,
             # the environment's proxies ($HTTPS_PROXY...) are not followed: httpx mounts them only
             # for a client without a transport, and this one has its own sockets (``_DeadlineTransport``)
-            verify=shared_tls_context(),
+            verify=tls_context,
             # what ``_BoundedAnswer`` decodes, and no more (httpx asks for br and zstd too once their
             # packages are installed, and the device would then refuse an honest server's answer)
             headers={"Accept-Encoding": "gzip, deflate"},
@@ -717,8 +768,11 @@ class ProtocolClient:
                 last_error = ProtocolError(said, status=response.status_code)
                 continue
             return response
+        hint = ""
+        if self.gives_certificate and self.server_url.startswith("https://") and closed_unsaid(last_error):
+            hint = f"; {REFUSED_CERTIFICATE}"
         raise ServerUnreachable(
-            f"the FL server at {redacted_url(self.server_url)} did not answer {method} {path} after {self.retry.attempts} attempts: {last_error}"
+            f"the FL server at {redacted_url(self.server_url)} did not answer {method} {path} after {self.retry.attempts} attempts: {last_error}{hint}"
         )
 
     @staticmethod
@@ -747,6 +801,8 @@ class ProtocolClient:
                 f"the server did not read the session token sent in {TOKEN_HEADER} beside the URL's credentials: "
                 f"a server of a release before {TOKEN_HEADER} (upgrade it) or a gateway that drops the header"
             )
+        if code == "CLIENT_CERTIFICATE_REQUIRED":  # what this client's settings lack
+            message += "; give this client its certificate: FLRuntime(..., tls=ClientTLS(cert_file, key_file))"
         raise ProtocolError(f"{message} (HTTP {response.status_code}, {code})", status=response.status_code, code=code)
 
     def attestation_nonce(self) -> bytes:
@@ -888,6 +944,30 @@ _CERTIFICATE_REFUSALS = {
     62: "its certificate is for another name than the URL's host: "
     "give the URL with a name the certificate holds, or the server a certificate for this one",
 }
+
+
+#: What a server that closes a connection unsaid, right after its TLS handshake, most likely did
+#: to a client that gave a certificate: a server asking for one ends the handshake so on one it
+#: refuses (another authority's, expired), and the client reads nothing but the closed connection.
+REFUSED_CERTIFICATE = (
+    "a server that admits only clients with a certificate (mutual TLS) closes the connection so on one it refuses: "
+    "is this client's certificate valid now, and issued by an authority the server names (fedfleet server "
+    "--tls-client-ca)?"
+)
+
+
+def closed_unsaid(error: BaseException | None) -> bool:
+    """Whether ``error`` is a connection the server closed with no answer, or in its TLS handshake."""
+    seen = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, (httpx.RemoteProtocolError, httpcore.RemoteProtocolError, ssl.SSLEOFError)):
+            return True
+        if isinstance(seen, (ConnectionResetError, BrokenPipeError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 #: ``tls_refusal``'s answer for a server that answered a TLS hello in plain HTTP.

@@ -64,6 +64,7 @@ from .protocol import (
     INTERRUPTED,
     MIN_ANSWER_BYTES_PER_S,
     CheckinAccepted,
+    ClientTLS,
     ProtocolClient,
     RetryPolicy,
     checked_server_url,
@@ -227,6 +228,7 @@ class FLRuntime:
         http_client: httpx.Client | None = None,
         plan_cache: PlanCache | None = None,
         environment: RuntimeEnvironment = DEVICE_ENVIRONMENT,
+        tls: ClientTLS | None = None,
     ) -> None:
         """``transport``: how the protocol's requests travel (real HTTP by default; an
         in-process transport in a simulation or a test), see ``ProtocolClient``; ``http_client``:
@@ -246,7 +248,9 @@ class FLRuntime:
         or a ``server_url`` that is not http(s) is refused here with ``InvalidSetting``, as are
         settings of the wrong kind (a path for ``opstats``, a number for ``device_class``, a
         ``timeout_s`` that is not a positive number of seconds, a ``transport``, ``http_client`` or
-        ``plan_cache`` that is not one)."""
+        ``plan_cache`` that is not one). ``tls``: this device's client certificate for a server
+        that admits only clients with one, or the authority of the server's certificate
+        (``ClientTLS``; a file it cannot use is refused here with ``InvalidSetting``)."""
         if not is_name(population):
             raise InvalidSetting(f"population {str(population)[:200]!r} refused: {NAME_RULE}")
         server_url = checked_server_url(server_url)  # before anything is made: a refusal leaves nothing
@@ -275,6 +279,7 @@ class FLRuntime:
             transport=transport,
             http_client=http_client,
             plan_cache=plan_cache,
+            tls=tls,
         )
         self.population = population
         self.stores = dict(stores)
@@ -309,6 +314,7 @@ class FLRuntime:
             sleep=sleep,
             client=http_client,
             transport=transport,
+            tls=tls,
         )
         self.plan_cache: PlanCache = (
             plan_cache if plan_cache is not None else DirectoryPlanCache(cast("str | os.PathLike", cache_dir))
@@ -1235,6 +1241,11 @@ def _check_settings(**settings: Any) -> None:
         value = settings[name]
         if value is not None and not all(callable(getattr(value, m, None)) for m in methods):
             raise InvalidSetting(f"{name} is {what} or None, not {type(value).__name__} {value!r:.100}")
+    if settings["tls"] is not None and not isinstance(settings["tls"], ClientTLS):
+        raise InvalidSetting(
+            f"tls is a ClientTLS(cert_file, key_file, ca_file) or None, not {type(settings['tls']).__name__} "
+            f"{settings['tls']!r:.100}"
+        )
     for name, kind in (
         ("retry", RetryPolicy),
         ("device_class", DeviceClass),

@@ -24,9 +24,12 @@ from device_runtime.plan import Plan, serialize_plan
 from device_runtime.protocol import (
     MAX_RESOURCE_BYTES,
     NO_TLS,
+    REFUSED_CERTIFICATE,
     TOKEN_HEADER,
+    ClientTLS,
     answer_bound,
     checked_server_url,
+    closed_unsaid,
     foreign_answer,
     redacted_url,
     tls_refusal,
@@ -161,9 +164,22 @@ class AdminClient:
     read (fields a newer server added are left out), as the CLI and notebooks index them."""
 
     def __init__(
-        self, server_url: str, *, admin_key: str, timeout_s: float = 30.0, transport: httpx.BaseTransport | None = None
+        self,
+        server_url: str,
+        *,
+        admin_key: str,
+        timeout_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
+        """``tls``: the operator's client certificate for a server that admits only clients with one
+        (``fedfleet server --tls-client-ca``), or the authority of the server's certificate."""
         self.url = check_server_url(server_url)
+        self.gives_certificate = tls is not None and tls.cert_file is not None
+        try:
+            verify = tls.context() if tls is not None else _tls_context()
+        except InvalidSetting as exc:
+            raise ServerUnreachable(str(exc)) from None
         self.timeout_s = timeout_s
         base_url, auth = url_credentials(self.url)  # not in the URL: httpx logs each request's
         self._env_proxies = transport is None  # httpx follows the environment's proxies only then
@@ -175,7 +191,7 @@ class AdminClient:
             # broken server's endless answer (a model of gigabytes) is cut off, not held in memory
             headers={**token_headers(admin_key, auth), "Accept-Encoding": "gzip, deflate"},
             transport=transport,
-            verify=_tls_context(),
+            verify=verify,
             event_hooks={"response": [answer_bound(time.monotonic, timeout_s)]},
         )
 
@@ -246,7 +262,12 @@ class AdminClient:
         if self.url.startswith("https://") and "SSL" in reason:  # a TLS hello to fedfleet server's plain HTTP
             return ServerUnreachable(
                 f"no TLS answer from the server at {redacted_url(self.url)} ({reason}); fedfleet server speaks plain HTTP: "
-                f"give {'http://' + redacted_url(self.url).removeprefix('https://')}, or the URL of the TLS proxy in front of it"
+                f"give {'http://' + redacted_url(self.url).removeprefix('https://')}, or the URL of the TLS proxy in front of it "
+                "(a server started without --tls-cert)"
+            )
+        if self.gives_certificate and self.url.startswith("https://") and closed_unsaid(exc):
+            return ServerUnreachable(
+                f"the server at {redacted_url(self.url)} closed the connection with no answer ({reason}); {REFUSED_CERTIFICATE}"
             )
         proxy = _environment_proxy(self.url) if self._env_proxies else None
         if proxy is not None:  # httpx went through it (trust_env): the proxy did not answer, or refused
@@ -272,6 +293,8 @@ class AdminClient:
                         f"; {redacted_url(self.url)} has no such route: give the server's URL without {path} (behind a "
                         f"proxy that serves it at {path}, have the proxy strip {path} before it passes a request on)"
                     )
+                if err["code"] == "CLIENT_CERTIFICATE_REQUIRED":
+                    message += "; give the operator's certificate: fedfleet's --tls-cert FILE --tls-key FILE"
                 if err["code"] == "ADMIN_KEY_REQUIRED" and TOKEN_HEADER in response.request.headers:
                     # the server read only ``Authorization``, which the URL's credentials take
                     message = (

@@ -27,6 +27,7 @@ from .http_guards import GuardedServer, HttpLimits
 from .persistence import SCHEMA_VERSION, DamagedStore, DatabaseInUse, ServerStore, StoreLayoutError, store_advice
 from .release_trust import ReleaseTrustError, read_release_trust
 from .retention import Retention
+from .serve import certificate_warning, server_tls_context
 from .service import FLService
 from .task_runs import NotRetired, retire_refused
 from .trust_anchor import TrustAnchorError, read_trust_anchor
@@ -248,10 +249,10 @@ def read_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
-def listen_url(host: str, port: int) -> str:
+def listen_url(host: str, port: int, *, tls: bool = False) -> str:
     """The URL a server listening on ``host`` and ``port`` answers at: an IPv6 address in brackets
-    (``http://[::1]:8000``), as a URL writes it."""
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    (``http://[::1]:8000``), as a URL writes it; ``https://`` with ``tls``."""
+    return f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _port(text: str) -> int:
@@ -288,6 +289,19 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     )
     for dest, (default, text) in ATTESTATION_OPTIONS.items():
         p.add_argument(f"--{dest.replace('_', '-')}", type=float, default=default, help=text)
+    p.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="serve HTTPS with this certificate chain (PEM, the server's certificate first; its key too unless "
+        "--tls-key); without it the server speaks plain HTTP, for a TLS proxy in front",
+    )
+    p.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM, unencrypted)")
+    p.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="with --tls-cert: admit only clients (devices, operators) with a certificate one of these authorities "
+        "(PEM) issued: mutual TLS",
+    )
     p.add_argument(
         "--allow-untested-plans",
         action="store_true",
@@ -498,6 +512,13 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 anchor, NonceRegistry(args.nonce_ttl), RateLimiter(args.rate_burst, args.rate_per_hour / 3600.0)
             )
         release_trust = read_release_trust(args.release_trust) if args.release_trust else frozenset()
+        if (args.tls_key or args.tls_client_ca) and not args.tls_cert:
+            named = " and ".join(
+                o for o, v in (("--tls-key", args.tls_key), ("--tls-client-ca", args.tls_client_ca)) if v
+            )
+            verb = "applies" if " and " not in named else "apply"
+            raise ValueError(f"{named} {verb} to serving HTTPS: give the server's certificate with --tls-cert FILE too")
+        tls = server_tls_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         if os.path.isdir(args.db):
             raise ValueError(f"--db {args.db} is a folder; give the database file's path (made if missing)")
         limits = HttpLimits(args.header_timeout_s, args.body_timeout_s, args.max_connections, args.max_header_bytes)
@@ -543,6 +564,7 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     server = GuardedServer(
         create_app(service, admin_keys=keys),
         limits,
+        tls=tls,
         host=args.host,
         port=args.port,
         log_level="warning" if args.log_level == "info" else args.log_level,
@@ -563,16 +585,26 @@ def run_server(args: argparse.Namespace, out: TextIO | None = None) -> int:
     attestation = (
         f"on ({args.attestation_trust}, burst {args.rate_burst:g}, {args.rate_per_hour:g}/hour)" if verifier else "off"
     )
-    if not _loopback(args.host):
+    if tls is None and not _loopback(args.host):
         print(
             f"fedfleet server: warning: listening on {args.host} in plain HTTP: admin keys, session tokens and "
-            "updates cross the network readable; put a TLS proxy in front and bind --host 127.0.0.1 behind it",
+            "updates cross the network readable; serve HTTPS (--tls-cert, --tls-key) or put a TLS proxy in front "
+            "and bind --host 127.0.0.1 behind it",
             file=sys.stderr,
             flush=True,
         )
-    base = listen_url(args.host, args.port)
+    if tls is not None and (warning := certificate_warning(args.tls_cert)) is not None:
+        print(f"fedfleet server: warning: {warning}", file=sys.stderr, flush=True)
+    base = listen_url(args.host, args.port, tls=tls is not None)
     print(f"fedfleet server listening on {base}", file=out)
     print(f"  database:    {args.db}", file=out)
+    if tls is not None:
+        clients = (
+            f"only with a certificate from {args.tls_client_ca}"
+            if args.tls_client_ca
+            else "any (no client certificate)"
+        )
+        print(f"  tls:         {args.tls_cert}; clients: {clients}", file=out)
     print(f"  attestation: {attestation}", file=out)
     print(
         f"  deploys:     {'any plan (--allow-untested-plans)' if args.allow_untested_plans else 'only with a passed release report'}",

@@ -241,6 +241,13 @@ class VersionNotSupported(ApiError):
     status, code = 505, "HTTP_VERSION_NOT_SUPPORTED"
 
 
+class ClientCertificateRequired(ApiError):
+    """A TLS connection without a client certificate to a server that admits only clients with one
+    (``fedfleet server --tls-client-ca``)."""
+
+    status, code = 401, "CLIENT_CERTIFICATE_REQUIRED"
+
+
 class ServerBusy(ApiError):
     """Every connection the server allows is busy with a request; clients retry 5xx later."""
 

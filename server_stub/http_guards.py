@@ -55,6 +55,7 @@ import logging
 import math
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .errors import (
     ApiError,
     BodyTimeout,
+    ClientCertificateRequired,
     HeadersTooLarge,
     HeaderTimeout,
     MalformedRequest,
@@ -155,10 +157,26 @@ class GuardedServer(uvicorn.Server):
     applies ``logging.config.dictConfig``, which closes every handler the process has, an app's
     that embeds a ``ServerThread`` included."""
 
-    def __init__(self, app: Any, limits: HttpLimits = HttpLimits(), **options: Any) -> None:
+    def __init__(
+        self, app: Any, limits: HttpLimits = HttpLimits(), *, tls: ssl.SSLContext | None = None, **options: Any
+    ) -> None:
+        """``tls``: serve HTTPS with this context (``serve.server_tls_context``); one that asks for
+        client certificates (``CERT_OPTIONAL``) has every connection that gave none answered 401
+        ``CLIENT_CERTIFICATE_REQUIRED`` and closed, so that the client reads why."""
         options.setdefault("log_config", None)
         self.admission = _Admission(limits.connections)
-        protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "admission": self.admission})
+        self.tls, self.limits = tls, limits
+        protocol = type(
+            "GuardedH11Protocol",
+            (GuardedH11Protocol,),
+            {
+                "limits": limits,
+                "admission": self.admission,
+                "client_certificates": tls is not None and tls.verify_mode != ssl.CERT_NONE,
+            },
+        )
+        if tls is not None:
+            options["ssl_context_factory"] = lambda _config, _default: tls
         super().__init__(
             uvicorn.Config(
                 AnsweredErrorGuard(SlowBodyGuard(app, limits.body_timeout_s)),
@@ -170,6 +188,31 @@ class GuardedServer(uvicorn.Server):
         self._listener: _Listener | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, its TLS handshakes bounded by ``header_timeout_s``: uvicorn leaves
+        asyncio's 60 s, and a connection counts against the cap from its accept but reaches no
+        protocol (none it could close to make room) until its handshake is done, so four sockets
+        that sent nothing kept a server allowed four connections from answering anyone for a minute."""
+        loop = asyncio.get_running_loop()
+        if self.tls is None:
+            await super().startup(sockets)
+            return
+        create = loop.create_server
+
+        async def bounded(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("ssl_handshake_timeout", self.limits.header_timeout_s)
+            return await create(*args, **kwargs)
+
+        try:
+            loop.create_server = bounded  # type: ignore[method-assign]
+        except AttributeError:  # a loop whose methods are fixed (uvloop's): asyncio's 60 s stay
+            await super().startup(sockets)
+            return
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server
 
     async def main_loop(self) -> None:
         """uvicorn's loop of ticks every 0.1 s, which ``exit_soon`` also wakes: a server stopped
@@ -239,6 +282,7 @@ class GuardedServer(uvicorn.Server):
         # TCP_NODELAY only on sockets whose proto says TCP
         listener = _Listener(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         listener.admission = self.admission
+        listener.plain = self.tls is None
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((host, port))
@@ -330,6 +374,9 @@ class _Listener(socket.socket):
     time, before any of them reaches a protocol) keeps the connection cap."""
 
     admission: _Admission
+    #: Whether connections speak plain HTTP: over TLS the busy answer is not written in the clear
+    #: (a client would read it as a server that speaks no TLS), the connection is closed alone.
+    plain: bool = True
 
     def accept(self) -> tuple[socket.socket, Any]:
         room = self.admission.make_room(self._waiting)
@@ -342,7 +389,8 @@ class _Listener(socket.socket):
         if room == "no":
             try:
                 conn.setblocking(False)
-                conn.send(answer_bytes(ServerBusy("the server is busy; try again shortly")))
+                if self.plain:
+                    conn.send(answer_bytes(ServerBusy("the server is busy; try again shortly")))
             except OSError:
                 pass
             conn.close()
@@ -419,6 +467,8 @@ class GuardedH11Protocol(H11Protocol):
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     admission: ClassVar[_Admission]
+    #: Whether the server's TLS asks for client certificates: a connection that gave none is refused.
+    client_certificates: ClassVar[bool] = False
     conn: _HeadLimitedConnection  # uvicorn's h11.Connection, replaced in __init__
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -442,6 +492,19 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self.admission.protocols.add(self)
         self.admission.changed()
+        if self.client_certificates and not transport.get_extra_info("peercert"):
+            # asked for, not required in the handshake: a handshake that fails ends with the
+            # connection closed and nothing said, which the client reads as a server gone
+            transport.write(
+                answer_bytes(
+                    ClientCertificateRequired(
+                        "this server admits only clients with a certificate from its operator's authority "
+                        "(fedfleet server --tls-client-ca), and this connection gave none"
+                    )
+                )
+            )
+            self._linger()
+            return
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:

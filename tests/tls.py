@@ -39,8 +39,11 @@ def make_authority(folder: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certi
     return key, cert
 
 
-def issue(folder: Path, authority, name: str, *, days: tuple[int, int] = (-1, 30)) -> tuple[Path, Path]:
-    """A server certificate for ``name`` (and 127.0.0.1) valid ``days`` from today, and its key."""
+def issue(
+    folder: Path, authority, name: str, *, days: tuple[int, int] = (-1, 30), client: bool = False
+) -> tuple[Path, Path]:
+    """A server certificate for ``name`` (and 127.0.0.1) valid ``days`` from today, and its key;
+    with ``client``, a client certificate (a device's or an operator's, for mutual TLS) instead."""
     ca_key, ca_cert = authority
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -56,11 +59,15 @@ def issue(folder: Path, authority, name: str, *, days: tuple[int, int] = (-1, 30
             x509.SubjectAlternativeName([x509.DNSName(name), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
             critical=False,
         )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH]),
+            critical=False,
+        )
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    cert_file, key_file = folder / f"{name}{days}.pem", folder / f"{name}{days}.key"
+    kind = "client" if client else ""
+    cert_file, key_file = folder / f"{name}{kind}{days}.pem", folder / f"{name}{kind}{days}.key"
     cert_file.write_bytes(_pem(cert))
     key_file.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())

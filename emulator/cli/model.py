@@ -29,7 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from device_runtime.checkpoint import decode_checkpoint
 from device_runtime.plan import PlanError
-from device_runtime.protocol import redacted_url
+from device_runtime.protocol import ClientTLS, redacted_url
 from server_stub.admin_client import AdminClient
 from server_stub.errors import did_you_mean
 from server_stub.persistence import DamagedStore, ServerStore, StoreLayoutError
@@ -209,6 +209,24 @@ def _round_number(text: str) -> int:
     return int(text)
 
 
+def add_client_tls_options(cmd: argparse.ArgumentParser) -> None:
+    """The operator's certificate, for a server that admits only clients with one (mutual TLS)."""
+    cmd.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="the operator's client certificate (PEM; its key too unless --tls-key), for a server started with "
+        "--tls-client-ca (the server's own authority is read from $SSL_CERT_FILE)",
+    )
+    cmd.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM, unencrypted)")
+
+
+def client_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """``--tls-cert`` and ``--tls-key`` as the operators' client takes them; None without them."""
+    if args.tls_key and not args.tls_cert:
+        raise ModelError("--tls-key is the key of --tls-cert: give the operator's certificate with --tls-cert FILE too")
+    return ClientTLS(args.tls_cert, args.tls_key) if args.tls_cert else None
+
+
 def add_model_parser(sub: argparse._SubParsersAction, admin_key_help: str) -> None:
     """Register ``model`` on the ``fedfleet`` command's subparsers."""
     cmd = sub.add_parser(
@@ -228,6 +246,7 @@ def add_model_parser(sub: argparse._SubParsersAction, admin_key_help: str) -> No
         help="the model round N committed (default: the last committed round's; fedfleet rounds lists them)",
     )
     cmd.add_argument("--admin-key-file", help=admin_key_help)
+    add_client_tls_options(cmd)
     cmd.add_argument(
         "--onnx",
         type=Path,
@@ -279,7 +298,10 @@ def model_command(
     if args.server is not None:
         if args.population is None or args.task is None:
             raise ModelError("with --server, give --population and --task (fedfleet status lists a population's tasks)")
-        with AdminClient(args.server, admin_key=admin_key()) as admin, naming_populations(admin, args.population):
+        with (
+            AdminClient(args.server, admin_key=admin_key(), tls=client_tls(args)) as admin,
+            naming_populations(admin, args.population),
+        ):
             committed = _read(ServerModels(admin, args.population), args.task, args.round)
     else:
         run = RunModels(args.run, args.population)

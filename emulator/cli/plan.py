@@ -73,7 +73,7 @@ from ..toolchain.release import release_table
 from ..toolchain.release_signing import SigningKeyError, generate_signing_key, load_signing_key, public_key_path
 from ..toolchain.tasks import Task, TaskError, onnx_import, onnx_output
 from ..toolchain.torch_export import from_torch, parse_input
-from .model import add_model_parser, model_command
+from .model import add_client_tls_options, add_model_parser, client_tls, model_command
 
 __all__ = ["SIGNING_KEY_ENV", "add_toolchain_commands", "run_toolchain_command"]
 
@@ -174,6 +174,7 @@ def _server_options(cmd: argparse.ArgumentParser, population: str) -> None:
     cmd.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     cmd.add_argument("--population", required=True, help=population)
     cmd.add_argument("--admin-key-file", help=ADMIN_KEY_HELP)
+    add_client_tls_options(cmd)
 
 
 #: ``--admin-key-file``'s help, of every command that talks to a server.
@@ -662,7 +663,7 @@ def _deploy(args: argparse.Namespace, say) -> int:
         check_bundle_path(args.directory)  # a file of a bundle (its task.py too): names the bundle
     refuse_file_kind(args.directory, "a bundle folder", ".onnx", ".pt", ".pth", ".toml", ".py")
     check_bundle_path(args.directory)
-    with AdminClient(args.server, admin_key=_admin_key(args)) as admin:
+    with AdminClient(args.server, admin_key=_admin_key(args), tls=client_tls(args)) as admin:
         result = deploy_bundle(args.directory, admin, args.population)
     tasks = result.get("tasks", [result])
     over = [t for t in tasks if t.get("already_deployed") and t.get("status") in _NOT_RUN_AGAIN]
@@ -706,7 +707,10 @@ def _naming_populations(admin: AdminClient, population: str) -> Iterator[None]:
 
 
 def _status(args: argparse.Namespace, say) -> int:
-    with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
+    with (
+        AdminClient(args.server, admin_key=_admin_key(args), tls=client_tls(args)) as admin,
+        _naming_populations(admin, args.population),
+    ):
         status = admin.status(args.population)
     say(f"population {status['population']}" + (f" (strategy {status['strategy']})" if status.get("strategy") else ""))
     if not status["tasks"]:
@@ -726,7 +730,10 @@ def _status(args: argparse.Namespace, say) -> int:
 
 
 def _stop(args: argparse.Namespace, say) -> int:
-    with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
+    with (
+        AdminClient(args.server, admin_key=_admin_key(args), tls=client_tls(args)) as admin,
+        _naming_populations(admin, args.population),
+    ):
         stopped = admin.stop_task(args.population, args.task)
     also = [name for name in stopped["stopped"] if name != stopped["task"]]
     said = f"stopped task {stopped['task']} of population {stopped['population']}"
@@ -770,7 +777,10 @@ def _round_cursor(text: str) -> int:
 
 
 def _rounds(args: argparse.Namespace, say) -> int:
-    with AdminClient(args.server, admin_key=_admin_key(args)) as admin, _naming_populations(admin, args.population):
+    with (
+        AdminClient(args.server, admin_key=_admin_key(args), tls=client_tls(args)) as admin,
+        _naming_populations(admin, args.population),
+    ):
         rounds, older = admin.round_page(args.population, args.task, args.last, args.before)
     if not rounds:  # not a bare header
         which = f"task {args.task} of {args.population}" if args.task else args.population

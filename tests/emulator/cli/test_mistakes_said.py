@@ -104,7 +104,7 @@ def test_an_option_named_like_a_positional_argument_says_it_is_given_without_it(
         ),
         (  # a required option left out: the error is still the option given to the wrong command
             ["deploy", "b", "--server", "http://127.0.0.1:1", "--signing-key", "k"],
-            "(--signing-key is an option of fedfleet plan test, not of fedfleet deploy)",
+            "(--signing-key is an option of fedfleet plan test, not of fedfleet deploy; or did you mean --tls-key?)",
         ),
         (
             ["server", "--population", "digits"],
