@@ -751,6 +751,11 @@ class ParticipationScheduler:
                 if not isinstance(exc, RuntimeSdkError):
                     log.warning("the %s session failed unexpectedly", population, exc_info=True)
                 outcome, delay, detail = RunOutcome.ERROR, self.settings.recheck_s, f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, RuntimeSdkError) and exc.retryable:
+                    # the same call may succeed later with nothing changed (the server down or busy,
+                    # a round closed mid-session): back inside the server's retry window, as a
+                    # turned-away check-in; an error that needs a fix waits the recheck
+                    delay, server_delay = 0.0, max(runtime.next_retry_delay(), self.settings.min_retry_s)
             else:
                 outcome = RunOutcome(session.outcome.value)
                 if outcome is RunOutcome.INTERRUPTED:

@@ -4,6 +4,7 @@ within the bound when conditions change, one session at a time across apps, a vi
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import threading
 import time
@@ -23,6 +24,7 @@ from device_runtime import (
 from device_runtime.clock import VirtualClock
 from device_runtime.conditions import DeviceState, StaticConditions, TrainingConstraints, TrainingInterval
 from device_runtime.executor import stoppable_run_options
+from device_runtime.runtime import DEFAULT_RETRY_WINDOW_S
 from device_runtime.scheduling import UNSETTLED, ParticipationScheduler, RunOutcome, SchedulerSettings, WorkerQueue
 from emulator.devices.conditions import DiurnalConditions
 from example_store import ExampleSelector, SQLiteExampleStore
@@ -92,6 +94,34 @@ def test_unmet_constraints_mean_no_session_and_a_later_recheck(tmp_path, server,
     conditions.state = GOOD
     assert scheduler.queue.run_until(clock.now() + 800)[-1].outcome is RunOutcome.COMPLETED
     assert scheduler.jobs() == []  # one-time participation is done
+
+
+def test_an_error_a_later_session_may_not_meet_is_retried_in_the_servers_window_and_one_to_fix_at_the_recheck(
+    tmp_path, server, admin, digits
+):
+    """``retryable`` says which: the server down (``ServerUnreachable``) comes back inside the retry
+    window (the default one, before any server named one), an empty store (``NoExamples``, which
+    fails the same way until the app adds examples) waits ``recheck_s``."""
+    deploy(admin, "empty", goal_count=5)
+    clock = VirtualClock()
+    settings = SchedulerSettings(recheck_s=3600, settle_s=0)
+    scheduler = ParticipationScheduler(tmp_path / "app.db", StaticConditions(GOOD), clock=clock, settings=settings)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    scheduler.register_runtime("digits", FLRuntime("digits", down, _store(tmp_path / "a.db", digits), retry=FAST))
+    scheduler.register_runtime(
+        "empty", FLRuntime("empty", server.url, SQLiteExampleStore(tmp_path / "b.db"), retry=FAST)
+    )
+    scheduler.schedule("digits")
+    scheduler.schedule("empty")
+    runs = {run.population: run for run in scheduler.queue.run_pending()}
+    assert {p: r.outcome for p, r in runs.items()} == {"digits": RunOutcome.ERROR, "empty": RunOutcome.ERROR}
+    assert runs["digits"].detail.startswith("ServerUnreachable") and runs["empty"].detail.startswith("NoExamples")
+    low, high = DEFAULT_RETRY_WINDOW_S
+    assert low <= runs["digits"].next_run_at - runs["digits"].ended_at <= high
+    assert 3600 <= runs["empty"].next_run_at - runs["empty"].ended_at <= 3600 * 1.2
+    scheduler.close()
 
 
 class _TurnsBusyOnRead(SQLiteExampleStore):
