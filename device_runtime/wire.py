@@ -360,6 +360,8 @@ class PopulationStatus(Answer):
     phase: str | None = None
     current_round: RoundProgress | None = None
     checkpoint_id: str | None = None
+    #: why no round is open though tasks are active: the database refused the last round's record
+    waiting: str | None = None
 
 
 class DeployedTask(Answer):

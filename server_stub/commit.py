@@ -325,6 +325,7 @@ class CommitPipeline:
                             p.started_wall,
                             p.ended_wall,
                             next_try_at=self.clock() + WRITE_RETRY_FIRST_S,
+                            population=p.population,
                         )
                     )
                 log.error(
@@ -391,7 +392,12 @@ class CommitPipeline:
             pop = p.population
             pop.runs = [r for r in pop.runs if r not in finished]
             pop.committing = False
-            if pop.runs:
+            if pop.runs and record is None:
+                # the database refuses writes: no round opens (its devices would train for a commit
+                # it refuses too) until this record is on record (``_write_unwritten``)
+                pop.held = run if run in pop.runs else pop.runs[0]
+                log.error("population %s: its next round opens once the database takes writes again", pop.name)
+            elif pop.runs:
                 self._reopen(pop, run if run in pop.runs else pop.runs[0])
         if not pop.runs:
             self._activate(pop.name)
@@ -445,6 +451,12 @@ class CommitPipeline:
                         closed.record_id, closed.record_key = record.id, (record.task_id, record.number, record.attempt)
                 if u.core.late_reports:
                     self.note_late(u.run, u.core)  # late reports that came after the copy above
+                pop = u.population
+                held = pop.held if pop is not None else None
+                if pop is not None and held is not None and not any(o.population is pop for o in self.unwritten):
+                    pop.held = None
+                    if pop.current is None and not pop.committing and pop.runs:
+                        self._reopen(pop, held if held in pop.runs else pop.runs[0])
             log.info(
                 "task %s round %d attempt %d is on record after %d tries",
                 u.run.label,

@@ -158,6 +158,10 @@ class Population:
     idle_since: float | None = None
     #: its active tasks whose stored config or plan this server refuses, each with the reason (``task_runs.refusals``)
     refused: dict[str, str] = field(default_factory=dict)
+    #: the task whose round opens next once the record of its last round is on record: the database
+    #: refused it (a full disk, a lock held past the busy timeout), and a round opened meanwhile would
+    #: have its devices train for a commit the database refuses too (``commit``)
+    held: TaskRun | None = None
 
     def find(self, task: str) -> TaskRun | None:
         return next((r for r in self.runs if r.record.name == task), None)
@@ -196,6 +200,7 @@ class UnwrittenRound:
     ended_wall: float
     tries: int = 1
     next_try_at: float = 0.0
+    population: Population | None = None  # held until this record is on record (``Population.held``)
 
 
 def task_states(pop: Population, tasks: list[TaskRecord]) -> dict[str, dict]:
@@ -243,6 +248,10 @@ def population_status(pop: Population, tasks: list[TaskRecord], now: float) -> d
         "active_tasks": active,
         "tasks": [{"name": t.name, **states[t.name]} for t in tasks],
     }
+    if pop.held is not None:
+        status["waiting"] = (
+            "the database refused the record of its last round: its next round opens once it is on record"
+        )
     if run is not None:
         assert run.core is not None
         status.update(

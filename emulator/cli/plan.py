@@ -721,6 +721,8 @@ def _status(args: argparse.Namespace, say) -> int:
         behind = f" behind {', '.join(task['queued_behind'])}" if task.get("queued_behind") else ""
         why = f": {task['reason']}" if task.get("reason") else ""
         say(f"  {task['name']}: {task['status']}{behind}{why}")
+    if status.get("waiting"):
+        say(f"no round open: {status['waiting']}")
     if status.get("active_task"):
         say(
             f"open round: {status['active_task']} round {status['round']} ({status['phase']}), "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -80,9 +81,14 @@ def test_a_locked_database_neither_freezes_the_server_nor_applies_a_round_twice(
         assert last[0].status_code == 200
         assert last[0].json()["round_status"] == "abandoned"  # taken into a round that was not committed
 
-        # The failed write abandoned the round (its record is written once the database is free,
-        # by the ticker or before the task's next record): the next attempt commits one mean update, once.
-        assert [r["status"] for r in admin.rounds("digits")] in (["abandoned"], [])
+        # The failed write abandoned the round; its record is written by the ticker once the
+        # database is free, and until then no round opens (its devices would train for nothing).
+        deadline = time.monotonic() + 30
+        while (statuses := [r["status"] for r in admin.rounds("digits")]) == []:
+            assert time.monotonic() < deadline, "the abandoned round's record was never written"
+            time.sleep(0.05)
+        assert statuses == ["abandoned"]
+        # The next attempt commits one mean update, once.
         sessions = [_checkin(http).json() for _ in range(GOAL)]
         assert all(s["status"] == "accepted" and s["round"] == 1 for s in sessions), sessions
         assert all(_report(http, s, body).status_code == 200 for s in sessions)

@@ -372,6 +372,45 @@ def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_an
         store.close()
 
 
+def test_no_round_opens_while_the_database_refuses_the_record_of_the_last_one(tmp_path):
+    """A round whose record the database refused (full, locked) was followed at once by the next
+    attempt: its devices trained and reported for a commit the database refused too, each attempt's
+    updates discarded and its record piled up in memory, for as long as the disk stayed full. Now
+    check-ins are turned away (``ROUND_FULL``, a retry window) until that record is on record, and
+    the status says why no round is open."""
+    server = QuickToGiveUp(tmp_path / "s.db")
+    plan, start = server.deploy()
+    updates, mean = moving_updates(plan, start, seed=6)
+    sessions = server.checkin(5)
+    for session, update in zip(sessions[:4], updates[:4]):
+        server.report(session, update)
+    holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        assert server.report(sessions[4], updates[4]).round_status == "abandoned"
+        for _ in range(2):  # still refused at its retry: still no round
+            answer = server.service.checkin(POP, installed_runtime_version())
+            assert isinstance(answer, CheckinRejected) and answer.reason == "ROUND_FULL", answer
+            assert answer.retry_after_s[0] > 0
+            server.now += WRITE_RETRY_FIRST_S
+            server.service.tick()
+        status = server.service.population_status(POP)
+        assert status["active_task"] is None and "the database refused the record" in status["waiting"], status
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    server.now += 4 * WRITE_RETRY_FIRST_S
+    server.service.tick()  # the record is on record: the next attempt opens
+    assert "waiting" not in server.service.population_status(POP)
+    server.run_round(updates)
+    assert [(r["round"], r["attempt"], r["status"]) for r in server.service.rounds(POP)] == [
+        (1, 1, "abandoned"),
+        (1, 2, "committed"),
+    ]
+    for store in server.stores:
+        store.close()
+
+
 def test_a_record_waiting_for_its_retry_is_written_when_the_server_stops(tmp_path):
     server = QuickToGiveUp(tmp_path / "s.db")
     plan, start = server.deploy()
@@ -487,6 +526,9 @@ def _rounds_on_record_under_write_faults(schedule: list[str | None]) -> None:
             for _ in range(3):
                 server.now += 100.0  # past any backoff
                 server.service.tick()
+                while "waiting" in server.service.population_status(POP):  # a record the database refused
+                    server.now += 100.0  # no round opens until it is on record
+                    server.service.tick()
                 answers = [server.report(s, u) for s, u in zip(server.checkin(5), updates)]
                 assert [a.round_status for a in answers[:4]] == ["open"] * 4
                 told.append((answers[4].round, answers[4].round_status))
