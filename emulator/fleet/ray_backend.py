@@ -389,6 +389,9 @@ def simulate_sharded(
         backend = _RayShards(config, parts, ensure_ray(address), shard_cpus)
     else:
         backend = _LocalShards(config, parts)
+    from .report import clear_run, earlier_server
+
+    left = earlier_server(out_dir)  # before the driver replaces it
     try:
         with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
             workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
@@ -397,9 +400,9 @@ def simulate_sharded(
                 if notice is not None:  # once the server took the tasks: a [task] it refuses is the one line
                     notify_before_run(config, workload, specs, notice)
                 if out_dir is not None:  # the run replaces an earlier one's files (see simulate)
-                    from .report import clear_run
-
-                    clear_run(out_dir)
+                    replaced = clear_run(out_dir, server_left=left)
+                    if replaced is not None and notice is not None:
+                        notice(replaced)
                 run = _drive(driver, backend, len(parts), specs, started, stats if stats is not None else {})
             finally:  # also when the run is interrupted (Ctrl-C)
                 driver.close()

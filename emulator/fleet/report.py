@@ -85,17 +85,36 @@ FIGURE_FILES = (
 )
 
 
-def clear_run(out_dir: str | os.PathLike) -> None:
+def clear_run(out_dir: str | os.PathLike, *, server_left: bool = False) -> str | None:
     """Remove what an earlier run wrote in ``out_dir`` (its tables, summary, plots and report; other
     files stay), as a run starts there: else a run stopped before its summary left the earlier run's
     ``summary.json`` beside its own tables, which ``fedfleet compare`` read as one run, and a run
-    without DP the earlier one's ``privacy.png``."""
+    without DP the earlier one's ``privacy.png``. Returns the line that says what this run replaced,
+    None when nothing (``server_left``: the folder held an earlier run's server database, which the
+    simulator replaced): a run started again after one was killed starts over, and said nothing."""
     from .tables import ROUNDS_CSV, SESSIONS_CSV, TIMELINE_CSV
 
+    removed = []
     for name in (SESSIONS_CSV, ROUNDS_CSV, TIMELINE_CSV, SUMMARY_JSON, REPORT_HTML, *FIGURE_FILES):
         path = Path(out_dir) / name
         if path.is_file() or path.is_symlink():
             path.unlink()
+            removed.append(name)
+    if SUMMARY_JSON in removed:
+        what = "an earlier run's tables, summary.json and report"
+    elif removed:
+        what = "the tables of an earlier run stopped before its end"
+    elif server_left:
+        what = "the server database of an earlier run stopped before its end"
+    else:
+        return None
+    return f"{os.fspath(out_dir)} held {what}: this run starts over and replaces them (a run does not resume)"
+
+
+def earlier_server(out_dir: str | os.PathLike | None) -> bool:
+    """Whether ``out_dir`` holds an earlier run's server database (``out_dir/server``), which a run
+    there replaces as it starts."""
+    return out_dir is not None and (Path(out_dir) / "server" / "server.db").exists()
 
 
 #: The keys of a fleet config that name files: a run's ``config.toml`` holds them absolute, so that

@@ -788,6 +788,9 @@ def simulate(
         notice(line)
     specs = generate_population(config)
     bar, callback = progress_reporter(progress, config.horizon_s)
+    from .report import clear_run, earlier_server
+
+    left = earlier_server(out_dir)  # before the simulator replaces it
     with tempfile.TemporaryDirectory(prefix="fedfleet-sim-") as tmp:
         workdir = Path(out_dir) / "server" if out_dir is not None else Path(tmp)
         try:
@@ -796,9 +799,9 @@ def simulate(
             if notice is not None:
                 notify_before_run(config, workload, specs, notice)
             if out_dir is not None:  # the server took the tasks: the run replaces an earlier one's files
-                from .report import clear_run
-
-                clear_run(out_dir)
+                replaced = clear_run(out_dir, server_left=left)
+                if replaced is not None and notice is not None:
+                    notice(replaced)
             run = sim.run()
         finally:
             if bar is not None:

@@ -240,11 +240,41 @@ def test_a_run_into_an_earlier_runs_folder_replaces_its_files_so_a_stopped_run_l
 
     monkeypatch.setattr(FleetSimulator, "_sample", sample_then_interrupt)
     assert main(["simulate", "--devices", "40", "--hours", "1", "--out", str(out), "--no-progress"]) == 130
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1] == (
         f"fedfleet simulate: interrupted, no tables or report written; {out} holds only the server's database of "
         "the rounds so far"
     )
+    assert (
+        f"fedfleet simulate: {out} held an earlier run's tables, summary.json and report: this run starts over and "
+        "replaces them (a run does not resume)"
+    ) in said
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "server"]  # what no run writes stays
+
+
+def test_a_run_started_again_after_one_was_killed_says_it_starts_over(tmp_path, capsys, monkeypatch):
+    """A run killed mid-run (SIGKILL, a power cut) leaves its server database in --out; the same
+    command again replaced it and started over, without a word: whether it resumed, refused or
+    replaced was the user's guess."""
+    from emulator.fleet.simulator import FleetSimulator
+
+    out = tmp_path / "run"
+    real = FleetSimulator._sample
+
+    def sample_then_interrupt(self):  # at its first sample: the server took the tasks, rounds are to come
+        real(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FleetSimulator, "_sample", sample_then_interrupt)
+    command = ["simulate", "--devices", "40", "--hours", "1", "--out", str(out), "--no-progress"]
+    assert main(command) == 130  # what a killed run leaves: its server's database, nothing else
+    assert "starts over" not in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "server").iterdir() if p.name == "server.db") == ["server.db"]
+    assert main(command) == 130
+    assert (
+        f"fedfleet simulate: {out} held the server database of an earlier run stopped before its end: this run "
+        "starts over and replaces them (a run does not resume)"
+    ) in capsys.readouterr().err.splitlines()
 
 
 def test_a_run_stopped_while_its_report_is_drawn_keeps_its_tables_and_summary_for_compare(
