@@ -68,7 +68,6 @@ from .errors import (
     MalformedBody,
     PollSuperseded,
     ServerBusy,
-    TooManyRequests,
     Unauthorized,
     UploadSuperseded,
 )
@@ -516,6 +515,13 @@ _DESCRIPTION = (
 )
 
 
+def _error_answer(error: ApiError) -> JSONResponse:
+    """An error's JSON answer, with ``Retry-After`` where the error names a wait."""
+    wait = error.retry_after_s
+    headers = {"Retry-After": str(max(1, round(wait)))} if wait is not None else None
+    return JSONResponse(error.to_json(), status_code=error.status, headers=headers)
+
+
 def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = True, telemetry: bool = True) -> FastAPI:
     """The FL server's ASGI app. Operator endpoints need one of ``admin_keys`` as a bearer key;
     device endpoints need attestation (when the service verifies it) and session tokens.
@@ -893,8 +899,7 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
     # ----------------------------------------------------------------- errors
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
-        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, TooManyRequests) else None
-        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+        return _error_answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -924,10 +929,11 @@ def create_app(service: FLService, *, admin_keys: AdminKeys, offload: bool = Tru
         # Not a bug: the database refused (a full disk, a lock past the busy timeout, a read-only
         # file). One line saying what to do, no traceback; the client is told to come back.
         log.error("%s %s: the database refused it: %s", request.method, request.url.path, store_advice(exc))
-        error = DatabaseUnavailable(
-            "the server cannot use its database now; nothing of the request was kept: try again later"
+        return _error_answer(
+            DatabaseUnavailable(
+                "the server cannot use its database now; nothing of the request was kept: try again later"
+            )
         )
-        return JSONResponse(error.to_json(), status_code=error.status)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:

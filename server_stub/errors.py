@@ -126,6 +126,8 @@ class ApiError(Exception):
 
     status: int = 400
     code: str = "BAD_REQUEST"
+    #: Seconds a client should wait before trying again, sent as ``Retry-After`` (None: no header).
+    retry_after_s: float | None = None
 
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
@@ -263,6 +265,8 @@ class DatabaseGone(ApiError):
 
 class DatabaseUnavailable(ApiError):
     """The database refused a write or a read the request needs (a full disk, a lock held past the
-    busy timeout, a read-only or failing file): nothing of the request was kept; try again later."""
+    busy timeout, a read-only or failing file): nothing of the request was kept; try again later
+    (``Retry-After``; the server tries its own queued writes again with a backoff of up to a minute)."""
 
     status, code = 503, "DATABASE_UNAVAILABLE"
+    retry_after_s = 30.0

@@ -512,6 +512,7 @@ def test_a_request_the_database_refuses_is_a_503_saying_to_retry_and_one_log_lin
         finally:
             holder.close()
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "DATABASE_UNAVAILABLE", answer.text
+        assert answer.headers["Retry-After"] == "30"  # for a client other than the SDK, which retries any 5xx
         [line] = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert line.exc_info is None and "\n" not in line.getMessage()
         assert "POST /v1/populations: the database refused it: database is locked; another process" in line.getMessage()
