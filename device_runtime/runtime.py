@@ -57,6 +57,7 @@ from .errors import (
 )
 from .executor import DeviceResult, PlanExecutor, TrainingInterrupted, all_finite, stoppable_run_options
 from .influence import bound_update
+from .memory import training_peak
 from .opstats import MAY_BE_HELD, READ_TO, AppDatabaseError, Event, OpStatsStore, shape_of
 from .plan import Plan, PlanError, largest_work_tensor, largest_work_tensor_at, nodes_bound
 from .plan_cache import MAX_CACHED_PLANS, DirectoryPlanCache, LoadedPlans, PlanCache, own_cache_folder
@@ -714,6 +715,11 @@ class FLRuntime:
                 rec.record("upload_rejected", code=code, detail=str(exc)[:500])
                 self._abort_quietly(session, str(exc)[:500], rec.stats())
                 return rec.result(Outcome.REPORT_REJECTED, {}, 0, code)
+            if isinstance(exc, OverBudget):  # the plan does not fit this device: said to the app and the server
+                log.warning("population %s: session not run: %s", self.population, exc)
+                rec.record("error", error=type(exc).__name__, reason=str(exc)[:500])
+                self._abort_quietly(session, f"error: OverBudget: {exc}"[:500], rec.stats())
+                raise
             rec.record("error", error=type(exc).__name__)
             self._abort_quietly(session, f"error: {type(exc).__name__}", rec.stats())
             raise
@@ -976,6 +982,14 @@ class FLRuntime:
                 f"plan {plan.name!r} trains on batches of {plan.device.batch_size:,} examples, "
                 f"{batch / (1 << 20):,.0f} MB at least; a {device.name} device holds "
                 f"{share / (1 << 20):,.0f} MB of examples at once (an eighth of its {device.memory_mb} MB)"
+            )
+        # and what a whole step takes, read from its graph
+        # (``memory.training_peak``: the fleet emulator seats a device by the same estimate)
+        estimate = training_peak(plan)
+        if estimate.peak_mb > device.memory_mb:
+            raise OverBudget(
+                f"plan {plan.name!r} takes about {estimate.describe()} to train a step; a {device.name} "
+                f"device gives {device.memory_mb:g} MB (DeviceClass.memory_mb)"
             )
         if meta.time_budget_s is not None and meta.time_budget_s > device.max_training_s:
             raise OverBudget(

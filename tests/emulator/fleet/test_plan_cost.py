@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 
 from device_runtime import PlanExecutor, build_mlp_plan, encode_checkpoint, initial_weights
 from device_runtime.batching import examples_share
+from device_runtime.memory import SESSION_BYTES, training_peak
 from emulator.fleet import FleetConfig, FleetRun, device_examples, generate_population, simulate
 from emulator.fleet.config import REFERENCE_FLOPS_PER_S
 from emulator.fleet.plan_cost import graph_flops, plan_cost
@@ -184,16 +185,21 @@ def test_the_parameters_are_the_trained_ones_the_toolchain_prints_and_the_rest_o
     assert (evaluation.parameters, evaluation.untrained_values) == (cost.parameters, cost.untrained_values)
 
 
-def test_memory_is_the_state_twice_a_batch_and_the_activations_at_least_the_declared_budget():
+def test_memory_is_the_device_runtime_s_own_estimate_at_least_the_declared_budget():
+    """The fleet seats a device by the estimate the device refuses a plan by
+    (``device_runtime.memory.training_peak``); before, an upper bound held every intermediate value
+    of a step at once, and the fleet left out devices that ran the plan."""
     plan = mlp((32,))
     cost = plan_cost(plan)
     assert cost.parameters == 64 * 32 + 32 + 32 * 10 + 10
     assert cost.state_bytes == 4 * cost.parameters
     assert cost.batch_bytes == 8 * 64 * 4 + 8 * 8  # x float32, y int64
     assert cost.activation_bytes > 8 * (32 + 10) * 4  # at least the forward activations
-    assert cost.memory_mb == (2 * cost.state_bytes + cost.batch_bytes + cost.activation_bytes) / 2**20
+    assert cost.memory_mb == training_peak(plan).peak_mb
+    assert cost.fits(cost.memory_mb) and not cost.fits(cost.memory_mb * 0.99)
     assert plan_cost(mlp((32,), memory_budget_mb=300)).memory_mb == 300.0
-    assert plan_cost(mlp((1024,))).memory_mb > 10 * cost.memory_mb
+    session = SESSION_BYTES / 2**20  # onnxruntime's own, whatever the plan
+    assert plan_cost(mlp((1024,))).memory_mb - session > 10 * (cost.memory_mb - session)
 
 
 def test_the_bytes_are_the_real_plan_checkpoint_and_update():
@@ -326,14 +332,15 @@ def test_the_sharded_run_leaves_out_the_same_devices(short_of_memory):
 
 def test_a_device_class_that_holds_the_plan_but_not_one_batch_of_it_takes_no_part_and_is_counted():
     """A device refuses a plan whose one batch takes more than an eighth of its memory (OverBudget
-    at load, ``device_runtime.batching.examples_share``): batches of 600 digits (158,400 bytes as
-    the device counts them) fit the tiny class's 1 MB peak (0.66 MB) but not its 128 KiB for
-    examples, so its devices are counted short of memory, as the device would refuse them, and
-    none is seated to fail."""
-    config = fleet(seed=2, classes=SHORT, fleet_extra={"min_memory_mb": 1}, batch_size=600)
-    cost = plan_cost(mlp((32,), batch_size=600))
-    assert cost.memory_mb < 1 and cost.fed_batch_bytes == 600 * (64 * 4 + 8) > examples_share(1)
-    assert not cost.fits(1) and cost.fits(4096) and cost.least_memory_mb == 600 * 264 * 8 / 2**20
+    at load, ``device_runtime.batching.examples_share``): batches of 1,000 digits (264,000 bytes as
+    the device counts them) of a hidden layer of 4 fit the tiny class's 2 MB peak (1.4 MB) but not
+    its 256 KiB for examples, so its devices are counted short of memory, as the device would refuse
+    them, and none is seated to fail."""
+    classes = [{**SHORT[0], "memory_mb": 2}, SHORT[1]]
+    config = fleet(seed=2, classes=classes, fleet_extra={"min_memory_mb": 1}, batch_size=1000, hidden=[4])
+    cost = plan_cost(mlp((4,), batch_size=1000))
+    assert cost.memory_mb < 2 and cost.fed_batch_bytes == 1000 * (64 * 4 + 8) > examples_share(2)
+    assert not cost.fits(2) and cost.fits(4096) and cost.least_memory_mb == 1000 * 264 * 8 / 2**20
     run = _tiny_left_out(config)
     assert [s for s in run.sessions if s.device_class == "mid" and s.shape.endswith("^")]
 
@@ -355,7 +362,7 @@ def test_a_fleet_none_of_whose_classes_holds_one_batch_is_refused_saying_so():
 
     tiny = [{"name": "tiny", "share": 1.0, "speed": 1.0, "memory_mb": 1}]
     with pytest.raises(SimulationError, match=r"needs 1\.2\d* MB \(one batch of 600 examples takes 0\.151\d* MB"):
-        simulate(fleet(classes=tiny, fleet_extra={"min_memory_mb": 1}, batch_size=600), progress=False)
+        simulate(fleet(classes=tiny, fleet_extra={"min_memory_mb": 1}, batch_size=600, hidden=[4]), progress=False)
 
 
 def test_the_same_seed_gives_the_same_digest_with_the_plans_cost(by_hidden):
@@ -368,7 +375,7 @@ def test_a_fleet_none_of_whose_classes_can_hold_the_plan_is_refused_before_it_st
     from emulator.fleet.events import SimulationError
 
     tiny = [{"name": "tiny", "share": 1.0, "speed": 1.0, "memory_mb": 1}]
-    with pytest.raises(SimulationError, match=r"no device class can hold the plan: it needs 1\.\d+ MB .* at most 1 MB"):
+    with pytest.raises(SimulationError, match=r"no device class can hold the plan: it needs 2\.\d+ MB .* at most 1 MB"):
         simulate(fleet(classes=tiny, fleet_extra={"min_memory_mb": 1}, hidden=[2048]), progress=False)
 
 
