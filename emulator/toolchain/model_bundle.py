@@ -17,6 +17,7 @@ put real examples and predicates.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from device_runtime.executor import PlanExecutor
 from device_runtime.plan import Plan
 from example_store import ExampleSelector, InvalidArgumentError
+from server_stub.rounds import MAX_TIMEOUT_S
 from server_stub.schemas import NAME_RULE, is_name
 
 from . import ml_ops
@@ -184,6 +187,22 @@ def _two_examples(features: Mapping[str, tuple]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v)[:2] for k, v in shard.items()}
 
 
+#: The report window of a stub's rounds: ``REPORT_BASE_S`` and ``REPORT_S_PER_MIB`` seconds for each
+#: MiB of the checkpoint, which a device downloads, trains and sends back as its update (as large): a
+#: device on a link of 1 MiB/s each way takes 2 s a MiB for the transfers, and a step of a model of
+#: that size about 1 s more. The default 60 s turned away every report of a ResNet-50 (98 MiB) as
+#: late: a device's session of one step took 70 to 110 s on a busy machine (docs/howto/big-models.md).
+REPORT_BASE_S = 60.0
+REPORT_S_PER_MIB = 3.0
+
+
+def report_timeout_for(checkpoint_bytes: int) -> float:
+    """The report window (``RoundConfig.report_timeout_s``) a stub sets for a checkpoint of
+    ``checkpoint_bytes``: whole seconds, at least the default 60 s, at most ``MAX_TIMEOUT_S``."""
+    seconds = REPORT_BASE_S + REPORT_S_PER_MIB * checkpoint_bytes / (1 << 20)
+    return float(min(math.ceil(seconds), MAX_TIMEOUT_S))
+
+
 def task_stub(
     *,
     command: str,
@@ -203,8 +222,10 @@ def task_stub(
     note: str = "",
     frozen_rows: Mapping[str, Sequence[int]] | None = None,
     output: str | None = None,
+    checkpoint_bytes: int = 0,
 ) -> str:
-    """The task file of a bundle, as the Task API takes it (every value a Python literal)."""
+    """The task file of a bundle, as the Task API takes it (every value a Python literal); its
+    rounds' report window grows with the checkpoint (``report_timeout_for``)."""
     rows_line = (
         f"\n    frozen_rows={ {w: tuple(r) for w, r in frozen_rows.items()}!r},  # padding rows: no gradient"
         if frozen_rows
@@ -233,6 +254,7 @@ from pathlib import Path
 
 from emulator.toolchain.tasks import ProxyData, Task, loss_is_finite
 from example_store import ExampleSelector
+from server_stub import RoundConfig
 
 MODEL = Path(__file__).with_name({MODEL_FILE!r})
 # One example's tensors: dtype, shape without the batch axis, and for whole numbers the bound of the
@@ -262,8 +284,15 @@ task = Task(
     trainable={None if trainable is None else tuple(trainable)!r},
     frozen={tuple(frozen)!r},{rows_line}
     runtimes={tuple(runtimes)!r},
+    # a device downloads the checkpoint ({checkpoint_bytes / (1 << 20):,.1f} MiB), trains and sends its update in this window
+    rounds=RoundConfig(report_timeout_s={report_timeout_for(checkpoint_bytes)!r}),
 )
 '''
+
+
+def _weight_bytes(plan: Plan) -> int:
+    """The bytes of the plan's weights: what its checkpoint carries, less a few bytes a name."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in PlanExecutor(plan).weight_spec().values())
 
 
 def _prepare(out: Path, command: str, keep: Path) -> None:
@@ -393,6 +422,7 @@ def bundle_from_onnx(
         note=failed or "",
         frozen_rows=frozen_rows,
         output=output,
+        checkpoint_bytes=_weight_bytes(plan),
     )
     (out / TASK_FILE).write_text(stub, encoding="utf-8")
     build_bundle(out / TASK_FILE, out, say=say)

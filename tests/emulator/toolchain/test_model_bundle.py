@@ -557,3 +557,22 @@ def test_a_classifier_exported_with_its_argmax_trains_the_logits_its_output_name
     assert "'y': ('int64', (), 3)" in stub and "output='logits'," in stub
     assert main(["plan", "build", str(bundle / "task.py"), "-o", str(tmp_path / "again")]) == 0
     assert _manifest(bundle, "argmax")["plan"] == _manifest(tmp_path / "again", "argmax")["plan"]
+
+
+def test_the_stubs_report_window_grows_with_the_checkpoint(tmp_path, capsys):
+    """A stub's rounds kept the default report window of 60 s whatever the model: every report of
+    a ResNet-50 (a 98 MiB checkpoint, a session of 70 to 110 s) came late. The stub now sets a
+    window of 60 s and 3 s per MiB of weights, which the bundle's manifest and a deploy carry."""
+    from emulator.toolchain.model_bundle import report_timeout_for
+    from server_stub.rounds import MAX_TIMEOUT_S
+
+    assert report_timeout_for(0) == 60.0
+    assert report_timeout_for(102_467_205) == 354.0  # ResNet-50's checkpoint
+    assert report_timeout_for(1 << 40) == MAX_TIMEOUT_S
+    wide = mlp(5, 20_000, 4)  # 180,084 weights, 0.7 MiB
+    onnx.save_model(wide, str(tmp_path / "wide.onnx"))
+    assert _from_onnx(tmp_path / "wide.onnx", tmp_path / "bundle", "--name", "wide") == 0, capsys.readouterr().err
+    weights = 4 * sum(int(np.prod(t.dims)) for t in wide.graph.initializer)
+    window = _manifest(tmp_path / "bundle", "wide")["round_config"]["report_timeout_s"]
+    assert window == report_timeout_for(weights) == 63.0
+    assert "rounds=RoundConfig(report_timeout_s=63.0)" in (tmp_path / "bundle" / "task.py").read_text()
