@@ -18,7 +18,7 @@ import numpy as np
 
 from device_runtime.influence import NUM_EXAMPLES, Bounded, bound_update
 
-from .metrics import CORRECT, COUNT, LOSS_SUM
+from .metrics import CORRECT, COUNT, LOSS_SUM, hold_loss
 
 #: Relative slack of the norm check for the float32 rounding of each device's bounded update.
 FLOAT32_SLACK = 1e-6
@@ -99,14 +99,17 @@ def _metric_sums_problem(total: Mapping[str, np.ndarray], tolerance: float) -> s
     return None
 
 
-def hold_metric_sums(total: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def hold_metric_sums(total: Mapping[str, np.ndarray], max_loss: float | None = None) -> dict[str, np.ndarray]:
     """A passing sum (``check_group_sum``) with its metric sums moved into what they mean:
     ``loss_sum``, ``correct`` and ``count`` at least 0, and ``correct`` at most the count. The
     check lets each be off by the codec's rounding, and a member that knows its peers' counts (a
     fleet whose devices hold 10 examples each) could spend that rounding on a count near 0 under a
     ``correct`` just above it: an accuracy of 30. Held here, every group's ``correct`` is at most its
     count, and so is the round's: its published accuracy stays in [0, 1] and its loss at least 0.
-    An honest sum moves by no more than its rounding."""
+    An honest sum moves by no more than its rounding. With ``max_loss`` (the task's
+    ``RoundConfig.max_loss``) the group's ``loss_sum`` is held to ``max_loss`` times its count too
+    (``metrics.hold_loss``, as each plain report's is): the server sees no member's loss, so one
+    member's ``loss_sum`` of 1e30 can lift its group's mean loss to ``max_loss``, never past it."""
     out = dict(total)
     for name in (LOSS_SUM, CORRECT, COUNT):
         if _scalar(out, name) is not None:
@@ -115,7 +118,7 @@ def hold_metric_sums(total: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     if _scalar(out, CORRECT) is not None and _scalar(out, which) is not None:
         most = np.maximum(np.asarray(out[which]), 0)
         out[CORRECT] = np.minimum(np.asarray(out[CORRECT]), most).astype(np.asarray(out[CORRECT]).dtype)
-    return out
+    return hold_loss(out, max_loss)[0]
 
 
 __all__ = ["NUM_EXAMPLES", "Bounded", "bound_update", "check_group_sum", "hold_metric_sums"]

@@ -25,7 +25,8 @@ never sees one device's update, which is the point of it.
 
 Before a plain report is summed, its metric sums are held to what they mean (``check_metric_sums``,
 ``cap_metric_weight``): a device that set ``correct`` to 4e27 made the round publish a
-``train_accuracy`` of 4e27, and one ``loss_sum`` of -4e27 a negative ``train_loss``.
+``train_accuracy`` of 4e27, and one ``loss_sum`` of -4e27 a negative ``train_loss``; and with a
+task's ``max_loss`` its mean loss counts as at most that (``hold_loss``), a report's or a group's.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "cap_metric_weight",
     "check_metric_sums",
     "device_metrics",
+    "hold_loss",
     "rounds_frame",
 ]
 
@@ -386,6 +388,27 @@ def cap_metric_weight(update: Mapping[str, np.ndarray], max_count: int) -> tuple
             out[name] = (np.asarray(out[name], dtype=np.float64) * scale).astype(np.float32)
     if CORRECT in out:  # rounding to float32 must not lift it over the count it is a part of
         out[CORRECT] = np.asarray(np.minimum(out[CORRECT], out[COUNT]), dtype=np.float32)
+    return out, True
+
+
+def hold_loss(update: Mapping[str, np.ndarray], max_loss: float | None) -> tuple[dict[str, np.ndarray], bool]:
+    """``update`` (one report, or one Secure Aggregation group's sum) with its ``loss_sum`` held to
+    ``max_loss`` times its count (``count``, else ``num_examples``): a mean loss above the task's
+    ``RoundConfig.max_loss`` counts as ``max_loss``. The loss has no range of its own (cross-entropy
+    and squared error grow without bound), so without it one report of ``loss_sum`` 1e30 over 10
+    examples was the round's whole ``train_loss``; held, it moves the round's mean loss by at most its
+    weight's share of ``max_loss``, and the round's ``train_loss`` stays at most ``max_loss``. Held, not
+    refused: an honest device whose training diverged gets there, and its update is within its clip.
+    True if held."""
+    loss = _scalar(update, LOSS_SUM)
+    counted = _scalar(update, COUNT)
+    if counted is None:
+        counted = _scalar(update, NUM_EXAMPLES)
+    if max_loss is None or loss is None or counted is None or loss <= max_loss * max(counted, 0.0):
+        return dict(update), False
+    out = dict(update)
+    held = np.full(np.shape(update[LOSS_SUM]), max_loss * max(counted, 0.0), dtype=np.float64)
+    out[LOSS_SUM] = held.astype(np.asarray(update[LOSS_SUM]).dtype)
     return out, True
 
 

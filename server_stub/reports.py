@@ -41,7 +41,7 @@ from device_runtime.plan import PlanError
 
 from .errors import Conflict, InvalidUpdate
 from .influence import NUM_EXAMPLES
-from .metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums, device_metrics, sum_of_squares
+from .metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums, device_metrics, hold_loss, sum_of_squares
 from .service_state import TaskRun
 
 
@@ -217,6 +217,7 @@ def _check_report(run: TaskRun, body: bytes | memoryview, stats: dict | None, se
         clip_norm=None if central else run.config.clip_update_norm,  # central DP clips to its own clip below
     )
     summed, metrics_capped = cap_metric_weight(bounded.update, run.config.max_examples_per_report)
+    summed = hold_loss(summed, run.config.max_loss)[0]  # RoundConfig.max_loss: a mean loss counts as at most it
     # with DP, no summary of one device's values is published beside the noised model: neither of its
     # update and metric sums nor of its training time, which grows with its number of examples
     observed: dict[str, float] = {}

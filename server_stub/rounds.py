@@ -36,7 +36,8 @@ class RoundConfig:
 
     One device's influence is bounded: a report counts for at most ``max_examples_per_report``
     examples (its update, and its loss and accuracy sums, are scaled down to that weight), and the
-    norm of its mean update is clipped to ``clip_update_norm``; under Secure Aggregation each device
+    norm of its mean update is clipped to ``clip_update_norm``, and with ``max_loss`` its mean loss
+    (``loss_sum`` over its count) counts as at most that (``metrics.hold_loss``); under Secure Aggregation each device
     applies both to its own update and the server checks each group's sum against them, so a secure
     training task needs ``clip_update_norm`` (refused at deploy otherwise). Every task publishes
     something (a training task a model, an evaluation its loss and accuracy, an analytics task its
@@ -71,6 +72,7 @@ class RoundConfig:
     min_reports: Annotated[Int, Field(ge=1, le=1_000_000)] = 5
     max_examples_per_report: Annotated[Int, Field(ge=1)] = 1000
     clip_update_norm: Annotated[Float, Field(gt=0.0)] | None = 10.0
+    max_loss: Annotated[Float, Field(gt=0.0, le=1e30)] | None = None
     dp: DPConfig | None = None
 
     def __post_init__(self) -> None:

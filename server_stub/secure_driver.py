@@ -95,7 +95,7 @@ def advance_secure(
                 summed = []
             elif core.confirm_group(summed, min(now, group.ended_at if group.ended_at is not None else now)):
                 assert run.accumulator is not None
-                run.accumulator = run.executor.accumulate(run.accumulator, hold_metric_sums(total))
+                run.accumulator = run.executor.accumulate(run.accumulator, hold_metric_sums(total, run.config.max_loss))
                 if on_reported is not None:
                     on_reported(summed)
             else:  # the round closed first (its devices' deadlines, or another group reached its goal)

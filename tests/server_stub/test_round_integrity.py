@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import math
 import sqlite3
 import tempfile
@@ -37,7 +38,7 @@ from server_stub import (
     TaskSpec,
 )
 from server_stub.commit import WRITE_RETRY_FIRST_S
-from server_stub.metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums
+from server_stub.metrics import MetricsOutOfRange, cap_metric_weight, check_metric_sums, hold_loss
 from server_stub.persistence import NewTask
 from tests.server_stub import test_defects
 from tests.server_stub.test_defects import CONFIG, POP, Server, update_of
@@ -231,6 +232,42 @@ def _one_hostile_device_among_honest_ones(kind: str, hostile: dict) -> None:
         finally:
             for store in server.stores:
                 store.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(update=metric_sums(), max_loss=st.floats(1e-3, 1e6))
+def test_a_held_loss_is_at_most_max_loss_times_its_count_and_only_a_loss_above_it_moves(update, max_loss):
+    counted = f64(update, "count" if "count" in update else "num_examples")
+    held, was_held = hold_loss(update, max_loss)
+    assert set(held) == set(update) and held["loss_sum"].dtype == update["loss_sum"].dtype
+    assert all(np.array_equal(held[n], update[n]) for n in update if n != "loss_sum")
+    most = max_loss * max(counted, 0.0)
+    assert was_held == (f64(update, "loss_sum") > most)
+    if was_held:  # at most the bound, to float32's rounding of it
+        assert f64(held, "loss_sum") == pytest.approx(most, rel=1e-6)
+    else:
+        assert np.array_equal(held["loss_sum"], update["loss_sum"])
+    assert hold_loss(update, None) == (dict(update), False)
+
+
+@pytest.mark.parametrize(("max_loss", "most"), [(None, 1e36), (4.0, 1.6)], ids=["no-bound", "max_loss-4"])
+def test_one_device_moves_a_rounds_published_loss_by_at_most_its_share_of_max_loss(server, max_loss, most):
+    """Four honest devices at loss 1.0 and one that sends ``loss_sum`` 3.4e38 (float32's largest)
+    over its 10 examples, every other value honest. Without ``max_loss`` the round published a
+    ``train_loss`` of 6.8e36; with ``max_loss`` 4 that device's mean loss counts as 4, and the
+    round's loss is (4 x 10 + 4 x 10) / 50 = 1.6."""
+    plan, _ = server.deploy(config=dataclasses.replace(BOUNDED, max_loss=max_loss))
+    attacker, *honest = server.checkin(6)
+    server.report(attacker, update_of(plan, HONEST_COUNT, correct=5.0, loss_sum=3.4e38))
+    for session in honest[:4]:
+        server.report(session, update_of(plan, HONEST_COUNT, **HONEST))
+    assert server.statuses() == ["committed"]
+    metrics, devices = published(server.service, "train")
+    if max_loss is None:
+        assert metrics["train_loss"] > most  # the measured attack: 6.8e36
+    else:
+        assert metrics["train_loss"] == pytest.approx(most, rel=1e-6)
+        assert devices["loss"]["max"] <= max_loss * (1 + 1e-6)
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,37 @@ def test_a_device_whose_metric_sums_no_honest_device_computes_gets_its_group_dro
     assert admin.model(population)[1] == 0
 
 
+@pytest.mark.parametrize("max_loss", [None, 2.0], ids=["no-bound", "max_loss-2"])
+def test_one_member_lifts_its_groups_published_loss_to_max_loss_and_no_further(
+    attested_server, attested_admin, authority, population, max_loss
+):
+    """Four honest devices at loss 0.5 and one that sends ``loss_sum`` at the codec's clip range
+    (1,024) over its honest count: the server sees only the group's sum, which passes every check.
+    Without ``max_loss`` the round published a ``train_loss`` of 9.49; with ``max_loss`` 2 the
+    group's loss is held to 2 times its count, so the round's is 2.0: one member lifts its group's
+    mean loss to the bound and no further (the server sees no member's own), and the model commits
+    as before."""
+    server, admin = attested_server, attested_admin
+    plan, _ = deploy_secure(admin, population, goal_count=5, max_loss=max_loss)
+    codec = SecureSumCodec(plan)
+    rng = np.random.default_rng(11)
+
+    def pick(i: int, _: list[int]) -> np.ndarray:
+        update = _honest(codec, plan.weight_names, rng)
+        if i == 0:
+            update["loss_sum"] = np.float32(codec.quantizer.clip)
+        return codec.encode(update, rng)
+
+    _run_round(server, authority, population, 5, pick)
+    (record,) = admin.rounds(population)
+    assert record["status"] == "committed", record
+    loss = record["metrics"]["train_loss"]
+    if max_loss is None:
+        assert loss > 4.0
+    else:
+        assert 0.5 - 1e-3 <= loss <= max_loss + 1e-3
+
+
 def test_a_secure_training_task_without_a_clip_norm_is_refused_at_deploy(server, admin):
     """Without ``clip_update_norm`` no sum could be checked for one device's influence: the deploy
     says what to set, and leaves nothing behind."""
