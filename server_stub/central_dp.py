@@ -183,20 +183,25 @@ def unclipped_fraction(norms: npt.ArrayLike, clip: float, count_stddev: float, r
     return noised_fraction(int(np.sum(n <= clip)), n.size, count_stddev, rng)
 
 
-def noised_fraction(unclipped: int, reports: int, count_stddev: float, rng: np.random.Generator) -> float:
+def noised_fraction(
+    unclipped: int, reports: int, count_stddev: float, rng: np.random.Generator, *, expected: int | None = None
+) -> float:
     """``unclipped_fraction`` from a count kept as reports arrive (a server that sums each report
     and keeps no norm): (count + N(0, sigma_b^2)) / reports. Divided by the reports the round got,
-    as Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` does; TFF's quantile estimator
-    divides by the expected number (``expected_num_records``)."""
+    as Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` does; with ``expected`` (a task
+    whose counts are withheld) by that fixed number instead, as TFF's quantile estimator divides by
+    ``expected_num_records`` and Andrew et al. by the expected cohort."""
     if reports <= 0:
         raise CentralDPError("no reports to count")
     if not 0 <= unclipped <= reports:
         raise CentralDPError(f"{unclipped} unclipped of {reports} reports")
+    if expected is not None and expected <= 0:
+        raise CentralDPError(f"the expected count must be >= 1, got {expected}")
     _non_negative("count_stddev", count_stddev)
     count = float(unclipped)
     if count_stddev > 0:
         count += float(rng.normal(0.0, count_stddev))
-    return count / reports
+    return count / (reports if expected is None else expected)
 
 
 def default_count_stddev(goal_count: int) -> float:
@@ -252,21 +257,22 @@ def noised_sum(total: npt.ArrayLike, *, clip: float, noise_multiplier: float, rn
     return out
 
 
-def denominator(weighting: str, reports: int, goal_count: int) -> float:
+def denominator(weighting: str, reports: int, goal_count: int, *, counts: str = "public") -> float:
     """What the noised sum is divided by (``DPConfig``): the number of reports for
     ``unweighted`` (treated as public), the fixed ``goal_count`` for ``capped`` (McMahan et al.'s
     expected total weight q W when every report weighs 1; reports of fewer examples than the cap
     weigh less and the mean comes out smaller by their mean weight; dividing by the noiseless total
-    weight would publish it)."""
-    if weighting == "unweighted":
+    weight would publish it). With ``counts="withheld"`` always ``goal_count``: dividing by the
+    reports would put their number, which is then not published, into the model's scale."""
+    if weighting not in ("unweighted", "capped"):
+        raise CentralDPError(f"weighting must be 'unweighted' or 'capped', got {weighting!r}")
+    if weighting == "unweighted" and counts == "public":
         if reports <= 0:
             raise CentralDPError("no reports to average")
         return float(reports)
-    if weighting == "capped":
-        if goal_count <= 0:
-            raise CentralDPError(f"goal_count must be >= 1, got {goal_count}")
-        return float(goal_count)
-    raise CentralDPError(f"weighting must be 'unweighted' or 'capped', got {weighting!r}")
+    if goal_count <= 0:
+        raise CentralDPError(f"goal_count must be >= 1, got {goal_count}")
+    return float(goal_count)
 
 
 def next_clip(state: AdaptiveClip, b: float) -> AdaptiveClip:

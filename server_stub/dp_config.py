@@ -52,6 +52,7 @@ DPMode = Literal["central", "distributed"]
 Weighting = Literal["unweighted", "capped"]
 DDPMechanism = Literal["gaussian", "skellam"]
 Accountant = Literal["pld", "rdp"]
+Counts = Literal["public", "withheld"]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -73,7 +74,12 @@ class DPConfig:
     probability (``MIN_SAMPLING_PROBABILITY`` to 1, see the module docstring). ``accountant``: ``pld`` or ``rdp``. ``tree_rounds``
     (central): DP-FTRL with tree aggregation instead of fresh noise each round, a new tree every
     ``tree_rounds`` rounds (``central_dp.tree_step``); it assumes each device takes part in at most
-    one round of a tree, and is accounted by RDP whatever ``accountant`` says."""
+    one round of a tree, and is accounted by RDP whatever ``accountant`` says. ``counts`` (central):
+    ``public`` publishes the round's counts (selected, reported, dropped, late, shapes, duration) and
+    divides the unweighted mean by the reports, so epsilon covers a device's data and not whether it
+    took part; ``withheld`` leaves them out of the round records and the population's status and
+    divides by the fixed ``goal_count`` (the adaptive clip's fraction too), so that the ledger's
+    add-or-remove epsilon covers participation as well (``dp_rounds.withhold_counts``)."""
 
     mode: DPMode
     noise_multiplier: Annotated[_Float, Field(ge=0.0, le=MAX_NOISE_MULTIPLIER)]
@@ -89,6 +95,7 @@ class DPConfig:
     sampling_probability: Annotated[_Float, Field(gt=0.0, le=1.0)] | None = None
     accountant: Accountant = "pld"
     tree_rounds: Annotated[_Int, Field(ge=1, le=1 << 20)] | None = None
+    counts: Counts = "public"
 
     def __post_init__(self) -> None:
         if self.delta < MIN_DELTA:
@@ -128,11 +135,18 @@ class DPConfig:
                 "dp.tree_rounds (DP-FTRL) is central DP at a fixed clip without sampling: drop dp.target_quantile and "
                 "dp.sampling_probability, and use dp.mode 'central'"
             )
+        if self.counts == "withheld" and self.mode != "central":
+            raise ValueError(
+                "dp.counts 'withheld' is central DP's: under distributed DP the server is not trusted and sees which "
+                "devices check in and send masked inputs, so withholding the counts from what it publishes hides "
+                "nothing from it; use dp.counts 'public' (epsilon covers a device's data, not its participation)"
+            )
         if self.clipped_count_stddev is not None and self.target_quantile is None:
             raise ValueError("dp.clipped_count_stddev is for adaptive clipping: set dp.target_quantile too")
 
 
 __all__ = [
+    "Counts",
     "DDPMechanism",
     "DPConfig",
     "DPMode",

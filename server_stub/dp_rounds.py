@@ -294,6 +294,29 @@ def spends_privacy(status: str, metrics: Mapping) -> bool:
     return status == "committed" or released_sums(metrics) > 0
 
 
+#: What a round's record says of how many devices took part and when they were done: its outcome
+#: counts (``RoundCore.stats``), the session shapes its devices reported and its duration, which a
+#: round that ends at ``goal_count`` reports owes to its last reporter. A task whose ``dp.counts``
+#: is ``withheld`` publishes none of them (``withhold_counts``).
+COUNT_KEYS = ("selected", "reported", "rejected_late", "aborted", "dropped", "shapes", "duration_s")
+
+
+def counts_withheld(task_config: Mapping) -> bool:
+    """Whether a task, by its stored config (``TaskRecord.config``), withholds its rounds' counts."""
+    rounds = task_config.get("round")
+    dp = rounds.get("dp") if isinstance(rounds, Mapping) else None
+    return isinstance(dp, Mapping) and dp.get("counts") == "withheld"
+
+
+def withhold_counts(metrics: Mapping) -> dict:
+    """A round's metrics as a task with ``dp.counts="withheld"`` publishes them: without
+    ``COUNT_KEYS``, which tell a round with a device from one without (the server keeps them on
+    record; only what it publishes leaves them out), and with ``counts: "withheld"`` saying so."""
+    out = {key: value for key, value in metrics.items() if key not in COUNT_KEYS}
+    out["counts"] = "withheld"
+    return out
+
+
 def strip(metrics: dict) -> None:
     """Remove a round's DP keys: a round that published nothing spent nothing."""
     for key in (*ROUND_KEYS, NEXT_CLIP_KEY, *TREE_KEYS):
@@ -361,7 +384,7 @@ class CentralRound:
                     accumulator[w], clip=self.clip, noise_multiplier=self.updates_noise_multiplier, rng=rng
                 )
                 out[w] = noised.astype(np.asarray(accumulator[w]).dtype, copy=False)
-        den = central_dp.denominator(self.config.weighting, self.reports, self.goal_count)
+        den = central_dp.denominator(self.config.weighting, self.reports, self.goal_count, counts=self.config.counts)
         if NUM_EXAMPLES in accumulator:
             out[NUM_EXAMPLES] = np.full(
                 np.shape(accumulator[NUM_EXAMPLES]), den, dtype=np.asarray(accumulator[NUM_EXAMPLES]).dtype
@@ -369,7 +392,8 @@ class CentralRound:
         if self.adaptive is None:
             return out, None
         sigma_b = self.adaptive.count_stddev if self.adaptive.noise_multiplier > 0 else 0.0
-        b = central_dp.noised_fraction(self.unclipped, self.reports, sigma_b, rng)
+        expected = self.goal_count if self.config.counts == "withheld" else None
+        b = central_dp.noised_fraction(self.unclipped, self.reports, sigma_b, rng, expected=expected)
         return out, central_dp.next_clip(self.adaptive, b).clip
 
 
@@ -389,6 +413,7 @@ def _unflatten(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[
 
 
 __all__ = [
+    "COUNT_KEYS",
     "NEXT_CLIP_KEY",
     "ROUND_KEYS",
     "TREE_KEYS",
@@ -396,8 +421,10 @@ __all__ = [
     "FtrlTree",
     "TaskDP",
     "check_deploy",
+    "counts_withheld",
     "released_sums",
     "secure_generator",
     "spends_privacy",
     "strip",
+    "withhold_counts",
 ]

@@ -651,17 +651,28 @@ class FLService:
                 self._recent[rid] = data
         return data
 
-    def rounds(self, population: str, task: str | None = None, last: int | None = None) -> list[dict]:
-        """Finished rounds, oldest first across the tasks; ``last``: only the newest so many."""
-        return self.round_page(population, task, last)[0]
+    def rounds(
+        self, population: str, task: str | None = None, last: int | None = None, *, published: bool = True
+    ) -> list[dict]:
+        """Finished rounds, oldest first across the tasks; ``last``: only the newest so many;
+        ``published``: as ``round_page`` gives them (False: as on record, for the operator's own use,
+        as the fleet simulation's tables, which measure the fleet, are)."""
+        return self.round_page(population, task, last, published=published)[0]
 
     def round_page(
-        self, population: str, task: str | None = None, last: int | None = None, before: int | None = None
+        self,
+        population: str,
+        task: str | None = None,
+        last: int | None = None,
+        before: int | None = None,
+        *,
+        published: bool = True,
     ) -> tuple[list[dict], int | None]:
         """Finished rounds in the order they ran across the tasks, oldest first: the newest ``last``
         (every one with None) of those before the round whose record id is ``before``; and the
         ``before`` that pages back to the older ones (the record id of this page's oldest round),
-        None when no older one is on record."""
+        None when no older one is on record. The rounds of a task with ``dp.counts="withheld"`` come
+        without their counts (``dp_rounds.withhold_counts``) unless ``published`` is False."""
         self.write_late_metrics()
         if self.store.population_id(population) is None:
             raise NotFound(f"population {quoted(population)} does not exist", code="UNKNOWN_POPULATION")
@@ -677,14 +688,25 @@ class FLService:
                 code="UNKNOWN_ROUND",
             )
         found, more = page
-        return [{**r.to_json(), "task": names[r.task_id]} for r in found], (found[0].id if more else None)
+        withheld = {r.id for r in records if published and dp_rounds.counts_withheld(r.config)}
+        return [
+            {**r.to_json(), "task": names[r.task_id]}
+            | ({"metrics": dp_rounds.withhold_counts(r.metrics)} if r.task_id in withheld else {})
+            for r in found
+        ], (found[0].id if more else None)
 
-    def population_status(self, population: str) -> dict:
-        """The population as an operator sees it: its tasks, the active ones and the open round."""
+    def population_status(self, population: str, *, published: bool = True) -> dict:
+        """The population as an operator sees it: its tasks, the active ones and the open round
+        (without its counts for a task with ``dp.counts="withheld"``, unless ``published`` is False:
+        the fleet simulation's timeline, which measures the fleet, reads them)."""
         tasks = self.store.tasks(population)
         with self._lock:
             pop = self._population(population)
-            return population_status(pop, tasks, self.clock())
+            status = population_status(pop, tasks, self.clock())
+            run = pop.current
+        if published and run is not None and dp_rounds.counts_withheld(run.record.config):
+            status.pop("current_round", None)  # a DP task's counts tell who takes part: dp.counts "withheld"
+        return status
 
     def task_states(self, population: str) -> dict[str, dict]:
         """Each task's state as an operator sees it: ``active`` (its rounds run), ``queued`` with

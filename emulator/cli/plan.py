@@ -798,8 +798,8 @@ def _rounds(args: argparse.Namespace, say) -> int:
         m = r.get("metrics", {})
         started = _utc(r["started_at"])
         say(
-            f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', 0):>9} "
-            f"{m.get('reported', 0):>9}  {started}  {_model_said(r)}"
+            f"{r['task'][:20]:<20} {r['round']:>5}  {r['attempt']:>7}  {r['status']:<10} {m.get('selected', '-'):>9} "
+            f"{m.get('reported', '-'):>9}  {started}  {_model_said(r)}"
         )
     if older is not None:
         say(f"older rounds are on record: add --before {older} to see them (--last up to {MAX_ROUNDS_PAGE} a page)")

@@ -452,7 +452,8 @@ class DPSection(_Section):
     task file of secure tasks). Set, it replaces every training task's DP settings. ``clip``: each
     device's update (weights after minus before, L2) is clipped to it; ``delta``: the delta epsilon is
     reported at; ``max_epsilon``: the task completes before a round would take it past this;
-    ``tree_rounds`` (central): DP-FTRL, each tree of this many rounds noised by tree aggregation.
+    ``tree_rounds`` (central): DP-FTRL, each tree of this many rounds noised by tree aggregation;
+    ``counts`` (central): ``withheld`` keeps the rounds' counts out of what the server publishes.
 
     ``audit_canaries``: K canary devices join the fleet for the one-shot privacy audit
     (``emulator.fleet.audit``): each reports, whenever selected, its random direction scaled to the
@@ -464,6 +465,7 @@ class DPSection(_Section):
     delta: float = Field(1e-5, gt=0.0, le=MAX_DELTA)
     max_epsilon: float | None = Field(None, gt=0.0, le=1e6)
     tree_rounds: int | None = Field(None, ge=1, le=1 << 20)
+    counts: Literal["public", "withheld"] = "public"
     audit_canaries: int = Field(0, ge=0, le=10_000)
 
     @model_validator(mode="after")
@@ -494,6 +496,7 @@ class DPSection(_Section):
             delta=self.delta,
             max_epsilon=self.max_epsilon,
             tree_rounds=self.tree_rounds,
+            counts=self.counts,
         )
 
 

@@ -1383,12 +1383,18 @@ def _failures(summary: Mapping[str, Any]) -> str:
 
 
 def _privacy_sentences(summary: Mapping[str, Any]) -> list[str]:
-    """A DP run's epsilon and, with canaries, the audit's estimate beside it, in words."""
+    """A DP run's epsilon and what it covers (``dp.counts``), and, with canaries, the audit's estimate
+    beside it, in words."""
     if summary.get("delta") is None:
         return []
     eps, delta, rounds = summary.get("epsilon"), summary["delta"], summary.get("dp_rounds")
     spent = f"{eps:.3g}" if isinstance(eps, (int, float)) else "unbounded (no noise)"
-    out = [f"Privacy: epsilon {spent} at delta {delta:g} after {rounds} DP rounds."]
+    covers = (
+        "a device's data and whether it took part (the server published no counts)"
+        if summary.get("dp_counts") == "withheld"
+        else "a device's data, not whether it took part (the rounds' counts are published)"
+    )
+    out = [f"Privacy: epsilon {spent} at delta {delta:g} after {rounds} DP rounds, covering {covers}."]
     if "audit_epsilon" in summary:
         est = summary["audit_epsilon"]
         k = summary.get("audit_canaries")

@@ -418,7 +418,7 @@ class FleetSimulator:
 
     def _sample(self) -> None:
         now = self.loop.now
-        status = self.service.population_status(self.population)
+        status = self.service.population_status(self.population, published=False)
         current = status.get("current_round") or {}
         active = max(
             0, int(current.get("selected", 0)) - int(current.get("reported", 0)) - int(current.get("dropped", 0))
@@ -470,7 +470,7 @@ class FleetSimulator:
         in again to its seat), which the rounds' bytes and the audit read; the
         attempt still open at the end is a row of outcome unfinished (``unfinished_rounds``)."""
         self.sessions = one_row_per_seat(with_attempts(self.sessions, self.seated, self.summed))
-        records = self.service.rounds(self.population)
+        records = self.service.rounds(self.population, published=False)  # the fleet's own measure, counts and all
         evaluators = {t.name: PlanExecutor(t.eval_plan) for t in self.workload.training if t.eval_plan is not None}
         test = self._test
         n = len(next(iter(test.values()))) if test else 0
@@ -912,6 +912,7 @@ def privacy_figures(dp: Any, metrics: Mapping[str, Any] | None) -> dict[str, Any
         "noise_multiplier": float(m.get("noise_multiplier", dp.noise_multiplier)),
         "clip": float(m.get("dp_clip", dp.clip)),
         "max_epsilon": dp.max_epsilon,
+        "counts": getattr(dp, "counts", "public"),
     }
 
 

@@ -1027,11 +1027,16 @@ def privacy(run: RunTables) -> dict[str, Any]:
     ones and, under distributed DP, those abandoned after a group's sum was unmasked; null when unbounded,
     without noise), ``delta``, ``dp_rounds``, ``noise_multiplier``: all null without DP; with the
     audit's canaries, ``audit_canaries``, ``audit_reports`` (their reports summed into committed
-    rounds) and ``audit_epsilon`` (the one-shot estimate; null with fewer than two canaries heard) too."""
+    rounds) and ``audit_epsilon`` (the one-shot estimate; null with fewer than two canaries heard) too;
+    ``dp_counts`` "withheld" when the task's ``dp.counts`` kept the rounds' counts out of what the
+    server published (its epsilon then covers participation: the fleet's tables, which measure the
+    fleet, still count every round's devices)."""
     dp = run.extra.get("dp")
     out: dict[str, Any] = {
         key: None if dp is None else dp.get(key) for key in ("epsilon", "delta", "dp_rounds", "noise_multiplier")
     }
+    if dp is not None and dp.get("counts") == "withheld":  # published without counts; the fleet's tables have them
+        out["dp_counts"] = "withheld"
     if run.extra.get("audit_canaries"):
         out["audit_canaries"] = run.extra["audit_canaries"]
         out["audit_reports"] = run.extra.get("audit_reports")

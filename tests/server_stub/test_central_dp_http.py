@@ -391,3 +391,22 @@ def test_a_dp_field_out_of_range_in_the_deploy_body_is_a_400_naming_it(refusing,
     assert error["code"] == "BAD_CONFIG" and "dp" in error["message"] and words in error["message"], error
     assert f"dp.{field}" in error["message"], error
     assert refusing.status("digits")["tasks"] == []
+
+
+def test_a_task_withholding_its_counts_publishes_none_of_them_in_its_rounds_or_its_status(server, admin) -> None:
+    """``dp.counts="withheld"``: the rounds listing (what ``fedfleet rounds`` and ``rounds_frame``
+    read) and the population's status carry no count that tells a round with a device from one
+    without; the epsilon, the model and the round's outcome are published as before."""
+    n = 3
+    dp = DPConfig(mode="central", noise_multiplier=1.0, clip=CLIP, counts="withheld")
+    plan, _ = deploy(admin, **_config(n, dp))
+    updates = _updates(plan, n, seed=4, examples=[3.0, 5.0, 8.0])
+    _run_round(server, updates[:2])
+    status = admin.status("digits")  # two of three reported so far
+    assert status["round"] == 1 and "current_round" not in status
+    _run_round(server, updates[2:])
+    (record,) = admin.rounds("digits")
+    m = record["metrics"]
+    assert record["status"] == "committed" and m["counts"] == "withheld" and m["epsilon"] > 0
+    assert not set(m) & {"selected", "reported", "rejected_late", "aborted", "dropped", "shapes", "duration_s"}, m
+    assert "reported" not in admin.rounds_frame("digits").columns

@@ -223,3 +223,25 @@ def test_an_adaptive_rounds_commit_noises_the_sum_at_z_delta_c_and_the_count_at_
     assert np.mean(counts) == pytest.approx(0.0, abs=5 * sigma_b / math.sqrt(len(counts)))
     many = [cdp.noised_fraction(3, n, sigma_b, rng) * n - 3 for _ in range(20_000)]  # ... and the step alone
     assert np.std(many) == pytest.approx(sigma_b, rel=5 * math.sqrt(2 / len(many)))
+
+
+@pytest.mark.parametrize("weighting", ["unweighted", "capped"])
+def test_a_task_withholding_its_counts_divides_by_goal_count_and_so_does_the_adaptive_clips_fraction(
+    weighting: str,
+) -> None:
+    """With the counts withheld, a round's mean and its adaptive clip's fraction are divided by the
+    fixed ``goal_count``: divided by the reports, the model's scale and the next clip would tell
+    how many devices took part."""
+    dp = DPConfig(mode="central", noise_multiplier=1.0, clip=1.0, weighting=weighting, counts="withheld")  # type: ignore[arg-type]
+    central = TaskDP.load(RoundConfig(goal_count=5, dp=dp), []).open_round(secure=False)  # type: ignore[union-attr]
+    assert central is not None
+    central.reports = 3
+    out, _ = central.close({"w": np.ones(2), NUM_EXAMPLES: np.array(3.0)}, ("w",), np.random.default_rng(0))
+    assert float(out[NUM_EXAMPLES]) == 5.0
+    assert cdp.noised_fraction(3, 3, 0.0, np.random.default_rng(0), expected=5) == 0.6
+    assert cdp.noised_fraction(3, 3, 0.0, np.random.default_rng(0)) == 1.0
+
+
+def test_withheld_counts_are_central_dps_and_refused_for_distributed_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="dp.counts 'withheld' is central DP's"):
+        DPConfig(mode="distributed", noise_multiplier=1.0, clip=1.0, counts="withheld")

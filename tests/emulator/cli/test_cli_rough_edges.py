@@ -705,3 +705,34 @@ def test_a_password_in_the_server_url_is_in_no_message_and_no_log_line(bundle, c
         AdminClient(f"https://operator:hunter2@127.0.0.1:{port}", admin_key=ADMIN_KEY).status("p")
     assert "hunter2" not in str(unreachable.value) and "operator:***@" in str(unreachable.value)
     assert not [r for r in caplog.records if "hunter2" in r.getMessage()]
+
+
+def test_rounds_of_a_task_withholding_its_counts_shows_a_dash_not_a_zero(tmp_path, capsys, monkeypatch):
+    """A central-DP task with ``dp.counts="withheld"`` publishes no counts: the table says ``-``
+    where it read the missing counts as 0 devices selected and 0 reported, for a round that committed."""
+    import httpx
+    import numpy as np
+
+    from device_runtime import PlanExecutor
+    from server_stub import DPConfig
+
+    plan = digits_plan()
+    dp = DPConfig(mode="central", noise_multiplier=1.0, clip=1.0, counts="withheld")
+    config = RoundConfig(goal_count=1, over_selection=1.0, min_fraction=1.0, min_reports=1, dp=dp)
+    update = {n: np.zeros(shape, dtype) for n, (shape, dtype) in PlanExecutor(plan).client_update_spec().items()}
+    update.update(num_examples=np.array(4.0, np.float32), count=np.array(4.0, np.float32))
+    with ServerThread(tmp_path / "server.db", admin_key=ADMIN_KEY) as server, server.admin() as admin:
+        admin.create_population("p")
+        admin.deploy_task("p", "t", plan, encode_checkpoint(initial_weights(plan, seed=0)), config)
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            session = http.post("/v1/populations/p/checkin", json={"runtime_version": "1.31.1"}).json()
+            sent = http.post(
+                f"/v1/sessions/{session['session_id']}/report",
+                content=encode_checkpoint(update),
+                headers={"Authorization": f"Bearer {session['token']}"},
+            )
+            assert sent.status_code == 200, sent.text
+        monkeypatch.setenv("FEDFLEET_ADMIN_KEYS", ADMIN_KEY)
+        assert cli.main(["rounds", "--server", server.url, "--population", "p"]) == 0
+    _, row = capsys.readouterr().out.splitlines()
+    assert row.split()[:6] == ["t", "1", "1", "committed", "-", "-"], row

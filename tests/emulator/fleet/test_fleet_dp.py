@@ -23,10 +23,12 @@ from emulator.fleet import FleetConfig, simulate
 from emulator.fleet.audit import canary_direction
 from emulator.fleet.config import FleetConfigError
 from emulator.fleet.population import generate_population
-from emulator.fleet.report import build_report
+from emulator.fleet.report import _privacy_sentences, build_report
 from emulator.fleet.simulator import FleetSimulator
+from emulator.fleet.summary import privacy
 from emulator.fleet.tables import FleetRun, RoundRow
 from emulator.fleet.workload import load_workload
+from server_stub import FLService, ServerStore
 from server_stub.dp_config import DPConfig
 
 
@@ -267,3 +269,45 @@ def test_a_central_dp_fleet_repeats_its_digest_with_its_seed_in_one_process_or_o
 def test_a_distributed_dp_fleet_repeats_its_digest_with_its_seed_in_one_process_or_over_shards():
     """Each device seeds its noise shares and rounding from its own seeded stream."""
     _same_digest_repeated_and_sharded("distributed")
+
+
+@pytest.mark.parametrize(
+    ("counts", "covers"),
+    [("public", "not whether it took part"), ("withheld", "and whether it took part")],
+)
+def test_the_report_says_what_the_epsilon_covers_by_whether_the_server_published_the_counts(counts, covers):
+    dp = {"mode": "central", "epsilon": 2.5, "delta": 1e-5, "dp_rounds": 1, "noise_multiplier": 1.0, "counts": counts}
+    run = FleetRun(
+        sessions=[], rounds=[_round(1, epsilon=2.5, accuracy=0.5)], timeline=[], digest="ab" * 32, extra={"dp": dp}
+    )
+    summary = privacy(run)
+    assert summary.get("dp_counts") == ("withheld" if counts == "withheld" else None)
+    (said,) = _privacy_sentences(summary)
+    assert said.startswith("Privacy: epsilon 2.5 at delta 1e-05 after 1 DP rounds, covering") and covers in said
+
+
+@pytest.mark.slow
+def test_a_fleet_withholding_the_counts_is_audited_and_its_tables_still_count_the_devices(tmp_path):
+    """``[dp] counts = "withheld"``: the server's published rounds have no counts, the fleet's own
+    rounds table (which measures the fleet) still has them, the summary says so, and the canaries'
+    audit runs on the model the server published, whose mean is over ``goal_count``."""
+    config = FleetConfig.from_dict(
+        {
+            "fleet": {"devices": 40, "hours": 4.0, "start_utc_hour": 6.0, "seed": 1},
+            "task": {"goal_count": 10, "compute_s_per_example": 0.2, "retry_min_s": 60.0, "retry_max_s": 300.0},
+            "dp": {"mode": "central", "audit_canaries": 8, "counts": "withheld"},
+        }
+    )
+    simulator = FleetSimulator(config, generate_population(config), workdir=tmp_path, workload=load_workload(config))
+    run = simulator.run()
+    (db,) = tmp_path.glob("*.db")
+    store = ServerStore(db)
+    try:
+        published = FLService(store).rounds(simulator.population)
+    finally:
+        store.close()
+    assert published and all("reported" not in r["metrics"] for r in published)
+    assert sum(r.accepted for r in run.rounds) > 0 and any(row.active_sessions > 0 for row in run.timeline)
+    summary = run.summary()
+    assert summary["dp_counts"] == "withheld" and isinstance(summary["audit_epsilon"], float)
+    assert summary["audit_epsilon"] <= summary["epsilon"]
