@@ -82,7 +82,7 @@ def task_body(
     body: dict[str, Any] = {
         "name": name,
         "plan": base64.b64encode(plan_bytes).decode(),
-        "config": (config or RoundConfig()).to_dict(),
+        "config": (config or RoundConfig()).changes(),
         "eligibility": (eligibility or EligibilityPolicies()).to_dict(),
         "weight": weight,
     }

@@ -93,6 +93,13 @@ class RoundConfig:
         out: dict[str, Any] = _ROUND_CONFIG.dump_python(self, mode="json")
         return out
 
+    def changes(self) -> dict[str, Any]:
+        """The fields set away from their defaults, as a deploy sends them: a server of an earlier
+        release, which refuses a field added since as unknown, then takes every task that leaves
+        the new fields at their defaults (the server fills in the rest)."""
+        out: dict[str, Any] = _ROUND_CONFIG.dump_python(self, mode="json", exclude_defaults=True)
+        return out
+
     @classmethod
     def from_dict(cls, data: object) -> RoundConfig:
         """Raises ``ValueError`` (a pydantic ``ValidationError``) naming each bad field."""

@@ -68,3 +68,23 @@ def test_a_group_sent_again_is_answered_as_made_and_one_taken_name_refuses_a_new
         admin.deploy_tasks("digits", [group[0], task_body("c", plan, checkpoint, CONFIG)])
     assert refused.value.code == "TASK_EXISTS"
     assert [t.name for t in server.store.tasks("digits")] == ["a", "b"]
+
+
+def test_a_deploy_sends_the_settings_changed_from_their_defaults_and_the_server_fills_in_the_rest(
+    server, admin, bodies
+):
+    """A server refuses a setting it does not know (one a later release added): a deploy that
+    sent every setting was refused by an earlier release's server for a field the task left at
+    its default (``max_loss``, ``dp.counts``)."""
+    plan, checkpoint = bodies
+    admin.create_population("digits")
+    body = task_body("mlp", plan, checkpoint, CONFIG)
+    assert body["config"] == {"goal_count": 3, "min_reports": 2}
+    url = f"{server.url}/v1/populations/digits/tasks"
+    headers = {"Authorization": f"Bearer {server.admin_key}"}
+    later = {**body, "config": {**body["config"], "a_later_releases_setting": 0}}
+    refused = httpx.post(url, json=later, headers=headers, timeout=60)
+    assert refused.status_code == 400 and "config.a_later_releases_setting" in refused.text, refused.text
+    assert httpx.post(url, json=body, headers=headers, timeout=60).status_code == 201
+    [task] = server.store.tasks("digits")
+    assert RoundConfig.from_dict(task.config["round"]) == CONFIG
