@@ -282,6 +282,8 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
     config = run.config
     task = config.task if config is not None else None
     builtin = task is not None and task.file is None and run.extra.get("task_file") in (None, "built-in")
+    # the windows the server ran: a task file's RoundConfig where the fleet config leaves them out
+    rounds = run.extra.get("round_config") or task
     notes: list[str] = []
     by_code: dict[tuple[str, str], list[SessionRow]] = {}
     for s in sessions:
@@ -309,7 +311,7 @@ def failure_notes(run: RunTables, unfillable: bool = False) -> list[str]:
     if (
         late and len(late) >= sent / 4 and not unfillable
     ):  # fewer are the fleet's late devices ([faults] late_report_prob)
-        window = f" (task.report_timeout_s = {task.report_timeout_s:g} s from check-in)" if task is not None else ""
+        window = f" (task.report_timeout_s = {rounds.report_timeout_s:g} s from check-in)" if rounds is not None else ""
         notes.append(
             f"{_plural(len(late), 'report')} came after their round's window had closed{window} and "
             "{} refused (REPORT_LATE{}); lengthen the window, or make sessions cheaper (task.reference_flops_per_s, "

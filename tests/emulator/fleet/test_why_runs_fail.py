@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +80,19 @@ def test_a_refused_report_never_counts_as_late_unless_the_server_said_so():
     assert "window closed" not in note and "the server refused 6 reports as INVALID_UPDATE" in note
     late = _round_note({"REPORT_LATE": 6})
     assert "6 of the 8 sessions that trained reported after their round's window closed" in late
+
+
+def test_late_reports_are_told_with_the_report_window_the_server_ran_not_the_fleets_default():
+    """A task file's own RoundConfig holds where the fleet config sets no window: the digits task's
+    60 s, which the note named as the fleet's default 180 s, so that a user lengthening the window
+    was told it already was three times what it was."""
+    task_file = Path(__file__).resolve().parents[3] / "examples" / "tasks" / "digits_task.py"
+    config = FleetConfig.from_dict(
+        {"fleet": {"devices": 200, "hours": 1.0}, "task": {"file": str(task_file)}, "data": {"format": "digits"}}
+    )
+    summary = simulate(config, progress=False).summary()
+    note = _note(summary, "REPORT_LATE")
+    assert "(task.report_timeout_s = 60 s from check-in)" in note, note
 
 
 def test_devices_whose_runtime_the_plan_does_not_serve_are_named_with_their_release():
