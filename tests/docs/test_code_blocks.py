@@ -176,6 +176,27 @@ def test_the_prompt_check_refuses_what_the_prompt_refuses() -> None:
     assert _refused_at_the_prompt("for i in range(2):\n    print(i)\n\nprint('done')\nx = (\n    1,\n)\n") == []
 
 
+#: A command of the venv at a command's start in a shell line (after a pipe, ``;``, ``&&`` or ``$(``).
+BARE_COMMAND = re.compile(r"(?:^|[;&|(]|\$\()\s*(?P<command>python3?|fedfleet|pip)\b")
+
+
+def test_the_shell_blocks_run_the_venvs_commands_by_their_path() -> None:
+    """A reader types a page's shell lines at the checkout's root, where ``.venv/bin`` is on no PATH
+    (the tests put it there): ``python -c ...`` is the system's Python, or none, as on Debian
+    without python-is-python3. Each command of the venv is written ``.venv/bin/COMMAND``."""
+    bare = [
+        f"{block.where}: {line.strip()}"
+        for page in PAGES
+        for block in parse_blocks(page)
+        if block.lang in ("bash", "sh")
+        for line in block.code.splitlines()
+        if not line.lstrip().startswith("#") and BARE_COMMAND.search(line.split(" # ")[0])
+    ]
+    assert not bare, bare
+    assert BARE_COMMAND.search("grep -q \"$(python -c 'print(1)')\" f")
+    assert not BARE_COMMAND.search(".venv/bin/python x")
+
+
 def test_a_marker_binds_the_block_after_it_only(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
