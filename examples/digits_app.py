@@ -2,9 +2,12 @@
 
 It keeps what the user writes (here: handwritten digits) in its own example store, and asks the
 runtime to take part in the "digits" population whenever the phone is idle, charging and on
-Wi-Fi. Run it against a server started with ``python -m server_stub``:
+Wi-Fi. Run it against a server (``fedfleet server``) whose population "digits" has a task that
+reads ``app:/digits`` (``x``, 64 floats, and ``y``), such as the one the model engineer's tutorial
+deploys (docs/tutorials/model-engineer.md); a server without one turns every check-in away
+(NO_TASK). The app runs for ``--seconds`` (30) and prints its sessions' shapes:
 
-    python examples/digits_app.py --server http://127.0.0.1:8000 --data-dir /tmp/digits-app
+    .venv/bin/python examples/digits_app.py --server http://127.0.0.1:8000 --data-dir /tmp/digits-app
 """
 
 from __future__ import annotations

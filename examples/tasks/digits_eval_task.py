@@ -4,7 +4,10 @@ on ``app:/digits`` and, in alternate rounds, evaluate the model just committed o
 deployed together (the server requires the evaluation to claim the training task's releases).
 
     fedfleet plan test examples/tasks/digits_eval_task.py -o build/digits_eval --signing-key tester.key
-    fedfleet deploy build/digits_eval --server http://127.0.0.1:8000 --population digits
+    fedfleet deploy build/digits_eval --server http://127.0.0.1:8000 --population digits_eval --admin-key-file admin.key
+
+The pair goes to a population of its own: one where ``digits_task.py`` was deployed alone already
+has ``digits_mlp``, and refuses a deploy that holds it again beside a new task (TASK_EXISTS).
 
 The evaluation's predicate reads what each release computed, through the evaluation plan, for the
 models of the training task's simulated rounds.

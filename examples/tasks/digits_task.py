@@ -4,7 +4,7 @@ onnxruntime release, with predicates checked on proxy data before anything is de
     fedfleet plan build examples/tasks/digits_task.py -o build/digits
     fedfleet plan keygen --key tester.key          # once; the server's --release-trust file holds tester.key.pub
     fedfleet plan test build/digits --signing-key tester.key
-    fedfleet deploy build/digits --server http://127.0.0.1:8000 --population digits
+    fedfleet deploy build/digits --server http://127.0.0.1:8000 --population digits --admin-key-file admin.key
 
 The plan is written at opset 21, so the 1.15 and 1.17 plans are derived at opsets 18 and 20
 (1.15 loads opset 19 but lacks opset-19 kernels of ops this plan uses).

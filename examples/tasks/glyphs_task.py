@@ -1,6 +1,6 @@
 """A task on a dataset with writers: a small CNN on 16x16 glyphs of 62 classes (FEMNIST's digits,
 capitals and small letters), one client per font family, from ``examples/data/glyphs`` (LEAF's JSON
-layout; ``python -m examples.data.make_glyphs`` rebuilds it, its README says from what).
+layout; ``.venv/bin/python -m examples.data.make_glyphs`` rebuilds it, its README says from what).
 
 The model is an ONNX inference model made here with onnx's helpers, as an exporter would write it
 (Reshape, Conv 8x3x3 with padding, Relu, MaxPool, Flatten, Gemm to 62 logits at opset 21: 31,886

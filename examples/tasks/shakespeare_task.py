@@ -1,6 +1,6 @@
 """A next-character task on a dataset with speakers: Shakespeare's plays, one client per speaking
 role in a play, from ``examples/data/shakespeare`` (LEAF's JSON layout, 20-character windows;
-``python -m examples.data.make_shakespeare`` rebuilds it, its README says from what).
+``.venv/bin/python -m examples.data.make_shakespeare`` rebuilds it, its README says from what).
 
 The model reads the last ``CONTEXT`` characters of each window (a neural n-gram model, Bengio et
 al. 2003: the LSTM LEAF trains costs far more per example than a phone session should here):
