@@ -14,6 +14,7 @@ import sqlite3
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -355,6 +356,27 @@ class QuickToGiveUp(Server):
         self.stores.append(store)
         return FLService(store, clock=lambda: self.now, wall_clock=lambda: WALL + self.now)
 
+    def four_of_five_reported(self, seed: int) -> tuple:
+        """A task deployed, five devices seated and four of them reported: the plan, its start,
+        the five updates, their mean delta, and the fifth session (whose report closes the round)."""
+        plan, start = self.deploy()
+        updates, mean = moving_updates(plan, start, seed=seed)
+        sessions = self.checkin(5)
+        for session, update in zip(sessions[:4], updates[:4]):
+            assert self.report(session, update).round_status == "open"
+        return plan, start, updates, mean, sessions[4]
+
+    @contextlib.contextmanager
+    def locked_by_another_process(self) -> Iterator[None]:
+        """The database's write lock held by another process past the busy timeout."""
+        holder = sqlite3.connect(self.path, timeout=0.1, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+
 
 def moving_updates(plan, start: dict, seed: int) -> tuple[list[dict], dict]:
     """Five updates that move the model, and their example-weighted mean delta (in float64)."""
@@ -371,21 +393,12 @@ def test_a_round_whose_commit_and_fallback_writes_both_fail_is_told_abandoned_an
     tmp_path,
 ):
     server = QuickToGiveUp(tmp_path / "s.db")
-    plan, start = server.deploy()
-    updates, mean = moving_updates(plan, start, seed=3)
-    sessions = server.checkin(5)
-    for session, update in zip(sessions[:4], updates[:4]):
-        assert server.report(session, update).round_status == "open"
-    holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")  # another process holds the database past the busy timeout
-    try:
-        answer = server.report(sessions[4], updates[4])  # the commit's write and the fallback's both fail
+    plan, start, updates, mean, last = server.four_of_five_reported(seed=3)
+    with server.locked_by_another_process():
+        answer = server.report(last, updates[4])  # the commit's write and the fallback's both fail
         assert answer.status == "accepted" and answer.round_status == "abandoned", answer
         server.now += WRITE_RETRY_FIRST_S
         server.service.tick()  # still locked: the record stays in memory for a later try
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     assert server.statuses() == []
     server.now += 2 * WRITE_RETRY_FIRST_S
     server.service.tick()  # the backoff is over and the database free: the record is written
@@ -416,15 +429,9 @@ def test_no_round_opens_while_the_database_refuses_the_record_of_the_last_one(tm
     check-ins are turned away (``ROUND_FULL``, a retry window) until that record is on record, and
     the status says why no round is open."""
     server = QuickToGiveUp(tmp_path / "s.db")
-    plan, start = server.deploy()
-    updates, mean = moving_updates(plan, start, seed=6)
-    sessions = server.checkin(5)
-    for session, update in zip(sessions[:4], updates[:4]):
-        server.report(session, update)
-    holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
-        assert server.report(sessions[4], updates[4]).round_status == "abandoned"
+    _, _, updates, _, last = server.four_of_five_reported(seed=6)
+    with server.locked_by_another_process():
+        assert server.report(last, updates[4]).round_status == "abandoned"
         for _ in range(2):  # still refused at its retry: still no round
             answer = server.service.checkin(POP, installed_runtime_version())
             assert isinstance(answer, CheckinRejected) and answer.reason == "ROUND_FULL", answer
@@ -433,9 +440,6 @@ def test_no_round_opens_while_the_database_refuses_the_record_of_the_last_one(tm
             server.service.tick()
         status = server.service.population_status(POP)
         assert status["active_task"] is None and "the database refused the record" in status["waiting"], status
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     server.now += 4 * WRITE_RETRY_FIRST_S
     server.service.tick()  # the record is on record: the next attempt opens
     assert "waiting" not in server.service.population_status(POP)
@@ -450,18 +454,9 @@ def test_no_round_opens_while_the_database_refuses_the_record_of_the_last_one(tm
 
 def test_a_record_waiting_for_its_retry_is_written_when_the_server_stops(tmp_path):
     server = QuickToGiveUp(tmp_path / "s.db")
-    plan, start = server.deploy()
-    updates, _ = moving_updates(plan, start, seed=4)
-    sessions = server.checkin(5)
-    for session, update in zip(sessions[:4], updates[:4]):
-        server.report(session, update)
-    holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
-        assert server.report(sessions[4], updates[4]).round_status == "abandoned"
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
+    _, _, updates, _, last = server.four_of_five_reported(seed=4)
+    with server.locked_by_another_process():
+        assert server.report(last, updates[4]).round_status == "abandoned"
     assert server.statuses() == []
     assert server.service.write_unwritten() == 0  # its backoff is not over: written all the same
     assert [(r["round"], r["attempt"], r["status"]) for r in server.service.rounds(POP)] == [(1, 1, "abandoned")]

@@ -39,7 +39,7 @@ from server_stub.release_gate import REPORT_FORMAT
 from tests.dying_server import killed_at_statement
 from tests.server_stub.test_operators import KEY, REPO, _key_file, _Server
 from tests.server_stub.test_round_history import ONE_DEVICE, _one_round, _service, _update
-from tests.server_stub.test_round_integrity import QuickToGiveUp, moving_updates
+from tests.server_stub.test_round_integrity import QuickToGiveUp
 from tests.support import admin_key_file, digits_plan, server_command_exit
 
 
@@ -476,19 +476,9 @@ def test_a_failed_database_write_is_logged_in_one_line_saying_what_to_do(tmp_pat
     """SQLAlchemy's error text runs over two lines (a link to its docs): a server's log line says
     SQLite's reason and what to do, once per line."""
     server = QuickToGiveUp(tmp_path / "s.db")
-    plan, start = server.deploy()
-    updates, _ = moving_updates(plan, start, seed=3)
-    sessions = server.checkin(5)
-    for session, update in zip(sessions[:4], updates[:4]):
-        server.report(session, update)
-    holder = sqlite3.connect(server.path, timeout=0.1, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
-        with caplog.at_level(logging.ERROR, logger="server_stub.commit"):
-            assert server.report(sessions[4], updates[4]).round_status == "abandoned"
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
+    _, _, updates, _, last = server.four_of_five_reported(seed=3)
+    with server.locked_by_another_process(), caplog.at_level(logging.ERROR, logger="server_stub.commit"):
+        assert server.report(last, updates[4]).round_status == "abandoned"
     failures = [r.getMessage() for r in caplog.records if "database write failed" in r.getMessage()]
     assert failures
     for line in failures:
