@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_load import wait_ready
 from device_runtime import build_softmax_regression_plan, encode_checkpoint, initial_weights
 from example_store import ExampleSelector
 from server_stub import AdminClient, RoundConfig, free_port
@@ -115,16 +116,7 @@ def main() -> None:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 20
-            with httpx.Client(timeout=1) as http:  # one client for every poll: each new one costs ~60 ms of CPU
-                while True:
-                    try:
-                        http.get(url + "/v1/health")
-                        break
-                    except httpx.TransportError:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError("server did not start") from None
-                        time.sleep(0.05)
+            wait_ready(url, proc, timeout_s=20)
             plan = build_softmax_regression_plan(64, 10, selector=ExampleSelector("app:/digits"))
             long = dict(over_selection=1.0, selection_timeout_s=3600, report_timeout_s=3600)
             with AdminClient(url, admin_key=admin_key) as admin:

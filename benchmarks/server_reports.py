@@ -50,6 +50,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks.server_load import wait_ready
 from device_runtime import PlanExecutor, build_mlp_plan, encode_checkpoint, initial_weights
 from device_runtime.influence import bound_update
 from example_store import ExampleSelector
@@ -110,7 +111,7 @@ def _case(name: str, code: str, plan, checkpoint: bytes, bodies: list[bytes]) ->
         proc = subprocess.Popen(server, stdout=subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_up(url)
+            wait_ready(url, proc)
             config = RoundConfig(
                 goal_count=len(bodies) + 2,  # one report before the K, one after them (it commits)
                 over_selection=1.0,
@@ -164,19 +165,6 @@ def _case(name: str, code: str, plan, checkpoint: bytes, bodies: list[bytes]) ->
         "reports_answered_s": round(elapsed, 2),
         "model_sha256": hashlib.sha256(model).hexdigest(),
     }
-
-
-def _wait_up(url: str) -> None:
-    deadline = time.monotonic() + 30
-    with httpx.Client(timeout=1) as http:
-        while True:
-            try:
-                http.get(url + "/v1/health")
-                return
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(0.05)
 
 
 def _report(url: str, session: dict, body: bytes, statuses: list[int]) -> None:
