@@ -932,15 +932,18 @@ class ProtocolClient:
         self._raise_for_error(response)
 
 
+#: Where a client is given an authority to trust: an app's runtime, an operator's command.
+_GIVE_AUTHORITY = "(an app: FLRuntime(..., tls=ClientTLS(ca_file=...)); a command: $SSL_CERT_FILE)"
+
 #: What a certificate refused by OpenSSL's verify code (``X509_V_ERR_*``) means for the operator.
 #: Every refusal was once one sentence, "self-signed, expired or for another name", and which of the
 #: three was left to the reader of OpenSSL's own words in the parenthesis.
 _CERTIFICATE_REFUSALS = {
     9: "its certificate is not valid yet (is this machine's clock behind?)",
     10: "its certificate has expired: renew the server's certificate (or is this machine's clock ahead?)",
-    18: "its certificate is self-signed: give this client the authority that signed it ($SSL_CERT_FILE)",
-    19: "its certificate was issued by an authority not trusted here: give this client that authority ($SSL_CERT_FILE)",
-    20: "its certificate was issued by an authority not trusted here: give this client that authority ($SSL_CERT_FILE)",
+    18: f"its certificate is self-signed: give this client the authority that signed it {_GIVE_AUTHORITY}",
+    19: f"its certificate was issued by an authority not trusted here: give this client that authority {_GIVE_AUTHORITY}",
+    20: f"its certificate was issued by an authority not trusted here: give this client that authority {_GIVE_AUTHORITY}",
     62: "its certificate is for another name than the URL's host: "
     "give the URL with a name the certificate holds, or the server a certificate for this one",
 }

@@ -108,6 +108,7 @@ def test_a_device_and_an_operator_trust_the_operators_authority_behind_a_tls_pro
                 with pytest.raises(ServerUnreachable, match="an authority not trusted here") as refused:
                     stranger.run_session()
             assert not refused.value.retryable and proxy.seen == []
+            assert "tls=ClientTLS(ca_file=...)" in str(refused.value) and "$SSL_CERT_FILE" in str(refused.value)
             monkeypatch.setenv("SSL_CERT_FILE", str(folder / "ca.pem"))
             with FLRuntime("digits", url, store, cache_dir=tmp_path / "c1", retry=FAST) as runtime:
                 result = runtime.run_session()
