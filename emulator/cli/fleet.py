@@ -5,7 +5,8 @@ and report in DIR, and its summary as the last line of the output (one JSON obje
 ``fedfleet deploy`` would deploy it, ``--data FORMAT:PATH`` a federated dataset whose clients are the
 devices' examples, and ``--target-accuracy A`` reports the simulated time to a model that good.
 
-The progress bar (simulated hours, rounds committed, devices active) goes to stderr, so that
+The progress bar (simulated hours, rounds committed, devices active; off a terminal, a line each
+simulated hour) goes to stderr, so that
 stdout holds only the summary and can be piped into ``jq``.
 
 Past one process: ``--ray [ADDRESS]`` spreads the devices over ``--shards`` Ray actors (a local

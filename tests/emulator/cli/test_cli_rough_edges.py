@@ -454,6 +454,20 @@ def test_a_simulation_interrupted_under_its_progress_bar_ends_with_the_interrupt
     assert err.rstrip().splitlines()[-1] == "fedfleet simulate: interrupted, no tables or report written", err
 
 
+def test_progress_on_a_stderr_that_is_no_terminal_is_a_line_each_simulated_hour(capsys):
+    """Where rich draws nothing until the end (a log file, a CI job): a day of 10,000 devices was
+    minutes without a word."""
+    from emulator.fleet.simulator import ProgressBar
+
+    bar = ProgressBar(3 * 3600.0)
+    for t_s in range(0, 3 * 3600 + 1, 900):
+        bar(float(t_s), t_s // 3600, 7)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"simulated {h}.00 h of 3.00" for h in range(4)], lines
+    assert lines[-1].startswith("simulated 3.00 h of 3.00: rounds committed 3, devices active 7 (")
+
+
 SERVER = ["--server", "http://127.0.0.1:9", "--population", "p"]  # never asked: the path is refused first
 
 
