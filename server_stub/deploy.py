@@ -71,8 +71,10 @@ def new_tasks(
         raise BadRequest("the tasks of one deploy need distinct names", code="BAD_CONFIG")
     existing = {t.name: t for t in store.tasks(population)}
     taken = sorted(existing.keys() & set(names))
-    if taken and (len(taken) < len(names) or any(existing[s.name].plan_id != resource_id(s.plan) for s in specs)):
+    if taken and any(existing[s.name].plan_id != resource_id(s.plan) for s in specs if s.name in existing):
         raise task_exists(population, taken)
+    if taken and len(taken) < len(names):
+        raise deployed_beside_new(population, taken, [n for n in names if n not in existing])
     checked: dict[str, tuple[Plan, bytes]] = {}
     for spec in sorted(specs, key=lambda s: s.evaluates is not None):  # trained tasks first
         trained = None
@@ -120,6 +122,16 @@ def new_tasks(
     return items
 
 
+def deployed_beside_new(population: str, taken: list[str], new: list[str]) -> Conflict:
+    """A deploy that holds tasks already deployed beside new ones (the same group sent with a task
+    added, say): whatever their content, the new ones deploy on their own."""
+    return Conflict(
+        f"population {quoted(population)} has task {taken[0]!r} deployed already; a deployed task cannot join "
+        f"a new deploy: deploy {', '.join(map(repr, new))} without it (and a changed task under a new name)",
+        code="TASK_EXISTS",
+    )
+
+
 def task_exists(population: str, taken: list[str]) -> Conflict:
     return Conflict(
         f"population {quoted(population)} already has a task named {taken[0]!r}, deployed with other content; "
@@ -133,17 +145,22 @@ def stored_before(store: ServerStore, population: str, items: list[NewTask]) -> 
     answer was lost), or None when none of its names is taken. A name taken with other content
     raises ``TASK_EXISTS``."""
     existing = {t.name: t for t in store.tasks(population)}
-    taken = [item.name for item in items if item.name in existing]
+    taken = [item for item in items if item.name in existing]
     if not taken:
         return None
-    same = len(taken) == len(items) and all(
-        existing[i.name].plan_id == resource_id(i.plan)
-        and existing[i.name].initial_checkpoint_id == resource_id(i.checkpoint)
-        and existing[i.name].config == json.loads(json.dumps(i.config))
-        for i in items
+    differs = sorted(
+        i.name
+        for i in taken
+        if existing[i.name].plan_id != resource_id(i.plan)
+        or existing[i.name].initial_checkpoint_id != resource_id(i.checkpoint)
+        or existing[i.name].config != json.loads(json.dumps(i.config))
     )
-    if not same:
-        raise task_exists(population, sorted(taken))
+    if differs:
+        raise task_exists(population, differs)
+    if len(taken) < len(items):  # the same tasks again, and new ones beside them
+        raise deployed_beside_new(
+            population, [i.name for i in taken], [i.name for i in items if i.name not in existing]
+        )
     return [existing[i.name] for i in items]
 
 

@@ -66,7 +66,9 @@ def test_a_group_sent_again_is_answered_as_made_and_one_taken_name_refuses_a_new
     assert [t["plan_id"] for t in again["tasks"]] == [t["plan_id"] for t in first["tasks"]]
     with pytest.raises(AdminError) as refused:
         admin.deploy_tasks("digits", [group[0], task_body("c", plan, checkpoint, CONFIG)])
-    assert refused.value.code == "TASK_EXISTS"
+    assert refused.value.code == "TASK_EXISTS"  # a's content is the same: what to do is deploy c alone
+    assert "has task 'a' deployed already; a deployed task cannot join a new deploy" in str(refused.value)
+    assert "deploy 'c' without it" in str(refused.value) and "other content" not in str(refused.value)
     assert [t.name for t in server.store.tasks("digits")] == ["a", "b"]
 
 
