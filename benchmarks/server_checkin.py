@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.server_load import wait_ready
+from benchmarks.server_load import wait_ready, write_admin_key
 from device_runtime import build_softmax_regression_plan, encode_checkpoint, initial_weights
 from example_store import ExampleSelector
 from server_stub import AdminClient, RoundConfig, free_port
@@ -93,10 +92,7 @@ def main() -> None:
     warmup = min(WARMUP_S, duration)
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        admin_key = secrets.token_urlsafe(32)
-        key_file = Path(tmp) / "admin.key"
-        key_file.write_text(admin_key + "\n", encoding="utf-8")
-        key_file.chmod(0o600)
+        admin_key, key_file = write_admin_key(Path(tmp))
         proc = subprocess.Popen(
             [
                 sys.executable,

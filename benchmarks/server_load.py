@@ -118,6 +118,15 @@ def start_server(db_path: Path, port: int, admin_key_file: Path) -> subprocess.P
         log.close()  # the child holds its own descriptor
 
 
+def write_admin_key(folder: Path) -> tuple[str, Path]:
+    """A fresh operator key, and the owner-only file a server reads it from (``--admin-key-file``)."""
+    key = secrets.token_urlsafe(32)
+    key_file = Path(folder) / "admin.key"
+    key_file.write_text(key + "\n", encoding="utf-8")
+    key_file.chmod(0o600)
+    return key, key_file
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """Until the server ``proc`` answers its health check (one client for every poll: each new
     one costs ~60 ms of CPU, which the benchmarks' figures would carry)."""
@@ -515,10 +524,7 @@ def run_level(
     update: bytes,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="server_load_") as tmp:
-        key = secrets.token_urlsafe(32)
-        key_file = Path(tmp) / "admin.key"
-        key_file.write_text(key + "\n")
-        key_file.chmod(0o600)
+        key, key_file = write_admin_key(Path(tmp))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = start_server(Path(tmp) / "server.db", port, key_file)

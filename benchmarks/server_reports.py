@@ -38,7 +38,6 @@ import argparse
 import hashlib
 import json
 import math
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.server_load import wait_ready
+from benchmarks.server_load import wait_ready, write_admin_key
 from device_runtime import PlanExecutor, build_mlp_plan, encode_checkpoint, initial_weights
 from device_runtime.influence import bound_update
 from example_store import ExampleSelector
@@ -102,10 +101,7 @@ def _rss_kb(pid: int, field: str) -> int:
 def _case(name: str, code: str, plan, checkpoint: bytes, bodies: list[bytes]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        key = secrets.token_urlsafe(32)
-        key_file = Path(tmp) / "admin.key"
-        key_file.write_text(key + "\n", encoding="utf-8")
-        key_file.chmod(0o600)
+        key, key_file = write_admin_key(Path(tmp))
         server = [sys.executable, "-c", code, "--db", str(Path(tmp) / "bench.db"), "--port", str(port)]
         server += ["--admin-key-file", str(key_file), "--log-level", "warning", "--allow-untested-plans"]
         proc = subprocess.Popen(server, stdout=subprocess.DEVNULL)
