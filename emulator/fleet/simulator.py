@@ -958,18 +958,15 @@ class ProgressBar:
         self._task = self._progress.add_task("simulate", total=horizon_s, hours=0.0, rounds=0, active=0)
         self.started = False
         self._began = time.monotonic()
+        self._last: tuple[float, int, int] | None = None
+        self._said_s = -1.0
 
     def __call__(self, t_s: float, rounds: int, active: int) -> None:
         if self._lines:
             self.started = True
+            self._last = (t_s, rounds, active)
             if t_s >= self._next_line_s:
-                wall = time.monotonic() - self._began
-                print(
-                    f"simulated {t_s / 3600.0:.2f} h of {self._horizon_s / 3600.0:.2f}: rounds committed {rounds}, "
-                    f"devices active {active} ({wall:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                self._line(t_s, rounds, active)
                 while self._next_line_s <= t_s:
                     self._next_line_s += self.LINE_EVERY_S
             return
@@ -978,6 +975,17 @@ class ProgressBar:
             self.started = True
         self._progress.update(self._task, completed=t_s, hours=t_s / 3600.0, rounds=rounds, active=active)
 
+    def _line(self, t_s: float, rounds: int, active: int) -> None:
+        self._said_s = t_s
+        print(
+            f"simulated {t_s / 3600.0:.2f} h of {self._horizon_s / 3600.0:.2f}: rounds committed {rounds}, "
+            f"devices active {active} ({time.monotonic() - self._began:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def close(self) -> None:
-        if self.started and not self._lines:
+        if self._lines and self._last is not None and self._last[0] > self._said_s:
+            self._line(*self._last)  # where the run ended, between two hours' lines
+        elif self.started and not self._lines:
             self._progress.stop()

@@ -466,6 +466,12 @@ def test_progress_on_a_stderr_that_is_no_terminal_is_a_line_each_simulated_hour(
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in lines] == [f"simulated {h}.00 h of 3.00" for h in range(4)], lines
     assert lines[-1].startswith("simulated 3.00 h of 3.00: rounds committed 3, devices active 7 (")
+    short = ProgressBar(1800.0)  # a run shorter than an hour: its start, and where it ended
+    for t_s in (0.0, 900.0, 1800.0):
+        short(t_s, 1, 2)
+    short.close()
+    ends = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in ends] == ["simulated 0.00 h of 0.50", "simulated 0.50 h of 0.50"], ends
 
 
 SERVER = ["--server", "http://127.0.0.1:9", "--population", "p"]  # never asked: the path is refused first
